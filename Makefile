@@ -1,0 +1,59 @@
+# THC in-network aggregation. `make run` (main job) and `make test` set themselves up.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+SITE    = $(shell $(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+DEBIAN_MININET := /usr/lib/python3/dist-packages/mininet
+P4C    ?= p4c
+P4SRC  := p4src
+P4OUT  := $(P4SRC)/build
+WORKERS ?= 4
+
+.PHONY: setup system-deps test run p4 p4-check bench mininet clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[test]'
+	@if [ -d $(DEBIAN_MININET) ]; then ln -sfn $(DEBIAN_MININET) "$(SITE)/mininet"; fi
+	touch $@
+
+# Debian's Mininet (root only; skipped quietly elsewhere: everything falls back to loopback).
+system-deps:
+	@if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && ! command -v mn >/dev/null; then \
+	  echo "installing Mininet from Debian"; \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq mininet bridge-utils iputils-ping iproute2 >/dev/null) \
+	    || echo "warning: could not install Mininet; emulation will fall back to loopback"; \
+	fi
+	@if [ -d $(DEBIAN_MININET) ] && [ -x $(PY) ]; then ln -sfn $(DEBIAN_MININET) "$(SITE)/mininet"; fi
+
+test: system-deps setup
+	$(PY) -m pytest -q
+
+run: system-deps setup
+	$(PY) -m host.cli run --workers $(WORKERS)
+
+bench: setup
+	$(PY) -m host.cli bench codec --json out/bench_codec.json
+	$(PY) -m host.cli nmse --json out/nmse.json --plot out/nmse.png
+	$(PY) -m host.cli bench aggregator --json out/bench_aggregator.json
+
+# Compile the P4 program (BMv2 JSON + P4Info) from the protocol constants.
+p4: setup
+	@command -v $(P4C) >/dev/null || { echo "make p4: '$(P4C)' not found on PATH. Install p4c (p4lang's packages or docker image) to rebuild; the committed build in $(P4OUT)/ still works."; exit 2; }
+	$(PY) $(P4SRC)/gen_p4.py
+	mkdir -p $(P4OUT)
+	$(P4C) --target bmv2 --arch v1model -o $(P4OUT) --p4runtime-files $(P4OUT)/thc.p4info.txt $(P4SRC)/thc.p4
+	$(PY) $(P4SRC)/gen_p4.py --record
+
+p4-check: setup
+	$(PY) $(P4SRC)/gen_p4.py --check
+
+mininet: system-deps setup
+	$(PY) -m thcnet.run --workers $(WORKERS)
+
+clean:
+	rm -rf out .pytest_cache

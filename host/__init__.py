@@ -1,0 +1,1 @@
+"""THC host library: codec, wire protocol, software aggregator, transport and training hooks."""

@@ -1,0 +1,302 @@
+"""Software aggregator: THC's parameter server, with exactly the switch's semantics.
+
+Per job it holds a pool of slots in two versions (SwitchML), each with a sequence number,
+a worker bitmap, a count, and per-lane sums of lookup-table values. Names follow the P4
+program (``thc_seq``, ``thc_bitmap``, ``thc_count``, ``thc_sum``, ``thc_max``, drop reasons
+and job counters from protocol.json), so the switch can be tested against it packet for
+packet. The per-packet path is a handful of numpy calls; there is no loop per coordinate.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import select
+import socket
+import sys
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+
+from host import protocol as P
+from host.impair import Impairment
+from host.jobs import Cluster, ConfigError, Job
+
+Reply = tuple[bytes, tuple[str, int]]
+
+
+class JobState:
+    """Register state of one job, laid out as the switch's registers (slot x version)."""
+
+    def __init__(self, job: Job):
+        self.job = job.validate()
+        lut = np.asarray(job.table, dtype=P.SUM_DTYPE)
+        # One fancy-index maps a packed byte to its two lanes' table values.
+        self.pair_lut = np.stack([lut[np.arange(256) >> 4], lut[np.arange(256) & 0x0F]], axis=1)
+        shape = (job.pool_size, 2)
+        self.thc_seq = np.zeros(shape, dtype=np.uint32)
+        self.thc_bitmap = np.zeros(shape, dtype=np.uint32)
+        self.thc_count = np.zeros(shape, dtype=np.uint8)
+        self.thc_sum = np.zeros(shape + (job.lanes,), dtype=P.SUM_DTYPE)
+        self.thc_max = np.zeros(shape + (P.MAX_LANES,), dtype=">u4")
+        self.addr = {w.id: (w.ip, w.port) for w in job.workers}
+        self.counters = Counter({name: 0 for name in P.JOB_COUNTERS})
+
+    def reset(self) -> None:
+        """What the controller's RESET packets do to a switch pool."""
+        self.thc_seq[:] = P.SEQ_RESET
+        self.thc_bitmap[:] = 0
+        self.thc_count[:] = 0
+
+
+class Aggregator:
+    """Protocol logic (``handle``) plus an optional UDP server loop around it."""
+
+    def __init__(self, jobs: list[Job] | tuple[Job, ...] = (), impair: Impairment | None = None):
+        self.jobs: dict[int, JobState] = {}
+        self.drops = Counter({name: 0 for name in P.DropReason.__members__})
+        self.impair = impair or Impairment()
+        self.send_errors = 0
+        self._lock = threading.Lock()
+        self._sock: socket.socket | None = None
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        for job in jobs:
+            self.install(job)
+
+    # -- control plane -------------------------------------------------------------
+    def install(self, job: Job) -> None:
+        """Install or re-install a job; a re-install starts from reset slots, like the switch."""
+        state = JobState(job)
+        with self._lock:
+            if job.job_id in self.jobs:
+                state.reset()
+            self.jobs[job.job_id] = state
+
+    def remove(self, job_id: int) -> None:
+        with self._lock:
+            if self.jobs.pop(job_id, None) is None:
+                raise KeyError(f"job {job_id} is not installed")
+
+    def counters(self) -> dict:
+        """Counters of packets, completions, retransmissions and drops per reason."""
+        with self._lock:
+            return {"drops": dict(self.drops),
+                    "jobs": {jid: dict(s.counters) for jid, s in self.jobs.items()}}
+
+    # -- data plane ----------------------------------------------------------------
+    def _drop(self, reason: str) -> list[Reply]:
+        self.drops[reason] += 1
+        return []
+
+    def handle(self, datagram: bytes | memoryview, src: tuple[str, int]) -> list[Reply]:
+        """Process one datagram from ``src``; return the datagrams to send and where."""
+        with self._lock:
+            return self._handle(datagram, src)
+
+    def _handle(self, datagram, src) -> list[Reply]:
+        if len(datagram) < P.HEADER_BYTES:
+            return self._drop("malformed")
+        (pkt_type, worker_id, job_id, slot, version, _count, seq, offset,
+         _bitmap) = P.HEADER_STRUCT.unpack_from(datagram)
+        if pkt_type not in P.PktType._value2member_map_ or version > 1:
+            return self._drop("malformed")
+        if pkt_type == P.PktType.RESET:
+            return self._drop("not_from_cpu")
+        if pkt_type not in (P.PktType.DATA, P.PktType.MAX):
+            return self._drop("wrong_direction")
+        state = self.jobs.get(job_id)
+        if state is None:
+            return self._drop("unknown_job")
+        job = state.job
+        payload = memoryview(datagram)[P.HEADER_BYTES:]
+        if len(payload) != P.payload_bytes(pkt_type, job.lanes):
+            return self._drop("bad_lanes")
+        if worker_id >= job.n_workers:
+            return self._drop("worker_outside_job")
+        if state.addr[worker_id] != src:
+            return self._drop("unknown_worker")
+        if slot >= job.pool_size:
+            return self._drop("slot_outside_pool")
+
+        is_max = pkt_type == P.PktType.MAX
+        n = job.n_workers
+        bit = 1 << worker_id
+        cur = int(state.thc_seq[slot, version])
+        if seq != cur and not P.seq_newer(seq, cur):
+            return self._drop("stale")
+        state.counters["packets"] += 1
+        if seq == cur:
+            bitmap = int(state.thc_bitmap[slot, version])
+            if bitmap & bit:
+                count = int(state.thc_count[slot, version])
+                if count == n:
+                    state.counters["retransmissions"] += 1
+                    return [(self._result(state, pkt_type, worker_id, slot, version, seq, offset),
+                             src)]
+                state.counters["pending"] += 1
+                hdr = P.Header(P.PktType.PENDING, worker_id, job_id, slot, version, count, seq,
+                               offset, bitmap)
+                return [(hdr.pack(), src)]
+            self._accumulate(state, is_max, slot, version, payload, first=False)
+            state.thc_bitmap[slot, version] = bitmap | bit
+            count = int(state.thc_count[slot, version]) + 1
+        else:
+            self._accumulate(state, is_max, slot, version, payload, first=True)
+            state.thc_seq[slot, version] = seq
+            state.thc_bitmap[slot, version] = bit
+            count = 1
+        state.thc_count[slot, version] = count
+        if count < n:
+            return []
+        state.counters["completions"] += 1
+        return [(self._result(state, pkt_type, w, slot, version, seq, offset), state.addr[w])
+                for w in range(n)]
+
+    @staticmethod
+    def _accumulate(state: JobState, is_max: bool, slot: int, version: int, payload,
+                    first: bool) -> None:
+        if is_max:
+            vals = np.frombuffer(payload, dtype=">u4")
+            regs = state.thc_max[slot, version]
+            if first:
+                regs[:] = vals
+            else:
+                np.maximum(regs, vals, out=regs)
+        else:
+            vals = state.pair_lut[np.frombuffer(payload, dtype=np.uint8)].reshape(-1)
+            regs = state.thc_sum[slot, version]
+            if first:
+                regs[:] = vals
+            else:
+                regs += vals
+
+    @staticmethod
+    def _result(state: JobState, pkt_type: int, worker_id: int, slot: int, version: int,
+                seq: int, offset: int) -> bytes:
+        job = state.job
+        if pkt_type == P.PktType.MAX:
+            rtype, payload = P.PktType.MAX_RESULT, state.thc_max[slot, version]
+        else:
+            rtype, payload = P.PktType.RESULT, state.thc_sum[slot, version]
+        hdr = P.Header(rtype, worker_id, job.job_id, slot, version,
+                       int(state.thc_count[slot, version]), seq, offset,
+                       int(state.thc_bitmap[slot, version]))
+        return hdr.pack() + payload.tobytes()
+
+    # -- UDP server ------------------------------------------------------------------
+    def bind(self, host: str = "127.0.0.1", port: int = P.UDP_PORT) -> tuple[str, int]:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 8 << 20)
+        sock.bind((host, port))
+        self._sock = sock
+        return sock.getsockname()
+
+    @property
+    def address(self) -> tuple[str, int]:
+        if self._sock is None:
+            raise RuntimeError("aggregator is not bound")
+        return self._sock.getsockname()
+
+    def serve(self, duration: float | None = None) -> None:
+        """Receive and answer until ``stop()`` (or ``duration`` seconds)."""
+        sock = self._sock
+        if sock is None:
+            raise RuntimeError("call bind() first")
+        buf = bytearray(2048)
+        view = memoryview(buf)
+        end = None if duration is None else time.monotonic() + duration
+        sendto = sock.sendto
+        impair = self.impair
+        while not self._stop.is_set() and (end is None or time.monotonic() < end):
+            ready, _, _ = select.select([sock], [], [], 0.05)
+            if not ready:
+                impair.flush(sendto)
+                continue
+            while True:
+                try:
+                    nbytes, src = sock.recvfrom_into(buf, 2048, socket.MSG_DONTWAIT)
+                except BlockingIOError:
+                    break
+                for data, dst in self.handle(view[:nbytes], src):
+                    try:
+                        if impair.active:
+                            impair.send(sendto, data, dst)
+                        else:
+                            sendto(data, dst)
+                    except OSError:
+                        self.send_errors += 1
+        impair.flush(sendto)
+
+    def start(self, host: str = "127.0.0.1", port: int = 0) -> tuple[str, int]:
+        """Bind and serve in a background thread (tests, embedded use)."""
+        addr = self.bind(host, port)
+        self._stop.clear()
+        self._thread = threading.Thread(target=self.serve, name="thc-aggregator", daemon=True)
+        self._thread.start()
+        return addr
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+            self._thread = None
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()
+
+
+# -- `thc aggregator` ---------------------------------------------------------------
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--listen", default=f"0.0.0.0:{P.UDP_PORT}", metavar="HOST:PORT")
+    parser.add_argument("--config", required=True, help="cluster JSON (the controller's format)")
+    parser.add_argument("--stats-interval", type=float, default=5.0,
+                        help="print counters every N seconds (0: never)")
+    parser.add_argument("--stats-file", help="rewrite counters as JSON to this file while running")
+    parser.add_argument("--duration", type=float, help="exit after N seconds")
+
+
+def parse_hostport(text: str) -> tuple[str, int]:
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"expected HOST:PORT, got {text!r}")
+    return host or "0.0.0.0", int(port)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        cluster = Cluster.load(args.config)
+        host, port = parse_hostport(args.listen)
+    except (ConfigError, ValueError, OSError) as e:
+        print(f"thc aggregator: {e}", file=sys.stderr)
+        return 2
+    agg = Aggregator(cluster.jobs)
+    addr = agg.start(host, port)
+    print(f"thc aggregator listening on {addr[0]}:{addr[1]} with jobs "
+          f"{[j.job_id for j in cluster.jobs]}", flush=True)
+    end = None if args.duration is None else time.monotonic() + args.duration
+    last_print = time.monotonic()
+    try:
+        while end is None or time.monotonic() < end:
+            time.sleep(0.5)
+            stats = agg.counters()
+            if args.stats_file:
+                Path(args.stats_file).write_text(json.dumps(stats, indent=2) + "\n")
+            if args.stats_interval and time.monotonic() - last_print >= args.stats_interval:
+                last_print = time.monotonic()
+                print(json.dumps(stats), flush=True)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        agg.stop()
+    print(json.dumps(agg.counters()), flush=True)
+    return 0

@@ -1,0 +1,245 @@
+"""Host transport: stream a job's chunks through an aggregator and collect the sums.
+
+A worker keeps a window of chunks in flight. Chunk sequence number ``seq`` selects slot
+``seq mod pool`` and version ``(seq div pool) mod 2``; the window never exceeds the pool,
+so a slot version is reused only after every worker has its previous result (SwitchML).
+Timeouts retransmit with exponential backoff; results are matched by ``seq``; a worker
+that never shows up turns into a :class:`AggregationTimeout` naming it.
+"""
+from __future__ import annotations
+
+import select
+import socket
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from host import protocol as P
+from host.impair import Impairment
+from host.jobs import Job
+
+
+class AggregationTimeout(TimeoutError):
+    """A chunk did not complete in time; ``missing`` names the workers that never contributed."""
+
+    def __init__(self, msg: str, missing: list[int] | None):
+        super().__init__(msg)
+        self.missing = missing
+
+
+@dataclass
+class TransportStats:
+    sent: int = 0
+    retransmitted: int = 0
+    received: int = 0
+    ignored: int = 0
+    pending: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+
+
+class AggregationClient:
+    """One worker's connection to an aggregator (software or switch) for one job."""
+
+    def __init__(self, job: Job, worker_id: int, aggregator: tuple[str, int],
+                 window: int | None = None, timeout: float = 0.02, max_timeout: float = 0.5,
+                 deadline: float = 10.0, impair: Impairment | None = None,
+                 sock: socket.socket | None = None):
+        self.job = job
+        self.worker_id = worker_id
+        self.aggregator = aggregator
+        self.window = min(window or job.pool_size, job.pool_size)
+        self.timeout = timeout
+        self.max_timeout = max_timeout
+        self.deadline = deadline
+        self.impair = impair or Impairment()
+        self.stats = TransportStats()
+        self.next_seq = 0
+        self.srtt: float | None = None
+        self.rttvar = 0.0
+        me = job.worker(worker_id)
+        if sock is None:
+            sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 8 << 20)
+            sock.bind((me.ip, me.port))
+        self.sock = sock
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # -- public API ------------------------------------------------------------------
+    def aggregate(self, packed: np.ndarray, offset_base: int = 0) -> np.ndarray:
+        """Sum of all workers' table values for ``packed`` 4-bit indices (lanes/2 bytes a chunk).
+
+        Returns one integer per index (uint16), in order.
+        """
+        lanes = self.job.lanes
+        packed = np.ascontiguousarray(packed, dtype=np.uint8).reshape(-1)
+        chunk_bytes = P.payload_bytes(P.PktType.DATA, lanes)
+        if packed.size % chunk_bytes:
+            raise ValueError(f"packed indices ({packed.size} bytes) must be a multiple of one "
+                             f"chunk ({chunk_bytes} bytes = {lanes} lanes); pad the index vector")
+        chunks = packed.reshape(-1, chunk_bytes)
+        out = np.zeros((len(chunks), lanes), dtype=np.uint16)
+        self._stream(P.PktType.DATA, chunks, out, offset_base, lanes, P.SUM_DTYPE)
+        return out.reshape(-1)
+
+    def max(self, values: np.ndarray) -> np.ndarray:
+        """Element-wise max over all workers of non-negative floats (the preliminary round)."""
+        values = np.asarray(values, dtype=np.float32).reshape(-1)
+        u = P.floats_to_ordered_u32(values)
+        n_chunks = -(-u.size // P.MAX_LANES)
+        padded = np.zeros(n_chunks * P.MAX_LANES, dtype=">u4")
+        padded[: u.size] = u
+        out = np.zeros((n_chunks, P.MAX_LANES), dtype=np.uint32)
+        self._stream(P.PktType.MAX, padded.reshape(n_chunks, -1).view(np.uint8).reshape(
+            n_chunks, -1), out, 0, P.MAX_LANES, np.dtype(">u4"))
+        return P.ordered_u32_to_floats(out.reshape(-1)[: u.size].astype(np.uint32))
+
+    # -- the sliding window ----------------------------------------------------------
+    def _send(self, data: bytes) -> None:
+        self.stats.sent += 1
+        self.stats.bytes_sent += len(data)
+        if self.impair.active:
+            self.impair.send(self.sock.sendto, data, self.aggregator)
+        else:
+            self.sock.sendto(data, self.aggregator)
+
+    def _stream(self, pkt_type: int, chunks: np.ndarray, out: np.ndarray, offset_base: int,
+                lanes: int, dtype: np.dtype) -> None:
+        job, me = self.job, self.worker_id
+        total = len(chunks)
+        if total == 0:
+            return
+        base = self.next_seq
+        pool = job.pool_size
+        expect_payload = P.payload_bytes(P.PktType.RESULT if pkt_type == P.PktType.DATA
+                                         else P.PktType.MAX_RESULT, lanes)
+        result_type = P.PktType.RESULT if pkt_type == P.PktType.DATA else P.PktType.MAX_RESULT
+        packets: dict[int, bytes] = {}
+        due: dict[int, float] = {}
+        backoff: dict[int, float] = {}
+        started: dict[int, float] = {}
+        pending_bitmap: dict[int, int] = {}
+        later: dict[int, int] = {}
+        done = np.zeros(total, dtype=bool)
+        lo = 0
+        hi = 0
+        buf = bytearray(4096)
+        sock = self.sock
+        now = time.monotonic()
+
+        def packet(i: int) -> bytes:
+            seq = (base + i) % P.SEQ_MOD
+            slot, version = P.slot_of(base + i, pool)
+            hdr = P.Header(pkt_type, me, job.job_id, slot, version, 0, seq,
+                           (offset_base + i * lanes) % P.SEQ_MOD, 0)
+            return hdr.pack() + chunks[i].tobytes()
+
+        while lo < total:
+            while hi < total and hi < lo + self.window:
+                packets[hi] = packet(hi)
+                self._send(packets[hi])
+                now = time.monotonic()
+                due[hi], backoff[hi], started[hi] = now + self.rto, self.timeout, now
+                hi += 1
+            next_due = min(due.values()) if due else now + self.timeout
+            wait = max(0.0, next_due - time.monotonic())
+            ready, _, _ = select.select([sock], [], [], wait)
+            if ready:
+                while True:
+                    try:
+                        nbytes = sock.recv_into(buf, len(buf), socket.MSG_DONTWAIT)
+                    except BlockingIOError:
+                        break
+                    self.stats.received += 1
+                    self.stats.bytes_received += nbytes
+                    if nbytes < P.HEADER_BYTES:
+                        self.stats.ignored += 1
+                        continue
+                    hdr = P.Header.unpack(buf)
+                    i = (hdr.seq - base) % P.SEQ_MOD
+                    if (hdr.job_id != job.job_id or i >= hi or done[i]
+                            or hdr.worker_id != me):
+                        self.stats.ignored += 1
+                        continue
+                    if hdr.pkt_type == P.PktType.PENDING:
+                        self.stats.pending += 1
+                        pending_bitmap[i] = hdr.bitmap
+                        continue
+                    if (hdr.pkt_type != result_type or nbytes - P.HEADER_BYTES != expect_payload
+                            or hdr.count != job.n_workers):
+                        self.stats.ignored += 1
+                        continue
+                    out[i] = np.frombuffer(buf, dtype=dtype, count=lanes, offset=P.HEADER_BYTES)
+                    done[i] = True
+                    if backoff.get(i) == self.timeout:
+                        self._sample_rtt(time.monotonic() - started[i])
+                    for d in (packets, due, backoff, started, later):
+                        d.pop(i, None)
+                    self._fast_retransmit(i, due, later, packets)
+                while lo < total and done[lo]:
+                    lo += 1
+            else:
+                self.impair.flush(self.sock.sendto)
+            now = time.monotonic()
+            for i, t in list(due.items()):
+                if t > now:
+                    continue
+                if now - started[i] > self.deadline:
+                    self._raise_timeout(base, i, pending_bitmap.get(i))
+                self.stats.retransmitted += 1
+                self._send(packets[i])
+                backoff[i] = min(max(backoff[i], self.rto) * 2, self.max_timeout)
+                due[i] = now + backoff[i]
+        self.next_seq = (base + total) % P.SEQ_MOD
+
+    FAST_RETRANSMIT_AFTER = 3
+    """Results of this many later chunks mean an earlier chunk (or its result) was lost."""
+
+    def _fast_retransmit(self, j: int, due: dict, later: dict, packets: dict) -> None:
+        """Resend outstanding chunks that later chunks have overtaken (TCP's dupack idea)."""
+        now = time.monotonic()
+        for i in [i for i in due if i < j]:
+            later[i] = later.get(i, 0) + 1
+            if later[i] == self.FAST_RETRANSMIT_AFTER:
+                self.stats.retransmitted += 1
+                self._send(packets[i])
+                due[i] = now + self.rto
+                later[i] = -4 * self.FAST_RETRANSMIT_AFTER
+
+    @property
+    def rto(self) -> float:
+        """Retransmission timeout: RFC 6298's estimator, never below the configured timeout."""
+        if self.srtt is None:
+            return self.timeout
+        return min(self.max_timeout, max(self.timeout, self.srtt + 4 * self.rttvar))
+
+    def _sample_rtt(self, rtt: float) -> None:
+        if self.srtt is None:
+            self.srtt, self.rttvar = rtt, rtt / 2
+        else:
+            self.rttvar = 0.75 * self.rttvar + 0.25 * abs(self.srtt - rtt)
+            self.srtt = 0.875 * self.srtt + 0.125 * rtt
+
+    def _raise_timeout(self, base: int, i: int, bitmap: int | None):
+        job = self.job
+        seq = (base + i) % P.SEQ_MOD
+        slot, version = P.slot_of(base + i, job.pool_size)
+        where = (f"job {job.job_id}, worker {self.worker_id}: chunk seq {seq} (slot {slot}, "
+                 f"version {version}) not aggregated within {self.deadline:.1f}s")
+        if bitmap is None:
+            raise AggregationTimeout(f"{where}; no answer from the aggregator at "
+                                     f"{self.aggregator[0]}:{self.aggregator[1]}", None)
+        missing = [w for w in range(job.n_workers) if not bitmap >> w & 1]
+        got = [w for w in range(job.n_workers) if bitmap >> w & 1]
+        raise AggregationTimeout(f"{where}; missing worker(s) {missing} "
+                                 f"(contributed: {got})", missing)

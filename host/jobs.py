@@ -1,0 +1,180 @@
+"""Job configuration: the same description programs the switch and the software aggregator.
+
+A job is a set of workers (id, address), the THC lookup table their indices map through,
+and a pool of aggregation slots. The controller turns it into table entries and multicast
+groups; the software aggregator turns it into numpy state. Validation lives here so a bad
+config is rejected with one clear message before it reaches either.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from host import protocol as P
+
+
+class ConfigError(ValueError):
+    """A job configuration that cannot be installed."""
+
+
+@dataclass(frozen=True)
+class Worker:
+    id: int
+    ip: str
+    port: int
+    mac: str = "00:00:00:00:00:00"
+    switch_port: int = 0
+    """Switch port the worker hangs off (BMv2 only)."""
+
+
+@dataclass(frozen=True)
+class Job:
+    job_id: int
+    workers: tuple[Worker, ...]
+    table: tuple[int, ...]
+    granularity: int
+    pool_size: int = 64
+    pool_base: int = 0
+    lanes: int = P.LANES
+    mcast_group: int = 0
+    """0 means: job_id (switch multicast group ids must be non-zero)."""
+
+    @property
+    def n_workers(self) -> int:
+        return len(self.workers)
+
+    @property
+    def group(self) -> int:
+        return self.mcast_group or self.job_id
+
+    @property
+    def full_bitmap(self) -> int:
+        return (1 << self.n_workers) - 1
+
+    def worker(self, worker_id: int) -> Worker:
+        for w in self.workers:
+            if w.id == worker_id:
+                return w
+        raise KeyError(worker_id)
+
+    def validate(self) -> "Job":
+        if not 1 <= self.job_id < 1 << 16:
+            raise ConfigError(f"job_id {self.job_id} outside 1..65535")
+        n = self.n_workers
+        if not 1 <= n <= P.MAX_WORKERS:
+            raise ConfigError(f"job {self.job_id}: {n} workers; 1..{P.MAX_WORKERS} supported")
+        if sorted(w.id for w in self.workers) != list(range(n)):
+            raise ConfigError(f"job {self.job_id}: worker ids must be 0..{n - 1}, "
+                              f"got {sorted(w.id for w in self.workers)}")
+        addrs = [(w.ip, w.port) for w in self.workers]
+        if len(set(addrs)) != n:
+            raise ConfigError(f"job {self.job_id}: two workers share an address")
+        if len(self.table) != 1 << P.INDEX_BITS:
+            raise ConfigError(f"job {self.job_id}: table has {len(self.table)} entries, "
+                              f"the wire carries {P.INDEX_BITS}-bit indices "
+                              f"({1 << P.INDEX_BITS} entries)")
+        if any(not 0 <= t <= self.granularity for t in self.table):
+            raise ConfigError(f"job {self.job_id}: table values must lie in 0..{self.granularity}")
+        if n * self.granularity > P.SUM_MAX:
+            raise ConfigError(f"job {self.job_id}: {n} workers x granularity {self.granularity} "
+                              f"= {n * self.granularity} overflows {P.SUM_BITS}-bit sums "
+                              f"(max {P.SUM_MAX}); lower the granularity or the worker count")
+        if self.pool_size < 1 or self.pool_base < 0:
+            raise ConfigError(f"job {self.job_id}: pool needs pool_size >= 1, pool_base >= 0")
+        try:
+            P.check_lanes(self.lanes)
+        except ValueError as e:
+            raise ConfigError(f"job {self.job_id}: {e}") from None
+        return self
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["workers"] = [asdict(w) for w in self.workers]
+        d["table"] = list(self.table)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Job":
+        d = dict(d)
+        try:
+            workers = tuple(Worker(**w) for w in d.pop("workers"))
+            if "table" not in d:
+                from host.params import THCParams
+                params = THCParams(bits=P.INDEX_BITS, granularity=d["granularity"],
+                                   p=float(d.pop("p", 1 / 32)))
+                d["table"] = params.table
+            else:
+                d.pop("p", None)
+            d["table"] = tuple(int(t) for t in d["table"])
+            return cls(workers=workers, **d).validate()
+        except (TypeError, KeyError) as e:
+            raise ConfigError(f"bad job description {d!r}: {e}") from None
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """All jobs of one aggregator (switch or software) plus the aggregator's own address."""
+
+    jobs: tuple[Job, ...]
+    agg_ip: str = "127.0.0.1"
+    agg_port: int = P.UDP_PORT
+    agg_mac: str = "02:00:00:00:00:fe"
+    extra: dict = field(default_factory=dict)
+
+    def job(self, job_id: int) -> Job:
+        for j in self.jobs:
+            if j.job_id == job_id:
+                return j
+        raise KeyError(job_id)
+
+    def validate(self, total_slots: int | None = None) -> "Cluster":
+        ids = [j.job_id for j in self.jobs]
+        if len(set(ids)) != len(ids):
+            raise ConfigError(f"duplicate job ids in {ids}")
+        if len(self.jobs) > P.MAX_JOBS:
+            raise ConfigError(f"{len(self.jobs)} jobs; at most {P.MAX_JOBS}")
+        if total_slots is not None:
+            ranges = sorted((j.pool_base, j.pool_base + j.pool_size, j.job_id) for j in self.jobs)
+            for (_, end, a), (start, _, b) in zip(ranges, ranges[1:]):
+                if start < end:
+                    raise ConfigError(f"slot pools of jobs {a} and {b} overlap")
+            if ranges and ranges[-1][1] > total_slots:
+                raise ConfigError(f"job {ranges[-1][2]}'s pool ends at slot {ranges[-1][1]}, "
+                                  f"the switch has {total_slots}")
+        return self
+
+    def to_dict(self) -> dict:
+        return {"agg_ip": self.agg_ip, "agg_port": self.agg_port, "agg_mac": self.agg_mac,
+                "jobs": [j.to_dict() for j in self.jobs], **self.extra}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Cluster":
+        d = dict(d)
+        jobs = tuple(Job.from_dict(j) for j in d.pop("jobs", []))
+        known = {k: d.pop(k) for k in ("agg_ip", "agg_port", "agg_mac") if k in d}
+        return cls(jobs=jobs, extra=d, **known).validate()
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Cluster":
+        try:
+            return cls.from_dict(json.loads(Path(path).read_text()))
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path}: not valid JSON: {e}") from None
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+
+def local_job(job_id: int, n_workers: int, base_port: int, granularity: int = 30,
+              p: float = 1 / 32, pool_size: int = 64, lanes: int = P.LANES,
+              ip: str = "127.0.0.1", table=None) -> Job:
+    """A job whose workers listen on consecutive loopback ports (tests, local runs)."""
+    workers = [{"id": i, "ip": ip, "port": base_port + i} for i in range(n_workers)]
+    d = {"job_id": job_id, "workers": workers, "granularity": granularity,
+         "pool_size": pool_size, "lanes": lanes}
+    if table is None:
+        d["p"] = p
+    else:
+        d["table"] = list(table)
+    return Job.from_dict(d)

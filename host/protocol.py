@@ -1,0 +1,153 @@
+"""Wire protocol of THC aggregation, read from ``protocol.json``.
+
+The JSON file is the single definition: the P4 generator reads the same file, so the
+header layout, packet types and drop-reason codes cannot drift between host and switch.
+"""
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass
+from enum import IntEnum
+from pathlib import Path
+
+import numpy as np
+
+SPEC_PATH = Path(__file__).with_name("protocol.json")
+SPEC = json.loads(SPEC_PATH.read_text())
+
+UDP_PORT: int = SPEC["udp_port"]
+LANES: int = SPEC["lanes"]
+INDEX_BITS: int = SPEC["index_bits"]
+SUM_BITS: int = SPEC["sum_bits"]
+MAX_LANES: int = SPEC["max_lanes"]
+MAX_WORKERS: int = SPEC["max_workers"]
+MAX_JOBS: int = SPEC["max_jobs"]
+SWITCH_SLOTS: int = SPEC["switch_slots"]
+CPU_PORT: int = SPEC["cpu_port"]
+HEADER_FIELDS: list[tuple[str, int]] = [(n, w) for n, w in SPEC["header"]]
+
+PktType = IntEnum("PktType", SPEC["pkt_types"])
+DropReason = IntEnum("DropReason", SPEC["drop_reasons"])
+JOB_COUNTERS: dict[str, int] = SPEC["job_counters"]
+
+_FMT_CODES = {8: "B", 16: "H", 32: "I"}
+HEADER_STRUCT = struct.Struct("!" + "".join(_FMT_CODES[w] for _, w in HEADER_FIELDS))
+HEADER_BYTES = HEADER_STRUCT.size
+SUM_DTYPE = np.dtype(f">u{SUM_BITS // 8}")
+SUM_MAX = (1 << SUM_BITS) - 1
+ETH_IP_UDP_BYTES = 14 + 20 + 8
+SEQ_MOD = 1 << 32
+SEQ_RESET = SEQ_MOD - 1
+"""Value a reset slot holds: every sequence number in [0, 2^31 - 1) counts as newer."""
+
+assert HEADER_BYTES * 8 == sum(w for _, w in HEADER_FIELDS)
+assert INDEX_BITS == 4 and SUM_BITS in (8, 16), "wire packing supports 4-bit indices"
+
+
+@dataclass(frozen=True)
+class Header:
+    """The THC header; field names match the P4 header ``thc_h`` and protocol.json."""
+
+    pkt_type: int
+    worker_id: int
+    job_id: int
+    slot: int
+    version: int
+    count: int
+    seq: int
+    offset: int
+    bitmap: int
+
+    def pack(self) -> bytes:
+        return HEADER_STRUCT.pack(self.pkt_type, self.worker_id, self.job_id, self.slot,
+                                  self.version, self.count, self.seq, self.offset, self.bitmap)
+
+    @classmethod
+    def unpack(cls, buf, offset: int = 0) -> "Header":
+        return cls(*HEADER_STRUCT.unpack_from(buf, offset))
+
+
+class ProtocolError(ValueError):
+    """A packet that does not follow the protocol."""
+
+
+def payload_bytes(pkt_type: int, lanes: int = LANES) -> int:
+    """Payload length that a packet of this type must carry."""
+    if pkt_type == PktType.DATA:
+        return lanes * INDEX_BITS // 8
+    if pkt_type == PktType.RESULT:
+        return lanes * SUM_BITS // 8
+    if pkt_type in (PktType.MAX, PktType.MAX_RESULT):
+        return MAX_LANES * 4
+    return 0
+
+
+def check_lanes(lanes: int) -> int:
+    """Lane counts must fill whole bytes, fit BMv2's 512-byte growth limit and one MTU."""
+    if lanes < 2 or lanes % 2:
+        raise ValueError(f"lanes must be a positive even number, got {lanes}")
+    growth = payload_bytes(PktType.RESULT, lanes) - payload_bytes(PktType.DATA, lanes)
+    if growth > 512:
+        raise ValueError(f"{lanes} lanes grow a packet by {growth} bytes (> 512, BMv2's limit)")
+    if ETH_IP_UDP_BYTES + HEADER_BYTES + payload_bytes(PktType.RESULT, lanes) > 1514:
+        raise ValueError(f"{lanes} lanes do not fit a 1500-byte MTU")
+    return lanes
+
+
+def slot_of(seq: int, pool_size: int) -> tuple[int, int]:
+    """Chunk sequence number -> (slot, version), as SwitchML assigns them."""
+    return seq % pool_size, (seq // pool_size) % 2
+
+
+def seq_newer(a: int, b: int) -> bool:
+    """RFC 1982 serial-number order on 32 bits: is ``a`` newer than ``b``?"""
+    d = (a - b) % SEQ_MOD
+    return 0 < d < (1 << 31)
+
+
+def pack_nibbles(idx: np.ndarray) -> np.ndarray:
+    """Two 4-bit indices per byte, the first in the high nibble (network order, as P4 parses)."""
+    idx = np.asarray(idx, dtype=np.uint8)
+    if idx.size % 2:
+        raise ValueError("pack_nibbles needs an even number of indices")
+    pairs = idx.reshape(-1, 2)
+    return (pairs[:, 0] << 4) | (pairs[:, 1] & 0x0F)
+
+
+def unpack_nibbles(packed: np.ndarray) -> np.ndarray:
+    packed = np.asarray(packed, dtype=np.uint8)
+    out = np.empty(packed.size * 2, dtype=np.uint8)
+    out[0::2] = packed >> 4
+    out[1::2] = packed & 0x0F
+    return out
+
+
+def encode(hdr: Header, payload: bytes | np.ndarray = b"") -> bytes:
+    """Header + payload as the UDP datagram body."""
+    if isinstance(payload, np.ndarray):
+        payload = payload.tobytes()
+    return hdr.pack() + payload
+
+
+def decode(datagram: bytes | memoryview) -> tuple[Header, memoryview]:
+    """Split a UDP body into header and payload; raise ProtocolError on a short or unknown packet."""
+    if len(datagram) < HEADER_BYTES:
+        raise ProtocolError(f"datagram of {len(datagram)} bytes is shorter than the "
+                            f"{HEADER_BYTES}-byte THC header")
+    hdr = Header.unpack(datagram)
+    if hdr.pkt_type not in PktType._value2member_map_:
+        raise ProtocolError(f"unknown packet type {hdr.pkt_type}")
+    return hdr, memoryview(datagram)[HEADER_BYTES:]
+
+
+def floats_to_ordered_u32(x: np.ndarray) -> np.ndarray:
+    """Non-negative IEEE-754 floats order like their bit patterns: a switch takes max of raw bits."""
+    x = np.asarray(x, dtype=np.float32)
+    if np.any(~np.isfinite(x)) or np.any(x < 0):
+        raise ValueError("MAX values must be finite and non-negative")
+    return x.view(np.uint32)
+
+
+def ordered_u32_to_floats(u: np.ndarray) -> np.ndarray:
+    return np.asarray(u, dtype=np.uint32).view(np.float32)

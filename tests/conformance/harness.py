@@ -1,0 +1,69 @@
+"""What the conformance suite needs from an aggregator: install jobs, talk as workers, read counters.
+
+One suite of aggregation semantics runs against every implementation (software aggregator,
+BMv2 switch). A harness hides how datagrams reach the aggregator: UDP sockets on loopback
+for the software aggregator, raw Ethernet frames on veth ports for BMv2 (PTF style).
+"""
+from __future__ import annotations
+
+import abc
+
+from host import protocol as P
+from host.jobs import Job
+
+
+class Endpoint(abc.ABC):
+    """One worker's view of the network: datagrams (THC header + payload) in and out."""
+
+    @abc.abstractmethod
+    def send(self, datagram: bytes) -> None: ...
+
+    @abc.abstractmethod
+    def recv(self, timeout: float = 1.0) -> bytes | None:
+        """Next THC datagram addressed to this worker, or None after ``timeout`` seconds."""
+
+    def recv_all(self, timeout: float = 0.3) -> list[bytes]:
+        out = []
+        while (d := self.recv(timeout)) is not None:
+            out.append(d)
+        return out
+
+    def close(self) -> None:
+        pass
+
+
+class Harness(abc.ABC):
+    """An aggregator under test plus the network around it."""
+
+    name: str = "?"
+    settle: float = 0.0
+    """Seconds a harness needs before counters reflect the last packet sent."""
+
+    @abc.abstractmethod
+    def install(self, job: Job) -> None:
+        """Install (or re-install, resetting its slots) a job."""
+
+    @abc.abstractmethod
+    def remove(self, job_id: int) -> None: ...
+
+    @abc.abstractmethod
+    def endpoint(self, job: Job, worker_id: int) -> Endpoint:
+        """An endpoint with worker ``worker_id``'s configured address."""
+
+    @abc.abstractmethod
+    def stranger(self) -> Endpoint:
+        """An endpoint whose address belongs to no worker of any job."""
+
+    @abc.abstractmethod
+    def drops(self) -> dict[str, int]:
+        """Dropped packets by reason name (protocol.json's drop_reasons), cumulative."""
+
+    @abc.abstractmethod
+    def job_counters(self, job: Job) -> dict[str, int]:
+        """Cumulative per-job events by name (protocol.json's job_counters)."""
+
+    def close(self) -> None:
+        pass
+
+    def lanes(self) -> int:
+        return P.LANES
