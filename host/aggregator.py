@@ -68,11 +68,10 @@ class Aggregator:
 
     # -- control plane -------------------------------------------------------------
     def install(self, job: Job) -> None:
-        """Install or re-install a job; a re-install starts from reset slots, like the switch."""
+        """Install or re-install a job, its slots reset as the controller resets a switch pool."""
         state = JobState(job)
+        state.reset()
         with self._lock:
-            if job.job_id in self.jobs:
-                state.reset()
             self.jobs[job.job_id] = state
 
     def remove(self, job_id: int) -> None:

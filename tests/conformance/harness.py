@@ -38,6 +38,16 @@ class Harness(abc.ABC):
     name: str = "?"
     settle: float = 0.0
     """Seconds a harness needs before counters reflect the last packet sent."""
+    quiet: float = 0.15
+    """Seconds of silence after which no more datagrams are expected."""
+
+    @abc.abstractmethod
+    def make_job(self, job_id: int, n_workers: int, pool_size: int = 8,
+                 table: list[int] | None = None, granularity: int = 30) -> Job:
+        """A job whose worker addresses this harness can send from and receive at.
+
+        ``table`` defaults to a test table with distinct entries, so a wrong index shows.
+        """
 
     @abc.abstractmethod
     def install(self, job: Job) -> None:
@@ -67,3 +77,7 @@ class Harness(abc.ABC):
 
     def lanes(self) -> int:
         return P.LANES
+
+
+TEST_TABLE = [0, 1, 2, 4, 6, 8, 11, 14, 16, 19, 22, 24, 26, 28, 29, 30]
+"""Distinct, symmetric-ish values in 0..30: any index mix-up changes a sum."""

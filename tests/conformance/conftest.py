@@ -1,0 +1,27 @@
+"""Run every conformance test against every aggregator implementation."""
+from __future__ import annotations
+
+import pytest
+
+
+def _software():
+    from tests.conformance.software import SoftwareHarness
+    return SoftwareHarness()
+
+
+def _bmv2():
+    try:
+        from tests.bmv2.harness import bmv2_available, BMv2Harness
+    except ImportError as e:
+        pytest.skip(f"BMv2 harness not importable: {e}")
+    ok, reason = bmv2_available()
+    if not ok:
+        pytest.skip(f"BMv2 conformance skipped: {reason}")
+    return BMv2Harness()
+
+
+@pytest.fixture(scope="module", params=["software", "bmv2"])
+def harness(request):
+    h = _software() if request.param == "software" else _bmv2()
+    yield h
+    h.close()

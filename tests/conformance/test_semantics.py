@@ -1,0 +1,308 @@
+"""Aggregation semantics every aggregator must implement (software aggregator and BMv2).
+
+Each test speaks the wire protocol directly, so a difference between implementations shows
+up as a failing test here rather than as a wrong gradient somewhere in training.
+"""
+from __future__ import annotations
+
+import itertools
+import struct
+import time
+
+import numpy as np
+import pytest
+
+from host import protocol as P
+from tests.conformance.harness import TEST_TABLE
+
+_job_ids = itertools.count(100)
+
+
+def new_job(harness, n_workers=3, pool_size=4, table=None):
+    job = harness.make_job(next(_job_ids), n_workers, pool_size=pool_size, table=table)
+    harness.install(job)
+    return job
+
+
+def datagram(job, worker, seq, payload, pkt_type=P.PktType.DATA, offset=None, slot=None,
+             version=None, job_id=None):
+    s, v = P.slot_of(seq, job.pool_size)
+    hdr = P.Header(pkt_type, worker, job.job_id if job_id is None else job_id,
+                   s if slot is None else slot, v if version is None else version, 0, seq,
+                   (seq * job.lanes) % P.SEQ_MOD if offset is None else offset, 0)
+    return hdr.pack() + bytes(payload)
+
+
+def indices(rng, job):
+    return rng.integers(0, 16, job.lanes).astype(np.uint8)
+
+
+def data(job, worker, seq, idx, **kw):
+    return datagram(job, worker, seq, P.pack_nibbles(idx).tobytes(), **kw)
+
+
+def expected_sums(job, idxs):
+    table = np.asarray(job.table)
+    return sum(table[i] for i in idxs)
+
+
+def parse(d):
+    hdr, payload = P.decode(d)
+    return hdr, bytes(payload)
+
+
+def sums_of(payload):
+    return np.frombuffer(payload, dtype=P.SUM_DTYPE).astype(np.int64)
+
+
+def settle(harness):
+    time.sleep(harness.settle)
+
+
+def run_round(harness, job, seq, idxs, workers=None):
+    """All (or the given) workers send chunk ``seq``; return what each worker receives."""
+    workers = range(job.n_workers) if workers is None else workers
+    for w in workers:
+        harness.endpoint(job, w).send(data(job, w, seq, idxs[w]))
+    return {w: harness.endpoint(job, w).recv_all(timeout=harness.quiet) for w in range(job.n_workers)}
+
+
+def assert_result(got, job, seq, idxs, to_worker):
+    assert len(got) == 1, f"worker {to_worker} expected one result, got {len(got)}"
+    hdr, payload = parse(got[0])
+    assert hdr.pkt_type == P.PktType.RESULT
+    assert (hdr.job_id, hdr.seq, hdr.worker_id) == (job.job_id, seq, to_worker)
+    assert (hdr.slot, hdr.version) == P.slot_of(seq, job.pool_size)
+    assert hdr.offset == (seq * job.lanes) % P.SEQ_MOD
+    assert hdr.count == job.n_workers
+    assert hdr.bitmap == job.full_bitmap
+    np.testing.assert_array_equal(sums_of(payload), expected_sums(job, idxs))
+
+
+def test_exact_sums_multicast_to_every_worker(harness):
+    rng = np.random.default_rng(1)
+    job = new_job(harness, n_workers=3)
+    for seq in range(6):
+        idxs = [indices(rng, job) for _ in range(job.n_workers)]
+        got = run_round(harness, job, seq, idxs)
+        for w in range(job.n_workers):
+            assert_result(got[w], job, seq, idxs, w)
+
+
+def test_extreme_indices_sum_exactly(harness):
+    job = new_job(harness, n_workers=4)
+    lanes = job.lanes
+    idxs = [np.full(lanes, 15, np.uint8), np.full(lanes, 15, np.uint8),
+            np.arange(lanes, dtype=np.uint8) % 16, np.zeros(lanes, np.uint8)]
+    got = run_round(harness, job, 0, idxs)
+    for w in range(4):
+        assert_result(got[w], job, 0, idxs, w)
+
+
+def test_partial_then_complete(harness):
+    rng = np.random.default_rng(2)
+    job = new_job(harness, n_workers=3)
+    idxs = [indices(rng, job) for _ in range(3)]
+    got = run_round(harness, job, 0, idxs, workers=[0, 1])
+    assert all(not v for v in got.values()), "no result before the last worker contributes"
+    got = run_round(harness, job, 0, idxs, workers=[2])
+    for w in range(3):
+        assert_result(got[w], job, 0, idxs, w)
+
+
+def test_duplicate_before_completion_counts_once_and_reports_pending(harness):
+    rng = np.random.default_rng(3)
+    job = new_job(harness, n_workers=3)
+    idxs = [indices(rng, job) for _ in range(3)]
+    run_round(harness, job, 0, idxs, workers=[0, 2])
+    ep = harness.endpoint(job, 0)
+    ep.send(data(job, 0, 0, idxs[0]))
+    got = ep.recv_all(timeout=harness.quiet)
+    assert len(got) == 1
+    hdr, payload = parse(got[0])
+    assert hdr.pkt_type == P.PktType.PENDING and payload == b""
+    assert hdr.bitmap == 0b101 and hdr.count == 2 and hdr.worker_id == 0
+    got = run_round(harness, job, 0, idxs, workers=[1])
+    for w in range(3):
+        assert_result(got[w], job, 0, idxs, w)
+
+
+def test_retransmission_to_completed_slot_answers_that_worker_only(harness):
+    rng = np.random.default_rng(4)
+    job = new_job(harness, n_workers=3)
+    idxs = [indices(rng, job) for _ in range(3)]
+    run_round(harness, job, 0, idxs)
+    before = harness.job_counters(job)["retransmissions"]
+    harness.endpoint(job, 1).send(data(job, 1, 0, idxs[1]))
+    got = {w: harness.endpoint(job, w).recv_all(timeout=harness.quiet) for w in range(3)}
+    assert not got[0] and not got[2]
+    assert_result(got[1], job, 0, idxs, 1)
+    settle(harness)
+    assert harness.job_counters(job)["retransmissions"] == before + 1
+
+
+def test_reordered_chunks_and_interleaved_workers(harness):
+    rng = np.random.default_rng(5)
+    job = new_job(harness, n_workers=3, pool_size=4)
+    chunks = {seq: [indices(rng, job) for _ in range(3)] for seq in range(4)}
+    order = [(w, seq) for seq in range(4) for w in range(3)]
+    rng.shuffle(order)
+    for w, seq in order:
+        harness.endpoint(job, w).send(data(job, w, seq, chunks[seq][w]))
+    for w in range(3):
+        got = harness.endpoint(job, w).recv_all(timeout=harness.quiet)
+        by_seq = {parse(d)[0].seq: [d] for d in got}
+        assert sorted(by_seq) == [0, 1, 2, 3]
+        for seq, d in by_seq.items():
+            assert_result(d, job, seq, chunks[seq], w)
+
+
+def test_slot_reuse_across_versions_and_stale_packets(harness):
+    rng = np.random.default_rng(6)
+    pool = 2
+    job = new_job(harness, n_workers=2, pool_size=pool)
+    first = [indices(rng, job) for _ in range(2)]
+    run_round(harness, job, 0, first)
+    other_version = [indices(rng, job) for _ in range(2)]
+    got = run_round(harness, job, pool, other_version)
+    assert_result(got[0], job, pool, other_version, 0)
+    # Same slot and version as seq 0, a new use: the old sums must not leak in.
+    reuse = [indices(rng, job) for _ in range(2)]
+    got = run_round(harness, job, 2 * pool, reuse)
+    assert_result(got[1], job, 2 * pool, reuse, 1)
+    # A late duplicate of seq 0 is stale: dropped, counted, no answer, sums untouched.
+    before = harness.drops()["stale"]
+    harness.endpoint(job, 0).send(data(job, 0, 0, first[0]))
+    assert harness.endpoint(job, 0).recv_all(timeout=harness.quiet) == []
+    settle(harness)
+    assert harness.drops()["stale"] == before + 1
+    harness.endpoint(job, 0).send(data(job, 0, 2 * pool, reuse[0]))
+    assert_result(harness.endpoint(job, 0).recv_all(timeout=harness.quiet), job, 2 * pool, reuse, 0)
+
+
+def test_sequence_numbers_wrap_around(harness):
+    """Serial-number order: each step is newer than the last, across the 2^32 wrap."""
+    rng = np.random.default_rng(7)
+    job = new_job(harness, n_workers=2, pool_size=4)
+    for seq in [(1 << 31) - 3, P.SEQ_MOD - 4, 0]:
+        idxs = [indices(rng, job) for _ in range(2)]
+        for w in range(2):
+            harness.endpoint(job, w).send(data(job, w, seq, idxs[w], slot=0, version=0))
+        for w in range(2):
+            got = harness.endpoint(job, w).recv_all(timeout=harness.quiet)
+            assert len(got) == 1, f"seq {seq}: worker {w} got {len(got)} results"
+            hdr, payload = parse(got[0])
+            assert hdr.seq == seq and hdr.count == 2
+            np.testing.assert_array_equal(sums_of(payload), expected_sums(job, idxs))
+
+
+def test_single_worker_job_completes_immediately(harness):
+    rng = np.random.default_rng(8)
+    job = new_job(harness, n_workers=1)
+    idxs = [indices(rng, job)]
+    got = run_round(harness, job, 0, idxs)
+    assert_result(got[0], job, 0, idxs, 0)
+
+
+def test_max_round(harness):
+    job = new_job(harness, n_workers=3)
+    rng = np.random.default_rng(9)
+    vals = [rng.random(P.MAX_LANES).astype(np.float32) * 100 for _ in range(3)]
+    vals[1][0] = 0.0
+    vals[2][1] = np.float32(3.4e38)
+    for w in range(3):
+        payload = P.floats_to_ordered_u32(vals[w]).astype(">u4").tobytes()
+        harness.endpoint(job, w).send(datagram(job, w, 0, payload, pkt_type=P.PktType.MAX))
+    for w in range(3):
+        got = harness.endpoint(job, w).recv_all(timeout=harness.quiet)
+        assert len(got) == 1
+        hdr, payload = parse(got[0])
+        assert hdr.pkt_type == P.PktType.MAX_RESULT and hdr.count == 3
+        out = P.ordered_u32_to_floats(np.frombuffer(payload, ">u4").astype(np.uint32))
+        np.testing.assert_array_equal(out, np.maximum.reduce(vals))
+
+
+def test_jobs_are_isolated(harness):
+    rng = np.random.default_rng(10)
+    a = new_job(harness, n_workers=2, pool_size=4)
+    b = new_job(harness, n_workers=2, pool_size=4,
+                table=[0, 2, 3, 5, 7, 9, 12, 13, 17, 18, 21, 23, 25, 27, 28, 30])
+    ia = [indices(rng, a) for _ in range(2)]
+    ib = [indices(rng, b) for _ in range(2)]
+    for w in range(2):
+        harness.endpoint(a, w).send(data(a, w, 0, ia[w]))
+        harness.endpoint(b, w).send(data(b, w, 0, ib[w]))
+    for w in range(2):
+        assert_result(harness.endpoint(a, w).recv_all(timeout=harness.quiet), a, 0, ia, w)
+        assert_result(harness.endpoint(b, w).recv_all(timeout=harness.quiet), b, 0, ib, w)
+    # A worker of job a cannot contribute to job b's slots, even with a valid worker id.
+    before = harness.drops()["unknown_worker"]
+    harness.endpoint(a, 0).send(data(b, 0, 1, ia[0]))
+    settle(harness)
+    assert harness.drops()["unknown_worker"] == before + 1
+    ib1 = [indices(rng, b) for _ in range(2)]
+    got = run_round(harness, b, 1, ib1)
+    assert_result(got[0], b, 1, ib1, 0)
+
+
+def test_reinstall_resets_the_pool(harness):
+    rng = np.random.default_rng(11)
+    job = new_job(harness, n_workers=2, pool_size=2)
+    for seq in range(5):
+        run_round(harness, job, seq, [indices(rng, job) for _ in range(2)])
+    harness.install(job)
+    idxs = [indices(rng, job) for _ in range(2)]
+    got = run_round(harness, job, 0, idxs)
+    assert_result(got[0], job, 0, idxs, 0)
+
+
+def _bad_packets(harness, job, good_idx):
+    """(reason, datagram, endpoint) triples; each must be dropped and counted."""
+    idx = good_idx
+    payload = P.pack_nibbles(idx).tobytes()
+    w0 = harness.endpoint(job, 0)
+    return [
+        ("malformed", datagram(job, 0, 0, b"")[: P.HEADER_BYTES - 3], w0),
+        ("malformed", datagram(job, 0, 0, payload, pkt_type=0x7F), w0),
+        ("malformed", datagram(job, 0, 0, payload, version=2), w0),
+        ("wrong_direction", datagram(job, 0, 0, payload, pkt_type=P.PktType.RESULT), w0),
+        ("not_from_cpu", datagram(job, 0, 0, b"", pkt_type=P.PktType.RESET), w0),
+        ("unknown_job", datagram(job, 0, 0, payload, job_id=4242), w0),
+        ("bad_lanes", datagram(job, 0, 0, payload[:-1]), w0),
+        ("bad_lanes", datagram(job, 0, 0, payload + b"\x00\x00"), w0),
+        ("worker_outside_job", datagram(job, job.n_workers, 0, payload), w0),
+        ("unknown_worker", datagram(job, 1, 0, payload), w0),
+        ("unknown_worker", datagram(job, 0, 0, payload), harness.stranger()),
+        ("slot_outside_pool", datagram(job, 0, 0, payload, slot=job.pool_size), w0),
+    ]
+
+
+@pytest.mark.parametrize("case", range(12))
+def test_bad_packet_is_dropped_counted_and_harmless(harness, case):
+    rng = np.random.default_rng(100 + case)
+    job = new_job(harness, n_workers=2)
+    idxs = [indices(rng, job) for _ in range(2)]
+    reason, bad, ep = _bad_packets(harness, job, np.full(job.lanes, 15, np.uint8))[case]
+    before = harness.drops()
+    ep.send(bad)
+    assert ep.recv_all(timeout=harness.quiet) == []
+    settle(harness)
+    after = harness.drops()
+    changed = {k: after[k] - before[k] for k in after if after[k] != before[k]}
+    assert changed == {reason: 1}
+    # The aggregate afterwards is exactly what the good packets make.
+    got = run_round(harness, job, 0, idxs)
+    for w in range(2):
+        assert_result(got[w], job, 0, idxs, w)
+
+
+def test_job_counters_track_packets_and_completions(harness):
+    rng = np.random.default_rng(12)
+    job = new_job(harness, n_workers=2)
+    before = dict(harness.job_counters(job))
+    for seq in range(3):
+        run_round(harness, job, seq, [indices(rng, job) for _ in range(2)])
+    settle(harness)
+    after = harness.job_counters(job)
+    assert after["packets"] - before["packets"] == 6
+    assert after["completions"] - before["completions"] == 3
