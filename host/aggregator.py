@@ -262,6 +262,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="print counters every N seconds (0: never)")
     parser.add_argument("--stats-file", help="rewrite counters as JSON to this file while running")
     parser.add_argument("--duration", type=float, help="exit after N seconds")
+    for name in ("loss", "dup", "reorder"):
+        parser.add_argument(f"--{name}", type=float, default=0.0,
+                            help=f"inject {name} with this probability on sent results (testing)")
 
 
 def parse_hostport(text: str) -> tuple[str, int]:
@@ -278,8 +281,17 @@ def run(args: argparse.Namespace) -> int:
     except (ConfigError, ValueError, OSError) as e:
         print(f"thc aggregator: {e}", file=sys.stderr)
         return 2
-    agg = Aggregator(cluster.jobs)
-    addr = agg.start(host, port)
+    try:
+        impair = Impairment(loss=args.loss, dup=args.dup, reorder=args.reorder)
+    except ValueError as e:
+        print(f"thc aggregator: {e}", file=sys.stderr)
+        return 2
+    agg = Aggregator(cluster.jobs, impair=impair)
+    try:
+        addr = agg.start(host, port)
+    except OSError as e:
+        print(f"thc aggregator: cannot listen on {args.listen}: {e}", file=sys.stderr)
+        return 2
     print(f"thc aggregator listening on {addr[0]}:{addr[1]} with jobs "
           f"{[j.job_id for j in cluster.jobs]}", flush=True)
     end = None if args.duration is None else time.monotonic() + args.duration

@@ -1,0 +1,192 @@
+"""Host transport against a real aggregator process over loopback UDP."""
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from host import protocol as P
+from host.client import AggregationClient, AggregationTimeout
+from host.impair import Impairment
+from host.jobs import Cluster, local_job
+
+N_ELEMENTS = 1 << 20
+
+
+def free_port_block(n: int) -> int:
+    """A base port with n free consecutive UDP ports after it."""
+    for _ in range(50):
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        if base + n >= 65535:
+            continue
+        socks = []
+        try:
+            for i in range(n):
+                t = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+                socks.append(t)
+                t.bind(("127.0.0.1", base + i))
+            return base
+        except OSError:
+            continue
+        finally:
+            for t in socks:
+                t.close()
+    raise RuntimeError("no block of free ports")
+
+
+class AggregatorProcess:
+    """`thc aggregator` started as its own process, the way a user runs it."""
+
+    def __init__(self, tmp_path, jobs, **impair):
+        self.port = free_port_block(1)
+        cfg = tmp_path / "cluster.json"
+        Cluster(jobs=tuple(jobs), agg_port=self.port).save(cfg)
+        args = [sys.executable, "-m", "host.cli", "aggregator", "--listen",
+                f"127.0.0.1:{self.port}", "--config", str(cfg), "--stats-interval", "0",
+                "--stats-file", str(tmp_path / "stats.json")]
+        for k, v in impair.items():
+            args += [f"--{k}", str(v)]
+        self.stats_file = tmp_path / "stats.json"
+        self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     text=True)
+        line = self.proc.stdout.readline()
+        assert "listening" in line, line + self.proc.stdout.read()
+
+    @property
+    def addr(self):
+        return ("127.0.0.1", self.port)
+
+    def stats(self) -> dict:
+        time.sleep(0.7)
+        return json.loads(self.stats_file.read_text())
+
+    def stop(self):
+        self.proc.terminate()
+        self.proc.wait(timeout=10)
+
+
+def _worker(job, w, addr, impair, q, deadline=20.0):
+    rng = np.random.default_rng(1000 + w)
+    idx = rng.integers(0, 16, N_ELEMENTS).astype(np.uint8)
+    try:
+        with AggregationClient(job, w, addr, deadline=deadline,
+                               impair=Impairment(**impair, seed=w) if impair else None) as c:
+            sums = c.aggregate(P.pack_nibbles(idx))
+            q.put((w, "ok", sums, c.stats.retransmitted))
+    except AggregationTimeout as e:
+        q.put((w, "timeout", str(e), e.missing))
+
+
+def _run_workers(job, addr, impair=None, workers=None, deadline=20.0):
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+    workers = range(job.n_workers) if workers is None else workers
+    procs = [ctx.Process(target=_worker, args=(job, w, addr, impair, q, deadline))
+             for w in workers]
+    for p in procs:
+        p.start()
+    results = {}
+    for _ in procs:
+        w, status, payload, extra = q.get(timeout=120)
+        results[w] = (status, payload, extra)
+    for p in procs:
+        p.join(timeout=10)
+    return results
+
+
+def _reference(job):
+    table = np.asarray(job.table)
+    return sum(table[np.random.default_rng(1000 + w).integers(0, 16, N_ELEMENTS)]
+               for w in range(job.n_workers))
+
+
+@pytest.fixture
+def job():
+    return local_job(1, 4, free_port_block(4), pool_size=64)
+
+
+def test_four_workers_one_million_elements_bit_exact(tmp_path, job):
+    agg = AggregatorProcess(tmp_path, [job])
+    try:
+        results = _run_workers(job, agg.addr)
+        stats = agg.stats()
+    finally:
+        agg.stop()
+    ref = _reference(job)
+    for w, (status, sums, _) in results.items():
+        assert status == "ok", sums
+        np.testing.assert_array_equal(sums, ref)
+    chunks = N_ELEMENTS // job.lanes
+    assert stats["jobs"]["1"]["completions"] == chunks
+    assert sum(stats["drops"].values()) == 0
+
+
+def test_exactly_once_under_loss_duplication_and_reordering(tmp_path, job):
+    impair = {"loss": 0.05, "dup": 0.05, "reorder": 0.05}
+    agg = AggregatorProcess(tmp_path, [job], **impair)
+    try:
+        results = _run_workers(job, agg.addr, impair=impair)
+        stats = agg.stats()
+    finally:
+        agg.stop()
+    ref = _reference(job)
+    for w, (status, sums, retransmitted) in results.items():
+        assert status == "ok", sums
+        np.testing.assert_array_equal(sums, ref)
+        assert retransmitted > 0, "5% loss must have caused retransmissions"
+    chunks = N_ELEMENTS // job.lanes
+    # Exactly once: every chunk completed once, whatever was lost or duplicated.
+    assert stats["jobs"]["1"]["completions"] == chunks
+
+
+def test_missing_worker_named_in_timeout(tmp_path, job):
+    agg = AggregatorProcess(tmp_path, [job])
+    try:
+        results = _run_workers(job, agg.addr, workers=[0, 1, 2], deadline=1.0)
+    finally:
+        agg.stop()
+    for w in (0, 1, 2):
+        status, msg, missing = results[w]
+        assert status == "timeout"
+        assert missing == [3]
+        assert "missing worker(s) [3]" in msg
+
+
+def test_no_aggregator_is_a_clear_timeout(job):
+    dead = ("127.0.0.1", free_port_block(1))
+    with AggregationClient(job, 0, dead, deadline=0.5) as c:
+        with pytest.raises(AggregationTimeout, match="no answer from the aggregator"):
+            c.aggregate(np.zeros(job.lanes // 2, np.uint8))
+
+
+def test_max_round_over_loopback(tmp_path, job):
+    agg = AggregatorProcess(tmp_path, [job])
+    out = {}
+
+    def run(w):
+        with AggregationClient(job, w, agg.addr) as c:
+            out[w] = c.max(np.arange(40, dtype=np.float32) * (w + 1))
+
+    import threading
+    try:
+        ts = [threading.Thread(target=run, args=(w,)) for w in range(4)]
+        [t.start() for t in ts]
+        [t.join() for t in ts]
+    finally:
+        agg.stop()
+    for w in range(4):
+        np.testing.assert_array_equal(out[w], np.arange(40, dtype=np.float32) * 4)
+
+
+def test_packed_length_must_be_whole_chunks(job):
+    with AggregationClient(job, 0, ("127.0.0.1", 9)) as c:
+        with pytest.raises(ValueError, match="multiple of one chunk"):
+            c.aggregate(np.zeros(3, np.uint8))
