@@ -1,4 +1,8 @@
-"""``thc bench <name>``: dispatch to one benchmark module (same add_arguments/run contract)."""
+"""``thc bench <name>``: dispatch to one benchmark module (same add_arguments/run contract).
+
+Only the chosen module is imported, so one benchmark's missing dependency (p4runtime-shell,
+a switch) never breaks the others.
+"""
 from __future__ import annotations
 
 import argparse
@@ -14,12 +18,16 @@ BENCHES = {
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    sub = parser.add_subparsers(dest="bench", required=True, metavar="{" + ",".join(BENCHES) + "}")
-    for name, (module, help_) in BENCHES.items():
-        p = sub.add_parser(name, help=help_, description=help_)
-        p.set_defaults(_module=module)
-        importlib.import_module(module).add_arguments(p)
+    parser.epilog = "benchmarks:\n" + "\n".join(f"  {k:<11} {h}" for k, (_, h) in BENCHES.items())
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.add_argument("bench", choices=list(BENCHES), metavar="BENCH")
+    parser.add_argument("options", nargs=argparse.REMAINDER,
+                        help="options of that benchmark (thc bench BENCH --help)")
 
 
 def run(args: argparse.Namespace) -> int:
-    return int(importlib.import_module(args._module).run(args) or 0)
+    module_name, help_ = BENCHES[args.bench]
+    module = importlib.import_module(module_name)
+    parser = argparse.ArgumentParser(prog=f"thc bench {args.bench}", description=help_)
+    module.add_arguments(parser)
+    return int(module.run(parser.parse_args(args.options)) or 0)

@@ -1,0 +1,74 @@
+"""Scapy layers for THC, generated from protocol.json: dissect captures, craft test packets.
+
+The fast path never uses scapy (plain sockets); these layers are for humans and tests:
+``rdpcap("x.pcap")[0][THC].show()`` works on any capture of the aggregation port.
+"""
+from __future__ import annotations
+
+import numpy as np
+from scapy.fields import ByteEnumField, ByteField, IntField, ShortField, StrField, XIntField
+from scapy.layers.inet import UDP
+from scapy.packet import Packet, bind_layers
+
+from host import protocol as P
+
+_FIELD_TYPES = {8: ByteField, 16: ShortField, 32: IntField}
+
+
+def _field(name: str, width: int):
+    if name == "pkt_type":
+        return ByteEnumField(name, P.PktType.DATA, {t.value: t.name for t in P.PktType})
+    if name == "bitmap":
+        return XIntField(name, 0)
+    return _FIELD_TYPES[width](name, 0)
+
+
+class THC(Packet):
+    """The THC aggregation header (protocol.json's ``header``)."""
+
+    name = "THC"
+    fields_desc = [_field(n, w) for n, w in P.HEADER_FIELDS]
+
+    def mysummary(self):
+        return self.sprintf("THC %pkt_type% job=%job_id% w=%worker_id% seq=%seq% "
+                            "slot=%slot%/v%version% count=%count%")
+
+    def guess_payload_class(self, payload):
+        return {P.PktType.DATA: THCIndices, P.PktType.RESULT: THCSums,
+                P.PktType.MAX: THCMax, P.PktType.MAX_RESULT: THCMax}.get(self.pkt_type,
+                                                                         Packet.guess_payload_class(self, payload))
+
+
+class _Payload(Packet):
+    fields_desc = [StrField("data", b"")]
+
+
+class THCIndices(_Payload):
+    """Packed 4-bit table indices (uplink)."""
+
+    name = "THC indices"
+
+    def indices(self) -> np.ndarray:
+        return P.unpack_nibbles(np.frombuffer(self.data, np.uint8))
+
+
+class THCSums(_Payload):
+    """Per-lane sums of table values (downlink)."""
+
+    name = "THC sums"
+
+    def sums(self) -> np.ndarray:
+        return np.frombuffer(self.data, P.SUM_DTYPE).astype(np.int64)
+
+
+class THCMax(_Payload):
+    """Norms of the preliminary round, as ordered uint32 bit patterns of floats."""
+
+    name = "THC max"
+
+    def values(self) -> np.ndarray:
+        return P.ordered_u32_to_floats(np.frombuffer(self.data, ">u4").astype(np.uint32))
+
+
+bind_layers(UDP, THC, dport=P.UDP_PORT)
+bind_layers(UDP, THC, sport=P.UDP_PORT)
