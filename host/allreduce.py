@@ -1,0 +1,147 @@
+"""A whole THC all-reduce of one tensor: norm round, encode, sum on the wire, decode.
+
+The codec is the same whatever adds the integers; a *transport* does the two collective
+steps (max of the slice norms, sum of table values):
+
+- :class:`AggregatorTransport`: the switch or the software aggregator (UDP, 4-bit indices up,
+  sums down), through :class:`host.client.AggregationClient`;
+- :class:`DistTransport`: an ordinary ``torch.distributed`` all-reduce (Gloo, NCCL) of the
+  table values, for clusters without a programmable switch: THC sums are integers, so any
+  all-reduce adds them exactly.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from host import protocol as P
+from host.codec import ErrorFeedback, THCCodec, table_values
+from host.params import THCParams
+
+
+class AggregatorTransport:
+    """Sums through an aggregator: the indices travel packed, the table lives in the network."""
+
+    def __init__(self, client):
+        self.client = client
+        self.n_workers = client.job.n_workers
+        self.bytes_sent = 0
+
+    def check(self, params: THCParams) -> None:
+        job = self.client.job
+        if params.bits != P.INDEX_BITS:
+            raise ValueError(f"the aggregation protocol carries {P.INDEX_BITS}-bit indices; "
+                             f"THC bits={params.bits} needs the torch.distributed transport")
+        if tuple(int(v) for v in params.table) != tuple(job.table):
+            raise ValueError(f"job {job.job_id}'s lookup table {list(job.table)} differs from "
+                             f"the codec's {list(params.table)}: install the job with the "
+                             f"same bits/granularity/p")
+
+    def max(self, norms: torch.Tensor) -> torch.Tensor:
+        out = self.client.max(norms.detach().cpu().numpy())
+        return torch.from_numpy(out).to(norms.device)
+
+    def sum(self, indices: torch.Tensor, params: THCParams) -> torch.Tensor:
+        lanes = self.client.job.lanes
+        idx = indices.cpu().numpy()
+        pad = (-idx.size) % lanes
+        if pad:
+            idx = np.concatenate([idx, np.zeros(pad, np.uint8)])
+        before = self.client.stats.bytes_sent
+        sums = self.client.aggregate(P.pack_nibbles(idx))[: indices.numel()]
+        self.bytes_sent += self.client.stats.bytes_sent - before
+        return torch.from_numpy(sums.astype(np.int32)).to(indices.device)
+
+
+class DistTransport:
+    """Sums through ``torch.distributed.all_reduce`` of table values (narrowest exact dtype)."""
+
+    def __init__(self, group=None):
+        import torch.distributed as dist
+        self.dist = dist
+        self.group = group
+        self.n_workers = dist.get_world_size(group)
+        self.bytes_sent = 0
+
+    def check(self, params: THCParams) -> None:
+        pass
+
+    def max(self, norms: torch.Tensor) -> torch.Tensor:
+        out = norms.detach().clone()
+        self.dist.all_reduce(out, op=self.dist.ReduceOp.MAX, group=self.group)
+        return out
+
+    def sum(self, indices: torch.Tensor, params: THCParams) -> torch.Tensor:
+        top = self.n_workers * params.granularity
+        dtype = torch.uint8 if top <= 255 else torch.int16 if top < 1 << 15 else torch.int32
+        vals = table_values(indices, params).to(dtype)
+        self.bytes_sent += vals.numel() * vals.element_size()
+        self.dist.all_reduce(vals, group=self.group)
+        return vals
+
+
+@dataclass
+class RoundStats:
+    calls: int = 0
+    elements: int = 0
+    seconds: dict = field(default_factory=lambda: {"norms": 0.0, "encode": 0.0, "sum": 0.0,
+                                                   "decode": 0.0, "feedback": 0.0})
+
+
+class THCAllReduce:
+    """Callable that returns the THC estimate of the mean of a tensor across workers.
+
+    Every worker must call it on same-shaped tensors in the same order: the round number
+    (part of the shared rotation seed) advances with each call.
+    """
+
+    def __init__(self, transport, params: THCParams | None = None, error_feedback: bool = True,
+                 generator=None):
+        self.params = params or THCParams()
+        self.generator = generator
+        self.transport = transport
+        transport.check(self.params)
+        self.codec = THCCodec(self.params)
+        self.feedback = ErrorFeedback(self.params) if error_feedback else None
+        self.round = 0
+        self.stats = RoundStats()
+
+    @classmethod
+    def through_aggregator(cls, client, params: THCParams | None = None, **kw):
+        return cls(AggregatorTransport(client), params, **kw)
+
+    @classmethod
+    def through_torch_distributed(cls, group=None, params: THCParams | None = None, **kw):
+        return cls(DistTransport(group), params, **kw)
+
+    @property
+    def n_workers(self) -> int:
+        return self.transport.n_workers
+
+    def __call__(self, tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.numel() == 0:
+            return tensor.clone()
+        secs = self.stats.seconds
+        t0 = time.perf_counter()
+        flat = tensor.detach().reshape(-1).float()
+        y = self.feedback.compensate(flat) if self.feedback else flat
+        max_norms = self.transport.max(self.codec.norms(y))
+        t1 = time.perf_counter()
+        idx = self.codec.encode(y, max_norms, self.round, self.generator)
+        t2 = time.perf_counter()
+        sums = self.transport.sum(idx, self.params)
+        t3 = time.perf_counter()
+        est = self.codec.decode(sums, self.n_workers, max_norms, flat.numel(), self.round)
+        t4 = time.perf_counter()
+        if self.feedback:
+            self.feedback.update(y, idx, max_norms, self.round)
+        t5 = time.perf_counter()
+        for k, dt in zip(secs, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4)):
+            secs[k] += dt
+        self.round += 1
+        self.stats.calls += 1
+        self.stats.elements += flat.numel()
+        return est.reshape(tensor.shape).to(tensor.dtype)

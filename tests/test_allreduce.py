@@ -1,0 +1,131 @@
+"""Whole THC all-reduces through the software aggregator and through torch.distributed."""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as tmp
+
+from host.aggregator import Aggregator
+from host.allreduce import THCAllReduce
+from host.client import AggregationClient
+from host.codec import THCCodec, aggregate, decode
+from host.jobs import local_job
+from host.params import THCParams
+from tests.test_transport import free_port_block
+
+PARAMS = THCParams(seed=7)
+
+
+def _vectors(n, numel, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(numel, generator=g) for _ in range(n)]
+
+
+def _through_aggregator(xs, rounds=1, error_feedback=True):
+    n = len(xs)
+    job = local_job(1, n, free_port_block(n), pool_size=32, granularity=PARAMS.granularity,
+                    table=PARAMS.table)
+    out = [None] * n
+    errors = []
+    with Aggregator([job]) as agg:
+        addr = agg.start()
+
+        def work(w):
+            try:
+                with AggregationClient(job, w, addr) as c:
+                    ar = THCAllReduce.through_aggregator(c, PARAMS, error_feedback=error_feedback,
+                                                         generator=torch.Generator().manual_seed(w))
+                    out[w] = [ar(xs[w]) for _ in range(rounds)]
+            except Exception as e:  # surfaced below
+                errors.append(e)
+
+        ts = [threading.Thread(target=work, args=(w,)) for w in range(n)]
+        [t.start() for t in ts]
+        [t.join() for t in ts]
+    assert not errors, errors
+    return out
+
+
+def test_estimate_is_identical_on_every_worker_and_close_to_the_mean():
+    xs = _vectors(4, 50_000)
+    out = _through_aggregator(xs)
+    for w in range(1, 4):
+        torch.testing.assert_close(out[w][0], out[0][0], rtol=0, atol=0)
+    mean = torch.stack(xs).mean(0)
+    nmse = float(((out[0][0] - mean) ** 2).sum() / torch.stack([(x ** 2).sum() for x in xs]).mean())
+    # One Gaussian worker gives ~0.02; four average to ~0.005. Far above means a broken path.
+    assert 0.001 < nmse < 0.01, nmse
+
+
+def test_aggregator_sums_equal_the_codec_reference():
+    """Same indices in, the network's sums decode exactly like the in-memory reference."""
+    xs = _vectors(3, 3000, seed=1)
+    codec = THCCodec(PARAMS)
+    m = np.max(np.stack([codec.norms(x.numpy()) for x in xs]), axis=0)
+    idx = [codec.encode(x.numpy(), m, round=0, generator=w) for w, x in enumerate(xs)]
+    ref = decode(aggregate(idx, PARAMS), 3, m, 3000, PARAMS)
+    job = local_job(1, 3, free_port_block(3), table=PARAMS.table)
+    from host import protocol as P
+    sums = [None] * 3
+    with Aggregator([job]) as agg:
+        addr = agg.start()
+
+        def work(w):
+            with AggregationClient(job, w, addr) as c:
+                i = np.concatenate([idx[w], np.zeros((-idx[w].size) % job.lanes, np.uint8)])
+                sums[w] = c.aggregate(P.pack_nibbles(i))[: idx[w].size]
+
+        ts = [threading.Thread(target=work, args=(w,)) for w in range(3)]
+        [t.start() for t in ts]
+        [t.join() for t in ts]
+    np.testing.assert_array_equal(sums[0], aggregate(idx, PARAMS))
+    np.testing.assert_array_equal(decode(sums[1], 3, m, 3000, PARAMS), ref)
+
+
+def test_error_feedback_makes_repeated_rounds_converge():
+    """With a fixed input, the running average of EF estimates approaches the true mean."""
+    xs = _vectors(2, 4096, seed=2)
+    out = _through_aggregator(xs, rounds=12)
+    mean = torch.stack(xs).mean(0)
+    err_first = float(((out[0][0] - mean) ** 2).sum())
+    err_avg = float(((torch.stack(out[0]).mean(0) - mean) ** 2).sum())
+    assert err_avg < err_first / 4
+
+
+def test_mismatched_table_is_refused():
+    job = local_job(1, 2, free_port_block(2), table=list(range(0, 32, 2)))
+    with AggregationClient(job, 0, ("127.0.0.1", 9)) as c:
+        with pytest.raises(ValueError, match="lookup table"):
+            THCAllReduce.through_aggregator(c, PARAMS)
+
+
+def _dist_worker(rank, world, port, xs, q):
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
+    ar = THCAllReduce.through_torch_distributed(params=PARAMS,
+                                                generator=torch.Generator().manual_seed(rank))
+    q.put((rank, ar(xs[rank]).numpy(), ar.transport.bytes_sent))
+    dist.destroy_process_group()
+
+
+def test_torch_distributed_transport_gloo():
+    world = 3
+    xs = _vectors(world, 20_000, seed=3)
+    ctx = tmp.get_context("spawn")
+    q = ctx.Queue()
+    port = free_port_block(1)
+    ps = [ctx.Process(target=_dist_worker, args=(r, world, port, xs, q)) for r in range(world)]
+    [p.start() for p in ps]
+    res = dict((r, (t, b)) for r, t, b in (q.get(timeout=120) for _ in ps))
+    [p.join(30) for p in ps]
+    for r in range(1, world):
+        np.testing.assert_array_equal(res[r][0], res[0][0])
+    mean = torch.stack(xs).mean(0)
+    nmse = float(((torch.from_numpy(res[0][0]) - mean) ** 2).sum() / torch.stack([(x ** 2).sum() for x in xs]).mean())
+    assert 0.001 < nmse < 0.015, nmse
+    # uint8 sums: one byte per padded coordinate (32768 for 20000 elements).
+    assert res[0][1] == 32768
