@@ -1,0 +1,135 @@
+"""PyTorch DDP communication hooks: THC (through an aggregator or torch.distributed) and TopK.
+
+Install with ``hook.register(ddp_model)``. Gradients of parameters chosen
+to stay uncompressed (by name, or below a size) go through the process group's ordinary
+FP32 all-reduce; the rest of each bucket goes through THC with per-bucket error feedback.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from host.allreduce import THCAllReduce
+
+
+@dataclass(frozen=True)
+class HookOptions:
+    uncompressed: tuple[str, ...] = ()
+    """Parameter-name substrings whose gradients are all-reduced in FP32 (e.g. "bias", "bn")."""
+    min_numel: int = 0
+    """Parameters with fewer elements than this stay uncompressed."""
+
+
+def _done(t: torch.Tensor) -> torch.futures.Future:
+    fut: torch.futures.Future = torch.futures.Future()
+    fut.set_result(t)
+    return fut
+
+
+class _Hook:
+    """Splits a bucket into compressed and FP32 spans; subclasses compress the former."""
+
+    def __init__(self, model: torch.nn.Module, options: HookOptions = HookOptions(),
+                 group=None):
+        self.options = options
+        self.group = group
+        self.world = dist.get_world_size(group)
+        self._names = {id(p): n for n, p in model.named_parameters()}
+        self.bytes_sent = 0
+        self.fp32_elements = 0
+
+    def _keep_fp32(self, p: torch.Tensor) -> bool:
+        name = self._names.get(id(p), "")
+        return p.numel() < self.options.min_numel or any(s in name for s in
+                                                         self.options.uncompressed)
+
+    def register(self, ddp_model) -> "_Hook":
+        """Install on a DistributedDataParallel model (DDP wants a function: the bound method)."""
+        ddp_model.register_comm_hook(None, self.hook)
+        return self
+
+    def hook(self, state, bucket):  # unannotated: DDP rejects string annotations
+        buf = bucket.buffer()
+        spans, offset = [], 0
+        for p in bucket.parameters():
+            spans.append((offset, offset + p.numel(), self._keep_fp32(p)))
+            offset += p.numel()
+        comp = [buf[a:b] for a, b, fp32 in spans if not fp32]
+        plain = [buf[a:b] for a, b, fp32 in spans if fp32]
+        if plain:
+            flat = torch.cat(plain)
+            dist.all_reduce(flat, group=self.group)
+            flat /= self.world
+            self.fp32_elements += flat.numel()
+            self.bytes_sent += 2 * (self.world - 1) * flat.numel() * 4 // self.world
+            i = 0
+            for view in plain:
+                view.copy_(flat[i: i + view.numel()])
+                i += view.numel()
+        if comp:
+            flat = comp[0] if len(comp) == 1 else torch.cat(comp)
+            out = self.reduce(bucket.index(), flat)
+            i = 0
+            for view in comp:
+                view.copy_(out[i: i + view.numel()])
+                i += view.numel()
+        return _done(buf)
+
+    def reduce(self, bucket_index: int, flat: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class THCHook(_Hook):
+    """THC all-reduce of each bucket; ``make_allreducer()`` builds one per bucket (its own
+    error-feedback residual) on a shared transport."""
+
+    def __init__(self, model, make_allreducer: Callable[[], THCAllReduce],
+                 options: HookOptions = HookOptions(), group=None):
+        super().__init__(model, options, group)
+        self.make_allreducer = make_allreducer
+        self.reducers: dict[tuple[int, int], THCAllReduce] = {}
+
+    def reduce(self, bucket_index: int, flat: torch.Tensor) -> torch.Tensor:
+        # DDP rebuilds its buckets after the first iteration: a new size starts a new residual.
+        key = (bucket_index, flat.numel())
+        ar = self.reducers.get(key)
+        if ar is None:
+            ar = self.reducers[key] = self.make_allreducer()
+        before = ar.transport.bytes_sent
+        out = ar(flat)
+        self.bytes_sent += ar.transport.bytes_sent - before
+        return out
+
+
+class TopKHook(_Hook):
+    """TopK sparsification (default 10%) with error feedback, exchanged by all-gather."""
+
+    def __init__(self, model, ratio: float = 0.1, options: HookOptions = HookOptions(),
+                 group=None):
+        super().__init__(model, options, group)
+        if not 0 < ratio <= 1:
+            raise ValueError(f"TopK ratio must lie in (0, 1], got {ratio}")
+        self.ratio = ratio
+        self.residual: dict[tuple[int, int], torch.Tensor] = {}
+
+    def reduce(self, bucket_index: int, flat: torch.Tensor) -> torch.Tensor:
+        key = (bucket_index, flat.numel())
+        x = flat + self.residual[key] if key in self.residual else flat.clone()
+        k = max(1, math.ceil(self.ratio * x.numel()))
+        _, idx = torch.topk(x.abs(), k, sorted=False)
+        vals = x[idx]
+        x[idx] = 0
+        idx = idx.to(torch.int32)
+        self.residual[key] = x
+        all_idx = [torch.empty_like(idx) for _ in range(self.world)]
+        all_vals = [torch.empty_like(vals) for _ in range(self.world)]
+        dist.all_gather(all_idx, idx, group=self.group)
+        dist.all_gather(all_vals, vals, group=self.group)
+        self.bytes_sent += (self.world - 1) * k * (idx.element_size() + vals.element_size())
+        out = torch.zeros_like(flat)
+        out.index_add_(0, torch.cat(all_idx).long(), torch.cat(all_vals))
+        return out / self.world
