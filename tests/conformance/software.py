@@ -30,6 +30,7 @@ class UdpEndpoint(Endpoint):
 
 class SoftwareHarness(Harness):
     name = "software"
+    settle = 0.05
 
     def __init__(self):
         self.agg = Aggregator()
