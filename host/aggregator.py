@@ -26,29 +26,46 @@ from host.jobs import Cluster, ConfigError, Job
 
 Reply = tuple[bytes, tuple[str, int]]
 
+HEADER_BYTES = P.HEADER_BYTES
+unpack_header = P.HEADER_STRUCT.unpack_from
+pack_header = P.HEADER_STRUCT.pack
+KNOWN_TYPES = frozenset(int(t) for t in P.PktType)
+DATA, MAX, RESULT, MAX_RESULT, PENDING, RESET = (int(P.PktType[t]) for t in (
+    "DATA", "MAX", "RESULT", "MAX_RESULT", "PENDING", "RESET"))
+MAX_BYTES = P.payload_bytes(P.PktType.MAX)
+SEQ_MOD, HALF = P.SEQ_MOD, P.SEQ_MOD // 2
+
 
 class JobState:
-    """Register state of one job, laid out as the switch's registers (slot x version)."""
+    """Register state of one job, laid out as the switch's registers (slot x version).
+
+    Scalar registers are Python lists (cheaper per packet than numpy scalars); the per-lane
+    registers are numpy rows, one per slot and version.
+    """
 
     def __init__(self, job: Job):
         self.job = job.validate()
         lut = np.asarray(job.table, dtype=P.SUM_DTYPE)
         # One fancy-index maps a packed byte to its two lanes' table values.
         self.pair_lut = np.stack([lut[np.arange(256) >> 4], lut[np.arange(256) & 0x0F]], axis=1)
+        self.n = job.n_workers
+        self.pool = job.pool_size
+        self.data_bytes = P.payload_bytes(P.PktType.DATA, job.lanes)
+        self.addr = [(w.ip, w.port) for w in sorted(job.workers, key=lambda w: w.id)]
+        self.thc_seq = [[0, 0] for _ in range(job.pool_size)]
+        self.thc_bitmap = [[0, 0] for _ in range(job.pool_size)]
+        self.thc_count = [[0, 0] for _ in range(job.pool_size)]
         shape = (job.pool_size, 2)
-        self.thc_seq = np.zeros(shape, dtype=np.uint32)
-        self.thc_bitmap = np.zeros(shape, dtype=np.uint32)
-        self.thc_count = np.zeros(shape, dtype=np.uint8)
         self.thc_sum = np.zeros(shape + (job.lanes,), dtype=P.SUM_DTYPE)
         self.thc_max = np.zeros(shape + (P.MAX_LANES,), dtype=">u4")
-        self.addr = {w.id: (w.ip, w.port) for w in job.workers}
         self.counters = Counter({name: 0 for name in P.JOB_COUNTERS})
 
     def reset(self) -> None:
         """What the controller's RESET packets do to a switch pool."""
-        self.thc_seq[:] = P.SEQ_RESET
-        self.thc_bitmap[:] = 0
-        self.thc_count[:] = 0
+        for regs, value in ((self.thc_seq, P.SEQ_RESET), (self.thc_bitmap, 0),
+                            (self.thc_count, 0)):
+            for row in regs:
+                row[0] = row[1] = value
 
 
 class Aggregator:
@@ -96,63 +113,62 @@ class Aggregator:
             return self._handle(datagram, src)
 
     def _handle(self, datagram, src) -> list[Reply]:
-        if len(datagram) < P.HEADER_BYTES:
+        if len(datagram) < HEADER_BYTES:
             return self._drop("malformed")
         (pkt_type, worker_id, job_id, slot, version, _count, seq, offset,
-         _bitmap) = P.HEADER_STRUCT.unpack_from(datagram)
-        if pkt_type not in P.PktType._value2member_map_ or version > 1:
+         _bitmap) = unpack_header(datagram)
+        if pkt_type not in KNOWN_TYPES or version > 1:
             return self._drop("malformed")
-        if pkt_type == P.PktType.RESET:
+        if pkt_type == RESET:
             return self._drop("not_from_cpu")
-        if pkt_type not in (P.PktType.DATA, P.PktType.MAX):
+        if pkt_type != DATA and pkt_type != MAX:
             return self._drop("wrong_direction")
         state = self.jobs.get(job_id)
         if state is None:
             return self._drop("unknown_job")
-        job = state.job
-        payload = memoryview(datagram)[P.HEADER_BYTES:]
-        if len(payload) != P.payload_bytes(pkt_type, job.lanes):
+        payload = memoryview(datagram)[HEADER_BYTES:]
+        if len(payload) != (state.data_bytes if pkt_type == DATA else MAX_BYTES):
             return self._drop("bad_lanes")
-        if worker_id >= job.n_workers:
+        n = state.n
+        if worker_id >= n:
             return self._drop("worker_outside_job")
         if state.addr[worker_id] != src:
             return self._drop("unknown_worker")
-        if slot >= job.pool_size:
+        if slot >= state.pool:
             return self._drop("slot_outside_pool")
 
-        is_max = pkt_type == P.PktType.MAX
-        n = job.n_workers
-        bit = 1 << worker_id
-        cur = int(state.thc_seq[slot, version])
-        if seq != cur and not P.seq_newer(seq, cur):
+        seqs, bitmaps, counts = state.thc_seq[slot], state.thc_bitmap[slot], state.thc_count[slot]
+        cur = seqs[version]
+        if seq != cur and not 0 < (seq - cur) % SEQ_MOD < HALF:
             return self._drop("stale")
         state.counters["packets"] += 1
+        bit = 1 << worker_id
+        is_max = pkt_type == MAX
         if seq == cur:
-            bitmap = int(state.thc_bitmap[slot, version])
+            bitmap = bitmaps[version]
             if bitmap & bit:
-                count = int(state.thc_count[slot, version])
+                count = counts[version]
                 if count == n:
                     state.counters["retransmissions"] += 1
-                    return [(self._result(state, pkt_type, worker_id, slot, version, seq, offset),
+                    return [(self._result(state, is_max, slot, version, seq, offset)(worker_id),
                              src)]
                 state.counters["pending"] += 1
-                hdr = P.Header(P.PktType.PENDING, worker_id, job_id, slot, version, count, seq,
-                               offset, bitmap)
-                return [(hdr.pack(), src)]
+                return [(pack_header(PENDING, worker_id, job_id, slot, version, count, seq,
+                                     offset, bitmap), src)]
             self._accumulate(state, is_max, slot, version, payload, first=False)
-            state.thc_bitmap[slot, version] = bitmap | bit
-            count = int(state.thc_count[slot, version]) + 1
+            bitmaps[version] = bitmap | bit
+            count = counts[version] + 1
         else:
             self._accumulate(state, is_max, slot, version, payload, first=True)
-            state.thc_seq[slot, version] = seq
-            state.thc_bitmap[slot, version] = bit
+            seqs[version] = seq
+            bitmaps[version] = bit
             count = 1
-        state.thc_count[slot, version] = count
+        counts[version] = count
         if count < n:
             return []
         state.counters["completions"] += 1
-        return [(self._result(state, pkt_type, w, slot, version, seq, offset), state.addr[w])
-                for w in range(n)]
+        make = self._result(state, is_max, slot, version, seq, offset)
+        return [(make(w), state.addr[w]) for w in range(n)]
 
     @staticmethod
     def _accumulate(state: JobState, is_max: bool, slot: int, version: int, payload,
@@ -173,17 +189,16 @@ class Aggregator:
                 regs += vals
 
     @staticmethod
-    def _result(state: JobState, pkt_type: int, worker_id: int, slot: int, version: int,
-                seq: int, offset: int) -> bytes:
-        job = state.job
-        if pkt_type == P.PktType.MAX:
-            rtype, payload = P.PktType.MAX_RESULT, state.thc_max[slot, version]
+    def _result(state: JobState, is_max: bool, slot: int, version: int, seq: int, offset: int):
+        """A function worker_id -> result datagram: the payload is serialized once."""
+        if is_max:
+            rtype, payload = MAX_RESULT, state.thc_max[slot, version].tobytes()
         else:
-            rtype, payload = P.PktType.RESULT, state.thc_sum[slot, version]
-        hdr = P.Header(rtype, worker_id, job.job_id, slot, version,
-                       int(state.thc_count[slot, version]), seq, offset,
-                       int(state.thc_bitmap[slot, version]))
-        return hdr.pack() + payload.tobytes()
+            rtype, payload = RESULT, state.thc_sum[slot, version].tobytes()
+        job_id, count = state.job.job_id, state.thc_count[slot][version]
+        bitmap = state.thc_bitmap[slot][version]
+        return lambda w: pack_header(rtype, w, job_id, slot, version, count, seq, offset,
+                                     bitmap) + payload
 
     # -- UDP server ------------------------------------------------------------------
     def bind(self, host: str = "127.0.0.1", port: int = P.UDP_PORT) -> tuple[str, int]:
