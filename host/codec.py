@@ -1,0 +1,388 @@
+"""THC codec: what a worker sends, what the switch adds, and how the sum decodes.
+
+One round, for n workers holding vectors x_1..x_n (after error feedback):
+
+1. ``slice_norms(x_i)`` per worker; ``agree_max`` of them is the preliminary MAX round, so
+   that every worker uses the same per-slice scale sqrt(d) / max_norm.
+2. ``encode(x_i, max_norms, params, round)``: rotate each slice (RHT with the shared diagonal
+   of (seed, round, slice)), scale, truncate at ±t_p, round stochastically onto the table.
+   Output: one uint8 index per padded coordinate (``pack_bits`` makes the wire form).
+3. ``aggregate``: the switch's job, S = Σ_i T[index_i] (integers).
+4. ``decode(S, n, max_norms, numel, params, round)``: mean_z = (S/n - g/2)·2t_p/g, unscale,
+   inverse RHT, drop padding: an unbiased estimate of the mean of the (truncated) x_i.
+
+numpy arrays and torch tensors (any device) go through the same code. Slices are processed
+in batches of about 2^20 elements so that each batch's temporaries stay in cache.
+
+Edge cases: an empty tensor gives empty indices and an empty decode; a slice whose max norm
+is 0 encodes every coordinate at g/2 (stochastically between the two middle entries) and
+decodes to exactly 0; NaN or Inf in the input raise ValueError.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+
+from host.hadamard import SliceLayout, fwht, is_torch, random_signs
+from host.params import THCParams
+from host.quantize import (pack_bits, resolve_generator, stochastic_round, uniforms,
+                           unpack_bits)
+
+__all__ = ["SliceLayout", "THCParams", "THCCodec", "ErrorFeedback", "layout", "slice_norms",
+           "agree_max", "encode", "table_values", "aggregate", "decode", "decode_indices",
+           "sum_dtype", "pack_bits", "unpack_bits"]
+
+GROUP_ELEMENTS = 1 << 20
+"""Elements per batch of slices (4 MiB of float32: stays in L2/L3 through the pipeline)."""
+
+
+def layout(numel: int, params: THCParams) -> SliceLayout:
+    return SliceLayout(int(numel), params.slice_size)
+
+
+def _flat(x, what: str = "x"):
+    """x as a flat float32 vector of its own backend (a view when possible)."""
+    if is_torch(x):
+        import torch
+        if not (x.is_floating_point() or x.dtype in (torch.int8, torch.int16, torch.int32,
+                                                      torch.int64, torch.uint8)):
+            raise TypeError(f"{what} must be a real tensor, got {x.dtype}")
+        f = x.detach().reshape(-1)
+        return f if f.dtype == torch.float32 else f.float()
+    a = np.asarray(x)
+    if a.dtype.kind not in "fiu":
+        raise TypeError(f"{what} must be a real array, got dtype {a.dtype}")
+    return a.reshape(-1).astype(np.float32, copy=False)
+
+
+def _norm_array(max_norms, n_slices: int) -> np.ndarray:
+    m = max_norms.detach().cpu().numpy() if is_torch(max_norms) else np.asarray(max_norms)
+    m = np.asarray(m, dtype=np.float64).reshape(-1)
+    if m.size != n_slices:
+        raise ValueError(f"expected {n_slices} max norms (one per slice), got {m.size}")
+    if not np.all(np.isfinite(m)) or np.any(m < 0):
+        raise ValueError(f"max norms must be finite and >= 0, got {m}")
+    return m
+
+
+def _view(flat, group):
+    """The group's slices as a (count, length) view of the flat tensor."""
+    n = group.count * group.length
+    return flat[group.start: group.start + n].reshape(group.count, group.length)
+
+
+def _rows(flat, group):
+    """The group's slices as a (count, padded) float32 matrix, zero-padded when needed."""
+    view = _view(flat, group)
+    if group.padded == group.length:
+        return view
+    if is_torch(flat):
+        import torch
+        return torch.nn.functional.pad(view, (0, group.padded - group.length))
+    out = np.zeros((group.count, group.padded), dtype=np.float32)
+    out[:, : group.length] = view
+    return out
+
+
+def slice_norms(x, params: THCParams):
+    """Per-slice L2 norms of x (float32; numpy for numpy input, a tensor on x's device for
+    torch): the input of the preliminary MAX round. Raises ValueError on NaN/Inf."""
+    flat = _flat(x)
+    lay = layout(flat.shape[0], params)
+    if is_torch(flat):
+        import torch
+        parts = [torch.linalg.vector_norm(_view(flat, grp), dim=1)
+                 for grp in lay.groups(GROUP_ELEMENTS)]
+        norms = torch.cat(parts) if parts else flat.new_zeros(0)
+        if not bool(torch.isfinite(norms).all()):
+            raise ValueError("input contains NaN or Inf (or overflows float32 in its norm)")
+        return norms
+    parts = []
+    for grp in lay.groups(GROUP_ELEMENTS):
+        rows = _view(flat, grp)
+        parts.append(np.sqrt(np.einsum("ij,ij->i", rows, rows, dtype=np.float64)))
+    norms = np.concatenate(parts).astype(np.float32) if parts else np.zeros(0, np.float32)
+    if not np.all(np.isfinite(norms)):
+        raise ValueError("input contains NaN or Inf (or overflows float32 in its norm)")
+    return norms
+
+
+def agree_max(norm_vectors: Sequence):
+    """Elementwise max of the workers' norm vectors: what the MAX round computes."""
+    norm_vectors = list(norm_vectors)
+    if not norm_vectors:
+        raise ValueError("agree_max needs at least one norm vector")
+    if is_torch(norm_vectors[0]):
+        import torch
+        return torch.stack([v.reshape(-1) for v in norm_vectors]).amax(dim=0)
+    sizes = {np.asarray(v).size for v in norm_vectors}
+    if len(sizes) != 1:
+        raise ValueError(f"norm vectors differ in length: {sorted(sizes)}")
+    return np.max(np.stack([np.asarray(v, dtype=np.float32).reshape(-1)
+                            for v in norm_vectors]), axis=0)
+
+
+def encode(x, max_norms, params: THCParams, round: int = 0, generator=None):
+    """THC indices (uint8, one per padded coordinate) of x under the agreed max norms.
+
+    ``generator``: np.random.Generator, torch.Generator, int seed or None (see
+    :func:`host.quantize.resolve_generator`); an int or numpy Generator gives the same
+    indices for numpy and torch inputs.
+    """
+    flat = _flat(x)
+    lay = layout(flat.shape[0], params)
+    m = _norm_array(max_norms, lay.n_slices)
+    g, t = params.granularity, params.t_p
+    table = tuple(int(v) for v in params.table)
+    gen = resolve_generator(generator, flat)
+    torch_in = is_torch(flat)
+    if torch_in:
+        import torch
+        out = torch.empty(lay.total_padded, dtype=torch.uint8, device=flat.device)
+    else:
+        out = np.empty(lay.total_padded, dtype=np.uint8)
+    # c = g / (2 t M): maps H D x (unnormalized H) straight onto u - g/2; the sqrt(d) of the
+    # scale cancels the 1/sqrt(d) of the normalized transform.
+    coef = np.where(m > 0, g / (2.0 * t * np.where(m > 0, m, 1.0)), 0.0)
+    for grp in lay.groups(GROUP_ELEMENTS):
+        rows = _rows(flat, grp)
+        idx = range(grp.first, grp.first + grp.count)
+        w = rows * random_signs(grp.padded, params.seed, round, idx, like=flat)
+        c = coef[grp.first: grp.first + grp.count].astype(np.float32)
+        if grp.count == 1:
+            y = fwht(w, scale=float(c[0]), overwrite_input=True)
+        else:
+            w *= torch.from_numpy(c).to(flat.device)[:, None] if torch_in else c[:, None]
+            y = fwht(w, scale=1.0, overwrite_input=True)
+        _check_finite(y[:, 0], grp)
+        y += np.float32(g / 2.0)
+        u = y.clamp_(0.0, float(g)) if torch_in else np.clip(y, 0.0, g, out=y)
+        rand = uniforms(u.shape, flat, gen)
+        dst = out[grp.padded_start: grp.padded_start + grp.count * grp.padded]
+        stochastic_round(u, table, rand, out=dst.reshape(grp.count, grp.padded))
+    return out
+
+
+def _check_finite(first_coords, grp) -> None:
+    """Every rotated coordinate depends on every input one, so a NaN/Inf anywhere in a slice
+    shows up in its first rotated coordinate: checking those is O(slices), not O(d)."""
+    if is_torch(first_coords):
+        import torch
+        ok = bool(torch.isfinite(first_coords).all())
+    else:
+        ok = bool(np.all(np.isfinite(first_coords)))
+    if not ok:
+        raise ValueError(f"input contains NaN or Inf (or values so large that the rotation "
+                         f"overflows float32) in slices {grp.first}..{grp.first + grp.count - 1}")
+
+
+def sum_dtype(n_workers: int, params: THCParams, torch_backend: bool = False):
+    """Integer type wide enough for the sum of n workers' table values (at most n*g)."""
+    top = int(n_workers) * params.granularity
+    if torch_backend:
+        import torch
+        return torch.int32 if top < 2 ** 31 else torch.int64
+    return np.uint16 if top <= 0xFFFF else np.int64
+
+
+_TORCH_TABLES: dict = {}
+
+
+def table_values(indices, params: THCParams):
+    """T[index] per coordinate: what a worker contributes to the switch's sum (uint8 when
+    g <= 255, else int32)."""
+    table = params.table
+    dt = np.uint8 if params.granularity <= 255 else np.int32
+    if is_torch(indices):
+        import torch
+        key = (tuple(table), indices.device)
+        t = _TORCH_TABLES.get(key)
+        if t is None:
+            t = _TORCH_TABLES[key] = torch.from_numpy(table.astype(dt)).to(indices.device)
+        i = indices.reshape(-1)
+        if i.numel() and int(i.max()) >= params.levels:
+            raise ValueError(f"index {int(i.max())} outside the {params.levels}-entry table")
+        return t.index_select(0, i.to(torch.int32))
+    i = np.asarray(indices).reshape(-1)
+    if i.size and int(i.max()) >= params.levels:
+        raise ValueError(f"index {int(i.max())} outside the {params.levels}-entry table")
+    return table.astype(dt)[i]
+
+
+def aggregate(index_vectors: Sequence, params: THCParams):
+    """The switch's reference model: S = Σ_workers T[index] (numpy uint16/int64, torch
+    int32/int64), elementwise over equally long index vectors."""
+    index_vectors = list(index_vectors)
+    if not index_vectors:
+        raise ValueError("aggregate needs at least one index vector")
+    sizes = {int(v.shape[0]) for v in index_vectors}
+    if len(sizes) != 1:
+        raise ValueError(f"index vectors differ in length: {sorted(sizes)}")
+    n = len(index_vectors)
+    first = index_vectors[0]
+    if is_torch(first):
+        import torch
+        s = torch.zeros(first.shape[0], dtype=sum_dtype(n, params, True), device=first.device)
+        for v in index_vectors:
+            s += table_values(v, params)
+        return s
+    s = np.zeros(first.shape[0], dtype=sum_dtype(n, params))
+    for v in index_vectors:
+        s += table_values(v, params)
+    return s
+
+
+def decode(sums, n_workers: int, max_norms, numel: int, params: THCParams, round: int = 0,
+           out=None):
+    """Estimate of the workers' mean vector (flat float32, ``numel`` long) from the sums.
+
+    ``out``: optional flat float32 buffer of ``numel`` elements to write into (saves the
+    allocation and its page faults when decoding every round into the same buffer)."""
+    if int(n_workers) < 1:
+        raise ValueError(f"n_workers must be >= 1, got {n_workers}")
+    lay = layout(numel, params)
+    size = int(sums.shape[0]) if getattr(sums, "ndim", 1) else 1
+    if getattr(sums, "ndim", 1) != 1 or size != lay.total_padded:
+        raise ValueError(f"expected {lay.total_padded} sums (padded length of {numel} "
+                         f"elements in slices of {params.slice_size}), got shape "
+                         f"{tuple(sums.shape)}")
+    m = _norm_array(max_norms, lay.n_slices)
+    g, t, n = params.granularity, params.t_p, int(n_workers)
+    torch_in = is_torch(sums)
+    if torch_in:
+        import torch
+        if out is None:
+            out = torch.empty(lay.numel, dtype=torch.float32, device=sums.device)
+    else:
+        sums = np.asarray(sums)
+        if out is None:
+            out = np.empty(lay.numel, dtype=np.float32)
+    if tuple(out.shape) != (lay.numel,) or is_torch(out) != torch_in \
+            or str(out.dtype) not in ("float32", "torch.float32"):
+        raise ValueError(f"out must be a flat float32 buffer of {lay.numel} elements like the "
+                         f"sums, got {type(out).__name__} {tuple(out.shape)} {out.dtype}")
+    for grp in lay.groups(GROUP_ELEMENTS):
+        d = grp.padded
+        s = sums[grp.padded_start: grp.padded_start + grp.count * d].reshape(grp.count, d)
+        # x = D H ((S - n g/2) alpha) with H unnormalized. S - n g/2 is exact in float32 and
+        # centred, so the transform's partial sums stay small (S itself has a large mean
+        # that would cost precision wherever the Hadamard signs do not cancel it).
+        centre = n * g / 2.0
+        if torch_in:
+            # convert, then subtract: torch's mixed int/float subtraction is 7x slower
+            w = s.to(torch.float32)
+            w = w.sub_(centre) if w is not s else w - centre
+        else:
+            w = np.subtract(s, np.float32(centre), dtype=np.float32)
+        alpha = (2.0 * t * m[grp.first: grp.first + grp.count] / (g * d * n)).astype(np.float32)
+        if grp.count == 1:
+            y = fwht(w, scale=float(alpha[0]), overwrite_input=True)
+        else:
+            w *= torch.from_numpy(alpha).to(w.device)[:, None] if torch_in else alpha[:, None]
+            y = fwht(w, scale=1.0, overwrite_input=True)
+        signs = random_signs(d, params.seed, round, range(grp.first, grp.first + grp.count),
+                             like=y)
+        dst = out[grp.start: grp.start + grp.count * grp.length].reshape(grp.count, grp.length)
+        if grp.length == d:
+            if torch_in:
+                torch.mul(y, signs, out=dst)
+            else:
+                np.multiply(y, signs, out=dst)
+        else:
+            dst[...] = (y * signs)[:, : grp.length]
+    return out
+
+
+def decode_indices(indices, max_norms, numel: int, params: THCParams, round: int = 0):
+    """One worker's own reconstruction (decode with n = 1): what error feedback subtracts."""
+    return decode(table_values(indices, params), 1, max_norms, numel, params, round)
+
+
+@dataclass
+class ErrorFeedback:
+    """A worker's residual e, kept in the un-rotated domain.
+
+    Per round: ``y = ef.compensate(x)`` (x + e), norms/encode y, then
+    ``ef.update(y, own_indices, max_norms, round)`` sets e <- y - decode(own indices, n=1),
+    which absorbs both truncation and rounding error.
+    """
+
+    params: THCParams = field(default_factory=THCParams)
+    residual: object = None
+
+    def compensate(self, x):
+        if self.residual is None:
+            return x
+        if int(np.prod(tuple(x.shape))) != int(self.residual.shape[0]):
+            raise ValueError(f"error feedback holds {int(self.residual.shape[0])} elements, "
+                             f"got a tensor of {int(np.prod(tuple(x.shape)))}")
+        return x + self.residual.reshape(x.shape)
+
+    def update(self, x_plus_e, own_indices, max_norms, round: int = 0):
+        flat = _flat(x_plus_e)
+        est = decode_indices(own_indices, max_norms, flat.shape[0], self.params, round)
+        self.residual = flat - est
+        return self.residual
+
+    def reset(self) -> None:
+        self.residual = None
+
+
+class THCCodec:
+    """The codec bound to one set of parameters (all workers of a job share them)."""
+
+    def __init__(self, params: THCParams | None = None):
+        self.params = params or THCParams()
+
+    def layout(self, numel: int) -> SliceLayout:
+        return layout(numel, self.params)
+
+    def norms(self, x):
+        return slice_norms(x, self.params)
+
+    def encode(self, x, max_norms, round: int = 0, generator=None):
+        return encode(x, max_norms, self.params, round, generator)
+
+    def aggregate(self, index_vectors: Sequence):
+        return aggregate(index_vectors, self.params)
+
+    def decode(self, sums, n_workers: int, max_norms, numel: int, round: int = 0):
+        return decode(sums, n_workers, max_norms, numel, self.params, round)
+
+    def decode_own(self, indices, max_norms, numel: int, round: int = 0):
+        return decode_indices(indices, max_norms, numel, self.params, round)
+
+    def pack(self, indices):
+        """Wire form: b-bit indices packed MSB first (two per byte at b = 4)."""
+        return pack_bits(indices, self.params.bits)
+
+    def unpack(self, packed, count: int):
+        return unpack_bits(packed, self.params.bits, count)
+
+    def error_feedback(self) -> ErrorFeedback:
+        return ErrorFeedback(self.params)
+
+    def simulate(self, xs: Sequence, round: int = 0, generator=None):
+        """A whole in-memory round for vectors xs (one per worker, same size): MAX round,
+        encode, switch sum, decode. Returns the estimate of their mean (flat float32)."""
+        xs = list(xs)
+        if not xs:
+            raise ValueError("simulate needs at least one vector")
+        numel = int(np.prod(tuple(xs[0].shape)))
+        gen = resolve_generator(generator, xs[0])
+        m = agree_max([self.norms(x) for x in xs])
+        idx = [self.encode(x, m, round, gen) for x in xs]
+        return self.decode(self.aggregate(idx), len(xs), m, numel, round)
+
+    def wire_bytes(self, numel: int, n_workers: int = 1) -> dict:
+        """Bytes per round for ``numel`` coordinates: uplink indices, downlink sums (at the
+        narrowest whole-bit width that holds n*g) and the MAX round's float32 norms."""
+        lay = self.layout(numel)
+        sum_bits = max(1, math.ceil(math.log2(n_workers * self.params.granularity + 1)))
+        return {"padded": lay.total_padded,
+                "uplink": (lay.total_padded * self.params.bits + 7) // 8,
+                "downlink": (lay.total_padded * sum_bits + 7) // 8,
+                "norms": 4 * lay.n_slices}

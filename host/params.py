@@ -1,0 +1,120 @@
+"""THC parameters: one frozen object that every worker, the aggregator and the switch agree on.
+
+All workers of a job must use the same parameters (and the same rotation seed): the integer
+sums on the switch only mean something when every worker quantized onto the same table, with
+the same truncation threshold and the same random rotation.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+from dataclasses import dataclass
+from fractions import Fraction
+from statistics import NormalDist
+
+import numpy as np
+
+TABLE_KINDS = ("optimal", "uniform")
+
+
+def parse_fraction(text: str | float) -> float:
+    """Accept ``1/32``, ``0.03125`` or ``3.125e-2`` (argparse ``type=`` helper)."""
+    if isinstance(text, (int, float)):
+        return float(text)
+    try:
+        return float(Fraction(text.strip()))
+    except (ValueError, ZeroDivisionError):
+        raise argparse.ArgumentTypeError(f"not a number or fraction: {text!r}") from None
+
+
+def truncation_threshold(p: float) -> float:
+    """Two-sided normal quantile t_p with P(|Z| > t_p) = p."""
+    return NormalDist().inv_cdf(1.0 - p / 2.0)
+
+
+@dataclass(frozen=True)
+class THCParams:
+    """Codec parameters shared by a job.
+
+    ``bits``: index width b (2^b table entries); ``granularity``: g, the largest table value,
+    so sums of n workers lie in [0, n*g]; ``p``: truncation probability (coordinates beyond
+    ±t_p are clamped); ``seed``: shared seed of the random rotation; ``slice_size``: longest
+    slice rotated as a whole (power of two; the authors cap at 2^23); ``table_kind``:
+    ``optimal`` (THC's DP table) or ``uniform`` (UHC, equally spaced values).
+    """
+
+    bits: int = 4
+    granularity: int = 30
+    p: float = 1 / 32
+    seed: int = 0
+    slice_size: int = 2 ** 20
+    table_kind: str = "optimal"
+
+    def __post_init__(self) -> None:
+        if isinstance(self.bits, bool) or not isinstance(self.bits, (int, np.integer)) \
+                or not 1 <= self.bits <= 8:
+            raise ValueError(f"bits must be an integer in 1..8, got {self.bits!r}")
+        levels = (1 << int(self.bits)) - 1
+        if not isinstance(self.granularity, (int, np.integer)) or self.granularity < levels:
+            raise ValueError(f"granularity must be an integer >= 2^bits - 1 = {levels} "
+                             f"(the table needs 2^{self.bits} distinct values in 0..g), "
+                             f"got {self.granularity!r}")
+        if not (isinstance(self.p, (int, float)) and 0.0 < float(self.p) < 1.0):
+            raise ValueError(f"p must lie strictly between 0 and 1, got {self.p!r}")
+        s = self.slice_size
+        if not isinstance(s, (int, np.integer)) or s < 1 or s & (s - 1):
+            raise ValueError(f"slice_size must be a power of two >= 1, got {s!r}")
+        if not isinstance(self.seed, (int, np.integer)) or self.seed < 0:
+            raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}")
+        if self.table_kind not in TABLE_KINDS:
+            raise ValueError(f"table_kind must be one of {TABLE_KINDS}, got {self.table_kind!r}")
+        object.__setattr__(self, "bits", int(self.bits))
+        object.__setattr__(self, "granularity", int(self.granularity))
+        object.__setattr__(self, "p", float(self.p))
+        object.__setattr__(self, "seed", int(self.seed))
+        object.__setattr__(self, "slice_size", int(s))
+
+    @property
+    def levels(self) -> int:
+        """Number of table entries, 2^bits."""
+        return 1 << self.bits
+
+    @property
+    def t_p(self) -> float:
+        return truncation_threshold(self.p)
+
+    @property
+    def table(self) -> np.ndarray:
+        """The lookup table (a fresh copy of the cached one, so callers cannot corrupt it)."""
+        from host.table import optimal_table, uniform_table
+        if self.table_kind == "uniform":
+            return uniform_table(self.bits, self.granularity).copy()
+        return optimal_table(self.bits, self.granularity, self.p).copy()
+
+    def replace(self, **changes) -> "THCParams":
+        from dataclasses import replace
+        return replace(self, **changes)
+
+    @staticmethod
+    def add_arguments(parser: argparse.ArgumentParser, *, seed: bool = True) -> None:
+        """``--bits --granularity --p [--seed]`` with the defaults above."""
+        parser.add_argument("--bits", type=int, default=4, help="index width b (default 4)")
+        parser.add_argument("--granularity", "-g", type=int, default=30,
+                            help="largest table value g (default 30)")
+        parser.add_argument("--p", type=parse_fraction, default=1 / 32,
+                            help="truncation probability, e.g. 1/32 or 0.03125 (default 1/32)")
+        if seed:
+            parser.add_argument("--seed", type=int, default=0, help="shared rotation seed")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, **overrides) -> "THCParams":
+        kw = dict(bits=args.bits, granularity=args.granularity, p=args.p,
+                  seed=getattr(args, "seed", 0))
+        kw.update(overrides)
+        return cls(**kw)
+
+    def describe(self) -> str:
+        frac = Fraction(self.p).limit_denominator(1 << 20)
+        p_text = f"{frac}" if math.isclose(float(frac), self.p, rel_tol=1e-12) else f"{self.p:g}"
+        return (f"b={self.bits} g={self.granularity} p={p_text} t_p={self.t_p:.4f} "
+                f"table={self.table_kind}")

@@ -1,0 +1,235 @@
+"""Truncation, unbiased stochastic rounding onto the lookup table, and b-bit wire packing.
+
+Works on numpy arrays and torch tensors with the same sequence of float32 operations, so
+equal inputs and equal uniform draws give equal indices on both backends.
+
+Stochastic rounding: for u between neighbours T[j] <= u <= T[j+1] the index is j + 1 with
+probability (u - T[j]) / (T[j+1] - T[j]), else j, which makes E[T[index]] = u (unbiased).
+Table values are integers, so the neighbours are fixed on each [k, k+1) and are looked up by
+floor(u) in tables of g entries: no search per coordinate.
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+
+import numpy as np
+
+from host.hadamard import is_torch
+
+
+def to_grid(z, t_p: float, granularity: int):
+    """Clamp z to ±t_p and map it onto [0, g]: u = (z + t_p) g / (2 t_p)."""
+    g = float(granularity)
+    u = z * np.float32(g / (2.0 * t_p))
+    u += np.float32(g / 2.0)
+    return _clamp_(u, 0.0, g)
+
+
+def _clamp_(x, lo: float, hi: float):
+    if is_torch(x):
+        return x.clamp_(lo, hi)
+    return np.clip(x, lo, hi, out=x)
+
+
+@lru_cache(maxsize=64)
+def _segments(table: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """For u in [k, k+1), k = 0..g-1: lower index j, lower value T[j], width T[j+1] - T[j]."""
+    t = np.asarray(table, dtype=np.int64)
+    g = int(t[-1])
+    k = np.arange(g)
+    j = np.clip(np.searchsorted(t, k, side="right") - 1, 0, t.size - 2)
+    return (j.astype(np.uint8), t[j].astype(np.float32),
+            (t[j + 1] - t[j]).astype(np.float32))
+
+
+def check_table(table) -> tuple[int, ...]:
+    t = tuple(int(v) for v in np.asarray(table).reshape(-1))
+    if len(t) < 2 or t[0] != 0 or any(b <= a for a, b in zip(t, t[1:])) or len(t) > 256:
+        raise ValueError(f"a table needs 2..256 strictly increasing integers from 0, got {t}")
+    return t
+
+
+_TORCH_LUT: dict = {}
+
+
+def _lut(table: tuple[int, ...], like):
+    luts = _segments(table)
+    if not is_torch(like):
+        return luts
+    key = (table, like.device)
+    cached = _TORCH_LUT.get(key)
+    if cached is None:
+        import torch
+        cached = _TORCH_LUT[key] = tuple(torch.from_numpy(a).to(like.device) for a in luts)
+    return cached
+
+
+def resolve_generator(generator, like):
+    """Normalise a generator argument: np.random.Generator and torch.Generator are used as they
+    are; an int seeds a numpy PCG64 (the same draws for numpy and torch inputs); None means
+    fresh entropy for numpy inputs and torch's global generator for torch inputs."""
+    if generator is None:
+        return None if is_torch(like) else np.random.default_rng()
+    if isinstance(generator, (int, np.integer)):
+        return np.random.default_rng(int(generator))
+    return generator
+
+
+def uniforms(shape, like, generator):
+    """float32 U[0, 1) draws shaped ``shape`` on ``like``'s backend and device.
+
+    A numpy Generator draws on the CPU (and is copied to a torch device): identical numbers
+    for numpy and torch inputs. A torch Generator or None draws with torch.
+    """
+    shape = tuple(int(s) for s in shape)
+    if isinstance(generator, np.random.Generator):
+        r = generator.random(shape, dtype=np.float32)
+        if is_torch(like):
+            import torch
+            return torch.from_numpy(r).to(like.device)
+        return r
+    if not is_torch(like):
+        raise TypeError("numpy inputs need a numpy Generator (or an int seed, or None)")
+    import torch
+    return torch.rand(shape, generator=generator, device=like.device, dtype=torch.float32)
+
+
+def stochastic_round(u, table, rand, out=None):
+    """Indices (uint8) of the table neighbours of u in [0, g], chosen so that E[T[i]] = u.
+
+    ``rand``: U[0, 1) draws of u's shape. ``u`` is consumed (used as scratch space).
+    The lower neighbour's index is j and the step is taken when r < (u - T[j]) / width:
+    u - T[j] is exact in float32 and the division correctly rounded, so the probability is
+    right to within the 2^-24 resolution of r (adding r to a float index would lose bits).
+    """
+    t = check_table(table)
+    g = t[-1]
+    lower, base, width = _lut(t, u)
+    if is_torch(u):
+        import torch
+        k = u.to(torch.int32).clamp_(max=g - 1).reshape(-1)
+        u.sub_(base.index_select(0, k).reshape(u.shape))
+        u.div_(width.index_select(0, k).reshape(u.shape))
+        step = torch.lt(rand, u).reshape(-1)
+        if out is None:
+            j = lower.index_select(0, k)
+        else:
+            j = out.view(-1)
+            torch.index_select(lower, 0, k, out=j)
+        j.add_(step)
+        return j.reshape(u.shape) if out is None else out
+    k = u.astype(np.int32)
+    np.minimum(k, g - 1, out=k)
+    u -= np.take(base, k)
+    u /= np.take(width, k)
+    step = np.less(rand, u)
+    if out is None:
+        j = np.take(lower, k)
+    else:
+        j = out
+        np.take(lower, k, out=j)
+    j += step
+    return j
+
+
+def quantize(z, table, t_p: float, granularity: int, generator=None):
+    """Truncate z at ±t_p and round it stochastically onto the table: uint8 indices."""
+    u = to_grid(z, t_p, granularity)
+    rand = uniforms(u.shape, u, resolve_generator(generator, u))
+    return stochastic_round(u, table, rand)
+
+
+def dequantize(idx, table, t_p: float, granularity: int):
+    """The z value an index stands for: (T[i] - g/2) 2 t_p / g (float32)."""
+    t = np.asarray(check_table(table), dtype=np.float32)
+    zval = (t - np.float32(granularity / 2.0)) * np.float32(2.0 * t_p / granularity)
+    if is_torch(idx):
+        import torch
+        return torch.from_numpy(zval).to(idx.device)[idx.long()]
+    return zval[np.asarray(idx)]
+
+
+def packed_size(count: int, bits: int) -> int:
+    return (int(count) * int(bits) + 7) // 8
+
+
+def _check_bits(bits: int) -> int:
+    if not 1 <= int(bits) <= 8:
+        raise ValueError(f"bits must be in 1..8, got {bits}")
+    return int(bits)
+
+
+def pack_bits(idx, bits: int):
+    """Pack b-bit indices into bytes, most significant bit first, the first index in the high
+    bits (for b = 4 exactly :func:`host.protocol.pack_nibbles`). The last byte is zero-padded."""
+    b = _check_bits(bits)
+    torch_in = is_torch(idx)
+    if torch_in:
+        import torch
+        x = idx.reshape(-1).to(torch.uint8)
+    else:
+        x = np.asarray(idx, dtype=np.uint8).reshape(-1)
+    n = x.shape[0]
+    if n and int(x.max()) >> b:
+        raise ValueError(f"index {int(x.max())} does not fit in {b} bits")
+    if b == 8:
+        return x.clone() if torch_in else x.copy()
+    if 8 % b == 0:
+        # b divides 8: OR the 8/b indices of each byte together, one strided column at a time
+        per = 8 // b
+        if n % per:
+            x = torch.nn.functional.pad(x, (0, (-n) % per)) if torch_in else \
+                np.concatenate((x, np.zeros((-n) % per, np.uint8)))
+        x = x.reshape(-1, per)
+        acc = x[:, 0] << (8 - b) if torch_in else x[:, 0] << np.uint8(8 - b)
+        for i in range(1, per):
+            shift = 8 - b * (i + 1)
+            acc |= x[:, i] << (shift if torch_in else np.uint8(shift))
+        return acc
+    # other widths: through a bit matrix (b bits per index, MSB first), 8 bits per byte
+    if not torch_in:
+        return np.packbits(np.unpackbits(x[:, None], axis=1)[:, 8 - b:].reshape(-1))
+    shifts = torch.arange(b - 1, -1, -1, dtype=torch.uint8, device=x.device)
+    bitv = ((x.unsqueeze(1) >> shifts) & 1).reshape(-1)
+    bitv = torch.nn.functional.pad(bitv, (0, (-bitv.numel()) % 8)).reshape(-1, 8)
+    weights = torch.arange(7, -1, -1, dtype=torch.uint8, device=x.device)
+    return (bitv << weights).sum(dim=1, dtype=torch.int32).to(torch.uint8)
+
+
+def unpack_bits(packed, bits: int, count: int):
+    """Inverse of :func:`pack_bits`: ``count`` indices (uint8) from the packed bytes."""
+    b = _check_bits(bits)
+    count = int(count)
+    torch_in = is_torch(packed)
+    if torch_in:
+        import torch
+        p = packed.reshape(-1).to(torch.uint8)
+    else:
+        p = np.asarray(packed, dtype=np.uint8).reshape(-1)
+    if p.shape[0] != packed_size(count, b):
+        raise ValueError(f"{count} indices of {b} bits need {packed_size(count, b)} bytes, "
+                         f"got {p.shape[0]}")
+    if b == 8:
+        return p.clone() if torch_in else p.copy()
+    if 8 % b == 0:
+        per = 8 // b
+        mask = (1 << b) - 1
+        if torch_in:
+            out = torch.empty((p.shape[0], per), dtype=torch.uint8, device=p.device)
+            for i in range(per):
+                torch.bitwise_and(p >> (8 - b * (i + 1)), mask, out=out[:, i])
+        else:
+            out = np.empty((p.shape[0], per), dtype=np.uint8)
+            for i in range(per):
+                np.bitwise_and(p >> np.uint8(8 - b * (i + 1)), np.uint8(mask), out=out[:, i])
+        return out.reshape(-1)[:count]
+    if not torch_in:
+        bitv = np.unpackbits(p, count=count * b).reshape(count, b)
+        full = np.zeros((count, 8), dtype=np.uint8)
+        full[:, 8 - b:] = bitv
+        return np.packbits(full, axis=1).reshape(-1)
+    dev = p.device
+    bitv = (p.unsqueeze(1) >> torch.arange(7, -1, -1, dtype=torch.uint8, device=dev)) & 1
+    bitv = bitv.reshape(-1)[: count * b].reshape(count, b)
+    weights = torch.arange(b - 1, -1, -1, dtype=torch.uint8, device=dev)
+    return (bitv << weights).sum(dim=1, dtype=torch.int32).to(torch.uint8)

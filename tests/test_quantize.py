@@ -1,0 +1,114 @@
+"""Stochastic rounding onto the table and b-bit packing, numpy and torch."""
+import numpy as np
+import pytest
+import torch
+
+from host import protocol
+from host.quantize import (dequantize, pack_bits, packed_size, quantize, stochastic_round,
+                           to_grid, uniforms, unpack_bits)
+from host.table import optimal_table, uniform_table
+
+TABLE = optimal_table(4, 30, 1 / 32)
+
+
+@pytest.mark.parametrize("bits", range(1, 9))
+@pytest.mark.parametrize("count", [0, 1, 2, 7, 8, 1001])
+def test_pack_round_trip_bit_exact(bits, count):
+    rng = np.random.default_rng(bits * 1000 + count)
+    idx = rng.integers(0, 1 << bits, size=count).astype(np.uint8)
+    packed = pack_bits(idx, bits)
+    assert packed.dtype == np.uint8 and packed.size == packed_size(count, bits)
+    assert np.array_equal(unpack_bits(packed, bits, count), idx)
+    packed_t = pack_bits(torch.from_numpy(idx), bits)
+    assert np.array_equal(packed_t.numpy(), packed)
+    assert np.array_equal(unpack_bits(packed_t, bits, count).numpy(), idx)
+    if count:
+        bitstring = "".join(format(int(v), f"0{bits}b") for v in idx)
+        bitstring += "0" * (-len(bitstring) % 8)
+        expect = [int(bitstring[i:i + 8], 2) for i in range(0, len(bitstring), 8)]
+        assert packed.tolist() == expect
+
+
+def test_four_bit_packing_is_the_wire_format():
+    idx = np.random.default_rng(0).integers(0, 16, 512).astype(np.uint8)
+    assert np.array_equal(pack_bits(idx, 4), protocol.pack_nibbles(idx))
+    assert np.array_equal(unpack_bits(protocol.pack_nibbles(idx), 4, 512), idx)
+
+
+def test_pack_errors():
+    with pytest.raises(ValueError, match="fit in 3 bits"):
+        pack_bits(np.array([8], np.uint8), 3)
+    with pytest.raises(ValueError, match="fit in 2 bits"):
+        pack_bits(torch.tensor([4], dtype=torch.uint8), 2)
+    with pytest.raises(ValueError, match="need 2 bytes"):
+        unpack_bits(np.zeros(3, np.uint8), 4, 4)
+    with pytest.raises(ValueError, match="bits"):
+        pack_bits(np.zeros(2, np.uint8), 9)
+
+
+def test_to_grid_truncates_and_maps():
+    z = np.array([-10.0, -2.0, 0.0, 1.0, 10.0], np.float32)
+    u = to_grid(z.copy(), 2.0, 30)
+    assert np.allclose(u, [0.0, 0.0, 15.0, 22.5, 30.0])
+    ut = to_grid(torch.from_numpy(z), 2.0, 30)
+    assert np.allclose(ut.numpy(), u)
+
+
+def test_table_points_round_deterministically():
+    u = TABLE.astype(np.float32)
+    for r in (0.0, 0.5, 0.999999):
+        rand = np.full(u.shape, r, np.float32)
+        assert np.array_equal(stochastic_round(u.copy(), TABLE, rand), np.arange(16))
+
+
+@pytest.mark.parametrize("table", [TABLE, uniform_table(4, 30), optimal_table(2, 6, 1 / 32),
+                                   optimal_table(8, 300, 1 / 256)])
+def test_rounding_is_unbiased(table):
+    """For each u, E[T[index]] = u: the mean over K draws is within 5 standard errors, the
+    standard error computed from the exact rounding variance (u - a)(b - u)."""
+    g = int(table[-1])
+    u0 = np.linspace(0, g, 97).astype(np.float32)
+    k = 20000
+    u = np.repeat(u0[None, :], k, axis=0)
+    rng = np.random.default_rng(7)
+    idx = stochastic_round(u.copy(), table, rng.random(u.shape, dtype=np.float32))
+    assert idx.dtype == np.uint8 and idx.max() < table.size
+    vals = table[idx].astype(np.float64)
+    j = np.clip(np.searchsorted(table, u0, side="right") - 1, 0, table.size - 2)
+    a, b = table[j], table[j + 1]
+    assert np.all((vals == a) | (vals == b))
+    var = (u0 - a) * (b - u0)
+    se = np.sqrt(var / k) + 1e-6
+    assert np.all(np.abs(vals.mean(axis=0) - u0) <= 5 * se)
+    assert np.allclose(vals.var(axis=0), var, atol=0.05 * max(var.max(), 1e-3))
+
+
+def test_numpy_and_torch_round_identically():
+    rng = np.random.default_rng(3)
+    u = rng.uniform(0, 30, 1 << 16).astype(np.float32)
+    rand = rng.random(u.shape, dtype=np.float32)
+    a = stochastic_round(u.copy(), TABLE, rand)
+    b = stochastic_round(torch.from_numpy(u.copy()), TABLE, torch.from_numpy(rand))
+    assert np.array_equal(a, b.numpy())
+
+
+def test_quantize_and_dequantize():
+    z = np.random.default_rng(4).standard_normal(1 << 15).astype(np.float32)
+    idx = quantize(z, TABLE, 2.1539, 30, generator=5)
+    assert np.array_equal(idx, quantize(torch.from_numpy(z), TABLE, 2.1539, 30, 5).numpy())
+    zhat = dequantize(idx, TABLE, 2.1539, 30)
+    assert np.allclose(dequantize(torch.from_numpy(idx), TABLE, 2.1539, 30).numpy(), zhat)
+    err = np.mean((zhat - z) ** 2)
+    print(f"z-domain MSE of one quantization: {err:.5f}")
+    assert 0.015 < err < 0.026
+
+
+def test_uniforms_sources():
+    like = torch.zeros(1)
+    a = uniforms((4, 5), like, np.random.default_rng(1))
+    b = uniforms((4, 5), np.zeros(1), np.random.default_rng(1))
+    assert np.array_equal(a.numpy(), b)
+    c = uniforms((1000,), like, torch.Generator().manual_seed(0))
+    assert c.dtype == torch.float32 and 0 <= float(c.min()) and float(c.max()) < 1
+    with pytest.raises(TypeError):
+        uniforms((3,), np.zeros(1), None)

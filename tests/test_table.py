@@ -1,0 +1,131 @@
+"""The lookup table: shape constraints, DP optimality against exhaustive search, parameters."""
+import argparse
+import itertools
+
+import numpy as np
+import pytest
+
+from host import table as T
+from host.params import THCParams, parse_fraction, truncation_threshold
+
+
+def test_default_table_shape():
+    t = T.optimal_table(4, 30, 1 / 32)
+    print("b=4 g=30 p=1/32 table:", t.tolist())
+    assert t.dtype == np.int64 and t.size == 16
+    assert t[0] == 0 and t[-1] == 30
+    assert np.all(np.diff(t) > 0)
+    assert np.array_equal(t + t[::-1], np.full(16, 30))
+
+
+def test_params_table_matches_and_is_a_copy():
+    p = THCParams()
+    t = p.table
+    t[0] = 99
+    assert p.table[0] == 0
+    assert np.array_equal(p.table, T.optimal_table(4, 30, 1 / 32))
+    assert np.array_equal(THCParams(table_kind="uniform").table, np.arange(0, 31, 2))
+
+
+def test_cached_table_is_read_only():
+    t = T.optimal_table(4, 30, 1 / 32)
+    assert t is T.optimal_table(4, 30, 1 / 32)
+    with pytest.raises(ValueError):
+        t[1] = 5
+
+
+@pytest.mark.parametrize("bits,g,p", [(2, 6, 1 / 32), (3, 14, 1 / 32), (4, 30, 1 / 32),
+                                      (4, 30, 1 / 1024), (5, 62, 1 / 64), (6, 100, 1 / 256)])
+def test_dp_not_worse_than_uniform(bits, g, p):
+    opt = T.table_objective(T.optimal_table(bits, g, p), p, g)
+    uni = T.table_objective(T.uniform_table(bits, g), p, g)
+    assert opt <= uni + 1e-12
+
+
+def _symmetric_tables(bits, g):
+    half = 1 << (bits - 1)
+    for lower in itertools.combinations(range(1, (g - 1) // 2 + 1), half - 1):
+        low = (0,) + lower
+        yield np.array(low + tuple(g - v for v in reversed(low)))
+
+
+@pytest.mark.parametrize("bits", [2, 3])
+@pytest.mark.parametrize("p", [1 / 8, 1 / 32, 1 / 1024])
+def test_dp_matches_exhaustive_search(bits, p):
+    for g in range((1 << bits) - 1, 17):
+        best = min(T.table_objective(t, p, g) for t in _symmetric_tables(bits, g))
+        dp = T.optimal_table(bits, g, p)
+        assert T.table_objective(dp, p, g) == pytest.approx(best, rel=1e-12, abs=1e-15), (g, dp)
+
+
+def test_model_matches_reference_figures():
+    """Analytic NMSE of one Gaussian worker vs DESIGN.md (0.0204 THC, 0.0206 UHC, 0.0196 at
+    p = 1/64)."""
+    thc = T.expected_nmse(T.optimal_table(4, 30, 1 / 32), 1 / 32, 30)
+    uhc = T.expected_nmse(T.uniform_table(4, 30), 1 / 32, 30)
+    opt64 = T.expected_nmse(T.optimal_table(4, 30, 1 / 64), 1 / 64, 30)
+    print(f"model: THC {thc:.5f} UHC {uhc:.5f} THC p=1/64 {opt64:.5f}")
+    assert thc == pytest.approx(0.0204, rel=0.01)
+    assert uhc == pytest.approx(0.0206, rel=0.01)
+    assert opt64 == pytest.approx(0.0196, rel=0.02)
+    assert opt64 < thc
+
+
+def test_truncation_thresholds_match_design():
+    for p, t in [(1 / 32, 2.1539), (1 / 64, 2.4176), (1 / 128, 2.6601), (1 / 512, 3.0973)]:
+        assert truncation_threshold(p) == pytest.approx(t, abs=5e-5)
+        assert THCParams(p=p).t_p == pytest.approx(t, abs=5e-5)
+
+
+def test_extreme_bit_widths():
+    assert T.optimal_table(1, 30, 1 / 32).tolist() == [0, 30]
+    assert T.optimal_table(8, 255, 1 / 32).tolist() == list(range(256))
+    t = T.optimal_table(8, 600, 1 / 1024)
+    assert t.size == 256 and t[0] == 0 and t[-1] == 600 and np.all(np.diff(t) > 0)
+
+
+def test_uniform_table_symmetric_for_odd_granularity():
+    for bits, g in [(2, 7), (3, 9), (4, 31), (4, 45)]:
+        t = T.uniform_table(bits, g)
+        assert t[0] == 0 and t[-1] == g and np.all(np.diff(t) > 0)
+        assert np.array_equal(t + t[::-1], np.full(t.size, g))
+
+
+@pytest.mark.parametrize("bits,g", [(4, 14), (8, 254), (3, 6)])
+def test_granularity_too_small_is_a_clear_error(bits, g):
+    with pytest.raises(ValueError, match="granularity"):
+        T.optimal_table(bits, g, 1 / 32)
+    with pytest.raises(ValueError, match="granularity"):
+        THCParams(bits=bits, granularity=g)
+
+
+@pytest.mark.parametrize("kw,word", [({"bits": 0}, "bits"), ({"bits": 9}, "bits"),
+                                     ({"p": 0.0}, "p"), ({"p": 1.0}, "p"),
+                                     ({"slice_size": 1000}, "slice_size"),
+                                     ({"seed": -1}, "seed"), ({"table_kind": "x"}, "table_kind")])
+def test_params_validation(kw, word):
+    with pytest.raises(ValueError, match=word):
+        THCParams(**kw)
+
+
+def test_fraction_parsing_and_argparse():
+    assert parse_fraction("1/32") == 1 / 32
+    assert parse_fraction("0.03125") == 1 / 32
+    with pytest.raises(argparse.ArgumentTypeError):
+        parse_fraction("a/b")
+    parser = argparse.ArgumentParser()
+    THCParams.add_arguments(parser)
+    params = THCParams.from_args(parser.parse_args(["--bits", "3", "-g", "14", "--p", "1/64"]))
+    assert (params.bits, params.granularity, params.p) == (3, 14, 1 / 64)
+
+
+def test_cli_prints_table(capsys):
+    parser = argparse.ArgumentParser()
+    T.add_arguments(parser)
+    assert T.run(parser.parse_args(["--bits", "4", "--granularity", "30", "--p", "1/32",
+                                    "--uniform"])) == 0
+    out = capsys.readouterr().out
+    assert " ".join(map(str, T.optimal_table(4, 30, 1 / 32))) in out
+    assert "t_p = 2.1539" in out and "uniform table" in out
+    assert T.run(parser.parse_args(["--bits", "8", "--granularity", "30"])) == 2
+    assert "granularity" in capsys.readouterr().out
