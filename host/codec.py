@@ -349,8 +349,8 @@ class THCCodec:
     def aggregate(self, index_vectors: Sequence):
         return aggregate(index_vectors, self.params)
 
-    def decode(self, sums, n_workers: int, max_norms, numel: int, round: int = 0):
-        return decode(sums, n_workers, max_norms, numel, self.params, round)
+    def decode(self, sums, n_workers: int, max_norms, numel: int, round: int = 0, out=None):
+        return decode(sums, n_workers, max_norms, numel, self.params, round, out)
 
     def decode_own(self, indices, max_norms, numel: int, round: int = 0):
         return decode_indices(indices, max_norms, numel, self.params, round)

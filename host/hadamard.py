@@ -160,9 +160,9 @@ def random_signs(n: int, seed: int, round: int = 0, slice_index: int | Sequence[
     """
     many = not isinstance(slice_index, (int, np.integer))
     indices = list(slice_index) if many else [int(slice_index)]
-    rows = len(indices)
+    rows, width = len(indices), 8 * ((n + 7) // 8)
     packed = np.stack([_packed_sign_bits(n, seed, round, i) for i in indices]) if indices \
-        else np.zeros((0, (n + 7) // 8), dtype=np.uint8)
+        else np.zeros((0, width // 8), dtype=np.uint8)
     if is_torch(like) and like.device.type != "cpu":
         import torch
         dev = like.device
@@ -170,9 +170,9 @@ def random_signs(n: int, seed: int, round: int = 0, slice_index: int | Sequence[
         if lut is None:
             lut = _TORCH_SIGN_BYTES[dev] = torch.from_numpy(_SIGN_BYTES).to(dev)
         p = torch.from_numpy(packed.reshape(-1)).to(dev).int()
-        signs = lut.index_select(0, p).reshape(rows, -1)[:, :n].contiguous()
+        signs = lut.index_select(0, p).reshape(rows, width)[:, :n].contiguous()
     else:
-        signs = np.take(_SIGN_BYTES, packed.reshape(-1), axis=0).reshape(rows, -1)
+        signs = np.take(_SIGN_BYTES, packed.reshape(-1), axis=0).reshape(rows, width)
         if signs.shape[1] != n:
             signs = np.ascontiguousarray(signs[:, :n])
         if is_torch(like):
