@@ -6,7 +6,6 @@ FP32 all-reduce; the rest of each bucket goes through THC with per-bucket error 
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -106,30 +105,24 @@ class THCHook(_Hook):
 
 
 class TopKHook(_Hook):
-    """TopK sparsification (default 10%) with error feedback, exchanged by all-gather."""
+    """TopK sparsification (default 10%) with error feedback (:class:`host.baselines.TopK`),
+    exchanged by all-gather: k values and indices per worker."""
 
     def __init__(self, model, ratio: float = 0.1, options: HookOptions = HookOptions(),
                  group=None):
         super().__init__(model, options, group)
-        if not 0 < ratio <= 1:
-            raise ValueError(f"TopK ratio must lie in (0, 1], got {ratio}")
-        self.ratio = ratio
-        self.residual: dict[tuple[int, int], torch.Tensor] = {}
+        from host.baselines import TopK
+        self.scheme = TopK(ratio=ratio, error_feedback=True)
 
     def reduce(self, bucket_index: int, flat: torch.Tensor) -> torch.Tensor:
-        key = (bucket_index, flat.numel())
-        x = flat + self.residual[key] if key in self.residual else flat.clone()
-        k = max(1, math.ceil(self.ratio * x.numel()))
-        _, idx = torch.topk(x.abs(), k, sorted=False)
-        vals = x[idx]
-        x[idx] = 0
-        idx = idx.to(torch.int32)
-        self.residual[key] = x
+        # The residual is keyed by bucket and size: DDP rebuilds buckets after one iteration.
+        payload = self.scheme.compress(flat, key=(bucket_index, flat.numel()))
+        idx = payload.indices.to(torch.int32)
+        vals = payload.values.float()
         all_idx = [torch.empty_like(idx) for _ in range(self.world)]
         all_vals = [torch.empty_like(vals) for _ in range(self.world)]
         dist.all_gather(all_idx, idx, group=self.group)
         dist.all_gather(all_vals, vals, group=self.group)
-        self.bytes_sent += (self.world - 1) * k * (idx.element_size() + vals.element_size())
-        out = torch.zeros_like(flat)
-        out.index_add_(0, torch.cat(all_idx).long(), torch.cat(all_vals))
-        return out / self.world
+        self.bytes_sent += (self.world - 1) * idx.numel() * (idx.element_size()
+                                                             + vals.element_size())
+        return self.scheme.combine(all_vals, all_idx, flat.numel())

@@ -1,0 +1,87 @@
+"""DDP communication hooks in real multi-process Gloo groups."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as tmp
+
+from tests.test_transport import free_port_block
+
+WORLD = 2
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 4))
+
+
+def _data(rank):
+    g = torch.Generator().manual_seed(rank)
+    return torch.randn(32, 64, generator=g), torch.randint(0, 4, (32,), generator=g)
+
+
+def _grads_without_ddp(rank):
+    m = _model()
+    x, y = _data(rank)
+    torch.nn.functional.cross_entropy(m(x), y).backward()
+    return {n: p.grad.clone() for n, p in m.named_parameters()}
+
+
+def _worker(rank, port, kind, q):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from host.allreduce import THCAllReduce
+    from host.ddp import HookOptions, THCHook, TopKHook
+    from host.params import THCParams
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=WORLD)
+    model = _model()
+    ddp = DDP(model)
+    opts = HookOptions(uncompressed=("2.bias",))
+    if kind == "thc":
+        gen = torch.Generator().manual_seed(rank)
+        hook = THCHook(model, lambda: THCAllReduce.through_torch_distributed(
+            params=THCParams(seed=3), generator=gen), opts).register(ddp)
+    else:
+        hook = TopKHook(model, ratio=0.25, options=opts).register(ddp)
+    x, y = _data(rank)
+    torch.nn.functional.cross_entropy(ddp(x), y).backward()
+    q.put((rank, {n: p.grad.numpy().copy() for n, p in model.named_parameters()},
+           hook.fp32_elements, hook.bytes_sent))
+    dist.destroy_process_group()
+
+
+def _run(kind):
+    ctx = tmp.get_context("spawn")
+    q = ctx.Queue()
+    port = free_port_block(1)
+    ps = [ctx.Process(target=_worker, args=(r, port, kind, q)) for r in range(WORLD)]
+    [p.start() for p in ps]
+    out = {r: (g, n, b) for r, g, n, b in (q.get(timeout=120) for _ in ps)}
+    [p.join(30) for p in ps]
+    ref = [_grads_without_ddp(r) for r in range(WORLD)]
+    mean = {k: ((ref[0][k] + ref[1][k]) / 2).numpy() for k in ref[0]}
+    return out, mean
+
+
+@pytest.mark.parametrize("kind", ["thc", "topk"])
+def test_hook_gives_every_rank_the_same_gradient(kind):
+    out, mean = _run(kind)
+    for name in mean:
+        np.testing.assert_array_equal(out[0][0][name], out[1][0][name])
+    # The parameter left uncompressed gets the exact FP32 mean (up to summation order).
+    np.testing.assert_allclose(out[0][0]["2.bias"], mean["2.bias"], rtol=1e-5, atol=1e-7)
+    assert out[0][1] == 4, "only 2.bias (4 elements) goes through FP32"
+    assert out[0][2] > 0
+
+
+def test_thc_hook_gradient_close_to_the_mean():
+    out, mean = _run("thc")
+    num = sum(float(((out[0][0][k] - mean[k]) ** 2).sum()) for k in mean)
+    den = sum(float((mean[k] ** 2).sum()) for k in mean)
+    # Two workers' THC estimate of their mean: relative error well under 10%.
+    assert num / den < 0.1, num / den
