@@ -16,6 +16,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("host.bench.cli", "benchmarks: codec, aggregator, switch, allreduce"),
     "aggregator": ("host.aggregator", "run the software aggregator (THC's parameter server)"),
     "controller": ("controller.cli", "program a BMv2 switch over P4Runtime"),
+    "model": ("host.perfmodel", "iteration-time model: when does compression pay?"),
     "run": ("host.mainjob", "the main job: train a model with FP32, THC and TopK, compare"),
 }
 

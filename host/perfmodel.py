@@ -1,0 +1,109 @@
+"""When does compression pay? The iteration-time model of Agarwal et al. (MLSys 2022).
+
+T_iter = max(lambda * T_compute, T_comm) + T_encode + T_decode, with lambda ~ 1.04-1.1 (the
+slowdown of compute when communication overlaps it). A ring all-reduce of b bytes over p
+workers costs 2*alpha*(p-1) + 2*b*(p-1)/(p*BW). Through a switch (or a parameter server
+with a fat link) each worker sends its compressed gradient once and receives the sums once,
+full duplex: alpha*2 + max(up, down)/BW. Compression pays only when the communication it
+saves is not hidden behind compute and exceeds its own encode/decode cost.
+"""
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+from host import protocol as P
+
+
+@dataclass(frozen=True)
+class Setup:
+    params: float = 25e6
+    """Gradient elements per iteration."""
+    workers: int = 8
+    bandwidth_gbps: float = 10.0
+    latency_us: float = 10.0
+    compute_s: float = 0.1
+    overlap: float = 1.05
+    codec_mbps: float = 270.0
+    """THC encode + decode throughput per worker (MB of float32 per second; `thc bench codec`)."""
+    lanes: int = P.LANES
+
+    @property
+    def bw(self) -> float:
+        return self.bandwidth_gbps * 1e9 / 8
+
+    @property
+    def alpha(self) -> float:
+        return self.latency_us * 1e-6
+
+
+def ring_allreduce_s(nbytes: float, s: Setup) -> float:
+    p = s.workers
+    return 2 * s.alpha * (p - 1) + 2 * nbytes * (p - 1) / (p * s.bw)
+
+
+def thc_wire_bytes(s: Setup) -> tuple[float, float]:
+    """Bytes a worker sends and receives per iteration through the aggregator (with headers)."""
+    overhead = P.ETH_IP_UDP_BYTES + P.HEADER_BYTES
+    packets = s.params / s.lanes
+    up = packets * (overhead + P.payload_bytes(P.PktType.DATA, s.lanes))
+    down = packets * (overhead + P.payload_bytes(P.PktType.RESULT, s.lanes))
+    return up, down
+
+
+def iteration_s(s: Setup) -> dict[str, float]:
+    """Modelled iteration time of FP32 ring all-reduce, THC via a switch, THC via all-reduce."""
+    compute = s.overlap * s.compute_s
+    codec = 4 * s.params / (s.codec_mbps * 1e6)
+    up, down = thc_wire_bytes(s)
+    return {
+        "fp32_ring": max(compute, ring_allreduce_s(4 * s.params, s)),
+        "thc_switch": max(compute, 2 * s.alpha + max(up, down) / s.bw) + codec,
+        "thc_allreduce": max(compute, ring_allreduce_s(s.params * P.SUM_BITS / 8, s)) + codec,
+    }
+
+
+def break_even_gbps(s: Setup, scheme: str = "thc_switch", lo: float = 1e-3,
+                    hi: float = 1e4) -> float | None:
+    """Bandwidth below which ``scheme`` beats FP32 (None if it never does in [lo, hi])."""
+    def gain(bw: float) -> float:
+        t = iteration_s(Setup(**{**s.__dict__, "bandwidth_gbps": bw}))
+        return t["fp32_ring"] - t[scheme]
+
+    if gain(lo) <= 0:
+        return None
+    if gain(hi) > 0:
+        return hi
+    for _ in range(100):
+        mid = (lo * hi) ** 0.5
+        lo, hi = (mid, hi) if gain(mid) > 0 else (lo, mid)
+    return lo
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--params", type=float, default=25e6, help="gradient elements")
+    parser.add_argument("--workers", type=int, default=8)
+    parser.add_argument("--bw", default="1,10,25,100", help="link bandwidths, Gbit/s")
+    parser.add_argument("--latency-us", type=float, default=10.0)
+    parser.add_argument("--compute-ms", type=float, default=100.0, help="compute per iteration")
+    parser.add_argument("--overlap", type=float, default=1.05, help="lambda (1.04-1.1)")
+    parser.add_argument("--codec-mbps", type=float, default=270.0,
+                        help="THC encode+decode MB/s per worker (see thc bench codec)")
+
+
+def run(args: argparse.Namespace) -> int:
+    base = Setup(params=args.params, workers=args.workers, latency_us=args.latency_us,
+                 compute_s=args.compute_ms / 1e3, overlap=args.overlap,
+                 codec_mbps=args.codec_mbps)
+    print(f"{args.params / 1e6:g}M parameters, {args.workers} workers, compute "
+          f"{args.compute_ms:g} ms, overlap {args.overlap}, codec {args.codec_mbps:g} MB/s")
+    print(f"{'Gbit/s':>7} {'FP32 ring ms':>13} {'THC switch ms':>14} {'THC allred ms':>14} "
+          f"{'switch speedup':>15}")
+    for bw in (float(x) for x in args.bw.split(",")):
+        t = iteration_s(Setup(**{**base.__dict__, "bandwidth_gbps": bw}))
+        print(f"{bw:>7g} {1e3 * t['fp32_ring']:>13.1f} {1e3 * t['thc_switch']:>14.1f} "
+              f"{1e3 * t['thc_allreduce']:>14.1f} {t['fp32_ring'] / t['thc_switch']:>14.2f}x")
+    for scheme in ("thc_switch", "thc_allreduce"):
+        be = break_even_gbps(base, scheme)
+        print(f"{scheme} pays below {be:.3g} Gbit/s" if be else f"{scheme} never pays here")
+    return 0
