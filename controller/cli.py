@@ -1,0 +1,131 @@
+"""``thc controller``: program a BMv2 switch running simple_switch_grpc over P4Runtime.
+
+  thc controller push [--program thc|l2]        load the compiled program from p4src/build
+  thc controller install --config cluster.json  install/update every job of a cluster
+  thc controller remove --job N                 delete one job's entries, group and routes
+  thc controller jobs                           list installed jobs
+  thc controller counters [--json]              drops by reason, per-job counters
+  thc controller l2 add|del MAC [PORT]          non-THC forwarding entries
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from controller.switch import BUILD_DIR, DEFAULT_DEVICE_ID, DEFAULT_GRPC
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--grpc-addr", default=DEFAULT_GRPC, metavar="HOST:PORT",
+                        help=f"P4Runtime server (default {DEFAULT_GRPC})")
+    parser.add_argument("--device-id", type=int, default=DEFAULT_DEVICE_ID,
+                        help="P4Runtime device id (simple_switch_grpc --device-id; default 0)")
+    parser.add_argument("--election-id", default="1,0", metavar="HIGH,LOW")
+    parser.add_argument("--timeout", type=float, default=5.0,
+                        help="seconds to wait for the P4Runtime server (default 5)")
+    parser.add_argument("--build-dir", default=str(BUILD_DIR),
+                        help="where the compiled program is (default p4src/build)")
+    sub = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
+
+    p = sub.add_parser("push", help="load the compiled P4 program (clears all switch state)")
+    p.add_argument("--program", default="thc", choices=["thc", "l2"])
+
+    p = sub.add_parser("install", help="install or update the jobs of a cluster config")
+    p.add_argument("--config", required=True, help="cluster JSON (host/jobs.py Cluster)")
+    p.add_argument("--push", action="store_true", help="push the program first")
+    p.add_argument("--prune", action="store_true",
+                   help="remove installed jobs that the config does not list")
+
+    p = sub.add_parser("remove", help="remove one job")
+    p.add_argument("--job", type=int, required=True, metavar="JOB_ID")
+
+    sub.add_parser("jobs", help="list installed jobs")
+
+    p = sub.add_parser("counters", help="drop and per-job counters")
+    p.add_argument("--json", action="store_true", help="print JSON")
+
+    p = sub.add_parser("l2", help="add or delete an l2_forward entry")
+    p.add_argument("op", choices=["add", "del", "list"])
+    p.add_argument("mac", nargs="?")
+    p.add_argument("port", nargs="?", type=int)
+
+
+def _election(text: str) -> tuple[int, int]:
+    try:
+        hi, lo = (int(x) for x in text.split(","))
+        return hi, lo
+    except ValueError:
+        raise ValueError(f"--election-id must be HIGH,LOW, got {text!r}") from None
+
+
+def _run(args: argparse.Namespace) -> int:
+    from host.jobs import Cluster
+
+    from controller import counters, forwarding, jobs
+    from controller.switch import Switch
+
+    cluster = Cluster.load(args.config) if args.action == "install" else None
+    push = None
+    if args.action == "push":
+        push = args.program
+    elif args.action == "install" and args.push:
+        push = "thc"
+    read_only = args.action in ("jobs", "counters") or (args.action == "l2" and args.op == "list")
+    with Switch(args.grpc_addr, args.device_id, _election(args.election_id),
+                timeout=args.timeout, require_primary=not read_only) as sw:
+        sw.connect(program=push, build_dir=args.build_dir)
+        if args.action == "push":
+            print(f"pushed {args.program} ({sw.lanes} lanes) to {args.grpc_addr}"
+                  if args.program == "thc" else f"pushed {args.program} to {args.grpc_addr}")
+        elif args.action == "install":
+            placed = jobs.install_cluster(sw, cluster, prune=args.prune)
+            for jid, idx in placed.items():
+                job = cluster.job(jid)
+                print(f"job {jid}: index {idx}, {job.n_workers} workers, slots "
+                      f"{job.pool_base}..{job.pool_base + job.pool_size - 1}, "
+                      f"multicast group {job.group}")
+        elif args.action == "remove":
+            jobs.remove_job(sw, args.job)
+            print(f"removed job {args.job}")
+        elif args.action == "jobs":
+            installed = jobs.installed_jobs(sw)
+            if not installed:
+                print("no jobs installed")
+            for jid, cfg in sorted(installed.items()):
+                print(f"job {jid}: " + ", ".join(f"{k}={v}" for k, v in cfg.items()))
+        elif args.action == "counters":
+            snap = counters.snapshot(sw)
+            if args.json:
+                print(json.dumps(snap, indent=2, sort_keys=True))
+            else:
+                if "drops" in snap:
+                    print("drops: " + ", ".join(f"{k}={v}" for k, v in snap["drops"].items()))
+                print(f"l2 misses: {snap['l2_misses']}")
+                for jid, c in snap.get("jobs", {}).items():
+                    print(f"job {jid}: " + ", ".join(f"{k}={v}" for k, v in c.items()))
+        elif args.action == "l2":
+            if args.op == "list":
+                for mac, port in sorted(forwarding.routes(sw).items()):
+                    print(f"{mac} -> port {port}")
+            elif args.mac is None or (args.op == "add" and args.port is None):
+                raise ValueError(f"l2 {args.op} needs a MAC" + (" and a PORT" if args.op == "add" else ""))
+            elif args.op == "add":
+                forwarding.install(sw, {args.mac: args.port})
+                print(f"l2_forward: {args.mac} -> port {args.port}")
+            elif not forwarding.remove(sw, [args.mac]):
+                raise ValueError(f"no l2_forward entry for {args.mac}")
+            else:
+                print(f"l2_forward: deleted {args.mac}")
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    from host.jobs import ConfigError
+
+    from controller.switch import SwitchError
+    try:
+        return _run(args)
+    except (SwitchError, ConfigError, ValueError, OSError) as e:
+        print(f"thc controller: {e}", file=sys.stderr)
+        return 1

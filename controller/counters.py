@@ -1,0 +1,65 @@
+"""Counters of the THC program, by the names protocol.json gives them.
+
+  thc_drops          index = drop reason code (protocol.json ``drop_reasons``)
+  thc_job_counters   index = job_index * len(job_counters) + job_counters[name]
+  thc_resets         index = job_index: RESET packet-outs applied (the controller waits on it)
+  l2_misses          index 0: non-THC frames without an l2_forward entry
+"""
+from __future__ import annotations
+
+from host import protocol as P
+
+from controller.switch import Switch
+
+DROPS = "thc_drops"
+JOB_COUNTERS = "thc_job_counters"
+RESETS = "thc_resets"
+L2_MISSES = "l2_misses"
+
+
+def drops(sw: Switch) -> dict[str, int]:
+    """Dropped THC packets by reason name."""
+    cells = sw.read_counter(DROPS)
+    return {name: cells.get(code, 0) for name, code in P.DropReason.__members__.items()}
+
+
+def job_counter_index(job_index: int, name: str) -> int:
+    return job_index * len(P.JOB_COUNTERS) + P.JOB_COUNTERS[name]
+
+
+def job_counters(sw: Switch, job_index: int) -> dict[str, int]:
+    """Per-job events (packets, completions, retransmissions, pending) of one job index."""
+    cells = sw.read_counter(JOB_COUNTERS)
+    return {name: cells.get(job_counter_index(job_index, name), 0) for name in P.JOB_COUNTERS}
+
+
+def all_job_counters(sw: Switch) -> dict[int, dict[str, int]]:
+    """{job_id: counters} of every installed job."""
+    from controller.jobs import installed_jobs
+    cells = sw.read_counter(JOB_COUNTERS)
+    return {jid: {name: cells.get(job_counter_index(cfg["job_index"], name), 0)
+                  for name in P.JOB_COUNTERS}
+            for jid, cfg in installed_jobs(sw).items()}
+
+
+def clear_job_counters(sw: Switch, job_index: int) -> bool:
+    """Zero one job index's counters; False if the switch cannot write counters."""
+    return sw.reset_counter(JOB_COUNTERS, [job_counter_index(job_index, n)
+                                           for n in P.JOB_COUNTERS])
+
+
+def resets(sw: Switch, job_index: int) -> int:
+    return sw.read_counter(RESETS).get(job_index, 0)
+
+
+def l2_misses(sw: Switch) -> int:
+    return sw.read_counter(L2_MISSES).get(0, 0)
+
+
+def snapshot(sw: Switch) -> dict:
+    """Everything, JSON-ready (``thc controller counters``)."""
+    out = {"l2_misses": l2_misses(sw)}
+    if sw.has_table("thc_job"):      # the THC program (l2.p4 has only l2_misses)
+        out["drops"] = drops(sw)
+        out["jobs"] = {str(k): v for k, v in all_job_counters(sw).items()}
+    return out

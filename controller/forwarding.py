@@ -1,0 +1,46 @@
+"""Table ``l2_forward``: Ethernet destination MAC -> egress port, for non-THC traffic.
+
+The same table exists in p4src/thc.p4 and p4src/l2.p4. The job installer adds one entry per
+worker MAC (the worker's ``switch_port``); anything else can be added by hand.
+"""
+from __future__ import annotations
+
+from controller.frames import mac_str
+from controller.switch import Switch
+
+TABLE = "l2_forward"
+ACTION = "l2_set_port"
+UNROUTABLE = {"00:00:00:00:00:00", "ff:ff:ff:ff:ff:ff"}
+"""MACs never installed (the default worker MAC and broadcast)."""
+
+
+def entry(sw: Switch, mac: str, port: int | None = None):
+    if port is None:
+        return sw.table_entry(TABLE, {"dst_mac": mac})
+    return sw.table_entry(TABLE, {"dst_mac": mac}, ACTION, {"port": port})
+
+
+def install(sw: Switch, routes: dict[str, int]) -> None:
+    """Add or update MAC -> port entries (idempotent)."""
+    entries = [entry(sw, mac, port) for mac, port in routes.items()
+               if mac.lower() not in UNROUTABLE]
+    existing = sw.write_entries("INSERT", entries, ignore=["ALREADY_EXISTS"])
+    if existing:
+        sw.write_entries("MODIFY", existing)
+
+
+def remove(sw: Switch, macs) -> int:
+    """Delete entries; returns how many existed."""
+    macs = [m for m in macs if m.lower() not in UNROUTABLE]
+    missing = sw.write_entries("DELETE", [entry(sw, m) for m in macs], ignore=["NOT_FOUND"])
+    return len(macs) - len(missing)
+
+
+def routes(sw: Switch) -> dict[str, int]:
+    """Installed MAC -> port entries."""
+    fid = sw.field_id(TABLE, "dst_mac")
+    out = {}
+    for e in sw.read_table(TABLE):
+        mac = sw.match_values(e)[fid]
+        out[mac_str(mac.to_bytes(6, "big"))] = sw.param_values(e).get("port", -1)
+    return out

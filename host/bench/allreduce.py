@@ -1,0 +1,346 @@
+"""``thc bench allreduce``: THC vs FP32 all-reduce of one gradient over emulated links.
+
+For each link bandwidth, one Mininet testbed (N worker hosts on a Linux bridge, the software
+aggregator on a host whose link is N times as fast) runs, in the same worker hosts:
+
+- ``fp32``: torch.distributed Gloo ``all_reduce`` (ring) of a ``numel``-element float32 tensor;
+- ``thc-software``: THC through the software aggregator (norm round, encode, stream, decode);
+- ``thc-bmv2``: THC through the BMv2 switch (a second testbed whose switch is BMv2), when
+  simple_switch_grpc and the compiled program are present.
+
+Each mode: one untimed warm-up round, then ``--repeat`` timed rounds, each started after a
+barrier; a round's time is its slowest worker's, the figure is the median round. Bytes on
+the wire are read from each worker's interface counters around every timed round and
+compared with the computed ideal (FP32 ring: 2(p-1)/p x 4 bytes per element each way in
+MSS-sized TCP segments; THC: INDEX_BITS/8 up and SUM_BITS/8 down per element, plus the
+per-packet THC/UDP/IP/Ethernet headers).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+
+from host.bench import add_common, emit_json
+
+TCP_MSS, TCP_FRAME = 1448, 1514
+"""Linux TCP payload per full segment with timestamps, and its Ethernet frame."""
+BMV2_WINDOW, BMV2_RTO = 2, 0.25
+"""BMv2 runs the 256-lane program at a few hundred packets/s: more chunks in flight only
+queue in the switch and, with a short timeout, turn into spurious retransmissions."""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_common(parser)
+    parser.add_argument("--numel", type=int, default=None,
+                        help="gradient elements (default 25,000,000; --quick: 2,000,000)")
+    parser.add_argument("--bw", default="100,1000", help="comma-separated link Mbit/s")
+    parser.add_argument("--workers", type=int, default=4)
+    parser.add_argument("--aggregator", choices=["software", "bmv2", "both"], default="both",
+                        help="THC through which aggregator (both: BMv2 too when available)")
+    parser.add_argument("--repeat", type=int, default=None,
+                        help="timed rounds per mode (default 3; --quick: 1)")
+    parser.add_argument("--lanes", type=int, default=1024,
+                        help="lanes per packet for the software aggregator (the most that fits "
+                             "one MTU and BMv2's growth limit; BMv2 uses its compiled lanes)")
+    parser.add_argument("--pool-size", type=int, default=128,
+                        help="slots of the job on the aggregator (>= --window)")
+    parser.add_argument("--window", type=int, default=32,
+                        help="THC chunks in flight per worker: more only queues in the "
+                             "aggregator and invites spurious retransmissions")
+    parser.add_argument("--error-feedback", action="store_true",
+                        help="include THC's error-feedback update in the timed round")
+    parser.add_argument("--agg-bw-factor", type=float, default=None,
+                        help="aggregator link = factor x bw (default: the number of workers)")
+    parser.add_argument("--plot", nargs="?", const="out/allreduce.png", default=None,
+                        metavar="FILE", help="plot time vs bandwidth (default out/allreduce.png)")
+    parser.add_argument("--bmv2-numel", type=int, default=1 << 16,
+                        help="elements timed through BMv2 (it aggregates a few hundred packets "
+                             "per second); its time is extrapolated per packet to --numel")
+    parser.add_argument("--loopback", action="store_true",
+                        help="no Mininet (no link emulation: only checks the plumbing)")
+    parser.add_argument("--timeout", type=float, default=1800.0, help="per mode, seconds")
+
+
+# -- computed bytes ----------------------------------------------------------------------------
+
+def fp32_wire_bytes(numel: int, p: int) -> dict:
+    """Per worker and direction: ring all-reduce payload and its TCP frames (ACKs excluded)."""
+    payload = 2 * (p - 1) / p * 4 * numel
+    return {"payload": payload, "frames": payload / TCP_MSS * TCP_FRAME,
+            "up": payload / TCP_MSS * TCP_FRAME, "down": payload / TCP_MSS * TCP_FRAME}
+
+
+def thc_wire_bytes(numel: int, lanes: int, params=None) -> dict:
+    """Per worker: THC uplink (indices) and downlink (sums) frames, MAX round included."""
+    from host import protocol as P
+    from host.codec import THCCodec
+    from host.params import THCParams
+
+    lay = THCCodec(params or THCParams()).layout(numel)
+    packets = math.ceil(lay.total_padded / lanes)
+    hdr = P.HEADER_BYTES + P.ETH_IP_UDP_BYTES
+    max_packets = math.ceil(lay.n_slices / P.MAX_LANES)
+    max_bytes = max_packets * (hdr + P.payload_bytes(P.PktType.MAX))
+    up = packets * (hdr + P.payload_bytes(P.PktType.DATA, lanes)) + max_bytes
+    down = packets * (hdr + P.payload_bytes(P.PktType.RESULT, lanes)) + max_bytes
+    return {"packets": packets, "padded": lay.total_padded, "up": up, "down": down,
+            "header_overhead_down": packets * hdr / down,
+            "payload_up": lay.total_padded * P.INDEX_BITS / 8,
+            "payload_down": lay.total_padded * P.SUM_BITS / 8}
+
+
+# -- running one mode -------------------------------------------------------------------------
+
+def _run_mode(tb, mode: str, args, numel: int, repeat: int, window: int | None = None,
+              rto: float | None = None) -> dict:
+    master = f"{tb.master_addr[0]}:{tb.master_addr[1]}"
+    common = ["--world", str(tb.n_workers), "--master", master, "--numel", str(numel),
+              "--repeat", str(repeat), "--warmup", "1"]
+    if mode == "fp32":
+        extra = ["--mode", "fp32"]
+    else:
+        extra = ["--mode", "thc", "--agg", f"{tb.agg_addr[0]}:{tb.agg_addr[1]}",
+                 "--config", str(tb.cluster_path), "--window", str(window or args.window)]
+        if rto:
+            extra += ["--rto", str(rto)]
+        if args.error_feedback:
+            extra.append("--error-feedback")
+
+    def argv(r):
+        a = ["python", "-m", "host.bench.allreduce_worker", "--rank", str(r)] + common + extra
+        if tb.kind == "mininet":
+            a += ["--intf", tb.worker_intf(r)]
+        return a
+
+    before = tb.wire_bytes()
+    t0 = time.monotonic()
+    results = tb.run_workers(argv, timeout=args.timeout)
+    wall = time.monotonic() - t0
+    after = tb.wire_bytes()
+    rows = [json.loads(r.stdout.strip().splitlines()[-1]) for r in results]
+    rounds = [max(row["times"][i] for row in rows) for i in range(repeat)]
+    out = {"mode": mode, "seconds": statistics.median(rounds), "rounds": rounds,
+           "per_worker_seconds": [statistics.median(row["times"]) for row in rows],
+           "identical_results": len({row["sha256"] for row in rows}) == 1,
+           "nmse": rows[0]["nmse"], "wall_seconds": wall}
+    if all(row["wire"] for row in rows):
+        tx = statistics.mean(statistics.mean(w[0] for w in row["wire"]) for row in rows)
+        rx = statistics.mean(statistics.mean(w[1] for w in row["wire"]) for row in rows)
+        out["wire_per_worker"] = {"tx": tx, "rx": rx}
+    if before and after:
+        # whole run (warm-up + timed rounds + barriers), from the switch ports, per round
+        k = repeat + 1
+        out["switch_port_bytes_per_round"] = {
+            r: ((after[r][0] - before[r][0]) / k, (after[r][1] - before[r][1]) / k)
+            for r in after}
+    if mode != "fp32":
+        phases = {}
+        for key in rows[0]["phases"][0]:
+            phases[key] = statistics.median(
+                max(row["phases"][i][key] for row in rows) for i in range(repeat))
+        out["phases_slowest_worker"] = phases
+        out["transport"] = rows[0].get("transport")
+        counters = tb.aggregator_counters() if tb.aggregator == "software" else None
+        if counters:
+            out["aggregator_counters"] = counters
+    return out
+
+
+def _fmt_bytes(b: float | None) -> str:
+    return "-" if b is None else f"{b / 1e6:,.1f}"
+
+
+def run(args: argparse.Namespace) -> int:
+    from host import protocol as P
+    from thcnet.testbed import TestbedError, WorkerError, open_testbed
+
+    numel = args.numel or (2_000_000 if args.quick else 25_000_000)
+    repeat = args.repeat or (1 if args.quick else 3)
+    bws = [float(b) for b in args.bw.split(",") if b.strip()]
+    p = args.workers
+    want_bmv2 = args.aggregator in ("bmv2", "both")
+    want_soft = args.aggregator in ("software", "both")
+    result = {"numel": numel, "workers": p, "repeat": repeat, "lanes_software": args.lanes,
+              "lanes_bmv2": P.LANES, "pool_size": args.pool_size, "window": args.window,
+              "error_feedback": args.error_feedback, "points": [], "notes": []}
+    fp32_ideal = fp32_wire_bytes(numel, p)
+
+    bmv2_reason = None
+    if want_bmv2:
+        from thcnet.testbed import mininet_unavailable_reason
+        bmv2_reason = mininet_unavailable_reason("bmv2") if not args.loopback else "--loopback"
+        if bmv2_reason is None:
+            from thcnet.bmv2 import unavailable_reason
+            bmv2_reason = unavailable_reason()
+        if bmv2_reason:
+            note = f"thc-bmv2 skipped: not available: {bmv2_reason}"
+            result["notes"].append(note)
+            print(note, file=sys.stderr)
+            if args.aggregator == "bmv2":
+                emit_json(args, result)
+                return 2
+
+    print(f"all-reduce of {numel:,} float32 elements, {p} workers, "
+          f"median of {repeat} round(s) after 1 warm-up")
+    try:
+        for bw in bws:
+            point = {"bw_mbit": bw, "modes": {}}
+            if result["points"] and result["points"][-1]["testbed"] == "loopback":
+                break  # no link emulation: one point says everything
+            with open_testbed(p, bw_mbit=bw, aggregator="software" if want_soft else "none",
+                              prefer_mininet=not args.loopback, agg_bw_factor=args.agg_bw_factor,
+                              lanes=args.lanes, pool_size=args.pool_size) as tb:
+                point["testbed"] = tb.kind
+                if tb.kind == "loopback":
+                    point["bw_mbit"] = None
+                    result["notes"].append("loopback testbed: links not emulated, times are "
+                                           "CPU-bound plumbing checks, not bandwidth results")
+                print(f"\n[{bw:g} Mbit/s] {tb.describe()}", flush=True)
+                point["modes"]["fp32"] = _run_mode(tb, "fp32", args, numel, repeat)
+                _progress(point["modes"]["fp32"])
+                if want_soft:
+                    tb.start_aggregator()
+                    m = _run_mode(tb, "thc-software", args, numel, repeat)
+                    m["aggregator_counters"] = tb.stop_aggregator()
+                    point["modes"]["thc-software"] = m
+                    _progress(m)
+            if want_bmv2 and not bmv2_reason:
+                with open_testbed(p, bw_mbit=bw, aggregator="bmv2",
+                                  pool_size=min(args.pool_size, P.SWITCH_SLOTS)) as tb:
+                    tb.start_aggregator()
+                    small = min(numel, args.bmv2_numel)
+                    m = _run_mode(tb, "thc-bmv2", args, small, repeat, window=BMV2_WINDOW,
+                                  rto=BMV2_RTO)
+                    _extrapolate(m, small, numel)
+                    try:
+                        m["switch_counters"] = json.loads(tb.switch.counters())
+                    except ValueError:
+                        pass
+                    point["modes"]["thc-bmv2"] = m
+                    _progress(m)
+            _annotate(point, numel, p, args.lanes, fp32_ideal)
+            result["points"].append(point)
+    except (TestbedError, WorkerError) as e:
+        print(f"thc bench allreduce: {e}", file=sys.stderr)
+        emit_json(args, result)
+        return 1
+    except KeyboardInterrupt:
+        print("\nthc bench allreduce: interrupted; testbed torn down", file=sys.stderr)
+        return 130
+
+    _print_table(result)
+    emit_json(args, result)
+    if args.plot:
+        _plot(result, args.plot)
+    return 0
+
+
+def _extrapolate(m: dict, measured_numel: int, numel: int) -> None:
+    """Scale a BMv2 measurement on fewer elements to ``numel`` by packet count: the switch's
+    per-packet time dominates, so time and bytes grow with the number of packets."""
+    from host import protocol as P
+    m["measured_numel"] = measured_numel
+    if measured_numel == numel:
+        return
+    k = (thc_wire_bytes(numel, P.LANES)["packets"]
+         / thc_wire_bytes(measured_numel, P.LANES)["packets"])
+    m["extrapolated_from"] = measured_numel
+    m["measured_seconds"] = m["seconds"]
+    m["seconds"] = m["seconds"] * k
+    if "wire_per_worker" in m:
+        m["measured_wire_per_worker"] = dict(m["wire_per_worker"])
+        m["wire_per_worker"] = {d: v * k for d, v in m["wire_per_worker"].items()}
+
+
+def _progress(m: dict) -> None:
+    extra = (f" extrapolated from {m['extrapolated_from']:,} elements"
+             if "extrapolated_from" in m else "")
+    print(f"  {m['mode']:<13} {m['seconds']:8.3f} s  (rounds: "
+          + ", ".join(f"{t:.3f}" for t in m["rounds"]) + f"){extra}", flush=True)
+
+
+def _annotate(point: dict, numel: int, p: int, lanes: int, fp32_ideal: dict) -> None:
+    from host import protocol as P
+    bw_bytes = point["bw_mbit"] * 1e6 / 8 if point["bw_mbit"] else None
+    fp32 = point["modes"]["fp32"]
+    fp32["ideal_bytes"] = {"up": fp32_ideal["up"], "down": fp32_ideal["down"]}
+    fp32_max = max(fp32_ideal["up"], fp32_ideal["down"])
+    fp32["ideal_seconds"] = fp32_max / bw_bytes if bw_bytes else None
+    for name, m in point["modes"].items():
+        if name == "fp32":
+            continue
+        ideal = thc_wire_bytes(numel, lanes if name == "thc-software" else P.LANES)
+        m["ideal_bytes"] = {"up": ideal["up"], "down": ideal["down"],
+                            "packets": ideal["packets"],
+                            "header_overhead_down": ideal["header_overhead_down"]}
+        thc_max = max(ideal["up"], ideal["down"])
+        m["ideal_seconds"] = thc_max / bw_bytes if bw_bytes else None
+        m["speedup_vs_fp32"] = fp32["seconds"] / m["seconds"]
+        m["ideal_ratio"] = fp32_max / thc_max
+        if "wire_per_worker" in m and "wire_per_worker" in fp32:
+            fw, tw = fp32["wire_per_worker"], m["wire_per_worker"]
+            m["measured_wire_ratio"] = max(fw["tx"], fw["rx"]) / max(tw["tx"], tw["rx"])
+
+
+def _print_table(result: dict) -> None:
+    print(f"\n{'Mbit/s':>7} {'mode':<13} {'seconds':>8} {'speedup':>8} {'ideal x':>8} "
+          f"{'wire x':>7} {'tx MB':>8} {'rx MB':>8} {'ideal s':>8}  note")
+    for point in result["points"]:
+        for name, m in point["modes"].items():
+            w = m.get("wire_per_worker", {})
+            sp = m.get("speedup_vs_fp32")
+            note = ""
+            if "phases_slowest_worker" in m:
+                ph = m["phases_slowest_worker"]
+                note = "phases: " + " ".join(f"{k} {v:.2f}" for k, v in ph.items())
+            if m.get("nmse") is not None and name != "fp32":
+                note += f"  nmse {m['nmse']:.4f}"
+            if "extrapolated_from" in m:
+                note += (f"  EXTRAPOLATED from {m['extrapolated_from']:,} elements "
+                         f"({m['measured_seconds']:.2f} s)")
+            if not m.get("identical_results", True):
+                note += "  RESULTS DIFFER ACROSS WORKERS"
+            speedup = f"{sp:.2f}x" if sp else "1.00x"
+            ideal_x = f"{m['ideal_ratio']:.2f}x" if "ideal_ratio" in m else "-"
+            wire_x = f"{m['measured_wire_ratio']:.2f}x" if "measured_wire_ratio" in m else "-"
+            bw = f"{point['bw_mbit']:g}" if point["bw_mbit"] else "lo"
+            ideal_s = f"{m['ideal_seconds']:.3f}" if m.get("ideal_seconds") else "-"
+            print(f"{bw:>7} {name:<13} {m['seconds']:>8.3f} {speedup:>8} "
+                  f"{ideal_x:>8} {wire_x:>7} {_fmt_bytes(w.get('tx')):>8} "
+                  f"{_fmt_bytes(w.get('rx')):>8} {ideal_s:>8}  {note}")
+    for n in result["notes"]:
+        print(f"note: {n}")
+
+
+def _plot(result: dict, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    from pathlib import Path
+
+    import matplotlib.pyplot as plt
+
+    if not any(pt["bw_mbit"] for pt in result["points"]):
+        print("no emulated bandwidth points to plot (loopback testbed)")
+        return
+    fig, ax = plt.subplots(figsize=(6, 4))
+    modes = sorted({m for pt in result["points"] for m in pt["modes"]})
+    for mode in modes:
+        pts = [(pt["bw_mbit"], pt["modes"][mode]["seconds"]) for pt in result["points"]
+               if mode in pt["modes"] and pt["bw_mbit"]]
+        if pts:
+            ax.plot(*zip(*pts), marker="o", label=mode)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("link bandwidth (Mbit/s)")
+    ax.set_ylabel("seconds per all-reduce")
+    ax.set_title(f"all-reduce of {result['numel']:,} float32, {result['workers']} workers")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")

@@ -1,0 +1,149 @@
+"""One worker of ``thc bench allreduce``: time all-reduces of one float32 gradient.
+
+``python -m host.bench.allreduce_worker --mode fp32|thc --rank R --world N --master IP:PORT
+[--agg IP:PORT --config cluster.json] --numel N --repeat K``
+
+- ``fp32``: ``torch.distributed.all_reduce`` (Gloo, ring) of the whole tensor;
+- ``thc``: :class:`host.allreduce.THCAllReduce` through the aggregator (norm round, encode,
+  stream through the switch or the software aggregator, decode).
+
+Every round starts after a Gloo barrier; the first ``--warmup`` rounds are not timed. If
+``--intf`` names this host's interface, its byte counters (``/proc/net/dev`` of the worker's
+own network namespace) are read around each timed round. Prints one JSON line.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+import time
+from datetime import timedelta
+
+
+def intf_counters(intf: str | None) -> tuple[int, int] | None:
+    """(tx_bytes, rx_bytes) of ``intf`` as this process's network namespace sees it."""
+    if not intf:
+        return None
+    try:
+        with open("/proc/self/net/dev") as f:
+            for line in f:
+                name, sep, rest = line.partition(":")
+                if sep and name.strip() == intf:
+                    v = rest.split()
+                    return int(v[8]), int(v[0])
+    except OSError:
+        return None
+    return None
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--mode", choices=["fp32", "thc"], required=True)
+    ap.add_argument("--rank", type=int, required=True)
+    ap.add_argument("--world", type=int, required=True)
+    ap.add_argument("--master", required=True, metavar="IP:PORT")
+    ap.add_argument("--agg", metavar="IP:PORT", help="aggregator (thc mode)")
+    ap.add_argument("--config", help="cluster JSON (thc mode): the job and its lookup table")
+    ap.add_argument("--numel", type=int, default=25_000_000)
+    ap.add_argument("--repeat", type=int, default=3, help="timed rounds")
+    ap.add_argument("--warmup", type=int, default=1, help="untimed rounds first")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--intf", help="this host's interface, for wire byte counters")
+    ap.add_argument("--error-feedback", action="store_true",
+                    help="THC: keep error feedback on (its update is then part of the time)")
+    ap.add_argument("--check-elems", type=int, default=1 << 20,
+                    help="NMSE of the first THC estimate against the exact mean of this many "
+                         "leading elements (an extra small FP32 all-reduce after timing)")
+    ap.add_argument("--deadline", type=float, default=60.0, help="THC chunk deadline (s)")
+    ap.add_argument("--window", type=int, default=None,
+                    help="THC chunks in flight per worker (default: the job's pool size)")
+    ap.add_argument("--rto", type=float, default=0.02,
+                    help="THC minimum retransmission timeout in seconds")
+    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_arguments(ap)
+    args = ap.parse_args(argv)
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(args.threads)
+    host, _, port = args.master.rpartition(":")
+    dist.init_process_group("gloo", init_method=f"tcp://{host}:{port}", rank=args.rank,
+                            world_size=args.world, timeout=timedelta(seconds=600))
+    gen = torch.Generator().manual_seed(args.seed * 1000 + args.rank)
+    x = torch.randn(args.numel, generator=gen)
+
+    times, wire, phases = [], [], []
+    first = None
+    client = None
+    if args.mode == "thc":
+        from host.aggregator import parse_hostport
+        from host.allreduce import THCAllReduce
+        from host.client import AggregationClient
+        from host.jobs import Cluster
+        from host.params import THCParams
+
+        if not (args.agg and args.config):
+            ap.error("--mode thc needs --agg and --config")
+        job = Cluster.load(args.config).jobs[0]
+        params = THCParams(granularity=job.granularity, seed=args.seed)
+        client = AggregationClient(job, args.rank, parse_hostport(args.agg),
+                                   deadline=args.deadline, window=args.window,
+                                   timeout=args.rto)
+        ar = THCAllReduce.through_aggregator(client, params,
+                                             error_feedback=args.error_feedback,
+                                             generator=torch.Generator().manual_seed(
+                                                 7919 * (args.rank + 1)))
+        step = ar
+    else:
+        def step(t):
+            y = t.clone()
+            dist.all_reduce(y)
+            return y.div_(args.world)
+
+    out = None
+    for i in range(args.warmup + args.repeat):
+        before_ph = dict(ar.stats.seconds) if args.mode == "thc" else None
+        dist.barrier()
+        c0 = intf_counters(args.intf)
+        t0 = time.perf_counter()
+        out = step(x)
+        t1 = time.perf_counter()
+        c1 = intf_counters(args.intf)
+        if first is None:
+            first = out[: args.check_elems].clone()
+        if i < args.warmup:
+            continue
+        times.append(t1 - t0)
+        if c0 and c1:
+            wire.append((c1[0] - c0[0], c1[1] - c0[1]))
+        if before_ph is not None:
+            phases.append({k: v - before_ph[k] for k, v in ar.stats.seconds.items()})
+
+    digest = hashlib.sha256(out.numpy().tobytes()).hexdigest()
+    nmse = None
+    if args.check_elems:
+        k = min(args.check_elems, args.numel)
+        exact = x[:k].clone()
+        dist.all_reduce(exact)
+        exact /= args.world
+        norms = torch.tensor([float((x[:k] ** 2).sum())])
+        dist.all_reduce(norms)
+        nmse = float(((first[:k] - exact) ** 2).sum() / (norms[0] / args.world))
+    result = {"rank": args.rank, "mode": args.mode, "numel": args.numel, "times": times,
+              "wire": wire, "phases": phases, "sha256": digest, "nmse": nmse}
+    if client is not None:
+        result["transport"] = vars(client.stats)
+        client.close()
+    dist.barrier()
+    dist.destroy_process_group()
+    print(json.dumps(result), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

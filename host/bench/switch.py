@@ -1,0 +1,258 @@
+"""``thc bench switch``: THC aggregation through BMv2 vs BMv2 forwarding the same frames with l2.p4.
+
+Both programs run in the same simple_switch_grpc process, one after the other, in the same
+run: the THC program (p4src/build/thc.json) aggregates DATA packets of one job whose workers
+sit on ``--workers`` veth ports; then l2.p4 forwards frames of the same size from one port to
+another. Frames are offered at a paced rate slightly above what the switch sustains (found
+by a short probe), so the sender does not starve the switch of CPU; the switch's own rate is
+read from its counters (THC: the job's ``packets`` counter) or from the kernel's receive
+count of the egress veth (L2).
+
+With ``--lanes-sweep 16,64`` (needs p4c), variants of the program with fewer lanes are
+generated and compiled into a temporary directory and measured too: the slope gives the cost
+of one lane (its lookup table and register action) in BMv2.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from host.bench import add_common, emit_json
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_common(parser)
+    parser.add_argument("--workers", type=int, default=4, help="workers (= switch ports)")
+    parser.add_argument("--duration", type=float, default=5.0,
+                        help="seconds measured per program")
+    parser.add_argument("--pool", type=int, default=256, help="slots of the benchmark job")
+    parser.add_argument("--rate", type=float, default=0.0,
+                        help="offered packets/s (default: 1.3 x a probe of the switch)")
+    parser.add_argument("--lanes-sweep", default="",
+                        help="comma-separated lane counts to compile and measure as well "
+                             "(needs p4c), e.g. 16,64")
+
+
+class Pacer:
+    """Send frames from a generator at ``rate`` per second in ~1 ms bursts (own thread)."""
+
+    def __init__(self, send, frames, rate: float):
+        import threading
+        self.send, self.frames, self.rate = send, frames, rate
+        self.sent = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        batch = max(1, int(self.rate / 1000))
+        interval = batch / self.rate
+        nxt = time.perf_counter()
+        frames, send = self.frames, self.send
+        while not self._stop.is_set():
+            for _ in range(batch):
+                port, frame = next(frames)
+                send(port, frame)
+            self.sent += batch
+            nxt += interval
+            delay = nxt - time.perf_counter()
+            if delay > 0:
+                time.sleep(delay)
+            elif delay < -0.05:
+                nxt = time.perf_counter()
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+
+def _measure(read, send, frames, rate: float, duration: float, warmup: float = 0.5):
+    """Offer ``rate`` pps; return (processed per second, offered per second)."""
+    with Pacer(send, frames, rate) as pacer:
+        time.sleep(warmup)
+        c0, s0, t0 = read(), pacer.sent, time.perf_counter()
+        time.sleep(duration)
+        c1, s1, t1 = read(), pacer.sent, time.perf_counter()
+    time.sleep(0.3)
+    return (c1 - c0) / (t1 - t0), (s1 - s0) / (t1 - t0)
+
+
+def _rate(read, send, frames, args) -> dict:
+    """The switch's sustained rate: offer a bit more than it takes (probe, then raise the
+    offered rate while the switch keeps up with it)."""
+    duration = min(args.duration, 1.0) if args.quick else args.duration
+    if args.rate:
+        pps, offered = _measure(read, send, frames, args.rate, duration)
+        return {"pps": pps, "offered_pps": offered}
+    probe, _ = _measure(read, send, frames, 200_000, 0.5 if args.quick else 1.0, 0.3)
+    target = max(200.0, 1.3 * probe)
+    best = None
+    for _ in range(4):
+        pps, offered = _measure(read, send, frames, target, duration)
+        if best is None or pps > best[0]:
+            best = (pps, offered)
+        if pps < 0.93 * offered:      # saturated: the switch, not the sender, sets the rate
+            break
+        target *= 1.5
+    return {"pps": best[0], "offered_pps": best[1]}
+
+
+def _thc_frames(job, agg, rng, lanes):
+    """Endless (port, frame) DATA packets: every worker sends chunk 0, 1, 2, ... in turn."""
+    import itertools
+
+    import numpy as np
+
+    from controller.frames import udp_frame
+    from host import protocol as P
+    payloads = [P.pack_nibbles(rng.integers(0, 16, lanes).astype(np.uint8)).tobytes()
+                for _ in range(16)]
+    plen = P.HEADER_BYTES + len(payloads[0])
+    prefix = [udp_frame(w.mac, agg.mac, w.ip, agg.ip, w.port, P.UDP_PORT, bytes(plen))[:42]
+              for w in job.workers]
+    pack = P.HEADER_STRUCT.pack
+    pool = job.pool_size
+    for seq in itertools.count():
+        slot, version = seq % pool, (seq // pool) % 2
+        for w in job.workers:
+            yield w.switch_port, prefix[w.id] + pack(
+                P.PktType.DATA, w.id, job.job_id, slot, version, 0, seq & 0xFFFFFFFF,
+                (seq * lanes) & 0xFFFFFFFF, 0) + payloads[(seq + w.id) % 16]
+
+
+def bench_thc(args, build_dir, label: str) -> dict:
+    import numpy as np
+
+    from controller import counters, jobs
+    from controller.bmv2 import LocalBMv2
+    from host.jobs import Job, Worker
+    agg = jobs.AggAddress()
+    with LocalBMv2(args.workers, program="thc", build_dir=build_dir, receive=False,
+                   tag="tb") as bm:
+        sw = bm.sw
+        lanes = sw.lanes
+        workers = tuple(Worker(i, f"10.0.1.{i + 1}", 30000 + i, f"02:00:00:00:01:{i + 1:02x}", i)
+                        for i in range(args.workers))
+        job = Job(job_id=1, workers=workers, table=tuple(range(0, 31, 2)),
+                  granularity=30, pool_size=args.pool, lanes=lanes).validate()
+        t0 = time.perf_counter()
+        idx = jobs.install_job(sw, job, agg)
+        install_s = time.perf_counter() - t0
+        frames = _thc_frames(job, agg, np.random.default_rng(0), lanes)
+
+        def read():
+            return counters.job_counters(sw, idx)["packets"]
+
+        c0 = counters.job_counters(sw, idx)
+        res = _rate(read, bm.send, frames, args)
+        c1 = counters.job_counters(sw, idx)
+        drops = counters.drops(sw)
+        res.update({
+            "program": label, "lanes": lanes, "workers": args.workers,
+            "frame_bytes": len(next(frames)[1]),
+            "coords_per_s": res["pps"] * lanes,
+            "completion_ratio": ((c1["completions"] - c0["completions"]) * args.workers
+                                 / max(1, c1["packets"] - c0["packets"])),
+            "install_seconds": install_s,
+            "stale_drops": drops["stale"],
+        })
+        return res
+
+
+def bench_l2(args, frame_bytes: int) -> dict:
+    import itertools
+
+    from controller import forwarding
+    from controller.bmv2 import LocalBMv2
+    from controller.frames import udp_frame
+    with LocalBMv2(2, program="l2", receive=False, tag="tb") as bm:
+        dst = "02:00:00:00:02:02"
+        forwarding.install(bm.sw, {dst: 1})
+        pad = frame_bytes - 42
+        frame = udp_frame("02:00:00:00:02:01", dst, "10.0.2.1", "10.0.2.2", 1000, 2000,
+                          bytes(pad))
+        frames = itertools.repeat((0, frame))
+        res = _rate(lambda: bm.rx_packets(1), bm.send, frames, args)
+        res.update({"program": "l2.p4", "frame_bytes": len(frame)})
+        return res
+
+
+def _variant(lanes: int, tmp) -> "object":
+    import importlib.util
+    import subprocess
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[2]
+    spec = importlib.util.spec_from_file_location("gen_p4", root / "p4src" / "gen_p4.py")
+    gen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen)
+    out = Path(tmp) / f"lanes{lanes}"
+    main = gen.write_variant(out / "src", lanes=lanes, slots=None)
+    t0 = time.perf_counter()
+    subprocess.run(["p4c", "--target", "bmv2", "--arch", "v1model", "-o", str(out),
+                    "--p4runtime-files", str(out / "thc.p4info.txt"), str(main)], check=True,
+                   capture_output=True)
+    return out, time.perf_counter() - t0
+
+
+def run(args: argparse.Namespace) -> int:
+    import shutil
+    import tempfile
+
+    from controller.bmv2 import available
+    from controller.switch import BUILD_DIR, SwitchError
+    for program in ("thc", "l2"):
+        ok, reason = available(program)
+        if not ok:
+            print(f"thc bench switch: {reason}", file=sys.stderr)
+            return 2
+    sweep = [int(x) for x in args.lanes_sweep.split(",") if x.strip()]
+    if sweep and shutil.which("p4c") is None:
+        print("thc bench switch: --lanes-sweep needs p4c on PATH", file=sys.stderr)
+        return 2
+    try:
+        thc = bench_thc(args, BUILD_DIR, "thc.p4")
+        l2 = bench_l2(args, thc["frame_bytes"])
+        result = {
+            "bench": "switch",
+            "target": "BMv2 simple_switch_grpc --log-level off, veth ports, paced offered load",
+            "thc": thc, "l2": l2,
+            "ratio_to_l2": thc["pps"] / l2["pps"] if l2["pps"] else None,
+        }
+        print(f"thc.p4 ({thc['lanes']} lanes, {thc['workers']} workers): {thc['pps']:.0f} "
+              f"packets/s = {thc['coords_per_s'] / 1e6:.2f} M coordinates/s "
+              f"(offered {thc['offered_pps']:.0f}/s)")
+        print(f"l2.p4, same {l2['frame_bytes']}-byte frames: {l2['pps']:.0f} packets/s "
+              f"(offered {l2['offered_pps']:.0f}/s)")
+        print(f"aggregation / forwarding: {result['ratio_to_l2']:.3f}")
+        if sweep:
+            points = [(thc["lanes"], thc["pps"])]
+            result["lanes_sweep"] = [{"lanes": thc["lanes"], "pps": thc["pps"],
+                                      "us_per_packet": 1e6 / thc["pps"]}]
+            with tempfile.TemporaryDirectory(prefix="thc-lanes-") as tmp:
+                for lanes in sweep:
+                    build, compile_s = _variant(lanes, tmp)
+                    r = bench_thc(args, build, f"thc.p4 variant, {lanes} lanes")
+                    points.append((lanes, r["pps"]))
+                    result["lanes_sweep"].append({"lanes": lanes, "pps": r["pps"],
+                                                  "us_per_packet": 1e6 / r["pps"],
+                                                  "compile_seconds": compile_s})
+                    print(f"variant {lanes} lanes: {r['pps']:.0f} packets/s "
+                          f"({1e6 / r['pps']:.0f} us/packet)")
+            import numpy as np
+            x = np.array([p[0] for p in points], float)
+            y = np.array([1e6 / p[1] for p in points])
+            slope, intercept = np.polyfit(x, y, 1)
+            result["us_per_lane"] = float(slope)
+            result["us_fixed_per_packet"] = float(intercept)
+            result["us_per_packet_l2"] = 1e6 / l2["pps"]
+            print(f"per lane: {slope:.2f} us, fixed: {intercept:.0f} us per packet "
+                  f"(l2.p4: {1e6 / l2['pps']:.0f} us per packet)")
+    except (SwitchError, RuntimeError, OSError) as e:
+        print(f"thc bench switch: {e}", file=sys.stderr)
+        return 1
+    emit_json(args, result)
+    return 0

@@ -1,0 +1,256 @@
+"""The Mininet testbed: a star of worker hosts around one switch, plus the aggregator.
+
+Topology (N workers)::
+
+    h1 10.0.0.1 ──┐
+    h2 10.0.0.2 ──┤
+      ...         ├── switch thc<tag>s ── agg 10.0.0.100   (software aggregator only,
+    hN 10.0.0.N ──┘   (Linux bridge,                        link = agg_bw_factor x bw)
+                       or BMv2 = aggregator 10.0.0.254)
+
+Worker r: interface h<r+1>-eth0, MAC 02:00:00:00:00:<r+1>, THC port 50000 + r, switch port
+r + 1. The aggregator host (port N + 1) exists only for the software aggregator; with BMv2
+the switch answers for the virtual aggregator address, which every worker has a static ARP
+entry for. All host pairs get static ARP entries; IPv6 is off so no stray packets count.
+
+Everything created in the root namespace is named after the testbed's tag and recorded by
+:mod:`thcnet.cleanup`, which tears it down at close and after a crash.
+"""
+from __future__ import annotations
+
+import atexit
+import subprocess
+from pathlib import Path
+
+from host import protocol as P
+from host.jobs import Cluster, Worker
+from host.params import THCParams
+
+from thcnet import links
+from thcnet.cleanup import Registry, signals_deferred, signals_raise, switch_name, undo
+from thcnet.testbed import (AGG_IP, AGG_MAC, MASTER_PORT, REPO_ROOT, SWITCH_AGG_IP,
+                            SWITCH_AGG_MAC, THC_BASE_PORT, Testbed, TestbedError, make_job,
+                            say_once, worker_ip, worker_mac)
+
+
+class MininetTestbed(Testbed):
+    kind = "mininet"
+
+    def __init__(self, n_workers: int, bw_mbit: float | None = None, delay_ms: float = 0.0,
+                 loss_pct: float = 0.0, aggregator: str = "software",
+                 agg_bw_factor: float | None = None, params: THCParams | None = None,
+                 lanes: int | None = None, pool_size: int | None = None, quiet: bool = True):
+        try:
+            plan = links.plan(bw_mbit, delay_ms, loss_pct)
+        except links.LinkError as e:
+            raise TestbedError(str(e)) from None
+        if aggregator == "bmv2":
+            from thcnet import bmv2
+            why = bmv2.unavailable_reason()
+            if why:
+                raise TestbedError(f"the bmv2 aggregator is not available: {why}")
+            if lanes not in (None, P.LANES):
+                raise TestbedError(f"the BMv2 program aggregates {P.LANES} lanes per packet; "
+                                   f"lanes={lanes} works with the software aggregator only")
+            if pool_size and pool_size > P.SWITCH_SLOTS:
+                raise TestbedError(f"pool_size {pool_size} exceeds the switch's "
+                                   f"{P.SWITCH_SLOTS} slots")
+        super().__init__(n_workers, aggregator, params, lanes, pool_size)
+        self.bw_mbit = bw_mbit
+        self.delay_ms = delay_ms
+        self.loss_pct = loss_pct
+        self.agg_bw_factor = float(agg_bw_factor or n_workers)
+        self.link_plan = plan
+        self.notes = list(plan["notes"])
+        for note in self.notes:
+            say_once(note)
+        self.net = None
+        self.switch = None
+        self.registry: Registry | None = None
+        self._signals = signals_raise()
+        self._signals.__enter__()
+        atexit.register(self.close)
+        try:
+            self.registry = Registry.allocate()
+            self.registry.add_path(self.logdir)
+            self.switch_name = switch_name(self.registry.tag)
+            self._build(quiet)
+        except BaseException:
+            self.close()
+            raise
+
+    # -- bring-up ------------------------------------------------------------------------
+    def _build(self, quiet: bool) -> None:
+        from mininet.log import setLogLevel
+        from mininet.net import Mininet
+        from mininet.node import Host
+
+        setLogLevel("error" if quiet else "info")
+        n = self.n_workers
+        reg = self.registry
+        if self.aggregator == "bmv2":
+            from thcnet import bmv2
+            switch_cls = bmv2.switch_class(self.logdir, reg)
+        else:
+            from mininet.nodelib import LinuxBridge
+            switch_cls = LinuxBridge
+        net = Mininet(controller=None, switch=switch_cls, link=links.ThcLink, host=Host,
+                      build=False, autoSetMacs=False, autoStaticArp=False,
+                      waitConnected=False)
+        self.net = net
+        hosts = []
+        for r in range(n):
+            h = net.addHost(f"h{r + 1}", ip=f"{worker_ip(r)}/24", mac=worker_mac(r))
+            reg.add_pid(h.pid)
+            hosts.append(h)
+        agg = None
+        if self.aggregator == "software":
+            agg = net.addHost("agg", ip=f"{AGG_IP}/24", mac=AGG_MAC)
+            reg.add_pid(agg.pid)
+        sw = net.addSwitch(self.switch_name, dpid=f"{reg.tag + 1:016x}")
+        reg.add_pid(sw.pid)
+        self.switch = sw
+        link_kw = dict(self.link_plan["link"])
+        if self.aggregator == "bmv2":
+            # A software switch reading raw frames needs real checksums (Mininet's TCULink).
+            link_kw.update(txo=False, rxo=False)
+        for r, h in enumerate(hosts):
+            net.addLink(h, sw, port1=0, port2=r + 1, **link_kw)
+        if agg is not None:
+            agg_kw = dict(link_kw)
+            if self.bw_mbit is not None:
+                agg_kw["bw"] = self.bw_mbit * self.agg_bw_factor
+            net.addLink(agg, sw, port1=0, port2=n + 1, **agg_kw)
+        reg.add_intfs([self.switch_name] + self.switch_ports())
+        net.build()
+        for node in hosts + ([agg] if agg else []):
+            node.cmd("sysctl -qw net.ipv6.conf.all.disable_ipv6=1 "
+                     "net.ipv6.conf.default.disable_ipv6=1")
+        for name in self.switch_ports():
+            _write(f"/proc/sys/net/ipv6/conf/{name}/disable_ipv6", "1")
+        try:
+            net.start()
+        except RuntimeError as e:  # BMv2 failing to start
+            raise TestbedError(str(e)) from None
+        _write(f"/proc/sys/net/ipv6/conf/{self.switch_name}/disable_ipv6", "1")
+        net.staticArp()
+        if self.aggregator == "bmv2":
+            for h in hosts:
+                h.setARP(SWITCH_AGG_IP, SWITCH_AGG_MAC)
+        q = self.link_plan["iptables_loss"]
+        if q:
+            for node in hosts + ([agg] if agg else []):
+                links.add_ingress_loss(node, node.defaultIntf().name, q)
+
+        workers = [Worker(id=r, ip=worker_ip(r), port=THC_BASE_PORT + r, mac=worker_mac(r),
+                          switch_port=r + 1) for r in range(n)]
+        job = make_job(workers, self.params, self.lanes, self.pool_size)
+        if self.aggregator == "bmv2":
+            self.cluster = Cluster(jobs=(job,), agg_ip=SWITCH_AGG_IP, agg_port=P.UDP_PORT,
+                                   agg_mac=SWITCH_AGG_MAC)
+            self.agg_addr = (SWITCH_AGG_IP, P.UDP_PORT)
+        else:
+            self.cluster = Cluster(jobs=(job,), agg_ip=AGG_IP, agg_port=P.UDP_PORT,
+                                   agg_mac=AGG_MAC)
+            if self.aggregator == "software":
+                self.agg_addr = (AGG_IP, P.UDP_PORT)
+        self.master_addr = (worker_ip(0), MASTER_PORT)
+
+    def switch_ports(self) -> list[str]:
+        return [i.name for i in self.switch.intfList() if i.name.startswith(self.switch_name)]
+
+    # -- Testbed interface -----------------------------------------------------------------
+    def worker_intf(self, rank: int) -> str:
+        return f"h{rank + 1}-eth0"
+
+    def host(self, node):
+        """The Mininet host object of a worker rank or node name (``"agg"``)."""
+        return self.net.get(self.node_of(node))
+
+    def _launch(self, node, argv, env, stdout, stderr):
+        try:
+            host = self.net.get(node)
+        except KeyError:
+            raise TestbedError(f"no host {node!r} in this testbed") from None
+        return host.popen(argv, env=env, cwd=str(REPO_ROOT), stdout=stdout, stderr=stderr,
+                          stdin=subprocess.DEVNULL)
+
+    def _registered(self, proc) -> None:
+        self.registry.add_pid(proc.pid, group=True)
+
+    def start_aggregator(self) -> None:
+        self._check_open()
+        if self.aggregator == "software":
+            if self._agg_proc is None:
+                self._start_software_aggregator("agg", self.agg_addr)
+        elif self.aggregator == "bmv2":
+            if not getattr(self, "_programmed", False):
+                try:
+                    self.switch.program(self.cluster_path)
+                except RuntimeError as e:
+                    raise TestbedError(str(e)) from None
+                self._programmed = True
+        else:
+            raise TestbedError("this testbed has no aggregator (aggregator='none')")
+
+    def switch_port_counters(self, port: int) -> tuple[int, int]:
+        """(rx_bytes, tx_bytes) of switch port ``port`` (root namespace)."""
+        base = f"/sys/class/net/{self.switch_name}-eth{port}/statistics"
+        return int(_read(f"{base}/rx_bytes")), int(_read(f"{base}/tx_bytes"))
+
+    def wire_bytes(self) -> dict[int, tuple[int, int]]:
+        """Per worker (tx, rx) bytes on its link, read at the switch end of the veth pair
+        (the worker's transmit is the switch port's receive), so a packet dropped by the
+        worker's own queue is not counted: these are bytes that crossed the wire."""
+        out = {}
+        for r in range(self.n_workers):
+            rx, tx = self.switch_port_counters(r + 1)
+            out[r] = (rx, tx)
+        return out
+
+    def agg_wire_bytes(self) -> tuple[int, int] | None:
+        """(tx, rx) of the software aggregator's link."""
+        if self.aggregator != "software":
+            return None
+        rx, tx = self.switch_port_counters(self.n_workers + 1)
+        return rx, tx
+
+    # -- teardown --------------------------------------------------------------------------
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            with signals_deferred():
+                self._kill_procs()
+                if self.net is not None:
+                    try:
+                        self.net.stop()
+                    except Exception as e:  # noqa: BLE001 - the registry undo still runs
+                        say_once(f"Mininet stop failed ({e}); removing leftovers by hand")
+                if self.registry is not None:
+                    state = self.registry.to_dict()
+                    state["paths"] = []  # the log directory is _remove_logdir's call
+                    undo(state)
+                    self.registry.release()
+                self._remove_logdir()
+        finally:
+            self._signals.__exit__(None, None, None)
+            atexit.unregister(self.close)
+
+
+def _write(path: str, text: str) -> None:
+    try:
+        Path(path).write_text(text)
+    except OSError:
+        pass
+
+
+def _read(path: str) -> str:
+    try:
+        return Path(path).read_text().strip()
+    except OSError:
+        return "0"
+
+
+__all__ = ["MininetTestbed"]

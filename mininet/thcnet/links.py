@@ -1,0 +1,137 @@
+"""Link emulation: bandwidth with HTB (TCLink), delay and loss with netem when the kernel has it.
+
+Some kernels (e.g. small VM kernels) are built without ``sch_netem``. Then:
+
+- **loss** is emulated with an iptables ``statistic`` rule in every host's own namespace
+  (``raw PREROUTING``, so a drop is silent, as on a wire; dropping in OUTPUT would make the
+  sender's ``sendto`` fail with EPERM). Every host-to-host path of the star crosses two links,
+  so each host drops arriving packets with probability 1 - (1 - loss)^2, the same end-to-end
+  loss as netem on both links;
+- **delay** cannot be emulated, and asking for it raises :class:`LinkError` rather than
+  silently running without it.
+
+Mininet's TCIntf refuses rates above 1000 Mbit/s; the aggregator's link carries
+``n_workers x bw``, so :class:`WideTCIntf` lifts that cap and sizes the HTB burst and quantum
+for the rate (which also silences HTB's "quantum is big" warnings).
+"""
+from __future__ import annotations
+
+import functools
+import shutil
+import subprocess
+
+from mininet.link import TCIntf, TCLink
+
+
+class LinkError(RuntimeError):
+    """A link parameter that this machine cannot emulate."""
+
+
+class WideTCIntf(TCIntf):
+    bwParamMax = 100_000
+
+    def bwCmds(self, bw=None, speedup=0, use_hfsc=False, use_tbf=False, latency_ms=None,
+               enable_ecn=False, enable_red=False):
+        if bw is None or use_hfsc or use_tbf or enable_ecn or enable_red:
+            return super().bwCmds(bw=bw, speedup=speedup, use_hfsc=use_hfsc, use_tbf=use_tbf,
+                                  latency_ms=latency_ms, enable_ecn=enable_ecn,
+                                  enable_red=enable_red)
+        # ~1 ms of traffic per burst (at least 15 kB), MTU-sized quantum.
+        burst = max(15_000, int(bw * 1e6 / 8 / 1000))
+        cmds = ["%s qdisc add dev %s root handle 5:0 htb default 1",
+                "%s class add dev %s parent 5:0 classid 5:1 htb "
+                + f"rate {bw:f}Mbit burst {burst} cburst {burst} quantum 1514"]
+        return cmds, " parent 5:1 "
+
+
+class ThcLink(TCLink):
+    """TCLink with :class:`WideTCIntf` on both ends."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("cls1", WideTCIntf)
+        kwargs.setdefault("cls2", WideTCIntf)
+        super().__init__(*args, **kwargs)
+
+
+@functools.lru_cache(maxsize=None)
+def netem_available() -> tuple[bool, str]:
+    """Can this kernel attach a netem qdisc? Probed in a throw-away network namespace."""
+    if not shutil.which("unshare"):
+        return False, "unshare (util-linux) is missing, cannot probe for netem"
+    script = ("ip link add thcprobe0 type veth peer name thcprobe1 && "
+              "tc qdisc add dev thcprobe0 root netem delay 1ms")
+    try:
+        r = subprocess.run(["unshare", "-n", "sh", "-c", script], capture_output=True,
+                           text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return False, f"netem probe failed: {e}"
+    if r.returncode == 0:
+        return True, "netem available"
+    return False, ("the kernel has no netem qdisc (sch_netem): "
+                   + (r.stderr.strip().splitlines() or ["tc failed"])[-1])
+
+
+@functools.lru_cache(maxsize=None)
+def iptables_statistic_available() -> tuple[bool, str]:
+    exe = shutil.which("iptables")
+    if not exe:
+        return False, "iptables is not installed (Debian: apt-get install iptables)"
+    try:
+        r = subprocess.run(["unshare", "-n", exe, "-t", "raw", "-A", "PREROUTING", "-m",
+                            "statistic", "--mode", "random", "--probability", "0.5", "-j",
+                            "DROP"], capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return False, f"iptables probe failed: {e}"
+    if r.returncode == 0:
+        return True, "iptables statistic match available"
+    return False, f"iptables statistic match unavailable: {r.stderr.strip()}"
+
+
+def path_loss(loss_pct: float) -> float:
+    """Per-host ingress drop probability equal to two lossy links in series."""
+    p = loss_pct / 100.0
+    return 1.0 - (1.0 - p) ** 2
+
+
+def plan(bw_mbit: float | None, delay_ms: float, loss_pct: float) -> dict:
+    """Decide how to emulate the requested link: TCLink parameters plus the loss fallback.
+
+    Returns {"link": kwargs for TCLink, "iptables_loss": per-host drop probability or 0,
+    "notes": [str]}; raises LinkError if something asked for cannot be emulated.
+    """
+    if bw_mbit is not None and bw_mbit <= 0:
+        raise LinkError(f"bandwidth must be positive, got {bw_mbit} Mbit/s")
+    if delay_ms < 0:
+        raise LinkError(f"delay must be >= 0, got {delay_ms} ms")
+    if not 0 <= loss_pct < 100:
+        raise LinkError(f"loss must lie in [0, 100) percent, got {loss_pct}")
+    link: dict = {}
+    notes: list[str] = []
+    if bw_mbit is not None:
+        link["bw"] = float(bw_mbit)
+    if delay_ms or loss_pct:
+        ok, why = netem_available()
+        if ok:
+            if delay_ms:
+                link["delay"] = f"{delay_ms:g}ms"
+            if loss_pct:
+                link["loss"] = float(loss_pct)
+            return {"link": link, "iptables_loss": 0.0, "notes": notes}
+        if delay_ms:
+            raise LinkError(f"cannot emulate {delay_ms:g} ms of delay: {why}")
+        ok2, why2 = iptables_statistic_available()
+        if not ok2:
+            raise LinkError(f"cannot emulate {loss_pct:g}% loss: {why}; {why2}")
+        notes.append(f"{why}; loss emulated with iptables statistic drops on host ingress")
+        return {"link": link, "iptables_loss": path_loss(loss_pct), "notes": notes}
+    return {"link": link, "iptables_loss": 0.0, "notes": notes}
+
+
+def add_ingress_loss(host, intf: str, probability: float) -> None:
+    """Drop IPv4 packets arriving on ``intf`` at random, inside ``host``'s namespace."""
+    if probability <= 0:
+        return
+    out = host.cmd(f"iptables -t raw -A PREROUTING -i {intf} -m statistic --mode random "
+                   f"--probability {probability:.6f} -j DROP 2>&1")
+    if out.strip():
+        raise LinkError(f"{host.name}: iptables failed: {out.strip()}")

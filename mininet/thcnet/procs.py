@@ -1,0 +1,152 @@
+"""Processes started by a testbed: output to files, concurrent waits, clear failures, kill by id.
+
+Output goes to files rather than pipes, so N workers that print a lot can never block on a
+full pipe while the testbed waits for another one.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from thcnet.cleanup import kill_process, start_time
+
+TAIL_LINES = 15
+FAIL_GRACE = 3.0
+"""Seconds the others get to fail on their own once one worker failed."""
+
+
+@dataclass
+class WorkerResult:
+    rank: int
+    returncode: int
+    stdout: str
+    stderr: str
+    seconds: float
+
+
+class WorkerError(RuntimeError):
+    """Some worker failed or timed out; ``results`` holds every worker's outcome."""
+
+    def __init__(self, message: str, results: list[WorkerResult]):
+        super().__init__(message)
+        self.results = results
+
+
+def tail(text: str, lines: int = TAIL_LINES) -> str:
+    rows = text.rstrip().splitlines()
+    return "\n".join(("    " + r) for r in rows[-lines:]) if rows else "    (empty)"
+
+
+class Proc:
+    """A started process whose stdout/stderr go to files in ``logdir``."""
+
+    def __init__(self, name: str, popen: subprocess.Popen, out: Path, err: Path, group: bool):
+        self.name = name
+        self.popen = popen
+        self.pid = popen.pid
+        self.started = start_time(popen.pid)
+        self.t0 = time.monotonic()
+        self.out_path, self.err_path = out, err
+        self.group = group
+        self.seconds: float | None = None
+
+    @classmethod
+    def start(cls, name: str, argv: list[str], logdir: Path, launch, group: bool = True) -> "Proc":
+        """``launch(argv, stdout=f, stderr=f)`` returns a Popen (subprocess or Mininet host)."""
+        safe = name.replace("/", "_")
+        out, err = logdir / f"{safe}.out", logdir / f"{safe}.err"
+        with open(out, "wb") as fo, open(err, "wb") as fe:
+            popen = launch(argv, stdout=fo, stderr=fe)
+        return cls(name, popen, out, err, group)
+
+    def poll(self) -> int | None:
+        rc = self.popen.poll()
+        if rc is not None and self.seconds is None:
+            self.seconds = time.monotonic() - self.t0
+        return rc
+
+    def stdout(self) -> str:
+        return _read(self.out_path)
+
+    def stderr(self) -> str:
+        return _read(self.err_path)
+
+    def kill(self, grace: float = 1.0) -> None:
+        if self.popen.poll() is None:
+            kill_process(self.pid, self.started, group=self.group, grace=grace)
+            if self.popen.poll() is None:
+                # mnexec -d made it a session leader; if the group is already gone, the pid.
+                kill_process(self.pid, self.started, group=False, grace=grace)
+        try:
+            self.popen.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass
+        self.poll()
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_bytes().decode("utf-8", "replace")
+    except OSError:
+        return ""
+
+
+def wait_all(procs: list[Proc], timeout: float | None, what: str = "worker") -> list[WorkerResult]:
+    """Wait for every process; on a failure kill the others and raise :class:`WorkerError`.
+
+    A failing process ends the wait early: the others (often blocked on it in a collective)
+    get FAIL_GRACE seconds to fail on their own and are then killed.
+    """
+    end = None if timeout is None else time.monotonic() + timeout
+    failed_at = None
+    timed_out = False
+    while True:
+        codes = [p.poll() for p in procs]
+        if all(c is not None for c in codes):
+            break
+        now = time.monotonic()
+        if failed_at is None and any(c not in (None, 0) for c in codes):
+            failed_at = now
+        if failed_at is not None and now - failed_at > FAIL_GRACE:
+            break
+        if end is not None and now > end:
+            timed_out = True
+            break
+        time.sleep(0.02)
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+    results = [WorkerResult(i, p.popen.returncode if p.popen.returncode is not None else -9,
+                            p.stdout(), p.stderr(),
+                            p.seconds if p.seconds is not None else time.monotonic() - p.t0)
+               for i, p in enumerate(procs)]
+    bad = [r for r in results if r.returncode != 0]
+    if timed_out or bad:
+        head = (f"{what}s timed out after {timeout:.0f} s" if timed_out
+                else f"{len(bad)} of {len(results)} {what}s failed")
+        parts = [head]
+        for r, p in zip(results, procs):
+            if r.returncode != 0 or timed_out:
+                parts.append(f"--- {what} {r.rank} ({p.name}) exit code {r.returncode} after "
+                             f"{r.seconds:.1f} s; stderr tail:\n{tail(r.stderr)}")
+        raise WorkerError("\n".join(parts), results)
+    return results
+
+
+def pythonize(argv: list[str], python: str) -> list[str]:
+    """Commands may name ``python``/``python3``: run the testbed's interpreter instead."""
+    argv = [str(a) for a in argv]
+    if argv and argv[0] in ("python", "python3"):
+        argv[0] = python
+    return argv
+
+
+def merged_env(base: dict | None, extra: dict) -> dict:
+    env = dict(os.environ)
+    env.update(extra)
+    if base:
+        env.update({k: str(v) for k, v in base.items()})
+    return env

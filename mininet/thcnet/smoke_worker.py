@@ -1,0 +1,80 @@
+"""One worker of the smoke all-reduce: random 4-bit indices through the aggregator.
+
+``python -m thcnet.smoke_worker --rank R --config cluster.json --agg IP:PORT --numel N --seed S``
+
+Worker r draws its indices from seed S + r, so anyone can recompute every worker's vector and
+the exact integer sums (:func:`reference_sums`). Prints one JSON line: rank, seconds, the
+SHA-256 of the sums, how many differ from the reference, transport stats.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+import time
+
+import numpy as np
+
+from host import protocol as P
+from host.jobs import Cluster
+
+
+def indices(seed: int, rank: int, numel: int) -> np.ndarray:
+    return np.random.default_rng(seed + rank).integers(0, 1 << P.INDEX_BITS, numel,
+                                                       dtype=np.uint8)
+
+
+def padded(numel: int, lanes: int) -> int:
+    return -(-numel // lanes) * lanes
+
+
+def reference_sums(table, n_workers: int, seed: int, numel: int) -> np.ndarray:
+    lut = np.asarray(table, dtype=np.uint16)
+    total = np.zeros(numel, dtype=np.uint16)
+    for r in range(n_workers):
+        total += lut[indices(seed, r, numel)]
+    return total
+
+
+def digest(sums: np.ndarray) -> str:
+    return hashlib.sha256(np.ascontiguousarray(sums, dtype=np.uint16).tobytes()).hexdigest()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rank", type=int, required=True)
+    ap.add_argument("--config", required=True)
+    ap.add_argument("--agg", required=True, metavar="IP:PORT")
+    ap.add_argument("--numel", type=int, default=1 << 20)
+    ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--deadline", type=float, default=30.0)
+    ap.add_argument("--window", type=int, default=None, help="chunks in flight (default: pool)")
+    ap.add_argument("--rto", type=float, default=0.02, help="initial/minimum retransmission "
+                    "timeout in seconds")
+    args = ap.parse_args(argv)
+
+    from host.aggregator import parse_hostport
+    from host.client import AggregationClient
+
+    job = Cluster.load(args.config).jobs[0]
+    agg = parse_hostport(args.agg)
+    idx = np.zeros(padded(args.numel, job.lanes), dtype=np.uint8)
+    idx[: args.numel] = indices(args.seed, args.rank, args.numel)
+    packed = P.pack_nibbles(idx)
+    with AggregationClient(job, args.rank, agg, deadline=args.deadline, window=args.window,
+                           timeout=args.rto) as client:
+        t0 = time.perf_counter()
+        sums = client.aggregate(packed)[: args.numel]
+        seconds = time.perf_counter() - t0
+        stats = vars(client.stats)
+    ref = reference_sums(job.table, job.n_workers, args.seed, args.numel)
+    mismatches = int(np.count_nonzero(sums != ref))
+    print(json.dumps({"rank": args.rank, "seconds": seconds, "sha256": digest(sums),
+                      "mismatches": mismatches, "numel": args.numel, "stats": stats}),
+          flush=True)
+    return 0 if mismatches == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

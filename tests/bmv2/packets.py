@@ -1,0 +1,50 @@
+"""Datagram helpers shared by the BMv2 tests."""
+from __future__ import annotations
+
+import numpy as np
+
+from host import protocol as P
+from host.jobs import Job
+
+
+def datagram(job: Job, worker: int, seq: int, payload: bytes, pkt_type=P.PktType.DATA,
+             job_id: int | None = None, slot: int | None = None) -> bytes:
+    s, v = P.slot_of(seq, job.pool_size)
+    hdr = P.Header(pkt_type, worker, job.job_id if job_id is None else job_id,
+                   s if slot is None else slot, v, 0, seq, (seq * job.lanes) % P.SEQ_MOD, 0)
+    return hdr.pack() + payload
+
+
+def data(job: Job, worker: int, seq: int, idx: np.ndarray, **kw) -> bytes:
+    return datagram(job, worker, seq, P.pack_nibbles(idx).tobytes(), **kw)
+
+
+def random_indices(rng: np.random.Generator, job: Job) -> np.ndarray:
+    return rng.integers(0, 1 << P.INDEX_BITS, job.lanes).astype(np.uint8)
+
+
+def result_of(d: bytes) -> tuple[P.Header, np.ndarray]:
+    hdr, payload = P.decode(d)
+    return hdr, np.frombuffer(bytes(payload), dtype=P.SUM_DTYPE).astype(np.int64)
+
+
+def expected(job: Job, idxs) -> np.ndarray:
+    table = np.asarray(job.table)
+    return sum(table[i] for i in idxs)
+
+
+def check_result(got: list[bytes], job: Job, seq: int, idxs, worker: int) -> None:
+    assert len(got) == 1, f"worker {worker}: expected one result, got {len(got)}"
+    hdr, sums = result_of(got[0])
+    assert hdr.pkt_type == P.PktType.RESULT
+    assert (hdr.job_id, hdr.seq, hdr.worker_id, hdr.count) == (job.job_id, seq, worker,
+                                                                job.n_workers)
+    assert hdr.bitmap == job.full_bitmap
+    np.testing.assert_array_equal(sums, expected(job, idxs))
+
+
+def round_trip(h, job: Job, seq: int, idxs, workers=None) -> dict[int, list[bytes]]:
+    workers = range(job.n_workers) if workers is None else workers
+    for w in workers:
+        h.endpoint(job, w).send(data(job, w, seq, idxs[w]))
+    return {w: h.endpoint(job, w).recv_all(timeout=h.quiet) for w in range(job.n_workers)}

@@ -1,0 +1,325 @@
+"""The emulation testbed: loopback always, Mininet when root and Mininet are available."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from thcnet import cleanup
+from thcnet.smoke_worker import digest, reference_sums
+from thcnet.testbed import (LoopbackTestbed, TestbedError, WorkerError,
+                            mininet_unavailable_reason, open_testbed)
+
+ROOT = Path(__file__).resolve().parents[1]
+MININET_REASON = mininet_unavailable_reason()
+needs_mininet = pytest.mark.skipif(MININET_REASON is not None,
+                                   reason=f"Mininet testbed unavailable: {MININET_REASON}")
+
+
+def smoke(tb, numel=1 << 16, seed=5):
+    """Run the smoke all-reduce on ``tb``; return (worker JSON rows, reference digest)."""
+    tb.start_aggregator()
+    agg = f"{tb.agg_addr[0]}:{tb.agg_addr[1]}"
+    results = tb.run_workers(
+        lambda r: ["python", "-m", "thcnet.smoke_worker", "--rank", str(r), "--config",
+                   str(tb.cluster_path), "--agg", agg, "--numel", str(numel), "--seed",
+                   str(seed)], timeout=60)
+    rows = [json.loads(r.stdout.strip().splitlines()[-1]) for r in results]
+    job = tb.job
+    return rows, digest(reference_sums(job.table, job.n_workers, seed, numel))
+
+
+# -- loopback ----------------------------------------------------------------------------------
+
+def test_loopback_testbed_describes_itself_and_its_cluster(capsys):
+    with open_testbed(3, bw_mbit=100, prefer_mininet=False) as tb:
+        assert tb.kind == "loopback" and tb.n_workers == 3
+        job = tb.cluster.jobs[0]
+        assert job.job_id == 1 and [w.id for w in job.workers] == [0, 1, 2]
+        assert len({w.port for w in job.workers}) == 3
+        assert all(w.ip == "127.0.0.1" for w in job.workers)
+        assert tb.agg_addr == (tb.cluster.agg_ip, tb.cluster.agg_port)
+        assert tb.master_addr[0] == "127.0.0.1"
+        assert tb.wire_bytes() == {}
+        logdir = tb.logdir
+        assert logdir.exists()
+    assert not logdir.exists()
+    err = capsys.readouterr().err
+    assert "loopback" in err and "NOT emulated" in err
+
+
+def test_loopback_smoke_allreduce_is_bit_exact():
+    with open_testbed(3, prefer_mininet=False) as tb:
+        rows, ref = smoke(tb)
+        counters = tb.stop_aggregator()
+    assert [r["sha256"] for r in rows] == [ref] * 3
+    assert all(r["mismatches"] == 0 for r in rows)
+    assert counters["jobs"]["1"]["completions"] >= (1 << 16) // 256
+
+
+def test_workers_get_the_venv_python_one_thread_and_the_repo_on_the_path():
+    code = ("import json, os, sys; print(json.dumps([sys.executable, os.environ['OMP_NUM_THREADS'],"
+            " os.environ['PYTHONPATH'], os.environ['GLOO_SOCKET_IFNAME'], os.environ['X']]))")
+    with LoopbackTestbed(2, aggregator="none") as tb:
+        assert tb.agg_addr is None
+        with pytest.raises(TestbedError):
+            tb.start_aggregator()
+        res = tb.run_workers(lambda r: ["python", "-c", code], env={"X": "1"}, timeout=30)
+    for r in res:
+        exe, threads, path, ifname, x = json.loads(r.stdout)
+        assert exe == sys.executable and threads == "1" and x == "1" and ifname == "lo"
+        assert str(ROOT) in path.split(":")
+
+
+def test_a_failing_worker_raises_with_its_stderr_and_the_others_are_killed():
+    def argv(r):
+        if r == 0:
+            return ["python", "-c", "import sys; sys.exit('worker zero broke on purpose')"]
+        return ["python", "-c", "import time; time.sleep(60)"]
+    t0 = time.monotonic()
+    with LoopbackTestbed(3, aggregator="none") as tb:
+        with pytest.raises(WorkerError) as e:
+            tb.run_workers(argv, timeout=30)
+    assert time.monotonic() - t0 < 20
+    assert "worker zero broke on purpose" in str(e.value)
+    codes = [r.returncode for r in e.value.results]
+    assert codes[0] == 1 and all(c != 0 for c in codes[1:])
+
+
+def test_a_timeout_kills_the_workers():
+    with LoopbackTestbed(2, aggregator="none") as tb:
+        with pytest.raises(WorkerError, match="timed out"):
+            tb.run_workers(lambda r: ["python", "-c", "import time; time.sleep(60)"], timeout=1)
+
+
+def test_bmv2_and_bad_arguments_are_refused_clearly():
+    with pytest.raises(TestbedError, match="bmv2"):
+        open_testbed(2, aggregator="bmv2", prefer_mininet=False)
+    with pytest.raises(TestbedError, match="aggregator"):
+        open_testbed(2, aggregator="tofino", prefer_mininet=False)
+    with pytest.raises(TestbedError, match="n_workers"):
+        open_testbed(0, prefer_mininet=False)
+
+
+# -- Mininet -----------------------------------------------------------------------------------
+
+@needs_mininet
+def test_topology_ping_and_udp_between_a_worker_and_the_aggregator_host():
+    with open_testbed(2, bw_mbit=100, aggregator="software") as tb:
+        assert tb.kind == "mininet"
+        assert tb.agg_addr == ("10.0.0.100", tb.cluster.agg_port)
+        assert tb.master_addr == ("10.0.0.1", 29500)
+        job = tb.job
+        assert [(w.ip, w.port, w.switch_port) for w in job.workers] == \
+            [("10.0.0.1", 50000, 1), ("10.0.0.2", 50001, 2)]
+        r = tb.run(0, ["ping", "-c", "2", "-i", "0.2", "-W", "2", "10.0.0.100"], timeout=20)
+        assert "2 received" in r.stdout
+        # a UDP echo on the aggregator host, a client on worker 1
+        server = tb.popen("agg", ["python", "-c", textwrap.dedent("""
+            import socket
+            s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+            s.bind(("10.0.0.100", 40000))
+            print("ready", flush=True)
+            data, addr = s.recvfrom(2048)
+            s.sendto(data.upper(), addr)
+        """)])
+        deadline = time.monotonic() + 20
+        while "ready" not in server.stdout() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        r = tb.run(1, ["python", "-c", textwrap.dedent("""
+            import socket
+            s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+            s.bind(("10.0.0.2", 0)); s.settimeout(5)
+            s.sendto(b"thc", ("10.0.0.100", 40000))
+            print(s.recvfrom(2048)[0].decode())
+        """)], timeout=20)
+        assert r.stdout.strip() == "THC"
+        tx, rx = tb.wire_bytes()[1]
+        assert tx > 0 and rx > 0
+
+
+@needs_mininet
+def test_link_bandwidth_cap_is_roughly_honoured():
+    mbit, nbytes = 20, 4_000_000
+    sender = textwrap.dedent(f"""
+        import socket, time
+        s = socket.create_connection(("10.0.0.100", 40001), timeout=30)
+        buf = bytes(65536); left = {nbytes}
+        t0 = time.perf_counter()
+        while left > 0:
+            left -= s.send(buf[:min(left, len(buf))])
+        s.shutdown(socket.SHUT_WR); s.recv(1)
+        print(time.perf_counter() - t0)
+    """)
+    receiver = textwrap.dedent("""
+        import socket
+        srv = socket.socket(); srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        srv.bind(("10.0.0.100", 40001)); srv.listen(1); print("ready", flush=True)
+        c, _ = srv.accept()
+        while c.recv(1 << 16):
+            pass
+        c.send(b"k")
+    """)
+    with open_testbed(1, bw_mbit=mbit) as tb:
+        server = tb.popen("agg", ["python", "-c", receiver])
+        deadline = time.monotonic() + 20
+        while "ready" not in server.stdout() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        seconds = float(tb.run(0, ["python", "-c", sender], timeout=60).stdout)
+        tx, _ = tb.wire_bytes()[0]
+    expected = nbytes * 8 / (mbit * 1e6)  # 1.6 s
+    assert 0.7 * expected < seconds < 2.5 * expected, (seconds, expected)
+    assert tx >= nbytes
+
+
+@needs_mininet
+def test_cleanup_leaves_nothing_behind_after_an_exception():
+    class Boom(Exception):
+        pass
+
+    with pytest.raises(Boom):
+        with open_testbed(2, bw_mbit=50) as tb:
+            name = tb.switch_name
+            pids = [p for p, _, _ in tb.registry.pids]
+            state_file = tb.registry.path
+            assert any(n.startswith(name) for n in cleanup.leftovers())
+            tb.popen(0, ["python", "-c", "import time; time.sleep(60)"])
+            raise Boom
+    assert not [n for n in cleanup.root_interfaces() if n.startswith(name)]
+    assert not state_file.exists()
+    time.sleep(0.2)
+    assert not [p for p in pids if cleanup.start_time(p) is not None
+                and not cleanup._is_zombie(p)]
+
+
+@needs_mininet
+def test_the_next_start_cleans_up_after_a_crashed_run():
+    code = textwrap.dedent("""
+        import os, signal
+        from thcnet.testbed import open_testbed
+        tb = open_testbed(2, bw_mbit=10)
+        print(tb.switch_name, tb.registry.path, flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+    """)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                       cwd=ROOT)
+    assert r.returncode == -9, r.stderr
+    name, state_file = r.stdout.split()
+    state = json.loads(Path(state_file).read_text())
+    assert [n for n in cleanup.root_interfaces() if n.startswith(name + "-")]
+    with open_testbed(1) as tb:   # the next start reaps the crashed one
+        assert tb.kind == "mininet"
+    assert not [n for n in cleanup.root_interfaces() if n == name or n.startswith(name + "-")]
+    assert not Path(state_file).exists()
+    assert not [p for p, st, _ in state["pids"] if cleanup.same_process(p, st)
+                and not cleanup._is_zombie(p)]
+
+
+@needs_mininet
+def test_sigterm_tears_the_testbed_down():
+    code = textwrap.dedent("""
+        import time
+        from thcnet.testbed import open_testbed
+        with open_testbed(2) as tb:
+            print(tb.switch_name, flush=True)
+            time.sleep(60)
+    """)
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                         cwd=ROOT)
+    name = p.stdout.readline().strip()
+    assert name
+    p.terminate()
+    assert p.wait(timeout=30) != 0
+    assert not [n for n in cleanup.root_interfaces() if n == name or n.startswith(name + "-")]
+
+
+@needs_mininet
+def test_loss_is_emulated_and_delay_is_refused_or_emulated():
+    from thcnet.links import netem_available
+    with open_testbed(1, loss_pct=10) as tb:
+        rx = textwrap.dedent("""
+            import socket, time
+            s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+            s.bind(("10.0.0.100", 40002)); s.settimeout(2); print("ready", flush=True)
+            n = 0
+            try:
+                while True:
+                    s.recv(100); n += 1
+            except socket.timeout:
+                print(n)
+        """)
+        server = tb.popen("agg", ["python", "-c", rx])
+        deadline = time.monotonic() + 20
+        while "ready" not in server.stdout() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        tb.run(0, ["python", "-c", "import socket, time\n"
+                   "s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\n"
+                   "for i in range(4000):\n"
+                   "    s.sendto(b'x' * 64, ('10.0.0.100', 40002))\n"
+                   "    if i % 100 == 0: time.sleep(0.001)\n"], timeout=30)
+        server.popen.wait(timeout=20)
+        got = int(server.stdout().split()[-1])
+    # two lossy links in series: 1 - 0.9^2 = 19% lost
+    assert 0.73 * 4000 < got < 0.89 * 4000, got
+    if netem_available()[0]:
+        with open_testbed(1, delay_ms=5) as tb:
+            r = tb.run(0, ["ping", "-c", "3", "-i", "0.2", "10.0.0.100"], timeout=20)
+            assert "time=2" in r.stdout   # 4 x 5 ms round trip
+    else:
+        with pytest.raises(TestbedError, match="netem"):
+            open_testbed(1, delay_ms=5)
+
+
+@needs_mininet
+@pytest.mark.slow
+def test_smoke_allreduce_through_the_software_aggregator_is_bit_exact_in_mininet():
+    with open_testbed(4, bw_mbit=100) as tb:
+        before = tb.wire_bytes()
+        rows, ref = smoke(tb, numel=1 << 20)
+        after = tb.wire_bytes()
+    assert [r["sha256"] for r in rows] == [ref] * 4
+    # 4096 chunks of 128 index bytes up, 256 sum bytes down, plus headers
+    for r in range(4):
+        tx = after[r][0] - before[r][0]
+        rx = after[r][1] - before[r][1]
+        assert 4096 * (128 + 62) <= tx < 1.5 * 4096 * (128 + 62)
+        assert 4096 * (256 + 62) <= rx < 1.5 * 4096 * (256 + 62)
+
+
+@needs_mininet
+@pytest.mark.slow
+def test_make_mininet_entry_point_runs():
+    r = subprocess.run([sys.executable, "-m", "thcnet.run", "--workers", "2", "--bw", "200",
+                        "--numel", str(1 << 18)], capture_output=True, text=True, timeout=120,
+                       cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "bit-exact" in r.stdout and "smoke all-reduce OK" in r.stdout
+
+
+@needs_mininet
+def test_bmv2_mode_is_offered_only_when_the_toolchain_is_there():
+    from thcnet.bmv2 import unavailable_reason
+    why = unavailable_reason()
+    if why is None:
+        pytest.skip("BMv2 is available: covered by test_smoke_allreduce_through_bmv2")
+    with pytest.raises(TestbedError, match="not available"):
+        open_testbed(2, aggregator="bmv2")
+
+
+@needs_mininet
+@pytest.mark.slow
+@pytest.mark.bmv2
+def test_smoke_allreduce_through_bmv2_is_bit_exact():
+    from thcnet.bmv2 import unavailable_reason
+    why = unavailable_reason()
+    if why:
+        pytest.skip(f"BMv2 not available: {why}")
+    with open_testbed(3, bw_mbit=100, aggregator="bmv2") as tb:
+        rows, ref = smoke(tb, numel=1 << 14)
+    assert [r["sha256"] for r in rows] == [ref] * 3
