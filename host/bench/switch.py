@@ -8,6 +8,10 @@ by a short probe), so the sender does not starve the switch of CPU; the switch's
 read from its counters (THC: the job's ``packets`` counter) or from the kernel's receive
 count of the egress veth (L2).
 
+Reported: ``pps`` (DATA packets the switch aggregated per second), ``coords_per_s``
+(pps x lanes), ``completion_ratio`` (completions x workers / packets: 1.0 when no packet was
+lost on the way into the switch), and the ratio of the THC rate to the L2 rate.
+
 With ``--lanes-sweep 16,64`` (needs p4c), variants of the program with fewer lanes are
 generated and compiled into a temporary directory and measured too: the slope gives the cost
 of one lane (its lookup table and register action) in BMv2.
