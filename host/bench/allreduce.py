@@ -331,8 +331,11 @@ def _plot(result: dict, path: str) -> None:
     for mode in modes:
         pts = [(pt["bw_mbit"], pt["modes"][mode]["seconds"]) for pt in result["points"]
                if mode in pt["modes"] and pt["bw_mbit"]]
+        extrapolated = any("extrapolated_from" in pt["modes"].get(mode, {})
+                           for pt in result["points"])
         if pts:
-            ax.plot(*zip(*pts), marker="o", label=mode)
+            ax.plot(*zip(*pts), marker="o", linestyle="--" if extrapolated else "-",
+                    label=mode + (" (extrapolated)" if extrapolated else ""))
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("link bandwidth (Mbit/s)")

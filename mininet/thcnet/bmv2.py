@@ -38,6 +38,9 @@ def unavailable_reason() -> str | None:
     if not shutil.which("simple_switch_grpc"):
         return ("simple_switch_grpc is not on PATH (install BMv2 with its P4Runtime server: "
                 "p4lang's packages or docker image)")
+    if not shutil.which("ethtool"):
+        return ("ethtool is missing (apt-get install ethtool): a software switch needs "
+                "checksum offload off on its veths, or TCP through it fails")
     for name in ("thc.json", "thc.p4info.txt"):
         if not (BUILD_DIR / name).exists():
             return f"{BUILD_DIR / name} is missing (compile the program: make p4)"
