@@ -34,6 +34,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     parser.add_argument("--topk-ratio", type=float, default=0.1)
+    parser.add_argument("--slice-size", type=int, default=1 << 16,
+                        help="THC rotation slice (power of two; small slices waste less padding)")
     parser.add_argument("--no-error-feedback", action="store_true")
     parser.add_argument("--uncompressed", default="",
                         help="comma-separated parameter-name parts left in FP32 (e.g. bias)")
@@ -74,7 +76,7 @@ def _hook(args, model, ddp):
     from host.allreduce import THCAllReduce
     from host.params import THCParams
     import torch
-    params = THCParams.from_args(args, seed=args.seed)
+    params = THCParams.from_args(args, seed=args.seed, slice_size=args.slice_size)
     ef = not args.no_error_feedback
     gen = torch.Generator().manual_seed(1000 + args.rank)
     if args.mode == "thc-dist":

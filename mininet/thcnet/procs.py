@@ -94,16 +94,43 @@ def _read(path: Path) -> str:
         return ""
 
 
-def wait_all(procs: list[Proc], timeout: float | None, what: str = "worker") -> list[WorkerResult]:
+class _LineFollower:
+    """Feeds each complete new stdout line of each process to ``on_line(index, line)``."""
+
+    def __init__(self, procs: list[Proc], on_line):
+        self.procs, self.on_line = procs, on_line
+        self.offsets = [0] * len(procs)
+        self.partial = [b""] * len(procs)
+
+    def poll(self) -> None:
+        for i, p in enumerate(self.procs):
+            try:
+                with open(p.out_path, "rb") as f:
+                    f.seek(self.offsets[i])
+                    data = f.read()
+            except OSError:
+                continue
+            self.offsets[i] += len(data)
+            *lines, self.partial[i] = (self.partial[i] + data).split(b"\n")
+            for line in lines:
+                self.on_line(i, line.decode("utf-8", "replace"))
+
+
+def wait_all(procs: list[Proc], timeout: float | None, what: str = "worker",
+             on_line=None) -> list[WorkerResult]:
     """Wait for every process; on a failure kill the others and raise :class:`WorkerError`.
 
     A failing process ends the wait early: the others (often blocked on it in a collective)
-    get FAIL_GRACE seconds to fail on their own and are then killed.
+    get FAIL_GRACE seconds to fail on their own and are then killed. ``on_line(index, line)``
+    sees stdout lines as they appear (progress bars).
     """
     end = None if timeout is None else time.monotonic() + timeout
     failed_at = None
     timed_out = False
+    follower = _LineFollower(procs, on_line) if on_line else None
     while True:
+        if follower:
+            follower.poll()
         codes = [p.poll() for p in procs]
         if all(c is not None for c in codes):
             break
@@ -119,6 +146,8 @@ def wait_all(procs: list[Proc], timeout: float | None, what: str = "worker") -> 
     for p in procs:
         if p.poll() is None:
             p.kill()
+    if follower:
+        follower.poll()
     results = [WorkerResult(i, p.popen.returncode if p.popen.returncode is not None else -9,
                             p.stdout(), p.stderr(),
                             p.seconds if p.seconds is not None else time.monotonic() - p.t0)

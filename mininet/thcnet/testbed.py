@@ -212,7 +212,7 @@ class Testbed:
         return wait_all([proc], timeout, what="command")[0]
 
     def run_workers(self, argv_for: Callable[[int], list[str]], env: dict | None = None,
-                    timeout: float | None = None) -> list[WorkerResult]:
+                    timeout: float | None = None, on_line=None) -> list[WorkerResult]:
         """Run ``argv_for(rank)`` on every worker host at once and wait for all of them.
 
         Raises :class:`WorkerError` (with each failing worker's stderr tail) if any worker
@@ -221,7 +221,7 @@ class Testbed:
         procs = [self.popen(r, argv_for(r), env, name=f"worker{r}-{len(self._procs)}")
                  for r in range(self.n_workers)]
         try:
-            return wait_all(procs, timeout, what="worker")
+            return wait_all(procs, timeout, what="worker", on_line=on_line)
         except WorkerError as e:
             if self._agg_proc is not None and self._agg_proc.poll() is not None:
                 raise WorkerError(f"{e}\n--- the aggregator exited with code "
