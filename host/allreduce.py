@@ -12,6 +12,7 @@ steps (max of the slice norms, sum of table values):
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -99,9 +100,14 @@ class THCAllReduce:
     """
 
     def __init__(self, transport, params: THCParams | None = None, error_feedback: bool = True,
-                 generator=None):
+                 generator=None, pipeline_elements: int = 1 << 22):
         self.params = params or THCParams()
         self.generator = generator
+        if pipeline_elements % self.params.slice_size:
+            raise ValueError(f"pipeline_elements ({pipeline_elements}) must be a multiple of "
+                             f"the slice size ({self.params.slice_size})")
+        self.pipeline_elements = pipeline_elements
+        self._pool: ThreadPoolExecutor | None = None
         self.transport = transport
         transport.check(self.params)
         self.codec = THCCodec(self.params)
@@ -124,6 +130,9 @@ class THCAllReduce:
     def __call__(self, tensor: torch.Tensor) -> torch.Tensor:
         if tensor.numel() == 0:
             return tensor.clone()
+        if tensor.numel() > self.pipeline_elements and isinstance(self.transport,
+                                                                  AggregatorTransport):
+            return self._pipelined(tensor)
         secs = self.stats.seconds
         t0 = time.perf_counter()
         flat = tensor.detach().reshape(-1).float()
@@ -141,6 +150,63 @@ class THCAllReduce:
         t5 = time.perf_counter()
         for k, dt in zip(secs, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4)):
             secs[k] += dt
+        self.round += 1
+        self.stats.calls += 1
+        self.stats.elements += flat.numel()
+        return est.reshape(tensor.shape).to(tensor.dtype)
+
+    def _pipelined(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Stream piece k while a helper thread encodes piece k+1 and decodes piece k-1.
+
+        Pieces are ``pipeline_elements`` long (whole slices), so every worker cuts a tensor
+        the same way; each piece is encoded as a tensor of its own (its slices' rotations
+        restart at slice index 0 of the round). torch releases the GIL while it computes, so
+        the codec overlaps the socket loop.
+        """
+        secs = self.stats.seconds
+        t0 = time.perf_counter()
+        flat = tensor.detach().reshape(-1).float()
+        y = self.feedback.compensate(flat) if self.feedback else flat
+        max_norms = self.transport.max(self.codec.norms(y))
+        secs["norms"] += time.perf_counter() - t0
+        step, slice_size = self.pipeline_elements, self.params.slice_size
+        pieces = [(a, min(a + step, flat.numel())) for a in range(0, flat.numel(), step)]
+        norms_of = lambda a, b: max_norms[a // slice_size: -(-b // slice_size)]  # noqa: E731
+        est = torch.empty_like(flat)
+        own = torch.empty_like(flat) if self.feedback else None
+        rnd = self.round
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="thc-codec")
+
+        def encode(a, b):
+            t = time.perf_counter()
+            idx = self.codec.encode(y[a:b], norms_of(a, b), rnd, self.generator)
+            secs["encode"] += time.perf_counter() - t
+            return idx
+
+        def decode(a, b, sums, idx):
+            t = time.perf_counter()
+            est[a:b] = self.codec.decode(sums, self.n_workers, norms_of(a, b), b - a, rnd)
+            secs["decode"] += time.perf_counter() - t
+            if own is not None:
+                t = time.perf_counter()
+                own[a:b] = self.codec.decode_own(idx, norms_of(a, b), b - a, rnd)
+                secs["feedback"] += time.perf_counter() - t
+
+        next_idx = self._pool.submit(encode, *pieces[0])
+        decodes = []
+        for k, (a, b) in enumerate(pieces):
+            idx = next_idx.result()
+            if k + 1 < len(pieces):
+                next_idx = self._pool.submit(encode, *pieces[k + 1])
+            t = time.perf_counter()
+            sums = self.transport.sum(idx, self.params)
+            secs["sum"] += time.perf_counter() - t
+            decodes.append(self._pool.submit(decode, a, b, sums, idx))
+        for f in decodes:
+            f.result()
+        if self.feedback:
+            self.feedback.residual = y - own
         self.round += 1
         self.stats.calls += 1
         self.stats.elements += flat.numel()

@@ -17,6 +17,8 @@ import sys
 import time
 
 MODES = ("fp32", "thc", "thc-dist", "topk")
+STEP_LOSSES_KEPT = 50
+"""Per-step losses reported (enough to compare two runs step by step)."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -32,6 +34,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--width", type=int, default=64, help="CNN width (model size)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-steps", type=int, default=None,
+                        help="stop after this many optimizer steps (evaluating then)")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     parser.add_argument("--topk-ratio", type=float, default=0.1)
     parser.add_argument("--slice-size", type=int, default=1 << 16,
@@ -118,31 +122,35 @@ def train(args) -> list[dict]:
     steps = len(ytr) // global_batch
     history = []
     start = time.perf_counter()
-    comm = 0.0
+    step_losses: list[float] = []
     for epoch in range(1, args.epochs + 1):
         ddp.train()
         perm = torch.from_numpy(np.random.default_rng([args.seed, epoch]).permutation(len(ytr)))
         for s in range(steps):
+            if args.max_steps is not None and len(step_losses) >= args.max_steps:
+                break
             lo = s * global_batch + args.rank * args.batch
             idx = perm[lo: lo + args.batch]
             opt.zero_grad(set_to_none=True)
-            t0 = time.perf_counter()
             loss = loss_fn(ddp(xtr[idx]), ytr[idx])
             loss.backward()
-            comm += time.perf_counter() - t0
             opt.step()
+            step_losses.append(float(loss))
         ddp.eval()
         with torch.no_grad():
             acc = float((model(xte).argmax(1) == yte).float().mean())
         if args.mode == "fp32":
-            sent = 2 * (args.world - 1) * n_params * 4 * steps * epoch // args.world
+            sent = 2 * (args.world - 1) * n_params * 4 * len(step_losses) // args.world
         else:
             sent = hook.bytes_sent
         row = {"mode": args.mode, "rank": args.rank, "epoch": epoch, "accuracy": acc,
                "loss": float(loss), "seconds": time.perf_counter() - start,
-               "bytes_sent": int(sent), "params": n_params, "steps_per_epoch": steps}
+               "bytes_sent": int(sent), "params": n_params, "steps_per_epoch": steps,
+               "steps": len(step_losses), "step_losses": step_losses[:STEP_LOSSES_KEPT]}
         history.append(row)
         print(json.dumps(row), flush=True)
+        if args.max_steps is not None and len(step_losses) >= args.max_steps:
+            break
     dist.barrier()
     dist.destroy_process_group()
     return history

@@ -89,7 +89,7 @@ class BMv2Switch(Switch):
             if intf.name.startswith(self.name):
                 ports += ["-i", f"{self.ports[intf]}@{intf.name}"]
         argv = (["simple_switch_grpc", "--device-id", "0", "--thrift-port",
-                 str(self.thrift_port), "--no-p4"] + ports +
+                 str(self.thrift_port), "--no-p4", "--log-level", "off"] + ports +
                 ["--", "--grpc-server-addr", self.grpc_addr, "--cpu-port", str(P.CPU_PORT)])
         log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
