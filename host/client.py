@@ -141,12 +141,14 @@ class AggregationClient:
         sock = self.sock
         now = time.monotonic()
 
+        pack, unpack = P.HEADER_STRUCT.pack, P.HEADER_STRUCT.unpack_from
+        job_id, n_workers, header_bytes = job.job_id, job.n_workers, P.HEADER_BYTES
+        pending_type = int(P.PktType.PENDING)
+
         def packet(i: int) -> bytes:
-            seq = (base + i) % P.SEQ_MOD
             slot, version = P.slot_of(base + i, pool)
-            hdr = P.Header(pkt_type, me, job.job_id, slot, version, 0, seq,
-                           (offset_base + i * lanes) % P.SEQ_MOD, 0)
-            return hdr.pack() + chunks[i].tobytes()
+            return pack(pkt_type, me, job_id, slot, version, 0, (base + i) % P.SEQ_MOD,
+                        (offset_base + i * lanes) % P.SEQ_MOD, 0) + chunks[i].tobytes()
 
         while lo < total:
             while hi < total and hi < lo + self.window:
@@ -166,35 +168,38 @@ class AggregationClient:
                         break
                     self.stats.received += 1
                     self.stats.bytes_received += nbytes
-                    if nbytes < P.HEADER_BYTES:
+                    if nbytes < header_bytes:
                         self.stats.ignored += 1
                         continue
-                    hdr = P.Header.unpack(buf)
-                    i = (hdr.seq - base) % P.SEQ_MOD
-                    if (hdr.job_id != job.job_id or i >= hi or done[i]
-                            or hdr.worker_id != me):
+                    (r_type, r_worker, r_job, _slot, _version, r_count, r_seq, _offset,
+                     r_bitmap) = unpack(buf)
+                    i = (r_seq - base) % P.SEQ_MOD
+                    if r_job != job_id or i >= hi or done[i] or r_worker != me:
                         self.stats.ignored += 1
                         continue
-                    if hdr.pkt_type == P.PktType.PENDING:
+                    if r_type == pending_type:
                         self.stats.pending += 1
-                        pending_bitmap[i] = hdr.bitmap
+                        pending_bitmap[i] = r_bitmap
                         continue
-                    if (hdr.pkt_type != result_type or nbytes - P.HEADER_BYTES != expect_payload
-                            or hdr.count != job.n_workers):
+                    if (r_type != result_type or nbytes - header_bytes != expect_payload
+                            or r_count != n_workers):
                         self.stats.ignored += 1
                         continue
-                    out[i] = np.frombuffer(buf, dtype=dtype, count=lanes, offset=P.HEADER_BYTES)
+                    out[i] = np.frombuffer(buf, dtype=dtype, count=lanes, offset=header_bytes)
                     done[i] = True
                     if backoff.get(i) == self.timeout:
                         self._sample_rtt(time.monotonic() - started[i])
                     for d in (packets, due, backoff, started, later):
                         d.pop(i, None)
-                    self._fast_retransmit(i, due, later, packets)
-                while lo < total and done[lo]:
-                    lo += 1
+                    while lo < total and done[lo]:
+                        lo += 1
+                    if i > lo:
+                        self._fast_retransmit(i, due, later, packets)
             else:
                 self.impair.flush(self.sock.sendto)
             now = time.monotonic()
+            if now < next_due:
+                continue
             for i, t in list(due.items()):
                 if t > now:
                     continue
