@@ -23,10 +23,16 @@ $(STAMP): pyproject.toml
 
 # Debian's Mininet (root only; skipped quietly elsewhere: everything falls back to loopback).
 system-deps:
-	@if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && ! command -v mn >/dev/null; then \
-	  echo "installing Mininet from Debian"; \
-	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq mininet bridge-utils iputils-ping iproute2 >/dev/null) \
-	    || echo "warning: could not install Mininet; emulation will fall back to loopback"; \
+	@if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	  missing=""; \
+	  for p in mininet bridge-utils iputils-ping iproute2 ethtool iptables; do \
+	    dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; \
+	  done; \
+	  if [ -n "$$missing" ]; then \
+	    echo "installing from Debian:$$missing"; \
+	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null) \
+	      || echo "warning: could not install$$missing; emulation falls back to loopback"; \
+	  fi; \
 	fi
 	@if [ -d $(DEBIAN_MININET) ] && [ -x $(PY) ]; then ln -sfn $(DEBIAN_MININET) "$(SITE)/mininet"; fi
 

@@ -40,7 +40,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--loss", type=float, default=0.0, help="link loss, percent")
     parser.add_argument("--loopback", action="store_true",
                         help="do not use Mininet even where it is available")
-    parser.add_argument("--software-lanes", type=int, default=1024,
+    from host.protocol import MAX_SOFTWARE_LANES
+    parser.add_argument("--software-lanes", type=int, default=MAX_SOFTWARE_LANES,
                         help="lanes per packet for the software aggregator")
     parser.add_argument("--out", default="out", help="directory for JSON and plot")
     parser.add_argument("--timeout", type=float, default=900.0, help="per-mode limit, seconds")

@@ -41,6 +41,9 @@ SEQ_MOD = 1 << 32
 SEQ_RESET = SEQ_MOD - 1
 """Value a reset slot holds: every sequence number in [0, 2^31 - 1) counts as newer."""
 
+MAX_SOFTWARE_LANES = (1500 - 28 - HEADER_BYTES) * 8 // SUM_BITS // 2 * 2
+"""Most lanes whose result fits a 1500-byte MTU (the software aggregator's limit)."""
+
 assert HEADER_BYTES * 8 == sum(w for _, w in HEADER_FIELDS)
 assert INDEX_BITS == 4 and SUM_BITS in (8, 16), "wire packing supports 4-bit indices"
 
@@ -83,12 +86,13 @@ def payload_bytes(pkt_type: int, lanes: int = LANES) -> int:
     return 0
 
 
-def check_lanes(lanes: int) -> int:
-    """Lane counts must fill whole bytes, fit BMv2's 512-byte growth limit and one MTU."""
+def check_lanes(lanes: int, switch: bool = False) -> int:
+    """Lane counts must fill whole bytes and fit one MTU; on BMv2 (``switch``) a packet may
+    also grow by at most 512 bytes. The software aggregator has no growth limit."""
     if lanes < 2 or lanes % 2:
         raise ValueError(f"lanes must be a positive even number, got {lanes}")
     growth = payload_bytes(PktType.RESULT, lanes) - payload_bytes(PktType.DATA, lanes)
-    if growth > 512:
+    if switch and growth > 512:
         raise ValueError(f"{lanes} lanes grow a packet by {growth} bytes (> 512, BMv2's limit)")
     if ETH_IP_UDP_BYTES + HEADER_BYTES + payload_bytes(PktType.RESULT, lanes) > 1514:
         raise ValueError(f"{lanes} lanes do not fit a 1500-byte MTU")

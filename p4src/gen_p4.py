@@ -138,6 +138,9 @@ def generate(spec: dict, lanes: int | None = None, slots: int | None = None) -> 
     jc = spec["job_counters"]
     data_bytes = lanes * index_bits // 8
     result_bytes = lanes * sum_bits // 8
+    if result_bytes - data_bytes > 512:
+        raise SystemExit(f"gen_p4: {lanes} lanes grow a result by {result_bytes - data_bytes} "
+                         f"bytes; BMv2 allows 512")
     max_bytes = max_lanes * 4
     udp_hdr = 8
 

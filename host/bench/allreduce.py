@@ -34,6 +34,7 @@ queue in the switch and, with a short timeout, turn into spurious retransmission
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from host import protocol as P
     add_common(parser)
     parser.add_argument("--numel", type=int, default=None,
                         help="gradient elements (default 25,000,000; --quick: 2,000,000)")
@@ -43,9 +44,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="THC through which aggregator (both: BMv2 too when available)")
     parser.add_argument("--repeat", type=int, default=None,
                         help="timed rounds per mode (default 3; --quick: 1)")
-    parser.add_argument("--lanes", type=int, default=1024,
-                        help="lanes per packet for the software aggregator (the most that fits "
-                             "one MTU and BMv2's growth limit; BMv2 uses its compiled lanes)")
+    parser.add_argument("--lanes", type=int, default=P.MAX_SOFTWARE_LANES,
+                        help="lanes per packet for the software aggregator (default: the most "
+                             "that fit one MTU; BMv2 uses its compiled lanes)")
     parser.add_argument("--pool-size", type=int, default=128,
                         help="slots of the job on the aggregator (>= --window)")
     parser.add_argument("--window", type=int, default=32,
