@@ -3,7 +3,8 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
-SITE    = $(shell $(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+# Evaluated by the shell when a recipe line runs (make expands a whole recipe up front).
+SITE    = $$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 DEBIAN_MININET := /usr/lib/python3/dist-packages/mininet
 P4C    ?= p4c
 P4SRC  := p4src

@@ -166,6 +166,29 @@ class Cluster:
         Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
 
 
+def free_port_block(n: int, host: str = "127.0.0.1") -> int:
+    """A base port with ``n`` free consecutive UDP ports (workers of a local job)."""
+    import socket
+    for _ in range(100):
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.bind((host, 0))
+            base = s.getsockname()[1]
+        if base + n >= 65535:
+            continue
+        socks = []
+        try:
+            for i in range(n):
+                socks.append(socket.socket(socket.AF_INET, socket.SOCK_DGRAM))
+                socks[-1].bind((host, base + i))
+            return base
+        except OSError:
+            continue
+        finally:
+            for t in socks:
+                t.close()
+    raise RuntimeError(f"no block of {n} free UDP ports on {host}")
+
+
 def local_job(job_id: int, n_workers: int, base_port: int, granularity: int = 30,
               p: float = 1 / 32, pool_size: int = 64, lanes: int = P.LANES,
               ip: str = "127.0.0.1", table=None) -> Job:

@@ -13,9 +13,8 @@ from host.aggregator import Aggregator
 from host.allreduce import THCAllReduce
 from host.client import AggregationClient
 from host.codec import THCCodec, aggregate, decode
-from host.jobs import local_job
 from host.params import THCParams
-from tests.test_transport import free_port_block
+from host.jobs import free_port_block, local_job
 
 PARAMS = THCParams(seed=7)
 

@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as tmp
 
-from tests.test_transport import free_port_block
+from host.jobs import free_port_block
 
 WORLD = 2
 

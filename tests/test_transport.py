@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import json
 import multiprocessing as mp
-import socket
 import subprocess
 import sys
 import time
@@ -14,32 +13,9 @@ import pytest
 from host import protocol as P
 from host.client import AggregationClient, AggregationTimeout
 from host.impair import Impairment
-from host.jobs import Cluster, local_job
+from host.jobs import Cluster, free_port_block, local_job
 
 N_ELEMENTS = 1 << 20
-
-
-def free_port_block(n: int) -> int:
-    """A base port with n free consecutive UDP ports after it."""
-    for _ in range(50):
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + n >= 65535:
-            continue
-        socks = []
-        try:
-            for i in range(n):
-                t = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-                socks.append(t)
-                t.bind(("127.0.0.1", base + i))
-            return base
-        except OSError:
-            continue
-        finally:
-            for t in socks:
-                t.close()
-    raise RuntimeError("no block of free ports")
 
 
 class AggregatorProcess:

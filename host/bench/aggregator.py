@@ -65,34 +65,12 @@ def _client(job, w, addr, chunks, window, start_ev, done_q):
         done_q.put((t0, time.perf_counter(), c.stats.retransmitted))
 
 
-def _free_base(n: int) -> int:
-    import socket
-    for _ in range(100):
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + n < 65000:
-            try:
-                socks = []
-                for i in range(n):
-                    t = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-                    socks.append(t)
-                    t.bind(("127.0.0.1", base + i))
-                return base
-            except OSError:
-                continue
-            finally:
-                for t in socks:
-                    t.close()
-    raise RuntimeError("no free ports")
-
-
 def run_point(kind: str, n: int, chunks: int, lanes: int, window: int) -> dict:
     from host import protocol as P
-    from host.jobs import local_job
+    from host.jobs import free_port_block, local_job
 
     ctx = mp.get_context("fork")
-    job = local_job(1, n, _free_base(n), pool_size=max(window, 64), lanes=lanes,
+    job = local_job(1, n, free_port_block(n), pool_size=max(window, 64), lanes=lanes,
                     granularity=255 // n)
     port_q, count_q, done_q = ctx.Queue(), ctx.Queue(), ctx.Queue()
     stop_ev, start_ev = ctx.Event(), ctx.Event()

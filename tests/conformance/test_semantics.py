@@ -6,14 +6,13 @@ up as a failing test here rather than as a wrong gradient somewhere in training.
 from __future__ import annotations
 
 import itertools
-import struct
 import time
 
 import numpy as np
 import pytest
 
 from host import protocol as P
-from tests.conformance.harness import TEST_TABLE
+
 
 _job_ids = itertools.count(100)
 
