@@ -31,9 +31,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--modes", default=DEFAULT_MODES,
                         help=f"comma-separated, from {','.join(MODES)}")
     parser.add_argument("--epochs", type=int, default=10)
-    parser.add_argument("--bmv2-steps", type=int, default=6,
-                        help="training steps for thc-bmv2 (BMv2 forwards ~1k packets/s); "
-                             "its losses are compared step by step with the software run")
+    parser.add_argument("--bmv2-steps", type=int, default=None,
+                        help="training steps for thc-bmv2 (default: one epoch; BMv2 forwards "
+                             "1-5k packets/s); its losses are compared step by step with the "
+                             "software run")
     parser.add_argument("--bw", type=float, default=100.0, help="link bandwidth, Mbit/s")
     parser.add_argument("--delay", type=float, default=0.0,
                         help="link delay, ms (needs netem in the kernel)")
@@ -79,7 +80,7 @@ def _run_mode(name: str, args, progress) -> dict:
                  "--config", str(cfg)]
             if tb.agg_addr is not None:
                 a += ["--agg", f"{tb.agg_addr[0]}:{tb.agg_addr[1]}"]
-            if aggregator == "bmv2":
+            if aggregator == "bmv2" and args.bmv2_steps:
                 a += ["--max-steps", str(args.bmv2_steps)]
             return a
 
