@@ -100,7 +100,7 @@ class THCAllReduce:
     """
 
     def __init__(self, transport, params: THCParams | None = None, error_feedback: bool = True,
-                 generator=None, pipeline_elements: int = 1 << 22):
+                 generator=None, pipeline_elements: int = 1 << 21):
         self.params = params or THCParams()
         self.generator = generator
         if pipeline_elements % self.params.slice_size:
