@@ -258,10 +258,11 @@ def p4c_version() -> str:
 
 
 def compile_l2() -> None:
-    cmd = [p4c_binary(), "--target", "bmv2", "--arch", "v1model", "-o", str(BUILD_DIR),
-           "--p4runtime-files", str(BUILD_DIR / "l2.p4info.txt"), str(L2_P4)]
+    # Relative paths: p4c writes them into the JSON's source info, which is committed.
+    cmd = [p4c_binary(), "--target", "bmv2", "--arch", "v1model", "-o", rel(BUILD_DIR),
+           "--p4runtime-files", rel(BUILD_DIR) + "/l2.p4info.txt", rel(L2_P4)]
     print("gen_p4: " + " ".join(cmd))
-    r = subprocess.run(cmd)
+    r = subprocess.run(cmd, cwd=ROOT)
     if r.returncode:
         raise SystemExit(f"gen_p4: compiling {rel(L2_P4)} failed (exit {r.returncode})")
 
