@@ -128,41 +128,15 @@ class THCAllReduce:
         return self.transport.n_workers
 
     def __call__(self, tensor: torch.Tensor) -> torch.Tensor:
-        if tensor.numel() == 0:
-            return tensor.clone()
-        if tensor.numel() > self.pipeline_elements and isinstance(self.transport,
-                                                                  AggregatorTransport):
-            return self._pipelined(tensor)
-        secs = self.stats.seconds
-        t0 = time.perf_counter()
-        flat = tensor.detach().reshape(-1).float()
-        y = self.feedback.compensate(flat) if self.feedback else flat
-        max_norms = self.transport.max(self.codec.norms(y))
-        t1 = time.perf_counter()
-        idx = self.codec.encode(y, max_norms, self.round, self.generator)
-        t2 = time.perf_counter()
-        sums = self.transport.sum(idx, self.params)
-        t3 = time.perf_counter()
-        est = self.codec.decode(sums, self.n_workers, max_norms, flat.numel(), self.round)
-        t4 = time.perf_counter()
-        if self.feedback:
-            self.feedback.update(y, idx, max_norms, self.round)
-        t5 = time.perf_counter()
-        for k, dt in zip(secs, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4)):
-            secs[k] += dt
-        self.round += 1
-        self.stats.calls += 1
-        self.stats.elements += flat.numel()
-        return est.reshape(tensor.shape).to(tensor.dtype)
-
-    def _pipelined(self, tensor: torch.Tensor) -> torch.Tensor:
         """Stream piece k while a helper thread encodes piece k+1 and decodes piece k-1.
 
         Pieces are ``pipeline_elements`` long (whole slices), so every worker cuts a tensor
         the same way; each piece is encoded as a tensor of its own (its slices' rotations
         restart at slice index 0 of the round). torch releases the GIL while it computes, so
-        the codec overlaps the socket loop.
+        the codec overlaps the transport. A tensor up to one piece long is a single piece.
         """
+        if tensor.numel() == 0:
+            return tensor.clone()
         secs = self.stats.seconds
         t0 = time.perf_counter()
         flat = tensor.detach().reshape(-1).float()
