@@ -15,10 +15,10 @@ WORKERS ?= 4
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -e '.[test]' -c constraints.txt
 	@if [ -d $(DEBIAN_MININET) ]; then ln -sfn $(DEBIAN_MININET) "$(SITE)/mininet"; fi
 	touch $@
 
@@ -41,12 +41,12 @@ test: system-deps setup
 	$(PY) -m pytest -q
 
 run: system-deps setup
-	$(PY) -m host.cli run --workers $(WORKERS)
+	$(PY) -m host.app.cli run --workers $(WORKERS)
 
 bench: setup
-	$(PY) -m host.cli bench codec --json out/bench_codec.json
-	$(PY) -m host.cli nmse --json out/nmse.json --plot out/nmse.png
-	$(PY) -m host.cli bench aggregator --json out/bench_aggregator.json
+	$(PY) -m host.app.cli bench codec --json out/bench_codec.json
+	$(PY) -m host.app.cli nmse --json out/nmse.json --plot out/nmse.png
+	$(PY) -m host.app.cli bench aggregator --json out/bench_aggregator.json
 
 # Compile the P4 program (BMv2 JSON + P4Info) from the protocol constants.
 p4: setup

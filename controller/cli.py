@@ -13,7 +13,9 @@ import argparse
 import json
 import sys
 
-from controller.switch import BUILD_DIR, DEFAULT_DEVICE_ID, DEFAULT_GRPC
+from controller import counters, forwarding, jobs
+from controller.switch import BUILD_DIR, DEFAULT_DEVICE_ID, DEFAULT_GRPC, Switch, SwitchError
+from host.wire.jobs import Cluster, ConfigError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -32,7 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--program", default="thc", choices=["thc", "l2"])
 
     p = sub.add_parser("install", help="install or update the jobs of a cluster config")
-    p.add_argument("--config", required=True, help="cluster JSON (host/jobs.py Cluster)")
+    p.add_argument("--config", required=True, help="cluster JSON (host/wire/jobs.py Cluster)")
     p.add_argument("--push", action="store_true", help="push the program first")
     p.add_argument("--prune", action="store_true",
                    help="remove installed jobs that the config does not list")
@@ -60,10 +62,7 @@ def _election(text: str) -> tuple[int, int]:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from host.jobs import Cluster
 
-    from controller import counters, forwarding, jobs
-    from controller.switch import Switch
 
     cluster = Cluster.load(args.config) if args.action == "install" else None
     push = None
@@ -95,7 +94,7 @@ def _run(args: argparse.Namespace) -> int:
             for jid, cfg in sorted(installed.items()):
                 print(f"job {jid}: " + ", ".join(f"{k}={v}" for k, v in cfg.items()))
         elif args.action == "counters":
-            snap = counters.snapshot(sw)
+            snap = counters.snapshot(sw, jobs.installed_jobs(sw))
             if args.json:
                 print(json.dumps(snap, indent=2, sort_keys=True))
             else:
@@ -121,9 +120,7 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from host.jobs import ConfigError
 
-    from controller.switch import SwitchError
     try:
         return _run(args)
     except (SwitchError, ConfigError, ValueError, OSError) as e:

@@ -7,9 +7,8 @@
 """
 from __future__ import annotations
 
-from host import protocol as P
-
 from controller.switch import Switch
+from host.wire import protocol as P
 
 DROPS = "thc_drops"
 JOB_COUNTERS = "thc_job_counters"
@@ -33,13 +32,13 @@ def job_counters(sw: Switch, job_index: int) -> dict[str, int]:
     return {name: cells.get(job_counter_index(job_index, name), 0) for name in P.JOB_COUNTERS}
 
 
-def all_job_counters(sw: Switch) -> dict[int, dict[str, int]]:
-    """{job_id: counters} of every installed job."""
-    from controller.jobs import installed_jobs
+def all_job_counters(sw: Switch, installed: dict[int, dict]) -> dict[int, dict[str, int]]:
+    """{job_id: counters} of the ``installed`` jobs ({job_id: {"job_index": ...}}, as
+    controller.jobs.installed_jobs reads them)."""
     cells = sw.read_counter(JOB_COUNTERS)
     return {jid: {name: cells.get(job_counter_index(cfg["job_index"], name), 0)
                   for name in P.JOB_COUNTERS}
-            for jid, cfg in installed_jobs(sw).items()}
+            for jid, cfg in installed.items()}
 
 
 def clear_job_counters(sw: Switch, job_index: int) -> bool:
@@ -56,10 +55,10 @@ def l2_misses(sw: Switch) -> int:
     return sw.read_counter(L2_MISSES).get(0, 0)
 
 
-def snapshot(sw: Switch) -> dict:
-    """Everything, JSON-ready (``thc controller counters``)."""
+def snapshot(sw: Switch, installed: dict[int, dict] | None = None) -> dict:
+    """Everything, JSON-ready (``thc controller counters``); per-job counters of ``installed``."""
     out = {"l2_misses": l2_misses(sw)}
     if sw.has_table("thc_job"):      # the THC program (l2.p4 has only l2_misses)
         out["drops"] = drops(sw)
-        out["jobs"] = {str(k): v for k, v in all_job_counters(sw).items()}
+        out["jobs"] = {str(k): v for k, v in all_job_counters(sw, installed or {}).items()}
     return out

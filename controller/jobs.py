@@ -1,6 +1,6 @@
 """Install and remove THC jobs: every table entry, group and slot a job owns on the switch.
 
-A job (host/jobs.py ``Job``) becomes
+A job (host/wire/jobs.py ``Job``) becomes
 
   thc_job          job_id -> set_job(job_index, n_workers, pool_base, pool_size,
                                      full_bitmap, mcast_grp)
@@ -22,12 +22,11 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from host import protocol as P
-from host.jobs import Cluster, ConfigError, Job
-
 from controller import counters, forwarding
 from controller.frames import mac_str, reset_frame
 from controller.switch import Switch, SwitchError
+from host.wire import protocol as P
+from host.wire.jobs import Cluster, ConfigError, Job
 
 JOB_TABLE = "thc_job"
 WORKER_TABLE = "thc_worker"

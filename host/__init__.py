@@ -1,1 +1,11 @@
-"""THC host library: codec, wire protocol, software aggregator, transport and training hooks."""
+"""THC host library, in layers (each imports only those below it):
+
+  host.codec       THC codec and baselines (bottom)
+  host.wire        protocol constants, header, scapy layers, job config
+  host.net         transport client, software aggregator, impairments
+  host.collective  THC all-reduce, DDP hooks
+  host.app, host.bench, host.testing   the thc command, training worker, benchmarks, test helpers
+
+controller/ and mininet/thcnet/ build on host; host never imports them (the CLI dispatches
+to them by module name).
+"""

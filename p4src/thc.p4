@@ -10,7 +10,7 @@
  * under loss, duplication and reordering. See docs/switch.md.
  *
  * Protocol constants, the header layout and everything per lane are generated from
- * host/protocol.json by p4src/gen_p4.py into p4src/generated/.
+ * host/wire/protocol.json by p4src/gen_p4.py into p4src/generated/.
  *
  * Written Tofino style: every register is touched by at most one register action per
  * packet (read-modify-write in one action), no loops, no variable shifts, arithmetic on

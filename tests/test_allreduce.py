@@ -9,12 +9,12 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as tmp
 
-from host.aggregator import Aggregator
-from host.allreduce import THCAllReduce
-from host.client import AggregationClient
-from host.codec import THCCodec, aggregate, decode
-from host.params import THCParams
-from host.jobs import free_port_block, local_job
+from host.codec.params import THCParams
+from host.codec.thc import THCCodec, aggregate, decode
+from host.collective.allreduce import THCAllReduce
+from host.net.aggregator import Aggregator
+from host.net.client import AggregationClient
+from host.testing.clusters import free_port_block, local_job
 
 PARAMS = THCParams(seed=7)
 
@@ -68,7 +68,8 @@ def test_aggregator_sums_equal_the_codec_reference():
     idx = [codec.encode(x.numpy(), m, round=0, generator=w) for w, x in enumerate(xs)]
     ref = decode(aggregate(idx, PARAMS), 3, m, 3000, PARAMS)
     job = local_job(1, 3, free_port_block(3), table=PARAMS.table)
-    from host import protocol as P
+    from host.codec.packing import pack_bits
+    from host.wire import protocol as P
     sums = [None] * 3
     with Aggregator([job]) as agg:
         addr = agg.start()
@@ -76,7 +77,7 @@ def test_aggregator_sums_equal_the_codec_reference():
         def work(w):
             with AggregationClient(job, w, addr) as c:
                 i = np.concatenate([idx[w], np.zeros((-idx[w].size) % job.lanes, np.uint8)])
-                sums[w] = c.aggregate(P.pack_nibbles(i))[: idx[w].size]
+                sums[w] = c.aggregate(pack_bits(i, P.INDEX_BITS))[: idx[w].size]
 
         ts = [threading.Thread(target=work, args=(w,)) for w in range(3)]
         [t.start() for t in ts]

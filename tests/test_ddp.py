@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as tmp
 
-from host.jobs import free_port_block
+from host.testing.clusters import free_port_block
 
 WORLD = 2
 
@@ -32,9 +32,9 @@ def _grads_without_ddp(rank):
 def _worker(rank, port, kind, q):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from host.allreduce import THCAllReduce
-    from host.ddp import HookOptions, THCHook, TopKHook
-    from host.params import THCParams
+    from host.codec.params import THCParams
+    from host.collective.allreduce import THCAllReduce
+    from host.collective.ddp import HookOptions, THCHook, TopKHook
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,

@@ -5,8 +5,15 @@ import numpy as np
 import pytest
 import torch
 
-from host.hadamard import (SliceLayout, fwht, hadamard_matrix, irht, next_pow2,
-                           random_signs, rht)
+from host.codec.hadamard import (
+    SliceLayout,
+    fwht,
+    hadamard_matrix,
+    irht,
+    next_pow2,
+    random_signs,
+    rht,
+)
 
 
 @pytest.mark.parametrize("n", [1, 2, 4, 8, 32, 64, 512, 2048])

@@ -6,8 +6,9 @@ from scapy.layers.inet import IP, UDP
 from scapy.layers.l2 import Ether
 from scapy.packet import Raw
 
-from host import protocol as P
-from host.layers import THC, THCIndices, THCMax, THCSums
+from host.codec.packing import pack_bits
+from host.wire import protocol as P
+from host.wire.layers import THC, THCIndices, THCMax, THCSums
 
 
 def test_header_fields_follow_protocol_json():
@@ -19,7 +20,7 @@ def test_data_packet_dissects_like_the_encoder_builds_it():
     idx = np.random.default_rng(0).integers(0, 16, P.LANES).astype(np.uint8)
     hdr = P.Header(P.PktType.DATA, 3, 7, 5, 1, 0, 123456, 789, 0)
     raw = bytes(Ether() / IP(dst="10.0.0.1") / UDP(sport=5000, dport=P.UDP_PORT)
-                / Raw(P.encode(hdr, P.pack_nibbles(idx))))
+                / Raw(P.encode(hdr, pack_bits(idx, P.INDEX_BITS))))
     pkt = Ether(raw)
     thc = pkt[THC]
     assert (thc.pkt_type, thc.worker_id, thc.job_id, thc.slot, thc.version, thc.seq) == \

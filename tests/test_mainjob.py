@@ -11,7 +11,7 @@ import pytest
 @pytest.mark.slow
 def test_main_job_runs_and_reports(tmp_path):
     out = subprocess.run(
-        [sys.executable, "-m", "host.cli", "run", "--loopback", "--epochs", "1",
+        [sys.executable, "-m", "host.app.cli", "run", "--loopback", "--epochs", "1",
          "--modes", "fp32,thc", "--out", str(tmp_path)],
         capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]

@@ -1,4 +1,4 @@
-"""The committed P4 build (p4src/build) is current and follows host/protocol.json. No p4c needed."""
+"""The committed P4 build (p4src/build) is current and follows host/wire/protocol.json. No p4c needed."""
 from __future__ import annotations
 
 import importlib.util
@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from host import protocol as P
+from controller import toolchain
+from host.wire import protocol as P
 
 ROOT = Path(__file__).resolve().parent.parent
 P4SRC = ROOT / "p4src"
@@ -58,14 +59,14 @@ def test_committed_build_is_not_stale():
 def test_check_names_the_stale_file(tmp_path):
     """gen_p4.py --check exits non-zero and names protocol.json when it changed."""
     shutil.copytree(P4SRC, tmp_path / "p4src", ignore=shutil.ignore_patterns("__pycache__"))
-    (tmp_path / "host").mkdir()
-    spec = json.loads((ROOT / "host" / "protocol.json").read_text())
+    (tmp_path / "host" / "wire").mkdir(parents=True)
+    spec = json.loads((ROOT / "host" / "wire" / "protocol.json").read_text())
     spec["udp_port"] += 1
-    (tmp_path / "host" / "protocol.json").write_text(json.dumps(spec))
+    (tmp_path / "host" / "wire" / "protocol.json").write_text(json.dumps(spec))
     r = subprocess.run([sys.executable, str(tmp_path / "p4src" / "gen_p4.py"), "--check"],
                        capture_output=True, text=True)
     assert r.returncode != 0
-    assert "host/protocol.json" in r.stderr
+    assert "host/wire/protocol.json" in r.stderr
     assert "thc_constants.p4" in r.stderr
 
 
@@ -164,7 +165,7 @@ def test_l2_program_shares_the_forwarding_table():
         assert [p.name for p in thc_actions[a].params] == [p.name for p in l2_actions[a].params]
 
 
-@pytest.mark.skipif(shutil.which("p4c") is None, reason="p4c not on PATH")
+@pytest.mark.skipif(toolchain.p4c_missing() is not None, reason=f"{toolchain.p4c_missing()}")
 def test_small_variant_compiles(tmp_path):
     """The generator's output compiles for another lane count (p4c only)."""
     main = gen.write_variant(tmp_path / "v", lanes=4, slots=16)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from host.perfmodel import Setup, break_even_gbps, iteration_s, ring_allreduce_s
+from host.app.perfmodel import Setup, break_even_gbps, iteration_s, ring_allreduce_s
 
 
 def test_ring_cost_formula():

@@ -3,10 +3,10 @@ import numpy as np
 import pytest
 import torch
 
-from host import protocol
-from host.quantize import (dequantize, pack_bits, packed_size, quantize, stochastic_round,
-                           to_grid, uniforms, unpack_bits)
-from host.table import optimal_table, uniform_table
+from host.codec.packing import pack_bits, packed_size, unpack_bits
+from host.codec.quantize import dequantize, quantize, stochastic_round, to_grid, uniforms
+from host.codec.table import optimal_table, uniform_table
+from host.wire import protocol
 
 TABLE = optimal_table(4, 30, 1 / 32)
 
@@ -31,8 +31,10 @@ def test_pack_round_trip_bit_exact(bits, count):
 
 def test_four_bit_packing_is_the_wire_format():
     idx = np.random.default_rng(0).integers(0, 16, 512).astype(np.uint8)
-    assert np.array_equal(pack_bits(idx, 4), protocol.pack_nibbles(idx))
-    assert np.array_equal(unpack_bits(protocol.pack_nibbles(idx), 4, 512), idx)
+    wire = (idx[0::2] << 4) | idx[1::2]          # protocol.md: first index in the high nibble
+    assert np.array_equal(pack_bits(idx, 4), wire)
+    assert pack_bits(idx, protocol.INDEX_BITS).size == protocol.payload_bytes(protocol.PktType.DATA, 512)
+    assert np.array_equal(unpack_bits(wire, 4, 512), idx)
 
 
 def test_pack_errors():

@@ -5,8 +5,10 @@ import itertools
 import numpy as np
 import pytest
 
-from host import table as T
-from host.params import THCParams, parse_fraction, truncation_threshold
+from host.app import table as table_cmd
+from host.codec import table as T
+from host.codec.params import THCParams, parse_fraction
+from host.codec.table import truncation_threshold
 
 
 def test_default_table_shape():
@@ -121,11 +123,11 @@ def test_fraction_parsing_and_argparse():
 
 def test_cli_prints_table(capsys):
     parser = argparse.ArgumentParser()
-    T.add_arguments(parser)
-    assert T.run(parser.parse_args(["--bits", "4", "--granularity", "30", "--p", "1/32",
+    table_cmd.add_arguments(parser)
+    assert table_cmd.run(parser.parse_args(["--bits", "4", "--granularity", "30", "--p", "1/32",
                                     "--uniform"])) == 0
     out = capsys.readouterr().out
     assert " ".join(map(str, T.optimal_table(4, 30, 1 / 32))) in out
     assert "t_p = 2.1539" in out and "uniform table" in out
-    assert T.run(parser.parse_args(["--bits", "8", "--granularity", "30"])) == 2
+    assert table_cmd.run(parser.parse_args(["--bits", "8", "--granularity", "30"])) == 2
     assert "granularity" in capsys.readouterr().out

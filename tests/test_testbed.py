@@ -13,8 +13,14 @@ import pytest
 
 from thcnet import cleanup
 from thcnet.smoke_worker import digest, reference_sums
-from thcnet.testbed import (LoopbackTestbed, TestbedError, WorkerError,
-                            mininet_unavailable_reason, open_testbed)
+from thcnet.testbed import (
+    LoopbackTestbed,
+    TestbedError,
+    WorkerError,
+    bmv2_unavailable_reason,
+    mininet_unavailable_reason,
+    open_testbed,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 MININET_REASON = mininet_unavailable_reason()
@@ -304,8 +310,7 @@ def test_make_mininet_entry_point_runs():
 
 @needs_mininet
 def test_bmv2_mode_is_offered_only_when_the_toolchain_is_there():
-    from thcnet.bmv2 import unavailable_reason
-    why = unavailable_reason()
+    why = bmv2_unavailable_reason()
     if why is None:
         pytest.skip("BMv2 is available: covered by test_smoke_allreduce_through_bmv2")
     with pytest.raises(TestbedError, match="not available"):
@@ -316,8 +321,7 @@ def test_bmv2_mode_is_offered_only_when_the_toolchain_is_there():
 @pytest.mark.slow
 @pytest.mark.bmv2
 def test_smoke_allreduce_through_bmv2_is_bit_exact():
-    from thcnet.bmv2 import unavailable_reason
-    why = unavailable_reason()
+    why = bmv2_unavailable_reason()
     if why:
         pytest.skip(f"BMv2 not available: {why}")
     with open_testbed(3, bw_mbit=100, aggregator="bmv2") as tb:

@@ -10,10 +10,12 @@ import time
 import numpy as np
 import pytest
 
-from host import protocol as P
-from host.client import AggregationClient, AggregationTimeout
-from host.impair import Impairment
-from host.jobs import Cluster, free_port_block, local_job
+from host.codec.packing import pack_bits
+from host.net.client import AggregationClient, AggregationTimeout
+from host.net.impair import Impairment
+from host.testing.clusters import free_port_block, local_job
+from host.wire import protocol as P
+from host.wire.jobs import Cluster
 
 N_ELEMENTS = 1 << 20
 
@@ -25,7 +27,7 @@ class AggregatorProcess:
         self.port = free_port_block(1)
         cfg = tmp_path / "cluster.json"
         Cluster(jobs=tuple(jobs), agg_port=self.port).save(cfg)
-        args = [sys.executable, "-m", "host.cli", "aggregator", "--listen",
+        args = [sys.executable, "-m", "host.app.cli", "aggregator", "--listen",
                 f"127.0.0.1:{self.port}", "--config", str(cfg), "--stats-interval", "0",
                 "--stats-file", str(tmp_path / "stats.json")]
         for k, v in impair.items():
@@ -55,7 +57,7 @@ def _worker(job, w, addr, impair, q, deadline=20.0):
     try:
         with AggregationClient(job, w, addr, deadline=deadline,
                                impair=Impairment(**impair, seed=w) if impair else None) as c:
-            sums = c.aggregate(P.pack_nibbles(idx))
+            sums = c.aggregate(pack_bits(idx, P.INDEX_BITS))
             q.put((w, "ok", sums, c.stats.retransmitted))
     except AggregationTimeout as e:
         q.put((w, "timeout", str(e), e.missing))

@@ -11,6 +11,11 @@ import multiprocessing as mp
 import time
 
 from host.bench import add_common, emit_json
+from host.codec.packing import pack_bits
+from host.net.aggregator import Aggregator
+from host.net.client import AggregationClient
+from host.testing.clusters import free_port_block, local_job
+from host.wire import protocol as P
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -23,8 +28,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _serve(kind: str, jobs, port_q, stop_ev, count_q):
-    from host import protocol as P
-    from host.aggregator import Aggregator
 
     class Echo(Aggregator):
         """Answers each packet to its sender with a result-sized packet; adds nothing.
@@ -58,11 +61,9 @@ def _serve(kind: str, jobs, port_q, stop_ev, count_q):
 def _client(job, w, addr, chunks, window, start_ev, done_q):
     import numpy as np
 
-    from host import protocol as P
-    from host.client import AggregationClient
 
     rng = np.random.default_rng(w)
-    packed = P.pack_nibbles(rng.integers(0, 16, chunks * job.lanes).astype(np.uint8))
+    packed = pack_bits(rng.integers(0, 16, chunks * job.lanes).astype(np.uint8), P.INDEX_BITS)
     with AggregationClient(job, w, addr, window=window, deadline=60) as c:
         start_ev.wait()
         t0 = time.perf_counter()
@@ -71,8 +72,6 @@ def _client(job, w, addr, chunks, window, start_ev, done_q):
 
 
 def run_point(kind: str, n: int, chunks: int, lanes: int, window: int) -> dict:
-    from host import protocol as P
-    from host.jobs import free_port_block, local_job
 
     ctx = mp.get_context("fork")
     job = local_job(1, n, free_port_block(n), pool_size=max(window, 64), lanes=lanes,
@@ -106,7 +105,6 @@ def run_point(kind: str, n: int, chunks: int, lanes: int, window: int) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    from host import protocol as P
 
     lanes = args.lanes or P.LANES
     P.check_lanes(lanes)

@@ -4,7 +4,7 @@
 [--agg IP:PORT --config cluster.json] --numel N --repeat K``
 
 - ``fp32``: ``torch.distributed.all_reduce`` (Gloo, ring) of the whole tensor;
-- ``thc``: :class:`host.allreduce.THCAllReduce` through the aggregator (norm round, encode,
+- ``thc``: :class:`host.collective.allreduce.THCAllReduce` through the aggregator (norm round, encode,
   stream through the switch or the software aggregator, decode).
 
 Every round starts after a Gloo barrier; the first ``--warmup`` rounds are not timed. If
@@ -19,6 +19,12 @@ import json
 import sys
 import time
 from datetime import timedelta
+
+from host.codec.params import THCParams
+from host.collective.allreduce import THCAllReduce
+from host.net.aggregator import parse_hostport
+from host.net.client import AggregationClient
+from host.wire.jobs import Cluster
 
 
 def intf_counters(intf: str | None) -> tuple[int, int] | None:
@@ -81,11 +87,6 @@ def main(argv: list[str] | None = None) -> int:
     first = None
     client = None
     if args.mode == "thc":
-        from host.aggregator import parse_hostport
-        from host.allreduce import THCAllReduce
-        from host.client import AggregationClient
-        from host.jobs import Cluster
-        from host.params import THCParams
 
         if not (args.agg and args.config):
             ap.error("--mode thc needs --agg and --config")

@@ -12,8 +12,8 @@ BENCHES = {
     "codec": ("host.bench.codec", "THC encode/decode throughput vs FP16 cast and PowerSGD"),
     "nmse": ("host.bench.nmse", "NMSE of THC and the baselines"),
     "aggregator": ("host.bench.aggregator", "software aggregator vs a UDP echo ceiling"),
-    "switch": ("host.bench.switch", "BMv2 aggregation vs BMv2 L2 forwarding"),
-    "allreduce": ("host.bench.allreduce", "THC vs FP32 all-reduce over emulated links"),
+    "switch": ("controller.bench", "BMv2 aggregation vs BMv2 L2 forwarding"),
+    "allreduce": ("thcnet.bench_allreduce", "THC vs FP32 all-reduce over emulated links"),
 }
 
 

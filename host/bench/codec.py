@@ -22,6 +22,8 @@ import sys
 import time
 
 from host.bench import add_common, emit_json
+from host.codec import thc as codec
+from host.codec.params import THCParams
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -121,8 +123,6 @@ def run(args: argparse.Namespace) -> int:
     import numpy as np
     import torch
 
-    from host import codec
-    from host.params import THCParams
 
     n = args.size or (2 ** 20 if args.quick else 2 ** 24)
     repeat = max(1, min(args.repeat, 2) if args.quick else args.repeat)

@@ -2,7 +2,7 @@
 
 NMSE = ||mean - estimate||^2 / mean_i ||x_i||^2 for n workers with independent vectors, each
 scheme seeing the same vectors in a trial. THC's own figures are printed next to the
-independent reference in DESIGN.md and to the analytic model of host.table.
+independent reference in DESIGN.md and to the analytic model of host.codec.table.
 ``--plot FILE`` draws NMSE against bits per coordinate (THC and UHC at b = 2..8 with p tuned
 per b by the analytic model, QSGD at several s, TopK at several ratios, TernGrad, sign, FP16).
 """
@@ -16,7 +16,9 @@ import time
 import numpy as np
 
 from host.bench import add_common, emit_json
-from host.params import THCParams
+from host.codec.baselines import make_scheme
+from host.codec.params import THCParams
+from host.codec.table import expected_nmse, optimal_table, uniform_table
 
 DEFAULT_SCHEMES = "thc,uhc,qsgd,terngrad,topk,sign,fp16"
 REFERENCE = {"thc": {1: 0.0204, 10: 0.0020}, "uhc": {1: 0.0206, 10: 0.0021},
@@ -73,7 +75,6 @@ def measure(scheme, workers: list[int], dim: int, dist: str, trials: int, seed: 
 
 def best_p(bits: int, granularity: int, kind: str) -> float:
     """The truncation probability 2^-k (k = 3..14) with the lowest modelled NMSE."""
-    from host.table import expected_nmse, optimal_table, uniform_table
     cands = [2.0 ** -k for k in range(3, 15)]
 
     def model(p: float) -> float:
@@ -102,8 +103,9 @@ def sweep_specs(quick: bool) -> list[tuple[str, str]]:
 def plot(sweep: list[dict], workers: list[int], path: str, title: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     from pathlib import Path
+
+    import matplotlib.pyplot as plt
     fig, axes = plt.subplots(1, len(workers), figsize=(6 * len(workers), 4.5), squeeze=False)
     families = list(dict.fromkeys(r["family"] for r in sweep))
     markers = dict(zip(families, "osD^v<>px*"))
@@ -140,8 +142,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from host.baselines import make_scheme
-    from host.table import expected_nmse
     try:
         workers = [int(w) for w in str(args.workers).split(",") if w.strip()]
         if not workers or min(workers) < 1:

@@ -13,8 +13,6 @@ program compiled (``make p4``) for this mode to be offered.
 """
 from __future__ import annotations
 
-import importlib.util
-import shutil
 import socket
 import subprocess
 import sys
@@ -23,40 +21,13 @@ from pathlib import Path
 
 from mininet.node import Switch
 
-from host import protocol as P
-
+from controller.toolchain import BUILD_DIR, ROOT
+from host.testing.clusters import free_tcp_port
+from host.wire import protocol as P
 from thcnet.cleanup import kill_process, start_time
 
-ROOT = Path(__file__).resolve().parents[2]
-BUILD_DIR = ROOT / "p4src" / "build"
 START_TIMEOUT = 30.0
 PROGRAM_TIMEOUT = 180.0
-
-
-def unavailable_reason() -> str | None:
-    """Why BMv2 cannot be used here, or None."""
-    if not shutil.which("simple_switch_grpc"):
-        return ("simple_switch_grpc is not on PATH (install BMv2 with its P4Runtime server: "
-                "p4lang's packages or docker image)")
-    if not shutil.which("ethtool"):
-        return ("ethtool is missing (apt-get install ethtool): a software switch needs "
-                "checksum offload off on its veths, or TCP through it fails")
-    for name in ("thc.json", "thc.p4info.txt"):
-        if not (BUILD_DIR / name).exists():
-            return f"{BUILD_DIR / name} is missing (compile the program: make p4)"
-    for mod in ("controller.switch", "controller.jobs", "p4runtime_sh"):
-        try:
-            if importlib.util.find_spec(mod) is None:
-                return f"Python module {mod} is missing"
-        except ImportError as e:
-            return f"Python module {mod} cannot be imported: {e}"
-    return None
-
-
-def free_tcp_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def _port_open(port: int) -> bool:
@@ -116,7 +87,7 @@ class BMv2Switch(Switch):
 
     def program(self, cluster_path: Path | str) -> str:
         """Push the THC program and install the cluster's jobs; returns the controller's output."""
-        argv = [sys.executable, "-m", "host.cli", "controller", "--grpc-addr", self.grpc_addr,
+        argv = [sys.executable, "-m", "host.app.cli", "controller", "--grpc-addr", self.grpc_addr,
                 "--device-id", "0", "--build-dir", str(BUILD_DIR), "install", "--config",
                 str(cluster_path), "--push"]
         try:
@@ -130,7 +101,7 @@ class BMv2Switch(Switch):
         return r.stdout
 
     def counters(self) -> str:
-        argv = [sys.executable, "-m", "host.cli", "controller", "--grpc-addr", self.grpc_addr,
+        argv = [sys.executable, "-m", "host.app.cli", "controller", "--grpc-addr", self.grpc_addr,
                 "--device-id", "0", "counters", "--json"]
         r = subprocess.run(argv, cwd=str(ROOT), capture_output=True, text=True, timeout=60)
         return r.stdout if r.returncode == 0 else r.stderr

@@ -22,15 +22,27 @@ import atexit
 import subprocess
 from pathlib import Path
 
-from host import protocol as P
-from host.jobs import Cluster, Worker
-from host.params import THCParams
-
+from host.codec.params import THCParams
+from host.wire import protocol as P
+from host.wire.jobs import Cluster, Worker
 from thcnet import links
+from thcnet.base import (
+    AGG_IP,
+    AGG_MAC,
+    MASTER_PORT,
+    REPO_ROOT,
+    SWITCH_AGG_IP,
+    SWITCH_AGG_MAC,
+    THC_BASE_PORT,
+    Testbed,
+    TestbedError,
+    bmv2_unavailable_reason,
+    make_job,
+    say_once,
+    worker_ip,
+    worker_mac,
+)
 from thcnet.cleanup import Registry, signals_deferred, signals_raise, switch_name, undo
-from thcnet.testbed import (AGG_IP, AGG_MAC, MASTER_PORT, REPO_ROOT, SWITCH_AGG_IP,
-                            SWITCH_AGG_MAC, THC_BASE_PORT, Testbed, TestbedError, make_job,
-                            say_once, worker_ip, worker_mac)
 
 
 class MininetTestbed(Testbed):
@@ -45,8 +57,7 @@ class MininetTestbed(Testbed):
         except links.LinkError as e:
             raise TestbedError(str(e)) from None
         if aggregator == "bmv2":
-            from thcnet import bmv2
-            why = bmv2.unavailable_reason()
+            why = bmv2_unavailable_reason()
             if why:
                 raise TestbedError(f"the bmv2 aggregator is not available: {why}")
             if lanes not in (None, P.LANES):

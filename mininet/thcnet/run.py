@@ -12,6 +12,9 @@ import json
 import sys
 import time
 
+from thcnet.smoke_worker import digest, reference_sums
+from thcnet.testbed import TestbedError, WorkerError, open_testbed
+
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--workers", type=int, default=4)
@@ -34,8 +37,6 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from thcnet.smoke_worker import digest, reference_sums
-    from thcnet.testbed import TestbedError, WorkerError, open_testbed
 
     t0 = time.monotonic()
     try:

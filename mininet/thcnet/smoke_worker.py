@@ -16,8 +16,11 @@ import time
 
 import numpy as np
 
-from host import protocol as P
-from host.jobs import Cluster
+from host.codec.packing import pack_bits
+from host.net.aggregator import parse_hostport
+from host.net.client import AggregationClient
+from host.wire import protocol as P
+from host.wire.jobs import Cluster
 
 
 def indices(seed: int, rank: int, numel: int) -> np.ndarray:
@@ -54,14 +57,12 @@ def main(argv: list[str] | None = None) -> int:
                     "timeout in seconds")
     args = ap.parse_args(argv)
 
-    from host.aggregator import parse_hostport
-    from host.client import AggregationClient
 
     job = Cluster.load(args.config).jobs[0]
     agg = parse_hostport(args.agg)
     idx = np.zeros(padded(args.numel, job.lanes), dtype=np.uint8)
     idx[: args.numel] = indices(args.seed, args.rank, args.numel)
-    packed = P.pack_nibbles(idx)
+    packed = pack_bits(idx, P.INDEX_BITS)
     with AggregationClient(job, args.rank, agg, deadline=args.deadline, window=args.window,
                            timeout=args.rto) as client:
         t0 = time.perf_counter()

@@ -24,321 +24,28 @@ binds the emulated link.
 """
 from __future__ import annotations
 
-import os
-import shutil
-import socket
-import sys
-import tempfile
-import time
-from pathlib import Path
-from typing import Callable
-
-from host import protocol as P
-from host.jobs import Cluster, ConfigError, Job, Worker
-from host.params import THCParams
-
-from thcnet.procs import Proc, WorkerError, WorkerResult, merged_env, pythonize, wait_all
+from host.codec.params import THCParams
+from host.testing.clusters import free_port_block
+from host.wire.jobs import Cluster, Worker
+from thcnet.base import (
+    AGGREGATORS,
+    REPO_ROOT,
+    Testbed,
+    TestbedError,
+    Unavailable,
+    bmv2_unavailable_reason,
+    make_job,
+    mininet_unavailable_reason,
+    say_once,
+)
+from thcnet.procs import WorkerError, WorkerResult
 
 __all__ = ["open_testbed", "Testbed", "LoopbackTestbed", "WorkerResult", "WorkerError",
-           "TestbedError", "Unavailable", "mininet_unavailable_reason", "AGGREGATORS"]
-
-REPO_ROOT = Path(__file__).resolve().parents[2]
-AGGREGATORS = ("software", "bmv2", "none")
-THC_BASE_PORT = 50000
-"""Worker r's THC UDP port (Mininet): 50000 + r."""
-MASTER_PORT = 29500
-SUBNET = "10.0.0.0/24"
-AGG_IP, AGG_MAC = "10.0.0.100", "02:00:00:00:00:64"
-"""The software aggregator's host."""
-SWITCH_AGG_IP, SWITCH_AGG_MAC = "10.0.0.254", "02:00:00:00:00:fe"
-"""The BMv2 switch's virtual aggregator address (no host owns it; workers get a static ARP)."""
-AGG_START_TIMEOUT = 30.0
-
-
-class TestbedError(RuntimeError):
-    """The testbed cannot be built or used as asked; the message says why."""
-
-    __test__ = False  # not a pytest test class
-
-
-class Unavailable(TestbedError):
-    """Mininet cannot run here (not root, not installed, ...): fall back to loopback."""
-
-
-def worker_ip(rank: int) -> str:
-    return f"10.0.0.{rank + 1}"
-
-
-def worker_mac(rank: int) -> str:
-    return f"02:00:00:00:00:{rank + 1:02x}"
-
-
-def make_job(workers: list[Worker], params: THCParams, lanes: int, pool_size: int,
-             job_id: int = 1) -> Job:
-    try:
-        return Job(job_id=job_id, workers=tuple(workers),
-                   table=tuple(int(t) for t in params.table), granularity=params.granularity,
-                   pool_size=pool_size, lanes=lanes).validate()
-    except ConfigError as e:
-        raise TestbedError(str(e)) from None
-
-
-_said: set[str] = set()
-
-
-def say_once(msg: str) -> None:
-    if msg not in _said:
-        _said.add(msg)
-        print(f"thcnet: {msg}", file=sys.stderr, flush=True)
-
-
-def mininet_unavailable_reason(aggregator: str = "software") -> str | None:
-    """Why the Mininet testbed cannot run here, or None if it can."""
-    if os.geteuid() != 0:
-        return "not running as root (Mininet needs root)"
-    try:
-        import mininet.net  # noqa: F401
-    except ImportError as e:
-        return (f"the mininet Python module is missing ({e}); `make system-deps setup` installs "
-                f"Debian's Mininet and links it into the venv")
-    for tool in ("mnexec", "ip", "tc"):
-        if not shutil.which(tool):
-            return f"'{tool}' is not on PATH (install Mininet and iproute2)"
-    if aggregator in ("software", "none") and not shutil.which("brctl"):
-        return "'brctl' is not on PATH (apt-get install bridge-utils)"
-    return None
-
-
-class Testbed:
-    """The interface both testbeds implement (see the module docstring)."""
-
-    __test__ = False  # not a pytest test class
-    kind = "abstract"
-
-    def __init__(self, n_workers: int, aggregator: str, params: THCParams | None,
-                 lanes: int | None, pool_size: int | None):
-        if aggregator not in AGGREGATORS:
-            raise TestbedError(f"aggregator must be one of {AGGREGATORS}, got {aggregator!r}")
-        if not 1 <= n_workers <= min(P.MAX_WORKERS, 250):
-            raise TestbedError(f"n_workers must lie in 1..{min(P.MAX_WORKERS, 250)}, "
-                               f"got {n_workers}")
-        self.n_workers = n_workers
-        self.aggregator = aggregator
-        self.params = params or THCParams()
-        self.lanes = P.check_lanes(lanes or P.LANES)
-        self.pool_size = pool_size or 64
-        self.python = sys.executable
-        self.logdir = Path(tempfile.mkdtemp(prefix=f"thcnet-{self.kind}-"))
-        self.master_addr: tuple[str, int] = ("127.0.0.1", MASTER_PORT)
-        self.agg_addr: tuple[str, int] | None = None
-        self.cluster: Cluster | None = None
-        self.notes: list[str] = []
-        self._procs: list[Proc] = []
-        self._agg_proc: Proc | None = None
-        self._agg_final: dict | None = None
-        self._closed = False
-
-    # -- to implement ------------------------------------------------------------------
-    def _launch(self, node: str, argv: list[str], env: dict, stdout, stderr):
-        raise NotImplementedError
-
-    def worker_intf(self, rank: int) -> str:
-        raise NotImplementedError
-
-    def wire_bytes(self) -> dict[int, tuple[int, int]]:
-        """Per worker (tx_bytes, rx_bytes) of its link, from interface counters ({} if none)."""
-        return {}
-
-    def start_aggregator(self) -> None:
-        raise NotImplementedError
-
-    # -- shared --------------------------------------------------------------------------
-    @property
-    def cluster_path(self) -> Path:
-        """The cluster config as JSON (for `thc aggregator --config`, the controller, workers)."""
-        path = self.logdir / "cluster.json"
-        if not path.exists():
-            self.cluster.save(path)
-        return path
-
-    @property
-    def job(self) -> Job:
-        return self.cluster.jobs[0]
-
-    def node_of(self, rank_or_name) -> str:
-        if isinstance(rank_or_name, int):
-            if not 0 <= rank_or_name < self.n_workers:
-                raise TestbedError(f"no worker {rank_or_name} (n_workers={self.n_workers})")
-            return f"h{rank_or_name + 1}"
-        return str(rank_or_name)
-
-    def env_for(self, node: str, env: dict | None = None) -> dict:
-        base = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1",
-                "PYTHONUNBUFFERED": "1", "PYTHONDONTWRITEBYTECODE": "1"}
-        full = merged_env(env, {})
-        for k, v in base.items():
-            if not (env and k in env):
-                full[k] = v
-        path = [str(REPO_ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(":") if p]
-        if env and env.get("PYTHONPATH"):
-            path = [str(REPO_ROOT)] + env["PYTHONPATH"].split(":")
-        full["PYTHONPATH"] = ":".join(dict.fromkeys(path))
-        if node.startswith("h") and node[1:].isdigit() and not (env and "GLOO_SOCKET_IFNAME" in env):
-            full["GLOO_SOCKET_IFNAME"] = self.worker_intf(int(node[1:]) - 1)
-        full["THCNET_NODE"] = node
-        full["THCNET_KIND"] = self.kind
-        return full
-
-    def popen(self, node, argv: list[str], env: dict | None = None, name: str | None = None) -> Proc:
-        """Start ``argv`` on ``node`` (a worker rank, ``"h3"`` or ``"agg"``); it is killed at close."""
-        self._check_open()
-        node = self.node_of(node)
-        argv = pythonize(argv, self.python)
-        full_env = self.env_for(node, env)
-        proc = Proc.start(name or f"{node}-{len(self._procs)}", argv, self.logdir,
-                          lambda a, stdout, stderr: self._launch(node, a, full_env, stdout,
-                                                                 stderr))
-        self._procs.append(proc)
-        self._registered(proc)
-        return proc
-
-    def _registered(self, proc: Proc) -> None:
-        pass
-
-    def run(self, node, argv: list[str], env: dict | None = None,
-            timeout: float | None = 60.0) -> WorkerResult:
-        """Run one command on ``node`` and wait for it; raises WorkerError if it fails."""
-        proc = self.popen(node, argv, env)
-        return wait_all([proc], timeout, what="command")[0]
-
-    def run_workers(self, argv_for: Callable[[int], list[str]], env: dict | None = None,
-                    timeout: float | None = None, on_line=None) -> list[WorkerResult]:
-        """Run ``argv_for(rank)`` on every worker host at once and wait for all of them.
-
-        Raises :class:`WorkerError` (with each failing worker's stderr tail) if any worker
-        exits non-zero or the timeout passes; the others are then killed.
-        """
-        procs = [self.popen(r, argv_for(r), env, name=f"worker{r}-{len(self._procs)}")
-                 for r in range(self.n_workers)]
-        try:
-            return wait_all(procs, timeout, what="worker", on_line=on_line)
-        except WorkerError as e:
-            if self._agg_proc is not None and self._agg_proc.poll() is not None:
-                raise WorkerError(f"{e}\n--- the aggregator exited with code "
-                                  f"{self._agg_proc.popen.returncode}; stderr tail:\n"
-                                  f"{self._agg_proc.stderr()[-2000:]}", e.results) from None
-            raise
-
-    def _start_software_aggregator(self, node: str, listen: tuple[str, int]) -> None:
-        stats = self.logdir / "aggregator-stats.json"
-        argv = ["python", "-m", "host.cli", "aggregator", "--listen", f"{listen[0]}:{listen[1]}",
-                "--config", str(self.cluster_path), "--stats-interval", "0",
-                "--stats-file", str(stats)]
-        proc = self.popen(node, argv, name="aggregator")
-        end = time.monotonic() + AGG_START_TIMEOUT
-        while "listening" not in proc.stdout():
-            if proc.poll() is not None:
-                raise TestbedError(f"the software aggregator exited with code "
-                                   f"{proc.popen.returncode}: {proc.stderr().strip()[-2000:]}")
-            if time.monotonic() > end:
-                proc.kill()
-                raise TestbedError(f"the software aggregator did not start within "
-                                   f"{AGG_START_TIMEOUT:.0f} s")
-            time.sleep(0.05)
-        self._agg_proc = proc
-
-    def aggregator_counters(self) -> dict | None:
-        """The software aggregator's counters (packets, completions, drops), if any.
-
-        While it runs they are at most half a second old (its --stats-file); after
-        :meth:`stop_aggregator` they are final.
-        """
-        import json
-        if self._agg_final is not None:
-            return self._agg_final
-        path = self.logdir / "aggregator-stats.json"
-        try:
-            return json.loads(path.read_text())
-        except (OSError, ValueError):
-            return None
-
-    def stop_aggregator(self) -> dict | None:
-        """Stop the software aggregator (SIGINT, as Ctrl-C) and return its final counters."""
-        import json
-        import signal
-        proc = self._agg_proc
-        if proc is None:
-            return self.aggregator_counters()
-        if proc.poll() is None:
-            try:
-                os.kill(proc.pid, signal.SIGINT)
-                proc.popen.wait(timeout=10)
-            except (OSError, Exception):  # noqa: BLE001 - fall back to killing it
-                proc.kill()
-        self._agg_proc = None
-        for line in reversed(proc.stdout().strip().splitlines()):
-            try:
-                self._agg_final = json.loads(line)
-                break
-            except ValueError:
-                continue
-        return self.aggregator_counters()
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise TestbedError("the testbed is closed")
-
-    def _kill_procs(self) -> None:
-        for proc in reversed(self._procs):
-            try:
-                proc.kill(grace=0.5)
-            except Exception:  # noqa: BLE001 - keep tearing down
-                pass
-
-    def close(self) -> None:
-        raise NotImplementedError
-
-    def _remove_logdir(self) -> None:
-        if os.environ.get("THCNET_KEEP_LOGS"):
-            say_once(f"logs kept in {self.logdir}")
-        else:
-            shutil.rmtree(self.logdir, ignore_errors=True)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-    def describe(self) -> str:
-        agg = f"{self.agg_addr[0]}:{self.agg_addr[1]}" if self.agg_addr else "none"
-        return (f"{self.kind} testbed: {self.n_workers} workers, aggregator {self.aggregator} "
-                f"at {agg}, master {self.master_addr[0]}:{self.master_addr[1]}")
+           "TestbedError", "Unavailable", "mininet_unavailable_reason", "bmv2_unavailable_reason",
+           "AGGREGATORS"]
 
 
 # -- loopback -------------------------------------------------------------------------------
-
-def free_udp_ports(n: int, host: str = "127.0.0.1") -> int:
-    """A base port b with b..b+n-1 free for UDP (and TCP) on ``host``."""
-    import random
-    rng = random.Random()
-    for _ in range(200):
-        base = rng.randrange(20000, 60000 - n)
-        socks = []
-        try:
-            for p in range(base, base + n):
-                for kind in (socket.SOCK_DGRAM, socket.SOCK_STREAM):
-                    s = socket.socket(socket.AF_INET, kind)
-                    socks.append(s)
-                    s.bind((host, p))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise TestbedError(f"no block of {n} free ports on {host}")
-
 
 class LoopbackTestbed(Testbed):
     """Every host is 127.0.0.1; ports keep them apart. No link emulation."""
@@ -351,7 +58,7 @@ class LoopbackTestbed(Testbed):
         if aggregator == "bmv2":
             raise TestbedError("the bmv2 aggregator needs the Mininet testbed (root and Mininet)")
         super().__init__(n_workers, aggregator, params, lanes, pool_size)
-        base = free_udp_ports(n_workers + 2)
+        base = free_port_block(n_workers + 2, tcp=True)
         workers = [Worker(id=r, ip="127.0.0.1", port=base + r) for r in range(n_workers)]
         self.master_addr = ("127.0.0.1", base + n_workers)
         agg_port = base + n_workers + 1

@@ -1,6 +1,6 @@
 """BMv2 harness: simple_switch_grpc on veth pairs, programmed by the controller, PTF style.
 
-controller/bmv2.py's ``LocalBMv2`` starts ``simple_switch_grpc --device-id 0 --cpu-port 255``
+controller/testing/bmv2.py's ``LocalBMv2`` starts ``simple_switch_grpc --device-id 0 --cpu-port 255``
 with one veth pair per port and pushes the compiled program from p4src/build.
 ``BMv2Harness`` implements tests/conformance/harness.py's Harness on top: workers are
 (MAC, IPv4, UDP port) triples spread over the worker ports (one more port hosts strangers);
@@ -8,7 +8,7 @@ an endpoint sends raw Ethernet frames from its worker's address to the aggregato
 receives the THC datagrams addressed to it.
 
 Needs root (veth pairs, AF_PACKET) and simple_switch_grpc on PATH; ``bmv2_available()`` says
-what is missing. p4c is not needed: the committed build in p4src/build is used.
+what is missing (through controller.toolchain). p4c is not needed: the committed build in p4src/build is used.
 """
 from __future__ import annotations
 
@@ -18,11 +18,11 @@ import queue
 from dataclasses import replace
 from pathlib import Path
 
-from host import protocol as P
-from host.jobs import Job, Worker
-
-from controller.bmv2 import LocalBMv2, available
+from controller import toolchain
 from controller.frames import udp_frame
+from controller.testing.bmv2 import LocalBMv2
+from host.wire import protocol as P
+from host.wire.jobs import Job, Worker
 from tests.conformance.harness import TEST_TABLE, Endpoint, Harness
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -33,7 +33,8 @@ AGG_MAC = "02:00:00:00:00:fe"
 
 def bmv2_available(program: str = "thc") -> tuple[bool, str]:
     """(True, "") when BMv2 tests can run here, else (False, what is missing)."""
-    return available(program, BUILD)
+    why = toolchain.bmv2_missing(program, BUILD)
+    return why is None, why or ""
 
 
 class FrameEndpoint(Endpoint):

@@ -3,8 +3,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from host import protocol as P
-from host.jobs import Job
+from host.codec.packing import pack_bits
+from host.wire import protocol as P
+from host.wire.jobs import Job
 
 
 def datagram(job: Job, worker: int, seq: int, payload: bytes, pkt_type=P.PktType.DATA,
@@ -16,7 +17,7 @@ def datagram(job: Job, worker: int, seq: int, payload: bytes, pkt_type=P.PktType
 
 
 def data(job: Job, worker: int, seq: int, idx: np.ndarray, **kw) -> bytes:
-    return datagram(job, worker, seq, P.pack_nibbles(idx).tobytes(), **kw)
+    return datagram(job, worker, seq, pack_bits(idx, P.INDEX_BITS).tobytes(), **kw)
 
 
 def random_indices(rng: np.random.Generator, job: Job) -> np.ndarray:

@@ -8,8 +8,8 @@ import pytest
 from controller import jobs
 from controller.frames import parse_udp_frame, reset_frame, udp_frame
 from controller.switch import Switch, SwitchError, encode_value
-from host import protocol as P
-from host.jobs import Job, Worker
+from host.wire import protocol as P
+from host.wire.jobs import Job, Worker
 
 
 def test_encode_value_is_canonical():

@@ -13,7 +13,7 @@ from google.protobuf import text_format
 
 from controller import counters, forwarding, jobs
 from controller.switch import SwitchError
-from host import protocol as P
+from host.wire import protocol as P
 from tests.bmv2.packets import check_result, data, random_indices, round_trip
 
 pytestmark = pytest.mark.bmv2
@@ -101,7 +101,7 @@ def test_counters_by_name(bmv2, sw):
     bmv2.endpoint(job, 0).recv_all(timeout=bmv2.quiet)
     assert bmv2.job_counters(job) == {"packets": 5, "completions": 1, "retransmissions": 1,
                                       "pending": 1}
-    snap = counters.snapshot(sw)
+    snap = counters.snapshot(sw, jobs.installed_jobs(sw))
     assert snap["jobs"][str(job.job_id)]["packets"] == 5
 
 
@@ -123,7 +123,7 @@ def test_second_session_in_one_process_is_refused(bmv2):
 
 def test_cli_reads_counters_and_reports_errors(bmv2, tmp_path):
     addr = bmv2.switch.grpc_addr
-    base = [sys.executable, "-m", "host.cli", "controller", "--grpc-addr", addr,
+    base = [sys.executable, "-m", "host.app.cli", "controller", "--grpc-addr", addr,
             "--election-id", "0,1"]
     r = subprocess.run(base + ["counters", "--json"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
@@ -131,6 +131,6 @@ def test_cli_reads_counters_and_reports_errors(bmv2, tmp_path):
     r = subprocess.run(base + ["remove", "--job", "9999"], capture_output=True, text=True,
                        timeout=60)
     assert r.returncode != 0 and "thc controller:" in r.stderr
-    r = subprocess.run([sys.executable, "-m", "host.cli", "controller", "--grpc-addr",
+    r = subprocess.run([sys.executable, "-m", "host.app.cli", "controller", "--grpc-addr",
                         "127.0.0.1:1", "--timeout", "0.5", "counters"], capture_output=True, text=True, timeout=60)
     assert r.returncode != 0 and "no P4Runtime server" in r.stderr

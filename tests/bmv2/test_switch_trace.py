@@ -8,7 +8,8 @@ import time
 import numpy as np
 import pytest
 
-from host import protocol as P
+from host.codec.packing import pack_bits
+from host.wire import protocol as P
 from tests.bmv2.packets import datagram, random_indices
 
 pytestmark = pytest.mark.bmv2
@@ -22,7 +23,7 @@ def make_trace(job, rng, chunks=24, window=6):
     for seq in range(chunks):
         for w in range(job.n_workers):
             idx = random_indices(rng, job)
-            d = datagram(job, w, seq, P.pack_nibbles(idx).tobytes())
+            d = datagram(job, w, seq, pack_bits(idx, P.INDEX_BITS).tobytes())
             trace.append((seq + rng.uniform(0, window), w, d))
             if rng.random() < 0.15:            # duplicate, later
                 trace.append((seq + rng.uniform(0, 2 * window), w, d))
@@ -30,7 +31,7 @@ def make_trace(job, rng, chunks=24, window=6):
                 old = seq - 2 * job.pool_size
                 if old >= 0:
                     trace.append((seq + rng.uniform(0, window), w, datagram(
-                        job, w, old, P.pack_nibbles(idx).tobytes())))
+                        job, w, old, pack_bits(idx, P.INDEX_BITS).tobytes())))
     for seq in range(chunks, chunks + 3):
         for w in range(job.n_workers):
             vals = rng.integers(0, 1 << 31, P.MAX_LANES, dtype=np.uint32).astype(">u4")
@@ -45,7 +46,7 @@ def make_trace(job, rng, chunks=24, window=6):
 
 
 def test_same_trace_same_results_as_the_software_aggregator(bmv2):
-    from host.aggregator import Aggregator
+    from host.net.aggregator import Aggregator
     rng = np.random.default_rng(30)
     # all workers on one switch port: BMv2 then sees the packets in send order
     job = bmv2.make_job(next(_ids), 3, pool_size=8, ports=[0, 0, 0])

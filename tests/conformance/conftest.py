@@ -11,7 +11,7 @@ def _software():
 
 def _bmv2():
     try:
-        from tests.bmv2.harness import bmv2_available, BMv2Harness
+        from tests.bmv2.harness import BMv2Harness, bmv2_available
     except ImportError as e:
         pytest.skip(f"BMv2 harness not importable: {e}")
     ok, reason = bmv2_available()

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import abc
 
-from host import protocol as P
-from host.jobs import Job
+from host.wire import protocol as P
+from host.wire.jobs import Job
 
 
 class Endpoint(abc.ABC):

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import socket
 
-from host.aggregator import Aggregator
-from host.jobs import Job
+from host.net.aggregator import Aggregator
+from host.wire.jobs import Job
 from tests.conformance.harness import TEST_TABLE, Endpoint, Harness
 
 

@@ -11,8 +11,8 @@ import time
 import numpy as np
 import pytest
 
-from host import protocol as P
-
+from host.codec.packing import pack_bits
+from host.wire import protocol as P
 
 _job_ids = itertools.count(100)
 
@@ -37,7 +37,7 @@ def indices(rng, job):
 
 
 def data(job, worker, seq, idx, **kw):
-    return datagram(job, worker, seq, P.pack_nibbles(idx).tobytes(), **kw)
+    return datagram(job, worker, seq, pack_bits(idx, P.INDEX_BITS).tobytes(), **kw)
 
 
 def expected_sums(job, idxs):
@@ -258,7 +258,7 @@ def test_reinstall_resets_the_pool(harness):
 def _bad_packets(harness, job, good_idx):
     """(reason, datagram, endpoint) triples; each must be dropped and counted."""
     idx = good_idx
-    payload = P.pack_nibbles(idx).tobytes()
+    payload = pack_bits(idx, P.INDEX_BITS).tobytes()
     w0 = harness.endpoint(job, 0)
     return [
         ("malformed", datagram(job, 0, 0, b"")[: P.HEADER_BYTES - 3], w0),

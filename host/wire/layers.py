@@ -10,7 +10,8 @@ from scapy.fields import ByteEnumField, ByteField, IntField, ShortField, StrFiel
 from scapy.layers.inet import UDP
 from scapy.packet import Packet, bind_layers
 
-from host import protocol as P
+from host.codec.packing import unpack_bits
+from host.wire import protocol as P
 
 _FIELD_TYPES = {8: ByteField, 16: ShortField, 32: IntField}
 
@@ -49,7 +50,8 @@ class THCIndices(_Payload):
     name = "THC indices"
 
     def indices(self) -> np.ndarray:
-        return P.unpack_nibbles(np.frombuffer(self.data, np.uint8))
+        packed = np.frombuffer(self.data, np.uint8)
+        return unpack_bits(packed, P.INDEX_BITS, packed.size * 8 // P.INDEX_BITS)
 
 
 class THCSums(_Payload):

@@ -26,10 +26,10 @@ from typing import Sequence
 
 import numpy as np
 
-from host.hadamard import SliceLayout, fwht, is_torch, random_signs
-from host.params import THCParams
-from host.quantize import (pack_bits, resolve_generator, stochastic_round, uniforms,
-                           unpack_bits)
+from host.codec.hadamard import SliceLayout, fwht, is_torch, random_signs
+from host.codec.packing import pack_bits, unpack_bits
+from host.codec.params import THCParams
+from host.codec.quantize import resolve_generator, stochastic_round, uniforms
 
 __all__ = ["SliceLayout", "THCParams", "THCCodec", "ErrorFeedback", "layout", "slice_norms",
            "agree_max", "encode", "table_values", "aggregate", "decode", "decode_indices",
@@ -129,7 +129,7 @@ def encode(x, max_norms, params: THCParams, round: int = 0, generator=None):
     """THC indices (uint8, one per padded coordinate) of x under the agreed max norms.
 
     ``generator``: np.random.Generator, torch.Generator, int seed or None (see
-    :func:`host.quantize.resolve_generator`); an int or numpy Generator gives the same
+    :func:`host.codec.quantize.resolve_generator`); an int or numpy Generator gives the same
     indices for numpy and torch inputs.
     """
     flat = _flat(x)

@@ -12,7 +12,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from host.allreduce import THCAllReduce
+from host.codec.baselines import TopK
+from host.collective.allreduce import THCAllReduce
 
 
 @dataclass(frozen=True)
@@ -105,13 +106,12 @@ class THCHook(_Hook):
 
 
 class TopKHook(_Hook):
-    """TopK sparsification (default 10%) with error feedback (:class:`host.baselines.TopK`),
+    """TopK sparsification (default 10%) with error feedback (:class:`host.codec.baselines.TopK`),
     exchanged by all-gather: k values and indices per worker."""
 
     def __init__(self, model, ratio: float = 0.1, options: HookOptions = HookOptions(),
                  group=None):
         super().__init__(model, options, group)
-        from host.baselines import TopK
         self.scheme = TopK(ratio=ratio, error_feedback=True)
 
     def reduce(self, bucket_index: int, flat: torch.Tensor) -> torch.Tensor:

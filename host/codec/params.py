@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import argparse
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from fractions import Fraction
-from statistics import NormalDist
 
 import numpy as np
+
+from host.codec.table import optimal_table, truncation_threshold, uniform_table
 
 TABLE_KINDS = ("optimal", "uniform")
 
@@ -25,11 +26,6 @@ def parse_fraction(text: str | float) -> float:
         return float(Fraction(text.strip()))
     except (ValueError, ZeroDivisionError):
         raise argparse.ArgumentTypeError(f"not a number or fraction: {text!r}") from None
-
-
-def truncation_threshold(p: float) -> float:
-    """Two-sided normal quantile t_p with P(|Z| > t_p) = p."""
-    return NormalDist().inv_cdf(1.0 - p / 2.0)
 
 
 @dataclass(frozen=True)
@@ -86,13 +82,11 @@ class THCParams:
     @property
     def table(self) -> np.ndarray:
         """The lookup table (a fresh copy of the cached one, so callers cannot corrupt it)."""
-        from host.table import optimal_table, uniform_table
         if self.table_kind == "uniform":
             return uniform_table(self.bits, self.granularity).copy()
         return optimal_table(self.bits, self.granularity, self.p).copy()
 
     def replace(self, **changes) -> "THCParams":
-        from dataclasses import replace
         return replace(self, **changes)
 
     @staticmethod

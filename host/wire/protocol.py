@@ -110,23 +110,6 @@ def seq_newer(a: int, b: int) -> bool:
     return 0 < d < (1 << 31)
 
 
-def pack_nibbles(idx: np.ndarray) -> np.ndarray:
-    """Two 4-bit indices per byte, the first in the high nibble (network order, as P4 parses)."""
-    idx = np.asarray(idx, dtype=np.uint8)
-    if idx.size % 2:
-        raise ValueError("pack_nibbles needs an even number of indices")
-    pairs = idx.reshape(-1, 2)
-    return (pairs[:, 0] << 4) | (pairs[:, 1] & 0x0F)
-
-
-def unpack_nibbles(packed: np.ndarray) -> np.ndarray:
-    packed = np.asarray(packed, dtype=np.uint8)
-    out = np.empty(packed.size * 2, dtype=np.uint8)
-    out[0::2] = packed >> 4
-    out[1::2] = packed & 0x0F
-    return out
-
-
 def encode(hdr: Header, payload: bytes | np.ndarray = b"") -> bytes:
     """Header + payload as the UDP datagram body."""
     if isinstance(payload, np.ndarray):

@@ -20,9 +20,9 @@ from pathlib import Path
 
 import numpy as np
 
-from host import protocol as P
-from host.impair import Impairment
-from host.jobs import Cluster, ConfigError, Job
+from host.net.impair import Impairment
+from host.wire import protocol as P
+from host.wire.jobs import Cluster, ConfigError, Job
 
 Reply = tuple[bytes, tuple[str, int]]
 

@@ -27,8 +27,10 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from host.hadamard import is_torch
-from host.params import THCParams
+from host.codec.hadamard import is_torch
+from host.codec.packing import pack_bits, unpack_bits
+from host.codec.params import THCParams
+from host.codec.thc import THCCodec
 
 __all__ = ["Scheme", "THC", "UHC", "QSGD", "TernGrad", "TopK", "SignSGD", "FP16", "FP32",
            "SparsePayload", "SCHEMES", "make_scheme", "scheme_names"]
@@ -182,7 +184,6 @@ class THC(Scheme):
                  slice_size: int = 2 ** 20, table_kind: str = "optimal",
                  error_feedback: bool = False, params: THCParams | None = None):
         super().__init__(error_feedback)
-        from host.codec import THCCodec
         self.params = params or THCParams(bits=bits, granularity=granularity, p=p, seed=seed,
                                           slice_size=slice_size, table_kind=table_kind)
         self.codec = THCCodec(self.params)
@@ -342,14 +343,12 @@ class SignSGD(Scheme):
         return 1 + 32.0 / max(1, numel)
 
     def _compress(self, flat, gen) -> Payload:
-        from host.quantize import pack_bits
         torch = _torch()
         scale = flat.abs().mean() if flat.numel() else flat.new_zeros(())
         bits = (flat < 0).to(torch.uint8)
         return Payload({"signs": pack_bits(bits, 1), "scale": scale}, flat.numel(), ())
 
     def _decompress(self, payload: Payload):
-        from host.quantize import unpack_bits
         bits = unpack_bits(payload.data["signs"], 1, payload.numel).float()
         return (1.0 - 2.0 * bits) * payload.data["scale"]
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from host import protocol as P
+from host.wire import protocol as P
 
 
 @dataclass(frozen=True)

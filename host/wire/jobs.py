@@ -11,7 +11,8 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from host import protocol as P
+from host.codec.params import THCParams
+from host.wire import protocol as P
 
 
 class ConfigError(ValueError):
@@ -100,7 +101,6 @@ class Job:
         try:
             workers = tuple(Worker(**w) for w in d.pop("workers"))
             if "table" not in d:
-                from host.params import THCParams
                 params = THCParams(bits=P.INDEX_BITS, granularity=d["granularity"],
                                    p=float(d.pop("p", 1 / 32)))
                 d["table"] = params.table
@@ -164,40 +164,3 @@ class Cluster:
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
-
-
-def free_port_block(n: int, host: str = "127.0.0.1") -> int:
-    """A base port with ``n`` free consecutive UDP ports (workers of a local job)."""
-    import socket
-    for _ in range(100):
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.bind((host, 0))
-            base = s.getsockname()[1]
-        if base + n >= 65535:
-            continue
-        socks = []
-        try:
-            for i in range(n):
-                socks.append(socket.socket(socket.AF_INET, socket.SOCK_DGRAM))
-                socks[-1].bind((host, base + i))
-            return base
-        except OSError:
-            continue
-        finally:
-            for t in socks:
-                t.close()
-    raise RuntimeError(f"no block of {n} free UDP ports on {host}")
-
-
-def local_job(job_id: int, n_workers: int, base_port: int, granularity: int = 30,
-              p: float = 1 / 32, pool_size: int = 64, lanes: int = P.LANES,
-              ip: str = "127.0.0.1", table=None) -> Job:
-    """A job whose workers listen on consecutive loopback ports (tests, local runs)."""
-    workers = [{"id": i, "ip": ip, "port": base_port + i} for i in range(n_workers)]
-    d = {"job_id": job_id, "workers": workers, "granularity": granularity,
-         "pool_size": pool_size, "lanes": lanes}
-    if table is None:
-        d["p"] = p
-    else:
-        d["table"] = list(table)
-    return Job.from_dict(d)

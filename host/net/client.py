@@ -15,9 +15,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from host import protocol as P
-from host.impair import Impairment
-from host.jobs import Job
+from host.net.impair import Impairment
+from host.wire import protocol as P
+from host.wire.jobs import Job
 
 
 class AggregationTimeout(TimeoutError):

@@ -7,7 +7,7 @@ program, and gives raw access to the host-side ends: ``send(port, frame)`` and, 
 ``receive=True``, a background thread that hands every received UDP payload to the queue
 registered for its (dst IP, dst port) and keeps the other frames per port in ``raw``.
 
-Needs root and simple_switch_grpc on PATH (``available()`` says what is missing). Every
+Needs root and simple_switch_grpc on PATH (``controller.toolchain.bmv2_missing()`` says what is missing). Every
 veth and the process are removed by ``close()``.
 """
 from __future__ import annotations
@@ -23,38 +23,13 @@ import threading
 import time
 from pathlib import Path
 
-from host import protocol as P
-
 from controller.frames import parse_udp_frame
-from controller.switch import BUILD_DIR
+from controller.switch import BUILD_DIR, Switch
+from host.testing.clusters import free_tcp_port
+from host.wire import protocol as P
 
 ETH_P_ALL = 0x0003
 PACKET_OUTGOING = 4
-
-
-def available(program: str = "thc", build_dir: Path | str = BUILD_DIR) -> tuple[bool, str]:
-    """(True, "") when a local BMv2 can run here, else (False, what is missing)."""
-    if shutil.which("simple_switch_grpc") is None:
-        return False, ("simple_switch_grpc not on PATH (install BMv2 with P4Runtime support: "
-                       "p4lang's packages or docker image)")
-    if os.geteuid() != 0:
-        return False, "not root (veth pairs and raw sockets need CAP_NET_ADMIN/CAP_NET_RAW)"
-    if shutil.which("ip") is None:
-        return False, "iproute2 ('ip') not on PATH"
-    for name in (f"{program}.json", f"{program}.p4info.txt"):
-        if not (Path(build_dir) / name).exists():
-            return False, f"{Path(build_dir) / name} missing (run `make p4`)"
-    try:
-        import p4runtime_sh.shell  # noqa: F401
-    except ImportError as e:
-        return False, f"p4runtime-shell not importable: {e}"
-    return True, ""
-
-
-def free_tcp_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -95,7 +70,6 @@ class LocalBMv2:
             self._make_veths()
             self._start_switch(log_dir)
             if connect:
-                from controller.switch import Switch
                 self.sw = Switch(self.grpc_addr, device_id=0, timeout=10.0)
                 self.sw.connect(program=program, build_dir=build_dir)
             self._open_sockets(receive)

@@ -6,19 +6,21 @@ costs variance (u - a)(b - u). The table minimises the expected cost under the t
 (a 1001-point grid, as in the authors' code). Values are integers so that the switch adds
 integers; the table is symmetric about g/2 so that the decoder's zero point is g/2.
 
-``thc table`` prints the table for given (bits, granularity, p).
+``thc table`` (host/app/table.py) prints the table for given (bits, granularity, p).
 """
 from __future__ import annotations
 
-import argparse
 from functools import lru_cache
 from statistics import NormalDist
 
 import numpy as np
 
-from host.params import THCParams, truncation_threshold
-
 GRID_POINTS = 1001
+
+
+def truncation_threshold(p: float) -> float:
+    """Two-sided normal quantile t_p with P(|Z| > t_p) = p."""
+    return NormalDist().inv_cdf(1.0 - p / 2.0)
 
 
 def _check(bits: int, granularity: int, p: float | None = None) -> None:
@@ -151,48 +153,3 @@ def uniform_table(bits: int = 4, granularity: int = 30) -> np.ndarray:
     bits, granularity = int(bits), int(granularity)
     _check(bits, granularity)
     return _uniform_table(bits, granularity)
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    THCParams.add_arguments(parser, seed=False)
-    parser.add_argument("--uniform", action="store_true",
-                        help="also print the uniform (UHC) table for comparison")
-    parser.add_argument("--json", nargs="?", const="-", default=None, metavar="FILE",
-                        help="write the result as JSON to FILE (stdout when no FILE is given)")
-
-
-def _summary(table: np.ndarray, p: float, g: int) -> dict:
-    return {"table": [int(v) for v in table],
-            "objective": table_objective(table, p, g),
-            "expected_variance": expected_variance(table, p, g),
-            "expected_nmse_one_worker": expected_nmse(table, p, g)}
-
-
-def run(args: argparse.Namespace) -> int:
-    from host.bench import emit_json
-    try:
-        params = THCParams(bits=args.bits, granularity=args.granularity, p=args.p)
-        table = optimal_table(params.bits, params.granularity, params.p)
-    except ValueError as e:
-        print(f"thc table: {e}")
-        return 2
-    g, p = params.granularity, params.p
-    result = {"bits": params.bits, "granularity": g, "p": p, "t_p": params.t_p,
-              "truncation_mse": truncation_mse(p), "optimal": _summary(table, p, g)}
-    uni = uniform_table(params.bits, g)
-    result["uniform"] = _summary(uni, p, g)
-    if args.json != "-":
-        print(f"THC table for {params.describe()}")
-        print(" ".join(str(int(v)) for v in table))
-        o = result["optimal"]
-        print(f"t_p = {params.t_p:.4f}  (P(|Z| > t_p) = {p:g})")
-        print(f"expected rounding variance per coordinate (z units): {o['expected_variance']:.5f}")
-        print(f"expected NMSE, one Gaussian worker: {o['expected_nmse_one_worker']:.5f} "
-              f"(truncation part {result['truncation_mse']:.5f})")
-        if args.uniform:
-            u = result["uniform"]
-            print(f"uniform table: {' '.join(str(int(v)) for v in uni)}")
-            print(f"  expected variance {u['expected_variance']:.5f}, "
-                  f"expected NMSE {u['expected_nmse_one_worker']:.5f}")
-    emit_json(args, result)
-    return 0

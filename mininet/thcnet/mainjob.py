@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from host.wire.protocol import MAX_SOFTWARE_LANES
+from thcnet.testbed import bmv2_unavailable_reason, open_testbed
 
 MODES = {
     "fp32": ("fp32", "none", "uncompressed FP32 all-reduce (Gloo)"),
@@ -41,24 +43,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--loss", type=float, default=0.0, help="link loss, percent")
     parser.add_argument("--loopback", action="store_true",
                         help="do not use Mininet even where it is available")
-    from host.protocol import MAX_SOFTWARE_LANES
     parser.add_argument("--software-lanes", type=int, default=MAX_SOFTWARE_LANES,
                         help="lanes per packet for the software aggregator")
     parser.add_argument("--out", default="out", help="directory for JSON and plot")
     parser.add_argument("--timeout", type=float, default=900.0, help="per-mode limit, seconds")
 
 
-def _bmv2_missing() -> str | None:
-    for tool in ("simple_switch_grpc",):
-        if shutil.which(tool) is None:
-            return f"{tool} not on PATH"
-    if not Path(__file__).resolve().parents[1].joinpath("p4src/build/thc.json").exists():
-        return "p4src/build/thc.json missing"
-    return None
-
-
 def _run_mode(name: str, args, progress) -> dict:
-    from thcnet.testbed import open_testbed
 
     train_mode, aggregator, _ = MODES[name]
     epochs = 1 if aggregator == "bmv2" else args.epochs
@@ -75,7 +66,7 @@ def _run_mode(name: str, args, progress) -> dict:
         master = f"{tb.master_addr[0]}:{tb.master_addr[1]}"
 
         def argv(rank: int) -> list[str]:
-            a = [sys.executable, "-m", "host.train", "--mode", train_mode, "--rank", str(rank),
+            a = [sys.executable, "-m", "host.app.train", "--mode", train_mode, "--rank", str(rank),
                  "--world", str(args.workers), "--master", master, "--epochs", str(epochs),
                  "--config", str(cfg)]
             if tb.agg_addr is not None:
@@ -139,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
     if unknown:
         print(f"thc run: unknown mode(s) {unknown}; choose from {list(MODES)}", file=sys.stderr)
         return 2
-    if "thc-bmv2" in modes and (why := _bmv2_missing()):
+    if "thc-bmv2" in modes and (why := bmv2_unavailable_reason()):
         print(f"thc run: skipping thc-bmv2: {why}")
         modes.remove("thc-bmv2")
     out = Path(args.out)

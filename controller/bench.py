@@ -22,7 +22,14 @@ import argparse
 import sys
 import time
 
+from controller import counters, forwarding, jobs, toolchain
+from controller.frames import udp_frame
+from controller.switch import BUILD_DIR, SwitchError
+from controller.testing.bmv2 import LocalBMv2
 from host.bench import add_common, emit_json
+from host.codec.packing import pack_bits
+from host.wire import protocol as P
+from host.wire.jobs import Job, Worker
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -111,9 +118,7 @@ def _thc_frames(job, agg, rng, lanes):
 
     import numpy as np
 
-    from controller.frames import udp_frame
-    from host import protocol as P
-    payloads = [P.pack_nibbles(rng.integers(0, 16, lanes).astype(np.uint8)).tobytes()
+    payloads = [pack_bits(rng.integers(0, 16, lanes).astype(np.uint8), P.INDEX_BITS).tobytes()
                 for _ in range(16)]
     plen = P.HEADER_BYTES + len(payloads[0])
     prefix = [udp_frame(w.mac, agg.mac, w.ip, agg.ip, w.port, P.UDP_PORT, bytes(plen))[:42]
@@ -131,9 +136,6 @@ def _thc_frames(job, agg, rng, lanes):
 def bench_thc(args, build_dir, label: str) -> dict:
     import numpy as np
 
-    from controller import counters, jobs
-    from controller.bmv2 import LocalBMv2
-    from host.jobs import Job, Worker
     agg = jobs.AggAddress()
     with LocalBMv2(args.workers, program="thc", build_dir=build_dir, receive=False,
                    tag="tb") as bm:
@@ -170,9 +172,6 @@ def bench_thc(args, build_dir, label: str) -> dict:
 def bench_l2(args, frame_bytes: int) -> dict:
     import itertools
 
-    from controller import forwarding
-    from controller.bmv2 import LocalBMv2
-    from controller.frames import udp_frame
     with LocalBMv2(2, program="l2", receive=False, tag="tb") as bm:
         dst = "02:00:00:00:02:02"
         forwarding.install(bm.sw, {dst: 1})
@@ -203,19 +202,16 @@ def _variant(lanes: int, tmp) -> "object":
 
 
 def run(args: argparse.Namespace) -> int:
-    import shutil
     import tempfile
 
-    from controller.bmv2 import available
-    from controller.switch import BUILD_DIR, SwitchError
     for program in ("thc", "l2"):
-        ok, reason = available(program)
-        if not ok:
+        reason = toolchain.bmv2_missing(program)
+        if reason:
             print(f"thc bench switch: {reason}", file=sys.stderr)
             return 2
     sweep = [int(x) for x in args.lanes_sweep.split(",") if x.strip()]
-    if sweep and shutil.which("p4c") is None:
-        print("thc bench switch: --lanes-sweep needs p4c on PATH", file=sys.stderr)
+    if sweep and (reason := toolchain.p4c_missing()):
+        print(f"thc bench switch: --lanes-sweep needs p4c: {reason}", file=sys.stderr)
         return 2
     try:
         thc = bench_thc(args, BUILD_DIR, "thc.p4")

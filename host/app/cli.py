@@ -11,13 +11,13 @@ import importlib
 import sys
 
 COMMANDS: dict[str, tuple[str, str]] = {
-    "table": ("host.table", "print the optimal THC lookup table for (bits, granularity, p)"),
+    "table": ("host.app.table", "print the optimal THC lookup table for (bits, granularity, p)"),
     "nmse": ("host.bench.nmse", "NMSE of THC and the baselines on synthetic vectors"),
     "bench": ("host.bench.cli", "benchmarks: codec, aggregator, switch, allreduce"),
-    "aggregator": ("host.aggregator", "run the software aggregator (THC's parameter server)"),
+    "aggregator": ("host.net.aggregator", "run the software aggregator (THC's parameter server)"),
     "controller": ("controller.cli", "program a BMv2 switch over P4Runtime"),
-    "model": ("host.perfmodel", "iteration-time model: when does compression pay?"),
-    "run": ("host.mainjob", "the main job: train a model with FP32, THC and TopK, compare"),
+    "model": ("host.app.perfmodel", "iteration-time model: when does compression pay?"),
+    "run": ("thcnet.mainjob", "the main job: train a model with FP32, THC and TopK, compare"),
 }
 
 

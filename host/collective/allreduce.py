@@ -4,7 +4,7 @@ The codec is the same whatever adds the integers; a *transport* does the two col
 steps (max of the slice norms, sum of table values):
 
 - :class:`AggregatorTransport`: the switch or the software aggregator (UDP, 4-bit indices up,
-  sums down), through :class:`host.client.AggregationClient`;
+  sums down), through :class:`host.net.client.AggregationClient`;
 - :class:`DistTransport`: an ordinary ``torch.distributed`` all-reduce (Gloo, NCCL) of the
   table values, for clusters without a programmable switch: THC sums are integers, so any
   all-reduce adds them exactly.
@@ -18,9 +18,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from host import protocol as P
-from host.codec import ErrorFeedback, THCCodec, table_values
-from host.params import THCParams
+from host.codec.packing import pack_bits
+from host.codec.params import THCParams
+from host.codec.thc import ErrorFeedback, THCCodec, table_values
+from host.wire import protocol as P
 
 
 class AggregatorTransport:
@@ -52,7 +53,7 @@ class AggregatorTransport:
         if pad:
             idx = np.concatenate([idx, np.zeros(pad, np.uint8)])
         before = self.client.stats.bytes_sent
-        sums = self.client.aggregate(P.pack_nibbles(idx))[: indices.numel()]
+        sums = self.client.aggregate(pack_bits(idx, P.INDEX_BITS))[: indices.numel()]
         self.bytes_sent += self.client.stats.bytes_sent - before
         return torch.from_numpy(sums.astype(np.int32)).to(indices.device)
 

@@ -25,6 +25,16 @@ import sys
 import time
 
 from host.bench import add_common, emit_json
+from host.codec.params import THCParams
+from host.codec.thc import THCCodec
+from host.wire import protocol as P
+from thcnet.testbed import (
+    TestbedError,
+    WorkerError,
+    bmv2_unavailable_reason,
+    mininet_unavailable_reason,
+    open_testbed,
+)
 
 TCP_MSS, TCP_FRAME = 1448, 1514
 """Linux TCP payload per full segment with timestamps, and its Ethernet frame."""
@@ -34,7 +44,6 @@ queue in the switch and, with a short timeout, turn into spurious retransmission
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from host import protocol as P
     add_common(parser)
     parser.add_argument("--numel", type=int, default=None,
                         help="gradient elements (default 25,000,000; --quick: 2,000,000)")
@@ -77,9 +86,6 @@ def fp32_wire_bytes(numel: int, p: int) -> dict:
 
 def thc_wire_bytes(numel: int, lanes: int, params=None) -> dict:
     """Per worker: THC uplink (indices) and downlink (sums) frames, MAX round included."""
-    from host import protocol as P
-    from host.codec import THCCodec
-    from host.params import THCParams
 
     lay = THCCodec(params or THCParams()).layout(numel)
     packets = math.ceil(lay.total_padded / lanes)
@@ -156,8 +162,6 @@ def _fmt_bytes(b: float | None) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from host import protocol as P
-    from thcnet.testbed import TestbedError, WorkerError, open_testbed
 
     numel = args.numel or (2_000_000 if args.quick else 25_000_000)
     repeat = args.repeat or (1 if args.quick else 3)
@@ -172,11 +176,9 @@ def run(args: argparse.Namespace) -> int:
 
     bmv2_reason = None
     if want_bmv2:
-        from thcnet.testbed import mininet_unavailable_reason
         bmv2_reason = mininet_unavailable_reason("bmv2") if not args.loopback else "--loopback"
         if bmv2_reason is None:
-            from thcnet.bmv2 import unavailable_reason
-            bmv2_reason = unavailable_reason()
+            bmv2_reason = bmv2_unavailable_reason()
         if bmv2_reason:
             note = f"thc-bmv2 skipped: not available: {bmv2_reason}"
             result["notes"].append(note)
@@ -243,7 +245,6 @@ def run(args: argparse.Namespace) -> int:
 def _extrapolate(m: dict, measured_numel: int, numel: int) -> None:
     """Scale a BMv2 measurement on fewer elements to ``numel`` by packet count: the switch's
     per-packet time dominates, so time and bytes grow with the number of packets."""
-    from host import protocol as P
     m["measured_numel"] = measured_numel
     if measured_numel == numel:
         return
@@ -265,7 +266,6 @@ def _progress(m: dict) -> None:
 
 
 def _annotate(point: dict, numel: int, p: int, lanes: int, fp32_ideal: dict) -> None:
-    from host import protocol as P
     bw_bytes = point["bw_mbit"] * 1e6 / 8 if point["bw_mbit"] else None
     fp32 = point["modes"]["fp32"]
     fp32["ideal_bytes"] = {"up": fp32_ideal["up"], "down": fp32_ideal["down"]}

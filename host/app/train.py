@@ -6,7 +6,7 @@ sums over the Gloo all-reduce) or ``topk`` (10% TopK with error feedback). The d
 inside scikit-learn, so nothing is downloaded. Every epoch prints one JSON line.
 
 Run by ``thc run`` (the main job) inside emulated hosts, or by hand, e.g. under torchrun:
-``torchrun --nproc-per-node 4 -m host.train --mode thc-dist``.
+``torchrun --nproc-per-node 4 -m host.app.train --mode thc-dist``.
 """
 from __future__ import annotations
 
@@ -15,6 +15,13 @@ import json
 import os
 import sys
 import time
+
+from host.codec.params import THCParams
+from host.collective.allreduce import THCAllReduce
+from host.collective.ddp import HookOptions, THCHook, TopKHook
+from host.net.aggregator import parse_hostport
+from host.net.client import AggregationClient
+from host.wire.jobs import Cluster
 
 MODES = ("fp32", "thc", "thc-dist", "topk")
 STEP_LOSSES_KEPT = 50
@@ -43,7 +50,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-error-feedback", action="store_true")
     parser.add_argument("--uncompressed", default="",
                         help="comma-separated parameter-name parts left in FP32 (e.g. bias)")
-    from host.params import THCParams
     THCParams.add_arguments(parser, seed=False)
 
 
@@ -73,12 +79,9 @@ def make_model(width: int = 64):
 
 
 def _hook(args, model, ddp):
-    from host.ddp import HookOptions, THCHook, TopKHook
     opts = HookOptions(uncompressed=tuple(s for s in args.uncompressed.split(",") if s))
     if args.mode == "topk":
         return TopKHook(model, ratio=args.topk_ratio, options=opts)
-    from host.allreduce import THCAllReduce
-    from host.params import THCParams
     import torch
     params = THCParams.from_args(args, seed=args.seed, slice_size=args.slice_size)
     ef = not args.no_error_feedback
@@ -87,9 +90,6 @@ def _hook(args, model, ddp):
         make = lambda: THCAllReduce.through_torch_distributed(  # noqa: E731
             params=params, error_feedback=ef, generator=gen)
         return THCHook(model, make, opts)
-    from host.aggregator import parse_hostport
-    from host.client import AggregationClient
-    from host.jobs import Cluster
     cluster = Cluster.load(args.config)
     job = cluster.jobs[0]
     agg = parse_hostport(args.agg) if args.agg else (cluster.agg_ip, cluster.agg_port)
@@ -157,7 +157,7 @@ def train(args) -> list[dict]:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m host.train", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m host.app.train", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(parser)
     args = parser.parse_args(argv)

@@ -1,0 +1,54 @@
+"""Is the switch toolchain here? The one probe used by the code, the tests and the main job.
+
+The toolchain (p4c, BMv2's simple_switch_grpc) is not part of the project: users install it
+from p4lang's packages or images. Each function returns None when the piece can be used, or
+one sentence saying what is missing and how to get it.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+BUILD_DIR = ROOT / "p4src" / "build"
+
+
+def p4c_missing() -> str | None:
+    """Why ``make p4`` cannot compile here, or None."""
+    if shutil.which("p4c") is None:
+        return "p4c is not on PATH (install it from p4lang's packages or docker image)"
+    return None
+
+
+def program_missing(program: str = "thc", build_dir: Path | str = BUILD_DIR) -> str | None:
+    """Why the compiled ``program`` cannot be loaded, or None."""
+    for name in (f"{program}.json", f"{program}.p4info.txt"):
+        if not (Path(build_dir) / name).exists():
+            return f"{Path(build_dir) / name} is missing (compile the program: make p4)"
+    return None
+
+
+def bmv2_missing(program: str = "thc", build_dir: Path | str = BUILD_DIR) -> str | None:
+    """Why a local BMv2 switch running ``program`` cannot be started and programmed, or None.
+
+    Needs simple_switch_grpc on PATH, root (veth pairs, raw sockets), iproute2, the compiled
+    program, and p4runtime-shell for the controller.
+    """
+    if shutil.which("simple_switch_grpc") is None:
+        return ("simple_switch_grpc is not on PATH (install BMv2 with its P4Runtime server: "
+                "p4lang's packages or docker image)")
+    if os.geteuid() != 0:
+        return "not root (veth pairs and raw sockets need CAP_NET_ADMIN/CAP_NET_RAW)"
+    if shutil.which("ip") is None:
+        return "iproute2 ('ip') is not on PATH"
+    why = program_missing(program, build_dir)
+    if why:
+        return why
+    try:
+        if importlib.util.find_spec("p4runtime_sh") is None:
+            return "p4runtime-shell is not installed (pip install p4runtime-shell)"
+    except ImportError as e:
+        return f"p4runtime-shell cannot be imported: {e}"
+    return None

@@ -1,0 +1,1 @@
+"""Applications: the ``thc`` command, the training worker, the performance model."""

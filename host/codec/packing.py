@@ -1,0 +1,97 @@
+"""Bit packing of b-bit table indices, the one packer of the project.
+
+The first index goes into the most significant bits of the first byte. For b = 4 this is the
+DATA payload of the wire protocol (two indices a byte, the first in the high nibble), the
+order in which the P4 parser reads them.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from host.codec.hadamard import is_torch
+
+
+def packed_size(count: int, bits: int) -> int:
+    return (int(count) * int(bits) + 7) // 8
+
+
+def _check_bits(bits: int) -> int:
+    if not 1 <= int(bits) <= 8:
+        raise ValueError(f"bits must be in 1..8, got {bits}")
+    return int(bits)
+
+
+def pack_bits(idx, bits: int):
+    """Pack b-bit indices into bytes, most significant bit first, the first index in the high
+    bits (for b = 4: the wire's DATA payload, two indices a byte, the first in the high nibble). The last byte is zero-padded."""
+    b = _check_bits(bits)
+    torch_in = is_torch(idx)
+    if torch_in:
+        import torch
+        x = idx.reshape(-1).to(torch.uint8)
+    else:
+        x = np.asarray(idx, dtype=np.uint8).reshape(-1)
+    n = x.shape[0]
+    if n and int(x.max()) >> b:
+        raise ValueError(f"index {int(x.max())} does not fit in {b} bits")
+    if b == 8:
+        return x.clone() if torch_in else x.copy()
+    if 8 % b == 0:
+        # b divides 8: OR the 8/b indices of each byte together, one strided column at a time
+        per = 8 // b
+        if n % per:
+            x = torch.nn.functional.pad(x, (0, (-n) % per)) if torch_in else \
+                np.concatenate((x, np.zeros((-n) % per, np.uint8)))
+        x = x.reshape(-1, per)
+        acc = x[:, 0] << (8 - b) if torch_in else x[:, 0] << np.uint8(8 - b)
+        for i in range(1, per):
+            shift = 8 - b * (i + 1)
+            acc |= x[:, i] << (shift if torch_in else np.uint8(shift))
+        return acc
+    # other widths: through a bit matrix (b bits per index, MSB first), 8 bits per byte
+    if not torch_in:
+        return np.packbits(np.unpackbits(x[:, None], axis=1)[:, 8 - b:].reshape(-1))
+    shifts = torch.arange(b - 1, -1, -1, dtype=torch.uint8, device=x.device)
+    bitv = ((x.unsqueeze(1) >> shifts) & 1).reshape(-1)
+    bitv = torch.nn.functional.pad(bitv, (0, (-bitv.numel()) % 8)).reshape(-1, 8)
+    weights = torch.arange(7, -1, -1, dtype=torch.uint8, device=x.device)
+    return (bitv << weights).sum(dim=1, dtype=torch.int32).to(torch.uint8)
+
+
+def unpack_bits(packed, bits: int, count: int):
+    """Inverse of :func:`pack_bits`: ``count`` indices (uint8) from the packed bytes."""
+    b = _check_bits(bits)
+    count = int(count)
+    torch_in = is_torch(packed)
+    if torch_in:
+        import torch
+        p = packed.reshape(-1).to(torch.uint8)
+    else:
+        p = np.asarray(packed, dtype=np.uint8).reshape(-1)
+    if p.shape[0] != packed_size(count, b):
+        raise ValueError(f"{count} indices of {b} bits need {packed_size(count, b)} bytes, "
+                         f"got {p.shape[0]}")
+    if b == 8:
+        return p.clone() if torch_in else p.copy()
+    if 8 % b == 0:
+        per = 8 // b
+        mask = (1 << b) - 1
+        if torch_in:
+            out = torch.empty((p.shape[0], per), dtype=torch.uint8, device=p.device)
+            for i in range(per):
+                torch.bitwise_and(p >> (8 - b * (i + 1)), mask, out=out[:, i])
+        else:
+            out = np.empty((p.shape[0], per), dtype=np.uint8)
+            for i in range(per):
+                np.bitwise_and(p >> np.uint8(8 - b * (i + 1)), np.uint8(mask), out=out[:, i])
+        return out.reshape(-1)[:count]
+    if not torch_in:
+        bitv = np.unpackbits(p, count=count * b).reshape(count, b)
+        full = np.zeros((count, 8), dtype=np.uint8)
+        full[:, 8 - b:] = bitv
+        return np.packbits(full, axis=1).reshape(-1)
+    dev = p.device
+    bitv = (p.unsqueeze(1) >> torch.arange(7, -1, -1, dtype=torch.uint8, device=dev)) & 1
+    bitv = bitv.reshape(-1)[: count * b].reshape(count, b)
+    weights = torch.arange(b - 1, -1, -1, dtype=torch.uint8, device=dev)
+    return (bitv << weights).sum(dim=1, dtype=torch.int32).to(torch.uint8)

@@ -1,0 +1,1 @@
+"""The network layer: the host transport (client), the software aggregator, impairments."""

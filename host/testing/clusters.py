@@ -1,0 +1,52 @@
+"""Local clusters for tests, benchmarks and single-machine runs: jobs on loopback ports."""
+from __future__ import annotations
+
+import socket
+
+from host.wire import protocol as P
+from host.wire.jobs import Job
+
+
+def free_tcp_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free right now (P4Runtime and Thrift servers of local switches)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def free_port_block(n: int, host: str = "127.0.0.1", tcp: bool = False) -> int:
+    """A base port with ``n`` free consecutive UDP ports (workers of a local job); with ``tcp``,
+    free for TCP too (a rendezvous port among them)."""
+    for _ in range(100):
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.bind((host, 0))
+            base = s.getsockname()[1]
+        if base + n >= 65535:
+            continue
+        socks = []
+        try:
+            for i in range(n):
+                for kind in (socket.SOCK_DGRAM,) + ((socket.SOCK_STREAM,) if tcp else ()):
+                    socks.append(socket.socket(socket.AF_INET, kind))
+                    socks[-1].bind((host, base + i))
+            return base
+        except OSError:
+            continue
+        finally:
+            for t in socks:
+                t.close()
+    raise RuntimeError(f"no block of {n} free UDP ports on {host}")
+
+
+def local_job(job_id: int, n_workers: int, base_port: int, granularity: int = 30,
+              p: float = 1 / 32, pool_size: int = 64, lanes: int = P.LANES,
+              ip: str = "127.0.0.1", table=None) -> Job:
+    """A job whose workers listen on consecutive loopback ports (tests, local runs)."""
+    workers = [{"id": i, "ip": ip, "port": base_port + i} for i in range(n_workers)]
+    d = {"job_id": job_id, "workers": workers, "granularity": granularity,
+         "pool_size": pool_size, "lanes": lanes}
+    if table is None:
+        d["p"] = p
+    else:
+        d["table"] = list(table)
+    return Job.from_dict(d)

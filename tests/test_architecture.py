@@ -1,0 +1,159 @@
+"""The import graph reads in one direction: no cycles, no upward imports, no test machinery
+in the product. Every import counts, including those inside functions."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = {"host": ROOT / "host", "controller": ROOT / "controller",
+            "thcnet": ROOT / "mininet" / "thcnet"}
+
+LAYERS = [
+    ("host.codec",),
+    ("host.wire",),
+    ("host.net",),
+    ("host.collective",),
+    ("host.app", "host.bench", "host.testing"),
+    ("controller",),
+    ("thcnet",),
+]
+"""Bottom first: a module may import its own layer and those below, never above."""
+
+TESTING = ("host.testing", "controller.testing")
+TESTING_USERS = ("host.testing", "controller.testing", "host.bench", "controller.bench",
+                 "thcnet")
+"""Test machinery is used by tests, benchmarks and the emulation only."""
+
+
+def modules() -> dict[str, Path]:
+    out = {}
+    for pkg, root in PACKAGES.items():
+        for path in root.rglob("*.py"):
+            rel = path.relative_to(root).with_suffix("")
+            parts = [pkg, *rel.parts]
+            if parts[-1] == "__init__":
+                parts.pop()
+            out[".".join(parts)] = path
+    return out
+
+
+def imports_of(name: str, path: Path, known: set[str]) -> set[str]:
+    """Project modules that ``name`` imports anywhere in its source."""
+    found = set()
+    is_pkg = path.name == "__init__.py"
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = name.split(".")
+                anchor = anchor[: len(anchor) - node.level + (1 if is_pkg else 0)]
+                base = ".".join(anchor + ([base] if base else []))
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base
+                       for a in node.names]
+        else:
+            continue
+        for t in targets:
+            while t and t not in known:
+                t = t.rpartition(".")[0]
+            if t and t != name:
+                found.add(t)
+    return found
+
+
+def graph() -> dict[str, set[str]]:
+    mods = modules()
+    known = set(mods)
+    return {name: imports_of(name, path, known) for name, path in mods.items()}
+
+
+def layer(module: str) -> int:
+    for rank, prefixes in enumerate(LAYERS):
+        if any(module == p or module.startswith(p + ".") for p in prefixes):
+            return rank
+    if module == "host":
+        return 0
+    raise AssertionError(f"module {module} is in no layer: add it to LAYERS")
+
+
+def upward_imports(g: dict[str, set[str]]) -> list[str]:
+    return sorted(f"{a} (layer {layer(a)}) imports {b} (layer {layer(b)})"
+                  for a, deps in g.items() for b in deps if layer(b) > layer(a))
+
+
+def find_testing_leaks(g: dict[str, set[str]]) -> list[str]:
+    def under(m, prefixes):
+        return any(m == p or m.startswith(p + ".") for p in prefixes)
+    return sorted(f"{a} imports test machinery {b}" for a, deps in g.items() for b in deps
+                  if under(b, TESTING) and not under(a, TESTING_USERS))
+
+
+def cycles(g: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index, low, stack, on, out = {}, {}, [], set(), []
+    counter = [0]
+
+    def visit(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in g.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(g):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_every_module_has_a_layer():
+    for name in graph():
+        layer(name)
+
+
+def test_no_import_cycles():
+    assert cycles(graph()) == []
+
+
+def test_no_upward_imports():
+    assert upward_imports(graph()) == []
+
+
+def test_test_machinery_stays_out_of_the_product():
+    assert find_testing_leaks(graph()) == []
+
+
+@pytest.mark.parametrize("bad, check", [
+    ({"host.codec.thc": {"host.net.client"}, "host.net.client": set()}, upward_imports),
+    ({"host.codec.a": {"host.codec.b"}, "host.codec.b": {"host.codec.a"}}, cycles),
+    ({"host.net.client": {"host.testing.clusters"}, "host.testing.clusters": set()},
+     find_testing_leaks),
+])
+def test_the_checks_catch_violations(bad, check):
+    assert check(bad)
+
+
+def test_function_local_imports_count(tmp_path):
+    mod = tmp_path / "m.py"
+    mod.write_text("def f():\n    from controller.switch import Switch\n")
+    assert imports_of("host.codec.m", mod, {"controller.switch", "host.codec.m"}) == \
+        {"controller.switch"}
