@@ -44,11 +44,12 @@ def _serve(kind: str, jobs, port_q, stop_ev, count_q):
 
         def handle(self, datagram, src):
             (_, worker, job_id, slot, version, _, seq, offset,
-             _) = P.HEADER_STRUCT.unpack_from(datagram)
+             _, run, epoch) = P.HEADER_STRUCT.unpack_from(datagram)
             n, bitmap = self.full[job_id]
             self.echoed += 1
             return [(P.HEADER_STRUCT.pack(P.PktType.RESULT, worker, job_id, slot, version, n,
-                                          seq, offset, bitmap) + self.payload[job_id], src)]
+                                          seq, offset, bitmap, run, epoch)
+                     + self.payload[job_id], src)]
 
     agg = Echo(jobs) if kind == "echo" else Aggregator(jobs)
     port_q.put(agg.start("127.0.0.1", 0)[1])

@@ -116,7 +116,7 @@ class Aggregator:
         if len(datagram) < HEADER_BYTES:
             return self._drop("malformed")
         (pkt_type, worker_id, job_id, slot, version, _count, seq, offset,
-         _bitmap) = unpack_header(datagram)
+         _bitmap, _run, _epoch) = unpack_header(datagram)
         if pkt_type not in KNOWN_TYPES or version > 1:
             return self._drop("malformed")
         if pkt_type == RESET:
@@ -154,7 +154,7 @@ class Aggregator:
                              src)]
                 state.counters["pending"] += 1
                 return [(pack_header(PENDING, worker_id, job_id, slot, version, count, seq,
-                                     offset, bitmap), src)]
+                                     offset, bitmap, 0, 0), src)]
             self._accumulate(state, is_max, slot, version, payload, first=False)
             bitmaps[version] = bitmap | bit
             count = counts[version] + 1
@@ -198,7 +198,7 @@ class Aggregator:
         job_id, count = state.job.job_id, state.thc_count[slot][version]
         bitmap = state.thc_bitmap[slot][version]
         return lambda w: pack_header(rtype, w, job_id, slot, version, count, seq, offset,
-                                     bitmap) + payload
+                                     bitmap, 0, 0) + payload
 
     # -- UDP server ------------------------------------------------------------------
     def bind(self, host: str = "127.0.0.1", port: int = P.UDP_PORT) -> tuple[str, int]:

@@ -148,7 +148,7 @@ class AggregationClient:
         def packet(i: int) -> bytes:
             slot, version = P.slot_of(base + i, pool)
             return pack(pkt_type, me, job_id, slot, version, 0, (base + i) % P.SEQ_MOD,
-                        (offset_base + i * lanes) % P.SEQ_MOD, 0) + chunks[i].tobytes()
+                        (offset_base + i * lanes) % P.SEQ_MOD, 0, 0, 0) + chunks[i].tobytes()
 
         while lo < total:
             while hi < total and hi < lo + self.window:
@@ -172,7 +172,7 @@ class AggregationClient:
                         self.stats.ignored += 1
                         continue
                     (r_type, r_worker, r_job, _slot, _version, r_count, r_seq, _offset,
-                     r_bitmap) = unpack(buf)
+                     r_bitmap, _run, _epoch) = unpack(buf)
                     i = (r_seq - base) % P.SEQ_MOD
                     if r_job != job_id or i >= hi or done[i] or r_worker != me:
                         self.stats.ignored += 1

@@ -61,10 +61,13 @@ class Header:
     seq: int
     offset: int
     bitmap: int
+    run: int = 0
+    epoch: int = 0
 
     def pack(self) -> bytes:
         return HEADER_STRUCT.pack(self.pkt_type, self.worker_id, self.job_id, self.slot,
-                                  self.version, self.count, self.seq, self.offset, self.bitmap)
+                                  self.version, self.count, self.seq, self.offset, self.bitmap,
+                                  self.run, self.epoch)
 
     @classmethod
     def unpack(cls, buf, offset: int = 0) -> "Header":

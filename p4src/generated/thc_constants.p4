@@ -15,17 +15,17 @@
 #define THC_REG_SIZE 1024
 #define THC_LUT_SIZE 256
 #define THC_N_JOB_COUNTERS 4
-#define THC_N_DROP_REASONS 10
+#define THC_N_DROP_REASONS 11
 
 // wire constants
 const bit<16> THC_UDP_PORT = 48879;
 const bit<9> THC_CPU_PORT = 255;
 const bit<32> THC_SEQ_RESET = 0xFFFFFFFF;
-const bit<16> THC_HDR_BYTES = 20;
-const bit<16> THC_UDP_LEN_HDR = 28;  // UDP length of a header-only (PENDING, RESET) packet
-const bit<16> THC_UDP_LEN_DATA = 156;  // UDP length of a DATA packet
-const bit<16> THC_UDP_LEN_RESULT = 284;  // UDP length of a RESULT packet
-const bit<16> THC_UDP_LEN_MAX = 156;  // UDP length of a MAX / MAX_RESULT packet
+const bit<16> THC_HDR_BYTES = 28;
+const bit<16> THC_UDP_LEN_HDR = 36;  // UDP length of a header-only (PENDING, RESET) packet
+const bit<16> THC_UDP_LEN_DATA = 164;  // UDP length of a DATA packet
+const bit<16> THC_UDP_LEN_RESULT = 292;  // UDP length of a RESULT packet
+const bit<16> THC_UDP_LEN_MAX = 164;  // UDP length of a MAX / MAX_RESULT packet
 
 // packet types
 const bit<8> THC_DATA = 1;
@@ -47,6 +47,7 @@ const bit<8> THC_DROP_SLOT_OUTSIDE_POOL = 6;
 const bit<8> THC_DROP_STALE = 7;
 const bit<8> THC_DROP_NOT_FROM_CPU = 8;
 const bit<8> THC_DROP_WRONG_DIRECTION = 9;
+const bit<8> THC_DROP_STALE_RUN = 10;
 
 // per-job counters: index job_index * THC_N_JOB_COUNTERS + JC_<name> into counter thc_job_counters
 const bit<32> THC_JC_PACKETS = 0;

@@ -14,6 +14,8 @@ header thc_h {
     bit<32> seq;
     bit<32> offset;
     bit<32> bitmap;
+    bit<32> run;
+    bit<32> epoch;
 }
 
 // DATA payload: 256 indices, the first in the high nibble of the first byte
