@@ -35,7 +35,7 @@ def _through_aggregator(xs, rounds=1, error_feedback=True):
 
         def work(w):
             try:
-                with AggregationClient(job, w, addr) as c:
+                with AggregationClient(job, w, addr, run=1) as c:
                     ar = THCAllReduce.through_aggregator(c, PARAMS, error_feedback=error_feedback,
                                                          generator=torch.Generator().manual_seed(w))
                     out[w] = [ar(xs[w]) for _ in range(rounds)]
@@ -75,7 +75,7 @@ def test_aggregator_sums_equal_the_codec_reference():
         addr = agg.start()
 
         def work(w):
-            with AggregationClient(job, w, addr) as c:
+            with AggregationClient(job, w, addr, run=1) as c:
                 i = np.concatenate([idx[w], np.zeros((-idx[w].size) % job.lanes, np.uint8)])
                 sums[w] = c.aggregate(pack_bits(i, P.INDEX_BITS))[: idx[w].size]
 
@@ -98,7 +98,7 @@ def test_error_feedback_makes_repeated_rounds_converge():
 
 def test_mismatched_table_is_refused():
     job = local_job(1, 2, free_port_block(2), table=list(range(0, 32, 2)))
-    with AggregationClient(job, 0, ("127.0.0.1", 9)) as c:
+    with AggregationClient(job, 0, ("127.0.0.1", 9), run=1) as c:
         with pytest.raises(ValueError, match="lookup table"):
             THCAllReduce.through_aggregator(c, PARAMS)
 
@@ -144,7 +144,7 @@ def test_pipelined_path_matches_accuracy_and_agrees_across_workers():
 
         def work(w):
             try:
-                with AggregationClient(job, w, addr) as c:
+                with AggregationClient(job, w, addr, run=1) as c:
                     ar = THCAllReduce.through_aggregator(
                         c, params, generator=torch.Generator().manual_seed(w),
                         pipeline_elements=2 << 12)

@@ -51,11 +51,11 @@ class AggregatorProcess:
         self.proc.wait(timeout=10)
 
 
-def _worker(job, w, addr, impair, q, deadline=20.0):
+def _worker(job, w, addr, impair, q, deadline=20.0, run=1):
     rng = np.random.default_rng(1000 + w)
     idx = rng.integers(0, 16, N_ELEMENTS).astype(np.uint8)
     try:
-        with AggregationClient(job, w, addr, deadline=deadline,
+        with AggregationClient(job, w, addr, deadline=deadline, run=run,
                                impair=Impairment(**impair, seed=w) if impair else None) as c:
             sums = c.aggregate(pack_bits(idx, P.INDEX_BITS))
             q.put((w, "ok", sums, c.stats.retransmitted))
@@ -63,11 +63,11 @@ def _worker(job, w, addr, impair, q, deadline=20.0):
         q.put((w, "timeout", str(e), e.missing))
 
 
-def _run_workers(job, addr, impair=None, workers=None, deadline=20.0):
+def _run_workers(job, addr, impair=None, workers=None, deadline=20.0, run=1):
     ctx = mp.get_context("fork")
     q = ctx.Queue()
     workers = range(job.n_workers) if workers is None else workers
-    procs = [ctx.Process(target=_worker, args=(job, w, addr, impair, q, deadline))
+    procs = [ctx.Process(target=_worker, args=(job, w, addr, impair, q, deadline, run))
              for w in workers]
     for p in procs:
         p.start()
@@ -140,7 +140,7 @@ def test_missing_worker_named_in_timeout(tmp_path, job):
 
 def test_no_aggregator_is_a_clear_timeout(job):
     dead = ("127.0.0.1", free_port_block(1))
-    with AggregationClient(job, 0, dead, deadline=0.5) as c:
+    with AggregationClient(job, 0, dead, deadline=0.5, run=1) as c:
         with pytest.raises(AggregationTimeout, match="no answer from the aggregator"):
             c.aggregate(np.zeros(job.lanes // 2, np.uint8))
 
@@ -150,7 +150,7 @@ def test_max_round_over_loopback(tmp_path, job):
     out = {}
 
     def run(w):
-        with AggregationClient(job, w, agg.addr) as c:
+        with AggregationClient(job, w, agg.addr, run=1) as c:
             out[w] = c.max(np.arange(40, dtype=np.float32) * (w + 1))
 
     import threading
@@ -165,6 +165,6 @@ def test_max_round_over_loopback(tmp_path, job):
 
 
 def test_packed_length_must_be_whole_chunks(job):
-    with AggregationClient(job, 0, ("127.0.0.1", 9)) as c:
+    with AggregationClient(job, 0, ("127.0.0.1", 9), run=1) as c:
         with pytest.raises(ValueError, match="multiple of one chunk"):
             c.aggregate(np.zeros(3, np.uint8))

@@ -17,7 +17,7 @@ import sys
 import time
 
 from host.codec.params import THCParams
-from host.collective.allreduce import THCAllReduce
+from host.collective.allreduce import THCAllReduce, agree_run
 from host.collective.ddp import HookOptions, THCHook, TopKHook
 from host.net.aggregator import parse_hostport
 from host.net.client import AggregationClient
@@ -36,6 +36,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="torch.distributed TCP rendezvous (default: env:// as torchrun sets)")
     parser.add_argument("--config", help="cluster JSON of the aggregator (mode thc)")
     parser.add_argument("--agg", metavar="IP:PORT", help="aggregator address (mode thc)")
+    parser.add_argument("--run", type=int, default=None,
+                        help="run id, the same on every worker (default: THC_RUN, else rank 0's "
+                             "clock broadcast over the process group)")
     parser.add_argument("--epochs", type=int, default=12)
     parser.add_argument("--batch", type=int, default=16, help="per-worker batch size")
     parser.add_argument("--lr", type=float, default=0.05)
@@ -93,7 +96,8 @@ def _hook(args, model, ddp):
     cluster = Cluster.load(args.config)
     job = cluster.jobs[0]
     agg = parse_hostport(args.agg) if args.agg else (cluster.agg_ip, cluster.agg_port)
-    client = AggregationClient(job, args.rank, agg, deadline=30.0)
+    client = AggregationClient(job, args.rank, agg, deadline=30.0,
+                               run=args.run or agree_run())
     make = lambda: THCAllReduce.through_aggregator(  # noqa: E731
         client, params, error_feedback=ef, generator=gen)
     return THCHook(model, make, opts)

@@ -65,7 +65,7 @@ def _client(job, w, addr, chunks, window, start_ev, done_q):
 
     rng = np.random.default_rng(w)
     packed = pack_bits(rng.integers(0, 16, chunks * job.lanes).astype(np.uint8), P.INDEX_BITS)
-    with AggregationClient(job, w, addr, window=window, deadline=60) as c:
+    with AggregationClient(job, w, addr, window=window, deadline=60, run=1) as c:
         start_ev.wait()
         t0 = time.perf_counter()
         c.aggregate(packed)

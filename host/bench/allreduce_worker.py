@@ -21,7 +21,7 @@ import time
 from datetime import timedelta
 
 from host.codec.params import THCParams
-from host.collective.allreduce import THCAllReduce
+from host.collective.allreduce import THCAllReduce, agree_run
 from host.net.aggregator import parse_hostport
 from host.net.client import AggregationClient
 from host.wire.jobs import Cluster
@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         params = THCParams(granularity=job.granularity, seed=args.seed)
         client = AggregationClient(job, args.rank, parse_hostport(args.agg),
                                    deadline=args.deadline, window=args.window,
-                                   timeout=args.rto)
+                                   timeout=args.rto, run=agree_run())
         ar = THCAllReduce.through_aggregator(client, params,
                                              error_feedback=args.error_feedback,
                                              generator=torch.Generator().manual_seed(

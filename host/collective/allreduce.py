@@ -24,10 +24,37 @@ from host.codec.thc import ErrorFeedback, THCCodec, table_values
 from host.wire import protocol as P
 
 
-class AggregatorTransport:
-    """Sums through an aggregator: the indices travel packed, the table lives in the network."""
+def agree_run(group=None, alone: bool = False) -> int:
+    """One run id for every worker of this training run, chosen without asking the aggregator.
 
-    def __init__(self, client):
+    ``THC_RUN`` from the launcher wins; else rank 0's clock (:func:`P.run_from_clock`) is
+    broadcast over the torch.distributed process group. Without a group only a worker that is
+    ``alone`` in its job may draw its own: clocks of separate processes would disagree."""
+    run = P.run_from_env()
+    if run is not None:
+        return run
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized():
+        t = torch.tensor([P.run_from_clock() if dist.get_rank(group) == 0 else 0],
+                         dtype=torch.int64)
+        src = dist.get_global_rank(group, 0) if group is not None else 0
+        dist.broadcast(t, src=src, group=group)
+        return P.check_run(int(t.item()))
+    if alone:
+        return P.run_from_clock()
+    raise ValueError(f"no run id: set {P.RUN_ENV} (the same on every worker), pass "
+                     f"AggregationClient(run=...), or initialise torch.distributed so rank 0's "
+                     f"id can be broadcast")
+
+
+class AggregatorTransport:
+    """Sums through an aggregator: the indices travel packed, the table lives in the network.
+
+    A client without a run id gets one agreed over ``group`` (:func:`agree_run`)."""
+
+    def __init__(self, client, group=None):
+        if client.run is None:
+            client.run = agree_run(group, alone=client.job.n_workers == 1)
         self.client = client
         self.n_workers = client.job.n_workers
         self.bytes_sent = 0
@@ -117,8 +144,8 @@ class THCAllReduce:
         self.stats = RoundStats()
 
     @classmethod
-    def through_aggregator(cls, client, params: THCParams | None = None, **kw):
-        return cls(AggregatorTransport(client), params, **kw)
+    def through_aggregator(cls, client, params: THCParams | None = None, group=None, **kw):
+        return cls(AggregatorTransport(client, group), params, **kw)
 
     @classmethod
     def through_torch_distributed(cls, group=None, params: THCParams | None = None, **kw):

@@ -1,10 +1,12 @@
 """Software aggregator: THC's parameter server, with exactly the switch's semantics.
 
-Per job it holds a pool of slots in two versions (SwitchML), each with a sequence number,
-a worker bitmap, a count, and per-lane sums of lookup-table values. Names follow the P4
-program (``thc_seq``, ``thc_bitmap``, ``thc_count``, ``thc_sum``, ``thc_max``, drop reasons
+Per job it holds the run that owns the job (``thc_job_run``) and a pool of slots in two
+versions (SwitchML), each with a run, a sequence number, a worker bitmap, a count, and
+per-lane sums of lookup-table values. Names follow the P4 program (``thc_job_run``,
+``thc_run``, ``thc_seq``, ``thc_bitmap``, ``thc_count``, ``thc_sum``, ``thc_max``, drop reasons
 and job counters from protocol.json), so the switch can be tested against it packet for
-packet. The per-packet path is a handful of numpy calls; there is no loop per coordinate.
+packet. Each start draws a fresh ``epoch`` that every reply carries, so clients notice a
+restart (the in-flight state is lost) instead of waiting for it. The per-packet path is a handful of numpy calls; there is no loop per coordinate.
 """
 from __future__ import annotations
 
@@ -52,6 +54,8 @@ class JobState:
         self.pool = job.pool_size
         self.data_bytes = P.payload_bytes(P.PktType.DATA, job.lanes)
         self.addr = [(w.ip, w.port) for w in sorted(job.workers, key=lambda w: w.id)]
+        self.thc_job_run = 0
+        self.thc_run = [[0, 0] for _ in range(job.pool_size)]
         self.thc_seq = [[0, 0] for _ in range(job.pool_size)]
         self.thc_bitmap = [[0, 0] for _ in range(job.pool_size)]
         self.thc_count = [[0, 0] for _ in range(job.pool_size)]
@@ -61,9 +65,10 @@ class JobState:
         self.counters = Counter({name: 0 for name in P.JOB_COUNTERS})
 
     def reset(self) -> None:
-        """What the controller's RESET packets do to a switch pool."""
-        for regs, value in ((self.thc_seq, P.SEQ_RESET), (self.thc_bitmap, 0),
-                            (self.thc_count, 0)):
+        """What the controller's RESET packets do to a switch pool (and install to the job run)."""
+        self.thc_job_run = 0
+        for regs, value in ((self.thc_run, 0), (self.thc_seq, P.SEQ_RESET),
+                            (self.thc_bitmap, 0), (self.thc_count, 0)):
             for row in regs:
                 row[0] = row[1] = value
 
@@ -71,8 +76,10 @@ class JobState:
 class Aggregator:
     """Protocol logic (``handle``) plus an optional UDP server loop around it."""
 
-    def __init__(self, jobs: list[Job] | tuple[Job, ...] = (), impair: Impairment | None = None):
+    def __init__(self, jobs: list[Job] | tuple[Job, ...] = (), impair: Impairment | None = None,
+                 epoch: int | None = None):
         self.jobs: dict[int, JobState] = {}
+        self.epoch = P.new_epoch() if epoch is None else epoch
         self.drops = Counter({name: 0 for name in P.DropReason.__members__})
         self.impair = impair or Impairment()
         self.send_errors = 0
@@ -99,7 +106,7 @@ class Aggregator:
     def counters(self) -> dict:
         """Counters of packets, completions, retransmissions and drops per reason."""
         with self._lock:
-            return {"drops": dict(self.drops),
+            return {"epoch": self.epoch, "drops": dict(self.drops),
                     "jobs": {jid: dict(s.counters) for jid, s in self.jobs.items()}}
 
     # -- data plane ----------------------------------------------------------------
@@ -116,8 +123,8 @@ class Aggregator:
         if len(datagram) < HEADER_BYTES:
             return self._drop("malformed")
         (pkt_type, worker_id, job_id, slot, version, _count, seq, offset,
-         _bitmap, _run, _epoch) = unpack_header(datagram)
-        if pkt_type not in KNOWN_TYPES or version > 1:
+         _bitmap, run, _epoch) = unpack_header(datagram)
+        if pkt_type not in KNOWN_TYPES or version > 1 or (run == 0 and pkt_type <= MAX):
             return self._drop("malformed")
         if pkt_type == RESET:
             return self._drop("not_from_cpu")
@@ -136,30 +143,38 @@ class Aggregator:
             return self._drop("unknown_worker")
         if slot >= state.pool:
             return self._drop("slot_outside_pool")
+        job_run = state.thc_job_run
+        if run != job_run:
+            if job_run and not 0 < (run - job_run) % SEQ_MOD < HALF:
+                return self._drop("stale_run")
+            state.thc_job_run = run
 
         seqs, bitmaps, counts = state.thc_seq[slot], state.thc_bitmap[slot], state.thc_count[slot]
+        runs = state.thc_run[slot]
         cur = seqs[version]
-        if seq != cur and not 0 < (seq - cur) % SEQ_MOD < HALF:
+        same_use = runs[version] == run
+        if same_use and seq != cur and not 0 < (seq - cur) % SEQ_MOD < HALF:
             return self._drop("stale")
         state.counters["packets"] += 1
         bit = 1 << worker_id
         is_max = pkt_type == MAX
-        if seq == cur:
+        if same_use and seq == cur:
             bitmap = bitmaps[version]
             if bitmap & bit:
                 count = counts[version]
                 if count == n:
                     state.counters["retransmissions"] += 1
-                    return [(self._result(state, is_max, slot, version, seq, offset)(worker_id),
-                             src)]
+                    return [(self._result(state, is_max, slot, version, seq, offset, run,
+                                          self.epoch)(worker_id), src)]
                 state.counters["pending"] += 1
                 return [(pack_header(PENDING, worker_id, job_id, slot, version, count, seq,
-                                     offset, bitmap, 0, 0), src)]
+                                     offset, bitmap, run, self.epoch), src)]
             self._accumulate(state, is_max, slot, version, payload, first=False)
             bitmaps[version] = bitmap | bit
             count = counts[version] + 1
         else:
             self._accumulate(state, is_max, slot, version, payload, first=True)
+            runs[version] = run
             seqs[version] = seq
             bitmaps[version] = bit
             count = 1
@@ -167,7 +182,7 @@ class Aggregator:
         if count < n:
             return []
         state.counters["completions"] += 1
-        make = self._result(state, is_max, slot, version, seq, offset)
+        make = self._result(state, is_max, slot, version, seq, offset, run, self.epoch)
         return [(make(w), state.addr[w]) for w in range(n)]
 
     @staticmethod
@@ -189,7 +204,8 @@ class Aggregator:
                 regs += vals
 
     @staticmethod
-    def _result(state: JobState, is_max: bool, slot: int, version: int, seq: int, offset: int):
+    def _result(state: JobState, is_max: bool, slot: int, version: int, seq: int, offset: int,
+                run: int, epoch: int):
         """A function worker_id -> result datagram: the payload is serialized once."""
         if is_max:
             rtype, payload = MAX_RESULT, state.thc_max[slot, version].tobytes()
@@ -198,7 +214,7 @@ class Aggregator:
         job_id, count = state.job.job_id, state.thc_count[slot][version]
         bitmap = state.thc_bitmap[slot][version]
         return lambda w: pack_header(rtype, w, job_id, slot, version, count, seq, offset,
-                                     bitmap, 0, 0) + payload
+                                     bitmap, run, epoch) + payload
 
     # -- UDP server ------------------------------------------------------------------
     def bind(self, host: str = "127.0.0.1", port: int = P.UDP_PORT) -> tuple[str, int]:
@@ -308,7 +324,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"thc aggregator: cannot listen on {args.listen}: {e}", file=sys.stderr)
         return 2
     print(f"thc aggregator listening on {addr[0]}:{addr[1]} with jobs "
-          f"{[j.job_id for j in cluster.jobs]}", flush=True)
+          f"{[j.job_id for j in cluster.jobs]}, epoch {agg.epoch:#010x}", flush=True)
     end = None if args.duration is None else time.monotonic() + args.duration
     last_print = time.monotonic()
     try:

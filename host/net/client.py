@@ -5,6 +5,12 @@ A worker keeps a window of chunks in flight. Chunk sequence number ``seq`` selec
 so a slot version is reused only after every worker has its previous result (SwitchML).
 Timeouts retransmit with exponential backoff; results are matched by ``seq``; a worker
 that never shows up turns into a :class:`AggregationTimeout` naming it.
+
+Every packet carries the client's ``run`` (one training run of the job, the same id on every
+worker), so nothing of an earlier run is counted in this one; replies of another run are
+ignored and counted. Every reply carries the aggregator's ``epoch``: when it changes within
+a run the aggregator restarted and lost the run's in-flight state, and the client raises
+:class:`AggregatorRestarted` rather than wait for contributions that are gone.
 """
 from __future__ import annotations
 
@@ -18,6 +24,22 @@ import numpy as np
 from host.net.impair import Impairment
 from host.wire import protocol as P
 from host.wire.jobs import Job
+
+
+class AggregatorRestarted(ConnectionError):
+    """The aggregator's epoch changed within a run: it restarted and lost in-flight chunks.
+
+    Start a new run (new run id, sequence numbers from 0): it starts on clean slots."""
+
+    def __init__(self, aggregator: tuple[str, int], run: int, old_epoch: int, new_epoch: int):
+        super().__init__(f"the aggregator at {aggregator[0]}:{aggregator[1]} restarted during "
+                         f"run {run}: its epoch changed from {old_epoch:#010x} to "
+                         f"{new_epoch:#010x}, so the run's in-flight chunks are lost; start a "
+                         f"new run")
+        self.aggregator = aggregator
+        self.run = run
+        self.old_epoch = old_epoch
+        self.new_epoch = new_epoch
 
 
 class AggregationTimeout(TimeoutError):
@@ -34,6 +56,7 @@ class TransportStats:
     retransmitted: int = 0
     received: int = 0
     ignored: int = 0
+    other_run: int = 0
     pending: int = 0
     bytes_sent: int = 0
     bytes_received: int = 0
@@ -49,7 +72,10 @@ class AggregationClient:
     def __init__(self, job: Job, worker_id: int, aggregator: tuple[str, int],
                  window: int | None = None, timeout: float = 0.02, max_timeout: float = 0.5,
                  deadline: float = 10.0, impair: Impairment | None = None,
-                 sock: socket.socket | None = None):
+                 sock: socket.socket | None = None, run: int | None = None):
+        """``run``: this training run's id, the same on every worker (default: ``THC_RUN`` from
+        the environment; :func:`host.collective.allreduce.agree_run` agrees one over a process
+        group). It may also be set later through :attr:`run`, before the first chunk."""
         self.job = job
         self.worker_id = worker_id
         self.aggregator = aggregator
@@ -60,6 +86,8 @@ class AggregationClient:
         self.impair = impair or Impairment()
         self.stats = TransportStats()
         self.next_seq = 0
+        self.epoch: int | None = None
+        self._run = P.run_from_env() if run is None else P.check_run(run)
         self.srtt: float | None = None
         self.rttvar = 0.0
         me = job.worker(worker_id)
@@ -69,6 +97,17 @@ class AggregationClient:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 8 << 20)
             sock.bind((me.ip, me.port))
         self.sock = sock
+
+    @property
+    def run(self) -> int | None:
+        return self._run
+
+    @run.setter
+    def run(self, run: int) -> None:
+        """Start a (new) run: sequence numbers restart at 0 and the epoch is learnt anew."""
+        self._run = P.check_run(run)
+        self.next_seq = 0
+        self.epoch = None
 
     def close(self) -> None:
         self.sock.close()
@@ -123,6 +162,12 @@ class AggregationClient:
         total = len(chunks)
         if total == 0:
             return
+        run = self._run
+        if run is None:
+            raise ValueError(f"job {job.job_id}, worker {me}: no run id. Pass "
+                             f"AggregationClient(run=...), set {P.RUN_ENV} in the environment "
+                             f"(the same on every worker), or agree one over the process group "
+                             f"(host.collective.allreduce.agree_run)")
         base = self.next_seq
         pool = job.pool_size
         expect_payload = P.payload_bytes(P.PktType.RESULT if pkt_type == P.PktType.DATA
@@ -144,11 +189,12 @@ class AggregationClient:
         pack, unpack = P.HEADER_STRUCT.pack, P.HEADER_STRUCT.unpack_from
         job_id, n_workers, header_bytes = job.job_id, job.n_workers, P.HEADER_BYTES
         pending_type = int(P.PktType.PENDING)
+        reply_types = (pending_type, int(P.PktType.RESULT), int(P.PktType.MAX_RESULT))
 
         def packet(i: int) -> bytes:
             slot, version = P.slot_of(base + i, pool)
             return pack(pkt_type, me, job_id, slot, version, 0, (base + i) % P.SEQ_MOD,
-                        (offset_base + i * lanes) % P.SEQ_MOD, 0, 0, 0) + chunks[i].tobytes()
+                        (offset_base + i * lanes) % P.SEQ_MOD, 0, run, 0) + chunks[i].tobytes()
 
         while lo < total:
             while hi < total and hi < lo + self.window:
@@ -172,9 +218,19 @@ class AggregationClient:
                         self.stats.ignored += 1
                         continue
                     (r_type, r_worker, r_job, _slot, _version, r_count, r_seq, _offset,
-                     r_bitmap, _run, _epoch) = unpack(buf)
+                     r_bitmap, r_run, r_epoch) = unpack(buf)
+                    if r_job != job_id or r_worker != me or r_type not in reply_types:
+                        self.stats.ignored += 1
+                        continue
+                    if r_run != run:
+                        self.stats.other_run += 1
+                        continue
+                    if r_epoch != self.epoch:
+                        if self.epoch is not None:
+                            raise AggregatorRestarted(self.aggregator, run, self.epoch, r_epoch)
+                        self.epoch = r_epoch
                     i = (r_seq - base) % P.SEQ_MOD
-                    if r_job != job_id or i >= hi or done[i] or r_worker != me:
+                    if i >= hi or done[i]:
                         self.stats.ignored += 1
                         continue
                     if r_type == pending_type:

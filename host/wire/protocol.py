@@ -6,7 +6,10 @@ header layout, packet types and drop-reason codes cannot drift between host and 
 from __future__ import annotations
 
 import json
+import os
+import secrets
 import struct
+import time
 from dataclasses import dataclass
 from enum import IntEnum
 from pathlib import Path
@@ -111,6 +114,43 @@ def seq_newer(a: int, b: int) -> bool:
     """RFC 1982 serial-number order on 32 bits: is ``a`` newer than ``b``?"""
     d = (a - b) % SEQ_MOD
     return 0 < d < (1 << 31)
+
+
+RUN_ENV = "THC_RUN"
+"""Environment variable through which a launcher gives every worker of a run the same id."""
+
+
+def check_run(run: int) -> int:
+    """A run id is a nonzero 32-bit integer (0 means "no run" and is dropped as malformed)."""
+    if not isinstance(run, int) or isinstance(run, bool) or not 0 < run < SEQ_MOD:
+        raise ValueError(f"a run id must be an integer in 1..{SEQ_MOD - 1}, got {run!r}")
+    return run
+
+
+def run_from_clock(now: float | None = None) -> int:
+    """The default run id: wall clock in units of 100 ms, mod 2^32, 0 skipped.
+
+    A later run gets a newer id (serial order) without asking the aggregator; only one
+    process (rank 0) may draw it, the others must receive it (clocks differ)."""
+    run = int((time.time() if now is None else now) * 10) % SEQ_MOD
+    return run or 1
+
+
+def run_from_env(environ=None) -> int | None:
+    """The run id a launcher gave in ``THC_RUN``, or None; a bad value is an error."""
+    text = (os.environ if environ is None else environ).get(RUN_ENV)
+    if text is None or text == "":
+        return None
+    try:
+        return check_run(int(text, 0))
+    except ValueError:
+        raise ValueError(f"{RUN_ENV}={text!r} is not a run id (an integer in "
+                         f"1..{SEQ_MOD - 1})") from None
+
+
+def new_epoch() -> int:
+    """A nonzero random 32-bit epoch: a fresh one per aggregator start (or switch install)."""
+    return secrets.randbelow(SEQ_MOD - 1) + 1
 
 
 def encode(hdr: Header, payload: bytes | np.ndarray = b"") -> bytes:

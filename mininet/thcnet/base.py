@@ -122,6 +122,7 @@ class Testbed:
         self._procs: list[Proc] = []
         self._agg_proc: Proc | None = None
         self._agg_final: dict | None = None
+        self._last_run = 0
         self._closed = False
 
     # -- to implement ------------------------------------------------------------------
@@ -197,15 +198,32 @@ class Testbed:
         proc = self.popen(node, argv, env)
         return wait_all([proc], timeout, what="command")[0]
 
+    def new_run(self) -> int:
+        """A run id newer than every one this testbed gave before (the clock's, or one more)."""
+        run = P.run_from_clock()
+        if self._last_run and not P.seq_newer(run, self._last_run):
+            run = (self._last_run + 1) % P.SEQ_MOD or 1
+        self._last_run = run
+        return run
+
+    def start_workers(self, argv_for: Callable[[int], list[str]], env: dict | None = None,
+                      ranks=None) -> list[Proc]:
+        """Start ``argv_for(rank)`` on the worker hosts as one run: they share a fresh
+        ``THC_RUN`` (unless ``env`` gives one), so nothing of an earlier run counts in this one."""
+        env = dict(env or {})
+        env.setdefault(P.RUN_ENV, str(self.new_run()))
+        ranks = range(self.n_workers) if ranks is None else ranks
+        return [self.popen(r, argv_for(r), env, name=f"worker{r}-{len(self._procs)}")
+                for r in ranks]
+
     def run_workers(self, argv_for: Callable[[int], list[str]], env: dict | None = None,
                     timeout: float | None = None, on_line=None) -> list[WorkerResult]:
-        """Run ``argv_for(rank)`` on every worker host at once and wait for all of them.
+        """Run ``argv_for(rank)`` on every worker host at once (one run) and wait for all.
 
         Raises :class:`WorkerError` (with each failing worker's stderr tail) if any worker
         exits non-zero or the timeout passes; the others are then killed.
         """
-        procs = [self.popen(r, argv_for(r), env, name=f"worker{r}-{len(self._procs)}")
-                 for r in range(self.n_workers)]
+        procs = self.start_workers(argv_for, env)
         try:
             return wait_all(procs, timeout, what="worker", on_line=on_line)
         except WorkerError as e:

@@ -53,6 +53,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--deadline", type=float, default=30.0)
     ap.add_argument("--window", type=int, default=None, help="chunks in flight (default: pool)")
+    ap.add_argument("--run", type=lambda t: int(t, 0), default=None,
+                    help="run id, the same on every worker (default: THC_RUN)")
     ap.add_argument("--rto", type=float, default=0.02, help="initial/minimum retransmission "
                     "timeout in seconds")
     args = ap.parse_args(argv)
@@ -64,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     idx[: args.numel] = indices(args.seed, args.rank, args.numel)
     packed = pack_bits(idx, P.INDEX_BITS)
     with AggregationClient(job, args.rank, agg, deadline=args.deadline, window=args.window,
-                           timeout=args.rto) as client:
+                           timeout=args.rto, run=args.run) as client:
         t0 = time.perf_counter()
         sums = client.aggregate(packed)[: args.numel]
         seconds = time.perf_counter() - t0
