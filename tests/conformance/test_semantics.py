@@ -62,18 +62,19 @@ def settle(harness):
     time.sleep(harness.settle)
 
 
-def run_round(harness, job, seq, idxs, workers=None):
+def run_round(harness, job, seq, idxs, workers=None, run=RUN):
     """All (or the given) workers send chunk ``seq``; return what each worker receives."""
     workers = range(job.n_workers) if workers is None else workers
     for w in workers:
-        harness.endpoint(job, w).send(data(job, w, seq, idxs[w]))
+        harness.endpoint(job, w).send(data(job, w, seq, idxs[w], run=run))
     return {w: harness.endpoint(job, w).recv_all(timeout=harness.quiet) for w in range(job.n_workers)}
 
 
-def assert_result(got, job, seq, idxs, to_worker):
+def assert_result(got, job, seq, idxs, to_worker, run=RUN):
     assert len(got) == 1, f"worker {to_worker} expected one result, got {len(got)}"
     hdr, payload = parse(got[0])
     assert hdr.pkt_type == P.PktType.RESULT
+    assert hdr.run == run and hdr.epoch != 0
     assert (hdr.job_id, hdr.seq, hdr.worker_id) == (job.job_id, seq, to_worker)
     assert (hdr.slot, hdr.version) == P.slot_of(seq, job.pool_size)
     assert hdr.offset == (seq * job.lanes) % P.SEQ_MOD
@@ -277,10 +278,13 @@ def _bad_packets(harness, job, good_idx):
         ("unknown_worker", datagram(job, 1, 0, payload), w0),
         ("unknown_worker", datagram(job, 0, 0, payload), harness.stranger()),
         ("slot_outside_pool", datagram(job, 0, 0, payload, slot=job.pool_size), w0),
+        ("malformed", datagram(job, 0, 0, payload, run=0), w0),
+        ("malformed", datagram(job, 0, 0, P.floats_to_ordered_u32(np.ones(P.MAX_LANES))
+                               .astype(">u4").tobytes(), pkt_type=P.PktType.MAX, run=0), w0),
     ]
 
 
-@pytest.mark.parametrize("case", range(12))
+@pytest.mark.parametrize("case", range(14))
 def test_bad_packet_is_dropped_counted_and_harmless(harness, case):
     rng = np.random.default_rng(100 + case)
     job = new_job(harness, n_workers=2)
@@ -309,3 +313,118 @@ def test_job_counters_track_packets_and_completions(harness):
     after = harness.job_counters(job)
     assert after["packets"] - before["packets"] == 6
     assert after["completions"] - before["completions"] == 3
+
+
+# -- runs and epochs ---------------------------------------------------------------------
+
+def drops_delta(before, after):
+    return {k: after[k] - before[k] for k in after if after[k] != before[k]}
+
+
+def test_restart_after_a_failed_round_gets_exact_sums(harness):
+    """3 of 4 workers contribute to seq 0, then all four restart as a new run from seq 0:
+    the failed run's contributions must not count in the new run."""
+    rng = np.random.default_rng(20)
+    job = new_job(harness, n_workers=4)
+    failed = [indices(rng, job) for _ in range(4)]
+    got = run_round(harness, job, 0, failed, workers=[0, 1, 2], run=1)
+    assert all(not v for v in got.values())
+    before = harness.drops()
+    for seq in range(3):
+        fresh = [indices(rng, job) for _ in range(4)]
+        got = run_round(harness, job, seq, fresh, run=2)
+        for w in range(4):
+            assert_result(got[w], job, seq, fresh, w, run=2)
+    settle(harness)
+    assert drops_delta(before, harness.drops()) == {}
+
+
+def test_restart_after_a_completed_round_reuses_seqs_from_zero(harness):
+    """A new run starting again at seq 0 is not stale: it takes the slots over."""
+    rng = np.random.default_rng(21)
+    job = new_job(harness, n_workers=2, pool_size=2)
+    for seq in range(7):
+        run_round(harness, job, seq, [indices(rng, job) for _ in range(2)], run=1)
+    before = harness.drops()
+    for seq in range(5):
+        fresh = [indices(rng, job) for _ in range(2)]
+        got = run_round(harness, job, seq, fresh, run=2)
+        for w in range(2):
+            assert_result(got[w], job, seq, fresh, w, run=2)
+    settle(harness)
+    assert drops_delta(before, harness.drops()) == {}
+
+
+def test_interleaved_runs_drop_the_old_run_as_stale_run(harness):
+    rng = np.random.default_rng(22)
+    job = new_job(harness, n_workers=3)
+    old = [indices(rng, job) for _ in range(3)]
+    new = [indices(rng, job) for _ in range(3)]
+    new1 = [indices(rng, job) for _ in range(3)]
+    ep = [harness.endpoint(job, w) for w in range(3)]
+    ep[0].send(data(job, 0, 0, old[0], run=7))
+    ep[1].send(data(job, 1, 0, old[1], run=7))
+    ep[0].send(data(job, 0, 0, new[0], run=8))
+    ep[1].send(data(job, 1, 1, new1[1], run=8))
+    settle(harness)
+    before = harness.drops()
+    # The old run's packets after the new run took the job over: dropped, counted, no answer.
+    ep[2].send(data(job, 2, 0, old[2], run=7))
+    ep[1].send(data(job, 1, 0, old[1], run=7))
+    ep[2].send(data(job, 2, 1, old[2], run=7))
+    assert all(e.recv_all(timeout=harness.quiet) == [] for e in ep)
+    settle(harness)
+    assert drops_delta(before, harness.drops()) == {"stale_run": 3}
+    ep[1].send(data(job, 1, 0, new[1], run=8))
+    ep[2].send(data(job, 2, 0, new[2], run=8))
+    ep[0].send(data(job, 0, 1, new1[0], run=8))
+    ep[2].send(data(job, 2, 1, new1[2], run=8))
+    for w in range(3):
+        got = sorted(ep[w].recv_all(timeout=harness.quiet), key=lambda d: parse(d)[0].seq)
+        assert len(got) == 2
+        assert_result(got[:1], job, 0, new, w, run=8)
+        assert_result(got[1:], job, 1, new1, w, run=8)
+
+
+def test_runs_are_ordered_by_serial_arithmetic(harness):
+    """Run 2^32 - 1 is older than run 5 (RFC 1982), so run 5 takes the job over from it."""
+    rng = np.random.default_rng(23)
+    job = new_job(harness, n_workers=2)
+    top = P.SEQ_MOD - 1
+    got = run_round(harness, job, 0, [indices(rng, job) for _ in range(2)], run=top)
+    assert len(got[0]) == 1
+    fresh = [indices(rng, job) for _ in range(2)]
+    got = run_round(harness, job, 0, fresh, run=5)
+    assert_result(got[0], job, 0, fresh, 0, run=5)
+    before = harness.drops()
+    harness.endpoint(job, 0).send(data(job, 0, 1, fresh[0], run=top))
+    settle(harness)
+    assert drops_delta(before, harness.drops()) == {"stale_run": 1}
+
+
+def test_replies_carry_the_run_and_one_epoch(harness):
+    rng = np.random.default_rng(24)
+    job = new_job(harness, n_workers=2)
+    run = 0x1234_5678
+    idxs = [indices(rng, job) for _ in range(2)]
+    ep0 = harness.endpoint(job, 0)
+    ep0.send(data(job, 0, 0, idxs[0], run=run))
+    ep0.send(data(job, 0, 0, idxs[0], run=run))
+    pending = ep0.recv_all(timeout=harness.quiet)
+    assert len(pending) == 1
+    hdr, _ = parse(pending[0])
+    assert hdr.pkt_type == P.PktType.PENDING and hdr.run == run and hdr.epoch != 0
+    epoch = hdr.epoch
+    got = run_round(harness, job, 0, idxs, workers=[1], run=run)
+    got[0] = got[0] or ep0.recv_all(timeout=harness.quiet)
+    for w in range(2):
+        assert_result(got[w], job, 0, idxs, w, run=run)
+        assert parse(got[w][0])[0].epoch == epoch
+    vals = P.floats_to_ordered_u32(np.arange(P.MAX_LANES, dtype=np.float32)).astype(">u4")
+    for w in range(2):
+        harness.endpoint(job, w).send(datagram(job, w, 1, vals.tobytes(),
+                                               pkt_type=P.PktType.MAX, run=run))
+    for w in range(2):
+        got = harness.endpoint(job, w).recv_all(timeout=harness.quiet)
+        hdr, _ = parse(got[0])
+        assert hdr.pkt_type == P.PktType.MAX_RESULT and (hdr.run, hdr.epoch) == (run, epoch)
