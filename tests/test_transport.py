@@ -23,8 +23,8 @@ N_ELEMENTS = 1 << 20
 class AggregatorProcess:
     """`thc aggregator` started as its own process, the way a user runs it."""
 
-    def __init__(self, tmp_path, jobs, **impair):
-        self.port = free_port_block(1)
+    def __init__(self, tmp_path, jobs, port=None, **impair):
+        self.port = port or free_port_block(1)
         cfg = tmp_path / "cluster.json"
         Cluster(jobs=tuple(jobs), agg_port=self.port).save(cfg)
         args = [sys.executable, "-m", "host.app.cli", "aggregator", "--listen",
