@@ -11,7 +11,7 @@ P4SRC  := p4src
 P4OUT  := $(P4SRC)/build
 WORKERS ?= 4
 
-.PHONY: setup system-deps test run p4 p4-check bench mininet clean
+.PHONY: setup system-deps test run p4 p4-check bench mininet faults clean
 
 setup: $(STAMP)
 
@@ -61,6 +61,10 @@ p4-check: setup
 
 mininet: system-deps setup
 	$(PY) -m thcnet.run --workers $(WORKERS)
+
+# The fault matrix (Mininet when root, else loopback) into docs/faults.md.
+faults: system-deps setup
+	$(PY) -m host.app.cli faults $(FAULTS_ARGS)
 
 clean:
 	rm -rf out .pytest_cache

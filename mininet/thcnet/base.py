@@ -123,6 +123,8 @@ class Testbed:
         self._agg_proc: Proc | None = None
         self._agg_final: dict | None = None
         self._last_run = 0
+        self.agg_args: list[str] = []
+        """Extra `thc aggregator` options (e.g. --dup 0.05) for the next start."""
         self._closed = False
 
     # -- to implement ------------------------------------------------------------------
@@ -235,9 +237,11 @@ class Testbed:
 
     def _start_software_aggregator(self, node: str, listen: tuple[str, int]) -> None:
         stats = self.logdir / "aggregator-stats.json"
+        stats.unlink(missing_ok=True)
+        self._agg_final = None
         argv = ["python", "-m", "host.app.cli", "aggregator", "--listen", f"{listen[0]}:{listen[1]}",
                 "--config", str(self.cluster_path), "--stats-interval", "0",
-                "--stats-file", str(stats)]
+                "--stats-file", str(stats)] + list(self.agg_args)
         proc = self.popen(node, argv, name="aggregator")
         end = time.monotonic() + AGG_START_TIMEOUT
         while "listening" not in proc.stdout():

@@ -4,7 +4,9 @@
 
 Worker r draws its indices from seed S + r, so anyone can recompute every worker's vector and
 the exact integer sums (:func:`reference_sums`). Prints one JSON line: rank, seconds, the
-SHA-256 of the sums, how many differ from the reference, transport stats.
+SHA-256 of the sums, how many differ from the reference, rounds done, transport stats; a
+failure of the aggregation (timeout, aggregator restarted) is a JSON line with its cause and
+exit code 3, so a fault experiment can tell a clear failure from a crash.
 """
 from __future__ import annotations
 
@@ -18,7 +20,8 @@ import numpy as np
 
 from host.codec.packing import pack_bits
 from host.net.aggregator import parse_hostport
-from host.net.client import AggregationClient
+from host.net.client import AggregationClient, AggregationTimeout, AggregatorRestarted
+from host.net.impair import Impairment
 from host.wire import protocol as P
 from host.wire.jobs import Cluster
 
@@ -55,6 +58,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--window", type=int, default=None, help="chunks in flight (default: pool)")
     ap.add_argument("--run", type=lambda t: int(t, 0), default=None,
                     help="run id, the same on every worker (default: THC_RUN)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="aggregate the vector this many times (each checked)")
+    for name in ("loss", "dup", "reorder"):
+        ap.add_argument(f"--{name}", type=float, default=0.0,
+                        help=f"inject {name} with this probability on sent chunks (testing)")
     ap.add_argument("--rto", type=float, default=0.02, help="initial/minimum retransmission "
                     "timeout in seconds")
     args = ap.parse_args(argv)
@@ -65,17 +73,28 @@ def main(argv: list[str] | None = None) -> int:
     idx = np.zeros(padded(args.numel, job.lanes), dtype=np.uint8)
     idx[: args.numel] = indices(args.seed, args.rank, args.numel)
     packed = pack_bits(idx, P.INDEX_BITS)
+    impair = Impairment(loss=args.loss, dup=args.dup, reorder=args.reorder, seed=args.rank)
+    ref = reference_sums(job.table, job.n_workers, args.seed, args.numel)
+    mismatches, rounds, sums = 0, 0, ref
     with AggregationClient(job, args.rank, agg, deadline=args.deadline, window=args.window,
-                           timeout=args.rto, run=args.run) as client:
+                           timeout=args.rto, run=args.run, impair=impair) as client:
         t0 = time.perf_counter()
-        sums = client.aggregate(packed)[: args.numel]
+        try:
+            for _ in range(args.rounds):
+                sums = client.aggregate(packed)[: args.numel]
+                mismatches += int(np.count_nonzero(sums != ref))
+                rounds += 1
+        except (AggregationTimeout, AggregatorRestarted) as e:
+            print(json.dumps({"rank": args.rank, "error": type(e).__name__, "message": str(e),
+                              "missing": getattr(e, "missing", None), "rounds": rounds,
+                              "mismatches": mismatches, "seconds": time.perf_counter() - t0,
+                              "stats": vars(client.stats)}), flush=True)
+            return 3
         seconds = time.perf_counter() - t0
         stats = vars(client.stats)
-    ref = reference_sums(job.table, job.n_workers, args.seed, args.numel)
-    mismatches = int(np.count_nonzero(sums != ref))
     print(json.dumps({"rank": args.rank, "seconds": seconds, "sha256": digest(sums),
-                      "mismatches": mismatches, "numel": args.numel, "stats": stats}),
-          flush=True)
+                      "mismatches": mismatches, "numel": args.numel, "rounds": rounds,
+                      "stats": stats}), flush=True)
     return 0 if mismatches == 0 else 1
 
 
