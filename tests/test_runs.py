@@ -1,0 +1,123 @@
+"""Run ids and epochs on the host side: the helpers, the client's checks, agreement over Gloo."""
+from __future__ import annotations
+
+import socket
+import threading
+
+import numpy as np
+import pytest
+import torch.multiprocessing as tmp
+
+from host.codec.packing import pack_bits
+from host.net.aggregator import Aggregator
+from host.net.client import AggregationClient, AggregatorRestarted
+from host.testing.clusters import free_port_block, local_job
+from host.wire import protocol as P
+
+
+def test_run_ids_are_nonzero_32_bit_integers():
+    for bad in (0, -1, P.SEQ_MOD, True, 1.5, "3"):
+        with pytest.raises(ValueError, match="run id"):
+            P.check_run(bad)
+    assert P.check_run(P.SEQ_MOD - 1) == P.SEQ_MOD - 1
+
+
+def test_clock_run_ids_skip_zero_and_grow_in_serial_order():
+    assert P.run_from_clock(0.05) == 1
+    assert P.run_from_clock(123.4) == 1234
+    wrap = P.SEQ_MOD / 10
+    assert P.run_from_clock(wrap) == 1
+    assert P.seq_newer(P.run_from_clock(wrap + 1), P.run_from_clock(wrap - 1))
+
+
+def test_run_from_env():
+    assert P.run_from_env({}) is None
+    assert P.run_from_env({"THC_RUN": "0x10"}) == 16
+    for bad in ("0", "abc", str(P.SEQ_MOD)):
+        with pytest.raises(ValueError, match="THC_RUN"):
+            P.run_from_env({"THC_RUN": bad})
+
+
+def test_epochs_are_nonzero_and_fresh():
+    epochs = {P.new_epoch() for _ in range(50)}
+    assert 0 not in epochs and len(epochs) > 45
+    assert Aggregator().epoch != 0
+
+
+def test_client_without_a_run_id_says_how_to_get_one(monkeypatch):
+    monkeypatch.delenv("THC_RUN", raising=False)
+    job = local_job(1, 2, free_port_block(2))
+    with AggregationClient(job, 0, ("127.0.0.1", 9)) as c:
+        with pytest.raises(ValueError, match="no run id.*THC_RUN"):
+            c.aggregate(np.zeros(job.lanes // 2, np.uint8))
+    monkeypatch.setenv("THC_RUN", "77")
+    with AggregationClient(job, 0, ("127.0.0.1", 9)) as c:
+        assert c.run == 77
+
+
+def _chunk(job, value):
+    return pack_bits(np.full(job.lanes, value, np.uint8), P.INDEX_BITS)
+
+
+def test_restarted_aggregator_raises_naming_address_and_epochs():
+    job = local_job(1, 1, free_port_block(1), table=list(range(16)))
+    first = Aggregator([job], epoch=0x11)
+    addr = first.start()
+    with AggregationClient(job, 0, addr, run=3, deadline=2.0) as c:
+        np.testing.assert_array_equal(c.aggregate(_chunk(job, 5)), 5)
+        first.stop()
+        with Aggregator([job], epoch=0x22) as second:
+            second.start(*addr)
+            with pytest.raises(AggregatorRestarted) as e:
+                c.aggregate(_chunk(job, 6))
+        assert (e.value.old_epoch, e.value.new_epoch) == (0x11, 0x22)
+        assert f"{addr[0]}:{addr[1]}" in str(e.value) and "run 3" in str(e.value)
+        # A new run starts cleanly on the restarted aggregator.
+        with Aggregator([job], epoch=0x33) as third:
+            third.start(*addr)
+            c.run = 4
+            np.testing.assert_array_equal(c.aggregate(_chunk(job, 7)), 7)
+
+
+def test_replies_of_another_run_are_ignored_and_counted():
+    job = local_job(1, 2, free_port_block(2), table=list(range(16)))
+    with Aggregator([job]) as agg:
+        addr = agg.start()
+        out = {}
+        with AggregationClient(job, 0, addr, run=5) as c:
+            t = threading.Thread(target=lambda: out.update(s=c.aggregate(_chunk(job, 2))))
+            t.start()
+            rogue = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+            bogus = P.Header(P.PktType.RESULT, 0, job.job_id, 0, 0, 2, 0, 0, 3, 6, agg.epoch)
+            rogue.sendto(bogus.pack() + bytes(P.payload_bytes(P.PktType.RESULT, job.lanes)),
+                         c.sock.getsockname())
+            rogue.close()
+            with AggregationClient(job, 1, addr, run=5) as c1:
+                c1.aggregate(_chunk(job, 3))
+            t.join(10)
+            assert c.stats.other_run == 1
+        np.testing.assert_array_equal(out["s"], 5)
+
+
+def _agree(rank, world, port, q):
+    import os
+
+    import torch.distributed as dist
+
+    from host.collective.allreduce import agree_run
+    os.environ.pop("THC_RUN", None)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
+    q.put((rank, agree_run()))
+    dist.destroy_process_group()
+
+
+def test_workers_agree_on_rank_0s_run_over_gloo():
+    ctx = tmp.get_context("spawn")
+    q = ctx.Queue()
+    port = free_port_block(1, tcp=True)
+    ps = [ctx.Process(target=_agree, args=(r, 3, port, q)) for r in range(3)]
+    [p.start() for p in ps]
+    runs = dict(q.get(timeout=120) for _ in ps)
+    [p.join(30) for p in ps]
+    assert len(set(runs.values())) == 1 and runs[0] != 0
