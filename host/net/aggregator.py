@@ -6,7 +6,8 @@ per-lane sums of lookup-table values. Names follow the P4 program (``thc_job_run
 ``thc_run``, ``thc_seq``, ``thc_bitmap``, ``thc_count``, ``thc_sum``, ``thc_max``, drop reasons
 and job counters from protocol.json), so the switch can be tested against it packet for
 packet. Each start draws a fresh ``epoch`` that every reply carries, so clients notice a
-restart (the in-flight state is lost) instead of waiting for it. The per-packet path is a handful of numpy calls; there is no loop per coordinate.
+restart (the in-flight state is lost) instead of waiting for it. The per-packet path is a
+handful of numpy calls; there is no loop per coordinate.
 """
 from __future__ import annotations
 

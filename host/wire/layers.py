@@ -31,8 +31,8 @@ class THC(Packet):
     fields_desc = [_field(n, w) for n, w in P.HEADER_FIELDS]
 
     def mysummary(self):
-        return self.sprintf("THC %pkt_type% job=%job_id% w=%worker_id% seq=%seq% "
-                            "slot=%slot%/v%version% count=%count%")
+        return self.sprintf("THC %pkt_type% job=%job_id% run=%run% w=%worker_id% seq=%seq% "
+                            "slot=%slot%/v%version% count=%count% epoch=%epoch%")
 
     def guess_payload_class(self, payload):
         return {P.PktType.DATA: THCIndices, P.PktType.RESULT: THCSums,

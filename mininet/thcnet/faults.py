@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from controller.toolchain import BUILD_DIR
 from thcnet.base import REPO_ROOT, bmv2_unavailable_reason
 from thcnet.links import netem_available
 from thcnet.procs import Proc
@@ -40,6 +41,8 @@ class Row:
     note: str = ""
     exact: bool | None = None
     """True: every sum checked was exact; False: a wrong sum (the matrix then fails)."""
+    stream_seconds: float = 0.0
+    """The slowest worker's time inside aggregate() (no process start, no reference)."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -126,7 +129,8 @@ def _stream_row(name: str, tb, numel: int, rounds: int = 1, note: str = "",
     seconds = time.perf_counter() - t0
     done, drops = _delta(before, _counters(tb))
     sums, exact, retx = _check(results)
-    return Row(name, tb.kind, sums, done, retx, seconds, drops, note, exact)
+    return Row(name, tb.kind, sums, done, retx, seconds, drops, note, exact,
+               max(r.get("seconds", 0.0) for r in results))
 
 
 def _progress(tb, before: dict, chunks: int, timeout: float = 60.0) -> None:
@@ -145,13 +149,16 @@ def _progress(tb, before: dict, chunks: int, timeout: float = 60.0) -> None:
 def row_loss(pct: float, numel: int, prefer_mininet: bool) -> Row:
     with open_testbed(N_WORKERS, loss_pct=pct, prefer_mininet=prefer_mininet) as tb:
         tb.start_aggregator()
-        how = "; ".join(getattr(tb, "link_plan", {}).get("notes", [])) or (
-            "netem" if tb.kind == "mininet" else "NOT emulated (loopback)")
+        notes = " ".join(getattr(tb, "link_plan", {}).get("notes", []))
+        how = ("iptables statistic drops on each host's ingress (this kernel has no netem), "
+               "the same end-to-end loss as on both links" if "iptables" in notes else "netem")
         if tb.kind != "mininet":
             row = _stream_row(f"{pct:g}% loss", tb, numel, loss=pct / 100,
                               note="loopback: loss injected by the transport on sent chunks")
         else:
-            row = _stream_row(f"{pct:g}% loss", tb, numel, note=f"link loss: {how}")
+            row = _stream_row(f"{pct:g}% loss", tb, numel,
+                              note=f"{pct:g}% loss on every worker link and the aggregator's: "
+                                   f"{how}")
     return row
 
 
@@ -245,7 +252,30 @@ def _p4_build_stale() -> str | None:
     return None
 
 
+def _controller(tb, *args: str) -> str:
+    """One run of `thc controller` against the testbed's switch: a fresh controller process."""
+    argv = [sys.executable, "-m", "host.app.cli", "controller", "--grpc-addr",
+            tb.switch.grpc_addr, "--device-id", "0", "--build-dir", str(BUILD_DIR), *args]
+    r = subprocess.run(argv, cwd=str(REPO_ROOT), capture_output=True, text=True, timeout=120)
+    if r.returncode:
+        raise TestbedError(f"thc controller {' '.join(args)} failed: "
+                           f"{(r.stderr or r.stdout).strip()[-1000:]}")
+    return r.stdout
+
+
+def _bmv2_drops(tb) -> dict:
+    try:
+        raw = json.loads(_controller(tb, "counters", "--json"))
+    except (TestbedError, ValueError):
+        return {}
+    return {k: v for k, v in raw.get("drops", {}).items() if v}
+
+
 def bmv2_rows(numel: int, prefer_mininet: bool) -> list[Row]:
+    """The controller restarted mid-stream, and one job re-installed while another streams;
+    both on BMv2 with two jobs (workers 0-1 and 2-3), sums checked as everywhere."""
+    import dataclasses
+
     names = ("controller restarted mid-stream (BMv2)",
              "job re-installed while another runs (BMv2)")
     why = bmv2_unavailable_reason() or _p4_build_stale()
@@ -256,18 +286,44 @@ def bmv2_rows(numel: int, prefer_mininet: bool) -> list[Row]:
     rows = []
     with open_testbed(N_WORKERS, aggregator="bmv2") as tb:
         tb.start_aggregator()
-        t0 = time.perf_counter()
-        procs = tb.start_workers(_argv(tb, numel, deadline=30.0))
-        time.sleep(2.0)
-        tb.switch.program(tb.cluster_path)
-        results = _wait(procs, 600)
-        sums, exact, retx = _check(results)
-        rows.append(Row(names[0], tb.kind, sums, "-", retx, time.perf_counter() - t0, {},
-                        "a new controller process programs the same cluster while the job "
-                        "streams; switch counters: `thc controller counters`", exact))
-    rows.append(Row(names[1], note="not run: the testbed's cluster has one job; a second "
-                                   "job needs its own worker hosts"))
+        w = sorted(tb.job.workers, key=lambda x: x.id)
+        a = dataclasses.replace(tb.job, job_id=1, workers=tuple(w[:2]))
+        b = dataclasses.replace(tb.job, job_id=2, workers=tuple(
+            dataclasses.replace(x, id=i) for i, x in enumerate(w[2:])))
+        paths = {}
+        for name, jobs in (("both", (a, b)), ("a", (a,)), ("b", (b,))):
+            paths[name] = tb.logdir / f"cluster-{name}.json"
+            dataclasses.replace(tb.cluster, jobs=jobs).save(paths[name])
+        _controller(tb, "install", "--config", str(paths["both"]), "--prune")
+        agg = f"{tb.agg_addr[0]}:{tb.agg_addr[1]}"
+
+        def argv(cfg, first):
+            return lambda r: ["python", "-m", "thcnet.smoke_worker", "--rank", str(r - first),
+                              "--config", str(cfg), "--agg", agg, "--numel", str(numel),
+                              "--seed", str(SEED), "--deadline", "30"]
+
+        for name, action in ((names[0], ("install", "--config", str(paths["both"]))),
+                             (names[1], ("install", "--config", str(paths["b"])))):
+            t0 = time.perf_counter()
+            procs = tb.start_workers(argv(paths["a"], 0), ranks=[0, 1])
+            time.sleep(2.0)
+            try:
+                out = _controller(tb, *action)
+                note = f"`thc controller {' '.join(action[:1])}` mid-stream: " + (
+                    out.strip().splitlines() or ["ok"])[-1][:200]
+            except TestbedError as e:
+                note = f"the controller refused: {e}"[:300]
+            results = _wait(procs, 600)
+            sums, exact, retx = _check(results)
+            rounds = sum(r.get("rounds", 0) for r in results[:1])
+            rows.append(Row(name, "mininet+bmv2", sums, f"{rounds} vectors", retx,
+                            time.perf_counter() - t0, _bmv2_drops(tb),
+                            f"job 1 (workers 0-1) streams; {note}", exact))
     return rows
+
+
+def row_time(target: float) -> str:
+    return f"vector count sized from a probe vector for about {target:g} s of streaming"
 
 
 def row_long_stream(n_workers: int, seconds: float, prefer_mininet: bool) -> Row:
@@ -275,10 +331,11 @@ def row_long_stream(n_workers: int, seconds: float, prefer_mininet: bool) -> Row
         tb.start_aggregator()
         numel = tb.job.lanes * 512
         probe = _stream_row("probe", tb, numel)
-        rounds = max(1, int(seconds / max(probe.seconds or 1.0, 0.1)))
+        rounds = max(1, round(seconds / max(probe.stream_seconds, 0.01)))
         row = _stream_row(f"{n_workers} workers streaming {seconds:g} s", tb, numel,
                           rounds=rounds, timeout=seconds * 4 + 120,
-                          note=f"{rounds} vectors of {numel} elements per worker, each checked")
+                          note=f"{rounds} vectors of {numel} elements per worker, each "
+                               f"checked; {row_time(seconds)}")
     return row
 
 
