@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from host.wire import protocol as P
 from thcnet import cleanup
 from thcnet.smoke_worker import digest, reference_sums
 from thcnet.testbed import (
@@ -81,6 +82,17 @@ def test_workers_get_the_venv_python_one_thread_and_the_repo_on_the_path():
         exe, threads, path, ifname, x = json.loads(r.stdout)
         assert exe == sys.executable and threads == "1" and x == "1" and ifname == "lo"
         assert str(ROOT) in path.split(":")
+
+
+def test_each_launch_of_workers_is_one_new_run():
+    """All workers of one launch share THC_RUN; the next launch gets a newer one."""
+    code = "import os; print(os.environ['THC_RUN'])"
+    with LoopbackTestbed(3, aggregator="none") as tb:
+        runs = [{int(r.stdout) for r in tb.run_workers(lambda r: ["python", "-c", code],
+                                                        timeout=30)} for _ in range(3)]
+    assert all(len(r) == 1 for r in runs)
+    a, b, c = (r.pop() for r in runs)
+    assert P.seq_newer(b, a) and P.seq_newer(c, b)
 
 
 def test_a_failing_worker_raises_with_its_stderr_and_the_others_are_killed():
