@@ -137,7 +137,10 @@ def run_from_clock(now: float | None = None) -> int:
 
 
 def run_from_env(environ=None) -> int | None:
-    """The run id a launcher gave in ``THC_RUN``, or None; a bad value is an error."""
+    """The run id a launcher gave in ``THC_RUN``, or None; a bad value is an error.
+
+    The launcher must give a fresh id to every launch and restart of the workers: a reused
+    id would let a new incarnation's seq 0 meet its predecessor's slot uses."""
     text = (os.environ if environ is None else environ).get(RUN_ENV)
     if text is None or text == "":
         return None
