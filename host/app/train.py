@@ -191,6 +191,7 @@ def train(args) -> list[dict]:
                    "accuracy": acc, "loss": float(loss), "seconds": trained,
                    "bytes_sent": int(sent), "params": n_params, "steps_per_epoch": steps,
                    "steps": n, "comm_seconds": comm, "exposed_comm_seconds": exposed,
+                   "codec_seconds": getattr(hook, "codec_seconds", None),
                    "step_losses": step_losses[:STEP_LOSSES_KEPT]}
             history.append(row)
             say(json.dumps(row), flush=True)

@@ -150,6 +150,13 @@ class THCHook(_Hook):
         self.make_allreducer = make_allreducer
         self.reducers: dict[tuple[int, int], THCAllReduce] = {}
 
+    @property
+    def codec_seconds(self) -> float:
+        """Encode, decode and error-feedback time of every bucket so far (the codec cost the
+        all-reduce really paid, measured; the norm round's wire time is not in it)."""
+        return sum(ar.stats.seconds["encode"] + ar.stats.seconds["decode"]
+                   + ar.stats.seconds["feedback"] for ar in self.reducers.values())
+
     def reduce(self, bucket_index: int, flat: torch.Tensor) -> torch.Tensor:
         # DDP rebuilds its buckets after the first iteration: a new size starts a new residual.
         key = (bucket_index, flat.numel())
