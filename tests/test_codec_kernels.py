@@ -116,6 +116,10 @@ def test_kernels_match_reference(slice_log, extra):
     assert (a.cpu() != b).float().mean() < 1e-4
     packed = thc.encode_packed(x, m, p, 5, 77, backend="triton")
     assert torch.equal(packed.cpu(), thc.pack_bits(a.cpu(), 4))
+    prep = thc.prepare(x, p, 5, backend="triton")       # norms from encode pass 1's read
+    assert torch.allclose(prep.norms.cpu(), m.cpu(), rtol=1e-5)
+    assert torch.equal(thc.encode_prepared(prep, m, p, 77), packed)
+    assert torch.equal(thc.encode_prepared(prep, m, p, 77, pack=False), a)
     sums = thc.aggregate([a, a, a], p)
     da = thc.decode(sums, 3, m, n, p, 5, backend="triton")
     db = thc.decode(sums.cpu(), 3, m.cpu(), n, p, 5, backend="reference")
@@ -185,6 +189,8 @@ def test_kernels_refuse_nan_and_inf():
             thc.encode(y, m, p, 0, 1, backend="triton")
         with pytest.raises(ValueError, match="NaN or Inf"):
             thc.slice_norms(y, p)
+        with pytest.raises(ValueError, match="NaN or Inf"):
+            thc.prepare(y, p, 0, backend="triton")
 
 
 @pytest.mark.parametrize("backend", ["reference", "triton"])
@@ -223,6 +229,18 @@ def test_input_conversion_and_refusals(backend):
         thc.decode_indices(torch.full_like(ref, 16), m, 600, p, 0, backend=backend)
 
 
+@pytest.mark.parametrize("as_numpy", [True, False])
+def test_prepare_then_encode_on_the_reference_path(as_numpy):
+    p = THCParams(slice_size=256)
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(4))
+    x = x.numpy() if as_numpy else x
+    prep = THCCodec(p).prepare(x, 3)
+    assert np.array_equal(np.asarray(prep.norms), np.asarray(thc.slice_norms(x, p)))
+    want = thc.encode_packed(x, prep.norms, p, 3, 8)
+    got = THCCodec(p).encode_prepared(prep, prep.norms, 8)
+    assert np.array_equal(np.asarray(got), np.asarray(want))
+
+
 def test_backend_argument_checked():
     p = THCParams(slice_size=256)
     x = np.ones(10, np.float32)
@@ -239,8 +257,8 @@ def test_backend_argument_checked():
 def test_cuda_tensors_take_the_kernels(monkeypatch):
     from host.codec import triton_kernels
     calls = []
-    orig = triton_kernels.encode_group
-    monkeypatch.setattr(triton_kernels, "encode_group",
+    orig = triton_kernels.encode_cols
+    monkeypatch.setattr(triton_kernels, "encode_cols",
                         lambda *a, **k: calls.append(1) or orig(*a, **k))
     c = THCCodec()
     x = torch.randn(1 << 20, device="cuda")

@@ -2,7 +2,8 @@
 
 For each size (2^20..2^26 float32 elements by default) the same run measures, on the same
 tensor: a device copy (``x.clone()``, the memory-speed yardstick), the FP16 round trip
-(``x.half().float()``), THC's norms, encode (norms + encode + packing to the wire form),
+(``x.half().float()``), THC's norms, encode (norms + encode + packing to the wire form: ``prepare`` then
+``encode_prepared``, the MAX round between them left out),
 decode (of four workers' sums) and encode+decode, and PowerSGD. Figures are GB/s of float32
 input (4 bytes per element, GB = 10^9 bytes) from the median of --repeat runs, and the speed
 relative to the copy (1.0: as fast as copying the tensor once).
@@ -140,7 +141,7 @@ def _thc_ops(params, label: str, x, n: int, backend: str) -> tuple[list, tuple]:
     sums = c.aggregate([idx] * 4)
     enc, dec = f"THC encode ({label})", f"THC decode, 4 workers ({label})"
     ops = [(f"THC norms ({label})", label, lambda: c.norms(x)),
-           (enc, label, lambda: c.encode_packed(x, c.norms(x), next(rounds), gen)),
+           (enc, label, lambda: c.encode_prepared(c.prepare(x, next(rounds)), m, gen)),
            (dec, label, lambda: c.decode(sums, 4, m, n, 0))]
     return ops, (f"THC encode+decode ({label})", label, enc, dec)
 

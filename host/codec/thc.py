@@ -43,7 +43,8 @@ from host.codec.params import THCParams
 from host.codec.quantize import resolve_generator, stochastic_round, uniforms
 
 __all__ = ["SliceLayout", "THCParams", "THCCodec", "ErrorFeedback", "layout", "slice_norms",
-           "agree_max", "encode", "encode_packed", "table_values", "aggregate", "decode", "decode_indices",
+           "agree_max", "encode", "encode_packed", "prepare", "encode_prepared", "Prepared",
+           "table_values", "aggregate", "decode", "decode_indices",
            "sum_dtype", "pack_bits", "unpack_bits"]
 
 GROUP_ELEMENTS = 1 << 20
@@ -216,7 +217,51 @@ def encode_packed(x, max_norms, params: THCParams, round: int = 0, generator=Non
     return _encode(x, max_norms, params, round, generator, backend, pack=True)
 
 
-def _encode(x, max_norms, params, round, generator, backend, pack):
+@dataclass
+class Prepared:
+    """A tensor after the part of encoding that needs no max norms: its slice norms (for the
+    MAX round) and, on the kernels, the signed row-transformed scratch of encode pass 1, so
+    that norms + encode read x once and the scratch once (two passes) instead of three."""
+
+    flat: object
+    round: int
+    norms: object
+    scratch: dict = field(default_factory=dict)   # first slice of a group -> its scratch
+    backend: str = "auto"
+
+
+def prepare(x, params: THCParams, round: int = 0, backend: str = "auto") -> Prepared:
+    """Slice norms of x and, on the kernels, encode pass 1 from the same read. Then
+    ``encode_prepared(prep, agree_max(...))``; x must not change in between."""
+    flat = _flat(x)
+    kern = kernels_for(flat, backend)
+    if kern is None:
+        return Prepared(flat, round, slice_norms(flat, params), {}, backend)
+    import torch
+    flat = flat.contiguous()
+    parts, scratch = [], {}
+    for grp in layout(flat.shape[0], params).groups(1 << 62):
+        if kern.supports(grp.padded):
+            scratch[grp.first], nrm = kern.encode_rows(flat, grp, params.seed, round)
+        else:
+            view = _view(flat, grp)
+            nrm = torch.linalg.vector_norm(view, dim=1)
+        parts.append(nrm)
+    norms = torch.cat(parts) if parts else flat.new_zeros(0)
+    if not bool(torch.isfinite(norms).all()):
+        raise ValueError("input contains NaN or Inf (or overflows float32 in its norm)")
+    return Prepared(flat, round, norms, scratch, backend)
+
+
+def encode_prepared(prep: Prepared, max_norms, params: THCParams, generator=None,
+                    pack: bool = True):
+    """Finish :func:`prepare`'s encode under the agreed max norms: packed wire form by
+    default, uint8 indices with ``pack=False``."""
+    return _encode(prep.flat, max_norms, params, prep.round, generator, prep.backend, pack,
+                   prep.scratch)
+
+
+def _encode(x, max_norms, params, round, generator, backend, pack, scratch=None):
     flat = _flat(x)
     lay = layout(flat.shape[0], params)
     m = _norm_array(max_norms, lay.n_slices)
@@ -249,8 +294,10 @@ def _encode(x, max_norms, params, round, generator, backend, pack):
         if kern is not None and kern.supports(grp.padded):
             a, n = (grp.padded_start // 2, grp.count * grp.padded // 2) if fused else \
                 (grp.padded_start, grp.count * grp.padded)
-            first = kern.encode_group(flat, grp, c, table, params.seed, round, useed,
-                                      out[a: a + n], fused)
+            tmp = scratch.get(grp.first) if scratch else None
+            if tmp is None:
+                tmp, _ = kern.encode_rows(flat, grp, params.seed, round)
+            first = kern.encode_cols(tmp, grp, c, table, round, useed, out[a: a + n], fused)
             _check_finite(first, grp)
             continue
         rows = _rows(flat, grp)
@@ -517,6 +564,13 @@ class THCCodec:
     def encode_packed(self, x, max_norms, round: int = 0, generator=None):
         """Encode straight to the wire form (fused on the kernels at b = 4)."""
         return encode_packed(x, max_norms, self.params, round, generator, self.backend)
+
+    def prepare(self, x, round: int = 0) -> Prepared:
+        """Norms and, on the kernels, encode pass 1 from one read of x (see :func:`prepare`)."""
+        return prepare(x, self.params, round, self.backend)
+
+    def encode_prepared(self, prep: Prepared, max_norms, generator=None, pack: bool = True):
+        return encode_prepared(prep, max_norms, self.params, generator, pack)
 
     def aggregate(self, index_vectors: Sequence):
         return aggregate(index_vectors, self.params)

@@ -5,8 +5,10 @@ Why this shape: a slice of d = 2^L coordinates (2^20 by default, 4 MiB) does not
 so it is viewed as an R x C matrix (d = R C, index i = row C + col) and H_d = H_R (x) H_C is
 applied in two passes, each on chip:
 
-- encode pass 1 (rows): load x, apply the rotation signs (host/codec/rng.py, computed in the
-  kernel from the slice's key), transform each row of C with H_C, store float32 scratch.
+- encode pass 1 (rows): load x, add up its squares (the slice norms of the MAX round come
+  from this read), apply the rotation signs (host/codec/rng.py, computed in the kernel from
+  the slice's key), transform each row of C with H_C, store float32 scratch. The scale needs
+  the agreed max norm only in pass 2, so pass 1 can run before the MAX round.
 - encode pass 2 (columns): load a block of whole columns, transform them with H_R, then
   scale by g / (2 t_p M), shift by g/2, truncate to [0, g], round stochastically onto the
   table (uniforms from the counter-based generator) and store indices, packed two to a byte
@@ -130,12 +132,13 @@ def _had_first(x, K: tl.constexpr, N: tl.constexpr, K1: tl.constexpr, PREC: tl.c
 
 
 @triton.jit
-def _encode_rows(X, TMP, KEYS, length, d,
+def _encode_rows(X, TMP, KEYS, PART, length, d,
                  C: tl.constexpr, C1: tl.constexpr, BM: tl.constexpr, PREC: tl.constexpr):
     s = tl.program_id(0)
     rows = tl.program_id(1) * BM + tl.arange(0, BM)
     i = rows[:, None] * C + tl.arange(0, C)[None, :]
     x = tl.load(X + s.to(tl.int64) * length + i, mask=i < length, other=0.0)
+    tl.store(PART + s * tl.num_programs(1) + tl.program_id(1), tl.sum(tl.sum(x * x, 1), 0))
     k0, k1 = _key(KEYS, s)
     y = _had_last(_signed(x, i, k0, k1), BM, C, C1, PREC)
     tl.store(TMP + s.to(tl.int64) * d + i, y)
@@ -225,17 +228,26 @@ def _luts(table: tuple[int, ...], device):
     return _LUTS[key]
 
 
-def encode_group(flat, grp, coef: np.ndarray, table: tuple[int, ...], seed: int, round_: int,
-                 uniform_seed: int, out, pack: bool):
-    """Encode one group of equal slices of ``flat`` (float32, contiguous) into ``out`` (uint8
-    indices, or packed b = 4 bytes when ``pack``). Returns the first rotated coordinate of
-    each slice (for the caller's NaN/Inf check)."""
+def encode_rows(flat, grp, seed: int, round_: int):
+    """Encode pass 1 of one group of equal slices of ``flat`` (float32, contiguous): the
+    signed, row-transformed scratch and the slices' L2 norms (from the same read of x)."""
     sh, dev, d = _Shape(grp.padded), flat.device, grp.padded
     x = flat[grp.start: grp.start + grp.count * grp.length]
     tmp = torch.empty(grp.count * d, dtype=torch.float32, device=dev)
+    part = torch.empty((grp.count, sh.R // sh.BM), dtype=torch.float32, device=dev)
     keys = _keys(seed, round_, grp.first, grp.count, rng.SIGN_STREAM, dev)
-    _encode_rows[(grp.count, sh.R // sh.BM)](x, tmp, keys, grp.length, d, C=sh.C, C1=sh.C1,
-                                             BM=sh.BM, PREC=PRECISION, num_warps=NUM_WARPS)
+    _encode_rows[(grp.count, sh.R // sh.BM)](x, tmp, keys, part, grp.length, d, C=sh.C,
+                                             C1=sh.C1, BM=sh.BM, PREC=PRECISION,
+                                             num_warps=NUM_WARPS)
+    return tmp, part.sum(1).sqrt_()
+
+
+def encode_cols(tmp, grp, coef: np.ndarray, table: tuple[int, ...], round_: int,
+                uniform_seed: int, out, pack: bool):
+    """Encode pass 2 of one group: column transform, scale, truncation, stochastic rounding
+    into ``out`` (uint8 indices, or packed b = 4 bytes when ``pack``). Returns the first
+    rotated coordinate of each slice (for the caller's NaN/Inf check)."""
+    sh, dev, d = _Shape(grp.padded), tmp.device, grp.padded
     first = torch.empty(grp.count, dtype=torch.float32, device=dev)
     ukeys = _keys(uniform_seed, round_, grp.first, grp.count, rng.UNIFORM_STREAM, dev)
     lower, base, width = _luts(table, dev)
