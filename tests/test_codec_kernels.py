@@ -130,6 +130,21 @@ def test_kernels_match_reference(slice_log, extra):
 
 
 @kernels
+def test_kernels_pack_around_short_tail_slices():
+    """Tails of 1 and 3 coordinates take the reference path inside a kernel encode; the
+    packed bytes stay aligned (an odd padded length ends in half a byte)."""
+    p = THCParams(slice_size=256)
+    for n in (513, 259):
+        x = torch.randn(n, generator=torch.Generator().manual_seed(n)).to(DEV)
+        m = thc.slice_norms(x, p)
+        idx = thc.encode(x, m, p, 2, 6, backend="triton")
+        assert idx.numel() == thc.layout(n, p).total_padded
+        packed = thc.encode_packed(x, m, p, 2, 6, backend="triton")
+        assert torch.equal(packed.cpu(), thc.pack_bits(idx.cpu(), 4))
+        assert torch.equal(idx.cpu(), thc.encode(x.cpu(), m.cpu(), p, 2, 6, backend="reference"))
+
+
+@kernels
 def test_encode_on_one_backend_decode_on_another():
     """Kernels -> reference, reference -> kernels, numpy -> kernels: the NMSE of all-reference
     (b=4, g=30, p=1/32: 0.0204 +- 5% for one Gaussian worker)."""

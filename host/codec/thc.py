@@ -275,14 +275,15 @@ def _encode(x, max_norms, params, round, generator, backend, pack, scratch=None)
             raise ValueError(f"the torch generator is on {generator.device} but the input is "
                              f"on {flat.device}: use a generator of the input's device")
     kern = kernels_for(flat, backend)
-    fused = kern is not None and pack and params.bits == 4
+    # packed groups start on whole bytes when slices have an even length
+    fused = kern is not None and pack and params.bits == 4 and params.slice_size >= 2
     if kern is not None:
         flat = flat.contiguous()
         useed = _uniform_seed(generator, flat)
     counter = int(generator) if isinstance(generator, (int, np.integer)) else None
     gen = None if counter is not None else resolve_generator(generator, flat)
     if torch_in:
-        out = torch.empty(lay.total_padded // 2 if fused else lay.total_padded,
+        out = torch.empty((lay.total_padded + 1) // 2 if fused else lay.total_padded,
                           dtype=torch.uint8, device=flat.device)
     else:
         out = np.empty(lay.total_padded, dtype=np.uint8)
@@ -321,7 +322,7 @@ def _encode(x, max_norms, params, round, generator, backend, pack, scratch=None)
             dst = torch.empty((grp.count, grp.padded), dtype=torch.uint8, device=flat.device)
             stochastic_round(u, table, rand, out=dst)
             a = grp.padded_start // 2
-            out[a: a + dst.numel() // 2] = pack_bits(dst, 4)
+            out[a: a + (dst.numel() + 1) // 2] = pack_bits(dst, 4)
             continue
         dst = out[grp.padded_start: grp.padded_start + grp.count * grp.padded]
         stochastic_round(u, table, rand, out=dst.reshape(grp.count, grp.padded))
