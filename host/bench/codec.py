@@ -2,9 +2,9 @@
 
 For each size (2^20..2^26 float32 elements by default) the same run measures, on the same
 tensor: a device copy (``x.clone()``, the memory-speed yardstick), the FP16 round trip
-(``x.half().float()``), THC's norms, encode (norms + encode + packing to the wire form: ``prepare`` then
-``encode_prepared``, the MAX round between them left out),
-decode (of four workers' sums) and encode+decode, and PowerSGD. Figures are GB/s of float32
+(``x.half().float()``), THC's norms, encode (norms + encode + packing to the wire form:
+``prepare`` then ``encode_prepared``, the MAX round between them left out), decode (of four
+workers' sums) and encode+decode, and PowerSGD. Figures are GB/s of float32
 input (4 bytes per element, GB = 10^9 bytes) from the median of --repeat runs, and the speed
 relative to the copy (1.0: as fast as copying the tensor once).
 
