@@ -256,6 +256,29 @@ def test_prepare_then_encode_on_the_reference_path(as_numpy):
     assert np.array_equal(np.asarray(got), np.asarray(want))
 
 
+def test_cpu_install_without_triton(monkeypatch):
+    """Without triton the reference path serves everything; asking for the kernels says why
+    not. On the CPU the kernels also need the interpreter to have been asked for."""
+    import sys
+
+    import host.codec
+    monkeypatch.delitem(sys.modules, "host.codec.triton_kernels", raising=False)
+    monkeypatch.delattr(host.codec, "triton_kernels", raising=False)
+    monkeypatch.setitem(sys.modules, "triton", None)
+    p = THCParams(slice_size=256)
+    x = torch.randn(600)
+    c = THCCodec(p)
+    m = c.norms(x)
+    assert c.decode(c.aggregate([c.encode(x, m, 0)]), 1, m, 600, 0).shape == (600,)
+    with pytest.raises(RuntimeError, match="needs the triton package"):
+        thc.encode(x, m, p, backend="triton")
+    monkeypatch.undo()
+    if SKIP is None and not CUDA:
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
+        with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+            thc.encode(x, m, p, backend="triton")
+
+
 def test_backend_argument_checked():
     p = THCParams(slice_size=256)
     x = np.ones(10, np.float32)
