@@ -110,25 +110,29 @@ def _hmat(K: tl.constexpr):
 def _had_last(x, M: tl.constexpr, K: tl.constexpr, K1: tl.constexpr, PREC: tl.constexpr):
     """H_K along axis 1 of an (M, K) tile, K = K1 K2 (K1 = 1: one product)."""
     if K1 == 1:
-        return tl.dot(x, _hmat(K), input_precision=PREC)
-    K2: tl.constexpr = K // K1
-    y = tl.dot(tl.reshape(x, (M * K1, K2)), _hmat(K2), input_precision=PREC)
-    y = tl.permute(tl.reshape(y, (M, K1, K2)), (0, 2, 1))
-    y = tl.dot(tl.reshape(y, (M * K2, K1)), _hmat(K1), input_precision=PREC)
-    return tl.reshape(tl.permute(tl.reshape(y, (M, K2, K1)), (0, 2, 1)), (M, K))
+        y = tl.dot(x, _hmat(K), input_precision=PREC)
+    else:
+        K2: tl.constexpr = K // K1
+        y = tl.dot(tl.reshape(x, (M * K1, K2)), _hmat(K2), input_precision=PREC)
+        y = tl.permute(tl.reshape(y, (M, K1, K2)), (0, 2, 1))
+        y = tl.dot(tl.reshape(y, (M * K2, K1)), _hmat(K1), input_precision=PREC)
+        y = tl.reshape(tl.permute(tl.reshape(y, (M, K2, K1)), (0, 2, 1)), (M, K))
+    return y
 
 
 @triton.jit
 def _had_first(x, K: tl.constexpr, N: tl.constexpr, K1: tl.constexpr, PREC: tl.constexpr):
     """H_K along axis 0 of a (K, N) tile, K = K1 K2 (K1 = 1: one product)."""
     if K1 == 1:
-        return tl.trans(tl.dot(tl.trans(x), _hmat(K), input_precision=PREC))
-    K2: tl.constexpr = K // K1
-    y = tl.permute(tl.reshape(x, (K1, K2, N)), (0, 2, 1))
-    y = tl.dot(tl.reshape(y, (K1 * N, K2)), _hmat(K2), input_precision=PREC)
-    y = tl.permute(tl.reshape(y, (K1, N, K2)), (2, 1, 0))
-    y = tl.dot(tl.reshape(y, (K2 * N, K1)), _hmat(K1), input_precision=PREC)
-    return tl.reshape(tl.permute(tl.reshape(y, (K2, N, K1)), (2, 0, 1)), (K, N))
+        y = tl.trans(tl.dot(tl.trans(x), _hmat(K), input_precision=PREC))
+    else:
+        K2: tl.constexpr = K // K1
+        y = tl.permute(tl.reshape(x, (K1, K2, N)), (0, 2, 1))
+        y = tl.dot(tl.reshape(y, (K1 * N, K2)), _hmat(K2), input_precision=PREC)
+        y = tl.permute(tl.reshape(y, (K1, N, K2)), (2, 1, 0))
+        y = tl.dot(tl.reshape(y, (K2 * N, K1)), _hmat(K1), input_precision=PREC)
+        y = tl.reshape(tl.permute(tl.reshape(y, (K2, N, K1)), (2, 0, 1)), (K, N))
+    return y
 
 
 @triton.jit
