@@ -279,3 +279,32 @@ def decode_group(values, grp, alpha: np.ndarray, centre: float, seed: int, round
     _decode_cols[(grp.count, sh.C // sh.BN)](tmp, out, a, keys, grp.length, d, R=sh.R,
                                              C=sh.C, R1=sh.R1, BN=sh.BN, PREC=PRECISION,
                                              num_warps=NUM_WARPS)
+
+
+def compile_for(padded: int, arch: int = 90) -> dict:
+    """Compile the four kernels for a slice of ``padded`` coordinates ahead of time for CUDA
+    compute capability ``arch`` (90: H100), without a GPU: the check that what the
+    interpreter ran also builds for the device. Returns kernel name -> shared memory bytes."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    sh = _Shape(padded)
+    rows = dict(C=sh.C, C1=sh.C1, BM=sh.BM, PREC=PRECISION)
+    cols = dict(R=sh.R, C=sh.C, R1=sh.R1, BN=sh.BN, PREC=PRECISION)
+    jobs = [
+        (_encode_rows, dict(X="*fp32", TMP="*fp32", KEYS="*i32", PART="*fp32", length="i32",
+                            d="i32"), rows),
+        (_encode_cols, dict(TMP="*fp32", OUT="*u8", FIRST="*fp32", COEF="*fp32", UKEYS="*i32",
+                            LOWER="*i32", BASE="*fp32", WIDTH="*fp32", d="i32", g="i32"),
+         dict(cols, PACK=True)),
+        (_decode_rows, dict(S="*i32", TMP="*fp32", TABLE="*u8", centre="fp32", d="i32"),
+         dict(rows, LOOKUP=True)),
+        (_decode_cols, dict(TMP="*fp32", OUT="*fp32", ALPHA="*fp32", KEYS="*i32", length="i32",
+                            d="i32"), cols),
+    ]
+    out = {}
+    for fn, sig, consts in jobs:
+        sig = dict(sig, **{k: "constexpr" for k in consts})
+        k = triton.compile(ASTSource(fn, sig, consts), target=GPUTarget("cuda", arch, 32),
+                           options={"num_warps": NUM_WARPS})
+        out[fn.__name__] = k.metadata.shared
+    return out
