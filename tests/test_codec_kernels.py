@@ -125,6 +125,8 @@ def test_kernels_match_reference(slice_log, extra):
     db = thc.decode(sums.cpu(), 3, m.cpu(), n, p, 5, backend="reference")
     assert da.dtype == torch.float32 and da.shape == (n,)
     assert torch.allclose(da.cpu(), db, atol=1e-5)
+    for narrow in (torch.uint8, torch.int16, torch.int64)[: 3 if slice_log < 16 else 0]:
+        assert torch.equal(thc.decode(sums.to(narrow), 3, m, n, p, 5, backend="triton"), da)
     own = thc.decode_indices(a, m, n, p, 5, backend="triton")
     assert torch.allclose(own.cpu(), db, atol=1e-5)
 
