@@ -22,11 +22,11 @@ $(STAMP): pyproject.toml constraints.txt
 	@if [ -d $(DEBIAN_MININET) ]; then ln -sfn $(DEBIAN_MININET) "$(SITE)/mininet"; fi
 	touch $@
 
-# Debian's Mininet (root only; skipped quietly elsewhere: everything falls back to loopback).
+# Debian's Mininet and Fashion-MNIST (root only; elsewhere: loopback testbed, digits data).
 system-deps:
 	@if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
 	  missing=""; \
-	  for p in mininet bridge-utils iputils-ping iproute2 ethtool iptables; do \
+	  for p in mininet bridge-utils iputils-ping iproute2 ethtool iptables dataset-fashion-mnist; do \
 	    dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; \
 	  done; \
 	  if [ -n "$$missing" ]; then \

@@ -314,13 +314,22 @@ def test_codec_bench_quick(tmp_path, capsys):
     parser = argparse.ArgumentParser()
     bench.add_arguments(parser)
     out = tmp_path / "codec.json"
-    args = parser.parse_args(["--quick", "--size", str(2 ** 16), "--repeat", "1",
+    args = parser.parse_args(["--quick", "--sizes", "12,14", "--repeat", "1",
                               "--json", str(out)])
     assert bench.run(args) == 0
     res = json.loads(out.read_text())
-    names = {r["name"]: r for r in res["results"]}
-    assert "THC encode+decode (torch)" in names and "THC encode (numpy)" in names
-    assert any(n.startswith("PowerSGD rank 4") for n in names)
-    assert names["fp16 cast (torch x.half().float())"]["ratio_to_fp16"] == 1.0
-    assert all(r["mb_per_s"] > 0 for r in res["results"])
-    assert "x fp16" in capsys.readouterr().out
+    assert res["sizes"] == [2 ** 12, 2 ** 14] and res["device"] == "cpu"
+    names = {(r["name"], r["elements"]): r for r in res["results"]}
+    for n in res["sizes"]:
+        assert ("THC encode+decode (cpu, auto)", n) in names
+        assert ("THC encode (numpy)", n) in names
+        assert ("fp16 round trip (x.half().float())", n) in names
+        assert any(k[0].startswith("PowerSGD rank 4") and k[1] == n for k in names)
+        assert names[("copy (x.clone())", n)]["speed_vs_copy"] == 1.0
+    assert all(r["gb_per_s"] > 0 for r in res["results"])
+    assert "of copy" in capsys.readouterr().out
+    assert bench.parse_sizes("20-22,24") == [2 ** 20, 2 ** 21, 2 ** 22, 2 ** 24]
+    with pytest.raises(ValueError):
+        bench.parse_sizes("40")
+    args = parser.parse_args(["--device", "tpu"])
+    assert bench.run(args) == 2

@@ -34,7 +34,7 @@ def _worker(rank, port, kind, q):
 
     from host.codec.params import THCParams
     from host.collective.allreduce import THCAllReduce
-    from host.collective.ddp import HookOptions, THCHook, TopKHook
+    from host.collective.ddp import HookOptions, MarsitHook, THCHook, TopKHook
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
@@ -46,12 +46,15 @@ def _worker(rank, port, kind, q):
         gen = torch.Generator().manual_seed(rank)
         hook = THCHook(model, lambda: THCAllReduce.through_torch_distributed(
             params=THCParams(seed=3), generator=gen), opts).register(ddp)
+    elif kind == "marsit":
+        hook = MarsitHook(model, opts, generator=torch.Generator().manual_seed(rank)).register(ddp)
     else:
         hook = TopKHook(model, ratio=0.25, options=opts).register(ddp)
     x, y = _data(rank)
     torch.nn.functional.cross_entropy(ddp(x), y).backward()
+    br = hook.step_breakdown()
     q.put((rank, {n: p.grad.numpy().copy() for n, p in model.named_parameters()},
-           hook.fp32_elements, hook.bytes_sent))
+           hook.fp32_elements, hook.bytes_sent, (br.comm, br.exposed)))
     dist.destroy_process_group()
 
 
@@ -61,14 +64,14 @@ def _run(kind):
     port = free_port_block(1)
     ps = [ctx.Process(target=_worker, args=(r, port, kind, q)) for r in range(WORLD)]
     [p.start() for p in ps]
-    out = {r: (g, n, b) for r, g, n, b in (q.get(timeout=120) for _ in ps)}
+    out = {r: (g, n, b, br) for r, g, n, b, br in (q.get(timeout=120) for _ in ps)}
     [p.join(30) for p in ps]
     ref = [_grads_without_ddp(r) for r in range(WORLD)]
     mean = {k: ((ref[0][k] + ref[1][k]) / 2).numpy() for k in ref[0]}
     return out, mean
 
 
-@pytest.mark.parametrize("kind", ["thc", "topk"])
+@pytest.mark.parametrize("kind", ["thc", "topk", "marsit"])
 def test_hook_gives_every_rank_the_same_gradient(kind):
     out, mean = _run(kind)
     for name in mean:
@@ -77,6 +80,8 @@ def test_hook_gives_every_rank_the_same_gradient(kind):
     np.testing.assert_allclose(out[0][0]["2.bias"], mean["2.bias"], rtol=1e-5, atol=1e-7)
     assert out[0][1] == 4, "only 2.bias (4 elements) goes through FP32"
     assert out[0][2] > 0
+    comm, exposed = out[0][3]
+    assert comm > 0 and 0 <= exposed <= comm + 0.05     # + thread hand-over latency
 
 
 def test_thc_hook_gradient_close_to_the_mean():

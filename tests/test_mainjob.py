@@ -1,4 +1,4 @@
-"""The main job end to end on the loopback testbed (short: one epoch, two modes)."""
+"""The main job end to end on the loopback testbed (short: digits, one epoch, three modes)."""
 from __future__ import annotations
 
 import json
@@ -12,17 +12,47 @@ import pytest
 def test_main_job_runs_and_reports(tmp_path):
     out = subprocess.run(
         [sys.executable, "-m", "host.app.cli", "run", "--loopback", "--epochs", "1",
-         "--modes", "fp32,thc", "--out", str(tmp_path)],
+         "--data", "digits", "--batch", "32", "--evals", "2",
+         "--modes", "fp32,thc,marsit", "--out", str(tmp_path)],
         capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "loopback" in out.stdout + out.stderr, "the fallback must say so"
     report = json.loads((tmp_path / "mainjob.json").read_text())
     runs = {r["mode"]: r for r in report["runs"]}
-    assert set(runs) == {"fp32", "thc"}
+    assert set(runs) == {"fp32", "thc", "marsit"}
     for r in runs.values():
-        assert len(r["history"]) == 1 and 0.0 <= r["final_accuracy"] <= 1.0
-        assert r["wire_bytes_sent"] > 0
-    # THC moves far fewer bytes than FP32 for the same steps.
-    assert runs["fp32"]["wire_bytes_sent"] > 4 * runs["thc"]["wire_bytes_sent"]
+        assert len(r["history"]) == 2 and 0.0 <= r["final_accuracy"] <= 1.0
+        assert r["wire_bytes"] > 0 and r["dataset"] == "digits" and r["testbed"] == "loopback"
+        assert r["stopped"] is None and r["epochs_done"] == 1.0
+    # THC moves far fewer bytes than FP32 for the same steps, Marsit fewer still.
+    assert runs["fp32"]["wire_bytes"] > 4 * runs["thc"]["wire_bytes"]
+    assert runs["thc"]["wire_bytes"] > runs["marsit"]["wire_bytes"]
+    summary = report["summary"]
+    assert summary["target_fp32_minus_1pt"] == runs["fp32"]["final_accuracy"] - 0.01
+    assert {row["mode"] for row in summary["rows"]} == set(runs)
+    assert summary["verdict"] in out.stdout
     assert (tmp_path / "mainjob.png").stat().st_size > 10_000
-    assert "final accuracy" in out.stdout
+
+
+def _run_of(mode, points, stopped=None):
+    hist = [{"seconds": t, "accuracy": a, "steps": i + 1, "epoch": i + 1}
+            for i, (t, a) in enumerate(points)]
+    return {"mode": mode, "history": hist, "final_accuracy": hist[-1]["accuracy"],
+            "train_seconds": hist[-1]["seconds"], "wire_bytes": 1, "epochs_done": 2,
+            "stopped": stopped}
+
+
+def test_time_to_accuracy_summary_names_the_winner():
+    from thcnet.mainjob import summarize, time_to
+
+    fp32 = _run_of("fp32", [(10, 0.70), (20, 0.80), (30, 0.85)])
+    thc = _run_of("thc", [(4, 0.72), (8, 0.845), (12, 0.846)])
+    topk = _run_of("topk", [(5, 0.60), (9, 0.70)])
+    bmv2 = _run_of("thc-bmv2", [(2, 0.90)], stopped="stopped at the 5 s limit")
+    assert time_to(fp32["history"], 0.8) == 20 and time_to(topk["history"], 0.8) is None
+    s = summarize([fp32, thc, topk, bmv2], 0.8)
+    rows = {r["mode"]: r for r in s["rows"]}
+    assert rows["thc"]["tta_fp32_minus_1pt"] == 8 and rows["fp32"]["tta_fp32_minus_1pt"] == 30
+    assert rows["thc"]["speedup"] == 30 / 8 and rows["topk"]["speedup"] is None
+    assert s["verdict"].startswith("thc won") and "3.75x" in s["verdict"]
+    assert rows["thc-bmv2"]["stopped"]          # a stopped run never wins

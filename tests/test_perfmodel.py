@@ -32,3 +32,30 @@ def test_break_even_separates_the_two_regimes():
     above = iteration_s(Setup(**{**s.__dict__, "bandwidth_gbps": be * 2}))
     assert below["thc_switch"] < below["fp32_ring"]
     assert above["thc_switch"] >= above["fp32_ring"]
+
+
+def test_marsit_moves_a_bit_per_coordinate():
+    s = Setup(params=8e6, workers=4, bandwidth_gbps=1.0, latency_us=0.0, compute_s=0.0)
+    t = iteration_s(s)
+    assert t["marsit_ring"] == pytest.approx(ring_allreduce_s(1e6, s))
+    assert t["fp32_ring"] == pytest.approx(32 * t["marsit_ring"])
+
+
+def test_calibration_against_a_main_job_report():
+    from host.app.perfmodel import calibrate
+
+    def run(mode, seconds, steps, exposed=None, codec=None):
+        return {"mode": mode, "params": 1_000_000, "train_seconds": seconds,
+                "history": [{"steps": steps, "exposed_comm_seconds": exposed,
+                             "codec_seconds": codec}]}
+
+    # 100 steps; compute 0.1 s/step; FP32 ring of 4 MB at 100 Mbit/s with 4 workers: 0.48 s
+    report = {"args": {"workers": 4, "bw": 100.0, "software_lanes": 1444},
+              "runs": [run("fp32", 48.0, 100), run("marsit", 10.5, 100, exposed=0.5),
+                       run("thc", 20.0, 100, exposed=10.0, codec=2.0)]}
+    rows = {r["mode"]: r for r in calibrate(report)}
+    assert rows["fp32"]["compute_s"] == pytest.approx(0.1)
+    assert rows["fp32"]["predicted_s"] == pytest.approx(0.48, rel=1e-6)
+    assert abs(rows["fp32"]["error"]) < 0.01
+    assert rows["thc"]["codec_s"] == pytest.approx(0.02)
+    assert rows["thc"]["predicted_s"] > rows["marsit"]["predicted_s"]

@@ -4,13 +4,20 @@ T_iter = max(lambda * T_compute, T_comm) + T_encode + T_decode, with lambda ~ 1.
 slowdown of compute when communication overlaps it). A ring all-reduce of b bytes over p
 workers costs 2*alpha*(p-1) + 2*b*(p-1)/(p*BW). Through a switch (or a parameter server
 with a fat link) each worker sends its compressed gradient once and receives the sums once,
-full duplex: alpha*2 + max(up, down)/BW. Compression pays only when the communication it
-saves is not hidden behind compute and exceeds its own encode/decode cost.
+full duplex: alpha*2 + max(up, down)/BW. Marsit sends one bit per coordinate through a
+ring (2(p-1)/p * d/8 bytes). Compression pays only when the communication it saves is not
+hidden behind compute and exceeds its own encode/decode cost.
+
+``thc model --calibrate out/mainjob.json`` feeds the model what the main job measured (its
+compute per step, the codec seconds the THC hook really spent, the link bandwidth) and
+prints the predicted iteration time of each mode beside the measured one.
 """
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+import json
+from dataclasses import dataclass, replace
+from pathlib import Path
 
 from host.wire import protocol as P
 
@@ -60,7 +67,49 @@ def iteration_s(s: Setup) -> dict[str, float]:
         "fp32_ring": max(compute, ring_allreduce_s(4 * s.params, s)),
         "thc_switch": max(compute, 2 * s.alpha + max(up, down) / s.bw) + codec,
         "thc_allreduce": max(compute, ring_allreduce_s(s.params * P.SUM_BITS / 8, s)) + codec,
+        "marsit_ring": max(compute, ring_allreduce_s(s.params / 8, s)),
     }
+
+
+MODE_SCHEME = {"fp32": "fp32_ring", "thc": "thc_switch", "thc-bmv2": "thc_switch",
+               "thc-dist": "thc_allreduce", "marsit": "marsit_ring"}
+"""Main-job modes and the model's scheme for each (TopK's all-gather is not modelled)."""
+
+
+def calibrate(report: dict) -> list[dict]:
+    """Predicted against measured seconds per training step for each run of a main job.
+
+    Compute per step comes from the runs whose hook reports how much communication backward
+    waited for (step time minus exposed communication, averaged); the codec cost from the
+    THC hook's own encode/decode/feedback seconds; bandwidth and workers from the job.
+    """
+    args, runs = report["args"], report["runs"]
+    rows, computes = [], []
+    for r in runs:
+        last = r["history"][-1]
+        step = r["train_seconds"] / last["steps"]
+        if last.get("exposed_comm_seconds") is not None and r["mode"] != "fp32":
+            computes.append(step - last["exposed_comm_seconds"] / last["steps"])
+    if not computes:
+        raise ValueError("the report has no run with a communication breakdown")
+    compute = sum(computes) / len(computes)
+    base = Setup(params=float(runs[0]["params"]), workers=int(args["workers"]),
+                 bandwidth_gbps=float(args["bw"]) / 1e3, latency_us=0.0, compute_s=compute,
+                 overlap=1.0, lanes=int(args.get("software_lanes") or P.LANES))
+    for r in runs:
+        scheme = MODE_SCHEME.get(r["mode"])
+        last = r["history"][-1]
+        measured = r["train_seconds"] / last["steps"]
+        if scheme is None:
+            continue
+        codec_s = (last.get("codec_seconds") or 0.0) / last["steps"]
+        s = replace(base, lanes=P.LANES if r["mode"] == "thc-bmv2" else base.lanes,
+                    codec_mbps=(4 * base.params / codec_s / 1e6) if codec_s else 1e12)
+        predicted = iteration_s(s)[scheme]
+        rows.append({"mode": r["mode"], "scheme": scheme, "measured_s": measured,
+                     "predicted_s": predicted, "error": predicted / measured - 1,
+                     "compute_s": compute, "codec_s": codec_s})
+    return rows
 
 
 def break_even_gbps(s: Setup, scheme: str = "thc_switch", lo: float = 1e-3,
@@ -89,9 +138,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--overlap", type=float, default=1.05, help="lambda (1.04-1.1)")
     parser.add_argument("--codec-mbps", type=float, default=270.0,
                         help="THC encode+decode MB/s per worker (see thc bench codec)")
+    parser.add_argument("--calibrate", metavar="MAINJOB_JSON",
+                        help="compare the model with a main job's measured step times "
+                             "(out/mainjob.json)")
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.calibrate:
+        rows = calibrate(json.loads(Path(args.calibrate).read_text()))
+        print(f"{'mode':<9} {'scheme':<14} {'measured ms':>12} {'predicted ms':>13} "
+              f"{'error':>7}   (compute {1e3 * rows[0]['compute_s']:.0f} ms/step, measured)")
+        for r in rows:
+            print(f"{r['mode']:<9} {r['scheme']:<14} {1e3 * r['measured_s']:>12.1f} "
+                  f"{1e3 * r['predicted_s']:>13.1f} {100 * r['error']:>+6.0f}%")
+        return 0
     base = Setup(params=args.params, workers=args.workers, latency_us=args.latency_us,
                  compute_s=args.compute_ms / 1e3, overlap=args.overlap,
                  codec_mbps=args.codec_mbps)

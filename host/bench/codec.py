@@ -1,10 +1,18 @@
-"""``thc bench codec``: THC encode/decode throughput against the FP16 cast and PowerSGD.
+"""``thc bench codec``: THC encode/decode throughput against a device copy and the FP16 cast.
 
-All figures are per core: torch.set_num_threads(1) and BLAS limited to one thread, measured
-in the same run on the same 2^24-element float32 tensor (2^20 with --quick). MB/s counts the
-float32 input (4 bytes per element, MB = 10^6 bytes); each figure is the median of --repeat
-runs. Ratios are time / time of the FP16 cast (x.half().float()), so "3.0" means three times
-as long as the cast.
+For each size (2^20..2^26 float32 elements by default) the same run measures, on the same
+tensor: a device copy (``x.clone()``, the memory-speed yardstick), the FP16 round trip
+(``x.half().float()``), THC's norms, encode (norms + encode + packing to the wire form:
+``prepare`` then ``encode_prepared``, the MAX round between them left out), decode (of four
+workers' sums) and encode+decode, and PowerSGD. Figures are GB/s of float32
+input (4 bytes per element, GB = 10^9 bytes) from the median of --repeat runs, and the speed
+relative to the copy (1.0: as fast as copying the tensor once).
+
+``--device cpu`` (the default) runs on one core (torch.set_num_threads(1), BLAS limited to one
+thread), torch and numpy. ``--device cuda`` runs the fused Triton kernels (``--backend
+auto``) and, for comparison in the same run, the reference path on the GPU (``--reference``).
+``--backend triton`` on the CPU times Triton's interpreter (TRITON_INTERPRET=1): a check that
+the kernels run, not a speed.
 
 PowerSGD is measured with the steps of torch's own hook
 (torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook.powerSGD_hook), without a process
@@ -22,18 +30,39 @@ import sys
 import time
 
 from host.bench import add_common, emit_json
-from host.codec import thc as codec
 from host.codec.params import THCParams
+from host.codec.thc import THCCodec
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--size", type=int, default=None,
-                        help="elements (default 2^24, 2^20 with --quick)")
+    parser.add_argument("--device", default="cpu",
+                        help="cpu (default, one core) or cuda (or cuda:N)")
+    parser.add_argument("--backend", choices=("auto", "reference", "triton"), default="auto",
+                        help="THC path: auto (kernels on CUDA), reference, triton")
+    parser.add_argument("--reference", action=argparse.BooleanOptionalAction, default=None,
+                        help="also time the reference path on the device (default: on cuda)")
+    parser.add_argument("--sizes", default=None,
+                        help="log2 sizes, e.g. 20-26 or 20,24 (default 20-26; 16 with --quick)")
+    parser.add_argument("--size", type=int, default=None, help="one size in elements")
     parser.add_argument("--repeat", type=int, default=5, help="runs per figure (median)")
     parser.add_argument("--bits", type=int, default=4)
     parser.add_argument("--granularity", type=int, default=30)
-    parser.add_argument("--ranks", default="1,4", help="PowerSGD ranks (default 1,4)")
+    parser.add_argument("--ranks", default="1,4", help="PowerSGD ranks (default 1,4; '' none)")
     add_common(parser)
+
+
+def parse_sizes(text: str) -> list[int]:
+    """``20-26`` or ``20,22,24`` (log2 of the element count) -> element counts."""
+    logs: list[int] = []
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        lo, _, hi = part.partition("-")
+        logs += list(range(int(lo), int(hi or lo) + 1))
+    if not logs or any(not 0 <= v <= 34 for v in logs):
+        raise ValueError(f"sizes must be log2 values in 0..34, got {text!r}")
+    return [1 << v for v in logs]
 
 
 def _one_blas_thread():
@@ -44,16 +73,20 @@ def _one_blas_thread():
     return threadpool_limits(1)
 
 
-def _time_interleaved(ops: list[tuple[str, str, object]], repeat: int) -> dict[str, dict]:
+def _time_interleaved(ops: list[tuple[str, str, object]], repeat: int,
+                     sync=lambda: None) -> dict[str, dict]:
     """Median and best time per op, running the ops round-robin so that a background load
-    that comes and goes hits every op (and so every ratio) alike."""
+    that comes and goes hits every op (and so every ratio) alike. ``sync`` waits for the
+    device before and after each op."""
     for _, _, fn in ops:
         fn()
     runs: dict[str, list[float]] = {name: [] for name, _, _ in ops}
     for _ in range(repeat):
         for name, _, fn in ops:
+            sync()
             t = time.perf_counter()
             fn()
+            sync()
             runs[name].append(time.perf_counter() - t)
     return {name: {"median_s": statistics.median(r), "best_s": min(r)}
             for name, r in runs.items()}
@@ -76,8 +109,8 @@ def powersgd_steps(x, rank: int, seed: int = 0):
     grad = x.reshape(1, n, m)
     error = torch.zeros_like(grad)
     gen = torch.Generator().manual_seed(seed)
-    q = torch.randn(1, m, r, generator=gen)
-    p = torch.empty(1, n, r)
+    q = torch.randn(1, m, r, generator=gen).to(x.device)
+    p = torch.empty(1, n, r, device=x.device)
     state: dict = {}
 
     def compress():
@@ -97,96 +130,121 @@ def powersgd_steps(x, rank: int, seed: int = 0):
     return compress, decompress, (n, m, r)
 
 
-def _thc_ops(codec, params, backend: str, x, n: int) -> list:
-    """THC's steps on one backend; encode uses a new round each call (fresh diagonal)."""
+def _thc_ops(params, label: str, x, n: int, backend: str) -> tuple[list, tuple]:
+    """THC's steps on one backend; each encode uses a new round (a fresh rotation)."""
     import numpy as np
-    import torch
-    m = codec.slice_norms(x, params)
-    rng = np.random.default_rng(2) if backend == "numpy" else torch.Generator().manual_seed(2)
+    c = THCCodec(params, backend=backend)
+    m = c.norms(x)
     rounds = iter(range(10 ** 9))
-    idx = codec.encode(x, m, params, 0, rng)
-    sums = codec.aggregate([idx], params)
-    buf = torch.empty(n) if backend == "torch" else np.empty(n, np.float32)
-    return [
-        (f"THC norms ({backend})", backend, lambda: codec.slice_norms(x, params)),
-        (f"THC encode ({backend})", backend,
-         lambda: codec.encode(x, m, params, next(rounds), rng)),
-        (f"THC decode ({backend})", backend, lambda: codec.decode(sums, 1, m, n, params, 0)),
-        (f"THC decode into buffer ({backend})", backend,
-         lambda: codec.decode(sums, 1, m, n, params, 0, out=buf)),
-        (f"THC pack b={params.bits} ({backend})", backend,
-         lambda: codec.pack_bits(idx, params.bits)),
-    ]
+    gen = np.random.default_rng(2) if isinstance(x, np.ndarray) else None
+    idx = c.encode(x, m, 0, gen)
+    sums = c.aggregate([idx] * 4)
+    enc, dec = f"THC encode ({label})", f"THC decode, 4 workers ({label})"
+    ops = [(f"THC norms ({label})", label, lambda: c.norms(x)),
+           (enc, label, lambda: c.encode_prepared(c.prepare(x, next(rounds)), m, gen)),
+           (dec, label, lambda: c.decode(sums, 4, m, n, 0))]
+    return ops, (f"THC encode+decode ({label})", label, enc, dec)
 
 
 def run(args: argparse.Namespace) -> int:
-    import numpy as np
     import torch
 
-
-    n = args.size or (2 ** 20 if args.quick else 2 ** 24)
-    repeat = max(1, min(args.repeat, 2) if args.quick else args.repeat)
     try:
         params = THCParams(bits=args.bits, granularity=args.granularity)
         ranks = [int(r) for r in args.ranks.split(",") if r.strip()]
-    except ValueError as e:
+        if args.size:
+            sizes = [args.size]
+        else:
+            sizes = parse_sizes(args.sizes or ("16" if args.quick else "20-26"))
+        device = torch.device(args.device)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError("--device cuda but torch sees no CUDA device")
+        if device.type not in ("cpu", "cuda"):
+            raise ValueError(f"--device must be cpu or cuda, got {args.device}")
+    except (ValueError, RuntimeError) as e:
         print(f"thc bench codec: {e}")
         return 2
-    if n < 1:
-        print("thc bench codec: --size must be >= 1")
+    if min(sizes) < 1:
+        print("thc bench codec: sizes must be >= 1")
         return 2
+    repeat = max(1, min(args.repeat, 2) if args.quick else args.repeat)
+    cuda = device.type == "cuda"
+    reference = cuda if args.reference is None else args.reference
     out = sys.stderr if args.json == "-" else sys.stdout
+    sync = (lambda: torch.cuda.synchronize(device)) if cuda else (lambda: None)
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    mb = 4 * n / 1e6
-    ops: list[tuple[str, str, object]] = []
-    pairs: list[tuple[str, str, str, str]] = []   # (combined name, group, first, second)
+    if not cuda:
+        torch.set_num_threads(1)
+    label = f"{device.type}, {args.backend}"
+    rows: list[dict] = []
     try:
-        with _one_blas_thread():
-            gen = torch.Generator().manual_seed(1)
-            x = torch.randn(n, generator=gen)
-            xn = x.numpy().copy()
-            fp16_name = "fp16 cast (torch x.half().float())"
-            ops.append((fp16_name, "baseline", lambda: x.half().float()))
-            ops.append(("fp16 cast (numpy astype)", "baseline",
-                        lambda: xn.astype(np.float16).astype(np.float32)))
-            for backend, xx in (("torch", x), ("numpy", xn)):
-                ops += _thc_ops(codec, params, backend, xx, n)
-                pairs.append((f"THC encode+decode ({backend})", backend,
-                              f"THC encode ({backend})", f"THC decode ({backend})"))
-            for rank in ranks:
-                comp, decomp, shape = powersgd_steps(x, rank)
-                label = f"PowerSGD rank {rank} ({shape[0]}x{shape[1]})"
-                ops.append((f"{label} compress", "powersgd", comp))
-                ops.append((f"{label} decompress", "powersgd", decomp))
-                pairs.append((f"{label} compress+decompress", "powersgd",
-                              f"{label} compress", f"{label} decompress"))
-            times = _time_interleaved(ops, repeat)
+        with (_one_blas_thread() if not cuda else contextlib.nullcontext()):
+            for n in sizes:
+                rows += _measure(n, device, label, args.backend, reference and cuda, ranks,
+                                 params, repeat, sync)
+                if cuda:
+                    torch.cuda.empty_cache()
     finally:
         torch.set_num_threads(threads)
 
-    rows: list[dict] = []
-    for name, group, _ in ops:
-        rows.append(dict(name=name, group=group, **times[name]))
+    where = torch.cuda.get_device_name(device) if cuda else "one core"
+    print(f"codec throughput on {device.type} ({where}), median of {repeat}; "
+          f"THC {params.describe()}; GB/s of float32 input, speed relative to a copy", file=out)
+    head = f"{'operation':<48} {'elements':>9} {'ms':>9} {'GB/s':>8} {'of copy':>8}"
+    print(head, file=out)
+    print("-" * len(head), file=out)
+    for r in rows:
+        print(f"{r['name']:<48} 2^{r['elements'].bit_length() - 1:<7} "
+              f"{r['median_s'] * 1e3:>9.3f} {r['gb_per_s']:>8.2f} {r['speed_vs_copy']:>8.3f}",
+              file=out)
+    emit_json(args, {"device": str(device), "device_name": where, "backend": args.backend,
+                     "sizes": sizes, "repeat": repeat,
+                     "params": {"bits": params.bits, "granularity": params.granularity,
+                                "p": params.p},
+                     "torch": torch.__version__, "results": rows})
+    return 0
+
+
+def _measure(n, device, label, backend, reference, ranks, params, repeat, sync) -> list[dict]:
+    """All figures of one size, timed round-robin in one run."""
+    import numpy as np
+    import torch
+    x = torch.randn(n, generator=torch.Generator().manual_seed(1)).to(device)
+    ops: list[tuple[str, str, object]] = [
+        ("copy (x.clone())", "baseline", lambda: x.clone()),
+        ("fp16 round trip (x.half().float())", "baseline", lambda: x.half().float())]
+    pairs = []
+    thc_ops, pair = _thc_ops(params, label, x, n, backend)
+    ops += thc_ops
+    pairs.append(pair)
+    if reference and backend != "reference":
+        thc_ops, pair = _thc_ops(params, f"{device.type}, reference", x, n, "reference")
+        ops += thc_ops
+        pairs.append(pair)
+    if device.type == "cpu":
+        xn = x.numpy().copy()
+        ops.append(("fp16 round trip (numpy astype)", "baseline",
+                    lambda: xn.astype(np.float16).astype(np.float32)))
+        thc_ops, pair = _thc_ops(params, "numpy", xn, n, "reference")
+        ops += thc_ops
+        pairs.append(pair)
+    for rank in ranks:
+        comp, decomp, shape = powersgd_steps(x, rank)
+        name = f"PowerSGD rank {rank} ({shape[0]}x{shape[1]})"
+        ops.append((f"{name} compress", "powersgd", comp))
+        ops.append((f"{name} decompress", "powersgd", decomp))
+        pairs.append((f"{name} compress+decompress", "powersgd",
+                      f"{name} compress", f"{name} decompress"))
+    times = _time_interleaved(ops, repeat, sync)
+    rows = [dict(name=name, group=group, **times[name]) for name, group, _ in ops]
     for name, group, first, second in pairs:
         med = times[first]["median_s"] + times[second]["median_s"]
         best = times[first]["best_s"] + times[second]["best_s"]
         at = max(i for i, r in enumerate(rows) if r["name"] in (first, second)) + 1
         rows.insert(at, {"name": name, "group": group, "median_s": med, "best_s": best})
-    fp16 = times[fp16_name]
+    copy = times["copy (x.clone())"]["median_s"]
     for r in rows:
-        r["mb_per_s"] = mb / r["median_s"]
-        r["ratio_to_fp16"] = r["median_s"] / fp16["median_s"]
-    print(f"codec throughput, {n} float32 elements ({mb:.1f} MB), one core, "
-          f"median of {repeat}; THC {params.describe()}", file=out)
-    head = f"{'operation':<48} {'ms':>9} {'MB/s':>9} {'x fp16':>8}"
-    print(head, file=out)
-    print("-" * len(head), file=out)
-    for r in rows:
-        print(f"{r['name']:<48} {r['median_s'] * 1e3:>9.1f} {r['mb_per_s']:>9.0f} "
-              f"{r['ratio_to_fp16']:>8.1f}", file=out)
-    emit_json(args, {"elements": n, "mb": mb, "repeat": repeat, "threads": 1,
-                     "params": {"bits": params.bits, "granularity": params.granularity,
-                                "p": params.p},
-                     "torch": torch.__version__, "results": rows})
-    return 0
+        r["elements"] = n
+        r["gb_per_s"] = 4 * n / 1e9 / r["median_s"]
+        r["speed_vs_copy"] = copy / r["median_s"]
+    return rows

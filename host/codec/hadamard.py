@@ -7,9 +7,9 @@ factor: each pass is a BLAS GEMM, so a 2^20 slice takes 5 passes instead of 20. 
 backends run the same sequence of operations, so their results agree to float rounding
 (bit for bit on inputs whose partial sums are exact, e.g. small integers).
 
-The random ±1 diagonal of slice ``i`` in round ``r`` comes from numpy's PCG64 seeded with
-(seed, r, i), so numpy and torch (CPU or CUDA) inputs see the same rotation and every worker
-of a job draws the same diagonal without communicating.
+The random ±1 diagonal of slice ``i`` in round ``r`` is a pure function of (seed, r, i, index)
+(host/codec/rng.py), so numpy, torch (CPU or CUDA) and the Triton kernels see the same
+rotation and every worker of a job draws the same diagonal without communicating.
 """
 from __future__ import annotations
 
@@ -20,6 +20,8 @@ from functools import cached_property, lru_cache
 from typing import Iterator, Sequence
 
 import numpy as np
+
+from host.codec import rng
 
 MAX_FACTOR_BITS = 4
 """Largest Kronecker factor 2^4 = 16: 5 GEMM passes for a 2^20 slice at 32 flops per element
@@ -138,47 +140,14 @@ def _shares_memory(a, b) -> bool:
     return a.flags.c_contiguous and np.shares_memory(a, b)
 
 
-def _packed_sign_bits(n: int, seed: int, round_: int, slice_index: int) -> np.ndarray:
-    """ceil(n/8) random bytes of one slice's diagonal: PCG64 seeded by (seed, round, slice)."""
-    ss = np.random.SeedSequence([int(seed), int(round_), int(slice_index)])
-    return np.frombuffer(np.random.Generator(np.random.PCG64(ss)).bytes((n + 7) // 8),
-                         dtype=np.uint8)
-
-
-_SIGN_BYTES = (1 - 2 * np.unpackbits(np.arange(256, dtype=np.uint8)[:, None], axis=1)
-               .astype(np.int32)).astype(np.float32)
-"""Row b: the eight ±1 signs of byte b, MSB first (one row gather per byte beats unpacking)."""
-_TORCH_SIGN_BYTES: dict = {}
-
-
 def random_signs(n: int, seed: int, round: int = 0, slice_index: int | Sequence[int] = 0,
                  like=None):
     """The RHT diagonal: ±1 float32 of length n, or (len(slice_index), n) for several slices.
 
-    Bits are drawn by numpy (PCG64) whatever the backend and read MSB first; for a torch
-    ``like`` on an accelerator only the packed bytes travel to its device to be expanded there.
+    Drawn by the codec's counter-based generator (:func:`host.codec.rng.signs`), so every
+    backend and device computes the same diagonal.
     """
-    many = not isinstance(slice_index, (int, np.integer))
-    indices = list(slice_index) if many else [int(slice_index)]
-    rows, width = len(indices), 8 * ((n + 7) // 8)
-    packed = np.stack([_packed_sign_bits(n, seed, round, i) for i in indices]) if indices \
-        else np.zeros((0, width // 8), dtype=np.uint8)
-    if is_torch(like) and like.device.type != "cpu":
-        import torch
-        dev = like.device
-        lut = _TORCH_SIGN_BYTES.get(dev)
-        if lut is None:
-            lut = _TORCH_SIGN_BYTES[dev] = torch.from_numpy(_SIGN_BYTES).to(dev)
-        p = torch.from_numpy(packed.reshape(-1)).to(dev).int()
-        signs = lut.index_select(0, p).reshape(rows, width)[:, :n].contiguous()
-    else:
-        signs = np.take(_SIGN_BYTES, packed.reshape(-1), axis=0).reshape(rows, width)
-        if signs.shape[1] != n:
-            signs = np.ascontiguousarray(signs[:, :n])
-        if is_torch(like):
-            import torch
-            signs = torch.from_numpy(signs)
-    return signs if many else signs[0]
+    return rng.signs(n, seed, round, slice_index, like=like)
 
 
 def rht(x, seed: int, round: int = 0, slice_index: int | Sequence[int] = 0):

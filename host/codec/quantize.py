@@ -32,7 +32,7 @@ def _clamp_(x, lo: float, hi: float):
 
 
 @lru_cache(maxsize=64)
-def _segments(table: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def segments(table: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """For u in [k, k+1), k = 0..g-1: lower index j, lower value T[j], width T[j+1] - T[j]."""
     t = np.asarray(table, dtype=np.int64)
     g = int(t[-1])
@@ -53,7 +53,7 @@ _TORCH_LUT: dict = {}
 
 
 def _lut(table: tuple[int, ...], like):
-    luts = _segments(table)
+    luts = segments(table)
     if not is_torch(like):
         return luts
     key = (table, like.device)

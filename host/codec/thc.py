@@ -11,12 +11,22 @@ One round, for n workers holding vectors x_1..x_n (after error feedback):
 4. ``decode(S, n, max_norms, numel, params, round)``: mean_z = (S/n - g/2)·2t_p/g, unscale,
    inverse RHT, drop padding: an unbiased estimate of the mean of the (truncated) x_i.
 
-numpy arrays and torch tensors (any device) go through the same code. Slices are processed
-in batches of about 2^20 elements so that each batch's temporaries stay in cache.
+numpy arrays and torch tensors go through the same reference code, slices in batches of about
+2^20 elements so that each batch's temporaries stay in cache. CUDA tensors take the fused
+Triton kernels of host/codec/triton_kernels.py instead (``backend="auto"``; ``"reference"``
+forces the reference code, ``"triton"`` the kernels, which on CPU tensors needs Triton's
+interpreter, TRITON_INTERPRET=1). Both compute the same rotation (host/codec/rng.py), so
+indices encoded on one backend decode on any other.
+
+Input: any real array or tensor of any shape; it is flattened and converted to float32 (a
+copy when it is not contiguous float32 already: converted, never refused). Refused with a
+clear error: complex or bool input, NaN or Inf in the input (ValueError), a torch generator,
+an ``out`` buffer or error-feedback residual on another device than the input (ValueError).
+Max norms may come as numpy or as a tensor on any device (they are a few floats, copied).
 
 Edge cases: an empty tensor gives empty indices and an empty decode; a slice whose max norm
 is 0 encodes every coordinate at g/2 (stochastically between the two middle entries) and
-decodes to exactly 0; NaN or Inf in the input raise ValueError.
+decodes to exactly 0.
 """
 from __future__ import annotations
 
@@ -26,13 +36,15 @@ from typing import Sequence
 
 import numpy as np
 
+from host.codec import rng
 from host.codec.hadamard import SliceLayout, fwht, is_torch, random_signs
 from host.codec.packing import pack_bits, unpack_bits
 from host.codec.params import THCParams
 from host.codec.quantize import resolve_generator, stochastic_round, uniforms
 
 __all__ = ["SliceLayout", "THCParams", "THCCodec", "ErrorFeedback", "layout", "slice_norms",
-           "agree_max", "encode", "table_values", "aggregate", "decode", "decode_indices",
+           "agree_max", "encode", "encode_packed", "prepare", "encode_prepared", "Prepared",
+           "table_values", "aggregate", "decode", "decode_indices",
            "sum_dtype", "pack_bits", "unpack_bits"]
 
 GROUP_ELEMENTS = 1 << 20
@@ -56,6 +68,66 @@ def _flat(x, what: str = "x"):
     if a.dtype.kind not in "fiu":
         raise TypeError(f"{what} must be a real array, got dtype {a.dtype}")
     return a.reshape(-1).astype(np.float32, copy=False)
+
+
+BACKENDS = ("auto", "reference", "triton")
+_KERNELS_MISSING: list = []
+
+
+def kernels_for(x, backend: str = "auto"):
+    """The Triton kernel module when ``x`` (a flat float32 or integer tensor) should use it,
+    else None. ``auto``: CUDA tensors, when triton imports (else the reference path, with one
+    warning); ``triton``: always, or a clear error saying why not."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "reference" or not is_torch(x):
+        if backend == "triton":
+            raise TypeError("the triton backend takes torch tensors, not numpy arrays")
+        return None
+    if backend == "auto" and x.device.type != "cuda":
+        return None
+    try:
+        from host.codec import triton_kernels
+    except ImportError as e:
+        if backend == "triton":
+            raise RuntimeError(f"the triton backend needs the triton package: {e}") from None
+        if not _KERNELS_MISSING:
+            _KERNELS_MISSING.append(e)
+            import warnings
+            warnings.warn(f"THC on {x.device} without triton ({e}): reference path, slower",
+                          RuntimeWarning, stacklevel=3)
+        return None
+    if x.device.type == "cpu":
+        import os
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            raise RuntimeError("the triton backend runs CPU tensors only under Triton's "
+                               "interpreter: set TRITON_INTERPRET=1 before importing it")
+    return triton_kernels
+
+
+def _same_place(a, b) -> bool:
+    """Devices equal, reading an index-less "cuda" as any CUDA device."""
+    return a.type == b.type and (a.index is None or b.index is None or a.index == b.index)
+
+
+def _same_device(what: str, t, x) -> None:
+    if is_torch(t) and is_torch(x) and not _same_place(t.device, x.device):
+        raise ValueError(f"{what} is on {t.device} but the input is on {x.device}: move one "
+                         f"of them (THC never copies them across devices behind your back)")
+
+
+def _uniform_seed(generator, flat) -> int:
+    """The 64-bit key of the kernels' rounding uniforms: an int generator as given (the same
+    draws as the reference path's), else a fresh draw from the generator (or torch's)."""
+    if isinstance(generator, (int, np.integer)):
+        return int(generator)
+    if isinstance(generator, np.random.Generator):
+        return int(generator.integers(0, 1 << 62))
+    import torch
+    if generator is None:
+        return int(torch.randint(0, 1 << 62, (1,)).item())
+    return int(torch.randint(0, 1 << 62, (1,), generator=generator,
+                             device=generator.device).item())
 
 
 def _norm_array(max_norms, n_slices: int) -> np.ndarray:
@@ -125,33 +197,113 @@ def agree_max(norm_vectors: Sequence):
                             for v in norm_vectors]), axis=0)
 
 
-def encode(x, max_norms, params: THCParams, round: int = 0, generator=None):
+def encode(x, max_norms, params: THCParams, round: int = 0, generator=None,
+           backend: str = "auto"):
     """THC indices (uint8, one per padded coordinate) of x under the agreed max norms.
 
     ``generator``: np.random.Generator, torch.Generator, int seed or None (see
-    :func:`host.codec.quantize.resolve_generator`); an int or numpy Generator gives the same
-    indices for numpy and torch inputs.
+    :func:`host.codec.quantize.resolve_generator`); an int keys the counter-based rounding
+    uniforms (host/codec/rng.py) by (int, round, slice, index), so numpy, torch and the
+    kernels draw the same numbers and give the same indices up to the transform's rounding.
+    ``backend``: see :func:`kernels_for`.
     """
+    return _encode(x, max_norms, params, round, generator, backend, pack=False)
+
+
+def encode_packed(x, max_norms, params: THCParams, round: int = 0, generator=None,
+                  backend: str = "auto"):
+    """The wire form of :func:`encode` (b-bit indices packed MSB first); at b = 4 the kernels
+    write the packed bytes directly."""
+    return _encode(x, max_norms, params, round, generator, backend, pack=True)
+
+
+@dataclass
+class Prepared:
+    """A tensor after the part of encoding that needs no max norms: its slice norms (for the
+    MAX round) and, on the kernels, the signed row-transformed scratch of encode pass 1, so
+    that norms + encode read x once and the scratch once (two passes) instead of three."""
+
+    flat: object
+    round: int
+    norms: object
+    scratch: dict = field(default_factory=dict)   # first slice of a group -> its scratch
+    backend: str = "auto"
+
+
+def prepare(x, params: THCParams, round: int = 0, backend: str = "auto") -> Prepared:
+    """Slice norms of x and, on the kernels, encode pass 1 from the same read. Then
+    ``encode_prepared(prep, agree_max(...))``; x must not change in between."""
+    flat = _flat(x)
+    kern = kernels_for(flat, backend)
+    if kern is None:
+        return Prepared(flat, round, slice_norms(flat, params), {}, backend)
+    import torch
+    flat = flat.contiguous()
+    parts, scratch = [], {}
+    for grp in layout(flat.shape[0], params).groups(1 << 62):
+        if kern.supports(grp.padded):
+            scratch[grp.first], nrm = kern.encode_rows(flat, grp, params.seed, round)
+        else:
+            view = _view(flat, grp)
+            nrm = torch.linalg.vector_norm(view, dim=1)
+        parts.append(nrm)
+    norms = torch.cat(parts) if parts else flat.new_zeros(0)
+    if not bool(torch.isfinite(norms).all()):
+        raise ValueError("input contains NaN or Inf (or overflows float32 in its norm)")
+    return Prepared(flat, round, norms, scratch, backend)
+
+
+def encode_prepared(prep: Prepared, max_norms, params: THCParams, generator=None,
+                    pack: bool = True):
+    """Finish :func:`prepare`'s encode under the agreed max norms: packed wire form by
+    default, uint8 indices with ``pack=False``."""
+    return _encode(prep.flat, max_norms, params, prep.round, generator, prep.backend, pack,
+                   prep.scratch)
+
+
+def _encode(x, max_norms, params, round, generator, backend, pack, scratch=None):
     flat = _flat(x)
     lay = layout(flat.shape[0], params)
     m = _norm_array(max_norms, lay.n_slices)
     g, t = params.granularity, params.t_p
     table = tuple(int(v) for v in params.table)
-    gen = resolve_generator(generator, flat)
     torch_in = is_torch(flat)
     if torch_in:
         import torch
-        out = torch.empty(lay.total_padded, dtype=torch.uint8, device=flat.device)
+        if isinstance(generator, torch.Generator) and not _same_place(generator.device,
+                                                                      flat.device):
+            raise ValueError(f"the torch generator is on {generator.device} but the input is "
+                             f"on {flat.device}: use a generator of the input's device")
+    kern = kernels_for(flat, backend)
+    # packed groups start on whole bytes when slices have an even length
+    fused = kern is not None and pack and params.bits == 4 and params.slice_size >= 2
+    if kern is not None:
+        flat = flat.contiguous()
+        useed = _uniform_seed(generator, flat)
+    counter = int(generator) if isinstance(generator, (int, np.integer)) else None
+    gen = None if counter is not None else resolve_generator(generator, flat)
+    if torch_in:
+        out = torch.empty((lay.total_padded + 1) // 2 if fused else lay.total_padded,
+                          dtype=torch.uint8, device=flat.device)
     else:
         out = np.empty(lay.total_padded, dtype=np.uint8)
     # c = g / (2 t M): maps H D x (unnormalized H) straight onto u - g/2; the sqrt(d) of the
     # scale cancels the 1/sqrt(d) of the normalized transform.
     coef = np.where(m > 0, g / (2.0 * t * np.where(m > 0, m, 1.0)), 0.0)
-    for grp in lay.groups(GROUP_ELEMENTS):
+    for grp in lay.groups(1 << 62 if kern is not None else GROUP_ELEMENTS):
+        c = coef[grp.first: grp.first + grp.count].astype(np.float32)
+        if kern is not None and kern.supports(grp.padded):
+            a, n = (grp.padded_start // 2, grp.count * grp.padded // 2) if fused else \
+                (grp.padded_start, grp.count * grp.padded)
+            tmp = scratch.get(grp.first) if scratch else None
+            if tmp is None:
+                tmp, _ = kern.encode_rows(flat, grp, params.seed, round)
+            first = kern.encode_cols(tmp, grp, c, table, round, useed, out[a: a + n], fused)
+            _check_finite(first, grp)
+            continue
         rows = _rows(flat, grp)
         idx = range(grp.first, grp.first + grp.count)
         w = rows * random_signs(grp.padded, params.seed, round, idx, like=flat)
-        c = coef[grp.first: grp.first + grp.count].astype(np.float32)
         if grp.count == 1:
             y = fwht(w, scale=float(c[0]), overwrite_input=True)
         else:
@@ -160,9 +312,22 @@ def encode(x, max_norms, params: THCParams, round: int = 0, generator=None):
         _check_finite(y[:, 0], grp)
         y += np.float32(g / 2.0)
         u = y.clamp_(0.0, float(g)) if torch_in else np.clip(y, 0.0, g, out=y)
-        rand = uniforms(u.shape, flat, gen)
+        if kern is not None:
+            rand = rng.uniforms(grp.padded, useed, round, idx, like=flat)
+        elif counter is not None:
+            rand = rng.uniforms(grp.padded, counter, round, idx, like=flat)
+        else:
+            rand = uniforms(u.shape, flat, gen)
+        if fused:
+            dst = torch.empty((grp.count, grp.padded), dtype=torch.uint8, device=flat.device)
+            stochastic_round(u, table, rand, out=dst)
+            a = grp.padded_start // 2
+            out[a: a + (dst.numel() + 1) // 2] = pack_bits(dst, 4)
+            continue
         dst = out[grp.padded_start: grp.padded_start + grp.count * grp.padded]
         stochastic_round(u, table, rand, out=dst.reshape(grp.count, grp.padded))
+    if pack and not fused:
+        return pack_bits(out, params.bits)
     return out
 
 
@@ -191,25 +356,35 @@ def sum_dtype(n_workers: int, params: THCParams, torch_backend: bool = False):
 _TORCH_TABLES: dict = {}
 
 
+def _torch_table(params: THCParams, device):
+    """The table as a tensor on ``device`` (uint8 when g <= 255, else int32), cached."""
+    import torch
+    dt = np.uint8 if params.granularity <= 255 else np.int32
+    key = (tuple(params.table), device)
+    t = _TORCH_TABLES.get(key)
+    if t is None:
+        t = _TORCH_TABLES[key] = torch.from_numpy(params.table.astype(dt)).to(device)
+    return t
+
+
+def _check_indices(i, params: THCParams) -> None:
+    if i.numel() if is_torch(i) else i.size:
+        if int(i.max()) >= params.levels:
+            raise ValueError(f"index {int(i.max())} outside the {params.levels}-entry table")
+
+
 def table_values(indices, params: THCParams):
     """T[index] per coordinate: what a worker contributes to the switch's sum (uint8 when
     g <= 255, else int32)."""
-    table = params.table
-    dt = np.uint8 if params.granularity <= 255 else np.int32
     if is_torch(indices):
         import torch
-        key = (tuple(table), indices.device)
-        t = _TORCH_TABLES.get(key)
-        if t is None:
-            t = _TORCH_TABLES[key] = torch.from_numpy(table.astype(dt)).to(indices.device)
         i = indices.reshape(-1)
-        if i.numel() and int(i.max()) >= params.levels:
-            raise ValueError(f"index {int(i.max())} outside the {params.levels}-entry table")
-        return t.index_select(0, i.to(torch.int32))
+        _check_indices(i, params)
+        return _torch_table(params, indices.device).index_select(0, i.to(torch.int32))
     i = np.asarray(indices).reshape(-1)
-    if i.size and int(i.max()) >= params.levels:
-        raise ValueError(f"index {int(i.max())} outside the {params.levels}-entry table")
-    return table.astype(dt)[i]
+    _check_indices(i, params)
+    dt = np.uint8 if params.granularity <= 255 else np.int32
+    return params.table.astype(dt)[i]
 
 
 def aggregate(index_vectors: Sequence, params: THCParams):
@@ -223,6 +398,8 @@ def aggregate(index_vectors: Sequence, params: THCParams):
         raise ValueError(f"index vectors differ in length: {sorted(sizes)}")
     n = len(index_vectors)
     first = index_vectors[0]
+    for v in index_vectors[1:]:
+        _same_device("an index vector", v, first)
     if is_torch(first):
         import torch
         s = torch.zeros(first.shape[0], dtype=sum_dtype(n, params, True), device=first.device)
@@ -236,11 +413,17 @@ def aggregate(index_vectors: Sequence, params: THCParams):
 
 
 def decode(sums, n_workers: int, max_norms, numel: int, params: THCParams, round: int = 0,
-           out=None):
+           out=None, backend: str = "auto"):
     """Estimate of the workers' mean vector (flat float32, ``numel`` long) from the sums.
 
     ``out``: optional flat float32 buffer of ``numel`` elements to write into (saves the
-    allocation and its page faults when decoding every round into the same buffer)."""
+    allocation and its page faults when decoding every round into the same buffer).
+    ``backend``: see :func:`kernels_for`."""
+    return _decode(sums, n_workers, max_norms, numel, params, round, out, backend, None)
+
+
+def _decode(sums, n_workers, max_norms, numel, params, round, out, backend, own_table):
+    """decode; with ``own_table`` (the table as a tensor) ``sums`` are one worker's indices."""
     if int(n_workers) < 1:
         raise ValueError(f"n_workers must be >= 1, got {n_workers}")
     lay = layout(numel, params)
@@ -254,30 +437,47 @@ def decode(sums, n_workers: int, max_norms, numel: int, params: THCParams, round
     torch_in = is_torch(sums)
     if torch_in:
         import torch
+        if sums.is_floating_point() or sums.is_complex() or sums.dtype == torch.bool:
+            raise TypeError(f"sums must be an integer tensor, got {sums.dtype}")
         if out is None:
             out = torch.empty(lay.numel, dtype=torch.float32, device=sums.device)
+        _same_device("out", out, sums)
     else:
         sums = np.asarray(sums)
+        if sums.dtype.kind not in "iu":
+            raise TypeError(f"sums must be integers, got dtype {sums.dtype}")
         if out is None:
             out = np.empty(lay.numel, dtype=np.float32)
     if tuple(out.shape) != (lay.numel,) or is_torch(out) != torch_in \
             or str(out.dtype) not in ("float32", "torch.float32"):
         raise ValueError(f"out must be a flat float32 buffer of {lay.numel} elements like the "
                          f"sums, got {type(out).__name__} {tuple(out.shape)} {out.dtype}")
-    for grp in lay.groups(GROUP_ELEMENTS):
+    kern = kernels_for(sums, backend)
+    if kern is not None:
+        sums = sums.contiguous()
+        if not out.is_contiguous():
+            raise ValueError("out must be contiguous")
+    centre = n * g / 2.0
+    for grp in lay.groups(1 << 62 if kern is not None else GROUP_ELEMENTS):
         d = grp.padded
-        s = sums[grp.padded_start: grp.padded_start + grp.count * d].reshape(grp.count, d)
+        alpha = (2.0 * t * m[grp.first: grp.first + grp.count] / (g * d * n)).astype(np.float32)
+        s = sums[grp.padded_start: grp.padded_start + grp.count * d]
+        dst = out[grp.start: grp.start + grp.count * grp.length]
+        if kern is not None and kern.supports(d):
+            kern.decode_group(s, grp, alpha, centre, params.seed, round, dst, own_table)
+            continue
+        if own_table is not None:
+            s = own_table.index_select(0, s.to(torch.int32))
+        s = s.reshape(grp.count, d)
         # x = D H ((S - n g/2) alpha) with H unnormalized. S - n g/2 is exact in float32 and
         # centred, so the transform's partial sums stay small (S itself has a large mean
         # that would cost precision wherever the Hadamard signs do not cancel it).
-        centre = n * g / 2.0
         if torch_in:
             # convert, then subtract: torch's mixed int/float subtraction is 7x slower
             w = s.to(torch.float32)
             w = w.sub_(centre) if w is not s else w - centre
         else:
             w = np.subtract(s, np.float32(centre), dtype=np.float32)
-        alpha = (2.0 * t * m[grp.first: grp.first + grp.count] / (g * d * n)).astype(np.float32)
         if grp.count == 1:
             y = fwht(w, scale=float(alpha[0]), overwrite_input=True)
         else:
@@ -285,7 +485,7 @@ def decode(sums, n_workers: int, max_norms, numel: int, params: THCParams, round
             y = fwht(w, scale=1.0, overwrite_input=True)
         signs = random_signs(d, params.seed, round, range(grp.first, grp.first + grp.count),
                              like=y)
-        dst = out[grp.start: grp.start + grp.count * grp.length].reshape(grp.count, grp.length)
+        dst = dst.reshape(grp.count, grp.length)
         if grp.length == d:
             if torch_in:
                 torch.mul(y, signs, out=dst)
@@ -296,9 +496,16 @@ def decode(sums, n_workers: int, max_norms, numel: int, params: THCParams, round
     return out
 
 
-def decode_indices(indices, max_norms, numel: int, params: THCParams, round: int = 0):
-    """One worker's own reconstruction (decode with n = 1): what error feedback subtracts."""
-    return decode(table_values(indices, params), 1, max_norms, numel, params, round)
+def decode_indices(indices, max_norms, numel: int, params: THCParams, round: int = 0,
+                   backend: str = "auto"):
+    """One worker's own reconstruction (decode with n = 1): what error feedback subtracts.
+    The kernels map indices through the table themselves (no table-value pass)."""
+    if is_torch(indices) and kernels_for(indices, backend) is not None:
+        _check_indices(indices.reshape(-1), params)
+        return _decode(indices.reshape(-1), 1, max_norms, numel, params, round, None, backend,
+                       _torch_table(params, indices.device))
+    return decode(table_values(indices, params), 1, max_norms, numel, params, round,
+                  backend=backend)
 
 
 @dataclass
@@ -319,11 +526,17 @@ class ErrorFeedback:
         if int(np.prod(tuple(x.shape))) != int(self.residual.shape[0]):
             raise ValueError(f"error feedback holds {int(self.residual.shape[0])} elements, "
                              f"got a tensor of {int(np.prod(tuple(x.shape)))}")
+        if is_torch(x) != is_torch(self.residual):
+            raise TypeError("error feedback holds a residual of another backend (numpy vs "
+                            "torch) than this input")
+        _same_device("the error-feedback residual", self.residual, x)
         return x + self.residual.reshape(x.shape)
 
-    def update(self, x_plus_e, own_indices, max_norms, round: int = 0):
+    def update(self, x_plus_e, own_indices, max_norms, round: int = 0, backend: str = "auto"):
         flat = _flat(x_plus_e)
-        est = decode_indices(own_indices, max_norms, flat.shape[0], self.params, round)
+        _same_device("the own indices", own_indices, flat)
+        est = decode_indices(own_indices, max_norms, flat.shape[0], self.params, round,
+                             backend)
         self.residual = flat - est
         return self.residual
 
@@ -334,8 +547,11 @@ class ErrorFeedback:
 class THCCodec:
     """The codec bound to one set of parameters (all workers of a job share them)."""
 
-    def __init__(self, params: THCParams | None = None):
+    def __init__(self, params: THCParams | None = None, backend: str = "auto"):
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         self.params = params or THCParams()
+        self.backend = backend
 
     def layout(self, numel: int) -> SliceLayout:
         return layout(numel, self.params)
@@ -344,16 +560,27 @@ class THCCodec:
         return slice_norms(x, self.params)
 
     def encode(self, x, max_norms, round: int = 0, generator=None):
-        return encode(x, max_norms, self.params, round, generator)
+        return encode(x, max_norms, self.params, round, generator, self.backend)
+
+    def encode_packed(self, x, max_norms, round: int = 0, generator=None):
+        """Encode straight to the wire form (fused on the kernels at b = 4)."""
+        return encode_packed(x, max_norms, self.params, round, generator, self.backend)
+
+    def prepare(self, x, round: int = 0) -> Prepared:
+        """Norms and, on the kernels, encode pass 1 from one read of x (see :func:`prepare`)."""
+        return prepare(x, self.params, round, self.backend)
+
+    def encode_prepared(self, prep: Prepared, max_norms, generator=None, pack: bool = True):
+        return encode_prepared(prep, max_norms, self.params, generator, pack)
 
     def aggregate(self, index_vectors: Sequence):
         return aggregate(index_vectors, self.params)
 
     def decode(self, sums, n_workers: int, max_norms, numel: int, round: int = 0, out=None):
-        return decode(sums, n_workers, max_norms, numel, self.params, round, out)
+        return decode(sums, n_workers, max_norms, numel, self.params, round, out, self.backend)
 
     def decode_own(self, indices, max_norms, numel: int, round: int = 0):
-        return decode_indices(indices, max_norms, numel, self.params, round)
+        return decode_indices(indices, max_norms, numel, self.params, round, self.backend)
 
     def pack(self, indices):
         """Wire form: b-bit indices packed MSB first (two per byte at b = 4)."""

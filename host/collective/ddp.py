@@ -1,11 +1,20 @@
-"""PyTorch DDP communication hooks: THC (through an aggregator or torch.distributed) and TopK.
+"""PyTorch DDP communication hooks: THC (through an aggregator or torch.distributed), TopK, Marsit.
 
 Install with ``hook.register(ddp_model)``. Gradients of parameters chosen
 to stay uncompressed (by name, or below a size) go through the process group's ordinary
-FP32 all-reduce; the rest of each bucket goes through THC with per-bucket error feedback.
+FP32 all-reduce; the rest of each bucket goes through the hook's compressor with per-bucket
+error feedback.
+
+A hook returns at once with a future that one communication thread completes, so a bucket
+is reduced while backward computes the next ones, as DDP's own all-reduce overlaps. The one
+thread keeps every process's collectives in the same order. :meth:`_Hook.step_breakdown`
+says how much of the communication backward hid.
 """
 from __future__ import annotations
 
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable
 
@@ -14,6 +23,7 @@ import torch.distributed as dist
 
 from host.codec.baselines import TopK
 from host.collective.allreduce import THCAllReduce
+from host.collective.marsit import MarsitAllReduce
 
 
 @dataclass(frozen=True)
@@ -30,17 +40,41 @@ def _done(t: torch.Tensor) -> torch.futures.Future:
     return fut
 
 
+@dataclass
+class StepBreakdown:
+    """Where one step's communication went (seconds)."""
+    comm: float
+    """Time the communication thread spent reducing buckets."""
+    exposed: float
+    """Communication backward waited for: from the last bucket handed over to the last done."""
+
+    @property
+    def hidden(self) -> float:
+        return max(0.0, self.comm - self.exposed)
+
+
 class _Hook:
     """Splits a bucket into compressed and FP32 spans; subclasses compress the former."""
 
     def __init__(self, model: torch.nn.Module, options: HookOptions = HookOptions(),
-                 group=None):
+                 group=None, overlap: bool = True):
         self.options = options
         self.group = group
         self.world = dist.get_world_size(group)
         self._names = {id(p): n for n, p in model.named_parameters()}
         self.bytes_sent = 0
         self.fp32_elements = 0
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="ddp-comm") if overlap else None
+        self._stats_lock = threading.Lock()
+        self._comm = 0.0
+        self._last_call = self._last_done = 0.0
+
+    def step_breakdown(self) -> StepBreakdown:
+        """The communication of the buckets reduced since the last call (call once a step)."""
+        with self._stats_lock:
+            out = StepBreakdown(self._comm, max(0.0, self._last_done - self._last_call))
+            self._comm = 0.0
+        return out
 
     def _keep_fp32(self, p: torch.Tensor) -> bool:
         name = self._names.get(id(p), "")
@@ -58,6 +92,25 @@ class _Hook:
         for p in bucket.parameters():
             spans.append((offset, offset + p.numel(), self._keep_fp32(p)))
             offset += p.numel()
+        index = bucket.index()
+        with self._stats_lock:
+            self._last_call = time.perf_counter()
+        if self._pool is None:
+            return _done(self._reduce_bucket(index, buf, spans))
+        fut: torch.futures.Future = torch.futures.Future()
+
+        def finish(done) -> None:
+            error = done.exception()
+            if error is not None:
+                fut.set_exception(error)
+            else:
+                fut.set_result(done.result())
+
+        self._pool.submit(self._reduce_bucket, index, buf, spans).add_done_callback(finish)
+        return fut
+
+    def _reduce_bucket(self, index: int, buf: torch.Tensor, spans) -> torch.Tensor:
+        start = time.perf_counter()
         comp = [buf[a:b] for a, b, fp32 in spans if not fp32]
         plain = [buf[a:b] for a, b, fp32 in spans if fp32]
         if plain:
@@ -72,12 +125,16 @@ class _Hook:
                 i += view.numel()
         if comp:
             flat = comp[0] if len(comp) == 1 else torch.cat(comp)
-            out = self.reduce(bucket.index(), flat)
+            out = self.reduce(index, flat)
             i = 0
             for view in comp:
                 view.copy_(out[i: i + view.numel()])
                 i += view.numel()
-        return _done(buf)
+        end = time.perf_counter()
+        with self._stats_lock:
+            self._comm += end - start
+            self._last_done = end
+        return buf
 
     def reduce(self, bucket_index: int, flat: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -88,10 +145,17 @@ class THCHook(_Hook):
     error-feedback residual) on a shared transport."""
 
     def __init__(self, model, make_allreducer: Callable[[], THCAllReduce],
-                 options: HookOptions = HookOptions(), group=None):
-        super().__init__(model, options, group)
+                 options: HookOptions = HookOptions(), group=None, overlap: bool = True):
+        super().__init__(model, options, group, overlap)
         self.make_allreducer = make_allreducer
         self.reducers: dict[tuple[int, int], THCAllReduce] = {}
+
+    @property
+    def codec_seconds(self) -> float:
+        """Encode, decode and error-feedback time of every bucket so far (the codec cost the
+        all-reduce really paid, measured; the norm round's wire time is not in it)."""
+        return sum(ar.stats.seconds["encode"] + ar.stats.seconds["decode"]
+                   + ar.stats.seconds["feedback"] for ar in self.reducers.values())
 
     def reduce(self, bucket_index: int, flat: torch.Tensor) -> torch.Tensor:
         # DDP rebuilds its buckets after the first iteration: a new size starts a new residual.
@@ -110,8 +174,8 @@ class TopKHook(_Hook):
     exchanged by all-gather: k values and indices per worker."""
 
     def __init__(self, model, ratio: float = 0.1, options: HookOptions = HookOptions(),
-                 group=None):
-        super().__init__(model, options, group)
+                 group=None, overlap: bool = True):
+        super().__init__(model, options, group, overlap)
         self.scheme = TopK(ratio=ratio, error_feedback=True)
 
     def reduce(self, bucket_index: int, flat: torch.Tensor) -> torch.Tensor:
@@ -126,3 +190,24 @@ class TopKHook(_Hook):
         self.bytes_sent += (self.world - 1) * idx.numel() * (idx.element_size()
                                                              + vals.element_size())
         return self.scheme.combine(all_vals, all_idx, flat.numel())
+
+
+class MarsitHook(_Hook):
+    """Marsit: one sign bit per coordinate through a merging ring all-reduce, with global
+    compensation (:class:`host.collective.marsit.MarsitAllReduce`, one per bucket)."""
+
+    def __init__(self, model, options: HookOptions = HookOptions(), group=None,
+                 generator: torch.Generator | None = None, overlap: bool = True):
+        super().__init__(model, options, group, overlap)
+        self.generator = generator
+        self.reducers: dict[tuple[int, int], MarsitAllReduce] = {}
+
+    def reduce(self, bucket_index: int, flat: torch.Tensor) -> torch.Tensor:
+        key = (bucket_index, flat.numel())
+        ar = self.reducers.get(key)
+        if ar is None:
+            ar = self.reducers[key] = MarsitAllReduce(self.group, self.generator)
+        before = ar.bytes_sent
+        out = ar(flat)
+        self.bytes_sent += ar.bytes_sent - before
+        return out

@@ -1,10 +1,14 @@
 """``thc run``: the main job. Train the same model with each gradient exchange and compare.
 
-Modes: uncompressed FP32 (DDP's Gloo all-reduce), THC through the software aggregator,
-THC through the BMv2 switch (when p4c/BMv2 and Mininet are present), and TopK 10% as a
-compression baseline. Workers run in Mininet hosts behind emulated links when possible,
-else as loopback processes (said so). Prints accuracy per epoch, wall time and bytes on the
-wire, a summary table, and plots accuracy against time.
+Modes (one table, :data:`MODES`): uncompressed FP32 (DDP's Gloo all-reduce), THC through the
+software aggregator, THC through the BMv2 switch (when BMv2 and Mininet are present), THC's
+integer sums over the Gloo all-reduce, TopK 10%, and Marsit's sign bits. Workers run in
+Mininet hosts behind emulated links when possible, else as loopback processes (said so).
+
+For each mode it reports the time to reach a target accuracy (FP32's final accuracy minus
+one point, and a fixed one), the speedup over FP32, the final accuracy, and the bytes on the
+worker links in both directions; it plots accuracy against training time and against
+bytes, and says plainly which mode won. Everything lands in ``out/mainjob.json``.
 """
 from __future__ import annotations
 
@@ -13,30 +17,48 @@ import json
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
+from host.app.datasets import FASHION_DIR
 from host.wire.protocol import MAX_SOFTWARE_LANES
+from thcnet.procs import WorkerError
 from thcnet.testbed import bmv2_unavailable_reason, open_testbed
 
+
+@dataclass(frozen=True)
+class Mode:
+    train_mode: str
+    aggregator: str
+    description: str
+
+
 MODES = {
-    "fp32": ("fp32", "none", "uncompressed FP32 all-reduce (Gloo)"),
-    "thc": ("thc", "software", "THC through the software aggregator"),
-    "thc-bmv2": ("thc", "bmv2", "THC through the BMv2 switch"),
-    "topk": ("topk", "none", "TopK 10% with error feedback (all-gather)"),
-    "thc-dist": ("thc-dist", "none", "THC integer sums over the Gloo all-reduce"),
+    "fp32": Mode("fp32", "none", "uncompressed FP32 all-reduce (Gloo ring)"),
+    "thc": Mode("thc", "software", "THC through the software aggregator"),
+    "thc-bmv2": Mode("thc", "bmv2", "THC through the BMv2 switch"),
+    "thc-dist": Mode("thc-dist", "none", "THC integer sums over the Gloo all-reduce"),
+    "topk": Mode("topk", "none", "TopK 10% with error feedback (all-gather)"),
+    "marsit": Mode("marsit", "none", "Marsit sign bits merged along a ring"),
 }
-DEFAULT_MODES = "fp32,thc,thc-bmv2,topk"
+DEFAULT_MODES = ",".join(MODES)
+FIXED_TARGET = {"fashion-mnist": 0.80, "digits": 0.95}
+"""The fixed accuracy target of the time-to-accuracy table, per data set."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--modes", default=DEFAULT_MODES,
                         help=f"comma-separated, from {','.join(MODES)}")
-    parser.add_argument("--epochs", type=int, default=10)
-    parser.add_argument("--bmv2-steps", type=int, default=None,
-                        help="training steps for thc-bmv2 (default: one epoch; BMv2 forwards "
-                             "1-5k packets/s); its losses are compared step by step with the "
-                             "software run")
+    parser.add_argument("--data", default="fashion-mnist", choices=("fashion-mnist", "digits"))
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--batch", type=int, default=128, help="per-worker batch size")
+    parser.add_argument("--width", type=int, default=None,
+                        help="model width (default: the worker's, 768 for Fashion-MNIST's MLP: "
+                             "1.2M parameters)")
+    parser.add_argument("--evals", type=int, default=6, help="evaluations per epoch")
+    parser.add_argument("--quick", action="store_true",
+                        help="about two minutes: 8192 training images, one epoch")
     parser.add_argument("--bw", type=float, default=100.0, help="link bandwidth, Mbit/s")
     parser.add_argument("--delay", type=float, default=0.0,
                         help="link delay, ms (needs netem in the kernel)")
@@ -46,78 +68,164 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--software-lanes", type=int, default=MAX_SOFTWARE_LANES,
                         help="lanes per packet for the software aggregator")
     parser.add_argument("--out", default="out", help="directory for JSON and plot")
-    parser.add_argument("--timeout", type=float, default=900.0, help="per-mode limit, seconds")
+    parser.add_argument("--timeout", type=float, default=600.0,
+                        help="per-mode limit, seconds: a mode stopped there reports how far "
+                             "it got")
+
+
+def _rows(stdout: str) -> tuple[dict, list[dict]]:
+    info, rows = {}, []
+    for line in stdout.splitlines():
+        if not line.startswith("{"):
+            continue
+        row = json.loads(line)
+        if "dataset" in row:
+            info = row
+        elif "accuracy" in row:
+            rows.append(row)
+    return info, rows
 
 
 def _run_mode(name: str, args, progress) -> dict:
-
-    train_mode, aggregator, _ = MODES[name]
-    epochs = 1 if aggregator == "bmv2" else args.epochs
-    # The switch is compiled for protocol.json's lanes; software takes the largest packets.
-    lanes = args.software_lanes if aggregator == "software" else None
+    mode = MODES[name]
+    lanes = args.software_lanes if mode.aggregator == "software" else None
     with open_testbed(args.workers, bw_mbit=args.bw, delay_ms=args.delay, loss_pct=args.loss,
-                      aggregator=aggregator, prefer_mininet=not args.loopback,
+                      aggregator=mode.aggregator, prefer_mininet=not args.loopback,
                       lanes=lanes) as tb:
         tmp = Path(tempfile.mkdtemp(prefix="thc-run-"))
         cfg = tmp / "cluster.json"
         tb.cluster.save(cfg)
-        if aggregator != "none":
+        if mode.aggregator != "none":
             tb.start_aggregator()
         master = f"{tb.master_addr[0]}:{tb.master_addr[1]}"
 
         def argv(rank: int) -> list[str]:
-            a = [sys.executable, "-m", "host.app.train", "--mode", train_mode, "--rank", str(rank),
-                 "--world", str(args.workers), "--master", master, "--epochs", str(epochs),
-                 "--config", str(cfg)]
+            a = [sys.executable, "-m", "host.app.train", "--mode", mode.train_mode,
+                 "--rank", str(rank), "--world", str(args.workers), "--master", master,
+                 "--epochs", str(args.epochs), "--batch", str(args.batch),
+                 "--evals", str(args.evals), "--data", args.data, "--config", str(cfg)]
+            if args.width:
+                a += ["--width", str(args.width)]
+            if args.quick:
+                a += ["--train-subset", "8192"]
             if tb.agg_addr is not None:
                 a += ["--agg", f"{tb.agg_addr[0]}:{tb.agg_addr[1]}"]
-            if aggregator == "bmv2" and args.bmv2_steps:
-                a += ["--max-steps", str(args.bmv2_steps)]
             return a
 
         def on_line(rank: int, line: str) -> None:
-            if rank == 0 and line.startswith("{"):
-                row = json.loads(line)
-                progress.update(1)
+            if rank != 0 or not line.startswith("{"):
+                return
+            row = json.loads(line)
+            if "progress" in row:
+                progress.total = row["of"]
+                progress.n = row["progress"]
+                progress.refresh()
+            elif "accuracy" in row:
                 progress.set_postfix(acc=f"{row['accuracy']:.3f}", t=f"{row['seconds']:.0f}s")
 
-        before = tb.wire_bytes()
+        before, agg_before = tb.wire_bytes(), _agg_bytes(tb)
         t0 = time.perf_counter()
-        results = tb.run_workers(argv, timeout=args.timeout, on_line=on_line)
+        stopped = None
+        try:
+            results = tb.run_workers(argv, timeout=args.timeout, on_line=on_line)
+        except WorkerError as e:
+            if "timed out" not in str(e):
+                raise
+            results, stopped = e.results, f"stopped at the {args.timeout:.0f} s limit"
         wall = time.perf_counter() - t0
-        after = tb.wire_bytes()
+        after, agg_after = tb.wire_bytes(), _agg_bytes(tb)
         kind = tb.kind
-    history = [json.loads(line) for line in results[0].stdout.splitlines()
-               if line.startswith("{")]
+    info, history = _rows(results[0].stdout)
+    if not history:
+        raise RuntimeError(f"mode {name}: no evaluation row from rank 0 "
+                           f"({stopped or 'it exited without one'})")
     if after:
-        wire = sum(after[w][0] - before[w][0] for w in after)
-        wire_source = "interface counters"
+        wire = sum(after[w][0] - before[w][0] + after[w][1] - before[w][1] for w in after)
+        wire_source = "worker links, transmit + receive (interface counters)"
     else:
-        wire = sum(json.loads([ln for ln in r.stdout.splitlines() if ln.startswith("{")][-1])
-                   ["bytes_sent"] for r in results)
-        wire_source = "transport counters"
-    return {"mode": name, "testbed": kind, "history": history, "wall_seconds": wall,
-            "train_seconds": history[-1]["seconds"], "final_accuracy": history[-1]["accuracy"],
-            "wire_bytes_sent": int(wire), "wire_source": wire_source}
+        wire = sum(_rows(r.stdout)[1][-1]["bytes_sent"] for r in results if _rows(r.stdout)[1])
+        wire_source = "bytes sent only (transport counters: the loopback has no links)"
+    agg = None if agg_after is None else (agg_after[0] - agg_before[0]
+                                          + agg_after[1] - agg_before[1])
+    last = history[-1]
+    return {"mode": name, "description": mode.description, "testbed": kind,
+            "dataset": info.get("dataset"), "dataset_note": info.get("note", ""),
+            "params": info.get("params"), "history": history, "wall_seconds": wall,
+            "train_seconds": last["seconds"], "final_accuracy": last["accuracy"],
+            "epochs_done": last["epoch"], "epochs_asked": args.epochs, "stopped": stopped,
+            "wire_bytes": int(wire), "wire_source": wire_source, "agg_link_bytes": agg,
+            "comm_seconds": last.get("comm_seconds"),
+            "exposed_comm_seconds": last.get("exposed_comm_seconds")}
 
 
-def _plot(runs: list[dict], path: Path) -> None:
+def _agg_bytes(tb):
+    fn = getattr(tb, "agg_wire_bytes", None)
+    return fn() if fn else None
+
+
+def time_to(history: list[dict], target: float) -> float | None:
+    """Training seconds at the first evaluation reaching ``target`` (None: never)."""
+    return next((r["seconds"] for r in history if r["accuracy"] >= target), None)
+
+
+def summarize(runs: list[dict], fixed: float) -> dict:
+    """Time-to-accuracy table against FP32, and the verdict."""
+    base = next((r for r in runs if r["mode"] == "fp32"), None)
+    target = base["final_accuracy"] - 0.01 if base else None
+    rows = []
+    for r in runs:
+        row = {"mode": r["mode"], "final_accuracy": r["final_accuracy"],
+               "train_seconds": r["train_seconds"], "wire_mb": r["wire_bytes"] / 1e6,
+               "epochs_done": r["epochs_done"], "stopped": r["stopped"],
+               "tta_fixed": time_to(r["history"], fixed)}
+        if base:
+            row["tta_fp32_minus_1pt"] = time_to(r["history"], target)
+        rows.append(row)
+    verdict = "no FP32 run: no comparison"
+    if base:
+        b = time_to(base["history"], target)
+        for row in rows:
+            t = row["tta_fp32_minus_1pt"]
+            row["speedup"] = (b / t) if (b and t) else None
+            row["accuracy_vs_fp32_pp"] = 100 * (row["final_accuracy"] - base["final_accuracy"])
+        fair = [row for row in rows if row["tta_fp32_minus_1pt"] is not None
+                and row["accuracy_vs_fp32_pp"] >= -1.0 and not row["stopped"]]
+        if fair:
+            win = min(fair, key=lambda row: row["tta_fp32_minus_1pt"])
+            verdict = (f"{win['mode']} won: it reached {target:.4f} (FP32's final accuracy "
+                       f"minus 1 point) in {win['tta_fp32_minus_1pt']:.1f} s of training, "
+                       f"{win['speedup']:.2f}x sooner than FP32 ({b:.1f} s), and ended at "
+                       f"{win['final_accuracy']:.4f} ({win['accuracy_vs_fp32_pp']:+.2f} pp "
+                       f"against FP32)")
+        else:
+            verdict = "no mode reached FP32's final accuracy minus 1 point"
+    return {"target_fp32_minus_1pt": target, "target_fixed": fixed, "rows": rows,
+            "verdict": verdict}
+
+
+def _plot(runs: list[dict], path: Path, title: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, (ax_t, ax_b) = plt.subplots(1, 2, figsize=(12, 4.5))
     for r in runs:
         h = r["history"]
-        ax.plot([0] + [x["seconds"] for x in h], [0.1] + [x["accuracy"] for x in h],
-                marker="o", label=f"{r['mode']} ({h[-1]['steps']} steps only)"
-                if MODES[r["mode"]][1] == "bmv2" else f"{r['mode']} ({r['final_accuracy']:.3f})")
-    ax.set_xlabel("training time (s)")
-    ax.set_ylabel("test accuracy")
-    ax.set_ylim(0.8, 1.0)
-    ax.grid(alpha=0.3)
-    ax.legend()
-    ax.set_title("digits CNN, data-parallel: accuracy against time")
+        label = r["mode"] + (f" (stopped at epoch {r['epochs_done']:.2f})" if r["stopped"]
+                             else f" ({r['final_accuracy']:.3f})")
+        scale = r["wire_bytes"] / max(1, h[-1]["steps"]) / 1e6
+        ax_t.plot([x["seconds"] for x in h], [x["accuracy"] for x in h], marker="o",
+                  label=label)
+        ax_b.plot([x["steps"] * scale for x in h], [x["accuracy"] for x in h], marker="o",
+                  label=label)
+    ax_t.set_xlabel("training time (s)")
+    ax_b.set_xlabel("MB on worker links, both directions")
+    ax_b.set_xscale("log")
+    for ax in (ax_t, ax_b):
+        ax.set_ylabel("test accuracy")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -125,53 +233,68 @@ def _plot(runs: list[dict], path: Path) -> None:
 def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
+    if args.quick:
+        args.epochs = 1
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     unknown = [m for m in modes if m not in MODES]
     if unknown:
         print(f"thc run: unknown mode(s) {unknown}; choose from {list(MODES)}", file=sys.stderr)
         return 2
+    if args.data == "fashion-mnist" and not FASHION_DIR.is_dir():
+        print(f"thc run: Fashion-MNIST is not installed in {FASHION_DIR} (Debian package "
+              f"dataset-fashion-mnist, `make system-deps` as root): training on digits instead",
+              flush=True)
+        args.data = "digits"
     if "thc-bmv2" in modes and (why := bmv2_unavailable_reason()):
         print(f"thc run: skipping thc-bmv2: {why}")
         modes.remove("thc-bmv2")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    print(f"thc run: {args.data}, {args.workers} workers at {args.bw:g} Mbit/s, "
+          f"{args.epochs} epoch(s), modes {', '.join(modes)}", flush=True)
     runs = []
     for name in modes:
-        print(f"\n== {name}: {MODES[name][2]}", flush=True)
-        epochs = 1 if MODES[name][1] == "bmv2" else args.epochs
-        with tqdm(total=epochs, desc=name, unit="epoch", file=sys.stdout) as bar:
+        print(f"\n== {name}: {MODES[name].description}", flush=True)
+        with tqdm(total=1, desc=name, unit="step", file=sys.stdout) as bar:
             run_ = _run_mode(name, args, bar)
         runs.append(run_)
-        print(f"{'epoch':>5} {'accuracy':>9} {'seconds':>8}")
+        if run_["dataset_note"]:
+            print(f"note: {run_['dataset_note']}")
+        if run_["stopped"]:
+            print(f"{name} {run_['stopped']}: it got to epoch {run_['epochs_done']:.2f} of "
+                  f"{args.epochs} ({run_['history'][-1]['steps']} steps)")
+        print(f"{'epoch':>6} {'accuracy':>9} {'train s':>8}")
         for row in run_["history"]:
-            print(f"{row['epoch']:>5} {row['accuracy']:>9.4f} {row['seconds']:>8.1f}")
-    base = next((r for r in runs if r["mode"] == "fp32"), None)
-    print(f"\n{'mode':<9} {'testbed':<9} {'final acc':>9} {'train s':>8} {'MB sent':>9} "
-          f"{'vs fp32 bytes':>13}")
-    for r in runs:
-        partial = MODES[r["mode"]][1] == "bmv2"
-        ratio = (f"{base['wire_bytes_sent'] / r['wire_bytes_sent']:.2f}x"
-                 if base and r["wire_bytes_sent"] and not partial else
-                 f"{r['history'][-1]['steps']} steps" if partial else "-")
+            print(f"{row['epoch']:>6.2f} {row['accuracy']:>9.4f} {row['seconds']:>8.1f}")
+    dataset = runs[0]["dataset"] if runs else args.data
+    summary = summarize(runs, FIXED_TARGET.get(dataset, 0.9))
+    print(f"\n{'mode':<9} {'testbed':<9} {'final acc':>9} {'train s':>8} {'MB links':>9} "
+          f"{'t->fp32-1pt':>11} {'speedup':>8} {'t->' + format(summary['target_fixed'], 'g'):>8}")
+    for r, row in zip(runs, summary["rows"]):
+        tta = row.get("tta_fp32_minus_1pt")
+        fixed = row["tta_fixed"]
+        speed = row.get("speedup")
         print(f"{r['mode']:<9} {r['testbed']:<9} {r['final_accuracy']:>9.4f} "
-              f"{r['train_seconds']:>8.1f} {r['wire_bytes_sent'] / 1e6:>9.1f} {ratio:>13}")
-    if base:
-        for r in runs:
-            if r["mode"].startswith("thc") and MODES[r["mode"]][1] != "bmv2":
-                diff = 100 * (r["final_accuracy"] - base["final_accuracy"])
-                verdict = "within 1 pp" if diff >= -1.0 else "MORE than 1 pp below"
-                print(f"{r['mode']}: final accuracy {r['final_accuracy']:.4f} vs FP32 "
-                      f"{base['final_accuracy']:.4f}: {diff:+.2f} pp ({verdict})")
+              f"{r['train_seconds']:>8.1f} {r['wire_bytes'] / 1e6:>9.1f} "
+              f"{(f'{tta:.1f}' if tta is not None else '-'):>11} "
+              f"{(f'{speed:.2f}x' if speed else '-'):>8} "
+              f"{(f'{fixed:.1f}' if fixed is not None else '-'):>8}")
+    print(f"bytes: {runs[0]['wire_source'] if runs else '-'}")
+    print(summary["verdict"])
     sw = next((r for r in runs if r["mode"] == "thc"), None)
     hw = next((r for r in runs if r["mode"] == "thc-bmv2"), None)
     if sw and hw:
-        a, b = sw["history"][0]["step_losses"], hw["history"][-1]["step_losses"]
+        a, b = sw["history"][-1]["step_losses"], hw["history"][-1]["step_losses"]
         k = min(len(a), len(b))
         same = k > 0 and a[:k] == b[:k]
         print(f"thc-bmv2 vs thc, first {k} training steps: "
               + ("identical losses (the switch's sums are bit-identical to the software "
                  "aggregator's)" if same else f"DIFFERENT losses: {a[:k]} vs {b[:k]}"))
-    (out / "mainjob.json").write_text(json.dumps({"runs": runs, "args": vars(args)}, indent=2))
-    _plot(runs, out / "mainjob.png")
+    report = {"runs": runs, "summary": summary, "args": vars(args),
+              "testbed": sorted({r["testbed"] for r in runs})}
+    (out / "mainjob.json").write_text(json.dumps(report, indent=2))
+    title = (f"{dataset}, {args.workers} workers at {args.bw:g} Mbit/s "
+             f"({runs[0]['params'] / 1e6:.1f}M parameters)" if runs else dataset)
+    _plot(runs, out / "mainjob.png", title)
     print(f"\nwrote {out / 'mainjob.json'} and {out / 'mainjob.png'}")
     return 0

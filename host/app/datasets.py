@@ -1,0 +1,134 @@
+"""Training data for the worker: Fashion-MNIST from Debian's IDX files, digits as a fallback.
+
+Fashion-MNIST (70,000 28x28 grey images, 10 classes) is large enough that compression costs
+show in accuracy; Debian ships it as ``dataset-fashion-mnist`` (gzipped IDX files under
+/usr/share/datasets/fashion-mnist/), installed by ``make system-deps``. Where it is absent
+(not root, not Debian), :func:`load` falls back to scikit-learn's 8x8 digits and says so in
+the returned :class:`Dataset`'s ``note``. A damaged file is a :class:`DatasetError` naming
+the file and what is wrong with it, never a numpy exception from deep inside.
+"""
+from __future__ import annotations
+
+import gzip
+import os
+import struct
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+FASHION_DIR = Path(os.environ.get("THC_FASHION_MNIST", "/usr/share/datasets/fashion-mnist"))
+FASHION_FILES = {"train_images": "train-images-idx3-ubyte.gz",
+                 "train_labels": "train-labels-idx1-ubyte.gz",
+                 "test_images": "t10k-images-idx3-ubyte.gz",
+                 "test_labels": "t10k-labels-idx1-ubyte.gz"}
+IDX_UBYTE = 0x08
+"""IDX element type code of unsigned bytes (the only one MNIST-style files use)."""
+
+
+class DatasetError(ValueError):
+    """A data file that cannot be read; the message names the file."""
+
+
+@dataclass(frozen=True)
+class Dataset:
+    """Standardized float32 images (N, 1, H, W) and int64 labels, split into train and test."""
+
+    name: str
+    x_train: np.ndarray
+    y_train: np.ndarray
+    x_test: np.ndarray
+    y_test: np.ndarray
+    note: str = ""
+    """Why this data set was chosen when it is not the one asked for (empty otherwise)."""
+
+    @property
+    def classes(self) -> int:
+        return int(max(self.y_train.max(), self.y_test.max())) + 1
+
+
+def read_idx(path: Path | str) -> np.ndarray:
+    """An IDX file (optionally gzipped) of unsigned bytes as a numpy array of its shape."""
+    path = Path(path)
+    try:
+        raw = path.read_bytes()
+        if raw[:2] == b"\x1f\x8b":
+            raw = gzip.decompress(raw)
+    except FileNotFoundError:
+        raise DatasetError(f"{path}: no such file") from None
+    except (OSError, EOFError, zlib.error) as e:
+        raise DatasetError(f"{path}: not a readable gzip file ({e})") from None
+    if len(raw) < 4:
+        raise DatasetError(f"{path}: {len(raw)} bytes, too short for an IDX header")
+    zero, dtype, ndim = struct.unpack_from(">HBB", raw)
+    if zero != 0 or dtype != IDX_UBYTE or not 1 <= ndim <= 4:
+        raise DatasetError(f"{path}: not an IDX file of unsigned bytes (magic "
+                           f"{raw[:4].hex()}, expected 000008 followed by 01..04)")
+    header = 4 + 4 * ndim
+    if len(raw) < header:
+        raise DatasetError(f"{path}: truncated IDX header")
+    shape = struct.unpack_from(f">{ndim}I", raw, 4)
+    want = int(np.prod(shape, dtype=np.int64))
+    have = len(raw) - header
+    if have != want:
+        raise DatasetError(f"{path}: header announces shape {shape} ({want} bytes of data) "
+                           f"but the file holds {have}: truncated or corrupt")
+    return np.frombuffer(raw, dtype=np.uint8, offset=header).reshape(shape)
+
+
+def _standardize(images: np.ndarray, scale: float) -> np.ndarray:
+    return ((images.astype(np.float32) / scale - 0.5) / 0.5)[:, None, :, :]
+
+
+def load_fashion_mnist(directory: Path | str = FASHION_DIR) -> Dataset:
+    """The 60,000/10,000 split of the IDX files in ``directory``."""
+    directory = Path(directory)
+    arrays = {key: read_idx(directory / name) for key, name in FASHION_FILES.items()}
+    for split in ("train", "test"):
+        images, labels = arrays[f"{split}_images"], arrays[f"{split}_labels"]
+        if images.ndim != 3 or labels.ndim != 1 or len(images) != len(labels):
+            raise DatasetError(f"{directory}: {split} images {images.shape} and labels "
+                               f"{labels.shape} do not match")
+        if labels.size and labels.max() > 9:
+            raise DatasetError(f"{directory / FASHION_FILES[split + '_labels']}: label "
+                               f"{int(labels.max())} outside 0..9")
+    return Dataset("fashion-mnist",
+                   _standardize(arrays["train_images"], 255.0),
+                   arrays["train_labels"].astype(np.int64),
+                   _standardize(arrays["test_images"], 255.0),
+                   arrays["test_labels"].astype(np.int64))
+
+
+def load_digits(seed: int = 0) -> Dataset:
+    """scikit-learn's digits (1,797 8x8 images), split 80/20 with a fixed seed."""
+    from sklearn.datasets import load_digits as sk_digits
+
+    d = sk_digits()
+    x = _standardize(d.images, 16.0)
+    y = d.target.astype(np.int64)
+    perm = np.random.default_rng(seed).permutation(len(y))
+    cut = int(0.8 * len(y))
+    return Dataset("digits", x[perm[:cut]], y[perm[:cut]], x[perm[cut:]], y[perm[cut:]])
+
+
+DATASETS = ("fashion-mnist", "digits")
+
+
+def load(name: str = "fashion-mnist", seed: int = 0) -> Dataset:
+    """``name``, or digits with a note saying why when Fashion-MNIST's files are absent.
+
+    A Fashion-MNIST directory that exists but holds damaged files raises DatasetError: a
+    silent fallback would hide a broken installation.
+    """
+    if name == "digits":
+        return load_digits(seed)
+    if name != "fashion-mnist":
+        raise DatasetError(f"unknown data set {name!r}; choose from {', '.join(DATASETS)}")
+    if not FASHION_DIR.is_dir():
+        note = (f"Fashion-MNIST not found in {FASHION_DIR} (Debian package "
+                f"dataset-fashion-mnist, installed by `make system-deps` as root): "
+                f"using scikit-learn's digits instead")
+        d = load_digits(seed)
+        return Dataset(d.name, d.x_train, d.y_train, d.x_test, d.y_test, note)
+    return load_fashion_mnist(FASHION_DIR)

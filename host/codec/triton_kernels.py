@@ -1,0 +1,310 @@
+"""Fused Triton kernels of THC's encode and decode (CUDA tensors, or CPU tensors under Triton's
+interpreter, TRITON_INTERPRET=1, which is how the tests check them without a GPU).
+
+Why this shape: a slice of d = 2^L coordinates (2^20 by default, 4 MiB) does not fit on chip,
+so it is viewed as an R x C matrix (d = R C, index i = row C + col) and H_d = H_R (x) H_C is
+applied in two passes, each on chip:
+
+- encode pass 1 (rows): load x, add up its squares (the slice norms of the MAX round come
+  from this read), apply the rotation signs (host/codec/rng.py, computed in the kernel from
+  the slice's key), transform each row of C with H_C, store float32 scratch. The scale needs
+  the agreed max norm only in pass 2, so pass 1 can run before the MAX round.
+- encode pass 2 (columns): load a block of whole columns, transform them with H_R, then
+  scale by g / (2 t_p M), shift by g/2, truncate to [0, g], round stochastically onto the
+  table (uniforms from the counter-based generator) and store indices, packed two to a byte
+  at b = 4; the first rotated coordinate of each slice goes out for the NaN/Inf check.
+- decode pass 1: load the sums (any integer width, widened here) or a worker's own indices
+  (mapped through the table), subtract n g/2, transform rows; pass 2: transform columns,
+  scale by 2 t_p M / (g d n), apply the signs, store the unpadded float32 result.
+
+Each H_K on chip is one or two small dense ±1 products (K = K1 K2, factors of 16..64 built in
+registers from the parity of i & j) in full float32 (input_precision "ieee": TF32 would cost
+the codec precision it does not need to lose). Slices of fewer than 2^8 or more than 2^24
+coordinates (a short tail slice) are left to the reference path by the caller.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+
+from host.codec import rng
+
+MIN_LOG, MAX_LOG = 8, 24
+"""Slice lengths 2^8..2^24 run here; others take the reference path."""
+TILE = 8192
+"""float32 elements a program holds (32 KiB): rows x C in pass 1, R x columns in pass 2."""
+PRECISION = "ieee"
+NUM_WARPS = 8
+
+
+def supports(padded: int) -> bool:
+    """Whether a slice padded to ``padded`` coordinates runs in these kernels."""
+    log = int(padded).bit_length() - 1
+    return padded == 1 << log and MIN_LOG <= log <= MAX_LOG
+
+
+def _axis_factor(log: int) -> int:
+    """K1 of an axis of 2^log (1: one dense product) with both factors in 16..64."""
+    return 1 if log <= 6 else 1 << (log // 2)
+
+
+def _split(log: int) -> tuple[int, int]:
+    """(log R, log C) with each side either 2^4..2^6 (one product) or 2^8..2^12 (two)."""
+    for c in range((log + 1) // 2, log - 3):
+        r = log - c
+        if all(4 <= e <= 6 or 8 <= e <= 12 for e in (r, c)):
+            return r, c
+    for c in range(4, log - 3):
+        r = log - c
+        if all(4 <= e <= 6 or 8 <= e <= 12 for e in (r, c)):
+            return r, c
+    raise ValueError(f"no R x C split for a slice of 2^{log}")
+
+
+@triton.jit
+def _mix32(x):
+    x ^= x >> 16
+    x = x * 0x7FEB352D
+    x ^= x >> 15
+    x = x * 0x846CA68B
+    x ^= x >> 16
+    return x
+
+
+@triton.jit
+def _block(j, k0, k1):
+    """rng.block: mix32(mix32(j ^ k0) ^ k1) on uint32."""
+    return _mix32(_mix32(j ^ k0) ^ k1)
+
+
+@triton.jit
+def _key(KEYS, s):
+    k0 = tl.load(KEYS + 2 * s).to(tl.uint32, bitcast=True)
+    k1 = tl.load(KEYS + 2 * s + 1).to(tl.uint32, bitcast=True)
+    return k0, k1
+
+
+@triton.jit
+def _signed(x, i, k0, k1):
+    """x times the rotation sign of coordinate i: bit i mod 32 of block(i div 32)."""
+    iu = i.to(tl.uint32)
+    w = _block(iu >> 5, k0, k1)
+    bit = (w >> (iu & 31)) & 1
+    return tl.where(bit == 1, -x, x)
+
+
+@triton.jit
+def _hmat(K: tl.constexpr):
+    """Sylvester's H_K (K <= 256) as float32: (-1)^popcount(a & b)."""
+    a = tl.arange(0, K)
+    p = a[:, None] & a[None, :]
+    p ^= p >> 4
+    p ^= p >> 2
+    p ^= p >> 1
+    return tl.where((p & 1) == 1, -1.0, 1.0)
+
+
+@triton.jit
+def _had_last(x, M: tl.constexpr, K: tl.constexpr, K1: tl.constexpr, PREC: tl.constexpr):
+    """H_K along axis 1 of an (M, K) tile, K = K1 K2 (K1 = 1: one product)."""
+    if K1 == 1:
+        y = tl.dot(x, _hmat(K), input_precision=PREC)
+    else:
+        K2: tl.constexpr = K // K1
+        y = tl.dot(tl.reshape(x, (M * K1, K2)), _hmat(K2), input_precision=PREC)
+        y = tl.permute(tl.reshape(y, (M, K1, K2)), (0, 2, 1))
+        y = tl.dot(tl.reshape(y, (M * K2, K1)), _hmat(K1), input_precision=PREC)
+        y = tl.reshape(tl.permute(tl.reshape(y, (M, K2, K1)), (0, 2, 1)), (M, K))
+    return y
+
+
+@triton.jit
+def _had_first(x, K: tl.constexpr, N: tl.constexpr, K1: tl.constexpr, PREC: tl.constexpr):
+    """H_K along axis 0 of a (K, N) tile, K = K1 K2 (K1 = 1: one product)."""
+    if K1 == 1:
+        y = tl.trans(tl.dot(tl.trans(x), _hmat(K), input_precision=PREC))
+    else:
+        K2: tl.constexpr = K // K1
+        y = tl.permute(tl.reshape(x, (K1, K2, N)), (0, 2, 1))
+        y = tl.dot(tl.reshape(y, (K1 * N, K2)), _hmat(K2), input_precision=PREC)
+        y = tl.permute(tl.reshape(y, (K1, N, K2)), (2, 1, 0))
+        y = tl.dot(tl.reshape(y, (K2 * N, K1)), _hmat(K1), input_precision=PREC)
+        y = tl.reshape(tl.permute(tl.reshape(y, (K2, N, K1)), (2, 0, 1)), (K, N))
+    return y
+
+
+@triton.jit
+def _encode_rows(X, TMP, KEYS, PART, length, d,
+                 C: tl.constexpr, C1: tl.constexpr, BM: tl.constexpr, PREC: tl.constexpr):
+    s = tl.program_id(0)
+    rows = tl.program_id(1) * BM + tl.arange(0, BM)
+    i = rows[:, None] * C + tl.arange(0, C)[None, :]
+    x = tl.load(X + s.to(tl.int64) * length + i, mask=i < length, other=0.0)
+    tl.store(PART + s * tl.num_programs(1) + tl.program_id(1), tl.sum(tl.sum(x * x, 1), 0))
+    k0, k1 = _key(KEYS, s)
+    y = _had_last(_signed(x, i, k0, k1), BM, C, C1, PREC)
+    tl.store(TMP + s.to(tl.int64) * d + i, y)
+
+
+@triton.jit
+def _encode_cols(TMP, OUT, FIRST, COEF, UKEYS, LOWER, BASE, WIDTH, d, g,
+                 R: tl.constexpr, C: tl.constexpr, R1: tl.constexpr, BN: tl.constexpr,
+                 PREC: tl.constexpr, PACK: tl.constexpr):
+    s = tl.program_id(0)
+    nb = tl.program_id(1)
+    rows = tl.arange(0, R)
+    i = rows[:, None] * C + (nb * BN + tl.arange(0, BN))[None, :]
+    y = tl.load(TMP + s.to(tl.int64) * d + i)
+    z = _had_first(y, R, BN, R1, PREC) * tl.load(COEF + s) + 0.5 * g
+    tl.store(FIRST + s + i * 0, z, mask=i == 0)
+    u = tl.minimum(tl.maximum(z, 0.0), g)
+    k = tl.maximum(tl.minimum(u.to(tl.int32), g - 1), 0)
+    lower = tl.load(LOWER + k).to(tl.int32)
+    frac = (u - tl.load(BASE + k)) / tl.load(WIDTH + k)
+    uk0, uk1 = _key(UKEYS, s)
+    r = (_block(i.to(tl.uint32), uk0, uk1) >> 8).to(tl.float32) * 5.9604644775390625e-08
+    idx = lower + (r < frac).to(tl.int32)
+    if PACK:
+        hi, lo = tl.split(tl.reshape(idx, (R, BN // 2, 2)))
+        j = rows[:, None] * (C // 2) + (nb * (BN // 2) + tl.arange(0, BN // 2))[None, :]
+        tl.store(OUT + s.to(tl.int64) * (d // 2) + j, ((hi << 4) | lo).to(tl.uint8))
+    else:
+        tl.store(OUT + s.to(tl.int64) * d + i, idx.to(tl.uint8))
+
+
+@triton.jit
+def _decode_rows(S, TMP, TABLE, centre, d,
+                 C: tl.constexpr, C1: tl.constexpr, BM: tl.constexpr, PREC: tl.constexpr,
+                 LOOKUP: tl.constexpr):
+    s = tl.program_id(0)
+    rows = tl.program_id(1) * BM + tl.arange(0, BM)
+    i = rows[:, None] * C + tl.arange(0, C)[None, :]
+    v = tl.load(S + s.to(tl.int64) * d + i)
+    if LOOKUP:
+        v = tl.load(TABLE + v.to(tl.int32))
+    w = v.to(tl.float32) - centre
+    tl.store(TMP + s.to(tl.int64) * d + i, _had_last(w, BM, C, C1, PREC))
+
+
+@triton.jit
+def _decode_cols(TMP, OUT, ALPHA, KEYS, length, d,
+                 R: tl.constexpr, C: tl.constexpr, R1: tl.constexpr, BN: tl.constexpr,
+                 PREC: tl.constexpr):
+    s = tl.program_id(0)
+    nb = tl.program_id(1)
+    i = tl.arange(0, R)[:, None] * C + (nb * BN + tl.arange(0, BN))[None, :]
+    y = tl.load(TMP + s.to(tl.int64) * d + i)
+    z = _had_first(y, R, BN, R1, PREC) * tl.load(ALPHA + s)
+    k0, k1 = _key(KEYS, s)
+    tl.store(OUT + s.to(tl.int64) * length + i, _signed(z, i, k0, k1), mask=i < length)
+
+
+class _Shape:
+    """Tile sizes of one slice length (all compile-time constants of the kernels)."""
+
+    def __init__(self, padded: int):
+        log = int(padded).bit_length() - 1
+        lr, lc = _split(log)
+        self.R, self.C = 1 << lr, 1 << lc
+        self.R1, self.C1 = _axis_factor(lr), _axis_factor(lc)
+        self.BM = max(1, min(self.R, TILE // self.C))
+        self.BN = max(2, min(self.C, TILE // self.R))
+
+
+def _keys(seed: int, round_: int, first: int, count: int, stream: int, device):
+    k = rng.slice_keys(seed, round_, range(first, first + count), stream)
+    return torch.from_numpy(k.view(np.int32).reshape(-1).copy()).to(device)
+
+
+_LUTS: dict = {}
+
+
+def _luts(table: tuple[int, ...], device):
+    """(lower index, lower value, width) per unit step of [0, g], on the device."""
+    key = (table, device)
+    if key not in _LUTS:
+        from host.codec.quantize import segments
+        lower, base, width = segments(table)
+        _LUTS[key] = (torch.from_numpy(lower.astype(np.int32)).to(device),
+                      torch.from_numpy(base).to(device), torch.from_numpy(width).to(device))
+    return _LUTS[key]
+
+
+def encode_rows(flat, grp, seed: int, round_: int):
+    """Encode pass 1 of one group of equal slices of ``flat`` (float32, contiguous): the
+    signed, row-transformed scratch and the slices' L2 norms (from the same read of x)."""
+    sh, dev, d = _Shape(grp.padded), flat.device, grp.padded
+    x = flat[grp.start: grp.start + grp.count * grp.length]
+    tmp = torch.empty(grp.count * d, dtype=torch.float32, device=dev)
+    part = torch.empty((grp.count, sh.R // sh.BM), dtype=torch.float32, device=dev)
+    keys = _keys(seed, round_, grp.first, grp.count, rng.SIGN_STREAM, dev)
+    _encode_rows[(grp.count, sh.R // sh.BM)](x, tmp, keys, part, grp.length, d, C=sh.C,
+                                             C1=sh.C1, BM=sh.BM, PREC=PRECISION,
+                                             num_warps=NUM_WARPS)
+    return tmp, part.sum(1).sqrt_()
+
+
+def encode_cols(tmp, grp, coef: np.ndarray, table: tuple[int, ...], round_: int,
+                uniform_seed: int, out, pack: bool):
+    """Encode pass 2 of one group: column transform, scale, truncation, stochastic rounding
+    into ``out`` (uint8 indices, or packed b = 4 bytes when ``pack``). Returns the first
+    rotated coordinate of each slice (for the caller's NaN/Inf check)."""
+    sh, dev, d = _Shape(grp.padded), tmp.device, grp.padded
+    first = torch.empty(grp.count, dtype=torch.float32, device=dev)
+    ukeys = _keys(uniform_seed, round_, grp.first, grp.count, rng.UNIFORM_STREAM, dev)
+    lower, base, width = _luts(table, dev)
+    c = torch.from_numpy(np.ascontiguousarray(coef, dtype=np.float32)).to(dev)
+    _encode_cols[(grp.count, sh.C // sh.BN)](tmp, out, first, c, ukeys, lower, base, width, d,
+                                             table[-1], R=sh.R, C=sh.C, R1=sh.R1, BN=sh.BN,
+                                             PREC=PRECISION, PACK=pack, num_warps=NUM_WARPS)
+    return first
+
+
+def decode_group(values, grp, alpha: np.ndarray, centre: float, seed: int, round_: int, out,
+                 table=None):
+    """Decode one group: ``values`` are the group's sums (any integer dtype) or, with
+    ``table`` (int32 tensor on the device), one worker's indices; writes ``out`` (the group's
+    unpadded float32 coordinates)."""
+    sh, dev, d = _Shape(grp.padded), values.device, grp.padded
+    tmp = torch.empty(grp.count * d, dtype=torch.float32, device=dev)
+    lookup = table is not None
+    _decode_rows[(grp.count, sh.R // sh.BM)](values, tmp, table if lookup else values,
+                                             float(centre), d, C=sh.C, C1=sh.C1, BM=sh.BM,
+                                             PREC=PRECISION, LOOKUP=lookup,
+                                             num_warps=NUM_WARPS)
+    keys = _keys(seed, round_, grp.first, grp.count, rng.SIGN_STREAM, dev)
+    a = torch.from_numpy(np.ascontiguousarray(alpha, dtype=np.float32)).to(dev)
+    _decode_cols[(grp.count, sh.C // sh.BN)](tmp, out, a, keys, grp.length, d, R=sh.R,
+                                             C=sh.C, R1=sh.R1, BN=sh.BN, PREC=PRECISION,
+                                             num_warps=NUM_WARPS)
+
+
+def compile_for(padded: int, arch: int = 90) -> dict:
+    """Compile the four kernels for a slice of ``padded`` coordinates ahead of time for CUDA
+    compute capability ``arch`` (90: H100), without a GPU: the check that what the
+    interpreter ran also builds for the device. Returns kernel name -> shared memory bytes."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    sh = _Shape(padded)
+    rows = dict(C=sh.C, C1=sh.C1, BM=sh.BM, PREC=PRECISION)
+    cols = dict(R=sh.R, C=sh.C, R1=sh.R1, BN=sh.BN, PREC=PRECISION)
+    jobs = [
+        (_encode_rows, dict(X="*fp32", TMP="*fp32", KEYS="*i32", PART="*fp32", length="i32",
+                            d="i32"), rows),
+        (_encode_cols, dict(TMP="*fp32", OUT="*u8", FIRST="*fp32", COEF="*fp32", UKEYS="*i32",
+                            LOWER="*i32", BASE="*fp32", WIDTH="*fp32", d="i32", g="i32"),
+         dict(cols, PACK=True)),
+        (_decode_rows, dict(S="*i32", TMP="*fp32", TABLE="*u8", centre="fp32", d="i32"),
+         dict(rows, LOOKUP=True)),
+        (_decode_cols, dict(TMP="*fp32", OUT="*fp32", ALPHA="*fp32", KEYS="*i32", length="i32",
+                            d="i32"), cols),
+    ]
+    out = {}
+    for fn, sig, consts in jobs:
+        sig = dict(sig, **{k: "constexpr" for k in consts})
+        k = triton.compile(ASTSource(fn, sig, consts), target=GPUTarget("cuda", arch, 32),
+                           options={"num_warps": NUM_WARPS})
+        out[fn.__name__] = k.metadata.shared
+    return out

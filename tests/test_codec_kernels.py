@@ -1,0 +1,309 @@
+"""The codec's counter-based generator and its Triton kernels against the reference path.
+
+Without a GPU the kernels run under Triton's interpreter (TRITON_INTERPRET=1, set here before
+the kernel module is imported); where triton is missing or the interpreter cannot run them,
+the kernel tests are skipped with the reason.
+"""
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from host.codec import rng, thc
+from host.codec.hadamard import fwht
+from host.codec.thc import ErrorFeedback, THCCodec, THCParams
+
+CUDA = torch.cuda.is_available()
+if not CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+DEV = "cuda" if CUDA else "cpu"
+
+
+def _kernel_skip_reason():
+    try:
+        import triton  # noqa: F401
+    except ImportError as e:
+        return f"triton is not installed ({e}); pip install the test extra"
+    if not CUDA and os.environ.get("TRITON_INTERPRET") != "1":
+        return "no CUDA device and TRITON_INTERPRET is not 1 (the interpreter was not asked for)"
+    try:
+        p = THCParams(slice_size=256)
+        x = torch.ones(256, device=DEV)
+        thc.encode(x, thc.slice_norms(x, p), p, 0, 1, backend="triton")
+    except Exception as e:  # the reason is what the skip reports
+        return f"the Triton kernels cannot run here: {type(e).__name__}: {e}"
+    return None
+
+
+SKIP = _kernel_skip_reason()
+kernels = pytest.mark.skipif(SKIP is not None, reason=SKIP or "")
+if SKIP:
+    print(f"test_codec_kernels: kernel tests skipped: {SKIP}")
+
+
+def nmse(x, est):
+    x = x.double().cpu()
+    return float(((est.double().cpu() - x) ** 2).sum() / (x ** 2).sum())
+
+
+def _mix32(x):
+    """mix32 from docs/protocol.md, in Python integers: an independent statement of it."""
+    x ^= x >> 16
+    x = (x * 0x7FEB352D) % 2 ** 32
+    x ^= x >> 15
+    x = (x * 0x846CA68B) % 2 ** 32
+    return x ^ (x >> 16)
+
+
+def test_generator_follows_the_documented_definition():
+    seed, rnd, sl = 2 ** 40 + 7, 2 ** 33 + 5, 9
+    h = _mix32(0 ^ 0x9E3779B9)
+    for w in (seed % 2 ** 32, seed >> 32, rnd % 2 ** 32, rnd >> 32, sl):
+        h = _mix32(((h ^ w) + 0x9E3779B9) % 2 ** 32)
+    k0, k1 = h, _mix32(h ^ 0x85EBCA6B)
+    assert rng.slice_key(seed, rnd, sl, rng.SIGN_STREAM) == (k0, k1)
+    want = []
+    for i in range(100):
+        word = _mix32(_mix32((i // 32) ^ k0) ^ k1)
+        want.append(-1.0 if (word >> (i % 32)) & 1 else 1.0)
+    assert rng.signs(100, seed, rnd, sl).tolist() == want
+    u0 = rng.slice_key(seed, rnd, sl, rng.UNIFORM_STREAM)
+    assert rng.uniforms(3, seed, rnd, sl).tolist() == [
+        (_mix32(_mix32(i ^ u0[0]) ^ u0[1]) >> 8) * 2.0 ** -24 for i in range(3)]
+
+
+def test_generator_identical_in_numpy_and_torch_integer_arithmetic():
+    """numpy uint32 and torch int64 (the CUDA path's arithmetic, here on the CPU) agree."""
+    for impl_args in [(5000, 3, 7, [0, 1, 2 ** 31 + 5]), (33, 2 ** 63, 1, [4])]:
+        n, seed, rnd, slices = impl_args
+        a = rng.signs(n, seed, rnd, slices)
+        b = rng.signs(n, seed, rnd, slices, like=torch.zeros(1), impl="torch")
+        assert np.array_equal(a, b.numpy())
+        ua = rng.uniforms(n, seed, rnd, slices)
+        ub = rng.uniforms(n, seed, rnd, slices, like=torch.zeros(1), impl="torch")
+        assert np.array_equal(ua, ub.numpy())
+        assert ua.min() >= 0 and ua.max() < 1
+
+
+def test_generator_statistics_and_key_separation():
+    s = rng.signs(1 << 16, 0, 0, [0, 1])
+    assert abs(s.mean()) < 5 / 2 ** 8
+    assert abs(np.mean(s[0] * s[1])) < 5 / 2 ** 8      # slices independent
+    assert abs(np.mean(s[0, 1:] * s[0, :-1])) < 5 / 2 ** 8  # neighbours independent
+    u = rng.uniforms(1 << 16, 0, 0, 0)
+    assert abs(u.mean() - 0.5) < 0.01 and abs(u.var() - 1 / 12) < 0.005
+    assert not np.array_equal(rng.signs(64, 0, 1, 0), rng.signs(64, 0, 0, 1))
+    assert not np.array_equal(rng.signs(64, 1, 0, 0), rng.signs(64, 2 ** 32 + 1, 0, 0))
+    with pytest.raises(ValueError, match="seed"):
+        rng.slice_key(-1, 0, 0, 0)
+    with pytest.raises(ValueError, match="round"):
+        rng.slice_key(0, 2 ** 64, 0, 0)
+
+
+@kernels
+@pytest.mark.parametrize("slice_log,extra", [(8, 0), (10, 300), (12, 4096 + 1000), (16, 0)])
+def test_kernels_match_reference(slice_log, extra):
+    """Same rotation, same uniforms (an int generator): the same indices up to the rare
+    coordinate that the transform's float rounding moves across a rounding threshold."""
+    p = THCParams(slice_size=1 << slice_log)
+    n = 2 * (1 << slice_log) + extra
+    x = torch.randn(n, generator=torch.Generator().manual_seed(slice_log)).to(DEV)
+    m = thc.slice_norms(x, p)
+    a = thc.encode(x, m, p, 5, 77, backend="triton")
+    b = thc.encode(x.cpu(), m.cpu(), p, 5, 77, backend="reference")
+    assert a.dtype == torch.uint8 and a.shape == b.shape
+    assert (a.cpu() != b).float().mean() < 1e-4
+    packed = thc.encode_packed(x, m, p, 5, 77, backend="triton")
+    assert torch.equal(packed.cpu(), thc.pack_bits(a.cpu(), 4))
+    prep = thc.prepare(x, p, 5, backend="triton")       # norms from encode pass 1's read
+    assert torch.allclose(prep.norms.cpu(), m.cpu(), rtol=1e-5)
+    assert torch.equal(thc.encode_prepared(prep, m, p, 77), packed)
+    assert torch.equal(thc.encode_prepared(prep, m, p, 77, pack=False), a)
+    sums = thc.aggregate([a, a, a], p)
+    da = thc.decode(sums, 3, m, n, p, 5, backend="triton")
+    db = thc.decode(sums.cpu(), 3, m.cpu(), n, p, 5, backend="reference")
+    assert da.dtype == torch.float32 and da.shape == (n,)
+    assert torch.allclose(da.cpu(), db, atol=1e-5)
+    for narrow in (torch.uint8, torch.int16, torch.int64)[: 3 if slice_log < 16 else 0]:
+        assert torch.equal(thc.decode(sums.to(narrow), 3, m, n, p, 5, backend="triton"), da)
+    own = thc.decode_indices(a, m, n, p, 5, backend="triton")
+    assert torch.allclose(own.cpu(), db, atol=1e-5)
+
+
+@kernels
+def test_kernels_pack_around_short_tail_slices():
+    """Tails of 1 and 3 coordinates take the reference path inside a kernel encode; the
+    packed bytes stay aligned (an odd padded length ends in half a byte)."""
+    p = THCParams(slice_size=256)
+    for n in (513, 259):
+        x = torch.randn(n, generator=torch.Generator().manual_seed(n)).to(DEV)
+        m = thc.slice_norms(x, p)
+        idx = thc.encode(x, m, p, 2, 6, backend="triton")
+        assert idx.numel() == thc.layout(n, p).total_padded
+        packed = thc.encode_packed(x, m, p, 2, 6, backend="triton")
+        assert torch.equal(packed.cpu(), thc.pack_bits(idx.cpu(), 4))
+        assert torch.equal(idx.cpu(), thc.encode(x.cpu(), m.cpu(), p, 2, 6, backend="reference"))
+
+
+@kernels
+def test_encode_on_one_backend_decode_on_another():
+    """Kernels -> reference, reference -> kernels, numpy -> kernels: the NMSE of all-reference
+    (b=4, g=30, p=1/32: 0.0204 +- 5% for one Gaussian worker)."""
+    p = THCParams(slice_size=1 << 12)
+    n = 1 << 16
+    x = torch.randn(n, generator=torch.Generator().manual_seed(3))
+    xd = x.to(DEV)
+    m = thc.slice_norms(x, p)
+    results = {}
+    idx = thc.encode(xd, m, p, 1, 11, backend="triton")
+    results["kernels->reference"] = thc.decode(thc.aggregate([idx.cpu()], p), 1, m, n, p, 1,
+                                               backend="reference")
+    idx = thc.encode(x, m, p, 1, 11, backend="reference")
+    results["reference->kernels"] = thc.decode(thc.aggregate([idx.to(DEV)], p), 1, m.to(DEV),
+                                               n, p, 1, backend="triton")
+    idx = thc.encode(x.numpy(), m.numpy(), p, 1, 11)
+    results["numpy->kernels"] = thc.decode(torch.from_numpy(
+        thc.aggregate([idx], p).astype(np.int32)).to(DEV), 1, m, n, p, 1, backend="triton")
+    idx = thc.encode(x, m, p, 1, 11, backend="reference")
+    ref = nmse(x, thc.decode(thc.aggregate([idx], p), 1, m, n, p, 1, backend="reference"))
+    assert ref == pytest.approx(0.0204, rel=0.05)
+    for name, est in results.items():
+        assert nmse(x, est) == pytest.approx(ref, rel=0.01), name
+
+
+@kernels
+def test_kernels_nmse_and_unbiased():
+    """64 slices that each hold the same vector get their own signs and uniforms: 64
+    independent estimates in one call. Each is unbiased for its truncated rotation (what the
+    reference computes without rounding), so their mean converges to the mean of those."""
+    d, k = 1 << 10, 64
+    p = THCParams(slice_size=d)
+    v = torch.randn(d, generator=torch.Generator().manual_seed(9))
+    x = v.repeat(k).to(DEV)
+    m = thc.slice_norms(x, p)
+    est = thc.decode_indices(thc.encode(x, m, p, 0, 5, backend="triton"), m, d * k, p, 0,
+                             backend="triton").cpu().reshape(k, d)
+    per = [nmse(v, e) for e in est]
+    assert np.mean(per) == pytest.approx(0.0204, rel=0.05)
+    g, t, mk = p.granularity, p.t_p, float(m[0])
+    signs = torch.from_numpy(rng.signs(d, p.seed, 0, range(k)))
+    u = (fwht(v * signs, scale=g / (2 * t * mk)) + g / 2).clamp(0, g)
+    truncated = signs * fwht(u - g / 2, scale=2 * t * mk / (g * d))
+    assert nmse(v, truncated.mean(0)) < 0.1 * np.mean(per)    # truncation's small bias
+    assert nmse(truncated.mean(0), est.mean(0)) < 2 * np.mean(per) / k
+
+
+@kernels
+def test_kernels_refuse_nan_and_inf():
+    p = THCParams(slice_size=256)
+    x = torch.randn(1000, device=DEV)
+    m = thc.slice_norms(x, p)
+    for bad in (float("nan"), float("inf")):
+        y = x.clone()
+        y[700] = bad
+        with pytest.raises(ValueError, match="NaN or Inf"):
+            thc.encode(y, m, p, 0, 1, backend="triton")
+        with pytest.raises(ValueError, match="NaN or Inf"):
+            thc.slice_norms(y, p)
+        with pytest.raises(ValueError, match="NaN or Inf"):
+            thc.prepare(y, p, 0, backend="triton")
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_input_conversion_and_refusals(backend):
+    """Non-contiguous and non-float32 inputs are converted (to contiguous float32); complex
+    and bool are refused; tensors on another device than the codec's state are refused."""
+    if backend == "triton" and SKIP:
+        pytest.skip(SKIP)
+    p = THCParams(slice_size=256)
+    base = torch.randn(600, 2, generator=torch.Generator().manual_seed(1)).to(DEV)
+    x = base[:, 0]                          # a strided view
+    assert not x.is_contiguous()
+    m = thc.slice_norms(x, p)
+    ref = thc.encode(x.contiguous(), m, p, 0, 3, backend=backend)
+    assert torch.equal(thc.encode(x, m, p, 0, 3, backend=backend), ref)
+    assert torch.equal(thc.encode(x.double(), m, p, 0, 3, backend=backend), ref)
+    assert torch.equal(thc.encode(x.half().float(), m, p, 0, 3, backend=backend),
+                       thc.encode(x.half(), m, p, 0, 3, backend=backend))
+    with pytest.raises(TypeError, match="real tensor"):
+        thc.encode(x.to(torch.complex64), m, p, 0, 3, backend=backend)
+    with pytest.raises(TypeError, match="real tensor"):
+        thc.encode(x > 0, m, p, 0, 3, backend=backend)
+    sums = thc.aggregate([ref], p)
+    with pytest.raises(TypeError, match="integer"):
+        thc.decode(sums.float(), 1, m, 600, p, 0, backend=backend)
+    meta = torch.empty(600, device="meta")
+    with pytest.raises(ValueError, match="out is on meta"):
+        thc.decode(sums, 1, m, 600, p, 0, out=meta, backend=backend)
+    with pytest.raises(ValueError, match="index vector is on meta"):
+        thc.aggregate([ref, torch.empty(ref.shape, dtype=torch.uint8, device="meta")], p)
+    ef = ErrorFeedback(p)
+    ef.residual = meta
+    with pytest.raises(ValueError, match="residual is on meta"):
+        ef.compensate(x)
+    with pytest.raises(ValueError, match="index 16 outside"):
+        thc.decode_indices(torch.full_like(ref, 16), m, 600, p, 0, backend=backend)
+
+
+@pytest.mark.parametrize("as_numpy", [True, False])
+def test_prepare_then_encode_on_the_reference_path(as_numpy):
+    p = THCParams(slice_size=256)
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(4))
+    x = x.numpy() if as_numpy else x
+    prep = THCCodec(p).prepare(x, 3)
+    assert np.array_equal(np.asarray(prep.norms), np.asarray(thc.slice_norms(x, p)))
+    want = thc.encode_packed(x, prep.norms, p, 3, 8)
+    got = THCCodec(p).encode_prepared(prep, prep.norms, 8)
+    assert np.array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_cpu_install_without_triton(monkeypatch):
+    """Without triton the reference path serves everything; asking for the kernels says why
+    not. On the CPU the kernels also need the interpreter to have been asked for."""
+    import sys
+
+    import host.codec
+    monkeypatch.delitem(sys.modules, "host.codec.triton_kernels", raising=False)
+    monkeypatch.delattr(host.codec, "triton_kernels", raising=False)
+    monkeypatch.setitem(sys.modules, "triton", None)
+    p = THCParams(slice_size=256)
+    x = torch.randn(600)
+    c = THCCodec(p)
+    m = c.norms(x)
+    assert c.decode(c.aggregate([c.encode(x, m, 0)]), 1, m, 600, 0).shape == (600,)
+    with pytest.raises(RuntimeError, match="needs the triton package"):
+        thc.encode(x, m, p, backend="triton")
+    monkeypatch.undo()
+    if SKIP is None and not CUDA:
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
+        with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+            thc.encode(x, m, p, backend="triton")
+
+
+def test_backend_argument_checked():
+    p = THCParams(slice_size=256)
+    x = np.ones(10, np.float32)
+    with pytest.raises(ValueError, match="backend must be one of"):
+        thc.encode(x, thc.slice_norms(x, p), p, backend="gpu")
+    with pytest.raises(TypeError, match="torch tensors"):
+        thc.encode(x, thc.slice_norms(x, p), p, backend="triton")
+    with pytest.raises(ValueError, match="backend must be one of"):
+        THCCodec(p, backend="cuda")
+
+
+@pytest.mark.skipif(not CUDA, reason="no CUDA device: the automatic choice of the kernels "
+                                      "for CUDA tensors needs one")
+def test_cuda_tensors_take_the_kernels(monkeypatch):
+    from host.codec import triton_kernels
+    calls = []
+    orig = triton_kernels.encode_cols
+    monkeypatch.setattr(triton_kernels, "encode_cols",
+                        lambda *a, **k: calls.append(1) or orig(*a, **k))
+    c = THCCodec()
+    x = torch.randn(1 << 20, device="cuda")
+    m = c.norms(x)
+    est = c.decode(c.aggregate([c.encode(x, m, 0)]), 1, m, x.numel(), 0)
+    assert calls and nmse(x, est) == pytest.approx(0.0204, rel=0.05)
+    with pytest.raises(ValueError, match="generator"):
+        c.encode(x, m, 0, torch.Generator())

@@ -1,0 +1,39 @@
+"""The codec's Triton kernels compile for an H100 (sm_90) ahead of time, without a GPU.
+
+The interpreter tests (test_codec_kernels.py) check what the kernels compute; this checks that
+the same source also builds for the device, where the compiler is stricter (tile shapes of the
+matrix products, static branches). It runs in a subprocess because the interpreter, once
+asked for in this process, replaces the kernels by interpreted ones.
+"""
+import os
+import subprocess
+import sys
+
+import pytest
+
+SCRIPT = """
+import sys
+from host.codec import triton_kernels as tk
+for log in (8, 20):
+    print(log, tk.compile_for(1 << log, 90), flush=True)
+"""
+
+
+def test_kernels_compile_for_sm90():
+    try:
+        import triton  # noqa: F401
+        from triton.backends.nvidia import compiler  # noqa: F401
+    except ImportError as e:
+        pytest.skip(f"triton with its CUDA backend is not installed ({e})")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join(p for p in [os.getcwd(), env.get("PYTHONPATH")] if p)
+    proc = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True,
+                          text=True, timeout=600)
+    if proc.returncode and "ptxas" in proc.stderr and "not found" in proc.stderr:
+        pytest.skip(f"no ptxas to compile with: {proc.stderr.strip()[-300:]}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for log in ("8", "20"):
+        line = next(li for li in proc.stdout.splitlines() if li.startswith(log + " "))
+        assert all(k in line for k in ("_encode_rows", "_encode_cols", "_decode_rows",
+                                       "_decode_cols"))

@@ -1,0 +1,80 @@
+"""The worker's data: IDX reading, Fashion-MNIST when installed, digits fallback, clear errors."""
+from __future__ import annotations
+
+import gzip
+import struct
+
+import numpy as np
+import pytest
+
+from host.app import datasets as D
+
+
+def idx_bytes(arr: np.ndarray) -> bytes:
+    return struct.pack(">HBB", 0, D.IDX_UBYTE, arr.ndim) + \
+        struct.pack(f">{arr.ndim}I", *arr.shape) + arr.astype(np.uint8).tobytes()
+
+
+def write_set(directory, n_train=12, n_test=5, side=28):
+    rng = np.random.default_rng(0)
+    arrays = {"train_images": rng.integers(0, 256, (n_train, side, side)),
+              "train_labels": rng.integers(0, 10, n_train),
+              "test_images": rng.integers(0, 256, (n_test, side, side)),
+              "test_labels": rng.integers(0, 10, n_test)}
+    for key, name in D.FASHION_FILES.items():
+        (directory / name).write_bytes(gzip.compress(idx_bytes(arrays[key])))
+    return arrays
+
+
+def test_idx_round_trip(tmp_path):
+    arrays = write_set(tmp_path)
+    ds = D.load_fashion_mnist(tmp_path)
+    assert ds.x_train.shape == (12, 1, 28, 28) and ds.x_train.dtype == np.float32
+    assert np.array_equal(ds.y_test, arrays["test_labels"])
+    back = np.rint((ds.x_train[:, 0] * 0.5 + 0.5) * 255).astype(int)
+    assert np.array_equal(back, arrays["train_images"])
+    assert ds.x_train.min() >= -1.0 and ds.x_train.max() <= 1.0
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda b: b[: len(b) // 2], "not a readable gzip"),
+    (lambda b: gzip.compress(gzip.decompress(b)[:-7]), "truncated or corrupt"),
+    (lambda b: gzip.compress(b"\x00\x00\x0d\x03" + gzip.decompress(b)[4:]), "not an IDX"),
+    (lambda b: gzip.compress(b"\x00\x00"), "too short"),
+])
+def test_damaged_file_names_the_file(tmp_path, damage, message):
+    write_set(tmp_path)
+    victim = tmp_path / D.FASHION_FILES["train_images"]
+    victim.write_bytes(damage(victim.read_bytes()))
+    with pytest.raises(D.DatasetError, match=message) as e:
+        D.load_fashion_mnist(tmp_path)
+    assert str(victim) in str(e.value)
+
+
+def test_missing_file_and_mismatched_counts(tmp_path):
+    write_set(tmp_path)
+    (tmp_path / D.FASHION_FILES["test_labels"]).unlink()
+    with pytest.raises(D.DatasetError, match="no such file"):
+        D.load_fashion_mnist(tmp_path)
+    write_set(tmp_path)
+    (tmp_path / D.FASHION_FILES["test_labels"]).write_bytes(
+        gzip.compress(idx_bytes(np.zeros(4, np.uint8))))
+    with pytest.raises(D.DatasetError, match="do not match"):
+        D.load_fashion_mnist(tmp_path)
+
+
+def test_fallback_to_digits_says_why(monkeypatch, tmp_path):
+    monkeypatch.setattr(D, "FASHION_DIR", tmp_path / "absent")
+    ds = D.load("fashion-mnist")
+    assert ds.name == "digits" and "not found" in ds.note and ds.classes == 10
+    assert len(ds.y_train) + len(ds.y_test) == 1797
+    with pytest.raises(D.DatasetError, match="unknown data set"):
+        D.load("cifar")
+
+
+@pytest.mark.skipif(not D.FASHION_DIR.is_dir(), reason=f"{D.FASHION_DIR} not installed")
+def test_installed_fashion_mnist():
+    ds = D.load("fashion-mnist")
+    assert ds.name == "fashion-mnist" and ds.note == ""
+    assert ds.x_train.shape == (60000, 1, 28, 28) and ds.x_test.shape == (10000, 1, 28, 28)
+    assert np.bincount(ds.y_train).tolist() == [6000] * 10
