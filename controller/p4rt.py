@@ -1,0 +1,171 @@
+"""The few things the controller needs that p4runtime-shell 0.0.6 does not offer.
+
+Everything else goes through p4runtime-shell's public API (``shell.setup``/``teardown``, its
+``P4RuntimeClient`` and entities). This module exists because:
+
+* ``shell.setup`` calls ``sys.exit`` when the server is absent, the arbitration fails or the
+  pipeline is rejected, and it does not say whether this client became primary;
+  :func:`open_session` turns each of these into :class:`SessionError` with the reason.
+* ``P4RuntimeClient.write`` sends one batch but decodes a failed batch with
+  ``P4RuntimeErrorIterator``, whose ``__next__`` never advances past a per-update status of
+  OK (``continue`` without ``self.idx += 1``): a batch where some updates succeed and one
+  fails loops forever. tests/test_p4rt.py reproduces it. :class:`BatchWriter` decodes the
+  per-update statuses itself, on a channel whose metadata limit holds one status per update
+  of a batch of thousands (the client's default channel refuses them).
+* ``shell.PacketOut`` requires a ``packet_out`` controller header in the P4Info; the THC
+  program has none (a RESET is a plain frame injected at the CPU port), so
+  :func:`send_raw_packets` queues raw PacketOut messages on the client's stream.
+
+Nothing here patches p4runtime-shell: ``shell.setup`` itself sets its ``client`` and
+``context``, as it does for its interactive users.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Iterable, NamedTuple
+
+GRPC_OPTIONS = [("grpc.max_metadata_size", 64 << 20),
+                ("grpc.absolute_max_metadata_size", 64 << 20),
+                ("grpc.max_receive_message_length", 64 << 20)]
+"""Large enough for one p4.v1.Error per update of a batch of thousands."""
+
+
+class SessionError(RuntimeError):
+    """A P4Runtime session could not be opened, or a write was refused as a whole."""
+
+
+class UpdateError(NamedTuple):
+    index: int
+    code: int
+    message: str
+
+
+def _server_ready(grpc_addr: str, timeout: float) -> bool:
+    import grpc
+    probe = grpc.insecure_channel(grpc_addr)
+    try:
+        grpc.channel_ready_future(probe).result(timeout=timeout)
+        return True
+    except grpc.FutureTimeoutError:
+        return False
+    finally:
+        probe.close()
+
+
+def _arbitration_status(client, timeout: float) -> int | None:
+    """Re-send this client's arbitration (allowed by the P4Runtime spec) and return the
+    status code of the server's answer: OK when primary, None without an answer."""
+    from p4.v1 import p4runtime_pb2
+    req = p4runtime_pb2.StreamMessageRequest()
+    req.arbitration.device_id = client.device_id
+    req.arbitration.election_id.high, req.arbitration.election_id.low = client.election_id
+    client.stream_out_q.put(req)
+    rep = client.get_stream_packet("arbitration", timeout=timeout)
+    return None if rep is None else rep.arbitration.status.code
+
+
+def open_session(grpc_addr: str, device_id: int, election_id: tuple[int, int],
+                 pipeline: tuple[str, str] | None, timeout: float):
+    """``shell.setup`` without ``sys.exit``: returns (client, P4Info, is_primary)."""
+    from google.rpc import code_pb2
+    from p4runtime_sh import shell as sh
+
+    if not _server_ready(grpc_addr, timeout):
+        raise SessionError(f"no P4Runtime server at {grpc_addr} (is simple_switch_grpc "
+                           f"running with --grpc-server-addr {grpc_addr}?)")
+    config = sh.FwdPipeConfig(*pipeline) if pipeline else None
+    try:
+        sh.setup(device_id=device_id, grpc_addr=grpc_addr, election_id=election_id,
+                 config=config, verbose=False)
+    except SystemExit:
+        if sh.client is not None:
+            try:
+                sh.client.tear_down()
+            except Exception:  # noqa: BLE001 - the session is already broken
+                logging.debug("tear_down after a failed setup", exc_info=True)
+            sh.client = None
+        what = "pushing the pipeline" if pipeline else "reading the P4Info"
+        raise SessionError(
+            f"P4Runtime session with device {device_id} at {grpc_addr} failed (arbitration "
+            f"or {what}; does the switch run with --device-id {device_id}, and is the "
+            f"program valid?)") from None
+    status = _arbitration_status(sh.client, timeout)
+    return sh.client, sh.context.p4info, status == code_pb2.OK
+
+
+def close_session(client) -> None:
+    """``shell.teardown`` for the session :func:`open_session` opened."""
+    from p4runtime_sh import shell as sh
+    if sh.client is client and client is not None:
+        sh.teardown()
+
+
+class BatchWriter:
+    """WriteRequests of many updates with per-update error reporting (see module doc)."""
+
+    def __init__(self, grpc_addr: str, device_id: int, election_id: tuple[int, int]):
+        import grpc
+        from p4.v1 import p4runtime_pb2_grpc
+        self.device_id, self.election_id = device_id, election_id
+        self.channel = grpc.insecure_channel(grpc_addr, options=GRPC_OPTIONS)
+        self.stub = p4runtime_pb2_grpc.P4RuntimeStub(self.channel)
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def write(self, updates: list, batch: int) -> list[UpdateError]:
+        """Send ``updates`` (p4runtime Update messages) ``batch`` at a time; return the
+        failed ones by index into ``updates``."""
+        import grpc
+        from p4.v1 import p4runtime_pb2
+        failed = []
+        for start in range(0, len(updates), batch):
+            req = p4runtime_pb2.WriteRequest(device_id=self.device_id)
+            req.election_id.high, req.election_id.low = self.election_id
+            req.updates.extend(updates[start:start + batch])
+            try:
+                self.stub.Write(req)
+            except grpc.RpcError as e:
+                errors = update_errors(e)
+                if errors is None:
+                    raise SessionError(f"P4Runtime write failed: {e.code().name}: "
+                                       f"{e.details()}") from None
+                failed += [UpdateError(start + i, c, m) for i, c, m in errors]
+        return failed
+
+
+def update_errors(rpc_error) -> list[UpdateError] | None:
+    """The failed updates of a rejected WriteRequest, from its ``grpc-status-details-bin``
+    (one p4.v1.Error per update, OK for those applied); None when the error is not
+    per-update (wrong election id, server gone, ...)."""
+    import grpc
+    from google.rpc import code_pb2, status_pb2
+    from p4.v1 import p4runtime_pb2
+    if rpc_error.code() != grpc.StatusCode.UNKNOWN:
+        return None
+    details = None
+    for key, value in rpc_error.trailing_metadata() or ():
+        if key == "grpc-status-details-bin":
+            details = status_pb2.Status.FromString(value).details
+    if not details:
+        return None
+    out = []
+    for i, any_error in enumerate(details):
+        err = p4runtime_pb2.Error()
+        if not any_error.Unpack(err):
+            return None
+        if err.canonical_code != code_pb2.OK:
+            out.append(UpdateError(i, err.canonical_code, err.message))
+    return out
+
+
+def send_raw_packets(client, payloads: Iterable[bytes]) -> int:
+    """Queue PacketOut messages without packet_out metadata on the client's stream."""
+    from p4.v1 import p4runtime_pb2
+    n = 0
+    for payload in payloads:
+        msg = p4runtime_pb2.StreamMessageRequest()
+        msg.packet.payload = payload
+        client.stream_out_q.put(msg)
+        n += 1
+    return n
