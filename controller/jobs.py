@@ -140,17 +140,24 @@ def unchanged(sw: Switch, job: Job, agg: "AggAddress", job_index: int | None = N
 
 
 def live_jobs(sw: Switch, job_indices: dict[int, int], window: float = LIVE_WINDOW) -> dict[int, int]:
-    """{job_id: packets counted during ``window`` seconds} of the jobs (by job index) whose
-    workers are sending. A job with no packet since it was installed is idle at once."""
+    """{job_id: packets counted while watching} of the jobs (by job index) whose packet
+    counter moves within ``window`` seconds; returns as soon as every job moved."""
     if not job_indices or window <= 0:
         return {}
-    before = {jid: counters.job_counters(sw, idx)["packets"] for jid, idx in job_indices.items()}
-    watched = {jid: idx for jid, idx in job_indices.items() if before[jid]}
-    if not watched:
-        return {}
-    time.sleep(window)
-    after = {jid: counters.job_counters(sw, idx)["packets"] for jid, idx in watched.items()}
-    return {jid: after[jid] - before[jid] for jid in watched if after[jid] != before[jid]}
+
+    def packets() -> dict[int, int]:
+        cells = counters.all_job_counters(sw, {jid: {"job_index": idx}
+                                               for jid, idx in job_indices.items()})
+        return {jid: c["packets"] for jid, c in cells.items()}
+
+    before = packets()
+    deadline = time.monotonic() + window
+    moved: dict[int, int] = {}
+    while time.monotonic() < deadline and len(moved) < len(job_indices):
+        time.sleep(min(0.05, window))
+        now = packets()
+        moved = {jid: now[jid] - before[jid] for jid in now if now[jid] != before[jid]}
+    return moved
 
 
 def _refuse_live(sw: Switch, job_indices: dict[int, int], what: str, force: bool,
@@ -161,7 +168,7 @@ def _refuse_live(sw: Switch, job_indices: dict[int, int], what: str, force: bool
     if live:
         jid, moved = sorted(live.items())[0]
         others = f" (and live jobs {sorted(live)[1:]})" if len(live) > 1 else ""
-        raise JobLive(f"job {jid} is live: {moved} packets arrived in {window:.1f}s; {what} "
+        raise JobLive(f"job {jid} is live: {moved} packets arrived within {window:.1f}s; {what} "
                       f"would wipe slots its workers are using{others}. Stop its workers or "
                       f"pass force=True (--force)")
 

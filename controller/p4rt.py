@@ -4,7 +4,8 @@ Everything else goes through p4runtime-shell's public API (``shell.setup``/``tea
 ``P4RuntimeClient`` and entities). This module exists because:
 
 * ``shell.setup`` calls ``sys.exit`` when the server is absent, the arbitration fails or the
-  pipeline is rejected, and it does not say whether this client became primary;
+  pipeline is rejected, and it does not say whether this client became primary (it prints
+  it);
   :func:`open_session` turns each of these into :class:`SessionError` with the reason.
 * ``P4RuntimeClient.write`` sends one batch but decodes a failed batch with
   ``P4RuntimeErrorIterator``, whose ``__next__`` never advances past a per-update status of
@@ -21,6 +22,8 @@ Nothing here patches p4runtime-shell: ``shell.setup`` itself sets its ``client``
 """
 from __future__ import annotations
 
+import contextlib
+import io
 import logging
 from typing import Iterable, NamedTuple
 
@@ -52,22 +55,27 @@ def _server_ready(grpc_addr: str, timeout: float) -> bool:
         probe.close()
 
 
-def _arbitration_status(client, timeout: float) -> int | None:
-    """Re-send this client's arbitration (allowed by the P4Runtime spec) and return the
-    status code of the server's answer: OK when primary, None without an answer."""
+def _is_primary(client) -> bool:
+    """An empty WriteRequest: the server checks the election id first (PERMISSION_DENIED
+    unless primary) and has nothing to apply. BMv2 does not answer a repeated arbitration,
+    and ``shell.setup`` keeps the first answer to itself."""
+    import grpc
     from p4.v1 import p4runtime_pb2
-    req = p4runtime_pb2.StreamMessageRequest()
-    req.arbitration.device_id = client.device_id
-    req.arbitration.election_id.high, req.arbitration.election_id.low = client.election_id
-    client.stream_out_q.put(req)
-    rep = client.get_stream_packet("arbitration", timeout=timeout)
-    return None if rep is None else rep.arbitration.status.code
+    req = p4runtime_pb2.WriteRequest(device_id=client.device_id)
+    req.election_id.high, req.election_id.low = client.election_id
+    try:
+        client.stub.Write(req)
+    except grpc.RpcError as e:
+        if e.code() == grpc.StatusCode.PERMISSION_DENIED:
+            return False
+        raise SessionError(f"P4Runtime server refused an empty write: {e.code().name}: "
+                           f"{e.details()}") from None
+    return True
 
 
 def open_session(grpc_addr: str, device_id: int, election_id: tuple[int, int],
                  pipeline: tuple[str, str] | None, timeout: float):
     """``shell.setup`` without ``sys.exit``: returns (client, P4Info, is_primary)."""
-    from google.rpc import code_pb2
     from p4runtime_sh import shell as sh
 
     if not _server_ready(grpc_addr, timeout):
@@ -75,8 +83,11 @@ def open_session(grpc_addr: str, device_id: int, election_id: tuple[int, int],
                            f"running with --grpc-server-addr {grpc_addr}?)")
     config = sh.FwdPipeConfig(*pipeline) if pipeline else None
     try:
-        sh.setup(device_id=device_id, grpc_addr=grpc_addr, election_id=election_id,
-                 config=config, verbose=False)
+        # setup prints "You are not the primary client" on stdout, which belongs to the
+        # caller (``thc controller counters --json``)
+        with contextlib.redirect_stdout(io.StringIO()):
+            sh.setup(device_id=device_id, grpc_addr=grpc_addr, election_id=election_id,
+                     config=config, verbose=False)
     except SystemExit:
         if sh.client is not None:
             try:
@@ -89,8 +100,7 @@ def open_session(grpc_addr: str, device_id: int, election_id: tuple[int, int],
             f"P4Runtime session with device {device_id} at {grpc_addr} failed (arbitration "
             f"or {what}; does the switch run with --device-id {device_id}, and is the "
             f"program valid?)") from None
-    status = _arbitration_status(sh.client, timeout)
-    return sh.client, sh.context.p4info, status == code_pb2.OK
+    return sh.client, sh.context.p4info, _is_primary(sh.client)
 
 
 def close_session(client) -> None:
