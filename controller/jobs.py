@@ -113,11 +113,6 @@ def _signature(entry) -> tuple:
     return te.table_id, match, te.action.action.action_id, params
 
 
-def _as_table_entry(entry):
-    from p4.v1 import p4runtime_pb2
-    return p4runtime_pb2.Entity.FromString(entry).table_entry if isinstance(entry, bytes) else entry
-
-
 def unchanged(sw: Switch, job: Job, agg: "AggAddress", job_index: int | None = None) -> bool:
     """Whether the switch holds exactly ``job`` (entries, lookup values, group, routes), so
     installing it again would only reset slots that its workers may be using."""
@@ -126,7 +121,7 @@ def unchanged(sw: Switch, job: Job, agg: "AggAddress", job_index: int | None = N
     if cfg is None or (job_index is not None and cfg["job_index"] != job_index):
         return False
     wanted = [job_entry(sw, job, cfg["job_index"]), *worker_entries(sw, job),
-              *addr_entries(sw, job, agg), *(_as_table_entry(e) for e in lut_entries(sw, job))]
+              *addr_entries(sw, job, agg), *lut_entries(sw, job)]
     have = [e for table in (JOB_TABLE, WORKER_TABLE, ADDR_TABLE, *_lut_tables(sw))
             for e in _job_entries(sw, table, job.job_id)]
     if sorted(map(_signature, wanted)) != sorted(map(_signature, have)):
@@ -266,7 +261,7 @@ def addr_entries(sw: Switch, job: Job, agg: AggAddress) -> list:
 
 
 def lut_entries(sw: Switch, job: Job, with_action: bool = True) -> list:
-    """16 x LANES lookup entries (serialized: see Switch.entry_bytes)."""
+    """16 x LANES lookup entries (TableEntry messages: see Switch.entry_bytes)."""
     out = []
     for lane in range(sw.lanes):
         for idx, value in enumerate(job.table):
@@ -280,11 +275,13 @@ def lut_entries(sw: Switch, job: Job, with_action: bool = True) -> list:
     return out
 
 
-def _upsert(sw: Switch, entries: list) -> None:
-    """Insert, or modify the entries that exist."""
-    existing = sw.write_entries("INSERT", entries, ignore=["ALREADY_EXISTS"])
-    if existing:
-        sw.write_entries("MODIFY", existing)
+def _upsert(sw: Switch, entries: list, exists: bool = False) -> None:
+    """Insert or modify; ``exists``: the entries probably exist (modify first)."""
+    first, then, missing = ("MODIFY", "INSERT", "NOT_FOUND") if exists else \
+        ("INSERT", "MODIFY", "ALREADY_EXISTS")
+    rest = sw.write_entries(first, entries, ignore=[missing])
+    if rest:
+        sw.write_entries(then, rest)
 
 
 def _delete(sw: Switch, entries: list) -> None:
@@ -350,12 +347,13 @@ def _write_job(sw: Switch, job: Job, job_index: int, agg: AggAddress,
             _delete(sw, [sw.table_entry(JOB_TABLE, {"job_id": job.job_id})])
     old_macs = {a[2] for a in previous["addresses"]} if previous is not None else set()
 
+    again = previous is not None
     addrs = addr_entries(sw, job, agg)
-    _upsert(sw, addrs)
-    _upsert(sw, lut_entries(sw, job))
+    _upsert(sw, addrs, again)
+    _upsert(sw, lut_entries(sw, job), again)
     sw.set_multicast_group(job.group, [(w.switch_port, w.id + 1) for w in job.workers])
     forwarding.install(sw, {w.mac: w.switch_port for w in job.workers})
-    _upsert(sw, [job_entry(sw, job, job_index)])
+    _upsert(sw, [job_entry(sw, job, job_index)], again and previous["job_index"] == job_index)
 
     # leftovers of an earlier version of this job
     _delete_stale(sw, ADDR_TABLE, job.job_id, addrs)

@@ -123,16 +123,24 @@ class BatchWriter:
     def close(self) -> None:
         self.channel.close()
 
-    def write(self, updates: list, batch: int) -> list[UpdateError]:
-        """Send ``updates`` (p4runtime Update messages) ``batch`` at a time; return the
-        failed ones by index into ``updates``."""
+    def write(self, update_type: int, entities: list, batch: int) -> list[UpdateError]:
+        """Send one update of ``update_type`` per entity (p4runtime Entity or TableEntry),
+        ``batch`` per WriteRequest; return the failed ones by index into ``entities``.
+        Each update is filled in place in its request: with the pure-Python protobuf that
+        p4runtime-shell's pin implies, every extra message copy costs as much as building
+        the entry."""
         import grpc
         from p4.v1 import p4runtime_pb2
         failed = []
-        for start in range(0, len(updates), batch):
+        for start in range(0, len(entities), batch):
             req = p4runtime_pb2.WriteRequest(device_id=self.device_id)
             req.election_id.high, req.election_id.low = self.election_id
-            req.updates.extend(updates[start:start + batch])
+            for ent in entities[start:start + batch]:
+                update = req.updates.add(type=update_type)
+                if isinstance(ent, p4runtime_pb2.TableEntry):
+                    update.entity.table_entry.MergeFrom(ent)
+                else:
+                    update.entity.MergeFrom(ent)
             try:
                 self.stub.Write(req)
             except grpc.RpcError as e:

@@ -218,12 +218,10 @@ class Switch:
         return te
 
     def entry_bytes(self, table: str, match: dict, action: str | None = None,
-                    params: dict | None = None) -> bytes:
-        """The same entry as a serialized p4runtime Entity (compact for thousands of
-        entries kept in memory; ``write_entries`` takes it)."""
-        from p4.v1 import p4runtime_pb2
-        return p4runtime_pb2.Entity(
-            table_entry=self.table_entry(table, match, action, params)).SerializeToString()
+                    params: dict | None = None):
+        """Alias of :meth:`table_entry` for callers written when entries were hand-encoded
+        bytes (``lut_entries``); ``write_entries`` takes either."""
+        return self.table_entry(table, match, action, params)
 
     def _table_info(self, table: str):
         info = self._tcache.get(table)
@@ -268,8 +266,8 @@ class Switch:
 
     # -- writes and reads ---------------------------------------------------------------
     def write_entries(self, op: str, entities: Iterable, ignore: Iterable[str] = ()) -> list:
-        """Write entities with INSERT/MODIFY/DELETE: serialized Entity bytes
-        (``entry_bytes``), or Entity / TableEntry messages, in batches of WRITE_BATCH.
+        """Write entities with INSERT/MODIFY/DELETE: Entity or TableEntry messages (or
+        serialized Entities), in batches of WRITE_BATCH.
 
         Returns the entities whose update failed with an error listed in ``ignore`` (e.g.
         ``ALREADY_EXISTS``); any other failure raises SwitchError.
@@ -277,17 +275,10 @@ class Switch:
         from google.rpc import code_pb2
         from p4.v1 import p4runtime_pb2
         self._require()
-        utype = p4runtime_pb2.Update.Type.Value(op)
-        ents, updates = [], []
-        for ent in entities:
-            if isinstance(ent, bytes):
-                ent = p4runtime_pb2.Entity.FromString(ent)
-            elif isinstance(ent, p4runtime_pb2.TableEntry):
-                ent = p4runtime_pb2.Entity(table_entry=ent)
-            ents.append(ent)
-            updates.append(p4runtime_pb2.Update(type=utype, entity=ent))
+        ents = [p4runtime_pb2.Entity.FromString(e) if isinstance(e, bytes) else e
+                for e in entities]
         try:
-            failed = self._writer.write(updates, WRITE_BATCH)
+            failed = self._writer.write(p4runtime_pb2.Update.Type.Value(op), ents, WRITE_BATCH)
         except p4rt.SessionError as e:
             raise SwitchError(f"{op} on {self.grpc_addr}: {e}") from None
         ignore_codes = {code_pb2.Code.Value(c) for c in ignore}
@@ -300,6 +291,9 @@ class Switch:
 
     def _describe(self, entity) -> str:
         from google.protobuf import text_format
+        from p4.v1 import p4runtime_pb2
+        if isinstance(entity, p4runtime_pb2.TableEntry):
+            entity = p4runtime_pb2.Entity(table_entry=entity)
         if entity.HasField("table_entry"):
             return (f"table {self.table_name(entity.table_entry.table_id)} "
                     f"{text_format.MessageToString(entity.table_entry, as_one_line=True)}")

@@ -53,9 +53,11 @@ SERVER = textwrap.dedent('''
 ''')
 
 
-def _updates(priorities):
-    return [p4runtime_pb2.Update(type=p4runtime_pb2.Update.INSERT, entity=p4runtime_pb2.Entity(
-        table_entry=p4runtime_pb2.TableEntry(table_id=1, priority=p))) for p in priorities]
+def _entries(priorities):
+    return [p4runtime_pb2.TableEntry(table_id=1, priority=p) for p in priorities]
+
+
+INSERT = p4runtime_pb2.Update.INSERT
 
 
 @pytest.fixture()
@@ -70,10 +72,10 @@ def server_addr():
 def test_batch_writer_reports_the_failed_updates_by_index(server_addr):
     writer = p4rt.BatchWriter(server_addr, 0, (1, 0))
     try:
-        failed = writer.write(_updates([1, 13, 2, 13]), batch=3)
+        failed = writer.write(INSERT, _entries([1, 13, 2, 13]), batch=3)
         assert failed == [p4rt.UpdateError(1, code_pb2.ALREADY_EXISTS, "entry exists"),
                           p4rt.UpdateError(3, code_pb2.ALREADY_EXISTS, "entry exists")]
-        assert writer.write(_updates([1, 2, 3]), batch=2) == []
+        assert writer.write(INSERT, _entries([1, 2, 3]), batch=2) == []
     finally:
         writer.close()
 
@@ -83,7 +85,7 @@ def test_batch_writer_holds_the_statuses_of_thousands_of_updates(server_addr):
     client's channel in p4runtime-shell keeps."""
     writer = p4rt.BatchWriter(server_addr, 0, (1, 0))
     try:
-        failed = writer.write(_updates([1] * 4999 + [13]), batch=5000)
+        failed = writer.write(INSERT, _entries([1] * 4999 + [13]), batch=5000)
         assert [f.index for f in failed] == [4999]
     finally:
         writer.close()
@@ -91,7 +93,8 @@ def test_batch_writer_holds_the_statuses_of_thousands_of_updates(server_addr):
     try:
         with pytest.raises(grpc.RpcError) as e:
             p4runtime_pb2_grpc.P4RuntimeStub(channel).Write(p4runtime_pb2.WriteRequest(
-                updates=_updates([1] * 4999 + [13])))
+                updates=[p4runtime_pb2.Update(type=INSERT, entity=p4runtime_pb2.Entity(
+                    table_entry=e)) for e in _entries([1] * 4999 + [13])]))
         assert p4rt.update_errors(e.value) is None, "the default channel loses the details"
     finally:
         channel.close()
