@@ -139,7 +139,7 @@ class Switch:
         self._writer = p4rt.BatchWriter(self.grpc_addr, self.device_id, self.election_id)
 
     def _load_p4info(self, p4info) -> None:
-        self._tcache, self._acache = {}, {}
+        self._cache: dict = {}
         self.p4info = p4info
         self.tables = _Names(p4info.tables)
         self.actions = _Names(p4info.actions)
@@ -197,7 +197,7 @@ class Switch:
         message as p4runtime-shell's ``TableEntry(...).msg()`` (tests/bmv2 compare them) at a
         tenth of its cost, which matters for thousands of lookup entries."""
         from p4.v1 import p4runtime_pb2
-        tid, fields = self._table_info(table)
+        tid, fields = self._ids("table", table)
         te = p4runtime_pb2.TableEntry(table_id=tid)
         for name, value in match.items():
             f = fields.get(name)
@@ -206,7 +206,7 @@ class Switch:
                                   f"(has {sorted(fields)})")
             te.match.add(field_id=f[0]).exact.value = encode_value(value, f[1])
         if action is not None:
-            aid, pinfo = self._action_info(action)
+            aid, pinfo = self._ids("action", action)
             params = params or {}
             if len(params) != len(pinfo) or any(n not in pinfo for n in params):
                 raise SwitchError(f"action {action} takes {sorted(pinfo)}, got {sorted(params)}")
@@ -223,20 +223,14 @@ class Switch:
         bytes (``lut_entries``); ``write_entries`` takes either."""
         return self.table_entry(table, match, action, params)
 
-    def _table_info(self, table: str):
-        info = self._tcache.get(table)
+    def _ids(self, kind: str, name: str):
+        """(id, {match field or param name: (id, bit width)}) of a table or action, cached."""
+        info = self._cache.get((kind, name))
         if info is None:
-            t = self.tables.get(table, "table")
-            info = (t.preamble.id, {f.name: (f.id, f.bitwidth) for f in t.match_fields})
-            self._tcache[table] = info
-        return info
-
-    def _action_info(self, action: str):
-        info = self._acache.get(action)
-        if info is None:
-            a = self.actions.get(action, "action")
-            info = (a.preamble.id, {p.name: (p.id, p.bitwidth) for p in a.params})
-            self._acache[action] = info
+            obj = (self.tables if kind == "table" else self.actions).get(name, kind)
+            fields = obj.match_fields if kind == "table" else obj.params
+            info = (obj.preamble.id, {f.name: (f.id, f.bitwidth) for f in fields})
+            self._cache[(kind, name)] = info
         return info
 
     @staticmethod
