@@ -131,3 +131,12 @@ def test_p4runtime_shell_error_iterator_loops_forever_on_an_ok_status():
         proc.kill()
         rest = proc.communicate()[0]
     assert "shell:" not in rest
+
+
+def test_no_server_is_a_clear_error_and_frees_the_session():
+    from controller.switch import Switch, SwitchError
+    from host.testing.clusters import free_tcp_port
+    addr = f"127.0.0.1:{free_tcp_port()}"
+    for _ in range(2):   # the second try is not refused as "already open"
+        with pytest.raises(SwitchError, match=f"no P4Runtime server at {addr}"):
+            Switch(addr, timeout=0.5).connect(program=None)

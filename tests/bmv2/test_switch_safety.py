@@ -173,3 +173,13 @@ def test_cli_refuses_a_live_job_and_names_it(bmv2, tmp_path):
     assert r.returncode == 1
     assert f"job {job.job_id} is live" in r.stderr and "--force" in r.stderr
     assert job.job_id in jobs.installed_jobs(bmv2.sw)
+
+
+def test_a_failed_p4runtime_setup_is_an_error_not_an_exit(bmv2):
+    """p4runtime-shell's setup calls sys.exit when the arbitration fails (here: a device id
+    the switch does not have); the controller reports it and exits cleanly."""
+    r = subprocess.run([sys.executable, "-m", "host.app.cli", "controller", "--grpc-addr",
+                        bmv2.switch.grpc_addr, "--device-id", "5", "jobs"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1
+    assert "device 5" in r.stderr and "failed" in r.stderr, r.stderr
