@@ -106,6 +106,9 @@ def installed_addresses(sw: Switch) -> dict[int, list[tuple[str, int, str, int |
 
 def _signature(entry) -> tuple:
     """What an entry matches and does, independent of byte encoding (reads may differ)."""
+    if isinstance(entry, bytes):
+        from p4.v1 import p4runtime_pb2
+        entry = p4runtime_pb2.Entity.FromString(entry)
     te = entry.table_entry if hasattr(entry, "table_entry") else entry
     match = tuple(sorted((m.field_id, int.from_bytes(m.exact.value, "big")) for m in te.match))
     params = tuple(sorted((q.param_id, int.from_bytes(q.value, "big"))
@@ -261,7 +264,7 @@ def addr_entries(sw: Switch, job: Job, agg: AggAddress) -> list:
 
 
 def lut_entries(sw: Switch, job: Job, with_action: bool = True) -> list:
-    """16 x LANES lookup entries (TableEntry messages: see Switch.entry_bytes)."""
+    """16 x LANES lookup entries (serialized: see Switch.entry_bytes)."""
     out = []
     for lane in range(sw.lanes):
         for idx, value in enumerate(job.table):
@@ -386,8 +389,11 @@ def _remove(sw: Switch, job_id: int, cfg: dict) -> None:
     # workers and the job entry first: from here on the job's packets drop
     _delete(sw, _job_entries(sw, WORKER_TABLE, job_id))
     _delete(sw, [sw.table_entry(JOB_TABLE, {"job_id": job_id})])
-    for table in (ADDR_TABLE, *_lut_tables(sw)):
-        _delete(sw, _job_entries(sw, table, job_id))
+    _delete(sw, _job_entries(sw, ADDR_TABLE, job_id))
+    # the lookup keys depend on the job id only: the table values are not needed to delete
+    keys_of = Job(job_id=job_id, workers=(), table=(0,) * (1 << P.INDEX_BITS), granularity=1,
+                  lanes=sw.lanes)
+    sw.write_entries("DELETE", lut_entries(sw, keys_of, with_action=False), ignore=["NOT_FOUND"])
     sw.delete_multicast_group(cfg["mcast_grp"])
     if macs:
         forwarding.remove(sw, macs)

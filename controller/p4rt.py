@@ -13,6 +13,12 @@ Everything else goes through p4runtime-shell's public API (``shell.setup``/``tea
   fails loops forever. tests/test_p4rt.py reproduces it. :class:`BatchWriter` decodes the
   per-update statuses itself, on a channel whose metadata limit holds one status per update
   of a batch of thousands (the client's default channel refuses them).
+* p4runtime-shell pins protobuf < 3.21, which on Python 3.11 is the pure-Python runtime:
+  building, copying and serialising a job's tens of thousands of lookup entries as messages
+  takes seconds per thousand. :func:`exact_entity` writes the serialized Entity of an
+  exact-match table entry directly (field numbers read from the p4runtime descriptors;
+  tests/test_p4rt.py checks it byte for byte against protobuf), and :class:`BatchWriter`
+  frames serialized entities into WriteRequests the same way.
 * ``shell.PacketOut`` requires a ``packet_out`` controller header in the P4Info; the THC
   program has none (a RESET is a plain frame injected at the CPU port), so
   :func:`send_raw_packets` queues raw PacketOut messages on the client's stream.
@@ -110,39 +116,100 @@ def close_session(client) -> None:
         sh.teardown()
 
 
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n > 0x7F:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def _number(message, field: str) -> int:
+    return message.DESCRIPTOR.fields_by_name[field].number
+
+
+def _wire_tags():
+    """Tag bytes of the fields written here, from the p4runtime descriptors."""
+    from p4.v1 import p4runtime_pb2 as pb
+
+    def tag(message, field, wire_type):
+        return _varint(_number(message, field) << 3 | wire_type)
+    return {
+        "update.type": tag(pb.Update, "type", 0), "update.entity": tag(pb.Update, "entity", 2),
+        "entity.table_entry": tag(pb.Entity, "table_entry", 2),
+        "table.id": tag(pb.TableEntry, "table_id", 0), "table.match": tag(pb.TableEntry, "match", 2),
+        "table.action": tag(pb.TableEntry, "action", 2),
+        "match.id": tag(pb.FieldMatch, "field_id", 0), "match.exact": tag(pb.FieldMatch, "exact", 2),
+        "exact.value": tag(pb.FieldMatch.Exact, "value", 2),
+        "table_action.action": tag(pb.TableAction, "action", 2),
+        "action.id": tag(pb.Action, "action_id", 0), "action.params": tag(pb.Action, "params", 2),
+        "param.id": tag(pb.Action.Param, "param_id", 0), "param.value": tag(pb.Action.Param, "value", 2),
+        "request.updates": tag(pb.WriteRequest, "updates", 2),
+    }
+
+
+_TAGS: dict[str, bytes] = {}
+
+
+def _tags() -> dict[str, bytes]:
+    if not _TAGS:
+        _TAGS.update(_wire_tags())
+    return _TAGS
+
+
+def _field(tag: bytes, payload: bytes) -> bytes:
+    return tag + _varint(len(payload)) + payload
+
+
+def exact_entity(table_id: int, matches, action_id: int | None = None, params=()) -> bytes:
+    """The serialized p4runtime Entity holding one exact-match table entry: ``matches`` and
+    ``params`` are (id, canonical value bytes) in id order, as protobuf writes them."""
+    t = _tags()
+    body = t["table.id"] + _varint(table_id)
+    for fid, value in matches:
+        body += _field(t["table.match"], t["match.id"] + _varint(fid)
+                       + _field(t["match.exact"], _field(t["exact.value"], value)))
+    if action_id is not None:
+        act = t["action.id"] + _varint(action_id)
+        for pid, value in params:
+            act += _field(t["action.params"], t["param.id"] + _varint(pid)
+                          + _field(t["param.value"], value))
+        body += _field(t["table.action"], _field(t["table_action.action"], act))
+    return _field(t["entity.table_entry"], body)
+
+
 class BatchWriter:
     """WriteRequests of many updates with per-update error reporting (see module doc)."""
 
     def __init__(self, grpc_addr: str, device_id: int, election_id: tuple[int, int]):
         import grpc
-        from p4.v1 import p4runtime_pb2_grpc
+        from p4.v1 import p4runtime_pb2
         self.device_id, self.election_id = device_id, election_id
         self.channel = grpc.insecure_channel(grpc_addr, options=GRPC_OPTIONS)
-        self.stub = p4runtime_pb2_grpc.P4RuntimeStub(self.channel)
+        self._write = self.channel.unary_unary(
+            "/p4.v1.P4Runtime/Write", request_serializer=None,
+            response_deserializer=p4runtime_pb2.WriteResponse.FromString)
 
     def close(self) -> None:
         self.channel.close()
 
-    def write(self, update_type: int, entities: list, batch: int) -> list[UpdateError]:
-        """Send one update of ``update_type`` per entity (p4runtime Entity or TableEntry),
-        ``batch`` per WriteRequest; return the failed ones by index into ``entities``.
-        Each update is filled in place in its request: with the pure-Python protobuf that
-        p4runtime-shell's pin implies, every extra message copy costs as much as building
-        the entry."""
+    def write(self, update_type: int, entities: list[bytes], batch: int) -> list[UpdateError]:
+        """Send one update of ``update_type`` per serialized Entity, ``batch`` per
+        WriteRequest; return the failed ones by index into ``entities``."""
         import grpc
         from p4.v1 import p4runtime_pb2
+        head = p4runtime_pb2.WriteRequest(device_id=self.device_id)
+        head.election_id.high, head.election_id.low = self.election_id
+        head = head.SerializeToString()
+        t = _tags()
+        kind = t["update.type"] + _varint(update_type)
         failed = []
         for start in range(0, len(entities), batch):
-            req = p4runtime_pb2.WriteRequest(device_id=self.device_id)
-            req.election_id.high, req.election_id.low = self.election_id
-            for ent in entities[start:start + batch]:
-                update = req.updates.add(type=update_type)
-                if isinstance(ent, p4runtime_pb2.TableEntry):
-                    update.entity.table_entry.MergeFrom(ent)
-                else:
-                    update.entity.MergeFrom(ent)
+            body = b"".join(_field(t["request.updates"], kind + _field(t["update.entity"], e))
+                            for e in entities[start:start + batch])
             try:
-                self.stub.Write(req)
+                self._write(head + body)
             except grpc.RpcError as e:
                 errors = update_errors(e)
                 if errors is None:

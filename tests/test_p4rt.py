@@ -54,7 +54,8 @@ SERVER = textwrap.dedent('''
 
 
 def _entries(priorities):
-    return [p4runtime_pb2.TableEntry(table_id=1, priority=p) for p in priorities]
+    return [p4runtime_pb2.Entity(table_entry=p4runtime_pb2.TableEntry(
+        table_id=1, priority=p)).SerializeToString() for p in priorities]
 
 
 INSERT = p4runtime_pb2.Update.INSERT
@@ -93,8 +94,8 @@ def test_batch_writer_holds_the_statuses_of_thousands_of_updates(server_addr):
     try:
         with pytest.raises(grpc.RpcError) as e:
             p4runtime_pb2_grpc.P4RuntimeStub(channel).Write(p4runtime_pb2.WriteRequest(
-                updates=[p4runtime_pb2.Update(type=INSERT, entity=p4runtime_pb2.Entity(
-                    table_entry=e)) for e in _entries([1] * 4999 + [13])]))
+                updates=[p4runtime_pb2.Update(type=INSERT, entity=p4runtime_pb2.Entity.FromString(
+                    e)) for e in _entries([1] * 4999 + [13])]))
         assert p4rt.update_errors(e.value) is None, "the default channel loses the details"
     finally:
         channel.close()
