@@ -3,8 +3,8 @@
 ``Switch`` opens a session with ``p4runtime_sh.shell.setup`` (device id 0 by default, as
 ``simple_switch_grpc --device-id 0``), optionally pushing the compiled pipeline from
 ``p4src/build``, and offers what the other controller modules need: P4Info name lookup,
-table entries as p4runtime ``TableEntry`` messages, batched writes that report per-update
-errors, reads, counters (``shell.CounterEntry``), multicast groups
+table entries as p4runtime ``TableEntry`` messages (or serialized, for thousands of lookup
+entries), batched writes that report per-update errors, reads, counters (``shell.CounterEntry``), multicast groups
 (``shell.MulticastGroupEntry``) and raw packet-out. What p4runtime-shell lacks is in
 controller/p4rt.py.
 
