@@ -26,7 +26,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from controller import counters, forwarding
+from controller import counters, forwarding, p4rt
 from controller.frames import mac_str, reset_frame
 from controller.switch import Switch, SwitchError
 from host.wire import protocol as P
@@ -77,9 +77,9 @@ def _job_entries(sw: Switch, table: str, job_id: int) -> list:
 
 
 def _lut_tables(sw: Switch) -> list[str]:
-    prefix = LUT_TABLE.format("")
+    """The lookup tables of the program (short names ``thc_lut_*``), in P4Info order."""
     return [t.preamble.name for t in sw.p4info.tables
-            if t.preamble.name.rsplit(".", 1)[-1].startswith(prefix)]
+            if t.preamble.name.rsplit(".", 1)[-1].startswith("thc_lut_")]
 
 
 def _worker_macs(sw: Switch, job_id: int | None = None, exclude: int | None = None) -> set[str]:
@@ -104,30 +104,45 @@ def installed_addresses(sw: Switch) -> dict[int, list[tuple[str, int, str, int |
     return out
 
 
-def _signature(entry) -> tuple:
-    """What an entry matches and does, independent of byte encoding (reads may differ)."""
+def _canonical(entry) -> bytes:
+    """An entry (serialized, as ``entry_bytes`` writes it, or a TableEntry read back or
+    built) as canonical serialized bytes, so that what is installed compares with what would
+    be written without parsing thousands of entries."""
     if isinstance(entry, bytes):
-        from p4.v1 import p4runtime_pb2
-        entry = p4runtime_pb2.Entity.FromString(entry)
+        return entry
     te = entry.table_entry if hasattr(entry, "table_entry") else entry
-    match = tuple(sorted((m.field_id, int.from_bytes(m.exact.value, "big")) for m in te.match))
-    params = tuple(sorted((q.param_id, int.from_bytes(q.value, "big"))
-                          for q in te.action.action.params))
-    return te.table_id, match, te.action.action.action_id, params
+
+    def canon(value: bytes) -> bytes:
+        n = int.from_bytes(value, "big")
+        return n.to_bytes(max(1, (n.bit_length() + 7) // 8), "big")
+    matches = sorted((m.field_id, canon(m.exact.value)) for m in te.match)
+    if not te.HasField("action"):
+        return p4rt.exact_entity(te.table_id, matches)
+    act = te.action.action
+    return p4rt.exact_entity(te.table_id, matches, act.action_id,
+                             sorted((q.param_id, canon(q.value)) for q in act.params))
 
 
 def unchanged(sw: Switch, job: Job, agg: "AggAddress", job_index: int | None = None) -> bool:
-    """Whether the switch holds exactly ``job`` (entries, lookup values, group, routes), so
-    installing it again would only reset slots that its workers may be using."""
+    """Whether the switch holds exactly ``job`` (entries, group, routes), so installing it
+    again would only reset slots that its workers may be using.
+
+    Of the lookup tables, the first and the last are compared: every lookup table derives
+    from the job's table and is written in one step before the job entry, and an install cut
+    short leaves the worker entries missing, which the comparison sees."""
     installed = installed_jobs(sw)
     cfg = installed.get(job.job_id)
     if cfg is None or (job_index is not None and cfg["job_index"] != job_index):
         return False
+    luts = _lut_tables(sw)
+    checked = [luts[0], luts[-1]] if luts else []
+    checked_ids = {sw.tables.get(t, "table").preamble.id for t in checked}
     wanted = [job_entry(sw, job, cfg["job_index"]), *worker_entries(sw, job),
-              *addr_entries(sw, job, agg), *lut_entries(sw, job)]
-    have = [e for table in (JOB_TABLE, WORKER_TABLE, ADDR_TABLE, *_lut_tables(sw))
+              *addr_entries(sw, job, agg),
+              *(e for e in lut_entries(sw, job) if p4rt.entity_table_id(e) in checked_ids)]
+    have = [e for table in (JOB_TABLE, WORKER_TABLE, ADDR_TABLE, *checked)
             for e in _job_entries(sw, table, job.job_id)]
-    if sorted(map(_signature, wanted)) != sorted(map(_signature, have)):
+    if sorted(map(_canonical, wanted)) != sorted(map(_canonical, have)):
         return False
     replicas = {(w.switch_port, w.id + 1) for w in job.workers}
     if sw.multicast_groups().get(job.group) != replicas:

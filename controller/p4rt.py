@@ -179,6 +179,25 @@ def exact_entity(table_id: int, matches, action_id: int | None = None, params=()
     return _field(t["entity.table_entry"], body)
 
 
+def _read_varint(buf: bytes, pos: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        b = buf[pos]
+        pos += 1
+        value |= (b & 0x7F) << shift
+        shift += 7
+        if b < 0x80:
+            return value, pos
+
+
+def entity_table_id(entity: bytes) -> int:
+    """The table id of a serialized Entity that :func:`exact_entity` wrote."""
+    t = _tags()
+    pos = len(t["entity.table_entry"])
+    _, pos = _read_varint(entity, pos)
+    return _read_varint(entity, pos + len(t["table.id"]))[0]
+
+
 class BatchWriter:
     """WriteRequests of many updates with per-update error reporting (see module doc)."""
 

@@ -6,7 +6,7 @@ import dataclasses
 import pytest
 from p4.v1 import p4runtime_pb2
 
-from controller import jobs
+from controller import jobs, p4rt
 from controller.frames import parse_udp_frame, reset_frame, udp_frame
 from controller.switch import Switch, SwitchError, encode_value
 from host.wire import protocol as P
@@ -68,7 +68,9 @@ def test_serialized_entries_equal_protobufs_for_every_table():
             params = {p.name: rnd.getrandbits(p.bitwidth) for p in a.params}
             want = p4runtime_pb2.Entity(table_entry=sw.table_entry(
                 t.preamble.name, match, a.preamble.name, params)).SerializeToString()
-            assert sw.entry_bytes(t.preamble.name, match, a.preamble.name, params) == want
+            blob = sw.entry_bytes(t.preamble.name, match, a.preamble.name, params)
+            assert blob == want
+            assert p4rt.entity_table_id(blob) == t.preamble.id
         key = p4runtime_pb2.Entity(table_entry=sw.table_entry(t.preamble.name, match))
         assert sw.entry_bytes(t.preamble.name, match) == key.SerializeToString()
 

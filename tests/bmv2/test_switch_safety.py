@@ -115,6 +115,10 @@ def test_restarted_controller_leaves_a_running_job_alone(bmv2):
     bmv2.sw.close()
     restarted = Switch(bmv2.switch.grpc_addr, timeout=10.0).connect(program=None)
     bmv2.sw = bmv2.switch.sw = restarted
+    agg = jobs.AggAddress(AGG_IP, AGG_MAC)
+    assert jobs.unchanged(restarted, job, agg)
+    assert not jobs.unchanged(restarted, replace(job, table=tuple(reversed(job.table))), agg)
+    assert not jobs.unchanged(restarted, replace(job, workers=job.workers[:1]), agg)
     before = snapshot(restarted)
     assert jobs.install_cluster(restarted, cluster) == placed
     assert snapshot(restarted) == before
