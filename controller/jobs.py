@@ -113,8 +113,7 @@ def _canonical(entry) -> bytes:
     te = entry.table_entry if hasattr(entry, "table_entry") else entry
 
     def canon(value: bytes) -> bytes:
-        n = int.from_bytes(value, "big")
-        return n.to_bytes(max(1, (n.bit_length() + 7) // 8), "big")
+        return p4rt.canonical_bytes(int.from_bytes(value, "big"))
     matches = sorted((m.field_id, canon(m.exact.value)) for m in te.match)
     if not te.HasField("action"):
         return p4rt.exact_entity(te.table_id, matches)

@@ -125,6 +125,11 @@ def _varint(n: int) -> bytes:
     return bytes(out)
 
 
+def canonical_bytes(n: int) -> bytes:
+    """P4Runtime's canonical byte string of a non-negative integer: no leading zero bytes."""
+    return n.to_bytes(max(1, (n.bit_length() + 7) // 8), "big")
+
+
 def _number(message, field: str) -> int:
     return message.DESCRIPTOR.fields_by_name[field].number
 

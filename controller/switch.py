@@ -61,7 +61,7 @@ def encode_value(value, bitwidth: int) -> bytes:
         num = int.from_bytes(value, "big") if isinstance(value, bytes) else int(value)
     if num < 0 or num >> bitwidth:
         raise SwitchError(f"value {value!r} does not fit {bitwidth} bits")
-    return num.to_bytes(max(1, (num.bit_length() + 7) // 8), "big")
+    return p4rt.canonical_bytes(num)
 
 
 class _Names:
