@@ -2,7 +2,11 @@
 
   thc controller push [--program thc|l2]        load the compiled program from p4src/build
   thc controller install --config cluster.json  install/update every job of a cluster
+                                                (unchanged jobs are left alone)
   thc controller remove --job N                 delete one job's entries, group and routes
+
+``install`` and ``remove`` refuse to change a job whose workers are sending unless
+``--force`` is given.
   thc controller jobs                           list installed jobs
   thc controller counters [--json]              drops by reason, per-job counters
   thc controller l2 add|del MAC [PORT]          non-THC forwarding entries
@@ -38,9 +42,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--push", action="store_true", help="push the program first")
     p.add_argument("--prune", action="store_true",
                    help="remove installed jobs that the config does not list")
+    p.add_argument("--force", action="store_true",
+                   help="change or remove jobs even while their workers are sending")
 
     p = sub.add_parser("remove", help="remove one job")
     p.add_argument("--job", type=int, required=True, metavar="JOB_ID")
+    p.add_argument("--force", action="store_true",
+                   help="remove the job even while its workers are sending")
 
     sub.add_parser("jobs", help="list installed jobs")
 
@@ -62,8 +70,6 @@ def _election(text: str) -> tuple[int, int]:
 
 
 def _run(args: argparse.Namespace) -> int:
-
-
     cluster = Cluster.load(args.config) if args.action == "install" else None
     push = None
     if args.action == "push":
@@ -78,14 +84,17 @@ def _run(args: argparse.Namespace) -> int:
             print(f"pushed {args.program} ({sw.lanes} lanes) to {args.grpc_addr}"
                   if args.program == "thc" else f"pushed {args.program} to {args.grpc_addr}")
         elif args.action == "install":
-            placed = jobs.install_cluster(sw, cluster, prune=args.prune)
+            agg = jobs.AggAddress.of(cluster)
+            same = {j.job_id for j in cluster.jobs if jobs.unchanged(sw, j, agg)}
+            placed = jobs.install_cluster(sw, cluster, prune=args.prune, force=args.force)
             for jid, idx in placed.items():
                 job = cluster.job(jid)
                 print(f"job {jid}: index {idx}, {job.n_workers} workers, slots "
                       f"{job.pool_base}..{job.pool_base + job.pool_size - 1}, "
-                      f"multicast group {job.group}")
+                      f"multicast group {job.group}"
+                      + (" (unchanged, left alone)" if jid in same else ""))
         elif args.action == "remove":
-            jobs.remove_job(sw, args.job)
+            jobs.remove_job(sw, args.job, force=args.force)
             print(f"removed job {args.job}")
         elif args.action == "jobs":
             installed = jobs.installed_jobs(sw)
@@ -120,7 +129,6 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-
     try:
         return _run(args)
     except (SwitchError, ConfigError, ValueError, OSError) as e:

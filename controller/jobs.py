@@ -7,22 +7,26 @@ A job (host/wire/jobs.py ``Job``) becomes
   thc_worker       (job_id, worker_id, src_ip, src_port) -> set_worker(worker_bit)
   thc_worker_addr  (job_id, worker_id) -> set_worker_addr(worker_mac, worker_ip,
                                                           worker_port, agg_mac, agg_ip)  [egress]
-  thc_lut_<i>      (job_id, idx) -> thc_lut_set_<i>(T[idx])   16 entries x LANES lanes
+  thc_lut_<i>      lookup entries: the job's table per lane (``lut_entries``)
   multicast group  job.group: one replica per worker (its switch_port, instance worker_id + 1)
   l2_forward       worker MAC -> switch_port
   RESET x pool     packet-outs that clear the job's slots (both versions) in the data plane,
                    because BMv2's P4Runtime server cannot write registers
 
-``install_job`` is idempotent: entries that exist are modified, entries of an earlier version
-of the job that the new one lacks (workers, groups, MACs) are deleted, the pool is reset and
-the job's counters are zeroed, so running it twice leaves the same state as running it once.
+Safety (issue 8): the ``thc_worker`` entries are what let a worker's packets touch the slots,
+so they go in last, after the pool was reset, and come out first on a re-install. A job is
+*live* when its packet counter moves while the controller watches it for ``live_window``
+seconds; re-installing or removing a live job is refused (:class:`JobLive`) unless forced.
+The switch is the only record: a restarted controller reads what is installed, and
+``install_cluster`` leaves jobs whose entries already match the config untouched. Every
+check runs before the first write, so bad input changes nothing installed.
 """
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
 
-from controller import counters, forwarding
+from controller import counters, forwarding, p4rt
 from controller.frames import mac_str, reset_frame
 from controller.switch import Switch, SwitchError
 from host.wire import protocol as P
@@ -35,8 +39,17 @@ LUT_TABLE = "thc_lut_{}"
 LUT_ACTION = "thc_lut_set_{}"
 
 
+LIVE_WINDOW = 0.5
+"""Seconds the controller watches a job's packet counter before changing it: a job whose
+workers send at least one packet per round trip moves it well within that."""
+
+
 class JobNotInstalled(SwitchError):
-    pass
+    """Remove (or change) of a job the switch does not hold."""
+
+
+class JobLive(SwitchError):
+    """Re-install or remove of a job whose workers are sending; pass force to do it anyway."""
 
 
 @dataclass(frozen=True)
@@ -63,20 +76,121 @@ def _job_entries(sw: Switch, table: str, job_id: int) -> list:
     return [e for e in sw.read_table(table) if sw.match_values(e)[fid] == job_id]
 
 
+def _lut_tables(sw: Switch) -> list[str]:
+    """The lookup tables of the program (short names ``thc_lut_*``), in P4Info order."""
+    return [t.preamble.name for t in sw.p4info.tables
+            if t.preamble.name.rsplit(".", 1)[-1].startswith("thc_lut_")]
+
+
 def _worker_macs(sw: Switch, job_id: int | None = None, exclude: int | None = None) -> set[str]:
     """MACs in thc_worker_addr entries of one job (or of all jobs but ``exclude``)."""
+    return {mac for jid, addrs in installed_addresses(sw).items()
+            if (job_id is None or jid == job_id) and jid != exclude
+            for _, _, mac, _ in addrs}
+
+
+def installed_addresses(sw: Switch) -> dict[int, list[tuple[str, int, str, int | None]]]:
+    """{job_id: [(worker ip, UDP port, MAC, switch port or None)]} from thc_worker_addr and
+    l2_forward."""
     jfid = sw.field_id(ADDR_TABLE, "job_id")
-    macs = set()
+    routes = forwarding.routes(sw)
+    out: dict[int, list] = {}
     for e in sw.read_table(ADDR_TABLE):
-        jid = sw.match_values(e)[jfid]
-        if (job_id is None or jid == job_id) and jid != exclude:
-            macs.add(mac_str(sw.param_values(e)["worker_mac"].to_bytes(6, "big")))
-    return macs
+        p = sw.param_values(e)
+        mac = mac_str(p["worker_mac"].to_bytes(6, "big"))
+        ip = ".".join(str(b) for b in p["worker_ip"].to_bytes(4, "big"))
+        out.setdefault(sw.match_values(e)[jfid], []).append(
+            (ip, p["worker_port"], mac, routes.get(mac)))
+    return out
 
 
-# ---- entries of one job -------------------------------------------------------------------
+def _canonical(entry) -> bytes:
+    """An entry (serialized, as ``entry_bytes`` writes it, or a TableEntry read back or
+    built) as canonical serialized bytes, so that what is installed compares with what would
+    be written without parsing thousands of entries."""
+    if isinstance(entry, bytes):
+        return entry
+    te = entry.table_entry if hasattr(entry, "table_entry") else entry
 
-def _check(sw: Switch, job: Job, job_index: int, others: dict[int, dict]) -> None:
+    def canon(value: bytes) -> bytes:
+        return p4rt.canonical_bytes(int.from_bytes(value, "big"))
+    matches = sorted((m.field_id, canon(m.exact.value)) for m in te.match)
+    if not te.HasField("action"):
+        return p4rt.exact_entity(te.table_id, matches)
+    act = te.action.action
+    return p4rt.exact_entity(te.table_id, matches, act.action_id,
+                             sorted((q.param_id, canon(q.value)) for q in act.params))
+
+
+def unchanged(sw: Switch, job: Job, agg: "AggAddress", job_index: int | None = None) -> bool:
+    """Whether the switch holds exactly ``job`` (entries, group, routes), so installing it
+    again would only reset slots that its workers may be using.
+
+    Of the lookup tables, the first and the last are compared: every lookup table derives
+    from the job's table and is written in one step before the job entry, and an install cut
+    short leaves the worker entries missing, which the comparison sees."""
+    installed = installed_jobs(sw)
+    cfg = installed.get(job.job_id)
+    if cfg is None or (job_index is not None and cfg["job_index"] != job_index):
+        return False
+    luts = _lut_tables(sw)
+    checked = [luts[0], luts[-1]] if luts else []
+    checked_ids = {sw.tables.get(t, "table").preamble.id for t in checked}
+    wanted = [job_entry(sw, job, cfg["job_index"]), *worker_entries(sw, job),
+              *addr_entries(sw, job, agg),
+              *(e for e in lut_entries(sw, job) if p4rt.entity_table_id(e) in checked_ids)]
+    have = [e for table in (JOB_TABLE, WORKER_TABLE, ADDR_TABLE, *checked)
+            for e in _job_entries(sw, table, job.job_id)]
+    if sorted(map(_canonical, wanted)) != sorted(map(_canonical, have)):
+        return False
+    replicas = {(w.switch_port, w.id + 1) for w in job.workers}
+    if sw.multicast_groups().get(job.group) != replicas:
+        return False
+    routes = forwarding.routes(sw)
+    return all(routes.get(w.mac.lower()) == w.switch_port for w in job.workers
+               if w.mac.lower() not in forwarding.UNROUTABLE)
+
+
+def live_jobs(sw: Switch, job_indices: dict[int, int], window: float = LIVE_WINDOW) -> dict[int, int]:
+    """{job_id: packets counted while watching} of the jobs (by job index) whose packet
+    counter moves within ``window`` seconds; returns as soon as every job moved."""
+    if not job_indices or window <= 0:
+        return {}
+
+    def packets() -> dict[int, int]:
+        cells = counters.all_job_counters(sw, {jid: {"job_index": idx}
+                                               for jid, idx in job_indices.items()})
+        return {jid: c["packets"] for jid, c in cells.items()}
+
+    before = packets()
+    deadline = time.monotonic() + window
+    moved: dict[int, int] = {}
+    while time.monotonic() < deadline and len(moved) < len(job_indices):
+        time.sleep(min(0.05, window))
+        now = packets()
+        moved = {jid: now[jid] - before[jid] for jid in now if now[jid] != before[jid]}
+    return moved
+
+
+def _refuse_live(sw: Switch, job_indices: dict[int, int], what: str, force: bool,
+                 window: float) -> None:
+    if force:
+        return
+    live = live_jobs(sw, job_indices, window)
+    if live:
+        jid, moved = sorted(live.items())[0]
+        others = f" (and live jobs {sorted(live)[1:]})" if len(live) > 1 else ""
+        raise JobLive(f"job {jid} is live: {moved} packets arrived within {window:.1f}s; {what} "
+                      f"would wipe slots its workers are using{others}. Stop its workers or "
+                      f"pass force=True (--force)")
+
+
+# ---- checks before any write ----------------------------------------------------------------
+
+def check_job(sw: Switch, job: Job, job_index: int, others: dict[int, dict]) -> None:
+    """Why ``job`` cannot go on the switch at ``job_index`` (ConfigError), checked before any
+    write. ``others``: {job_id: set_job parameters plus ``addresses`` as installed_addresses
+    gives them} of the jobs that stay on the switch beside ``job``."""
     job.validate()
     if job.lanes != sw.lanes:
         raise ConfigError(f"job {job.job_id} has {job.lanes} lanes; the switch program was "
@@ -100,7 +214,47 @@ def _check(sw: Switch, job: Job, job_index: int, others: dict[int, dict]) -> Non
             raise ConfigError(f"job {job.job_id}'s slot pool {job.pool_base}.."
                               f"{job.pool_base + job.pool_size - 1} overlaps job {jid}'s "
                               f"{lo}..{hi - 1}")
+        _check_addresses(job, jid, cfg.get("addresses", ()))
 
+
+def _check_addresses(job: Job, other_id: int, addresses) -> None:
+    """Workers of two jobs may share a host (MAC and IP, other UDP port) but never an
+    ip:port (the switch could not tell whose packet it is), and one MAC may not name two
+    hosts (two IPs, or two switch ports for l2_forward)."""
+    for w in job.workers:
+        mac = w.mac.lower()
+        for ip, port, omac, oport in addresses:
+            if (w.ip, w.port) == (ip, port):
+                raise ConfigError(f"job {job.job_id} worker {w.id}: address {w.ip}:{w.port} "
+                                  f"is used by a worker of job {other_id}")
+            if mac == omac and mac not in forwarding.UNROUTABLE and (
+                    w.ip != ip or (oport is not None and w.switch_port != oport)):
+                raise ConfigError(
+                    f"job {job.job_id} worker {w.id}: MAC {w.mac} belongs to {ip} on switch "
+                    f"port {oport} in job {other_id}, not {w.ip} on port {w.switch_port}")
+
+
+def _config_of(job: Job, job_index: int) -> dict:
+    """A job as ``check_job`` sees the others: set_job parameters and addresses."""
+    return {"job_index": job_index, "mcast_grp": job.group, "pool_base": job.pool_base,
+            "pool_size": job.pool_size,
+            "addresses": [(w.ip, w.port, w.mac.lower(), w.switch_port) for w in job.workers]}
+
+
+def _installed_configs(sw: Switch) -> dict[int, dict]:
+    installed = installed_jobs(sw)
+    addresses = installed_addresses(sw)
+    return {jid: {**cfg, "addresses": addresses.get(jid, [])} for jid, cfg in installed.items()}
+
+
+def _free_index(taken: set[int]) -> int:
+    free = [i for i in range(P.MAX_JOBS) if i not in taken]
+    if not free:
+        raise ConfigError(f"the switch holds {P.MAX_JOBS} jobs already")
+    return free[0]
+
+
+# ---- entries of one job -------------------------------------------------------------------
 
 def job_entry(sw: Switch, job: Job, job_index: int):
     return sw.table_entry(JOB_TABLE, {"job_id": job.job_id}, "set_job", {
@@ -140,24 +294,24 @@ def lut_entries(sw: Switch, job: Job, with_action: bool = True) -> list:
 
 def _upsert(sw: Switch, entries: list, exists: bool = False) -> None:
     """Insert or modify; ``exists``: the entries probably exist (modify first)."""
-    if exists:
-        missing = sw.write_entries("MODIFY", entries, ignore=["NOT_FOUND"])
-        if missing:
-            sw.write_entries("INSERT", missing)
-    else:
-        existing = sw.write_entries("INSERT", entries, ignore=["ALREADY_EXISTS"])
-        if existing:
-            sw.write_entries("MODIFY", existing)
+    first, then, missing = ("MODIFY", "INSERT", "NOT_FOUND") if exists else \
+        ("INSERT", "MODIFY", "ALREADY_EXISTS")
+    rest = sw.write_entries(first, entries, ignore=[missing])
+    if rest:
+        sw.write_entries(then, rest)
+
+
+def _delete(sw: Switch, entries: list) -> None:
+    for e in entries:
+        e.ClearField("action")
+    if entries:
+        sw.write_entries("DELETE", entries, ignore=["NOT_FOUND"])
 
 
 def _delete_stale(sw: Switch, table: str, job_id: int, keep: list) -> None:
     wanted = {tuple(sorted(sw.match_values(e).items())) for e in keep}
-    stale = [e for e in _job_entries(sw, table, job_id)
-             if tuple(sorted(sw.match_values(e).items())) not in wanted]
-    if stale:
-        for e in stale:
-            e.ClearField("action")
-        sw.write_entries("DELETE", stale, ignore=["NOT_FOUND"])
+    _delete(sw, [e for e in _job_entries(sw, table, job_id)
+                 if tuple(sorted(sw.match_values(e).items())) not in wanted])
 
 
 # ---- slot reset ---------------------------------------------------------------------------
@@ -182,33 +336,43 @@ def reset_pool(sw: Switch, job: Job, job_index: int, agg: AggAddress,
 # ---- install / remove ---------------------------------------------------------------------
 
 def install_job(sw: Switch, job: Job, agg: AggAddress = AggAddress(),
-                job_index: int | None = None) -> int:
-    """Install or re-install ``job``; returns its job index."""
-    installed = installed_jobs(sw)
+                job_index: int | None = None, force: bool = False,
+                live_window: float = LIVE_WINDOW) -> int:
+    """Install or re-install ``job``; returns its job index.
+
+    Refuses (JobLive) to re-install a job whose workers are sending, unless ``force``. The
+    worker entries go live only after the pool was reset and the counters zeroed."""
+    installed = _installed_configs(sw)
     previous = installed.pop(job.job_id, None)
     if job_index is None:
-        if previous is not None:
-            job_index = previous["job_index"]
-        else:
-            taken = {cfg["job_index"] for cfg in installed.values()}
-            free = [i for i in range(P.MAX_JOBS) if i not in taken]
-            if not free:
-                raise ConfigError(f"the switch holds {P.MAX_JOBS} jobs already")
-            job_index = free[0]
-    _check(sw, job, job_index, installed)
-    old_macs = _worker_macs(sw, job.job_id) if previous is not None else set()
+        job_index = previous["job_index"] if previous is not None else \
+            _free_index({cfg["job_index"] for cfg in installed.values()})
+    check_job(sw, job, job_index, installed)
+    if previous is not None:
+        _refuse_live(sw, {job.job_id: previous["job_index"]}, "re-installing it", force,
+                     live_window)
+    _write_job(sw, job, job_index, agg, previous)
+    return job_index
 
-    workers, addrs = worker_entries(sw, job), addr_entries(sw, job, agg)
+
+def _write_job(sw: Switch, job: Job, job_index: int, agg: AggAddress,
+               previous: dict | None) -> None:
+    if previous is not None:
+        # no worker of the old version may add to a slot from here on
+        _delete(sw, _job_entries(sw, WORKER_TABLE, job.job_id))
+        if previous["job_index"] != job_index:
+            _delete(sw, [sw.table_entry(JOB_TABLE, {"job_id": job.job_id})])
+    old_macs = {a[2] for a in previous["addresses"]} if previous is not None else set()
+
     again = previous is not None
+    addrs = addr_entries(sw, job, agg)
     _upsert(sw, addrs, again)
-    _upsert(sw, workers, again)
     _upsert(sw, lut_entries(sw, job), again)
     sw.set_multicast_group(job.group, [(w.switch_port, w.id + 1) for w in job.workers])
     forwarding.install(sw, {w.mac: w.switch_port for w in job.workers})
-    _upsert(sw, [job_entry(sw, job, job_index)], again)
+    _upsert(sw, [job_entry(sw, job, job_index)], again and previous["job_index"] == job_index)
 
     # leftovers of an earlier version of this job
-    _delete_stale(sw, WORKER_TABLE, job.job_id, workers)
     _delete_stale(sw, ADDR_TABLE, job.job_id, addrs)
     if previous is not None and previous["mcast_grp"] != job.group:
         sw.delete_multicast_group(previous["mcast_grp"])
@@ -218,48 +382,79 @@ def install_job(sw: Switch, job: Job, agg: AggAddress = AggAddress(),
 
     reset_pool(sw, job, job_index, agg)
     counters.clear_job_counters(sw, job_index)
-    return job_index
+    _upsert(sw, worker_entries(sw, job))
 
 
-def remove_job(sw: Switch, job_id: int) -> None:
-    """Delete everything ``install_job`` created for ``job_id``."""
+def remove_job(sw: Switch, job_id: int, force: bool = False,
+               live_window: float = LIVE_WINDOW) -> None:
+    """Delete everything ``install_job`` created for ``job_id``; refuses (JobLive) while its
+    workers are sending, unless ``force``."""
     installed = installed_jobs(sw)
     cfg = installed.get(job_id)
     if cfg is None:
         raise JobNotInstalled(f"job {job_id} is not installed on the switch "
                               f"(installed: {sorted(installed) or 'none'})")
+    _refuse_live(sw, {job_id: cfg["job_index"]}, "removing it", force, live_window)
+    _remove(sw, job_id, cfg)
+
+
+def _remove(sw: Switch, job_id: int, cfg: dict) -> None:
     macs = _worker_macs(sw, job_id) - _worker_macs(sw, exclude=job_id)
-    # the job entry first: from here on the job's packets drop as unknown_job
-    sw.write_entries("DELETE", [sw.table_entry(JOB_TABLE, {"job_id": job_id})],
-                     ignore=["NOT_FOUND"])
-    for table in (WORKER_TABLE, ADDR_TABLE):
-        entries = _job_entries(sw, table, job_id)
-        for e in entries:
-            e.ClearField("action")
-        sw.write_entries("DELETE", entries, ignore=["NOT_FOUND"])
-    lut_keys = [sw.entry_bytes(LUT_TABLE.format(lane), {"job_id": job_id, "idx": idx})
-                for lane in range(sw.lanes) for idx in range(1 << P.INDEX_BITS)]
-    sw.write_entries("DELETE", lut_keys, ignore=["NOT_FOUND"])
+    # workers and the job entry first: from here on the job's packets drop
+    _delete(sw, _job_entries(sw, WORKER_TABLE, job_id))
+    _delete(sw, [sw.table_entry(JOB_TABLE, {"job_id": job_id})])
+    _delete(sw, _job_entries(sw, ADDR_TABLE, job_id))
+    # the lookup keys depend on the job id only: the table values are not needed to delete
+    keys_of = Job(job_id=job_id, workers=(), table=(0,) * (1 << P.INDEX_BITS), granularity=1,
+                  lanes=sw.lanes)
+    sw.write_entries("DELETE", lut_entries(sw, keys_of, with_action=False), ignore=["NOT_FOUND"])
     sw.delete_multicast_group(cfg["mcast_grp"])
     if macs:
         forwarding.remove(sw, macs)
 
 
-def install_cluster(sw: Switch, cluster: Cluster, prune: bool = False) -> dict[int, int]:
-    """Install every job of a cluster, job index = position in the cluster; returns
-    {job_id: job_index}. With ``prune``, jobs on the switch that the cluster lacks are removed
-    first; without it they stay (and must not collide with the cluster's indices or pools)."""
+def install_cluster(sw: Switch, cluster: Cluster, prune: bool = False, force: bool = False,
+                    live_window: float = LIVE_WINDOW) -> dict[int, int]:
+    """Make the switch hold every job of ``cluster``; returns {job_id: job_index}.
+
+    Jobs already installed exactly as configured are left alone (running or not) and keep
+    their index; new jobs take free indices. With ``prune``, jobs the cluster lacks are
+    removed; without it they stay and must not collide with the cluster. Everything is
+    checked before the first write: a collision or a live job to be changed (JobLive,
+    unless ``force``) changes nothing."""
     cluster.validate(total_slots=P.SWITCH_SLOTS)
-    wanted = {j.job_id for j in cluster.jobs}
-    installed = installed_jobs(sw)
-    for jid in sorted(set(installed) - wanted):
-        if prune:
-            remove_job(sw, jid)
-    # jobs whose index moves are taken off first, so indices can be swapped
-    for i, job in enumerate(cluster.jobs):
-        cfg = installed.get(job.job_id)
-        if cfg is not None and cfg["job_index"] != i:
-            remove_job(sw, job.job_id)
     agg = AggAddress.of(cluster)
-    return {job.job_id: install_job(sw, job, agg, job_index=i)
-            for i, job in enumerate(cluster.jobs)}
+    installed = _installed_configs(sw)
+    wanted = {j.job_id for j in cluster.jobs}
+    pruned = {jid: cfg for jid, cfg in installed.items() if jid not in wanted and prune}
+    staying = {jid: cfg for jid, cfg in installed.items() if jid not in wanted and not prune}
+    keep = {j.job_id for j in cluster.jobs
+            if j.job_id in installed and unchanged(sw, j, agg)}
+
+    index = {jid: installed[jid]["job_index"] for jid in wanted if jid in installed}
+    taken = {cfg["job_index"] for cfg in staying.values()}
+    for job in cluster.jobs:
+        if job.job_id in index and index[job.job_id] in taken:
+            del index[job.job_id]
+        if job.job_id not in index:
+            index[job.job_id] = _free_index(taken | set(index.values()))
+        taken.add(index[job.job_id])
+    for job in cluster.jobs:
+        others = {**staying, **{j.job_id: _config_of(j, index[j.job_id])
+                                for j in cluster.jobs if j.job_id != job.job_id}}
+        check_job(sw, job, index[job.job_id], others)
+
+    changed = {jid: cfg["job_index"] for jid, cfg in installed.items()
+               if jid in pruned or (jid in wanted and jid not in keep)}
+    _refuse_live(sw, changed, "changing or removing it", force, live_window)
+
+    for jid, cfg in pruned.items():
+        _remove(sw, jid, cfg)
+    moved = [j for j in cluster.jobs if j.job_id in installed and j.job_id not in keep
+             and installed[j.job_id]["job_index"] != index[j.job_id]]
+    for job in moved:   # off first, so that indices can be swapped
+        _remove(sw, job.job_id, installed.pop(job.job_id))
+    for job in cluster.jobs:
+        if job.job_id not in keep:
+            _write_job(sw, job, index[job.job_id], agg, installed.get(job.job_id))
+    return index

@@ -24,7 +24,7 @@ LAYERS = [
 
 TESTING = ("host.testing", "controller.testing")
 TESTING_USERS = ("host.testing", "controller.testing", "host.bench", "controller.bench",
-                 "thcnet")
+                 "controller.bench_install", "thcnet")
 """Test machinery is used by tests, benchmarks and the emulation only."""
 
 

@@ -13,6 +13,8 @@ BENCHES = {
     "nmse": ("host.bench.nmse", "NMSE of THC and the baselines"),
     "aggregator": ("host.bench.aggregator", "software aggregator vs a UDP echo ceiling"),
     "switch": ("controller.bench", "BMv2 aggregation vs BMv2 L2 forwarding"),
+    "install": ("controller.bench_install", "job install time on BMv2; lookup entries "
+                                            "serialized vs as protobuf messages"),
     "allreduce": ("thcnet.bench_allreduce", "THC vs FP32 all-reduce over emulated links"),
 }
 

@@ -49,3 +49,11 @@ def round_trip(h, job: Job, seq: int, idxs, workers=None) -> dict[int, list[byte
     for w in workers:
         h.endpoint(job, w).send(data(job, w, seq, idxs[w]))
     return {w: h.endpoint(job, w).recv_all(timeout=h.quiet) for w in range(job.n_workers)}
+
+
+def check_round(h, job: Job, seq: int, rng: np.random.Generator) -> None:
+    """Every worker sends random indices for ``seq``; each gets the exact sums once."""
+    idxs = [random_indices(rng, job) for _ in range(job.n_workers)]
+    got = round_trip(h, job, seq, idxs)
+    for w in range(job.n_workers):
+        check_result(got[w], job, seq, idxs, w)

@@ -1,15 +1,16 @@
 """Controller pieces that need no switch: frames, value encoding, entries from the P4Info."""
 from __future__ import annotations
 
-import time
+import dataclasses
 
 import pytest
+from p4.v1 import p4runtime_pb2
 
-from controller import jobs
+from controller import jobs, p4rt
 from controller.frames import parse_udp_frame, reset_frame, udp_frame
 from controller.switch import Switch, SwitchError, encode_value
 from host.wire import protocol as P
-from host.wire.jobs import Job, Worker
+from host.wire.jobs import ConfigError, Job, Worker
 
 
 def test_encode_value_is_canonical():
@@ -31,40 +32,60 @@ def test_frames_round_trip():
     assert (hdr.pkt_type, hdr.job_id, hdr.slot, r[5]) == (P.PktType.RESET, 7, 3, P.UDP_PORT)
 
 
-def test_hand_encoded_entries_equal_protobuf():
-    from p4.v1 import p4runtime_pb2
+def test_entries_equal_p4runtime_shells_table_entry():
+    """Switch.table_entry builds from P4Info ids (fast); the message is the one
+    p4runtime-shell's TableEntry entity gives for the same names and values."""
+    from p4runtime_sh import shell as sh
+    from p4runtime_sh.global_options import global_options
     sw = Switch.offline()
+    sh.context.set_p4info(sw.p4info)
+    global_options["verbose"] = False
+    params = {"worker_mac": "02:00:00:00:00:01", "worker_ip": "10.0.0.1",
+              "worker_port": 20001, "agg_mac": "02:00:00:00:00:fe", "agg_ip": "10.0.0.254"}
+    ref = sh.TableEntry("thc_worker_addr")(action="set_worker_addr")
+    ref.match["job_id"], ref.match["worker_id"] = "300", "0"
+    for k, v in params.items():
+        ref.action[k] = str(v)
+    ours = sw.table_entry("thc_worker_addr", {"job_id": 300, "worker_id": 0},
+                          "set_worker_addr", params)
+    assert ours == ref.msg()
     blob = sw.entry_bytes("thc_worker_addr", {"job_id": 300, "worker_id": 0},
-                          "set_worker_addr", {"worker_mac": "02:00:00:00:00:01",
-                                              "worker_ip": "10.0.0.1", "worker_port": 20001,
-                                              "agg_mac": "02:00:00:00:00:fe",
-                                              "agg_ip": "10.0.0.254"})
-    t = sw.tables.get("thc_worker_addr", "table")
-    a = sw.actions.get("set_worker_addr", "action")
-    ref = p4runtime_pb2.Entity()
-    te = ref.table_entry
-    te.table_id = t.preamble.id
-    te.match.add(field_id=t.match_fields[0].id).exact.value = (300).to_bytes(2, "big")
-    te.match.add(field_id=t.match_fields[1].id).exact.value = b"\x00"
-    te.action.action.action_id = a.preamble.id
-    for p, v in zip(a.params, [bytes([2, 0, 0, 0, 0, 1]), bytes([10, 0, 0, 1]),
-                               (20001).to_bytes(2, "big"), bytes([2, 0, 0, 0, 0, 0xFE]),
-                               bytes([10, 0, 0, 254])]):
-        te.action.action.params.add(param_id=p.id, value=v)
-    assert p4runtime_pb2.Entity.FromString(blob) == ref
-    assert blob == ref.SerializeToString()
+                          "set_worker_addr", params)
+    assert blob == p4runtime_pb2.Entity(table_entry=ref.msg()).SerializeToString()
 
 
-def test_job_entries_from_the_committed_p4info_are_fast():
+def test_serialized_entries_equal_protobufs_for_every_table():
+    """entry_bytes writes bytes without messages (controller/p4rt.py): byte for byte what
+    protobuf serialises, for every table and action of the program, at random values."""
+    import random
+    rnd = random.Random(1)
+    sw = Switch.offline()
+    actions = {a.preamble.id: a for a in sw.p4info.actions}
+    for t in sw.p4info.tables:
+        match = {f.name: rnd.getrandbits(f.bitwidth) for f in t.match_fields}
+        for ref in t.action_refs:
+            a = actions[ref.id]
+            params = {p.name: rnd.getrandbits(p.bitwidth) for p in a.params}
+            want = p4runtime_pb2.Entity(table_entry=sw.table_entry(
+                t.preamble.name, match, a.preamble.name, params)).SerializeToString()
+            blob = sw.entry_bytes(t.preamble.name, match, a.preamble.name, params)
+            assert blob == want
+            assert p4rt.entity_table_id(blob) == t.preamble.id
+        key = p4runtime_pb2.Entity(table_entry=sw.table_entry(t.preamble.name, match))
+        assert sw.entry_bytes(t.preamble.name, match) == key.SerializeToString()
+
+
+def _job(job_id=5, n=3, **kw) -> Job:
+    workers = tuple(Worker(i, f"10.0.{job_id}.{i + 1}", 4000 + i,
+                           f"02:00:00:00:{job_id:02x}:{i + 1:02x}", i) for i in range(n))
+    return Job(job_id=job_id, workers=workers, table=tuple(range(16)), granularity=30, **kw)
+
+
+def test_job_entries_from_the_committed_p4info():
     sw = Switch.offline()
     assert sw.lanes == P.LANES
-    job = Job(job_id=5, workers=tuple(Worker(i, f"10.0.0.{i + 1}", 4000 + i,
-                                             f"02:00:00:00:00:{i + 1:02x}", i)
-                                      for i in range(3)),
-              table=tuple(range(16)), granularity=30).validate()
-    t0 = time.perf_counter()
+    job = _job().validate()
     lut = jobs.lut_entries(sw, job)
-    assert time.perf_counter() - t0 < 1.0
     assert len(lut) == P.LANES * 16
     e = jobs.job_entry(sw, job, 3)
     assert sw.param_values(e) == {"job_index": 3, "n_workers": 3, "pool_base": 0,
@@ -76,3 +97,59 @@ def test_job_entries_from_the_committed_p4info_are_fast():
         sw.table_entry("thc_nonexistent", {})
     with pytest.raises(SwitchError, match="takes"):
         sw.table_entry("thc_job", {"job_id": 1}, "set_job", {"job_index": 1})
+
+
+# -- bad control input is refused before any write (check_job runs first) ----------------
+
+def _others(*jobs_at):
+    return {j.job_id: jobs._config_of(j, idx) for j, idx in jobs_at}
+
+
+def test_workers_colliding_on_address_across_jobs_are_refused():
+    sw = Switch.offline()
+    a = _job(5, pool_base=0, pool_size=8)
+    w = a.workers[1]
+    clash_port = _job(6, pool_base=8, pool_size=8)
+    clash_port = dataclasses.replace(clash_port, workers=(clash_port.workers[0],
+        dataclasses.replace(clash_port.workers[1], ip=w.ip, port=w.port)))
+    with pytest.raises(ConfigError, match=rf"{w.ip}:{w.port} is used by a worker of job 5"):
+        jobs.check_job(sw, clash_port, 1, _others((a, 0)))
+    other_host = dataclasses.replace(_job(6, pool_base=8, pool_size=8), workers=(
+        dataclasses.replace(_job(6).workers[0], mac=w.mac),))
+    with pytest.raises(ConfigError, match=f"MAC {w.mac} belongs to {w.ip}"):
+        jobs.check_job(sw, other_host, 1, _others((a, 0)))
+    moved = dataclasses.replace(other_host, workers=(dataclasses.replace(
+        other_host.workers[0], ip=w.ip, switch_port=w.switch_port + 1),))
+    with pytest.raises(ConfigError, match="switch port"):
+        jobs.check_job(sw, moved, 1, _others((a, 0)))
+    same_host = dataclasses.replace(moved, workers=(dataclasses.replace(
+        moved.workers[0], switch_port=w.switch_port),))
+    jobs.check_job(sw, same_host, 1, _others((a, 0)))   # one host in two jobs: allowed
+
+
+def test_index_group_and_pool_collisions_are_refused():
+    sw = Switch.offline()
+    a = _job(5, pool_base=0, pool_size=8)
+    b = _job(6, pool_base=4, pool_size=8)
+    with pytest.raises(ConfigError, match="overlaps job 5"):
+        jobs.check_job(sw, b, 1, _others((a, 0)))
+    with pytest.raises(ConfigError, match="index 0 is taken by job 5"):
+        jobs.check_job(sw, dataclasses.replace(b, pool_base=8), 0, _others((a, 0)))
+    with pytest.raises(ConfigError, match="multicast group 5 is taken"):
+        jobs.check_job(sw, dataclasses.replace(b, pool_base=8, mcast_group=5), 1,
+                       _others((a, 0)))
+
+
+def test_table_value_above_granularity_is_refused():
+    sw = Switch.offline()
+    job = dataclasses.replace(_job(), table=tuple(range(15)) + (31,))
+    with pytest.raises(ConfigError, match=r"table values must lie in 0\.\.30"):
+        jobs.check_job(sw, job, 0, {})
+
+
+def test_sums_that_overflow_even_16_bits_are_refused():
+    sw = Switch.offline()
+    job = dataclasses.replace(_job(n=3), granularity=30000)
+    assert job.n_workers * job.granularity > 0xFFFF
+    with pytest.raises(ConfigError, match="overflows"):
+        jobs.check_job(sw, job, 0, {})

@@ -1,0 +1,281 @@
+"""The few things the controller needs that p4runtime-shell 0.0.6 does not offer.
+
+Everything else goes through p4runtime-shell's public API (``shell.setup``/``teardown``, its
+``P4RuntimeClient`` and entities). This module exists because:
+
+* ``shell.setup`` calls ``sys.exit`` when the server is absent, the arbitration fails or the
+  pipeline is rejected, and it only prints whether this client became primary:
+  :func:`open_session` turns each failure into :class:`SessionError` with the reason and
+  asks the server whether the session is primary.
+* ``P4RuntimeClient.write`` sends one batch but decodes a failed batch with
+  ``P4RuntimeErrorIterator``, whose ``__next__`` never advances past a per-update status of
+  OK (``continue`` without ``self.idx += 1``): a batch where some updates succeed and one
+  fails loops forever. tests/test_p4rt.py reproduces it. :class:`BatchWriter` decodes the
+  per-update statuses itself, on a channel whose metadata limit holds one status per update
+  of a batch of thousands (the client's default channel refuses them).
+* p4runtime-shell pins protobuf < 3.21, which on Python 3.11 is the pure-Python runtime:
+  building, copying and serialising a job's thousands of lookup entries as messages costs
+  about 9x writing them serialized (``thc bench install``). :func:`exact_entity` writes the
+  serialized Entity of an exact-match table entry directly (field numbers read from the
+  p4runtime descriptors; tests/bmv2/test_controller_offline.py checks it byte for byte
+  against protobuf for every table and action), and :class:`BatchWriter` frames serialized
+  entities into WriteRequests the same way.
+* ``shell.PacketOut`` requires a ``packet_out`` controller header in the P4Info; the THC
+  program has none (a RESET is a plain frame injected at the CPU port), so
+  :func:`send_raw_packets` queues raw PacketOut messages on the client's stream.
+
+Nothing here patches p4runtime-shell: ``shell.setup`` itself sets its ``client`` and
+``context``, as it does for its interactive users.
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+from typing import Iterable, NamedTuple
+
+GRPC_OPTIONS = [("grpc.max_metadata_size", 64 << 20),
+                ("grpc.absolute_max_metadata_size", 64 << 20),
+                ("grpc.max_receive_message_length", 64 << 20)]
+"""Large enough for one p4.v1.Error per update of a batch of thousands."""
+
+
+class SessionError(RuntimeError):
+    """A P4Runtime session could not be opened, or a write was refused as a whole."""
+
+
+class UpdateError(NamedTuple):
+    index: int
+    code: int
+    message: str
+
+
+def _server_ready(grpc_addr: str, timeout: float) -> bool:
+    import grpc
+    probe = grpc.insecure_channel(grpc_addr)
+    try:
+        grpc.channel_ready_future(probe).result(timeout=timeout)
+        return True
+    except grpc.FutureTimeoutError:
+        return False
+    finally:
+        probe.close()
+
+
+def _is_primary(client) -> bool:
+    """An empty WriteRequest: the server checks the election id first (PERMISSION_DENIED
+    unless primary) and has nothing to apply. BMv2 does not answer a repeated arbitration,
+    and ``shell.setup`` keeps the first answer to itself."""
+    import grpc
+    from p4.v1 import p4runtime_pb2
+    req = p4runtime_pb2.WriteRequest(device_id=client.device_id)
+    req.election_id.high, req.election_id.low = client.election_id
+    try:
+        client.stub.Write(req)
+    except grpc.RpcError as e:
+        if e.code() == grpc.StatusCode.PERMISSION_DENIED:
+            return False
+        raise SessionError(f"P4Runtime server refused an empty write: {e.code().name}: "
+                           f"{e.details()}") from None
+    return True
+
+
+def open_session(grpc_addr: str, device_id: int, election_id: tuple[int, int],
+                 pipeline: tuple[str, str] | None, timeout: float):
+    """``shell.setup`` without ``sys.exit``: returns (client, P4Info, is_primary)."""
+    from p4runtime_sh import shell as sh
+
+    if not _server_ready(grpc_addr, timeout):
+        raise SessionError(f"no P4Runtime server at {grpc_addr} (is simple_switch_grpc "
+                           f"running with --grpc-server-addr {grpc_addr}?)")
+    config = sh.FwdPipeConfig(*pipeline) if pipeline else None
+    try:
+        # setup prints "You are not the primary client" on stdout, which belongs to the
+        # caller (``thc controller counters --json``)
+        with contextlib.redirect_stdout(io.StringIO()):
+            sh.setup(device_id=device_id, grpc_addr=grpc_addr, election_id=election_id,
+                     config=config, verbose=False)
+    except SystemExit:
+        if sh.client is not None:
+            try:
+                sh.client.tear_down()
+            except Exception:  # noqa: BLE001 - the session is already broken
+                logging.debug("tear_down after a failed setup", exc_info=True)
+            sh.client = None
+        what = "pushing the pipeline" if pipeline else "reading the P4Info"
+        raise SessionError(
+            f"P4Runtime session with device {device_id} at {grpc_addr} failed (arbitration "
+            f"or {what}; does the switch run with --device-id {device_id}, and is the "
+            f"program valid?)") from None
+    return sh.client, sh.context.p4info, _is_primary(sh.client)
+
+
+def close_session(client) -> None:
+    """``shell.teardown`` for the session :func:`open_session` opened."""
+    from p4runtime_sh import shell as sh
+    if sh.client is client and client is not None:
+        sh.teardown()
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n > 0x7F:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def canonical_bytes(n: int) -> bytes:
+    """P4Runtime's canonical byte string of a non-negative integer: no leading zero bytes."""
+    return n.to_bytes(max(1, (n.bit_length() + 7) // 8), "big")
+
+
+def _number(message, field: str) -> int:
+    return message.DESCRIPTOR.fields_by_name[field].number
+
+
+def _wire_tags():
+    """Tag bytes of the fields written here, from the p4runtime descriptors."""
+    from p4.v1 import p4runtime_pb2 as pb
+
+    def tag(message, field, wire_type):
+        return _varint(_number(message, field) << 3 | wire_type)
+    return {
+        "update.type": tag(pb.Update, "type", 0), "update.entity": tag(pb.Update, "entity", 2),
+        "entity.table_entry": tag(pb.Entity, "table_entry", 2),
+        "table.id": tag(pb.TableEntry, "table_id", 0), "table.match": tag(pb.TableEntry, "match", 2),
+        "table.action": tag(pb.TableEntry, "action", 2),
+        "match.id": tag(pb.FieldMatch, "field_id", 0), "match.exact": tag(pb.FieldMatch, "exact", 2),
+        "exact.value": tag(pb.FieldMatch.Exact, "value", 2),
+        "table_action.action": tag(pb.TableAction, "action", 2),
+        "action.id": tag(pb.Action, "action_id", 0), "action.params": tag(pb.Action, "params", 2),
+        "param.id": tag(pb.Action.Param, "param_id", 0), "param.value": tag(pb.Action.Param, "value", 2),
+        "request.updates": tag(pb.WriteRequest, "updates", 2),
+    }
+
+
+_TAGS: dict[str, bytes] = {}
+
+
+def _tags() -> dict[str, bytes]:
+    if not _TAGS:
+        _TAGS.update(_wire_tags())
+    return _TAGS
+
+
+def _field(tag: bytes, payload: bytes) -> bytes:
+    return tag + _varint(len(payload)) + payload
+
+
+def exact_entity(table_id: int, matches, action_id: int | None = None, params=()) -> bytes:
+    """The serialized p4runtime Entity holding one exact-match table entry: ``matches`` and
+    ``params`` are (id, canonical value bytes) in id order, as protobuf writes them."""
+    t = _tags()
+    body = t["table.id"] + _varint(table_id)
+    for fid, value in matches:
+        body += _field(t["table.match"], t["match.id"] + _varint(fid)
+                       + _field(t["match.exact"], _field(t["exact.value"], value)))
+    if action_id is not None:
+        act = t["action.id"] + _varint(action_id)
+        for pid, value in params:
+            act += _field(t["action.params"], t["param.id"] + _varint(pid)
+                          + _field(t["param.value"], value))
+        body += _field(t["table.action"], _field(t["table_action.action"], act))
+    return _field(t["entity.table_entry"], body)
+
+
+def _read_varint(buf: bytes, pos: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        b = buf[pos]
+        pos += 1
+        value |= (b & 0x7F) << shift
+        shift += 7
+        if b < 0x80:
+            return value, pos
+
+
+def entity_table_id(entity: bytes) -> int:
+    """The table id of a serialized Entity that :func:`exact_entity` wrote."""
+    t = _tags()
+    pos = len(t["entity.table_entry"])
+    _, pos = _read_varint(entity, pos)
+    return _read_varint(entity, pos + len(t["table.id"]))[0]
+
+
+class BatchWriter:
+    """WriteRequests of many updates with per-update error reporting (see module doc)."""
+
+    def __init__(self, grpc_addr: str, device_id: int, election_id: tuple[int, int]):
+        import grpc
+        from p4.v1 import p4runtime_pb2
+        self.device_id, self.election_id = device_id, election_id
+        self.channel = grpc.insecure_channel(grpc_addr, options=GRPC_OPTIONS)
+        self._write = self.channel.unary_unary(
+            "/p4.v1.P4Runtime/Write", request_serializer=None,
+            response_deserializer=p4runtime_pb2.WriteResponse.FromString)
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def write(self, update_type: int, entities: list[bytes], batch: int) -> list[UpdateError]:
+        """Send one update of ``update_type`` per serialized Entity, ``batch`` per
+        WriteRequest; return the failed ones by index into ``entities``."""
+        import grpc
+        from p4.v1 import p4runtime_pb2
+        head = p4runtime_pb2.WriteRequest(device_id=self.device_id)
+        head.election_id.high, head.election_id.low = self.election_id
+        head = head.SerializeToString()
+        t = _tags()
+        kind = t["update.type"] + _varint(update_type)
+        failed = []
+        for start in range(0, len(entities), batch):
+            body = b"".join(_field(t["request.updates"], kind + _field(t["update.entity"], e))
+                            for e in entities[start:start + batch])
+            try:
+                self._write(head + body)
+            except grpc.RpcError as e:
+                errors = update_errors(e)
+                if errors is None:
+                    raise SessionError(f"P4Runtime write failed: {e.code().name}: "
+                                       f"{e.details()}") from None
+                failed += [UpdateError(start + i, c, m) for i, c, m in errors]
+        return failed
+
+
+def update_errors(rpc_error) -> list[UpdateError] | None:
+    """The failed updates of a rejected WriteRequest, from its ``grpc-status-details-bin``
+    (one p4.v1.Error per update, OK for those applied); None when the error is not
+    per-update (wrong election id, server gone, ...)."""
+    import grpc
+    from google.rpc import code_pb2, status_pb2
+    from p4.v1 import p4runtime_pb2
+    if rpc_error.code() != grpc.StatusCode.UNKNOWN:
+        return None
+    details = None
+    for key, value in rpc_error.trailing_metadata() or ():
+        if key == "grpc-status-details-bin":
+            details = status_pb2.Status.FromString(value).details
+    if not details:
+        return None
+    out = []
+    for i, any_error in enumerate(details):
+        err = p4runtime_pb2.Error()
+        if not any_error.Unpack(err):
+            return None
+        if err.canonical_code != code_pb2.OK:
+            out.append(UpdateError(i, err.canonical_code, err.message))
+    return out
+
+
+def send_raw_packets(client, payloads: Iterable[bytes]) -> int:
+    """Queue PacketOut messages without packet_out metadata on the client's stream."""
+    from p4.v1 import p4runtime_pb2
+    n = 0
+    for payload in payloads:
+        msg = p4runtime_pb2.StreamMessageRequest()
+        msg.packet.payload = payload
+        client.stream_out_q.put(msg)
+        n += 1
+    return n

@@ -1,0 +1,189 @@
+"""Safe control plane on a real BMv2 (issue 8): the pool is reset before workers go live,
+live jobs are not changed unless forced, a restarted controller leaves running jobs alone,
+and bad control input changes nothing installed."""
+from __future__ import annotations
+
+import itertools
+import subprocess
+import sys
+import threading
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from controller import jobs
+from controller.switch import Switch
+from host.wire.jobs import Cluster, ConfigError
+from tests.bmv2.harness import AGG_IP, AGG_MAC
+from tests.bmv2.packets import check_result, check_round, data, random_indices, round_trip
+from tests.bmv2.test_switch_controller import snapshot
+
+pytestmark = pytest.mark.bmv2
+_ids = itertools.count(700)
+
+
+class Sender:
+    """Worker 0 of ``job`` retransmitting one DATA packet every 20 ms: a live job."""
+
+    def __init__(self, bmv2, job):
+        self.ep, self.frame = bmv2.endpoint(job, 0), data(job, 0, 0, np.zeros(job.lanes, np.uint8))
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        while not self.stop.wait(0.02):
+            self.ep.send(self.frame)
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        self.thread.join()
+
+
+def test_worker_entries_go_live_only_after_the_pool_reset(bmv2, sw, monkeypatch):
+    job = bmv2.make_job(next(_ids), 2, pool_size=4)
+    events = []
+    write, packet_out = sw.write_entries, sw.packet_out
+
+    def spy_write(op, entities, ignore=()):
+        entities = list(entities)
+        tables = {sw.table_name(e.table_id) for e in entities if hasattr(e, "table_id")}
+        events.append((op, tables))
+        return write(op, entities, ignore)
+
+    def spy_packet_out(payloads):
+        events.append(("RESET", set()))
+        return packet_out(payloads)
+
+    monkeypatch.setattr(sw, "write_entries", spy_write)
+    monkeypatch.setattr(sw, "packet_out", spy_packet_out)
+    bmv2.install(job)
+    first_worker = next(i for i, (op, t) in enumerate(events)
+                        if op == "INSERT" and any(n.endswith(jobs.WORKER_TABLE) for n in t))
+    reset = events.index(("RESET", set()))
+    assert reset < first_worker, events
+
+
+def test_reinstall_clears_a_dirty_pool(bmv2, sw):
+    job = bmv2.make_job(next(_ids), 2, pool_size=4)
+    bmv2.install(job)
+    rng = np.random.default_rng(3)
+    stale = random_indices(rng, job)
+    bmv2.endpoint(job, 0).send(data(job, 0, 0, stale))        # a round left half done
+    bmv2.endpoint(job, 0).recv_all(timeout=bmv2.quiet)
+    jobs.install_job(sw, job, jobs.AggAddress(AGG_IP, AGG_MAC), force=True)
+    check_round(bmv2, job, 0, rng)
+
+
+def test_live_job_is_not_reinstalled_or_removed_unless_forced(bmv2, sw):
+    job = bmv2.make_job(next(_ids), 2, pool_size=4)
+    bmv2.install(job)
+    agg = jobs.AggAddress(AGG_IP, AGG_MAC)
+    before = snapshot(sw)
+    with Sender(bmv2, job):
+        with pytest.raises(jobs.JobLive, match=rf"job {job.job_id} is live: \d+ packets"):
+            jobs.install_job(sw, replace(job, workers=job.workers[:1]), agg)
+        with pytest.raises(jobs.JobLive, match=rf"job {job.job_id} is live.*removing it"):
+            jobs.remove_job(sw, job.job_id)
+        cluster = Cluster(jobs=(replace(job, workers=job.workers[:1]),), agg_ip=AGG_IP,
+                          agg_mac=AGG_MAC)
+        with pytest.raises(jobs.JobLive, match=f"job {job.job_id} is live"):
+            jobs.install_cluster(sw, cluster)
+        assert snapshot(sw) == before
+        jobs.install_job(sw, replace(job, workers=job.workers[:1]), agg, force=True)
+    assert jobs.installed_jobs(sw)[job.job_id]["n_workers"] == 1
+    jobs.remove_job(sw, job.job_id)           # idle now: allowed without force
+    bmv2._installed.pop(job.job_id, None)
+    bmv2._pools.pop(job.job_id, None)
+
+
+def test_restarted_controller_leaves_a_running_job_alone(bmv2):
+    job = bmv2.make_job(next(_ids), 2, pool_size=4)
+    cluster = Cluster(jobs=(job,), agg_ip=AGG_IP, agg_mac=AGG_MAC)
+    placed = jobs.install_cluster(bmv2.sw, cluster)
+    bmv2._installed[job.job_id] = placed[job.job_id]
+    rng = np.random.default_rng(4)
+    idxs = [random_indices(rng, job) for _ in range(2)]
+    bmv2.endpoint(job, 0).send(data(job, 0, 0, idxs[0]))       # worker 0 is mid-round
+    bmv2.endpoint(job, 0).recv_all(timeout=bmv2.quiet)
+
+    # the controller restarts: a new session reads what is installed
+    bmv2.sw.close()
+    restarted = Switch(bmv2.switch.grpc_addr, timeout=10.0).connect(program=None)
+    bmv2.sw = bmv2.switch.sw = restarted
+    agg = jobs.AggAddress(AGG_IP, AGG_MAC)
+    assert jobs.unchanged(restarted, job, agg)
+    assert not jobs.unchanged(restarted, replace(job, table=tuple(reversed(job.table))), agg)
+    assert not jobs.unchanged(restarted, replace(job, workers=job.workers[:1]), agg)
+    before = snapshot(restarted)
+    assert jobs.install_cluster(restarted, cluster) == placed
+    assert snapshot(restarted) == before
+    assert bmv2.job_counters(job)["packets"] == 1, "no reset, no counter clear"
+    got = round_trip(bmv2, job, 0, idxs, workers=[1])
+    check_result(got[1], job, 0, idxs, 1)
+
+
+def test_bad_control_input_changes_nothing(bmv2, sw):
+    job = bmv2.make_job(next(_ids), 2, pool_size=4)
+    bmv2.install(job)
+    other = bmv2.make_job(next(_ids), 2, pool_size=4)    # (may evict an old job: before the snapshot)
+    agg = jobs.AggAddress(AGG_IP, AGG_MAC)
+    before = snapshot(sw)
+    unknown = max(jobs.installed_jobs(sw)) + 1
+    with pytest.raises(jobs.JobNotInstalled, match=f"job {unknown} is not installed"):
+        jobs.remove_job(sw, unknown)
+    w = job.workers[0]
+    clash = replace(other, workers=(replace(other.workers[0], ip=w.ip, port=w.port),
+                                    other.workers[1]))
+    with pytest.raises(ConfigError, match=f"{w.ip}:{w.port} is used by a worker of job "
+                                          f"{job.job_id}"):
+        jobs.install_job(sw, clash, agg)
+    mac_clash = replace(other, workers=(replace(other.workers[0], mac=w.mac),
+                                        other.workers[1]))
+    with pytest.raises(ConfigError, match=f"MAC {w.mac}"):
+        jobs.install_job(sw, mac_clash, agg)
+    with pytest.raises(ConfigError, match=f"MAC {w.mac}"):
+        jobs.install_cluster(sw, Cluster(jobs=(mac_clash,), agg_ip=AGG_IP, agg_mac=AGG_MAC))
+    with pytest.raises(ConfigError, match="table values"):
+        jobs.install_job(sw, replace(other, table=(other.granularity + 1,) * 16), agg)
+    with pytest.raises(ConfigError, match="overflows"):
+        jobs.install_job(sw, replace(other, granularity=40000), agg)
+    assert snapshot(sw) == before
+    assert job.job_id in jobs.installed_jobs(sw)
+
+
+def test_removing_a_job_twice_is_refused_the_second_time(bmv2, sw):
+    job = bmv2.make_job(next(_ids), 2, pool_size=4)
+    bmv2.install(job)
+    bmv2.remove(job.job_id)
+    before = snapshot(sw)
+    with pytest.raises(jobs.JobNotInstalled, match=f"job {job.job_id} is not installed"):
+        jobs.remove_job(sw, job.job_id)
+    assert snapshot(sw) == before
+
+
+def test_cli_refuses_a_live_job_and_names_it(bmv2, tmp_path):
+    job = bmv2.make_job(next(_ids), 2, pool_size=4)
+    bmv2.install(job)
+    base = [sys.executable, "-m", "host.app.cli", "controller", "--grpc-addr",
+            bmv2.switch.grpc_addr, "--election-id", "2,0"]   # primary while it runs
+    with Sender(bmv2, job):
+        r = subprocess.run(base + ["remove", "--job", str(job.job_id)], capture_output=True,
+                           text=True, timeout=60)
+    assert r.returncode == 1
+    assert f"job {job.job_id} is live" in r.stderr and "--force" in r.stderr
+    assert job.job_id in jobs.installed_jobs(bmv2.sw)
+
+
+def test_a_failed_p4runtime_setup_is_an_error_not_an_exit(bmv2):
+    """p4runtime-shell's setup calls sys.exit when the arbitration fails (here: a device id
+    the switch does not have); the controller reports it and exits cleanly."""
+    r = subprocess.run([sys.executable, "-m", "host.app.cli", "controller", "--grpc-addr",
+                        bmv2.switch.grpc_addr, "--device-id", "5", "jobs"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1
+    assert "device 5" in r.stderr and "failed" in r.stderr, r.stderr

@@ -1,0 +1,143 @@
+"""controller/p4rt.py against a real gRPC P4Runtime server that rejects some updates of a
+batch, as BMv2 does: one p4.v1.Error per update in ``grpc-status-details-bin``, OK for the
+updates it applied. Also the p4runtime-shell 0.0.6 bug that p4rt works around."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import pytest
+
+grpc = pytest.importorskip("grpc")
+pytest.importorskip("p4runtime_sh")
+
+from google.rpc import code_pb2  # noqa: E402
+from p4.v1 import p4runtime_pb2, p4runtime_pb2_grpc  # noqa: E402
+
+from controller import p4rt  # noqa: E402
+
+SERVER = textwrap.dedent('''
+    import grpc
+    from concurrent import futures
+    from google.protobuf import any_pb2
+    from google.rpc import code_pb2, status_pb2
+    from p4.v1 import p4runtime_pb2, p4runtime_pb2_grpc
+
+    class Server(p4runtime_pb2_grpc.P4RuntimeServicer):
+        """Rejects every update whose table entry has priority 13 with ALREADY_EXISTS."""
+        def Write(self, request, context):
+            errors = []
+            for u in request.updates:
+                bad = u.entity.table_entry.priority == 13
+                err = p4runtime_pb2.Error(
+                    canonical_code=code_pb2.ALREADY_EXISTS if bad else code_pb2.OK,
+                    message="entry exists" if bad else "")
+                packed = any_pb2.Any()
+                packed.Pack(err)
+                errors.append(packed)
+            if any(u.entity.table_entry.priority == 13 for u in request.updates):
+                status = status_pb2.Status(code=code_pb2.UNKNOWN, message="batch failed",
+                                           details=errors)
+                context.set_trailing_metadata(
+                    [("grpc-status-details-bin", status.SerializeToString())])
+                context.abort(grpc.StatusCode.UNKNOWN, "batch failed")
+            return p4runtime_pb2.WriteResponse()
+
+    def start():
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=2),
+                             options=[("grpc.max_metadata_size", 64 << 20)])
+        p4runtime_pb2_grpc.add_P4RuntimeServicer_to_server(Server(), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        server.start()
+        return server, f"127.0.0.1:{port}"
+''')
+
+
+def _entries(priorities):
+    return [p4runtime_pb2.Entity(table_entry=p4runtime_pb2.TableEntry(
+        table_id=1, priority=p)).SerializeToString() for p in priorities]
+
+
+INSERT = p4runtime_pb2.Update.INSERT
+
+
+@pytest.fixture()
+def server_addr():
+    scope: dict = {}
+    exec(SERVER, scope)
+    server, addr = scope["start"]()
+    yield addr
+    server.stop(None)
+
+
+def test_batch_writer_reports_the_failed_updates_by_index(server_addr):
+    writer = p4rt.BatchWriter(server_addr, 0, (1, 0))
+    try:
+        failed = writer.write(INSERT, _entries([1, 13, 2, 13]), batch=3)
+        assert failed == [p4rt.UpdateError(1, code_pb2.ALREADY_EXISTS, "entry exists"),
+                          p4rt.UpdateError(3, code_pb2.ALREADY_EXISTS, "entry exists")]
+        assert writer.write(INSERT, _entries([1, 2, 3]), batch=2) == []
+    finally:
+        writer.close()
+
+
+def test_batch_writer_holds_the_statuses_of_thousands_of_updates(server_addr):
+    """One status per update of 5000 exceeds gRPC's default metadata limit, which the
+    client's channel in p4runtime-shell keeps."""
+    writer = p4rt.BatchWriter(server_addr, 0, (1, 0))
+    try:
+        failed = writer.write(INSERT, _entries([1] * 4999 + [13]), batch=5000)
+        assert [f.index for f in failed] == [4999]
+    finally:
+        writer.close()
+    channel = grpc.insecure_channel(server_addr)
+    try:
+        with pytest.raises(grpc.RpcError) as e:
+            p4runtime_pb2_grpc.P4RuntimeStub(channel).Write(p4runtime_pb2.WriteRequest(
+                updates=[p4runtime_pb2.Update(type=INSERT, entity=p4runtime_pb2.Entity.FromString(
+                    e)) for e in _entries([1] * 4999 + [13])]))
+        assert p4rt.update_errors(e.value) is None, "the default channel loses the details"
+    finally:
+        channel.close()
+
+
+def test_p4runtime_shell_error_iterator_loops_forever_on_an_ok_status():
+    """p4runtime-shell 0.0.6: P4RuntimeErrorIterator.__next__ does ``continue`` on an OK
+    status without advancing, so a batch with one applied and one failed update hangs
+    P4RuntimeClient.write. If this test fails, the bug is fixed upstream and
+    p4rt.BatchWriter may go back to ``client.write``."""
+    script = SERVER + textwrap.dedent('''
+        from p4runtime_sh.p4runtime import P4RuntimeErrorIterator
+        from controller import p4rt
+        server, addr = start()
+        stub = p4runtime_pb2_grpc.P4RuntimeStub(grpc.insecure_channel(addr))
+        req = p4runtime_pb2.WriteRequest()
+        for p in (1, 13):
+            req.updates.add(type=1).entity.table_entry.priority = p
+        try:
+            stub.Write(req)
+        except grpc.RpcError as e:
+            error = e
+        print("p4rt:", [(i, c) for i, c, _ in p4rt.update_errors(error)], flush=True)
+        print("shell:", list(P4RuntimeErrorIterator(error)), flush=True)
+    ''')
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        first = proc.stdout.readline()
+        assert first.strip() == f"p4rt: [(1, {code_pb2.ALREADY_EXISTS})]", first
+        with pytest.raises(subprocess.TimeoutExpired):
+            proc.wait(timeout=3)
+    finally:
+        proc.kill()
+        rest = proc.communicate()[0]
+    assert "shell:" not in rest
+
+
+def test_no_server_is_a_clear_error_and_frees_the_session():
+    from controller.switch import Switch, SwitchError
+    from host.testing.clusters import free_tcp_port
+    addr = f"127.0.0.1:{free_tcp_port()}"
+    for _ in range(2):   # the second try is not refused as "already open"
+        with pytest.raises(SwitchError, match=f"no P4Runtime server at {addr}"):
+            Switch(addr, timeout=0.5).connect(program=None)
