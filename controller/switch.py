@@ -319,8 +319,8 @@ class Switch:
             for rep in client.read_one(entity):
                 yield from rep.entities
         except Exception as e:  # noqa: BLE001 - P4RuntimeException, or grpc.RpcError while iterating
-            raise SwitchError(f"P4Runtime read from {self.grpc_addr} failed: "
-                              f"{getattr(e, 'details', lambda: e)()}") from None
+            why = e.details() if callable(getattr(e, "details", None)) else e
+            raise SwitchError(f"P4Runtime read from {self.grpc_addr} failed: {why}") from None
 
     def read_table(self, table: str) -> list:
         from p4.v1 import p4runtime_pb2
