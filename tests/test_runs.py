@@ -121,3 +121,13 @@ def test_workers_agree_on_rank_0s_run_over_gloo():
     runs = dict(q.get(timeout=120) for _ in ps)
     [p.join(30) for p in ps]
     assert len(set(runs.values())) == 1 and runs[0] != 0
+
+
+def test_torchrun_restarts_run_as_newer_runs():
+    """torchrun keeps THC_RUN across its restarts: the restart count makes each one newer."""
+    first = P.run_from_env({"THC_RUN": "100"})
+    again = P.run_from_env({"THC_RUN": "100", "TORCHELASTIC_RESTART_COUNT": "2"})
+    assert again == 102 and P.seq_newer(again, first)
+    assert P.run_from_env({"THC_RUN": str(P.SEQ_MOD - 1), "TORCHELASTIC_RESTART_COUNT": "1"}) == 1
+    with pytest.raises(ValueError, match="not a count"):
+        P.run_from_env({"THC_RUN": "5", "TORCHELASTIC_RESTART_COUNT": "x"})
