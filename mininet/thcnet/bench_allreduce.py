@@ -12,7 +12,8 @@ Each mode: one untimed warm-up round, then ``--repeat`` timed rounds, each start
 barrier; a round's time is its slowest worker's, the figure is the median round. Bytes on
 the wire are read from each worker's interface counters around every timed round and
 compared with the computed ideal (FP32 ring: 2(p-1)/p x 4 bytes per element each way in
-MSS-sized TCP segments; THC: INDEX_BITS/8 up and SUM_BITS/8 down per element, plus the
+MSS-sized TCP segments; THC: INDEX_BITS/8 up and sum_bits/8 down per element (8 or 16 bits,
+from workers x granularity), plus the
 per-packet THC/UDP/IP/Ethernet headers).
 """
 from __future__ import annotations
@@ -84,8 +85,9 @@ def fp32_wire_bytes(numel: int, p: int) -> dict:
             "up": payload / TCP_MSS * TCP_FRAME, "down": payload / TCP_MSS * TCP_FRAME}
 
 
-def thc_wire_bytes(numel: int, lanes: int, params=None) -> dict:
-    """Per worker: THC uplink (indices) and downlink (sums) frames, MAX round included."""
+def thc_wire_bytes(numel: int, lanes: int, params=None, sum_bits: int = P.SUM_WIDTHS[0]) -> dict:
+    """Per worker: THC uplink (indices) and downlink (sums of ``sum_bits``) frames, MAX round
+    included."""
 
     lay = THCCodec(params or THCParams()).layout(numel)
     packets = math.ceil(lay.total_padded / lanes)
@@ -93,11 +95,11 @@ def thc_wire_bytes(numel: int, lanes: int, params=None) -> dict:
     max_packets = math.ceil(lay.n_slices / P.MAX_LANES)
     max_bytes = max_packets * (hdr + P.payload_bytes(P.PktType.MAX))
     up = packets * (hdr + P.payload_bytes(P.PktType.DATA, lanes)) + max_bytes
-    down = packets * (hdr + P.payload_bytes(P.PktType.RESULT, lanes)) + max_bytes
+    down = packets * (hdr + P.payload_bytes(P.PktType.RESULT, lanes, sum_bits)) + max_bytes
     return {"packets": packets, "padded": lay.total_padded, "up": up, "down": down,
             "header_overhead_down": packets * hdr / down,
             "payload_up": lay.total_padded * P.INDEX_BITS / 8,
-            "payload_down": lay.total_padded * P.SUM_BITS / 8}
+            "sum_bits": sum_bits, "payload_down": lay.total_padded * sum_bits / 8}
 
 
 # -- running one mode -------------------------------------------------------------------------
@@ -274,7 +276,8 @@ def _annotate(point: dict, numel: int, p: int, lanes: int, fp32_ideal: dict) -> 
     for name, m in point["modes"].items():
         if name == "fp32":
             continue
-        ideal = thc_wire_bytes(numel, lanes if name == "thc-software" else P.LANES)
+        ideal = thc_wire_bytes(numel, lanes if name == "thc-software" else P.LANES,
+                               sum_bits=P.sum_bits_for(p, THCParams().granularity))
         m["ideal_bytes"] = {"up": ideal["up"], "down": ideal["down"],
                             "packets": ideal["packets"],
                             "header_overhead_down": ideal["header_overhead_down"]}
