@@ -21,13 +21,15 @@ _ids = itertools.count(500)
 
 
 def snapshot(sw) -> dict:
-    """Table entries as text: every table but the lookup tables, of which the first, a middle
-    and the last lane (the installer writes all lanes alike)."""
-    lanes = {f"thc_lut_{i}" for i in (0, sw.lanes // 2, sw.lanes - 1)}
+    """Table entries as text: every table but thc_job (its epoch is new at every install) and
+    the lookup tables, of which those of the first and the last lane group (the installer
+    writes all groups alike)."""
+    last = sw.lanes // jobs.GROUP_LANES - 1
+    keep = {jobs.LUT_TABLE.format(g, b) for g in (0, last) for b in range(jobs.GROUP_BYTES)}
     state = {}
     for t in sw.p4info.tables:
-        short = t.preamble.name.rsplit(".", 1)[-1]
-        if short.startswith("thc_lut_") and short not in lanes:
+        name = t.preamble.name
+        if name.rsplit(".", 1)[-1] == jobs.JOB_TABLE or (".thc_lut_" in name and name not in keep):
             continue
         entries = sw.read_table(t.preamble.name)
         state[t.preamble.name] = sorted(text_format.MessageToString(e, as_one_line=True)
@@ -38,11 +40,16 @@ def snapshot(sw) -> dict:
 def test_install_is_idempotent(bmv2, sw):
     job = bmv2.make_job(next(_ids), 3, pool_size=4)
     bmv2.install(job)
-    first = snapshot(sw)
+    first, cfg = snapshot(sw), jobs.installed_jobs(sw)[job.job_id]
     bmv2.install(job)
     assert snapshot(sw) == first
-    for lane in (0, sw.lanes - 1):
-        assert len(jobs._job_entries(sw, f"thc_lut_{lane}", job.job_id)) == 1 << P.INDEX_BITS
+    again = jobs.installed_jobs(sw)[job.job_id]
+    assert again.pop("epoch") not in (0, cfg.pop("epoch")), "every install draws a new epoch"
+    assert again == cfg
+    for group in (0, sw.lanes // jobs.GROUP_LANES - 1):
+        for b in range(jobs.GROUP_BYTES):
+            table = jobs.LUT_TABLE.format(group, b)
+            assert len(jobs._job_entries(sw, table, job.job_id)) == 256
     # and it still aggregates, from reset slots
     rng = np.random.default_rng(0)
     idxs = [random_indices(rng, job) for _ in range(3)]
