@@ -191,3 +191,23 @@ def test_small_variant_compiles(tmp_path):
                         "--p4runtime-files", str(tmp_path / "v.p4info.txt"), str(main)],
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
+
+
+@pytest.mark.skipif(toolchain.tofino_missing() is not None, reason=f"{toolchain.tofino_missing()}")
+def test_committed_tofino_report_is_not_stale():
+    """The committed Tofino resource summary was made from today's TNA program."""
+    problems = gen.check_tofino()
+    assert not problems, "p4src/build/tofino is stale:\n" + "\n".join(problems)
+
+
+def test_tofino_check_names_the_changed_source(tmp_path, monkeypatch):
+    """check_tofino reports a missing report, and a source changed after the record."""
+    monkeypatch.setattr(gen, "TOFINO_REPORT", tmp_path / "REPORT.json")
+    assert "make p4-tofino" in gen.check_tofino()[0]
+    (tmp_path / "REPORT.json").write_text(json.dumps({
+        "sources": {gen.rel(p): gen.sha256(p) for p in gen.tofino_sources()}, "outputs": {}}))
+    assert gen.check_tofino() == []
+    rec = json.loads((tmp_path / "REPORT.json").read_text())
+    rec["sources"]["p4src/thc_tna.p4"] = "0" * 64
+    (tmp_path / "REPORT.json").write_text(json.dumps(rec))
+    assert any("p4src/thc_tna.p4" in p for p in gen.check_tofino())

@@ -32,6 +32,7 @@ const bit<16> THC_UDP_LEN_MAX = 164;  // UDP length of a MAX / MAX_RESULT packet
 const bit<2> THC_OP_WRITE = 0;
 const bit<2> THC_OP_ADD = 1;
 const bit<2> THC_OP_READ = 2;
+const bit<2> THC_OP_NONE = 3;
 
 // packet types
 const bit<8> THC_DATA = 1;
