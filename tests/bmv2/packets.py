@@ -8,11 +8,16 @@ from host.wire import protocol as P
 from host.wire.jobs import Job
 
 
+RUN = 1
+"""Run id the tests' workers send (any nonzero value: one run)."""
+
+
 def datagram(job: Job, worker: int, seq: int, payload: bytes, pkt_type=P.PktType.DATA,
-             job_id: int | None = None, slot: int | None = None) -> bytes:
+             job_id: int | None = None, slot: int | None = None, run: int = RUN) -> bytes:
     s, v = P.slot_of(seq, job.pool_size)
     hdr = P.Header(pkt_type, worker, job.job_id if job_id is None else job_id,
-                   s if slot is None else slot, v, 0, seq, (seq * job.lanes) % P.SEQ_MOD, 0)
+                   s if slot is None else slot, v, 0, seq, (seq * job.lanes) % P.SEQ_MOD, 0,
+                   run)
     return hdr.pack() + payload
 
 

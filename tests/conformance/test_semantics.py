@@ -24,11 +24,11 @@ def new_job(harness, n_workers=3, pool_size=4, table=None):
 
 
 def datagram(job, worker, seq, payload, pkt_type=P.PktType.DATA, offset=None, slot=None,
-             version=None, job_id=None):
+             version=None, job_id=None, run=1):
     s, v = P.slot_of(seq, job.pool_size)
     hdr = P.Header(pkt_type, worker, job.job_id if job_id is None else job_id,
                    s if slot is None else slot, v if version is None else version, 0, seq,
-                   (seq * job.lanes) % P.SEQ_MOD if offset is None else offset, 0)
+                   (seq * job.lanes) % P.SEQ_MOD if offset is None else offset, 0, run)
     return hdr.pack() + bytes(payload)
 
 
