@@ -54,9 +54,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="THC through which aggregator (both: BMv2 too when available)")
     parser.add_argument("--repeat", type=int, default=None,
                         help="timed rounds per mode (default 3; --quick: 1)")
-    parser.add_argument("--lanes", type=int, default=P.MAX_SOFTWARE_LANES,
-                        help="lanes per packet for the software aggregator (default: the most "
-                             "that fit one MTU; BMv2 uses its compiled lanes)")
+    parser.add_argument("--lanes", type=int, default=0,
+                        help="lanes per packet for the software aggregator (default 0: the most "
+                             "that fit one MTU at the job's sum width; BMv2 uses its compiled "
+                             "lanes)")
     parser.add_argument("--pool-size", type=int, default=128,
                         help="slots of the job on the aggregator (>= --window)")
     parser.add_argument("--window", type=int, default=32,
@@ -169,6 +170,8 @@ def run(args: argparse.Namespace) -> int:
     repeat = args.repeat or (1 if args.quick else 3)
     bws = [float(b) for b in args.bw.split(",") if b.strip()]
     p = args.workers
+    if args.lanes == 0:
+        args.lanes = P.max_software_lanes(P.sum_bits_for(p, THCParams().granularity))
     want_bmv2 = args.aggregator in ("bmv2", "both")
     want_soft = args.aggregator in ("software", "both")
     result = {"numel": numel, "workers": p, "repeat": repeat, "lanes_software": args.lanes,
