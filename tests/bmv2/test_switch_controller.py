@@ -14,6 +14,7 @@ from google.protobuf import text_format
 from controller import counters, forwarding, jobs
 from controller.switch import SwitchError
 from host.wire import protocol as P
+from host.wire.jobs import ConfigError
 from tests.bmv2.packets import check_result, data, random_indices, round_trip
 
 pytestmark = pytest.mark.bmv2
@@ -114,12 +115,19 @@ def test_counters_by_name(bmv2, sw):
 
 def test_bad_config_is_rejected_before_touching_the_switch(bmv2, sw):
     job = bmv2.make_job(next(_ids), 2, pool_size=4)
-    before = snapshot(sw)
+    before, installed = snapshot(sw), jobs.installed_jobs(sw)
     with pytest.raises(Exception, match="lanes"):
         jobs.install_job(sw, replace(job, lanes=job.lanes // 2))
     with pytest.raises(Exception, match="slots"):
         jobs.install_job(sw, replace(job, pool_base=P.SWITCH_SLOTS - 2))
+    with pytest.raises(ConfigError, match="table values must lie in 0..30"):
+        jobs.install_job(sw, replace(job, table=(31,) + job.table[1:]))
+    with pytest.raises(ConfigError, match="overflows even 16-bit sums"):
+        jobs.install_job(sw, replace(job, granularity=40000))
+    with pytest.raises(jobs.JobNotInstalled, match=f"job {job.job_id} is not installed"):
+        jobs.remove_job(sw, job.job_id)
     assert snapshot(sw) == before
+    assert jobs.installed_jobs(sw) == installed
 
 
 def test_second_session_in_one_process_is_refused(bmv2):
