@@ -274,7 +274,7 @@ control ThcIngress(inout headers_t hdr, inout metadata_t meta, inout standard_me
         meta.pool_size = pool_size;
         meta.full_bitmap = full_bitmap;
         meta.mcast_grp = mcast_grp;
-        meta.wide = (sum_bits == 16) ? 1w1 : 1w0;
+        meta.wide = (bit<1>)(sum_bits >> 4);    // 8 -> 0, 16 -> 1
         meta.epoch = epoch;
     }
     table thc_job {
