@@ -11,7 +11,7 @@ P4SRC  := p4src
 P4OUT  := $(P4SRC)/build
 WORKERS ?= 4
 
-.PHONY: setup system-deps test run p4 p4-check bench mininet faults clean
+.PHONY: setup system-deps test run p4 p4-check p4-tofino bench mininet faults clean
 
 setup: $(STAMP)
 
@@ -55,6 +55,17 @@ p4: setup
 	mkdir -p $(P4OUT)
 	$(P4C) --target bmv2 --arch v1model -o $(P4OUT) --p4runtime-files $(P4OUT)/thc.p4info.txt $(P4SRC)/thc.p4
 	$(PY) $(P4SRC)/gen_p4.py --record
+
+# Compile the Tofino (TNA) variant with p4c's Tofino back end and commit its resource summary
+# (p4src/build/tofino/). The back end is not part of p4c's default build.
+P4TOFINO_OUT ?= out/p4-tofino
+p4-tofino: setup
+	@command -v $(P4C) >/dev/null || { echo "make p4-tofino: '$(P4C)' not found on PATH."; exit 2; }
+	@command -v p4c-barefoot >/dev/null || { echo "make p4-tofino: the Tofino back end (p4c-barefoot) is not installed: p4c built with -DENABLE_TOFINO=ON provides it."; exit 2; }
+	$(PY) $(P4SRC)/gen_p4.py
+	rm -rf $(P4TOFINO_OUT) && mkdir -p $(P4TOFINO_OUT)
+	$(P4C) --target tofino --arch tna -o $(P4TOFINO_OUT) $(P4SRC)/thc_tna.p4
+	$(PY) $(P4SRC)/gen_p4.py --record-tofino $(P4TOFINO_OUT)
 
 p4-check: setup
 	$(PY) $(P4SRC)/gen_p4.py --check

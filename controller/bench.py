@@ -10,7 +10,10 @@ count of the egress veth (L2).
 
 Reported: ``pps`` (DATA packets the switch aggregated per second), ``coords_per_s``
 (pps x lanes), ``completion_ratio`` (completions x workers / packets: 1.0 when no packet was
-lost on the way into the switch), and the ratio of the THC rate to the L2 rate.
+lost on the way into the switch), the RESULT bytes per packet of the job's sum width, and the
+ratio of the THC rate to the L2 rate, for each sum width of ``--sum-bits`` (8: four lanes a
+32-bit register word, 16: two). The kind of BMv2 build is judged from the measured l2.p4
+rate (a build with logging macros runs about 5x slower), not guessed from its files.
 
 With ``--lanes-sweep 16,64`` (needs p4c), variants of the program with fewer lanes are
 generated and compiled into a temporary directory and measured too: the slope gives the cost
@@ -40,6 +43,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pool", type=int, default=256, help="slots of the benchmark job")
     parser.add_argument("--rate", type=float, default=0.0,
                         help="offered packets/s (default: 1.3 x a probe of the switch)")
+    parser.add_argument("--sum-bits", default="8,16",
+                        help="sum widths of the benchmark job, each measured (8 and/or 16)")
     parser.add_argument("--lanes-sweep", default="",
                         help="comma-separated lane counts to compile and measure as well "
                              "(needs p4c), e.g. 16,64")
@@ -112,6 +117,24 @@ def _rate(read, send, frames, args) -> dict:
     return {"pps": best[0], "offered_pps": best[1]}
 
 
+FAST_BUILD_L2_PPS = 40_000
+"""l2.p4 rate above which BMv2 was built without logging macros (about 100k packets/s on
+one core; a build with them forwards about 5x fewer)."""
+
+
+def build_kind(l2_pps: float) -> str:
+    if l2_pps >= FAST_BUILD_L2_PPS:
+        return (f"fast: l2.p4 forwards {l2_pps:.0f} packets/s (>= {FAST_BUILD_L2_PPS}), as a "
+                f"build without logging macros does")
+    return (f"slow: l2.p4 forwards only {l2_pps:.0f} packets/s (< {FAST_BUILD_L2_PPS}), as a "
+            f"build with logging macros (or a busy CPU) does; configure BMv2 with "
+            f"--disable-logging-macros for speed")
+
+
+RUN = 1
+"""Run id of the benchmark's packets (any nonzero value: one run)."""
+
+
 def _thc_frames(job, agg, rng, lanes):
     """Endless (port, frame) DATA packets: every worker sends chunk 0, 1, 2, ... in turn."""
     import itertools
@@ -130,10 +153,10 @@ def _thc_frames(job, agg, rng, lanes):
         for w in job.workers:
             yield w.switch_port, prefix[w.id] + pack(
                 P.PktType.DATA, w.id, job.job_id, slot, version, 0, seq & 0xFFFFFFFF,
-                (seq * lanes) & 0xFFFFFFFF, 0, 0, 0) + payloads[(seq + w.id) % 16]
+                (seq * lanes) & 0xFFFFFFFF, 0, RUN, 0) + payloads[(seq + w.id) % 16]
 
 
-def bench_thc(args, build_dir, label: str) -> dict:
+def bench_thc(args, build_dir, label: str, sum_bits: int = 8) -> dict:
     import numpy as np
 
     agg = jobs.AggAddress()
@@ -144,7 +167,8 @@ def bench_thc(args, build_dir, label: str) -> dict:
         workers = tuple(Worker(i, f"10.0.1.{i + 1}", 30000 + i, f"02:00:00:00:01:{i + 1:02x}", i)
                         for i in range(args.workers))
         job = Job(job_id=1, workers=workers, table=tuple(range(0, 31, 2)),
-                  granularity=30, pool_size=args.pool, lanes=lanes).validate()
+                  granularity=30, pool_size=args.pool, lanes=lanes,
+                  sum_bits=sum_bits).validate()
         t0 = time.perf_counter()
         idx = jobs.install_job(sw, job, agg)
         install_s = time.perf_counter() - t0
@@ -158,7 +182,8 @@ def bench_thc(args, build_dir, label: str) -> dict:
         c1 = counters.job_counters(sw, idx)
         drops = counters.drops(sw)
         res.update({
-            "program": label, "lanes": lanes, "workers": args.workers,
+            "program": label, "lanes": lanes, "workers": args.workers, "sum_bits": sum_bits,
+            "result_payload_bytes": P.payload_bytes(P.PktType.RESULT, lanes, sum_bits),
             "frame_bytes": len(next(frames)[1]),
             "coords_per_s": res["pps"] * lanes,
             "completion_ratio": ((c1["completions"] - c0["completions"]) * args.workers
@@ -213,21 +238,32 @@ def run(args: argparse.Namespace) -> int:
     if sweep and (reason := toolchain.p4c_missing()):
         print(f"thc bench switch: --lanes-sweep needs p4c: {reason}", file=sys.stderr)
         return 2
+    widths = [int(x) for x in args.sum_bits.split(",") if x.strip()]
+    if not widths or any(w not in P.SUM_WIDTHS for w in widths):
+        print(f"thc bench switch: --sum-bits takes widths from {list(P.SUM_WIDTHS)}",
+              file=sys.stderr)
+        return 2
     try:
-        thc = bench_thc(args, BUILD_DIR, "thc.p4")
+        runs = [bench_thc(args, BUILD_DIR, "thc.p4", bits) for bits in widths]
+        thc = runs[0]
         l2 = bench_l2(args, thc["frame_bytes"])
+        for r in runs:
+            r["ratio_to_l2"] = r["pps"] / l2["pps"] if l2["pps"] else None
         result = {
             "bench": "switch",
             "target": "BMv2 simple_switch_grpc --log-level off, veth ports, paced offered load",
-            "thc": thc, "l2": l2,
-            "ratio_to_l2": thc["pps"] / l2["pps"] if l2["pps"] else None,
+            "bmv2_build": build_kind(l2["pps"]),
+            "thc": thc, "thc_by_sum_bits": {str(r["sum_bits"]): r for r in runs}, "l2": l2,
+            "ratio_to_l2": thc["ratio_to_l2"],
         }
-        print(f"thc.p4 ({thc['lanes']} lanes, {thc['workers']} workers): {thc['pps']:.0f} "
-              f"packets/s = {thc['coords_per_s'] / 1e6:.2f} M coordinates/s "
-              f"(offered {thc['offered_pps']:.0f}/s)")
+        for r in runs:
+            print(f"thc.p4 ({r['lanes']} lanes, {r['sum_bits']}-bit sums, {r['workers']} "
+                  f"workers): {r['pps']:.0f} packets/s = {r['coords_per_s'] / 1e6:.2f} M "
+                  f"coordinates/s (offered {r['offered_pps']:.0f}/s), RESULT payload "
+                  f"{r['result_payload_bytes']} bytes; / l2.p4: {r['ratio_to_l2']:.3f}")
         print(f"l2.p4, same {l2['frame_bytes']}-byte frames: {l2['pps']:.0f} packets/s "
               f"(offered {l2['offered_pps']:.0f}/s)")
-        print(f"aggregation / forwarding: {result['ratio_to_l2']:.3f}")
+        print(f"BMv2 build: {result['bmv2_build']}")
         if sweep:
             points = [(thc["lanes"], thc["pps"])]
             result["lanes_sweep"] = [{"lanes": thc["lanes"], "pps": thc["pps"],

@@ -1,7 +1,10 @@
 """Counters of the THC program, by the names protocol.json gives them.
 
   thc_drops          index = drop reason code (protocol.json ``drop_reasons``)
-  thc_job_counters   index = job_index * len(job_counters) + job_counters[name]
+  thc_job_counters   index = job_index * len(job_counters) + job_counters[name]; the switch
+                     counts each packet once, so its "packets" cell holds only packets that
+                     got no reply: job_counters() adds the reply cells to report every
+                     aggregated packet, as the software aggregator does
   thc_resets         index = job_index: RESET packet-outs applied (the controller waits on it)
   l2_misses          index 0: non-THC frames without an l2_forward entry
 """
@@ -26,19 +29,22 @@ def job_counter_index(job_index: int, name: str) -> int:
     return job_index * len(P.JOB_COUNTERS) + P.JOB_COUNTERS[name]
 
 
+def _events(cells: dict[int, int], job_index: int) -> dict[str, int]:
+    out = {name: cells.get(job_counter_index(job_index, name), 0) for name in P.JOB_COUNTERS}
+    out["packets"] = sum(out.values())
+    return out
+
+
 def job_counters(sw: Switch, job_index: int) -> dict[str, int]:
     """Per-job events (packets, completions, retransmissions, pending) of one job index."""
-    cells = sw.read_counter(JOB_COUNTERS)
-    return {name: cells.get(job_counter_index(job_index, name), 0) for name in P.JOB_COUNTERS}
+    return _events(sw.read_counter(JOB_COUNTERS), job_index)
 
 
 def all_job_counters(sw: Switch, installed: dict[int, dict]) -> dict[int, dict[str, int]]:
     """{job_id: counters} of the ``installed`` jobs ({job_id: {"job_index": ...}}, as
     controller.jobs.installed_jobs reads them)."""
     cells = sw.read_counter(JOB_COUNTERS)
-    return {jid: {name: cells.get(job_counter_index(cfg["job_index"], name), 0)
-                  for name in P.JOB_COUNTERS}
-            for jid, cfg in installed.items()}
+    return {jid: _events(cells, cfg["job_index"]) for jid, cfg in installed.items()}
 
 
 def clear_job_counters(sw: Switch, job_index: int) -> bool:

@@ -3,14 +3,16 @@
 A job (host/wire/jobs.py ``Job``) becomes
 
   thc_job          job_id -> set_job(job_index, n_workers, pool_base, pool_size,
-                                     full_bitmap, mcast_grp)
+                                     full_bitmap, mcast_grp, sum_bits, epoch)
+                   epoch: a fresh nonzero value at every install, returned in every reply
   thc_worker       (job_id, worker_id, src_ip, src_port) -> set_worker(worker_bit)
   thc_worker_addr  (job_id, worker_id) -> set_worker_addr(worker_mac, worker_ip,
                                                           worker_port, agg_mac, agg_ip)  [egress]
-  thc_lut_<i>      lookup entries: the job's table per lane (``lut_entries``)
+  thc_g<k>.thc_lut_<b>  (job_id, byte) -> thc_lut_set_<b>(two lanes' values, packed)
+                   256 entries x 4 bytes x LANES/8 lane groups
   multicast group  job.group: one replica per worker (its switch_port, instance worker_id + 1)
   l2_forward       worker MAC -> switch_port
-  RESET x pool     packet-outs that clear the job's slots (both versions) in the data plane,
+  RESET x 2 x pool packet-outs that clear the job's slot versions in the data plane,
                    because BMv2's P4Runtime server cannot write registers
 
 Safety (issue 8): the ``thc_worker`` entries are what let a worker's packets touch the slots,
@@ -23,6 +25,7 @@ check runs before the first write, so bad input changes nothing installed.
 """
 from __future__ import annotations
 
+import secrets
 import time
 from dataclasses import dataclass
 
@@ -35,8 +38,11 @@ from host.wire.jobs import Cluster, ConfigError, Job
 JOB_TABLE = "thc_job"
 WORKER_TABLE = "thc_worker"
 ADDR_TABLE = "thc_worker_addr"
-LUT_TABLE = "thc_lut_{}"
-LUT_ACTION = "thc_lut_set_{}"
+GROUP = "ThcIngress.thc_g{}"
+LUT_TABLE = GROUP + ".thc_lut_{}"
+LUT_ACTION = GROUP + ".thc_lut_set_{}"
+GROUP_LANES = 8
+GROUP_BYTES = GROUP_LANES * P.INDEX_BITS // 8
 
 
 LIVE_WINDOW = 0.5
@@ -136,7 +142,7 @@ def unchanged(sw: Switch, job: Job, agg: "AggAddress", job_index: int | None = N
     luts = _lut_tables(sw)
     checked = [luts[0], luts[-1]] if luts else []
     checked_ids = {sw.tables.get(t, "table").preamble.id for t in checked}
-    wanted = [job_entry(sw, job, cfg["job_index"]), *worker_entries(sw, job),
+    wanted = [job_entry(sw, job, cfg["job_index"], cfg["epoch"]), *worker_entries(sw, job),
               *addr_entries(sw, job, agg),
               *(e for e in lut_entries(sw, job) if p4rt.entity_table_id(e) in checked_ids)]
     have = [e for table in (JOB_TABLE, WORKER_TABLE, ADDR_TABLE, *checked)
@@ -256,10 +262,22 @@ def _free_index(taken: set[int]) -> int:
 
 # ---- entries of one job -------------------------------------------------------------------
 
-def job_entry(sw: Switch, job: Job, job_index: int):
+def new_epoch(previous: int | None = None) -> int:
+    """A fresh nonzero 32-bit epoch, unlike ``previous``: replies carry it, so a client
+    sees that the switch's job (and its slot state) was installed anew."""
+    while True:
+        epoch = secrets.randbits(32)
+        if epoch and epoch != previous:
+            return epoch
+
+
+def job_entry(sw: Switch, job: Job, job_index: int, epoch: int):
+    if not 0 < epoch < 1 << 32:
+        raise ConfigError(f"job {job.job_id}: epoch {epoch} outside 1..2^32-1")
     return sw.table_entry(JOB_TABLE, {"job_id": job.job_id}, "set_job", {
         "job_index": job_index, "n_workers": job.n_workers, "pool_base": job.pool_base,
-        "pool_size": job.pool_size, "full_bitmap": job.full_bitmap, "mcast_grp": job.group})
+        "pool_size": job.pool_size, "full_bitmap": job.full_bitmap, "mcast_grp": job.group,
+        "sum_bits": job.sum_bits, "epoch": epoch})
 
 
 def worker_entries(sw: Switch, job: Job) -> list:
@@ -277,18 +295,38 @@ def addr_entries(sw: Switch, job: Job, agg: AggAddress) -> list:
             for w in job.workers]
 
 
-def lut_entries(sw: Switch, job: Job, with_action: bool = True) -> list:
-    """16 x LANES lookup entries (serialized: see Switch.entry_bytes)."""
+def lut_values(job: Job) -> list[list[int]]:
+    """[byte position in a lane group][DATA byte] -> the action value: the byte's two lanes'
+    table values placed where they sit in a 32-bit sum word (four 8-bit lanes a word: even
+    bytes fill the high half, odd bytes the low half; two 16-bit lanes a word: one byte)."""
+    t = job.table
     out = []
-    for lane in range(sw.lanes):
-        for idx, value in enumerate(job.table):
-            if with_action:
-                out.append(sw.entry_bytes(LUT_TABLE.format(lane),
-                                          {"job_id": job.job_id, "idx": idx},
-                                          LUT_ACTION.format(lane), {"value": value}))
+    for pos in range(GROUP_BYTES):
+        row = []
+        for byte in range(256):
+            hi, lo = t[byte >> 4], t[byte & 0x0F]
+            if job.sum_bits == 8:
+                row.append(((hi << 8) | lo) << (16 if pos % 2 == 0 else 0))
             else:
-                out.append(sw.entry_bytes(LUT_TABLE.format(lane),
-                                          {"job_id": job.job_id, "idx": idx}))
+                row.append((hi << 16) | lo)
+        out.append(row)
+    return out
+
+
+def lut_entries(sw: Switch, job: Job, with_action: bool = True) -> list:
+    """256 x 4 lookup entries per lane group (serialized: see Switch.entry_bytes)."""
+    values = lut_values(job) if with_action else None
+    out = []
+    for group in range(sw.lanes // GROUP_LANES):
+        for pos in range(GROUP_BYTES):
+            table = LUT_TABLE.format(group, pos)
+            for byte in range(256):
+                if with_action:
+                    out.append(sw.entry_bytes(table, {"job_id": job.job_id, "idx": byte},
+                                              LUT_ACTION.format(group, pos),
+                                              {"value": values[pos][byte]}))
+                else:
+                    out.append(sw.entry_bytes(table, {"job_id": job.job_id, "idx": byte}))
     return out
 
 
@@ -320,15 +358,16 @@ def reset_pool(sw: Switch, job: Job, job_index: int, agg: AggAddress,
                timeout: float = 10.0) -> None:
     """Clear every slot of the job (RESET packet-outs) and wait until the switch applied them."""
     before = counters.resets(sw, job_index)
-    sw.packet_out(reset_frame(job.job_id, slot, agg.mac, agg.ip) for slot in range(job.pool_size))
+    sw.packet_out(reset_frame(job.job_id, slot, agg.mac, agg.ip, version)
+                  for slot in range(job.pool_size) for version in (0, 1))
     deadline = time.monotonic() + timeout
     done = 0
     while time.monotonic() < deadline:
         done = counters.resets(sw, job_index) - before
-        if done >= job.pool_size:
+        if done >= 2 * job.pool_size:
             return
         time.sleep(0.01)
-    raise SwitchError(f"job {job.job_id}: only {done} of {job.pool_size} slot resets reached "
+    raise SwitchError(f"job {job.job_id}: only {done} of {2 * job.pool_size} slot resets reached "
                       f"the data plane within {timeout:.0f}s (is the switch started with "
                       f"--cpu-port {P.CPU_PORT}?)")
 
@@ -370,7 +409,9 @@ def _write_job(sw: Switch, job: Job, job_index: int, agg: AggAddress,
     _upsert(sw, lut_entries(sw, job), again)
     sw.set_multicast_group(job.group, [(w.switch_port, w.id + 1) for w in job.workers])
     forwarding.install(sw, {w.mac: w.switch_port for w in job.workers})
-    _upsert(sw, [job_entry(sw, job, job_index)], again and previous["job_index"] == job_index)
+    epoch = new_epoch(previous.get("epoch") if previous else None)
+    _upsert(sw, [job_entry(sw, job, job_index, epoch)],
+            again and previous["job_index"] == job_index)
 
     # leftovers of an earlier version of this job
     _delete_stale(sw, ADDR_TABLE, job.job_id, addrs)

@@ -186,9 +186,9 @@ class Switch:
 
     @property
     def lanes(self) -> int:
-        """Sum lanes of the loaded program: its number of thc_lut_<i> tables."""
-        return sum(1 for t in self.p4info.tables
-                   if short_name(t.preamble.name).startswith("thc_lut_"))
+        """Sum lanes of the loaded program: 8 per lane group (each group has one thc_lut_0)."""
+        return 8 * sum(1 for t in self.p4info.tables
+                       if short_name(t.preamble.name) == "thc_lut_0")
 
     def table_entry(self, table: str, match: dict, action: str | None = None,
                     params: dict | None = None):

@@ -22,6 +22,17 @@ def p4c_missing() -> str | None:
     return None
 
 
+def tofino_missing() -> str | None:
+    """Why ``make p4-tofino`` cannot compile the TNA program here, or None."""
+    why = p4c_missing()
+    if why:
+        return why
+    if shutil.which("p4c-barefoot") is None:
+        return ("p4c's Tofino back end (p4c-barefoot) is not installed: it comes with p4c "
+                "built with -DENABLE_TOFINO=ON")
+    return None
+
+
 def program_missing(program: str = "thc", build_dir: Path | str = BUILD_DIR) -> str | None:
     """Why the compiled ``program`` cannot be loaded, or None."""
     for name in (f"{program}.json", f"{program}.p4info.txt"):

@@ -2,68 +2,30 @@
  * THC in-network aggregation switch (P4_16, v1model / BMv2 simple_switch_grpc).
  *
  * Workers send DATA packets (LANES 4-bit indices into the job's THC lookup table) or MAX
- * packets (MAX_LANES 32-bit values) over Eth/IPv4/UDP to port THC_UDP_PORT. The switch maps
- * every index through the job's table (per-lane tables thc_lut_<i>), adds the values into
- * per-lane registers of the slot (thc_sum_<i>), and when all workers of the job have
- * contributed, multicasts a RESULT (LANES sums) to every worker. Slots come in two versions
- * (SwitchML shadow copies); a worker bitmap per slot/version gives exactly-once aggregation
- * under loss, duplication and reordering. See docs/switch.md.
+ * packets (MAX_LANES 32-bit values) over Eth/IPv4/UDP to port THC_UDP_PORT. Lanes are
+ * processed in groups of eight (ThcLaneGroup, one instance per group): each DATA byte is
+ * looked up whole (two indices -> two table values, packed), and the sums live in 32-bit
+ * register words, four 8-bit or two 16-bit lanes a word (the job's width, set_job's
+ * sum_bits). When all workers of the job have contributed, the switch multicasts a RESULT
+ * (LANES sums of the job's width) to every worker. Slots come in two versions (SwitchML
+ * shadow copies); a worker bitmap per slot/version gives exactly-once aggregation under
+ * loss, duplication and reordering, and the run beside it keeps one training run's
+ * contributions out of another's. See docs/switch.md and docs/protocol.md.
  *
- * Protocol constants, the header layout and everything per lane are generated from
- * host/wire/protocol.json by p4src/gen_p4.py into p4src/generated/.
+ * Protocol constants, the THC header and the group instantiations are generated from
+ * host/wire/protocol.json by p4src/gen_p4.py into p4src/generated/; thc_tna.p4 is the
+ * Tofino (TNA) variant of this program over the same generated files.
  *
- * Written Tofino style: every register is touched by at most one register action per
- * packet (read-modify-write in one action), no loops, no variable shifts, arithmetic on
- * 32 bits at most, one register and one lookup table per lane.  The one exception is
- * RESET (controller packet-out), which clears both versions of a slot in one pass; a TNA
- * port sends one RESET per version or recirculates once.
+ * Tofino shape: each register is touched by at most one register action per packet, whose
+ * operation is picked by one metadata field; one counter access per packet; no loops
+ * outside the parser, no variable shifts, arithmetic on 32 bits.
  */
 #include <core.p4>
 #include <v1model.p4>
 
 #include "generated/thc_constants.p4"
 #include "generated/thc_headers.p4"
-
-const bit<16> ETHERTYPE_IPV4 = 0x0800;
-const bit<8> IPPROTO_UDP = 17;
-
-header ethernet_h {
-    bit<48> dstAddr;
-    bit<48> srcAddr;
-    bit<16> etherType;
-}
-
-header ipv4_h {
-    bit<4>  version;
-    bit<4>  ihl;
-    bit<8>  diffserv;
-    bit<16> totalLen;
-    bit<16> identification;
-    bit<3>  flags;
-    bit<13> fragOffset;
-    bit<8>  ttl;
-    bit<8>  protocol;
-    bit<16> hdrChecksum;
-    bit<32> srcAddr;
-    bit<32> dstAddr;
-}
-
-header udp_h {
-    bit<16> srcPort;
-    bit<16> dstPort;
-    bit<16> length;
-    bit<16> checksum;
-}
-
-struct headers_t {
-    ethernet_h   ethernet;
-    ipv4_h       ipv4;
-    udp_h        udp;
-    thc_h        thc;
-    thc_data_h   thc_data;
-    thc_result_h thc_result;
-    thc_max_h    thc_max;
-}
+#include "thc_common.p4"
 
 struct metadata_t {
     // from thc_job
@@ -73,11 +35,19 @@ struct metadata_t {
     bit<16> pool_size;
     bit<32> full_bitmap;
     bit<16> mcast_grp;
+    bit<1>  wide;           // the job's sums are 16 bits wide (two lanes a word), else 8
+    bit<32> epoch;          // the job's epoch, returned in every reply
     // from thc_worker
     bit<32> worker_bit;
     // register addressing
     bit<32> reg_index;      // (pool_base + slot) * 2 + version
     bit<32> jc_base;        // job_index * THC_N_JOB_COUNTERS
+    // run state as seen by this packet
+    bit<32> job_run;
+    bit<32> run_diff;
+    bit<1>  run_stale;      // older than the job's run: drop stale_run
+    bit<32> slot_run;
+    bit<1>  run_new;        // the slot version last served another run: start a new use
     // slot state as seen by this packet
     bit<32> cur_seq;
     bit<32> seq_diff;
@@ -87,15 +57,9 @@ struct metadata_t {
     bit<8>  count;
     bit<1>  dup;            // this worker's bit was already set: retransmission
     bit<1>  first;          // first contribution of this use of the slot: overwrite lanes
-    // lane masks: new = (old & keep) + (value & add)
-    bit<THC_SUM_BITS> keep_sum;
-    bit<THC_SUM_BITS> add_sum;
-    bit<32> keep_max;
-    bit<32> add_max;
-    // scratch of the lane register actions
-    bit<THC_SUM_BITS> lane_sum;
-    bit<32> lane_max;
-    bit<32> lane_val;
+    bit<2>  lane_op;        // THC_OP_WRITE / THC_OP_ADD / THC_OP_READ for every lane word
+    // parser
+    bit<8>  parsed;         // header stack elements extracted so far
     // outcome
     bit<8>  drop_reason;
     bit<1>  is_reply;       // egress rewrites addresses for the destination worker
@@ -127,6 +91,7 @@ parser ThcParser(packet_in packet, out headers_t hdr, inout metadata_t meta,
     }
     state parse_thc {
         packet.extract(hdr.thc);
+        meta.parsed = 0;
         // A payload is parsed only when the UDP length is exactly right for the type;
         // ingress turns a missing payload into drop reason bad_lanes.
         transition select(hdr.thc.pkt_type, hdr.udp.length) {
@@ -136,17 +101,151 @@ parser ThcParser(packet_in packet, out headers_t hdr, inout metadata_t meta,
         }
     }
     state parse_data {
-        packet.extract(hdr.thc_data);
-        transition accept;
+        packet.extract(hdr.thc_data.next);
+        meta.parsed = meta.parsed + 1;
+        transition select(meta.parsed) {
+            THC_GROUPS: accept;
+            default: parse_data;
+        }
     }
     state parse_max {
-        packet.extract(hdr.thc_max);
-        transition accept;
+        packet.extract(hdr.thc_max.next);
+        meta.parsed = meta.parsed + 1;
+        transition select(meta.parsed) {
+            THC_MAX_LANES: accept;
+            default: parse_max;
+        }
     }
 }
 
 control ThcVerifyChecksum(inout headers_t hdr, inout metadata_t meta) {
     apply { }
+}
+
+/*
+ * One lane group: THC_GROUP_LANES (8) lanes = 4 DATA bytes, written once and instantiated
+ * THC_GROUPS times (generated/thc_groups.p4), like SwitchML's Processor.
+ *
+ * thc_lut_<b> maps DATA byte b of the group (two 4-bit indices) to the two lanes' table
+ * values, already placed where they sit in a 32-bit sum word: the controller writes
+ * T[hi] << 24 | T[lo] << 16 (even b) or T[hi] << 8 | T[lo] (odd b) for 8-bit jobs, and
+ * T[hi] << 16 | T[lo] for 16-bit jobs. Lanes never carry into each other (a job's sums fit
+ * its width), so one 32-bit add sums four 8-bit or two 16-bit lanes.
+ *
+ * Each sum word register has one register action, run at most once per packet; its
+ * operation is the single field `op` (write on the slot's first use, add, read on a
+ * retransmission), as a Tofino RegisterAction picked by the same field.
+ */
+control ThcLaneGroup(inout thc_idx_h idx, inout thc_sum8_h r8, inout thc_sum16_h r16,
+                     in bit<16> job_id, in bit<32> reg_index, in bit<2> op, in bit<1> wide) {
+    register<bit<32>>(THC_REG_SIZE) thc_sum_0;
+    register<bit<32>>(THC_REG_SIZE) thc_sum_1;
+    register<bit<32>>(THC_REG_SIZE) thc_sum_2;
+    register<bit<32>>(THC_REG_SIZE) thc_sum_3;
+    bit<32> v0 = 0;
+    bit<32> v1 = 0;
+    bit<32> v2 = 0;
+    bit<32> v3 = 0;
+    bit<32> old;
+
+    action thc_lut_set_0(bit<32> value) { v0 = value; }
+    action thc_lut_set_1(bit<32> value) { v1 = value; }
+    action thc_lut_set_2(bit<32> value) { v2 = value; }
+    action thc_lut_set_3(bit<32> value) { v3 = value; }
+    table thc_lut_0 {
+        key = { job_id: exact @name("job_id"); idx.b0: exact @name("idx"); }
+        actions = { thc_lut_set_0; }
+        default_action = thc_lut_set_0(0);
+        size = THC_LUT_SIZE;
+    }
+    table thc_lut_1 {
+        key = { job_id: exact @name("job_id"); idx.b1: exact @name("idx"); }
+        actions = { thc_lut_set_1; }
+        default_action = thc_lut_set_1(0);
+        size = THC_LUT_SIZE;
+    }
+    table thc_lut_2 {
+        key = { job_id: exact @name("job_id"); idx.b2: exact @name("idx"); }
+        actions = { thc_lut_set_2; }
+        default_action = thc_lut_set_2(0);
+        size = THC_LUT_SIZE;
+    }
+    table thc_lut_3 {
+        key = { job_id: exact @name("job_id"); idx.b3: exact @name("idx"); }
+        actions = { thc_lut_set_3; }
+        default_action = thc_lut_set_3(0);
+        size = THC_LUT_SIZE;
+    }
+
+    // new = value (write), old + value (add) or old (read); the word is returned in `value`
+    action thc_sum_ra_0() {
+        thc_sum_0.read(old, reg_index);
+        v0 = (op == THC_OP_WRITE) ? v0 : ((op == THC_OP_ADD) ? old + v0 : old);
+        thc_sum_0.write(reg_index, v0);
+    }
+    action thc_sum_ra_1() {
+        thc_sum_1.read(old, reg_index);
+        v1 = (op == THC_OP_WRITE) ? v1 : ((op == THC_OP_ADD) ? old + v1 : old);
+        thc_sum_1.write(reg_index, v1);
+    }
+    action thc_sum_ra_2() {
+        thc_sum_2.read(old, reg_index);
+        v2 = (op == THC_OP_WRITE) ? v2 : ((op == THC_OP_ADD) ? old + v2 : old);
+        thc_sum_2.write(reg_index, v2);
+    }
+    action thc_sum_ra_3() {
+        thc_sum_3.read(old, reg_index);
+        v3 = (op == THC_OP_WRITE) ? v3 : ((op == THC_OP_ADD) ? old + v3 : old);
+        thc_sum_3.write(reg_index, v3);
+    }
+    // 8-bit job: the four bytes' values fill two words
+    action thc_pack8() {
+        v0 = v0 | v1;
+        v1 = v2 | v3;
+    }
+
+    apply {
+        if (op != THC_OP_READ) {
+            thc_lut_0.apply();
+            thc_lut_1.apply();
+            thc_lut_2.apply();
+            thc_lut_3.apply();
+        }
+        if (wide == 0) {
+            thc_pack8();
+            thc_sum_ra_0();
+            thc_sum_ra_1();
+            r8.setValid();
+            r8.w0 = v0;
+            r8.w1 = v1;
+        } else {
+            thc_sum_ra_0();
+            thc_sum_ra_1();
+            thc_sum_ra_2();
+            thc_sum_ra_3();
+            r16.setValid();
+            r16.w0 = v0;
+            r16.w1 = v1;
+            r16.w2 = v2;
+            r16.w3 = v3;
+        }
+    }
+}
+
+/* One MAX lane: a 32-bit register of raw float bits, max instead of add. */
+control ThcMaxLane(inout thc_max_h m, in bit<32> reg_index, in bit<2> op) {
+    register<bit<32>>(THC_REG_SIZE) thc_max;
+    bit<32> old;
+
+    action thc_max_ra() {
+        thc_max.read(old, reg_index);
+        m.v = (op == THC_OP_WRITE) ? m.v
+            : ((op == THC_OP_ADD) ? ((old > m.v) ? old : m.v) : old);
+        thc_max.write(reg_index, m.v);
+    }
+    apply {
+        thc_max_ra();
+    }
 }
 
 control ThcIngress(inout headers_t hdr, inout metadata_t meta, inout standard_metadata_t sm) {
@@ -155,23 +254,28 @@ control ThcIngress(inout headers_t hdr, inout metadata_t meta, inout standard_me
     counter(THC_MAX_JOBS, CounterType.packets) thc_resets;
     counter(1, CounterType.packets) l2_misses;
 
+    // The run that owns each job (0: none yet), index job_index.
+    register<bit<32>>(THC_MAX_JOBS) thc_job_run;
     // Slot state, index (pool_base + slot) * 2 + version.
+    register<bit<32>>(THC_REG_SIZE) thc_run;
     register<bit<32>>(THC_REG_SIZE) thc_seq;
     register<bit<32>>(THC_REG_SIZE) thc_bitmap;
     register<bit<8>>(THC_REG_SIZE) thc_count;
 
-    // Per-lane registers, lookup tables and register actions (generated).
-#include "generated/thc_lanes.p4"
+    // Lane groups and max lanes (generated instantiations).
+#include "generated/thc_groups.p4"
 
     // ---- configuration tables (installed by controller/jobs.py) ----
     action set_job(bit<8> job_index, bit<8> n_workers, bit<16> pool_base, bit<16> pool_size,
-                   bit<32> full_bitmap, bit<16> mcast_grp) {
+                   bit<32> full_bitmap, bit<16> mcast_grp, bit<8> sum_bits, bit<32> epoch) {
         meta.job_index = job_index;
         meta.n_workers = n_workers;
         meta.pool_base = pool_base;
         meta.pool_size = pool_size;
         meta.full_bitmap = full_bitmap;
         meta.mcast_grp = mcast_grp;
+        meta.wide = (bit<1>)(sum_bits >> 4);    // 8 -> 0, 16 -> 1
+        meta.epoch = epoch;
     }
     table thc_job {
         key = { hdr.thc.job_id: exact @name("job_id"); }
@@ -215,12 +319,30 @@ control ThcIngress(inout headers_t hdr, inout metadata_t meta, inout standard_me
         meta.jc_base = (bit<32>)meta.job_index * THC_N_JOB_COUNTERS;
     }
 
+    // RFC 1982 serial order on runs: a newer run (or the first) takes the job over, an
+    // older one is stale.
+    action thc_job_run_ra() {
+        thc_job_run.read(meta.job_run, (bit<32>)meta.job_index);
+        meta.run_diff = hdr.thc.run - meta.job_run;
+        meta.run_stale = (meta.job_run != 0 && meta.run_diff[31:31] == 1) ? 1w1 : 1w0;
+        thc_job_run.write((bit<32>)meta.job_index,
+                          (meta.run_stale == 1) ? meta.job_run : hdr.thc.run);
+    }
+
+    // A run other than the slot version's last one starts a new use of it, whatever its seq.
+    action thc_run_ra() {
+        thc_run.read(meta.slot_run, meta.reg_index);
+        meta.run_new = (meta.slot_run != hdr.thc.run) ? 1w1 : 1w0;
+        thc_run.write(meta.reg_index, hdr.thc.run);
+    }
+
     // RFC 1982 serial order: newer iff 0 < seq - cur < 2^31; stale iff bit 31 of the
-    // difference is set; equal otherwise. A newer seq starts a new use of the slot.
+    // difference is set; equal otherwise. A newer seq (or a new run) starts a new use.
     action thc_seq_ra() {
         thc_seq.read(meta.cur_seq, meta.reg_index);
         meta.seq_diff = hdr.thc.seq - meta.cur_seq;
-        meta.seq_newer = (meta.seq_diff != 0 && meta.seq_diff[31:31] == 0) ? 1w1 : 1w0;
+        meta.seq_newer = (meta.run_new == 1 || (meta.seq_diff != 0 && meta.seq_diff[31:31] == 0))
+                         ? 1w1 : 1w0;
         thc_seq.write(meta.reg_index, (meta.seq_newer == 1) ? hdr.thc.seq : meta.cur_seq);
     }
 
@@ -230,11 +352,7 @@ control ThcIngress(inout headers_t hdr, inout metadata_t meta, inout standard_me
         meta.first = (meta.seq_newer == 1 || meta.old_bitmap == 0) ? 1w1 : 1w0;
         meta.bitmap = (meta.seq_newer == 1) ? meta.worker_bit : (meta.old_bitmap | meta.worker_bit);
         thc_bitmap.write(meta.reg_index, meta.bitmap);
-        // lane masks (see the lane register actions)
-        meta.keep_sum = (meta.first == 1) ? (bit<THC_SUM_BITS>)0 : ~(bit<THC_SUM_BITS>)0;
-        meta.add_sum = (meta.dup == 1) ? (bit<THC_SUM_BITS>)0 : ~(bit<THC_SUM_BITS>)0;
-        meta.keep_max = (meta.first == 1) ? 32w0 : ~32w0;
-        meta.add_max = (meta.dup == 1) ? 32w0 : ~32w0;
+        meta.lane_op = (meta.dup == 1) ? THC_OP_READ : ((meta.first == 1) ? THC_OP_WRITE : THC_OP_ADD);
     }
 
     action thc_count_ra() {
@@ -243,14 +361,12 @@ control ThcIngress(inout headers_t hdr, inout metadata_t meta, inout standard_me
         thc_count.write(meta.reg_index, meta.count);
     }
 
-    // RESET (controller packet-out): both versions of the slot become unused.
+    // RESET (controller packet-out): the slot version named in the header becomes unused.
     action thc_reset_ra() {
-        thc_seq.write(meta.reg_index & ~32w1, THC_SEQ_RESET);
-        thc_seq.write(meta.reg_index | 32w1, THC_SEQ_RESET);
-        thc_bitmap.write(meta.reg_index & ~32w1, 0);
-        thc_bitmap.write(meta.reg_index | 32w1, 0);
-        thc_count.write(meta.reg_index & ~32w1, 0);
-        thc_count.write(meta.reg_index | 32w1, 0);
+        thc_run.write(meta.reg_index, 0);
+        thc_seq.write(meta.reg_index, THC_SEQ_RESET);
+        thc_bitmap.write(meta.reg_index, 0);
+        thc_count.write(meta.reg_index, 0);
     }
 
     // ---- replies ----
@@ -258,6 +374,7 @@ control ThcIngress(inout headers_t hdr, inout metadata_t meta, inout standard_me
         hdr.thc.pkt_type = pkt_type;
         hdr.thc.count = meta.count;
         hdr.thc.bitmap = meta.bitmap;
+        hdr.thc.epoch = meta.epoch;
         hdr.udp.checksum = 0;
         meta.is_reply = 1;
     }
@@ -268,8 +385,12 @@ control ThcIngress(inout headers_t hdr, inout metadata_t meta, inout standard_me
     action thc_to_job() {
         sm.mcast_grp = meta.mcast_grp;
     }
+    action thc_result_len() {
+        hdr.udp.length = (meta.wide == 1) ? THC_UDP_LEN_RESULT16 : THC_UDP_LEN_RESULT8;
+    }
 
     apply {
+        bit<32> jc_event = THC_JC_PACKETS;
         if (hdr.udp.isValid() && hdr.udp.dstPort == THC_UDP_PORT) {
             // 1. well-formed, right direction
             if (!hdr.thc.isValid() || sm.parser_error != error.NoError
@@ -281,6 +402,8 @@ control ThcIngress(inout headers_t hdr, inout metadata_t meta, inout standard_me
                 meta.drop_reason = THC_DROP_WRONG_DIRECTION;
             } else if (hdr.thc.pkt_type == THC_RESET && sm.ingress_port != THC_CPU_PORT) {
                 meta.drop_reason = THC_DROP_NOT_FROM_CPU;
+            } else if (hdr.thc.pkt_type != THC_RESET && hdr.thc.run == 0) {
+                meta.drop_reason = THC_DROP_MALFORMED;
             }
             // 2. job
             if (meta.drop_reason == 0) {
@@ -290,8 +413,8 @@ control ThcIngress(inout headers_t hdr, inout metadata_t meta, inout standard_me
             }
             // 3. payload length
             if (meta.drop_reason == 0) {
-                if ((hdr.thc.pkt_type == THC_DATA && !hdr.thc_data.isValid())
-                        || (hdr.thc.pkt_type == THC_MAX && !hdr.thc_max.isValid())
+                if ((hdr.thc.pkt_type == THC_DATA && !hdr.thc_data[0].isValid())
+                        || (hdr.thc.pkt_type == THC_MAX && !hdr.thc_max[0].isValid())
                         || (hdr.thc.pkt_type == THC_RESET && hdr.udp.length != THC_UDP_LEN_HDR)) {
                     meta.drop_reason = THC_DROP_BAD_LANES;
                 }
@@ -308,7 +431,7 @@ control ThcIngress(inout headers_t hdr, inout metadata_t meta, inout standard_me
             if (meta.drop_reason == 0 && hdr.thc.slot >= meta.pool_size) {
                 meta.drop_reason = THC_DROP_SLOT_OUTSIDE_POOL;
             }
-            // 7. aggregation
+            // 7. run
             if (meta.drop_reason == 0) {
                 thc_index();
                 if (hdr.thc.pkt_type == THC_RESET) {
@@ -316,54 +439,59 @@ control ThcIngress(inout headers_t hdr, inout metadata_t meta, inout standard_me
                     thc_resets.count((bit<32>)meta.job_index);
                     mark_to_drop(sm);
                 } else {
-                    thc_seq_ra();
-                    if (meta.seq_newer == 0 && meta.seq_diff != 0) {
-                        meta.drop_reason = THC_DROP_STALE;
-                    } else {
-                        thc_job_counters.count(meta.jc_base + THC_JC_PACKETS);
-                        thc_bitmap_ra();
-                        thc_count_ra();
-                        if (meta.dup == 0 && hdr.thc.pkt_type == THC_DATA) {
-                            hdr.thc_result.setValid();
-#include "generated/thc_lanes_apply.p4"
+                    thc_job_run_ra();
+                    if (meta.run_stale == 1) {
+                        meta.drop_reason = THC_DROP_STALE_RUN;
+                    }
+                }
+            }
+            // 8. aggregation
+            if (meta.drop_reason == 0 && hdr.thc.pkt_type != THC_RESET) {
+                thc_run_ra();
+                thc_seq_ra();
+                if (meta.seq_newer == 0 && meta.seq_diff != 0) {
+                    meta.drop_reason = THC_DROP_STALE;
+                } else {
+                    thc_bitmap_ra();
+                    thc_count_ra();
+                    if (meta.dup == 0 || meta.count == meta.n_workers) {
+                        if (hdr.thc.pkt_type == THC_DATA) {
+#include "generated/thc_groups_apply.p4"
+                        } else {
+#include "generated/thc_max_apply.p4"
                         }
-                        if (meta.dup == 0 || meta.count == meta.n_workers) {
-                            if (hdr.thc.pkt_type == THC_DATA) {
-                                hdr.thc_result.setValid();
-                                thc_sum_lanes();
-                            } else {
-                                thc_max_lanes();
-                            }
+                    }
+                    if (meta.count == meta.n_workers) {
+                        // complete: RESULT / MAX_RESULT with the stored lanes
+                        if (hdr.thc.pkt_type == THC_DATA) {
+                            hdr.thc_data.pop_front(THC_GROUPS);
+                            thc_result_len();
+                            thc_reply(THC_RESULT);
+                        } else {
+                            thc_reply(THC_MAX_RESULT);
                         }
-                        if (meta.count == meta.n_workers) {
-                            // complete: RESULT / MAX_RESULT with the stored lanes
-                            if (hdr.thc.pkt_type == THC_DATA) {
-                                hdr.thc_data.setInvalid();
-                                hdr.udp.length = THC_UDP_LEN_RESULT;
-                                thc_reply(THC_RESULT);
-                            } else {
-                                thc_reply(THC_MAX_RESULT);
-                            }
-                            if (meta.dup == 1) {
-                                thc_job_counters.count(meta.jc_base + THC_JC_RETRANSMISSIONS);
-                                thc_to_sender();
-                            } else {
-                                thc_job_counters.count(meta.jc_base + THC_JC_COMPLETIONS);
-                                thc_to_job();
-                            }
-                        } else if (meta.dup == 1) {
-                            // retransmission of an incomplete slot: tell the worker where it stands
-                            hdr.thc_data.setInvalid();
-                            hdr.thc_max.setInvalid();
-                            hdr.udp.length = THC_UDP_LEN_HDR;
-                            thc_reply(THC_PENDING);
-                            thc_job_counters.count(meta.jc_base + THC_JC_PENDING);
+                        if (meta.dup == 1) {
+                            jc_event = THC_JC_RETRANSMISSIONS;
                             thc_to_sender();
                         } else {
-                            mark_to_drop(sm);   // consumed, waiting for the other workers
+                            jc_event = THC_JC_COMPLETIONS;
+                            thc_to_job();
                         }
-                        hdr.ipv4.totalLen = hdr.udp.length + 20;
+                    } else if (meta.dup == 1) {
+                        // retransmission of an incomplete slot: tell the worker where it stands
+                        hdr.thc_data.pop_front(THC_GROUPS);
+                        hdr.thc_max.pop_front(THC_MAX_LANES);
+                        hdr.udp.length = THC_UDP_LEN_HDR;
+                        thc_reply(THC_PENDING);
+                        jc_event = THC_JC_PENDING;
+                        thc_to_sender();
+                    } else {
+                        mark_to_drop(sm);   // consumed, waiting for the other workers
                     }
+                    hdr.ipv4.totalLen = hdr.udp.length + 20;
+                    // the one counter access of an aggregated packet: cell "packets" counts
+                    // those without a reply (controller.counters adds the reply cells)
+                    thc_job_counters.count(meta.jc_base + jc_event);
                 }
             }
             if (meta.drop_reason != 0) {
@@ -431,7 +559,8 @@ control ThcDeparser(packet_out packet, in headers_t hdr) {
         packet.emit(hdr.udp);
         packet.emit(hdr.thc);
         packet.emit(hdr.thc_data);
-        packet.emit(hdr.thc_result);
+        packet.emit(hdr.thc_result8);
+        packet.emit(hdr.thc_result16);
         packet.emit(hdr.thc_max);
     }
 }

@@ -31,9 +31,9 @@ def test_data_packet_dissects_like_the_encoder_builds_it():
 def test_crafted_result_matches_encoder():
     sums = np.arange(P.LANES) % 200
     crafted = THC(pkt_type=P.PktType.RESULT, worker_id=1, job_id=2, seq=9, count=4,
-                  bitmap=0xF) / THCSums(data=sums.astype(P.SUM_DTYPE).tobytes())
+                  bitmap=0xF) / THCSums(data=sums.astype(P.sum_dtype(8)).tobytes())
     hdr = P.Header(P.PktType.RESULT, 1, 2, 0, 0, 4, 9, 0, 0xF)
-    assert bytes(crafted) == P.encode(hdr, sums.astype(P.SUM_DTYPE))
+    assert bytes(crafted) == P.encode(hdr, sums.astype(P.sum_dtype(8)))
     again = UDP(bytes(UDP(sport=P.UDP_PORT, dport=4000) / crafted))
     np.testing.assert_array_equal(again[THCSums].sums(), sums)
 

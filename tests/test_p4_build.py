@@ -44,7 +44,7 @@ def _by_short_name(objs):
 def _header_fields(text: str, header: str) -> list[tuple[str, int]]:
     body = re.search(r"header\s+" + header + r"\s*\{(.*?)\}", text, re.S)
     assert body, f"header {header} not found"
-    consts = {"THC_INDEX_BITS": P.INDEX_BITS, "THC_SUM_BITS": P.SUM_BITS}
+    consts = {"THC_INDEX_BITS": P.INDEX_BITS}
     out = []
     for width, name in re.findall(r"bit<(\w+)>\s+(\w+);", body.group(1)):
         out.append((name, int(consts.get(width, width))))
@@ -73,11 +73,19 @@ def test_check_names_the_stale_file(tmp_path):
 def test_generated_headers_follow_protocol_json():
     text = (P4SRC / "generated" / "thc_headers.p4").read_text()
     assert _header_fields(text, "thc_h") == P.HEADER_FIELDS
-    assert _header_fields(text, "thc_data_h") == [(f"idx_{i}", P.INDEX_BITS)
-                                                  for i in range(P.LANES)]
-    assert _header_fields(text, "thc_result_h") == [(f"sum_{i}", P.SUM_BITS)
-                                                    for i in range(P.LANES)]
-    assert _header_fields(text, "thc_max_h") == [(f"max_{i}", 32) for i in range(P.MAX_LANES)]
+
+
+def test_lane_group_headers_hold_the_wire_payloads():
+    """A lane group's DATA bytes and RESULT words, times THC_GROUPS, are the payloads."""
+    text = (P4SRC / "thc_common.p4").read_text()
+    group = 8
+    data = _header_fields(text, "thc_idx_h")
+    assert sum(w for _, w in data) == group * P.INDEX_BITS
+    for width, header in ((8, "thc_sum8_h"), (16, "thc_sum16_h")):
+        words = _header_fields(text, header)
+        assert {w for _, w in words} == {32}
+        assert sum(w for _, w in words) == group * width
+    assert _header_fields(text, "thc_max_h") == [("v", 32)]
 
 
 def test_generated_constants_follow_protocol_json():
@@ -98,20 +106,27 @@ def test_generated_constants_follow_protocol_json():
     assert int(defines["THC_SWITCH_SLOTS"]) == P.SWITCH_SLOTS
     assert int(defines["THC_MAX_JOBS"]) == P.MAX_JOBS
     assert int(consts["THC_UDP_LEN_DATA"]) == 8 + P.HEADER_BYTES + P.payload_bytes(P.PktType.DATA)
-    assert int(consts["THC_UDP_LEN_RESULT"]) == 8 + P.HEADER_BYTES + P.payload_bytes(P.PktType.RESULT)
+    for bits in P.SUM_WIDTHS:
+        assert int(consts[f"THC_UDP_LEN_RESULT{bits}"]) == (
+            8 + P.HEADER_BYTES + P.payload_bytes(P.PktType.RESULT, P.LANES, bits))
+    assert int(defines["THC_GROUPS"]) * 8 == P.LANES
     assert int(consts["THC_UDP_LEN_MAX"]) == 8 + P.HEADER_BYTES + P.payload_bytes(P.PktType.MAX)
 
 
-def test_generator_instantiates_one_template_per_lane():
-    files = gen.generate(gen.load_spec(), lanes=6)
-    lanes = files["thc_lanes.p4"]
-    assert len(re.findall(r"^table thc_lut_\d+ ", lanes, re.M)) == 6
-    assert len(re.findall(r"^register<bit<THC_SUM_BITS>>\(THC_REG_SIZE\) thc_sum_\d+;", lanes, re.M)) == 6
-    assert len(re.findall(r"^register<bit<32>>\(THC_REG_SIZE\) thc_max_\d+;", lanes, re.M)) == P.MAX_LANES
-    assert files["thc_lanes_apply.p4"].count(".apply();") == 6
-    # every lane's code is the template with its number: strip the numbers and all agree
-    blocks = re.findall(r"(action thc_lut_set_\d+.*?\n\}\ntable thc_lut_\d+ \{.*?\n\}\n)", lanes, re.S)
-    assert len({re.sub(r"_\d+\b", "_N", b) for b in blocks}) == 1
+def test_generator_only_instantiates_the_lane_group():
+    files = gen.generate(gen.load_spec(), lanes=16)
+    assert files["thc_groups.p4"].count("ThcLaneGroup() thc_g") == 2
+    assert files["thc_groups.p4"].count("ThcMaxLane() thc_m") == P.MAX_LANES
+    assert files["thc_groups_apply.p4"].count(".apply(hdr.thc_data[") == 2
+    assert files["thc_max_apply.p4"].count(".apply(hdr.thc_max[") == P.MAX_LANES
+    for name, text in files.items():
+        assert "register" not in text and "table " not in text, name
+    # the group is written once, by hand, in each program
+    for program in ("thc.p4", "thc_tna.p4"):
+        text = (P4SRC / program).read_text()
+        assert len(re.findall(r"^control ThcLaneGroup\(", text, re.M)) == 1, program
+    with pytest.raises(SystemExit, match="groups"):
+        gen.generate(gen.load_spec(), lanes=12)
 
 
 def test_p4info_has_the_shared_names():
@@ -123,27 +138,30 @@ def test_p4info_has_the_shared_names():
     assert [f.name for f in tables["thc_worker"].match_fields] == ["job_id", "worker_id",
                                                                     "src_ip", "src_port"]
     assert [f.name for f in tables["thc_worker_addr"].match_fields] == ["job_id", "worker_id"]
-    luts = sorted(int(n.split("_")[-1]) for n in tables if n.startswith("thc_lut_"))
-    assert luts == list(range(P.LANES))
-    lut = tables["thc_lut_0"]
-    assert [(f.name, f.bitwidth) for f in lut.match_fields] == [("job_id", 16),
-                                                                ("idx", P.INDEX_BITS)]
-    actions = _by_short_name(info.actions)
-    assert [p.name for p in actions["set_job"].params] == [
-        "job_index", "n_workers", "pool_base", "pool_size", "full_bitmap", "mcast_grp"]
-    assert [p.name for p in actions["thc_lut_set_0"].params] == ["value"]
-    assert actions["thc_lut_set_0"].params[0].bitwidth == P.SUM_BITS
+    luts = sorted(t.preamble.name for t in info.tables if ".thc_lut_" in t.preamble.name)
+    assert luts == sorted(f"ThcIngress.thc_g{g}.thc_lut_{b}"
+                          for g in range(P.LANES // 8) for b in range(4))
+    lut = next(t for t in info.tables if t.preamble.name == "ThcIngress.thc_g0.thc_lut_0")
+    assert [(f.name, f.bitwidth) for f in lut.match_fields] == [("job_id", 16), ("idx", 8)]
+    actions = {a.preamble.name: a for a in info.actions}
+    assert [p.name for p in _by_short_name(info.actions)["set_job"].params] == [
+        "job_index", "n_workers", "pool_base", "pool_size", "full_bitmap", "mcast_grp",
+        "sum_bits", "epoch"]
+    lut_set = actions["ThcIngress.thc_g0.thc_lut_set_0"]
+    assert [(p.name, p.bitwidth) for p in lut_set.params] == [("value", 32)]
     counters = _by_short_name(info.counters)
     assert counters["thc_drops"].size == max(r.value for r in P.DropReason) + 1
     assert counters["thc_job_counters"].size == P.MAX_JOBS * len(P.JOB_COUNTERS)
     assert counters["thc_resets"].size == P.MAX_JOBS
-    registers = _by_short_name(info.registers)
-    for name in ("thc_seq", "thc_bitmap", "thc_count"):
-        assert registers[name].size == 2 * P.SWITCH_SLOTS
-    sums = [n for n in registers if n.startswith("thc_sum_")]
-    maxes = [n for n in registers if n.startswith("thc_max_")]
-    assert len(sums) == P.LANES and len(maxes) == P.MAX_LANES
-    assert registers["thc_sum_0"].type_spec.bitstring.bit.bitwidth == P.SUM_BITS
+    registers = {r.preamble.name: r for r in info.registers}
+    short = _by_short_name(info.registers)
+    for name in ("thc_run", "thc_seq", "thc_bitmap", "thc_count"):
+        assert short[name].size == 2 * P.SWITCH_SLOTS
+    assert short["thc_job_run"].size == P.MAX_JOBS
+    sums = [n for n in registers if ".thc_sum_" in n]
+    maxes = [n for n in registers if n.endswith(".thc_max")]
+    assert len(sums) == P.LANES // 8 * 4 and len(maxes) == P.MAX_LANES
+    assert {registers[n].type_spec.bitstring.bit.bitwidth for n in sums} == {32}
     # no controller packet header: RESET packet-outs are raw frames
     assert not info.controller_packet_metadata
 
@@ -168,8 +186,28 @@ def test_l2_program_shares_the_forwarding_table():
 @pytest.mark.skipif(toolchain.p4c_missing() is not None, reason=f"{toolchain.p4c_missing()}")
 def test_small_variant_compiles(tmp_path):
     """The generator's output compiles for another lane count (p4c only)."""
-    main = gen.write_variant(tmp_path / "v", lanes=4, slots=16)
+    main = gen.write_variant(tmp_path / "v", lanes=16, slots=16)
     r = subprocess.run(["p4c", "--target", "bmv2", "--arch", "v1model", "-o", str(tmp_path),
                         "--p4runtime-files", str(tmp_path / "v.p4info.txt"), str(main)],
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
+
+
+@pytest.mark.skipif(toolchain.tofino_missing() is not None, reason=f"{toolchain.tofino_missing()}")
+def test_committed_tofino_report_is_not_stale():
+    """The committed Tofino resource summary was made from today's TNA program."""
+    problems = gen.check_tofino()
+    assert not problems, "p4src/build/tofino is stale:\n" + "\n".join(problems)
+
+
+def test_tofino_check_names_the_changed_source(tmp_path, monkeypatch):
+    """check_tofino reports a missing report, and a source changed after the record."""
+    monkeypatch.setattr(gen, "TOFINO_REPORT", tmp_path / "REPORT.json")
+    assert "make p4-tofino" in gen.check_tofino()[0]
+    (tmp_path / "REPORT.json").write_text(json.dumps({
+        "sources": {gen.rel(p): gen.sha256(p) for p in gen.tofino_sources()}, "outputs": {}}))
+    assert gen.check_tofino() == []
+    rec = json.loads((tmp_path / "REPORT.json").read_text())
+    rec["sources"]["p4src/thc_tna.p4"] = "0" * 64
+    (tmp_path / "REPORT.json").write_text(json.dumps(rec))
+    assert any("p4src/thc_tna.p4" in p for p in gen.check_tofino())

@@ -51,9 +51,9 @@ class AggregatorProcess:
         self.proc.wait(timeout=10)
 
 
-def _worker(job, w, addr, impair, q, deadline=20.0, run=1):
+def _worker(job, w, addr, impair, q, deadline=20.0, run=1, n=N_ELEMENTS):
     rng = np.random.default_rng(1000 + w)
-    idx = rng.integers(0, 16, N_ELEMENTS).astype(np.uint8)
+    idx = rng.integers(0, 16, n).astype(np.uint8)
     try:
         with AggregationClient(job, w, addr, deadline=deadline, run=run,
                                impair=Impairment(**impair, seed=w) if impair else None) as c:
@@ -63,11 +63,11 @@ def _worker(job, w, addr, impair, q, deadline=20.0, run=1):
         q.put((w, "timeout", str(e), e.missing))
 
 
-def _run_workers(job, addr, impair=None, workers=None, deadline=20.0, run=1):
+def _run_workers(job, addr, impair=None, workers=None, deadline=20.0, run=1, n=N_ELEMENTS):
     ctx = mp.get_context("fork")
     q = ctx.Queue()
     workers = range(job.n_workers) if workers is None else workers
-    procs = [ctx.Process(target=_worker, args=(job, w, addr, impair, q, deadline, run))
+    procs = [ctx.Process(target=_worker, args=(job, w, addr, impair, q, deadline, run, n))
              for w in workers]
     for p in procs:
         p.start()
@@ -80,9 +80,9 @@ def _run_workers(job, addr, impair=None, workers=None, deadline=20.0, run=1):
     return results
 
 
-def _reference(job):
+def _reference(job, n=N_ELEMENTS):
     table = np.asarray(job.table)
-    return sum(table[np.random.default_rng(1000 + w).integers(0, 16, N_ELEMENTS)]
+    return sum(table[np.random.default_rng(1000 + w).integers(0, 16, n)]
                for w in range(job.n_workers))
 
 
@@ -104,6 +104,27 @@ def test_four_workers_one_million_elements_bit_exact(tmp_path, job):
         np.testing.assert_array_equal(sums, ref)
     chunks = N_ELEMENTS // job.lanes
     assert stats["jobs"]["1"]["completions"] == chunks
+    assert sum(stats["drops"].values()) == 0
+
+
+def test_sixteen_workers_get_exact_16_bit_sums(tmp_path):
+    """16 workers x granularity 30 = 480 > 255: the job's sums are 16 bits wide, RESULT
+    payloads twice as long, and every worker still gets every sum exactly."""
+    job = local_job(1, 16, free_port_block(16), pool_size=32)
+    assert job.sum_bits == 16
+    n = 1 << 16
+    agg = AggregatorProcess(tmp_path, [job])
+    try:
+        results = _run_workers(job, agg.addr, n=n, deadline=60.0)
+        stats = agg.stats()
+    finally:
+        agg.stop()
+    ref = _reference(job, n)
+    assert ref.max() > 255
+    for w, (status, sums, _) in results.items():
+        assert status == "ok", sums
+        np.testing.assert_array_equal(sums, ref)
+    assert stats["jobs"]["1"]["completions"] == n // job.lanes
     assert sum(stats["drops"].values()) == 0
 
 

@@ -34,6 +34,12 @@ class Setup:
     codec_mbps: float = 270.0
     """THC encode + decode throughput per worker (MB of float32 per second; `thc bench codec`)."""
     lanes: int = P.LANES
+    granularity: int = 30
+
+    @property
+    def sum_bits(self) -> int:
+        """Width of the aggregated sums: 8 bits up to 255 = workers x granularity, else 16."""
+        return P.sum_bits_for(self.workers, self.granularity)
 
     @property
     def bw(self) -> float:
@@ -54,7 +60,7 @@ def thc_wire_bytes(s: Setup) -> tuple[float, float]:
     overhead = P.ETH_IP_UDP_BYTES + P.HEADER_BYTES
     packets = s.params / s.lanes
     up = packets * (overhead + P.payload_bytes(P.PktType.DATA, s.lanes))
-    down = packets * (overhead + P.payload_bytes(P.PktType.RESULT, s.lanes))
+    down = packets * (overhead + P.payload_bytes(P.PktType.RESULT, s.lanes, s.sum_bits))
     return up, down
 
 
@@ -66,7 +72,7 @@ def iteration_s(s: Setup) -> dict[str, float]:
     return {
         "fp32_ring": max(compute, ring_allreduce_s(4 * s.params, s)),
         "thc_switch": max(compute, 2 * s.alpha + max(up, down) / s.bw) + codec,
-        "thc_allreduce": max(compute, ring_allreduce_s(s.params * P.SUM_BITS / 8, s)) + codec,
+        "thc_allreduce": max(compute, ring_allreduce_s(s.params * s.sum_bits / 8, s)) + codec,
         "marsit_ring": max(compute, ring_allreduce_s(s.params / 8, s)),
     }
 

@@ -48,7 +48,7 @@ class JobState:
 
     def __init__(self, job: Job):
         self.job = job.validate()
-        lut = np.asarray(job.table, dtype=P.SUM_DTYPE)
+        lut = np.asarray(job.table, dtype=P.sum_dtype(job.sum_bits))
         # One fancy-index maps a packed byte to its two lanes' table values.
         self.pair_lut = np.stack([lut[np.arange(256) >> 4], lut[np.arange(256) & 0x0F]], axis=1)
         self.n = job.n_workers
@@ -61,7 +61,7 @@ class JobState:
         self.thc_bitmap = [[0, 0] for _ in range(job.pool_size)]
         self.thc_count = [[0, 0] for _ in range(job.pool_size)]
         shape = (job.pool_size, 2)
-        self.thc_sum = np.zeros(shape + (job.lanes,), dtype=P.SUM_DTYPE)
+        self.thc_sum = np.zeros(shape + (job.lanes,), dtype=P.sum_dtype(job.sum_bits))
         self.thc_max = np.zeros(shape + (P.MAX_LANES,), dtype=">u4")
         self.counters = Counter({name: 0 for name in P.JOB_COUNTERS})
 

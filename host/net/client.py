@@ -132,7 +132,8 @@ class AggregationClient:
                              f"chunk ({chunk_bytes} bytes = {lanes} lanes); pad the index vector")
         chunks = packed.reshape(-1, chunk_bytes)
         out = np.zeros((len(chunks), lanes), dtype=np.uint16)
-        self._stream(P.PktType.DATA, chunks, out, offset_base, lanes, P.SUM_DTYPE)
+        self._stream(P.PktType.DATA, chunks, out, offset_base, lanes,
+                     P.sum_dtype(self.job.sum_bits))
         return out.reshape(-1)
 
     def max(self, values: np.ndarray) -> np.ndarray:
@@ -171,7 +172,7 @@ class AggregationClient:
         base = self.next_seq
         pool = job.pool_size
         expect_payload = P.payload_bytes(P.PktType.RESULT if pkt_type == P.PktType.DATA
-                                         else P.PktType.MAX_RESULT, lanes)
+                                         else P.PktType.MAX_RESULT, lanes, job.sum_bits)
         result_type = P.PktType.RESULT if pkt_type == P.PktType.DATA else P.PktType.MAX_RESULT
         packets: dict[int, bytes] = {}
         due: dict[int, float] = {}

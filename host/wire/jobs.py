@@ -40,6 +40,15 @@ class Job:
     lanes: int = P.LANES
     mcast_group: int = 0
     """0 means: job_id (switch multicast group ids must be non-zero)."""
+    sum_bits: int = 0
+    """Width of the job's sums (8 or 16); 0 means: the narrowest that holds n_workers x
+    granularity, chosen when the job is made. RESULT payloads carry sums of this width."""
+
+    def __post_init__(self):
+        if self.sum_bits == 0:
+            top = len(self.workers) * self.granularity
+            bits = next((b for b in P.SUM_WIDTHS if top <= (1 << b) - 1), P.SUM_WIDTHS[-1])
+            object.__setattr__(self, "sum_bits", bits)
 
     @property
     def n_workers(self) -> int:
@@ -77,14 +86,24 @@ class Job:
                               f"({1 << P.INDEX_BITS} entries)")
         if any(not 0 <= t <= self.granularity for t in self.table):
             raise ConfigError(f"job {self.job_id}: table values must lie in 0..{self.granularity}")
-        if n * self.granularity > P.SUM_MAX:
+        if self.sum_bits not in P.SUM_WIDTHS:
+            raise ConfigError(f"job {self.job_id}: sum_bits {self.sum_bits} not in "
+                              f"{list(P.SUM_WIDTHS)}")
+        top = n * self.granularity
+        if top > (1 << P.SUM_WIDTHS[-1]) - 1:
             raise ConfigError(f"job {self.job_id}: {n} workers x granularity {self.granularity} "
-                              f"= {n * self.granularity} overflows {P.SUM_BITS}-bit sums "
-                              f"(max {P.SUM_MAX}); lower the granularity or the worker count")
+                              f"= {top} overflows even {P.SUM_WIDTHS[-1]}-bit sums (max "
+                              f"{(1 << P.SUM_WIDTHS[-1]) - 1}); lower the granularity or the "
+                              f"worker count")
+        if top > (1 << self.sum_bits) - 1:
+            raise ConfigError(f"job {self.job_id}: {n} workers x granularity {self.granularity} "
+                              f"= {top} overflows the requested {self.sum_bits}-bit sums (max "
+                              f"{(1 << self.sum_bits) - 1}); leave sum_bits out to choose "
+                              f"{P.sum_bits_for(n, self.granularity)}")
         if self.pool_size < 1 or self.pool_base < 0:
             raise ConfigError(f"job {self.job_id}: pool needs pool_size >= 1, pool_base >= 0")
         try:
-            P.check_lanes(self.lanes)
+            P.check_lanes(self.lanes, sum_bits=self.sum_bits)
         except ValueError as e:
             raise ConfigError(f"job {self.job_id}: {e}") from None
         return self

@@ -59,8 +59,9 @@ class THCSums(_Payload):
 
     name = "THC sums"
 
-    def sums(self) -> np.ndarray:
-        return np.frombuffer(self.data, P.SUM_DTYPE).astype(np.int64)
+    def sums(self, sum_bits: int = P.SUM_WIDTHS[0]) -> np.ndarray:
+        """The sums, read as ``sum_bits``-wide big-endian integers (the job's width)."""
+        return np.frombuffer(self.data, P.sum_dtype(sum_bits)).astype(np.int64)
 
 
 class THCMax(_Payload):

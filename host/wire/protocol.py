@@ -22,7 +22,8 @@ SPEC = json.loads(SPEC_PATH.read_text())
 UDP_PORT: int = SPEC["udp_port"]
 LANES: int = SPEC["lanes"]
 INDEX_BITS: int = SPEC["index_bits"]
-SUM_BITS: int = SPEC["sum_bits"]
+SUM_WIDTHS: tuple[int, ...] = tuple(sorted(SPEC["sum_bits"]))
+"""Allowed widths of a job's sums (bits); a job takes the narrowest its sums fit."""
 MAX_LANES: int = SPEC["max_lanes"]
 MAX_WORKERS: int = SPEC["max_workers"]
 MAX_JOBS: int = SPEC["max_jobs"]
@@ -37,18 +38,40 @@ JOB_COUNTERS: dict[str, int] = SPEC["job_counters"]
 _FMT_CODES = {8: "B", 16: "H", 32: "I"}
 HEADER_STRUCT = struct.Struct("!" + "".join(_FMT_CODES[w] for _, w in HEADER_FIELDS))
 HEADER_BYTES = HEADER_STRUCT.size
-SUM_DTYPE = np.dtype(f">u{SUM_BITS // 8}")
-SUM_MAX = (1 << SUM_BITS) - 1
 ETH_IP_UDP_BYTES = 14 + 20 + 8
 SEQ_MOD = 1 << 32
 SEQ_RESET = SEQ_MOD - 1
 """Value a reset slot holds: every sequence number in [0, 2^31 - 1) counts as newer."""
 
-MAX_SOFTWARE_LANES = (1500 - 28 - HEADER_BYTES) * 8 // SUM_BITS // 2 * 2
-"""Most lanes whose result fits a 1500-byte MTU (the software aggregator's limit)."""
-
 assert HEADER_BYTES * 8 == sum(w for _, w in HEADER_FIELDS)
-assert INDEX_BITS == 4 and SUM_BITS in (8, 16), "wire packing supports 4-bit indices"
+assert INDEX_BITS == 4 and SUM_WIDTHS == (8, 16), "wire packing: 4-bit indices, 8/16-bit sums"
+
+
+def sum_bits_for(n_workers: int, granularity: int) -> int:
+    """Narrowest allowed sum width that holds n_workers x granularity; ValueError if none."""
+    top = n_workers * granularity
+    for bits in SUM_WIDTHS:
+        if top <= (1 << bits) - 1:
+            return bits
+    raise ValueError(f"{n_workers} workers x granularity {granularity} = {top} overflows "
+                     f"even {SUM_WIDTHS[-1]}-bit sums (max {(1 << SUM_WIDTHS[-1]) - 1})")
+
+
+def sum_dtype(sum_bits: int) -> np.dtype:
+    """Big-endian unsigned dtype of RESULT sums of this width."""
+    if sum_bits not in SUM_WIDTHS:
+        raise ValueError(f"sum width {sum_bits} not in {SUM_WIDTHS}")
+    return np.dtype(f">u{sum_bits // 8}")
+
+
+def max_software_lanes(sum_bits: int = SUM_WIDTHS[0]) -> int:
+    """Most lanes whose RESULT of this width fits a 1500-byte MTU (the software aggregator's
+    limit), an even number."""
+    return (1500 - 28 - HEADER_BYTES) * 8 // sum_bits // 2 * 2
+
+
+MAX_SOFTWARE_LANES = max_software_lanes(SUM_WIDTHS[0])
+"""Most lanes whose 8-bit result fits a 1500-byte MTU; 16-bit jobs take half as many."""
 
 
 @dataclass(frozen=True)
@@ -81,27 +104,32 @@ class ProtocolError(ValueError):
     """A packet that does not follow the protocol."""
 
 
-def payload_bytes(pkt_type: int, lanes: int = LANES) -> int:
-    """Payload length that a packet of this type must carry."""
+def payload_bytes(pkt_type: int, lanes: int = LANES, sum_bits: int = SUM_WIDTHS[0]) -> int:
+    """Payload length that a packet of this type must carry (RESULT: of ``sum_bits`` sums)."""
     if pkt_type == PktType.DATA:
         return lanes * INDEX_BITS // 8
     if pkt_type == PktType.RESULT:
-        return lanes * SUM_BITS // 8
+        return lanes * sum_bits // 8
     if pkt_type in (PktType.MAX, PktType.MAX_RESULT):
         return MAX_LANES * 4
     return 0
 
 
-def check_lanes(lanes: int, switch: bool = False) -> int:
-    """Lane counts must fill whole bytes and fit one MTU; on BMv2 (``switch``) a packet may
-    also grow by at most 512 bytes. The software aggregator has no growth limit."""
+def check_lanes(lanes: int, switch: bool = False, sum_bits: int = SUM_WIDTHS[0]) -> int:
+    """Lane counts must fill whole bytes and a RESULT of ``sum_bits`` sums must fit one MTU;
+    on BMv2 (``switch``) lanes come in groups of 8 and a packet may also grow by at most 512
+    bytes. The software aggregator has no growth limit."""
     if lanes < 2 or lanes % 2:
         raise ValueError(f"lanes must be a positive even number, got {lanes}")
-    growth = payload_bytes(PktType.RESULT, lanes) - payload_bytes(PktType.DATA, lanes)
+    if switch and lanes % 8:
+        raise ValueError(f"{lanes} lanes: the switch takes lanes in groups of 8")
+    growth = payload_bytes(PktType.RESULT, lanes, sum_bits) - payload_bytes(PktType.DATA, lanes)
     if switch and growth > 512:
-        raise ValueError(f"{lanes} lanes grow a packet by {growth} bytes (> 512, BMv2's limit)")
-    if ETH_IP_UDP_BYTES + HEADER_BYTES + payload_bytes(PktType.RESULT, lanes) > 1514:
-        raise ValueError(f"{lanes} lanes do not fit a 1500-byte MTU")
+        raise ValueError(f"{lanes} lanes of {sum_bits}-bit sums grow a packet by {growth} "
+                         f"bytes (> 512, BMv2's limit)")
+    if ETH_IP_UDP_BYTES + HEADER_BYTES + payload_bytes(PktType.RESULT, lanes, sum_bits) > 1514:
+        raise ValueError(f"{lanes} lanes of {sum_bits}-bit sums do not fit a 1500-byte MTU "
+                         f"(at most {max_software_lanes(sum_bits)})")
     return lanes
 
 

@@ -111,7 +111,14 @@ class Testbed:
         self.n_workers = n_workers
         self.aggregator = aggregator
         self.params = params or THCParams()
-        self.lanes = P.check_lanes(lanes or P.LANES)
+        # 0: the most lanes whose RESULT fits one MTU at the job's sum width
+        sum_bits = P.sum_bits_for(n_workers, self.params.granularity)
+        if lanes == 0:
+            lanes = P.max_software_lanes(sum_bits)
+        try:
+            self.lanes = P.check_lanes(lanes or P.LANES, sum_bits=sum_bits)
+        except ValueError as e:
+            raise TestbedError(f"{n_workers} workers ({sum_bits}-bit sums): {e}") from None
         self.pool_size = pool_size or 64
         self.python = sys.executable
         self.logdir = Path(tempfile.mkdtemp(prefix=f"thcnet-{self.kind}-"))

@@ -12,7 +12,8 @@ Each mode: one untimed warm-up round, then ``--repeat`` timed rounds, each start
 barrier; a round's time is its slowest worker's, the figure is the median round. Bytes on
 the wire are read from each worker's interface counters around every timed round and
 compared with the computed ideal (FP32 ring: 2(p-1)/p x 4 bytes per element each way in
-MSS-sized TCP segments; THC: INDEX_BITS/8 up and SUM_BITS/8 down per element, plus the
+MSS-sized TCP segments; THC: INDEX_BITS/8 up and sum_bits/8 down per element (8 or 16 bits,
+from workers x granularity), plus the
 per-packet THC/UDP/IP/Ethernet headers).
 """
 from __future__ import annotations
@@ -53,9 +54,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="THC through which aggregator (both: BMv2 too when available)")
     parser.add_argument("--repeat", type=int, default=None,
                         help="timed rounds per mode (default 3; --quick: 1)")
-    parser.add_argument("--lanes", type=int, default=P.MAX_SOFTWARE_LANES,
-                        help="lanes per packet for the software aggregator (default: the most "
-                             "that fit one MTU; BMv2 uses its compiled lanes)")
+    parser.add_argument("--lanes", type=int, default=0,
+                        help="lanes per packet for the software aggregator (default 0: the most "
+                             "that fit one MTU at the job's sum width; BMv2 uses its compiled "
+                             "lanes)")
     parser.add_argument("--pool-size", type=int, default=128,
                         help="slots of the job on the aggregator (>= --window)")
     parser.add_argument("--window", type=int, default=32,
@@ -84,8 +86,9 @@ def fp32_wire_bytes(numel: int, p: int) -> dict:
             "up": payload / TCP_MSS * TCP_FRAME, "down": payload / TCP_MSS * TCP_FRAME}
 
 
-def thc_wire_bytes(numel: int, lanes: int, params=None) -> dict:
-    """Per worker: THC uplink (indices) and downlink (sums) frames, MAX round included."""
+def thc_wire_bytes(numel: int, lanes: int, params=None, sum_bits: int = P.SUM_WIDTHS[0]) -> dict:
+    """Per worker: THC uplink (indices) and downlink (sums of ``sum_bits``) frames, MAX round
+    included."""
 
     lay = THCCodec(params or THCParams()).layout(numel)
     packets = math.ceil(lay.total_padded / lanes)
@@ -93,11 +96,11 @@ def thc_wire_bytes(numel: int, lanes: int, params=None) -> dict:
     max_packets = math.ceil(lay.n_slices / P.MAX_LANES)
     max_bytes = max_packets * (hdr + P.payload_bytes(P.PktType.MAX))
     up = packets * (hdr + P.payload_bytes(P.PktType.DATA, lanes)) + max_bytes
-    down = packets * (hdr + P.payload_bytes(P.PktType.RESULT, lanes)) + max_bytes
+    down = packets * (hdr + P.payload_bytes(P.PktType.RESULT, lanes, sum_bits)) + max_bytes
     return {"packets": packets, "padded": lay.total_padded, "up": up, "down": down,
             "header_overhead_down": packets * hdr / down,
             "payload_up": lay.total_padded * P.INDEX_BITS / 8,
-            "payload_down": lay.total_padded * P.SUM_BITS / 8}
+            "sum_bits": sum_bits, "payload_down": lay.total_padded * sum_bits / 8}
 
 
 # -- running one mode -------------------------------------------------------------------------
@@ -167,6 +170,8 @@ def run(args: argparse.Namespace) -> int:
     repeat = args.repeat or (1 if args.quick else 3)
     bws = [float(b) for b in args.bw.split(",") if b.strip()]
     p = args.workers
+    if args.lanes == 0:
+        args.lanes = P.max_software_lanes(P.sum_bits_for(p, THCParams().granularity))
     want_bmv2 = args.aggregator in ("bmv2", "both")
     want_soft = args.aggregator in ("software", "both")
     result = {"numel": numel, "workers": p, "repeat": repeat, "lanes_software": args.lanes,
@@ -274,7 +279,8 @@ def _annotate(point: dict, numel: int, p: int, lanes: int, fp32_ideal: dict) -> 
     for name, m in point["modes"].items():
         if name == "fp32":
             continue
-        ideal = thc_wire_bytes(numel, lanes if name == "thc-software" else P.LANES)
+        ideal = thc_wire_bytes(numel, lanes if name == "thc-software" else P.LANES,
+                               sum_bits=P.sum_bits_for(p, THCParams().granularity))
         m["ideal_bytes"] = {"up": ideal["up"], "down": ideal["down"],
                             "packets": ideal["packets"],
                             "header_overhead_down": ideal["header_overhead_down"]}

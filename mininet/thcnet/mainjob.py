@@ -65,8 +65,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--loss", type=float, default=0.0, help="link loss, percent")
     parser.add_argument("--loopback", action="store_true",
                         help="do not use Mininet even where it is available")
-    parser.add_argument("--software-lanes", type=int, default=MAX_SOFTWARE_LANES,
-                        help="lanes per packet for the software aggregator")
+    parser.add_argument("--software-lanes", type=int, default=0,
+                        help="lanes per packet for the software aggregator (default 0: the "
+                             f"most that fit one MTU, {MAX_SOFTWARE_LANES} for 8-bit sums, "
+                             "half for 16-bit)")
     parser.add_argument("--out", default="out", help="directory for JSON and plot")
     parser.add_argument("--timeout", type=float, default=600.0,
                         help="per-mode limit, seconds: a mode stopped there reports how far "

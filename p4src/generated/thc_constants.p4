@@ -5,15 +5,15 @@
 
 // sizes (compile-time parameters)
 #define THC_LANES 256
+#define THC_GROUP_LANES 8
+#define THC_GROUPS 32
 #define THC_MAX_LANES 32
 #define THC_INDEX_BITS 4
-#define THC_SUM_BITS 8
-#define THC_LUT_ENTRIES 16
 #define THC_MAX_WORKERS 32
 #define THC_MAX_JOBS 16
 #define THC_SWITCH_SLOTS 512
 #define THC_REG_SIZE 1024
-#define THC_LUT_SIZE 256
+#define THC_LUT_SIZE 4096
 #define THC_N_JOB_COUNTERS 4
 #define THC_N_DROP_REASONS 11
 
@@ -24,8 +24,15 @@ const bit<32> THC_SEQ_RESET = 0xFFFFFFFF;
 const bit<16> THC_HDR_BYTES = 28;
 const bit<16> THC_UDP_LEN_HDR = 36;  // UDP length of a header-only (PENDING, RESET) packet
 const bit<16> THC_UDP_LEN_DATA = 164;  // UDP length of a DATA packet
-const bit<16> THC_UDP_LEN_RESULT = 292;  // UDP length of a RESULT packet
+const bit<16> THC_UDP_LEN_RESULT8 = 292;  // UDP length of a RESULT of an 8-bit job packet
+const bit<16> THC_UDP_LEN_RESULT16 = 548;  // UDP length of a RESULT of a 16-bit job packet
 const bit<16> THC_UDP_LEN_MAX = 164;  // UDP length of a MAX / MAX_RESULT packet
+
+// lane word operations (meta.lane_op)
+const bit<2> THC_OP_WRITE = 0;
+const bit<2> THC_OP_ADD = 1;
+const bit<2> THC_OP_READ = 2;
+const bit<2> THC_OP_NONE = 3;
 
 // packet types
 const bit<8> THC_DATA = 1;

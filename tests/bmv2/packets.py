@@ -8,11 +8,16 @@ from host.wire import protocol as P
 from host.wire.jobs import Job
 
 
+RUN = 1
+"""Run id the tests' workers send (any nonzero value: one run)."""
+
+
 def datagram(job: Job, worker: int, seq: int, payload: bytes, pkt_type=P.PktType.DATA,
-             job_id: int | None = None, slot: int | None = None) -> bytes:
+             job_id: int | None = None, slot: int | None = None, run: int = RUN) -> bytes:
     s, v = P.slot_of(seq, job.pool_size)
     hdr = P.Header(pkt_type, worker, job.job_id if job_id is None else job_id,
-                   s if slot is None else slot, v, 0, seq, (seq * job.lanes) % P.SEQ_MOD, 0)
+                   s if slot is None else slot, v, 0, seq, (seq * job.lanes) % P.SEQ_MOD, 0,
+                   run)
     return hdr.pack() + payload
 
 
@@ -24,9 +29,9 @@ def random_indices(rng: np.random.Generator, job: Job) -> np.ndarray:
     return rng.integers(0, 1 << P.INDEX_BITS, job.lanes).astype(np.uint8)
 
 
-def result_of(d: bytes) -> tuple[P.Header, np.ndarray]:
+def result_of(d: bytes, sum_bits: int = P.SUM_WIDTHS[0]) -> tuple[P.Header, np.ndarray]:
     hdr, payload = P.decode(d)
-    return hdr, np.frombuffer(bytes(payload), dtype=P.SUM_DTYPE).astype(np.int64)
+    return hdr, np.frombuffer(bytes(payload), dtype=P.sum_dtype(sum_bits)).astype(np.int64)
 
 
 def expected(job: Job, idxs) -> np.ndarray:
@@ -36,7 +41,7 @@ def expected(job: Job, idxs) -> np.ndarray:
 
 def check_result(got: list[bytes], job: Job, seq: int, idxs, worker: int) -> None:
     assert len(got) == 1, f"worker {worker}: expected one result, got {len(got)}"
-    hdr, sums = result_of(got[0])
+    hdr, sums = result_of(got[0], job.sum_bits)
     assert hdr.pkt_type == P.PktType.RESULT
     assert (hdr.job_id, hdr.seq, hdr.worker_id, hdr.count) == (job.job_id, seq, worker,
                                                                 job.n_workers)

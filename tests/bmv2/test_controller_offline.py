@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 from p4.v1 import p4runtime_pb2
 
@@ -86,11 +87,13 @@ def test_job_entries_from_the_committed_p4info():
     assert sw.lanes == P.LANES
     job = _job().validate()
     lut = jobs.lut_entries(sw, job)
-    assert len(lut) == P.LANES * 16
-    e = jobs.job_entry(sw, job, 3)
+    assert len(lut) == P.LANES // jobs.GROUP_LANES * jobs.GROUP_BYTES * 256
+    e = jobs.job_entry(sw, job, 3, epoch=0xDEADBEEF)
     assert sw.param_values(e) == {"job_index": 3, "n_workers": 3, "pool_base": 0,
                                   "pool_size": job.pool_size, "full_bitmap": 7,
-                                  "mcast_grp": 5}
+                                  "mcast_grp": 5, "sum_bits": 8, "epoch": 0xDEADBEEF}
+    with pytest.raises(ConfigError, match="epoch"):
+        jobs.job_entry(sw, job, 3, epoch=0)
     (w0,) = jobs.worker_entries(sw, job)[:1]
     assert sw.param_values(w0) == {"worker_bit": 1}
     with pytest.raises(SwitchError, match="no table"):
@@ -153,3 +156,32 @@ def test_sums_that_overflow_even_16_bits_are_refused():
     assert job.n_workers * job.granularity > 0xFFFF
     with pytest.raises(ConfigError, match="overflows"):
         jobs.check_job(sw, job, 0, {})
+
+
+@pytest.mark.parametrize("n_workers", [3, 32])
+def test_lookup_values_add_as_packed_words_into_result_lanes(n_workers):
+    """What a lane group does with the controller's lookup values (byte -> two lanes' table
+    values, placed in a 32-bit word), summed over workers as 32-bit words, must read back
+    as the RESULT payload: every lane's exact sum, big-endian, in the job's width."""
+    job = Job(job_id=9, workers=tuple(Worker(i, f"10.0.0.{i + 1}", 4000 + i)
+                                      for i in range(n_workers)),
+              table=(0, 1, 2, 4, 6, 8, 11, 14, 16, 19, 22, 24, 26, 28, 29, 30),
+              granularity=30).validate()
+    assert job.sum_bits == (8 if n_workers * 30 <= 255 else 16)
+    values = np.array(jobs.lut_values(job), dtype=np.uint64)
+    rng = np.random.default_rng(n_workers)
+    idx = rng.integers(0, 16, (n_workers, P.LANES))
+    idx[0] = 15                                  # the largest table value in every lane
+    data = (idx[:, 0::2] << 4 | idx[:, 1::2]).reshape(n_workers, -1, jobs.GROUP_BYTES)
+    per_byte = values[np.arange(jobs.GROUP_BYTES), data]          # worker, group, byte
+    if job.sum_bits == 8:
+        words = np.stack([per_byte[..., 0] | per_byte[..., 1],
+                          per_byte[..., 2] | per_byte[..., 3]], axis=-1)
+    else:
+        words = per_byte
+    total = words.sum(axis=0) % (1 << 32)
+    assert total.max() < 1 << 32
+    payload = total.astype(">u4").tobytes()
+    assert len(payload) == P.payload_bytes(P.PktType.RESULT, P.LANES, job.sum_bits)
+    sums = np.frombuffer(payload, P.sum_dtype(job.sum_bits))
+    np.testing.assert_array_equal(sums, np.asarray(job.table)[idx].sum(axis=0))

@@ -14,20 +14,23 @@ from google.protobuf import text_format
 from controller import counters, forwarding, jobs
 from controller.switch import SwitchError
 from host.wire import protocol as P
-from tests.bmv2.packets import check_round, data, random_indices, round_trip
+from host.wire.jobs import ConfigError
+from tests.bmv2.packets import check_result, check_round, data, random_indices, round_trip
 
 pytestmark = pytest.mark.bmv2
 _ids = itertools.count(500)
 
 
 def snapshot(sw) -> dict:
-    """Table entries as text: every table but the lookup tables, of which the first, a middle
-    and the last lane (the installer writes all lanes alike)."""
-    lanes = {f"thc_lut_{i}" for i in (0, sw.lanes // 2, sw.lanes - 1)}
+    """Table entries as text: every table but thc_job (its epoch is new at every install) and
+    the lookup tables, of which those of the first and the last lane group (the installer
+    writes all groups alike)."""
+    last = sw.lanes // jobs.GROUP_LANES - 1
+    keep = {jobs.LUT_TABLE.format(g, b) for g in (0, last) for b in range(jobs.GROUP_BYTES)}
     state = {}
     for t in sw.p4info.tables:
-        short = t.preamble.name.rsplit(".", 1)[-1]
-        if short.startswith("thc_lut_") and short not in lanes:
+        name = t.preamble.name
+        if name.rsplit(".", 1)[-1] == jobs.JOB_TABLE or (".thc_lut_" in name and name not in keep):
             continue
         entries = sw.read_table(t.preamble.name)
         state[t.preamble.name] = sorted(text_format.MessageToString(e, as_one_line=True)
@@ -38,11 +41,16 @@ def snapshot(sw) -> dict:
 def test_install_is_idempotent(bmv2, sw):
     job = bmv2.make_job(next(_ids), 3, pool_size=4)
     bmv2.install(job)
-    first = snapshot(sw)
+    first, cfg = snapshot(sw), jobs.installed_jobs(sw)[job.job_id]
     bmv2.install(job)
     assert snapshot(sw) == first
-    for lane in (0, sw.lanes - 1):
-        assert len(jobs._job_entries(sw, f"thc_lut_{lane}", job.job_id)) == 1 << P.INDEX_BITS
+    again = jobs.installed_jobs(sw)[job.job_id]
+    assert again.pop("epoch") not in (0, cfg.pop("epoch")), "every install draws a new epoch"
+    assert again == cfg
+    for group in (0, sw.lanes // jobs.GROUP_LANES - 1):
+        for b in range(jobs.GROUP_BYTES):
+            table = jobs.LUT_TABLE.format(group, b)
+            assert len(jobs._job_entries(sw, table, job.job_id)) == 256
     # and it still aggregates, from reset slots
     check_round(bmv2, job, 0, np.random.default_rng(0))
 
@@ -103,12 +111,19 @@ def test_counters_by_name(bmv2, sw):
 
 def test_bad_config_is_rejected_before_touching_the_switch(bmv2, sw):
     job = bmv2.make_job(next(_ids), 2, pool_size=4)
-    before = snapshot(sw)
+    before, installed = snapshot(sw), jobs.installed_jobs(sw)
     with pytest.raises(Exception, match="lanes"):
         jobs.install_job(sw, replace(job, lanes=job.lanes // 2))
     with pytest.raises(Exception, match="slots"):
         jobs.install_job(sw, replace(job, pool_base=P.SWITCH_SLOTS - 2))
+    with pytest.raises(ConfigError, match="table values must lie in 0..30"):
+        jobs.install_job(sw, replace(job, table=(31,) + job.table[1:]))
+    with pytest.raises(ConfigError, match="overflows even 16-bit sums"):
+        jobs.install_job(sw, replace(job, granularity=40000))
+    with pytest.raises(jobs.JobNotInstalled, match=f"job {job.job_id} is not installed"):
+        jobs.remove_job(sw, job.job_id)
     assert snapshot(sw) == before
+    assert jobs.installed_jobs(sw) == installed
 
 
 def test_second_session_in_one_process_is_refused(bmv2):

@@ -54,8 +54,9 @@ def parse(d):
     return hdr, bytes(payload)
 
 
-def sums_of(payload):
-    return np.frombuffer(payload, dtype=P.SUM_DTYPE).astype(np.int64)
+def sums_of(payload, job):
+    assert len(payload) == P.payload_bytes(P.PktType.RESULT, job.lanes, job.sum_bits)
+    return np.frombuffer(payload, dtype=P.sum_dtype(job.sum_bits)).astype(np.int64)
 
 
 def settle(harness):
@@ -80,7 +81,7 @@ def assert_result(got, job, seq, idxs, to_worker, run=RUN):
     assert hdr.offset == (seq * job.lanes) % P.SEQ_MOD
     assert hdr.count == job.n_workers
     assert hdr.bitmap == job.full_bitmap
-    np.testing.assert_array_equal(sums_of(payload), expected_sums(job, idxs))
+    np.testing.assert_array_equal(sums_of(payload, job), expected_sums(job, idxs))
 
 
 def test_exact_sums_multicast_to_every_worker(harness):
@@ -91,6 +92,26 @@ def test_exact_sums_multicast_to_every_worker(harness):
         got = run_round(harness, job, seq, idxs)
         for w in range(job.n_workers):
             assert_result(got[w], job, seq, idxs, w)
+
+
+@pytest.mark.parametrize("n_workers,sum_bits", [(8, 8), (9, 16), (32, 16)])
+def test_sum_width_follows_workers_times_granularity(harness, n_workers, sum_bits):
+    """8-bit sums while n x g <= 255, 16-bit above: the largest table value from every
+    worker of a 32-worker job at g = 30 sums to 960 exactly, in 16-bit RESULT lanes."""
+    job = new_job(harness, n_workers=n_workers)
+    assert job.granularity == 30 and job.sum_bits == sum_bits
+    lanes = job.lanes
+    top = int(np.argmax(job.table))
+    idxs = [np.full(lanes, top, np.uint8) for _ in range(n_workers - 1)]
+    idxs.append(np.arange(lanes, dtype=np.uint8) % 16)
+    got = run_round(harness, job, 0, idxs)
+    for w in range(n_workers):
+        assert_result(got[w], job, 0, idxs, w)
+    rng = np.random.default_rng(12)
+    idxs = [indices(rng, job) for _ in range(n_workers)]
+    got = run_round(harness, job, 1, idxs)
+    for w in range(n_workers):
+        assert_result(got[w], job, 1, idxs, w)
 
 
 def test_extreme_indices_sum_exactly(harness):
@@ -197,7 +218,7 @@ def test_sequence_numbers_wrap_around(harness):
             assert len(got) == 1, f"seq {seq}: worker {w} got {len(got)} results"
             hdr, payload = parse(got[0])
             assert hdr.seq == seq and hdr.count == 2
-            np.testing.assert_array_equal(sums_of(payload), expected_sums(job, idxs))
+            np.testing.assert_array_equal(sums_of(payload, job), expected_sums(job, idxs))
 
 
 def test_single_worker_job_completes_immediately(harness):

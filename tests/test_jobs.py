@@ -1,0 +1,60 @@
+"""Job configuration: the sum width follows workers x granularity; lanes fit one MTU at it."""
+from __future__ import annotations
+
+import pytest
+
+from host.wire import protocol as P
+from host.wire.jobs import ConfigError, Job, Worker
+
+TABLE = tuple(range(0, 31, 2))
+
+
+def job(n_workers: int, granularity: int = 30, **kw) -> Job:
+    workers = tuple(Worker(i, "127.0.0.1", 9000 + i) for i in range(n_workers))
+    table = tuple(min(t, granularity) for t in TABLE)
+    return Job(job_id=1, workers=workers, table=table, granularity=granularity, **kw)
+
+
+@pytest.mark.parametrize("n,g,bits", [(8, 30, 8), (1, 255, 8), (9, 30, 16), (32, 30, 16),
+                                      (32, 2047, 16)])
+def test_sum_width_is_the_narrowest_that_holds_n_times_g(n, g, bits):
+    j = job(n, g).validate()
+    assert j.sum_bits == bits == P.sum_bits_for(n, g)
+    assert Job.from_dict(j.to_dict()).sum_bits == bits
+
+
+def test_sums_that_overflow_16_bits_are_refused():
+    with pytest.raises(ConfigError, match="overflows even 16-bit sums"):
+        job(32, 2048).validate()
+    with pytest.raises(ValueError, match="65535"):
+        P.sum_bits_for(32, 2048)
+
+
+def test_an_explicit_width_is_checked():
+    assert job(4, sum_bits=16).validate().sum_bits == 16
+    with pytest.raises(ConfigError, match="requested 8-bit sums.*choose 16"):
+        job(32, sum_bits=8).validate()
+    with pytest.raises(ConfigError, match="sum_bits 12"):
+        job(4, sum_bits=12).validate()
+
+
+def test_result_payload_and_mtu_lanes_follow_the_width():
+    assert P.payload_bytes(P.PktType.RESULT, 256, 8) == 256
+    assert P.payload_bytes(P.PktType.RESULT, 256, 16) == 512
+    assert P.sum_dtype(16).str == ">u2"
+    for bits in P.SUM_WIDTHS:
+        most = P.max_software_lanes(bits)
+        overhead = P.ETH_IP_UDP_BYTES + P.HEADER_BYTES
+        assert overhead + P.payload_bytes(P.PktType.RESULT, most, bits) <= 1514
+        assert overhead + P.payload_bytes(P.PktType.RESULT, most + 2, bits) > 1514
+    assert job(32, lanes=P.max_software_lanes(16)).validate()
+    with pytest.raises(ConfigError, match="1500-byte MTU"):
+        job(32, lanes=P.max_software_lanes(8)).validate()
+
+
+def test_switch_lanes_come_in_groups_of_eight_and_grow_at_most_512_bytes():
+    assert P.check_lanes(256, switch=True, sum_bits=16) == 256
+    with pytest.raises(ValueError, match="groups of 8"):
+        P.check_lanes(260, switch=True)
+    with pytest.raises(ValueError, match="512"):
+        P.check_lanes(456, switch=True, sum_bits=16)
