@@ -15,7 +15,7 @@ from controller import counters, forwarding, jobs
 from controller.switch import SwitchError
 from host.wire import protocol as P
 from host.wire.jobs import ConfigError
-from tests.bmv2.packets import check_result, check_round, data, random_indices, round_trip
+from tests.bmv2.packets import check_round, data, random_indices, round_trip
 
 pytestmark = pytest.mark.bmv2
 _ids = itertools.count(500)
