@@ -144,7 +144,7 @@ def _thc_frames(job, agg, rng, lanes):
     payloads = [pack_bits(rng.integers(0, 16, lanes).astype(np.uint8), P.INDEX_BITS).tobytes()
                 for _ in range(16)]
     plen = P.HEADER_BYTES + len(payloads[0])
-    prefix = [udp_frame(w.mac, agg.mac, w.ip, agg.ip, w.port, P.UDP_PORT, bytes(plen))[:42]
+    prefix = [udp_frame(w.mac, agg.agg_mac, w.ip, agg.agg_ip, w.port, P.UDP_PORT, bytes(plen))[:42]
               for w in job.workers]
     pack = P.HEADER_STRUCT.pack
     pool = job.pool_size

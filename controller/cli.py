@@ -91,7 +91,7 @@ def _run(args: argparse.Namespace) -> int:
                 job = cluster.job(jid)
                 print(f"job {jid}: index {idx}, {job.n_workers} workers, slots "
                       f"{job.pool_base}..{job.pool_base + job.pool_size - 1}, "
-                      f"multicast group {job.group}"
+                      f"multicast group {job.mcast_grp}"
                       + (" (unchanged, left alone)" if jid in same else ""))
         elif args.action == "remove":
             jobs.remove_job(sw, args.job, force=args.force)

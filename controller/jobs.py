@@ -10,7 +10,7 @@ A job (host/wire/jobs.py ``Job``) becomes
                                                           worker_port, agg_mac, agg_ip)  [egress]
   thc_g<k>.thc_lut_<b>  (job_id, byte) -> thc_lut_set_<b>(two lanes' values, packed)
                    256 entries x 4 bytes x LANES/8 lane groups
-  multicast group  job.group: one replica per worker (its switch_port, instance worker_id + 1)
+  multicast group  job.mcast_grp: one replica per worker (its switch_port, instance worker_id + 1)
   l2_forward       worker MAC -> switch_port
   RESET x 2 x pool packet-outs that clear the job's slot versions in the data plane,
                    because BMv2's P4Runtime server cannot write registers
@@ -33,7 +33,7 @@ from controller import counters, forwarding, p4rt
 from controller.frames import mac_str, reset_frame
 from controller.switch import Switch, SwitchError
 from host.wire import protocol as P
-from host.wire.jobs import Cluster, ConfigError, Job
+from host.wire.jobs import SWITCH_AGG_IP, SWITCH_AGG_MAC, Cluster, ConfigError, Job
 
 JOB_TABLE = "thc_job"
 WORKER_TABLE = "thc_worker"
@@ -60,9 +60,10 @@ class JobLive(SwitchError):
 
 @dataclass(frozen=True)
 class AggAddress:
-    """Where results come from: the aggregator's (switch's) IPv4 and MAC address."""
-    ip: str = "10.0.0.254"
-    mac: str = "02:00:00:00:00:fe"
+    """Where results come from: the aggregator's (switch's) address, named as the
+    ``set_worker_addr`` parameters and the Cluster fields are."""
+    agg_ip: str = SWITCH_AGG_IP
+    agg_mac: str = SWITCH_AGG_MAC
 
     @classmethod
     def of(cls, cluster: Cluster) -> "AggAddress":
@@ -150,7 +151,7 @@ def unchanged(sw: Switch, job: Job, agg: "AggAddress", job_index: int | None = N
     if sorted(map(_canonical, wanted)) != sorted(map(_canonical, have)):
         return False
     replicas = {(w.switch_port, w.id + 1) for w in job.workers}
-    if sw.multicast_groups().get(job.group) != replicas:
+    if sw.multicast_groups().get(job.mcast_grp) != replicas:
         return False
     routes = forwarding.routes(sw)
     return all(routes.get(w.mac.lower()) == w.switch_port for w in job.workers
@@ -213,8 +214,8 @@ def check_job(sw: Switch, job: Job, job_index: int, others: dict[int, dict]) -> 
     for jid, cfg in others.items():
         if cfg["job_index"] == job_index:
             raise ConfigError(f"job index {job_index} is taken by job {jid}")
-        if cfg["mcast_grp"] == job.group:
-            raise ConfigError(f"multicast group {job.group} is taken by job {jid}")
+        if cfg["mcast_grp"] == job.mcast_grp:
+            raise ConfigError(f"multicast group {job.mcast_grp} is taken by job {jid}")
         lo, hi = cfg["pool_base"], cfg["pool_base"] + cfg["pool_size"]
         if job.pool_base < hi and lo < job.pool_base + job.pool_size:
             raise ConfigError(f"job {job.job_id}'s slot pool {job.pool_base}.."
@@ -242,7 +243,7 @@ def _check_addresses(job: Job, other_id: int, addresses) -> None:
 
 def _config_of(job: Job, job_index: int) -> dict:
     """A job as ``check_job`` sees the others: set_job parameters and addresses."""
-    return {"job_index": job_index, "mcast_grp": job.group, "pool_base": job.pool_base,
+    return {"job_index": job_index, "mcast_grp": job.mcast_grp, "pool_base": job.pool_base,
             "pool_size": job.pool_size,
             "addresses": [(w.ip, w.port, w.mac.lower(), w.switch_port) for w in job.workers]}
 
@@ -276,7 +277,7 @@ def job_entry(sw: Switch, job: Job, job_index: int, epoch: int):
         raise ConfigError(f"job {job.job_id}: epoch {epoch} outside 1..2^32-1")
     return sw.table_entry(JOB_TABLE, {"job_id": job.job_id}, "set_job", {
         "job_index": job_index, "n_workers": job.n_workers, "pool_base": job.pool_base,
-        "pool_size": job.pool_size, "full_bitmap": job.full_bitmap, "mcast_grp": job.group,
+        "pool_size": job.pool_size, "full_bitmap": job.full_bitmap, "mcast_grp": job.mcast_grp,
         "sum_bits": job.sum_bits, "epoch": epoch})
 
 
@@ -290,8 +291,8 @@ def worker_entries(sw: Switch, job: Job) -> list:
 def addr_entries(sw: Switch, job: Job, agg: AggAddress) -> list:
     return [sw.table_entry(ADDR_TABLE, {"job_id": job.job_id, "worker_id": w.id},
                            "set_worker_addr", {"worker_mac": w.mac, "worker_ip": w.ip,
-                                               "worker_port": w.port, "agg_mac": agg.mac,
-                                               "agg_ip": agg.ip})
+                                               "worker_port": w.port, "agg_mac": agg.agg_mac,
+                                               "agg_ip": agg.agg_ip})
             for w in job.workers]
 
 
@@ -358,7 +359,7 @@ def reset_pool(sw: Switch, job: Job, job_index: int, agg: AggAddress,
                timeout: float = 10.0) -> None:
     """Clear every slot of the job (RESET packet-outs) and wait until the switch applied them."""
     before = counters.resets(sw, job_index)
-    sw.packet_out(reset_frame(job.job_id, slot, agg.mac, agg.ip, version)
+    sw.packet_out(reset_frame(job.job_id, slot, agg.agg_mac, agg.agg_ip, version)
                   for slot in range(job.pool_size) for version in (0, 1))
     deadline = time.monotonic() + timeout
     done = 0
@@ -407,7 +408,7 @@ def _write_job(sw: Switch, job: Job, job_index: int, agg: AggAddress,
     addrs = addr_entries(sw, job, agg)
     _upsert(sw, addrs, again)
     _upsert(sw, lut_entries(sw, job), again)
-    sw.set_multicast_group(job.group, [(w.switch_port, w.id + 1) for w in job.workers])
+    sw.set_multicast_group(job.mcast_grp, [(w.switch_port, w.id + 1) for w in job.workers])
     forwarding.install(sw, {w.mac: w.switch_port for w in job.workers})
     epoch = new_epoch(previous.get("epoch") if previous else None)
     _upsert(sw, [job_entry(sw, job, job_index, epoch)],
@@ -415,7 +416,7 @@ def _write_job(sw: Switch, job: Job, job_index: int, agg: AggAddress,
 
     # leftovers of an earlier version of this job
     _delete_stale(sw, ADDR_TABLE, job.job_id, addrs)
-    if previous is not None and previous["mcast_grp"] != job.group:
+    if previous is not None and previous["mcast_grp"] != job.mcast_grp:
         sw.delete_multicast_group(previous["mcast_grp"])
     gone = old_macs - {w.mac.lower() for w in job.workers} - _worker_macs(sw, exclude=job.job_id)
     if gone:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+
 import pytest
 
 grpc = pytest.importorskip("grpc")

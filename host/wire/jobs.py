@@ -14,6 +14,11 @@ from pathlib import Path
 from host.codec.params import THCParams
 from host.wire import protocol as P
 
+SWITCH_AGG_IP = "10.0.0.254"
+SWITCH_AGG_MAC = "02:00:00:00:00:fe"
+"""The address a switch answers as when it is the aggregator (no host owns it; workers get a
+static ARP entry): the default of ``Cluster.agg_mac``, the controller and the testbeds."""
+
 
 class ConfigError(ValueError):
     """A job configuration that cannot be installed."""
@@ -38,13 +43,17 @@ class Job:
     pool_size: int = 64
     pool_base: int = 0
     lanes: int = P.LANES
-    mcast_group: int = 0
-    """0 means: job_id (switch multicast group ids must be non-zero)."""
+    mcast_grp: int = 0
+    """The multicast group of the job's results (P4's ``standard_metadata.mcast_grp``, the
+    controller's ``set_job`` parameter of the same name); 0 means: job_id (switch multicast
+    group ids must be non-zero)."""
     sum_bits: int = 0
     """Width of the job's sums (8 or 16); 0 means: the narrowest that holds n_workers x
     granularity, chosen when the job is made. RESULT payloads carry sums of this width."""
 
     def __post_init__(self):
+        if self.mcast_grp == 0:
+            object.__setattr__(self, "mcast_grp", self.job_id)
         if self.sum_bits == 0:
             top = len(self.workers) * self.granularity
             bits = next((b for b in P.SUM_WIDTHS if top <= (1 << b) - 1), P.SUM_WIDTHS[-1])
@@ -53,10 +62,6 @@ class Job:
     @property
     def n_workers(self) -> int:
         return len(self.workers)
-
-    @property
-    def group(self) -> int:
-        return self.mcast_group or self.job_id
 
     @property
     def full_bitmap(self) -> int:
@@ -138,7 +143,7 @@ class Cluster:
     jobs: tuple[Job, ...]
     agg_ip: str = "127.0.0.1"
     agg_port: int = P.UDP_PORT
-    agg_mac: str = "02:00:00:00:00:fe"
+    agg_mac: str = SWITCH_AGG_MAC
     extra: dict = field(default_factory=dict)
 
     def job(self, job_id: int) -> Job:

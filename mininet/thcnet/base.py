@@ -25,8 +25,6 @@ MASTER_PORT = 29500
 SUBNET = "10.0.0.0/24"
 AGG_IP, AGG_MAC = "10.0.0.100", "02:00:00:00:00:64"
 """The software aggregator's host."""
-SWITCH_AGG_IP, SWITCH_AGG_MAC = "10.0.0.254", "02:00:00:00:00:fe"
-"""The BMv2 switch's virtual aggregator address (no host owns it; workers get a static ARP)."""
 AGG_START_TIMEOUT = 30.0
 
 

@@ -24,15 +24,13 @@ from pathlib import Path
 
 from host.codec.params import THCParams
 from host.wire import protocol as P
-from host.wire.jobs import Cluster, Worker
+from host.wire.jobs import SWITCH_AGG_IP, SWITCH_AGG_MAC, Cluster, Worker
 from thcnet import links
 from thcnet.base import (
     AGG_IP,
     AGG_MAC,
     MASTER_PORT,
     REPO_ROOT,
-    SWITCH_AGG_IP,
-    SWITCH_AGG_MAC,
     THC_BASE_PORT,
     Testbed,
     TestbedError,

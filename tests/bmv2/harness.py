@@ -22,13 +22,12 @@ from controller import toolchain
 from controller.frames import udp_frame
 from controller.testing.bmv2 import LocalBMv2
 from host.wire import protocol as P
-from host.wire.jobs import Job, Worker
+from host.wire.jobs import SWITCH_AGG_IP, SWITCH_AGG_MAC, Job, Worker
 from tests.conformance.harness import TEST_TABLE, Endpoint, Harness
 
 ROOT = Path(__file__).resolve().parents[2]
 BUILD = ROOT / "p4src" / "build"
-AGG_IP = "10.0.0.254"
-AGG_MAC = "02:00:00:00:00:fe"
+AGG_IP, AGG_MAC = SWITCH_AGG_IP, SWITCH_AGG_MAC
 
 
 def bmv2_available(program: str = "thc") -> tuple[bool, str]:

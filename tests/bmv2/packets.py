@@ -7,7 +7,6 @@ from host.codec.packing import pack_bits
 from host.wire import protocol as P
 from host.wire.jobs import Job
 
-
 RUN = 1
 """Run id the tests' workers send (any nonzero value: one run)."""
 

@@ -139,7 +139,7 @@ def test_index_group_and_pool_collisions_are_refused():
     with pytest.raises(ConfigError, match="index 0 is taken by job 5"):
         jobs.check_job(sw, dataclasses.replace(b, pool_base=8), 0, _others((a, 0)))
     with pytest.raises(ConfigError, match="multicast group 5 is taken"):
-        jobs.check_job(sw, dataclasses.replace(b, pool_base=8, mcast_group=5), 1,
+        jobs.check_job(sw, dataclasses.replace(b, pool_base=8, mcast_grp=5), 1,
                        _others((a, 0)))
 
 
