@@ -136,16 +136,18 @@ control ThcVerifyChecksum(inout headers_t hdr, inout metadata_t meta) {
  * operation is the single field `op` (write on the slot's first use, add, read on a
  * retransmission), as a Tofino RegisterAction picked by the same field.
  */
-control ThcLaneGroup(inout thc_idx_h idx, inout thc_sum8_h r8, inout thc_sum16_h r16,
+control ThcLaneGroup(in thc_idx_h idx, out thc_sum8_h r8, out thc_sum16_h r16,
                      in bit<16> job_id, in bit<32> reg_index, in bit<2> op, in bit<1> wide) {
     register<bit<32>>(THC_REG_SIZE) thc_sum_0;
     register<bit<32>>(THC_REG_SIZE) thc_sum_1;
     register<bit<32>>(THC_REG_SIZE) thc_sum_2;
     register<bit<32>>(THC_REG_SIZE) thc_sum_3;
-    bit<32> v0 = 0;
-    bit<32> v1 = 0;
-    bit<32> v2 = 0;
-    bit<32> v3 = 0;
+    // table values of the group's bytes, then its words (read only after the lookups ran,
+    // except by a READ, which ignores them)
+    bit<32> v0;
+    bit<32> v1;
+    bit<32> v2;
+    bit<32> v3;
     bit<32> old;
 
     action thc_lut_set_0(bit<32> value) { v0 = value; }
