@@ -363,8 +363,10 @@ control ThcIngress(inout headers_t hdr, inout metadata_t meta, inout standard_me
         thc_count.write(meta.reg_index, meta.count);
     }
 
-    // RESET (controller packet-out): the slot version named in the header becomes unused.
+    // RESET (controller packet-out): the slot version named in the header becomes unused,
+    // and the job index forgets its run (a job installed at a reused index starts with none).
     action thc_reset_ra() {
+        thc_job_run.write((bit<32>)meta.job_index, 0);
         thc_run.write(meta.reg_index, 0);
         thc_seq.write(meta.reg_index, THC_SEQ_RESET);
         thc_bitmap.write(meta.reg_index, 0);

@@ -350,6 +350,9 @@ control ThcIngress(inout headers_t hdr, inout metadata_t meta,
             count = value;
         }
     };
+    RegisterAction<bit<32>, bit<32>, bit<32>>(thc_job_run) thc_job_run_reset = {
+        void apply(inout bit<32> value) { value = 0; }
+    };
     RegisterAction<bit<32>, bit<32>, bit<32>>(thc_run) thc_run_reset = {
         void apply(inout bit<32> value) { value = 0; }
     };
@@ -469,6 +472,7 @@ control ThcIngress(inout headers_t hdr, inout metadata_t meta,
             if (meta.drop_reason == 0) {
                 thc_index();
                 if (hdr.thc.pkt_type == THC_RESET) {
+                    thc_job_run_reset.execute((bit<32>)meta.job_index);
                     thc_run_reset.execute(meta.reg_index);
                     thc_seq_reset.execute(meta.reg_index);
                     thc_bitmap_reset.execute(meta.reg_index);

@@ -449,3 +449,18 @@ def test_replies_carry_the_run_and_one_epoch(harness):
         got = harness.endpoint(job, w).recv_all(timeout=harness.quiet)
         hdr, _ = parse(got[0])
         assert hdr.pkt_type == P.PktType.MAX_RESULT and (hdr.run, hdr.epoch) == (run, epoch)
+
+
+def test_a_reinstalled_job_knows_no_run(harness):
+    """Installing a job forgets the run of whatever used its state before (on the switch:
+    the job index's thc_job_run), so any run, even one older than the last, takes it."""
+    rng = np.random.default_rng(29)
+    job = new_job(harness, n_workers=2)
+    first = [indices(rng, job) for _ in range(2)]
+    assert_result(run_round(harness, job, 0, first, run=1000)[0], job, 0, first, 0, run=1000)
+    harness.remove(job.job_id)
+    harness.install(job)
+    again = [indices(rng, job) for _ in range(2)]
+    got = run_round(harness, job, 0, again, run=5)
+    for w in range(2):
+        assert_result(got[w], job, 0, again, w, run=5)
