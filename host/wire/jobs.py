@@ -46,7 +46,8 @@ class Job:
     mcast_grp: int = 0
     """The multicast group of the job's results (P4's ``standard_metadata.mcast_grp``, the
     controller's ``set_job`` parameter of the same name); 0 means: job_id (switch multicast
-    group ids must be non-zero)."""
+    group ids must be non-zero), resolved when the job is made: ``dataclasses.replace`` of the
+    job_id keeps it, so give both."""
     sum_bits: int = 0
     """Width of the job's sums (8 or 16); 0 means: the narrowest that holds n_workers x
     granularity, chosen when the job is made. RESULT payloads carry sums of this width."""

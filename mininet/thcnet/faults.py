@@ -287,11 +287,13 @@ def bmv2_rows(numel: int, prefer_mininet: bool) -> list[Row]:
     with open_testbed(N_WORKERS, aggregator="bmv2") as tb:
         tb.start_aggregator()
         w = sorted(tb.job.workers, key=lambda x: x.id)
-        a = dataclasses.replace(tb.job, job_id=1, workers=tuple(w[:2]))
-        b = dataclasses.replace(tb.job, job_id=2, workers=tuple(
+        a = dataclasses.replace(tb.job, job_id=1, mcast_grp=1, workers=tuple(w[:2]))
+        b = dataclasses.replace(tb.job, job_id=2, mcast_grp=2,
+                                pool_base=a.pool_base + a.pool_size, workers=tuple(
             dataclasses.replace(x, id=i) for i, x in enumerate(w[2:])))
         paths = {}
-        for name, jobs in (("both", (a, b)), ("a", (a,)), ("b", (b,))):
+        changed_b = dataclasses.replace(b, pool_size=b.pool_size // 2)
+        for name, jobs in (("both", (a, b)), ("a", (a,)), ("b", (changed_b,))):
             paths[name] = tb.logdir / f"cluster-{name}.json"
             dataclasses.replace(tb.cluster, jobs=jobs).save(paths[name])
         _controller(tb, "install", "--config", str(paths["both"]), "--prune")
