@@ -61,7 +61,7 @@ p4: setup
 P4TOFINO_OUT ?= out/p4-tofino
 p4-tofino: setup
 	@command -v $(P4C) >/dev/null || { echo "make p4-tofino: '$(P4C)' not found on PATH."; exit 2; }
-	@command -v p4c-barefoot >/dev/null || { echo "make p4-tofino: the Tofino back end (p4c-barefoot) is not installed: p4c built with -DENABLE_TOFINO=ON provides it."; exit 2; }
+	@command -v p4c-barefoot >/dev/null || { echo "make p4-tofino: the Tofino back end (p4c-barefoot) is not installed: install a p4c package or image from p4lang that includes it."; exit 2; }
 	$(PY) $(P4SRC)/gen_p4.py
 	rm -rf $(P4TOFINO_OUT) && mkdir -p $(P4TOFINO_OUT)
 	$(P4C) --target tofino --arch tna -o $(P4TOFINO_OUT) $(P4SRC)/thc_tna.p4

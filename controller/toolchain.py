@@ -28,8 +28,8 @@ def tofino_missing() -> str | None:
     if why:
         return why
     if shutil.which("p4c-barefoot") is None:
-        return ("p4c's Tofino back end (p4c-barefoot) is not installed: it comes with p4c "
-                "built with -DENABLE_TOFINO=ON")
+        return ("p4c's Tofino back end (p4c-barefoot) is not installed: install a p4c "
+                "package or image from p4lang that includes it (its ENABLE_TOFINO option)")
     return None
 
 
