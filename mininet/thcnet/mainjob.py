@@ -145,7 +145,8 @@ def _run_mode(name: str, args, progress) -> dict:
         wire = sum(after[w][0] - before[w][0] + after[w][1] - before[w][1] for w in after)
         wire_source = "worker links, transmit + receive (interface counters)"
     else:
-        wire = sum(_rows(r.stdout)[1][-1]["bytes_sent"] for r in results if _rows(r.stdout)[1])
+        last_rows = (_rows(r.stdout)[1] for r in results)
+        wire = sum(rows[-1]["bytes_sent"] for rows in last_rows if rows)
         wire_source = "bytes sent only (transport counters: the loopback has no links)"
     agg = None if agg_after is None else (agg_after[0] - agg_before[0]
                                           + agg_after[1] - agg_before[1])
