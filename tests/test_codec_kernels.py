@@ -95,6 +95,10 @@ def test_generator_statistics_and_key_separation():
     assert abs(u.mean() - 0.5) < 0.01 and abs(u.var() - 1 / 12) < 0.005
     assert not np.array_equal(rng.signs(64, 0, 1, 0), rng.signs(64, 0, 0, 1))
     assert not np.array_equal(rng.signs(64, 1, 0, 0), rng.signs(64, 2 ** 32 + 1, 0, 0))
+    pfx = rng.key_prefix(5, 2 ** 40 + 3, rng.SIGN_STREAM)
+    assert rng.key_from_prefix(pfx, 9) == rng.slice_key(5, 2 ** 40 + 3, 9, rng.SIGN_STREAM)
+    with pytest.raises(ValueError, match="slice"):
+        rng.slice_key(0, 0, 2 ** 32, 0)
     with pytest.raises(ValueError, match="seed"):
         rng.slice_key(-1, 0, 0, 0)
     with pytest.raises(ValueError, match="round"):
@@ -208,6 +212,30 @@ def test_kernels_refuse_nan_and_inf():
             thc.slice_norms(y, p)
         with pytest.raises(ValueError, match="NaN or Inf"):
             thc.prepare(y, p, 0, backend="triton")
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_bad_max_norms_refused_on_every_backend(backend):
+    """The kernels keep device-side max norms on the device and check them in the wait they
+    already have; bad ones are refused the same way as on the host."""
+    if backend == "triton" and SKIP:
+        pytest.skip(SKIP)
+    p = THCParams(slice_size=256)
+    x = torch.randn(1000, device=DEV)
+    m = thc.slice_norms(x, p)
+    idx = thc.encode(x, m, p, 0, 1, backend=backend)
+    sums = thc.aggregate([idx], p)
+    for bad in (float("nan"), float("inf"), -1.0):
+        mb = m.clone()
+        mb[2] = bad
+        with pytest.raises(ValueError, match="max norms must be finite"):
+            thc.encode(x, mb, p, 0, 1, backend=backend)
+        with pytest.raises(ValueError, match="max norms must be finite"):
+            thc.decode(sums, 1, mb, 1000, p, 0, backend=backend)
+    with pytest.raises(ValueError, match="expected 4 max norms"):
+        thc.encode(x, m[:3], p, 0, 1, backend=backend)
+    with pytest.raises(ValueError, match="expected 4 max norms"):
+        thc.decode(sums, 1, m[:3], 1000, p, 0, backend=backend)
 
 
 @pytest.mark.parametrize("backend", ["reference", "triton"])

@@ -50,21 +50,37 @@ def mix32_int(x: int) -> int:
     return x
 
 
+def key_prefix(seed: int, round_: int, stream: int) -> int:
+    """The key schedule up to the slice word: shared by every slice of one (seed, round,
+    stream), so a kernel finishes each slice's key itself from this one scalar."""
+    seed, round_ = int(seed), int(round_)
+    for name, v in (("seed", seed), ("round", round_)):
+        if not 0 <= v < (1 << 64):
+            raise ValueError(f"{name} must be an integer in [0, 2^64), got {v}")
+    h = mix32_int(int(stream) ^ GOLDEN)
+    for w in (seed & M32, seed >> 32, round_ & M32, round_ >> 32):
+        h = mix32_int(((h ^ w) + GOLDEN) & M32)
+    return h
+
+
+def key_from_prefix(prefix: int, slice_index: int) -> tuple[int, int]:
+    """(k0, k1) of one slice from :func:`key_prefix`."""
+    slice_index = int(slice_index)
+    if not 0 <= slice_index < (1 << 32):
+        raise ValueError(f"slice must be an integer in [0, 2^32), got {slice_index}")
+    h = mix32_int(((prefix ^ slice_index) + GOLDEN) & M32)
+    return h, mix32_int(h ^ KEY2)
+
+
 def slice_key(seed: int, round_: int, slice_index: int, stream: int) -> tuple[int, int]:
     """(k0, k1) of one slice: the only per-slice state a backend needs."""
-    seed, round_, slice_index = int(seed), int(round_), int(slice_index)
-    for name, v, top in (("seed", seed, 64), ("round", round_, 64), ("slice", slice_index, 32)):
-        if not 0 <= v < (1 << top):
-            raise ValueError(f"{name} must be an integer in [0, 2^{top}), got {v}")
-    h = mix32_int(int(stream) ^ GOLDEN)
-    for w in (seed & M32, seed >> 32, round_ & M32, round_ >> 32, slice_index):
-        h = mix32_int(((h ^ w) + GOLDEN) & M32)
-    return h, mix32_int(h ^ KEY2)
+    return key_from_prefix(key_prefix(seed, round_, stream), slice_index)
 
 
 def slice_keys(seed: int, round_: int, slices, stream: int) -> np.ndarray:
     """Keys of several slices as a (count, 2) uint32 array."""
-    keys = [slice_key(seed, round_, s, stream) for s in slices]
+    prefix = key_prefix(seed, round_, stream)
+    keys = [key_from_prefix(prefix, s) for s in slices]
     return np.asarray(keys, dtype=np.uint32).reshape(-1, 2)
 
 

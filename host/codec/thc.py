@@ -140,6 +140,25 @@ def _norm_array(max_norms, n_slices: int) -> np.ndarray:
     return m
 
 
+def _device_norms(max_norms, n_slices: int, groups, kern, x):
+    """Max norms kept on x's device, with their check as a device flag, where every group runs
+    in the kernels: a host copy here would stall the stream once per call. None elsewhere
+    (then :func:`_norm_array` checks them on the host)."""
+    if kern is None or not is_torch(max_norms) or not _same_place(max_norms.device, x.device) \
+            or not all(kern.supports(grp.padded) for grp in groups):
+        return None
+    import torch
+    m = max_norms.detach().reshape(-1)
+    if m.numel() != n_slices:
+        raise ValueError(f"expected {n_slices} max norms (one per slice), got {m.numel()}")
+    m = m.to(torch.float64)
+    return m, torch.isfinite(m).all() & (m >= 0).all()
+
+
+def _raise_bad_norms(m) -> None:
+    raise ValueError(f"max norms must be finite and >= 0, got {m.detach().cpu().numpy()}")
+
+
 def _view(flat, group):
     """The group's slices as a (count, length) view of the flat tensor."""
     n = group.count * group.length
@@ -264,7 +283,10 @@ def encode_prepared(prep: Prepared, max_norms, params: THCParams, generator=None
 def _encode(x, max_norms, params, round, generator, backend, pack, scratch=None):
     flat = _flat(x)
     lay = layout(flat.shape[0], params)
-    m = _norm_array(max_norms, lay.n_slices)
+    kern = kernels_for(flat, backend)
+    groups = list(lay.groups(1 << 62 if kern is not None else GROUP_ELEMENTS))
+    on_device = _device_norms(max_norms, lay.n_slices, groups, kern, flat)
+    m = None if on_device else _norm_array(max_norms, lay.n_slices)
     g, t = params.granularity, params.t_p
     table = tuple(int(v) for v in params.table)
     torch_in = is_torch(flat)
@@ -274,7 +296,6 @@ def _encode(x, max_norms, params, round, generator, backend, pack, scratch=None)
                                                                       flat.device):
             raise ValueError(f"the torch generator is on {generator.device} but the input is "
                              f"on {flat.device}: use a generator of the input's device")
-    kern = kernels_for(flat, backend)
     # packed groups start on whole bytes when slices have an even length
     fused = kern is not None and pack and params.bits == 4 and params.slice_size >= 2
     if kern is not None:
@@ -289,9 +310,14 @@ def _encode(x, max_norms, params, round, generator, backend, pack, scratch=None)
         out = np.empty(lay.total_padded, dtype=np.uint8)
     # c = g / (2 t M): maps H D x (unnormalized H) straight onto u - g/2; the sqrt(d) of the
     # scale cancels the 1/sqrt(d) of the normalized transform.
-    coef = np.where(m > 0, g / (2.0 * t * np.where(m > 0, m, 1.0)), 0.0)
-    for grp in lay.groups(1 << 62 if kern is not None else GROUP_ELEMENTS):
-        c = coef[grp.first: grp.first + grp.count].astype(np.float32)
+    if on_device:
+        md, norms_ok = on_device
+        coef = torch.where(md > 0, g / (2.0 * t * torch.where(md > 0, md, 1.0)), 0.0) \
+            .to(torch.float32)
+    else:
+        coef = np.where(m > 0, g / (2.0 * t * np.where(m > 0, m, 1.0)), 0.0)
+    for grp in groups:
+        c = coef[grp.first: grp.first + grp.count]
         if kern is not None and kern.supports(grp.padded):
             a, n = (grp.padded_start // 2, grp.count * grp.padded // 2) if fused else \
                 (grp.padded_start, grp.count * grp.padded)
@@ -299,8 +325,16 @@ def _encode(x, max_norms, params, round, generator, backend, pack, scratch=None)
             if tmp is None:
                 tmp, _ = kern.encode_rows(flat, grp, params.seed, round)
             first = kern.encode_cols(tmp, grp, c, table, round, useed, out[a: a + n], fused)
-            _check_finite(first, grp)
+            if on_device:
+                # one wait for the norms' and the input's checks together
+                if not bool(torch.isfinite(first).all() & norms_ok):
+                    if not bool(norms_ok):
+                        _raise_bad_norms(md)
+                    _check_finite(first, grp)
+            else:
+                _check_finite(first, grp)
             continue
+        c = c.astype(np.float32)
         rows = _rows(flat, grp)
         idx = range(grp.first, grp.first + grp.count)
         w = rows * random_signs(grp.padded, params.seed, round, idx, like=flat)
@@ -432,7 +466,6 @@ def _decode(sums, n_workers, max_norms, numel, params, round, out, backend, own_
         raise ValueError(f"expected {lay.total_padded} sums (padded length of {numel} "
                          f"elements in slices of {params.slice_size}), got shape "
                          f"{tuple(sums.shape)}")
-    m = _norm_array(max_norms, lay.n_slices)
     g, t, n = params.granularity, params.t_p, int(n_workers)
     torch_in = is_torch(sums)
     if torch_in:
@@ -457,10 +490,14 @@ def _decode(sums, n_workers, max_norms, numel, params, round, out, backend, own_
         sums = sums.contiguous()
         if not out.is_contiguous():
             raise ValueError("out must be contiguous")
+    groups = list(lay.groups(1 << 62 if kern is not None else GROUP_ELEMENTS))
+    on_device = _device_norms(max_norms, lay.n_slices, groups, kern, sums)
+    m = on_device[0] if on_device else _norm_array(max_norms, lay.n_slices)
     centre = n * g / 2.0
-    for grp in lay.groups(1 << 62 if kern is not None else GROUP_ELEMENTS):
+    for grp in groups:
         d = grp.padded
-        alpha = (2.0 * t * m[grp.first: grp.first + grp.count] / (g * d * n)).astype(np.float32)
+        alpha = 2.0 * t * m[grp.first: grp.first + grp.count] / (g * d * n)
+        alpha = alpha.to(torch.float32) if on_device else alpha.astype(np.float32)
         s = sums[grp.padded_start: grp.padded_start + grp.count * d]
         dst = out[grp.start: grp.start + grp.count * grp.length]
         if kern is not None and kern.supports(d):
@@ -493,6 +530,8 @@ def _decode(sums, n_workers, max_norms, numel, params, round, out, backend, own_
                 np.multiply(y, signs, out=dst)
         else:
             dst[...] = (y * signs)[:, : grp.length]
+    if on_device and not bool(on_device[1]):
+        _raise_bad_norms(on_device[0])
     return out
 
 

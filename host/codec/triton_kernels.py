@@ -33,10 +33,11 @@ from host.codec import rng
 
 MIN_LOG, MAX_LOG = 8, 24
 """Slice lengths 2^8..2^24 run here; others take the reference path."""
-TILE = 8192
-"""float32 elements a program holds (32 KiB): rows x C in pass 1, R x columns in pass 2."""
+TILE, TILE_COLS = 4096, 8192
+"""float32 elements a program holds: rows x C in the row passes, R x columns in the column
+passes (measured on an H100 at 2^26: the fastest of 4096..32768 per pass)."""
 PRECISION = "ieee"
-NUM_WARPS = 8
+NUM_WARPS, NUM_WARPS_COLS = 4, 8
 
 
 def supports(padded: int) -> bool:
@@ -80,10 +81,11 @@ def _block(j, k0, k1):
 
 
 @triton.jit
-def _key(KEYS, s):
-    k0 = tl.load(KEYS + 2 * s).to(tl.uint32, bitcast=True)
-    k1 = tl.load(KEYS + 2 * s + 1).to(tl.uint32, bitcast=True)
-    return k0, k1
+def _key(prefix, first, s):
+    """rng.key_from_prefix of slice first + s: the key schedule's last step, per program."""
+    w = prefix.to(tl.uint32, bitcast=True) ^ (first + s).to(tl.uint32)
+    h = _mix32(w + 0x9E3779B9)
+    return h, _mix32(h ^ 0x85EBCA6B)
 
 
 @triton.jit
@@ -136,20 +138,20 @@ def _had_first(x, K: tl.constexpr, N: tl.constexpr, K1: tl.constexpr, PREC: tl.c
 
 
 @triton.jit
-def _encode_rows(X, TMP, KEYS, PART, length, d,
+def _encode_rows(X, TMP, prefix, first, PART, length, d,
                  C: tl.constexpr, C1: tl.constexpr, BM: tl.constexpr, PREC: tl.constexpr):
     s = tl.program_id(0)
     rows = tl.program_id(1) * BM + tl.arange(0, BM)
     i = rows[:, None] * C + tl.arange(0, C)[None, :]
     x = tl.load(X + s.to(tl.int64) * length + i, mask=i < length, other=0.0)
     tl.store(PART + s * tl.num_programs(1) + tl.program_id(1), tl.sum(tl.sum(x * x, 1), 0))
-    k0, k1 = _key(KEYS, s)
+    k0, k1 = _key(prefix, first, s)
     y = _had_last(_signed(x, i, k0, k1), BM, C, C1, PREC)
     tl.store(TMP + s.to(tl.int64) * d + i, y)
 
 
 @triton.jit
-def _encode_cols(TMP, OUT, FIRST, COEF, UKEYS, LOWER, BASE, WIDTH, d, g,
+def _encode_cols(TMP, OUT, FIRST, COEF, uprefix, first, LOWER, BASE, WIDTH, d, g,
                  R: tl.constexpr, C: tl.constexpr, R1: tl.constexpr, BN: tl.constexpr,
                  PREC: tl.constexpr, PACK: tl.constexpr):
     s = tl.program_id(0)
@@ -163,7 +165,7 @@ def _encode_cols(TMP, OUT, FIRST, COEF, UKEYS, LOWER, BASE, WIDTH, d, g,
     k = tl.maximum(tl.minimum(u.to(tl.int32), g - 1), 0)
     lower = tl.load(LOWER + k).to(tl.int32)
     frac = (u - tl.load(BASE + k)) / tl.load(WIDTH + k)
-    uk0, uk1 = _key(UKEYS, s)
+    uk0, uk1 = _key(uprefix, first, s)
     r = (_block(i.to(tl.uint32), uk0, uk1) >> 8).to(tl.float32) * 5.9604644775390625e-08
     idx = lower + (r < frac).to(tl.int32)
     if PACK:
@@ -189,7 +191,7 @@ def _decode_rows(S, TMP, TABLE, centre, d,
 
 
 @triton.jit
-def _decode_cols(TMP, OUT, ALPHA, KEYS, length, d,
+def _decode_cols(TMP, OUT, ALPHA, prefix, first, length, d,
                  R: tl.constexpr, C: tl.constexpr, R1: tl.constexpr, BN: tl.constexpr,
                  PREC: tl.constexpr):
     s = tl.program_id(0)
@@ -197,7 +199,7 @@ def _decode_cols(TMP, OUT, ALPHA, KEYS, length, d,
     i = tl.arange(0, R)[:, None] * C + (nb * BN + tl.arange(0, BN))[None, :]
     y = tl.load(TMP + s.to(tl.int64) * d + i)
     z = _had_first(y, R, BN, R1, PREC) * tl.load(ALPHA + s)
-    k0, k1 = _key(KEYS, s)
+    k0, k1 = _key(prefix, first, s)
     tl.store(OUT + s.to(tl.int64) * length + i, _signed(z, i, k0, k1), mask=i < length)
 
 
@@ -210,12 +212,14 @@ class _Shape:
         self.R, self.C = 1 << lr, 1 << lc
         self.R1, self.C1 = _axis_factor(lr), _axis_factor(lc)
         self.BM = max(1, min(self.R, TILE // self.C))
-        self.BN = max(2, min(self.C, TILE // self.R))
+        self.BN = max(2, min(self.C, TILE_COLS // self.R))
 
 
-def _keys(seed: int, round_: int, first: int, count: int, stream: int, device):
-    k = rng.slice_keys(seed, round_, range(first, first + count), stream)
-    return torch.from_numpy(k.view(np.int32).reshape(-1).copy()).to(device)
+def _prefix(seed: int, round_: int, stream: int) -> int:
+    """rng.key_prefix as the int32 the kernels take (they finish each slice's key): no
+    per-slice key table is computed on the host or copied to the device."""
+    p = rng.key_prefix(seed, round_, stream)
+    return p - (1 << 32) if p >= 1 << 31 else p
 
 
 _LUTS: dict = {}
@@ -232,6 +236,13 @@ def _luts(table: tuple[int, ...], device):
     return _LUTS[key]
 
 
+def _on(v, device):
+    """Per-slice float32 factors on the device (computed there by the caller, or numpy)."""
+    if isinstance(v, torch.Tensor):
+        return v.to(device=device, dtype=torch.float32).contiguous()
+    return torch.from_numpy(np.ascontiguousarray(v, dtype=np.float32)).to(device)
+
+
 def encode_rows(flat, grp, seed: int, round_: int):
     """Encode pass 1 of one group of equal slices of ``flat`` (float32, contiguous): the
     signed, row-transformed scratch and the slices' L2 norms (from the same read of x)."""
@@ -239,30 +250,30 @@ def encode_rows(flat, grp, seed: int, round_: int):
     x = flat[grp.start: grp.start + grp.count * grp.length]
     tmp = torch.empty(grp.count * d, dtype=torch.float32, device=dev)
     part = torch.empty((grp.count, sh.R // sh.BM), dtype=torch.float32, device=dev)
-    keys = _keys(seed, round_, grp.first, grp.count, rng.SIGN_STREAM, dev)
-    _encode_rows[(grp.count, sh.R // sh.BM)](x, tmp, keys, part, grp.length, d, C=sh.C,
+    pfx = _prefix(seed, round_, rng.SIGN_STREAM)
+    _encode_rows[(grp.count, sh.R // sh.BM)](x, tmp, pfx, grp.first, part, grp.length, d, C=sh.C,
                                              C1=sh.C1, BM=sh.BM, PREC=PRECISION,
                                              num_warps=NUM_WARPS)
     return tmp, part.sum(1).sqrt_()
 
 
-def encode_cols(tmp, grp, coef: np.ndarray, table: tuple[int, ...], round_: int,
+def encode_cols(tmp, grp, coef, table: tuple[int, ...], round_: int,
                 uniform_seed: int, out, pack: bool):
     """Encode pass 2 of one group: column transform, scale, truncation, stochastic rounding
     into ``out`` (uint8 indices, or packed b = 4 bytes when ``pack``). Returns the first
     rotated coordinate of each slice (for the caller's NaN/Inf check)."""
     sh, dev, d = _Shape(grp.padded), tmp.device, grp.padded
     first = torch.empty(grp.count, dtype=torch.float32, device=dev)
-    ukeys = _keys(uniform_seed, round_, grp.first, grp.count, rng.UNIFORM_STREAM, dev)
+    upfx = _prefix(uniform_seed, round_, rng.UNIFORM_STREAM)
     lower, base, width = _luts(table, dev)
-    c = torch.from_numpy(np.ascontiguousarray(coef, dtype=np.float32)).to(dev)
-    _encode_cols[(grp.count, sh.C // sh.BN)](tmp, out, first, c, ukeys, lower, base, width, d,
+    c = _on(coef, dev)
+    _encode_cols[(grp.count, sh.C // sh.BN)](tmp, out, first, c, upfx, grp.first, lower, base, width, d,
                                              table[-1], R=sh.R, C=sh.C, R1=sh.R1, BN=sh.BN,
-                                             PREC=PRECISION, PACK=pack, num_warps=NUM_WARPS)
+                                             PREC=PRECISION, PACK=pack, num_warps=NUM_WARPS_COLS)
     return first
 
 
-def decode_group(values, grp, alpha: np.ndarray, centre: float, seed: int, round_: int, out,
+def decode_group(values, grp, alpha, centre: float, seed: int, round_: int, out,
                  table=None):
     """Decode one group: ``values`` are the group's sums (any integer dtype) or, with
     ``table`` (int32 tensor on the device), one worker's indices; writes ``out`` (the group's
@@ -274,11 +285,11 @@ def decode_group(values, grp, alpha: np.ndarray, centre: float, seed: int, round
                                              float(centre), d, C=sh.C, C1=sh.C1, BM=sh.BM,
                                              PREC=PRECISION, LOOKUP=lookup,
                                              num_warps=NUM_WARPS)
-    keys = _keys(seed, round_, grp.first, grp.count, rng.SIGN_STREAM, dev)
-    a = torch.from_numpy(np.ascontiguousarray(alpha, dtype=np.float32)).to(dev)
-    _decode_cols[(grp.count, sh.C // sh.BN)](tmp, out, a, keys, grp.length, d, R=sh.R,
+    pfx = _prefix(seed, round_, rng.SIGN_STREAM)
+    a = _on(alpha, dev)
+    _decode_cols[(grp.count, sh.C // sh.BN)](tmp, out, a, pfx, grp.first, grp.length, d, R=sh.R,
                                              C=sh.C, R1=sh.R1, BN=sh.BN, PREC=PRECISION,
-                                             num_warps=NUM_WARPS)
+                                             num_warps=NUM_WARPS_COLS)
 
 
 def compile_for(padded: int, arch: int = 90) -> dict:
@@ -291,20 +302,21 @@ def compile_for(padded: int, arch: int = 90) -> dict:
     rows = dict(C=sh.C, C1=sh.C1, BM=sh.BM, PREC=PRECISION)
     cols = dict(R=sh.R, C=sh.C, R1=sh.R1, BN=sh.BN, PREC=PRECISION)
     jobs = [
-        (_encode_rows, dict(X="*fp32", TMP="*fp32", KEYS="*i32", PART="*fp32", length="i32",
+        (_encode_rows, dict(X="*fp32", TMP="*fp32", prefix="i32", first="i32", PART="*fp32", length="i32",
                             d="i32"), rows),
-        (_encode_cols, dict(TMP="*fp32", OUT="*u8", FIRST="*fp32", COEF="*fp32", UKEYS="*i32",
+        (_encode_cols, dict(TMP="*fp32", OUT="*u8", FIRST="*fp32", COEF="*fp32", uprefix="i32", first="i32",
                             LOWER="*i32", BASE="*fp32", WIDTH="*fp32", d="i32", g="i32"),
          dict(cols, PACK=True)),
         (_decode_rows, dict(S="*i32", TMP="*fp32", TABLE="*u8", centre="fp32", d="i32"),
          dict(rows, LOOKUP=True)),
-        (_decode_cols, dict(TMP="*fp32", OUT="*fp32", ALPHA="*fp32", KEYS="*i32", length="i32",
+        (_decode_cols, dict(TMP="*fp32", OUT="*fp32", ALPHA="*fp32", prefix="i32", first="i32", length="i32",
                             d="i32"), cols),
     ]
     out = {}
     for fn, sig, consts in jobs:
         sig = dict(sig, **{k: "constexpr" for k in consts})
         k = triton.compile(ASTSource(fn, sig, consts), target=GPUTarget("cuda", arch, 32),
-                           options={"num_warps": NUM_WARPS})
+                           options={"num_warps": NUM_WARPS_COLS if fn in (_encode_cols, _decode_cols)
+                                    else NUM_WARPS})
         out[fn.__name__] = k.metadata.shared
     return out
