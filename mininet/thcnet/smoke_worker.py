@@ -63,6 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("loss", "dup", "reorder"):
         ap.add_argument(f"--{name}", type=float, default=0.0,
                         help=f"inject {name} with this probability on sent chunks (testing)")
+    ap.add_argument("--jitter", type=float, default=0.0, metavar="SECONDS",
+                    help="delay each sent chunk by a random 0..SECONDS (testing)")
     ap.add_argument("--rto", type=float, default=0.02, help="initial/minimum retransmission "
                     "timeout in seconds")
     args = ap.parse_args(argv)
@@ -73,7 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     idx = np.zeros(padded(args.numel, job.lanes), dtype=np.uint8)
     idx[: args.numel] = indices(args.seed, args.rank, args.numel)
     packed = pack_bits(idx, P.INDEX_BITS)
-    impair = Impairment(loss=args.loss, dup=args.dup, reorder=args.reorder, seed=args.rank)
+    impair = Impairment(loss=args.loss, dup=args.dup, reorder=args.reorder,
+                          jitter=args.jitter, seed=args.rank)
     ref = reference_sums(job.table, job.n_workers, args.seed, args.numel)
     mismatches, rounds, sums = 0, 0, ref
     with AggregationClient(job, args.rank, agg, deadline=args.deadline, window=args.window,
