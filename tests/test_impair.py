@@ -111,7 +111,7 @@ def test_a_silent_aggregator_is_named_as_the_cause_not_a_worker():
     t = threading.Thread(target=answer_once)
     t.start()
     try:
-        with AggregationClient(job, 0, fake.getsockname(), run=5, deadline=0.6,
+        with AggregationClient(job, 0, fake.getsockname(), run=5, deadline=1.2,
                                window=1) as c:
             with pytest.raises(AggregationTimeout, match="stopped answering") as e:
                 c.aggregate(np.zeros(job.lanes // 2, dtype=np.uint8))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import select
 import socket
 import sys
@@ -345,7 +346,10 @@ def run(args: argparse.Namespace) -> int:
             time.sleep(0.5)
             stats = agg.counters()
             if args.stats_file:
-                Path(args.stats_file).write_text(json.dumps(stats, indent=2) + "\n")
+                # whole files only: readers poll it while it is rewritten
+                tmp = Path(args.stats_file + ".tmp")
+                tmp.write_text(json.dumps(stats, indent=2) + "\n")
+                os.replace(tmp, args.stats_file)
             if args.stats_interval and time.monotonic() - last_print >= args.stats_interval:
                 last_print = time.monotonic()
                 print(json.dumps(stats), flush=True)

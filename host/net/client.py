@@ -306,10 +306,11 @@ class AggregationClient:
             self.srtt = 0.875 * self.srtt + 0.125 * rtt
 
     def _raise_timeout(self, base: int, i: int, bitmap: int | None, silent: float = 0.0):
-        """``silent``: seconds since the aggregator last answered anything of this run. When
-        it fell silent for half the deadline, the cause is the aggregator (gone, unreachable,
-        or restarted without a program yet), not a missing worker: an old PENDING's bitmap
-        would name workers that are fine."""
+        """``silent``: seconds since the aggregator last answered anything of this run. A
+        live aggregator answers every retransmission of a chunk it holds (PENDING), and they
+        come at least every ``max_timeout``; silent for two of those (and half the deadline),
+        the cause is the aggregator (gone, unreachable, or restarted without a program yet),
+        not a missing worker: an old PENDING's bitmap would name workers that are fine."""
         job = self.job
         seq = (base + i) % P.SEQ_MOD
         slot, version = P.slot_of(base + i, job.pool_size)
@@ -318,7 +319,7 @@ class AggregationClient:
         agg = f"{self.aggregator[0]}:{self.aggregator[1]}"
         if bitmap is None:
             raise AggregationTimeout(f"{where}; no answer from the aggregator at {agg}", None)
-        if silent >= self.deadline / 2:
+        if silent >= max(self.deadline / 2, 2 * self.max_timeout):
             raise AggregationTimeout(f"{where}; the aggregator at {agg} stopped answering "
                                      f"{silent:.1f}s ago (down, unreachable, or restarted and "
                                      f"not yet serving this job): start a new run once it is "
