@@ -26,7 +26,7 @@ $(STAMP): pyproject.toml constraints.txt
 system-deps:
 	@if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
 	  missing=""; \
-	  for p in mininet bridge-utils iputils-ping iproute2 ethtool iptables dataset-fashion-mnist; do \
+	  for p in mininet bridge-utils iputils-ping iproute2 ethtool iptables nftables dataset-fashion-mnist; do \
 	    dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; \
 	  done; \
 	  if [ -n "$$missing" ]; then \

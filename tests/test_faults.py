@@ -15,10 +15,36 @@ def test_a_wrong_sum_is_reported_and_fails_the_matrix():
     assert "Wrong sums: bad." in text
 
 
-def test_duplication_row_on_loopback(tmp_path, capsys):
+def test_duplication_and_jitter_rows_on_loopback(tmp_path, capsys):
     args = argparse.Namespace(quick=True, out=str(tmp_path / "f.md"), json=None, loopback=True,
                               only="dup,jitter")
     assert faults.run(args) == 0
     out = capsys.readouterr().out
     assert "duplication: exact (4/4 workers); rounds 512" in out
-    assert "jitter:" in out
+    assert "jitter: exact (4/4 workers); rounds 512" in out
+    assert "transport-level jitter" in out
+
+
+def test_bmv2_rows_say_why_they_did_not_run_on_loopback(tmp_path, capsys):
+    args = argparse.Namespace(quick=True, out=str(tmp_path / "f.md"), json=None, loopback=True,
+                              only="bmv2-matrix,bmv2-stream")
+    assert faults.run(args) == 0
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if "(BMv2)" in ln
+             and ln.startswith("|")]
+    names = [ln.split("|")[1].strip() for ln in lines]
+    assert names == ["1% loss (BMv2)", "5% loss (BMv2)", "20% loss (BMv2)",
+                     "duplication (BMv2)", "reordering (BMv2)", "jitter (BMv2)",
+                     "worker killed mid-round, run restarted (BMv2)",
+                     "switch restarted mid-stream (BMv2)", "8 workers streaming 10 s (BMv2)"]
+    assert all("not run:" in ln for ln in lines)
+
+
+def test_a_timed_stream_stops_every_worker_after_the_same_round():
+    from thcnet.testbed import open_testbed
+
+    with open_testbed(2, prefer_mininet=False) as tb:
+        tb.start_aggregator()
+        row = faults._stream_for("timed", tb, tb.job.lanes * 4, 1.0, "test")
+    assert row.exact is True and row.sums == "exact (2/2 workers)"
+    vectors = int(row.note.split(" vectors")[0])
+    assert vectors >= 2 and row.rounds == vectors * 4

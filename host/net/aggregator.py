@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import select
 import socket
 import sys
@@ -240,10 +241,22 @@ class Aggregator:
         buf = bytearray(2048)
         view = memoryview(buf)
         end = None if duration is None else time.monotonic() + duration
-        sendto = sock.sendto
         impair = self.impair
+
+        def sendto(data, dst) -> None:
+            try:
+                sock.sendto(data, dst)
+            except OSError:
+                self.send_errors += 1
+
         while not self._stop.is_set() and (end is None or time.monotonic() < end):
-            ready, _, _ = select.select([sock], [], [], 0.05)
+            wait = 0.05
+            if impair.jitter:
+                release = impair.next_release()
+                wait = wait if release is None else min(wait, release)
+            ready, _, _ = select.select([sock], [], [], wait)
+            if impair.jitter:
+                impair.release_due()
             if not ready:
                 impair.flush(sendto)
                 continue
@@ -253,14 +266,11 @@ class Aggregator:
                 except BlockingIOError:
                     break
                 for data, dst in self.handle(view[:nbytes], src):
-                    try:
-                        if impair.active:
-                            impair.send(sendto, data, dst)
-                        else:
-                            sendto(data, dst)
-                    except OSError:
-                        self.send_errors += 1
-        impair.flush(sendto)
+                    if impair.active:
+                        impair.send(sendto, data, dst)
+                    else:
+                        sendto(data, dst)
+        impair.flush(sendto, everything=True)
 
     def start(self, host: str = "127.0.0.1", port: int = 0) -> tuple[str, int]:
         """Bind and serve in a background thread (tests, embedded use)."""
@@ -297,6 +307,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     for name in ("loss", "dup", "reorder"):
         parser.add_argument(f"--{name}", type=float, default=0.0,
                             help=f"inject {name} with this probability on sent results (testing)")
+    parser.add_argument("--jitter", type=float, default=0.0, metavar="SECONDS",
+                        help="delay each sent result by a random 0..SECONDS (testing)")
 
 
 def parse_hostport(text: str) -> tuple[str, int]:
@@ -314,7 +326,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"thc aggregator: {e}", file=sys.stderr)
         return 2
     try:
-        impair = Impairment(loss=args.loss, dup=args.dup, reorder=args.reorder)
+        impair = Impairment(loss=args.loss, dup=args.dup, reorder=args.reorder,
+                             jitter=args.jitter)
     except ValueError as e:
         print(f"thc aggregator: {e}", file=sys.stderr)
         return 2
@@ -333,7 +346,10 @@ def run(args: argparse.Namespace) -> int:
             time.sleep(0.5)
             stats = agg.counters()
             if args.stats_file:
-                Path(args.stats_file).write_text(json.dumps(stats, indent=2) + "\n")
+                # whole files only: readers poll it while it is rewritten
+                tmp = Path(args.stats_file + ".tmp")
+                tmp.write_text(json.dumps(stats, indent=2) + "\n")
+                os.replace(tmp, args.stats_file)
             if args.stats_interval and time.monotonic() - last_print >= args.stats_interval:
                 last_print = time.monotonic()
                 print(json.dumps(stats), flush=True)

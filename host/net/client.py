@@ -185,7 +185,9 @@ class AggregationClient:
         hi = 0
         buf = bytearray(4096)
         sock = self.sock
+        jitter = self.impair.jitter
         now = time.monotonic()
+        last_reply = now
 
         pack, unpack = P.HEADER_STRUCT.pack, P.HEADER_STRUCT.unpack_from
         job_id, n_workers, header_bytes = job.job_id, job.n_workers, P.HEADER_BYTES
@@ -206,7 +208,13 @@ class AggregationClient:
                 hi += 1
             next_due = min(due.values()) if due else now + self.timeout
             wait = max(0.0, next_due - time.monotonic())
+            if jitter:
+                release = self.impair.next_release()
+                if release is not None:
+                    wait = min(wait, release)
             ready, _, _ = select.select([sock], [], [], wait)
+            if jitter:
+                self.impair.release_due()
             if ready:
                 while True:
                     try:
@@ -226,6 +234,7 @@ class AggregationClient:
                     if r_run != run:
                         self.stats.other_run += 1
                         continue
+                    last_reply = time.monotonic()
                     if r_epoch != self.epoch:
                         if self.epoch is not None:
                             raise AggregatorRestarted(self.aggregator, run, self.epoch, r_epoch)
@@ -261,7 +270,7 @@ class AggregationClient:
                 if t > now:
                     continue
                 if now - started[i] > self.deadline:
-                    self._raise_timeout(base, i, pending_bitmap.get(i))
+                    self._raise_timeout(base, i, pending_bitmap.get(i), now - last_reply)
                 self.stats.retransmitted += 1
                 self._send(packets[i])
                 backoff[i] = min(max(backoff[i], self.rto) * 2, self.max_timeout)
@@ -296,15 +305,25 @@ class AggregationClient:
             self.rttvar = 0.75 * self.rttvar + 0.25 * abs(self.srtt - rtt)
             self.srtt = 0.875 * self.srtt + 0.125 * rtt
 
-    def _raise_timeout(self, base: int, i: int, bitmap: int | None):
+    def _raise_timeout(self, base: int, i: int, bitmap: int | None, silent: float = 0.0):
+        """``silent``: seconds since the aggregator last answered anything of this run. A
+        live aggregator answers every retransmission of a chunk it holds (PENDING), and they
+        come at least every ``max_timeout``; silent for two of those (and half the deadline),
+        the cause is the aggregator (gone, unreachable, or restarted without a program yet),
+        not a missing worker: an old PENDING's bitmap would name workers that are fine."""
         job = self.job
         seq = (base + i) % P.SEQ_MOD
         slot, version = P.slot_of(base + i, job.pool_size)
         where = (f"job {job.job_id}, worker {self.worker_id}: chunk seq {seq} (slot {slot}, "
                  f"version {version}) not aggregated within {self.deadline:.1f}s")
+        agg = f"{self.aggregator[0]}:{self.aggregator[1]}"
         if bitmap is None:
-            raise AggregationTimeout(f"{where}; no answer from the aggregator at "
-                                     f"{self.aggregator[0]}:{self.aggregator[1]}", None)
+            raise AggregationTimeout(f"{where}; no answer from the aggregator at {agg}", None)
+        if silent >= max(self.deadline / 2, 2 * self.max_timeout):
+            raise AggregationTimeout(f"{where}; the aggregator at {agg} stopped answering "
+                                     f"{silent:.1f}s ago (down, unreachable, or restarted and "
+                                     f"not yet serving this job): start a new run once it is "
+                                     f"back", None)
         missing = [w for w in range(job.n_workers) if not bitmap >> w & 1]
         got = [w for w in range(job.n_workers) if bitmap >> w & 1]
         raise AggregationTimeout(f"{where}; missing worker(s) {missing} "

@@ -13,6 +13,8 @@ program compiled (``make p4``) for this mode to be offered.
 """
 from __future__ import annotations
 
+import os
+import signal
 import socket
 import subprocess
 import sys
@@ -105,6 +107,17 @@ class BMv2Switch(Switch):
                 "--device-id", "0", "counters", "--json"]
         r = subprocess.run(argv, cwd=str(ROOT), capture_output=True, text=True, timeout=60)
         return r.stdout if r.returncode == 0 else r.stderr
+
+    def crash_and_restart(self) -> None:
+        """Kill simple_switch_grpc with SIGKILL (a crash: every register is lost) and start
+        it again on the same ports, without a program, as a switch reboot would."""
+        if self.proc is not None and self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait(timeout=10)
+        self.start([])
 
     def stop(self, deleteIntfs=True) -> None:
         if self.proc is not None and self.proc.poll() is None:

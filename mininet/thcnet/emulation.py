@@ -202,6 +202,33 @@ class MininetTestbed(Testbed):
         else:
             raise TestbedError("this testbed has no aggregator (aggregator='none')")
 
+    def restart_switch(self) -> float:
+        """BMv2 only: crash the switch, start it again and let the controller push the
+        program and install the cluster anew (new epoch). Returns the seconds it was gone."""
+        if self.aggregator != "bmv2":
+            raise TestbedError("only the bmv2 testbed has a switch to restart")
+        import time
+        t0 = time.perf_counter()
+        self.switch.crash_and_restart()
+        try:
+            self.switch.program(self.cluster_path)
+        except RuntimeError as e:
+            raise TestbedError(str(e)) from None
+        return time.perf_counter() - t0
+
+    def set_worker_loss(self, loss_pct: float) -> None:
+        """``loss_pct`` loss in both directions of every worker link, on the running testbed
+        (0 removes it); see :func:`thcnet.links.set_link_loss`."""
+        try:
+            for r in range(self.n_workers):
+                links.set_link_loss(self.host(r), self.worker_intf(r), loss_pct)
+        except links.LinkError as e:
+            raise TestbedError(str(e)) from None
+
+    def worker_link_drops(self) -> int:
+        """Packets the loss rules of :meth:`set_worker_loss` dropped so far, all links."""
+        return sum(links.link_drops(self.host(r)) for r in range(self.n_workers))
+
     def switch_port_counters(self, port: int) -> tuple[int, int]:
         """(rx_bytes, tx_bytes) of switch port ``port`` (root namespace)."""
         base = f"/sys/class/net/{self.switch_name}-eth{port}/statistics"

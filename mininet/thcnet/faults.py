@@ -2,11 +2,13 @@
 one fault and checks every worker's sums bit for bit against a reference computed from the
 indices sent (:mod:`thcnet.smoke_worker`); ``make faults`` writes the table to docs/faults.md.
 
-Rows: loss on the worker links (Mininet: iptables or netem), duplication and reordering (the
-transport's :class:`host.net.impair.Impairment`, on workers and aggregator), jitter (netem
-only), a worker killed mid-round and the run restarted, the aggregator restarted mid-stream,
-the controller restarted and a job re-installed while another runs (BMv2 only), and 8 workers
-streaming for a minute. A row that cannot run here says why instead of a figure.
+Rows, on the software aggregator and again on BMv2: loss on the worker links (Mininet:
+iptables/nftables statistic drops, or netem), duplication, reordering and jitter (the
+transport's :class:`host.net.impair.Impairment`; on BMv2 the workers' side only), a worker
+killed mid-round and the run restarted, the aggregator restarted mid-stream (on BMv2 the
+switch crashed, restarted and re-programmed), and 8 workers streaming for a minute; on BMv2
+also the controller restarted and a job re-installed while another runs. A row that cannot
+run here says why instead of a figure.
 """
 from __future__ import annotations
 
@@ -90,9 +92,21 @@ def _wait(procs: list[Proc], timeout: float) -> list[dict]:
     return out
 
 
-def _counters(tb) -> dict:
-    time.sleep(0.7)  # the aggregator rewrites its stats file every 0.5 s
+def _live_counters(tb) -> dict:
+    """The aggregator's counters now: the software aggregator's stats file (at most 0.5 s
+    old), or the switch's counters read through the controller (`thc controller counters`)."""
+    if tb.aggregator == "bmv2":
+        try:
+            return json.loads(tb.switch.counters())
+        except ValueError:
+            return {"drops": {}, "jobs": {}}
     return tb.aggregator_counters() or {"drops": {}, "jobs": {}}
+
+
+def _counters(tb) -> dict:
+    if tb.aggregator != "bmv2":
+        time.sleep(0.7)  # the aggregator rewrites its stats file every 0.5 s
+    return _live_counters(tb)
 
 
 def _delta(before: dict, after: dict) -> tuple[int, dict]:
@@ -129,17 +143,22 @@ def _stream_row(name: str, tb, numel: int, rounds: int = 1, note: str = "",
     seconds = time.perf_counter() - t0
     done, drops = _delta(before, _counters(tb))
     sums, exact, retx = _check(results)
-    return Row(name, tb.kind, sums, done, retx, seconds, drops, note, exact,
+    return Row(name, _label(tb), sums, done, retx, seconds, drops, note, exact,
                max(r.get("seconds", 0.0) for r in results))
 
 
-def _progress(tb, before: dict, chunks: int, timeout: float = 60.0) -> None:
-    """Wait until ``chunks`` more chunks completed (the stream is mid-flight)."""
+def _label(tb) -> str:
+    return "mininet+bmv2" if tb.aggregator == "bmv2" else tb.kind
+
+
+def _progress(tb, before: dict, chunks: int, timeout: float = 60.0) -> int:
+    """Wait until ``chunks`` more chunks completed (the stream is mid-flight); returns how
+    many the last reading showed (more on BMv2, whose counters take a controller run)."""
     end = time.monotonic() + timeout
     while time.monotonic() < end:
-        done, _ = _delta(before, tb.aggregator_counters() or {})
+        done, _ = _delta(before, _live_counters(tb))
         if done >= chunks:
-            return
+            return done
         time.sleep(0.1)
     raise TestbedError(f"the stream did not reach {chunks} chunks within {timeout:.0f}s")
 
@@ -177,38 +196,56 @@ def row_impair(tb, name: str, numel: int, **impair) -> Row:
         tb.start_aggregator()
 
 
-def row_jitter() -> Row:
+JITTER_S = 0.005
+"""Transport jitter: every packet waits a random 0..5 ms (so packets also overtake each
+other), about the RTT of the emulated links' software path."""
+
+
+def row_jitter(tb, numel: int) -> Row:
+    """Transport-level jitter (:class:`host.net.impair.Impairment`), both directions: this
+    kernel has no netem, and iptables cannot delay."""
     ok, why = netem_available()
-    if not ok:
-        return Row("jitter", note=f"not run: {why}; jitter needs netem (iptables cannot delay)")
-    return Row("jitter", note="not run: netem is present but thcnet.links shapes delay only, "
-                              "not jitter")
+    where = ("netem is present, but this row uses the transport's jitter so that every "
+             "testbed runs the same" if ok else why)
+    tb.stop_aggregator()
+    tb.agg_args = ["--jitter", str(JITTER_S)]
+    tb.start_aggregator()
+    try:
+        return _stream_row("jitter", tb, numel, jitter=JITTER_S,
+                           note=f"transport-level jitter: each packet delayed by a random "
+                                f"0..{JITTER_S * 1e3:g} ms, both directions (Impairment; "
+                                f"{where})")
+    finally:
+        tb.stop_aggregator()
+        tb.agg_args = []
+        tb.start_aggregator()
 
 
-def row_worker_killed(tb, numel: int) -> Row:
+def row_worker_killed(tb, numel: int, restart_numel: int | None = None, suffix: str = "",
+                      **kw) -> Row:
     """Worker 2 is killed mid-stream; the others must fail naming it, in bounded time; then
     the whole run restarts (new run id, seq 0) and must be exact with no manual step."""
     deadline = 3.0
     before = _counters(tb)
     t0 = time.perf_counter()
-    procs = tb.start_workers(_argv(tb, numel, deadline=deadline))
-    _progress(tb, before, 50)
+    procs = tb.start_workers(_argv(tb, numel, deadline=deadline, **kw))
+    seen = _progress(tb, before, 50)
     procs[2].kill()
     killed_at = time.perf_counter()
     failed = _wait(procs, 60)
     noticed = time.perf_counter() - killed_at
     survivors = [r for i, r in enumerate(failed) if i != 2]
     named = all(r.get("missing") == [2] or "error" not in r for r in survivors)
-    restart = _stream_row("worker killed", tb, numel)
+    restart = _stream_row("worker killed", tb, restart_numel or numel, **kw)
     done, drops = _delta(before, _counters(tb))
     causes = sorted({r.get("error", "finished") for r in survivors})
     wrong = sum(r.get("mismatches", 0) for r in failed)
     exact = restart.exact if not wrong else False
-    note = (f"killed after 50 chunks; survivors: {', '.join(causes)}"
+    note = (f"killed after {seen} chunks; survivors: {', '.join(causes)}"
             + (" naming worker 2" if named else " NOT naming worker 2")
             + f"; all exited {noticed:.1f}s after the kill (deadline {deadline:g}s); then all 4 "
               f"restarted as a new run: {restart.sums}")
-    return Row("worker killed mid-round, run restarted", tb.kind,
+    return Row("worker killed mid-round, run restarted" + suffix, _label(tb),
                restart.sums if not wrong else f"WRONG: {wrong} sums differ", done,
                restart.retransmissions, time.perf_counter() - t0, drops, note, exact)
 
@@ -218,7 +255,7 @@ def row_aggregator_restarted(tb, numel: int) -> Row:
     before = _counters(tb)
     t0 = time.perf_counter()
     procs = tb.start_workers(_argv(tb, numel, deadline=deadline))
-    _progress(tb, before, 50)
+    seen = _progress(tb, before, 50)
     agg = tb._agg_proc
     agg.kill(grace=0)
     tb._agg_proc = None
@@ -230,7 +267,7 @@ def row_aggregator_restarted(tb, numel: int) -> Row:
     restart = _stream_row("aggregator restarted", tb, numel)
     wrong = sum(r.get("mismatches", 0) for r in failed)
     causes = sorted({r.get("error", "finished") for r in failed})
-    note = (f"killed (SIGKILL) after 50 chunks and started again: workers "
+    note = (f"killed (SIGKILL) after {seen} chunks and started again: workers "
             f"{', '.join(causes)}, all exited {noticed:.1f}s after the restart "
             f"(deadline {deadline:g}s); then a new run: {restart.sums}")
     done = restart.rounds
@@ -241,6 +278,100 @@ def row_aggregator_restarted(tb, numel: int) -> Row:
                restart.sums if not wrong else f"WRONG: {wrong} sums differ", done,
                restart.retransmissions, time.perf_counter() - t0, drops, note,
                restart.exact if not wrong else False)
+
+
+def row_switch_restarted(tb, numel: int, restart_numel: int, **kw) -> Row:
+    """simple_switch_grpc crashes mid-stream and comes back; the controller pushes the
+    program and installs the job again (a new epoch). The workers must resynchronise or
+    fail naming the cause, in bounded time, never with a wrong sum; the next run is exact."""
+    deadline = 30.0
+    before = _live_counters(tb)
+    t0 = time.perf_counter()
+    procs = tb.start_workers(_argv(tb, numel, deadline=deadline, **kw))
+    seen = _progress(tb, before, 50)
+    gone = tb.restart_switch()
+    back_at = time.perf_counter()
+    failed = _wait(procs, deadline + 30)
+    noticed = time.perf_counter() - back_at
+    restart = _stream_row("switch restarted", tb, restart_numel, **kw)
+    wrong = sum(r.get("mismatches", 0) for r in failed)
+    causes = sorted({r.get("error", "finished") for r in failed})
+    cleared = all(r.get("error") in ("AggregatorRestarted", "AggregationTimeout") or
+                  r.get("rounds") == 1 for r in failed)
+    note = (f"simple_switch_grpc killed (SIGKILL) after {seen} chunks, started again, program "
+            f"pushed and job re-installed (new epoch) by `thc controller install --push` in "
+            f"{gone:.1f}s; workers: {', '.join(causes)}"
+            + ("" if cleared else " (UNCLEAR failure)")
+            + f", all exited {gone + noticed:.1f}s after the kill, {noticed:.1f}s after the "
+              f"switch was back (deadline {deadline:g}s); then a new run: {restart.sums}; counters restart with the "
+              f"switch, so rounds and drops are the new run's")
+    exact = (restart.exact if cleared else None) if not wrong else False
+    return Row("switch restarted mid-stream (BMv2)", _label(tb),
+               restart.sums if not wrong else f"WRONG: {wrong} sums differ", restart.rounds,
+               restart.retransmissions, time.perf_counter() - t0, restart.drops, note, exact)
+
+
+BMV2_WINDOW = 16
+"""Chunks in flight per worker on BMv2. Probed with 4 workers and 64 Ki elements: a window
+of 32 overflows the software switch's queues (3868 retransmissions, 4.1 s), 16 took 1.2 s
+(731), 8 took 1.9 s, 4 took 2.7 s."""
+
+
+BMV2_MATRIX_KEYS = ("bmv2-matrix-loss", "bmv2-matrix-dup", "bmv2-matrix-reorder",
+                    "bmv2-matrix-jitter", "bmv2-matrix-worker", "bmv2-matrix-switch")
+"""``--only`` prefixes of the BMv2 matrix rows (``--only bmv2`` runs every BMv2 row)."""
+
+
+def bmv2_matrix(numel: int, prefer_mininet: bool, want) -> list[Row]:
+    """Loss, duplication, reordering, jitter, a worker killed and the switch restarted, on
+    BMv2 (4 workers, one job): the P4 program is the aggregator."""
+    names = [f"{p}% loss (BMv2)" for p in (1, 5, 20)] + [
+        "duplication (BMv2)", "reordering (BMv2)", "jitter (BMv2)",
+        "worker killed mid-round, run restarted (BMv2)", "switch restarted mid-stream (BMv2)"]
+    why = bmv2_unavailable_reason() or _p4_build_stale()
+    if why is None and not prefer_mininet:
+        why = "--loopback: BMv2 needs the Mininet testbed"
+    if why:
+        return [Row(n, note=f"not run: {why}") for n in names]
+    size = (f"{numel} elements per worker ({numel // 256} chunks), 1/4 of the software rows' "
+            f"(BMv2 is slower); window {BMV2_WINDOW}")
+    rows: list[Row] = []
+    with open_testbed(N_WORKERS, aggregator="bmv2") as tb:
+        tb.start_aggregator()
+        for pct in (1, 5, 20):
+            if not want("bmv2-matrix-loss"):
+                break
+            try:
+                tb.set_worker_loss(pct)
+            except TestbedError as e:
+                rows.append(Row(f"{pct}% loss (BMv2)", note=f"not run: {e}"))
+                continue
+            try:
+                row = _stream_row(f"{pct}% loss (BMv2)", tb, numel, window=BMV2_WINDOW)
+                row.note = (f"{pct}% loss in each direction of every worker link: nftables "
+                            f"netdev egress drops (worker to switch) and iptables statistic "
+                            f"drops (switch to worker) in each worker's namespace (no netem), "
+                            f"{tb.worker_link_drops()} packets dropped on the links; {size}")
+                rows.append(row)
+            finally:
+                tb.set_worker_loss(0)
+        for key, name, kw, what in (
+                ("dup", "duplication", {"dup": 0.05}, "dup 5%"),
+                ("reorder", "reordering", {"reorder": 0.05}, "reorder 5%"),
+                ("jitter", "jitter", {"jitter": JITTER_S},
+                                f"transport-level jitter: a random 0..{JITTER_S * 1e3:g} ms "
+                                f"delay on each")):
+            if want(f"bmv2-matrix-{key}"):
+                rows.append(_stream_row(
+                    f"{name} (BMv2)", tb, numel, window=BMV2_WINDOW,
+                    note=f"{what} of the workers' packets (transport Impairment; the switch's "
+                         f"replies cannot be impaired); {size}", **kw))
+        if want("bmv2-matrix-worker"):
+            rows.append(row_worker_killed(tb, numel * 8, restart_numel=numel, suffix=" (BMv2)",
+                                          window=BMV2_WINDOW))
+        if want("bmv2-matrix-switch"):
+            rows.append(row_switch_restarted(tb, numel * 8, numel, window=BMV2_WINDOW))
+    return rows
 
 
 def _p4_build_stale() -> str | None:
@@ -324,20 +455,48 @@ def bmv2_rows(numel: int, prefer_mininet: bool) -> list[Row]:
     return rows
 
 
-def row_time(target: float) -> str:
-    return f"vector count sized from a probe vector for about {target:g} s of streaming"
+def _stream_for(name: str, tb, numel: int, seconds: float, note: str, **kw) -> Row:
+    """Workers aggregate the vector round after round for about ``seconds``; then the
+    driver names a round count none has reached (``smoke_worker --until``) and all stop
+    there, each having checked every round."""
+    until = tb.logdir / f"until-{time.monotonic_ns()}"
+    until.mkdir()
+    before = _counters(tb)
+    t0 = time.perf_counter()
+    procs = tb.start_workers(_argv(tb, numel, rounds=1 << 30, deadline=30.0,
+                                   until=str(until), **kw))
+    while time.perf_counter() - t0 < seconds and any(p.poll() is None for p in procs):
+        time.sleep(0.2)
+    done = [int(f.read_text() or 0) for f in until.glob("done-*")]
+    stop = max(done, default=0) + 2
+    (until / "stop.tmp").write_text(str(stop))
+    (until / "stop.tmp").rename(until / "stop")
+    results = _wait(procs, 300)
+    elapsed = time.perf_counter() - t0
+    rounds, drops = _delta(before, _counters(tb))
+    sums, exact, retx = _check(results)
+    vectors = sorted({r.get("rounds", 0) for r in results})
+    return Row(name, _label(tb), sums, rounds, retx, elapsed, drops,
+               f"{'/'.join(map(str, vectors))} vectors of {numel} elements per worker, each "
+               f"checked; {note}", exact)
 
 
-def row_long_stream(n_workers: int, seconds: float, prefer_mininet: bool) -> Row:
-    with open_testbed(n_workers, prefer_mininet=prefer_mininet) as tb:
+def row_long_stream(n_workers: int, seconds: float, prefer_mininet: bool,
+                    aggregator: str = "software", numel_chunks: int = 512, **kw) -> Row:
+    name = f"{n_workers} workers streaming {seconds:g} s"
+    if aggregator == "bmv2":
+        name += " (BMv2)"
+        why = bmv2_unavailable_reason() or _p4_build_stale()
+        if why is None and not prefer_mininet:
+            why = "--loopback: BMv2 needs the Mininet testbed"
+        if why:
+            return Row(name, note=f"not run: {why}")
+    with open_testbed(n_workers, prefer_mininet=prefer_mininet, aggregator=aggregator) as tb:
         tb.start_aggregator()
-        numel = tb.job.lanes * 512
-        probe = _stream_row("probe", tb, numel)
-        rounds = max(1, round(seconds / max(probe.stream_seconds, 0.01)))
-        row = _stream_row(f"{n_workers} workers streaming {seconds:g} s", tb, numel,
-                          rounds=rounds, timeout=seconds * 4 + 120,
-                          note=f"{rounds} vectors of {numel} elements per worker, each "
-                               f"checked; {row_time(seconds)}")
+        extra = "".join(f", {k} {v}" for k, v in kw.items())
+        row = _stream_for(name, tb, tb.job.lanes * numel_chunks, seconds,
+                          f"every worker stops after the same round once {seconds:g} s have "
+                          f"passed{extra}", **kw)
     return row
 
 
@@ -356,7 +515,14 @@ def render(rows: list[Row], quick: bool, elapsed: float) -> str:
              "Columns: *sums*: the check; *rounds*: chunks completed by the aggregator (all "
              "workers' contributions summed); *retx*: retransmissions by the workers; *time*: "
              "wall seconds of the row; *drops*: the aggregator's drop counters by reason during "
-             "the row.", "",
+             "the row (on BMv2 the switch's counters, read through the controller; packets "
+             "the emulated links drop are not the aggregator's and are given in the notes).",
+             "",
+             "This kernel has no netem: loss is iptables/nftables statistic drops, and jitter "
+             "is transport-level (`host.net.impair.Impairment` delays each packet by a random "
+             "time on the sender), as the notes say. BMv2 rows use smaller vectors than the "
+             "software rows: the software switch forwards a few thousand packets a second.",
+             "",
              "| fault | testbed | sums | rounds | retx | time (s) | drops | notes |",
              "|---|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -388,24 +554,30 @@ def run(args: argparse.Namespace) -> int:
     for pct in (1, 5, 20):
         if want("loss"):
             add(row_loss(pct, numel, mininet))
-    if want("dup") or want("reorder") or want("worker") or want("aggregator"):
+    if any(want(k) for k in ("dup", "reorder", "jitter", "worker", "aggregator")):
         with open_testbed(N_WORKERS, prefer_mininet=mininet) as tb:
             tb.start_aggregator()
             if want("dup"):
                 add(row_impair(tb, "duplication", numel, dup=0.05))
             if want("reorder"):
                 add(row_impair(tb, "reordering", numel, reorder=0.05))
+            if want("jitter"):
+                add(row_jitter(tb, numel))
             if want("worker"):
                 add(row_worker_killed(tb, numel * 8))
             if want("aggregator"):
                 add(row_aggregator_restarted(tb, numel * 8))
-    if want("jitter"):
-        add(row_jitter())
-    if want("bmv2"):
-        for row in bmv2_rows(numel // 8, mininet):
-            add(row)
     if want("stream"):
         add(row_long_stream(8, stream_s, mininet))
+    if any(want(k) for k in BMV2_MATRIX_KEYS):
+        for row in bmv2_matrix(numel // 4, mininet, want):
+            add(row)
+    if want("bmv2-controller"):
+        for row in bmv2_rows(numel // 8, mininet):
+            add(row)
+    if want("bmv2-stream"):
+        add(row_long_stream(8, stream_s, mininet, aggregator="bmv2", numel_chunks=128,
+                            window=BMV2_WINDOW // 2))
     text = render(rows, args.quick, time.perf_counter() - t0)
     if not only:
         Path(args.out).write_text(text)

@@ -135,3 +135,43 @@ def add_ingress_loss(host, intf: str, probability: float) -> None:
                    f"--probability {probability:.6f} -j DROP 2>&1")
     if out.strip():
         raise LinkError(f"{host.name}: iptables failed: {out.strip()}")
+
+
+EGRESS_TABLE = "thcloss"
+
+
+def set_link_loss(host, intf: str, loss_pct: float) -> None:
+    """``loss_pct`` loss in each direction of ``host``'s link, set on a running testbed.
+
+    For a switch with no host at the far end (BMv2): packets leaving ``intf`` are dropped by
+    an nftables netdev egress rule (a drop there is silent, as on a wire: the UDP sender sees
+    no error), packets arriving on it by the iptables ingress rule. Both live in the host's
+    namespace, which goes away with the testbed. 0 removes both.
+    """
+    host.cmd(f"iptables -t raw -F PREROUTING; nft delete table netdev {EGRESS_TABLE} "
+             f"2>/dev/null")
+    if loss_pct <= 0:
+        return
+    if not 0 < loss_pct < 100:
+        raise LinkError(f"loss must lie in [0, 100) percent, got {loss_pct}")
+    add_ingress_loss(host, intf, loss_pct / 100)
+    per_mille = round(loss_pct * 10)
+    out = host.cmd(
+        f"nft add table netdev {EGRESS_TABLE} && nft add chain netdev {EGRESS_TABLE} eg "
+        f"'{{ type filter hook egress device {intf} priority 0; }}' && nft add rule netdev "
+        f"{EGRESS_TABLE} eg meta protocol ip numgen random mod 1000 '<' {per_mille} counter drop 2>&1")
+    if out.strip():
+        raise LinkError(f"{host.name}: nft egress loss failed: {out.strip()}")
+
+
+def link_drops(host) -> int:
+    """Packets dropped so far by :func:`set_link_loss`'s rules in ``host``'s namespace."""
+    import re
+    total = 0
+    for line in host.cmd("iptables -t raw -L PREROUTING -v -x -n 2>/dev/null").splitlines():
+        f = line.split()
+        if len(f) > 2 and f[2] == "DROP" and f[0].isdigit():
+            total += int(f[0])
+    nft = host.cmd(f"nft list table netdev {EGRESS_TABLE} 2>/dev/null")
+    total += sum(int(n) for n in re.findall(r"counter packets (\d+)", nft))
+    return total

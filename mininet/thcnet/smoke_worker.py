@@ -15,6 +15,7 @@ import hashlib
 import json
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -47,6 +48,18 @@ def digest(sums: np.ndarray) -> str:
     return hashlib.sha256(np.ascontiguousarray(sums, dtype=np.uint16).tobytes()).hexdigest()
 
 
+def _stop_round(until: str) -> float:
+    """The round count after which every worker stops (DIR/stop), or infinity.
+
+    Whoever writes it must pick a count no worker has reached yet: a worker is at most one
+    round ahead of the slowest (a round needs everyone's chunks), so the highest done-RANK
+    plus two is safe, and every worker then runs the same number of rounds."""
+    try:
+        return int(Path(until, "stop").read_text())
+    except (OSError, ValueError):
+        return float("inf")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rank", type=int, required=True)
@@ -63,6 +76,12 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("loss", "dup", "reorder"):
         ap.add_argument(f"--{name}", type=float, default=0.0,
                         help=f"inject {name} with this probability on sent chunks (testing)")
+    ap.add_argument("--until", metavar="DIR", default=None,
+                    help="streams of a set duration: write DIR/done-RANK (rounds finished) "
+                         "after each round, and stop once DIR/stop holds a round count this "
+                         "worker reached (--rounds stays the upper bound)")
+    ap.add_argument("--jitter", type=float, default=0.0, metavar="SECONDS",
+                    help="delay each sent chunk by a random 0..SECONDS (testing)")
     ap.add_argument("--rto", type=float, default=0.02, help="initial/minimum retransmission "
                     "timeout in seconds")
     args = ap.parse_args(argv)
@@ -73,7 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     idx = np.zeros(padded(args.numel, job.lanes), dtype=np.uint8)
     idx[: args.numel] = indices(args.seed, args.rank, args.numel)
     packed = pack_bits(idx, P.INDEX_BITS)
-    impair = Impairment(loss=args.loss, dup=args.dup, reorder=args.reorder, seed=args.rank)
+    impair = Impairment(loss=args.loss, dup=args.dup, reorder=args.reorder,
+                          jitter=args.jitter, seed=args.rank)
     ref = reference_sums(job.table, job.n_workers, args.seed, args.numel)
     mismatches, rounds, sums = 0, 0, ref
     with AggregationClient(job, args.rank, agg, deadline=args.deadline, window=args.window,
@@ -81,9 +101,13 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         try:
             for _ in range(args.rounds):
+                if args.until and rounds >= _stop_round(args.until):
+                    break
                 sums = client.aggregate(packed)[: args.numel]
                 mismatches += int(np.count_nonzero(sums != ref))
                 rounds += 1
+                if args.until:
+                    Path(args.until, f"done-{args.rank}").write_text(str(rounds))
         except (AggregationTimeout, AggregatorRestarted) as e:
             print(json.dumps({"rank": args.rank, "error": type(e).__name__, "message": str(e),
                               "missing": getattr(e, "missing", None), "rounds": rounds,
