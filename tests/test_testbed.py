@@ -32,11 +32,11 @@ needs_mininet = pytest.mark.skipif(MININET_REASON is not None,
 def smoke(tb, numel=1 << 16, seed=5):
     """Run the smoke all-reduce on ``tb``; return (worker JSON rows, reference digest)."""
     tb.start_aggregator()
-    agg = f"{tb.agg_addr[0]}:{tb.agg_addr[1]}"
+    agg = ["--agg", f"{tb.agg_addr[0]}:{tb.agg_addr[1]}"] if tb.agg_addr else []
     results = tb.run_workers(
         lambda r: ["python", "-m", "thcnet.smoke_worker", "--rank", str(r), "--config",
-                   str(tb.cluster_path), "--agg", agg, "--numel", str(numel), "--seed",
-                   str(seed)], timeout=60)
+                   str(tb.cluster_path), "--numel", str(numel), "--seed",
+                   str(seed)] + agg, timeout=60)
     rows = [json.loads(r.stdout.strip().splitlines()[-1]) for r in results]
     job = tb.job
     return rows, digest(reference_sums(job.table, job.n_workers, seed, numel))
@@ -61,13 +61,18 @@ def test_loopback_testbed_describes_itself_and_its_cluster(capsys):
     assert "loopback" in err and "NOT emulated" in err
 
 
-def test_loopback_smoke_allreduce_is_bit_exact():
-    with open_testbed(3, prefer_mininet=False) as tb:
+@pytest.mark.parametrize("aggregator", ["software", "sharded"])
+def test_loopback_smoke_allreduce_is_bit_exact(aggregator):
+    with open_testbed(3, aggregator=aggregator, prefer_mininet=False) as tb:
         rows, ref = smoke(tb)
         counters = tb.stop_aggregator()
     assert [r["sha256"] for r in rows] == [ref] * 3
     assert all(r["mismatches"] == 0 for r in rows)
     assert counters["jobs"]["1"]["completions"] >= (1 << 16) // 256
+    if aggregator == "sharded":  # every shard aggregated its third, nothing misrouted
+        shards = counters["shards"]
+        assert len(shards) == 3 and all(s["jobs"]["1"]["completions"] > 0 for s in shards)
+        assert counters["drops"]["wrong_shard"] == 0
 
 
 def test_workers_get_the_venv_python_one_thread_and_the_repo_on_the_path():
@@ -297,7 +302,7 @@ def test_loss_is_emulated_and_delay_is_refused_or_emulated():
 @needs_mininet
 @pytest.mark.slow
 def test_smoke_allreduce_through_the_software_aggregator_is_bit_exact_in_mininet():
-    with open_testbed(4, bw_mbit=100) as tb:
+    with open_testbed(4, bw_mbit=100, aggregator="software") as tb:
         before = tb.wire_bytes()
         rows, ref = smoke(tb, numel=1 << 20)
         after = tb.wire_bytes()

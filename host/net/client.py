@@ -13,9 +13,10 @@ a run the aggregator restarted and lost the run's in-flight state, and the clien
 :class:`AggregatorRestarted` rather than wait for contributions that are gone.
 
 A sharded job (``Job.shards``) spreads its chunks over several aggregators: chunk ``seq`` goes
-to shard ``seq mod n_shards``. The window, retransmissions and deadlines are per chunk as
-before; the epoch is remembered per shard, so a restarted shard is named by its index and
-address, and the others go on unaffected until the run is restarted.
+to shard ``seq mod n_shards``. The window and deadlines are per chunk as before; the epoch,
+the round-trip estimate (a co-located shard answers sooner than a remote one) and fast
+retransmission (only later chunks of the same shard count as overtaking) are per shard, so a
+restarted shard is named by its index and address.
 """
 from __future__ import annotations
 
@@ -109,8 +110,8 @@ class AggregationClient:
         self.stats = TransportStats()
         self.next_seq = 0
         self._run = P.run_from_env() if run is None else P.check_run(run)
-        self.srtt: float | None = None
-        self.rttvar = 0.0
+        self._srtt: list[float | None] = [None] * len(self.aggregators)
+        self._rttvar = [0.0] * len(self.aggregators)
         me = job.worker(worker_id)
         if sock is None:
             sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
@@ -224,15 +225,18 @@ class AggregationClient:
             return pack(pkt_type, me, job_id, slot, version, 0, (base + i) % P.SEQ_MOD,
                         (offset_base + i * lanes) % P.SEQ_MOD, 0, run, 0) + chunks[i].tobytes()
 
+        def shard_of(i: int) -> int:
+            return ((base + i) % P.SEQ_MOD) % n_shards
+
         def dst(i: int) -> tuple[str, int]:
-            return aggs[((base + i) % P.SEQ_MOD) % n_shards]
+            return aggs[shard_of(i)]
 
         while lo < total:
             while hi < total and hi < lo + self.window:
                 packets[hi] = packet(hi)
                 self._send(packets[hi], dst(hi))
                 now = time.monotonic()
-                due[hi], backoff[hi], started[hi] = now + self.rto, self.timeout, now
+                due[hi], backoff[hi], started[hi] = now + self.rto(shard_of(hi)), self.timeout, now
                 hi += 1
             next_due = min(due.values()) if due else now + self.timeout
             wait = max(0.0, next_due - time.monotonic())
@@ -277,13 +281,13 @@ class AggregationClient:
                     out[i] = np.frombuffer(buf, dtype=dtype, count=lanes, offset=header_bytes)
                     done[i] = True
                     if backoff.get(i) == self.timeout:
-                        self._sample_rtt(time.monotonic() - started[i])
+                        self._sample_rtt(shard, time.monotonic() - started[i])
                     for d in (packets, due, backoff, started, later):
                         d.pop(i, None)
                     while lo < total and done[lo]:
                         lo += 1
                     if i > lo:
-                        self._fast_retransmit(i, due, later, packets, dst)
+                        self._fast_retransmit(i, due, later, packets, dst, shard_of)
             else:
                 self.impair.flush(self.sock.sendto)
             now = time.monotonic()
@@ -296,37 +300,42 @@ class AggregationClient:
                     self._raise_timeout(base, i, pending_bitmap.get(i))
                 self.stats.retransmitted += 1
                 self._send(packets[i], dst(i))
-                backoff[i] = min(max(backoff[i], self.rto) * 2, self.max_timeout)
+                backoff[i] = min(max(backoff[i], self.rto(shard_of(i))) * 2, self.max_timeout)
                 due[i] = now + backoff[i]
         self.next_seq = (base + total) % P.SEQ_MOD
 
     FAST_RETRANSMIT_AFTER = 3
     """Results of this many later chunks mean an earlier chunk (or its result) was lost."""
 
-    def _fast_retransmit(self, j: int, due: dict, later: dict, packets: dict, dst) -> None:
-        """Resend outstanding chunks that later chunks have overtaken (TCP's dupack idea)."""
+    def _fast_retransmit(self, j: int, due: dict, later: dict, packets: dict, dst,
+                         shard_of) -> None:
+        """Resend outstanding chunks that later chunks of the same shard have overtaken
+        (TCP's dupack idea; chunks of different shards complete in no particular order)."""
         now = time.monotonic()
-        for i in [i for i in due if i < j]:
+        shard = shard_of(j)
+        for i in [i for i in due if i < j and shard_of(i) == shard]:
             later[i] = later.get(i, 0) + 1
             if later[i] == self.FAST_RETRANSMIT_AFTER:
                 self.stats.retransmitted += 1
                 self._send(packets[i], dst(i))
-                due[i] = now + self.rto
+                due[i] = now + self.rto(shard)
                 later[i] = -4 * self.FAST_RETRANSMIT_AFTER
 
-    @property
-    def rto(self) -> float:
-        """Retransmission timeout: RFC 6298's estimator, never below the configured timeout."""
-        if self.srtt is None:
+    def rto(self, shard: int = 0) -> float:
+        """Retransmission timeout towards ``shard``: RFC 6298's estimator, never below the
+        configured timeout."""
+        srtt = self._srtt[shard]
+        if srtt is None:
             return self.timeout
-        return min(self.max_timeout, max(self.timeout, self.srtt + 4 * self.rttvar))
+        return min(self.max_timeout, max(self.timeout, srtt + 4 * self._rttvar[shard]))
 
-    def _sample_rtt(self, rtt: float) -> None:
-        if self.srtt is None:
-            self.srtt, self.rttvar = rtt, rtt / 2
+    def _sample_rtt(self, shard: int, rtt: float) -> None:
+        srtt = self._srtt[shard]
+        if srtt is None:
+            self._srtt[shard], self._rttvar[shard] = rtt, rtt / 2
         else:
-            self.rttvar = 0.75 * self.rttvar + 0.25 * abs(self.srtt - rtt)
-            self.srtt = 0.875 * self.srtt + 0.125 * rtt
+            self._rttvar[shard] = 0.75 * self._rttvar[shard] + 0.25 * abs(srtt - rtt)
+            self._srtt[shard] = 0.875 * srtt + 0.125 * rtt
 
     def _raise_timeout(self, base: int, i: int, bitmap: int | None):
         job = self.job
