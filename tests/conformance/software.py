@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import select
 import socket
 
 from host.net.aggregator import Aggregator
@@ -53,6 +54,18 @@ class SoftwareHarness(Harness):
 
     def _new_endpoint(self, addr: tuple[str, int]) -> UdpEndpoint:
         return UdpEndpoint(addr, self.addr)
+
+    def recv_each(self, endpoints: dict) -> dict:
+        """All endpoints at once: until ``quiet`` seconds pass with none receiving anything
+        (the same condition as one ``recv_all`` each, without waiting it out per worker)."""
+        got = {k: [] for k in endpoints}
+        by_sock = {ep.sock: k for k, ep in endpoints.items()}
+        while True:
+            ready, _, _ = select.select(list(by_sock), [], [], self.quiet)
+            if not ready:
+                return got
+            for sock in ready:
+                got[by_sock[sock]].append(sock.recv(4096))
 
     def install(self, job: Job) -> None:
         self.agg.install(job)

@@ -68,7 +68,7 @@ def run_round(harness, job, seq, idxs, workers=None, run=RUN):
     workers = range(job.n_workers) if workers is None else workers
     for w in workers:
         harness.endpoint(job, w).send(data(job, w, seq, idxs[w], run=run))
-    return {w: harness.endpoint(job, w).recv_all(timeout=harness.quiet) for w in range(job.n_workers)}
+    return harness.recv_each({w: harness.endpoint(job, w) for w in range(job.n_workers)})
 
 
 def assert_result(got, job, seq, idxs, to_worker, run=RUN):
@@ -159,7 +159,7 @@ def test_retransmission_to_completed_slot_answers_that_worker_only(harness):
     run_round(harness, job, 0, idxs)
     before = harness.job_counters(job)["retransmissions"]
     harness.endpoint(job, 1).send(data(job, 1, 0, idxs[1]))
-    got = {w: harness.endpoint(job, w).recv_all(timeout=harness.quiet) for w in range(3)}
+    got = harness.recv_each({w: harness.endpoint(job, w) for w in range(3)})
     assert not got[0] and not got[2]
     assert_result(got[1], job, 0, idxs, 1)
     settle(harness)
