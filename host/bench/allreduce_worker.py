@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     gen = torch.Generator().manual_seed(args.seed * 1000 + args.rank)
     x = torch.randn(args.numel, generator=gen)
 
-    times, wire, phases = [], [], []
+    times, wire, phases, cpu = [], [], [], []
     first = None
     client = None
     if args.mode == "thc":
@@ -115,15 +115,16 @@ def main(argv: list[str] | None = None) -> int:
         before_ph = dict(ar.stats.seconds) if args.mode == "thc" else None
         dist.barrier()
         c0 = intf_counters(args.intf)
-        t0 = time.perf_counter()
+        t0, p0 = time.perf_counter(), time.process_time()
         out = step(x)
-        t1 = time.perf_counter()
+        t1, p1 = time.perf_counter(), time.process_time()
         c1 = intf_counters(args.intf)
         if first is None:
             first = out[: args.check_elems].clone()
         if i < args.warmup:
             continue
         times.append(t1 - t0)
+        cpu.append(p1 - p0)
         if c0 and c1:
             wire.append((c1[0] - c0[0], c1[1] - c0[1]))
         if before_ph is not None:
@@ -140,6 +141,7 @@ def main(argv: list[str] | None = None) -> int:
         dist.all_reduce(norms)
         nmse = float(((first[:k] - exact) ** 2).sum() / (norms[0] / args.world))
     result = {"rank": args.rank, "mode": args.mode, "numel": args.numel, "times": times,
+              "cpu_seconds": cpu,
               "wire": wire, "phases": phases, "sha256": digest, "nmse": nmse}
     if client is not None:
         result["transport"] = vars(client.stats)

@@ -251,6 +251,21 @@ class Testbed:
             procs.append(("the aggregator", self._agg_proc))
         return procs
 
+    def aggregator_cpu_seconds(self) -> float | None:
+        """CPU seconds (user + system) the running software aggregator or its shards have used
+        so far, from /proc (None without one)."""
+        procs = [p for _, p in self._aggregator_procs()]
+        if not procs:
+            return None
+        total = 0.0
+        for proc in procs:
+            try:
+                fields = Path(f"/proc/{proc.pid}/stat").read_text().rpartition(")")[2].split()
+            except OSError:
+                return None
+            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return total
+
     def _spawn_aggregator(self, node, listen: tuple[str, int], name: str,
                           shard: int | None = None) -> Proc:
         """Start `thc aggregator` (whichever implementation it runs) on ``node``."""

@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import statistics
 import sys
 import time
@@ -166,17 +167,29 @@ def _run_mode(tb, mode: str, args, numel: int, repeat: int, window: int | None =
         return a
 
     agg_link = getattr(tb, "agg_wire_bytes", lambda: None)
+    load = os.getloadavg()[0]
+    agg_cpu0 = tb.aggregator_cpu_seconds()
     before, agg_before = tb.wire_bytes(), agg_link()
     t0 = time.monotonic()
     results = tb.run_workers(argv, timeout=args.timeout)
     wall = time.monotonic() - t0
     after, agg_after = tb.wire_bytes(), agg_link()
+    agg_cpu1 = tb.aggregator_cpu_seconds()
     rows = [json.loads(r.stdout.strip().splitlines()[-1]) for r in results]
     rounds = [max(row["times"][i] for row in rows) for i in range(repeat)]
     out = {"mode": mode, "seconds": statistics.median(rounds), "rounds": rounds,
            "per_worker_seconds": [statistics.median(row["times"]) for row in rows],
            "identical_results": len({row["sha256"] for row in rows}) == 1,
-           "nmse": rows[0]["nmse"], "wall_seconds": wall}
+           "nmse": rows[0]["nmse"], "wall_seconds": wall,
+           "loadavg_1min_before": load, "cores": os.cpu_count()}
+    if all(row.get("cpu_seconds") for row in rows):
+        # CPU the workers spent inside timed rounds (summed over workers, median round), and
+        # the aggregator processes' CPU over the whole run divided by its rounds (warm-up incl.)
+        cpu = {"workers": statistics.median(
+            sum(row["cpu_seconds"][i] for row in rows) for i in range(repeat))}
+        if agg_cpu0 is not None and agg_cpu1 is not None:
+            cpu["aggregators"] = (agg_cpu1 - agg_cpu0) / (repeat + 1)
+        out["cpu_seconds_per_round"] = cpu
     if all(row["wire"] for row in rows):
         tx = statistics.mean(statistics.mean(w[0] for w in row["wire"]) for row in rows)
         rx = statistics.mean(statistics.mean(w[1] for w in row["wire"]) for row in rows)
@@ -364,6 +377,11 @@ def _print_table(result: dict) -> None:
                 note = "phases: " + " ".join(f"{k} {v:.2f}" for k, v in ph.items())
             if m.get("nmse") is not None and name != "fp32":
                 note += f"  nmse {m['nmse']:.4f}"
+            if "cpu_seconds_per_round" in m:
+                c = m["cpu_seconds_per_round"]
+                note += (f"  cpu s/round: workers {c['workers']:.1f}"
+                         + (f" aggregators {c['aggregators']:.1f}" if "aggregators" in c else "")
+                         + f" ({m['cores']} cores, load {m['loadavg_1min_before']:.1f})")
             if "extrapolated_from" in m:
                 note += (f"  EXTRAPOLATED from {m['extrapolated_from']:,} elements "
                          f"({m['measured_seconds']:.2f} s)")
