@@ -6,8 +6,9 @@ per-lane sums of lookup-table values. Names follow the P4 program (``thc_job_run
 ``thc_run``, ``thc_seq``, ``thc_bitmap``, ``thc_count``, ``thc_sum``, ``thc_max``, drop reasons
 and job counters from protocol.json), so the switch can be tested against it packet for
 packet. Run as one shard of a sharded job (``shard``: its index in the job's shard map), it
-aggregates only the chunks it owns and drops the others as ``wrong_shard``. Each start draws a fresh ``epoch`` that every reply carries, so clients notice a
-restart (the in-flight state is lost) instead of waiting for it. The per-packet path is a
+aggregates only the chunks it owns and drops the others as ``wrong_shard``. Each start draws
+a fresh ``epoch`` that every reply carries, so clients notice a restart (the in-flight state
+is lost) instead of waiting for it. The per-packet path is a
 handful of numpy calls; there is no loop per coordinate.
 """
 from __future__ import annotations
