@@ -152,3 +152,21 @@ def test_a_restarted_shard_is_named_and_a_silent_one_times_out():
     finally:
         for a in first + [restarted]:
             a.stop()
+
+
+def test_bench_ideal_bytes_per_layout():
+    """The busiest link per layout, as docs/mininet.md states it for 4 workers and 25M
+    elements: sharded about 5.2x fewer bytes than the FP32 ring, central 1.49x."""
+    from thcnet.bench_allreduce import fp32_wire_bytes, thc_wire_bytes
+
+    numel, p, lanes = 25_000_000, 4, P.max_software_lanes(8)
+    fp32 = fp32_wire_bytes(numel, p)["up"]
+    central = thc_wire_bytes(numel, lanes, layout="central", p=p)
+    sharded = thc_wire_bytes(numel, lanes, layout="sharded", p=p)
+    assert sharded["up"] == sharded["down"] == sharded["busiest"]
+    assert sharded["busiest"] == pytest.approx(0.75 * (central["up"] + central["down"]))
+    assert central["busiest"] == p * central["down"]
+    assert fp32 / sharded["busiest"] == pytest.approx(5.2, abs=0.05)
+    assert fp32 / central["busiest"] == pytest.approx(1.49, abs=0.01)
+    fat = thc_wire_bytes(numel, lanes, layout="central", p=p, agg_bw_factor=p)
+    assert fat["busiest"] == max(fat["up"], fat["down"])
