@@ -32,11 +32,11 @@ needs_mininet = pytest.mark.skipif(MININET_REASON is not None,
 def smoke(tb, numel=1 << 16, seed=5):
     """Run the smoke all-reduce on ``tb``; return (worker JSON rows, reference digest)."""
     tb.start_aggregator()
-    agg = f"{tb.agg_addr[0]}:{tb.agg_addr[1]}"
+    agg = ["--agg", f"{tb.agg_addr[0]}:{tb.agg_addr[1]}"] if tb.agg_addr else []
     results = tb.run_workers(
         lambda r: ["python", "-m", "thcnet.smoke_worker", "--rank", str(r), "--config",
-                   str(tb.cluster_path), "--agg", agg, "--numel", str(numel), "--seed",
-                   str(seed)], timeout=60)
+                   str(tb.cluster_path), "--numel", str(numel), "--seed",
+                   str(seed)] + agg, timeout=60)
     rows = [json.loads(r.stdout.strip().splitlines()[-1]) for r in results]
     job = tb.job
     return rows, digest(reference_sums(job.table, job.n_workers, seed, numel))
@@ -61,13 +61,18 @@ def test_loopback_testbed_describes_itself_and_its_cluster(capsys):
     assert "loopback" in err and "NOT emulated" in err
 
 
-def test_loopback_smoke_allreduce_is_bit_exact():
-    with open_testbed(3, prefer_mininet=False) as tb:
+@pytest.mark.parametrize("aggregator", ["software", "sharded"])
+def test_loopback_smoke_allreduce_is_bit_exact(aggregator):
+    with open_testbed(3, aggregator=aggregator, prefer_mininet=False) as tb:
         rows, ref = smoke(tb)
         counters = tb.stop_aggregator()
     assert [r["sha256"] for r in rows] == [ref] * 3
     assert all(r["mismatches"] == 0 for r in rows)
     assert counters["jobs"]["1"]["completions"] >= (1 << 16) // 256
+    if aggregator == "sharded":  # every shard aggregated its third, nothing misrouted
+        shards = counters["shards"]
+        assert len(shards) == 3 and all(s["jobs"]["1"]["completions"] > 0 for s in shards)
+        assert counters["drops"]["wrong_shard"] == 0
 
 
 def test_workers_get_the_venv_python_one_thread_and_the_repo_on_the_path():
@@ -296,18 +301,24 @@ def test_loss_is_emulated_and_delay_is_refused_or_emulated():
 
 @needs_mininet
 @pytest.mark.slow
-def test_smoke_allreduce_through_the_software_aggregator_is_bit_exact_in_mininet():
-    with open_testbed(4, bw_mbit=100) as tb:
+@pytest.mark.parametrize("aggregator", ["software", "sharded"])
+def test_smoke_allreduce_through_the_software_aggregator_is_bit_exact_in_mininet(aggregator):
+    with open_testbed(4, bw_mbit=100, aggregator=aggregator) as tb:
         before = tb.wire_bytes()
         rows, ref = smoke(tb, numel=1 << 20)
         after = tb.wire_bytes()
     assert [r["sha256"] for r in rows] == [ref] * 4
     # 4096 chunks of 128 index bytes up, 256 sum bytes down, plus headers
+    up, down = 4096 * (128 + 62), 4096 * (256 + 62)
+    if aggregator == "sharded":
+        # 3/4 of the chunks go to remote shards, and the host's shard sends 3/4 of its sums
+        # to remote workers: the same bytes each way, none for the host's own chunks
+        up = down = 3 / 4 * (up + down)
     for r in range(4):
         tx = after[r][0] - before[r][0]
         rx = after[r][1] - before[r][1]
-        assert 4096 * (128 + 62) <= tx < 1.5 * 4096 * (128 + 62)
-        assert 4096 * (256 + 62) <= rx < 1.5 * 4096 * (256 + 62)
+        assert up <= tx < 1.5 * up
+        assert down <= rx < 1.5 * down
 
 
 @needs_mininet

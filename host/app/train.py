@@ -38,7 +38,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--master", default=None, metavar="IP:PORT",
                         help="torch.distributed TCP rendezvous (default: env:// as torchrun sets)")
     parser.add_argument("--config", help="cluster JSON of the aggregator (mode thc)")
-    parser.add_argument("--agg", metavar="IP:PORT", help="aggregator address (mode thc)")
+    parser.add_argument("--agg", metavar="IP:PORT",
+                        help="aggregator address (mode thc; a sharded job's shard map names "
+                             "its aggregators)")
     parser.add_argument("--run", type=int, default=None,
                         help="run id, the same on every worker (default: THC_RUN, else rank 0's "
                              "clock broadcast over the process group)")
@@ -97,7 +99,10 @@ def _hook(args, model, ddp):
         return THCHook(model, make, opts)
     cluster = Cluster.load(args.config)
     job = cluster.jobs[0]
-    agg = parse_hostport(args.agg) if args.agg else (cluster.agg_ip, cluster.agg_port)
+    if job.shards:
+        agg = None  # the job's shard map names its aggregators
+    else:
+        agg = parse_hostport(args.agg) if args.agg else (cluster.agg_ip, cluster.agg_port)
     client = AggregationClient(job, args.rank, agg, deadline=30.0,
                                run=args.run or agree_run())
     make = lambda: THCAllReduce.through_aggregator(  # noqa: E731

@@ -1,7 +1,7 @@
 """One worker of ``thc bench allreduce``: time all-reduces of one float32 gradient.
 
 ``python -m host.bench.allreduce_worker --mode fp32|thc --rank R --world N --master IP:PORT
-[--agg IP:PORT --config cluster.json] --numel N --repeat K``
+[--config cluster.json [--agg IP:PORT]] --numel N --repeat K``
 
 - ``fp32``: ``torch.distributed.all_reduce`` (Gloo, ring) of the whole tensor;
 - ``thc``: :class:`host.collective.allreduce.THCAllReduce` through the aggregator (norm round, encode,
@@ -48,7 +48,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--rank", type=int, required=True)
     ap.add_argument("--world", type=int, required=True)
     ap.add_argument("--master", required=True, metavar="IP:PORT")
-    ap.add_argument("--agg", metavar="IP:PORT", help="aggregator (thc mode)")
+    ap.add_argument("--agg", metavar="IP:PORT",
+                    help="aggregator (thc mode; a sharded job's shard map names its own)")
     ap.add_argument("--config", help="cluster JSON (thc mode): the job and its lookup table")
     ap.add_argument("--numel", type=int, default=25_000_000)
     ap.add_argument("--repeat", type=int, default=3, help="timed rounds")
@@ -83,16 +84,19 @@ def main(argv: list[str] | None = None) -> int:
     gen = torch.Generator().manual_seed(args.seed * 1000 + args.rank)
     x = torch.randn(args.numel, generator=gen)
 
-    times, wire, phases = [], [], []
+    times, wire, phases, cpu = [], [], [], []
     first = None
     client = None
     if args.mode == "thc":
 
-        if not (args.agg and args.config):
-            ap.error("--mode thc needs --agg and --config")
+        if not args.config:
+            ap.error("--mode thc needs --config")
         job = Cluster.load(args.config).jobs[0]
+        if not job.shards and not args.agg:
+            ap.error("--mode thc needs --agg for a job without a shard map")
         params = THCParams(granularity=job.granularity, seed=args.seed)
-        client = AggregationClient(job, args.rank, parse_hostport(args.agg),
+        client = AggregationClient(job, args.rank,
+                                   None if job.shards else parse_hostport(args.agg),
                                    deadline=args.deadline, window=args.window,
                                    timeout=args.rto, run=agree_run())
         ar = THCAllReduce.through_aggregator(client, params,
@@ -111,15 +115,16 @@ def main(argv: list[str] | None = None) -> int:
         before_ph = dict(ar.stats.seconds) if args.mode == "thc" else None
         dist.barrier()
         c0 = intf_counters(args.intf)
-        t0 = time.perf_counter()
+        t0, p0 = time.perf_counter(), time.process_time()
         out = step(x)
-        t1 = time.perf_counter()
+        t1, p1 = time.perf_counter(), time.process_time()
         c1 = intf_counters(args.intf)
         if first is None:
             first = out[: args.check_elems].clone()
         if i < args.warmup:
             continue
         times.append(t1 - t0)
+        cpu.append(p1 - p0)
         if c0 and c1:
             wire.append((c1[0] - c0[0], c1[1] - c0[1]))
         if before_ph is not None:
@@ -136,6 +141,7 @@ def main(argv: list[str] | None = None) -> int:
         dist.all_reduce(norms)
         nmse = float(((first[:k] - exact) ** 2).sum() / (norms[0] / args.world))
     result = {"rank": args.rank, "mode": args.mode, "numel": args.numel, "times": times,
+              "cpu_seconds": cpu,
               "wire": wire, "phases": phases, "sha256": digest, "nmse": nmse}
     if client is not None:
         result["transport"] = vars(client.stats)

@@ -5,8 +5,10 @@ versions (SwitchML), each with a run, a sequence number, a worker bitmap, a coun
 per-lane sums of lookup-table values. Names follow the P4 program (``thc_job_run``,
 ``thc_run``, ``thc_seq``, ``thc_bitmap``, ``thc_count``, ``thc_sum``, ``thc_max``, drop reasons
 and job counters from protocol.json), so the switch can be tested against it packet for
-packet. Each start draws a fresh ``epoch`` that every reply carries, so clients notice a
-restart (the in-flight state is lost) instead of waiting for it. The per-packet path is a
+packet. Run as one shard of a sharded job (``shard``: its index in the job's shard map), it
+aggregates only the chunks it owns and drops the others as ``wrong_shard``. Each start draws
+a fresh ``epoch`` that every reply carries, so clients notice a restart (the in-flight state
+is lost) instead of waiting for it. The per-packet path is a
 handful of numpy calls; there is no loop per coordinate.
 """
 from __future__ import annotations
@@ -47,8 +49,16 @@ class JobState:
     registers are numpy rows, one per slot and version.
     """
 
-    def __init__(self, job: Job):
+    def __init__(self, job: Job, shard: int | None = None):
         self.job = job.validate()
+        if job.shards and shard is None:
+            raise ConfigError(f"job {job.job_id} is spread over {job.n_shards} aggregator shards; "
+                              f"run this aggregator as one of them (--shard 0..{job.n_shards - 1})")
+        if shard is not None and not 0 <= shard < job.n_shards:
+            raise ConfigError(f"shard {shard} is not in job {job.job_id}'s shard map "
+                              f"(shards 0..{job.n_shards - 1})")
+        self.n_shards = job.n_shards
+        self.shard = shard or 0
         lut = np.asarray(job.table, dtype=P.sum_dtype(job.sum_bits))
         # One fancy-index maps a packed byte to its two lanes' table values.
         self.pair_lut = np.stack([lut[np.arange(256) >> 4], lut[np.arange(256) & 0x0F]], axis=1)
@@ -79,8 +89,10 @@ class Aggregator:
     """Protocol logic (``handle``) plus an optional UDP server loop around it."""
 
     def __init__(self, jobs: list[Job] | tuple[Job, ...] = (), impair: Impairment | None = None,
-                 epoch: int | None = None):
+                 epoch: int | None = None, shard: int | None = None):
+        """``shard``: this aggregator's index in the shard map of the jobs that have one."""
         self.jobs: dict[int, JobState] = {}
+        self.shard = shard
         self.epoch = P.new_epoch() if epoch is None else epoch
         self.drops = Counter({name: 0 for name in P.DropReason.__members__})
         self.impair = impair or Impairment()
@@ -95,7 +107,7 @@ class Aggregator:
     # -- control plane -------------------------------------------------------------
     def install(self, job: Job) -> None:
         """Install or re-install a job, its slots reset as the controller resets a switch pool."""
-        state = JobState(job)
+        state = JobState(job, self.shard if job.shards else None)
         state.reset()
         with self._lock:
             self.jobs[job.job_id] = state
@@ -145,6 +157,8 @@ class Aggregator:
             return self._drop("unknown_worker")
         if slot >= state.pool:
             return self._drop("slot_outside_pool")
+        if state.n_shards > 1 and seq % state.n_shards != state.shard:
+            return self._drop("wrong_shard")
         job_run = state.thc_job_run
         if run != job_run:
             if job_run and not 0 < (run - job_run) % SEQ_MOD < HALF:
@@ -300,6 +314,8 @@ class Aggregator:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--listen", default=f"0.0.0.0:{P.UDP_PORT}", metavar="HOST:PORT")
     parser.add_argument("--config", required=True, help="cluster JSON (the controller's format)")
+    parser.add_argument("--shard", type=int, default=None, metavar="INDEX",
+                        help="run as this shard of the jobs' shard maps (sharded jobs only)")
     parser.add_argument("--stats-interval", type=float, default=5.0,
                         help="print counters every N seconds (0: never)")
     parser.add_argument("--stats-file", help="rewrite counters as JSON to this file while running")
@@ -331,13 +347,18 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"thc aggregator: {e}", file=sys.stderr)
         return 2
-    agg = Aggregator(cluster.jobs, impair=impair)
+    try:
+        agg = Aggregator(cluster.jobs, impair=impair, shard=args.shard)
+    except ConfigError as e:
+        print(f"thc aggregator: {e}", file=sys.stderr)
+        return 2
     try:
         addr = agg.start(host, port)
     except OSError as e:
         print(f"thc aggregator: cannot listen on {args.listen}: {e}", file=sys.stderr)
         return 2
-    print(f"thc aggregator listening on {addr[0]}:{addr[1]} with jobs "
+    role = "" if args.shard is None else f" as shard {args.shard}"
+    print(f"thc aggregator listening on {addr[0]}:{addr[1]}{role} with jobs "
           f"{[j.job_id for j in cluster.jobs]}, epoch {agg.epoch:#010x}", flush=True)
     end = None if args.duration is None else time.monotonic() + args.duration
     last_print = time.monotonic()

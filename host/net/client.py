@@ -11,6 +11,12 @@ worker), so nothing of an earlier run is counted in this one; replies of another
 ignored and counted. Every reply carries the aggregator's ``epoch``: when it changes within
 a run the aggregator restarted and lost the run's in-flight state, and the client raises
 :class:`AggregatorRestarted` rather than wait for contributions that are gone.
+
+A sharded job (``Job.shards``) spreads its chunks over several aggregators: chunk ``seq`` goes
+to shard ``seq mod n_shards``. The window and deadlines are per chunk as before; the epoch,
+the round-trip estimate (a co-located shard answers sooner than a remote one) and fast
+retransmission (only later chunks of the same shard count as overtaking) are per shard, so a
+restarted shard is named by its index and address.
 """
 from __future__ import annotations
 
@@ -31,12 +37,15 @@ class AggregatorRestarted(ConnectionError):
 
     Start a new run (new run id, sequence numbers from 0): it starts on clean slots."""
 
-    def __init__(self, aggregator: tuple[str, int], run: int, old_epoch: int, new_epoch: int):
-        super().__init__(f"the aggregator at {aggregator[0]}:{aggregator[1]} restarted during "
+    def __init__(self, aggregator: tuple[str, int], run: int, old_epoch: int, new_epoch: int,
+                 shard: int | None = None):
+        who = "the aggregator" if shard is None else f"aggregator shard {shard}"
+        super().__init__(f"{who} at {aggregator[0]}:{aggregator[1]} restarted during "
                          f"run {run}: its epoch changed from {old_epoch:#010x} to "
                          f"{new_epoch:#010x}, so the run's in-flight chunks are lost; start a "
                          f"new run")
         self.aggregator = aggregator
+        self.shard = shard
         self.run = run
         self.old_epoch = old_epoch
         self.new_epoch = new_epoch
@@ -69,16 +78,30 @@ class AggregationClient:
     """Chunks in flight. Larger windows caused retransmission storms on busy hosts (38% of
     packets resent at 128 in Mininet on 2 cores) and overflow BMv2's input queues."""
 
-    def __init__(self, job: Job, worker_id: int, aggregator: tuple[str, int],
+    def __init__(self, job: Job, worker_id: int, aggregator: tuple[str, int] | None = None,
                  window: int | None = None, timeout: float = 0.02, max_timeout: float = 0.5,
                  deadline: float = 10.0, impair: Impairment | None = None,
                  sock: socket.socket | None = None, run: int | None = None):
         """``run``: this training run's id, the same on every worker (default: ``THC_RUN`` from
         the environment; :func:`host.collective.allreduce.agree_run` agrees one over a process
-        group). It may also be set later through :attr:`run`, before the first chunk."""
+        group). It may also be set later through :attr:`run`, before the first chunk.
+
+        ``aggregator``: the switch's or central aggregator's address; leave it out for a
+        sharded job, whose shard map (``job.shards``) says where each chunk goes."""
         self.job = job
         self.worker_id = worker_id
-        self.aggregator = aggregator
+        if job.shards:
+            if aggregator is not None:
+                raise ValueError(f"job {job.job_id} is sharded over {job.n_shards} aggregators "
+                                 f"(its shard map names them); pass no aggregator address")
+            self.aggregators = [(s.ip, s.port) for s in job.shards]
+        elif aggregator is None:
+            raise ValueError(f"job {job.job_id} has no shard map: pass the aggregator's address")
+        else:
+            self.aggregators = [tuple(aggregator)]
+        self.aggregator = self.aggregators[0]
+        """The aggregator (the first shard's address for a sharded job)."""
+        self.epochs: list[int | None] = [None] * len(self.aggregators)
         self.window = min(window or self.DEFAULT_WINDOW, job.pool_size)
         self.timeout = timeout
         self.max_timeout = max_timeout
@@ -86,10 +109,9 @@ class AggregationClient:
         self.impair = impair or Impairment()
         self.stats = TransportStats()
         self.next_seq = 0
-        self.epoch: int | None = None
         self._run = P.run_from_env() if run is None else P.check_run(run)
-        self.srtt: float | None = None
-        self.rttvar = 0.0
+        self._srtt: list[float | None] = [None] * len(self.aggregators)
+        self._rttvar = [0.0] * len(self.aggregators)
         me = job.worker(worker_id)
         if sock is None:
             sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
@@ -107,7 +129,12 @@ class AggregationClient:
         """Start a (new) run: sequence numbers restart at 0 and the epoch is learnt anew."""
         self._run = P.check_run(run)
         self.next_seq = 0
-        self.epoch = None
+        self.epochs = [None] * len(self.aggregators)
+
+    @property
+    def epoch(self) -> int | None:
+        """The epoch of the (first) aggregator learnt in this run; per shard: :attr:`epochs`."""
+        return self.epochs[0]
 
     def close(self) -> None:
         self.sock.close()
@@ -149,13 +176,13 @@ class AggregationClient:
         return P.ordered_u32_to_floats(out.reshape(-1)[: u.size].astype(np.uint32))
 
     # -- the sliding window ----------------------------------------------------------
-    def _send(self, data: bytes) -> None:
+    def _send(self, data: bytes, dst: tuple[str, int]) -> None:
         self.stats.sent += 1
         self.stats.bytes_sent += len(data)
         if self.impair.active:
-            self.impair.send(self.sock.sendto, data, self.aggregator)
+            self.impair.send(self.sock.sendto, data, dst)
         else:
-            self.sock.sendto(data, self.aggregator)
+            self.sock.sendto(data, dst)
 
     def _stream(self, pkt_type: int, chunks: np.ndarray, out: np.ndarray, offset_base: int,
                 lanes: int, dtype: np.dtype) -> None:
@@ -171,6 +198,7 @@ class AggregationClient:
                              f"(host.collective.allreduce.agree_run)")
         base = self.next_seq
         pool = job.pool_size
+        aggs, epochs, n_shards = self.aggregators, self.epochs, len(self.aggregators)
         expect_payload = P.payload_bytes(P.PktType.RESULT if pkt_type == P.PktType.DATA
                                          else P.PktType.MAX_RESULT, lanes, job.sum_bits)
         result_type = P.PktType.RESULT if pkt_type == P.PktType.DATA else P.PktType.MAX_RESULT
@@ -199,12 +227,18 @@ class AggregationClient:
             return pack(pkt_type, me, job_id, slot, version, 0, (base + i) % P.SEQ_MOD,
                         (offset_base + i * lanes) % P.SEQ_MOD, 0, run, 0) + chunks[i].tobytes()
 
+        def shard_of(i: int) -> int:
+            return ((base + i) % P.SEQ_MOD) % n_shards
+
+        def dst(i: int) -> tuple[str, int]:
+            return aggs[shard_of(i)]
+
         while lo < total:
             while hi < total and hi < lo + self.window:
                 packets[hi] = packet(hi)
-                self._send(packets[hi])
+                self._send(packets[hi], dst(hi))
                 now = time.monotonic()
-                due[hi], backoff[hi], started[hi] = now + self.rto, self.timeout, now
+                due[hi], backoff[hi], started[hi] = now + self.rto(shard_of(hi)), self.timeout, now
                 hi += 1
             next_due = min(due.values()) if due else now + self.timeout
             wait = max(0.0, next_due - time.monotonic())
@@ -235,10 +269,12 @@ class AggregationClient:
                         self.stats.other_run += 1
                         continue
                     last_reply = time.monotonic()
-                    if r_epoch != self.epoch:
-                        if self.epoch is not None:
-                            raise AggregatorRestarted(self.aggregator, run, self.epoch, r_epoch)
-                        self.epoch = r_epoch
+                    shard = r_seq % n_shards
+                    if r_epoch != epochs[shard]:
+                        if epochs[shard] is not None:
+                            raise AggregatorRestarted(aggs[shard], run, epochs[shard], r_epoch,
+                                                      shard if n_shards > 1 else None)
+                        epochs[shard] = r_epoch
                     i = (r_seq - base) % P.SEQ_MOD
                     if i >= hi or done[i]:
                         self.stats.ignored += 1
@@ -254,13 +290,13 @@ class AggregationClient:
                     out[i] = np.frombuffer(buf, dtype=dtype, count=lanes, offset=header_bytes)
                     done[i] = True
                     if backoff.get(i) == self.timeout:
-                        self._sample_rtt(time.monotonic() - started[i])
+                        self._sample_rtt(shard, time.monotonic() - started[i])
                     for d in (packets, due, backoff, started, later):
                         d.pop(i, None)
                     while lo < total and done[lo]:
                         lo += 1
                     if i > lo:
-                        self._fast_retransmit(i, due, later, packets)
+                        self._fast_retransmit(i, due, later, packets, dst, shard_of)
             else:
                 self.impair.flush(self.sock.sendto)
             now = time.monotonic()
@@ -272,38 +308,43 @@ class AggregationClient:
                 if now - started[i] > self.deadline:
                     self._raise_timeout(base, i, pending_bitmap.get(i), now - last_reply)
                 self.stats.retransmitted += 1
-                self._send(packets[i])
-                backoff[i] = min(max(backoff[i], self.rto) * 2, self.max_timeout)
+                self._send(packets[i], dst(i))
+                backoff[i] = min(max(backoff[i], self.rto(shard_of(i))) * 2, self.max_timeout)
                 due[i] = now + backoff[i]
         self.next_seq = (base + total) % P.SEQ_MOD
 
     FAST_RETRANSMIT_AFTER = 3
     """Results of this many later chunks mean an earlier chunk (or its result) was lost."""
 
-    def _fast_retransmit(self, j: int, due: dict, later: dict, packets: dict) -> None:
-        """Resend outstanding chunks that later chunks have overtaken (TCP's dupack idea)."""
+    def _fast_retransmit(self, j: int, due: dict, later: dict, packets: dict, dst,
+                         shard_of) -> None:
+        """Resend outstanding chunks that later chunks of the same shard have overtaken
+        (TCP's dupack idea; chunks of different shards complete in no particular order)."""
         now = time.monotonic()
-        for i in [i for i in due if i < j]:
+        shard = shard_of(j)
+        for i in [i for i in due if i < j and shard_of(i) == shard]:
             later[i] = later.get(i, 0) + 1
             if later[i] == self.FAST_RETRANSMIT_AFTER:
                 self.stats.retransmitted += 1
-                self._send(packets[i])
-                due[i] = now + self.rto
+                self._send(packets[i], dst(i))
+                due[i] = now + self.rto(shard)
                 later[i] = -4 * self.FAST_RETRANSMIT_AFTER
 
-    @property
-    def rto(self) -> float:
-        """Retransmission timeout: RFC 6298's estimator, never below the configured timeout."""
-        if self.srtt is None:
+    def rto(self, shard: int = 0) -> float:
+        """Retransmission timeout towards ``shard``: RFC 6298's estimator, never below the
+        configured timeout."""
+        srtt = self._srtt[shard]
+        if srtt is None:
             return self.timeout
-        return min(self.max_timeout, max(self.timeout, self.srtt + 4 * self.rttvar))
+        return min(self.max_timeout, max(self.timeout, srtt + 4 * self._rttvar[shard]))
 
-    def _sample_rtt(self, rtt: float) -> None:
-        if self.srtt is None:
-            self.srtt, self.rttvar = rtt, rtt / 2
+    def _sample_rtt(self, shard: int, rtt: float) -> None:
+        srtt = self._srtt[shard]
+        if srtt is None:
+            self._srtt[shard], self._rttvar[shard] = rtt, rtt / 2
         else:
-            self.rttvar = 0.75 * self.rttvar + 0.25 * abs(self.srtt - rtt)
-            self.srtt = 0.875 * self.srtt + 0.125 * rtt
+            self._rttvar[shard] = 0.75 * self._rttvar[shard] + 0.25 * abs(srtt - rtt)
+            self._srtt[shard] = 0.875 * srtt + 0.125 * rtt
 
     def _raise_timeout(self, base: int, i: int, bitmap: int | None, silent: float = 0.0):
         """``silent``: seconds since the aggregator last answered anything of this run. A
@@ -316,11 +357,13 @@ class AggregationClient:
         slot, version = P.slot_of(base + i, job.pool_size)
         where = (f"job {job.job_id}, worker {self.worker_id}: chunk seq {seq} (slot {slot}, "
                  f"version {version}) not aggregated within {self.deadline:.1f}s")
-        agg = f"{self.aggregator[0]}:{self.aggregator[1]}"
+        shard = job.shard_of(seq)
+        ip, port = self.aggregators[shard]
+        who = f"aggregator shard {shard}" if job.shards else "the aggregator"
         if bitmap is None:
-            raise AggregationTimeout(f"{where}; no answer from the aggregator at {agg}", None)
+            raise AggregationTimeout(f"{where}; no answer from {who} at {ip}:{port}", None)
         if silent >= max(self.deadline / 2, 2 * self.max_timeout):
-            raise AggregationTimeout(f"{where}; the aggregator at {agg} stopped answering "
+            raise AggregationTimeout(f"{where}; {who} at {ip}:{port} stopped answering "
                                      f"{silent:.1f}s ago (down, unreachable, or restarted and "
                                      f"not yet serving this job): start a new run once it is "
                                      f"back", None)

@@ -35,6 +35,15 @@ class Worker:
 
 
 @dataclass(frozen=True)
+class Shard:
+    """One aggregator of a sharded job: it owns the chunks whose ``seq mod n_shards`` is its
+    index in the job's shard map (docs/protocol.md, "Shards")."""
+
+    ip: str
+    port: int = P.UDP_PORT
+
+
+@dataclass(frozen=True)
 class Job:
     job_id: int
     workers: tuple[Worker, ...]
@@ -51,6 +60,10 @@ class Job:
     sum_bits: int = 0
     """Width of the job's sums (8 or 16); 0 means: the narrowest that holds n_workers x
     granularity, chosen when the job is made. RESULT payloads carry sums of this width."""
+    shards: tuple[Shard, ...] = ()
+    """The shard map: software aggregators that each own a share of the job's chunks (chunk
+    ``seq`` belongs to ``shards[seq mod len(shards)]``), the same list on every worker and
+    every shard. Empty: one aggregator (switch or central software aggregator) owns all."""
 
     def __post_init__(self):
         if self.mcast_grp == 0:
@@ -63,6 +76,15 @@ class Job:
     @property
     def n_workers(self) -> int:
         return len(self.workers)
+
+    @property
+    def n_shards(self) -> int:
+        """Aggregators the job's chunks are spread over (1 when it has no shard map)."""
+        return len(self.shards) or 1
+
+    def shard_of(self, seq: int) -> int:
+        """Index in the shard map of the aggregator that owns chunk ``seq`` (32-bit)."""
+        return seq % self.n_shards
 
     @property
     def full_bitmap(self) -> int:
@@ -112,12 +134,26 @@ class Job:
             P.check_lanes(self.lanes, sum_bits=self.sum_bits)
         except ValueError as e:
             raise ConfigError(f"job {self.job_id}: {e}") from None
+        shard_addrs = [(s.ip, s.port) for s in self.shards]
+        if len(set(shard_addrs)) != len(shard_addrs):
+            raise ConfigError(f"job {self.job_id}: two shards share an address in the shard "
+                              f"map {shard_addrs}")
+        if set(shard_addrs) & set(addrs):
+            raise ConfigError(f"job {self.job_id}: a shard has a worker's address "
+                              f"{sorted(set(shard_addrs) & set(addrs))}; give shards their own "
+                              f"port")
+        if any(not 0 < s.port < 1 << 16 for s in self.shards):
+            raise ConfigError(f"job {self.job_id}: shard ports must lie in 1..65535")
         return self
 
     def to_dict(self) -> dict:
         d = asdict(self)
         d["workers"] = [asdict(w) for w in self.workers]
         d["table"] = list(self.table)
+        if self.shards:
+            d["shards"] = [asdict(s) for s in self.shards]
+        else:
+            del d["shards"]
         return d
 
     @classmethod
@@ -125,6 +161,7 @@ class Job:
         d = dict(d)
         try:
             workers = tuple(Worker(**w) for w in d.pop("workers"))
+            d["shards"] = tuple(Shard(**s) for s in d.pop("shards", ()))
             if "table" not in d:
                 params = THCParams(bits=P.INDEX_BITS, granularity=d["granularity"],
                                    p=float(d.pop("p", 1 / 32)))

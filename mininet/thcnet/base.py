@@ -14,11 +14,14 @@ from typing import Callable
 from controller import toolchain
 from host.codec.params import THCParams
 from host.wire import protocol as P
-from host.wire.jobs import Cluster, ConfigError, Job, Worker
+from host.wire.jobs import Cluster, ConfigError, Job, Shard, Worker
 from thcnet.procs import Proc, WorkerError, WorkerResult, merged_env, pythonize, wait_all
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-AGGREGATORS = ("software", "bmv2", "none")
+AGGREGATORS = ("sharded", "software", "bmv2", "none")
+"""``sharded``: one `thc aggregator` shard on every worker host, each owning 1/N of the chunks
+(THC's parameter-server layout); ``software``: one central `thc aggregator` on its own host;
+``bmv2``: the switch aggregates; ``none``: no aggregator (Gloo modes)."""
 THC_BASE_PORT = 50000
 """Worker r's THC UDP port (Mininet): 50000 + r."""
 MASTER_PORT = 29500
@@ -47,11 +50,11 @@ def worker_mac(rank: int) -> str:
 
 
 def make_job(workers: list[Worker], params: THCParams, lanes: int, pool_size: int,
-             job_id: int = 1) -> Job:
+             job_id: int = 1, shards: tuple[Shard, ...] = ()) -> Job:
     try:
         return Job(job_id=job_id, workers=tuple(workers),
                    table=tuple(int(t) for t in params.table), granularity=params.granularity,
-                   pool_size=pool_size, lanes=lanes).validate()
+                   pool_size=pool_size, lanes=lanes, shards=tuple(shards)).validate()
     except ConfigError as e:
         raise TestbedError(str(e)) from None
 
@@ -77,7 +80,7 @@ def mininet_unavailable_reason(aggregator: str = "software") -> str | None:
     for tool in ("mnexec", "ip", "tc"):
         if not shutil.which(tool):
             return f"'{tool}' is not on PATH (install Mininet and iproute2)"
-    if aggregator in ("software", "none") and not shutil.which("brctl"):
+    if aggregator != "bmv2" and not shutil.which("brctl"):
         return "'brctl' is not on PATH (apt-get install bridge-utils)"
     return None
 
@@ -127,6 +130,7 @@ class Testbed:
         self._procs: list[Proc] = []
         self._agg_proc: Proc | None = None
         self._agg_final: dict | None = None
+        self._shard_procs: list[Proc] = []
         self._last_run = 0
         self.agg_args: list[str] = []
         """Extra `thc aggregator` options (e.g. --dup 0.05) for the next start."""
@@ -234,31 +238,90 @@ class Testbed:
         try:
             return wait_all(procs, timeout, what="worker", on_line=on_line)
         except WorkerError as e:
-            if self._agg_proc is not None and self._agg_proc.poll() is not None:
-                raise WorkerError(f"{e}\n--- the aggregator exited with code "
-                                  f"{self._agg_proc.popen.returncode}; stderr tail:\n"
-                                  f"{self._agg_proc.stderr()[-2000:]}", e.results) from None
+            for name, proc in self._aggregator_procs():
+                if proc.poll() is not None:
+                    raise WorkerError(f"{e}\n--- {name} exited with code "
+                                      f"{proc.popen.returncode}; stderr tail:\n"
+                                      f"{proc.stderr()[-2000:]}", e.results) from None
             raise
 
-    def _start_software_aggregator(self, node: str, listen: tuple[str, int]) -> None:
-        stats = self.logdir / "aggregator-stats.json"
+    def _aggregator_procs(self) -> list[tuple[str, Proc]]:
+        procs = [(f"aggregator shard {i}", p) for i, p in enumerate(self._shard_procs)]
+        if self._agg_proc is not None:
+            procs.append(("the aggregator", self._agg_proc))
+        return procs
+
+    def aggregator_cpu_seconds(self) -> float | None:
+        """CPU seconds (user + system) the running software aggregator or its shards have used
+        so far, from /proc (None without one)."""
+        procs = [p for _, p in self._aggregator_procs()]
+        if not procs:
+            return None
+        total = 0.0
+        for proc in procs:
+            try:
+                fields = Path(f"/proc/{proc.pid}/stat").read_text().rpartition(")")[2].split()
+            except OSError:
+                return None
+            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return total
+
+    def _spawn_aggregator(self, node, listen: tuple[str, int], name: str,
+                          shard: int | None = None) -> Proc:
+        """Start `thc aggregator` (whichever implementation it runs) on ``node``."""
+        stats = self.logdir / f"{name}-stats.json"
         stats.unlink(missing_ok=True)
-        self._agg_final = None
         argv = ["python", "-m", "host.app.cli", "aggregator", "--listen", f"{listen[0]}:{listen[1]}",
                 "--config", str(self.cluster_path), "--stats-interval", "0",
                 "--stats-file", str(stats)] + list(self.agg_args)
-        proc = self.popen(node, argv, name="aggregator")
+        if shard is not None:
+            argv += ["--shard", str(shard)]
+        return self.popen(node, argv, name=name)
+
+    def _await_listening(self, procs: list[Proc]) -> None:
         end = time.monotonic() + AGG_START_TIMEOUT
-        while "listening" not in proc.stdout():
-            if proc.poll() is not None:
-                raise TestbedError(f"the software aggregator exited with code "
-                                   f"{proc.popen.returncode}: {proc.stderr().strip()[-2000:]}")
-            if time.monotonic() > end:
-                proc.kill()
-                raise TestbedError(f"the software aggregator did not start within "
-                                   f"{AGG_START_TIMEOUT:.0f} s")
-            time.sleep(0.05)
+        for proc in procs:
+            while "listening" not in proc.stdout():
+                if proc.poll() is not None:
+                    raise TestbedError(f"the software aggregator {proc.name} exited with code "
+                                       f"{proc.popen.returncode}: "
+                                       f"{proc.stderr().strip()[-2000:]}")
+                if time.monotonic() > end:
+                    proc.kill()
+                    raise TestbedError(f"the software aggregator {proc.name} did not start "
+                                       f"within {AGG_START_TIMEOUT:.0f} s")
+                time.sleep(0.05)
+
+    def _start_software_aggregator(self, node: str, listen: tuple[str, int]) -> None:
+        self._agg_final = None
+        proc = self._spawn_aggregator(node, listen, "aggregator")
+        self._await_listening([proc])
         self._agg_proc = proc
+
+    def _start_shards(self) -> None:
+        """One shard on every worker host, listening at its shard map address."""
+        if self._shard_procs:
+            return
+        self._agg_final = None
+        procs = [self._spawn_aggregator(r, (s.ip, s.port), f"shard{r}", shard=r)
+                 for r, s in enumerate(self.job.shards)]
+        self._shard_procs = procs
+        self._await_listening(procs)
+
+    def start_aggregator(self) -> None:
+        """Start the testbed's aggregator(s): the central one, the shards, or the switch."""
+        self._check_open()
+        if self.aggregator == "sharded":
+            self._start_shards()
+        elif self.aggregator == "software":
+            if self._agg_proc is None:
+                self._start_software_aggregator("agg", self.agg_addr)
+        else:
+            self._start_other_aggregator()
+
+    def _start_other_aggregator(self) -> None:
+        raise TestbedError(f"this testbed has no aggregator to start "
+                           f"(aggregator={self.aggregator!r})")
 
     def aggregator_counters(self) -> dict | None:
         """The software aggregator's counters (packets, completions, drops), if any.
@@ -269,6 +332,14 @@ class Testbed:
         import json
         if self._agg_final is not None:
             return self._agg_final
+        if self.aggregator == "sharded":
+            shards = []
+            for r in range(len(self.job.shards)):
+                try:
+                    shards.append(json.loads((self.logdir / f"shard{r}-stats.json").read_text()))
+                except (OSError, ValueError):
+                    return None
+            return sum_shard_counters(shards)
         path = self.logdir / "aggregator-stats.json"
         try:
             return json.loads(path.read_text())
@@ -276,25 +347,35 @@ class Testbed:
             return None
 
     def stop_aggregator(self) -> dict | None:
-        """Stop the software aggregator (SIGINT, as Ctrl-C) and return its final counters."""
+        """Stop the software aggregator or its shards (SIGINT, as Ctrl-C) and return the final
+        counters (summed over the shards, each shard's under ``"shards"``)."""
         import json
         import signal
-        proc = self._agg_proc
-        if proc is None:
+        procs = [p for _, p in self._aggregator_procs()]
+        if not procs:
             return self.aggregator_counters()
-        if proc.poll() is None:
+        for proc in procs:
+            if proc.poll() is None:
+                try:
+                    os.kill(proc.pid, signal.SIGINT)
+                except OSError:
+                    pass
+        finals = []
+        for proc in procs:
             try:
-                os.kill(proc.pid, signal.SIGINT)
                 proc.popen.wait(timeout=10)
-            except (OSError, Exception):  # noqa: BLE001 - fall back to killing it
+            except Exception:  # noqa: BLE001 - fall back to killing it
                 proc.kill()
-        self._agg_proc = None
-        for line in reversed(proc.stdout().strip().splitlines()):
-            try:
-                self._agg_final = json.loads(line)
-                break
-            except ValueError:
-                continue
+            for line in reversed(proc.stdout().strip().splitlines()):
+                try:
+                    finals.append(json.loads(line))
+                    break
+                except ValueError:
+                    continue
+        sharded = bool(self._shard_procs)
+        self._agg_proc, self._shard_procs = None, []
+        if finals and len(finals) == len(procs):
+            self._agg_final = sum_shard_counters(finals) if sharded else finals[0]
         return self.aggregator_counters()
 
     def _check_open(self) -> None:
@@ -325,7 +406,24 @@ class Testbed:
 
     def describe(self) -> str:
         agg = f"{self.agg_addr[0]}:{self.agg_addr[1]}" if self.agg_addr else "none"
+        if self.aggregator == "sharded":
+            agg = ", ".join(f"{s.ip}:{s.port}" for s in self.job.shards)
         return (f"{self.kind} testbed: {self.n_workers} workers, aggregator {self.aggregator} "
                 f"at {agg}, master {self.master_addr[0]}:{self.master_addr[1]}")
 
 
+
+
+def sum_shard_counters(shards: list[dict]) -> dict:
+    """The counters of a sharded aggregator: drops and job counters summed over its shards,
+    each shard's own under ``"shards"``."""
+    drops: dict[str, int] = {}
+    jobs: dict[str, dict[str, int]] = {}
+    for c in shards:
+        for k, v in c.get("drops", {}).items():
+            drops[k] = drops.get(k, 0) + v
+        for jid, counters in c.get("jobs", {}).items():
+            acc = jobs.setdefault(str(jid), {})
+            for k, v in counters.items():
+                acc[k] = acc.get(k, 0) + v
+    return {"drops": drops, "jobs": jobs, "shards": shards}

@@ -1,26 +1,34 @@
 """``thc bench allreduce``: THC vs FP32 all-reduce of one gradient over emulated links.
 
-For each link bandwidth, one Mininet testbed (N worker hosts on a Linux bridge, the software
-aggregator on a host whose link is N times as fast) runs, in the same worker hosts:
+For each link bandwidth, Mininet testbeds of N worker hosts on a Linux bridge, every link
+(an aggregator's included) at the same bandwidth, run in the same worker hosts:
 
 - ``fp32``: torch.distributed Gloo ``all_reduce`` (ring) of a ``numel``-element float32 tensor;
-- ``thc-software``: THC through the software aggregator (norm round, encode, stream, decode);
-- ``thc-bmv2``: THC through the BMv2 switch (a second testbed whose switch is BMv2), when
+- ``thc-sharded``: THC through software aggregator shards, one co-located on every worker
+  host, each owning 1/N of the chunks (THC's parameter-server layout; the default);
+- ``thc-central``: THC through one central software aggregator on its own host (its link
+  ``--agg-bw-factor`` x the workers', default 1), with ``--aggregator ...,central``;
+- ``thc-bmv2``: THC through the BMv2 switch (a testbed whose switch is BMv2), when
   simple_switch_grpc and the compiled program are present.
+
+The software aggregators are whatever `thc aggregator` runs.
 
 Each mode: one untimed warm-up round, then ``--repeat`` timed rounds, each started after a
 barrier; a round's time is its slowest worker's, the figure is the median round. Bytes on
 the wire are read from each worker's interface counters around every timed round and
-compared with the computed ideal (FP32 ring: 2(p-1)/p x 4 bytes per element each way in
-MSS-sized TCP segments; THC: INDEX_BITS/8 up and sum_bits/8 down per element (8 or 16 bits,
-from workers x granularity), plus the
-per-packet THC/UDP/IP/Ethernet headers).
+compared with the computed ideal on the busiest link (FP32 ring: 2(p-1)/p x 4 bytes per
+element each way in MSS-sized TCP segments; THC: INDEX_BITS/8 up and sum_bits/8 down per
+element (8 or 16 bits, from workers x granularity), plus the per-packet THC/UDP/IP/Ethernet
+headers; sharded: (p-1)/p of both on every worker link, each way, as a worker's own chunks
+to its co-located shard stay on the host; central: p times the sums down the aggregator's
+link).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import math
+import os
 import statistics
 import sys
 import time
@@ -50,8 +58,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="gradient elements (default 25,000,000; --quick: 2,000,000)")
     parser.add_argument("--bw", default="100,1000", help="comma-separated link Mbit/s")
     parser.add_argument("--workers", type=int, default=4)
-    parser.add_argument("--aggregator", choices=["software", "bmv2", "both"], default="both",
-                        help="THC through which aggregator (both: BMv2 too when available)")
+    parser.add_argument("--aggregator", default="sharded,bmv2", type=_aggregators,
+                        help="THC through which aggregators, comma-separated from "
+                             f"{','.join(LAYOUTS)} (default sharded,bmv2: BMv2 when available; "
+                             "central: the single software aggregator on its own host)")
     parser.add_argument("--repeat", type=int, default=None,
                         help="timed rounds per mode (default 3; --quick: 1)")
     parser.add_argument("--lanes", type=int, default=0,
@@ -66,7 +76,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--error-feedback", action="store_true",
                         help="include THC's error-feedback update in the timed round")
     parser.add_argument("--agg-bw-factor", type=float, default=None,
-                        help="aggregator link = factor x bw (default: the number of workers)")
+                        help="central aggregator link = factor x bw (default 1: equal links)")
     parser.add_argument("--plot", nargs="?", const="out/allreduce.png", default=None,
                         metavar="FILE", help="plot time vs bandwidth (default out/allreduce.png)")
     parser.add_argument("--bmv2-numel", type=int, default=1 << 16,
@@ -75,6 +85,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--loopback", action="store_true",
                         help="no Mininet (no link emulation: only checks the plumbing)")
     parser.add_argument("--timeout", type=float, default=1800.0, help="per mode, seconds")
+
+
+LAYOUTS = {"sharded": "sharded", "central": "software", "bmv2": "bmv2"}
+"""--aggregator names and the testbed aggregator each runs on."""
+
+
+def _aggregators(text: str) -> list[str]:
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    bad = [t for t in names if t not in LAYOUTS]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"aggregators must come from {','.join(LAYOUTS)}, "
+                                         f"got {text!r}")
+    return names
 
 
 # -- computed bytes ----------------------------------------------------------------------------
@@ -86,9 +109,16 @@ def fp32_wire_bytes(numel: int, p: int) -> dict:
             "up": payload / TCP_MSS * TCP_FRAME, "down": payload / TCP_MSS * TCP_FRAME}
 
 
-def thc_wire_bytes(numel: int, lanes: int, params=None, sum_bits: int = P.SUM_WIDTHS[0]) -> dict:
+def thc_wire_bytes(numel: int, lanes: int, params=None, sum_bits: int = P.SUM_WIDTHS[0],
+                   layout: str = "central", p: int = 1, agg_bw_factor: float = 1.0) -> dict:
     """Per worker: THC uplink (indices) and downlink (sums of ``sum_bits``) frames, MAX round
-    included."""
+    included, and ``busiest`` (bytes of the busiest link direction, in worker-link units).
+
+    ``central``/``bmv2``: a worker link carries all of it; the central aggregator's link
+    (``agg_bw_factor`` x as fast) p times the uplink down and the downlink up. ``sharded``: a
+    worker link carries (p-1)/p of the uplink and (p-1)/p of the downlink in each direction
+    (its own chunks to the remote shards and its shard's sums to the remote workers up; the
+    remote shards' sums and the remote workers' chunks to its shard down)."""
 
     lay = THCCodec(params or THCParams()).layout(numel)
     packets = math.ceil(lay.total_padded / lanes)
@@ -97,7 +127,15 @@ def thc_wire_bytes(numel: int, lanes: int, params=None, sum_bits: int = P.SUM_WI
     max_bytes = max_packets * (hdr + P.payload_bytes(P.PktType.MAX))
     up = packets * (hdr + P.payload_bytes(P.PktType.DATA, lanes)) + max_bytes
     down = packets * (hdr + P.payload_bytes(P.PktType.RESULT, lanes, sum_bits)) + max_bytes
+    if layout == "sharded":
+        up = down = (p - 1) / p * (up + down)
+        busiest = up
+    elif layout == "central":
+        busiest = max(up, down, p * max(up, down) / agg_bw_factor)
+    else:
+        busiest = max(up, down)
     return {"packets": packets, "padded": lay.total_padded, "up": up, "down": down,
+            "busiest": busiest,
             "header_overhead_down": packets * hdr / down,
             "payload_up": lay.total_padded * P.INDEX_BITS / 8,
             "sum_bits": sum_bits, "payload_down": lay.total_padded * sum_bits / 8}
@@ -113,8 +151,10 @@ def _run_mode(tb, mode: str, args, numel: int, repeat: int, window: int | None =
     if mode == "fp32":
         extra = ["--mode", "fp32"]
     else:
-        extra = ["--mode", "thc", "--agg", f"{tb.agg_addr[0]}:{tb.agg_addr[1]}",
-                 "--config", str(tb.cluster_path), "--window", str(window or args.window)]
+        extra = ["--mode", "thc", "--config", str(tb.cluster_path),
+                 "--window", str(window or args.window)]
+        if tb.agg_addr:  # a sharded job's shard map names its aggregators
+            extra += ["--agg", f"{tb.agg_addr[0]}:{tb.agg_addr[1]}"]
         if rto:
             extra += ["--rto", str(rto)]
         if args.error_feedback:
@@ -126,17 +166,30 @@ def _run_mode(tb, mode: str, args, numel: int, repeat: int, window: int | None =
             a += ["--intf", tb.worker_intf(r)]
         return a
 
-    before = tb.wire_bytes()
+    agg_link = getattr(tb, "agg_wire_bytes", lambda: None)
+    load = os.getloadavg()[0]
+    agg_cpu0 = tb.aggregator_cpu_seconds()
+    before, agg_before = tb.wire_bytes(), agg_link()
     t0 = time.monotonic()
     results = tb.run_workers(argv, timeout=args.timeout)
     wall = time.monotonic() - t0
-    after = tb.wire_bytes()
+    after, agg_after = tb.wire_bytes(), agg_link()
+    agg_cpu1 = tb.aggregator_cpu_seconds()
     rows = [json.loads(r.stdout.strip().splitlines()[-1]) for r in results]
     rounds = [max(row["times"][i] for row in rows) for i in range(repeat)]
     out = {"mode": mode, "seconds": statistics.median(rounds), "rounds": rounds,
            "per_worker_seconds": [statistics.median(row["times"]) for row in rows],
            "identical_results": len({row["sha256"] for row in rows}) == 1,
-           "nmse": rows[0]["nmse"], "wall_seconds": wall}
+           "nmse": rows[0]["nmse"], "wall_seconds": wall,
+           "loadavg_1min_before": load, "cores": os.cpu_count()}
+    if all(row.get("cpu_seconds") for row in rows):
+        # CPU the workers spent inside timed rounds (summed over workers, median round), and
+        # the aggregator processes' CPU over the whole run divided by its rounds (warm-up incl.)
+        cpu = {"workers": statistics.median(
+            sum(row["cpu_seconds"][i] for row in rows) for i in range(repeat))}
+        if agg_cpu0 is not None and agg_cpu1 is not None:
+            cpu["aggregators"] = (agg_cpu1 - agg_cpu0) / (repeat + 1)
+        out["cpu_seconds_per_round"] = cpu
     if all(row["wire"] for row in rows):
         tx = statistics.mean(statistics.mean(w[0] for w in row["wire"]) for row in rows)
         rx = statistics.mean(statistics.mean(w[1] for w in row["wire"]) for row in rows)
@@ -147,6 +200,10 @@ def _run_mode(tb, mode: str, args, numel: int, repeat: int, window: int | None =
         out["switch_port_bytes_per_round"] = {
             r: ((after[r][0] - before[r][0]) / k, (after[r][1] - before[r][1]) / k)
             for r in after}
+    if agg_before and agg_after and mode != "fp32":
+        k = repeat + 1
+        out["agg_link_bytes_per_round"] = {"tx": (agg_after[0] - agg_before[0]) / k,
+                                           "rx": (agg_after[1] - agg_before[1]) / k}
     if mode != "fp32":
         phases = {}
         for key in rows[0]["phases"][0]:
@@ -154,7 +211,8 @@ def _run_mode(tb, mode: str, args, numel: int, repeat: int, window: int | None =
                 max(row["phases"][i][key] for row in rows) for i in range(repeat))
         out["phases_slowest_worker"] = phases
         out["transport"] = rows[0].get("transport")
-        counters = tb.aggregator_counters() if tb.aggregator == "software" else None
+        counters = (tb.aggregator_counters() if tb.aggregator in ("software", "sharded")
+                    else None)
         if counters:
             out["aggregator_counters"] = counters
     return out
@@ -172,10 +230,12 @@ def run(args: argparse.Namespace) -> int:
     p = args.workers
     if args.lanes == 0:
         args.lanes = P.max_software_lanes(P.sum_bits_for(p, THCParams().granularity))
-    want_bmv2 = args.aggregator in ("bmv2", "both")
-    want_soft = args.aggregator in ("software", "both")
+    want_bmv2 = "bmv2" in args.aggregator
+    soft = [a for a in args.aggregator if a != "bmv2"]
+    agg_bw_factor = args.agg_bw_factor or 1.0
     result = {"numel": numel, "workers": p, "repeat": repeat, "lanes_software": args.lanes,
               "lanes_bmv2": P.LANES, "pool_size": args.pool_size, "window": args.window,
+              "aggregators": args.aggregator, "agg_bw_factor": agg_bw_factor,
               "error_feedback": args.error_feedback, "points": [], "notes": []}
     fp32_ideal = fp32_wire_bytes(numel, p)
 
@@ -188,7 +248,7 @@ def run(args: argparse.Namespace) -> int:
             note = f"thc-bmv2 skipped: not available: {bmv2_reason}"
             result["notes"].append(note)
             print(note, file=sys.stderr)
-            if args.aggregator == "bmv2":
+            if not soft:
                 emit_json(args, result)
                 return 2
 
@@ -199,23 +259,27 @@ def run(args: argparse.Namespace) -> int:
             point = {"bw_mbit": bw, "modes": {}}
             if result["points"] and result["points"][-1]["testbed"] == "loopback":
                 break  # no link emulation: one point says everything
-            with open_testbed(p, bw_mbit=bw, aggregator="software" if want_soft else "none",
-                              prefer_mininet=not args.loopback, agg_bw_factor=args.agg_bw_factor,
-                              lanes=args.lanes, pool_size=args.pool_size) as tb:
-                point["testbed"] = tb.kind
-                if tb.kind == "loopback":
-                    point["bw_mbit"] = None
-                    result["notes"].append("loopback testbed: links not emulated, times are "
-                                           "CPU-bound plumbing checks, not bandwidth results")
-                print(f"\n[{bw:g} Mbit/s] {tb.describe()}", flush=True)
-                point["modes"]["fp32"] = _run_mode(tb, "fp32", args, numel, repeat)
-                _progress(point["modes"]["fp32"])
-                if want_soft:
-                    tb.start_aggregator()
-                    m = _run_mode(tb, "thc-software", args, numel, repeat)
-                    m["aggregator_counters"] = tb.stop_aggregator()
-                    point["modes"]["thc-software"] = m
-                    _progress(m)
+            # FP32 runs in the first testbed; each software layout gets its own testbed.
+            for layout in soft or [None]:
+                with open_testbed(p, bw_mbit=bw, aggregator=LAYOUTS[layout] if layout else "none",
+                                  prefer_mininet=not args.loopback, agg_bw_factor=agg_bw_factor,
+                                  lanes=args.lanes, pool_size=args.pool_size) as tb:
+                    print(f"\n[{bw:g} Mbit/s] {tb.describe()}", flush=True)
+                    if "fp32" not in point["modes"]:
+                        point["testbed"] = tb.kind
+                        if tb.kind == "loopback":
+                            point["bw_mbit"] = None
+                            result["notes"].append(
+                                "loopback testbed: links not emulated, times are CPU-bound "
+                                "plumbing checks, not bandwidth results")
+                        point["modes"]["fp32"] = _run_mode(tb, "fp32", args, numel, repeat)
+                        _progress(point["modes"]["fp32"])
+                    if layout:
+                        tb.start_aggregator()
+                        m = _run_mode(tb, f"thc-{layout}", args, numel, repeat)
+                        m["aggregator_counters"] = tb.stop_aggregator()
+                        point["modes"][f"thc-{layout}"] = m
+                        _progress(m)
             if want_bmv2 and not bmv2_reason:
                 with open_testbed(p, bw_mbit=bw, aggregator="bmv2",
                                   pool_size=min(args.pool_size, P.SWITCH_SLOTS)) as tb:
@@ -230,7 +294,7 @@ def run(args: argparse.Namespace) -> int:
                         pass
                     point["modes"]["thc-bmv2"] = m
                     _progress(m)
-            _annotate(point, numel, p, args.lanes, fp32_ideal)
+            _annotate(point, numel, p, args.lanes, fp32_ideal, agg_bw_factor)
             result["points"].append(point)
     except (TestbedError, WorkerError) as e:
         print(f"thc bench allreduce: {e}", file=sys.stderr)
@@ -270,7 +334,8 @@ def _progress(m: dict) -> None:
           + ", ".join(f"{t:.3f}" for t in m["rounds"]) + f"){extra}", flush=True)
 
 
-def _annotate(point: dict, numel: int, p: int, lanes: int, fp32_ideal: dict) -> None:
+def _annotate(point: dict, numel: int, p: int, lanes: int, fp32_ideal: dict,
+              agg_bw_factor: float = 1.0) -> None:
     bw_bytes = point["bw_mbit"] * 1e6 / 8 if point["bw_mbit"] else None
     fp32 = point["modes"]["fp32"]
     fp32["ideal_bytes"] = {"up": fp32_ideal["up"], "down": fp32_ideal["down"]}
@@ -279,18 +344,24 @@ def _annotate(point: dict, numel: int, p: int, lanes: int, fp32_ideal: dict) -> 
     for name, m in point["modes"].items():
         if name == "fp32":
             continue
-        ideal = thc_wire_bytes(numel, lanes if name == "thc-software" else P.LANES,
-                               sum_bits=P.sum_bits_for(p, THCParams().granularity))
+        layout = name.removeprefix("thc-")
+        ideal = thc_wire_bytes(numel, P.LANES if layout == "bmv2" else lanes,
+                               sum_bits=P.sum_bits_for(p, THCParams().granularity),
+                               layout=layout, p=p, agg_bw_factor=agg_bw_factor)
         m["ideal_bytes"] = {"up": ideal["up"], "down": ideal["down"],
-                            "packets": ideal["packets"],
+                            "busiest_link": ideal["busiest"], "packets": ideal["packets"],
                             "header_overhead_down": ideal["header_overhead_down"]}
-        thc_max = max(ideal["up"], ideal["down"])
+        thc_max = ideal["busiest"]
         m["ideal_seconds"] = thc_max / bw_bytes if bw_bytes else None
         m["speedup_vs_fp32"] = fp32["seconds"] / m["seconds"]
         m["ideal_ratio"] = fp32_max / thc_max
         if "wire_per_worker" in m and "wire_per_worker" in fp32:
             fw, tw = fp32["wire_per_worker"], m["wire_per_worker"]
-            m["measured_wire_ratio"] = max(fw["tx"], fw["rx"]) / max(tw["tx"], tw["rx"])
+            busiest = max(tw["tx"], tw["rx"])
+            if "agg_link_bytes_per_round" in m:  # the central aggregator's link
+                al = m["agg_link_bytes_per_round"]
+                busiest = max(busiest, max(al["tx"], al["rx"]) / agg_bw_factor)
+            m["measured_wire_ratio"] = max(fw["tx"], fw["rx"]) / busiest
 
 
 def _print_table(result: dict) -> None:
@@ -306,9 +377,18 @@ def _print_table(result: dict) -> None:
                 note = "phases: " + " ".join(f"{k} {v:.2f}" for k, v in ph.items())
             if m.get("nmse") is not None and name != "fp32":
                 note += f"  nmse {m['nmse']:.4f}"
+            if "cpu_seconds_per_round" in m:
+                c = m["cpu_seconds_per_round"]
+                note += (f"  cpu s/round: workers {c['workers']:.1f}"
+                         + (f" aggregators {c['aggregators']:.1f}" if "aggregators" in c else "")
+                         + f" ({m['cores']} cores, load {m['loadavg_1min_before']:.1f})")
             if "extrapolated_from" in m:
                 note += (f"  EXTRAPOLATED from {m['extrapolated_from']:,} elements "
                          f"({m['measured_seconds']:.2f} s)")
+            if "agg_link_bytes_per_round" in m:
+                al = m["agg_link_bytes_per_round"]
+                note += (f"  aggregator link tx {_fmt_bytes(al['tx'])} rx "
+                         f"{_fmt_bytes(al['rx'])} MB")
             if not m.get("identical_results", True):
                 note += "  RESULTS DIFFER ACROSS WORKERS"
             speedup = f"{sp:.2f}x" if sp else "1.00x"

@@ -4,14 +4,15 @@ Topology (N workers)::
 
     h1 10.0.0.1 ──┐
     h2 10.0.0.2 ──┤
-      ...         ├── switch thc<tag>s ── agg 10.0.0.100   (software aggregator only,
-    hN 10.0.0.N ──┘   (Linux bridge,                        link = agg_bw_factor x bw)
-                       or BMv2 = aggregator 10.0.0.254)
+      ...         ├── switch thc<tag>s ── agg 10.0.0.100   (central software aggregator
+    hN 10.0.0.N ──┘   (Linux bridge,                        only, link = agg_bw_factor x bw,
+                       or BMv2 = aggregator 10.0.0.254)     default 1: equal links)
 
 Worker r: interface h<r+1>-eth0, MAC 02:00:00:00:00:<r+1>, THC port 50000 + r, switch port
-r + 1. The aggregator host (port N + 1) exists only for the software aggregator; with BMv2
-the switch answers for the virtual aggregator address, which every worker has a static ARP
-entry for. All host pairs get static ARP entries; IPv6 is off so no stray packets count.
+r + 1. Sharded (the default software layout): shard r of the job's shard map runs on worker
+host h<r+1> at 10.0.0.<r+1>:48879 and shares that host's link. The aggregator host (port
+N + 1) exists only for the central software aggregator; with BMv2 the switch answers for the
+virtual aggregator address, which every worker has a static ARP entry for. All host pairs get static ARP entries; IPv6 is off so no stray packets count.
 
 Everything created in the root namespace is named after the testbed's tag and recorded by
 :mod:`thcnet.cleanup`, which tears it down at close and after a crash.
@@ -24,7 +25,7 @@ from pathlib import Path
 
 from host.codec.params import THCParams
 from host.wire import protocol as P
-from host.wire.jobs import SWITCH_AGG_IP, SWITCH_AGG_MAC, Cluster, Worker
+from host.wire.jobs import SWITCH_AGG_IP, SWITCH_AGG_MAC, Cluster, Shard, Worker
 from thcnet import links
 from thcnet.base import (
     AGG_IP,
@@ -68,7 +69,7 @@ class MininetTestbed(Testbed):
         self.bw_mbit = bw_mbit
         self.delay_ms = delay_ms
         self.loss_pct = loss_pct
-        self.agg_bw_factor = float(agg_bw_factor or n_workers)
+        self.agg_bw_factor = float(agg_bw_factor or 1.0)
         self.link_plan = plan
         self.notes = list(plan["notes"])
         for note in self.notes:
@@ -153,7 +154,10 @@ class MininetTestbed(Testbed):
 
         workers = [Worker(id=r, ip=worker_ip(r), port=THC_BASE_PORT + r, mac=worker_mac(r),
                           switch_port=r + 1) for r in range(n)]
-        job = make_job(workers, self.params, self.lanes, self.pool_size)
+        shards = ()
+        if self.aggregator == "sharded":
+            shards = tuple(Shard(worker_ip(r), P.UDP_PORT) for r in range(n))
+        job = make_job(workers, self.params, self.lanes, self.pool_size, shards=shards)
         if self.aggregator == "bmv2":
             self.cluster = Cluster(jobs=(job,), agg_ip=SWITCH_AGG_IP, agg_port=P.UDP_PORT,
                                    agg_mac=SWITCH_AGG_MAC)
@@ -187,12 +191,8 @@ class MininetTestbed(Testbed):
     def _registered(self, proc) -> None:
         self.registry.add_pid(proc.pid, group=True)
 
-    def start_aggregator(self) -> None:
-        self._check_open()
-        if self.aggregator == "software":
-            if self._agg_proc is None:
-                self._start_software_aggregator("agg", self.agg_addr)
-        elif self.aggregator == "bmv2":
+    def _start_other_aggregator(self) -> None:
+        if self.aggregator == "bmv2":
             if not getattr(self, "_programmed", False):
                 try:
                     self.switch.program(self.cluster_path)

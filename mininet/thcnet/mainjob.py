@@ -1,8 +1,10 @@
 """``thc run``: the main job. Train the same model with each gradient exchange and compare.
 
-Modes (one table, :data:`MODES`): uncompressed FP32 (DDP's Gloo all-reduce), THC through the
-software aggregator, THC through the BMv2 switch (when BMv2 and Mininet are present), THC's
-integer sums over the Gloo all-reduce, TopK 10%, and Marsit's sign bits. Workers run in
+Modes (one table, :data:`MODES`): uncompressed FP32 (DDP's Gloo all-reduce), THC through
+software aggregator shards co-located with the workers (THC's parameter-server layout), THC
+through the BMv2 switch (when BMv2 and Mininet are present), THC's integer sums over the Gloo
+all-reduce, TopK 10%, and Marsit's sign bits; on request (``--modes ...,thc-central``) THC
+through one central software aggregator on its own host. Workers run in
 Mininet hosts behind emulated links when possible, else as loopback processes (said so).
 
 For each mode it reports the time to reach a target accuracy (FP32's final accuracy minus
@@ -35,13 +37,16 @@ class Mode:
 
 MODES = {
     "fp32": Mode("fp32", "none", "uncompressed FP32 all-reduce (Gloo ring)"),
-    "thc": Mode("thc", "software", "THC through the software aggregator"),
+    "thc": Mode("thc", "sharded", "THC through software aggregator shards, one on every "
+                "worker host"),
+    "thc-central": Mode("thc", "software", "THC through one central software aggregator on "
+                        "its own host"),
     "thc-bmv2": Mode("thc", "bmv2", "THC through the BMv2 switch"),
     "thc-dist": Mode("thc-dist", "none", "THC integer sums over the Gloo all-reduce"),
     "topk": Mode("topk", "none", "TopK 10% with error feedback (all-gather)"),
     "marsit": Mode("marsit", "none", "Marsit sign bits merged along a ring"),
 }
-DEFAULT_MODES = ",".join(MODES)
+DEFAULT_MODES = ",".join(m for m in MODES if m != "thc-central")
 FIXED_TARGET = {"fashion-mnist": 0.80, "digits": 0.95}
 """The fixed accuracy target of the time-to-accuracy table, per data set."""
 
@@ -49,7 +54,8 @@ FIXED_TARGET = {"fashion-mnist": 0.80, "digits": 0.95}
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--modes", default=DEFAULT_MODES,
-                        help=f"comma-separated, from {','.join(MODES)}")
+                        help=f"comma-separated, from {','.join(MODES)} (default: all but "
+                             f"thc-central, the central software aggregator)")
     parser.add_argument("--data", default="fashion-mnist", choices=("fashion-mnist", "digits"))
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--batch", type=int, default=128, help="per-worker batch size")
@@ -90,7 +96,7 @@ def _rows(stdout: str) -> tuple[dict, list[dict]]:
 
 def _run_mode(name: str, args, progress) -> dict:
     mode = MODES[name]
-    lanes = args.software_lanes if mode.aggregator == "software" else None
+    lanes = args.software_lanes if mode.aggregator in ("software", "sharded") else None
     with open_testbed(args.workers, bw_mbit=args.bw, delay_ms=args.delay, loss_pct=args.loss,
                       aggregator=mode.aggregator, prefer_mininet=not args.loopback,
                       lanes=lanes) as tb:
@@ -271,13 +277,13 @@ def run(args: argparse.Namespace) -> int:
             print(f"{row['epoch']:>6.2f} {row['accuracy']:>9.4f} {row['seconds']:>8.1f}")
     dataset = runs[0]["dataset"] if runs else args.data
     summary = summarize(runs, FIXED_TARGET.get(dataset, 0.9))
-    print(f"\n{'mode':<9} {'testbed':<9} {'final acc':>9} {'train s':>8} {'MB links':>9} "
+    print(f"\n{'mode':<11} {'testbed':<9} {'final acc':>9} {'train s':>8} {'MB links':>9} "
           f"{'t->fp32-1pt':>11} {'speedup':>8} {'t->' + format(summary['target_fixed'], 'g'):>8}")
     for r, row in zip(runs, summary["rows"]):
         tta = row.get("tta_fp32_minus_1pt")
         fixed = row["tta_fixed"]
         speed = row.get("speedup")
-        print(f"{r['mode']:<9} {r['testbed']:<9} {r['final_accuracy']:>9.4f} "
+        print(f"{r['mode']:<11} {r['testbed']:<9} {r['final_accuracy']:>9.4f} "
               f"{r['train_seconds']:>8.1f} {r['wire_bytes'] / 1e6:>9.1f} "
               f"{(f'{tta:.1f}' if tta is not None else '-'):>11} "
               f"{(f'{speed:.2f}x' if speed else '-'):>8} "

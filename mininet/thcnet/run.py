@@ -1,7 +1,8 @@
 """``python -m thcnet.run``: bring up the testbed, run a THC smoke all-reduce, check it, tear down.
 
 Every worker streams random 4-bit indices (1M elements by default) through the aggregator
-(the software aggregator on host ``agg``, or the BMv2 switch); the sums each worker gets back
+(a software aggregator shard on every worker host, the central software aggregator on host
+``agg``, or the BMv2 switch); the sums each worker gets back
 are compared bit for bit with a numpy reference computed here. Prints per-worker time and
 the bytes its link carried. Exit code 0 when every worker got exactly the reference sums.
 """
@@ -22,9 +23,11 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="worker link bandwidth in Mbit/s (default: unshaped)")
     ap.add_argument("--delay", type=float, default=0.0, metavar="MS", help="per-link delay")
     ap.add_argument("--loss", type=float, default=0.0, metavar="PCT", help="per-link loss in %%")
-    ap.add_argument("--aggregator", choices=["software", "bmv2"], default="software")
+    ap.add_argument("--aggregator", choices=["sharded", "software", "bmv2"], default="sharded",
+                    help="sharded: one shard per worker host; software: one central "
+                         "aggregator on its own host; bmv2: the switch")
     ap.add_argument("--agg-bw-factor", type=float, default=None,
-                    help="aggregator link = factor x --bw (default: the number of workers)")
+                    help="central aggregator link = factor x --bw (default 1: equal links)")
     ap.add_argument("--numel", type=int, default=1 << 20, help="elements per worker")
     ap.add_argument("--lanes", type=int, default=None, help="lanes per packet (software only)")
     ap.add_argument("--seed", type=int, default=1234)
@@ -53,10 +56,10 @@ def run(args: argparse.Namespace) -> int:
                 print(f"links: {bw}{agg_bw}, delay {args.delay:g} ms, loss {args.loss:g}%")
             tb.start_aggregator()
             before = tb.wire_bytes()
-            agg = f"{tb.agg_addr[0]}:{tb.agg_addr[1]}"
+            agg = ["--agg", f"{tb.agg_addr[0]}:{tb.agg_addr[1]}"] if tb.agg_addr else []
             results = tb.run_workers(
                 lambda r: ["python", "-m", "thcnet.smoke_worker", "--rank", str(r),
-                           "--config", str(tb.cluster_path), "--agg", agg,
+                           "--config", str(tb.cluster_path)] + agg + [
                            "--numel", str(args.numel), "--seed", str(args.seed),
                            "--rto", str(args.rto)]
                 + (["--window", str(args.window)] if args.window else []),

@@ -64,7 +64,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rank", type=int, required=True)
     ap.add_argument("--config", required=True)
-    ap.add_argument("--agg", required=True, metavar="IP:PORT")
+    ap.add_argument("--agg", metavar="IP:PORT",
+                    help="the aggregator (not for a sharded job: its shard map names them)")
     ap.add_argument("--numel", type=int, default=1 << 20)
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--deadline", type=float, default=30.0)
@@ -88,7 +89,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
     job = Cluster.load(args.config).jobs[0]
-    agg = parse_hostport(args.agg)
+    if not job.shards and not args.agg:
+        ap.error("--agg is needed for a job without a shard map")
+    agg = None if job.shards else parse_hostport(args.agg)
     idx = np.zeros(padded(args.numel, job.lanes), dtype=np.uint8)
     idx[: args.numel] = indices(args.seed, args.rank, args.numel)
     packed = pack_bits(idx, P.INDEX_BITS)

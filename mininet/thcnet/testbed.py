@@ -3,9 +3,10 @@
 Two implementations behind one interface, chosen by :func:`open_testbed`:
 
 - ``MininetTestbed`` (``tb.kind == "mininet"``): worker hosts h1..hN (10.0.0.1..N), one switch
-  (a Linux bridge, or BMv2 running p4src/build/thc.json), the software aggregator's host
-  ``agg`` (10.0.0.100) whose link is ``agg_bw_factor`` (default N) times as fast as a worker's,
-  like a parameter server with a fat NIC; links shaped with TCLink; static ARP.
+  (a Linux bridge, or BMv2 running p4src/build/thc.json); with ``aggregator="sharded"`` one
+  aggregator shard on every worker host, with ``"software"`` the central aggregator on host
+  ``agg`` (10.0.0.100) whose link is ``agg_bw_factor`` (default 1: equal links) times a
+  worker's; links shaped with TCLink; static ARP.
 - ``LoopbackTestbed`` (``tb.kind == "loopback"``): every "host" is 127.0.0.1 with its own
   ports, no link emulation. Used when not root, when Mininet is missing, or on request; it
   says so once, with the reason.
@@ -26,7 +27,7 @@ from __future__ import annotations
 
 from host.codec.params import THCParams
 from host.testing.clusters import free_port_block
-from host.wire.jobs import Cluster, Worker
+from host.wire.jobs import Cluster, Shard, Worker
 from thcnet.base import (
     AGGREGATORS,
     REPO_ROOT,
@@ -58,13 +59,17 @@ class LoopbackTestbed(Testbed):
         if aggregator == "bmv2":
             raise TestbedError("the bmv2 aggregator needs the Mininet testbed (root and Mininet)")
         super().__init__(n_workers, aggregator, params, lanes, pool_size)
-        base = free_port_block(n_workers + 2, tcp=True)
+        base = free_port_block(2 * n_workers + 2, tcp=True)
         workers = [Worker(id=r, ip="127.0.0.1", port=base + r) for r in range(n_workers)]
         self.master_addr = ("127.0.0.1", base + n_workers)
         agg_port = base + n_workers + 1
         if aggregator == "software":
             self.agg_addr = ("127.0.0.1", agg_port)
-        self.cluster = Cluster(jobs=(make_job(workers, self.params, self.lanes, self.pool_size),),
+        shards = ()
+        if aggregator == "sharded":
+            shards = tuple(Shard("127.0.0.1", agg_port + 1 + r) for r in range(n_workers))
+        self.cluster = Cluster(jobs=(make_job(workers, self.params, self.lanes, self.pool_size,
+                                              shards=shards),),
                                agg_ip="127.0.0.1", agg_port=agg_port)
 
     def worker_intf(self, rank: int) -> str:
@@ -74,14 +79,6 @@ class LoopbackTestbed(Testbed):
         import subprocess
         return subprocess.Popen(argv, env=env, cwd=str(REPO_ROOT), stdout=stdout, stderr=stderr,
                                 stdin=subprocess.DEVNULL, start_new_session=True)
-
-    def start_aggregator(self) -> None:
-        self._check_open()
-        if self.aggregator != "software":
-            raise TestbedError(f"this testbed has no aggregator to start "
-                               f"(aggregator={self.aggregator!r})")
-        if self._agg_proc is None:
-            self._start_software_aggregator("agg", self.agg_addr)
 
     def close(self) -> None:
         if self._closed:
@@ -101,9 +98,10 @@ def open_testbed(n_workers: int, bw_mbit: float | None = None, delay_ms: float =
     """Bring up a testbed (use it as a context manager: it always tears itself down).
 
     ``bw_mbit``/``delay_ms``/``loss_pct`` shape every worker link (both directions; the
-    aggregator's link gets ``agg_bw_factor`` x ``bw_mbit``, default ``n_workers``);
-    ``aggregator`` is ``"software"`` (the `thc aggregator` process on host agg), ``"bmv2"``
-    (the switch itself) or ``"none"``; ``params``/``lanes``/``pool_size`` shape the job in
+    central aggregator's link gets ``agg_bw_factor`` x ``bw_mbit``, default 1: equal links);
+    ``aggregator`` is ``"sharded"`` (a `thc aggregator` shard on every worker host),
+    ``"software"`` (one central `thc aggregator` on host agg), ``"bmv2"`` (the switch itself)
+    or ``"none"``; ``params``/``lanes``/``pool_size`` shape the job in
     ``tb.cluster``. Falls back to the loopback testbed (printing why, once) when Mininet
     cannot run here or ``prefer_mininet`` is False; link parameters are then not emulated.
     """

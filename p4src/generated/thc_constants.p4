@@ -15,7 +15,7 @@
 #define THC_REG_SIZE 1024
 #define THC_LUT_SIZE 4096
 #define THC_N_JOB_COUNTERS 4
-#define THC_N_DROP_REASONS 11
+#define THC_N_DROP_REASONS 12
 
 // wire constants
 const bit<16> THC_UDP_PORT = 48879;
@@ -55,6 +55,7 @@ const bit<8> THC_DROP_STALE = 7;
 const bit<8> THC_DROP_NOT_FROM_CPU = 8;
 const bit<8> THC_DROP_WRONG_DIRECTION = 9;
 const bit<8> THC_DROP_STALE_RUN = 10;
+const bit<8> THC_DROP_WRONG_SHARD = 11;
 
 // per-job counters: index job_index * THC_N_JOB_COUNTERS + JC_<name> into counter thc_job_counters
 const bit<32> THC_JC_PACKETS = 0;

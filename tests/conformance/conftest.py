@@ -9,6 +9,11 @@ def _software():
     return SoftwareHarness()
 
 
+def _sharded():
+    from tests.conformance.software import ShardedSoftwareHarness
+    return ShardedSoftwareHarness(n_shards=2)
+
+
 def _bmv2():
     try:
         from tests.bmv2.harness import BMv2Harness, bmv2_available
@@ -20,8 +25,11 @@ def _bmv2():
     return BMv2Harness()
 
 
-@pytest.fixture(scope="module", params=["software", "bmv2"])
+HARNESSES = {"software": _software, "sharded": _sharded, "bmv2": _bmv2}
+
+
+@pytest.fixture(scope="module", params=list(HARNESSES))
 def harness(request):
-    h = _software() if request.param == "software" else _bmv2()
+    h = HARNESSES[request.param]()
     yield h
     h.close()

@@ -72,6 +72,10 @@ class Harness(abc.ABC):
     def job_counters(self, job: Job) -> dict[str, int]:
         """Cumulative per-job events by name (protocol.json's job_counters)."""
 
+    def recv_each(self, endpoints: dict) -> dict:
+        """What each endpoint receives until ``quiet`` seconds pass without a datagram."""
+        return {k: ep.recv_all(timeout=self.quiet) for k, ep in endpoints.items()}
+
     def close(self) -> None:
         pass
 

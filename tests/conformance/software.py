@@ -1,10 +1,13 @@
-"""Harness for the software aggregator: real UDP sockets on loopback."""
+"""Harnesses for the software aggregator, central and sharded: real UDP sockets on loopback."""
 from __future__ import annotations
 
+import dataclasses
+import select
 import socket
 
 from host.net.aggregator import Aggregator
-from host.wire.jobs import Job
+from host.wire import protocol as P
+from host.wire.jobs import Job, Shard
 from tests.conformance.harness import TEST_TABLE, Endpoint, Harness
 
 
@@ -39,7 +42,7 @@ class SoftwareHarness(Harness):
 
     def make_job(self, job_id: int, n_workers: int, pool_size: int = 8,
                  table: list[int] | None = None, granularity: int = 30) -> Job:
-        eps = [UdpEndpoint(("127.0.0.1", 0), self.addr) for _ in range(n_workers)]
+        eps = [self._new_endpoint(("127.0.0.1", 0)) for _ in range(n_workers)]
         workers = []
         for i, ep in enumerate(eps):
             ip, port = ep.sock.getsockname()
@@ -48,6 +51,21 @@ class SoftwareHarness(Harness):
         return Job.from_dict({"job_id": job_id, "workers": workers, "pool_size": pool_size,
                               "granularity": granularity,
                               "table": TEST_TABLE if table is None else table})
+
+    def _new_endpoint(self, addr: tuple[str, int]) -> UdpEndpoint:
+        return UdpEndpoint(addr, self.addr)
+
+    def recv_each(self, endpoints: dict) -> dict:
+        """All endpoints at once: until ``quiet`` seconds pass with none receiving anything
+        (the same condition as one ``recv_all`` each, without waiting it out per worker)."""
+        got = {k: [] for k in endpoints}
+        by_sock = {ep.sock: k for k, ep in endpoints.items()}
+        while True:
+            ready, _, _ = select.select(list(by_sock), [], [], self.quiet)
+            if not ready:
+                return got
+            for sock in ready:
+                got[by_sock[sock]].append(sock.recv(4096))
 
     def install(self, job: Job) -> None:
         self.agg.install(job)
@@ -59,11 +77,11 @@ class SoftwareHarness(Harness):
         w = job.worker(worker_id)
         key = (w.ip, w.port)
         if key not in self._endpoints:
-            self._endpoints[key] = UdpEndpoint(key, self.addr)
+            self._endpoints[key] = self._new_endpoint(key)
         return self._endpoints[key]
 
     def stranger(self) -> Endpoint:
-        ep = UdpEndpoint(("127.0.0.1", 0), self.addr)
+        ep = self._new_endpoint(("127.0.0.1", 0))
         self._endpoints[ep.sock.getsockname()] = ep
         return ep
 
@@ -77,3 +95,74 @@ class SoftwareHarness(Harness):
         for ep in self._endpoints.values():
             ep.close()
         self.agg.stop()
+
+
+class ShardedEndpoint(UdpEndpoint):
+    """A worker socket that sends each datagram to the shard owning its ``seq``, as the
+    client does (datagrams too short to carry a seq go to shard 0)."""
+
+    def __init__(self, addr: tuple[str, int], shards: list[tuple[str, int]]):
+        super().__init__(addr, shards[0])
+        self.shards = shards
+
+    def send(self, datagram: bytes) -> None:
+        dst = self.shards[0]
+        if len(datagram) >= P.HEADER_BYTES:
+            dst = self.shards[P.Header.unpack(datagram).seq % len(self.shards)]
+        self.sock.sendto(datagram, dst)
+
+
+class ShardedSoftwareHarness(SoftwareHarness):
+    """Jobs spread over ``n_shards`` software aggregators, each one shard of the job's shard
+    map; the suite's counters are the sums over the shards, so exactly-once and every
+    counted drop must hold per shard for the suite to pass."""
+
+    name = "sharded"
+
+    def __init__(self, n_shards: int = 2):
+        self.shards = [Aggregator(shard=i) for i in range(n_shards)]
+        self.shard_addrs = [a.start("127.0.0.1", 0) for a in self.shards]
+        self.agg = self.shards[0]
+        self.addr = self.shard_addrs[0]
+        self._endpoints = {}
+
+    def make_job(self, job_id: int, n_workers: int, pool_size: int = 8,
+                 table: list[int] | None = None, granularity: int = 30) -> Job:
+        job = super().make_job(job_id, n_workers, pool_size, table, granularity)
+        return dataclasses.replace(
+            job, shards=tuple(Shard(ip, port) for ip, port in self.shard_addrs)).validate()
+
+    def _new_endpoint(self, addr: tuple[str, int]) -> UdpEndpoint:
+        return ShardedEndpoint(addr, self.shard_addrs)
+
+    def send_to_shard(self, ep: UdpEndpoint, datagram: bytes, shard: int) -> None:
+        """Send from ``ep`` to shard ``shard`` whatever the datagram's seq (a misrouted chunk)."""
+        ep.sock.sendto(datagram, self.shard_addrs[shard])
+
+    def install(self, job: Job) -> None:
+        for a in self.shards:
+            a.install(job)
+
+    def remove(self, job_id: int) -> None:
+        for a in self.shards:
+            a.remove(job_id)
+
+    def drops(self) -> dict[str, int]:
+        total: dict[str, int] = {}
+        for a in self.shards:
+            for k, v in a.counters()["drops"].items():
+                total[k] = total.get(k, 0) + v
+        return total
+
+    def job_counters(self, job: Job) -> dict[str, int]:
+        total: dict[str, int] = {}
+        for a in self.shards:
+            for k, v in a.counters()["jobs"][job.job_id].items():
+                total[k] = total.get(k, 0) + v
+        return total
+
+    def close(self) -> None:
+        for ep in self._endpoints.values():
+            ep.close()
+        for a in self.shards:
+            a.stop()

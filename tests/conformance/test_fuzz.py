@@ -91,8 +91,10 @@ def hostile(draw, job, other_job):
     elif kind == "slot_outside_pool":
         hdr["slot"] = draw(st.integers(job.pool_size, 65535))
     elif kind == "replayed":
-        # Slot 0 version 0 holds KNOWN_SEQ: every older seq of this run is stale.
-        back = draw(st.integers(1, (1 << 31) - 1))
+        # Slot 0 version 0 holds KNOWN_SEQ: every older seq of this run is stale on the
+        # aggregator that owns KNOWN_SEQ (one shard of a sharded job).
+        back = draw(st.integers(1, (1 << 31) - 1).filter(
+            lambda b: job.shard_of((KNOWN_SEQ - b) % P.SEQ_MOD) == job.shard_of(KNOWN_SEQ)))
         hdr.update(slot=0, version=0, seq=(KNOWN_SEQ - back) % P.SEQ_MOD)
     elif kind == "cross_run":
         hdr["run"] = (RUN - draw(st.integers(1, (1 << 31) - 1))) % P.SEQ_MOD or P.SEQ_MOD - 1
@@ -117,7 +119,8 @@ def test_hostile_packets_are_dropped_counted_and_change_no_aggregate(harness):
     other = new_job(harness, n_workers=2, pool_size=2)
     first = [indices(rng, job) for _ in range(2)]
     known = [indices(rng, job) for _ in range(2)]
-    run_round(harness, job, 0, first, run=RUN)
+    for seq in range(job.n_shards):  # every shard of a sharded job learns the run
+        run_round(harness, job, seq, first, run=RUN)
     got = run_round(harness, job, KNOWN_SEQ, known, run=RUN)
     assert_result(got[0], job, KNOWN_SEQ, known, 0, run=RUN)
     eps = {"w0": harness.endpoint(job, 0), "w1": harness.endpoint(job, 1),

@@ -68,7 +68,7 @@ def run_round(harness, job, seq, idxs, workers=None, run=RUN):
     workers = range(job.n_workers) if workers is None else workers
     for w in workers:
         harness.endpoint(job, w).send(data(job, w, seq, idxs[w], run=run))
-    return {w: harness.endpoint(job, w).recv_all(timeout=harness.quiet) for w in range(job.n_workers)}
+    return harness.recv_each({w: harness.endpoint(job, w) for w in range(job.n_workers)})
 
 
 def assert_result(got, job, seq, idxs, to_worker, run=RUN):
@@ -159,7 +159,7 @@ def test_retransmission_to_completed_slot_answers_that_worker_only(harness):
     run_round(harness, job, 0, idxs)
     before = harness.job_counters(job)["retransmissions"]
     harness.endpoint(job, 1).send(data(job, 1, 0, idxs[1]))
-    got = {w: harness.endpoint(job, w).recv_all(timeout=harness.quiet) for w in range(3)}
+    got = harness.recv_each({w: harness.endpoint(job, w) for w in range(3)})
     assert not got[0] and not got[2]
     assert_result(got[1], job, 0, idxs, 1)
     settle(harness)
@@ -418,12 +418,14 @@ def test_runs_are_ordered_by_serial_arithmetic(harness):
     got = run_round(harness, job, 0, fresh, run=5)
     assert_result(got[0], job, 0, fresh, 0, run=5)
     before = harness.drops()
-    harness.endpoint(job, 0).send(data(job, 0, 1, fresh[0], run=top))
+    # the next chunk of the aggregator that has seen run 5 (seq 1 unless the job is sharded)
+    harness.endpoint(job, 0).send(data(job, 0, job.n_shards, fresh[0], run=top))
     settle(harness)
     assert drops_delta(before, harness.drops()) == {"stale_run": 1}
 
 
 def test_replies_carry_the_run_and_one_epoch(harness):
+    """Every reply of one aggregator (of one shard, for a sharded job) carries its epoch."""
     rng = np.random.default_rng(24)
     job = new_job(harness, n_workers=2)
     run = 0x1234_5678
@@ -442,8 +444,8 @@ def test_replies_carry_the_run_and_one_epoch(harness):
         assert_result(got[w], job, 0, idxs, w, run=run)
         assert parse(got[w][0])[0].epoch == epoch
     vals = P.floats_to_ordered_u32(np.arange(P.MAX_LANES, dtype=np.float32)).astype(">u4")
-    for w in range(2):
-        harness.endpoint(job, w).send(datagram(job, w, 1, vals.tobytes(),
+    for w in range(2):  # the same aggregator's next chunk (seq 1 unless sharded)
+        harness.endpoint(job, w).send(datagram(job, w, job.n_shards, vals.tobytes(),
                                                pkt_type=P.PktType.MAX, run=run))
     for w in range(2):
         got = harness.endpoint(job, w).recv_all(timeout=harness.quiet)
@@ -464,3 +466,29 @@ def test_a_reinstalled_job_knows_no_run(harness):
     got = run_round(harness, job, 0, again, run=5)
     for w in range(2):
         assert_result(got[w], job, 0, again, w, run=5)
+
+
+def test_a_chunk_sent_to_the_wrong_shard_is_dropped_counted_and_harmless(harness):
+    """A shard aggregates only the chunks it owns (``seq mod n_shards``): another shard's
+    chunk, even one of a newer run, is a counted drop that changes no sum and no run."""
+    if not hasattr(harness, "send_to_shard"):
+        pytest.skip(f"the {harness.name} aggregator is not sharded")
+    rng = np.random.default_rng(31)
+    job = new_job(harness, n_workers=2)
+    assert job.n_shards >= 2
+    idxs = [indices(rng, job) for _ in range(2)]
+    wrong = [indices(rng, job) for _ in range(2)]
+    ep0 = harness.endpoint(job, 0)
+    before = harness.drops()
+    # seq 1 belongs to shard 1: shard 0 must drop it, whatever its run.
+    harness.send_to_shard(ep0, data(job, 0, 1, wrong[0]), 0)
+    harness.send_to_shard(ep0, data(job, 0, 1, wrong[0], run=RUN + 7), 0)
+    assert ep0.recv_all(timeout=harness.quiet) == []
+    settle(harness)
+    assert drops_delta(before, harness.drops()) == {"wrong_shard": 2}
+    # Both shards still aggregate the run exactly (shard 0 did not take RUN + 7).
+    for seq in (0, 1):
+        got = run_round(harness, job, seq, idxs)
+        for w in range(2):
+            assert_result(got[w], job, seq, idxs, w)
+    assert drops_delta(before, harness.drops()) == {"wrong_shard": 2}
