@@ -75,7 +75,7 @@ GROUP_APPLY = ("thc_g{i}.apply(hdr.thc_data[{i}], hdr.thc_result8[{i}], hdr.thc_
 MAX_DECL = "ThcMaxLane() thc_m{i};\n"
 MAX_APPLY = "thc_m{i}.apply(hdr.thc_max[{i}], meta.reg_index, meta.lane_op);\n"
 
-TO_AGGREGATOR = ("DATA", "MAX", "RESET")
+TO_AGGREGATOR = ("DATA", "MAX", "FLUSH", "RESET")
 """Packet types a worker (or the controller, for RESET) sends to the aggregator."""
 
 

@@ -11,19 +11,30 @@ worker), so nothing of an earlier run is counted in this one; replies of another
 ignored and counted. Every reply carries the aggregator's ``epoch``: when it changes within
 a run the aggregator restarted and lost the run's in-flight state, and the client raises
 :class:`AggregatorRestarted` rather than wait for contributions that are gone.
+
+DLCP's bounded loss: with a job ``loss_bound`` > 0, a DATA chunk that would be retransmitted
+is closed short instead (a ``FLUSH``: the aggregator freezes the chunk with the workers it
+has and sends that RESULT, with its count and bitmap, to every worker), as long as at most
+``loss_bound`` of the round's chunks end short. :attr:`AggregationClient.last_counts` and
+``last_bitmaps`` say per chunk who was counted. Each DATA packet may carry a priority class
+in its IPv4 DSCP (:mod:`host.net.priority`), set per packet with an ``IP_TOS`` control
+message (as cheap as a plain ``sendto``).
 """
 from __future__ import annotations
 
+import math
 import select
 import socket
+import struct
 import time
 from dataclasses import dataclass
 
 import numpy as np
 
 from host.net.impair import Impairment
+from host.net.priority import FLUSH_CLASS, tos_of
 from host.wire import protocol as P
-from host.wire.jobs import Job
+from host.wire.jobs import Job, check_loss_bound
 
 
 class AggregatorRestarted(ConnectionError):
@@ -60,6 +71,10 @@ class TransportStats:
     pending: int = 0
     bytes_sent: int = 0
     bytes_received: int = 0
+    flushed: int = 0
+    """FLUSH packets sent (chunks this worker asked to close short; repeats included)."""
+    short: int = 0
+    """Chunks that ended with fewer than all workers (whoever closed them)."""
 
 
 class AggregationClient:
@@ -72,10 +87,12 @@ class AggregationClient:
     def __init__(self, job: Job, worker_id: int, aggregator: tuple[str, int],
                  window: int | None = None, timeout: float = 0.02, max_timeout: float = 0.5,
                  deadline: float = 10.0, impair: Impairment | None = None,
-                 sock: socket.socket | None = None, run: int | None = None):
+                 sock: socket.socket | None = None, run: int | None = None,
+                 loss_bound: float | None = None):
         """``run``: this training run's id, the same on every worker (default: ``THC_RUN`` from
         the environment; :func:`host.collective.allreduce.agree_run` agrees one over a process
-        group). It may also be set later through :attr:`run`, before the first chunk."""
+        group). It may also be set later through :attr:`run`, before the first chunk.
+        ``loss_bound``: overrides the job's (a fraction of each round's chunks in [0, 1))."""
         self.job = job
         self.worker_id = worker_id
         self.aggregator = aggregator
@@ -83,6 +100,10 @@ class AggregationClient:
         self.timeout = timeout
         self.max_timeout = max_timeout
         self.deadline = deadline
+        self.loss_bound = check_loss_bound(job.loss_bound if loss_bound is None else loss_bound,
+                                           f"job {job.job_id}: ")
+        self.last_counts = np.zeros(0, dtype=np.uint8)
+        self.last_bitmaps = np.zeros(0, dtype=np.uint32)
         self.impair = impair or Impairment()
         self.stats = TransportStats()
         self.next_seq = 0
@@ -119,10 +140,14 @@ class AggregationClient:
         self.close()
 
     # -- public API ------------------------------------------------------------------
-    def aggregate(self, packed: np.ndarray, offset_base: int = 0) -> np.ndarray:
+    def aggregate(self, packed: np.ndarray, offset_base: int = 0,
+                  classes: np.ndarray | None = None) -> np.ndarray:
         """Sum of all workers' table values for ``packed`` 4-bit indices (lanes/2 bytes a chunk).
 
-        Returns one integer per index (uint16), in order.
+        Returns one integer per index (uint16), in order. ``classes``: a priority class per
+        chunk (:func:`host.net.priority.priority_class`), marked in DSCP; None sends best
+        effort. A chunk closed short sums only the workers in ``last_bitmaps`` (its count in
+        ``last_counts``; all zero when nobody's packet arrived).
         """
         lanes = self.job.lanes
         packed = np.ascontiguousarray(packed, dtype=np.uint8).reshape(-1)
@@ -132,8 +157,14 @@ class AggregationClient:
                              f"chunk ({chunk_bytes} bytes = {lanes} lanes); pad the index vector")
         chunks = packed.reshape(-1, chunk_bytes)
         out = np.zeros((len(chunks), lanes), dtype=np.uint16)
+        tos = None
+        if classes is not None:
+            classes = np.asarray(classes).reshape(-1)
+            if classes.size != len(chunks):
+                raise ValueError(f"{classes.size} priority classes for {len(chunks)} chunks")
+            tos = [tos_of(c) for c in classes]
         self._stream(P.PktType.DATA, chunks, out, offset_base, lanes,
-                     P.sum_dtype(self.job.sum_bits))
+                     P.sum_dtype(self.job.sum_bits), tos)
         return out.reshape(-1)
 
     def max(self, values: np.ndarray) -> np.ndarray:
@@ -149,16 +180,26 @@ class AggregationClient:
         return P.ordered_u32_to_floats(out.reshape(-1)[: u.size].astype(np.uint32))
 
     # -- the sliding window ----------------------------------------------------------
-    def _send(self, data: bytes) -> None:
+    _TOS_CMSG: dict[int, list] = {}
+
+    def _send(self, data: bytes, tos: int = 0) -> None:
         self.stats.sent += 1
         self.stats.bytes_sent += len(data)
-        if self.impair.active:
-            self.impair.send(self.sock.sendto, data, self.aggregator)
+        if tos:
+            cmsg = self._TOS_CMSG.get(tos)
+            if cmsg is None:
+                cmsg = self._TOS_CMSG[tos] = [(socket.IPPROTO_IP, socket.IP_TOS,
+                                               struct.pack("i", tos))]
+            send = lambda d, a: self.sock.sendmsg([d], cmsg, 0, a)  # noqa: E731
         else:
-            self.sock.sendto(data, self.aggregator)
+            send = self.sock.sendto
+        if self.impair.active:
+            self.impair.send(send, data, self.aggregator)
+        else:
+            send(data, self.aggregator)
 
     def _stream(self, pkt_type: int, chunks: np.ndarray, out: np.ndarray, offset_base: int,
-                lanes: int, dtype: np.dtype) -> None:
+                lanes: int, dtype: np.dtype, tos: list[int] | None = None) -> None:
         job, me = self.job, self.worker_id
         total = len(chunks)
         if total == 0:
@@ -181,6 +222,12 @@ class AggregationClient:
         pending_bitmap: dict[int, int] = {}
         later: dict[int, int] = {}
         done = np.zeros(total, dtype=bool)
+        counts = np.full(total, job.n_workers, dtype=np.uint8)
+        bitmaps = np.full(total, job.full_bitmap, dtype=np.uint32)
+        bounded = pkt_type == P.PktType.DATA and self.loss_bound > 0
+        budget = math.floor(self.loss_bound * total) if bounded else 0
+        short: set[int] = set()     # chunks flushed by this worker or ended short
+        flush_type, flush_tos = int(P.PktType.FLUSH), tos_of(FLUSH_CLASS) if tos else 0
         lo = 0
         hi = 0
         buf = bytearray(4096)
@@ -197,10 +244,25 @@ class AggregationClient:
             return pack(pkt_type, me, job_id, slot, version, 0, (base + i) % P.SEQ_MOD,
                         (offset_base + i * lanes) % P.SEQ_MOD, 0, run, 0) + chunks[i].tobytes()
 
+        def resend(i: int) -> None:
+            """Retransmit chunk i, or close it short while the loss bound allows."""
+            if bounded and (i in short or len(short) < budget):
+                if i not in short:
+                    short.add(i)
+                    slot, version = P.slot_of(base + i, pool)
+                    packets[i] = pack(flush_type, me, job_id, slot, version, 0,
+                                      (base + i) % P.SEQ_MOD,
+                                      (offset_base + i * lanes) % P.SEQ_MOD, 0, run, 0)
+                self.stats.flushed += 1
+                self._send(packets[i], flush_tos)
+            else:
+                self.stats.retransmitted += 1
+                self._send(packets[i], tos[i] if tos else 0)
+
         while lo < total:
             while hi < total and hi < lo + self.window:
                 packets[hi] = packet(hi)
-                self._send(packets[hi])
+                self._send(packets[hi], tos[hi] if tos else 0)
                 now = time.monotonic()
                 due[hi], backoff[hi], started[hi] = now + self.rto, self.timeout, now
                 hi += 1
@@ -238,10 +300,19 @@ class AggregationClient:
                         self.stats.pending += 1
                         pending_bitmap[i] = r_bitmap
                         continue
-                    if (r_type != result_type or nbytes - header_bytes != expect_payload
-                            or r_count != n_workers):
+                    if r_type != result_type or nbytes - header_bytes != expect_payload:
                         self.stats.ignored += 1
                         continue
+                    if r_count != n_workers:
+                        # closed short (FLUSH): DATA only, and count must match the bitmap
+                        if (pkt_type != P.PktType.DATA or r_count > n_workers
+                                or bin(r_bitmap).count("1") != r_count
+                                or r_bitmap >> n_workers):
+                            self.stats.ignored += 1
+                            continue
+                        self.stats.short += 1
+                        short.add(i)
+                        counts[i], bitmaps[i] = r_count, r_bitmap
                     out[i] = np.frombuffer(buf, dtype=dtype, count=lanes, offset=header_bytes)
                     done[i] = True
                     if backoff.get(i) == self.timeout:
@@ -251,7 +322,7 @@ class AggregationClient:
                     while lo < total and done[lo]:
                         lo += 1
                     if i > lo:
-                        self._fast_retransmit(i, due, later, packets)
+                        self._fast_retransmit(i, due, later, resend)
             else:
                 self.impair.flush(self.sock.sendto)
             now = time.monotonic()
@@ -262,23 +333,23 @@ class AggregationClient:
                     continue
                 if now - started[i] > self.deadline:
                     self._raise_timeout(base, i, pending_bitmap.get(i))
-                self.stats.retransmitted += 1
-                self._send(packets[i])
+                resend(i)
                 backoff[i] = min(max(backoff[i], self.rto) * 2, self.max_timeout)
                 due[i] = now + backoff[i]
         self.next_seq = (base + total) % P.SEQ_MOD
+        if pkt_type == P.PktType.DATA:
+            self.last_counts, self.last_bitmaps = counts, bitmaps
 
     FAST_RETRANSMIT_AFTER = 3
     """Results of this many later chunks mean an earlier chunk (or its result) was lost."""
 
-    def _fast_retransmit(self, j: int, due: dict, later: dict, packets: dict) -> None:
+    def _fast_retransmit(self, j: int, due: dict, later: dict, resend) -> None:
         """Resend outstanding chunks that later chunks have overtaken (TCP's dupack idea)."""
         now = time.monotonic()
         for i in [i for i in due if i < j]:
             later[i] = later.get(i, 0) + 1
             if later[i] == self.FAST_RETRANSMIT_AFTER:
-                self.stats.retransmitted += 1
-                self._send(packets[i])
+                resend(i)
                 due[i] = now + self.rto
                 later[i] = -4 * self.FAST_RETRANSMIT_AFTER
 

@@ -34,6 +34,15 @@ class Worker:
     """Switch port the worker hangs off (BMv2 only)."""
 
 
+def check_loss_bound(value, where: str = "") -> float:
+    """``value`` as a loss bound: a real number in [0, 1), else ConfigError."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not ok or not 0.0 <= float(value) < 1.0:
+        raise ConfigError(f"{where}loss_bound must be a fraction of a round's chunks in "
+                          f"[0, 1), got {value!r}")
+    return float(value)
+
+
 @dataclass(frozen=True)
 class Job:
     job_id: int
@@ -51,6 +60,10 @@ class Job:
     sum_bits: int = 0
     """Width of the job's sums (8 or 16); 0 means: the narrowest that holds n_workers x
     granularity, chosen when the job is made. RESULT payloads carry sums of this width."""
+    loss_bound: float = 0.0
+    """DLCP's bounded loss: the fraction of a round's chunks, in [0, 1), that a worker may
+    close short (FLUSH) instead of retransmitting; 0 retransmits everything. Host-side only:
+    the switch serves any FLUSH it gets."""
 
     def __post_init__(self):
         if self.mcast_grp == 0:
@@ -106,6 +119,7 @@ class Job:
                               f"= {top} overflows the requested {self.sum_bits}-bit sums (max "
                               f"{(1 << self.sum_bits) - 1}); leave sum_bits out to choose "
                               f"{P.sum_bits_for(n, self.granularity)}")
+        check_loss_bound(self.loss_bound, f"job {self.job_id}: ")
         if self.pool_size < 1 or self.pool_base < 0:
             raise ConfigError(f"job {self.job_id}: pool needs pool_size >= 1, pool_base >= 0")
         try:

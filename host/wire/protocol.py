@@ -29,6 +29,9 @@ MAX_WORKERS: int = SPEC["max_workers"]
 MAX_JOBS: int = SPEC["max_jobs"]
 SWITCH_SLOTS: int = SPEC["switch_slots"]
 CPU_PORT: int = SPEC["cpu_port"]
+PRIORITY_DSCP: tuple[int, ...] = tuple(SPEC["priority_dscp"])
+"""DSCP of each priority class, lowest class first (DLCP): the switch maps these to queue
+priorities 0..len-1; any other DSCP is best effort (priority 0) and counted."""
 HEADER_FIELDS: list[tuple[str, int]] = [(n, w) for n, w in SPEC["header"]]
 
 PktType = IntEnum("PktType", SPEC["pkt_types"])
