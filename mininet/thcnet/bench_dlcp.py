@@ -27,6 +27,7 @@ import numpy as np
 from host.bench import add_common, emit_json
 from host.codec.params import THCParams
 from host.wire import protocol as P
+from thcnet.base import worker_ip
 from thcnet.testbed import TestbedError, WorkerError, mininet_unavailable_reason, open_testbed
 
 IPERF_PORT = 5201
@@ -99,6 +100,9 @@ def run(args: argparse.Namespace) -> int:
             print(f"{tb.describe()}; links {args.bw:g} Mbit/s queued by DLCP class; competing "
                   f"UDP flow {args.competing * args.bw:g} Mbit/s per worker", flush=True)
             tb.popen("agg", ["iperf", "-s", "-u", "-p", str(IPERF_PORT)], name="iperf-server")
+            # The flow's sink answers nothing: without traffic from it the bridge forgets its
+            # MAC and floods the flow onto every worker link. A slow ping keeps it learnt.
+            tb.popen("agg", ["ping", "-q", "-i", "0.5", worker_ip(0)], name="agg-ping")
             tb.start_aggregator()
             for name, (bound, marks) in MODES.items():
                 m = _run_mode(tb, name, args.loss_bound if bound is None else bound, marks,
@@ -113,6 +117,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"thc bench dlcp: {e}", file=sys.stderr)
         emit_json(args, result)
         return 1
+    except KeyboardInterrupt:
+        print("\nthc bench dlcp: interrupted; testbed torn down", file=sys.stderr)
+        return 130
     _print_table(result)
     emit_json(args, result)
     return 0
