@@ -244,9 +244,11 @@ class AggregationClient:
             return pack(pkt_type, me, job_id, slot, version, 0, (base + i) % P.SEQ_MOD,
                         (offset_base + i * lanes) % P.SEQ_MOD, 0, run, 0) + chunks[i].tobytes()
 
-        def resend(i: int) -> None:
-            """Retransmit chunk i, or close it short while the loss bound allows."""
-            if bounded and (i in short or len(short) < budget):
+        def resend(i: int, may_flush: bool = True) -> None:
+            """Retransmit chunk i, or close it short while the loss bound allows. Only a
+            timeout closes a chunk: overtaken chunks (fast retransmit) may merely sit in a
+            lower class's queue, and a duplicate DATA costs nothing."""
+            if bounded and (i in short or (may_flush and len(short) < budget)):
                 if i not in short:
                     short.add(i)
                     slot, version = P.slot_of(base + i, pool)
@@ -349,7 +351,7 @@ class AggregationClient:
         for i in [i for i in due if i < j]:
             later[i] = later.get(i, 0) + 1
             if later[i] == self.FAST_RETRANSMIT_AFTER:
-                resend(i)
+                resend(i, may_flush=False)
                 due[i] = now + self.rto
                 later[i] = -4 * self.FAST_RETRANSMIT_AFTER
 
