@@ -135,3 +135,6 @@ def _print_table(result: dict) -> None:
               f"{m['cumulative_nmse']:>9.5f} {m['short_chunks_per_round']:>7.1f}/"
               f"{m['chunks_per_round']}")
     print("x: speedup over retransmit (same run, same competing flow)")
+    for name, m in result["modes"].items():
+        if not m["identical_results"]:
+            print(f"WARNING: {name}: the workers' estimates differ (replicas diverged)")
