@@ -7,6 +7,8 @@
                      aggregated packet, as the software aggregator does
   thc_resets         index = job_index: RESET packet-outs applied (the controller waits on it)
   l2_misses          index 0: non-THC frames without an l2_forward entry
+  thc_dscp_unknown   index 0: IPv4 packets whose DSCP is neither 0 nor a priority class
+                     (protocol.json ``priority_dscp``): forwarded best effort
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ DROPS = "thc_drops"
 JOB_COUNTERS = "thc_job_counters"
 RESETS = "thc_resets"
 L2_MISSES = "l2_misses"
+DSCP_UNKNOWN = "thc_dscp_unknown"
 
 
 def drops(sw: Switch) -> dict[str, int]:
@@ -61,10 +64,15 @@ def l2_misses(sw: Switch) -> int:
     return sw.read_counter(L2_MISSES).get(0, 0)
 
 
+def dscp_unknown(sw: Switch) -> int:
+    return sw.read_counter(DSCP_UNKNOWN).get(0, 0)
+
+
 def snapshot(sw: Switch, installed: dict[int, dict] | None = None) -> dict:
     """Everything, JSON-ready (``thc controller counters``); per-job counters of ``installed``."""
     out = {"l2_misses": l2_misses(sw)}
     if sw.has_table("thc_job"):      # the THC program (l2.p4 has only l2_misses)
         out["drops"] = drops(sw)
+        out["dscp_unknown"] = dscp_unknown(sw)
         out["jobs"] = {str(k): v for k, v in all_job_counters(sw, installed or {}).items()}
     return out

@@ -37,10 +37,10 @@ def ipv4_checksum(header: bytes) -> int:
 
 
 def udp_frame(src_mac: str, dst_mac: str, src_ip: str, dst_ip: str, sport: int, dport: int,
-              payload: bytes, ident: int = 0) -> bytes:
+              payload: bytes, ident: int = 0, tos: int = 0) -> bytes:
     """An Ethernet/IPv4/UDP frame; UDP checksum 0 (as the switch sends them)."""
     total = IPV4.size + UDP.size + len(payload)
-    ip = IPV4.pack(0x45, 0, total, ident & 0xFFFF, 0x4000, 64, 17, 0,
+    ip = IPV4.pack(0x45, tos, total, ident & 0xFFFF, 0x4000, 64, 17, 0,
                    ip_bytes(src_ip), ip_bytes(dst_ip))
     ip = ip[:10] + struct.pack("!H", ipv4_checksum(ip)) + ip[12:]
     return (ETH.pack(mac_bytes(dst_mac), mac_bytes(src_mac), ETHERTYPE_IPV4) + ip

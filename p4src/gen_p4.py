@@ -75,7 +75,7 @@ GROUP_APPLY = ("thc_g{i}.apply(hdr.thc_data[{i}], hdr.thc_result8[{i}], hdr.thc_
 MAX_DECL = "ThcMaxLane() thc_m{i};\n"
 MAX_APPLY = "thc_m{i}.apply(hdr.thc_max[{i}], meta.reg_index, meta.lane_op);\n"
 
-TO_AGGREGATOR = ("DATA", "MAX", "RESET")
+TO_AGGREGATOR = ("DATA", "MAX", "FLUSH", "RESET")
 """Packet types a worker (or the controller, for RESET) sends to the aggregator."""
 
 
@@ -154,6 +154,16 @@ def generate(spec: dict, lanes: int | None = None, slots: int | None = None) -> 
     c.append(f"#define THC_KNOWN_TYPE(t) ({known})\n")
     replies = " || ".join(f"(t) == {types[n]}" for n in types if n not in TO_AGGREGATOR)
     c.append(f"#define THC_REPLY_TYPE(t) ({replies})\n")
+    dscps = [int(d) for d in spec["priority_dscp"]]
+    if len(set(dscps)) != len(dscps) or not all(0 < d < 64 for d in dscps) or len(dscps) > 7:
+        raise SystemExit("gen_p4: priority_dscp must be at most 7 distinct DSCPs in 1..63")
+    c.append("\n// DLCP priority classes: DSCP of class k -> queue priority k + 1; DSCP 0 and any "
+             "other DSCP: 0 (best effort)\n")
+    for k, d in enumerate(dscps):
+        c.append(f"const bit<6> THC_DSCP_CLASS_{k} = {d};\n")
+    c.append(f"#define THC_PRIORITY_QUEUES {len(dscps) + 1}  // simple_switch --priority-queues\n")
+    entries = " ".join(f"{d}: thc_set_priority({k + 1});" for k, d in enumerate(dscps))
+    c.append(f"#define THC_DSCP_ENTRIES 0: thc_set_priority(0); {entries}\n")
     c.append("\n// drop reasons: index into counter thc_drops\n")
     for name, code in reasons.items():
         c.append(f"const bit<8> THC_DROP_{ident(name)} = {code};\n")

@@ -10,7 +10,10 @@
  * (LANES sums of the job's width) to every worker. Slots come in two versions (SwitchML
  * shadow copies); a worker bitmap per slot/version gives exactly-once aggregation under
  * loss, duplication and reordering, and the run beside it keeps one training run's
- * contributions out of another's. See docs/switch.md and docs/protocol.md.
+ * contributions out of another's. A FLUSH (DLCP's bounded loss) closes a slot use with the
+ * workers it has: the frozen RESULT (count, bitmap) goes to every worker and later packets
+ * of that use get it unchanged. Every IPv4 packet's DSCP picks its egress queue priority
+ * (thc_dscp). See docs/switch.md and docs/protocol.md.
  *
  * Protocol constants, the THC header and the group instantiations are generated from
  * host/wire/protocol.json by p4src/gen_p4.py into p4src/generated/; thc_tna.p4 is the
@@ -55,7 +58,11 @@ struct metadata_t {
     bit<32> old_bitmap;
     bit<32> bitmap;
     bit<8>  count;
-    bit<1>  dup;            // this worker's bit was already set: retransmission
+    bit<1>  dup;            // retransmission (bit set), or the use is complete or closed
+    bit<1>  flush;          // a FLUSH: contributes nothing, closes the use
+    bit<1>  closed_old;     // the use was closed by an earlier FLUSH
+    bit<1>  closed;         // ... or by this packet
+    bit<6>  dscp;           // the IPv4 DSCP: picks the egress queue priority
     bit<1>  first;          // first contribution of this use of the slot: overwrite lanes
     bit<2>  lane_op;        // THC_OP_WRITE / THC_OP_ADD / THC_OP_READ for every lane word
     // parser
@@ -208,10 +215,18 @@ control ThcLaneGroup(in thc_idx_h idx, out thc_sum8_h r8, out thc_sum16_h r16,
 
     apply {
         if (op != THC_OP_READ) {
-            thc_lut_0.apply();
-            thc_lut_1.apply();
-            thc_lut_2.apply();
-            thc_lut_3.apply();
+            if (idx.isValid()) {
+                thc_lut_0.apply();
+                thc_lut_1.apply();
+                thc_lut_2.apply();
+                thc_lut_3.apply();
+            } else {
+                // a FLUSH carries no indices: it adds (or, on a new use, writes) zero
+                v0 = 0;
+                v1 = 0;
+                v2 = 0;
+                v3 = 0;
+            }
         }
         if (wide == 0) {
             thc_pack8();
@@ -263,6 +278,9 @@ control ThcIngress(inout headers_t hdr, inout metadata_t meta, inout standard_me
     register<bit<32>>(THC_REG_SIZE) thc_seq;
     register<bit<32>>(THC_REG_SIZE) thc_bitmap;
     register<bit<8>>(THC_REG_SIZE) thc_count;
+    register<bit<1>>(THC_REG_SIZE) thc_closed;
+    // DSCPs outside protocol.json's priority_dscp (and not 0): sent best effort, counted
+    counter(1, CounterType.packets) thc_dscp_unknown;
 
     // Lane groups and max lanes (generated instantiations).
 #include "generated/thc_groups.p4"
@@ -299,6 +317,21 @@ control ThcIngress(inout headers_t hdr, inout metadata_t meta, inout standard_me
         actions = { set_worker; @defaultonly NoAction; }
         default_action = NoAction();
         size = THC_MAX_JOBS * THC_MAX_WORKERS;
+    }
+
+    // ---- DLCP: DSCP -> egress queue priority (simple_switch --priority-queues) ----
+    action thc_set_priority(bit<3> priority) {
+        sm.priority = priority;
+    }
+    action thc_dscp_miss() {
+        thc_dscp_unknown.count(0);
+        sm.priority = 0;
+    }
+    table thc_dscp {
+        key = { meta.dscp: exact @name("dscp"); }
+        actions = { thc_set_priority; thc_dscp_miss; }
+        default_action = thc_dscp_miss();
+        const entries = { THC_DSCP_ENTRIES }
     }
 
     action l2_set_port(bit<9> port) {
@@ -348,18 +381,31 @@ control ThcIngress(inout headers_t hdr, inout metadata_t meta, inout standard_me
         thc_seq.write(meta.reg_index, (meta.seq_newer == 1) ? hdr.thc.seq : meta.cur_seq);
     }
 
+    // closed by a FLUSH: frozen until the slot version's next use
+    action thc_closed_ra() {
+        thc_closed.read(meta.closed_old, meta.reg_index);
+        meta.closed_old = (meta.seq_newer == 1) ? 1w0 : meta.closed_old;
+        meta.closed = meta.closed_old | meta.flush;
+        thc_closed.write(meta.reg_index, meta.closed);
+    }
+
+    // A FLUSH has worker_bit 0: it adds no bit, and it is a retransmission of a use that is
+    // already complete or closed.
     action thc_bitmap_ra() {
         thc_bitmap.read(meta.old_bitmap, meta.reg_index);
-        meta.dup = (meta.seq_newer == 0 && (meta.old_bitmap & meta.worker_bit) != 0) ? 1w1 : 1w0;
+        meta.dup = (meta.seq_newer == 0 && ((meta.old_bitmap & meta.worker_bit) != 0
+                    || meta.closed_old == 1 || meta.old_bitmap == meta.full_bitmap)) ? 1w1 : 1w0;
         meta.first = (meta.seq_newer == 1 || meta.old_bitmap == 0) ? 1w1 : 1w0;
-        meta.bitmap = (meta.seq_newer == 1) ? meta.worker_bit : (meta.old_bitmap | meta.worker_bit);
+        meta.bitmap = (meta.seq_newer == 1) ? meta.worker_bit
+                    : ((meta.dup == 1) ? meta.old_bitmap : (meta.old_bitmap | meta.worker_bit));
         thc_bitmap.write(meta.reg_index, meta.bitmap);
         meta.lane_op = (meta.dup == 1) ? THC_OP_READ : ((meta.first == 1) ? THC_OP_WRITE : THC_OP_ADD);
     }
 
     action thc_count_ra() {
         thc_count.read(meta.count, meta.reg_index);
-        meta.count = (meta.first == 1) ? 8w1 : ((meta.dup == 1) ? meta.count : meta.count + 1);
+        meta.count = (meta.dup == 1) ? meta.count
+                   : ((meta.first == 1) ? (bit<8>)(meta.flush ^ 1) : meta.count + (bit<8>)(meta.flush ^ 1));
         thc_count.write(meta.reg_index, meta.count);
     }
 
@@ -371,6 +417,7 @@ control ThcIngress(inout headers_t hdr, inout metadata_t meta, inout standard_me
         thc_seq.write(meta.reg_index, THC_SEQ_RESET);
         thc_bitmap.write(meta.reg_index, 0);
         thc_count.write(meta.reg_index, 0);
+        thc_closed.write(meta.reg_index, 0);
     }
 
     // ---- replies ----
@@ -419,7 +466,8 @@ control ThcIngress(inout headers_t hdr, inout metadata_t meta, inout standard_me
             if (meta.drop_reason == 0) {
                 if ((hdr.thc.pkt_type == THC_DATA && !hdr.thc_data[0].isValid())
                         || (hdr.thc.pkt_type == THC_MAX && !hdr.thc_max[0].isValid())
-                        || (hdr.thc.pkt_type == THC_RESET && hdr.udp.length != THC_UDP_LEN_HDR)) {
+                        || ((hdr.thc.pkt_type == THC_RESET || hdr.thc.pkt_type == THC_FLUSH)
+                            && hdr.udp.length != THC_UDP_LEN_HDR)) {
                     meta.drop_reason = THC_DROP_BAD_LANES;
                 }
             }
@@ -429,6 +477,9 @@ control ThcIngress(inout headers_t hdr, inout metadata_t meta, inout standard_me
                     meta.drop_reason = THC_DROP_WORKER_OUTSIDE_JOB;
                 } else if (!thc_worker.apply().hit) {
                     meta.drop_reason = THC_DROP_UNKNOWN_WORKER;
+                } else if (hdr.thc.pkt_type == THC_FLUSH) {
+                    meta.flush = 1;
+                    meta.worker_bit = 0;
                 }
             }
             // 6. slot
@@ -456,18 +507,19 @@ control ThcIngress(inout headers_t hdr, inout metadata_t meta, inout standard_me
                 if (meta.seq_newer == 0 && meta.seq_diff != 0) {
                     meta.drop_reason = THC_DROP_STALE;
                 } else {
+                    thc_closed_ra();
                     thc_bitmap_ra();
                     thc_count_ra();
-                    if (meta.dup == 0 || meta.count == meta.n_workers) {
-                        if (hdr.thc.pkt_type == THC_DATA) {
+                    if (meta.dup == 0 || meta.count == meta.n_workers || meta.closed == 1) {
+                        if (hdr.thc.pkt_type != THC_MAX) {
 #include "generated/thc_groups_apply.p4"
                         } else {
 #include "generated/thc_max_apply.p4"
                         }
                     }
-                    if (meta.count == meta.n_workers) {
-                        // complete: RESULT / MAX_RESULT with the stored lanes
-                        if (hdr.thc.pkt_type == THC_DATA) {
+                    if (meta.count == meta.n_workers || meta.closed == 1) {
+                        // complete or closed: RESULT / MAX_RESULT with the stored lanes
+                        if (hdr.thc.pkt_type != THC_MAX) {
                             hdr.thc_data.pop_front(THC_GROUPS);
                             thc_result_len();
                             thc_reply(THC_RESULT);
@@ -504,6 +556,10 @@ control ThcIngress(inout headers_t hdr, inout metadata_t meta, inout standard_me
             }
         } else if (hdr.ethernet.isValid()) {
             l2_forward.apply();
+        }
+        if (hdr.ipv4.isValid()) {
+            meta.dscp = hdr.ipv4.diffserv[7:2];
+            thc_dscp.apply();
         }
     }
 }

@@ -438,7 +438,9 @@ control ThcIngress(inout headers_t hdr, inout metadata_t meta,
             if (!hdr.thc.isValid() || ig_prsr_md.parser_err != 0
                     || hdr.udp.length < THC_UDP_LEN_HDR) {
                 meta.drop_reason = THC_DROP_MALFORMED;
-            } else if (!(THC_KNOWN_TYPE(hdr.thc.pkt_type)) || hdr.thc.version > 1) {
+            } else if (!(THC_KNOWN_TYPE(hdr.thc.pkt_type)) || hdr.thc.version > 1
+                    || hdr.thc.pkt_type == THC_FLUSH) {
+                // FLUSH (DLCP's bounded loss) is implemented in thc.p4 only: dropped here
                 meta.drop_reason = THC_DROP_MALFORMED;
             } else if (THC_REPLY_TYPE(hdr.thc.pkt_type)) {
                 meta.drop_reason = THC_DROP_WRONG_DIRECTION;

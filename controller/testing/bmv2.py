@@ -98,7 +98,8 @@ class LocalBMv2:
             # without a log sink BMv2 still formats every trace message (level trace into a
             # null sink): "off" makes it ~4x faster on the THC program
             cmd += ["--log-level", "off"]
-        cmd += ["--", "--grpc-server-addr", self.grpc_addr, "--cpu-port", str(P.CPU_PORT)]
+        cmd += ["--", "--grpc-server-addr", self.grpc_addr, "--cpu-port", str(P.CPU_PORT),
+                "--priority-queues", str(P.PRIORITY_QUEUES)]
         self.log_path = self.workdir / "simple_switch_grpc.out"
         with open(self.log_path, "wb") as out:
             self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,

@@ -16,6 +16,7 @@ BENCHES = {
     "install": ("controller.bench_install", "job install time on BMv2; lookup entries "
                                             "serialized vs as protobuf messages"),
     "allreduce": ("thcnet.bench_allreduce", "THC vs FP32 all-reduce over emulated links"),
+    "dlcp": ("thcnet.bench_dlcp", "DLCP: loss bound and priorities on a congested link"),
 }
 
 

@@ -8,6 +8,11 @@ steps (max of the slice norms, sum of table values):
 - :class:`DistTransport`: an ordinary ``torch.distributed`` all-reduce (Gloo, NCCL) of the
   table values, for clusters without a programmable switch: THC sums are integers, so any
   all-reduce adds them exactly.
+
+``transport.sum`` returns the sums and, when a round closed short (DLCP's bounded loss), a
+:class:`Short`: how many workers each lane actually had and whether this worker's own value
+was among them. The decoder then counts every missing contribution as zero (in the rotated
+domain) and error feedback keeps this worker's lost part for the next round.
 """
 from __future__ import annotations
 
@@ -21,7 +26,15 @@ import torch
 from host.codec.packing import pack_bits
 from host.codec.params import THCParams
 from host.codec.thc import ErrorFeedback, THCCodec, table_values
+from host.net.priority import magnitude_rank, priority_class
 from host.wire import protocol as P
+
+
+@dataclass
+class Short:
+    """Per lane of a round that closed short: workers counted, and whether this one was."""
+    counts: np.ndarray
+    mine: np.ndarray
 
 
 def agree_run(group=None, alone: bool = False) -> int:
@@ -73,16 +86,24 @@ class AggregatorTransport:
         out = self.client.max(norms.detach().cpu().numpy())
         return torch.from_numpy(out).to(norms.device)
 
-    def sum(self, indices: torch.Tensor, params: THCParams) -> torch.Tensor:
-        lanes = self.client.job.lanes
+    def sum(self, indices: torch.Tensor, params: THCParams, classes=None):
+        """(sums, None or :class:`Short`); ``classes``: a priority class per chunk of lanes."""
+        client = self.client
+        lanes = client.job.lanes
         idx = indices.cpu().numpy()
         pad = (-idx.size) % lanes
         if pad:
             idx = np.concatenate([idx, np.zeros(pad, np.uint8)])
-        before = self.client.stats.bytes_sent
-        sums = self.client.aggregate(pack_bits(idx, P.INDEX_BITS))[: indices.numel()]
-        self.bytes_sent += self.client.stats.bytes_sent - before
-        return torch.from_numpy(sums.astype(np.int32)).to(indices.device)
+        before = client.stats.bytes_sent
+        sums = client.aggregate(pack_bits(idx, P.INDEX_BITS), classes=classes)[: indices.numel()]
+        self.bytes_sent += client.stats.bytes_sent - before
+        short = None
+        counts = client.last_counts
+        if counts.size and int(counts.min()) < self.n_workers:
+            mine = (client.last_bitmaps >> client.worker_id) & 1 == 1
+            short = Short(np.repeat(counts, lanes)[: indices.numel()],
+                          np.repeat(mine, lanes)[: indices.numel()])
+        return torch.from_numpy(sums.astype(np.int32)).to(indices.device), short
 
 
 class DistTransport:
@@ -103,13 +124,13 @@ class DistTransport:
         self.dist.all_reduce(out, op=self.dist.ReduceOp.MAX, group=self.group)
         return out
 
-    def sum(self, indices: torch.Tensor, params: THCParams) -> torch.Tensor:
+    def sum(self, indices: torch.Tensor, params: THCParams, classes=None):
         top = self.n_workers * params.granularity
         dtype = torch.uint8 if top <= 255 else torch.int16 if top < 1 << 15 else torch.int32
         vals = table_values(indices, params).to(dtype)
         self.bytes_sent += vals.numel() * vals.element_size()
         self.dist.all_reduce(vals, group=self.group)
-        return vals
+        return vals, None
 
 
 @dataclass
@@ -155,13 +176,49 @@ class THCAllReduce:
     def n_workers(self) -> int:
         return self.transport.n_workers
 
-    def __call__(self, tensor: torch.Tensor) -> torch.Tensor:
+    def priority_classes(self, position, max_norms: torch.Tensor, numel: int) -> np.ndarray:
+        """DLCP class of each slice: its earliest layer position and its agreed RMS magnitude.
+
+        ``position`` (per element, in [0, 1], 0 = needed first by the next forward pass).
+        A slice mixes its coordinates (the rotation), so classes are per slice: set
+        ``THCParams.slice_size`` to a layer's size or less for per-layer classes."""
+        size = self.params.slice_size
+        pos = torch.as_tensor(position).reshape(-1).float()
+        if pos.numel() != numel:
+            raise ValueError(f"{pos.numel()} layer positions for {numel} elements")
+        n_slices = -(-numel // size)
+        pad = n_slices * size - numel
+        pos = torch.nn.functional.pad(pos, (0, pad), value=1.0).reshape(n_slices, size)
+        lengths = np.full(n_slices, float(size))
+        lengths[-1] = size - pad
+        rms = max_norms.detach().cpu().double().numpy()[:n_slices] / np.sqrt(lengths)
+        return priority_class(pos.amin(1).numpy(), magnitude_rank(rms))
+
+    def _short_decode(self, sums, short: Short, idx, norms, numel: int, rnd: int):
+        """Decode a round that closed short, and this worker's own counted contribution.
+
+        A missing worker counts as zero in the rotated domain, i.e. as table value g/2; in
+        doubled units (2S + (n - k) g over 2n workers) that is exact for odd g too."""
+        g, n = self.params.granularity, self.n_workers
+        counts = torch.from_numpy(short.counts.astype(np.int32)).to(sums.device)
+        est = self.codec.decode(2 * sums + (n - counts) * g, 2 * n, norms, numel, rnd)
+        own = None
+        if self.feedback is not None:
+            vals = 2 * table_values(idx, self.params).to(torch.int32)
+            mine = torch.from_numpy(short.mine).to(vals.device)
+            own = self.codec.decode(torch.where(mine, vals, g), 2, norms, numel, rnd)
+        return est, own
+
+    def __call__(self, tensor: torch.Tensor, position=None) -> torch.Tensor:
         """Stream piece k while a helper thread encodes piece k+1 and decodes piece k-1.
 
         Pieces are ``pipeline_elements`` long (whole slices), so every worker cuts a tensor
         the same way; each piece is encoded as a tensor of its own (its slices' rotations
         restart at slice index 0 of the round). torch releases the GIL while it computes, so
         the codec overlaps the transport. A tensor up to one piece long is a single piece.
+
+        ``position``: per element, its layer's place in the next forward pass (0 first .. 1
+        last); given, every chunk is marked with its DLCP priority class.
         """
         if tensor.numel() == 0:
             return tensor.clone()
@@ -171,6 +228,8 @@ class THCAllReduce:
         y = self.feedback.compensate(flat) if self.feedback else flat
         max_norms = self.transport.max(self.codec.norms(y))
         secs["norms"] += time.perf_counter() - t0
+        slice_cls = (None if position is None else
+                     self.priority_classes(position, max_norms, flat.numel()))
         step, slice_size = self.pipeline_elements, self.params.slice_size
         pieces = [(a, min(a + step, flat.numel())) for a in range(0, flat.numel(), step)]
         norms_of = lambda a, b: max_norms[a // slice_size: -(-b // slice_size)]  # noqa: E731
@@ -186,8 +245,15 @@ class THCAllReduce:
             secs["encode"] += time.perf_counter() - t
             return idx
 
-        def decode(a, b, sums, idx):
+        def decode(a, b, sums, idx, short):
             t = time.perf_counter()
+            if short is not None:
+                est[a:b], own_ab = self._short_decode(sums, short, idx, norms_of(a, b), b - a,
+                                                      rnd)
+                if own is not None:
+                    own[a:b] = own_ab
+                secs["decode"] += time.perf_counter() - t
+                return
             est[a:b] = self.codec.decode(sums, self.n_workers, norms_of(a, b), b - a, rnd)
             secs["decode"] += time.perf_counter() - t
             if own is not None:
@@ -201,10 +267,16 @@ class THCAllReduce:
             idx = next_idx.result()
             if k + 1 < len(pieces):
                 next_idx = self._pool.submit(encode, *pieces[k + 1])
+            classes = None
+            if slice_cls is not None and hasattr(self.transport, "client"):
+                lanes = self.transport.client.job.lanes
+                lane_slice = np.minimum(np.arange(0, idx.numel(), lanes) // slice_size,
+                                        len(slice_cls) - 1 - a // slice_size) + a // slice_size
+                classes = slice_cls[lane_slice]
             t = time.perf_counter()
-            sums = self.transport.sum(idx, self.params)
+            sums, short = self.transport.sum(idx, self.params, classes)
             secs["sum"] += time.perf_counter() - t
-            decodes.append(self._pool.submit(decode, a, b, sums, idx))
+            decodes.append(self._pool.submit(decode, a, b, sums, idx, short))
         for f in decodes:
             f.result()
         if self.feedback:

@@ -2,8 +2,9 @@
 
 Per job it holds the run that owns the job (``thc_job_run``) and a pool of slots in two
 versions (SwitchML), each with a run, a sequence number, a worker bitmap, a count, and
-per-lane sums of lookup-table values. Names follow the P4 program (``thc_job_run``,
-``thc_run``, ``thc_seq``, ``thc_bitmap``, ``thc_count``, ``thc_sum``, ``thc_max``, drop reasons
+per-lane sums of lookup-table values, and whether a worker closed the use short (``FLUSH``,
+DLCP's bounded loss). Names follow the P4 program (``thc_job_run``, ``thc_run``, ``thc_seq``,
+``thc_bitmap``, ``thc_count``, ``thc_closed``, ``thc_sum``, ``thc_max``, drop reasons
 and job counters from protocol.json), so the switch can be tested against it packet for
 packet. Run as one shard of a sharded job (``shard``: its index in the job's shard map), it
 aggregates only the chunks it owns and drops the others as ``wrong_shard``. Each start draws
@@ -36,8 +37,9 @@ HEADER_BYTES = P.HEADER_BYTES
 unpack_header = P.HEADER_STRUCT.unpack_from
 pack_header = P.HEADER_STRUCT.pack
 KNOWN_TYPES = frozenset(int(t) for t in P.PktType)
-DATA, MAX, RESULT, MAX_RESULT, PENDING, RESET = (int(P.PktType[t]) for t in (
-    "DATA", "MAX", "RESULT", "MAX_RESULT", "PENDING", "RESET"))
+DATA, MAX, RESULT, MAX_RESULT, PENDING, RESET, FLUSH = (int(P.PktType[t]) for t in (
+    "DATA", "MAX", "RESULT", "MAX_RESULT", "PENDING", "RESET", "FLUSH"))
+UP_TYPES = frozenset((DATA, MAX, FLUSH))
 MAX_BYTES = P.payload_bytes(P.PktType.MAX)
 SEQ_MOD, HALF = P.SEQ_MOD, P.SEQ_MOD // 2
 
@@ -71,6 +73,7 @@ class JobState:
         self.thc_seq = [[0, 0] for _ in range(job.pool_size)]
         self.thc_bitmap = [[0, 0] for _ in range(job.pool_size)]
         self.thc_count = [[0, 0] for _ in range(job.pool_size)]
+        self.thc_closed = [[0, 0] for _ in range(job.pool_size)]
         shape = (job.pool_size, 2)
         self.thc_sum = np.zeros(shape + (job.lanes,), dtype=P.sum_dtype(job.sum_bits))
         self.thc_max = np.zeros(shape + (P.MAX_LANES,), dtype=">u4")
@@ -80,7 +83,7 @@ class JobState:
         """What the controller's RESET packets do to a switch pool (and install to the job run)."""
         self.thc_job_run = 0
         for regs, value in ((self.thc_run, 0), (self.thc_seq, P.SEQ_RESET),
-                            (self.thc_bitmap, 0), (self.thc_count, 0)):
+                            (self.thc_bitmap, 0), (self.thc_count, 0), (self.thc_closed, 0)):
             for row in regs:
                 row[0] = row[1] = value
 
@@ -138,17 +141,18 @@ class Aggregator:
             return self._drop("malformed")
         (pkt_type, worker_id, job_id, slot, version, _count, seq, offset,
          _bitmap, run, _epoch) = unpack_header(datagram)
-        if pkt_type not in KNOWN_TYPES or version > 1 or (run == 0 and pkt_type <= MAX):
+        if pkt_type not in KNOWN_TYPES or version > 1 or (run == 0 and pkt_type in UP_TYPES):
             return self._drop("malformed")
         if pkt_type == RESET:
             return self._drop("not_from_cpu")
-        if pkt_type != DATA and pkt_type != MAX:
+        if pkt_type not in UP_TYPES:
             return self._drop("wrong_direction")
         state = self.jobs.get(job_id)
         if state is None:
             return self._drop("unknown_job")
         payload = memoryview(datagram)[HEADER_BYTES:]
-        if len(payload) != (state.data_bytes if pkt_type == DATA else MAX_BYTES):
+        if len(payload) != (state.data_bytes if pkt_type == DATA else
+                            MAX_BYTES if pkt_type == MAX else 0):
             return self._drop("bad_lanes")
         n = state.n
         if worker_id >= n:
@@ -174,28 +178,39 @@ class Aggregator:
         state.counters["packets"] += 1
         bit = 1 << worker_id
         is_max = pkt_type == MAX
+        closed = state.thc_closed[slot]
         if same_use and seq == cur:
             bitmap = bitmaps[version]
-            if bitmap & bit:
-                count = counts[version]
-                if count == n:
-                    state.counters["retransmissions"] += 1
-                    return [(self._result(state, is_max, slot, version, seq, offset, run,
-                                          self.epoch)(worker_id), src)]
+            count = counts[version]
+            if count == n or closed[version]:
+                state.counters["retransmissions"] += 1
+                return [(self._result(state, is_max, slot, version, seq, offset, run,
+                                      self.epoch)(worker_id), src)]
+            if pkt_type == FLUSH:
+                closed[version] = 1
+            elif bitmap & bit:
                 state.counters["pending"] += 1
                 return [(pack_header(PENDING, worker_id, job_id, slot, version, count, seq,
                                      offset, bitmap, run, self.epoch), src)]
-            self._accumulate(state, is_max, slot, version, payload, first=False)
-            bitmaps[version] = bitmap | bit
-            count = counts[version] + 1
+            else:
+                self._accumulate(state, is_max, slot, version, payload, first=False)
+                bitmaps[version] = bitmap | bit
+                count += 1
+        elif pkt_type == FLUSH:
+            # closed before anyone contributed: every lane sums nothing, count 0
+            state.thc_sum[slot, version] = 0
+            runs[version], seqs[version], bitmaps[version] = run, seq, 0
+            closed[version] = 1
+            count = 0
         else:
             self._accumulate(state, is_max, slot, version, payload, first=True)
             runs[version] = run
             seqs[version] = seq
             bitmaps[version] = bit
+            closed[version] = 0
             count = 1
         counts[version] = count
-        if count < n:
+        if count < n and not closed[version]:
             return []
         state.counters["completions"] += 1
         make = self._result(state, is_max, slot, version, seq, offset, run, self.epoch)

@@ -17,19 +17,30 @@ to shard ``seq mod n_shards``. The window and deadlines are per chunk as before;
 the round-trip estimate (a co-located shard answers sooner than a remote one) and fast
 retransmission (only later chunks of the same shard count as overtaking) are per shard, so a
 restarted shard is named by its index and address.
+
+DLCP's bounded loss: with a job ``loss_bound`` > 0, a DATA chunk that would be retransmitted
+is closed short instead (a ``FLUSH``: the aggregator freezes the chunk with the workers it
+has and sends that RESULT, with its count and bitmap, to every worker), as long as at most
+``loss_bound`` of the round's chunks end short. :attr:`AggregationClient.last_counts` and
+``last_bitmaps`` say per chunk who was counted. Each DATA packet may carry a priority class
+in its IPv4 DSCP (:mod:`host.net.priority`), set per packet with an ``IP_TOS`` control
+message (as cheap as a plain ``sendto``).
 """
 from __future__ import annotations
 
+import math
 import select
 import socket
+import struct
 import time
 from dataclasses import dataclass
 
 import numpy as np
 
 from host.net.impair import Impairment
+from host.net.priority import FLUSH_CLASS, tos_of
 from host.wire import protocol as P
-from host.wire.jobs import Job
+from host.wire.jobs import Job, check_loss_bound
 
 
 class AggregatorRestarted(ConnectionError):
@@ -69,6 +80,10 @@ class TransportStats:
     pending: int = 0
     bytes_sent: int = 0
     bytes_received: int = 0
+    flushed: int = 0
+    """FLUSH packets sent (chunks this worker asked to close short; repeats included)."""
+    short: int = 0
+    """Chunks that ended with fewer than all workers (whoever closed them)."""
 
 
 class AggregationClient:
@@ -81,13 +96,16 @@ class AggregationClient:
     def __init__(self, job: Job, worker_id: int, aggregator: tuple[str, int] | None = None,
                  window: int | None = None, timeout: float = 0.02, max_timeout: float = 0.5,
                  deadline: float = 10.0, impair: Impairment | None = None,
-                 sock: socket.socket | None = None, run: int | None = None):
+                 sock: socket.socket | None = None, run: int | None = None,
+                 loss_bound: float | None = None):
         """``run``: this training run's id, the same on every worker (default: ``THC_RUN`` from
         the environment; :func:`host.collective.allreduce.agree_run` agrees one over a process
         group). It may also be set later through :attr:`run`, before the first chunk.
 
         ``aggregator``: the switch's or central aggregator's address; leave it out for a
-        sharded job, whose shard map (``job.shards``) says where each chunk goes."""
+        sharded job, whose shard map (``job.shards``) says where each chunk goes.
+
+        ``loss_bound``: overrides the job's (a fraction of each round's chunks in [0, 1))."""
         self.job = job
         self.worker_id = worker_id
         if job.shards:
@@ -106,6 +124,10 @@ class AggregationClient:
         self.timeout = timeout
         self.max_timeout = max_timeout
         self.deadline = deadline
+        self.loss_bound = check_loss_bound(job.loss_bound if loss_bound is None else loss_bound,
+                                           f"job {job.job_id}: ")
+        self.last_counts = np.zeros(0, dtype=np.uint8)
+        self.last_bitmaps = np.zeros(0, dtype=np.uint32)
         self.impair = impair or Impairment()
         self.stats = TransportStats()
         self.next_seq = 0
@@ -146,10 +168,14 @@ class AggregationClient:
         self.close()
 
     # -- public API ------------------------------------------------------------------
-    def aggregate(self, packed: np.ndarray, offset_base: int = 0) -> np.ndarray:
+    def aggregate(self, packed: np.ndarray, offset_base: int = 0,
+                  classes: np.ndarray | None = None) -> np.ndarray:
         """Sum of all workers' table values for ``packed`` 4-bit indices (lanes/2 bytes a chunk).
 
-        Returns one integer per index (uint16), in order.
+        Returns one integer per index (uint16), in order. ``classes``: a priority class per
+        chunk (:func:`host.net.priority.priority_class`), marked in DSCP; None sends best
+        effort. A chunk closed short sums only the workers in ``last_bitmaps`` (its count in
+        ``last_counts``; all zero when nobody's packet arrived).
         """
         lanes = self.job.lanes
         packed = np.ascontiguousarray(packed, dtype=np.uint8).reshape(-1)
@@ -159,8 +185,14 @@ class AggregationClient:
                              f"chunk ({chunk_bytes} bytes = {lanes} lanes); pad the index vector")
         chunks = packed.reshape(-1, chunk_bytes)
         out = np.zeros((len(chunks), lanes), dtype=np.uint16)
+        tos = None
+        if classes is not None:
+            classes = np.asarray(classes).reshape(-1)
+            if classes.size != len(chunks):
+                raise ValueError(f"{classes.size} priority classes for {len(chunks)} chunks")
+            tos = [tos_of(c) for c in classes]
         self._stream(P.PktType.DATA, chunks, out, offset_base, lanes,
-                     P.sum_dtype(self.job.sum_bits))
+                     P.sum_dtype(self.job.sum_bits), tos)
         return out.reshape(-1)
 
     def max(self, values: np.ndarray) -> np.ndarray:
@@ -176,16 +208,26 @@ class AggregationClient:
         return P.ordered_u32_to_floats(out.reshape(-1)[: u.size].astype(np.uint32))
 
     # -- the sliding window ----------------------------------------------------------
-    def _send(self, data: bytes, dst: tuple[str, int]) -> None:
+    _TOS_CMSG: dict[int, list] = {}
+
+    def _send(self, data: bytes, dst: tuple[str, int], tos: int = 0) -> None:
         self.stats.sent += 1
         self.stats.bytes_sent += len(data)
-        if self.impair.active:
-            self.impair.send(self.sock.sendto, data, dst)
+        if tos:
+            cmsg = self._TOS_CMSG.get(tos)
+            if cmsg is None:
+                cmsg = self._TOS_CMSG[tos] = [(socket.IPPROTO_IP, socket.IP_TOS,
+                                               struct.pack("i", tos))]
+            send = lambda d, a: self.sock.sendmsg([d], cmsg, 0, a)  # noqa: E731
         else:
-            self.sock.sendto(data, dst)
+            send = self.sock.sendto
+        if self.impair.active:
+            self.impair.send(send, data, dst)
+        else:
+            send(data, dst)
 
     def _stream(self, pkt_type: int, chunks: np.ndarray, out: np.ndarray, offset_base: int,
-                lanes: int, dtype: np.dtype) -> None:
+                lanes: int, dtype: np.dtype, tos: list[int] | None = None) -> None:
         job, me = self.job, self.worker_id
         total = len(chunks)
         if total == 0:
@@ -209,6 +251,12 @@ class AggregationClient:
         pending_bitmap: dict[int, int] = {}
         later: dict[int, int] = {}
         done = np.zeros(total, dtype=bool)
+        counts = np.full(total, job.n_workers, dtype=np.uint8)
+        bitmaps = np.full(total, job.full_bitmap, dtype=np.uint32)
+        bounded = pkt_type == P.PktType.DATA and self.loss_bound > 0
+        budget = math.floor(self.loss_bound * total) if bounded else 0
+        short: set[int] = set()     # chunks flushed by this worker or ended short
+        flush_type, flush_tos = int(P.PktType.FLUSH), tos_of(FLUSH_CLASS) if tos else 0
         lo = 0
         hi = 0
         buf = bytearray(4096)
@@ -233,10 +281,27 @@ class AggregationClient:
         def dst(i: int) -> tuple[str, int]:
             return aggs[shard_of(i)]
 
+        def resend(i: int, may_flush: bool = True) -> None:
+            """Retransmit chunk i, or close it short while the loss bound allows. Only a
+            timeout closes a chunk: overtaken chunks (fast retransmit) may merely sit in a
+            lower class's queue, and a duplicate DATA costs nothing."""
+            if bounded and (i in short or (may_flush and len(short) < budget)):
+                if i not in short:
+                    short.add(i)
+                    slot, version = P.slot_of(base + i, pool)
+                    packets[i] = pack(flush_type, me, job_id, slot, version, 0,
+                                      (base + i) % P.SEQ_MOD,
+                                      (offset_base + i * lanes) % P.SEQ_MOD, 0, run, 0)
+                self.stats.flushed += 1
+                self._send(packets[i], dst(i), flush_tos)
+            else:
+                self.stats.retransmitted += 1
+                self._send(packets[i], dst(i), tos[i] if tos else 0)
+
         while lo < total:
             while hi < total and hi < lo + self.window:
                 packets[hi] = packet(hi)
-                self._send(packets[hi], dst(hi))
+                self._send(packets[hi], dst(hi), tos[hi] if tos else 0)
                 now = time.monotonic()
                 due[hi], backoff[hi], started[hi] = now + self.rto(shard_of(hi)), self.timeout, now
                 hi += 1
@@ -283,10 +348,19 @@ class AggregationClient:
                         self.stats.pending += 1
                         pending_bitmap[i] = r_bitmap
                         continue
-                    if (r_type != result_type or nbytes - header_bytes != expect_payload
-                            or r_count != n_workers):
+                    if r_type != result_type or nbytes - header_bytes != expect_payload:
                         self.stats.ignored += 1
                         continue
+                    if r_count != n_workers:
+                        # closed short (FLUSH): DATA only, and count must match the bitmap
+                        if (pkt_type != P.PktType.DATA or r_count > n_workers
+                                or bin(r_bitmap).count("1") != r_count
+                                or r_bitmap >> n_workers):
+                            self.stats.ignored += 1
+                            continue
+                        self.stats.short += 1
+                        short.add(i)
+                        counts[i], bitmaps[i] = r_count, r_bitmap
                     out[i] = np.frombuffer(buf, dtype=dtype, count=lanes, offset=header_bytes)
                     done[i] = True
                     if backoff.get(i) == self.timeout:
@@ -296,7 +370,7 @@ class AggregationClient:
                     while lo < total and done[lo]:
                         lo += 1
                     if i > lo:
-                        self._fast_retransmit(i, due, later, packets, dst, shard_of)
+                        self._fast_retransmit(i, due, later, resend, shard_of)
             else:
                 self.impair.flush(self.sock.sendto)
             now = time.monotonic()
@@ -307,17 +381,17 @@ class AggregationClient:
                     continue
                 if now - started[i] > self.deadline:
                     self._raise_timeout(base, i, pending_bitmap.get(i), now - last_reply)
-                self.stats.retransmitted += 1
-                self._send(packets[i], dst(i))
+                resend(i)
                 backoff[i] = min(max(backoff[i], self.rto(shard_of(i))) * 2, self.max_timeout)
                 due[i] = now + backoff[i]
         self.next_seq = (base + total) % P.SEQ_MOD
+        if pkt_type == P.PktType.DATA:
+            self.last_counts, self.last_bitmaps = counts, bitmaps
 
     FAST_RETRANSMIT_AFTER = 3
     """Results of this many later chunks mean an earlier chunk (or its result) was lost."""
 
-    def _fast_retransmit(self, j: int, due: dict, later: dict, packets: dict, dst,
-                         shard_of) -> None:
+    def _fast_retransmit(self, j: int, due: dict, later: dict, resend, shard_of) -> None:
         """Resend outstanding chunks that later chunks of the same shard have overtaken
         (TCP's dupack idea; chunks of different shards complete in no particular order)."""
         now = time.monotonic()
@@ -325,8 +399,7 @@ class AggregationClient:
         for i in [i for i in due if i < j and shard_of(i) == shard]:
             later[i] = later.get(i, 0) + 1
             if later[i] == self.FAST_RETRANSMIT_AFTER:
-                self.stats.retransmitted += 1
-                self._send(packets[i], dst(i))
+                resend(i, may_flush=False)
                 due[i] = now + self.rto(shard)
                 later[i] = -4 * self.FAST_RETRANSMIT_AFTER
 

@@ -34,6 +34,15 @@ class Worker:
     """Switch port the worker hangs off (BMv2 only)."""
 
 
+def check_loss_bound(value, where: str = "") -> float:
+    """``value`` as a loss bound: a real number in [0, 1), else ConfigError."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not ok or not 0.0 <= float(value) < 1.0:
+        raise ConfigError(f"{where}loss_bound must be a fraction of a round's chunks in "
+                          f"[0, 1), got {value!r}")
+    return float(value)
+
+
 @dataclass(frozen=True)
 class Shard:
     """One aggregator of a sharded job: it owns the chunks whose ``seq mod n_shards`` is its
@@ -64,6 +73,10 @@ class Job:
     """The shard map: software aggregators that each own a share of the job's chunks (chunk
     ``seq`` belongs to ``shards[seq mod len(shards)]``), the same list on every worker and
     every shard. Empty: one aggregator (switch or central software aggregator) owns all."""
+    loss_bound: float = 0.0
+    """DLCP's bounded loss: the fraction of a round's chunks, in [0, 1), that a worker may
+    close short (FLUSH) instead of retransmitting; 0 retransmits everything. Host-side only:
+    the switch serves any FLUSH it gets."""
 
     def __post_init__(self):
         if self.mcast_grp == 0:
@@ -128,6 +141,7 @@ class Job:
                               f"= {top} overflows the requested {self.sum_bits}-bit sums (max "
                               f"{(1 << self.sum_bits) - 1}); leave sum_bits out to choose "
                               f"{P.sum_bits_for(n, self.granularity)}")
+        check_loss_bound(self.loss_bound, f"job {self.job_id}: ")
         if self.pool_size < 1 or self.pool_base < 0:
             raise ConfigError(f"job {self.job_id}: pool needs pool_size >= 1, pool_base >= 0")
         try:

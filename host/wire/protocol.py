@@ -29,6 +29,13 @@ MAX_WORKERS: int = SPEC["max_workers"]
 MAX_JOBS: int = SPEC["max_jobs"]
 SWITCH_SLOTS: int = SPEC["switch_slots"]
 CPU_PORT: int = SPEC["cpu_port"]
+PRIORITY_DSCP: tuple[int, ...] = tuple(SPEC["priority_dscp"])
+"""DSCP of each priority class, lowest class first (DLCP): the switch maps these to queue
+priorities 1..len; DSCP 0 and any other DSCP are best effort (priority 0), the others
+counted by the switch."""
+PRIORITY_QUEUES: int = len(PRIORITY_DSCP) + 1
+"""Queues per port a switch needs (BMv2: ``simple_switch_grpc -- --priority-queues``): one
+per class plus best effort. BMv2 drops a packet whose priority has no queue."""
 HEADER_FIELDS: list[tuple[str, int]] = [(n, w) for n, w in SPEC["header"]]
 
 PktType = IntEnum("PktType", SPEC["pkt_types"])

@@ -63,7 +63,8 @@ class BMv2Switch(Switch):
                 ports += ["-i", f"{self.ports[intf]}@{intf.name}"]
         argv = (["simple_switch_grpc", "--device-id", "0", "--thrift-port",
                  str(self.thrift_port), "--no-p4", "--log-level", "off"] + ports +
-                ["--", "--grpc-server-addr", self.grpc_addr, "--cpu-port", str(P.CPU_PORT)])
+                ["--", "--grpc-server-addr", self.grpc_addr, "--cpu-port", str(P.CPU_PORT),
+                 "--priority-queues", str(P.PRIORITY_QUEUES)])
         log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, start_new_session=True)

@@ -50,7 +50,9 @@ class MininetTestbed(Testbed):
     def __init__(self, n_workers: int, bw_mbit: float | None = None, delay_ms: float = 0.0,
                  loss_pct: float = 0.0, aggregator: str = "software",
                  agg_bw_factor: float | None = None, params: THCParams | None = None,
-                 lanes: int | None = None, pool_size: int | None = None, quiet: bool = True):
+                 lanes: int | None = None, pool_size: int | None = None, quiet: bool = True,
+                 priorities: bool = False):
+        """``priorities``: every shaped link queues by DLCP class (links.PriorityTCIntf)."""
         try:
             plan = links.plan(bw_mbit, delay_ms, loss_pct)
         except links.LinkError as e:
@@ -71,6 +73,10 @@ class MininetTestbed(Testbed):
         self.loss_pct = loss_pct
         self.agg_bw_factor = float(agg_bw_factor or 1.0)
         self.link_plan = plan
+        self.priorities = priorities
+        if priorities and (bw_mbit is None or "delay" in plan["link"] or "loss" in plan["link"]):
+            raise TestbedError("priority queueing needs a bandwidth limit and no netem "
+                               "delay/loss on the links")
         self.notes = list(plan["notes"])
         for note in self.notes:
             say_once(note)
@@ -121,6 +127,8 @@ class MininetTestbed(Testbed):
         reg.add_pid(sw.pid)
         self.switch = sw
         link_kw = dict(self.link_plan["link"])
+        if self.priorities:
+            link_kw.update(cls1=links.PriorityTCIntf, cls2=links.PriorityTCIntf)
         if self.aggregator == "bmv2":
             # A software switch reading raw frames needs real checksums (Mininet's TCULink).
             link_kw.update(txo=False, rxo=False)

@@ -22,6 +22,8 @@ import subprocess
 
 from mininet.link import TCIntf, TCLink
 
+from host.wire import protocol as P
+
 
 class LinkError(RuntimeError):
     """A link parameter that this machine cannot emulate."""
@@ -42,6 +44,52 @@ class WideTCIntf(TCIntf):
                 "%s class add dev %s parent 5:0 classid 5:1 htb "
                 + f"rate {bw:f}Mbit burst {burst} cburst {burst} quantum 1514"]
         return cmds, " parent 5:1 "
+
+
+BAND_FIFO_PACKETS = 100
+"""Queue of each class band of a :class:`PriorityTCIntf` (tail drop beyond it): short
+enough that a congested link drops instead of queueing for seconds."""
+
+
+def band_of_dscp() -> dict[int, int]:
+    """DSCP -> band of a priority link: band 0 is served first. Class k (protocol.json's
+    ``priority_dscp[k]``, k = 0 lowest) is band ``len - 1 - k``; anything else (DSCP 0,
+    unknown DSCPs) the last band, best effort, as the switch's queue priority 0."""
+    n = len(P.PRIORITY_DSCP)
+    return {d: n - 1 - k for k, d in enumerate(P.PRIORITY_DSCP)}
+
+
+class PriorityTCIntf(WideTCIntf):
+    """The link's HTB rate shared by one HTB class per DLCP class plus best effort.
+
+    This kernel has no ``prio`` qdisc (nor netem); HTB's ``prio`` does the same job: each
+    band is guaranteed 1% of the rate and may borrow up to all of it, and spare bandwidth goes
+    to the lowest ``prio`` first, so a band is served only while every higher one is empty.
+    ``u32`` filters on the IPv4 DSCP pick the band; each band queues at most
+    ``BAND_FIFO_PACKETS`` (pfifo), so under congestion the lowest bands drop first."""
+
+    def bwCmds(self, bw=None, speedup=0, use_hfsc=False, use_tbf=False, latency_ms=None,
+               enable_ecn=False, enable_red=False):
+        if bw is None or use_hfsc or use_tbf or enable_ecn or enable_red:
+            return super().bwCmds(bw=bw, speedup=speedup, use_hfsc=use_hfsc, use_tbf=use_tbf,
+                                  latency_ms=latency_ms, enable_ecn=enable_ecn,
+                                  enable_red=enable_red)
+        burst = max(15_000, int(bw * 1e6 / 8 / 1000))
+        bands = len(P.PRIORITY_DSCP) + 1
+        floor = max(bw / 100, 0.01)
+        cmds = [f"%s qdisc add dev %s root handle 5:0 htb default {0x10 + bands - 1:x}",
+                "%s class add dev %s parent 5:0 classid 5:1 htb "
+                + f"rate {bw:f}Mbit burst {burst} cburst {burst} quantum 1514"]
+        for b in range(bands):
+            cmds += [f"%s class add dev %s parent 5:1 classid 5:{0x10 + b:x} htb "
+                     f"rate {floor:f}Mbit ceil {bw:f}Mbit prio {b} burst {burst} "
+                     f"cburst {burst} quantum 1514",
+                     f"%s qdisc add dev %s parent 5:{0x10 + b:x} handle {0x20 + b:x}: "
+                     f"pfifo limit {BAND_FIFO_PACKETS}"]
+        for dscp, b in band_of_dscp().items():
+            cmds.append(f"%s filter add dev %s parent 5:0 protocol ip prio 1 u32 match ip "
+                        f"dsfield {dscp << 2:#04x} 0xfc flowid 5:{0x10 + b:x}")
+        return cmds, None
 
 
 class ThcLink(TCLink):

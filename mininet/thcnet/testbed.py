@@ -94,7 +94,7 @@ def open_testbed(n_workers: int, bw_mbit: float | None = None, delay_ms: float =
                  loss_pct: float = 0.0, aggregator: str = "software", prefer_mininet: bool = True,
                  agg_bw_factor: float | None = None, params: THCParams | None = None,
                  lanes: int | None = None, pool_size: int | None = None,
-                 quiet: bool = True) -> Testbed:
+                 quiet: bool = True, priorities: bool = False) -> Testbed:
     """Bring up a testbed (use it as a context manager: it always tears itself down).
 
     ``bw_mbit``/``delay_ms``/``loss_pct`` shape every worker link (both directions; the
@@ -102,7 +102,8 @@ def open_testbed(n_workers: int, bw_mbit: float | None = None, delay_ms: float =
     ``aggregator`` is ``"sharded"`` (a `thc aggregator` shard on every worker host),
     ``"software"`` (one central `thc aggregator` on host agg), ``"bmv2"`` (the switch itself)
     or ``"none"``; ``params``/``lanes``/``pool_size`` shape the job in
-    ``tb.cluster``. Falls back to the loopback testbed (printing why, once) when Mininet
+    ``tb.cluster``; ``priorities`` queues every link by DLCP class (Mininet only). Falls
+    back to the loopback testbed (printing why, once) when Mininet
     cannot run here or ``prefer_mininet`` is False; link parameters are then not emulated.
     """
     if aggregator not in AGGREGATORS:
@@ -112,7 +113,8 @@ def open_testbed(n_workers: int, bw_mbit: float | None = None, delay_ms: float =
         from thcnet.emulation import MininetTestbed
         return MininetTestbed(n_workers, bw_mbit=bw_mbit, delay_ms=delay_ms, loss_pct=loss_pct,
                               aggregator=aggregator, agg_bw_factor=agg_bw_factor, params=params,
-                              lanes=lanes, pool_size=pool_size, quiet=quiet)
+                              lanes=lanes, pool_size=pool_size, quiet=quiet,
+                              priorities=priorities)
     if aggregator == "bmv2":
         raise TestbedError(f"the bmv2 aggregator needs Mininet, which is not available: {reason}")
     shaped = bw_mbit is not None or delay_ms or loss_pct

@@ -39,10 +39,19 @@ const bit<8> THC_DATA = 1;
 const bit<8> THC_MAX = 2;
 const bit<8> THC_RESULT = 3;
 const bit<8> THC_MAX_RESULT = 4;
+const bit<8> THC_FLUSH = 7;
 const bit<8> THC_PENDING = 5;
 const bit<8> THC_RESET = 6;
-#define THC_KNOWN_TYPE(t) ((t) == 1 || (t) == 2 || (t) == 3 || (t) == 4 || (t) == 5 || (t) == 6)
+#define THC_KNOWN_TYPE(t) ((t) == 1 || (t) == 2 || (t) == 3 || (t) == 4 || (t) == 7 || (t) == 5 || (t) == 6)
 #define THC_REPLY_TYPE(t) ((t) == 3 || (t) == 4 || (t) == 5)
+
+// DLCP priority classes: DSCP of class k -> queue priority k + 1; DSCP 0 and any other DSCP: 0 (best effort)
+const bit<6> THC_DSCP_CLASS_0 = 8;
+const bit<6> THC_DSCP_CLASS_1 = 16;
+const bit<6> THC_DSCP_CLASS_2 = 24;
+const bit<6> THC_DSCP_CLASS_3 = 32;
+#define THC_PRIORITY_QUEUES 5  // simple_switch --priority-queues
+#define THC_DSCP_ENTRIES 0: thc_set_priority(0); 8: thc_set_priority(1); 16: thc_set_priority(2); 24: thc_set_priority(3); 32: thc_set_priority(4);
 
 // drop reasons: index into counter thc_drops
 const bit<8> THC_DROP_MALFORMED = 1;

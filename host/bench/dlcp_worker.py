@@ -1,0 +1,108 @@
+"""One worker of ``thc bench dlcp``: THC rounds of a layered gradient under congestion.
+
+``python -m host.bench.dlcp_worker --rank R --world N --master IP:PORT --agg IP:PORT
+--config cluster.json --numel N --layers L --rounds K [--loss-bound F] [--priorities]``
+
+Each round every worker all-reduces its gradient of round r: layer l (of L equal layers, l=0
+needed first by the forward pass) is ``2^(-l/2) (s_r + n_{r,w})``, a signal shared by all
+workers plus this worker's noise, both from fixed seeds, so every worker also knows the exact
+mean. ``--priorities`` marks each chunk's DLCP class (layer position and agreed magnitude);
+``--loss-bound`` lets a round close short. Rounds start after a Gloo barrier; the time of a
+round is from the barrier to the decoded estimate. Prints one JSON line: round times, the
+NMSE of each round's estimate, and the NMSE of the sum of all estimates against the sum of
+all exact means (what SGD accumulates: error feedback re-sends what a short round lost).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from datetime import timedelta
+
+from host.codec.params import THCParams
+from host.collective.allreduce import THCAllReduce, agree_run
+from host.net.aggregator import parse_hostport
+from host.net.client import AggregationClient
+from host.wire.jobs import Cluster
+
+
+def gradient(numel: int, layers: int, rnd: int, worker: int, seed: int):
+    """Worker ``worker``'s gradient of round ``rnd`` (see the module docstring)."""
+    import torch
+    shared = torch.randn(numel, generator=torch.Generator().manual_seed(seed * 7_919 + rnd))
+    noise = torch.randn(numel, generator=torch.Generator().manual_seed(
+        (seed * 104_729 + rnd) * 1_000 + worker + 1))
+    scale = torch.repeat_interleave(2.0 ** (-torch.arange(layers) / 2), numel // layers)
+    return scale * (shared + noise)
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--rank", type=int, required=True)
+    ap.add_argument("--world", type=int, required=True)
+    ap.add_argument("--master", required=True, metavar="IP:PORT")
+    ap.add_argument("--agg", required=True, metavar="IP:PORT")
+    ap.add_argument("--config", required=True, help="cluster JSON: the job and its table")
+    ap.add_argument("--numel", type=int, default=1 << 18)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=30)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--loss-bound", type=float, default=0.0)
+    ap.add_argument("--priorities", action="store_true", help="mark DLCP classes in DSCP")
+    ap.add_argument("--window", type=int, default=None)
+    ap.add_argument("--rto", type=float, default=0.02)
+    ap.add_argument("--deadline", type=float, default=60.0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_arguments(ap)
+    args = ap.parse_args(argv)
+    if args.numel % args.layers:
+        ap.error("--numel must be a multiple of --layers")
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    host, _, port = args.master.rpartition(":")
+    dist.init_process_group("gloo", init_method=f"tcp://{host}:{port}", rank=args.rank,
+                            world_size=args.world, timeout=timedelta(seconds=600))
+    job = Cluster.load(args.config).jobs[0]
+    layer = args.numel // args.layers
+    slice_size = 1 << (layer.bit_length() - 1) if layer & (layer - 1) else layer
+    params = THCParams(granularity=job.granularity, seed=args.seed, slice_size=slice_size)
+    client = AggregationClient(job, args.rank, parse_hostport(args.agg), deadline=args.deadline,
+                               window=args.window, timeout=args.rto, run=agree_run(),
+                               loss_bound=args.loss_bound)
+    ar = THCAllReduce.through_aggregator(client, params)
+    position = (torch.repeat_interleave(torch.arange(args.layers, dtype=torch.float32),
+                                        layer) / max(1, args.layers - 1))
+    times, nmse, short = [], [], []
+    sum_est = torch.zeros(args.numel)
+    sum_mean = torch.zeros(args.numel)
+    for r in range(args.rounds):
+        xs = [gradient(args.numel, args.layers, r, w, args.seed) for w in range(args.world)]
+        mean = sum(xs) / args.world
+        before = client.stats.short
+        dist.barrier()
+        t0 = time.perf_counter()
+        est = ar(xs[args.rank], position=position if args.priorities else None)
+        times.append(time.perf_counter() - t0)
+        short.append(client.stats.short - before)
+        nmse.append(float(((est - mean) ** 2).sum() / (mean ** 2).sum()))
+        sum_est += est
+        sum_mean += mean
+    cum = float(((sum_est - sum_mean) ** 2).sum() / (sum_mean ** 2).sum())
+    result = {"rank": args.rank, "times": times, "nmse": nmse, "cumulative_nmse": cum,
+              "short_chunks": short, "chunks_per_round": len(client.last_counts),
+              "transport": vars(client.stats)}
+    client.close()
+    dist.barrier()
+    dist.destroy_process_group()
+    print(json.dumps(result), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,140 @@
+"""``thc bench dlcp``: DLCP's bounded loss and priorities on a congested Mininet link.
+
+One Mininet testbed (N workers, the software aggregator, every link queueing by DLCP class:
+``links.PriorityTCIntf``) and a competing UDP flow (iperf, best effort) from every worker to
+the aggregator's host at ``--competing`` x the link rate, so the worker links are congested.
+In the same testbed and under the same flow, three modes run the same rounds
+(``host.bench.dlcp_worker``):
+
+- ``retransmit``: loss bound 0, no DSCP marks: every lost chunk is retransmitted;
+- ``bound``: ``--loss-bound``, no marks: a chunk that would be retransmitted closes short;
+- ``bound+prio``: the same bound, every chunk marked with its DLCP class, so the competing
+  flow's packets (and the low classes) are the ones the link drops.
+
+Per mode: median and 99th percentile of the round time (the slowest worker's), the NMSE of
+each round's estimate and of the accumulated estimates (what SGD sums), and the chunks that
+closed short; ratios against ``retransmit`` from the same run.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+
+import numpy as np
+
+from host.bench import add_common, emit_json
+from host.codec.params import THCParams
+from host.wire import protocol as P
+from thcnet.base import worker_ip
+from thcnet.testbed import TestbedError, WorkerError, mininet_unavailable_reason, open_testbed
+
+IPERF_PORT = 5201
+MODES = {"retransmit": (0.0, False), "bound": (None, False), "bound+prio": (None, True)}
+"""mode -> (loss bound (None: --loss-bound), DSCP marks)."""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_common(parser)
+    parser.add_argument("--workers", type=int, default=4)
+    parser.add_argument("--bw", type=float, default=20.0, help="worker link Mbit/s")
+    parser.add_argument("--competing", type=float, default=0.8,
+                        help="competing UDP flow per worker, as a fraction of --bw")
+    parser.add_argument("--numel", type=int, default=1 << 18)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=None, help="default 40; --quick: 10")
+    parser.add_argument("--loss-bound", type=float, default=0.05)
+    parser.add_argument("--pool-size", type=int, default=64)
+    parser.add_argument("--timeout", type=float, default=900.0, help="per mode, seconds")
+
+
+def _run_mode(tb, name: str, loss_bound: float, marks: bool, args, rounds: int) -> dict:
+    master = f"{tb.master_addr[0]}:{tb.master_addr[1]}"
+    agg = f"{tb.agg_addr[0]}:{tb.agg_addr[1]}"
+    rate = args.competing * args.bw
+    flows = [tb.popen(r, ["iperf", "-u", "-c", tb.agg_addr[0], "-p", str(IPERF_PORT),
+                          "-b", f"{rate:g}M", "-l", "1400", "-t", "3600"], name=f"iperf{r}")
+             for r in range(tb.n_workers)] if rate > 0 else []
+
+    def argv(r):
+        a = ["python", "-m", "host.bench.dlcp_worker", "--rank", str(r), "--world",
+             str(tb.n_workers), "--master", master, "--agg", agg, "--config",
+             str(tb.cluster_path), "--numel", str(args.numel), "--layers", str(args.layers),
+             "--rounds", str(rounds), "--loss-bound", str(loss_bound)]
+        return a + (["--priorities"] if marks else [])
+
+    try:
+        results = tb.run_workers(argv, timeout=args.timeout)
+    finally:
+        for f in flows:
+            f.kill()
+    rows = [json.loads(r.stdout.strip().splitlines()[-1]) for r in results]
+    times = [max(row["times"][i] for row in rows) for i in range(rounds)]
+    return {"mode": name, "loss_bound": loss_bound, "priorities": marks,
+            "round_seconds": times,
+            "median_s": statistics.median(times),
+            "p99_s": float(np.percentile(times, 99)),
+            "nmse_mean": statistics.mean(rows[0]["nmse"]),
+            "cumulative_nmse": rows[0]["cumulative_nmse"],
+            "short_chunks_per_round": statistics.mean(rows[0]["short_chunks"]),
+            "chunks_per_round": rows[0]["chunks_per_round"],
+            "identical_results": len({json.dumps(r["nmse"]) for r in rows}) == 1,
+            "transport": [row["transport"] for row in rows]}
+
+
+def run(args: argparse.Namespace) -> int:
+    rounds = args.rounds or (10 if args.quick else 40)
+    why = mininet_unavailable_reason("software")
+    if why:
+        print(f"thc bench dlcp: needs Mininet (congested, class-queued links): {why}",
+              file=sys.stderr)
+        return 2
+    result = {"workers": args.workers, "bw_mbit": args.bw, "competing_mbit": args.competing
+              * args.bw, "numel": args.numel, "layers": args.layers, "rounds": rounds,
+              "loss_bound": args.loss_bound, "lanes": P.LANES, "modes": {}}
+    params = THCParams()
+    try:
+        with open_testbed(args.workers, bw_mbit=args.bw, aggregator="software", params=params,
+                          lanes=P.LANES, pool_size=args.pool_size, priorities=True) as tb:
+            print(f"{tb.describe()}; links {args.bw:g} Mbit/s queued by DLCP class; competing "
+                  f"UDP flow {args.competing * args.bw:g} Mbit/s per worker", flush=True)
+            tb.popen("agg", ["iperf", "-s", "-u", "-p", str(IPERF_PORT)], name="iperf-server")
+            # The flow's sink answers nothing: without traffic from it the bridge forgets its
+            # MAC and floods the flow onto every worker link. A slow ping keeps it learnt.
+            tb.popen("agg", ["ping", "-q", "-i", "0.5", worker_ip(0)], name="agg-ping")
+            tb.start_aggregator()
+            for name, (bound, marks) in MODES.items():
+                m = _run_mode(tb, name, args.loss_bound if bound is None else bound, marks,
+                              args, rounds)
+                result["modes"][name] = m
+                print(f"  {name:<11} median {m['median_s']:.3f} s  p99 {m['p99_s']:.3f} s  "
+                      f"nmse {m['nmse_mean']:.4f}  cumulative {m['cumulative_nmse']:.5f}  "
+                      f"short {m['short_chunks_per_round']:.1f}/{m['chunks_per_round']}",
+                      flush=True)
+            result["aggregator_counters"] = tb.stop_aggregator()
+    except (TestbedError, WorkerError) as e:
+        print(f"thc bench dlcp: {e}", file=sys.stderr)
+        emit_json(args, result)
+        return 1
+    except KeyboardInterrupt:
+        print("\nthc bench dlcp: interrupted; testbed torn down", file=sys.stderr)
+        return 130
+    _print_table(result)
+    emit_json(args, result)
+    return 0
+
+
+def _print_table(result: dict) -> None:
+    base = result["modes"]["retransmit"]
+    print(f"\n{'mode':<11} {'median s':>9} {'x':>6} {'p99 s':>8} {'x':>6} {'NMSE/round':>11} "
+          f"{'NMSE sum':>9} {'short/round':>12}")
+    for name, m in result["modes"].items():
+        print(f"{name:<11} {m['median_s']:>9.3f} {base['median_s'] / m['median_s']:>5.2f}x "
+              f"{m['p99_s']:>8.3f} {base['p99_s'] / m['p99_s']:>5.2f}x {m['nmse_mean']:>11.4f} "
+              f"{m['cumulative_nmse']:>9.5f} {m['short_chunks_per_round']:>7.1f}/"
+              f"{m['chunks_per_round']}")
+    print("x: speedup over retransmit (same run, same competing flow)")
+    for name, m in result["modes"].items():
+        if not m["identical_results"]:
+            print(f"WARNING: {name}: the workers' estimates differ (replicas diverged)")

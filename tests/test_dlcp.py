@@ -1,0 +1,144 @@
+"""DLCP on the host: priority classes in DSCP, and rounds that close short within a loss bound."""
+from __future__ import annotations
+
+import socket
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from host.codec.params import THCParams
+from host.collective.allreduce import THCAllReduce
+from host.net.aggregator import Aggregator
+from host.net.client import AggregationClient
+from host.net.impair import Impairment
+from host.net.priority import N_CLASSES, magnitude_rank, priority_class, tos_of
+from host.testing.clusters import free_port_block, local_job
+from host.wire import protocol as P
+from host.wire.jobs import ConfigError, Job
+
+
+def test_classes_rank_early_layers_and_large_gradients_first():
+    assert priority_class(0.0, 1.0) == N_CLASSES - 1
+    assert priority_class(1.0, 0.0) == 0
+    pos = np.linspace(0, 1, 50)
+    assert np.all(np.diff(priority_class(pos, np.full(50, 0.5)).astype(int)) <= 0)
+    assert np.all(np.diff(priority_class(np.full(50, 0.5), pos).astype(int)) >= 0)
+    np.testing.assert_array_equal(magnitude_rank([3.0, 1.0, 2.0]), [1.0, 0.0, 0.5])
+    with pytest.raises(ValueError):
+        priority_class(1.5, 0.0)
+
+
+@pytest.mark.parametrize("bad", [1.0, -0.01, float("nan"), True, "0.1", 2])
+def test_loss_bound_outside_unit_interval_is_a_clear_error(bad):
+    job = local_job(1, 2, 40000)
+    d = job.to_dict() | {"loss_bound": bad}
+    with pytest.raises(ConfigError, match="loss_bound"):
+        Job.from_dict(d)
+    with pytest.raises(ConfigError, match="loss_bound"):
+        AggregationClient(job, 0, ("127.0.0.1", 1), loss_bound=bad,
+                          sock=socket.socket(socket.AF_INET, socket.SOCK_DGRAM))
+
+
+class TosRecordingAggregator:
+    """The software aggregator behind a socket that records each datagram's TOS byte."""
+
+    def __init__(self, job):
+        self.agg = Aggregator([job])
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self.sock.setsockopt(socket.IPPROTO_IP, socket.IP_RECVTOS, 1)
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.settimeout(0.2)
+        self.tos: list[tuple[int, int]] = []     # (pkt_type, tos)
+        self.stop = False
+        self.thread = threading.Thread(target=self.serve, daemon=True)
+        self.thread.start()
+
+    def serve(self):
+        while not self.stop:
+            try:
+                data, anc, _, src = self.sock.recvmsg(4096, 64)
+            except socket.timeout:
+                continue
+            tos = next((c[2][0] for c in anc if c[1] == socket.IP_TOS), 0)
+            self.tos.append((data[0], tos))
+            for out, dst in self.agg.handle(data, src):
+                self.sock.sendto(out, dst)
+
+    def close(self):
+        self.stop = True
+        self.thread.join()
+        self.sock.close()
+
+
+def test_each_data_packet_carries_its_chunks_class_in_dscp():
+    job = local_job(7, 1, free_port_block(1))
+    agg = TosRecordingAggregator(job)
+    try:
+        with AggregationClient(job, 0, agg.sock.getsockname(), run=5) as c:
+            classes = np.array([3, 0, 1, 2, 3, 0], np.uint8)
+            packed = np.zeros(len(classes) * job.lanes // 2, np.uint8)
+            c.aggregate(packed, classes=classes)
+            c.aggregate(packed[: job.lanes // 2])          # no classes: best effort
+    finally:
+        agg.close()
+    data = [tos for t, tos in agg.tos if t == P.PktType.DATA]
+    assert data[:6] == [tos_of(k) for k in classes] and data[6] == 0
+    assert [tos_of(k) >> 2 for k in range(N_CLASSES)] == list(P.PRIORITY_DSCP)
+
+
+def _allreduce_with_loss(loss_bound: float, n: int = 3, numel: int = 1 << 14):
+    """n workers through the software aggregator; worker n-1 loses 30% of what it sends."""
+    job = local_job(9, n, free_port_block(n), pool_size=16)
+    params = THCParams(slice_size=1 << 12)
+    rng = np.random.default_rng(0)
+    xs = [torch.from_numpy(rng.standard_normal(numel).astype(np.float32)) for _ in range(n)]
+    out, ars, clients = [None] * n, [None] * n, [None] * n
+    with Aggregator([job]) as agg:
+        addr = agg.start()
+
+        def worker(w):
+            imp = Impairment(loss=0.3, seed=w) if w == n - 1 else None
+            clients[w] = AggregationClient(job, w, addr, run=11, impair=imp, deadline=20,
+                                           loss_bound=loss_bound)
+            ars[w] = THCAllReduce.through_aggregator(clients[w], params)
+            out[w] = ars[w](xs[w], position=torch.linspace(0, 1, numel))
+
+        threads = [threading.Thread(target=worker, args=(w,)) for w in range(n)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    for c in clients:
+        c.close()
+    return xs, out, ars, clients
+
+
+def test_round_closes_short_within_the_bound_and_feedback_keeps_what_was_lost():
+    xs, out, ars, clients = _allreduce_with_loss(loss_bound=0.4)
+    n = len(xs)
+    budget = int(0.4 * len(clients[0].last_counts))
+    assert all(c.stats.short > 0 for c in clients), "some chunks must have closed short"
+    # every replica saw the same frozen chunks and decoded the same mean
+    for c in clients[1:]:
+        np.testing.assert_array_equal(c.last_counts, clients[0].last_counts)
+        np.testing.assert_array_equal(c.last_bitmaps, clients[0].last_bitmaps)
+    for o in out[1:]:
+        assert torch.equal(o, out[0])
+    assert (clients[0].last_counts < n).sum() <= n * budget
+    lost = clients[-1].last_bitmaps >> (n - 1) & 1 == 0
+    assert lost.any()
+    # the estimate is the sum of what each worker had counted (its own value, zero where
+    # lost), over n; each worker's residual is exactly the rest of its input
+    own = [xs[w] - ars[w].feedback.residual for w in range(n)]
+    torch.testing.assert_close(out[0], sum(own) / n, atol=2e-5, rtol=1e-4)
+    res = ars[-1].feedback.residual
+    assert res.norm() > 2 * ars[0].feedback.residual.norm(), "the lost part went to feedback"
+
+
+def test_without_a_loss_bound_every_chunk_is_retransmitted_to_completion():
+    xs, out, ars, clients = _allreduce_with_loss(loss_bound=0.0)
+    assert all(c.stats.short == 0 and c.stats.flushed == 0 for c in clients)
+    assert clients[-1].stats.retransmitted > 0
+    assert (clients[0].last_counts == len(xs)).all()

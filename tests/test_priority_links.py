@@ -1,0 +1,54 @@
+"""Mininet's class-queued links (links.PriorityTCIntf): DSCP picks the HTB band, for real.
+
+The link's tc commands run in a throw-away network namespace (no Mininet needed); UDP
+packets marked with each class leave through it and the band counters say where they went.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import textwrap
+
+import pytest
+
+from host.wire import protocol as P
+
+links = pytest.importorskip("thcnet.links")
+
+pytestmark = pytest.mark.skipif(
+    os.geteuid() != 0 or not shutil.which("unshare") or not shutil.which("tc"),
+    reason="needs root, unshare and tc")
+
+
+def test_each_dscp_class_is_queued_in_its_band_and_others_go_best_effort():
+    cmds, _ = links.PriorityTCIntf.bwCmds(None, bw=10.0)
+    tc = "\n".join(c % ("tc", "va") for c in cmds)
+    sends = {dscp: 3 + k for k, dscp in enumerate(P.PRIORITY_DSCP)}
+    sends.update({0: 2, 5: 1})                          # best effort and an unknown DSCP
+    py = textwrap.dedent(f"""
+        import socket
+        for dscp, n in {sends!r}.items():
+            s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+            s.setsockopt(socket.IPPROTO_IP, socket.IP_TOS, dscp << 2)
+            for _ in range(n):
+                s.sendto(b"x" * 100, ("10.9.0.2", 9))
+    """)
+    script = ("set -e; sysctl -qw net.ipv6.conf.all.disable_ipv6=1 "
+              "net.ipv6.conf.default.disable_ipv6=1; ip link add va type veth peer name vb; ip addr add 10.9.0.1/24 dev va; "
+              "ip link set va up; ip link set vb up; ip neigh add 10.9.0.2 lladdr "
+              "02:00:00:00:00:02 dev va\n" + tc + f"\npython3 -c '{py}'\ntc -s class show dev va")
+    r = subprocess.run(["unshare", "-n", "sh", "-c", script], capture_output=True, text=True,
+                       timeout=30)
+    assert r.returncode == 0, r.stderr
+    sent = {}
+    for block in r.stdout.split("class htb ")[1:]:
+        classid = block.split()[0]
+        sent[classid] = int(block.split(" Sent ")[1].split()[2])
+    bands = links.band_of_dscp()
+    best = len(P.PRIORITY_DSCP)
+    want = {f"5:{0x10 + b:x}": 0 for b in range(best + 1)}
+    for dscp, n in sends.items():
+        want[f"5:{0x10 + bands.get(dscp, best):x}"] += n
+    assert {k: sent[k] for k in want} == want
+    assert bands[P.PRIORITY_DSCP[-1]] == 0, "the top class is served first"
