@@ -20,6 +20,11 @@ SWITCH_AGG_MAC = "02:00:00:00:00:fe"
 static ARP entry): the default of ``Cluster.agg_mac``, the controller and the testbeds."""
 
 
+VOTE_TABLE = (0, 1) + (0,) * ((1 << P.INDEX_BITS) - 2)
+"""The table of a vote job: a sign bit b counts b. The switch widens each bit to an index
+into it, so a vote job runs on the same lane groups as THC."""
+
+
 class ConfigError(ValueError):
     """A job configuration that cannot be installed."""
 
@@ -51,6 +56,10 @@ class Job:
     sum_bits: int = 0
     """Width of the job's sums (8 or 16); 0 means: the narrowest that holds n_workers x
     granularity, chosen when the job is made. RESULT payloads carry sums of this width."""
+    aggregation: str = "thc"
+    """What DATA lanes carry (protocol.json's ``aggregations``): ``thc`` 4-bit table indices,
+    ``vote`` one sign bit each, counted (a vote job: :meth:`Job.vote`, table ``VOTE_TABLE``,
+    granularity 1, so 8-bit counts up to 255 workers)."""
 
     def __post_init__(self):
         if self.mcast_grp == 0:
@@ -73,6 +82,12 @@ class Job:
             if w.id == worker_id:
                 return w
         raise KeyError(worker_id)
+
+    @classmethod
+    def vote(cls, job_id: int, workers, **kw) -> "Job":
+        """A sign-vote job: every lane counts the workers whose bit is 1 (+1)."""
+        return cls(job_id=job_id, workers=tuple(workers), table=VOTE_TABLE, granularity=1,
+                   aggregation="vote", **kw)
 
     def validate(self) -> "Job":
         if not 1 <= self.job_id < 1 << 16:
@@ -106,10 +121,16 @@ class Job:
                               f"= {top} overflows the requested {self.sum_bits}-bit sums (max "
                               f"{(1 << self.sum_bits) - 1}); leave sum_bits out to choose "
                               f"{P.sum_bits_for(n, self.granularity)}")
+        if self.aggregation not in P.AGGREGATIONS:
+            raise ConfigError(f"job {self.job_id}: aggregation {self.aggregation!r} unknown "
+                              f"(one of {sorted(P.AGGREGATIONS)})")
+        if self.aggregation == "vote" and (self.table != VOTE_TABLE or self.granularity != 1):
+            raise ConfigError(f"job {self.job_id}: a vote job counts sign bits: table "
+                              f"{list(VOTE_TABLE)} and granularity 1 (Job.vote)")
         if self.pool_size < 1 or self.pool_base < 0:
             raise ConfigError(f"job {self.job_id}: pool needs pool_size >= 1, pool_base >= 0")
         try:
-            P.check_lanes(self.lanes, sum_bits=self.sum_bits)
+            P.check_lanes(self.lanes, sum_bits=self.sum_bits, aggregation=self.aggregation)
         except ValueError as e:
             raise ConfigError(f"job {self.job_id}: {e}") from None
         return self
@@ -125,6 +146,9 @@ class Job:
         d = dict(d)
         try:
             workers = tuple(Worker(**w) for w in d.pop("workers"))
+            if d.get("aggregation") == "vote":
+                d.setdefault("table", VOTE_TABLE)
+                d.setdefault("granularity", 1)
             if "table" not in d:
                 params = THCParams(bits=P.INDEX_BITS, granularity=d["granularity"],
                                    p=float(d.pop("p", 1 / 32)))

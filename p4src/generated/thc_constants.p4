@@ -24,6 +24,7 @@ const bit<32> THC_SEQ_RESET = 0xFFFFFFFF;
 const bit<16> THC_HDR_BYTES = 28;
 const bit<16> THC_UDP_LEN_HDR = 36;  // UDP length of a header-only (PENDING, RESET) packet
 const bit<16> THC_UDP_LEN_DATA = 164;  // UDP length of a DATA packet
+const bit<16> THC_UDP_LEN_VOTE = 68;  // UDP length of a DATA of a vote job packet
 const bit<16> THC_UDP_LEN_RESULT8 = 292;  // UDP length of a RESULT of an 8-bit job packet
 const bit<16> THC_UDP_LEN_RESULT16 = 548;  // UDP length of a RESULT of a 16-bit job packet
 const bit<16> THC_UDP_LEN_MAX = 164;  // UDP length of a MAX / MAX_RESULT packet
@@ -43,6 +44,10 @@ const bit<8> THC_PENDING = 5;
 const bit<8> THC_RESET = 6;
 #define THC_KNOWN_TYPE(t) ((t) == 1 || (t) == 2 || (t) == 3 || (t) == 4 || (t) == 5 || (t) == 6)
 #define THC_REPLY_TYPE(t) ((t) == 3 || (t) == 4 || (t) == 5)
+
+// aggregation types (set_job's aggregation)
+const bit<8> THC_AGG_THC = 0;
+const bit<8> THC_AGG_VOTE = 1;
 
 // drop reasons: index into counter thc_drops
 const bit<8> THC_DROP_MALFORMED = 1;

@@ -5,7 +5,7 @@ import socket
 
 from host.net.aggregator import Aggregator
 from host.wire.jobs import Job
-from tests.conformance.harness import TEST_TABLE, Endpoint, Harness
+from tests.conformance.harness import Endpoint, Harness, job_fields
 
 
 class UdpEndpoint(Endpoint):
@@ -38,7 +38,8 @@ class SoftwareHarness(Harness):
         self._endpoints: dict[tuple[str, int], UdpEndpoint] = {}
 
     def make_job(self, job_id: int, n_workers: int, pool_size: int = 8,
-                 table: list[int] | None = None, granularity: int = 30) -> Job:
+                 table: list[int] | None = None, granularity: int = 30,
+                 aggregation: str = "thc") -> Job:
         eps = [UdpEndpoint(("127.0.0.1", 0), self.addr) for _ in range(n_workers)]
         workers = []
         for i, ep in enumerate(eps):
@@ -46,8 +47,7 @@ class SoftwareHarness(Harness):
             self._endpoints[(ip, port)] = ep
             workers.append({"id": i, "ip": ip, "port": port})
         return Job.from_dict({"job_id": job_id, "workers": workers, "pool_size": pool_size,
-                              "granularity": granularity,
-                              "table": TEST_TABLE if table is None else table})
+                              **job_fields(table, granularity, aggregation)})
 
     def install(self, job: Job) -> None:
         self.agg.install(job)
