@@ -59,3 +59,33 @@ def test_calibration_against_a_main_job_report():
     assert abs(rows["fp32"]["error"]) < 0.01
     assert rows["thc"]["codec_s"] == pytest.approx(0.02)
     assert rows["thc"]["predicted_s"] > rows["marsit"]["predicted_s"]
+
+
+def test_vote_moves_a_bit_up_and_an_8_bit_count_down():
+    from host.app.perfmodel import vote_wire_bytes
+    s = Setup(params=2048 * 1000, workers=4, bandwidth_gbps=1.0, latency_us=0.0, compute_s=0.0,
+              lanes=2048)
+    up, down = vote_wire_bytes(s)
+    per_packet = 14 + 20 + 8 + 28
+    assert up == pytest.approx(1000 * (per_packet + 256))
+    assert down == pytest.approx(1000 * (per_packet + 2048))
+    assert iteration_s(s)["marsit_vote"] == pytest.approx(down / s.bw)
+
+
+def test_software_aggregator_rate_and_its_link_bound_a_round():
+    fast = Setup(params=1e6, workers=4, bandwidth_gbps=0.1, latency_us=0.0, compute_s=0.0)
+    slow = Setup(**{**fast.__dict__, "agg_pps": 1e3})
+    assert iteration_s(slow)["thc_switch"] > 10 * iteration_s(fast)["thc_switch"]
+    thin = Setup(**{**fast.__dict__, "agg_bw_factor": 1.0})
+    assert iteration_s(thin)["thc_switch"] > 3 * iteration_s(fast)["thc_switch"]
+
+
+def test_dlcp_loss_bound_saves_the_retransmissions_and_the_timeout():
+    s = Setup(params=1e6, workers=4, bandwidth_gbps=0.1, latency_us=0.0, compute_s=0.0)
+    clean = iteration_s(s)
+    lossy = iteration_s(Setup(**{**s.__dict__, "loss": 0.02, "loss_bound": 0.05}))
+    assert clean["thc_switch_dlcp"] == pytest.approx(clean["thc_switch"])
+    assert lossy["thc_switch"] > lossy["thc_switch_dlcp"] + 0.9 * s.rto_s
+    assert lossy["thc_switch_dlcp"] == pytest.approx(clean["thc_switch"])
+    tight = iteration_s(Setup(**{**s.__dict__, "loss": 0.02, "loss_bound": 0.01}))
+    assert lossy["thc_switch_dlcp"] < tight["thc_switch_dlcp"] < lossy["thc_switch"]

@@ -4,13 +4,24 @@ T_iter = max(lambda * T_compute, T_comm) + T_encode + T_decode, with lambda ~ 1.
 slowdown of compute when communication overlaps it). A ring all-reduce of b bytes over p
 workers costs 2*alpha*(p-1) + 2*b*(p-1)/(p*BW). Through a switch (or a parameter server
 with a fat link) each worker sends its compressed gradient once and receives the sums once,
-full duplex: alpha*2 + max(up, down)/BW. Marsit sends one bit per coordinate through a
-ring (2(p-1)/p * d/8 bytes). Compression pays only when the communication it saves is not
-hidden behind compute and exceeds its own encode/decode cost.
+full duplex: alpha*2 + max(up, down)/BW, unless the aggregator's own link (p x up) or, for
+the software aggregator, its packet rate (p x packets / agg_pps) is slower. Marsit sends one
+bit per coordinate through a ring (2(p-1)/p * d/8 bytes) or, as a vote through an
+aggregator, d/8 bytes up and d 8-bit counts down. DLCP: under a packet loss rate q,
+retransmitting everything sends 1/(1-q) of the bytes and waits a retransmission timeout
+for the round's last lost chunk; a loss bound b >= q closes the round without either (a
+bound below q still retransmits q - b of the chunks). Compression pays only when the
+communication it saves is not hidden behind compute and exceeds its own encode/decode cost.
+
+CPU contention: where workers and a software aggregator share ``cores`` (Mininet on one
+machine), the CPU-bound parts are serialized: an iteration takes at least the CPU seconds
+of every process (workers' compute and codec, the aggregator's packets) over the cores.
 
 ``thc model --calibrate out/mainjob.json`` feeds the model what the main job measured (its
-compute per step, the codec seconds the THC hook really spent, the link bandwidth) and
-prints the predicted iteration time of each mode beside the measured one.
+compute per step, the codec seconds the THC hook really spent, the link bandwidth) plus the
+project's benchmark figures (the software aggregator's packet rate, ``--agg-pps``; the
+cores, ``--cores``) and prints the predicted iteration time of each mode beside the
+measured one.
 """
 from __future__ import annotations
 
@@ -35,6 +46,19 @@ class Setup:
     """THC encode + decode throughput per worker (MB of float32 per second; `thc bench codec`)."""
     lanes: int = P.LANES
     granularity: int = 30
+    agg_pps: float = float("inf")
+    """Packets/s the aggregator handles (all workers together); inf for a switch at line
+    rate. The software aggregator: 86e3 at 4 workers (`thc bench aggregator`)."""
+    agg_bw_factor: float = float("inf")
+    """The aggregator's link as a multiple of a worker's (the Mininet testbed: workers)."""
+    cores: float = float("inf")
+    """CPU cores shared by all workers and the aggregator (inf: each has its own)."""
+    loss: float = 0.0
+    """Packet loss rate on the way to and from the aggregator (DLCP)."""
+    loss_bound: float = 0.0
+    """DLCP's bound: the fraction of a round's chunks it may finish without."""
+    rto_s: float = 0.02
+    """Retransmission timeout (the client's initial one)."""
 
     @property
     def sum_bits(self) -> int:
@@ -64,21 +88,68 @@ def thc_wire_bytes(s: Setup) -> tuple[float, float]:
     return up, down
 
 
+def vote_wire_bytes(s: Setup) -> tuple[float, float]:
+    """Bytes a worker sends (sign bits) and receives (8-bit counts) per iteration in a vote."""
+    overhead = P.ETH_IP_UDP_BYTES + P.HEADER_BYTES
+    lanes = s.lanes // 8 * 8
+    packets = s.params / lanes
+    up = packets * (overhead + P.payload_bytes(P.PktType.DATA, lanes, aggregation="vote"))
+    down = packets * (overhead + P.payload_bytes(P.PktType.RESULT, lanes, 8))
+    return up, down
+
+
+def aggregator_s(up: float, down: float, packets: float, s: Setup) -> float:
+    """One round through an aggregator: the worker's link (full duplex), the aggregator's
+    link (every worker's packets) and the aggregator's packet rate, whichever is slowest."""
+    p = s.workers
+    return 2 * s.alpha + max(max(up, down) / s.bw, p * max(up, down) / (s.agg_bw_factor * s.bw),
+                             p * packets / s.agg_pps)
+
+
+def lossy_s(wire_s: float, packets: float, s: Setup, bound: float) -> float:
+    """A round of ``wire_s`` under loss ``s.loss`` with loss bound ``bound`` (DLCP; 0:
+    retransmit everything): resent bytes, plus one timeout while a chunk is still owed."""
+    q = s.loss
+    if q <= 0:
+        return wire_s
+    resent = max(0.0, q - bound)
+    owed = 1 - (1 - resent) ** packets if resent else 0.0
+    return wire_s * (1 + resent / (1 - q)) + owed * s.rto_s
+
+
 def iteration_s(s: Setup) -> dict[str, float]:
-    """Modelled iteration time of FP32 ring all-reduce, THC via a switch, THC via all-reduce."""
+    """Modelled iteration time of each scheme: FP32 ring all-reduce, THC via a switch (and
+    with DLCP's loss bound), THC via all-reduce, Marsit's ring and Marsit's vote."""
     compute = s.overlap * s.compute_s
     codec = 4 * s.params / (s.codec_mbps * 1e6)
     up, down = thc_wire_bytes(s)
-    return {
+    packets = s.params / s.lanes
+    thc_agg = aggregator_s(up, down, packets, s)
+    vup, vdown = vote_wire_bytes(s)
+    vpackets = s.params / (s.lanes // 8 * 8)
+    t = {
         "fp32_ring": max(compute, ring_allreduce_s(4 * s.params, s)),
-        "thc_switch": max(compute, 2 * s.alpha + max(up, down) / s.bw) + codec,
+        "thc_switch": max(compute, lossy_s(thc_agg, packets, s, 0.0)) + codec,
+        "thc_switch_dlcp": max(compute, lossy_s(thc_agg, packets, s, s.loss_bound)) + codec,
         "thc_allreduce": max(compute, ring_allreduce_s(s.params * s.sum_bits / 8, s)) + codec,
         "marsit_ring": max(compute, ring_allreduce_s(s.params / 8, s)),
+        "marsit_vote": max(compute, aggregator_s(vup, vdown, vpackets, s)),
     }
+    if s.cores != float("inf"):
+        # CPU-bound work of every process over the shared cores: a floor under each scheme
+        agg_cpu = {"thc_switch": s.workers * packets, "thc_switch_dlcp": s.workers * packets,
+                   "marsit_vote": s.workers * vpackets}
+        for name in t:
+            own = s.workers * (s.compute_s + (codec if name.startswith("thc") else 0.0))
+            cpu = own + agg_cpu.get(name, 0.0) / s.agg_pps * min(s.cores, 1.0)
+            t[name] = max(t[name], cpu / s.cores)
+    return t
 
 
 MODE_SCHEME = {"fp32": "fp32_ring", "thc": "thc_switch", "thc-bmv2": "thc_switch",
-               "thc-dist": "thc_allreduce", "marsit": "marsit_ring"}
+               "thc-dist": "thc_allreduce", "marsit": "marsit_ring",
+               "marsit-vote": "marsit_vote", "marsit-vote-bmv2": "marsit_vote",
+               "dlcp": "thc_switch_dlcp"}
 """Main-job modes and the model's scheme for each (TopK's all-gather is not modelled)."""
 
 
