@@ -281,13 +281,13 @@ def run(args: argparse.Namespace) -> int:
             print(f"{row['epoch']:>6.2f} {row['accuracy']:>9.4f} {row['seconds']:>8.1f}")
     dataset = runs[0]["dataset"] if runs else args.data
     summary = summarize(runs, FIXED_TARGET.get(dataset, 0.9))
-    print(f"\n{'mode':<9} {'testbed':<9} {'final acc':>9} {'train s':>8} {'MB links':>9} "
+    print(f"\n{'mode':<16} {'testbed':<9} {'final acc':>9} {'train s':>8} {'MB links':>9} "
           f"{'t->fp32-1pt':>11} {'speedup':>8} {'t->' + format(summary['target_fixed'], 'g'):>8}")
     for r, row in zip(runs, summary["rows"]):
         tta = row.get("tta_fp32_minus_1pt")
         fixed = row["tta_fixed"]
         speed = row.get("speedup")
-        print(f"{r['mode']:<9} {r['testbed']:<9} {r['final_accuracy']:>9.4f} "
+        print(f"{r['mode']:<16} {r['testbed']:<9} {r['final_accuracy']:>9.4f} "
               f"{r['train_seconds']:>8.1f} {r['wire_bytes'] / 1e6:>9.1f} "
               f"{(f'{tta:.1f}' if tta is not None else '-'):>11} "
               f"{(f'{speed:.2f}x' if speed else '-'):>8} "
