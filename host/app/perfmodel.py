@@ -201,7 +201,9 @@ def _base(report: dict, agg_pps: float) -> Setup:
     return Setup(params=params, workers=workers, bandwidth_gbps=float(args["bw"]) / 1e3,
                  latency_us=0.0, compute_s=sum(computes) / len(computes), overlap=1.0,
                  lanes=lanes, buckets=ddp_buckets(params), agg_pps=agg_pps,
-                 agg_bw_factor=workers, codec_mbps=1e12)
+                 agg_bw_factor=workers, codec_mbps=1e12,
+                 loss=float(args.get("loss") or 0.0) / 100,
+                 loss_bound=float(args.get("loss_bound") or 0.0))
 
 
 FIT_MODES = ("fp32", "marsit")

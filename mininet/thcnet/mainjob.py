@@ -66,6 +66,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--evals", type=int, default=6, help="evaluations per epoch")
     parser.add_argument("--quick", action="store_true",
                         help="about two minutes: 8192 training images, one epoch")
+    parser.add_argument("--train-subset", type=int, default=None, metavar="N",
+                        help="train on the first N images (step-time measurements: more "
+                             "steps than --quick, less than an epoch)")
     parser.add_argument("--bw", type=float, default=100.0, help="link bandwidth, Mbit/s")
     parser.add_argument("--delay", type=float, default=0.0,
                         help="link delay, ms (needs netem in the kernel)")
@@ -117,8 +120,8 @@ def _run_mode(name: str, args, progress) -> dict:
                  "--evals", str(args.evals), "--data", args.data, "--config", str(cfg)]
             if args.width:
                 a += ["--width", str(args.width)]
-            if args.quick:
-                a += ["--train-subset", "8192"]
+            if args.train_subset or args.quick:
+                a += ["--train-subset", str(args.train_subset or 8192)]
             if tb.agg_addr is not None:
                 a += ["--agg", f"{tb.agg_addr[0]}:{tb.agg_addr[1]}"]
             return a
