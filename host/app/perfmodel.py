@@ -179,7 +179,12 @@ MODE_SCHEME = {"fp32": "fp32_ring", "thc": "thc_switch", "thc-bmv2": "thc_switch
 
 
 def _step_s(run: dict) -> float:
-    return run["train_seconds"] / run["history"][-1]["steps"]
+    """Steady-state seconds per step: from the first evaluation to the last (the first steps
+    pay DDP's bucket rebuild and Gloo's connection setup, which the model leaves out)."""
+    h = run["history"]
+    if len(h) >= 2 and h[-1]["steps"] > h[0]["steps"]:
+        return (h[-1]["seconds"] - h[0]["seconds"]) / (h[-1]["steps"] - h[0]["steps"])
+    return run["train_seconds"] / h[-1]["steps"]
 
 
 def _base(report: dict, agg_pps: float) -> Setup:
@@ -191,7 +196,8 @@ def _base(report: dict, agg_pps: float) -> Setup:
     for r in runs:
         last = r["history"][-1]
         if last.get("exposed_comm_seconds") is not None and r["mode"] != "fp32":
-            computes.append(_step_s(r) - last["exposed_comm_seconds"] / last["steps"])
+            computes.append((r["train_seconds"] - last["exposed_comm_seconds"])
+                            / last["steps"])
     if not computes:
         raise ValueError("the report has no run with a communication breakdown")
     params = float(runs[0]["params"])
