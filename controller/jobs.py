@@ -3,7 +3,8 @@
 A job (host/wire/jobs.py ``Job``) becomes
 
   thc_job          job_id -> set_job(job_index, n_workers, pool_base, pool_size,
-                                     full_bitmap, mcast_grp, sum_bits, epoch)
+                                     full_bitmap, mcast_grp, sum_bits, epoch,
+                                     aggregation)
                    epoch: a fresh nonzero value at every install, returned in every reply
   thc_worker       (job_id, worker_id, src_ip, src_port) -> set_worker(worker_bit)
   thc_worker_addr  (job_id, worker_id) -> set_worker_addr(worker_mac, worker_ip,
@@ -278,7 +279,8 @@ def job_entry(sw: Switch, job: Job, job_index: int, epoch: int):
     return sw.table_entry(JOB_TABLE, {"job_id": job.job_id}, "set_job", {
         "job_index": job_index, "n_workers": job.n_workers, "pool_base": job.pool_base,
         "pool_size": job.pool_size, "full_bitmap": job.full_bitmap, "mcast_grp": job.mcast_grp,
-        "sum_bits": job.sum_bits, "epoch": epoch})
+        "sum_bits": job.sum_bits, "epoch": epoch,
+        "aggregation": P.AGGREGATIONS[job.aggregation]})
 
 
 def worker_entries(sw: Switch, job: Job) -> list:

@@ -10,6 +10,9 @@ shared headers (p4src/thc_common.p4) include five generated files:
                                  8 lanes each) and THC_MAX_LANES max lanes (ThcMaxLane)
   generated/thc_groups_apply.p4  one apply call per lane group, over the header stacks
   generated/thc_max_apply.p4     one apply call per max lane
+  generated/thc_vote.p4          THC_GROUPS vote groups (ThcVoteGroup: a vote job's 8 sign
+                                 bits -> 8 indices), BMv2 program only
+  generated/thc_vote_apply.p4    one apply call per vote group
 
 A lane group is written once, as a P4 control; only its instantiation is generated, so a
 lane count change is a protocol.json change.
@@ -72,6 +75,8 @@ and (Tofino program only) no register access: the lanes are only dropped from th
 GROUP_DECL = "ThcLaneGroup() thc_g{i};\n"
 GROUP_APPLY = ("thc_g{i}.apply(hdr.thc_data[{i}], hdr.thc_result8[{i}], hdr.thc_result16[{i}], "
                "hdr.thc.job_id, meta.reg_index, meta.lane_op, meta.wide);\n")
+VOTE_DECL = "ThcVoteGroup() thc_v{i};\n"
+VOTE_APPLY = "thc_v{i}.apply(hdr.thc_vote[{i}], hdr.thc_data[{i}]);\n"
 MAX_DECL = "ThcMaxLane() thc_m{i};\n"
 MAX_APPLY = "thc_m{i}.apply(hdr.thc_max[{i}], meta.reg_index, meta.lane_op);\n"
 
@@ -112,6 +117,10 @@ def generate(spec: dict, lanes: int | None = None, slots: int | None = None) -> 
     jc = spec["job_counters"]
     groups = lanes // GROUP_LANES
     data_bytes = lanes * index_bits // 8
+    aggs = {n: a for n, a in spec["aggregations"].items() if n != "comment"}
+    if aggs["vote"]["lane_bits"] != 1 or aggs["thc"]["lane_bits"] != index_bits:
+        raise SystemExit("gen_p4: vote lanes are one bit, thc lanes one index")
+    vote_bytes = lanes // 8
     result_bytes = {w: lanes * w // 8 for w in widths}
     if result_bytes[16] - data_bytes > 512:
         raise SystemExit(f"gen_p4: {lanes} lanes grow a 16-bit result by "
@@ -139,6 +148,7 @@ def generate(spec: dict, lanes: int | None = None, slots: int | None = None) -> 
     c.append(f"const bit<16> THC_HDR_BYTES = {hdr_bytes};\n")
     for label, nbytes, what in [("HDR", 0, "header-only (PENDING, RESET)"),
                                 ("DATA", data_bytes, "DATA"),
+                                ("VOTE", vote_bytes, "DATA of a vote job"),
                                 ("RESULT8", result_bytes[8], "RESULT of an 8-bit job"),
                                 ("RESULT16", result_bytes[16], "RESULT of a 16-bit job"),
                                 ("MAX", max_bytes, "MAX / MAX_RESULT")]:
@@ -164,6 +174,9 @@ def generate(spec: dict, lanes: int | None = None, slots: int | None = None) -> 
     c.append(f"#define THC_PRIORITY_QUEUES {len(dscps) + 1}  // simple_switch --priority-queues\n")
     entries = " ".join(f"{d}: thc_set_priority({k + 1});" for k, d in enumerate(dscps))
     c.append(f"#define THC_DSCP_ENTRIES 0: thc_set_priority(0); {entries}\n")
+    c.append("\n// aggregation types (set_job's aggregation)\n")
+    for name, a in aggs.items():
+        c.append(f"const bit<8> THC_AGG_{ident(name)} = {a['code']};\n")
     c.append("\n// drop reasons: index into counter thc_drops\n")
     for name, code in reasons.items():
         c.append(f"const bit<8> THC_DROP_{ident(name)} = {code};\n")
@@ -183,6 +196,10 @@ def generate(spec: dict, lanes: int | None = None, slots: int | None = None) -> 
             _each(GROUP_DECL, groups), _each(MAX_DECL, max_lanes)]
     group_apply = [HEADER, "// Statements of the ingress apply block: every lane group of a DATA packet.\n",
                    _each(GROUP_APPLY, groups)]
+    vote_decl = [HEADER, "// Declarations inside the ingress control (thc.p4 only).\n",
+                 _each(VOTE_DECL, groups)]
+    vote_apply = [HEADER, "// Statements of the ingress apply block: every vote group of a "
+                          "vote job's DATA packet.\n", _each(VOTE_APPLY, groups)]
     max_apply = [HEADER, "// Statements of the ingress apply block: every max lane of a MAX packet.\n",
                  _each(MAX_APPLY, max_lanes)]
     return {
@@ -191,6 +208,8 @@ def generate(spec: dict, lanes: int | None = None, slots: int | None = None) -> 
         "thc_groups.p4": "".join(decl),
         "thc_groups_apply.p4": "".join(group_apply),
         "thc_max_apply.p4": "".join(max_apply),
+        "thc_vote.p4": "".join(vote_decl),
+        "thc_vote_apply.p4": "".join(vote_apply),
     }
 
 

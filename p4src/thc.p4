@@ -39,6 +39,7 @@ struct metadata_t {
     bit<32> full_bitmap;
     bit<16> mcast_grp;
     bit<1>  wide;           // the job's sums are 16 bits wide (two lanes a word), else 8
+    bit<1>  vote;           // a vote job: DATA lanes are sign bits, the sums count the +1s
     bit<32> epoch;          // the job's epoch, returned in every reply
     // from thc_worker
     bit<32> worker_bit;
@@ -103,6 +104,7 @@ parser ThcParser(packet_in packet, out headers_t hdr, inout metadata_t meta,
         // ingress turns a missing payload into drop reason bad_lanes.
         transition select(hdr.thc.pkt_type, hdr.udp.length) {
             (THC_DATA, THC_UDP_LEN_DATA): parse_data;
+            (THC_DATA, THC_UDP_LEN_VOTE): parse_vote;
             (THC_MAX, THC_UDP_LEN_MAX): parse_max;
             default: accept;
         }
@@ -113,6 +115,14 @@ parser ThcParser(packet_in packet, out headers_t hdr, inout metadata_t meta,
         transition select(meta.parsed) {
             THC_GROUPS: accept;
             default: parse_data;
+        }
+    }
+    state parse_vote {
+        packet.extract(hdr.thc_vote.next);
+        meta.parsed = meta.parsed + 1;
+        transition select(meta.parsed) {
+            THC_GROUPS: accept;
+            default: parse_vote;
         }
     }
     state parse_max {
@@ -249,6 +259,22 @@ control ThcLaneGroup(in thc_idx_h idx, out thc_sum8_h r8, out thc_sum16_h r16,
     }
 }
 
+/*
+ * One lane group of a vote job's DATA: its 8 sign bits become 8 4-bit indices 0 or 1 (the
+ * group's thc_idx_h), which the job's lookup table (VOTE_TABLE: 0 -> 0, 1 -> 1) turns into
+ * counts, so a vote runs on the THC lane groups and their registers unchanged.
+ */
+control ThcVoteGroup(inout thc_vote_h v, out thc_idx_h idx) {
+    apply {
+        idx.setValid();
+        idx.b0 = 3w0 ++ v.b[7:7] ++ 3w0 ++ v.b[6:6];
+        idx.b1 = 3w0 ++ v.b[5:5] ++ 3w0 ++ v.b[4:4];
+        idx.b2 = 3w0 ++ v.b[3:3] ++ 3w0 ++ v.b[2:2];
+        idx.b3 = 3w0 ++ v.b[1:1] ++ 3w0 ++ v.b[0:0];
+        v.setInvalid();
+    }
+}
+
 /* One MAX lane: a 32-bit register of raw float bits, max instead of add. */
 control ThcMaxLane(inout thc_max_h m, in bit<32> reg_index, in bit<2> op) {
     register<bit<32>>(THC_REG_SIZE) thc_max;
@@ -284,10 +310,12 @@ control ThcIngress(inout headers_t hdr, inout metadata_t meta, inout standard_me
 
     // Lane groups and max lanes (generated instantiations).
 #include "generated/thc_groups.p4"
+#include "generated/thc_vote.p4"
 
     // ---- configuration tables (installed by controller/jobs.py) ----
     action set_job(bit<8> job_index, bit<8> n_workers, bit<16> pool_base, bit<16> pool_size,
-                   bit<32> full_bitmap, bit<16> mcast_grp, bit<8> sum_bits, bit<32> epoch) {
+                   bit<32> full_bitmap, bit<16> mcast_grp, bit<8> sum_bits, bit<32> epoch,
+                   bit<8> aggregation) {
         meta.job_index = job_index;
         meta.n_workers = n_workers;
         meta.pool_base = pool_base;
@@ -296,6 +324,7 @@ control ThcIngress(inout headers_t hdr, inout metadata_t meta, inout standard_me
         meta.mcast_grp = mcast_grp;
         meta.wide = (bit<1>)(sum_bits >> 4);    // 8 -> 0, 16 -> 1
         meta.epoch = epoch;
+        meta.vote = (bit<1>)aggregation;       // THC_AGG_THC -> 0, THC_AGG_VOTE -> 1
     }
     table thc_job {
         key = { hdr.thc.job_id: exact @name("job_id"); }
@@ -464,12 +493,19 @@ control ThcIngress(inout headers_t hdr, inout metadata_t meta, inout standard_me
             }
             // 3. payload length
             if (meta.drop_reason == 0) {
-                if ((hdr.thc.pkt_type == THC_DATA && !hdr.thc_data[0].isValid())
+                if ((hdr.thc.pkt_type == THC_DATA && meta.vote == 0
+                            && !hdr.thc_data[0].isValid())
+                        || (hdr.thc.pkt_type == THC_DATA && meta.vote == 1
+                            && !hdr.thc_vote[0].isValid())
                         || (hdr.thc.pkt_type == THC_MAX && !hdr.thc_max[0].isValid())
                         || ((hdr.thc.pkt_type == THC_RESET || hdr.thc.pkt_type == THC_FLUSH)
                             && hdr.udp.length != THC_UDP_LEN_HDR)) {
                     meta.drop_reason = THC_DROP_BAD_LANES;
                 }
+            }
+            // a vote job's sign bits become 0/1 indices of the lane groups
+            if (meta.drop_reason == 0 && hdr.thc.pkt_type == THC_DATA && meta.vote == 1) {
+#include "generated/thc_vote_apply.p4"
             }
             // 4., 5. worker (RESET comes from the controller, not from a worker)
             if (meta.drop_reason == 0 && hdr.thc.pkt_type != THC_RESET) {

@@ -46,6 +46,12 @@ header thc_idx_h {
     bit<8> b3;
 }
 
+// DATA payload of one lane group of a vote job: 8 sign bits (1 = +1), the first lane in
+// the high bit. Ingress widens it to a thc_idx_h of 0/1 indices (ThcVoteGroup in thc.p4).
+header thc_vote_h {
+    bit<8> b;
+}
+
 // RESULT payload of one lane group of an 8-bit job: 8 sums, four a word, big-endian.
 header thc_sum8_h {
     bit<32> w0;
@@ -71,6 +77,7 @@ struct headers_t {
     udp_h       udp;
     thc_h       thc;
     thc_idx_h[THC_GROUPS]     thc_data;
+    thc_vote_h[THC_GROUPS]    thc_vote;
     thc_sum8_h[THC_GROUPS]    thc_result8;
     thc_sum16_h[THC_GROUPS]   thc_result16;
     thc_max_h[THC_MAX_LANES]  thc_max;

@@ -58,3 +58,18 @@ def test_switch_lanes_come_in_groups_of_eight_and_grow_at_most_512_bytes():
         P.check_lanes(260, switch=True)
     with pytest.raises(ValueError, match="512"):
         P.check_lanes(456, switch=True, sum_bits=16)
+
+
+def test_a_vote_job_counts_one_bit_lanes_in_8_bit_sums():
+    workers = tuple(Worker(i, "127.0.0.1", 9000 + i) for i in range(32))
+    vote = Job.vote(1, workers).validate()
+    assert vote.sum_bits == 8 and vote.granularity == 1
+    assert P.payload_bytes(P.PktType.DATA, vote.lanes, aggregation="vote") == vote.lanes // 8
+    assert Job.from_dict(vote.to_dict()) == vote
+    with pytest.raises(ConfigError, match="vote job counts sign bits"):
+        Job(job_id=1, workers=workers, table=TABLE, granularity=30,
+            aggregation="vote").validate()
+    with pytest.raises(ConfigError, match="whole bytes"):
+        Job.vote(1, workers, lanes=20).validate()
+    with pytest.raises(ConfigError, match="aggregation 'sum' unknown"):
+        job(4, aggregation="sum").validate()

@@ -104,3 +104,62 @@ def test_ring_allreduce_in_gloo_agrees_on_every_rank():
         d = grad.numel()
         assert nbytes == 2 * 2 * (world - 1) * math.ceil(d / (8 * world)) + 2 * (2 * 2 * 4 // 3)
         assert "NaN or Inf" in err
+
+
+def test_counts_become_the_mean_or_the_majority_sign():
+    counts = torch.tensor([0, 1, 2, 3, 4])
+    assert marsit.counts_to_mean_sign(counts, 4).tolist() == [-1.0, -0.5, 0.0, 0.5, 1.0]
+    assert marsit.counts_to_mean_sign(counts, 4, majority=True).tolist() == [-1, -1, 0, 1, 1]
+    with pytest.raises(ValueError, match="5 \\+1 votes among 4"):
+        marsit.counts_to_mean_sign(torch.tensor([5]), 4)
+
+
+def _vote_worker(rank, world, port, job_dict, agg, q):
+    from host.net.client import AggregationClient
+    from host.wire.jobs import Job
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
+    job = Job.from_dict(job_dict)
+    with AggregationClient(job, rank, agg, run=7, deadline=20.0) as client:
+        ar = marsit.MarsitVoteAllReduce(client)
+        grad = torch.randn(1003, generator=torch.Generator().manual_seed(100 + rank)) + 0.2 * rank
+        est = ar(grad, sizes=[1000, 3])
+        q.put((rank, grad.numpy().copy(), est.numpy().copy(), ar.residual.numpy().copy()))
+    dist.destroy_process_group()
+
+
+def test_vote_allreduce_through_the_software_aggregator_is_the_exact_mean_sign():
+    """Real UDP through a vote job: every rank gets scale x (2c - n) / n, c the +1 count."""
+    from host.net.aggregator import Aggregator
+    from host.testing.clusters import local_job
+    from host.wire.jobs import Job
+    world = 3
+    base = free_port_block(world + 1, tcp=True)
+    thc = local_job(1, world, base, lanes=64)
+    job = Job.vote(1, thc.workers, lanes=64, pool_size=8).validate()
+    assert job.sum_bits == 8 and job.aggregation == "vote"
+    ctx = tmp.get_context("spawn")
+    q = ctx.Queue()
+    with Aggregator([job]) as agg:
+        addr = agg.start("127.0.0.1", 0)
+        procs = [ctx.Process(target=_vote_worker,
+                             args=(r, world, base + world, job.to_dict(), addr, q))
+                 for r in range(world)]
+        for pr in procs:
+            pr.start()
+        out = sorted((q.get(timeout=120) for _ in procs), key=lambda t: t[0])
+        for pr in procs:
+            pr.join(timeout=30)
+            assert pr.exitcode == 0
+        assert agg.counters()["drops"] == {k: 0 for k in agg.counters()["drops"]}
+    grads = [torch.from_numpy(o[1]) for o in out]
+    ests = [torch.from_numpy(o[2]) for o in out]
+    for e in ests[1:]:
+        assert torch.equal(e, ests[0])
+    mean_sign = sum((g >= 0).float() * 2 - 1 for g in grads) / world
+    for seg in (slice(0, 1000), slice(1000, 1003)):
+        scale = sum(float(g[seg].abs().mean()) for g in grads) / world
+        assert torch.allclose(ests[0][seg], scale * mean_sign[seg], rtol=1e-5, atol=1e-7)
+    for (_, g, e, r) in out:
+        assert torch.allclose(torch.from_numpy(r), torch.from_numpy(g) - torch.from_numpy(e))

@@ -111,6 +111,10 @@ def test_generated_constants_follow_protocol_json():
             8 + P.HEADER_BYTES + P.payload_bytes(P.PktType.RESULT, P.LANES, bits))
     assert int(defines["THC_GROUPS"]) * 8 == P.LANES
     assert int(consts["THC_UDP_LEN_MAX"]) == 8 + P.HEADER_BYTES + P.payload_bytes(P.PktType.MAX)
+    assert int(consts["THC_UDP_LEN_VOTE"]) == 8 + P.HEADER_BYTES + P.payload_bytes(
+        P.PktType.DATA, aggregation="vote")
+    for name, code in P.AGGREGATIONS.items():
+        assert int(consts[f"THC_AGG_{name.upper()}"]) == code
 
 
 def test_generator_only_instantiates_the_lane_group():
@@ -146,7 +150,7 @@ def test_p4info_has_the_shared_names():
     actions = {a.preamble.name: a for a in info.actions}
     assert [p.name for p in _by_short_name(info.actions)["set_job"].params] == [
         "job_index", "n_workers", "pool_base", "pool_size", "full_bitmap", "mcast_grp",
-        "sum_bits", "epoch"]
+        "sum_bits", "epoch", "aggregation"]
     lut_set = actions["ThcIngress.thc_g0.thc_lut_set_0"]
     assert [(p.name, p.bitwidth) for p in lut_set.params] == [("value", 32)]
     counters = _by_short_name(info.counters)

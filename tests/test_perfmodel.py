@@ -41,21 +41,65 @@ def test_marsit_moves_a_bit_per_coordinate():
     assert t["fp32_ring"] == pytest.approx(32 * t["marsit_ring"])
 
 
-def test_calibration_against_a_main_job_report():
-    from host.app.perfmodel import calibrate
+def test_calibration_recovers_alpha_and_efficiency_and_predicts_the_rest():
+    """A report made by the model itself (alpha 5 ms, efficiency 0.8): the fit finds both
+    from FP32 and Marsit, predicts THC over all-reduce exactly, and a slower run shows."""
+    from host.app.perfmodel import FIT_MODES, calibrate, ddp_buckets, fit
 
-    def run(mode, seconds, steps, exposed=None, codec=None):
-        return {"mode": mode, "params": 1_000_000, "train_seconds": seconds,
+    params, steps = 1_200_000, 100
+    truth = Setup(params=params, workers=4, bandwidth_gbps=0.1, latency_us=5000.0,
+                  compute_s=0.04, overlap=1.0, efficiency=0.8, buckets=ddp_buckets(params),
+                  lanes=1444, agg_pps=86e3, agg_bw_factor=4, codec_mbps=4 * params / 0.1 / 1e6)
+    t = iteration_s(truth)
+
+    def run(mode, scheme, factor=1.0, codec=None):
+        exposed = (t[scheme] - truth.compute_s) * steps
+        return {"mode": mode, "params": params, "testbed": "mininet",
+                "train_seconds": factor * t[scheme] * steps,
                 "history": [{"steps": steps, "exposed_comm_seconds": exposed,
                              "codec_seconds": codec}]}
 
-    # 100 steps; compute 0.1 s/step; FP32 ring of 4 MB at 100 Mbit/s with 4 workers: 0.48 s
     report = {"args": {"workers": 4, "bw": 100.0, "software_lanes": 1444},
-              "runs": [run("fp32", 48.0, 100), run("marsit", 10.5, 100, exposed=0.5),
-                       run("thc", 20.0, 100, exposed=10.0, codec=2.0)]}
+              "runs": [run("fp32", "fp32_ring"), run("marsit", "marsit_ring"),
+                       run("thc-dist", "thc_allreduce", codec=0.1 * steps),
+                       run("topk", "topk_allgather", factor=1.5)]}
+    alpha, eff = fit(report)
+    assert alpha == pytest.approx(0.005, rel=1e-6) and eff == pytest.approx(0.8, rel=1e-6)
     rows = {r["mode"]: r for r in calibrate(report)}
-    assert rows["fp32"]["compute_s"] == pytest.approx(0.1)
-    assert rows["fp32"]["predicted_s"] == pytest.approx(0.48, rel=1e-6)
-    assert abs(rows["fp32"]["error"]) < 0.01
-    assert rows["thc"]["codec_s"] == pytest.approx(0.02)
-    assert rows["thc"]["predicted_s"] > rows["marsit"]["predicted_s"]
+    assert {m for m, r in rows.items() if r["fitted"]} == set(FIT_MODES)
+    assert rows["thc-dist"]["error"] == pytest.approx(0.0, abs=1e-6)
+    assert rows["topk"]["error"] == pytest.approx(1 / 1.5 - 1, rel=1e-6)
+    again = {r["mode"]: r for r in calibrate(report, alpha, eff)}
+    assert not any(r["fitted"] for r in again.values())
+    with pytest.raises(ValueError, match="marsit"):
+        fit({**report, "runs": report["runs"][:1] + report["runs"][2:]})
+
+
+def test_vote_moves_a_bit_up_and_an_8_bit_count_down():
+    from host.app.perfmodel import vote_wire_bytes
+    s = Setup(params=2048 * 1000, workers=4, bandwidth_gbps=1.0, latency_us=0.0, compute_s=0.0,
+              lanes=2048)
+    up, down = vote_wire_bytes(s)
+    per_packet = 14 + 20 + 8 + 28
+    assert up == pytest.approx(1000 * (per_packet + 256))
+    assert down == pytest.approx(1000 * (per_packet + 2048))
+    assert iteration_s(s)["marsit_vote"] == pytest.approx(down / s.bw)
+
+
+def test_software_aggregator_rate_and_its_link_bound_a_round():
+    fast = Setup(params=1e6, workers=4, bandwidth_gbps=0.1, latency_us=0.0, compute_s=0.0)
+    slow = Setup(**{**fast.__dict__, "agg_pps": 1e3})
+    assert iteration_s(slow)["thc_switch"] > 10 * iteration_s(fast)["thc_switch"]
+    thin = Setup(**{**fast.__dict__, "agg_bw_factor": 1.0})
+    assert iteration_s(thin)["thc_switch"] > 3 * iteration_s(fast)["thc_switch"]
+
+
+def test_dlcp_loss_bound_saves_the_retransmissions_and_the_timeout():
+    s = Setup(params=1e6, workers=4, bandwidth_gbps=0.1, latency_us=0.0, compute_s=0.0)
+    clean = iteration_s(s)
+    lossy = iteration_s(Setup(**{**s.__dict__, "loss": 0.02, "loss_bound": 0.05}))
+    assert clean["thc_switch_dlcp"] == pytest.approx(clean["thc_switch"])
+    assert lossy["thc_switch"] > lossy["thc_switch_dlcp"] + 0.9 * s.rto_s
+    assert lossy["thc_switch_dlcp"] == pytest.approx(clean["thc_switch"])
+    tight = iteration_s(Setup(**{**s.__dict__, "loss": 0.02, "loss_bound": 0.01}))
+    assert lossy["thc_switch_dlcp"] < tight["thc_switch_dlcp"] < lossy["thc_switch"]

@@ -130,6 +130,19 @@ def test_bmv2_and_bad_arguments_are_refused_clearly():
         open_testbed(0, prefer_mininet=False)
 
 
+def test_a_testbed_job_becomes_a_vote_job_before_the_aggregator_starts():
+    """Marsit's vote modes: the same workers and pool, sign bits in whole bytes."""
+    with open_testbed(2, aggregator="software", prefer_mininet=False, lanes=0) as tb:
+        thc = tb.job
+        vote = tb.use_vote_job()
+        assert tb.job == vote and vote.aggregation == "vote" and vote.lanes % 8 == 0
+        assert (vote.workers, vote.pool_size, vote.job_id) == (thc.workers, thc.pool_size,
+                                                               thc.job_id)
+        assert json.loads(tb.cluster_path.read_text())["jobs"][0]["aggregation"] == "vote"
+        with pytest.raises(TestbedError, match="already written"):
+            tb.use_vote_job()
+
+
 # -- Mininet -----------------------------------------------------------------------------------
 
 @needs_mininet

@@ -2,24 +2,54 @@
 
 T_iter = max(lambda * T_compute, T_comm) + T_encode + T_decode, with lambda ~ 1.04-1.1 (the
 slowdown of compute when communication overlaps it). A ring all-reduce of b bytes over p
-workers costs 2*alpha*(p-1) + 2*b*(p-1)/(p*BW). Through a switch (or a parameter server
-with a fat link) each worker sends its compressed gradient once and receives the sums once,
-full duplex: alpha*2 + max(up, down)/BW. Marsit sends one bit per coordinate through a
-ring (2(p-1)/p * d/8 bytes). Compression pays only when the communication it saves is not
-hidden behind compute and exceeds its own encode/decode cost.
+workers costs 2*alpha*(p-1) + 2*b*(p-1)/(p*BW), alpha paid once per message and per DDP
+bucket (``buckets``: DDP's 1 MB first bucket, then 25 MB ones). Schemes:
 
-``thc model --calibrate out/mainjob.json`` feeds the model what the main job measured (its
-compute per step, the codec seconds the THC hook really spent, the link bandwidth) and
-prints the predicted iteration time of each mode beside the measured one.
+- FP32: one ring all-reduce of 4 bytes a coordinate.
+- THC over all-reduce: a MAX all-reduce of the norms and one of the sums (sum_bits/8 bytes).
+- THC through a switch or the software aggregator: each worker streams its chunks once and
+  receives the sums once, full duplex; the round takes the slowest of the worker's link, the
+  aggregator's link (p x the bytes, ``agg_bw_factor`` x BW), its packet rate (``agg_pps``)
+  and the client's window (``window`` chunks a round trip of 2 alpha), plus the MAX round.
+- Marsit's ring: an all-reduce of the scales and 2(p-1) hops of d/8 bytes.
+- Marsit's vote: the scales' all-reduce, then d/8 bytes of signs up and d 8-bit counts down
+  through the aggregator, as THC's chunks.
+- TopK: two all-gathers (values and indices, 4 bytes each) of k = ratio x d per worker.
+- DLCP: under a packet loss rate q, retransmitting everything sends 1/(1-q) of the bytes
+  and waits a retransmission timeout for the round's last lost chunk; a loss bound b >= q
+  closes the round without either (a bound below q still resends q - b of the chunks).
+
+Compression pays only when the communication it saves is not hidden behind compute and
+exceeds its own encode/decode cost.
+
+``thc model --calibrate A.json [B.json ...]`` feeds the model what main jobs measured (their
+compute per step, the codec seconds the hooks really spent, the link bandwidth) and two
+testbed figures: alpha and the link efficiency (the fraction of the nominal bandwidth a
+shaped Mininet link delivers to the payload). Given as ``--alpha-ms``/``--efficiency``, or
+fitted to the first report's FP32 run (bandwidth-bound) and Marsit ring run (latency-bound),
+which are then labelled as fitted; every other row is a prediction. On Mininet with 2 cores
+for 4 workers, alpha is not the wire's latency (0 there) but the per-message cost of the
+software path under CPU contention (Gloo, Python, the Linux bridge): what the plain
+bandwidth model missed (FP32 +20%, Marsit -78%).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from host.wire import protocol as P
+
+FIRST_BUCKET_BYTES = 1 << 20
+BUCKET_BYTES = 25 << 20
+"""DDP's default bucket sizes (its first bucket is smaller, so communication starts early)."""
+
+
+def ddp_buckets(params: float) -> int:
+    """Buckets DDP makes of ``params`` float32 gradients with its default sizes."""
+    return 1 + math.ceil(max(0.0, 4 * params - FIRST_BUCKET_BYTES) / BUCKET_BYTES)
 
 
 @dataclass(frozen=True)
@@ -29,12 +59,31 @@ class Setup:
     workers: int = 8
     bandwidth_gbps: float = 10.0
     latency_us: float = 10.0
+    """alpha: cost of one message (a ring hop, half an aggregator round trip)."""
     compute_s: float = 0.1
     overlap: float = 1.05
     codec_mbps: float = 270.0
     """THC encode + decode throughput per worker (MB of float32 per second; `thc bench codec`)."""
     lanes: int = P.LANES
     granularity: int = 30
+    buckets: int = 1
+    """Collective rounds per iteration (DDP buckets), each paying its own latencies."""
+    window: int = 32
+    """Chunks a client keeps in flight (AggregationClient.DEFAULT_WINDOW)."""
+    agg_pps: float = float("inf")
+    """Packets/s the aggregator handles (all workers together); inf for a switch at line
+    rate. The software aggregator: 86e3 at 4 workers (`thc bench aggregator`)."""
+    efficiency: float = 1.0
+    """Fraction of the nominal bandwidth the payload gets (headers, shaping)."""
+    agg_bw_factor: float = float("inf")
+    """The aggregator's link as a multiple of a worker's (the Mininet testbed: workers)."""
+    topk_ratio: float = 0.1
+    loss: float = 0.0
+    """Packet loss rate on the way to and from the aggregator (DLCP)."""
+    loss_bound: float = 0.0
+    """DLCP's bound: the fraction of a round's chunks it may finish without."""
+    rto_s: float = 0.02
+    """Retransmission timeout (the client's initial one)."""
 
     @property
     def sum_bits(self) -> int:
@@ -43,16 +92,17 @@ class Setup:
 
     @property
     def bw(self) -> float:
-        return self.bandwidth_gbps * 1e9 / 8
+        return self.bandwidth_gbps * 1e9 / 8 * self.efficiency
 
     @property
     def alpha(self) -> float:
         return self.latency_us * 1e-6
 
 
-def ring_allreduce_s(nbytes: float, s: Setup) -> float:
+def ring_allreduce_s(nbytes: float, s: Setup, collectives: int = 1) -> float:
+    """``collectives`` ring all-reduces per bucket moving ``nbytes`` in all."""
     p = s.workers
-    return 2 * s.alpha * (p - 1) + 2 * nbytes * (p - 1) / (p * s.bw)
+    return 2 * s.alpha * (p - 1) * collectives * s.buckets + 2 * nbytes * (p - 1) / (p * s.bw)
 
 
 def thc_wire_bytes(s: Setup) -> tuple[float, float]:
@@ -64,57 +114,167 @@ def thc_wire_bytes(s: Setup) -> tuple[float, float]:
     return up, down
 
 
+def vote_wire_bytes(s: Setup) -> tuple[float, float]:
+    """Bytes a worker sends (sign bits) and receives (8-bit counts) per iteration in a vote."""
+    overhead = P.ETH_IP_UDP_BYTES + P.HEADER_BYTES
+    lanes = s.lanes // 8 * 8
+    packets = s.params / lanes
+    up = packets * (overhead + P.payload_bytes(P.PktType.DATA, lanes, aggregation="vote"))
+    down = packets * (overhead + P.payload_bytes(P.PktType.RESULT, lanes, 8))
+    return up, down
+
+
+def aggregator_s(up: float, down: float, packets: float, s: Setup) -> float:
+    """One iteration's chunks through an aggregator: the slowest of the worker's link (full
+    duplex), the aggregator's link (every worker's packets), its packet rate and the
+    client's window (``window`` chunks a round trip, per bucket)."""
+    p = s.workers
+    per_bucket = packets / s.buckets
+    windowed = s.buckets * math.ceil(per_bucket / s.window) * 2 * s.alpha
+    return max(max(up, down) / s.bw, p * max(up, down) / (s.agg_bw_factor * s.bw),
+               p * packets / s.agg_pps, windowed)
+
+
+def lossy_s(wire_s: float, packets: float, s: Setup, bound: float) -> float:
+    """A round of ``wire_s`` under loss ``s.loss`` with loss bound ``bound`` (DLCP; 0:
+    retransmit everything): resent bytes, plus one timeout while a chunk is still owed."""
+    q = s.loss
+    if q <= 0:
+        return wire_s
+    resent = max(0.0, q - bound)
+    owed = 1 - (1 - resent) ** packets if resent else 0.0
+    return wire_s * (1 + resent / (1 - q)) + owed * s.rto_s
+
+
 def iteration_s(s: Setup) -> dict[str, float]:
-    """Modelled iteration time of FP32 ring all-reduce, THC via a switch, THC via all-reduce."""
+    """Modelled iteration time of each scheme (see the module docstring)."""
     compute = s.overlap * s.compute_s
     codec = 4 * s.params / (s.codec_mbps * 1e6)
+    p = s.workers
     up, down = thc_wire_bytes(s)
+    packets = s.params / s.lanes
+    max_round = s.buckets * 2 * s.alpha
+    thc_agg = aggregator_s(up, down, packets, s)
+    vup, vdown = vote_wire_bytes(s)
+    vote = aggregator_s(vup, vdown, s.params / (s.lanes // 8 * 8), s)
+    k = s.topk_ratio * s.params
     return {
         "fp32_ring": max(compute, ring_allreduce_s(4 * s.params, s)),
-        "thc_switch": max(compute, 2 * s.alpha + max(up, down) / s.bw) + codec,
-        "thc_allreduce": max(compute, ring_allreduce_s(s.params * s.sum_bits / 8, s)) + codec,
-        "marsit_ring": max(compute, ring_allreduce_s(s.params / 8, s)),
+        "thc_switch": max(compute, max_round + lossy_s(thc_agg, packets, s, 0.0)) + codec,
+        "thc_switch_dlcp": max(compute, max_round + lossy_s(thc_agg, packets, s, s.loss_bound))
+        + codec,
+        "thc_allreduce": max(compute, ring_allreduce_s(s.params * s.sum_bits / 8, s, 2)) + codec,
+        "marsit_ring": max(compute, ring_allreduce_s(s.params / 8, s, 2)),
+        "marsit_vote": max(compute, ring_allreduce_s(0, s) + vote),
+        "topk_allgather": max(compute, 2 * s.alpha * (p - 1) * s.buckets
+                              + (p - 1) * k * 8 / s.bw),
     }
 
 
 MODE_SCHEME = {"fp32": "fp32_ring", "thc": "thc_switch", "thc-bmv2": "thc_switch",
-               "thc-dist": "thc_allreduce", "marsit": "marsit_ring"}
-"""Main-job modes and the model's scheme for each (TopK's all-gather is not modelled)."""
+               "thc-dist": "thc_allreduce", "marsit": "marsit_ring",
+               "marsit-vote": "marsit_vote", "marsit-vote-bmv2": "marsit_vote",
+               "topk": "topk_allgather", "dlcp": "thc_switch_dlcp"}
+"""Main-job modes and the model's scheme for each."""
 
 
-def calibrate(report: dict) -> list[dict]:
-    """Predicted against measured seconds per training step for each run of a main job.
+def _step_s(run: dict) -> float:
+    """Steady-state seconds per step: from the first evaluation to the last (the first steps
+    pay DDP's bucket rebuild and Gloo's connection setup, which the model leaves out)."""
+    h = run["history"]
+    if len(h) >= 2 and h[-1]["steps"] > h[0]["steps"]:
+        return (h[-1]["seconds"] - h[0]["seconds"]) / (h[-1]["steps"] - h[0]["steps"])
+    return run["train_seconds"] / h[-1]["steps"]
 
-    Compute per step comes from the runs whose hook reports how much communication backward
-    waited for (step time minus exposed communication, averaged); the codec cost from the
-    THC hook's own encode/decode/feedback seconds; bandwidth and workers from the job.
-    """
+
+def _base(report: dict, agg_pps: float) -> Setup:
+    """The main job's setup: compute per step from the runs whose hook reports how much
+    communication backward waited for (step time minus exposed communication, averaged),
+    bandwidth and workers from its arguments, DDP's buckets from the model size."""
     args, runs = report["args"], report["runs"]
-    rows, computes = [], []
+    computes = []
     for r in runs:
         last = r["history"][-1]
-        step = r["train_seconds"] / last["steps"]
         if last.get("exposed_comm_seconds") is not None and r["mode"] != "fp32":
-            computes.append(step - last["exposed_comm_seconds"] / last["steps"])
+            computes.append((r["train_seconds"] - last["exposed_comm_seconds"])
+                            / last["steps"])
     if not computes:
         raise ValueError("the report has no run with a communication breakdown")
-    compute = sum(computes) / len(computes)
-    base = Setup(params=float(runs[0]["params"]), workers=int(args["workers"]),
-                 bandwidth_gbps=float(args["bw"]) / 1e3, latency_us=0.0, compute_s=compute,
-                 overlap=1.0, lanes=int(args.get("software_lanes") or P.LANES))
-    for r in runs:
+    params = float(runs[0]["params"])
+    workers = int(args["workers"])
+    lanes = int(args.get("software_lanes") or 0) or P.max_software_lanes(
+        P.sum_bits_for(workers, 30))
+    return Setup(params=params, workers=workers, bandwidth_gbps=float(args["bw"]) / 1e3,
+                 latency_us=0.0, compute_s=sum(computes) / len(computes), overlap=1.0,
+                 lanes=lanes, buckets=ddp_buckets(params), agg_pps=agg_pps,
+                 agg_bw_factor=workers, codec_mbps=1e12,
+                 loss=float(args.get("loss") or 0.0) / 100,
+                 loss_bound=float(args.get("loss_bound") or 0.0))
+
+
+FIT_MODES = ("fp32", "marsit")
+"""The runs alpha and the link efficiency are fitted to: one bandwidth-bound, one
+latency-bound."""
+
+
+def fit(report: dict, agg_pps: float = 86e3) -> tuple[float, float]:
+    """(alpha seconds, link efficiency) that make the model meet the report's FP32 and
+    Marsit ring step times: two equations, alpha x messages + bytes / (efficiency x BW)."""
+    base = _base(report, agg_pps)
+    runs = {r["mode"]: r for r in report["runs"]}
+    missing = [m for m in FIT_MODES if m not in runs]
+    if missing:
+        raise ValueError(f"cannot fit alpha and efficiency without the {missing} run(s): "
+                         f"give --alpha-ms and --efficiency")
+    one = replace(base, latency_us=1e6)         # alpha = 1 s: the message term alone
+    rows = []
+    for mode in FIT_MODES:
+        scheme = MODE_SCHEME[mode]
+        wire = iteration_s(replace(base, compute_s=0.0))[scheme]
+        msgs = iteration_s(replace(one, compute_s=0.0, bandwidth_gbps=1e12))[scheme]
+        rows.append((msgs, wire, _step_s(runs[mode])))
+    (a1, b1, t1), (a2, b2, t2) = rows
+    det = a1 * b2 - a2 * b1
+    if det == 0:
+        raise ValueError("the FP32 and Marsit runs do not separate alpha from bandwidth")
+    alpha = (t1 * b2 - t2 * b1) / det
+    inv_eff = (a1 * t2 - a2 * t1) / det
+    if alpha < 0 or inv_eff <= 0:
+        raise ValueError(f"fit out of range (alpha {alpha:.4g} s, 1/efficiency {inv_eff:.4g})")
+    return alpha, 1.0 / inv_eff
+
+
+def calibrate(report: dict, alpha_s: float | None = None, efficiency: float | None = None,
+              agg_pps: float = 86e3, fitted: bool = False) -> list[dict]:
+    """Predicted against measured seconds per training step for each run of a main job.
+
+    The codec cost of each mode comes from its hook's own encode/decode/feedback seconds;
+    alpha and efficiency as given, else fitted to this report (:func:`fit`), and then its
+    FP32 and Marsit rows say ``fitted``.
+    """
+    base = _base(report, agg_pps)
+    if alpha_s is None or efficiency is None:
+        alpha_s, efficiency = fit(report, agg_pps)
+        fitted = True
+    base = replace(base, latency_us=alpha_s * 1e6, efficiency=efficiency)
+    rows = []
+    for r in report["runs"]:
         scheme = MODE_SCHEME.get(r["mode"])
-        last = r["history"][-1]
-        measured = r["train_seconds"] / last["steps"]
         if scheme is None:
             continue
+        last = r["history"][-1]
         codec_s = (last.get("codec_seconds") or 0.0) / last["steps"]
-        s = replace(base, lanes=P.LANES if r["mode"] == "thc-bmv2" else base.lanes,
-                    codec_mbps=(4 * base.params / codec_s / 1e6) if codec_s else 1e12)
-        predicted = iteration_s(s)[scheme]
+        bmv2 = r["mode"].endswith("bmv2")
+        s = replace(base, lanes=P.LANES if bmv2 else base.lanes,
+                    codec_mbps=(4 * base.params / codec_s / 1e6) if codec_s else 1e12,
+                    agg_pps=float("inf") if bmv2 else base.agg_pps)
+        measured, predicted = _step_s(r), iteration_s(s)[scheme]
         rows.append({"mode": r["mode"], "scheme": scheme, "measured_s": measured,
                      "predicted_s": predicted, "error": predicted / measured - 1,
-                     "compute_s": compute, "codec_s": codec_s})
+                     "compute_s": base.compute_s, "codec_s": codec_s, "alpha_s": alpha_s,
+                     "efficiency": efficiency, "bw_mbit": float(report["args"]["bw"]),
+                     "steps": last["steps"], "testbed": r.get("testbed"),
+                     "fitted": fitted and r["mode"] in FIT_MODES})
     return rows
 
 
@@ -144,19 +304,46 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--overlap", type=float, default=1.05, help="lambda (1.04-1.1)")
     parser.add_argument("--codec-mbps", type=float, default=270.0,
                         help="THC encode+decode MB/s per worker (see thc bench codec)")
-    parser.add_argument("--calibrate", metavar="MAINJOB_JSON",
-                        help="compare the model with a main job's measured step times "
-                             "(out/mainjob.json)")
+    parser.add_argument("--calibrate", metavar="MAINJOB_JSON", nargs="+",
+                        help="compare the model with main jobs' measured step times "
+                             "(out/mainjob.json, one or more)")
+    parser.add_argument("--alpha-ms", type=float, default=None,
+                        help="with --calibrate: per-message cost alpha (default: fitted "
+                             "to the first report's FP32 and Marsit runs)")
+    parser.add_argument("--efficiency", type=float, default=None,
+                        help="with --calibrate: link efficiency (default: fitted with alpha)")
+    parser.add_argument("--agg-pps", type=float, default=86e3,
+                        help="with --calibrate: software aggregator packets/s (thc bench "
+                             "aggregator, 4 workers)")
 
 
 def run(args: argparse.Namespace) -> int:
     if args.calibrate:
-        rows = calibrate(json.loads(Path(args.calibrate).read_text()))
-        print(f"{'mode':<9} {'scheme':<14} {'measured ms':>12} {'predicted ms':>13} "
-              f"{'error':>7}   (compute {1e3 * rows[0]['compute_s']:.0f} ms/step, measured)")
+        reports = [json.loads(Path(path).read_text()) for path in args.calibrate]
+        alpha = None if args.alpha_ms is None else args.alpha_ms / 1e3
+        eff = args.efficiency
+        fitted_on = None
+        if alpha is None or eff is None:
+            alpha, eff = fit(reports[0], args.agg_pps)
+            fitted_on = args.calibrate[0]
+            print(f"fitted to the fp32 and marsit runs of {fitted_on}: alpha "
+                  f"{1e3 * alpha:.2f} ms, link efficiency {eff:.3f}")
+        rows = [row for path, rep in zip(args.calibrate, reports)
+                for row in calibrate(rep, alpha, eff, args.agg_pps,
+                                     fitted=path == fitted_on)]
+        print(f"{'Mbit/s':>6} {'mode':<12} {'testbed':<8} {'scheme':<15} {'steps':>5} "
+              f"{'measured ms':>11} {'predicted ms':>12} {'error':>6}  {'compute ms':>10} "
+              f"{'codec ms':>8}")
         for r in rows:
-            print(f"{r['mode']:<9} {r['scheme']:<14} {1e3 * r['measured_s']:>12.1f} "
-                  f"{1e3 * r['predicted_s']:>13.1f} {100 * r['error']:>+6.0f}%")
+            print(f"{r['bw_mbit']:>6g} {r['mode']:<12} {str(r['testbed']):<8} "
+                  f"{r['scheme']:<15} {r['steps']:>5} {1e3 * r['measured_s']:>11.1f} "
+                  f"{1e3 * r['predicted_s']:>12.1f} {100 * r['error']:>+5.0f}%  "
+                  f"{1e3 * r['compute_s']:>10.1f} {1e3 * r['codec_s']:>8.1f}"
+                  + ("  (fitted here)" if r["fitted"] else ""))
+        predicted = [r for r in rows if not r["fitted"]]
+        ok = [r for r in predicted if abs(r["error"]) <= 0.25]
+        print(f"{len(ok)} of {len(predicted)} predicted configurations (bandwidth x mode) "
+              f"within 25% of the measured step time")
         return 0
     base = Setup(params=args.params, workers=args.workers, latency_us=args.latency_us,
                  compute_s=args.compute_ms / 1e3, overlap=args.overlap,

@@ -1,4 +1,5 @@
-"""PyTorch DDP communication hooks: THC (through an aggregator or torch.distributed), TopK, Marsit.
+"""PyTorch DDP communication hooks: THC (through an aggregator or torch.distributed), TopK,
+Marsit (sign bits merged along a ring, or counted by a vote job in the network).
 
 Install with ``hook.register(ddp_model)``. Gradients of parameters chosen
 to stay uncompressed (by name, or below a size) go through the process group's ordinary
@@ -23,7 +24,7 @@ import torch.distributed as dist
 
 from host.codec.baselines import TopK
 from host.collective.allreduce import THCAllReduce
-from host.collective.marsit import MarsitAllReduce
+from host.collective.marsit import MarsitAllReduce, MarsitVoteAllReduce
 
 
 @dataclass(frozen=True)
@@ -125,7 +126,7 @@ class _Hook:
                 i += view.numel()
         if comp:
             flat = comp[0] if len(comp) == 1 else torch.cat(comp)
-            out = self.reduce(index, flat)
+            out = self.reduce(index, flat, [v.numel() for v in comp])
             i = 0
             for view in comp:
                 view.copy_(out[i: i + view.numel()])
@@ -136,7 +137,8 @@ class _Hook:
             self._last_done = end
         return buf
 
-    def reduce(self, bucket_index: int, flat: torch.Tensor) -> torch.Tensor:
+    def reduce(self, bucket_index: int, flat: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+        """The workers' mean of ``flat``, the bucket's compressed parameters (of ``sizes``)."""
         raise NotImplementedError
 
 
@@ -157,7 +159,7 @@ class THCHook(_Hook):
         return sum(ar.stats.seconds["encode"] + ar.stats.seconds["decode"]
                    + ar.stats.seconds["feedback"] for ar in self.reducers.values())
 
-    def reduce(self, bucket_index: int, flat: torch.Tensor) -> torch.Tensor:
+    def reduce(self, bucket_index: int, flat: torch.Tensor, sizes: list[int]) -> torch.Tensor:
         # DDP rebuilds its buckets after the first iteration: a new size starts a new residual.
         key = (bucket_index, flat.numel())
         ar = self.reducers.get(key)
@@ -178,7 +180,7 @@ class TopKHook(_Hook):
         super().__init__(model, options, group, overlap)
         self.scheme = TopK(ratio=ratio, error_feedback=True)
 
-    def reduce(self, bucket_index: int, flat: torch.Tensor) -> torch.Tensor:
+    def reduce(self, bucket_index: int, flat: torch.Tensor, sizes: list[int]) -> torch.Tensor:
         # The residual is keyed by bucket and size: DDP rebuilds buckets after one iteration.
         payload = self.scheme.compress(flat, key=(bucket_index, flat.numel()))
         idx = payload.indices.to(torch.int32)
@@ -194,20 +196,35 @@ class TopKHook(_Hook):
 
 class MarsitHook(_Hook):
     """Marsit: one sign bit per coordinate through a merging ring all-reduce, with global
-    compensation (:class:`host.collective.marsit.MarsitAllReduce`, one per bucket)."""
+    compensation and a scale per parameter tensor (:class:`host.collective.marsit.
+    MarsitAllReduce`, one per bucket). ``make_allreducer()`` builds another sign all-reduce
+    per bucket instead (the vote: :class:`MarsitVoteHook`)."""
 
     def __init__(self, model, options: HookOptions = HookOptions(), group=None,
-                 generator: torch.Generator | None = None, overlap: bool = True):
+                 generator: torch.Generator | None = None, overlap: bool = True,
+                 make_allreducer: Callable[[], MarsitAllReduce] | None = None):
         super().__init__(model, options, group, overlap)
-        self.generator = generator
+        self.make_allreducer = make_allreducer or (
+            lambda: MarsitAllReduce(self.group, generator))
         self.reducers: dict[tuple[int, int], MarsitAllReduce] = {}
 
-    def reduce(self, bucket_index: int, flat: torch.Tensor) -> torch.Tensor:
+    def reduce(self, bucket_index: int, flat: torch.Tensor, sizes: list[int]) -> torch.Tensor:
         key = (bucket_index, flat.numel())
         ar = self.reducers.get(key)
         if ar is None:
-            ar = self.reducers[key] = MarsitAllReduce(self.group, self.generator)
+            ar = self.reducers[key] = self.make_allreducer()
         before = ar.bytes_sent
-        out = ar(flat)
+        out = ar(flat, sizes)
         self.bytes_sent += ar.bytes_sent - before
         return out
+
+
+class MarsitVoteHook(MarsitHook):
+    """Marsit's sign bits counted in the network: every bucket's bits go through the vote job
+    of ``client`` (switch or software aggregator), one compensation residual per bucket."""
+
+    def __init__(self, model, client, options: HookOptions = HookOptions(), group=None,
+                 overlap: bool = True, majority: bool = False):
+        super().__init__(model, options, group, overlap=overlap,
+                         make_allreducer=lambda: MarsitVoteAllReduce(client, group,
+                                                                     majority=majority))

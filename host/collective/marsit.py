@@ -1,15 +1,22 @@
-"""Marsit: one sign bit per coordinate through a ring all-reduce, merged at every hop.
+"""Marsit: one sign bit per coordinate through a ring all-reduce, merged at every hop, or
+counted by a switch or the software aggregator (a vote).
 
 Each worker sends the sign of its compensated gradient. In the ring's reduce-scatter, a
 chunk that already merges the bits of k workers meets a new worker, which keeps its own bit
 with probability 1/(k+1) and otherwise forwards the incoming one: no hop decompresses or
 re-compresses, and every final bit is the sign of a uniformly chosen worker, so its
 expectation is the workers' mean sign (unbiased). The all-gather then spreads the merged
-bits. One scalar all-reduce carries the scale (the workers' mean absolute value), and the
-global compensation keeps, on every worker, what the shared estimate missed of its own
+bits. A small all-reduce carries the scales (the workers' mean absolute value, one per
+segment: per parameter tensor in the DDP hook, as layers differ in magnitude by orders), and
+the global compensation keeps, on every worker, what the shared estimate missed of its own
 gradient (error feedback against the global estimate), which keeps training convergent.
 
-Bytes on the wire per worker: 2 (p - 1) / p * d / 8 for d coordinates, plus one float.
+In the network (:class:`MarsitVoteAllReduce`), a vote job of the same protocol as THC counts
+the +1 bits of every coordinate (the switch adds, never decompresses); the count c of n gives
+the exact mean sign (2c - n) / n instead of one random worker's sign.
+
+Bytes on the wire per worker: 2 (p - 1) / p * d / 8 for d coordinates through the ring;
+d / 8 up and d counts (8-bit) down through the vote; plus the scales.
 """
 from __future__ import annotations
 
@@ -39,22 +46,60 @@ def ring_merge(signs: list[torch.Tensor], generator: torch.Generator | None = No
     return acc
 
 
-class MarsitAllReduce:
-    """Sign-bit all-reduce of one tensor over a torch.distributed group (Gloo or NCCL).
+class _SignAllReduce:
+    """Compensation, scales and the estimate shared by the ring and the vote; subclasses say
+    how the workers' sign bits become the mean-sign estimate.
 
     ``compensation`` keeps one residual per call site: call one instance per tensor (or
     bucket) of fixed size, as the DDP hook does.
     """
 
-    def __init__(self, group=None, generator: torch.Generator | None = None,
-                 compensation: bool = True):
+    def __init__(self, group=None, compensation: bool = True):
         self.group = group
-        self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
-        self.generator = generator
         self.compensation = compensation
         self.residual: torch.Tensor | None = None
         self.bytes_sent = 0
+
+    def mean_sign(self, own: torch.Tensor) -> torch.Tensor:
+        """From this worker's bits (bool, True = +1) to the shared estimate of the workers'
+        mean sign (the same tensor on every worker)."""
+        raise NotImplementedError
+
+    def __call__(self, grad: torch.Tensor, sizes: list[int] | None = None) -> torch.Tensor:
+        """The estimate of the workers' mean of ``grad``; ``sizes`` splits it into segments
+        with a scale each (default: one)."""
+        if not torch.isfinite(grad).all():
+            raise ValueError("Marsit: the gradient holds NaN or Inf")
+        flat = grad.reshape(-1).float()
+        if self.compensation and self.residual is not None:
+            if self.residual.shape != flat.shape:
+                raise ValueError(f"Marsit: residual of {self.residual.numel()} elements, "
+                                 f"gradient of {flat.numel()}: use one instance per tensor")
+            flat = flat + self.residual
+        sizes = [flat.numel()] if sizes is None else list(sizes)
+        if sum(sizes) != flat.numel() or any(n < 1 for n in sizes):
+            raise ValueError(f"Marsit: segments {sizes} do not split {flat.numel()} elements")
+        scale = torch.stack([part.abs().mean() for part in flat.split(sizes)])
+        dist.all_reduce(scale, group=self.group)
+        scale /= self.world
+        self.bytes_sent += 2 * (self.world - 1) * 4 * len(sizes) // self.world
+        per_coord = scale.repeat_interleave(torch.tensor(sizes))
+        estimate = self.mean_sign(flat >= 0) * per_coord
+        if self.compensation:
+            self.residual = flat - estimate
+        return estimate.reshape(grad.shape).to(grad.dtype)
+
+
+class MarsitAllReduce(_SignAllReduce):
+    """Sign-bit ring all-reduce of one tensor over a torch.distributed group (Gloo or NCCL),
+    merging at every hop (:func:`merge`)."""
+
+    def __init__(self, group=None, generator: torch.Generator | None = None,
+                 compensation: bool = True):
+        super().__init__(group, compensation)
+        self.rank = dist.get_rank(group)
+        self.generator = generator
 
     def _peer(self, offset: int) -> int:
         r = (self.rank + offset) % self.world
@@ -67,27 +112,14 @@ class MarsitAllReduce:
             work.wait()
         self.bytes_sent += send.numel() * send.element_size()
 
-    def __call__(self, grad: torch.Tensor) -> torch.Tensor:
-        if not torch.isfinite(grad).all():
-            raise ValueError("Marsit: the gradient holds NaN or Inf")
-        flat = grad.reshape(-1).float()
-        if self.compensation and self.residual is not None:
-            if self.residual.shape != flat.shape:
-                raise ValueError(f"Marsit: residual of {self.residual.numel()} elements, "
-                                 f"gradient of {flat.numel()}: use one instance per tensor")
-            flat = flat + self.residual
-        p, d = self.world, flat.numel()
-        scale = flat.abs().mean().reshape(1)
-        dist.all_reduce(scale, group=self.group)
-        scale /= p
-        self.bytes_sent += 2 * (p - 1) * 4 // p
-        own = flat >= 0
+    def mean_sign(self, own: torch.Tensor) -> torch.Tensor:
+        p, d = self.world, own.numel()
         chunk = -(-d // (8 * p)) * 8          # bits per chunk, a whole number of bytes
-        padded = torch.zeros(chunk * p, dtype=torch.bool, device=flat.device)
+        padded = torch.zeros(chunk * p, dtype=torch.bool, device=own.device)
         padded[:d] = own
         mine = padded.reshape(p, chunk)
         acc = mine.clone()
-        buf = torch.empty(chunk // 8, dtype=torch.uint8, device=flat.device)
+        buf = torch.empty(chunk // 8, dtype=torch.uint8, device=own.device)
         for step in range(p - 1):
             send_idx, recv_idx = (self.rank - step) % p, (self.rank - step - 1) % p
             self._exchange(pack_bits(acc[send_idx], 1), buf)
@@ -98,8 +130,44 @@ class MarsitAllReduce:
             send_idx, recv_idx = (done - step) % p, (done - step - 1) % p
             self._exchange(pack_bits(acc[send_idx], 1), buf)
             acc[recv_idx] = unpack_bits(buf, 1, chunk).bool()
-        bits = acc.reshape(-1)[:d]
-        estimate = torch.where(bits, scale, -scale)
-        if self.compensation:
-            self.residual = flat - estimate
-        return estimate.reshape(grad.shape).to(grad.dtype)
+        return acc.reshape(-1)[:d].float() * 2 - 1
+
+
+def counts_to_mean_sign(counts: torch.Tensor, n_workers: int,
+                        majority: bool = False) -> torch.Tensor:
+    """Counts of +1 votes among ``n_workers`` -> the mean sign (2c - n) / n, or with
+    ``majority`` the majority's sign (a tie counts 0)."""
+    if n_workers < 1:
+        raise ValueError(f"a vote needs at least one worker, got {n_workers}")
+    if counts.numel() and int(counts.max()) > n_workers:
+        raise ValueError(f"a count of {int(counts.max())} +1 votes among {n_workers} workers")
+    diff = counts.float() * 2 - n_workers
+    return torch.sign(diff) if majority else diff / n_workers
+
+
+class MarsitVoteAllReduce(_SignAllReduce):
+    """Sign bits counted in the network: a vote job of the THC protocol (switch or software
+    aggregator) adds the +1 bits of every coordinate, the client turns counts into the mean
+    sign (or the majority's, ``majority``). The scales go over ``group`` (Gloo)."""
+
+    def __init__(self, client, group=None, compensation: bool = True, majority: bool = False):
+        if client.job.aggregation != "vote":
+            raise ValueError(f"job {client.job.job_id} aggregates {client.job.aggregation!r}; "
+                             f"Marsit's vote needs a vote job (Job.vote)")
+        super().__init__(group, compensation)
+        if client.job.n_workers != self.world:
+            raise ValueError(f"vote job of {client.job.n_workers} workers, process group of "
+                             f"{self.world}")
+        self.client = client
+        self.majority = majority
+
+    def mean_sign(self, own: torch.Tensor) -> torch.Tensor:
+        d, lanes = own.numel(), self.client.job.lanes
+        padded = torch.zeros(-(-d // lanes) * lanes, dtype=torch.bool)
+        padded[:d] = own.cpu()
+        before = self.client.stats.bytes_sent
+        counts = self.client.aggregate(pack_bits(padded, 1).numpy())
+        self.bytes_sent += self.client.stats.bytes_sent - before
+        est = counts_to_mean_sign(torch.from_numpy(counts[:d].astype("int64")),
+                                  self.client.job.n_workers, self.majority)
+        return est.to(own.device)

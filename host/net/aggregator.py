@@ -2,7 +2,8 @@
 
 Per job it holds the run that owns the job (``thc_job_run``) and a pool of slots in two
 versions (SwitchML), each with a run, a sequence number, a worker bitmap, a count, and
-per-lane sums of lookup-table values, and whether a worker closed the use short (``FLUSH``,
+per-lane sums of lookup-table values (or, for a vote job, counts of +1 sign bits), and
+whether a worker closed the use short (``FLUSH``,
 DLCP's bounded loss). Names follow the P4 program (``thc_job_run``, ``thc_run``, ``thc_seq``,
 ``thc_bitmap``, ``thc_count``, ``thc_closed``, ``thc_sum``, ``thc_max``, drop reasons
 and job counters from protocol.json), so the switch can be tested against it packet for
@@ -66,7 +67,8 @@ class JobState:
         self.pair_lut = np.stack([lut[np.arange(256) >> 4], lut[np.arange(256) & 0x0F]], axis=1)
         self.n = job.n_workers
         self.pool = job.pool_size
-        self.data_bytes = P.payload_bytes(P.PktType.DATA, job.lanes)
+        self.vote = job.aggregation == "vote"
+        self.data_bytes = P.payload_bytes(P.PktType.DATA, job.lanes, aggregation=job.aggregation)
         self.addr = [(w.ip, w.port) for w in sorted(job.workers, key=lambda w: w.id)]
         self.thc_job_run = 0
         self.thc_run = [[0, 0] for _ in range(job.pool_size)]
@@ -227,7 +229,9 @@ class Aggregator:
             else:
                 np.maximum(regs, vals, out=regs)
         else:
-            vals = state.pair_lut[np.frombuffer(payload, dtype=np.uint8)].reshape(-1)
+            raw = np.frombuffer(payload, dtype=np.uint8)
+            # a vote lane is one bit, counted as is (VOTE_TABLE maps b to b)
+            vals = np.unpackbits(raw) if state.vote else state.pair_lut[raw].reshape(-1)
             regs = state.thc_sum[slot, version]
             if first:
                 regs[:] = vals

@@ -170,16 +170,18 @@ class AggregationClient:
     # -- public API ------------------------------------------------------------------
     def aggregate(self, packed: np.ndarray, offset_base: int = 0,
                   classes: np.ndarray | None = None) -> np.ndarray:
-        """Sum of all workers' table values for ``packed`` 4-bit indices (lanes/2 bytes a chunk).
+        """Sum of all workers' table values for ``packed`` 4-bit indices (lanes/2 bytes a chunk)
+        or, in a vote job, the count of +1 votes for ``packed`` sign bits (lanes/8 bytes a
+        chunk, :func:`host.codec.packing.pack_bits` with 1 bit).
 
-        Returns one integer per index (uint16), in order. ``classes``: a priority class per
+        Returns one integer per lane (uint16), in order. ``classes``: a priority class per
         chunk (:func:`host.net.priority.priority_class`), marked in DSCP; None sends best
         effort. A chunk closed short sums only the workers in ``last_bitmaps`` (its count in
         ``last_counts``; all zero when nobody's packet arrived).
         """
         lanes = self.job.lanes
         packed = np.ascontiguousarray(packed, dtype=np.uint8).reshape(-1)
-        chunk_bytes = P.payload_bytes(P.PktType.DATA, lanes)
+        chunk_bytes = P.payload_bytes(P.PktType.DATA, lanes, aggregation=self.job.aggregation)
         if packed.size % chunk_bytes:
             raise ValueError(f"packed indices ({packed.size} bytes) must be a multiple of one "
                              f"chunk ({chunk_bytes} bytes = {lanes} lanes); pad the index vector")

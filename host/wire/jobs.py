@@ -20,6 +20,11 @@ SWITCH_AGG_MAC = "02:00:00:00:00:fe"
 static ARP entry): the default of ``Cluster.agg_mac``, the controller and the testbeds."""
 
 
+VOTE_TABLE = (0, 1) + (0,) * ((1 << P.INDEX_BITS) - 2)
+"""The table of a vote job: a sign bit b counts b. The switch widens each bit to an index
+into it, so a vote job runs on the same lane groups as THC."""
+
+
 class ConfigError(ValueError):
     """A job configuration that cannot be installed."""
 
@@ -77,6 +82,10 @@ class Job:
     """DLCP's bounded loss: the fraction of a round's chunks, in [0, 1), that a worker may
     close short (FLUSH) instead of retransmitting; 0 retransmits everything. Host-side only:
     the switch serves any FLUSH it gets."""
+    aggregation: str = "thc"
+    """What DATA lanes carry (protocol.json's ``aggregations``): ``thc`` 4-bit table indices,
+    ``vote`` one sign bit each, counted (a vote job: :meth:`Job.vote`, table ``VOTE_TABLE``,
+    granularity 1, so 8-bit counts up to 255 workers)."""
 
     def __post_init__(self):
         if self.mcast_grp == 0:
@@ -108,6 +117,12 @@ class Job:
             if w.id == worker_id:
                 return w
         raise KeyError(worker_id)
+
+    @classmethod
+    def vote(cls, job_id: int, workers, **kw) -> "Job":
+        """A sign-vote job: every lane counts the workers whose bit is 1 (+1)."""
+        return cls(job_id=job_id, workers=tuple(workers), table=VOTE_TABLE, granularity=1,
+                   aggregation="vote", **kw)
 
     def validate(self) -> "Job":
         if not 1 <= self.job_id < 1 << 16:
@@ -142,10 +157,16 @@ class Job:
                               f"{(1 << self.sum_bits) - 1}); leave sum_bits out to choose "
                               f"{P.sum_bits_for(n, self.granularity)}")
         check_loss_bound(self.loss_bound, f"job {self.job_id}: ")
+        if self.aggregation not in P.AGGREGATIONS:
+            raise ConfigError(f"job {self.job_id}: aggregation {self.aggregation!r} unknown "
+                              f"(one of {sorted(P.AGGREGATIONS)})")
+        if self.aggregation == "vote" and (self.table != VOTE_TABLE or self.granularity != 1):
+            raise ConfigError(f"job {self.job_id}: a vote job counts sign bits: table "
+                              f"{list(VOTE_TABLE)} and granularity 1 (Job.vote)")
         if self.pool_size < 1 or self.pool_base < 0:
             raise ConfigError(f"job {self.job_id}: pool needs pool_size >= 1, pool_base >= 0")
         try:
-            P.check_lanes(self.lanes, sum_bits=self.sum_bits)
+            P.check_lanes(self.lanes, sum_bits=self.sum_bits, aggregation=self.aggregation)
         except ValueError as e:
             raise ConfigError(f"job {self.job_id}: {e}") from None
         shard_addrs = [(s.ip, s.port) for s in self.shards]
@@ -176,6 +197,9 @@ class Job:
         try:
             workers = tuple(Worker(**w) for w in d.pop("workers"))
             d["shards"] = tuple(Shard(**s) for s in d.pop("shards", ()))
+            if d.get("aggregation") == "vote":
+                d.setdefault("table", VOTE_TABLE)
+                d.setdefault("granularity", 1)
             if "table" not in d:
                 params = THCParams(bits=P.INDEX_BITS, granularity=d["granularity"],
                                    p=float(d.pop("p", 1 / 32)))

@@ -41,6 +41,13 @@ HEADER_FIELDS: list[tuple[str, int]] = [(n, w) for n, w in SPEC["header"]]
 PktType = IntEnum("PktType", SPEC["pkt_types"])
 DropReason = IntEnum("DropReason", SPEC["drop_reasons"])
 JOB_COUNTERS: dict[str, int] = SPEC["job_counters"]
+AGGREGATIONS: dict[str, int] = {name: a["code"] for name, a in SPEC["aggregations"].items()
+                                if name != "comment"}
+"""A job's aggregation type by name -> code (set_job's ``aggregation``): ``thc`` sums table
+values of 4-bit indices, ``vote`` counts +1 sign bits (one bit a lane)."""
+LANE_BITS: dict[str, int] = {name: a["lane_bits"] for name, a in SPEC["aggregations"].items()
+                             if name != "comment"}
+"""Bits a DATA lane takes on the wire, per aggregation type."""
 
 _FMT_CODES = {8: "B", 16: "H", 32: "I"}
 HEADER_STRUCT = struct.Struct("!" + "".join(_FMT_CODES[w] for _, w in HEADER_FIELDS))
@@ -111,10 +118,19 @@ class ProtocolError(ValueError):
     """A packet that does not follow the protocol."""
 
 
-def payload_bytes(pkt_type: int, lanes: int = LANES, sum_bits: int = SUM_WIDTHS[0]) -> int:
-    """Payload length that a packet of this type must carry (RESULT: of ``sum_bits`` sums)."""
+def check_aggregation(aggregation: str) -> str:
+    if aggregation not in AGGREGATIONS:
+        raise ValueError(f"aggregation {aggregation!r} unknown; protocol.json defines "
+                         f"{sorted(AGGREGATIONS)}")
+    return aggregation
+
+
+def payload_bytes(pkt_type: int, lanes: int = LANES, sum_bits: int = SUM_WIDTHS[0],
+                  aggregation: str = "thc") -> int:
+    """Payload length that a packet of this type must carry (RESULT: of ``sum_bits`` sums;
+    DATA: of the job's aggregation type, 4-bit indices or 1-bit signs a lane)."""
     if pkt_type == PktType.DATA:
-        return lanes * INDEX_BITS // 8
+        return lanes * LANE_BITS[check_aggregation(aggregation)] // 8
     if pkt_type == PktType.RESULT:
         return lanes * sum_bits // 8
     if pkt_type in (PktType.MAX, PktType.MAX_RESULT):
@@ -122,15 +138,20 @@ def payload_bytes(pkt_type: int, lanes: int = LANES, sum_bits: int = SUM_WIDTHS[
     return 0
 
 
-def check_lanes(lanes: int, switch: bool = False, sum_bits: int = SUM_WIDTHS[0]) -> int:
+def check_lanes(lanes: int, switch: bool = False, sum_bits: int = SUM_WIDTHS[0],
+                aggregation: str = "thc") -> int:
     """Lane counts must fill whole bytes and a RESULT of ``sum_bits`` sums must fit one MTU;
     on BMv2 (``switch``) lanes come in groups of 8 and a packet may also grow by at most 512
     bytes. The software aggregator has no growth limit."""
     if lanes < 2 or lanes % 2:
         raise ValueError(f"lanes must be a positive even number, got {lanes}")
+    if lanes * LANE_BITS[check_aggregation(aggregation)] % 8:
+        raise ValueError(f"{lanes} lanes of {aggregation} do not fill whole bytes (sign "
+                         f"bits: a multiple of 8 lanes)")
     if switch and lanes % 8:
         raise ValueError(f"{lanes} lanes: the switch takes lanes in groups of 8")
-    growth = payload_bytes(PktType.RESULT, lanes, sum_bits) - payload_bytes(PktType.DATA, lanes)
+    growth = (payload_bytes(PktType.RESULT, lanes, sum_bits)
+              - payload_bytes(PktType.DATA, lanes, aggregation=aggregation))
     if switch and growth > 512:
         raise ValueError(f"{lanes} lanes of {sum_bits}-bit sums grow a packet by {growth} "
                          f"bytes (> 512, BMv2's limit)")

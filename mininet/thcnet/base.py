@@ -163,6 +163,23 @@ class Testbed:
     def job(self) -> Job:
         return self.cluster.jobs[0]
 
+    def use_vote_job(self) -> Job:
+        """Make the testbed's job a vote job (Marsit's signs counted by the aggregator): same
+        id, workers and pool, lanes rounded down to whole sign bytes. Call before the
+        aggregator starts (it reads the cluster then)."""
+        import dataclasses
+        if (self.logdir / "cluster.json").exists():
+            raise TestbedError("use_vote_job: the cluster was already written")
+        job = self.job
+        try:
+            vote = Job.vote(job.job_id, job.workers, pool_size=job.pool_size,
+                            pool_base=job.pool_base, lanes=job.lanes // 8 * 8,
+                            mcast_grp=job.mcast_grp).validate()
+        except ConfigError as e:
+            raise TestbedError(str(e)) from None
+        self.cluster = dataclasses.replace(self.cluster, jobs=(vote,))
+        return vote
+
     def node_of(self, rank_or_name) -> str:
         if isinstance(rank_or_name, int):
             if not 0 <= rank_or_name < self.n_workers:

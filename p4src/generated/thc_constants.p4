@@ -24,6 +24,7 @@ const bit<32> THC_SEQ_RESET = 0xFFFFFFFF;
 const bit<16> THC_HDR_BYTES = 28;
 const bit<16> THC_UDP_LEN_HDR = 36;  // UDP length of a header-only (PENDING, RESET) packet
 const bit<16> THC_UDP_LEN_DATA = 164;  // UDP length of a DATA packet
+const bit<16> THC_UDP_LEN_VOTE = 68;  // UDP length of a DATA of a vote job packet
 const bit<16> THC_UDP_LEN_RESULT8 = 292;  // UDP length of a RESULT of an 8-bit job packet
 const bit<16> THC_UDP_LEN_RESULT16 = 548;  // UDP length of a RESULT of a 16-bit job packet
 const bit<16> THC_UDP_LEN_MAX = 164;  // UDP length of a MAX / MAX_RESULT packet
@@ -52,6 +53,10 @@ const bit<6> THC_DSCP_CLASS_2 = 24;
 const bit<6> THC_DSCP_CLASS_3 = 32;
 #define THC_PRIORITY_QUEUES 5  // simple_switch --priority-queues
 #define THC_DSCP_ENTRIES 0: thc_set_priority(0); 8: thc_set_priority(1); 16: thc_set_priority(2); 24: thc_set_priority(3); 32: thc_set_priority(4);
+
+// aggregation types (set_job's aggregation)
+const bit<8> THC_AGG_THC = 0;
+const bit<8> THC_AGG_VOTE = 1;
 
 // drop reasons: index into counter thc_drops
 const bit<8> THC_DROP_MALFORMED = 1;

@@ -23,7 +23,7 @@ from controller.frames import udp_frame
 from controller.testing.bmv2 import LocalBMv2
 from host.wire import protocol as P
 from host.wire.jobs import SWITCH_AGG_IP, SWITCH_AGG_MAC, Job, Worker
-from tests.conformance.harness import TEST_TABLE, Endpoint, Harness
+from tests.conformance.harness import Endpoint, Harness, job_fields
 
 ROOT = Path(__file__).resolve().parents[2]
 BUILD = ROOT / "p4src" / "build"
@@ -114,7 +114,7 @@ class BMv2Harness(Harness):
 
     def make_job(self, job_id: int, n_workers: int, pool_size: int = 8,
                  table: list[int] | None = None, granularity: int = 30,
-                 ports: list[int] | None = None) -> Job:
+                 aggregation: str = "thc", ports: list[int] | None = None) -> Job:
         """``ports``: switch port of each worker (default: spread over the worker ports)."""
         workers = []
         for i in range(n_workers):
@@ -127,9 +127,8 @@ class BMv2Harness(Harness):
             workers.append(Worker(i, ip, udp_port, mac, port))
             self._endpoints[(ip, udp_port)] = FrameEndpoint(self.switch, port, mac, ip, udp_port)
         base = self._alloc_pool(job_id, pool_size)
-        job = Job(job_id=job_id, workers=tuple(workers),
-                  table=tuple(TEST_TABLE if table is None else table), granularity=granularity,
-                  pool_size=pool_size, pool_base=base, lanes=self.sw.lanes)
+        job = Job(job_id=job_id, workers=tuple(workers), pool_size=pool_size, pool_base=base,
+                  lanes=self.sw.lanes, **job_fields(table, granularity, aggregation))
         return job.validate()
 
     def install(self, job: Job) -> None:

@@ -91,7 +91,13 @@ def test_job_entries_from_the_committed_p4info():
     e = jobs.job_entry(sw, job, 3, epoch=0xDEADBEEF)
     assert sw.param_values(e) == {"job_index": 3, "n_workers": 3, "pool_base": 0,
                                   "pool_size": job.pool_size, "full_bitmap": 7,
-                                  "mcast_grp": 5, "sum_bits": 8, "epoch": 0xDEADBEEF}
+                                  "mcast_grp": 5, "sum_bits": 8, "epoch": 0xDEADBEEF,
+                                  "aggregation": P.AGGREGATIONS["thc"]}
+    vote = Job.vote(6, _job(6).workers).validate()
+    assert sw.param_values(jobs.job_entry(sw, vote, 4, epoch=1))["aggregation"] == \
+        P.AGGREGATIONS["vote"]
+    # the vote job's lookup entries count a sign bit: index 1 -> 1, every other -> 0
+    assert jobs.lut_values(vote)[0][0x10] == 1 << 24 and jobs.lut_values(vote)[0][0x22] == 0
     with pytest.raises(ConfigError, match="epoch"):
         jobs.job_entry(sw, job, 3, epoch=0)
     (w0,) = jobs.worker_entries(sw, job)[:1]

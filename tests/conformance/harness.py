@@ -9,7 +9,7 @@ from __future__ import annotations
 import abc
 
 from host.wire import protocol as P
-from host.wire.jobs import Job
+from host.wire.jobs import VOTE_TABLE, Job
 
 
 class Endpoint(abc.ABC):
@@ -43,10 +43,12 @@ class Harness(abc.ABC):
 
     @abc.abstractmethod
     def make_job(self, job_id: int, n_workers: int, pool_size: int = 8,
-                 table: list[int] | None = None, granularity: int = 30) -> Job:
+                 table: list[int] | None = None, granularity: int = 30,
+                 aggregation: str = "thc") -> Job:
         """A job whose worker addresses this harness can send from and receive at.
 
-        ``table`` defaults to a test table with distinct entries, so a wrong index shows.
+        ``table`` defaults to a test table with distinct entries, so a wrong index shows;
+        ``aggregation="vote"`` makes a vote job (its table and granularity are fixed).
         """
 
     @abc.abstractmethod
@@ -81,6 +83,14 @@ class Harness(abc.ABC):
 
     def lanes(self) -> int:
         return P.LANES
+
+
+def job_fields(table, granularity, aggregation) -> dict:
+    """Job fields of a harness's make_job: a vote job takes Job.vote's table and granularity."""
+    if aggregation == "vote":
+        return {"table": VOTE_TABLE, "granularity": 1, "aggregation": "vote"}
+    return {"table": tuple(TEST_TABLE if table is None else table),
+            "granularity": granularity, "aggregation": aggregation}
 
 
 TEST_TABLE = [0, 1, 2, 4, 6, 8, 11, 14, 16, 19, 22, 24, 26, 28, 29, 30]

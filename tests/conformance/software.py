@@ -8,7 +8,7 @@ import socket
 from host.net.aggregator import Aggregator
 from host.wire import protocol as P
 from host.wire.jobs import Job, Shard
-from tests.conformance.harness import TEST_TABLE, Endpoint, Harness
+from tests.conformance.harness import Endpoint, Harness, job_fields
 
 
 class UdpEndpoint(Endpoint):
@@ -41,7 +41,8 @@ class SoftwareHarness(Harness):
         self._endpoints: dict[tuple[str, int], UdpEndpoint] = {}
 
     def make_job(self, job_id: int, n_workers: int, pool_size: int = 8,
-                 table: list[int] | None = None, granularity: int = 30) -> Job:
+                 table: list[int] | None = None, granularity: int = 30,
+                 aggregation: str = "thc") -> Job:
         eps = [self._new_endpoint(("127.0.0.1", 0)) for _ in range(n_workers)]
         workers = []
         for i, ep in enumerate(eps):
@@ -49,8 +50,7 @@ class SoftwareHarness(Harness):
             self._endpoints[(ip, port)] = ep
             workers.append({"id": i, "ip": ip, "port": port})
         return Job.from_dict({"job_id": job_id, "workers": workers, "pool_size": pool_size,
-                              "granularity": granularity,
-                              "table": TEST_TABLE if table is None else table})
+                              **job_fields(table, granularity, aggregation)})
 
     def _new_endpoint(self, addr: tuple[str, int]) -> UdpEndpoint:
         return UdpEndpoint(addr, self.addr)
