@@ -22,8 +22,10 @@ of one lane (its lookup table and register action) in BMv2.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
+from pathlib import Path
 
 from controller import counters, forwarding, jobs, toolchain
 from controller.frames import udp_frame
@@ -86,35 +88,50 @@ class Pacer:
         self._thread.join()
 
 
-def _measure(read, send, frames, rate: float, duration: float, warmup: float = 0.5):
-    """Offer ``rate`` pps; return (processed per second, offered per second)."""
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process (all its threads), from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _measure(read, send, frames, rate: float, duration: float, warmup: float = 0.5,
+             pid: int | None = None):
+    """Offer ``rate`` pps; return (processed per second, offered per second, switch CPU
+    seconds per processed packet or None)."""
     with Pacer(send, frames, rate) as pacer:
         time.sleep(warmup)
+        u0 = cpu_seconds(pid) if pid else 0.0
         c0, s0, t0 = read(), pacer.sent, time.perf_counter()
         time.sleep(duration)
         c1, s1, t1 = read(), pacer.sent, time.perf_counter()
+        u1 = cpu_seconds(pid) if pid else 0.0
     time.sleep(0.3)
-    return (c1 - c0) / (t1 - t0), (s1 - s0) / (t1 - t0)
+    per_packet = (u1 - u0) / (c1 - c0) if pid and c1 > c0 else None
+    return (c1 - c0) / (t1 - t0), (s1 - s0) / (t1 - t0), per_packet
 
 
-def _rate(read, send, frames, args) -> dict:
+def _rate(read, send, frames, args, pid: int) -> dict:
     """The switch's sustained rate: offer a bit more than it takes (probe, then raise the
-    offered rate while the switch keeps up with it)."""
+    offered rate while the switch keeps up with it); and its CPU time per packet at half
+    that rate, which other load on the machine hardly changes."""
     duration = min(args.duration, 1.0) if args.quick else args.duration
     if args.rate:
-        pps, offered = _measure(read, send, frames, args.rate, duration)
-        return {"pps": pps, "offered_pps": offered}
-    probe, _ = _measure(read, send, frames, 200_000, 0.5 if args.quick else 1.0, 0.3)
-    target = max(200.0, 1.3 * probe)
-    best = None
-    for _ in range(4):
-        pps, offered = _measure(read, send, frames, target, duration)
-        if best is None or pps > best[0]:
-            best = (pps, offered)
-        if pps < 0.93 * offered:      # saturated: the switch, not the sender, sets the rate
-            break
-        target *= 1.5
-    return {"pps": best[0], "offered_pps": best[1]}
+        pps, offered, _ = _measure(read, send, frames, args.rate, duration)
+    else:
+        probe, _, _ = _measure(read, send, frames, 200_000, 0.5 if args.quick else 1.0, 0.3)
+        target = max(200.0, 1.3 * probe)
+        best = None
+        for _ in range(4):
+            pps, offered, _ = _measure(read, send, frames, target, duration)
+            if best is None or pps > best[0]:
+                best = (pps, offered)
+            if pps < 0.93 * offered:  # saturated: the switch, not the sender, sets the rate
+                break
+            target *= 1.5
+        pps, offered = best
+    _, _, cpu = _measure(read, send, frames, max(50.0, pps / 2), duration, pid=pid)
+    return {"pps": pps, "offered_pps": offered,
+            "cpu_us_per_packet": None if cpu is None else cpu * 1e6}
 
 
 FAST_BUILD_L2_PPS = 40_000
@@ -178,7 +195,7 @@ def bench_thc(args, build_dir, label: str, sum_bits: int = 8) -> dict:
             return counters.job_counters(sw, idx)["packets"]
 
         c0 = counters.job_counters(sw, idx)
-        res = _rate(read, bm.send, frames, args)
+        res = _rate(read, bm.send, frames, args, bm.proc.pid)
         c1 = counters.job_counters(sw, idx)
         drops = counters.drops(sw)
         res.update({
@@ -204,7 +221,7 @@ def bench_l2(args, frame_bytes: int) -> dict:
         frame = udp_frame("02:00:00:00:02:01", dst, "10.0.2.1", "10.0.2.2", 1000, 2000,
                           bytes(pad))
         frames = itertools.repeat((0, frame))
-        res = _rate(lambda: bm.rx_packets(1), bm.send, frames, args)
+        res = _rate(lambda: bm.rx_packets(1), bm.send, frames, args, bm.proc.pid)
         res.update({"program": "l2.p4", "frame_bytes": len(frame)})
         return res
 
@@ -224,6 +241,14 @@ def _variant(lanes: int, tmp) -> "object":
                     "--p4runtime-files", str(out / "thc.p4info.txt"), str(main)], check=True,
                    capture_output=True)
     return out, time.perf_counter() - t0
+
+
+def _us(v) -> str:
+    return "n/a" if v is None else f"{v:.0f} us"
+
+
+def _ratio(v) -> str:
+    return "n/a" if v is None else f"{v:.3f}"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -249,6 +274,9 @@ def run(args: argparse.Namespace) -> int:
         l2 = bench_l2(args, thc["frame_bytes"])
         for r in runs:
             r["ratio_to_l2"] = r["pps"] / l2["pps"] if l2["pps"] else None
+            r["cpu_ratio_to_l2"] = (l2["cpu_us_per_packet"] / r["cpu_us_per_packet"]
+                                    if r["cpu_us_per_packet"] and l2["cpu_us_per_packet"]
+                                    else None)
         result = {
             "bench": "switch",
             "target": "BMv2 simple_switch_grpc --log-level off, veth ports, paced offered load",
@@ -261,8 +289,11 @@ def run(args: argparse.Namespace) -> int:
                   f"workers): {r['pps']:.0f} packets/s = {r['coords_per_s'] / 1e6:.2f} M "
                   f"coordinates/s (offered {r['offered_pps']:.0f}/s), RESULT payload "
                   f"{r['result_payload_bytes']} bytes; / l2.p4: {r['ratio_to_l2']:.3f}")
+            print(f"  switch CPU {_us(r['cpu_us_per_packet'])} per packet; l2.p4's / thc.p4's "
+                  f"(the rate ratio on an idle core): {_ratio(r['cpu_ratio_to_l2'])}")
         print(f"l2.p4, same {l2['frame_bytes']}-byte frames: {l2['pps']:.0f} packets/s "
-              f"(offered {l2['offered_pps']:.0f}/s)")
+              f"(offered {l2['offered_pps']:.0f}/s), switch CPU "
+              f"{_us(l2['cpu_us_per_packet'])} per packet")
         print(f"BMv2 build: {result['bmv2_build']}")
         if sweep:
             points = [(thc["lanes"], thc["pps"])]

@@ -9,7 +9,8 @@ A job (host/wire/jobs.py ``Job``) becomes
   thc_worker       (job_id, worker_id, src_ip, src_port) -> set_worker(worker_bit)
   thc_worker_addr  (job_id, worker_id) -> set_worker_addr(worker_mac, worker_ip,
                                                           worker_port, agg_mac, agg_ip)  [egress]
-  thc_g<k>.thc_lut_<b>  (job_id, byte) -> thc_lut_set_<b>(two lanes' values, packed)
+  thc_g<k>.thc_lut_<b>  (job_id, byte) -> thc_lut_set_<b>(two lanes' values, packed);
+                        the last byte: thc_lut_sum8 / thc_lut_sum16 (adds the words too)
                    256 entries x 4 bytes x LANES/8 lane groups
   multicast group  job.mcast_grp: one replica per worker (its switch_port, instance worker_id + 1)
   l2_forward       worker MAC -> switch_port
@@ -42,6 +43,7 @@ ADDR_TABLE = "thc_worker_addr"
 GROUP = "ThcIngress.thc_g{}"
 LUT_TABLE = GROUP + ".thc_lut_{}"
 LUT_ACTION = GROUP + ".thc_lut_set_{}"
+LUT_SUM_ACTION = GROUP + ".thc_lut_sum{}"
 GROUP_LANES = 8
 GROUP_BYTES = GROUP_LANES * P.INDEX_BITS // 8
 
@@ -316,6 +318,14 @@ def lut_values(job: Job) -> list[list[int]]:
     return out
 
 
+def lut_action(group: int, pos: int, sum_bits: int) -> str:
+    """The action of a lookup entry: the last byte's also adds the group's words (one
+    action per sum width, so BMv2 runs no further table for them)."""
+    if pos == GROUP_BYTES - 1:
+        return LUT_SUM_ACTION.format(group, sum_bits)
+    return LUT_ACTION.format(group, pos)
+
+
 def lut_entries(sw: Switch, job: Job, with_action: bool = True) -> list:
     """256 x 4 lookup entries per lane group (serialized: see Switch.entry_bytes)."""
     values = lut_values(job) if with_action else None
@@ -326,7 +336,7 @@ def lut_entries(sw: Switch, job: Job, with_action: bool = True) -> list:
             for byte in range(256):
                 if with_action:
                     out.append(sw.entry_bytes(table, {"job_id": job.job_id, "idx": byte},
-                                              LUT_ACTION.format(group, pos),
+                                              lut_action(group, pos, job.sum_bits),
                                               {"value": values[pos][byte]}))
                 else:
                     out.append(sw.entry_bytes(table, {"job_id": job.job_id, "idx": byte}))

@@ -149,9 +149,10 @@ control ThcVerifyChecksum(inout headers_t hdr, inout metadata_t meta) {
  * T[hi] << 16 | T[lo] for 16-bit jobs. Lanes never carry into each other (a job's sums fit
  * its width), so one 32-bit add sums four 8-bit or two 16-bit lanes.
  *
- * Each sum word register has one register action, run at most once per packet; its
- * operation is the single field `op` (write on the slot's first use, add, read on a
- * retransmission), as a Tofino RegisterAction picked by the same field.
+ * Each sum word register is read and written at most once per packet, by one action: the
+ * last byte's lookup action (thc_lut_sum8 / thc_lut_sum16, write on the slot's first use,
+ * add otherwise) or, on a retransmission, thc_read8 / thc_read16. thc_tna.p4 keeps these
+ * names but leaves the words to RegisterActions chosen by its thc_word_op table.
  */
 control ThcLaneGroup(in thc_idx_h idx, out thc_sum8_h r8, out thc_sum16_h r16,
                      in bit<16> job_id, in bit<32> reg_index, in bit<2> op, in bit<1> wide) {
@@ -170,7 +171,41 @@ control ThcLaneGroup(in thc_idx_h idx, out thc_sum8_h r8, out thc_sum16_h r16,
     action thc_lut_set_0(bit<32> value) { v0 = value; }
     action thc_lut_set_1(bit<32> value) { v1 = value; }
     action thc_lut_set_2(bit<32> value) { v2 = value; }
-    action thc_lut_set_3(bit<32> value) { v3 = value; }
+    // The last byte's lookup also adds the group's words: BMv2 pays for every table and
+    // every action call outside one (p4c turns each into a table), so the group costs four
+    // table applies and nothing else. The controller picks the action by the job's width.
+    action thc_lut_sum8(bit<32> value) {
+        v3 = value;
+        thc_sum_0.read(old, reg_index);
+        v0 = (op == THC_OP_WRITE) ? (v0 | v1) : old + (v0 | v1);
+        thc_sum_0.write(reg_index, v0);
+        thc_sum_1.read(old, reg_index);
+        v1 = (op == THC_OP_WRITE) ? (v2 | v3) : old + (v2 | v3);
+        thc_sum_1.write(reg_index, v1);
+        r8.setValid();
+        r8.w0 = v0;
+        r8.w1 = v1;
+    }
+    action thc_lut_sum16(bit<32> value) {
+        v3 = value;
+        thc_sum_0.read(old, reg_index);
+        v0 = (op == THC_OP_WRITE) ? v0 : old + v0;
+        thc_sum_0.write(reg_index, v0);
+        thc_sum_1.read(old, reg_index);
+        v1 = (op == THC_OP_WRITE) ? v1 : old + v1;
+        thc_sum_1.write(reg_index, v1);
+        thc_sum_2.read(old, reg_index);
+        v2 = (op == THC_OP_WRITE) ? v2 : old + v2;
+        thc_sum_2.write(reg_index, v2);
+        thc_sum_3.read(old, reg_index);
+        v3 = (op == THC_OP_WRITE) ? v3 : old + v3;
+        thc_sum_3.write(reg_index, v3);
+        r16.setValid();
+        r16.w0 = v0;
+        r16.w1 = v1;
+        r16.w2 = v2;
+        r16.w3 = v3;
+    }
     table thc_lut_0 {
         key = { job_id: exact @name("job_id"); idx.b0: exact @name("idx"); }
         actions = { thc_lut_set_0; }
@@ -189,72 +224,60 @@ control ThcLaneGroup(in thc_idx_h idx, out thc_sum8_h r8, out thc_sum16_h r16,
         default_action = thc_lut_set_2(0);
         size = THC_LUT_SIZE;
     }
+    // No default: the controller installs all 256 entries of every lookup table before a
+    // job's workers go live; a miss would leave the group's RESULT words out, and the
+    // reply's length would make every receiver drop it.
     table thc_lut_3 {
         key = { job_id: exact @name("job_id"); idx.b3: exact @name("idx"); }
-        actions = { thc_lut_set_3; }
-        default_action = thc_lut_set_3(0);
+        actions = { thc_lut_sum8; thc_lut_sum16; @defaultonly NoAction; }
+        default_action = NoAction();
         size = THC_LUT_SIZE;
     }
 
-    // new = value (write), old + value (add) or old (read); the word is returned in `value`
-    action thc_sum_ra_0() {
-        thc_sum_0.read(old, reg_index);
-        v0 = (op == THC_OP_WRITE) ? v0 : ((op == THC_OP_ADD) ? old + v0 : old);
-        thc_sum_0.write(reg_index, v0);
+    // A retransmitted packet's reply: the words as they are
+    action thc_read8() {
+        r8.setValid();
+        thc_sum_0.read(r8.w0, reg_index);
+        thc_sum_1.read(r8.w1, reg_index);
     }
-    action thc_sum_ra_1() {
-        thc_sum_1.read(old, reg_index);
-        v1 = (op == THC_OP_WRITE) ? v1 : ((op == THC_OP_ADD) ? old + v1 : old);
-        thc_sum_1.write(reg_index, v1);
+    action thc_read16() {
+        r16.setValid();
+        thc_sum_0.read(r16.w0, reg_index);
+        thc_sum_1.read(r16.w1, reg_index);
+        thc_sum_2.read(r16.w2, reg_index);
+        thc_sum_3.read(r16.w3, reg_index);
     }
-    action thc_sum_ra_2() {
-        thc_sum_2.read(old, reg_index);
-        v2 = (op == THC_OP_WRITE) ? v2 : ((op == THC_OP_ADD) ? old + v2 : old);
-        thc_sum_2.write(reg_index, v2);
+
+    // a FLUSH carries no indices: it adds (or, on a new use, writes) zero
+    action thc_flush8() {
+        v0 = 0;
+        v1 = 0;
+        v2 = 0;
+        thc_lut_sum8(0);
     }
-    action thc_sum_ra_3() {
-        thc_sum_3.read(old, reg_index);
-        v3 = (op == THC_OP_WRITE) ? v3 : ((op == THC_OP_ADD) ? old + v3 : old);
-        thc_sum_3.write(reg_index, v3);
-    }
-    // 8-bit job: the four bytes' values fill two words
-    action thc_pack8() {
-        v0 = v0 | v1;
-        v1 = v2 | v3;
+    action thc_flush16() {
+        v0 = 0;
+        v1 = 0;
+        v2 = 0;
+        thc_lut_sum16(0);
     }
 
     apply {
-        if (op != THC_OP_READ) {
-            if (idx.isValid()) {
-                thc_lut_0.apply();
-                thc_lut_1.apply();
-                thc_lut_2.apply();
-                thc_lut_3.apply();
+        if (op == THC_OP_READ) {
+            if (wide == 0) {
+                thc_read8();
             } else {
-                // a FLUSH carries no indices: it adds (or, on a new use, writes) zero
-                v0 = 0;
-                v1 = 0;
-                v2 = 0;
-                v3 = 0;
+                thc_read16();
             }
-        }
-        if (wide == 0) {
-            thc_pack8();
-            thc_sum_ra_0();
-            thc_sum_ra_1();
-            r8.setValid();
-            r8.w0 = v0;
-            r8.w1 = v1;
+        } else if (idx.isValid()) {
+            thc_lut_0.apply();
+            thc_lut_1.apply();
+            thc_lut_2.apply();
+            thc_lut_3.apply();
+        } else if (wide == 0) {
+            thc_flush8();
         } else {
-            thc_sum_ra_0();
-            thc_sum_ra_1();
-            thc_sum_ra_2();
-            thc_sum_ra_3();
-            r16.setValid();
-            r16.w0 = v0;
-            r16.w1 = v1;
-            r16.w2 = v2;
-            r16.w3 = v3;
+            thc_flush16();
         }
     }
 }

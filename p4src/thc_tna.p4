@@ -143,7 +143,10 @@ control ThcLaneGroup(inout thc_idx_h idx, inout thc_sum8_h r8, inout thc_sum16_h
     action thc_lut_set_0(bit<32> value) { v0 = value; }
     action thc_lut_set_1(bit<32> value) { v1 = value; }
     action thc_lut_set_2(bit<32> value) { v2 = value; }
-    action thc_lut_set_3(bit<32> value) { v3 = value; }
+    // the same action names as thc.p4 (one per width, picked by the controller); here the
+    // words are added by thc_word_op's RegisterActions
+    action thc_lut_sum8(bit<32> value) { v3 = value; }
+    action thc_lut_sum16(bit<32> value) { v3 = value; }
     table thc_lut_0 {
         key = { job_id: exact @name("job_id"); idx.b0: exact @name("idx"); }
         actions = { thc_lut_set_0; }
@@ -164,8 +167,8 @@ control ThcLaneGroup(inout thc_idx_h idx, inout thc_sum8_h r8, inout thc_sum16_h
     }
     table thc_lut_3 {
         key = { job_id: exact @name("job_id"); idx.b3: exact @name("idx"); }
-        actions = { thc_lut_set_3; }
-        default_action = thc_lut_set_3(0);
+        actions = { thc_lut_sum8; thc_lut_sum16; }
+        default_action = thc_lut_sum8(0);
         size = THC_LUT_SIZE;
     }
 

@@ -151,8 +151,9 @@ def test_p4info_has_the_shared_names():
     assert [p.name for p in _by_short_name(info.actions)["set_job"].params] == [
         "job_index", "n_workers", "pool_base", "pool_size", "full_bitmap", "mcast_grp",
         "sum_bits", "epoch", "aggregation"]
-    lut_set = actions["ThcIngress.thc_g0.thc_lut_set_0"]
-    assert [(p.name, p.bitwidth) for p in lut_set.params] == [("value", 32)]
+    for name in ("thc_lut_set_0", "thc_lut_sum8", "thc_lut_sum16"):
+        lut_set = actions[f"ThcIngress.thc_g0.{name}"]
+        assert [(p.name, p.bitwidth) for p in lut_set.params] == [("value", 32)]
     counters = _by_short_name(info.counters)
     assert counters["thc_drops"].size == max(r.value for r in P.DropReason) + 1
     assert counters["thc_job_counters"].size == P.MAX_JOBS * len(P.JOB_COUNTERS)
