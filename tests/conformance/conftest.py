@@ -9,6 +9,14 @@ def _software():
     return SoftwareHarness()
 
 
+def _compiled():
+    from host.net import fastagg
+    if not fastagg.available():
+        pytest.skip(f"compiled aggregator skipped: {fastagg.UNAVAILABLE}")
+    from tests.conformance.software import SoftwareHarness
+    return SoftwareHarness(compiled=True)
+
+
 def _bmv2():
     try:
         from tests.bmv2.harness import BMv2Harness, bmv2_available
@@ -20,8 +28,8 @@ def _bmv2():
     return BMv2Harness()
 
 
-@pytest.fixture(scope="module", params=["software", "bmv2"])
+@pytest.fixture(scope="module", params=["software", "compiled", "bmv2"])
 def harness(request):
-    h = _software() if request.param == "software" else _bmv2()
+    h = {"software": _software, "compiled": _compiled, "bmv2": _bmv2}[request.param]()
     yield h
     h.close()

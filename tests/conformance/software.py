@@ -1,9 +1,11 @@
-"""Harness for the software aggregator: real UDP sockets on loopback."""
+"""Harness for the software aggregators (Python reference and compiled datapath): real UDP
+sockets on loopback."""
 from __future__ import annotations
 
 import socket
 
 from host.net.aggregator import Aggregator
+from host.net.fastagg import FastAggregator
 from host.wire.jobs import Job
 from tests.conformance.harness import TEST_TABLE, Endpoint, Harness
 
@@ -32,8 +34,9 @@ class SoftwareHarness(Harness):
     name = "software"
     settle = 0.05
 
-    def __init__(self):
-        self.agg = Aggregator()
+    def __init__(self, compiled: bool = False):
+        self.name = "compiled" if compiled else "software"
+        self.agg = FastAggregator() if compiled else Aggregator()
         self.addr = self.agg.start("127.0.0.1", 0)
         self._endpoints: dict[tuple[str, int], UdpEndpoint] = {}
 
