@@ -8,6 +8,8 @@ differential fuzz sends the same hostile and mutated packets to both. The confor
 from __future__ import annotations
 
 import socket
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -325,3 +327,28 @@ def test_a_missing_extension_is_reported_not_fatal(monkeypatch):
     assert not fastagg.available()
     with pytest.raises(RuntimeError, match="not built"):
         fastagg.FastAggregator()
+
+
+def test_thc_aggregator_picks_the_compiled_datapath_and_says_so(tmp_path):
+    from host.net.aggregator import choose
+    from host.net.impair import Impairment
+    from host.wire.jobs import Cluster
+
+    js = jobs()
+    agg, name = choose("auto", js, Impairment())
+    assert isinstance(agg, fastagg.FastAggregator) and name.startswith("compiled")
+    agg, name = choose("python", js, Impairment())
+    assert type(agg) is Aggregator and name == "python (as asked)"
+    agg, name = choose("auto", js, Impairment(loss=0.1))
+    assert type(agg) is Aggregator and "impairment" in name
+    with pytest.raises(RuntimeError, match="impairment"):
+        choose("compiled", js, Impairment(loss=0.1))
+    cfg = tmp_path / "cluster.json"
+    Cluster(jobs=tuple(js)).save(cfg)
+    out = subprocess.run([sys.executable, "-m", "host.app.cli", "aggregator", "--listen",
+                          f"127.0.0.1:{free_port_block(1)}", "--config", str(cfg),
+                          "--duration", "0.2", "--stats-interval", "0"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    first = out.stdout.splitlines()[0]
+    assert "listening" in first and "datapath compiled" in first

@@ -8,6 +8,10 @@ and job counters from protocol.json), so the switch can be tested against it pac
 packet. Each start draws a fresh ``epoch`` that every reply carries, so clients notice a
 restart (the in-flight state is lost) instead of waiting for it. The per-packet path is a
 handful of numpy calls; there is no loop per coordinate.
+
+This module is the readable reference. :mod:`host.net.fastagg` runs the same semantics with
+its datapath compiled (bit for bit, tests/test_fastagg.py), and ``thc aggregator`` runs that
+one when it is built, saying which datapath runs in its first line.
 """
 from __future__ import annotations
 
@@ -294,6 +298,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="print counters every N seconds (0: never)")
     parser.add_argument("--stats-file", help="rewrite counters as JSON to this file while running")
     parser.add_argument("--duration", type=float, help="exit after N seconds")
+    parser.add_argument("--datapath", choices=("auto", "compiled", "python"), default="auto",
+                        help="auto (default): the compiled datapath when it is built, else "
+                             "this Python one; the first line printed says which runs")
     for name in ("loss", "dup", "reorder"):
         parser.add_argument(f"--{name}", type=float, default=0.0,
                             help=f"inject {name} with this probability on sent results (testing)")
@@ -304,6 +311,22 @@ def parse_hostport(text: str) -> tuple[str, int]:
     if not sep or not port.isdigit():
         raise ValueError(f"expected HOST:PORT, got {text!r}")
     return host or "0.0.0.0", int(port)
+
+
+def choose(datapath: str, jobs, impair: Impairment):
+    """The aggregator to run and how to name it: the compiled datapath unless told otherwise,
+    it is not built, or impairments are asked for (only the Python loop injects them)."""
+    from host.net import fastagg
+
+    if datapath == "python":
+        return Aggregator(jobs, impair=impair), "python (as asked)"
+    why_not = fastagg.UNAVAILABLE or ("impairment injection (--loss/--dup/--reorder) runs "
+                                      "in the Python datapath only" if impair.active else None)
+    if why_not is None:
+        return fastagg.FastAggregator(jobs), "compiled (C, recvmmsg/sendmmsg)"
+    if datapath == "compiled":
+        raise RuntimeError(f"--datapath compiled: {why_not}")
+    return Aggregator(jobs, impair=impair), f"python ({why_not})"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -318,19 +341,27 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"thc aggregator: {e}", file=sys.stderr)
         return 2
-    agg = Aggregator(cluster.jobs, impair=impair)
+    try:
+        agg, datapath = choose(args.datapath, cluster.jobs, impair)
+    except RuntimeError as e:
+        print(f"thc aggregator: {e}", file=sys.stderr)
+        return 2
     try:
         addr = agg.start(host, port)
     except OSError as e:
         print(f"thc aggregator: cannot listen on {args.listen}: {e}", file=sys.stderr)
         return 2
     print(f"thc aggregator listening on {addr[0]}:{addr[1]} with jobs "
-          f"{[j.job_id for j in cluster.jobs]}, epoch {agg.epoch:#010x}", flush=True)
+          f"{[j.job_id for j in cluster.jobs]}, epoch {agg.epoch:#010x}, datapath {datapath}",
+          flush=True)
     end = None if args.duration is None else time.monotonic() + args.duration
     last_print = time.monotonic()
     try:
         while end is None or time.monotonic() < end:
             time.sleep(0.5)
+            if getattr(agg, "error", None) is not None:
+                print(f"thc aggregator: the datapath stopped: {agg.error}", file=sys.stderr)
+                return 1
             stats = agg.counters()
             if args.stats_file:
                 Path(args.stats_file).write_text(json.dumps(stats, indent=2) + "\n")

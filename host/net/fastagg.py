@@ -192,7 +192,7 @@ class FastEcho(FastAggregator):
 
 
 def drive(socks: list[socket.socket], aggregator: tuple[str, int], job: Job, run: int,
-          chunks: int, window: int, payloads: list[bytes], rto: float = 0.02,
+          chunks: int, window: int, payloads: list[bytes], rto: float = 0.1,
           deadline: float = 120.0) -> dict:
     """Play ``job``'s workers from compiled code (a load generator for benchmarks): worker
     ``w`` streams ``chunks`` DATA chunks of ``payloads[w]`` from ``socks[w]`` with ``window``
