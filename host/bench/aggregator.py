@@ -5,8 +5,9 @@ aggregator, a compiled UDP echo with the compiled aggregator's receive/send loop
 batching (recvmmsg/sendmmsg), and a Python UDP echo with the Python aggregator's loop. An echo
 answers every packet at once with a result-sized packet and aggregates nothing, so an
 aggregator/echo ratio is the cost of aggregation itself. Each server runs in its own
-process; by default the workers are played by a compiled load generator (one process, one
-socket per worker, a window of chunks each), so the clients are not what is measured;
+process; by default the workers are played by a compiled load generator (one socket per
+worker, a window of chunks each, ``--load-procs`` processes), so the clients are not what
+is measured;
 ``--load python`` uses the real client (:class:`AggregationClient`, one process a worker).
 """
 from __future__ import annotations
@@ -37,6 +38,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--load", choices=("compiled", "python"), default="compiled",
                         help="who plays the workers: the compiled load generator (default) or "
                              "the Python client, one process per worker")
+    parser.add_argument("--load-procs", type=int, default=1,
+                        help="processes the compiled load generator spreads the workers over")
 
 
 class PythonEcho(Aggregator):
@@ -108,29 +111,49 @@ def _python_load(ctx, job, addr, chunks, window) -> tuple[float, int]:
             sum(r for _, _, r in spans))
 
 
-def _compiled_load(job, addr, chunks, window, payloads) -> tuple[float, int]:
+def _drive_group(job, workers, addr, chunks, window, payloads, start_ev, done_q):
     import socket
 
-    socks = []
+    socks = {}
     try:
-        for w in range(job.n_workers):
+        for w in workers:
             s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
             s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
             s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 8 << 20)
             wk = job.worker(w)
             s.bind((wk.ip, wk.port))
-            socks.append(s)
+            socks[w] = s
+        start_ev.wait()
+        t0 = time.perf_counter()
         out = fastagg.drive(socks, addr, job, RUN, chunks, window, payloads)
+        done_q.put((t0, time.perf_counter(), out))
     finally:
-        for s in socks:
+        for s in socks.values():
             s.close()
-    if not out["complete"]:
-        raise RuntimeError(f"the load generator did not finish: {out}")
-    return out["seconds"], out["retransmitted"]
+
+
+def _compiled_load(ctx, job, addr, chunks, window, payloads, procs) -> tuple[float, int]:
+    """The workers split over ``procs`` load-generator processes, started together."""
+    done_q, start_ev = ctx.Queue(), ctx.Event()
+    groups = [list(range(job.n_workers))[i::procs] for i in range(procs)]
+    gens = [ctx.Process(target=_drive_group, args=(job, g, addr, chunks, window, payloads,
+                                                   start_ev, done_q)) for g in groups if g]
+    for g in gens:
+        g.start()
+    time.sleep(0.3)
+    start_ev.set()
+    spans = [done_q.get(timeout=300) for _ in gens]
+    for g in gens:
+        g.join()
+    for _, _, out in spans:
+        if not out["complete"]:
+            raise RuntimeError(f"the load generator did not finish: {out}")
+    return (max(e for _, e, _ in spans) - min(s for s, _, _ in spans),
+            sum(out["retransmitted"] for _, _, out in spans))
 
 
 def run_point(kind: str, n: int, chunks: int, lanes: int, window: int, load: str,
-              payloads: list[bytes]) -> dict:
+              payloads: dict[int, bytes], procs: int = 1) -> dict:
     ctx = mp.get_context("fork")
     job = local_job(1, n, free_port_block(n), pool_size=max(window, 64), lanes=lanes,
                     granularity=255 // n)
@@ -142,7 +165,8 @@ def run_point(kind: str, n: int, chunks: int, lanes: int, window: int, load: str
         if load == "python":
             elapsed, retransmitted = _python_load(ctx, job, addr, chunks, window)
         else:
-            elapsed, retransmitted = _compiled_load(job, addr, chunks, window, payloads)
+            elapsed, retransmitted = _compiled_load(ctx, job, addr, chunks, window, payloads,
+                                                    procs)
     finally:
         stop_ev.set()
     handled = count_q.get(timeout=30)
@@ -166,16 +190,18 @@ def run(args: argparse.Namespace) -> int:
     repeat = 1 if args.quick else args.repeat
     rows = []
     print(f"aggregators vs UDP echoes, {lanes} lanes/packet, {chunks} chunks per worker, "
-          f"window {args.window}, load: {args.load} "
-          f"({'one compiled load generator' if args.load == 'compiled' else 'Python clients'})")
+          f"window {args.window}, load: "
+          + (f"compiled load generator in {args.load_procs} process(es)"
+             if args.load == "compiled" else "Python clients, one process each"))
     print(f"{'workers':>7} {'server':>14} {'pkts/s in':>12} {'coords/s':>14} {'seconds':>8} "
           f"{'resent':>7}")
     for n in [int(x) for x in args.workers.split(",")]:
-        payloads = [] if args.load == "python" else [_payload(lanes, w, chunks)
-                                                     for w in range(n)]
+        payloads = {} if args.load == "python" else {w: _payload(lanes, w, chunks)
+                                                     for w in range(n)}
         best = {}
         for kind in SERVERS:
-            runs = [run_point(kind, n, chunks, lanes, args.window, args.load, payloads)
+            runs = [run_point(kind, n, chunks, lanes, args.window, args.load, payloads,
+                              args.load_procs)
                     for _ in range(repeat)]
             best[kind] = b = max(runs, key=lambda r: r["packets_in_per_s"])
             print(f"{n:>7} {kind:>14} {b['packets_in_per_s']:>12,.0f} {b['coords_per_s']:>14,.0f} "
@@ -193,5 +219,5 @@ def run(args: argparse.Namespace) -> int:
         rows.append({"workers": n, **{k.replace(" ", "_"): v for k, v in best.items()},
                      "ratios": ratios})
     emit_json(args, {"benchmark": "aggregator", "lanes": lanes, "load": args.load,
-                     "window": args.window, "rows": rows})
+                     "load_procs": args.load_procs, "window": args.window, "rows": rows})
     return 0

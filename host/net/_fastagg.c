@@ -717,14 +717,14 @@ static PyTypeObject DatapathType = {
 /* Load generator: n workers of one job, one socket each, a window of chunks each.           */
 
 typedef struct {
-    int fd;
+    int fd, wid;
     const uint8_t *data; /* chunks * data_bytes */
     uint8_t *done;
     long base, hi;
     double last;
 } Lane;
 
-static void send_chunks(Lane *l, int wid, long *seqs, int m, struct sockaddr_in *agg,
+static void send_chunks(Lane *l, long *seqs, int m, struct sockaddr_in *agg,
                         int job_id, int pool, int lanes, uint32_t run, uint8_t data_type,
                         int data_bytes, uint8_t *sbuf, struct mmsghdr *msgs,
                         struct iovec *iov, long *sent) {
@@ -734,7 +734,7 @@ static void send_chunks(Lane *l, int wid, long *seqs, int m, struct sockaddr_in 
         for (int k = 0; k < b; k++) {
             long s = seqs[done + k];
             uint8_t *p = sbuf + (size_t)k * OUT_BYTES;
-            write_header(p, data_type, (uint8_t)wid, (uint16_t)job_id, (uint16_t)(s % pool),
+            write_header(p, data_type, (uint8_t)l->wid, (uint16_t)job_id, (uint16_t)(s % pool),
                          (uint8_t)((s / pool) % 2), 0, (uint32_t)s, (uint32_t)(s * lanes), 0,
                          run, 0);
             memcpy(p + HDR, l->data + (size_t)s * data_bytes, data_bytes);
@@ -757,7 +757,7 @@ static void send_chunks(Lane *l, int wid, long *seqs, int m, struct sockaddr_in 
     }
 }
 
-/* drive(fds, agg_ip, agg_port, job_id, pool, lanes, run, chunks, window, payloads, types,
+/* drive(workers, agg_ip, agg_port, job_id, pool, lanes, run, chunks, window, payloads, types,
  *       rto, deadline) -> (seconds, results, sent, retransmitted, complete) */
 static PyObject *fa_drive(PyObject *self, PyObject *args) {
     PyObject *fds, *payloads, *types;
@@ -768,7 +768,7 @@ static PyObject *fa_drive(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "OkiiiikliOOdd", &fds, &agg_ip, &agg_port, &job_id, &pool,
                           &lanes, &run, &chunks, &window, &payloads, &types, &rto, &deadline))
         return NULL;
-    PyObject *fseq = PySequence_Fast(fds, "fds must be a sequence");
+    PyObject *fseq = PySequence_Fast(fds, "workers must be a sequence of (fd, worker_id)");
     if (!fseq) return NULL;
     int n = (int)PySequence_Fast_GET_SIZE(fseq);
     int data_bytes = lanes / 2;
@@ -793,7 +793,14 @@ static PyObject *fa_drive(PyObject *self, PyObject *args) {
     Py_buffer *bufs = calloc((size_t)n, sizeof(Py_buffer));
     int nbufs = 0;
     for (int w = 0; ls && bufs && w < n; w++) {
-        ls[w].fd = (int)PyLong_AsLong(PySequence_Fast_GET_ITEM(fseq, w));
+        int fd, wid;
+        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(fseq, w), "ii", &fd, &wid)) break;
+        if (wid < 0 || wid >= MAX_WORKERS) {
+            PyErr_SetString(PyExc_ValueError, "drive: worker id outside 0..31");
+            break;
+        }
+        ls[w].fd = fd;
+        ls[w].wid = wid;
         PyObject *p = PySequence_GetItem(payloads, w);
         if (!p || PyObject_GetBuffer(p, &bufs[w], PyBUF_SIMPLE) < 0) {
             Py_XDECREF(p);
@@ -849,14 +856,14 @@ static PyObject *fa_drive(PyObject *self, PyObject *args) {
             int m = 0;
             while (l->hi < chunks && l->hi < l->base + window) seqs[m++] = l->hi++;
             if (m)
-                send_chunks(l, w, seqs, m, &agg, job_id, pool, lanes, (uint32_t)run,
+                send_chunks(l, seqs, m, &agg, job_id, pool, lanes, (uint32_t)run,
                             (uint8_t)tcodes[T_DATA], data_bytes, sbuf, msgs, iov, &sent);
             if (now - l->last > rto) {
                 m = 0;
                 for (long s = l->base; s < l->hi; s++)
                     if (!l->done[s]) seqs[m++] = s;
                 retransmitted += m;
-                send_chunks(l, w, seqs, m, &agg, job_id, pool, lanes, (uint32_t)run,
+                send_chunks(l, seqs, m, &agg, job_id, pool, lanes, (uint32_t)run,
                             (uint8_t)tcodes[T_DATA], data_bytes, sbuf, msgs, iov, &sent);
                 l->last = now;
             }
@@ -908,8 +915,9 @@ cleanup:
 
 static PyMethodDef module_methods[] = {
     {"drive", fa_drive, METH_VARARGS,
-     "drive(fds, agg_ip, agg_port, job_id, pool, lanes, run, chunks, window, payloads, types, "
-     "rto, deadline) -> (seconds, results, sent, retransmitted, complete): n workers stream "
+     "drive(workers, agg_ip, agg_port, job_id, pool, lanes, run, chunks, window, payloads, types, "
+     "rto, deadline) -> (seconds, results, sent, retransmitted, complete): the workers, "
+     "(fd, worker_id) pairs, stream "
      "`chunks` DATA chunks each with a window, resending after `rto` seconds without progress"},
     {NULL, NULL, 0, NULL},
 };

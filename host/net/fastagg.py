@@ -191,19 +191,20 @@ class FastEcho(FastAggregator):
         super().__init__(jobs, epoch)
 
 
-def drive(socks: list[socket.socket], aggregator: tuple[str, int], job: Job, run: int,
-          chunks: int, window: int, payloads: list[bytes], rto: float = 0.1,
+def drive(socks: dict[int, socket.socket], aggregator: tuple[str, int], job: Job, run: int,
+          chunks: int, window: int, payloads: dict[int, bytes], rto: float = 0.1,
           deadline: float = 120.0) -> dict:
-    """Play ``job``'s workers from compiled code (a load generator for benchmarks): worker
-    ``w`` streams ``chunks`` DATA chunks of ``payloads[w]`` from ``socks[w]`` with ``window``
-    in flight, resending its outstanding chunks after ``rto`` seconds without a result."""
+    """Play some of ``job``'s workers from compiled code (a load generator for benchmarks):
+    worker ``w`` streams ``chunks`` DATA chunks of ``payloads[w]`` from ``socks[w]`` with
+    ``window`` in flight, resending its outstanding chunks after ``rto`` seconds without a
+    result."""
     if UNAVAILABLE is not None:
         raise RuntimeError(UNAVAILABLE)
     ip = ipv4_int(aggregator[0])
     if ip is None:
         raise ValueError(f"the load generator takes an IPv4 aggregator, got {aggregator[0]!r}")
     seconds, results, sent, retransmitted, complete = _fastagg.drive(
-        [s.fileno() for s in socks], ip, aggregator[1], job.job_id, job.pool_size, job.lanes,
-        run, chunks, window, payloads, TYPE_CODES, rto, deadline)
+        [(s.fileno(), w) for w, s in socks.items()], ip, aggregator[1], job.job_id, job.pool_size, job.lanes,
+        run, chunks, window, [payloads[w] for w in socks], TYPE_CODES, rto, deadline)
     return {"seconds": seconds, "results": results, "sent": sent,
             "retransmitted": retransmitted, "complete": complete}
