@@ -16,6 +16,7 @@
 #include <arpa/inet.h>
 #include <errno.h>
 #include <netinet/in.h>
+#include <netinet/udp.h>
 #include <poll.h>
 #include <pthread.h>
 #include <stdint.h>
@@ -560,32 +561,141 @@ static PyObject *dp_handle(Datapath *dp, PyObject *args) {
     return res;
 }
 
-/* Send out[0..n) with sendmmsg; a datagram the kernel refuses is counted and skipped. */
-static void flush(Datapath *dp, int fd, Out *out, int n, struct mmsghdr *msgs,
-                  struct iovec *iov, unsigned long long *errors) {
-    int done = 0;
-    while (done < n) {
-        int m = n - done > BATCH ? BATCH : n - done;
-        for (int k = 0; k < m; k++) {
-            Out *o = &out[done + k];
-            iov[k].iov_base = o->buf;
-            iov[k].iov_len = o->len;
-            memset(&msgs[k].msg_hdr, 0, sizeof msgs[k].msg_hdr);
-            msgs[k].msg_hdr.msg_name = &o->dst;
-            msgs[k].msg_hdr.msg_namelen = sizeof o->dst;
-            msgs[k].msg_hdr.msg_iov = &iov[k];
-            msgs[k].msg_hdr.msg_iovlen = 1;
+/* Sending. Datagrams to one destination with one length leave as one UDP GSO send
+ * (UDP_SEGMENT) where the kernel has it: one trip down the stack for up to GSO_SEGS
+ * datagrams, each still delivered as its own datagram, in order per destination. Where GSO
+ * is refused, every datagram is sent alone (sendmmsg batches). */
+#define GSO_SEGS 64
+#define GSO_BYTES 65000
+static int gso_ok = 1;
+
+typedef struct {
+    int head, tail, count;
+    size_t len;
+    uint32_t ip;
+    uint16_t port;
+} Group;
+
+typedef struct {
+    struct mmsghdr msgs[BATCH];
+    struct iovec iov[OUT_CAP];
+    char cmsg[BATCH][CMSG_SPACE(sizeof(uint16_t))];
+    Group groups[OUT_CAP];
+    int next[OUT_CAP];
+    int emit[OUT_CAP];
+    int open[OUT_CAP];
+} SendSpace;
+
+static int gso_refused(int err) {
+    return err == EIO || err == EINVAL || err == ENOPROTOOPT || err == EOPNOTSUPP;
+}
+
+/* Send groups[emit[0..ng)] (linked through next[]); a datagram the kernel refuses is
+ * counted and skipped. */
+static void send_groups(int fd, Out *out, SendSpace *sp, int ng, unsigned long long *errors) {
+    int g = 0, seg = 0; /* next group, and next datagram within it when sent one by one */
+    int cursor = -1;
+    while (g < ng) {
+        int m = 0, niov = 0, first_group[BATCH], first_seg[BATCH], cur_entry[BATCH];
+        int gso = __atomic_load_n(&gso_ok, __ATOMIC_RELAXED);
+        int gi = g, si = seg, ci = cursor;
+        while (gi < ng && m < BATCH) {
+            Group *gr = &sp->groups[sp->emit[gi]];
+            struct msghdr *h = &sp->msgs[m].msg_hdr;
+            memset(h, 0, sizeof *h);
+            h->msg_name = &out[gr->head].dst;
+            h->msg_namelen = sizeof out[gr->head].dst;
+            h->msg_iov = &sp->iov[niov];
+            first_group[m] = gi;
+            first_seg[m] = si;
+            cur_entry[m] = ci;
+            if (gso && gr->count > 1 && si == 0) {
+                for (int e = gr->head; e >= 0; e = sp->next[e]) {
+                    sp->iov[niov].iov_base = out[e].buf;
+                    sp->iov[niov++].iov_len = out[e].len;
+                }
+                h->msg_iovlen = (size_t)gr->count;
+                h->msg_control = sp->cmsg[m];
+                h->msg_controllen = CMSG_SPACE(sizeof(uint16_t));
+                struct cmsghdr *c = CMSG_FIRSTHDR(h);
+                c->cmsg_level = SOL_UDP;
+                c->cmsg_type = UDP_SEGMENT;
+                c->cmsg_len = CMSG_LEN(sizeof(uint16_t));
+                uint16_t size = (uint16_t)gr->len;
+                memcpy(CMSG_DATA(c), &size, sizeof size);
+                gi++;
+            } else {
+                int e = si == 0 ? gr->head : sp->next[ci];
+                sp->iov[niov].iov_base = out[e].buf;
+                sp->iov[niov++].iov_len = out[e].len;
+                h->msg_iovlen = 1;
+                h->msg_name = &out[e].dst;
+                ci = e;
+                if (++si == gr->count) {
+                    gi++;
+                    si = 0;
+                    ci = -1;
+                }
+            }
+            m++;
         }
-        int sent = sendmmsg(fd, msgs, (unsigned)m, 0);
+        int sent = sendmmsg(fd, sp->msgs, (unsigned)m, 0);
         if (sent < 0) {
-            if (errno == EINTR) continue;
-            (*errors)++;
-            done++;
+            int err = errno;
+            if (err == EINTR) continue;
+            if (sp->msgs[0].msg_hdr.msg_controllen && gso_refused(err)) {
+                __atomic_store_n(&gso_ok, 0, __ATOMIC_RELAXED);
+                continue; /* the same datagrams again, one by one */
+            }
+            sent = 1; /* skip the refused message */
+            Group *gr = &sp->groups[sp->emit[first_group[0]]];
+            *errors += sp->msgs[0].msg_hdr.msg_controllen ? (unsigned long long)gr->count : 1;
+        }
+        /* resume after the messages sent */
+        if (sent == m) {
+            g = gi;
+            seg = si;
+            cursor = ci;
         } else {
-            done += sent;
+            g = first_group[sent];
+            seg = first_seg[sent];
+            cursor = cur_entry[sent];
         }
     }
-    (void)dp;
+}
+
+/* Send out[0..n): grouped by destination and length, order kept per destination. */
+static void flush(int fd, Out *out, int n, SendSpace *sp, unsigned long long *errors) {
+    int ng = 0, nemit = 0, nopen = 0;
+    for (int k = 0; k < n; k++) {
+        uint32_t ip = out[k].dst.sin_addr.s_addr;
+        uint16_t port = out[k].dst.sin_port;
+        sp->next[k] = -1;
+        int o = 0;
+        while (o < nopen && (sp->groups[sp->open[o]].ip != ip || sp->groups[sp->open[o]].port != port))
+            o++;
+        if (o < nopen) {
+            Group *gr = &sp->groups[sp->open[o]];
+            if (gr->len == out[k].len && gr->count < GSO_SEGS &&
+                (size_t)(gr->count + 1) * gr->len <= GSO_BYTES) {
+                sp->next[gr->tail] = k;
+                gr->tail = k;
+                gr->count++;
+                continue;
+            }
+            sp->emit[nemit++] = sp->open[o]; /* closed: its successor opens below */
+            sp->open[o] = sp->open[--nopen];
+        }
+        Group *gr = &sp->groups[ng];
+        gr->head = gr->tail = k;
+        gr->count = 1;
+        gr->len = out[k].len;
+        gr->ip = ip;
+        gr->port = port;
+        sp->open[nopen++] = ng++;
+    }
+    for (int o = 0; o < nopen; o++) sp->emit[nemit++] = sp->open[o];
+    send_groups(fd, out, sp, nemit, errors);
 }
 
 /* serve(fd, duration): receive and answer until stop() or duration seconds (< 0: no limit).
@@ -602,12 +712,11 @@ static PyObject *dp_serve(Datapath *dp, PyObject *args) {
     uint8_t *obuf = malloc((size_t)OUT_CAP * OUT_BYTES);
     Out *out = malloc(sizeof(Out) * OUT_CAP);
     struct mmsghdr *rmsgs = calloc(BATCH, sizeof(struct mmsghdr));
-    struct mmsghdr *smsgs = calloc(BATCH, sizeof(struct mmsghdr));
+    SendSpace *sp = calloc(1, sizeof(SendSpace));
     struct iovec *riov = calloc(BATCH, sizeof(struct iovec));
-    struct iovec *siov = calloc(BATCH, sizeof(struct iovec));
     struct sockaddr_in *src = calloc(BATCH, sizeof(struct sockaddr_in));
     int err = 0;
-    if (!rbuf || !obuf || !out || !rmsgs || !smsgs || !riov || !siov || !src) {
+    if (!rbuf || !obuf || !out || !rmsgs || !sp || !riov || !src) {
         err = ENOMEM;
         goto cleanup;
     }
@@ -645,7 +754,7 @@ static PyObject *dp_serve(Datapath *dp, PyObject *args) {
             for (int k = 0; k < got; k++) {
                 if (nout > OUT_CAP - MAX_WORKERS) {
                     pthread_mutex_unlock(&dp->mu);
-                    flush(dp, fd, out, nout, smsgs, siov, &send_errors);
+                    flush(fd, out, nout, sp, &send_errors);
                     nout = 0;
                     pthread_mutex_lock(&dp->mu);
                 }
@@ -654,7 +763,7 @@ static PyObject *dp_serve(Datapath *dp, PyObject *args) {
                                     src[k].sin_addr.s_addr, src[k].sin_port, out + nout);
             }
             pthread_mutex_unlock(&dp->mu);
-            flush(dp, fd, out, nout, smsgs, siov, &send_errors);
+            flush(fd, out, nout, sp, &send_errors);
             if (got < BATCH) break;
         }
         if (send_errors) {
@@ -666,8 +775,7 @@ static PyObject *dp_serve(Datapath *dp, PyObject *args) {
     }
     Py_END_ALLOW_THREADS
 cleanup:
-    free(rbuf); free(obuf); free(out); free(rmsgs); free(smsgs); free(riov); free(siov);
-    free(src);
+    free(rbuf); free(obuf); free(out); free(rmsgs); free(sp); free(riov); free(src);
     __atomic_store_n(&dp->serving, 0, __ATOMIC_SEQ_CST);
     if (err) {
         errno = err;
@@ -745,6 +853,31 @@ static void send_chunks(Lane *l, long *seqs, int m, struct sockaddr_in *agg,
             msgs[k].msg_hdr.msg_namelen = sizeof *agg;
             msgs[k].msg_hdr.msg_iov = &iov[k];
             msgs[k].msg_hdr.msg_iovlen = 1;
+        }
+        if (b > 1 && __atomic_load_n(&gso_ok, __ATOMIC_RELAXED)) {
+            /* one GSO send of the b equal-sized datagrams (see send_groups) */
+            char cbuf[CMSG_SPACE(sizeof(uint16_t))];
+            struct msghdr h = {.msg_name = agg, .msg_namelen = sizeof *agg, .msg_iov = iov,
+                               .msg_iovlen = (size_t)b, .msg_control = cbuf,
+                               .msg_controllen = sizeof cbuf};
+            struct cmsghdr *c = CMSG_FIRSTHDR(&h);
+            c->cmsg_level = SOL_UDP;
+            c->cmsg_type = UDP_SEGMENT;
+            c->cmsg_len = CMSG_LEN(sizeof(uint16_t));
+            uint16_t size = (uint16_t)(HDR + data_bytes);
+            memcpy(CMSG_DATA(c), &size, sizeof size);
+            if (sendmsg(l->fd, &h, 0) >= 0) {
+                done += b;
+                *sent += b;
+                continue;
+            }
+            if (errno == EINTR) continue;
+            if (gso_refused(errno)) {
+                __atomic_store_n(&gso_ok, 0, __ATOMIC_RELAXED);
+            } else {
+                done += b; /* lost: the retransmission timer resends them */
+                continue;
+            }
         }
         int r = sendmmsg(l->fd, msgs, (unsigned)b, 0);
         if (r < 0) {
