@@ -539,10 +539,14 @@ static PyObject *dp_handle(Datapath *dp, PyObject *args) {
     unsigned long ip;
     int port;
     if (!ready(dp) || !PyArg_ParseTuple(args, "y*ki", &buf, &ip, &port)) return NULL;
-    static uint8_t space[MAX_WORKERS][OUT_BYTES];
+    uint8_t *space = malloc((size_t)MAX_WORKERS * OUT_BYTES);
+    if (!space) {
+        PyBuffer_Release(&buf);
+        return PyErr_NoMemory();
+    }
     Out out[MAX_WORKERS];
-    for (int k = 0; k < MAX_WORKERS; k++) out[k].buf = space[k];
-    lock(dp); /* the static buffers are guarded by the lock too */
+    for (int k = 0; k < MAX_WORKERS; k++) out[k].buf = space + (size_t)k * OUT_BYTES;
+    lock(dp);
     size_t len = (size_t)buf.len > RECV_BYTES ? RECV_BYTES : (size_t)buf.len;
     int nout = process_any(dp, buf.buf, len, htonl((uint32_t)ip), htons((uint16_t)port), out);
     PyObject *res = PyList_New(nout);
@@ -557,6 +561,7 @@ static PyObject *dp_handle(Datapath *dp, PyObject *args) {
         PyList_SET_ITEM(res, k, item);
     }
     pthread_mutex_unlock(&dp->mu);
+    free(space);
     PyBuffer_Release(&buf);
     return res;
 }
