@@ -38,6 +38,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--load", choices=("compiled", "python"), default="compiled",
                         help="who plays the workers: the compiled load generator (default) or "
                              "the Python client, one process per worker")
+    parser.add_argument("--no-gso", dest="gso", action="store_false",
+                        help="compiled servers send every reply on its own (no UDP GSO)")
     parser.add_argument("--load-procs", type=int, default=1,
                         help="processes the compiled load generator spreads the workers over")
 
@@ -65,9 +67,11 @@ class PythonEcho(Aggregator):
                  + self.payload[job_id], src)]
 
 
-def _serve(kind: str, jobs, port_q, stop_ev, count_q):
-    agg = {"compiled": fastagg.FastAggregator, "python": Aggregator,
-           "compiled echo": fastagg.FastEcho, "python echo": PythonEcho}[kind](jobs)
+def _serve(kind: str, jobs, port_q, stop_ev, count_q, gso: bool):
+    if kind.startswith("compiled"):
+        agg = (fastagg.FastEcho if kind.endswith("echo") else fastagg.FastAggregator)(jobs, gso=gso)
+    else:
+        agg = (PythonEcho if kind.endswith("echo") else Aggregator)(jobs)
     port_q.put(agg.start("127.0.0.1", 0)[1])
     stop_ev.wait()
     counters = agg.counters()
@@ -153,12 +157,12 @@ def _compiled_load(ctx, job, addr, chunks, window, payloads, procs) -> tuple[flo
 
 
 def run_point(kind: str, n: int, chunks: int, lanes: int, window: int, load: str,
-              payloads: dict[int, bytes], procs: int = 1) -> dict:
+              payloads: dict[int, bytes], procs: int = 1, gso: bool = True) -> dict:
     ctx = mp.get_context("fork")
     job = local_job(1, n, free_port_block(n), pool_size=max(window, 64), lanes=lanes,
                     granularity=255 // n)
     port_q, count_q, stop_ev = ctx.Queue(), ctx.Queue(), ctx.Event()
-    server = ctx.Process(target=_serve, args=(kind, [job], port_q, stop_ev, count_q))
+    server = ctx.Process(target=_serve, args=(kind, [job], port_q, stop_ev, count_q, gso))
     server.start()
     try:
         addr = ("127.0.0.1", port_q.get(timeout=30))
@@ -190,7 +194,8 @@ def run(args: argparse.Namespace) -> int:
     repeat = 1 if args.quick else args.repeat
     rows = []
     print(f"aggregators vs UDP echoes, {lanes} lanes/packet, {chunks} chunks per worker, "
-          f"window {args.window}, load: "
+          f"window {args.window}, compiled servers {'with' if args.gso else 'without'} UDP GSO, "
+          f"load: "
           + (f"compiled load generator in {args.load_procs} process(es)"
              if args.load == "compiled" else "Python clients, one process each"))
     print(f"{'workers':>7} {'server':>14} {'pkts/s in':>12} {'coords/s':>14} {'seconds':>8} "
@@ -201,7 +206,7 @@ def run(args: argparse.Namespace) -> int:
         best = {}
         for kind in SERVERS:
             runs = [run_point(kind, n, chunks, lanes, args.window, args.load, payloads,
-                              args.load_procs)
+                              args.load_procs, args.gso)
                     for _ in range(repeat)]
             best[kind] = b = max(runs, key=lambda r: r["packets_in_per_s"])
             print(f"{n:>7} {kind:>14} {b['packets_in_per_s']:>12,.0f} {b['coords_per_s']:>14,.0f} "
@@ -219,5 +224,6 @@ def run(args: argparse.Namespace) -> int:
         rows.append({"workers": n, **{k.replace(" ", "_"): v for k, v in best.items()},
                      "ratios": ratios})
     emit_json(args, {"benchmark": "aggregator", "lanes": lanes, "load": args.load,
-                     "load_procs": args.load_procs, "window": args.window, "rows": rows})
+                     "load_procs": args.load_procs, "window": args.window, "gso": args.gso,
+                     "rows": rows})
     return 0

@@ -113,6 +113,7 @@ typedef struct {
     int max_lanes;
     uint32_t seq_reset;
     int echo;
+    int gso; /* may send replies to one destination as one UDP GSO send */
     unsigned long long drops[N_REASONS];
     unsigned long long send_errors, echoed;
     int stop;
@@ -288,12 +289,12 @@ static int process_echo(Datapath *dp, const uint8_t *d, size_t len, uint32_t sip
 /* The Python type                                                                           */
 
 static int dp_init(Datapath *dp, PyObject *args, PyObject *kw) {
-    static char *kwlist[] = {"epoch", "types", "max_lanes", "seq_reset", "echo", NULL};
+    static char *kwlist[] = {"epoch", "types", "max_lanes", "seq_reset", "echo", "gso", NULL};
     unsigned long epoch, seq_reset;
     PyObject *types;
-    int max_lanes, echo = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "kOik|p", kwlist, &epoch, &types, &max_lanes,
-                                     &seq_reset, &echo))
+    int max_lanes, echo = 0, gso = 1;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "kOik|pp", kwlist, &epoch, &types, &max_lanes,
+                                     &seq_reset, &echo, &gso))
         return -1;
     if (dp->jobs) {
         PyErr_SetString(PyExc_RuntimeError, "a datapath is initialised once");
@@ -327,6 +328,7 @@ static int dp_init(Datapath *dp, PyObject *args, PyObject *kw) {
     dp->max_lanes = max_lanes;
     dp->seq_reset = (uint32_t)seq_reset;
     dp->echo = echo;
+    dp->gso = gso;
     dp->jobs = calloc(N_JOB_IDS, sizeof(Job *));
     if (!dp->jobs) {
         PyErr_NoMemory();
@@ -567,9 +569,12 @@ static PyObject *dp_handle(Datapath *dp, PyObject *args) {
 }
 
 /* Sending. Datagrams to one destination with one length leave as one UDP GSO send
- * (UDP_SEGMENT) where the kernel has it: one trip down the stack for up to GSO_SEGS
- * datagrams, each still delivered as its own datagram, in order per destination. Where GSO
- * is refused, every datagram is sent alone (sendmmsg batches). */
+ * (UDP_SEGMENT) where the kernel has it and the datapath was made with gso: one trip down
+ * the stack for up to GSO_SEGS datagrams, each still delivered as its own datagram, in
+ * order per destination. A NIC (or the stack before the driver) cuts them into packets, but
+ * an emulated link (veth, as in Mininet) carries the burst as one packet, so the testbed
+ * turns GSO off. Otherwise, or where GSO is refused, every datagram is sent alone
+ * (sendmmsg batches). */
 #define GSO_SEGS 64
 #define GSO_BYTES 65000
 static int gso_ok = 1;
@@ -597,12 +602,13 @@ static int gso_refused(int err) {
 
 /* Send groups[emit[0..ng)] (linked through next[]); a datagram the kernel refuses is
  * counted and skipped. */
-static void send_groups(int fd, Out *out, SendSpace *sp, int ng, unsigned long long *errors) {
+static void send_groups(int fd, Out *out, SendSpace *sp, int ng, int use_gso,
+                        unsigned long long *errors) {
     int g = 0, seg = 0; /* next group, and next datagram within it when sent one by one */
     int cursor = -1;
     while (g < ng) {
         int m = 0, niov = 0, first_group[BATCH], first_seg[BATCH], cur_entry[BATCH];
-        int gso = __atomic_load_n(&gso_ok, __ATOMIC_RELAXED);
+        int gso = use_gso && __atomic_load_n(&gso_ok, __ATOMIC_RELAXED);
         int gi = g, si = seg, ci = cursor;
         while (gi < ng && m < BATCH) {
             Group *gr = &sp->groups[sp->emit[gi]];
@@ -670,7 +676,8 @@ static void send_groups(int fd, Out *out, SendSpace *sp, int ng, unsigned long l
 }
 
 /* Send out[0..n): grouped by destination and length, order kept per destination. */
-static void flush(int fd, Out *out, int n, SendSpace *sp, unsigned long long *errors) {
+static void flush(int fd, Out *out, int n, SendSpace *sp, int use_gso,
+                  unsigned long long *errors) {
     int ng = 0, nemit = 0, nopen = 0;
     for (int k = 0; k < n; k++) {
         uint32_t ip = out[k].dst.sin_addr.s_addr;
@@ -700,7 +707,7 @@ static void flush(int fd, Out *out, int n, SendSpace *sp, unsigned long long *er
         sp->open[nopen++] = ng++;
     }
     for (int o = 0; o < nopen; o++) sp->emit[nemit++] = sp->open[o];
-    send_groups(fd, out, sp, nemit, errors);
+    send_groups(fd, out, sp, nemit, use_gso, errors);
 }
 
 /* serve(fd, duration): receive and answer until stop() or duration seconds (< 0: no limit).
@@ -759,7 +766,7 @@ static PyObject *dp_serve(Datapath *dp, PyObject *args) {
             for (int k = 0; k < got; k++) {
                 if (nout > OUT_CAP - MAX_WORKERS) {
                     pthread_mutex_unlock(&dp->mu);
-                    flush(fd, out, nout, sp, &send_errors);
+                    flush(fd, out, nout, sp, dp->gso, &send_errors);
                     nout = 0;
                     pthread_mutex_lock(&dp->mu);
                 }
@@ -768,7 +775,7 @@ static PyObject *dp_serve(Datapath *dp, PyObject *args) {
                                     src[k].sin_addr.s_addr, src[k].sin_port, out + nout);
             }
             pthread_mutex_unlock(&dp->mu);
-            flush(fd, out, nout, sp, &send_errors);
+            flush(fd, out, nout, sp, dp->gso, &send_errors);
             if (got < BATCH) break;
         }
         if (send_errors) {

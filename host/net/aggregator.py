@@ -301,6 +301,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--datapath", choices=("auto", "compiled", "python"), default="auto",
                         help="auto (default): the compiled datapath when it is built, else "
                              "this Python one; the first line printed says which runs")
+    parser.add_argument("--no-gso", dest="gso", action="store_false",
+                        help="compiled datapath: send every reply on its own, never as one UDP "
+                             "GSO send per worker (emulated veth links would carry a GSO "
+                             "burst as one packet)")
     for name in ("loss", "dup", "reorder"):
         parser.add_argument(f"--{name}", type=float, default=0.0,
                             help=f"inject {name} with this probability on sent results (testing)")
@@ -313,7 +317,7 @@ def parse_hostport(text: str) -> tuple[str, int]:
     return host or "0.0.0.0", int(port)
 
 
-def choose(datapath: str, jobs, impair: Impairment):
+def choose(datapath: str, jobs, impair: Impairment, gso: bool = True):
     """The aggregator to run and how to name it: the compiled datapath unless told otherwise,
     it is not built, or impairments are asked for (only the Python loop injects them)."""
     from host.net import fastagg
@@ -323,7 +327,8 @@ def choose(datapath: str, jobs, impair: Impairment):
     why_not = fastagg.UNAVAILABLE or ("impairment injection (--loss/--dup/--reorder) runs "
                                       "in the Python datapath only" if impair.active else None)
     if why_not is None:
-        return fastagg.FastAggregator(jobs), "compiled (C, recvmmsg/sendmmsg)"
+        return (fastagg.FastAggregator(jobs, gso=gso),
+                "compiled (C, recvmmsg/sendmmsg" + (", UDP GSO)" if gso else ", no GSO)"))
     if datapath == "compiled":
         raise RuntimeError(f"--datapath compiled: {why_not}")
     return Aggregator(jobs, impair=impair), f"python ({why_not})"
@@ -342,7 +347,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"thc aggregator: {e}", file=sys.stderr)
         return 2
     try:
-        agg, datapath = choose(args.datapath, cluster.jobs, impair)
+        agg, datapath = choose(args.datapath, cluster.jobs, impair, args.gso)
     except RuntimeError as e:
         print(f"thc aggregator: {e}", file=sys.stderr)
         return 2

@@ -64,17 +64,22 @@ class FastAggregator:
     datapath = "compiled"
     echo = False
 
-    def __init__(self, jobs: list[Job] | tuple[Job, ...] = (), epoch: int | None = None):
+    def __init__(self, jobs: list[Job] | tuple[Job, ...] = (), epoch: int | None = None,
+                 gso: bool = True):
+        """``gso``: replies to one worker may leave as one UDP GSO send (a NIC cuts them into
+        packets; an emulated veth link would carry the burst as one packet: turn it off
+        there)."""
         if UNAVAILABLE is not None:
             raise RuntimeError(UNAVAILABLE)
         self.epoch = P.new_epoch() if epoch is None else epoch
+        self.gso = gso
         self._dp = _fastagg.Datapath(self.epoch, TYPE_CODES, P.MAX_LANES, P.SEQ_RESET,
-                                     self.echo)
+                                     self.echo, gso)
         self._jobs: dict[int, Job] = {}
         self._lock = threading.Lock()
         self._sock: socket.socket | None = None
         self._thread: threading.Thread | None = None
-        self._error: BaseException | None = None
+        self._error: OSError | None = None
         self.send_errors = 0
         for job in jobs:
             self.install(job)
@@ -144,11 +149,11 @@ class FastAggregator:
     def _serve_thread(self) -> None:
         try:
             self.serve()
-        except BaseException as e:  # reported by stop() and error
+        except OSError as e:  # the socket failed: `thc aggregator` reports it and exits
             self._error = e
 
     @property
-    def error(self) -> BaseException | None:
+    def error(self) -> OSError | None:
         """What ended the serving thread early, if anything did."""
         return self._error
 
@@ -186,9 +191,9 @@ class FastEcho(FastAggregator):
     datapath = "compiled echo"
     echo = True
 
-    def __init__(self, jobs=(), epoch=None):
+    def __init__(self, jobs=(), epoch=None, gso: bool = True):
         self.echoed = 0
-        super().__init__(jobs, epoch)
+        super().__init__(jobs, epoch, gso)
 
 
 def drive(socks: dict[int, socket.socket], aggregator: tuple[str, int], job: Job, run: int,
@@ -204,7 +209,7 @@ def drive(socks: dict[int, socket.socket], aggregator: tuple[str, int], job: Job
     if ip is None:
         raise ValueError(f"the load generator takes an IPv4 aggregator, got {aggregator[0]!r}")
     seconds, results, sent, retransmitted, complete = _fastagg.drive(
-        [(s.fileno(), w) for w, s in socks.items()], ip, aggregator[1], job.job_id, job.pool_size, job.lanes,
-        run, chunks, window, [payloads[w] for w in socks], TYPE_CODES, rto, deadline)
+        [(s.fileno(), w) for w, s in socks.items()], ip, aggregator[1], job.job_id,
+        job.pool_size, job.lanes, run, chunks, window, [payloads[w] for w in socks], TYPE_CODES, rto, deadline)
     return {"seconds": seconds, "results": results, "sent": sent,
             "retransmitted": retransmitted, "complete": complete}
