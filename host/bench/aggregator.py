@@ -1,8 +1,14 @@
-"""``thc bench aggregator``: software aggregator throughput against a UDP echo ceiling.
+"""``thc bench aggregator``: the compiled and the Python aggregator against their UDP echoes.
 
-Both servers run the same receive/send loop and serve the same windowed clients; the echo
-server answers every packet at once with a result-sized packet and does no aggregation.
-Their ratio is the cost of aggregation itself, measured in one run on one machine.
+Four servers, measured in one run on the same packets: the compiled aggregator, the Python
+aggregator, a compiled UDP echo with the compiled aggregator's receive/send loop and
+batching (recvmmsg/sendmmsg), and a Python UDP echo with the Python aggregator's loop. An echo
+answers every packet at once with a result-sized packet and aggregates nothing, so an
+aggregator/echo ratio is the cost of aggregation itself. Each server runs in its own
+process; by default the workers are played by a compiled load generator (one socket per
+worker, a window of chunks each, ``--load-procs`` processes), so the clients are not what
+is measured;
+``--load python`` uses the real client (:class:`AggregationClient`, one process a worker).
 """
 from __future__ import annotations
 
@@ -12,78 +18,92 @@ import time
 
 from host.bench import add_common, emit_json
 from host.codec.packing import pack_bits
+from host.net import fastagg
 from host.net.aggregator import Aggregator
 from host.net.client import AggregationClient
 from host.testing.clusters import free_port_block, local_job
 from host.wire import protocol as P
 
+SERVERS = ("compiled", "python", "compiled echo", "python echo")
+RUN = 1
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_common(parser)
-    parser.add_argument("--workers", default="2,4,8", help="comma-separated worker counts")
-    parser.add_argument("--chunks", type=int, default=4096, help="chunks per worker and run")
+    parser.add_argument("--workers", default="4", help="comma-separated worker counts")
+    parser.add_argument("--chunks", type=int, default=32768, help="chunks per worker and run")
     parser.add_argument("--lanes", type=int, default=None, help="lanes per packet")
-    parser.add_argument("--window", type=int, default=64)
-    parser.add_argument("--repeat", type=int, default=2, help="runs per point (best kept)")
+    parser.add_argument("--window", type=int, default=64, help="chunks in flight per worker")
+    parser.add_argument("--repeat", type=int, default=3, help="runs per point (best kept)")
+    parser.add_argument("--load", choices=("compiled", "python"), default="compiled",
+                        help="who plays the workers: the compiled load generator (default) or "
+                             "the Python client, one process per worker")
+    parser.add_argument("--no-gso", dest="gso", action="store_false",
+                        help="compiled servers send every reply on its own (no UDP GSO)")
+    parser.add_argument("--load-procs", type=int, default=1,
+                        help="processes the compiled load generator spreads the workers over")
 
 
-def _serve(kind: str, jobs, port_q, stop_ev, count_q):
+class PythonEcho(Aggregator):
+    """Answers each packet to its sender with a result-sized packet; adds nothing.
 
-    class Echo(Aggregator):
-        """Answers each packet to its sender with a result-sized packet; adds nothing.
+    As lean per packet as the aggregator's own fast path (struct header, payload built
+    once), so the ratio measures aggregation and not a slower ceiling."""
 
-        As lean per packet as the aggregator's own fast path (struct header, payload built
-        once), so the ratio measures aggregation and not a slower ceiling."""
+    def __init__(self, jobs):
+        super().__init__(jobs)
+        self.echoed = 0
+        self.payload = {j.job_id: bytes(P.payload_bytes(P.PktType.RESULT, j.lanes, j.sum_bits))
+                        for j in jobs}
+        self.full = {j.job_id: (j.n_workers, j.full_bitmap) for j in jobs}
 
-        def __init__(self, jobs):
-            super().__init__(jobs)
-            self.echoed = 0
-            self.payload = {j.job_id: bytes(P.payload_bytes(P.PktType.RESULT, j.lanes))
-                            for j in jobs}
-            self.full = {j.job_id: (j.n_workers, j.full_bitmap) for j in jobs}
+    def handle(self, datagram, src):
+        (_, worker, job_id, slot, version, _, seq, offset,
+         _, run, epoch) = P.HEADER_STRUCT.unpack_from(datagram)
+        n, bitmap = self.full[job_id]
+        self.echoed += 1
+        return [(P.HEADER_STRUCT.pack(P.PktType.RESULT, worker, job_id, slot, version, n,
+                                      seq, offset, bitmap, run, epoch)
+                 + self.payload[job_id], src)]
 
-        def handle(self, datagram, src):
-            (_, worker, job_id, slot, version, _, seq, offset,
-             _, run, epoch) = P.HEADER_STRUCT.unpack_from(datagram)
-            n, bitmap = self.full[job_id]
-            self.echoed += 1
-            return [(P.HEADER_STRUCT.pack(P.PktType.RESULT, worker, job_id, slot, version, n,
-                                          seq, offset, bitmap, run, epoch)
-                     + self.payload[job_id], src)]
 
-    agg = Echo(jobs) if kind == "echo" else Aggregator(jobs)
+def _serve(kind: str, jobs, port_q, stop_ev, count_q, gso: bool):
+    if kind.startswith("compiled"):
+        agg = (fastagg.FastEcho if kind.endswith("echo") else fastagg.FastAggregator)(jobs, gso=gso)
+    else:
+        agg = (PythonEcho if kind.endswith("echo") else Aggregator)(jobs)
     port_q.put(agg.start("127.0.0.1", 0)[1])
     stop_ev.wait()
+    counters = agg.counters()
     agg.stop()
-    count_q.put(agg.echoed if kind == "echo"
-                else agg.counters()["jobs"][jobs[0].job_id]["packets"])
+    count_q.put(agg.echoed if kind.endswith("echo")
+                else counters["jobs"][jobs[0].job_id]["packets"])
+
+
+def _payload(lanes: int, w: int, chunks: int) -> bytes:
+    """Worker ``w``'s packed indices; the same bytes for every server of a run."""
+    import numpy as np
+
+    rng = np.random.default_rng(w)
+    return pack_bits(rng.integers(0, 16, chunks * lanes).astype(np.uint8),
+                     P.INDEX_BITS).tobytes()
 
 
 def _client(job, w, addr, chunks, window, start_ev, done_q):
     import numpy as np
 
-
-    rng = np.random.default_rng(w)
-    packed = pack_bits(rng.integers(0, 16, chunks * job.lanes).astype(np.uint8), P.INDEX_BITS)
-    with AggregationClient(job, w, addr, window=window, deadline=60, run=1) as c:
+    packed = np.frombuffer(_payload(job.lanes, w, chunks), dtype=np.uint8)
+    with AggregationClient(job, w, addr, window=window, deadline=60, run=RUN) as c:
         start_ev.wait()
         t0 = time.perf_counter()
         c.aggregate(packed)
         done_q.put((t0, time.perf_counter(), c.stats.retransmitted))
 
 
-def run_point(kind: str, n: int, chunks: int, lanes: int, window: int) -> dict:
-
-    ctx = mp.get_context("fork")
-    job = local_job(1, n, free_port_block(n), pool_size=max(window, 64), lanes=lanes,
-                    granularity=255 // n)
-    port_q, count_q, done_q = ctx.Queue(), ctx.Queue(), ctx.Queue()
-    stop_ev, start_ev = ctx.Event(), ctx.Event()
-    server = ctx.Process(target=_serve, args=(kind, [job], port_q, stop_ev, count_q))
-    server.start()
-    addr = ("127.0.0.1", port_q.get(timeout=30))
+def _python_load(ctx, job, addr, chunks, window) -> tuple[float, int]:
+    done_q, start_ev = ctx.Queue(), ctx.Event()
     clients = [ctx.Process(target=_client, args=(job, w, addr, chunks, window, start_ev, done_q))
-               for w in range(n)]
+               for w in range(job.n_workers)]
     for c in clients:
         c.start()
     time.sleep(0.3)
@@ -91,14 +111,73 @@ def run_point(kind: str, n: int, chunks: int, lanes: int, window: int) -> dict:
     spans = [done_q.get(timeout=300) for _ in clients]
     for c in clients:
         c.join()
-    stop_ev.set()
+    return (max(e for _, e, _ in spans) - min(s for s, _, _ in spans),
+            sum(r for _, _, r in spans))
+
+
+def _drive_group(job, workers, addr, chunks, window, payloads, start_ev, done_q):
+    import socket
+
+    socks = {}
+    try:
+        for w in workers:
+            s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 8 << 20)
+            wk = job.worker(w)
+            s.bind((wk.ip, wk.port))
+            socks[w] = s
+        start_ev.wait()
+        t0 = time.perf_counter()
+        out = fastagg.drive(socks, addr, job, RUN, chunks, window, payloads)
+        done_q.put((t0, time.perf_counter(), out))
+    finally:
+        for s in socks.values():
+            s.close()
+
+
+def _compiled_load(ctx, job, addr, chunks, window, payloads, procs) -> tuple[float, int]:
+    """The workers split over ``procs`` load-generator processes, started together."""
+    done_q, start_ev = ctx.Queue(), ctx.Event()
+    groups = [list(range(job.n_workers))[i::procs] for i in range(procs)]
+    gens = [ctx.Process(target=_drive_group, args=(job, g, addr, chunks, window, payloads,
+                                                   start_ev, done_q)) for g in groups if g]
+    for g in gens:
+        g.start()
+    time.sleep(0.3)
+    start_ev.set()
+    spans = [done_q.get(timeout=300) for _ in gens]
+    for g in gens:
+        g.join()
+    for _, _, out in spans:
+        if not out["complete"]:
+            raise RuntimeError(f"the load generator did not finish: {out}")
+    return (max(e for _, e, _ in spans) - min(s for s, _, _ in spans),
+            sum(out["retransmitted"] for _, _, out in spans))
+
+
+def run_point(kind: str, n: int, chunks: int, lanes: int, window: int, load: str,
+              payloads: dict[int, bytes], procs: int = 1, gso: bool = True) -> dict:
+    ctx = mp.get_context("fork")
+    job = local_job(1, n, free_port_block(n), pool_size=max(window, 64), lanes=lanes,
+                    granularity=255 // n)
+    port_q, count_q, stop_ev = ctx.Queue(), ctx.Queue(), ctx.Event()
+    server = ctx.Process(target=_serve, args=(kind, [job], port_q, stop_ev, count_q, gso))
+    server.start()
+    try:
+        addr = ("127.0.0.1", port_q.get(timeout=30))
+        if load == "python":
+            elapsed, retransmitted = _python_load(ctx, job, addr, chunks, window)
+        else:
+            elapsed, retransmitted = _compiled_load(ctx, job, addr, chunks, window, payloads,
+                                                    procs)
+    finally:
+        stop_ev.set()
     handled = count_q.get(timeout=30)
     server.join()
-    elapsed = max(e for _, e, _ in spans) - min(s for s, _, _ in spans)
-    return {"kind": kind, "workers": n, "lanes": lanes, "chunks": chunks, "seconds": elapsed,
-            "packets_in_per_s": handled / elapsed,
-            "coords_per_s": chunks * lanes / elapsed,
-            "retransmitted": sum(r for _, _, r in spans),
+    return {"server": kind, "workers": n, "lanes": lanes, "chunks": chunks, "load": load,
+            "seconds": elapsed, "packets_in": handled, "packets_in_per_s": handled / elapsed,
+            "coords_per_s": chunks * lanes / elapsed, "retransmitted": retransmitted,
             "packet_bytes_up": P.ETH_IP_UDP_BYTES + P.HEADER_BYTES
             + P.payload_bytes(P.PktType.DATA, lanes),
             "packet_bytes_down": P.ETH_IP_UDP_BYTES + P.HEADER_BYTES
@@ -106,25 +185,45 @@ def run_point(kind: str, n: int, chunks: int, lanes: int, window: int) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-
     lanes = args.lanes or P.LANES
     P.check_lanes(lanes)
-    chunks = 512 if args.quick else args.chunks
+    if not fastagg.available():
+        print(f"thc bench aggregator: {fastagg.UNAVAILABLE}")
+        return 2
+    chunks = 2048 if args.quick else args.chunks
+    repeat = 1 if args.quick else args.repeat
     rows = []
-    print(f"software aggregator vs UDP echo, {lanes} lanes/packet, {chunks} chunks per worker")
-    print(f"{'workers':>7} {'agg coords/s':>14} {'agg pkts/s':>12} {'echo pkts/s':>12} "
-          f"{'ratio':>6}")
+    print(f"aggregators vs UDP echoes, {lanes} lanes/packet, {chunks} chunks per worker, "
+          f"window {args.window}, compiled servers {'with' if args.gso else 'without'} UDP GSO, "
+          f"load: "
+          + (f"compiled load generator in {args.load_procs} process(es)"
+             if args.load == "compiled" else "Python clients, one process each"))
+    print(f"{'workers':>7} {'server':>14} {'pkts/s in':>12} {'coords/s':>14} {'seconds':>8} "
+          f"{'resent':>7}")
     for n in [int(x) for x in args.workers.split(",")]:
+        payloads = {} if args.load == "python" else {w: _payload(lanes, w, chunks)
+                                                     for w in range(n)}
         best = {}
-        for kind in ("aggregator", "echo"):
-            runs = [run_point(kind, n, chunks, lanes, args.window)
-                    for _ in range(1 if args.quick else args.repeat)]
-            best[kind] = max(runs, key=lambda r: r["packets_in_per_s"])
-        ratio = best["aggregator"]["packets_in_per_s"] / best["echo"]["packets_in_per_s"]
-        rows.append({"workers": n, "aggregator": best["aggregator"], "echo": best["echo"],
-                     "ratio": ratio})
-        print(f"{n:>7} {best['aggregator']['coords_per_s']:>14,.0f} "
-              f"{best['aggregator']['packets_in_per_s']:>12,.0f} "
-              f"{best['echo']['packets_in_per_s']:>12,.0f} {ratio:>6.2f}", flush=True)
-    emit_json(args, {"benchmark": "aggregator", "lanes": lanes, "rows": rows})
+        for kind in SERVERS:
+            runs = [run_point(kind, n, chunks, lanes, args.window, args.load, payloads,
+                              args.load_procs, args.gso)
+                    for _ in range(repeat)]
+            best[kind] = b = max(runs, key=lambda r: r["packets_in_per_s"])
+            print(f"{n:>7} {kind:>14} {b['packets_in_per_s']:>12,.0f} {b['coords_per_s']:>14,.0f} "
+                  f"{b['seconds']:>8.3f} {b['retransmitted']:>7}", flush=True)
+        rate = {k: v["packets_in_per_s"] for k, v in best.items()}
+        ratios = {"compiled_vs_python": rate["compiled"] / rate["python"],
+                  "compiled_vs_compiled_echo": rate["compiled"] / rate["compiled echo"],
+                  "python_vs_python_echo": rate["python"] / rate["python echo"],
+                  "compiled_echo_vs_python_echo": rate["compiled echo"] / rate["python echo"]}
+        print(f"{n:>7} compiled/python {ratios['compiled_vs_python']:.2f}x (target >= 5), "
+              f"compiled/compiled echo {ratios['compiled_vs_compiled_echo']:.2f} (target >= 0.5), "
+              f"python/python echo {ratios['python_vs_python_echo']:.2f}, "
+              f"compiled echo/python echo {ratios['compiled_echo_vs_python_echo']:.2f}x",
+              flush=True)
+        rows.append({"workers": n, **{k.replace(" ", "_"): v for k, v in best.items()},
+                     "ratios": ratios})
+    emit_json(args, {"benchmark": "aggregator", "lanes": lanes, "load": args.load,
+                     "load_procs": args.load_procs, "window": args.window, "gso": args.gso,
+                     "rows": rows})
     return 0

@@ -11,7 +11,7 @@ import importlib
 BENCHES = {
     "codec": ("host.bench.codec", "THC encode/decode throughput vs FP16 cast and PowerSGD"),
     "nmse": ("host.bench.nmse", "NMSE of THC and the baselines"),
-    "aggregator": ("host.bench.aggregator", "software aggregator vs a UDP echo ceiling"),
+    "aggregator": ("host.bench.aggregator", "compiled and Python aggregators vs UDP echoes"),
     "switch": ("controller.bench", "BMv2 aggregation vs BMv2 L2 forwarding"),
     "install": ("controller.bench_install", "job install time on BMv2; lookup entries "
                                             "serialized vs as protobuf messages"),

@@ -12,6 +12,10 @@ aggregates only the chunks it owns and drops the others as ``wrong_shard``. Each
 a fresh ``epoch`` that every reply carries, so clients notice a restart (the in-flight state
 is lost) instead of waiting for it. The per-packet path is a
 handful of numpy calls; there is no loop per coordinate.
+
+This module is the readable reference. :mod:`host.net.fastagg` runs the same semantics with
+its datapath compiled (bit for bit, tests/test_fastagg.py), and ``thc aggregator`` runs that
+one when it is built, saying which datapath runs in its first line.
 """
 from __future__ import annotations
 
@@ -339,6 +343,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="print counters every N seconds (0: never)")
     parser.add_argument("--stats-file", help="rewrite counters as JSON to this file while running")
     parser.add_argument("--duration", type=float, help="exit after N seconds")
+    parser.add_argument("--datapath", choices=("auto", "compiled", "python"), default="auto",
+                        help="auto (default): the compiled datapath when it is built, else "
+                             "this Python one; the first line printed says which runs")
+    parser.add_argument("--no-gso", dest="gso", action="store_false",
+                        help="compiled datapath: send every reply on its own, never as one UDP "
+                             "GSO send per worker (emulated veth links would carry a GSO "
+                             "burst as one packet)")
     for name in ("loss", "dup", "reorder"):
         parser.add_argument(f"--{name}", type=float, default=0.0,
                             help=f"inject {name} with this probability on sent results (testing)")
@@ -351,6 +362,26 @@ def parse_hostport(text: str) -> tuple[str, int]:
     if not sep or not port.isdigit():
         raise ValueError(f"expected HOST:PORT, got {text!r}")
     return host or "0.0.0.0", int(port)
+
+
+def choose(datapath: str, jobs, impair: Impairment, gso: bool = True,
+           shard: int | None = None):
+    """The aggregator to run and how to name it: the compiled datapath unless told otherwise,
+    it is not built, impairments are asked for (only the Python loop injects them), or the
+    jobs use something it does not implement (:func:`host.net.fastagg.unsupported`)."""
+    from host.net import fastagg
+
+    if datapath == "python":
+        return Aggregator(jobs, impair=impair, shard=shard), "python (as asked)"
+    why_not = fastagg.UNAVAILABLE or ("impairment injection (--loss/--dup/--reorder/--jitter) "
+                                      "runs in the Python datapath only" if impair.active
+                                      else fastagg.unsupported(jobs, shard))
+    if why_not is None:
+        return (fastagg.FastAggregator(jobs, gso=gso, shard=shard),
+                "compiled (C, recvmmsg/sendmmsg" + (", UDP GSO)" if gso else ", no GSO)"))
+    if datapath == "compiled":
+        raise RuntimeError(f"--datapath compiled: {why_not}")
+    return Aggregator(jobs, impair=impair, shard=shard), f"python ({why_not})"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -367,8 +398,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"thc aggregator: {e}", file=sys.stderr)
         return 2
     try:
-        agg = Aggregator(cluster.jobs, impair=impair, shard=args.shard)
-    except ConfigError as e:
+        agg, datapath = choose(args.datapath, cluster.jobs, impair, args.gso, args.shard)
+    except (ConfigError, RuntimeError) as e:
         print(f"thc aggregator: {e}", file=sys.stderr)
         return 2
     try:
@@ -378,12 +409,16 @@ def run(args: argparse.Namespace) -> int:
         return 2
     role = "" if args.shard is None else f" as shard {args.shard}"
     print(f"thc aggregator listening on {addr[0]}:{addr[1]}{role} with jobs "
-          f"{[j.job_id for j in cluster.jobs]}, epoch {agg.epoch:#010x}", flush=True)
+          f"{[j.job_id for j in cluster.jobs]}, epoch {agg.epoch:#010x}, datapath {datapath}",
+          flush=True)
     end = None if args.duration is None else time.monotonic() + args.duration
     last_print = time.monotonic()
     try:
         while end is None or time.monotonic() < end:
             time.sleep(0.5)
+            if getattr(agg, "error", None) is not None:
+                print(f"thc aggregator: the datapath stopped: {agg.error}", file=sys.stderr)
+                return 1
             stats = agg.counters()
             if args.stats_file:
                 # whole files only: readers poll it while it is rewritten

@@ -101,6 +101,8 @@ class Testbed:
 
     __test__ = False  # not a pytest test class
     kind = "abstract"
+    agg_link_args: tuple[str, ...] = ()
+    """Options the testbed's links need from ``thc aggregator``."""
 
     def __init__(self, n_workers: int, aggregator: str, params: THCParams | None,
                  lanes: int | None, pool_size: int | None):
@@ -290,7 +292,7 @@ class Testbed:
         stats.unlink(missing_ok=True)
         argv = ["python", "-m", "host.app.cli", "aggregator", "--listen", f"{listen[0]}:{listen[1]}",
                 "--config", str(self.cluster_path), "--stats-interval", "0",
-                "--stats-file", str(stats)] + list(self.agg_args)
+                "--stats-file", str(stats), *self.agg_link_args] + list(self.agg_args)
         if shard is not None:
             argv += ["--shard", str(shard)]
         return self.popen(node, argv, name=name)

@@ -46,6 +46,8 @@ from thcnet.cleanup import Registry, signals_deferred, signals_raise, switch_nam
 
 class MininetTestbed(Testbed):
     kind = "mininet"
+    agg_link_args = ("--no-gso",)
+    """A veth link would carry a UDP GSO burst as one packet: every result crosses alone."""
 
     def __init__(self, n_workers: int, bw_mbit: float | None = None, delay_ms: float = 0.0,
                  loss_pct: float = 0.0, aggregator: str = "software",

@@ -14,6 +14,14 @@ def _sharded():
     return ShardedSoftwareHarness(n_shards=2)
 
 
+def _compiled():
+    from host.net import fastagg
+    if not fastagg.available():
+        pytest.skip(f"compiled aggregator skipped: {fastagg.UNAVAILABLE}")
+    from tests.conformance.software import SoftwareHarness
+    return SoftwareHarness(compiled=True)
+
+
 def _bmv2():
     try:
         from tests.bmv2.harness import BMv2Harness, bmv2_available
@@ -25,7 +33,7 @@ def _bmv2():
     return BMv2Harness()
 
 
-HARNESSES = {"software": _software, "sharded": _sharded, "bmv2": _bmv2}
+HARNESSES = {"software": _software, "compiled": _compiled, "sharded": _sharded, "bmv2": _bmv2}
 
 
 @pytest.fixture(scope="module", params=list(HARNESSES))

@@ -1,4 +1,5 @@
-"""Harnesses for the software aggregator, central and sharded: real UDP sockets on loopback."""
+"""Harnesses for the software aggregators (Python reference and compiled datapath), central
+and sharded: real UDP sockets on loopback."""
 from __future__ import annotations
 
 import dataclasses
@@ -6,6 +7,7 @@ import select
 import socket
 
 from host.net.aggregator import Aggregator
+from host.net.fastagg import FastAggregator
 from host.wire import protocol as P
 from host.wire.jobs import Job, Shard
 from tests.conformance.harness import Endpoint, Harness, job_fields
@@ -35,8 +37,13 @@ class SoftwareHarness(Harness):
     name = "software"
     settle = 0.05
 
-    def __init__(self):
-        self.agg = Aggregator()
+    def __init__(self, compiled: bool = False):
+        self.name = "compiled" if compiled else "software"
+        if compiled:
+            # Its replies leave within microseconds of the packet (no GIL, no interpreter):
+            # a shorter silence keeps the suite's second run short.
+            self.quiet, self.settle = 0.08, 0.03
+        self.agg = FastAggregator() if compiled else Aggregator()
         self.addr = self.agg.start("127.0.0.1", 0)
         self._endpoints: dict[tuple[str, int], UdpEndpoint] = {}
 

@@ -1,0 +1,1101 @@
+/* The software aggregator's datapath in C: host/net/aggregator.py's per-packet semantics
+ * (drops by reason, slots in two versions, runs, retransmission replies, 8/16-bit lane
+ * sums, MAX) behind a recvmmsg/sendmmsg loop that runs without the GIL.
+ *
+ * Control stays in Python (host/net/fastagg.py): it validates jobs, passes the protocol's
+ * packet type codes in, names the drop reasons and counters, and reads counters out. The
+ * Python aggregator is the reference; tests compare the two byte for byte.
+ *
+ * Also here, with the same batching: a UDP echo (the ceiling `thc bench aggregator`
+ * compares with) and a load generator that plays n workers (so the benchmark's clients are
+ * not the bottleneck).
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <arpa/inet.h>
+#include <errno.h>
+#include <netinet/in.h>
+#include <netinet/udp.h>
+#include <poll.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <time.h>
+
+/* The header this file parses: protocol.json's field order and widths. fastagg.py compares
+ * HEADER_LAYOUT with protocol.json and refuses the module if they differ. */
+#define HDR 28
+#define MAX_WORKERS 32 /* the bitmap field is 32 bits */
+#define BATCH 64
+#define RECV_BYTES 2048 /* as the Python loop's receive buffer: longer datagrams truncate */
+#define OUT_BYTES 1536
+#define OUT_CAP 512
+#define N_JOB_IDS 65536
+
+enum { MALFORMED, BAD_LANES, UNKNOWN_JOB, UNKNOWN_WORKER, WORKER_OUTSIDE_JOB,
+       SLOT_OUTSIDE_POOL, STALE, NOT_FROM_CPU, WRONG_DIRECTION, STALE_RUN, N_REASONS };
+static const char *REASON_NAMES[N_REASONS] = {
+    "malformed", "bad_lanes", "unknown_job", "unknown_worker", "worker_outside_job",
+    "slot_outside_pool", "stale", "not_from_cpu", "wrong_direction", "stale_run"};
+enum { C_PACKETS, C_COMPLETIONS, C_RETRANSMISSIONS, C_PENDING, N_COUNTERS };
+static const char *COUNTER_NAMES[N_COUNTERS] = {"packets", "completions", "retransmissions",
+                                                "pending"};
+enum { T_DATA, T_MAX, T_RESULT, T_MAX_RESULT, T_PENDING, T_RESET, N_TYPES };
+
+static inline uint16_t rd16(const uint8_t *p) { return (uint16_t)(p[0] << 8 | p[1]); }
+static inline uint32_t rd32(const uint8_t *p) {
+    return (uint32_t)p[0] << 24 | (uint32_t)p[1] << 16 | (uint32_t)p[2] << 8 | p[3];
+}
+static inline void wr16(uint8_t *p, uint16_t v) { p[0] = v >> 8; p[1] = (uint8_t)v; }
+static inline void wr32(uint8_t *p, uint32_t v) {
+    p[0] = v >> 24; p[1] = (uint8_t)(v >> 16); p[2] = (uint8_t)(v >> 8); p[3] = (uint8_t)v;
+}
+/* RFC 1982 order on 32 bits: is a newer than b? */
+static inline int newer(uint32_t a, uint32_t b) {
+    uint32_t d = a - b;
+    return d != 0 && d < 0x80000000u;
+}
+
+static void write_header(uint8_t *p, uint8_t type, uint8_t worker, uint16_t job, uint16_t slot,
+                         uint8_t version, uint8_t count, uint32_t seq, uint32_t offset,
+                         uint32_t bitmap, uint32_t run, uint32_t epoch) {
+    p[0] = type; p[1] = worker; wr16(p + 2, job); wr16(p + 4, slot); p[6] = version;
+    p[7] = count; wr32(p + 8, seq); wr32(p + 12, offset); wr32(p + 16, bitmap);
+    wr32(p + 20, run); wr32(p + 24, epoch);
+}
+
+static double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* Register state of one job, laid out as the switch's registers (slot x version).          */
+
+typedef struct {
+    uint16_t job_id;
+    int n, pool, lanes, sum_bits, data_bytes, result_bytes;
+    uint16_t lut[256][2]; /* packed byte -> its two lanes' table values */
+    uint32_t ip[MAX_WORKERS]; /* network order */
+    uint16_t port[MAX_WORKERS]; /* network order */
+    uint8_t addr_ok[MAX_WORKERS]; /* 0: the configured address is no IPv4 literal */
+    uint32_t job_run;
+    uint32_t *run, *seq, *bitmap, *count; /* [slot * 2 + version] */
+    uint8_t *sum8; /* 8-bit jobs: [(slot * 2 + version) * lanes + lane] */
+    uint16_t *sum16; /* 16-bit jobs, host order */
+    uint32_t *max; /* [(slot * 2 + version) * max_lanes + lane], host order */
+    unsigned long long counters[N_COUNTERS];
+} Job;
+
+static void job_free(Job *j) {
+    if (!j) return;
+    free(j->run); free(j->seq); free(j->bitmap); free(j->count);
+    free(j->sum8); free(j->sum16); free(j->max); free(j);
+}
+
+typedef struct {
+    uint8_t *buf;
+    size_t len;
+    struct sockaddr_in dst;
+} Out;
+
+typedef struct {
+    PyObject_HEAD
+    pthread_mutex_t mu;
+    Job **jobs; /* by job_id */
+    uint32_t epoch;
+    uint8_t types[N_TYPES];
+    uint8_t is_type[256];
+    int max_lanes;
+    uint32_t seq_reset;
+    int echo;
+    int gso; /* may send replies to one destination as one UDP GSO send */
+    unsigned long long drops[N_REASONS];
+    unsigned long long send_errors, echoed;
+    int stop;
+    int serving;
+} Datapath;
+
+static int drop(Datapath *dp, int reason) {
+    dp->drops[reason]++;
+    return 0;
+}
+
+static Out *out_header(Out *o, uint32_t ip, uint16_t port) {
+    memset(&o->dst, 0, sizeof o->dst);
+    o->dst.sin_family = AF_INET;
+    o->dst.sin_addr.s_addr = ip;
+    o->dst.sin_port = port;
+    return o;
+}
+
+/* The result datagram of slot use i for worker w (payload serialized in network order). */
+static size_t write_result(Datapath *dp, Job *j, uint8_t *p, int is_max, int w, uint16_t slot,
+                           uint8_t version, uint32_t seq, uint32_t offset, uint32_t run) {
+    size_t i = (size_t)slot * 2 + version;
+    write_header(p, dp->types[is_max ? T_MAX_RESULT : T_RESULT], (uint8_t)w, j->job_id, slot,
+                 version, (uint8_t)j->count[i], seq, offset, j->bitmap[i], run, dp->epoch);
+    uint8_t *q = p + HDR;
+    if (is_max) {
+        const uint32_t *m = j->max + i * dp->max_lanes;
+        for (int k = 0; k < dp->max_lanes; k++) wr32(q + 4 * k, m[k]);
+        return HDR + 4 * (size_t)dp->max_lanes;
+    }
+    if (j->sum_bits == 8) {
+        memcpy(q, j->sum8 + i * j->lanes, j->lanes);
+    } else {
+        const uint16_t *s = j->sum16 + i * j->lanes;
+        for (int k = 0; k < j->lanes; k++) wr16(q + 2 * k, s[k]);
+    }
+    return HDR + (size_t)j->result_bytes;
+}
+
+static void accumulate(Datapath *dp, Job *j, int is_max, size_t i, const uint8_t *payload,
+                       int first) {
+    if (is_max) {
+        uint32_t *m = j->max + i * dp->max_lanes;
+        for (int k = 0; k < dp->max_lanes; k++) {
+            uint32_t v = rd32(payload + 4 * k);
+            if (first || v > m[k]) m[k] = v;
+        }
+        return;
+    }
+    int nb = j->data_bytes;
+    if (j->sum_bits == 8) {
+        uint8_t *s = j->sum8 + i * j->lanes;
+        if (first) {
+            for (int b = 0; b < nb; b++) {
+                s[2 * b] = (uint8_t)j->lut[payload[b]][0];
+                s[2 * b + 1] = (uint8_t)j->lut[payload[b]][1];
+            }
+        } else {
+            for (int b = 0; b < nb; b++) {
+                s[2 * b] = (uint8_t)(s[2 * b] + j->lut[payload[b]][0]);
+                s[2 * b + 1] = (uint8_t)(s[2 * b + 1] + j->lut[payload[b]][1]);
+            }
+        }
+    } else {
+        uint16_t *s = j->sum16 + i * j->lanes;
+        if (first) {
+            for (int b = 0; b < nb; b++) {
+                s[2 * b] = j->lut[payload[b]][0];
+                s[2 * b + 1] = j->lut[payload[b]][1];
+            }
+        } else {
+            for (int b = 0; b < nb; b++) {
+                s[2 * b] = (uint16_t)(s[2 * b] + j->lut[payload[b]][0]);
+                s[2 * b + 1] = (uint16_t)(s[2 * b + 1] + j->lut[payload[b]][1]);
+            }
+        }
+    }
+}
+
+/* One datagram from (sip, sport) (network order); replies go to out[0..], which has room
+ * for MAX_WORKERS. Returns the number of replies. The order of checks is aggregator.py's. */
+static int process(Datapath *dp, const uint8_t *d, size_t len, uint32_t sip, uint16_t sport,
+                   Out *out) {
+    if (len < HDR) return drop(dp, MALFORMED);
+    uint8_t type = d[0], wid = d[1], version = d[6];
+    uint16_t job_id = rd16(d + 2), slot = rd16(d + 4);
+    uint32_t seq = rd32(d + 8), offset = rd32(d + 12), run = rd32(d + 20);
+    if (!dp->is_type[type] || version > 1 || (run == 0 && type <= dp->types[T_MAX]))
+        return drop(dp, MALFORMED);
+    if (type == dp->types[T_RESET]) return drop(dp, NOT_FROM_CPU);
+    if (type != dp->types[T_DATA] && type != dp->types[T_MAX]) return drop(dp, WRONG_DIRECTION);
+    Job *j = dp->jobs[job_id];
+    if (!j) return drop(dp, UNKNOWN_JOB);
+    int is_max = type == dp->types[T_MAX];
+    size_t plen = len - HDR;
+    if (plen != (size_t)(is_max ? 4 * dp->max_lanes : j->data_bytes)) return drop(dp, BAD_LANES);
+    int n = j->n;
+    if (wid >= n) return drop(dp, WORKER_OUTSIDE_JOB);
+    if (!j->addr_ok[wid] || j->ip[wid] != sip || j->port[wid] != sport)
+        return drop(dp, UNKNOWN_WORKER);
+    if (slot >= j->pool) return drop(dp, SLOT_OUTSIDE_POOL);
+    if (run != j->job_run) {
+        if (j->job_run && !newer(run, j->job_run)) return drop(dp, STALE_RUN);
+        j->job_run = run;
+    }
+    size_t i = (size_t)slot * 2 + version;
+    uint32_t cur = j->seq[i];
+    int same_use = j->run[i] == run;
+    if (same_use && seq != cur && !newer(seq, cur)) return drop(dp, STALE);
+    j->counters[C_PACKETS]++;
+    uint32_t bit = 1u << wid;
+    const uint8_t *payload = d + HDR;
+    uint32_t count;
+    if (same_use && seq == cur) {
+        uint32_t bitmap = j->bitmap[i];
+        if (bitmap & bit) {
+            if (j->count[i] == (uint32_t)n) {
+                j->counters[C_RETRANSMISSIONS]++;
+                Out *o = out_header(out, sip, sport);
+                o->len = write_result(dp, j, o->buf, is_max, wid, slot, version, seq, offset, run);
+                return 1;
+            }
+            j->counters[C_PENDING]++;
+            Out *o = out_header(out, sip, sport);
+            write_header(o->buf, dp->types[T_PENDING], wid, job_id, slot, version,
+                         (uint8_t)j->count[i], seq, offset, bitmap, run, dp->epoch);
+            o->len = HDR;
+            return 1;
+        }
+        accumulate(dp, j, is_max, i, payload, 0);
+        j->bitmap[i] = bitmap | bit;
+        count = j->count[i] + 1;
+    } else {
+        accumulate(dp, j, is_max, i, payload, 1);
+        j->run[i] = run;
+        j->seq[i] = seq;
+        j->bitmap[i] = bit;
+        count = 1;
+    }
+    j->count[i] = count;
+    if (count < (uint32_t)n) return 0;
+    j->counters[C_COMPLETIONS]++;
+    size_t rlen = write_result(dp, j, out[0].buf, is_max, 0, slot, version, seq, offset, run);
+    for (int w = 0; w < n; w++) {
+        Out *o = out_header(&out[w], j->ip[w], j->port[w]);
+        if (w) {
+            memcpy(o->buf, out[0].buf, rlen);
+            o->buf[1] = (uint8_t)w;
+        }
+        o->len = rlen;
+    }
+    return n;
+}
+
+/* The ceiling: answer every packet of an installed job at once with a result-sized RESULT. */
+static int process_echo(Datapath *dp, const uint8_t *d, size_t len, uint32_t sip,
+                        uint16_t sport, Out *out) {
+    if (len < HDR) return drop(dp, MALFORMED);
+    Job *j = dp->jobs[rd16(d + 2)];
+    if (!j) return drop(dp, UNKNOWN_JOB);
+    dp->echoed++;
+    Out *o = out_header(out, sip, sport);
+    uint32_t full = j->n == 32 ? 0xFFFFFFFFu : (1u << j->n) - 1;
+    write_header(o->buf, dp->types[T_RESULT], d[1], rd16(d + 2), rd16(d + 4), d[6],
+                 (uint8_t)j->n, rd32(d + 8), rd32(d + 12), full, rd32(d + 20), rd32(d + 24));
+    memset(o->buf + HDR, 0, j->result_bytes);
+    o->len = HDR + (size_t)j->result_bytes;
+    return 1;
+}
+
+/* ---------------------------------------------------------------------------------------- */
+/* The Python type                                                                           */
+
+static int dp_init(Datapath *dp, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"epoch", "types", "max_lanes", "seq_reset", "echo", "gso", NULL};
+    unsigned long epoch, seq_reset;
+    PyObject *types;
+    int max_lanes, echo = 0, gso = 1;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "kOik|pp", kwlist, &epoch, &types, &max_lanes,
+                                     &seq_reset, &echo, &gso))
+        return -1;
+    if (dp->jobs) {
+        PyErr_SetString(PyExc_RuntimeError, "a datapath is initialised once");
+        return -1;
+    }
+    PyObject *seq = PySequence_Fast(types, "types must be a sequence");
+    if (!seq) return -1;
+    if (PySequence_Fast_GET_SIZE(seq) != N_TYPES) {
+        Py_DECREF(seq);
+        PyErr_Format(PyExc_ValueError, "types: expected %d codes (DATA, MAX, RESULT, "
+                     "MAX_RESULT, PENDING, RESET)", N_TYPES);
+        return -1;
+    }
+    memset(dp->is_type, 0, sizeof dp->is_type);
+    for (int t = 0; t < N_TYPES; t++) {
+        long v = PyLong_AsLong(PySequence_Fast_GET_ITEM(seq, t));
+        if (v < 0 || v > 255) {
+            Py_DECREF(seq);
+            if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "type codes are 8-bit");
+            return -1;
+        }
+        dp->types[t] = (uint8_t)v;
+        dp->is_type[v] = 1;
+    }
+    Py_DECREF(seq);
+    if (max_lanes < 1 || HDR + 4 * max_lanes > OUT_BYTES) {
+        PyErr_SetString(PyExc_ValueError, "max_lanes out of range");
+        return -1;
+    }
+    dp->epoch = (uint32_t)epoch;
+    dp->max_lanes = max_lanes;
+    dp->seq_reset = (uint32_t)seq_reset;
+    dp->echo = echo;
+    dp->gso = gso;
+    dp->jobs = calloc(N_JOB_IDS, sizeof(Job *));
+    if (!dp->jobs) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    pthread_mutex_init(&dp->mu, NULL);
+    return 0;
+}
+
+static void dp_dealloc(Datapath *dp) {
+    if (dp->jobs) {
+        for (int k = 0; k < N_JOB_IDS; k++) job_free(dp->jobs[k]);
+        free(dp->jobs);
+        pthread_mutex_destroy(&dp->mu);
+    }
+    Py_TYPE(dp)->tp_free((PyObject *)dp);
+}
+
+static int ready(Datapath *dp) {
+    if (!dp->jobs) PyErr_SetString(PyExc_RuntimeError, "datapath not initialised");
+    return dp->jobs != NULL;
+}
+
+static void lock(Datapath *dp) {
+    if (pthread_mutex_trylock(&dp->mu) == 0) return;
+    Py_BEGIN_ALLOW_THREADS
+    pthread_mutex_lock(&dp->mu);
+    Py_END_ALLOW_THREADS
+}
+
+/* install(job_id, n, pool, lanes, sum_bits, table, addrs): addrs is a list of
+ * (ip as a 32-bit host-order int or None when it is no IPv4 literal, port). The slots start
+ * as the controller's reset leaves a switch pool. */
+static PyObject *dp_install(Datapath *dp, PyObject *args) {
+    int job_id, n, pool, lanes, sum_bits;
+    PyObject *table, *addrs;
+    if (!ready(dp)) return NULL;
+    if (!PyArg_ParseTuple(args, "iiiiiOO", &job_id, &n, &pool, &lanes, &sum_bits, &table,
+                          &addrs))
+        return NULL;
+    if (job_id < 0 || job_id >= N_JOB_IDS || n < 1 || n > MAX_WORKERS || pool < 1 ||
+        lanes < 2 || lanes % 2 || (sum_bits != 8 && sum_bits != 16) ||
+        HDR + lanes * sum_bits / 8 > OUT_BYTES) {
+        PyErr_SetString(PyExc_ValueError, "job outside what the compiled datapath holds");
+        return NULL;
+    }
+    PyObject *tab = PySequence_Fast(table, "table must be a sequence");
+    if (!tab) return NULL;
+    PyObject *ad = PySequence_Fast(addrs, "addrs must be a sequence");
+    if (!ad) {
+        Py_DECREF(tab);
+        return NULL;
+    }
+    Job *j = calloc(1, sizeof(Job));
+    size_t uses = (size_t)pool * 2;
+    int ok = j != NULL;
+    if (ok) {
+        j->run = calloc(uses, 4); j->seq = calloc(uses, 4);
+        j->bitmap = calloc(uses, 4); j->count = calloc(uses, 4);
+        j->max = calloc(uses * dp->max_lanes, 4);
+        if (sum_bits == 8) j->sum8 = calloc(uses * lanes, 1);
+        else j->sum16 = calloc(uses * lanes, 2);
+        ok = j->run && j->seq && j->bitmap && j->count && j->max && (j->sum8 || j->sum16);
+    }
+    if (!ok) {
+        job_free(j);
+        Py_DECREF(tab); Py_DECREF(ad);
+        PyErr_NoMemory();
+        return NULL;
+    }
+    j->job_id = (uint16_t)job_id; j->n = n; j->pool = pool; j->lanes = lanes;
+    j->sum_bits = sum_bits; j->data_bytes = lanes / 2; j->result_bytes = lanes * sum_bits / 8;
+    for (size_t u = 0; u < uses; u++) j->seq[u] = dp->seq_reset;
+    const char *err = NULL;
+    if (PySequence_Fast_GET_SIZE(tab) != 16) err = "table needs 16 entries";
+    if (!err && PySequence_Fast_GET_SIZE(ad) != n) err = "addrs needs one entry per worker";
+    long vals[16];
+    for (int k = 0; !err && k < 16; k++) {
+        vals[k] = PyLong_AsLong(PySequence_Fast_GET_ITEM(tab, k));
+        if (vals[k] < 0 || vals[k] >= (1L << sum_bits)) err = "table value outside the sum width";
+    }
+    for (int b = 0; !err && b < 256; b++) {
+        j->lut[b][0] = (uint16_t)vals[b >> 4];
+        j->lut[b][1] = (uint16_t)vals[b & 15];
+    }
+    for (int w = 0; !err && w < n; w++) {
+        PyObject *a = PySequence_Fast_GET_ITEM(ad, w);
+        PyObject *ip, *port;
+        if (!PyTuple_Check(a) || PyTuple_GET_SIZE(a) != 2) {
+            err = "addrs entries are (ip, port)";
+            break;
+        }
+        ip = PyTuple_GET_ITEM(a, 0);
+        port = PyTuple_GET_ITEM(a, 1);
+        long p = PyLong_AsLong(port);
+        if (p < 0 || p > 65535) {
+            err = "port outside 0..65535";
+            break;
+        }
+        j->port[w] = htons((uint16_t)p);
+        if (ip == Py_None) continue;
+        unsigned long v = PyLong_AsUnsignedLong(ip);
+        if (PyErr_Occurred()) break;
+        j->ip[w] = htonl((uint32_t)v);
+        j->addr_ok[w] = 1;
+    }
+    Py_DECREF(tab);
+    Py_DECREF(ad);
+    if (err || PyErr_Occurred()) {
+        job_free(j);
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, err);
+        return NULL;
+    }
+    lock(dp);
+    Job *old = dp->jobs[job_id];
+    dp->jobs[job_id] = j;
+    pthread_mutex_unlock(&dp->mu);
+    job_free(old);
+    Py_RETURN_NONE;
+}
+
+static PyObject *dp_remove(Datapath *dp, PyObject *args) {
+    int job_id;
+    if (!ready(dp) || !PyArg_ParseTuple(args, "i", &job_id)) return NULL;
+    if (job_id < 0 || job_id >= N_JOB_IDS) {
+        PyErr_Format(PyExc_KeyError, "job %d is not installed", job_id);
+        return NULL;
+    }
+    lock(dp);
+    Job *old = dp->jobs[job_id];
+    dp->jobs[job_id] = NULL;
+    pthread_mutex_unlock(&dp->mu);
+    if (!old) {
+        PyErr_Format(PyExc_KeyError, "job %d is not installed", job_id);
+        return NULL;
+    }
+    job_free(old);
+    Py_RETURN_NONE;
+}
+
+/* counters(job_ids) -> (drops tuple in REASONS order, {job_id: counters tuple}, send_errors,
+ * echoed), read at one instant. */
+static PyObject *dp_counters(Datapath *dp, PyObject *args) {
+    PyObject *ids;
+    if (!ready(dp) || !PyArg_ParseTuple(args, "O", &ids)) return NULL;
+    PyObject *seq = PySequence_Fast(ids, "job ids must be a sequence");
+    if (!seq) return NULL;
+    Py_ssize_t nj = PySequence_Fast_GET_SIZE(seq);
+    unsigned long long drops[N_REASONS], send_errors, echoed;
+    unsigned long long *jc = calloc((size_t)(nj ? nj : 1), sizeof(unsigned long long) * N_COUNTERS);
+    int *found = calloc((size_t)(nj ? nj : 1), sizeof(int));
+    long *idv = calloc((size_t)(nj ? nj : 1), sizeof(long));
+    if (!jc || !found || !idv) {
+        free(jc); free(found); free(idv);
+        Py_DECREF(seq);
+        return PyErr_NoMemory();
+    }
+    for (Py_ssize_t k = 0; k < nj; k++) {
+        idv[k] = PyLong_AsLong(PySequence_Fast_GET_ITEM(seq, k));
+        if (idv[k] < 0 || idv[k] >= N_JOB_IDS) idv[k] = -1;
+    }
+    PyErr_Clear();
+    lock(dp);
+    memcpy(drops, dp->drops, sizeof drops);
+    send_errors = dp->send_errors;
+    echoed = dp->echoed;
+    for (Py_ssize_t k = 0; k < nj; k++) {
+        Job *j = idv[k] >= 0 ? dp->jobs[idv[k]] : NULL;
+        if (j) {
+            found[k] = 1;
+            memcpy(jc + k * N_COUNTERS, j->counters, sizeof j->counters);
+        }
+    }
+    pthread_mutex_unlock(&dp->mu);
+    PyObject *d = PyTuple_New(N_REASONS), *jobs = PyDict_New(), *res = NULL;
+    if (d && jobs) {
+        for (int r = 0; r < N_REASONS; r++)
+            PyTuple_SET_ITEM(d, r, PyLong_FromUnsignedLongLong(drops[r]));
+        for (Py_ssize_t k = 0; k < nj; k++) {
+            if (!found[k]) continue;
+            PyObject *c = PyTuple_New(N_COUNTERS);
+            for (int r = 0; c && r < N_COUNTERS; r++)
+                PyTuple_SET_ITEM(c, r, PyLong_FromUnsignedLongLong(jc[k * N_COUNTERS + r]));
+            if (!c || PyDict_SetItem(jobs, PySequence_Fast_GET_ITEM(seq, k), c) < 0) {
+                Py_XDECREF(c);
+                goto done;
+            }
+            Py_DECREF(c);
+        }
+        res = Py_BuildValue("(OOKK)", d, jobs, send_errors, echoed);
+    }
+done:
+    Py_XDECREF(d);
+    Py_XDECREF(jobs);
+    Py_DECREF(seq);
+    free(jc); free(found); free(idv);
+    return res;
+}
+
+static int process_any(Datapath *dp, const uint8_t *d, size_t len, uint32_t sip,
+                       uint16_t sport, Out *out) {
+    return dp->echo ? process_echo(dp, d, len, sip, sport, out)
+                    : process(dp, d, len, sip, sport, out);
+}
+
+/* handle(datagram, ip, port) -> [(bytes, ip, port)]: one datagram through the same per-packet
+ * code the loop runs (ip in host order), for packet-trace comparisons. */
+static PyObject *dp_handle(Datapath *dp, PyObject *args) {
+    Py_buffer buf;
+    unsigned long ip;
+    int port;
+    if (!ready(dp) || !PyArg_ParseTuple(args, "y*ki", &buf, &ip, &port)) return NULL;
+    uint8_t *space = malloc((size_t)MAX_WORKERS * OUT_BYTES);
+    if (!space) {
+        PyBuffer_Release(&buf);
+        return PyErr_NoMemory();
+    }
+    Out out[MAX_WORKERS];
+    for (int k = 0; k < MAX_WORKERS; k++) out[k].buf = space + (size_t)k * OUT_BYTES;
+    lock(dp);
+    size_t len = (size_t)buf.len > RECV_BYTES ? RECV_BYTES : (size_t)buf.len;
+    int nout = process_any(dp, buf.buf, len, htonl((uint32_t)ip), htons((uint16_t)port), out);
+    PyObject *res = PyList_New(nout);
+    for (int k = 0; res && k < nout; k++) {
+        PyObject *item = Py_BuildValue("(y#kH)", out[k].buf, (Py_ssize_t)out[k].len,
+                                       (unsigned long)ntohl(out[k].dst.sin_addr.s_addr),
+                                       ntohs(out[k].dst.sin_port));
+        if (!item) {
+            Py_CLEAR(res);
+            break;
+        }
+        PyList_SET_ITEM(res, k, item);
+    }
+    pthread_mutex_unlock(&dp->mu);
+    free(space);
+    PyBuffer_Release(&buf);
+    return res;
+}
+
+/* Sending. Datagrams to one destination with one length leave as one UDP GSO send
+ * (UDP_SEGMENT) where the kernel has it and the datapath was made with gso: one trip down
+ * the stack for up to GSO_SEGS datagrams, each still delivered as its own datagram, in
+ * order per destination. A NIC (or the stack before the driver) cuts them into packets, but
+ * an emulated link (veth, as in Mininet) carries the burst as one packet, so the testbed
+ * turns GSO off. Otherwise, or where GSO is refused, every datagram is sent alone
+ * (sendmmsg batches). */
+#define GSO_SEGS 64
+#define GSO_BYTES 65000
+static int gso_ok = 1;
+
+typedef struct {
+    int head, tail, count;
+    size_t len;
+    uint32_t ip;
+    uint16_t port;
+} Group;
+
+typedef struct {
+    struct mmsghdr msgs[BATCH];
+    struct iovec iov[OUT_CAP];
+    char cmsg[BATCH][CMSG_SPACE(sizeof(uint16_t))];
+    Group groups[OUT_CAP];
+    int next[OUT_CAP];
+    int emit[OUT_CAP];
+    int open[OUT_CAP];
+} SendSpace;
+
+static int gso_refused(int err) {
+    return err == EIO || err == EINVAL || err == ENOPROTOOPT || err == EOPNOTSUPP;
+}
+
+/* Send groups[emit[0..ng)] (linked through next[]); a datagram the kernel refuses is
+ * counted and skipped. */
+static void send_groups(int fd, Out *out, SendSpace *sp, int ng, int use_gso,
+                        unsigned long long *errors) {
+    int g = 0, seg = 0; /* next group, and next datagram within it when sent one by one */
+    int cursor = -1;
+    while (g < ng) {
+        int m = 0, niov = 0, first_group[BATCH], first_seg[BATCH], cur_entry[BATCH];
+        int gso = use_gso && __atomic_load_n(&gso_ok, __ATOMIC_RELAXED);
+        int gi = g, si = seg, ci = cursor;
+        while (gi < ng && m < BATCH) {
+            Group *gr = &sp->groups[sp->emit[gi]];
+            struct msghdr *h = &sp->msgs[m].msg_hdr;
+            memset(h, 0, sizeof *h);
+            h->msg_name = &out[gr->head].dst;
+            h->msg_namelen = sizeof out[gr->head].dst;
+            h->msg_iov = &sp->iov[niov];
+            first_group[m] = gi;
+            first_seg[m] = si;
+            cur_entry[m] = ci;
+            if (gso && gr->count > 1 && si == 0) {
+                for (int e = gr->head; e >= 0; e = sp->next[e]) {
+                    sp->iov[niov].iov_base = out[e].buf;
+                    sp->iov[niov++].iov_len = out[e].len;
+                }
+                h->msg_iovlen = (size_t)gr->count;
+                h->msg_control = sp->cmsg[m];
+                h->msg_controllen = CMSG_SPACE(sizeof(uint16_t));
+                struct cmsghdr *c = CMSG_FIRSTHDR(h);
+                c->cmsg_level = SOL_UDP;
+                c->cmsg_type = UDP_SEGMENT;
+                c->cmsg_len = CMSG_LEN(sizeof(uint16_t));
+                uint16_t size = (uint16_t)gr->len;
+                memcpy(CMSG_DATA(c), &size, sizeof size);
+                gi++;
+            } else {
+                int e = si == 0 ? gr->head : sp->next[ci];
+                sp->iov[niov].iov_base = out[e].buf;
+                sp->iov[niov++].iov_len = out[e].len;
+                h->msg_iovlen = 1;
+                h->msg_name = &out[e].dst;
+                ci = e;
+                if (++si == gr->count) {
+                    gi++;
+                    si = 0;
+                    ci = -1;
+                }
+            }
+            m++;
+        }
+        int sent = sendmmsg(fd, sp->msgs, (unsigned)m, 0);
+        if (sent < 0) {
+            int err = errno;
+            if (err == EINTR) continue;
+            if (sp->msgs[0].msg_hdr.msg_controllen && gso_refused(err)) {
+                __atomic_store_n(&gso_ok, 0, __ATOMIC_RELAXED);
+                continue; /* the same datagrams again, one by one */
+            }
+            sent = 1; /* skip the refused message */
+            Group *gr = &sp->groups[sp->emit[first_group[0]]];
+            *errors += sp->msgs[0].msg_hdr.msg_controllen ? (unsigned long long)gr->count : 1;
+        }
+        /* resume after the messages sent */
+        if (sent == m) {
+            g = gi;
+            seg = si;
+            cursor = ci;
+        } else {
+            g = first_group[sent];
+            seg = first_seg[sent];
+            cursor = cur_entry[sent];
+        }
+    }
+}
+
+/* Send out[0..n): grouped by destination and length, order kept per destination. */
+static void flush(int fd, Out *out, int n, SendSpace *sp, int use_gso,
+                  unsigned long long *errors) {
+    int ng = 0, nemit = 0, nopen = 0;
+    for (int k = 0; k < n; k++) {
+        uint32_t ip = out[k].dst.sin_addr.s_addr;
+        uint16_t port = out[k].dst.sin_port;
+        sp->next[k] = -1;
+        int o = 0;
+        while (o < nopen && (sp->groups[sp->open[o]].ip != ip || sp->groups[sp->open[o]].port != port))
+            o++;
+        if (o < nopen) {
+            Group *gr = &sp->groups[sp->open[o]];
+            if (gr->len == out[k].len && gr->count < GSO_SEGS &&
+                (size_t)(gr->count + 1) * gr->len <= GSO_BYTES) {
+                sp->next[gr->tail] = k;
+                gr->tail = k;
+                gr->count++;
+                continue;
+            }
+            sp->emit[nemit++] = sp->open[o]; /* closed: its successor opens below */
+            sp->open[o] = sp->open[--nopen];
+        }
+        Group *gr = &sp->groups[ng];
+        gr->head = gr->tail = k;
+        gr->count = 1;
+        gr->len = out[k].len;
+        gr->ip = ip;
+        gr->port = port;
+        sp->open[nopen++] = ng++;
+    }
+    for (int o = 0; o < nopen; o++) sp->emit[nemit++] = sp->open[o];
+    send_groups(fd, out, sp, nemit, use_gso, errors);
+}
+
+/* serve(fd, duration): receive and answer until stop() or duration seconds (< 0: no limit).
+ * Runs without the GIL; the lock guards the registers against install/remove/counters. */
+static PyObject *dp_serve(Datapath *dp, PyObject *args) {
+    int fd;
+    double duration;
+    if (!ready(dp) || !PyArg_ParseTuple(args, "id", &fd, &duration)) return NULL;
+    if (__atomic_exchange_n(&dp->serving, 1, __ATOMIC_SEQ_CST)) {
+        PyErr_SetString(PyExc_RuntimeError, "this datapath is already serving");
+        return NULL;
+    }
+    uint8_t *rbuf = malloc((size_t)BATCH * RECV_BYTES);
+    uint8_t *obuf = malloc((size_t)OUT_CAP * OUT_BYTES);
+    Out *out = malloc(sizeof(Out) * OUT_CAP);
+    struct mmsghdr *rmsgs = calloc(BATCH, sizeof(struct mmsghdr));
+    SendSpace *sp = calloc(1, sizeof(SendSpace));
+    struct iovec *riov = calloc(BATCH, sizeof(struct iovec));
+    struct sockaddr_in *src = calloc(BATCH, sizeof(struct sockaddr_in));
+    int err = 0;
+    if (!rbuf || !obuf || !out || !rmsgs || !sp || !riov || !src) {
+        err = ENOMEM;
+        goto cleanup;
+    }
+    for (int k = 0; k < OUT_CAP; k++) out[k].buf = obuf + (size_t)k * OUT_BYTES;
+    Py_BEGIN_ALLOW_THREADS
+    double end = duration < 0 ? -1 : now_s() + duration;
+    unsigned long long send_errors = 0;
+    while (!__atomic_load_n(&dp->stop, __ATOMIC_SEQ_CST) && (end < 0 || now_s() < end)) {
+        struct pollfd pfd = {.fd = fd, .events = POLLIN};
+        int r = poll(&pfd, 1, 50);
+        if (r < 0) {
+            if (errno == EINTR) continue;
+            err = errno;
+            break;
+        }
+        if (r == 0) continue;
+        if (pfd.revents & (POLLERR | POLLNVAL)) {
+            err = pfd.revents & POLLNVAL ? EBADF : EIO;
+            break;
+        }
+        for (int rounds = 0; rounds < 64; rounds++) {
+            for (int k = 0; k < BATCH; k++) {
+                riov[k].iov_base = rbuf + (size_t)k * RECV_BYTES;
+                riov[k].iov_len = RECV_BYTES;
+                memset(&rmsgs[k].msg_hdr, 0, sizeof rmsgs[k].msg_hdr);
+                rmsgs[k].msg_hdr.msg_name = &src[k];
+                rmsgs[k].msg_hdr.msg_namelen = sizeof src[k];
+                rmsgs[k].msg_hdr.msg_iov = &riov[k];
+                rmsgs[k].msg_hdr.msg_iovlen = 1;
+            }
+            int got = recvmmsg(fd, rmsgs, BATCH, MSG_DONTWAIT, NULL);
+            if (got <= 0) break;
+            int nout = 0;
+            pthread_mutex_lock(&dp->mu);
+            for (int k = 0; k < got; k++) {
+                if (nout > OUT_CAP - MAX_WORKERS) {
+                    pthread_mutex_unlock(&dp->mu);
+                    flush(fd, out, nout, sp, dp->gso, &send_errors);
+                    nout = 0;
+                    pthread_mutex_lock(&dp->mu);
+                }
+                if (src[k].sin_family != AF_INET) continue;
+                nout += process_any(dp, rbuf + (size_t)k * RECV_BYTES, rmsgs[k].msg_len,
+                                    src[k].sin_addr.s_addr, src[k].sin_port, out + nout);
+            }
+            pthread_mutex_unlock(&dp->mu);
+            flush(fd, out, nout, sp, dp->gso, &send_errors);
+            if (got < BATCH) break;
+        }
+        if (send_errors) {
+            pthread_mutex_lock(&dp->mu);
+            dp->send_errors += send_errors;
+            pthread_mutex_unlock(&dp->mu);
+            send_errors = 0;
+        }
+    }
+    Py_END_ALLOW_THREADS
+cleanup:
+    free(rbuf); free(obuf); free(out); free(rmsgs); free(sp); free(riov); free(src);
+    __atomic_store_n(&dp->serving, 0, __ATOMIC_SEQ_CST);
+    if (err) {
+        errno = err;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *dp_stop(Datapath *dp, PyObject *unused) {
+    __atomic_store_n(&dp->stop, 1, __ATOMIC_SEQ_CST);
+    Py_RETURN_NONE;
+}
+
+static PyObject *dp_clear_stop(Datapath *dp, PyObject *unused) {
+    __atomic_store_n(&dp->stop, 0, __ATOMIC_SEQ_CST);
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef dp_methods[] = {
+    {"install", (PyCFunction)dp_install, METH_VARARGS, "install(job_id, n, pool, lanes, "
+     "sum_bits, table, addrs): install or re-install a job, its slots reset"},
+    {"remove", (PyCFunction)dp_remove, METH_VARARGS, "remove(job_id)"},
+    {"counters", (PyCFunction)dp_counters, METH_VARARGS,
+     "counters(job_ids) -> (drops, {job_id: counters}, send_errors, echoed)"},
+    {"handle", (PyCFunction)dp_handle, METH_VARARGS,
+     "handle(datagram, ip, port) -> [(bytes, ip, port)]"},
+    {"serve", (PyCFunction)dp_serve, METH_VARARGS,
+     "serve(fd, duration): the receive/answer loop, without the GIL, until stop()"},
+    {"stop", (PyCFunction)dp_stop, METH_NOARGS, "ask serve() to return"},
+    {"clear_stop", (PyCFunction)dp_clear_stop, METH_NOARGS, "allow serve() to run again"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject DatapathType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "host.net._fastagg.Datapath",
+    .tp_basicsize = sizeof(Datapath),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "Registers and the serving loop of the compiled aggregator (or echo).",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)dp_init,
+    .tp_dealloc = (destructor)dp_dealloc,
+    .tp_methods = dp_methods,
+};
+
+/* ---------------------------------------------------------------------------------------- */
+/* Load generator: n workers of one job, one socket each, a window of chunks each.           */
+
+typedef struct {
+    int fd, wid;
+    const uint8_t *data; /* chunks * data_bytes */
+    uint8_t *done;
+    long base, hi;
+    double last;
+} Lane;
+
+static void send_chunks(Lane *l, long *seqs, int m, struct sockaddr_in *agg,
+                        int job_id, int pool, int lanes, uint32_t run, uint8_t data_type,
+                        int data_bytes, uint8_t *sbuf, struct mmsghdr *msgs,
+                        struct iovec *iov, long *sent) {
+    int done = 0;
+    while (done < m) {
+        int b = m - done > BATCH ? BATCH : m - done;
+        for (int k = 0; k < b; k++) {
+            long s = seqs[done + k];
+            uint8_t *p = sbuf + (size_t)k * OUT_BYTES;
+            write_header(p, data_type, (uint8_t)l->wid, (uint16_t)job_id, (uint16_t)(s % pool),
+                         (uint8_t)((s / pool) % 2), 0, (uint32_t)s, (uint32_t)(s * lanes), 0,
+                         run, 0);
+            memcpy(p + HDR, l->data + (size_t)s * data_bytes, data_bytes);
+            iov[k].iov_base = p;
+            iov[k].iov_len = HDR + (size_t)data_bytes;
+            memset(&msgs[k].msg_hdr, 0, sizeof msgs[k].msg_hdr);
+            msgs[k].msg_hdr.msg_name = agg;
+            msgs[k].msg_hdr.msg_namelen = sizeof *agg;
+            msgs[k].msg_hdr.msg_iov = &iov[k];
+            msgs[k].msg_hdr.msg_iovlen = 1;
+        }
+        if (b > 1 && __atomic_load_n(&gso_ok, __ATOMIC_RELAXED)) {
+            /* one GSO send of the b equal-sized datagrams (see send_groups) */
+            char cbuf[CMSG_SPACE(sizeof(uint16_t))];
+            struct msghdr h = {.msg_name = agg, .msg_namelen = sizeof *agg, .msg_iov = iov,
+                               .msg_iovlen = (size_t)b, .msg_control = cbuf,
+                               .msg_controllen = sizeof cbuf};
+            struct cmsghdr *c = CMSG_FIRSTHDR(&h);
+            c->cmsg_level = SOL_UDP;
+            c->cmsg_type = UDP_SEGMENT;
+            c->cmsg_len = CMSG_LEN(sizeof(uint16_t));
+            uint16_t size = (uint16_t)(HDR + data_bytes);
+            memcpy(CMSG_DATA(c), &size, sizeof size);
+            if (sendmsg(l->fd, &h, 0) >= 0) {
+                done += b;
+                *sent += b;
+                continue;
+            }
+            if (errno == EINTR) continue;
+            if (gso_refused(errno)) {
+                __atomic_store_n(&gso_ok, 0, __ATOMIC_RELAXED);
+            } else {
+                done += b; /* lost: the retransmission timer resends them */
+                continue;
+            }
+        }
+        int r = sendmmsg(l->fd, msgs, (unsigned)b, 0);
+        if (r < 0) {
+            if (errno == EINTR) continue;
+            done++; /* lost: the retransmission timer resends it */
+        } else {
+            done += r;
+            *sent += r;
+        }
+    }
+}
+
+/* drive(workers, agg_ip, agg_port, job_id, pool, lanes, run, chunks, window, payloads, types,
+ *       rto, deadline) -> (seconds, results, sent, retransmitted, complete) */
+static PyObject *fa_drive(PyObject *self, PyObject *args) {
+    PyObject *fds, *payloads, *types;
+    unsigned long agg_ip, run;
+    int agg_port, job_id, pool, lanes, window;
+    long chunks;
+    double rto, deadline;
+    if (!PyArg_ParseTuple(args, "OkiiiikliOOdd", &fds, &agg_ip, &agg_port, &job_id, &pool,
+                          &lanes, &run, &chunks, &window, &payloads, &types, &rto, &deadline))
+        return NULL;
+    PyObject *fseq = PySequence_Fast(fds, "workers must be a sequence of (fd, worker_id)");
+    if (!fseq) return NULL;
+    int n = (int)PySequence_Fast_GET_SIZE(fseq);
+    int data_bytes = lanes / 2;
+    long tcodes[N_TYPES];
+    PyObject *tseq = PySequence_Fast(types, "types must be a sequence");
+    if (!tseq) {
+        Py_DECREF(fseq);
+        return NULL;
+    }
+    int bad = PySequence_Fast_GET_SIZE(tseq) != N_TYPES || n < 1 || n > MAX_WORKERS ||
+              window < 1 || window > pool || chunks < 1 || lanes < 2 || lanes % 2 ||
+              HDR + data_bytes > OUT_BYTES || PySequence_Size(payloads) != n;
+    for (int t = 0; !bad && t < N_TYPES; t++)
+        tcodes[t] = PyLong_AsLong(PySequence_Fast_GET_ITEM(tseq, t));
+    Py_DECREF(tseq);
+    if (bad) {
+        Py_DECREF(fseq);
+        PyErr_SetString(PyExc_ValueError, "drive: bad arguments");
+        return NULL;
+    }
+    Lane *ls = calloc((size_t)n, sizeof(Lane));
+    Py_buffer *bufs = calloc((size_t)n, sizeof(Py_buffer));
+    int nbufs = 0;
+    for (int w = 0; ls && bufs && w < n; w++) {
+        int fd, wid;
+        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(fseq, w), "ii", &fd, &wid)) break;
+        if (wid < 0 || wid >= MAX_WORKERS) {
+            PyErr_SetString(PyExc_ValueError, "drive: worker id outside 0..31");
+            break;
+        }
+        ls[w].fd = fd;
+        ls[w].wid = wid;
+        PyObject *p = PySequence_GetItem(payloads, w);
+        if (!p || PyObject_GetBuffer(p, &bufs[w], PyBUF_SIMPLE) < 0) {
+            Py_XDECREF(p);
+            break;
+        }
+        Py_DECREF(p);
+        nbufs++;
+        if (bufs[w].len < chunks * data_bytes) {
+            PyErr_SetString(PyExc_ValueError, "drive: a payload is shorter than chunks");
+            break;
+        }
+        ls[w].data = bufs[w].buf;
+        ls[w].done = calloc((size_t)chunks, 1);
+        if (!ls[w].done) {
+            PyErr_NoMemory();
+            break;
+        }
+    }
+    Py_DECREF(fseq);
+    uint8_t *rbuf = malloc((size_t)BATCH * RECV_BYTES);
+    uint8_t *sbuf = malloc((size_t)BATCH * OUT_BYTES);
+    struct mmsghdr *msgs = calloc(BATCH, sizeof(struct mmsghdr));
+    struct iovec *iov = calloc(BATCH, sizeof(struct iovec));
+    long *seqs = malloc(sizeof(long) * (size_t)(chunks > window ? chunks : window));
+    struct pollfd *pfds = calloc((size_t)n, sizeof(struct pollfd));
+    PyObject *res = NULL;
+    if (!PyErr_Occurred() && (!ls || !bufs || !rbuf || !sbuf || !msgs || !iov || !seqs || !pfds))
+        PyErr_NoMemory();
+    if (PyErr_Occurred()) goto cleanup;
+    struct sockaddr_in agg = {.sin_family = AF_INET};
+    agg.sin_addr.s_addr = htonl((uint32_t)agg_ip);
+    agg.sin_port = htons((uint16_t)agg_port);
+    long results = 0, sent = 0, retransmitted = 0;
+    int complete = 0;
+    double t0 = 0, t1 = 0;
+    Py_BEGIN_ALLOW_THREADS
+    t0 = now_s();
+    for (int w = 0; w < n; w++) {
+        ls[w].last = t0;
+        pfds[w].fd = ls[w].fd;
+        pfds[w].events = POLLIN;
+    }
+    uint8_t result_type = (uint8_t)tcodes[T_RESULT];
+    for (;;) {
+        int finished = 0;
+        double now = now_s();
+        for (int w = 0; w < n; w++) {
+            Lane *l = &ls[w];
+            if (l->base >= chunks) {
+                finished++;
+                continue;
+            }
+            int m = 0;
+            while (l->hi < chunks && l->hi < l->base + window) seqs[m++] = l->hi++;
+            if (m)
+                send_chunks(l, seqs, m, &agg, job_id, pool, lanes, (uint32_t)run,
+                            (uint8_t)tcodes[T_DATA], data_bytes, sbuf, msgs, iov, &sent);
+            if (now - l->last > rto) {
+                m = 0;
+                for (long s = l->base; s < l->hi; s++)
+                    if (!l->done[s]) seqs[m++] = s;
+                retransmitted += m;
+                send_chunks(l, seqs, m, &agg, job_id, pool, lanes, (uint32_t)run,
+                            (uint8_t)tcodes[T_DATA], data_bytes, sbuf, msgs, iov, &sent);
+                l->last = now;
+            }
+        }
+        if (finished == n) {
+            complete = 1;
+            break;
+        }
+        if (now - t0 > deadline) break;
+        if (poll(pfds, (nfds_t)n, 5) <= 0) continue;
+        now = now_s();
+        for (int w = 0; w < n; w++) {
+            if (!(pfds[w].revents & POLLIN)) continue;
+            Lane *l = &ls[w];
+            for (;;) {
+                for (int k = 0; k < BATCH; k++) {
+                    iov[k].iov_base = rbuf + (size_t)k * RECV_BYTES;
+                    iov[k].iov_len = RECV_BYTES;
+                    memset(&msgs[k].msg_hdr, 0, sizeof msgs[k].msg_hdr);
+                    msgs[k].msg_hdr.msg_iov = &iov[k];
+                    msgs[k].msg_hdr.msg_iovlen = 1;
+                }
+                int got = recvmmsg(l->fd, msgs, BATCH, MSG_DONTWAIT, NULL);
+                if (got <= 0) break;
+                for (int k = 0; k < got; k++) {
+                    const uint8_t *d = rbuf + (size_t)k * RECV_BYTES;
+                    if (msgs[k].msg_len < HDR || d[0] != result_type) continue;
+                    uint32_t s = rd32(d + 8);
+                    if ((long)s >= chunks || l->done[s]) continue;
+                    l->done[s] = 1;
+                    results++;
+                    l->last = now;
+                }
+                while (l->base < chunks && l->done[l->base]) l->base++;
+                if (got < BATCH) break;
+            }
+        }
+    }
+    t1 = now_s();
+    Py_END_ALLOW_THREADS
+    res = Py_BuildValue("(dlllO)", t1 - t0, results, sent, retransmitted,
+                        complete ? Py_True : Py_False);
+cleanup:
+    for (int w = 0; ls && w < n; w++) free(ls[w].done);
+    for (int w = 0; w < nbufs; w++) PyBuffer_Release(&bufs[w]);
+    free(ls); free(bufs); free(rbuf); free(sbuf); free(msgs); free(iov); free(seqs); free(pfds);
+    return res;
+}
+
+static PyMethodDef module_methods[] = {
+    {"drive", fa_drive, METH_VARARGS,
+     "drive(workers, agg_ip, agg_port, job_id, pool, lanes, run, chunks, window, payloads, types, "
+     "rto, deadline) -> (seconds, results, sent, retransmitted, complete): the workers, "
+     "(fd, worker_id) pairs, stream "
+     "`chunks` DATA chunks each with a window, resending after `rto` seconds without progress"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "_fastagg",
+    "The compiled datapath of the software aggregator (see host/net/fastagg.py).", -1,
+    module_methods,
+};
+
+PyMODINIT_FUNC PyInit__fastagg(void) {
+    if (PyType_Ready(&DatapathType) < 0) return NULL;
+    PyObject *m = PyModule_Create(&module);
+    if (!m) return NULL;
+    PyObject *reasons = PyTuple_New(N_REASONS), *counters = PyTuple_New(N_COUNTERS);
+    for (int r = 0; reasons && r < N_REASONS; r++)
+        PyTuple_SET_ITEM(reasons, r, PyUnicode_FromString(REASON_NAMES[r]));
+    for (int r = 0; counters && r < N_COUNTERS; r++)
+        PyTuple_SET_ITEM(counters, r, PyUnicode_FromString(COUNTER_NAMES[r]));
+    PyObject *layout = Py_BuildValue(
+        "((si)(si)(si)(si)(si)(si)(si)(si)(si)(si)(si))", "pkt_type", 8, "worker_id", 8,
+        "job_id", 16, "slot", 16, "version", 8, "count", 8, "seq", 32, "offset", 32,
+        "bitmap", 32, "run", 32, "epoch", 32);
+    Py_INCREF(&DatapathType);
+    if (!reasons || !counters || !layout ||
+        PyModule_AddObject(m, "Datapath", (PyObject *)&DatapathType) < 0 ||
+        PyModule_AddObject(m, "REASONS", reasons) < 0 ||
+        PyModule_AddObject(m, "COUNTERS", counters) < 0 ||
+        PyModule_AddObject(m, "HEADER_LAYOUT", layout) < 0 ||
+        PyModule_AddIntConstant(m, "MAX_WORKERS", MAX_WORKERS) < 0 ||
+        PyModule_AddIntConstant(m, "BATCH", BATCH) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

@@ -1,0 +1,233 @@
+"""The compiled aggregator: aggregator.py's semantics with its datapath in C (``_fastagg``).
+
+Python keeps the control plane (job validation, install/remove, counters by name, the
+serving thread); the C extension, built by ``pip install`` where a compiler exists, runs the
+per-packet work: recvmmsg/sendmmsg batches, the slot logic and the lane sums, without the
+GIL. :mod:`host.net.aggregator` stays the readable reference; both give the same reply bytes
+and counters for the same packets (tests/test_fastagg.py). Where the extension is missing,
+:data:`UNAVAILABLE` says why and callers use the Python aggregator.
+"""
+from __future__ import annotations
+
+import socket
+import struct
+import threading
+
+from host.wire import protocol as P
+from host.wire.jobs import Job
+
+try:
+    from host.net import _fastagg
+except ImportError as e:
+    _fastagg = None
+    UNAVAILABLE: str | None = (f"the compiled datapath is not built ({e}); "
+                               f"`pip install -e .` with a C compiler builds it")
+else:
+    if tuple(tuple(f) for f in _fastagg.HEADER_LAYOUT) != tuple(map(tuple, P.HEADER_FIELDS)):
+        UNAVAILABLE = "the compiled datapath was built for another header layout: rebuild it"
+    elif (set(_fastagg.REASONS) != set(P.DropReason.__members__)
+          or set(_fastagg.COUNTERS) != set(P.JOB_COUNTERS)):
+        UNAVAILABLE = ("the compiled datapath names other drop reasons or counters than "
+                       "protocol.json: rebuild it")
+    else:
+        UNAVAILABLE = None
+
+TYPE_CODES = tuple(int(P.PktType[t]) for t in
+                   ("DATA", "MAX", "RESULT", "MAX_RESULT", "PENDING", "RESET"))
+"""The packet type codes, from protocol.json, in the order the extension takes them."""
+
+
+def available() -> bool:
+    return UNAVAILABLE is None
+
+
+def unsupported(jobs, shard: int | None = None) -> str | None:
+    """What of these jobs (or serving as a shard) the compiled datapath does not implement;
+    None when it runs them all. The Python aggregator runs everything."""
+    if shard is not None:
+        return "shards (--shard) run in the Python datapath only"
+    for job in jobs:
+        if job.aggregation != "thc":
+            return f"job {job.job_id}: {job.aggregation} jobs run in the Python datapath only"
+        if job.loss_bound > 0:
+            return (f"job {job.job_id}: a loss bound (FLUSH) runs in the Python datapath "
+                    f"only")
+    return None
+
+
+def ipv4_int(ip: str) -> int | None:
+    """The address as a 32-bit integer if ``ip`` is a dotted-quad literal as a received
+    packet's source reads, else None (the Python aggregator compares address strings, so
+    such a worker never matches)."""
+    try:
+        packed = socket.inet_aton(ip)
+    except OSError:
+        return None
+    if socket.inet_ntoa(packed) != ip:
+        return None
+    return struct.unpack("!I", packed)[0]
+
+
+def ipv4_str(value: int) -> str:
+    return socket.inet_ntoa(struct.pack("!I", value))
+
+
+class FastAggregator:
+    """Same interface as :class:`host.net.aggregator.Aggregator` (no impairment injection)."""
+
+    datapath = "compiled"
+    echo = False
+
+    def __init__(self, jobs: list[Job] | tuple[Job, ...] = (), epoch: int | None = None,
+                 gso: bool = True, shard: int | None = None):
+        """``gso``: replies to one worker may leave as one UDP GSO send (a NIC cuts them into
+        packets; an emulated veth link would carry the burst as one packet: turn it off
+        there)."""
+        if UNAVAILABLE is not None:
+            raise RuntimeError(UNAVAILABLE)
+        if (why := unsupported(jobs, shard)) is not None:
+            raise RuntimeError(why)
+        self.epoch = P.new_epoch() if epoch is None else epoch
+        self.gso = gso
+        self._dp = _fastagg.Datapath(self.epoch, TYPE_CODES, P.MAX_LANES, P.SEQ_RESET,
+                                     self.echo, gso)
+        self._jobs: dict[int, Job] = {}
+        self._lock = threading.Lock()
+        self._sock: socket.socket | None = None
+        self._thread: threading.Thread | None = None
+        self._error: OSError | None = None
+        self.send_errors = 0
+        for job in jobs:
+            self.install(job)
+
+    # -- control plane -------------------------------------------------------------
+    def install(self, job: Job) -> None:
+        """Install or re-install a job, its slots reset as the controller resets a switch pool."""
+        job.validate()
+        if (why := unsupported([job])) is not None:
+            raise RuntimeError(why)
+        addrs = [(ipv4_int(w.ip), w.port) for w in sorted(job.workers, key=lambda w: w.id)]
+        with self._lock:
+            self._dp.install(job.job_id, job.n_workers, job.pool_size, job.lanes, job.sum_bits,
+                             list(job.table), addrs)
+            self._jobs[job.job_id] = job
+
+    def remove(self, job_id: int) -> None:
+        with self._lock:
+            if self._jobs.pop(job_id, None) is None:
+                raise KeyError(f"job {job_id} is not installed")
+            self._dp.remove(job_id)
+
+    @property
+    def jobs(self) -> dict[int, Job]:
+        return dict(self._jobs)
+
+    def counters(self) -> dict:
+        """Counters of packets, completions, retransmissions and drops per reason."""
+        with self._lock:
+            ids = list(self._jobs)
+            drops, jobs, self.send_errors, self.echoed = self._dp.counters(ids)
+        by_reason = dict(zip(_fastagg.REASONS, drops))
+        return {"epoch": self.epoch,
+                "drops": {name: by_reason[name] for name in P.DropReason.__members__},
+                "jobs": {jid: {name: c for name, c in zip(_fastagg.COUNTERS, jobs[jid])}
+                         for jid in ids}}
+
+    # -- data plane ----------------------------------------------------------------
+    def handle(self, datagram: bytes | memoryview, src: tuple[str, int]) -> list:
+        """Process one datagram from ``src`` through the compiled per-packet code; return the
+        datagrams to send and where (as :meth:`Aggregator.handle`)."""
+        ip = ipv4_int(src[0])
+        if ip is None:
+            raise ValueError(f"the compiled datapath takes IPv4 sources, got {src[0]!r}")
+        return [(data, (ipv4_str(dip), dport))
+                for data, dip, dport in self._dp.handle(bytes(datagram), ip, src[1])]
+
+    # -- UDP server ------------------------------------------------------------------
+    def bind(self, host: str = "127.0.0.1", port: int = P.UDP_PORT) -> tuple[str, int]:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 8 << 20)
+        sock.bind((host, port))
+        self._sock = sock
+        return sock.getsockname()
+
+    @property
+    def address(self) -> tuple[str, int]:
+        if self._sock is None:
+            raise RuntimeError("aggregator is not bound")
+        return self._sock.getsockname()
+
+    def serve(self, duration: float | None = None) -> None:
+        """Receive and answer until ``stop()`` (or ``duration`` seconds), without the GIL."""
+        if self._sock is None:
+            raise RuntimeError("call bind() first")
+        self._dp.serve(self._sock.fileno(), -1.0 if duration is None else float(duration))
+
+    def _serve_thread(self) -> None:
+        try:
+            self.serve()
+        except OSError as e:  # the socket failed: `thc aggregator` reports it and exits
+            self._error = e
+
+    @property
+    def error(self) -> OSError | None:
+        """What ended the serving thread early, if anything did."""
+        return self._error
+
+    def start(self, host: str = "127.0.0.1", port: int = 0) -> tuple[str, int]:
+        """Bind and serve in a background thread (tests, embedded use)."""
+        addr = self.bind(host, port)
+        self._dp.clear_stop()
+        self._error = None
+        self._thread = threading.Thread(target=self._serve_thread, name="thc-fastagg",
+                                        daemon=True)
+        self._thread.start()
+        return addr
+
+    def stop(self) -> None:
+        self._dp.stop()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+            self._thread = None
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()
+
+
+class FastEcho(FastAggregator):
+    """The ceiling of ``thc bench aggregator``: the same compiled loop and batching, but each
+    packet of an installed job is answered at once with a result-sized RESULT to its sender;
+    nothing is aggregated. ``echoed`` counts the packets answered."""
+
+    datapath = "compiled echo"
+    echo = True
+
+    def __init__(self, jobs=(), epoch=None, gso: bool = True):
+        self.echoed = 0
+        super().__init__(jobs, epoch, gso)
+
+
+def drive(socks: dict[int, socket.socket], aggregator: tuple[str, int], job: Job, run: int,
+          chunks: int, window: int, payloads: dict[int, bytes], rto: float = 0.1,
+          deadline: float = 120.0) -> dict:
+    """Play some of ``job``'s workers from compiled code (a load generator for benchmarks):
+    worker ``w`` streams ``chunks`` DATA chunks of ``payloads[w]`` from ``socks[w]`` with
+    ``window`` in flight, resending its outstanding chunks after ``rto`` seconds without a
+    result."""
+    if UNAVAILABLE is not None:
+        raise RuntimeError(UNAVAILABLE)
+    ip = ipv4_int(aggregator[0])
+    if ip is None:
+        raise ValueError(f"the load generator takes an IPv4 aggregator, got {aggregator[0]!r}")
+    seconds, results, sent, retransmitted, complete = _fastagg.drive(
+        [(s.fileno(), w) for w, s in socks.items()], ip, aggregator[1], job.job_id,
+        job.pool_size, job.lanes, run, chunks, window, [payloads[w] for w in socks], TYPE_CODES, rto, deadline)
+    return {"seconds": seconds, "results": results, "sent": sent,
+            "retransmitted": retransmitted, "complete": complete}

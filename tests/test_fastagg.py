@@ -1,0 +1,361 @@
+"""The compiled aggregator against the Python reference, packet for packet.
+
+The same packet sequence goes through both (their per-packet code, and over real UDP through
+their serving loops); reply bytes, destinations and counters must be identical. A
+differential fuzz sends the same hostile and mutated packets to both. The conformance suite
+(tests/conformance/) also runs against the compiled aggregator.
+"""
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+
+from host.codec.packing import pack_bits
+from host.net import fastagg
+from host.net.aggregator import Aggregator
+from host.testing.clusters import free_port_block
+from host.wire import protocol as P
+from host.wire.jobs import Job
+from tests.conformance.harness import TEST_TABLE
+from tests.conformance.test_fuzz import KNOWN_SEQ, RUN, hostile
+
+pytestmark = pytest.mark.skipif(not fastagg.available(),
+                                reason=f"compiled aggregator skipped: {fastagg.UNAVAILABLE}")
+
+EPOCH = 0x5EED0001
+BASE_PORT = 41000
+"""Addresses of the per-packet tests (no socket is bound); the UDP test takes free ports."""
+
+
+def make_job(job_id: int, n: int, pool: int, granularity: int = 30, lanes: int = P.LANES,
+             base: int = BASE_PORT, table=None) -> Job:
+    """A job on fixed loopback ports (only the per-packet code sees them, no socket)."""
+    return Job.from_dict({"job_id": job_id, "pool_size": pool, "granularity": granularity,
+                          "lanes": lanes, "table": TEST_TABLE if table is None else table,
+                          "workers": [{"id": i, "ip": "127.0.0.1", "port": base + i}
+                                      for i in range(n)]})
+
+
+def jobs(base: int = BASE_PORT) -> list[Job]:
+    """An 8-bit job, a 16-bit job (9 workers x 30), and a small-lane job with 2 workers."""
+    return [make_job(7, 3, 4, base=base), make_job(8, 9, 2, base=base + 20),
+            make_job(9, 2, 2, lanes=16, base=base + 40)]
+
+
+def stranger_of(base: int = BASE_PORT) -> tuple[str, int]:
+    return ("127.0.0.1", base + 59)
+
+
+def both(js=None):
+    js = jobs() if js is None else js
+    return Aggregator(js, epoch=EPOCH), fastagg.FastAggregator(js, epoch=EPOCH)
+
+
+def addr(job: Job, w: int) -> tuple[str, int]:
+    wk = job.worker(w)
+    return (wk.ip, wk.port)
+
+
+def dgram(job: Job, w: int, seq: int, run: int = 1, pkt_type=P.PktType.DATA,
+          payload: bytes | None = None, rng=None, **fields) -> bytes:
+    slot, version = P.slot_of(seq, job.pool_size)
+    hdr = {"pkt_type": int(pkt_type), "worker_id": w, "job_id": job.job_id, "slot": slot,
+           "version": version, "count": 0, "seq": seq % P.SEQ_MOD,
+           "offset": (seq * job.lanes) % P.SEQ_MOD, "bitmap": 0, "run": run, "epoch": 0}
+    hdr.update(fields)
+    if payload is None:
+        if pkt_type == P.PktType.MAX:
+            payload = rng.integers(0, 1 << 32, P.MAX_LANES, dtype=np.uint64).astype(">u4")
+            payload = payload.tobytes()
+        else:
+            payload = pack_bits(rng.integers(0, 16, job.lanes).astype(np.uint8),
+                                P.INDEX_BITS).tobytes()
+    return P.Header(**hdr).pack() + payload
+
+
+def trace(seed: int, length: int, base: int = BASE_PORT) -> list[tuple[bytes, tuple[str, int]]]:
+    """A packet sequence with everything the protocol meets: rounds in and out of order,
+    retransmissions before and after completion, MAX rounds, slot reuse, stale seqs, runs
+    that move on and come back, seq wrap-around, and hostile packets in between."""
+    rng = np.random.default_rng(seed)
+    js = jobs(base)
+    stranger = stranger_of(base)
+    out = []
+    runs = {j.job_id: 1 for j in js}
+    for _ in range(length):
+        job = js[rng.integers(len(js))]
+        w = int(rng.integers(job.n_workers))
+        roll = rng.random()
+        run = runs[job.job_id]
+        if roll < 0.02:
+            run = int(rng.choice([run + 1, run + (1 << 31) + 5])) % P.SEQ_MOD or 1
+            runs[job.job_id] = run
+        if roll < 0.70:
+            seq = int(rng.integers(0, 3 * job.pool_size))
+        elif roll < 0.80:
+            seq = int(rng.integers(P.SEQ_MOD - 2 * job.pool_size, P.SEQ_MOD + 2 * job.pool_size))
+        else:
+            seq = int(rng.integers(0, 1 << 32))
+        kind = rng.random()
+        if kind < 0.12:
+            out.append((dgram(job, w, seq, run, P.PktType.MAX, rng=rng), addr(job, w)))
+        elif kind < 0.17:
+            raw = bytearray(dgram(job, w, seq, run, rng=rng))
+            pos = int(rng.integers(len(raw)))
+            raw[pos] = int(rng.integers(256))
+            out.append((bytes(raw[: int(rng.integers(len(raw) + 1))]), addr(job, w)))
+        elif kind < 0.20:
+            out.append((dgram(job, w, seq, run, rng=rng), stranger))
+        elif kind < 0.23:
+            out.append((dgram(job, w, seq, int(rng.integers(0, 1 << 32)), rng=rng),
+                        addr(job, w)))
+        else:
+            out.append((dgram(job, w, seq, run, rng=rng), addr(job, w)))
+        if rng.random() < 0.3:
+            # every worker of a job sends the same chunk: rounds complete
+            for v in range(job.n_workers):
+                out.append((dgram(job, v, seq, run, rng=rng), addr(job, v)))
+    return out
+
+
+def test_same_trace_same_reply_bytes_and_counters():
+    py, c = both()
+    replies = results = 0
+    for i, (data, src) in enumerate(trace(seed=11, length=3000)):
+        want = py.handle(data, src)
+        assert c.handle(data, src) == want, f"packet {i} answered differently"
+        replies += len(want)
+        results += sum(d[0] == P.PktType.RESULT for d, _ in want)
+    assert py.counters() == c.counters()
+    counters = c.counters()
+    # The trace exercises what it claims to: completions, both retransmission replies, drops.
+    for name in ("completions", "retransmissions", "pending"):
+        assert sum(j[name] for j in counters["jobs"].values()) > 10, name
+    for reason in ("malformed", "stale", "stale_run", "unknown_worker", "bad_lanes"):
+        assert counters["drops"][reason] > 0, reason
+    assert results > 100 and replies > results
+
+
+def test_reinstall_and_remove_follow_the_reference():
+    py, c = both()
+    js = jobs()
+    packets = trace(seed=12, length=300)
+    for step, (data, src) in enumerate(packets):
+        if step == 100:
+            for agg in (py, c):
+                agg.install(js[0])
+        if step == 200:
+            for agg in (py, c):
+                agg.remove(js[1].job_id)
+        assert c.handle(data, src) == py.handle(data, src), f"packet {step}"
+    assert py.counters() == c.counters()
+    with pytest.raises(KeyError):
+        c.remove(js[1].job_id)
+
+
+def serve_trace(agg, packets, job_socks, stranger) -> tuple[dict, dict]:
+    """Send ``packets`` over loopback to a started aggregator; return what each address
+    received (in order) and the aggregator's counters."""
+    target = agg.address
+    for i, (data, src) in enumerate(packets):
+        (job_socks.get(src) or stranger).sendto(data, target)
+        if i % 16 == 15:
+            time.sleep(0.002)
+    # Quiet for a while: the aggregator is done and every reply sits in its socket.
+    last, seen = time.monotonic(), agg.counters()
+    while time.monotonic() - last < 0.3:
+        time.sleep(0.05)
+        if (now := agg.counters()) != seen:
+            last, seen = time.monotonic(), now
+    got = {}
+    for src, s in list(job_socks.items()) + [("stranger", stranger)]:
+        got[src] = []
+        while True:
+            try:
+                got[src].append(s.recv(4096, socket.MSG_DONTWAIT))
+            except BlockingIOError:
+                break
+    return got, seen
+
+
+def test_served_over_udp_both_answer_a_trace_identically():
+    """Through the serving loops (recvmmsg/sendmmsg batches, with and without UDP GSO, vs
+    recvfrom/sendto): every address gets the same datagrams in the same order."""
+    base = free_port_block(60)
+    packets = trace(seed=13, length=400, base=base)
+    results = []
+    kinds = (Aggregator, fastagg.FastAggregator,
+             lambda js, epoch: fastagg.FastAggregator(js, epoch, gso=False))
+    for kind in kinds:
+        socks = {}
+        stranger = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        try:
+            for job in jobs(base):
+                for w in range(job.n_workers):
+                    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+                    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
+                    s.bind(addr(job, w))
+                    socks[addr(job, w)] = s
+            stranger.bind(stranger_of(base))
+            with kind(jobs(base), epoch=EPOCH) as agg:
+                agg.start("127.0.0.1", 0)
+                results.append(serve_trace(agg, packets, socks, stranger))
+        finally:
+            for s in socks.values():
+                s.close()
+            stranger.close()
+    (py_got, py_counters), *compiled = results
+    assert sum(map(len, py_got.values())) > 100
+    for c_got, c_counters in compiled:
+        assert c_got == py_got
+        assert c_counters == py_counters
+
+
+# -- differential fuzz -------------------------------------------------------------------
+
+def fuzz_setup():
+    """Both aggregators with the fuzzed job (2 workers, pool 2) holding a known round at
+    KNOWN_SEQ of run RUN, and the job next to it; as tests/conformance/test_fuzz.py."""
+    job = make_job(30, 2, 2, base=BASE_PORT + 60)
+    other = make_job(31, 2, 2, base=BASE_PORT + 70)
+    py, c = both([job, other])
+    rng = np.random.default_rng(30)
+    known = [rng.integers(0, 16, job.lanes).astype(np.uint8) for _ in range(2)]
+    for seq in (0, KNOWN_SEQ):
+        for w in range(2):
+            d = dgram(job, w, seq, RUN, payload=pack_bits(known[w], P.INDEX_BITS).tobytes())
+            assert c.handle(d, addr(job, w)) == py.handle(d, addr(job, w))
+    senders = {"w0": addr(job, 0), "w1": addr(job, 1), "stranger": stranger_of()}
+    probe = dgram(job, 0, KNOWN_SEQ, RUN, payload=pack_bits(known[0], P.INDEX_BITS).tobytes())
+    expected = py.handle(probe, senders["w0"])
+    assert c.handle(probe, senders["w0"]) == expected
+    assert len(expected) == 1 and expected[0][0][0] == P.PktType.RESULT
+    return job, other, py, c, senders, probe, expected
+
+
+def test_differential_fuzz_hostile_packets_are_counted_drops_in_both():
+    """Truncated, oversized, unknown type, wrong job/worker, stale seq, cross-run, spoofed:
+    each is one drop of the same reason in both, none is answered, and the known round's
+    result (the probe's retransmission reply) stays byte for byte what it was."""
+    job, other, py, c, senders, probe, expected = fuzz_setup()
+
+    @settings(max_examples=80, deadline=None, database=None, derandomize=True,
+              phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))
+    @given(st.lists(hostile(job, other), min_size=1, max_size=6))
+    def fuzz(batch):
+        before = c.counters()["drops"]
+        for reason, data, sender in batch:
+            src = senders[sender]
+            assert py.handle(data, src) == []
+            assert c.handle(data, src) == []
+        after = c.counters()["drops"]
+        want = {}
+        for reason, _, _ in batch:
+            want[reason] = want.get(reason, 0) + 1
+        assert {k: after[k] - before[k] for k in after if after[k] != before[k]} == want
+        assert c.counters() == py.counters()
+        assert c.handle(probe, senders["w0"]) == py.handle(probe, senders["w0"]) == expected
+
+    fuzz()
+
+
+@st.composite
+def mutated(draw, job):
+    """A packet of ``job`` with random header fields, length and sender: most are dropped,
+    some accumulate; whatever happens must happen identically."""
+    fields = {name: draw(st.integers(0, (1 << width) - 1)) for name, width in P.HEADER_FIELDS}
+    for name, choices in (("pkt_type", [1, 2, 1, 1, 0, 3, 5, 6, 7, 255]),
+                          ("job_id", [job.job_id] * 4 + [0, 31, 65535]),
+                          ("worker_id", [0, 1, 0, 1, 2, 255]), ("slot", [0, 1, 0, 1, 2]),
+                          ("version", [0, 1, 0, 1, 2]), ("run", [RUN, RUN, RUN + 1, RUN - 1, 0]),
+                          ("seq", [KNOWN_SEQ, 5, 6, 7, KNOWN_SEQ - 2, 0, 2 ** 31 + 4])):
+        if draw(st.booleans()):
+            fields[name] = draw(st.sampled_from(choices))
+    size = P.payload_bytes(P.PktType.MAX if fields["pkt_type"] == P.PktType.MAX
+                           else P.PktType.DATA, job.lanes)
+    payload = draw(st.one_of(st.binary(min_size=size, max_size=size),
+                             st.binary(max_size=2 * size)))
+    cut = draw(st.one_of(st.none(), st.integers(0, P.HEADER_BYTES + len(payload))))
+    data = (P.HEADER_STRUCT.pack(*(fields[n] for n, _ in P.HEADER_FIELDS)) + payload)[:cut]
+    return data, draw(st.sampled_from(["w0", "w1", "w0", "w1", "stranger"]))
+
+
+def test_differential_fuzz_mutated_packets_behave_identically():
+    job, _, py, c, senders, _, _ = fuzz_setup()
+
+    @settings(max_examples=100, deadline=None, database=None, derandomize=True,
+              phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))
+    @given(st.lists(mutated(job), min_size=1, max_size=8))
+    def fuzz(batch):
+        for data, sender in batch:
+            assert c.handle(data, senders[sender]) == py.handle(data, senders[sender])
+        assert c.counters() == py.counters()
+
+    fuzz()
+    assert sum(c.counters()["jobs"][job.job_id].values()) > 0
+
+
+def test_the_comparison_would_see_a_wrong_sum():
+    """The check can fail: a job whose table differs by one entry answers differently."""
+    js = jobs()
+    changed = make_job(7, 3, 4, table=[TEST_TABLE[0] + 1] + TEST_TABLE[1:])
+    py = Aggregator(js, epoch=EPOCH)
+    c = fastagg.FastAggregator([changed] + js[1:], epoch=EPOCH)
+    diffs = sum(c.handle(d, s) != py.handle(d, s) for d, s in trace(seed=14, length=300))
+    assert diffs > 0
+
+
+def test_compiled_echo_answers_every_packet_with_a_result():
+    job = make_job(7, 3, 4)
+    echo = fastagg.FastEcho([job], epoch=EPOCH)
+    rng = np.random.default_rng(3)
+    d = dgram(job, 1, 5, 9, rng=rng, epoch=77)
+    [(reply, dst)] = echo.handle(d, addr(job, 1))
+    hdr = P.Header.unpack(reply)
+    assert dst == addr(job, 1) and hdr.pkt_type == P.PktType.RESULT
+    assert (hdr.worker_id, hdr.seq, hdr.run, hdr.epoch, hdr.count) == (1, 5, 9, 77, 3)
+    assert len(reply) == P.HEADER_BYTES + P.payload_bytes(P.PktType.RESULT, job.lanes)
+    assert echo.handle(d[:10], addr(job, 1)) == []
+    echo.counters()
+    assert echo.echoed == 1
+
+
+def test_a_missing_extension_is_reported_not_fatal(monkeypatch):
+    monkeypatch.setattr(fastagg, "UNAVAILABLE", "not built (test)")
+    assert not fastagg.available()
+    with pytest.raises(RuntimeError, match="not built"):
+        fastagg.FastAggregator()
+
+
+def test_thc_aggregator_picks_the_compiled_datapath_and_says_so(tmp_path):
+    from host.net.aggregator import choose
+    from host.net.impair import Impairment
+    from host.wire.jobs import Cluster
+
+    js = jobs()
+    agg, name = choose("auto", js, Impairment())
+    assert isinstance(agg, fastagg.FastAggregator) and name.startswith("compiled")
+    agg, name = choose("python", js, Impairment())
+    assert type(agg) is Aggregator and name == "python (as asked)"
+    agg, name = choose("auto", js, Impairment(loss=0.1))
+    assert type(agg) is Aggregator and "impairment" in name
+    with pytest.raises(RuntimeError, match="impairment"):
+        choose("compiled", js, Impairment(loss=0.1))
+    cfg = tmp_path / "cluster.json"
+    Cluster(jobs=tuple(js)).save(cfg)
+    out = subprocess.run([sys.executable, "-m", "host.app.cli", "aggregator", "--listen",
+                          f"127.0.0.1:{free_port_block(1)}", "--config", str(cfg),
+                          "--duration", "0.2", "--stats-interval", "0"],
+                         check=False, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    first = out.stdout.splitlines()[0]
+    assert "listening" in first and "datapath compiled" in first and "UDP GSO" in first
+    agg, name = choose("auto", js, Impairment(), gso=False)
+    assert not agg.gso and "no GSO" in name
