@@ -134,8 +134,9 @@ class ShardedSoftwareHarness(SoftwareHarness):
         self._endpoints = {}
 
     def make_job(self, job_id: int, n_workers: int, pool_size: int = 8,
-                 table: list[int] | None = None, granularity: int = 30) -> Job:
-        job = super().make_job(job_id, n_workers, pool_size, table, granularity)
+                 table: list[int] | None = None, granularity: int = 30,
+                 aggregation: str = "thc") -> Job:
+        job = super().make_job(job_id, n_workers, pool_size, table, granularity, aggregation)
         return dataclasses.replace(
             job, shards=tuple(Shard(ip, port) for ip, port in self.shard_addrs)).validate()
 
