@@ -3,9 +3,10 @@
 Python keeps the control plane (job validation, install/remove, counters by name, the
 serving thread); the C extension, built by ``pip install`` where a compiler exists, runs the
 per-packet work: recvmmsg/sendmmsg batches, the slot logic and the lane sums, without the
-GIL. :mod:`host.net.aggregator` stays the readable reference; both give the same reply bytes
-and counters for the same packets (tests/test_fastagg.py). Where the extension is missing,
-:data:`UNAVAILABLE` says why and callers use the Python aggregator.
+GIL: THC and vote jobs, chunks closed short by FLUSH, and one shard of a job's shard map
+(``shard``). :mod:`host.net.aggregator` stays the readable reference; both give the same
+reply bytes and counters for the same packets (tests/test_fastagg.py). Where the extension
+is missing, :data:`UNAVAILABLE` says why and callers use the Python aggregator.
 """
 from __future__ import annotations
 
@@ -86,7 +87,8 @@ def ipv4_str(value: int) -> str:
 
 
 class FastAggregator:
-    """Same interface as :class:`host.net.aggregator.Aggregator` (no impairment injection)."""
+    """Same interface as :class:`host.net.aggregator.Aggregator` (no impairment injection);
+    ``shard``: this aggregator's index in the shard map of the jobs that have one."""
 
     datapath = "compiled"
     echo = False
