@@ -7,6 +7,7 @@ differential fuzz sends the same hostile and mutated packets to both. The confor
 """
 from __future__ import annotations
 
+import dataclasses
 import socket
 import subprocess
 import sys
@@ -22,7 +23,7 @@ from host.net import fastagg
 from host.net.aggregator import Aggregator
 from host.testing.clusters import free_port_block
 from host.wire import protocol as P
-from host.wire.jobs import Job
+from host.wire.jobs import VOTE_TABLE, Job, Shard
 from tests.conformance.harness import TEST_TABLE
 from tests.conformance.test_fuzz import KNOWN_SEQ, RUN, hostile
 
@@ -32,21 +33,32 @@ pytestmark = pytest.mark.skipif(not fastagg.available(),
 EPOCH = 0x5EED0001
 BASE_PORT = 41000
 """Addresses of the per-packet tests (no socket is bound); the UDP test takes free ports."""
+SHARD = 1
+"""The index both aggregators serve in the sharded job's shard map (3 shards)."""
 
 
 def make_job(job_id: int, n: int, pool: int, granularity: int = 30, lanes: int = P.LANES,
-             base: int = BASE_PORT, table=None) -> Job:
-    """A job on fixed loopback ports (only the per-packet code sees them, no socket)."""
-    return Job.from_dict({"job_id": job_id, "pool_size": pool, "granularity": granularity,
-                          "lanes": lanes, "table": TEST_TABLE if table is None else table,
-                          "workers": [{"id": i, "ip": "127.0.0.1", "port": base + i}
-                                      for i in range(n)]})
+             base: int = BASE_PORT, table=None, vote: bool = False, shards: int = 0) -> Job:
+    """A job on fixed loopback ports (only the per-packet code sees them, no socket); a vote
+    job, or one spread over ``shards`` aggregators on the ports after its workers'."""
+    fields = {"table": VOTE_TABLE, "granularity": 1, "aggregation": "vote"} if vote else {
+        "table": TEST_TABLE if table is None else table, "granularity": granularity}
+    job = Job.from_dict({"job_id": job_id, "pool_size": pool, "lanes": lanes, **fields,
+                         "workers": [{"id": i, "ip": "127.0.0.1", "port": base + i}
+                                     for i in range(n)]})
+    if shards:
+        job = dataclasses.replace(job, shards=tuple(
+            Shard("127.0.0.1", base + n + k) for k in range(shards))).validate()
+    return job
 
 
 def jobs(base: int = BASE_PORT) -> list[Job]:
-    """An 8-bit job, a 16-bit job (9 workers x 30), and a small-lane job with 2 workers."""
+    """An 8-bit job, a 16-bit job (9 workers x 30), a small-lane job with 2 workers, a vote
+    job (3 workers), and a job over 3 shards of which both aggregators serve SHARD."""
     return [make_job(7, 3, 4, base=base), make_job(8, 9, 2, base=base + 20),
-            make_job(9, 2, 2, lanes=16, base=base + 40)]
+            make_job(9, 2, 2, lanes=16, base=base + 40),
+            make_job(10, 3, 2, lanes=64, base=base + 44, vote=True),
+            make_job(11, 2, 3, base=base + 48, shards=3)]
 
 
 def stranger_of(base: int = BASE_PORT) -> tuple[str, int]:
@@ -55,7 +67,8 @@ def stranger_of(base: int = BASE_PORT) -> tuple[str, int]:
 
 def both(js=None):
     js = jobs() if js is None else js
-    return Aggregator(js, epoch=EPOCH), fastagg.FastAggregator(js, epoch=EPOCH)
+    return (Aggregator(js, epoch=EPOCH, shard=SHARD),
+            fastagg.FastAggregator(js, epoch=EPOCH, shard=SHARD))
 
 
 def addr(job: Job, w: int) -> tuple[str, int]:
@@ -71,7 +84,11 @@ def dgram(job: Job, w: int, seq: int, run: int = 1, pkt_type=P.PktType.DATA,
            "offset": (seq * job.lanes) % P.SEQ_MOD, "bitmap": 0, "run": run, "epoch": 0}
     hdr.update(fields)
     if payload is None:
-        if pkt_type == P.PktType.MAX:
+        if pkt_type == P.PktType.FLUSH:
+            payload = b""
+        elif job.aggregation == "vote" and pkt_type == P.PktType.DATA:
+            payload = rng.bytes(job.lanes // 8)
+        elif pkt_type == P.PktType.MAX:
             payload = rng.integers(0, 1 << 32, P.MAX_LANES, dtype=np.uint64).astype(">u4")
             payload = payload.tobytes()
         else:
@@ -82,8 +99,10 @@ def dgram(job: Job, w: int, seq: int, run: int = 1, pkt_type=P.PktType.DATA,
 
 def trace(seed: int, length: int, base: int = BASE_PORT) -> list[tuple[bytes, tuple[str, int]]]:
     """A packet sequence with everything the protocol meets: rounds in and out of order,
-    retransmissions before and after completion, MAX rounds, slot reuse, stale seqs, runs
-    that move on and come back, seq wrap-around, and hostile packets in between."""
+    retransmissions before and after completion, MAX rounds, FLUSHes that close chunks
+    short (before, during and after a round), vote jobs, chunks of another shard, slot
+    reuse, stale seqs, runs that move on and come back, seq wrap-around, and hostile packets
+    in between."""
     rng = np.random.default_rng(seed)
     js = jobs(base)
     stranger = stranger_of(base)
@@ -103,17 +122,21 @@ def trace(seed: int, length: int, base: int = BASE_PORT) -> list[tuple[bytes, tu
             seq = int(rng.integers(P.SEQ_MOD - 2 * job.pool_size, P.SEQ_MOD + 2 * job.pool_size))
         else:
             seq = int(rng.integers(0, 1 << 32))
+        if job.shards and rng.random() < 0.7:  # mostly chunks this shard owns
+            seq = (seq - seq % job.n_shards + SHARD) % P.SEQ_MOD
         kind = rng.random()
         if kind < 0.12:
             out.append((dgram(job, w, seq, run, P.PktType.MAX, rng=rng), addr(job, w)))
-        elif kind < 0.17:
+        elif kind < 0.16:
+            out.append((dgram(job, w, seq, run, P.PktType.FLUSH, rng=rng), addr(job, w)))
+        elif kind < 0.20:
             raw = bytearray(dgram(job, w, seq, run, rng=rng))
             pos = int(rng.integers(len(raw)))
             raw[pos] = int(rng.integers(256))
             out.append((bytes(raw[: int(rng.integers(len(raw) + 1))]), addr(job, w)))
-        elif kind < 0.20:
-            out.append((dgram(job, w, seq, run, rng=rng), stranger))
         elif kind < 0.23:
+            out.append((dgram(job, w, seq, run, rng=rng), stranger))
+        elif kind < 0.26:
             out.append((dgram(job, w, seq, int(rng.integers(0, 1 << 32)), rng=rng),
                         addr(job, w)))
         else:
@@ -122,25 +145,34 @@ def trace(seed: int, length: int, base: int = BASE_PORT) -> list[tuple[bytes, tu
             # every worker of a job sends the same chunk: rounds complete
             for v in range(job.n_workers):
                 out.append((dgram(job, v, seq, run, rng=rng), addr(job, v)))
+                if rng.random() < 0.1:  # a worker gives up on the chunk mid-round
+                    out.append((dgram(job, v, seq, run, P.PktType.FLUSH), addr(job, v)))
     return out
 
 
 def test_same_trace_same_reply_bytes_and_counters():
     py, c = both()
     replies = results = 0
+    short = set()
     for i, (data, src) in enumerate(trace(seed=11, length=3000)):
         want = py.handle(data, src)
         assert c.handle(data, src) == want, f"packet {i} answered differently"
         replies += len(want)
         results += sum(d[0] == P.PktType.RESULT for d, _ in want)
+        short.update(P.Header.unpack(d).job_id for d, _ in want
+                     if d[0] == P.PktType.RESULT and P.Header.unpack(d).count < 2)
     assert py.counters() == c.counters()
     counters = c.counters()
-    # The trace exercises what it claims to: completions, both retransmission replies, drops.
+    # The trace exercises what it claims to: completions, both retransmission replies, drops,
+    # chunks closed short by FLUSH in every job, vote rounds and another shard's chunks.
     for name in ("completions", "retransmissions", "pending"):
         assert sum(j[name] for j in counters["jobs"].values()) > 10, name
-    for reason in ("malformed", "stale", "stale_run", "unknown_worker", "bad_lanes"):
+    for reason in ("malformed", "stale", "stale_run", "unknown_worker", "bad_lanes",
+                   "wrong_shard"):
         assert counters["drops"][reason] > 0, reason
     assert results > 100 and replies > results
+    assert short == {7, 8, 9, 10, 11}
+    assert counters["jobs"][10]["completions"] > 10 and counters["jobs"][11]["completions"] > 5
 
 
 def test_reinstall_and_remove_follow_the_reference():
@@ -191,8 +223,9 @@ def test_served_over_udp_both_answer_a_trace_identically():
     base = free_port_block(60)
     packets = trace(seed=13, length=400, base=base)
     results = []
-    kinds = (Aggregator, fastagg.FastAggregator,
-             lambda js, epoch: fastagg.FastAggregator(js, epoch, gso=False))
+    kinds = (lambda js, epoch: Aggregator(js, epoch=epoch, shard=SHARD),
+             lambda js, epoch: fastagg.FastAggregator(js, epoch, shard=SHARD),
+             lambda js, epoch: fastagg.FastAggregator(js, epoch, gso=False, shard=SHARD))
     for kind in kinds:
         socks = {}
         stranger = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
@@ -220,20 +253,26 @@ def test_served_over_udp_both_answer_a_trace_identically():
 
 # -- differential fuzz -------------------------------------------------------------------
 
-def fuzz_setup():
-    """Both aggregators with the fuzzed job (2 workers, pool 2) holding a known round at
-    KNOWN_SEQ of run RUN, and the job next to it; as tests/conformance/test_fuzz.py."""
-    job = make_job(30, 2, 2, base=BASE_PORT + 60)
+def fuzz_setup(kind: str = "thc"):
+    """Both aggregators with the fuzzed job (2 workers, pool 2; a THC job, a vote job, or a
+    job over 3 shards of which they serve SHARD) holding a known round at KNOWN_SEQ of run
+    RUN, and the job next to it; as tests/conformance/test_fuzz.py."""
+    job = make_job(30, 2, 2, base=BASE_PORT + 60, vote=kind == "vote",
+                   shards=3 if kind == "sharded" else 0)
     other = make_job(31, 2, 2, base=BASE_PORT + 70)
     py, c = both([job, other])
     rng = np.random.default_rng(30)
-    known = [rng.integers(0, 16, job.lanes).astype(np.uint8) for _ in range(2)]
+    if job.aggregation == "vote":
+        known = [rng.bytes(job.lanes // 8) for _ in range(2)]
+    else:
+        known = [pack_bits(rng.integers(0, 16, job.lanes).astype(np.uint8),
+                           P.INDEX_BITS).tobytes() for _ in range(2)]
     for seq in (0, KNOWN_SEQ):
         for w in range(2):
-            d = dgram(job, w, seq, RUN, payload=pack_bits(known[w], P.INDEX_BITS).tobytes())
+            d = dgram(job, w, seq, RUN, payload=known[w])
             assert c.handle(d, addr(job, w)) == py.handle(d, addr(job, w))
     senders = {"w0": addr(job, 0), "w1": addr(job, 1), "stranger": stranger_of()}
-    probe = dgram(job, 0, KNOWN_SEQ, RUN, payload=pack_bits(known[0], P.INDEX_BITS).tobytes())
+    probe = dgram(job, 0, KNOWN_SEQ, RUN, payload=known[0])
     expected = py.handle(probe, senders["w0"])
     assert c.handle(probe, senders["w0"]) == expected
     assert len(expected) == 1 and expected[0][0][0] == P.PktType.RESULT
@@ -268,8 +307,9 @@ def test_differential_fuzz_hostile_packets_are_counted_drops_in_both():
 
 @st.composite
 def mutated(draw, job):
-    """A packet of ``job`` with random header fields, length and sender: most are dropped,
-    some accumulate; whatever happens must happen identically."""
+    """A packet of ``job`` (DATA, MAX, FLUSH or anything else) with random header fields,
+    length and sender: most are dropped, some accumulate or close a chunk; whatever happens
+    must happen identically."""
     fields = {name: draw(st.integers(0, (1 << width) - 1)) for name, width in P.HEADER_FIELDS}
     for name, choices in (("pkt_type", [1, 2, 1, 1, 0, 3, 5, 6, 7, 255]),
                           ("job_id", [job.job_id] * 4 + [0, 31, 65535]),
@@ -278,8 +318,9 @@ def mutated(draw, job):
                           ("seq", [KNOWN_SEQ, 5, 6, 7, KNOWN_SEQ - 2, 0, 2 ** 31 + 4])):
         if draw(st.booleans()):
             fields[name] = draw(st.sampled_from(choices))
-    size = P.payload_bytes(P.PktType.MAX if fields["pkt_type"] == P.PktType.MAX
-                           else P.PktType.DATA, job.lanes)
+    size = (P.payload_bytes(P.PktType.MAX) if fields["pkt_type"] == P.PktType.MAX else
+            0 if fields["pkt_type"] == P.PktType.FLUSH else
+            P.payload_bytes(P.PktType.DATA, job.lanes, aggregation=job.aggregation))
     payload = draw(st.one_of(st.binary(min_size=size, max_size=size),
                              st.binary(max_size=2 * size)))
     cut = draw(st.one_of(st.none(), st.integers(0, P.HEADER_BYTES + len(payload))))
@@ -287,8 +328,9 @@ def mutated(draw, job):
     return data, draw(st.sampled_from(["w0", "w1", "w0", "w1", "stranger"]))
 
 
-def test_differential_fuzz_mutated_packets_behave_identically():
-    job, _, py, c, senders, _, _ = fuzz_setup()
+@pytest.mark.parametrize("kind", ["thc", "vote", "sharded"])
+def test_differential_fuzz_mutated_packets_behave_identically(kind):
+    job, _, py, c, senders, _, _ = fuzz_setup(kind)
 
     @settings(max_examples=100, deadline=None, database=None, derandomize=True,
               phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))
@@ -306,8 +348,8 @@ def test_the_comparison_would_see_a_wrong_sum():
     """The check can fail: a job whose table differs by one entry answers differently."""
     js = jobs()
     changed = make_job(7, 3, 4, table=[TEST_TABLE[0] + 1] + TEST_TABLE[1:])
-    py = Aggregator(js, epoch=EPOCH)
-    c = fastagg.FastAggregator([changed] + js[1:], epoch=EPOCH)
+    py = Aggregator(js, epoch=EPOCH, shard=SHARD)
+    c = fastagg.FastAggregator([changed] + js[1:], epoch=EPOCH, shard=SHARD)
     diffs = sum(c.handle(d, s) != py.handle(d, s) for d, s in trace(seed=14, length=300))
     assert diffs > 0
 
@@ -339,23 +381,23 @@ def test_thc_aggregator_picks_the_compiled_datapath_and_says_so(tmp_path):
     from host.net.impair import Impairment
     from host.wire.jobs import Cluster
 
-    js = jobs()
-    agg, name = choose("auto", js, Impairment())
+    js = jobs()  # vote and sharded jobs among them: nothing makes it fall back
+    agg, name = choose("auto", js, Impairment(), shard=SHARD)
     assert isinstance(agg, fastagg.FastAggregator) and name.startswith("compiled")
-    agg, name = choose("python", js, Impairment())
+    agg, name = choose("python", js, Impairment(), shard=SHARD)
     assert type(agg) is Aggregator and name == "python (as asked)"
-    agg, name = choose("auto", js, Impairment(loss=0.1))
+    agg, name = choose("auto", js, Impairment(loss=0.1), shard=SHARD)
     assert type(agg) is Aggregator and "impairment" in name
     with pytest.raises(RuntimeError, match="impairment"):
-        choose("compiled", js, Impairment(loss=0.1))
+        choose("compiled", js, Impairment(loss=0.1), shard=SHARD)
     cfg = tmp_path / "cluster.json"
     Cluster(jobs=tuple(js)).save(cfg)
     out = subprocess.run([sys.executable, "-m", "host.app.cli", "aggregator", "--listen",
                           f"127.0.0.1:{free_port_block(1)}", "--config", str(cfg),
-                          "--duration", "0.2", "--stats-interval", "0"],
+                          "--duration", "0.2", "--stats-interval", "0", "--shard", str(SHARD)],
                          check=False, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     first = out.stdout.splitlines()[0]
     assert "listening" in first and "datapath compiled" in first and "UDP GSO" in first
-    agg, name = choose("auto", js, Impairment(), gso=False)
+    agg, name = choose("auto", js, Impairment(), gso=False, shard=SHARD)
     assert not agg.gso and "no GSO" in name

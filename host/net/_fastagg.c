@@ -1,6 +1,6 @@
 /* The software aggregator's datapath in C: host/net/aggregator.py's per-packet semantics
  * (drops by reason, slots in two versions, runs, retransmission replies, 8/16-bit lane
- * sums, MAX) behind a recvmmsg/sendmmsg loop that runs without the GIL.
+ * sums, MAX, vote counts, FLUSH-closed slots, one shard of a shard map) behind a recvmmsg/sendmmsg loop that runs without the GIL.
  *
  * Control stays in Python (host/net/fastagg.py): it validates jobs, passes the protocol's
  * packet type codes in, names the drop reasons and counters, and reads counters out. The
@@ -36,14 +36,16 @@
 #define N_JOB_IDS 65536
 
 enum { MALFORMED, BAD_LANES, UNKNOWN_JOB, UNKNOWN_WORKER, WORKER_OUTSIDE_JOB,
-       SLOT_OUTSIDE_POOL, STALE, NOT_FROM_CPU, WRONG_DIRECTION, STALE_RUN, N_REASONS };
+       SLOT_OUTSIDE_POOL, STALE, NOT_FROM_CPU, WRONG_DIRECTION, STALE_RUN, WRONG_SHARD,
+       N_REASONS };
 static const char *REASON_NAMES[N_REASONS] = {
     "malformed", "bad_lanes", "unknown_job", "unknown_worker", "worker_outside_job",
-    "slot_outside_pool", "stale", "not_from_cpu", "wrong_direction", "stale_run"};
+    "slot_outside_pool", "stale", "not_from_cpu", "wrong_direction", "stale_run",
+    "wrong_shard"};
 enum { C_PACKETS, C_COMPLETIONS, C_RETRANSMISSIONS, C_PENDING, N_COUNTERS };
 static const char *COUNTER_NAMES[N_COUNTERS] = {"packets", "completions", "retransmissions",
                                                 "pending"};
-enum { T_DATA, T_MAX, T_RESULT, T_MAX_RESULT, T_PENDING, T_RESET, N_TYPES };
+enum { T_DATA, T_MAX, T_RESULT, T_MAX_RESULT, T_PENDING, T_RESET, T_FLUSH, N_TYPES };
 
 static inline uint16_t rd16(const uint8_t *p) { return (uint16_t)(p[0] << 8 | p[1]); }
 static inline uint32_t rd32(const uint8_t *p) {
@@ -79,12 +81,15 @@ static double now_s(void) {
 typedef struct {
     uint16_t job_id;
     int n, pool, lanes, sum_bits, data_bytes, result_bytes;
+    int vote; /* DATA carries one sign bit a lane, counted (the first lane in the high bit) */
+    uint32_t n_shards, shard; /* this aggregator owns the chunks with seq % n_shards == shard */
     uint16_t lut[256][2]; /* packed byte -> its two lanes' table values */
     uint32_t ip[MAX_WORKERS]; /* network order */
     uint16_t port[MAX_WORKERS]; /* network order */
     uint8_t addr_ok[MAX_WORKERS]; /* 0: the configured address is no IPv4 literal */
     uint32_t job_run;
     uint32_t *run, *seq, *bitmap, *count; /* [slot * 2 + version] */
+    uint8_t *closed; /* a FLUSH closed the use short: it answers as complete */
     uint8_t *sum8; /* 8-bit jobs: [(slot * 2 + version) * lanes + lane] */
     uint16_t *sum16; /* 16-bit jobs, host order */
     uint32_t *max; /* [(slot * 2 + version) * max_lanes + lane], host order */
@@ -93,7 +98,7 @@ typedef struct {
 
 static void job_free(Job *j) {
     if (!j) return;
-    free(j->run); free(j->seq); free(j->bitmap); free(j->count);
+    free(j->run); free(j->seq); free(j->bitmap); free(j->count); free(j->closed);
     free(j->sum8); free(j->sum16); free(j->max); free(j);
 }
 
@@ -165,6 +170,18 @@ static void accumulate(Datapath *dp, Job *j, int is_max, size_t i, const uint8_t
         return;
     }
     int nb = j->data_bytes;
+    if (j->vote) {
+        /* a lane's sign bit counts as is (VOTE_TABLE maps b to b) */
+        for (int b = 0; b < nb; b++) {
+            for (int k = 0; k < 8; k++) {
+                unsigned v = (payload[b] >> (7 - k)) & 1u;
+                size_t l = i * j->lanes + 8 * (size_t)b + k;
+                if (j->sum_bits == 8) j->sum8[l] = (uint8_t)(first ? v : j->sum8[l] + v);
+                else j->sum16[l] = (uint16_t)(first ? v : j->sum16[l] + v);
+            }
+        }
+        return;
+    }
     if (j->sum_bits == 8) {
         uint8_t *s = j->sum8 + i * j->lanes;
         if (first) {
@@ -202,20 +219,23 @@ static int process(Datapath *dp, const uint8_t *d, size_t len, uint32_t sip, uin
     uint8_t type = d[0], wid = d[1], version = d[6];
     uint16_t job_id = rd16(d + 2), slot = rd16(d + 4);
     uint32_t seq = rd32(d + 8), offset = rd32(d + 12), run = rd32(d + 20);
-    if (!dp->is_type[type] || version > 1 || (run == 0 && type <= dp->types[T_MAX]))
-        return drop(dp, MALFORMED);
+    int is_up = type == dp->types[T_DATA] || type == dp->types[T_MAX] ||
+                type == dp->types[T_FLUSH];
+    if (!dp->is_type[type] || version > 1 || (run == 0 && is_up)) return drop(dp, MALFORMED);
     if (type == dp->types[T_RESET]) return drop(dp, NOT_FROM_CPU);
-    if (type != dp->types[T_DATA] && type != dp->types[T_MAX]) return drop(dp, WRONG_DIRECTION);
+    if (!is_up) return drop(dp, WRONG_DIRECTION);
     Job *j = dp->jobs[job_id];
     if (!j) return drop(dp, UNKNOWN_JOB);
-    int is_max = type == dp->types[T_MAX];
+    int is_max = type == dp->types[T_MAX], is_flush = type == dp->types[T_FLUSH];
     size_t plen = len - HDR;
-    if (plen != (size_t)(is_max ? 4 * dp->max_lanes : j->data_bytes)) return drop(dp, BAD_LANES);
+    if (plen != (size_t)(is_max ? 4 * dp->max_lanes : is_flush ? 0 : j->data_bytes))
+        return drop(dp, BAD_LANES);
     int n = j->n;
     if (wid >= n) return drop(dp, WORKER_OUTSIDE_JOB);
     if (!j->addr_ok[wid] || j->ip[wid] != sip || j->port[wid] != sport)
         return drop(dp, UNKNOWN_WORKER);
     if (slot >= j->pool) return drop(dp, SLOT_OUTSIDE_POOL);
+    if (j->n_shards > 1 && seq % j->n_shards != j->shard) return drop(dp, WRONG_SHARD);
     if (run != j->job_run) {
         if (j->job_run && !newer(run, j->job_run)) return drop(dp, STALE_RUN);
         j->job_run = run;
@@ -230,32 +250,46 @@ static int process(Datapath *dp, const uint8_t *d, size_t len, uint32_t sip, uin
     uint32_t count;
     if (same_use && seq == cur) {
         uint32_t bitmap = j->bitmap[i];
-        if (bitmap & bit) {
-            if (j->count[i] == (uint32_t)n) {
-                j->counters[C_RETRANSMISSIONS]++;
-                Out *o = out_header(out, sip, sport);
-                o->len = write_result(dp, j, o->buf, is_max, wid, slot, version, seq, offset, run);
-                return 1;
-            }
+        count = j->count[i];
+        if (count == (uint32_t)n || j->closed[i]) {
+            j->counters[C_RETRANSMISSIONS]++;
+            Out *o = out_header(out, sip, sport);
+            o->len = write_result(dp, j, o->buf, is_max, wid, slot, version, seq, offset, run);
+            return 1;
+        }
+        if (is_flush) {
+            j->closed[i] = 1;
+        } else if (bitmap & bit) {
             j->counters[C_PENDING]++;
             Out *o = out_header(out, sip, sport);
             write_header(o->buf, dp->types[T_PENDING], wid, job_id, slot, version,
-                         (uint8_t)j->count[i], seq, offset, bitmap, run, dp->epoch);
+                         (uint8_t)count, seq, offset, bitmap, run, dp->epoch);
             o->len = HDR;
             return 1;
+        } else {
+            accumulate(dp, j, is_max, i, payload, 0);
+            j->bitmap[i] = bitmap | bit;
+            count++;
         }
-        accumulate(dp, j, is_max, i, payload, 0);
-        j->bitmap[i] = bitmap | bit;
-        count = j->count[i] + 1;
+    } else if (is_flush) {
+        /* closed before anyone contributed: every lane sums nothing, count 0 */
+        if (j->sum_bits == 8) memset(j->sum8 + i * j->lanes, 0, (size_t)j->lanes);
+        else memset(j->sum16 + i * j->lanes, 0, (size_t)j->lanes * 2);
+        j->run[i] = run;
+        j->seq[i] = seq;
+        j->bitmap[i] = 0;
+        j->closed[i] = 1;
+        count = 0;
     } else {
         accumulate(dp, j, is_max, i, payload, 1);
         j->run[i] = run;
         j->seq[i] = seq;
         j->bitmap[i] = bit;
+        j->closed[i] = 0;
         count = 1;
     }
     j->count[i] = count;
-    if (count < (uint32_t)n) return 0;
+    if (count < (uint32_t)n && !j->closed[i]) return 0;
     j->counters[C_COMPLETIONS]++;
     size_t rlen = write_result(dp, j, out[0].buf, is_max, 0, slot, version, seq, offset, run);
     for (int w = 0; w < n; w++) {
@@ -305,7 +339,7 @@ static int dp_init(Datapath *dp, PyObject *args, PyObject *kw) {
     if (PySequence_Fast_GET_SIZE(seq) != N_TYPES) {
         Py_DECREF(seq);
         PyErr_Format(PyExc_ValueError, "types: expected %d codes (DATA, MAX, RESULT, "
-                     "MAX_RESULT, PENDING, RESET)", N_TYPES);
+                     "MAX_RESULT, PENDING, RESET, FLUSH)", N_TYPES);
         return -1;
     }
     memset(dp->is_type, 0, sizeof dp->is_type);
@@ -359,19 +393,21 @@ static void lock(Datapath *dp) {
     Py_END_ALLOW_THREADS
 }
 
-/* install(job_id, n, pool, lanes, sum_bits, table, addrs): addrs is a list of
- * (ip as a 32-bit host-order int or None when it is no IPv4 literal, port). The slots start
- * as the controller's reset leaves a switch pool. */
+/* install(job_id, n, pool, lanes, sum_bits, table, addrs, vote, n_shards, shard): addrs is
+ * a list of (ip as a 32-bit host-order int or None when it is no IPv4 literal, port); vote:
+ * DATA carries sign bits; the aggregator owns the chunks with seq % n_shards == shard. The
+ * slots start as the controller's reset leaves a switch pool. */
 static PyObject *dp_install(Datapath *dp, PyObject *args) {
-    int job_id, n, pool, lanes, sum_bits;
+    int job_id, n, pool, lanes, sum_bits, vote, n_shards, shard;
     PyObject *table, *addrs;
     if (!ready(dp)) return NULL;
-    if (!PyArg_ParseTuple(args, "iiiiiOO", &job_id, &n, &pool, &lanes, &sum_bits, &table,
-                          &addrs))
+    if (!PyArg_ParseTuple(args, "iiiiiOOpii", &job_id, &n, &pool, &lanes, &sum_bits, &table,
+                          &addrs, &vote, &n_shards, &shard))
         return NULL;
     if (job_id < 0 || job_id >= N_JOB_IDS || n < 1 || n > MAX_WORKERS || pool < 1 ||
-        lanes < 2 || lanes % 2 || (sum_bits != 8 && sum_bits != 16) ||
-        HDR + lanes * sum_bits / 8 > OUT_BYTES) {
+        lanes < 2 || lanes % (vote ? 8 : 2) || (sum_bits != 8 && sum_bits != 16) ||
+        HDR + lanes * sum_bits / 8 > OUT_BYTES || n_shards < 1 || shard < 0 ||
+        shard >= n_shards) {
         PyErr_SetString(PyExc_ValueError, "job outside what the compiled datapath holds");
         return NULL;
     }
@@ -387,11 +423,11 @@ static PyObject *dp_install(Datapath *dp, PyObject *args) {
     int ok = j != NULL;
     if (ok) {
         j->run = calloc(uses, 4); j->seq = calloc(uses, 4);
-        j->bitmap = calloc(uses, 4); j->count = calloc(uses, 4);
+        j->bitmap = calloc(uses, 4); j->count = calloc(uses, 4); j->closed = calloc(uses, 1);
         j->max = calloc(uses * dp->max_lanes, 4);
         if (sum_bits == 8) j->sum8 = calloc(uses * lanes, 1);
         else j->sum16 = calloc(uses * lanes, 2);
-        ok = j->run && j->seq && j->bitmap && j->count && j->max && (j->sum8 || j->sum16);
+        ok = j->run && j->seq && j->bitmap && j->count && j->closed && j->max && (j->sum8 || j->sum16);
     }
     if (!ok) {
         job_free(j);
@@ -400,7 +436,9 @@ static PyObject *dp_install(Datapath *dp, PyObject *args) {
         return NULL;
     }
     j->job_id = (uint16_t)job_id; j->n = n; j->pool = pool; j->lanes = lanes;
-    j->sum_bits = sum_bits; j->data_bytes = lanes / 2; j->result_bytes = lanes * sum_bits / 8;
+    j->sum_bits = sum_bits; j->data_bytes = vote ? lanes / 8 : lanes / 2;
+    j->result_bytes = lanes * sum_bits / 8;
+    j->vote = vote; j->n_shards = (uint32_t)n_shards; j->shard = (uint32_t)shard;
     for (size_t u = 0; u < uses; u++) j->seq[u] = dp->seq_reset;
     const char *err = NULL;
     if (PySequence_Fast_GET_SIZE(tab) != 16) err = "table needs 16 entries";
@@ -808,7 +846,8 @@ static PyObject *dp_clear_stop(Datapath *dp, PyObject *unused) {
 
 static PyMethodDef dp_methods[] = {
     {"install", (PyCFunction)dp_install, METH_VARARGS, "install(job_id, n, pool, lanes, "
-     "sum_bits, table, addrs): install or re-install a job, its slots reset"},
+     "sum_bits, table, addrs, vote, n_shards, shard): install or re-install a job, its "
+     "slots reset"},
     {"remove", (PyCFunction)dp_remove, METH_VARARGS, "remove(job_id)"},
     {"counters", (PyCFunction)dp_counters, METH_VARARGS,
      "counters(job_ids) -> (drops, {job_id: counters}, send_errors, echoed)"},

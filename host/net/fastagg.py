@@ -3,9 +3,10 @@
 Python keeps the control plane (job validation, install/remove, counters by name, the
 serving thread); the C extension, built by ``pip install`` where a compiler exists, runs the
 per-packet work: recvmmsg/sendmmsg batches, the slot logic and the lane sums, without the
-GIL. :mod:`host.net.aggregator` stays the readable reference; both give the same reply bytes
-and counters for the same packets (tests/test_fastagg.py). Where the extension is missing,
-:data:`UNAVAILABLE` says why and callers use the Python aggregator.
+GIL: THC and vote jobs, chunks closed short by FLUSH, and one shard of a job's shard map
+(``shard``). :mod:`host.net.aggregator` stays the readable reference; both give the same
+reply bytes and counters for the same packets (tests/test_fastagg.py). Where the extension
+is missing, :data:`UNAVAILABLE` says why and callers use the Python aggregator.
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import struct
 import threading
 
 from host.wire import protocol as P
-from host.wire.jobs import Job
+from host.wire.jobs import ConfigError, Job
 
 try:
     from host.net import _fastagg
@@ -33,7 +34,7 @@ else:
         UNAVAILABLE = None
 
 TYPE_CODES = tuple(int(P.PktType[t]) for t in
-                   ("DATA", "MAX", "RESULT", "MAX_RESULT", "PENDING", "RESET"))
+                   ("DATA", "MAX", "RESULT", "MAX_RESULT", "PENDING", "RESET", "FLUSH"))
 """The packet type codes, from protocol.json, in the order the extension takes them."""
 
 
@@ -41,18 +42,31 @@ def available() -> bool:
     return UNAVAILABLE is None
 
 
+AGGREGATIONS = frozenset(("thc", "vote"))
+"""What the compiled datapath sums: THC table values, or vote counts of sign bits."""
+
+
 def unsupported(jobs, shard: int | None = None) -> str | None:
     """What of these jobs (or serving as a shard) the compiled datapath does not implement;
     None when it runs them all. The Python aggregator runs everything."""
-    if shard is not None:
-        return "shards (--shard) run in the Python datapath only"
     for job in jobs:
-        if job.aggregation != "thc":
+        if job.aggregation not in AGGREGATIONS:
             return f"job {job.job_id}: {job.aggregation} jobs run in the Python datapath only"
-        if job.loss_bound > 0:
-            return (f"job {job.job_id}: a loss bound (FLUSH) runs in the Python datapath "
-                    f"only")
     return None
+
+
+def shard_of_job(job: Job, shard: int | None) -> tuple[int, int]:
+    """(n_shards, this aggregator's index) for ``job``, checked as the Python aggregator's
+    JobState checks them: a sharded job needs a shard index inside its map."""
+    if not job.shards:
+        return 1, 0
+    if shard is None:
+        raise ConfigError(f"job {job.job_id} is spread over {job.n_shards} aggregator shards; "
+                          f"run this aggregator as one of them (--shard 0..{job.n_shards - 1})")
+    if not 0 <= shard < job.n_shards:
+        raise ConfigError(f"shard {shard} is not in job {job.job_id}'s shard map "
+                          f"(shards 0..{job.n_shards - 1})")
+    return job.n_shards, shard
 
 
 def ipv4_int(ip: str) -> int | None:
@@ -73,7 +87,8 @@ def ipv4_str(value: int) -> str:
 
 
 class FastAggregator:
-    """Same interface as :class:`host.net.aggregator.Aggregator` (no impairment injection)."""
+    """Same interface as :class:`host.net.aggregator.Aggregator` (no impairment injection);
+    ``shard``: this aggregator's index in the shard map of the jobs that have one."""
 
     datapath = "compiled"
     echo = False
@@ -89,6 +104,7 @@ class FastAggregator:
             raise RuntimeError(why)
         self.epoch = P.new_epoch() if epoch is None else epoch
         self.gso = gso
+        self.shard = shard
         self._dp = _fastagg.Datapath(self.epoch, TYPE_CODES, P.MAX_LANES, P.SEQ_RESET,
                                      self.echo, gso)
         self._jobs: dict[int, Job] = {}
@@ -106,10 +122,12 @@ class FastAggregator:
         job.validate()
         if (why := unsupported([job])) is not None:
             raise RuntimeError(why)
+        n_shards, shard = shard_of_job(job, self.shard)
         addrs = [(ipv4_int(w.ip), w.port) for w in sorted(job.workers, key=lambda w: w.id)]
         with self._lock:
             self._dp.install(job.job_id, job.n_workers, job.pool_size, job.lanes, job.sum_bits,
-                             list(job.table), addrs)
+                             list(job.table), addrs, job.aggregation == "vote", n_shards,
+                             shard)
             self._jobs[job.job_id] = job
 
     def remove(self, job_id: int) -> None:

@@ -14,12 +14,22 @@ def _sharded():
     return ShardedSoftwareHarness(n_shards=2)
 
 
-def _compiled():
+def _need_compiled():
     from host.net import fastagg
     if not fastagg.available():
         pytest.skip(f"compiled aggregator skipped: {fastagg.UNAVAILABLE}")
+
+
+def _compiled():
+    _need_compiled()
     from tests.conformance.software import SoftwareHarness
     return SoftwareHarness(compiled=True)
+
+
+def _sharded_compiled():
+    _need_compiled()
+    from tests.conformance.software import ShardedSoftwareHarness
+    return ShardedSoftwareHarness(n_shards=2, compiled=True)
 
 
 def _bmv2():
@@ -33,7 +43,8 @@ def _bmv2():
     return BMv2Harness()
 
 
-HARNESSES = {"software": _software, "compiled": _compiled, "sharded": _sharded, "bmv2": _bmv2}
+HARNESSES = {"software": _software, "compiled": _compiled, "sharded": _sharded,
+             "sharded-compiled": _sharded_compiled, "bmv2": _bmv2}
 
 
 @pytest.fixture(scope="module", params=list(HARNESSES))

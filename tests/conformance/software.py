@@ -120,14 +120,16 @@ class ShardedEndpoint(UdpEndpoint):
 
 
 class ShardedSoftwareHarness(SoftwareHarness):
-    """Jobs spread over ``n_shards`` software aggregators, each one shard of the job's shard
-    map; the suite's counters are the sums over the shards, so exactly-once and every
-    counted drop must hold per shard for the suite to pass."""
+    """Jobs spread over ``n_shards`` software aggregators (Python or compiled), each one shard
+    of the job's shard map; the suite's counters are the sums over the shards, so
+    exactly-once and every counted drop must hold per shard for the suite to pass."""
 
-    name = "sharded"
-
-    def __init__(self, n_shards: int = 2):
-        self.shards = [Aggregator(shard=i) for i in range(n_shards)]
+    def __init__(self, n_shards: int = 2, compiled: bool = False):
+        self.name = "sharded compiled" if compiled else "sharded"
+        if compiled:
+            self.quiet, self.settle = 0.08, 0.03
+        make = FastAggregator if compiled else Aggregator
+        self.shards = [make(shard=i) for i in range(n_shards)]
         self.shard_addrs = [a.start("127.0.0.1", 0) for a in self.shards]
         self.agg = self.shards[0]
         self.addr = self.shard_addrs[0]
