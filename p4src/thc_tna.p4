@@ -46,6 +46,7 @@ struct metadata_t {
     // from thc_worker
     bit<32> worker_bit;
     // state as seen by this packet
+    bit<16> slot_idx;       // pool_base + slot
     bit<32> reg_index;
     bit<32> jc_index;
     bit<1>  run_stale;
@@ -188,56 +189,58 @@ control ThcLaneGroup(inout thc_idx_h idx, inout thc_sum8_h r8, inout thc_sum16_h
     THC_WORD_ACTIONS(3, v3)
 #undef THC_WORD_ACTIONS
 
-    action thc_write8() {
-        r8.setValid();
-        r8.w0 = thc_write_0.execute(reg_index);
-        r8.w1 = thc_write_1.execute(reg_index);
+    // Words 0-1 (every job) and 2-3 (16-bit jobs) in two tables: Tofino addresses a
+    // register the same way in every action of a table, so one table cannot use words 2-3
+    // in some actions and not in others.
+    bit<32> o0 = 0;
+    bit<32> o1 = 0;
+    bit<32> o2 = 0;
+    bit<32> o3 = 0;
+    action thc_write_lo() {
+        o0 = thc_write_0.execute(reg_index);
+        o1 = thc_write_1.execute(reg_index);
     }
-    action thc_add8() {
-        r8.setValid();
-        r8.w0 = thc_add_0.execute(reg_index);
-        r8.w1 = thc_add_1.execute(reg_index);
+    action thc_add_lo() {
+        o0 = thc_add_0.execute(reg_index);
+        o1 = thc_add_1.execute(reg_index);
     }
-    action thc_read8() {
-        r8.setValid();
-        r8.w0 = thc_read_0.execute(reg_index);
-        r8.w1 = thc_read_1.execute(reg_index);
+    action thc_read_lo() {
+        o0 = thc_read_0.execute(reg_index);
+        o1 = thc_read_1.execute(reg_index);
     }
-    action thc_write16() {
-        r16.setValid();
-        r16.w0 = thc_write_0.execute(reg_index);
-        r16.w1 = thc_write_1.execute(reg_index);
-        r16.w2 = thc_write_2.execute(reg_index);
-        r16.w3 = thc_write_3.execute(reg_index);
+    action thc_write_hi() {
+        o2 = thc_write_2.execute(reg_index);
+        o3 = thc_write_3.execute(reg_index);
     }
-    action thc_add16() {
-        r16.setValid();
-        r16.w0 = thc_add_0.execute(reg_index);
-        r16.w1 = thc_add_1.execute(reg_index);
-        r16.w2 = thc_add_2.execute(reg_index);
-        r16.w3 = thc_add_3.execute(reg_index);
+    action thc_add_hi() {
+        o2 = thc_add_2.execute(reg_index);
+        o3 = thc_add_3.execute(reg_index);
     }
-    action thc_read16() {
-        r16.setValid();
-        r16.w0 = thc_read_0.execute(reg_index);
-        r16.w1 = thc_read_1.execute(reg_index);
-        r16.w2 = thc_read_2.execute(reg_index);
-        r16.w3 = thc_read_3.execute(reg_index);
+    action thc_read_hi() {
+        o2 = thc_read_2.execute(reg_index);
+        o3 = thc_read_3.execute(reg_index);
     }
     table thc_word_op {
-        key = { op: exact; wide: exact; }
-        actions = { thc_write8; thc_add8; thc_read8; thc_write16; thc_add16; thc_read16;
-                    NoAction; }
+        key = { op: exact; }
+        actions = { thc_write_lo; thc_add_lo; thc_read_lo; NoAction; }
         const entries = {
-            (THC_OP_WRITE, 0): thc_write8();
-            (THC_OP_ADD, 0): thc_add8();
-            (THC_OP_READ, 0): thc_read8();
-            (THC_OP_WRITE, 1): thc_write16();
-            (THC_OP_ADD, 1): thc_add16();
-            (THC_OP_READ, 1): thc_read16();
+            THC_OP_WRITE: thc_write_lo();
+            THC_OP_ADD: thc_add_lo();
+            THC_OP_READ: thc_read_lo();
         }
         const default_action = NoAction;
-        size = 8;
+        size = 4;
+    }
+    table thc_word_op_hi {
+        key = { op: exact; }
+        actions = { thc_write_hi; thc_add_hi; thc_read_hi; NoAction; }
+        const entries = {
+            THC_OP_WRITE: thc_write_hi();
+            THC_OP_ADD: thc_add_hi();
+            THC_OP_READ: thc_read_hi();
+        }
+        const default_action = NoAction;
+        size = 4;
     }
 
     apply {
@@ -252,6 +255,20 @@ control ThcLaneGroup(inout thc_idx_h idx, inout thc_sum8_h r8, inout thc_sum16_h
             }
         }
         thc_word_op.apply();
+        if (op != THC_OP_NONE) {
+            if (wide == 0) {
+                r8.setValid();
+                r8.w0 = o0;
+                r8.w1 = o1;
+            } else {
+                thc_word_op_hi.apply();
+                r16.setValid();
+                r16.w0 = o0;
+                r16.w1 = o1;
+                r16.w2 = o2;
+                r16.w3 = o3;
+            }
+        }
         idx.setInvalid();
     }
 }
@@ -418,9 +435,13 @@ control ThcIngress(inout headers_t hdr, inout metadata_t meta,
         size = 1024;
     }
 
+    // one ALU operation per action: an add, then a deposit of the sum and the version bit
+    action thc_slot() {
+        meta.slot_idx = meta.pool_base + hdr.thc.slot;
+        meta.jc_index = (bit<32>)meta.job_index << 2;  // x THC_N_JOB_COUNTERS (4)
+    }
     action thc_index() {
-        meta.reg_index = ((bit<32>)(meta.pool_base + hdr.thc.slot) << 1) | (bit<32>)hdr.thc.version;
-        meta.jc_index = (bit<32>)meta.job_index * THC_N_JOB_COUNTERS;
+        meta.reg_index = 15w0 ++ meta.slot_idx ++ hdr.thc.version[0:0];
     }
     action thc_reply(bit<8> pkt_type) {
         hdr.thc.pkt_type = pkt_type;
@@ -475,6 +496,7 @@ control ThcIngress(inout headers_t hdr, inout metadata_t meta,
                 meta.drop_reason = THC_DROP_SLOT_OUTSIDE_POOL;
             }
             if (meta.drop_reason == 0) {
+                thc_slot();
                 thc_index();
                 if (hdr.thc.pkt_type == THC_RESET) {
                     thc_job_run_reset.execute((bit<32>)meta.job_index);
@@ -518,9 +540,17 @@ control ThcIngress(inout headers_t hdr, inout metadata_t meta,
                 }
                 meta.count = thc_count_ra.execute(meta.reg_index);
                 if (meta.dup == 1) {
-                    meta.lane_op = (meta.count == meta.n_workers) ? THC_OP_READ : THC_OP_NONE;
+                    if (meta.count == meta.n_workers) {
+                        meta.lane_op = THC_OP_READ;
+                    } else {
+                        meta.lane_op = THC_OP_NONE;
+                    }
                 } else {
-                    meta.lane_op = (meta.first == 1) ? THC_OP_WRITE : THC_OP_ADD;
+                    if (meta.first == 1) {
+                        meta.lane_op = THC_OP_WRITE;
+                    } else {
+                        meta.lane_op = THC_OP_ADD;
+                    }
                 }
                 if (hdr.thc.pkt_type == THC_DATA) {
 #include "generated/thc_groups_apply.p4"
@@ -530,7 +560,11 @@ control ThcIngress(inout headers_t hdr, inout metadata_t meta,
                 bit<32> jc_event = THC_JC_PACKETS;
                 if (meta.count == meta.n_workers) {
                     if (hdr.thc.pkt_type == THC_DATA) {
-                        hdr.udp.length = (meta.wide == 1) ? THC_UDP_LEN_RESULT16 : THC_UDP_LEN_RESULT8;
+                        if (meta.wide == 1) {
+                            hdr.udp.length = THC_UDP_LEN_RESULT16;
+                        } else {
+                            hdr.udp.length = THC_UDP_LEN_RESULT8;
+                        }
                         thc_reply(THC_RESULT);
                     } else {
                         thc_reply(THC_MAX_RESULT);
@@ -553,7 +587,8 @@ control ThcIngress(inout headers_t hdr, inout metadata_t meta,
                     thc_drop();
                 }
                 hdr.ipv4.totalLen = hdr.udp.length + 20;
-                thc_job_counters.count(meta.jc_index + jc_event);
+                meta.jc_index = meta.jc_index | jc_event;  // jc_event < 4: the low bits
+                thc_job_counters.count(meta.jc_index);
             }
             if (meta.drop_reason != 0) {
                 thc_drops.count((bit<32>)meta.drop_reason);
