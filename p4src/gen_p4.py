@@ -331,12 +331,22 @@ def check() -> list[str]:
 
 
 def tofino_sources() -> list[Path]:
-    gen = sorted(GEN_DIR.glob("*.p4"))
-    return [TNA_P4, COMMON_P4, Path(__file__).resolve(), PROTOCOL_JSON, *gen]
+    """What the Tofino compile depends on: the generated files are a function of these (and
+    of the lane count, recorded beside them), so a lane-count variant is checked too."""
+    return [TNA_P4, COMMON_P4, Path(__file__).resolve(), PROTOCOL_JSON]
 
 
-def record_tofino(out: Path) -> None:
-    """Commit-ready resource summary of a Tofino compile whose output is in ``out``."""
+def write_tna_variant(out: Path, lanes: int | None) -> Path:
+    """thc_tna.p4 with generated/ for ``lanes`` lanes (all of protocol.json's by default) in
+    ``out``, for `make p4-tofino TOFINO_LANES=...`; returns the program's path."""
+    write_variant(out, lanes, None)
+    shutil.copy(TNA_P4, out / TNA_P4.name)
+    return out / TNA_P4.name
+
+
+def record_tofino(out: Path, lanes: int | None = None) -> None:
+    """Commit-ready resource summary of a Tofino compile whose output is in ``out`` (of the
+    program with ``lanes`` lanes; None: all of protocol.json's)."""
     found = {}
     for path in sorted(Path(out).rglob("*")):
         if path.name in TOFINO_LOGS and path.is_file() and path.name not in found:
@@ -349,16 +359,34 @@ def record_tofino(out: Path) -> None:
         stale.unlink()
     for name, path in found.items():
         shutil.copy(path, TOFINO_DIR / name)
+    # the compiler's verdict (make p4-tofino writes its exit status and log beside <out>)
+    rc_file, log_file = Path(out) / "rc", Path(out).parent / "compile.log"
+    rc = int(rc_file.read_text()) if rc_file.exists() else None
+    errors = []
+    if log_file.exists():
+        for line in log_file.read_text(errors="replace").splitlines():
+            line = line.replace(str(Path(out).parent), "<out>")
+            if "error" in line and line not in errors:
+                errors.append(line)
+    if errors:
+        (TOFINO_DIR / "errors.txt").write_text("\n".join(errors) + "\n")
+        found["errors.txt"] = TOFINO_DIR / "errors.txt"
     rec = {
         "comment": "Written by `make p4-tofino` (gen_p4.py --record-tofino); checked by "
                    "tests/test_p4_build.py where the Tofino back end is installed.",
         "compiler": p4c_version(),
-        "command": f"{p4c_binary()} --target tofino --arch tna -o <out> {rel(TNA_P4)}",
+        "command": f"p4c --target tofino --arch tna --verbose 1 -o <out> {rel(TNA_P4)}",
+        "lanes": int(lanes or load_spec()["lanes"]),
+        "compiled": rc == 0 if rc is not None else None,
+        "exit_status": rc,
         "sources": {rel(p): sha256(p) for p in tofino_sources()},
         "outputs": {rel(TOFINO_DIR / n): sha256(TOFINO_DIR / n) for n in sorted(found)},
     }
     TOFINO_REPORT.write_text(json.dumps(rec, indent=2, sort_keys=True) + "\n")
-    print(f"gen_p4: recorded {', '.join(sorted(found))} ({rec['compiler']}) in {rel(TOFINO_DIR)}")
+    verdict = {True: "compiled", False: f"FAILED (exit {rc}; errors.txt)", None: "?"}[
+        rec["compiled"]]
+    print(f"gen_p4: {rec['lanes']} lanes {verdict}; recorded {', '.join(sorted(found))} "
+          f"({rec['compiler']}) in {rel(TOFINO_DIR)}")
 
 
 def check_tofino() -> list[str]:
@@ -405,12 +433,19 @@ def main(argv: list[str] | None = None) -> int:
                       help="exit 1 if the committed Tofino report is stale")
     ap.add_argument("--variant-dir", type=Path,
                     help="write thc.p4 + generated/ with other parameters here (experiments)")
-    ap.add_argument("--lanes", type=int, help="lanes for --variant-dir")
+    ap.add_argument("--lanes", type=int,
+                    help="lanes for --variant-dir / --tna-variant-dir / --record-tofino")
+    ap.add_argument("--tna-variant-dir", type=Path,
+                    help="write thc_tna.p4 + generated/ for --lanes lanes here")
     ap.add_argument("--slots", type=int, help="switch slots for --variant-dir")
     args = ap.parse_args(argv)
-    if (args.lanes or args.slots) and not args.variant_dir:
+    if (args.lanes or args.slots) and not (args.variant_dir or args.tna_variant_dir
+                                          or args.record_tofino):
         ap.error("--lanes/--slots only with --variant-dir (the committed program follows "
                  "host/wire/protocol.json)")
+    if args.tna_variant_dir:
+        print(write_tna_variant(args.tna_variant_dir, args.lanes))
+        return 0
     if args.variant_dir:
         path = write_variant(args.variant_dir, args.lanes, args.slots)
         print(f"gen_p4: wrote variant {path}")
@@ -426,7 +461,7 @@ def main(argv: list[str] | None = None) -> int:
         record()
         return 0
     if args.record_tofino:
-        record_tofino(args.record_tofino)
+        record_tofino(args.record_tofino, args.lanes)
         return 0
     if args.check_tofino:
         problems = check_tofino()

@@ -47,6 +47,9 @@ struct metadata_t {
     bit<32> worker_bit;
     // state as seen by this packet
     bit<16> slot_idx;       // pool_base + slot
+    bit<8>  room8;          // n_workers - worker_id, saturating at 0
+    bit<16> room16;         // pool_size - slot, saturating at 0
+    bit<32> mine;           // old_bitmap & worker_bit
     bit<32> reg_index;
     bit<32> jc_index;
     bit<1>  run_stale;
@@ -189,59 +192,33 @@ control ThcLaneGroup(inout thc_idx_h idx, inout thc_sum8_h r8, inout thc_sum16_h
     THC_WORD_ACTIONS(3, v3)
 #undef THC_WORD_ACTIONS
 
-    // Words 0-1 (every job) and 2-3 (16-bit jobs) in two tables: Tofino addresses a
-    // register the same way in every action of a table, so one table cannot use words 2-3
-    // in some actions and not in others.
+    // One table per word register, each action running one RegisterAction: Tofino takes
+    // one stateful ALU operation per action, and addresses a register the same way in every
+    // action of a table. Words 2-3 only for 16-bit jobs.
     bit<32> o0 = 0;
     bit<32> o1 = 0;
     bit<32> o2 = 0;
     bit<32> o3 = 0;
-    action thc_write_lo() {
-        o0 = thc_write_0.execute(reg_index);
-        o1 = thc_write_1.execute(reg_index);
+#define THC_WORD_TABLE(K)                                                                     \
+    action thc_write_word_##K() { o##K = thc_write_##K.execute(reg_index); }                  \
+    action thc_add_word_##K() { o##K = thc_add_##K.execute(reg_index); }                      \
+    action thc_read_word_##K() { o##K = thc_read_##K.execute(reg_index); }                    \
+    table thc_word_op_##K {                                                                   \
+        key = { op: exact; }                                                                  \
+        actions = { thc_write_word_##K; thc_add_word_##K; thc_read_word_##K; NoAction; }      \
+        const entries = {                                                                     \
+            THC_OP_WRITE: thc_write_word_##K();                                               \
+            THC_OP_ADD: thc_add_word_##K();                                                   \
+            THC_OP_READ: thc_read_word_##K();                                                 \
+        }                                                                                     \
+        const default_action = NoAction;                                                      \
+        size = 4;                                                                             \
     }
-    action thc_add_lo() {
-        o0 = thc_add_0.execute(reg_index);
-        o1 = thc_add_1.execute(reg_index);
-    }
-    action thc_read_lo() {
-        o0 = thc_read_0.execute(reg_index);
-        o1 = thc_read_1.execute(reg_index);
-    }
-    action thc_write_hi() {
-        o2 = thc_write_2.execute(reg_index);
-        o3 = thc_write_3.execute(reg_index);
-    }
-    action thc_add_hi() {
-        o2 = thc_add_2.execute(reg_index);
-        o3 = thc_add_3.execute(reg_index);
-    }
-    action thc_read_hi() {
-        o2 = thc_read_2.execute(reg_index);
-        o3 = thc_read_3.execute(reg_index);
-    }
-    table thc_word_op {
-        key = { op: exact; }
-        actions = { thc_write_lo; thc_add_lo; thc_read_lo; NoAction; }
-        const entries = {
-            THC_OP_WRITE: thc_write_lo();
-            THC_OP_ADD: thc_add_lo();
-            THC_OP_READ: thc_read_lo();
-        }
-        const default_action = NoAction;
-        size = 4;
-    }
-    table thc_word_op_hi {
-        key = { op: exact; }
-        actions = { thc_write_hi; thc_add_hi; thc_read_hi; NoAction; }
-        const entries = {
-            THC_OP_WRITE: thc_write_hi();
-            THC_OP_ADD: thc_add_hi();
-            THC_OP_READ: thc_read_hi();
-        }
-        const default_action = NoAction;
-        size = 4;
-    }
+    THC_WORD_TABLE(0)
+    THC_WORD_TABLE(1)
+    THC_WORD_TABLE(2)
+    THC_WORD_TABLE(3)
+#undef THC_WORD_TABLE
 
     apply {
         if (op == THC_OP_WRITE || op == THC_OP_ADD) {
@@ -254,14 +231,16 @@ control ThcLaneGroup(inout thc_idx_h idx, inout thc_sum8_h r8, inout thc_sum16_h
                 v1 = v2 | v3;
             }
         }
-        thc_word_op.apply();
+        thc_word_op_0.apply();
+        thc_word_op_1.apply();
         if (op != THC_OP_NONE) {
             if (wide == 0) {
                 r8.setValid();
                 r8.w0 = o0;
                 r8.w1 = o1;
             } else {
-                thc_word_op_hi.apply();
+                thc_word_op_2.apply();
+                thc_word_op_3.apply();
                 r16.setValid();
                 r16.w0 = o0;
                 r16.w1 = o1;
@@ -459,11 +438,18 @@ control ThcIngress(inout headers_t hdr, inout metadata_t meta,
         meta.bridge.setValid();
         meta.bridge.is_reply = 0;
         if (hdr.udp.isValid() && hdr.udp.dstPort == THC_UDP_PORT) {
-            if (!hdr.thc.isValid() || ig_prsr_md.parser_err != 0
-                    || hdr.udp.length < THC_UDP_LEN_HDR) {
+            // one small condition per gateway: Tofino's compare a few bytes of PHV each
+            if (!hdr.thc.isValid()) {
                 meta.drop_reason = THC_DROP_MALFORMED;
-            } else if (!(THC_KNOWN_TYPE(hdr.thc.pkt_type)) || hdr.thc.version > 1
-                    || hdr.thc.pkt_type == THC_FLUSH) {
+            } else if (ig_prsr_md.parser_err != 0) {
+                meta.drop_reason = THC_DROP_MALFORMED;
+            } else if (hdr.udp.length < THC_UDP_LEN_HDR) {
+                meta.drop_reason = THC_DROP_MALFORMED;
+            } else if (!(THC_KNOWN_TYPE(hdr.thc.pkt_type))) {
+                meta.drop_reason = THC_DROP_MALFORMED;
+            } else if (hdr.thc.version > 1) {
+                meta.drop_reason = THC_DROP_MALFORMED;
+            } else if (hdr.thc.pkt_type == THC_FLUSH) {
                 // FLUSH (DLCP's bounded loss) is implemented in thc.p4 only: dropped here
                 meta.drop_reason = THC_DROP_MALFORMED;
             } else if (THC_REPLY_TYPE(hdr.thc.pkt_type)) {
@@ -486,13 +472,16 @@ control ThcIngress(inout headers_t hdr, inout metadata_t meta,
                 }
             }
             if (meta.drop_reason == 0 && hdr.thc.pkt_type != THC_RESET) {
-                if (hdr.thc.worker_id >= meta.n_workers) {
+                // worker_id >= n_workers, as a saturating difference compared with a constant
+                meta.room8 = meta.n_workers |-| hdr.thc.worker_id;
+                if (meta.room8 == 0) {
                     meta.drop_reason = THC_DROP_WORKER_OUTSIDE_JOB;
                 } else if (!thc_worker.apply().hit) {
                     meta.drop_reason = THC_DROP_UNKNOWN_WORKER;
                 }
             }
-            if (meta.drop_reason == 0 && hdr.thc.slot >= meta.pool_size) {
+            meta.room16 = meta.pool_size |-| hdr.thc.slot;
+            if (meta.drop_reason == 0 && meta.room16 == 0) {
                 meta.drop_reason = THC_DROP_SLOT_OUTSIDE_POOL;
             }
             if (meta.drop_reason == 0) {
@@ -517,11 +506,17 @@ control ThcIngress(inout headers_t hdr, inout metadata_t meta,
                 meta.run_new = thc_run_ra.execute(meta.reg_index);
                 meta.old_seq = thc_seq_ra.execute(meta.reg_index);
                 meta.seq_diff = hdr.thc.seq - meta.old_seq;
-                if (meta.run_new == 1 || (meta.seq_diff != 0 && meta.seq_diff[31:31] == 0)) {
+                if (meta.run_new == 1) {
                     meta.seq_newer = 1;
+                } else if (meta.seq_diff != 0) {
+                    if (meta.seq_diff[31:31] == 0) {
+                        meta.seq_newer = 1;
+                    }
                 }
-                if (meta.seq_newer == 0 && meta.seq_diff != 0) {
-                    meta.drop_reason = THC_DROP_STALE;
+                if (meta.seq_newer == 0) {
+                    if (meta.seq_diff != 0) {
+                        meta.drop_reason = THC_DROP_STALE;
+                    }
                 }
             }
             if (meta.drop_reason == 0 && hdr.thc.pkt_type != THC_RESET) {
@@ -533,7 +528,8 @@ control ThcIngress(inout headers_t hdr, inout metadata_t meta,
                     if (meta.old_bitmap == 0) {
                         meta.first = 1;
                     }
-                    if ((meta.old_bitmap & meta.worker_bit) != 0) {
+                    meta.mine = meta.old_bitmap & meta.worker_bit;
+                    if (meta.mine != 0) {
                         meta.dup = 1;
                     }
                     meta.bitmap = meta.old_bitmap | meta.worker_bit;
