@@ -375,7 +375,7 @@ def choose(datapath: str, jobs, impair: Impairment, gso: bool = True,
         return Aggregator(jobs, impair=impair, shard=shard), "python (as asked)"
     why_not = fastagg.UNAVAILABLE or ("impairment injection (--loss/--dup/--reorder/--jitter) "
                                       "runs in the Python datapath only" if impair.active
-                                      else fastagg.unsupported(jobs, shard))
+                                      else fastagg.unsupported(jobs))
     if why_not is None:
         return (fastagg.FastAggregator(jobs, gso=gso, shard=shard),
                 "compiled (C, recvmmsg/sendmmsg" + (", UDP GSO)" if gso else ", no GSO)"))

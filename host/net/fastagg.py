@@ -46,9 +46,10 @@ AGGREGATIONS = frozenset(("thc", "vote"))
 """What the compiled datapath sums: THC table values, or vote counts of sign bits."""
 
 
-def unsupported(jobs, shard: int | None = None) -> str | None:
-    """What of these jobs (or serving as a shard) the compiled datapath does not implement;
-    None when it runs them all. The Python aggregator runs everything."""
+def unsupported(jobs) -> str | None:
+    """What of these jobs the compiled datapath does not implement (an aggregation type added
+    to protocol.json but not to _fastagg.c); None when it runs them all. The Python
+    aggregator runs everything."""
     for job in jobs:
         if job.aggregation not in AGGREGATIONS:
             return f"job {job.job_id}: {job.aggregation} jobs run in the Python datapath only"
@@ -100,7 +101,7 @@ class FastAggregator:
         there)."""
         if UNAVAILABLE is not None:
             raise RuntimeError(UNAVAILABLE)
-        if (why := unsupported(jobs, shard)) is not None:
+        if (why := unsupported(jobs)) is not None:
             raise RuntimeError(why)
         self.epoch = P.new_epoch() if epoch is None else epoch
         self.gso = gso
