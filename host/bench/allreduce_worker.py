@@ -1,11 +1,14 @@
 """One worker of ``thc bench allreduce``: time all-reduces of one float32 gradient.
 
-``python -m host.bench.allreduce_worker --mode fp32|thc --rank R --world N --master IP:PORT
-[--config cluster.json [--agg IP:PORT]] --numel N --repeat K``
+``python -m host.bench.allreduce_worker --mode fp32|fp16|thc|thc-dist --rank R --world N
+--master IP:PORT [--config cluster.json [--agg IP:PORT]] --numel N --repeat K``
 
 - ``fp32``: ``torch.distributed.all_reduce`` (Gloo, ring) of the whole tensor;
+- ``fp16``: the same all-reduce of the tensor cast to float16 (cast and back included);
 - ``thc``: :class:`host.collective.allreduce.THCAllReduce` through the aggregator (norm round, encode,
-  stream through the switch or the software aggregator, decode).
+  stream through the switch or the software aggregator, decode);
+- ``thc-dist``: the same THC round with its integer sums carried by a Gloo all-reduce (no
+  aggregator: THC sums are integers, so the ordinary ring adds them exactly).
 
 Every round starts after a Gloo barrier; the first ``--warmup`` rounds are not timed. If
 ``--intf`` names this host's interface, its byte counters (``/proc/net/dev`` of the worker's
@@ -26,6 +29,8 @@ from host.net.aggregator import parse_hostport
 from host.net.client import AggregationClient
 from host.wire.jobs import Cluster
 
+MODES = ["fp32", "fp16", "thc", "thc-dist"]
+
 
 def intf_counters(intf: str | None) -> tuple[int, int] | None:
     """(tx_bytes, rx_bytes) of ``intf`` as this process's network namespace sees it."""
@@ -44,7 +49,7 @@ def intf_counters(intf: str | None) -> tuple[int, int] | None:
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--mode", choices=["fp32", "thc"], required=True)
+    ap.add_argument("--mode", choices=MODES, required=True)
     ap.add_argument("--rank", type=int, required=True)
     ap.add_argument("--world", type=int, required=True)
     ap.add_argument("--master", required=True, metavar="IP:PORT")
@@ -87,6 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     times, wire, phases, cpu = [], [], [], []
     first = None
     client = None
+    ar = None
     if args.mode == "thc":
 
         if not args.config:
@@ -104,6 +110,16 @@ def main(argv: list[str] | None = None) -> int:
                                              generator=torch.Generator().manual_seed(
                                                  7919 * (args.rank + 1)))
         step = ar
+    elif args.mode == "thc-dist":
+        ar = THCAllReduce.through_torch_distributed(
+            params=THCParams(seed=args.seed), error_feedback=args.error_feedback,
+            generator=torch.Generator().manual_seed(7919 * (args.rank + 1)))
+        step = ar
+    elif args.mode == "fp16":
+        def step(t):
+            y = t.half()
+            dist.all_reduce(y)
+            return y.float().div_(args.world)
     else:
         def step(t):
             y = t.clone()
@@ -112,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
 
     out = None
     for i in range(args.warmup + args.repeat):
-        before_ph = dict(ar.stats.seconds) if args.mode == "thc" else None
+        before_ph = dict(ar.stats.seconds) if ar is not None else None
         dist.barrier()
         c0 = intf_counters(args.intf)
         t0, p0 = time.perf_counter(), time.process_time()

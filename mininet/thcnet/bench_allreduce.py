@@ -4,20 +4,25 @@ For each link bandwidth, Mininet testbeds of N worker hosts on a Linux bridge, e
 (an aggregator's included) at the same bandwidth, run in the same worker hosts:
 
 - ``fp32``: torch.distributed Gloo ``all_reduce`` (ring) of a ``numel``-element float32 tensor;
+- ``fp16``: the same ring on the tensor cast to float16 (``--ring``);
+- ``thc-dist``: THC with its integer sums carried by the same Gloo ring, no aggregator
+  (``--ring``);
 - ``thc-sharded``: THC through software aggregator shards, one co-located on every worker
   host, each owning 1/N of the chunks (THC's parameter-server layout; the default);
 - ``thc-central``: THC through one central software aggregator on its own host (its link
   ``--agg-bw-factor`` x the workers', default 1), with ``--aggregator ...,central``;
 - ``thc-bmv2``: THC through the BMv2 switch (a testbed whose switch is BMv2), when
-  simple_switch_grpc and the compiled program are present.
+  simple_switch_grpc and the compiled program are present, on ``--bmv2-numel`` elements (BMv2
+  adds a few thousand packets a second), beside ``fp32`` on the same elements in the same
+  testbed; its row says how many elements it measured, and nothing is scaled to ``numel``.
 
 The software aggregators are whatever `thc aggregator` runs.
 
 Each mode: one untimed warm-up round, then ``--repeat`` timed rounds, each started after a
 barrier; a round's time is its slowest worker's, the figure is the median round. Bytes on
 the wire are read from each worker's interface counters around every timed round and
-compared with the computed ideal on the busiest link (FP32 ring: 2(p-1)/p x 4 bytes per
-element each way in MSS-sized TCP segments; THC: INDEX_BITS/8 up and sum_bits/8 down per
+compared with the computed ideal on the busiest link (rings: 2(p-1)/p x 4 bytes per
+element each way in MSS-sized TCP segments, 2 for FP16, 1 or 2 for THC's sums; THC: INDEX_BITS/8 up and sum_bits/8 down per
 element (8 or 16 bits, from workers x granularity), plus the per-packet THC/UDP/IP/Ethernet
 headers; sharded: (p-1)/p of both on every worker link, each way, as a worker's own chunks
 to its co-located shard stay on the host; central: p times the sums down the aggregator's
@@ -79,9 +84,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="central aggregator link = factor x bw (default 1: equal links)")
     parser.add_argument("--plot", nargs="?", const="out/allreduce.png", default=None,
                         metavar="FILE", help="plot time vs bandwidth (default out/allreduce.png)")
-    parser.add_argument("--bmv2-numel", type=int, default=1 << 16,
-                        help="elements timed through BMv2 (it aggregates a few hundred packets "
-                             "per second); its time is extrapolated per packet to --numel")
+    parser.add_argument("--ring", default="fp16,thc-dist", type=_rings,
+                        help="all-reduces through the Gloo ring beside FP32, comma-separated "
+                             f"from {','.join(RINGS)} (default both; '' for none)")
+    parser.add_argument("--bmv2-numel", type=int, default=1 << 18,
+                        help="elements timed through BMv2 and, for its baseline, FP32 in the "
+                             "same testbed (BMv2 adds a few thousand packets a second)")
     parser.add_argument("--loopback", action="store_true",
                         help="no Mininet (no link emulation: only checks the plumbing)")
     parser.add_argument("--timeout", type=float, default=1800.0, help="per mode, seconds")
@@ -89,6 +97,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 LAYOUTS = {"sharded": "sharded", "central": "software", "bmv2": "bmv2"}
 """--aggregator names and the testbed aggregator each runs on."""
+
+
+RINGS = ("fp16", "thc-dist")
+"""Modes that need no aggregator: they run in the first testbed, after FP32."""
+
+
+def _rings(text: str) -> list[str]:
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    bad = [t for t in names if t not in RINGS]
+    if bad:
+        raise argparse.ArgumentTypeError(f"ring modes must come from {','.join(RINGS)}, "
+                                         f"got {text!r}")
+    return names
 
 
 def _aggregators(text: str) -> list[str]:
@@ -102,9 +123,9 @@ def _aggregators(text: str) -> list[str]:
 
 # -- computed bytes ----------------------------------------------------------------------------
 
-def fp32_wire_bytes(numel: int, p: int) -> dict:
+def fp32_wire_bytes(numel: int, p: int, elem_bytes: int = 4) -> dict:
     """Per worker and direction: ring all-reduce payload and its TCP frames (ACKs excluded)."""
-    payload = 2 * (p - 1) / p * 4 * numel
+    payload = 2 * (p - 1) / p * elem_bytes * numel
     return {"payload": payload, "frames": payload / TCP_MSS * TCP_FRAME,
             "up": payload / TCP_MSS * TCP_FRAME, "down": payload / TCP_MSS * TCP_FRAME}
 
@@ -148,8 +169,10 @@ def _run_mode(tb, mode: str, args, numel: int, repeat: int, window: int | None =
     master = f"{tb.master_addr[0]}:{tb.master_addr[1]}"
     common = ["--world", str(tb.n_workers), "--master", master, "--numel", str(numel),
               "--repeat", str(repeat), "--warmup", "1"]
-    if mode == "fp32":
-        extra = ["--mode", "fp32"]
+    if mode in ("fp32",) + RINGS:
+        extra = ["--mode", mode]
+        if mode == "thc-dist" and args.error_feedback:
+            extra.append("--error-feedback")
     else:
         extra = ["--mode", "thc", "--config", str(tb.cluster_path),
                  "--window", str(window or args.window)]
@@ -177,7 +200,7 @@ def _run_mode(tb, mode: str, args, numel: int, repeat: int, window: int | None =
     agg_cpu1 = tb.aggregator_cpu_seconds()
     rows = [json.loads(r.stdout.strip().splitlines()[-1]) for r in results]
     rounds = [max(row["times"][i] for row in rows) for i in range(repeat)]
-    out = {"mode": mode, "seconds": statistics.median(rounds), "rounds": rounds,
+    out = {"mode": mode, "numel": numel, "seconds": statistics.median(rounds), "rounds": rounds,
            "per_worker_seconds": [statistics.median(row["times"]) for row in rows],
            "identical_results": len({row["sha256"] for row in rows}) == 1,
            "nmse": rows[0]["nmse"], "wall_seconds": wall,
@@ -200,19 +223,19 @@ def _run_mode(tb, mode: str, args, numel: int, repeat: int, window: int | None =
         out["switch_port_bytes_per_round"] = {
             r: ((after[r][0] - before[r][0]) / k, (after[r][1] - before[r][1]) / k)
             for r in after}
-    if agg_before and agg_after and mode != "fp32":
+    if agg_before and agg_after and mode.startswith("thc-") and mode != "thc-dist":
         k = repeat + 1
         out["agg_link_bytes_per_round"] = {"tx": (agg_after[0] - agg_before[0]) / k,
                                            "rx": (agg_after[1] - agg_before[1]) / k}
-    if mode != "fp32":
+    if mode.startswith("thc"):
         phases = {}
         for key in rows[0]["phases"][0]:
             phases[key] = statistics.median(
                 max(row["phases"][i][key] for row in rows) for i in range(repeat))
         out["phases_slowest_worker"] = phases
         out["transport"] = rows[0].get("transport")
-        counters = (tb.aggregator_counters() if tb.aggregator in ("software", "sharded")
-                    else None)
+        counters = (tb.aggregator_counters()
+                    if tb.aggregator in ("software", "sharded") and mode != "thc-dist" else None)
         if counters:
             out["aggregator_counters"] = counters
     return out
@@ -236,8 +259,8 @@ def run(args: argparse.Namespace) -> int:
     result = {"numel": numel, "workers": p, "repeat": repeat, "lanes_software": args.lanes,
               "lanes_bmv2": P.LANES, "pool_size": args.pool_size, "window": args.window,
               "aggregators": args.aggregator, "agg_bw_factor": agg_bw_factor,
-              "error_feedback": args.error_feedback, "points": [], "notes": []}
-    fp32_ideal = fp32_wire_bytes(numel, p)
+              "error_feedback": args.error_feedback, "rings": args.ring,
+              "bmv2_numel": min(numel, args.bmv2_numel), "points": [], "notes": []}
 
     bmv2_reason = None
     if want_bmv2:
@@ -272,8 +295,9 @@ def run(args: argparse.Namespace) -> int:
                             result["notes"].append(
                                 "loopback testbed: links not emulated, times are CPU-bound "
                                 "plumbing checks, not bandwidth results")
-                        point["modes"]["fp32"] = _run_mode(tb, "fp32", args, numel, repeat)
-                        _progress(point["modes"]["fp32"])
+                        for mode in ["fp32"] + args.ring:
+                            point["modes"][mode] = _run_mode(tb, mode, args, numel, repeat)
+                            _progress(point["modes"][mode])
                     if layout:
                         tb.start_aggregator()
                         m = _run_mode(tb, f"thc-{layout}", args, numel, repeat)
@@ -283,18 +307,26 @@ def run(args: argparse.Namespace) -> int:
             if want_bmv2 and not bmv2_reason:
                 with open_testbed(p, bw_mbit=bw, aggregator="bmv2",
                                   pool_size=min(args.pool_size, P.SWITCH_SLOTS)) as tb:
-                    tb.start_aggregator()
                     small = min(numel, args.bmv2_numel)
+                    if small < numel:  # its own baseline: FP32 on the same elements
+                        base = _run_mode(tb, "fp32", args, small, repeat)
+                        point["modes"]["fp32-bmv2-size"] = base
+                        _progress(base)
+                    tb.start_aggregator()
                     m = _run_mode(tb, "thc-bmv2", args, small, repeat, window=BMV2_WINDOW,
                                   rto=BMV2_RTO)
-                    _extrapolate(m, small, numel)
+                    if small < numel:
+                        m["baseline"] = "fp32-bmv2-size"
+                        print(f"  thc-bmv2 measured on {small:,} elements, not {numel:,} "
+                              "(--bmv2-numel); compared with FP32 on the same elements",
+                              flush=True)
                     try:
                         m["switch_counters"] = json.loads(tb.switch.counters())
                     except ValueError:
                         pass
                     point["modes"]["thc-bmv2"] = m
                     _progress(m)
-            _annotate(point, numel, p, args.lanes, fp32_ideal, agg_bw_factor)
+            _annotate(point, p, args.lanes, agg_bw_factor)
             result["points"].append(point)
     except (TestbedError, WorkerError) as e:
         print(f"thc bench allreduce: {e}", file=sys.stderr)
@@ -311,52 +343,48 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _extrapolate(m: dict, measured_numel: int, numel: int) -> None:
-    """Scale a BMv2 measurement on fewer elements to ``numel`` by packet count: the switch's
-    per-packet time dominates, so time and bytes grow with the number of packets."""
-    m["measured_numel"] = measured_numel
-    if measured_numel == numel:
-        return
-    k = (thc_wire_bytes(numel, P.LANES)["packets"]
-         / thc_wire_bytes(measured_numel, P.LANES)["packets"])
-    m["extrapolated_from"] = measured_numel
-    m["measured_seconds"] = m["seconds"]
-    m["seconds"] = m["seconds"] * k
-    if "wire_per_worker" in m:
-        m["measured_wire_per_worker"] = dict(m["wire_per_worker"])
-        m["wire_per_worker"] = {d: v * k for d, v in m["wire_per_worker"].items()}
-
-
 def _progress(m: dict) -> None:
-    extra = (f" extrapolated from {m['extrapolated_from']:,} elements"
-             if "extrapolated_from" in m else "")
-    print(f"  {m['mode']:<13} {m['seconds']:8.3f} s  (rounds: "
-          + ", ".join(f"{t:.3f}" for t in m["rounds"]) + f"){extra}", flush=True)
+    print(f"  {m['mode']:<13} {m['numel']:>12,} elements {m['seconds']:8.3f} s  (rounds: "
+          + ", ".join(f"{t:.3f}" for t in m["rounds"]) + ")", flush=True)
 
 
-def _annotate(point: dict, numel: int, p: int, lanes: int, fp32_ideal: dict,
-              agg_bw_factor: float = 1.0) -> None:
+def _ideal(name: str, m: dict, p: int, lanes: int, agg_bw_factor: float) -> dict:
+    """Computed bytes per worker link and direction for one mode at its own size."""
+    numel = m["numel"]
+    if name.startswith("fp32") or name == "fp16":
+        ring = fp32_wire_bytes(numel, p, 2 if name == "fp16" else 4)
+        return {"up": ring["up"], "down": ring["down"], "busiest": ring["up"]}
+    sum_bits = P.sum_bits_for(p, THCParams().granularity)
+    if name == "thc-dist":  # sums in the narrowest integer dtype, norms in a small FP32 ring
+        lay = THCCodec(THCParams()).layout(numel)
+        ring = fp32_wire_bytes(lay.total_padded, p, 1 if sum_bits == 8 else 2)
+        norms = fp32_wire_bytes(lay.n_slices, p)
+        up = ring["up"] + norms["up"]
+        return {"up": up, "down": up, "busiest": up}
+    layout = name.removeprefix("thc-")
+    ideal = thc_wire_bytes(numel, P.LANES if layout == "bmv2" else lanes, sum_bits=sum_bits,
+                           layout=layout, p=p, agg_bw_factor=agg_bw_factor)
+    return {"up": ideal["up"], "down": ideal["down"], "busiest": ideal["busiest"],
+            "packets": ideal["packets"], "header_overhead_down": ideal["header_overhead_down"]}
+
+
+def _annotate(point: dict, p: int, lanes: int, agg_bw_factor: float = 1.0) -> None:
+    """Ideal bytes and seconds of every mode, and its speedup over the FP32 run on the same
+    elements in the same point (``baseline``: BMv2's smaller run has its own)."""
     bw_bytes = point["bw_mbit"] * 1e6 / 8 if point["bw_mbit"] else None
-    fp32 = point["modes"]["fp32"]
-    fp32["ideal_bytes"] = {"up": fp32_ideal["up"], "down": fp32_ideal["down"]}
-    fp32_max = max(fp32_ideal["up"], fp32_ideal["down"])
-    fp32["ideal_seconds"] = fp32_max / bw_bytes if bw_bytes else None
     for name, m in point["modes"].items():
-        if name == "fp32":
+        ideal = _ideal(name, m, p, lanes, agg_bw_factor)
+        m["ideal_bytes"] = {k: v for k, v in ideal.items() if k != "busiest"}
+        m["ideal_bytes"]["busiest_link"] = ideal["busiest"]
+        m["ideal_seconds"] = ideal["busiest"] / bw_bytes if bw_bytes else None
+        if name.startswith("fp32"):
             continue
-        layout = name.removeprefix("thc-")
-        ideal = thc_wire_bytes(numel, P.LANES if layout == "bmv2" else lanes,
-                               sum_bits=P.sum_bits_for(p, THCParams().granularity),
-                               layout=layout, p=p, agg_bw_factor=agg_bw_factor)
-        m["ideal_bytes"] = {"up": ideal["up"], "down": ideal["down"],
-                            "busiest_link": ideal["busiest"], "packets": ideal["packets"],
-                            "header_overhead_down": ideal["header_overhead_down"]}
-        thc_max = ideal["busiest"]
-        m["ideal_seconds"] = thc_max / bw_bytes if bw_bytes else None
-        m["speedup_vs_fp32"] = fp32["seconds"] / m["seconds"]
-        m["ideal_ratio"] = fp32_max / thc_max
-        if "wire_per_worker" in m and "wire_per_worker" in fp32:
-            fw, tw = fp32["wire_per_worker"], m["wire_per_worker"]
+        base = point["modes"][m.get("baseline", "fp32")]
+        base_busiest = _ideal(m.get("baseline", "fp32"), base, p, lanes, agg_bw_factor)["busiest"]
+        m["speedup_vs_fp32"] = base["seconds"] / m["seconds"]
+        m["ideal_ratio"] = base_busiest / ideal["busiest"]
+        if "wire_per_worker" in m and "wire_per_worker" in base:
+            fw, tw = base["wire_per_worker"], m["wire_per_worker"]
             busiest = max(tw["tx"], tw["rx"])
             if "agg_link_bytes_per_round" in m:  # the central aggregator's link
                 al = m["agg_link_bytes_per_round"]
@@ -365,8 +393,8 @@ def _annotate(point: dict, numel: int, p: int, lanes: int, fp32_ideal: dict,
 
 
 def _print_table(result: dict) -> None:
-    print(f"\n{'Mbit/s':>7} {'mode':<13} {'seconds':>8} {'speedup':>8} {'ideal x':>8} "
-          f"{'wire x':>7} {'tx MB':>8} {'rx MB':>8} {'ideal s':>8}  note")
+    print(f"\n{'Mbit/s':>7} {'mode':<15} {'elements':>11} {'seconds':>8} {'speedup':>8} "
+          f"{'ideal x':>8} {'wire x':>7} {'tx MB':>8} {'rx MB':>8} {'ideal s':>8}  note")
     for point in result["points"]:
         for name, m in point["modes"].items():
             w = m.get("wire_per_worker", {})
@@ -382,21 +410,20 @@ def _print_table(result: dict) -> None:
                 note += (f"  cpu s/round: workers {c['workers']:.1f}"
                          + (f" aggregators {c['aggregators']:.1f}" if "aggregators" in c else "")
                          + f" ({m['cores']} cores, load {m['loadavg_1min_before']:.1f})")
-            if "extrapolated_from" in m:
-                note += (f"  EXTRAPOLATED from {m['extrapolated_from']:,} elements "
-                         f"({m['measured_seconds']:.2f} s)")
+            if "baseline" in m:
+                note += f"  speedup against {m['baseline']} (same elements)"
             if "agg_link_bytes_per_round" in m:
                 al = m["agg_link_bytes_per_round"]
                 note += (f"  aggregator link tx {_fmt_bytes(al['tx'])} rx "
                          f"{_fmt_bytes(al['rx'])} MB")
             if not m.get("identical_results", True):
                 note += "  RESULTS DIFFER ACROSS WORKERS"
-            speedup = f"{sp:.2f}x" if sp else "1.00x"
+            speedup = f"{sp:.2f}x" if sp else "-" if name != "fp32" else "1.00x"
             ideal_x = f"{m['ideal_ratio']:.2f}x" if "ideal_ratio" in m else "-"
             wire_x = f"{m['measured_wire_ratio']:.2f}x" if "measured_wire_ratio" in m else "-"
             bw = f"{point['bw_mbit']:g}" if point["bw_mbit"] else "lo"
             ideal_s = f"{m['ideal_seconds']:.3f}" if m.get("ideal_seconds") else "-"
-            print(f"{bw:>7} {name:<13} {m['seconds']:>8.3f} {speedup:>8} "
+            print(f"{bw:>7} {name:<15} {m['numel']:>11,} {m['seconds']:>8.3f} {speedup:>8} "
                   f"{ideal_x:>8} {wire_x:>7} {_fmt_bytes(w.get('tx')):>8} "
                   f"{_fmt_bytes(w.get('rx')):>8} {ideal_s:>8}  {note}")
     for n in result["notes"]:
@@ -418,11 +445,11 @@ def _plot(result: dict, path: str) -> None:
     for mode in modes:
         pts = [(pt["bw_mbit"], pt["modes"][mode]["seconds"]) for pt in result["points"]
                if mode in pt["modes"] and pt["bw_mbit"]]
-        extrapolated = any("extrapolated_from" in pt["modes"].get(mode, {})
-                           for pt in result["points"])
+        sizes = {pt["modes"][mode]["numel"] for pt in result["points"] if mode in pt["modes"]}
+        small = sizes != {result["numel"]}
         if pts:
-            ax.plot(*zip(*pts), marker="o", linestyle="--" if extrapolated else "-",
-                    label=mode + (" (extrapolated)" if extrapolated else ""))
+            ax.plot(*zip(*pts), marker="o", linestyle="--" if small else "-",
+                    label=mode + (f" ({min(sizes):,} elements)" if small else ""))
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("link bandwidth (Mbit/s)")

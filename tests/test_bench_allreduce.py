@@ -1,0 +1,43 @@
+"""`thc bench allreduce`'s arithmetic: ideal bytes of the ring modes, and speedups taken
+against FP32 on the same elements (BMv2's smaller run is never scaled to the full size)."""
+import pytest
+
+from host.wire import protocol as P
+from thcnet.bench_allreduce import _annotate, _ideal, _rings
+
+
+def _mode(numel, seconds, **kw):
+    return {"numel": numel, "seconds": seconds, **kw}
+
+
+def test_ring_modes_ideal_bytes():
+    lanes, n = P.max_software_lanes(8), 25_000_000
+    fp32 = _ideal("fp32", _mode(n, 1), 4, lanes, 1.0)["busiest"]
+    fp16 = _ideal("fp16", _mode(n, 1), 4, lanes, 1.0)["busiest"]
+    dist = _ideal("thc-dist", _mode(n, 1), 4, lanes, 1.0)["busiest"]
+    assert fp16 == pytest.approx(fp32 / 2)
+    # one byte per (padded) coordinate for 4 workers x g=30 <= 255, plus the norms' ring
+    assert 3.5 < fp32 / dist < 4.0
+    wide = _ideal("thc-dist", _mode(n, 1), 16, lanes, 1.0)["busiest"]  # 16 x 30 > 255
+    assert wide > 1.9 * dist
+
+
+def test_speedups_use_the_baseline_on_the_same_elements():
+    point = {"bw_mbit": 100.0, "modes": {
+        "fp32": _mode(25_000_000, 14.0),
+        "fp16": _mode(25_000_000, 7.0),
+        "fp32-bmv2-size": _mode(1 << 18, 0.2),
+        "thc-bmv2": _mode(1 << 18, 0.8, baseline="fp32-bmv2-size"),
+    }}
+    _annotate(point, 4, P.max_software_lanes(8))
+    assert point["modes"]["fp16"]["speedup_vs_fp32"] == pytest.approx(2.0)
+    assert point["modes"]["thc-bmv2"]["speedup_vs_fp32"] == pytest.approx(0.25)
+    assert point["modes"]["thc-bmv2"]["seconds"] == 0.8  # measured, not scaled
+    assert "speedup_vs_fp32" not in point["modes"]["fp32-bmv2-size"]
+
+
+def test_ring_names_are_checked():
+    assert _rings("fp16, thc-dist") == ["fp16", "thc-dist"]
+    assert _rings("") == []
+    with pytest.raises(Exception, match="ring modes"):
+        _rings("fp8")
