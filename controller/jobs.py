@@ -333,13 +333,13 @@ def lut_entries(sw: Switch, job: Job, with_action: bool = True) -> list:
     for group in range(sw.lanes // GROUP_LANES):
         for pos in range(GROUP_BYTES):
             table = LUT_TABLE.format(group, pos)
-            for byte in range(256):
-                if with_action:
-                    out.append(sw.entry_bytes(table, {"job_id": job.job_id, "idx": byte},
-                                              lut_action(group, pos, job.sum_bits),
-                                              {"value": values[pos][byte]}))
-                else:
-                    out.append(sw.entry_bytes(table, {"job_id": job.job_id, "idx": byte}))
+            if with_action:
+                out += sw.entries_bytes(table, lut_action(group, pos, job.sum_bits), [
+                    ({"job_id": job.job_id, "idx": byte}, {"value": values[pos][byte]})
+                    for byte in range(256)])
+            else:
+                out += [sw.entry_bytes(table, {"job_id": job.job_id, "idx": byte})
+                        for byte in range(256)]
     return out
 
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
+from functools import lru_cache
 from typing import Iterable, NamedTuple
 
 GRPC_OPTIONS = [("grpc.max_metadata_size", 64 << 20),
@@ -171,18 +172,43 @@ def _field(tag: bytes, payload: bytes) -> bytes:
 def exact_entity(table_id: int, matches, action_id: int | None = None, params=()) -> bytes:
     """The serialized p4runtime Entity holding one exact-match table entry: ``matches`` and
     ``params`` are (id, canonical value bytes) in id order, as protobuf writes them."""
+    if action_id is None:
+        t = _tags()
+        return _field(t["entity.table_entry"], t["table.id"] + _varint(table_id) + b"".join(
+            _match_piece(fid, value) for fid, value in matches))
+    return exact_entities(table_id, action_id, [(matches, params)])[0]
+
+
+def exact_entities(table_id: int, action_id: int, rows) -> list[bytes]:
+    """:func:`exact_entity` of every (matches, params) row of one table and action, with the
+    pieces rows share serialized once: a job's lookup tables hold tens of thousands of
+    entries made of a few hundred distinct (field, value) pieces."""
     t = _tags()
-    body = t["table.id"] + _varint(table_id)
-    for fid, value in matches:
-        body += _field(t["table.match"], t["match.id"] + _varint(fid)
-                       + _field(t["match.exact"], _field(t["exact.value"], value)))
-    if action_id is not None:
-        act = t["action.id"] + _varint(action_id)
-        for pid, value in params:
-            act += _field(t["action.params"], t["param.id"] + _varint(pid)
-                          + _field(t["param.value"], value))
-        body += _field(t["table.action"], _field(t["table_action.action"], act))
-    return _field(t["entity.table_entry"], body)
+    head = t["table.id"] + _varint(table_id)
+    act_head = t["action.id"] + _varint(action_id)
+    entity, table_action, action = t["entity.table_entry"], t["table.action"], \
+        t["table_action.action"]
+    out = []
+    for matches, params in rows:
+        act = act_head + b"".join(_param_piece(pid, value) for pid, value in params)
+        out.append(_field(entity, head + b"".join(_match_piece(fid, value)
+                                                  for fid, value in matches)
+                          + _field(table_action, _field(action, act))))
+    return out
+
+
+@lru_cache(maxsize=1 << 12)
+def _match_piece(field_id: int, value: bytes) -> bytes:
+    t = _tags()
+    return _field(t["table.match"], t["match.id"] + _varint(field_id)
+                  + _field(t["match.exact"], _field(t["exact.value"], value)))
+
+
+@lru_cache(maxsize=1 << 14)
+def _param_piece(param_id: int, value: bytes) -> bytes:
+    t = _tags()
+    return _field(t["action.params"], t["param.id"] + _varint(param_id)
+                  + _field(t["param.value"], value))
 
 
 def _read_varint(buf: bytes, pos: int) -> tuple[int, int]:

@@ -13,6 +13,7 @@ every failure becomes a :class:`SwitchError` with the reason.
 """
 from __future__ import annotations
 
+import functools
 import threading
 from pathlib import Path
 from typing import Iterable, Iterator
@@ -62,6 +63,18 @@ def encode_value(value, bitwidth: int) -> bytes:
     if num < 0 or num >> bitwidth:
         raise SwitchError(f"value {value!r} does not fit {bitwidth} bits")
     return p4rt.canonical_bytes(num)
+
+
+def _encode_cached(value, bitwidth: int) -> bytes:
+    """encode_value, memoized for the integers lookup entries repeat by the thousand."""
+    if type(value) is int:
+        return _encode_int(value, bitwidth)
+    return encode_value(value, bitwidth)
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def _encode_int(value: int, bitwidth: int) -> bytes:
+    return encode_value(value, bitwidth)
 
 
 class _Names:
@@ -221,22 +234,37 @@ class Switch:
                     params: dict | None = None) -> bytes:
         """The same entry as a serialized p4runtime Entity, written without building
         messages (controller/p4rt.py says why): for the thousands of lookup entries."""
+        if action is None:
+            tid, fields = self._ids("table", table)
+            return p4rt.exact_entity(tid, self._match_values(table, fields, match))
+        return self.entries_bytes(table, action, [(match, params or {})])[0]
+
+    def entries_bytes(self, table: str, action: str, rows) -> list[bytes]:
+        """:meth:`entry_bytes` of many (match, params) rows of one table and action: names are
+        resolved once, and the pieces rows share are serialized once."""
         tid, fields = self._ids("table", table)
-        matches = []
+        aid, pinfo = self._ids("action", action)
+        order = sorted(pinfo, key=lambda n: pinfo[n][0])
+        encoded = []
+        for match, params in rows:
+            if len(params) != len(pinfo) or any(n not in pinfo for n in params):
+                raise SwitchError(f"action {action} takes {sorted(pinfo)}, got {sorted(params)}")
+            encoded.append((self._match_values(table, fields, match),
+                            [(pinfo[n][0], _encode_cached(params[n], pinfo[n][1]))
+                             for n in order]))
+        return p4rt.exact_entities(tid, aid, encoded)
+
+    @staticmethod
+    def _match_values(table: str, fields: dict, match: dict) -> list:
+        out = []
         for name, value in match.items():
             f = fields.get(name)
             if f is None:
                 raise SwitchError(f"table {table} has no match field {name!r} "
                                   f"(has {sorted(fields)})")
-            matches.append((f[0], encode_value(value, f[1])))
-        if action is None:
-            return p4rt.exact_entity(tid, sorted(matches))
-        aid, pinfo = self._ids("action", action)
-        params = params or {}
-        if len(params) != len(pinfo) or any(n not in pinfo for n in params):
-            raise SwitchError(f"action {action} takes {sorted(pinfo)}, got {sorted(params)}")
-        return p4rt.exact_entity(tid, sorted(matches), aid, sorted(
-            (pinfo[n][0], encode_value(v, pinfo[n][1])) for n, v in params.items()))
+            out.append((f[0], _encode_cached(value, f[1])))
+        out.sort()
+        return out
 
     def _ids(self, kind: str, name: str):
         """(id, {match field or param name: (id, bit width)}) of a table or action, cached."""
