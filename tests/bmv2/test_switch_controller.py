@@ -9,7 +9,6 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
-from google.protobuf import text_format
 
 from controller import counters, forwarding, jobs
 from controller.switch import SwitchError
@@ -33,7 +32,7 @@ def snapshot(sw) -> dict:
         if name.rsplit(".", 1)[-1] == jobs.JOB_TABLE or (".thc_lut_" in name and name not in keep):
             continue
         entries = sw.read_table(t.preamble.name)
-        state[t.preamble.name] = sorted(text_format.MessageToString(e, as_one_line=True)
+        state[t.preamble.name] = sorted(e.SerializeToString(deterministic=True)
                                         for e in entries)
     return state
 
