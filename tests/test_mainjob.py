@@ -12,7 +12,7 @@ import pytest
 def test_main_job_runs_and_reports(tmp_path):
     out = subprocess.run(
         [sys.executable, "-m", "host.app.cli", "run", "--loopback", "--epochs", "1",
-         "--data", "digits", "--batch", "32", "--evals", "2",
+         "--data", "digits", "--batch", "32", "--evals", "2", "--workers", "2",
          "--modes", "fp32,thc,marsit", "--out", str(tmp_path)],
         capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
