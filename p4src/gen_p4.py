@@ -10,6 +10,12 @@ shared headers (p4src/thc_common.p4) include five generated files:
                                  8 lanes each) and THC_MAX_LANES max lanes (ThcMaxLane)
   generated/thc_groups_apply.p4  one apply call per lane group, over the header stacks
   generated/thc_max_apply.p4     one apply call per max lane
+  generated/thc_tna_groups.p4    the TNA program's lane groups (ThcLaneGroup with four max
+                                 lanes each in the first THC_MAX_LANES / 4 groups)
+  generated/thc_tna_groups_apply.p4
+                                 one apply call per TNA lane group
+  generated/thc_tna_pragmas.p4   PHV hints of the TNA program (payload stacks a packet never
+                                 fills together)
   generated/thc_vote.p4          THC_GROUPS vote groups (ThcVoteGroup: a vote job's 8 sign
                                  bits -> 8 indices), BMv2 program only
   generated/thc_vote_apply.p4    one apply call per vote group
@@ -79,6 +85,12 @@ VOTE_DECL = "ThcVoteGroup() thc_v{i};\n"
 VOTE_APPLY = "thc_v{i}.apply(hdr.thc_vote[{i}], hdr.thc_data[{i}]);\n"
 MAX_DECL = "ThcMaxLane() thc_m{i};\n"
 MAX_APPLY = "thc_m{i}.apply(hdr.thc_max[{i}], meta.reg_index, meta.lane_op);\n"
+TNA_GROUP_DECL = "ThcLaneGroup({has_max}) thc_g{i};\n"
+TNA_GROUP_APPLY = ("thc_g{i}.apply(hdr.thc_data[{i}], hdr.thc_result8[{i}], hdr.thc_result16[{i}], "
+                   "{m}, hdr.thc.job_id, meta.is_max, meta.reg_index, meta.lane_op, "
+                   "meta.wide, meta.drop_reason, meta.emit);\n")
+TNA_MAX_PER_GROUP = 4
+"""The TNA program keeps max lanes in the lane groups' four word registers."""
 
 TO_AGGREGATOR = ("DATA", "MAX", "FLUSH", "RESET")
 """Packet types a worker (or the controller, for RESET) sends to the aggregator."""
@@ -96,11 +108,48 @@ def _each(template: str, n: int) -> str:
     return "".join(template.format(i=i) for i in range(n))
 
 
-def generate(spec: dict, lanes: int | None = None, slots: int | None = None) -> dict[str, str]:
+def tna_max_lanes(spec: dict, lanes: int | None = None) -> int:
+    """Max lanes of a TNA variant with ``lanes`` lanes: protocol.json's, or as many as its
+    lane groups hold (four each) when that is fewer."""
+    lanes = spec["lanes"] if lanes is None else lanes
+    return min(spec["max_lanes"], lanes // GROUP_LANES * TNA_MAX_PER_GROUP)
+
+
+def _tna_pragmas(groups: int, max_lanes: int) -> str:
+    """PHV hints for the TNA program: a packet fills the 8-bit or the 16-bit RESULT stack
+    (its job's width) or carries max lanes, never two of them, so their fields may share
+    containers."""
+    r8 = [f"hdr.thc_result8[{i}]" for i in range(groups)]
+    r16 = [f"hdr.thc_result16[{i}]" for i in range(groups)]
+    mx = [f"hdr.thc_max[{k}]" for k in range(max_lanes)]
+    pairs = [(a, b) for a in r8 for b in r16] + [(a, b) for a in r8 + r16 for b in mx]
+    return "".join(f'@pa_mutually_exclusive("ingress", "{a}", "{b}")\n' for a, b in pairs)
+
+
+def _tna_groups(groups: int, max_lanes: int) -> tuple[str, str]:
+    """Declarations and apply calls of the TNA lane groups; group i holds max lanes
+    4i..4i+3, a group past the max lanes gets stand-ins that are never valid."""
+    if max_lanes % TNA_MAX_PER_GROUP or max_lanes > groups * TNA_MAX_PER_GROUP:
+        err = (f"#error \"{max_lanes} max lanes, {groups} lane groups of "
+               f"{TNA_MAX_PER_GROUP}: generate with gen_p4.py --tna-variant-dir\"\n")
+        return err, err
+    decl, apply = [], []
+    for i in range(groups):
+        has_max = i < max_lanes // TNA_MAX_PER_GROUP
+        m = ", ".join(f"hdr.thc_max[{TNA_MAX_PER_GROUP * i + k}]" if has_max
+                      else f"meta.no_max[{k}]" for k in range(TNA_MAX_PER_GROUP))
+        decl.append(TNA_GROUP_DECL.format(i=i, has_max="true" if has_max else "false"))
+        apply.append(TNA_GROUP_APPLY.format(i=i, m=m))
+    return "".join(decl), "".join(apply)
+
+
+def generate(spec: dict, lanes: int | None = None, slots: int | None = None,
+             max_lanes: int | None = None) -> dict[str, str]:
     """File name -> text of every generated file."""
     lanes = spec["lanes"] if lanes is None else lanes
     slots = spec["switch_slots"] if slots is None else slots
-    index_bits, max_lanes = spec["index_bits"], spec["max_lanes"]
+    index_bits = spec["index_bits"]
+    max_lanes = spec["max_lanes"] if max_lanes is None else max_lanes
     widths = sorted(spec["sum_bits"])
     if index_bits != 4 or widths != [8, 16]:
         raise SystemExit("gen_p4: the lane groups take 4-bit indices and 8- or 16-bit sums")
@@ -202,12 +251,20 @@ def generate(spec: dict, lanes: int | None = None, slots: int | None = None) -> 
                           "vote job's DATA packet.\n", _each(VOTE_APPLY, groups)]
     max_apply = [HEADER, "// Statements of the ingress apply block: every max lane of a MAX packet.\n",
                  _each(MAX_APPLY, max_lanes)]
+    tna_decl, tna_apply = _tna_groups(groups, max_lanes)
     return {
         "thc_constants.p4": "".join(c),
         "thc_headers.p4": "".join(h),
         "thc_groups.p4": "".join(decl),
         "thc_groups_apply.p4": "".join(group_apply),
         "thc_max_apply.p4": "".join(max_apply),
+        "thc_tna_groups.p4": HEADER + "// Declarations inside the TNA ingress control "
+                             "(thc_tna.p4 only).\n" + tna_decl,
+        "thc_tna_pragmas.p4": HEADER + "// Annotations of the TNA ingress control "
+                              "(thc_tna.p4 only): mutually exclusive payload stacks.\n"
+                              + _tna_pragmas(groups, max_lanes),
+        "thc_tna_groups_apply.p4": HEADER + "// Statements of the TNA ingress apply block: "
+                                   "every lane group, DATA and MAX.\n" + tna_apply,
         "thc_vote.p4": "".join(vote_decl),
         "thc_vote_apply.p4": "".join(vote_apply),
     }
@@ -337,11 +394,48 @@ def tofino_sources() -> list[Path]:
 
 
 def write_tna_variant(out: Path, lanes: int | None) -> Path:
-    """thc_tna.p4 with generated/ for ``lanes`` lanes (all of protocol.json's by default) in
-    ``out``, for `make p4-tofino TOFINO_LANES=...`; returns the program's path."""
-    write_variant(out, lanes, None)
+    """thc_tna.p4 with generated/ for ``lanes`` lanes (all of protocol.json's by default) and
+    as many max lanes as its groups hold (tna_max_lanes) in ``out``, for `make p4-tofino
+    TOFINO_LANES=...`; returns the program's path."""
+    spec = load_spec()
+    out.mkdir(parents=True, exist_ok=True)
+    shutil.copy(COMMON_P4, out / COMMON_P4.name)
+    write_generated(generate(spec, lanes=lanes, max_lanes=tna_max_lanes(spec, lanes)),
+                    out / "generated")
     shutil.copy(TNA_P4, out / TNA_P4.name)
     return out / TNA_P4.name
+
+
+def tofino_summary(out: Path) -> dict:
+    """Per MAU stage of a successful compile: logical tables, stateful ALUs, SRAM and TCAM
+    blocks (from the compiler's resources.json), and the PHV the allocation used (from its
+    last phv_allocation_summary log); empty where the compile stopped before."""
+    res = next(iter(sorted(out.rglob("resources.json"))), None)
+    stages = []
+    if res is not None:
+        mau = json.loads(res.read_text())["resources"]["mau"]
+        for st in sorted(mau.get("mau_stages", []), key=lambda s: s["stage_number"]):
+            stages.append({
+                "stage": st["stage_number"],
+                "logical_tables": len(st["logical_tables"]["ids"]),
+                "stateful_alus": len(st["meter_alus"]["meters"]),
+                "srams": len(st["rams"]["srams"]),
+                "tcams": len(st["tcams"]["tcams"]),
+            })
+    phv = {}
+    logs = sorted(out.rglob("phv_allocation_summary_*.log"), key=lambda p: p.stat().st_mtime)
+    if logs:
+        for line in logs[-1].read_text(errors="replace").splitlines():
+            cells = [c.strip() for c in line.strip("|").split("|")]
+            if cells and cells[0] in ("Usage for 8b", "Usage for 16b", "Usage for 32b",
+                                      "Overall PHV Usage"):
+                phv[cells[0]] = {"containers_used": cells[1], "bits_used": cells[2],
+                                 "bits_used_ingress": cells[3],
+                                 "bits_used_egress": cells[4], "bits_available": cells[-1]}
+    totals = {k: sum(s[k] for s in stages)
+              for k in ("logical_tables", "stateful_alus", "srams", "tcams")}
+    return {"stages_used": len([s for s in stages if s["logical_tables"]]),
+            "totals": totals, "stages": stages, "phv": phv}
 
 
 def record_tofino(out: Path, lanes: int | None = None) -> None:
@@ -366,7 +460,7 @@ def record_tofino(out: Path, lanes: int | None = None) -> None:
     if log_file.exists():
         for line in log_file.read_text(errors="replace").splitlines():
             line = line.replace(str(Path(out).parent), "<out>")
-            if "error" in line and line not in errors:
+            if "error" in line and not line.startswith("0 errors") and line not in errors:
                 errors.append(line)
     if errors:
         (TOFINO_DIR / "errors.txt").write_text("\n".join(errors) + "\n")
@@ -377,10 +471,12 @@ def record_tofino(out: Path, lanes: int | None = None) -> None:
         "compiler": p4c_version(),
         "command": f"p4c --target tofino --arch tna --verbose 1 -o <out> {rel(TNA_P4)}",
         "lanes": int(lanes or load_spec()["lanes"]),
+        "max_lanes": tna_max_lanes(load_spec(), lanes),
         "compiled": rc == 0 if rc is not None else None,
         "exit_status": rc,
         "sources": {rel(p): sha256(p) for p in tofino_sources()},
         "outputs": {rel(TOFINO_DIR / n): sha256(TOFINO_DIR / n) for n in sorted(found)},
+        "summary": tofino_summary(Path(out)),
     }
     TOFINO_REPORT.write_text(json.dumps(rec, indent=2, sort_keys=True) + "\n")
     verdict = {True: "compiled", False: f"FAILED (exit {rc}; errors.txt)", None: "?"}[

@@ -1,20 +1,28 @@
 /*
  * THC in-network aggregation for Tofino (P4_16, TNA), the variant of thc.p4 that the Tofino
- * back end of p4c compiles (`make p4-tofino`). Same wire protocol, same generated files
- * (constants, THC header, lane group instantiations), same table and action names as the
- * BMv2 program, so controller/jobs.py writes the same entries.
+ * back end of p4c compiles (`make p4-tofino`). Same wire protocol, same generated constants
+ * and THC header, same table and action names as the BMv2 program, so controller/jobs.py
+ * writes the same entries.
  *
- * Differences from thc.p4, all forced by the Tofino pipeline:
- *  - every register is read and written through RegisterActions; a register has several
- *    (write, add, read, reset) and each packet executes at most one of them, picked by a
- *    table on the lane operation (lane groups) or by the control flow (slot state);
- *  - each RegisterAction returns one value; comparisons the stateful ALU cannot make
- *    (serial order of sequence numbers) are made on the returned old value;
+ * Differences from thc.p4, all forced by the Tofino pipeline (12 stages, 4 stateful ALUs a
+ * stage, gateways that compare a few bytes with constants):
+ *  - the slot state is a chain of one stage per step: checks and the job's run (thc_check),
+ *    the slot's run and seq (thc_run, thc_seq), the bitmap (thc_bitmap_op), the count and
+ *    the lane operation (thc_count_op). Each step is a table keyed on what the earlier
+ *    steps found, whose actions each execute one RegisterAction (Tofino addresses a
+ *    register the same way in every action of a table, one stateful ALU operation per
+ *    action); the lanes get the stages after it;
+ *  - thc_run and thc_seq are both (run, seq) pairs updated alike: one answers "newer" (a new
+ *    run, or a later seq), the other "not older", so the serial comparison takes one stage
+ *    (a stateful ALU has two comparisons); the dup test (old bitmap & worker bit) is a
+ *    ternary match on the old bitmap and the one-hot worker bit;
+ *  - MAX lanes share the lane groups' word registers (four per group; a slot use holds sums
+ *    or maxima, never both), so a packet has at most 4 max lanes per lane group;
+ *  - a retransmission reads the lane words whether or not the use is complete; a PENDING
+ *    reply (incomplete) drops them with the other lanes;
  *  - replies are rewritten for their worker in egress, which sees the ingress outcome
- *    through a bridged header;
- *  - payload headers are dropped from a reply by invalidating them in the lane controls
- *    (no header stack pop).
- * Not compiled in this repository yet: see docs/switch.md, "Tofino".
+ *    through a bridged header; payload headers leave a reply by being invalidated.
+ * DLCP's FLUSH, vote jobs and thc_dscp are in thc.p4 only. See docs/switch.md, "Tofino".
  */
 #include <core.p4>
 #include <tna.p4>
@@ -30,39 +38,47 @@ header thc_bridge_h {
     bit<8> dest_worker;     // destination of a unicast reply (multicast: egress_rid - 1)
 }
 
+// A slot version's run and last seq (thc_run and thc_seq hold the same pair).
+struct thc_run_seq_t {
+    bit<32> seq;
+    bit<32> run;
+}
+
 // zero-initialised, as v1model metadata is
 @pa_auto_init_metadata
 struct metadata_t {
     thc_bridge_h bridge;      // always emitted: egress parses it first
+    thc_max_h[4] no_max;      // the max lanes of a lane group that carries none (never valid)
     // from thc_job
     bit<8>  job_index;
     bit<8>  n_workers;
     bit<16> pool_base;
     bit<16> pool_size;
-    bit<32> full_bitmap;
     bit<16> mcast_grp;
     bit<1>  wide;
     bit<32> epoch;
+    bit<1>  job_hit;
     // from thc_worker
     bit<32> worker_bit;
-    // state as seen by this packet
+    bit<1>  worker_hit;
+    // addressing
     bit<16> slot_idx;       // pool_base + slot
     bit<8>  room8;          // n_workers - worker_id, saturating at 0
     bit<16> room16;         // pool_size - slot, saturating at 0
-    bit<32> mine;           // old_bitmap & worker_bit
-    bit<32> reg_index;
+    bit<32> reg_index;      // (pool_base + slot) * 2 + version
+    bit<32> jc_base;        // job_index * THC_N_JOB_COUNTERS
     bit<32> jc_index;
-    bit<1>  run_stale;
-    bit<1>  run_new;
-    bit<32> old_seq;
-    bit<32> seq_diff;
-    bit<1>  seq_newer;
+    // state as seen by this packet
+    bit<1>  run_stale;      // older than the job's run
+    bit<1>  seq_newer;      // a new run for the slot version, or a later seq
+    bit<1>  seq_ok;         // not older than the slot version's seq
     bit<32> old_bitmap;
     bit<32> bitmap;
     bit<8>  count;
     bit<1>  dup;
-    bit<1>  first;
-    bit<2>  lane_op;
+    bit<2>  lane_op;        // THC_OP_*: what the lane words do (RESET: none)
+    bit<1>  is_max;         // a MAX packet: the lane words hold maxima
+    bit<1>  emit;           // the reply carries the lanes (RESULT, MAX_RESULT)
     bit<8>  drop_reason;
 }
 
@@ -130,11 +146,15 @@ parser ThcIngressParser(packet_in pkt, out headers_t hdr, out metadata_t meta,
 /*
  * One lane group (8 lanes), as in thc.p4: byte-keyed lookups return the lanes' values
  * packed for the job's width; four 32-bit word registers, of which an 8-bit job uses two.
- * thc_word_op picks, from the lane operation and the width, the one action that executes
- * one RegisterAction on each register the packet needs.
+ * A group built with has_max also holds four max lanes (MAX packets) in the same words.
+ * thc_word_op_K picks, from the lane operation, the packet type and the width, the action
+ * that executes one RegisterAction on word K and writes what it returns into the reply.
  */
 control ThcLaneGroup(inout thc_idx_h idx, inout thc_sum8_h r8, inout thc_sum16_h r16,
-                     in bit<16> job_id, in bit<32> reg_index, in bit<2> op, in bit<1> wide) {
+                     inout thc_max_h m0, inout thc_max_h m1, inout thc_max_h m2,
+                     inout thc_max_h m3, in bit<16> job_id, in bit<1> is_max,
+                     in bit<32> reg_index, in bit<2> op, in bit<1> wide, in bit<8> drop_reason,
+                     in bit<1> emit)(bool has_max) {
     Register<bit<32>, bit<32>>(THC_REG_SIZE) thc_sum_0;
     Register<bit<32>, bit<32>>(THC_REG_SIZE) thc_sum_1;
     Register<bit<32>, bit<32>>(THC_REG_SIZE) thc_sum_2;
@@ -176,52 +196,106 @@ control ThcLaneGroup(inout thc_idx_h idx, inout thc_sum8_h r8, inout thc_sum16_h
         size = THC_LUT_SIZE;
     }
 
-#define THC_WORD_ACTIONS(K, V)                                                              \
+    // word K: the write, add, read (sums) and max RegisterActions on register K
+#define THC_WORD_ACTIONS(K)                                                                   \
     RegisterAction<bit<32>, bit<32>, bit<32>>(thc_sum_##K) thc_write_##K = {                  \
-        void apply(inout bit<32> value, out bit<32> rv) { value = V; rv = value; }            \
+        void apply(inout bit<32> value, out bit<32> rv) { value = v##K; rv = value; }         \
     };                                                                                        \
     RegisterAction<bit<32>, bit<32>, bit<32>>(thc_sum_##K) thc_add_##K = {                    \
-        void apply(inout bit<32> value, out bit<32> rv) { value = value + V; rv = value; }    \
+        void apply(inout bit<32> value, out bit<32> rv) { value = value + v##K; rv = value; } \
     };                                                                                        \
     RegisterAction<bit<32>, bit<32>, bit<32>>(thc_sum_##K) thc_read_##K = {                   \
         void apply(inout bit<32> value, out bit<32> rv) { rv = value; }                       \
-    };
-    THC_WORD_ACTIONS(0, v0)
-    THC_WORD_ACTIONS(1, v1)
-    THC_WORD_ACTIONS(2, v2)
-    THC_WORD_ACTIONS(3, v3)
-#undef THC_WORD_ACTIONS
-
-    // One table per word register, each action running one RegisterAction: Tofino takes
-    // one stateful ALU operation per action, and addresses a register the same way in every
-    // action of a table. Words 2-3 only for 16-bit jobs.
-    bit<32> o0 = 0;
-    bit<32> o1 = 0;
-    bit<32> o2 = 0;
-    bit<32> o3 = 0;
-#define THC_WORD_TABLE(K)                                                                     \
-    action thc_write_word_##K() { o##K = thc_write_##K.execute(reg_index); }                  \
-    action thc_add_word_##K() { o##K = thc_add_##K.execute(reg_index); }                      \
-    action thc_read_word_##K() { o##K = thc_read_##K.execute(reg_index); }                    \
-    table thc_word_op_##K {                                                                   \
-        key = { op: exact; }                                                                  \
-        actions = { thc_write_word_##K; thc_add_word_##K; thc_read_word_##K; NoAction; }      \
-        const entries = {                                                                     \
-            THC_OP_WRITE: thc_write_word_##K();                                               \
-            THC_OP_ADD: thc_add_word_##K();                                                   \
-            THC_OP_READ: thc_read_word_##K();                                                 \
+    };                                                                                        \
+    RegisterAction<bit<32>, bit<32>, bit<32>>(thc_sum_##K) thc_max_##K = {                    \
+        void apply(inout bit<32> value, out bit<32> rv) {                                     \
+            if (v##K > value) {                                                               \
+                value = v##K;                                                                 \
+            }                                                                                 \
+            rv = value;                                                                       \
         }                                                                                     \
-        const default_action = NoAction;                                                      \
-        size = 4;                                                                             \
+    };                                                                                        \
+    action thc_write16_word_##K() { r16.w##K = thc_write_##K.execute(reg_index); }           \
+    action thc_add16_word_##K() { r16.w##K = thc_add_##K.execute(reg_index); }               \
+    action thc_read16_word_##K() { r16.w##K = thc_read_##K.execute(reg_index); }             \
+    action thc_max_write_word_##K() { m##K.v = thc_write_##K.execute(reg_index); }           \
+    action thc_max_word_##K() { m##K.v = thc_max_##K.execute(reg_index); }                   \
+    action thc_max_read_word_##K() { m##K.v = thc_read_##K.execute(reg_index); }
+    THC_WORD_ACTIONS(0)
+    THC_WORD_ACTIONS(1)
+    THC_WORD_ACTIONS(2)
+    THC_WORD_ACTIONS(3)
+#undef THC_WORD_ACTIONS
+    // an 8-bit job's two words (lanes packed four a word)
+#define THC_WORD8_ACTIONS(K)                                                                  \
+    action thc_write8_word_##K() { r8.w##K = thc_write_##K.execute(reg_index); }             \
+    action thc_add8_word_##K() { r8.w##K = thc_add_##K.execute(reg_index); }                 \
+    action thc_read8_word_##K() { r8.w##K = thc_read_##K.execute(reg_index); }
+    THC_WORD8_ACTIONS(0)
+    THC_WORD8_ACTIONS(1)
+#undef THC_WORD8_ACTIONS
+
+    // One table per word register, each action running one RegisterAction.
+#define THC_MAX_ENTRIES(K)                                                                    \
+            (THC_OP_WRITE, 1, 0): thc_max_write_word_##K();                                   \
+            (THC_OP_WRITE, 1, 1): thc_max_write_word_##K();                                   \
+            (THC_OP_ADD, 1, 0): thc_max_word_##K();                                           \
+            (THC_OP_ADD, 1, 1): thc_max_word_##K();                                           \
+            (THC_OP_READ, 1, 0): thc_max_read_word_##K();                                     \
+            (THC_OP_READ, 1, 1): thc_max_read_word_##K();
+#define THC_WORD16_ENTRIES(K)                                                                 \
+            (THC_OP_WRITE, 0, 1): thc_write16_word_##K();                                     \
+            (THC_OP_ADD, 0, 1): thc_add16_word_##K();                                         \
+            (THC_OP_READ, 0, 1): thc_read16_word_##K();
+#define THC_WORD8_ENTRIES(K)                                                                  \
+            (THC_OP_WRITE, 0, 0): thc_write8_word_##K();                                      \
+            (THC_OP_ADD, 0, 0): thc_add8_word_##K();                                          \
+            (THC_OP_READ, 0, 0): thc_read8_word_##K();
+    table thc_word_op_0 {
+        key = { op: exact; is_max: exact; wide: exact; }
+        actions = {
+            thc_write8_word_0; thc_add8_word_0; thc_read8_word_0;
+            thc_write16_word_0; thc_add16_word_0; thc_read16_word_0;
+            thc_max_write_word_0; thc_max_word_0; thc_max_read_word_0; NoAction;
+        }
+        const entries = { THC_WORD8_ENTRIES(0) THC_WORD16_ENTRIES(0) THC_MAX_ENTRIES(0) }
+        const default_action = NoAction;
+        size = 16;
     }
-    THC_WORD_TABLE(0)
-    THC_WORD_TABLE(1)
-    THC_WORD_TABLE(2)
-    THC_WORD_TABLE(3)
-#undef THC_WORD_TABLE
+    table thc_word_op_1 {
+        key = { op: exact; is_max: exact; wide: exact; }
+        actions = {
+            thc_write8_word_1; thc_add8_word_1; thc_read8_word_1;
+            thc_write16_word_1; thc_add16_word_1; thc_read16_word_1;
+            thc_max_write_word_1; thc_max_word_1; thc_max_read_word_1; NoAction;
+        }
+        const entries = { THC_WORD8_ENTRIES(1) THC_WORD16_ENTRIES(1) THC_MAX_ENTRIES(1) }
+        const default_action = NoAction;
+        size = 16;
+    }
+    // words 2 and 3: 16-bit jobs and max lanes only
+#define THC_WORD_TABLE_HI(K)                                                                  \
+    table thc_word_op_##K {                                                                   \
+        key = { op: exact; is_max: exact; wide: exact; }                                    \
+        actions = {                                                                           \
+            thc_write16_word_##K; thc_add16_word_##K; thc_read16_word_##K;                    \
+            thc_max_write_word_##K; thc_max_word_##K; thc_max_read_word_##K; NoAction;        \
+        }                                                                                     \
+        const entries = { THC_WORD16_ENTRIES(K) THC_MAX_ENTRIES(K) }                          \
+        const default_action = NoAction;                                                      \
+        size = 16;                                                                            \
+    }
+    THC_WORD_TABLE_HI(2)
+    THC_WORD_TABLE_HI(3)
+#undef THC_WORD_TABLE_HI
+#undef THC_MAX_ENTRIES
+#undef THC_WORD16_ENTRIES
+#undef THC_WORD8_ENTRIES
 
     apply {
-        if (op == THC_OP_WRITE || op == THC_OP_ADD) {
+        // lookups and packing depend on the packet only: they run in the early stages,
+        // beside the slot state
+        if (is_max == 0) {
             thc_lut_0.apply();
             thc_lut_1.apply();
             thc_lut_2.apply();
@@ -230,58 +304,39 @@ control ThcLaneGroup(inout thc_idx_h idx, inout thc_sum8_h r8, inout thc_sum16_h
                 v0 = v0 | v1;
                 v1 = v2 | v3;
             }
+        } else if (has_max) {
+            v0 = m0.v;
+            v1 = m1.v;
+            v2 = m2.v;
+            v3 = m3.v;
         }
-        thc_word_op_0.apply();
-        thc_word_op_1.apply();
-        if (op != THC_OP_NONE) {
-            if (wide == 0) {
-                r8.setValid();
-                r8.w0 = o0;
-                r8.w1 = o1;
-            } else {
+        if (drop_reason == 0) {
+            if (is_max == 0 || has_max) {
+                thc_word_op_0.apply();
+                thc_word_op_1.apply();
                 thc_word_op_2.apply();
                 thc_word_op_3.apply();
-                r16.setValid();
-                r16.w0 = o0;
-                r16.w1 = o1;
-                r16.w2 = o2;
-                r16.w3 = o3;
             }
+        }
+        if (emit == 1) {
+            if (is_max == 0) {
+                if (wide == 0) {
+                    r8.setValid();
+                } else {
+                    r16.setValid();
+                }
+            }
+        } else if (has_max) {
+            m0.setInvalid();
+            m1.setInvalid();
+            m2.setInvalid();
+            m3.setInvalid();
         }
         idx.setInvalid();
     }
 }
 
-/* One MAX lane: write, max or read of a 32-bit register; NONE drops the lane from a reply. */
-control ThcMaxLane(inout thc_max_h m, in bit<32> reg_index, in bit<2> op) {
-    Register<bit<32>, bit<32>>(THC_REG_SIZE) thc_max;
-    RegisterAction<bit<32>, bit<32>, bit<32>>(thc_max) thc_max_write = {
-        void apply(inout bit<32> value, out bit<32> rv) { value = m.v; rv = value; }
-    };
-    RegisterAction<bit<32>, bit<32>, bit<32>>(thc_max) thc_max_max = {
-        void apply(inout bit<32> value, out bit<32> rv) {
-            if (m.v > value) {
-                value = m.v;
-            }
-            rv = value;
-        }
-    };
-    RegisterAction<bit<32>, bit<32>, bit<32>>(thc_max) thc_max_read = {
-        void apply(inout bit<32> value, out bit<32> rv) { rv = value; }
-    };
-    apply {
-        if (op == THC_OP_WRITE) {
-            m.v = thc_max_write.execute(reg_index);
-        } else if (op == THC_OP_ADD) {
-            m.v = thc_max_max.execute(reg_index);
-        } else if (op == THC_OP_READ) {
-            m.v = thc_max_read.execute(reg_index);
-        } else {
-            m.setInvalid();
-        }
-    }
-}
-
+#include "generated/thc_tna_pragmas.p4"
 control ThcIngress(inout headers_t hdr, inout metadata_t meta,
                    in ingress_intrinsic_metadata_t ig_intr_md,
                    in ingress_intrinsic_metadata_from_parser_t ig_prsr_md,
@@ -294,8 +349,8 @@ control ThcIngress(inout headers_t hdr, inout metadata_t meta,
     Counter<bit<32>, bit<32>>(1, CounterType_t.PACKETS) l2_misses;
 
     Register<bit<32>, bit<32>>(THC_MAX_JOBS) thc_job_run;
-    Register<bit<32>, bit<32>>(THC_REG_SIZE) thc_run;
-    Register<bit<32>, bit<32>>(THC_REG_SIZE) thc_seq;
+    Register<thc_run_seq_t, bit<32>>(THC_REG_SIZE) thc_run;
+    Register<thc_run_seq_t, bit<32>>(THC_REG_SIZE) thc_seq;
     Register<bit<32>, bit<32>>(THC_REG_SIZE) thc_bitmap;
     Register<bit<8>, bit<32>>(THC_REG_SIZE) thc_count;
 
@@ -310,73 +365,94 @@ control ThcIngress(inout headers_t hdr, inout metadata_t meta,
             }
         }
     };
-    RegisterAction<bit<32>, bit<32>, bit<1>>(thc_run) thc_run_ra = {
-        void apply(inout bit<32> value, out bit<1> is_new) {
-            if (value != hdr.thc.run) {
-                value = hdr.thc.run;
-                is_new = 1;
+    RegisterAction<bit<32>, bit<32>, bit<32>>(thc_job_run) thc_job_run_reset = {
+        void apply(inout bit<32> value) { value = 0; }
+    };
+    // A run other than the slot version's last one starts a new use whatever its seq; in
+    // the same run a later seq (RFC 1982) does. thc_run answers "newer", thc_seq "not older"
+    // (newer or equal); both take (run, seq) when it is not older, so they stay equal.
+    RegisterAction<thc_run_seq_t, bit<32>, bit<1>>(thc_run) thc_run_ra = {
+        void apply(inout thc_run_seq_t value, out bit<1> newer) {
+            if (value.run != hdr.thc.run || (int<32>)(hdr.thc.seq - value.seq) > 0) {
+                value.run = hdr.thc.run;
+                value.seq = hdr.thc.seq;
+                newer = 1;
             } else {
-                is_new = 0;
+                newer = 0;
             }
         }
     };
-    // returns the old seq; the serial order is judged on it outside the stateful ALU
-    RegisterAction<bit<32>, bit<32>, bit<32>>(thc_seq) thc_seq_ra = {
+    RegisterAction<thc_run_seq_t, bit<32>, bit<1>>(thc_seq) thc_seq_ra = {
+        void apply(inout thc_run_seq_t value, out bit<1> not_older) {
+            if (value.run != hdr.thc.run || (int<32>)(hdr.thc.seq - value.seq) >= 0) {
+                value.run = hdr.thc.run;
+                value.seq = hdr.thc.seq;
+                not_older = 1;
+            } else {
+                not_older = 0;
+            }
+        }
+    };
+    RegisterAction<thc_run_seq_t, bit<32>, bit<1>>(thc_run) thc_run_reset = {
+        void apply(inout thc_run_seq_t value) {
+            value.run = 0;
+            value.seq = THC_SEQ_RESET;
+        }
+    };
+    RegisterAction<thc_run_seq_t, bit<32>, bit<1>>(thc_seq) thc_seq_reset = {
+        void apply(inout thc_run_seq_t value) {
+            value.run = 0;
+            value.seq = THC_SEQ_RESET;
+        }
+    };
+    // the bitmap before this packet; a new use starts with the sender's bit alone
+    RegisterAction<bit<32>, bit<32>, bit<32>>(thc_bitmap) thc_bitmap_new = {
         void apply(inout bit<32> value, out bit<32> old) {
             old = value;
-            if (meta.run_new == 1 || (int<32>)(hdr.thc.seq - value) > 0) {
-                value = hdr.thc.seq;
-            }
+            value = meta.worker_bit;
         }
     };
     RegisterAction<bit<32>, bit<32>, bit<32>>(thc_bitmap) thc_bitmap_ra = {
         void apply(inout bit<32> value, out bit<32> old) {
             old = value;
-            if (meta.seq_newer == 1) {
-                value = meta.worker_bit;
-            } else {
-                value = value | meta.worker_bit;
-            }
+            value = value | meta.worker_bit;
+        }
+    };
+    RegisterAction<bit<32>, bit<32>, bit<32>>(thc_bitmap) thc_bitmap_reset = {
+        void apply(inout bit<32> value) { value = 0; }
+    };
+    RegisterAction<bit<8>, bit<32>, bit<8>>(thc_count) thc_count_first = {
+        void apply(inout bit<8> value, out bit<8> count) {
+            value = 1;
+            count = value;
         }
     };
     RegisterAction<bit<8>, bit<32>, bit<8>>(thc_count) thc_count_ra = {
         void apply(inout bit<8> value, out bit<8> count) {
-            if (meta.first == 1) {
-                value = 1;
-            } else if (meta.dup == 0) {
-                value = value + 1;
-            }
+            value = value + 1;
             count = value;
         }
     };
-    RegisterAction<bit<32>, bit<32>, bit<32>>(thc_job_run) thc_job_run_reset = {
-        void apply(inout bit<32> value) { value = 0; }
-    };
-    RegisterAction<bit<32>, bit<32>, bit<32>>(thc_run) thc_run_reset = {
-        void apply(inout bit<32> value) { value = 0; }
-    };
-    RegisterAction<bit<32>, bit<32>, bit<32>>(thc_seq) thc_seq_reset = {
-        void apply(inout bit<32> value) { value = THC_SEQ_RESET; }
-    };
-    RegisterAction<bit<32>, bit<32>, bit<32>>(thc_bitmap) thc_bitmap_reset = {
-        void apply(inout bit<32> value) { value = 0; }
+    RegisterAction<bit<8>, bit<32>, bit<8>>(thc_count) thc_count_read = {
+        void apply(inout bit<8> value, out bit<8> count) { count = value; }
     };
     RegisterAction<bit<8>, bit<32>, bit<8>>(thc_count) thc_count_reset = {
         void apply(inout bit<8> value) { value = 0; }
     };
 
-#include "generated/thc_groups.p4"
+#include "generated/thc_tna_groups.p4"
 
     action set_job(bit<8> job_index, bit<8> n_workers, bit<16> pool_base, bit<16> pool_size,
-                   bit<32> full_bitmap, bit<16> mcast_grp, bit<8> sum_bits, bit<32> epoch) {
+                   bit<32> full_bitmap, bit<16> mcast_grp, bit<8> sum_bits, bit<32> epoch,
+                   bit<8> aggregation) {
         meta.job_index = job_index;
         meta.n_workers = n_workers;
         meta.pool_base = pool_base;
         meta.pool_size = pool_size;
-        meta.full_bitmap = full_bitmap;
         meta.mcast_grp = mcast_grp;
         meta.wide = (bit<1>)(sum_bits >> 4);
         meta.epoch = epoch;
+        meta.job_hit = 1;
     }
     table thc_job {
         key = { hdr.thc.job_id: exact @name("job_id"); }
@@ -387,6 +463,7 @@ control ThcIngress(inout headers_t hdr, inout metadata_t meta,
 
     action set_worker(bit<32> worker_bit) {
         meta.worker_bit = worker_bit;
+        meta.worker_hit = 1;
     }
     table thc_worker {
         key = {
@@ -414,14 +491,181 @@ control ThcIngress(inout headers_t hdr, inout metadata_t meta,
         size = 1024;
     }
 
-    // one ALU operation per action: an add, then a deposit of the sum and the version bit
+    // one ALU operation per field
     action thc_slot() {
         meta.slot_idx = meta.pool_base + hdr.thc.slot;
-        meta.jc_index = (bit<32>)meta.job_index << 2;  // x THC_N_JOB_COUNTERS (4)
+        meta.room8 = meta.n_workers |-| hdr.thc.worker_id;
+        meta.room16 = meta.pool_size |-| hdr.thc.slot;
+        meta.jc_base = 22w0 ++ meta.job_index ++ 2w0;  // x THC_N_JOB_COUNTERS (4)
     }
     action thc_index() {
         meta.reg_index = 15w0 ++ meta.slot_idx ++ hdr.thc.version[0:0];
     }
+
+    // Steps 2-6 of thc.p4 (the header checks of step 1 are gateways), in its order, and
+    // the job's run: a RESET clears it, any other packet that passes is checked against it.
+    action thc_set_drop(bit<8> reason) {
+        meta.drop_reason = reason;
+    }
+    action thc_job_run_check() {
+        meta.run_stale = thc_job_run_ra.execute((bit<32>)meta.job_index);
+    }
+    action thc_job_run_clear() {
+        thc_job_run_reset.execute((bit<32>)meta.job_index);
+    }
+    table thc_check {
+        key = {
+            meta.drop_reason: ternary;
+            meta.job_hit: ternary;
+            hdr.thc.pkt_type: ternary;
+            hdr.thc_data[0].isValid(): ternary;
+            hdr.thc_max[0].isValid(): ternary;
+            hdr.udp.length: ternary;
+            meta.room8: ternary;
+            meta.worker_hit: ternary;
+            meta.room16: ternary;
+        }
+        actions = { thc_set_drop; thc_job_run_check; thc_job_run_clear; NoAction; }
+        const entries = {
+            (0, 0, _, _, _, _, _, _, _): thc_set_drop(THC_DROP_UNKNOWN_JOB);
+            (0, 1, THC_DATA, false, _, _, _, _, _): thc_set_drop(THC_DROP_BAD_LANES);
+            (0, 1, THC_MAX, _, false, _, _, _, _): thc_set_drop(THC_DROP_BAD_LANES);
+            (0, 1, THC_RESET, _, _, THC_UDP_LEN_HDR, _, _, 0):
+                thc_set_drop(THC_DROP_SLOT_OUTSIDE_POOL);
+            (0, 1, THC_RESET, _, _, THC_UDP_LEN_HDR, _, _, _): thc_job_run_clear();
+            (0, 1, THC_RESET, _, _, _, _, _, _): thc_set_drop(THC_DROP_BAD_LANES);
+            (0, 1, _, _, _, _, 0, _, _): thc_set_drop(THC_DROP_WORKER_OUTSIDE_JOB);
+            (0, 1, _, _, _, _, _, 0, _): thc_set_drop(THC_DROP_UNKNOWN_WORKER);
+            (0, 1, _, _, _, _, _, _, 0): thc_set_drop(THC_DROP_SLOT_OUTSIDE_POOL);
+            (0, 1, _, _, _, _, _, _, _): thc_job_run_check();
+        }
+        const default_action = NoAction;
+        size = 16;
+    }
+
+    // Step 7-8: the slot version's run and seq.
+    action thc_run_check() {
+        meta.seq_newer = thc_run_ra.execute(meta.reg_index);
+    }
+    action thc_run_clear() {
+        thc_run_reset.execute(meta.reg_index);
+    }
+    table thc_run_op {
+        key = {
+            meta.drop_reason: ternary;
+            hdr.thc.pkt_type: ternary;
+            meta.run_stale: ternary;
+        }
+        actions = { thc_run_check; thc_run_clear; thc_set_drop; NoAction; }
+        const entries = {
+            (0, THC_RESET, _): thc_run_clear();
+            (0, _, 1): thc_set_drop(THC_DROP_STALE_RUN);
+            (0, _, 0): thc_run_check();
+        }
+        const default_action = NoAction;
+        size = 4;
+    }
+    action thc_seq_check() {
+        meta.seq_ok = thc_seq_ra.execute(meta.reg_index);
+    }
+    action thc_seq_clear() {
+        thc_seq_reset.execute(meta.reg_index);
+    }
+    table thc_seq_op {
+        key = {
+            meta.drop_reason: ternary;
+            hdr.thc.pkt_type: ternary;
+            meta.run_stale: ternary;
+        }
+        actions = { thc_seq_check; thc_seq_clear; NoAction; }
+        const entries = {
+            (0, THC_RESET, _): thc_seq_clear();
+            (0, _, 0): thc_seq_check();
+        }
+        const default_action = NoAction;
+        size = 4;
+    }
+
+    // The bitmap: a newer use starts from the sender's bit, an equal one adds it, an older
+    // seq is stale.
+    action thc_bitmap_start() {
+        meta.old_bitmap = thc_bitmap_new.execute(meta.reg_index);
+    }
+    action thc_bitmap_add() {
+        meta.old_bitmap = thc_bitmap_ra.execute(meta.reg_index);
+    }
+    action thc_bitmap_clear() {
+        thc_bitmap_reset.execute(meta.reg_index);
+    }
+    table thc_bitmap_op {
+        key = {
+            meta.drop_reason: ternary;
+            hdr.thc.pkt_type: ternary;
+            meta.seq_newer: ternary;
+            meta.seq_ok: ternary;
+        }
+        actions = { thc_bitmap_start; thc_bitmap_add; thc_bitmap_clear; thc_set_drop; NoAction; }
+        const entries = {
+            (0, THC_RESET, _, _): thc_bitmap_clear();
+            (0, _, 1, _): thc_bitmap_start();
+            (0, _, 0, 1): thc_bitmap_add();
+            (0, _, 0, 0): thc_set_drop(THC_DROP_STALE);
+        }
+        const default_action = NoAction;
+        size = 8;
+    }
+
+    // The count and the lane operation: first contribution of a use (a newer use, or an
+    // empty bitmap): write; the sender's bit already set: a retransmission, read; else add.
+    action thc_count_start() {
+        meta.count = thc_count_first.execute(meta.reg_index);
+        meta.bitmap = meta.worker_bit;
+        meta.lane_op = THC_OP_WRITE;
+    }
+    action thc_count_add() {
+        meta.count = thc_count_ra.execute(meta.reg_index);
+        meta.bitmap = meta.old_bitmap | meta.worker_bit;
+        meta.lane_op = THC_OP_ADD;
+    }
+    action thc_count_dup() {
+        meta.count = thc_count_read.execute(meta.reg_index);
+        meta.bitmap = meta.old_bitmap;
+        meta.dup = 1;
+        meta.lane_op = THC_OP_READ;
+    }
+    action thc_count_clear() {
+        thc_count_reset.execute(meta.reg_index);
+        meta.lane_op = THC_OP_NONE;
+        thc_resets.count((bit<32>)meta.job_index);
+        ig_dprsr_md.drop_ctl = 1;
+    }
+    // worker_bit is one-hot (1 << worker_id): the sender's bit set in the old bitmap
+#define THC_DUP(W) (0, _, 0, 32w1 << W, (32w1 << W) &&& (32w1 << W)): thc_count_dup();
+    table thc_count_op {
+        key = {
+            meta.drop_reason: ternary;
+            hdr.thc.pkt_type: ternary;
+            meta.seq_newer: ternary;
+            meta.worker_bit: ternary;
+            meta.old_bitmap: ternary;
+        }
+        actions = { thc_count_start; thc_count_add; thc_count_dup; thc_count_clear; NoAction; }
+        const entries = {
+            (0, THC_RESET, _, _, _): thc_count_clear();
+            (0, _, 1, _, _): thc_count_start();
+            THC_DUP(0) THC_DUP(1) THC_DUP(2) THC_DUP(3) THC_DUP(4) THC_DUP(5) THC_DUP(6)
+            THC_DUP(7) THC_DUP(8) THC_DUP(9) THC_DUP(10) THC_DUP(11) THC_DUP(12) THC_DUP(13)
+            THC_DUP(14) THC_DUP(15) THC_DUP(16) THC_DUP(17) THC_DUP(18) THC_DUP(19)
+            THC_DUP(20) THC_DUP(21) THC_DUP(22) THC_DUP(23) THC_DUP(24) THC_DUP(25)
+            THC_DUP(26) THC_DUP(27) THC_DUP(28) THC_DUP(29) THC_DUP(30) THC_DUP(31)
+            (0, _, 0, _, 0): thc_count_start();
+            (0, _, 0, _, _): thc_count_add();
+        }
+        const default_action = NoAction;
+        size = 64;
+    }
+#undef THC_DUP
+
     action thc_reply(bit<8> pkt_type) {
         hdr.thc.pkt_type = pkt_type;
         hdr.thc.count = meta.count;
@@ -429,6 +673,23 @@ control ThcIngress(inout headers_t hdr, inout metadata_t meta,
         hdr.thc.epoch = meta.epoch;
         hdr.udp.checksum = 0;
         meta.bridge.is_reply = 1;
+    }
+    action thc_len(bit<16> udp_len, bit<16> ip_len) {
+        hdr.udp.length = udp_len;
+        hdr.ipv4.totalLen = ip_len;
+    }
+    action thc_to_sender(bit<32> jc_event) {
+        ig_tm_md.ucast_egress_port = ig_intr_md.ingress_port;
+        meta.bridge.dest_worker = hdr.thc.worker_id;
+        meta.jc_index = meta.jc_base | jc_event;  // jc_event < 4: the low bits
+    }
+    action thc_to_job() {
+        ig_tm_md.mcast_grp_a = meta.mcast_grp;
+        meta.jc_index = meta.jc_base | THC_JC_COMPLETIONS;
+    }
+    action thc_consume() {
+        ig_dprsr_md.drop_ctl = 1;
+        meta.jc_index = meta.jc_base | THC_JC_PACKETS;
     }
     action thc_drop() {
         ig_dprsr_md.drop_ctl = 1;
@@ -438,12 +699,13 @@ control ThcIngress(inout headers_t hdr, inout metadata_t meta,
         meta.bridge.setValid();
         meta.bridge.is_reply = 0;
         if (hdr.udp.isValid() && hdr.udp.dstPort == THC_UDP_PORT) {
-            // one small condition per gateway: Tofino's compare a few bytes of PHV each
+            // 1. well-formed, right direction: one small condition per gateway
             if (!hdr.thc.isValid()) {
                 meta.drop_reason = THC_DROP_MALFORMED;
             } else if (ig_prsr_md.parser_err != 0) {
                 meta.drop_reason = THC_DROP_MALFORMED;
-            } else if (hdr.udp.length < THC_UDP_LEN_HDR) {
+            } else if (hdr.udp.length[15:5] == 0 || hdr.udp.length[15:2] == 8) {
+                // udp.length < THC_UDP_LEN_HDR (36) as two masked comparisons
                 meta.drop_reason = THC_DROP_MALFORMED;
             } else if (!(THC_KNOWN_TYPE(hdr.thc.pkt_type))) {
                 meta.drop_reason = THC_DROP_MALFORMED;
@@ -459,131 +721,50 @@ control ThcIngress(inout headers_t hdr, inout metadata_t meta,
             } else if (hdr.thc.pkt_type != THC_RESET && hdr.thc.run == 0) {
                 meta.drop_reason = THC_DROP_MALFORMED;
             }
-            if (meta.drop_reason == 0) {
-                if (!thc_job.apply().hit) {
-                    meta.drop_reason = THC_DROP_UNKNOWN_JOB;
-                }
+            // the lookups of steps 2-5 on every THC packet, their verdicts in thc_check
+            thc_job.apply();
+            thc_worker.apply();
+            if (hdr.thc.pkt_type == THC_MAX) {
+                meta.is_max = 1;
             }
-            if (meta.drop_reason == 0) {
-                if ((hdr.thc.pkt_type == THC_DATA && !hdr.thc_data[0].isValid())
-                        || (hdr.thc.pkt_type == THC_MAX && !hdr.thc_max[0].isValid())
-                        || (hdr.thc.pkt_type == THC_RESET && hdr.udp.length != THC_UDP_LEN_HDR)) {
-                    meta.drop_reason = THC_DROP_BAD_LANES;
-                }
-            }
+            thc_slot();
+            thc_index();
+            thc_check.apply();
+            // thc_seq_op first: it reads drop_reason before thc_run_op may set it (stale run),
+            // so both run in one stage; its entries skip a stale run themselves
+            thc_seq_op.apply();
+            thc_run_op.apply();
+            thc_bitmap_op.apply();
+            thc_count_op.apply();
+#include "generated/thc_tna_groups_apply.p4"
             if (meta.drop_reason == 0 && hdr.thc.pkt_type != THC_RESET) {
-                // worker_id >= n_workers, as a saturating difference compared with a constant
-                meta.room8 = meta.n_workers |-| hdr.thc.worker_id;
-                if (meta.room8 == 0) {
-                    meta.drop_reason = THC_DROP_WORKER_OUTSIDE_JOB;
-                } else if (!thc_worker.apply().hit) {
-                    meta.drop_reason = THC_DROP_UNKNOWN_WORKER;
-                }
-            }
-            meta.room16 = meta.pool_size |-| hdr.thc.slot;
-            if (meta.drop_reason == 0 && meta.room16 == 0) {
-                meta.drop_reason = THC_DROP_SLOT_OUTSIDE_POOL;
-            }
-            if (meta.drop_reason == 0) {
-                thc_slot();
-                thc_index();
-                if (hdr.thc.pkt_type == THC_RESET) {
-                    thc_job_run_reset.execute((bit<32>)meta.job_index);
-                    thc_run_reset.execute(meta.reg_index);
-                    thc_seq_reset.execute(meta.reg_index);
-                    thc_bitmap_reset.execute(meta.reg_index);
-                    thc_count_reset.execute(meta.reg_index);
-                    thc_resets.count((bit<32>)meta.job_index);
-                    thc_drop();
-                } else {
-                    meta.run_stale = thc_job_run_ra.execute((bit<32>)meta.job_index);
-                    if (meta.run_stale == 1) {
-                        meta.drop_reason = THC_DROP_STALE_RUN;
-                    }
-                }
-            }
-            if (meta.drop_reason == 0 && hdr.thc.pkt_type != THC_RESET) {
-                meta.run_new = thc_run_ra.execute(meta.reg_index);
-                meta.old_seq = thc_seq_ra.execute(meta.reg_index);
-                meta.seq_diff = hdr.thc.seq - meta.old_seq;
-                if (meta.run_new == 1) {
-                    meta.seq_newer = 1;
-                } else if (meta.seq_diff != 0) {
-                    if (meta.seq_diff[31:31] == 0) {
-                        meta.seq_newer = 1;
-                    }
-                }
-                if (meta.seq_newer == 0) {
-                    if (meta.seq_diff != 0) {
-                        meta.drop_reason = THC_DROP_STALE;
-                    }
-                }
-            }
-            if (meta.drop_reason == 0 && hdr.thc.pkt_type != THC_RESET) {
-                meta.old_bitmap = thc_bitmap_ra.execute(meta.reg_index);
-                if (meta.seq_newer == 1) {
-                    meta.first = 1;
-                    meta.bitmap = meta.worker_bit;
-                } else {
-                    if (meta.old_bitmap == 0) {
-                        meta.first = 1;
-                    }
-                    meta.mine = meta.old_bitmap & meta.worker_bit;
-                    if (meta.mine != 0) {
-                        meta.dup = 1;
-                    }
-                    meta.bitmap = meta.old_bitmap | meta.worker_bit;
-                }
-                meta.count = thc_count_ra.execute(meta.reg_index);
-                if (meta.dup == 1) {
-                    if (meta.count == meta.n_workers) {
-                        meta.lane_op = THC_OP_READ;
-                    } else {
-                        meta.lane_op = THC_OP_NONE;
-                    }
-                } else {
-                    if (meta.first == 1) {
-                        meta.lane_op = THC_OP_WRITE;
-                    } else {
-                        meta.lane_op = THC_OP_ADD;
-                    }
-                }
-                if (hdr.thc.pkt_type == THC_DATA) {
-#include "generated/thc_groups_apply.p4"
-                } else {
-#include "generated/thc_max_apply.p4"
-                }
-                bit<32> jc_event = THC_JC_PACKETS;
                 if (meta.count == meta.n_workers) {
+                    // complete: RESULT / MAX_RESULT with the stored lanes
+                    meta.emit = 1;
                     if (hdr.thc.pkt_type == THC_DATA) {
                         if (meta.wide == 1) {
-                            hdr.udp.length = THC_UDP_LEN_RESULT16;
+                            thc_len(THC_UDP_LEN_RESULT16, THC_UDP_LEN_RESULT16 + 20);
                         } else {
-                            hdr.udp.length = THC_UDP_LEN_RESULT8;
+                            thc_len(THC_UDP_LEN_RESULT8, THC_UDP_LEN_RESULT8 + 20);
                         }
                         thc_reply(THC_RESULT);
                     } else {
+                        thc_len(THC_UDP_LEN_MAX, THC_UDP_LEN_MAX + 20);
                         thc_reply(THC_MAX_RESULT);
                     }
                     if (meta.dup == 1) {
-                        jc_event = THC_JC_RETRANSMISSIONS;
-                        ig_tm_md.ucast_egress_port = ig_intr_md.ingress_port;
-                        meta.bridge.dest_worker = hdr.thc.worker_id;
+                        thc_to_sender(THC_JC_RETRANSMISSIONS);
                     } else {
-                        jc_event = THC_JC_COMPLETIONS;
-                        ig_tm_md.mcast_grp_a = meta.mcast_grp;
+                        thc_to_job();
                     }
                 } else if (meta.dup == 1) {
-                    hdr.udp.length = THC_UDP_LEN_HDR;
+                    // retransmission of an incomplete slot: tell the worker where it stands
+                    thc_len(THC_UDP_LEN_HDR, THC_UDP_LEN_HDR + 20);
                     thc_reply(THC_PENDING);
-                    jc_event = THC_JC_PENDING;
-                    ig_tm_md.ucast_egress_port = ig_intr_md.ingress_port;
-                    meta.bridge.dest_worker = hdr.thc.worker_id;
+                    thc_to_sender(THC_JC_PENDING);
                 } else {
-                    thc_drop();
+                    thc_consume();  // consumed, waiting for the other workers
                 }
-                hdr.ipv4.totalLen = hdr.udp.length + 20;
-                meta.jc_index = meta.jc_index | jc_event;  // jc_event < 4: the low bits
                 thc_job_counters.count(meta.jc_index);
             }
             if (meta.drop_reason != 0) {

@@ -133,6 +133,22 @@ def test_generator_only_instantiates_the_lane_group():
         gen.generate(gen.load_spec(), lanes=12)
 
 
+def test_tna_variant_keeps_max_lanes_in_the_lane_groups():
+    """The TNA program holds four max lanes per lane group: a 48-lane variant carries 24,
+    groups past the max lanes get stand-ins, and too few groups are a compile error."""
+    spec = gen.load_spec()
+    assert gen.tna_max_lanes(spec) == P.MAX_LANES
+    assert gen.tna_max_lanes(spec, 48) == 24
+    files = gen.generate(spec, lanes=48, max_lanes=gen.tna_max_lanes(spec, 48))
+    assert files["thc_tna_groups.p4"].count("ThcLaneGroup(true) thc_g") == 6
+    assert files["thc_tna_groups_apply.p4"].count("hdr.thc_max[") == 24
+    assert "#define THC_MAX_LANES 24\n" in files["thc_constants.p4"]
+    full = gen.generate(spec)
+    assert full["thc_tna_groups.p4"].count("ThcLaneGroup(true) thc_g") == P.MAX_LANES // 4
+    assert full["thc_tna_groups_apply.p4"].count("meta.no_max[0]") == P.LANES // 8 - P.MAX_LANES // 4
+    assert "#error" in gen.generate(spec, lanes=16)["thc_tna_groups.p4"]
+
+
 def test_p4info_has_the_shared_names():
     info = _p4info("thc")
     tables = _by_short_name(info.tables)
