@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from host.codec import fastcodec
 from host.codec import thc as codec
 from host.codec.hadamard import rht
 from host.codec.table import expected_nmse, optimal_table, uniform_table
@@ -320,9 +321,11 @@ def test_codec_bench_quick(tmp_path, capsys):
     res = json.loads(out.read_text())
     assert res["sizes"] == [2 ** 12, 2 ** 14] and res["device"] == "cpu"
     names = {(r["name"], r["elements"]): r for r in res["results"]}
+    path = "compiled" if fastcodec.available() else "reference"
     for n in res["sizes"]:
-        assert ("THC encode+decode (cpu, auto)", n) in names
-        assert ("THC encode (numpy)", n) in names
+        for label in (f"cpu, {path}", "cpu, reference", f"numpy, {path}", "numpy, reference"):
+            assert (f"THC encode+decode ({label})", n) in names
+            assert (f"THC encode ({label})", n) in names
         assert ("fp16 round trip (x.half().float())", n) in names
         assert any(k[0].startswith("PowerSGD rank 4") and k[1] == n for k in names)
         assert names[("copy (x.clone())", n)]["speed_vs_copy"] == 1.0

@@ -35,6 +35,9 @@
 #define ONE_PASS_MAX (1u << 13) /* slices up to this length run in one buffer */
 #define MAX_ROWS_BITS 9  /* two-pass slices: at most 2^9 blocks, so a strip stays in L1/L2 */
 #define MIN_BLOCK_BITS 12
+#ifndef PF_STRIPS
+#define PF_STRIPS 4      /* strided passes prefetch the lines of the strip this far ahead */
+#endif
 
 #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
 #define CLONES __attribute__((target_clones("avx2", "default")))
@@ -46,12 +49,14 @@
 typedef float vf __attribute__((vector_size(32)));
 typedef int32_t vi __attribute__((vector_size(32)));
 typedef uint32_t vu __attribute__((vector_size(32)));
-typedef uint8_t vb __attribute__((vector_size(8)));
+typedef uint8_t vb32 __attribute__((vector_size(32)));
 
 #if defined(__clang__)
 #define SHUF(v, ...) __builtin_shufflevector(v, v, __VA_ARGS__)
+#define SHUF2(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
 #else
 #define SHUF(v, ...) __builtin_shuffle(v, (vi){__VA_ARGS__})
+#define SHUF2(a, b, ...) __builtin_shuffle(a, b, (vi){__VA_ARGS__})
 #endif
 
 static const vu LANE = {0, 1, 2, 3, 4, 5, 6, 7};
@@ -158,6 +163,8 @@ typedef struct {
     float width[256];       /* T[j + 1] - T[j] */
     vf tlo, thi, wlo, whi;  /* the first 16 of both, for the vector lookup */
     vf inner[14];           /* T[1..14] broadcast, +inf past levels - 2 */
+    vi lower[4];            /* g < 32: j of each floor(u) = 0..31 (floor(g) too) */
+    vf wscaled_lo, wscaled_hi; /* widths times 2^-24, for draws compared as integers */
     vf ghalf_v, gf_v;       /* g / 2 and g broadcast */
     rkey_t ukey;
 } round_t;
@@ -186,39 +193,77 @@ INLINE vf lut16(vf lo, vf hi, vi j) {
 #endif
 }
 
-/* Indices of the 8 coordinates i0 .. i0 + 7 with rotated values y (tables of <= 16). */
-INLINE vi round8(const round_t *rt, vf y, uint32_t i0) {
+INLINE vi lut32i(const vi *t, vi k) {
+#if defined(__clang__)
+    vi out;
+    for (int l = 0; l < V; l++) out[l] = t[(k[l] >> 3) & 3][k[l] & 7];
+    return out;
+#else
+    vi lo = __builtin_shuffle(t[0], t[1], k), hi = __builtin_shuffle(t[2], t[3], k);
+    vi upper = (k & 16) != 0;
+    return (lo & ~upper) | (hi & upper);
+#endif
+}
+
+/* Indices of the 8 coordinates i with rotated values y (tables of <= 16). The
+ * draw r = (block >> 8) 2^-24 is compared as the integer block >> 8 against
+ * (u - T[j]) / (width 2^-24) = 2^24 (u - T[j]) / width exactly: scaling by a power of two
+ * commutes with rounding. */
+INLINE vi round8(const round_t *rt, vf y, vu i) {
     vf u = y + rt->ghalf_v;
     vi keep = u >= splat(0.0f);
     u = (vf)((vi)u & keep);
     vi below = u <= rt->gf_v;
     u = (vf)(((vi)u & below) | ((vi)rt->gf_v & ~below));
-    vi j = {0};
-    for (int m = 0; m < 14; m++) j -= u >= rt->inner[m];
+    vi j;
+    if (rt->g < 32) {
+        j = lut32i(rt->lower, __builtin_convertvector(u, vi));
+    } else {
+        j = (vi){0};
+        for (int m = 0; m < 14; m++) j -= u >= rt->inner[m];
+    }
     vf base = lut16(rt->tlo, rt->thi, j);
-    vf width = lut16(rt->wlo, rt->whi, j);
+    vf width = lut16(rt->wscaled_lo, rt->wscaled_hi, j);
     vf q = (u - base) / width;
-    vu b = blockv((vu){0} + i0 + LANE, rt->ukey) >> 8;
-    vf r = __builtin_convertvector((vi)b, vf) * splat(0x1p-24f);
-    return j - (r < q);
+    vu b = blockv(i, rt->ukey) >> 8;
+    return j - (__builtin_convertvector((vi)b, vf) < q);
 }
 
-/* Writes the indices of coordinates i0 .. i0 + 7 (y: their rotated values). */
-INLINE void emit8(const round_t *rt, const float *y, uint32_t i0, uint8_t *out, int packed) {
-    vi idx;
-    if (rt->levels <= 16) {
-        idx = round8(rt, ldf(y), i0);
-    } else {
-        for (int l = 0; l < V; l++) idx[l] = round1(rt, y[l], i0 + l);
-    }
+/* The low bytes of the 8 lanes of x to out[0..7] (a byte shuffle: GCC scalarizes
+ * __builtin_convertvector from int32 to uint8). */
+INLINE void narrow8(vi x, uint8_t *out) {
+#if defined(__clang__)
+    vb32 b = __builtin_shufflevector((vb32)x, (vb32)x, 0, 4, 8, 12, 16, 20, 24, 28, 0, 4, 8, 12,
+                                     16, 20, 24, 28, 0, 4, 8, 12, 16, 20, 24, 28, 0, 4, 8, 12,
+                                     16, 20, 24, 28);
+#else
+    vb32 b = __builtin_shuffle((vb32)x, (vb32){0, 4, 8, 12, 16, 20, 24, 28, 0, 4, 8, 12, 16, 20,
+                                               24, 28, 0, 4, 8, 12, 16, 20, 24, 28, 0, 4, 8, 12,
+                                               16, 20, 24, 28});
+#endif
+    memcpy(out, &b, 8);
+}
+
+/* Writes the indices of coordinates i0 .. i0 + 15 (y: their rotated values). Packed, the
+ * even and odd coordinates go through the rounding as two vectors, so that each lane pair
+ * makes one byte (the even coordinate in the high nibble). */
+INLINE void emit16(const round_t *rt, const float *y, uint32_t i0, uint8_t *out, int packed) {
     if (packed) {
-        vi p = (idx << 4) | SHUF(idx, 1, 0, 3, 2, 5, 4, 7, 6);
-        uint32_t word = (uint32_t)p[0] | (uint32_t)p[2] << 8 | (uint32_t)p[4] << 16 |
-                        (uint32_t)p[6] << 24;
-        memcpy(out + i0 / 2, &word, 4);
-    } else {
-        vb bytes = __builtin_convertvector(idx, vb);
-        memcpy(out + i0, &bytes, 8);
+        vf y0 = ldf(y), y1 = ldf(y + V);
+        vf even = SHUF2(y0, y1, 0, 2, 4, 6, 8, 10, 12, 14);
+        vf odd = SHUF2(y0, y1, 1, 3, 5, 7, 9, 11, 13, 15);
+        vu i = (vu){0} + i0 + 2 * LANE;
+        narrow8(round8(rt, even, i) << 4 | round8(rt, odd, i + 1), out + i0 / 2);
+        return;
+    }
+    for (uint32_t h = 0; h < 2 * V; h += V) {
+        vi idx;
+        if (rt->levels <= 16) {
+            idx = round8(rt, ldf(y + h), (vu){0} + i0 + h + LANE);
+        } else {
+            for (int l = 0; l < V; l++) idx[l] = round1(rt, y[h + l], i0 + h + l);
+        }
+        narrow8(idx, out + i0 + h);
     }
 }
 
@@ -282,7 +327,7 @@ INLINE float encode_slice(const float *x, size_t len, size_t d, float c, rkey_t 
     if (s.rows == 1) {
         load_signed(scratch, x, 0, d, len, c, sk);
         fwht_block(scratch, d);
-        for (uint32_t i = 0; i < d; i += V) emit8(rt, scratch + i, i, out, packed);
+        for (uint32_t i = 0; i < d; i += 2 * V) emit16(rt, scratch + i, i, out, packed);
         return scratch[0];
     }
     size_t b = s.b, rows = s.rows;
@@ -293,12 +338,16 @@ INLINE float encode_slice(const float *x, size_t len, size_t d, float c, rkey_t 
         fwht_block(row, b);
     }
     for (size_t c0 = 0; c0 < b; c0 += W) {
-        for (size_t r = 0; r < rows; r++) memcpy(strip + r * W, scratch + r * b + c0, W * 4);
+        for (size_t r = 0; r < rows; r++) {
+            if (PF_STRIPS && c0 + PF_STRIPS * W < b)
+                __builtin_prefetch(scratch + r * b + c0 + PF_STRIPS * W);
+            memcpy(strip + r * W, scratch + r * b + c0, W * 4);
+        }
         levels(strip, rows * W, W, rows * W / 2);
         if (c0 == 0) first = strip[0];
         for (size_t r = 0; r < rows; r++)
-            for (uint32_t w = 0; w < W; w += V)
-                emit8(rt, strip + r * W + w, (uint32_t)(r * b + c0 + w), out, packed);
+            for (uint32_t w = 0; w < W; w += 2 * V)
+                emit16(rt, strip + r * W + w, (uint32_t)(r * b + c0 + w), out, packed);
     }
     return first;
 }
@@ -336,36 +385,66 @@ enum { S_U8, S_I8, S_U16, S_I16, S_U32, S_I32, S_U64, S_I64, S_INDEX, N_KINDS };
 
 typedef struct {
     const void *src;
-    int kind;
+    int kind, bytes;
     float centre;
     const float *table; /* S_INDEX: value of each index (256 entries) */
+    int small_table;    /* S_INDEX with every entry past the 16th zero: */
+    vf tlo, thi;        /* its first 16 entries, for the vector lookup */
 } sums_t;
 
-/* dst[k] = (float(S[i0 + k]) - centre) * alpha for k < n, as the reference computes it. */
+typedef uint8_t vb8 __attribute__((vector_size(8)));
+typedef int8_t vsb8 __attribute__((vector_size(8)));
+typedef uint16_t vh8 __attribute__((vector_size(16)));
+typedef int16_t vsh8 __attribute__((vector_size(16)));
+
+/* dst[k] = (float(S[i0 + k]) - centre) * alpha for k < n, as the reference computes it
+ * (int64 and uint32 sums convert through the scalar loop: float(int) rounds the same). */
 INLINE void convert(float *dst, const sums_t *sm, size_t i0, size_t n, float alpha) {
     const float centre = sm->centre;
+    const vf c = splat(centre), a = splat(alpha);
+    size_t k = 0;
+#define CONVERT_V(VT, T)                                                          \
+    {                                                                             \
+        const T *p = (const T *)sm->src + i0;                                     \
+        for (; k + V <= n; k += V) {                                              \
+            VT raw;                                                               \
+            memcpy(&raw, p + k, sizeof raw);                                      \
+            vf f = __builtin_convertvector(__builtin_convertvector(raw, vi), vf); \
+            stf(dst + k, (f - c) * a);                                            \
+        }                                                                         \
+        for (; k < n; k++) dst[k] = ((float)p[k] - centre) * alpha;               \
+    }                                                                             \
+    break;
 #define CONVERT(T)                                                              \
     {                                                                           \
         const T *p = (const T *)sm->src + i0;                                   \
-        for (size_t k = 0; k < n; k++) dst[k] = ((float)p[k] - centre) * alpha; \
+        for (; k < n; k++) dst[k] = ((float)p[k] - centre) * alpha;             \
     }                                                                           \
     break;
     switch (sm->kind) {
-        case S_U8: CONVERT(uint8_t)
-        case S_I8: CONVERT(int8_t)
-        case S_U16: CONVERT(uint16_t)
-        case S_I16: CONVERT(int16_t)
+        case S_U8: CONVERT_V(vb8, uint8_t)
+        case S_I8: CONVERT_V(vsb8, int8_t)
+        case S_U16: CONVERT_V(vh8, uint16_t)
+        case S_I16: CONVERT_V(vsh8, int16_t)
+        case S_I32: CONVERT_V(vi, int32_t)
         case S_U32: CONVERT(uint32_t)
-        case S_I32: CONVERT(int32_t)
         case S_U64: CONVERT(uint64_t)
         case S_I64: CONVERT(int64_t)
         default: {
             const uint8_t *p = (const uint8_t *)sm->src + i0;
-            const float *t = sm->table;
-            for (size_t k = 0; k < n; k++) dst[k] = (t[p[k]] - centre) * alpha;
+            if (sm->small_table) {
+                for (; k + V <= n; k += V) {
+                    vb8 raw;
+                    memcpy(&raw, p + k, sizeof raw);
+                    vf f = lut16(sm->tlo, sm->thi, __builtin_convertvector(raw, vi));
+                    stf(dst + k, (f - c) * a);
+                }
+            }
+            for (; k < n; k++) dst[k] = (sm->table[p[k]] - centre) * alpha;
         }
     }
 #undef CONVERT
+#undef CONVERT_V
 }
 
 /* out[k] = t[k] * sign(i0 + k) for i0 + k < len (n a multiple of 32). */
@@ -405,7 +484,14 @@ INLINE void decode_slice(const sums_t *sm, size_t start, size_t len, size_t d, f
     size_t b = s.b, rows = s.rows;
     float *strip = scratch + d;
     for (size_t c0 = 0; c0 < b; c0 += W) {
-        for (size_t r = 0; r < rows; r++) convert(strip + r * W, sm, start + r * b + c0, W, alpha);
+        for (size_t r = 0; r < rows; r++) {
+            if (PF_STRIPS && c0 + PF_STRIPS * W < b) {
+                size_t ahead = start + r * b + c0 + PF_STRIPS * W;
+                __builtin_prefetch((const char *)sm->src + ahead * sm->bytes);
+                __builtin_prefetch(scratch + r * b + c0 + PF_STRIPS * W, 1);
+            }
+            convert(strip + r * W, sm, start + r * b + c0, W, alpha);
+        }
         levels(strip, rows * W, W, rows * W / 2);
         for (size_t r = 0; r < rows; r++) memcpy(scratch + r * b + c0, strip + r * W, W * 4);
     }
@@ -423,6 +509,33 @@ CLONES static void decode_all(const sums_t *sm, layout_t l, const float *alpha,
         size_t start = s * l.ss;
         decode_slice(sm, start, full ? l.ss : l.tail, full ? l.ss : l.tail_padded, alpha[s],
                      slice_key(sign_prefix, (uint32_t)s), out + start, scratch);
+    }
+}
+
+/* ---- norms ---- */
+
+typedef double vd __attribute__((vector_size(32)));
+typedef float vf4 __attribute__((vector_size(16)));
+
+/* Per slice, the sum of squares in double: each square is exact, so only the sum's order
+ * differs from numpy's einsum (the float32 norms agree but for ties of 1e-16). */
+CLONES static void sumsq_all(const float *x, layout_t l, double *out) {
+    for (size_t s = 0; s < l.n_slices; s++) {
+        const float *p = x + s * l.ss;
+        size_t len = s < l.full ? l.ss : l.tail, k = 0;
+        vd a0 = {0}, a1 = {0};
+        for (; k + V <= len; k += V) {
+            vf4 lo, hi;
+            memcpy(&lo, p + k, sizeof lo);
+            memcpy(&hi, p + k + 4, sizeof hi);
+            vd dlo = __builtin_convertvector(lo, vd), dhi = __builtin_convertvector(hi, vd);
+            a0 += dlo * dlo;
+            a1 += dhi * dhi;
+        }
+        double acc = 0.0;
+        for (int l4 = 0; l4 < 4; l4++) acc += a0[l4] + a1[l4];
+        for (; k < len; k++) acc += (double)p[k] * (double)p[k];
+        out[s] = acc;
     }
 }
 
@@ -482,7 +595,13 @@ static int fill_table(round_t *rt, Py_buffer *table) {
     }
     for (int m = 0; m < 14; m++)
         rt->inner[m] = splat(m + 1 <= rt->levels - 2 ? rt->t[m + 1] : __builtin_inff());
+    for (int k = 0, j = 0; k < 32; k++) {
+        while (j + 1 <= rt->levels - 2 && rt->t[j + 1] <= (float)k) j++;
+        rt->lower[k / V][k % V] = j;
+    }
     for (int l = 0; l < V; l++) {
+        rt->wscaled_lo[l] = rt->width[l] * 0x1p-24f;
+        rt->wscaled_hi[l] = rt->width[l + V] * 0x1p-24f;
         rt->tlo[l] = rt->t[l];
         rt->thi[l] = rt->t[l + V];
         rt->wlo[l] = rt->width[l];
@@ -577,7 +696,15 @@ static PyObject *py_decode(PyObject *self, PyObject *args) {
         PyErr_NoMemory();
         goto done;
     }
-    sums_t sm = {sums.buf, kind, (float)centre, (const float *)table.buf};
+    sums_t sm = {sums.buf, kind, KIND_BYTES[kind], (float)centre, (const float *)table.buf, 0, {0}, {0}};
+    if (kind == S_INDEX) {
+        sm.small_table = 1;
+        for (int j = 16; j < 256; j++) sm.small_table &= sm.table[j] == 0.0f;
+        for (int l = 0; l < V; l++) {
+            sm.tlo[l] = sm.table[l];
+            sm.thi[l] = sm.table[l + V];
+        }
+    }
     Py_BEGIN_ALLOW_THREADS
     decode_all(&sm, l, (const float *)alpha.buf, (uint32_t)sign_prefix, (float *)out.buf,
                scratch);
@@ -592,7 +719,31 @@ done:
     return ret;
 }
 
+PyDoc_STRVAR(sumsq_doc,
+"sumsq(x, numel, slice_size, out)\n"
+"x: float32 buffer (numel); out: float64 per slice, receives each slice's sum of squares.");
+
+static PyObject *py_sumsq(PyObject *self, PyObject *args) {
+    Py_buffer x, out;
+    Py_ssize_t numel, ss;
+    if (!PyArg_ParseTuple(args, "y*nnw*", &x, &numel, &ss, &out)) return NULL;
+    PyObject *ret = NULL;
+    layout_t l;
+    if (check_layout(numel, ss, &l) || need(&x, numel * 4, "x") ||
+        need(&out, (Py_ssize_t)l.n_slices * 8, "out"))
+        goto done;
+    Py_BEGIN_ALLOW_THREADS
+    sumsq_all((const float *)x.buf, l, (double *)out.buf);
+    Py_END_ALLOW_THREADS
+    ret = Py_NewRef(Py_None);
+done:
+    PyBuffer_Release(&x);
+    PyBuffer_Release(&out);
+    return ret;
+}
+
 static PyMethodDef methods[] = {
+    {"sumsq", py_sumsq, METH_VARARGS, sumsq_doc},
     {"encode", py_encode, METH_VARARGS, encode_doc},
     {"decode", py_decode, METH_VARARGS, decode_doc},
     {NULL, NULL, 0, NULL}};

@@ -57,6 +57,14 @@ def as_numpy(x) -> np.ndarray:
     return np.ascontiguousarray(x)
 
 
+def sumsq(flat: np.ndarray, slice_size: int) -> np.ndarray:
+    """Per-slice sums of squares (float64) of flat float32 ``flat``."""
+    n, ss = flat.shape[0], int(slice_size)
+    out = np.empty(-(-n // ss), dtype=np.float64)
+    _fastcodec.sumsq(flat, n, ss, out)
+    return out
+
+
 def encode(flat: np.ndarray, slice_size: int, coef: np.ndarray, seed: int, round_: int,
            key: int, table, packed: bool) -> tuple[np.ndarray, np.ndarray]:
     """Indices of flat float32 ``flat`` (packed 4-bit when ``packed``) and each slice's first

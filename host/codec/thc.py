@@ -217,11 +217,19 @@ def _rows(flat, group):
     return out
 
 
-def slice_norms(x, params: THCParams):
+def slice_norms(x, params: THCParams, backend: str = "auto"):
     """Per-slice L2 norms of x (float32; numpy for numpy input, a tensor on x's device for
-    torch): the input of the preliminary MAX round. Raises ValueError on NaN/Inf."""
+    torch): the input of the preliminary MAX round. Raises ValueError on NaN/Inf. numpy
+    arrays on the compiled path sum the squares in C (in float64, as the reference does);
+    tensors keep torch's norm."""
     flat = _flat(x)
     lay = layout(flat.shape[0], params)
+    if not is_torch(flat) and compiled_for(flat, backend):
+        norms = np.sqrt(fastcodec.sumsq(np.ascontiguousarray(flat), params.slice_size)) \
+            .astype(np.float32)
+        if not np.all(np.isfinite(norms)):
+            raise ValueError("input contains NaN or Inf (or overflows float32 in its norm)")
+        return norms
     if is_torch(flat):
         import torch
         parts = [torch.linalg.vector_norm(_view(flat, grp), dim=1)
@@ -294,7 +302,7 @@ def prepare(x, params: THCParams, round: int = 0, backend: str = "auto") -> Prep
     flat = _flat(x)
     kern = kernels_for(flat, backend)
     if kern is None:
-        return Prepared(flat, round, slice_norms(flat, params), {}, backend)
+        return Prepared(flat, round, slice_norms(flat, params, backend), {}, backend)
     import torch
     flat = flat.contiguous()
     parts, scratch = [], {}
@@ -556,7 +564,11 @@ def _decode(sums, n_workers, max_norms, numel, params, round, out, backend, own_
         import torch
         if sums.is_floating_point() or sums.is_complex() or sums.dtype == torch.bool:
             raise TypeError(f"sums must be an integer tensor, got {sums.dtype}")
-        if out is None:
+        if out is None and compiled_for(sums, backend):
+            # numpy's allocator asks for huge pages: a fresh 64 MB buffer faults 32 times,
+            # not 16384 (the tensor shares the array's memory)
+            out = torch.from_numpy(np.empty(lay.numel, dtype=np.float32))
+        elif out is None:
             out = torch.empty(lay.numel, dtype=torch.float32, device=sums.device)
         _same_device("out", out, sums)
     else:
@@ -718,7 +730,7 @@ class THCCodec:
         return layout(numel, self.params)
 
     def norms(self, x):
-        return slice_norms(x, self.params)
+        return slice_norms(x, self.params, self.backend)
 
     def encode(self, x, max_norms, round: int = 0, generator=None):
         return encode(x, max_norms, self.params, round, generator, self.backend)
