@@ -31,13 +31,11 @@
 #define KEY2 0x85EBCA6Bu
 
 #define V 8              /* floats per vector */
-#define W 16             /* strip width (columns) of pass 2 */
+#define W 16             /* strip width (columns) of the strided pass: one cache line */
 #define ONE_PASS_MAX (1u << 13) /* slices up to this length run in one buffer */
 #define MAX_ROWS_BITS 9  /* two-pass slices: at most 2^9 blocks, so a strip stays in L1/L2 */
 #define MIN_BLOCK_BITS 12
-#ifndef PF_STRIPS
 #define PF_STRIPS 4      /* strided passes prefetch the lines of the strip this far ahead */
-#endif
 
 #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
 #define CLONES __attribute__((target_clones("avx2", "default")))
@@ -161,7 +159,7 @@ typedef struct {
     float ghalf, gf;
     float t[256];           /* T[j] */
     float width[256];       /* T[j + 1] - T[j] */
-    vf tlo, thi, wlo, whi;  /* the first 16 of both, for the vector lookup */
+    vf tlo, thi;            /* T[0..15], for the vector lookup */
     vf inner[14];           /* T[1..14] broadcast, +inf past levels - 2 */
     vi lower[4];            /* g < 32: j of each floor(u) = 0..31 (floor(g) too) */
     vf wscaled_lo, wscaled_hi; /* widths times 2^-24, for draws compared as integers */
@@ -604,8 +602,6 @@ static int fill_table(round_t *rt, Py_buffer *table) {
         rt->wscaled_hi[l] = rt->width[l + V] * 0x1p-24f;
         rt->tlo[l] = rt->t[l];
         rt->thi[l] = rt->t[l + V];
-        rt->wlo[l] = rt->width[l];
-        rt->whi[l] = rt->width[l + V];
     }
     return 0;
 }
@@ -760,7 +756,5 @@ PyMODINIT_FUNC PyInit__fastcodec(void) {
     if (!kinds) return NULL;
     for (int k = 0; k < N_KINDS; k++) PyTuple_SET_ITEM(kinds, k, PyUnicode_FromString(KIND_NAMES[k]));
     if (PyModule_AddObject(m, "KINDS", kinds) < 0) return NULL;
-    PyModule_AddIntConstant(m, "STREAMS_SIGN", 0);
-    PyModule_AddIntConstant(m, "STREAMS_UNIFORM", 1);
     return m;
 }
