@@ -106,38 +106,95 @@ INLINE vf fwht8(vf v) {
     return v;
 }
 
-INLINE void radix2(float *a, size_t n, size_t h) {
-    for (size_t base = 0; base < n; base += 2 * h)
+#define BF(a, b)          \
+    {                     \
+        vf t_ = (a);      \
+        (a) = t_ + (b);   \
+        (b) = t_ - (b);   \
+    }
+
+/* Levels 1, 2, 4 (in units of vectors) across 2, 4 or 8 vectors held in registers. */
+INLINE void bfly(vf *x, int r) {
+    for (int i = 0; i < (1 << r); i += 2) BF(x[i], x[i + 1])
+    if (r < 2) return;
+    for (int i = 0; i < (1 << r); i += 4) {
+        BF(x[i], x[i + 2])
+        BF(x[i + 1], x[i + 3])
+    }
+    if (r < 3) return;
+    for (int i = 0; i < 4; i++) BF(x[i], x[i + 4])
+}
+
+/* One pass of r = 1..3 levels, strides h .. h 2^(r-1), over the n floats at a: in place, or,
+ * with out, the results times the signs (words[j]: sign word of coordinates 32 j ..) into
+ * out instead (decode's last pass). */
+INLINE void pass(float *a, size_t n, size_t h, int r, float *out, const uint32_t *words) {
+    for (size_t base = 0; base < n; base += h << r)
         for (size_t k = 0; k < h; k += V) {
             float *p = a + base + k;
-            vf x0 = ldf(p), x1 = ldf(p + h);
-            stf(p, x0 + x1);
-            stf(p + h, x0 - x1);
+            vf x[8];
+            for (int i = 0; i < (1 << r); i++) x[i] = ldf(p + i * h);
+            bfly(x, r);
+            for (int i = 0; i < (1 << r); i++) {
+                if (out) {
+                    size_t at = base + k + i * h;
+                    stf(out + at, signed8(x[i], words[at >> 5], (uint32_t)(at & 31)));
+                } else {
+                    stf(p + i * h, x[i]);
+                }
+            }
         }
 }
 
-INLINE void radix4(float *a, size_t n, size_t h) {
-    for (size_t base = 0; base < n; base += 4 * h)
-        for (size_t k = 0; k < h; k += V) {
-            float *p = a + base + k;
-            vf x0 = ldf(p), x1 = ldf(p + h), x2 = ldf(p + 2 * h), x3 = ldf(p + 3 * h);
-            vf y0 = x0 + x1, y1 = x0 - x1, y2 = x2 + x3, y3 = x2 - x3;
-            stf(p, y0 + y2);
-            stf(p + h, y1 + y3);
-            stf(p + 2 * h, y0 - y2);
-            stf(p + 3 * h, y1 - y3);
+/* The levels of strides lo, 2 lo, .., hi (lo >= V) of the n floats at a, three a pass; the
+ * last pass writes signed into out when out is given. */
+INLINE void levels_to(float *a, size_t n, size_t lo, size_t hi, float *out,
+                      const uint32_t *words) {
+    for (size_t h = lo; h <= hi;) {
+        int r = 4 * h <= hi ? 3 : 2 * h <= hi ? 2 : 1;
+        int last = (h << r) > hi && out;
+        if (r == 3) {
+            if (last) pass(a, n, h, 3, out, words); else pass(a, n, h, 3, NULL, NULL);
+        } else if (r == 2) {
+            if (last) pass(a, n, h, 2, out, words); else pass(a, n, h, 2, NULL, NULL);
+        } else {
+            if (last) pass(a, n, h, 1, out, words); else pass(a, n, h, 1, NULL, NULL);
         }
+        h <<= r;
+    }
 }
 
-/* The levels of strides lo, 2 lo, .., hi (lo >= V) of the n floats at a. */
-INLINE void levels(float *a, size_t n, size_t lo, size_t hi) {
-    size_t h = lo;
-    for (; 2 * h <= hi; h *= 4) radix4(a, n, h);
-    if (h <= hi) radix2(a, n, h);
+INLINE void levels(float *a, size_t n, size_t lo, size_t hi) { levels_to(a, n, lo, hi, NULL, NULL); }
+
+/* Levels 1 .. 32 of the 64 floats in x: inside each vector, then across them. */
+INLINE void first64(vf *x) {
+    for (int i = 0; i < V; i++) x[i] = fwht8(x[i]);
+    bfly(x, 3);
+}
+
+/* The whole transform of n (a power of two >= 64) contiguous floats; with out, the last
+ * pass writes the results signed into out (see pass). */
+INLINE void fwht_block_to(float *a, size_t n, float *out, const uint32_t *words) {
+    for (size_t k = 0; k < n; k += 64) {
+        vf x[8];
+        for (int i = 0; i < V; i++) x[i] = ldf(a + k + i * V);
+        first64(x);
+        if (out && n == 64) {
+            for (int i = 0; i < V; i++)
+                stf(out + k + i * V, signed8(x[i], words[(k + i * V) >> 5], (i * V) & 31));
+        } else {
+            for (int i = 0; i < V; i++) stf(a + k + i * V, x[i]);
+        }
+    }
+    if (n > 64) levels_to(a, n, 64, n / 2, out, words);
 }
 
 /* The whole transform of n (a power of two >= V) contiguous floats. */
 INLINE void fwht_block(float *a, size_t n) {
+    if (n >= 64) {
+        fwht_block_to(a, n, NULL, NULL);
+        return;
+    }
     for (size_t k = 0; k < n; k += V) stf(a + k, fwht8(ldf(a + k)));
     if (n > V) levels(a, n, V, n / 2);
 }
@@ -276,12 +333,14 @@ static shape_t shape_of(size_t d) {
     int bits = 0;
     while (((size_t)1 << bits) < d) bits++;
     int bb = bits - MAX_ROWS_BITS > MIN_BLOCK_BITS ? bits - MAX_ROWS_BITS : MIN_BLOCK_BITS;
+    if (bb > bits - 3) bb = bits - 3; /* at least 8 blocks: the strided pass starts radix-8 */
     return (shape_t){(size_t)1 << bb, d >> bb};
 }
 
+/* The slice, a strip, and the sign words of a block. */
 static size_t scratch_floats(size_t d) {
     shape_t s = shape_of(d);
-    return s.rows == 1 ? d : d + s.rows * W;
+    return s.rows == 1 ? d + d / 32 + 1 : d + s.rows * W + s.b / 32;
 }
 
 /* dst[k] = x[i0 + k] * c * sign(i0 + k) for k < n (a multiple of 32), zero past len. */
@@ -304,6 +363,29 @@ INLINE void load_signed(float *dst, const float *x, size_t i0, size_t n, size_t 
     }
 }
 
+/* The transform of x[i0 + k] * c * sign(i0 + k), k < n (a power of two >= 64), zero past
+ * len, into dst: the load, scale and sign fused into the first pass. */
+INLINE void load_block(float *dst, const float *x, size_t i0, size_t n, size_t len, float c,
+                       rkey_t sk) {
+    for (size_t k = 0; k < n; k += 64) {
+        uint32_t words[2] = {block1((uint32_t)((i0 + k) >> 5), sk),
+                             block1((uint32_t)((i0 + k) >> 5) + 1, sk)};
+        vf v[8];
+        if (i0 + k + 64 <= len) {
+            for (int q = 0; q < 8; q++) v[q] = ldf(x + i0 + k + q * V);
+        } else {
+            float tmp[64] = {0};
+            for (size_t l = 0; i0 + k + l < len && l < 64; l++) tmp[l] = x[i0 + k + l];
+            for (int q = 0; q < 8; q++) v[q] = ldf(tmp + q * V);
+        }
+        for (int q = 0; q < 8; q++)
+            v[q] = signed8(v[q] * splat(c), words[q >> 2], (uint32_t)(q & 3) * V);
+        first64(v);
+        for (int q = 0; q < 8; q++) stf(dst + k + q * V, v[q]);
+    }
+    if (n > 64) levels(dst, n, 64, n / 2);
+}
+
 /* One slice: x (len valid coordinates, zero-padded to d), indices to out (the slice's own
  * part of the output). Returns the first rotated coordinate (NaN/Inf checks). */
 INLINE float encode_slice(const float *x, size_t len, size_t d, float c, rkey_t sk,
@@ -323,25 +405,30 @@ INLINE float encode_slice(const float *x, size_t len, size_t d, float c, rkey_t 
     }
     shape_t s = shape_of(d);
     if (s.rows == 1) {
-        load_signed(scratch, x, 0, d, len, c, sk);
-        fwht_block(scratch, d);
+        if (d >= 64) {
+            load_block(scratch, x, 0, d, len, c, sk);
+        } else {
+            load_signed(scratch, x, 0, d, len, c, sk);
+            fwht_block(scratch, d);
+        }
         for (uint32_t i = 0; i < d; i += 2 * V) emit16(rt, scratch + i, i, out, packed);
         return scratch[0];
     }
     size_t b = s.b, rows = s.rows;
     float *strip = scratch + d, first = 0.0f;
-    for (size_t r = 0; r < rows; r++) {
-        float *row = scratch + r * b;
-        load_signed(row, x, r * b, b, len, c, sk);
-        fwht_block(row, b);
-    }
+    for (size_t r = 0; r < rows; r++) load_block(scratch + r * b, x, r * b, b, len, c, sk);
     for (size_t c0 = 0; c0 < b; c0 += W) {
-        for (size_t r = 0; r < rows; r++) {
-            if (PF_STRIPS && c0 + PF_STRIPS * W < b)
-                __builtin_prefetch(scratch + r * b + c0 + PF_STRIPS * W);
-            memcpy(strip + r * W, scratch + r * b + c0, W * 4);
-        }
-        levels(strip, rows * W, W, rows * W / 2);
+        /* gather the strip, its first three levels on the way */
+        if (c0 + PF_STRIPS * W < b)
+            for (size_t r = 0; r < rows; r++) __builtin_prefetch(scratch + r * b + c0 + PF_STRIPS * W);
+        for (size_t r8 = 0; r8 < rows; r8 += 8)
+            for (size_t w = 0; w < W; w += V) {
+                vf v[8];
+                for (int i = 0; i < 8; i++) v[i] = ldf(scratch + (r8 + i) * b + c0 + w);
+                bfly(v, 3);
+                for (int i = 0; i < 8; i++) stf(strip + (r8 + i) * W + w, v[i]);
+            }
+        if (rows > 8) levels(strip, rows * W, 8 * W, rows * W / 2);
         if (c0 == 0) first = strip[0];
         for (size_t r = 0; r < rows; r++)
             for (uint32_t w = 0; w < W; w += 2 * V)
@@ -445,6 +532,11 @@ INLINE void convert(float *dst, const sums_t *sm, size_t i0, size_t n, float alp
 #undef CONVERT_V
 }
 
+/* The sign words of coordinates i0 .. i0 + n - 1 (n a multiple of 32). */
+INLINE void sign_words(uint32_t *words, size_t i0, size_t n, rkey_t sk) {
+    for (size_t j = 0; j < n / 32; j++) words[j] = block1((uint32_t)(i0 >> 5) + (uint32_t)j, sk);
+}
+
 /* out[k] = t[k] * sign(i0 + k) for i0 + k < len (n a multiple of 32). */
 INLINE void store_signed(float *out, const float *t, size_t i0, size_t n, size_t len,
                          rkey_t sk) {
@@ -475,15 +567,22 @@ INLINE void decode_slice(const sums_t *sm, size_t start, size_t len, size_t d, f
     shape_t s = shape_of(d);
     if (s.rows == 1) {
         convert(scratch, sm, start, d, alpha);
+        if (d >= 64 && len == d) {
+            uint32_t *words = (uint32_t *)(scratch + d);
+            sign_words(words, 0, d, sk);
+            fwht_block_to(scratch, d, out, words);
+            return;
+        }
         fwht_block(scratch, d);
         store_signed(out, scratch, 0, d, len, sk);
         return;
     }
     size_t b = s.b, rows = s.rows;
     float *strip = scratch + d;
+    uint32_t *words = (uint32_t *)(strip + rows * W);
     for (size_t c0 = 0; c0 < b; c0 += W) {
         for (size_t r = 0; r < rows; r++) {
-            if (PF_STRIPS && c0 + PF_STRIPS * W < b) {
+            if (c0 + PF_STRIPS * W < b) {
                 size_t ahead = start + r * b + c0 + PF_STRIPS * W;
                 __builtin_prefetch((const char *)sm->src + ahead * sm->bytes);
                 __builtin_prefetch(scratch + r * b + c0 + PF_STRIPS * W, 1);
@@ -495,8 +594,13 @@ INLINE void decode_slice(const sums_t *sm, size_t start, size_t len, size_t d, f
     }
     for (size_t r = 0; r < rows && r * b < len; r++) {
         float *row = scratch + r * b;
-        fwht_block(row, b);
-        store_signed(out + r * b, row, r * b, b, len, sk);
+        if (r * b + b <= len) {
+            sign_words(words, r * b, b, sk);
+            fwht_block_to(row, b, out + r * b, words);
+        } else {
+            fwht_block(row, b);
+            store_signed(out + r * b, row, r * b, b, len, sk);
+        }
     }
 }
 
