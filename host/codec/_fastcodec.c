@@ -218,7 +218,7 @@ typedef struct {
     float width[256];       /* T[j + 1] - T[j] */
     vf tlo, thi;            /* T[0..15], for the vector lookup */
     vf inner[14];           /* T[1..14] broadcast, +inf past levels - 2 */
-    vi lower[4];            /* g < 32: j of each floor(u) = 0..31 (floor(g) too) */
+    vi seg[4];              /* g < 32, by floor(u) = 0..31: j | T[j] << 8 | width << 16 */
     vf wscaled_lo, wscaled_hi; /* widths times 2^-24, for draws compared as integers */
     vf ghalf_v, gf_v;       /* g / 2 and g broadcast */
     rkey_t ukey;
@@ -254,9 +254,11 @@ INLINE vi lut32i(const vi *t, vi k) {
     for (int l = 0; l < V; l++) out[l] = t[(k[l] >> 3) & 3][k[l] & 7];
     return out;
 #else
-    vi lo = __builtin_shuffle(t[0], t[1], k), hi = __builtin_shuffle(t[2], t[3], k);
-    vi upper = (k & 16) != 0;
-    return (lo & ~upper) | (hi & upper);
+    vi m8 = (k & 8) != 0, m16 = (k & 16) != 0;
+    vi p0 = __builtin_shuffle(t[0], k), p1 = __builtin_shuffle(t[1], k);
+    vi p2 = __builtin_shuffle(t[2], k), p3 = __builtin_shuffle(t[3], k);
+    vi lo = (p0 & ~m8) | (p1 & m8), hi = (p2 & ~m8) | (p3 & m8);
+    return (lo & ~m16) | (hi & m16);
 #endif
 }
 
@@ -271,14 +273,18 @@ INLINE vi round8(const round_t *rt, vf y, vu i) {
     vi below = u <= rt->gf_v;
     u = (vf)(((vi)u & below) | ((vi)rt->gf_v & ~below));
     vi j;
+    vf base, width;
     if (rt->g < 32) {
-        j = lut32i(rt->lower, __builtin_convertvector(u, vi));
+        vi e = lut32i(rt->seg, __builtin_convertvector(u, vi));
+        j = e & 0xFF;
+        base = __builtin_convertvector((e >> 8) & 0xFF, vf);
+        width = __builtin_convertvector(e >> 16, vf) * splat(0x1p-24f);
     } else {
         j = (vi){0};
         for (int m = 0; m < 14; m++) j -= u >= rt->inner[m];
+        base = lut16(rt->tlo, rt->thi, j);
+        width = lut16(rt->wscaled_lo, rt->wscaled_hi, j);
     }
-    vf base = lut16(rt->tlo, rt->thi, j);
-    vf width = lut16(rt->wscaled_lo, rt->wscaled_hi, j);
     vf q = (u - base) / width;
     vu b = blockv(i, rt->ukey) >> 8;
     return j - (__builtin_convertvector((vi)b, vf) < q);
@@ -699,7 +705,7 @@ static int fill_table(round_t *rt, Py_buffer *table) {
         rt->inner[m] = splat(m + 1 <= rt->levels - 2 ? rt->t[m + 1] : __builtin_inff());
     for (int k = 0, j = 0; k < 32; k++) {
         while (j + 1 <= rt->levels - 2 && rt->t[j + 1] <= (float)k) j++;
-        rt->lower[k / V][k % V] = j;
+        rt->seg[k / V][k % V] = j | (int)rt->t[j] << 8 | (int)rt->width[j] << 16;
     }
     for (int l = 0; l < V; l++) {
         rt->wscaled_lo[l] = rt->width[l] * 0x1p-24f;
