@@ -269,9 +269,11 @@ def encode(x, max_norms, params: THCParams, round: int = 0, generator=None,
 
     ``generator``: np.random.Generator, torch.Generator, int seed or None (see
     :func:`host.codec.quantize.resolve_generator`); an int keys the counter-based rounding
-    uniforms (host/codec/rng.py) by (int, round, slice, index), so numpy, torch and the
-    kernels draw the same numbers and give the same indices up to the transform's rounding.
-    ``backend``: see :func:`kernels_for`.
+    uniforms (host/codec/rng.py) by (int, round, slice, index), so numpy, torch, the compiled
+    codec and the kernels draw the same numbers and give the same indices up to the
+    transform's rounding. The compiled codec and the kernels take one such key from any
+    other generator; the reference path draws every uniform from it.
+    ``backend``: see :func:`compiled_for` and :func:`kernels_for`.
     """
     return _encode(x, max_norms, params, round, generator, backend, pack=False)
 
