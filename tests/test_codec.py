@@ -346,3 +346,5 @@ def test_codec_bench_quick(tmp_path, capsys):
         bench.parse_sizes("40")
     args = parser.parse_args(["--device", "tpu"])
     assert bench.run(args) == 2
+    args = parser.parse_args(["--device", "cuda", "--backend", "compiled"])
+    assert bench.run(args) == 2

@@ -173,6 +173,8 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError("--device cuda but torch sees no CUDA device")
         if device.type not in ("cpu", "cuda"):
             raise ValueError(f"--device must be cpu or cuda, got {args.device}")
+        if device.type == "cuda" and args.backend == "compiled":
+            raise ValueError("--backend compiled is the CPU codec; on cuda use auto or triton")
     except (ValueError, RuntimeError) as e:
         print(f"thc bench codec: {e}")
         return 2
