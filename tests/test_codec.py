@@ -347,4 +347,4 @@ def test_codec_bench_quick(tmp_path, capsys):
     args = parser.parse_args(["--device", "tpu"])
     assert bench.run(args) == 2
     args = parser.parse_args(["--device", "cuda", "--backend", "compiled"])
-    assert bench.run(args) == 2
+    assert bench.run(args) == 2 and "compiled is the CPU codec" in capsys.readouterr().out

@@ -169,12 +169,12 @@ def run(args: argparse.Namespace) -> int:
         else:
             sizes = parse_sizes(args.sizes or ("16" if args.quick else "20-26"))
         device = torch.device(args.device)
+        if device.type == "cuda" and args.backend == "compiled":
+            raise ValueError("--backend compiled is the CPU codec; on cuda use auto or triton")
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("--device cuda but torch sees no CUDA device")
         if device.type not in ("cpu", "cuda"):
             raise ValueError(f"--device must be cpu or cuda, got {args.device}")
-        if device.type == "cuda" and args.backend == "compiled":
-            raise ValueError("--backend compiled is the CPU codec; on cuda use auto or triton")
     except (ValueError, RuntimeError) as e:
         print(f"thc bench codec: {e}")
         return 2
