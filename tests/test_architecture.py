@@ -29,9 +29,10 @@ TESTING_USERS = ("host.testing", "controller.testing", "host.bench", "controller
 
 
 def modules() -> dict[str, Path]:
+    """Python modules and C extensions (``_name.c`` builds module ``_name``: a leaf)."""
     out = {}
     for pkg, root in PACKAGES.items():
-        for path in root.rglob("*.py"):
+        for path in [*root.rglob("*.py"), *root.rglob("_*.c")]:
             rel = path.relative_to(root).with_suffix("")
             parts = [pkg, *rel.parts]
             if parts[-1] == "__init__":
@@ -43,6 +44,8 @@ def modules() -> dict[str, Path]:
 def imports_of(name: str, path: Path, known: set[str]) -> set[str]:
     """Project modules that ``name`` imports anywhere in its source."""
     found = set()
+    if path.suffix == ".c":
+        return found
     is_pkg = path.name == "__init__.py"
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
@@ -150,6 +153,15 @@ def test_test_machinery_stays_out_of_the_product():
 ])
 def test_the_checks_catch_violations(bad, check):
     assert check(bad)
+
+
+def test_extensions_are_leaf_modules():
+    """``from host.codec import _fastcodec`` names the extension, not the package (whose
+    __init__ imports thc.py, which imports the extension's wrapper)."""
+    g = graph()
+    assert "host.codec._fastcodec" in g and g["host.codec._fastcodec"] == set()
+    assert "host.codec._fastcodec" in g["host.codec.fastcodec"]
+    assert "host.codec" not in g["host.codec.fastcodec"]
 
 
 def test_function_local_imports_count(tmp_path):

@@ -1,5 +1,6 @@
 """The THC codec: accuracy against the reference figures, unbiasedness, aggregation,
-numpy/torch agreement, edge cases, error feedback and the codec benchmark."""
+numpy/torch agreement, edge cases, error feedback and the codec benchmark, each on both CPU
+paths (the compiled codec and the reference; tests/test_fastcodec.py compares the two)."""
 import argparse
 import json
 import math
@@ -8,12 +9,22 @@ import numpy as np
 import pytest
 import torch
 
+from host.codec import fastcodec
 from host.codec import thc as codec
 from host.codec.hadamard import rht
 from host.codec.table import expected_nmse, optimal_table, uniform_table
 from host.codec.thc import ErrorFeedback, THCCodec, THCParams
 
 P = THCParams()
+
+
+@pytest.fixture(autouse=True, params=["compiled", "reference"])
+def cpu_path(request, monkeypatch):
+    """What ``backend="auto"`` runs on the CPU in this test (THC_CODEC_CPU)."""
+    if request.param == "compiled" and not fastcodec.available():
+        pytest.skip(f"compiled codec: {fastcodec.UNAVAILABLE}")
+    monkeypatch.setenv(codec.CPU_ENV, request.param)
+    return request.param
 
 
 def nmse(xs, est):
@@ -320,9 +331,11 @@ def test_codec_bench_quick(tmp_path, capsys):
     res = json.loads(out.read_text())
     assert res["sizes"] == [2 ** 12, 2 ** 14] and res["device"] == "cpu"
     names = {(r["name"], r["elements"]): r for r in res["results"]}
+    path = "compiled" if codec.compiled_for(np.zeros(1, np.float32)) else "reference"
     for n in res["sizes"]:
-        assert ("THC encode+decode (cpu, auto)", n) in names
-        assert ("THC encode (numpy)", n) in names
+        for label in (f"cpu, {path}", "cpu, reference", f"numpy, {path}", "numpy, reference"):
+            assert (f"THC encode+decode ({label})", n) in names
+            assert (f"THC encode ({label})", n) in names
         assert ("fp16 round trip (x.half().float())", n) in names
         assert any(k[0].startswith("PowerSGD rank 4") and k[1] == n for k in names)
         assert names[("copy (x.clone())", n)]["speed_vs_copy"] == 1.0
@@ -333,3 +346,5 @@ def test_codec_bench_quick(tmp_path, capsys):
         bench.parse_sizes("40")
     args = parser.parse_args(["--device", "tpu"])
     assert bench.run(args) == 2
+    args = parser.parse_args(["--device", "cuda", "--backend", "compiled"])
+    assert bench.run(args) == 2 and "compiled is the CPU codec" in capsys.readouterr().out

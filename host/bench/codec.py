@@ -9,8 +9,11 @@ input (4 bytes per element, GB = 10^9 bytes) from the median of --repeat runs, a
 relative to the copy (1.0: as fast as copying the tensor once).
 
 ``--device cpu`` (the default) runs on one core (torch.set_num_threads(1), BLAS limited to one
-thread), torch and numpy. ``--device cuda`` runs the fused Triton kernels (``--backend
-auto``) and, for comparison in the same run, the reference path on the GPU (``--reference``).
+thread; the compiled codec is single-threaded), torch and numpy, each through the compiled
+codec (``--backend auto``, host/codec/fastcodec.py) and, for comparison in the same run, the
+reference path (``--reference``, on by default). ``--device cuda`` runs the fused Triton
+kernels (``--backend auto``) and, with ``--reference`` (the default there too), the reference
+path on the GPU. Labels name the path that ran ("compiled", "triton", "reference").
 ``--backend triton`` on the CPU times Triton's interpreter (TRITON_INTERPRET=1): a check that
 the kernels run, not a speed.
 
@@ -37,10 +40,11 @@ from host.codec.thc import THCCodec
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu",
                         help="cpu (default, one core) or cuda (or cuda:N)")
-    parser.add_argument("--backend", choices=("auto", "reference", "triton"), default="auto",
-                        help="THC path: auto (kernels on CUDA), reference, triton")
-    parser.add_argument("--reference", action=argparse.BooleanOptionalAction, default=None,
-                        help="also time the reference path on the device (default: on cuda)")
+    parser.add_argument("--backend", choices=("auto", "reference", "compiled", "triton"),
+                        default="auto", help="THC path: auto (compiled on the CPU, kernels on "
+                        "CUDA), reference, compiled, triton")
+    parser.add_argument("--reference", action=argparse.BooleanOptionalAction, default=True,
+                        help="also time the reference path (default: yes)")
     parser.add_argument("--sizes", default=None,
                         help="log2 sizes, e.g. 20-26 or 20,24 (default 20-26; 16 with --quick)")
     parser.add_argument("--size", type=int, default=None, help="one size in elements")
@@ -130,6 +134,14 @@ def powersgd_steps(x, rank: int, seed: int = 0):
     return compress, decompress, (n, m, r)
 
 
+def resolved(backend: str, x) -> str:
+    """The path ``backend`` runs for x: compiled, triton or reference."""
+    from host.codec import thc
+    if thc.compiled_for(x, backend):
+        return "compiled"
+    return "reference" if thc.kernels_for(x, backend) is None else "triton"
+
+
 def _thc_ops(params, label: str, x, n: int, backend: str) -> tuple[list, tuple]:
     """THC's steps on one backend; each encode uses a new round (a fresh rotation)."""
     import numpy as np
@@ -157,6 +169,8 @@ def run(args: argparse.Namespace) -> int:
         else:
             sizes = parse_sizes(args.sizes or ("16" if args.quick else "20-26"))
         device = torch.device(args.device)
+        if device.type == "cuda" and args.backend == "compiled":
+            raise ValueError("--backend compiled is the CPU codec; on cuda use auto or triton")
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("--device cuda but torch sees no CUDA device")
         if device.type not in ("cpu", "cuda"):
@@ -169,19 +183,18 @@ def run(args: argparse.Namespace) -> int:
         return 2
     repeat = max(1, min(args.repeat, 2) if args.quick else args.repeat)
     cuda = device.type == "cuda"
-    reference = cuda if args.reference is None else args.reference
+    reference = args.reference
     out = sys.stderr if args.json == "-" else sys.stdout
     sync = (lambda: torch.cuda.synchronize(device)) if cuda else (lambda: None)
     threads = torch.get_num_threads()
     if not cuda:
         torch.set_num_threads(1)
-    label = f"{device.type}, {args.backend}"
     rows: list[dict] = []
     try:
         with (_one_blas_thread() if not cuda else contextlib.nullcontext()):
             for n in sizes:
-                rows += _measure(n, device, label, args.backend, reference and cuda, ranks,
-                                 params, repeat, sync)
+                rows += _measure(n, device, args.backend, reference, ranks, params, repeat,
+                                 sync)
                 if cuda:
                     torch.cuda.empty_cache()
     finally:
@@ -198,6 +211,7 @@ def run(args: argparse.Namespace) -> int:
               f"{r['median_s'] * 1e3:>9.3f} {r['gb_per_s']:>8.2f} {r['speed_vs_copy']:>8.3f}",
               file=out)
     emit_json(args, {"device": str(device), "device_name": where, "backend": args.backend,
+                     "reference": reference,
                      "sizes": sizes, "repeat": repeat,
                      "params": {"bits": params.bits, "granularity": params.granularity,
                                 "p": params.p},
@@ -205,7 +219,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _measure(n, device, label, backend, reference, ranks, params, repeat, sync) -> list[dict]:
+def _measure(n, device, backend, reference, ranks, params, repeat, sync) -> list[dict]:
     """All figures of one size, timed round-robin in one run."""
     import numpy as np
     import torch
@@ -213,21 +227,21 @@ def _measure(n, device, label, backend, reference, ranks, params, repeat, sync) 
     ops: list[tuple[str, str, object]] = [
         ("copy (x.clone())", "baseline", lambda: x.clone()),
         ("fp16 round trip (x.half().float())", "baseline", lambda: x.half().float())]
-    pairs = []
-    thc_ops, pair = _thc_ops(params, label, x, n, backend)
-    ops += thc_ops
-    pairs.append(pair)
-    if reference and backend != "reference":
-        thc_ops, pair = _thc_ops(params, f"{device.type}, reference", x, n, "reference")
-        ops += thc_ops
-        pairs.append(pair)
+    inputs = [(device.type, x)]
     if device.type == "cpu":
         xn = x.numpy().copy()
         ops.append(("fp16 round trip (numpy astype)", "baseline",
                     lambda: xn.astype(np.float16).astype(np.float32)))
-        thc_ops, pair = _thc_ops(params, "numpy", xn, n, "reference")
-        ops += thc_ops
-        pairs.append(pair)
+        inputs.append(("numpy", xn))
+    pairs = []
+    for name, inp in inputs:
+        labels = {}   # without the extension, auto resolves to the reference: time it once
+        for path in [backend] + (["reference"] if reference else []):
+            labels.setdefault(f"{name}, {resolved(path, inp)}", path)
+        for label, path in labels.items():
+            thc_ops, pair = _thc_ops(params, label, inp, n, path)
+            ops += thc_ops
+            pairs.append(pair)
     for rank in ranks:
         comp, decomp, shape = powersgd_steps(x, rank)
         name = f"PowerSGD rank {rank} ({shape[0]}x{shape[1]})"

@@ -11,12 +11,16 @@ One round, for n workers holding vectors x_1..x_n (after error feedback):
 4. ``decode(S, n, max_norms, numel, params, round)``: mean_z = (S/n - g/2)·2t_p/g, unscale,
    inverse RHT, drop padding: an unbiased estimate of the mean of the (truncated) x_i.
 
-numpy arrays and torch tensors go through the same reference code, slices in batches of about
-2^20 elements so that each batch's temporaries stay in cache. CUDA tensors take the fused
-Triton kernels of host/codec/triton_kernels.py instead (``backend="auto"``; ``"reference"``
-forces the reference code, ``"triton"`` the kernels, which on CPU tensors needs Triton's
-interpreter, TRITON_INTERPRET=1). Both compute the same rotation (host/codec/rng.py), so
-indices encoded on one backend decode on any other.
+Backends (``backend="auto"`` picks one per input). The reference code runs numpy arrays and
+torch tensors through the same whole-array operations, slices in batches of about 2^20
+elements so that each batch's temporaries stay in cache. CPU arrays and tensors take the
+compiled codec of host/codec/fastcodec.py instead (``"compiled"``; THC_CODEC_CPU=reference in
+the environment makes ``auto`` keep the reference code on the CPU), CUDA tensors the fused
+Triton kernels of host/codec/triton_kernels.py (``"triton"``, which on CPU tensors needs
+Triton's interpreter, TRITON_INTERPRET=1); ``"reference"`` forces the reference code. All
+compute the same rotation and, for an int generator, the same rounding draws
+(host/codec/rng.py), so indices encoded on one backend decode on any other and agree up to
+the transform's float rounding.
 
 Input: any real array or tensor of any shape; it is flattened and converted to float32 (a
 copy when it is not contiguous float32 already: converted, never refused). Refused with a
@@ -31,12 +35,13 @@ decodes to exactly 0.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Sequence
 
 import numpy as np
 
-from host.codec import rng
+from host.codec import fastcodec, rng
 from host.codec.hadamard import SliceLayout, fwht, is_torch, random_signs
 from host.codec.packing import pack_bits, unpack_bits
 from host.codec.params import THCParams
@@ -70,8 +75,42 @@ def _flat(x, what: str = "x"):
     return a.reshape(-1).astype(np.float32, copy=False)
 
 
-BACKENDS = ("auto", "reference", "triton")
+BACKENDS = ("auto", "reference", "compiled", "triton")
+CPU_ENV = "THC_CODEC_CPU"
+"""Environment variable: what ``auto`` runs on the CPU, ``compiled`` (default) or
+``reference``."""
 _KERNELS_MISSING: list = []
+_COMPILED_MISSING: list = []
+
+
+def compiled_for(x, backend: str = "auto") -> bool:
+    """Whether ``x`` (a flat array or tensor) takes the compiled CPU codec. ``auto``: numpy
+    arrays and CPU tensors, unless THC_CODEC_CPU=reference, when the extension is built (else
+    the reference path, with one warning saying why); ``compiled``: always, or a clear error
+    saying why not."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "compiled":
+        if not fastcodec.on_cpu(x):
+            raise ValueError(f"the compiled backend runs on the CPU, the input is on {x.device}")
+        if not fastcodec.available():
+            raise RuntimeError(fastcodec.UNAVAILABLE)
+        return True
+    if backend != "auto" or not fastcodec.on_cpu(x):
+        return False
+    choice = os.environ.get(CPU_ENV, "compiled")
+    if choice not in ("compiled", "reference"):
+        raise ValueError(f"{CPU_ENV} must be 'compiled' or 'reference', got {choice!r}")
+    if choice == "reference":
+        return False
+    if not fastcodec.available():
+        if not _COMPILED_MISSING:
+            _COMPILED_MISSING.append(fastcodec.UNAVAILABLE)
+            import warnings
+            warnings.warn(f"THC on the CPU: {fastcodec.UNAVAILABLE}; reference path, slower",
+                          RuntimeWarning, stacklevel=3)
+        return False
+    return True
 
 
 def kernels_for(x, backend: str = "auto"):
@@ -80,7 +119,7 @@ def kernels_for(x, backend: str = "auto"):
     warning); ``triton``: always, or a clear error saying why not."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if backend == "reference" or not is_torch(x):
+    if backend in ("reference", "compiled") or not is_torch(x):
         if backend == "triton":
             raise TypeError("the triton backend takes torch tensors, not numpy arrays")
         return None
@@ -178,11 +217,19 @@ def _rows(flat, group):
     return out
 
 
-def slice_norms(x, params: THCParams):
+def slice_norms(x, params: THCParams, backend: str = "auto"):
     """Per-slice L2 norms of x (float32; numpy for numpy input, a tensor on x's device for
-    torch): the input of the preliminary MAX round. Raises ValueError on NaN/Inf."""
+    torch): the input of the preliminary MAX round. Raises ValueError on NaN/Inf. numpy
+    arrays on the compiled path sum the squares in C (in float64, as the reference does);
+    tensors keep torch's norm."""
     flat = _flat(x)
     lay = layout(flat.shape[0], params)
+    if not is_torch(flat) and compiled_for(flat, backend):
+        norms = np.sqrt(fastcodec.sumsq(np.ascontiguousarray(flat), params.slice_size)) \
+            .astype(np.float32)
+        if not np.all(np.isfinite(norms)):
+            raise ValueError("input contains NaN or Inf (or overflows float32 in its norm)")
+        return norms
     if is_torch(flat):
         import torch
         parts = [torch.linalg.vector_norm(_view(flat, grp), dim=1)
@@ -222,9 +269,11 @@ def encode(x, max_norms, params: THCParams, round: int = 0, generator=None,
 
     ``generator``: np.random.Generator, torch.Generator, int seed or None (see
     :func:`host.codec.quantize.resolve_generator`); an int keys the counter-based rounding
-    uniforms (host/codec/rng.py) by (int, round, slice, index), so numpy, torch and the
-    kernels draw the same numbers and give the same indices up to the transform's rounding.
-    ``backend``: see :func:`kernels_for`.
+    uniforms (host/codec/rng.py) by (int, round, slice, index), so numpy, torch, the compiled
+    codec and the kernels draw the same numbers and give the same indices up to the
+    transform's rounding. The compiled codec and the kernels take one such key from any
+    other generator; the reference path draws every uniform from it.
+    ``backend``: see :func:`compiled_for` and :func:`kernels_for`.
     """
     return _encode(x, max_norms, params, round, generator, backend, pack=False)
 
@@ -255,7 +304,7 @@ def prepare(x, params: THCParams, round: int = 0, backend: str = "auto") -> Prep
     flat = _flat(x)
     kern = kernels_for(flat, backend)
     if kern is None:
-        return Prepared(flat, round, slice_norms(flat, params), {}, backend)
+        return Prepared(flat, round, slice_norms(flat, params, backend), {}, backend)
     import torch
     flat = flat.contiguous()
     parts, scratch = [], {}
@@ -283,6 +332,8 @@ def encode_prepared(prep: Prepared, max_norms, params: THCParams, generator=None
 def _encode(x, max_norms, params, round, generator, backend, pack, scratch=None):
     flat = _flat(x)
     lay = layout(flat.shape[0], params)
+    if compiled_for(flat, backend):
+        return _encode_compiled(flat, lay, max_norms, params, round, generator, pack)
     kern = kernels_for(flat, backend)
     groups = list(lay.groups(1 << 62 if kern is not None else GROUP_ELEMENTS))
     on_device = _device_norms(max_norms, lay.n_slices, groups, kern, flat)
@@ -362,6 +413,49 @@ def _encode(x, max_norms, params, round, generator, backend, pack, scratch=None)
         stochastic_round(u, table, rand, out=dst.reshape(grp.count, grp.padded))
     if pack and not fused:
         return pack_bits(out, params.bits)
+    return out
+
+
+def _compiled_key(generator, flat) -> int:
+    """The counter key of the compiled path's rounding draws: an int generator as given (the
+    reference path's draws), else one draw from the generator (see host/codec/fastcodec.py)."""
+    if isinstance(generator, (int, np.integer)):
+        return int(generator)
+    if isinstance(generator, np.random.Generator):
+        return int(generator.integers(0, 1 << 62))
+    if generator is None and not is_torch(flat):
+        return int(np.random.default_rng().integers(0, 1 << 62))
+    import torch
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be an int, a numpy or torch Generator or None, got "
+                        f"{type(generator).__name__}")
+    if not is_torch(flat) and generator is not None:
+        raise TypeError("numpy inputs need a numpy Generator (or an int seed, or None)")
+    if generator is not None and not _same_place(generator.device, flat.device):
+        raise ValueError(f"the torch generator is on {generator.device} but the input is "
+                         f"on {flat.device}: use a generator of the input's device")
+    return int(torch.randint(0, 1 << 62, (1,), generator=generator).item())
+
+
+def _encode_compiled(flat, lay, max_norms, params, round, generator, pack):
+    """:func:`_encode` in host/codec/fastcodec.py's C code: one call for all slices."""
+    m = _norm_array(max_norms, lay.n_slices)
+    g, t = params.granularity, params.t_p
+    coef = np.where(m > 0, g / (2.0 * t * np.where(m > 0, m, 1.0)), 0.0).astype(np.float32)
+    key = _compiled_key(generator, flat)
+    # the C code packs whole bytes per slice: 4-bit indices, slices of even length
+    packed = pack and params.bits == 4 and (params.slice_size % 2 == 0 or lay.n_slices <= 1)
+    out, first = fastcodec.encode(fastcodec.as_numpy(flat), params.slice_size, coef,
+                                  params.seed, round, key, params.table, packed)
+    bad = np.flatnonzero(~np.isfinite(first))
+    if bad.size:
+        raise ValueError(f"input contains NaN or Inf (or values so large that the rotation "
+                         f"overflows float32) in slices {bad[0]}..{bad[-1]}")
+    if pack and not packed:
+        out = pack_bits(out, params.bits)
+    if is_torch(flat):
+        import torch
+        return torch.from_numpy(out)
     return out
 
 
@@ -472,7 +566,11 @@ def _decode(sums, n_workers, max_norms, numel, params, round, out, backend, own_
         import torch
         if sums.is_floating_point() or sums.is_complex() or sums.dtype == torch.bool:
             raise TypeError(f"sums must be an integer tensor, got {sums.dtype}")
-        if out is None:
+        if out is None and compiled_for(sums, backend):
+            # numpy's allocator asks for huge pages: a fresh 64 MB buffer faults 32 times,
+            # not 16384 (the tensor shares the array's memory)
+            out = torch.from_numpy(np.empty(lay.numel, dtype=np.float32))
+        elif out is None:
             out = torch.empty(lay.numel, dtype=torch.float32, device=sums.device)
         _same_device("out", out, sums)
     else:
@@ -485,6 +583,9 @@ def _decode(sums, n_workers, max_norms, numel, params, round, out, backend, own_
             or str(out.dtype) not in ("float32", "torch.float32"):
         raise ValueError(f"out must be a flat float32 buffer of {lay.numel} elements like the "
                          f"sums, got {type(out).__name__} {tuple(out.shape)} {out.dtype}")
+    if compiled_for(sums, backend):
+        return _decode_compiled(sums, n, max_norms, lay, params, round, out,
+                                own_table is not None)
     kern = kernels_for(sums, backend)
     if kern is not None:
         sums = sums.contiguous()
@@ -535,10 +636,45 @@ def _decode(sums, n_workers, max_norms, numel, params, round, out, backend, own_
     return out
 
 
+def _decode_compiled(sums, n, max_norms, lay, params, round, out, indices: bool):
+    """:func:`_decode` in host/codec/fastcodec.py's C code; with ``indices`` the sums are one
+    worker's indices, mapped through the table on the fly."""
+    m = _norm_array(max_norms, lay.n_slices)
+    g, t = params.granularity, params.t_p
+    d = np.full(lay.n_slices, float(params.slice_size))
+    if lay.tail:
+        d[-1] = lay.tail_padded
+    alpha = (2.0 * t * m / (g * d * n)).astype(np.float32)
+    s = fastcodec.as_numpy(sums)
+    if indices:
+        s, kind = np.ascontiguousarray(s, np.uint8), "index"
+    else:
+        s, kind = fastcodec.sums_kind(s)
+    dst = fastcodec.as_numpy(out) if is_torch(out) else out
+    direct = dst.flags.c_contiguous and dst.flags.writeable and \
+        (not is_torch(out) or dst.ctypes.data == out.data_ptr())
+    if not direct:
+        dst = np.empty(lay.numel, np.float32)
+    fastcodec.decode(s, kind, lay.numel, params.slice_size, alpha, n * g / 2.0, params.seed,
+                     round, dst, params.table if indices else None)
+    if not direct:
+        if is_torch(out):
+            import torch
+            out.copy_(torch.from_numpy(dst))
+        else:
+            out[...] = dst
+    return out
+
+
 def decode_indices(indices, max_norms, numel: int, params: THCParams, round: int = 0,
                    backend: str = "auto"):
     """One worker's own reconstruction (decode with n = 1): what error feedback subtracts.
-    The kernels map indices through the table themselves (no table-value pass)."""
+    The kernels and the compiled path map indices through the table themselves (no
+    table-value pass)."""
+    if compiled_for(indices, backend):
+        i = indices.reshape(-1)
+        _check_indices(i, params)
+        return _decode(i, 1, max_norms, numel, params, round, None, backend, params.table)
     if is_torch(indices) and kernels_for(indices, backend) is not None:
         _check_indices(indices.reshape(-1), params)
         return _decode(indices.reshape(-1), 1, max_norms, numel, params, round, None, backend,
@@ -596,7 +732,7 @@ class THCCodec:
         return layout(numel, self.params)
 
     def norms(self, x):
-        return slice_norms(x, self.params)
+        return slice_norms(x, self.params, self.backend)
 
     def encode(self, x, max_norms, round: int = 0, generator=None):
         return encode(x, max_norms, self.params, round, generator, self.backend)

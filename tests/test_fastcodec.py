@@ -1,0 +1,250 @@
+"""The compiled CPU codec against the reference path, for the same randomness.
+
+What "identical" means (host/codec/fastcodec.py): the rotation signs and the rounding draws
+are the same integers; the transform is butterflies instead of GEMMs, so rotated values
+differ by float rounding, and an index differs only where its draw lies within that rounding
+of the threshold (at most 1e-5 of the coordinates here, about 1e-6 measured), by one step.
+Where every partial sum is exact (small integers, a power-of-two scale) indices and decode
+are bit for bit the reference's. Decoded values agree within 32 float32 ulps of the slice's
+scale M / sqrt(d). The statistical checks (NMSE 0.0204, unbiasedness) run in
+tests/test_codec.py, on both paths.
+"""
+from __future__ import annotations
+
+import threading
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+from host.codec import fastcodec
+from host.codec import thc as codec
+from host.codec.packing import pack_bits, unpack_bits
+from host.codec.table import expected_nmse
+from host.codec.thc import THCCodec, THCParams
+
+pytestmark = pytest.mark.skipif(not fastcodec.available(),
+                                reason=f"compiled codec skipped: {fastcodec.UNAVAILABLE}")
+
+P = THCParams()
+EPS = float(np.finfo(np.float32).eps)
+
+
+def data(n, seed=0):
+    return np.random.default_rng(seed).standard_normal(n).astype(np.float32)
+
+
+def same_indices(a, b, what=""):
+    """Equal but for near-ties: at most 1e-5 of the coordinates, each by one step."""
+    a, b = np.asarray(a).astype(np.int64), np.asarray(b).astype(np.int64)
+    diff = np.flatnonzero(a != b)
+    assert diff.size <= max(2, 1e-5 * a.size), f"{what}: {diff.size} of {a.size} differ"
+    assert np.all(np.abs(a[diff] - b[diff]) == 1), what
+    return diff.size
+
+
+def close_decode(got, ref, m, params, numel, what=""):
+    """Within 32 ulps of each slice's scale M / sqrt(d)."""
+    lay = codec.layout(numel, params)
+    scale = np.repeat(np.asarray(m, np.float64) / np.sqrt(lay.padded), lay.lengths)
+    err = np.abs(np.asarray(got, np.float64) - np.asarray(ref, np.float64))
+    assert np.all(err <= 32 * EPS * scale + 1e-30), f"{what}: {np.max(err / scale) / EPS} ulps"
+
+
+LAYOUTS = [(P, 2 ** 20 + 12345),                  # a slice of 2^20 and a padded tail
+           (THCParams(slice_size=2 ** 14), 3 * 2 ** 14 + 1),   # a tail of one coordinate
+           (THCParams(slice_size=2 ** 16), 2 ** 16),           # one two-pass slice
+           (THCParams(slice_size=256), 1000),                  # one-pass slices
+           (THCParams(slice_size=4), 11),                      # slices under a vector
+           (THCParams(slice_size=1), 3)]                       # odd: packed in Python
+
+
+@pytest.mark.parametrize("params,n", LAYOUTS)
+def test_encode_and_decode_match_the_reference(params, n):
+    x = data(n, n)
+    m = codec.slice_norms(x, params, "reference")
+    assert np.array_equal(codec.slice_norms(x, params, "compiled"), m)
+    ref = codec.encode(x, m, params, 5, 77, "reference")
+    got = codec.encode(x, m, params, 5, 77, "compiled")
+    same_indices(got, ref, f"slices of {params.slice_size}")
+    assert np.array_equal(codec.encode_packed(x, m, params, 5, 77, "compiled"),
+                          pack_bits(got, 4))
+    assert np.array_equal(codec.encode(torch.from_numpy(x), m, params, 5, 77, "compiled")
+                          .numpy(), got)
+    sums = codec.aggregate([ref, ref, got], params)
+    dref = codec.decode(sums, 3, m, n, params, 5, backend="reference")
+    dgot = codec.decode(sums, 3, m, n, params, 5, backend="compiled")
+    close_decode(dgot, dref, m, params, n, "decode")
+    own_ref = codec.decode_indices(got, m, n, params, 5, "reference")
+    close_decode(codec.decode_indices(got, m, n, params, 5, "compiled"), own_ref, m, params, n)
+
+
+def test_exact_inputs_are_bit_identical():
+    """Small integers and a power-of-two scale: every partial sum of either transform is
+    exact, so indices, wire bytes and decode equal the reference's bit for bit."""
+    params = THCParams(slice_size=2 ** 15)
+    n = 2 * 2 ** 15 + 3000
+    x = np.random.default_rng(4).integers(-3, 4, n).astype(np.float32)
+    m = np.full(3, params.granularity / (2 * params.t_p) * 2 ** 7)
+    ref = codec.encode(x, m, params, 3, 9, "reference")
+    assert np.array_equal(codec.encode(x, m, params, 3, 9, "compiled"), ref)
+    assert np.array_equal(codec.encode_packed(x, m, params, 3, 9, "compiled"),
+                          codec.encode_packed(x, m, params, 3, 9, "reference"))
+    sums = codec.aggregate([ref, ref], params)
+    assert np.array_equal(codec.decode(sums, 2, m, n, params, 3, backend="compiled"),
+                          codec.decode(sums, 2, m, n, params, 3, backend="reference"))
+
+
+@pytest.mark.parametrize("kw", [dict(bits=2, granularity=3), dict(bits=3, granularity=30),
+                                dict(bits=4, granularity=31), dict(bits=4, granularity=100),
+                                dict(bits=6, granularity=200), dict(table_kind="uniform")])
+def test_other_tables(kw):
+    """Tables of 4..64 entries, g over 31 (the lookup by counting) and the scalar rounding
+    of more than 16 entries."""
+    params = THCParams(slice_size=2 ** 14, **kw)
+    n = 2 ** 15 + 999
+    x = data(n, 1)
+    m = codec.slice_norms(x, params)
+    got = codec.encode(x, m, params, 2, 5, "compiled")
+    same_indices(got, codec.encode(x, m, params, 2, 5, "reference"), str(kw))
+    assert np.array_equal(codec.encode_packed(x, m, params, 2, 5, "compiled"),
+                          pack_bits(got, params.bits))
+    sums = codec.aggregate([got] * 3, params)
+    close_decode(codec.decode(sums, 3, m, n, params, 2, backend="compiled"),
+                 codec.decode(sums, 3, m, n, params, 2, backend="reference"), m, params, n)
+    est = codec.decode_indices(got, m, n, params, 2, "compiled")
+    assert np.sum((est - x) ** 2) / np.sum(x ** 2) < 2 * expected_nmse(
+        params.table, params.p, params.granularity) + 0.01
+
+
+def test_paths_interoperate():
+    """Indices of either path decode on the other to the same accuracy."""
+    n = 2 ** 18
+    xs = [data(n, s) for s in range(4)]
+    m = codec.agree_max([codec.slice_norms(x, P) for x in xs])
+    model = expected_nmse(P.table, P.p, P.granularity) / 4
+    for enc, dec in (("compiled", "reference"), ("reference", "compiled")):
+        idx = [codec.encode(x, m, P, 1, 10 + i, enc) for i, x in enumerate(xs)]
+        est = codec.decode(codec.aggregate(idx, P), 4, m, n, P, 1, backend=dec)
+        mean = np.mean(xs, axis=0)
+        nmse = np.sum((est - mean) ** 2) / np.mean([np.sum(x * x) for x in xs])
+        assert nmse == pytest.approx(model, rel=0.1), (enc, dec)
+
+
+def test_sum_types_and_output_buffers():
+    n = 40000
+    params = THCParams(slice_size=2 ** 13)
+    x = data(n, 3)
+    m = codec.slice_norms(x, params)
+    idx = codec.encode(x, m, params, 0, 1)
+    sums = codec.aggregate([idx, idx], params)
+    want = codec.decode(sums, 2, m, n, params, backend="compiled")
+    for s in (sums.astype(np.int8), sums.astype(np.int16), sums.astype(np.uint32),
+              sums.astype(np.int64), sums.astype(np.uint64), sums.astype(">u2"),
+              sums[::-1].copy()[::-1], torch.from_numpy(sums.astype(np.int32)),
+              torch.from_numpy(sums.astype(np.int64))):
+        got = codec.decode(s, 2, m, n, params, backend="compiled")
+        assert np.array_equal(np.asarray(got), want), getattr(s, "dtype", None)
+    buf = np.zeros(2 * n, np.float32)[::2]
+    assert codec.decode(sums, 2, m, n, params, out=buf, backend="compiled") is buf
+    assert np.array_equal(buf, want)
+    tbuf = torch.zeros(2 * n)[::2]
+    codec.decode(torch.from_numpy(sums.astype(np.int32)), 2, m, n, params, out=tbuf,
+                 backend="compiled")
+    assert np.array_equal(tbuf.numpy(), want)
+    own = codec.decode_indices(idx, m, n, params, 0, "compiled")
+    assert np.array_equal(own, codec.decode(codec.table_values(idx, params), 1, m, n, params,
+                                            backend="compiled"))
+
+
+def test_generators():
+    """An int keys the draws as on the reference path; a generator gives one key: the same
+    draws as that key as an int."""
+    x = data(5000, 6)
+    m = codec.slice_norms(x, P)
+    key = int(np.random.default_rng(5).integers(0, 1 << 62))
+    got = codec.encode(x, m, P, 0, np.random.default_rng(5), "compiled")
+    assert np.array_equal(got, codec.encode(x, m, P, 0, key, "compiled"))
+    same_indices(got, codec.encode(x, m, P, 0, key, "reference"))
+    t = torch.from_numpy(x)
+    tkey = int(torch.randint(0, 1 << 62, (1,), generator=torch.Generator().manual_seed(3)))
+    got = codec.encode(t, m, P, 0, torch.Generator().manual_seed(3), "compiled")
+    assert torch.equal(got, codec.encode(t, m, P, 0, tkey, "compiled"))
+    torch.manual_seed(8)
+    a = codec.encode(t, m, P, 0, None, "compiled")
+    torch.manual_seed(8)
+    assert torch.equal(a, codec.encode(t, m, P, 0, None, "compiled"))
+    assert np.mean(codec.encode(x, m, P, 0, None, "compiled") ==
+                   codec.encode(x, m, P, 0, None, "compiled")) < 0.9
+    with pytest.raises(TypeError, match="numpy inputs need"):
+        codec.encode(x, m, P, 0, torch.Generator(), "compiled")
+    with pytest.raises(ValueError, match="seed must be an integer"):
+        codec.encode(x, m, P, 0, -1, "compiled")
+
+
+def test_bad_input_gets_the_reference_errors():
+    params = THCParams(slice_size=1024)
+    x = data(3000, 7)
+    x[1500] = np.nan
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        codec.slice_norms(x, params, "compiled")
+    with pytest.raises(ValueError, match=r"NaN or Inf .* in slices 1\.\.1"):
+        codec.encode(x, [1.0, 1.0, 1.0], params, backend="compiled")
+    x[1500] = 3e38
+    with pytest.raises(ValueError, match="overflows float32"):
+        codec.encode(x, [1.0, 1.0, 1.0], params, backend="compiled")
+    with pytest.raises(ValueError, match="outside the 16-entry table"):
+        codec.decode_indices(np.full(3072, 16, np.uint8), [1.0] * 3, 3000, params,
+                             backend="compiled")
+    with pytest.raises(ValueError, match="expected 3072 sums"):
+        codec.decode(np.zeros(3071, np.uint16), 1, [1.0] * 3, 3000, params,
+                     backend="compiled")
+    with pytest.raises(ValueError, match="finite"):
+        codec.encode(data(3000), [1.0, np.inf, 1.0], params, backend="compiled")
+    with pytest.raises(ValueError, match="needs"):   # the C code checks buffer sizes itself
+        fastcodec._fastcodec.encode(data(100), 100, 64, np.ones(2, np.float32), 0, 0,
+                                    np.asarray(P.table, np.int32), np.empty(10, np.uint8),
+                                    False, np.empty(2, np.float32))
+
+
+def test_path_selection(monkeypatch):
+    x = data(100)
+    assert codec.compiled_for(x) and codec.compiled_for(torch.from_numpy(x))
+    assert not codec.compiled_for(x, "reference")
+    monkeypatch.setenv(codec.CPU_ENV, "reference")
+    assert not codec.compiled_for(x) and codec.compiled_for(x, "compiled")
+    monkeypatch.setenv(codec.CPU_ENV, "fast")
+    with pytest.raises(ValueError, match="THC_CODEC_CPU"):
+        codec.compiled_for(x)
+    monkeypatch.delenv(codec.CPU_ENV)
+    monkeypatch.setattr(fastcodec, "UNAVAILABLE", "the compiled CPU codec is not built (test)")
+    monkeypatch.setattr(codec, "_COMPILED_MISSING", [])
+    with pytest.warns(RuntimeWarning, match="not built .test.*reference path"):
+        idx = THCCodec().encode(x, codec.slice_norms(x, P), 0, 1)
+    assert idx.shape == (128,)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        codec.compiled_for(x)            # warned once only
+    with pytest.raises(RuntimeError, match="not built .test"):
+        codec.encode(x, [1.0], P, backend="compiled")
+
+
+def test_threads_run_side_by_side():
+    """The C code holds no GIL and no shared state: concurrent calls give the same bytes."""
+    x = data(2 ** 20 + 77, 9)
+    m = codec.slice_norms(x, P)
+    want = codec.encode_packed(x, m, P, 4, 3, "compiled")
+    got = [None] * 4
+
+    def work(i):
+        got[i] = codec.encode_packed(x, m, P, 4, 3, "compiled")
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(np.array_equal(g, want) for g in got)
+    assert np.array_equal(unpack_bits(want, 4, want.size * 2)[: 2 ** 20],
+                          codec.encode(x, m, P, 4, 3, "compiled")[: 2 ** 20])
