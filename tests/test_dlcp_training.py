@@ -137,3 +137,13 @@ def test_train_refuses_dlcp_flags_outside_mode_thc(capsys):
     with pytest.raises(SystemExit):
         train.main(["--mode", "thc-dist", "--priorities"])
     assert "--mode thc" in capsys.readouterr().err
+
+
+def test_congest_without_mininet_is_refused(tmp_path, capsys):
+    from thcnet import mainjob
+
+    args = _parser(mainjob).parse_args(["--loopback", "--congest", "0.8", "--modes", "thc-dlcp",
+                                        "--out", str(tmp_path)])
+    assert mainjob.run(args) == 2
+    assert "--congest needs the Mininet testbed" in capsys.readouterr().err
+    assert not (tmp_path / "mainjob.json").exists()

@@ -9,7 +9,8 @@ one central software aggregator on its own host, and DLCP over that aggregator: 
 (rounds may close short at the job's ``--loss-bound``) and ``thc-dlcp`` (the same, every
 chunk marked with its DLCP class by layer position), both on links queued by DLCP class;
 ``thc``/``thc-central`` retransmit everything. ``--congest F`` adds a competing UDP flow
-(iperf) from every worker at F x the link rate, as ``thc bench dlcp`` does. Workers run in Mininet hosts behind emulated links when possible, else as loopback processes (said so).
+(iperf) from every worker at F x the link rate, as ``thc bench dlcp`` does, and queues every
+mode's links by class (only the marks differ). Workers run in Mininet hosts behind emulated links when possible, else as loopback processes (said so).
 
 For each mode it reports the time to reach a target accuracy (FP32's final accuracy minus
 one point, and a fixed one), the speedup over FP32, the final accuracy, and the bytes on the
@@ -42,7 +43,8 @@ class Mode:
     aggregator: str
     description: str
     loss_bound: bool = False
-    """The job gets ``--loss-bound`` and the links queue by DLCP class (Mininet)."""
+    """The job gets ``--loss-bound`` and the links queue by DLCP class (Mininet; every mode's
+    do under ``--congest``)."""
     priorities: bool = False
     """Workers mark every chunk with its DLCP class (``train --priorities``)."""
 
@@ -163,9 +165,11 @@ def _rows(stdout: str) -> tuple[dict, list[dict]]:
 def _run_mode(name: str, args, progress) -> dict:
     mode = MODES[name]
     lanes = args.software_lanes if mode.aggregator in ("software", "sharded") else None
+    # Under --congest every mode gets the same class-queued links: only the marks differ.
+    queued = mode.loss_bound or bool(args.congest)
     with open_testbed(args.workers, bw_mbit=args.bw, delay_ms=args.delay, loss_pct=args.loss,
                       aggregator=mode.aggregator, prefer_mininet=not args.loopback,
-                      lanes=lanes, priorities=mode.loss_bound) as tb:
+                      lanes=lanes, priorities=queued) as tb:
         if mode.train_mode == "marsit-vote":
             tb.use_vote_job()
         if mode.loss_bound:
@@ -245,6 +249,7 @@ def _run_mode(name: str, args, progress) -> dict:
             "exposed_comm_seconds": last.get("exposed_comm_seconds"),
             "loss_bound": args.loss_bound if mode.loss_bound else 0.0,
             "priorities": mode.priorities, "congestion": congestion,
+            "class_queued_links": queued and kind == "mininet",
             "short_chunks": last.get("short_chunks")}
 
 
@@ -340,9 +345,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"thc run: --congest needs the Mininet testbed ({mininet_why})", file=sys.stderr)
         return 2
     if (not mininet_why and (args.delay or args.loss)
-            and any(MODES[m].loss_bound for m in modes)):
-        print("thc run: thc-lossy/thc-dlcp queue links by DLCP class, which needs links "
-              "without --delay/--loss (no netem)", file=sys.stderr)
+            and (args.congest or any(MODES[m].loss_bound for m in modes))):
+        print("thc run: --congest, thc-lossy and thc-dlcp queue links by DLCP class, which "
+              "needs links without --delay/--loss (no netem)", file=sys.stderr)
         return 2
     for name in [m for m in modes if MODES[m].aggregator == "bmv2"]:
         if why := bmv2_unavailable_reason():
