@@ -147,3 +147,20 @@ def test_congest_without_mininet_is_refused(tmp_path, capsys):
     assert mainjob.run(args) == 2
     assert "--congest needs the Mininet testbed" in capsys.readouterr().err
     assert not (tmp_path / "mainjob.json").exists()
+
+
+def test_dlcp_ratios_compare_with_the_retransmit_baseline_of_the_run():
+    from thcnet.mainjob import dlcp_ratios
+
+    def run(mode, rows, bound=0.0):
+        return {"mode": mode, "loss_bound": bound, "short_chunks": 3 if bound else None,
+                "history": [{"steps": n, "seconds": t, "accuracy": a} for n, t, a in rows]}
+
+    base = run("thc-central", [(8, 80.0, 0.40)])
+    dlcp = run("thc-dlcp", [(8, 8.0, 0.41), (16, 16.0, 0.60)], bound=0.05)
+    rows = dlcp_ratios([run("fp32", [(16, 4.0, 0.7)]), base, dlcp])
+    assert len(rows) == 1 and rows[0]["mode"] == "thc-dlcp"
+    assert rows[0]["speedup"] == 10.0 and rows[0]["baseline"] == "thc-central"
+    assert (rows[0]["at_step"], rows[0]["accuracy"], rows[0]["baseline_accuracy"]) == (
+        8, 0.41, 0.40)
+    assert dlcp_ratios([dlcp]) == []          # no baseline in the run: no ratio

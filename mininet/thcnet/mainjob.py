@@ -298,6 +298,35 @@ def summarize(runs: list[dict], fixed: float) -> dict:
             "verdict": verdict}
 
 
+def dlcp_ratios(runs: list[dict]) -> list[dict]:
+    """Each DLCP mode's seconds per step (a step: the rounds of every bucket) against the
+    retransmit-everything baseline of the same run (``thc-central``, else ``thc``), and its
+    accuracy at the last evaluation both reached (same step count)."""
+    base = next((r for m in ("thc-central", "thc") for r in runs if r["mode"] == m), None)
+    if base is None:
+        return []
+
+    def per_step(r):
+        return r["history"][-1]["seconds"] / max(1, r["history"][-1]["steps"])
+
+    out = []
+    for r in runs:
+        if not r.get("loss_bound"):
+            continue
+        steps = {h["steps"]: h for h in base["history"]}
+        common = [h for h in r["history"] if h["steps"] in steps]
+        row = {"mode": r["mode"], "baseline": base["mode"], "step_seconds": per_step(r),
+               "baseline_step_seconds": per_step(base),
+               "speedup": per_step(base) / per_step(r) if per_step(r) else None,
+               "short_chunks": r.get("short_chunks")}
+        if common:
+            h = common[-1]
+            row.update(at_step=h["steps"], accuracy=h["accuracy"],
+                       baseline_accuracy=steps[h["steps"]]["accuracy"])
+        out.append(row)
+    return out
+
+
 def _plot(runs: list[dict], path: Path, title: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -387,10 +416,14 @@ def run(args: argparse.Namespace) -> int:
               f"{(f'{speed:.2f}x' if speed else '-'):>8} "
               f"{(f'{fixed:.1f}' if fixed is not None else '-'):>8}")
     print(f"bytes: {runs[0]['wire_source'] if runs else '-'}")
-    for r in runs:
-        if r["loss_bound"]:
-            print(f"{r['mode']}: loss bound {r['loss_bound']:g}, "
-                  f"{r['short_chunks'] or 0} chunks closed short (rank 0)")
+    summary["dlcp"] = dlcp_ratios(runs)
+    for row, r in zip(summary["dlcp"], [r for r in runs if r["loss_bound"]]):
+        at = (f"; at step {row['at_step']} accuracy {row['accuracy']:.4f} against "
+              f"{row['baseline_accuracy']:.4f}" if "at_step" in row else "")
+        print(f"{r['mode']}: loss bound {r['loss_bound']:g}, {row['short_chunks'] or 0} chunks "
+              f"closed short (rank 0); {row['step_seconds']:.2f} s a step, "
+              f"{row['speedup']:.2f}x {row['baseline']}'s {row['baseline_step_seconds']:.2f} s "
+              f"(same run){at}")
     print(summary["verdict"])
     sw = next((r for r in runs if r["mode"] == "thc"), None)
     hw = next((r for r in runs if r["mode"] == "thc-bmv2"), None)
