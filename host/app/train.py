@@ -4,7 +4,9 @@ The gradient exchange is chosen by ``--mode``: ``fp32`` (DDP's own all-reduce), 
 (THC through the aggregator at ``--agg``: switch or software), ``thc-dist`` (THC integer
 sums over the Gloo all-reduce), ``topk`` (10% TopK with error feedback), ``marsit`` (sign
 bits merged along a ring) or ``marsit-vote`` (sign bits counted by a vote job at ``--agg``:
-switch or software aggregator). Marsit modes train with their own learning rate and momentum
+switch or software aggregator). With ``--mode thc``, ``--loss-bound`` (else the job's) lets
+a round close short (DLCP's bounded loss) and ``--priorities`` marks every chunk with its DLCP
+class by layer position. Marsit modes train with their own learning rate and momentum
 (:data:`OPTIMIZER`): a sign-bit estimate puts the full scale on every coordinate and the
 global compensation already carries past gradients forward, so momentum 0.9 on top of it
 amplifies the sign noise tenfold; at the shared (0.05, 0.9) Marsit diverged (0.30 after two
@@ -31,7 +33,7 @@ from host.collective.allreduce import THCAllReduce, agree_run
 from host.collective.ddp import HookOptions, MarsitHook, MarsitVoteHook, THCHook, TopKHook
 from host.net.aggregator import parse_hostport
 from host.net.client import AggregationClient
-from host.wire.jobs import Cluster
+from host.wire.jobs import Cluster, loss_bound_arg
 
 MODES = ("fp32", "thc", "thc-dist", "topk", "marsit", "marsit-vote")
 OPTIMIZER = {"marsit": (0.1, 0.0), "marsit-vote": (0.1, 0.0)}
@@ -77,6 +79,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--slice-size", type=int, default=1 << 16,
                         help="THC rotation slice (power of two; small slices waste less padding)")
     parser.add_argument("--no-error-feedback", action="store_true")
+    parser.add_argument("--loss-bound", type=loss_bound_arg, default=None, metavar="F",
+                        help="mode thc: fraction of a round's chunks, in [0, 1), that may close "
+                             "short instead of being retransmitted (default: the job's)")
+    parser.add_argument("--priorities", action="store_true",
+                        help="mode thc: mark every chunk with its DLCP class (layer position)")
     parser.add_argument("--uncompressed", default="",
                         help="comma-separated parameter-name parts left in FP32 (e.g. bias)")
     THCParams.add_arguments(parser, seed=False)
@@ -117,7 +124,7 @@ def _hook(args, model, ddp):
     client = _client(args)
     make = lambda: THCAllReduce.through_aggregator(  # noqa: E731
         client, params, error_feedback=ef, generator=gen)
-    return THCHook(model, make, opts)
+    return THCHook(model, make, opts, priorities=args.priorities)
 
 
 def _client(args) -> AggregationClient:
@@ -131,7 +138,8 @@ def _client(args) -> AggregationClient:
         agg = None  # the job's shard map names its aggregators
     else:
         agg = parse_hostport(args.agg) if args.agg else (cluster.agg_ip, cluster.agg_port)
-    return AggregationClient(job, args.rank, agg, deadline=30.0, run=args.run or agree_run())
+    return AggregationClient(job, args.rank, agg, deadline=30.0, run=args.run or agree_run(),
+                             loss_bound=args.loss_bound)
 
 
 def optimizer_settings(args) -> tuple[float, float]:
@@ -234,6 +242,7 @@ def train(args) -> list[dict]:
                    "bytes_sent": int(sent), "params": n_params, "steps_per_epoch": steps,
                    "steps": n, "comm_seconds": comm, "exposed_comm_seconds": exposed,
                    "codec_seconds": getattr(hook, "codec_seconds", None),
+                   "short_chunks": getattr(hook, "short_chunks", None),
                    "step_losses": step_losses[:STEP_LOSSES_KEPT]}
             history.append(row)
             say(json.dumps(row), flush=True)
@@ -253,6 +262,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.mode in ("thc", "marsit-vote") and not args.config:
         parser.error(f"--mode {args.mode} needs --config (the aggregator's cluster JSON)")
+    if args.mode != "thc" and (args.loss_bound is not None or args.priorities):
+        parser.error("--loss-bound and --priorities apply to --mode thc (through an aggregator)")
     train(args)
     return 0
 

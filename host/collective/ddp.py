@@ -10,6 +10,10 @@ A hook returns at once with a future that one communication thread completes, so
 is reduced while backward computes the next ones, as DDP's own all-reduce overlaps. The one
 thread keeps every process's collectives in the same order. :meth:`_Hook.step_breakdown`
 says how much of the communication backward hid.
+
+``THCHook(..., priorities=True)`` hands THC each bucket's per-element layer positions
+(:func:`layer_positions`), so its chunks carry DLCP classes: the layers the next forward pass
+needs first get the highest.
 """
 from __future__ import annotations
 
@@ -33,6 +37,16 @@ class HookOptions:
     """Parameter-name substrings whose gradients are all-reduced in FP32 (e.g. "bias", "bn")."""
     min_numel: int = 0
     """Parameters with fewer elements than this stay uncompressed."""
+
+
+def layer_positions(model: torch.nn.Module) -> dict[int, float]:
+    """``id(parameter)`` -> its layer's place in the forward order, 0 (first) .. 1 (last).
+
+    The order is the modules' registration order (a ``Sequential``'s is its forward order);
+    a layer's parameters (weight, bias) share its place."""
+    layers = [m for m in model.modules() if any(True for _ in m.parameters(recurse=False))]
+    last = max(1, len(layers) - 1)
+    return {id(p): i / last for i, m in enumerate(layers) for p in m.parameters(recurse=False)}
 
 
 def _done(t: torch.Tensor) -> torch.futures.Future:
@@ -63,6 +77,9 @@ class _Hook:
         self.group = group
         self.world = dist.get_world_size(group)
         self._names = {id(p): n for n, p in model.named_parameters()}
+        self._positions = layer_positions(model)
+        self.wants_positions = False
+        """Subclasses set it to get each bucket's per-element layer positions in reduce."""
         self.bytes_sent = 0
         self.fp32_elements = 0
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="ddp-comm") if overlap else None
@@ -91,7 +108,8 @@ class _Hook:
         buf = bucket.buffer()
         spans, offset = [], 0
         for p in bucket.parameters():
-            spans.append((offset, offset + p.numel(), self._keep_fp32(p)))
+            spans.append((offset, offset + p.numel(), self._keep_fp32(p),
+                          self._positions.get(id(p), 1.0)))
             offset += p.numel()
         index = bucket.index()
         with self._stats_lock:
@@ -112,8 +130,8 @@ class _Hook:
 
     def _reduce_bucket(self, index: int, buf: torch.Tensor, spans) -> torch.Tensor:
         start = time.perf_counter()
-        comp = [buf[a:b] for a, b, fp32 in spans if not fp32]
-        plain = [buf[a:b] for a, b, fp32 in spans if fp32]
+        comp = [buf[a:b] for a, b, fp32, _ in spans if not fp32]
+        plain = [buf[a:b] for a, b, fp32, _ in spans if fp32]
         if plain:
             flat = torch.cat(plain)
             dist.all_reduce(flat, group=self.group)
@@ -126,7 +144,11 @@ class _Hook:
                 i += view.numel()
         if comp:
             flat = comp[0] if len(comp) == 1 else torch.cat(comp)
-            out = self.reduce(index, flat, [v.numel() for v in comp])
+            position = None
+            if self.wants_positions:
+                position = torch.cat([torch.full((b - a,), pos) for a, b, fp32, pos in spans
+                                      if not fp32])
+            out = self.reduce(index, flat, [v.numel() for v in comp], position)
             i = 0
             for view in comp:
                 view.copy_(out[i: i + view.numel()])
@@ -137,19 +159,24 @@ class _Hook:
             self._last_done = end
         return buf
 
-    def reduce(self, bucket_index: int, flat: torch.Tensor, sizes: list[int]) -> torch.Tensor:
-        """The workers' mean of ``flat``, the bucket's compressed parameters (of ``sizes``)."""
+    def reduce(self, bucket_index: int, flat: torch.Tensor, sizes: list[int],
+               position: torch.Tensor | None = None) -> torch.Tensor:
+        """The workers' mean of ``flat``, the bucket's compressed parameters (of ``sizes``);
+        ``position``: each element's layer place (only when :attr:`wants_positions`)."""
         raise NotImplementedError
 
 
 class THCHook(_Hook):
     """THC all-reduce of each bucket; ``make_allreducer()`` builds one per bucket (its own
-    error-feedback residual) on a shared transport."""
+    error-feedback residual) on a shared transport. ``priorities``: mark every chunk with its
+    DLCP class (an aggregator transport's packets carry it in DSCP)."""
 
     def __init__(self, model, make_allreducer: Callable[[], THCAllReduce],
-                 options: HookOptions = HookOptions(), group=None, overlap: bool = True):
+                 options: HookOptions = HookOptions(), group=None, overlap: bool = True,
+                 priorities: bool = False):
         super().__init__(model, options, group, overlap)
         self.make_allreducer = make_allreducer
+        self.wants_positions = priorities
         self.reducers: dict[tuple[int, int], THCAllReduce] = {}
 
     @property
@@ -159,14 +186,22 @@ class THCHook(_Hook):
         return sum(ar.stats.seconds["encode"] + ar.stats.seconds["decode"]
                    + ar.stats.seconds["feedback"] for ar in self.reducers.values())
 
-    def reduce(self, bucket_index: int, flat: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+    @property
+    def short_chunks(self) -> int | None:
+        """Chunks that ended short (DLCP's bounded loss) so far; None without an aggregator."""
+        clients = {id(c): c for c in (getattr(ar.transport, "client", None)
+                                      for ar in self.reducers.values()) if c is not None}
+        return sum(c.stats.short for c in clients.values()) if clients else None
+
+    def reduce(self, bucket_index: int, flat: torch.Tensor, sizes: list[int],
+               position: torch.Tensor | None = None) -> torch.Tensor:
         # DDP rebuilds its buckets after the first iteration: a new size starts a new residual.
         key = (bucket_index, flat.numel())
         ar = self.reducers.get(key)
         if ar is None:
             ar = self.reducers[key] = self.make_allreducer()
         before = ar.transport.bytes_sent
-        out = ar(flat)
+        out = ar(flat, position=position)
         self.bytes_sent += ar.transport.bytes_sent - before
         return out
 
@@ -180,7 +215,8 @@ class TopKHook(_Hook):
         super().__init__(model, options, group, overlap)
         self.scheme = TopK(ratio=ratio, error_feedback=True)
 
-    def reduce(self, bucket_index: int, flat: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+    def reduce(self, bucket_index: int, flat: torch.Tensor, sizes: list[int],
+               position: torch.Tensor | None = None) -> torch.Tensor:
         # The residual is keyed by bucket and size: DDP rebuilds buckets after one iteration.
         payload = self.scheme.compress(flat, key=(bucket_index, flat.numel()))
         idx = payload.indices.to(torch.int32)
@@ -208,7 +244,8 @@ class MarsitHook(_Hook):
             lambda: MarsitAllReduce(self.group, generator))
         self.reducers: dict[tuple[int, int], MarsitAllReduce] = {}
 
-    def reduce(self, bucket_index: int, flat: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+    def reduce(self, bucket_index: int, flat: torch.Tensor, sizes: list[int],
+               position: torch.Tensor | None = None) -> torch.Tensor:
         key = (bucket_index, flat.numel())
         ar = self.reducers.get(key)
         if ar is None:

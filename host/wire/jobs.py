@@ -7,6 +7,7 @@ config is rejected with one clear message before it reaches either.
 """
 from __future__ import annotations
 
+import argparse
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -46,6 +47,18 @@ def check_loss_bound(value, where: str = "") -> float:
         raise ConfigError(f"{where}loss_bound must be a fraction of a round's chunks in "
                           f"[0, 1), got {value!r}")
     return float(value)
+
+
+def loss_bound_arg(text: str) -> float:
+    """``--loss-bound`` as an argparse type: a number in [0, 1), else a usage error."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    try:
+        return check_loss_bound(value)
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 @dataclass(frozen=True)

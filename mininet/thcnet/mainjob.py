@@ -5,7 +5,12 @@ software aggregator shards co-located with the workers (THC's parameter-server l
 through the BMv2 switch (when BMv2 and Mininet are present), THC's integer sums over the Gloo
 all-reduce, TopK 10%, and Marsit's sign bits merged along a ring or counted by a vote job
 (software aggregator; BMv2 on request); on request (``--modes ...,thc-central``) THC through
-one central software aggregator on its own host. Workers run in Mininet hosts behind emulated links when possible, else as loopback processes (said so).
+one central software aggregator on its own host, and DLCP over that aggregator: ``thc-lossy``
+(rounds may close short at the job's ``--loss-bound``) and ``thc-dlcp`` (the same, every
+chunk marked with its DLCP class by layer position), both on links queued by DLCP class;
+``thc``/``thc-central`` retransmit everything. ``--congest F`` adds a competing UDP flow
+(iperf) from every worker at F x the link rate, as ``thc bench dlcp`` does, and queues every
+mode's links by class (only the marks differ). Workers run in Mininet hosts behind emulated links when possible, else as loopback processes (said so).
 
 For each mode it reports the time to reach a target accuracy (FP32's final accuracy minus
 one point, and a fixed one), the speedup over FP32, the final accuracy, and the bytes on the
@@ -19,13 +24,17 @@ import json
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from host.app.datasets import FASHION_DIR
+from host.wire.jobs import loss_bound_arg
 from host.wire.protocol import MAX_SOFTWARE_LANES
+from thcnet.base import worker_ip
 from thcnet.procs import WorkerError
-from thcnet.testbed import bmv2_unavailable_reason, open_testbed
+from thcnet.testbed import bmv2_unavailable_reason, mininet_unavailable_reason, open_testbed
+
+IPERF_PORT = 5201
 
 
 @dataclass(frozen=True)
@@ -33,6 +42,11 @@ class Mode:
     train_mode: str
     aggregator: str
     description: str
+    loss_bound: bool = False
+    """The job gets ``--loss-bound`` and the links queue by DLCP class (Mininet; every mode's
+    do under ``--congest``)."""
+    priorities: bool = False
+    """Workers mark every chunk with its DLCP class (``train --priorities``)."""
 
 
 MODES = {
@@ -41,6 +55,12 @@ MODES = {
                 "worker host"),
     "thc-central": Mode("thc", "software", "THC through one central software aggregator on "
                         "its own host"),
+    "thc-lossy": Mode("thc", "software", "THC through one central software aggregator, rounds "
+                      "closing short at the loss bound (DLCP without priorities)",
+                      loss_bound=True),
+    "thc-dlcp": Mode("thc", "software", "THC through one central software aggregator, rounds "
+                     "closing short at the loss bound, chunks marked by DLCP class",
+                     loss_bound=True, priorities=True),
     "thc-bmv2": Mode("thc", "bmv2", "THC through the BMv2 switch"),
     "thc-dist": Mode("thc-dist", "none", "THC integer sums over the Gloo all-reduce"),
     "topk": Mode("topk", "none", "TopK 10% with error feedback (all-gather)"),
@@ -50,9 +70,11 @@ MODES = {
     "marsit-vote-bmv2": Mode("marsit-vote", "bmv2",
                              "Marsit sign bits counted by the BMv2 switch (vote job)"),
 }
-DEFAULT_MODES = ",".join(m for m in MODES if m not in ("thc-central", "marsit-vote-bmv2"))
-"""Every mode but THC through one central aggregator and the BMv2 vote: at BMv2's ~2k
-packets/s of 256 lanes a step of 1.2M signs takes about 10 s (estimated), an epoch 20 min."""
+OPT_IN = ("thc-central", "thc-lossy", "thc-dlcp", "marsit-vote-bmv2")
+DEFAULT_MODES = ",".join(m for m in MODES if m not in OPT_IN)
+"""Every mode but the central aggregator's (plain and DLCP: a comparison under ``--congest``)
+and the BMv2 vote: at BMv2's ~2k packets/s of 256 lanes a step of 1.2M signs takes about
+10 s (estimated), an epoch 20 min."""
 FIXED_TARGET = {"fashion-mnist": 0.80, "digits": 0.95}
 """The fixed accuracy target of the time-to-accuracy table, per data set."""
 
@@ -61,7 +83,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--modes", default=DEFAULT_MODES,
                         help=f"comma-separated, from {','.join(MODES)} (default: all but "
-                             f"thc-central, the central software aggregator)")
+                             f"{', '.join(OPT_IN)})")
     parser.add_argument("--data", default="fashion-mnist", choices=("fashion-mnist", "digits"))
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--batch", type=int, default=128, help="per-worker batch size")
@@ -78,6 +100,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--delay", type=float, default=0.0,
                         help="link delay, ms (needs netem in the kernel)")
     parser.add_argument("--loss", type=float, default=0.0, help="link loss, percent")
+    parser.add_argument("--loss-bound", type=loss_bound_arg, default=0.05, metavar="F",
+                        help="thc-lossy/thc-dlcp: fraction of a round's chunks, in [0, 1), "
+                             "that may close short instead of being retransmitted")
+    parser.add_argument("--congest", type=_fraction, default=0.0, metavar="F",
+                        help="a competing UDP flow (iperf) from every worker at F x --bw, to "
+                             "the aggregator's host (else the next worker); needs Mininet")
     parser.add_argument("--loopback", action="store_true",
                         help="do not use Mininet even where it is available")
     parser.add_argument("--software-lanes", type=int, default=0,
@@ -88,6 +116,37 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout", type=float, default=600.0,
                         help="per-mode limit, seconds: a mode stopped there reports how far "
                              "it got")
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not value >= 0.0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return value
+
+
+def _congest(tb, fraction: float, bw: float) -> tuple[list, dict]:
+    """Start the competing flows (one per worker, best effort); (processes, what they are)."""
+    rate = fraction * bw
+    if tb.aggregator == "software":
+        sinks = {"agg": tb.agg_addr[0]}
+        dest = ["agg"] * tb.n_workers
+        # The sink answers nothing: a slow ping keeps its MAC learnt (else the bridge floods).
+        procs = [tb.popen("agg", ["ping", "-q", "-i", "0.5", worker_ip(0)], name="agg-ping")]
+    else:
+        sinks = {r: worker_ip(r) for r in range(tb.n_workers)}
+        dest = [(r + 1) % tb.n_workers for r in range(tb.n_workers)]
+        procs = []
+    procs += [tb.popen(node, ["iperf", "-s", "-u", "-p", str(IPERF_PORT)],
+                       name=f"iperf-server-{node}") for node in sinks]
+    procs += [tb.popen(r, ["iperf", "-u", "-c", sinks[dest[r]], "-p", str(IPERF_PORT),
+                           "-b", f"{rate:g}M", "-l", "1400", "-t", "3600"], name=f"iperf{r}")
+              for r in range(tb.n_workers)]
+    return procs, {"fraction": fraction, "mbit_per_worker": rate,
+                   "sink": "aggregator host" if "agg" in sinks else "next worker"}
 
 
 def _rows(stdout: str) -> tuple[dict, list[dict]]:
@@ -106,11 +165,16 @@ def _rows(stdout: str) -> tuple[dict, list[dict]]:
 def _run_mode(name: str, args, progress) -> dict:
     mode = MODES[name]
     lanes = args.software_lanes if mode.aggregator in ("software", "sharded") else None
+    # Under --congest every mode gets the same class-queued links: only the marks differ.
+    queued = mode.loss_bound or bool(args.congest)
     with open_testbed(args.workers, bw_mbit=args.bw, delay_ms=args.delay, loss_pct=args.loss,
                       aggregator=mode.aggregator, prefer_mininet=not args.loopback,
-                      lanes=lanes) as tb:
+                      lanes=lanes, priorities=queued) as tb:
         if mode.train_mode == "marsit-vote":
             tb.use_vote_job()
+        if mode.loss_bound:
+            job = replace(tb.job, loss_bound=args.loss_bound).validate()
+            tb.cluster = replace(tb.cluster, jobs=(job,))
         tmp = Path(tempfile.mkdtemp(prefix="thc-run-"))
         cfg = tmp / "cluster.json"
         tb.cluster.save(cfg)
@@ -129,6 +193,8 @@ def _run_mode(name: str, args, progress) -> dict:
                 a += ["--train-subset", str(args.train_subset or 8192)]
             if tb.agg_addr is not None:
                 a += ["--agg", f"{tb.agg_addr[0]}:{tb.agg_addr[1]}"]
+            if mode.priorities:
+                a.append("--priorities")
             return a
 
         def on_line(rank: int, line: str) -> None:
@@ -142,6 +208,7 @@ def _run_mode(name: str, args, progress) -> dict:
             elif "accuracy" in row:
                 progress.set_postfix(acc=f"{row['accuracy']:.3f}", t=f"{row['seconds']:.0f}s")
 
+        flows, congestion = _congest(tb, args.congest, args.bw) if args.congest else ([], None)
         before, agg_before = tb.wire_bytes(), _agg_bytes(tb)
         t0 = time.perf_counter()
         stopped = None
@@ -151,6 +218,9 @@ def _run_mode(name: str, args, progress) -> dict:
             if "timed out" not in str(e):
                 raise
             results, stopped = e.results, f"stopped at the {args.timeout:.0f} s limit"
+        finally:
+            for f in flows:
+                f.kill()
         wall = time.perf_counter() - t0
         after, agg_after = tb.wire_bytes(), _agg_bytes(tb)
         kind = tb.kind
@@ -160,7 +230,8 @@ def _run_mode(name: str, args, progress) -> dict:
                            f"({stopped or 'it exited without one'})")
     if after:
         wire = sum(after[w][0] - before[w][0] + after[w][1] - before[w][1] for w in after)
-        wire_source = "worker links, transmit + receive (interface counters)"
+        wire_source = "worker links, transmit + receive (interface counters)" + (
+            ", the competing flow included" if congestion else "")
     else:
         last_rows = (_rows(r.stdout)[1] for r in results)
         wire = sum(rows[-1]["bytes_sent"] for rows in last_rows if rows)
@@ -175,7 +246,11 @@ def _run_mode(name: str, args, progress) -> dict:
             "epochs_done": last["epoch"], "epochs_asked": args.epochs, "stopped": stopped,
             "wire_bytes": int(wire), "wire_source": wire_source, "agg_link_bytes": agg,
             "comm_seconds": last.get("comm_seconds"),
-            "exposed_comm_seconds": last.get("exposed_comm_seconds")}
+            "exposed_comm_seconds": last.get("exposed_comm_seconds"),
+            "loss_bound": args.loss_bound if mode.loss_bound else 0.0,
+            "priorities": mode.priorities, "congestion": congestion,
+            "class_queued_links": queued and kind == "mininet",
+            "short_chunks": last.get("short_chunks")}
 
 
 def _agg_bytes(tb):
@@ -223,6 +298,35 @@ def summarize(runs: list[dict], fixed: float) -> dict:
             "verdict": verdict}
 
 
+def dlcp_ratios(runs: list[dict]) -> list[dict]:
+    """Each DLCP mode's seconds per step (a step: the rounds of every bucket) against the
+    retransmit-everything baseline of the same run (``thc-central``, else ``thc``), and its
+    accuracy at the last evaluation both reached (same step count)."""
+    base = next((r for m in ("thc-central", "thc") for r in runs if r["mode"] == m), None)
+    if base is None:
+        return []
+
+    def per_step(r):
+        return r["history"][-1]["seconds"] / max(1, r["history"][-1]["steps"])
+
+    out = []
+    for r in runs:
+        if not r.get("loss_bound"):
+            continue
+        steps = {h["steps"]: h for h in base["history"]}
+        common = [h for h in r["history"] if h["steps"] in steps]
+        row = {"mode": r["mode"], "baseline": base["mode"], "step_seconds": per_step(r),
+               "baseline_step_seconds": per_step(base),
+               "speedup": per_step(base) / per_step(r) if per_step(r) else None,
+               "short_chunks": r.get("short_chunks")}
+        if common:
+            h = common[-1]
+            row.update(at_step=h["steps"], accuracy=h["accuracy"],
+                       baseline_accuracy=steps[h["steps"]]["accuracy"])
+        out.append(row)
+    return out
+
+
 def _plot(runs: list[dict], path: Path, title: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -265,6 +369,15 @@ def run(args: argparse.Namespace) -> int:
               f"dataset-fashion-mnist, `make system-deps` as root): training on digits instead",
               flush=True)
         args.data = "digits"
+    mininet_why = "--loopback" if args.loopback else mininet_unavailable_reason("software")
+    if args.congest and mininet_why:
+        print(f"thc run: --congest needs the Mininet testbed ({mininet_why})", file=sys.stderr)
+        return 2
+    if (not mininet_why and (args.delay or args.loss)
+            and (args.congest or any(MODES[m].loss_bound for m in modes))):
+        print("thc run: --congest, thc-lossy and thc-dlcp queue links by DLCP class, which "
+              "needs links without --delay/--loss (no netem)", file=sys.stderr)
+        return 2
     for name in [m for m in modes if MODES[m].aggregator == "bmv2"]:
         if why := bmv2_unavailable_reason():
             print(f"thc run: skipping {name}: {why}")
@@ -272,7 +385,9 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     print(f"thc run: {args.data}, {args.workers} workers at {args.bw:g} Mbit/s, "
-          f"{args.epochs} epoch(s), modes {', '.join(modes)}", flush=True)
+          f"{args.epochs} epoch(s), modes {', '.join(modes)}"
+          + (f", competing UDP flow {args.congest * args.bw:g} Mbit/s per worker"
+             if args.congest else ""), flush=True)
     runs = []
     for name in modes:
         print(f"\n== {name}: {MODES[name].description}", flush=True)
@@ -301,6 +416,14 @@ def run(args: argparse.Namespace) -> int:
               f"{(f'{speed:.2f}x' if speed else '-'):>8} "
               f"{(f'{fixed:.1f}' if fixed is not None else '-'):>8}")
     print(f"bytes: {runs[0]['wire_source'] if runs else '-'}")
+    summary["dlcp"] = dlcp_ratios(runs)
+    for row, r in zip(summary["dlcp"], [r for r in runs if r["loss_bound"]]):
+        at = (f"; at step {row['at_step']} accuracy {row['accuracy']:.4f} against "
+              f"{row['baseline_accuracy']:.4f}" if "at_step" in row else "")
+        print(f"{r['mode']}: loss bound {r['loss_bound']:g}, {row['short_chunks'] or 0} chunks "
+              f"closed short (rank 0); {row['step_seconds']:.2f} s a step, "
+              f"{row['speedup']:.2f}x {row['baseline']}'s {row['baseline_step_seconds']:.2f} s "
+              f"(same run){at}")
     print(summary["verdict"])
     sw = next((r for r in runs if r["mode"] == "thc"), None)
     hw = next((r for r in runs if r["mode"] == "thc-bmv2"), None)

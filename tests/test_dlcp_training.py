@@ -1,0 +1,166 @@
+"""DLCP in training: the DDP hook's layer positions, the main job's DLCP modes, the loss-bound
+flag. (The end-to-end run is ``thc run --modes thc-central,thc-lossy,thc-dlcp``.)"""
+from __future__ import annotations
+
+import argparse
+import itertools
+
+import pytest
+import torch
+
+from host.collective.ddp import layer_positions
+
+
+def _model():
+    torch.manual_seed(0)
+    # distinct sizes: every parameter is recognisable by its element count
+    return torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.ReLU(), torch.nn.Linear(5, 7),
+                               torch.nn.ReLU(), torch.nn.Linear(7, 3, bias=False))
+
+
+def test_layer_positions_follow_the_forward_order():
+    model = _model()
+    pos = layer_positions(model)
+    assert [pos[id(p)] for p in model.parameters()] == [0.0, 0.0, 0.5, 0.5, 1.0]
+    nested = torch.nn.Sequential(torch.nn.Sequential(torch.nn.Conv2d(1, 2, 3)),
+                                 torch.nn.Flatten(), torch.nn.Linear(2, 2))
+    pos = layer_positions(nested)
+    assert [pos[id(p)] for p in nested.parameters()] == [0.0, 0.0, 1.0, 1.0]
+
+
+def _runs(position: torch.Tensor) -> list[tuple[float, int]]:
+    return [(float(v), len(list(g))) for v, g in itertools.groupby(position.tolist())]
+
+
+@pytest.mark.parametrize("priorities", [True, False])
+def test_thc_hook_hands_every_bucket_its_layer_positions(priorities):
+    """Through a real software aggregator (one worker): each bucket's position vector is, run
+    by run, the parameters of the bucket with their layer's place; without priorities none."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from host.codec.params import THCParams
+    from host.collective.allreduce import AggregatorTransport, THCAllReduce
+    from host.collective.ddp import THCHook
+    from host.net.aggregator import Aggregator
+    from host.net.client import AggregationClient
+    from host.testing.clusters import free_port_block, free_tcp_port, local_job
+
+    calls = []
+
+    class Recording(THCAllReduce):
+        def __call__(self, tensor, position=None):
+            calls.append((tensor.numel(), position))
+            return super().__call__(tensor, position)
+
+    model = _model()
+    sizes = {p.numel(): pos for p, pos in zip(model.parameters(), [0.0, 0.0, 0.5, 0.5, 1.0])}
+    job = local_job(1, 1, free_port_block(1))
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_tcp_port()}", rank=0,
+                            world_size=1)
+    try:
+        with Aggregator([job]) as agg:
+            addr = agg.start()
+            client = AggregationClient(job, 0, addr, deadline=10.0, run=7)
+            params = THCParams(slice_size=16)
+            ddp = DDP(model)
+            hook = THCHook(model, lambda: Recording(AggregatorTransport(client), params),
+                           overlap=False, priorities=priorities).register(ddp)
+            ddp(torch.randn(4, 6)).sum().backward()
+            client.close()
+    finally:
+        dist.destroy_process_group()
+    assert hook.bytes_sent > 0 and calls
+    if not priorities:
+        assert all(pos is None for _, pos in calls)
+        return
+    seen = []
+    for numel, pos in calls:
+        assert pos is not None and pos.numel() == numel
+        for value, length in _runs(pos):
+            # a run may join a layer's weight and bias: split it by the sizes of that layer
+            parts = [n for n, v in sizes.items() if v == value]
+            assert length in parts or length == sum(parts), (value, length, sizes)
+            seen.append(value)
+    assert sorted(set(seen)) == [0.0, 0.5, 1.0]
+    assert sum(n for n, _ in calls) == sum(p.numel() for p in model.parameters())
+
+
+def test_main_job_has_the_dlcp_modes():
+    from thcnet.mainjob import DEFAULT_MODES, MODES
+
+    dlcp, lossy = MODES["thc-dlcp"], MODES["thc-lossy"]
+    assert (dlcp.train_mode, dlcp.aggregator, dlcp.loss_bound, dlcp.priorities) == (
+        "thc", "software", True, True)
+    assert (lossy.train_mode, lossy.aggregator, lossy.loss_bound, lossy.priorities) == (
+        "thc", "software", True, False)
+    for name in ("thc", "thc-central"):      # the retransmit-everything baseline
+        assert MODES[name].train_mode == "thc" and not MODES[name].loss_bound
+        assert not MODES[name].priorities
+    assert MODES["thc-central"].aggregator == dlcp.aggregator
+    assert {"thc-dlcp", "thc-lossy"}.isdisjoint(DEFAULT_MODES.split(","))
+
+
+def _parser(module):
+    parser = argparse.ArgumentParser()
+    module.add_arguments(parser)
+    return parser
+
+
+@pytest.mark.parametrize("bad", ["1", "1.5", "-0.01", "nan", "inf", "x"])
+def test_loss_bound_outside_0_1_is_a_usage_error(bad, capsys):
+    from host.app import train
+    from thcnet import mainjob
+
+    for module in (train, mainjob):
+        with pytest.raises(SystemExit) as e:
+            _parser(module).parse_args(["--loss-bound", bad])
+        assert e.value.code == 2
+        assert "--loss-bound" in capsys.readouterr().err
+
+
+def test_loss_bound_flags_accept_a_fraction():
+    from host.app import train
+    from thcnet import mainjob
+
+    assert _parser(train).parse_args(["--loss-bound", "0.1"]).loss_bound == 0.1
+    assert _parser(train).parse_args([]).loss_bound is None      # the job's
+    assert _parser(mainjob).parse_args([]).loss_bound == 0.05
+    assert _parser(mainjob).parse_args(["--loss-bound", "0"]).loss_bound == 0.0
+    with pytest.raises(SystemExit):
+        _parser(mainjob).parse_args(["--congest", "-1"])
+
+
+def test_train_refuses_dlcp_flags_outside_mode_thc(capsys):
+    from host.app import train
+
+    with pytest.raises(SystemExit):
+        train.main(["--mode", "thc-dist", "--priorities"])
+    assert "--mode thc" in capsys.readouterr().err
+
+
+def test_congest_without_mininet_is_refused(tmp_path, capsys):
+    from thcnet import mainjob
+
+    args = _parser(mainjob).parse_args(["--loopback", "--congest", "0.8", "--modes", "thc-dlcp",
+                                        "--out", str(tmp_path)])
+    assert mainjob.run(args) == 2
+    assert "--congest needs the Mininet testbed" in capsys.readouterr().err
+    assert not (tmp_path / "mainjob.json").exists()
+
+
+def test_dlcp_ratios_compare_with_the_retransmit_baseline_of_the_run():
+    from thcnet.mainjob import dlcp_ratios
+
+    def run(mode, rows, bound=0.0):
+        return {"mode": mode, "loss_bound": bound, "short_chunks": 3 if bound else None,
+                "history": [{"steps": n, "seconds": t, "accuracy": a} for n, t, a in rows]}
+
+    base = run("thc-central", [(8, 80.0, 0.40)])
+    dlcp = run("thc-dlcp", [(8, 8.0, 0.41), (16, 16.0, 0.60)], bound=0.05)
+    rows = dlcp_ratios([run("fp32", [(16, 4.0, 0.7)]), base, dlcp])
+    assert len(rows) == 1 and rows[0]["mode"] == "thc-dlcp"
+    assert rows[0]["speedup"] == 10.0 and rows[0]["baseline"] == "thc-central"
+    assert (rows[0]["at_step"], rows[0]["accuracy"], rows[0]["baseline_accuracy"]) == (
+        8, 0.41, 0.40)
+    assert dlcp_ratios([dlcp]) == []          # no baseline in the run: no ratio
