@@ -171,10 +171,11 @@ def iteration_s(s: Setup) -> dict[str, float]:
     }
 
 
-MODE_SCHEME = {"fp32": "fp32_ring", "thc": "thc_switch", "thc-bmv2": "thc_switch",
-               "thc-dist": "thc_allreduce", "marsit": "marsit_ring",
+MODE_SCHEME = {"fp32": "fp32_ring", "thc": "thc_switch", "thc-central": "thc_switch",
+               "thc-bmv2": "thc_switch", "thc-dist": "thc_allreduce", "marsit": "marsit_ring",
                "marsit-vote": "marsit_vote", "marsit-vote-bmv2": "marsit_vote",
-               "topk": "topk_allgather", "dlcp": "thc_switch_dlcp"}
+               "topk": "topk_allgather", "thc-lossy": "thc_switch_dlcp",
+               "thc-dlcp": "thc_switch_dlcp"}
 """Main-job modes and the model's scheme for each."""
 
 
