@@ -113,9 +113,10 @@ def test_hostile_replies_ignored_and_counted_short_chunks_and_restart(job, datap
             chunk = len(packed) // N_CHUNKS
             for seq, data in enumerate(agg.received):
                 slot, version = P.slot_of(seq, job.pool_size)
+                payload = packed[seq * chunk:(seq + 1) * chunk].tobytes()
                 assert data == P.HEADER_STRUCT.pack(
                     P.PktType.DATA, 0, job.job_id, slot, version, 0, seq,
-                    1000 + seq * job.lanes, 0, 77, 0) + packed[seq * chunk:(seq + 1) * chunk].tobytes()
+                    1000 + seq * job.lanes, 0, 77, 0) + payload
             # a second round continues the sequence numbers; then the aggregator restarts
             sums = c.aggregate(_packed(job, 2))
             np.testing.assert_array_equal(sums, np.concatenate(
