@@ -17,6 +17,7 @@ from host.net.client import AggregationClient, AggregationTimeout, AggregatorRes
 from host.testing.clusters import free_port_block, local_job
 from host.wire import protocol as P
 from tests.test_transport import AggregatorProcess, _reference, _run_workers
+from tests.test_transport import datapath  # noqa: F401 (a fixture)
 
 DEADLINE = 2.0
 
@@ -26,7 +27,7 @@ def job():
     return local_job(1, 4, free_port_block(4), pool_size=64)
 
 
-def test_restarted_runs_against_a_running_aggregator_sum_exactly(tmp_path, job):
+def test_restarted_runs_against_a_running_aggregator_sum_exactly(tmp_path, job, datapath):
     agg = AggregatorProcess(tmp_path, [job])
     try:
         failed = _run_workers(job, agg.addr, workers=[0, 1, 2], deadline=1.0, run=100)
@@ -39,9 +40,10 @@ def test_restarted_runs_against_a_running_aggregator_sum_exactly(tmp_path, job):
                for status, _, missing in failed.values()), failed
     ref = _reference(job)
     for results in (second, third):
-        for w, (status, sums, _) in results.items():
+        for w, (status, sums, (_, ran)) in results.items():
             assert status == "ok", sums
             np.testing.assert_array_equal(sums, ref)
+            assert ran == datapath
     assert stats["drops"]["stale"] == 0
 
 
@@ -63,7 +65,8 @@ def _stream_reference(job, numel):
                for w in range(job.n_workers))
 
 
-def test_aggregator_restarted_mid_stream_fails_clearly_then_recovers(tmp_path, job):
+def test_aggregator_restarted_mid_stream_fails_clearly_then_recovers(tmp_path, job,
+                                                                      datapath):
     numel = job.lanes * 40_000
     agg = AggregatorProcess(tmp_path, [job])
     ctx = mp.get_context("fork")

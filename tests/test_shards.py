@@ -20,6 +20,7 @@ from host.net.client import AggregationClient, AggregationTimeout, AggregatorRes
 from host.testing.clusters import free_port_block, local_job
 from host.wire import protocol as P
 from host.wire.jobs import Cluster, ConfigError, Job, Shard
+from tests.test_transport import datapath  # noqa: F401 (a fixture)
 
 PARAMS = THCParams(granularity=30, seed=3)
 
@@ -77,8 +78,9 @@ def test_thc_aggregator_cli_refuses_a_sharded_config_without_shard(tmp_path, cap
     assert "as shard 1" in capsys.readouterr().out
 
 
-def _allreduce(job, xs, addr_of):
-    """THC all-reduce of ``xs`` (one per worker thread); ``addr_of(job)``: client's address."""
+def _allreduce(job, xs, addr_of, ran=None):
+    """THC all-reduce of ``xs`` (one per worker thread); ``addr_of(job)``: client's address;
+    ``ran``: a set that collects the datapaths the clients' rounds ran in."""
     out, errors = [None] * len(xs), []
 
     def work(w):
@@ -87,6 +89,8 @@ def _allreduce(job, xs, addr_of):
                 ar = THCAllReduce.through_aggregator(c, PARAMS,
                                                      generator=torch.Generator().manual_seed(w))
                 out[w] = ar(xs[w])
+                if ran is not None:
+                    ran.add(c.last_datapath)
         except Exception as e:  # surfaced below
             errors.append(e)
 
@@ -97,7 +101,7 @@ def _allreduce(job, xs, addr_of):
     return out
 
 
-def test_sharded_allreduce_equals_the_central_one_bit_for_bit():
+def test_sharded_allreduce_equals_the_central_one_bit_for_bit(datapath):
     """Three workers, three shards (not a power of two): every shard aggregates its third of
     the chunks and the estimate is exactly the central aggregator's."""
     g = torch.Generator().manual_seed(0)
@@ -111,7 +115,9 @@ def test_sharded_allreduce_equals_the_central_one_bit_for_bit():
     try:
         for a, s in zip(shards, sharded.shards):
             a.start(s.ip, s.port)
-        got = _allreduce(sharded, xs, None)
+        ran = set()
+        got = _allreduce(sharded, xs, None, ran)
+        assert ran == {datapath}
         counts = [a.counters() for a in shards]
     finally:
         for a in shards:
@@ -123,7 +129,7 @@ def test_sharded_allreduce_equals_the_central_one_bit_for_bit():
     assert all(sum(c["drops"].values()) == 0 for c in counts), counts
 
 
-def test_a_restarted_shard_is_named_and_a_silent_one_times_out():
+def test_a_restarted_shard_is_named_and_a_silent_one_times_out(datapath):
     job = _sharded(local_job(1, 1, free_port_block(1), table=list(range(16))), 2)
     first = [Aggregator([job], shard=i, epoch=0x10 + i) for i in range(2)]
     for a, s in zip(first, job.shards):
@@ -134,6 +140,7 @@ def test_a_restarted_shard_is_named_and_a_silent_one_times_out():
             np.testing.assert_array_equal(c.aggregate(_chunks(job, [1, 2, 3, 4])),
                                           np.repeat([1, 2, 3, 4], job.lanes))
             assert c.epochs == [0x10, 0x11]
+            assert c.last_datapath == datapath
             first[1].stop()
             restarted = Aggregator([job], shard=1, epoch=0x99)
             restarted.start(job.shards[1].ip, job.shards[1].port)

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from host.codec.packing import pack_bits
-from host.net.client import AggregationClient, AggregationTimeout
+from host.net import fastagg
+from host.net.client import DATAPATH_ENV, AggregationClient, AggregationTimeout
 from host.net.impair import Impairment
 from host.testing.clusters import free_port_block, local_job
 from host.wire import protocol as P
@@ -58,7 +59,7 @@ def _worker(job, w, addr, impair, q, deadline=20.0, run=1, n=N_ELEMENTS):
         with AggregationClient(job, w, addr, deadline=deadline, run=run,
                                impair=Impairment(**impair, seed=w) if impair else None) as c:
             sums = c.aggregate(pack_bits(idx, P.INDEX_BITS))
-            q.put((w, "ok", sums, c.stats.retransmitted))
+            q.put((w, "ok", sums, (c.stats.retransmitted, c.last_datapath)))
     except AggregationTimeout as e:
         q.put((w, "timeout", str(e), e.missing))
 
@@ -91,7 +92,17 @@ def job():
     return local_job(1, 4, free_port_block(4), pool_size=64)
 
 
-def test_four_workers_one_million_elements_bit_exact(tmp_path, job):
+@pytest.fixture(params=["python", "compiled"])
+def datapath(request, monkeypatch):
+    """Runs a test once per client datapath (through THC_CLIENT_DATAPATH, which forked
+    workers inherit)."""
+    if request.param == "compiled" and fastagg.CLIENT_UNAVAILABLE:
+        pytest.skip(fastagg.CLIENT_UNAVAILABLE)
+    monkeypatch.setenv(DATAPATH_ENV, request.param)
+    return request.param
+
+
+def test_four_workers_one_million_elements_bit_exact(tmp_path, job, datapath):
     agg = AggregatorProcess(tmp_path, [job])
     try:
         results = _run_workers(job, agg.addr)
@@ -99,9 +110,10 @@ def test_four_workers_one_million_elements_bit_exact(tmp_path, job):
     finally:
         agg.stop()
     ref = _reference(job)
-    for w, (status, sums, _) in results.items():
+    for w, (status, sums, (_, ran)) in results.items():
         assert status == "ok", sums
         np.testing.assert_array_equal(sums, ref)
+        assert ran == datapath
     chunks = N_ELEMENTS // job.lanes
     assert stats["jobs"]["1"]["completions"] == chunks
     assert sum(stats["drops"].values()) == 0
@@ -137,16 +149,42 @@ def test_exactly_once_under_loss_duplication_and_reordering(tmp_path, job):
     finally:
         agg.stop()
     ref = _reference(job)
-    for w, (status, sums, retransmitted) in results.items():
+    for w, (status, sums, (retransmitted, ran)) in results.items():
         assert status == "ok", sums
         np.testing.assert_array_equal(sums, ref)
         assert retransmitted > 0, "5% loss must have caused retransmissions"
+        assert ran == "python"  # the client's own impairments run in the Python loop only
     chunks = N_ELEMENTS // job.lanes
     # Exactly once: every chunk completed once, whatever was lost or duplicated.
     assert stats["jobs"]["1"]["completions"] == chunks
 
 
-def test_missing_worker_named_in_timeout(tmp_path, job):
+def test_compiled_client_exactly_once_under_lossy_duplicating_reordering_replies(
+        tmp_path, job, monkeypatch):
+    """The compiled client window against an aggregator whose replies are lost, duplicated
+    and reordered: lost replies make it retransmit, which the aggregator answers from its
+    slots; duplicates are ignored; every chunk completes once and every sum is exact."""
+    if fastagg.CLIENT_UNAVAILABLE:
+        pytest.skip(fastagg.CLIENT_UNAVAILABLE)
+    n = 1 << 18
+    agg = AggregatorProcess(tmp_path, [job], loss=0.05, dup=0.05, reorder=0.05)
+    monkeypatch.setenv(DATAPATH_ENV, "compiled")
+    try:
+        results = _run_workers(job, agg.addr, n=n)
+        stats = agg.stats()
+    finally:
+        agg.stop()
+    ref = _reference(job, n)
+    for w, (status, sums, (retransmitted, ran)) in results.items():
+        assert status == "ok", sums
+        assert ran == "compiled"
+        np.testing.assert_array_equal(sums, ref)
+        assert retransmitted > 0, "5% lost replies must have caused retransmissions"
+    assert stats["jobs"]["1"]["completions"] == n // job.lanes
+    assert stats["jobs"]["1"]["retransmissions"] > 0
+
+
+def test_missing_worker_named_in_timeout(tmp_path, job, datapath):
     agg = AggregatorProcess(tmp_path, [job])
     try:
         results = _run_workers(job, agg.addr, workers=[0, 1, 2], deadline=1.0)
@@ -159,20 +197,22 @@ def test_missing_worker_named_in_timeout(tmp_path, job):
         assert "missing worker(s) [3]" in msg
 
 
-def test_no_aggregator_is_a_clear_timeout(job):
+def test_no_aggregator_is_a_clear_timeout(job, datapath):
     dead = ("127.0.0.1", free_port_block(1))
     with AggregationClient(job, 0, dead, deadline=0.5, run=1) as c:
         with pytest.raises(AggregationTimeout, match="no answer from the aggregator"):
             c.aggregate(np.zeros(job.lanes // 2, np.uint8))
+        assert c.last_datapath == datapath
+        assert c.stats.retransmitted > 0
 
 
-def test_max_round_over_loopback(tmp_path, job):
+def test_max_round_over_loopback(tmp_path, job, datapath):
     agg = AggregatorProcess(tmp_path, [job])
     out = {}
 
     def run(w):
         with AggregationClient(job, w, agg.addr, run=1) as c:
-            out[w] = c.max(np.arange(40, dtype=np.float32) * (w + 1))
+            out[w] = c.max(np.arange(40, dtype=np.float32) * (w + 1)), c.last_datapath
 
     import threading
     try:
@@ -182,7 +222,8 @@ def test_max_round_over_loopback(tmp_path, job):
     finally:
         agg.stop()
     for w in range(4):
-        np.testing.assert_array_equal(out[w], np.arange(40, dtype=np.float32) * 4)
+        np.testing.assert_array_equal(out[w][0], np.arange(40, dtype=np.float32) * 4)
+        assert out[w][1] == datapath
 
 
 def test_packed_length_must_be_whole_chunks(job):

@@ -20,7 +20,7 @@ from host.bench import add_common, emit_json
 from host.codec.packing import pack_bits
 from host.net import fastagg
 from host.net.aggregator import Aggregator
-from host.net.client import AggregationClient
+from host.net.client import AggregationClient, resolve_datapath
 from host.testing.clusters import free_port_block, local_job
 from host.wire import protocol as P
 
@@ -197,7 +197,9 @@ def run(args: argparse.Namespace) -> int:
           f"window {args.window}, compiled servers {'with' if args.gso else 'without'} UDP GSO, "
           f"load: "
           + (f"compiled load generator in {args.load_procs} process(es)"
-             if args.load == "compiled" else "Python clients, one process each"))
+             if args.load == "compiled" else f"AggregationClient processes, one a worker, "
+                                             f"client datapath {resolve_datapath()} "
+                                             f"(THC_CLIENT_DATAPATH)"))
     print(f"{'workers':>7} {'server':>14} {'pkts/s in':>12} {'coords/s':>14} {'seconds':>8} "
           f"{'resent':>7}")
     for n in [int(x) for x in args.workers.split(",")]:
@@ -224,6 +226,7 @@ def run(args: argparse.Namespace) -> int:
         rows.append({"workers": n, **{k.replace(" ", "_"): v for k, v in best.items()},
                      "ratios": ratios})
     emit_json(args, {"benchmark": "aggregator", "lanes": lanes, "load": args.load,
+                     "client_datapath": resolve_datapath() if args.load == "python" else None,
                      "load_procs": args.load_procs, "window": args.window, "gso": args.gso,
                      "rows": rows})
     return 0

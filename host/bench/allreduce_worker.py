@@ -161,6 +161,7 @@ def main(argv: list[str] | None = None) -> int:
               "wire": wire, "phases": phases, "sha256": digest, "nmse": nmse}
     if client is not None:
         result["transport"] = vars(client.stats)
+        result["client_datapath"] = client.last_datapath
         client.close()
     dist.barrier()
     dist.destroy_process_group()

@@ -15,6 +15,7 @@
 
 #include <arpa/inet.h>
 #include <errno.h>
+#include <math.h>
 #include <netinet/in.h>
 #include <netinet/udp.h>
 #include <poll.h>
@@ -1097,12 +1098,462 @@ cleanup:
     return res;
 }
 
+/* ---------------------------------------------------------------------------------------- */
+/* The client's sliding window (host/net/client.py's AggregationClient._stream, common case):
+ * one worker's chunks out with sendmmsg, replies in with recvmmsg, each reply validated as the
+ * Python loop validates it, retransmission on timeout with exponential backoff and the same
+ * fast-retransmit rule, RFC 6298's estimator per shard, without the GIL. Python keeps the
+ * exceptions: stream() returns an event (done, an epoch change, a deadline) for it to raise. */
+
+#define CL_RECV_BYTES 4096 /* the Python loop's receive buffer */
+#define CL_OUT_BYTES 2048
+#define FAST_RETRANSMIT_AFTER 3
+
+enum { EV_DONE, EV_RESTARTED, EV_TIMEOUT, EV_OSERROR };
+enum { S_SENT, S_RETRANSMITTED, S_RECEIVED, S_IGNORED, S_OTHER_RUN, S_PENDING, S_BYTES_SENT,
+       S_BYTES_RECEIVED, S_SHORT, N_CSTATS };
+
+typedef struct {
+    int fd, n_shards, window, lanes, n_workers, is_data, chunk_bytes;
+    uint8_t pkt_type, result_type, pending_type, worker;
+    uint16_t job_id;
+    uint32_t pool, run;
+    uint64_t base, offset_base;
+    const uint8_t *chunks;
+    struct sockaddr_in *aggs;
+    double timeout, max_timeout;
+    double *srtt, *rttvar;
+    /* the send queue */
+    uint8_t *sbuf;
+    struct mmsghdr msgs[BATCH];
+    struct iovec iov[BATCH];
+    int nq;
+    unsigned long long st[N_CSTATS];
+    int err; /* errno of a send the kernel refused for good */
+} Client;
+
+static inline int cl_shard(Client *c, long i) {
+    return (int)((uint32_t)(c->base + (uint64_t)i) % (uint32_t)c->n_shards);
+}
+
+static double cl_rto(Client *c, int shard) {
+    if (c->srtt[shard] < 0) return c->timeout;
+    double r = c->srtt[shard] + 4 * c->rttvar[shard];
+    if (r < c->timeout) r = c->timeout;
+    return r < c->max_timeout ? r : c->max_timeout;
+}
+
+static void cl_sample_rtt(Client *c, int shard, double rtt) {
+    if (c->srtt[shard] < 0) {
+        c->srtt[shard] = rtt;
+        c->rttvar[shard] = rtt / 2;
+    } else {
+        c->rttvar[shard] = 0.75 * c->rttvar[shard] + 0.25 * fabs(c->srtt[shard] - rtt);
+        c->srtt[shard] = 0.875 * c->srtt[shard] + 0.125 * rtt;
+    }
+}
+
+static void cl_flush(Client *c) {
+    int done = 0;
+    while (done < c->nq) {
+        int r = sendmmsg(c->fd, c->msgs + done, (unsigned)(c->nq - done), 0);
+        if (r >= 0) {
+            done += r;
+            continue;
+        }
+        int e = errno;
+        if (e == EINTR) continue;
+        /* a full queue loses the datagram, as the network may: the timer resends it */
+        if (e != EAGAIN && e != EWOULDBLOCK && e != ENOBUFS && e != ENOMEM && !c->err)
+            c->err = e;
+        done++;
+    }
+    c->nq = 0;
+}
+
+/* Queue chunk i's DATA/MAX datagram (a first send or a retransmission). */
+static void cl_send(Client *c, long i) {
+    if (c->nq == BATCH) cl_flush(c);
+    uint64_t s = c->base + (uint64_t)i;
+    uint8_t *p = c->sbuf + (size_t)c->nq * CL_OUT_BYTES;
+    write_header(p, c->pkt_type, c->worker, c->job_id, (uint16_t)(s % c->pool),
+                 (uint8_t)((s / c->pool) % 2), 0, (uint32_t)s,
+                 (uint32_t)(c->offset_base + (uint64_t)i * (uint64_t)c->lanes), 0, c->run, 0);
+    memcpy(p + HDR, c->chunks + (size_t)i * c->chunk_bytes, (size_t)c->chunk_bytes);
+    c->iov[c->nq].iov_base = p;
+    c->iov[c->nq].iov_len = HDR + (size_t)c->chunk_bytes;
+    struct msghdr *h = &c->msgs[c->nq].msg_hdr;
+    memset(h, 0, sizeof *h);
+    h->msg_name = &c->aggs[cl_shard(c, i)];
+    h->msg_namelen = sizeof(struct sockaddr_in);
+    h->msg_iov = &c->iov[c->nq];
+    h->msg_iovlen = 1;
+    c->nq++;
+    c->st[S_SENT]++;
+    c->st[S_BYTES_SENT] += HDR + (unsigned long long)c->chunk_bytes;
+}
+
+static PyObject *list_of_doubles(const double *v, int n) {
+    PyObject *l = PyList_New(n);
+    for (int k = 0; l && k < n; k++) {
+        PyObject *x = v[k] < 0 ? (Py_INCREF(Py_None), Py_None) : PyFloat_FromDouble(v[k]);
+        if (!x) {
+            Py_DECREF(l);
+            return NULL;
+        }
+        PyList_SET_ITEM(l, k, x);
+    }
+    return l;
+}
+
+/* stream(fd, header, chunks, chunk_bytes, aggs, epochs, window, timing, srtt, rttvar, out,
+ *        out_itemsize, expect_payload, counts, bitmaps)
+ *   header: (pkt_type, result_type, pending_type, other_result_type, is_data, worker, job_id,
+ *            pool, run, base, offset_base, lanes, n_workers); replies of the three types are
+ *            this job's, a result of the other type is counted as ignored
+ *   aggs: [(ipv4 as int, port)] per shard; epochs: [int or None] per shard (updated in place)
+ *   timing: (timeout, max_timeout, deadline); srtt/rttvar: [float or None] / [float] per shard
+ *   out: total * lanes elements of out_itemsize bytes (host order); counts (uint8) and
+ *   bitmaps (uint32) per chunk, written for chunks closed short
+ * -> (event, info, stats, srtt, rttvar) with event 0 done, 1 restarted (shard, old, new),
+ *    2 timeout (chunk, PENDING bitmap or None, seconds since the last reply), 3 OS error
+ *    (errno) */
+static PyObject *fa_stream(PyObject *self, PyObject *args) {
+    PyObject *hdr, *aggs_o, *epochs, *srtt_o, *rttvar_o;
+    Py_buffer chunks = {0}, out = {0}, counts = {0}, bitmaps = {0};
+    int fd, chunk_bytes, window, out_itemsize, expect_payload;
+    double timeout, max_timeout, deadline;
+    if (!PyArg_ParseTuple(args, "iOy*iO!O!i(ddd)O!O!w*iiw*w*", &fd, &hdr, &chunks, &chunk_bytes,
+                          &PyList_Type, &aggs_o, &PyList_Type, &epochs, &window, &timeout,
+                          &max_timeout, &deadline, &PyList_Type, &srtt_o, &PyList_Type,
+                          &rttvar_o, &out, &out_itemsize, &expect_payload, &counts, &bitmaps))
+        return NULL;
+    Client *c = calloc(1, sizeof(Client));
+    PyObject *res = NULL;
+    int n_shards = (int)PyList_GET_SIZE(aggs_o);
+    int pkt_type, result_type, pending_type, other_result, is_data, worker, job_id, lanes,
+        n_workers;
+    unsigned long pool, run;
+    unsigned long long base, offset_base;
+    long total = 0;
+    uint8_t *done = NULL, *timed = NULL;
+    double *due = NULL, *backoff = NULL, *started = NULL;
+    int *later = NULL;
+    long long *pend = NULL;
+    long long *epoch = NULL;
+    uint8_t *rbuf = NULL;
+    struct mmsghdr *rmsgs = NULL;
+    struct iovec *riov = NULL;
+    if (!c) {
+        PyErr_NoMemory();
+        goto cleanup;
+    }
+    if (!PyArg_ParseTuple(hdr, "iiiiiiikkKKii", &pkt_type, &result_type, &pending_type,
+                          &other_result, &is_data, &worker, &job_id, &pool, &run, &base,
+                          &offset_base, &lanes, &n_workers))
+        goto cleanup;
+    int wire_bytes = lanes > 0 ? expect_payload / lanes : 0;
+    if (chunk_bytes > 0) total = (long)(chunks.len / chunk_bytes);
+    if (n_shards < 1 || PyList_GET_SIZE(epochs) != n_shards ||
+        PyList_GET_SIZE(srtt_o) != n_shards || PyList_GET_SIZE(rttvar_o) != n_shards ||
+        window < 1 || pool < 1 || (unsigned long)window > pool || chunk_bytes < 1 ||
+        chunks.len % chunk_bytes || HDR + chunk_bytes > CL_OUT_BYTES || lanes < 1 ||
+        expect_payload % lanes || (wire_bytes != 1 && wire_bytes != 2 && wire_bytes != 4) ||
+        (out_itemsize != 2 && out_itemsize != 4) || out_itemsize < wire_bytes ||
+        n_workers < 1 || n_workers > MAX_WORKERS || worker < 0 || worker > 255 ||
+        out.len < (Py_ssize_t)total * lanes * out_itemsize || counts.len < total ||
+        bitmaps.len < (Py_ssize_t)total * 4) {
+        PyErr_SetString(PyExc_ValueError, "stream: bad arguments");
+        goto cleanup;
+    }
+    c->aggs = calloc((size_t)n_shards, sizeof(struct sockaddr_in));
+    c->srtt = calloc((size_t)n_shards, sizeof(double));
+    c->rttvar = calloc((size_t)n_shards, sizeof(double));
+    epoch = calloc((size_t)n_shards, sizeof(long long));
+    c->sbuf = malloc((size_t)BATCH * CL_OUT_BYTES);
+    done = calloc((size_t)total + 1, 1);
+    timed = calloc((size_t)window, 1);
+    due = calloc((size_t)window, sizeof(double));
+    backoff = calloc((size_t)window, sizeof(double));
+    started = calloc((size_t)window, sizeof(double));
+    later = calloc((size_t)window, sizeof(int));
+    pend = calloc((size_t)window, sizeof(long long));
+    rbuf = malloc((size_t)BATCH * CL_RECV_BYTES);
+    rmsgs = calloc(BATCH, sizeof(struct mmsghdr));
+    riov = calloc(BATCH, sizeof(struct iovec));
+    if (!c->aggs || !c->srtt || !c->rttvar || !epoch || !c->sbuf || !done || !timed || !due ||
+        !backoff || !started || !later || !pend || !rbuf || !rmsgs || !riov) {
+        PyErr_NoMemory();
+        goto cleanup;
+    }
+    for (int s = 0; s < n_shards; s++) {
+        unsigned long ip;
+        int port;
+        if (!PyArg_ParseTuple(PyList_GET_ITEM(aggs_o, s), "ki", &ip, &port)) goto cleanup;
+        c->aggs[s].sin_family = AF_INET;
+        c->aggs[s].sin_addr.s_addr = htonl((uint32_t)ip);
+        c->aggs[s].sin_port = htons((uint16_t)port);
+        PyObject *e = PyList_GET_ITEM(epochs, s), *r = PyList_GET_ITEM(srtt_o, s);
+        epoch[s] = e == Py_None ? -1 : (long long)PyLong_AsUnsignedLong(e);
+        c->srtt[s] = r == Py_None ? -1.0 : PyFloat_AsDouble(r);
+        c->rttvar[s] = PyFloat_AsDouble(PyList_GET_ITEM(rttvar_o, s));
+        if (PyErr_Occurred()) goto cleanup;
+    }
+    c->fd = fd;
+    c->n_shards = n_shards;
+    c->window = window;
+    c->lanes = lanes;
+    c->n_workers = n_workers;
+    c->is_data = is_data;
+    c->chunk_bytes = chunk_bytes;
+    c->pkt_type = (uint8_t)pkt_type;
+    c->result_type = (uint8_t)result_type;
+    c->pending_type = (uint8_t)pending_type;
+    c->worker = (uint8_t)worker;
+    c->job_id = (uint16_t)job_id;
+    c->pool = (uint32_t)pool;
+    c->run = (uint32_t)run;
+    c->base = base;
+    c->offset_base = offset_base;
+    c->chunks = chunks.buf;
+    c->timeout = timeout;
+    c->max_timeout = max_timeout;
+
+    uint8_t *outp = out.buf, *countp = counts.buf;
+    uint32_t *bitmapp = bitmaps.buf;
+    uint32_t full = n_workers == 32 ? 0xffffffffu : ((1u << n_workers) - 1);
+    int event = EV_DONE, interrupted = 0;
+    long ev_chunk = 0;
+    long long ev_old = 0, ev_new = 0, ev_bitmap = -1;
+    int ev_shard = 0;
+    double ev_silent = 0;
+
+    Py_BEGIN_ALLOW_THREADS
+    long lo = 0, hi = 0;
+    double now = now_s(), last_reply = now, last_check = now;
+    while (lo < total && event == EV_DONE) {
+        while (hi < total && hi < lo + window) {
+            long r = hi % window;
+            cl_send(c, hi);
+            due[r] = now + cl_rto(c, cl_shard(c, hi));
+            backoff[r] = timeout;
+            started[r] = now;
+            later[r] = 0;
+            pend[r] = -1;
+            timed[r] = 0;
+            hi++;
+        }
+        cl_flush(c);
+        if (c->err) {
+            event = EV_OSERROR;
+            break;
+        }
+        double next_due = now + timeout;
+        int any = 0;
+        for (long i = lo; i < hi; i++)
+            if (!done[i] && (!any || due[i % window] < next_due)) {
+                next_due = due[i % window];
+                any = 1;
+            }
+        double wait = next_due - now_s();
+        if (wait < 0) wait = 0;
+        if (wait > 0.05) wait = 0.05; /* look at Python's signals now and then */
+        struct pollfd pfd = {.fd = fd, .events = POLLIN};
+        struct timespec ts = {.tv_sec = (time_t)wait,
+                              .tv_nsec = (long)((wait - (double)(time_t)wait) * 1e9)};
+        int ready = ppoll(&pfd, 1, &ts, NULL);
+        while (ready > 0 && event == EV_DONE) {
+            for (int k = 0; k < BATCH; k++) {
+                riov[k].iov_base = rbuf + (size_t)k * CL_RECV_BYTES;
+                riov[k].iov_len = CL_RECV_BYTES;
+                memset(&rmsgs[k].msg_hdr, 0, sizeof rmsgs[k].msg_hdr);
+                rmsgs[k].msg_hdr.msg_iov = &riov[k];
+                rmsgs[k].msg_hdr.msg_iovlen = 1;
+            }
+            int got = recvmmsg(fd, rmsgs, BATCH, MSG_DONTWAIT, NULL);
+            if (got <= 0) break;
+            now = now_s();
+            for (int k = 0; k < got && event == EV_DONE; k++) {
+                const uint8_t *d = rbuf + (size_t)k * CL_RECV_BYTES;
+                size_t n = rmsgs[k].msg_len;
+                c->st[S_RECEIVED]++;
+                c->st[S_BYTES_RECEIVED] += n;
+                if (n < HDR) {
+                    c->st[S_IGNORED]++;
+                    continue;
+                }
+                uint8_t r_type = d[0], r_count = d[7];
+                uint32_t r_seq = rd32(d + 8), r_bitmap = rd32(d + 16), r_run = rd32(d + 20),
+                         r_epoch = rd32(d + 24);
+                if (rd16(d + 2) != c->job_id || d[1] != c->worker ||
+                    (r_type != c->pending_type && r_type != c->result_type &&
+                     r_type != (uint8_t)other_result)) {
+                    c->st[S_IGNORED]++;
+                    continue;
+                }
+                if (r_run != c->run) {
+                    c->st[S_OTHER_RUN]++;
+                    continue;
+                }
+                last_reply = now;
+                int shard = (int)(r_seq % (uint32_t)n_shards);
+                if ((long long)r_epoch != epoch[shard]) {
+                    if (epoch[shard] >= 0) {
+                        event = EV_RESTARTED;
+                        ev_shard = shard;
+                        ev_old = epoch[shard];
+                        ev_new = r_epoch;
+                        break;
+                    }
+                    epoch[shard] = r_epoch;
+                }
+                long i = (long)(uint32_t)(r_seq - (uint32_t)c->base);
+                if (i >= hi || done[i]) {
+                    c->st[S_IGNORED]++;
+                    continue;
+                }
+                long r = i % window;
+                if (r_type == c->pending_type) {
+                    c->st[S_PENDING]++;
+                    pend[r] = r_bitmap;
+                    continue;
+                }
+                if (r_type != c->result_type || n - HDR != (size_t)expect_payload) {
+                    c->st[S_IGNORED]++;
+                    continue;
+                }
+                if (r_count != n_workers) {
+                    /* closed short (FLUSH): DATA only, and count must match the bitmap */
+                    if (!is_data || r_count > n_workers ||
+                        __builtin_popcount(r_bitmap) != r_count || (r_bitmap & ~full)) {
+                        c->st[S_IGNORED]++;
+                        continue;
+                    }
+                    c->st[S_SHORT]++;
+                    countp[i] = r_count;
+                    memcpy(bitmapp + i, &r_bitmap, 4);
+                }
+                const uint8_t *q = d + HDR;
+                uint8_t *o = outp + (size_t)i * lanes * out_itemsize;
+                if (wire_bytes == 1 && out_itemsize == 2) { /* 8-bit sums: the common case */
+                    uint16_t *o16 = (uint16_t *)o; /* numpy aligns its elements */
+                    for (int l = 0; l < lanes; l++) o16[l] = q[l];
+                } else {
+                    for (int l = 0; l < lanes; l++) {
+                        uint32_t v = wire_bytes == 1 ? q[l]
+                                     : wire_bytes == 2 ? rd16(q + 2 * l) : rd32(q + 4 * l);
+                        if (out_itemsize == 2) {
+                            uint16_t v16 = (uint16_t)v;
+                            memcpy(o + 2 * l, &v16, 2);
+                        } else {
+                            memcpy(o + 4 * l, &v, 4);
+                        }
+                    }
+                }
+                done[i] = 1;
+                if (backoff[r] == timeout) cl_sample_rtt(c, shard, now - started[r]);
+                while (lo < total && done[lo]) lo++;
+                if (i > lo) {
+                    /* fast retransmit: later chunks of the same shard overtook these */
+                    for (long j = lo; j < i; j++) {
+                        if (done[j] || cl_shard(c, j) != shard) continue;
+                        long rj = j % window;
+                        if (++later[rj] == FAST_RETRANSMIT_AFTER) {
+                            c->st[S_RETRANSMITTED]++;
+                            cl_send(c, j);
+                            due[rj] = now + cl_rto(c, shard);
+                            later[rj] = -4 * FAST_RETRANSMIT_AFTER;
+                        }
+                    }
+                }
+            }
+            if (got < BATCH) break;
+        }
+        cl_flush(c);
+        if (event != EV_DONE) break;
+        if (c->err) {
+            event = EV_OSERROR;
+            break;
+        }
+        now = now_s();
+        if (now - last_check > 0.05) {
+            last_check = now;
+            Py_BLOCK_THREADS
+            interrupted = PyErr_CheckSignals() < 0;
+            Py_UNBLOCK_THREADS
+            if (interrupted) break;
+        }
+        if (now < next_due) continue;
+        for (long i = lo; i < hi && event == EV_DONE; i++) {
+            long r = i % window;
+            if (done[i] || due[r] > now) continue;
+            if (now - started[r] > deadline) {
+                event = EV_TIMEOUT;
+                ev_chunk = i;
+                ev_bitmap = pend[r];
+                ev_silent = now - last_reply;
+                break;
+            }
+            c->st[S_RETRANSMITTED]++;
+            cl_send(c, i);
+            double b = cl_rto(c, cl_shard(c, i));
+            if (backoff[r] > b) b = backoff[r];
+            b *= 2;
+            backoff[r] = b < max_timeout ? b : max_timeout;
+            due[r] = now + backoff[r];
+        }
+        cl_flush(c);
+        if (event == EV_DONE && c->err) event = EV_OSERROR;
+    }
+    Py_END_ALLOW_THREADS
+    if (interrupted) goto cleanup;
+    for (int s = 0; s < n_shards; s++) {
+        PyObject *e = epoch[s] < 0 ? (Py_INCREF(Py_None), Py_None)
+                                   : PyLong_FromLongLong(epoch[s]);
+        if (!e) goto cleanup;
+        PyList_SetItem(epochs, s, e);
+    }
+    PyObject *info;
+    if (event == EV_RESTARTED)
+        info = Py_BuildValue("(iLL)", ev_shard, ev_old, ev_new);
+    else if (event == EV_TIMEOUT)
+        info = ev_bitmap < 0 ? Py_BuildValue("(lOd)", ev_chunk, Py_None, ev_silent)
+                             : Py_BuildValue("(lLd)", ev_chunk, ev_bitmap, ev_silent);
+    else if (event == EV_OSERROR)
+        info = PyLong_FromLong(c->err);
+    else
+        info = (Py_INCREF(Py_None), Py_None);
+    PyObject *st = PyTuple_New(N_CSTATS);
+    for (int k = 0; st && k < N_CSTATS; k++)
+        PyTuple_SET_ITEM(st, k, PyLong_FromUnsignedLongLong(c->st[k]));
+    PyObject *srtt_l = list_of_doubles(c->srtt, n_shards);
+    PyObject *rttvar_l = list_of_doubles(c->rttvar, n_shards);
+    if (info && st && srtt_l && rttvar_l)
+        res = Py_BuildValue("(iOOOO)", event, info, st, srtt_l, rttvar_l);
+    Py_XDECREF(info); Py_XDECREF(st); Py_XDECREF(srtt_l); Py_XDECREF(rttvar_l);
+cleanup:
+    if (c) {
+        free(c->aggs); free(c->srtt); free(c->rttvar); free(c->sbuf); free(c);
+    }
+    free(epoch); free(done); free(timed); free(due); free(backoff); free(started); free(later);
+    free(pend); free(rbuf); free(rmsgs); free(riov);
+    PyBuffer_Release(&chunks);
+    if (out.obj) PyBuffer_Release(&out);
+    if (counts.obj) PyBuffer_Release(&counts);
+    if (bitmaps.obj) PyBuffer_Release(&bitmaps);
+    return res;
+}
+
 static PyMethodDef module_methods[] = {
     {"drive", fa_drive, METH_VARARGS,
      "drive(workers, agg_ip, agg_port, job_id, pool, lanes, run, chunks, window, payloads, types, "
      "rto, deadline) -> (seconds, results, sent, retransmitted, complete): the workers, "
      "(fd, worker_id) pairs, stream "
      "`chunks` DATA chunks each with a window, resending after `rto` seconds without progress"},
+    {"stream", fa_stream, METH_VARARGS,
+     "stream(fd, header, chunks, chunk_bytes, aggs, epochs, window, (timeout, max_timeout, "
+     "deadline), srtt, rttvar, out, out_itemsize, expect_payload, counts, bitmaps) -> (event, "
+     "info, stats, srtt, rttvar): one client's sliding window (host/net/client.py)"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -1132,7 +1583,8 @@ PyMODINIT_FUNC PyInit__fastagg(void) {
         PyModule_AddObject(m, "COUNTERS", counters) < 0 ||
         PyModule_AddObject(m, "HEADER_LAYOUT", layout) < 0 ||
         PyModule_AddIntConstant(m, "MAX_WORKERS", MAX_WORKERS) < 0 ||
-        PyModule_AddIntConstant(m, "BATCH", BATCH) < 0) {
+        PyModule_AddIntConstant(m, "BATCH", BATCH) < 0 ||
+        PyModule_AddIntConstant(m, "CLIENT_MAX_DATAGRAM", CL_OUT_BYTES) < 0) {
         Py_DECREF(m);
         return NULL;
     }

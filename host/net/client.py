@@ -25,10 +25,18 @@ has and sends that RESULT, with its count and bitmap, to every worker), as long 
 ``last_bitmaps`` say per chunk who was counted. Each DATA packet may carry a priority class
 in its IPv4 DSCP (:mod:`host.net.priority`), set per packet with an ``IP_TOS`` control
 message (as cheap as a plain ``sendto``).
+
+Two datapaths run the window: this module's Python loop (the readable reference, and the only
+one for impairments, bounded loss and DSCP marks) and a compiled one in
+:mod:`host.net._fastagg` (recvmmsg/sendmmsg batches without the GIL, the same validation,
+retransmission and estimator) for the common case. ``THC_CLIENT_DATAPATH`` (or the
+``datapath`` argument) picks ``python``, ``compiled`` or ``auto`` (compiled where built);
+:attr:`AggregationClient.last_datapath` says which one ran the last round.
 """
 from __future__ import annotations
 
 import math
+import os
 import select
 import socket
 import struct
@@ -37,6 +45,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from host.net import fastagg
 from host.net.impair import Impairment
 from host.net.priority import FLUSH_CLASS, tos_of
 from host.wire import protocol as P
@@ -84,6 +93,27 @@ class TransportStats:
     """FLUSH packets sent (chunks this worker asked to close short; repeats included)."""
     short: int = 0
     """Chunks that ended with fewer than all workers (whoever closed them)."""
+    compiled_rounds: int = 0
+    """Rounds (aggregate/max calls) the compiled datapath ran; the others ran in Python."""
+
+
+DATAPATH_ENV = "THC_CLIENT_DATAPATH"
+DATAPATHS = ("auto", "compiled", "python")
+
+
+def resolve_datapath(choice: str | None = None) -> str:
+    """``choice`` (else ``THC_CLIENT_DATAPATH``, else auto) -> "compiled" or "python";
+    asking for the compiled one where it is not built is an error that says why."""
+    choice = (choice or os.environ.get(DATAPATH_ENV) or "auto").lower()
+    if choice not in DATAPATHS:
+        raise ValueError(f"client datapath {choice!r} is not one of {', '.join(DATAPATHS)} "
+                         f"(argument or {DATAPATH_ENV})")
+    if choice == "python" or (choice == "auto" and fastagg.CLIENT_UNAVAILABLE):
+        return "python"
+    if fastagg.CLIENT_UNAVAILABLE:
+        raise ValueError(f"client datapath 'compiled' asked for, but "
+                         f"{fastagg.CLIENT_UNAVAILABLE}")
+    return "compiled"
 
 
 class AggregationClient:
@@ -97,7 +127,7 @@ class AggregationClient:
                  window: int | None = None, timeout: float = 0.02, max_timeout: float = 0.5,
                  deadline: float = 10.0, impair: Impairment | None = None,
                  sock: socket.socket | None = None, run: int | None = None,
-                 loss_bound: float | None = None):
+                 loss_bound: float | None = None, datapath: str | None = None):
         """``run``: this training run's id, the same on every worker (default: ``THC_RUN`` from
         the environment; :func:`host.collective.allreduce.agree_run` agrees one over a process
         group). It may also be set later through :attr:`run`, before the first chunk.
@@ -105,7 +135,10 @@ class AggregationClient:
         ``aggregator``: the switch's or central aggregator's address; leave it out for a
         sharded job, whose shard map (``job.shards``) says where each chunk goes.
 
-        ``loss_bound``: overrides the job's (a fraction of each round's chunks in [0, 1))."""
+        ``loss_bound``: overrides the job's (a fraction of each round's chunks in [0, 1)).
+
+        ``datapath``: "python", "compiled" or "auto" (default: ``THC_CLIENT_DATAPATH``, else
+        auto); the compiled one runs rounds without impairment, loss bound or DSCP marks."""
         self.job = job
         self.worker_id = worker_id
         if job.shards:
@@ -130,6 +163,10 @@ class AggregationClient:
         self.last_bitmaps = np.zeros(0, dtype=np.uint32)
         self.impair = impair or Impairment()
         self.stats = TransportStats()
+        self.datapath = resolve_datapath(datapath)
+        """The datapath rounds run in where they can ("compiled" or "python")."""
+        self.last_datapath: str | None = None
+        """The datapath that ran the last round."""
         self.next_seq = 0
         self._run = P.run_from_env() if run is None else P.check_run(run)
         self._srtt: list[float | None] = [None] * len(self.aggregators)
@@ -256,6 +293,12 @@ class AggregationClient:
         counts = np.full(total, job.n_workers, dtype=np.uint8)
         bitmaps = np.full(total, job.full_bitmap, dtype=np.uint32)
         bounded = pkt_type == P.PktType.DATA and self.loss_bound > 0
+        if (self.datapath == "compiled" and not bounded and tos is None
+                and not self.impair.active and self._compiled_fits(chunks)):
+            self._stream_compiled(pkt_type, result_type, chunks, out, offset_base, lanes,
+                                  expect_payload, base, run, counts, bitmaps)
+            return
+        self.last_datapath = "python"
         budget = math.floor(self.loss_bound * total) if bounded else 0
         short: set[int] = set()     # chunks flushed by this worker or ended short
         flush_type, flush_tos = int(P.PktType.FLUSH), tos_of(FLUSH_CLASS) if tos else 0
@@ -387,6 +430,56 @@ class AggregationClient:
                 backoff[i] = min(max(backoff[i], self.rto(shard_of(i))) * 2, self.max_timeout)
                 due[i] = now + backoff[i]
         self.next_seq = (base + total) % P.SEQ_MOD
+        if pkt_type == P.PktType.DATA:
+            self.last_counts, self.last_bitmaps = counts, bitmaps
+
+    def _compiled_fits(self, chunks: np.ndarray) -> bool:
+        """Whether the compiled loop can carry this round: IPv4 literal addresses, a datagram
+        it has room for, an IPv4 socket."""
+        return (self.sock.family == socket.AF_INET
+                and all(fastagg.ipv4_int(ip) is not None for ip, _ in self.aggregators)
+                and P.HEADER_BYTES + chunks.shape[1] <= fastagg.CLIENT_MAX_DATAGRAM)
+
+    def _stream_compiled(self, pkt_type, result_type, chunks, out, offset_base, lanes,
+                         expect_payload, base, run, counts, bitmaps) -> None:
+        """The same window in C (``_fastagg.stream``); its events become this module's
+        exceptions, its counters this client's stats."""
+        job = self.job
+        other = P.PktType.MAX_RESULT if result_type == P.PktType.RESULT else P.PktType.RESULT
+        header = (int(pkt_type), int(result_type), int(P.PktType.PENDING), int(other),
+                  int(pkt_type == P.PktType.DATA), self.worker_id, job.job_id, job.pool_size,
+                  run, base, offset_base % P.SEQ_MOD, lanes, job.n_workers)
+        aggs = [(fastagg.ipv4_int(ip), port) for ip, port in self.aggregators]
+        chunks = np.ascontiguousarray(chunks, dtype=np.uint8)
+        self.last_datapath = "compiled"
+        self.stats.compiled_rounds += 1
+        event, info, st, srtt, rttvar = fastagg.stream(
+            self.sock.fileno(), header, chunks, chunks.shape[1], aggs, self.epochs,
+            self.window, (self.timeout, self.max_timeout, self.deadline), list(self._srtt),
+            list(self._rttvar), out, out.itemsize, expect_payload, counts, bitmaps)
+        s = self.stats
+        (sent, retransmitted, received, ignored, other_run, pending, bytes_sent,
+         bytes_received, short) = st
+        s.sent += sent
+        s.retransmitted += retransmitted
+        s.received += received
+        s.ignored += ignored
+        s.other_run += other_run
+        s.pending += pending
+        s.bytes_sent += bytes_sent
+        s.bytes_received += bytes_received
+        s.short += short
+        self._srtt, self._rttvar = srtt, rttvar
+        if event == fastagg.STREAM_RESTARTED:
+            shard, old, new = info
+            raise AggregatorRestarted(self.aggregators[shard], run, old, new,
+                                      shard if len(self.aggregators) > 1 else None)
+        if event == fastagg.STREAM_TIMEOUT:
+            i, bitmap, silent = info
+            self._raise_timeout(base, i, bitmap, silent)
+        if event == fastagg.STREAM_OSERROR:
+            raise OSError(info, os.strerror(info))
+        self.next_seq = (base + len(chunks)) % P.SEQ_MOD
         if pkt_type == P.PktType.DATA:
             self.last_counts, self.last_bitmaps = counts, bitmaps
 

@@ -42,6 +42,22 @@ def available() -> bool:
     return UNAVAILABLE is None
 
 
+STREAM_DONE, STREAM_RESTARTED, STREAM_TIMEOUT, STREAM_OSERROR = range(4)
+"""The events the compiled client window (``stream``) returns with."""
+
+CLIENT_UNAVAILABLE: str | None = UNAVAILABLE or (
+    None if hasattr(_fastagg, "stream")
+    else "the compiled datapath predates the client window: rebuild it")
+"""Why the client's compiled window cannot run here; None when it can."""
+
+CLIENT_MAX_DATAGRAM = getattr(_fastagg, "CLIENT_MAX_DATAGRAM", 0)
+
+
+def stream(*args):
+    """The client's sliding window in C (host.net.client runs it; see _fastagg.c)."""
+    return _fastagg.stream(*args)
+
+
 AGGREGATIONS = frozenset(("thc", "vote"))
 """What the compiled datapath sums: THC table values, or vote counts of sign bits."""
 

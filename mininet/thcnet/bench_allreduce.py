@@ -234,6 +234,8 @@ def _run_mode(tb, mode: str, args, numel: int, repeat: int, window: int | None =
                 max(row["phases"][i][key] for row in rows) for i in range(repeat))
         out["phases_slowest_worker"] = phases
         out["transport"] = rows[0].get("transport")
+        if rows[0].get("client_datapath"):
+            out["client_datapath"] = rows[0]["client_datapath"]
         counters = (tb.aggregator_counters()
                     if tb.aggregator in ("software", "sharded") and mode != "thc-dist" else None)
         if counters:
@@ -403,6 +405,8 @@ def _print_table(result: dict) -> None:
             if "phases_slowest_worker" in m:
                 ph = m["phases_slowest_worker"]
                 note = "phases: " + " ".join(f"{k} {v:.2f}" for k, v in ph.items())
+                if m.get("client_datapath"):
+                    note += f"  client {m['client_datapath']}"
             if m.get("nmse") is not None and name != "fp32":
                 note += f"  nmse {m['nmse']:.4f}"
             if "cpu_seconds_per_round" in m:

@@ -1,0 +1,168 @@
+"""Both client datapaths (the Python window and the compiled one) against a scripted aggregator
+on loopback: the datagrams they send, hostile replies ignored and counted alike, chunks closed
+short, an epoch change, a missing worker named, and the cases that fall back to Python."""
+from __future__ import annotations
+
+import socket
+import threading
+
+import numpy as np
+import pytest
+
+from host.codec.packing import pack_bits
+from host.net.client import (AggregationClient, AggregationTimeout, AggregatorRestarted,
+                             resolve_datapath)
+from host.net.impair import Impairment
+from host.testing.clusters import free_port_block, local_job
+from host.wire import protocol as P
+from tests.test_transport import datapath  # noqa: F401 (a fixture)
+
+N_CHUNKS = 20
+SHORT_SEQ = 3
+
+
+class ScriptedAggregator:
+    """Answers each DATA chunk with a volley of hostile replies, a PENDING, then its RESULT
+    (``mode="pending"``: the PENDING only, as if worker 1 never came)."""
+
+    def __init__(self, job, epoch=0x1234, mode="answer"):
+        self.job, self.epoch, self.mode = job, epoch, mode
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.settimeout(0.05)
+        self.addr = self.sock.getsockname()
+        self.received: list[bytes] = []
+        self._stop = False
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    @staticmethod
+    def values(seq, lanes):
+        return (np.arange(lanes) + 7 * seq) % 200
+
+    def _serve(self):
+        job, pack = self.job, P.HEADER_STRUCT.pack
+        dtype = P.sum_dtype(job.sum_bits)
+        while not self._stop:
+            try:
+                data, src = self.sock.recvfrom(4096)
+            except socket.timeout:
+                continue
+            self.received.append(data)
+            (_t, w, j, slot, version, _c, seq, offset, _b, run, _e) = \
+                P.HEADER_STRUCT.unpack_from(data)
+
+            def reply(t=P.PktType.RESULT, worker=w, job_id=j, count=job.n_workers,
+                      bitmap=job.full_bitmap, run=run, payload=None):
+                if payload is None:
+                    payload = self.values(seq, job.lanes).astype(dtype).tobytes()
+                self.sock.sendto(pack(t, worker, job_id, slot, version, count, seq, offset,
+                                      bitmap, run, self.epoch) + payload, src)
+
+            reply(t=P.PktType.PENDING, bitmap=0b01, payload=b"")
+            if self.mode == "pending":
+                continue
+            self.sock.sendto(b"\x00" * 10, src)                         # ignored: short
+            reply(job_id=j + 1)                                         # ignored: other job
+            reply(worker=w + 1)                                         # ignored: other worker
+            reply(t=P.PktType.MAX_RESULT)                               # ignored: wrong type
+            reply(payload=b"\x01" * 5)                                  # ignored: length
+            reply(run=run + 1)                                          # other_run
+            if seq % N_CHUNKS == SHORT_SEQ:
+                reply(count=1, bitmap=0b11)                             # ignored: count/bitmap
+                reply(count=1, bitmap=0b01)                             # closed short
+            else:
+                reply()
+
+    def close(self):
+        self._stop = True
+        self._thread.join()
+        self.sock.close()
+
+
+@pytest.fixture
+def job():
+    return local_job(1, 2, free_port_block(2), pool_size=16)
+
+
+def _packed(job, seed):
+    idx = np.random.default_rng(seed).integers(0, 16, N_CHUNKS * job.lanes).astype(np.uint8)
+    return pack_bits(idx, P.INDEX_BITS)
+
+
+def test_hostile_replies_ignored_and_counted_short_chunks_and_restart(job, datapath):
+    agg = ScriptedAggregator(job)
+    try:
+        with AggregationClient(job, 0, agg.addr, run=77, timeout=2.0, max_timeout=2.0) as c:
+            packed = _packed(job, 1)
+            sums = c.aggregate(packed, offset_base=1000)
+            assert c.last_datapath == datapath
+            want = np.concatenate([ScriptedAggregator.values(s, job.lanes)
+                                   for s in range(N_CHUNKS)])
+            np.testing.assert_array_equal(sums, want)
+            s = c.stats
+            assert s.retransmitted == 0 and s.sent == N_CHUNKS
+            assert s.received == 8 * N_CHUNKS + 1
+            assert s.ignored == 5 * N_CHUNKS + 1
+            assert s.other_run == N_CHUNKS and s.pending == N_CHUNKS and s.short == 1
+            assert s.bytes_sent == sum(map(len, agg.received))
+            assert c.last_counts[SHORT_SEQ] == 1 and c.last_bitmaps[SHORT_SEQ] == 0b01
+            assert (np.delete(c.last_counts, SHORT_SEQ) == 2).all()
+            assert c.epoch == 0x1234 and c._srtt[0] is not None
+            # the datagrams, field by field, as the protocol lays them out
+            chunk = len(packed) // N_CHUNKS
+            for seq, data in enumerate(agg.received):
+                slot, version = P.slot_of(seq, job.pool_size)
+                payload = packed[seq * chunk:(seq + 1) * chunk].tobytes()
+                assert data == P.HEADER_STRUCT.pack(
+                    P.PktType.DATA, 0, job.job_id, slot, version, 0, seq,
+                    1000 + seq * job.lanes, 0, 77, 0) + payload
+            # a second round continues the sequence numbers; then the aggregator restarts
+            sums = c.aggregate(_packed(job, 2))
+            np.testing.assert_array_equal(sums, np.concatenate(
+                [ScriptedAggregator.values(s, job.lanes) for s in range(N_CHUNKS, 2 * N_CHUNKS)]))
+            agg.epoch = 0x5678
+            with pytest.raises(AggregatorRestarted, match="the aggregator at 127.0.0.1") as e:
+                c.aggregate(_packed(job, 3))
+            assert (e.value.old_epoch, e.value.new_epoch, e.value.run) == (0x1234, 0x5678, 77)
+    finally:
+        agg.close()
+
+
+def test_missing_worker_named_by_the_last_pending(job, datapath):
+    agg = ScriptedAggregator(job, mode="pending")
+    try:
+        with AggregationClient(job, 0, agg.addr, run=5, deadline=0.3) as c:
+            with pytest.raises(AggregationTimeout, match=r"missing worker\(s\) \[1\]") as e:
+                c.aggregate(_packed(job, 1)[: job.lanes // 2])
+            assert e.value.missing == [1]
+            assert c.last_datapath == datapath
+            assert c.stats.retransmitted > 0 and c.stats.pending == c.stats.sent
+    finally:
+        agg.close()
+
+
+def test_impairment_priorities_and_loss_bound_run_in_python(job):
+    agg = ScriptedAggregator(job)
+    try:
+        packed = _packed(job, 1)
+        for kw in ({"impair": Impairment(dup=0.2, seed=1)}, {"loss_bound": 0.1}):
+            with AggregationClient(job, 0, agg.addr, run=9, datapath="compiled", **kw) as c:
+                c.aggregate(packed)
+                assert c.last_datapath == "python", kw
+        with AggregationClient(job, 0, agg.addr, run=9, datapath="compiled") as c:
+            c.aggregate(packed, classes=np.zeros(N_CHUNKS, np.uint8))
+            assert c.last_datapath == "python"
+    finally:
+        agg.close()
+
+
+def test_datapath_choice(monkeypatch):
+    monkeypatch.setenv("THC_CLIENT_DATAPATH", "python")
+    assert resolve_datapath() == "python"
+    assert resolve_datapath("PYTHON") == "python"
+    with pytest.raises(ValueError, match="not one of auto, compiled, python"):
+        resolve_datapath("fast")
+    monkeypatch.setenv("THC_CLIENT_DATAPATH", "bogus")
+    with pytest.raises(ValueError, match="THC_CLIENT_DATAPATH"):
+        resolve_datapath()
