@@ -58,6 +58,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 # -- running workers --------------------------------------------------------------------------
 
+MID_STREAM_ROUNDS = 1000
+"""Vectors the kill/restart rows stream: the fault must land mid-stream however fast the
+client is (the compiled window finishes one quick-mode vector in well under a second)."""
+
+
 def _argv(tb, numel: int, rounds: int = 1, deadline: float = 10.0, **impair):
     cfg, agg = str(tb.cluster_path), f"{tb.agg_addr[0]}:{tb.agg_addr[1]}"
 
@@ -228,7 +233,7 @@ def row_worker_killed(tb, numel: int, restart_numel: int | None = None, suffix: 
     deadline = 3.0
     before = _counters(tb)
     t0 = time.perf_counter()
-    procs = tb.start_workers(_argv(tb, numel, deadline=deadline, **kw))
+    procs = tb.start_workers(_argv(tb, numel, MID_STREAM_ROUNDS, deadline=deadline, **kw))
     seen = _progress(tb, before, 50)
     procs[2].kill()
     killed_at = time.perf_counter()
@@ -254,7 +259,7 @@ def row_aggregator_restarted(tb, numel: int) -> Row:
     deadline = 3.0
     before = _counters(tb)
     t0 = time.perf_counter()
-    procs = tb.start_workers(_argv(tb, numel, deadline=deadline))
+    procs = tb.start_workers(_argv(tb, numel, MID_STREAM_ROUNDS, deadline=deadline))
     seen = _progress(tb, before, 50)
     agg = tb._agg_proc
     agg.kill(grace=0)
@@ -287,7 +292,7 @@ def row_switch_restarted(tb, numel: int, restart_numel: int, **kw) -> Row:
     deadline = 30.0
     before = _live_counters(tb)
     t0 = time.perf_counter()
-    procs = tb.start_workers(_argv(tb, numel, deadline=deadline, **kw))
+    procs = tb.start_workers(_argv(tb, numel, MID_STREAM_ROUNDS, deadline=deadline, **kw))
     seen = _progress(tb, before, 50)
     gone = tb.restart_switch()
     back_at = time.perf_counter()
