@@ -65,15 +65,10 @@ def encode_value(value, bitwidth: int) -> bytes:
     return p4rt.canonical_bytes(num)
 
 
-def _encode_cached(value, bitwidth: int) -> bytes:
-    """encode_value, memoized for the integers lookup entries repeat by the thousand."""
-    if type(value) is int:
-        return _encode_int(value, bitwidth)
-    return encode_value(value, bitwidth)
-
-
 @functools.lru_cache(maxsize=1 << 14)
-def _encode_int(value: int, bitwidth: int) -> bytes:
+def _encode_cached(value, bitwidth: int) -> bytes:
+    """encode_value, memoized for the values lookup entries repeat by the thousand (ints,
+    strings and bytes are all hashable; a refusal raises and is not cached)."""
     return encode_value(value, bitwidth)
 
 
