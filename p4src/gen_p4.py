@@ -80,7 +80,10 @@ and (Tofino program only) no register access: the lanes are only dropped from th
 
 GROUP_DECL = "ThcLaneGroup() thc_g{i};\n"
 GROUP_APPLY = ("thc_g{i}.apply(hdr.thc_data[{i}], hdr.thc_result8[{i}], hdr.thc_result16[{i}], "
-               "hdr.thc.job_id, meta.reg_index, meta.lane_op, meta.wide);\n")
+               "hdr.thc.job_id, meta.reg_index, meta.group_op, meta.keep, meta.wide);\n")
+PARSE_EXTRACT = "packet.extract(hdr.{stack}[{i}]);\n"
+"""The parser extracts a payload element by element with constant indices: BMv2 runs a
+``.next`` loop as one parser state, select and counter update per element."""
 VOTE_DECL = "ThcVoteGroup() thc_v{i};\n"
 VOTE_APPLY = "thc_v{i}.apply(hdr.thc_vote[{i}], hdr.thc_data[{i}]);\n"
 MAX_DECL = "ThcMaxLane() thc_m{i};\n"
@@ -251,6 +254,11 @@ def generate(spec: dict, lanes: int | None = None, slots: int | None = None,
                           "vote job's DATA packet.\n", _each(VOTE_APPLY, groups)]
     max_apply = [HEADER, "// Statements of the ingress apply block: every max lane of a MAX packet.\n",
                  _each(MAX_APPLY, max_lanes)]
+    parse = {stack: [HEADER, f"// Statements of the parser state that extracts {what}.\n",
+                     "".join(PARSE_EXTRACT.format(stack=stack, i=i) for i in range(n))]
+             for stack, n, what in [("thc_data", groups, "a DATA payload"),
+                                    ("thc_vote", groups, "a vote job's DATA payload"),
+                                    ("thc_max", max_lanes, "a MAX payload")]}
     tna_decl, tna_apply = _tna_groups(groups, max_lanes)
     return {
         "thc_constants.p4": "".join(c),
@@ -258,6 +266,9 @@ def generate(spec: dict, lanes: int | None = None, slots: int | None = None,
         "thc_groups.p4": "".join(decl),
         "thc_groups_apply.p4": "".join(group_apply),
         "thc_max_apply.p4": "".join(max_apply),
+        "thc_parse_data.p4": "".join(parse["thc_data"]),
+        "thc_parse_vote.p4": "".join(parse["thc_vote"]),
+        "thc_parse_max.p4": "".join(parse["thc_max"]),
         "thc_tna_groups.p4": HEADER + "// Declarations inside the TNA ingress control "
                              "(thc_tna.p4 only).\n" + tna_decl,
         "thc_tna_pragmas.p4": HEADER + "// Annotations of the TNA ingress control "

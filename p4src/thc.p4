@@ -30,6 +30,13 @@
 #include "generated/thc_headers.p4"
 #include "thc_common.p4"
 
+// What every lane group does with a packet (meta.group_op, set once per packet so that a
+// group tests one condition): look its bytes up and add, read its words for a
+// retransmission's reply, or add zeros for a FLUSH
+const bit<2> THC_GROUP_LOOKUP = 0;
+const bit<2> THC_GROUP_READ = 1;
+const bit<2> THC_GROUP_FLUSH = 2;
+
 struct metadata_t {
     // from thc_job
     bit<8>  job_index;
@@ -66,8 +73,8 @@ struct metadata_t {
     bit<6>  dscp;           // the IPv4 DSCP: picks the egress queue priority
     bit<1>  first;          // first contribution of this use of the slot: overwrite lanes
     bit<2>  lane_op;        // THC_OP_WRITE / THC_OP_ADD / THC_OP_READ for every lane word
-    // parser
-    bit<8>  parsed;         // header stack elements extracted so far
+    bit<2>  group_op;       // THC_GROUP_LOOKUP / _READ / _FLUSH: what every lane group does
+    bit<32> keep;           // lane words keep their sums (ADD: all ones) or not (WRITE: 0)
     // outcome
     bit<8>  drop_reason;
     bit<1>  is_reply;       // egress rewrites addresses for the destination worker
@@ -99,7 +106,6 @@ parser ThcParser(packet_in packet, out headers_t hdr, inout metadata_t meta,
     }
     state parse_thc {
         packet.extract(hdr.thc);
-        meta.parsed = 0;
         // A payload is parsed only when the UDP length is exactly right for the type;
         // ingress turns a missing payload into drop reason bad_lanes.
         transition select(hdr.thc.pkt_type, hdr.udp.length) {
@@ -110,28 +116,16 @@ parser ThcParser(packet_in packet, out headers_t hdr, inout metadata_t meta,
         }
     }
     state parse_data {
-        packet.extract(hdr.thc_data.next);
-        meta.parsed = meta.parsed + 1;
-        transition select(meta.parsed) {
-            THC_GROUPS: accept;
-            default: parse_data;
-        }
+#include "generated/thc_parse_data.p4"
+        transition accept;
     }
     state parse_vote {
-        packet.extract(hdr.thc_vote.next);
-        meta.parsed = meta.parsed + 1;
-        transition select(meta.parsed) {
-            THC_GROUPS: accept;
-            default: parse_vote;
-        }
+#include "generated/thc_parse_vote.p4"
+        transition accept;
     }
     state parse_max {
-        packet.extract(hdr.thc_max.next);
-        meta.parsed = meta.parsed + 1;
-        transition select(meta.parsed) {
-            THC_MAX_LANES: accept;
-            default: parse_max;
-        }
+#include "generated/thc_parse_max.p4"
+        transition accept;
     }
 }
 
@@ -154,72 +148,76 @@ control ThcVerifyChecksum(inout headers_t hdr, inout metadata_t meta) {
  * add otherwise) or, on a retransmission, thc_read8 / thc_read16. thc_tna.p4 keeps these
  * names but leaves the words to RegisterActions chosen by its thc_word_op table.
  */
-control ThcLaneGroup(in thc_idx_h idx, out thc_sum8_h r8, out thc_sum16_h r16,
-                     in bit<16> job_id, in bit<32> reg_index, in bit<2> op, in bit<1> wide) {
+control ThcLaneGroup(in thc_idx_h idx, inout thc_sum8_h r8, inout thc_sum16_h r16,
+                     in bit<16> job_id, in bit<32> reg_index, in bit<2> group_op,
+                     in bit<32> keep, in bit<1> wide) {
     register<bit<32>>(THC_REG_SIZE) thc_sum_0;
     register<bit<32>>(THC_REG_SIZE) thc_sum_1;
     register<bit<32>>(THC_REG_SIZE) thc_sum_2;
     register<bit<32>>(THC_REG_SIZE) thc_sum_3;
-    // table values of the group's bytes, then its words (read only after the lookups ran,
-    // except by a READ, which ignores them)
+    // the group's DATA bytes as lookup keys, and the table values of the first three
+    bit<8> k0;
+    bit<8> k1;
+    bit<8> k2;
+    bit<8> k3;
     bit<32> v0;
     bit<32> v1;
     bit<32> v2;
-    bit<32> v3;
     bit<32> old;
 
+    // p4c copies a key taken from a header stack element into a scratch field, one table
+    // of its own per key; copying the four keys in one action saves BMv2 three table runs
+    action thc_keys() {
+        k0 = idx.b0;
+        k1 = idx.b1;
+        k2 = idx.b2;
+        k3 = idx.b3;
+    }
     action thc_lut_set_0(bit<32> value) { v0 = value; }
     action thc_lut_set_1(bit<32> value) { v1 = value; }
     action thc_lut_set_2(bit<32> value) { v2 = value; }
     // The last byte's lookup also adds the group's words: BMv2 pays for every table and
     // every action call outside one (p4c turns each into a table), so the group costs four
     // table applies and nothing else. The controller picks the action by the job's width.
+    // keep is 0 on a slot's first use (the words are written) and all ones otherwise.
     action thc_lut_sum8(bit<32> value) {
-        v3 = value;
-        thc_sum_0.read(old, reg_index);
-        v0 = (op == THC_OP_WRITE) ? (v0 | v1) : old + (v0 | v1);
-        thc_sum_0.write(reg_index, v0);
-        thc_sum_1.read(old, reg_index);
-        v1 = (op == THC_OP_WRITE) ? (v2 | v3) : old + (v2 | v3);
-        thc_sum_1.write(reg_index, v1);
         r8.setValid();
-        r8.w0 = v0;
-        r8.w1 = v1;
+        thc_sum_0.read(old, reg_index);
+        r8.w0 = (old & keep) + (v0 | v1);
+        thc_sum_0.write(reg_index, r8.w0);
+        thc_sum_1.read(old, reg_index);
+        r8.w1 = (old & keep) + (v2 | value);
+        thc_sum_1.write(reg_index, r8.w1);
     }
     action thc_lut_sum16(bit<32> value) {
-        v3 = value;
-        thc_sum_0.read(old, reg_index);
-        v0 = (op == THC_OP_WRITE) ? v0 : old + v0;
-        thc_sum_0.write(reg_index, v0);
-        thc_sum_1.read(old, reg_index);
-        v1 = (op == THC_OP_WRITE) ? v1 : old + v1;
-        thc_sum_1.write(reg_index, v1);
-        thc_sum_2.read(old, reg_index);
-        v2 = (op == THC_OP_WRITE) ? v2 : old + v2;
-        thc_sum_2.write(reg_index, v2);
-        thc_sum_3.read(old, reg_index);
-        v3 = (op == THC_OP_WRITE) ? v3 : old + v3;
-        thc_sum_3.write(reg_index, v3);
         r16.setValid();
-        r16.w0 = v0;
-        r16.w1 = v1;
-        r16.w2 = v2;
-        r16.w3 = v3;
+        thc_sum_0.read(old, reg_index);
+        r16.w0 = (old & keep) + v0;
+        thc_sum_0.write(reg_index, r16.w0);
+        thc_sum_1.read(old, reg_index);
+        r16.w1 = (old & keep) + v1;
+        thc_sum_1.write(reg_index, r16.w1);
+        thc_sum_2.read(old, reg_index);
+        r16.w2 = (old & keep) + v2;
+        thc_sum_2.write(reg_index, r16.w2);
+        thc_sum_3.read(old, reg_index);
+        r16.w3 = (old & keep) + value;
+        thc_sum_3.write(reg_index, r16.w3);
     }
     table thc_lut_0 {
-        key = { job_id: exact @name("job_id"); idx.b0: exact @name("idx"); }
+        key = { job_id: exact @name("job_id"); k0: exact @name("idx"); }
         actions = { thc_lut_set_0; }
         default_action = thc_lut_set_0(0);
         size = THC_LUT_SIZE;
     }
     table thc_lut_1 {
-        key = { job_id: exact @name("job_id"); idx.b1: exact @name("idx"); }
+        key = { job_id: exact @name("job_id"); k1: exact @name("idx"); }
         actions = { thc_lut_set_1; }
         default_action = thc_lut_set_1(0);
         size = THC_LUT_SIZE;
     }
     table thc_lut_2 {
-        key = { job_id: exact @name("job_id"); idx.b2: exact @name("idx"); }
+        key = { job_id: exact @name("job_id"); k2: exact @name("idx"); }
         actions = { thc_lut_set_2; }
         default_action = thc_lut_set_2(0);
         size = THC_LUT_SIZE;
@@ -228,7 +226,7 @@ control ThcLaneGroup(in thc_idx_h idx, out thc_sum8_h r8, out thc_sum16_h r16,
     // job's workers go live; a miss would leave the group's RESULT words out, and the
     // reply's length would make every receiver drop it.
     table thc_lut_3 {
-        key = { job_id: exact @name("job_id"); idx.b3: exact @name("idx"); }
+        key = { job_id: exact @name("job_id"); k3: exact @name("idx"); }
         actions = { thc_lut_sum8; thc_lut_sum16; @defaultonly NoAction; }
         default_action = NoAction();
         size = THC_LUT_SIZE;
@@ -263,17 +261,18 @@ control ThcLaneGroup(in thc_idx_h idx, out thc_sum8_h r8, out thc_sum16_h r16,
     }
 
     apply {
-        if (op == THC_OP_READ) {
+        if (group_op == THC_GROUP_LOOKUP) {
+            thc_keys();
+            thc_lut_0.apply();
+            thc_lut_1.apply();
+            thc_lut_2.apply();
+            thc_lut_3.apply();
+        } else if (group_op == THC_GROUP_READ) {
             if (wide == 0) {
                 thc_read8();
             } else {
                 thc_read16();
             }
-        } else if (idx.isValid()) {
-            thc_lut_0.apply();
-            thc_lut_1.apply();
-            thc_lut_2.apply();
-            thc_lut_3.apply();
         } else if (wide == 0) {
             thc_flush8();
         } else {
@@ -452,6 +451,9 @@ control ThcIngress(inout headers_t hdr, inout metadata_t meta, inout standard_me
                     : ((meta.dup == 1) ? meta.old_bitmap : (meta.old_bitmap | meta.worker_bit));
         thc_bitmap.write(meta.reg_index, meta.bitmap);
         meta.lane_op = (meta.dup == 1) ? THC_OP_READ : ((meta.first == 1) ? THC_OP_WRITE : THC_OP_ADD);
+        meta.keep = (meta.first == 1) ? 32w0 : 32w0xFFFFFFFF;
+        meta.group_op = (meta.dup == 1) ? THC_GROUP_READ
+                      : (hdr.thc_data[0].isValid() ? THC_GROUP_LOOKUP : THC_GROUP_FLUSH);
     }
 
     action thc_count_ra() {

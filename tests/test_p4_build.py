@@ -123,6 +123,9 @@ def test_generator_only_instantiates_the_lane_group():
     assert files["thc_groups.p4"].count("ThcMaxLane() thc_m") == P.MAX_LANES
     assert files["thc_groups_apply.p4"].count(".apply(hdr.thc_data[") == 2
     assert files["thc_max_apply.p4"].count(".apply(hdr.thc_max[") == P.MAX_LANES
+    # the payload is extracted element by element (BMv2 runs a .next loop state by state)
+    assert files["thc_parse_data.p4"].count("packet.extract(hdr.thc_data[") == 2
+    assert files["thc_parse_max.p4"].count("packet.extract(hdr.thc_max[") == P.MAX_LANES
     for name, text in files.items():
         assert "register" not in text and "table " not in text, name
     # the group is written once, by hand, in each program

@@ -74,6 +74,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-steps", type=int, default=None,
                         help="stop after this many optimizer steps (evaluating then)")
+    parser.add_argument("--time-limit", type=float, default=None, metavar="S",
+                        help="stop training after S seconds of wall time (every rank at the "
+                             "same step), evaluating then")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     parser.add_argument("--topk-ratio", type=float, default=0.1)
     parser.add_argument("--slice-size", type=int, default=1 << 16,
@@ -164,6 +167,18 @@ def _accuracy(model, x, y, batch: int = 4096) -> float:
     return right / len(y)
 
 
+def _out_of_time(limit: float | None, started: float) -> bool:
+    """Whether any rank is past ``limit`` seconds: they agree (one tiny all-reduce a step),
+    so every rank stops after the same step and the collectives stay matched."""
+    if limit is None:
+        return False
+    import torch
+    import torch.distributed as dist
+    flag = torch.tensor([int(time.perf_counter() - started >= limit)])
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
+
+
 def train(args) -> list[dict]:
     """Train, evaluating ``args.evals`` times per epoch; rank 0 prints JSON lines.
 
@@ -205,6 +220,8 @@ def train(args) -> list[dict]:
     history = []
     step_losses: list[float] = []
     trained = 0.0
+    last = False
+    started = time.perf_counter()
     comm = exposed = 0.0
     for epoch in range(1, args.epochs + 1):
         perm = torch.from_numpy(np.random.default_rng([args.seed, epoch]).permutation(len(ytr)))
@@ -224,7 +241,8 @@ def train(args) -> list[dict]:
             if hook is not None:
                 br = hook.step_breakdown()
                 comm, exposed = comm + br.comm, exposed + br.exposed
-            last = args.max_steps is not None and len(step_losses) >= args.max_steps
+            last = ((args.max_steps is not None and len(step_losses) >= args.max_steps)
+                    or _out_of_time(args.time_limit, started))
             if s % progress_every == 0:
                 say(json.dumps({"progress": len(step_losses), "of": steps * args.epochs,
                                 "seconds": trained}), flush=True)
@@ -248,7 +266,7 @@ def train(args) -> list[dict]:
             say(json.dumps(row), flush=True)
             if last:
                 break
-        if args.max_steps is not None and len(step_losses) >= args.max_steps:
+        if last:
             break
     dist.barrier()
     dist.destroy_process_group()
