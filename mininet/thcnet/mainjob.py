@@ -120,10 +120,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout", type=float, default=600.0,
                         help="per-mode limit, seconds: a mode stopped there reports how far "
                              "it got")
-    parser.add_argument("--bmv2-timeout", type=float, default=150.0,
-                        help="the limit for modes through BMv2 (default 150 s: at its few "
+    parser.add_argument("--bmv2-timeout", type=float, default=140.0,
+                        help="the limit for modes through BMv2 (default 140 s: at its few "
                              "thousand packets/s a step of the 1.2M-parameter model takes "
-                             "about 17 s, so the default run stops it after a few steps, says "
+                             "about 12 s, so the default run stops it after ten steps or so, says "
                              "how far it got and compares those steps' losses with THC's)")
 
 
@@ -156,6 +156,31 @@ def _congest(tb, fraction: float, bw: float) -> tuple[list, dict]:
               for r in range(tb.n_workers)]
     return procs, {"fraction": fraction, "mbit_per_worker": rate,
                    "sink": "aggregator host" if "agg" in sinks else "next worker"}
+
+
+def probe_bmv2(seconds: float = 1.0) -> dict:
+    """The BMv2 build's speed, measured before a mode through it starts: l2.p4 forwarding
+    frames of a DATA packet's size, offered faster than it forwards, for ``seconds`` (the
+    measurement of ``thc bench switch``, without its rate search). A build with logging
+    macros forwards about 5x fewer, and the verdict says how to rebuild it."""
+    import itertools
+
+    from controller import forwarding
+    from controller.bench import _measure, build_kind
+    from controller.frames import udp_frame
+    from controller.testing.bmv2 import LocalBMv2
+    from host.wire import protocol as P
+    size = 42 + P.HEADER_BYTES + P.payload_bytes(P.PktType.DATA)
+    with LocalBMv2(2, program="l2", receive=False, tag="probe") as bm:
+        dst = "02:00:00:00:02:02"
+        forwarding.install(bm.sw, {dst: 1})
+        frame = udp_frame("02:00:00:00:02:01", dst, "10.0.2.1", "10.0.2.2", 1000, 2000,
+                          bytes(size - 42))
+        pps, _, cpu, _ = _measure(lambda: bm.rx_packets(1), bm.send,
+                                  itertools.repeat((0, frame)), 60_000, seconds,
+                                  pid=bm.proc.pid)
+    return {"l2_pps": pps, "cpu_us_per_packet": None if cpu is None else cpu * 1e6,
+            "frame_bytes": size, "build": build_kind(pps)}
 
 
 def _rows(stdout: str) -> tuple[dict, list[dict]]:
@@ -403,6 +428,13 @@ def run(args: argparse.Namespace) -> int:
           f"{args.epochs} epoch(s), modes {', '.join(modes)}"
           + (f", competing UDP flow {args.congest * args.bw:g} Mbit/s per worker"
              if args.congest else ""), flush=True)
+    probe = None
+    if any(MODES[m].aggregator == "bmv2" for m in modes):
+        try:
+            probe = probe_bmv2()
+            print(f"BMv2: {probe['build']}", flush=True)
+        except (RuntimeError, OSError) as e:
+            print(f"BMv2: could not measure its forwarding rate ({e})", flush=True)
     runs, failed = [], []
     for name in modes:
         print(f"\n== {name}: {MODES[name].description}", flush=True)
@@ -458,6 +490,7 @@ def run(args: argparse.Namespace) -> int:
     for f in failed:
         print(f"{f['mode']} FAILED (not in the table): {f['error']}")
     report = {"runs": runs, "failed": failed, "summary": summary, "args": vars(args),
+              "bmv2_probe": probe,
               "testbed": sorted({r["testbed"] for r in runs})}
     (out / "mainjob.json").write_text(json.dumps(report, indent=2))
     title = (f"{dataset}, {args.workers} workers at {args.bw:g} Mbit/s "
