@@ -1108,6 +1108,9 @@ cleanup:
 #define CL_RECV_BYTES 4096 /* the Python loop's receive buffer */
 #define CL_OUT_BYTES 2048
 #define FAST_RETRANSMIT_AFTER 3
+/* per chunk in the window: retransmitted (no RTT sample: Karn), overtaken by a later
+ * chunk of its shard (a lost packet, not a missing worker: its timer does not back off) */
+enum { M_RESENT = 1, M_OVERTAKEN = 2 };
 
 enum { EV_DONE, EV_RESTARTED, EV_TIMEOUT, EV_OSERROR };
 enum { S_SENT, S_RETRANSMITTED, S_RECEIVED, S_IGNORED, S_OTHER_RUN, S_PENDING, S_BYTES_SENT,
@@ -1236,7 +1239,7 @@ static PyObject *fa_stream(PyObject *self, PyObject *args) {
     unsigned long pool, run;
     unsigned long long base, offset_base;
     long total = 0;
-    uint8_t *done = NULL, *timed = NULL;
+    uint8_t *done = NULL, *mark = NULL;
     double *due = NULL, *backoff = NULL, *started = NULL;
     int *later = NULL;
     long long *pend = NULL;
@@ -1272,7 +1275,7 @@ static PyObject *fa_stream(PyObject *self, PyObject *args) {
     epoch = calloc((size_t)n_shards, sizeof(long long));
     c->sbuf = malloc((size_t)BATCH * CL_OUT_BYTES);
     done = calloc((size_t)total + 1, 1);
-    timed = calloc((size_t)window, 1);
+    mark = calloc((size_t)window, 1);
     due = calloc((size_t)window, sizeof(double));
     backoff = calloc((size_t)window, sizeof(double));
     started = calloc((size_t)window, sizeof(double));
@@ -1281,7 +1284,7 @@ static PyObject *fa_stream(PyObject *self, PyObject *args) {
     rbuf = malloc((size_t)BATCH * CL_RECV_BYTES);
     rmsgs = calloc(BATCH, sizeof(struct mmsghdr));
     riov = calloc(BATCH, sizeof(struct iovec));
-    if (!c->aggs || !c->srtt || !c->rttvar || !epoch || !c->sbuf || !done || !timed || !due ||
+    if (!c->aggs || !c->srtt || !c->rttvar || !epoch || !c->sbuf || !done || !mark || !due ||
         !backoff || !started || !later || !pend || !rbuf || !rmsgs || !riov) {
         PyErr_NoMemory();
         goto cleanup;
@@ -1340,7 +1343,7 @@ static PyObject *fa_stream(PyObject *self, PyObject *args) {
             started[r] = now;
             later[r] = 0;
             pend[r] = -1;
-            timed[r] = 0;
+            mark[r] = 0;
             hi++;
         }
         cl_flush(c);
@@ -1451,19 +1454,35 @@ static PyObject *fa_stream(PyObject *self, PyObject *args) {
                     }
                 }
                 done[i] = 1;
-                if (backoff[r] == timeout) cl_sample_rtt(c, shard, now - started[r]);
-                while (lo < total && done[lo]) lo++;
+                if (!(mark[r] & M_RESENT)) cl_sample_rtt(c, shard, now - started[r]);
+                if (i == lo) {
+                    while (lo < total && done[lo]) lo++;
+                    if (lo < hi) { /* the new head: the whole window waits for it */
+                        long rh = lo % window;
+                        double rto = cl_rto(c, cl_shard(c, lo));
+                        if (backoff[rh] > rto) backoff[rh] = rto;
+                        if (due[rh] > now + rto) due[rh] = now + rto;
+                    }
+                }
                 if (i > lo) {
-                    /* fast retransmit: later chunks of the same shard overtook these */
+                    /* later chunks of the same shard overtook these: every worker's chunks
+                     * get through, so these or their results were lost. Fast retransmit,
+                     * and from now on resend every RTO: the backoff a chunk built up while
+                     * it waited for the others must not delay recovering its lost result */
+                    double rto = cl_rto(c, shard);
                     for (long j = lo; j < i; j++) {
                         if (done[j] || cl_shard(c, j) != shard) continue;
                         long rj = j % window;
+                        mark[rj] |= M_OVERTAKEN;
                         if (++later[rj] == FAST_RETRANSMIT_AFTER) {
                             c->st[S_RETRANSMITTED]++;
                             cl_send(c, j);
-                            due[rj] = now + cl_rto(c, shard);
+                            mark[rj] |= M_RESENT;
+                            due[rj] = now + rto;
                             later[rj] = -4 * FAST_RETRANSMIT_AFTER;
                         }
+                        if (backoff[rj] > rto) backoff[rj] = rto;
+                        if (due[rj] > now + rto) due[rj] = now + rto;
                     }
                 }
             }
@@ -1496,11 +1515,18 @@ static PyObject *fa_stream(PyObject *self, PyObject *args) {
             }
             c->st[S_RETRANSMITTED]++;
             cl_send(c, i);
+            mark[r] |= M_RESENT;
             double b = cl_rto(c, cl_shard(c, i));
-            if (backoff[r] > b) b = backoff[r];
-            b *= 2;
-            backoff[r] = b < max_timeout ? b : max_timeout;
-            due[r] = now + backoff[r];
+            /* exponential backoff, but not for the window's head (every chunk behind it
+             * waits for it: one packet an RTO while a worker straggles) nor for a chunk
+             * that later ones overtook (a lost packet, not a missing worker) */
+            if (i != lo && !(mark[r] & M_OVERTAKEN)) {
+                if (backoff[r] > b) b = backoff[r];
+                b *= 2;
+                if (b > max_timeout) b = max_timeout;
+            }
+            backoff[r] = b;
+            due[r] = now + b;
         }
         cl_flush(c);
         if (event == EV_DONE && c->err) event = EV_OSERROR;
@@ -1535,7 +1561,7 @@ cleanup:
     if (c) {
         free(c->aggs); free(c->srtt); free(c->rttvar); free(c->sbuf); free(c);
     }
-    free(epoch); free(done); free(timed); free(due); free(backoff); free(started); free(later);
+    free(epoch); free(done); free(mark); free(due); free(backoff); free(started); free(later);
     free(pend); free(rbuf); free(rmsgs); free(riov);
     PyBuffer_Release(&chunks);
     if (out.obj) PyBuffer_Release(&out);

@@ -287,6 +287,8 @@ class AggregationClient:
         due: dict[int, float] = {}
         backoff: dict[int, float] = {}
         started: dict[int, float] = {}
+        resent: set[int] = set()    # retransmitted chunks: no RTT sample (Karn)
+        overtaken: set[int] = set()  # a lost packet, not a missing worker: no backoff
         pending_bitmap: dict[int, int] = {}
         later: dict[int, int] = {}
         done = np.zeros(total, dtype=bool)
@@ -330,6 +332,7 @@ class AggregationClient:
             """Retransmit chunk i, or close it short while the loss bound allows. Only a
             timeout closes a chunk: overtaken chunks (fast retransmit) may merely sit in a
             lower class's queue, and a duplicate DATA costs nothing."""
+            resent.add(i)
             if bounded and (i in short or (may_flush and len(short) < budget)):
                 if i not in short:
                     short.add(i)
@@ -408,14 +411,23 @@ class AggregationClient:
                         counts[i], bitmaps[i] = r_count, r_bitmap
                     out[i] = np.frombuffer(buf, dtype=dtype, count=lanes, offset=header_bytes)
                     done[i] = True
-                    if backoff.get(i) == self.timeout:
+                    if i not in resent:
                         self._sample_rtt(shard, time.monotonic() - started[i])
+                    resent.discard(i)
+                    overtaken.discard(i)
                     for d in (packets, due, backoff, started, later):
                         d.pop(i, None)
-                    while lo < total and done[lo]:
-                        lo += 1
+                    if i == lo:
+                        while lo < total and done[lo]:
+                            lo += 1
+                        if lo < hi and tos is None:
+                            # the new head: the whole window waits for it
+                            rto = self.rto(shard_of(lo))
+                            backoff[lo] = min(backoff[lo], rto)
+                            due[lo] = min(due[lo], time.monotonic() + rto)
                     if i > lo:
-                        self._fast_retransmit(i, due, later, resend, shard_of)
+                        self._fast_retransmit(i, due, backoff, later, overtaken, resend,
+                                              shard_of, tos)
             else:
                 self.impair.flush(self.sock.sendto)
             now = time.monotonic()
@@ -427,7 +439,13 @@ class AggregationClient:
                 if now - started[i] > self.deadline:
                     self._raise_timeout(base, i, pending_bitmap.get(i), now - last_reply)
                 resend(i)
-                backoff[i] = min(max(backoff[i], self.rto(shard_of(i))) * 2, self.max_timeout)
+                rto = self.rto(shard_of(i))
+                # exponential backoff, but not for the window's head (every chunk behind it
+                # waits for it: one packet an RTO while a worker straggles; with priority
+                # classes it may merely wait in a lower class's queue) nor for a chunk that
+                # later ones overtook (a lost packet, not a missing worker)
+                backoff[i] = (rto if i in overtaken or (i == lo and tos is None)
+                              else min(max(backoff[i], rto) * 2, self.max_timeout))
                 due[i] = now + backoff[i]
         self.next_seq = (base + total) % P.SEQ_MOD
         if pkt_type == P.PktType.DATA:
@@ -486,17 +504,29 @@ class AggregationClient:
     FAST_RETRANSMIT_AFTER = 3
     """Results of this many later chunks mean an earlier chunk (or its result) was lost."""
 
-    def _fast_retransmit(self, j: int, due: dict, later: dict, resend, shard_of) -> None:
-        """Resend outstanding chunks that later chunks of the same shard have overtaken
-        (TCP's dupack idea; chunks of different shards complete in no particular order)."""
+    def _fast_retransmit(self, j: int, due: dict, backoff: dict, later: dict,
+                         overtaken: set, resend, shard_of, tos: list[int] | None) -> None:
+        """Chunk ``j`` overtook outstanding chunks of the same shard (chunks of different
+        shards complete in no particular order): every worker's chunks get through, so these
+        or their results were lost. Resend them after a few such overtakes (TCP's dupack
+        idea), and from now on every RTO, without backoff: the backoff a chunk built up
+        while the others' contributions were late must not delay recovering its lost result
+        (20% loss on every link held lost RESULTs for max_timeout, the windows of all
+        workers stalled behind them, and chunks passed the deadline). Only a chunk of the
+        same priority class is such evidence: a lower class may merely wait in its queue."""
         now = time.monotonic()
         shard = shard_of(j)
+        rto = self.rto(shard)
         for i in [i for i in due if i < j and shard_of(i) == shard]:
             later[i] = later.get(i, 0) + 1
             if later[i] == self.FAST_RETRANSMIT_AFTER:
                 resend(i, may_flush=False)
-                due[i] = now + self.rto(shard)
+                due[i] = now + rto
                 later[i] = -4 * self.FAST_RETRANSMIT_AFTER
+            if tos is None or tos[i] == tos[j]:
+                overtaken.add(i)
+                backoff[i] = min(backoff[i], rto)
+                due[i] = min(due[i], now + rto)
 
     def rto(self, shard: int = 0) -> float:
         """Retransmission timeout towards ``shard``: RFC 6298's estimator, never below the

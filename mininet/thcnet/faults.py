@@ -53,7 +53,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default=str(REPO_ROOT / "docs" / "faults.md"))
     parser.add_argument("--json", default=None, help="also write the rows as JSON here")
     parser.add_argument("--loopback", action="store_true", help="do not use Mininet")
-    parser.add_argument("--only", default="", help="comma-separated row-name prefixes")
+    parser.add_argument("--only", default="",
+                        help="comma-separated row keys or their prefixes: loss (loss-1, "
+                             "loss-5, loss-20), dup, reorder, jitter, worker, aggregator, "
+                             "stream, bmv2 (bmv2-matrix-loss, ..., bmv2-controller, "
+                             "bmv2-stream); prints the table instead of writing --out")
 
 
 # -- running workers --------------------------------------------------------------------------
@@ -557,7 +561,7 @@ def run(args: argparse.Namespace) -> int:
               f"drops {row.drops}; {row.note}", flush=True)
 
     for pct in (1, 5, 20):
-        if want("loss"):
+        if want(f"loss-{pct}"):
             add(row_loss(pct, numel, mininet))
     if any(want(k) for k in ("dup", "reorder", "jitter", "worker", "aggregator")):
         with open_testbed(N_WORKERS, prefer_mininet=mininet) as tb:
