@@ -12,8 +12,9 @@ Reported: ``pps`` (DATA packets the switch aggregated per second), ``coords_per_
 (pps x lanes), ``completion_ratio`` (completions x workers / packets: 1.0 when no packet was
 lost on the way into the switch), the RESULT bytes per packet of the job's sum width, and the
 ratio of the THC rate to the L2 rate, for each sum width of ``--sum-bits`` (8: four lanes a
-32-bit register word, 16: two). The kind of BMv2 build is judged from the measured l2.p4
-rate (a build with logging macros runs about 5x slower), not guessed from its files.
+32-bit register word, 16: two). The kind of BMv2 build: whether its libraries still carry
+the per-packet log messages (a build without --disable-logging-macros formats them for
+every table, about 5x slower on thc.p4), beside the measured l2.p4 rate.
 
 With ``--lanes-sweep 16,64`` (needs p4c), variants of the program with fewer lanes are
 generated and compiled into a temporary directory and measured too: the slope gives the cost
@@ -155,17 +156,22 @@ def _rate(read, send, frames, args, pid: int) -> dict:
 
 
 FAST_BUILD_L2_PPS = 40_000
-"""l2.p4 rate above which BMv2 was built without logging macros (about 100k packets/s on
-one core; a build with them forwards about 5x fewer)."""
+"""l2.p4 rate of a build without logging macros on a free core of this VM (about 40k
+packets/s); less means the CPU is busy or the build is slow."""
 
 
 def build_kind(l2_pps: float) -> str:
-    if l2_pps >= FAST_BUILD_L2_PPS:
-        return (f"fast: l2.p4 forwards {l2_pps:.0f} packets/s (>= {FAST_BUILD_L2_PPS}), as a "
-                f"build without logging macros does")
-    return (f"slow: l2.p4 forwards only {l2_pps:.0f} packets/s (< {FAST_BUILD_L2_PPS}), as a "
-            f"build with logging macros (or a busy CPU) does; configure BMv2 with "
-            f"--disable-logging-macros for speed")
+    """What BMv2 build this is: whether its libraries carry the per-packet log messages
+    (toolchain.bmv2_logging_macros), and the measured l2.p4 rate."""
+    lib = toolchain.bmv2_logging_macros()
+    if lib:
+        return (f"slow: {lib} carries BMv2's per-packet log messages (configured without "
+                f"--disable-logging-macros, about 5x slower on thc.p4; rebuild BMv2 with "
+                f"--disable-logging-macros); l2.p4 forwards {l2_pps:.0f} packets/s")
+    busy = (f" (below the {FAST_BUILD_L2_PPS} a free core gives: the CPU is busy)"
+            if l2_pps < FAST_BUILD_L2_PPS else "")
+    return (f"fast: no per-packet log messages in BMv2's libraries (--disable-logging-macros); "
+            f"l2.p4 forwards {l2_pps:.0f} packets/s{busy}")
 
 
 RUN = 1

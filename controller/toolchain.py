@@ -63,3 +63,33 @@ def bmv2_missing(program: str = "thc", build_dir: Path | str = BUILD_DIR) -> str
     except ImportError as e:
         return f"p4runtime-shell cannot be imported: {e}"
     return None
+
+
+LOGGING_MACRO_MARK = b"Table '{}': hit with handle"
+"""A format string of BMv2's per-packet debug log (match_tables.cpp); a build configured
+with --disable-logging-macros compiles every such message out."""
+
+
+def bmv2_logging_macros() -> str | None:
+    """Where the running BMv2's libraries still carry the per-packet log messages (a build
+    without --disable-logging-macros, which formats them for every table it applies, about
+    5x slower on the THC program), or None when none of them does (or BMv2 is absent)."""
+    import subprocess
+    binary = shutil.which("simple_switch_grpc")
+    if binary is None:
+        return None
+    try:
+        out = subprocess.run(["ldd", binary], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        out = ""
+    files = [binary] + [part.split()[2] for part in out.splitlines()
+                        if "=>" in part and len(part.split()) > 2 and "/" in part.split()[2]
+                        and ("bm" in Path(part.split()[2]).name
+                             or "simpleswitch" in Path(part.split()[2]).name)]
+    for path in files:
+        try:
+            if LOGGING_MACRO_MARK in Path(path).read_bytes():
+                return path
+        except OSError:
+            continue
+    return None

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -235,3 +236,17 @@ def test_tofino_check_names_the_changed_source(tmp_path, monkeypatch):
     rec["sources"]["p4src/thc_tna.p4"] = "0" * 64
     (tmp_path / "REPORT.json").write_text(json.dumps(rec))
     assert any("p4src/thc_tna.p4" in p for p in gen.check_tofino())
+
+
+def test_logging_macro_build_is_recognised_by_its_log_messages(tmp_path, monkeypatch):
+    """A simple_switch_grpc whose code carries BMv2's per-packet log format strings was
+    configured without --disable-logging-macros (a stand-in binary: a real slow build is
+    not installed here)."""
+    from controller import toolchain
+    fake = tmp_path / "simple_switch_grpc"
+    fake.write_bytes(b"\x7fELF..." + toolchain.LOGGING_MACRO_MARK + b" {}\x00")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    assert toolchain.bmv2_logging_macros() == str(fake)
+    fake.write_bytes(b"\x7fELF... no log messages\x00")
+    assert toolchain.bmv2_logging_macros() is None
