@@ -89,12 +89,6 @@ class Pacer:
         self._thread.join()
 
 
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process (all its threads), from /proc."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def thread_cpu_seconds(pid: int) -> dict[str, float]:
     """User + system CPU time of each thread of a process, from /proc."""
     out = {}
@@ -107,7 +101,7 @@ def thread_cpu_seconds(pid: int) -> dict[str, float]:
     return out
 
 
-def _measure(read, send, frames, rate: float, duration: float, warmup: float = 0.5,
+def measure(read, send, frames, rate: float, duration: float, warmup: float = 0.5,
              pid: int | None = None):
     """Offer ``rate`` pps; return (processed per second, offered per second, switch CPU
     seconds per processed packet, CPU seconds of its busiest thread per processed packet;
@@ -135,21 +129,21 @@ def _rate(read, send, frames, args, pid: int) -> dict:
     that rate, which other load on the machine hardly changes."""
     duration = min(args.duration, 1.0) if args.quick else args.duration
     if args.rate:
-        pps, offered, _, _ = _measure(read, send, frames, args.rate, duration)
+        pps, offered, _, _ = measure(read, send, frames, args.rate, duration)
     else:
-        probe, _, _, _ = _measure(read, send, frames, 200_000, 0.5 if args.quick else 1.0,
+        probe, _, _, _ = measure(read, send, frames, 200_000, 0.5 if args.quick else 1.0,
                                   0.3)
         target = max(200.0, 1.3 * probe)
         best = None
         for _ in range(4):
-            pps, offered, _, _ = _measure(read, send, frames, target, duration)
+            pps, offered, _, _ = measure(read, send, frames, target, duration)
             if best is None or pps > best[0]:
                 best = (pps, offered)
             if pps < 0.93 * offered:  # saturated: the switch, not the sender, sets the rate
                 break
             target *= 1.5
         pps, offered = best
-    _, _, cpu, busiest = _measure(read, send, frames, max(50.0, pps / 2), duration, pid=pid)
+    _, _, cpu, busiest = measure(read, send, frames, max(50.0, pps / 2), duration, pid=pid)
     return {"pps": pps, "offered_pps": offered,
             "cpu_us_per_packet": None if cpu is None else cpu * 1e6,
             "busiest_thread_us_per_packet": None if busiest is None else busiest * 1e6}

@@ -58,7 +58,7 @@ def test_time_to_accuracy_summary_names_the_winner():
     assert rows["thc-bmv2"]["stopped"]          # a stopped run never wins
 
 
-def test_time_limit_stops_every_rank_after_the_same_step_and_evaluates():
+def test_deadline_stops_every_rank_after_the_same_step_and_evaluates():
     """Rank 0 is out of time after its first step, rank 1 never: both stop after step 1
     (they agree each step), so the run ends in time with an evaluation row, as `thc run`
     needs for a mode that reaches its limit (BMv2)."""
@@ -67,7 +67,7 @@ def test_time_limit_stops_every_rank_after_the_same_step_and_evaluates():
     procs = [subprocess.Popen(
         [sys.executable, "-m", "host.app.train", "--mode", "fp32", "--rank", str(rank),
          "--world", "2", "--master", f"127.0.0.1:{port}", "--data", "digits", "--epochs", "3",
-         "--batch", "32", "--evals", "1", "--time-limit", "0" if rank == 0 else "1e9"],
+         "--batch", "32", "--evals", "1", "--deadline", "0" if rank == 0 else "1e12"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
     outs = [p.communicate(timeout=120) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs[0][1][-2000:] + outs[1][1][-2000:]

@@ -74,9 +74,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-steps", type=int, default=None,
                         help="stop after this many optimizer steps (evaluating then)")
-    parser.add_argument("--time-limit", type=float, default=None, metavar="S",
-                        help="stop training after S seconds of wall time (every rank at the "
-                             "same step), evaluating then")
+    parser.add_argument("--deadline", type=float, default=None, metavar="UNIX_TIME",
+                        help="stop training once this wall-clock time has passed (every "
+                             "rank after the same step), evaluating then")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     parser.add_argument("--topk-ratio", type=float, default=0.1)
     parser.add_argument("--slice-size", type=int, default=1 << 16,
@@ -167,14 +167,14 @@ def _accuracy(model, x, y, batch: int = 4096) -> float:
     return right / len(y)
 
 
-def _out_of_time(limit: float | None, started: float) -> bool:
-    """Whether any rank is past ``limit`` seconds: they agree (one tiny all-reduce a step),
-    so every rank stops after the same step and the collectives stay matched."""
-    if limit is None:
+def _out_of_time(deadline: float | None) -> bool:
+    """Whether any rank is past ``deadline``: they agree (one tiny all-reduce a step), so
+    every rank stops after the same step and the collectives stay matched."""
+    if deadline is None:
         return False
     import torch
     import torch.distributed as dist
-    flag = torch.tensor([int(time.perf_counter() - started >= limit)])
+    flag = torch.tensor([int(time.time() >= deadline)])
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     return bool(flag.item())
 
@@ -221,7 +221,6 @@ def train(args) -> list[dict]:
     step_losses: list[float] = []
     trained = 0.0
     last = False
-    started = time.perf_counter()
     comm = exposed = 0.0
     for epoch in range(1, args.epochs + 1):
         perm = torch.from_numpy(np.random.default_rng([args.seed, epoch]).permutation(len(ytr)))
@@ -242,7 +241,7 @@ def train(args) -> list[dict]:
                 br = hook.step_breakdown()
                 comm, exposed = comm + br.comm, exposed + br.exposed
             last = ((args.max_steps is not None and len(step_losses) >= args.max_steps)
-                    or _out_of_time(args.time_limit, started))
+                    or _out_of_time(args.deadline))
             if s % progress_every == 0:
                 say(json.dumps({"progress": len(step_losses), "of": steps * args.epochs,
                                 "seconds": trained}), flush=True)
