@@ -125,8 +125,8 @@ def measure(read, send, frames, rate: float, duration: float, warmup: float = 0.
 
 def _rate(read, send, frames, args, pid: int) -> dict:
     """The switch's sustained rate: offer a bit more than it takes (probe, then raise the
-    offered rate while the switch keeps up with it); and its CPU time per packet at half
-    that rate, which other load on the machine hardly changes."""
+    offered rate while the switch forwards more); and its CPU time per packet at half that
+    rate, which other load on the machine hardly changes."""
     duration = min(args.duration, 1.0) if args.quick else args.duration
     if args.rate:
         pps, offered, _, _ = measure(read, send, frames, args.rate, duration)
@@ -135,13 +135,16 @@ def _rate(read, send, frames, args, pid: int) -> dict:
                                   0.3)
         target = max(200.0, 1.3 * probe)
         best = None
-        for _ in range(4):
+        # Raise the offered rate while the switch forwards more: one saturated reading
+        # does not end the search, since on two cores the Python sender and the switch
+        # share the CPU and a single reading moves by a few percent.
+        for _ in range(6):
             pps, offered, _, _ = measure(read, send, frames, target, duration)
+            if best is not None and pps < 1.03 * best[0]:
+                break
             if best is None or pps > best[0]:
                 best = (pps, offered)
-            if pps < 0.93 * offered:  # saturated: the switch, not the sender, sets the rate
-                break
-            target *= 1.5
+            target = max(target, pps) * 1.5
         pps, offered = best
     _, _, cpu, busiest = measure(read, send, frames, max(50.0, pps / 2), duration, pid=pid)
     return {"pps": pps, "offered_pps": offered,
@@ -297,8 +300,7 @@ def run(args: argparse.Namespace) -> int:
             r["cpu_ratio_to_l2"] = (l2["cpu_us_per_packet"] / r["cpu_us_per_packet"]
                                     if r["cpu_us_per_packet"] and l2["cpu_us_per_packet"]
                                     else None)
-            busiest = r["busiest_thread_us_per_packet"]
-            r["ingress_ceiling_pps_estimated"] = 1e6 / busiest if busiest else None
+
         result = {
             "bench": "switch",
             "target": "BMv2 simple_switch_grpc --log-level off, veth ports, paced offered load",
@@ -313,11 +315,8 @@ def run(args: argparse.Namespace) -> int:
                   f"{r['result_payload_bytes']} bytes; / l2.p4: {r['ratio_to_l2']:.3f}")
             print(f"  switch CPU {_us(r['cpu_us_per_packet'])} per packet; l2.p4's / thc.p4's "
                   f"(the rate ratio on an idle core): {_ratio(r['cpu_ratio_to_l2'])}")
-            if r["ingress_ceiling_pps_estimated"]:
-                print(f"  busiest switch thread (BMv2 runs ingress on one) "
-                      f"{_us(r['busiest_thread_us_per_packet'])} per packet, so at most "
-                      f"{r['ingress_ceiling_pps_estimated']:.0f} packets/s on a free core "
-                      f"(estimated from CPU time)")
+            print(f"  busiest switch thread (BMv2 runs ingress on one): "
+                  f"{_us(r['busiest_thread_us_per_packet'])} per packet")
         print(f"l2.p4, same {l2['frame_bytes']}-byte frames: {l2['pps']:.0f} packets/s "
               f"(offered {l2['offered_pps']:.0f}/s), switch CPU "
               f"{_us(l2['cpu_us_per_packet'])} per packet, busiest thread "
