@@ -1,4 +1,4 @@
-"""The main job end to end on the loopback testbed (short: digits, one epoch, three modes)."""
+"""The main job end to end on the loopback testbed (short: digits, one epoch, two modes)."""
 from __future__ import annotations
 
 import json
@@ -13,20 +13,19 @@ def test_main_job_runs_and_reports(tmp_path):
     out = subprocess.run(
         [sys.executable, "-m", "host.app.cli", "run", "--loopback", "--epochs", "1",
          "--data", "digits", "--batch", "32", "--evals", "2", "--workers", "2",
-         "--modes", "fp32,thc,marsit", "--out", str(tmp_path)],
+         "--modes", "fp32,thc", "--out", str(tmp_path)],
         capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "loopback" in out.stdout + out.stderr, "the fallback must say so"
     report = json.loads((tmp_path / "mainjob.json").read_text())
     runs = {r["mode"]: r for r in report["runs"]}
-    assert set(runs) == {"fp32", "thc", "marsit"}
+    assert set(runs) == {"fp32", "thc"}
     for r in runs.values():
         assert len(r["history"]) == 2 and 0.0 <= r["final_accuracy"] <= 1.0
         assert r["wire_bytes"] > 0 and r["dataset"] == "digits" and r["testbed"] == "loopback"
         assert r["stopped"] is None and r["epochs_done"] == 1.0
-    # THC moves far fewer bytes than FP32 for the same steps, Marsit fewer still.
+    # THC moves far fewer bytes than FP32 for the same steps (Marsit's modes: test_marsit).
     assert runs["fp32"]["wire_bytes"] > 4 * runs["thc"]["wire_bytes"]
-    assert runs["thc"]["wire_bytes"] > runs["marsit"]["wire_bytes"]
     summary = report["summary"]
     assert summary["target_fp32_minus_1pt"] == runs["fp32"]["final_accuracy"] - 0.01
     assert {row["mode"] for row in summary["rows"]} == set(runs)
