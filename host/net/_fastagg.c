@@ -1108,6 +1108,7 @@ cleanup:
 #define CL_RECV_BYTES 4096 /* the Python loop's receive buffer */
 #define CL_OUT_BYTES 2048
 #define FAST_RETRANSMIT_AFTER 3
+#define FAST_BACKOFF_CAP 4 /* RTOs: the backoff cap of the head and of lost chunks */
 /* per chunk in the window: retransmitted (no RTT sample: Karn), overtaken by a later
  * chunk of its shard (a lost packet, not a missing worker: its timer does not back off) */
 enum { M_RESENT = 1, M_OVERTAKEN = 2 };
@@ -1473,16 +1474,15 @@ static PyObject *fa_stream(PyObject *self, PyObject *args) {
                     for (long j = lo; j < i; j++) {
                         if (done[j] || cl_shard(c, j) != shard) continue;
                         long rj = j % window;
-                        mark[rj] |= M_OVERTAKEN;
                         if (++later[rj] == FAST_RETRANSMIT_AFTER) {
+                            /* overtaken this often: lost, not merely reordered */
                             c->st[S_RETRANSMITTED]++;
                             cl_send(c, j);
-                            mark[rj] |= M_RESENT;
+                            mark[rj] |= M_RESENT | M_OVERTAKEN;
+                            backoff[rj] = rto;
                             due[rj] = now + rto;
                             later[rj] = -4 * FAST_RETRANSMIT_AFTER;
                         }
-                        if (backoff[rj] > rto) backoff[rj] = rto;
-                        if (due[rj] > now + rto) due[rj] = now + rto;
                     }
                 }
             }
@@ -1517,12 +1517,17 @@ static PyObject *fa_stream(PyObject *self, PyObject *args) {
             cl_send(c, i);
             mark[r] |= M_RESENT;
             double b = cl_rto(c, cl_shard(c, i));
-            /* exponential backoff, but not for the window's head (every chunk behind it
-             * waits for it: one packet an RTO while a worker straggles) nor for a chunk
-             * that later ones overtook (a lost packet, not a missing worker) */
-            if (i != lo && !(mark[r] & M_OVERTAKEN)) {
+            /* exponential backoff, capped at FAST_BACKOFF_CAP RTOs for the window's head
+             * (every chunk behind it waits for it) and for a chunk that later ones
+             * overtook FAST_RETRANSMIT_AFTER times (a lost packet, not a missing worker);
+             * a cap, not none: a head that waits for a straggler, or a chunk that is only
+             * reordered, would otherwise resend every RTO */
+            {
+                double cap = (i == lo || (mark[r] & M_OVERTAKEN)) ? FAST_BACKOFF_CAP * b
+                                                                  : max_timeout;
                 if (backoff[r] > b) b = backoff[r];
                 b *= 2;
+                if (b > cap) b = cap;
                 if (b > max_timeout) b = max_timeout;
             }
             backoff[r] = b;

@@ -440,12 +440,15 @@ class AggregationClient:
                     self._raise_timeout(base, i, pending_bitmap.get(i), now - last_reply)
                 resend(i)
                 rto = self.rto(shard_of(i))
-                # exponential backoff, but not for the window's head (every chunk behind it
-                # waits for it: one packet an RTO while a worker straggles; with priority
-                # classes it may merely wait in a lower class's queue) nor for a chunk that
-                # later ones overtook (a lost packet, not a missing worker)
-                backoff[i] = (rto if i in overtaken or (i == lo and tos is None)
-                              else min(max(backoff[i], rto) * 2, self.max_timeout))
+                # exponential backoff, capped at FAST_BACKOFF_CAP RTOs for the window's head
+                # (every chunk behind it waits for it; with priority classes it may merely
+                # wait in a lower class's queue, and keeps the full backoff) and for a chunk
+                # that later ones overtook FAST_RETRANSMIT_AFTER times (a lost packet): a
+                # cap, not none, or a head waiting for a straggler and a merely reordered
+                # chunk would resend every RTO
+                cap = (self.FAST_BACKOFF_CAP * rto if i in overtaken or (i == lo and tos is None)
+                       else self.max_timeout)
+                backoff[i] = min(max(backoff[i], rto) * 2, cap, self.max_timeout)
                 due[i] = now + backoff[i]
         self.next_seq = (base + total) % P.SEQ_MOD
         if pkt_type == P.PktType.DATA:
@@ -504,13 +507,17 @@ class AggregationClient:
     FAST_RETRANSMIT_AFTER = 3
     """Results of this many later chunks mean an earlier chunk (or its result) was lost."""
 
+    FAST_BACKOFF_CAP = 4
+    """RTOs: the backoff cap of the window's head and of chunks found lost."""
+
     def _fast_retransmit(self, j: int, due: dict, backoff: dict, later: dict,
                          overtaken: set, resend, shard_of, tos: list[int] | None) -> None:
         """Chunk ``j`` overtook outstanding chunks of the same shard (chunks of different
         shards complete in no particular order): every worker's chunks get through, so these
         or their results were lost. Resend them after a few such overtakes (TCP's dupack
-        idea), and from now on every RTO, without backoff: the backoff a chunk built up
-        while the others' contributions were late must not delay recovering its lost result
+        idea), and from then on with a backoff capped at FAST_BACKOFF_CAP RTOs: the backoff
+        a chunk built up while the others' contributions were late must not delay
+        recovering its lost result
         (20% loss on every link held lost RESULTs for max_timeout, the windows of all
         workers stalled behind them, and chunks passed the deadline). Only a chunk of the
         same priority class is such evidence: a lower class may merely wait in its queue."""
@@ -523,10 +530,9 @@ class AggregationClient:
                 resend(i, may_flush=False)
                 due[i] = now + rto
                 later[i] = -4 * self.FAST_RETRANSMIT_AFTER
-            if tos is None or tos[i] == tos[j]:
-                overtaken.add(i)
-                backoff[i] = min(backoff[i], rto)
-                due[i] = min(due[i], now + rto)
+                if tos is None or tos[i] == tos[j]:
+                    overtaken.add(i)
+                    backoff[i] = rto
 
     def rto(self, shard: int = 0) -> float:
         """Retransmission timeout towards ``shard``: RFC 6298's estimator, never below the
