@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import socket
+import struct
 import subprocess
 import sys
 import time
@@ -192,12 +193,35 @@ def test_reinstall_and_remove_follow_the_reference():
         c.remove(js[1].job_id)
 
 
-def serve_trace(agg, packets, job_socks, stranger) -> tuple[dict, dict]:
-    """Send ``packets`` over loopback to a started aggregator; return what each address
-    received (in order) and the aggregator's counters."""
+UDP_SEGMENT = 103  # linux/udp.h; Python's socket module does not name it
+
+
+def bursts(packets, most: int = 16):
+    """``packets`` as runs of consecutive datagrams from one source with one length (at most
+    ``most`` each): what one UDP GSO send carries."""
+    runs: list[tuple[list[bytes], tuple[str, int]]] = []
+    for data, src in packets:
+        if (runs and runs[-1][1] == src and len(runs[-1][0]) < most
+                and len(runs[-1][0][0]) == len(data)):
+            runs[-1][0].append(data)
+        else:
+            runs.append(([data], src))
+    return runs
+
+
+def serve_trace(agg, packets, job_socks, stranger, gso: bool = False) -> tuple[dict, dict]:
+    """Send ``packets`` over loopback to a started aggregator (``gso``: each run of
+    :func:`bursts` as one UDP GSO send); return what each address received (in order) and
+    the aggregator's counters."""
     target = agg.address
-    for i, (data, src) in enumerate(packets):
-        (job_socks.get(src) or stranger).sendto(data, target)
+    sends = bursts(packets) if gso else [([data], src) for data, src in packets]
+    for i, (run, src) in enumerate(sends):
+        sock = job_socks.get(src) or stranger
+        if len(run) == 1:
+            sock.sendto(run[0], target)
+        else:
+            sock.sendmsg([b"".join(run)], [(socket.SOL_UDP, UDP_SEGMENT,
+                                            struct.pack("=H", len(run[0])))], 0, target)
         if i % 16 == 15:
             time.sleep(0.002)
     # Quiet for a while: the aggregator is done and every reply sits in its socket.
@@ -218,15 +242,20 @@ def serve_trace(agg, packets, job_socks, stranger) -> tuple[dict, dict]:
 
 
 def test_served_over_udp_both_answer_a_trace_identically():
-    """Through the serving loops (recvmmsg/sendmmsg batches, with and without UDP GSO, vs
-    recvfrom/sendto): every address gets the same datagrams in the same order."""
+    """Through the serving loops (recvmmsg/sendmmsg batches, with and without UDP GSO/GRO,
+    vs recvfrom/sendto): every address gets the same datagrams in the same order, also when
+    the workers send their runs of datagrams as GSO bursts that arrive by GRO as one
+    buffer."""
     base = free_port_block(60)
     packets = trace(seed=13, length=400, base=base)
+    assert max(len(run) for run, _ in bursts(packets)) > 1
     results = []
-    kinds = (lambda js, epoch: Aggregator(js, epoch=epoch, shard=SHARD),
-             lambda js, epoch: fastagg.FastAggregator(js, epoch, shard=SHARD),
-             lambda js, epoch: fastagg.FastAggregator(js, epoch, gso=False, shard=SHARD))
-    for kind in kinds:
+    kinds = ((lambda js, epoch: Aggregator(js, epoch=epoch, shard=SHARD), False),
+             (lambda js, epoch: fastagg.FastAggregator(js, epoch, shard=SHARD), False),
+             (lambda js, epoch: fastagg.FastAggregator(js, epoch, gso=False, shard=SHARD),
+              False),
+             (lambda js, epoch: fastagg.FastAggregator(js, epoch, shard=SHARD), True))
+    for kind, gso in kinds:
         socks = {}
         stranger = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         try:
@@ -239,7 +268,7 @@ def test_served_over_udp_both_answer_a_trace_identically():
             stranger.bind(stranger_of(base))
             with kind(jobs(base), epoch=EPOCH) as agg:
                 agg.start("127.0.0.1", 0)
-                results.append(serve_trace(agg, packets, socks, stranger))
+                results.append(serve_trace(agg, packets, socks, stranger, gso))
         finally:
             for s in socks.values():
                 s.close()

@@ -47,11 +47,14 @@ def test_restarted_runs_against_a_running_aggregator_sum_exactly(tmp_path, job, 
     assert stats["drops"]["stale"] == 0
 
 
-def _stream(job, w, addr, numel, run, q):
+def _stream(job, w, addr, numel, run, q, rounds=25):
+    """Aggregate the same vector ``rounds`` times: a fast datapath must still be mid-stream
+    when the test kills the aggregator."""
     idx = np.random.default_rng(7000 + w).integers(0, 16, numel).astype(np.uint8)
     try:
         with AggregationClient(job, w, addr, deadline=DEADLINE, run=run) as c:
-            sums = c.aggregate(pack_bits(idx, P.INDEX_BITS))
+            for _ in range(rounds):
+                sums = c.aggregate(pack_bits(idx, P.INDEX_BITS))
             q.put((w, "ok", sums, time.monotonic()))
     except AggregatorRestarted as e:
         q.put((w, "restarted", str(e), time.monotonic()))

@@ -1,6 +1,7 @@
 """Host transport against a real aggregator process over loopback UDP."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import multiprocessing as mp
 import select
@@ -15,11 +16,12 @@ import pytest
 
 from host.codec.packing import pack_bits
 from host.net import fastagg
-from host.net.client import DATAPATH_ENV, AggregationClient, AggregationTimeout
+from host.net.client import (DATAPATH_ENV, GSO_ENV, AggregationClient, AggregationTimeout,
+                             resolve_gso)
 from host.net.impair import Impairment
 from host.testing.clusters import free_port_block, local_job
 from host.wire import protocol as P
-from host.wire.jobs import Cluster
+from host.wire.jobs import Cluster, Shard
 
 N_ELEMENTS = 1 << 20
 
@@ -120,6 +122,40 @@ def test_four_workers_one_million_elements_bit_exact(tmp_path, job, datapath):
     chunks = N_ELEMENTS // job.lanes
     assert stats["jobs"]["1"]["completions"] == chunks
     assert sum(stats["drops"].values()) == 0
+
+
+def test_compiled_client_with_gso_and_gro_sums_exactly(tmp_path, job, monkeypatch):
+    """DATA leaves as one GSO send per aggregator and batch, replies (GSO bursts from the
+    compiled aggregator) come in by GRO as one buffer each: the sums are the same."""
+    if fastagg.CLIENT_UNAVAILABLE:
+        pytest.skip(fastagg.CLIENT_UNAVAILABLE)
+    monkeypatch.setenv(DATAPATH_ENV, "compiled")
+    monkeypatch.setenv(GSO_ENV, "1")
+    agg = AggregatorProcess(tmp_path, [job])
+    try:
+        results = _run_workers(job, agg.addr)
+        stats = agg.stats()
+    finally:
+        agg.stop()
+    ref = _reference(job)
+    for w, (status, sums, (_, ran)) in results.items():
+        assert status == "ok", sums
+        np.testing.assert_array_equal(sums, ref)
+        assert ran == "compiled"
+    assert stats["jobs"]["1"]["completions"] == N_ELEMENTS // job.lanes
+    assert sum(stats["drops"].values()) == 0
+
+
+def test_gso_choice_follows_the_job_and_the_environment(job, monkeypatch):
+    sharded = dataclasses.replace(job, shards=(Shard("127.0.0.1", 1),)).validate()
+    monkeypatch.delenv(GSO_ENV, raising=False)
+    assert resolve_gso(None, job) is False and resolve_gso(None, sharded) is True
+    assert resolve_gso(True, job) is True and resolve_gso(False, sharded) is False
+    monkeypatch.setenv(GSO_ENV, "0")
+    assert resolve_gso(None, sharded) is False
+    monkeypatch.setenv(GSO_ENV, "yes")
+    with pytest.raises(ValueError, match="THC_CLIENT_GSO"):
+        resolve_gso(None, job)
 
 
 def test_sixteen_workers_get_exact_16_bit_sums(tmp_path):

@@ -610,10 +610,10 @@ static PyObject *dp_handle(Datapath *dp, PyObject *args) {
 /* Sending. Datagrams to one destination with one length leave as one UDP GSO send
  * (UDP_SEGMENT) where the kernel has it and the datapath was made with gso: one trip down
  * the stack for up to GSO_SEGS datagrams, each still delivered as its own datagram, in
- * order per destination. A NIC (or the stack before the driver) cuts them into packets, but
- * an emulated link (veth, as in Mininet) carries the burst as one packet, so the testbed
- * turns GSO off. Otherwise, or where GSO is refused, every datagram is sent alone
- * (sendmmsg batches). */
+ * order per destination. A NIC (or the stack before the driver) cuts them into packets; an
+ * emulated link (veth, as in Mininet) carries the burst as one skb, as it does TCP's
+ * segments, so the testbed turns GSO off where a loss rule would drop it whole. Otherwise,
+ * or where GSO is refused, every datagram is sent alone (sendmmsg batches). */
 #define GSO_SEGS 64
 #define GSO_BYTES 65000
 static int gso_ok = 1;
@@ -637,6 +637,35 @@ typedef struct {
 
 static int gso_refused(int err) {
     return err == EIO || err == EINVAL || err == ENOPROTOOPT || err == EOPNOTSUPP;
+}
+
+/* Receiving with UDP GRO (datapaths made with gso): the kernel hands a peer's GSO burst up
+ * as one buffer of equal-sized datagrams (the last may be shorter) and says their size in a
+ * UDP_GRO control message. One trip up the stack for the burst, as for TCP's segments. A
+ * datagram without it is one datagram, truncated as the plain receive buffer would. */
+#ifndef UDP_GRO
+#define UDP_GRO 104
+#endif
+#define GRO_BATCH 16
+#define GRO_BYTES 65536
+#define GRO_CTL CMSG_SPACE(sizeof(int))
+
+static void gro_set(int fd, int on) {
+    (void)setsockopt(fd, SOL_UDP, UDP_GRO, &on, sizeof on); /* refused: plain datagrams */
+}
+
+/* The size of the datagrams in a received buffer of len bytes, and the bytes to read of it
+ * (len, or plain_cap where it came without a UDP_GRO message). */
+static size_t gro_segment(struct msghdr *h, size_t *len, size_t plain_cap) {
+    if (h->msg_controllen)
+        for (struct cmsghdr *c = CMSG_FIRSTHDR(h); c; c = CMSG_NXTHDR(h, c))
+            if (c->cmsg_level == SOL_UDP && c->cmsg_type == UDP_GRO) {
+                int v;
+                memcpy(&v, CMSG_DATA(c), sizeof v);
+                if (v > 0) return (size_t)v < *len ? (size_t)v : *len;
+            }
+    if (*len > plain_cap) *len = plain_cap;
+    return *len;
 }
 
 /* Send groups[emit[0..ng)] (linked through next[]); a datagram the kernel refuses is
@@ -759,19 +788,23 @@ static PyObject *dp_serve(Datapath *dp, PyObject *args) {
         PyErr_SetString(PyExc_RuntimeError, "this datapath is already serving");
         return NULL;
     }
-    uint8_t *rbuf = malloc((size_t)BATCH * RECV_BYTES);
+    int nmsg = dp->gso ? GRO_BATCH : BATCH;
+    size_t rbytes = dp->gso ? GRO_BYTES : RECV_BYTES;
+    uint8_t *rbuf = malloc((size_t)nmsg * rbytes);
     uint8_t *obuf = malloc((size_t)OUT_CAP * OUT_BYTES);
     Out *out = malloc(sizeof(Out) * OUT_CAP);
     struct mmsghdr *rmsgs = calloc(BATCH, sizeof(struct mmsghdr));
     SendSpace *sp = calloc(1, sizeof(SendSpace));
     struct iovec *riov = calloc(BATCH, sizeof(struct iovec));
     struct sockaddr_in *src = calloc(BATCH, sizeof(struct sockaddr_in));
+    char (*rctl)[GRO_CTL] = calloc(BATCH, GRO_CTL);
     int err = 0;
-    if (!rbuf || !obuf || !out || !rmsgs || !sp || !riov || !src) {
+    if (!rbuf || !obuf || !out || !rmsgs || !sp || !riov || !src || !rctl) {
         err = ENOMEM;
         goto cleanup;
     }
     for (int k = 0; k < OUT_CAP; k++) out[k].buf = obuf + (size_t)k * OUT_BYTES;
+    if (dp->gso) gro_set(fd, 1);
     Py_BEGIN_ALLOW_THREADS
     double end = duration < 0 ? -1 : now_s() + duration;
     unsigned long long send_errors = 0;
@@ -789,33 +822,41 @@ static PyObject *dp_serve(Datapath *dp, PyObject *args) {
             break;
         }
         for (int rounds = 0; rounds < 64; rounds++) {
-            for (int k = 0; k < BATCH; k++) {
-                riov[k].iov_base = rbuf + (size_t)k * RECV_BYTES;
-                riov[k].iov_len = RECV_BYTES;
+            for (int k = 0; k < nmsg; k++) {
+                riov[k].iov_base = rbuf + (size_t)k * rbytes;
+                riov[k].iov_len = rbytes;
                 memset(&rmsgs[k].msg_hdr, 0, sizeof rmsgs[k].msg_hdr);
                 rmsgs[k].msg_hdr.msg_name = &src[k];
                 rmsgs[k].msg_hdr.msg_namelen = sizeof src[k];
                 rmsgs[k].msg_hdr.msg_iov = &riov[k];
                 rmsgs[k].msg_hdr.msg_iovlen = 1;
+                rmsgs[k].msg_hdr.msg_control = rctl[k];
+                rmsgs[k].msg_hdr.msg_controllen = GRO_CTL;
             }
-            int got = recvmmsg(fd, rmsgs, BATCH, MSG_DONTWAIT, NULL);
+            int got = recvmmsg(fd, rmsgs, (unsigned)nmsg, MSG_DONTWAIT, NULL);
             if (got <= 0) break;
             int nout = 0;
             pthread_mutex_lock(&dp->mu);
             for (int k = 0; k < got; k++) {
-                if (nout > OUT_CAP - MAX_WORKERS) {
-                    pthread_mutex_unlock(&dp->mu);
-                    flush(fd, out, nout, sp, dp->gso, &send_errors);
-                    nout = 0;
-                    pthread_mutex_lock(&dp->mu);
-                }
                 if (src[k].sin_family != AF_INET) continue;
-                nout += process_any(dp, rbuf + (size_t)k * RECV_BYTES, rmsgs[k].msg_len,
-                                    src[k].sin_addr.s_addr, src[k].sin_port, out + nout);
+                size_t len = rmsgs[k].msg_len;
+                size_t seg = gro_segment(&rmsgs[k].msg_hdr, &len, RECV_BYTES);
+                if (seg == 0) seg = 1; /* an empty datagram: looked at once */
+                for (size_t off = 0; off == 0 || off < len; off += seg) {
+                    if (nout > OUT_CAP - MAX_WORKERS) {
+                        pthread_mutex_unlock(&dp->mu);
+                        flush(fd, out, nout, sp, dp->gso, &send_errors);
+                        nout = 0;
+                        pthread_mutex_lock(&dp->mu);
+                    }
+                    size_t n = len - off < seg ? len - off : seg;
+                    nout += process_any(dp, rbuf + (size_t)k * rbytes + off, n,
+                                        src[k].sin_addr.s_addr, src[k].sin_port, out + nout);
+                }
             }
             pthread_mutex_unlock(&dp->mu);
             flush(fd, out, nout, sp, dp->gso, &send_errors);
-            if (got < BATCH) break;
+            if (got < nmsg) break;
         }
         if (send_errors) {
             pthread_mutex_lock(&dp->mu);
@@ -826,7 +867,8 @@ static PyObject *dp_serve(Datapath *dp, PyObject *args) {
     }
     Py_END_ALLOW_THREADS
 cleanup:
-    free(rbuf); free(obuf); free(out); free(rmsgs); free(sp); free(riov); free(src);
+    if (dp->gso) gro_set(fd, 0);
+    free(rbuf); free(obuf); free(out); free(rmsgs); free(sp); free(riov); free(src); free(rctl);
     __atomic_store_n(&dp->serving, 0, __ATOMIC_SEQ_CST);
     if (err) {
         errno = err;
@@ -1132,6 +1174,7 @@ typedef struct {
     struct mmsghdr msgs[BATCH];
     struct iovec iov[BATCH];
     int nq;
+    int gso; /* DATA to one shard leaves as one UDP GSO send; replies come in by GRO */
     unsigned long long st[N_CSTATS];
     int err; /* errno of a send the kernel refused for good */
 } Client;
@@ -1157,7 +1200,86 @@ static void cl_sample_rtt(Client *c, int shard, double rtt) {
     }
 }
 
+/* A send the kernel refused for good is remembered; a full queue loses the datagram, as the
+ * network may: the timer resends it. */
+static void cl_refused(Client *c, int e) {
+    if (e != EAGAIN && e != EWOULDBLOCK && e != ENOBUFS && e != ENOMEM && !c->err) c->err = e;
+}
+
+/* The queue as one GSO send per shard (order kept per shard); 0 where GSO is off or was
+ * refused, and the caller sends the queue datagram by datagram. */
+static int cl_flush_gso(Client *c) {
+    if (!c->gso || c->nq < 2 || !__atomic_load_n(&gso_ok, __ATOMIC_RELAXED)) return 0;
+    struct mmsghdr g[BATCH];
+    struct iovec iov[BATCH];
+    char ctl[BATCH][CMSG_SPACE(sizeof(uint16_t))];
+    uint8_t taken[BATCH] = {0};
+    size_t len = c->iov[0].iov_len;
+    int max_segs = (int)(GSO_BYTES / len);
+    if (max_segs > GSO_SEGS) max_segs = GSO_SEGS;
+    int ng = 0, niov = 0;
+    for (int k = 0; k < c->nq; k++) {
+        if (taken[k]) continue;
+        struct msghdr *h = &g[ng].msg_hdr;
+        memset(h, 0, sizeof *h);
+        h->msg_name = c->msgs[k].msg_hdr.msg_name;
+        h->msg_namelen = sizeof(struct sockaddr_in);
+        h->msg_iov = &iov[niov];
+        for (int j = k; j < c->nq && (int)h->msg_iovlen < max_segs; j++)
+            if (!taken[j] && c->msgs[j].msg_hdr.msg_name == h->msg_name) {
+                taken[j] = 1;
+                iov[niov++] = c->iov[j];
+                h->msg_iovlen++;
+            }
+        if (h->msg_iovlen > 1) {
+            h->msg_control = ctl[ng];
+            h->msg_controllen = sizeof ctl[ng];
+            struct cmsghdr *cm = CMSG_FIRSTHDR(h);
+            cm->cmsg_level = SOL_UDP;
+            cm->cmsg_type = UDP_SEGMENT;
+            cm->cmsg_len = CMSG_LEN(sizeof(uint16_t));
+            uint16_t size = (uint16_t)len;
+            memcpy(CMSG_DATA(cm), &size, sizeof size);
+        }
+        ng++;
+    }
+    int done = 0;
+    while (done < ng) {
+        int r = sendmmsg(c->fd, g + done, (unsigned)(ng - done), 0);
+        if (r >= 0) {
+            done += r;
+            continue;
+        }
+        int e = errno;
+        if (e == EINTR) continue;
+        if (g[done].msg_hdr.msg_controllen && gso_refused(e)) {
+            __atomic_store_n(&gso_ok, 0, __ATOMIC_RELAXED);
+            if (done == 0) return 0;
+            /* the groups not sent, datagram by datagram */
+            int nq = 0;
+            for (int m = done; m < ng; m++)
+                for (size_t v = 0; v < g[m].msg_hdr.msg_iovlen; v++) {
+                    c->iov[nq] = g[m].msg_hdr.msg_iov[v];
+                    struct msghdr *h = &c->msgs[nq].msg_hdr;
+                    memset(h, 0, sizeof *h);
+                    h->msg_name = g[m].msg_hdr.msg_name;
+                    h->msg_namelen = sizeof(struct sockaddr_in);
+                    h->msg_iov = &c->iov[nq];
+                    h->msg_iovlen = 1;
+                    nq++;
+                }
+            c->nq = nq;
+            return 0;
+        }
+        cl_refused(c, e);
+        done++;
+    }
+    c->nq = 0;
+    return 1;
+}
+
 static void cl_flush(Client *c) {
+    if (cl_flush_gso(c)) return;
     int done = 0;
     while (done < c->nq) {
         int r = sendmmsg(c->fd, c->msgs + done, (unsigned)(c->nq - done), 0);
@@ -1167,9 +1289,7 @@ static void cl_flush(Client *c) {
         }
         int e = errno;
         if (e == EINTR) continue;
-        /* a full queue loses the datagram, as the network may: the timer resends it */
-        if (e != EAGAIN && e != EWOULDBLOCK && e != ENOBUFS && e != ENOMEM && !c->err)
-            c->err = e;
+        cl_refused(c, e);
         done++;
     }
     c->nq = 0;
@@ -1225,12 +1345,13 @@ static PyObject *list_of_doubles(const double *v, int n) {
 static PyObject *fa_stream(PyObject *self, PyObject *args) {
     PyObject *hdr, *aggs_o, *epochs, *srtt_o, *rttvar_o;
     Py_buffer chunks = {0}, out = {0}, counts = {0}, bitmaps = {0};
-    int fd, chunk_bytes, window, out_itemsize, expect_payload;
+    int fd, chunk_bytes, window, out_itemsize, expect_payload, gso;
     double timeout, max_timeout, deadline;
-    if (!PyArg_ParseTuple(args, "iOy*iO!O!i(ddd)O!O!w*iiw*w*", &fd, &hdr, &chunks, &chunk_bytes,
+    if (!PyArg_ParseTuple(args, "iOy*iO!O!i(ddd)O!O!w*iiw*w*p", &fd, &hdr, &chunks, &chunk_bytes,
                           &PyList_Type, &aggs_o, &PyList_Type, &epochs, &window, &timeout,
                           &max_timeout, &deadline, &PyList_Type, &srtt_o, &PyList_Type,
-                          &rttvar_o, &out, &out_itemsize, &expect_payload, &counts, &bitmaps))
+                          &rttvar_o, &out, &out_itemsize, &expect_payload, &counts, &bitmaps,
+                          &gso))
         return NULL;
     Client *c = calloc(1, sizeof(Client));
     PyObject *res = NULL;
@@ -1248,6 +1369,7 @@ static PyObject *fa_stream(PyObject *self, PyObject *args) {
     uint8_t *rbuf = NULL;
     struct mmsghdr *rmsgs = NULL;
     struct iovec *riov = NULL;
+    char (*rctl)[GRO_CTL] = NULL;
     if (!c) {
         PyErr_NoMemory();
         goto cleanup;
@@ -1282,11 +1404,14 @@ static PyObject *fa_stream(PyObject *self, PyObject *args) {
     started = calloc((size_t)window, sizeof(double));
     later = calloc((size_t)window, sizeof(int));
     pend = calloc((size_t)window, sizeof(long long));
-    rbuf = malloc((size_t)BATCH * CL_RECV_BYTES);
+    int nmsg = gso ? GRO_BATCH : BATCH;
+    size_t rbytes = gso ? GRO_BYTES : CL_RECV_BYTES;
+    rbuf = malloc((size_t)nmsg * rbytes);
     rmsgs = calloc(BATCH, sizeof(struct mmsghdr));
     riov = calloc(BATCH, sizeof(struct iovec));
+    rctl = calloc(BATCH, GRO_CTL);
     if (!c->aggs || !c->srtt || !c->rttvar || !epoch || !c->sbuf || !done || !mark || !due ||
-        !backoff || !started || !later || !pend || !rbuf || !rmsgs || !riov) {
+        !backoff || !started || !later || !pend || !rbuf || !rmsgs || !riov || !rctl) {
         PyErr_NoMemory();
         goto cleanup;
     }
@@ -1304,6 +1429,8 @@ static PyObject *fa_stream(PyObject *self, PyObject *args) {
         if (PyErr_Occurred()) goto cleanup;
     }
     c->fd = fd;
+    c->gso = gso;
+    if (gso) gro_set(fd, 1);
     c->n_shards = n_shards;
     c->window = window;
     c->lanes = lanes;
@@ -1367,126 +1494,133 @@ static PyObject *fa_stream(PyObject *self, PyObject *args) {
                               .tv_nsec = (long)((wait - (double)(time_t)wait) * 1e9)};
         int ready = ppoll(&pfd, 1, &ts, NULL);
         while (ready > 0 && event == EV_DONE) {
-            for (int k = 0; k < BATCH; k++) {
-                riov[k].iov_base = rbuf + (size_t)k * CL_RECV_BYTES;
-                riov[k].iov_len = CL_RECV_BYTES;
+            for (int k = 0; k < nmsg; k++) {
+                riov[k].iov_base = rbuf + (size_t)k * rbytes;
+                riov[k].iov_len = rbytes;
                 memset(&rmsgs[k].msg_hdr, 0, sizeof rmsgs[k].msg_hdr);
                 rmsgs[k].msg_hdr.msg_iov = &riov[k];
                 rmsgs[k].msg_hdr.msg_iovlen = 1;
+                rmsgs[k].msg_hdr.msg_control = rctl[k];
+                rmsgs[k].msg_hdr.msg_controllen = GRO_CTL;
             }
-            int got = recvmmsg(fd, rmsgs, BATCH, MSG_DONTWAIT, NULL);
+            int got = recvmmsg(fd, rmsgs, (unsigned)nmsg, MSG_DONTWAIT, NULL);
             if (got <= 0) break;
             now = now_s();
             for (int k = 0; k < got && event == EV_DONE; k++) {
-                const uint8_t *d = rbuf + (size_t)k * CL_RECV_BYTES;
-                size_t n = rmsgs[k].msg_len;
-                c->st[S_RECEIVED]++;
-                c->st[S_BYTES_RECEIVED] += n;
-                if (n < HDR) {
-                    c->st[S_IGNORED]++;
-                    continue;
-                }
-                uint8_t r_type = d[0], r_count = d[7];
-                uint32_t r_seq = rd32(d + 8), r_bitmap = rd32(d + 16), r_run = rd32(d + 20),
-                         r_epoch = rd32(d + 24);
-                if (rd16(d + 2) != c->job_id || d[1] != c->worker ||
-                    (r_type != c->pending_type && r_type != c->result_type &&
-                     r_type != (uint8_t)other_result)) {
-                    c->st[S_IGNORED]++;
-                    continue;
-                }
-                if (r_run != c->run) {
-                    c->st[S_OTHER_RUN]++;
-                    continue;
-                }
-                last_reply = now;
-                int shard = (int)(r_seq % (uint32_t)n_shards);
-                if ((long long)r_epoch != epoch[shard]) {
-                    if (epoch[shard] >= 0) {
-                        event = EV_RESTARTED;
-                        ev_shard = shard;
-                        ev_old = epoch[shard];
-                        ev_new = r_epoch;
-                        break;
-                    }
-                    epoch[shard] = r_epoch;
-                }
-                long i = (long)(uint32_t)(r_seq - (uint32_t)c->base);
-                if (i >= hi || done[i]) {
-                    c->st[S_IGNORED]++;
-                    continue;
-                }
-                long r = i % window;
-                if (r_type == c->pending_type) {
-                    c->st[S_PENDING]++;
-                    pend[r] = r_bitmap;
-                    continue;
-                }
-                if (r_type != c->result_type || n - HDR != (size_t)expect_payload) {
-                    c->st[S_IGNORED]++;
-                    continue;
-                }
-                if (r_count != n_workers) {
-                    /* closed short (FLUSH): DATA only, and count must match the bitmap */
-                    if (!is_data || r_count > n_workers ||
-                        __builtin_popcount(r_bitmap) != r_count || (r_bitmap & ~full)) {
+                size_t len = rmsgs[k].msg_len;
+                size_t seg = gro_segment(&rmsgs[k].msg_hdr, &len, CL_RECV_BYTES);
+                if (seg == 0) seg = 1; /* an empty datagram: looked at once */
+                for (size_t off = 0; off == 0 || off < len; off += seg) {
+                    const uint8_t *d = rbuf + (size_t)k * rbytes + off;
+                    size_t n = len - off < seg ? len - off : seg;
+                    c->st[S_RECEIVED]++;
+                    c->st[S_BYTES_RECEIVED] += n;
+                    if (n < HDR) {
                         c->st[S_IGNORED]++;
                         continue;
                     }
-                    c->st[S_SHORT]++;
-                    countp[i] = r_count;
-                    memcpy(bitmapp + i, &r_bitmap, 4);
-                }
-                const uint8_t *q = d + HDR;
-                uint8_t *o = outp + (size_t)i * lanes * out_itemsize;
-                if (wire_bytes == 1 && out_itemsize == 2) { /* 8-bit sums: the common case */
-                    uint16_t *o16 = (uint16_t *)o; /* numpy aligns its elements */
-                    for (int l = 0; l < lanes; l++) o16[l] = q[l];
-                } else {
-                    for (int l = 0; l < lanes; l++) {
-                        uint32_t v = wire_bytes == 1 ? q[l]
-                                     : wire_bytes == 2 ? rd16(q + 2 * l) : rd32(q + 4 * l);
-                        if (out_itemsize == 2) {
-                            uint16_t v16 = (uint16_t)v;
-                            memcpy(o + 2 * l, &v16, 2);
-                        } else {
-                            memcpy(o + 4 * l, &v, 4);
+                    uint8_t r_type = d[0], r_count = d[7];
+                    uint32_t r_seq = rd32(d + 8), r_bitmap = rd32(d + 16), r_run = rd32(d + 20),
+                             r_epoch = rd32(d + 24);
+                    if (rd16(d + 2) != c->job_id || d[1] != c->worker ||
+                        (r_type != c->pending_type && r_type != c->result_type &&
+                         r_type != (uint8_t)other_result)) {
+                        c->st[S_IGNORED]++;
+                        continue;
+                    }
+                    if (r_run != c->run) {
+                        c->st[S_OTHER_RUN]++;
+                        continue;
+                    }
+                    last_reply = now;
+                    int shard = (int)(r_seq % (uint32_t)n_shards);
+                    if ((long long)r_epoch != epoch[shard]) {
+                        if (epoch[shard] >= 0) {
+                            event = EV_RESTARTED;
+                            ev_shard = shard;
+                            ev_old = epoch[shard];
+                            ev_new = r_epoch;
+                            break;
+                        }
+                        epoch[shard] = r_epoch;
+                    }
+                    long i = (long)(uint32_t)(r_seq - (uint32_t)c->base);
+                    if (i >= hi || done[i]) {
+                        c->st[S_IGNORED]++;
+                        continue;
+                    }
+                    long r = i % window;
+                    if (r_type == c->pending_type) {
+                        c->st[S_PENDING]++;
+                        pend[r] = r_bitmap;
+                        continue;
+                    }
+                    if (r_type != c->result_type || n - HDR != (size_t)expect_payload) {
+                        c->st[S_IGNORED]++;
+                        continue;
+                    }
+                    if (r_count != n_workers) {
+                        /* closed short (FLUSH): DATA only, and count must match the bitmap */
+                        if (!is_data || r_count > n_workers ||
+                            __builtin_popcount(r_bitmap) != r_count || (r_bitmap & ~full)) {
+                            c->st[S_IGNORED]++;
+                            continue;
+                        }
+                        c->st[S_SHORT]++;
+                        countp[i] = r_count;
+                        memcpy(bitmapp + i, &r_bitmap, 4);
+                    }
+                    const uint8_t *q = d + HDR;
+                    uint8_t *o = outp + (size_t)i * lanes * out_itemsize;
+                    if (wire_bytes == 1 && out_itemsize == 2) { /* 8-bit sums: the common case */
+                        uint16_t *o16 = (uint16_t *)o; /* numpy aligns its elements */
+                        for (int l = 0; l < lanes; l++) o16[l] = q[l];
+                    } else {
+                        for (int l = 0; l < lanes; l++) {
+                            uint32_t v = wire_bytes == 1 ? q[l]
+                                         : wire_bytes == 2 ? rd16(q + 2 * l) : rd32(q + 4 * l);
+                            if (out_itemsize == 2) {
+                                uint16_t v16 = (uint16_t)v;
+                                memcpy(o + 2 * l, &v16, 2);
+                            } else {
+                                memcpy(o + 4 * l, &v, 4);
+                            }
                         }
                     }
-                }
-                done[i] = 1;
-                if (!(mark[r] & M_RESENT)) cl_sample_rtt(c, shard, now - started[r]);
-                if (i == lo) {
-                    while (lo < total && done[lo]) lo++;
-                    if (lo < hi) { /* the new head: the whole window waits for it */
-                        long rh = lo % window;
-                        double rto = cl_rto(c, cl_shard(c, lo));
-                        if (backoff[rh] > rto) backoff[rh] = rto;
-                        if (due[rh] > now + rto) due[rh] = now + rto;
+                    done[i] = 1;
+                    if (!(mark[r] & M_RESENT)) cl_sample_rtt(c, shard, now - started[r]);
+                    if (i == lo) {
+                        while (lo < total && done[lo]) lo++;
+                        if (lo < hi) { /* the new head: the whole window waits for it */
+                            long rh = lo % window;
+                            double rto = cl_rto(c, cl_shard(c, lo));
+                            if (backoff[rh] > rto) backoff[rh] = rto;
+                            if (due[rh] > now + rto) due[rh] = now + rto;
+                        }
                     }
-                }
-                if (i > lo) {
-                    /* later chunks of the same shard overtook these: every worker's chunks
-                     * get through, so these or their results were lost. Fast retransmit,
-                     * and from now on resend every RTO: the backoff a chunk built up while
-                     * it waited for the others must not delay recovering its lost result */
-                    double rto = cl_rto(c, shard);
-                    for (long j = lo; j < i; j++) {
-                        if (done[j] || cl_shard(c, j) != shard) continue;
-                        long rj = j % window;
-                        if (++later[rj] == FAST_RETRANSMIT_AFTER) {
-                            /* overtaken this often: lost, not merely reordered */
-                            c->st[S_RETRANSMITTED]++;
-                            cl_send(c, j);
-                            mark[rj] |= M_RESENT | M_OVERTAKEN;
-                            backoff[rj] = rto;
-                            due[rj] = now + rto;
-                            later[rj] = -4 * FAST_RETRANSMIT_AFTER;
+                    if (i > lo) {
+                        /* later chunks of the same shard overtook these: every worker's chunks
+                         * get through, so these or their results were lost. Fast retransmit,
+                         * and from now on resend every RTO: the backoff a chunk built up while
+                         * it waited for the others must not delay recovering its lost result */
+                        double rto = cl_rto(c, shard);
+                        for (long j = lo; j < i; j++) {
+                            if (done[j] || cl_shard(c, j) != shard) continue;
+                            long rj = j % window;
+                            if (++later[rj] == FAST_RETRANSMIT_AFTER) {
+                                /* overtaken this often: lost, not merely reordered */
+                                c->st[S_RETRANSMITTED]++;
+                                cl_send(c, j);
+                                mark[rj] |= M_RESENT | M_OVERTAKEN;
+                                backoff[rj] = rto;
+                                due[rj] = now + rto;
+                                later[rj] = -4 * FAST_RETRANSMIT_AFTER;
+                            }
                         }
                     }
                 }
             }
-            if (got < BATCH) break;
+            if (got < nmsg) break;
         }
         cl_flush(c);
         if (event != EV_DONE) break;
@@ -1567,7 +1701,8 @@ cleanup:
         free(c->aggs); free(c->srtt); free(c->rttvar); free(c->sbuf); free(c);
     }
     free(epoch); free(done); free(mark); free(due); free(backoff); free(started); free(later);
-    free(pend); free(rbuf); free(rmsgs); free(riov);
+    if (gso) gro_set(fd, 0);
+    free(pend); free(rbuf); free(rmsgs); free(riov); free(rctl);
     PyBuffer_Release(&chunks);
     if (out.obj) PyBuffer_Release(&out);
     if (counts.obj) PyBuffer_Release(&counts);

@@ -116,6 +116,21 @@ def resolve_datapath(choice: str | None = None) -> str:
     return "compiled"
 
 
+GSO_ENV = "THC_CLIENT_GSO"
+
+
+def resolve_gso(choice: bool | None, job: Job) -> bool:
+    """``choice`` (else ``THC_CLIENT_GSO`` = 0/1, else whether the job is sharded)."""
+    if choice is not None:
+        return bool(choice)
+    env = os.environ.get(GSO_ENV)
+    if env is None or env == "":
+        return bool(job.shards)
+    if env not in ("0", "1"):
+        raise ValueError(f"{GSO_ENV}={env!r}: use 0 or 1")
+    return env == "1"
+
+
 class AggregationClient:
     """One worker's connection to an aggregator (software or switch) for one job."""
 
@@ -127,7 +142,8 @@ class AggregationClient:
                  window: int | None = None, timeout: float = 0.02, max_timeout: float = 0.5,
                  deadline: float = 10.0, impair: Impairment | None = None,
                  sock: socket.socket | None = None, run: int | None = None,
-                 loss_bound: float | None = None, datapath: str | None = None):
+                 loss_bound: float | None = None, datapath: str | None = None,
+                 gso: bool | None = None):
         """``run``: this training run's id, the same on every worker (default: ``THC_RUN`` from
         the environment; :func:`host.collective.allreduce.agree_run` agrees one over a process
         group). It may also be set later through :attr:`run`, before the first chunk.
@@ -138,7 +154,13 @@ class AggregationClient:
         ``loss_bound``: overrides the job's (a fraction of each round's chunks in [0, 1)).
 
         ``datapath``: "python", "compiled" or "auto" (default: ``THC_CLIENT_DATAPATH``, else
-        auto); the compiled one runs rounds without impairment, loss bound or DSCP marks."""
+        auto); the compiled one runs rounds without impairment, loss bound or DSCP marks.
+
+        ``gso``: the compiled datapath sends a batch's DATA to one aggregator as one UDP GSO
+        send and takes replies in by UDP GRO, as TCP does with its segments (default:
+        ``THC_CLIENT_GSO`` = 0/1, else on for a sharded job, whose aggregators are hosts, and
+        off where a switch may be next: a software switch on veths would see a burst as one
+        frame)."""
         self.job = job
         self.worker_id = worker_id
         if job.shards:
@@ -165,6 +187,8 @@ class AggregationClient:
         self.stats = TransportStats()
         self.datapath = resolve_datapath(datapath)
         """The datapath rounds run in where they can ("compiled" or "python")."""
+        self.gso = resolve_gso(gso, job)
+        """Whether compiled rounds batch datagrams by UDP GSO/GRO."""
         self.last_datapath: str | None = None
         """The datapath that ran the last round."""
         self.next_seq = 0
@@ -477,7 +501,7 @@ class AggregationClient:
         event, info, st, srtt, rttvar = fastagg.stream(
             self.sock.fileno(), header, chunks, chunks.shape[1], aggs, self.epochs,
             self.window, (self.timeout, self.max_timeout, self.deadline), list(self._srtt),
-            list(self._rttvar), out, out.itemsize, expect_payload, counts, bitmaps)
+            list(self._rttvar), out, out.itemsize, expect_payload, counts, bitmaps, self.gso)
         s = self.stats
         (sent, retransmitted, received, ignored, other_run, pending, bytes_sent,
          bytes_received, short) = st

@@ -20,10 +20,12 @@ Everything created in the root namespace is named after the testbed's tag and re
 from __future__ import annotations
 
 import atexit
+import json
 import subprocess
 from pathlib import Path
 
 from host.codec.params import THCParams
+from host.net.client import GSO_ENV
 from host.wire import protocol as P
 from host.wire.jobs import SWITCH_AGG_IP, SWITCH_AGG_MAC, Cluster, Shard, Worker
 from thcnet import links
@@ -46,8 +48,25 @@ from thcnet.cleanup import Registry, signals_deferred, signals_raise, switch_nam
 
 class MininetTestbed(Testbed):
     kind = "mininet"
-    agg_link_args = ("--no-gso",)
-    """A veth link would carry a UDP GSO burst as one packet: every result crosses alone."""
+    @property
+    def gso(self) -> bool:
+        """Whether hosts batch datagrams by UDP GSO/GRO, as TCP batches its segments (the FP32
+        baselines' Gloo rings): only towards the software aggregator, and only on links
+        without loss (a veth and its qdisc carry a burst as one skb, so a loss rule would
+        drop the whole burst, where a network loses packets one by one), and shaped (the
+        shaper's counters count a burst's packets and headers; a veth's count one header)."""
+        return (self.aggregator in ("software", "sharded") and not self.loss_pct
+                and self.bw_mbit is not None)
+
+    @property
+    def agg_link_args(self) -> tuple[str, ...]:
+        return () if self.gso else ("--no-gso",)
+
+    def env_for(self, node: str, env: dict | None = None) -> dict:
+        full = super().env_for(node, env)
+        if not (env and GSO_ENV in env):
+            full[GSO_ENV] = "1" if self.gso else "0"
+        return full
 
     def __init__(self, n_workers: int, bw_mbit: float | None = None, delay_ms: float = 0.0,
                  loss_pct: float = 0.0, aggregator: str = "software",
@@ -229,6 +248,9 @@ class MininetTestbed(Testbed):
     def set_worker_loss(self, loss_pct: float) -> None:
         """``loss_pct`` loss in both directions of every worker link, on the running testbed
         (0 removes it); see :func:`thcnet.links.set_link_loss`."""
+        if loss_pct and self.gso:
+            raise TestbedError("this testbed's hosts send UDP GSO bursts, which a loss rule "
+                               "drops whole: open it with loss_pct for per-packet loss")
         try:
             for r in range(self.n_workers):
                 links.set_link_loss(self.host(r), self.worker_intf(r), loss_pct)
@@ -240,8 +262,16 @@ class MininetTestbed(Testbed):
         return sum(links.link_drops(self.host(r)) for r in range(self.n_workers))
 
     def switch_port_counters(self, port: int) -> tuple[int, int]:
-        """(rx_bytes, tx_bytes) of switch port ``port`` (root namespace)."""
-        base = f"/sys/class/net/{self.switch_name}-eth{port}/statistics"
+        """(rx_bytes, tx_bytes) of switch port ``port``: what the two ends' shapers sent
+        where hosts send GSO bursts (a burst counts its packets' headers there), else the
+        port's own counters."""
+        name = f"{self.switch_name}-eth{port}"
+        if self.gso:
+            intf = self.switch.nameToIntf[name]
+            link = intf.link
+            peer = link.intf1 if link.intf2 is intf else link.intf2
+            return _shaper_sent(peer.node, peer.name), _shaper_sent(intf.node, name)
+        base = f"/sys/class/net/{name}/statistics"
         return int(_read(f"{base}/rx_bytes")), int(_read(f"{base}/tx_bytes"))
 
     def wire_bytes(self) -> dict[int, tuple[int, int]]:
@@ -290,6 +320,17 @@ def _write(path: str, text: str) -> None:
         Path(path).write_text(text)
     except OSError:
         pass
+
+
+def _shaper_sent(node, intf: str) -> int:
+    """Bytes the root qdisc of ``intf`` on ``node`` sent: it counts a GSO burst as its
+    packets, each with its headers (the kernel's qdisc_pkt_len)."""
+    out = node.cmd(f"tc -s -j qdisc show dev {intf}")
+    try:
+        roots = [q for q in json.loads(out) if q.get("root")]
+        return int(roots[0]["bytes"])
+    except (ValueError, LookupError, TypeError):
+        raise TestbedError(f"no shaper statistics on {intf}: {out.strip()[:200]}") from None
 
 
 def _read(path: str) -> str:
