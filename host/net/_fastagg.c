@@ -668,6 +668,26 @@ static size_t gro_segment(struct msghdr *h, size_t *len, size_t plain_cap) {
     return *len;
 }
 
+/* Point msgs[0..n) at n receive buffers of bytes each, with room for a UDP_GRO message and,
+ * where src is given, the sender's address. */
+static void rx_arm(struct mmsghdr *msgs, struct iovec *iov, char (*ctl)[GRO_CTL], uint8_t *buf,
+                   int n, size_t bytes, struct sockaddr_in *src) {
+    for (int k = 0; k < n; k++) {
+        iov[k].iov_base = buf + (size_t)k * bytes;
+        iov[k].iov_len = bytes;
+        struct msghdr *h = &msgs[k].msg_hdr;
+        memset(h, 0, sizeof *h);
+        if (src) {
+            h->msg_name = &src[k];
+            h->msg_namelen = sizeof src[k];
+        }
+        h->msg_iov = &iov[k];
+        h->msg_iovlen = 1;
+        h->msg_control = ctl[k];
+        h->msg_controllen = GRO_CTL;
+    }
+}
+
 /* Send groups[emit[0..ng)] (linked through next[]); a datagram the kernel refuses is
  * counted and skipped. */
 static void send_groups(int fd, Out *out, SendSpace *sp, int ng, int use_gso,
@@ -822,17 +842,7 @@ static PyObject *dp_serve(Datapath *dp, PyObject *args) {
             break;
         }
         for (int rounds = 0; rounds < 64; rounds++) {
-            for (int k = 0; k < nmsg; k++) {
-                riov[k].iov_base = rbuf + (size_t)k * rbytes;
-                riov[k].iov_len = rbytes;
-                memset(&rmsgs[k].msg_hdr, 0, sizeof rmsgs[k].msg_hdr);
-                rmsgs[k].msg_hdr.msg_name = &src[k];
-                rmsgs[k].msg_hdr.msg_namelen = sizeof src[k];
-                rmsgs[k].msg_hdr.msg_iov = &riov[k];
-                rmsgs[k].msg_hdr.msg_iovlen = 1;
-                rmsgs[k].msg_hdr.msg_control = rctl[k];
-                rmsgs[k].msg_hdr.msg_controllen = GRO_CTL;
-            }
+            rx_arm(rmsgs, riov, rctl, rbuf, nmsg, rbytes, src);
             int got = recvmmsg(fd, rmsgs, (unsigned)nmsg, MSG_DONTWAIT, NULL);
             if (got <= 0) break;
             int nout = 0;
@@ -1494,15 +1504,7 @@ static PyObject *fa_stream(PyObject *self, PyObject *args) {
                               .tv_nsec = (long)((wait - (double)(time_t)wait) * 1e9)};
         int ready = ppoll(&pfd, 1, &ts, NULL);
         while (ready > 0 && event == EV_DONE) {
-            for (int k = 0; k < nmsg; k++) {
-                riov[k].iov_base = rbuf + (size_t)k * rbytes;
-                riov[k].iov_len = rbytes;
-                memset(&rmsgs[k].msg_hdr, 0, sizeof rmsgs[k].msg_hdr);
-                rmsgs[k].msg_hdr.msg_iov = &riov[k];
-                rmsgs[k].msg_hdr.msg_iovlen = 1;
-                rmsgs[k].msg_hdr.msg_control = rctl[k];
-                rmsgs[k].msg_hdr.msg_controllen = GRO_CTL;
-            }
+            rx_arm(rmsgs, riov, rctl, rbuf, nmsg, rbytes, NULL);
             int got = recvmmsg(fd, rmsgs, (unsigned)nmsg, MSG_DONTWAIT, NULL);
             if (got <= 0) break;
             now = now_s();
