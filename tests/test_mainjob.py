@@ -73,3 +73,25 @@ def test_deadline_stops_every_rank_after_the_same_step_and_evaluates():
     rows = [json.loads(line) for line in outs[0][0].splitlines()
             if line.startswith("{") and "accuracy" in line]
     assert len(rows) == 1 and rows[0]["steps"] == 1 and 0.0 <= rows[0]["accuracy"] <= 1.0
+
+
+@pytest.mark.parametrize("argv", [["--max-steps", "0"], ["--epochs", "0"], ["--batch", "-1"],
+                                  ["--evals", "0"], ["--train-subset", "0"], ["--epochs", "x"]])
+def test_counts_below_one_are_usage_errors(argv, capsys):
+    """A zero count used to start a job that trains nothing (``--max-steps 0`` looped idle)."""
+    import argparse
+
+    from host.app import train
+    from thcnet import mainjob
+    for add in (train.add_arguments, mainjob.add_arguments):
+        if argv[0] == "--max-steps" and add is mainjob.add_arguments:
+            continue
+        parser = argparse.ArgumentParser()
+        add(parser)
+        with pytest.raises(SystemExit) as e:
+            parser.parse_args(argv)
+        assert e.value.code == 2
+        assert "at least 1" in capsys.readouterr().err or argv[1] == "x"
+    parser = argparse.ArgumentParser()
+    train.add_arguments(parser)
+    assert parser.parse_args(["--max-steps", "1", "--epochs", "2"]).max_steps == 1

@@ -28,6 +28,7 @@ import sys
 import time
 
 from host.app import datasets
+from host.app.argtypes import positive_int
 from host.codec.params import THCParams
 from host.collective.allreduce import THCAllReduce, agree_run
 from host.collective.ddp import HookOptions, MarsitHook, MarsitVoteHook, THCHook, TopKHook
@@ -58,11 +59,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "clock broadcast over the process group)")
     parser.add_argument("--data", choices=datasets.DATASETS, default="fashion-mnist",
                         help="data set (fashion-mnist falls back to digits, saying so)")
-    parser.add_argument("--train-subset", type=int, default=None, metavar="N",
+    parser.add_argument("--train-subset", type=positive_int, default=None, metavar="N",
                         help="train on the first N training images only (quick runs)")
-    parser.add_argument("--epochs", type=int, default=3)
-    parser.add_argument("--evals", type=int, default=4, help="test-set evaluations per epoch")
-    parser.add_argument("--batch", type=int, default=64, help="per-worker batch size")
+    parser.add_argument("--epochs", type=positive_int, default=3)
+    parser.add_argument("--evals", type=positive_int, default=4,
+                        help="test-set evaluations per epoch")
+    parser.add_argument("--batch", type=positive_int, default=64, help="per-worker batch size")
     parser.add_argument("--lr", type=float, default=None,
                         help=f"learning rate (default {DEFAULT_OPTIMIZER[0]}; Marsit modes: "
                              f"{OPTIMIZER['marsit'][0]})")
@@ -72,12 +74,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--width", type=int, default=None,
                         help="hidden width (default: 768 for 28x28 images, 64 for digits)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--max-steps", type=int, default=None,
+    parser.add_argument("--max-steps", type=positive_int, default=None,
                         help="stop after this many optimizer steps (evaluating then)")
     parser.add_argument("--deadline", type=float, default=None, metavar="UNIX_TIME",
                         help="stop training once this wall-clock time has passed (every "
                              "rank after the same step), evaluating then")
-    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    parser.add_argument("--threads", type=positive_int, default=1, help="torch intra-op threads")
     parser.add_argument("--topk-ratio", type=float, default=0.1)
     parser.add_argument("--slice-size", type=int, default=1 << 16,
                         help="THC rotation slice (power of two; small slices waste less padding)")

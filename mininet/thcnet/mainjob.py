@@ -27,6 +27,7 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from host.app.argtypes import positive_int
 from host.app.datasets import FASHION_DIR
 from host.wire.jobs import loss_bound_arg
 from host.wire.protocol import MAX_SOFTWARE_LANES
@@ -84,20 +85,20 @@ FIXED_TARGET = {"fashion-mnist": 0.80, "digits": 0.95}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--workers", type=int, default=4)
+    parser.add_argument("--workers", type=positive_int, default=4)
     parser.add_argument("--modes", default=DEFAULT_MODES,
                         help=f"comma-separated, from {','.join(MODES)} (default: all but "
                              f"{', '.join(OPT_IN)})")
     parser.add_argument("--data", default="fashion-mnist", choices=("fashion-mnist", "digits"))
-    parser.add_argument("--epochs", type=int, default=2)
-    parser.add_argument("--batch", type=int, default=128, help="per-worker batch size")
+    parser.add_argument("--epochs", type=positive_int, default=2)
+    parser.add_argument("--batch", type=positive_int, default=128, help="per-worker batch size")
     parser.add_argument("--width", type=int, default=None,
                         help="model width (default: the worker's, 768 for Fashion-MNIST's MLP: "
                              "1.2M parameters)")
-    parser.add_argument("--evals", type=int, default=6, help="evaluations per epoch")
+    parser.add_argument("--evals", type=positive_int, default=6, help="evaluations per epoch")
     parser.add_argument("--quick", action="store_true",
                         help="about two minutes: 8192 training images, one epoch")
-    parser.add_argument("--train-subset", type=int, default=None, metavar="N",
+    parser.add_argument("--train-subset", type=positive_int, default=None, metavar="N",
                         help="train on the first N images (step-time measurements: more "
                              "steps than --quick, less than an epoch)")
     parser.add_argument("--bw", type=float, default=100.0, help="link bandwidth, Mbit/s")
