@@ -273,7 +273,9 @@ def _run_mode(name: str, args, progress) -> dict:
                            f"({stopped or 'it exited without one'})")
     if after:
         wire = sum(after[w][0] - before[w][0] + after[w][1] - before[w][1] for w in after)
-        wire_source = "worker links, transmit + receive (interface counters)" + (
+        counters = ("shaper counters: every TCP segment and UDP datagram with its headers"
+                    if getattr(tb, "bw_mbit", None) is not None else "interface counters")
+        wire_source = f"worker links, transmit + receive ({counters})" + (
             ", the competing flow included" if congestion else "")
     else:
         last_rows = (_rows(r.stdout)[1] for r in results)
