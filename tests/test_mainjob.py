@@ -7,6 +7,8 @@ import sys
 
 import pytest
 
+from thcnet import mainjob
+
 
 @pytest.mark.slow
 def test_main_job_runs_and_reports(tmp_path):
@@ -82,7 +84,6 @@ def test_counts_below_one_are_usage_errors(argv, capsys):
     import argparse
 
     from host.app import train
-    from thcnet import mainjob
     for add in (train.add_arguments, mainjob.add_arguments):
         if argv[0] == "--max-steps" and add is mainjob.add_arguments:
             continue
@@ -95,3 +96,29 @@ def test_counts_below_one_are_usage_errors(argv, capsys):
     parser = argparse.ArgumentParser()
     train.add_arguments(parser)
     assert parser.parse_args(["--max-steps", "1", "--epochs", "2"]).max_steps == 1
+
+
+@pytest.mark.slow
+@pytest.mark.bmv2
+def test_main_job_through_bmv2_trains_every_step_with_the_software_losses(tmp_path):
+    """The main job's BMv2 mode runs all its epochs, and every step's loss equals THC's
+    through the software aggregators (the sums are the same integers)."""
+    from thcnet.testbed import bmv2_unavailable_reason, mininet_unavailable_reason
+    why = mininet_unavailable_reason() or bmv2_unavailable_reason()
+    if why:
+        pytest.skip(f"needs Mininet and BMv2: {why}")
+    out = subprocess.run(
+        [sys.executable, "-m", "host.app.cli", "run", "--epochs", "2", "--data", "digits",
+         "--width", "8", "--train-subset", "512", "--batch", "32", "--evals", "1",
+         "--workers", "2", "--bw", "100", "--modes", "thc,thc-bmv2", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    report = json.loads((tmp_path / "mainjob.json").read_text())
+    runs = {r["mode"]: r for r in report["runs"]}
+    steps = 2 * (512 // (2 * 32))
+    for r in runs.values():
+        assert r["stopped"] is None and r["epochs_done"] == 2.0
+        assert len(mainjob.step_losses(r)) == steps == r["history"][-1]["steps"]
+    assert report["summary"]["bmv2_vs_thc"] == {
+        "steps_compared": steps, "identical_losses": True, "first_difference": None}
+    assert "identical losses" in out.stdout

@@ -40,8 +40,6 @@ MODES = ("fp32", "thc", "thc-dist", "topk", "marsit", "marsit-vote")
 OPTIMIZER = {"marsit": (0.1, 0.0), "marsit-vote": (0.1, 0.0)}
 """(learning rate, momentum) of the modes that do not train with the default (0.05, 0.9)."""
 DEFAULT_OPTIMIZER = (0.05, 0.9)
-STEP_LOSSES_KEPT = 50
-"""Per-step losses reported (enough to compare two runs step by step)."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -221,6 +219,7 @@ def train(args) -> list[dict]:
     progress_every = max(1, steps // 50)
     history = []
     step_losses: list[float] = []
+    reported = 0  # each evaluation row carries the losses of the steps since the one before
     trained = 0.0
     last = False
     comm = exposed = 0.0
@@ -262,7 +261,8 @@ def train(args) -> list[dict]:
                    "steps": n, "comm_seconds": comm, "exposed_comm_seconds": exposed,
                    "codec_seconds": getattr(hook, "codec_seconds", None),
                    "short_chunks": getattr(hook, "short_chunks", None),
-                   "step_losses": step_losses[:STEP_LOSSES_KEPT]}
+                   "step_losses": step_losses[reported:]}
+            reported = n
             history.append(row)
             say(json.dumps(row), flush=True)
             if last:
