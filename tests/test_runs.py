@@ -131,3 +131,30 @@ def test_torchrun_restarts_run_as_newer_runs():
     assert P.run_from_env({"THC_RUN": str(P.SEQ_MOD - 1), "TORCHELASTIC_RESTART_COUNT": "1"}) == 1
     with pytest.raises(ValueError, match="not a count"):
         P.run_from_env({"THC_RUN": "5", "TORCHELASTIC_RESTART_COUNT": "x"})
+
+
+@pytest.mark.parametrize("datapath", ["python", "compiled"])
+def test_a_failed_round_ends_the_run_so_a_retry_cannot_get_stale_sums(datapath):
+    """A round that timed out leaves this worker's contributions (and completed chunks) in
+    the slots of its sequence numbers: a retry under the same run used to be answered from
+    them (a short or stale sum, no error). The client now refuses; a new run sums exactly."""
+    from host.net import fastagg
+    from host.net.client import RunFailed
+    if datapath == "compiled" and fastagg.CLIENT_UNAVAILABLE:
+        pytest.skip(f"compiled client: {fastagg.CLIENT_UNAVAILABLE}")
+    job = local_job(1, 2, free_port_block(2), table=list(range(16)))
+    with Aggregator([job]) as agg:
+        addr = agg.start()
+        with AggregationClient(job, 0, addr, run=8, deadline=0.5, datapath=datapath) as c0:
+            with pytest.raises(TimeoutError):
+                c0.aggregate(_chunk(job, 1))  # worker 1 never comes
+            with pytest.raises(RunFailed, match="run 8 failed.*new run"):
+                c0.aggregate(_chunk(job, 4))
+            out = {}
+            c0.run = 9
+            with AggregationClient(job, 1, addr, run=9, datapath=datapath) as c1:
+                t = threading.Thread(target=lambda: out.update(s=c0.aggregate(_chunk(job, 4))))
+                t.start()
+                np.testing.assert_array_equal(c1.aggregate(_chunk(job, 6)), 10)
+                t.join(10)
+            np.testing.assert_array_equal(out["s"], 10)

@@ -79,6 +79,12 @@ class AggregationTimeout(TimeoutError):
         self.missing = missing
 
 
+class RunFailed(RuntimeError):
+    """An earlier round of this run failed, so its sequence numbers are spoilt: the slots may
+    hold that round's sums or this worker's old contribution, and a retry would be answered
+    from them. Start a new run (``client.run = ...``, the same id on every worker)."""
+
+
 @dataclass
 class TransportStats:
     sent: int = 0
@@ -193,6 +199,8 @@ class AggregationClient:
         """The datapath that ran the last round."""
         self.next_seq = 0
         self._run = P.run_from_env() if run is None else P.check_run(run)
+        self._failed: str | None = None
+        """Why a round of this run failed (then the run takes no more rounds)."""
         self._srtt: list[float | None] = [None] * len(self.aggregators)
         self._rttvar = [0.0] * len(self.aggregators)
         me = job.worker(worker_id)
@@ -213,6 +221,7 @@ class AggregationClient:
         self._run = P.check_run(run)
         self.next_seq = 0
         self.epochs = [None] * len(self.aggregators)
+        self._failed = None
 
     @property
     def epoch(self) -> int | None:
@@ -291,16 +300,32 @@ class AggregationClient:
 
     def _stream(self, pkt_type: int, chunks: np.ndarray, out: np.ndarray, offset_base: int,
                 lanes: int, dtype: np.dtype, tos: list[int] | None = None) -> None:
+        """One round; a round that fails leaves the run unusable (:class:`RunFailed`)."""
         job, me = self.job, self.worker_id
-        total = len(chunks)
-        if total == 0:
+        if len(chunks) == 0:
             return
-        run = self._run
-        if run is None:
+        if self._run is None:
             raise ValueError(f"job {job.job_id}, worker {me}: no run id. Pass "
                              f"AggregationClient(run=...), set {P.RUN_ENV} in the environment "
                              f"(the same on every worker), or agree one over the process group "
                              f"(host.collective.allreduce.agree_run)")
+        if self._failed is not None:
+            raise RunFailed(f"job {job.job_id}, worker {me}: run {self._run} failed in an "
+                            f"earlier round ({self._failed}); a retry under the same run "
+                            f"would be answered from that round's slots. Start a new run "
+                            f"(client.run = a new id, the same on every worker)")
+        try:
+            self._stream_round(pkt_type, chunks, out, offset_base, lanes, dtype, tos)
+        except BaseException as e:
+            self._failed = f"{type(e).__name__}: {e}"
+            raise
+
+    def _stream_round(self, pkt_type: int, chunks: np.ndarray, out: np.ndarray,
+                      offset_base: int, lanes: int, dtype: np.dtype,
+                      tos: list[int] | None) -> None:
+        job, me = self.job, self.worker_id
+        total = len(chunks)
+        run = self._run
         base = self.next_seq
         pool = job.pool_size
         aggs, epochs, n_shards = self.aggregators, self.epochs, len(self.aggregators)
