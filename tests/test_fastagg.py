@@ -59,7 +59,7 @@ def jobs(base: int = BASE_PORT) -> list[Job]:
     return [make_job(7, 3, 4, base=base), make_job(8, 9, 2, base=base + 20),
             make_job(9, 2, 2, lanes=16, base=base + 40),
             make_job(10, 3, 2, lanes=64, base=base + 44, vote=True),
-            make_job(11, 2, 3, base=base + 48, shards=3)]
+            make_job(11, 2, 4, base=base + 48, shards=3)]
 
 
 def stranger_of(base: int = BASE_PORT) -> tuple[str, int]:

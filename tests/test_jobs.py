@@ -73,3 +73,36 @@ def test_a_vote_job_counts_one_bit_lanes_in_8_bit_sums():
         Job.vote(1, workers, lanes=20).validate()
     with pytest.raises(ConfigError, match="aggregation 'sum' unknown"):
         job(4, aggregation="sum").validate()
+
+
+@pytest.mark.parametrize("ip,port,why", [
+    ("10.0.0.300", 9000, "not an IPv4 address"), ("host-a", 9000, "not an IPv4 address"),
+    (None, 9000, "not an IPv4 address"), ("10.0.0.1", "9000", "not an integer"),
+    ("10.0.0.1", 70000, "not an integer in 1..65535"), ("10.0.0.1", 0, "1..65535"),
+    ("10.0.0.1", True, "not an integer")])
+def test_worker_and_shard_addresses_are_checked(ip, port, why):
+    """A bad address used to pass: the aggregator then died with a traceback (a string port)
+    or dropped that node's packets as unknown forever (an impossible IP)."""
+    from dataclasses import replace
+
+    from host.wire.jobs import Shard
+    bad = job(2)
+    bad = replace(bad, workers=(bad.workers[0], Worker(1, ip, port)))
+    with pytest.raises(ConfigError, match=f"worker 1: .*{why}"):
+        bad.validate()
+    with pytest.raises(ConfigError, match=f"shard 1: .*{why}"):
+        job(2, shards=(Shard("10.0.1.1", 7000), Shard(ip, port))).validate()
+    with pytest.raises(ConfigError, match=why):
+        Job.from_dict({**job(2).to_dict(), "workers": [
+            {"id": 0, "ip": "10.0.0.1", "port": 9000}, {"id": 1, "ip": ip, "port": port}]
+        }).validate()
+
+
+@pytest.mark.parametrize("size,base", [(0, 0), (3, 0), (48, 0), (1 << 17, 0), (64, 65500),
+                                       (64, -1)])
+def test_the_pool_is_a_power_of_two_within_the_slot_field(size, base):
+    """The slot field is 16 bits; a pool that does not divide 2^32 brings two versions of one
+    slot within a window of each other where seq wraps."""
+    with pytest.raises(ConfigError, match="power-of-two pool_size"):
+        job(2, pool_size=size, pool_base=base).validate()
+    assert job(2, pool_size=1 << 15, pool_base=1 << 15).validate().pool_size == 1 << 15

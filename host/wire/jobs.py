@@ -8,6 +8,7 @@ config is rejected with one clear message before it reaches either.
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -38,6 +39,21 @@ class Worker:
     mac: str = "00:00:00:00:00:00"
     switch_port: int = 0
     """Switch port the worker hangs off (BMv2 only)."""
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_address(where: str, node) -> None:
+    """An IPv4 literal and a port in 1..65535: the switch keys on them, the compiled
+    datapaths take nothing else, and a bad one would leave the node's packets dropped."""
+    try:
+        ipaddress.IPv4Address(node.ip)
+    except (ipaddress.AddressValueError, ValueError, TypeError):
+        raise ConfigError(f"{where}: ip {node.ip!r} is not an IPv4 address") from None
+    if not _is_int(node.port) or not 0 < node.port < 1 << 16:
+        raise ConfigError(f"{where}: port {node.port!r} is not an integer in 1..65535")
 
 
 def check_loss_bound(value, where: str = "") -> float:
@@ -146,6 +162,9 @@ class Job:
         if sorted(w.id for w in self.workers) != list(range(n)):
             raise ConfigError(f"job {self.job_id}: worker ids must be 0..{n - 1}, "
                               f"got {sorted(w.id for w in self.workers)}")
+        for kind, nodes in (("worker", self.workers), ("shard", self.shards)):
+            for i, node in enumerate(nodes):
+                _check_address(f"job {self.job_id}: {kind} {getattr(node, 'id', i)}", node)
         addrs = [(w.ip, w.port) for w in self.workers]
         if len(set(addrs)) != n:
             raise ConfigError(f"job {self.job_id}: two workers share an address")
@@ -176,8 +195,14 @@ class Job:
         if self.aggregation == "vote" and (self.table != VOTE_TABLE or self.granularity != 1):
             raise ConfigError(f"job {self.job_id}: a vote job counts sign bits: table "
                               f"{list(VOTE_TABLE)} and granularity 1 (Job.vote)")
-        if self.pool_size < 1 or self.pool_base < 0:
-            raise ConfigError(f"job {self.job_id}: pool needs pool_size >= 1, pool_base >= 0")
+        if not _is_int(self.pool_size) or not _is_int(self.pool_base) or self.pool_size < 1 \
+                or self.pool_base < 0 or self.pool_size & (self.pool_size - 1) \
+                or self.pool_base + self.pool_size > P.SLOT_MOD:
+            # A power of two divides 2^32, so slot versions stay apart where seq wraps.
+            raise ConfigError(f"job {self.job_id}: the pool needs a power-of-two pool_size and "
+                              f"pool_base >= 0 with pool_base + pool_size <= {P.SLOT_MOD} (the "
+                              f"slot field's range), got pool_size {self.pool_size!r}, "
+                              f"pool_base {self.pool_base!r}")
         try:
             P.check_lanes(self.lanes, sum_bits=self.sum_bits, aggregation=self.aggregation)
         except ValueError as e:
@@ -190,8 +215,6 @@ class Job:
             raise ConfigError(f"job {self.job_id}: a shard has a worker's address "
                               f"{sorted(set(shard_addrs) & set(addrs))}; give shards their own "
                               f"port")
-        if any(not 0 < s.port < 1 << 16 for s in self.shards):
-            raise ConfigError(f"job {self.job_id}: shard ports must lie in 1..65535")
         return self
 
     def to_dict(self) -> dict:

@@ -37,6 +37,8 @@ PRIORITY_QUEUES: int = len(PRIORITY_DSCP) + 1
 """Queues per port a switch needs (BMv2: ``simple_switch_grpc -- --priority-queues``): one
 per class plus best effort. BMv2 drops a packet whose priority has no queue."""
 HEADER_FIELDS: list[tuple[str, int]] = [(n, w) for n, w in SPEC["header"]]
+SLOT_MOD: int = 1 << dict(HEADER_FIELDS)["slot"]
+"""Slots a header can name: a job's pool_base + pool_size stays within it."""
 
 PktType = IntEnum("PktType", SPEC["pkt_types"])
 DropReason = IntEnum("DropReason", SPEC["drop_reasons"])
