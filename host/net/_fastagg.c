@@ -1,10 +1,12 @@
-/* The software aggregator's datapath in C: host/net/aggregator.py's per-packet semantics
- * (drops by reason, slots in two versions, runs, retransmission replies, 8/16-bit lane
- * sums, MAX, vote counts, FLUSH-closed slots, one shard of a shard map) behind a recvmmsg/sendmmsg loop that runs without the GIL.
+/* The software aggregator's datapath in C: the reference model's per-packet rules
+ * (host/wire/model.py: drops by reason, REFUSED replies, slots in two versions with their op,
+ * offset and acknowledgements, runs, retransmission replies built from the use, 8/16-bit
+ * lane sums, MAX, vote counts, FLUSH-closed slots, one shard of a shard map) behind a
+ * recvmmsg/sendmmsg loop that runs without the GIL.
  *
  * Control stays in Python (host/net/fastagg.py): it validates jobs, passes the protocol's
- * packet type codes in, names the drop reasons and counters, and reads counters out. The
- * Python aggregator is the reference; tests compare the two byte for byte.
+ * packet type codes and run rules in, names the drop reasons and counters, and reads
+ * counters out. The model is the reference; tests compare the two byte for byte.
  *
  * Also here, with the same batching: a UDP echo (the ceiling `thc bench aggregator`
  * compares with) and a load generator that plays n workers (so the benchmark's clients are
@@ -38,15 +40,16 @@
 
 enum { MALFORMED, BAD_LANES, UNKNOWN_JOB, UNKNOWN_WORKER, WORKER_OUTSIDE_JOB,
        SLOT_OUTSIDE_POOL, STALE, NOT_FROM_CPU, WRONG_DIRECTION, STALE_RUN, WRONG_SHARD,
-       N_REASONS };
+       WRONG_USE, WRONG_SLOT, N_REASONS };
 static const char *REASON_NAMES[N_REASONS] = {
     "malformed", "bad_lanes", "unknown_job", "unknown_worker", "worker_outside_job",
     "slot_outside_pool", "stale", "not_from_cpu", "wrong_direction", "stale_run",
-    "wrong_shard"};
-enum { C_PACKETS, C_COMPLETIONS, C_RETRANSMISSIONS, C_PENDING, N_COUNTERS };
+    "wrong_shard", "wrong_use", "wrong_slot"};
+enum { C_PACKETS, C_COMPLETIONS, C_RETRANSMISSIONS, C_PENDING, C_HELD, N_COUNTERS };
 static const char *COUNTER_NAMES[N_COUNTERS] = {"packets", "completions", "retransmissions",
-                                                "pending"};
-enum { T_DATA, T_MAX, T_RESULT, T_MAX_RESULT, T_PENDING, T_RESET, T_FLUSH, N_TYPES };
+                                                "pending", "held"};
+enum { T_DATA, T_MAX, T_RESULT, T_MAX_RESULT, T_PENDING, T_RESET, T_FLUSH, T_REFUSED,
+       N_TYPES };
 
 static inline uint16_t rd16(const uint8_t *p) { return (uint16_t)(p[0] << 8 | p[1]); }
 static inline uint32_t rd32(const uint8_t *p) {
@@ -88,9 +91,12 @@ typedef struct {
     uint32_t ip[MAX_WORKERS]; /* network order */
     uint16_t port[MAX_WORKERS]; /* network order */
     uint8_t addr_ok[MAX_WORKERS]; /* 0: the configured address is no IPv4 literal */
-    uint32_t job_run;
-    uint32_t *run, *seq, *bitmap, *count; /* [slot * 2 + version] */
+    uint32_t job_run, epoch;
+    double run_seen; /* when a packet of job_run last passed the run check */
+    uint32_t full; /* every worker's bit */
+    uint32_t *run, *seq, *bitmap, *count, *offset, *acked; /* [slot * 2 + version] */
     uint8_t *closed; /* a FLUSH closed the use short: it answers as complete */
+    uint8_t *op; /* the use's kind: 0 none, else the type code of DATA or MAX */
     uint8_t *sum8; /* 8-bit jobs: [(slot * 2 + version) * lanes + lane] */
     uint16_t *sum16; /* 16-bit jobs, host order */
     uint32_t *max; /* [(slot * 2 + version) * max_lanes + lane], host order */
@@ -100,6 +106,7 @@ typedef struct {
 static void job_free(Job *j) {
     if (!j) return;
     free(j->run); free(j->seq); free(j->bitmap); free(j->count); free(j->closed);
+    free(j->offset); free(j->acked); free(j->op);
     free(j->sum8); free(j->sum16); free(j->max); free(j);
 }
 
@@ -113,9 +120,11 @@ typedef struct {
     PyObject_HEAD
     pthread_mutex_t mu;
     Job **jobs; /* by job_id */
-    uint32_t epoch;
+    uint32_t run_jump; /* a run this much newer takes an active job over */
+    double run_idle; /* seconds after which any run takes the job over */
     uint8_t types[N_TYPES];
     uint8_t is_type[256];
+    uint8_t reason_code[N_REASONS]; /* protocol.json's code of each drop reason */
     int max_lanes;
     uint32_t seq_reset;
     int echo;
@@ -139,12 +148,15 @@ static Out *out_header(Out *o, uint32_t ip, uint16_t port) {
     return o;
 }
 
-/* The result datagram of slot use i for worker w (payload serialized in network order). */
-static size_t write_result(Datapath *dp, Job *j, uint8_t *p, int is_max, int w, uint16_t slot,
-                           uint8_t version, uint32_t seq, uint32_t offset, uint32_t run) {
+/* The result datagram of slot use i for worker w, built from the use (op, seq, offset, run),
+ * never from the packet that asked (payload serialized in network order). */
+static size_t write_result(Datapath *dp, Job *j, uint8_t *p, int w, uint16_t slot,
+                           uint8_t version) {
     size_t i = (size_t)slot * 2 + version;
+    int is_max = j->op[i] == dp->types[T_MAX];
     write_header(p, dp->types[is_max ? T_MAX_RESULT : T_RESULT], (uint8_t)w, j->job_id, slot,
-                 version, (uint8_t)j->count[i], seq, offset, j->bitmap[i], run, dp->epoch);
+                 version, (uint8_t)j->count[i], j->seq[i], j->offset[i], j->bitmap[i],
+                 j->run[i], j->epoch);
     uint8_t *q = p + HDR;
     if (is_max) {
         const uint32_t *m = j->max + i * dp->max_lanes;
@@ -212,10 +224,30 @@ static void accumulate(Datapath *dp, Job *j, int is_max, size_t i, const uint8_t
     }
 }
 
-/* One datagram from (sip, sport) (network order); replies go to out[0..], which has room
- * for MAX_WORKERS. Returns the number of replies. The order of checks is aggregator.py's. */
+/* A one-reply answer to the sender: PENDING or REFUSED (no payload). */
+static int reply_header(Out *out, uint32_t sip, uint16_t sport, uint8_t type, const uint8_t *d,
+                        uint8_t count, uint32_t bitmap, uint32_t epoch) {
+    Out *o = out_header(out, sip, sport);
+    write_header(o->buf, type, d[1], rd16(d + 2), rd16(d + 4), d[6], count, rd32(d + 8),
+                 rd32(d + 12), bitmap, rd32(d + 20), epoch);
+    o->len = HDR;
+    return 1;
+}
+
+/* A drop answered with REFUSED (the reason's code in count, a detail in bitmap), so the
+ * verified worker's client fails at once. */
+static int refuse(Datapath *dp, Job *j, int reason, const uint8_t *d, uint32_t detail,
+                  uint32_t sip, uint16_t sport, Out *out) {
+    dp->drops[reason]++;
+    return reply_header(out, sip, sport, dp->types[T_REFUSED], d, dp->reason_code[reason],
+                        detail, j->epoch);
+}
+
+/* One datagram from (sip, sport) (network order) at time now; replies go to out[0..], which
+ * has room for MAX_WORKERS. Returns the number of replies. The rules and their order are
+ * host/wire/model.py's. */
 static int process(Datapath *dp, const uint8_t *d, size_t len, uint32_t sip, uint16_t sport,
-                   Out *out) {
+                   Out *out, double now) {
     if (len < HDR) return drop(dp, MALFORMED);
     uint8_t type = d[0], wid = d[1], version = d[6];
     uint16_t job_id = rd16(d + 2), slot = rd16(d + 4);
@@ -232,67 +264,86 @@ static int process(Datapath *dp, const uint8_t *d, size_t len, uint32_t sip, uin
     if (plen != (size_t)(is_max ? 4 * dp->max_lanes : is_flush ? 0 : j->data_bytes))
         return drop(dp, BAD_LANES);
     int n = j->n;
+    uint32_t pool = (uint32_t)j->pool;
     if (wid >= n) return drop(dp, WORKER_OUTSIDE_JOB);
     if (!j->addr_ok[wid] || j->ip[wid] != sip || j->port[wid] != sport)
         return drop(dp, UNKNOWN_WORKER);
-    if (slot >= j->pool) return drop(dp, SLOT_OUTSIDE_POOL);
+    if (slot >= pool) return drop(dp, SLOT_OUTSIDE_POOL);
+    if (slot != seq % pool || version != ((seq / pool) & 1))
+        return refuse(dp, j, WRONG_SLOT, d, 0, sip, sport, out);
     if (j->n_shards > 1 && seq % j->n_shards != j->shard) return drop(dp, WRONG_SHARD);
     if (run != j->job_run) {
-        if (j->job_run && !newer(run, j->job_run)) return drop(dp, STALE_RUN);
+        if (j->job_run && !((newer(run, j->job_run) && run - j->job_run <= dp->run_jump) ||
+                            now - j->run_seen >= dp->run_idle))
+            return refuse(dp, j, STALE_RUN, d, j->job_run, sip, sport, out);
         j->job_run = run;
     }
+    j->run_seen = now;
     size_t i = (size_t)slot * 2 + version;
-    uint32_t cur = j->seq[i];
-    int same_use = j->run[i] == run;
-    if (same_use && seq != cur && !newer(seq, cur)) return drop(dp, STALE);
-    j->counters[C_PACKETS]++;
     uint32_t bit = 1u << wid;
+    /* this packet proves its worker holds every result of the run up to seq - pool */
+    uint32_t past = seq - pool;
+    for (size_t u = i & ~(size_t)1; u <= (i | 1); u++)
+        if (j->run[u] == run && !newer(j->seq[u], past)) j->acked[u] |= bit;
+    uint8_t op = is_max ? dp->types[T_MAX] : dp->types[T_DATA];
+    uint32_t cur = j->seq[i];
+    int same_run = j->run[i] == run;
+    if (same_run && seq != cur && !newer(seq, cur))
+        return refuse(dp, j, STALE, d, cur, sip, sport, out);
     const uint8_t *payload = d + HDR;
-    uint32_t count;
-    if (same_use && seq == cur) {
-        uint32_t bitmap = j->bitmap[i];
-        count = j->count[i];
+    if (same_run && seq == cur) {
+        if (j->op[i] != op || j->offset[i] != offset)
+            return refuse(dp, j, WRONG_USE, d, j->op[i], sip, sport, out);
+        j->counters[C_PACKETS]++;
+        uint32_t count = j->count[i];
         if (count == (uint32_t)n || j->closed[i]) {
             j->counters[C_RETRANSMISSIONS]++;
             Out *o = out_header(out, sip, sport);
-            o->len = write_result(dp, j, o->buf, is_max, wid, slot, version, seq, offset, run);
+            o->len = write_result(dp, j, o->buf, wid, slot, version);
             return 1;
         }
         if (is_flush) {
             j->closed[i] = 1;
-        } else if (bitmap & bit) {
+        } else if (j->bitmap[i] & bit) {
             j->counters[C_PENDING]++;
-            Out *o = out_header(out, sip, sport);
-            write_header(o->buf, dp->types[T_PENDING], wid, job_id, slot, version,
-                         (uint8_t)count, seq, offset, bitmap, run, dp->epoch);
-            o->len = HDR;
-            return 1;
+            return reply_header(out, sip, sport, dp->types[T_PENDING], d, (uint8_t)count,
+                                j->bitmap[i], j->epoch);
         } else {
             accumulate(dp, j, is_max, i, payload, 0);
-            j->bitmap[i] = bitmap | bit;
-            count++;
+            j->bitmap[i] |= bit;
+            j->count[i] = count + 1;
         }
-    } else if (is_flush) {
-        /* closed before anyone contributed: every lane sums nothing, count 0 */
-        if (j->sum_bits == 8) memset(j->sum8 + i * j->lanes, 0, (size_t)j->lanes);
-        else memset(j->sum16 + i * j->lanes, 0, (size_t)j->lanes * 2);
-        j->run[i] = run;
-        j->seq[i] = seq;
-        j->bitmap[i] = 0;
-        j->closed[i] = 1;
-        count = 0;
     } else {
-        accumulate(dp, j, is_max, i, payload, 1);
+        j->counters[C_PACKETS]++;
+        if (same_run && j->op[i] && j->acked[i] != j->full) {
+            /* a worker may still need the previous use's result: wait for its ack */
+            j->counters[C_HELD]++;
+            return reply_header(out, sip, sport, dp->types[T_PENDING], d,
+                                (uint8_t)__builtin_popcount(j->acked[i]), j->acked[i],
+                                j->epoch);
+        }
         j->run[i] = run;
         j->seq[i] = seq;
-        j->bitmap[i] = bit;
-        j->closed[i] = 0;
-        count = 1;
+        j->op[i] = op;
+        j->acked[i] = 0;
+        j->offset[i] = offset;
+        if (is_flush) {
+            /* closed before anyone contributed: every lane sums nothing, count 0 */
+            if (j->sum_bits == 8) memset(j->sum8 + i * j->lanes, 0, (size_t)j->lanes);
+            else memset(j->sum16 + i * j->lanes, 0, (size_t)j->lanes * 2);
+            j->bitmap[i] = 0;
+            j->count[i] = 0;
+            j->closed[i] = 1;
+        } else {
+            accumulate(dp, j, is_max, i, payload, 1);
+            j->bitmap[i] = bit;
+            j->count[i] = 1;
+            j->closed[i] = 0;
+        }
     }
-    j->count[i] = count;
-    if (count < (uint32_t)n && !j->closed[i]) return 0;
+    if (j->count[i] < (uint32_t)n && !j->closed[i]) return 0;
     j->counters[C_COMPLETIONS]++;
-    size_t rlen = write_result(dp, j, out[0].buf, is_max, 0, slot, version, seq, offset, run);
+    size_t rlen = write_result(dp, j, out[0].buf, 0, slot, version);
     for (int w = 0; w < n; w++) {
         Out *o = out_header(&out[w], j->ip[w], j->port[w]);
         if (w) {
@@ -324,12 +375,14 @@ static int process_echo(Datapath *dp, const uint8_t *d, size_t len, uint32_t sip
 /* The Python type                                                                           */
 
 static int dp_init(Datapath *dp, PyObject *args, PyObject *kw) {
-    static char *kwlist[] = {"epoch", "types", "max_lanes", "seq_reset", "echo", "gso", NULL};
-    unsigned long epoch, seq_reset;
-    PyObject *types;
+    static char *kwlist[] = {"types", "reason_codes", "max_lanes", "seq_reset", "run_jump",
+                             "run_idle", "echo", "gso", NULL};
+    unsigned long seq_reset, run_jump;
+    double run_idle;
+    PyObject *types, *codes;
     int max_lanes, echo = 0, gso = 1;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "kOik|pp", kwlist, &epoch, &types, &max_lanes,
-                                     &seq_reset, &echo, &gso))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOikkd|pp", kwlist, &types, &codes, &max_lanes,
+                                     &seq_reset, &run_jump, &run_idle, &echo, &gso))
         return -1;
     if (dp->jobs) {
         PyErr_SetString(PyExc_RuntimeError, "a datapath is initialised once");
@@ -340,7 +393,7 @@ static int dp_init(Datapath *dp, PyObject *args, PyObject *kw) {
     if (PySequence_Fast_GET_SIZE(seq) != N_TYPES) {
         Py_DECREF(seq);
         PyErr_Format(PyExc_ValueError, "types: expected %d codes (DATA, MAX, RESULT, "
-                     "MAX_RESULT, PENDING, RESET, FLUSH)", N_TYPES);
+                     "MAX_RESULT, PENDING, RESET, FLUSH, REFUSED)", N_TYPES);
         return -1;
     }
     memset(dp->is_type, 0, sizeof dp->is_type);
@@ -355,11 +408,30 @@ static int dp_init(Datapath *dp, PyObject *args, PyObject *kw) {
         dp->is_type[v] = 1;
     }
     Py_DECREF(seq);
+    seq = PySequence_Fast(codes, "reason_codes must be a sequence");
+    if (!seq) return -1;
+    if (PySequence_Fast_GET_SIZE(seq) != N_REASONS) {
+        Py_DECREF(seq);
+        PyErr_Format(PyExc_ValueError, "reason_codes: expected %d codes, in REASONS order",
+                     N_REASONS);
+        return -1;
+    }
+    for (int r = 0; r < N_REASONS; r++) {
+        long v = PyLong_AsLong(PySequence_Fast_GET_ITEM(seq, r));
+        if (v < 0 || v > 255) {
+            Py_DECREF(seq);
+            if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "reason codes are 8-bit");
+            return -1;
+        }
+        dp->reason_code[r] = (uint8_t)v;
+    }
+    Py_DECREF(seq);
     if (max_lanes < 1 || HDR + 4 * max_lanes > OUT_BYTES) {
         PyErr_SetString(PyExc_ValueError, "max_lanes out of range");
         return -1;
     }
-    dp->epoch = (uint32_t)epoch;
+    dp->run_jump = (uint32_t)run_jump;
+    dp->run_idle = run_idle;
     dp->max_lanes = max_lanes;
     dp->seq_reset = (uint32_t)seq_reset;
     dp->echo = echo;
@@ -394,16 +466,18 @@ static void lock(Datapath *dp) {
     Py_END_ALLOW_THREADS
 }
 
-/* install(job_id, n, pool, lanes, sum_bits, table, addrs, vote, n_shards, shard): addrs is
- * a list of (ip as a 32-bit host-order int or None when it is no IPv4 literal, port); vote:
- * DATA carries sign bits; the aggregator owns the chunks with seq % n_shards == shard. The
- * slots start as the controller's reset leaves a switch pool. */
+/* install(job_id, n, pool, lanes, sum_bits, table, addrs, vote, n_shards, shard, epoch):
+ * addrs is a list of (ip as a 32-bit host-order int or None when it is no IPv4 literal,
+ * port); vote: DATA carries sign bits; the aggregator owns the chunks with seq % n_shards ==
+ * shard; epoch: what every reply of the job carries until it is installed again. The slots
+ * start as the controller's reset leaves a switch pool. */
 static PyObject *dp_install(Datapath *dp, PyObject *args) {
     int job_id, n, pool, lanes, sum_bits, vote, n_shards, shard;
+    unsigned long epoch;
     PyObject *table, *addrs;
     if (!ready(dp)) return NULL;
-    if (!PyArg_ParseTuple(args, "iiiiiOOpii", &job_id, &n, &pool, &lanes, &sum_bits, &table,
-                          &addrs, &vote, &n_shards, &shard))
+    if (!PyArg_ParseTuple(args, "iiiiiOOpiik", &job_id, &n, &pool, &lanes, &sum_bits, &table,
+                          &addrs, &vote, &n_shards, &shard, &epoch))
         return NULL;
     if (job_id < 0 || job_id >= N_JOB_IDS || n < 1 || n > MAX_WORKERS || pool < 1 ||
         lanes < 2 || lanes % (vote ? 8 : 2) || (sum_bits != 8 && sum_bits != 16) ||
@@ -425,10 +499,12 @@ static PyObject *dp_install(Datapath *dp, PyObject *args) {
     if (ok) {
         j->run = calloc(uses, 4); j->seq = calloc(uses, 4);
         j->bitmap = calloc(uses, 4); j->count = calloc(uses, 4); j->closed = calloc(uses, 1);
+        j->offset = calloc(uses, 4); j->acked = calloc(uses, 4); j->op = calloc(uses, 1);
         j->max = calloc(uses * dp->max_lanes, 4);
         if (sum_bits == 8) j->sum8 = calloc(uses * lanes, 1);
         else j->sum16 = calloc(uses * lanes, 2);
-        ok = j->run && j->seq && j->bitmap && j->count && j->closed && j->max && (j->sum8 || j->sum16);
+        ok = j->run && j->seq && j->bitmap && j->count && j->closed && j->max &&
+             j->offset && j->acked && j->op && (j->sum8 || j->sum16);
     }
     if (!ok) {
         job_free(j);
@@ -440,6 +516,8 @@ static PyObject *dp_install(Datapath *dp, PyObject *args) {
     j->sum_bits = sum_bits; j->data_bytes = vote ? lanes / 8 : lanes / 2;
     j->result_bytes = lanes * sum_bits / 8;
     j->vote = vote; j->n_shards = (uint32_t)n_shards; j->shard = (uint32_t)shard;
+    j->epoch = (uint32_t)epoch;
+    j->full = n == 32 ? 0xFFFFFFFFu : (1u << n) - 1;
     for (size_t u = 0; u < uses; u++) j->seq[u] = dp->seq_reset;
     const char *err = NULL;
     if (PySequence_Fast_GET_SIZE(tab) != 16) err = "table needs 16 entries";
@@ -568,18 +646,21 @@ done:
 }
 
 static int process_any(Datapath *dp, const uint8_t *d, size_t len, uint32_t sip,
-                       uint16_t sport, Out *out) {
+                       uint16_t sport, Out *out, double now) {
     return dp->echo ? process_echo(dp, d, len, sip, sport, out)
-                    : process(dp, d, len, sip, sport, out);
+                    : process(dp, d, len, sip, sport, out, now);
 }
 
-/* handle(datagram, ip, port) -> [(bytes, ip, port)]: one datagram through the same per-packet
- * code the loop runs (ip in host order), for packet-trace comparisons. */
+/* handle(datagram, ip, port[, now]) -> [(bytes, ip, port)]: one datagram through the same
+ * per-packet code the loop runs (ip in host order), for packet-trace comparisons; now: the
+ * time in seconds (default: the monotonic clock the loop reads). */
 static PyObject *dp_handle(Datapath *dp, PyObject *args) {
     Py_buffer buf;
     unsigned long ip;
     int port;
-    if (!ready(dp) || !PyArg_ParseTuple(args, "y*ki", &buf, &ip, &port)) return NULL;
+    double now = -1;
+    if (!ready(dp) || !PyArg_ParseTuple(args, "y*ki|d", &buf, &ip, &port, &now)) return NULL;
+    if (now < 0) now = now_s();
     uint8_t *space = malloc((size_t)MAX_WORKERS * OUT_BYTES);
     if (!space) {
         PyBuffer_Release(&buf);
@@ -589,7 +670,8 @@ static PyObject *dp_handle(Datapath *dp, PyObject *args) {
     for (int k = 0; k < MAX_WORKERS; k++) out[k].buf = space + (size_t)k * OUT_BYTES;
     lock(dp);
     size_t len = (size_t)buf.len > RECV_BYTES ? RECV_BYTES : (size_t)buf.len;
-    int nout = process_any(dp, buf.buf, len, htonl((uint32_t)ip), htons((uint16_t)port), out);
+    int nout = process_any(dp, buf.buf, len, htonl((uint32_t)ip), htons((uint16_t)port), out,
+                           now);
     PyObject *res = PyList_New(nout);
     for (int k = 0; res && k < nout; k++) {
         PyObject *item = Py_BuildValue("(y#kH)", out[k].buf, (Py_ssize_t)out[k].len,
@@ -846,6 +928,7 @@ static PyObject *dp_serve(Datapath *dp, PyObject *args) {
             int got = recvmmsg(fd, rmsgs, (unsigned)nmsg, MSG_DONTWAIT, NULL);
             if (got <= 0) break;
             int nout = 0;
+            double now = now_s();
             pthread_mutex_lock(&dp->mu);
             for (int k = 0; k < got; k++) {
                 if (src[k].sin_family != AF_INET) continue;
@@ -861,7 +944,8 @@ static PyObject *dp_serve(Datapath *dp, PyObject *args) {
                     }
                     size_t n = len - off < seg ? len - off : seg;
                     nout += process_any(dp, rbuf + (size_t)k * rbytes + off, n,
-                                        src[k].sin_addr.s_addr, src[k].sin_port, out + nout);
+                                        src[k].sin_addr.s_addr, src[k].sin_port, out + nout,
+                                        now);
                 }
             }
             pthread_mutex_unlock(&dp->mu);

@@ -1,4 +1,4 @@
-"""The compiled aggregator: aggregator.py's semantics with its datapath in C (``_fastagg``).
+"""The compiled aggregator: the reference model's rules with the datapath in C (``_fastagg``).
 
 Python keeps the control plane (job validation, install/remove, counters by name, the
 serving thread); the C extension, built by ``pip install`` where a compiler exists, runs the
@@ -34,7 +34,8 @@ else:
         UNAVAILABLE = None
 
 TYPE_CODES = tuple(int(P.PktType[t]) for t in
-                   ("DATA", "MAX", "RESULT", "MAX_RESULT", "PENDING", "RESET", "FLUSH"))
+                   ("DATA", "MAX", "RESULT", "MAX_RESULT", "PENDING", "RESET", "FLUSH",
+                    "REFUSED"))
 """The packet type codes, from protocol.json, in the order the extension takes them."""
 
 
@@ -111,10 +112,11 @@ class FastAggregator:
     echo = False
 
     def __init__(self, jobs: list[Job] | tuple[Job, ...] = (), epoch: int | None = None,
-                 gso: bool = True, shard: int | None = None):
-        """``gso``: replies to one worker may leave as one UDP GSO send (a NIC cuts them into
-        packets; an emulated veth link would carry the burst as one packet: turn it off
-        there)."""
+                 gso: bool = True, shard: int | None = None, run_idle: float = P.RUN_IDLE_S):
+        """``epoch``: the epoch of the jobs installed here (default: a fresh one; every later
+        :meth:`install` draws a new one unless given). ``gso``: replies to one worker may
+        leave as one UDP GSO send (a NIC cuts them into packets; an emulated veth link would
+        carry the burst as one packet: turn it off there)."""
         if UNAVAILABLE is not None:
             raise RuntimeError(UNAVAILABLE)
         if (why := unsupported(jobs)) is not None:
@@ -122,20 +124,24 @@ class FastAggregator:
         self.epoch = P.new_epoch() if epoch is None else epoch
         self.gso = gso
         self.shard = shard
-        self._dp = _fastagg.Datapath(self.epoch, TYPE_CODES, P.MAX_LANES, P.SEQ_RESET,
-                                     self.echo, gso)
+        self._dp = _fastagg.Datapath(
+            TYPE_CODES, [int(P.DropReason[r]) for r in _fastagg.REASONS], P.MAX_LANES,
+            P.SEQ_RESET, P.RUN_JUMP, float(run_idle), self.echo, gso)
         self._jobs: dict[int, Job] = {}
         self._lock = threading.Lock()
         self._sock: socket.socket | None = None
         self._thread: threading.Thread | None = None
         self._error: OSError | None = None
         self.send_errors = 0
+        self._epochs: dict[int, int] = {}
         for job in jobs:
-            self.install(job)
+            self.install(job, self.epoch)
 
     # -- control plane -------------------------------------------------------------
-    def install(self, job: Job) -> None:
-        """Install or re-install a job, its slots reset as the controller resets a switch pool."""
+    def install(self, job: Job, epoch: int | None = None) -> None:
+        """Install or re-install a job: its slots reset, no run, a new epoch (``epoch`` or a
+        fresh random one), as the controller installs a job on a switch."""
+        epoch = P.new_epoch() if epoch is None else P.check_run(epoch)
         job.validate()
         if (why := unsupported([job])) is not None:
             raise RuntimeError(why)
@@ -144,13 +150,15 @@ class FastAggregator:
         with self._lock:
             self._dp.install(job.job_id, job.n_workers, job.pool_size, job.lanes, job.sum_bits,
                              list(job.table), addrs, job.aggregation == "vote", n_shards,
-                             shard)
+                             shard, epoch)
             self._jobs[job.job_id] = job
+            self._epochs[job.job_id] = epoch
 
     def remove(self, job_id: int) -> None:
         with self._lock:
             if self._jobs.pop(job_id, None) is None:
                 raise KeyError(f"job {job_id} is not installed")
+            del self._epochs[job_id]
             self._dp.remove(job_id)
 
     @property
@@ -165,18 +173,21 @@ class FastAggregator:
         by_reason = dict(zip(_fastagg.REASONS, drops))
         return {"epoch": self.epoch,
                 "drops": {name: by_reason[name] for name in P.DropReason.__members__},
+                "epochs": {jid: self._epochs[jid] for jid in ids},
                 "jobs": {jid: {name: c for name, c in zip(_fastagg.COUNTERS, jobs[jid])}
                          for jid in ids}}
 
     # -- data plane ----------------------------------------------------------------
-    def handle(self, datagram: bytes | memoryview, src: tuple[str, int]) -> list:
+    def handle(self, datagram: bytes | memoryview, src: tuple[str, int],
+               now: float | None = None) -> list:
         """Process one datagram from ``src`` through the compiled per-packet code; return the
-        datagrams to send and where (as :meth:`Aggregator.handle`)."""
+        datagrams to send and where (as :meth:`Aggregator.handle`). ``now``: the time in
+        seconds the run rules see (default: the monotonic clock, as the serving loop)."""
         ip = ipv4_int(src[0])
         if ip is None:
             raise ValueError(f"the compiled datapath takes IPv4 sources, got {src[0]!r}")
-        return [(data, (ipv4_str(dip), dport))
-                for data, dip, dport in self._dp.handle(bytes(datagram), ip, src[1])]
+        args = (bytes(datagram), ip, src[1]) + (() if now is None else (float(now),))
+        return [(data, (ipv4_str(dip), dport)) for data, dip, dport in self._dp.handle(*args)]
 
     # -- UDP server ------------------------------------------------------------------
     def bind(self, host: str = "127.0.0.1", port: int = P.UDP_PORT) -> tuple[str, int]:

@@ -29,6 +29,12 @@ MAX_WORKERS: int = SPEC["max_workers"]
 MAX_JOBS: int = SPEC["max_jobs"]
 SWITCH_SLOTS: int = SPEC["switch_slots"]
 CPU_PORT: int = SPEC["cpu_port"]
+RUN_JUMP: int = SPEC["run_jump"]
+"""How much newer (serially) a run id may be than the job's run and still take a job whose
+run is active: the default clock id of a later launch is (2^24 x 100 ms: 19 days), one
+hostile or random far-future id is not."""
+RUN_IDLE_S: float = SPEC["run_idle_s"]
+"""Seconds after which a job's run counts as idle: then any run id takes the job over."""
 PRIORITY_DSCP: tuple[int, ...] = tuple(SPEC["priority_dscp"])
 """DSCP of each priority class, lowest class first (DLCP): the switch maps these to queue
 priorities 1..len; DSCP 0 and any other DSCP are best effort (priority 0), the others

@@ -1,0 +1,245 @@
+"""The aggregation protocol's reference model: docs/protocol.md as one socket-free function.
+
+``Model.handle(datagram, src, now)`` maps the aggregator's state and one datagram to the
+replies it sends and the reason it dropped the packet, if it did. No sockets, no clock, no
+randomness: time comes in as ``now`` and every install's epoch as an argument, so a fuzzer
+replays any interleaving exactly. The Python aggregator (:mod:`host.net.aggregator`) is a
+UDP shell around it; the compiled aggregator, the v1model and the TNA programs are checked
+against it (tests/test_model_fuzz.py, tests/conformance/).
+
+State per job follows the switch's registers, one entry per slot and version:
+``thc_run``/``thc_seq`` name the use, ``thc_op`` its kind (a sum of DATA or a MAX) and
+``thc_offset`` the chunk's offset (a packet that disagrees with either is ``wrong_use``),
+``thc_bitmap``/``thc_count`` its contributors, ``thc_closed`` whether a FLUSH closed it
+short, ``thc_acked`` the workers known to hold its result, and the lane values. Per job:
+the run that owns it (``thc_job_run``), when that run was last heard (``run_seen``) and the
+epoch of its install.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+import numpy as np
+
+from host.wire import protocol as P
+from host.wire.jobs import ConfigError, Job
+
+HEADER_BYTES = P.HEADER_BYTES
+unpack_header = P.HEADER_STRUCT.unpack_from
+pack_header = P.HEADER_STRUCT.pack
+KNOWN_TYPES = frozenset(int(t) for t in P.PktType)
+DATA, MAX, RESULT, MAX_RESULT, PENDING, RESET, FLUSH, REFUSED = (int(P.PktType[t]) for t in (
+    "DATA", "MAX", "RESULT", "MAX_RESULT", "PENDING", "RESET", "FLUSH", "REFUSED"))
+UP_TYPES = frozenset((DATA, MAX, FLUSH))
+OP_OF = {DATA: DATA, FLUSH: DATA, MAX: MAX}
+"""The kind of slot use a packet type belongs to: FLUSH closes a sum of DATA."""
+MAX_BYTES = P.payload_bytes(P.PktType.MAX)
+SEQ_MOD, HALF = P.SEQ_MOD, P.SEQ_MOD // 2
+
+Reply = tuple[bytes, tuple[str, int]]
+
+
+def newer(a: int, b: int) -> bool:
+    """RFC 1982 order on 32 bits: is ``a`` newer than ``b``?"""
+    return 0 < (a - b) % SEQ_MOD < HALF
+
+
+@dataclass
+class Outcome:
+    replies: list[Reply]
+    drop: str | None = None
+    """The drop reason (protocol.json's drop_reasons), None when the packet was taken."""
+
+
+class JobState:
+    """One job's registers, laid out as the switch's (slot x version)."""
+
+    def __init__(self, job: Job, shard: int | None, epoch: int):
+        self.job = job.validate()
+        if job.shards and shard is None:
+            raise ConfigError(f"job {job.job_id} is spread over {job.n_shards} aggregator shards; "
+                              f"run this aggregator as one of them (--shard 0..{job.n_shards - 1})")
+        if shard is not None and not 0 <= shard < job.n_shards:
+            raise ConfigError(f"shard {shard} is not in job {job.job_id}'s shard map "
+                              f"(shards 0..{job.n_shards - 1})")
+        self.n_shards, self.shard = job.n_shards, shard or 0
+        self.epoch = P.check_run(epoch)
+        lut = np.asarray(job.table, dtype=P.sum_dtype(job.sum_bits))
+        # One fancy-index maps a packed byte to its two lanes' table values.
+        self.pair_lut = np.stack([lut[np.arange(256) >> 4], lut[np.arange(256) & 0x0F]], axis=1)
+        self.n, self.pool, self.full = job.n_workers, job.pool_size, job.full_bitmap
+        self.vote = job.aggregation == "vote"
+        self.data_bytes = P.payload_bytes(P.PktType.DATA, job.lanes, aggregation=job.aggregation)
+        self.addr = [(w.ip, w.port) for w in sorted(job.workers, key=lambda w: w.id)]
+        self.thc_job_run = 0
+        self.run_seen = 0.0
+        uses = 2 * job.pool_size
+        self.thc_run = [0] * uses
+        self.thc_seq = [P.SEQ_RESET] * uses
+        self.thc_op = [0] * uses
+        self.thc_bitmap = [0] * uses
+        self.thc_count = [0] * uses
+        self.thc_closed = [0] * uses
+        self.thc_acked = [0] * uses
+        self.thc_offset = [0] * uses
+        self.thc_sum = np.zeros((uses, job.lanes), dtype=P.sum_dtype(job.sum_bits))
+        self.thc_max = np.zeros((uses, P.MAX_LANES), dtype=">u4")
+        self.counters = Counter({name: 0 for name in P.JOB_COUNTERS})
+
+
+class Model:
+    """Every installed job's state, the drop counters, and the per-packet rules."""
+
+    def __init__(self, shard: int | None = None, run_idle: float = P.RUN_IDLE_S):
+        """``shard``: this aggregator's index in the shard map of the jobs that have one.
+        ``run_idle``: seconds after which a job's run is idle and any run may take it over."""
+        self.shard = shard
+        self.run_idle = run_idle
+        self.jobs: dict[int, JobState] = {}
+        self.drops = Counter({name: 0 for name in P.DropReason.__members__})
+
+    def install(self, job: Job, epoch: int) -> None:
+        """Install or re-install a job: its pool reset, no run, a new ``epoch`` (nonzero) that
+        every reply carries, so a client whose run spans the re-install fails instead of
+        meeting slots that forgot its chunks."""
+        self.jobs[job.job_id] = JobState(job, self.shard if job.shards else None, epoch)
+
+    def remove(self, job_id: int) -> None:
+        if self.jobs.pop(job_id, None) is None:
+            raise KeyError(f"job {job_id} is not installed")
+
+    def _drop(self, reason: str, refuse=None) -> Outcome:
+        self.drops[reason] += 1
+        return Outcome([refuse] if refuse else [], reason)
+
+    def handle(self, datagram, src: tuple[str, int], now: float) -> Outcome:
+        """One datagram from ``src`` at time ``now`` (seconds, any fixed origin)."""
+        if len(datagram) < HEADER_BYTES:
+            return self._drop("malformed")
+        (pkt_type, w, job_id, slot, version, _count, seq, offset, _bitmap, run,
+         _epoch) = unpack_header(datagram)
+        if pkt_type not in KNOWN_TYPES or version > 1 or (run == 0 and pkt_type in UP_TYPES):
+            return self._drop("malformed")
+        if pkt_type == RESET:
+            return self._drop("not_from_cpu")
+        if pkt_type not in UP_TYPES:
+            return self._drop("wrong_direction")
+        st = self.jobs.get(job_id)
+        if st is None:
+            return self._drop("unknown_job")
+        payload = memoryview(datagram)[HEADER_BYTES:]
+        if len(payload) != (st.data_bytes if pkt_type == DATA else
+                            MAX_BYTES if pkt_type == MAX else 0):
+            return self._drop("bad_lanes")
+        n, pool = st.n, st.pool
+        if w >= n:
+            return self._drop("worker_outside_job")
+        if st.addr[w] != src:
+            return self._drop("unknown_worker")
+        if slot >= pool:
+            return self._drop("slot_outside_pool")
+
+        def refuse(reason: str, detail: int = 0) -> Outcome:
+            return self._drop(reason, (pack_header(
+                REFUSED, w, job_id, slot, version, int(P.DropReason[reason]), seq, offset,
+                detail, run, st.epoch), src))
+
+        if slot != seq % pool or version != (seq // pool) & 1:
+            return refuse("wrong_slot")
+        if st.n_shards > 1 and seq % st.n_shards != st.shard:
+            return self._drop("wrong_shard")
+        job_run = st.thc_job_run
+        if run != job_run:
+            if job_run and not ((newer(run, job_run) and (run - job_run) % SEQ_MOD <= P.RUN_JUMP)
+                                or now - st.run_seen >= self.run_idle):
+                return refuse("stale_run", job_run)
+            st.thc_job_run = run
+        st.run_seen = now
+
+        i = 2 * slot + version
+        bit = 1 << w
+        # This packet proves its worker holds the result of every seq <= seq - pool of the
+        # run (its window never exceeds the pool): it acknowledges the slot's older uses.
+        past = (seq - pool) % SEQ_MOD
+        for u in (i, i ^ 1):
+            if st.thc_run[u] == run and not newer(st.thc_seq[u], past):
+                st.thc_acked[u] |= bit
+        op = OP_OF[pkt_type]
+        same_run = st.thc_run[i] == run
+        cur = st.thc_seq[i]
+        if same_run and seq != cur and not newer(seq, cur):
+            return refuse("stale", cur)
+        if same_run and seq == cur:
+            if st.thc_op[i] != op or st.thc_offset[i] != offset:
+                return refuse("wrong_use", st.thc_op[i])
+            st.counters["packets"] += 1
+            count = st.thc_count[i]
+            if count == n or st.thc_closed[i]:
+                st.counters["retransmissions"] += 1
+                return Outcome([(self._result(st, i, slot, version)(w), src)])
+            if pkt_type == FLUSH:
+                st.thc_closed[i] = 1
+            elif st.thc_bitmap[i] & bit:
+                st.counters["pending"] += 1
+                return Outcome([(pack_header(PENDING, w, job_id, slot, version, count, seq,
+                                             offset, st.thc_bitmap[i], run, st.epoch), src)])
+            else:
+                self._accumulate(st, op, i, payload, first=False)
+                st.thc_bitmap[i] |= bit
+                st.thc_count[i] = count + 1
+        else:
+            if same_run and st.thc_op[i] and st.thc_acked[i] != st.full:
+                # A new use of this slot version while a worker may still need the previous
+                # one's result: wait (a worker that closed chunks short may run ahead).
+                st.counters["packets"] += 1
+                st.counters["held"] += 1
+                acked = st.thc_acked[i]
+                return Outcome([(pack_header(PENDING, w, job_id, slot, version,
+                                             bin(acked).count("1"), seq, offset, acked, run,
+                                             st.epoch), src)])
+            st.counters["packets"] += 1
+            st.thc_run[i], st.thc_seq[i], st.thc_op[i], st.thc_acked[i] = run, seq, op, 0
+            st.thc_offset[i] = offset
+            if pkt_type == FLUSH:
+                # closed before anyone contributed: every lane sums nothing, count 0
+                st.thc_sum[i] = 0
+                st.thc_bitmap[i], st.thc_count[i], st.thc_closed[i] = 0, 0, 1
+            else:
+                self._accumulate(st, op, i, payload, first=True)
+                st.thc_bitmap[i], st.thc_count[i], st.thc_closed[i] = bit, 1, 0
+        if st.thc_count[i] < n and not st.thc_closed[i]:
+            return Outcome([])
+        st.counters["completions"] += 1
+        make = self._result(st, i, slot, version)
+        return Outcome([(make(v), st.addr[v]) for v in range(n)])
+
+    @staticmethod
+    def _accumulate(st: JobState, op: int, i: int, payload, first: bool) -> None:
+        if op == MAX:
+            vals = np.frombuffer(payload, dtype=">u4")
+            regs = st.thc_max[i]
+            if first:
+                regs[:] = vals
+            else:
+                np.maximum(regs, vals, out=regs)
+            return
+        raw = np.frombuffer(payload, dtype=np.uint8)
+        # a vote lane is one bit, counted as is (VOTE_TABLE maps b to b)
+        vals = np.unpackbits(raw) if st.vote else st.pair_lut[raw].reshape(-1)
+        if first:
+            st.thc_sum[i] = vals
+        else:
+            st.thc_sum[i] += vals
+
+    @staticmethod
+    def _result(st: JobState, i: int, slot: int, version: int):
+        """worker -> the result datagram of use ``i``, built from the use (its op, seq,
+        offset, run), never from the packet that asked; the payload is serialized once."""
+        if st.thc_op[i] == MAX:
+            rtype, payload = MAX_RESULT, st.thc_max[i].tobytes()
+        else:
+            rtype, payload = RESULT, st.thc_sum[i].tobytes()
+        fields = (st.job.job_id, slot, version, st.thc_count[i], st.thc_seq[i],
+                  st.thc_offset[i], st.thc_bitmap[i], st.thc_run[i], st.epoch)
+        return lambda v: pack_header(rtype, v, *fields) + payload

@@ -1,0 +1,264 @@
+"""Model-based fuzzing of the aggregators: random interleavings of every packet a worker,
+a buggy or hostile peer, a re-install or the clock can produce, each engine's replies and
+counters compared with the reference model's packet for packet, and every result checked
+against an oracle that knows nothing of the model.
+
+The oracle: a worker's payload for chunk ``seq`` of run ``r`` is a fixed function of
+(worker, run, seq, kind), so the exact sum of a RESULT follows from its bitmap alone, and a
+MAX_RESULT's lanes are the max over its bitmap. Whatever order packets arrive in, whoever
+lies about slots, runs or offsets, a result that differs from that is a wrong sum.
+
+``python -m tests.model_fuzz --steps 1000000`` (``make fuzz``) runs the long version and
+prints steps, seeds and the first counterexample; tests/test_model_fuzz.py runs a short one.
+"""
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from host.codec.packing import pack_bits
+from host.net.aggregator import Aggregator
+from host.wire import protocol as P
+from host.wire.jobs import Job
+
+N_WORKERS, POOL, LANES, JOB_ID = 3, 2, 16, 9
+BASE_PORT = 42000
+TABLE = (0, 1, 2, 4, 6, 8, 11, 14, 16, 19, 22, 24, 26, 28, 29, 30)
+FIRST_RUN = 1000
+"""The interleaving's first run; later ones are newer by a step or two, and RUN_FAR is far
+beyond the jump a live run allows."""
+RUN_FAR = (FIRST_RUN + (1 << 31) - 1) % P.SEQ_MOD
+SPAN = 4 * POOL
+"""Sequence numbers drawn from [base, base + SPAN): each slot version is used and reused."""
+
+
+def make_job() -> Job:
+    return Job.from_dict({"job_id": JOB_ID, "pool_size": POOL, "lanes": LANES,
+                          "table": TABLE, "granularity": 30,
+                          "workers": [{"id": i, "ip": "127.0.0.1", "port": BASE_PORT + i}
+                                      for i in range(N_WORKERS)]})
+
+
+def addr(w: int) -> tuple[str, int]:
+    return ("127.0.0.1", BASE_PORT + w)
+
+
+STRANGER = ("127.0.0.1", BASE_PORT + 99)
+
+
+def indices_of(w: int, run: int, seq: int) -> np.ndarray:
+    """What worker ``w`` sends for chunk ``seq`` of ``run``: the oracle recomputes it."""
+    rng = np.random.default_rng((w, run, seq))
+    return rng.integers(0, 16, LANES).astype(np.uint8)
+
+
+def norms_of(w: int, run: int, seq: int) -> np.ndarray:
+    rng = np.random.default_rng((w, run, seq, 7))
+    return rng.integers(0, 1 << 31, P.MAX_LANES).astype(np.uint32)
+
+
+def packet(kind: str, w: int, run: int, seq: int, slot=None, version=None,
+           offset=None) -> bytes:
+    s, v = P.slot_of(seq, POOL)
+    lanes = P.MAX_LANES if kind == "MAX" else LANES
+    hdr = P.Header(int(P.PktType[kind]), w, JOB_ID, s if slot is None else slot,
+                   v if version is None else version, 0, seq,
+                   (seq * lanes) % P.SEQ_MOD if offset is None else offset, 0, run, 0)
+    if kind == "DATA":
+        body = pack_bits(indices_of(w, run, seq), P.INDEX_BITS).tobytes()
+    elif kind == "MAX":
+        body = norms_of(w, run, seq).astype(">u4").tobytes()
+    else:
+        body = b""
+    return hdr.pack() + body
+
+
+@dataclass
+class Step:
+    """One action of the interleaving, decoded from five small integers."""
+
+    op: int
+    a: int
+    b: int
+    c: int
+    d: int
+
+
+class Context:
+    """What the interleaving has reached: the current run and the front of the chunks."""
+
+    def __init__(self, base: int, epoch: int):
+        self.base, self.run, self.front, self.epochs = base, FIRST_RUN, 0, [epoch]
+
+
+def decode(step: Step, ctx: Context):
+    """(datagram, source) to send, or ("time", seconds), or ("install", epoch)."""
+    op = step.op % 12
+    w = step.a % N_WORKERS
+    kind = ("DATA", "DATA", "DATA", "MAX", "MAX", "FLUSH")[step.b % 6]
+    seq = (ctx.base + ctx.front + step.c % SPAN) % P.SEQ_MOD
+    run = ctx.run if step.d % 5 else ctx.run - 1 - step.d % 2
+    if op <= 6:
+        return packet(kind, w, run, seq), addr(w)
+    if op == 7:
+        bad = step.d % 3
+        if bad == 0:
+            return packet(kind, w, run, seq, slot=(seq + 1) % POOL), addr(w)
+        if bad == 1:
+            return packet(kind, w, run, seq, version=1 - P.slot_of(seq, POOL)[1]), addr(w)
+        return packet(kind, w, run, seq, offset=step.c), addr(w)
+    if op == 8:
+        return ("time", 0.001 if step.d % 2 else P.RUN_IDLE_S + 1)
+    if op == 9:
+        if step.d % 3 == 0:
+            ctx.epochs.append(0x1000 + len(ctx.epochs))
+            return ("install", ctx.epochs[-1])
+        if step.d % 3 == 1:
+            ctx.run += 1 + step.c % 2
+        else:
+            ctx.front = (ctx.front + POOL) % P.SEQ_MOD
+        return ("time", 0.0)
+    if op == 10:
+        return packet(kind, w, RUN_FAR if step.d % 4 == 0 else run, seq), addr(w)
+    src = STRANGER if step.d % 2 else addr((w + 1) % N_WORKERS)
+    return packet(kind, w, run, seq), src
+
+
+class Violation(AssertionError):
+    pass
+
+
+def check_reply(reply: bytes, dst, epoch: int) -> None:
+    """The oracle: a result's sums follow from its bitmap; its fields are possible."""
+    hdr, payload = P.decode(reply)
+    if dst != addr(hdr.worker_id):
+        raise Violation(f"reply for worker {hdr.worker_id} sent to {dst}")
+    if hdr.epoch != epoch:
+        raise Violation(f"reply carries epoch {hdr.epoch:#x}, the install's is {epoch:#x}")
+    if hdr.pkt_type not in (P.PktType.RESULT, P.PktType.MAX_RESULT):
+        return
+    members = [w for w in range(N_WORKERS) if hdr.bitmap >> w & 1]
+    if hdr.bitmap >> N_WORKERS or len(members) != hdr.count:
+        raise Violation(f"count {hdr.count} and bitmap {hdr.bitmap:#b} disagree")
+    if (hdr.slot, hdr.version) != P.slot_of(hdr.seq, POOL):
+        raise Violation(f"result of seq {hdr.seq} names slot {hdr.slot} version {hdr.version}")
+    if hdr.pkt_type == P.PktType.RESULT:
+        want = np.zeros(LANES, np.int64)
+        for w in members:
+            want += np.asarray(TABLE)[indices_of(w, hdr.run, hdr.seq)]
+        got = np.frombuffer(payload, P.sum_dtype(8)).astype(np.int64)
+    else:
+        if hdr.count != N_WORKERS:
+            raise Violation(f"MAX_RESULT of seq {hdr.seq} closed short (count {hdr.count})")
+        want = np.maximum.reduce([norms_of(w, hdr.run, hdr.seq) for w in members])
+        got = np.frombuffer(payload, ">u4").astype(np.int64)
+    if not np.array_equal(got, want):
+        raise Violation(f"wrong {P.PktType(hdr.pkt_type).name} for run {hdr.run} seq "
+                        f"{hdr.seq} bitmap {hdr.bitmap:#b}: {got[:6]}... != {want[:6]}...")
+
+
+class Engines:
+    """The reference model (through the Python aggregator) and the engines under test."""
+
+    def __init__(self, compiled: bool = True):
+        from host.net import fastagg
+        self.job = make_job()
+        self.epoch = 0x1000
+        self.ref = Aggregator([self.job], epoch=self.epoch)
+        self.others = []
+        if compiled and fastagg.available():
+            self.others.append(("compiled", fastagg.FastAggregator([self.job], epoch=self.epoch)))
+        self.now = 1000.0
+
+    def apply(self, action) -> None:
+        if action[0] == "time":
+            self.now += action[1]
+            return
+        if action[0] == "install":
+            self.epoch = action[1]
+            self.ref.install(self.job, self.epoch)
+            for _, eng in self.others:
+                eng.install(self.job, self.epoch)
+            return
+        datagram, src = action
+        want = self.ref.model.handle(datagram, src, self.now).replies
+        for reply, dst in want:
+            check_reply(reply, dst, self.epoch)
+        for name, eng in self.others:
+            got = eng.handle(datagram, src, self.now)
+            if got != want:
+                raise Violation(f"{name} answered {got!r}, the model {want!r}")
+
+    def compare_counters(self) -> None:
+        want = self.ref.counters()
+        for name, eng in self.others:
+            got = eng.counters()
+            for key in ("drops", "jobs", "epochs"):
+                if got[key] != want[key]:
+                    raise Violation(f"{name} {key} {got[key]} != the model's {want[key]}")
+
+
+def run_steps(steps: list[Step], base: int, compiled: bool = True) -> Engines:
+    engines = Engines(compiled)
+    ctx = Context(base, engines.epoch)
+    for k, step in enumerate(steps):
+        action = decode(step, ctx)
+        try:
+            engines.apply(action)
+        except Violation as e:
+            raise Violation(f"step {k} {step} -> {describe(action)}: {e}") from None
+    engines.compare_counters()
+    return engines
+
+
+def describe(action) -> str:
+    if action[0] in ("time", "install"):
+        return f"{action[0]} {action[1]}"
+    hdr = P.Header.unpack(action[0])
+    return (f"{P.PktType(hdr.pkt_type).name} w{hdr.worker_id} run {hdr.run} seq {hdr.seq} "
+            f"slot {hdr.slot}/{hdr.version} offset {hdr.offset} from {action[1]}")
+
+
+BASES = (0, P.SEQ_MOD - 3)
+"""Sequence numbers start at 0 or just before the 2^32 wrap."""
+
+
+def random_steps(rng: random.Random, length: int) -> list[Step]:
+    return [Step(*(rng.randrange(64) for _ in range(5))) for _ in range(length)]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, default=1_000_000)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--length", type=int, default=200, help="steps per interleaving")
+    args = ap.parse_args(argv)
+    done, case, t0 = 0, 0, time.monotonic()
+    while done < args.steps:
+        seed = args.seed * 1_000_003 + case
+        rng = random.Random(seed)
+        steps = random_steps(rng, args.length)
+        base = BASES[case % len(BASES)]
+        try:
+            run_steps(steps, base)
+        except Violation as e:
+            print(f"counterexample: seed {seed}, base {base}: {e}", flush=True)
+            return 1
+        done += len(steps)
+        case += 1
+        if case % 500 == 0:
+            print(f"{done} steps, {case} interleavings, {time.monotonic() - t0:.0f} s, "
+                  f"no disagreement", flush=True)
+    print(f"{done} steps in {case} interleavings (seeds {args.seed * 1_000_003}.."
+          f"{args.seed * 1_000_003 + case - 1}), {time.monotonic() - t0:.0f} s: zero "
+          f"disagreements, zero wrong results", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
