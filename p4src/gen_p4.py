@@ -197,8 +197,12 @@ def generate(spec: dict, lanes: int | None = None, slots: int | None = None,
     c.append(f"const bit<16> THC_UDP_PORT = {spec['udp_port']};\n")
     c.append(f"const bit<9> THC_CPU_PORT = {spec['cpu_port']};\n")
     c.append("const bit<32> THC_SEQ_RESET = 0xFFFFFFFF;\n")
+    c.append(f"const bit<32> THC_RUN_JUMP = {spec['run_jump']};  // a newer run takes a live "
+             f"job within this jump\n")
+    c.append(f"const bit<48> THC_RUN_IDLE_US = {int(spec['run_idle_s'] * 1_000_000)};  // any "
+             f"run takes a job idle this long\n")
     c.append(f"const bit<16> THC_HDR_BYTES = {hdr_bytes};\n")
-    for label, nbytes, what in [("HDR", 0, "header-only (PENDING, RESET)"),
+    for label, nbytes, what in [("HDR", 0, "header-only (PENDING, REFUSED, RESET)"),
                                 ("DATA", data_bytes, "DATA"),
                                 ("VOTE", vote_bytes, "DATA of a vote job"),
                                 ("RESULT8", result_bytes[8], "RESULT of an 8-bit job"),

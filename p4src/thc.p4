@@ -12,16 +12,19 @@
  * loss, duplication and reordering, and the run beside it keeps one training run's
  * contributions out of another's. A FLUSH (DLCP's bounded loss) closes a slot use with the
  * workers it has: the frozen RESULT (count, bitmap) goes to every worker and later packets
- * of that use get it unchanged. Every IPv4 packet's DSCP picks its egress queue priority
- * (thc_dscp). See docs/switch.md and docs/protocol.md.
+ * of that use get it unchanged. A slot use keeps its op and offset, a new use of a slot
+ * version waits until every worker has shown it holds the previous one's result, and
+ * stale or out-of-step packets are answered with REFUSED: the rules of the reference model,
+ * host/wire/model.py. Every IPv4 packet's DSCP picks its egress queue priority (thc_dscp).
+ * See docs/switch.md and docs/protocol.md.
  *
  * Protocol constants, the THC header and the group instantiations are generated from
  * host/wire/protocol.json by p4src/gen_p4.py into p4src/generated/; thc_tna.p4 is the
  * Tofino (TNA) variant of this program over the same generated files.
  *
- * Tofino shape: each register is touched by at most one register action per packet, whose
- * operation is picked by one metadata field; one counter access per packet; no loops
- * outside the parser, no variable shifts, arithmetic on 32 bits.
+ * No loops outside the parser, no variable shifts, arithmetic on 32 bits (the run clock on
+ * 48); a slot's state is read in one action and written in others, which BMv2 allows and
+ * thc_tna.p4 recasts as register actions.
  */
 #include <core.p4>
 #include <v1model.p4>
@@ -49,16 +52,32 @@ struct metadata_t {
     bit<1>  vote;           // a vote job: DATA lanes are sign bits, the sums count the +1s
     bit<32> epoch;          // the job's epoch, returned in every reply
     // from thc_worker
-    bit<32> worker_bit;
+    bit<32> worker_bit;     // the bit this packet sets in the use's bitmap (0 for a FLUSH)
+    bit<32> ack_bit;        // the sender's bit, which its packets acknowledge with
     // register addressing
     bit<32> reg_index;      // (pool_base + slot) * 2 + version
     bit<32> jc_base;        // job_index * THC_N_JOB_COUNTERS
     // run state as seen by this packet
     bit<32> job_run;
+    bit<48> job_seen;       // when the job's run was last heard
     bit<32> run_diff;
-    bit<1>  run_stale;      // older than the job's run: drop stale_run
+    bit<1>  run_stale;      // another run holds the job, live: drop stale_run
     bit<32> slot_run;
     bit<1>  run_new;        // the slot version last served another run: start a new use
+    // the slot use as this packet finds it, and the slot's other version
+    bit<8>  pkt_op;         // THC_DATA (DATA, FLUSH) or THC_MAX: the use this packet joins
+    bit<8>  slot_op;
+    bit<32> slot_offset;
+    bit<32> acked;          // workers known to hold the use's result
+    bit<32> reg_other;
+    bit<32> other_run;
+    bit<32> other_seq;
+    bit<32> other_acked;
+    bit<32> past;           // seq - pool: the sender holds every result up to this seq
+    bit<32> ack_diff;
+    bit<1>  held;           // a new use while a worker may still need the previous result
+    bit<1>  refuse;         // a drop answered with REFUSED (reason in count, detail in bitmap)
+    bit<32> detail;
     // slot state as seen by this packet
     bit<32> cur_seq;
     bit<32> seq_diff;
@@ -319,11 +338,15 @@ control ThcIngress(inout headers_t hdr, inout metadata_t meta, inout standard_me
     counter(THC_MAX_JOBS, CounterType.packets) thc_resets;
     counter(1, CounterType.packets) l2_misses;
 
-    // The run that owns each job (0: none yet), index job_index.
+    // The run that owns each job (0: none yet) and when it was last heard, index job_index.
     register<bit<32>>(THC_MAX_JOBS) thc_job_run;
+    register<bit<48>>(THC_MAX_JOBS) thc_job_seen;
     // Slot state, index (pool_base + slot) * 2 + version.
     register<bit<32>>(THC_REG_SIZE) thc_run;
     register<bit<32>>(THC_REG_SIZE) thc_seq;
+    register<bit<8>>(THC_REG_SIZE) thc_op;
+    register<bit<32>>(THC_REG_SIZE) thc_offset;
+    register<bit<32>>(THC_REG_SIZE) thc_acked;
     register<bit<32>>(THC_REG_SIZE) thc_bitmap;
     register<bit<8>>(THC_REG_SIZE) thc_count;
     register<bit<1>>(THC_REG_SIZE) thc_closed;
@@ -357,6 +380,7 @@ control ThcIngress(inout headers_t hdr, inout metadata_t meta, inout standard_me
 
     action set_worker(bit<32> worker_bit) {
         meta.worker_bit = worker_bit;
+        meta.ack_bit = worker_bit;
     }
     table thc_worker {
         key = {
@@ -405,31 +429,64 @@ control ThcIngress(inout headers_t hdr, inout metadata_t meta, inout standard_me
         meta.jc_base = (bit<32>)meta.job_index * THC_N_JOB_COUNTERS;
     }
 
-    // RFC 1982 serial order on runs: a newer run (or the first) takes the job over, an
-    // older one is stale.
+    // A run takes the job when the job has none, when it is newer (RFC 1982) by at most
+    // THC_RUN_JUMP, or when the job's run has not been heard for THC_RUN_IDLE_US; any other
+    // run is stale_run. Every packet of the job's run marks it heard.
     action thc_job_run_ra() {
         thc_job_run.read(meta.job_run, (bit<32>)meta.job_index);
+        thc_job_seen.read(meta.job_seen, (bit<32>)meta.job_index);
         meta.run_diff = hdr.thc.run - meta.job_run;
-        meta.run_stale = (meta.job_run != 0 && meta.run_diff[31:31] == 1) ? 1w1 : 1w0;
+        meta.run_stale = (meta.job_run != 0 && meta.run_diff != 0
+                          && meta.run_diff > THC_RUN_JUMP
+                          && sm.ingress_global_timestamp - meta.job_seen < THC_RUN_IDLE_US)
+                         ? 1w1 : 1w0;
         thc_job_run.write((bit<32>)meta.job_index,
                           (meta.run_stale == 1) ? meta.job_run : hdr.thc.run);
+        thc_job_seen.write((bit<32>)meta.job_index,
+                           (meta.run_stale == 1) ? meta.job_seen : sm.ingress_global_timestamp);
     }
 
-    // A run other than the slot version's last one starts a new use of it, whatever its seq.
-    action thc_run_ra() {
+    // The slot's use in this packet's version, and the other version. The packet shows its
+    // sender holds the result of every use of its run up to seq - pool (a window never
+    // exceeds the pool): it acknowledges such uses in either version.
+    action thc_slot_read() {
+        meta.reg_other = meta.reg_index ^ 1;
         thc_run.read(meta.slot_run, meta.reg_index);
-        meta.run_new = (meta.slot_run != hdr.thc.run) ? 1w1 : 1w0;
-        thc_run.write(meta.reg_index, hdr.thc.run);
-    }
-
-    // RFC 1982 serial order: newer iff 0 < seq - cur < 2^31; stale iff bit 31 of the
-    // difference is set; equal otherwise. A newer seq (or a new run) starts a new use.
-    action thc_seq_ra() {
         thc_seq.read(meta.cur_seq, meta.reg_index);
+        thc_op.read(meta.slot_op, meta.reg_index);
+        thc_offset.read(meta.slot_offset, meta.reg_index);
+        thc_acked.read(meta.acked, meta.reg_index);
+        thc_run.read(meta.other_run, meta.reg_other);
+        thc_seq.read(meta.other_seq, meta.reg_other);
+        thc_acked.read(meta.other_acked, meta.reg_other);
+        meta.past = hdr.thc.seq - (bit<32>)meta.pool_size;
+        meta.ack_diff = meta.cur_seq - meta.past;
+        meta.acked = (meta.slot_run == hdr.thc.run
+                      && (meta.ack_diff == 0 || meta.ack_diff[31:31] == 1))
+                     ? meta.acked | meta.ack_bit : meta.acked;
+        thc_acked.write(meta.reg_index, meta.acked);
+        meta.ack_diff = meta.other_seq - meta.past;
+        meta.other_acked = (meta.other_run == hdr.thc.run
+                            && (meta.ack_diff == 0 || meta.ack_diff[31:31] == 1))
+                           ? meta.other_acked | meta.ack_bit : meta.other_acked;
+        thc_acked.write(meta.reg_other, meta.other_acked);
+        // RFC 1982: newer iff 0 < seq - cur < 2^31, stale iff bit 31 of the difference is
+        // set. A newer seq or another run starts a new use.
+        meta.run_new = (meta.slot_run != hdr.thc.run) ? 1w1 : 1w0;
         meta.seq_diff = hdr.thc.seq - meta.cur_seq;
         meta.seq_newer = (meta.run_new == 1 || (meta.seq_diff != 0 && meta.seq_diff[31:31] == 0))
                          ? 1w1 : 1w0;
-        thc_seq.write(meta.reg_index, (meta.seq_newer == 1) ? hdr.thc.seq : meta.cur_seq);
+        meta.held = (meta.seq_newer == 1 && meta.run_new == 0 && meta.slot_op != 0
+                     && meta.acked != meta.full_bitmap) ? 1w1 : 1w0;
+    }
+
+    // A new use: this packet's run, seq, op and offset; nobody has its result yet.
+    action thc_use_start() {
+        thc_run.write(meta.reg_index, hdr.thc.run);
+        thc_seq.write(meta.reg_index, hdr.thc.seq);
+        thc_op.write(meta.reg_index, meta.pkt_op);
+        thc_offset.write(meta.reg_index, hdr.thc.offset);
+        thc_acked.write(meta.reg_index, 0);
     }
 
     // closed by a FLUSH: frozen until the slot version's next use
@@ -467,8 +524,12 @@ control ThcIngress(inout headers_t hdr, inout metadata_t meta, inout standard_me
     // and the job index forgets its run (a job installed at a reused index starts with none).
     action thc_reset_ra() {
         thc_job_run.write((bit<32>)meta.job_index, 0);
+        thc_job_seen.write((bit<32>)meta.job_index, 0);
         thc_run.write(meta.reg_index, 0);
         thc_seq.write(meta.reg_index, THC_SEQ_RESET);
+        thc_op.write(meta.reg_index, 0);
+        thc_offset.write(meta.reg_index, 0);
+        thc_acked.write(meta.reg_index, 0);
         thc_bitmap.write(meta.reg_index, 0);
         thc_count.write(meta.reg_index, 0);
         thc_closed.write(meta.reg_index, 0);
@@ -492,6 +553,12 @@ control ThcIngress(inout headers_t hdr, inout metadata_t meta, inout standard_me
     }
     action thc_result_len() {
         hdr.udp.length = (meta.wide == 1) ? THC_UDP_LEN_RESULT16 : THC_UDP_LEN_RESULT8;
+    }
+    // a drop the sender is told of, so its client fails at once naming the reason
+    action thc_refuse(bit<8> reason, bit<32> detail) {
+        meta.drop_reason = reason;
+        meta.refuse = 1;
+        meta.detail = detail;
     }
 
     apply {
@@ -543,9 +610,14 @@ control ThcIngress(inout headers_t hdr, inout metadata_t meta, inout standard_me
                     meta.worker_bit = 0;
                 }
             }
-            // 6. slot
+            // 6. slot, and the slot and version its seq names (pool_size is a power of two)
             if (meta.drop_reason == 0 && hdr.thc.slot >= meta.pool_size) {
                 meta.drop_reason = THC_DROP_SLOT_OUTSIDE_POOL;
+            } else if (meta.drop_reason == 0 && hdr.thc.pkt_type != THC_RESET
+                    && (hdr.thc.slot != ((bit<16>)hdr.thc.seq & (meta.pool_size - 1))
+                        || hdr.thc.version != (((hdr.thc.seq & (bit<32>)meta.pool_size) != 0)
+                                               ? 8w1 : 8w0))) {
+                thc_refuse(THC_DROP_WRONG_SLOT, 0);
             }
             // 7. run
             if (meta.drop_reason == 0) {
@@ -557,17 +629,35 @@ control ThcIngress(inout headers_t hdr, inout metadata_t meta, inout standard_me
                 } else {
                     thc_job_run_ra();
                     if (meta.run_stale == 1) {
-                        meta.drop_reason = THC_DROP_STALE_RUN;
+                        thc_refuse(THC_DROP_STALE_RUN, meta.job_run);
                     }
                 }
             }
             // 8. aggregation
             if (meta.drop_reason == 0 && hdr.thc.pkt_type != THC_RESET) {
-                thc_run_ra();
-                thc_seq_ra();
+                meta.pkt_op = (hdr.thc.pkt_type == THC_MAX) ? THC_MAX : THC_DATA;
+                thc_slot_read();
                 if (meta.seq_newer == 0 && meta.seq_diff != 0) {
-                    meta.drop_reason = THC_DROP_STALE;
+                    thc_refuse(THC_DROP_STALE, meta.cur_seq);
+                } else if (meta.seq_newer == 0 && (meta.slot_op != meta.pkt_op
+                                                   || meta.slot_offset != hdr.thc.offset)) {
+                    thc_refuse(THC_DROP_WRONG_USE, (bit<32>)meta.slot_op);
+                } else if (meta.held == 1) {
+                    // wait: a worker may still need the previous use's result; the PENDING
+                    // names who holds it (count 0: nothing of this use yet)
+                    hdr.thc_data.pop_front(THC_GROUPS);
+                    hdr.thc_max.pop_front(THC_MAX_LANES);
+                    hdr.udp.length = THC_UDP_LEN_HDR;
+                    meta.count = 0;
+                    meta.bitmap = meta.acked;
+                    thc_reply(THC_PENDING);
+                    thc_to_sender();
+                    hdr.ipv4.totalLen = hdr.udp.length + 20;
+                    thc_job_counters.count(meta.jc_base + THC_JC_HELD);
                 } else {
+                    if (meta.seq_newer == 1) {
+                        thc_use_start();
+                    }
                     thc_closed_ra();
                     thc_bitmap_ra();
                     thc_count_ra();
@@ -613,7 +703,18 @@ control ThcIngress(inout headers_t hdr, inout metadata_t meta, inout standard_me
             }
             if (meta.drop_reason != 0) {
                 thc_drops.count((bit<32>)meta.drop_reason);
-                mark_to_drop(sm);
+                if (meta.refuse == 1) {
+                    hdr.thc_data.pop_front(THC_GROUPS);
+                    hdr.thc_max.pop_front(THC_MAX_LANES);
+                    hdr.udp.length = THC_UDP_LEN_HDR;
+                    hdr.ipv4.totalLen = hdr.udp.length + 20;
+                    meta.count = meta.drop_reason;
+                    meta.bitmap = meta.detail;
+                    thc_reply(THC_REFUSED);
+                    thc_to_sender();
+                } else {
+                    mark_to_drop(sm);
+                }
             }
         } else if (hdr.ethernet.isValid()) {
             l2_forward.apply();

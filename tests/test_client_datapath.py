@@ -22,8 +22,9 @@ SHORT_SEQ = 3
 
 
 class ScriptedAggregator:
-    """Answers each DATA chunk with a volley of hostile replies, a PENDING, then its RESULT
-    (``mode="pending"``: the PENDING only, as if worker 1 never came)."""
+    """Answers each DATA chunk with a volley of hostile and impossible replies, a PENDING,
+    then its RESULT (``mode="pending"``: the PENDING only, as if worker 1 never came). A
+    stranger's socket forges a RESULT with every field right, the epoch included."""
 
     def __init__(self, job, epoch=0x1234, mode="answer"):
         self.job, self.epoch, self.mode = job, epoch, mode
@@ -31,14 +32,17 @@ class ScriptedAggregator:
         self.sock.bind(("127.0.0.1", 0))
         self.sock.settimeout(0.05)
         self.addr = self.sock.getsockname()
+        self.stranger = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self.stranger.bind(("127.0.0.1", 0))
         self.received: list[bytes] = []
         self._stop = False
         self._thread = threading.Thread(target=self._serve, daemon=True)
         self._thread.start()
 
     @staticmethod
-    def values(seq, lanes):
-        return (np.arange(lanes) + 7 * seq) % 200
+    def values(seq, lanes, bound=60):
+        """Sums two workers can make at granularity 30 (at most ``bound``)."""
+        return (np.arange(lanes) + 7 * seq) % (bound + 1)
 
     def _serve(self):
         job, pack = self.job, P.HEADER_STRUCT.pack
@@ -53,15 +57,22 @@ class ScriptedAggregator:
                 P.HEADER_STRUCT.unpack_from(data)
 
             def reply(t=P.PktType.RESULT, worker=w, job_id=j, count=job.n_workers,
-                      bitmap=job.full_bitmap, run=run, payload=None):
+                      bitmap=job.full_bitmap, run=run, payload=None, slot=slot,
+                      version=version, offset=offset, sock=self.sock):
                 if payload is None:
                     payload = self.values(seq, job.lanes).astype(dtype).tobytes()
-                self.sock.sendto(pack(t, worker, job_id, slot, version, count, seq, offset,
-                                      bitmap, run, self.epoch) + payload, src)
+                sock.sendto(pack(t, worker, job_id, slot, version, count, seq, offset,
+                                 bitmap, run, self.epoch) + payload, src)
 
             reply(t=P.PktType.PENDING, bitmap=0b01, payload=b"")
             if self.mode == "pending":
                 continue
+            reply(sock=self.stranger)                                   # ignored: stranger
+            reply(slot=slot + 1)                                        # ignored: slot
+            reply(version=1 - version)                                  # ignored: version
+            reply(offset=offset + 1)                                    # ignored: offset
+            reply(bitmap=0b01)                                          # ignored: count n, bitmap
+            reply(payload=np.full(job.lanes, 61).astype(dtype).tobytes())  # ignored: > 2 x 30
             self.sock.sendto(b"\x00" * 10, src)                         # ignored: short
             reply(job_id=j + 1)                                         # ignored: other job
             reply(worker=w + 1)                                         # ignored: other worker
@@ -70,7 +81,10 @@ class ScriptedAggregator:
             reply(run=run + 1)                                          # other_run
             if seq % N_CHUNKS == SHORT_SEQ:
                 reply(count=1, bitmap=0b11)                             # ignored: count/bitmap
-                reply(count=1, bitmap=0b01)                             # closed short
+                reply(count=1, bitmap=0b01, payload=np.full(job.lanes, 31).astype(
+                    dtype).tobytes())                                   # ignored: > 1 x 30
+                reply(count=1, bitmap=0b01, payload=self.values(seq, job.lanes, 30).astype(
+                    dtype).tobytes())                                   # closed short
             else:
                 reply()
 
@@ -78,6 +92,7 @@ class ScriptedAggregator:
         self._stop = True
         self._thread.join()
         self.sock.close()
+        self.stranger.close()
 
 
 @pytest.fixture
@@ -97,13 +112,13 @@ def test_hostile_replies_ignored_and_counted_short_chunks_and_restart(job, datap
             packed = _packed(job, 1)
             sums = c.aggregate(packed, offset_base=1000)
             assert c.last_datapath == datapath
-            want = np.concatenate([ScriptedAggregator.values(s, job.lanes)
-                                   for s in range(N_CHUNKS)])
+            want = np.concatenate([ScriptedAggregator.values(
+                s, job.lanes, 30 if s == SHORT_SEQ else 60) for s in range(N_CHUNKS)])
             np.testing.assert_array_equal(sums, want)
             s = c.stats
             assert s.retransmitted == 0 and s.sent == N_CHUNKS
-            assert s.received == 8 * N_CHUNKS + 1
-            assert s.ignored == 5 * N_CHUNKS + 1
+            assert s.received == 14 * N_CHUNKS + 2
+            assert s.ignored == 11 * N_CHUNKS + 2
             assert s.other_run == N_CHUNKS and s.pending == N_CHUNKS and s.short == 1
             assert s.bytes_sent == sum(map(len, agg.received))
             assert c.last_counts[SHORT_SEQ] == 1 and c.last_bitmaps[SHORT_SEQ] == 0b01
@@ -120,7 +135,8 @@ def test_hostile_replies_ignored_and_counted_short_chunks_and_restart(job, datap
             # a second round continues the sequence numbers; then the aggregator restarts
             sums = c.aggregate(_packed(job, 2))
             np.testing.assert_array_equal(sums, np.concatenate(
-                [ScriptedAggregator.values(s, job.lanes) for s in range(N_CHUNKS, 2 * N_CHUNKS)]))
+                [ScriptedAggregator.values(s, job.lanes, 30 if s % N_CHUNKS == SHORT_SEQ else 60)
+                 for s in range(N_CHUNKS, 2 * N_CHUNKS)]))
             agg.epoch = 0x5678
             with pytest.raises(AggregatorRestarted, match="the aggregator at 127.0.0.1") as e:
                 c.aggregate(_packed(job, 3))

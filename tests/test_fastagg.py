@@ -16,7 +16,7 @@ import time
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 
 from host.codec.packing import pack_bits
@@ -26,7 +26,14 @@ from host.testing.clusters import free_port_block
 from host.wire import protocol as P
 from host.wire.jobs import VOTE_TABLE, Job, Shard
 from tests.conformance.harness import TEST_TABLE
-from tests.conformance.test_fuzz import KNOWN_SEQ, RUN, hostile
+from tests.conformance.test_fuzz import (
+    KNOWN_SEQ,
+    REFUSED_REASONS,
+    RUN,
+    hostile,
+    refused_batch,
+    refused_fields,
+)
 
 pytestmark = pytest.mark.skipif(not fastagg.available(),
                                 reason=f"compiled aggregator skipped: {fastagg.UNAVAILABLE}")
@@ -70,6 +77,15 @@ def both(js=None):
     js = jobs() if js is None else js
     return (Aggregator(js, epoch=EPOCH, shard=SHARD),
             fastagg.FastAggregator(js, epoch=EPOCH, shard=SHARD))
+
+
+def handle_both(py: Aggregator, c, data: bytes, src: tuple[str, int], now: float) -> list:
+    """One datagram through both at the same time ``now`` (the reference model's handle, as
+    the Python aggregator calls it, and the compiled one's): their replies, asserted
+    identical."""
+    want = py.model.handle(data, src, now).replies
+    assert c.handle(data, src, now) == want
+    return want
 
 
 def addr(job: Job, w: int) -> tuple[str, int]:
@@ -182,13 +198,16 @@ def test_reinstall_and_remove_follow_the_reference():
     packets = trace(seed=12, length=300)
     for step, (data, src) in enumerate(packets):
         if step == 100:
-            for agg in (py, c):
-                agg.install(js[0])
+            for agg in (py, c):  # a re-install's new epoch, the same in both
+                agg.install(js[0], EPOCH + 1)
         if step == 200:
             for agg in (py, c):
                 agg.remove(js[1].job_id)
-        assert c.handle(data, src) == py.handle(data, src), f"packet {step}"
+        now = 1000.0 + 0.01 * step
+        assert c.handle(data, src, now) == py.model.handle(data, src, now).replies, \
+            f"packet {step}"
     assert py.counters() == c.counters()
+    assert c.counters()["epochs"][js[0].job_id] == EPOCH + 1
     with pytest.raises(KeyError):
         c.remove(js[1].job_id)
 
@@ -282,6 +301,10 @@ def test_served_over_udp_both_answer_a_trace_identically():
 
 # -- differential fuzz -------------------------------------------------------------------
 
+FUZZ_T0 = 1000.0
+"""The time of fuzz_setup's packets; the fuzzes' clocks go on from there."""
+
+
 def fuzz_setup(kind: str = "thc"):
     """Both aggregators with the fuzzed job (2 workers, pool 2; a THC job, a vote job, or a
     job over 3 shards of which they serve SHARD) holding a known round at KNOWN_SEQ of run
@@ -296,42 +319,63 @@ def fuzz_setup(kind: str = "thc"):
     else:
         known = [pack_bits(rng.integers(0, 16, job.lanes).astype(np.uint8),
                            P.INDEX_BITS).tobytes() for _ in range(2)]
-    for seq in (0, KNOWN_SEQ):
+    # Every chunk up to KNOWN_SEQ that they serve, as workers stream them: every worker
+    # acknowledges a slot version's use before its next use (KNOWN_SEQ's) starts.
+    for seq in range(KNOWN_SEQ + 1):
+        if job.shard_of(seq) != (SHARD if job.shards else 0):
+            continue
         for w in range(2):
             d = dgram(job, w, seq, RUN, payload=known[w])
-            assert c.handle(d, addr(job, w)) == py.handle(d, addr(job, w))
+            handle_both(py, c, d, addr(job, w), FUZZ_T0)
     senders = {"w0": addr(job, 0), "w1": addr(job, 1), "stranger": stranger_of()}
     probe = dgram(job, 0, KNOWN_SEQ, RUN, payload=known[0])
-    expected = py.handle(probe, senders["w0"])
-    assert c.handle(probe, senders["w0"]) == expected
+    expected = handle_both(py, c, probe, senders["w0"], FUZZ_T0)
     assert len(expected) == 1 and expected[0][0][0] == P.PktType.RESULT
+    assert sum(py.counters()["drops"].values()) == 0
     return job, other, py, c, senders, probe, expected
 
 
 def test_differential_fuzz_hostile_packets_are_counted_drops_in_both():
-    """Truncated, oversized, unknown type, wrong job/worker, stale seq, cross-run, spoofed:
-    each is one drop of the same reason in both, none is answered, and the known round's
-    result (the probe's retransmission reply) stays byte for byte what it was."""
+    """Truncated, oversized, unknown type, wrong job/worker, stale seq, cross-run, wrong
+    slot, spoofed: each is one drop of the same reason in both; stale, cross-run and wrong-slot
+    packets are answered with the same REFUSED (the reason's code, its detail) to their
+    sender alone, no other is answered, and the known round's result (the probe's
+    retransmission reply) stays byte for byte what it was."""
     job, other, py, c, senders, probe, expected = fuzz_setup()
+    clock = [FUZZ_T0]
+    refused = {r: 0 for r in REFUSED_REASONS}
 
     @settings(max_examples=80, deadline=None, database=None, derandomize=True,
               phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))
     @given(st.lists(hostile(job, other), min_size=1, max_size=6))
+    @example(refused_batch(job))
     def fuzz(batch):
         before = c.counters()["drops"]
         for reason, data, sender in batch:
             src = senders[sender]
-            assert py.handle(data, src) == []
-            assert c.handle(data, src) == []
+            clock[0] += 0.001
+            got = handle_both(py, c, data, src, clock[0])
+            if reason in REFUSED_REASONS:
+                assert len(got) == 1 and got[0][1] == src
+                reply = P.Header.unpack(got[0][0])
+                assert len(got[0][0]) == P.HEADER_BYTES
+                assert reply.pkt_type == P.PktType.REFUSED and reply.epoch == EPOCH
+                assert (reply.worker_id, reply.job_id, reply.slot, reply.version, reply.count,
+                        reply.seq, reply.offset, reply.bitmap, reply.run) == \
+                    refused_fields(reason, data)
+                refused[reason] += 1
+            else:
+                assert got == []
         after = c.counters()["drops"]
         want = {}
         for reason, _, _ in batch:
             want[reason] = want.get(reason, 0) + 1
         assert {k: after[k] - before[k] for k in after if after[k] != before[k]} == want
         assert c.counters() == py.counters()
-        assert c.handle(probe, senders["w0"]) == py.handle(probe, senders["w0"]) == expected
+        assert handle_both(py, c, probe, senders["w0"], clock[0]) == expected
 
     fuzz()
+    assert all(refused.values()), refused
 
 
 @st.composite
@@ -360,13 +404,17 @@ def mutated(draw, job):
 @pytest.mark.parametrize("kind", ["thc", "vote", "sharded"])
 def test_differential_fuzz_mutated_packets_behave_identically(kind):
     job, _, py, c, senders, _, _ = fuzz_setup(kind)
+    clock = [FUZZ_T0]
 
     @settings(max_examples=100, deadline=None, database=None, derandomize=True,
               phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))
-    @given(st.lists(mutated(job), min_size=1, max_size=8))
+    @given(st.lists(st.tuples(mutated(job), st.sampled_from([0.001] * 7 + [P.RUN_IDLE_S])),
+                    min_size=1, max_size=8))
     def fuzz(batch):
-        for data, sender in batch:
-            assert c.handle(data, senders[sender]) == py.handle(data, senders[sender])
+        # the same time in both; now and then the job's run has been idle long enough
+        for (data, sender), step in batch:
+            clock[0] += step
+            handle_both(py, c, data, senders[sender], clock[0])
         assert c.counters() == py.counters()
 
     fuzz()

@@ -105,7 +105,7 @@ def test_aggregator_restarted_mid_stream_fails_clearly_then_recovers(tmp_path, j
     causes = {status for status, _, _ in outcomes.values()}
     assert "restarted" in causes, outcomes
     msg = next(p for s, p, _ in outcomes.values() if s == "restarted")
-    assert f"127.0.0.1:{agg.port} restarted during run 200" in msg
+    assert f"127.0.0.1:{agg.port} restarted or re-installed the job during run 200" in msg
     for w, (status, sums, _) in again.items():
         assert status == "ok", sums
         np.testing.assert_array_equal(sums, _reference(job))

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -13,6 +14,7 @@ from host.net.aggregator import Aggregator
 from host.net.client import AggregationClient, AggregatorRestarted
 from host.testing.clusters import free_port_block, local_job
 from host.wire import protocol as P
+from tests.test_transport import datapath  # noqa: F401 (a fixture)
 
 
 def test_run_ids_are_nonzero_32_bit_integers():
@@ -79,23 +81,26 @@ def test_restarted_aggregator_raises_naming_address_and_epochs():
             np.testing.assert_array_equal(c.aggregate(_chunk(job, 7)), 7)
 
 
-def test_replies_of_another_run_are_ignored_and_counted():
+def test_a_strangers_result_with_the_real_epoch_is_ignored(datapath):
+    """Issue case 2: a RESULT from a socket that is not the aggregator, with the job's real
+    epoch, run and fields, and sums no two workers can make, is ignored and counted."""
     job = local_job(1, 2, free_port_block(2), table=list(range(16)))
-    with Aggregator([job]) as agg:
+    with Aggregator([job], epoch=0x77) as agg:
         addr = agg.start()
         out = {}
         with AggregationClient(job, 0, addr, run=5) as c:
             t = threading.Thread(target=lambda: out.update(s=c.aggregate(_chunk(job, 2))))
             t.start()
             rogue = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-            bogus = P.Header(P.PktType.RESULT, 0, job.job_id, 0, 0, 2, 0, 0, 3, 6, agg.epoch)
-            rogue.sendto(bogus.pack() + bytes(P.payload_bytes(P.PktType.RESULT, job.lanes)),
-                         c.sock.getsockname())
+            forged = P.Header(P.PktType.RESULT, 0, job.job_id, 0, 0, 2, 0, 0, 3, 5, 0x77)
+            rogue.sendto(forged.pack() + bytes([99]) * P.payload_bytes(
+                P.PktType.RESULT, job.lanes), c.sock.getsockname())
             rogue.close()
+            time.sleep(0.2)  # let the forgery arrive first: it must not end the round
             with AggregationClient(job, 1, addr, run=5) as c1:
                 c1.aggregate(_chunk(job, 3))
             t.join(10)
-            assert c.stats.other_run == 1
+            assert c.stats.ignored == 1
         np.testing.assert_array_equal(out["s"], 5)
 
 

@@ -318,8 +318,7 @@ static int process(Datapath *dp, const uint8_t *d, size_t len, uint32_t sip, uin
         if (same_run && j->op[i] && j->acked[i] != j->full) {
             /* a worker may still need the previous use's result: wait for its ack */
             j->counters[C_HELD]++;
-            return reply_header(out, sip, sport, dp->types[T_PENDING], d,
-                                (uint8_t)__builtin_popcount(j->acked[i]), j->acked[i],
+            return reply_header(out, sip, sport, dp->types[T_PENDING], d, 0, j->acked[i],
                                 j->epoch);
         }
         j->run[i] = run;
@@ -1249,7 +1248,7 @@ cleanup:
  * chunk of its shard (a lost packet, not a missing worker: its timer does not back off) */
 enum { M_RESENT = 1, M_OVERTAKEN = 2 };
 
-enum { EV_DONE, EV_RESTARTED, EV_TIMEOUT, EV_OSERROR };
+enum { EV_DONE, EV_RESTARTED, EV_TIMEOUT, EV_OSERROR, EV_REFUSED };
 enum { S_SENT, S_RETRANSMITTED, S_RECEIVED, S_IGNORED, S_OTHER_RUN, S_PENDING, S_BYTES_SENT,
        S_BYTES_RECEIVED, S_SHORT, N_CSTATS };
 
@@ -1451,7 +1450,7 @@ static PyObject *fa_stream(PyObject *self, PyObject *args) {
     PyObject *res = NULL;
     int n_shards = (int)PyList_GET_SIZE(aggs_o);
     int pkt_type, result_type, pending_type, other_result, is_data, worker, job_id, lanes,
-        n_workers;
+        n_workers, refused_type, top;
     unsigned long pool, run;
     unsigned long long base, offset_base;
     long total = 0;
@@ -1463,14 +1462,15 @@ static PyObject *fa_stream(PyObject *self, PyObject *args) {
     uint8_t *rbuf = NULL;
     struct mmsghdr *rmsgs = NULL;
     struct iovec *riov = NULL;
+    struct sockaddr_in *rsrc = NULL;
     char (*rctl)[GRO_CTL] = NULL;
     if (!c) {
         PyErr_NoMemory();
         goto cleanup;
     }
-    if (!PyArg_ParseTuple(hdr, "iiiiiiikkKKii", &pkt_type, &result_type, &pending_type,
+    if (!PyArg_ParseTuple(hdr, "iiiiiiikkKKiiii", &pkt_type, &result_type, &pending_type,
                           &other_result, &is_data, &worker, &job_id, &pool, &run, &base,
-                          &offset_base, &lanes, &n_workers))
+                          &offset_base, &lanes, &n_workers, &refused_type, &top))
         goto cleanup;
     int wire_bytes = lanes > 0 ? expect_payload / lanes : 0;
     if (chunk_bytes > 0) total = (long)(chunks.len / chunk_bytes);
@@ -1504,7 +1504,8 @@ static PyObject *fa_stream(PyObject *self, PyObject *args) {
     rmsgs = calloc(BATCH, sizeof(struct mmsghdr));
     riov = calloc(BATCH, sizeof(struct iovec));
     rctl = calloc(BATCH, GRO_CTL);
-    if (!c->aggs || !c->srtt || !c->rttvar || !epoch || !c->sbuf || !done || !mark || !due ||
+    rsrc = calloc(BATCH, sizeof(struct sockaddr_in));
+    if (!rsrc || !c->aggs || !c->srtt || !c->rttvar || !epoch || !c->sbuf || !done || !mark || !due ||
         !backoff || !started || !later || !pend || !rbuf || !rmsgs || !riov || !rctl) {
         PyErr_NoMemory();
         goto cleanup;
@@ -1549,7 +1550,7 @@ static PyObject *fa_stream(PyObject *self, PyObject *args) {
     uint32_t full = n_workers == 32 ? 0xffffffffu : ((1u << n_workers) - 1);
     int event = EV_DONE, interrupted = 0;
     long ev_chunk = 0;
-    long long ev_old = 0, ev_new = 0, ev_bitmap = -1;
+    long long ev_old = 0, ev_new = 0, ev_bitmap = -1, ev_code = 0;
     int ev_shard = 0;
     double ev_silent = 0;
 
@@ -1588,7 +1589,7 @@ static PyObject *fa_stream(PyObject *self, PyObject *args) {
                               .tv_nsec = (long)((wait - (double)(time_t)wait) * 1e9)};
         int ready = ppoll(&pfd, 1, &ts, NULL);
         while (ready > 0 && event == EV_DONE) {
-            rx_arm(rmsgs, riov, rctl, rbuf, nmsg, rbytes, NULL);
+            rx_arm(rmsgs, riov, rctl, rbuf, nmsg, rbytes, rsrc);
             int got = recvmmsg(fd, rmsgs, (unsigned)nmsg, MSG_DONTWAIT, NULL);
             if (got <= 0) break;
             now = now_s();
@@ -1608,9 +1609,14 @@ static PyObject *fa_stream(PyObject *self, PyObject *args) {
                     uint8_t r_type = d[0], r_count = d[7];
                     uint32_t r_seq = rd32(d + 8), r_bitmap = rd32(d + 16), r_run = rd32(d + 20),
                              r_epoch = rd32(d + 24);
+                    int shard = (int)(r_seq % (uint32_t)n_shards);
+                    /* only the address that owns the chunk answers for it */
                     if (rd16(d + 2) != c->job_id || d[1] != c->worker ||
                         (r_type != c->pending_type && r_type != c->result_type &&
-                         r_type != (uint8_t)other_result)) {
+                         r_type != (uint8_t)other_result && r_type != (uint8_t)refused_type) ||
+                        rsrc[k].sin_family != AF_INET ||
+                        rsrc[k].sin_addr.s_addr != c->aggs[shard].sin_addr.s_addr ||
+                        rsrc[k].sin_port != c->aggs[shard].sin_port) {
                         c->st[S_IGNORED]++;
                         continue;
                     }
@@ -1618,8 +1624,15 @@ static PyObject *fa_stream(PyObject *self, PyObject *args) {
                         c->st[S_OTHER_RUN]++;
                         continue;
                     }
+                    long i = (long)(uint32_t)(r_seq - (uint32_t)c->base);
+                    uint64_t g = c->base + (uint64_t)i; /* the chunk's seq before the wrap */
+                    if (i >= hi || done[i] || rd16(d + 4) != r_seq % c->pool ||
+                        d[6] != (uint8_t)((g / c->pool) & 1) ||
+                        rd32(d + 12) != (uint32_t)(c->offset_base + (uint64_t)i * lanes)) {
+                        c->st[S_IGNORED]++;
+                        continue;
+                    }
                     last_reply = now;
-                    int shard = (int)(r_seq % (uint32_t)n_shards);
                     if ((long long)r_epoch != epoch[shard]) {
                         if (epoch[shard] >= 0) {
                             event = EV_RESTARTED;
@@ -1630,28 +1643,42 @@ static PyObject *fa_stream(PyObject *self, PyObject *args) {
                         }
                         epoch[shard] = r_epoch;
                     }
-                    long i = (long)(uint32_t)(r_seq - (uint32_t)c->base);
-                    if (i >= hi || done[i]) {
-                        c->st[S_IGNORED]++;
-                        continue;
-                    }
                     long r = i % window;
+                    if (r_type == (uint8_t)refused_type) {
+                        event = EV_REFUSED;
+                        ev_chunk = i;
+                        ev_code = r_count;
+                        ev_bitmap = r_bitmap;
+                        break;
+                    }
                     if (r_type == c->pending_type) {
                         c->st[S_PENDING]++;
-                        pend[r] = r_bitmap;
+                        pend[r] = r_bitmap & full;
                         continue;
                     }
-                    if (r_type != c->result_type || n - HDR != (size_t)expect_payload) {
+                    if (r_type != c->result_type || n - HDR != (size_t)expect_payload ||
+                        (r_bitmap & ~full) || __builtin_popcount(r_bitmap) != r_count ||
+                        (r_count != n_workers && !is_data)) {
                         c->st[S_IGNORED]++;
                         continue;
                     }
-                    if (r_count != n_workers) {
-                        /* closed short (FLUSH): DATA only, and count must match the bitmap */
-                        if (!is_data || r_count > n_workers ||
-                            __builtin_popcount(r_bitmap) != r_count || (r_bitmap & ~full)) {
+                    {
+                        /* no sum above what the contributors can make, no max below ours */
+                        const uint8_t *q = d + HDR, *own = c->chunks + (size_t)i * chunk_bytes;
+                        uint32_t bound = (uint32_t)r_count * (uint32_t)top;
+                        int bad = 0;
+                        for (int l = 0; l < lanes && !bad; l++) {
+                            uint32_t v = wire_bytes == 1 ? q[l]
+                                         : wire_bytes == 2 ? rd16(q + 2 * l) : rd32(q + 4 * l);
+                            bad = is_data ? v > bound : v < rd32(own + 4 * l);
+                        }
+                        if (bad) {
                             c->st[S_IGNORED]++;
                             continue;
                         }
+                    }
+                    if (r_count != n_workers) {
+                        /* closed short (FLUSH): count and bitmap say who was counted */
                         c->st[S_SHORT]++;
                         countp[i] = r_count;
                         memcpy(bitmapp + i, &r_bitmap, 4);
@@ -1772,6 +1799,8 @@ static PyObject *fa_stream(PyObject *self, PyObject *args) {
                              : Py_BuildValue("(lLd)", ev_chunk, ev_bitmap, ev_silent);
     else if (event == EV_OSERROR)
         info = PyLong_FromLong(c->err);
+    else if (event == EV_REFUSED)
+        info = Py_BuildValue("(lLL)", ev_chunk, ev_code, ev_bitmap);
     else
         info = (Py_INCREF(Py_None), Py_None);
     PyObject *st = PyTuple_New(N_CSTATS);
@@ -1788,7 +1817,7 @@ cleanup:
     }
     free(epoch); free(done); free(mark); free(due); free(backoff); free(started); free(later);
     if (gso) gro_set(fd, 0);
-    free(pend); free(rbuf); free(rmsgs); free(riov); free(rctl);
+    free(pend); free(rbuf); free(rmsgs); free(riov); free(rctl); free(rsrc);
     PyBuffer_Release(&chunks);
     if (out.obj) PyBuffer_Release(&out);
     if (counts.obj) PyBuffer_Release(&counts);

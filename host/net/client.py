@@ -53,17 +53,18 @@ from host.wire.jobs import Job, check_loss_bound
 
 
 class AggregatorRestarted(ConnectionError):
-    """The aggregator's epoch changed within a run: it restarted and lost in-flight chunks.
+    """The aggregator's epoch changed within a run: it restarted, or the job was installed
+    again, and the run's in-flight chunks are lost.
 
     Start a new run (new run id, sequence numbers from 0): it starts on clean slots."""
 
     def __init__(self, aggregator: tuple[str, int], run: int, old_epoch: int, new_epoch: int,
                  shard: int | None = None):
         who = "the aggregator" if shard is None else f"aggregator shard {shard}"
-        super().__init__(f"{who} at {aggregator[0]}:{aggregator[1]} restarted during "
-                         f"run {run}: its epoch changed from {old_epoch:#010x} to "
-                         f"{new_epoch:#010x}, so the run's in-flight chunks are lost; start a "
-                         f"new run")
+        super().__init__(f"{who} at {aggregator[0]}:{aggregator[1]} restarted or re-installed "
+                         f"the job during run {run}: its epoch changed from {old_epoch:#010x} "
+                         f"to {new_epoch:#010x}, so the run's in-flight chunks are lost; start "
+                         f"a new run")
         self.aggregator = aggregator
         self.shard = shard
         self.run = run
@@ -79,10 +80,35 @@ class AggregationTimeout(TimeoutError):
         self.missing = missing
 
 
+class AggregationRefused(RuntimeError):
+    """The aggregator refused a chunk of this run (a REFUSED reply): ``reason`` is the drop
+    reason (protocol.json), ``detail`` what the aggregator holds instead (stale_run: the
+    job's run; stale: the slot's newer seq; wrong_use: the use's packet type)."""
+
+    HINTS = {
+        "stale_run": "the job belongs to another run ({detail}) that is active: a run takes "
+                     "an active job over only with an id newer by at most {jump} (the "
+                     "default clock id of a later launch), any run once the job has been "
+                     "idle for {idle} s; restarted workers need a new run id",
+        "stale": "the slot already holds a newer chunk (seq {detail}) of this run: a worker "
+                 "of the run is out of step (restarted with the same run id?)",
+        "wrong_use": "the chunk's slot is in use by another kind of round or another offset "
+                     "(packet type {detail}): the workers of this run are out of step",
+        "wrong_slot": "the packet named a slot or version that is not its sequence number's",
+    }
+
+    def __init__(self, where: str, reason: str, detail: int):
+        hint = self.HINTS.get(reason, "").format(detail=detail, jump=P.RUN_JUMP,
+                                                 idle=P.RUN_IDLE_S)
+        super().__init__(f"{where}: refused by the aggregator ({reason}): {hint}")
+        self.reason = reason
+        self.detail = detail
+
+
 class RunFailed(RuntimeError):
     """An earlier round of this run failed, so its sequence numbers are spoilt: the slots may
     hold that round's sums or this worker's old contribution, and a retry would be answered
-    from them. Start a new run (``client.run = ...``, the same id on every worker)."""
+    from them. Start a new run (``client.run = ...``, a newer id, the same on every worker)."""
 
 
 @dataclass
@@ -181,6 +207,8 @@ class AggregationClient:
         self.aggregator = self.aggregators[0]
         """The aggregator (the first shard's address for a sharded job)."""
         self.epochs: list[int | None] = [None] * len(self.aggregators)
+        if window is not None and (not isinstance(window, int) or window < 1):
+            raise ValueError(f"window must be a positive number of chunks, got {window!r}")
         self.window = min(window or self.DEFAULT_WINDOW, job.pool_size)
         self.timeout = timeout
         self.max_timeout = max_timeout
@@ -217,8 +245,14 @@ class AggregationClient:
 
     @run.setter
     def run(self, run: int) -> None:
-        """Start a (new) run: sequence numbers restart at 0 and the epoch is learnt anew."""
-        self._run = P.check_run(run)
+        """Start a new run: sequence numbers restart at 0 and the epoch is learnt anew. The id
+        must be newer (serial order) than the current one: under the same id the slots
+        would answer the new run's seq 0 from the old run's uses."""
+        run = P.check_run(run)
+        if self._run is not None and not P.seq_newer(run, self._run):
+            raise ValueError(f"run {run} is not newer than this client's run {self._run}: "
+                             f"a new run needs a newer id (the same on every worker)")
+        self._run = run
         self.next_seq = 0
         self.epochs = [None] * len(self.aggregators)
         self._failed = None
@@ -313,7 +347,7 @@ class AggregationClient:
             raise RunFailed(f"job {job.job_id}, worker {me}: run {self._run} failed in an "
                             f"earlier round ({self._failed}); a retry under the same run "
                             f"would be answered from that round's slots. Start a new run "
-                            f"(client.run = a new id, the same on every worker)")
+                            f"(client.run = a newer id, the same on every worker)")
         try:
             self._stream_round(pkt_type, chunks, out, offset_base, lanes, dtype, tos)
         except BaseException as e:
@@ -363,8 +397,11 @@ class AggregationClient:
 
         pack, unpack = P.HEADER_STRUCT.pack, P.HEADER_STRUCT.unpack_from
         job_id, n_workers, header_bytes = job.job_id, job.n_workers, P.HEADER_BYTES
-        pending_type = int(P.PktType.PENDING)
-        reply_types = (pending_type, int(P.PktType.RESULT), int(P.PktType.MAX_RESULT))
+        pending_type, refused_type = int(P.PktType.PENDING), int(P.PktType.REFUSED)
+        reply_types = (pending_type, refused_type, int(P.PktType.RESULT),
+                       int(P.PktType.MAX_RESULT))
+        full, top = job.full_bitmap, job.granularity
+        is_data = pkt_type == P.PktType.DATA
 
         def packet(i: int) -> bytes:
             slot, version = P.slot_of(base + i, pool)
@@ -414,7 +451,7 @@ class AggregationClient:
             if ready:
                 while True:
                     try:
-                        nbytes = sock.recv_into(buf, len(buf), socket.MSG_DONTWAIT)
+                        nbytes, src = sock.recvfrom_into(buf, len(buf), socket.MSG_DONTWAIT)
                     except BlockingIOError:
                         break
                     self.stats.received += 1
@@ -422,43 +459,50 @@ class AggregationClient:
                     if nbytes < header_bytes:
                         self.stats.ignored += 1
                         continue
-                    (r_type, r_worker, r_job, _slot, _version, r_count, r_seq, _offset,
+                    (r_type, r_worker, r_job, r_slot, r_version, r_count, r_seq, r_offset,
                      r_bitmap, r_run, r_epoch) = unpack(buf)
-                    if r_job != job_id or r_worker != me or r_type not in reply_types:
+                    shard = r_seq % n_shards
+                    if (r_job != job_id or r_worker != me or r_type not in reply_types
+                            or src != aggs[shard]):
                         self.stats.ignored += 1
                         continue
                     if r_run != run:
                         self.stats.other_run += 1
                         continue
+                    i = (r_seq - base) % P.SEQ_MOD
+                    if (i >= hi or done[i] or (r_slot, r_version) != P.slot_of(r_seq, pool)
+                            or r_offset != (offset_base + i * lanes) % P.SEQ_MOD):
+                        self.stats.ignored += 1
+                        continue
                     last_reply = time.monotonic()
-                    shard = r_seq % n_shards
                     if r_epoch != epochs[shard]:
                         if epochs[shard] is not None:
                             raise AggregatorRestarted(aggs[shard], run, epochs[shard], r_epoch,
                                                       shard if n_shards > 1 else None)
                         epochs[shard] = r_epoch
-                    i = (r_seq - base) % P.SEQ_MOD
-                    if i >= hi or done[i]:
-                        self.stats.ignored += 1
-                        continue
+                    if r_type == refused_type:
+                        self._raise_refused(base, i, r_count, r_bitmap)
                     if r_type == pending_type:
                         self.stats.pending += 1
-                        pending_bitmap[i] = r_bitmap
+                        pending_bitmap[i] = r_bitmap & full
                         continue
-                    if r_type != result_type or nbytes - header_bytes != expect_payload:
+                    if (r_type != result_type or nbytes - header_bytes != expect_payload
+                            or r_bitmap & ~full or bin(r_bitmap).count("1") != r_count
+                            or (r_count < n_workers and not is_data)):
+                        self.stats.ignored += 1
+                        continue
+                    sums = np.frombuffer(buf, dtype=dtype, count=lanes, offset=header_bytes)
+                    if (sums.max() > r_count * top if is_data else
+                            (sums < chunks[i].view(">u4")).any()):
+                        # more than the contributors can sum to, or a max below our own
                         self.stats.ignored += 1
                         continue
                     if r_count != n_workers:
-                        # closed short (FLUSH): DATA only, and count must match the bitmap
-                        if (pkt_type != P.PktType.DATA or r_count > n_workers
-                                or bin(r_bitmap).count("1") != r_count
-                                or r_bitmap >> n_workers):
-                            self.stats.ignored += 1
-                            continue
+                        # closed short (FLUSH): count and bitmap say who was counted
                         self.stats.short += 1
                         short.add(i)
                         counts[i], bitmaps[i] = r_count, r_bitmap
-                    out[i] = np.frombuffer(buf, dtype=dtype, count=lanes, offset=header_bytes)
+                    out[i] = sums
                     done[i] = True
                     if i not in resent:
                         self._sample_rtt(shard, time.monotonic() - started[i])
@@ -518,7 +562,8 @@ class AggregationClient:
         other = P.PktType.MAX_RESULT if result_type == P.PktType.RESULT else P.PktType.RESULT
         header = (int(pkt_type), int(result_type), int(P.PktType.PENDING), int(other),
                   int(pkt_type == P.PktType.DATA), self.worker_id, job.job_id, job.pool_size,
-                  run, base, offset_base % P.SEQ_MOD, lanes, job.n_workers)
+                  run, base, offset_base % P.SEQ_MOD, lanes, job.n_workers,
+                  int(P.PktType.REFUSED), job.granularity)
         aggs = [(fastagg.ipv4_int(ip), port) for ip, port in self.aggregators]
         chunks = np.ascontiguousarray(chunks, dtype=np.uint8)
         self.last_datapath = "compiled"
@@ -549,6 +594,8 @@ class AggregationClient:
             self._raise_timeout(base, i, bitmap, silent)
         if event == fastagg.STREAM_OSERROR:
             raise OSError(info, os.strerror(info))
+        if event == fastagg.STREAM_REFUSED:
+            self._raise_refused(base, *info)
         self.next_seq = (base + len(chunks)) % P.SEQ_MOD
         if pkt_type == P.PktType.DATA:
             self.last_counts, self.last_bitmaps = counts, bitmaps
@@ -598,6 +645,19 @@ class AggregationClient:
         else:
             self._rttvar[shard] = 0.75 * self._rttvar[shard] + 0.25 * abs(srtt - rtt)
             self._srtt[shard] = 0.875 * srtt + 0.125 * rtt
+
+    def _where(self, base: int, i: int) -> str:
+        seq = (base + i) % P.SEQ_MOD
+        slot, version = P.slot_of(base + i, self.job.pool_size)
+        return (f"job {self.job.job_id}, worker {self.worker_id}, run {self._run}: chunk seq "
+                f"{seq} (slot {slot}, version {version})")
+
+    def _raise_refused(self, base: int, i: int, code: int, detail: int):
+        try:
+            reason = P.DropReason(code).name
+        except ValueError:
+            reason = f"reason {code}"
+        raise AggregationRefused(self._where(base, i), reason, detail)
 
     def _raise_timeout(self, base: int, i: int, bitmap: int | None, silent: float = 0.0):
         """``silent``: seconds since the aggregator last answered anything of this run. A

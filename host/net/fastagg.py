@@ -43,7 +43,7 @@ def available() -> bool:
     return UNAVAILABLE is None
 
 
-STREAM_DONE, STREAM_RESTARTED, STREAM_TIMEOUT, STREAM_OSERROR = range(4)
+STREAM_DONE, STREAM_RESTARTED, STREAM_TIMEOUT, STREAM_OSERROR, STREAM_REFUSED = range(5)
 """The events the compiled client window (``stream``) returns with."""
 
 CLIENT_UNAVAILABLE: str | None = UNAVAILABLE or (

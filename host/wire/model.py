@@ -194,10 +194,9 @@ class Model:
                 # one's result: wait (a worker that closed chunks short may run ahead).
                 st.counters["packets"] += 1
                 st.counters["held"] += 1
-                acked = st.thc_acked[i]
-                return Outcome([(pack_header(PENDING, w, job_id, slot, version,
-                                             bin(acked).count("1"), seq, offset, acked, run,
-                                             st.epoch), src)])
+                # count 0: nothing of this use yet; bitmap: who holds the previous result
+                return Outcome([(pack_header(PENDING, w, job_id, slot, version, 0, seq,
+                                             offset, st.thc_acked[i], run, st.epoch), src)])
             st.counters["packets"] += 1
             st.thc_run[i], st.thc_seq[i], st.thc_op[i], st.thc_acked[i] = run, seq, op, 0
             st.thc_offset[i] = offset

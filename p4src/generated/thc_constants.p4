@@ -14,15 +14,17 @@
 #define THC_SWITCH_SLOTS 512
 #define THC_REG_SIZE 1024
 #define THC_LUT_SIZE 4096
-#define THC_N_JOB_COUNTERS 4
-#define THC_N_DROP_REASONS 12
+#define THC_N_JOB_COUNTERS 5
+#define THC_N_DROP_REASONS 14
 
 // wire constants
 const bit<16> THC_UDP_PORT = 48879;
 const bit<9> THC_CPU_PORT = 255;
 const bit<32> THC_SEQ_RESET = 0xFFFFFFFF;
+const bit<32> THC_RUN_JUMP = 16777216;  // a newer run takes a live job within this jump
+const bit<48> THC_RUN_IDLE_US = 10000000;  // any run takes a job idle this long
 const bit<16> THC_HDR_BYTES = 28;
-const bit<16> THC_UDP_LEN_HDR = 36;  // UDP length of a header-only (PENDING, RESET) packet
+const bit<16> THC_UDP_LEN_HDR = 36;  // UDP length of a header-only (PENDING, REFUSED, RESET) packet
 const bit<16> THC_UDP_LEN_DATA = 164;  // UDP length of a DATA packet
 const bit<16> THC_UDP_LEN_VOTE = 68;  // UDP length of a DATA of a vote job packet
 const bit<16> THC_UDP_LEN_RESULT8 = 292;  // UDP length of a RESULT of an 8-bit job packet
@@ -43,8 +45,9 @@ const bit<8> THC_MAX_RESULT = 4;
 const bit<8> THC_FLUSH = 7;
 const bit<8> THC_PENDING = 5;
 const bit<8> THC_RESET = 6;
-#define THC_KNOWN_TYPE(t) ((t) == 1 || (t) == 2 || (t) == 3 || (t) == 4 || (t) == 7 || (t) == 5 || (t) == 6)
-#define THC_REPLY_TYPE(t) ((t) == 3 || (t) == 4 || (t) == 5)
+const bit<8> THC_REFUSED = 8;
+#define THC_KNOWN_TYPE(t) ((t) == 1 || (t) == 2 || (t) == 3 || (t) == 4 || (t) == 7 || (t) == 5 || (t) == 6 || (t) == 8)
+#define THC_REPLY_TYPE(t) ((t) == 3 || (t) == 4 || (t) == 5 || (t) == 8)
 
 // DLCP priority classes: DSCP of class k -> queue priority k + 1; DSCP 0 and any other DSCP: 0 (best effort)
 const bit<6> THC_DSCP_CLASS_0 = 8;
@@ -70,11 +73,14 @@ const bit<8> THC_DROP_NOT_FROM_CPU = 8;
 const bit<8> THC_DROP_WRONG_DIRECTION = 9;
 const bit<8> THC_DROP_STALE_RUN = 10;
 const bit<8> THC_DROP_WRONG_SHARD = 11;
+const bit<8> THC_DROP_WRONG_USE = 12;
+const bit<8> THC_DROP_WRONG_SLOT = 13;
 
 // per-job counters: index job_index * THC_N_JOB_COUNTERS + JC_<name> into counter thc_job_counters
 const bit<32> THC_JC_PACKETS = 0;
 const bit<32> THC_JC_COMPLETIONS = 1;
 const bit<32> THC_JC_RETRANSMISSIONS = 2;
 const bit<32> THC_JC_PENDING = 3;
+const bit<32> THC_JC_HELD = 4;
 
 #endif

@@ -58,12 +58,16 @@ def test_flush_closes_a_chunk_short_for_every_worker(harness):
     after = harness.job_counters(job)
     assert after["completions"] - before["completions"] == 1
     assert after["retransmissions"] - before["retransmissions"] == 2
-    # the slot's next use is a normal, complete round
-    seq = 2 * job.pool_size
-    idxs = [indices(rng, job) for _ in range(3)]
-    got = run_round(harness, job, seq, idxs)
-    for w in range(3):
-        assert_short(got[w], job, seq, idxs, [0, 1, 2], w)
+    # the slot's next uses are normal, complete rounds: every worker walks on through the
+    # slot's other version (acknowledging the chunk closed short), then its next use of
+    # this version starts without being held
+    for seq in (job.pool_size, 2 * job.pool_size):
+        idxs = [indices(rng, job) for _ in range(3)]
+        got = run_round(harness, job, seq, idxs)
+        for w in range(3):
+            assert_short(got[w], job, seq, idxs, [0, 1, 2], w)
+    settle(harness)
+    assert harness.job_counters(job)["held"] == after["held"]
 
 
 def test_flush_before_anyone_contributed_freezes_an_empty_chunk(harness):
@@ -71,6 +75,11 @@ def test_flush_before_anyone_contributed_freezes_an_empty_chunk(harness):
     job = new_job(harness, n_workers=2)
     idxs = [indices(rng, job) for _ in range(2)]
     run_round(harness, job, 0, idxs)           # the slot version holds an older use's sums
+    # every worker moves on to the slot's other version, acknowledging seq 0's result
+    other = [indices(rng, job) for _ in range(2)]
+    got = run_round(harness, job, job.pool_size, other)
+    for w in range(2):
+        assert_short(got[w], job, job.pool_size, other, [0, 1], w)
     seq = 2 * job.pool_size
     harness.endpoint(job, 1).send(flush(job, 1, seq))
     got = recv_everyone(harness, job)

@@ -84,6 +84,17 @@ def assert_result(got, job, seq, idxs, to_worker, run=RUN):
     np.testing.assert_array_equal(sums_of(payload, job), expected_sums(job, idxs))
 
 
+def assert_refused(got, job, reason, detail, seq, to_worker, run=RUN):
+    """``got`` is exactly one REFUSED of ``job``'s chunk ``seq`` to ``to_worker``: the drop
+    reason's code in ``count``, its detail in ``bitmap``, no payload."""
+    assert len(got) == 1, f"worker {to_worker} expected one REFUSED, got {len(got)}"
+    hdr, payload = parse(got[0])
+    assert hdr.pkt_type == P.PktType.REFUSED and payload == b""
+    assert (hdr.job_id, hdr.seq, hdr.worker_id, hdr.run) == (job.job_id, seq, to_worker, run)
+    assert hdr.count == int(P.DropReason[reason]), f"refused as {hdr.count}, not {reason}"
+    assert hdr.bitmap == detail and hdr.epoch != 0
+
+
 def test_exact_sums_multicast_to_every_worker(harness):
     rng = np.random.default_rng(1)
     job = new_job(harness, n_workers=3)
@@ -195,30 +206,37 @@ def test_slot_reuse_across_versions_and_stale_packets(harness):
     reuse = [indices(rng, job) for _ in range(2)]
     got = run_round(harness, job, 2 * pool, reuse)
     assert_result(got[1], job, 2 * pool, reuse, 1)
-    # A late duplicate of seq 0 is stale: dropped, counted, no answer, sums untouched.
-    before = harness.drops()["stale"]
+    # A late duplicate of seq 0 is stale: dropped, counted, refused to its sender alone
+    # (the detail: the seq the slot version holds now), sums untouched.
+    before = harness.drops()
     harness.endpoint(job, 0).send(data(job, 0, 0, first[0]))
-    assert harness.endpoint(job, 0).recv_all(timeout=harness.quiet) == []
+    got = harness.recv_each({w: harness.endpoint(job, w) for w in range(2)})
+    assert_refused(got[0], job, "stale", 2 * pool, 0, 0)
+    assert got[1] == []
     settle(harness)
-    assert harness.drops()["stale"] == before + 1
+    assert drops_delta(before, harness.drops()) == {"stale": 1}
     harness.endpoint(job, 0).send(data(job, 0, 2 * pool, reuse[0]))
     assert_result(harness.endpoint(job, 0).recv_all(timeout=harness.quiet), job, 2 * pool, reuse, 0)
 
 
 def test_sequence_numbers_wrap_around(harness):
-    """Serial-number order: each step is newer than the last, across the 2^32 wrap."""
+    """Serial-number order: a stream of consecutive chunks, every worker sending every one,
+    crosses the 2^32 wrap; each chunk is newer than the last, every slot version's next use
+    starts (no drop, nothing held) and every sum is exact."""
     rng = np.random.default_rng(7)
-    job = new_job(harness, n_workers=2, pool_size=4)
-    for seq in [(1 << 31) - 3, P.SEQ_MOD - 4, 0]:
+    pool = 4
+    job = new_job(harness, n_workers=2, pool_size=pool)
+    before, held = harness.drops(), harness.job_counters(job)["held"]
+    seqs = [s % P.SEQ_MOD for s in range(P.SEQ_MOD - 2 * pool, P.SEQ_MOD + 2 * pool + 1)]
+    assert seqs[0] == P.SEQ_MOD - 2 * pool and 0 in seqs and seqs[-1] == 2 * pool
+    for seq in seqs:
         idxs = [indices(rng, job) for _ in range(2)]
+        got = run_round(harness, job, seq, idxs)
         for w in range(2):
-            harness.endpoint(job, w).send(data(job, w, seq, idxs[w], slot=0, version=0))
-        for w in range(2):
-            got = harness.endpoint(job, w).recv_all(timeout=harness.quiet)
-            assert len(got) == 1, f"seq {seq}: worker {w} got {len(got)} results"
-            hdr, payload = parse(got[0])
-            assert hdr.seq == seq and hdr.count == 2
-            np.testing.assert_array_equal(sums_of(payload, job), expected_sums(job, idxs))
+            assert_result(got[w], job, seq, idxs, w)
+    settle(harness)
+    assert drops_delta(before, harness.drops()) == {}
+    assert harness.job_counters(job)["held"] == held
 
 
 def test_single_worker_job_completes_immediately(harness):
@@ -389,11 +407,18 @@ def test_interleaved_runs_drop_the_old_run_as_stale_run(harness):
     ep[1].send(data(job, 1, 1, new1[1], run=8))
     settle(harness)
     before = harness.drops()
-    # The old run's packets after the new run took the job over: dropped, counted, no answer.
+    # The old run's packets after the new run took the job over: dropped, counted, each
+    # refused to its sender (the detail: the job's run).
     ep[2].send(data(job, 2, 0, old[2], run=7))
     ep[1].send(data(job, 1, 0, old[1], run=7))
     ep[2].send(data(job, 2, 1, old[2], run=7))
-    assert all(e.recv_all(timeout=harness.quiet) == [] for e in ep)
+    got = harness.recv_each(dict(enumerate(ep)))
+    assert got[0] == []
+    assert_refused(got[1], job, "stale_run", 8, 0, 1, run=7)
+    refused = sorted(got[2], key=lambda d: parse(d)[0].seq)
+    assert len(refused) == 2
+    assert_refused(refused[:1], job, "stale_run", 8, 0, 2, run=7)
+    assert_refused(refused[1:], job, "stale_run", 8, 1, 2, run=7)
     settle(harness)
     assert drops_delta(before, harness.drops()) == {"stale_run": 3}
     ep[1].send(data(job, 1, 0, new[1], run=8))

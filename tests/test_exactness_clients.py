@@ -1,0 +1,184 @@
+"""The exactness cases that need real clients, on both software aggregators and, where the
+window matters, both client windows: a reused run id, bounded loss with a straggler, a
+re-install within a run, a far-future run, a window that cannot hold a chunk.
+
+Each case returned a wrong sum or waited forever before (docs/protocol.md states the rules);
+tests/conformance/test_exactness.py holds the packet-level cases for every aggregator.
+"""
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from host.codec.packing import pack_bits
+from host.net import fastagg
+from host.net.aggregator import Aggregator
+from host.net.client import (AggregationClient, AggregationRefused, AggregatorRestarted,
+                             RunFailed)
+from host.testing.clusters import free_port_block, local_job
+from host.wire import protocol as P
+from tests.test_transport import datapath  # noqa: F401 (a fixture)
+
+TABLE = [0, 1, 2, 4, 6, 8, 11, 14, 16, 19, 22, 24, 26, 28, 29, 30]
+
+
+def make(kind: str, jobs, **kw):
+    if kind == "compiled":
+        if not fastagg.available():
+            pytest.skip(f"compiled aggregator: {fastagg.UNAVAILABLE}")
+        return fastagg.FastAggregator(jobs, **kw)
+    return Aggregator(jobs, **kw)
+
+
+@pytest.fixture(params=["python", "compiled"])
+def aggregator_kind(request):
+    return request.param
+
+
+def indices(seed: int, chunks: int, job) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 16, chunks * job.lanes).astype(np.uint8)
+
+
+def run_workers(job, addr, payloads, delays=None, **client_kw):
+    """Every worker aggregates its payload in a thread; returns {w: (sums, counts, bitmaps)}
+    or the exception it raised."""
+    out = {}
+
+    def work(w):
+        time.sleep((delays or {}).get(w, 0.0))
+        try:
+            with AggregationClient(job, w, addr, **client_kw) as c:
+                sums = c.aggregate(pack_bits(payloads[w], P.INDEX_BITS))
+                out[w] = (sums, c.last_counts.copy(), c.last_bitmaps.copy())
+        except Exception as e:  # noqa: BLE001 (reported by the test)
+            out[w] = e
+
+    threads = [threading.Thread(target=work, args=(w,)) for w in range(job.n_workers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return out
+
+
+def test_bounded_loss_with_a_straggler_finishes_exact(aggregator_kind):
+    """Case 5: 3 workers, pool 4, 16 chunks, loss bound 0.75, one worker 0.5 s late. All
+    three raised AggregationTimeout: chunks closed short let the others run more than two
+    pools ahead and reuse slot versions whose results the straggler still needed."""
+    job = local_job(1, 3, free_port_block(3), pool_size=4, table=TABLE)
+    chunks = 16
+    payloads = {w: indices(w, chunks, job) for w in range(3)}
+    with make(aggregator_kind, [job]) as agg:
+        addr = agg.start()
+        out = run_workers(job, addr, payloads, delays={2: 0.5}, run=3, loss_bound=0.75,
+                          deadline=10.0)
+    table = np.asarray(TABLE)
+    for w in range(3):
+        assert not isinstance(out[w], Exception), f"worker {w}: {out[w]!r}"
+        sums, counts, bitmaps = out[w]
+        sums = sums.reshape(chunks, job.lanes)
+        for i in range(chunks):
+            members = [v for v in range(3) if bitmaps[i] >> v & 1]
+            assert counts[i] == len(members)
+            want = sum((table[payloads[v][i * job.lanes:(i + 1) * job.lanes]]
+                        for v in members), np.zeros(job.lanes, np.int64))
+            np.testing.assert_array_equal(sums[i], want, err_msg=f"worker {w} chunk {i}")
+    for i in range(chunks):  # every worker decoded the same chunk
+        assert len({int(out[w][2][i]) for w in range(3)}) == 1
+
+
+def test_a_run_id_that_is_not_newer_is_refused():
+    """Case 3: `client.run = <the same id>` was accepted and round 2 returned round 1's
+    sums from the slots."""
+    job = local_job(1, 1, free_port_block(1), table=TABLE)
+    with AggregationClient(job, 0, ("127.0.0.1", 9), run=10) as c:
+        for bad in (10, 9, (10 - (1 << 31)) % P.SEQ_MOD):
+            with pytest.raises(ValueError, match="not newer"):
+                c.run = bad
+        c.run = 11
+        assert c.run == 11 and c.next_seq == 0
+
+
+def test_the_same_run_id_cannot_repeat_a_round(aggregator_kind, datapath):
+    """Case 3 end to end: the second round must not be answered from the first's slots."""
+    job = local_job(1, 2, free_port_block(2), table=list(range(16)))
+    payloads = {w: np.full(job.lanes, 1, np.uint8) for w in range(2)}
+    with make(aggregator_kind, [job]) as agg:
+        addr = agg.start()
+        out = run_workers(job, addr, payloads, run=40)
+        assert (out[0][0] == 2).all()
+        with AggregationClient(job, 0, addr, run=40) as c:
+            with pytest.raises(ValueError, match="not newer"):
+                c.run = 40
+
+
+def test_a_reinstall_within_a_run_fails_the_run_instead_of_a_wrong_sum(aggregator_kind,
+                                                                         datapath):
+    """Case 6: after a re-install with another table, a run that went on got 26 instead
+    of 4 with no error."""
+    job = local_job(1, 2, free_port_block(2), table=list(range(16)))
+    payloads = {w: np.full(job.lanes, 2, np.uint8) for w in range(2)}
+    with make(aggregator_kind, [job]) as agg:
+        addr = agg.start()
+        clients = [AggregationClient(job, w, addr, run=50, deadline=3.0) for w in range(2)]
+        try:
+            results = {}
+            threads = [threading.Thread(target=lambda w=w: results.update(
+                {w: clients[w].aggregate(pack_bits(payloads[w], P.INDEX_BITS))}))
+                for w in range(2)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(20)
+            assert (results[0] == 4).all() and (results[1] == 4).all()
+            agg.install(local_job(1, 2, job.workers[0].port, table=[13] * 16))
+            with pytest.raises(AggregatorRestarted, match="re-installed"):
+                clients[0].aggregate(pack_bits(payloads[0], P.INDEX_BITS))
+            with pytest.raises(RunFailed):
+                clients[0].aggregate(pack_bits(payloads[0], P.INDEX_BITS))
+        finally:
+            for c in clients:
+                c.close()
+
+
+def test_a_far_future_run_neither_locks_a_live_job_nor_an_idle_one(aggregator_kind,
+                                                                   datapath):
+    """Case 7: one packet with a far-future run id locked the job until a re-install;
+    every later run from the clock timed out. Now it is refused while the job's run is
+    live; if it takes an idle job, a client learns at once why it is refused, and once
+    that run has been idle for the aggregator's run_idle, a new run takes the job."""
+    job = local_job(1, 1, free_port_block(1), table=list(range(16)))
+    one = pack_bits(np.full(job.lanes, 3, np.uint8), P.INDEX_BITS)
+    with make(aggregator_kind, [job], run_idle=0.5) as agg:
+        addr = agg.start()
+        with AggregationClient(job, 0, addr, run=1000) as c:
+            assert (c.aggregate(one) == 3).all()
+            far = (1000 + (1 << 31) - 1) % P.SEQ_MOD
+            c.sock.sendto(P.Header(P.PktType.DATA, 0, 1, 1, 0, 0, 1, 256, 0, far, 0).pack()
+                          + bytes(one[: job.lanes // 2]), addr)
+            reply = c.sock.recv(4096)
+            assert P.Header.unpack(reply).pkt_type == P.PktType.REFUSED
+            assert (c.aggregate(one) == 3).all()
+            time.sleep(0.6)  # the run goes idle: now the far-future id may take the job
+            c.sock.sendto(P.Header(P.PktType.DATA, 0, 1, 0, 0, 0, 0, 0, 0, far, 0).pack()
+                          + bytes(one[: job.lanes // 2]), addr)
+            assert P.PktType(P.Header.unpack(c.sock.recv(4096)).pkt_type) == P.PktType.RESULT
+            c.run = 1001
+            t0 = time.monotonic()
+            with pytest.raises(AggregationRefused, match="stale_run") as e:
+                c.aggregate(one)
+            assert e.value.detail == far and time.monotonic() - t0 < c.deadline / 2
+        time.sleep(0.6)
+        with AggregationClient(job, 0, addr, run=1002) as c:
+            assert (c.aggregate(one) == 3).all()
+
+
+@pytest.mark.parametrize("window", [-1, 0, 1.5, "4"])
+def test_a_window_that_cannot_hold_a_chunk_is_refused(window):
+    """Case 8: window=-1 looped forever, past its deadline."""
+    job = local_job(1, 1, free_port_block(1), table=TABLE)
+    with pytest.raises(ValueError, match="window"):
+        AggregationClient(job, 0, ("127.0.0.1", 9), window=window, run=1)
