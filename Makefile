@@ -11,7 +11,7 @@ P4SRC  := p4src
 P4OUT  := $(P4SRC)/build
 WORKERS ?= 4
 
-.PHONY: setup system-deps test run p4 p4-check p4-tofino bench mininet faults clean
+.PHONY: setup system-deps test fuzz run p4 p4-check p4-tofino bench mininet faults clean
 
 setup: $(STAMP)
 
@@ -39,6 +39,11 @@ system-deps:
 
 test: system-deps setup
 	$(PY) -m pytest -q
+
+# The model-based fuzz at length: every engine against host/wire/model.py (tests/model_fuzz.py)
+FUZZ_STEPS ?= 1000000
+fuzz: setup
+	$(PY) -m tests.model_fuzz --steps $(FUZZ_STEPS)
 
 run: system-deps setup
 	$(PY) -m host.app.cli run --workers $(WORKERS)

@@ -37,11 +37,17 @@ SPAN = 4 * POOL
 """Sequence numbers drawn from [base, base + SPAN): each slot version is used and reused."""
 
 
-def make_job() -> Job:
+SHARD = 1
+"""The index the engines serve in a sharded job's map of three shards."""
+
+
+def make_job(sharded: bool = False) -> Job:
+    shards = [{"ip": "127.0.0.1", "port": BASE_PORT + 50 + k} for k in range(3)]
     return Job.from_dict({"job_id": JOB_ID, "pool_size": POOL, "lanes": LANES,
                           "table": TABLE, "granularity": 30,
                           "workers": [{"id": i, "ip": "127.0.0.1", "port": BASE_PORT + i}
-                                      for i in range(N_WORKERS)]})
+                                      for i in range(N_WORKERS)],
+                          **({"shards": shards} if sharded else {})})
 
 
 def addr(w: int) -> tuple[str, int]:
@@ -165,14 +171,16 @@ def check_reply(reply: bytes, dst, epoch: int) -> None:
 class Engines:
     """The reference model (through the Python aggregator) and the engines under test."""
 
-    def __init__(self, compiled: bool = True):
+    def __init__(self, compiled: bool = True, sharded: bool = False):
         from host.net import fastagg
-        self.job = make_job()
+        self.job = make_job(sharded)
         self.epoch = 0x1000
-        self.ref = Aggregator([self.job], epoch=self.epoch)
+        shard = SHARD if sharded else None
+        self.ref = Aggregator([self.job], epoch=self.epoch, shard=shard)
         self.others = []
         if compiled and fastagg.available():
-            self.others.append(("compiled", fastagg.FastAggregator([self.job], epoch=self.epoch)))
+            self.others.append(("compiled", fastagg.FastAggregator(
+                [self.job], epoch=self.epoch, shard=shard)))
         self.now = 1000.0
 
     def apply(self, action) -> None:
@@ -186,7 +194,7 @@ class Engines:
                 eng.install(self.job, self.epoch)
             return
         datagram, src = action
-        want = self.ref.model.handle(datagram, src, self.now).replies
+        want, _ = self.ref.model.handle(datagram, src, self.now)
         for reply, dst in want:
             check_reply(reply, dst, self.epoch)
         for name, eng in self.others:
@@ -203,8 +211,10 @@ class Engines:
                     raise Violation(f"{name} {key} {got[key]} != the model's {want[key]}")
 
 
-def run_steps(steps: list[Step], base: int, compiled: bool = True) -> Engines:
-    engines = Engines(compiled)
+def run_steps(steps: list[Step], base: int, compiled: bool = True,
+              sharded: bool = False) -> Engines:
+    """One interleaving from ``base``, on a central job or one shard of a sharded job."""
+    engines = Engines(compiled, sharded)
     ctx = Context(base, engines.epoch)
     for k, step in enumerate(steps):
         action = decode(step, ctx)
@@ -243,11 +253,12 @@ def main(argv=None) -> int:
         seed = args.seed * 1_000_003 + case
         rng = random.Random(seed)
         steps = random_steps(rng, args.length)
-        base = BASES[case % len(BASES)]
+        base, sharded = BASES[case % len(BASES)], case % 4 >= 2
         try:
-            run_steps(steps, base)
+            run_steps(steps, base, sharded=sharded)
         except Violation as e:
-            print(f"counterexample: seed {seed}, base {base}: {e}", flush=True)
+            print(f"counterexample: seed {seed}, base {base}, sharded {sharded}: {e}",
+                  flush=True)
             return 1
         done += len(steps)
         case += 1

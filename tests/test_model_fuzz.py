@@ -19,15 +19,15 @@ steps = st.lists(st.builds(F.Step, small, small, small, small, small), max_size=
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
-@given(steps, st.sampled_from(F.BASES))
-def test_engines_agree_with_the_model_and_every_result_is_exact(steps, base):
-    F.run_steps(steps, base)
+@given(steps, st.sampled_from(F.BASES), st.booleans())
+def test_engines_agree_with_the_model_and_every_result_is_exact(steps, base, sharded):
+    F.run_steps(steps, base, sharded=sharded)
 
 
 def test_fifty_thousand_random_steps():
     rng = random.Random(24)
     for case in range(250):
-        F.run_steps(F.random_steps(rng, 200), F.BASES[case % 2])
+        F.run_steps(F.random_steps(rng, 200), F.BASES[case % 2], sharded=case % 4 >= 2)
 
 
 def test_the_fuzz_exercises_every_rule():
@@ -80,7 +80,7 @@ def test_the_comparison_sees_an_engine_that_differs(monkeypatch):
             F.run_steps(F.random_steps(rng, 200), F.BASES[case % 2])
 
 
-def _engines_with_short_idle(self, compiled=True):
+def _engines_with_short_idle(self, compiled=True, sharded=False):
     from host.net.aggregator import Aggregator
     self.job, self.epoch, self.now = F.make_job(), 0x1000, 1000.0
     self.ref = Aggregator([self.job], epoch=self.epoch, run_idle=0.0005)

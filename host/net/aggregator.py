@@ -18,6 +18,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from time import monotonic
 
 from host.net.impair import Impairment
 from host.wire import protocol as P
@@ -35,6 +36,7 @@ class Aggregator:
         later :meth:`install` draws a new one unless given. ``shard``: this aggregator's
         index in the shard map of the jobs that have one."""
         self.model = Model(shard=shard, run_idle=run_idle)
+        self._handle = self.model.handle
         self.shard = shard
         self.epoch = P.new_epoch() if epoch is None else epoch
         self.impair = impair or Impairment()
@@ -73,7 +75,7 @@ class Aggregator:
     def handle(self, datagram: bytes | memoryview, src: tuple[str, int]) -> list[Reply]:
         """Process one datagram from ``src``; return the datagrams to send and where."""
         with self._lock:
-            return self.model.handle(datagram, src, time.monotonic()).replies
+            return self._handle(datagram, src, monotonic())[0]
 
     # -- UDP server ------------------------------------------------------------------
     def bind(self, host: str = "127.0.0.1", port: int = P.UDP_PORT) -> tuple[str, int]:

@@ -18,7 +18,6 @@ epoch of its install.
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
 
 import numpy as np
 
@@ -45,15 +44,18 @@ def newer(a: int, b: int) -> bool:
     return 0 < (a - b) % SEQ_MOD < HALF
 
 
-@dataclass
-class Outcome:
-    replies: list[Reply]
-    drop: str | None = None
-    """The drop reason (protocol.json's drop_reasons), None when the packet was taken."""
+Outcome = tuple[list[Reply], "str | None"]
+"""What one packet does: the replies to send and the drop reason (protocol.json's
+drop_reasons), None when the packet was taken."""
 
 
 class JobState:
     """One job's registers, laid out as the switch's (slot x version)."""
+
+    __slots__ = ("job", "n_shards", "shard", "epoch", "pair_lut", "n", "pool", "full", "vote",
+                 "data_bytes", "addr", "thc_job_run", "run_seen", "thc_run", "thc_seq",
+                 "thc_op", "thc_bitmap", "thc_count", "thc_closed", "thc_acked", "thc_offset",
+                 "thc_sum", "thc_max", "counters")
 
     def __init__(self, job: Job, shard: int | None, epoch: int):
         self.job = job.validate()
@@ -109,9 +111,17 @@ class Model:
         if self.jobs.pop(job_id, None) is None:
             raise KeyError(f"job {job_id} is not installed")
 
-    def _drop(self, reason: str, refuse=None) -> Outcome:
+    def _drop(self, reason: str) -> Outcome:
         self.drops[reason] += 1
-        return Outcome([refuse] if refuse else [], reason)
+        return [], reason
+
+    def _refuse(self, reason: str, detail: int, st: JobState, src, datagram) -> Outcome:
+        """A drop answered with REFUSED to the (verified) sender: the reason's code in
+        ``count``, ``detail`` in ``bitmap``, the packet's other fields echoed."""
+        self.drops[reason] += 1
+        (_t, w, job_id, slot, version, _c, seq, offset, _b, run, _e) = unpack_header(datagram)
+        return [(pack_header(REFUSED, w, job_id, slot, version, int(P.DropReason[reason]), seq,
+                             offset, detail, run, st.epoch), src)], reason
 
     def handle(self, datagram, src: tuple[str, int], now: float) -> Outcome:
         """One datagram from ``src`` at time ``now`` (seconds, any fixed origin)."""
@@ -139,21 +149,15 @@ class Model:
             return self._drop("unknown_worker")
         if slot >= pool:
             return self._drop("slot_outside_pool")
-
-        def refuse(reason: str, detail: int = 0) -> Outcome:
-            return self._drop(reason, (pack_header(
-                REFUSED, w, job_id, slot, version, int(P.DropReason[reason]), seq, offset,
-                detail, run, st.epoch), src))
-
-        if slot != seq % pool or version != (seq // pool) & 1:
-            return refuse("wrong_slot")
+        if slot != seq & (pool - 1) or version != (seq & pool != 0):  # pool: a power of 2
+            return self._refuse("wrong_slot", 0, st, src, datagram)
         if st.n_shards > 1 and seq % st.n_shards != st.shard:
             return self._drop("wrong_shard")
         job_run = st.thc_job_run
         if run != job_run:
             if job_run and not ((newer(run, job_run) and (run - job_run) % SEQ_MOD <= P.RUN_JUMP)
                                 or now - st.run_seen >= self.run_idle):
-                return refuse("stale_run", job_run)
+                return self._refuse("stale_run", job_run, st, src, datagram)
             st.thc_job_run = run
         st.run_seen = now
 
@@ -161,29 +165,31 @@ class Model:
         bit = 1 << w
         # This packet proves its worker holds the result of every seq <= seq - pool of the
         # run (its window never exceeds the pool): it acknowledges the slot's older uses.
-        past = (seq - pool) % SEQ_MOD
-        for u in (i, i ^ 1):
-            if st.thc_run[u] == run and not newer(st.thc_seq[u], past):
-                st.thc_acked[u] |= bit
+        runs, seqs, acked = st.thc_run, st.thc_seq, st.thc_acked
+        past, j = seq - pool, i ^ 1
+        if runs[i] == run and not 0 < (seqs[i] - past) % SEQ_MOD < HALF:
+            acked[i] |= bit
+        if runs[j] == run and not 0 < (seqs[j] - past) % SEQ_MOD < HALF:
+            acked[j] |= bit
         op = OP_OF[pkt_type]
-        same_run = st.thc_run[i] == run
-        cur = st.thc_seq[i]
-        if same_run and seq != cur and not newer(seq, cur):
-            return refuse("stale", cur)
+        same_run = runs[i] == run
+        cur = seqs[i]
+        if same_run and seq != cur and not 0 < (seq - cur) % SEQ_MOD < HALF:
+            return self._refuse("stale", cur, st, src, datagram)
         if same_run and seq == cur:
             if st.thc_op[i] != op or st.thc_offset[i] != offset:
-                return refuse("wrong_use", st.thc_op[i])
+                return self._refuse("wrong_use", st.thc_op[i], st, src, datagram)
             st.counters["packets"] += 1
             count = st.thc_count[i]
             if count == n or st.thc_closed[i]:
                 st.counters["retransmissions"] += 1
-                return Outcome([(self._result(st, i, slot, version)(w), src)])
+                return [(self._result(st, i, slot, version)(w), src)], None
             if pkt_type == FLUSH:
                 st.thc_closed[i] = 1
             elif st.thc_bitmap[i] & bit:
                 st.counters["pending"] += 1
-                return Outcome([(pack_header(PENDING, w, job_id, slot, version, count, seq,
-                                             offset, st.thc_bitmap[i], run, st.epoch), src)])
+                return [(pack_header(PENDING, w, job_id, slot, version, count, seq, offset,
+                                     st.thc_bitmap[i], run, st.epoch), src)], None
             else:
                 self._accumulate(st, op, i, payload, first=False)
                 st.thc_bitmap[i] |= bit
@@ -195,8 +201,8 @@ class Model:
                 st.counters["packets"] += 1
                 st.counters["held"] += 1
                 # count 0: nothing of this use yet; bitmap: who holds the previous result
-                return Outcome([(pack_header(PENDING, w, job_id, slot, version, 0, seq,
-                                             offset, st.thc_acked[i], run, st.epoch), src)])
+                return [(pack_header(PENDING, w, job_id, slot, version, 0, seq, offset,
+                                     acked[i], run, st.epoch), src)], None
             st.counters["packets"] += 1
             st.thc_run[i], st.thc_seq[i], st.thc_op[i], st.thc_acked[i] = run, seq, op, 0
             st.thc_offset[i] = offset
@@ -208,10 +214,10 @@ class Model:
                 self._accumulate(st, op, i, payload, first=True)
                 st.thc_bitmap[i], st.thc_count[i], st.thc_closed[i] = bit, 1, 0
         if st.thc_count[i] < n and not st.thc_closed[i]:
-            return Outcome([])
+            return [], None
         st.counters["completions"] += 1
         make = self._result(st, i, slot, version)
-        return Outcome([(make(v), st.addr[v]) for v in range(n)])
+        return [(make(v), st.addr[v]) for v in range(n)], None
 
     @staticmethod
     def _accumulate(st: JobState, op: int, i: int, payload, first: bool) -> None:
@@ -226,10 +232,11 @@ class Model:
         raw = np.frombuffer(payload, dtype=np.uint8)
         # a vote lane is one bit, counted as is (VOTE_TABLE maps b to b)
         vals = np.unpackbits(raw) if st.vote else st.pair_lut[raw].reshape(-1)
+        regs = st.thc_sum[i]
         if first:
-            st.thc_sum[i] = vals
+            regs[:] = vals
         else:
-            st.thc_sum[i] += vals
+            regs += vals
 
     @staticmethod
     def _result(st: JobState, i: int, slot: int, version: int):

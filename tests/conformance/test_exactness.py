@@ -18,16 +18,6 @@ from tests.conformance.test_semantics import (RUN, assert_result, data, datagram
                                               settle)
 
 
-@pytest.fixture(autouse=True)
-def _switch_program_lags(request):
-    """The v1model program does not implement these rules yet: on BMv2 each case must fail
-    (strict xfail), so the day it passes the marker has to go."""
-    harness = request.getfixturevalue("harness")
-    if harness.name == "bmv2":
-        request.applymarker(pytest.mark.xfail(
-            strict=True, reason="p4src/thc.p4 does not implement the exactness rules yet"))
-
-
 def max_packet(job, worker, seq, value=1.0, **kw):
     vals = np.full(P.MAX_LANES, value, np.float32)
     return datagram(job, worker, seq, P.floats_to_ordered_u32(vals).astype(">u4").tobytes(),
