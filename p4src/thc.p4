@@ -77,6 +77,11 @@ struct metadata_t {
     bit<32> ack_diff;
     bit<1>  held;           // a new use while a worker may still need the previous result
     bit<1>  refuse;         // a drop answered with REFUSED (reason in count, detail in bitmap)
+    bit<32> worker_index;   // job_index * THC_MAX_WORKERS + worker_id
+    bit<32> worker_run;
+    bit<32> worker_epoch;
+    bit<32> worker_nonce;
+    bit<1>  reused;         // another incarnation of this worker already sent under this run
     bit<32> detail;
     // slot state as seen by this packet
     bit<32> cur_seq;
@@ -341,6 +346,11 @@ control ThcIngress(inout headers_t hdr, inout metadata_t meta, inout standard_me
     // The run that owns each job (0: none yet) and when it was last heard, index job_index.
     register<bit<32>>(THC_MAX_JOBS) thc_job_run;
     register<bit<48>>(THC_MAX_JOBS) thc_job_seen;
+    // Each worker's incarnation of the job's run (the nonce its packets carry in the epoch
+    // field), with the run and the install epoch it was recorded under; index worker_index.
+    register<bit<32>>(THC_MAX_JOBS * THC_MAX_WORKERS) thc_worker_run;
+    register<bit<32>>(THC_MAX_JOBS * THC_MAX_WORKERS) thc_worker_epoch;
+    register<bit<32>>(THC_MAX_JOBS * THC_MAX_WORKERS) thc_worker_nonce;
     // Slot state, index (pool_base + slot) * 2 + version.
     register<bit<32>>(THC_REG_SIZE) thc_run;
     register<bit<32>>(THC_REG_SIZE) thc_seq;
@@ -444,6 +454,22 @@ control ThcIngress(inout headers_t hdr, inout metadata_t meta, inout standard_me
                           (meta.run_stale == 1) ? meta.job_run : hdr.thc.run);
         thc_job_seen.write((bit<32>)meta.job_index,
                            (meta.run_stale == 1) ? meta.job_seen : sm.ingress_global_timestamp);
+    }
+
+    // One incarnation of each worker per run and install: a process restarted under the same
+    // run id would meet its predecessor's slot uses (and their results) at the same seqs.
+    action thc_incarnation_ra() {
+        meta.worker_index = (bit<32>)meta.job_index * THC_MAX_WORKERS
+                            + (bit<32>)hdr.thc.worker_id;
+        thc_worker_run.read(meta.worker_run, meta.worker_index);
+        thc_worker_epoch.read(meta.worker_epoch, meta.worker_index);
+        thc_worker_nonce.read(meta.worker_nonce, meta.worker_index);
+        meta.reused = (meta.worker_run == hdr.thc.run && meta.worker_epoch == meta.epoch
+                       && meta.worker_nonce != hdr.thc.epoch) ? 1w1 : 1w0;
+        thc_worker_run.write(meta.worker_index, hdr.thc.run);
+        thc_worker_epoch.write(meta.worker_index, meta.epoch);
+        thc_worker_nonce.write(meta.worker_index,
+                               (meta.reused == 1) ? meta.worker_nonce : hdr.thc.epoch);
     }
 
     // The slot's use in this packet's version, and the other version. The packet shows its
@@ -630,6 +656,11 @@ control ThcIngress(inout headers_t hdr, inout metadata_t meta, inout standard_me
                     thc_job_run_ra();
                     if (meta.run_stale == 1) {
                         thc_refuse(THC_DROP_STALE_RUN, meta.job_run);
+                    } else {
+                        thc_incarnation_ra();
+                        if (meta.reused == 1) {
+                            thc_refuse(THC_DROP_REUSED_RUN, meta.worker_nonce);
+                        }
                     }
                 }
             }

@@ -69,12 +69,12 @@ def norms_of(w: int, run: int, seq: int) -> np.ndarray:
 
 
 def packet(kind: str, w: int, run: int, seq: int, slot=None, version=None,
-           offset=None) -> bytes:
+           offset=None, nonce: int = 0) -> bytes:
     s, v = P.slot_of(seq, POOL)
     lanes = P.MAX_LANES if kind == "MAX" else LANES
     hdr = P.Header(int(P.PktType[kind]), w, JOB_ID, s if slot is None else slot,
                    v if version is None else version, 0, seq,
-                   (seq * lanes) % P.SEQ_MOD if offset is None else offset, 0, run, 0)
+                   (seq * lanes) % P.SEQ_MOD if offset is None else offset, 0, run, nonce)
     if kind == "DATA":
         body = pack_bits(indices_of(w, run, seq), P.INDEX_BITS).tobytes()
     elif kind == "MAX":
@@ -112,7 +112,9 @@ def decode(step: Step, ctx: Context):
     if op <= 6:
         return packet(kind, w, run, seq), addr(w)
     if op == 7:
-        bad = step.d % 3
+        bad = step.d % 4
+        if bad == 3:  # a second incarnation of the worker under the same run
+            return packet(kind, w, run, seq, nonce=1 + step.c % 2), addr(w)
         if bad == 0:
             return packet(kind, w, run, seq, slot=(seq + 1) % POOL), addr(w)
         if bad == 1:

@@ -131,7 +131,7 @@ def test_hostile_replies_ignored_and_counted_short_chunks_and_restart(job, datap
                 payload = packed[seq * chunk:(seq + 1) * chunk].tobytes()
                 assert data == P.HEADER_STRUCT.pack(
                     P.PktType.DATA, 0, job.job_id, slot, version, 0, seq,
-                    1000 + seq * job.lanes, 0, 77, 0) + payload
+                    1000 + seq * job.lanes, 0, 77, c.incarnation) + payload
             # a second round continues the sequence numbers; then the aggregator restarts
             sums = c.aggregate(_packed(job, 2))
             np.testing.assert_array_equal(sums, np.concatenate(

@@ -1,18 +1,25 @@
 """Training learns through every gradient exchange the main job runs without a switch.
 
-Each mode of ``thc run`` (:data:`thcnet.mainjob.MODES`, all but the BMv2 ones) trains the
-main job's digits model for a few dozen steps on a fixed seed, through the main job's own
-per-mode runner (:func:`thcnet.mainjob._run_mode`, as ``thc run --loopback``): its loopback
-testbed, its software aggregators (sharded, central, vote job), its argv for
-``python -m host.app.train``. One thing differs: each worker is forked from a server that
-imported torch once, rather than exec'd, which saves the interpreter start-up of every rank
-of every mode (seconds each on 2 cores); the worker still runs ``host.app.train``'s ``main``
-with the argv the main job built, in a process of its own.
+Every mode of ``thc run`` but the BMv2 ones (:data:`thcnet.mainjob.MODES`: FP32, THC through
+sharded or central software aggregators, with DLCP's loss bound and classes, over Gloo, TopK,
+Marsit along a ring and by vote) trains the main job's digits model for 176 steps on a fixed
+seed, through the main job's own per-mode runner (``thcnet.mainjob._run_mode``, as
+``thc run --loopback`` runs it): its loopback testbed, its `thc aggregator` processes, its
+argv for ``python -m host.app.train``. One thing differs: each worker process is forked from
+a server that imported torch once instead of exec'd, which saves the interpreter start-up of
+every rank of every mode (3-6 s each on 2 cores); it still runs ``host.app.train.main`` with
+the argv the main job built, in a process of its own.
 
-A mode passes when its loss falls and its final test accuracy lies within
-:data:`TOLERANCE` of FP32's, trained the same way in the same session, and far above chance.
-The check is shown able to fail: a THC run whose decoded gradient has its sign flipped (or
-whose sums are zeroed), patched into the worker processes only, must fail it.
+A mode passes (:func:`learning_failures`) when its loss falls by most of its start and its
+accuracy at the end lies within :data:`TOLERANCE` of FP32's, trained the same way in the same
+session, and far above chance. The check is shown able to fail: THC with its sums zeroed,
+patched into the worker processes only, must fail it; THC with the sign of its decoded
+gradient flipped must either fail it or blow up (its workers refuse the non-finite gradient).
+
+Measured (2 cores under load, 2 workers, 176 steps): FP32 0.967 (best of the last epoch's
+evaluations), THC in all its modes 0.942, TopK 0.972, Marsit 0.944, Marsit's vote 0.942; the
+loss falls from 2.32 to 0.05-0.18 (mean of 10 steps); THC with zeroed sums 0.103, its loss
+rising to 3.9. Each mode takes 3-5 s.
 """
 from __future__ import annotations
 
@@ -29,25 +36,30 @@ import pytest
 
 from thcnet import mainjob
 from thcnet.base import REPO_ROOT
+from thcnet.procs import WorkerError
 from thcnet.testbed import LoopbackTestbed
 
 pytestmark = pytest.mark.slow
 
-WORKERS = 2
-MAIN_JOB_ARGS = ["--loopback", "--workers", str(WORKERS), "--data", "digits", "--batch", "32",
-                 "--epochs", "2", "--evals", "1", "--timeout", "300"]
-MAIN_JOB_ARGS = os.environ.get("XARGS", " ".join(MAIN_JOB_ARGS)).split()  # EXPERIMENT
-"""2 workers x 32 images: 22 steps an epoch of digits' 1,437 training images, 44 in all."""
+MAIN_JOB_ARGS = ["--loopback", "--workers", "2", "--data", "digits", "--width", "32",
+                 "--batch", "16", "--epochs", "4", "--evals", "4", "--timeout", "300"]
+"""2 workers x 16 images: 44 steps an epoch of digits' 1,437 training images, 176 in all
+(Marsit's signs need about that many to come within a few points of FP32; at 44 steps they
+lag it by 25 points), 4 evaluations an epoch on the 360 test images."""
 MODES = [m for m, spec in mainjob.MODES.items() if spec.aggregator != "bmv2"]
 COMPRESSED = [m for m in MODES if m != "fp32"]
-WINDOW = 5
-"""Steps averaged at each end of the run when comparing losses."""
-LOSS_DROP = 0.5
-"""The last WINDOW steps' mean loss must be below this fraction of the first WINDOW's."""
+WINDOW = 10
+"""Steps whose losses are averaged at each end of a run."""
+LOSS_DROP = 0.3
+"""The last WINDOW steps' mean loss must be below this fraction of the first WINDOW's
+(measured: 0.02-0.08 for every mode)."""
 TOLERANCE = 0.05
-"""A mode's final accuracy may lie at most this far below FP32's."""
-FLOOR = 0.5
-"""Every final accuracy, FP32's included, must reach this (chance: 0.1 for 10 classes)."""
+"""How far below FP32's a mode's late accuracy may lie (measured: at most 2.5 points below;
+5 points are 18 of the 360 test images)."""
+FLOOR = 0.6
+"""Every final accuracy must reach this (chance: 0.1 for 10 classes)."""
+FP32_LATE = 0.9
+"""FP32's late accuracy must reach this (measured 0.967), or the reference itself is broken."""
 
 
 # -- the broken gradient paths (applied in the worker processes only) -------------------------
@@ -121,8 +133,9 @@ class _Forked:
 def train_mode():
     """``train_mode(name, brk=None)``: the main job's run of mode ``name`` (cached)."""
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["host.app.train", "sklearn.datasets", "torch.nn.parallel",
-                                __name__])
+    # torch._dynamo: DDP's constructor imports it, 2-5 s a process; sklearn.datasets: digits
+    ctx.set_forkserver_preload(["host.app.train", "torch.nn.parallel", "torch._dynamo",
+                                "sklearn.datasets", __name__])
     real_launch = LoopbackTestbed._launch
     state = {"brk": None}
 
@@ -157,36 +170,50 @@ def train_mode():
 
 # -- the check -----------------------------------------------------------------------------------
 
-def learning_failures(run: dict, fp32: dict) -> list[str]:
-    """Why ``run`` did not learn as FP32 did (empty: it did)."""
+def late_accuracy(run: dict) -> float:
+    """The best test accuracy of the last epoch's evaluations: momentum SGD on 16-image
+    batches swings a single evaluation by up to 10 points (FP32: 0.953, 0.844, 0.953 in a
+    row), the best of an epoch's by 1-2."""
+    per_epoch = run["history"][-1]["steps_per_epoch"]
+    last = run["history"][-1]["steps"]
+    return max(h["accuracy"] for h in run["history"] if h["steps"] > last - per_epoch)
+
+
+def learning_failures(run: dict, fp32: dict) -> dict[str, str]:
+    """What ``run`` failed of the check against ``fp32`` (criterion: why); empty: it learnt."""
     losses = mainjob.step_losses(run)
     name = run["mode"]
     if len(losses) < 4 * WINDOW:
-        return [f"{name}: only {len(losses)} training steps"]
+        return {"steps": f"{name}: only {len(losses)} training steps"}
     first, last = statistics.mean(losses[:WINDOW]), statistics.mean(losses[-WINDOW:])
-    out = []
+    out = {}
     if not last < LOSS_DROP * first:
-        out.append(f"{name}: the loss did not fall below {LOSS_DROP:g}x its start: mean of "
-                   f"the first {WINDOW} steps {first:.3f}, of the last {WINDOW} {last:.3f}")
-    want = max(fp32["final_accuracy"] - TOLERANCE, FLOOR)
-    if not run["final_accuracy"] >= want:
-        out.append(f"{name}: final accuracy {run['final_accuracy']:.4f} < {want:.4f} (FP32 "
-                   f"{fp32['final_accuracy']:.4f} - {TOLERANCE:g}, at least {FLOOR:g})")
+        out["loss"] = (f"{name}: the loss did not fall below {LOSS_DROP:g}x its start: mean "
+                       f"of the first {WINDOW} steps {first:.3f}, of the last {WINDOW} "
+                       f"{last:.3f}")
+    want = late_accuracy(fp32) - TOLERANCE
+    if not late_accuracy(run) >= want:
+        out["late accuracy"] = (f"{name}: late accuracy {late_accuracy(run):.4f} < {want:.4f} "
+                                f"(FP32's {late_accuracy(fp32):.4f} - {TOLERANCE:g})")
+    if not run["final_accuracy"] >= FLOOR:
+        out["final accuracy"] = f"{name}: final accuracy {run['final_accuracy']:.4f} < {FLOOR:g}"
     return out
 
 
 def _summary(run: dict) -> str:
     losses = mainjob.step_losses(run)
-    return (f"{run['mode']}: accuracy {run['final_accuracy']:.4f}, loss "
-            f"{statistics.mean(losses[:WINDOW]):.3f} -> {statistics.mean(losses[-WINDOW:]):.3f} "
-            f"over {len(losses)} steps, {run['wall_seconds']:.1f} s ({run['train_seconds']:.1f} s training)")
+    return (f"{run['mode']}: late accuracy {late_accuracy(run):.4f}, final "
+            f"{run['final_accuracy']:.4f}, loss {statistics.mean(losses[:WINDOW]):.3f} -> "
+            f"{statistics.mean(losses[-WINDOW:]):.3f} over {len(losses)} steps, "
+            f"{run['wall_seconds']:.1f} s")
 
 
 @pytest.fixture(scope="module")
 def fp32(train_mode):
     run = train_mode("fp32")
     print(_summary(run))
-    assert learning_failures(run, run) == [], "FP32 itself must learn"
+    assert learning_failures(run, run) == {}, "FP32 itself must learn"
+    assert late_accuracy(run) >= FP32_LATE, _summary(run)
     return run
 
 
@@ -195,12 +222,25 @@ def test_training_learns_through_the_mode(mode, train_mode, fp32):
     run = train_mode(mode)
     print(_summary(run))
     assert run["stopped"] is None and run["testbed"] == "loopback"
-    assert learning_failures(run, fp32) == []
+    assert learning_failures(run, fp32) == {}
 
 
-@pytest.mark.parametrize("brk", BREAKS)
-def test_a_broken_thc_gradient_fails_the_check(brk, train_mode, fp32):
-    run = train_mode("thc", brk)
+def test_thc_with_zeroed_sums_fails_the_check(train_mode, fp32):
+    """The run completes; the check names both the loss and the accuracy."""
+    run = train_mode("thc", "sums-zeroed")
     print(_summary(run))
     assert run["stopped"] is None
-    assert learning_failures(run, fp32), f"THC with its gradient {brk} passed the check"
+    failures = learning_failures(run, fp32)
+    assert set(failures) == {"loss", "late accuracy", "final accuracy"}, failures
+
+
+def test_thc_with_the_gradient_sign_flipped_cannot_pass(train_mode, fp32):
+    """Gradient ascent: the check fails, or (as measured) the weights blow up within a few
+    dozen steps and the workers stop on the non-finite gradient."""
+    try:
+        run = train_mode("thc", "sign-flipped")
+    except WorkerError as e:
+        assert "NaN or Inf" in str(e), str(e)[-3000:]
+        return
+    print(_summary(run))
+    assert learning_failures(run, fp32), _summary(run)

@@ -40,7 +40,8 @@ def test_the_fuzz_exercises_every_rule():
             drops[k] = drops.get(k, 0) + v
         for k, v in counters["jobs"][F.JOB_ID].items():
             jobs[k] = jobs.get(k, 0) + v
-    for reason in ("stale_run", "stale", "wrong_use", "wrong_slot", "unknown_worker"):
+    for reason in ("stale_run", "stale", "wrong_use", "wrong_slot", "unknown_worker",
+                   "reused_run"):
         assert drops[reason] > 0, reason
     for counter in ("completions", "held", "retransmissions", "pending"):
         assert jobs[counter] > 0, counter

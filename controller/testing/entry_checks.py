@@ -55,17 +55,23 @@ _N = _numbers()
 def _fields(buf: bytes) -> list[tuple[int, int | bytes]]:
     """(field number, value) of one message: varints as ints, length-delimited as bytes."""
     out, pos, end = [], 0, len(buf)
-    while pos < end:
-        key, pos = _varint(buf, pos)
-        wire = key & 7
-        if wire == 0:
-            value, pos = _varint(buf, pos)
-        elif wire == 2:
-            size, pos = _varint(buf, pos)
-            value, pos = buf[pos:pos + size], pos + size
-        else:
-            raise _invalid(f"unexpected wire type {wire}")
-        out.append((key >> 3, value))
+    try:
+        while pos < end:
+            key = buf[pos]
+            pos += 1
+            if key >= 0x80:
+                key, pos = _varint(buf, pos - 1)
+            wire, value = key & 7, buf[pos]
+            pos += 1
+            if value >= 0x80:
+                value, pos = _varint(buf, pos - 1)
+            if wire == 2:
+                value, pos = buf[pos:pos + value], pos + value
+            elif wire != 0:
+                raise _invalid(f"unexpected wire type {wire}")
+            out.append((key >> 3, value))
+    except IndexError:
+        raise _invalid("truncated message") from None
     if pos != end:
         raise _invalid("truncated message")
     return out
@@ -74,8 +80,6 @@ def _fields(buf: bytes) -> list[tuple[int, int | bytes]]:
 def _varint(buf: bytes, pos: int) -> tuple[int, int]:
     value = shift = 0
     while True:
-        if pos >= len(buf):
-            raise _invalid("truncated varint")
         b = buf[pos]
         pos += 1
         value |= (b & 0x7F) << shift
@@ -85,10 +89,10 @@ def _varint(buf: bytes, pos: int) -> tuple[int, int]:
 
 
 def _only(fields, allowed: set[int], what: str) -> None:
-    extra = {num for num, _ in fields} - allowed
-    if extra:
-        raise Refused(code_pb2.UNIMPLEMENTED,
-                      f"{what} fields {sorted(extra)} are not handled by the in-memory switch")
+    for num, _ in fields:
+        if num not in allowed:
+            raise Refused(code_pb2.UNIMPLEMENTED, f"{what} field {num} is not handled by the "
+                                                  f"in-memory switch")
 
 
 @lru_cache(maxsize=1 << 14)
@@ -115,27 +119,36 @@ class EntryChecker:
     """Decodes and checks table-entry updates against one P4Info."""
 
     def __init__(self, p4info):
-        self.tables = {t.preamble.id: t for t in p4info.tables}
-        self.actions = {a.preamble.id: a for a in p4info.actions}
-        self._widths = {i: {f.id: (f.name, f.bitwidth) for f in t.match_fields}
-                        for i, t in self.tables.items()}
-        self._widths.update({i: {p.id: (p.name, p.bitwidth) for p in a.params}
-                             for i, a in self.actions.items()})
-        self._cache: dict[bytes, tuple] = {}
-        self._pieces: dict[tuple, tuple] = {}
+        def sig(fields):
+            return tuple(sorted((f.id, f.name, f.bitwidth) for f in fields))
+        self.names = {t.preamble.id: t.preamble.name for t in p4info.tables}
+        self.names.update({a.preamble.id: a.preamble.name for a in p4info.actions})
+        self.sizes = {t.preamble.id: t.size for t in p4info.tables}
+        self.params = {a.preamble.id: {p.id: p.name for p in a.params} for a in p4info.actions}
+        self._sig = {t.preamble.id: sig(t.match_fields) for t in p4info.tables}
+        self._sig.update({a.preamble.id: sig(a.params) for a in p4info.actions})
+        self._exact = {t.preamble.id: all(f.match_type == f.EXACT for f in t.match_fields)
+                       for t in p4info.tables}
+        self._allowed = {t.preamble.id: {r.id for r in t.action_refs
+                                         if r.scope != r.DEFAULT_ONLY} for t in p4info.tables}
+        self._cache: dict = {}
 
     def check(self, entity: bytes, with_action: bool) -> tuple[int, Key, Action | None]:
         """(table id, key, action) of a serialized Entity; Refused when invalid.
         ``with_action``: the update needs one (INSERT, MODIFY)."""
         got = self._cache.get(entity)
         if got is None:
-            got = self._decode(entity)
-            if len(self._cache) > 1 << 17:
+            if len(self._cache) > 1 << 18:
                 self._cache.clear()
-                self._pieces.clear()
-            self._cache[entity] = got
+            got = self._cache[entity] = self._decode(entity)
         if with_action and got[2] is None:
-            raise _invalid(f"table {self.tables[got[0]].preamble.name}: an entry without action")
+            raise _invalid(f"table {self.names[got[0]]}: an entry without action")
+        return got
+
+    def _cached(self, key: tuple, make):
+        got = self._cache.get(key)
+        if got is None:
+            got = self._cache[key] = make()
         return got
 
     def _decode(self, entity: bytes) -> tuple:
@@ -146,48 +159,40 @@ class EntryChecker:
         te = _fields(fields[0][1])
         _only(te, {_N["table.id"], _N["table.match"], _N["table.action"]}, "TableEntry")
         table_id = next((v for n, v in te if n == _N["table.id"]), 0)
-        table = self.tables.get(table_id)
-        if table is None:
+        if table_id not in self._exact:
             raise _invalid(f"invalid P4 id: no table {table_id}")
+        if not self._exact[table_id]:
+            raise Refused(code_pb2.UNIMPLEMENTED, f"table {self.names[table_id]}: only exact "
+                                                  f"matches are handled by the in-memory switch")
         matches = tuple(v for n, v in te if n == _N["table.match"])
-        key = self._pieces.get((table_id, matches))
-        if key is None:
-            if any(f.match_type != f.EXACT for f in table.match_fields):
-                raise Refused(code_pb2.UNIMPLEMENTED, f"table {table.preamble.name}: only "
-                              f"exact matches are handled by the in-memory switch")
-            key = self._values(table_id, table.preamble.name, "match field", [
-                _id_value(v, _N["match.id"], _N["match.exact"], _N["exact.value"])
-                for v in matches])
-            self._pieces[(table_id, matches)] = key
+        key = self._cached((self._sig[table_id], matches), lambda: self._values(
+            table_id, "match field", [_id_value(v, _N["match.id"], _N["match.exact"],
+                                                _N["exact.value"]) for v in matches]))
         actions = [v for n, v in te if n == _N["table.action"]]
-        action = None
-        if actions:
-            action = self._pieces.get((table_id, actions[-1]))
-            if action is None:
-                action = self._pieces[(table_id, actions[-1])] = self._action(table,
-                                                                             actions[-1])
+        action = self._cached((table_id, actions[-1]), lambda: self._action(
+            table_id, actions[-1])) if actions else None
         return table_id, key, action
 
-    def _action(self, table, table_action: bytes) -> Action:
+    def _action(self, table_id: int, table_action: bytes) -> Action:
         outer = _fields(table_action)
         _only(outer, {_N["table_action.action"]}, "TableAction")
         fields = _fields(outer[0][1]) if outer else []
         _only(fields, {_N["action.id"], _N["action.params"]}, "Action")
         action_id = next((v for n, v in fields if n == _N["action.id"]), 0)
-        action = self.actions.get(action_id)
-        if action is None:
+        if action_id not in self.params:
             raise _invalid(f"invalid P4 id: no action {action_id}")
-        ref = next((r for r in table.action_refs if r.id == action_id), None)
-        if ref is None or ref.scope == ref.DEFAULT_ONLY:
-            raise _invalid(f"table {table.preamble.name} cannot hold action "
-                           f"{action.preamble.name} in an entry")
-        params = [_id_value(v, _N["param.id"], None, _N["param.value"])
-                  for n, v in fields if n == _N["action.params"]]
-        return action_id, self._values(action_id, action.preamble.name, "parameter", params)
+        if action_id not in self._allowed[table_id]:
+            raise _invalid(f"table {self.names[table_id]} cannot hold action "
+                           f"{self.names[action_id]} in an entry")
+        params = tuple(v for n, v in fields if n == _N["action.params"])
+        return action_id, self._cached((self._sig[action_id], params), lambda: self._values(
+            action_id, "parameter", [_id_value(v, _N["param.id"], None, _N["param.value"])
+                                     for v in params]))
 
-    def _values(self, owner_id: int, owner: str, kind: str, given) -> tuple:
+    def _values(self, owner_id: int, kind: str, given) -> tuple:
         """Every P4Info field given once and within its bit width, as sorted (id, int)."""
-        widths = self._widths[owner_id]
+        owner = self.names[owner_id]
+        widths = {i: (name, bits) for i, name, bits in self._sig[owner_id]}
         out = {}
         for ident, raw in given:
             if ident not in widths:

@@ -4,30 +4,29 @@ The controller's job-safety rules (controller/jobs.py: the pool reset before wor
 live, live jobs left alone unless forced, bad input refused before any write, a restarted
 controller leaving running jobs alone) concern what is written to the switch and when, not
 packets, yet BMv2 is absent on most machines. :class:`MemorySwitch` is controller/switch.py's
-``Switch`` (P4Info lookups and entry building inherited unchanged) with every call that would
-reach the switch answered by a :class:`MemoryDevice`, as a fake server beside a real client:
+``Switch`` (P4Info lookups and entry building inherited) whose calls to the switch a
+:class:`MemoryDevice` answers, as a fake server beside a real client. The device keeps
 
 * table entries, multicast groups and counter cells, each update checked against the P4Info
-  as BMv2's P4Runtime server checks it (controller/testing/entry_checks.py), with the
-  per-update errors Switch.write_entries ignores or raises (ALREADY_EXISTS, NOT_FOUND,
-  RESOURCE_EXHAUSTED when a table is full);
-* ``log``: every write, counter reset and packet-out in order, so a test can say what came
-  before what, or that nothing was written at all;
-* RESET packet-outs run as p4src/thc.p4 runs them: for an installed job and a slot inside
-  its pool the slot version is cleared (``slot_resets``) and ``thc_resets[job_index]``
-  counts; otherwise a drop reason counts. ``cpu_port = False``: packet-outs go nowhere;
-* worker traffic counted where the program counts it (``deliver``); inside ``sending`` a
-  worker delivers one packet before every counter read, as a worker that keeps sending.
+  as BMv2's P4Runtime server checks it (controller/testing/entry_checks.py), with its
+  per-update errors (ALREADY_EXISTS, NOT_FOUND, RESOURCE_EXHAUSTED for a full table);
+* ``log``: every write, counter reset and packet-out in order;
+* RESET packet-outs run as p4src/thc.p4 runs them: an installed job's slot inside its pool
+  is cleared (``slot_resets``) and ``thc_resets[job_index]`` counts, else a drop reason
+  (``cpu_port = False``: packet-outs are lost); any other packet raises NotImplementedError;
+* worker traffic counted where the program counts it (``deliver``; inside ``sending`` one
+  packet before every counter read, a worker that keeps sending).
 
-Other packets raise NotImplementedError: there is no data plane. A second MemorySwitch on the
-same device is a restarted controller reading what is installed.
+A second MemorySwitch on the same device is a restarted controller.
 """
 from __future__ import annotations
 
 import contextlib
 import functools
+import ipaddress
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Iterable, Iterator, NamedTuple
+from typing import NamedTuple
 
 from google.rpc import code_pb2
 
@@ -37,13 +36,10 @@ from controller.switch import BUILD_DIR, Switch, SwitchError, short_name
 from controller.testing.entry_checks import EntryChecker, Refused
 from host.wire import protocol as P
 
-OPS = ("INSERT", "MODIFY", "DELETE")
-
 
 class Event(NamedTuple):
-    """One thing done to the device: ``op`` is INSERT/MODIFY/DELETE (``target`` the table,
-    ``detail`` (key, action)), GROUP_SET/GROUP_DELETE (the group; the replicas),
-    COUNTER_RESET (the counter; the indices) or PACKET_OUT (None; the frame)."""
+    """INSERT/MODIFY/DELETE (table, (key, action)), GROUP_SET/GROUP_DELETE (group,
+    replicas), COUNTER_RESET (counter, indices) or PACKET_OUT (None, frame)."""
     op: str
     target: str | int | None
     detail: object
@@ -84,15 +80,15 @@ class MemoryDevice:
     # -- control plane --------------------------------------------------------------------
     def write(self, op: str, entity: bytes) -> None:
         """Apply one update; Refused as the server would refuse it."""
-        if op not in OPS:
+        if op not in ("INSERT", "MODIFY", "DELETE"):
             raise Refused(code_pb2.INVALID_ARGUMENT, f"update type {op}")
         tid, key, action = self.checker.check(entity, with_action=op != "DELETE")
-        table, name = self.entries[tid], self.tables[tid].preamble.name
+        table, name = self.entries[tid], self.checker.names[tid]
         if op == "INSERT" and key in table:
             raise Refused(code_pb2.ALREADY_EXISTS, f"{name}: entry {key} exists")
         if op != "INSERT" and key not in table:
             raise Refused(code_pb2.NOT_FOUND, f"{name}: no entry {key}")
-        if op == "INSERT" and len(table) >= self.tables[tid].size:
+        if op == "INSERT" and len(table) >= self.checker.sizes[tid]:
             raise Refused(code_pb2.RESOURCE_EXHAUSTED, f"{name} is full")
         if op == "DELETE":
             del table[key]
@@ -121,8 +117,8 @@ class MemoryDevice:
     def set_group(self, group: int, replicas: Iterable[tuple[int, int]]) -> None:
         replicas = set(replicas)
         if not 0 < group < 1 << 16 or any(not 0 <= port < 1 << 9 for port, _ in replicas):
-            raise SwitchError(f"multicast group {group}: INVALID_ARGUMENT (group id 1..65535, "
-                              f"ports of 9 bits)")
+            raise SwitchError(f"multicast group {group}: INVALID_ARGUMENT (ids 1..65535, "
+                              f"9-bit ports)")
         self.groups[group] = replicas
         self.log.append(Event("GROUP_SET", group, frozenset(replicas)))
 
@@ -161,7 +157,7 @@ class MemoryDevice:
         action = self.entries[tid].get(tuple(sorted((fids[k], v) for k, v in match.items())))
         if action is None:
             return None
-        names = {p.id: p.name for p in self.checker.actions[action[0]].params}
+        names = self.checker.params[action[0]]
         return {names[pid]: value for pid, value in action[1]}
 
     def packet_out(self, frame: bytes) -> None:
@@ -171,8 +167,7 @@ class MemoryDevice:
             return
         parsed = parse_udp_frame(frame)
         payload = parsed[6] if parsed and parsed[5] == P.UDP_PORT else None
-        if payload is None or len(payload) < P.HEADER_BYTES or \
-                payload[0] != P.PktType.RESET:
+        if payload is None or len(payload) < P.HEADER_BYTES or payload[0] != P.PktType.RESET:
             raise NotImplementedError("the in-memory switch runs RESET packet-outs only")
         hdr = P.Header.unpack(payload)
         job = self._params("thc_job", {"job_id": hdr.job_id})
@@ -191,7 +186,7 @@ class MemoryDevice:
         counted where p4src/thc.p4 counts them (the job's cell: those without a reply)."""
         w = job.worker(worker_id)
         cfg = self._params("thc_job", {"job_id": job.job_id})
-        ip = int.from_bytes(bytes(int(b) for b in w.ip.split(".")), "big")
+        ip = int(ipaddress.IPv4Address(w.ip))
         if cfg is None:
             self._drop("unknown_job")
         elif worker_id >= cfg["n_workers"]:
@@ -206,12 +201,11 @@ class MemoryDevice:
     @contextlib.contextmanager
     def sending(self, job, worker_id: int = 0):
         """A worker that keeps sending: one packet before every counter read."""
-        sender = (job, worker_id)
-        self._senders.append(sender)
+        self._senders.append((job, worker_id))
         try:
             yield self
         finally:
-            self._senders.remove(sender)
+            self._senders.remove((job, worker_id))
 
     # -- for assertions ---------------------------------------------------------------------
     def state(self, skip: Iterable[str] = ()) -> dict:
@@ -221,10 +215,6 @@ class MemoryDevice:
         tables = {t.preamble.name: dict(self.entries[tid]) for tid, t in self.tables.items()
                   if short_name(t.preamble.name) not in skip}
         return {"tables": tables, "groups": {g: set(r) for g, r in self.groups.items()}}
-
-    def since(self, mark: int, op: str | None = None) -> list[Event]:
-        """Events logged after ``len(log)`` was ``mark`` (of one ``op``)."""
-        return [e for e in self.log[mark:] if op is None or e.op == op]
 
 
 class MemorySwitch(Switch):
@@ -237,7 +227,7 @@ class MemorySwitch(Switch):
         self.device = device if device is not None else MemoryDevice(program=None)
 
     def connect(self, program: str | None = "thc",
-                build_dir: Path | str = BUILD_DIR) -> "MemorySwitch":
+                build_dir: Path | str = BUILD_DIR) -> MemorySwitch:
         """Push ``program`` (clearing the device) unless None, then read the P4Info."""
         if program:
             self.device.push(program, build_dir)
@@ -283,15 +273,15 @@ class MemorySwitch(Switch):
         except Refused as r:
             raise SwitchError(f"P4Runtime read from {self.grpc_addr} failed: {r}") from None
 
-    def read_counter(self, name: str) -> dict[int, int]:
+    def _counter(self, name: str) -> str:
         self._require()
-        return self.device.read_counter(short_name(self.counters.get(name, "counter")
-                                                   .preamble.name))
+        return short_name(self.counters.get(name, "counter").preamble.name)
+
+    def read_counter(self, name: str) -> dict[int, int]:
+        return self.device.read_counter(self._counter(name))
 
     def reset_counter(self, name: str, indices: Iterable[int]) -> bool:
-        self._require()
-        self.device.reset_counter(short_name(self.counters.get(name, "counter").preamble.name),
-                                  indices)
+        self.device.reset_counter(self._counter(name), indices)
         return True
 
     def multicast_groups(self) -> dict[int, set[tuple[int, int]]]:
@@ -308,8 +298,7 @@ class MemorySwitch(Switch):
 
     def packet_out(self, payloads: Iterable[bytes]) -> int:
         self._require()
-        n = 0
-        for frame in payloads:
+        frames = list(payloads)
+        for frame in frames:
             self.device.packet_out(frame)
-            n += 1
-        return n
+        return len(frames)

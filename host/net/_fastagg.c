@@ -40,11 +40,11 @@
 
 enum { MALFORMED, BAD_LANES, UNKNOWN_JOB, UNKNOWN_WORKER, WORKER_OUTSIDE_JOB,
        SLOT_OUTSIDE_POOL, STALE, NOT_FROM_CPU, WRONG_DIRECTION, STALE_RUN, WRONG_SHARD,
-       WRONG_USE, WRONG_SLOT, N_REASONS };
+       WRONG_USE, WRONG_SLOT, REUSED_RUN, N_REASONS };
 static const char *REASON_NAMES[N_REASONS] = {
     "malformed", "bad_lanes", "unknown_job", "unknown_worker", "worker_outside_job",
     "slot_outside_pool", "stale", "not_from_cpu", "wrong_direction", "stale_run",
-    "wrong_shard", "wrong_use", "wrong_slot"};
+    "wrong_shard", "wrong_use", "wrong_slot", "reused_run"};
 enum { C_PACKETS, C_COMPLETIONS, C_RETRANSMISSIONS, C_PENDING, C_HELD, N_COUNTERS };
 static const char *COUNTER_NAMES[N_COUNTERS] = {"packets", "completions", "retransmissions",
                                                 "pending", "held"};
@@ -93,6 +93,7 @@ typedef struct {
     uint8_t addr_ok[MAX_WORKERS]; /* 0: the configured address is no IPv4 literal */
     uint32_t job_run, epoch;
     double run_seen; /* when a packet of job_run last passed the run check */
+    uint32_t worker_run[MAX_WORKERS], worker_nonce[MAX_WORKERS]; /* one incarnation a run */
     uint32_t full; /* every worker's bit */
     uint32_t *run, *seq, *bitmap, *count, *offset, *acked; /* [slot * 2 + version] */
     uint8_t *closed; /* a FLUSH closed the use short: it answers as complete */
@@ -251,7 +252,7 @@ static int process(Datapath *dp, const uint8_t *d, size_t len, uint32_t sip, uin
     if (len < HDR) return drop(dp, MALFORMED);
     uint8_t type = d[0], wid = d[1], version = d[6];
     uint16_t job_id = rd16(d + 2), slot = rd16(d + 4);
-    uint32_t seq = rd32(d + 8), offset = rd32(d + 12), run = rd32(d + 20);
+    uint32_t seq = rd32(d + 8), offset = rd32(d + 12), run = rd32(d + 20), nonce = rd32(d + 24);
     int is_up = type == dp->types[T_DATA] || type == dp->types[T_MAX] ||
                 type == dp->types[T_FLUSH];
     if (!dp->is_type[type] || version > 1 || (run == 0 && is_up)) return drop(dp, MALFORMED);
@@ -279,6 +280,13 @@ static int process(Datapath *dp, const uint8_t *d, size_t len, uint32_t sip, uin
         j->job_run = run;
     }
     j->run_seen = now;
+    /* one incarnation of each worker per run (a restart under the same run id is refused) */
+    if (j->worker_run[wid] != run) {
+        j->worker_run[wid] = run;
+        j->worker_nonce[wid] = nonce;
+    } else if (j->worker_nonce[wid] != nonce) {
+        return refuse(dp, j, REUSED_RUN, d, j->worker_nonce[wid], sip, sport, out);
+    }
     size_t i = (size_t)slot * 2 + version;
     uint32_t bit = 1u << wid;
     /* this packet proves its worker holds every result of the run up to seq - pool */
@@ -1256,7 +1264,7 @@ typedef struct {
     int fd, n_shards, window, lanes, n_workers, is_data, chunk_bytes;
     uint8_t pkt_type, result_type, pending_type, worker;
     uint16_t job_id;
-    uint32_t pool, run;
+    uint32_t pool, run, incarnation; /* incarnation: sent in the epoch field upstream */
     uint64_t base, offset_base;
     const uint8_t *chunks;
     struct sockaddr_in *aggs;
@@ -1395,7 +1403,8 @@ static void cl_send(Client *c, long i) {
     uint8_t *p = c->sbuf + (size_t)c->nq * CL_OUT_BYTES;
     write_header(p, c->pkt_type, c->worker, c->job_id, (uint16_t)(s % c->pool),
                  (uint8_t)((s / c->pool) % 2), 0, (uint32_t)s,
-                 (uint32_t)(c->offset_base + (uint64_t)i * (uint64_t)c->lanes), 0, c->run, 0);
+                 (uint32_t)(c->offset_base + (uint64_t)i * (uint64_t)c->lanes), 0, c->run,
+                 c->incarnation);
     memcpy(p + HDR, c->chunks + (size_t)i * c->chunk_bytes, (size_t)c->chunk_bytes);
     c->iov[c->nq].iov_base = p;
     c->iov[c->nq].iov_len = HDR + (size_t)c->chunk_bytes;
@@ -1451,6 +1460,7 @@ static PyObject *fa_stream(PyObject *self, PyObject *args) {
     int n_shards = (int)PyList_GET_SIZE(aggs_o);
     int pkt_type, result_type, pending_type, other_result, is_data, worker, job_id, lanes,
         n_workers, refused_type, top;
+    unsigned long incarnation;
     unsigned long pool, run;
     unsigned long long base, offset_base;
     long total = 0;
@@ -1468,9 +1478,9 @@ static PyObject *fa_stream(PyObject *self, PyObject *args) {
         PyErr_NoMemory();
         goto cleanup;
     }
-    if (!PyArg_ParseTuple(hdr, "iiiiiiikkKKiiii", &pkt_type, &result_type, &pending_type,
+    if (!PyArg_ParseTuple(hdr, "iiiiiiikkKKiiiik", &pkt_type, &result_type, &pending_type,
                           &other_result, &is_data, &worker, &job_id, &pool, &run, &base,
-                          &offset_base, &lanes, &n_workers, &refused_type, &top))
+                          &offset_base, &lanes, &n_workers, &refused_type, &top, &incarnation))
         goto cleanup;
     int wire_bytes = lanes > 0 ? expect_payload / lanes : 0;
     if (chunk_bytes > 0) total = (long)(chunks.len / chunk_bytes);
@@ -1539,6 +1549,7 @@ static PyObject *fa_stream(PyObject *self, PyObject *args) {
     c->job_id = (uint16_t)job_id;
     c->pool = (uint32_t)pool;
     c->run = (uint32_t)run;
+    c->incarnation = (uint32_t)incarnation;
     c->base = base;
     c->offset_base = offset_base;
     c->chunks = chunks.buf;

@@ -95,6 +95,9 @@ class AggregationRefused(RuntimeError):
         "wrong_use": "the chunk's slot is in use by another kind of round or another offset "
                      "(packet type {detail}): the workers of this run are out of step",
         "wrong_slot": "the packet named a slot or version that is not its sequence number's",
+        "reused_run": "another incarnation of this worker (nonce {detail:#010x}) already sent "
+                      "chunks under this run id: restarted workers need a new run id (a "
+                      "launcher must set a fresh THC_RUN at every launch and restart)",
     }
 
     def __init__(self, where: str, reason: str, detail: int):
@@ -226,6 +229,9 @@ class AggregationClient:
         self.last_datapath: str | None = None
         """The datapath that ran the last round."""
         self.next_seq = 0
+        self.incarnation = P.new_epoch()
+        """This client's nonce, sent in the epoch field of every packet: the aggregator
+        refuses a second incarnation of a worker under one run id (``reused_run``)."""
         self._run = P.run_from_env() if run is None else P.check_run(run)
         self._failed: str | None = None
         """Why a round of this run failed (then the run takes no more rounds)."""
@@ -400,13 +406,14 @@ class AggregationClient:
         pending_type, refused_type = int(P.PktType.PENDING), int(P.PktType.REFUSED)
         reply_types = (pending_type, refused_type, int(P.PktType.RESULT),
                        int(P.PktType.MAX_RESULT))
-        full, top = job.full_bitmap, job.granularity
+        full, top, incarnation = job.full_bitmap, job.granularity, self.incarnation
         is_data = pkt_type == P.PktType.DATA
 
         def packet(i: int) -> bytes:
             slot, version = P.slot_of(base + i, pool)
             return pack(pkt_type, me, job_id, slot, version, 0, (base + i) % P.SEQ_MOD,
-                        (offset_base + i * lanes) % P.SEQ_MOD, 0, run, 0) + chunks[i].tobytes()
+                        (offset_base + i * lanes) % P.SEQ_MOD, 0, run,
+                        incarnation) + chunks[i].tobytes()
 
         def shard_of(i: int) -> int:
             return ((base + i) % P.SEQ_MOD) % n_shards
@@ -425,7 +432,8 @@ class AggregationClient:
                     slot, version = P.slot_of(base + i, pool)
                     packets[i] = pack(flush_type, me, job_id, slot, version, 0,
                                       (base + i) % P.SEQ_MOD,
-                                      (offset_base + i * lanes) % P.SEQ_MOD, 0, run, 0)
+                                      (offset_base + i * lanes) % P.SEQ_MOD, 0, run,
+                                      incarnation)
                 self.stats.flushed += 1
                 self._send(packets[i], dst(i), flush_tos)
             else:
@@ -563,7 +571,7 @@ class AggregationClient:
         header = (int(pkt_type), int(result_type), int(P.PktType.PENDING), int(other),
                   int(pkt_type == P.PktType.DATA), self.worker_id, job.job_id, job.pool_size,
                   run, base, offset_base % P.SEQ_MOD, lanes, job.n_workers,
-                  int(P.PktType.REFUSED), job.granularity)
+                  int(P.PktType.REFUSED), job.granularity, self.incarnation)
         aggs = [(fastagg.ipv4_int(ip), port) for ip, port in self.aggregators]
         chunks = np.ascontiguousarray(chunks, dtype=np.uint8)
         self.last_datapath = "compiled"

@@ -12,8 +12,9 @@ State per job follows the switch's registers, one entry per slot and version:
 ``thc_offset`` the chunk's offset (a packet that disagrees with either is ``wrong_use``),
 ``thc_bitmap``/``thc_count`` its contributors, ``thc_closed`` whether a FLUSH closed it
 short, ``thc_acked`` the workers known to hold its result, and the lane values. Per job:
-the run that owns it (``thc_job_run``), when that run was last heard (``run_seen``) and the
-epoch of its install.
+the run that owns it (``thc_job_run``), when that run was last heard (``run_seen``), the
+incarnation each worker's packets of a run carry (``thc_worker_nonce``, sent in the ``epoch``
+field upstream) and the epoch of its install.
 """
 from __future__ import annotations
 
@@ -53,7 +54,8 @@ class JobState:
     """One job's registers, laid out as the switch's (slot x version)."""
 
     __slots__ = ("job", "n_shards", "shard", "epoch", "pair_lut", "n", "pool", "full", "vote",
-                 "data_bytes", "addr", "thc_job_run", "run_seen", "thc_run", "thc_seq",
+                 "data_bytes", "addr", "thc_job_run", "run_seen", "thc_worker_run",
+                 "thc_worker_nonce", "thc_run", "thc_seq",
                  "thc_op", "thc_bitmap", "thc_count", "thc_closed", "thc_acked", "thc_offset",
                  "thc_sum", "thc_max", "counters")
 
@@ -76,6 +78,8 @@ class JobState:
         self.addr = [(w.ip, w.port) for w in sorted(job.workers, key=lambda w: w.id)]
         self.thc_job_run = 0
         self.run_seen = 0.0
+        self.thc_worker_run = [0] * job.n_workers
+        self.thc_worker_nonce = [0] * job.n_workers
         uses = 2 * job.pool_size
         self.thc_run = [0] * uses
         self.thc_seq = [P.SEQ_RESET] * uses
@@ -128,7 +132,7 @@ class Model:
         if len(datagram) < HEADER_BYTES:
             return self._drop("malformed")
         (pkt_type, w, job_id, slot, version, _count, seq, offset, _bitmap, run,
-         _epoch) = unpack_header(datagram)
+         nonce) = unpack_header(datagram)
         if pkt_type not in KNOWN_TYPES or version > 1 or (run == 0 and pkt_type in UP_TYPES):
             return self._drop("malformed")
         if pkt_type == RESET:
@@ -160,6 +164,12 @@ class Model:
                 return self._refuse("stale_run", job_run, st, src, datagram)
             st.thc_job_run = run
         st.run_seen = now
+        # One incarnation of each worker per run: a process restarted under the same run id
+        # would meet its predecessor's slot uses (and their results) at the same seqs.
+        if st.thc_worker_run[w] != run:
+            st.thc_worker_run[w], st.thc_worker_nonce[w] = run, nonce
+        elif st.thc_worker_nonce[w] != nonce:
+            return self._refuse("reused_run", st.thc_worker_nonce[w], st, src, datagram)
 
         i = 2 * slot + version
         bit = 1 << w

@@ -1,0 +1,146 @@
+"""Install, remove, counters and ``thc controller`` on the in-memory switch, everywhere
+(tests/bmv2/test_switch_controller.py checks the same on BMv2, with packets)."""
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+from dataclasses import replace
+
+import pytest
+
+from controller import cli, counters, forwarding, jobs
+from controller.switch import Switch, SwitchError
+from controller.testing.memswitch import MemoryDevice, MemorySwitch
+from host.wire import protocol as P
+from tests.test_jobs_safety import IDLE, cluster, make_job
+
+
+@pytest.fixture
+def sw():
+    s = MemorySwitch().connect()
+    yield s
+    s.close()
+
+
+# ---- install and remove -----------------------------------------------------------------------
+
+def test_install_is_idempotent(sw):
+    job = make_job(1, 3)
+    jobs.install_job(sw, job)
+    first, cfg = sw.device.state(skip=["thc_job"]), jobs.installed_jobs(sw)[1]
+    jobs.install_job(sw, job, live_window=IDLE)
+    assert sw.device.state(skip=["thc_job"]) == first
+    again = jobs.installed_jobs(sw)[1]
+    assert again.pop("epoch") not in (0, cfg.pop("epoch")), "every install draws a new epoch"
+    assert again == cfg
+    for table in jobs._lut_tables(sw):
+        entries = sw.device.entries[sw.tables.get(table, "table").preamble.id]
+        assert sorted(dict(key)[1] for key in entries) == [1] * 256, table
+
+
+def test_reinstall_with_fewer_workers_drops_their_entries(sw):
+    job = make_job(1, 3)
+    jobs.install_job(sw, job)
+    jobs.install_job(sw, replace(job, workers=job.workers[:2]), live_window=IDLE)
+    assert len(jobs._job_entries(sw, jobs.WORKER_TABLE, 1)) == 2
+    assert len(jobs._job_entries(sw, jobs.ADDR_TABLE, 1)) == 2
+    assert job.workers[2].mac not in forwarding.routes(sw)
+    assert sw.multicast_groups()[1] == {(0, 1), (1, 2)}
+    assert jobs.installed_jobs(sw)[1]["n_workers"] == 2
+    sw.device.deliver(job, 2)
+    assert counters.drops(sw)["worker_outside_job"] == 1
+
+
+def test_remove_deletes_everything(sw):
+    before = sw.device.state()
+    job = make_job(1)
+    jobs.install_job(sw, job)
+    assert sw.device.state() != before
+    jobs.remove_job(sw, 1, live_window=IDLE)
+    assert sw.device.state() == before
+    sw.device.deliver(job, 0)
+    assert counters.drops(sw)["unknown_job"] == 1
+
+
+def test_a_route_shared_with_another_job_survives_its_removal(sw):
+    a = make_job(1)
+    b = make_job(2, pool_base=4)
+    b = replace(b, workers=(replace(b.workers[0], mac=a.workers[0].mac, ip=a.workers[0].ip),
+                            b.workers[1]))
+    jobs.install_job(sw, a)
+    jobs.install_job(sw, b)
+    jobs.remove_job(sw, 1, live_window=IDLE)
+    routes = forwarding.routes(sw)
+    assert routes[a.workers[0].mac] == 0 and a.workers[1].mac not in routes
+
+
+def test_install_zeroes_the_job_counters_and_counters_read_by_name(sw):
+    for name in P.JOB_COUNTERS:                     # left over from a job at index 0
+        sw.device.cells[counters.JOB_COUNTERS][counters.job_counter_index(0, name)] = 7
+    jobs.install_job(sw, make_job(1))
+    assert counters.job_counters(sw, 0) == {name: 0 for name in P.JOB_COUNTERS}
+    assert set(counters.drops(sw)) == set(P.DropReason.__members__)
+    cells = sw.device.cells[counters.JOB_COUNTERS]
+    for name, n in (("packets", 2), ("completions", 1), ("retransmissions", 1), ("pending", 1)):
+        cells[counters.job_counter_index(0, name)] = n
+    assert counters.job_counters(sw, 0) == {"packets": 5, "completions": 1,
+                                            "retransmissions": 1, "pending": 1, "held": 0}
+    assert counters.snapshot(sw, jobs.installed_jobs(sw))["jobs"]["1"]["packets"] == 5
+
+
+def test_second_session_in_one_process_is_refused(monkeypatch):
+    monkeypatch.setattr(Switch, "_open", lambda self, files: None)
+    first = Switch("127.0.0.1:1").connect(program=None)
+    try:
+        with pytest.raises(SwitchError, match="already open"):
+            Switch("127.0.0.1:2").connect(program=None)
+    finally:
+        first.close()
+    Switch("127.0.0.1:2").connect(program=None).close()
+
+
+# ---- the command line -------------------------------------------------------------------------
+
+def thc_controller(device: MemoryDevice, monkeypatch, *argv: str) -> int:
+    monkeypatch.setattr(cli, "Switch", functools.partial(MemorySwitch, device=device))
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    return cli.run(parser.parse_args(list(argv)))
+
+
+def test_cli_refuses_a_live_job_and_names_it(sw, monkeypatch, capsys):
+    job = make_job(1)
+    jobs.install_job(sw, job)
+    with sw.device.sending(job):
+        assert thc_controller(sw.device, monkeypatch, "remove", "--job", "1") == 1
+    err = capsys.readouterr().err
+    assert "job 1 is live" in err and "--force" in err
+    assert 1 in jobs.installed_jobs(sw)
+    with sw.device.sending(job):
+        assert thc_controller(sw.device, monkeypatch, "remove", "--job", "1", "--force") == 0
+    assert jobs.installed_jobs(sw) == {}
+
+
+def test_cli_installs_a_cluster_once_and_reads_counters(sw, monkeypatch, capsys, tmp_path):
+    config = tmp_path / "cluster.json"
+    cluster(make_job(1)).save(config)
+    assert thc_controller(sw.device, monkeypatch, "install", "--config", str(config)) == 0
+    assert "job 1: index 0" in capsys.readouterr().out
+    mark = len(sw.device.log)
+    assert thc_controller(sw.device, monkeypatch, "install", "--config", str(config)) == 0
+    assert "(unchanged, left alone)" in capsys.readouterr().out
+    assert sw.device.log[mark:] == []
+    assert thc_controller(sw.device, monkeypatch, "counters", "--json") == 0
+    snap = json.loads(capsys.readouterr().out)
+    assert set(snap["drops"]) == set(P.DropReason.__members__) and "1" in snap["jobs"]
+    assert thc_controller(sw.device, monkeypatch, "remove", "--job", "9999") == 1
+    assert "thc controller: job 9999 is not installed" in capsys.readouterr().err
+
+
+def test_cli_without_a_switch_says_so(monkeypatch, capsys):
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    args = parser.parse_args(["--grpc-addr", "127.0.0.1:1", "--timeout", "0.5", "counters"])
+    assert cli.run(args) == 1
+    assert "no P4Runtime server" in capsys.readouterr().err

@@ -1,0 +1,118 @@
+"""The in-memory switch (controller/testing/memswitch.py) refuses what BMv2's P4Runtime server
+refuses, reads back what was written, and runs RESET as p4src/thc.p4 does: tests of the
+controller's safety on it (tests/test_jobs_safety.py) mean something only if it does."""
+from __future__ import annotations
+
+import pytest
+
+from controller import counters, jobs, p4rt
+from controller.frames import reset_frame, udp_frame
+from controller.switch import SwitchError
+from controller.testing.memswitch import MemorySwitch
+from host.wire import protocol as P
+from host.wire.jobs import SWITCH_AGG_IP, SWITCH_AGG_MAC
+
+
+@pytest.fixture
+def sw():
+    s = MemorySwitch().connect()
+    yield s
+    s.close()
+
+
+def ids(sw, table: str, action: str | None = None):
+    t = sw.tables.get(table, "table")
+    fields = {f.name: f.id for f in t.match_fields}
+    if action is None:
+        return t.preamble.id, fields
+    a = sw.actions.get(action, "action")
+    return t.preamble.id, fields, a.preamble.id, {p.name: p.id for p in a.params}
+
+
+def raw_job_entry(sw, job_id: int, **params) -> bytes:
+    """A thc_job entry written without the client's checks (values as given)."""
+    tid, fields, aid, pids = ids(sw, "thc_job", "set_job")
+    values = {name: 1 for name in pids} | params
+    return p4rt.exact_entity(tid, [(fields["job_id"], p4rt.canonical_bytes(job_id))], aid,
+                             sorted((pids[n], p4rt.canonical_bytes(v)) for n, v in values.items()))
+
+
+def test_unknown_names_are_refused_by_the_client(sw):
+    with pytest.raises(SwitchError, match="no table 'thc_nope'"):
+        sw.table_entry("thc_nope", {"job_id": 1})
+    with pytest.raises(SwitchError, match="no counter 'nope'"):
+        sw.read_counter("nope")
+    with pytest.raises(SwitchError, match="takes"):
+        sw.table_entry("thc_job", {"job_id": 1}, "set_job", {"job_index": 0})
+
+
+@pytest.mark.parametrize("entity, why", [
+    (lambda sw: p4rt.exact_entity(999, [(1, b"\x01")]), "no table 999"),
+    (lambda sw: raw_job_entry(sw, 1, sum_bits=256), "sum_bits = 256 does not fit within 8"),
+    (lambda sw: raw_job_entry(sw, 1 << 16), "job_id = 65536 does not fit within 16"),
+    (lambda sw: p4rt.exact_entity(ids(sw, "thc_job")[0], [], ids(sw, "thc_job", "set_job")[2],
+                                  []), "match fields \\['job_id'\\] missing"),
+    (lambda sw: p4rt.exact_entity(ids(sw, "thc_job")[0], [(1, b"\x01")],
+                                  sw.actions.get("set_worker", "action").preamble.id,
+                                  [(1, b"\x01")]), "cannot hold action"),
+    (lambda sw: p4rt.exact_entity(ids(sw, "thc_job")[0], [(1, b"\x01")],
+                                  sw.actions.get("NoAction", "action").preamble.id, []),
+     "cannot hold action"),                                 # @defaultonly
+    (lambda sw: p4rt.exact_entity(ids(sw, "thc_job")[0], [(1, b"\x01")]), "without action"),
+])
+def test_invalid_updates_are_refused_and_change_nothing(sw, entity, why):
+    with pytest.raises(SwitchError, match=f"INVALID_ARGUMENT.*{why}"):
+        sw.write_entries("INSERT", [entity(sw)])
+    assert sw.device.log == [] and jobs.installed_jobs(sw) == {}
+
+
+def test_inserts_modifies_and_deletes_follow_p4runtime(sw):
+    first, again = raw_job_entry(sw, 1), raw_job_entry(sw, 1, epoch=7)
+    assert sw.write_entries("INSERT", [first]) == []
+    with pytest.raises(SwitchError, match="ALREADY_EXISTS"):
+        sw.write_entries("INSERT", [again])
+    assert sw.write_entries("INSERT", [again], ignore=["ALREADY_EXISTS"]) == [again]
+    sw.write_entries("MODIFY", [again])
+    assert jobs.installed_jobs(sw)[1]["epoch"] == 7
+    (read,) = sw.read_table("thc_job")
+    assert jobs._canonical(read) == again, "read back as written, canonical bytes"
+    sw.write_entries("DELETE", [read])
+    with pytest.raises(SwitchError, match="NOT_FOUND"):
+        sw.write_entries("DELETE", [read])
+    with pytest.raises(SwitchError, match="NOT_FOUND"):
+        sw.write_entries("MODIFY", [again])
+    sw.write_entries("INSERT", [raw_job_entry(sw, j) for j in range(P.MAX_JOBS)])
+    with pytest.raises(SwitchError, match="RESOURCE_EXHAUSTED"):
+        sw.write_entries("INSERT", [raw_job_entry(sw, P.MAX_JOBS)])
+
+
+def test_reset_runs_as_the_program_runs_it(sw):
+    sw.write_entries("INSERT", [raw_job_entry(sw, 5, job_index=3, pool_size=4)])
+    sw.packet_out([reset_frame(5, 3, SWITCH_AGG_MAC, SWITCH_AGG_IP, 1),
+                   reset_frame(5, 4, SWITCH_AGG_MAC, SWITCH_AGG_IP, 0),     # outside the pool
+                   reset_frame(6, 0, SWITCH_AGG_MAC, SWITCH_AGG_IP, 0)])    # no such job
+    assert sw.device.slot_resets == [(5, 3, 1)]
+    assert counters.resets(sw, 3) == 1 and counters.resets(sw, 0) == 0
+    drops = counters.drops(sw)
+    assert drops["slot_outside_pool"] == 1 and drops["unknown_job"] == 1
+    assert [e.op for e in sw.device.log] == ["INSERT"] + ["PACKET_OUT"] * 3
+    with pytest.raises(NotImplementedError, match="RESET packet-outs only"):
+        sw.packet_out([udp_frame(SWITCH_AGG_MAC, SWITCH_AGG_MAC, SWITCH_AGG_IP, SWITCH_AGG_IP,
+                                 P.UDP_PORT, P.UDP_PORT, bytes(P.HEADER_BYTES))])
+
+
+def test_a_new_session_sees_the_device_and_a_push_clears_it(sw):
+    sw.write_entries("INSERT", [raw_job_entry(sw, 1)])
+    sw.set_multicast_group(1, [(0, 1)])
+    again = MemorySwitch(device=sw.device).connect(program=None)
+    assert set(jobs.installed_jobs(again)) == {1} and again.multicast_groups() == {1: {(0, 1)}}
+    again.connect(program="thc")
+    assert jobs.installed_jobs(sw) == {} and sw.multicast_groups() == {}
+    with pytest.raises(SwitchError, match="no P4 program"):
+        MemorySwitch().connect(program=None)
+
+
+def test_a_closed_session_cannot_write(sw):
+    sw.close()
+    with pytest.raises(SwitchError, match="not connected"):
+        sw.write_entries("INSERT", [raw_job_entry(sw, 1)])
