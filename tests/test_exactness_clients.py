@@ -182,3 +182,20 @@ def test_a_window_that_cannot_hold_a_chunk_is_refused(window):
     job = local_job(1, 1, free_port_block(1), table=TABLE)
     with pytest.raises(ValueError, match="window"):
         AggregationClient(job, 0, ("127.0.0.1", 9), window=window, run=1)
+
+
+def test_a_restarted_worker_under_the_same_run_id_fails_at_once(aggregator_kind, datapath):
+    """A launcher that reuses THC_RUN for restarted processes: the new incarnation's chunks
+    would meet the old uses at the same seqs (their results, or this worker's old bit), so it
+    is refused (reused_run), never answered with the old run's sums."""
+    job = local_job(1, 2, free_port_block(2), table=list(range(16)))
+    ones = {w: np.full(job.lanes, 1, np.uint8) for w in range(2)}
+    with make(aggregator_kind, [job]) as agg:
+        addr = agg.start()
+        out = run_workers(job, addr, ones, run=60)
+        assert (out[0][0] == 2).all() and (out[1][0] == 2).all()
+        twos = {w: np.full(job.lanes, 2, np.uint8) for w in range(2)}
+        out = run_workers(job, addr, twos, run=60, deadline=3.0)
+        for w in range(2):
+            assert isinstance(out[w], AggregationRefused) and out[w].reason == "reused_run", \
+                out[w]

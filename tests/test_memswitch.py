@@ -46,22 +46,37 @@ def test_unknown_names_are_refused_by_the_client(sw):
         sw.table_entry("thc_job", {"job_id": 1}, "set_job", {"job_index": 0})
 
 
-@pytest.mark.parametrize("entity, why", [
-    (lambda sw: p4rt.exact_entity(999, [(1, b"\x01")]), "no table 999"),
-    (lambda sw: raw_job_entry(sw, 1, sum_bits=256), "sum_bits = 256 does not fit within 8"),
-    (lambda sw: raw_job_entry(sw, 1 << 16), "job_id = 65536 does not fit within 16"),
-    (lambda sw: p4rt.exact_entity(ids(sw, "thc_job")[0], [], ids(sw, "thc_job", "set_job")[2],
-                                  []), "match fields \\['job_id'\\] missing"),
-    (lambda sw: p4rt.exact_entity(ids(sw, "thc_job")[0], [(1, b"\x01")],
-                                  sw.actions.get("set_worker", "action").preamble.id,
-                                  [(1, b"\x01")]), "cannot hold action"),
-    (lambda sw: p4rt.exact_entity(ids(sw, "thc_job")[0], [(1, b"\x01")],
-                                  sw.actions.get("NoAction", "action").preamble.id, []),
-     "cannot hold action"),                                 # @defaultonly
-    (lambda sw: p4rt.exact_entity(ids(sw, "thc_job")[0], [(1, b"\x01")]), "without action"),
-])
-def test_invalid_updates_are_refused_and_change_nothing(sw, entity, why):
-    with pytest.raises(SwitchError, match=f"INVALID_ARGUMENT.*{why}"):
+def _job_table(sw) -> int:
+    return ids(sw, "thc_job")[0]
+
+
+def _action(sw, name: str) -> int:
+    return sw.actions.get(name, "action").preamble.id
+
+
+BAD = "INVALID_ARGUMENT"
+BAD_UPDATES = {     # case: (entity, code, message), as BMv2 answers (tests/bmv2 compares)
+    "unknown_table": (lambda sw: p4rt.exact_entity(999, [(1, b"\x01")]), BAD, "no table 999"),
+    "param_too_wide": (lambda sw: raw_job_entry(sw, 1, sum_bits=256), BAD,
+                       "sum_bits = 256 does not fit within 8"),
+    "match_too_wide": (lambda sw: raw_job_entry(sw, 1 << 16), BAD, "job_id = 65536 does not fit"),
+    "match_missing": (lambda sw: p4rt.exact_entity(_job_table(sw), [], _action(sw, "set_job"),
+                                                   []), BAD, "match fields \\['job_id'\\] missing"),
+    "foreign_action": (lambda sw: p4rt.exact_entity(_job_table(sw), [(1, b"\x01")],
+                                                    _action(sw, "set_worker"), [(1, b"\x01")]),
+                       BAD, "cannot hold action"),
+    "default_only_action": (lambda sw: p4rt.exact_entity(_job_table(sw), [(1, b"\x01")],
+                                                         _action(sw, "NoAction"), []),
+                            "PERMISSION_DENIED", "cannot hold action"),
+    "no_action": (lambda sw: p4rt.exact_entity(_job_table(sw), [(1, b"\x01")]), BAD,
+                  "without action"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_UPDATES))
+def test_invalid_updates_are_refused_and_change_nothing(sw, case):
+    entity, code, why = BAD_UPDATES[case]
+    with pytest.raises(SwitchError, match=f"{code} .*{why}"):
         sw.write_entries("INSERT", [entity(sw)])
     assert sw.device.log == [] and jobs.installed_jobs(sw) == {}
 

@@ -6,7 +6,9 @@ decodes a serialized ``p4.v1.Entity`` (as controller/p4rt.py writes it, or a mes
 serialized) and checks it against the P4Info: the table, its match fields and the action
 exist, the action is one the table may hold (not ``@defaultonly``), every exact match field
 and every parameter is given once, and each value fits its bit width. A refusal is
-:class:`Refused` with PI's code (INVALID_ARGUMENT for an unknown id or a value too wide).
+:class:`Refused` with the code BMv2 gives (INVALID_ARGUMENT for an unknown id or a value too
+wide, PERMISSION_DENIED for a ``@defaultonly`` action; tests/bmv2/test_memswitch_parity.py
+compares them).
 
 The decoder is hand-written: with the pure-Python protobuf runtime p4runtime-shell pins,
 ``Entity.FromString`` costs about 0.2 ms, and one install writes 32768 lookup entries.
@@ -129,8 +131,8 @@ class EntryChecker:
         self._sig.update({a.preamble.id: sig(a.params) for a in p4info.actions})
         self._exact = {t.preamble.id: all(f.match_type == f.EXACT for f in t.match_fields)
                        for t in p4info.tables}
-        self._allowed = {t.preamble.id: {r.id for r in t.action_refs
-                                         if r.scope != r.DEFAULT_ONLY} for t in p4info.tables}
+        self._allowed = {t.preamble.id: {r.id: r.scope != r.DEFAULT_ONLY for r in t.action_refs}
+                         for t in p4info.tables}
         self._cache: dict = {}
 
     def check(self, entity: bytes, with_action: bool) -> tuple[int, Key, Action | None]:
@@ -181,9 +183,11 @@ class EntryChecker:
         action_id = next((v for n, v in fields if n == _N["action.id"]), 0)
         if action_id not in self.params:
             raise _invalid(f"invalid P4 id: no action {action_id}")
-        if action_id not in self._allowed[table_id]:
-            raise _invalid(f"table {self.names[table_id]} cannot hold action "
-                           f"{self.names[action_id]} in an entry")
+        allowed = self._allowed[table_id].get(action_id)
+        if not allowed:     # BMv2: PERMISSION_DENIED for a @defaultonly action
+            raise Refused(code_pb2.INVALID_ARGUMENT if allowed is None else
+                          code_pb2.PERMISSION_DENIED, f"table {self.names[table_id]} cannot "
+                          f"hold action {self.names[action_id]} in an entry")
         params = tuple(v for n, v in fields if n == _N["action.params"])
         return action_id, self._cached((self._sig[action_id], params), lambda: self._values(
             action_id, "parameter", [_id_value(v, _N["param.id"], None, _N["param.value"])

@@ -5,14 +5,24 @@
 Worker r draws its indices from seed S + r, so anyone can recompute every worker's vector and
 the exact integer sums (:func:`reference_sums`). Prints one JSON line: rank, seconds, the
 SHA-256 of the sums, how many differ from the reference, rounds done, transport stats; a
-failure of the aggregation (timeout, aggregator restarted) is a JSON line with its cause and
-exit code 3, so a fault experiment can tell a clear failure from a crash.
+failure of the aggregation (timeout, aggregator restarted, refused) is a JSON line with its
+cause (and for a refusal its ``reason``) and exit code 3, so a fault experiment can tell a
+clear failure from a crash.
+
+Fault experiments (docs/faults.md) also use: ``--loss-bound F`` (DLCP: chunks may be closed
+short; each chunk is then checked against the workers its bitmap names, not all of them; the
+line adds ``loss_bound``, ``short_last_round`` and ``bitmaps``, chunks per contributors'
+bitmap), ``--start-delay S`` (a straggler) and ``--out-of-step P`` (this worker's process
+also sends MAX packets at the seqs of its DATA chunks, through its own socket; the line adds
+``out_of_step``, how many). Without them the line is as above.
 """
 from __future__ import annotations
 
 import argparse
 import hashlib
 import json
+import random
+import socket
 import sys
 import time
 from pathlib import Path
@@ -21,10 +31,11 @@ import numpy as np
 
 from host.codec.packing import pack_bits
 from host.net.aggregator import parse_hostport
-from host.net.client import AggregationClient, AggregationTimeout, AggregatorRestarted
+from host.net.client import (AggregationClient, AggregationRefused, AggregationTimeout,
+                             AggregatorRestarted)
 from host.net.impair import Impairment
 from host.wire import protocol as P
-from host.wire.jobs import Cluster
+from host.wire.jobs import Cluster, loss_bound_arg
 
 
 def indices(seed: int, rank: int, numel: int) -> np.ndarray:
@@ -42,6 +53,55 @@ def reference_sums(table, n_workers: int, seed: int, numel: int) -> np.ndarray:
     for r in range(n_workers):
         total += lut[indices(seed, r, numel)]
     return total
+
+
+def bitmap_reference(table, n_workers: int, seed: int, numel: int, lanes: int,
+                     bitmaps: np.ndarray) -> np.ndarray:
+    """The exact sums when chunk i holds only the workers in ``bitmaps[i]`` (a chunk closed
+    short by a FLUSH): per chunk, the table values of those workers' indices."""
+    lut = np.asarray(table, dtype=np.uint16)
+    member = np.repeat(np.asarray(bitmaps, dtype=np.uint32), lanes)[:numel]
+    total = np.zeros(numel, dtype=np.uint16)
+    for r in range(n_workers):
+        counted = (member >> r) & 1 == 1
+        total += np.where(counted, lut[indices(seed, r, numel)], 0).astype(np.uint16)
+    return total
+
+
+def bitmap_mismatches(sums, ref, counts, bitmaps, lanes: int) -> int:
+    """Lanes that differ from the bitmap reference, plus every lane of a chunk whose count is
+    not the number of workers its bitmap names."""
+    wrong = int(np.count_nonzero(sums != ref))
+    bad = [i for i, (c, b) in enumerate(zip(counts, bitmaps)) if int(c) != bin(int(b)).count("1")]
+    return wrong + len(bad) * lanes
+
+
+class OutOfStepSocket(socket.socket):
+    """A worker's UDP socket that, after a DATA chunk it sends, also sends with probability
+    ``p`` a MAX at the same seq (slot, version, run and incarnation): a worker whose process
+    runs a MAX round where the others sum. The MAX carries the offset a MAX round gives the
+    chunk at that index (index x 32 lanes), so the aggregator's REFUSED for it matches no
+    DATA chunk this worker waits for; chunk 0 of a vector, where both offsets are 0, gets
+    none. Only the Python datapath sends through :meth:`sendto`."""
+
+    def __init__(self, p: float, lanes: int, seed: int):
+        super().__init__(socket.AF_INET, socket.SOCK_DGRAM)
+        self.p, self.lanes, self.rng = p, lanes, random.Random(seed)
+        self.injected = 0
+        self._payload = P.floats_to_ordered_u32(
+            np.full(P.MAX_LANES, 1.0, np.float32)).astype(">u4").tobytes()
+
+    def sendto(self, data, *args):
+        n = super().sendto(data, *args)
+        hdr = P.Header.unpack(data)
+        if hdr.pkt_type == P.PktType.DATA and self.rng.random() < self.p:
+            offset = hdr.offset // self.lanes * P.MAX_LANES
+            if offset != hdr.offset:
+                mx = P.Header(int(P.PktType.MAX), hdr.worker_id, hdr.job_id, hdr.slot,
+                              hdr.version, 0, hdr.seq, offset, 0, hdr.run, hdr.epoch)
+                super().sendto(mx.pack() + self._payload, *args)
+                self.injected += 1
+        return n
 
 
 def digest(sums: np.ndarray) -> str:
@@ -85,7 +145,21 @@ def main(argv: list[str] | None = None) -> int:
                     help="delay each sent chunk by a random 0..SECONDS (testing)")
     ap.add_argument("--rto", type=float, default=0.02, help="initial/minimum retransmission "
                     "timeout in seconds")
+    ap.add_argument("--loss-bound", type=loss_bound_arg, default=None, metavar="F",
+                    help="close up to this fraction of each round's chunks short (FLUSH) "
+                         "instead of retransmitting (default: the job's loss_bound); with a "
+                         "bound, each chunk is checked against the workers its bitmap names")
+    ap.add_argument("--start-delay", type=float, default=0.0, metavar="SECONDS",
+                    help="wait this long before the first chunk: a straggler (testing)")
+    ap.add_argument("--out-of-step", type=float, default=0.0, metavar="P",
+                    help="after each DATA chunk sent, also send a MAX at its seq with this "
+                         "probability, through this worker's socket: an out-of-step worker "
+                         "(testing; runs the Python datapath); reported as out_of_step")
     args = ap.parse_args(argv)
+    if not 0.0 <= args.out_of_step <= 1.0:
+        ap.error("--out-of-step must lie in [0, 1]")
+    if args.start_delay < 0:
+        ap.error("--start-delay must not be negative")
 
 
     job = Cluster.load(args.config).jobs[0]
@@ -99,30 +173,65 @@ def main(argv: list[str] | None = None) -> int:
                           jitter=args.jitter, seed=args.rank)
     ref = reference_sums(job.table, job.n_workers, args.seed, args.numel)
     mismatches, rounds, sums = 0, 0, ref
+    sock, extra = None, {}
+    if args.out_of_step:
+        me = job.worker(args.rank)
+        sock = OutOfStepSocket(args.out_of_step, job.lanes, args.seed + args.rank)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 8 << 20)
+        sock.bind((me.ip, me.port))
+        extra["datapath"] = "python"
     with AggregationClient(job, args.rank, agg, deadline=args.deadline, window=args.window,
-                           timeout=args.rto, run=args.run, impair=impair) as client:
+                           timeout=args.rto, run=args.run, impair=impair, sock=sock,
+                           loss_bound=args.loss_bound, **extra) as client:
+        bounded = client.loss_bound > 0
+        time.sleep(args.start_delay)
         t0 = time.perf_counter()
         try:
             for _ in range(args.rounds):
                 if args.until and rounds >= _stop_round(args.until):
                     break
                 sums = client.aggregate(packed)[: args.numel]
-                mismatches += int(np.count_nonzero(sums != ref))
+                if bounded:
+                    counts, bitmaps = client.last_counts, client.last_bitmaps
+                    want = bitmap_reference(job.table, job.n_workers, args.seed, args.numel,
+                                            job.lanes, bitmaps)
+                    mismatches += bitmap_mismatches(sums, want, counts, bitmaps, job.lanes)
+                else:
+                    mismatches += int(np.count_nonzero(sums != ref))
                 rounds += 1
                 if args.until:
                     Path(args.until, f"done-{args.rank}").write_text(str(rounds))
-        except (AggregationTimeout, AggregatorRestarted) as e:
-            print(json.dumps({"rank": args.rank, "error": type(e).__name__, "message": str(e),
-                              "missing": getattr(e, "missing", None), "rounds": rounds,
-                              "mismatches": mismatches, "seconds": time.perf_counter() - t0,
-                              "stats": vars(client.stats)}), flush=True)
+        except (AggregationTimeout, AggregatorRestarted, AggregationRefused) as e:
+            line = {"rank": args.rank, "error": type(e).__name__, "message": str(e),
+                    "missing": getattr(e, "missing", None), "rounds": rounds,
+                    "mismatches": mismatches, "seconds": time.perf_counter() - t0,
+                    "stats": vars(client.stats)}
+            if isinstance(e, AggregationRefused):
+                line["reason"] = e.reason
+            print(json.dumps({**line, **_extras(args, sock, client)}), flush=True)
             return 3
         seconds = time.perf_counter() - t0
         stats = vars(client.stats)
+        extras = _extras(args, sock, client)
     print(json.dumps({"rank": args.rank, "seconds": seconds, "sha256": digest(sums),
                       "mismatches": mismatches, "numel": args.numel, "rounds": rounds,
-                      "stats": stats}), flush=True)
+                      "stats": stats, **extras}), flush=True)
     return 0 if mismatches == 0 else 1
+
+
+def _extras(args, sock, client) -> dict:
+    """What the fault options add to the JSON line (nothing without them)."""
+    out = {}
+    if args.out_of_step:
+        out["out_of_step"] = sock.injected
+    if client.loss_bound > 0:
+        out["loss_bound"] = client.loss_bound
+        out["short_last_round"] = int(np.count_nonzero(client.last_counts
+                                                       < client.job.n_workers))
+        out["bitmaps"] = {hex(int(b)): int(k) for b, k in
+                          zip(*np.unique(client.last_bitmaps, return_counts=True))}
+    return out
 
 
 if __name__ == "__main__":

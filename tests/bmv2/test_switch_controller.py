@@ -103,7 +103,7 @@ def test_counters_by_name(bmv2, sw):
     bmv2.endpoint(job, 0).send(data(job, 0, 1, idxs[0]))          # pending
     bmv2.endpoint(job, 0).recv_all(timeout=bmv2.quiet)
     assert bmv2.job_counters(job) == {"packets": 5, "completions": 1, "retransmissions": 1,
-                                      "pending": 1}
+                                      "pending": 1, "held": 0}
     snap = counters.snapshot(sw, jobs.installed_jobs(sw))
     assert snap["jobs"][str(job.job_id)]["packets"] == 5
 

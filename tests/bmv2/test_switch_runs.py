@@ -41,7 +41,8 @@ def test_replies_carry_the_job_epoch_and_each_install_draws_a_new_one(bmv2, sw):
 
 def test_a_new_run_starts_clean_and_an_older_one_is_stale(bmv2, sw):
     """Run 5 leaves a half-filled slot; run 6 reuses it from seq 0 without a reset and gets
-    only its own sums; run 5's packets are then dropped as stale_run."""
+    only its own sums; run 5's packets are then dropped as stale_run, and refused to their
+    sender (REFUSED naming the job's run)."""
     job = bmv2.make_job(next(_ids), 3, pool_size=4)
     bmv2.install(job)
     rng = np.random.default_rng(1)
@@ -55,7 +56,11 @@ def test_a_new_run_starts_clean_and_an_older_one_is_stale(bmv2, sw):
         assert P.Header.unpack(got[w][0]).run == 6
     before = counters.drops(sw)["stale_run"]
     got = send_round(bmv2, job, 1, old, run=5, workers=[2])
-    assert not any(got.values())
+    assert not got[0] and not got[1], "only the sender hears of its stale run"
+    [refused] = got[2]
+    hdr = P.Header.unpack(refused)
+    assert (hdr.pkt_type, hdr.count, hdr.bitmap, hdr.run) == (
+        P.PktType.REFUSED, P.DropReason.stale_run, 6, 5)
     assert counters.drops(sw)["stale_run"] == before + 1
 
 

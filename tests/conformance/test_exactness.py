@@ -216,3 +216,25 @@ def test_each_install_answers_with_a_new_epoch(harness):
         epochs.append(parse(got[0][0])[0].epoch)
         harness.install(job)
     assert len(set(epochs)) == 3 and 0 not in epochs
+
+
+def test_a_second_incarnation_of_a_worker_in_one_run_is_refused(harness):
+    """A worker process restarted under the same run id (its nonce, in the upstream epoch
+    field, differs) would be answered from its predecessor's slot uses: refused instead."""
+    rng = np.random.default_rng(49)
+    job = new_job(harness, n_workers=2)
+    idxs = [indices(rng, job) for _ in range(2)]
+    got = run_round(harness, job, 0, idxs)
+    for w in range(2):
+        assert_result(got[w], job, 0, idxs, w)
+    again = bytearray(data(job, 1, 0, idxs[1]))
+    again[P.HEADER_BYTES - 4:P.HEADER_BYTES] = (0x5EED).to_bytes(4, "big")
+    w1 = harness.endpoint(job, 1)
+    before = harness.drops()
+    w1.send(bytes(again))
+    refused(w1.recv_all(timeout=harness.quiet), "reused_run", 0, 0)
+    settle(harness)
+    assert drops_delta(before, harness.drops()) == {"reused_run": 1}
+    # the first incarnation goes on; a new run id starts cleanly with any nonce
+    got = run_round(harness, job, 1, [indices(rng, job) for _ in range(2)])
+    assert all(parse(got[w][0])[0].pkt_type == P.PktType.RESULT for w in range(2))

@@ -1,0 +1,89 @@
+"""The in-memory switch (controller/testing/memswitch.py) answers as BMv2 does, so that the
+controller's tests on it (tests/test_jobs_safety.py, test_jobs_install.py) hold on BMv2:
+the same install leaves the same entries, groups and reset counts, and the same bad updates
+are refused with the same codes."""
+from __future__ import annotations
+
+import itertools
+import re
+
+import pytest
+
+from controller import counters, forwarding, jobs
+from controller.switch import SwitchError
+from controller.testing.memswitch import MemorySwitch
+from tests.bmv2.harness import AGG_IP, AGG_MAC
+from tests.test_memswitch import BAD_UPDATES, raw_job_entry
+
+pytestmark = pytest.mark.bmv2
+_ids = itertools.count(800)
+
+
+@pytest.fixture
+def mem():
+    s = MemorySwitch().connect()
+    yield s
+    s.close()
+
+
+def job_state(sw, job) -> dict:
+    """What ``job`` owns on a switch, as canonical bytes (the epoch left out)."""
+    luts = jobs._lut_tables(sw)
+    state = {t: sorted(map(jobs._canonical, jobs._job_entries(sw, t, job.job_id)))
+             for t in (jobs.WORKER_TABLE, jobs.ADDR_TABLE, luts[0], luts[-1])}
+    cfg = dict(jobs.installed_jobs(sw)[job.job_id])
+    cfg.pop("epoch")
+    routes = forwarding.routes(sw)
+    return {**state, "job": cfg, "group": sw.multicast_groups()[job.mcast_grp],
+            "routes": {w.mac: routes.get(w.mac) for w in job.workers},
+            "resets": counters.resets(sw, cfg["job_index"])}
+
+
+def test_an_install_leaves_the_same_state(bmv2, sw, mem):
+    job = bmv2.make_job(next(_ids), 3, pool_size=4)
+    agg = jobs.AggAddress(AGG_IP, AGG_MAC)
+    index = jobs.install_job(sw, job, agg, force=True)
+    bmv2._installed[job.job_id] = index
+    before = counters.resets(sw, index)
+    jobs.install_job(sw, job, agg, force=True)              # a re-install resets the pool again
+    jobs.install_job(mem, job, agg, job_index=index)
+    jobs.install_job(mem, job, agg, force=True)
+    real, fake = job_state(sw, job), job_state(mem, job)
+    assert real.pop("resets") - before == 2 * job.pool_size
+    assert fake.pop("resets") == 4 * job.pool_size
+    assert real == fake
+    assert jobs.unchanged(sw, job, agg) and jobs.unchanged(mem, job, agg)
+
+
+def _code(error: SwitchError) -> str:
+    return re.search(r"first: ([A-Z_]+)", str(error)).group(1)
+
+
+@pytest.mark.parametrize("case", list(BAD_UPDATES))
+def test_the_same_updates_are_refused_with_the_same_code(sw, mem, case):
+    entity, code, _ = BAD_UPDATES[case]
+    codes = []
+    for s in (sw, mem):
+        with pytest.raises(SwitchError) as e:
+            s.write_entries("INSERT", [entity(s)])
+        codes.append(_code(e.value))
+    assert codes == [code, code]
+
+
+def test_exists_and_not_found_answer_alike(sw, mem):
+    codes = []
+    for s in (sw, mem):
+        entry = raw_job_entry(s, 4000)
+        s.write_entries("INSERT", [entry])
+        try:
+            with pytest.raises(SwitchError) as twice:
+                s.write_entries("INSERT", [entry])
+            s.write_entries("DELETE", [entry])
+            with pytest.raises(SwitchError) as gone:
+                s.write_entries("DELETE", [entry])
+            with pytest.raises(SwitchError) as modify:
+                s.write_entries("MODIFY", [entry])
+        finally:
+            s.write_entries("DELETE", [entry], ignore=["NOT_FOUND"])
+        codes.append([_code(e.value) for e in (twice, gone, modify)])
+    assert codes[0] == codes[1] == ["ALREADY_EXISTS", "NOT_FOUND", "NOT_FOUND"]
