@@ -16,8 +16,8 @@ import pytest
 from host.codec.packing import pack_bits
 from host.net import fastagg
 from host.net.aggregator import Aggregator
-from host.net.client import (AggregationClient, AggregationRefused, AggregatorRestarted,
-                             RunFailed)
+from host.net.client import (AggregationClient, AggregationRefused, AggregationTimeout,
+                             AggregatorRestarted, RunFailed)
 from host.testing.clusters import free_port_block, local_job
 from host.wire import protocol as P
 from tests.test_transport import datapath  # noqa: F401 (a fixture)
@@ -199,3 +199,33 @@ def test_a_restarted_worker_under_the_same_run_id_fails_at_once(aggregator_kind,
         for w in range(2):
             assert isinstance(out[w], AggregationRefused) and out[w].reason == "reused_run", \
                 out[w]
+
+
+def test_a_chunk_held_for_a_gone_worker_times_out_naming_it():
+    """Worker 1 of 2 contributes to the first round, then is gone. Worker 0 closes the next
+    chunks short (loss bound) and reaches chunks that reuse the first round's slot versions:
+    they are held for worker 1, which may still need those results. Worker 0 does not close
+    a held chunk (a FLUSH could only close it empty) and times out naming worker 1 as the
+    one that has not moved past the previous use."""
+    job = local_job(1, 2, free_port_block(2), pool_size=2, table=list(range(16)))
+    pool = job.pool_size
+    with Aggregator([job]) as agg:
+        addr = agg.start()
+        w1 = AggregationClient(job, 1, addr, run=70, deadline=1.0)
+        w0 = AggregationClient(job, 0, addr, run=70, deadline=1.5, loss_bound=0.9,
+                               datapath="python")
+        try:
+            first = pack_bits(np.zeros(pool * job.lanes, np.uint8), P.INDEX_BITS)
+            t = threading.Thread(target=w1.aggregate, args=(first,))
+            t.start()
+            w0.aggregate(first)
+            t.join(10)
+            with pytest.raises(AggregationTimeout, match=r"held: worker\(s\) \[1\]") as e:
+                w0.aggregate(pack_bits(np.zeros(2 * pool * job.lanes, np.uint8),
+                                       P.INDEX_BITS))
+            assert e.value.missing == [1]
+            assert w0.stats.short == pool, "the chunks before the held ones closed short"
+            assert w0.stats.flushed == pool, "no FLUSH for a held chunk"
+        finally:
+            w0.close()
+            w1.close()

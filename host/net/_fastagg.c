@@ -1664,7 +1664,9 @@ static PyObject *fa_stream(PyObject *self, PyObject *args) {
                     }
                     if (r_type == c->pending_type) {
                         c->st[S_PENDING]++;
-                        pend[r] = r_bitmap & full;
+                        /* bit 32: held (count 0: the previous use of the slot version
+                         * is not yet acknowledged by the workers outside the bitmap) */
+                        pend[r] = (long long)(r_bitmap & full) | ((long long)(r_count == 0) << 32);
                         continue;
                     }
                     if (r_type != c->result_type || n - HDR != (size_t)expect_payload ||

@@ -426,7 +426,8 @@ class AggregationClient:
             timeout closes a chunk: overtaken chunks (fast retransmit) may merely sit in a
             lower class's queue, and a duplicate DATA costs nothing."""
             resent.add(i)
-            if bounded and (i in short or (may_flush and len(short) < budget)):
+            held = pending_bitmap.get(i, 0) >> 32
+            if bounded and (i in short or (may_flush and not held and len(short) < budget)):
                 if i not in short:
                     short.add(i)
                     slot, version = P.slot_of(base + i, pool)
@@ -492,7 +493,9 @@ class AggregationClient:
                         self._raise_refused(base, i, r_count, r_bitmap)
                     if r_type == pending_type:
                         self.stats.pending += 1
-                        pending_bitmap[i] = r_bitmap & full
+                        # bit 32: held (count 0): the bitmap names who holds the previous
+                        # use's result, and a FLUSH could only close the chunk empty
+                        pending_bitmap[i] = r_bitmap & full | (r_count == 0) << 32
                         continue
                     if (r_type != result_type or nbytes - header_bytes != expect_payload
                             or r_bitmap & ~full or bin(r_bitmap).count("1") != r_count
@@ -688,7 +691,13 @@ class AggregationClient:
                                      f"{silent:.1f}s ago (down, unreachable, or restarted and "
                                      f"not yet serving this job): start a new run once it is "
                                      f"back", None)
+        held, bitmap = bitmap >> 32, bitmap & 0xFFFFFFFF
         missing = [w for w in range(job.n_workers) if not bitmap >> w & 1]
         got = [w for w in range(job.n_workers) if bitmap >> w & 1]
+        if held:
+            raise AggregationTimeout(
+                f"{where}; held: worker(s) {missing} have not moved past the previous use of "
+                f"its slot version, so they may still need its result (straggling or gone; "
+                f"moved past it: {got})", missing)
         raise AggregationTimeout(f"{where}; missing worker(s) {missing} "
                                  f"(contributed: {got})", missing)
