@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import argparse
 
+import numpy as np
+
 from thcnet import faults
 
 
@@ -35,8 +37,38 @@ def test_bmv2_rows_say_why_they_did_not_run_on_loopback(tmp_path, capsys):
     assert names == ["1% loss (BMv2)", "5% loss (BMv2)", "20% loss (BMv2)",
                      "duplication (BMv2)", "reordering (BMv2)", "jitter (BMv2)",
                      "worker killed mid-round, run restarted (BMv2)",
-                     "switch restarted mid-stream (BMv2)", "8 workers streaming 10 s (BMv2)"]
+                     "switch restarted mid-stream (BMv2)", "out-of-step worker (BMv2)",
+                     "spoofed replies (BMv2)", "reused run id (BMv2)",
+                     "bounded loss with a straggler (BMv2)", "8 workers streaming 10 s (BMv2)"]
     assert all("not run:" in ln for ln in lines)
+
+
+def test_protocol_rows_on_loopback(tmp_path, capsys):
+    """An out-of-step worker, forged replies, a reused run id and a straggler under bounded
+    loss: every row exact, each fault doing what the protocol says."""
+    args = argparse.Namespace(quick=True, out=str(tmp_path / "f.md"), json=None, loopback=True,
+                              only="out-of-step,spoofed,reused-run,straggler")
+    assert faults.run(args) == 0
+    out = capsys.readouterr().out
+    for name in ("out-of-step worker", "spoofed replies", "reused run id",
+                 "bounded loss with a straggler"):
+        assert f"{name}: exact (4/4 workers)" in out, out
+    assert "refused as wrong_use;" in out            # every injected MAX refused
+    assert "4/4 AggregationRefused (reused_run)" in out
+    assert "4/4 finished" in out and "the same on every worker" in out
+
+
+def test_the_bitmap_reference_sums_only_the_counted_workers():
+    from thcnet.smoke_worker import bitmap_mismatches, bitmap_reference, indices
+
+    table, lanes, numel = list(range(16)), 4, 10    # 3 chunks, the last one short of lanes
+    lut = np.asarray(table)
+    bitmaps = np.array([0b11, 0b10, 0], np.uint32)
+    ref = bitmap_reference(table, 2, 7, numel, lanes, bitmaps)
+    a, b = lut[indices(7, 0, numel)], lut[indices(7, 1, numel)]
+    np.testing.assert_array_equal(ref, np.concatenate([a[:4] + b[:4], b[4:8], [0, 0]]))
+    assert bitmap_mismatches(ref, ref, [2, 1, 0], bitmaps, lanes) == 0
+    assert bitmap_mismatches(ref, ref, [2, 2, 0], bitmaps, lanes) == lanes  # count != bits
 
 
 def test_a_timed_stream_stops_every_worker_after_the_same_round():

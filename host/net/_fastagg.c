@@ -1783,8 +1783,9 @@ static PyObject *fa_stream(PyObject *self, PyObject *args) {
              * a cap, not none: a head that waits for a straggler, or a chunk that is only
              * reordered, would otherwise resend every RTO */
             {
-                double cap = (i == lo || (mark[r] & M_OVERTAKEN)) ? FAST_BACKOFF_CAP * b
-                                                                  : max_timeout;
+                int held = pend[r] >= 0 && ((pend[r] >> 32) & 1);
+                double cap = (i == lo || (mark[r] & M_OVERTAKEN) || held) ? FAST_BACKOFF_CAP * b
+                                                                          : max_timeout;
                 if (backoff[r] > b) b = backoff[r];
                 b *= 2;
                 if (b > cap) b = cap;

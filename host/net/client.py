@@ -426,8 +426,12 @@ class AggregationClient:
             timeout closes a chunk: overtaken chunks (fast retransmit) may merely sit in a
             lower class's queue, and a duplicate DATA costs nothing."""
             resent.add(i)
-            held = pending_bitmap.get(i, 0) >> 32
-            if bounded and (i in short or (may_flush and not held and len(short) < budget)):
+            if pending_bitmap.get(i, 0) >> 32:
+                # held: a FLUSH could only open the use closed and empty; the DATA waits in
+                # the same place and counts once the previous use is acknowledged
+                self.stats.retransmitted += 1
+                self._send(packet(i), dst(i), tos[i] if tos else 0)
+            elif bounded and (i in short or (may_flush and len(short) < budget)):
                 if i not in short:
                     short.add(i)
                     slot, version = P.slot_of(base + i, pool)
@@ -546,12 +550,13 @@ class AggregationClient:
                 rto = self.rto(shard_of(i))
                 # exponential backoff, capped at FAST_BACKOFF_CAP RTOs for the window's head
                 # (every chunk behind it waits for it; with priority classes it may merely
-                # wait in a lower class's queue, and keeps the full backoff) and for a chunk
-                # that later ones overtook FAST_RETRANSMIT_AFTER times (a lost packet): a
-                # cap, not none, or a head waiting for a straggler and a merely reordered
-                # chunk would resend every RTO
+                # wait in a lower class's queue, and keeps the full backoff), for a chunk
+                # that later ones overtook FAST_RETRANSMIT_AFTER times (a lost packet) and for
+                # a held chunk (it can go on the moment the straggler moves on): a cap, not
+                # none, or a head waiting for a straggler and a merely reordered chunk would
+                # resend every RTO
                 cap = (self.FAST_BACKOFF_CAP * rto if i in overtaken or (i == lo and tos is None)
-                       else self.max_timeout)
+                       or pending_bitmap.get(i, 0) >> 32 else self.max_timeout)
                 backoff[i] = min(max(backoff[i], rto) * 2, cap, self.max_timeout)
                 due[i] = now + backoff[i]
         self.next_seq = (base + total) % P.SEQ_MOD

@@ -50,11 +50,12 @@ def worker_mac(rank: int) -> str:
 
 
 def make_job(workers: list[Worker], params: THCParams, lanes: int, pool_size: int,
-             job_id: int = 1, shards: tuple[Shard, ...] = ()) -> Job:
+             job_id: int = 1, shards: tuple[Shard, ...] = (), loss_bound: float = 0.0) -> Job:
     try:
         return Job(job_id=job_id, workers=tuple(workers),
                    table=tuple(int(t) for t in params.table), granularity=params.granularity,
-                   pool_size=pool_size, lanes=lanes, shards=tuple(shards)).validate()
+                   pool_size=pool_size, lanes=lanes, shards=tuple(shards),
+                   loss_bound=loss_bound).validate()
     except ConfigError as e:
         raise TestbedError(str(e)) from None
 
@@ -105,7 +106,7 @@ class Testbed:
     """Options the testbed's links need from ``thc aggregator``."""
 
     def __init__(self, n_workers: int, aggregator: str, params: THCParams | None,
-                 lanes: int | None, pool_size: int | None):
+                 lanes: int | None, pool_size: int | None, loss_bound: float = 0.0):
         if aggregator not in AGGREGATORS:
             raise TestbedError(f"aggregator must be one of {AGGREGATORS}, got {aggregator!r}")
         if not 1 <= n_workers <= min(P.MAX_WORKERS, 250):
@@ -123,6 +124,9 @@ class Testbed:
         except ValueError as e:
             raise TestbedError(f"{n_workers} workers ({sum_bits}-bit sums): {e}") from None
         self.pool_size = pool_size or 64
+        self.loss_bound = loss_bound
+        """The job's DLCP loss bound (``Job.loss_bound``, in its cluster config): the fraction
+        of a round's chunks a worker may close short."""
         self.python = sys.executable
         self.logdir = Path(tempfile.mkdtemp(prefix=f"thcnet-{self.kind}-"))
         self.master_addr: tuple[str, int] = ("127.0.0.1", MASTER_PORT)

@@ -72,7 +72,7 @@ class MininetTestbed(Testbed):
                  loss_pct: float = 0.0, aggregator: str = "software",
                  agg_bw_factor: float | None = None, params: THCParams | None = None,
                  lanes: int | None = None, pool_size: int | None = None, quiet: bool = True,
-                 priorities: bool = False):
+                 priorities: bool = False, loss_bound: float = 0.0):
         """``priorities``: every shaped link queues by DLCP class (links.PriorityTCIntf)."""
         try:
             plan = links.plan(bw_mbit, delay_ms, loss_pct)
@@ -88,7 +88,7 @@ class MininetTestbed(Testbed):
             if pool_size and pool_size > P.SWITCH_SLOTS:
                 raise TestbedError(f"pool_size {pool_size} exceeds the switch's "
                                    f"{P.SWITCH_SLOTS} slots")
-        super().__init__(n_workers, aggregator, params, lanes, pool_size)
+        super().__init__(n_workers, aggregator, params, lanes, pool_size, loss_bound)
         self.bw_mbit = bw_mbit
         self.delay_ms = delay_ms
         self.loss_pct = loss_pct
@@ -186,7 +186,8 @@ class MininetTestbed(Testbed):
         shards = ()
         if self.aggregator == "sharded":
             shards = tuple(Shard(worker_ip(r), P.UDP_PORT) for r in range(n))
-        job = make_job(workers, self.params, self.lanes, self.pool_size, shards=shards)
+        job = make_job(workers, self.params, self.lanes, self.pool_size, shards=shards,
+                       loss_bound=self.loss_bound)
         if self.aggregator == "bmv2":
             self.cluster = Cluster(jobs=(job,), agg_ip=SWITCH_AGG_IP, agg_port=P.UDP_PORT,
                                    agg_mac=SWITCH_AGG_MAC)

@@ -55,10 +55,10 @@ class LoopbackTestbed(Testbed):
 
     def __init__(self, n_workers: int, aggregator: str = "software",
                  params: THCParams | None = None, lanes: int | None = None,
-                 pool_size: int | None = None):
+                 pool_size: int | None = None, loss_bound: float = 0.0):
         if aggregator == "bmv2":
             raise TestbedError("the bmv2 aggregator needs the Mininet testbed (root and Mininet)")
-        super().__init__(n_workers, aggregator, params, lanes, pool_size)
+        super().__init__(n_workers, aggregator, params, lanes, pool_size, loss_bound)
         base = free_port_block(2 * n_workers + 2, tcp=True)
         workers = [Worker(id=r, ip="127.0.0.1", port=base + r) for r in range(n_workers)]
         self.master_addr = ("127.0.0.1", base + n_workers)
@@ -69,7 +69,7 @@ class LoopbackTestbed(Testbed):
         if aggregator == "sharded":
             shards = tuple(Shard("127.0.0.1", agg_port + 1 + r) for r in range(n_workers))
         self.cluster = Cluster(jobs=(make_job(workers, self.params, self.lanes, self.pool_size,
-                                              shards=shards),),
+                                              shards=shards, loss_bound=self.loss_bound),),
                                agg_ip="127.0.0.1", agg_port=agg_port)
 
     def worker_intf(self, rank: int) -> str:
@@ -94,17 +94,19 @@ def open_testbed(n_workers: int, bw_mbit: float | None = None, delay_ms: float =
                  loss_pct: float = 0.0, aggregator: str = "software", prefer_mininet: bool = True,
                  agg_bw_factor: float | None = None, params: THCParams | None = None,
                  lanes: int | None = None, pool_size: int | None = None,
-                 quiet: bool = True, priorities: bool = False) -> Testbed:
+                 quiet: bool = True, priorities: bool = False,
+                 loss_bound: float = 0.0) -> Testbed:
     """Bring up a testbed (use it as a context manager: it always tears itself down).
 
     ``bw_mbit``/``delay_ms``/``loss_pct`` shape every worker link (both directions; the
     central aggregator's link gets ``agg_bw_factor`` x ``bw_mbit``, default 1: equal links);
     ``aggregator`` is ``"sharded"`` (a `thc aggregator` shard on every worker host),
     ``"software"`` (one central `thc aggregator` on host agg), ``"bmv2"`` (the switch itself)
-    or ``"none"``; ``params``/``lanes``/``pool_size`` shape the job in
-    ``tb.cluster``; ``priorities`` queues every link by DLCP class (Mininet only). Falls
-    back to the loopback testbed (printing why, once) when Mininet
-    cannot run here or ``prefer_mininet`` is False; link parameters are then not emulated.
+    or ``"none"``; ``params``/``lanes``/``pool_size``/``loss_bound`` (DLCP's, the
+    fraction of a round's chunks a worker may close short) shape the job in ``tb.cluster``;
+    ``priorities`` queues every link by DLCP class (Mininet only). Falls back to the loopback
+    testbed (printing why, once) when Mininet cannot run here or ``prefer_mininet`` is False;
+    link parameters are then not emulated.
     """
     if aggregator not in AGGREGATORS:
         raise TestbedError(f"aggregator must be one of {AGGREGATORS}, got {aggregator!r}")
@@ -114,11 +116,11 @@ def open_testbed(n_workers: int, bw_mbit: float | None = None, delay_ms: float =
         return MininetTestbed(n_workers, bw_mbit=bw_mbit, delay_ms=delay_ms, loss_pct=loss_pct,
                               aggregator=aggregator, agg_bw_factor=agg_bw_factor, params=params,
                               lanes=lanes, pool_size=pool_size, quiet=quiet,
-                              priorities=priorities)
+                              priorities=priorities, loss_bound=loss_bound)
     if aggregator == "bmv2":
         raise TestbedError(f"the bmv2 aggregator needs Mininet, which is not available: {reason}")
     shaped = bw_mbit is not None or delay_ms or loss_pct
     say_once(f"using the loopback testbed ({reason})"
              + ("; bandwidth/delay/loss are NOT emulated" if shaped else ""))
     return LoopbackTestbed(n_workers, aggregator=aggregator, params=params, lanes=lanes,
-                           pool_size=pool_size)
+                           pool_size=pool_size, loss_bound=loss_bound)
