@@ -211,7 +211,7 @@ def _param_piece(param_id: int, value: bytes) -> bytes:
                   + _field(t["param.value"], value))
 
 
-def _read_varint(buf: bytes, pos: int) -> tuple[int, int]:
+def read_varint(buf: bytes, pos: int) -> tuple[int, int]:
     value = shift = 0
     while True:
         b = buf[pos]
@@ -226,8 +226,8 @@ def entity_table_id(entity: bytes) -> int:
     """The table id of a serialized Entity that :func:`exact_entity` wrote."""
     t = _tags()
     pos = len(t["entity.table_entry"])
-    _, pos = _read_varint(entity, pos)
-    return _read_varint(entity, pos + len(t["table.id"]))[0]
+    _, pos = read_varint(entity, pos)
+    return read_varint(entity, pos + len(t["table.id"]))[0]
 
 
 class BatchWriter:

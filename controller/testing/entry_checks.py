@@ -19,6 +19,8 @@ from functools import lru_cache
 
 from google.rpc import code_pb2
 
+from controller.p4rt import read_varint
+
 Key = tuple  # ((match field id, value), ...) sorted by id
 Action = tuple  # (action id, ((param id, value), ...) sorted by id)
 
@@ -62,11 +64,11 @@ def _fields(buf: bytes) -> list[tuple[int, int | bytes]]:
             key = buf[pos]
             pos += 1
             if key >= 0x80:
-                key, pos = _varint(buf, pos - 1)
+                key, pos = read_varint(buf, pos - 1)
             wire, value = key & 7, buf[pos]
             pos += 1
             if value >= 0x80:
-                value, pos = _varint(buf, pos - 1)
+                value, pos = read_varint(buf, pos - 1)
             if wire == 2:
                 value, pos = buf[pos:pos + value], pos + value
             elif wire != 0:
@@ -79,15 +81,6 @@ def _fields(buf: bytes) -> list[tuple[int, int | bytes]]:
     return out
 
 
-def _varint(buf: bytes, pos: int) -> tuple[int, int]:
-    value = shift = 0
-    while True:
-        b = buf[pos]
-        pos += 1
-        value |= (b & 0x7F) << shift
-        shift += 7
-        if b < 0x80:
-            return value, pos
 
 
 def _only(fields, allowed: set[int], what: str) -> None:
