@@ -44,7 +44,9 @@ def smoke(tb, numel=1 << 16, seed=5):
 
 # -- loopback ----------------------------------------------------------------------------------
 
-def test_loopback_testbed_describes_itself_and_its_cluster(capsys):
+def test_loopback_testbed_describes_itself_and_its_cluster(capsys, monkeypatch):
+    import thcnet.base
+    monkeypatch.setattr(thcnet.base, "_said", set())  # said once per process: say it here
     with open_testbed(3, bw_mbit=100, prefer_mininet=False) as tb:
         assert tb.kind == "loopback" and tb.n_workers == 3
         job = tb.cluster.jobs[0]
