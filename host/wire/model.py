@@ -4,8 +4,8 @@
 replies it sends and the reason it dropped the packet, if it did. No sockets, no clock, no
 randomness: time comes in as ``now`` and every install's epoch as an argument, so a fuzzer
 replays any interleaving exactly. The Python aggregator (:mod:`host.net.aggregator`) is a
-UDP shell around it; the compiled aggregator, the v1model and the TNA programs are checked
-against it (tests/test_model_fuzz.py, tests/conformance/).
+UDP shell around it; the compiled aggregator and the v1model program (on BMv2) are checked
+against it (tests/model_fuzz.py, tests/bmv2/test_switch_model_fuzz.py, tests/conformance/).
 
 State per job follows the switch's registers, one entry per slot and version:
 ``thc_run``/``thc_seq`` name the use, ``thc_op`` its kind (a sum of DATA or a MAX) and
