@@ -41,6 +41,7 @@ def test_a_max_at_a_sums_seq_is_refused_and_adds_nothing(harness):
     idxs = [indices(rng, job) for _ in range(2)]
     w0, w1 = harness.endpoint(job, 0), harness.endpoint(job, 1)
     w0.send(data(job, 0, 0, idxs[0]))
+    settle(harness)  # workers on different switch ports: keep the order
     before = harness.drops()
     w1.send(max_packet(job, 1, 0))
     refused(w1.recv_all(timeout=harness.quiet), "wrong_use", 0, int(P.PktType.DATA))
@@ -58,6 +59,7 @@ def test_data_after_a_max_use_is_refused_and_the_next_use_starts_clean(harness):
     job = new_job(harness, n_workers=2, pool_size=2)
     w0, w1 = harness.endpoint(job, 0), harness.endpoint(job, 1)
     w0.send(max_packet(job, 0, 0, 1e30))
+    settle(harness)  # workers on different switch ports: keep the order
     w1.send(data(job, 1, 0, indices(rng, job)))
     refused(w1.recv_all(timeout=harness.quiet), "wrong_use", 0, int(P.PktType.MAX))
     w1.send(flush(job, 1, 0))
@@ -82,6 +84,7 @@ def test_a_chunk_whose_offset_differs_from_its_use_is_refused(harness):
     job = new_job(harness, n_workers=2)
     idxs = [indices(rng, job) for _ in range(2)]
     harness.endpoint(job, 0).send(data(job, 0, 0, idxs[0]))
+    settle(harness)  # workers on different switch ports: keep the order
     w1 = harness.endpoint(job, 1)
     w1.send(data(job, 1, 0, idxs[1], offset=12345))
     refused(w1.recv_all(timeout=harness.quiet), "wrong_use", 0)
