@@ -139,7 +139,7 @@ class Switch:
         if not self.is_primary and (self.require_primary or files is not None):
             raise SwitchError(
                 f"another controller is primary on {self.grpc_addr} (election id "
-                f"{self.election_id} is not the highest); this session cannot write")
+                f"{self.election_id} is not the highest); this client cannot write")
         if not p4info.tables and files is None:
             raise SwitchError(f"the switch at {self.grpc_addr} has no P4 program: push one "
                               f"(`thc controller push`)")
