@@ -12,13 +12,10 @@
 """
 from __future__ import annotations
 
+from controller.program import DROPS, JOB_COUNTERS, JOB_TABLE, L2_MISSES, RESETS
 from controller.switch import Switch
 from host.wire import protocol as P
 
-DROPS = "thc_drops"
-JOB_COUNTERS = "thc_job_counters"
-RESETS = "thc_resets"
-L2_MISSES = "l2_misses"
 DSCP_UNKNOWN = "thc_dscp_unknown"
 
 
@@ -71,8 +68,9 @@ def dscp_unknown(sw: Switch) -> int:
 def snapshot(sw: Switch, installed: dict[int, dict] | None = None) -> dict:
     """Everything, JSON-ready (``thc controller counters``); per-job counters of ``installed``."""
     out = {"l2_misses": l2_misses(sw)}
-    if sw.has_table("thc_job"):      # the THC program (l2.p4 has only l2_misses)
+    if sw.has_table(JOB_TABLE):      # the THC program (l2.p4 has only l2_misses)
         out["drops"] = drops(sw)
-        out["dscp_unknown"] = dscp_unknown(sw)
+        if DSCP_UNKNOWN in sw.counters:
+            out["dscp_unknown"] = dscp_unknown(sw)
         out["jobs"] = {str(k): v for k, v in all_job_counters(sw, installed or {}).items()}
     return out

@@ -6,18 +6,17 @@ worker MAC (the worker's ``switch_port``); anything else can be added by hand.
 from __future__ import annotations
 
 from controller.frames import mac_str
+from controller.program import L2_SET_PORT, L2_TABLE
 from controller.switch import Switch
 
-TABLE = "l2_forward"
-ACTION = "l2_set_port"
 UNROUTABLE = {"00:00:00:00:00:00", "ff:ff:ff:ff:ff:ff"}
 """MACs never installed (the default worker MAC and broadcast)."""
 
 
 def entry(sw: Switch, mac: str, port: int | None = None):
     if port is None:
-        return sw.table_entry(TABLE, {"dst_mac": mac})
-    return sw.table_entry(TABLE, {"dst_mac": mac}, ACTION, {"port": port})
+        return sw.table_entry(L2_TABLE, {"dst_mac": mac})
+    return sw.table_entry(L2_TABLE, {"dst_mac": mac}, L2_SET_PORT, {"port": port})
 
 
 def install(sw: Switch, routes: dict[str, int]) -> None:
@@ -38,9 +37,9 @@ def remove(sw: Switch, macs) -> int:
 
 def routes(sw: Switch) -> dict[str, int]:
     """Installed MAC -> port entries."""
-    fid = sw.field_id(TABLE, "dst_mac")
+    fid = sw.field_id(L2_TABLE, "dst_mac")
     out = {}
-    for e in sw.read_table(TABLE):
+    for e in sw.read_table(L2_TABLE):
         mac = sw.match_values(e)[fid]
         out[mac_str(mac.to_bytes(6, "big"))] = sw.param_values(e).get("port", -1)
     return out

@@ -9,9 +9,8 @@ A job (host/wire/jobs.py ``Job``) becomes
   thc_worker       (job_id, worker_id, src_ip, src_port) -> set_worker(worker_bit)
   thc_worker_addr  (job_id, worker_id) -> set_worker_addr(worker_mac, worker_ip,
                                                           worker_port, agg_mac, agg_ip)  [egress]
-  thc_g<k>.thc_lut_<b>  (job_id, byte) -> thc_lut_set_<b>(two lanes' values, packed);
-                        the last byte: thc_lut_sum8 / thc_lut_sum16 (adds the words too)
-                   256 entries x 4 bytes x LANES/8 lane groups
+  lookup tables    (job_id, byte) -> two lanes' table values: the target's own tables
+                   (controller/targets/, e.g. 32768 entries a job on BMv2, 16384 on Tofino)
   multicast group  job.mcast_grp: one replica per worker (its switch_port, instance worker_id + 1)
   l2_forward       worker MAC -> switch_port
   RESET x 2 x pool packet-outs that clear the job's slot versions in the data plane,
@@ -33,20 +32,12 @@ from dataclasses import dataclass
 
 from controller import counters, forwarding, p4rt
 from controller.frames import mac_str, reset_frame
+from controller.job_checks import check_job, config_of, free_index, target_of
+from controller.program import (ADDR_TABLE, JOB_TABLE, SET_JOB, SET_WORKER, SET_WORKER_ADDR,
+                                WORKER_TABLE)
 from controller.switch import Switch, SwitchError
 from host.wire import protocol as P
 from host.wire.jobs import SWITCH_AGG_IP, SWITCH_AGG_MAC, Cluster, ConfigError, Job
-
-JOB_TABLE = "thc_job"
-WORKER_TABLE = "thc_worker"
-ADDR_TABLE = "thc_worker_addr"
-GROUP = "ThcIngress.thc_g{}"
-LUT_TABLE = GROUP + ".thc_lut_{}"
-LUT_ACTION = GROUP + ".thc_lut_set_{}"
-LUT_SUM_ACTION = GROUP + ".thc_lut_sum{}"
-GROUP_LANES = 8
-GROUP_BYTES = GROUP_LANES * P.INDEX_BITS // 8
-
 
 LIVE_WINDOW = 0.5
 """Seconds the controller watches a job's packet counter before changing it: a job whose
@@ -195,73 +186,10 @@ def _refuse_live(sw: Switch, job_indices: dict[int, int], what: str, force: bool
                       f"pass force=True (--force)")
 
 
-# ---- checks before any write ----------------------------------------------------------------
-
-def check_job(sw: Switch, job: Job, job_index: int, others: dict[int, dict]) -> None:
-    """Why ``job`` cannot go on the switch at ``job_index`` (ConfigError), checked before any
-    write. ``others``: {job_id: set_job parameters plus ``addresses`` as installed_addresses
-    gives them} of the jobs that stay on the switch beside ``job``."""
-    job.validate()
-    if job.lanes != sw.lanes:
-        raise ConfigError(f"job {job.job_id} has {job.lanes} lanes; the switch program was "
-                          f"compiled for {sw.lanes}")
-    if not 0 <= job_index < P.MAX_JOBS:
-        raise ConfigError(f"job index {job_index} outside 0..{P.MAX_JOBS - 1}")
-    if job.pool_base + job.pool_size > P.SWITCH_SLOTS:
-        raise ConfigError(f"job {job.job_id}: pool {job.pool_base}..{job.pool_base + job.pool_size - 1}"
-                          f" does not fit the switch's {P.SWITCH_SLOTS} slots")
-    for w in job.workers:
-        if not 0 <= w.switch_port < 511 or w.switch_port == P.CPU_PORT:
-            raise ConfigError(f"job {job.job_id} worker {w.id}: switch_port {w.switch_port} "
-                              f"is not a front-panel port")
-    for jid, cfg in others.items():
-        if cfg["job_index"] == job_index:
-            raise ConfigError(f"job index {job_index} is taken by job {jid}")
-        if cfg["mcast_grp"] == job.mcast_grp:
-            raise ConfigError(f"multicast group {job.mcast_grp} is taken by job {jid}")
-        lo, hi = cfg["pool_base"], cfg["pool_base"] + cfg["pool_size"]
-        if job.pool_base < hi and lo < job.pool_base + job.pool_size:
-            raise ConfigError(f"job {job.job_id}'s slot pool {job.pool_base}.."
-                              f"{job.pool_base + job.pool_size - 1} overlaps job {jid}'s "
-                              f"{lo}..{hi - 1}")
-        _check_addresses(job, jid, cfg.get("addresses", ()))
-
-
-def _check_addresses(job: Job, other_id: int, addresses) -> None:
-    """Workers of two jobs may share a host (MAC and IP, other UDP port) but never an
-    ip:port (the switch could not tell whose packet it is), and one MAC may not name two
-    hosts (two IPs, or two switch ports for l2_forward)."""
-    for w in job.workers:
-        mac = w.mac.lower()
-        for ip, port, omac, oport in addresses:
-            if (w.ip, w.port) == (ip, port):
-                raise ConfigError(f"job {job.job_id} worker {w.id}: address {w.ip}:{w.port} "
-                                  f"is used by a worker of job {other_id}")
-            if mac == omac and mac not in forwarding.UNROUTABLE and (
-                    w.ip != ip or (oport is not None and w.switch_port != oport)):
-                raise ConfigError(
-                    f"job {job.job_id} worker {w.id}: MAC {w.mac} belongs to {ip} on switch "
-                    f"port {oport} in job {other_id}, not {w.ip} on port {w.switch_port}")
-
-
-def _config_of(job: Job, job_index: int) -> dict:
-    """A job as ``check_job`` sees the others: set_job parameters and addresses."""
-    return {"job_index": job_index, "mcast_grp": job.mcast_grp, "pool_base": job.pool_base,
-            "pool_size": job.pool_size,
-            "addresses": [(w.ip, w.port, w.mac.lower(), w.switch_port) for w in job.workers]}
-
-
 def _installed_configs(sw: Switch) -> dict[int, dict]:
     installed = installed_jobs(sw)
     addresses = installed_addresses(sw)
     return {jid: {**cfg, "addresses": addresses.get(jid, [])} for jid, cfg in installed.items()}
-
-
-def _free_index(taken: set[int]) -> int:
-    free = [i for i in range(P.MAX_JOBS) if i not in taken]
-    if not free:
-        raise ConfigError(f"the switch holds {P.MAX_JOBS} jobs already")
-    return free[0]
 
 
 # ---- entries of one job -------------------------------------------------------------------
@@ -278,7 +206,7 @@ def new_epoch(previous: int | None = None) -> int:
 def job_entry(sw: Switch, job: Job, job_index: int, epoch: int):
     if not 0 < epoch < 1 << 32:
         raise ConfigError(f"job {job.job_id}: epoch {epoch} outside 1..2^32-1")
-    return sw.table_entry(JOB_TABLE, {"job_id": job.job_id}, "set_job", {
+    return sw.table_entry(JOB_TABLE, {"job_id": job.job_id}, SET_JOB, {
         "job_index": job_index, "n_workers": job.n_workers, "pool_base": job.pool_base,
         "pool_size": job.pool_size, "full_bitmap": job.full_bitmap, "mcast_grp": job.mcast_grp,
         "sum_bits": job.sum_bits, "epoch": epoch,
@@ -288,59 +216,22 @@ def job_entry(sw: Switch, job: Job, job_index: int, epoch: int):
 def worker_entries(sw: Switch, job: Job) -> list:
     return [sw.table_entry(WORKER_TABLE, {"job_id": job.job_id, "worker_id": w.id,
                                           "src_ip": w.ip, "src_port": w.port},
-                           "set_worker", {"worker_bit": 1 << w.id})
+                           SET_WORKER, {"worker_bit": 1 << w.id})
             for w in job.workers]
 
 
 def addr_entries(sw: Switch, job: Job, agg: AggAddress) -> list:
     return [sw.table_entry(ADDR_TABLE, {"job_id": job.job_id, "worker_id": w.id},
-                           "set_worker_addr", {"worker_mac": w.mac, "worker_ip": w.ip,
+                           SET_WORKER_ADDR, {"worker_mac": w.mac, "worker_ip": w.ip,
                                                "worker_port": w.port, "agg_mac": agg.agg_mac,
                                                "agg_ip": agg.agg_ip})
             for w in job.workers]
 
 
-def lut_values(job: Job) -> list[list[int]]:
-    """[byte position in a lane group][DATA byte] -> the action value: the byte's two lanes'
-    table values placed where they sit in a 32-bit sum word (four 8-bit lanes a word: even
-    bytes fill the high half, odd bytes the low half; two 16-bit lanes a word: one byte)."""
-    t = job.table
-    out = []
-    for pos in range(GROUP_BYTES):
-        row = []
-        for byte in range(256):
-            hi, lo = t[byte >> 4], t[byte & 0x0F]
-            if job.sum_bits == 8:
-                row.append(((hi << 8) | lo) << (16 if pos % 2 == 0 else 0))
-            else:
-                row.append((hi << 16) | lo)
-        out.append(row)
-    return out
-
-
-def lut_action(group: int, pos: int, sum_bits: int) -> str:
-    """The action of a lookup entry: the last byte's also adds the group's words (one
-    action per sum width, so BMv2 runs no further table for them)."""
-    if pos == GROUP_BYTES - 1:
-        return LUT_SUM_ACTION.format(group, sum_bits)
-    return LUT_ACTION.format(group, pos)
-
-
 def lut_entries(sw: Switch, job: Job, with_action: bool = True) -> list:
-    """256 x 4 lookup entries per lane group (serialized: see Switch.entry_bytes)."""
-    values = lut_values(job) if with_action else None
-    out = []
-    for group in range(sw.lanes // GROUP_LANES):
-        for pos in range(GROUP_BYTES):
-            table = LUT_TABLE.format(group, pos)
-            if with_action:
-                out += sw.entries_bytes(table, lut_action(group, pos, job.sum_bits), [
-                    ({"job_id": job.job_id, "idx": byte}, {"value": values[pos][byte]})
-                    for byte in range(256)])
-            else:
-                out += [sw.entry_bytes(table, {"job_id": job.job_id, "idx": byte})
-                        for byte in range(256)]
-    return out
+    """The job's lookup entries for the switch's target (serialized: see Switch.entry_bytes);
+    without action: their keys."""
+    return target_of(sw).lut_entries(sw, job, with_action)
 
 
 def _upsert(sw: Switch, entries: list, exists: bool = False) -> None:
@@ -398,7 +289,7 @@ def install_job(sw: Switch, job: Job, agg: AggAddress = AggAddress(),
     previous = installed.pop(job.job_id, None)
     if job_index is None:
         job_index = previous["job_index"] if previous is not None else \
-            _free_index({cfg["job_index"] for cfg in installed.values()})
+            free_index({cfg["job_index"] for cfg in installed.values()})
     check_job(sw, job, job_index, installed)
     if previous is not None:
         _refuse_live(sw, {job.job_id: previous["job_index"]}, "re-installing it", force,
@@ -491,10 +382,10 @@ def install_cluster(sw: Switch, cluster: Cluster, prune: bool = False, force: bo
         if job.job_id in index and index[job.job_id] in taken:
             del index[job.job_id]
         if job.job_id not in index:
-            index[job.job_id] = _free_index(taken | set(index.values()))
+            index[job.job_id] = free_index(taken | set(index.values()))
         taken.add(index[job.job_id])
     for job in cluster.jobs:
-        others = {**staying, **{j.job_id: _config_of(j, index[j.job_id])
+        others = {**staying, **{j.job_id: config_of(j, index[j.job_id])
                                 for j in cluster.jobs if j.job_id != job.job_id}}
         check_job(sw, job, index[job.job_id], others)
 

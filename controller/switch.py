@@ -1,11 +1,13 @@
-"""Connection to one BMv2 switch over P4Runtime, on p4runtime-shell's public API.
+"""Connection to one switch (BMv2, or Tofino's bf_switchd) over P4Runtime, on
+p4runtime-shell's public API.
 
 ``Switch`` opens a session with ``p4runtime_sh.shell.setup`` (device id 0 by default, as
-``simple_switch_grpc --device-id 0``), optionally pushing the compiled pipeline from
-``p4src/build``, and offers what the other controller modules need: P4Info name lookup,
-table entries as p4runtime ``TableEntry`` messages (or serialized, for thousands of lookup
-entries), batched writes that report per-update errors, reads, counters (``shell.CounterEntry``), multicast groups
-(``shell.MulticastGroupEntry``) and raw packet-out. What p4runtime-shell lacks is in
+``simple_switch_grpc --device-id 0``), optionally pushing the compiled BMv2 pipeline from
+``p4src/build`` (bf_switchd loads its program itself), and offers what the other controller
+modules need: P4Info name lookup and the program's target (controller/targets/), table
+entries as p4runtime ``TableEntry`` messages (or serialized, for thousands of lookup
+entries), batched writes that report per-update errors, reads, counters
+(``shell.CounterEntry``), multicast groups (``shell.MulticastGroupEntry``) and raw packet-out. What p4runtime-shell lacks is in
 controller/p4rt.py.
 
 p4runtime-shell keeps one client per process, so only one ``Switch`` may be open at a time;
@@ -18,7 +20,8 @@ import threading
 from pathlib import Path
 from typing import Iterable, Iterator
 
-from controller import p4rt
+from controller import p4rt, targets
+from controller.program import short_name
 from controller.toolchain import BUILD_DIR
 
 DEFAULT_GRPC = "127.0.0.1:9559"
@@ -44,8 +47,17 @@ def program_files(program: str = "thc", build_dir: Path | str = BUILD_DIR) -> tu
     return p4info, bmv2
 
 
-def short_name(name: str) -> str:
-    return name.rsplit(".", 1)[-1]
+def load_p4info(path: Path | str):
+    """A P4Info text file as a ``p4.config.v1.P4Info`` message."""
+    from google.protobuf import text_format
+    from p4.config.v1 import p4info_pb2
+    path = Path(path)
+    if not path.exists():
+        raise SwitchError(f"{path} not found: compile the P4 program (`make p4`; for Tofino "
+                          f"p4c's Tofino back end with --p4runtime-files)")
+    info = p4info_pb2.P4Info()
+    text_format.Merge(path.read_text(), info)
+    return info
 
 
 def encode_value(value, bitwidth: int) -> bytes:
@@ -96,7 +108,7 @@ class _Names:
 
 
 class Switch:
-    """One P4Runtime session with a BMv2 switch (use as a context manager)."""
+    """One P4Runtime session with a switch (use as a context manager)."""
 
     def __init__(self, grpc_addr: str = DEFAULT_GRPC, device_id: int = DEFAULT_DEVICE_ID,
                  election_id: tuple[int, int] = (1, 0), timeout: float = 5.0,
@@ -149,6 +161,8 @@ class Switch:
     def _load_p4info(self, p4info) -> None:
         self._cache: dict = {}
         self.p4info = p4info
+        self.target = targets.of_p4info(p4info)
+        """The target whose program this is (controller/targets/); None for another program."""
         self.tables = _Names(p4info.tables)
         self.actions = _Names(p4info.actions)
         self.counters = _Names(p4info.counters)
@@ -156,13 +170,8 @@ class Switch:
     @classmethod
     def offline(cls, program: str = "thc", build_dir: Path | str = BUILD_DIR) -> "Switch":
         """A Switch that only knows a compiled P4Info (builds entries; cannot talk)."""
-        from google.protobuf import text_format
-        from p4.config.v1 import p4info_pb2
-        p4info_path, _ = program_files(program, build_dir)
-        info = p4info_pb2.P4Info()
-        text_format.Merge(p4info_path.read_text(), info)
         sw = cls()
-        sw._load_p4info(info)
+        sw._load_p4info(load_p4info(Path(build_dir) / f"{program}.p4info.txt"))
         return sw
 
     def close(self) -> None:
@@ -194,9 +203,8 @@ class Switch:
 
     @property
     def lanes(self) -> int:
-        """Sum lanes of the loaded program: 8 per lane group (each group has one thc_lut_0)."""
-        return 8 * sum(1 for t in self.p4info.tables
-                       if short_name(t.preamble.name) == "thc_lut_0")
+        """Sum lanes of the loaded program (0 for a program without lookup tables)."""
+        return self.target.lanes(self.p4info) if self.target is not None else 0
 
     def table_entry(self, table: str, match: dict, action: str | None = None,
                     params: dict | None = None):

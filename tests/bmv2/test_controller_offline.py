@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 from p4.v1 import p4runtime_pb2
 
-from controller import jobs, p4rt
+from controller import job_checks, jobs, p4rt
+from controller.targets import bmv2 as bmv2_target
 from controller.frames import parse_udp_frame, reset_frame, udp_frame
 from controller.switch import Switch, SwitchError, encode_value
 from host.wire import protocol as P
@@ -87,7 +88,7 @@ def test_job_entries_from_the_committed_p4info():
     assert sw.lanes == P.LANES
     job = _job().validate()
     lut = jobs.lut_entries(sw, job)
-    assert len(lut) == P.LANES // jobs.GROUP_LANES * jobs.GROUP_BYTES * 256
+    assert len(lut) == P.LANES // bmv2_target.GROUP_LANES * bmv2_target.GROUP_BYTES * 256
     e = jobs.job_entry(sw, job, 3, epoch=0xDEADBEEF)
     assert sw.param_values(e) == {"job_index": 3, "n_workers": 3, "pool_base": 0,
                                   "pool_size": job.pool_size, "full_bitmap": 7,
@@ -97,7 +98,8 @@ def test_job_entries_from_the_committed_p4info():
     assert sw.param_values(jobs.job_entry(sw, vote, 4, epoch=1))["aggregation"] == \
         P.AGGREGATIONS["vote"]
     # the vote job's lookup entries count a sign bit: index 1 -> 1, every other -> 0
-    assert jobs.lut_values(vote)[0][0x10] == 1 << 24 and jobs.lut_values(vote)[0][0x22] == 0
+    values = bmv2_target.lut_values(vote)
+    assert values[0][0x10] == 1 << 24 and values[0][0x22] == 0
     with pytest.raises(ConfigError, match="epoch"):
         jobs.job_entry(sw, job, 3, epoch=0)
     (w0,) = jobs.worker_entries(sw, job)[:1]
@@ -111,7 +113,7 @@ def test_job_entries_from_the_committed_p4info():
 # -- bad control input is refused before any write (check_job runs first) ----------------
 
 def _others(*jobs_at):
-    return {j.job_id: jobs._config_of(j, idx) for j, idx in jobs_at}
+    return {j.job_id: job_checks.config_of(j, idx) for j, idx in jobs_at}
 
 
 def test_workers_colliding_on_address_across_jobs_are_refused():
@@ -174,12 +176,12 @@ def test_lookup_values_add_as_packed_words_into_result_lanes(n_workers):
               table=(0, 1, 2, 4, 6, 8, 11, 14, 16, 19, 22, 24, 26, 28, 29, 30),
               granularity=30).validate()
     assert job.sum_bits == (8 if n_workers * 30 <= 255 else 16)
-    values = np.array(jobs.lut_values(job), dtype=np.uint64)
+    values = np.array(bmv2_target.lut_values(job), dtype=np.uint64)
     rng = np.random.default_rng(n_workers)
     idx = rng.integers(0, 16, (n_workers, P.LANES))
     idx[0] = 15                                  # the largest table value in every lane
-    data = (idx[:, 0::2] << 4 | idx[:, 1::2]).reshape(n_workers, -1, jobs.GROUP_BYTES)
-    per_byte = values[np.arange(jobs.GROUP_BYTES), data]          # worker, group, byte
+    data = (idx[:, 0::2] << 4 | idx[:, 1::2]).reshape(n_workers, -1, bmv2_target.GROUP_BYTES)
+    per_byte = values[np.arange(bmv2_target.GROUP_BYTES), data]          # worker, group, byte
     if job.sum_bits == 8:
         words = np.stack([per_byte[..., 0] | per_byte[..., 1],
                           per_byte[..., 2] | per_byte[..., 3]], axis=-1)

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from controller import counters, forwarding, jobs
+from controller.targets import bmv2 as bmv2_target
 from controller.switch import SwitchError
 from host.wire import protocol as P
 from host.wire.jobs import ConfigError
@@ -24,8 +25,9 @@ def snapshot(sw) -> dict:
     """Table entries as text: every table but thc_job (its epoch is new at every install) and
     the lookup tables, of which those of the first and the last lane group (the installer
     writes all groups alike)."""
-    last = sw.lanes // jobs.GROUP_LANES - 1
-    keep = {jobs.LUT_TABLE.format(g, b) for g in (0, last) for b in range(jobs.GROUP_BYTES)}
+    last = sw.lanes // bmv2_target.GROUP_LANES - 1
+    keep = {bmv2_target.LUT_TABLE.format(g, b) for g in (0, last)
+            for b in range(bmv2_target.GROUP_BYTES)}
     state = {}
     for t in sw.p4info.tables:
         name = t.preamble.name
@@ -46,9 +48,9 @@ def test_install_is_idempotent(bmv2, sw):
     again = jobs.installed_jobs(sw)[job.job_id]
     assert again.pop("epoch") not in (0, cfg.pop("epoch")), "every install draws a new epoch"
     assert again == cfg
-    for group in (0, sw.lanes // jobs.GROUP_LANES - 1):
-        for b in range(jobs.GROUP_BYTES):
-            table = jobs.LUT_TABLE.format(group, b)
+    for group in (0, sw.lanes // bmv2_target.GROUP_LANES - 1):
+        for b in range(bmv2_target.GROUP_BYTES):
+            table = bmv2_target.LUT_TABLE.format(group, b)
             assert len(jobs._job_entries(sw, table, job.job_id)) == 256
     # and it still aggregates, from reset slots
     check_round(bmv2, job, 0, np.random.default_rng(0))

@@ -1,0 +1,80 @@
+"""Why a job cannot go on the switch: every check that runs before the first write, so bad
+input changes nothing installed (controller/jobs.py runs them)."""
+from __future__ import annotations
+
+from controller import forwarding, targets
+from controller.switch import Switch
+from host.wire import protocol as P
+from host.wire.jobs import ConfigError, Job
+
+
+def target_of(sw: Switch) -> targets.Target:
+    """The target of the switch's program; ConfigError when it is not a THC program."""
+    if sw.target is None:
+        known = ", ".join(f"{t.lut_table.format(0, 0)} ({t.name})"
+                          for t in targets.TARGETS.values())
+        raise ConfigError(f"the switch's P4 program is not a THC program: it has none of the "
+                          f"lookup tables {known}")
+    return sw.target
+
+
+def check_job(sw: Switch, job: Job, job_index: int, others: dict[int, dict]) -> None:
+    """Why ``job`` cannot go on the switch at ``job_index`` (ConfigError), checked before any
+    write. ``others``: {job_id: set_job parameters plus ``addresses`` as installed_addresses
+    gives them} of the jobs that stay on the switch beside ``job``."""
+    job.validate()
+    target_of(sw).check_job(job)
+    if job.lanes != sw.lanes:
+        raise ConfigError(f"job {job.job_id} has {job.lanes} lanes; the switch program was "
+                          f"compiled for {sw.lanes}")
+    if not 0 <= job_index < P.MAX_JOBS:
+        raise ConfigError(f"job index {job_index} outside 0..{P.MAX_JOBS - 1}")
+    if job.pool_base + job.pool_size > P.SWITCH_SLOTS:
+        raise ConfigError(f"job {job.job_id}: pool {job.pool_base}..{job.pool_base + job.pool_size - 1}"
+                          f" does not fit the switch's {P.SWITCH_SLOTS} slots")
+    for w in job.workers:
+        if not 0 <= w.switch_port < 511 or w.switch_port == P.CPU_PORT:
+            raise ConfigError(f"job {job.job_id} worker {w.id}: switch_port {w.switch_port} "
+                              f"is not a front-panel port")
+    for jid, cfg in others.items():
+        if cfg["job_index"] == job_index:
+            raise ConfigError(f"job index {job_index} is taken by job {jid}")
+        if cfg["mcast_grp"] == job.mcast_grp:
+            raise ConfigError(f"multicast group {job.mcast_grp} is taken by job {jid}")
+        lo, hi = cfg["pool_base"], cfg["pool_base"] + cfg["pool_size"]
+        if job.pool_base < hi and lo < job.pool_base + job.pool_size:
+            raise ConfigError(f"job {job.job_id}'s slot pool {job.pool_base}.."
+                              f"{job.pool_base + job.pool_size - 1} overlaps job {jid}'s "
+                              f"{lo}..{hi - 1}")
+        _check_addresses(job, jid, cfg.get("addresses", ()))
+
+
+def _check_addresses(job: Job, other_id: int, addresses) -> None:
+    """Workers of two jobs may share a host (MAC and IP, other UDP port) but never an
+    ip:port (the switch could not tell whose packet it is), and one MAC may not name two
+    hosts (two IPs, or two switch ports for l2_forward)."""
+    for w in job.workers:
+        mac = w.mac.lower()
+        for ip, port, omac, oport in addresses:
+            if (w.ip, w.port) == (ip, port):
+                raise ConfigError(f"job {job.job_id} worker {w.id}: address {w.ip}:{w.port} "
+                                  f"is used by a worker of job {other_id}")
+            if mac == omac and mac not in forwarding.UNROUTABLE and (
+                    w.ip != ip or (oport is not None and w.switch_port != oport)):
+                raise ConfigError(
+                    f"job {job.job_id} worker {w.id}: MAC {w.mac} belongs to {ip} on switch "
+                    f"port {oport} in job {other_id}, not {w.ip} on port {w.switch_port}")
+
+
+def config_of(job: Job, job_index: int) -> dict:
+    """A job as ``check_job`` sees the others: set_job parameters and addresses."""
+    return {"job_index": job_index, "mcast_grp": job.mcast_grp, "pool_base": job.pool_base,
+            "pool_size": job.pool_size,
+            "addresses": [(w.ip, w.port, w.mac.lower(), w.switch_port) for w in job.workers]}
+
+
+def free_index(taken: set[int]) -> int:
+    free = [i for i in range(P.MAX_JOBS) if i not in taken]
+    if not free:
+        raise ConfigError(f"the switch holds {P.MAX_JOBS} jobs already")
+    return free[0]

@@ -1,0 +1,55 @@
+"""What a switch target is to the controller: its compiled program and its lookup tables.
+
+Both THC programs share every table, action and counter name but the lookup tables
+(controller/program.py); a target holds what differs: where its P4Info is, how to recognise
+its program in a P4Info, how many lanes the program aggregates, which jobs it can run, and
+the lookup entries of a job.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from pathlib import Path
+
+from controller.toolchain import BUILD_DIR
+
+
+class Target(ABC):
+    """One switch target; subclasses fill in the lookup tables."""
+
+    name = ""
+    program = ""
+    build_dir: Path = BUILD_DIR
+    lut_table = ""
+    """Full name of a lookup table, formatted with (lane group or word, key byte)."""
+    push_refusal: str | None = None
+    """Why the controller cannot push this target's program over P4Runtime (None: it can)."""
+
+    @property
+    def p4info_file(self) -> Path:
+        return self.build_dir / f"{self.program}.p4info.txt"
+
+    def runs(self, p4info) -> bool:
+        """Whether ``p4info`` is this target's program (it has the first lookup table)."""
+        first = self.lut_table.format(0, 0)
+        return any(t.preamble.name == first for t in p4info.tables)
+
+    def groups(self, p4info) -> int:
+        """Lookup groups (BMv2 lane groups, Tofino words): those with a first lookup table."""
+        names = {t.preamble.name for t in p4info.tables}
+        n = 0
+        while self.lut_table.format(n, 0) in names:
+            n += 1
+        return n
+
+    @abstractmethod
+    def lanes(self, p4info) -> int:
+        """Lanes of a packet that the program aggregates."""
+
+    def check_job(self, job) -> None:
+        """ConfigError when the program cannot run ``job`` (host/wire/jobs.py Job)."""
+
+    @abstractmethod
+    def lut_entries(self, sw, job, with_action: bool = True) -> list[bytes]:
+        """A job's lookup entries, serialized (controller/switch.py ``Switch.entries_bytes``);
+        without action: the keys, to delete them."""
+
