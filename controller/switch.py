@@ -7,8 +7,8 @@ p4runtime-shell's public API.
 modules need: P4Info name lookup and the program's target (controller/targets/), table
 entries as p4runtime ``TableEntry`` messages (or serialized, for thousands of lookup
 entries), batched writes that report per-update errors, reads, counters
-(``shell.CounterEntry``), multicast groups (``shell.MulticastGroupEntry``) and raw packet-out. What p4runtime-shell lacks is in
-controller/p4rt.py.
+(``shell.CounterEntry``), multicast groups (``shell.MulticastGroupEntry``) and raw
+packet-out. What p4runtime-shell lacks is in controller/p4rt.py.
 
 p4runtime-shell keeps one client per process, so only one ``Switch`` may be open at a time;
 every failure becomes a :class:`SwitchError` with the reason.
@@ -369,8 +369,8 @@ class Switch:
         except Exception as e:  # noqa: BLE001 - P4RuntimeException while iterating
             raise SwitchError(f"reading counter {name} from {self.grpc_addr} failed: {e}") from None
 
-    def reset_counter(self, name: str, indices: Iterable[int]) -> bool:
-        """Zero counter cells; False when the switch does not support counter writes."""
+    def counter_zeros(self, name: str, indices: Iterable[int]) -> list:
+        """The p4runtime Entities that zero counter cells (written with MODIFY)."""
         from p4.v1 import p4runtime_pb2
         cid = self.counters.get(name, "counter").preamble.id
         ents = []
@@ -381,6 +381,11 @@ class Switch:
             ent.counter_entry.data.packet_count = 0
             ent.counter_entry.data.byte_count = 0
             ents.append(ent)
+        return ents
+
+    def reset_counter(self, name: str, indices: Iterable[int]) -> bool:
+        """Zero counter cells; False when the switch does not support counter writes."""
+        ents = self.counter_zeros(name, indices)
         try:
             self.write_entries("MODIFY", ents)
         except SwitchError:

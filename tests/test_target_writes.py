@@ -1,0 +1,395 @@
+"""Every write the controller makes for a job, on each target, checked against that target's
+committed P4Info: runs everywhere, without p4c, BMv2 or a switch.
+
+A cluster of an 8-bit THC job, a vote job and a 16-bit job is installed on the in-memory
+switch (controller/testing/memswitch.py) loaded with the target's P4Info, then removed; every
+table write, counter write, multicast group and packet-out is recorded as the controller
+made it and checked here against the P4Info text file, decoded with protobuf (not with the
+controller's own encoder or the in-memory switch's decoder): ids and names exist, every key
+field and action parameter is present once and fits its width, the action is one the table
+may hold. The Tofino program has no 16-bit sums: there the cluster is refused before any
+write.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from google.protobuf import text_format
+from p4.config.v1 import p4info_pb2
+from p4.v1 import p4runtime_pb2
+
+from controller import jobs, program, targets
+from controller.frames import parse_udp_frame, reset_frame
+from controller.targets import tofino
+from controller.testing.memswitch import MemoryDevice, MemorySwitch
+from host.wire import protocol as P
+from host.wire.jobs import SWITCH_AGG_IP, SWITCH_AGG_MAC, Cluster, ConfigError, Job, Worker
+
+TABLE = (0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30)
+
+
+def committed_p4info(target: targets.Target) -> p4info_pb2.P4Info:
+    path = target.p4info_file
+    if not path.exists():
+        pytest.skip(f"{path} is not committed yet (p4c's Tofino back end writes it: "
+                    f"--p4runtime-files with --p4runtime-force-std-externs)")
+    info = p4info_pb2.P4Info()
+    text_format.Merge(path.read_text(), info)
+    return info
+
+
+def _workers(job_id: int, n: int) -> tuple[Worker, ...]:
+    return tuple(Worker(i, f"10.{job_id}.0.{i + 1}", 20000 + i,
+                        f"02:00:00:00:{job_id:02x}:{i + 1:02x}", (job_id * 11 + i) % 64)
+                 for i in range(n))
+
+
+def sample_cluster() -> Cluster:
+    """An 8-bit THC job, a vote job and a 16-bit THC job (10 workers x granularity 30)."""
+    thc8 = Job(job_id=5, workers=_workers(5, 3), table=TABLE, granularity=30, pool_size=8)
+    vote = Job.vote(6, _workers(6, 4), pool_base=8, pool_size=4)
+    thc16 = Job(job_id=7, workers=_workers(7, 10), table=TABLE, granularity=30, pool_base=12,
+                pool_size=4)
+    assert (thc8.sum_bits, vote.sum_bits, thc16.sum_bits) == (8, 8, 16)
+    return Cluster(jobs=(thc8, vote, thc16), agg_ip=SWITCH_AGG_IP,
+                   agg_mac=SWITCH_AGG_MAC).validate()
+
+
+class Recording(MemorySwitch):
+    """The in-memory switch, recording every write as the real Switch would send it."""
+
+    def __init__(self, device: MemoryDevice):
+        super().__init__(device=device)
+        self.writes: list[tuple[str, bytes]] = []
+        self.groups: list[tuple[str, int, set]] = []
+        self.packets: list[bytes] = []
+
+    def write_entries(self, op, entities, ignore=()):
+        ents = list(entities)
+        for e in ents:
+            if isinstance(e, p4runtime_pb2.TableEntry):
+                e = p4runtime_pb2.Entity(table_entry=e)
+            self.writes.append((op, e if isinstance(e, bytes) else e.SerializeToString()))
+        return super().write_entries(op, ents, ignore)
+
+    def reset_counter(self, name, indices):
+        indices = list(indices)
+        self.writes += [("MODIFY", e.SerializeToString())
+                        for e in self.counter_zeros(name, indices)]
+        return super().reset_counter(name, indices)
+
+    def set_multicast_group(self, group, replicas):
+        replicas = set(replicas)
+        self.groups.append(("SET", group, replicas))
+        super().set_multicast_group(group, replicas)
+
+    def delete_multicast_group(self, group):
+        self.groups.append(("DELETE", group, set()))
+        return super().delete_multicast_group(group)
+
+    def packet_out(self, payloads):
+        frames = list(payloads)
+        self.packets += frames
+        return super().packet_out(frames)
+
+
+def recording_switch(target: targets.Target) -> Recording:
+    committed_p4info(target)
+    device = MemoryDevice(target.program, target.build_dir)
+    return Recording(device).connect(program=None)
+
+
+# ---- the checks ---------------------------------------------------------------------------
+
+def _fits(value: bytes, width: int) -> str | None:
+    """Why ``value`` is no canonical P4Runtime byte string of ``width`` bits, or None."""
+    if not value:
+        return "empty value"
+    if len(value) > 1 and value[0] == 0:
+        return f"value {value.hex()} is not canonical (leading zero byte)"
+    if int.from_bytes(value, "big") >> width:
+        return f"value 0x{value.hex()} does not fit {width} bits"
+    return None
+
+
+class WriteChecker:
+    """Checks serialized p4runtime Entities against one P4Info."""
+
+    def __init__(self, p4info: p4info_pb2.P4Info):
+        self.tables = {t.preamble.id: t for t in p4info.tables}
+        self.actions = {a.preamble.id: a for a in p4info.actions}
+        self.counters = {c.preamble.id: c for c in p4info.counters}
+
+    def problems(self, op: str, blob: bytes) -> list[str]:
+        return self.check(op, blob)[1]
+
+    def check(self, op: str, blob: bytes) -> tuple[str | None, list[str]]:
+        """(the table or counter written, what is wrong with the write)."""
+        ent = p4runtime_pb2.Entity.FromString(blob)
+        kind = ent.WhichOneof("entity")
+        if kind == "counter_entry":
+            info = self.counters.get(ent.counter_entry.counter_id)
+            return info and info.preamble.name, self._counter(op, ent.counter_entry)
+        if kind != "table_entry":
+            return None, [f"{op}: unexpected entity {kind}"]
+        info = self.tables.get(ent.table_entry.table_id)
+        return info and info.preamble.name, self._table(op, ent.table_entry)
+
+    def _counter(self, op: str, c) -> list[str]:
+        info = self.counters.get(c.counter_id)
+        if info is None:
+            return [f"{op}: no counter with id {c.counter_id}"]
+        out = []
+        if op != "MODIFY":
+            out.append(f"{op} on counter {info.preamble.name}: counters are only modified")
+        if not 0 <= c.index.index < info.size:
+            out.append(f"counter {info.preamble.name}: index {c.index.index} outside "
+                       f"0..{info.size - 1}")
+        return out
+
+    def _table(self, op: str, te) -> list[str]:
+        table = self.tables.get(te.table_id)
+        if table is None:
+            return [f"{op}: no table with id {te.table_id}"]
+        name, out = table.preamble.name, []
+        fields = {f.id: f for f in table.match_fields}
+        given = [m.field_id for m in te.match]
+        if sorted(given) != sorted(fields):
+            out.append(f"{name}: match fields {sorted(given)}, the table has {sorted(fields)}")
+        for m in te.match:
+            f = fields.get(m.field_id)
+            if f is None:
+                continue
+            if m.WhichOneof("field_match_type") != "exact" or \
+                    f.match_type != p4info_pb2.MatchField.EXACT:
+                out.append(f"{name}.{f.name}: not an exact match")
+                continue
+            why = _fits(m.exact.value, f.bitwidth)
+            if why:
+                out.append(f"{name}.{f.name}: {why}")
+        if op == "DELETE":
+            return out
+        if not te.HasField("action") or te.action.WhichOneof("type") != "action":
+            return out + [f"{op} {name}: no action"]
+        act = te.action.action
+        info = self.actions.get(act.action_id)
+        refs = {r.id: r for r in table.action_refs}
+        if info is None:
+            return out + [f"{name}: no action with id {act.action_id}"]
+        aname = info.preamble.name
+        if act.action_id not in refs:
+            out.append(f"{name}: action {aname} is not one of the table's")
+        elif refs[act.action_id].scope == p4info_pb2.ActionRef.DEFAULT_ONLY:
+            out.append(f"{name}: action {aname} is default-only")
+        params = {p.id: p for p in info.params}
+        got = [p.param_id for p in act.params]
+        if sorted(got) != sorted(params):
+            out.append(f"{aname}: parameters {sorted(got)}, the action takes {sorted(params)}")
+        for p in act.params:
+            spec = params.get(p.param_id)
+            why = spec is not None and _fits(p.value, spec.bitwidth)
+            if why:
+                out.append(f"{aname}({spec.name}): {why}")
+        return out
+
+
+def _width(p4info, kind: str, short: str, field: str) -> int:
+    """The width of a key field (kind "table") or action parameter (kind "action")."""
+    objs = p4info.tables if kind == "table" else p4info.actions
+    for o in objs:
+        if program.short_name(o.preamble.name) == short:
+            for f in (o.match_fields if kind == "table" else o.params):
+                if f.name == field:
+                    return f.bitwidth
+    raise AssertionError(f"the P4Info has no {kind} {short} with {field}")
+
+
+def group_problems(p4info, job: Job, group: int, replicas: set) -> list[str]:
+    """A job's multicast group: an id set_job can carry, one replica per worker on its port
+    (fits l2_set_port's width) with instance worker_id + 1 (egress's worker_id, its width)."""
+    out = []
+    if not 0 < group < 1 << _width(p4info, "action", program.SET_JOB, "mcast_grp"):
+        out.append(f"group {group} does not fit set_job's mcast_grp")
+    port_bits = _width(p4info, "action", program.L2_SET_PORT, "port")
+    worker_bits = _width(p4info, "table", program.ADDR_TABLE, "worker_id")
+    for port, instance in replicas:
+        if port >> port_bits:
+            out.append(f"group {group}: port {port} does not fit {port_bits} bits")
+        if not 0 < instance <= 1 << worker_bits:
+            out.append(f"group {group}: instance {instance} is no worker id + 1")
+    if replicas != {(w.switch_port, w.id + 1) for w in job.workers}:
+        out.append(f"group {group}: replicas {sorted(replicas)} are not one per worker")
+    return out
+
+
+def reset_problems(p4info, job: Job, frames: list[bytes]) -> list[str]:
+    """A job's RESET packet-outs: raw frames (the program defines no packet_out header), one
+    per slot of the pool and version, each a RESET of the job."""
+    out = [f"the program has a controller header {m.preamble.name}: raw packet-outs lack it"
+           for m in p4info.controller_packet_metadata if m.preamble.name == "packet_out"]
+    seen = []
+    for frame in frames:
+        parsed = parse_udp_frame(frame)
+        if parsed is None or parsed[5] != P.UDP_PORT:
+            out.append("a packet-out that is no THC frame")
+            continue
+        hdr = P.Header.unpack(parsed[6])
+        if hdr.pkt_type != P.PktType.RESET or hdr.job_id != job.job_id:
+            out.append(f"packet-out {hdr.pkt_type} of job {hdr.job_id}")
+        seen.append((hdr.slot, hdr.version))
+    if sorted(seen) != [(s, v) for s in range(job.pool_size) for v in (0, 1)]:
+        out.append(f"job {job.job_id}: resets of {sorted(seen)}, not every slot version")
+    return out
+
+
+def check_everything(p4info, sw: Recording, cluster: Cluster) -> dict[str, int]:
+    """Every recorded write, group and packet-out; {table or counter name: writes}."""
+    checker = WriteChecker(p4info)
+    problems, written = [], {}
+    for op, blob in sw.writes:
+        name, wrong = checker.check(op, blob)
+        problems += wrong
+        written[name] = written.get(name, 0) + 1
+    for op, group, replicas in sw.groups:
+        if op == "SET":
+            job = next(j for j in cluster.jobs if j.mcast_grp == group)
+            problems += group_problems(p4info, job, group, replicas)
+    by_job: dict[int, list[bytes]] = {}
+    for frame in sw.packets:
+        by_job.setdefault(P.Header.unpack(parse_udp_frame(frame)[6]).job_id, []).append(frame)
+    for job in cluster.jobs:
+        problems += reset_problems(p4info, job, by_job.get(job.job_id, []))
+    assert problems == [], problems[:10]
+    return written
+
+
+# ---- each target ----------------------------------------------------------------------------
+
+def _runnable(target: targets.Target, cluster: Cluster) -> Cluster:
+    """The cluster's jobs that the target can run (Tofino: 8-bit sums only)."""
+    keep = tuple(j for j in cluster.jobs if target.name != "tofino" or j.sum_bits == 8)
+    return Cluster(jobs=keep, agg_ip=cluster.agg_ip, agg_mac=cluster.agg_mac)
+
+
+@pytest.mark.parametrize("name", sorted(targets.TARGETS))
+def test_every_write_of_install_and_remove_fits_the_committed_p4info(name):
+    target = targets.get(name)
+    p4info = committed_p4info(target)
+    sw = recording_switch(target)
+    assert sw.target is target and sw.lanes == P.LANES
+    cluster = _runnable(target, sample_cluster())
+    assert len(cluster.jobs) == {"bmv2": 3, "tofino": 2}[name]
+    jobs.install_cluster(sw, cluster)
+    assert sorted(jobs.installed_jobs(sw)) == sorted(j.job_id for j in cluster.jobs)
+    installed = check_everything(p4info, sw, cluster)
+
+    luts = jobs._lut_tables(sw)
+    assert len(luts) == {"bmv2": P.LANES // 2, "tofino": 64}[name]
+    n_workers = sum(j.n_workers for j in cluster.jobs)
+    shared = {program.JOB_TABLE: len(cluster.jobs), program.WORKER_TABLE: n_workers,
+              program.ADDR_TABLE: n_workers, program.L2_TABLE: n_workers}
+    full = {sw.tables.get(t, "table").preamble.name: n for t, n in shared.items()}
+    counter = sw.counters.get(program.JOB_COUNTERS, "counter").preamble.name
+    assert installed == {**{t: 256 * len(cluster.jobs) for t in luts}, **full,
+                         counter: len(cluster.jobs) * len(P.JOB_COUNTERS)}
+    assert [op for op, *_ in sw.groups] == ["SET"] * len(cluster.jobs)
+
+    sw.writes.clear()
+    sw.groups.clear()
+    sw.packets.clear()
+    for job in cluster.jobs:
+        jobs.remove_job(sw, job.job_id, force=True)
+    removed = check_everything(p4info, sw, Cluster(jobs=()))
+    assert {op for op, _ in sw.writes} == {"DELETE"}
+    assert removed == {t: n for t, n in installed.items() if t != counter}, \
+        "every entry written is deleted"
+    assert [op for op, *_ in sw.groups] == ["DELETE"] * len(cluster.jobs)
+    assert all(not entries for entries in sw.device.entries.values())
+    assert sw.device.groups == {} and sw.packets == []
+
+
+def test_tofino_refuses_16_bit_jobs_before_any_write():
+    sw = recording_switch(targets.get("tofino"))
+    with pytest.raises(ConfigError, match=r"job 7 has 16-bit sums.*four passes.*BMv2.*software"):
+        jobs.install_cluster(sw, sample_cluster())
+    assert sw.writes == [] and sw.groups == [] and sw.packets == [] and sw.device.log == []
+    with pytest.raises(ConfigError, match="16-bit sums"):
+        jobs.lut_entries(sw, sample_cluster().job(7))
+
+
+@pytest.mark.parametrize("name", sorted(targets.TARGETS))
+def test_the_lookup_tables_hold_every_job_the_switch_holds(name):
+    """Each lookup table holds 256 entries of each of MAX_JOBS jobs; thc_job one each."""
+    p4info = committed_p4info(targets.get(name))
+    sizes = {t.preamble.name: t.size for t in p4info.tables}
+    for t, size in sizes.items():
+        if program.short_name(t).startswith("thc_lut_"):
+            assert size >= 256 * P.MAX_JOBS, t
+    job_table = next(t for t in sizes if program.short_name(t) == program.JOB_TABLE)
+    assert sizes[job_table] >= P.MAX_JOBS
+
+
+# ---- the checks catch what they look for ------------------------------------------------------
+
+def test_the_write_checks_catch_bad_writes():
+    p4info = committed_p4info(targets.get("bmv2"))
+    checker = WriteChecker(p4info)
+    sw = recording_switch(targets.get("bmv2"))
+    job = sample_cluster().job(5)
+    good = p4runtime_pb2.Entity(table_entry=jobs.job_entry(sw, job, 0, epoch=1))
+    assert checker.problems("INSERT", good.SerializeToString()) == []
+
+    def found(change, what: str) -> bool:
+        ent = p4runtime_pb2.Entity()
+        ent.CopyFrom(good)
+        change(ent.table_entry)
+        return any(what in p for p in checker.problems("INSERT", ent.SerializeToString()))
+
+    def other_action(te):
+        act = te.action.action
+        act.action_id = sw.actions.get(program.SET_WORKER, "action").preamble.id
+        del act.params[1:]
+
+    assert found(lambda te: setattr(te, "table_id", 1), "no table")
+    assert found(lambda te: setattr(te.match[0].exact, "value", b"\x01\x00\x00"), "fit 16 bits")
+    assert found(lambda te: te.match.pop(), "match fields")
+    assert found(lambda te: te.action.action.params.pop(), "parameters")
+    assert found(lambda te: setattr(te.action.action, "action_id", 3), "no action with id")
+    assert found(lambda te: setattr(te.action.action.params[0], "value", b"\x01\xff"),
+                 "fit 8 bits")
+    assert found(other_action, "not one of the table's")
+    assert found(lambda te: te.ClearField("action"), "no action")
+    too_far = sw.counter_zeros(program.RESETS, [P.MAX_JOBS])[0].SerializeToString()
+    assert any("outside" in p for p in checker.problems("MODIFY", too_far))
+
+    assert group_problems(p4info, job, 5, {(w.switch_port, w.id) for w in job.workers})
+    assert group_problems(p4info, job, 5, {(600, 1)})
+    frames = [reset_frame(job.job_id, s, SWITCH_AGG_MAC, SWITCH_AGG_IP, v)
+              for s in range(job.pool_size) for v in (0, 1)]
+    assert reset_problems(p4info, job, frames) == []
+    assert reset_problems(p4info, job, frames[:-1])
+    other = Job(job_id=9, workers=job.workers, table=TABLE, granularity=30, pool_size=8)
+    assert reset_problems(p4info, other, frames)
+
+
+# ---- what the Tofino lookups compute ----------------------------------------------------------
+
+def test_tofino_lookup_values_add_into_8_bit_lanes_in_order():
+    """Byte 2*NN + h of a pass's index segment keys word NN's table h; its value is the two
+    lanes' table values (first lane high). Summed over workers as 16-bit values (8-bit sums
+    carry nothing into the neighbour), the words read back as the pass's lanes in order."""
+    n = 8
+    job = Job(job_id=3, workers=_workers(3, n), table=TABLE, granularity=30).validate()
+    values = np.array(tofino.lut_values(job), dtype=np.uint32)
+    rng = np.random.default_rng(3)
+    lanes_a_pass = P.LANES // tofino.PASSES
+    idx = rng.integers(0, 16, (n, lanes_a_pass))
+    idx[0] = 15
+    key = idx[:, 0::2] << 4 | idx[:, 1::2]                  # worker, byte 2*NN + h
+    assert key.shape[1] == 32 * tofino.WORD_KEYS
+    total = values[key].sum(axis=0)
+    assert total.max() < 1 << 16
+    lanes = np.frombuffer(total.astype(">u2").tobytes(), np.uint8)
+    np.testing.assert_array_equal(lanes, np.asarray(TABLE)[idx].sum(axis=0))
+    vote = Job.vote(4, _workers(4, 2)).validate()
+    assert tofino.lut_values(vote)[0x10] == 1 << 8 and tofino.lut_values(vote)[0x11] == 0x101
