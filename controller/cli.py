@@ -1,4 +1,5 @@
-"""``thc controller``: program a BMv2 switch running simple_switch_grpc over P4Runtime.
+"""``thc controller``: program a switch over P4Runtime: BMv2's simple_switch_grpc, or a
+Tofino's bf_switchd (``--target tofino``; it loads its program itself, so no push).
 
   thc controller push [--program thc|l2]        load the compiled program from p4src/build
   thc controller install --config cluster.json  install/update every job of a cluster
@@ -10,6 +11,10 @@
   thc controller jobs                           list installed jobs
   thc controller counters [--json]              drops by reason, per-job counters
   thc controller l2 add|del MAC [PORT]          non-THC forwarding entries
+  thc controller --target tofino --dry-run install --config cluster.json
+                                                print the writes of the install, one line
+                                                an entity, as on a switch holding no jobs,
+                                                without connecting
 """
 from __future__ import annotations
 
@@ -17,8 +22,8 @@ import argparse
 import json
 import sys
 
-from controller import counters, forwarding, jobs
-from controller.switch import BUILD_DIR, DEFAULT_DEVICE_ID, DEFAULT_GRPC, Switch, SwitchError
+from controller import counters, dryrun, forwarding, jobs, targets
+from controller.switch import DEFAULT_DEVICE_ID, DEFAULT_GRPC, Switch, SwitchError
 from host.wire.jobs import Cluster, ConfigError
 
 
@@ -30,8 +35,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--election-id", default="1,0", metavar="HIGH,LOW")
     parser.add_argument("--timeout", type=float, default=5.0,
                         help="seconds to wait for the P4Runtime server (default 5)")
-    parser.add_argument("--build-dir", default=str(BUILD_DIR),
-                        help="where the compiled program is (default p4src/build)")
+    parser.add_argument("--target", default=targets.DEFAULT, choices=sorted(targets.TARGETS),
+                        help=f"the switch's program: bmv2 (p4src/thc.p4) or tofino "
+                             f"(p4src/thc_tna.p4); default {targets.DEFAULT}")
+    parser.add_argument("--build-dir", default=None,
+                        help="where the compiled program is (default p4src/build for bmv2, "
+                             "p4src/build/tofino for tofino)")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="install only: print the writes it would make on a switch that "
+                             "holds no jobs, from the target's P4Info, without connecting")
     sub = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
 
     p = sub.add_parser("push", help="load the compiled P4 program (clears all switch state)")
@@ -69,17 +81,46 @@ def _election(text: str) -> tuple[int, int]:
         raise ValueError(f"--election-id must be HIGH,LOW, got {text!r}") from None
 
 
+def _placed(cluster: Cluster, placed: dict[int, int], same: set[int], note: str = "") -> None:
+    for jid, idx in placed.items():
+        job = cluster.job(jid)
+        print(f"job {jid}: index {idx}, {job.n_workers} workers, slots "
+              f"{job.pool_base}..{job.pool_base + job.pool_size - 1}, "
+              f"multicast group {job.mcast_grp}"
+              + (" (unchanged, left alone)" if jid in same else "") + note)
+
+
+def _dry_run(args: argparse.Namespace, target: targets.Target, cluster: Cluster) -> int:
+    if args.action != "install" or args.push:
+        raise ValueError("--dry-run shows what `install` (without --push) writes to a switch "
+                         "holding no jobs; other actions depend on what the switch holds")
+    sw = dryrun.DryRunSwitch(target, args.build_dir)
+    placed = jobs.install_cluster(sw, cluster, prune=args.prune, force=args.force)
+    _placed(cluster, placed, set(), f" (dry run, {target.name})")
+    print(f"dry run: {sw.writes} writes to a {target.name} switch ({sw.lanes} lanes)")
+    return 0
+
+
 def _run(args: argparse.Namespace) -> int:
+    target = targets.get(args.target)
+    build_dir = args.build_dir or target.build_dir
     cluster = Cluster.load(args.config) if args.action == "install" else None
+    if args.dry_run:
+        return _dry_run(args, target, cluster)
     push = None
     if args.action == "push":
         push = args.program
     elif args.action == "install" and args.push:
-        push = "thc"
+        push = target.program
+    if push and target.push_refusal:
+        raise ValueError(f"cannot push to a {target.name} switch: {target.push_refusal}")
     read_only = args.action in ("jobs", "counters") or (args.action == "l2" and args.op == "list")
     with Switch(args.grpc_addr, args.device_id, _election(args.election_id),
                 timeout=args.timeout, require_primary=not read_only) as sw:
-        sw.connect(program=push, build_dir=args.build_dir)
+        sw.connect(program=push, build_dir=build_dir)
+        if args.action in ("install", "remove") and sw.target not in (None, target):
+            raise ValueError(f"the switch at {args.grpc_addr} runs the {sw.target.name} "
+                             f"program, not {target.name}: pass --target {sw.target.name}")
         if args.action == "push":
             print(f"pushed {args.program} ({sw.lanes} lanes) to {args.grpc_addr}"
                   if args.program == "thc" else f"pushed {args.program} to {args.grpc_addr}")
@@ -87,12 +128,7 @@ def _run(args: argparse.Namespace) -> int:
             agg = jobs.AggAddress.of(cluster)
             same = {j.job_id for j in cluster.jobs if jobs.unchanged(sw, j, agg)}
             placed = jobs.install_cluster(sw, cluster, prune=args.prune, force=args.force)
-            for jid, idx in placed.items():
-                job = cluster.job(jid)
-                print(f"job {jid}: index {idx}, {job.n_workers} workers, slots "
-                      f"{job.pool_base}..{job.pool_base + job.pool_size - 1}, "
-                      f"multicast group {job.mcast_grp}"
-                      + (" (unchanged, left alone)" if jid in same else ""))
+            _placed(cluster, placed, same)
         elif args.action == "remove":
             jobs.remove_job(sw, args.job, force=args.force)
             print(f"removed job {args.job}")

@@ -15,7 +15,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "nmse": ("host.bench.nmse", "NMSE of THC and the baselines on synthetic vectors"),
     "bench": ("host.bench.cli", "benchmarks: codec, aggregator, switch, allreduce"),
     "aggregator": ("host.net.aggregator", "run the software aggregator (THC's parameter server)"),
-    "controller": ("controller.cli", "program a BMv2 switch over P4Runtime"),
+    "controller": ("controller.cli", "program a BMv2 or Tofino switch over P4Runtime"),
     "model": ("host.app.perfmodel", "iteration-time model: when does compression pay?"),
     "run": ("thcnet.mainjob", "the main job: train a model with FP32, THC and TopK, compare"),
     "faults": ("thcnet.faults", "the fault matrix: exact sums under loss, restarts, ... "
