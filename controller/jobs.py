@@ -22,7 +22,8 @@ so they go in last, after the pool was reset, and come out first on a re-install
 seconds; re-installing or removing a live job is refused (:class:`JobLive`) unless forced.
 The switch is the only record: a restarted controller reads what is installed, and
 ``install_cluster`` leaves jobs whose entries already match the config untouched. Every
-check runs before the first write, so bad input changes nothing installed.
+check (controller/job_checks.py) runs before the first write, so bad input changes nothing
+installed.
 """
 from __future__ import annotations
 

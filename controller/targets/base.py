@@ -46,7 +46,8 @@ class Target(ABC):
         """Lanes of a packet that the program aggregates."""
 
     def check_job(self, job) -> None:
-        """ConfigError when the program cannot run ``job`` (host/wire/jobs.py Job)."""
+        """ConfigError when the program cannot run ``job`` (host/wire/jobs.py Job); by
+        default a target runs every job that validates."""
 
     @abstractmethod
     def lut_entries(self, sw, job, with_action: bool = True) -> list[bytes]:
