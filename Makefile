@@ -61,20 +61,18 @@ p4: setup
 	$(P4C) --target bmv2 --arch v1model -o $(P4OUT) --p4runtime-files $(P4OUT)/thc.p4info.txt $(P4SRC)/thc.p4
 	$(PY) $(P4SRC)/gen_p4.py --record
 
-# Compile the Tofino (TNA) variant with p4c's Tofino back end and commit its resource summary
-# (p4src/build/tofino/). The back end is not part of p4c's default build.
+# Compile the Tofino (TNA) program with p4c's Tofino back end and commit its resource summary
+# and P4Info (p4src/build/tofino/). The back end is not part of p4c's default build.
 P4TOFINO_OUT ?= out/p4-tofino
-# TOFINO_LANES=64: compile the TNA program with fewer lanes per packet (what fits one pass)
-TOFINO_LANES ?=
 p4-tofino: setup
 	@command -v $(P4C) >/dev/null || { echo "make p4-tofino: '$(P4C)' not found on PATH."; exit 2; }
 	@command -v p4c-barefoot >/dev/null || { echo "make p4-tofino: the Tofino back end (p4c-barefoot) is not installed: install a p4c package or image from p4lang that includes it."; exit 2; }
 	$(PY) $(P4SRC)/gen_p4.py
 	rm -rf $(P4TOFINO_OUT) && mkdir -p $(P4TOFINO_OUT)/out
 	$(P4C) --target tofino --arch tna --verbose 1 -o $(P4TOFINO_OUT)/out \
-	  $$($(PY) $(P4SRC)/gen_p4.py --tna-variant-dir $(P4TOFINO_OUT)/src $(if $(TOFINO_LANES),--lanes $(TOFINO_LANES))) \
+	  --p4runtime-files $(P4TOFINO_OUT)/out/thc_tna.p4info.txt $(P4SRC)/thc_tna.p4 \
 	  > $(P4TOFINO_OUT)/compile.log 2>&1; echo $$? > $(P4TOFINO_OUT)/out/rc
-	P4C=$(P4C) $(PY) $(P4SRC)/gen_p4.py --record-tofino $(P4TOFINO_OUT)/out $(if $(TOFINO_LANES),--lanes $(TOFINO_LANES))
+	P4C=$(P4C) $(PY) $(P4SRC)/gen_p4.py --record-tofino $(P4TOFINO_OUT)/out
 
 p4-check: setup
 	$(PY) $(P4SRC)/gen_p4.py --check

@@ -10,12 +10,8 @@ shared headers (p4src/thc_common.p4) include five generated files:
                                  8 lanes each) and THC_MAX_LANES max lanes (ThcMaxLane)
   generated/thc_groups_apply.p4  one apply call per lane group, over the header stacks
   generated/thc_max_apply.p4     one apply call per max lane
-  generated/thc_tna_groups.p4    the TNA program's lane groups (ThcLaneGroup with four max
-                                 lanes each in the first THC_MAX_LANES / 4 groups)
-  generated/thc_tna_groups_apply.p4
-                                 one apply call per TNA lane group
-  generated/thc_tna_pragmas.p4   PHV hints of the TNA program (payload stacks a packet never
-                                 fills together)
+  generated/thc_tna_*.p4         the Tofino program's words, their apply calls in both
+                                 passes and its payload parser states (p4src/gen_tna.py)
   generated/thc_vote.p4          THC_GROUPS vote groups (ThcVoteGroup: a vote job's 8 sign
                                  bits -> 8 indices), BMv2 program only
   generated/thc_vote_apply.p4    one apply call per vote group
@@ -32,9 +28,9 @@ Usage:
   gen_p4.py --check              exit 1 naming the stale file when sources or generated files
                                  differ from the record (works without p4c)
   gen_p4.py --record-tofino OUT  after `p4c --target tofino --arch tna -o OUT thc_tna.p4`
-                                 (make p4-tofino): copy the compiler's resource summary into
-                                 p4src/build/tofino/ with REPORT.json (compiler version, source
-                                 hashes)
+                                 (make p4-tofino): copy the compiler's resource summary and
+                                 P4Info into p4src/build/tofino/ with REPORT.json (compiler
+                                 version as printed, command, source hashes)
   gen_p4.py --check-tofino       exit 1 when that report is missing or older than its sources
   gen_p4.py --variant-dir D --lanes N
                                  a self-contained copy (thc.p4 + generated/) with other
@@ -52,6 +48,8 @@ import sys
 from pathlib import Path
 
 P4SRC = Path(__file__).resolve().parent
+sys.path.insert(0, str(P4SRC))
+import gen_tna  # noqa: E402  (beside this script, which runs outside any package)
 ROOT = P4SRC.parent
 PROTOCOL_JSON = ROOT / "host" / "wire" / "protocol.json"
 GEN_DIR = P4SRC / "generated"
@@ -64,7 +62,7 @@ L2_P4 = P4SRC / "l2.p4"
 OUTPUTS = ("thc.json", "thc.p4info.txt", "l2.json", "l2.p4info.txt")
 TOFINO_DIR = BUILD_DIR / "tofino"
 TOFINO_REPORT = TOFINO_DIR / "REPORT.json"
-TOFINO_LOGS = ("mau.resources.log", "resources.json", "metrics.json")
+TOFINO_LOGS = ("mau.resources.log", "resources.json", "metrics.json", "thc_tna.p4info.txt")
 """Files of the Tofino compiler's output that summarise resources (stages, SRAM/TCAM,
 stateful ALUs, PHV); whichever of them the compiler wrote are committed."""
 
@@ -88,12 +86,6 @@ VOTE_DECL = "ThcVoteGroup() thc_v{i};\n"
 VOTE_APPLY = "thc_v{i}.apply(hdr.thc_vote[{i}], hdr.thc_data[{i}]);\n"
 MAX_DECL = "ThcMaxLane() thc_m{i};\n"
 MAX_APPLY = "thc_m{i}.apply(hdr.thc_max[{i}], meta.reg_index, meta.lane_op);\n"
-TNA_GROUP_DECL = "ThcLaneGroup({has_max}) thc_g{i};\n"
-TNA_GROUP_APPLY = ("thc_g{i}.apply(hdr.thc_data[{i}], hdr.thc_result8[{i}], hdr.thc_result16[{i}], "
-                   "{m}, hdr.thc.job_id, meta.is_max, meta.reg_index, meta.lane_op, "
-                   "meta.wide, meta.drop_reason, meta.emit);\n")
-TNA_MAX_PER_GROUP = 4
-"""The TNA program keeps max lanes in the lane groups' four word registers."""
 
 TO_AGGREGATOR = ("DATA", "MAX", "FLUSH", "RESET")
 """Packet types a worker (or the controller, for RESET) sends to the aggregator."""
@@ -111,39 +103,6 @@ def _each(template: str, n: int) -> str:
     return "".join(template.format(i=i) for i in range(n))
 
 
-def tna_max_lanes(spec: dict, lanes: int | None = None) -> int:
-    """Max lanes of a TNA variant with ``lanes`` lanes: protocol.json's, or as many as its
-    lane groups hold (four each) when that is fewer."""
-    lanes = spec["lanes"] if lanes is None else lanes
-    return min(spec["max_lanes"], lanes // GROUP_LANES * TNA_MAX_PER_GROUP)
-
-
-def _tna_pragmas(groups: int, max_lanes: int) -> str:
-    """PHV hints for the TNA program: a packet fills the 8-bit or the 16-bit RESULT stack
-    (its job's width) or carries max lanes, never two of them, so their fields may share
-    containers."""
-    r8 = [f"hdr.thc_result8[{i}]" for i in range(groups)]
-    r16 = [f"hdr.thc_result16[{i}]" for i in range(groups)]
-    mx = [f"hdr.thc_max[{k}]" for k in range(max_lanes)]
-    pairs = [(a, b) for a in r8 for b in r16] + [(a, b) for a in r8 + r16 for b in mx]
-    return "".join(f'@pa_mutually_exclusive("ingress", "{a}", "{b}")\n' for a, b in pairs)
-
-
-def _tna_groups(groups: int, max_lanes: int) -> tuple[str, str]:
-    """Declarations and apply calls of the TNA lane groups; group i holds max lanes
-    4i..4i+3, a group past the max lanes gets stand-ins that are never valid."""
-    if max_lanes % TNA_MAX_PER_GROUP or max_lanes > groups * TNA_MAX_PER_GROUP:
-        err = (f"#error \"{max_lanes} max lanes, {groups} lane groups of "
-               f"{TNA_MAX_PER_GROUP}: generate with gen_p4.py --tna-variant-dir\"\n")
-        return err, err
-    decl, apply = [], []
-    for i in range(groups):
-        has_max = i < max_lanes // TNA_MAX_PER_GROUP
-        m = ", ".join(f"hdr.thc_max[{TNA_MAX_PER_GROUP * i + k}]" if has_max
-                      else f"meta.no_max[{k}]" for k in range(TNA_MAX_PER_GROUP))
-        decl.append(TNA_GROUP_DECL.format(i=i, has_max="true" if has_max else "false"))
-        apply.append(TNA_GROUP_APPLY.format(i=i, m=m))
-    return "".join(decl), "".join(apply)
 
 
 def generate(spec: dict, lanes: int | None = None, slots: int | None = None,
@@ -263,7 +222,9 @@ def generate(spec: dict, lanes: int | None = None, slots: int | None = None,
              for stack, n, what in [("thc_data", groups, "a DATA payload"),
                                     ("thc_vote", groups, "a vote job's DATA payload"),
                                     ("thc_max", max_lanes, "a MAX payload")]}
-    tna_decl, tna_apply = _tna_groups(groups, max_lanes)
+    tna = lanes == spec["lanes"] and max_lanes == spec["max_lanes"]
+    if tna:
+        c.insert(-1, "".join(gen_tna.constants()))
     return {
         "thc_constants.p4": "".join(c),
         "thc_headers.p4": "".join(h),
@@ -273,15 +234,9 @@ def generate(spec: dict, lanes: int | None = None, slots: int | None = None,
         "thc_parse_data.p4": "".join(parse["thc_data"]),
         "thc_parse_vote.p4": "".join(parse["thc_vote"]),
         "thc_parse_max.p4": "".join(parse["thc_max"]),
-        "thc_tna_groups.p4": HEADER + "// Declarations inside the TNA ingress control "
-                             "(thc_tna.p4 only).\n" + tna_decl,
-        "thc_tna_pragmas.p4": HEADER + "// Annotations of the TNA ingress control "
-                              "(thc_tna.p4 only): mutually exclusive payload stacks.\n"
-                              + _tna_pragmas(groups, max_lanes),
-        "thc_tna_groups_apply.p4": HEADER + "// Statements of the TNA ingress apply block: "
-                                   "every lane group, DATA and MAX.\n" + tna_apply,
         "thc_vote.p4": "".join(vote_decl),
         "thc_vote_apply.p4": "".join(vote_apply),
+        **(gen_tna.files(spec, HEADER) if tna else {}),
     }
 
 
@@ -403,22 +358,9 @@ def check() -> list[str]:
 
 
 def tofino_sources() -> list[Path]:
-    """What the Tofino compile depends on: the generated files are a function of these (and
-    of the lane count, recorded beside them), so a lane-count variant is checked too."""
-    return [TNA_P4, COMMON_P4, Path(__file__).resolve(), PROTOCOL_JSON]
+    """What the Tofino compile depends on: the generated files are a function of these."""
+    return [TNA_P4, COMMON_P4, Path(__file__).resolve(), P4SRC / "gen_tna.py", PROTOCOL_JSON]
 
-
-def write_tna_variant(out: Path, lanes: int | None) -> Path:
-    """thc_tna.p4 with generated/ for ``lanes`` lanes (all of protocol.json's by default) and
-    as many max lanes as its groups hold (tna_max_lanes) in ``out``, for `make p4-tofino
-    TOFINO_LANES=...`; returns the program's path."""
-    spec = load_spec()
-    out.mkdir(parents=True, exist_ok=True)
-    shutil.copy(COMMON_P4, out / COMMON_P4.name)
-    write_generated(generate(spec, lanes=lanes, max_lanes=tna_max_lanes(spec, lanes)),
-                    out / "generated")
-    shutil.copy(TNA_P4, out / TNA_P4.name)
-    return out / TNA_P4.name
 
 
 def tofino_summary(out: Path) -> dict:
@@ -453,9 +395,9 @@ def tofino_summary(out: Path) -> dict:
             "totals": totals, "stages": stages, "phv": phv}
 
 
-def record_tofino(out: Path, lanes: int | None = None) -> None:
-    """Commit-ready resource summary of a Tofino compile whose output is in ``out`` (of the
-    program with ``lanes`` lanes; None: all of protocol.json's)."""
+def record_tofino(out: Path) -> None:
+    """Commit-ready resource summary and P4Info of the Tofino compile whose output is in
+    ``out``."""
     found = {}
     for path in sorted(Path(out).rglob("*")):
         if path.name in TOFINO_LOGS and path.is_file() and path.name not in found:
@@ -484,9 +426,13 @@ def record_tofino(out: Path, lanes: int | None = None) -> None:
         "comment": "Written by `make p4-tofino` (gen_p4.py --record-tofino); checked by "
                    "tests/test_p4_build.py where the Tofino back end is installed.",
         "compiler": p4c_version(),
-        "command": f"p4c --target tofino --arch tna --verbose 1 -o <out> {rel(TNA_P4)}",
-        "lanes": int(lanes or load_spec()["lanes"]),
-        "max_lanes": tna_max_lanes(load_spec(), lanes),
+        "command": (f"p4c --target tofino --arch tna --verbose 1 -o <out> --p4runtime-files "
+                    f"<out>/thc_tna.p4info.txt {rel(TNA_P4)}"),
+        "lanes": load_spec()["lanes"],
+        "passes": 2,
+        "words_pass0": gen_tna.PASS0_WORDS,
+        "words_pass1": gen_tna.WORDS,
+        "max_lanes": load_spec()["max_lanes"],
         "compiled": rc == 0 if rc is not None else None,
         "exit_status": rc,
         "sources": {rel(p): sha256(p) for p in tofino_sources()},
@@ -496,7 +442,7 @@ def record_tofino(out: Path, lanes: int | None = None) -> None:
     TOFINO_REPORT.write_text(json.dumps(rec, indent=2, sort_keys=True) + "\n")
     verdict = {True: "compiled", False: f"FAILED (exit {rc}; errors.txt)", None: "?"}[
         rec["compiled"]]
-    print(f"gen_p4: {rec['lanes']} lanes {verdict}; recorded {', '.join(sorted(found))} "
+    print(f"gen_p4: {rec['lanes']} lanes in {rec['passes']} passes {verdict}; recorded {', '.join(sorted(found))} "
           f"({rec['compiler']}) in {rel(TOFINO_DIR)}")
 
 
@@ -544,19 +490,12 @@ def main(argv: list[str] | None = None) -> int:
                       help="exit 1 if the committed Tofino report is stale")
     ap.add_argument("--variant-dir", type=Path,
                     help="write thc.p4 + generated/ with other parameters here (experiments)")
-    ap.add_argument("--lanes", type=int,
-                    help="lanes for --variant-dir / --tna-variant-dir / --record-tofino")
-    ap.add_argument("--tna-variant-dir", type=Path,
-                    help="write thc_tna.p4 + generated/ for --lanes lanes here")
+    ap.add_argument("--lanes", type=int, help="lanes for --variant-dir")
     ap.add_argument("--slots", type=int, help="switch slots for --variant-dir")
     args = ap.parse_args(argv)
-    if (args.lanes or args.slots) and not (args.variant_dir or args.tna_variant_dir
-                                          or args.record_tofino):
+    if (args.lanes or args.slots) and not args.variant_dir:
         ap.error("--lanes/--slots only with --variant-dir (the committed program follows "
                  "host/wire/protocol.json)")
-    if args.tna_variant_dir:
-        print(write_tna_variant(args.tna_variant_dir, args.lanes))
-        return 0
     if args.variant_dir:
         path = write_variant(args.variant_dir, args.lanes, args.slots)
         print(f"gen_p4: wrote variant {path}")
@@ -572,7 +511,7 @@ def main(argv: list[str] | None = None) -> int:
         record()
         return 0
     if args.record_tofino:
-        record_tofino(args.record_tofino, args.lanes)
+        record_tofino(args.record_tofino)
         return 0
     if args.check_tofino:
         problems = check_tofino()

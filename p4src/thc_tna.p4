@@ -1,28 +1,28 @@
 /*
  * THC in-network aggregation for Tofino (P4_16, TNA), the variant of thc.p4 that the Tofino
- * back end of p4c compiles (`make p4-tofino`). Same wire protocol, same generated constants
- * and THC header, same table and action names as the BMv2 program, so controller/jobs.py
- * writes the same entries.
+ * back end of p4c compiles (`make p4-tofino`). Same wire protocol, generated constants and
+ * THC header; the configuration tables, counters and multicast groups have thc.p4's names,
+ * the lookup tables are laid out for this pipeline (controller/targets.py).
  *
- * Differences from thc.p4, all forced by the Tofino pipeline (12 stages, 4 stateful ALUs a
- * stage, gateways that compare a few bytes with constants):
- *  - the slot state is a chain of one stage per step: checks and the job's run (thc_check),
- *    the slot's run and seq (thc_run, thc_seq), the bitmap (thc_bitmap_op), the count and
- *    the lane operation (thc_count_op). Each step is a table keyed on what the earlier
- *    steps found, whose actions each execute one RegisterAction (Tofino addresses a
- *    register the same way in every action of a table, one stateful ALU operation per
- *    action); the lanes get the stages after it;
- *  - thc_run and thc_seq are both (run, seq) pairs updated alike: one answers "newer" (a new
- *    run, or a later seq), the other "not older", so the serial comparison takes one stage
- *    (a stateful ALU has two comparisons); the dup test (old bitmap & worker bit) is a
- *    ternary match on the old bitmap and the one-hot worker bit;
- *  - MAX lanes share the lane groups' word registers (four per group; a slot use holds sums
- *    or maxima, never both), so a packet has at most 4 max lanes per lane group;
- *  - a retransmission reads the lane words whether or not the use is complete; a PENDING
- *    reply (incomplete) drops them with the other lanes;
- *  - replies are rewritten for their worker in egress, which sees the ingress outcome
- *    through a bridged header; payload headers leave a reply by being invalidated.
- * DLCP's FLUSH, vote jobs and thc_dscp are in thc.p4 only. See docs/switch.md, "Tofino".
+ * All 256 lanes of a packet in two passes (docs/switch.md, "Tofino"). Tofino-1 returns one
+ * 32-bit word per stateful ALU access, and a pipe has 48 stateful ALUs: 256 8-bit sums are
+ * 64 words, more than one pass can read. So a packet goes round once:
+ *  - pass 0 checks the packet and runs the slot state (one register a stage: the job's run,
+ *    the slot version's (run, seq), its (bitmap, seq), its count), then adds the last
+ *    THC_TNA_PASS0_WORDS words (lanes 160-255) in the stages after it, and either answers
+ *    at once (PENDING, REFUSED, drops) or recirculates the packet: the header thc_pass_h
+ *    carries what it decided, the unprocessed indices stay in the packet before the sums;
+ *  - pass 1 adds lanes 0-159 in THC_TNA_WORDS words (the first THC_TNA_PASS0_WORDS are the
+ *    same registers as pass 0's, at the other half of the index), then multicasts the
+ *    result, returns it to the sender, or drops the packet (consumed).
+ * A word holds four 8-bit lanes (no carry crosses lanes: n x g <= 255), or one max lane.
+ * 16-bit jobs would need four passes; this program serves 8-bit jobs (set_job's sum_bits
+ * 16 is dropped as bad_lanes, and the controller refuses such jobs for this target).
+ *
+ * Not (yet) here, unlike thc.p4 and the reference model (host/wire/model.py): the run jump
+ * and idle rules (a newer run always takes the job), one incarnation per worker per run
+ * (reused_run), op and offset per slot use (wrong_use), per-use acknowledgements (held).
+ * docs/switch.md lists what each gap allows.
  */
 #include <core.p4>
 #include <tna.p4>
@@ -31,24 +31,73 @@
 #include "generated/thc_headers.p4"
 #include "thc_common.p4"
 
-// Ingress -> egress, on every packet: whether it is a reply and to whom.
-header thc_bridge_h {
-    bit<7> pad;
-    bit<1> is_reply;
-    bit<8> dest_worker;     // destination of a unicast reply (multicast: egress_rid - 1)
+const bit<2> THC_PAY_NONE = 0;   // pass 1 parses nothing after the THC header (FLUSH)
+const bit<2> THC_PAY_IDX = 1;    // four 4-bit indices a quad
+const bit<2> THC_PAY_VOTE = 2;   // eight sign bits a byte
+const bit<2> THC_PAY_MAX = 3;    // one 32-bit max lane a word
+
+// A register index: a slot version (pool_base + slot) * 2 + version, and for the words the
+// pass's half above it.
+typedef bit<16> thc_index_t;
+
+// DATA: eight lanes' indices (two words), the first lane in the high nibble; a vote job's
+// DATA: 32 lanes' sign bits (eight words), the first lane in the high bit. Payload headers
+// hold two words or more: every header costs a validity bit, and a pipe has 256.
+header thc_oct_h {
+    bit<32> idx;
 }
 
-// A slot version's run and last seq (thc_run and thc_seq hold the same pair).
+
+
+// four lanes' 8-bit sums (big-endian), or one max lane
+header thc_word_h {
+    bit<32> w;
+}
+
+// Ingress -> egress on every packet, and pass 0 -> pass 1 around the recirculation.
+header thc_pass_h {
+    bit<7>  pad0;
+    bit<9>  in_port;      // where a unicast reply of pass 1 goes
+    bit<16> mcast_grp;    // pass 1: 0 = unicast to in_port
+    bit<1>  recirc;       // go round: egress passes the packet through unchanged
+    bit<1>  reply;        // pass 1 sends the packet (else: consumed, dropped)
+    bit<1>  is_reply;     // egress rewrites the addresses (worker_id or egress_rid - 1)
+    bit<5>  pad1;
+    bit<2>  lane_op;      // THC_OP_*
+    bit<2>  payload;      // THC_PAY_*: what pass 1 parses after the THC header
+    bit<1>  is_max;
+    bit<1>  blank;        // no payload: a new use's words are cleared (FLUSH)
+    bit<1>  vote;         // the payload is sign bits
+    bit<1>  pad2;
+    thc_index_t word_index;   // pass 1's half of the words' registers
+}
+
+// a slot version's run and last seq; its bitmap and the seq of the use it belongs to
 struct thc_run_seq_t {
     bit<32> seq;
     bit<32> run;
 }
+struct thc_bitmap_seq_t {
+    bit<32> bitmap;
+    bit<32> seq;
+}
 
-// zero-initialised, as v1model metadata is
+struct tna_headers_t {
+    ethernet_h ethernet;
+    ipv4_h     ipv4;
+    udp_h      udp;
+    thc_h      thc;
+    thc_oct_h[THC_TNA_WORDS / 2]     rest;   // pass 0: lanes 0-159, carried to pass 1
+    thc_oct_h[THC_TNA_WORDS / 2]     cur;    // the lanes this pass adds
+    // at most 32 a stack (its validity bits share one container): in halves
+    thc_word_h[THC_TNA_HALF]         res_a;  // their sums, or the max lanes
+    thc_word_h[THC_TNA_HALF]         res_b;
+}
+
 @pa_auto_init_metadata
 struct metadata_t {
-    thc_bridge_h bridge;      // always emitted: egress parses it first
-    thc_max_h[4] no_max;      // the max lanes of a lane group that carries none (never valid)
+    thc_pass_h bridge;      // what this pass tells egress (and pass 1)
+    thc_pass_h p1;          // pass 1: what pass 0 decided (parsed)
     // from thc_job
     bit<8>  job_index;
     bit<8>  n_workers;
@@ -56,39 +105,66 @@ struct metadata_t {
     bit<16> pool_size;
     bit<16> mcast_grp;
     bit<1>  wide;
+    bit<1>  vote;
     bit<32> epoch;
     bit<1>  job_hit;
     // from thc_worker
-    bit<32> worker_bit;
+    bit<32> worker_bit;     // FLUSH: bit 31, the closed mark
     bit<1>  worker_hit;
     // addressing
-    bit<16> slot_idx;       // pool_base + slot
-    bit<8>  room8;          // n_workers - worker_id, saturating at 0
-    bit<16> room16;         // pool_size - slot, saturating at 0
-    bit<32> reg_index;      // (pool_base + slot) * 2 + version
-    bit<32> jc_base;        // job_index * THC_N_JOB_COUNTERS
+    bit<16> slot_idx;
+    bit<16> slotx;          // seq[15:0] ^ slot: the bits the pool mask must clear
+    bit<8>  room8;
+    bit<16> room16;
+    thc_index_t reg_index;
+    thc_index_t word_index;     // the words' register index in this pass
+    bit<32> jc4;
+    bit<32> jc1;
+    bit<1>  one;
     bit<32> jc_index;
-    // state as seen by this packet
-    bit<1>  run_stale;      // older than the job's run
-    bit<1>  seq_newer;      // a new run for the slot version, or a later seq
-    bit<1>  seq_ok;         // not older than the slot version's seq
-    bit<32> old_bitmap;
+    // slot state as seen by this packet
+    bit<1>  run_stale;
+    bit<1>  seq_newer;
+    bit<32> old_bitmap;     // 0: another seq (stale); bit 31: closed by a FLUSH
     bit<32> bitmap;
     bit<8>  count;
     bit<1>  dup;
-    bit<2>  lane_op;        // THC_OP_*: what the lane words do (RESET: none)
-    bit<1>  is_max;         // a MAX packet: the lane words hold maxima
-    bit<1>  emit;           // the reply carries the lanes (RESULT, MAX_RESULT)
+    bit<1>  closed;
+    bit<2>  lane_op;
+    bit<1>  is_max;
+    bit<1>  blank;
+    bit<1>  vote_pkt;       // a vote job's DATA: sign bits in cur / rest
+    bit<1>  run_words;
+    bit<1>  refuse;
     bit<8>  drop_reason;
+    bit<6>  dscp;
 }
 
-parser ThcIngressParser(packet_in pkt, out headers_t hdr, out metadata_t meta,
+parser ThcIngressParser(packet_in pkt, out tna_headers_t hdr, out metadata_t meta,
                         out ingress_intrinsic_metadata_t ig_intr_md) {
-    ParserCounter() lanes_left;
-
     state start {
         pkt.extract(ig_intr_md);
         pkt.advance(PORT_METADATA_SIZE);
+        transition select(ig_intr_md.ingress_port[6:0]) {
+            THC_TNA_RECIRC_PORT: parse_pass;
+            default: parse_ethernet;
+        }
+    }
+    // pass 1: a THC packet that pass 0 sent round, its lanes named by the bridge header
+    state parse_pass {
+        pkt.extract(meta.p1);
+        pkt.extract(hdr.ethernet);
+        pkt.extract(hdr.ipv4);
+        pkt.extract(hdr.udp);
+        pkt.extract(hdr.thc);
+        transition select(meta.p1.payload) {
+            THC_PAY_IDX: p1_data;
+            THC_PAY_VOTE: p1_vote;
+            THC_PAY_MAX: parse_max;
+            default: accept;
+        }
+    }
+    state parse_ethernet {
         pkt.extract(hdr.ethernet);
         transition select(hdr.ethernet.etherType) {
             ETHERTYPE_IPV4: parse_ipv4;
@@ -112,232 +188,121 @@ parser ThcIngressParser(packet_in pkt, out headers_t hdr, out metadata_t meta,
     state parse_thc {
         pkt.extract(hdr.thc);
         transition select(hdr.thc.pkt_type, hdr.udp.length) {
-            (THC_DATA, THC_UDP_LEN_DATA): start_data;
-            (THC_MAX, THC_UDP_LEN_MAX): start_max;
+            (THC_DATA, THC_UDP_LEN_DATA): p0_data;
+            (THC_DATA, THC_UDP_LEN_VOTE): p0_vote;
+            (THC_MAX, THC_UDP_LEN_MAX): parse_max;
             default: accept;
         }
     }
-    state start_data {
-        lanes_left.set((bit<8>)THC_GROUPS);
-        transition parse_data;
-    }
-    state parse_data {
-        pkt.extract(hdr.thc_data.next);
-        lanes_left.decrement(1);
-        transition select(lanes_left.is_zero()) {
-            true: accept;
-            false: parse_data;
-        }
-    }
-    state start_max {
-        lanes_left.set((bit<8>)THC_MAX_LANES);
-        transition parse_max;
-    }
-    state parse_max {
-        pkt.extract(hdr.thc_max.next);
-        lanes_left.decrement(1);
-        transition select(lanes_left.is_zero()) {
-            true: accept;
-            false: parse_max;
-        }
-    }
+#include "generated/thc_tna_parse.p4"
 }
 
 /*
- * One lane group (8 lanes), as in thc.p4: byte-keyed lookups return the lanes' values
- * packed for the job's width; four 32-bit word registers, of which an 8-bit job uses two.
- * A group built with has_max also holds four max lanes (MAX packets) in the same words.
- * thc_word_op_K picks, from the lane operation, the packet type and the width, the action
- * that executes one RegisterAction on word K and writes what it returns into the reply.
+ * One word of four 8-bit lanes (SwitchML's Processor, for THC's lookups): byte-keyed tables
+ * turn two indices into two packed table values each (vote jobs: a nibble of sign bits into
+ * four 0/1 lanes), and one register adds, writes or reads the word, or keeps a max lane.
+ * thc_word_op picks the RegisterAction: Tofino addresses a register the same way in every
+ * action, one operation per packet. A new use writes (op THC_OP_WRITE) and a contribution
+ * adds in one program; a FLUSH opening a use clears the word.
+ *
+ * Two forms. ThcWord takes its lookups straight into the result word, one byte-table a
+ * stage (two tables writing one container share no stage). ThcEarlyWord (the last
+ * gen_tna.EARLY_WORDS words of pass 1) looks both bytes up in one stage into two 16-bit
+ * halves of its own, so that its register can take stage 1: PHV for the halves is spent only
+ * where stages are short.
  */
-control ThcLaneGroup(inout thc_idx_h idx, inout thc_sum8_h r8, inout thc_sum16_h r16,
-                     inout thc_max_h m0, inout thc_max_h m1, inout thc_max_h m2,
-                     inout thc_max_h m3, in bit<16> job_id, in bit<1> is_max,
-                     in bit<32> reg_index, in bit<2> op, in bit<1> wide, in bit<8> drop_reason,
-                     in bit<1> emit)(bool has_max) {
-    Register<bit<32>, bit<32>>(THC_REG_SIZE) thc_sum_0;
-    Register<bit<32>, bit<32>>(THC_REG_SIZE) thc_sum_1;
-    Register<bit<32>, bit<32>>(THC_REG_SIZE) thc_sum_2;
-    Register<bit<32>, bit<32>>(THC_REG_SIZE) thc_sum_3;
-    bit<32> v0 = 0;
-    bit<32> v1 = 0;
-    bit<32> v2 = 0;
-    bit<32> v3 = 0;
-
-    action thc_lut_set_0(bit<32> value) { v0 = value; }
-    action thc_lut_set_1(bit<32> value) { v1 = value; }
-    action thc_lut_set_2(bit<32> value) { v2 = value; }
-    // the same action names as thc.p4 (one per width, picked by the controller); here the
-    // words are added by thc_word_op's RegisterActions
-    action thc_lut_sum8(bit<32> value) { v3 = value; }
-    action thc_lut_sum16(bit<32> value) { v3 = value; }
-    table thc_lut_0 {
-        key = { job_id: exact @name("job_id"); idx.b0: exact @name("idx"); }
-        actions = { thc_lut_set_0; }
-        default_action = thc_lut_set_0(0);
-        size = THC_LUT_SIZE;
-    }
-    table thc_lut_1 {
-        key = { job_id: exact @name("job_id"); idx.b1: exact @name("idx"); }
-        actions = { thc_lut_set_1; }
-        default_action = thc_lut_set_1(0);
-        size = THC_LUT_SIZE;
-    }
-    table thc_lut_2 {
-        key = { job_id: exact @name("job_id"); idx.b2: exact @name("idx"); }
-        actions = { thc_lut_set_2; }
-        default_action = thc_lut_set_2(0);
-        size = THC_LUT_SIZE;
-    }
-    table thc_lut_3 {
-        key = { job_id: exact @name("job_id"); idx.b3: exact @name("idx"); }
-        actions = { thc_lut_sum8; thc_lut_sum16; }
-        default_action = thc_lut_sum8(0);
-        size = THC_LUT_SIZE;
-    }
-
-    // word K: the write, add, read (sums) and max RegisterActions on register K
-#define THC_WORD_ACTIONS(K)                                                                   \
-    RegisterAction<bit<32>, bit<32>, bit<32>>(thc_sum_##K) thc_write_##K = {                  \
-        void apply(inout bit<32> value, out bit<32> rv) { value = v##K; rv = value; }         \
-    };                                                                                        \
-    RegisterAction<bit<32>, bit<32>, bit<32>>(thc_sum_##K) thc_add_##K = {                    \
-        void apply(inout bit<32> value, out bit<32> rv) { value = value + v##K; rv = value; } \
-    };                                                                                        \
-    RegisterAction<bit<32>, bit<32>, bit<32>>(thc_sum_##K) thc_read_##K = {                   \
-        void apply(inout bit<32> value, out bit<32> rv) { rv = value; }                       \
-    };                                                                                        \
-    RegisterAction<bit<32>, bit<32>, bit<32>>(thc_sum_##K) thc_max_##K = {                    \
-        void apply(inout bit<32> value, out bit<32> rv) {                                     \
-            if (v##K > value) {                                                               \
-                value = v##K;                                                                 \
-            }                                                                                 \
-            rv = value;                                                                       \
-        }                                                                                     \
-    };                                                                                        \
-    action thc_write16_word_##K() { r16.w##K = thc_write_##K.execute(reg_index); }           \
-    action thc_add16_word_##K() { r16.w##K = thc_add_##K.execute(reg_index); }               \
-    action thc_read16_word_##K() { r16.w##K = thc_read_##K.execute(reg_index); }             \
-    action thc_max_write_word_##K() { m##K.v = thc_write_##K.execute(reg_index); }           \
-    action thc_max_word_##K() { m##K.v = thc_max_##K.execute(reg_index); }                   \
-    action thc_max_read_word_##K() { m##K.v = thc_read_##K.execute(reg_index); }
-    THC_WORD_ACTIONS(0)
-    THC_WORD_ACTIONS(1)
-    THC_WORD_ACTIONS(2)
-    THC_WORD_ACTIONS(3)
-#undef THC_WORD_ACTIONS
-    // an 8-bit job's two words (lanes packed four a word)
-#define THC_WORD8_ACTIONS(K)                                                                  \
-    action thc_write8_word_##K() { r8.w##K = thc_write_##K.execute(reg_index); }             \
-    action thc_add8_word_##K() { r8.w##K = thc_add_##K.execute(reg_index); }                 \
-    action thc_read8_word_##K() { r8.w##K = thc_read_##K.execute(reg_index); }
-    THC_WORD8_ACTIONS(0)
-    THC_WORD8_ACTIONS(1)
-#undef THC_WORD8_ACTIONS
-
-    // One table per word register, each action running one RegisterAction.
-#define THC_MAX_ENTRIES(K)                                                                    \
-            (THC_OP_WRITE, 1, 0): thc_max_write_word_##K();                                   \
-            (THC_OP_WRITE, 1, 1): thc_max_write_word_##K();                                   \
-            (THC_OP_ADD, 1, 0): thc_max_word_##K();                                           \
-            (THC_OP_ADD, 1, 1): thc_max_word_##K();                                           \
-            (THC_OP_READ, 1, 0): thc_max_read_word_##K();                                     \
-            (THC_OP_READ, 1, 1): thc_max_read_word_##K();
-#define THC_WORD16_ENTRIES(K)                                                                 \
-            (THC_OP_WRITE, 0, 1): thc_write16_word_##K();                                     \
-            (THC_OP_ADD, 0, 1): thc_add16_word_##K();                                         \
-            (THC_OP_READ, 0, 1): thc_read16_word_##K();
-#define THC_WORD8_ENTRIES(K)                                                                  \
-            (THC_OP_WRITE, 0, 0): thc_write8_word_##K();                                      \
-            (THC_OP_ADD, 0, 0): thc_add8_word_##K();                                          \
-            (THC_OP_READ, 0, 0): thc_read8_word_##K();
-    table thc_word_op_0 {
-        key = { op: exact; is_max: exact; wide: exact; }
-        actions = {
-            thc_write8_word_0; thc_add8_word_0; thc_read8_word_0;
-            thc_write16_word_0; thc_add16_word_0; thc_read16_word_0;
-            thc_max_write_word_0; thc_max_word_0; thc_max_read_word_0; NoAction;
-        }
-        const entries = { THC_WORD8_ENTRIES(0) THC_WORD16_ENTRIES(0) THC_MAX_ENTRIES(0) }
-        const default_action = NoAction;
-        size = 16;
-    }
-    table thc_word_op_1 {
-        key = { op: exact; is_max: exact; wide: exact; }
-        actions = {
-            thc_write8_word_1; thc_add8_word_1; thc_read8_word_1;
-            thc_write16_word_1; thc_add16_word_1; thc_read16_word_1;
-            thc_max_write_word_1; thc_max_word_1; thc_max_read_word_1; NoAction;
-        }
-        const entries = { THC_WORD8_ENTRIES(1) THC_WORD16_ENTRIES(1) THC_MAX_ENTRIES(1) }
-        const default_action = NoAction;
-        size = 16;
-    }
-    // words 2 and 3: 16-bit jobs and max lanes only
-#define THC_WORD_TABLE_HI(K)                                                                  \
-    table thc_word_op_##K {                                                                   \
-        key = { op: exact; is_max: exact; wide: exact; }                                    \
-        actions = {                                                                           \
-            thc_write16_word_##K; thc_add16_word_##K; thc_read16_word_##K;                    \
-            thc_max_write_word_##K; thc_max_word_##K; thc_max_read_word_##K; NoAction;        \
-        }                                                                                     \
-        const entries = { THC_WORD16_ENTRIES(K) THC_MAX_ENTRIES(K) }                          \
-        const default_action = NoAction;                                                      \
-        size = 16;                                                                            \
-    }
-    THC_WORD_TABLE_HI(2)
-    THC_WORD_TABLE_HI(3)
-#undef THC_WORD_TABLE_HI
-#undef THC_MAX_ENTRIES
-#undef THC_WORD16_ENTRIES
-#undef THC_WORD8_ENTRIES
-
-    apply {
-        // lookups and packing depend on the packet only: they run in the early stages,
-        // beside the slot state
-        if (is_max == 0) {
-            thc_lut_0.apply();
-            thc_lut_1.apply();
-            thc_lut_2.apply();
-            thc_lut_3.apply();
-            if (wide == 0) {
-                v0 = v0 | v1;
-                v1 = v2 | v3;
-            }
-        } else if (has_max) {
-            v0 = m0.v;
-            v1 = m1.v;
-            v2 = m2.v;
-            v3 = m3.v;
-        }
-        if (drop_reason == 0) {
-            if (is_max == 0 || has_max) {
-                thc_word_op_0.apply();
-                thc_word_op_1.apply();
-                thc_word_op_2.apply();
-                thc_word_op_3.apply();
-            }
-        }
-        if (emit == 1) {
-            if (is_max == 0) {
-                if (wide == 0) {
-                    r8.setValid();
-                } else {
-                    r16.setValid();
-                }
-            }
-        } else if (has_max) {
-            m0.setInvalid();
-            m1.setInvalid();
-            m2.setInvalid();
-            m3.setInvalid();
-        }
-        idx.setInvalid();
-    }
+#define THC_WORD_CONTROL(NAME, LUT0, LUT1, VOTE, INPUT, LOCALS)                              \
+control NAME(in bit<16> q, in bool q_valid, in bit<4> vote, in bit<1> is_vote,             \
+             inout thc_word_h r, in bit<16> job_id, in thc_index_t index, in bit<2> op,     \
+             in bit<1> is_max, in bit<1> blank, in bit<1> run) {                            \
+    Register<bit<32>, thc_index_t>(THC_REG_SIZE * 2) thc_sum;                               \
+    LOCALS                                                                                  \
+    action thc_lut_set_0(bit<16> value) { LUT0 }                                            \
+    action thc_lut_set_1(bit<16> value) { LUT1 }                                            \
+    action thc_vote_set(bit<32> value) { VOTE }                                             \
+    table thc_lut_0 {                                                                       \
+        key = { job_id: exact @name("job_id"); q[15:8]: exact @name("idx"); }               \
+        actions = { thc_lut_set_0; }                                                        \
+        default_action = thc_lut_set_0(0);                                                  \
+        size = THC_LUT_SIZE;                                                                \
+    }                                                                                       \
+    table thc_lut_1 {                                                                       \
+        key = { job_id: exact @name("job_id"); q[7:0]: exact @name("idx"); }                \
+        actions = { thc_lut_set_1; }                                                        \
+        default_action = thc_lut_set_1(0);                                                  \
+        size = THC_LUT_SIZE;                                                                \
+    }                                                                                       \
+    table thc_vote_lut {                                                                    \
+        key = { job_id: exact @name("job_id"); vote: exact @name("idx"); }                  \
+        actions = { thc_vote_set; }                                                         \
+        default_action = thc_vote_set(0);                                                   \
+        size = THC_MAX_JOBS * 16;                                                           \
+    }                                                                                       \
+    RegisterAction<bit<32>, thc_index_t, bit<32>>(thc_sum) thc_sum_ra = {                   \
+        void apply(inout bit<32> value, out bit<32> rv) {                                   \
+            if (op == THC_OP_WRITE) {                                                       \
+                value = INPUT;                                                              \
+            } else {                                                                        \
+                value = value + INPUT;                                                      \
+            }                                                                               \
+            rv = value;                                                                     \
+        }                                                                                   \
+    };                                                                                      \
+    RegisterAction<bit<32>, thc_index_t, bit<32>>(thc_sum) thc_read = {                     \
+        void apply(inout bit<32> value, out bit<32> rv) { rv = value; }                     \
+    };                                                                                      \
+    RegisterAction<bit<32>, thc_index_t, bit<32>>(thc_sum) thc_clear = {                    \
+        void apply(inout bit<32> value, out bit<32> rv) { value = 0; rv = value; }          \
+    };                                                                                      \
+    RegisterAction<bit<32>, thc_index_t, bit<32>>(thc_sum) thc_max = {                      \
+        void apply(inout bit<32> value, out bit<32> rv) {                                   \
+            if (op == THC_OP_WRITE || r.w > value) {                                        \
+                value = r.w;                                                                \
+            }                                                                               \
+            rv = value;                                                                     \
+        }                                                                                   \
+    };                                                                                      \
+    action thc_word_sum() { r.w = thc_sum_ra.execute(index); }                              \
+    action thc_word_read() { r.w = thc_read.execute(index); }                               \
+    action thc_word_clear() { r.w = thc_clear.execute(index); }                             \
+    action thc_word_max() { r.w = thc_max.execute(index); }                                 \
+    table thc_word_op {                                                                     \
+        key = { op: exact; is_max: exact; blank: exact; }                                   \
+        actions = { thc_word_sum; thc_word_read; thc_word_clear; thc_word_max; NoAction; }  \
+        const entries = {                                                                   \
+            (THC_OP_WRITE, 0, 0): thc_word_sum();                                           \
+            (THC_OP_ADD, 0, 0): thc_word_sum();                                             \
+            (THC_OP_WRITE, 0, 1): thc_word_clear();                                         \
+            (THC_OP_READ, 0, 0): thc_word_read();                                           \
+            (THC_OP_READ, 0, 1): thc_word_read();                                           \
+            (THC_OP_WRITE, 1, 0): thc_word_max();                                           \
+            (THC_OP_ADD, 1, 0): thc_word_max();                                             \
+            (THC_OP_READ, 1, 0): thc_word_read();                                           \
+        }                                                                                   \
+        const default_action = NoAction;                                                    \
+        size = 16;                                                                          \
+    }                                                                                       \
+    apply {                                                                                 \
+        if (is_vote == 1) {                                                                 \
+            thc_vote_lut.apply();                                                           \
+        } else if (q_valid) {                                                               \
+            thc_lut_0.apply();                                                              \
+            thc_lut_1.apply();                                                              \
+        }                                                                                   \
+        if (run == 1) {                                                                     \
+            thc_word_op.apply();                                                            \
+        }                                                                                   \
+    }                                                                                       \
 }
 
+THC_WORD_CONTROL(ThcWord, r.w[31:16] = value;, r.w[15:0] = value;, r.w = value;, r.w, )
+THC_WORD_CONTROL(ThcEarlyWord, hi = value;, lo = value;,
+                 hi = value[31:16]; lo = value[15:0];, (hi ++ lo),
+                 bit<16> hi = 0; bit<16> lo = 0;)
+#undef THC_WORD_CONTROL
+
 #include "generated/thc_tna_pragmas.p4"
-control ThcIngress(inout headers_t hdr, inout metadata_t meta,
+control ThcIngress(inout tna_headers_t hdr, inout metadata_t meta,
                    in ingress_intrinsic_metadata_t ig_intr_md,
                    in ingress_intrinsic_metadata_from_parser_t ig_prsr_md,
                    inout ingress_intrinsic_metadata_for_deparser_t ig_dprsr_md,
@@ -347,12 +312,15 @@ control ThcIngress(inout headers_t hdr, inout metadata_t meta,
         thc_job_counters;
     Counter<bit<32>, bit<32>>(THC_MAX_JOBS, CounterType_t.PACKETS) thc_resets;
     Counter<bit<32>, bit<32>>(1, CounterType_t.PACKETS) l2_misses;
+    Counter<bit<32>, bit<32>>(1, CounterType_t.PACKETS) thc_dscp_unknown;
 
+#include "generated/thc_tna_words.p4"
+
+    // ---- slot state: one register a stage ----
     Register<bit<32>, bit<32>>(THC_MAX_JOBS) thc_job_run;
-    Register<thc_run_seq_t, bit<32>>(THC_REG_SIZE) thc_run;
-    Register<thc_run_seq_t, bit<32>>(THC_REG_SIZE) thc_seq;
-    Register<bit<32>, bit<32>>(THC_REG_SIZE) thc_bitmap;
-    Register<bit<8>, bit<32>>(THC_REG_SIZE) thc_count;
+    Register<thc_run_seq_t, thc_index_t>(THC_REG_SIZE) thc_run;
+    Register<thc_bitmap_seq_t, thc_index_t>(THC_REG_SIZE) thc_bitmap;
+    Register<bit<8>, thc_index_t>(THC_REG_SIZE) thc_count;
 
     // RFC 1982: the first run, or one not older than the job's, takes the job.
     RegisterAction<bit<32>, bit<32>, bit<1>>(thc_job_run) thc_job_run_ra = {
@@ -365,13 +333,11 @@ control ThcIngress(inout headers_t hdr, inout metadata_t meta,
             }
         }
     };
-    RegisterAction<bit<32>, bit<32>, bit<32>>(thc_job_run) thc_job_run_reset = {
+    RegisterAction<bit<32>, bit<32>, bit<1>>(thc_job_run) thc_job_run_reset = {
         void apply(inout bit<32> value) { value = 0; }
     };
-    // A run other than the slot version's last one starts a new use whatever its seq; in
-    // the same run a later seq (RFC 1982) does. thc_run answers "newer", thc_seq "not older"
-    // (newer or equal); both take (run, seq) when it is not older, so they stay equal.
-    RegisterAction<thc_run_seq_t, bit<32>, bit<1>>(thc_run) thc_run_ra = {
+    // a new use: another run, or a later seq (RFC 1982)
+    RegisterAction<thc_run_seq_t, thc_index_t, bit<1>>(thc_run) thc_run_ra = {
         void apply(inout thc_run_seq_t value, out bit<1> newer) {
             if (value.run != hdr.thc.run || (int<32>)(hdr.thc.seq - value.seq) > 0) {
                 value.run = hdr.thc.run;
@@ -382,66 +348,60 @@ control ThcIngress(inout headers_t hdr, inout metadata_t meta,
             }
         }
     };
-    RegisterAction<thc_run_seq_t, bit<32>, bit<1>>(thc_seq) thc_seq_ra = {
-        void apply(inout thc_run_seq_t value, out bit<1> not_older) {
-            if (value.run != hdr.thc.run || (int<32>)(hdr.thc.seq - value.seq) >= 0) {
-                value.run = hdr.thc.run;
-                value.seq = hdr.thc.seq;
-                not_older = 1;
-            } else {
-                not_older = 0;
+    RegisterAction<thc_run_seq_t, thc_index_t, bit<1>>(thc_run) thc_run_reset = {
+        void apply(inout thc_run_seq_t value) {
+            value.run = 0;
+            value.seq = THC_SEQ_RESET;
+        }
+    };
+    // A new use starts from the sender's bit; the same seq adds it unless a FLUSH closed the
+    // use (bit 31) and returns the bitmap before; another seq (older) returns 0: a use's
+    // bitmap is never 0, since the packet that opened it set a bit.
+    RegisterAction<thc_bitmap_seq_t, thc_index_t, bit<32>>(thc_bitmap) thc_bitmap_new = {
+        void apply(inout thc_bitmap_seq_t value, out bit<32> old) {
+            value.bitmap = meta.worker_bit;
+            value.seq = hdr.thc.seq;
+        }
+    };
+    RegisterAction<thc_bitmap_seq_t, thc_index_t, bit<32>>(thc_bitmap) thc_bitmap_same = {
+        void apply(inout thc_bitmap_seq_t value, out bit<32> old) {
+            if (value.seq == hdr.thc.seq) {
+                old = value.bitmap;
+                if (value.bitmap < 0x80000000) {
+                    value.bitmap = value.bitmap | meta.worker_bit;
+                }
             }
         }
     };
-    RegisterAction<thc_run_seq_t, bit<32>, bit<1>>(thc_run) thc_run_reset = {
-        void apply(inout thc_run_seq_t value) {
-            value.run = 0;
+    RegisterAction<thc_bitmap_seq_t, thc_index_t, bit<32>>(thc_bitmap) thc_bitmap_reset = {
+        void apply(inout thc_bitmap_seq_t value) {
+            value.bitmap = 0;
             value.seq = THC_SEQ_RESET;
         }
     };
-    RegisterAction<thc_run_seq_t, bit<32>, bit<1>>(thc_seq) thc_seq_reset = {
-        void apply(inout thc_run_seq_t value) {
-            value.run = 0;
-            value.seq = THC_SEQ_RESET;
-        }
-    };
-    // the bitmap before this packet; a new use starts with the sender's bit alone
-    RegisterAction<bit<32>, bit<32>, bit<32>>(thc_bitmap) thc_bitmap_new = {
-        void apply(inout bit<32> value, out bit<32> old) {
-            old = value;
-            value = meta.worker_bit;
-        }
-    };
-    RegisterAction<bit<32>, bit<32>, bit<32>>(thc_bitmap) thc_bitmap_ra = {
-        void apply(inout bit<32> value, out bit<32> old) {
-            old = value;
-            value = value | meta.worker_bit;
-        }
-    };
-    RegisterAction<bit<32>, bit<32>, bit<32>>(thc_bitmap) thc_bitmap_reset = {
-        void apply(inout bit<32> value) { value = 0; }
-    };
-    RegisterAction<bit<8>, bit<32>, bit<8>>(thc_count) thc_count_first = {
+    RegisterAction<bit<8>, thc_index_t, bit<8>>(thc_count) thc_count_first = {
         void apply(inout bit<8> value, out bit<8> count) {
             value = 1;
             count = value;
         }
     };
-    RegisterAction<bit<8>, bit<32>, bit<8>>(thc_count) thc_count_ra = {
+    RegisterAction<bit<8>, thc_index_t, bit<8>>(thc_count) thc_count_zero = {
+        void apply(inout bit<8> value, out bit<8> count) {
+            value = 0;
+            count = value;
+        }
+    };
+    RegisterAction<bit<8>, thc_index_t, bit<8>>(thc_count) thc_count_ra = {
         void apply(inout bit<8> value, out bit<8> count) {
             value = value + 1;
             count = value;
         }
     };
-    RegisterAction<bit<8>, bit<32>, bit<8>>(thc_count) thc_count_read = {
+    RegisterAction<bit<8>, thc_index_t, bit<8>>(thc_count) thc_count_read = {
         void apply(inout bit<8> value, out bit<8> count) { count = value; }
     };
-    RegisterAction<bit<8>, bit<32>, bit<8>>(thc_count) thc_count_reset = {
-        void apply(inout bit<8> value) { value = 0; }
-    };
 
-#include "generated/thc_tna_groups.p4"
-
+    // ---- configuration tables (controller/jobs.py), thc.p4's names ----
     action set_job(bit<8> job_index, bit<8> n_workers, bit<16> pool_base, bit<16> pool_size,
                    bit<32> full_bitmap, bit<16> mcast_grp, bit<8> sum_bits, bit<32> epoch,
                    bit<8> aggregation) {
@@ -451,6 +411,7 @@ control ThcIngress(inout headers_t hdr, inout metadata_t meta,
         meta.pool_size = pool_size;
         meta.mcast_grp = mcast_grp;
         meta.wide = (bit<1>)(sum_bits >> 4);
+        meta.vote = aggregation[0:0];
         meta.epoch = epoch;
         meta.job_hit = 1;
     }
@@ -477,6 +438,22 @@ control ThcIngress(inout headers_t hdr, inout metadata_t meta,
         size = THC_MAX_JOBS * THC_MAX_WORKERS;
     }
 
+    // DLCP: the DSCP of every IPv4 packet picks its egress queue
+    action thc_set_priority(bit<3> priority) {
+        ig_tm_md.qid = (QueueId_t)priority;
+    }
+    action thc_dscp_miss() {
+        thc_dscp_unknown.count(0);
+        ig_tm_md.qid = 0;
+    }
+    table thc_dscp {
+        key = { meta.dscp: exact @name("dscp"); }
+        actions = { thc_set_priority; thc_dscp_miss; }
+        default_action = thc_dscp_miss();
+        const entries = { THC_DSCP_ENTRIES }
+        size = 16;
+    }
+
     action l2_set_port(PortId_t port) {
         ig_tm_md.ucast_egress_port = port;
     }
@@ -491,21 +468,37 @@ control ThcIngress(inout headers_t hdr, inout metadata_t meta,
         size = 1024;
     }
 
-    // one ALU operation per field
+    // ---- pass 0: checks ----
     action thc_slot() {
         meta.slot_idx = meta.pool_base + hdr.thc.slot;
         meta.room8 = meta.n_workers |-| hdr.thc.worker_id;
         meta.room16 = meta.pool_size |-| hdr.thc.slot;
-        meta.jc_base = 22w0 ++ meta.job_index ++ 2w0;  // x THC_N_JOB_COUNTERS (4)
+        meta.jc4 = 22w0 ++ meta.job_index ++ 2w0;
+        meta.jc1 = 24w0 ++ meta.job_index;
+        meta.one = 1;
     }
+    // register indices through the hash unit's identity: no ALU alignment between the
+    // header fields and the indices
+    Hash<thc_index_t>(HashAlgorithm_t.IDENTITY) thc_reg_hash;
+    Hash<thc_index_t>(HashAlgorithm_t.IDENTITY) thc_word_hash;
     action thc_index() {
-        meta.reg_index = 15w0 ++ meta.slot_idx ++ hdr.thc.version[0:0];
+        meta.reg_index = thc_reg_hash.get({meta.slot_idx[9:0], hdr.thc.version[0:0]});
+        meta.jc_index = meta.jc4 + meta.jc1;   // x THC_N_JOB_COUNTERS (5)
     }
-
-    // Steps 2-6 of thc.p4 (the header checks of step 1 are gateways), in its order, and
-    // the job's run: a RESET clears it, any other packet that passes is checked against it.
+    // the words' registers hold pass 0's half of a slot version below THC_REG_SIZE, pass
+    // 1's above
+    action thc_word_index() {
+        meta.word_index = meta.reg_index;
+        meta.bridge.word_index = thc_word_hash.get({meta.one, meta.slot_idx[9:0],
+                                                    hdr.thc.version[0:0]});
+    }
     action thc_set_drop(bit<8> reason) {
         meta.drop_reason = reason;
+    }
+    // a drop the sender is told of (REFUSED), so its client fails at once naming the reason
+    action thc_refuse(bit<8> reason) {
+        meta.drop_reason = reason;
+        meta.refuse = 1;
     }
     action thc_job_run_check() {
         meta.run_stale = thc_job_run_ra.execute((bit<32>)meta.job_index);
@@ -513,37 +506,61 @@ control ThcIngress(inout headers_t hdr, inout metadata_t meta,
     action thc_job_run_clear() {
         thc_job_run_reset.execute((bit<32>)meta.job_index);
     }
+    // Steps 2-6 of thc.p4 in its order; the slot and version a seq names, for pool sizes
+    // that are powers of two: slot == seq mod pool (slotx masked) and version == bit
+    // log2(pool) of seq.
+#define THC_POOL(P) \
+            (0, 1, _, _, _, _, _, _, P, 0 &&& (P - 1), 0 &&& P, 0, _, _, _): \
+                thc_job_run_check(); \
+            (0, 1, _, _, _, _, _, _, P, 0 &&& (P - 1), P &&& P, 1, _, _, _): \
+                thc_job_run_check();
     table thc_check {
         key = {
             meta.drop_reason: ternary;
             meta.job_hit: ternary;
             hdr.thc.pkt_type: ternary;
-            hdr.thc_data[0].isValid(): ternary;
-            hdr.thc_max[0].isValid(): ternary;
-            hdr.udp.length: ternary;
+            meta.vote: ternary;
+            hdr.cur[0].isValid(): ternary;
+            meta.vote_pkt: ternary;
+            hdr.res_a[0].isValid(): ternary;
+            meta.wide: ternary;
+            meta.pool_size: ternary;
+            meta.slotx: ternary;
+            hdr.thc.seq[15:0]: ternary @name("seq16");
+            hdr.thc.version: ternary;
             meta.room8: ternary;
             meta.worker_hit: ternary;
             meta.room16: ternary;
         }
-        actions = { thc_set_drop; thc_job_run_check; thc_job_run_clear; NoAction; }
+        actions = { thc_set_drop; thc_refuse; thc_job_run_check; thc_job_run_clear; NoAction; }
         const entries = {
-            (0, 0, _, _, _, _, _, _, _): thc_set_drop(THC_DROP_UNKNOWN_JOB);
-            (0, 1, THC_DATA, false, _, _, _, _, _): thc_set_drop(THC_DROP_BAD_LANES);
-            (0, 1, THC_MAX, _, false, _, _, _, _): thc_set_drop(THC_DROP_BAD_LANES);
-            (0, 1, THC_RESET, _, _, THC_UDP_LEN_HDR, _, _, 0):
+            (0, 0, _, _, _, _, _, _, _, _, _, _, _, _, _): thc_set_drop(THC_DROP_UNKNOWN_JOB);
+            (0, 1, _, _, _, _, _, 1, _, _, _, _, _, _, _): thc_set_drop(THC_DROP_BAD_LANES);
+            (0, 1, THC_DATA, 0, false, _, _, _, _, _, _, _, _, _, _):
+                thc_set_drop(THC_DROP_BAD_LANES);
+            (0, 1, THC_DATA, 0, _, 1, _, _, _, _, _, _, _, _, _):
+                thc_set_drop(THC_DROP_BAD_LANES);
+            (0, 1, THC_DATA, 1, _, 0, _, _, _, _, _, _, _, _, _):
+                thc_set_drop(THC_DROP_BAD_LANES);
+            (0, 1, THC_MAX, _, _, _, false, _, _, _, _, _, _, _, _):
+                thc_set_drop(THC_DROP_BAD_LANES);
+            (0, 1, THC_RESET, _, _, _, _, _, _, _, _, _, _, _, 0):
                 thc_set_drop(THC_DROP_SLOT_OUTSIDE_POOL);
-            (0, 1, THC_RESET, _, _, THC_UDP_LEN_HDR, _, _, _): thc_job_run_clear();
-            (0, 1, THC_RESET, _, _, _, _, _, _): thc_set_drop(THC_DROP_BAD_LANES);
-            (0, 1, _, _, _, _, 0, _, _): thc_set_drop(THC_DROP_WORKER_OUTSIDE_JOB);
-            (0, 1, _, _, _, _, _, 0, _): thc_set_drop(THC_DROP_UNKNOWN_WORKER);
-            (0, 1, _, _, _, _, _, _, 0): thc_set_drop(THC_DROP_SLOT_OUTSIDE_POOL);
-            (0, 1, _, _, _, _, _, _, _): thc_job_run_check();
+            (0, 1, THC_RESET, _, _, _, _, _, _, _, _, _, _, _, _): thc_job_run_clear();
+            (0, 1, _, _, _, _, _, _, _, _, _, _, 0, _, _):
+                thc_set_drop(THC_DROP_WORKER_OUTSIDE_JOB);
+            (0, 1, _, _, _, _, _, _, _, _, _, _, _, 0, _): thc_set_drop(THC_DROP_UNKNOWN_WORKER);
+            (0, 1, _, _, _, _, _, _, _, _, _, _, _, _, 0):
+                thc_set_drop(THC_DROP_SLOT_OUTSIDE_POOL);
+            THC_POOL(1) THC_POOL(2) THC_POOL(4) THC_POOL(8) THC_POOL(16) THC_POOL(32)
+            THC_POOL(64) THC_POOL(128) THC_POOL(256) THC_POOL(512)
+            (0, 1, _, _, _, _, _, _, _, _, _, _, _, _, _): thc_refuse(THC_DROP_WRONG_SLOT);
         }
         const default_action = NoAction;
-        size = 16;
+        size = 64;
     }
+#undef THC_POOL
 
-    // Step 7-8: the slot version's run and seq.
     action thc_run_check() {
         meta.seq_newer = thc_run_ra.execute(meta.reg_index);
     }
@@ -556,43 +573,21 @@ control ThcIngress(inout headers_t hdr, inout metadata_t meta,
             hdr.thc.pkt_type: ternary;
             meta.run_stale: ternary;
         }
-        actions = { thc_run_check; thc_run_clear; thc_set_drop; NoAction; }
+        actions = { thc_run_check; thc_run_clear; thc_refuse; NoAction; }
         const entries = {
             (0, THC_RESET, _): thc_run_clear();
-            (0, _, 1): thc_set_drop(THC_DROP_STALE_RUN);
+            (0, _, 1): thc_refuse(THC_DROP_STALE_RUN);
             (0, _, 0): thc_run_check();
         }
         const default_action = NoAction;
         size = 4;
     }
-    action thc_seq_check() {
-        meta.seq_ok = thc_seq_ra.execute(meta.reg_index);
-    }
-    action thc_seq_clear() {
-        thc_seq_reset.execute(meta.reg_index);
-    }
-    table thc_seq_op {
-        key = {
-            meta.drop_reason: ternary;
-            hdr.thc.pkt_type: ternary;
-            meta.run_stale: ternary;
-        }
-        actions = { thc_seq_check; thc_seq_clear; NoAction; }
-        const entries = {
-            (0, THC_RESET, _): thc_seq_clear();
-            (0, _, 0): thc_seq_check();
-        }
-        const default_action = NoAction;
-        size = 4;
-    }
 
-    // The bitmap: a newer use starts from the sender's bit, an equal one adds it, an older
-    // seq is stale.
     action thc_bitmap_start() {
         meta.old_bitmap = thc_bitmap_new.execute(meta.reg_index);
     }
     action thc_bitmap_add() {
-        meta.old_bitmap = thc_bitmap_ra.execute(meta.reg_index);
+        meta.old_bitmap = thc_bitmap_same.execute(meta.reg_index);
     }
     action thc_bitmap_clear() {
         thc_bitmap_reset.execute(meta.reg_index);
@@ -602,44 +597,72 @@ control ThcIngress(inout headers_t hdr, inout metadata_t meta,
             meta.drop_reason: ternary;
             hdr.thc.pkt_type: ternary;
             meta.seq_newer: ternary;
-            meta.seq_ok: ternary;
         }
-        actions = { thc_bitmap_start; thc_bitmap_add; thc_bitmap_clear; thc_set_drop; NoAction; }
+        actions = { thc_bitmap_start; thc_bitmap_add; thc_bitmap_clear; NoAction; }
         const entries = {
-            (0, THC_RESET, _, _): thc_bitmap_clear();
-            (0, _, 1, _): thc_bitmap_start();
-            (0, _, 0, 1): thc_bitmap_add();
-            (0, _, 0, 0): thc_set_drop(THC_DROP_STALE);
+            (0, THC_RESET, _): thc_bitmap_clear();
+            (0, _, 1): thc_bitmap_start();
+            (0, _, 0): thc_bitmap_add();
         }
         const default_action = NoAction;
-        size = 8;
+        size = 4;
     }
 
-    // The count and the lane operation: first contribution of a use (a newer use, or an
-    // empty bitmap): write; the sender's bit already set: a retransmission, read; else add.
+    // The count and the lane operation. A new use writes (a FLUSH: zeros, count 0, closed);
+    // another seq is stale; a closed use, or the sender's bit already set, is a
+    // retransmission (read); else add. RESET clears the count and drops the packet.
     action thc_count_start() {
         meta.count = thc_count_first.execute(meta.reg_index);
         meta.bitmap = meta.worker_bit;
         meta.lane_op = THC_OP_WRITE;
+        meta.bridge.lane_op = THC_OP_WRITE;
+        meta.run_words = 1;
+    }
+    action thc_count_flush_start() {
+        meta.count = thc_count_zero.execute(meta.reg_index);
+        meta.bitmap = 0;
+        meta.closed = 1;
+        meta.lane_op = THC_OP_WRITE;
+        meta.bridge.lane_op = THC_OP_WRITE;
+        meta.run_words = 1;
     }
     action thc_count_add() {
         meta.count = thc_count_ra.execute(meta.reg_index);
         meta.bitmap = meta.old_bitmap | meta.worker_bit;
         meta.lane_op = THC_OP_ADD;
+        meta.bridge.lane_op = THC_OP_ADD;
+        meta.run_words = 1;
+    }
+    action thc_count_closed() {
+        meta.count = thc_count_read.execute(meta.reg_index);
+        meta.bitmap = meta.old_bitmap & 0x7FFFFFFF;
+        meta.closed = 1;
+        meta.dup = 1;
+        meta.lane_op = THC_OP_READ;
+        meta.bridge.lane_op = THC_OP_READ;
+        meta.run_words = 1;
+    }
+    action thc_count_flush() {
+        meta.count = thc_count_read.execute(meta.reg_index);
+        meta.bitmap = meta.old_bitmap & 0x7FFFFFFF;
+        meta.closed = 1;
+        meta.lane_op = THC_OP_READ;
+        meta.bridge.lane_op = THC_OP_READ;
+        meta.run_words = 1;
     }
     action thc_count_dup() {
         meta.count = thc_count_read.execute(meta.reg_index);
         meta.bitmap = meta.old_bitmap;
         meta.dup = 1;
         meta.lane_op = THC_OP_READ;
+        meta.bridge.lane_op = THC_OP_READ;
+        meta.run_words = 1;
     }
     action thc_count_clear() {
-        thc_count_reset.execute(meta.reg_index);
-        meta.lane_op = THC_OP_NONE;
+        meta.count = thc_count_zero.execute(meta.reg_index);
         thc_resets.count((bit<32>)meta.job_index);
         ig_dprsr_md.drop_ctl = 1;
     }
-    // worker_bit is one-hot (1 << worker_id): the sender's bit set in the old bitmap
 #define THC_DUP(W) (0, _, 0, 32w1 << W, (32w1 << W) &&& (32w1 << W)): thc_count_dup();
     table thc_count_op {
         key = {
@@ -649,16 +672,22 @@ control ThcIngress(inout headers_t hdr, inout metadata_t meta,
             meta.worker_bit: ternary;
             meta.old_bitmap: ternary;
         }
-        actions = { thc_count_start; thc_count_add; thc_count_dup; thc_count_clear; NoAction; }
+        actions = {
+            thc_count_start; thc_count_flush_start; thc_count_add; thc_count_closed;
+            thc_count_flush; thc_count_dup; thc_count_clear; thc_refuse; NoAction;
+        }
         const entries = {
             (0, THC_RESET, _, _, _): thc_count_clear();
+            (0, THC_FLUSH, 1, _, _): thc_count_flush_start();
             (0, _, 1, _, _): thc_count_start();
+            (0, _, 0, _, 0): thc_refuse(THC_DROP_STALE);
+            (0, THC_FLUSH, 0, _, _): thc_count_flush();
+            (0, _, 0, _, 0x80000000 &&& 0x80000000): thc_count_closed();
             THC_DUP(0) THC_DUP(1) THC_DUP(2) THC_DUP(3) THC_DUP(4) THC_DUP(5) THC_DUP(6)
             THC_DUP(7) THC_DUP(8) THC_DUP(9) THC_DUP(10) THC_DUP(11) THC_DUP(12) THC_DUP(13)
             THC_DUP(14) THC_DUP(15) THC_DUP(16) THC_DUP(17) THC_DUP(18) THC_DUP(19)
             THC_DUP(20) THC_DUP(21) THC_DUP(22) THC_DUP(23) THC_DUP(24) THC_DUP(25)
-            THC_DUP(26) THC_DUP(27) THC_DUP(28) THC_DUP(29) THC_DUP(30) THC_DUP(31)
-            (0, _, 0, _, 0): thc_count_start();
+            THC_DUP(26) THC_DUP(27) THC_DUP(28) THC_DUP(29) THC_DUP(30)
             (0, _, 0, _, _): thc_count_add();
         }
         const default_action = NoAction;
@@ -666,39 +695,45 @@ control ThcIngress(inout headers_t hdr, inout metadata_t meta,
     }
 #undef THC_DUP
 
+    // ---- replies ----
     action thc_reply(bit<8> pkt_type) {
         hdr.thc.pkt_type = pkt_type;
         hdr.thc.count = meta.count;
         hdr.thc.bitmap = meta.bitmap;
         hdr.thc.epoch = meta.epoch;
         hdr.udp.checksum = 0;
+    }
+    action thc_len(bit<16> udp_len) {
+        hdr.udp.length = udp_len;
+        hdr.ipv4.totalLen = udp_len + 20;
+    }
+    action thc_answer_now() {
+        ig_tm_md.ucast_egress_port = ig_intr_md.ingress_port;
         meta.bridge.is_reply = 1;
     }
-    action thc_len(bit<16> udp_len, bit<16> ip_len) {
-        hdr.udp.length = udp_len;
-        hdr.ipv4.totalLen = ip_len;
+    // go round: pass 1 adds the first lanes and sends (reply) or drops the packet
+    action thc_go_round(bit<1> reply, bit<16> mcast_grp) {
+        ig_tm_md.ucast_egress_port = ig_intr_md.ingress_port[8:7] ++ THC_TNA_RECIRC_PORT;
+        meta.bridge.recirc = 1;
+        meta.bridge.reply = reply;
+        meta.bridge.mcast_grp = mcast_grp;
     }
-    action thc_to_sender(bit<32> jc_event) {
-        ig_tm_md.ucast_egress_port = ig_intr_md.ingress_port;
-        meta.bridge.dest_worker = hdr.thc.worker_id;
-        meta.jc_index = meta.jc_base | jc_event;  // jc_event < 4: the low bits
-    }
-    action thc_to_job() {
-        ig_tm_md.mcast_grp_a = meta.mcast_grp;
-        meta.jc_index = meta.jc_base | THC_JC_COMPLETIONS;
-    }
-    action thc_consume() {
-        ig_dprsr_md.drop_ctl = 1;
-        meta.jc_index = meta.jc_base | THC_JC_PACKETS;
-    }
-    action thc_drop() {
-        ig_dprsr_md.drop_ctl = 1;
+    action thc_pass1() {
+        meta.lane_op = meta.p1.lane_op;
+        meta.is_max = meta.p1.is_max;
+        meta.blank = meta.p1.blank;
+        meta.vote_pkt = meta.p1.vote;
+        meta.word_index = meta.p1.word_index;
+        meta.run_words = 1;
     }
 
     apply {
         meta.bridge.setValid();
-        meta.bridge.is_reply = 0;
-        if (hdr.udp.isValid() && hdr.udp.dstPort == THC_UDP_PORT) {
+        if (meta.p1.recirc == 1) {
+            thc_pass1();
+        } else if (hdr.udp.isValid() && hdr.udp.dstPort == THC_UDP_PORT) {
+            // ---- pass 0 ----
+            meta.bridge.in_port = ig_intr_md.ingress_port;
             // 1. well-formed, right direction: one small condition per gateway
             if (!hdr.thc.isValid()) {
                 meta.drop_reason = THC_DROP_MALFORMED;
@@ -711,73 +746,124 @@ control ThcIngress(inout headers_t hdr, inout metadata_t meta,
                 meta.drop_reason = THC_DROP_MALFORMED;
             } else if (hdr.thc.version > 1) {
                 meta.drop_reason = THC_DROP_MALFORMED;
-            } else if (hdr.thc.pkt_type == THC_FLUSH) {
-                // FLUSH (DLCP's bounded loss) is implemented in thc.p4 only: dropped here
-                meta.drop_reason = THC_DROP_MALFORMED;
             } else if (THC_REPLY_TYPE(hdr.thc.pkt_type)) {
                 meta.drop_reason = THC_DROP_WRONG_DIRECTION;
-            } else if (hdr.thc.pkt_type == THC_RESET && ig_intr_md.ingress_port != THC_CPU_PORT) {
+            } else if (hdr.thc.pkt_type == THC_RESET
+                       && ig_intr_md.ingress_port != THC_TNA_CPU_PORT) {
                 meta.drop_reason = THC_DROP_NOT_FROM_CPU;
             } else if (hdr.thc.pkt_type != THC_RESET && hdr.thc.run == 0) {
                 meta.drop_reason = THC_DROP_MALFORMED;
+            } else if ((hdr.thc.pkt_type == THC_RESET || hdr.thc.pkt_type == THC_FLUSH)
+                       && hdr.udp.length != THC_UDP_LEN_HDR) {
+                meta.drop_reason = THC_DROP_BAD_LANES;
             }
-            // the lookups of steps 2-5 on every THC packet, their verdicts in thc_check
             thc_job.apply();
             thc_worker.apply();
             if (hdr.thc.pkt_type == THC_MAX) {
                 meta.is_max = 1;
+                meta.bridge.is_max = 1;
+            } else if (hdr.thc.pkt_type == THC_DATA && hdr.udp.length == THC_UDP_LEN_VOTE) {
+                meta.vote_pkt = 1;
+                meta.bridge.vote = 1;
+            } else if (hdr.thc.pkt_type == THC_FLUSH) {
+                meta.worker_bit = 0x80000000;
+                meta.blank = 1;
+                meta.bridge.blank = 1;
             }
+            meta.slotx = hdr.thc.seq[15:0] ^ hdr.thc.slot;
             thc_slot();
             thc_index();
+            thc_word_index();
             thc_check.apply();
-            // thc_seq_op first: it reads drop_reason before thc_run_op may set it (stale run),
-            // so both run in one stage; its entries skip a stale run themselves
-            thc_seq_op.apply();
             thc_run_op.apply();
             thc_bitmap_op.apply();
             thc_count_op.apply();
-#include "generated/thc_tna_groups_apply.p4"
+            if (meta.is_max == 1) {
+                meta.run_words = 0;    // pass 1 takes all the max lanes
+                meta.bridge.payload = THC_PAY_MAX;
+            } else if (meta.vote_pkt == 1) {
+                meta.bridge.payload = THC_PAY_VOTE;
+            } else if (hdr.rest[0].isValid()) {
+                meta.bridge.payload = THC_PAY_IDX;
+            }
             if (meta.drop_reason == 0 && hdr.thc.pkt_type != THC_RESET) {
-                if (meta.count == meta.n_workers) {
-                    // complete: RESULT / MAX_RESULT with the stored lanes
-                    meta.emit = 1;
-                    if (hdr.thc.pkt_type == THC_DATA) {
-                        if (meta.wide == 1) {
-                            thc_len(THC_UDP_LEN_RESULT16, THC_UDP_LEN_RESULT16 + 20);
-                        } else {
-                            thc_len(THC_UDP_LEN_RESULT8, THC_UDP_LEN_RESULT8 + 20);
-                        }
+                if (meta.count == meta.n_workers || meta.closed == 1) {
+                    // complete or closed: RESULT / MAX_RESULT after pass 1
+                    if (meta.is_max == 0) {
+                        thc_len(THC_UDP_LEN_RESULT8);
                         thc_reply(THC_RESULT);
                     } else {
-                        thc_len(THC_UDP_LEN_MAX, THC_UDP_LEN_MAX + 20);
                         thc_reply(THC_MAX_RESULT);
                     }
                     if (meta.dup == 1) {
-                        thc_to_sender(THC_JC_RETRANSMISSIONS);
+                        thc_go_round(1, 0);
+                        meta.jc_index = meta.jc_index + THC_JC_RETRANSMISSIONS;
                     } else {
-                        thc_to_job();
+                        thc_go_round(1, meta.mcast_grp);
+                        meta.jc_index = meta.jc_index + THC_JC_COMPLETIONS;
                     }
                 } else if (meta.dup == 1) {
                     // retransmission of an incomplete slot: tell the worker where it stands
-                    thc_len(THC_UDP_LEN_HDR, THC_UDP_LEN_HDR + 20);
+                    thc_len(THC_UDP_LEN_HDR);
                     thc_reply(THC_PENDING);
-                    thc_to_sender(THC_JC_PENDING);
+                    thc_answer_now();
+                    meta.jc_index = meta.jc_index + THC_JC_PENDING;
                 } else {
-                    thc_consume();  // consumed, waiting for the other workers
+                    thc_go_round(0, 0);   // consumed once pass 1 has added its lanes
                 }
                 thc_job_counters.count(meta.jc_index);
             }
             if (meta.drop_reason != 0) {
                 thc_drops.count((bit<32>)meta.drop_reason);
-                thc_drop();
+                if (meta.refuse == 1) {
+                    hdr.thc.count = meta.drop_reason;
+                    hdr.thc.bitmap = 0;
+                    hdr.thc.pkt_type = THC_REFUSED;
+                    hdr.thc.epoch = meta.epoch;
+                    hdr.udp.checksum = 0;
+                    thc_len(THC_UDP_LEN_HDR);
+                    thc_answer_now();
+                } else {
+                    ig_dprsr_md.drop_ctl = 1;
+                }
             }
         } else if (hdr.ethernet.isValid()) {
             l2_forward.apply();
         }
+
+        // the lane words: pass 0 lanes 160-255, pass 1 lanes 0-159
+#include "generated/thc_tna_words_apply0.p4"
+#include "generated/thc_tna_words_apply1.p4"
+        if (meta.p1.recirc == 1) {
+            if (meta.p1.payload != THC_PAY_MAX) {
+#include "generated/thc_tna_res_valid1.p4"
+            }
+            if (meta.p1.reply == 1) {
+                meta.bridge.is_reply = 1;
+                if (meta.p1.mcast_grp != 0) {
+                    ig_tm_md.mcast_grp_a = meta.p1.mcast_grp;
+                } else {
+                    ig_tm_md.ucast_egress_port = meta.p1.in_port;
+                }
+            } else {
+                ig_dprsr_md.drop_ctl = 1;
+            }
+        } else if (meta.bridge.recirc == 1) {
+            if (meta.is_max == 0) {
+#include "generated/thc_tna_res_valid0.p4"
+            }
+        } else if (meta.bridge.is_reply == 1) {
+#include "generated/thc_tna_payload_invalid.p4"
+        }
+#include "generated/thc_tna_cur_invalid.p4"
+        if (hdr.ipv4.isValid()) {
+            meta.dscp = hdr.ipv4.diffserv[7:2];
+            thc_dscp.apply();
+        }
     }
 }
 
-control ThcIngressDeparser(packet_out pkt, inout headers_t hdr, in metadata_t meta,
+control ThcIngressDeparser(packet_out pkt, inout tna_headers_t hdr, in metadata_t meta,
                            in ingress_intrinsic_metadata_for_deparser_t ig_dprsr_md) {
     apply {
         pkt.emit(meta.bridge);
@@ -785,9 +871,10 @@ control ThcIngressDeparser(packet_out pkt, inout headers_t hdr, in metadata_t me
     }
 }
 
-// Egress sees the bridged header and the packet up to the THC header; lanes pass as payload.
+// Egress sees the bridged header and, for a reply, the packet up to the THC header; a packet
+// going round passes unchanged, its bridge header in front for pass 1.
 struct eg_headers_t {
-    thc_bridge_h bridge;
+    thc_pass_h   bridge;
     ethernet_h   ethernet;
     ipv4_h       ipv4;
     udp_h        udp;
@@ -802,8 +889,8 @@ parser ThcEgressParser(packet_in pkt, out eg_headers_t hdr, out eg_metadata_t me
     state start {
         pkt.extract(eg_intr_md);
         pkt.extract(hdr.bridge);
-        transition select(hdr.bridge.is_reply) {
-            1: parse_reply;
+        transition select(hdr.bridge.recirc, hdr.bridge.is_reply) {
+            (0, 1): parse_reply;
             default: accept;
         }
     }
@@ -845,15 +932,15 @@ control ThcEgress(inout eg_headers_t hdr, inout eg_metadata_t meta,
     }
 
     apply {
-        if (hdr.bridge.is_reply == 1) {
-            if (eg_intr_md.egress_rid != 0) {
-                hdr.thc.worker_id = (bit<8>)(eg_intr_md.egress_rid - 1);
-            } else {
-                hdr.thc.worker_id = hdr.bridge.dest_worker;
+        if (hdr.bridge.recirc == 0) {
+            if (hdr.bridge.is_reply == 1) {
+                if (eg_intr_md.egress_rid != 0) {
+                    hdr.thc.worker_id = (bit<8>)(eg_intr_md.egress_rid - 1);
+                }
+                thc_worker_addr.apply();
             }
-            thc_worker_addr.apply();
+            hdr.bridge.setInvalid();
         }
-        hdr.bridge.setInvalid();
     }
 }
 

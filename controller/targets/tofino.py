@@ -1,18 +1,20 @@
 """The Tofino target: p4src/thc_tna.p4 under bf_switchd's P4Runtime server, and its lookup
 tables.
 
-A pass of the pipeline carries 128 lanes as 32 words of four 8-bit lanes, and a packet's 256
-lanes take two passes through the same tables. Each word has two lookup tables, one per byte
-of the pass's index segment that feeds it (byte 2*NN + h: two 4-bit indices, the first lane
-in the high nibble), returning both lanes' table values at once (the first lane in the high
-byte):
+The program adds a packet's 256 lanes in two passes of words of four 8-bit lanes (pass 0 the
+last 96 lanes in words 00-23, pass 1 the first 160 in words 00-39; docs/switch.md,
+"Tofino"). Each word has two lookup tables, one per byte of its four indices (two 4-bit
+indices, the first lane in the high nibble), returning both lanes' table values at once (the
+first lane in the high byte), and a table for a vote job's nibble of sign bits (the first lane
+in the high bit) returning the word's four 0/1 lanes:
 
-  ThcIngress.thc_w<NN>.thc_lut_<h>  (job_id, idx) -> thc_lut_pair(value = T[hi] << 8 | T[lo])
-                                    NN = 00..31, h = 0, 1: 64 tables x 256 entries per job,
-                                    every table the same entries (both passes use them)
+  ThcIngress.thc_w<NN>.thc_lut_<h>   (job_id, idx)       -> thc_lut_set_<h>(value: 16 bits)
+                                     256 entries a job in each, the same in every table
+  ThcIngress.thc_w<NN>.thc_vote_lut  (job_id, idx: 4 bits) -> thc_vote_set(value: 32 bits)
+                                     16 entries a vote job
 
-Vote jobs use the same tables: the switch deposits two vote bits in a key byte as nibbles,
-and the vote table maps 0 -> 0, 1 -> 1. Jobs with 16-bit sums do not run here (check_job).
+Jobs with 16-bit sums, or with 32 workers (bit 31 of a slot's bitmap marks a use closed by
+a FLUSH), do not run here (check_job).
 
 The P4Info is p4c's Tofino back end's, written with ``--p4runtime-files`` and
 ``--p4runtime-force-std-externs`` (without it, table names gain a ``pipe.`` prefix and the
@@ -22,16 +24,20 @@ from __future__ import annotations
 
 from controller.targets.base import Target
 from controller.toolchain import BUILD_DIR
+from host.wire import protocol as P
 from host.wire.jobs import ConfigError
 
 WORD = "ThcIngress.thc_w{:02d}"
 LUT_TABLE = WORD + ".thc_lut_{}"
-LUT_ACTION = WORD + ".thc_lut_pair"
+LUT_ACTION = WORD + ".thc_lut_set_{}"
+VOTE_TABLE = WORD + ".thc_vote_lut"
+VOTE_ACTION = WORD + ".thc_vote_set"
 WORD_LANES = 4
 WORD_KEYS = 2
 """Key bytes (lookup tables) a word: four 4-bit indices."""
-PASSES = 2
 SUM_BITS = 8
+CLOSED_BIT = 31
+"""The slot bitmap's bit that marks a use closed by a FLUSH: no worker may hold it."""
 
 
 def lut_values(job) -> list[int]:
@@ -39,6 +45,14 @@ def lut_values(job) -> list[int]:
     in the high byte."""
     t = job.table
     return [t[byte >> 4] << 8 | t[byte & 0x0F] for byte in range(256)]
+
+
+def vote_values(job) -> list[int]:
+    """[nibble of sign bits] -> the word's four lanes (0 or 1 each), the first lane (high
+    bit) in the high byte."""
+    t = job.table
+    return [sum(t[(nib >> (3 - k)) & 1] << (8 * (3 - k)) for k in range(WORD_LANES))
+            for nib in range(16)]
 
 
 class Tofino(Target):
@@ -50,35 +64,48 @@ class Tofino(Target):
                     "names the compiled binary); connect to it without pushing")
 
     def lanes(self, p4info) -> int:
-        return WORD_LANES * self.groups(p4info) * PASSES
+        return P.LANES if self.groups(p4info) else 0
 
     def check_job(self, job) -> None:
         if job.sum_bits != SUM_BITS:
             raise ConfigError(
                 f"job {job.job_id} has {job.sum_bits}-bit sums ({job.n_workers} workers x "
                 f"granularity {job.granularity} = {job.n_workers * job.granularity}, above "
-                f"{(1 << SUM_BITS) - 1}); the Tofino program adds 8-bit lanes only: a pass "
-                f"carries 32 words of four 8-bit lanes, so 256 16-bit lanes would need four "
-                f"passes. Run the job on BMv2 (--target bmv2) or the software aggregator, or "
-                f"lower its granularity to {((1 << SUM_BITS) - 1) // job.n_workers} or less")
+                f"{(1 << SUM_BITS) - 1}); the Tofino program adds 8-bit lanes only: its words "
+                f"hold four 8-bit lanes, and 256 16-bit lanes would need four passes. Run the "
+                f"job on BMv2 (--target bmv2) or the software aggregator, or lower its "
+                f"granularity to {((1 << SUM_BITS) - 1) // job.n_workers} or less")
+        if job.n_workers > CLOSED_BIT:
+            raise ConfigError(
+                f"job {job.job_id} has {job.n_workers} workers; the Tofino program takes at "
+                f"most {CLOSED_BIT} (bit {CLOSED_BIT} of a slot's bitmap marks a use closed "
+                f"by a FLUSH)")
 
     def lut_entries(self, sw, job, with_action: bool = True) -> list[bytes]:
-        """256 entries in each of the 64 lookup tables."""
+        """256 entries in each word's two index tables; a vote job also 16 in each word's
+        vote table."""
         self.check_job(job)
-        words = sw.lanes // (WORD_LANES * PASSES)
+        words = self.groups(sw.p4info)
+        vote = job.aggregation == "vote"
         out = []
-        if with_action:
-            rows = [({"job_id": job.job_id, "idx": byte}, {"value": value})
-                    for byte, value in enumerate(lut_values(job))]
         for word in range(words):
             for h in range(WORD_KEYS):
-                table = LUT_TABLE.format(word, h)
-                if with_action:
-                    out += sw.entries_bytes(table, LUT_ACTION.format(word), rows)
-                else:
-                    out += [sw.entry_bytes(table, {"job_id": job.job_id, "idx": byte})
-                            for byte in range(256)]
+                out += self._entries(sw, LUT_TABLE.format(word, h), LUT_ACTION.format(word, h),
+                                     lut_values(job), job.job_id, with_action)
+            if vote:
+                out += self._entries(sw, VOTE_TABLE.format(word), VOTE_ACTION.format(word),
+                                     vote_values(job), job.job_id, with_action)
         return out
+
+    @staticmethod
+    def _entries(sw, table: str, action: str, values: list[int], job_id: int,
+                 with_action: bool) -> list[bytes]:
+        if with_action:
+            return sw.entries_bytes(table, action, [
+                ({"job_id": job_id, "idx": key}, {"value": value})
+                for key, value in enumerate(values)])
+        return [sw.entry_bytes(table, {"job_id": job_id, "idx": key})
+                for key in range(len(values))]
 
 
 TARGET = Tofino()
