@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from host.codec import fastcodec
+from host.codec import backends, fastcodec
 from host.codec import thc as codec
 from host.codec.packing import pack_bits, unpack_bits
 from host.codec.table import expected_nmse
@@ -219,7 +219,7 @@ def test_path_selection(monkeypatch):
         codec.compiled_for(x)
     monkeypatch.delenv(codec.CPU_ENV)
     monkeypatch.setattr(fastcodec, "UNAVAILABLE", "the compiled CPU codec is not built (test)")
-    monkeypatch.setattr(codec, "_COMPILED_MISSING", [])
+    monkeypatch.setattr(backends, "_COMPILED_MISSING", [])
     with pytest.warns(RuntimeWarning, match="not built .test.*reference path"):
         idx = THCCodec().encode(x, codec.slice_norms(x, P), 0, 1)
     assert idx.shape == (128,)
