@@ -32,7 +32,7 @@ from host.app.argtypes import positive_int
 from host.codec.params import THCParams
 from host.collective.allreduce import THCAllReduce, agree_run
 from host.collective.ddp import HookOptions, MarsitHook, MarsitVoteHook, THCHook, TopKHook
-from host.net.aggregator import parse_hostport
+from host.net.addresses import parse_hostport
 from host.net.client import AggregationClient
 from host.wire.jobs import Cluster, loss_bound_arg
 

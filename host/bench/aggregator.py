@@ -18,7 +18,7 @@ import time
 
 from host.bench import add_common, emit_json
 from host.codec.packing import pack_bits
-from host.net import fastagg
+from host.net import fastagg, fastload
 from host.net.aggregator import Aggregator
 from host.net.client import AggregationClient, resolve_datapath
 from host.testing.clusters import free_port_block, local_job
@@ -129,7 +129,7 @@ def _drive_group(job, workers, addr, chunks, window, payloads, start_ev, done_q)
             socks[w] = s
         start_ev.wait()
         t0 = time.perf_counter()
-        out = fastagg.drive(socks, addr, job, RUN, chunks, window, payloads)
+        out = fastload.drive(socks, addr, job, RUN, chunks, window, payloads)
         done_q.put((t0, time.perf_counter(), out))
     finally:
         for s in socks.values():

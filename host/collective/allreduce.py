@@ -70,6 +70,10 @@ class AggregatorTransport:
         self.client = client
         self.n_workers = client.job.n_workers
         self.bytes_sent = 0
+        self.datapath: str | None = None
+        """The client datapath that ran the last round."""
+        self.short_chunks = 0
+        """Chunks of this transport's rounds that ended short (DLCP's bounded loss)."""
 
     def check(self, params: THCParams) -> None:
         job = self.client.job
@@ -103,13 +107,15 @@ class AggregatorTransport:
         if pad:
             wire = np.concatenate([wire, np.zeros((count + pad) // 2 - wire.size, np.uint8)])
         before = client.stats.bytes_sent
-        sums = client.aggregate(wire, classes=classes)[:count]
+        r = client.reduce(wire, classes=classes)
+        sums = r.sums[:count]
         self.bytes_sent += client.stats.bytes_sent - before
+        self.datapath = r.datapath
         short = None
-        counts = client.last_counts
-        if counts.size and int(counts.min()) < self.n_workers:
-            mine = (client.last_bitmaps >> client.worker_id) & 1 == 1
-            short = Short(np.repeat(counts, lanes)[:count], np.repeat(mine, lanes)[:count])
+        if r.short(self.n_workers):
+            self.short_chunks += int(np.count_nonzero(r.counts < self.n_workers))
+            mine = (r.bitmaps >> client.worker_id) & 1 == 1
+            short = Short(np.repeat(r.counts, lanes)[:count], np.repeat(mine, lanes)[:count])
         return torch.from_numpy(sums.astype(np.int32)).to(packed.device), short
 
 
@@ -134,6 +140,7 @@ class DistTransport:
     packed = False
     """What :meth:`sum` takes: indices, whose table values are summed."""
     lanes = None
+    short_chunks = None
 
     def sum(self, indices: torch.Tensor, count: int, params: THCParams, classes=None):
         top = self.n_workers * params.granularity
