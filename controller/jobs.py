@@ -27,7 +27,6 @@ check runs before the first write, so bad input changes nothing installed.
 """
 from __future__ import annotations
 
-import secrets
 import time
 from dataclasses import dataclass
 
@@ -44,8 +43,7 @@ GROUP = "ThcIngress.thc_g{}"
 LUT_TABLE = GROUP + ".thc_lut_{}"
 LUT_ACTION = GROUP + ".thc_lut_set_{}"
 LUT_SUM_ACTION = GROUP + ".thc_lut_sum{}"
-GROUP_LANES = 8
-GROUP_BYTES = GROUP_LANES * P.INDEX_BITS // 8
+GROUP_BYTES = P.GROUP_LANES * P.INDEX_BITS // 8
 
 
 LIVE_WINDOW = 0.5
@@ -266,15 +264,6 @@ def _free_index(taken: set[int]) -> int:
 
 # ---- entries of one job -------------------------------------------------------------------
 
-def new_epoch(previous: int | None = None) -> int:
-    """A fresh nonzero 32-bit epoch, unlike ``previous``: replies carry it, so a client
-    sees that the switch's job (and its slot state) was installed anew."""
-    while True:
-        epoch = secrets.randbits(32)
-        if epoch and epoch != previous:
-            return epoch
-
-
 def job_entry(sw: Switch, job: Job, job_index: int, epoch: int):
     if not 0 < epoch < 1 << 32:
         raise ConfigError(f"job {job.job_id}: epoch {epoch} outside 1..2^32-1")
@@ -330,7 +319,7 @@ def lut_entries(sw: Switch, job: Job, with_action: bool = True) -> list:
     """256 x 4 lookup entries per lane group (serialized: see Switch.entry_bytes)."""
     values = lut_values(job) if with_action else None
     out = []
-    for group in range(sw.lanes // GROUP_LANES):
+    for group in range(sw.lanes // P.GROUP_LANES):
         for pos in range(GROUP_BYTES):
             table = LUT_TABLE.format(group, pos)
             if with_action:
@@ -422,7 +411,7 @@ def _write_job(sw: Switch, job: Job, job_index: int, agg: AggAddress,
     _upsert(sw, lut_entries(sw, job), again)
     sw.set_multicast_group(job.mcast_grp, [(w.switch_port, w.id + 1) for w in job.workers])
     forwarding.install(sw, {w.mac: w.switch_port for w in job.workers})
-    epoch = new_epoch(previous.get("epoch") if previous else None)
+    epoch = P.new_epoch(previous.get("epoch") if previous else None)
     _upsert(sw, [job_entry(sw, job, job_index, epoch)],
             again and previous["job_index"] == job_index)
 

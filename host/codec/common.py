@@ -140,7 +140,7 @@ def torch_table(params: THCParams, device):
     return t
 
 
-def sum_dtype(n_workers: int, params: THCParams, torch_backend: bool = False):
+def accumulator_dtype(n_workers: int, params: THCParams, torch_backend: bool = False):
     """Integer type wide enough for the sum of n workers' table values (at most n*g)."""
     top = int(n_workers) * params.granularity
     if torch_backend:

@@ -44,7 +44,7 @@ import numpy as np
 from host.codec import backends
 from host.codec.backends import BACKENDS, Choice, kernels_for
 from host.codec.common import (Prepared, check_indices, flat as _flat, layout, same_device,
-                               sum_dtype, torch_table)
+                               accumulator_dtype, torch_table)
 from host.codec.hadamard import SliceLayout, is_torch
 from host.codec.packing import pack_bits, unpack_bits
 from host.codec.params import THCParams
@@ -53,7 +53,7 @@ from host.codec.quantize import resolve_generator
 __all__ = ["SliceLayout", "THCParams", "THCCodec", "ErrorFeedback", "layout", "slice_norms",
            "agree_max", "encode", "encode_packed", "prepare", "encode_prepared", "Prepared",
            "table_values", "aggregate", "decode", "decode_indices", "compiled_for",
-           "kernels_for", "sum_dtype", "pack_bits", "unpack_bits"]
+           "kernels_for", "accumulator_dtype", "pack_bits", "unpack_bits"]
 
 CPU_ENV = "THC_CODEC_CPU"
 """Environment variable: what ``auto`` runs on the CPU, ``compiled`` (default) or
@@ -176,11 +176,12 @@ def aggregate(index_vectors: Sequence, params: THCParams):
         same_device("an index vector", v, first)
     if is_torch(first):
         import torch
-        s = torch.zeros(first.shape[0], dtype=sum_dtype(n, params, True), device=first.device)
+        s = torch.zeros(first.shape[0], dtype=accumulator_dtype(n, params, True),
+                        device=first.device)
         for v in index_vectors:
             s += table_values(v, params)
         return s
-    s = np.zeros(first.shape[0], dtype=sum_dtype(n, params))
+    s = np.zeros(first.shape[0], dtype=accumulator_dtype(n, params))
     for v in index_vectors:
         s += table_values(v, params)
     return s

@@ -16,10 +16,10 @@ from host.net.addresses import ipv4_int, ipv4_str
 from host.net.cext import TYPE_CODES, UNAVAILABLE, _fastagg
 from host.net.server import UDPServer
 from host.wire import protocol as P
-from host.wire.jobs import ConfigError, Job
+from host.wire.jobs import Job
 
 __all__ = ["FastAggregator", "FastEcho", "UNAVAILABLE", "available", "unsupported",
-           "shard_of_job", "AGGREGATIONS"]
+           "AGGREGATIONS"]
 
 
 def available() -> bool:
@@ -38,20 +38,6 @@ def unsupported(jobs) -> str | None:
         if job.aggregation not in AGGREGATIONS:
             return f"job {job.job_id}: {job.aggregation} jobs run in the Python datapath only"
     return None
-
-
-def shard_of_job(job: Job, shard: int | None) -> tuple[int, int]:
-    """(n_shards, this aggregator's index) for ``job``, checked as the Python aggregator's
-    JobState checks them: a sharded job needs a shard index inside its map."""
-    if not job.shards:
-        return 1, 0
-    if shard is None:
-        raise ConfigError(f"job {job.job_id} is spread over {job.n_shards} aggregator shards; "
-                          f"run this aggregator as one of them (--shard 0..{job.n_shards - 1})")
-    if not 0 <= shard < job.n_shards:
-        raise ConfigError(f"shard {shard} is not in job {job.job_id}'s shard map "
-                          f"(shards 0..{job.n_shards - 1})")
-    return job.n_shards, shard
 
 
 class FastAggregator(UDPServer):
@@ -92,7 +78,7 @@ class FastAggregator(UDPServer):
         job.validate()
         if (why := unsupported([job])) is not None:
             raise RuntimeError(why)
-        n_shards, shard = shard_of_job(job, self.shard)
+        n_shards, shard = job.aggregator_shard(self.shard)
         addrs = [(ipv4_int(w.ip), w.port) for w in sorted(job.workers, key=lambda w: w.id)]
         with self._lock:
             self._dp.install(job.job_id, job.n_workers, job.pool_size, job.lanes, job.sum_bits,

@@ -153,9 +153,6 @@ class Testbed:
         """Per worker (tx_bytes, rx_bytes) of its link, from interface counters ({} if none)."""
         return {}
 
-    def start_aggregator(self) -> None:
-        raise NotImplementedError
-
     # -- shared --------------------------------------------------------------------------
     @property
     def cluster_path(self) -> Path:

@@ -87,7 +87,7 @@ def test_job_entries_from_the_committed_p4info():
     assert sw.lanes == P.LANES
     job = _job().validate()
     lut = jobs.lut_entries(sw, job)
-    assert len(lut) == P.LANES // jobs.GROUP_LANES * jobs.GROUP_BYTES * 256
+    assert len(lut) == P.LANES // P.GROUP_LANES * jobs.GROUP_BYTES * 256
     e = jobs.job_entry(sw, job, 3, epoch=0xDEADBEEF)
     assert sw.param_values(e) == {"job_index": 3, "n_workers": 3, "pool_base": 0,
                                   "pool_size": job.pool_size, "full_bitmap": 7,

@@ -24,7 +24,7 @@ def snapshot(sw) -> dict:
     """Table entries as text: every table but thc_job (its epoch is new at every install) and
     the lookup tables, of which those of the first and the last lane group (the installer
     writes all groups alike)."""
-    last = sw.lanes // jobs.GROUP_LANES - 1
+    last = sw.lanes // P.GROUP_LANES - 1
     keep = {jobs.LUT_TABLE.format(g, b) for g in (0, last) for b in range(jobs.GROUP_BYTES)}
     state = {}
     for t in sw.p4info.tables:
@@ -46,7 +46,7 @@ def test_install_is_idempotent(bmv2, sw):
     again = jobs.installed_jobs(sw)[job.job_id]
     assert again.pop("epoch") not in (0, cfg.pop("epoch")), "every install draws a new epoch"
     assert again == cfg
-    for group in (0, sw.lanes // jobs.GROUP_LANES - 1):
+    for group in (0, sw.lanes // P.GROUP_LANES - 1):
         for b in range(jobs.GROUP_BYTES):
             table = jobs.LUT_TABLE.format(group, b)
             assert len(jobs._job_entries(sw, table, job.job_id)) == 256
