@@ -35,16 +35,15 @@ decodes to exactly 0.
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass, field
 from typing import Sequence
 
 import numpy as np
 
-from host.codec import backends
+from host.codec import backends, settings
 from host.codec.backends import BACKENDS, Choice, kernels_for
-from host.codec.common import (Prepared, check_indices, flat as _flat, layout, same_device,
-                               accumulator_dtype, torch_table)
+from host.codec.common import (Prepared, accumulator_dtype, check_indices, flat as _flat, layout,
+                               same_device, torch_table)
 from host.codec.hadamard import SliceLayout, is_torch
 from host.codec.packing import pack_bits, unpack_bits
 from host.codec.params import THCParams
@@ -55,13 +54,13 @@ __all__ = ["SliceLayout", "THCParams", "THCCodec", "ErrorFeedback", "layout", "s
            "table_values", "aggregate", "decode", "decode_indices", "compiled_for",
            "kernels_for", "accumulator_dtype", "pack_bits", "unpack_bits"]
 
-CPU_ENV = "THC_CODEC_CPU"
+CPU_ENV = settings.ENV["codec_cpu"]
 """Environment variable: what ``auto`` runs on the CPU, ``compiled`` (default) or
-``reference``."""
+``reference`` (read once, into :func:`host.codec.settings.current`)."""
 
 
 def _cpu() -> str:
-    return os.environ.get(CPU_ENV, "compiled")
+    return settings.current().codec_cpu
 
 
 def compiled_for(x, backend: str = "auto") -> bool:
@@ -297,7 +296,7 @@ class THCCodec:
     def __init__(self, params: THCParams | None = None, backend: str = "auto",
                  cpu: str | None = None):
         """``backend``: see :mod:`host.codec.backends`; ``cpu``: what ``auto`` runs on the
-        CPU, ``compiled`` or ``reference`` (default: the process settings)."""
+        CPU, ``compiled`` or ``reference`` (default: :func:`host.codec.settings.current`)."""
         self.params = params or THCParams()
         self.choice = Choice(backend, _cpu() if cpu is None else cpu)
         self.backend = backend

@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 from time import monotonic
 
+from host.codec.settings import Settings
 from host.net.addresses import parse_hostport
 from host.net.impair import Impairment
 from host.net.server import UDPServer
@@ -134,8 +135,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="print counters every N seconds (0: never)")
     parser.add_argument("--stats-file", help="rewrite counters as JSON to this file while running")
     parser.add_argument("--duration", type=float, help="exit after N seconds")
-    parser.add_argument("--datapath", choices=("auto", "compiled", "python"), default="auto",
-                        help="auto (default): the compiled datapath when it is built, else "
+    parser.add_argument("--datapath", choices=("auto", "compiled", "python"), default=None,
+                        help="auto (default, or THC_AGGREGATOR_DATAPATH): the compiled "
+                             "datapath when it is built, else "
                              "this Python one; the first line printed says which runs")
     parser.add_argument("--no-gso", dest="gso", action="store_false",
                         help="compiled datapath: send every reply on its own, never as one UDP "
@@ -182,10 +184,13 @@ def run(args: argparse.Namespace) -> int:
         print(f"thc aggregator: {e}", file=sys.stderr)
         return 2
     try:
-        agg, datapath = choose(args.datapath, cluster.jobs, impair, args.gso, args.shard)
+        settings = Settings.from_env(aggregator_datapath=args.datapath)
+        agg, datapath = choose(settings.aggregator_datapath, cluster.jobs, impair, args.gso,
+                               args.shard)
     except (ConfigError, RuntimeError) as e:
         print(f"thc aggregator: {e}", file=sys.stderr)
         return 2
+    print(f"thc aggregator: {settings.describe()}", file=sys.stderr, flush=True)
     try:
         addr = agg.start(host, port)
     except OSError as e:

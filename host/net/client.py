@@ -36,11 +36,11 @@ each round's :class:`AggregationResult` says which one ran it.
 """
 from __future__ import annotations
 
-import os
 import socket
 
 import numpy as np
 
+from host.codec.settings import DATAPATHS, ENV, Settings
 from host.net import fastclient
 from host.net.fastclient import CompiledWindow
 from host.net.impair import Impairment
@@ -56,14 +56,17 @@ __all__ = ["AggregationClient", "AggregationResult", "AggregatorRestarted",
            "AggregationTimeout", "AggregationRefused", "RunFailed", "TransportStats",
            "resolve_datapath", "resolve_gso", "DATAPATH_ENV", "GSO_ENV"]
 
-DATAPATH_ENV = "THC_CLIENT_DATAPATH"
-DATAPATHS = ("auto", "compiled", "python")
+DATAPATH_ENV = ENV["client_datapath"]
+GSO_ENV = ENV["client_gso"]
 
 
-def resolve_datapath(choice: str | None = None) -> str:
-    """``choice`` (else ``THC_CLIENT_DATAPATH``, else auto) -> "compiled" or "python";
-    asking for the compiled one where it is not built is an error that says why."""
-    choice = (choice or os.environ.get(DATAPATH_ENV) or "auto").lower()
+def resolve_datapath(choice: str | None = None, settings: Settings | None = None) -> str:
+    """``choice`` (else the settings', else ``THC_CLIENT_DATAPATH``, else auto) -> "compiled"
+    or "python"; asking for the compiled one where it is not built is an error that says
+    why."""
+    if choice is None:
+        choice = (settings or Settings.from_env()).client_datapath
+    choice = choice.lower()
     if choice not in DATAPATHS:
         raise ValueError(f"client datapath {choice!r} is not one of {', '.join(DATAPATHS)} "
                          f"(argument or {DATAPATH_ENV})")
@@ -75,19 +78,13 @@ def resolve_datapath(choice: str | None = None) -> str:
     return "compiled"
 
 
-GSO_ENV = "THC_CLIENT_GSO"
-
-
-def resolve_gso(choice: bool | None, job: Job) -> bool:
-    """``choice`` (else ``THC_CLIENT_GSO`` = 0/1, else whether the job is sharded)."""
+def resolve_gso(choice: bool | None, job: Job, settings: Settings | None = None) -> bool:
+    """``choice`` (else the settings', else ``THC_CLIENT_GSO`` = 0/1, else whether the job is
+    sharded)."""
     if choice is not None:
         return bool(choice)
-    env = os.environ.get(GSO_ENV)
-    if env is None or env == "":
-        return bool(job.shards)
-    if env not in ("0", "1"):
-        raise ValueError(f"{GSO_ENV}={env!r}: use 0 or 1")
-    return env == "1"
+    gso = (settings or Settings.from_env()).client_gso
+    return bool(job.shards) if gso is None else gso
 
 
 class AggregationClient:
@@ -102,7 +99,7 @@ class AggregationClient:
                  deadline: float = 10.0, impair: Impairment | None = None,
                  sock: socket.socket | None = None, run: int | None = None,
                  loss_bound: float | None = None, datapath: str | None = None,
-                 gso: bool | None = None):
+                 gso: bool | None = None, settings: Settings | None = None):
         """``run``: this training run's id, the same on every worker (default: ``THC_RUN`` from
         the environment; :func:`host.collective.allreduce.agree_run` agrees one over a process
         group). It may also be set later through :attr:`run`, before the first chunk.
@@ -119,7 +116,10 @@ class AggregationClient:
         send and takes replies in by UDP GRO, as TCP does with its segments (default:
         ``THC_CLIENT_GSO`` = 0/1, else on for a sharded job, whose aggregators are hosts, and
         off where a switch may be next: a software switch on veths would see a burst as one
-        frame)."""
+        frame).
+
+        ``settings``: where ``datapath`` and ``gso`` are not given (default: the
+        environment's, read now)."""
         self.job = job
         self.worker_id = worker_id
         if job.shards:
@@ -144,9 +144,10 @@ class AggregationClient:
                                            f"job {job.job_id}: ")
         self.impair = impair or Impairment()
         self.stats = TransportStats()
-        self.datapath = resolve_datapath(datapath)
+        settings = settings or Settings.from_env()
+        self.datapath = resolve_datapath(datapath, settings)
         """The datapath rounds run in where they can ("compiled" or "python")."""
-        self.gso = resolve_gso(gso, job)
+        self.gso = resolve_gso(gso, job, settings)
         """Whether compiled rounds batch datagrams by UDP GSO/GRO."""
         self.next_seq = 0
         self.incarnation = P.new_epoch()

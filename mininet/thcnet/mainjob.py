@@ -28,7 +28,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from host.app.argtypes import positive_int
-from host.app.datasets import FASHION_DIR
+from host.app.datasets import fashion_dir
 from host.wire.jobs import loss_bound_arg
 from host.wire.protocol import MAX_SOFTWARE_LANES
 from thcnet.base import worker_ip
@@ -419,8 +419,8 @@ def run(args: argparse.Namespace) -> int:
     if unknown:
         print(f"thc run: unknown mode(s) {unknown}; choose from {list(MODES)}", file=sys.stderr)
         return 2
-    if args.data == "fashion-mnist" and not FASHION_DIR.is_dir():
-        print(f"thc run: Fashion-MNIST is not installed in {FASHION_DIR} (Debian package "
+    if args.data == "fashion-mnist" and not fashion_dir().is_dir():
+        print(f"thc run: Fashion-MNIST is not installed in {fashion_dir()} (Debian package "
               f"dataset-fashion-mnist, `make system-deps` as root): training on digits instead",
               flush=True)
         args.data = "digits"
