@@ -164,7 +164,7 @@ def test_a_restarted_shard_is_named_and_a_silent_one_times_out(datapath):
 def test_bench_ideal_bytes_per_layout():
     """The busiest link per layout, as docs/mininet.md states it for 4 workers and 25M
     elements: sharded about 5.2x fewer bytes than the FP32 ring, central 1.49x."""
-    from thcnet.bench_allreduce import fp32_wire_bytes, thc_wire_bytes
+    from thcnet.wirebytes import fp32_wire_bytes, thc_wire_bytes
 
     numel, p, lanes = 25_000_000, 4, P.max_software_lanes(8)
     fp32 = fp32_wire_bytes(numel, p)["up"]
