@@ -52,7 +52,7 @@ from host.codec.quantize import resolve_generator
 __all__ = ["SliceLayout", "THCParams", "THCCodec", "ErrorFeedback", "layout", "slice_norms",
            "agree_max", "encode", "encode_packed", "prepare", "encode_prepared", "Prepared",
            "table_values", "aggregate", "decode", "decode_indices", "compiled_for",
-           "kernels_for", "accumulator_dtype", "pack_bits", "unpack_bits"]
+           "kernels_for", "BACKENDS", "accumulator_dtype", "pack_bits", "unpack_bits"]
 
 CPU_ENV = settings.ENV["codec_cpu"]
 """Environment variable: what ``auto`` runs on the CPU, ``compiled`` (default) or
