@@ -190,7 +190,6 @@ def run(args: argparse.Namespace) -> int:
     except (ConfigError, RuntimeError) as e:
         print(f"thc aggregator: {e}", file=sys.stderr)
         return 2
-    print(f"thc aggregator: {settings.describe()}", file=sys.stderr, flush=True)
     try:
         addr = agg.start(host, port)
     except OSError as e:
@@ -200,6 +199,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"thc aggregator listening on {addr[0]}:{addr[1]}{role} with jobs "
           f"{[j.job_id for j in cluster.jobs]}, epoch {agg.epoch:#010x}, datapath {datapath}",
           flush=True)
+    print(f"thc aggregator: {settings.describe()}", file=sys.stderr, flush=True)
     end = None if args.duration is None else time.monotonic() + args.duration
     last_print = time.monotonic()
     try:
