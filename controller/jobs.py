@@ -27,7 +27,6 @@ installed.
 """
 from __future__ import annotations
 
-import secrets
 import time
 from dataclasses import dataclass
 
@@ -195,15 +194,6 @@ def _installed_configs(sw: Switch) -> dict[int, dict]:
 
 # ---- entries of one job -------------------------------------------------------------------
 
-def new_epoch(previous: int | None = None) -> int:
-    """A fresh nonzero 32-bit epoch, unlike ``previous``: replies carry it, so a client
-    sees that the switch's job (and its slot state) was installed anew."""
-    while True:
-        epoch = secrets.randbits(32)
-        if epoch and epoch != previous:
-            return epoch
-
-
 def job_entry(sw: Switch, job: Job, job_index: int, epoch: int):
     if not 0 < epoch < 1 << 32:
         raise ConfigError(f"job {job.job_id}: epoch {epoch} outside 1..2^32-1")
@@ -314,7 +304,7 @@ def _write_job(sw: Switch, job: Job, job_index: int, agg: AggAddress,
     _upsert(sw, lut_entries(sw, job), again)
     sw.set_multicast_group(job.mcast_grp, [(w.switch_port, w.id + 1) for w in job.workers])
     forwarding.install(sw, {w.mac: w.switch_port for w in job.workers})
-    epoch = new_epoch(previous.get("epoch") if previous else None)
+    epoch = P.new_epoch(previous.get("epoch") if previous else None)
     _upsert(sw, [job_entry(sw, job, job_index, epoch)],
             again and previous["job_index"] == job_index)
 

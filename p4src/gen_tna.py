@@ -41,13 +41,13 @@ def check(spec: dict) -> None:
                          "two words (indices) or eight (sign bits)")
 
 
-def constants() -> list[str]:
-    return ["\n// Tofino program (thc_tna.p4): words of four lanes in two passes\n",
+def constants(header: str) -> str:
+    return "".join([header, "// Sizes of the Tofino program (thc_tna.p4): words of four lanes in two passes\n",
             f"#define THC_TNA_WORDS {WORDS}\n",
             f"#define THC_TNA_PASS0_WORDS {PASS0_WORDS}\n",
             f"#define THC_TNA_HALF {HALF}\n",
             f"const bit<7> THC_TNA_RECIRC_PORT = {RECIRC_PORT};\n",
-            f"const bit<9> THC_TNA_CPU_PORT = {CPU_PORT};\n"]
+            f"const bit<9> THC_TNA_CPU_PORT = {CPU_PORT};\n"])
 
 
 def word(stack: str, j: int) -> str:
@@ -98,6 +98,7 @@ def files(spec: dict, header: str) -> dict[str, str]:
         _state("parse_max", _extract("res", spec["max_lanes"])),
     ])
     return {
+        "thc_tna_constants.p4": constants(header),
         "thc_tna_pragmas.p4": header + "// PHV that no packet uses twice (thc_tna.p4's ingress):"
                               " index octs or sign-bit halfwords; pass 0's carried indices or"
                               " pass 1's early words.\n" + _pragmas(),

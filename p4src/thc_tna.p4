@@ -29,6 +29,7 @@
 
 #include "generated/thc_constants.p4"
 #include "generated/thc_headers.p4"
+#include "generated/thc_tna_constants.p4"
 #include "thc_common.p4"
 
 const bit<2> THC_PAY_NONE = 0;   // pass 1 parses nothing after the THC header (FLUSH)

@@ -162,3 +162,31 @@ def test_pipelined_path_matches_accuracy_and_agrees_across_workers():
     mean = torch.stack(xs).mean(0)
     nmse = float(((out[0][0] - mean) ** 2).sum() / torch.stack([(x ** 2).sum() for x in xs]).mean())
     assert 0.001 < nmse < 0.015, nmse
+
+
+def test_training_runs_the_fused_encode_to_wire_path(monkeypatch):
+    """The all-reduce encodes through prepare/encode_prepared (the path ``thc bench codec``
+    measures), never encode-then-pack, and its estimate is the in-memory codec's."""
+    calls = []
+    prepare, encode_prepared = THCCodec.prepare, THCCodec.encode_prepared
+
+    def refuse(*a, **k):
+        raise AssertionError("the all-reduce encoded without the fused path")
+
+    monkeypatch.setattr(THCCodec, "prepare",
+                        lambda self, *a, **k: calls.append("prepare") or prepare(self, *a, **k))
+    monkeypatch.setattr(THCCodec, "encode_prepared",
+                        lambda self, prep, m, gen=None, pack=True:
+                        calls.append(("encode_prepared", pack))
+                        or encode_prepared(self, prep, m, gen, pack))
+    monkeypatch.setattr(THCCodec, "encode", refuse)
+    monkeypatch.setattr(THCCodec, "encode_packed", refuse)
+    xs = _vectors(2, 20_000, seed=5)
+    out = _through_aggregator(xs, error_feedback=False)
+    assert calls.count("prepare") == 2 and calls.count(("encode_prepared", True)) == 2
+    monkeypatch.undo()
+    codec = THCCodec(PARAMS)
+    m = torch.stack([codec.norms(x) for x in xs]).amax(0)
+    idx = [codec.encode(x, m, 0, torch.Generator().manual_seed(w)) for w, x in enumerate(xs)]
+    ref = codec.decode(codec.aggregate(idx), 2, m, 20_000, 0)
+    torch.testing.assert_close(out[0][0], ref, rtol=0, atol=0)

@@ -3,7 +3,8 @@ against FP32 on the same elements (BMv2's smaller run is never scaled to the ful
 import pytest
 
 from host.wire import protocol as P
-from thcnet.bench_allreduce import _annotate, _ideal, _rings
+from thcnet.bench_allreduce import _rings
+from thcnet.wirebytes import annotate, ideal_bytes
 
 
 def _mode(numel, seconds, **kw):
@@ -12,13 +13,13 @@ def _mode(numel, seconds, **kw):
 
 def test_ring_modes_ideal_bytes():
     lanes, n = P.max_software_lanes(8), 25_000_000
-    fp32 = _ideal("fp32", _mode(n, 1), 4, lanes, 1.0)["busiest"]
-    fp16 = _ideal("fp16", _mode(n, 1), 4, lanes, 1.0)["busiest"]
-    dist = _ideal("thc-dist", _mode(n, 1), 4, lanes, 1.0)["busiest"]
+    fp32 = ideal_bytes("fp32", _mode(n, 1), 4, lanes, 1.0)["busiest"]
+    fp16 = ideal_bytes("fp16", _mode(n, 1), 4, lanes, 1.0)["busiest"]
+    dist = ideal_bytes("thc-dist", _mode(n, 1), 4, lanes, 1.0)["busiest"]
     assert fp16 == pytest.approx(fp32 / 2)
     # one byte per (padded) coordinate for 4 workers x g=30 <= 255, plus the norms' ring
     assert 3.5 < fp32 / dist < 4.0
-    wide = _ideal("thc-dist", _mode(n, 1), 16, lanes, 1.0)["busiest"]  # 16 x 30 > 255
+    wide = ideal_bytes("thc-dist", _mode(n, 1), 16, lanes, 1.0)["busiest"]  # 16 x 30 > 255
     assert wide > 1.9 * dist
 
 
@@ -29,7 +30,7 @@ def test_speedups_use_the_baseline_on_the_same_elements():
         "fp32-bmv2-size": _mode(1 << 18, 0.2),
         "thc-bmv2": _mode(1 << 18, 0.8, baseline="fp32-bmv2-size"),
     }}
-    _annotate(point, 4, P.max_software_lanes(8))
+    annotate(point, 4, P.max_software_lanes(8))
     assert point["modes"]["fp16"]["speedup_vs_fp32"] == pytest.approx(2.0)
     assert point["modes"]["thc-bmv2"]["speedup_vs_fp32"] == pytest.approx(0.25)
     assert point["modes"]["thc-bmv2"]["seconds"] == 0.8  # measured, not scaled

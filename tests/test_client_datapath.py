@@ -110,8 +110,9 @@ def test_hostile_replies_ignored_and_counted_short_chunks_and_restart(job, datap
     try:
         with AggregationClient(job, 0, agg.addr, run=77, timeout=2.0, max_timeout=2.0) as c:
             packed = _packed(job, 1)
-            sums = c.aggregate(packed, offset_base=1000)
-            assert c.last_datapath == datapath
+            r = c.reduce(packed, offset_base=1000)
+            sums = r.sums
+            assert r.datapath == datapath
             want = np.concatenate([ScriptedAggregator.values(
                 s, job.lanes, 30 if s == SHORT_SEQ else 60) for s in range(N_CHUNKS)])
             np.testing.assert_array_equal(sums, want)
@@ -121,9 +122,9 @@ def test_hostile_replies_ignored_and_counted_short_chunks_and_restart(job, datap
             assert s.ignored == 11 * N_CHUNKS + 2
             assert s.other_run == N_CHUNKS and s.pending == N_CHUNKS and s.short == 1
             assert s.bytes_sent == sum(map(len, agg.received))
-            assert c.last_counts[SHORT_SEQ] == 1 and c.last_bitmaps[SHORT_SEQ] == 0b01
-            assert (np.delete(c.last_counts, SHORT_SEQ) == 2).all()
-            assert c.epoch == 0x1234 and c._srtt[0] is not None
+            assert r.counts[SHORT_SEQ] == 1 and r.bitmaps[SHORT_SEQ] == 0b01
+            assert (np.delete(r.counts, SHORT_SEQ) == 2).all()
+            assert c.epoch == 0x1234 and c.rtt.srtt[0] is not None
             # the datagrams, field by field, as the protocol lays them out
             chunk = len(packed) // N_CHUNKS
             for seq, data in enumerate(agg.received):
@@ -152,7 +153,7 @@ def test_missing_worker_named_by_the_last_pending(job, datapath):
             with pytest.raises(AggregationTimeout, match=r"missing worker\(s\) \[1\]") as e:
                 c.aggregate(_packed(job, 1)[: job.lanes // 2])
             assert e.value.missing == [1]
-            assert c.last_datapath == datapath
+            assert c.stats.compiled_rounds == (datapath == "compiled")
             assert c.stats.retransmitted > 0 and c.stats.pending == c.stats.sent
     finally:
         agg.close()
@@ -164,11 +165,9 @@ def test_impairment_priorities_and_loss_bound_run_in_python(job):
         packed = _packed(job, 1)
         for kw in ({"impair": Impairment(dup=0.2, seed=1)}, {"loss_bound": 0.1}):
             with AggregationClient(job, 0, agg.addr, run=9, datapath="compiled", **kw) as c:
-                c.aggregate(packed)
-                assert c.last_datapath == "python", kw
+                assert c.reduce(packed).datapath == "python", kw
         with AggregationClient(job, 0, agg.addr, run=9, datapath="compiled") as c:
-            c.aggregate(packed, classes=np.zeros(N_CHUNKS, np.uint8))
-            assert c.last_datapath == "python"
+            assert c.reduce(packed, classes=np.zeros(N_CHUNKS, np.uint8)).datapath == "python"
     finally:
         agg.close()
 

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from host.app import datasets as D
+from host.codec.settings import Settings
 
 
 def idx_bytes(arr: np.ndarray) -> bytes:
@@ -64,15 +65,14 @@ def test_missing_file_and_mismatched_counts(tmp_path):
 
 
 def test_fallback_to_digits_says_why(monkeypatch, tmp_path):
-    monkeypatch.setattr(D, "FASHION_DIR", tmp_path / "absent")
-    ds = D.load("fashion-mnist")
+    ds = D.load("fashion-mnist", settings=Settings(fashion_mnist=str(tmp_path / "absent")))
     assert ds.name == "digits" and "not found" in ds.note and ds.classes == 10
     assert len(ds.y_train) + len(ds.y_test) == 1797
     with pytest.raises(D.DatasetError, match="unknown data set"):
         D.load("cifar")
 
 
-@pytest.mark.skipif(not D.FASHION_DIR.is_dir(), reason=f"{D.FASHION_DIR} not installed")
+@pytest.mark.skipif(not D.fashion_dir().is_dir(), reason=f"{D.fashion_dir()} not installed")
 def test_installed_fashion_mnist():
     ds = D.load("fashion-mnist")
     assert ds.name == "fashion-mnist" and ds.note == ""

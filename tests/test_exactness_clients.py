@@ -51,8 +51,8 @@ def run_workers(job, addr, payloads, delays=None, **client_kw):
         time.sleep((delays or {}).get(w, 0.0))
         try:
             with AggregationClient(job, w, addr, **client_kw) as c:
-                sums = c.aggregate(pack_bits(payloads[w], P.INDEX_BITS))
-                out[w] = (sums, c.last_counts.copy(), c.last_bitmaps.copy())
+                r = c.reduce(pack_bits(payloads[w], P.INDEX_BITS))
+                out[w] = (r.sums, r.counts, r.bitmaps)
         except Exception as e:  # noqa: BLE001 (reported by the test)
             out[w] = e
 

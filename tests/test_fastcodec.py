@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from host.codec import fastcodec
+from host.codec import backends, fastcodec, settings
 from host.codec import thc as codec
 from host.codec.packing import pack_bits, unpack_bits
 from host.codec.table import expected_nmse
@@ -210,16 +210,21 @@ def test_bad_input_gets_the_reference_errors():
 
 def test_path_selection(monkeypatch):
     x = data(100)
+    monkeypatch.setattr(settings, "_CURRENT", [])
+    monkeypatch.delenv(codec.CPU_ENV, raising=False)
     assert codec.compiled_for(x) and codec.compiled_for(torch.from_numpy(x))
     assert not codec.compiled_for(x, "reference")
-    monkeypatch.setenv(codec.CPU_ENV, "reference")
+    settings.use(settings.Settings(codec_cpu="reference"))
     assert not codec.compiled_for(x) and codec.compiled_for(x, "compiled")
+    assert not THCCodec().choice(x).name == "compiled"
+    assert THCCodec(cpu="compiled").choice(x).name == "compiled"
     monkeypatch.setenv(codec.CPU_ENV, "fast")
     with pytest.raises(ValueError, match="THC_CODEC_CPU"):
-        codec.compiled_for(x)
+        settings.Settings.from_env()
     monkeypatch.delenv(codec.CPU_ENV)
+    settings.reset()
     monkeypatch.setattr(fastcodec, "UNAVAILABLE", "the compiled CPU codec is not built (test)")
-    monkeypatch.setattr(codec, "_COMPILED_MISSING", [])
+    monkeypatch.setattr(backends, "_COMPILED_MISSING", [])
     with pytest.warns(RuntimeWarning, match="not built .test.*reference path"):
         idx = THCCodec().encode(x, codec.slice_norms(x, P), 0, 1)
     assert idx.shape == (128,)

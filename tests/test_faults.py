@@ -5,7 +5,7 @@ import argparse
 
 import numpy as np
 
-from thcnet import faults
+from thcnet import faults, matrix
 
 
 def test_a_wrong_sum_is_reported_and_fails_the_matrix():
@@ -76,7 +76,7 @@ def test_a_timed_stream_stops_every_worker_after_the_same_round():
 
     with open_testbed(2, prefer_mininet=False) as tb:
         tb.start_aggregator()
-        row = faults._stream_for("timed", tb, tb.job.lanes * 4, 1.0, "test")
+        row = matrix.stream_for("timed", tb, tb.job.lanes * 4, 1.0, "test")
     assert row.exact is True and row.sums == "exact (2/2 workers)"
     vectors = int(row.note.split(" vectors")[0])
     assert vectors >= 2 and row.rounds == vectors * 4

@@ -15,7 +15,7 @@ from controller import counters, forwarding, jobs
 from controller.switch import SwitchError
 from controller.testing.memswitch import MemorySwitch
 from host.wire import protocol as P
-from host.wire.jobs import Cluster, ConfigError, Job, Worker
+from host.wire.jobs import SWITCH_AGG_IP, SWITCH_AGG_MAC, Cluster, ConfigError, Job, Worker
 
 TABLE = tuple(range(0, 31, 2))
 IDLE = 0.05
@@ -44,7 +44,7 @@ def make_job(job_id: int, n_workers: int = 2, pool_size: int = 4, pool_base: int
 
 
 def cluster(*js: Job) -> Cluster:
-    return Cluster(jobs=js, agg_ip=jobs.SWITCH_AGG_IP, agg_mac=jobs.SWITCH_AGG_MAC)
+    return Cluster(jobs=js, agg_ip=SWITCH_AGG_IP, agg_mac=SWITCH_AGG_MAC)
 
 
 def ops(events, op: str, table: str | None = None) -> list[int]:

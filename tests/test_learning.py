@@ -78,8 +78,8 @@ def _zero_sums() -> None:
     from host.collective.allreduce import AggregatorTransport
     real = AggregatorTransport.sum
 
-    def zeroed(self, indices, params, classes=None):
-        sums, short = real(self, indices, params, classes)
+    def zeroed(self, packed, count, params, classes=None):
+        sums, short = real(self, packed, count, params, classes)
         return torch.zeros_like(sums), short
     AggregatorTransport.sum = zeroed
 

@@ -44,7 +44,7 @@ def _run_of(mode, points, stopped=None):
 
 
 def test_time_to_accuracy_summary_names_the_winner():
-    from thcnet.mainjob import summarize, time_to
+    from thcnet.mainreport import summarize, time_to
 
     fp32 = _run_of("fp32", [(10, 0.70), (20, 0.80), (30, 0.85)])
     thc = _run_of("thc", [(4, 0.72), (8, 0.845), (12, 0.846)])

@@ -146,15 +146,15 @@ def test_tofino_words_cover_every_lane_once():
     tna = gen.gen_tna
     lanes = {}
     apply0 = re.findall(r"thc_w(\d+)\.apply\(hdr\.cur\[(\d+)\]\.idx\[(\d+):(\d+)\].*?"
-                        r"hdr\.vcur\[(\d+)\]\.v\[(\d+):(\d+)\].*?hdr\.res_([ab])\[(\d+)\]",
+                        r"hdr\.cur\[(\d+)\]\.idx\[(\d+):(\d+)\].*?hdr\.res_([ab])\[(\d+)\]",
                         files["thc_tna_words_apply0.p4"] + files["thc_tna_words_apply1.p4"])
     assert len(apply0) == tna.WORDS
     for w, oct_, qhi, qlo, vb, vhi, vlo, half, res in apply0:
         w = int(w)
         assert int(qhi) - int(qlo) == 15 and int(vhi) - int(vlo) == 3
-        # the word's place within its pass's index octs, vote halfwords and result words
+        # the word's place within its pass's index octs, sign-bit octs and result words
         assert int(oct_) * 32 + 31 - int(qhi) == 16 * w
-        assert int(vb) * 16 + 15 - int(vhi) == 4 * w
+        assert int(vb) * 32 + 31 - int(vhi) == 4 * w
         assert (0 if half == "a" else tna.HALF) + int(res) == w
     for w in range(tna.WORDS):          # pass 1: lanes 0 .. 4 * WORDS - 1
         lanes.setdefault(w * 4, []).append(1)

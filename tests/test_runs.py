@@ -143,10 +143,10 @@ def test_a_failed_round_ends_the_run_so_a_retry_cannot_get_stale_sums(datapath):
     """A round that timed out leaves this worker's contributions (and completed chunks) in
     the slots of its sequence numbers: a retry under the same run used to be answered from
     them (a short or stale sum, no error). The client now refuses; a new run sums exactly."""
-    from host.net import fastagg
+    from host.net import fastclient
     from host.net.client import RunFailed
-    if datapath == "compiled" and fastagg.CLIENT_UNAVAILABLE:
-        pytest.skip(f"compiled client: {fastagg.CLIENT_UNAVAILABLE}")
+    if datapath == "compiled" and fastclient.CLIENT_UNAVAILABLE:
+        pytest.skip(f"compiled client: {fastclient.CLIENT_UNAVAILABLE}")
     job = local_job(1, 2, free_port_block(2), table=list(range(16)))
     with Aggregator([job]) as agg:
         addr = agg.start()

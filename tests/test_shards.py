@@ -90,7 +90,7 @@ def _allreduce(job, xs, addr_of, ran=None):
                                                      generator=torch.Generator().manual_seed(w))
                 out[w] = ar(xs[w])
                 if ran is not None:
-                    ran.add(c.last_datapath)
+                    ran.add(ar.transport.datapath)
         except Exception as e:  # surfaced below
             errors.append(e)
 
@@ -137,10 +137,10 @@ def test_a_restarted_shard_is_named_and_a_silent_one_times_out(datapath):
     restarted = None
     try:
         with AggregationClient(job, 0, run=3, deadline=1.0) as c:
-            np.testing.assert_array_equal(c.aggregate(_chunks(job, [1, 2, 3, 4])),
-                                          np.repeat([1, 2, 3, 4], job.lanes))
+            r = c.reduce(_chunks(job, [1, 2, 3, 4]))
+            np.testing.assert_array_equal(r.sums, np.repeat([1, 2, 3, 4], job.lanes))
             assert c.epochs == [0x10, 0x11]
-            assert c.last_datapath == datapath
+            assert r.datapath == datapath
             first[1].stop()
             restarted = Aggregator([job], shard=1, epoch=0x99)
             restarted.start(job.shards[1].ip, job.shards[1].port)
@@ -164,7 +164,7 @@ def test_a_restarted_shard_is_named_and_a_silent_one_times_out(datapath):
 def test_bench_ideal_bytes_per_layout():
     """The busiest link per layout, as docs/mininet.md states it for 4 workers and 25M
     elements: sharded about 5.2x fewer bytes than the FP32 ring, central 1.49x."""
-    from thcnet.bench_allreduce import fp32_wire_bytes, thc_wire_bytes
+    from thcnet.wirebytes import fp32_wire_bytes, thc_wire_bytes
 
     numel, p, lanes = 25_000_000, 4, P.max_software_lanes(8)
     fp32 = fp32_wire_bytes(numel, p)["up"]

@@ -375,21 +375,26 @@ def test_the_write_checks_catch_bad_writes():
 # ---- what the Tofino lookups compute ----------------------------------------------------------
 
 def test_tofino_lookup_values_add_into_8_bit_lanes_in_order():
-    """Byte 2*NN + h of a pass's index segment keys word NN's table h; its value is the two
-    lanes' table values (first lane high). Summed over workers as 16-bit values (8-bit sums
-    carry nothing into the neighbour), the words read back as the pass's lanes in order."""
+    """Byte 2*NN + h of a pass's indices keys word NN's table h; its value is the two lanes'
+    table values (first lane high). Summed over workers as 16-bit values (8-bit sums carry
+    nothing into the neighbour), the words read back as the pass's lanes in order. A vote
+    job's nibble of sign bits gives the word's four lanes, first lane (high bit) high."""
     n = 8
     job = Job(job_id=3, workers=_workers(3, n), table=TABLE, granularity=30).validate()
     values = np.array(tofino.lut_values(job), dtype=np.uint32)
     rng = np.random.default_rng(3)
-    lanes_a_pass = P.LANES // tofino.PASSES
+    lanes_a_pass = 160                                   # pass 1: words 00-39
     idx = rng.integers(0, 16, (n, lanes_a_pass))
     idx[0] = 15
     key = idx[:, 0::2] << 4 | idx[:, 1::2]                  # worker, byte 2*NN + h
-    assert key.shape[1] == 32 * tofino.WORD_KEYS
+    assert key.shape[1] == lanes_a_pass // tofino.WORD_LANES * tofino.WORD_KEYS
     total = values[key].sum(axis=0)
     assert total.max() < 1 << 16
     lanes = np.frombuffer(total.astype(">u2").tobytes(), np.uint8)
     np.testing.assert_array_equal(lanes, np.asarray(TABLE)[idx].sum(axis=0))
-    vote = Job.vote(4, _workers(4, 2)).validate()
-    assert tofino.lut_values(vote)[0x10] == 1 << 8 and tofino.lut_values(vote)[0x11] == 0x101
+    vote = Job.vote(4, _workers(4, 3)).validate()
+    signs = rng.integers(0, 2, (3, lanes_a_pass))
+    nibbles = (signs.reshape(3, -1, 4) * [8, 4, 2, 1]).sum(axis=2)
+    words = np.array(tofino.vote_values(vote), dtype=np.uint32)[nibbles].sum(axis=0)
+    counted = np.frombuffer(words.astype(">u4").tobytes(), np.uint8)
+    np.testing.assert_array_equal(counted, signs.sum(axis=0))

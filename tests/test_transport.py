@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from host.codec.packing import pack_bits
-from host.net import fastagg
+from host.net import fastclient
 from host.net.client import (DATAPATH_ENV, GSO_ENV, AggregationClient, AggregationTimeout,
                              resolve_gso)
 from host.net.impair import Impairment
@@ -63,8 +63,8 @@ def _worker(job, w, addr, impair, q, deadline=20.0, run=1, n=N_ELEMENTS):
     try:
         with AggregationClient(job, w, addr, deadline=deadline, run=run,
                                impair=Impairment(**impair, seed=w) if impair else None) as c:
-            sums = c.aggregate(pack_bits(idx, P.INDEX_BITS))
-            q.put((w, "ok", sums, (c.stats.retransmitted, c.last_datapath)))
+            r = c.reduce(pack_bits(idx, P.INDEX_BITS))
+            q.put((w, "ok", r.sums, (c.stats.retransmitted, r.datapath)))
     except AggregationTimeout as e:
         q.put((w, "timeout", str(e), e.missing))
 
@@ -101,8 +101,8 @@ def job():
 def datapath(request, monkeypatch):
     """Runs a test once per client datapath (through THC_CLIENT_DATAPATH, which forked
     workers inherit)."""
-    if request.param == "compiled" and fastagg.CLIENT_UNAVAILABLE:
-        pytest.skip(fastagg.CLIENT_UNAVAILABLE)
+    if request.param == "compiled" and fastclient.CLIENT_UNAVAILABLE:
+        pytest.skip(fastclient.CLIENT_UNAVAILABLE)
     monkeypatch.setenv(DATAPATH_ENV, request.param)
     return request.param
 
@@ -133,8 +133,8 @@ def test_four_workers_one_million_elements_bit_exact(tmp_path, job, datapath):
 def test_compiled_client_with_gso_and_gro_sums_exactly(tmp_path, job, monkeypatch):
     """DATA leaves as one GSO send per aggregator and batch, replies (GSO bursts from the
     compiled aggregator) come in by GRO as one buffer each: the sums are the same."""
-    if fastagg.CLIENT_UNAVAILABLE:
-        pytest.skip(fastagg.CLIENT_UNAVAILABLE)
+    if fastclient.CLIENT_UNAVAILABLE:
+        pytest.skip(fastclient.CLIENT_UNAVAILABLE)
     monkeypatch.setenv(DATAPATH_ENV, "compiled")
     monkeypatch.setenv(GSO_ENV, "1")
     _assert_exact_through_an_aggregator(tmp_path, job, "compiled")
@@ -197,8 +197,8 @@ def test_compiled_client_exactly_once_under_lossy_duplicating_reordering_replies
     """The compiled client window against an aggregator whose replies are lost, duplicated
     and reordered: lost replies make it retransmit, which the aggregator answers from its
     slots; duplicates are ignored; every chunk completes once and every sum is exact."""
-    if fastagg.CLIENT_UNAVAILABLE:
-        pytest.skip(fastagg.CLIENT_UNAVAILABLE)
+    if fastclient.CLIENT_UNAVAILABLE:
+        pytest.skip(fastclient.CLIENT_UNAVAILABLE)
     n = 1 << 18
     agg = AggregatorProcess(tmp_path, [job], loss=0.05, dup=0.05, reorder=0.05)
     monkeypatch.setenv(DATAPATH_ENV, "compiled")
@@ -235,7 +235,7 @@ def test_no_aggregator_is_a_clear_timeout(job, datapath):
     with AggregationClient(job, 0, dead, deadline=0.5, run=1) as c:
         with pytest.raises(AggregationTimeout, match="no answer from the aggregator"):
             c.aggregate(np.zeros(job.lanes // 2, np.uint8))
-        assert c.last_datapath == datapath
+        assert c.stats.compiled_rounds == (datapath == "compiled")
         assert c.stats.retransmitted > 0
 
 
@@ -245,7 +245,8 @@ def test_max_round_over_loopback(tmp_path, job, datapath):
 
     def run(w):
         with AggregationClient(job, w, agg.addr, run=1) as c:
-            out[w] = c.max(np.arange(40, dtype=np.float32) * (w + 1)), c.last_datapath
+            r = c.reduce_max(np.arange(40, dtype=np.float32) * (w + 1))
+            out[w] = r.sums, r.datapath
 
     try:
         ts = [threading.Thread(target=run, args=(w,)) for w in range(4)]
@@ -317,8 +318,8 @@ def _relayed_worker(job, w, sock, relay_addr, q, deadline, n):
     idx = np.random.default_rng(1000 + w).integers(0, 16, n).astype(np.uint8)
     try:
         with AggregationClient(job, w, relay_addr, deadline=deadline, run=1, sock=sock) as c:
-            sums = c.aggregate(pack_bits(idx, P.INDEX_BITS))
-            q.put((w, "ok", sums, (c.stats.retransmitted, c.last_datapath)))
+            r = c.reduce(pack_bits(idx, P.INDEX_BITS))
+            q.put((w, "ok", r.sums, (c.stats.retransmitted, r.datapath)))
     except AggregationTimeout as e:
         q.put((w, "timeout", str(e), e.missing))
 

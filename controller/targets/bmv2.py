@@ -18,7 +18,7 @@ GROUP = "ThcIngress.thc_g{}"
 LUT_TABLE = GROUP + ".thc_lut_{}"
 LUT_ACTION = GROUP + ".thc_lut_set_{}"
 LUT_SUM_ACTION = GROUP + ".thc_lut_sum{}"
-GROUP_LANES = 8
+GROUP_LANES = P.GROUP_LANES
 GROUP_BYTES = GROUP_LANES * P.INDEX_BITS // 8
 
 

@@ -10,7 +10,6 @@ the file and what is wrong with it, never a numpy exception from deep inside.
 from __future__ import annotations
 
 import gzip
-import os
 import struct
 import zlib
 from dataclasses import dataclass
@@ -18,7 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
-FASHION_DIR = Path(os.environ.get("THC_FASHION_MNIST", "/usr/share/datasets/fashion-mnist"))
+from host.codec.settings import Settings, current
+
 FASHION_FILES = {"train_images": "train-images-idx3-ubyte.gz",
                  "train_labels": "train-labels-idx1-ubyte.gz",
                  "test_images": "t10k-images-idx3-ubyte.gz",
@@ -81,9 +81,14 @@ def _standardize(images: np.ndarray, scale: float) -> np.ndarray:
     return ((images.astype(np.float32) / scale - 0.5) / 0.5)[:, None, :, :]
 
 
-def load_fashion_mnist(directory: Path | str = FASHION_DIR) -> Dataset:
-    """The 60,000/10,000 split of the IDX files in ``directory``."""
-    directory = Path(directory)
+def fashion_dir(settings: Settings | None = None) -> Path:
+    """Where Fashion-MNIST's files lie (THC_FASHION_MNIST, else Debian's folder)."""
+    return Path((settings or current()).fashion_mnist)
+
+
+def load_fashion_mnist(directory: Path | str | None = None) -> Dataset:
+    """The 60,000/10,000 split of the IDX files in ``directory`` (default: :func:`fashion_dir`)."""
+    directory = fashion_dir() if directory is None else Path(directory)
     arrays = {key: read_idx(directory / name) for key, name in FASHION_FILES.items()}
     for split in ("train", "test"):
         images, labels = arrays[f"{split}_images"], arrays[f"{split}_labels"]
@@ -115,7 +120,7 @@ def load_digits(seed: int = 0) -> Dataset:
 DATASETS = ("fashion-mnist", "digits")
 
 
-def load(name: str = "fashion-mnist", seed: int = 0) -> Dataset:
+def load(name: str = "fashion-mnist", seed: int = 0, settings: Settings | None = None) -> Dataset:
     """``name``, or digits with a note saying why when Fashion-MNIST's files are absent.
 
     A Fashion-MNIST directory that exists but holds damaged files raises DatasetError: a
@@ -125,10 +130,11 @@ def load(name: str = "fashion-mnist", seed: int = 0) -> Dataset:
         return load_digits(seed)
     if name != "fashion-mnist":
         raise DatasetError(f"unknown data set {name!r}; choose from {', '.join(DATASETS)}")
-    if not FASHION_DIR.is_dir():
-        note = (f"Fashion-MNIST not found in {FASHION_DIR} (Debian package "
+    directory = fashion_dir(settings)
+    if not directory.is_dir():
+        note = (f"Fashion-MNIST not found in {directory} (Debian package "
                 f"dataset-fashion-mnist, installed by `make system-deps` as root): "
                 f"using scikit-learn's digits instead")
         d = load_digits(seed)
         return Dataset(d.name, d.x_train, d.y_train, d.x_test, d.y_test, note)
-    return load_fashion_mnist(FASHION_DIR)
+    return load_fashion_mnist(directory)

@@ -29,10 +29,12 @@ import time
 
 from host.app import datasets
 from host.app.argtypes import positive_int
+from host.codec import settings
 from host.codec.params import THCParams
+from host.codec.settings import CODEC_CPU, DATAPATHS
 from host.collective.allreduce import THCAllReduce, agree_run
 from host.collective.ddp import HookOptions, MarsitHook, MarsitVoteHook, THCHook, TopKHook
-from host.net.aggregator import parse_hostport
+from host.net.addresses import parse_hostport
 from host.net.client import AggregationClient
 from host.wire.jobs import Cluster, loss_bound_arg
 
@@ -89,6 +91,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="mode thc: mark every chunk with its DLCP class (layer position)")
     parser.add_argument("--uncompressed", default="",
                         help="comma-separated parameter-name parts left in FP32 (e.g. bias)")
+    parser.add_argument("--client-datapath", choices=DATAPATHS, default=None,
+                        help="the aggregation client's window (default: THC_CLIENT_DATAPATH, "
+                             "else auto: compiled where built)")
+    parser.add_argument("--codec-cpu", choices=CODEC_CPU, default=None,
+                        help="what the codec runs on the CPU (default: THC_CODEC_CPU, else "
+                             "compiled)")
     THCParams.add_arguments(parser, seed=False)
 
 
@@ -142,7 +150,7 @@ def _client(args) -> AggregationClient:
     else:
         agg = parse_hostport(args.agg) if args.agg else (cluster.agg_ip, cluster.agg_port)
     return AggregationClient(job, args.rank, agg, deadline=30.0, run=args.run or agree_run(),
-                             loss_bound=args.loss_bound)
+                             loss_bound=args.loss_bound, settings=settings.current())
 
 
 def optimizer_settings(args) -> tuple[float, float]:
@@ -194,7 +202,7 @@ def train(args) -> list[dict]:
     torch.manual_seed(args.seed)
     init = f"tcp://{args.master}" if args.master else "env://"
     dist.init_process_group("gloo", init_method=init, rank=args.rank, world_size=args.world)
-    ds = datasets.load(args.data, args.seed)
+    ds = datasets.load(args.data, args.seed, settings.current())
     xtr, ytr, xte, yte = _tensors(ds, args.train_subset)
     model = make_model(xtr.shape[-1], args.width, ds.classes)
     ddp = DDP(model)
@@ -279,6 +287,13 @@ def main(argv=None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(parser)
     args = parser.parse_args(argv)
+    try:
+        chosen = settings.use(settings.Settings.from_env(client_datapath=args.client_datapath,
+                                                         codec_cpu=args.codec_cpu))
+    except ValueError as e:
+        parser.error(str(e))
+    if args.rank == 0:
+        print(f"train: {chosen.describe()}", file=sys.stderr, flush=True)
     if args.mode in ("thc", "marsit-vote") and not args.config:
         parser.error(f"--mode {args.mode} needs --config (the aggregator's cluster JSON)")
     if args.mode != "thc" and (args.loss_bound is not None or args.priorities):

@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
+import sys
 import time
 
 from host.bench import add_common, emit_json
 from host.codec.packing import pack_bits
-from host.net import fastagg
+from host.codec.settings import Settings
+from host.net import fastagg, fastload
 from host.net.aggregator import Aggregator
 from host.net.client import AggregationClient, resolve_datapath
 from host.testing.clusters import free_port_block, local_job
@@ -129,7 +131,7 @@ def _drive_group(job, workers, addr, chunks, window, payloads, start_ev, done_q)
             socks[w] = s
         start_ev.wait()
         t0 = time.perf_counter()
-        out = fastagg.drive(socks, addr, job, RUN, chunks, window, payloads)
+        out = fastload.drive(socks, addr, job, RUN, chunks, window, payloads)
         done_q.put((t0, time.perf_counter(), out))
     finally:
         for s in socks.values():
@@ -187,6 +189,8 @@ def run_point(kind: str, n: int, chunks: int, lanes: int, window: int, load: str
 def run(args: argparse.Namespace) -> int:
     lanes = args.lanes or P.LANES
     P.check_lanes(lanes)
+    settings = Settings.from_env()
+    print(f"thc bench aggregator: {settings.describe()}", file=sys.stderr)
     if not fastagg.available():
         print(f"thc bench aggregator: {fastagg.UNAVAILABLE}")
         return 2
@@ -198,7 +202,7 @@ def run(args: argparse.Namespace) -> int:
           f"load: "
           + (f"compiled load generator in {args.load_procs} process(es)"
              if args.load == "compiled" else f"AggregationClient processes, one a worker, "
-                                             f"client datapath {resolve_datapath()} "
+                                             f"client datapath {resolve_datapath(None, settings)} "
                                              f"(THC_CLIENT_DATAPATH)"))
     print(f"{'workers':>7} {'server':>14} {'pkts/s in':>12} {'coords/s':>14} {'seconds':>8} "
           f"{'resent':>7}")
@@ -226,7 +230,8 @@ def run(args: argparse.Namespace) -> int:
         rows.append({"workers": n, **{k.replace(" ", "_"): v for k, v in best.items()},
                      "ratios": ratios})
     emit_json(args, {"benchmark": "aggregator", "lanes": lanes, "load": args.load,
-                     "client_datapath": resolve_datapath() if args.load == "python" else None,
+                     "client_datapath": resolve_datapath(None, settings) if args.load == "python"
+                     else None,
                      "load_procs": args.load_procs, "window": args.window, "gso": args.gso,
                      "rows": rows})
     return 0

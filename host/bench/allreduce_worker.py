@@ -25,7 +25,7 @@ from datetime import timedelta
 
 from host.codec.params import THCParams
 from host.collective.allreduce import THCAllReduce, agree_run
-from host.net.aggregator import parse_hostport
+from host.net.addresses import parse_hostport
 from host.net.client import AggregationClient
 from host.wire.jobs import Cluster
 
@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
               "wire": wire, "phases": phases, "sha256": digest, "nmse": nmse}
     if client is not None:
         result["transport"] = vars(client.stats)
-        result["client_datapath"] = client.last_datapath
+        result["client_datapath"] = ar.transport.datapath
         client.close()
     dist.barrier()
     dist.destroy_process_group()

@@ -33,6 +33,7 @@ import sys
 import time
 
 from host.bench import add_common, emit_json
+from host.codec import settings
 from host.codec.params import THCParams
 from host.codec.thc import THCCodec
 
@@ -181,6 +182,7 @@ def run(args: argparse.Namespace) -> int:
     if min(sizes) < 1:
         print("thc bench codec: sizes must be >= 1")
         return 2
+    print(f"thc bench codec: {settings.current().describe()}", file=sys.stderr)
     repeat = max(1, min(args.repeat, 2) if args.quick else args.repeat)
     cuda = device.type == "cuda"
     reference = args.reference

@@ -22,7 +22,7 @@ from datetime import timedelta
 
 from host.codec.params import THCParams
 from host.collective.allreduce import THCAllReduce, agree_run
-from host.net.aggregator import parse_hostport
+from host.net.addresses import parse_hostport
 from host.net.client import AggregationClient
 from host.wire.jobs import Cluster
 
@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         sum_mean += mean
     cum = float(((sum_est - sum_mean) ** 2).sum() / (sum_mean ** 2).sum())
     result = {"rank": args.rank, "times": times, "nmse": nmse, "cumulative_nmse": cum,
-              "short_chunks": short, "chunks_per_round": len(client.last_counts),
+              "short_chunks": short, "chunks_per_round": -(-ar.codec.layout(args.numel).total_padded // job.lanes),
               "transport": vars(client.stats)}
     client.close()
     dist.barrier()

@@ -23,7 +23,6 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from host.codec.packing import pack_bits
 from host.codec.params import THCParams
 from host.codec.thc import ErrorFeedback, THCCodec, table_values
 from host.net.priority import magnitude_rank, priority_class
@@ -71,6 +70,10 @@ class AggregatorTransport:
         self.client = client
         self.n_workers = client.job.n_workers
         self.bytes_sent = 0
+        self.datapath: str | None = None
+        """The client datapath that ran the last round."""
+        self.short_chunks = 0
+        """Chunks of this transport's rounds that ended short (DLCP's bounded loss)."""
 
     def check(self, params: THCParams) -> None:
         job = self.client.job
@@ -86,24 +89,34 @@ class AggregatorTransport:
         out = self.client.max(norms.detach().cpu().numpy())
         return torch.from_numpy(out).to(norms.device)
 
-    def sum(self, indices: torch.Tensor, params: THCParams, classes=None):
-        """(sums, None or :class:`Short`); ``classes``: a priority class per chunk of lanes."""
+    packed = True
+    """What :meth:`sum` takes: the packed wire form the codec's fused encode writes."""
+
+    @property
+    def lanes(self) -> int:
+        """Coordinates per chunk: priority classes are given per chunk of lanes."""
+        return self.client.job.lanes
+
+    def sum(self, packed: torch.Tensor, count: int, params: THCParams, classes=None):
+        """(sums of ``count`` coordinates, None or :class:`Short`); ``packed``: their 4-bit
+        indices in wire form; ``classes``: a priority class per chunk of lanes."""
         client = self.client
         lanes = client.job.lanes
-        idx = indices.cpu().numpy()
-        pad = (-idx.size) % lanes
+        wire = packed.cpu().numpy() if isinstance(packed, torch.Tensor) else packed
+        pad = (-count) % lanes
         if pad:
-            idx = np.concatenate([idx, np.zeros(pad, np.uint8)])
+            wire = np.concatenate([wire, np.zeros((count + pad) // 2 - wire.size, np.uint8)])
         before = client.stats.bytes_sent
-        sums = client.aggregate(pack_bits(idx, P.INDEX_BITS), classes=classes)[: indices.numel()]
+        r = client.reduce(wire, classes=classes)
+        sums = r.sums[:count]
         self.bytes_sent += client.stats.bytes_sent - before
+        self.datapath = r.datapath
         short = None
-        counts = client.last_counts
-        if counts.size and int(counts.min()) < self.n_workers:
-            mine = (client.last_bitmaps >> client.worker_id) & 1 == 1
-            short = Short(np.repeat(counts, lanes)[: indices.numel()],
-                          np.repeat(mine, lanes)[: indices.numel()])
-        return torch.from_numpy(sums.astype(np.int32)).to(indices.device), short
+        if r.short(self.n_workers):
+            self.short_chunks += int(np.count_nonzero(r.counts < self.n_workers))
+            mine = (r.bitmaps >> client.worker_id) & 1 == 1
+            short = Short(np.repeat(r.counts, lanes)[:count], np.repeat(mine, lanes)[:count])
+        return torch.from_numpy(sums.astype(np.int32)).to(packed.device), short
 
 
 class DistTransport:
@@ -124,7 +137,12 @@ class DistTransport:
         self.dist.all_reduce(out, op=self.dist.ReduceOp.MAX, group=self.group)
         return out
 
-    def sum(self, indices: torch.Tensor, params: THCParams, classes=None):
+    packed = False
+    """What :meth:`sum` takes: indices, whose table values are summed."""
+    lanes = None
+    short_chunks = None
+
+    def sum(self, indices: torch.Tensor, count: int, params: THCParams, classes=None):
         top = self.n_workers * params.granularity
         dtype = torch.uint8 if top <= 255 else torch.int16 if top < 1 << 15 else torch.int32
         vals = table_values(indices, params).to(dtype)
@@ -226,27 +244,37 @@ class THCAllReduce:
         t0 = time.perf_counter()
         flat = tensor.detach().reshape(-1).float()
         y = self.feedback.compensate(flat) if self.feedback else flat
-        max_norms = self.transport.max(self.codec.norms(y))
+        step, slice_size = self.pipeline_elements, self.params.slice_size
+        pieces = [(a, min(a + step, flat.numel())) for a in range(0, flat.numel(), step)]
+        rnd = self.round
+        # the fused encode: each piece's norms now, its wire form from them after the MAX round
+        preps = [self.codec.prepare(y[a:b], rnd) for a, b in pieces]
+        norms = preps[0].norms if len(preps) == 1 else torch.cat([p.norms for p in preps])
+        max_norms = self.transport.max(norms)
         secs["norms"] += time.perf_counter() - t0
         slice_cls = (None if position is None else
                      self.priority_classes(position, max_norms, flat.numel()))
-        step, slice_size = self.pipeline_elements, self.params.slice_size
-        pieces = [(a, min(a + step, flat.numel())) for a in range(0, flat.numel(), step)]
         norms_of = lambda a, b: max_norms[a // slice_size: -(-b // slice_size)]  # noqa: E731
         est = torch.empty_like(flat)
         own = torch.empty_like(flat) if self.feedback else None
-        rnd = self.round
+        packed = self.transport.packed
+        lanes = self.transport.lanes
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="thc-codec")
 
-        def encode(a, b):
+        def encode(k):
             t = time.perf_counter()
-            idx = self.codec.encode(y[a:b], norms_of(a, b), rnd, self.generator)
+            a, b = pieces[k]
+            wire = self.codec.encode_prepared(preps[k], norms_of(a, b), self.generator, packed)
+            preps[k] = None
             secs["encode"] += time.perf_counter() - t
-            return idx
+            return wire
 
-        def decode(a, b, sums, idx, short):
+        def decode(a, b, sums, wire, short):
             t = time.perf_counter()
+            idx = wire
+            if packed and own is not None:
+                idx = self.codec.unpack(wire, self.codec.layout(b - a).total_padded)
             if short is not None:
                 est[a:b], own_ab = self._short_decode(sums, short, idx, norms_of(a, b), b - a,
                                                       rnd)
@@ -261,26 +289,26 @@ class THCAllReduce:
                 own[a:b] = self.codec.decode_own(idx, norms_of(a, b), b - a, rnd)
                 secs["feedback"] += time.perf_counter() - t
 
-        next_idx = self._pool.submit(encode, *pieces[0])
+        next_wire = self._pool.submit(encode, 0)
         decodes = []
         for k, (a, b) in enumerate(pieces):
-            idx = next_idx.result()
+            wire = next_wire.result()
             if k + 1 < len(pieces):
-                next_idx = self._pool.submit(encode, *pieces[k + 1])
+                next_wire = self._pool.submit(encode, k + 1)
+            count = self.codec.layout(b - a).total_padded
             classes = None
-            if slice_cls is not None and hasattr(self.transport, "client"):
-                lanes = self.transport.client.job.lanes
-                lane_slice = np.minimum(np.arange(0, idx.numel(), lanes) // slice_size,
+            if slice_cls is not None and lanes is not None:
+                lane_slice = np.minimum(np.arange(0, count, lanes) // slice_size,
                                         len(slice_cls) - 1 - a // slice_size) + a // slice_size
                 classes = slice_cls[lane_slice]
             t = time.perf_counter()
-            sums, short = self.transport.sum(idx, self.params, classes)
+            sums, short = self.transport.sum(wire, count, self.params, classes)
             secs["sum"] += time.perf_counter() - t
-            decodes.append(self._pool.submit(decode, a, b, sums, idx, short))
+            decodes.append(self._pool.submit(decode, a, b, sums, wire, short))
         for f in decodes:
             f.result()
         if self.feedback:
-            self.feedback.residual = y - own
+            self.feedback.keep(y, own)
         self.round += 1
         self.stats.calls += 1
         self.stats.elements += flat.numel()

@@ -189,9 +189,9 @@ class THCHook(_Hook):
     @property
     def short_chunks(self) -> int | None:
         """Chunks that ended short (DLCP's bounded loss) so far; None without an aggregator."""
-        clients = {id(c): c for c in (getattr(ar.transport, "client", None)
-                                      for ar in self.reducers.values()) if c is not None}
-        return sum(c.stats.short for c in clients.values()) if clients else None
+        counts = [ar.transport.short_chunks for ar in self.reducers.values()
+                  if ar.transport.short_chunks is not None]
+        return sum(counts) if counts else None
 
     def reduce(self, bucket_index: int, flat: torch.Tensor, sizes: list[int],
                position: torch.Tensor | None = None) -> torch.Tensor:

@@ -1242,7 +1242,7 @@ cleanup:
 }
 
 /* ---------------------------------------------------------------------------------------- */
-/* The client's sliding window (host/net/client.py's AggregationClient._stream, common case):
+/* The client's sliding window (host/net/pywindow.py's PythonWindow, common case):
  * one worker's chunks out with sendmmsg, replies in with recvmmsg, each reply validated as the
  * Python loop validates it, retransmission on timeout with exponential backoff and the same
  * fast-retransmit rule, RFC 6298's estimator per shard, without the GIL. Python keeps the
@@ -1250,8 +1250,6 @@ cleanup:
 
 #define CL_RECV_BYTES 4096 /* the Python loop's receive buffer */
 #define CL_OUT_BYTES 2048
-#define FAST_RETRANSMIT_AFTER 3
-#define FAST_BACKOFF_CAP 4 /* RTOs: the backoff cap of the head and of lost chunks */
 /* per chunk in the window: retransmitted (no RTT sample: Karn), overtaken by a later
  * chunk of its shard (a lost packet, not a missing worker: its timer does not back off) */
 enum { M_RESENT = 1, M_OVERTAKEN = 2 };
@@ -1438,7 +1436,9 @@ static PyObject *list_of_doubles(const double *v, int n) {
  *            pool, run, base, offset_base, lanes, n_workers); replies of the three types are
  *            this job's, a result of the other type is counted as ignored
  *   aggs: [(ipv4 as int, port)] per shard; epochs: [int or None] per shard (updated in place)
- *   timing: (timeout, max_timeout, deadline); srtt/rttvar: [float or None] / [float] per shard
+ *   timing: (timeout, max_timeout, deadline, fast_retransmit_after, fast_backoff_cap), the
+ *           last two host/net/window.py's rules (results of later chunks that mean a chunk
+ *           was lost; the backoff cap in RTOs of the head and of lost chunks); srtt/rttvar: [float or None] / [float] per shard
  *   out: total * lanes elements of out_itemsize bytes (host order); counts (uint8) and
  *   bitmaps (uint32) per chunk, written for chunks closed short
  * -> (event, info, stats, srtt, rttvar) with event 0 done, 1 restarted (shard, old, new),
@@ -1449,9 +1449,11 @@ static PyObject *fa_stream(PyObject *self, PyObject *args) {
     Py_buffer chunks = {0}, out = {0}, counts = {0}, bitmaps = {0};
     int fd, chunk_bytes, window, out_itemsize, expect_payload, gso;
     double timeout, max_timeout, deadline;
-    if (!PyArg_ParseTuple(args, "iOy*iO!O!i(ddd)O!O!w*iiw*w*p", &fd, &hdr, &chunks, &chunk_bytes,
-                          &PyList_Type, &aggs_o, &PyList_Type, &epochs, &window, &timeout,
-                          &max_timeout, &deadline, &PyList_Type, &srtt_o, &PyList_Type,
+    int fast_after, backoff_cap;
+    if (!PyArg_ParseTuple(args, "iOy*iO!O!i(dddii)O!O!w*iiw*w*p", &fd, &hdr, &chunks,
+                          &chunk_bytes, &PyList_Type, &aggs_o, &PyList_Type, &epochs, &window,
+                          &timeout, &max_timeout, &deadline, &fast_after,
+                          &backoff_cap, &PyList_Type, &srtt_o, &PyList_Type,
                           &rttvar_o, &out, &out_itemsize, &expect_payload, &counts, &bitmaps,
                           &gso))
         return NULL;
@@ -1733,14 +1735,14 @@ static PyObject *fa_stream(PyObject *self, PyObject *args) {
                         for (long j = lo; j < i; j++) {
                             if (done[j] || cl_shard(c, j) != shard) continue;
                             long rj = j % window;
-                            if (++later[rj] == FAST_RETRANSMIT_AFTER) {
+                            if (++later[rj] == fast_after) {
                                 /* overtaken this often: lost, not merely reordered */
                                 c->st[S_RETRANSMITTED]++;
                                 cl_send(c, j);
                                 mark[rj] |= M_RESENT | M_OVERTAKEN;
                                 backoff[rj] = rto;
                                 due[rj] = now + rto;
-                                later[rj] = -4 * FAST_RETRANSMIT_AFTER;
+                                later[rj] = -4 * fast_after;
                             }
                         }
                     }
@@ -1777,14 +1779,14 @@ static PyObject *fa_stream(PyObject *self, PyObject *args) {
             cl_send(c, i);
             mark[r] |= M_RESENT;
             double b = cl_rto(c, cl_shard(c, i));
-            /* exponential backoff, capped at FAST_BACKOFF_CAP RTOs for the window's head
+            /* exponential backoff, capped at backoff_cap RTOs for the window's head
              * (every chunk behind it waits for it) and for a chunk that later ones
-             * overtook FAST_RETRANSMIT_AFTER times (a lost packet, not a missing worker);
+             * overtook fast_after times (a lost packet, not a missing worker);
              * a cap, not none: a head that waits for a straggler, or a chunk that is only
              * reordered, would otherwise resend every RTO */
             {
                 int held = pend[r] >= 0 && ((pend[r] >> 32) & 1);
-                double cap = (i == lo || (mark[r] & M_OVERTAKEN) || held) ? FAST_BACKOFF_CAP * b
+                double cap = (i == lo || (mark[r] & M_OVERTAKEN) || held) ? backoff_cap * b
                                                                           : max_timeout;
                 if (backoff[r] > b) b = backoff[r];
                 b *= 2;
@@ -1848,7 +1850,7 @@ static PyMethodDef module_methods[] = {
     {"stream", fa_stream, METH_VARARGS,
      "stream(fd, header, chunks, chunk_bytes, aggs, epochs, window, (timeout, max_timeout, "
      "deadline), srtt, rttvar, out, out_itemsize, expect_payload, counts, bitmaps) -> (event, "
-     "info, stats, srtt, rttvar): one client's sliding window (host/net/client.py)"},
+     "info, stats, srtt, rttvar): one client's sliding window (host/net/fastclient.py)"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -20,13 +20,16 @@ import time
 from pathlib import Path
 from time import monotonic
 
+from host.codec.settings import Settings
+from host.net.addresses import parse_hostport
 from host.net.impair import Impairment
+from host.net.server import UDPServer
 from host.wire import protocol as P
 from host.wire.jobs import Cluster, ConfigError, Job
 from host.wire.model import Model, Reply
 
 
-class Aggregator:
+class Aggregator(UDPServer):
     """The reference model (``handle``) plus an optional UDP server loop around it."""
 
     def __init__(self, jobs: list[Job] | tuple[Job, ...] = (), impair: Impairment | None = None,
@@ -42,8 +45,6 @@ class Aggregator:
         self.impair = impair or Impairment()
         self.send_errors = 0
         self._lock = threading.Lock()
-        self._sock: socket.socket | None = None
-        self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         for job in jobs:
             self.install(job, self.epoch)
@@ -78,20 +79,6 @@ class Aggregator:
             return self._handle(datagram, src, monotonic())[0]
 
     # -- UDP server ------------------------------------------------------------------
-    def bind(self, host: str = "127.0.0.1", port: int = P.UDP_PORT) -> tuple[str, int]:
-        sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 8 << 20)
-        sock.bind((host, port))
-        self._sock = sock
-        return sock.getsockname()
-
-    @property
-    def address(self) -> tuple[str, int]:
-        if self._sock is None:
-            raise RuntimeError("aggregator is not bound")
-        return self._sock.getsockname()
-
     def serve(self, duration: float | None = None) -> None:
         """Receive and answer until ``stop()`` (or ``duration`` seconds)."""
         sock = self._sock
@@ -131,28 +118,11 @@ class Aggregator:
                         sendto(data, dst)
         impair.flush(sendto, everything=True)
 
-    def start(self, host: str = "127.0.0.1", port: int = 0) -> tuple[str, int]:
-        """Bind and serve in a background thread (tests, embedded use)."""
-        addr = self.bind(host, port)
+    def _clear_stop(self) -> None:
         self._stop.clear()
-        self._thread = threading.Thread(target=self.serve, name="thc-aggregator", daemon=True)
-        self._thread.start()
-        return addr
 
-    def stop(self) -> None:
+    def _set_stop(self) -> None:
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=5)
-            self._thread = None
-        if self._sock is not None:
-            self._sock.close()
-            self._sock = None
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.stop()
 
 
 # -- `thc aggregator` ---------------------------------------------------------------
@@ -165,8 +135,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="print counters every N seconds (0: never)")
     parser.add_argument("--stats-file", help="rewrite counters as JSON to this file while running")
     parser.add_argument("--duration", type=float, help="exit after N seconds")
-    parser.add_argument("--datapath", choices=("auto", "compiled", "python"), default="auto",
-                        help="auto (default): the compiled datapath when it is built, else "
+    parser.add_argument("--datapath", choices=("auto", "compiled", "python"), default=None,
+                        help="auto (default, or THC_AGGREGATOR_DATAPATH): the compiled "
+                             "datapath when it is built, else "
                              "this Python one; the first line printed says which runs")
     parser.add_argument("--no-gso", dest="gso", action="store_false",
                         help="compiled datapath: send every reply on its own, never as one UDP "
@@ -177,13 +148,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             help=f"inject {name} with this probability on sent results (testing)")
     parser.add_argument("--jitter", type=float, default=0.0, metavar="SECONDS",
                         help="delay each sent result by a random 0..SECONDS (testing)")
-
-
-def parse_hostport(text: str) -> tuple[str, int]:
-    host, sep, port = text.rpartition(":")
-    if not sep or not port.isdigit():
-        raise ValueError(f"expected HOST:PORT, got {text!r}")
-    return host or "0.0.0.0", int(port)
 
 
 def choose(datapath: str, jobs, impair: Impairment, gso: bool = True,
@@ -220,7 +184,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"thc aggregator: {e}", file=sys.stderr)
         return 2
     try:
-        agg, datapath = choose(args.datapath, cluster.jobs, impair, args.gso, args.shard)
+        settings = Settings.from_env(aggregator_datapath=args.datapath)
+        agg, datapath = choose(settings.aggregator_datapath, cluster.jobs, impair, args.gso,
+                               args.shard)
     except (ConfigError, RuntimeError) as e:
         print(f"thc aggregator: {e}", file=sys.stderr)
         return 2
@@ -233,12 +199,13 @@ def run(args: argparse.Namespace) -> int:
     print(f"thc aggregator listening on {addr[0]}:{addr[1]}{role} with jobs "
           f"{[j.job_id for j in cluster.jobs]}, epoch {agg.epoch:#010x}, datapath {datapath}",
           flush=True)
+    print(f"thc aggregator: {settings.describe()}", file=sys.stderr, flush=True)
     end = None if args.duration is None else time.monotonic() + args.duration
     last_print = time.monotonic()
     try:
         while end is None or time.monotonic() < end:
             time.sleep(0.5)
-            if getattr(agg, "error", None) is not None:
+            if agg.error is not None:
                 print(f"thc aggregator: the datapath stopped: {agg.error}", file=sys.stderr)
                 return 1
             stats = agg.counters()

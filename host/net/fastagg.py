@@ -10,53 +10,20 @@ is missing, :data:`UNAVAILABLE` says why and callers use the Python aggregator.
 """
 from __future__ import annotations
 
-import socket
-import struct
 import threading
 
+from host.net.addresses import ipv4_int, ipv4_str
+from host.net.cext import TYPE_CODES, UNAVAILABLE, _fastagg
+from host.net.server import UDPServer
 from host.wire import protocol as P
-from host.wire.jobs import ConfigError, Job
+from host.wire.jobs import Job
 
-try:
-    from host.net import _fastagg
-except ImportError as e:
-    _fastagg = None
-    UNAVAILABLE: str | None = (f"the compiled datapath is not built ({e}); "
-                               f"`pip install -e .` with a C compiler builds it")
-else:
-    if tuple(tuple(f) for f in _fastagg.HEADER_LAYOUT) != tuple(map(tuple, P.HEADER_FIELDS)):
-        UNAVAILABLE = "the compiled datapath was built for another header layout: rebuild it"
-    elif (set(_fastagg.REASONS) != set(P.DropReason.__members__)
-          or set(_fastagg.COUNTERS) != set(P.JOB_COUNTERS)):
-        UNAVAILABLE = ("the compiled datapath names other drop reasons or counters than "
-                       "protocol.json: rebuild it")
-    else:
-        UNAVAILABLE = None
-
-TYPE_CODES = tuple(int(P.PktType[t]) for t in
-                   ("DATA", "MAX", "RESULT", "MAX_RESULT", "PENDING", "RESET", "FLUSH",
-                    "REFUSED"))
-"""The packet type codes, from protocol.json, in the order the extension takes them."""
+__all__ = ["FastAggregator", "FastEcho", "UNAVAILABLE", "available", "unsupported",
+           "AGGREGATIONS"]
 
 
 def available() -> bool:
     return UNAVAILABLE is None
-
-
-STREAM_DONE, STREAM_RESTARTED, STREAM_TIMEOUT, STREAM_OSERROR, STREAM_REFUSED = range(5)
-"""The events the compiled client window (``stream``) returns with."""
-
-CLIENT_UNAVAILABLE: str | None = UNAVAILABLE or (
-    None if hasattr(_fastagg, "stream")
-    else "the compiled datapath predates the client window: rebuild it")
-"""Why the client's compiled window cannot run here; None when it can."""
-
-CLIENT_MAX_DATAGRAM = getattr(_fastagg, "CLIENT_MAX_DATAGRAM", 0)
-
-
-def stream(*args):
-    """The client's sliding window in C (host.net.client runs it; see _fastagg.c)."""
-    return _fastagg.stream(*args)
 
 
 AGGREGATIONS = frozenset(("thc", "vote"))
@@ -73,38 +40,7 @@ def unsupported(jobs) -> str | None:
     return None
 
 
-def shard_of_job(job: Job, shard: int | None) -> tuple[int, int]:
-    """(n_shards, this aggregator's index) for ``job``, checked as the Python aggregator's
-    JobState checks them: a sharded job needs a shard index inside its map."""
-    if not job.shards:
-        return 1, 0
-    if shard is None:
-        raise ConfigError(f"job {job.job_id} is spread over {job.n_shards} aggregator shards; "
-                          f"run this aggregator as one of them (--shard 0..{job.n_shards - 1})")
-    if not 0 <= shard < job.n_shards:
-        raise ConfigError(f"shard {shard} is not in job {job.job_id}'s shard map "
-                          f"(shards 0..{job.n_shards - 1})")
-    return job.n_shards, shard
-
-
-def ipv4_int(ip: str) -> int | None:
-    """The address as a 32-bit integer if ``ip`` is a dotted-quad literal as a received
-    packet's source reads, else None (the Python aggregator compares address strings, so
-    such a worker never matches)."""
-    try:
-        packed = socket.inet_aton(ip)
-    except OSError:
-        return None
-    if socket.inet_ntoa(packed) != ip:
-        return None
-    return struct.unpack("!I", packed)[0]
-
-
-def ipv4_str(value: int) -> str:
-    return socket.inet_ntoa(struct.pack("!I", value))
-
-
-class FastAggregator:
+class FastAggregator(UDPServer):
     """Same interface as :class:`host.net.aggregator.Aggregator` (no impairment injection);
     ``shard``: this aggregator's index in the shard map of the jobs that have one."""
 
@@ -129,9 +65,6 @@ class FastAggregator:
             P.SEQ_RESET, P.RUN_JUMP, float(run_idle), self.echo, gso)
         self._jobs: dict[int, Job] = {}
         self._lock = threading.Lock()
-        self._sock: socket.socket | None = None
-        self._thread: threading.Thread | None = None
-        self._error: OSError | None = None
         self.send_errors = 0
         self._epochs: dict[int, int] = {}
         for job in jobs:
@@ -145,7 +78,7 @@ class FastAggregator:
         job.validate()
         if (why := unsupported([job])) is not None:
             raise RuntimeError(why)
-        n_shards, shard = shard_of_job(job, self.shard)
+        n_shards, shard = job.aggregator_shard(self.shard)
         addrs = [(ipv4_int(w.ip), w.port) for w in sorted(job.workers, key=lambda w: w.id)]
         with self._lock:
             self._dp.install(job.job_id, job.n_workers, job.pool_size, job.lanes, job.sum_bits,
@@ -190,19 +123,7 @@ class FastAggregator:
         return [(data, (ipv4_str(dip), dport)) for data, dip, dport in self._dp.handle(*args)]
 
     # -- UDP server ------------------------------------------------------------------
-    def bind(self, host: str = "127.0.0.1", port: int = P.UDP_PORT) -> tuple[str, int]:
-        sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 8 << 20)
-        sock.bind((host, port))
-        self._sock = sock
-        return sock.getsockname()
-
-    @property
-    def address(self) -> tuple[str, int]:
-        if self._sock is None:
-            raise RuntimeError("aggregator is not bound")
-        return self._sock.getsockname()
+    thread_name = "thc-fastagg"
 
     def serve(self, duration: float | None = None) -> None:
         """Receive and answer until ``stop()`` (or ``duration`` seconds), without the GIL."""
@@ -210,41 +131,11 @@ class FastAggregator:
             raise RuntimeError("call bind() first")
         self._dp.serve(self._sock.fileno(), -1.0 if duration is None else float(duration))
 
-    def _serve_thread(self) -> None:
-        try:
-            self.serve()
-        except OSError as e:  # the socket failed: `thc aggregator` reports it and exits
-            self._error = e
-
-    @property
-    def error(self) -> OSError | None:
-        """What ended the serving thread early, if anything did."""
-        return self._error
-
-    def start(self, host: str = "127.0.0.1", port: int = 0) -> tuple[str, int]:
-        """Bind and serve in a background thread (tests, embedded use)."""
-        addr = self.bind(host, port)
+    def _clear_stop(self) -> None:
         self._dp.clear_stop()
-        self._error = None
-        self._thread = threading.Thread(target=self._serve_thread, name="thc-fastagg",
-                                        daemon=True)
-        self._thread.start()
-        return addr
 
-    def stop(self) -> None:
+    def _set_stop(self) -> None:
         self._dp.stop()
-        if self._thread is not None:
-            self._thread.join(timeout=5)
-            self._thread = None
-        if self._sock is not None:
-            self._sock.close()
-            self._sock = None
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.stop()
 
 
 class FastEcho(FastAggregator):
@@ -258,22 +149,3 @@ class FastEcho(FastAggregator):
     def __init__(self, jobs=(), epoch=None, gso: bool = True):
         self.echoed = 0
         super().__init__(jobs, epoch, gso)
-
-
-def drive(socks: dict[int, socket.socket], aggregator: tuple[str, int], job: Job, run: int,
-          chunks: int, window: int, payloads: dict[int, bytes], rto: float = 0.1,
-          deadline: float = 120.0) -> dict:
-    """Play some of ``job``'s workers from compiled code (a load generator for benchmarks):
-    worker ``w`` streams ``chunks`` DATA chunks of ``payloads[w]`` from ``socks[w]`` with
-    ``window`` in flight, resending its outstanding chunks after ``rto`` seconds without a
-    result."""
-    if UNAVAILABLE is not None:
-        raise RuntimeError(UNAVAILABLE)
-    ip = ipv4_int(aggregator[0])
-    if ip is None:
-        raise ValueError(f"the load generator takes an IPv4 aggregator, got {aggregator[0]!r}")
-    seconds, results, sent, retransmitted, complete = _fastagg.drive(
-        [(s.fileno(), w) for w, s in socks.items()], ip, aggregator[1], job.job_id,
-        job.pool_size, job.lanes, run, chunks, window, [payloads[w] for w in socks], TYPE_CODES, rto, deadline)
-    return {"seconds": seconds, "results": results, "sent": sent,
-            "retransmitted": retransmitted, "complete": complete}

@@ -133,6 +133,20 @@ class Job:
         """Aggregators the job's chunks are spread over (1 when it has no shard map)."""
         return len(self.shards) or 1
 
+    def aggregator_shard(self, shard: int | None) -> tuple[int, int]:
+        """(n_shards, index) of the aggregator run as ``shard``: a sharded job needs a shard
+        index inside its map; a job without one has a single aggregator."""
+        if not self.shards:
+            return 1, 0
+        if shard is None:
+            raise ConfigError(f"job {self.job_id} is spread over {self.n_shards} aggregator "
+                              f"shards; run this aggregator as one of them "
+                              f"(--shard 0..{self.n_shards - 1})")
+        if not 0 <= shard < self.n_shards:
+            raise ConfigError(f"shard {shard} is not in job {self.job_id}'s shard map "
+                              f"(shards 0..{self.n_shards - 1})")
+        return self.n_shards, shard
+
     def shard_of(self, seq: int) -> int:
         """Index in the shard map of the aggregator that owns chunk ``seq`` (32-bit)."""
         return seq % self.n_shards

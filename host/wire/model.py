@@ -23,7 +23,7 @@ from collections import Counter
 import numpy as np
 
 from host.wire import protocol as P
-from host.wire.jobs import ConfigError, Job
+from host.wire.jobs import Job
 
 HEADER_BYTES = P.HEADER_BYTES
 unpack_header = P.HEADER_STRUCT.unpack_from
@@ -61,13 +61,7 @@ class JobState:
 
     def __init__(self, job: Job, shard: int | None, epoch: int):
         self.job = job.validate()
-        if job.shards and shard is None:
-            raise ConfigError(f"job {job.job_id} is spread over {job.n_shards} aggregator shards; "
-                              f"run this aggregator as one of them (--shard 0..{job.n_shards - 1})")
-        if shard is not None and not 0 <= shard < job.n_shards:
-            raise ConfigError(f"shard {shard} is not in job {job.job_id}'s shard map "
-                              f"(shards 0..{job.n_shards - 1})")
-        self.n_shards, self.shard = job.n_shards, shard or 0
+        self.n_shards, self.shard = job.aggregator_shard(shard)
         self.epoch = P.check_run(epoch)
         lut = np.asarray(job.table, dtype=P.sum_dtype(job.sum_bits))
         # One fancy-index maps a packed byte to its two lanes' table values.

@@ -25,6 +25,8 @@ INDEX_BITS: int = SPEC["index_bits"]
 SUM_WIDTHS: tuple[int, ...] = tuple(sorted(SPEC["sum_bits"]))
 """Allowed widths of a job's sums (bits); a job takes the narrowest its sums fit."""
 MAX_LANES: int = SPEC["max_lanes"]
+GROUP_LANES: int = SPEC["group_lanes"]
+"""Lanes of one switch lane group (its own lookup tables and sum registers)."""
 MAX_WORKERS: int = SPEC["max_workers"]
 MAX_JOBS: int = SPEC["max_jobs"]
 SWITCH_SLOTS: int = SPEC["switch_slots"]
@@ -223,9 +225,13 @@ def run_from_env(environ=None) -> int | None:
     return run or 1
 
 
-def new_epoch() -> int:
-    """A nonzero random 32-bit epoch: a fresh one per aggregator start (or switch install)."""
-    return secrets.randbelow(SEQ_MOD - 1) + 1
+def new_epoch(previous: int | None = None) -> int:
+    """A nonzero random 32-bit epoch, unlike ``previous``: a fresh one per aggregator start
+    (or switch install), so that a client sees its job's slot state was installed anew."""
+    while True:
+        epoch = secrets.randbelow(SEQ_MOD - 1) + 1
+        if epoch != previous:
+            return epoch
 
 
 def encode(hdr: Header, payload: bytes | np.ndarray = b"") -> bytes:

@@ -36,13 +36,13 @@ from thcnet.base import (
     REPO_ROOT,
     THC_BASE_PORT,
     Testbed,
-    TestbedError,
     bmv2_unavailable_reason,
     make_job,
     say_once,
     worker_ip,
     worker_mac,
 )
+from thcnet.errors import TestbedError
 from thcnet.cleanup import Registry, signals_deferred, signals_raise, switch_name, undo
 
 

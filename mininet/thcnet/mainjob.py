@@ -28,10 +28,11 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from host.app.argtypes import positive_int
-from host.app.datasets import FASHION_DIR
+from host.app.datasets import fashion_dir
 from host.wire.jobs import loss_bound_arg
 from host.wire.protocol import MAX_SOFTWARE_LANES
 from thcnet.base import worker_ip
+from thcnet.mainreport import dlcp_ratios, plot, step_losses, summarize
 from thcnet.procs import WorkerError
 from thcnet.testbed import bmv2_unavailable_reason, mininet_unavailable_reason, open_testbed
 
@@ -198,12 +199,6 @@ def _rows(stdout: str) -> tuple[dict, list[dict]]:
     return info, rows
 
 
-def step_losses(run: dict) -> list[float]:
-    """Every training step's loss of a mode, from its evaluation rows (each row carries the
-    steps since the row before)."""
-    return [x for row in run["history"] for x in row.get("step_losses", [])]
-
-
 def _run_mode(name: str, args, progress) -> dict:
     mode = MODES[name]
     lanes = args.software_lanes if mode.aggregator in ("software", "sharded") else None
@@ -310,105 +305,6 @@ def _agg_bytes(tb):
     return fn() if fn else None
 
 
-def time_to(history: list[dict], target: float) -> float | None:
-    """Training seconds at the first evaluation reaching ``target`` (None: never)."""
-    return next((r["seconds"] for r in history if r["accuracy"] >= target), None)
-
-
-def summarize(runs: list[dict], fixed: float) -> dict:
-    """Time-to-accuracy table against FP32, and the verdict."""
-    base = next((r for r in runs if r["mode"] == "fp32"), None)
-    target = base["final_accuracy"] - 0.01 if base else None
-    rows = []
-    for r in runs:
-        row = {"mode": r["mode"], "final_accuracy": r["final_accuracy"],
-               "train_seconds": r["train_seconds"], "wire_mb": r["wire_bytes"] / 1e6,
-               "epochs_done": r["epochs_done"], "stopped": r["stopped"],
-               "tta_fixed": time_to(r["history"], fixed)}
-        if base:
-            row["tta_fp32_minus_1pt"] = time_to(r["history"], target)
-        rows.append(row)
-    verdict = "no FP32 run: no comparison"
-    if base:
-        b = time_to(base["history"], target)
-        for row in rows:
-            t = row["tta_fp32_minus_1pt"]
-            row["speedup"] = (b / t) if (b and t) else None
-            row["accuracy_vs_fp32_pp"] = 100 * (row["final_accuracy"] - base["final_accuracy"])
-        fair = [row for row in rows if row["tta_fp32_minus_1pt"] is not None
-                and row["accuracy_vs_fp32_pp"] >= -1.0 and not row["stopped"]]
-        if fair:
-            win = min(fair, key=lambda row: row["tta_fp32_minus_1pt"])
-            verdict = (f"{win['mode']} won: it reached {target:.4f} (FP32's final accuracy "
-                       f"minus 1 point) in {win['tta_fp32_minus_1pt']:.1f} s of training, "
-                       f"{win['speedup']:.2f}x sooner than FP32 ({b:.1f} s), and ended at "
-                       f"{win['final_accuracy']:.4f} ({win['accuracy_vs_fp32_pp']:+.2f} pp "
-                       f"against FP32)")
-        else:
-            verdict = "no mode reached FP32's final accuracy minus 1 point"
-    return {"target_fp32_minus_1pt": target, "target_fixed": fixed, "rows": rows,
-            "verdict": verdict}
-
-
-def dlcp_ratios(runs: list[dict]) -> list[dict]:
-    """Each DLCP mode's seconds per step (a step: the rounds of every bucket) against the
-    retransmit-everything baseline of the same run (``thc-central``, else ``thc``), and its
-    accuracy at the last evaluation both reached (same step count)."""
-    base = next((r for m in ("thc-central", "thc") for r in runs if r["mode"] == m), None)
-    if base is None:
-        return []
-
-    def per_step(r):
-        return r["history"][-1]["seconds"] / max(1, r["history"][-1]["steps"])
-
-    out = []
-    for r in runs:
-        if not r.get("loss_bound"):
-            continue
-        steps = {h["steps"]: h for h in base["history"]}
-        common = [h for h in r["history"] if h["steps"] in steps]
-        row = {"mode": r["mode"], "baseline": base["mode"], "step_seconds": per_step(r),
-               "baseline_step_seconds": per_step(base),
-               "speedup": per_step(base) / per_step(r) if per_step(r) else None,
-               "short_chunks": r.get("short_chunks")}
-        if common:
-            h = common[-1]
-            row.update(at_step=h["steps"], accuracy=h["accuracy"],
-                       baseline_accuracy=steps[h["steps"]]["accuracy"])
-        out.append(row)
-    return out
-
-
-def _plot(runs: list[dict], path: Path, title: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax_t, ax_b) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for r in runs:
-        h = r["history"]
-        label = r["mode"] + (f" (stopped at epoch {r['epochs_done']:.2f})" if r["stopped"]
-                             else f" ({r['final_accuracy']:.3f})")
-        scale = r["wire_bytes"] / max(1, h[-1]["steps"]) / 1e6
-        ax_t.plot([x["seconds"] for x in h], [x["accuracy"] for x in h], marker="o",
-                  label=label)
-        ax_b.plot([x["steps"] * scale for x in h], [x["accuracy"] for x in h], marker="o",
-                  label=label)
-    ax_t.set_xlabel("training time (s)")
-    times = [x["seconds"] for r in runs for x in r["history"] if x["seconds"] > 0]
-    if times and max(times) > 10 * min(times):
-        ax_t.set_xscale("log")  # BMv2's modes take tens of times longer than the others
-    ax_b.set_xlabel("MB on worker links, both directions")
-    ax_b.set_xscale("log")
-    for ax in (ax_t, ax_b):
-        ax.set_ylabel("test accuracy")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-
-
 def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
@@ -419,8 +315,8 @@ def run(args: argparse.Namespace) -> int:
     if unknown:
         print(f"thc run: unknown mode(s) {unknown}; choose from {list(MODES)}", file=sys.stderr)
         return 2
-    if args.data == "fashion-mnist" and not FASHION_DIR.is_dir():
-        print(f"thc run: Fashion-MNIST is not installed in {FASHION_DIR} (Debian package "
+    if args.data == "fashion-mnist" and not fashion_dir().is_dir():
+        print(f"thc run: Fashion-MNIST is not installed in {fashion_dir()} (Debian package "
               f"dataset-fashion-mnist, `make system-deps` as root): training on digits instead",
               flush=True)
         args.data = "digits"
@@ -513,6 +409,6 @@ def run(args: argparse.Namespace) -> int:
     (out / "mainjob.json").write_text(json.dumps(report, indent=2))
     title = (f"{dataset}, {args.workers} workers at {args.bw:g} Mbit/s "
              f"({runs[0]['params'] / 1e6:.1f}M parameters)" if runs else dataset)
-    _plot(runs, out / "mainjob.png", title)
+    plot(runs, out / "mainjob.png", title)
     print(f"\nwrote {out / 'mainjob.json'} and {out / 'mainjob.png'}")
     return 1 if failed else 0

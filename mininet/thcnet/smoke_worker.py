@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from host.codec.packing import pack_bits
-from host.net.aggregator import parse_hostport
+from host.net.addresses import parse_hostport
 from host.net.client import (AggregationClient, AggregationRefused, AggregationTimeout,
                              AggregatorRestarted)
 from host.net.impair import Impairment
@@ -185,15 +185,17 @@ def main(argv: list[str] | None = None) -> int:
                            timeout=args.rto, run=args.run, impair=impair, sock=sock,
                            loss_bound=args.loss_bound, **extra) as client:
         bounded = client.loss_bound > 0
+        last = None
         time.sleep(args.start_delay)
         t0 = time.perf_counter()
         try:
             for _ in range(args.rounds):
                 if args.until and rounds >= _stop_round(args.until):
                     break
-                sums = client.aggregate(packed)[: args.numel]
+                last = client.reduce(packed)
+                sums = last.sums[: args.numel]
                 if bounded:
-                    counts, bitmaps = client.last_counts, client.last_bitmaps
+                    counts, bitmaps = last.counts, last.bitmaps
                     want = bitmap_reference(job.table, job.n_workers, args.seed, args.numel,
                                             job.lanes, bitmaps)
                     mismatches += bitmap_mismatches(sums, want, counts, bitmaps, job.lanes)
@@ -209,28 +211,29 @@ def main(argv: list[str] | None = None) -> int:
                     "stats": vars(client.stats)}
             if isinstance(e, AggregationRefused):
                 line["reason"] = e.reason
-            print(json.dumps({**line, **_extras(args, sock, client)}), flush=True)
+            print(json.dumps({**line, **_extras(args, sock, client, last)}), flush=True)
             return 3
         seconds = time.perf_counter() - t0
         stats = vars(client.stats)
-        extras = _extras(args, sock, client)
+        extras = _extras(args, sock, client, last)
     print(json.dumps({"rank": args.rank, "seconds": seconds, "sha256": digest(sums),
                       "mismatches": mismatches, "numel": args.numel, "rounds": rounds,
                       "stats": stats, **extras}), flush=True)
     return 0 if mismatches == 0 else 1
 
 
-def _extras(args, sock, client) -> dict:
+def _extras(args, sock, client, last) -> dict:
     """What the fault options add to the JSON line (nothing without them)."""
     out = {}
     if args.out_of_step:
         out["out_of_step"] = sock.injected
     if client.loss_bound > 0:
         out["loss_bound"] = client.loss_bound
-        out["short_last_round"] = int(np.count_nonzero(client.last_counts
-                                                       < client.job.n_workers))
+        counts = last.counts if last else np.zeros(0, np.uint8)
+        bitmaps = last.bitmaps if last else np.zeros(0, np.uint32)
+        out["short_last_round"] = int(np.count_nonzero(counts < client.job.n_workers))
         out["bitmaps"] = {hex(int(b)): int(k) for b, k in
-                          zip(*np.unique(client.last_bitmaps, return_counts=True))}
+                          zip(*np.unique(bitmaps, return_counts=True))}
     return out
 
 

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from host.net.aggregator import parse_hostport
+from host.net.addresses import parse_hostport
 from host.wire import protocol as P
 from host.wire.jobs import Cluster
 

@@ -32,13 +32,12 @@ from thcnet.base import (
     AGGREGATORS,
     REPO_ROOT,
     Testbed,
-    TestbedError,
-    Unavailable,
     bmv2_unavailable_reason,
     make_job,
     mininet_unavailable_reason,
     say_once,
 )
+from thcnet.errors import TestbedError, Unavailable
 from thcnet.procs import WorkerError, WorkerResult
 
 __all__ = ["open_testbed", "Testbed", "LoopbackTestbed", "WorkerResult", "WorkerError",

@@ -84,11 +84,4 @@ const bit<32> THC_JC_RETRANSMISSIONS = 2;
 const bit<32> THC_JC_PENDING = 3;
 const bit<32> THC_JC_HELD = 4;
 
-// Tofino program (thc_tna.p4): words of four lanes in two passes
-#define THC_TNA_WORDS 40
-#define THC_TNA_PASS0_WORDS 24
-#define THC_TNA_HALF 20
-const bit<7> THC_TNA_RECIRC_PORT = 68;
-const bit<9> THC_TNA_CPU_PORT = 320;
-
 #endif

@@ -1,0 +1,167 @@
+"""What every codec backend shares: input checks, slice views, the scale factors and the key
+of the rounding draws. Kept below thc.py and the backends so that none of them imports back
+into the dispatcher."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from host.codec.hadamard import SliceLayout, is_torch
+from host.codec.params import THCParams
+
+GROUP_ELEMENTS = 1 << 20
+"""Elements per batch of slices (4 MiB of float32: stays in L2/L3 through the pipeline)."""
+
+WHOLE = 1 << 62
+"""A batch size no input reaches: one group per run of equal slices (the kernels' batching)."""
+
+
+def layout(numel: int, params: THCParams) -> SliceLayout:
+    return SliceLayout(int(numel), params.slice_size)
+
+
+def flat(x, what: str = "x"):
+    """x as a flat float32 vector of its own backend (a view when possible)."""
+    if is_torch(x):
+        import torch
+        if not (x.is_floating_point() or x.dtype in (torch.int8, torch.int16, torch.int32,
+                                                      torch.int64, torch.uint8)):
+            raise TypeError(f"{what} must be a real tensor, got {x.dtype}")
+        f = x.detach().reshape(-1)
+        return f if f.dtype == torch.float32 else f.float()
+    a = np.asarray(x)
+    if a.dtype.kind not in "fiu":
+        raise TypeError(f"{what} must be a real array, got dtype {a.dtype}")
+    return a.reshape(-1).astype(np.float32, copy=False)
+
+
+def same_place(a, b) -> bool:
+    """Devices equal, reading an index-less "cuda" as any CUDA device."""
+    return a.type == b.type and (a.index is None or b.index is None or a.index == b.index)
+
+
+def same_device(what: str, t, x) -> None:
+    if is_torch(t) and is_torch(x) and not same_place(t.device, x.device):
+        raise ValueError(f"{what} is on {t.device} but the input is on {x.device}: move one "
+                         f"of them (THC never copies them across devices behind your back)")
+
+
+def rounding_key(generator, flat) -> int:
+    """The 64-bit counter key of the compiled codec's and the kernels' rounding draws: an int
+    generator as given (the reference path's draws), else one draw from the generator (numpy's
+    or torch's, fresh entropy for None)."""
+    if isinstance(generator, (int, np.integer)):
+        return int(generator)
+    if isinstance(generator, np.random.Generator):
+        return int(generator.integers(0, 1 << 62))
+    if generator is None and not is_torch(flat):
+        return int(np.random.default_rng().integers(0, 1 << 62))
+    import torch
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be an int, a numpy or torch Generator or None, got "
+                        f"{type(generator).__name__}")
+    if not is_torch(flat) and generator is not None:
+        raise TypeError("numpy inputs need a numpy Generator (or an int seed, or None)")
+    check_generator(generator, flat)
+    if generator is None:
+        return int(torch.randint(0, 1 << 62, (1,)).item())
+    return int(torch.randint(0, 1 << 62, (1,), generator=generator,
+                             device=generator.device).item())
+
+
+def check_generator(generator, flat) -> None:
+    """A torch generator must live where the input does."""
+    import torch
+    if isinstance(generator, torch.Generator) and not same_place(generator.device,
+                                                                 flat.device):
+        raise ValueError(f"the torch generator is on {generator.device} but the input is "
+                         f"on {flat.device}: use a generator of the input's device")
+
+
+def norm_array(max_norms, n_slices: int) -> np.ndarray:
+    """The agreed max norms on the host as float64, checked."""
+    m = max_norms.detach().cpu().numpy() if is_torch(max_norms) else np.asarray(max_norms)
+    m = np.asarray(m, dtype=np.float64).reshape(-1)
+    if m.size != n_slices:
+        raise ValueError(f"expected {n_slices} max norms (one per slice), got {m.size}")
+    if not np.all(np.isfinite(m)) or np.any(m < 0):
+        raise ValueError(f"max norms must be finite and >= 0, got {m}")
+    return m
+
+
+def encode_coef(m: np.ndarray, params: THCParams) -> np.ndarray:
+    """c = g / (2 t M) per slice: maps H D x (unnormalized H) straight onto u - g/2; the
+    sqrt(d) of the scale cancels the 1/sqrt(d) of the normalized transform."""
+    g, t = params.granularity, params.t_p
+    return np.where(m > 0, g / (2.0 * t * np.where(m > 0, m, 1.0)), 0.0)
+
+
+def raise_bad_norms(m) -> None:
+    raise ValueError(f"max norms must be finite and >= 0, got {m.detach().cpu().numpy()}")
+
+
+def view(flat, group):
+    """The group's slices as a (count, length) view of the flat tensor."""
+    n = group.count * group.length
+    return flat[group.start: group.start + n].reshape(group.count, group.length)
+
+
+def check_finite(first_coords, grp) -> None:
+    """Every rotated coordinate depends on every input one, so a NaN/Inf anywhere in a slice
+    shows up in its first rotated coordinate: checking those is O(slices), not O(d)."""
+    if is_torch(first_coords):
+        import torch
+        ok = bool(torch.isfinite(first_coords).all())
+    else:
+        ok = bool(np.all(np.isfinite(first_coords)))
+    if not ok:
+        raise ValueError(f"input contains NaN or Inf (or values so large that the rotation "
+                         f"overflows float32) in slices {grp.first}..{grp.first + grp.count - 1}")
+
+
+def check_indices(i, params: THCParams) -> None:
+    if i.numel() if is_torch(i) else i.size:
+        if int(i.max()) >= params.levels:
+            raise ValueError(f"index {int(i.max())} outside the {params.levels}-entry table")
+
+
+_TORCH_TABLES: dict = {}
+
+
+def torch_table(params: THCParams, device):
+    """The table as a tensor on ``device`` (uint8 when g <= 255, else int32), cached."""
+    import torch
+    dt = np.uint8 if params.granularity <= 255 else np.int32
+    key = (tuple(params.table), device)
+    t = _TORCH_TABLES.get(key)
+    if t is None:
+        t = _TORCH_TABLES[key] = torch.from_numpy(params.table.astype(dt)).to(device)
+    return t
+
+
+def accumulator_dtype(n_workers: int, params: THCParams, torch_backend: bool = False):
+    """Integer type wide enough for the sum of n workers' table values (at most n*g)."""
+    top = int(n_workers) * params.granularity
+    if torch_backend:
+        import torch
+        return torch.int32 if top < 2 ** 31 else torch.int64
+    return np.uint16 if top <= 0xFFFF else np.int64
+
+
+def check_norms_finite(norms) -> None:
+    if not (bool(norms.isfinite().all()) if is_torch(norms) else np.all(np.isfinite(norms))):
+        raise ValueError("input contains NaN or Inf (or overflows float32 in its norm)")
+
+
+@dataclass
+class Prepared:
+    """A tensor after the part of encoding that needs no max norms: its slice norms (for the
+    MAX round) and, on the kernels, the signed row-transformed scratch of encode pass 1, so
+    that norms + encode read x once and the scratch once (two passes) instead of three."""
+
+    flat: object
+    round: int
+    norms: object
+    scratch: dict = field(default_factory=dict)   # first slice of a group -> its scratch
+    backend: str = "auto"

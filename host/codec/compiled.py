@@ -1,0 +1,81 @@
+"""The compiled CPU backend: thc.py's operations on host/codec/fastcodec.py's C code, one
+call for all slices. Slice norms of tensors keep torch's norm (the reference's)."""
+from __future__ import annotations
+
+import numpy as np
+
+from host.codec import fastcodec, reference
+from host.codec.common import Prepared, check_norms_finite, encode_coef, norm_array, \
+    rounding_key
+from host.codec.hadamard import is_torch
+from host.codec.packing import pack_bits
+from host.codec.params import THCParams
+
+NAME = "compiled"
+
+
+def norms(flat, params: THCParams, lay):
+    """numpy arrays: sums of squares in C (in float64, as the reference's)."""
+    if is_torch(flat):
+        return reference.norms(flat, params, lay)
+    out = np.sqrt(fastcodec.sumsq(np.ascontiguousarray(flat), params.slice_size)) \
+        .astype(np.float32)
+    check_norms_finite(out)
+    return out
+
+
+def prepare(flat, params: THCParams, lay, round: int, backend: str) -> Prepared:
+    return Prepared(flat, round, norms(flat, params, lay), {}, backend)
+
+
+def encode(flat, lay, max_norms, params: THCParams, round: int, generator, pack: bool,
+           scratch=None):
+    m = norm_array(max_norms, lay.n_slices)
+    coef = encode_coef(m, params).astype(np.float32)
+    key = rounding_key(generator, flat)
+    # the C code packs whole bytes per slice: 4-bit indices, slices of even length
+    packed = pack and params.bits == 4 and (params.slice_size % 2 == 0 or lay.n_slices <= 1)
+    out, first = fastcodec.encode(fastcodec.as_numpy(flat), params.slice_size, coef,
+                                  params.seed, round, key, params.table, packed)
+    bad = np.flatnonzero(~np.isfinite(first))
+    if bad.size:
+        raise ValueError(f"input contains NaN or Inf (or values so large that the rotation "
+                         f"overflows float32) in slices {bad[0]}..{bad[-1]}")
+    if pack and not packed:
+        out = pack_bits(out, params.bits)
+    if is_torch(flat):
+        import torch
+        return torch.from_numpy(out)
+    return out
+
+
+def decode(sums, n: int, max_norms, lay, params: THCParams, round: int, out,
+           own_table=None):
+    """With ``own_table`` the sums are one worker's indices, mapped through the table on the
+    fly."""
+    indices = own_table is not None
+    m = norm_array(max_norms, lay.n_slices)
+    g, t = params.granularity, params.t_p
+    d = np.full(lay.n_slices, float(params.slice_size))
+    if lay.tail:
+        d[-1] = lay.tail_padded
+    alpha = (2.0 * t * m / (g * d * n)).astype(np.float32)
+    s = fastcodec.as_numpy(sums)
+    if indices:
+        s, kind = np.ascontiguousarray(s, np.uint8), "index"
+    else:
+        s, kind = fastcodec.sums_kind(s)
+    dst = fastcodec.as_numpy(out) if is_torch(out) else out
+    direct = dst.flags.c_contiguous and dst.flags.writeable and \
+        (not is_torch(out) or dst.ctypes.data == out.data_ptr())
+    if not direct:
+        dst = np.empty(lay.numel, np.float32)
+    fastcodec.decode(s, kind, lay.numel, params.slice_size, alpha, n * g / 2.0, params.seed,
+                     round, dst, params.table if indices else None)
+    if not direct:
+        if is_torch(out):
+            import torch
+            out.copy_(torch.from_numpy(dst))
+        else:
+            out[...] = dst
+    return out

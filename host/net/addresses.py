@@ -1,0 +1,30 @@
+"""Addresses as the command line and the compiled datapath write them: ``HOST:PORT`` text,
+and IPv4 literals as 32-bit integers."""
+from __future__ import annotations
+
+import socket
+import struct
+
+
+def parse_hostport(text: str) -> tuple[str, int]:
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"expected HOST:PORT, got {text!r}")
+    return host or "0.0.0.0", int(port)
+
+
+def ipv4_int(ip: str) -> int | None:
+    """The address as a 32-bit integer if ``ip`` is a dotted-quad literal as a received
+    packet's source reads, else None (the Python aggregator compares address strings, so
+    such a worker never matches)."""
+    try:
+        packed = socket.inet_aton(ip)
+    except OSError:
+        return None
+    if socket.inet_ntoa(packed) != ip:
+        return None
+    return struct.unpack("!I", packed)[0]
+
+
+def ipv4_str(value: int) -> str:
+    return socket.inet_ntoa(struct.pack("!I", value))

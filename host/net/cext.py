@@ -1,0 +1,28 @@
+"""The compiled datapath extension (``_fastagg``, built by ``pip install`` where a compiler
+exists), loaded once and checked against protocol.json; :data:`UNAVAILABLE` says why it
+cannot run here (None when it can). The aggregator, the client window and the load generator
+wrap it."""
+from __future__ import annotations
+
+from host.wire import protocol as P
+
+try:
+    from host.net import _fastagg
+except ImportError as e:
+    _fastagg = None
+    UNAVAILABLE: str | None = (f"the compiled datapath is not built ({e}); "
+                               f"`pip install -e .` with a C compiler builds it")
+else:
+    if tuple(tuple(f) for f in _fastagg.HEADER_LAYOUT) != tuple(map(tuple, P.HEADER_FIELDS)):
+        UNAVAILABLE = "the compiled datapath was built for another header layout: rebuild it"
+    elif (set(_fastagg.REASONS) != set(P.DropReason.__members__)
+          or set(_fastagg.COUNTERS) != set(P.JOB_COUNTERS)):
+        UNAVAILABLE = ("the compiled datapath names other drop reasons or counters than "
+                       "protocol.json: rebuild it")
+    else:
+        UNAVAILABLE = None
+
+TYPE_CODES = tuple(int(P.PktType[t]) for t in
+                   ("DATA", "MAX", "RESULT", "MAX_RESULT", "PENDING", "RESET", "FLUSH",
+                    "REFUSED"))
+"""The packet type codes, from protocol.json, in the order the extension takes them."""

@@ -1,0 +1,101 @@
+"""The client's sliding window in C (``_fastagg.stream``): recvmmsg/sendmmsg batches without
+the GIL, the same validation, retransmission rules (passed from host/net/window.py) and
+estimator as the Python window, for the common case (no impairment, bounded loss or DSCP
+marks). Where the extension is missing or older, :data:`CLIENT_UNAVAILABLE` says why."""
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+
+import numpy as np
+
+from host.net.addresses import ipv4_int
+from host.net.cext import UNAVAILABLE, _fastagg
+from host.net.outcomes import AggregatorRestarted
+from host.net.window import (FAST_BACKOFF_CAP, FAST_RETRANSMIT_AFTER, Endpoint, Round,
+                             raise_refused, raise_timeout)
+from host.wire import protocol as P
+
+CLIENT_UNAVAILABLE: str | None = UNAVAILABLE or (
+    None if hasattr(_fastagg, "stream")
+    else "the compiled datapath predates the client window: rebuild it")
+"""Why the client's compiled window cannot run here; None when it can."""
+
+CLIENT_MAX_DATAGRAM = getattr(_fastagg, "CLIENT_MAX_DATAGRAM", 0)
+
+STREAM_DONE, STREAM_RESTARTED, STREAM_TIMEOUT, STREAM_OSERROR, STREAM_REFUSED = range(5)
+"""The events the compiled window returns with."""
+
+
+@dataclass
+class Streamed:
+    """What the C window returns: the event it ended with and its detail, its counters, and
+    the estimator's state per shard."""
+
+    event: int
+    info: object
+    sent: int
+    retransmitted: int
+    received: int
+    ignored: int
+    other_run: int
+    pending: int
+    bytes_sent: int
+    bytes_received: int
+    short: int
+    srtt: list
+    rttvar: list
+
+
+def stream(end: Endpoint, rnd: Round, chunks: np.ndarray) -> Streamed:
+    """One call of the C window with the round's header fields by name."""
+    job = end.job
+    other = P.PktType.MAX_RESULT if rnd.result_type == P.PktType.RESULT else P.PktType.RESULT
+    header = (int(rnd.pkt_type), int(rnd.result_type), int(P.PktType.PENDING), int(other),
+              int(rnd.is_data), end.worker_id, job.job_id, job.pool_size, rnd.run, rnd.base,
+              rnd.offset_base % P.SEQ_MOD, rnd.lanes, job.n_workers, int(P.PktType.REFUSED),
+              job.granularity, end.incarnation)
+    aggs = [(ipv4_int(ip), port) for ip, port in end.aggregators]
+    timing = (end.timeout, end.max_timeout, end.deadline, FAST_RETRANSMIT_AFTER,
+              FAST_BACKOFF_CAP)
+    event, info, st, srtt, rttvar = _fastagg.stream(
+        end.sock.fileno(), header, chunks, chunks.shape[1], aggs, end.epochs, end.window,
+        timing, list(end.rtt.srtt), list(end.rtt.rttvar), rnd.out, rnd.out.itemsize,
+        rnd.expect_payload(job), rnd.counts, rnd.bitmaps, end.gso)
+    return Streamed(event, info, *st, srtt, rttvar)
+
+
+class CompiledWindow:
+    name = "compiled"
+
+    def fits(self, end: Endpoint, rnd: Round) -> bool:
+        """No impairment, bounded loss or DSCP marks; IPv4 literal addresses, a datagram it
+        has room for, an IPv4 socket."""
+        return (CLIENT_UNAVAILABLE is None and rnd.tos is None and not end.impair.active
+                and not (rnd.is_data and end.loss_bound > 0)
+                and end.sock.family == socket.AF_INET
+                and all(ipv4_int(ip) is not None for ip, _ in end.aggregators)
+                and P.HEADER_BYTES + rnd.chunks.shape[1] <= CLIENT_MAX_DATAGRAM)
+
+    def run(self, end: Endpoint, rnd: Round) -> None:
+        """The C window's events become the client's exceptions, its counters the client's
+        stats."""
+        s = end.stats
+        s.compiled_rounds += 1
+        r = stream(end, rnd, np.ascontiguousarray(rnd.chunks, dtype=np.uint8))
+        for name in ("sent", "retransmitted", "received", "ignored", "other_run", "pending",
+                     "bytes_sent", "bytes_received", "short"):
+            setattr(s, name, getattr(s, name) + getattr(r, name))
+        end.rtt.srtt, end.rtt.rttvar = r.srtt, r.rttvar
+        if r.event == STREAM_RESTARTED:
+            shard, old, new = r.info
+            raise AggregatorRestarted(end.aggregators[shard], rnd.run, old, new,
+                                      shard if len(end.aggregators) > 1 else None)
+        if r.event == STREAM_TIMEOUT:
+            i, bitmap, silent = r.info
+            raise_timeout(end, rnd, i, bitmap, silent)
+        if r.event == STREAM_OSERROR:
+            raise OSError(r.info, os.strerror(r.info))
+        if r.event == STREAM_REFUSED:
+            raise_refused(end, rnd, *r.info)

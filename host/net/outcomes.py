@@ -1,0 +1,105 @@
+"""What a round of the aggregation client ends with: its result, its counters, and the
+failures it raises. Below the client and its windows, which all use them."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from host.wire import protocol as P
+
+
+@dataclass
+class AggregationResult:
+    """One round's outcome: per lane its sum (or max), per chunk how many workers were counted
+    and which (a chunk closed short by DLCP's bounded loss counts fewer than all), and the
+    datapath that ran the round ("compiled" or "python")."""
+
+    sums: np.ndarray
+    counts: np.ndarray
+    bitmaps: np.ndarray
+    datapath: str
+
+    def short(self, n_workers: int) -> bool:
+        """Whether some chunk closed with fewer than ``n_workers``."""
+        return bool(self.counts.size) and int(self.counts.min()) < n_workers
+
+
+class AggregatorRestarted(ConnectionError):
+    """The aggregator's epoch changed within a run: it restarted, or the job was installed
+    again, and the run's in-flight chunks are lost.
+
+    Start a new run (new run id, sequence numbers from 0): it starts on clean slots."""
+
+    def __init__(self, aggregator: tuple[str, int], run: int, old_epoch: int, new_epoch: int,
+                 shard: int | None = None):
+        who = "the aggregator" if shard is None else f"aggregator shard {shard}"
+        super().__init__(f"{who} at {aggregator[0]}:{aggregator[1]} restarted or re-installed "
+                         f"the job during run {run}: its epoch changed from {old_epoch:#010x} "
+                         f"to {new_epoch:#010x}, so the run's in-flight chunks are lost; start "
+                         f"a new run")
+        self.aggregator = aggregator
+        self.shard = shard
+        self.run = run
+        self.old_epoch = old_epoch
+        self.new_epoch = new_epoch
+
+
+class AggregationTimeout(TimeoutError):
+    """A chunk did not complete in time; ``missing`` names the workers that never contributed."""
+
+    def __init__(self, msg: str, missing: list[int] | None):
+        super().__init__(msg)
+        self.missing = missing
+
+
+class AggregationRefused(RuntimeError):
+    """The aggregator refused a chunk of this run (a REFUSED reply): ``reason`` is the drop
+    reason (protocol.json), ``detail`` what the aggregator holds instead (stale_run: the
+    job's run; stale: the slot's newer seq; wrong_use: the use's packet type)."""
+
+    HINTS = {
+        "stale_run": "the job belongs to another run ({detail}) that is active: a run takes "
+                     "an active job over only with an id newer by at most {jump} (the "
+                     "default clock id of a later launch), any run once the job has been "
+                     "idle for {idle} s; restarted workers need a new run id",
+        "stale": "the slot already holds a newer chunk (seq {detail}) of this run: a worker "
+                 "of the run is out of step (restarted with the same run id?)",
+        "wrong_use": "the chunk's slot is in use by another kind of round or another offset "
+                     "(packet type {detail}): the workers of this run are out of step",
+        "wrong_slot": "the packet named a slot or version that is not its sequence number's",
+        "reused_run": "another incarnation of this worker (nonce {detail:#010x}) already sent "
+                      "chunks under this run id: restarted workers need a new run id (a "
+                      "launcher must set a fresh THC_RUN at every launch and restart)",
+    }
+
+    def __init__(self, where: str, reason: str, detail: int):
+        hint = self.HINTS.get(reason, "").format(detail=detail, jump=P.RUN_JUMP,
+                                                 idle=P.RUN_IDLE_S)
+        super().__init__(f"{where}: refused by the aggregator ({reason}): {hint}")
+        self.reason = reason
+        self.detail = detail
+
+
+class RunFailed(RuntimeError):
+    """An earlier round of this run failed, so its sequence numbers are spoilt: the slots may
+    hold that round's sums or this worker's old contribution, and a retry would be answered
+    from them. Start a new run (``client.run = ...``, a newer id, the same on every worker)."""
+
+
+@dataclass
+class TransportStats:
+    sent: int = 0
+    retransmitted: int = 0
+    received: int = 0
+    ignored: int = 0
+    other_run: int = 0
+    pending: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    flushed: int = 0
+    """FLUSH packets sent (chunks this worker asked to close short; repeats included)."""
+    short: int = 0
+    """Chunks that ended with fewer than all workers (whoever closed them)."""
+    compiled_rounds: int = 0
+    """Rounds (aggregate/max calls) the compiled datapath ran; the others ran in Python."""

@@ -1,0 +1,266 @@
+"""The sliding window in Python: the readable reference of the client's datapath, and the
+only one for impairments, DLCP's bounded loss and DSCP marks (see host/net/client.py for
+the rules it follows)."""
+from __future__ import annotations
+
+import math
+import select
+import socket
+import struct
+import time
+
+import numpy as np
+
+from host.net.outcomes import AggregatorRestarted
+from host.net.priority import FLUSH_CLASS, tos_of
+from host.net.window import (FAST_BACKOFF_CAP, FAST_RETRANSMIT_AFTER, Endpoint, Round,
+                             raise_refused, raise_timeout)
+from host.wire import protocol as P
+
+_TOS_CMSG: dict[int, list] = {}
+
+
+def _sender(end: Endpoint):
+    """send(data, dst, tos): counted, marked with ``tos`` in an IP_TOS control message (as
+    cheap as a plain sendto), through the impairment when one is active."""
+    stats, sock, impair = end.stats, end.sock, end.impair
+
+    def send(data: bytes, dst: tuple[str, int], tos: int = 0) -> None:
+        stats.sent += 1
+        stats.bytes_sent += len(data)
+        if tos:
+            cmsg = _TOS_CMSG.get(tos)
+            if cmsg is None:
+                cmsg = _TOS_CMSG[tos] = [(socket.IPPROTO_IP, socket.IP_TOS,
+                                          struct.pack("i", tos))]
+            out = lambda d, a: sock.sendmsg([d], cmsg, 0, a)  # noqa: E731
+        else:
+            out = sock.sendto
+        if impair.active:
+            impair.send(out, data, dst)
+        else:
+            out(data, dst)
+    return send
+
+
+class PythonWindow:
+    name = "python"
+
+    def fits(self, end: Endpoint, rnd: Round) -> bool:
+        return True
+
+    def run(self, end: Endpoint, rnd: Round) -> None:
+        job, me = end.job, end.worker_id
+        pkt_type, chunks, out, offset_base = rnd.pkt_type, rnd.chunks, rnd.out, rnd.offset_base
+        lanes, dtype, tos, counts, bitmaps = rnd.lanes, rnd.dtype, rnd.tos, rnd.counts, \
+            rnd.bitmaps
+        total = len(chunks)
+        run, base = rnd.run, rnd.base
+        pool = job.pool_size
+        aggs, epochs, n_shards = end.aggregators, end.epochs, len(end.aggregators)
+        expect_payload, result_type = rnd.expect_payload(job), rnd.result_type
+        send = _sender(end)
+        packets: dict[int, bytes] = {}
+        due: dict[int, float] = {}
+        backoff: dict[int, float] = {}
+        started: dict[int, float] = {}
+        resent: set[int] = set()    # retransmitted chunks: no RTT sample (Karn)
+        overtaken: set[int] = set()  # a lost packet, not a missing worker: no backoff
+        pending_bitmap: dict[int, int] = {}
+        later: dict[int, int] = {}
+        done = np.zeros(total, dtype=bool)
+        bounded = rnd.is_data and end.loss_bound > 0
+        budget = math.floor(end.loss_bound * total) if bounded else 0
+        short: set[int] = set()     # chunks flushed by this worker or ended short
+        flush_type, flush_tos = int(P.PktType.FLUSH), tos_of(FLUSH_CLASS) if tos else 0
+        lo = 0
+        hi = 0
+        buf = bytearray(4096)
+        sock = end.sock
+        jitter = end.impair.jitter
+        now = time.monotonic()
+        last_reply = now
+
+        pack, unpack = P.HEADER_STRUCT.pack, P.HEADER_STRUCT.unpack_from
+        job_id, n_workers, header_bytes = job.job_id, job.n_workers, P.HEADER_BYTES
+        pending_type, refused_type = int(P.PktType.PENDING), int(P.PktType.REFUSED)
+        reply_types = (pending_type, refused_type, int(P.PktType.RESULT),
+                       int(P.PktType.MAX_RESULT))
+        full, top, incarnation = job.full_bitmap, job.granularity, end.incarnation
+        is_data = pkt_type == P.PktType.DATA
+
+        def packet(i: int) -> bytes:
+            slot, version = P.slot_of(base + i, pool)
+            return pack(pkt_type, me, job_id, slot, version, 0, (base + i) % P.SEQ_MOD,
+                        (offset_base + i * lanes) % P.SEQ_MOD, 0, run,
+                        incarnation) + chunks[i].tobytes()
+
+        def shard_of(i: int) -> int:
+            return ((base + i) % P.SEQ_MOD) % n_shards
+
+        def dst(i: int) -> tuple[str, int]:
+            return aggs[shard_of(i)]
+
+        def resend(i: int, may_flush: bool = True) -> None:
+            """Retransmit chunk i, or close it short while the loss bound allows. Only a
+            timeout closes a chunk: overtaken chunks (fast retransmit) may merely sit in a
+            lower class's queue, and a duplicate DATA costs nothing."""
+            resent.add(i)
+            if pending_bitmap.get(i, 0) >> 32:
+                # held: a FLUSH could only open the use closed and empty; the DATA waits in
+                # the same place and counts once the previous use is acknowledged
+                end.stats.retransmitted += 1
+                send(packet(i), dst(i), tos[i] if tos else 0)
+            elif bounded and (i in short or (may_flush and len(short) < budget)):
+                if i not in short:
+                    short.add(i)
+                    slot, version = P.slot_of(base + i, pool)
+                    packets[i] = pack(flush_type, me, job_id, slot, version, 0,
+                                      (base + i) % P.SEQ_MOD,
+                                      (offset_base + i * lanes) % P.SEQ_MOD, 0, run,
+                                      incarnation)
+                end.stats.flushed += 1
+                send(packets[i], dst(i), flush_tos)
+            else:
+                end.stats.retransmitted += 1
+                send(packets[i], dst(i), tos[i] if tos else 0)
+
+        while lo < total:
+            while hi < total and hi < lo + end.window:
+                packets[hi] = packet(hi)
+                send(packets[hi], dst(hi), tos[hi] if tos else 0)
+                now = time.monotonic()
+                due[hi], backoff[hi], started[hi] = now + end.rtt.rto(shard_of(hi)), end.timeout, now
+                hi += 1
+            next_due = min(due.values()) if due else now + end.timeout
+            wait = max(0.0, next_due - time.monotonic())
+            if jitter:
+                release = end.impair.next_release()
+                if release is not None:
+                    wait = min(wait, release)
+            ready, _, _ = select.select([sock], [], [], wait)
+            if jitter:
+                end.impair.release_due()
+            if ready:
+                while True:
+                    try:
+                        nbytes, src = sock.recvfrom_into(buf, len(buf), socket.MSG_DONTWAIT)
+                    except BlockingIOError:
+                        break
+                    end.stats.received += 1
+                    end.stats.bytes_received += nbytes
+                    if nbytes < header_bytes:
+                        end.stats.ignored += 1
+                        continue
+                    (r_type, r_worker, r_job, r_slot, r_version, r_count, r_seq, r_offset,
+                     r_bitmap, r_run, r_epoch) = unpack(buf)
+                    shard = r_seq % n_shards
+                    if (r_job != job_id or r_worker != me or r_type not in reply_types
+                            or src != aggs[shard]):
+                        end.stats.ignored += 1
+                        continue
+                    if r_run != run:
+                        end.stats.other_run += 1
+                        continue
+                    i = (r_seq - base) % P.SEQ_MOD
+                    if (i >= hi or done[i] or (r_slot, r_version) != P.slot_of(r_seq, pool)
+                            or r_offset != (offset_base + i * lanes) % P.SEQ_MOD):
+                        end.stats.ignored += 1
+                        continue
+                    last_reply = time.monotonic()
+                    if r_epoch != epochs[shard]:
+                        if epochs[shard] is not None:
+                            raise AggregatorRestarted(aggs[shard], run, epochs[shard], r_epoch,
+                                                      shard if n_shards > 1 else None)
+                        epochs[shard] = r_epoch
+                    if r_type == refused_type:
+                        raise_refused(end, rnd, i, r_count, r_bitmap)
+                    if r_type == pending_type:
+                        end.stats.pending += 1
+                        # bit 32: held (count 0): the bitmap names who holds the previous
+                        # use's result, and a FLUSH could only close the chunk empty
+                        pending_bitmap[i] = r_bitmap & full | (r_count == 0) << 32
+                        continue
+                    if (r_type != result_type or nbytes - header_bytes != expect_payload
+                            or r_bitmap & ~full or bin(r_bitmap).count("1") != r_count
+                            or (r_count < n_workers and not is_data)):
+                        end.stats.ignored += 1
+                        continue
+                    sums = np.frombuffer(buf, dtype=dtype, count=lanes, offset=header_bytes)
+                    if (sums.max() > r_count * top if is_data else
+                            (sums < chunks[i].view(">u4")).any()):
+                        # more than the contributors can sum to, or a max below our own
+                        end.stats.ignored += 1
+                        continue
+                    if r_count != n_workers:
+                        # closed short (FLUSH): count and bitmap say who was counted
+                        end.stats.short += 1
+                        short.add(i)
+                        counts[i], bitmaps[i] = r_count, r_bitmap
+                    out[i] = sums
+                    done[i] = True
+                    if i not in resent:
+                        end.rtt.sample(shard, time.monotonic() - started[i])
+                    resent.discard(i)
+                    overtaken.discard(i)
+                    for d in (packets, due, backoff, started, later):
+                        d.pop(i, None)
+                    if i == lo:
+                        while lo < total and done[lo]:
+                            lo += 1
+                        if lo < hi and tos is None:
+                            # the new head: the whole window waits for it
+                            rto = end.rtt.rto(shard_of(lo))
+                            backoff[lo] = min(backoff[lo], rto)
+                            due[lo] = min(due[lo], time.monotonic() + rto)
+                    if i > lo:
+                        _fast_retransmit(end, i, due, backoff, later, overtaken, resend,
+                                              shard_of, tos)
+            else:
+                end.impair.flush(end.sock.sendto)
+            now = time.monotonic()
+            if now < next_due:
+                continue
+            for i, t in list(due.items()):
+                if t > now:
+                    continue
+                if now - started[i] > end.deadline:
+                    raise_timeout(end, rnd, i, pending_bitmap.get(i), now - last_reply)
+                resend(i)
+                rto = end.rtt.rto(shard_of(i))
+                # exponential backoff, capped at FAST_BACKOFF_CAP RTOs for the window's head
+                # (every chunk behind it waits for it; with priority classes it may merely
+                # wait in a lower class's queue, and keeps the full backoff), for a chunk
+                # that later ones overtook FAST_RETRANSMIT_AFTER times (a lost packet) and for
+                # a held chunk (it can go on the moment the straggler moves on): a cap, not
+                # none, or a head waiting for a straggler and a merely reordered chunk would
+                # resend every RTO
+                cap = (FAST_BACKOFF_CAP * rto if i in overtaken or (i == lo and tos is None)
+                       or pending_bitmap.get(i, 0) >> 32 else end.max_timeout)
+                backoff[i] = min(max(backoff[i], rto) * 2, cap, end.max_timeout)
+                due[i] = now + backoff[i]
+
+
+def _fast_retransmit(end: Endpoint, j: int, due: dict, backoff: dict, later: dict,
+                     overtaken: set, resend, shard_of, tos: list[int] | None) -> None:
+    """Chunk ``j`` overtook outstanding chunks of the same shard (chunks of different
+    shards complete in no particular order): every worker's chunks get through, so these
+    or their results were lost. Resend them after a few such overtakes (TCP's dupack
+    idea), and from then on with a backoff capped at FAST_BACKOFF_CAP RTOs: the backoff
+    a chunk built up while the others' contributions were late must not delay
+    recovering its lost result
+    (20% loss on every link held lost RESULTs for max_timeout, the windows of all
+    workers stalled behind them, and chunks passed the deadline). Only a chunk of the
+    same priority class is such evidence: a lower class may merely wait in its queue."""
+    now = time.monotonic()
+    shard = shard_of(j)
+    rto = end.rtt.rto(shard)
+    for i in [i for i in due if i < j and shard_of(i) == shard]:
+        later[i] = later.get(i, 0) + 1
+        if later[i] == FAST_RETRANSMIT_AFTER:
+            resend(i, may_flush=False)
+            due[i] = now + rto
+            later[i] = -4 * FAST_RETRANSMIT_AFTER
+            if tos is None or tos[i] == tos[j]:
+                overtaken.add(i)
+                backoff[i] = rto

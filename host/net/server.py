@@ -1,0 +1,75 @@
+"""The UDP shell both aggregator datapaths share: bind a socket, serve it in a background
+thread, stop. The datapath supplies ``serve`` and how to ask it to stop."""
+from __future__ import annotations
+
+import socket
+import threading
+
+from host.wire import protocol as P
+
+
+class UDPServer:
+    thread_name = "thc-aggregator"
+    _sock: socket.socket | None = None
+    _thread: threading.Thread | None = None
+    _error: OSError | None = None
+
+    def serve(self, duration: float | None = None) -> None:
+        """Receive and answer until :meth:`stop` (or ``duration`` seconds)."""
+        raise NotImplementedError
+
+    def _clear_stop(self) -> None:
+        raise NotImplementedError
+
+    def _set_stop(self) -> None:
+        raise NotImplementedError
+
+    def bind(self, host: str = "127.0.0.1", port: int = P.UDP_PORT) -> tuple[str, int]:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 8 << 20)
+        sock.bind((host, port))
+        self._sock = sock
+        return sock.getsockname()
+
+    @property
+    def address(self) -> tuple[str, int]:
+        if self._sock is None:
+            raise RuntimeError("aggregator is not bound")
+        return self._sock.getsockname()
+
+    def _serve_thread(self) -> None:
+        try:
+            self.serve()
+        except OSError as e:  # the socket failed: `thc aggregator` reports it and exits
+            self._error = e
+
+    @property
+    def error(self) -> OSError | None:
+        """What ended the serving thread early, if anything did."""
+        return self._error
+
+    def start(self, host: str = "127.0.0.1", port: int = 0) -> tuple[str, int]:
+        """Bind and serve in a background thread (tests, embedded use)."""
+        addr = self.bind(host, port)
+        self._clear_stop()
+        self._error = None
+        self._thread = threading.Thread(target=self._serve_thread, name=self.thread_name,
+                                        daemon=True)
+        self._thread.start()
+        return addr
+
+    def stop(self) -> None:
+        self._set_stop()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+            self._thread = None
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()

@@ -1,0 +1,155 @@
+"""The sliding window's interface: one round of chunks (:class:`Round`), what the window
+reads and updates of its client (:class:`Endpoint`), the retransmission rules both windows
+follow, and the failures they raise. host/net/pywindow.py and host/net/fastclient.py
+implement :class:`Window`; the client picks one per round."""
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from host.net.impair import Impairment
+from host.net.outcomes import AggregationRefused, AggregationTimeout, TransportStats
+from host.wire import protocol as P
+from host.wire.jobs import Job
+
+FAST_RETRANSMIT_AFTER = 3
+"""Results of this many later chunks mean an earlier chunk (or its result) was lost."""
+
+FAST_BACKOFF_CAP = 4
+"""RTOs: the backoff cap of the window's head and of chunks found lost."""
+
+
+class RttEstimator:
+    """RFC 6298's round-trip estimator, one per shard (a co-located shard answers sooner
+    than a remote one); the timeout never goes below the configured one."""
+
+    def __init__(self, shards: int, timeout: float, max_timeout: float):
+        self.timeout = timeout
+        self.max_timeout = max_timeout
+        self.srtt: list[float | None] = [None] * shards
+        self.rttvar = [0.0] * shards
+
+    def rto(self, shard: int = 0) -> float:
+        srtt = self.srtt[shard]
+        if srtt is None:
+            return self.timeout
+        return min(self.max_timeout, max(self.timeout, srtt + 4 * self.rttvar[shard]))
+
+    def sample(self, shard: int, rtt: float) -> None:
+        srtt = self.srtt[shard]
+        if srtt is None:
+            self.srtt[shard], self.rttvar[shard] = rtt, rtt / 2
+        else:
+            self.rttvar[shard] = 0.75 * self.rttvar[shard] + 0.25 * abs(srtt - rtt)
+            self.srtt[shard] = 0.875 * srtt + 0.125 * rtt
+
+
+class Endpoint(Protocol):
+    """What a window uses of its client: settings, the socket and the state a round
+    updates (the epochs learnt per shard, the estimator, the counters)."""
+
+    job: Job
+    worker_id: int
+    aggregators: list[tuple[str, int]]
+    epochs: list[int | None]
+    window: int
+    timeout: float
+    max_timeout: float
+    deadline: float
+    loss_bound: float
+    incarnation: int
+    impair: Impairment
+    stats: TransportStats
+    sock: socket.socket
+    rtt: RttEstimator
+    gso: bool
+
+
+@dataclass
+class Round:
+    """One round: ``chunks`` (one row a chunk) of ``pkt_type`` from sequence number ``base``;
+    results land in ``out`` (``dtype`` on the wire), counts and bitmaps per chunk in
+    ``counts`` and ``bitmaps``; ``tos``: a DSCP mark per chunk, or None."""
+
+    pkt_type: int
+    chunks: np.ndarray
+    out: np.ndarray
+    offset_base: int
+    lanes: int
+    dtype: np.dtype
+    tos: list[int] | None
+    base: int
+    run: int
+    counts: np.ndarray
+    bitmaps: np.ndarray
+
+    @property
+    def is_data(self) -> bool:
+        return self.pkt_type == P.PktType.DATA
+
+    @property
+    def result_type(self) -> int:
+        return P.PktType.RESULT if self.is_data else P.PktType.MAX_RESULT
+
+    def expect_payload(self, job: Job) -> int:
+        return P.payload_bytes(self.result_type, self.lanes, job.sum_bits)
+
+
+class Window(Protocol):
+    name: str
+
+    def fits(self, end: Endpoint, rnd: Round) -> bool:
+        """Whether this window can carry the round."""
+
+    def run(self, end: Endpoint, rnd: Round) -> None:
+        """Stream the round to completion, or raise what ended it."""
+
+
+def where(end: Endpoint, run: int, seq: int) -> str:
+    slot, version = P.slot_of(seq, end.job.pool_size)
+    return (f"job {end.job.job_id}, worker {end.worker_id}, run {run}: chunk seq "
+            f"{seq % P.SEQ_MOD} (slot {slot}, version {version})")
+
+
+def raise_refused(end: Endpoint, rnd: Round, i: int, code: int, detail: int):
+    try:
+        reason = P.DropReason(code).name
+    except ValueError:
+        reason = f"reason {code}"
+    raise AggregationRefused(where(end, rnd.run, rnd.base + i), reason, detail)
+
+
+def raise_timeout(end: Endpoint, rnd: Round, i: int, bitmap: int | None, silent: float = 0.0):
+    """``silent``: seconds since the aggregator last answered anything of this run. A
+    live aggregator answers every retransmission of a chunk it holds (PENDING), and they
+    come at least every ``max_timeout``; silent for two of those (and half the deadline),
+    the cause is the aggregator (gone, unreachable, or restarted without a program yet),
+    not a missing worker: an old PENDING's bitmap would name workers that are fine."""
+    job = end.job
+    seq = (rnd.base + i) % P.SEQ_MOD
+    slot, version = P.slot_of(rnd.base + i, job.pool_size)
+    at = (f"job {job.job_id}, worker {end.worker_id}: chunk seq {seq} (slot {slot}, "
+          f"version {version}) not aggregated within {end.deadline:.1f}s")
+    shard = job.shard_of(seq)
+    ip, port = end.aggregators[shard]
+    who = f"aggregator shard {shard}" if job.shards else "the aggregator"
+    if bitmap is None:
+        raise AggregationTimeout(f"{at}; no answer from {who} at {ip}:{port}", None)
+    if silent >= max(end.deadline / 2, 2 * end.max_timeout):
+        raise AggregationTimeout(f"{at}; {who} at {ip}:{port} stopped answering "
+                                 f"{silent:.1f}s ago (down, unreachable, or restarted and "
+                                 f"not yet serving this job): start a new run once it is "
+                                 f"back", None)
+    held, bitmap = bitmap >> 32, bitmap & 0xFFFFFFFF
+    missing = [w for w in range(job.n_workers) if not bitmap >> w & 1]
+    got = [w for w in range(job.n_workers) if bitmap >> w & 1]
+    if held:
+        raise AggregationTimeout(
+            f"{at}; held: worker(s) {missing} have not moved past the previous use of "
+            f"its slot version, so they may still need its result (straggling or gone; "
+            f"moved past it: {got})", missing)
+    raise AggregationTimeout(f"{at}; missing worker(s) {missing} "
+                             f"(contributed: {got})", missing)

@@ -1,0 +1,197 @@
+"""A row of the fault matrix and how a row runs: workers streaming real chunks
+(:mod:`thcnet.smoke_worker`), their results checked bit for bit, the aggregator's counters
+before and after; and the helpers the rows share (the controller, the P4 build's state)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+from controller.toolchain import BUILD_DIR
+from thcnet.base import REPO_ROOT
+from thcnet.procs import Proc
+from thcnet.testbed import TestbedError
+
+
+N_WORKERS = 4
+SEED = 4242
+
+
+@dataclass
+class Row:
+    name: str
+    testbed: str = "-"
+    sums: str = "-"
+    rounds: int | str = "-"
+    retransmissions: int | str = "-"
+    seconds: float | None = None
+    drops: dict = field(default_factory=dict)
+    note: str = ""
+    exact: bool | None = None
+    """True: every sum checked was exact; False: a wrong sum (the matrix then fails)."""
+    stream_seconds: float = 0.0
+    """The slowest worker's time inside aggregate() (no process start, no reference)."""
+
+
+# -- running workers --------------------------------------------------------------------------
+
+MID_STREAM_ROUNDS = 1000
+"""Vectors the kill/restart rows stream: the fault must land mid-stream however fast the
+client is (the compiled window finishes one quick-mode vector in well under a second)."""
+
+
+def worker_argv(tb, numel: int, rounds: int = 1, deadline: float = 10.0,
+          per_rank: dict[int, dict] | None = None, **impair):
+    """smoke_worker's command line for each rank: ``impair`` options for all (``out_of_step``
+    becomes ``--out-of-step``), ``per_rank[rank]`` options for that rank only."""
+    cfg, agg = str(tb.cluster_path), f"{tb.agg_addr[0]}:{tb.agg_addr[1]}"
+
+    def argv(rank: int) -> list[str]:
+        a = ["python", "-m", "thcnet.smoke_worker", "--rank", str(rank), "--config", cfg,
+             "--agg", agg, "--numel", str(numel), "--seed", str(SEED), "--rounds", str(rounds),
+             "--deadline", str(deadline)]
+        for k, v in {**impair, **(per_rank or {}).get(rank, {})}.items():
+            a += [f"--{k.replace('_', '-')}", str(v)]
+        return a
+    return argv
+
+
+def wait_workers(procs: list[Proc], timeout: float) -> list[dict]:
+    """Each worker's JSON line (or a crash record); kills what is left after ``timeout``."""
+    end = time.monotonic() + timeout
+    while any(p.poll() is None for p in procs) and time.monotonic() < end:
+        time.sleep(0.1)
+    out = []
+    for rank, p in enumerate(procs):
+        if p.poll() is None:
+            p.kill()
+            out.append({"rank": rank, "error": "hung", "message": f"still running after "
+                        f"{timeout:.0f}s", "stats": {}})
+            continue
+        lines = [ln for ln in p.stdout().splitlines() if ln.startswith("{")]
+        if not lines:
+            out.append({"rank": rank, "error": "crashed", "message": p.stderr()[-400:],
+                        "stats": {}})
+        else:
+            out.append(json.loads(lines[-1]))
+    return out
+
+
+def live_counters(tb) -> dict:
+    """The aggregator's counters now: the software aggregator's stats file (at most 0.5 s
+    old), or the switch's counters read through the controller (`thc controller counters`)."""
+    if tb.aggregator == "bmv2":
+        try:
+            return json.loads(tb.switch.counters())
+        except ValueError:
+            return {"drops": {}, "jobs": {}}
+    return tb.aggregator_counters() or {"drops": {}, "jobs": {}}
+
+
+def counters_of(tb) -> dict:
+    if tb.aggregator != "bmv2":
+        time.sleep(0.7)  # the aggregator rewrites its stats file every 0.5 s
+    return live_counters(tb)
+
+
+def delta(before: dict, after: dict) -> tuple[int, dict]:
+    job = str(1)
+    b, a = before.get("jobs", {}).get(job, {}), after.get("jobs", {}).get(job, {})
+    rounds = a.get("completions", 0) - b.get("completions", 0)
+    if after.get("epoch") != before.get("epoch"):
+        rounds = a.get("completions", 0)
+        b = {}
+    drops = {k: v - before.get("drops", {}).get(k, 0) for k, v in after.get("drops", {}).items()}
+    return rounds, {k: v for k, v in drops.items() if v}
+
+
+def check_sums(results: list[dict]) -> tuple[str, bool | None, int]:
+    """('exact, 4/4 workers' | ..., exact?, retransmissions) of a finished run."""
+    ok = [r for r in results if "error" not in r]
+    wrong = sum(r.get("mismatches", 0) for r in results)
+    retx = sum(r.get("stats", {}).get("retransmitted", 0) for r in results)
+    if wrong:
+        return f"WRONG: {wrong} sums differ", False, retx
+    if len(ok) == len(results):
+        return f"exact ({len(ok)}/{len(results)} workers)", True, retx
+    causes = sorted({r["error"] for r in results if "error" in r})
+    return (f"exact where returned ({len(ok)}/{len(results)} finished; others: "
+            f"{', '.join(causes)})", True if ok else None, retx)
+
+
+def stream_row(name: str, tb, numel: int, rounds: int = 1, note: str = "",
+                timeout: float = 300.0, **impair) -> Row:
+    before = counters_of(tb)
+    t0 = time.perf_counter()
+    procs = tb.start_workers(worker_argv(tb, numel, rounds, **impair))
+    results = wait_workers(procs, timeout)
+    seconds = time.perf_counter() - t0
+    done, drops = delta(before, counters_of(tb))
+    sums, exact, retx = check_sums(results)
+    return Row(name, testbed_label(tb), sums, done, retx, seconds, drops, note, exact,
+               max(r.get("seconds", 0.0) for r in results))
+
+
+def testbed_label(tb) -> str:
+    return "mininet+bmv2" if tb.aggregator == "bmv2" else tb.kind
+
+
+def progress(tb, before: dict, chunks: int, timeout: float = 60.0) -> int:
+    """Wait until ``chunks`` more chunks completed (the stream is mid-flight); returns how
+    many the last reading showed (more on BMv2, whose counters take a controller run)."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        done, _ = delta(before, live_counters(tb))
+        if done >= chunks:
+            return done
+        time.sleep(0.1)
+    raise TestbedError(f"the stream did not reach {chunks} chunks within {timeout:.0f}s")
+
+
+def stream_for(name: str, tb, numel: int, seconds: float, note: str, **kw) -> Row:
+    """Workers aggregate the vector round after round for about ``seconds``; then the
+    driver names a round count none has reached (``smoke_worker --until``) and all stop
+    there, each having checked every round."""
+    until = tb.logdir / f"until-{time.monotonic_ns()}"
+    until.mkdir()
+    before = counters_of(tb)
+    t0 = time.perf_counter()
+    procs = tb.start_workers(worker_argv(tb, numel, rounds=1 << 30, deadline=30.0,
+                                   until=str(until), **kw))
+    while time.perf_counter() - t0 < seconds and any(p.poll() is None for p in procs):
+        time.sleep(0.2)
+    done = [int(f.read_text() or 0) for f in until.glob("done-*")]
+    stop = max(done, default=0) + 2
+    (until / "stop.tmp").write_text(str(stop))
+    (until / "stop.tmp").rename(until / "stop")
+    results = wait_workers(procs, 300)
+    elapsed = time.perf_counter() - t0
+    rounds, drops = delta(before, counters_of(tb))
+    sums, exact, retx = check_sums(results)
+    vectors = sorted({r.get("rounds", 0) for r in results})
+    return Row(name, testbed_label(tb), sums, rounds, retx, elapsed, drops,
+               f"{'/'.join(map(str, vectors))} vectors of {numel} elements per worker, each "
+               f"checked; {note}", exact)
+
+
+def p4_build_stale() -> str | None:
+    r = subprocess.run([sys.executable, str(REPO_ROOT / "p4src" / "gen_p4.py"), "--check"],
+                       capture_output=True, text=True, cwd=str(REPO_ROOT))
+    if r.returncode:
+        return ("the committed P4 build does not match protocol.json (p4src/gen_p4.py "
+                "--check fails; `make p4` rebuilds it)")
+    return None
+
+
+def controller_cmd(tb, *args: str) -> str:
+    """One run of `thc controller` against the testbed's switch: a fresh controller process."""
+    argv = [sys.executable, "-m", "host.app.cli", "controller", "--grpc-addr",
+            tb.switch.grpc_addr, "--device-id", "0", "--build-dir", str(BUILD_DIR), *args]
+    r = subprocess.run(argv, cwd=str(REPO_ROOT), capture_output=True, text=True, timeout=120)
+    if r.returncode:
+        raise TestbedError(f"thc controller {' '.join(args)} failed: "
+                           f"{(r.stderr or r.stdout).strip()[-1000:]}")
+    return r.stdout
+
