@@ -70,7 +70,8 @@ p4-tofino: setup
 	$(PY) $(P4SRC)/gen_p4.py
 	rm -rf $(P4TOFINO_OUT) && mkdir -p $(P4TOFINO_OUT)/out
 	$(P4C) --target tofino --arch tna --verbose 1 -o $(P4TOFINO_OUT)/out \
-	  --p4runtime-files $(P4TOFINO_OUT)/out/thc_tna.p4info.txt $(P4SRC)/thc_tna.p4 \
+	  --p4runtime-files $(P4TOFINO_OUT)/out/thc_tna.p4info.txt --p4runtime-force-std-externs \
+	  $(P4SRC)/thc_tna.p4 \
 	  > $(P4TOFINO_OUT)/compile.log 2>&1; echo $$? > $(P4TOFINO_OUT)/out/rc
 	P4C=$(P4C) $(PY) $(P4SRC)/gen_p4.py --record-tofino $(P4TOFINO_OUT)/out
 

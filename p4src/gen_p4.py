@@ -426,7 +426,7 @@ def record_tofino(out: Path) -> None:
                    "tests/test_p4_build.py where the Tofino back end is installed.",
         "compiler": p4c_version(),
         "command": (f"p4c --target tofino --arch tna --verbose 1 -o <out> --p4runtime-files "
-                    f"<out>/thc_tna.p4info.txt {rel(TNA_P4)}"),
+                    f"<out>/thc_tna.p4info.txt --p4runtime-force-std-externs {rel(TNA_P4)}"),
         "lanes": load_spec()["lanes"],
         "passes": 2,
         "words_pass0": gen_tna.PASS0_WORDS,

@@ -25,9 +25,7 @@ HALF = 20
 """Header stacks hold at most 32 (their validity bits share a container): words in halves."""
 
 WORD_DECL = "{control}() thc_w{j:02d};\n"
-WORD_APPLY = ("thc_w{j:02d}.apply(hdr.cur[{o}].idx[{qhi}:{qlo}], hdr.cur[{o}].isValid(), "
-              "hdr.cur[{b}].idx[{hi}:{lo}], {vote}, hdr.{res}, hdr.thc.job_id, "
-              "{index}, "
+WORD_APPLY = ("thc_w{j:02d}.apply(hdr.{res}, {halves}{index}, "
               "{src}.lane_op, {src}.is_max, {src}.blank, {run});\n")
 
 
@@ -56,13 +54,46 @@ def word(stack: str, j: int) -> str:
 
 
 def _apply(j: int, src: str, index: str, run: str) -> str:
-    o, second = divmod(j, 2)
-    b, nib = divmod(j, 8)                 # a vote job's oct holds eight words' nibbles
-    lo = 4 * (7 - nib)
-    vote = "meta.vote_pkt" if src == "meta" else "meta.p1.vote"
-    return WORD_APPLY.format(j=j, o=o, qhi=31 - 16 * second, qlo=16 - 16 * second, b=b,
-                             hi=lo + 3, lo=lo, vote=vote, src=src, index=index, run=run,
+    halves = f"thc_w{j:02d}_hi, thc_w{j:02d}_lo, " if early(j) else ""
+    return WORD_APPLY.format(j=j, halves=halves, src=src, index=index, run=run,
                              res=word("res", j))
+
+
+def early(j: int) -> bool:
+    return j >= WORDS - EARLY_WORDS
+
+
+LUT_DECL = """    @name("thc_w{j:02d}.thc_lut_set_{h}")
+    action thc_w{j:02d}_lut_set_{h}(bit<16> value) {{ {dst} = value; }}
+    @name("thc_w{j:02d}.thc_lut_{h}")
+    table thc_w{j:02d}_lut_{h} {{
+        key = {{ hdr.thc.job_id: exact @name("job_id"); {key}: exact @name("idx"); }}
+        actions = {{ thc_w{j:02d}_lut_set_{h}; }}
+        default_action = thc_w{j:02d}_lut_set_{h}(0);
+        size = THC_LUT_SIZE;
+    }}
+"""
+
+
+def _luts() -> tuple[str, str]:
+    """Each word's two lookup tables (thc.p4's names under the word), declared and applied
+    in the ingress control; a word of pass 1 only looks up when its indices are there."""
+    decl, apply = [], []
+    for j in range(WORDS):
+        o, second = divmod(j, 2)
+        idx = f"hdr.cur[{o}].idx"
+        if early(j):
+            decl.append(f"    bit<16> thc_w{j:02d}_hi = 0;\n    bit<16> thc_w{j:02d}_lo = 0;\n")
+        for h in range(2):
+            bit = 31 - 16 * second - 8 * h
+            if early(j):
+                dst = f"thc_w{j:02d}_{'hi' if h == 0 else 'lo'}"
+            else:
+                dst = f"hdr.{word('res', j)}.w[{31 - 16 * h}:{16 - 16 * h}]"
+            decl.append(LUT_DECL.format(j=j, h=h, dst=dst, key=f"{idx}[{bit}:{bit - 7}]"))
+        apply.append(f"if (hdr.cur[{o}].isValid()) {{ thc_w{j:02d}_lut_0.apply(); "
+                     f"thc_w{j:02d}_lut_1.apply(); }}\n")
+    return "".join(decl), "".join(apply)
 
 
 def _extract(stack: str, n: int) -> str:
@@ -99,6 +130,10 @@ def files(spec: dict, header: str) -> dict[str, str]:
     ])
     return {
         "thc_tna_constants.p4": constants(header),
+        "thc_tna_luts.p4": header + "// The words' lookup tables (thc_tna.p4's ingress).\n"
+                           + _luts()[0],
+        "thc_tna_luts_apply.p4": header + "// The words' lookups, first in ingress.\n"
+                                 + _luts()[1],
         "thc_tna_pragmas.p4": header + "// PHV that no packet uses twice (thc_tna.p4's ingress):"
                               " index octs or sign-bit halfwords; pass 0's carried indices or"
                               " pass 1's early words.\n" + _pragmas(),

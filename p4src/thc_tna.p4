@@ -199,46 +199,24 @@ parser ThcIngressParser(packet_in pkt, out tna_headers_t hdr, out metadata_t met
 }
 
 /*
- * One word of four 8-bit lanes (SwitchML's Processor, for THC's lookups): byte-keyed tables
- * turn two indices into two packed table values each (vote jobs: a nibble of sign bits into
- * four 0/1 lanes), and one register adds, writes or reads the word, or keeps a max lane.
- * thc_word_op picks the RegisterAction: Tofino addresses a register the same way in every
- * action, one operation per packet. A new use writes (op THC_OP_WRITE) and a contribution
- * adds in one program; a FLUSH opening a use clears the word.
+ * One word of four 8-bit lanes (SwitchML's Processor, for THC's lookups): one register adds,
+ * writes or reads the word, or keeps a max lane. thc_word_op picks the RegisterAction:
+ * Tofino addresses a register the same way in every action, one operation per packet. A new
+ * use writes (op THC_OP_WRITE) and a contribution adds in one program; a FLUSH opening a use
+ * clears the word. The word's two byte-keyed lookups (two indices in, two packed table values
+ * out) are tables of the ingress control, applied first (generated/thc_tna_luts*.p4), so
+ * that the placer puts them in the first stages.
  *
- * Two forms. ThcWord takes its lookups straight into the result word, one byte-table a
- * stage (two tables writing one container share no stage). ThcEarlyWord (the last
- * gen_tna.EARLY_WORDS words of pass 1) looks both bytes up in one stage into two 16-bit
- * halves of its own, so that its register can take stage 1: PHV for the halves is spent only
- * where stages are short.
+ * Two forms. ThcWord adds the result word, which its lookups filled one byte-table a stage
+ * (two tables writing one container share no stage). ThcEarlyWord (the last
+ * gen_tna.EARLY_WORDS words of pass 1) adds two 16-bit halves that its lookups filled in one
+ * stage, so that its register can take stage 1: PHV for the halves is spent only where
+ * stages are short.
  */
-#define THC_WORD_CONTROL(NAME, LUT0, LUT1, VOTE, INPUT, LOCALS)                              \
-control NAME(in bit<16> q, in bool q_valid, in bit<4> vote, in bit<1> is_vote,             \
-             inout thc_word_h r, in bit<16> job_id, in thc_index_t index, in bit<2> op,     \
+#define THC_WORD_CONTROL(NAME, INPUT, HALVES)                                                 \
+control NAME(inout thc_word_h r, HALVES in thc_index_t index, in bit<2> op,                  \
              in bit<1> is_max, in bit<1> blank, in bit<1> run) {                            \
     Register<bit<32>, thc_index_t>(THC_REG_SIZE * 2) thc_sum;                               \
-    LOCALS                                                                                  \
-    action thc_lut_set_0(bit<16> value) { LUT0 }                                            \
-    action thc_lut_set_1(bit<16> value) { LUT1 }                                            \
-    action thc_vote_set(bit<32> value) { VOTE }                                             \
-    table thc_lut_0 {                                                                       \
-        key = { job_id: exact @name("job_id"); q[15:8]: exact @name("idx"); }               \
-        actions = { thc_lut_set_0; }                                                        \
-        default_action = thc_lut_set_0(0);                                                  \
-        size = THC_LUT_SIZE;                                                                \
-    }                                                                                       \
-    table thc_lut_1 {                                                                       \
-        key = { job_id: exact @name("job_id"); q[7:0]: exact @name("idx"); }                \
-        actions = { thc_lut_set_1; }                                                        \
-        default_action = thc_lut_set_1(0);                                                  \
-        size = THC_LUT_SIZE;                                                                \
-    }                                                                                       \
-    table thc_vote_lut {                                                                    \
-        key = { job_id: exact @name("job_id"); vote: exact @name("idx"); }                  \
-        actions = { thc_vote_set; }                                                         \
-        default_action = thc_vote_set(0);                                                   \
-        size = THC_MAX_JOBS * 16;                                                           \
-    }                                                                                       \
     RegisterAction<bit<32>, thc_index_t, bit<32>>(thc_sum) thc_sum_ra = {                   \
         void apply(inout bit<32> value, out bit<32> rv) {                                   \
             if (op == THC_OP_WRITE) {                                                       \
@@ -284,23 +262,19 @@ control NAME(in bit<16> q, in bool q_valid, in bit<4> vote, in bit<1> is_vote,  
         size = 16;                                                                          \
     }                                                                                       \
     apply {                                                                                 \
-        if (is_vote == 1) {                                                                 \
-            thc_vote_lut.apply();                                                           \
-        } else if (q_valid) {                                                               \
-            thc_lut_0.apply();                                                              \
-            thc_lut_1.apply();                                                              \
-        }                                                                                   \
         if (run == 1) {                                                                     \
             thc_word_op.apply();                                                            \
         }                                                                                   \
     }                                                                                       \
 }
 
-THC_WORD_CONTROL(ThcWord, r.w[31:16] = value;, r.w[15:0] = value;, r.w = value;, r.w, )
-THC_WORD_CONTROL(ThcEarlyWord, hi = value;, lo = value;,
-                 hi = value[31:16]; lo = value[15:0];, (hi ++ lo),
-                 bit<16> hi = 0; bit<16> lo = 0;)
+#define THC_NO_HALVES
+#define THC_HALVES in bit<16> hi, in bit<16> lo,
+THC_WORD_CONTROL(ThcWord, r.w, THC_NO_HALVES)
+THC_WORD_CONTROL(ThcEarlyWord, (hi ++ lo), THC_HALVES)
 #undef THC_WORD_CONTROL
+#undef THC_HALVES
+#undef THC_NO_HALVES
 
 #include "generated/thc_tna_pragmas.p4"
 control ThcIngress(inout tna_headers_t hdr, inout metadata_t meta,
@@ -316,6 +290,7 @@ control ThcIngress(inout tna_headers_t hdr, inout metadata_t meta,
     Counter<bit<32>, bit<32>>(1, CounterType_t.PACKETS) thc_dscp_unknown;
 
 #include "generated/thc_tna_words.p4"
+#include "generated/thc_tna_luts.p4"
 
     // ---- slot state: one register a stage ----
     Register<bit<32>, bit<32>>(THC_MAX_JOBS) thc_job_run;
@@ -541,7 +516,7 @@ control ThcIngress(inout tna_headers_t hdr, inout metadata_t meta,
                 thc_set_drop(THC_DROP_BAD_LANES);
             (0, 1, THC_DATA, 0, _, 1, _, _, _, _, _, _, _, _, _):
                 thc_set_drop(THC_DROP_BAD_LANES);
-            (0, 1, THC_DATA, 1, _, 0, _, _, _, _, _, _, _, _, _):
+            (0, 1, THC_DATA, 1, _, _, _, _, _, _, _, _, _, _, _):
                 thc_set_drop(THC_DROP_BAD_LANES);
             (0, 1, THC_MAX, _, _, _, false, _, _, _, _, _, _, _, _):
                 thc_set_drop(THC_DROP_BAD_LANES);
@@ -730,6 +705,8 @@ control ThcIngress(inout tna_headers_t hdr, inout metadata_t meta,
 
     apply {
         meta.bridge.setValid();
+        // every word's lookups first: they depend on the packet alone
+#include "generated/thc_tna_luts_apply.p4"
         if (meta.p1.recirc == 1) {
             thc_pass1();
         } else if (hdr.udp.isValid() && hdr.udp.dstPort == THC_UDP_PORT) {

@@ -140,22 +140,28 @@ def test_generator_only_instantiates_the_lane_group():
 
 def test_tofino_words_cover_every_lane_once():
     """The Tofino program's two passes add every lane of a packet exactly once: pass 0 the
-    last PASS0_WORDS words, pass 1 the first WORDS; each word reads its own index bits (a
-    vote job's nibble) and writes its own result word."""
+    last PASS0_WORDS words, pass 1 the first WORDS; each word's two lookups read its own
+    index bytes and fill its own result word (or, for the early words, its own halves)."""
     files = gen.generate(gen.load_spec())
     tna = gen.gen_tna
+    luts = re.findall(r"action thc_w(\d+)_lut_set_(\d)\(bit<16> value\) \{ (\S+) = value; \}"
+                      r".*?hdr\.cur\[(\d+)\]\.idx\[(\d+):(\d+)\]", files["thc_tna_luts.p4"],
+                      re.S)
+    assert len(luts) == 2 * tna.WORDS
+    for w, h, dst, oct_, hi, lo in luts:
+        w, h = int(w), int(h)
+        assert int(hi) - int(lo) == 7
+        assert int(oct_) * 32 + 31 - int(hi) == 16 * w + 8 * h     # the word's own byte
+        if tna.early(w):
+            assert dst == f"thc_w{w:02d}_{'hi' if h == 0 else 'lo'}"
+        else:
+            half = "a" if w < tna.HALF else "b"
+            assert dst == f"hdr.res_{half}[{w % tna.HALF}].w[{31 - 16 * h}:{16 - 16 * h}]"
+    applied = re.findall(r"thc_w(\d+)\.apply\(hdr\.res_([ab])\[(\d+)\]",
+                         files["thc_tna_words_apply0.p4"] + files["thc_tna_words_apply1.p4"])
+    assert [int(w) for w, _, _ in applied] == list(range(tna.WORDS))
+    assert all((0 if half == "a" else tna.HALF) + int(r) == int(w) for w, half, r in applied)
     lanes = {}
-    apply0 = re.findall(r"thc_w(\d+)\.apply\(hdr\.cur\[(\d+)\]\.idx\[(\d+):(\d+)\].*?"
-                        r"hdr\.cur\[(\d+)\]\.idx\[(\d+):(\d+)\].*?hdr\.res_([ab])\[(\d+)\]",
-                        files["thc_tna_words_apply0.p4"] + files["thc_tna_words_apply1.p4"])
-    assert len(apply0) == tna.WORDS
-    for w, oct_, qhi, qlo, vb, vhi, vlo, half, res in apply0:
-        w = int(w)
-        assert int(qhi) - int(qlo) == 15 and int(vhi) - int(vlo) == 3
-        # the word's place within its pass's index octs, sign-bit octs and result words
-        assert int(oct_) * 32 + 31 - int(qhi) == 16 * w
-        assert int(vb) * 32 + 31 - int(vhi) == 4 * w
-        assert (0 if half == "a" else tna.HALF) + int(res) == w
     for w in range(tna.WORDS):          # pass 1: lanes 0 .. 4 * WORDS - 1
         lanes.setdefault(w * 4, []).append(1)
     for w in range(tna.PASS0_WORDS):    # pass 0: the packet's last words

@@ -5,16 +5,15 @@ The program adds a packet's 256 lanes in two passes of words of four 8-bit lanes
 last 96 lanes in words 00-23, pass 1 the first 160 in words 00-39; docs/switch.md,
 "Tofino"). Each word has two lookup tables, one per byte of its four indices (two 4-bit
 indices, the first lane in the high nibble), returning both lanes' table values at once (the
-first lane in the high byte), and a table for a vote job's nibble of sign bits (the first lane
-in the high bit) returning the word's four 0/1 lanes:
+first lane in the high byte):
 
-  ThcIngress.thc_w<NN>.thc_lut_<h>   (job_id, idx)       -> thc_lut_set_<h>(value: 16 bits)
-                                     256 entries a job in each, the same in every table
-  ThcIngress.thc_w<NN>.thc_vote_lut  (job_id, idx: 4 bits) -> thc_vote_set(value: 32 bits)
-                                     16 entries a vote job
+  ThcIngress.thc_w<NN>.thc_lut_<h>   (job_id, idx) -> thc_lut_set_<h>(value: 16 bits)
+                                     NN = 00..39, h = 0, 1: 256 entries a job in each, the
+                                     same in every table
 
-Jobs with 16-bit sums, or with 32 workers (bit 31 of a slot's bitmap marks a use closed by
-a FLUSH), do not run here (check_job).
+Jobs with 16-bit sums, vote jobs (a table a word more than the pipe's logical tables
+hold), or with 32 workers (bit 31 of a slot's bitmap marks a use closed by a FLUSH), do not
+run here (check_job).
 
 The P4Info is p4c's Tofino back end's, written with ``--p4runtime-files`` and
 ``--p4runtime-force-std-externs`` (without it, table names gain a ``pipe.`` prefix and the
@@ -30,8 +29,6 @@ from host.wire.jobs import ConfigError
 WORD = "ThcIngress.thc_w{:02d}"
 LUT_TABLE = WORD + ".thc_lut_{}"
 LUT_ACTION = WORD + ".thc_lut_set_{}"
-VOTE_TABLE = WORD + ".thc_vote_lut"
-VOTE_ACTION = WORD + ".thc_vote_set"
 WORD_LANES = 4
 WORD_KEYS = 2
 """Key bytes (lookup tables) a word: four 4-bit indices."""
@@ -45,14 +42,6 @@ def lut_values(job) -> list[int]:
     in the high byte."""
     t = job.table
     return [t[byte >> 4] << 8 | t[byte & 0x0F] for byte in range(256)]
-
-
-def vote_values(job) -> list[int]:
-    """[nibble of sign bits] -> the word's four lanes (0 or 1 each), the first lane (high
-    bit) in the high byte."""
-    t = job.table
-    return [sum(t[(nib >> (3 - k)) & 1] << (8 * (3 - k)) for k in range(WORD_LANES))
-            for nib in range(16)]
 
 
 class Tofino(Target):
@@ -75,6 +64,11 @@ class Tofino(Target):
                 f"hold four 8-bit lanes, and 256 16-bit lanes would need four passes. Run the "
                 f"job on BMv2 (--target bmv2) or the software aggregator, or lower its "
                 f"granularity to {((1 << SUM_BITS) - 1) // job.n_workers} or less")
+        if job.aggregation != "thc":
+            raise ConfigError(
+                f"job {job.job_id} is a {job.aggregation} job; the Tofino program adds THC "
+                f"lookups only (a vote table per word would exceed the pipe's logical "
+                f"tables). Run it on BMv2 (--target bmv2) or the software aggregator")
         if job.n_workers > CLOSED_BIT:
             raise ConfigError(
                 f"job {job.job_id} has {job.n_workers} workers; the Tofino program takes at "
@@ -82,19 +76,13 @@ class Tofino(Target):
                 f"by a FLUSH)")
 
     def lut_entries(self, sw, job, with_action: bool = True) -> list[bytes]:
-        """256 entries in each word's two index tables; a vote job also 16 in each word's
-        vote table."""
+        """256 entries in each word's two index tables."""
         self.check_job(job)
-        words = self.groups(sw.p4info)
-        vote = job.aggregation == "vote"
         out = []
-        for word in range(words):
+        for word in range(self.groups(sw.p4info)):
             for h in range(WORD_KEYS):
                 out += self._entries(sw, LUT_TABLE.format(word, h), LUT_ACTION.format(word, h),
                                      lut_values(job), job.job_id, with_action)
-            if vote:
-                out += self._entries(sw, VOTE_TABLE.format(word), VOTE_ACTION.format(word),
-                                     vote_values(job), job.job_id, with_action)
         return out
 
     @staticmethod
