@@ -205,7 +205,8 @@ def test_an_ipv6_socket_falls_back_from_the_compiled_window_with_the_same_sums(j
                                sock=sock) as c:
             np.testing.assert_array_equal(c.aggregate(_packed(job, 1)), want)
             assert c.last_datapath == "python"
-            assert c.stats.ignored == 11 * N_CHUNKS + 2 and c.stats.short == 1
+            # every volley's hostile replies ignored (more if a chunk was resent)
+            assert c.stats.ignored >= 11 * N_CHUNKS + 2 and c.stats.short == 1
     finally:
         agg.close()
 
