@@ -56,7 +56,7 @@ def test_an_impairment_out_of_range_is_refused(tmp_path, option, value, message)
 
 
 NETNS_SCRIPT = textwrap.dedent("""
-    import json, subprocess, socket, sys, threading
+    import json, subprocess, socket, sys, threading, time
     from host.net.aggregator import Aggregator
     from host.net.fastagg import FastAggregator
     from host.testing.clusters import local_job
@@ -65,8 +65,8 @@ NETNS_SCRIPT = textwrap.dedent("""
     N = 40
     subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
 
-    def rounds(make, blocked):
-        job = local_job(1, 2, 41000, pool_size=64)
+    def rounds(make, base, blocked, errors):
+        job = local_job(1, 2, base, pool_size=64)
         agg = make([job])
         addr = agg.bind("127.0.0.1", 0)
         workers = []
@@ -80,33 +80,35 @@ NETNS_SCRIPT = textwrap.dedent("""
                 slot, version = P.slot_of(seq, job.pool_size)
                 s.sendto(P.Header(P.PktType.DATA, w, 1, slot, version, 0, seq,
                                   seq * job.lanes, 0, 1, 0).pack() + payload, addr)
-        t = threading.Thread(target=agg.serve, args=(2.0,))
-        t.start()
+        threading.Thread(target=agg.serve, args=(60.0,), daemon=True).start()
         got = []
         for w, s in enumerate(workers):
-            s.settimeout(0.5 if w == blocked else 10.0)
+            s.settimeout(0.5 if w == blocked else 30.0)
             n = 0
             try:
                 while n < N:
-                    hdr = P.Header.unpack(s.recv(4096))
-                    n += hdr.pkt_type == P.PktType.RESULT
+                    n += P.Header.unpack(s.recv(4096)).pkt_type == P.PktType.RESULT
             except socket.timeout:
                 pass
             got.append(n)
-        t.join()
-        agg.counters()
-        return {"results": got, "send_errors": agg.send_errors}
+        def send_errors():
+            agg.counters()    # the compiled datapath reports send_errors with its counters
+            return agg.send_errors
+
+        end = time.monotonic() + 30   # the count settles once the last send was tried
+        while send_errors() < errors and time.monotonic() < end:
+            time.sleep(0.01)
+        return {"results": got, "send_errors": send_errors()}
 
     out = {}
     rule = ["OUTPUT", "-p", "udp", "--dport", "41001", "-j", "DROP"]
     subprocess.run(["iptables", "-A", *rule], check=True)
-    out["python, worker 1 blocked"] = rounds(Aggregator, 1)
+    out["python, worker 1 blocked"] = rounds(Aggregator, 41000, 1, N)
     if sys.argv[1] == "compiled":
-        out["compiled, worker 1 blocked"] = rounds(FastAggregator, 1)
-    subprocess.run(["iptables", "-D", *rule], check=True)
-    if sys.argv[1] == "compiled":
+        subprocess.run(["iptables", "-A", *rule[:4], "41011", *rule[5:]], check=True)
+        out["compiled, worker 1 blocked"] = rounds(FastAggregator, 41010, 1, N)
         subprocess.run(["ip", "link", "set", "lo", "mtu", "300"], check=True)
-        out["compiled, GSO refused"] = rounds(FastAggregator, None)
+        out["compiled, GSO refused"] = rounds(FastAggregator, 41020, None, 0)
     print(json.dumps(out))
 """)
 
