@@ -22,10 +22,60 @@ def test_interface_round_trip(name, backend):
     payload = s.compress(inp, generator=1)
     out = s.decompress(payload)
     assert type(out) is type(inp) and tuple(out.shape) == x.shape
-    assert payload.nbytes > 0
+    other = make_scheme(name).decompress(make_scheme(name).compress(x, generator=1))
+    np.testing.assert_allclose(np.asarray(out), other, rtol=1e-6, atol=1e-6)
     mean = s.aggregate_mean([inp, inp * 2], rng=np.random.default_rng(1))
     assert type(mean) is type(inp) and tuple(mean.shape) == x.shape
     assert 0 < s.bits_per_coord(1000) <= 32.1
+
+
+def _rel_error(x, out) -> float:
+    return float(np.sum((np.asarray(out, np.float64) - x) ** 2) / np.sum(x.astype(np.float64) ** 2))
+
+
+@pytest.mark.parametrize("name", sorted(SCHEMES))
+def test_each_scheme_decodes_as_its_definition_says(name):
+    """Each scheme's decoded vector and payload size against what its definition gives,
+    computed here in numpy: exact for the deterministic ones, the set of values a
+    stochastic coordinate may take and the expected error for QSGD and TernGrad, the
+    independent reference figure for THC and UHC (DESIGN.md, Gaussian vectors)."""
+    x = np.random.default_rng(11).standard_normal(2 ** 14).astype(np.float32)
+    d, ax = x.size, np.abs(x).astype(np.float64)
+    s = make_scheme(name)
+    payload = s.compress(x, generator=1)
+    out = s.decompress(payload)
+    err = _rel_error(x, out)
+    if name == "fp32":
+        np.testing.assert_array_equal(out, x)
+        assert payload.nbytes == 4 * d
+    elif name == "fp16":
+        np.testing.assert_array_equal(out, x.astype(np.float16).astype(np.float32))
+        assert payload.nbytes == 2 * d
+    elif name == "sign":
+        np.testing.assert_allclose(out, np.where(x < 0, -1.0, 1.0) * ax.mean(), rtol=1e-6)
+        assert payload.nbytes == d // 8 + 4
+    elif name == "topk":
+        k = math.ceil(0.1 * d)
+        kept = np.argsort(-ax)[:k]
+        want = np.zeros_like(x)
+        want[kept] = x[kept]
+        np.testing.assert_array_equal(out, want)
+        assert payload.nbytes == k * (4 + 8)   # float32 values, int64 positions
+    elif name in ("qsgd", "terngrad"):
+        levels = 7 if name == "qsgd" else 1
+        step = ax.max() / levels
+        lo = np.floor(ax / step)
+        frac = ax / step - lo
+        mag = np.abs(np.asarray(out, np.float64)) / step
+        assert np.all(np.isclose(mag, lo, atol=1e-4) | np.isclose(mag, lo + 1, atol=1e-4))
+        assert np.all((np.sign(out) == np.sign(x)) | (out == 0))
+        expected = float(np.sum(step ** 2 * frac * (1 - frac)) / np.sum(ax ** 2))
+        assert err == pytest.approx(expected, rel=0.1), (err, expected)
+        assert payload.nbytes == d + 4    # one int8 a coordinate and a float32 scale
+    else:
+        reference = {"thc": 0.0204, "uhc": 0.0206}[name]
+        assert err == pytest.approx(reference, rel=0.05), err
+        assert d // 2 <= payload.nbytes <= d // 2 + 64   # 4 bits a coordinate, a few scalars
 
 
 def test_bits_per_coord():

@@ -26,14 +26,15 @@ class ScriptedAggregator:
     then its RESULT (``mode="pending"``: the PENDING only, as if worker 1 never came). A
     stranger's socket forges a RESULT with every field right, the epoch included."""
 
-    def __init__(self, job, epoch=0x1234, mode="answer"):
+    def __init__(self, job, epoch=0x1234, mode="answer", family=socket.AF_INET):
         self.job, self.epoch, self.mode = job, epoch, mode
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        self.sock.bind(("127.0.0.1", 0))
+        host = "::1" if family == socket.AF_INET6 else "127.0.0.1"
+        self.sock = socket.socket(family, socket.SOCK_DGRAM)
+        self.sock.bind((host, 0))
         self.sock.settimeout(0.05)
         self.addr = self.sock.getsockname()
-        self.stranger = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        self.stranger.bind(("127.0.0.1", 0))
+        self.stranger = socket.socket(family, socket.SOCK_DGRAM)
+        self.stranger.bind((host, 0))
         self.received: list[bytes] = []
         self._stop = False
         self._thread = threading.Thread(target=self._serve, daemon=True)
@@ -160,14 +161,24 @@ def test_missing_worker_named_by_the_last_pending(job, datapath):
 
 
 def test_impairment_priorities_and_loss_bound_run_in_python(job):
+    """What only the Python window does (impairments, a loss bound, DSCP marks) makes a
+    compiled client run the round there, with the same sums; duplicated DATA is sent."""
+    want = np.concatenate([ScriptedAggregator.values(
+        s, job.lanes, 30 if s == SHORT_SEQ else 60) for s in range(N_CHUNKS)])
     agg = ScriptedAggregator(job)
     try:
         packed = _packed(job, 1)
         for kw in ({"impair": Impairment(dup=0.2, seed=1)}, {"loss_bound": 0.1}):
             with AggregationClient(job, 0, agg.addr, run=9, datapath="compiled", **kw) as c:
-                assert c.reduce(packed).datapath == "python", kw
+                result = c.reduce(packed)
+                np.testing.assert_array_equal(result.sums, want)
+                assert result.datapath == "python", kw
+                if "impair" in kw:
+                    assert c.impair.stats["duplicated"] > 0
         with AggregationClient(job, 0, agg.addr, run=9, datapath="compiled") as c:
-            assert c.reduce(packed, classes=np.zeros(N_CHUNKS, np.uint8)).datapath == "python"
+            result = c.reduce(packed, classes=np.zeros(N_CHUNKS, np.uint8))
+            np.testing.assert_array_equal(result.sums, want)
+            assert result.datapath == "python"
     finally:
         agg.close()
 
@@ -181,3 +192,39 @@ def test_datapath_choice(monkeypatch):
     monkeypatch.setenv("THC_CLIENT_DATAPATH", "bogus")
     with pytest.raises(ValueError, match="THC_CLIENT_DATAPATH"):
         resolve_datapath()
+
+
+def test_an_ipv6_socket_falls_back_from_the_compiled_window_with_the_same_sums(job):
+    """The compiled window speaks IPv4 only: an IPv6 socket's rounds run in Python, with
+    the sums and the hostile replies handled as on IPv4."""
+    want = np.concatenate([ScriptedAggregator.values(
+        s, job.lanes, 30 if s == SHORT_SEQ else 60) for s in range(N_CHUNKS)])
+    agg = ScriptedAggregator(job, family=socket.AF_INET6)
+    sock = socket.socket(socket.AF_INET6, socket.SOCK_DGRAM)
+    sock.bind(("::1", 0))
+    try:
+        with AggregationClient(job, 0, agg.addr, run=3, datapath="compiled",
+                               sock=sock) as c:
+            result = c.reduce(_packed(job, 1))
+            np.testing.assert_array_equal(result.sums, want)
+            assert result.datapath == "python"
+            # every volley's hostile replies ignored (more if a chunk was resent)
+            assert c.stats.ignored >= 11 * N_CHUNKS + 2 and c.stats.short == 1
+    finally:
+        agg.close()
+
+
+def test_priority_classes_must_match_the_chunks(job):
+    with AggregationClient(job, 0, ("127.0.0.1", 9), run=1) as c:
+        with pytest.raises(ValueError, match=f"3 priority classes for {N_CHUNKS} chunks"):
+            c.aggregate(_packed(job, 1), classes=np.zeros(3, np.uint8))
+        assert c.stats.sent == 0
+
+
+def test_a_refused_send_is_an_oserror_on_both_datapaths(job, datapath):
+    """The kernel refuses a datagram to the broadcast address from a socket without
+    SO_BROADCAST (EACCES): the round ends with that error, not a timeout."""
+    with AggregationClient(job, 0, ("255.255.255.255", 9), run=1, deadline=5.0) as c:
+        with pytest.raises(PermissionError):
+            c.aggregate(_packed(job, 1))
+        assert c.datapath == datapath

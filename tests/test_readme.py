@@ -4,6 +4,7 @@ provides only what the prose assumes: a running aggregator and its cluster.json,
 gradient ``grad``, and for the DDP block a model in a one-process group."""
 from __future__ import annotations
 
+import copy
 import re
 from pathlib import Path
 
@@ -56,11 +57,22 @@ def test_aggregator_and_ddp_examples_run(tmp_path, monkeypatch):
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_tcp_port()}",
                                 rank=0, world_size=1)
         try:
+            torch.manual_seed(0)
             model = torch.nn.Sequential(torch.nn.Linear(16, 8), torch.nn.Linear(8, 2))
+            plain = copy.deepcopy(model)
             ns["model"], ns["ddp_model"] = model, DDP(model)
             exec(blocks[2], ns)
-            ns["ddp_model"](torch.randn(4, 16)).sum().backward()
-            assert ns["hook"].bytes_sent > 0
-            assert all(p.grad is not None for p in model.parameters())
+            x = torch.randn(4, 16)
+            ns["ddp_model"](x).sum().backward()
+            plain(x).sum().backward()
+            # one worker: the biases (kept FP32, as the example asks) get their own gradient,
+            # the weights its THC estimate through the aggregator
+            assert ns["hook"].fp32_elements == 8 + 2 and ns["hook"].bytes_sent > 0
+            for (name, p), q in zip(model.named_parameters(), plain.parameters()):
+                if "bias" in name:
+                    torch.testing.assert_close(p.grad, q.grad)
+                else:
+                    err = float(((p.grad - q.grad) ** 2).sum() / (q.grad ** 2).sum())
+                    assert err < 0.1, (name, err)
         finally:
             dist.destroy_process_group()

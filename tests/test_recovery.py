@@ -33,7 +33,7 @@ def test_restarted_runs_against_a_running_aggregator_sum_exactly(tmp_path, job, 
         failed = _run_workers(job, agg.addr, workers=[0, 1, 2], deadline=1.0, run=100)
         second = _run_workers(job, agg.addr, run=101)
         third = _run_workers(job, agg.addr, run=102)
-        stats = agg.stats()
+        stats = agg.stop()
     finally:
         agg.stop()
     assert all(status == "timeout" and missing == [3]
@@ -55,11 +55,11 @@ def _stream(job, w, addr, numel, run, q, rounds=25):
         with AggregationClient(job, w, addr, deadline=DEADLINE, run=run) as c:
             for _ in range(rounds):
                 sums = c.aggregate(pack_bits(idx, P.INDEX_BITS))
-            q.put((w, "ok", sums, time.monotonic()))
+            q.put((w, "ok", sums))
     except AggregatorRestarted as e:
-        q.put((w, "restarted", str(e), time.monotonic()))
+        q.put((w, "restarted", str(e)))
     except AggregationTimeout as e:
-        q.put((w, "timeout", str(e), time.monotonic()))
+        q.put((w, "timeout", str(e)))
 
 
 def _stream_reference(job, numel):
@@ -80,31 +80,31 @@ def test_aggregator_restarted_mid_stream_fails_clearly_then_recovers(tmp_path, j
         for p in procs:
             p.start()
         # Wait until chunks complete (every worker has learnt the first epoch), then kill.
-        end = time.monotonic() + 30
-        while agg.stats()["jobs"]["1"]["completions"] < 200 and time.monotonic() < end:
-            pass
+        end = time.monotonic() + 60
+        while (done := agg.stats()["jobs"]["1"]["completions"]) < 200:
+            assert time.monotonic() < end, f"only {done} chunks completed before the kill"
         agg.proc.kill()
         agg.proc.wait(timeout=10)
         agg = AggregatorProcess(tmp_path, [job], port=agg.port)
-        restarted_at = time.monotonic()
         outcomes = {}
         for _ in procs:
-            w, status, payload, at = q.get(timeout=60)
-            outcomes[w] = (status, payload, at - restarted_at)
+            # bounded: a worker that never noticed the restart would leave this queue empty
+            w, status, payload = q.get(timeout=60)
+            outcomes[w] = (status, payload)
         for p in procs:
             p.join(timeout=10)
         again = _run_workers(job, agg.addr, run=201)
     finally:
         agg.stop()
     ref = _stream_reference(job, numel)
-    for w, (status, payload, after) in outcomes.items():
+    for w, (status, payload) in outcomes.items():
         if status == "ok":  # finished before the kill: then its sums must be exact
             np.testing.assert_array_equal(payload, ref)
-        else:
-            assert after < 2 * DEADLINE + 5, f"worker {w} took {after:.1f}s to notice"
-    causes = {status for status, _, _ in outcomes.values()}
+        elif status == "timeout":  # gave up at its deadline, blaming the aggregator
+            assert "stopped answering" in payload or "no answer" in payload, payload
+    causes = {status for status, _ in outcomes.values()}
     assert "restarted" in causes, outcomes
-    msg = next(p for s, p, _ in outcomes.values() if s == "restarted")
+    msg = next(p for s, p in outcomes.values() if s == "restarted")
     assert f"127.0.0.1:{agg.port} restarted or re-installed the job during run 200" in msg
     for w, (status, sums, _) in again.items():
         assert status == "ok", sums

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -213,7 +214,8 @@ def test_link_bandwidth_cap_is_roughly_honoured():
         seconds = float(tb.run(0, ["python", "-c", sender], timeout=60).stdout)
         (tx, _), (_, rx) = tb.wire_bytes()[0], tb.wire_bytes()[1]
     expected = nbytes * 8 / (mbit * 1e6)  # 1.6 s
-    assert 0.7 * expected < seconds < 2.5 * expected, (seconds, expected)
+    # the shaper holds the rate (a busy host only makes the transfer slower)
+    assert seconds > 0.7 * expected, (seconds, expected)
     # Shaped links are counted at the shapers: every 1448-byte TCP segment with its 66 bytes
     # of headers, where the veth counts a 64 KB TSO skb with one (4.5 % against 0.1 %).
     assert nbytes * 1.03 < tx < nbytes * 1.08, tx / nbytes
@@ -285,34 +287,41 @@ def test_sigterm_tears_the_testbed_down():
 def test_loss_is_emulated_and_delay_is_refused_or_emulated():
     from thcnet.links import netem_available
     with open_testbed(1, loss_pct=10) as tb:
+        # The receiver counts datagrams until an end marker (sent 50 times: one gets through)
+        # with room for all of them queued, so a slow receiver loses none of its own.
         rx = textwrap.dedent("""
-            import socket, time
+            import socket
             s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-            s.bind(("10.0.0.100", 40002)); s.settimeout(2); print("ready", flush=True)
+            s.setsockopt(socket.SOL_SOCKET, 33, 16 << 20)  # SO_RCVBUFFORCE (root)
+            s.bind(("10.0.0.100", 40002)); s.settimeout(60); print("ready", flush=True)
             n = 0
-            try:
-                while True:
-                    s.recv(100); n += 1
-            except socket.timeout:
-                print(n)
+            while s.recv(100) != b"end":
+                n += 1
+            print(n)
         """)
         server = tb.popen("agg", ["python", "-c", rx])
         deadline = time.monotonic() + 20
-        while "ready" not in server.stdout() and time.monotonic() < deadline:
+        while "ready" not in server.stdout():
+            assert time.monotonic() < deadline and server.poll() is None, server.stderr()
             time.sleep(0.05)
         tb.run(0, ["python", "-c", "import socket, time\n"
                    "s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\n"
                    "for i in range(4000):\n"
                    "    s.sendto(b'x' * 64, ('10.0.0.100', 40002))\n"
-                   "    if i % 100 == 0: time.sleep(0.001)\n"], timeout=30)
-        server.popen.wait(timeout=20)
+                   "    if i % 100 == 0: time.sleep(0.001)\n"
+                   "for i in range(50):\n"
+                   "    s.sendto(b'end', ('10.0.0.100', 40002)); time.sleep(0.001)\n"],
+               timeout=30)
+        server.popen.wait(timeout=60)
         got = int(server.stdout().split()[-1])
     # two lossy links in series: 1 - 0.9^2 = 19% lost
     assert 0.73 * 4000 < got < 0.89 * 4000, got
     if netem_available()[0]:
         with open_testbed(1, delay_ms=5) as tb:
             r = tb.run(0, ["ping", "-c", "3", "-i", "0.2", "10.0.0.100"], timeout=20)
-            assert "time=2" in r.stdout   # 4 x 5 ms round trip
+            rtts = [float(t) for t in re.findall(r"time=([0-9.]+) ms", r.stdout)]
+            # 4 x 5 ms each way and back; a busy host only adds to it
+            assert rtts and min(rtts) >= 19.5, r.stdout
     else:
         with pytest.raises(TestbedError, match="netem"):
             open_testbed(1, delay_ms=5)

@@ -5,6 +5,7 @@ import dataclasses
 import json
 import multiprocessing as mp
 import select
+import signal
 import socket
 import subprocess
 import sys
@@ -20,6 +21,7 @@ from host.net.client import (DATAPATH_ENV, GSO_ENV, AggregationClient, Aggregati
                              resolve_gso)
 from host.net.impair import Impairment
 from host.testing.clusters import free_port_block, local_job
+from host.testing.stats import fresh_stats
 from host.wire import protocol as P
 from host.wire.jobs import Cluster, Shard
 
@@ -39,6 +41,7 @@ class AggregatorProcess:
         for k, v in impair.items():
             args += [f"--{k}", str(v)]
         self.stats_file = tmp_path / "stats.json"
+        self.final: dict | None = None
         self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      text=True)
         line = self.proc.stdout.readline()
@@ -49,12 +52,25 @@ class AggregatorProcess:
         return ("127.0.0.1", self.port)
 
     def stats(self) -> dict:
-        time.sleep(0.7)
-        return json.loads(self.stats_file.read_text())
+        """Counters taken after this call began (the stats file, awaited until fresh)."""
+        return fresh_stats([self.stats_file], alive=lambda: self.proc.poll() is None)[0]
 
-    def stop(self):
-        self.proc.terminate()
-        self.proc.wait(timeout=10)
+    def stop(self) -> dict:
+        """Stop it as Ctrl-C does and return the final counters it prints on the way out
+        (once its serving loop runs, which its first stats file shows: an interrupt while it
+        prints its first line ends it with a traceback)."""
+        if self.final is None:
+            end = time.monotonic() + 30
+            while not self.stats_file.exists() and self.proc.poll() is None:
+                assert time.monotonic() < end, "the aggregator never wrote its stats file"
+                time.sleep(0.01)
+            self.proc.send_signal(signal.SIGINT)
+            out, _ = self.proc.communicate(timeout=30)
+            lines = out.strip().splitlines()
+            if self.proc.returncode != 0 or not lines or not lines[-1].startswith("{"):
+                raise RuntimeError(f"thc aggregator exited with {self.proc.returncode}: {out}")
+            self.final = json.loads(lines[-1])
+        return self.final
 
 
 def _worker(job, w, addr, impair, q, deadline=20.0, run=1, n=N_ELEMENTS):
@@ -113,7 +129,7 @@ def _assert_exact_through_an_aggregator(tmp_path, job, datapath):
     agg = AggregatorProcess(tmp_path, [job])
     try:
         results = _run_workers(job, agg.addr)
-        stats = agg.stats()
+        stats = agg.stop()
     finally:
         agg.stop()
     ref = _reference(job)
@@ -161,7 +177,7 @@ def test_sixteen_workers_get_exact_16_bit_sums(tmp_path):
     agg = AggregatorProcess(tmp_path, [job])
     try:
         results = _run_workers(job, agg.addr, n=n, deadline=60.0)
-        stats = agg.stats()
+        stats = agg.stop()
     finally:
         agg.stop()
     ref = _reference(job, n)
@@ -178,7 +194,7 @@ def test_exactly_once_under_loss_duplication_and_reordering(tmp_path, job):
     agg = AggregatorProcess(tmp_path, [job], **impair)
     try:
         results = _run_workers(job, agg.addr, impair=impair)
-        stats = agg.stats()
+        stats = agg.stop()
     finally:
         agg.stop()
     ref = _reference(job)
@@ -204,7 +220,7 @@ def test_compiled_client_exactly_once_under_lossy_duplicating_reordering_replies
     monkeypatch.setenv(DATAPATH_ENV, "compiled")
     try:
         results = _run_workers(job, agg.addr, n=n)
-        stats = agg.stats()
+        stats = agg.stop()
     finally:
         agg.stop()
     ref = _reference(job, n)
@@ -352,7 +368,7 @@ def test_heavy_loss_on_every_link_recovers_lost_results_in_time(tmp_path, job, d
             results[w] = (status, payload, extra)
         for p in procs:
             p.join(timeout=10)
-        stats = agg.stats()
+        stats = agg.stop()
     finally:
         relay.close()
         agg.stop()

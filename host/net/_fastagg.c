@@ -724,8 +724,12 @@ typedef struct {
     int open[OUT_CAP];
 } SendSpace;
 
+/* Why the kernel may refuse a UDP GSO send it would take datagram by datagram: no
+ * checksum offload (EIO), no UDP_SEGMENT (ENOPROTOOPT, EOPNOTSUPP), a segment larger than
+ * the route's MTU (EINVAL before Linux 6.x, EMSGSIZE since). */
 static int gso_refused(int err) {
-    return err == EIO || err == EINVAL || err == ENOPROTOOPT || err == EOPNOTSUPP;
+    return err == EIO || err == EINVAL || err == EMSGSIZE || err == ENOPROTOOPT ||
+           err == EOPNOTSUPP;
 }
 
 /* Receiving with UDP GRO (datapaths made with gso): the kernel hands a peer's GSO burst up

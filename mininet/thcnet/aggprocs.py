@@ -116,6 +116,24 @@ class AggregatorProcesses:
         except (OSError, ValueError):
             return None
 
+    def fresh_aggregator_counters(self, timeout: float = 30.0) -> dict | None:
+        """The software aggregator's counters as taken after this call began: its stats
+        files awaited until rewritten twice (:func:`host.testing.stats.fresh_stats`), so a
+        row's counters include every chunk its workers saw complete, however late the
+        aggregator's timer runs."""
+        from host.testing.stats import fresh_stats
+        if self._agg_final is not None:
+            return self._agg_final
+        procs = [p for _, p in self._aggregator_procs()]
+        if not procs:
+            return self.aggregator_counters()
+        if self.aggregator == "sharded":
+            paths = [self.logdir / f"shard{r}-stats.json" for r in range(len(self.job.shards))]
+        else:
+            paths = [self.logdir / "aggregator-stats.json"]
+        shards = fresh_stats(paths, timeout, alive=lambda: all(p.poll() is None for p in procs))
+        return sum_shard_counters(shards) if self.aggregator == "sharded" else shards[0]
+
     def stop_aggregator(self) -> dict | None:
         """Stop the software aggregator or its shards (SIGINT, as Ctrl-C) and return the final
         counters (summed over the shards, each shard's under ``"shards"``)."""

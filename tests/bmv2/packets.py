@@ -61,3 +61,13 @@ def check_round(h, job: Job, seq: int, rng: np.random.Generator) -> None:
     got = round_trip(h, job, seq, idxs)
     for w in range(job.n_workers):
         check_result(got[w], job, seq, idxs, w)
+
+
+def recv_expected(ep, n: int, quiet: float, timeout: float = 30.0) -> list[bytes]:
+    """The ``n`` datagrams a test expects at ``ep``, each awaited up to ``timeout`` seconds
+    (a loaded switch may be slow), then any more that arrive within ``quiet`` (so that an
+    extra reply still shows)."""
+    out = []
+    while len(out) < n and (d := ep.recv(timeout)) is not None:
+        out.append(d)
+    return out + ep.recv_all(timeout=quiet)

@@ -15,6 +15,7 @@ import pytest
 
 from host.wire.model import Model
 from tests import model_fuzz as F
+from tests.bmv2.packets import recv_expected
 from tests.bmv2.test_switch_trace import without_epoch
 
 pytestmark = pytest.mark.bmv2
@@ -56,7 +57,7 @@ def test_switch_answers_every_interleaving_as_the_model(bmv2, monkeypatch, seed)
         ep.send(datagram)
         sent += 1
         time.sleep(0.002)  # BMv2's pcap ring holds only a few dozen frames: no bursts
-    got = {w: [without_epoch(d) for d in eps[w].recv_all(timeout=2 * bmv2.quiet)]
+    got = {w: [without_epoch(d) for d in recv_expected(eps[w], len(want[w]), bmv2.quiet)]
            for w in eps}
     assert sent > 200 and sum(map(len, want.values())) > 20
     for w in eps:

@@ -10,7 +10,7 @@ import pytest
 
 from host.codec.packing import pack_bits
 from host.wire import protocol as P
-from tests.bmv2.packets import datagram, random_indices
+from tests.bmv2.packets import datagram, random_indices, recv_expected
 
 pytestmark = pytest.mark.bmv2
 _ids = itertools.count(700)
@@ -75,7 +75,7 @@ def test_same_trace_same_results_as_the_software_aggregator(bmv2, n_workers):
     for w, d in trace:
         bmv2.endpoint(job, w).send(d)
         time.sleep(0.002)   # BMv2's pcap ring holds only a few dozen frames: no bursts
-    hard = {w.id: bmv2.endpoint(job, w.id).recv_all(timeout=2 * bmv2.quiet)
+    hard = {w.id: recv_expected(bmv2.endpoint(job, w.id), len(soft[w.id]), bmv2.quiet)
             for w in job.workers}
     assert sum(map(len, soft.values())) > 3 * 20
     epochs = {bytes(d[EPOCH]) for got in hard.values() for d in got}

@@ -7,6 +7,7 @@ for the software aggregator, raw Ethernet frames on veth ports for BMv2 (PTF sty
 from __future__ import annotations
 
 import abc
+import time
 
 from host.wire import protocol as P
 from host.wire.jobs import VOTE_TABLE, Job
@@ -37,9 +38,15 @@ class Harness(abc.ABC):
 
     name: str = "?"
     settle: float = 0.0
-    """Seconds a harness needs before counters reflect the last packet sent."""
+    """Seconds a harness that cannot observe the aggregator's progress waits in :meth:`sync`."""
     quiet: float = 0.15
-    """Seconds of silence after which no more datagrams are expected."""
+    """Seconds of silence after which no more datagrams are expected (where replies cannot be
+    awaited by a barrier)."""
+
+    def sync(self) -> None:
+        """Return once the aggregator handled every datagram sent before the call, so that
+        counters and replies reflect them. The base waits ``settle`` seconds."""
+        time.sleep(self.settle)
 
     @abc.abstractmethod
     def make_job(self, job_id: int, n_workers: int, pool_size: int = 8,

@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import select
 import socket
+import time
+from collections.abc import Callable
 
 from host.net.aggregator import Aggregator
 from host.net.fastagg import FastAggregator
@@ -14,10 +16,14 @@ from tests.conformance.harness import Endpoint, Harness, job_fields
 
 
 class UdpEndpoint(Endpoint):
-    def __init__(self, addr: tuple[str, int], aggregator: tuple[str, int]):
+    def __init__(self, addr: tuple[str, int], aggregator: tuple[str, int],
+                 sync: Callable[[], None] | None = None):
+        """``sync``: returns once the aggregator answered everything sent before the call
+        (:meth:`SoftwareHarness.sync`); :meth:`recv_all` then takes what has arrived."""
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         self.sock.bind(addr)
         self.aggregator = aggregator
+        self.sync = sync
 
     def send(self, datagram: bytes) -> None:
         self.sock.sendto(datagram, self.aggregator)
@@ -29,23 +35,91 @@ class UdpEndpoint(Endpoint):
         except socket.timeout:
             return None
 
+    def recv_all(self, timeout: float = 0.3) -> list[bytes]:
+        """With ``sync``: every reply to what was sent so far, however late the aggregator
+        sends it (``timeout`` unused); without: until ``timeout`` seconds of silence."""
+        if self.sync is None:
+            return super().recv_all(timeout)
+        self.sync()
+        return _drain(self.sock)
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def _drain(sock: socket.socket) -> list[bytes]:
+    """The datagrams already queued on ``sock``."""
+    sock.setblocking(False)
+    out = []
+    while True:
+        try:
+            out.append(sock.recv(4096))
+        except BlockingIOError:
+            return out
+
+
+SYNC_JOB_ID = (1 << 16) - 1
+"""The job of the harness's barrier: one worker, the harness's own socket."""
+
+SYNC_TIMEOUT = 30.0
+"""Seconds a barrier waits for its reply: an aggregator this late has failed."""
+
+
+class Barrier:
+    """A one-worker job on one aggregator whose chunks complete at once: the RESULT of a
+    chunk sent now leaves after every reply to the datagrams sent to that aggregator before
+    it, as one loop takes datagrams from one socket in order and answers each before the
+    next (the compiled loop: each recvmmsg batch before the next, hence two chunks)."""
+
+    def __init__(self, aggregator, address: tuple[str, int]):
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self.sock.bind(("127.0.0.1", 0))
+        self.address = address
+        ip, port = self.sock.getsockname()
+        self.job = Job.from_dict({"job_id": SYNC_JOB_ID, "pool_size": 8,
+                                  "workers": [{"id": 0, "ip": ip, "port": port}],
+                                  **job_fields(None, 30, "thc")})
+        aggregator.install(self.job)
+        self.seq = 0
+        self.payload = bytes(P.payload_bytes(P.PktType.DATA, self.job.lanes))
+
+    def wait(self) -> None:
+        for _ in range(2):
+            seq, self.seq = self.seq, self.seq + 1
+            slot, version = P.slot_of(seq, self.job.pool_size)
+            hdr = P.Header(P.PktType.DATA, 0, SYNC_JOB_ID, slot, version, 0, seq,
+                           (seq * self.job.lanes) % P.SEQ_MOD, 0, 1, 0)
+            self.sock.sendto(hdr.pack() + self.payload, self.address)
+            end = time.monotonic() + SYNC_TIMEOUT
+            while True:
+                left = end - time.monotonic()
+                ready, _, _ = select.select([self.sock], [], [], max(0.0, left))
+                if not ready:
+                    raise TimeoutError(f"the aggregator at {self.address} did not answer the "
+                                       f"barrier chunk {seq} within {SYNC_TIMEOUT:.0f}s")
+                got = P.Header.unpack(self.sock.recv(4096))
+                if got.pkt_type == P.PktType.RESULT and got.seq == seq:
+                    break
+
     def close(self) -> None:
         self.sock.close()
 
 
 class SoftwareHarness(Harness):
     name = "software"
-    settle = 0.05
 
     def __init__(self, compiled: bool = False):
         self.name = "compiled" if compiled else "software"
-        if compiled:
-            # Its replies leave within microseconds of the packet (no GIL, no interpreter):
-            # a shorter silence keeps the suite's second run short.
-            self.quiet, self.settle = 0.08, 0.03
         self.agg = FastAggregator() if compiled else Aggregator()
         self.addr = self.agg.start("127.0.0.1", 0)
         self._endpoints: dict[tuple[str, int], UdpEndpoint] = {}
+        self._barriers = [Barrier(self.agg, self.addr)]
+
+    def sync(self) -> None:
+        """Returns once every aggregator answered all datagrams sent to it before the call
+        (and counted them)."""
+        for b in self._barriers:
+            b.wait()
 
     def make_job(self, job_id: int, n_workers: int, pool_size: int = 8,
                  table: list[int] | None = None, granularity: int = 30,
@@ -60,19 +134,12 @@ class SoftwareHarness(Harness):
                               **job_fields(table, granularity, aggregation)})
 
     def _new_endpoint(self, addr: tuple[str, int]) -> UdpEndpoint:
-        return UdpEndpoint(addr, self.addr)
+        return UdpEndpoint(addr, self.addr, self.sync)
 
     def recv_each(self, endpoints: dict) -> dict:
-        """All endpoints at once: until ``quiet`` seconds pass with none receiving anything
-        (the same condition as one ``recv_all`` each, without waiting it out per worker)."""
-        got = {k: [] for k in endpoints}
-        by_sock = {ep.sock: k for k, ep in endpoints.items()}
-        while True:
-            ready, _, _ = select.select(list(by_sock), [], [], self.quiet)
-            if not ready:
-                return got
-            for sock in ready:
-                got[by_sock[sock]].append(sock.recv(4096))
+        """Every reply each endpoint got to what was sent so far (one barrier for all)."""
+        self.sync()
+        return {k: _drain(ep.sock) for k, ep in endpoints.items()}
 
     def install(self, job: Job) -> None:
         self.agg.install(job)
@@ -101,6 +168,8 @@ class SoftwareHarness(Harness):
     def close(self) -> None:
         for ep in self._endpoints.values():
             ep.close()
+        for b in self._barriers:
+            b.close()
         self.agg.stop()
 
 
@@ -108,8 +177,9 @@ class ShardedEndpoint(UdpEndpoint):
     """A worker socket that sends each datagram to the shard owning its ``seq``, as the
     client does (datagrams too short to carry a seq go to shard 0)."""
 
-    def __init__(self, addr: tuple[str, int], shards: list[tuple[str, int]]):
-        super().__init__(addr, shards[0])
+    def __init__(self, addr: tuple[str, int], shards: list[tuple[str, int]],
+                 sync: Callable[[], None] | None = None):
+        super().__init__(addr, shards[0], sync)
         self.shards = shards
 
     def send(self, datagram: bytes) -> None:
@@ -126,14 +196,13 @@ class ShardedSoftwareHarness(SoftwareHarness):
 
     def __init__(self, n_shards: int = 2, compiled: bool = False):
         self.name = "sharded compiled" if compiled else "sharded"
-        if compiled:
-            self.quiet, self.settle = 0.08, 0.03
         make = FastAggregator if compiled else Aggregator
         self.shards = [make(shard=i) for i in range(n_shards)]
         self.shard_addrs = [a.start("127.0.0.1", 0) for a in self.shards]
         self.agg = self.shards[0]
         self.addr = self.shard_addrs[0]
         self._endpoints = {}
+        self._barriers = [Barrier(a, addr) for a, addr in zip(self.shards, self.shard_addrs)]
 
     def make_job(self, job_id: int, n_workers: int, pool_size: int = 8,
                  table: list[int] | None = None, granularity: int = 30,
@@ -143,7 +212,7 @@ class ShardedSoftwareHarness(SoftwareHarness):
             job, shards=tuple(Shard(ip, port) for ip, port in self.shard_addrs)).validate()
 
     def _new_endpoint(self, addr: tuple[str, int]) -> UdpEndpoint:
-        return ShardedEndpoint(addr, self.shard_addrs)
+        return ShardedEndpoint(addr, self.shard_addrs, self.sync)
 
     def send_to_shard(self, ep: UdpEndpoint, datagram: bytes, shard: int) -> None:
         """Send from ``ep`` to shard ``shard`` whatever the datagram's seq (a misrouted chunk)."""
@@ -174,5 +243,7 @@ class ShardedSoftwareHarness(SoftwareHarness):
     def close(self) -> None:
         for ep in self._endpoints.values():
             ep.close()
+        for b in self._barriers:
+            b.close()
         for a in self.shards:
             a.stop()

@@ -6,7 +6,6 @@ up as a failing test here rather than as a wrong gradient somewhere in training.
 from __future__ import annotations
 
 import itertools
-import time
 
 import numpy as np
 import pytest
@@ -68,7 +67,8 @@ def recv_n(ep, n: int, timeout: float = 5.0) -> list[bytes]:
 
 
 def settle(harness):
-    time.sleep(harness.settle)
+    """Wait until the aggregator handled what was sent (before reading counters)."""
+    harness.sync()
 
 
 def run_round(harness, job, seq, idxs, workers=None, run=RUN):

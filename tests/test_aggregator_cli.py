@@ -1,0 +1,141 @@
+"""``thc aggregator``'s refusals a user can meet, and both aggregators' handling of sends the
+kernel refuses (counted in ``send_errors``; a refused UDP GSO send resent datagram by
+datagram), the latter in a private network namespace where a firewall rule and a small
+MTU make the kernel refuse them."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from host.net import fastagg
+from host.testing.clusters import free_port_block, local_job
+from host.wire.jobs import Cluster
+
+
+def _aggregator(tmp_path, *argv) -> subprocess.CompletedProcess:
+    cfg = tmp_path / "cluster.json"
+    Cluster(jobs=(local_job(1, 2, free_port_block(2)),)).save(cfg)
+    return subprocess.run([sys.executable, "-m", "host.app.cli", "aggregator", "--config",
+                           str(cfg), "--duration", "5", *argv],
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_a_listen_address_without_a_port_is_refused(tmp_path):
+    r = _aggregator(tmp_path, "--listen", "127.0.0.1")
+    assert r.returncode == 2 and "expected HOST:PORT, got '127.0.0.1'" in r.stderr, r.stderr
+    assert "listening" not in r.stdout
+
+
+@pytest.mark.parametrize("datapath", ["python", "compiled"])
+def test_a_port_in_use_cannot_be_listened_on(tmp_path, datapath):
+    if datapath == "compiled" and not fastagg.available():
+        pytest.skip(fastagg.UNAVAILABLE)
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as taken:
+        taken.bind(("127.0.0.1", 0))
+        port = taken.getsockname()[1]
+        r = _aggregator(tmp_path, "--listen", f"127.0.0.1:{port}", "--datapath", datapath)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert f"cannot listen on 127.0.0.1:{port}" in r.stderr and "in use" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("option,value,message", [
+    ("--loss", "1.5", "impairment loss=1.5 must lie in [0, 1)"),
+    ("--dup", "-0.1", "impairment dup=-0.1 must lie in [0, 1)"),
+    ("--jitter", "20", "impairment jitter=20.0 s must lie in [0, 10]")])
+def test_an_impairment_out_of_range_is_refused(tmp_path, option, value, message):
+    r = _aggregator(tmp_path, "--listen", "127.0.0.1:0", option, value)
+    assert r.returncode == 2 and message in r.stderr, r.stderr
+    assert "listening" not in r.stdout
+
+
+NETNS_SCRIPT = textwrap.dedent("""
+    import json, subprocess, socket, sys, threading, time
+    from host.net.aggregator import Aggregator
+    from host.net.fastagg import FastAggregator
+    from host.testing.clusters import local_job
+    from host.wire import protocol as P
+
+    N = 40
+    subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
+
+    def rounds(make, base, blocked, errors):
+        job = local_job(1, 2, base, pool_size=64)
+        agg = make([job])
+        addr = agg.bind("127.0.0.1", 0)
+        workers = []
+        for w in job.workers:
+            s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+            s.bind((w.ip, w.port))
+            workers.append(s)
+        payload = bytes(P.payload_bytes(P.PktType.DATA, job.lanes))
+        for seq in range(N):      # all queued before it serves: replies leave in batches
+            for w, s in enumerate(workers):
+                slot, version = P.slot_of(seq, job.pool_size)
+                s.sendto(P.Header(P.PktType.DATA, w, 1, slot, version, 0, seq,
+                                  seq * job.lanes, 0, 1, 0).pack() + payload, addr)
+        threading.Thread(target=agg.serve, args=(60.0,), daemon=True).start()
+        got = []
+        for w, s in enumerate(workers):
+            s.settimeout(0.5 if w == blocked else 30.0)
+            n = 0
+            try:
+                while n < N:
+                    n += P.Header.unpack(s.recv(4096)).pkt_type == P.PktType.RESULT
+            except socket.timeout:
+                pass
+            got.append(n)
+        def send_errors():
+            agg.counters()    # the compiled datapath reports send_errors with its counters
+            return agg.send_errors
+
+        end = time.monotonic() + 30   # the count settles once the last send was tried
+        while send_errors() < errors and time.monotonic() < end:
+            time.sleep(0.01)
+        return {"results": got, "send_errors": send_errors()}
+
+    out = {}
+    rule = ["OUTPUT", "-p", "udp", "--dport", "41001", "-j", "DROP"]
+    subprocess.run(["iptables", "-A", *rule], check=True)
+    out["python, worker 1 blocked"] = rounds(Aggregator, 41000, 1, N)
+    if sys.argv[1] == "compiled":
+        subprocess.run(["iptables", "-A", *rule[:4], "41011", *rule[5:]], check=True)
+        out["compiled, worker 1 blocked"] = rounds(FastAggregator, 41010, 1, N)
+        subprocess.run(["ip", "link", "set", "lo", "mtu", "300"], check=True)
+        out["compiled, GSO refused"] = rounds(FastAggregator, 41020, None, 0)
+    print(json.dumps(out))
+""")
+
+
+def _netns_prefix() -> list[str] | None:
+    if not (shutil.which("unshare") and shutil.which("iptables") and shutil.which("ip")):
+        return None
+    prefix = ["unshare", "-n"] if os.geteuid() == 0 else ["unshare", "-rn"]
+    probe = subprocess.run(prefix + ["iptables", "-L", "OUTPUT"], capture_output=True)
+    return prefix if probe.returncode == 0 else None
+
+
+def test_refused_sends_are_counted_and_a_refused_gso_send_goes_out_one_by_one():
+    """Worker 1's port firewalled: every RESULT to it fails (EPERM), each counted in
+    ``send_errors``, while worker 0 gets all of its own. An MTU below a GSO send's size:
+    the kernel refuses the burst (EINVAL); the compiled datapath sends its datagrams one by
+    one, counting no error, and both workers get every RESULT."""
+    prefix = _netns_prefix()
+    if prefix is None:
+        pytest.skip("needs a private network namespace with iptables (as Mininet does)")
+    kind = "compiled" if fastagg.available() else "python"
+    r = subprocess.run(prefix + [sys.executable, "-c", NETNS_SCRIPT, kind],
+                       capture_output=True, text=True, timeout=120,
+                       cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    for datapath in ("python", "compiled")[: 2 if kind == "compiled" else 1]:
+        assert out[f"{datapath}, worker 1 blocked"] == {"results": [40, 0], "send_errors": 40}
+    if kind == "compiled":
+        assert out["compiled, GSO refused"] == {"results": [40, 40], "send_errors": 0}
