@@ -39,9 +39,7 @@ Usage:
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -49,20 +47,16 @@ from pathlib import Path
 
 P4SRC = Path(__file__).resolve().parent
 sys.path.insert(0, str(P4SRC))
-import gen_tna  # noqa: E402  (beside this script, which runs outside any package)
-ROOT = P4SRC.parent
-PROTOCOL_JSON = ROOT / "host" / "wire" / "protocol.json"
-GEN_DIR = P4SRC / "generated"
-BUILD_DIR = P4SRC / "build"
+# beside this script, which runs outside any package
+import gen_tna  # noqa: E402
+import tofino_report  # noqa: E402
+from p4files import (BUILD_DIR, COMMON_P4, GEN_DIR, PROTOCOL_JSON, ROOT, TNA_P4,  # noqa: E402
+                     load_spec, p4c_binary, p4c_version, rel, sha256)
+from tofino_report import TOFINO_REPORT, check_tofino, record_tofino, tofino_sources  # noqa
 SOURCES_JSON = BUILD_DIR / "SOURCES.json"
 MAIN_P4 = P4SRC / "thc.p4"
-COMMON_P4 = P4SRC / "thc_common.p4"
-TNA_P4 = P4SRC / "thc_tna.p4"
 L2_P4 = P4SRC / "l2.p4"
 OUTPUTS = ("thc.json", "thc.p4info.txt", "l2.json", "l2.p4info.txt")
-TOFINO_DIR = BUILD_DIR / "tofino"
-TOFINO_REPORT = TOFINO_DIR / "REPORT.json"
-TOFINO_LOGS = ("mau.resources.log", "resources.json", "metrics.json", "thc_tna.p4info.txt")
 """Files of the Tofino compiler's output that summarise resources (stages, SRAM/TCAM,
 stateful ALUs, PHV); whichever of them the compiler wrote are committed."""
 
@@ -87,10 +81,6 @@ TO_AGGREGATOR = ("DATA", "MAX", "FLUSH", "RESET")
 """Packet types a worker (or the controller, for RESET) sends to the aggregator."""
 
 
-def load_spec(path: Path = PROTOCOL_JSON) -> dict:
-    return json.loads(path.read_text())
-
-
 GROUP_LANES = load_spec()["group_lanes"]
 """Lanes of one ThcLaneGroup: 4 DATA bytes; two 32-bit words of 8-bit sums, four of 16-bit."""
 
@@ -101,8 +91,6 @@ def ident(name: str) -> str:
 
 def _each(template: str, n: int) -> str:
     return "".join(template.format(i=i) for i in range(n))
-
-
 
 
 def generate(spec: dict, lanes: int | None = None, slots: int | None = None,
@@ -256,34 +244,11 @@ def write_generated(files: dict[str, str], out: Path = GEN_DIR) -> list[Path]:
 # Build record
 # ---------------------------------------------------------------------------------------
 
-def sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
-def rel(path: Path) -> str:
-    """Repository-relative path (absolute for a path outside the repository)."""
-    path = path.resolve()
-    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
-
-
 def source_files() -> list[Path]:
     """What the BMv2 build depends on (the Tofino program's files: tofino_sources)."""
     gen = sorted(p for p in GEN_DIR.glob("*.p4") if not p.name.startswith("thc_tna_"))
-    return [MAIN_P4, COMMON_P4, L2_P4, Path(__file__).resolve(), PROTOCOL_JSON, *gen]
-
-
-def p4c_binary() -> str:
-    return os.environ.get("P4C", "p4c")
-
-
-def p4c_version() -> str:
-    try:
-        out = subprocess.run([p4c_binary(), "--version"], capture_output=True, text=True,
-                             timeout=60)
-    except (OSError, subprocess.TimeoutExpired) as e:
-        raise SystemExit(f"gen_p4 --record: cannot run {p4c_binary()!r}: {e}")
-    text = (out.stdout or out.stderr).strip().splitlines()
-    return text[-1].strip() if text else "unknown"
+    return [MAIN_P4, COMMON_P4, L2_P4, Path(__file__).resolve(), P4SRC / "p4files.py",
+            PROTOCOL_JSON, *gen]
 
 
 def compile_l2() -> None:
@@ -353,117 +318,6 @@ def check() -> list[str]:
             problems.append(f"{name} is missing: run `make p4`")
         elif sha256(path) != digest:
             problems.append(f"{name} differs from the recorded build output: run `make p4`")
-    return problems
-
-
-def tofino_sources() -> list[Path]:
-    """What the Tofino compile depends on: the generated files are a function of these."""
-    return [TNA_P4, COMMON_P4, Path(__file__).resolve(), P4SRC / "gen_tna.py", PROTOCOL_JSON]
-
-
-
-def tofino_summary(out: Path) -> dict:
-    """Per MAU stage of a successful compile: logical tables, stateful ALUs, SRAM and TCAM
-    blocks (from the compiler's resources.json), and the PHV the allocation used (from its
-    last phv_allocation_summary log); empty where the compile stopped before."""
-    res = next(iter(sorted(out.rglob("resources.json"))), None)
-    stages = []
-    if res is not None:
-        mau = json.loads(res.read_text())["resources"]["mau"]
-        for st in sorted(mau.get("mau_stages", []), key=lambda s: s["stage_number"]):
-            stages.append({
-                "stage": st["stage_number"],
-                "logical_tables": len(st["logical_tables"]["ids"]),
-                "stateful_alus": len(st["meter_alus"]["meters"]),
-                "srams": len(st["rams"]["srams"]),
-                "tcams": len(st["tcams"]["tcams"]),
-            })
-    phv = {}
-    logs = sorted(out.rglob("phv_allocation_summary_*.log"), key=lambda p: p.stat().st_mtime)
-    if logs:
-        for line in logs[-1].read_text(errors="replace").splitlines():
-            cells = [c.strip() for c in line.strip("|").split("|")]
-            if cells and cells[0] in ("Usage for 8b", "Usage for 16b", "Usage for 32b",
-                                      "Overall PHV Usage"):
-                phv[cells[0]] = {"containers_used": cells[1], "bits_used": cells[2],
-                                 "bits_used_ingress": cells[3],
-                                 "bits_used_egress": cells[4], "bits_available": cells[-1]}
-    totals = {k: sum(s[k] for s in stages)
-              for k in ("logical_tables", "stateful_alus", "srams", "tcams")}
-    return {"stages_used": len([s for s in stages if s["logical_tables"]]),
-            "totals": totals, "stages": stages, "phv": phv}
-
-
-def record_tofino(out: Path) -> None:
-    """Commit-ready resource summary and P4Info of the Tofino compile whose output is in
-    ``out``."""
-    found = {}
-    for path in sorted(Path(out).rglob("*")):
-        if path.name in TOFINO_LOGS and path.is_file() and path.name not in found:
-            found[path.name] = path
-    if not found:
-        raise SystemExit(f"gen_p4 --record-tofino: none of {list(TOFINO_LOGS)} under {out}; "
-                         f"did `p4c --target tofino --arch tna -o {out}` succeed?")
-    TOFINO_DIR.mkdir(parents=True, exist_ok=True)
-    for stale in TOFINO_DIR.iterdir():
-        stale.unlink()
-    for name, path in found.items():
-        shutil.copy(path, TOFINO_DIR / name)
-    # the compiler's verdict (make p4-tofino writes its exit status and log beside <out>)
-    rc_file, log_file = Path(out) / "rc", Path(out).parent / "compile.log"
-    rc = int(rc_file.read_text()) if rc_file.exists() else None
-    errors = []
-    if log_file.exists():
-        for line in log_file.read_text(errors="replace").splitlines():
-            line = line.replace(str(Path(out).parent), "<out>")
-            if "error" in line and not line.startswith("0 errors") and line not in errors:
-                errors.append(line)
-    if errors:
-        (TOFINO_DIR / "errors.txt").write_text("\n".join(errors) + "\n")
-        found["errors.txt"] = TOFINO_DIR / "errors.txt"
-    rec = {
-        "comment": "Written by `make p4-tofino` (gen_p4.py --record-tofino); checked by "
-                   "tests/test_p4_build.py where the Tofino back end is installed.",
-        "compiler": p4c_version(),
-        "command": (f"p4c --target tofino --arch tna --verbose 1 -o <out> --p4runtime-files "
-                    f"<out>/thc_tna.p4info.txt --p4runtime-force-std-externs {rel(TNA_P4)}"),
-        "lanes": load_spec()["lanes"],
-        "passes": 2,
-        "words_pass0": gen_tna.PASS0_WORDS,
-        "words_pass1": gen_tna.WORDS,
-        "max_lanes": load_spec()["max_lanes"],
-        "compiled": rc == 0 if rc is not None else None,
-        "exit_status": rc,
-        "sources": {rel(p): sha256(p) for p in tofino_sources()},
-        "outputs": {rel(TOFINO_DIR / n): sha256(TOFINO_DIR / n) for n in sorted(found)},
-        "summary": tofino_summary(Path(out)),
-    }
-    TOFINO_REPORT.write_text(json.dumps(rec, indent=2, sort_keys=True) + "\n")
-    verdict = {True: "compiled", False: f"FAILED (exit {rc}; errors.txt)", None: "?"}[
-        rec["compiled"]]
-    print(f"gen_p4: {rec['lanes']} lanes in {rec['passes']} passes {verdict}; recorded {', '.join(sorted(found))} "
-          f"({rec['compiler']}) in {rel(TOFINO_DIR)}")
-
-
-def check_tofino() -> list[str]:
-    """Problems that make the committed Tofino report stale; empty when it is current."""
-    if not TOFINO_REPORT.exists():
-        return [f"{rel(TOFINO_REPORT)} is missing: run `make p4-tofino`"]
-    rec = json.loads(TOFINO_REPORT.read_text())
-    problems = []
-    recorded = rec.get("sources", {})
-    current = {rel(p): p for p in tofino_sources()}
-    for name, path in current.items():
-        if recorded.get(name) != sha256(path):
-            problems.append(f"{name} changed since the Tofino report was made: run "
-                            f"`make p4-tofino`")
-    problems += [f"{name} is in the Tofino report but no longer exists: run `make p4-tofino`"
-                 for name in recorded if name not in current]
-    for name, digest in rec.get("outputs", {}).items():
-        path = ROOT / name
-        if not path.exists() or sha256(path) != digest:
-            problems.append(f"{name} differs from the recorded Tofino report: run "
-                            f"`make p4-tofino`")
     return problems
 
 

@@ -251,7 +251,7 @@ def test_committed_tofino_report_is_not_stale():
 
 def test_tofino_check_names_the_changed_source(tmp_path, monkeypatch):
     """check_tofino reports a missing report, and a source changed after the record."""
-    monkeypatch.setattr(gen, "TOFINO_REPORT", tmp_path / "REPORT.json")
+    monkeypatch.setattr(gen.tofino_report, "TOFINO_REPORT", tmp_path / "REPORT.json")
     assert "make p4-tofino" in gen.check_tofino()[0]
     (tmp_path / "REPORT.json").write_text(json.dumps({
         "sources": {gen.rel(p): gen.sha256(p) for p in gen.tofino_sources()}, "outputs": {}}))
