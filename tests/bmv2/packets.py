@@ -63,7 +63,7 @@ def check_round(h, job: Job, seq: int, rng: np.random.Generator) -> None:
         check_result(got[w], job, seq, idxs, w)
 
 
-def recv_expected(ep, n: int, quiet: float, timeout: float = 30.0) -> list[bytes]:
+def recv_expected(ep, n: int, quiet: float, timeout: float = 10.0) -> list[bytes]:
     """The ``n`` datagrams a test expects at ``ep``, each awaited up to ``timeout`` seconds
     (a loaded switch may be slow), then any more that arrive within ``quiet`` (so that an
     extra reply still shows)."""
