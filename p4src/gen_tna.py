@@ -34,8 +34,9 @@ def check(spec: dict) -> None:
     if (WORDS + PASS0_WORDS) * WORD_LANES != lanes:
         raise SystemExit(f"gen_tna: {WORDS} + {PASS0_WORDS} words of {WORD_LANES} lanes do "
                          f"not make protocol.json's {lanes} lanes")
-    if spec["max_lanes"] > WORDS or WORDS % 8 or PASS0_WORDS % 8:
-        raise SystemExit("gen_tna: the max lanes ride pass 1's words; payload headers hold "
+    if spec["max_lanes"] > WORDS - EARLY_WORDS or WORDS % 8 or PASS0_WORDS % 8:
+        raise SystemExit("gen_tna: the max lanes ride pass 1's words (not the early ones); "
+                         "payload headers hold "
                          "two words (indices) or eight (sign bits)")
 
 

@@ -213,7 +213,7 @@ parser ThcIngressParser(packet_in pkt, out tna_headers_t hdr, out metadata_t met
  * stage, so that its register can take stage 1: PHV for the halves is spent only where
  * stages are short.
  */
-#define THC_WORD_CONTROL(NAME, INPUT, HALVES)                                                 \
+#define THC_WORD_CONTROL(NAME, INPUT, HALVES)                                                      \
 control NAME(inout thc_word_h r, HALVES in thc_index_t index, in bit<2> op,                  \
              in bit<1> is_max, in bit<1> blank, in bit<1> run) {                            \
     Register<bit<32>, thc_index_t>(THC_REG_SIZE * 2) thc_sum;                               \
@@ -269,12 +269,50 @@ control NAME(inout thc_word_h r, HALVES in thc_index_t index, in bit<2> op,     
 }
 
 #define THC_NO_HALVES
-#define THC_HALVES in bit<16> hi, in bit<16> lo,
 THC_WORD_CONTROL(ThcWord, r.w, THC_NO_HALVES)
-THC_WORD_CONTROL(ThcEarlyWord, (hi ++ lo), THC_HALVES)
 #undef THC_WORD_CONTROL
-#undef THC_HALVES
 #undef THC_NO_HALVES
+
+// A stateful ALU that reads two 16-bit halves has no input left for a condition on the lane
+// operation: the early word writes and adds in two programs, and keeps no max lane.
+control ThcEarlyWord(inout thc_word_h r, in bit<16> hi, in bit<16> lo, in thc_index_t index,
+                     in bit<2> op, in bit<1> is_max, in bit<1> blank, in bit<1> run) {
+    Register<bit<32>, thc_index_t>(THC_REG_SIZE * 2) thc_sum;
+    RegisterAction<bit<32>, thc_index_t, bit<32>>(thc_sum) thc_write = {
+        void apply(inout bit<32> value, out bit<32> rv) { value = hi ++ lo; rv = value; }
+    };
+    RegisterAction<bit<32>, thc_index_t, bit<32>>(thc_sum) thc_add = {
+        void apply(inout bit<32> value, out bit<32> rv) { value = value + (hi ++ lo); rv = value; }
+    };
+    RegisterAction<bit<32>, thc_index_t, bit<32>>(thc_sum) thc_read = {
+        void apply(inout bit<32> value, out bit<32> rv) { rv = value; }
+    };
+    RegisterAction<bit<32>, thc_index_t, bit<32>>(thc_sum) thc_clear = {
+        void apply(inout bit<32> value, out bit<32> rv) { value = 0; rv = value; }
+    };
+    action thc_word_write() { r.w = thc_write.execute(index); }
+    action thc_word_add() { r.w = thc_add.execute(index); }
+    action thc_word_read() { r.w = thc_read.execute(index); }
+    action thc_word_clear() { r.w = thc_clear.execute(index); }
+    table thc_word_op {
+        key = { op: exact; is_max: exact; blank: exact; }
+        actions = { thc_word_write; thc_word_add; thc_word_read; thc_word_clear; NoAction; }
+        const entries = {
+            (THC_OP_WRITE, 0, 0): thc_word_write();
+            (THC_OP_ADD, 0, 0): thc_word_add();
+            (THC_OP_WRITE, 0, 1): thc_word_clear();
+            (THC_OP_READ, 0, 0): thc_word_read();
+            (THC_OP_READ, 0, 1): thc_word_read();
+        }
+        const default_action = NoAction;
+        size = 8;
+    }
+    apply {
+        if (run == 1) {
+            thc_word_op.apply();
+        }
+    }
+}
 
 #include "generated/thc_tna_pragmas.p4"
 control ThcIngress(inout tna_headers_t hdr, inout metadata_t meta,
