@@ -208,8 +208,9 @@ def test_an_ipv6_socket_falls_back_from_the_compiled_window_with_the_same_sums(j
             result = c.reduce(_packed(job, 1))
             np.testing.assert_array_equal(result.sums, want)
             assert result.datapath == "python"
-            # every volley's hostile replies ignored (more if a chunk was resent)
-            assert c.stats.ignored >= 11 * N_CHUNKS + 2 and c.stats.short == 1
+            # every chunk's volley of hostile replies ignored (more if a resent chunk drew
+            # another)
+            assert c.stats.ignored >= 11 * N_CHUNKS and c.stats.short == 1
     finally:
         agg.close()
 
