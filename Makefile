@@ -11,7 +11,7 @@ P4SRC  := p4src
 P4OUT  := $(P4SRC)/build
 WORKERS ?= 4
 
-.PHONY: setup system-deps test fuzz run p4 p4-check p4-tofino bench mininet faults clean
+.PHONY: setup system-deps test fuzz run run-bmv2 p4 p4-check p4-tofino bench mininet faults clean
 
 setup: $(STAMP)
 
@@ -45,8 +45,13 @@ FUZZ_STEPS ?= 1000000
 fuzz: setup
 	$(PY) -m tests.model_fuzz --steps $(FUZZ_STEPS)
 
+# The main job; a mode through BMv2 trains a bounded number of steps (--bmv2-steps).
 run: system-deps setup
 	$(PY) -m host.app.cli run --workers $(WORKERS)
+
+# FP32, THC through the software shards and THC through BMv2, every mode for every epoch.
+run-bmv2: system-deps setup
+	$(PY) -m host.app.cli run --workers $(WORKERS) --modes fp32,thc,thc-bmv2 --bmv2-steps all
 
 bench: setup
 	$(PY) -m host.app.cli bench codec --json out/bench_codec.json

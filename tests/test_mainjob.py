@@ -98,11 +98,25 @@ def test_counts_below_one_are_usage_errors(argv, capsys):
     assert parser.parse_args(["--max-steps", "1", "--epochs", "2"]).max_steps == 1
 
 
+def test_bmv2_steps_take_a_count_or_all():
+    import argparse
+    parser = argparse.ArgumentParser()
+    mainjob.add_arguments(parser)
+    assert parser.parse_args([]).bmv2_steps == mainjob.BMV2_STEPS
+    assert parser.parse_args(["--bmv2-steps", "all"]).bmv2_steps is None
+    assert parser.parse_args(["--bmv2-steps", "3"]).bmv2_steps == 3
+    for bad in ("0", "some"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--bmv2-steps", bad])
+
+
 @pytest.mark.slow
 @pytest.mark.bmv2
-def test_main_job_through_bmv2_trains_every_step_with_the_software_losses(tmp_path):
-    """The main job's BMv2 mode runs all its epochs, and every step's loss equals THC's
-    through the software aggregators (the sums are the same integers)."""
+@pytest.mark.parametrize("bound", ["all", "5"])
+def test_main_job_through_bmv2_has_the_software_losses_step_by_step(tmp_path, bound):
+    """The main job's BMv2 mode trains all its epochs (``--bmv2-steps all``) or the bounded
+    number of steps ``make run`` gives it, and every step's loss equals THC's through the
+    software aggregators (the sums are the same integers)."""
     from thcnet.testbed import bmv2_unavailable_reason, mininet_unavailable_reason
     why = mininet_unavailable_reason() or bmv2_unavailable_reason()
     if why:
@@ -110,15 +124,25 @@ def test_main_job_through_bmv2_trains_every_step_with_the_software_losses(tmp_pa
     out = subprocess.run(
         [sys.executable, "-m", "host.app.cli", "run", "--epochs", "2", "--data", "digits",
          "--width", "8", "--train-subset", "512", "--batch", "32", "--evals", "1",
-         "--workers", "2", "--bw", "100", "--modes", "thc,thc-bmv2", "--out", str(tmp_path)],
+         "--workers", "2", "--bw", "100", "--modes", "thc,thc-bmv2", "--bmv2-steps", bound,
+         "--out", str(tmp_path)],
         capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     report = json.loads((tmp_path / "mainjob.json").read_text())
     runs = {r["mode"]: r for r in report["runs"]}
     steps = 2 * (512 // (2 * 32))
-    for r in runs.values():
-        assert r["stopped"] is None and r["epochs_done"] == 2.0
-        assert len(mainjob.step_losses(r)) == steps == r["history"][-1]["steps"]
+    assert runs["thc"]["stopped"] is None and runs["thc"]["epochs_done"] == 2.0
+    assert len(mainjob.step_losses(runs["thc"])) == steps == runs["thc"]["history"][-1]["steps"]
+    hw = runs["thc-bmv2"]
+    compared = steps if bound == "all" else int(bound)
+    assert len(mainjob.step_losses(hw)) == compared == hw["history"][-1]["steps"]
+    if bound == "all":
+        assert hw["stopped"] is None and hw["step_bound"] is None and hw["epochs_done"] == 2.0
+    else:
+        assert hw["stopped"] == f"bounded to {bound} steps (--bmv2-steps)"
+        assert hw["step_bound"] == int(bound) and hw["epochs_done"] < 1.0
+        assert f"thc-bmv2 (bounded to {bound} steps) vs thc" in out.stdout
     assert report["summary"]["bmv2_vs_thc"] == {
-        "steps_compared": steps, "identical_losses": True, "first_difference": None}
+        "steps_compared": compared, "identical_losses": True, "first_difference": None,
+        "bmv2_step_bound": hw["step_bound"]}
     assert "identical losses" in out.stdout

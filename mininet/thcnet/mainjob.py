@@ -2,8 +2,9 @@
 
 Modes (one table, :data:`MODES`): uncompressed FP32 (DDP's Gloo all-reduce), THC through
 software aggregator shards co-located with the workers (THC's parameter-server layout), THC
-through the BMv2 switch (when BMv2 and Mininet are present), THC's integer sums over the Gloo
-all-reduce, TopK 10%, and Marsit's sign bits merged along a ring or counted by a vote job
+through the BMv2 switch (when BMv2 and Mininet are present; bounded to ``--bmv2-steps`` steps,
+3 by default, its losses compared step by step with THC's through the software shards), THC's
+integer sums over the Gloo all-reduce, TopK 10%, and Marsit's sign bits merged along a ring or counted by a vote job
 (software aggregator; BMv2 on request); on request (``--modes ...,thc-central``) THC through
 one central software aggregator on its own host, and DLCP over that aggregator: ``thc-lossy``
 (rounds may close short at the job's ``--loss-bound``) and ``thc-dlcp`` (the same, every
@@ -77,6 +78,11 @@ DEFAULT_MODES = ",".join(m for m in MODES if m not in OPT_IN)
 """Every mode but the central aggregator's (plain and DLCP: a comparison under ``--congest``)
 and the BMv2 vote: at BMv2's ~2k packets/s of 256 lanes a step of 1.2M signs takes about
 10 s (estimated), an epoch 20 min."""
+BMV2_STEPS = 3
+"""Steps a mode through BMv2 trains by default: its losses after two rounds of sums through
+the switch are compared with ``thc``'s, and the whole main job stays within 12 minutes on 2
+cores (a step takes about 9 s through a BMv2 built without logging macros, about 36 s with
+them on a loaded machine)."""
 STOP_MARGIN = 25.0
 """Seconds before a mode's limit at which its workers stop training and evaluate: the step
 under way (a BMv2 step takes 12-17 s) and the last evaluation fit in it."""
@@ -122,12 +128,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout", type=float, default=600.0,
                         help="per-mode limit, seconds: a mode stopped there reports how far "
                              "it got")
+    parser.add_argument("--bmv2-steps", type=_steps, default=BMV2_STEPS, metavar="N|all",
+                        help=f"modes through BMv2 train N steps, then evaluate (default "
+                             f"{BMV2_STEPS}: a step of the 1.2M-parameter model takes 9-36 s "
+                             f"through BMv2 on 2 cores); their losses are compared step by step "
+                             f"with thc's. 'all' trains them for every epoch like the other "
+                             f"modes (234 steps: 36 minutes or more; make run-bmv2)")
     parser.add_argument("--bmv2-timeout", type=float, default=3600.0,
-                        help="the limit for modes through BMv2 (default 3600 s: at its two "
-                             "thousand or so packets/s a step of the 1.2M-parameter model takes "
-                             "about 9 s on 2 cores, so the default 2 epochs, 234 steps, take "
-                             "about 36 minutes; a lower limit stops the mode where it got and "
-                             "still compares its losses with THC's)")
+                        help="the limit for modes through BMv2 (default 3600 s; a lower limit "
+                             "stops the mode where it got and still compares its losses with "
+                             "THC's)")
+
+
+def _steps(text: str) -> int | None:
+    """A step count of at least 1, or ``all`` (None: no bound)."""
+    return None if text == "all" else positive_int(text)
 
 
 def _fraction(text: str) -> float:
@@ -205,6 +220,7 @@ def _run_mode(name: str, args, progress) -> dict:
     # Under --congest every mode gets the same class-queued links: only the marks differ.
     queued = mode.loss_bound or bool(args.congest)
     limit = args.bmv2_timeout if mode.aggregator == "bmv2" else args.timeout
+    bound = args.bmv2_steps if mode.aggregator == "bmv2" else None
     with open_testbed(args.workers, bw_mbit=args.bw, delay_ms=args.delay, loss_pct=args.loss,
                       aggregator=mode.aggregator, prefer_mininet=not args.loopback,
                       lanes=lanes, priorities=queued) as tb:
@@ -233,6 +249,8 @@ def _run_mode(name: str, args, progress) -> dict:
                 a += ["--agg", f"{tb.agg_addr[0]}:{tb.agg_addr[1]}"]
             if mode.priorities:
                 a.append("--priorities")
+            if bound:
+                a += ["--max-steps", str(bound)]
             # the workers stop themselves in time to evaluate where they got to (the
             # deadline counts from here, start-up included); the kill at the limit stays
             # as the backstop
@@ -268,8 +286,11 @@ def _run_mode(name: str, args, progress) -> dict:
         kind = tb.kind
     info, history = _rows(results[0].stdout)
     if stopped is None and history and history[-1]["epoch"] < args.epochs - 1e-9:
-        stopped = (f"stopped itself {STOP_MARGIN:.0f} s before the {limit:.0f} s limit "
-                   f"(--deadline)")
+        if bound and history[-1]["steps"] >= bound:
+            stopped = f"bounded to {bound} steps (--bmv2-steps)"
+        else:
+            stopped = (f"stopped itself {STOP_MARGIN:.0f} s before the {limit:.0f} s limit "
+                       f"(--deadline)")
     if not history:
         raise RuntimeError(f"mode {name}: no evaluation row from rank 0 "
                            f"({stopped or 'it exited without one'})")
@@ -291,6 +312,7 @@ def _run_mode(name: str, args, progress) -> dict:
             "params": info.get("params"), "history": history, "wall_seconds": wall,
             "train_seconds": last["seconds"], "final_accuracy": last["accuracy"],
             "epochs_done": last["epoch"], "epochs_asked": args.epochs, "stopped": stopped,
+            "step_bound": bound,
             "wire_bytes": int(wire), "wire_source": wire_source, "agg_link_bytes": agg,
             "comm_seconds": last.get("comm_seconds"),
             "exposed_comm_seconds": last.get("exposed_comm_seconds"),
@@ -379,6 +401,10 @@ def run(args: argparse.Namespace) -> int:
               f"{(f'{speed:.2f}x' if speed else '-'):>8} "
               f"{(f'{fixed:.1f}' if fixed is not None else '-'):>8}")
     print(f"bytes: {runs[0]['wire_source'] if runs else '-'}")
+    for r in runs:
+        if r["stopped"]:
+            print(f"{r['mode']}: {r['stopped']} after {r['history'][-1]['steps']} steps, not "
+                  f"a finished run (it never wins)")
     summary["dlcp"] = dlcp_ratios(runs)
     for row, r in zip(summary["dlcp"], [r for r in runs if r["loss_bound"]]):
         at = (f"; at step {row['at_step']} accuracy {row['accuracy']:.4f} against "
@@ -396,8 +422,10 @@ def run(args: argparse.Namespace) -> int:
         same = k > 0 and a[:k] == b[:k]
         summary["bmv2_vs_thc"] = {"steps_compared": k, "identical_losses": same,
                                   "first_difference": None if same else next(
-                                      (i for i in range(k) if a[i] != b[i]), None)}
-        print(f"thc-bmv2 vs thc, first {k} training steps: "
+                                      (i for i in range(k) if a[i] != b[i]), None),
+                                  "bmv2_step_bound": hw["step_bound"]}
+        bounded = f" (bounded to {hw['step_bound']} steps)" if hw["step_bound"] else ""
+        print(f"thc-bmv2{bounded} vs thc, first {k} training steps: "
               + ("identical losses (the switch's sums are bit-identical to the software "
                  "aggregator's)" if same else
                  f"DIFFERENT losses from step {summary['bmv2_vs_thc']['first_difference']}"))

@@ -89,8 +89,12 @@ def plot(runs: list[dict], path: Path, title: str) -> None:
     fig, (ax_t, ax_b) = plt.subplots(1, 2, figsize=(12, 4.5))
     for r in runs:
         h = r["history"]
-        label = r["mode"] + (f" (stopped at epoch {r['epochs_done']:.2f})" if r["stopped"]
-                             else f" ({r['final_accuracy']:.3f})")
+        if r.get("step_bound") and r["stopped"]:
+            label = f"{r['mode']} ({h[-1]['steps']} steps, bounded)"
+        elif r["stopped"]:
+            label = f"{r['mode']} (stopped at epoch {r['epochs_done']:.2f})"
+        else:
+            label = f"{r['mode']} ({r['final_accuracy']:.3f})"
         scale = r["wire_bytes"] / max(1, h[-1]["steps"]) / 1e6
         ax_t.plot([x["seconds"] for x in h], [x["accuracy"] for x in h], marker="o",
                   label=label)
