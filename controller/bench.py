@@ -153,7 +153,7 @@ def _rate(read, send, frames, args, pid: int) -> dict:
 
 
 FAST_BUILD_L2_PPS = 40_000
-"""l2.p4 rate of a build without logging macros on a free core of this VM (about 40k
+"""l2.p4 rate of a build without logging macros on a free core of a 2-core x86_64 VM (about 40k
 packets/s); less means the CPU is busy or the build is slow."""
 
 
