@@ -24,7 +24,7 @@ the reference's); ``backend="reference"`` or THC_CODEC_CPU=reference keeps the r
 path. Where the extension is missing, :data:`UNAVAILABLE` says why.
 
 Measured with ``thc bench codec`` (2^24 floats, one core): encode + decode several times the
-reference path's speed, about the FP16 cast's (README, "Measured here").
+reference path's speed, about the FP16 cast's (README, "Measured"; docs/results.md).
 """
 from __future__ import annotations
 
