@@ -267,6 +267,16 @@ def test_shell_examples_parse_and_the_cheap_ones_run():
     assert ran >= 2
 
 
+def test_command_table_lists_every_thc_command():
+    from host.app.cli import COMMANDS
+    from host.bench.cli import BENCHES
+    text = README.read_text()
+    rows = re.findall(r"^\| `thc (\w+)` \| (.*) \|$", text, re.M)
+    assert [name for name, _ in rows] == list(COMMANDS)
+    benches = dict(rows)["bench"]
+    assert re.findall(r"`(\w+)`", benches) == list(BENCHES)
+
+
 @pytest.mark.parametrize("change, error", [
     (lambda t: t.replace("codec.decode(", "codec.undecode("), "undecode"),
     (lambda t: t.replace("<!-- example: ddp -->\n", ""), "no check"),
