@@ -85,7 +85,8 @@ cores (a step takes about 9 s through a BMv2 built without logging macros, about
 them on a loaded machine)."""
 STOP_MARGIN = 25.0
 """Seconds before a mode's limit at which its workers stop training and evaluate: the step
-under way (a BMv2 step takes 12-17 s) and the last evaluation fit in it."""
+under way (a BMv2 step takes 9-17 s through a build without logging macros) and the last
+evaluation fit in it."""
 
 FIXED_TARGET = {"fashion-mnist": 0.80, "digits": 0.95}
 """The fixed accuracy target of the time-to-accuracy table, per data set."""
