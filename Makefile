@@ -46,12 +46,12 @@ fuzz: setup
 	$(PY) -m tests.model_fuzz --steps $(FUZZ_STEPS)
 
 run: system-deps setup
-	$(PY) -m host.app.cli run --workers $(WORKERS)
+	$(PY) -m host.cli run --workers $(WORKERS)
 
 bench: setup
-	$(PY) -m host.app.cli bench codec --json out/bench_codec.json
-	$(PY) -m host.app.cli nmse --json out/nmse.json --plot out/nmse.png
-	$(PY) -m host.app.cli bench aggregator --json out/bench_aggregator.json
+	$(PY) -m host.cli bench codec --json out/bench_codec.json
+	$(PY) -m host.cli nmse --json out/nmse.json --plot out/nmse.png
+	$(PY) -m host.cli bench aggregator --json out/bench_aggregator.json
 
 # Compile the P4 program (BMv2 JSON + P4Info) from the protocol constants.
 p4: setup
@@ -83,7 +83,7 @@ mininet: system-deps setup
 
 # The fault matrix (Mininet when root, else loopback) into docs/faults.md.
 faults: system-deps setup
-	$(PY) -m host.app.cli faults $(FAULTS_ARGS)
+	$(PY) -m host.cli faults $(FAULTS_ARGS)
 
 clean:
 	rm -rf out .pytest_cache

@@ -4,8 +4,8 @@
   host.wire        protocol constants, header, scapy layers, job config
   host.net         transport client, software aggregator, impairments
   host.collective  THC all-reduce, DDP hooks
-  host.app, host.bench, host.testing   the thc command, training worker, benchmarks, test helpers
+  host.app, host.bench, host.testing   training worker, benchmarks, test helpers
 
-controller/ and mininet/thcnet/ build on host; host never imports them (the CLI dispatches
-to them by module name).
+controller/ and mininet/thcnet/ build on host, which never imports them; host.cli (the
+``thc`` command) sits on top of them all.
 """

@@ -22,7 +22,7 @@ from host.wire.jobs import Cluster
 def _aggregator(tmp_path, *argv) -> subprocess.CompletedProcess:
     cfg = tmp_path / "cluster.json"
     Cluster(jobs=(local_job(1, 2, free_port_block(2)),)).save(cfg)
-    return subprocess.run([sys.executable, "-m", "host.app.cli", "aggregator", "--config",
+    return subprocess.run([sys.executable, "-m", "host.cli", "aggregator", "--config",
                            str(cfg), "--duration", "5", *argv],
                           capture_output=True, text=True, timeout=60)
 

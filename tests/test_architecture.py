@@ -1,5 +1,7 @@
 """The import graph reads in one direction: no cycles, no upward imports, no test machinery
-in the product. Every import counts, including those inside functions."""
+in the product. Every import counts, including those inside functions and imports by name:
+``importlib.import_module``/``__import__`` of a string, and a module's name in a module-level
+table (a dispatch table loads what it names)."""
 from __future__ import annotations
 
 import ast
@@ -19,8 +21,10 @@ LAYERS = [
     ("host.app", "host.bench", "host.testing"),
     ("controller",),
     ("thcnet",),
+    ("host.cli",),
 ]
-"""Bottom first: a module may import its own layer and those below, never above."""
+"""Bottom first: a module may import its own layer and those below, never above. The ``thc``
+command's dispatcher is on top, so every subcommand it names points down."""
 
 TESTING = ("host.testing", "controller.testing")
 TESTING_USERS = ("host.testing", "controller.testing", "host.bench", "controller.bench",
@@ -41,13 +45,42 @@ def modules() -> dict[str, Path]:
     return out
 
 
+IMPORT_CALLS = ("import_module", "__import__")
+
+
+def imports_by_name(tree: ast.Module, known: set[str]) -> set[str]:
+    """Modules named by a string given to an import call anywhere, or held in a module-level
+    assignment (a dispatch table)."""
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and node.args:
+            func = node.func
+            called = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+            first = node.args[0]
+            if (called in IMPORT_CALLS and isinstance(first, ast.Constant)
+                    and isinstance(first.value, str)):
+                found.add(first.value)
+    for stmt in tree.body:
+        if isinstance(stmt, (ast.Assign, ast.AnnAssign)) and stmt.value is not None:
+            found |= {n.value for n in ast.walk(stmt.value)
+                      if isinstance(n, ast.Constant) and n.value in known}
+    return found
+
+
 def imports_of(name: str, path: Path, known: set[str]) -> set[str]:
-    """Project modules that ``name`` imports anywhere in its source."""
+    """Project modules that ``name`` imports anywhere in its source, by statement or by
+    name."""
     found = set()
     if path.suffix == ".c":
         return found
     is_pkg = path.name == "__init__.py"
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    tree = ast.parse(path.read_text(), str(path))
+    for t in imports_by_name(tree, known):
+        while t and t not in known:
+            t = t.rpartition(".")[0]
+        if t and t != name:
+            found.add(t)
+    for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             targets = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -79,7 +112,7 @@ def layer(module: str) -> int:
         if any(module == p or module.startswith(p + ".") for p in prefixes):
             return rank
     if module == "host":
-        return 0
+        return len(LAYERS) - 1
     raise AssertionError(f"module {module} is in no layer: add it to LAYERS")
 
 
@@ -169,3 +202,33 @@ def test_function_local_imports_count(tmp_path):
     mod.write_text("def f():\n    from controller.switch import Switch\n")
     assert imports_of("host.codec.m", mod, {"controller.switch", "host.codec.m"}) == \
         {"controller.switch"}
+
+
+
+@pytest.mark.parametrize("source", [
+    "import importlib\ndef f():\n    return importlib.import_module('controller.switch')\n",
+    "from importlib import import_module\nm = import_module('controller.switch')\n",
+    "def f():\n    return __import__('controller.switch')\n",
+    "COMMANDS = {'install': ('controller.switch', 'program the switch')}\n",
+])
+def test_imports_by_name_count(tmp_path, source):
+    mod = tmp_path / "m.py"
+    mod.write_text(source)
+    known = {"controller.switch", "host.codec.m"}
+    assert imports_of("host.codec.m", mod, known) == {"controller.switch"}
+
+
+def test_strings_that_name_no_module_or_sit_in_functions_are_not_imports(tmp_path):
+    """A subprocess's ``-m`` argument in a function runs another process, not an import;
+    prose that mentions a module is no import either."""
+    mod = tmp_path / "m.py"
+    mod.write_text("HELP = 'see controller.switch for the details'\n"
+                   "def f():\n    return ['python', '-m', 'controller.switch']\n")
+    assert imports_of("host.codec.m", mod, {"controller.switch", "host.codec.m"}) == set()
+
+
+def test_the_dispatcher_is_on_top_and_names_every_layer():
+    g = graph()
+    assert layer("host.cli") == len(LAYERS) - 1
+    assert {"host.net.aggregator", "controller.cli", "thcnet.mainjob",
+            "controller.bench"} <= g["host.cli"]

@@ -469,7 +469,7 @@ def test_thc_aggregator_picks_the_compiled_datapath_and_says_so(tmp_path):
         choose("compiled", js, Impairment(loss=0.1), shard=SHARD)
     cfg = tmp_path / "cluster.json"
     Cluster(jobs=tuple(js)).save(cfg)
-    out = subprocess.run([sys.executable, "-m", "host.app.cli", "aggregator", "--listen",
+    out = subprocess.run([sys.executable, "-m", "host.cli", "aggregator", "--listen",
                           f"127.0.0.1:{free_port_block(1)}", "--config", str(cfg),
                           "--duration", "0.2", "--stats-interval", "0", "--shard", str(SHARD)],
                          check=False, capture_output=True, text=True, timeout=60)

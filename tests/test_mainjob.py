@@ -13,7 +13,7 @@ from thcnet import mainjob
 @pytest.mark.slow
 def test_main_job_runs_and_reports(tmp_path):
     out = subprocess.run(
-        [sys.executable, "-m", "host.app.cli", "run", "--loopback", "--epochs", "1",
+        [sys.executable, "-m", "host.cli", "run", "--loopback", "--epochs", "1",
          "--data", "digits", "--batch", "32", "--evals", "2", "--workers", "2",
          "--modes", "fp32,thc", "--out", str(tmp_path)],
         capture_output=True, text=True, timeout=600)
@@ -108,7 +108,7 @@ def test_main_job_through_bmv2_trains_every_step_with_the_software_losses(tmp_pa
     if why:
         pytest.skip(f"needs Mininet and BMv2: {why}")
     out = subprocess.run(
-        [sys.executable, "-m", "host.app.cli", "run", "--epochs", "2", "--data", "digits",
+        [sys.executable, "-m", "host.cli", "run", "--epochs", "2", "--data", "digits",
          "--width", "8", "--train-subset", "512", "--batch", "32", "--evals", "1",
          "--workers", "2", "--bw", "100", "--modes", "thc,thc-bmv2", "--out", str(tmp_path)],
         capture_output=True, text=True, timeout=600)

@@ -35,7 +35,7 @@ class AggregatorProcess:
         self.port = port or free_port_block(1)
         cfg = tmp_path / "cluster.json"
         Cluster(jobs=tuple(jobs), agg_port=self.port).save(cfg)
-        args = [sys.executable, "-m", "host.app.cli", "aggregator", "--listen",
+        args = [sys.executable, "-m", "host.cli", "aggregator", "--listen",
                 f"127.0.0.1:{self.port}", "--config", str(cfg), "--stats-interval", "0",
                 "--stats-file", str(tmp_path / "stats.json")]
         for k, v in impair.items():

@@ -41,7 +41,7 @@ class AggregatorProcesses:
         """Start `thc aggregator` (whichever implementation it runs) on ``node``."""
         stats = self.logdir / f"{name}-stats.json"
         stats.unlink(missing_ok=True)
-        argv = ["python", "-m", "host.app.cli", "aggregator", "--listen", f"{listen[0]}:{listen[1]}",
+        argv = ["python", "-m", "host.cli", "aggregator", "--listen", f"{listen[0]}:{listen[1]}",
                 "--config", str(self.cluster_path), "--stats-interval", "0",
                 "--stats-file", str(stats), *self.agg_link_args] + list(self.agg_args)
         if shard is not None:

@@ -188,7 +188,7 @@ def p4_build_stale() -> str | None:
 
 def controller_cmd(tb, *args: str) -> str:
     """One run of `thc controller` against the testbed's switch: a fresh controller process."""
-    argv = [sys.executable, "-m", "host.app.cli", "controller", "--grpc-addr",
+    argv = [sys.executable, "-m", "host.cli", "controller", "--grpc-addr",
             tb.switch.grpc_addr, "--device-id", "0", "--build-dir", str(BUILD_DIR), *args]
     r = subprocess.run(argv, cwd=str(REPO_ROOT), capture_output=True, text=True, timeout=120)
     if r.returncode:

@@ -135,7 +135,7 @@ def test_second_session_in_one_process_is_refused(bmv2):
 
 def test_cli_reads_counters_and_reports_errors(bmv2, tmp_path):
     addr = bmv2.switch.grpc_addr
-    base = [sys.executable, "-m", "host.app.cli", "controller", "--grpc-addr", addr,
+    base = [sys.executable, "-m", "host.cli", "controller", "--grpc-addr", addr,
             "--election-id", "0,1"]
     r = subprocess.run(base + ["counters", "--json"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
@@ -143,6 +143,6 @@ def test_cli_reads_counters_and_reports_errors(bmv2, tmp_path):
     r = subprocess.run(base + ["remove", "--job", "9999"], capture_output=True, text=True,
                        timeout=60)
     assert r.returncode != 0 and "thc controller:" in r.stderr
-    r = subprocess.run([sys.executable, "-m", "host.app.cli", "controller", "--grpc-addr",
+    r = subprocess.run([sys.executable, "-m", "host.cli", "controller", "--grpc-addr",
                         "127.0.0.1:1", "--timeout", "0.5", "counters"], capture_output=True, text=True, timeout=60)
     assert r.returncode != 0 and "no P4Runtime server" in r.stderr
