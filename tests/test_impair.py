@@ -121,3 +121,13 @@ def test_a_silent_aggregator_is_named_as_the_cause_not_a_worker():
     finally:
         t.join(5)
         fake.close()
+
+
+def test_the_impairment_flags_build_the_impairment_they_name():
+    import argparse
+    parser = argparse.ArgumentParser()
+    Impairment.add_arguments(parser, "chunks")
+    imp = Impairment.from_args(parser.parse_args(["--loss", "0.1", "--dup", "0.2",
+                                                  "--reorder", "0.3", "--jitter", "0.01"]), seed=4)
+    assert (imp.loss, imp.dup, imp.reorder, imp.jitter, imp.seed) == (0.1, 0.2, 0.3, 0.01, 4)
+    assert not Impairment.from_args(parser.parse_args([])).active

@@ -68,7 +68,7 @@ def test_deadline_stops_every_rank_after_the_same_step_and_evaluates():
     procs = [subprocess.Popen(
         [sys.executable, "-m", "host.app.train", "--mode", "fp32", "--rank", str(rank),
          "--world", "2", "--master", f"127.0.0.1:{port}", "--data", "digits", "--epochs", "3",
-         "--batch", "32", "--evals", "1", "--deadline", "0" if rank == 0 else "1e12"],
+         "--batch", "32", "--evals", "1", "--stop-at", "0" if rank == 0 else "1e12"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
     outs = [p.communicate(timeout=120) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs[0][1][-2000:] + outs[1][1][-2000:]

@@ -109,7 +109,7 @@ def _agree(rank, world, port, q):
 
     import torch.distributed as dist
 
-    from host.collective.allreduce import agree_run
+    from host.collective.worker import agree_run
     os.environ.pop("THC_RUN", None)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world)

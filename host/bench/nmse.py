@@ -36,9 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--schemes", default=DEFAULT_SCHEMES,
                         help="comma-separated scheme specs, e.g. thc,uhc:p=1/1024,qsgd:s=15 "
                              f"(default {DEFAULT_SCHEMES})")
-    parser.add_argument("--plot", nargs="?", const="out/nmse.png", default=None, metavar="FILE",
-                        help="plot NMSE against bits per coordinate (default out/nmse.png)")
-    add_common(parser)
+    add_common(parser, plot="out/nmse.png")
 
 
 def make_vectors(rng: np.random.Generator, n: int, dim: int, dist: str) -> list[np.ndarray]:

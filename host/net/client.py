@@ -101,7 +101,7 @@ class AggregationClient:
                  loss_bound: float | None = None, datapath: str | None = None,
                  gso: bool | None = None, settings: Settings | None = None):
         """``run``: this training run's id, the same on every worker (default: ``THC_RUN`` from
-        the environment; :func:`host.collective.allreduce.agree_run` agrees one over a process
+        the environment; :func:`host.collective.worker.agree_run` agrees one over a process
         group). It may also be set later through :attr:`run`, before the first chunk.
 
         ``aggregator``: the switch's or central aggregator's address; leave it out for a
@@ -267,7 +267,7 @@ class AggregationClient:
             raise ValueError(f"job {job.job_id}, worker {me}: no run id. Pass "
                              f"AggregationClient(run=...), set {P.RUN_ENV} in the environment "
                              f"(the same on every worker), or agree one over the process group "
-                             f"(host.collective.allreduce.agree_run)")
+                             f"(host.collective.worker.agree_run)")
         if self._failed is not None:
             raise RunFailed(f"job {job.job_id}, worker {me}: run {self._run} failed in an "
                             f"earlier round ({self._failed}); a retry under the same run "

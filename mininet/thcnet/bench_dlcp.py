@@ -28,6 +28,7 @@ from host.bench import add_common, emit_json
 from host.codec.params import THCParams
 from host.wire import protocol as P
 from thcnet.base import worker_ip
+from thcnet import testbed
 from thcnet.testbed import TestbedError, WorkerError, mininet_unavailable_reason, open_testbed
 
 IPERF_PORT = 5201
@@ -37,7 +38,7 @@ MODES = {"retransmit": (0.0, False), "bound": (None, False), "bound+prio": (None
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_common(parser)
-    parser.add_argument("--workers", type=int, default=4)
+    testbed.add_arguments(parser, timeout=900.0, loopback=False)
     parser.add_argument("--bw", type=float, default=20.0, help="worker link Mbit/s")
     parser.add_argument("--competing", type=float, default=0.8,
                         help="competing UDP flow per worker, as a fraction of --bw")
@@ -46,7 +47,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounds", type=int, default=None, help="default 40; --quick: 10")
     parser.add_argument("--loss-bound", type=float, default=0.05)
     parser.add_argument("--pool-size", type=int, default=64)
-    parser.add_argument("--timeout", type=float, default=900.0, help="per mode, seconds")
 
 
 def _run_mode(tb, name: str, loss_bound: float, marks: bool, args, rounds: int) -> dict:

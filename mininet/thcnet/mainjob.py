@@ -34,6 +34,7 @@ from host.wire.protocol import MAX_SOFTWARE_LANES
 from thcnet.base import worker_ip
 from thcnet.mainreport import dlcp_ratios, plot, step_losses, summarize
 from thcnet.procs import WorkerError
+from thcnet import testbed
 from thcnet.testbed import bmv2_unavailable_reason, mininet_unavailable_reason, open_testbed
 
 IPERF_PORT = 5201
@@ -86,7 +87,10 @@ FIXED_TARGET = {"fashion-mnist": 0.80, "digits": 0.95}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--workers", type=positive_int, default=4)
+    testbed.add_arguments(parser, timeout=600.0,
+                          timeout_help="per-mode limit, seconds: a mode stopped there reports "
+                                       "how far it got")
+    testbed.add_link_arguments(parser, bw=100.0)
     parser.add_argument("--modes", default=DEFAULT_MODES,
                         help=f"comma-separated, from {','.join(MODES)} (default: all but "
                              f"{', '.join(OPT_IN)})")
@@ -102,26 +106,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--train-subset", type=positive_int, default=None, metavar="N",
                         help="train on the first N images (step-time measurements: more "
                              "steps than --quick, less than an epoch)")
-    parser.add_argument("--bw", type=float, default=100.0, help="link bandwidth, Mbit/s")
-    parser.add_argument("--delay", type=float, default=0.0,
-                        help="link delay, ms (needs netem in the kernel)")
-    parser.add_argument("--loss", type=float, default=0.0, help="link loss, percent")
     parser.add_argument("--loss-bound", type=loss_bound_arg, default=0.05, metavar="F",
                         help="thc-lossy/thc-dlcp: fraction of a round's chunks, in [0, 1), "
                              "that may close short instead of being retransmitted")
     parser.add_argument("--congest", type=_fraction, default=0.0, metavar="F",
                         help="a competing UDP flow (iperf) from every worker at F x --bw, to "
                              "the aggregator's host (else the next worker); needs Mininet")
-    parser.add_argument("--loopback", action="store_true",
-                        help="do not use Mininet even where it is available")
     parser.add_argument("--software-lanes", type=int, default=0,
                         help="lanes per packet for the software aggregator (default 0: the "
                              f"most that fit one MTU, {MAX_SOFTWARE_LANES} for 8-bit sums, "
                              "half for 16-bit)")
     parser.add_argument("--out", default="out", help="directory for JSON and plot")
-    parser.add_argument("--timeout", type=float, default=600.0,
-                        help="per-mode limit, seconds: a mode stopped there reports how far "
-                             "it got")
     parser.add_argument("--bmv2-timeout", type=float, default=3600.0,
                         help="the limit for modes through BMv2 (default 3600 s: at its two "
                              "thousand or so packets/s a step of the 1.2M-parameter model takes "
@@ -236,7 +231,7 @@ def _run_mode(name: str, args, progress) -> dict:
             # the workers stop themselves in time to evaluate where they got to (the
             # deadline counts from here, start-up included); the kill at the limit stays
             # as the backstop
-            a += ["--deadline", f"{time.time() + max(10.0, limit - STOP_MARGIN):.3f}"]
+            a += ["--stop-at", f"{time.time() + max(10.0, limit - STOP_MARGIN):.3f}"]
             return a
 
         def on_line(rank: int, line: str) -> None:
@@ -269,7 +264,7 @@ def _run_mode(name: str, args, progress) -> dict:
     info, history = _rows(results[0].stdout)
     if stopped is None and history and history[-1]["epoch"] < args.epochs - 1e-9:
         stopped = (f"stopped itself {STOP_MARGIN:.0f} s before the {limit:.0f} s limit "
-                   f"(--deadline)")
+                   f"(--stop-at)")
     if not history:
         raise RuntimeError(f"mode {name}: no evaluation row from rank 0 "
                            f"({stopped or 'it exited without one'})")

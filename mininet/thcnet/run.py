@@ -14,28 +14,20 @@ import sys
 import time
 
 from thcnet.smoke_worker import digest, reference_sums
+from thcnet import testbed
 from thcnet.testbed import TestbedError, WorkerError, open_testbed
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--workers", type=int, default=4)
-    ap.add_argument("--bw", type=float, default=None, metavar="MBIT",
-                    help="worker link bandwidth in Mbit/s (default: unshaped)")
-    ap.add_argument("--delay", type=float, default=0.0, metavar="MS", help="per-link delay")
-    ap.add_argument("--loss", type=float, default=0.0, metavar="PCT", help="per-link loss in %%")
+    testbed.add_arguments(ap, timeout=300.0)
+    testbed.add_link_arguments(ap, bw=None)
+    testbed.add_job_arguments(ap, lanes=None, pool_size=None, window=None)
     ap.add_argument("--aggregator", choices=["sharded", "software", "bmv2"], default="sharded",
                     help="sharded: one shard per worker host; software: one central "
                          "aggregator on its own host; bmv2: the switch")
-    ap.add_argument("--agg-bw-factor", type=float, default=None,
-                    help="central aggregator link = factor x --bw (default 1: equal links)")
     ap.add_argument("--numel", type=int, default=1 << 20, help="elements per worker")
-    ap.add_argument("--lanes", type=int, default=None, help="lanes per packet (software only)")
     ap.add_argument("--seed", type=int, default=1234)
-    ap.add_argument("--pool-size", type=int, default=None, help="slots of the job (default 64)")
-    ap.add_argument("--window", type=int, default=None, help="chunks in flight per worker")
     ap.add_argument("--rto", type=float, default=0.02, help="minimum retransmission timeout (s)")
-    ap.add_argument("--loopback", action="store_true", help="do not use Mininet")
-    ap.add_argument("--timeout", type=float, default=300.0)
     ap.add_argument("--verbose", action="store_true", help="show Mininet's own log")
 
 
