@@ -50,7 +50,8 @@ IMPORT_CALLS = ("import_module", "__import__")
 
 def imports_by_name(tree: ast.Module, known: set[str]) -> set[str]:
     """Modules named by a string given to an import call anywhere, or held in a module-level
-    assignment (a dispatch table)."""
+    assignment (a dispatch table names them by dotted path: a bare ``"thc"`` there is the
+    P4 program's name more often than the package)."""
     found = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Call) and node.args:
@@ -62,8 +63,8 @@ def imports_by_name(tree: ast.Module, known: set[str]) -> set[str]:
                 found.add(first.value)
     for stmt in tree.body:
         if isinstance(stmt, (ast.Assign, ast.AnnAssign)) and stmt.value is not None:
-            found |= {n.value for n in ast.walk(stmt.value)
-                      if isinstance(n, ast.Constant) and n.value in known}
+            found |= {n.value for n in ast.walk(stmt.value) if isinstance(n, ast.Constant)
+                      and n.value in known and "." in n.value}
     return found
 
 
@@ -220,11 +221,14 @@ def test_imports_by_name_count(tmp_path, source):
 
 def test_strings_that_name_no_module_or_sit_in_functions_are_not_imports(tmp_path):
     """A subprocess's ``-m`` argument in a function runs another process, not an import;
-    prose that mentions a module is no import either."""
+    prose that mentions a module is no import either, nor a bare name that a package shares
+    (the P4 program ``"thc"``)."""
     mod = tmp_path / "m.py"
     mod.write_text("HELP = 'see controller.switch for the details'\n"
+                   "PROGRAM = 'controller'\n"
                    "def f():\n    return ['python', '-m', 'controller.switch']\n")
-    assert imports_of("host.codec.m", mod, {"controller.switch", "host.codec.m"}) == set()
+    known = {"controller", "controller.switch", "host.codec.m"}
+    assert imports_of("host.codec.m", mod, known) == set()
 
 
 def test_the_dispatcher_is_on_top_and_names_every_layer():
