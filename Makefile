@@ -46,12 +46,12 @@ fuzz: setup
 	$(PY) -m tests.model_fuzz --steps $(FUZZ_STEPS)
 
 run: system-deps setup
-	$(PY) -m host.cli run --workers $(WORKERS)
+	$(PY) -m thc.cli run --workers $(WORKERS)
 
 bench: setup
-	$(PY) -m host.cli bench codec --json out/bench_codec.json
-	$(PY) -m host.cli nmse --json out/nmse.json --plot out/nmse.png
-	$(PY) -m host.cli bench aggregator --json out/bench_aggregator.json
+	$(PY) -m thc.cli bench codec --json out/bench_codec.json
+	$(PY) -m thc.cli nmse --json out/nmse.json --plot out/nmse.png
+	$(PY) -m thc.cli bench aggregator --json out/bench_aggregator.json
 
 # Compile the P4 program (BMv2 JSON + P4Info) from the protocol constants.
 p4: setup
@@ -79,11 +79,11 @@ p4-check: setup
 	$(PY) $(P4SRC)/gen_p4.py --check
 
 mininet: system-deps setup
-	$(PY) -m thcnet.run --workers $(WORKERS)
+	$(PY) -m thc.emu.run --workers $(WORKERS)
 
 # The fault matrix (Mininet when root, else loopback) into docs/faults.md.
 faults: system-deps setup
-	$(PY) -m host.cli faults $(FAULTS_ARGS)
+	$(PY) -m thc.cli faults $(FAULTS_ARGS)
 
 clean:
 	rm -rf out .pytest_cache

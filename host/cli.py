@@ -14,25 +14,25 @@ import importlib
 import sys
 
 BENCHES: dict[str, tuple[str, str]] = {
-    "codec": ("host.bench.codec", "THC encode/decode throughput vs FP16 cast and PowerSGD"),
-    "nmse": ("host.bench.nmse", "NMSE of THC and the baselines"),
-    "aggregator": ("host.bench.aggregator", "compiled and Python aggregators vs UDP echoes"),
-    "switch": ("controller.bench", "BMv2 aggregation vs BMv2 L2 forwarding"),
-    "install": ("controller.bench_install", "job install time on BMv2; lookup entries "
+    "codec": ("thc.bench.codec", "THC encode/decode throughput vs FP16 cast and PowerSGD"),
+    "nmse": ("thc.bench.nmse", "NMSE of THC and the baselines"),
+    "aggregator": ("thc.bench.aggregator", "compiled and Python aggregators vs UDP echoes"),
+    "switch": ("thc.controller.bench", "BMv2 aggregation vs BMv2 L2 forwarding"),
+    "install": ("thc.controller.bench_install", "job install time on BMv2; lookup entries "
                                             "serialized vs as protobuf messages"),
-    "allreduce": ("thcnet.bench_allreduce", "THC vs FP32 all-reduce over emulated links"),
-    "dlcp": ("thcnet.bench_dlcp", "DLCP: loss bound and priorities on a congested link"),
+    "allreduce": ("thc.emu.bench_allreduce", "THC vs FP32 all-reduce over emulated links"),
+    "dlcp": ("thc.emu.bench_dlcp", "DLCP: loss bound and priorities on a congested link"),
 }
 
 COMMANDS: dict[str, tuple[str | dict, str]] = {
-    "table": ("host.app.table", "print the optimal THC lookup table for (bits, granularity, p)"),
-    "nmse": ("host.bench.nmse", "NMSE of THC and the baselines on synthetic vectors"),
+    "table": ("thc.app.table", "print the optimal THC lookup table for (bits, granularity, p)"),
+    "nmse": ("thc.bench.nmse", "NMSE of THC and the baselines on synthetic vectors"),
     "bench": (BENCHES, "benchmarks: codec, aggregator, switch, allreduce"),
-    "aggregator": ("host.net.aggregator", "run the software aggregator (THC's parameter server)"),
-    "controller": ("controller.cli", "program a BMv2 or Tofino switch over P4Runtime"),
-    "model": ("host.app.perfmodel", "iteration-time model: when does compression pay?"),
-    "run": ("thcnet.mainjob", "the main job: train a model with FP32, THC and TopK, compare"),
-    "faults": ("thcnet.faults", "the fault matrix: exact sums under loss, restarts, ... "
+    "aggregator": ("thc.net.aggregator", "run the software aggregator (THC's parameter server)"),
+    "controller": ("thc.controller.cli", "program a BMv2 or Tofino switch over P4Runtime"),
+    "model": ("thc.app.perfmodel", "iteration-time model: when does compression pay?"),
+    "run": ("thc.emu.mainjob", "the main job: train a model with FP32, THC and TopK, compare"),
+    "faults": ("thc.emu.faults", "the fault matrix: exact sums under loss, restarts, ... "
                                 "(docs/faults.md)"),
 }
 """Subcommand -> (module, or a table of its own subcommands; one line of help)."""

@@ -10,25 +10,25 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = {"host": ROOT / "host", "controller": ROOT / "controller",
-            "thcnet": ROOT / "mininet" / "thcnet"}
+PACKAGES = {"thc": ROOT / "host", "thc.controller": ROOT / "controller",
+            "thc.emu": ROOT / "mininet" / "thcnet"}
 
 LAYERS = [
-    ("host.codec",),
-    ("host.wire",),
-    ("host.net",),
-    ("host.collective",),
-    ("host.app", "host.bench", "host.testing"),
-    ("controller",),
-    ("thcnet",),
-    ("host.cli",),
+    ("thc.codec",),
+    ("thc.wire",),
+    ("thc.net",),
+    ("thc.collective",),
+    ("thc.app", "thc.bench", "thc.testing"),
+    ("thc.controller",),
+    ("thc.emu",),
+    ("thc.cli",),
 ]
 """Bottom first: a module may import its own layer and those below, never above. The ``thc``
 command's dispatcher is on top, so every subcommand it names points down."""
 
-TESTING = ("host.testing", "controller.testing")
-TESTING_USERS = ("host.testing", "controller.testing", "host.bench", "controller.bench",
-                 "controller.bench_install", "thcnet")
+TESTING = ("thc.testing", "thc.controller.testing")
+TESTING_USERS = ("thc.testing", "thc.controller.testing", "thc.bench", "thc.controller.bench",
+                 "thc.controller.bench_install", "thc.emu")
 """Test machinery is used by tests, benchmarks and the emulation only."""
 
 
@@ -112,7 +112,7 @@ def layer(module: str) -> int:
     for rank, prefixes in enumerate(LAYERS):
         if any(module == p or module.startswith(p + ".") for p in prefixes):
             return rank
-    if module == "host":
+    if module == "thc":
         return len(LAYERS) - 1
     raise AssertionError(f"module {module} is in no layer: add it to LAYERS")
 
@@ -180,9 +180,9 @@ def test_test_machinery_stays_out_of_the_product():
 
 
 @pytest.mark.parametrize("bad, check", [
-    ({"host.codec.thc": {"host.net.client"}, "host.net.client": set()}, upward_imports),
-    ({"host.codec.a": {"host.codec.b"}, "host.codec.b": {"host.codec.a"}}, cycles),
-    ({"host.net.client": {"host.testing.clusters"}, "host.testing.clusters": set()},
+    ({"thc.codec.thc": {"thc.net.client"}, "thc.net.client": set()}, upward_imports),
+    ({"thc.codec.a": {"thc.codec.b"}, "thc.codec.b": {"thc.codec.a"}}, cycles),
+    ({"thc.net.client": {"thc.testing.clusters"}, "thc.testing.clusters": set()},
      find_testing_leaks),
 ])
 def test_the_checks_catch_violations(bad, check):
@@ -190,33 +190,33 @@ def test_the_checks_catch_violations(bad, check):
 
 
 def test_extensions_are_leaf_modules():
-    """``from host.codec import _fastcodec`` names the extension, not the package (whose
+    """``from thc.codec import _fastcodec`` names the extension, not the package (whose
     __init__ imports thc.py, which imports the extension's wrapper)."""
     g = graph()
-    assert "host.codec._fastcodec" in g and g["host.codec._fastcodec"] == set()
-    assert "host.codec._fastcodec" in g["host.codec.fastcodec"]
-    assert "host.codec" not in g["host.codec.fastcodec"]
+    assert "thc.codec._fastcodec" in g and g["thc.codec._fastcodec"] == set()
+    assert "thc.codec._fastcodec" in g["thc.codec.fastcodec"]
+    assert "thc.codec" not in g["thc.codec.fastcodec"]
 
 
 def test_function_local_imports_count(tmp_path):
     mod = tmp_path / "m.py"
-    mod.write_text("def f():\n    from controller.switch import Switch\n")
-    assert imports_of("host.codec.m", mod, {"controller.switch", "host.codec.m"}) == \
-        {"controller.switch"}
+    mod.write_text("def f():\n    from thc.controller.switch import Switch\n")
+    assert imports_of("thc.codec.m", mod, {"thc.controller.switch", "thc.codec.m"}) == \
+        {"thc.controller.switch"}
 
 
 
 @pytest.mark.parametrize("source", [
-    "import importlib\ndef f():\n    return importlib.import_module('controller.switch')\n",
-    "from importlib import import_module\nm = import_module('controller.switch')\n",
-    "def f():\n    return __import__('controller.switch')\n",
-    "COMMANDS = {'install': ('controller.switch', 'program the switch')}\n",
+    "import importlib\ndef f():\n    return importlib.import_module('thc.controller.switch')\n",
+    "from importlib import import_module\nm = import_module('thc.controller.switch')\n",
+    "def f():\n    return __import__('thc.controller.switch')\n",
+    "COMMANDS = {'install': ('thc.controller.switch', 'program the switch')}\n",
 ])
 def test_imports_by_name_count(tmp_path, source):
     mod = tmp_path / "m.py"
     mod.write_text(source)
-    known = {"controller.switch", "host.codec.m"}
-    assert imports_of("host.codec.m", mod, known) == {"controller.switch"}
+    known = {"thc.controller.switch", "thc.codec.m"}
+    assert imports_of("thc.codec.m", mod, known) == {"thc.controller.switch"}
 
 
 def test_strings_that_name_no_module_or_sit_in_functions_are_not_imports(tmp_path):
@@ -224,15 +224,15 @@ def test_strings_that_name_no_module_or_sit_in_functions_are_not_imports(tmp_pat
     prose that mentions a module is no import either, nor a bare name that a package shares
     (the P4 program ``"thc"``)."""
     mod = tmp_path / "m.py"
-    mod.write_text("HELP = 'see controller.switch for the details'\n"
+    mod.write_text("HELP = 'see thc.controller.switch for the details'\n"
                    "PROGRAM = 'controller'\n"
-                   "def f():\n    return ['python', '-m', 'controller.switch']\n")
-    known = {"controller", "controller.switch", "host.codec.m"}
-    assert imports_of("host.codec.m", mod, known) == set()
+                   "def f():\n    return ['python', '-m', 'thc.controller.switch']\n")
+    known = {"controller", "thc.controller.switch", "thc.codec.m"}
+    assert imports_of("thc.codec.m", mod, known) == set()
 
 
 def test_the_dispatcher_is_on_top_and_names_every_layer():
     g = graph()
-    assert layer("host.cli") == len(LAYERS) - 1
-    assert {"host.net.aggregator", "controller.cli", "thcnet.mainjob",
-            "controller.bench"} <= g["host.cli"]
+    assert layer("thc.cli") == len(LAYERS) - 1
+    assert {"thc.net.aggregator", "thc.controller.cli", "thc.emu.mainjob",
+            "thc.controller.bench"} <= g["thc.cli"]

@@ -6,7 +6,7 @@ import ast
 import importlib.util
 from pathlib import Path
 
-from host import cli
+from thc import cli
 
 
 def leaves(table: dict, prefix: str = "thc"):

@@ -8,12 +8,12 @@ import threading
 import numpy as np
 import pytest
 
-from host.codec.packing import pack_bits
-from host.net.aggregator import Aggregator
-from host.net.client import AggregationClient, AggregationTimeout
-from host.net.impair import Impairment
-from host.testing.clusters import free_port_block, local_job
-from host.wire import protocol as P
+from thc.codec.packing import pack_bits
+from thc.net.aggregator import Aggregator
+from thc.net.client import AggregationClient, AggregationTimeout
+from thc.net.impair import Impairment
+from thc.testing.clusters import free_port_block, local_job
+from thc.wire import protocol as P
 
 
 class Clock:

@@ -37,9 +37,9 @@ def test_aggregator_and_ddp_examples_run(tmp_path, monkeypatch):
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from host.net.aggregator import Aggregator
-    from host.testing.clusters import free_port_block, free_tcp_port, local_job
-    from host.wire.jobs import Cluster
+    from thc.net.aggregator import Aggregator
+    from thc.testing.clusters import free_port_block, free_tcp_port, local_job
+    from thc.wire.jobs import Cluster
 
     blocks = python_blocks()
     job = local_job(1, 1, free_port_block(1))

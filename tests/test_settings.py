@@ -6,7 +6,7 @@ import argparse
 
 import pytest
 
-from host.codec import settings
+from thc.codec import settings
 
 
 def _parse(argv, *names):

@@ -11,9 +11,9 @@ import sys
 
 import pytest
 
-from host.collective import worker
-from host.testing.clusters import free_port_block, local_job
-from host.wire.jobs import Cluster, Job, Shard
+from thc.collective import worker
+from thc.testing.clusters import free_port_block, local_job
+from thc.wire.jobs import Cluster, Job, Shard
 
 
 @pytest.fixture
@@ -74,9 +74,9 @@ def test_the_run_is_agreed_where_none_is_given(cluster_file, tmp_path, monkeypat
 def test_a_worker_without_a_process_group_never_imports_torch(cluster_file):
     """The smoke worker's path: build the client, agree a run alone, all without torch."""
     code = ("import sys\n"
-            "from host.collective import worker\n"
-            "from host.wire.jobs import Cluster\n"
-            "from host.testing.clusters import local_job, free_port_block\n"
+            "from thc.collective import worker\n"
+            "from thc.wire.jobs import Cluster\n"
+            "from thc.testing.clusters import local_job, free_port_block\n"
             "c = worker.worker_client(Cluster(jobs=(local_job(1, 1, free_port_block(1)),)), 0)\n"
             "c.close()\n"
             "assert c.run and 'torch' not in sys.modules, sorted(m for m in sys.modules "

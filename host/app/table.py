@@ -5,9 +5,9 @@ import argparse
 
 import numpy as np
 
-from host.bench import add_common, emit_json
-from host.codec.params import THCParams
-from host.codec.table import (
+from thc.bench import add_common, emit_json
+from thc.codec.params import THCParams
+from thc.codec.table import (
     expected_nmse,
     expected_variance,
     optimal_table,

@@ -12,12 +12,12 @@ global compensation already carries past gradients forward, so momentum 0.9 on t
 amplifies the sign noise tenfold; at the shared (0.05, 0.9) Marsit diverged (0.30 after two
 epochs). Accuracy after one epoch of Fashion-MNIST, 4 workers on loopback: (0.05, 0.9) 0.37
 (one scale a bucket then; a scale a tensor since), (0.01, 0.9) 0.72, (0.003, 0.9) 0.72,
-(0.05, 0) 0.75, (0.1, 0) 0.80. Data comes from local files (host.app.datasets): nothing is
+(0.05, 0) 0.75, (0.1, 0) 0.80. Data comes from local files (thc.app.datasets): nothing is
 downloaded. Rank 0 prints JSON lines: ``{"dataset": ...}`` first, ``{"progress": ...}``
 every few steps, and one evaluation row ``{"epoch": ...}`` ``--evals`` times per epoch.
 
 Run by ``thc run`` (the main job) inside emulated hosts, or by hand, e.g. under torchrun:
-``torchrun --nproc-per-node 4 -m host.app.train --mode thc-dist``.
+``torchrun --nproc-per-node 4 -m thc.app.train --mode thc-dist``.
 """
 from __future__ import annotations
 
@@ -26,14 +26,14 @@ import json
 import sys
 import time
 
-from host.app import datasets
-from host.app.argtypes import positive_int
-from host.codec import settings
-from host.codec.params import THCParams
-from host.collective import worker
-from host.collective.allreduce import THCAllReduce
-from host.collective.ddp import HookOptions, MarsitHook, MarsitVoteHook, THCHook, TopKHook
-from host.net.client import AggregationClient
+from thc.app import datasets
+from thc.app.argtypes import positive_int
+from thc.codec import settings
+from thc.codec.params import THCParams
+from thc.collective import worker
+from thc.collective.allreduce import THCAllReduce
+from thc.collective.ddp import HookOptions, MarsitHook, MarsitVoteHook, THCHook, TopKHook
+from thc.net.client import AggregationClient
 
 MODES = ("fp32", "thc", "thc-dist", "topk", "marsit", "marsit-vote")
 OPTIMIZER = {"marsit": (0.1, 0.0), "marsit-vote": (0.1, 0.0)}
@@ -255,7 +255,7 @@ def train(args) -> list[dict]:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m host.app.train", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m thc.app.train", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(parser)
     args = parser.parse_args(argv)

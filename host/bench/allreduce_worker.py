@@ -1,11 +1,11 @@
 """One worker of ``thc bench allreduce``: time all-reduces of one float32 gradient.
 
-``python -m host.bench.allreduce_worker --mode fp32|fp16|thc|thc-dist --rank R --world N
+``python -m thc.bench.allreduce_worker --mode fp32|fp16|thc|thc-dist --rank R --world N
 --master IP:PORT [--config cluster.json [--agg IP:PORT]] --numel N --repeat K``
 
 - ``fp32``: ``torch.distributed.all_reduce`` (Gloo, ring) of the whole tensor;
 - ``fp16``: the same all-reduce of the tensor cast to float16 (cast and back included);
-- ``thc``: :class:`host.collective.allreduce.THCAllReduce` through the aggregator (norm round, encode,
+- ``thc``: :class:`thc.collective.allreduce.THCAllReduce` through the aggregator (norm round, encode,
   stream through the switch or the software aggregator, decode);
 - ``thc-dist``: the same THC round with its integer sums carried by a Gloo all-reduce (no
   aggregator: THC sums are integers, so the ordinary ring adds them exactly).
@@ -22,9 +22,9 @@ import json
 import sys
 import time
 
-from host.codec.params import THCParams
-from host.collective import worker
-from host.collective.allreduce import THCAllReduce
+from thc.codec.params import THCParams
+from thc.collective import worker
+from thc.collective.allreduce import THCAllReduce
 
 MODES = ["fp32", "fp16", "thc", "thc-dist"]
 

@@ -32,10 +32,10 @@ import statistics
 import sys
 import time
 
-from host.bench import add_common, emit_json
-from host.codec import settings
-from host.codec.params import THCParams
-from host.codec.thc import THCCodec
+from thc.bench import add_common, emit_json
+from thc.codec import settings
+from thc.codec.params import THCParams
+from thc.codec.thc import THCCodec
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -136,7 +136,7 @@ def powersgd_steps(x, rank: int, seed: int = 0):
 
 def resolved(backend: str, x) -> str:
     """The path ``backend`` runs for x: compiled, triton or reference."""
-    from host.codec import thc
+    from thc.codec import thc
     if thc.compiled_for(x, backend):
         return "compiled"
     return "reference" if thc.kernels_for(x, backend) is None else "triton"

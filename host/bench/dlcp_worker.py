@@ -1,6 +1,6 @@
 """One worker of ``thc bench dlcp``: THC rounds of a layered gradient under congestion.
 
-``python -m host.bench.dlcp_worker --rank R --world N --master IP:PORT --agg IP:PORT
+``python -m thc.bench.dlcp_worker --rank R --world N --master IP:PORT --agg IP:PORT
 --config cluster.json --numel N --layers L --rounds K [--loss-bound F] [--priorities]``
 
 Each round every worker all-reduces its gradient of round r: layer l (of L equal layers, l=0
@@ -19,9 +19,9 @@ import json
 import sys
 import time
 
-from host.codec.params import THCParams
-from host.collective import worker
-from host.collective.allreduce import THCAllReduce
+from thc.codec.params import THCParams
+from thc.collective import worker
+from thc.collective.allreduce import THCAllReduce
 
 
 def gradient(numel: int, layers: int, rnd: int, worker: int, seed: int):

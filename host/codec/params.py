@@ -13,7 +13,7 @@ from fractions import Fraction
 
 import numpy as np
 
-from host.codec.table import optimal_table, truncation_threshold, uniform_table
+from thc.codec.table import optimal_table, truncation_threshold, uniform_table
 
 TABLE_KINDS = ("optimal", "uniform")
 

@@ -4,7 +4,7 @@ The codec is the same whatever adds the integers; a *transport* does the two col
 steps (max of the slice norms, sum of table values):
 
 - :class:`AggregatorTransport`: the switch or the software aggregator (UDP, 4-bit indices up,
-  sums down), through :class:`host.net.client.AggregationClient`;
+  sums down), through :class:`thc.net.client.AggregationClient`;
 - :class:`DistTransport`: an ordinary ``torch.distributed`` all-reduce (Gloo, NCCL) of the
   table values, for clusters without a programmable switch: THC sums are integers, so any
   all-reduce adds them exactly.
@@ -23,11 +23,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from host.codec.params import THCParams
-from host.codec.thc import ErrorFeedback, THCCodec, table_values
-from host.collective.worker import agree_run
-from host.net.priority import magnitude_rank, priority_class
-from host.wire import protocol as P
+from thc.codec.params import THCParams
+from thc.codec.thc import ErrorFeedback, THCCodec, table_values
+from thc.collective.worker import agree_run
+from thc.net.priority import magnitude_rank, priority_class
+from thc.wire import protocol as P
 
 
 @dataclass

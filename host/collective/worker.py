@@ -12,11 +12,11 @@ import os
 import sys
 from datetime import timedelta
 
-from host.codec import settings
-from host.net.addresses import parse_hostport
-from host.net.client import AggregationClient
-from host.wire import protocol as P
-from host.wire.jobs import Cluster, loss_bound_arg
+from thc.codec import settings
+from thc.net.addresses import parse_hostport
+from thc.net.client import AggregationClient
+from thc.wire import protocol as P
+from thc.wire.jobs import Cluster, loss_bound_arg
 
 
 def run_arg(text: str) -> int:

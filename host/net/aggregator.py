@@ -1,9 +1,9 @@
 """Software aggregator: THC's parameter server, a UDP shell around the reference model.
 
-The per-packet rules live in :mod:`host.wire.model` (the executable form of
+The per-packet rules live in :mod:`thc.wire.model` (the executable form of
 docs/protocol.md); this module adds what a server needs: a socket, a lock, the clock, a fresh
 epoch at every install, and optional impairments of the replies (tests, fault matrix).
-:mod:`host.net.fastagg` runs the same rules with its datapath compiled (reply for reply,
+:mod:`thc.net.fastagg` runs the same rules with its datapath compiled (reply for reply,
 tests/test_fastagg.py and tests/test_model_fuzz.py), and ``thc aggregator`` runs that one
 when it is built, saying which datapath runs in its first line.
 """
@@ -20,13 +20,13 @@ import time
 from pathlib import Path
 from time import monotonic
 
-from host.codec import settings
-from host.net.addresses import parse_hostport
-from host.net.impair import Impairment
-from host.net.server import UDPServer
-from host.wire import protocol as P
-from host.wire.jobs import Cluster, ConfigError, Job
-from host.wire.model import Model, Reply
+from thc.codec import settings
+from thc.net.addresses import parse_hostport
+from thc.net.impair import Impairment
+from thc.net.server import UDPServer
+from thc.wire import protocol as P
+from thc.wire.jobs import Cluster, ConfigError, Job
+from thc.wire.model import Model, Reply
 
 
 class Aggregator(UDPServer):
@@ -147,8 +147,8 @@ def choose(datapath: str, jobs, impair: Impairment, gso: bool = True,
            shard: int | None = None):
     """The aggregator to run and how to name it: the compiled datapath unless told otherwise,
     it is not built, impairments are asked for (only the Python loop injects them), or the
-    jobs use something it does not implement (:func:`host.net.fastagg.unsupported`)."""
-    from host.net import fastagg
+    jobs use something it does not implement (:func:`thc.net.fastagg.unsupported`)."""
+    from thc.net import fastagg
 
     if datapath == "python":
         return Aggregator(jobs, impair=impair, shard=shard), "python (as asked)"

@@ -37,18 +37,18 @@ import statistics
 import sys
 import time
 
-from host.bench import add_common, emit_json
-from host.codec.params import THCParams
-from host.wire import protocol as P
-from thcnet import testbed
-from thcnet.testbed import (
+from thc.bench import add_common, emit_json
+from thc.codec.params import THCParams
+from thc.wire import protocol as P
+from thc.emu import testbed
+from thc.emu.testbed import (
     TestbedError,
     WorkerError,
     bmv2_unavailable_reason,
     mininet_unavailable_reason,
     open_testbed,
 )
-from thcnet.wirebytes import annotate
+from thc.emu.wirebytes import annotate
 
 BMV2_WINDOW, BMV2_RTO = 2, 0.25
 """BMv2 runs the 256-lane program at a few hundred packets/s: more chunks in flight only
@@ -126,7 +126,7 @@ def _run_mode(tb, mode: str, args, numel: int, repeat: int, window: int | None =
             extra.append("--error-feedback")
 
     def argv(r):
-        a = ["python", "-m", "host.bench.allreduce_worker", "--rank", str(r)] + common + extra
+        a = ["python", "-m", "thc.bench.allreduce_worker", "--rank", str(r)] + common + extra
         if tb.kind == "mininet":
             a += ["--intf", tb.worker_intf(r)]
         return a

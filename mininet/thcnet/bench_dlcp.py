@@ -4,7 +4,7 @@ One Mininet testbed (N workers, the software aggregator, every link queueing by 
 ``links.PriorityTCIntf``) and a competing UDP flow (iperf, best effort) from every worker to
 the aggregator's host at ``--competing`` x the link rate, so the worker links are congested.
 In the same testbed and under the same flow, three modes run the same rounds
-(``host.bench.dlcp_worker``):
+(``thc.bench.dlcp_worker``):
 
 - ``retransmit``: loss bound 0, no DSCP marks: every lost chunk is retransmitted;
 - ``bound``: ``--loss-bound``, no marks: a chunk that would be retransmitted closes short;
@@ -24,12 +24,12 @@ import sys
 
 import numpy as np
 
-from host.bench import add_common, emit_json
-from host.codec.params import THCParams
-from host.wire import protocol as P
-from thcnet.base import worker_ip
-from thcnet import testbed
-from thcnet.testbed import TestbedError, WorkerError, mininet_unavailable_reason, open_testbed
+from thc.bench import add_common, emit_json
+from thc.codec.params import THCParams
+from thc.wire import protocol as P
+from thc.emu.base import worker_ip
+from thc.emu import testbed
+from thc.emu.testbed import TestbedError, WorkerError, mininet_unavailable_reason, open_testbed
 
 IPERF_PORT = 5201
 MODES = {"retransmit": (0.0, False), "bound": (None, False), "bound+prio": (None, True)}
@@ -58,7 +58,7 @@ def _run_mode(tb, name: str, loss_bound: float, marks: bool, args, rounds: int) 
              for r in range(tb.n_workers)] if rate > 0 else []
 
     def argv(r):
-        a = ["python", "-m", "host.bench.dlcp_worker", "--rank", str(r), "--world",
+        a = ["python", "-m", "thc.bench.dlcp_worker", "--rank", str(r), "--world",
              str(tb.n_workers), "--master", master, "--agg", agg, "--config",
              str(tb.cluster_path), "--numel", str(args.numel), "--layers", str(args.layers),
              "--rounds", str(rounds), "--loss-bound", str(loss_bound)]

@@ -27,15 +27,15 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from host.app.argtypes import positive_int
-from host.app.datasets import fashion_dir
-from host.wire.jobs import loss_bound_arg
-from host.wire.protocol import MAX_SOFTWARE_LANES
-from thcnet.base import worker_ip
-from thcnet.mainreport import dlcp_ratios, plot, step_losses, summarize
-from thcnet.procs import WorkerError
-from thcnet import testbed
-from thcnet.testbed import bmv2_unavailable_reason, mininet_unavailable_reason, open_testbed
+from thc.app.argtypes import positive_int
+from thc.app.datasets import fashion_dir
+from thc.wire.jobs import loss_bound_arg
+from thc.wire.protocol import MAX_SOFTWARE_LANES
+from thc.emu.base import worker_ip
+from thc.emu.mainreport import dlcp_ratios, plot, step_losses, summarize
+from thc.emu.procs import WorkerError
+from thc.emu import testbed
+from thc.emu.testbed import bmv2_unavailable_reason, mininet_unavailable_reason, open_testbed
 
 IPERF_PORT = 5201
 
@@ -163,11 +163,11 @@ def probe_bmv2(seconds: float = 1.0) -> dict:
     macros forwards about 5x fewer, and the verdict says how to rebuild it."""
     import itertools
 
-    from controller import forwarding
-    from controller.bench import build_kind, measure
-    from controller.frames import udp_frame
-    from controller.testing.bmv2 import LocalBMv2
-    from host.wire import protocol as P
+    from thc.controller import forwarding
+    from thc.controller.bench import build_kind, measure
+    from thc.controller.frames import udp_frame
+    from thc.controller.testing.bmv2 import LocalBMv2
+    from thc.wire import protocol as P
     size = 42 + P.HEADER_BYTES + P.payload_bytes(P.PktType.DATA)
     with LocalBMv2(2, program="l2", receive=False) as bm:
         dst = "02:00:00:00:02:02"
@@ -216,7 +216,7 @@ def _run_mode(name: str, args, progress) -> dict:
         master = f"{tb.master_addr[0]}:{tb.master_addr[1]}"
 
         def argv(rank: int) -> list[str]:
-            a = [sys.executable, "-m", "host.app.train", "--mode", mode.train_mode,
+            a = [sys.executable, "-m", "thc.app.train", "--mode", mode.train_mode,
                  "--rank", str(rank), "--world", str(args.workers), "--master", master,
                  "--epochs", str(args.epochs), "--batch", str(args.batch),
                  "--evals", str(args.evals), "--data", args.data, "--config", str(cfg)]

@@ -1,4 +1,4 @@
-"""``python -m thcnet.run``: bring up the testbed, run a THC smoke all-reduce, check it, tear down.
+"""``python -m thc.emu.run``: bring up the testbed, run a THC smoke all-reduce, check it, tear down.
 
 Every worker streams random 4-bit indices (1M elements by default) through the aggregator
 (a software aggregator shard on every worker host, the central software aggregator on host
@@ -13,9 +13,9 @@ import json
 import sys
 import time
 
-from thcnet.smoke_worker import digest, reference_sums
-from thcnet import testbed
-from thcnet.testbed import TestbedError, WorkerError, open_testbed
+from thc.emu.smoke_worker import digest, reference_sums
+from thc.emu import testbed
+from thc.emu.testbed import TestbedError, WorkerError, open_testbed
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
@@ -50,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
             before = tb.wire_bytes()
             agg = ["--agg", f"{tb.agg_addr[0]}:{tb.agg_addr[1]}"] if tb.agg_addr else []
             results = tb.run_workers(
-                lambda r: ["python", "-m", "thcnet.smoke_worker", "--rank", str(r),
+                lambda r: ["python", "-m", "thc.emu.smoke_worker", "--rank", str(r),
                            "--config", str(tb.cluster_path)] + agg + [
                            "--numel", str(args.numel), "--seed", str(args.seed),
                            "--rto", str(args.rto)]
@@ -65,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"smoke all-reduce FAILED:\n{e}", file=sys.stderr)
         return 1
     except TestbedError as e:
-        print(f"thcnet.run: {e}", file=sys.stderr)
+        print(f"thc.emu.run: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("\nthcnet.run: interrupted; testbed torn down", file=sys.stderr)
@@ -93,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m thcnet.run", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m thc.emu.run", description=__doc__.splitlines()[0])
     add_arguments(ap)
     return run(ap.parse_args(argv))
 

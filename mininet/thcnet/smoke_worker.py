@@ -1,6 +1,6 @@
 """One worker of the smoke all-reduce: random 4-bit indices through the aggregator.
 
-``python -m thcnet.smoke_worker --rank R --config cluster.json --agg IP:PORT --numel N --seed S``
+``python -m thc.emu.smoke_worker --rank R --config cluster.json --agg IP:PORT --numel N --seed S``
 
 Worker r draws its indices from seed S + r, so anyone can recompute every worker's vector and
 the exact integer sums (:func:`reference_sums`). Prints one JSON line: rank, seconds, the
@@ -29,12 +29,12 @@ from pathlib import Path
 
 import numpy as np
 
-from host.codec.packing import pack_bits
-from host.collective import worker
-from host.net.client import AggregationRefused, AggregationTimeout, AggregatorRestarted
-from host.net.impair import Impairment
-from host.wire import protocol as P
-from host.wire.jobs import Cluster
+from thc.codec.packing import pack_bits
+from thc.collective import worker
+from thc.net.client import AggregationRefused, AggregationTimeout, AggregatorRestarted
+from thc.net.impair import Impairment
+from thc.wire import protocol as P
+from thc.wire.jobs import Cluster
 
 
 def indices(seed: int, rank: int, numel: int) -> np.ndarray:

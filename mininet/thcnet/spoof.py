@@ -1,6 +1,6 @@
 """A forger of aggregator replies, for the fault matrix's "spoofed replies" row.
 
-``python -m thcnet.spoof --config cluster.json --bind IP:PORT --run R --epoch E --chunks C
+``python -m thc.emu.spoof --config cluster.json --bind IP:PORT --run R --epoch E --chunks C
 --rounds K --stop FILE [--progress FILE] [--rate PPS]``
 
 Not the aggregator (another port on its host, or another host), it sends every worker forged
@@ -26,10 +26,10 @@ from pathlib import Path
 
 import numpy as np
 
-from host.collective.worker import run_arg
-from host.net.addresses import parse_hostport
-from host.wire import protocol as P
-from host.wire.jobs import Cluster
+from thc.collective.worker import run_arg
+from thc.net.addresses import parse_hostport
+from thc.wire import protocol as P
+from thc.wire.jobs import Cluster
 
 REFUSED_EVERY = 8
 

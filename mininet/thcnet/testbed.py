@@ -27,11 +27,11 @@ from __future__ import annotations
 
 import argparse
 
-from host.app.argtypes import positive_int
-from host.codec.params import THCParams
-from host.testing.clusters import free_port_block
-from host.wire.jobs import Cluster, Shard, Worker
-from thcnet.base import (
+from thc.app.argtypes import positive_int
+from thc.codec.params import THCParams
+from thc.testing.clusters import free_port_block
+from thc.wire.jobs import Cluster, Shard, Worker
+from thc.emu.base import (
     AGGREGATORS,
     REPO_ROOT,
     Testbed,
@@ -40,8 +40,8 @@ from thcnet.base import (
     mininet_unavailable_reason,
     say_once,
 )
-from thcnet.errors import TestbedError, Unavailable
-from thcnet.procs import WorkerError, WorkerResult
+from thc.emu.errors import TestbedError, Unavailable
+from thc.emu.procs import WorkerError, WorkerResult
 
 __all__ = ["open_testbed", "add_arguments", "add_link_arguments", "add_job_arguments", "Testbed", "LoopbackTestbed", "WorkerResult", "WorkerError",
            "TestbedError", "Unavailable", "mininet_unavailable_reason", "bmv2_unavailable_reason",
@@ -114,7 +114,7 @@ def open_testbed(n_workers: int, bw_mbit: float | None = None, delay_ms: float =
         raise TestbedError(f"aggregator must be one of {AGGREGATORS}, got {aggregator!r}")
     reason = mininet_unavailable_reason(aggregator) if prefer_mininet else "prefer_mininet=False"
     if reason is None:
-        from thcnet.emulation import MininetTestbed
+        from thc.emu.emulation import MininetTestbed
         return MininetTestbed(n_workers, bw_mbit=bw_mbit, delay_ms=delay_ms, loss_pct=loss_pct,
                               aggregator=aggregator, agg_bw_factor=agg_bw_factor, params=params,
                               lanes=lanes, pool_size=pool_size, quiet=quiet,
