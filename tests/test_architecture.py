@@ -225,10 +225,35 @@ def test_strings_that_name_no_module_or_sit_in_functions_are_not_imports(tmp_pat
     (the P4 program ``"thc"``)."""
     mod = tmp_path / "m.py"
     mod.write_text("HELP = 'see thc.controller.switch for the details'\n"
-                   "PROGRAM = 'controller'\n"
+                   "PROGRAM = 'thc'\n"
                    "def f():\n    return ['python', '-m', 'thc.controller.switch']\n")
-    known = {"controller", "thc.controller.switch", "thc.codec.m"}
+    known = {"thc", "thc.controller.switch", "thc.codec.m"}
     assert imports_of("thc.codec.m", mod, known) == set()
+
+
+FOLDER_NAMES = ("host", "controller", "thcnet")
+"""The folders' own names: the packages are thc, thc.controller and thc.emu."""
+
+
+def folder_name_imports(paths) -> list[str]:
+    """Imports, anywhere in ``paths``, of a folder's name instead of its package's."""
+    out = []
+    for path in paths:
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                names = [node.module or ""]
+            else:
+                continue
+            out += [f"{path.relative_to(ROOT)}:{node.lineno} imports {n}" for n in names
+                    if n.split(".")[0] in FOLDER_NAMES]
+    return out
+
+
+def test_nothing_imports_a_folder_name():
+    code = [*modules().values(), *(ROOT / "tests").rglob("*.py")]
+    assert folder_name_imports(p for p in code if p.suffix == ".py") == []
 
 
 def test_the_dispatcher_is_on_top_and_names_every_layer():
