@@ -11,11 +11,9 @@ programmed, not by the emulation or the in-memory switch that import this packag
 """
 from __future__ import annotations
 
-import importlib
+from thc.namespace import exports, one_name
 
-if __name__ != "thc.controller":
-    raise ImportError(f"the controller/ folder is the package 'thc.controller': import "
-                      f"thc.controller, not {__name__}")
+one_name(__name__, "thc.controller")
 
 _API = {
     "Switch": "thc.controller.switch",
@@ -31,10 +29,4 @@ _API = {
 """Public name -> the module that defines it."""
 
 __all__ = sorted(_API)
-
-
-def __getattr__(name: str):
-    module = _API.get(name)
-    if module is None:
-        raise AttributeError(f"module 'thc.controller' has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
+__getattr__, __dir__ = exports(__name__, _API)

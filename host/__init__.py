@@ -22,11 +22,9 @@ they import under, so no module exists twice with two copies of its state.
 """
 from __future__ import annotations
 
-import importlib
+from thc.namespace import exports, one_name
 
-if __name__ != "thc":
-    raise ImportError(f"the host/ folder is the package 'thc': import thc, not {__name__} "
-                      f"(pip install -e . maps the folders to their names)")
+one_name(__name__, "thc")
 
 _API = {
     "THCParams": "thc.codec.params",
@@ -53,14 +51,4 @@ _API = {
 """Public name -> the module that defines it."""
 
 __all__ = sorted(_API)
-
-
-def __getattr__(name: str):
-    module = _API.get(name)
-    if module is None:
-        raise AttributeError(f"module 'thc' has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_API))
+__getattr__, __dir__ = exports(__name__, _API)

@@ -39,7 +39,7 @@ def test_a_folder_name_does_not_import(old, new):
     r = subprocess.run([sys.executable, "-c", f"import {old}"], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=60)
     assert r.returncode != 0
-    assert f"import {new}, not {old}" in r.stderr
+    assert f"import {new}, not {old}" in r.stderr, r.stderr[-2000:]
 
 
 def test_import_thc_is_light_and_every_public_name_resolves():
