@@ -291,9 +291,8 @@ def test_cpu_install_without_triton(monkeypatch):
     not. On the CPU the kernels also need the interpreter to have been asked for."""
     import sys
 
-    import thc.codec
     monkeypatch.delitem(sys.modules, "thc.codec.triton_kernels", raising=False)
-    monkeypatch.delattr(thc.codec, "triton_kernels", raising=False)
+    monkeypatch.delattr(sys.modules["thc.codec"], "triton_kernels", raising=False)
     monkeypatch.setitem(sys.modules, "triton", None)
     p = THCParams(slice_size=256)
     x = torch.randn(600)

@@ -136,11 +136,12 @@ def test_bmv2_and_bad_arguments_are_refused_clearly():
 def test_a_testbed_job_becomes_a_vote_job_before_the_aggregator_starts():
     """Marsit's vote modes: the same workers and pool, sign bits in whole bytes."""
     with open_testbed(2, aggregator="software", prefer_mininet=False, lanes=0) as tb:
-        thc = tb.job
+        summing = tb.job
         vote = tb.use_vote_job()
         assert tb.job == vote and vote.aggregation == "vote" and vote.lanes % 8 == 0
-        assert (vote.workers, vote.pool_size, vote.job_id) == (thc.workers, thc.pool_size,
-                                                               thc.job_id)
+        assert (vote.workers, vote.pool_size, vote.job_id) == (summing.workers,
+                                                               summing.pool_size,
+                                                               summing.job_id)
         assert json.loads(tb.cluster_path.read_text())["jobs"][0]["aggregation"] == "vote"
         with pytest.raises(TestbedError, match="already written"):
             tb.use_vote_job()
