@@ -47,16 +47,16 @@ fuzz: setup
 
 # The main job; a mode through BMv2 trains a bounded number of steps (--bmv2-steps).
 run: system-deps setup
-	$(PY) -m host.app.cli run --workers $(WORKERS)
+	$(PY) -m thc.cli run --workers $(WORKERS)
 
 # FP32, THC through the software shards and THC through BMv2, every mode for every epoch.
 run-bmv2: system-deps setup
-	$(PY) -m host.app.cli run --workers $(WORKERS) --modes fp32,thc,thc-bmv2 --bmv2-steps all
+	$(PY) -m thc.app.cli run --workers $(WORKERS) --modes fp32,thc,thc-bmv2 --bmv2-steps all
 
 bench: setup
-	$(PY) -m host.app.cli bench codec --json out/bench_codec.json
-	$(PY) -m host.app.cli nmse --json out/nmse.json --plot out/nmse.png
-	$(PY) -m host.app.cli bench aggregator --json out/bench_aggregator.json
+	$(PY) -m thc.cli bench codec --json out/bench_codec.json
+	$(PY) -m thc.cli nmse --json out/nmse.json --plot out/nmse.png
+	$(PY) -m thc.cli bench aggregator --json out/bench_aggregator.json
 
 # Compile the P4 program (BMv2 JSON + P4Info) from the protocol constants.
 p4: setup
@@ -84,11 +84,11 @@ p4-check: setup
 	$(PY) $(P4SRC)/gen_p4.py --check
 
 mininet: system-deps setup
-	$(PY) -m thcnet.run --workers $(WORKERS)
+	$(PY) -m thc.emu.run --workers $(WORKERS)
 
 # The fault matrix (Mininet when root, else loopback) into docs/faults.md.
 faults: system-deps setup
-	$(PY) -m host.app.cli faults $(FAULTS_ARGS)
+	$(PY) -m thc.cli faults $(FAULTS_ARGS)
 
 clean:
 	rm -rf out .pytest_cache

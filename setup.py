@@ -10,9 +10,9 @@ x86-64; on x86-64 Linux with GCC it carries an AVX2 clone of its loops, picked a
 from setuptools import Extension, setup
 
 setup(ext_modules=[
-    Extension("host.net._fastagg", ["host/net/_fastagg.c"],
+    Extension("thc.net._fastagg", ["host/net/_fastagg.c"],
               extra_compile_args=["-O2", "-std=gnu11"], optional=True),
-    Extension("host.codec._fastcodec", ["host/codec/_fastcodec.c"],
+    Extension("thc.codec._fastcodec", ["host/codec/_fastcodec.c"],
               extra_compile_args=["-O3", "-std=gnu11", "-ffp-contract=off", "-Wno-psabi"],
               optional=True),
 ])

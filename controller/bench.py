@@ -28,14 +28,14 @@ import sys
 import time
 from pathlib import Path
 
-from controller import counters, forwarding, jobs, toolchain
-from controller.frames import udp_frame
-from controller.switch import BUILD_DIR, SwitchError
-from controller.testing.bmv2 import LocalBMv2
-from host.bench import add_common, emit_json
-from host.codec.packing import pack_bits
-from host.wire import protocol as P
-from host.wire.jobs import Job, Worker
+from thc.controller import counters, forwarding, jobs, toolchain
+from thc.controller.frames import udp_frame
+from thc.controller.switch import BUILD_DIR, SwitchError
+from thc.controller.testing.bmv2 import LocalBMv2
+from thc.bench import add_common, emit_json
+from thc.codec.packing import pack_bits
+from thc.wire import protocol as P
+from thc.wire.jobs import Job, Worker
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

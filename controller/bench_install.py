@@ -12,11 +12,11 @@ import statistics
 import sys
 import time
 
-from controller import jobs, toolchain
-from controller.switch import SwitchError
-from controller.testing.bmv2 import LocalBMv2
-from host.bench import add_common, emit_json
-from host.wire.jobs import Job, Worker
+from thc.controller import jobs, toolchain
+from thc.controller.switch import SwitchError
+from thc.controller.testing.bmv2 import LocalBMv2
+from thc.bench import add_common, emit_json
+from thc.wire.jobs import Job, Worker
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

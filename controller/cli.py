@@ -22,9 +22,9 @@ import argparse
 import json
 import sys
 
-from controller import counters, dryrun, forwarding, jobs, targets
-from controller.switch import DEFAULT_DEVICE_ID, DEFAULT_GRPC, Switch, SwitchError
-from host.wire.jobs import Cluster, ConfigError
+from thc.controller import counters, dryrun, forwarding, jobs, targets
+from thc.controller.switch import DEFAULT_DEVICE_ID, DEFAULT_GRPC, Switch, SwitchError
+from thc.wire.jobs import Cluster, ConfigError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

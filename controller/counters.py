@@ -12,9 +12,9 @@
 """
 from __future__ import annotations
 
-from controller.program import DROPS, JOB_COUNTERS, JOB_TABLE, L2_MISSES, RESETS
-from controller.switch import Switch
-from host.wire import protocol as P
+from thc.controller.program import DROPS, JOB_COUNTERS, JOB_TABLE, L2_MISSES, RESETS
+from thc.controller.switch import Switch
+from thc.wire import protocol as P
 
 DSCP_UNKNOWN = "thc_dscp_unknown"
 
@@ -42,7 +42,7 @@ def job_counters(sw: Switch, job_index: int) -> dict[str, int]:
 
 def all_job_counters(sw: Switch, installed: dict[int, dict]) -> dict[int, dict[str, int]]:
     """{job_id: counters} of the ``installed`` jobs ({job_id: {"job_index": ...}}, as
-    controller.jobs.installed_jobs reads them)."""
+    thc.controller.jobs.installed_jobs reads them)."""
     cells = sw.read_counter(JOB_COUNTERS)
     return {jid: _events(cells, cfg["job_index"]) for jid, cfg in installed.items()}
 

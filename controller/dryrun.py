@@ -14,11 +14,11 @@ import sys
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
-from controller.frames import mac_str, parse_udp_frame
-from controller.program import RESETS, short_name
-from controller.switch import Switch, load_p4info
-from controller.targets import Target
-from host.wire import protocol as P
+from thc.controller.frames import mac_str, parse_udp_frame
+from thc.controller.program import RESETS, short_name
+from thc.controller.switch import Switch, load_p4info
+from thc.controller.targets import Target
+from thc.wire import protocol as P
 
 HEX = {"idx", "value", "full_bitmap", "worker_bit", "epoch"}
 """Fields and parameters that are bit patterns, printed in hex."""

@@ -5,9 +5,9 @@ worker MAC (the worker's ``switch_port``); anything else can be added by hand.
 """
 from __future__ import annotations
 
-from controller.frames import mac_str
-from controller.program import L2_SET_PORT, L2_TABLE
-from controller.switch import Switch
+from thc.controller.frames import mac_str
+from thc.controller.program import L2_SET_PORT, L2_TABLE
+from thc.controller.switch import Switch
 
 UNROUTABLE = {"00:00:00:00:00:00", "ff:ff:ff:ff:ff:ff"}
 """MACs never installed (the default worker MAC and broadcast)."""

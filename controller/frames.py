@@ -5,7 +5,7 @@ from __future__ import annotations
 import ipaddress
 import struct
 
-from host.wire import protocol as P
+from thc.wire import protocol as P
 
 ETH = struct.Struct("!6s6sH")
 IPV4 = struct.Struct("!BBHHHBBH4s4s")

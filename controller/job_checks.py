@@ -2,10 +2,10 @@
 input changes nothing installed (controller/jobs.py runs them)."""
 from __future__ import annotations
 
-from controller import forwarding, targets
-from controller.switch import Switch
-from host.wire import protocol as P
-from host.wire.jobs import ConfigError, Job
+from thc.controller import forwarding, targets
+from thc.controller.switch import Switch
+from thc.wire import protocol as P
+from thc.wire.jobs import ConfigError, Job
 
 
 def target_of(sw: Switch) -> targets.Target:

@@ -30,14 +30,14 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from controller import counters, forwarding, p4rt
-from controller.frames import mac_str, reset_frame
-from controller.job_checks import check_job, config_of, free_index, target_of
-from controller.program import (ADDR_TABLE, JOB_TABLE, SET_JOB, SET_WORKER, SET_WORKER_ADDR,
+from thc.controller import counters, forwarding, p4rt
+from thc.controller.frames import mac_str, reset_frame
+from thc.controller.job_checks import check_job, config_of, free_index, target_of
+from thc.controller.program import (ADDR_TABLE, JOB_TABLE, SET_JOB, SET_WORKER, SET_WORKER_ADDR,
                                 WORKER_TABLE)
-from controller.switch import Switch, SwitchError
-from host.wire import protocol as P
-from host.wire.jobs import SWITCH_AGG_IP, SWITCH_AGG_MAC, Cluster, ConfigError, Job
+from thc.controller.switch import Switch, SwitchError
+from thc.wire import protocol as P
+from thc.wire.jobs import SWITCH_AGG_IP, SWITCH_AGG_MAC, Cluster, ConfigError, Job
 
 LIVE_WINDOW = 0.5
 """Seconds the controller watches a job's packet counter before changing it: a job whose

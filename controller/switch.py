@@ -20,9 +20,9 @@ import threading
 from pathlib import Path
 from typing import Iterable, Iterator
 
-from controller import p4rt, targets
-from controller.program import short_name
-from controller.toolchain import BUILD_DIR
+from thc.controller import p4rt, targets
+from thc.controller.program import short_name
+from thc.controller.toolchain import BUILD_DIR
 
 DEFAULT_GRPC = "127.0.0.1:9559"
 DEFAULT_DEVICE_ID = 0

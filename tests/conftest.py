@@ -2,7 +2,7 @@
 them, whatever an earlier test in the process installed."""
 import pytest
 
-from host.codec import settings
+from thc.codec import settings
 
 
 @pytest.fixture(autouse=True)

@@ -21,10 +21,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from host.codec.packing import pack_bits
-from host.net.aggregator import Aggregator
-from host.wire import protocol as P
-from host.wire.jobs import Job
+from thc.codec.packing import pack_bits
+from thc.net.aggregator import Aggregator
+from thc.wire import protocol as P
+from thc.wire.jobs import Job
 
 N_WORKERS, POOL, LANES, JOB_ID = 3, 2, 16, 9
 BASE_PORT = 42000
@@ -174,7 +174,7 @@ class Engines:
     """The reference model (through the Python aggregator) and the engines under test."""
 
     def __init__(self, compiled: bool = True, sharded: bool = False):
-        from host.net import fastagg
+        from thc.net import fastagg
         self.job = make_job(sharded)
         self.epoch = 0x1000
         shard = SHARD if sharded else None

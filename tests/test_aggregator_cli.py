@@ -14,15 +14,15 @@ import textwrap
 
 import pytest
 
-from host.net import fastagg
-from host.testing.clusters import free_port_block, local_job
-from host.wire.jobs import Cluster
+from thc.net import fastagg
+from thc.testing.clusters import free_port_block, local_job
+from thc.wire.jobs import Cluster
 
 
 def _aggregator(tmp_path, *argv) -> subprocess.CompletedProcess:
     cfg = tmp_path / "cluster.json"
     Cluster(jobs=(local_job(1, 2, free_port_block(2)),)).save(cfg)
-    return subprocess.run([sys.executable, "-m", "host.app.cli", "aggregator", "--config",
+    return subprocess.run([sys.executable, "-m", "thc.cli", "aggregator", "--config",
                            str(cfg), "--duration", "5", *argv],
                           capture_output=True, text=True, timeout=60)
 
@@ -57,10 +57,10 @@ def test_an_impairment_out_of_range_is_refused(tmp_path, option, value, message)
 
 NETNS_SCRIPT = textwrap.dedent("""
     import json, subprocess, socket, sys, threading, time
-    from host.net.aggregator import Aggregator
-    from host.net.fastagg import FastAggregator
-    from host.testing.clusters import local_job
-    from host.wire import protocol as P
+    from thc.net.aggregator import Aggregator
+    from thc.net.fastagg import FastAggregator
+    from thc.testing.clusters import local_job
+    from thc.wire import protocol as P
 
     N = 40
     subprocess.run(["ip", "link", "set", "lo", "up"], check=True)

@@ -9,12 +9,12 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as tmp
 
-from host.codec.params import THCParams
-from host.codec.thc import THCCodec, aggregate, decode
-from host.collective.allreduce import THCAllReduce
-from host.net.aggregator import Aggregator
-from host.net.client import AggregationClient
-from host.testing.clusters import free_port_block, local_job
+from thc.codec.params import THCParams
+from thc.codec.thc import THCCodec, aggregate, decode
+from thc.collective.allreduce import THCAllReduce
+from thc.net.aggregator import Aggregator
+from thc.net.client import AggregationClient
+from thc.testing.clusters import free_port_block, local_job
 
 PARAMS = THCParams(seed=7)
 
@@ -68,8 +68,8 @@ def test_aggregator_sums_equal_the_codec_reference():
     idx = [codec.encode(x.numpy(), m, round=0, generator=w) for w, x in enumerate(xs)]
     ref = decode(aggregate(idx, PARAMS), 3, m, 3000, PARAMS)
     job = local_job(1, 3, free_port_block(3), table=PARAMS.table)
-    from host.codec.packing import pack_bits
-    from host.wire import protocol as P
+    from thc.codec.packing import pack_bits
+    from thc.wire import protocol as P
     sums = [None] * 3
     with Aggregator([job]) as agg:
         addr = agg.start()

@@ -1,5 +1,7 @@
 """The import graph reads in one direction: no cycles, no upward imports, no test machinery
-in the product. Every import counts, including those inside functions."""
+in the product. Every import counts, including those inside functions and imports by name:
+``importlib.import_module``/``__import__`` of a string, and a module's name in a module-level
+table (a dispatch table loads what it names)."""
 from __future__ import annotations
 
 import ast
@@ -8,23 +10,25 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = {"host": ROOT / "host", "controller": ROOT / "controller",
-            "thcnet": ROOT / "mininet" / "thcnet"}
+PACKAGES = {"thc": ROOT / "host", "thc.controller": ROOT / "controller",
+            "thc.emu": ROOT / "mininet" / "thcnet"}
 
 LAYERS = [
-    ("host.codec",),
-    ("host.wire",),
-    ("host.net",),
-    ("host.collective",),
-    ("host.app", "host.bench", "host.testing"),
-    ("controller",),
-    ("thcnet",),
+    ("thc.codec", "thc.namespace"),
+    ("thc.wire",),
+    ("thc.net",),
+    ("thc.collective",),
+    ("thc.app", "thc.bench", "thc.testing"),
+    ("thc.controller",),
+    ("thc.emu",),
+    ("thc.cli",),
 ]
-"""Bottom first: a module may import its own layer and those below, never above."""
+"""Bottom first: a module may import its own layer and those below, never above. The ``thc``
+command's dispatcher is on top, so every subcommand it names points down."""
 
-TESTING = ("host.testing", "controller.testing")
-TESTING_USERS = ("host.testing", "controller.testing", "host.bench", "controller.bench",
-                 "controller.bench_install", "thcnet")
+TESTING = ("thc.testing", "thc.controller.testing")
+TESTING_USERS = ("thc.testing", "thc.controller.testing", "thc.bench", "thc.controller.bench",
+                 "thc.controller.bench_install", "thc.emu")
 """Test machinery is used by tests, benchmarks and the emulation only."""
 
 
@@ -41,13 +45,43 @@ def modules() -> dict[str, Path]:
     return out
 
 
+IMPORT_CALLS = ("import_module", "__import__")
+
+
+def imports_by_name(tree: ast.Module, known: set[str]) -> set[str]:
+    """Modules named by a string given to an import call anywhere, or held in a module-level
+    assignment (a dispatch table names them by dotted path: a bare ``"thc"`` there is the
+    P4 program's name more often than the package)."""
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and node.args:
+            func = node.func
+            called = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+            first = node.args[0]
+            if (called in IMPORT_CALLS and isinstance(first, ast.Constant)
+                    and isinstance(first.value, str)):
+                found.add(first.value)
+    for stmt in tree.body:
+        if isinstance(stmt, (ast.Assign, ast.AnnAssign)) and stmt.value is not None:
+            found |= {n.value for n in ast.walk(stmt.value) if isinstance(n, ast.Constant)
+                      and n.value in known and "." in n.value}
+    return found
+
+
 def imports_of(name: str, path: Path, known: set[str]) -> set[str]:
-    """Project modules that ``name`` imports anywhere in its source."""
+    """Project modules that ``name`` imports anywhere in its source, by statement or by
+    name."""
     found = set()
     if path.suffix == ".c":
         return found
     is_pkg = path.name == "__init__.py"
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    tree = ast.parse(path.read_text(), str(path))
+    for t in imports_by_name(tree, known):
+        while t and t not in known:
+            t = t.rpartition(".")[0]
+        if t and t != name:
+            found.add(t)
+    for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             targets = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -78,8 +112,8 @@ def layer(module: str) -> int:
     for rank, prefixes in enumerate(LAYERS):
         if any(module == p or module.startswith(p + ".") for p in prefixes):
             return rank
-    if module == "host":
-        return 0
+    if module == "thc":
+        return len(LAYERS) - 1
     raise AssertionError(f"module {module} is in no layer: add it to LAYERS")
 
 
@@ -146,9 +180,9 @@ def test_test_machinery_stays_out_of_the_product():
 
 
 @pytest.mark.parametrize("bad, check", [
-    ({"host.codec.thc": {"host.net.client"}, "host.net.client": set()}, upward_imports),
-    ({"host.codec.a": {"host.codec.b"}, "host.codec.b": {"host.codec.a"}}, cycles),
-    ({"host.net.client": {"host.testing.clusters"}, "host.testing.clusters": set()},
+    ({"thc.codec.thc": {"thc.net.client"}, "thc.net.client": set()}, upward_imports),
+    ({"thc.codec.a": {"thc.codec.b"}, "thc.codec.b": {"thc.codec.a"}}, cycles),
+    ({"thc.net.client": {"thc.testing.clusters"}, "thc.testing.clusters": set()},
      find_testing_leaks),
 ])
 def test_the_checks_catch_violations(bad, check):
@@ -156,16 +190,74 @@ def test_the_checks_catch_violations(bad, check):
 
 
 def test_extensions_are_leaf_modules():
-    """``from host.codec import _fastcodec`` names the extension, not the package (whose
+    """``from thc.codec import _fastcodec`` names the extension, not the package (whose
     __init__ imports thc.py, which imports the extension's wrapper)."""
     g = graph()
-    assert "host.codec._fastcodec" in g and g["host.codec._fastcodec"] == set()
-    assert "host.codec._fastcodec" in g["host.codec.fastcodec"]
-    assert "host.codec" not in g["host.codec.fastcodec"]
+    assert "thc.codec._fastcodec" in g and g["thc.codec._fastcodec"] == set()
+    assert "thc.codec._fastcodec" in g["thc.codec.fastcodec"]
+    assert "thc.codec" not in g["thc.codec.fastcodec"]
 
 
 def test_function_local_imports_count(tmp_path):
     mod = tmp_path / "m.py"
-    mod.write_text("def f():\n    from controller.switch import Switch\n")
-    assert imports_of("host.codec.m", mod, {"controller.switch", "host.codec.m"}) == \
-        {"controller.switch"}
+    mod.write_text("def f():\n    from thc.controller.switch import Switch\n")
+    assert imports_of("thc.codec.m", mod, {"thc.controller.switch", "thc.codec.m"}) == \
+        {"thc.controller.switch"}
+
+
+
+@pytest.mark.parametrize("source", [
+    "import importlib\ndef f():\n    return importlib.import_module('thc.controller.switch')\n",
+    "from importlib import import_module\nm = import_module('thc.controller.switch')\n",
+    "def f():\n    return __import__('thc.controller.switch')\n",
+    "COMMANDS = {'install': ('thc.controller.switch', 'program the switch')}\n",
+])
+def test_imports_by_name_count(tmp_path, source):
+    mod = tmp_path / "m.py"
+    mod.write_text(source)
+    known = {"thc.controller.switch", "thc.codec.m"}
+    assert imports_of("thc.codec.m", mod, known) == {"thc.controller.switch"}
+
+
+def test_strings_that_name_no_module_or_sit_in_functions_are_not_imports(tmp_path):
+    """A subprocess's ``-m`` argument in a function runs another process, not an import;
+    prose that mentions a module is no import either, nor a bare name that a package shares
+    (the P4 program ``"thc"``)."""
+    mod = tmp_path / "m.py"
+    mod.write_text("HELP = 'see thc.controller.switch for the details'\n"
+                   "PROGRAM = 'thc'\n"
+                   "def f():\n    return ['python', '-m', 'thc.controller.switch']\n")
+    known = {"thc", "thc.controller.switch", "thc.codec.m"}
+    assert imports_of("thc.codec.m", mod, known) == set()
+
+
+FOLDER_NAMES = ("host", "controller", "thcnet")
+"""The folders' own names: the packages are thc, thc.controller and thc.emu."""
+
+
+def folder_name_imports(paths) -> list[str]:
+    """Imports, anywhere in ``paths``, of a folder's name instead of its package's."""
+    out = []
+    for path in paths:
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                names = [node.module or ""]
+            else:
+                continue
+            out += [f"{path.relative_to(ROOT)}:{node.lineno} imports {n}" for n in names
+                    if n.split(".")[0] in FOLDER_NAMES]
+    return out
+
+
+def test_nothing_imports_a_folder_name():
+    code = [*modules().values(), *(ROOT / "tests").rglob("*.py")]
+    assert folder_name_imports(p for p in code if p.suffix == ".py") == []
+
+
+def test_the_dispatcher_is_on_top_and_names_every_layer():
+    g = graph()
+    assert layer("thc.cli") == len(LAYERS) - 1
+    assert {"thc.net.aggregator", "thc.controller.cli", "thc.emu.mainjob",
+            "thc.controller.bench"} <= g["thc.cli"]

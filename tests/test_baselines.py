@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from host.codec.baselines import FP16, QSGD, SCHEMES, THC, UHC, SignSGD, TernGrad, TopK, make_scheme
+from thc.codec.baselines import FP16, QSGD, SCHEMES, THC, UHC, SignSGD, TernGrad, TopK, make_scheme
 
 
 def nmse(x, est):
@@ -170,7 +170,7 @@ def test_sign_error_feedback():
 
 
 def test_thc_scheme_matches_codec():
-    from host.codec.thc import THCCodec
+    from thc.codec.thc import THCCodec
     x = np.random.default_rng(7).standard_normal(3000).astype(np.float32)
     s = make_scheme("thc:bits=3:granularity=14:p=1/64")
     assert (s.params.bits, s.params.granularity, s.params.p) == (3, 14, 1 / 64)

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from host.net import fastagg
+from thc.net import fastagg
 
 SERVERS = ("compiled", "python", "compiled_echo", "python_echo")
 
@@ -17,7 +17,7 @@ SERVERS = ("compiled", "python", "compiled_echo", "python_echo")
 def test_bench_aggregator_figures_are_consistent(tmp_path):
     out = tmp_path / "bench.json"
     workers, chunks = 2, 512
-    r = subprocess.run([sys.executable, "-m", "host.app.cli", "bench", "aggregator",
+    r = subprocess.run([sys.executable, "-m", "thc.cli", "bench", "aggregator",
                         "--workers", str(workers), "--chunks", str(chunks), "--repeat", "1",
                         "--json", str(out)], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr

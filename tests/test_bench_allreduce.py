@@ -2,9 +2,9 @@
 against FP32 on the same elements (BMv2's smaller run is never scaled to the full size)."""
 import pytest
 
-from host.wire import protocol as P
-from thcnet.bench_allreduce import _rings
-from thcnet.wirebytes import annotate, ideal_bytes
+from thc.wire import protocol as P
+from thc.emu.bench_allreduce import _rings
+from thc.emu.wirebytes import annotate, ideal_bytes
 
 
 def _mode(numel, seconds, **kw):

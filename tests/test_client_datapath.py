@@ -9,12 +9,12 @@ import threading
 import numpy as np
 import pytest
 
-from host.codec.packing import pack_bits
-from host.net.client import (AggregationClient, AggregationTimeout, AggregatorRestarted,
+from thc.codec.packing import pack_bits
+from thc.net.client import (AggregationClient, AggregationTimeout, AggregatorRestarted,
                              resolve_datapath)
-from host.net.impair import Impairment
-from host.testing.clusters import free_port_block, local_job
-from host.wire import protocol as P
+from thc.net.impair import Impairment
+from thc.testing.clusters import free_port_block, local_job
+from thc.wire import protocol as P
 from tests.test_transport import datapath  # noqa: F401 (a fixture)
 
 N_CHUNKS = 20

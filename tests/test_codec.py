@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 import torch
 
-from host.codec import fastcodec
-from host.codec import thc as codec
-from host.codec.hadamard import rht
-from host.codec.table import expected_nmse, optimal_table, uniform_table
-from host.codec.thc import ErrorFeedback, THCCodec, THCParams
+from thc.codec import fastcodec
+from thc.codec import thc as codec
+from thc.codec.hadamard import rht
+from thc.codec.table import expected_nmse, optimal_table, uniform_table
+from thc.codec.thc import ErrorFeedback, THCCodec, THCParams
 
 P = THCParams()
 
@@ -321,7 +321,7 @@ def test_cuda_round_trip():
 
 
 def test_codec_bench_quick(tmp_path, capsys):
-    from host.bench import codec as bench
+    from thc.bench import codec as bench
     parser = argparse.ArgumentParser()
     bench.add_arguments(parser)
     out = tmp_path / "codec.json"

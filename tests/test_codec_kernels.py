@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from host.codec import rng, thc
-from host.codec.hadamard import fwht
-from host.codec.thc import ErrorFeedback, THCCodec, THCParams
+from thc.codec import rng, thc
+from thc.codec.hadamard import fwht
+from thc.codec.thc import ErrorFeedback, THCCodec, THCParams
 
 CUDA = torch.cuda.is_available()
 if not CUDA:
@@ -291,9 +291,8 @@ def test_cpu_install_without_triton(monkeypatch):
     not. On the CPU the kernels also need the interpreter to have been asked for."""
     import sys
 
-    import host.codec
-    monkeypatch.delitem(sys.modules, "host.codec.triton_kernels", raising=False)
-    monkeypatch.delattr(host.codec, "triton_kernels", raising=False)
+    monkeypatch.delitem(sys.modules, "thc.codec.triton_kernels", raising=False)
+    monkeypatch.delattr(sys.modules["thc.codec"], "triton_kernels", raising=False)
     monkeypatch.setitem(sys.modules, "triton", None)
     p = THCParams(slice_size=256)
     x = torch.randn(600)
@@ -323,7 +322,7 @@ def test_backend_argument_checked():
 @pytest.mark.skipif(not CUDA, reason="no CUDA device: the automatic choice of the kernels "
                                       "for CUDA tensors needs one")
 def test_cuda_tensors_take_the_kernels(monkeypatch):
-    from host.codec import triton_kernels
+    from thc.codec import triton_kernels
     calls = []
     orig = triton_kernels.encode_cols
     monkeypatch.setattr(triton_kernels, "encode_cols",

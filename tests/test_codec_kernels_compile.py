@@ -13,7 +13,7 @@ import pytest
 
 SCRIPT = """
 import sys
-from host.codec import triton_kernels as tk
+from thc.codec import triton_kernels as tk
 for log in (8, 20):
     print(log, tk.compile_for(1 << log, 90), flush=True)
 """

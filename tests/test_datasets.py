@@ -7,8 +7,8 @@ import struct
 import numpy as np
 import pytest
 
-from host.app import datasets as D
-from host.codec.settings import Settings
+from thc.app import datasets as D
+from thc.codec.settings import Settings
 
 
 def idx_bytes(arr: np.ndarray) -> bytes:

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as tmp
 
-from host.testing.clusters import free_port_block
+from thc.testing.clusters import free_port_block
 
 WORLD = 2
 
@@ -38,9 +38,9 @@ KINDS = ("thc", "topk", "marsit")
 def _worker(rank, port, q):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from host.codec.params import THCParams
-    from host.collective.allreduce import THCAllReduce
-    from host.collective.ddp import HookOptions, MarsitHook, THCHook, TopKHook
+    from thc.codec.params import THCParams
+    from thc.collective.allreduce import THCAllReduce
+    from thc.collective.ddp import HookOptions, MarsitHook, THCHook, TopKHook
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,

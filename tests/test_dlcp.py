@@ -8,15 +8,15 @@ import numpy as np
 import pytest
 import torch
 
-from host.codec.params import THCParams
-from host.collective.allreduce import THCAllReduce
-from host.net.aggregator import Aggregator
-from host.net.client import AggregationClient
-from host.net.impair import Impairment
-from host.net.priority import N_CLASSES, magnitude_rank, priority_class, tos_of
-from host.testing.clusters import free_port_block, local_job
-from host.wire import protocol as P
-from host.wire.jobs import ConfigError, Job
+from thc.codec.params import THCParams
+from thc.collective.allreduce import THCAllReduce
+from thc.net.aggregator import Aggregator
+from thc.net.client import AggregationClient
+from thc.net.impair import Impairment
+from thc.net.priority import N_CLASSES, magnitude_rank, priority_class, tos_of
+from thc.testing.clusters import free_port_block, local_job
+from thc.wire import protocol as P
+from thc.wire.jobs import ConfigError, Job
 
 
 def test_classes_rank_early_layers_and_large_gradients_first():

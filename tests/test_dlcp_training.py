@@ -8,7 +8,7 @@ import itertools
 import pytest
 import torch
 
-from host.collective.ddp import layer_positions
+from thc.collective.ddp import layer_positions
 
 
 def _model():
@@ -39,12 +39,12 @@ def test_thc_hook_hands_every_bucket_its_layer_positions(priorities):
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from host.codec.params import THCParams
-    from host.collective.allreduce import AggregatorTransport, THCAllReduce
-    from host.collective.ddp import THCHook
-    from host.net.aggregator import Aggregator
-    from host.net.client import AggregationClient
-    from host.testing.clusters import free_port_block, free_tcp_port, local_job
+    from thc.codec.params import THCParams
+    from thc.collective.allreduce import AggregatorTransport, THCAllReduce
+    from thc.collective.ddp import THCHook
+    from thc.net.aggregator import Aggregator
+    from thc.net.client import AggregationClient
+    from thc.testing.clusters import free_port_block, free_tcp_port, local_job
 
     calls = []
 
@@ -87,7 +87,7 @@ def test_thc_hook_hands_every_bucket_its_layer_positions(priorities):
 
 
 def test_main_job_has_the_dlcp_modes():
-    from thcnet.mainjob import DEFAULT_MODES, MODES
+    from thc.emu.mainjob import DEFAULT_MODES, MODES
 
     dlcp, lossy = MODES["thc-dlcp"], MODES["thc-lossy"]
     assert (dlcp.train_mode, dlcp.aggregator, dlcp.loss_bound, dlcp.priorities) == (
@@ -109,8 +109,8 @@ def _parser(module):
 
 @pytest.mark.parametrize("bad", ["1", "1.5", "-0.01", "nan", "inf", "x"])
 def test_loss_bound_outside_0_1_is_a_usage_error(bad, capsys):
-    from host.app import train
-    from thcnet import mainjob
+    from thc.app import train
+    from thc.emu import mainjob
 
     for module in (train, mainjob):
         with pytest.raises(SystemExit) as e:
@@ -120,8 +120,8 @@ def test_loss_bound_outside_0_1_is_a_usage_error(bad, capsys):
 
 
 def test_loss_bound_flags_accept_a_fraction():
-    from host.app import train
-    from thcnet import mainjob
+    from thc.app import train
+    from thc.emu import mainjob
 
     assert _parser(train).parse_args(["--loss-bound", "0.1"]).loss_bound == 0.1
     assert _parser(train).parse_args([]).loss_bound is None      # the job's
@@ -132,7 +132,7 @@ def test_loss_bound_flags_accept_a_fraction():
 
 
 def test_train_refuses_dlcp_flags_outside_mode_thc(capsys):
-    from host.app import train
+    from thc.app import train
 
     with pytest.raises(SystemExit):
         train.main(["--mode", "thc-dist", "--priorities"])
@@ -140,7 +140,7 @@ def test_train_refuses_dlcp_flags_outside_mode_thc(capsys):
 
 
 def test_congest_without_mininet_is_refused(tmp_path, capsys):
-    from thcnet import mainjob
+    from thc.emu import mainjob
 
     args = _parser(mainjob).parse_args(["--loopback", "--congest", "0.8", "--modes", "thc-dlcp",
                                         "--out", str(tmp_path)])
@@ -150,7 +150,7 @@ def test_congest_without_mininet_is_refused(tmp_path, capsys):
 
 
 def test_dlcp_ratios_compare_with_the_retransmit_baseline_of_the_run():
-    from thcnet.mainjob import dlcp_ratios
+    from thc.emu.mainjob import dlcp_ratios
 
     def run(mode, rows, bound=0.0):
         return {"mode": mode, "loss_bound": bound, "short_chunks": 3 if bound else None,

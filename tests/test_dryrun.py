@@ -10,8 +10,8 @@ from collections import Counter
 import pytest
 from p4.v1 import p4runtime_pb2
 
-from controller import cli, dryrun, jobs, targets
-from host.wire.jobs import Cluster
+from thc.controller import cli, dryrun, jobs, targets
+from thc.wire.jobs import Cluster
 from tests.test_target_writes import committed_p4info, recording_switch, sample_cluster
 
 EPOCH = re.compile(r"epoch=0x[0-9a-f]{8}")

@@ -13,13 +13,13 @@ import time
 import numpy as np
 import pytest
 
-from host.codec.packing import pack_bits
-from host.net import fastagg
-from host.net.aggregator import Aggregator
-from host.net.client import (AggregationClient, AggregationRefused, AggregationTimeout,
+from thc.codec.packing import pack_bits
+from thc.net import fastagg
+from thc.net.aggregator import Aggregator
+from thc.net.client import (AggregationClient, AggregationRefused, AggregationTimeout,
                              AggregatorRestarted, RunFailed)
-from host.testing.clusters import free_port_block, local_job
-from host.wire import protocol as P
+from thc.testing.clusters import free_port_block, local_job
+from thc.wire import protocol as P
 from tests.test_transport import datapath  # noqa: F401 (a fixture)
 
 TABLE = [0, 1, 2, 4, 6, 8, 11, 14, 16, 19, 22, 24, 26, 28, 29, 30]

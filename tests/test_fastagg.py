@@ -19,12 +19,12 @@ import pytest
 from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 
-from host.codec.packing import pack_bits
-from host.net import fastagg
-from host.net.aggregator import Aggregator
-from host.testing.clusters import free_port_block
-from host.wire import protocol as P
-from host.wire.jobs import VOTE_TABLE, Job, Shard
+from thc.codec.packing import pack_bits
+from thc.net import fastagg
+from thc.net.aggregator import Aggregator
+from thc.testing.clusters import free_port_block
+from thc.wire import protocol as P
+from thc.wire.jobs import VOTE_TABLE, Job, Shard
 from tests.conformance.harness import TEST_TABLE
 from tests.conformance.test_fuzz import (
     KNOWN_SEQ,
@@ -454,9 +454,9 @@ def test_a_missing_extension_is_reported_not_fatal(monkeypatch):
 
 
 def test_thc_aggregator_picks_the_compiled_datapath_and_says_so(tmp_path):
-    from host.net.aggregator import choose
-    from host.net.impair import Impairment
-    from host.wire.jobs import Cluster
+    from thc.net.aggregator import choose
+    from thc.net.impair import Impairment
+    from thc.wire.jobs import Cluster
 
     js = jobs()  # vote and sharded jobs among them: nothing makes it fall back
     agg, name = choose("auto", js, Impairment(), shard=SHARD)
@@ -469,7 +469,7 @@ def test_thc_aggregator_picks_the_compiled_datapath_and_says_so(tmp_path):
         choose("compiled", js, Impairment(loss=0.1), shard=SHARD)
     cfg = tmp_path / "cluster.json"
     Cluster(jobs=tuple(js)).save(cfg)
-    out = subprocess.run([sys.executable, "-m", "host.app.cli", "aggregator", "--listen",
+    out = subprocess.run([sys.executable, "-m", "thc.cli", "aggregator", "--listen",
                           f"127.0.0.1:{free_port_block(1)}", "--config", str(cfg),
                           "--duration", "0.2", "--stats-interval", "0", "--shard", str(SHARD)],
                          check=False, capture_output=True, text=True, timeout=60)

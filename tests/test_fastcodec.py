@@ -18,11 +18,11 @@ import numpy as np
 import pytest
 import torch
 
-from host.codec import backends, fastcodec, settings
-from host.codec import thc as codec
-from host.codec.packing import pack_bits, unpack_bits
-from host.codec.table import expected_nmse
-from host.codec.thc import THCCodec, THCParams
+from thc.codec import backends, fastcodec, settings
+from thc.codec import thc as codec
+from thc.codec.packing import pack_bits, unpack_bits
+from thc.codec.table import expected_nmse
+from thc.codec.thc import THCCodec, THCParams
 
 pytestmark = pytest.mark.skipif(not fastcodec.available(),
                                 reason=f"compiled codec skipped: {fastcodec.UNAVAILABLE}")

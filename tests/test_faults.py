@@ -5,7 +5,7 @@ import argparse
 
 import numpy as np
 
-from thcnet import faults, matrix
+from thc.emu import faults, matrix
 
 
 def test_a_wrong_sum_is_reported_and_fails_the_matrix():
@@ -59,7 +59,7 @@ def test_protocol_rows_on_loopback(tmp_path, capsys):
 
 
 def test_the_bitmap_reference_sums_only_the_counted_workers():
-    from thcnet.smoke_worker import bitmap_mismatches, bitmap_reference, indices
+    from thc.emu.smoke_worker import bitmap_mismatches, bitmap_reference, indices
 
     table, lanes, numel = list(range(16)), 4, 10    # 3 chunks, the last one short of lanes
     lut = np.asarray(table)
@@ -72,7 +72,7 @@ def test_the_bitmap_reference_sums_only_the_counted_workers():
 
 
 def test_a_timed_stream_stops_every_worker_after_the_same_round():
-    from thcnet.testbed import open_testbed
+    from thc.emu.testbed import open_testbed
 
     with open_testbed(2, prefer_mininet=False) as tb:
         tb.start_aggregator()

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from host.codec.hadamard import (
+from thc.codec.hadamard import (
     SliceLayout,
     fwht,
     hadamard_matrix,

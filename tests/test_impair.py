@@ -8,12 +8,12 @@ import threading
 import numpy as np
 import pytest
 
-from host.codec.packing import pack_bits
-from host.net.aggregator import Aggregator
-from host.net.client import AggregationClient, AggregationTimeout
-from host.net.impair import Impairment
-from host.testing.clusters import free_port_block, local_job
-from host.wire import protocol as P
+from thc.codec.packing import pack_bits
+from thc.net.aggregator import Aggregator
+from thc.net.client import AggregationClient, AggregationTimeout
+from thc.net.impair import Impairment
+from thc.testing.clusters import free_port_block, local_job
+from thc.wire import protocol as P
 
 
 class Clock:
@@ -121,3 +121,13 @@ def test_a_silent_aggregator_is_named_as_the_cause_not_a_worker():
     finally:
         t.join(5)
         fake.close()
+
+
+def test_the_impairment_flags_build_the_impairment_they_name():
+    import argparse
+    parser = argparse.ArgumentParser()
+    Impairment.add_arguments(parser, "chunks")
+    imp = Impairment.from_args(parser.parse_args(["--loss", "0.1", "--dup", "0.2",
+                                                  "--reorder", "0.3", "--jitter", "0.01"]), seed=4)
+    assert (imp.loss, imp.dup, imp.reorder, imp.jitter, imp.seed) == (0.1, 0.2, 0.3, 0.01, 4)
+    assert not Impairment.from_args(parser.parse_args([])).active

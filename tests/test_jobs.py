@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from host.wire import protocol as P
-from host.wire.jobs import ConfigError, Job, Worker
+from thc.wire import protocol as P
+from thc.wire.jobs import ConfigError, Job, Worker
 
 TABLE = tuple(range(0, 31, 2))
 
@@ -85,7 +85,7 @@ def test_worker_and_shard_addresses_are_checked(ip, port, why):
     or dropped that node's packets as unknown forever (an impossible IP)."""
     from dataclasses import replace
 
-    from host.wire.jobs import Shard
+    from thc.wire.jobs import Shard
     bad = job(2)
     bad = replace(bad, workers=(bad.workers[0], Worker(1, ip, port)))
     with pytest.raises(ConfigError, match=f"worker 1: .*{why}"):

@@ -9,10 +9,10 @@ from dataclasses import replace
 
 import pytest
 
-from controller import cli, counters, forwarding, jobs
-from controller.switch import Switch, SwitchError
-from controller.testing.memswitch import MemoryDevice, MemorySwitch
-from host.wire import protocol as P
+from thc.controller import cli, counters, forwarding, jobs
+from thc.controller.switch import Switch, SwitchError
+from thc.controller.testing.memswitch import MemoryDevice, MemorySwitch
+from thc.wire import protocol as P
 from tests.test_jobs_safety import IDLE, cluster, make_job
 
 

@@ -11,11 +11,11 @@ from dataclasses import replace
 
 import pytest
 
-from controller import counters, forwarding, jobs
-from controller.switch import SwitchError
-from controller.testing.memswitch import MemorySwitch
-from host.wire import protocol as P
-from host.wire.jobs import SWITCH_AGG_IP, SWITCH_AGG_MAC, Cluster, ConfigError, Job, Worker
+from thc.controller import counters, forwarding, jobs
+from thc.controller.switch import SwitchError
+from thc.controller.testing.memswitch import MemorySwitch
+from thc.wire import protocol as P
+from thc.wire.jobs import SWITCH_AGG_IP, SWITCH_AGG_MAC, Cluster, ConfigError, Job, Worker
 
 TABLE = tuple(range(0, 31, 2))
 IDLE = 0.05

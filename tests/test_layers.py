@@ -6,9 +6,9 @@ from scapy.layers.inet import IP, UDP
 from scapy.layers.l2 import Ether
 from scapy.packet import Raw
 
-from host.codec.packing import pack_bits
-from host.wire import protocol as P
-from host.wire.layers import THC, THCIndices, THCMax, THCSums
+from thc.codec.packing import pack_bits
+from thc.wire import protocol as P
+from thc.wire.layers import THC, THCIndices, THCMax, THCSums
 
 
 def test_header_fields_follow_protocol_json():

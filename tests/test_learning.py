@@ -1,13 +1,13 @@
 """Training learns through every gradient exchange the main job runs without a switch.
 
-Every mode of ``thc run`` but the BMv2 ones (:data:`thcnet.mainjob.MODES`: FP32, THC through
+Every mode of ``thc run`` but the BMv2 ones (:data:`thc.emu.mainjob.MODES`: FP32, THC through
 sharded or central software aggregators, with DLCP's loss bound and classes, over Gloo, TopK,
 Marsit along a ring and by vote) trains the main job's digits model for 176 steps on a fixed
-seed, through the main job's own per-mode runner (``thcnet.mainjob._run_mode``, as
+seed, through the main job's own per-mode runner (``thc.emu.mainjob._run_mode``, as
 ``thc run --loopback`` runs it): its loopback testbed, its `thc aggregator` processes, its
-argv for ``python -m host.app.train``. One thing differs: each worker process is forked from
+argv for ``python -m thc.app.train``. One thing differs: each worker process is forked from
 a server that imported torch once instead of exec'd, which saves the interpreter start-up of
-every rank of every mode (3-6 s each on 2 cores); it still runs ``host.app.train.main`` with
+every rank of every mode (3-6 s each on 2 cores); it still runs ``thc.app.train.main`` with
 the argv the main job built, in a process of its own.
 
 A mode passes (:func:`learning_failures`) when its loss falls by most of its start and its
@@ -36,10 +36,10 @@ import types
 
 import pytest
 
-from thcnet import mainjob
-from thcnet.base import REPO_ROOT
-from thcnet.procs import WorkerError
-from thcnet.testbed import LoopbackTestbed
+from thc.emu import mainjob
+from thc.emu.base import REPO_ROOT
+from thc.emu.procs import WorkerError
+from thc.emu.testbed import LoopbackTestbed
 
 pytestmark = pytest.mark.slow
 
@@ -67,7 +67,7 @@ FP32_LATE = 0.9
 # -- the broken gradient paths (applied in the worker processes only) -------------------------
 
 def _flip_sign() -> None:
-    from host.collective.allreduce import THCAllReduce
+    from thc.collective.allreduce import THCAllReduce
     real = THCAllReduce.__call__
     THCAllReduce.__call__ = lambda self, tensor, position=None: -real(self, tensor, position)
 
@@ -75,7 +75,7 @@ def _flip_sign() -> None:
 def _zero_sums() -> None:
     import torch
 
-    from host.collective.allreduce import AggregatorTransport
+    from thc.collective.allreduce import AggregatorTransport
     real = AggregatorTransport.sum
 
     def zeroed(self, packed, count, params, classes=None):
@@ -90,7 +90,7 @@ BREAKS = {"sign-flipped": _flip_sign, "sums-zeroed": _zero_sums}
 # -- workers forked from a preloaded server ----------------------------------------------------
 
 def _rank_main(argv: list[str], env: dict, out: str, err: str, brk: str | None) -> None:
-    """One worker: what ``python -m host.app.train *argv`` would do, in a forked process."""
+    """One worker: what ``python -m thc.app.train *argv`` would do, in a forked process."""
     os.setsid()  # like start_new_session=True: the testbed kills the worker's group
     os.chdir(REPO_ROOT)
     os.environ.clear()
@@ -101,7 +101,7 @@ def _rank_main(argv: list[str], env: dict, out: str, err: str, brk: str | None) 
         os.close(f)
     if brk is not None:
         BREAKS[brk]()
-    from host.app import train
+    from thc.app import train
     try:
         rc = train.main(argv)
     finally:
@@ -112,7 +112,7 @@ def _rank_main(argv: list[str], env: dict, out: str, err: str, brk: str | None) 
 
 
 class _Forked:
-    """The part of :class:`subprocess.Popen` that :class:`thcnet.procs.Proc` uses."""
+    """The part of :class:`subprocess.Popen` that :class:`thc.emu.procs.Proc` uses."""
 
     def __init__(self, process):
         self.process = process
@@ -136,13 +136,13 @@ def train_mode():
     """``train_mode(name, brk=None)``: the main job's run of mode ``name`` (cached)."""
     ctx = multiprocessing.get_context("forkserver")
     # torch._dynamo: DDP's constructor imports it, 2-5 s a process; sklearn.datasets: digits
-    ctx.set_forkserver_preload(["host.app.train", "torch.nn.parallel", "torch._dynamo",
+    ctx.set_forkserver_preload(["thc.app.train", "torch.nn.parallel", "torch._dynamo",
                                 "sklearn.datasets", __name__])
     real_launch = LoopbackTestbed._launch
     state = {"brk": None}
 
     def launch(self, node, argv, env, stdout, stderr):
-        if argv[1:3] != ["-m", "host.app.train"]:  # aggregators: exec'd as usual
+        if argv[1:3] != ["-m", "thc.app.train"]:  # aggregators: exec'd as usual
             return real_launch(self, node, argv, env, stdout, stderr)
         p = ctx.Process(target=_rank_main, name=f"{node}-train",
                         args=(argv[3:], env, stdout.name, stderr.name, state["brk"]))

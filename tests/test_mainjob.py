@@ -7,13 +7,13 @@ import sys
 
 import pytest
 
-from thcnet import mainjob
+from thc.emu import mainjob
 
 
 @pytest.mark.slow
 def test_main_job_runs_and_reports(tmp_path):
     out = subprocess.run(
-        [sys.executable, "-m", "host.app.cli", "run", "--loopback", "--epochs", "1",
+        [sys.executable, "-m", "thc.cli", "run", "--loopback", "--epochs", "1",
          "--data", "digits", "--batch", "32", "--evals", "2", "--workers", "2",
          "--modes", "fp32,thc", "--out", str(tmp_path)],
         capture_output=True, text=True, timeout=600)
@@ -44,7 +44,7 @@ def _run_of(mode, points, stopped=None):
 
 
 def test_time_to_accuracy_summary_names_the_winner():
-    from thcnet.mainreport import summarize, time_to
+    from thc.emu.mainreport import summarize, time_to
 
     fp32 = _run_of("fp32", [(10, 0.70), (20, 0.80), (30, 0.85)])
     thc = _run_of("thc", [(4, 0.72), (8, 0.845), (12, 0.846)])
@@ -63,12 +63,12 @@ def test_deadline_stops_every_rank_after_the_same_step_and_evaluates():
     """Rank 0 is out of time after its first step, rank 1 never: both stop after step 1
     (they agree each step), so the run ends in time with an evaluation row, as `thc run`
     needs for a mode that reaches its limit (BMv2)."""
-    from host.testing.clusters import free_tcp_port
+    from thc.testing.clusters import free_tcp_port
     port = free_tcp_port()
     procs = [subprocess.Popen(
-        [sys.executable, "-m", "host.app.train", "--mode", "fp32", "--rank", str(rank),
+        [sys.executable, "-m", "thc.app.train", "--mode", "fp32", "--rank", str(rank),
          "--world", "2", "--master", f"127.0.0.1:{port}", "--data", "digits", "--epochs", "3",
-         "--batch", "32", "--evals", "1", "--deadline", "0" if rank == 0 else "1e12"],
+         "--batch", "32", "--evals", "1", "--stop-at", "0" if rank == 0 else "1e12"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
     outs = [p.communicate(timeout=120) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs[0][1][-2000:] + outs[1][1][-2000:]
@@ -83,7 +83,7 @@ def test_counts_below_one_are_usage_errors(argv, capsys):
     """A zero count used to start a job that trains nothing (``--max-steps 0`` looped idle)."""
     import argparse
 
-    from host.app import train
+    from thc.app import train
     for add in (train.add_arguments, mainjob.add_arguments):
         if argv[0] == "--max-steps" and add is mainjob.add_arguments:
             continue
@@ -117,12 +117,12 @@ def test_main_job_through_bmv2_has_the_software_losses_step_by_step(tmp_path, bo
     """The main job's BMv2 mode trains all its epochs (``--bmv2-steps all``) or the bounded
     number of steps ``make run`` gives it, and every step's loss equals THC's through the
     software aggregators (the sums are the same integers)."""
-    from thcnet.testbed import bmv2_unavailable_reason, mininet_unavailable_reason
+    from thc.emu.testbed import bmv2_unavailable_reason, mininet_unavailable_reason
     why = mininet_unavailable_reason() or bmv2_unavailable_reason()
     if why:
         pytest.skip(f"needs Mininet and BMv2: {why}")
     out = subprocess.run(
-        [sys.executable, "-m", "host.app.cli", "run", "--epochs", "2", "--data", "digits",
+        [sys.executable, "-m", "thc.cli", "run", "--epochs", "2", "--data", "digits",
          "--width", "8", "--train-subset", "512", "--batch", "32", "--evals", "1",
          "--workers", "2", "--bw", "100", "--modes", "thc,thc-bmv2", "--bmv2-steps", bound,
          "--out", str(tmp_path)],

@@ -8,8 +8,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as tmp
 
-from host.collective import marsit
-from host.testing.clusters import free_port_block
+from thc.collective import marsit
+from thc.testing.clusters import free_port_block
 
 COORDS = 20000
 
@@ -115,8 +115,8 @@ def test_counts_become_the_mean_or_the_majority_sign():
 
 
 def _vote_worker(rank, world, port, job_dict, agg, q):
-    from host.net.client import AggregationClient
-    from host.wire.jobs import Job
+    from thc.net.client import AggregationClient
+    from thc.wire.jobs import Job
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world)
@@ -131,9 +131,9 @@ def _vote_worker(rank, world, port, job_dict, agg, q):
 
 def test_vote_allreduce_through_the_software_aggregator_is_the_exact_mean_sign():
     """Real UDP through a vote job: every rank gets scale x (2c - n) / n, c the +1 count."""
-    from host.net.aggregator import Aggregator
-    from host.testing.clusters import local_job
-    from host.wire.jobs import Job
+    from thc.net.aggregator import Aggregator
+    from thc.testing.clusters import local_job
+    from thc.wire.jobs import Job
     world = 3
     base = free_port_block(world + 1, tcp=True)
     thc = local_job(1, world, base, lanes=64)

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 
-from controller import counters, jobs, p4rt
-from controller.frames import reset_frame, udp_frame
-from controller.switch import SwitchError
-from controller.testing.memswitch import MemorySwitch
-from host.wire import protocol as P
-from host.wire.jobs import SWITCH_AGG_IP, SWITCH_AGG_MAC
+from thc.controller import counters, jobs, p4rt
+from thc.controller.frames import reset_frame, udp_frame
+from thc.controller.switch import SwitchError
+from thc.controller.testing.memswitch import MemorySwitch
+from thc.wire import protocol as P
+from thc.wire.jobs import SWITCH_AGG_IP, SWITCH_AGG_MAC
 
 
 @pytest.fixture

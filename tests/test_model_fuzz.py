@@ -10,8 +10,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from host.net import fastagg
-from host.wire import model
+from thc.net import fastagg
+from thc.wire import model
 from tests import model_fuzz as F
 
 small = st.integers(0, 63)
@@ -82,7 +82,7 @@ def test_the_comparison_sees_an_engine_that_differs(monkeypatch):
 
 
 def _engines_with_short_idle(self, compiled=True, sharded=False):
-    from host.net.aggregator import Aggregator
+    from thc.net.aggregator import Aggregator
     self.job, self.epoch, self.now = F.make_job(), 0x1000, 1000.0
     self.ref = Aggregator([self.job], epoch=self.epoch, run_idle=0.0005)
     self.others = [("compiled", fastagg.FastAggregator([self.job], epoch=self.epoch))]

@@ -5,7 +5,7 @@ import json
 import numpy as np
 import pytest
 
-from host.bench import nmse as bench
+from thc.bench import nmse as bench
 
 
 def parse(argv):

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from controller import toolchain
-from host.wire import protocol as P
+from thc.controller import toolchain
+from thc.wire import protocol as P
 
 ROOT = Path(__file__).resolve().parent.parent
 P4SRC = ROOT / "p4src"
@@ -266,7 +266,7 @@ def test_logging_macro_build_is_recognised_by_its_log_messages(tmp_path, monkeyp
     """A simple_switch_grpc whose code carries BMv2's per-packet log format strings was
     configured without --disable-logging-macros (a stand-in binary: a real slow build is
     not installed here)."""
-    from controller import toolchain
+    from thc.controller import toolchain
     fake = tmp_path / "simple_switch_grpc"
     fake.write_bytes(b"\x7fELF..." + toolchain.LOGGING_MACRO_MARK + b" {}\x00")
     fake.chmod(0o755)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from p4.config.v1 import p4info_pb2
 
-from controller import program, targets
+from thc.controller import program, targets
 from tests.test_target_writes import committed_p4info
 
 

@@ -15,7 +15,7 @@ pytest.importorskip("p4runtime_sh")
 from google.rpc import code_pb2  # noqa: E402
 from p4.v1 import p4runtime_pb2, p4runtime_pb2_grpc  # noqa: E402
 
-from controller import p4rt  # noqa: E402
+from thc.controller import p4rt  # noqa: E402
 
 SERVER = textwrap.dedent('''
     import grpc
@@ -109,7 +109,7 @@ def test_p4runtime_shell_error_iterator_loops_forever_on_an_ok_status():
     p4rt.BatchWriter may go back to ``client.write``."""
     script = SERVER + textwrap.dedent('''
         from p4runtime_sh.p4runtime import P4RuntimeErrorIterator
-        from controller import p4rt
+        from thc.controller import p4rt
         server, addr = start()
         stub = p4runtime_pb2_grpc.P4RuntimeStub(grpc.insecure_channel(addr))
         req = p4runtime_pb2.WriteRequest()
@@ -136,8 +136,8 @@ def test_p4runtime_shell_error_iterator_loops_forever_on_an_ok_status():
 
 
 def test_no_server_is_a_clear_error_and_frees_the_session():
-    from controller.switch import Switch, SwitchError
-    from host.testing.clusters import free_tcp_port
+    from thc.controller.switch import Switch, SwitchError
+    from thc.testing.clusters import free_tcp_port
     addr = f"127.0.0.1:{free_tcp_port()}"
     for _ in range(2):   # the second try is not refused as "already open"
         with pytest.raises(SwitchError, match=f"no P4Runtime server at {addr}"):

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from host.app.perfmodel import Setup, break_even_gbps, iteration_s, ring_allreduce_s
+from thc.app.perfmodel import Setup, break_even_gbps, iteration_s, ring_allreduce_s
 
 
 def test_ring_cost_formula():
@@ -52,7 +52,7 @@ def test_calibration_fits_figures_computed_by_hand():
     THC over Gloo: two collectives of 8-bit sums (4 x 30 <= 255), 60 + 30 ms, plus its
     measured codec seconds. The fit must find alpha and efficiency, and the predictions
     must be these figures."""
-    from host.app.perfmodel import FIT_MODES, calibrate, fit
+    from thc.app.perfmodel import FIT_MODES, calibrate, fit
 
     params, steps, compute, codec = 200_000, 100, 0.01, 0.02
     hand = {"fp32": 0.030 + 0.120, "marsit": 0.060 + 0.00375, "thc-dist": 0.060 + 0.030 + codec}
@@ -86,7 +86,7 @@ def test_calibrated_on_one_measured_run_it_predicts_runs_it_never_saw():
     the first run's FP32 and Marsit steps, it predicts FP32 and THC over Gloo in two other
     runs, at 25 and 100 Mbit/s, within 25 % of the measured step times (docs/results.md: the misses
     are the modes whose later runs shared the cores with other jobs)."""
-    from host.app.perfmodel import calibrate, fit
+    from thc.app.perfmodel import calibrate, fit
 
     alpha, eff = fit(json.loads((RUNS / "mainjob-mininet-100mbit.json").read_text()))
     assert 0.001 < alpha < 0.05 and 0.5 < eff <= 1.0
@@ -99,7 +99,7 @@ def test_calibrated_on_one_measured_run_it_predicts_runs_it_never_saw():
 
 
 def test_vote_moves_a_bit_up_and_an_8_bit_count_down():
-    from host.app.perfmodel import vote_wire_bytes
+    from thc.app.perfmodel import vote_wire_bytes
     s = Setup(params=2048 * 1000, workers=4, bandwidth_gbps=1.0, latency_us=0.0, compute_s=0.0,
               lanes=2048)
     up, down = vote_wire_bytes(s)

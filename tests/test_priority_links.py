@@ -12,9 +12,9 @@ import textwrap
 
 import pytest
 
-from host.wire import protocol as P
+from thc.wire import protocol as P
 
-links = pytest.importorskip("thcnet.links")
+links = pytest.importorskip("thc.emu.links")
 
 pytestmark = pytest.mark.skipif(
     os.geteuid() != 0 or not shutil.which("unshare") or not shutil.which("tc"),

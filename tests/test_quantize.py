@@ -3,10 +3,10 @@ import numpy as np
 import pytest
 import torch
 
-from host.codec.packing import pack_bits, packed_size, unpack_bits
-from host.codec.quantize import dequantize, quantize, stochastic_round, to_grid, uniforms
-from host.codec.table import optimal_table, uniform_table
-from host.wire import protocol
+from thc.codec.packing import pack_bits, packed_size, unpack_bits
+from thc.codec.quantize import dequantize, quantize, stochastic_round, to_grid, uniforms
+from thc.codec.table import optimal_table, uniform_table
+from thc.wire import protocol
 
 TABLE = optimal_table(4, 30, 1 / 32)
 

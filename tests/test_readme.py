@@ -120,8 +120,8 @@ def check_ddp(ns: dict) -> None:
 def check_controller(ns: dict) -> None:
     job_id = ns["cluster"].jobs[0].job_id
     assert set(ns["index"]) == {job_id}
-    from controller.jobs import installed_jobs
-    from controller.switch import Switch
+    from thc.controller.jobs import installed_jobs
+    from thc.controller.switch import Switch
     with Switch(ns["switch_address"]).connect(program=None) as sw:
         assert job_id not in installed_jobs(sw)
 
@@ -139,9 +139,9 @@ def test_python_examples_run(tmp_path, monkeypatch):
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from host.net.aggregator import Aggregator
-    from host.testing.clusters import free_port_block, free_tcp_port, local_job
-    from host.wire.jobs import Cluster
+    from thc.net.aggregator import Aggregator
+    from thc.testing.clusters import free_port_block, free_tcp_port, local_job
+    from thc.wire.jobs import Cluster
 
     job = local_job(1, 1, free_port_block(1))
     ran = []
@@ -168,14 +168,14 @@ def test_python_examples_run(tmp_path, monkeypatch):
 @pytest.mark.bmv2
 @pytest.mark.parametrize("name", [b.name for b in blocks(README.read_text()) if b.needs])
 def test_python_examples_that_need_hardware(name, tmp_path):
-    from controller.toolchain import bmv2_missing
+    from thc.controller.toolchain import bmv2_missing
     b = next(b for b in python_blocks(README.read_text()) if b.name == name)
     why = bmv2_missing()
     if why:
         pytest.skip(f"README example {name!r} needs {HARDWARE[b.needs]}: {why}")
-    from controller.testing.bmv2 import LocalBMv2
-    from host.testing.clusters import free_port_block, local_job
-    from host.wire.jobs import Cluster
+    from thc.controller.testing.bmv2 import LocalBMv2
+    from thc.testing.clusters import free_port_block, local_job
+    from thc.wire.jobs import Cluster
     cluster = Cluster(jobs=(local_job(1, 2, free_port_block(2)),))
     with LocalBMv2(2, connect=False, receive=False) as bm:
         code = b.code.replace(SWITCH_ADDRESS, bm.grpc_addr)
@@ -185,7 +185,7 @@ def test_python_examples_that_need_hardware(name, tmp_path):
 
 
 def test_cluster_file_example_loads(tmp_path):
-    from host.wire.jobs import Cluster
+    from thc.wire.jobs import Cluster
     found = [b for b in blocks(README.read_text()) if b.lang == "json"]
     assert found
     for b in found:
@@ -210,8 +210,7 @@ def _parse(parser: argparse.ArgumentParser, argv: list[str], where: str) -> argp
 def check_command(argv: list[str], where: str, makefile: str) -> bool:
     """Parse one README command line with the command's own parser (or find its make
     target); True when it is cheap enough to run as well."""
-    from host.app.cli import COMMANDS
-    from host.bench.cli import BENCHES
+    from thc.cli import BENCHES, COMMANDS
     prog = argv[0]
     if prog == "make":
         for target in argv[1:]:
@@ -224,10 +223,11 @@ def check_command(argv: list[str], where: str, makefile: str) -> bool:
             return True
         name = argv[1]
         assert name in COMMANDS, f"{where}: no thc command {name!r}"
-        args = _parse(_parser(COMMANDS[name][0]), argv[2:], where)
         if name == "bench":
-            assert args.bench in BENCHES
-            _parse(_parser(BENCHES[args.bench][0]), args.options, where)
+            assert argv[2] in BENCHES, f"{where}: no thc bench {argv[2]!r}"
+            _parse(_parser(BENCHES[argv[2]][0]), argv[3:], where)
+        else:
+            _parse(_parser(COMMANDS[name][0]), argv[2:], where)
         return name == "table" or "--help" in argv
     if prog == "torchrun":
         module = argv[argv.index("-m") + 1]
@@ -260,7 +260,7 @@ def test_shell_examples_parse_and_the_cheap_ones_run():
     ran = 0
     for argv, where in commands:
         if check_command(argv, where, makefile):
-            r = subprocess.run([sys.executable, "-m", "host.app.cli", *argv[1:]],
+            r = subprocess.run([sys.executable, "-m", "thc.cli", *argv[1:]],
                                capture_output=True, text=True, timeout=120, cwd=ROOT)
             assert r.returncode == 0, f"{where}: {shlex.join(argv)}: {r.stderr[-2000:]}"
             ran += 1
@@ -268,8 +268,7 @@ def test_shell_examples_parse_and_the_cheap_ones_run():
 
 
 def test_command_table_lists_every_thc_command():
-    from host.app.cli import COMMANDS
-    from host.bench.cli import BENCHES
+    from thc.cli import BENCHES, COMMANDS
     text = README.read_text()
     rows = re.findall(r"^\| `thc (\w+)` \| (.*) \|$", text, re.M)
     assert [name for name, _ in rows] == list(COMMANDS)

@@ -12,10 +12,10 @@ import time
 import numpy as np
 import pytest
 
-from host.codec.packing import pack_bits
-from host.net.client import AggregationClient, AggregationTimeout, AggregatorRestarted
-from host.testing.clusters import free_port_block, local_job
-from host.wire import protocol as P
+from thc.codec.packing import pack_bits
+from thc.net.client import AggregationClient, AggregationTimeout, AggregatorRestarted
+from thc.testing.clusters import free_port_block, local_job
+from thc.wire import protocol as P
 from tests.test_transport import AggregatorProcess, _reference, _run_workers
 from tests.test_transport import datapath  # noqa: F401 (a fixture)
 

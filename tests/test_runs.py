@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 import torch.multiprocessing as tmp
 
-from host.codec.packing import pack_bits
-from host.net.aggregator import Aggregator
-from host.net.client import AggregationClient, AggregatorRestarted
-from host.testing.clusters import free_port_block, local_job
-from host.wire import protocol as P
+from thc.codec.packing import pack_bits
+from thc.net.aggregator import Aggregator
+from thc.net.client import AggregationClient, AggregatorRestarted
+from thc.testing.clusters import free_port_block, local_job
+from thc.wire import protocol as P
 from tests.test_transport import datapath  # noqa: F401 (a fixture)
 
 
@@ -109,7 +109,7 @@ def _agree(rank, world, port, q):
 
     import torch.distributed as dist
 
-    from host.collective.allreduce import agree_run
+    from thc.collective.worker import agree_run
     os.environ.pop("THC_RUN", None)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world)
@@ -143,8 +143,8 @@ def test_a_failed_round_ends_the_run_so_a_retry_cannot_get_stale_sums(datapath):
     """A round that timed out leaves this worker's contributions (and completed chunks) in
     the slots of its sequence numbers: a retry under the same run used to be answered from
     them (a short or stale sum, no error). The client now refuses; a new run sums exactly."""
-    from host.net import fastclient
-    from host.net.client import RunFailed
+    from thc.net import fastclient
+    from thc.net.client import RunFailed
     if datapath == "compiled" and fastclient.CLIENT_UNAVAILABLE:
         pytest.skip(f"compiled client: {fastclient.CLIENT_UNAVAILABLE}")
     job = local_job(1, 2, free_port_block(2), table=list(range(16)))

@@ -11,15 +11,15 @@ import numpy as np
 import pytest
 import torch
 
-from host.codec.packing import pack_bits
-from host.codec.params import THCParams
-from host.collective.allreduce import THCAllReduce
-from host.net import aggregator as agg_cli
-from host.net.aggregator import Aggregator
-from host.net.client import AggregationClient, AggregationTimeout, AggregatorRestarted
-from host.testing.clusters import free_port_block, local_job
-from host.wire import protocol as P
-from host.wire.jobs import Cluster, ConfigError, Job, Shard
+from thc.codec.packing import pack_bits
+from thc.codec.params import THCParams
+from thc.collective.allreduce import THCAllReduce
+from thc.net import aggregator as agg_cli
+from thc.net.aggregator import Aggregator
+from thc.net.client import AggregationClient, AggregationTimeout, AggregatorRestarted
+from thc.testing.clusters import free_port_block, local_job
+from thc.wire import protocol as P
+from thc.wire.jobs import Cluster, ConfigError, Job, Shard
 from tests.test_transport import datapath  # noqa: F401 (a fixture)
 
 PARAMS = THCParams(granularity=30, seed=3)
@@ -164,7 +164,7 @@ def test_a_restarted_shard_is_named_and_a_silent_one_times_out(datapath):
 def test_bench_ideal_bytes_per_layout():
     """The busiest link per layout, as docs/mininet.md states it for 4 workers and 25M
     elements: sharded about 5.2x fewer bytes than the FP32 ring, central 1.49x."""
-    from thcnet.wirebytes import fp32_wire_bytes, thc_wire_bytes
+    from thc.emu.wirebytes import fp32_wire_bytes, thc_wire_bytes
 
     numel, p, lanes = 25_000_000, 4, P.max_software_lanes(8)
     fp32 = fp32_wire_bytes(numel, p)["up"]

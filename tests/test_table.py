@@ -5,10 +5,10 @@ import itertools
 import numpy as np
 import pytest
 
-from host.app import table as table_cmd
-from host.codec import table as T
-from host.codec.params import THCParams, parse_fraction
-from host.codec.table import truncation_threshold
+from thc.app import table as table_cmd
+from thc.codec import table as T
+from thc.codec.params import THCParams, parse_fraction
+from thc.codec.table import truncation_threshold
 
 
 def test_default_table_shape():

@@ -18,12 +18,12 @@ from google.protobuf import text_format
 from p4.config.v1 import p4info_pb2
 from p4.v1 import p4runtime_pb2
 
-from controller import jobs, program, targets
-from controller.frames import parse_udp_frame, reset_frame
-from controller.targets import tofino
-from controller.testing.memswitch import MemoryDevice, MemorySwitch
-from host.wire import protocol as P
-from host.wire.jobs import SWITCH_AGG_IP, SWITCH_AGG_MAC, Cluster, ConfigError, Job, Worker
+from thc.controller import jobs, program, targets
+from thc.controller.frames import parse_udp_frame, reset_frame
+from thc.controller.targets import tofino
+from thc.controller.testing.memswitch import MemoryDevice, MemorySwitch
+from thc.wire import protocol as P
+from thc.wire.jobs import SWITCH_AGG_IP, SWITCH_AGG_MAC, Cluster, ConfigError, Job, Worker
 
 TABLE = (0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30)
 

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from host.wire import protocol as P
-from thcnet import cleanup
-from thcnet.smoke_worker import digest, reference_sums
-from thcnet.testbed import (
+from thc.wire import protocol as P
+from thc.emu import cleanup
+from thc.emu.smoke_worker import digest, reference_sums
+from thc.emu.testbed import (
     LoopbackTestbed,
     TestbedError,
     WorkerError,
@@ -35,7 +35,7 @@ def smoke(tb, numel=1 << 16, seed=5):
     tb.start_aggregator()
     agg = ["--agg", f"{tb.agg_addr[0]}:{tb.agg_addr[1]}"] if tb.agg_addr else []
     results = tb.run_workers(
-        lambda r: ["python", "-m", "thcnet.smoke_worker", "--rank", str(r), "--config",
+        lambda r: ["python", "-m", "thc.emu.smoke_worker", "--rank", str(r), "--config",
                    str(tb.cluster_path), "--numel", str(numel), "--seed",
                    str(seed)] + agg, timeout=60)
     rows = [json.loads(r.stdout.strip().splitlines()[-1]) for r in results]
@@ -46,8 +46,8 @@ def smoke(tb, numel=1 << 16, seed=5):
 # -- loopback ----------------------------------------------------------------------------------
 
 def test_loopback_testbed_describes_itself_and_its_cluster(capsys, monkeypatch):
-    import thcnet.base
-    monkeypatch.setattr(thcnet.base, "_said", set())  # said once per process: say it here
+    import thc.emu.base
+    monkeypatch.setattr(thc.emu.base, "_said", set())  # said once per process: say it here
     with open_testbed(3, bw_mbit=100, prefer_mininet=False) as tb:
         assert tb.kind == "loopback" and tb.n_workers == 3
         job = tb.cluster.jobs[0]
@@ -136,11 +136,12 @@ def test_bmv2_and_bad_arguments_are_refused_clearly():
 def test_a_testbed_job_becomes_a_vote_job_before_the_aggregator_starts():
     """Marsit's vote modes: the same workers and pool, sign bits in whole bytes."""
     with open_testbed(2, aggregator="software", prefer_mininet=False, lanes=0) as tb:
-        thc = tb.job
+        summing = tb.job
         vote = tb.use_vote_job()
         assert tb.job == vote and vote.aggregation == "vote" and vote.lanes % 8 == 0
-        assert (vote.workers, vote.pool_size, vote.job_id) == (thc.workers, thc.pool_size,
-                                                               thc.job_id)
+        assert (vote.workers, vote.pool_size, vote.job_id) == (summing.workers,
+                                                               summing.pool_size,
+                                                               summing.job_id)
         assert json.loads(tb.cluster_path.read_text())["jobs"][0]["aggregation"] == "vote"
         with pytest.raises(TestbedError, match="already written"):
             tb.use_vote_job()
@@ -246,7 +247,7 @@ def test_cleanup_leaves_nothing_behind_after_an_exception():
 def test_the_next_start_cleans_up_after_a_crashed_run():
     code = textwrap.dedent("""
         import os, signal
-        from thcnet.testbed import open_testbed
+        from thc.emu.testbed import open_testbed
         tb = open_testbed(2, bw_mbit=10)
         print(tb.switch_name, tb.registry.path, flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
@@ -269,7 +270,7 @@ def test_the_next_start_cleans_up_after_a_crashed_run():
 def test_sigterm_tears_the_testbed_down():
     code = textwrap.dedent("""
         import time
-        from thcnet.testbed import open_testbed
+        from thc.emu.testbed import open_testbed
         with open_testbed(2) as tb:
             print(tb.switch_name, flush=True)
             time.sleep(60)
@@ -285,7 +286,7 @@ def test_sigterm_tears_the_testbed_down():
 
 @needs_mininet
 def test_loss_is_emulated_and_delay_is_refused_or_emulated():
-    from thcnet.links import netem_available
+    from thc.emu.links import netem_available
     with open_testbed(1, loss_pct=10) as tb:
         # The receiver counts datagrams until an end marker (sent 50 times: one gets through)
         # with room for all of them queued, so a slow receiver loses none of its own.
@@ -352,7 +353,7 @@ def test_smoke_allreduce_through_the_software_aggregator_is_bit_exact_in_mininet
 @needs_mininet
 @pytest.mark.slow
 def test_make_mininet_entry_point_runs():
-    r = subprocess.run([sys.executable, "-m", "thcnet.run", "--workers", "2", "--bw", "200",
+    r = subprocess.run([sys.executable, "-m", "thc.emu.run", "--workers", "2", "--bw", "200",
                         "--numel", str(1 << 18)], capture_output=True, text=True, timeout=120,
                        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert r.returncode == 0, r.stdout + r.stderr

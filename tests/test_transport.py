@@ -15,15 +15,15 @@ import time
 import numpy as np
 import pytest
 
-from host.codec.packing import pack_bits
-from host.net import fastclient
-from host.net.client import (DATAPATH_ENV, GSO_ENV, AggregationClient, AggregationTimeout,
+from thc.codec.packing import pack_bits
+from thc.net import fastclient
+from thc.net.client import (DATAPATH_ENV, GSO_ENV, AggregationClient, AggregationTimeout,
                              resolve_gso)
-from host.net.impair import Impairment
-from host.testing.clusters import free_port_block, local_job
-from host.testing.stats import fresh_stats
-from host.wire import protocol as P
-from host.wire.jobs import Cluster, Shard
+from thc.net.impair import Impairment
+from thc.testing.clusters import free_port_block, local_job
+from thc.testing.stats import fresh_stats
+from thc.wire import protocol as P
+from thc.wire.jobs import Cluster, Shard
 
 N_ELEMENTS = 1 << 20
 
@@ -35,7 +35,7 @@ class AggregatorProcess:
         self.port = port or free_port_block(1)
         cfg = tmp_path / "cluster.json"
         Cluster(jobs=tuple(jobs), agg_port=self.port).save(cfg)
-        args = [sys.executable, "-m", "host.app.cli", "aggregator", "--listen",
+        args = [sys.executable, "-m", "thc.cli", "aggregator", "--listen",
                 f"127.0.0.1:{self.port}", "--config", str(cfg), "--stats-interval", "0",
                 "--stats-file", str(tmp_path / "stats.json")]
         for k, v in impair.items():
@@ -287,7 +287,7 @@ class LossyRelay:
     It owns the job's worker addresses (so the aggregator sees every packet come from the
     worker it expects); each worker's client runs on a socket of its own and sends to its
     relay socket. ``loss`` 0.36 is 20% loss on each of two links in series, as the fault
-    matrix's Mininet row drops on every host's ingress (thcnet.links.path_loss)."""
+    matrix's Mininet row drops on every host's ingress (thc.emu.links.path_loss)."""
 
     def __init__(self, job, agg_addr, worker_addrs, loss, seed=0):
         self.agg_addr, self.worker_addrs, self.loss = agg_addr, worker_addrs, loss

@@ -3,8 +3,8 @@
 what a target holds."""
 from __future__ import annotations
 
-from controller.targets import bmv2, tofino
-from controller.targets.base import Target
+from thc.controller.targets import bmv2, tofino
+from thc.controller.targets.base import Target
 
 TARGETS: dict[str, Target] = {t.name: t for t in (bmv2.TARGET, tofino.TARGET)}
 DEFAULT = bmv2.TARGET.name

@@ -10,7 +10,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from pathlib import Path
 
-from controller.toolchain import BUILD_DIR
+from thc.controller.toolchain import BUILD_DIR
 
 
 class Target(ABC):

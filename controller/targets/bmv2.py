@@ -10,9 +10,9 @@ sit in the group's 32-bit sum words:
 """
 from __future__ import annotations
 
-from controller.targets.base import Target
-from controller.toolchain import BUILD_DIR
-from host.wire import protocol as P
+from thc.controller.targets.base import Target
+from thc.controller.toolchain import BUILD_DIR
+from thc.wire import protocol as P
 
 GROUP = "ThcIngress.thc_g{}"
 LUT_TABLE = GROUP + ".thc_lut_{}"

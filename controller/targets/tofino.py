@@ -21,10 +21,10 @@ counters become Tofino externs that P4Runtime's counter reads do not address).
 """
 from __future__ import annotations
 
-from controller.targets.base import Target
-from controller.toolchain import BUILD_DIR
-from host.wire import protocol as P
-from host.wire.jobs import ConfigError
+from thc.controller.targets.base import Target
+from thc.controller.toolchain import BUILD_DIR
+from thc.wire import protocol as P
+from thc.wire.jobs import ConfigError
 
 WORD = "ThcIngress.thc_w{:02d}"
 LUT_TABLE = WORD + ".thc_lut_{}"

@@ -7,7 +7,7 @@ program, and gives raw access to the host-side ends: ``send(port, frame)`` and, 
 ``receive=True``, a background thread that hands every received UDP payload to the queue
 registered for its (dst IP, dst port) and keeps the other frames per port in ``raw``.
 
-Needs root and simple_switch_grpc on PATH (``controller.toolchain.bmv2_missing()`` says what is missing). Every
+Needs root and simple_switch_grpc on PATH (``thc.controller.toolchain.bmv2_missing()`` says what is missing). Every
 veth and the process are removed by ``close()``.
 """
 from __future__ import annotations
@@ -23,10 +23,10 @@ import threading
 import time
 from pathlib import Path
 
-from controller.frames import parse_udp_frame
-from controller.switch import BUILD_DIR, Switch
-from host.testing.clusters import free_tcp_port
-from host.wire import protocol as P
+from thc.controller.frames import parse_udp_frame
+from thc.controller.switch import BUILD_DIR, Switch
+from thc.testing.clusters import free_tcp_port
+from thc.wire import protocol as P
 
 ETH_P_ALL = 0x0003
 PACKET_OUTGOING = 4

@@ -19,7 +19,7 @@ from functools import lru_cache
 
 from google.rpc import code_pb2
 
-from controller.p4rt import read_varint
+from thc.controller.p4rt import read_varint
 
 Key = tuple  # ((match field id, value), ...) sorted by id
 Action = tuple  # (action id, ((param id, value), ...) sorted by id)

@@ -30,11 +30,11 @@ from typing import NamedTuple
 
 from google.rpc import code_pb2
 
-from controller import counters, p4rt
-from controller.frames import parse_udp_frame
-from controller.switch import BUILD_DIR, Switch, SwitchError, short_name
-from controller.testing.entry_checks import EntryChecker, Refused
-from host.wire import protocol as P
+from thc.controller import counters, p4rt
+from thc.controller.frames import parse_udp_frame
+from thc.controller.switch import BUILD_DIR, Switch, SwitchError, short_name
+from thc.controller.testing.entry_checks import EntryChecker, Refused
+from thc.wire import protocol as P
 
 
 class Event(NamedTuple):

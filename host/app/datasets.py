@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from host.codec.settings import Settings, current
+from thc.codec.settings import Settings, current
 
 FASHION_FILES = {"train_images": "train-images-idx3-ubyte.gz",
                  "train_labels": "train-labels-idx1-ubyte.gz",

@@ -40,7 +40,7 @@ import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from host.wire import protocol as P
+from thc.wire import protocol as P
 
 FIRST_BUCKET_BYTES = 1 << 20
 BUCKET_BYTES = 25 << 20

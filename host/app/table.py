@@ -5,9 +5,9 @@ import argparse
 
 import numpy as np
 
-from host.bench import emit_json
-from host.codec.params import THCParams
-from host.codec.table import (
+from thc.bench import add_common, emit_json
+from thc.codec.params import THCParams
+from thc.codec.table import (
     expected_nmse,
     expected_variance,
     optimal_table,
@@ -21,8 +21,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     THCParams.add_arguments(parser, seed=False)
     parser.add_argument("--uniform", action="store_true",
                         help="also print the uniform (UHC) table for comparison")
-    parser.add_argument("--json", nargs="?", const="-", default=None, metavar="FILE",
-                        help="write the result as JSON to FILE (stdout when no FILE is given)")
+    add_common(parser, quick=False)
 
 
 def _summary(table: np.ndarray, p: float, g: int) -> dict:

@@ -12,31 +12,28 @@ global compensation already carries past gradients forward, so momentum 0.9 on t
 amplifies the sign noise tenfold; at the shared (0.05, 0.9) Marsit diverged (0.30 after two
 epochs). Accuracy after one epoch of Fashion-MNIST, 4 workers on loopback: (0.05, 0.9) 0.37
 (one scale a bucket then; a scale a tensor since), (0.01, 0.9) 0.72, (0.003, 0.9) 0.72,
-(0.05, 0) 0.75, (0.1, 0) 0.80. Data comes from local files (host.app.datasets): nothing is
+(0.05, 0) 0.75, (0.1, 0) 0.80. Data comes from local files (thc.app.datasets): nothing is
 downloaded. Rank 0 prints JSON lines: ``{"dataset": ...}`` first, ``{"progress": ...}``
 every few steps, and one evaluation row ``{"epoch": ...}`` ``--evals`` times per epoch.
 
 Run by ``thc run`` (the main job) inside emulated hosts, or by hand, e.g. under torchrun:
-``torchrun --nproc-per-node 4 -m host.app.train --mode thc-dist``.
+``torchrun --nproc-per-node 4 -m thc.app.train --mode thc-dist``.
 """
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 
-from host.app import datasets
-from host.app.argtypes import positive_int
-from host.codec import settings
-from host.codec.params import THCParams
-from host.codec.settings import CODEC_CPU, DATAPATHS
-from host.collective.allreduce import THCAllReduce, agree_run
-from host.collective.ddp import HookOptions, MarsitHook, MarsitVoteHook, THCHook, TopKHook
-from host.net.addresses import parse_hostport
-from host.net.client import AggregationClient
-from host.wire.jobs import Cluster, loss_bound_arg
+from thc.app import datasets
+from thc.app.argtypes import positive_int
+from thc.codec import settings
+from thc.codec.params import THCParams
+from thc.collective import worker
+from thc.collective.allreduce import THCAllReduce
+from thc.collective.ddp import HookOptions, MarsitHook, MarsitVoteHook, THCHook, TopKHook
+from thc.net.client import AggregationClient
 
 MODES = ("fp32", "thc", "thc-dist", "topk", "marsit", "marsit-vote")
 OPTIMIZER = {"marsit": (0.1, 0.0), "marsit-vote": (0.1, 0.0)}
@@ -46,17 +43,7 @@ DEFAULT_OPTIMIZER = (0.05, 0.9)
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mode", choices=MODES, default="thc")
-    parser.add_argument("--rank", type=int, default=int(os.environ.get("RANK", 0)))
-    parser.add_argument("--world", type=int, default=int(os.environ.get("WORLD_SIZE", 1)))
-    parser.add_argument("--master", default=None, metavar="IP:PORT",
-                        help="torch.distributed TCP rendezvous (default: env:// as torchrun sets)")
-    parser.add_argument("--config", help="cluster JSON of the aggregator (mode thc)")
-    parser.add_argument("--agg", metavar="IP:PORT",
-                        help="aggregator address (mode thc; a sharded job's shard map names "
-                             "its aggregators)")
-    parser.add_argument("--run", type=int, default=None,
-                        help="run id, the same on every worker (default: THC_RUN, else rank 0's "
-                             "clock broadcast over the process group)")
+    worker.add_arguments(parser)
     parser.add_argument("--data", choices=datasets.DATASETS, default="fashion-mnist",
                         help="data set (fashion-mnist falls back to digits, saying so)")
     parser.add_argument("--train-subset", type=positive_int, default=None, metavar="N",
@@ -76,7 +63,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-steps", type=positive_int, default=None,
                         help="stop after this many optimizer steps (evaluating then)")
-    parser.add_argument("--deadline", type=float, default=None, metavar="UNIX_TIME",
+    parser.add_argument("--stop-at", type=float, default=None, metavar="UNIX_TIME",
                         help="stop training once this wall-clock time has passed (every "
                              "rank after the same step), evaluating then")
     parser.add_argument("--threads", type=positive_int, default=1, help="torch intra-op threads")
@@ -84,19 +71,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--slice-size", type=int, default=1 << 16,
                         help="THC rotation slice (power of two; small slices waste less padding)")
     parser.add_argument("--no-error-feedback", action="store_true")
-    parser.add_argument("--loss-bound", type=loss_bound_arg, default=None, metavar="F",
-                        help="mode thc: fraction of a round's chunks, in [0, 1), that may close "
-                             "short instead of being retransmitted (default: the job's)")
     parser.add_argument("--priorities", action="store_true",
                         help="mode thc: mark every chunk with its DLCP class (layer position)")
     parser.add_argument("--uncompressed", default="",
                         help="comma-separated parameter-name parts left in FP32 (e.g. bias)")
-    parser.add_argument("--client-datapath", choices=DATAPATHS, default=None,
-                        help="the aggregation client's window (default: THC_CLIENT_DATAPATH, "
-                             "else auto: compiled where built)")
-    parser.add_argument("--codec-cpu", choices=CODEC_CPU, default=None,
-                        help="what the codec runs on the CPU (default: THC_CODEC_CPU, else "
-                             "compiled)")
+    settings.add_arguments(parser, "client_datapath", "codec_cpu")
     THCParams.add_arguments(parser, seed=False)
 
 
@@ -140,17 +119,11 @@ def _hook(args, model, ddp):
 
 def _client(args) -> AggregationClient:
     """This worker's client of the cluster's job of the mode's aggregation (vote or thc)."""
-    cluster = Cluster.load(args.config)
     want = "vote" if args.mode == "marsit-vote" else "thc"
-    job = next((j for j in cluster.jobs if j.aggregation == want), None)
-    if job is None:
-        raise SystemExit(f"--mode {args.mode}: {args.config} has no {want} job")
-    if job.shards:
-        agg = None  # the job's shard map names its aggregators
-    else:
-        agg = parse_hostport(args.agg) if args.agg else (cluster.agg_ip, cluster.agg_port)
-    return AggregationClient(job, args.rank, agg, deadline=30.0, run=args.run or agree_run(),
-                             loss_bound=args.loss_bound, settings=settings.current())
+    try:
+        return worker.client_from_args(args, aggregation=want)
+    except ValueError as e:
+        raise SystemExit(f"--mode {args.mode}: {e}") from None
 
 
 def optimizer_settings(args) -> tuple[float, float]:
@@ -200,8 +173,7 @@ def train(args) -> list[dict]:
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
-    init = f"tcp://{args.master}" if args.master else "env://"
-    dist.init_process_group("gloo", init_method=init, rank=args.rank, world_size=args.world)
+    worker.init_group(args)
     ds = datasets.load(args.data, args.seed, settings.current())
     xtr, ytr, xte, yte = _tensors(ds, args.train_subset)
     model = make_model(xtr.shape[-1], args.width, ds.classes)
@@ -250,7 +222,7 @@ def train(args) -> list[dict]:
                 br = hook.step_breakdown()
                 comm, exposed = comm + br.comm, exposed + br.exposed
             last = ((args.max_steps is not None and len(step_losses) >= args.max_steps)
-                    or _out_of_time(args.deadline))
+                    or _out_of_time(args.stop_at))
             if s % progress_every == 0:
                 say(json.dumps({"progress": len(step_losses), "of": steps * args.epochs,
                                 "seconds": trained}), flush=True)
@@ -283,13 +255,12 @@ def train(args) -> list[dict]:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m host.app.train", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m thc.app.train", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(parser)
     args = parser.parse_args(argv)
     try:
-        chosen = settings.use(settings.Settings.from_env(client_datapath=args.client_datapath,
-                                                         codec_cpu=args.codec_cpu))
+        chosen = settings.use(settings.from_args(args))
     except ValueError as e:
         parser.error(str(e))
     if args.rank == 0:

@@ -1,7 +1,8 @@
 """Benchmarks that print figures against a baseline measured in the same run.
 
 Every benchmark module offers ``add_arguments(parser)`` (calling :func:`add_common`) and
-``run(args)``; heavy imports happen inside ``run`` so ``thc --help`` stays fast.
+``run(args)``; heavy imports happen inside ``run`` so ``thc --help`` stays fast. Other
+commands that write JSON or a plot take the same output flags from here.
 """
 from __future__ import annotations
 
@@ -11,10 +12,18 @@ import sys
 from pathlib import Path
 
 
-def add_common(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--json", nargs="?", const="-", default=None, metavar="FILE",
-                        help="write results as JSON to FILE (stdout when no FILE is given)")
-    parser.add_argument("--quick", action="store_true", help="small sizes, for smoke tests")
+def add_common(parser: argparse.ArgumentParser, *, quick: bool = True,
+               plot: str | None = None) -> None:
+    """The output flags: ``--json`` (see :func:`emit_json`), ``--quick`` where the command has
+    small sizes, and ``--plot`` where it draws one (``plot``: its default file)."""
+    group = parser.add_argument_group("output")
+    group.add_argument("--json", nargs="?", const="-", default=None, metavar="FILE",
+                       help="write results as JSON to FILE (stdout when no FILE is given)")
+    if quick:
+        group.add_argument("--quick", action="store_true", help="small sizes, for smoke tests")
+    if plot:
+        group.add_argument("--plot", nargs="?", const=plot, default=None, metavar="FILE",
+                           help=f"draw the plot into FILE (default {plot})")
 
 
 def emit_json(args: argparse.Namespace, result: dict) -> None:

@@ -17,14 +17,14 @@ import multiprocessing as mp
 import sys
 import time
 
-from host.bench import add_common, emit_json
-from host.codec.packing import pack_bits
-from host.codec.settings import Settings
-from host.net import fastagg, fastload
-from host.net.aggregator import Aggregator
-from host.net.client import AggregationClient, resolve_datapath
-from host.testing.clusters import free_port_block, local_job
-from host.wire import protocol as P
+from thc.bench import add_common, emit_json
+from thc.codec.packing import pack_bits
+from thc.codec.settings import Settings
+from thc.net import fastagg, fastload
+from thc.net.aggregator import Aggregator
+from thc.net.client import AggregationClient, resolve_datapath
+from thc.testing.clusters import free_port_block, local_job
+from thc.wire import protocol as P
 
 SERVERS = ("compiled", "python", "compiled echo", "python echo")
 RUN = 1

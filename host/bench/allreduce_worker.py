@@ -1,11 +1,11 @@
 """One worker of ``thc bench allreduce``: time all-reduces of one float32 gradient.
 
-``python -m host.bench.allreduce_worker --mode fp32|fp16|thc|thc-dist --rank R --world N
+``python -m thc.bench.allreduce_worker --mode fp32|fp16|thc|thc-dist --rank R --world N
 --master IP:PORT [--config cluster.json [--agg IP:PORT]] --numel N --repeat K``
 
 - ``fp32``: ``torch.distributed.all_reduce`` (Gloo, ring) of the whole tensor;
 - ``fp16``: the same all-reduce of the tensor cast to float16 (cast and back included);
-- ``thc``: :class:`host.collective.allreduce.THCAllReduce` through the aggregator (norm round, encode,
+- ``thc``: :class:`thc.collective.allreduce.THCAllReduce` through the aggregator (norm round, encode,
   stream through the switch or the software aggregator, decode);
 - ``thc-dist``: the same THC round with its integer sums carried by a Gloo all-reduce (no
   aggregator: THC sums are integers, so the ordinary ring adds them exactly).
@@ -21,13 +21,10 @@ import hashlib
 import json
 import sys
 import time
-from datetime import timedelta
 
-from host.codec.params import THCParams
-from host.collective.allreduce import THCAllReduce, agree_run
-from host.net.addresses import parse_hostport
-from host.net.client import AggregationClient
-from host.wire.jobs import Cluster
+from thc.codec.params import THCParams
+from thc.collective import worker
+from thc.collective.allreduce import THCAllReduce
 
 MODES = ["fp32", "fp16", "thc", "thc-dist"]
 
@@ -56,12 +53,7 @@ def intf_counters(intf: str | None) -> tuple[int, int] | None:
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--mode", choices=MODES, required=True)
-    ap.add_argument("--rank", type=int, required=True)
-    ap.add_argument("--world", type=int, required=True)
-    ap.add_argument("--master", required=True, metavar="IP:PORT")
-    ap.add_argument("--agg", metavar="IP:PORT",
-                    help="aggregator (thc mode; a sharded job's shard map names its own)")
-    ap.add_argument("--config", help="cluster JSON (thc mode): the job and its lookup table")
+    worker.add_arguments(ap, deadline=60.0)
     ap.add_argument("--numel", type=int, default=25_000_000)
     ap.add_argument("--repeat", type=int, default=3, help="timed rounds")
     ap.add_argument("--warmup", type=int, default=1, help="untimed rounds first")
@@ -72,11 +64,6 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--check-elems", type=int, default=1 << 20,
                     help="NMSE of the first THC estimate against the exact mean of this many "
                          "leading elements (an extra small FP32 all-reduce after timing)")
-    ap.add_argument("--deadline", type=float, default=60.0, help="THC chunk deadline (s)")
-    ap.add_argument("--window", type=int, default=None,
-                    help="THC chunks in flight per worker (default: the job's pool size)")
-    ap.add_argument("--rto", type=float, default=0.02,
-                    help="THC minimum retransmission timeout in seconds")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
 
 
@@ -89,9 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch.distributed as dist
 
     torch.set_num_threads(args.threads)
-    host, _, port = args.master.rpartition(":")
-    dist.init_process_group("gloo", init_method=f"tcp://{host}:{port}", rank=args.rank,
-                            world_size=args.world, timeout=timedelta(seconds=600))
+    worker.init_group(args, timeout=600)
     x = torch.randn(args.numel, generator=worker_generator(args.seed, args.rank))
 
     times, wire, phases, cpu = [], [], [], []
@@ -99,17 +84,8 @@ def main(argv: list[str] | None = None) -> int:
     client = None
     ar = None
     if args.mode == "thc":
-
-        if not args.config:
-            ap.error("--mode thc needs --config")
-        job = Cluster.load(args.config).jobs[0]
-        if not job.shards and not args.agg:
-            ap.error("--mode thc needs --agg for a job without a shard map")
-        params = THCParams(granularity=job.granularity, seed=args.seed)
-        client = AggregationClient(job, args.rank,
-                                   None if job.shards else parse_hostport(args.agg),
-                                   deadline=args.deadline, window=args.window,
-                                   timeout=args.rto, run=agree_run())
+        client = worker.client_from_args(args)
+        params = THCParams(granularity=client.job.granularity, seed=args.seed)
         ar = THCAllReduce.through_aggregator(client, params,
                                              error_feedback=args.error_feedback,
                                              generator=torch.Generator().manual_seed(

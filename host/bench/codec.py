@@ -32,10 +32,10 @@ import statistics
 import sys
 import time
 
-from host.bench import add_common, emit_json
-from host.codec import settings
-from host.codec.params import THCParams
-from host.codec.thc import THCCodec
+from thc.bench import add_common, emit_json
+from thc.codec import settings
+from thc.codec.params import THCParams
+from thc.codec.thc import THCCodec
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -50,8 +50,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="log2 sizes, e.g. 20-26 or 20,24 (default 20-26; 16 with --quick)")
     parser.add_argument("--size", type=int, default=None, help="one size in elements")
     parser.add_argument("--repeat", type=int, default=5, help="runs per figure (median)")
-    parser.add_argument("--bits", type=int, default=4)
-    parser.add_argument("--granularity", type=int, default=30)
+    THCParams.add_arguments(parser, seed=False)
     parser.add_argument("--ranks", default="1,4", help="PowerSGD ranks (default 1,4; '' none)")
     add_common(parser)
 
@@ -137,7 +136,7 @@ def powersgd_steps(x, rank: int, seed: int = 0):
 
 def resolved(backend: str, x) -> str:
     """The path ``backend`` runs for x: compiled, triton or reference."""
-    from host.codec import thc
+    from thc.codec import thc
     if thc.compiled_for(x, backend):
         return "compiled"
     return "reference" if thc.kernels_for(x, backend) is None else "triton"
@@ -163,7 +162,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     try:
-        params = THCParams(bits=args.bits, granularity=args.granularity)
+        params = THCParams.from_args(args)
         ranks = [int(r) for r in args.ranks.split(",") if r.strip()]
         if args.size:
             sizes = [args.size]

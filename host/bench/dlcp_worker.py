@@ -1,6 +1,6 @@
 """One worker of ``thc bench dlcp``: THC rounds of a layered gradient under congestion.
 
-``python -m host.bench.dlcp_worker --rank R --world N --master IP:PORT --agg IP:PORT
+``python -m thc.bench.dlcp_worker --rank R --world N --master IP:PORT --agg IP:PORT
 --config cluster.json --numel N --layers L --rounds K [--loss-bound F] [--priorities]``
 
 Each round every worker all-reduces its gradient of round r: layer l (of L equal layers, l=0
@@ -18,13 +18,10 @@ import argparse
 import json
 import sys
 import time
-from datetime import timedelta
 
-from host.codec.params import THCParams
-from host.collective.allreduce import THCAllReduce, agree_run
-from host.net.addresses import parse_hostport
-from host.net.client import AggregationClient
-from host.wire.jobs import Cluster
+from thc.codec.params import THCParams
+from thc.collective import worker
+from thc.collective.allreduce import THCAllReduce
 
 
 def gradient(numel: int, layers: int, rnd: int, worker: int, seed: int):
@@ -38,20 +35,12 @@ def gradient(numel: int, layers: int, rnd: int, worker: int, seed: int):
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--rank", type=int, required=True)
-    ap.add_argument("--world", type=int, required=True)
-    ap.add_argument("--master", required=True, metavar="IP:PORT")
-    ap.add_argument("--agg", required=True, metavar="IP:PORT")
-    ap.add_argument("--config", required=True, help="cluster JSON: the job and its table")
+    worker.add_arguments(ap, deadline=60.0)
     ap.add_argument("--numel", type=int, default=1 << 18)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=30)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--loss-bound", type=float, default=0.0)
     ap.add_argument("--priorities", action="store_true", help="mark DLCP classes in DSCP")
-    ap.add_argument("--window", type=int, default=None)
-    ap.add_argument("--rto", type=float, default=0.02)
-    ap.add_argument("--deadline", type=float, default=60.0)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -65,16 +54,12 @@ def main(argv: list[str] | None = None) -> int:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    host, _, port = args.master.rpartition(":")
-    dist.init_process_group("gloo", init_method=f"tcp://{host}:{port}", rank=args.rank,
-                            world_size=args.world, timeout=timedelta(seconds=600))
-    job = Cluster.load(args.config).jobs[0]
+    worker.init_group(args, timeout=600)
+    client = worker.client_from_args(args)
+    job = client.job
     layer = args.numel // args.layers
     slice_size = 1 << (layer.bit_length() - 1) if layer & (layer - 1) else layer
     params = THCParams(granularity=job.granularity, seed=args.seed, slice_size=slice_size)
-    client = AggregationClient(job, args.rank, parse_hostport(args.agg), deadline=args.deadline,
-                               window=args.window, timeout=args.rto, run=agree_run(),
-                               loss_bound=args.loss_bound)
     ar = THCAllReduce.through_aggregator(client, params)
     position = (torch.repeat_interleave(torch.arange(args.layers, dtype=torch.float32),
                                         layer) / max(1, args.layers - 1))

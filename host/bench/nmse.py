@@ -2,7 +2,7 @@
 
 NMSE = ||mean - estimate||^2 / mean_i ||x_i||^2 for n workers with independent vectors, each
 scheme seeing the same vectors in a trial. THC's own figures are printed next to the
-independent reference in DESIGN.md and to the analytic model of host.codec.table.
+independent reference in DESIGN.md and to the analytic model of thc.codec.table.
 ``--plot FILE`` draws NMSE against bits per coordinate (THC and UHC at b = 2..8 with p tuned
 per b by the analytic model, QSGD at several s, TopK at several ratios, TernGrad, sign, FP16).
 """
@@ -15,10 +15,10 @@ import time
 
 import numpy as np
 
-from host.bench import add_common, emit_json
-from host.codec.baselines import make_scheme
-from host.codec.params import THCParams
-from host.codec.table import expected_nmse, optimal_table, uniform_table
+from thc.bench import add_common, emit_json
+from thc.codec.baselines import make_scheme
+from thc.codec.params import THCParams
+from thc.codec.table import expected_nmse, optimal_table, uniform_table
 
 DEFAULT_SCHEMES = "thc,uhc,qsgd,terngrad,topk,sign,fp16"
 REFERENCE = {"thc": {1: 0.0204, 10: 0.0020}, "uhc": {1: 0.0206, 10: 0.0021},
@@ -36,9 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--schemes", default=DEFAULT_SCHEMES,
                         help="comma-separated scheme specs, e.g. thc,uhc:p=1/1024,qsgd:s=15 "
                              f"(default {DEFAULT_SCHEMES})")
-    parser.add_argument("--plot", nargs="?", const="out/nmse.png", default=None, metavar="FILE",
-                        help="plot NMSE against bits per coordinate (default out/nmse.png)")
-    add_common(parser)
+    add_common(parser, plot="out/nmse.png")
 
 
 def make_vectors(rng: np.random.Generator, n: int, dim: int, dist: str) -> list[np.ndarray]:

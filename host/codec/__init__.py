@@ -2,7 +2,7 @@
 
 The bottom layer: it imports nothing else of the project.
 """
-from host.codec.params import THCParams
-from host.codec.thc import ErrorFeedback, THCCodec
+from thc.codec.params import THCParams
+from thc.codec.thc import ErrorFeedback, THCCodec
 
 __all__ = ["THCParams", "THCCodec", "ErrorFeedback"]

@@ -11,9 +11,9 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Callable
 
-from host.codec import compiled, fastcodec, kernels, reference
-from host.codec.common import torch_table
-from host.codec.hadamard import is_torch
+from thc.codec import compiled, fastcodec, kernels, reference
+from thc.codec.common import torch_table
+from thc.codec.hadamard import is_torch
 
 BACKENDS = ("auto", "reference", "compiled", "triton")
 CPU_CHOICES = ("compiled", "reference")
@@ -94,7 +94,7 @@ def kernels_for(x, backend: str = "auto"):
     if backend == "auto" and x.device.type != "cuda":
         return None
     try:
-        from host.codec import triton_kernels
+        from thc.codec import triton_kernels
     except ImportError as e:
         if backend == "triton":
             raise RuntimeError(f"the triton backend needs the triton package: {e}") from None

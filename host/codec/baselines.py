@@ -27,10 +27,10 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from host.codec.hadamard import is_torch
-from host.codec.packing import pack_bits, unpack_bits
-from host.codec.params import THCParams
-from host.codec.thc import THCCodec
+from thc.codec.hadamard import is_torch
+from thc.codec.packing import pack_bits, unpack_bits
+from thc.codec.params import THCParams
+from thc.codec.thc import THCCodec
 
 __all__ = ["Scheme", "THC", "UHC", "QSGD", "TernGrad", "TopK", "SignSGD", "FP16", "FP32",
            "SparsePayload", "SCHEMES", "make_scheme", "scheme_names"]

@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from host.codec.hadamard import SliceLayout, is_torch
-from host.codec.params import THCParams
+from thc.codec.hadamard import SliceLayout, is_torch
+from thc.codec.params import THCParams
 
 GROUP_ELEMENTS = 1 << 20
 """Elements per batch of slices (4 MiB of float32: stays in L2/L3 through the pipeline)."""

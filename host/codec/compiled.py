@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from host.codec import fastcodec, reference
-from host.codec.common import Prepared, check_norms_finite, encode_coef, norm_array, \
+from thc.codec import fastcodec, reference
+from thc.codec.common import Prepared, check_norms_finite, encode_coef, norm_array, \
     rounding_key
-from host.codec.hadamard import is_torch
-from host.codec.packing import pack_bits
-from host.codec.params import THCParams
+from thc.codec.hadamard import is_torch
+from thc.codec.packing import pack_bits
+from thc.codec.params import THCParams
 
 NAME = "compiled"
 

@@ -30,11 +30,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from host.codec import rng
-from host.codec.hadamard import is_torch
+from thc.codec import rng
+from thc.codec.hadamard import is_torch
 
 try:
-    from host.codec import _fastcodec
+    from thc.codec import _fastcodec
 except ImportError as e:
     _fastcodec = None
     UNAVAILABLE: str | None = (f"the compiled CPU codec is not built ({e}); `pip install -e .` "

@@ -21,7 +21,7 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from host.codec import rng
+from thc.codec import rng
 
 MAX_FACTOR_BITS = 4
 """Largest Kronecker factor 2^4 = 16: 5 GEMM passes for a 2^20 slice at 32 flops per element
@@ -144,7 +144,7 @@ def random_signs(n: int, seed: int, round: int = 0, slice_index: int | Sequence[
                  like=None):
     """The RHT diagonal: ±1 float32 of length n, or (len(slice_index), n) for several slices.
 
-    Drawn by the codec's counter-based generator (:func:`host.codec.rng.signs`), so every
+    Drawn by the codec's counter-based generator (:func:`thc.codec.rng.signs`), so every
     backend and device computes the same diagonal.
     """
     return rng.signs(n, seed, round, slice_index, like=like)

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from host.codec import reference, rng
-from host.codec.common import (WHOLE, Prepared, check_finite, check_generator,
+from thc.codec import reference, rng
+from thc.codec.common import (WHOLE, Prepared, check_finite, check_generator,
                                check_norms_finite, encode_coef, norm_array, raise_bad_norms,
                                rounding_key, same_place, view)
-from host.codec.hadamard import is_torch
-from host.codec.packing import pack_bits
-from host.codec.params import THCParams
+from thc.codec.hadamard import is_torch
+from thc.codec.packing import pack_bits
+from thc.codec.params import THCParams
 
 NAME = "triton"
 
@@ -20,7 +20,7 @@ NAME = "triton"
 def device_norms(max_norms, n_slices: int, groups, kern, x):
     """Max norms kept on x's device, with their check as a device flag, where every group runs
     in the kernels: a host copy here would stall the stream once per call. None elsewhere
-    (then :func:`host.codec.common.norm_array` checks them on the host)."""
+    (then :func:`thc.codec.common.norm_array` checks them on the host)."""
     if not is_torch(max_norms) or not same_place(max_norms.device, x.device) \
             or not all(kern.supports(grp.padded) for grp in groups):
         return None

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from host.codec.hadamard import is_torch
+from thc.codec.hadamard import is_torch
 
 
 def packed_size(count: int, bits: int) -> int:

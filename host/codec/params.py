@@ -13,7 +13,7 @@ from fractions import Fraction
 
 import numpy as np
 
-from host.codec.table import optimal_table, truncation_threshold, uniform_table
+from thc.codec.table import optimal_table, truncation_threshold, uniform_table
 
 TABLE_KINDS = ("optimal", "uniform")
 
@@ -92,13 +92,14 @@ class THCParams:
     @staticmethod
     def add_arguments(parser: argparse.ArgumentParser, *, seed: bool = True) -> None:
         """``--bits --granularity --p [--seed]`` with the defaults above."""
-        parser.add_argument("--bits", type=int, default=4, help="index width b (default 4)")
-        parser.add_argument("--granularity", "-g", type=int, default=30,
-                            help="largest table value g (default 30)")
-        parser.add_argument("--p", type=parse_fraction, default=1 / 32,
-                            help="truncation probability, e.g. 1/32 or 0.03125 (default 1/32)")
+        group = parser.add_argument_group("THC parameters")
+        group.add_argument("--bits", type=int, default=4, help="index width b (default 4)")
+        group.add_argument("--granularity", "-g", type=int, default=30,
+                           help="largest table value g (default 30)")
+        group.add_argument("--p", type=parse_fraction, default=1 / 32,
+                           help="truncation probability, e.g. 1/32 or 0.03125 (default 1/32)")
         if seed:
-            parser.add_argument("--seed", type=int, default=0, help="shared rotation seed")
+            group.add_argument("--seed", type=int, default=0, help="shared rotation seed")
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, **overrides) -> "THCParams":

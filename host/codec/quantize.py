@@ -14,7 +14,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from host.codec.hadamard import is_torch
+from thc.codec.hadamard import is_torch
 
 
 def to_grid(z, t_p: float, granularity: int):

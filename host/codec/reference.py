@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from host.codec import rng
-from host.codec.common import (GROUP_ELEMENTS, Prepared, check_finite, check_generator,
+from thc.codec import rng
+from thc.codec.common import (GROUP_ELEMENTS, Prepared, check_finite, check_generator,
                                check_norms_finite, encode_coef, norm_array, view)
-from host.codec.hadamard import fwht, is_torch, random_signs
-from host.codec.packing import pack_bits
-from host.codec.params import THCParams
-from host.codec.quantize import resolve_generator, stochastic_round, uniforms
+from thc.codec.hadamard import fwht, is_torch, random_signs
+from thc.codec.packing import pack_bits
+from thc.codec.params import THCParams
+from thc.codec.quantize import resolve_generator, stochastic_round, uniforms
 
 NAME = "reference"
 

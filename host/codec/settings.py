@@ -9,6 +9,7 @@ data. The codec, built without one, takes :func:`current`: the one a command ins
 reads the environment when it is built."""
 from __future__ import annotations
 
+import argparse
 import os
 from dataclasses import dataclass, replace
 from typing import Mapping
@@ -84,6 +85,33 @@ class Settings:
         return "settings: " + ", ".join(parts)
 
 
+FLAGS = {
+    "client_datapath": ("--client-datapath", DATAPATHS,
+                        "the aggregation client's window: auto is compiled where built"),
+    "codec_cpu": ("--codec-cpu", CODEC_CPU, "what the codec runs on the CPU"),
+    "aggregator_datapath": ("--datapath", DATAPATHS,
+                            "the aggregator's datapath: auto is compiled where built; the "
+                            "first line printed says which runs"),
+}
+"""The command-line flag of each setting that has one: (flag, choices, what it chooses)."""
+
+
+def add_arguments(parser: argparse.ArgumentParser, *names: str) -> None:
+    """The flags of the settings ``names``, each winning over its environment variable."""
+    group = parser.add_argument_group("settings", "a flag wins over its environment variable "
+                                                  "(docs/settings.md)")
+    for name in names:
+        flag, choices, what = FLAGS[name]
+        group.add_argument(flag, dest=name, choices=choices, default=None,
+                           help=f"{what} (default: {ENV[name]}, else "
+                                f"{getattr(Settings, name)})")
+
+
+def from_args(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> Settings:
+    """The environment's settings with the flags of :func:`add_arguments` in place."""
+    return Settings.from_env(environ, **{name: getattr(args, name, None) for name in FLAGS})
+
+
 _CURRENT: list[Settings] = []
 
 
@@ -106,5 +134,5 @@ def reset() -> None:
     _CURRENT.clear()
 
 
-__all__ = ["Settings", "current", "use", "reset", "ENV", "DATAPATHS", "CODEC_CPU",
-           "FASHION_DEFAULT"]
+__all__ = ["Settings", "current", "use", "reset", "add_arguments", "from_args", "ENV", "FLAGS",
+           "DATAPATHS", "CODEC_CPU", "FASHION_DEFAULT"]

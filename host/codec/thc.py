@@ -40,14 +40,14 @@ from typing import Sequence
 
 import numpy as np
 
-from host.codec import backends, settings
-from host.codec.backends import BACKENDS, Choice, kernels_for
-from host.codec.common import (Prepared, accumulator_dtype, check_indices, flat as _flat, layout,
+from thc.codec import backends, settings
+from thc.codec.backends import BACKENDS, Choice, kernels_for
+from thc.codec.common import (Prepared, accumulator_dtype, check_indices, flat as _flat, layout,
                                same_device, torch_table)
-from host.codec.hadamard import SliceLayout, is_torch
-from host.codec.packing import pack_bits, unpack_bits
-from host.codec.params import THCParams
-from host.codec.quantize import resolve_generator
+from thc.codec.hadamard import SliceLayout, is_torch
+from thc.codec.packing import pack_bits, unpack_bits
+from thc.codec.params import THCParams
+from thc.codec.quantize import resolve_generator
 
 __all__ = ["SliceLayout", "THCParams", "THCCodec", "ErrorFeedback", "layout", "slice_norms",
            "agree_max", "encode", "encode_packed", "prepare", "encode_prepared", "Prepared",
@@ -56,7 +56,7 @@ __all__ = ["SliceLayout", "THCParams", "THCCodec", "ErrorFeedback", "layout", "s
 
 CPU_ENV = settings.ENV["codec_cpu"]
 """Environment variable: what ``auto`` runs on the CPU, ``compiled`` (default) or
-``reference`` (read once, into :func:`host.codec.settings.current`)."""
+``reference`` (read once, into :func:`thc.codec.settings.current`)."""
 
 
 def _cpu() -> str:
@@ -64,7 +64,7 @@ def _cpu() -> str:
 
 
 def compiled_for(x, backend: str = "auto") -> bool:
-    """Whether ``x`` takes the compiled CPU codec (see :func:`host.codec.backends.compiled_for`)."""
+    """Whether ``x`` takes the compiled CPU codec (see :func:`thc.codec.backends.compiled_for`)."""
     return backends.compiled_for(x, backend, _cpu())
 
 
@@ -106,7 +106,7 @@ def encode(x, max_norms, params: THCParams, round: int = 0, generator=None,
     """THC indices (uint8, one per padded coordinate) of x under the agreed max norms.
 
     ``generator``: np.random.Generator, torch.Generator, int seed or None (see
-    :func:`host.codec.quantize.resolve_generator`); an int keys the counter-based rounding
+    :func:`thc.codec.quantize.resolve_generator`); an int keys the counter-based rounding
     uniforms (host/codec/rng.py) by (int, round, slice, index), so numpy, torch, the compiled
     codec and the kernels draw the same numbers and give the same indices up to the
     transform's rounding. The compiled codec and the kernels take one such key from any
@@ -295,8 +295,8 @@ class THCCodec:
 
     def __init__(self, params: THCParams | None = None, backend: str = "auto",
                  cpu: str | None = None):
-        """``backend``: see :mod:`host.codec.backends`; ``cpu``: what ``auto`` runs on the
-        CPU, ``compiled`` or ``reference`` (default: :func:`host.codec.settings.current`)."""
+        """``backend``: see :mod:`thc.codec.backends`; ``cpu``: what ``auto`` runs on the
+        CPU, ``compiled`` or ``reference`` (default: :func:`thc.codec.settings.current`)."""
         self.params = params or THCParams()
         self.choice = Choice(backend, _cpu() if cpu is None else cpu)
         self.backend = backend

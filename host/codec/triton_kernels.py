@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from host.codec import rng
+from thc.codec import rng
 
 MIN_LOG, MAX_LOG = 8, 24
 """Slice lengths 2^8..2^24 run here; others take the reference path."""
@@ -229,7 +229,7 @@ def _luts(table: tuple[int, ...], device):
     """(lower index, lower value, width) per unit step of [0, g], on the device."""
     key = (table, device)
     if key not in _LUTS:
-        from host.codec.quantize import segments
+        from thc.codec.quantize import segments
         lower, base, width = segments(table)
         _LUTS[key] = (torch.from_numpy(lower.astype(np.int32)).to(device),
                       torch.from_numpy(base).to(device), torch.from_numpy(width).to(device))

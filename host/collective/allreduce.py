@@ -4,7 +4,7 @@ The codec is the same whatever adds the integers; a *transport* does the two col
 steps (max of the slice norms, sum of table values):
 
 - :class:`AggregatorTransport`: the switch or the software aggregator (UDP, 4-bit indices up,
-  sums down), through :class:`host.net.client.AggregationClient`;
+  sums down), through :class:`thc.net.client.AggregationClient`;
 - :class:`DistTransport`: an ordinary ``torch.distributed`` all-reduce (Gloo, NCCL) of the
   table values, for clusters without a programmable switch: THC sums are integers, so any
   all-reduce adds them exactly.
@@ -23,10 +23,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from host.codec.params import THCParams
-from host.codec.thc import ErrorFeedback, THCCodec, table_values
-from host.net.priority import magnitude_rank, priority_class
-from host.wire import protocol as P
+from thc.codec.params import THCParams
+from thc.codec.thc import ErrorFeedback, THCCodec, table_values
+from thc.collective.worker import agree_run
+from thc.net.priority import magnitude_rank, priority_class
+from thc.wire import protocol as P
 
 
 @dataclass
@@ -34,29 +35,6 @@ class Short:
     """Per lane of a round that closed short: workers counted, and whether this one was."""
     counts: np.ndarray
     mine: np.ndarray
-
-
-def agree_run(group=None, alone: bool = False) -> int:
-    """One run id for every worker of this training run, chosen without asking the aggregator.
-
-    ``THC_RUN`` from the launcher wins; else rank 0's clock (:func:`P.run_from_clock`) is
-    broadcast over the torch.distributed process group. Without a group only a worker that is
-    ``alone`` in its job may draw its own: clocks of separate processes would disagree."""
-    run = P.run_from_env()
-    if run is not None:
-        return run
-    import torch.distributed as dist
-    if dist.is_available() and dist.is_initialized():
-        t = torch.tensor([P.run_from_clock() if dist.get_rank(group) == 0 else 0],
-                         dtype=torch.int64)
-        src = dist.get_global_rank(group, 0) if group is not None else 0
-        dist.broadcast(t, src=src, group=group)
-        return P.check_run(int(t.item()))
-    if alone:
-        return P.run_from_clock()
-    raise ValueError(f"no run id: set {P.RUN_ENV} (the same on every worker), pass "
-                     f"AggregationClient(run=...), or initialise torch.distributed so rank 0's "
-                     f"id can be broadcast")
 
 
 class AggregatorTransport:

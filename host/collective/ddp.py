@@ -26,9 +26,9 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from host.codec.baselines import TopK
-from host.collective.allreduce import THCAllReduce
-from host.collective.marsit import MarsitAllReduce, MarsitVoteAllReduce
+from thc.codec.baselines import TopK
+from thc.collective.allreduce import THCAllReduce
+from thc.collective.marsit import MarsitAllReduce, MarsitVoteAllReduce
 
 
 @dataclass(frozen=True)
@@ -207,7 +207,7 @@ class THCHook(_Hook):
 
 
 class TopKHook(_Hook):
-    """TopK sparsification (default 10%) with error feedback (:class:`host.codec.baselines.TopK`),
+    """TopK sparsification (default 10%) with error feedback (:class:`thc.codec.baselines.TopK`),
     exchanged by all-gather: k values and indices per worker."""
 
     def __init__(self, model, ratio: float = 0.1, options: HookOptions = HookOptions(),
@@ -232,7 +232,7 @@ class TopKHook(_Hook):
 
 class MarsitHook(_Hook):
     """Marsit: one sign bit per coordinate through a merging ring all-reduce, with global
-    compensation and a scale per parameter tensor (:class:`host.collective.marsit.
+    compensation and a scale per parameter tensor (:class:`thc.collective.marsit.
     MarsitAllReduce`, one per bucket). ``make_allreducer()`` builds another sign all-reduce
     per bucket instead (the vote: :class:`MarsitVoteHook`)."""
 

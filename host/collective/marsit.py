@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from host.codec.packing import pack_bits, unpack_bits
+from thc.codec.packing import pack_bits, unpack_bits
 
 
 def merge(incoming: torch.Tensor, own: torch.Tensor, merged: int,

@@ -1010,7 +1010,7 @@ static PyMethodDef dp_methods[] = {
 
 static PyTypeObject DatapathType = {
     PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "host.net._fastagg.Datapath",
+    .tp_name = "thc.net._fastagg.Datapath",
     .tp_basicsize = sizeof(Datapath),
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_doc = "Registers and the serving loop of the compiled aggregator (or echo).",

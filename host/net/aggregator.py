@@ -1,9 +1,9 @@
 """Software aggregator: THC's parameter server, a UDP shell around the reference model.
 
-The per-packet rules live in :mod:`host.wire.model` (the executable form of
+The per-packet rules live in :mod:`thc.wire.model` (the executable form of
 docs/protocol.md); this module adds what a server needs: a socket, a lock, the clock, a fresh
 epoch at every install, and optional impairments of the replies (tests, fault matrix).
-:mod:`host.net.fastagg` runs the same rules with its datapath compiled (reply for reply,
+:mod:`thc.net.fastagg` runs the same rules with its datapath compiled (reply for reply,
 tests/test_fastagg.py and tests/test_model_fuzz.py), and ``thc aggregator`` runs that one
 when it is built, saying which datapath runs in its first line.
 """
@@ -20,13 +20,13 @@ import time
 from pathlib import Path
 from time import monotonic
 
-from host.codec.settings import Settings
-from host.net.addresses import parse_hostport
-from host.net.impair import Impairment
-from host.net.server import UDPServer
-from host.wire import protocol as P
-from host.wire.jobs import Cluster, ConfigError, Job
-from host.wire.model import Model, Reply
+from thc.codec import settings
+from thc.net.addresses import parse_hostport
+from thc.net.impair import Impairment
+from thc.net.server import UDPServer
+from thc.wire import protocol as P
+from thc.wire.jobs import Cluster, ConfigError, Job
+from thc.wire.model import Model, Reply
 
 
 class Aggregator(UDPServer):
@@ -135,27 +135,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="print counters every N seconds (0: never)")
     parser.add_argument("--stats-file", help="rewrite counters as JSON to this file while running")
     parser.add_argument("--duration", type=float, help="exit after N seconds")
-    parser.add_argument("--datapath", choices=("auto", "compiled", "python"), default=None,
-                        help="auto (default, or THC_AGGREGATOR_DATAPATH): the compiled "
-                             "datapath when it is built, else "
-                             "this Python one; the first line printed says which runs")
+    settings.add_arguments(parser, "aggregator_datapath")
     parser.add_argument("--no-gso", dest="gso", action="store_false",
                         help="compiled datapath: send every reply on its own, never as one UDP "
                              "GSO send per worker (emulated veth links would carry a GSO "
                              "burst as one packet)")
-    for name in ("loss", "dup", "reorder"):
-        parser.add_argument(f"--{name}", type=float, default=0.0,
-                            help=f"inject {name} with this probability on sent results (testing)")
-    parser.add_argument("--jitter", type=float, default=0.0, metavar="SECONDS",
-                        help="delay each sent result by a random 0..SECONDS (testing)")
+    Impairment.add_arguments(parser, "results")
 
 
 def choose(datapath: str, jobs, impair: Impairment, gso: bool = True,
            shard: int | None = None):
     """The aggregator to run and how to name it: the compiled datapath unless told otherwise,
     it is not built, impairments are asked for (only the Python loop injects them), or the
-    jobs use something it does not implement (:func:`host.net.fastagg.unsupported`)."""
-    from host.net import fastagg
+    jobs use something it does not implement (:func:`thc.net.fastagg.unsupported`)."""
+    from thc.net import fastagg
 
     if datapath == "python":
         return Aggregator(jobs, impair=impair, shard=shard), "python (as asked)"
@@ -178,14 +171,13 @@ def run(args: argparse.Namespace) -> int:
         print(f"thc aggregator: {e}", file=sys.stderr)
         return 2
     try:
-        impair = Impairment(loss=args.loss, dup=args.dup, reorder=args.reorder,
-                             jitter=args.jitter)
+        impair = Impairment.from_args(args)
     except ValueError as e:
         print(f"thc aggregator: {e}", file=sys.stderr)
         return 2
     try:
-        settings = Settings.from_env(aggregator_datapath=args.datapath)
-        agg, datapath = choose(settings.aggregator_datapath, cluster.jobs, impair, args.gso,
+        chosen = settings.from_args(args)
+        agg, datapath = choose(chosen.aggregator_datapath, cluster.jobs, impair, args.gso,
                                args.shard)
     except (ConfigError, RuntimeError) as e:
         print(f"thc aggregator: {e}", file=sys.stderr)
@@ -199,7 +191,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"thc aggregator listening on {addr[0]}:{addr[1]}{role} with jobs "
           f"{[j.job_id for j in cluster.jobs]}, epoch {agg.epoch:#010x}, datapath {datapath}",
           flush=True)
-    print(f"thc aggregator: {settings.describe()}", file=sys.stderr, flush=True)
+    print(f"thc aggregator: {chosen.describe()}", file=sys.stderr, flush=True)
     end = None if args.duration is None else time.monotonic() + args.duration
     last_print = time.monotonic()
     try:

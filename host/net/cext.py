@@ -4,10 +4,10 @@ cannot run here (None when it can). The aggregator, the client window and the lo
 wrap it."""
 from __future__ import annotations
 
-from host.wire import protocol as P
+from thc.wire import protocol as P
 
 try:
-    from host.net import _fastagg
+    from thc.net import _fastagg
 except ImportError as e:
     _fastagg = None
     UNAVAILABLE: str | None = (f"the compiled datapath is not built ({e}); "

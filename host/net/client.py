@@ -23,7 +23,7 @@ is closed short instead (a ``FLUSH``: the aggregator freezes the chunk with the 
 has and sends that RESULT, with its count and bitmap, to every worker), as long as at most
 ``loss_bound`` of the round's chunks end short. The :class:`AggregationResult` of
 :meth:`AggregationClient.reduce` says per chunk who was counted. Each DATA packet may carry a priority class
-in its IPv4 DSCP (:mod:`host.net.priority`), set per packet with an ``IP_TOS`` control
+in its IPv4 DSCP (:mod:`thc.net.priority`), set per packet with an ``IP_TOS`` control
 message (as cheap as a plain ``sendto``).
 
 This module holds the run and its failure policy; two windows run a round's chunks, both
@@ -40,17 +40,17 @@ import socket
 
 import numpy as np
 
-from host.codec.settings import DATAPATHS, ENV, Settings
-from host.net import fastclient
-from host.net.fastclient import CompiledWindow
-from host.net.impair import Impairment
-from host.net.outcomes import (AggregationRefused, AggregationResult, AggregationTimeout,
+from thc.codec.settings import DATAPATHS, ENV, Settings
+from thc.net import fastclient
+from thc.net.fastclient import CompiledWindow
+from thc.net.impair import Impairment
+from thc.net.outcomes import (AggregationRefused, AggregationResult, AggregationTimeout,
                                AggregatorRestarted, RunFailed, TransportStats)
-from host.net.priority import tos_of
-from host.net.pywindow import PythonWindow
-from host.net.window import RttEstimator, Round
-from host.wire import protocol as P
-from host.wire.jobs import Job, check_loss_bound
+from thc.net.priority import tos_of
+from thc.net.pywindow import PythonWindow
+from thc.net.window import RttEstimator, Round
+from thc.wire import protocol as P
+from thc.wire.jobs import Job, check_loss_bound
 
 __all__ = ["AggregationClient", "AggregationResult", "AggregatorRestarted",
            "AggregationTimeout", "AggregationRefused", "RunFailed", "TransportStats",
@@ -101,7 +101,7 @@ class AggregationClient:
                  loss_bound: float | None = None, datapath: str | None = None,
                  gso: bool | None = None, settings: Settings | None = None):
         """``run``: this training run's id, the same on every worker (default: ``THC_RUN`` from
-        the environment; :func:`host.collective.allreduce.agree_run` agrees one over a process
+        the environment; :func:`thc.collective.worker.agree_run` agrees one over a process
         group). It may also be set later through :attr:`run`, before the first chunk.
 
         ``aggregator``: the switch's or central aggregator's address; leave it out for a
@@ -205,10 +205,10 @@ class AggregationClient:
                classes: np.ndarray | None = None) -> AggregationResult:
         """Sum of all workers' table values for ``packed`` 4-bit indices (lanes/2 bytes a chunk)
         or, in a vote job, the count of +1 votes for ``packed`` sign bits (lanes/8 bytes a
-        chunk, :func:`host.codec.packing.pack_bits` with 1 bit).
+        chunk, :func:`thc.codec.packing.pack_bits` with 1 bit).
 
         The result's sums: one integer per lane (uint16), in order. ``classes``: a priority
-        class per chunk (:func:`host.net.priority.priority_class`), marked in DSCP; None sends
+        class per chunk (:func:`thc.net.priority.priority_class`), marked in DSCP; None sends
         best effort. A chunk closed short sums only the workers in the result's bitmaps (its
         count in its counts; all zero when nobody's packet arrived).
         """
@@ -267,7 +267,7 @@ class AggregationClient:
             raise ValueError(f"job {job.job_id}, worker {me}: no run id. Pass "
                              f"AggregationClient(run=...), set {P.RUN_ENV} in the environment "
                              f"(the same on every worker), or agree one over the process group "
-                             f"(host.collective.allreduce.agree_run)")
+                             f"(thc.collective.worker.agree_run)")
         if self._failed is not None:
             raise RunFailed(f"job {job.job_id}, worker {me}: run {self._run} failed in an "
                             f"earlier round ({self._failed}); a retry under the same run "

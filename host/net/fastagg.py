@@ -4,7 +4,7 @@ Python keeps the control plane (job validation, install/remove, counters by name
 serving thread); the C extension, built by ``pip install`` where a compiler exists, runs the
 per-packet work: recvmmsg/sendmmsg batches, the slot logic and the lane sums, without the
 GIL: THC and vote jobs, chunks closed short by FLUSH, and one shard of a job's shard map
-(``shard``). :mod:`host.net.aggregator` stays the readable reference; both give the same
+(``shard``). :mod:`thc.net.aggregator` stays the readable reference; both give the same
 reply bytes and counters for the same packets (tests/test_fastagg.py). Where the extension
 is missing, :data:`UNAVAILABLE` says why and callers use the Python aggregator.
 """
@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import threading
 
-from host.net.addresses import ipv4_int, ipv4_str
-from host.net.cext import TYPE_CODES, UNAVAILABLE, _fastagg
-from host.net.server import UDPServer
-from host.wire import protocol as P
-from host.wire.jobs import Job
+from thc.net.addresses import ipv4_int, ipv4_str
+from thc.net.cext import TYPE_CODES, UNAVAILABLE, _fastagg
+from thc.net.server import UDPServer
+from thc.wire import protocol as P
+from thc.wire.jobs import Job
 
 __all__ = ["FastAggregator", "FastEcho", "UNAVAILABLE", "available", "unsupported",
            "AGGREGATIONS"]
@@ -41,7 +41,7 @@ def unsupported(jobs) -> str | None:
 
 
 class FastAggregator(UDPServer):
-    """Same interface as :class:`host.net.aggregator.Aggregator` (no impairment injection);
+    """Same interface as :class:`thc.net.aggregator.Aggregator` (no impairment injection);
     ``shard``: this aggregator's index in the shard map of the jobs that have one."""
 
     datapath = "compiled"

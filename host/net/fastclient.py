@@ -10,12 +10,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from host.net.addresses import ipv4_int
-from host.net.cext import UNAVAILABLE, _fastagg
-from host.net.outcomes import AggregatorRestarted
-from host.net.window import (FAST_BACKOFF_CAP, FAST_RETRANSMIT_AFTER, Endpoint, Round,
+from thc.net.addresses import ipv4_int
+from thc.net.cext import UNAVAILABLE, _fastagg
+from thc.net.outcomes import AggregatorRestarted
+from thc.net.window import (FAST_BACKOFF_CAP, FAST_RETRANSMIT_AFTER, Endpoint, Round,
                              raise_refused, raise_timeout)
-from host.wire import protocol as P
+from thc.wire import protocol as P
 
 CLIENT_UNAVAILABLE: str | None = UNAVAILABLE or (
     None if hasattr(_fastagg, "stream")

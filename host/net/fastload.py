@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import socket
 
-from host.net.addresses import ipv4_int
-from host.net.cext import TYPE_CODES, UNAVAILABLE, _fastagg
-from host.wire.jobs import Job
+from thc.net.addresses import ipv4_int
+from thc.net.cext import TYPE_CODES, UNAVAILABLE, _fastagg
+from thc.wire.jobs import Job
 
 
 def drive(socks: dict[int, socket.socket], aggregator: tuple[str, int], job: Job, run: int,

@@ -8,6 +8,7 @@ to send what is due, so kernels without sch_netem can still be tested under jitt
 """
 from __future__ import annotations
 
+import argparse
 import heapq
 import itertools
 import random
@@ -43,6 +44,22 @@ class Impairment:
         if not 0.0 <= self.jitter <= 10.0:
             raise ValueError(f"impairment jitter={self.jitter} s must lie in [0, 10]")
         self._rng = random.Random(self.seed)
+
+    @staticmethod
+    def add_arguments(parser: argparse.ArgumentParser, sent: str) -> None:
+        """The flags of an impairment of the ``sent`` packets (testing)."""
+        group = parser.add_argument_group("impairments (testing)")
+        for name in ("loss", "dup", "reorder"):
+            group.add_argument(f"--{name}", type=float, default=0.0,
+                               help=f"inject {name} with this probability on sent {sent}")
+        group.add_argument("--jitter", type=float, default=0.0, metavar="SECONDS",
+                           help=f"delay each of the sent {sent} by a random 0..SECONDS")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, seed: int | None = None) -> "Impairment":
+        """The impairment the flags of :meth:`add_arguments` ask for."""
+        return cls(loss=args.loss, dup=args.dup, reorder=args.reorder, jitter=args.jitter,
+                   seed=seed)
 
     @property
     def active(self) -> bool:

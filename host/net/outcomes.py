@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from host.wire import protocol as P
+from thc.wire import protocol as P
 
 
 @dataclass

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from host.wire import protocol as P
+from thc.wire import protocol as P
 
 N_CLASSES = len(P.PRIORITY_DSCP)
 FLUSH_CLASS = N_CLASSES - 1

@@ -11,11 +11,11 @@ import time
 
 import numpy as np
 
-from host.net.outcomes import AggregatorRestarted
-from host.net.priority import FLUSH_CLASS, tos_of
-from host.net.window import (FAST_BACKOFF_CAP, FAST_RETRANSMIT_AFTER, Endpoint, Round,
+from thc.net.outcomes import AggregatorRestarted
+from thc.net.priority import FLUSH_CLASS, tos_of
+from thc.net.window import (FAST_BACKOFF_CAP, FAST_RETRANSMIT_AFTER, Endpoint, Round,
                              raise_refused, raise_timeout)
-from host.wire import protocol as P
+from thc.wire import protocol as P
 
 _TOS_CMSG: dict[int, list] = {}
 

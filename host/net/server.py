@@ -5,7 +5,7 @@ from __future__ import annotations
 import socket
 import threading
 
-from host.wire import protocol as P
+from thc.wire import protocol as P
 
 
 class UDPServer:

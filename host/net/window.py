@@ -10,10 +10,10 @@ from typing import Protocol
 
 import numpy as np
 
-from host.net.impair import Impairment
-from host.net.outcomes import AggregationRefused, AggregationTimeout, TransportStats
-from host.wire import protocol as P
-from host.wire.jobs import Job
+from thc.net.impair import Impairment
+from thc.net.outcomes import AggregationRefused, AggregationTimeout, TransportStats
+from thc.wire import protocol as P
+from thc.wire.jobs import Job
 
 FAST_RETRANSMIT_AFTER = 3
 """Results of this many later chunks mean an earlier chunk (or its result) was lost."""

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import socket
 
-from host.wire import protocol as P
-from host.wire.jobs import Job
+from thc.wire import protocol as P
+from thc.wire.jobs import Job
 
 
 def free_tcp_port(host: str = "127.0.0.1") -> int:

@@ -1,4 +1,4 @@
 """The wire: protocol constants (protocol.json), header packing, scapy layers, job config.
 
-Imports only host.codec (the packer); everything above reads the protocol from here.
+Imports only thc.codec (the packer); everything above reads the protocol from here.
 """

@@ -13,8 +13,8 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from host.codec.params import THCParams
-from host.wire import protocol as P
+from thc.codec.params import THCParams
+from thc.wire import protocol as P
 
 SWITCH_AGG_IP = "10.0.0.254"
 SWITCH_AGG_MAC = "02:00:00:00:00:fe"

@@ -10,8 +10,8 @@ from scapy.fields import ByteEnumField, ByteField, IntField, ShortField, StrFiel
 from scapy.layers.inet import UDP
 from scapy.packet import Packet, bind_layers
 
-from host.codec.packing import unpack_bits
-from host.wire import protocol as P
+from thc.codec.packing import unpack_bits
+from thc.wire import protocol as P
 
 _FIELD_TYPES = {8: ByteField, 16: ShortField, 32: IntField}
 

@@ -3,7 +3,7 @@
 ``Model.handle(datagram, src, now)`` maps the aggregator's state and one datagram to the
 replies it sends and the reason it dropped the packet, if it did. No sockets, no clock, no
 randomness: time comes in as ``now`` and every install's epoch as an argument, so a fuzzer
-replays any interleaving exactly. The Python aggregator (:mod:`host.net.aggregator`) is a
+replays any interleaving exactly. The Python aggregator (:mod:`thc.net.aggregator`) is a
 UDP shell around it; the compiled aggregator and the v1model program (on BMv2) are checked
 against it (tests/model_fuzz.py, tests/bmv2/test_switch_model_fuzz.py, tests/conformance/).
 
@@ -22,8 +22,8 @@ from collections import Counter
 
 import numpy as np
 
-from host.wire import protocol as P
-from host.wire.jobs import Job
+from thc.wire import protocol as P
+from thc.wire.jobs import Job
 
 HEADER_BYTES = P.HEADER_BYTES
 unpack_header = P.HEADER_STRUCT.unpack_from

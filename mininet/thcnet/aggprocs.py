@@ -1,6 +1,6 @@
 """The software aggregators a testbed runs as processes (``thc aggregator``: one central, or
 one per shard on the workers' hosts): starting them, their CPU time and counters, stopping
-them. A part of :class:`thcnet.base.Testbed`, which supplies the processes and addresses."""
+them. A part of :class:`thc.emu.base.Testbed`, which supplies the processes and addresses."""
 from __future__ import annotations
 
 import json
@@ -8,8 +8,8 @@ import os
 import time
 from pathlib import Path
 
-from thcnet.errors import TestbedError
-from thcnet.procs import Proc
+from thc.emu.errors import TestbedError
+from thc.emu.procs import Proc
 
 AGG_START_TIMEOUT = 30.0
 
@@ -41,7 +41,7 @@ class AggregatorProcesses:
         """Start `thc aggregator` (whichever implementation it runs) on ``node``."""
         stats = self.logdir / f"{name}-stats.json"
         stats.unlink(missing_ok=True)
-        argv = ["python", "-m", "host.app.cli", "aggregator", "--listen", f"{listen[0]}:{listen[1]}",
+        argv = ["python", "-m", "thc.cli", "aggregator", "--listen", f"{listen[0]}:{listen[1]}",
                 "--config", str(self.cluster_path), "--stats-interval", "0",
                 "--stats-file", str(stats), *self.agg_link_args] + list(self.agg_args)
         if shard is not None:
@@ -118,10 +118,10 @@ class AggregatorProcesses:
 
     def fresh_aggregator_counters(self, timeout: float = 30.0) -> dict | None:
         """The software aggregator's counters as taken after this call began: its stats
-        files awaited until rewritten twice (:func:`host.testing.stats.fresh_stats`), so a
+        files awaited until rewritten twice (:func:`thc.testing.stats.fresh_stats`), so a
         row's counters include every chunk its workers saw complete, however late the
         aggregator's timer runs."""
-        from host.testing.stats import fresh_stats
+        from thc.testing.stats import fresh_stats
         if self._agg_final is not None:
             return self._agg_final
         procs = [p for _, p in self._aggregator_procs()]

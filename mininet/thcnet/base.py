@@ -1,5 +1,5 @@
 """What every testbed shares: addresses, the job a testbed runs, errors, probes, and the
-:class:`Testbed` interface that thcnet.testbed (loopback) and thcnet.emulation (Mininet) implement.
+:class:`Testbed` interface that thc.emu.testbed (loopback) and thc.emu.emulation (Mininet) implement.
 """
 from __future__ import annotations
 
@@ -10,13 +10,13 @@ import tempfile
 from pathlib import Path
 from typing import Callable
 
-from controller import toolchain
-from host.codec.params import THCParams
-from host.wire import protocol as P
-from host.wire.jobs import Cluster, ConfigError, Job, Shard, Worker
-from thcnet.aggprocs import AggregatorProcesses
-from thcnet.errors import TestbedError
-from thcnet.procs import Proc, WorkerError, WorkerResult, merged_env, pythonize, wait_all
+from thc.controller import toolchain
+from thc.codec.params import THCParams
+from thc.wire import protocol as P
+from thc.wire.jobs import Cluster, ConfigError, Job, Shard, Worker
+from thc.emu.aggprocs import AggregatorProcesses
+from thc.emu.errors import TestbedError
+from thc.emu.procs import Proc, WorkerError, WorkerResult, merged_env, pythonize, wait_all
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 AGGREGATORS = ("sharded", "software", "bmv2", "none")

@@ -37,17 +37,18 @@ import statistics
 import sys
 import time
 
-from host.bench import add_common, emit_json
-from host.codec.params import THCParams
-from host.wire import protocol as P
-from thcnet.testbed import (
+from thc.bench import add_common, emit_json
+from thc.codec.params import THCParams
+from thc.wire import protocol as P
+from thc.emu import testbed
+from thc.emu.testbed import (
     TestbedError,
     WorkerError,
     bmv2_unavailable_reason,
     mininet_unavailable_reason,
     open_testbed,
 )
-from thcnet.wirebytes import annotate
+from thc.emu.wirebytes import annotate
 
 BMV2_WINDOW, BMV2_RTO = 2, 0.25
 """BMv2 runs the 256-lane program at a few hundred packets/s: more chunks in flight only
@@ -55,41 +56,26 @@ queue in the switch and, with a short timeout, turn into spurious retransmission
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_common(parser)
+    add_common(parser, plot="out/allreduce.png")
     parser.add_argument("--numel", type=int, default=None,
                         help="gradient elements (default 25,000,000; --quick: 2,000,000)")
+    testbed.add_arguments(parser, timeout=1800.0)
     parser.add_argument("--bw", default="100,1000", help="comma-separated link Mbit/s")
-    parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--aggregator", default="sharded,bmv2", type=_aggregators,
                         help="THC through which aggregators, comma-separated from "
                              f"{','.join(LAYOUTS)} (default sharded,bmv2: BMv2 when available; "
                              "central: the single software aggregator on its own host)")
     parser.add_argument("--repeat", type=int, default=None,
                         help="timed rounds per mode (default 3; --quick: 1)")
-    parser.add_argument("--lanes", type=int, default=0,
-                        help="lanes per packet for the software aggregator (default 0: the most "
-                             "that fit one MTU at the job's sum width; BMv2 uses its compiled "
-                             "lanes)")
-    parser.add_argument("--pool-size", type=int, default=128,
-                        help="slots of the job on the aggregator (>= --window)")
-    parser.add_argument("--window", type=int, default=32,
-                        help="THC chunks in flight per worker: more only queues in the "
-                             "aggregator and invites spurious retransmissions")
+    testbed.add_job_arguments(parser, lanes=0, pool_size=128, window=32)
     parser.add_argument("--error-feedback", action="store_true",
                         help="include THC's error-feedback update in the timed round")
-    parser.add_argument("--agg-bw-factor", type=float, default=None,
-                        help="central aggregator link = factor x bw (default 1: equal links)")
-    parser.add_argument("--plot", nargs="?", const="out/allreduce.png", default=None,
-                        metavar="FILE", help="plot time vs bandwidth (default out/allreduce.png)")
     parser.add_argument("--ring", default="fp16,thc-dist", type=_rings,
                         help="all-reduces through the Gloo ring beside FP32, comma-separated "
                              f"from {','.join(RINGS)} (default both; '' for none)")
     parser.add_argument("--bmv2-numel", type=int, default=1 << 18,
                         help="elements timed through BMv2 and, for its baseline, FP32 in the "
                              "same testbed (BMv2 adds a few thousand packets a second)")
-    parser.add_argument("--loopback", action="store_true",
-                        help="no Mininet (no link emulation: only checks the plumbing)")
-    parser.add_argument("--timeout", type=float, default=1800.0, help="per mode, seconds")
 
 
 LAYOUTS = {"sharded": "sharded", "central": "software", "bmv2": "bmv2"}
@@ -140,7 +126,7 @@ def _run_mode(tb, mode: str, args, numel: int, repeat: int, window: int | None =
             extra.append("--error-feedback")
 
     def argv(r):
-        a = ["python", "-m", "host.bench.allreduce_worker", "--rank", str(r)] + common + extra
+        a = ["python", "-m", "thc.bench.allreduce_worker", "--rank", str(r)] + common + extra
         if tb.kind == "mininet":
             a += ["--intf", tb.worker_intf(r)]
         return a

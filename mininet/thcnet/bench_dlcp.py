@@ -4,7 +4,7 @@ One Mininet testbed (N workers, the software aggregator, every link queueing by 
 ``links.PriorityTCIntf``) and a competing UDP flow (iperf, best effort) from every worker to
 the aggregator's host at ``--competing`` x the link rate, so the worker links are congested.
 In the same testbed and under the same flow, three modes run the same rounds
-(``host.bench.dlcp_worker``):
+(``thc.bench.dlcp_worker``):
 
 - ``retransmit``: loss bound 0, no DSCP marks: every lost chunk is retransmitted;
 - ``bound``: ``--loss-bound``, no marks: a chunk that would be retransmitted closes short;
@@ -24,11 +24,12 @@ import sys
 
 import numpy as np
 
-from host.bench import add_common, emit_json
-from host.codec.params import THCParams
-from host.wire import protocol as P
-from thcnet.base import worker_ip
-from thcnet.testbed import TestbedError, WorkerError, mininet_unavailable_reason, open_testbed
+from thc.bench import add_common, emit_json
+from thc.codec.params import THCParams
+from thc.wire import protocol as P
+from thc.emu.base import worker_ip
+from thc.emu import testbed
+from thc.emu.testbed import TestbedError, WorkerError, mininet_unavailable_reason, open_testbed
 
 IPERF_PORT = 5201
 MODES = {"retransmit": (0.0, False), "bound": (None, False), "bound+prio": (None, True)}
@@ -37,7 +38,7 @@ MODES = {"retransmit": (0.0, False), "bound": (None, False), "bound+prio": (None
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_common(parser)
-    parser.add_argument("--workers", type=int, default=4)
+    testbed.add_arguments(parser, timeout=900.0, loopback=False)
     parser.add_argument("--bw", type=float, default=20.0, help="worker link Mbit/s")
     parser.add_argument("--competing", type=float, default=0.8,
                         help="competing UDP flow per worker, as a fraction of --bw")
@@ -46,7 +47,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounds", type=int, default=None, help="default 40; --quick: 10")
     parser.add_argument("--loss-bound", type=float, default=0.05)
     parser.add_argument("--pool-size", type=int, default=64)
-    parser.add_argument("--timeout", type=float, default=900.0, help="per mode, seconds")
 
 
 def _run_mode(tb, name: str, loss_bound: float, marks: bool, args, rounds: int) -> dict:
@@ -58,7 +58,7 @@ def _run_mode(tb, name: str, loss_bound: float, marks: bool, args, rounds: int) 
              for r in range(tb.n_workers)] if rate > 0 else []
 
     def argv(r):
-        a = ["python", "-m", "host.bench.dlcp_worker", "--rank", str(r), "--world",
+        a = ["python", "-m", "thc.bench.dlcp_worker", "--rank", str(r), "--world",
              str(tb.n_workers), "--master", master, "--agg", agg, "--config",
              str(tb.cluster_path), "--numel", str(args.numel), "--layers", str(args.layers),
              "--rounds", str(rounds), "--loss-bound", str(loss_bound)]

@@ -23,10 +23,10 @@ from pathlib import Path
 
 from mininet.node import Switch
 
-from controller.toolchain import BUILD_DIR, ROOT
-from host.testing.clusters import free_tcp_port
-from host.wire import protocol as P
-from thcnet.cleanup import kill_process, start_time
+from thc.controller.toolchain import BUILD_DIR, ROOT
+from thc.testing.clusters import free_tcp_port
+from thc.wire import protocol as P
+from thc.emu.cleanup import kill_process, start_time
 
 START_TIMEOUT = 30.0
 PROGRAM_TIMEOUT = 180.0
@@ -90,7 +90,7 @@ class BMv2Switch(Switch):
 
     def program(self, cluster_path: Path | str) -> str:
         """Push the THC program and install the cluster's jobs; returns the controller's output."""
-        argv = [sys.executable, "-m", "host.app.cli", "controller", "--grpc-addr", self.grpc_addr,
+        argv = [sys.executable, "-m", "thc.cli", "controller", "--grpc-addr", self.grpc_addr,
                 "--device-id", "0", "--build-dir", str(BUILD_DIR), "install", "--config",
                 str(cluster_path), "--push"]
         try:
@@ -104,7 +104,7 @@ class BMv2Switch(Switch):
         return r.stdout
 
     def counters(self) -> str:
-        argv = [sys.executable, "-m", "host.app.cli", "controller", "--grpc-addr", self.grpc_addr,
+        argv = [sys.executable, "-m", "thc.cli", "controller", "--grpc-addr", self.grpc_addr,
                 "--device-id", "0", "counters", "--json"]
         r = subprocess.run(argv, cwd=str(ROOT), capture_output=True, text=True, timeout=60)
         return r.stdout if r.returncode == 0 else r.stderr

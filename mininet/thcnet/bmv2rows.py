@@ -7,12 +7,12 @@ import json
 import re
 import time
 
-from thcnet.base import bmv2_unavailable_reason
-from thcnet.faultrows import JITTER_S, row_switch_restarted, row_worker_killed
-from thcnet.matrix import (N_WORKERS, SEED, check_sums, controller_cmd, p4_build_stale, Row,
+from thc.emu.base import bmv2_unavailable_reason
+from thc.emu.faultrows import JITTER_S, row_switch_restarted, row_worker_killed
+from thc.emu.matrix import (N_WORKERS, SEED, check_sums, controller_cmd, p4_build_stale, Row,
                            stream_row, wait_workers)
-from thcnet.protorows import row_out_of_step, row_reused_run, row_spoofed, straggler_testbed_row
-from thcnet.testbed import TestbedError, open_testbed
+from thc.emu.protorows import row_out_of_step, row_reused_run, row_spoofed, straggler_testbed_row
+from thc.emu.testbed import TestbedError, open_testbed
 
 BMV2_WINDOW = 16
 """Chunks in flight per worker on BMv2. Probed with 4 workers and 64 Ki elements: a window
@@ -134,7 +134,7 @@ def bmv2_rows(numel: int, prefer_mininet: bool) -> list[Row]:
         agg = f"{tb.agg_addr[0]}:{tb.agg_addr[1]}"
 
         def argv(cfg, first):
-            return lambda r: ["python", "-m", "thcnet.smoke_worker", "--rank", str(r - first),
+            return lambda r: ["python", "-m", "thc.emu.smoke_worker", "--rank", str(r - first),
                               "--config", str(cfg), "--agg", agg, "--numel", str(numel),
                               "--seed", str(SEED), "--deadline", "30"]
 

@@ -15,7 +15,7 @@ N + 1) exists only for the central software aggregator; with BMv2 the switch ans
 virtual aggregator address, which every worker has a static ARP entry for. All host pairs get static ARP entries; IPv6 is off so no stray packets count.
 
 Everything created in the root namespace is named after the testbed's tag and recorded by
-:mod:`thcnet.cleanup`, which tears it down at close and after a crash.
+:mod:`thc.emu.cleanup`, which tears it down at close and after a crash.
 """
 from __future__ import annotations
 
@@ -24,12 +24,12 @@ import json
 import subprocess
 from pathlib import Path
 
-from host.codec.params import THCParams
-from host.net.client import GSO_ENV
-from host.wire import protocol as P
-from host.wire.jobs import SWITCH_AGG_IP, SWITCH_AGG_MAC, Cluster, Shard, Worker
-from thcnet import links
-from thcnet.base import (
+from thc.codec.params import THCParams
+from thc.net.client import GSO_ENV
+from thc.wire import protocol as P
+from thc.wire.jobs import SWITCH_AGG_IP, SWITCH_AGG_MAC, Cluster, Shard, Worker
+from thc.emu import links
+from thc.emu.base import (
     AGG_IP,
     AGG_MAC,
     MASTER_PORT,
@@ -42,8 +42,8 @@ from thcnet.base import (
     worker_ip,
     worker_mac,
 )
-from thcnet.errors import TestbedError
-from thcnet.cleanup import Registry, signals_deferred, signals_raise, switch_name, undo
+from thc.emu.errors import TestbedError
+from thc.emu.cleanup import Registry, signals_deferred, signals_raise, switch_name, undo
 
 
 class MininetTestbed(Testbed):
@@ -126,7 +126,7 @@ class MininetTestbed(Testbed):
         n = self.n_workers
         reg = self.registry
         if self.aggregator == "bmv2":
-            from thcnet import bmv2
+            from thc.emu import bmv2
             switch_cls = bmv2.switch_class(self.logdir, reg)
         else:
             from mininet.nodelib import LinuxBridge
@@ -248,7 +248,7 @@ class MininetTestbed(Testbed):
 
     def set_worker_loss(self, loss_pct: float) -> None:
         """``loss_pct`` loss in both directions of every worker link, on the running testbed
-        (0 removes it); see :func:`thcnet.links.set_link_loss`."""
+        (0 removes it); see :func:`thc.emu.links.set_link_loss`."""
         if loss_pct and self.gso:
             raise TestbedError("this testbed's hosts send UDP GSO bursts, which a loss rule "
                                "drops whole: open it with loss_pct for per-packet loss")

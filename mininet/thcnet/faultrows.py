@@ -6,12 +6,12 @@ from __future__ import annotations
 import re
 import time
 
-from thcnet.base import bmv2_unavailable_reason
-from thcnet.links import netem_available
-from thcnet.matrix import (MID_STREAM_ROUNDS, N_WORKERS, counters_of, delta, live_counters,
+from thc.emu.base import bmv2_unavailable_reason
+from thc.emu.links import netem_available
+from thc.emu.matrix import (MID_STREAM_ROUNDS, N_WORKERS, counters_of, delta, live_counters,
                            p4_build_stale, progress, Row, stream_for, stream_row, testbed_label,
                            wait_workers, worker_argv)
-from thcnet.testbed import open_testbed
+from thc.emu.testbed import open_testbed
 
 def row_loss(pct: float, numel: int, prefer_mininet: bool) -> Row:
     with open_testbed(N_WORKERS, loss_pct=pct, prefer_mininet=prefer_mininet) as tb:
@@ -50,7 +50,7 @@ other), about the RTT of the emulated links' software path."""
 
 
 def row_jitter(tb, numel: int) -> Row:
-    """Transport-level jitter (:class:`host.net.impair.Impairment`), both directions: this
+    """Transport-level jitter (:class:`thc.net.impair.Impairment`), both directions: this
     kernel has no netem, and iptables cannot delay."""
     ok, why = netem_available()
     where = ("netem is present, but this row uses the transport's jitter so that every "

@@ -1,10 +1,10 @@
 """``thc faults``: the fault matrix. Every row streams real chunks through an aggregator under
 one fault and checks every worker's sums bit for bit against a reference computed from the
-indices sent (:mod:`thcnet.smoke_worker`); ``make faults`` writes the table to docs/faults.md.
+indices sent (:mod:`thc.emu.smoke_worker`); ``make faults`` writes the table to docs/faults.md.
 
 Rows, on the software aggregator and again on BMv2: loss on the worker links (Mininet:
 iptables/nftables statistic drops, or netem), duplication, reordering and jitter (the
-transport's :class:`host.net.impair.Impairment`; on BMv2 the workers' side only), a worker
+transport's :class:`thc.net.impair.Impairment`; on BMv2 the workers' side only), a worker
 killed mid-round and the run restarted, the aggregator restarted mid-stream (on BMv2 the
 switch crashed, restarted and re-programmed), an out-of-step worker (its process also sends
 MAX packets at its DATA chunks' seqs), forged replies from a process that is not the
@@ -21,13 +21,13 @@ import re
 import time
 from pathlib import Path
 
-from thcnet.base import REPO_ROOT
-from thcnet.bmv2rows import BMV2_MATRIX_KEYS, BMV2_WINDOW, bmv2_matrix, bmv2_rows
-from thcnet.faultrows import (row_aggregator_restarted, row_impair, row_jitter, row_long_stream,
+from thc.emu.base import REPO_ROOT
+from thc.emu.bmv2rows import BMV2_MATRIX_KEYS, BMV2_WINDOW, bmv2_matrix, bmv2_rows
+from thc.emu.faultrows import (row_aggregator_restarted, row_impair, row_jitter, row_long_stream,
                               row_loss, row_worker_killed)
-from thcnet.matrix import N_WORKERS, Row
-from thcnet.protorows import row_out_of_step, row_reused_run, row_spoofed, straggler_testbed_row
-from thcnet.testbed import open_testbed
+from thc.emu.matrix import N_WORKERS, Row
+from thc.emu.protorows import row_out_of_step, row_reused_run, row_spoofed, straggler_testbed_row
+from thc.emu.testbed import open_testbed
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true",
@@ -83,7 +83,7 @@ def render(rows: list[Row], quick: bool, elapsed: float) -> str:
              f"{N_WORKERS} workers unless said) through the software aggregator (`thc "
              "aggregator`) unless marked BMv2, and every worker checks its sums bit for bit "
              "against a reference computed from the indices all workers sent "
-             "(`thcnet.smoke_worker`).", "",
+             "(`thc.emu.smoke_worker`).", "",
              "Columns: *sums*: the check; *rounds*: chunks completed by the aggregator (all "
              "workers' contributions summed); *retx*: retransmissions by the workers; *time*: "
              "wall seconds of the row; *drops*: the aggregator's drop counters by reason during "
@@ -91,7 +91,7 @@ def render(rows: list[Row], quick: bool, elapsed: float) -> str:
              "the emulated links drop are not the aggregator's and are given in the notes).",
              "",
              "This kernel has no netem: loss is iptables/nftables statistic drops, and jitter "
-             "is transport-level (`host.net.impair.Impairment` delays each packet by a random "
+             "is transport-level (`thc.net.impair.Impairment` delays each packet by a random "
              "time on the sender), as the notes say. BMv2 rows use smaller vectors than the "
              "software rows: the software switch forwards a few thousand packets a second.",
              "",

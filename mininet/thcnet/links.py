@@ -22,7 +22,7 @@ import subprocess
 
 from mininet.link import TCIntf, TCLink
 
-from host.wire import protocol as P
+from thc.wire import protocol as P
 
 
 class LinkError(RuntimeError):

@@ -28,14 +28,15 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from host.app.argtypes import positive_int
-from host.app.datasets import fashion_dir
-from host.wire.jobs import loss_bound_arg
-from host.wire.protocol import MAX_SOFTWARE_LANES
-from thcnet.base import worker_ip
-from thcnet.mainreport import dlcp_ratios, plot, step_losses, summarize
-from thcnet.procs import WorkerError
-from thcnet.testbed import bmv2_unavailable_reason, mininet_unavailable_reason, open_testbed
+from thc.app.argtypes import positive_int
+from thc.app.datasets import fashion_dir
+from thc.wire.jobs import loss_bound_arg
+from thc.wire.protocol import MAX_SOFTWARE_LANES
+from thc.emu.base import worker_ip
+from thc.emu.mainreport import dlcp_ratios, plot, step_losses, summarize
+from thc.emu.procs import WorkerError
+from thc.emu import testbed
+from thc.emu.testbed import bmv2_unavailable_reason, mininet_unavailable_reason, open_testbed
 
 IPERF_PORT = 5201
 
@@ -93,7 +94,10 @@ FIXED_TARGET = {"fashion-mnist": 0.80, "digits": 0.95}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--workers", type=positive_int, default=4)
+    testbed.add_arguments(parser, timeout=600.0,
+                          timeout_help="per-mode limit, seconds: a mode stopped there reports "
+                                       "how far it got")
+    testbed.add_link_arguments(parser, bw=100.0)
     parser.add_argument("--modes", default=DEFAULT_MODES,
                         help=f"comma-separated, from {','.join(MODES)} (default: all but "
                              f"{', '.join(OPT_IN)})")
@@ -109,26 +113,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--train-subset", type=positive_int, default=None, metavar="N",
                         help="train on the first N images (step-time measurements: more "
                              "steps than --quick, less than an epoch)")
-    parser.add_argument("--bw", type=float, default=100.0, help="link bandwidth, Mbit/s")
-    parser.add_argument("--delay", type=float, default=0.0,
-                        help="link delay, ms (needs netem in the kernel)")
-    parser.add_argument("--loss", type=float, default=0.0, help="link loss, percent")
     parser.add_argument("--loss-bound", type=loss_bound_arg, default=0.05, metavar="F",
                         help="thc-lossy/thc-dlcp: fraction of a round's chunks, in [0, 1), "
                              "that may close short instead of being retransmitted")
     parser.add_argument("--congest", type=_fraction, default=0.0, metavar="F",
                         help="a competing UDP flow (iperf) from every worker at F x --bw, to "
                              "the aggregator's host (else the next worker); needs Mininet")
-    parser.add_argument("--loopback", action="store_true",
-                        help="do not use Mininet even where it is available")
     parser.add_argument("--software-lanes", type=int, default=0,
                         help="lanes per packet for the software aggregator (default 0: the "
                              f"most that fit one MTU, {MAX_SOFTWARE_LANES} for 8-bit sums, "
                              "half for 16-bit)")
     parser.add_argument("--out", default="out", help="directory for JSON and plot")
-    parser.add_argument("--timeout", type=float, default=600.0,
-                        help="per-mode limit, seconds: a mode stopped there reports how far "
-                             "it got")
     parser.add_argument("--bmv2-steps", type=_steps, default=BMV2_STEPS, metavar="N|all",
                         help=f"modes through BMv2 train N steps, then evaluate (default "
                              f"{BMV2_STEPS}: a step of the 1.2M-parameter model takes 9-36 s "
@@ -184,11 +179,11 @@ def probe_bmv2(seconds: float = 1.0) -> dict:
     macros forwards about 5x fewer, and the verdict says how to rebuild it."""
     import itertools
 
-    from controller import forwarding
-    from controller.bench import build_kind, measure
-    from controller.frames import udp_frame
-    from controller.testing.bmv2 import LocalBMv2
-    from host.wire import protocol as P
+    from thc.controller import forwarding
+    from thc.controller.bench import build_kind, measure
+    from thc.controller.frames import udp_frame
+    from thc.controller.testing.bmv2 import LocalBMv2
+    from thc.wire import protocol as P
     size = 42 + P.HEADER_BYTES + P.payload_bytes(P.PktType.DATA)
     with LocalBMv2(2, program="l2", receive=False) as bm:
         dst = "02:00:00:00:02:02"
@@ -238,7 +233,7 @@ def _run_mode(name: str, args, progress) -> dict:
         master = f"{tb.master_addr[0]}:{tb.master_addr[1]}"
 
         def argv(rank: int) -> list[str]:
-            a = [sys.executable, "-m", "host.app.train", "--mode", mode.train_mode,
+            a = [sys.executable, "-m", "thc.app.train", "--mode", mode.train_mode,
                  "--rank", str(rank), "--world", str(args.workers), "--master", master,
                  "--epochs", str(args.epochs), "--batch", str(args.batch),
                  "--evals", str(args.evals), "--data", args.data, "--config", str(cfg)]
@@ -255,7 +250,7 @@ def _run_mode(name: str, args, progress) -> dict:
             # the workers stop themselves in time to evaluate where they got to (the
             # deadline counts from here, start-up included); the kill at the limit stays
             # as the backstop
-            a += ["--deadline", f"{time.time() + max(10.0, limit - STOP_MARGIN):.3f}"]
+            a += ["--stop-at", f"{time.time() + max(10.0, limit - STOP_MARGIN):.3f}"]
             return a
 
         def on_line(rank: int, line: str) -> None:
@@ -291,7 +286,7 @@ def _run_mode(name: str, args, progress) -> dict:
             stopped = f"bounded to {bound} steps (--bmv2-steps)"
         else:
             stopped = (f"stopped itself {STOP_MARGIN:.0f} s before the {limit:.0f} s limit "
-                       f"(--deadline)")
+                       f"(--stop-at)")
     if not history:
         raise RuntimeError(f"mode {name}: no evaluation row from rank 0 "
                            f"({stopped or 'it exited without one'})")

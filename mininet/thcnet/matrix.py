@@ -1,5 +1,5 @@
 """A row of the fault matrix and how a row runs: workers streaming real chunks
-(:mod:`thcnet.smoke_worker`), their results checked bit for bit, the aggregator's counters
+(:mod:`thc.emu.smoke_worker`), their results checked bit for bit, the aggregator's counters
 before and after; and the helpers the rows share (the controller, the P4 build's state)."""
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from controller.toolchain import BUILD_DIR
-from thcnet.base import REPO_ROOT
-from thcnet.procs import Proc
-from thcnet.testbed import TestbedError
+from thc.controller.toolchain import BUILD_DIR
+from thc.emu.base import REPO_ROOT
+from thc.emu.procs import Proc
+from thc.emu.testbed import TestbedError
 
 
 N_WORKERS = 4
@@ -49,7 +49,7 @@ def worker_argv(tb, numel: int, rounds: int = 1, deadline: float = 10.0,
     cfg, agg = str(tb.cluster_path), f"{tb.agg_addr[0]}:{tb.agg_addr[1]}"
 
     def argv(rank: int) -> list[str]:
-        a = ["python", "-m", "thcnet.smoke_worker", "--rank", str(rank), "--config", cfg,
+        a = ["python", "-m", "thc.emu.smoke_worker", "--rank", str(rank), "--config", cfg,
              "--agg", agg, "--numel", str(numel), "--seed", str(SEED), "--rounds", str(rounds),
              "--deadline", str(deadline)]
         for k, v in {**impair, **(per_rank or {}).get(rank, {})}.items():
@@ -188,7 +188,7 @@ def p4_build_stale() -> str | None:
 
 def controller_cmd(tb, *args: str) -> str:
     """One run of `thc controller` against the testbed's switch: a fresh controller process."""
-    argv = [sys.executable, "-m", "host.app.cli", "controller", "--grpc-addr",
+    argv = [sys.executable, "-m", "thc.cli", "controller", "--grpc-addr",
             tb.switch.grpc_addr, "--device-id", "0", "--build-dir", str(BUILD_DIR), *args]
     r = subprocess.run(argv, cwd=str(REPO_ROOT), capture_output=True, text=True, timeout=120)
     if r.returncode:

@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from thcnet.cleanup import kill_process, start_time
+from thc.emu.cleanup import kill_process, start_time
 
 TAIL_LINES = 15
 FAIL_GRACE = 3.0

@@ -9,12 +9,12 @@ import subprocess
 import time
 from pathlib import Path
 
-from host.wire import protocol as P
-from thcnet.base import bmv2_unavailable_reason
-from thcnet.matrix import (N_WORKERS, check_sums, controller_cmd, counters_of, delta,
+from thc.wire import protocol as P
+from thc.emu.base import bmv2_unavailable_reason
+from thc.emu.matrix import (N_WORKERS, check_sums, controller_cmd, counters_of, delta,
                            live_counters, p4_build_stale, Row, stream_row, testbed_label,
                            wait_workers, worker_argv)
-from thcnet.testbed import TestbedError, open_testbed
+from thc.emu.testbed import TestbedError, open_testbed
 
 OUT_OF_STEP_RANK = 1
 OUT_OF_STEP_P = 0.1
@@ -119,7 +119,7 @@ def row_spoofed(tb, numel: int, suffix: str = "", **kw) -> Row:
         bind = f"{tb.agg_addr[0]}:{tb.agg_addr[1] + 1}"
         where = f"the aggregator's host, another port ({bind})"
     rate = SPOOF_RATE.get(tb.aggregator, DEFAULT_SPOOF_RATE)
-    forger = tb.popen(node, ["python", "-m", "thcnet.spoof", "--config", str(tb.cluster_path),
+    forger = tb.popen(node, ["python", "-m", "thc.emu.spoof", "--config", str(tb.cluster_path),
                              "--bind", bind, "--run", str(run), "--epoch", str(epoch),
                              "--chunks", str(chunks), "--rounds", str(rounds),
                              "--progress", str(progress), "--stop", str(stop),

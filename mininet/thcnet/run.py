@@ -1,4 +1,4 @@
-"""``python -m thcnet.run``: bring up the testbed, run a THC smoke all-reduce, check it, tear down.
+"""``python -m thc.emu.run``: bring up the testbed, run a THC smoke all-reduce, check it, tear down.
 
 Every worker streams random 4-bit indices (1M elements by default) through the aggregator
 (a software aggregator shard on every worker host, the central software aggregator on host
@@ -13,29 +13,21 @@ import json
 import sys
 import time
 
-from thcnet.smoke_worker import digest, reference_sums
-from thcnet.testbed import TestbedError, WorkerError, open_testbed
+from thc.emu.smoke_worker import digest, reference_sums
+from thc.emu import testbed
+from thc.emu.testbed import TestbedError, WorkerError, open_testbed
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--workers", type=int, default=4)
-    ap.add_argument("--bw", type=float, default=None, metavar="MBIT",
-                    help="worker link bandwidth in Mbit/s (default: unshaped)")
-    ap.add_argument("--delay", type=float, default=0.0, metavar="MS", help="per-link delay")
-    ap.add_argument("--loss", type=float, default=0.0, metavar="PCT", help="per-link loss in %%")
+    testbed.add_arguments(ap, timeout=300.0)
+    testbed.add_link_arguments(ap, bw=None)
+    testbed.add_job_arguments(ap, lanes=None, pool_size=None, window=None)
     ap.add_argument("--aggregator", choices=["sharded", "software", "bmv2"], default="sharded",
                     help="sharded: one shard per worker host; software: one central "
                          "aggregator on its own host; bmv2: the switch")
-    ap.add_argument("--agg-bw-factor", type=float, default=None,
-                    help="central aggregator link = factor x --bw (default 1: equal links)")
     ap.add_argument("--numel", type=int, default=1 << 20, help="elements per worker")
-    ap.add_argument("--lanes", type=int, default=None, help="lanes per packet (software only)")
     ap.add_argument("--seed", type=int, default=1234)
-    ap.add_argument("--pool-size", type=int, default=None, help="slots of the job (default 64)")
-    ap.add_argument("--window", type=int, default=None, help="chunks in flight per worker")
     ap.add_argument("--rto", type=float, default=0.02, help="minimum retransmission timeout (s)")
-    ap.add_argument("--loopback", action="store_true", help="do not use Mininet")
-    ap.add_argument("--timeout", type=float, default=300.0)
     ap.add_argument("--verbose", action="store_true", help="show Mininet's own log")
 
 
@@ -58,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
             before = tb.wire_bytes()
             agg = ["--agg", f"{tb.agg_addr[0]}:{tb.agg_addr[1]}"] if tb.agg_addr else []
             results = tb.run_workers(
-                lambda r: ["python", "-m", "thcnet.smoke_worker", "--rank", str(r),
+                lambda r: ["python", "-m", "thc.emu.smoke_worker", "--rank", str(r),
                            "--config", str(tb.cluster_path)] + agg + [
                            "--numel", str(args.numel), "--seed", str(args.seed),
                            "--rto", str(args.rto)]
@@ -73,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"smoke all-reduce FAILED:\n{e}", file=sys.stderr)
         return 1
     except TestbedError as e:
-        print(f"thcnet.run: {e}", file=sys.stderr)
+        print(f"thc.emu.run: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("\nthcnet.run: interrupted; testbed torn down", file=sys.stderr)
@@ -101,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m thcnet.run", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m thc.emu.run", description=__doc__.splitlines()[0])
     add_arguments(ap)
     return run(ap.parse_args(argv))
 

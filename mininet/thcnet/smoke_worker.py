@@ -1,6 +1,6 @@
 """One worker of the smoke all-reduce: random 4-bit indices through the aggregator.
 
-``python -m thcnet.smoke_worker --rank R --config cluster.json --agg IP:PORT --numel N --seed S``
+``python -m thc.emu.smoke_worker --rank R --config cluster.json --agg IP:PORT --numel N --seed S``
 
 Worker r draws its indices from seed S + r, so anyone can recompute every worker's vector and
 the exact integer sums (:func:`reference_sums`). Prints one JSON line: rank, seconds, the
@@ -29,13 +29,12 @@ from pathlib import Path
 
 import numpy as np
 
-from host.codec.packing import pack_bits
-from host.net.addresses import parse_hostport
-from host.net.client import (AggregationClient, AggregationRefused, AggregationTimeout,
-                             AggregatorRestarted)
-from host.net.impair import Impairment
-from host.wire import protocol as P
-from host.wire.jobs import Cluster, loss_bound_arg
+from thc.codec.packing import pack_bits
+from thc.collective import worker
+from thc.net.client import AggregationRefused, AggregationTimeout, AggregatorRestarted
+from thc.net.impair import Impairment
+from thc.wire import protocol as P
+from thc.wire.jobs import Cluster
 
 
 def indices(seed: int, rank: int, numel: int) -> np.ndarray:
@@ -122,33 +121,16 @@ def _stop_round(until: str) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rank", type=int, required=True)
-    ap.add_argument("--config", required=True)
-    ap.add_argument("--agg", metavar="IP:PORT",
-                    help="the aggregator (not for a sharded job: its shard map names them)")
+    worker.add_arguments(ap, process_group=False)
     ap.add_argument("--numel", type=int, default=1 << 20)
     ap.add_argument("--seed", type=int, default=1234)
-    ap.add_argument("--deadline", type=float, default=30.0)
-    ap.add_argument("--window", type=int, default=None, help="chunks in flight (default: pool)")
-    ap.add_argument("--run", type=lambda t: int(t, 0), default=None,
-                    help="run id, the same on every worker (default: THC_RUN)")
     ap.add_argument("--rounds", type=int, default=1,
                     help="aggregate the vector this many times (each checked)")
-    for name in ("loss", "dup", "reorder"):
-        ap.add_argument(f"--{name}", type=float, default=0.0,
-                        help=f"inject {name} with this probability on sent chunks (testing)")
+    Impairment.add_arguments(ap, "chunks")
     ap.add_argument("--until", metavar="DIR", default=None,
                     help="streams of a set duration: write DIR/done-RANK (rounds finished) "
                          "after each round, and stop once DIR/stop holds a round count this "
                          "worker reached (--rounds stays the upper bound)")
-    ap.add_argument("--jitter", type=float, default=0.0, metavar="SECONDS",
-                    help="delay each sent chunk by a random 0..SECONDS (testing)")
-    ap.add_argument("--rto", type=float, default=0.02, help="initial/minimum retransmission "
-                    "timeout in seconds")
-    ap.add_argument("--loss-bound", type=loss_bound_arg, default=None, metavar="F",
-                    help="close up to this fraction of each round's chunks short (FLUSH) "
-                         "instead of retransmitting (default: the job's loss_bound); with a "
-                         "bound, each chunk is checked against the workers its bitmap names")
     ap.add_argument("--start-delay", type=float, default=0.0, metavar="SECONDS",
                     help="wait this long before the first chunk: a straggler (testing)")
     ap.add_argument("--out-of-step", type=float, default=0.0, metavar="P",
@@ -161,16 +143,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.start_delay < 0:
         ap.error("--start-delay must not be negative")
 
-
-    job = Cluster.load(args.config).jobs[0]
-    if not job.shards and not args.agg:
-        ap.error("--agg is needed for a job without a shard map")
-    agg = None if job.shards else parse_hostport(args.agg)
+    cluster = Cluster.load(args.config)
+    job = cluster.jobs[0]
     idx = np.zeros(padded(args.numel, job.lanes), dtype=np.uint8)
     idx[: args.numel] = indices(args.seed, args.rank, args.numel)
     packed = pack_bits(idx, P.INDEX_BITS)
-    impair = Impairment(loss=args.loss, dup=args.dup, reorder=args.reorder,
-                          jitter=args.jitter, seed=args.rank)
+    impair = Impairment.from_args(args, seed=args.rank)
     ref = reference_sums(job.table, job.n_workers, args.seed, args.numel)
     mismatches, rounds, sums = 0, 0, ref
     sock, extra = None, {}
@@ -181,9 +159,8 @@ def main(argv: list[str] | None = None) -> int:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 8 << 20)
         sock.bind((me.ip, me.port))
         extra["datapath"] = "python"
-    with AggregationClient(job, args.rank, agg, deadline=args.deadline, window=args.window,
-                           timeout=args.rto, run=args.run, impair=impair, sock=sock,
-                           loss_bound=args.loss_bound, **extra) as client:
+    with worker.client_from_args(args, cluster=cluster, impair=impair, sock=sock,
+                                 **extra) as client:
         bounded = client.loss_bound > 0
         last = None
         time.sleep(args.start_delay)

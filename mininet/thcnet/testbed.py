@@ -25,10 +25,13 @@ binds the emulated link.
 """
 from __future__ import annotations
 
-from host.codec.params import THCParams
-from host.testing.clusters import free_port_block
-from host.wire.jobs import Cluster, Shard, Worker
-from thcnet.base import (
+import argparse
+
+from thc.app.argtypes import positive_int
+from thc.codec.params import THCParams
+from thc.testing.clusters import free_port_block
+from thc.wire.jobs import Cluster, Shard, Worker
+from thc.emu.base import (
     AGGREGATORS,
     REPO_ROOT,
     Testbed,
@@ -37,10 +40,10 @@ from thcnet.base import (
     mininet_unavailable_reason,
     say_once,
 )
-from thcnet.errors import TestbedError, Unavailable
-from thcnet.procs import WorkerError, WorkerResult
+from thc.emu.errors import TestbedError, Unavailable
+from thc.emu.procs import WorkerError, WorkerResult
 
-__all__ = ["open_testbed", "Testbed", "LoopbackTestbed", "WorkerResult", "WorkerError",
+__all__ = ["open_testbed", "add_arguments", "add_link_arguments", "add_job_arguments", "Testbed", "LoopbackTestbed", "WorkerResult", "WorkerError",
            "TestbedError", "Unavailable", "mininet_unavailable_reason", "bmv2_unavailable_reason",
            "AGGREGATORS"]
 
@@ -111,7 +114,7 @@ def open_testbed(n_workers: int, bw_mbit: float | None = None, delay_ms: float =
         raise TestbedError(f"aggregator must be one of {AGGREGATORS}, got {aggregator!r}")
     reason = mininet_unavailable_reason(aggregator) if prefer_mininet else "prefer_mininet=False"
     if reason is None:
-        from thcnet.emulation import MininetTestbed
+        from thc.emu.emulation import MininetTestbed
         return MininetTestbed(n_workers, bw_mbit=bw_mbit, delay_ms=delay_ms, loss_pct=loss_pct,
                               aggregator=aggregator, agg_bw_factor=agg_bw_factor, params=params,
                               lanes=lanes, pool_size=pool_size, quiet=quiet,
@@ -123,3 +126,50 @@ def open_testbed(n_workers: int, bw_mbit: float | None = None, delay_ms: float =
              + ("; bandwidth/delay/loss are NOT emulated" if shaped else ""))
     return LoopbackTestbed(n_workers, aggregator=aggregator, params=params, lanes=lanes,
                            pool_size=pool_size, loss_bound=loss_bound)
+
+
+# -- flags ----------------------------------------------------------------------------------
+
+def add_arguments(parser: argparse.ArgumentParser, *, timeout: float, loopback: bool = True,
+                  timeout_help: str = "limit per mode, seconds") -> None:
+    """The flags of a command that runs on a testbed: its workers, the limit per mode, and
+    (``loopback``, where the command can run without Mininet) the loopback testbed's."""
+    group = parser.add_argument_group("testbed")
+    group.add_argument("--workers", type=positive_int, default=4, help="worker hosts")
+    group.add_argument("--timeout", type=float, default=timeout, help=timeout_help)
+    if loopback:
+        group.add_argument("--loopback", action="store_true",
+                           help="do not use Mininet even where it is available: processes on "
+                                "loopback, no link emulation")
+
+
+def add_link_arguments(parser: argparse.ArgumentParser, *, bw: float | None) -> None:
+    """Every worker link's bandwidth (``bw``: its default, Mbit/s; None: unshaped), delay and
+    loss, as :func:`open_testbed` takes them."""
+    group = parser.add_argument_group("links")
+    group.add_argument("--bw", type=float, default=bw, metavar="MBIT",
+                       help="worker link bandwidth, Mbit/s (default: "
+                            + ("unshaped)" if bw is None else f"{bw:g})"))
+    group.add_argument("--delay", type=float, default=0.0, metavar="MS",
+                       help="per-link delay, ms (needs netem in the kernel)")
+    group.add_argument("--loss", type=float, default=0.0, metavar="PCT",
+                       help="per-link loss, percent")
+
+
+def add_job_arguments(parser: argparse.ArgumentParser, *, lanes: int | None,
+                      pool_size: int | None, window: int | None) -> None:
+    """The testbed job's shape and the workers' window (each argument: the flag's default;
+    None leaves it to the testbed or the client), and the central aggregator's link."""
+    group = parser.add_argument_group("job")
+    group.add_argument("--lanes", type=int, default=lanes,
+                       help="lanes per packet of the software aggregators (0: the most that "
+                            "fit one MTU at the job's sum width; BMv2 runs its compiled lanes)")
+    group.add_argument("--pool-size", type=int, default=pool_size,
+                       help="slots of the job (at least --window; default "
+                            + ("64)" if pool_size is None else f"{pool_size})"))
+    group.add_argument("--window", type=int, default=window,
+                       help="chunks in flight per worker: more only queue in the aggregator "
+                            "and invite spurious retransmissions")
+    group.add_argument("--agg-bw-factor", type=float, default=None,
+                       help="the central aggregator's link = factor x a worker's (default 1: "
+                            "equal links)")

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import math
 
-from host.codec.params import THCParams
-from host.codec.thc import THCCodec
-from host.wire import protocol as P
+from thc.codec.params import THCParams
+from thc.codec.thc import THCCodec
+from thc.wire import protocol as P
 
 TCP_MSS, TCP_FRAME = 1448, 1514
 """Linux TCP payload per full segment with timestamps, and its Ethernet frame."""

@@ -8,7 +8,7 @@ an endpoint sends raw Ethernet frames from its worker's address to the aggregato
 receives the THC datagrams addressed to it.
 
 Needs root (veth pairs, AF_PACKET) and simple_switch_grpc on PATH; ``bmv2_available()`` says
-what is missing (through controller.toolchain). p4c is not needed: the committed build in p4src/build is used.
+what is missing (through thc.controller.toolchain). p4c is not needed: the committed build in p4src/build is used.
 """
 from __future__ import annotations
 
@@ -19,11 +19,11 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from controller import toolchain
-from controller.frames import udp_frame
-from controller.testing.bmv2 import LocalBMv2
-from host.wire import protocol as P
-from host.wire.jobs import SWITCH_AGG_IP, SWITCH_AGG_MAC, Job, Worker
+from thc.controller import toolchain
+from thc.controller.frames import udp_frame
+from thc.controller.testing.bmv2 import LocalBMv2
+from thc.wire import protocol as P
+from thc.wire.jobs import SWITCH_AGG_IP, SWITCH_AGG_MAC, Job, Worker
 from tests.conformance.harness import Endpoint, Harness, job_fields
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -110,7 +110,7 @@ class BMv2Harness(Harness):
     def _release(self, job_id: int) -> None:
         self._pools.pop(job_id, None)
         if job_id in self._installed:
-            from controller import jobs
+            from thc.controller import jobs
             # the harness evicts its own idle jobs: no liveness watch (test_switch_safety
             # tests that)
             jobs.remove_job(self.sw, job_id, force=True)
@@ -136,7 +136,7 @@ class BMv2Harness(Harness):
         return job.validate()
 
     def install(self, job: Job) -> None:
-        from controller import jobs
+        from thc.controller import jobs
         if job.job_id not in self._pools or self._pools[job.job_id] != (job.pool_base,
                                                                         job.pool_size):
             # a job made elsewhere: give it a pool of its own on the switch
@@ -147,7 +147,7 @@ class BMv2Harness(Harness):
                                                        force=True)
 
     def remove(self, job_id: int) -> None:
-        from controller import jobs
+        from thc.controller import jobs
         jobs.remove_job(self.sw, job_id, force=True)
         self._installed.pop(job_id, None)
         self._pools.pop(job_id, None)
@@ -189,11 +189,11 @@ class BMv2Harness(Harness):
 
     # -- counters -------------------------------------------------------------------------
     def drops(self) -> dict[str, int]:
-        from controller import counters
+        from thc.controller import counters
         return counters.drops(self.sw)
 
     def job_counters(self, job: Job) -> dict[str, int]:
-        from controller import counters
+        from thc.controller import counters
         return counters.job_counters(self.sw, self._installed[job.job_id])
 
     def lanes(self) -> int:

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from host.codec.packing import pack_bits
-from host.wire import protocol as P
-from host.wire.jobs import Job
+from thc.codec.packing import pack_bits
+from thc.wire import protocol as P
+from thc.wire.jobs import Job
 
 RUN = 1
 """Run id the tests' workers send (any nonzero value: one run)."""

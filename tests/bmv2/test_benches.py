@@ -16,7 +16,7 @@ pytestmark = pytest.mark.skipif(not bmv2_available()[0], reason=f"BMv2 benchmark
 
 def _bench(tmp_path, *argv) -> dict:
     out = tmp_path / "bench.json"
-    r = subprocess.run([sys.executable, "-m", "host.app.cli", "bench", *argv, "--json",
+    r = subprocess.run([sys.executable, "-m", "thc.cli", "bench", *argv, "--json",
                         str(out)], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     return json.loads(out.read_text())

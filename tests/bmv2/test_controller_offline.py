@@ -7,12 +7,12 @@ import numpy as np
 import pytest
 from p4.v1 import p4runtime_pb2
 
-from controller import job_checks, jobs, p4rt
-from controller.targets import bmv2 as bmv2_target
-from controller.frames import parse_udp_frame, reset_frame, udp_frame
-from controller.switch import Switch, SwitchError, encode_value
-from host.wire import protocol as P
-from host.wire.jobs import ConfigError, Job, Worker
+from thc.controller import job_checks, jobs, p4rt
+from thc.controller.targets import bmv2 as bmv2_target
+from thc.controller.frames import parse_udp_frame, reset_frame, udp_frame
+from thc.controller.switch import Switch, SwitchError, encode_value
+from thc.wire import protocol as P
+from thc.wire.jobs import ConfigError, Job, Worker
 
 
 def test_encode_value_is_canonical():

@@ -9,9 +9,9 @@ import re
 
 import pytest
 
-from controller import counters, forwarding, jobs
-from controller.switch import SwitchError
-from controller.testing.memswitch import MemorySwitch
+from thc.controller import counters, forwarding, jobs
+from thc.controller.switch import SwitchError
+from thc.controller.testing.memswitch import MemorySwitch
 from tests.bmv2.harness import AGG_IP, AGG_MAC
 from tests.test_memswitch import BAD_UPDATES, raw_job_entry
 

@@ -10,11 +10,11 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from controller import counters, forwarding, jobs
-from controller.targets import bmv2 as bmv2_target
-from controller.switch import SwitchError
-from host.wire import protocol as P
-from host.wire.jobs import ConfigError
+from thc.controller import counters, forwarding, jobs
+from thc.controller.targets import bmv2 as bmv2_target
+from thc.controller.switch import SwitchError
+from thc.wire import protocol as P
+from thc.wire.jobs import ConfigError
 from tests.bmv2.packets import check_round, data, random_indices, round_trip
 
 pytestmark = pytest.mark.bmv2
@@ -128,14 +128,14 @@ def test_bad_config_is_rejected_before_touching_the_switch(bmv2, sw):
 
 
 def test_second_session_in_one_process_is_refused(bmv2):
-    from controller.switch import Switch
+    from thc.controller.switch import Switch
     with pytest.raises(SwitchError, match="already open"):
         Switch(bmv2.switch.grpc_addr).connect(program=None)
 
 
 def test_cli_reads_counters_and_reports_errors(bmv2, tmp_path):
     addr = bmv2.switch.grpc_addr
-    base = [sys.executable, "-m", "host.app.cli", "controller", "--grpc-addr", addr,
+    base = [sys.executable, "-m", "thc.cli", "controller", "--grpc-addr", addr,
             "--election-id", "0,1"]
     r = subprocess.run(base + ["counters", "--json"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
@@ -143,6 +143,6 @@ def test_cli_reads_counters_and_reports_errors(bmv2, tmp_path):
     r = subprocess.run(base + ["remove", "--job", "9999"], capture_output=True, text=True,
                        timeout=60)
     assert r.returncode != 0 and "thc controller:" in r.stderr
-    r = subprocess.run([sys.executable, "-m", "host.app.cli", "controller", "--grpc-addr",
+    r = subprocess.run([sys.executable, "-m", "thc.cli", "controller", "--grpc-addr",
                         "127.0.0.1:1", "--timeout", "0.5", "counters"], capture_output=True, text=True, timeout=60)
     assert r.returncode != 0 and "no P4Runtime server" in r.stderr

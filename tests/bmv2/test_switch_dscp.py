@@ -6,9 +6,9 @@ import itertools
 import numpy as np
 import pytest
 
-from controller import counters
-from controller.frames import udp_frame
-from host.wire import protocol as P
+from thc.controller import counters
+from thc.controller.frames import udp_frame
+from thc.wire import protocol as P
 from tests.bmv2.packets import check_result, data, random_indices
 
 pytestmark = pytest.mark.bmv2

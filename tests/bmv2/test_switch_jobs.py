@@ -6,7 +6,7 @@ import itertools
 import numpy as np
 import pytest
 
-from controller import counters
+from thc.controller import counters
 from tests.bmv2.packets import check_result, data, random_indices, round_trip
 
 pytestmark = pytest.mark.bmv2

@@ -6,8 +6,8 @@ import time
 
 import pytest
 
-from controller import counters, forwarding
-from controller.frames import udp_frame
+from thc.controller import counters, forwarding
+from thc.controller.frames import udp_frame
 
 pytestmark = pytest.mark.bmv2
 

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from host.wire.model import Model
+from thc.wire.model import Model
 from tests import model_fuzz as F
 from tests.bmv2.packets import recv_expected
 from tests.bmv2.test_switch_trace import without_epoch

@@ -6,8 +6,8 @@ import itertools
 import numpy as np
 import pytest
 
-from controller import counters, jobs
-from host.wire import protocol as P
+from thc.controller import counters, jobs
+from thc.wire import protocol as P
 from tests.bmv2.packets import check_result, data, random_indices
 
 pytestmark = pytest.mark.bmv2

@@ -12,9 +12,9 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from controller import jobs
-from controller.switch import Switch
-from host.wire.jobs import Cluster, ConfigError
+from thc.controller import jobs
+from thc.controller.switch import Switch
+from thc.wire.jobs import Cluster, ConfigError
 from tests.bmv2.harness import AGG_IP, AGG_MAC
 from tests.bmv2.packets import check_result, check_round, data, random_indices, round_trip
 from tests.bmv2.test_switch_controller import snapshot
@@ -169,7 +169,7 @@ def test_removing_a_job_twice_is_refused_the_second_time(bmv2, sw):
 def test_cli_refuses_a_live_job_and_names_it(bmv2, tmp_path):
     job = bmv2.make_job(next(_ids), 2, pool_size=4)
     bmv2.install(job)
-    base = [sys.executable, "-m", "host.app.cli", "controller", "--grpc-addr",
+    base = [sys.executable, "-m", "thc.cli", "controller", "--grpc-addr",
             bmv2.switch.grpc_addr, "--election-id", "2,0"]   # primary while it runs
     with Sender(bmv2, job):
         r = subprocess.run(base + ["remove", "--job", str(job.job_id)], capture_output=True,
@@ -182,7 +182,7 @@ def test_cli_refuses_a_live_job_and_names_it(bmv2, tmp_path):
 def test_a_failed_p4runtime_setup_is_an_error_not_an_exit(bmv2):
     """p4runtime-shell's setup calls sys.exit when the arbitration fails (here: a device id
     the switch does not have); the controller reports it and exits cleanly."""
-    r = subprocess.run([sys.executable, "-m", "host.app.cli", "controller", "--grpc-addr",
+    r = subprocess.run([sys.executable, "-m", "thc.cli", "controller", "--grpc-addr",
                         bmv2.switch.grpc_addr, "--device-id", "5", "jobs"],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 1

@@ -8,8 +8,8 @@ import time
 import numpy as np
 import pytest
 
-from host.codec.packing import pack_bits
-from host.wire import protocol as P
+from thc.codec.packing import pack_bits
+from thc.wire import protocol as P
 from tests.bmv2.packets import datagram, random_indices, recv_expected
 
 pytestmark = pytest.mark.bmv2
@@ -55,7 +55,7 @@ def without_epoch(d: bytes) -> bytes:
 
 @pytest.mark.parametrize("n_workers", [3, 9], ids=["8-bit sums", "16-bit sums"])
 def test_same_trace_same_results_as_the_software_aggregator(bmv2, n_workers):
-    from host.net.aggregator import Aggregator
+    from thc.net.aggregator import Aggregator
     rng = np.random.default_rng(30)
     # all workers on one switch port: BMv2 then sees the packets in send order
     job = bmv2.make_job(next(_ids), n_workers, pool_size=8, ports=[0] * n_workers)

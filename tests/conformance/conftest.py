@@ -15,7 +15,7 @@ def _sharded():
 
 
 def _need_compiled():
-    from host.net import fastagg
+    from thc.net import fastagg
     if not fastagg.available():
         pytest.skip(f"compiled aggregator skipped: {fastagg.UNAVAILABLE}")
 

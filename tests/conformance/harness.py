@@ -9,8 +9,8 @@ from __future__ import annotations
 import abc
 import time
 
-from host.wire import protocol as P
-from host.wire.jobs import VOTE_TABLE, Job
+from thc.wire import protocol as P
+from thc.wire.jobs import VOTE_TABLE, Job
 
 
 class Endpoint(abc.ABC):

@@ -8,10 +8,10 @@ import socket
 import time
 from collections.abc import Callable
 
-from host.net.aggregator import Aggregator
-from host.net.fastagg import FastAggregator
-from host.wire import protocol as P
-from host.wire.jobs import Job, Shard
+from thc.net.aggregator import Aggregator
+from thc.net.fastagg import FastAggregator
+from thc.wire import protocol as P
+from thc.wire.jobs import Job, Shard
 from tests.conformance.harness import Endpoint, Harness, job_fields
 
 

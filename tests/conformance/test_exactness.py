@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from host.wire import protocol as P
+from thc.wire import protocol as P
 from tests.conformance.test_flush import flush
 from tests.conformance.test_semantics import (RUN, assert_result, data, datagram,
                                               drops_delta, indices, new_job, parse, run_round,

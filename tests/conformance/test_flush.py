@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from host.wire import protocol as P
+from thc.wire import protocol as P
 from tests.conformance.test_semantics import (data, datagram, drops_delta, expected_sums,
                                               indices, new_job, parse, run_round, settle,
                                               sums_of)

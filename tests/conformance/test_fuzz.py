@@ -15,9 +15,9 @@ from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 from scapy.packet import Raw
 
-from host.codec.packing import pack_bits
-from host.wire import protocol as P
-from host.wire.layers import THC
+from thc.codec.packing import pack_bits
+from thc.wire import protocol as P
+from thc.wire.layers import THC
 from tests.conformance.test_semantics import (
     assert_result,
     data,

@@ -10,8 +10,8 @@ import itertools
 import numpy as np
 import pytest
 
-from host.codec.packing import pack_bits
-from host.wire import protocol as P
+from thc.codec.packing import pack_bits
+from thc.wire import protocol as P
 
 _job_ids = itertools.count(100)
 

@@ -1,0 +1,73 @@
+"""The ``thc`` command: one dispatcher on top of every layer, each subcommand living in the
+module it drives.
+
+It sits above the emulation so that every subcommand it names points down (the architecture
+test reads the tables below as imports). Modules are imported only when chosen, so
+``thc --help`` stays fast and a missing optional piece (p4runtime-shell, Mininet) breaks only
+the command that needs it. Each module provides ``add_arguments(parser)`` and
+``run(args) -> int``.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+BENCHES: dict[str, tuple[str, str]] = {
+    "codec": ("thc.bench.codec", "THC encode/decode throughput vs FP16 cast and PowerSGD"),
+    "nmse": ("thc.bench.nmse", "NMSE of THC and the baselines"),
+    "aggregator": ("thc.bench.aggregator", "compiled and Python aggregators vs UDP echoes"),
+    "switch": ("thc.controller.bench", "BMv2 aggregation vs BMv2 L2 forwarding"),
+    "install": ("thc.controller.bench_install", "job install time on BMv2; lookup entries "
+                                            "serialized vs as protobuf messages"),
+    "allreduce": ("thc.emu.bench_allreduce", "THC vs FP32 all-reduce over emulated links"),
+    "dlcp": ("thc.emu.bench_dlcp", "DLCP: loss bound and priorities on a congested link"),
+}
+
+COMMANDS: dict[str, tuple[str | dict, str]] = {
+    "table": ("thc.app.table", "print the optimal THC lookup table for (bits, granularity, p)"),
+    "nmse": ("thc.bench.nmse", "NMSE of THC and the baselines on synthetic vectors"),
+    "bench": (BENCHES, "benchmarks: codec, aggregator, switch, allreduce"),
+    "aggregator": ("thc.net.aggregator", "run the software aggregator (THC's parameter server)"),
+    "controller": ("thc.controller.cli", "program a BMv2 or Tofino switch over P4Runtime"),
+    "model": ("thc.app.perfmodel", "iteration-time model: when does compression pay?"),
+    "run": ("thc.emu.mainjob", "the main job: train a model with FP32, THC and TopK, compare"),
+    "faults": ("thc.emu.faults", "the fault matrix: exact sums under loss, restarts, ... "
+                                "(docs/faults.md)"),
+}
+"""Subcommand -> (module, or a table of its own subcommands; one line of help)."""
+
+
+def usage(prog: str, table: dict) -> str:
+    width = max(map(len, table))
+    lines = [f"usage: {prog} <command> [options]", "", "THC in-network aggregation.", "",
+             "commands:"]
+    lines += [f"  {name:<{width}}  {help_}" for name, (_, help_) in table.items()]
+    lines += ["", f"Run '{prog} <command> --help' for a command's options."]
+    return "\n".join(lines)
+
+
+def dispatch(prog: str, table: dict, argv: list[str]) -> int:
+    """Run the subcommand ``argv[0]`` of ``table`` with the rest of ``argv``."""
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage(prog, table))
+        return 0
+    name = argv[0]
+    if name not in table:
+        print(f"{prog}: unknown command {name!r}\n\n{usage(prog, table)}", file=sys.stderr)
+        return 2
+    target, help_ = table[name]
+    if isinstance(target, dict):
+        return dispatch(f"{prog} {name}", target, argv[1:])
+    module = importlib.import_module(target)
+    parser = argparse.ArgumentParser(prog=f"{prog} {name}", description=help_)
+    module.add_arguments(parser)
+    return int(module.run(parser.parse_args(argv[1:])) or 0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return dispatch("thc", COMMANDS, list(sys.argv[1:] if argv is None else argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,136 @@
+"""What every worker program does before its first round, in one place: join the
+torch.distributed process group, agree the run id, and build the aggregation client of its
+rank from the cluster file; with the flags of each, so that the training worker, the
+benchmark workers and the smoke worker read them alike.
+
+Nothing here imports torch unless a process group is used: the smoke worker runs without.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from datetime import timedelta
+
+from thc.codec import settings
+from thc.net.addresses import parse_hostport
+from thc.net.client import AggregationClient
+from thc.wire import protocol as P
+from thc.wire.jobs import Cluster, loss_bound_arg
+
+
+def run_arg(text: str) -> int:
+    """``--run`` as an argparse type: a run id, decimal or ``0x`` hexadecimal."""
+    try:
+        return P.check_run(int(text, 0))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def add_arguments(parser: argparse.ArgumentParser, *, process_group: bool = True,
+                  deadline: float = 30.0) -> None:
+    """A worker's flags: its rank, the process group it joins (``process_group``), and its
+    aggregation client (``--config`` onward; a mode without an aggregator ignores them)."""
+    env_rank = os.environ.get("RANK")
+    parser.add_argument("--rank", type=int, default=int(env_rank or 0),
+                        help="this worker's rank, its worker id in the job (default: RANK, "
+                             "else 0)")
+    if process_group:
+        group = parser.add_argument_group("process group (torch.distributed, Gloo)")
+        group.add_argument("--world", type=int, default=int(os.environ.get("WORLD_SIZE", 1)),
+                           help="workers in the group (default: WORLD_SIZE, else 1)")
+        group.add_argument("--master", default=None, metavar="IP:PORT",
+                           help="TCP rendezvous (default: env://, as torchrun sets it)")
+    client = parser.add_argument_group("aggregation client")
+    client.add_argument("--config", help="cluster JSON: the job, its table, the aggregator")
+    client.add_argument("--agg", metavar="IP:PORT",
+                        help="the aggregator (default: the cluster's; a sharded job's shard "
+                             "map names its own)")
+    client.add_argument("--run", type=run_arg, default=None,
+                        help="run id, the same on every worker (default: THC_RUN, else rank "
+                             "0's clock broadcast over the process group)")
+    client.add_argument("--deadline", type=float, default=deadline,
+                        help=f"seconds a chunk may take before the round fails "
+                             f"(default {deadline:g})")
+    client.add_argument("--window", type=int, default=None,
+                        help="chunks in flight (default: the client's, at most the job's pool)")
+    client.add_argument("--rto", type=float, default=0.02,
+                        help="initial and minimum retransmission timeout, seconds")
+    client.add_argument("--loss-bound", type=loss_bound_arg, default=None, metavar="F",
+                        help="fraction of a round's chunks, in [0, 1), that may close short "
+                             "instead of being retransmitted (default: the job's)")
+
+
+def init_group(args: argparse.Namespace, timeout: float | None = None) -> None:
+    """Join the Gloo process group the flags name (``timeout``: seconds a collective may
+    wait, default torch's)."""
+    import torch.distributed as dist
+    init = f"tcp://{args.master}" if args.master else "env://"
+    extra = {} if timeout is None else {"timeout": timedelta(seconds=timeout)}
+    dist.init_process_group("gloo", init_method=init, rank=args.rank, world_size=args.world,
+                            **extra)
+
+
+def agree_run(group=None, alone: bool = False) -> int:
+    """One run id for every worker of this training run, chosen without asking the aggregator.
+
+    ``THC_RUN`` from the launcher wins; else rank 0's clock (:func:`P.run_from_clock`) is
+    broadcast over the torch.distributed process group. Without a group only a worker that is
+    ``alone`` in its job may draw its own: clocks of separate processes would disagree."""
+    run = P.run_from_env()
+    if run is not None:
+        return run
+    # A group exists only where torch.distributed was imported: looking it up in sys.modules
+    # keeps torch out of the workers that have none.
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        import torch
+        t = torch.tensor([P.run_from_clock() if dist.get_rank(group) == 0 else 0],
+                         dtype=torch.int64)
+        src = dist.get_global_rank(group, 0) if group is not None else 0
+        dist.broadcast(t, src=src, group=group)
+        return P.check_run(int(t.item()))
+    if alone:
+        return P.run_from_clock()
+    raise ValueError(f"no run id: set {P.RUN_ENV} (the same on every worker), pass "
+                     f"AggregationClient(run=...), or initialise torch.distributed so rank 0's "
+                     f"id can be broadcast")
+
+
+def worker_client(config: str | os.PathLike | Cluster, rank: int,
+                  agg: str | tuple[str, int] | None = None, *, aggregation: str | None = None,
+                  run: int | None = None, **options) -> AggregationClient:
+    """The client of worker ``rank`` for the cluster's first job doing ``aggregation``
+    (``"thc"``, ``"vote"``; default: its first job), sending to ``agg`` (``HOST:PORT`` or a
+    pair; default the cluster's aggregator; a sharded job's shard map names its own), in run
+    ``run`` (default: :func:`agree_run`). ``options`` go to :class:`AggregationClient`."""
+    cluster = config if isinstance(config, Cluster) else Cluster.load(config)
+    job = next((j for j in cluster.jobs if aggregation in (None, j.aggregation)), None)
+    if job is None:
+        raise ValueError(f"{config} has no {aggregation} job")
+    if job.shards:
+        address = None
+    elif agg is None:
+        address = (cluster.agg_ip, cluster.agg_port)
+    else:
+        address = parse_hostport(agg) if isinstance(agg, str) else tuple(agg)
+    if run is None:
+        run = agree_run(alone=job.n_workers == 1)
+    return AggregationClient(job, rank, address, run=run, **options)
+
+
+def client_from_args(args: argparse.Namespace, *, aggregation: str | None = None,
+                     cluster: Cluster | None = None, **options) -> AggregationClient:
+    """:func:`worker_client` from the flags of :func:`add_arguments` and the process's
+    settings (``cluster``: ``--config`` already loaded); ``options`` add to or override the
+    flags' client options."""
+    if cluster is None and not args.config:
+        raise SystemExit("a mode through an aggregator needs --config (the cluster JSON)")
+    kw = {"deadline": args.deadline, "window": args.window, "timeout": args.rto,
+          "loss_bound": args.loss_bound, "settings": settings.current(), **options}
+    return worker_client(cluster or args.config, args.rank, args.agg,
+                         aggregation=aggregation, run=args.run, **kw)
+
+
+__all__ = ["add_arguments", "init_group", "agree_run", "worker_client", "client_from_args",
+           "run_arg"]

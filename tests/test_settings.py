@@ -1,0 +1,47 @@
+"""Settings flags: each command adds them from one table, a flag wins over its environment
+variable, and a flag not given leaves the variable's value."""
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from thc.codec import settings
+
+
+def _parse(argv, *names):
+    parser = argparse.ArgumentParser()
+    settings.add_arguments(parser, *names)
+    return parser.parse_args(argv)
+
+
+def test_a_flag_wins_over_its_variable_and_an_absent_flag_leaves_it():
+    env = {"THC_CLIENT_DATAPATH": "python", "THC_CODEC_CPU": "reference",
+           "THC_AGGREGATOR_DATAPATH": "compiled"}
+    args = _parse(["--client-datapath", "compiled"], "client_datapath", "codec_cpu",
+                  "aggregator_datapath")
+    chosen = settings.from_args(args, env)
+    assert (chosen.client_datapath, chosen.codec_cpu, chosen.aggregator_datapath) == \
+        ("compiled", "reference", "compiled")
+    args = _parse(["--datapath", "python", "--codec-cpu", "compiled"], "aggregator_datapath",
+                  "codec_cpu")
+    chosen = settings.from_args(args, {})
+    assert (chosen.client_datapath, chosen.codec_cpu, chosen.aggregator_datapath) == \
+        ("auto", "compiled", "python")
+
+
+def test_only_the_settings_asked_for_get_flags_and_their_choices_are_checked(capsys):
+    args = _parse([], "codec_cpu")
+    assert vars(args) == {"codec_cpu": None}
+    with pytest.raises(SystemExit):
+        _parse(["--codec-cpu", "fast"], "codec_cpu")
+    assert "invalid choice" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        _parse(["--client-datapath", "python"], "codec_cpu")
+
+
+def test_every_flag_names_its_variable_in_its_help():
+    parser = argparse.ArgumentParser()
+    settings.add_arguments(parser, *settings.FLAGS)
+    text = parser.format_help()
+    assert all(settings.ENV[name] in text for name in settings.FLAGS)

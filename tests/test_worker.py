@@ -1,0 +1,86 @@
+"""The worker-side helper every worker program uses: the client of a rank from a cluster file
+(job chosen by aggregation, address from the flags or the cluster, run agreed), the flags it
+reads, and the run agreement that keeps torch out of workers without a process group."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import subprocess
+import sys
+
+import pytest
+
+from thc.collective import worker
+from thc.testing.clusters import free_port_block, local_job
+from thc.wire.jobs import Cluster, Job, Shard
+
+
+@pytest.fixture
+def cluster_file(tmp_path):
+    base = free_port_block(4)
+    thc = local_job(1, 2, base)
+    vote = Job.vote(2, thc.workers, pool_base=thc.pool_size, pool_size=16)
+    path = tmp_path / "cluster.json"
+    Cluster(jobs=(thc, vote), agg_ip="127.0.0.9", agg_port=4321).save(path)
+    return path
+
+
+def test_the_client_of_a_rank_takes_the_job_by_aggregation_and_the_clusters_address(
+        cluster_file):
+    with worker.worker_client(cluster_file, 1, aggregation="vote", run=5) as c:
+        assert (c.job.job_id, c.worker_id, c.aggregator, c.run) == (2, 1, ("127.0.0.9", 4321), 5)
+    with worker.worker_client(cluster_file, 0, "10.1.2.3:99", run=6) as c:
+        assert (c.job.job_id, c.aggregator) == (1, ("10.1.2.3", 99))
+    with pytest.raises(ValueError, match="no max job"):
+        worker.worker_client(cluster_file, 0, aggregation="max", run=5)
+
+
+def test_a_sharded_job_sends_where_its_shard_map_says():
+    shards = (Shard("127.0.0.1", 7001), Shard("127.0.0.1", 7002))
+    job = dataclasses.replace(local_job(1, 2, free_port_block(2)), shards=shards)
+    with worker.worker_client(Cluster(jobs=(job,)), 0, "10.1.2.3:99", run=5) as c:
+        assert c.aggregators == [("127.0.0.1", 7001), ("127.0.0.1", 7002)]
+
+
+def test_the_flags_reach_the_client(cluster_file):
+    parser = argparse.ArgumentParser()
+    worker.add_arguments(parser, process_group=False, deadline=12.0)
+    args = parser.parse_args(["--rank", "1", "--config", str(cluster_file), "--run", "0x10",
+                              "--window", "3", "--rto", "0.05", "--loss-bound", "0.25"])
+    with worker.client_from_args(args) as c:
+        assert (c.worker_id, c.run, c.window, c.timeout, c.deadline, c.loss_bound) == \
+            (1, 16, 3, 0.05, 12.0, 0.25)
+    with worker.client_from_args(args, deadline=1.0, window=2) as c:
+        assert (c.deadline, c.window) == (1.0, 2)
+    for bad in (["--run", "0"], ["--loss-bound", "1"]):
+        with pytest.raises(SystemExit):
+            parser.parse_args(bad)
+
+
+def test_the_run_is_agreed_where_none_is_given(cluster_file, tmp_path, monkeypatch):
+    monkeypatch.setenv("THC_RUN", "77")
+    with worker.worker_client(cluster_file, 0) as c:
+        assert c.run == 77
+    monkeypatch.delenv("THC_RUN")
+    alone = tmp_path / "alone.json"
+    Cluster(jobs=(local_job(3, 1, free_port_block(1)),)).save(alone)
+    with worker.worker_client(alone, 0) as c:
+        assert c.run is not None
+    with pytest.raises(ValueError, match="no run id"):
+        worker.worker_client(cluster_file, 0)
+
+
+def test_a_worker_without_a_process_group_never_imports_torch(cluster_file):
+    """The smoke worker's path: build the client, agree a run alone, all without torch."""
+    code = ("import sys\n"
+            "from thc.collective import worker\n"
+            "from thc.wire.jobs import Cluster\n"
+            "from thc.testing.clusters import local_job, free_port_block\n"
+            "c = worker.worker_client(Cluster(jobs=(local_job(1, 1, free_port_block(1)),)), 0)\n"
+            "c.close()\n"
+            "assert c.run and 'torch' not in sys.modules, sorted(m for m in sys.modules "
+            "if m.startswith('torch'))[:3]\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       env={k: v for k, v in os.environ.items() if k != "THC_RUN"})
+    assert r.returncode == 0, r.stderr[-2000:]
