@@ -383,7 +383,7 @@ def test_tofino_lookup_values_add_into_8_bit_lanes_in_order():
     job = Job(job_id=3, workers=_workers(3, n), table=TABLE, granularity=30).validate()
     values = np.array(tofino.lut_values(job), dtype=np.uint32)
     rng = np.random.default_rng(3)
-    lanes_a_pass = 160                                   # pass 1: words 00-39
+    lanes_a_pass = 128                                   # a pass: words 00-31
     idx = rng.integers(0, 16, (n, lanes_a_pass))
     idx[0] = 15
     key = idx[:, 0::2] << 4 | idx[:, 1::2]                  # worker, byte 2*NN + h

@@ -1,15 +1,15 @@
 """The Tofino target: p4src/thc_tna.p4 under bf_switchd's P4Runtime server, and its lookup
 tables.
 
-The program adds a packet's 256 lanes in two passes of words of four 8-bit lanes (pass 0 the
-last 96 lanes in words 00-23, pass 1 the first 160 in words 00-39; docs/switch.md,
-"Tofino"). Each word has two lookup tables, one per byte of its four indices (two 4-bit
+The program adds a packet's 256 lanes in words of four 8-bit lanes, 32 words a pass (pass 1
+the last 128 lanes, pass 2 the first 128, in words 00-31; docs/switch.md, "Tofino"). Each word has two lookup tables, one per byte of its four indices (two 4-bit
 indices, the first lane in the high nibble), returning both lanes' table values at once (the
 first lane in the high byte):
 
-  ThcIngress.thc_w<NN>.thc_lut_<h>   (job_id, idx) -> thc_lut_set_<h>(value: 16 bits)
-                                     NN = 00..39, h = 0, 1: 256 entries a job in each, the
-                                     same in every table
+  ThcIngress.thc_w<NN>.thc_lut_<h>   (valid, job_id, idx) -> thc_lut_set_<h>(value: 16 bits)
+                                     NN = 00..31, h = 0, 1: 256 entries a job in each, the
+                                     same in every table; valid = 1 (the pass carries
+                                     indices: a MAX packet's lanes miss)
 
 Jobs with 16-bit sums, vote jobs (a table a word more than the pipe's logical tables
 hold), or with 32 workers (bit 31 of a slot's bitmap marks a use closed by a FLUSH), do not
@@ -90,9 +90,9 @@ class Tofino(Target):
                  with_action: bool) -> list[bytes]:
         if with_action:
             return sw.entries_bytes(table, action, [
-                ({"job_id": job_id, "idx": key}, {"value": value})
+                ({"valid": 1, "job_id": job_id, "idx": key}, {"value": value})
                 for key, value in enumerate(values)])
-        return [sw.entry_bytes(table, {"job_id": job_id, "idx": key})
+        return [sw.entry_bytes(table, {"valid": 1, "job_id": job_id, "idx": key})
                 for key in range(len(values))]
 
 
