@@ -24,6 +24,9 @@ STAGE0_EXACT = 2
 """thc_job and thc_worker: pass 0 starts in stage 0."""
 SLOT_STATE_STAGES = range(3, 9)
 """Stages where pass 0's slot state may take a stateful ALU (one a stage): kept free."""
+LUT_JOBS = 4
+"""Jobs whose lookup entries a word's tables hold at once. A lookup of two ways takes 20 of a
+stage's 416 hash bits (the compiler's default, four ways, 40: too many for eight a stage)."""
 SPLIT_WORDS = 13
 """Result words whose halves take a 16-bit container each."""
 
@@ -88,6 +91,7 @@ def constants(header: str) -> str:
     return "".join([header, "// Sizes of the Tofino program (thc_tna.p4)\n",
                     f"#define THC_TNA_WORDS {WORDS}\n",
                     f"#define THC_TNA_OCTS {OCTS}\n",
+                    f"#define THC_TNA_LUT_SIZE {256 * LUT_JOBS}\n",
                     f"const bit<7> THC_TNA_RECIRC_PORT = {RECIRC_PORT};\n",
                     f"const bit<9> THC_TNA_CPU_PORT = {CPU_PORT};\n"])
 
@@ -96,24 +100,23 @@ LUT_DECL = """    @name("thc_w{j:02d}.thc_lut_set_{h}")
     action thc_w{j:02d}_lut_set_{h}(bit<16> value) {{ hdr.res[{j}].w[{hi}:{lo}] = value; }}
     @name("thc_w{j:02d}.thc_lut_{h}")
     @stage({stage})
+    @ways(2)
     table thc_w{j:02d}_lut_{h} {{
-        key = {{
-            {valid}: exact @name("valid");
-            hdr.thc.job_id: exact @name("job_id");
-            {key}: exact @name("idx");
-        }}
+        key = {{ meta.p1.lut_job: exact @name("job_index"); {key}: exact @name("idx"); }}
         actions = {{ thc_w{j:02d}_lut_set_{h}; @defaultonly NoAction; }}
         const default_action = NoAction();
-        size = THC_LUT_SIZE;
+        size = THC_TNA_LUT_SIZE;
     }}
 """
 
 
 def _luts() -> tuple[str, str]:
     """Each word's two lookup tables (thc.p4's names under the word), declared and applied
-    in the ingress control. They apply to every packet, without a condition (a gateway a
-    word chains the words stage after stage); the controller's entries match only where
-    this pass's indices are there (valid = 1), so a miss leaves a MAX packet's lanes alone.
+    in the ingress control. They apply to every packet of passes 1 and 2, without a
+    condition (a gateway a word chains the words stage after stage), keyed on the job's
+    index that pass 0 bridged (THC_TNA_NO_LUT where the pass carries no indices: a miss
+    leaves a MAX packet's lanes alone) and one index byte: two input crossbar bytes, one of
+    them shared by every lookup.
     The two write the halves of one result word: in one stage where each half has a
     container of its own (thc_tna_pragmas.p4), else one after the other (schedule)."""
     decl, apply = [], []
@@ -124,7 +127,6 @@ def _luts() -> tuple[str, str]:
             bit = 31 - 16 * second - 8 * h
             decl.append(LUT_DECL.format(j=j, h=h, hi=31 - 16 * h, lo=16 - 16 * h,
                                         stage=stages[j][h],
-                                        valid=f"hdr.cur[{o}].isValid()",
                                         key=f"hdr.cur[{o}].idx[{bit}:{bit - 7}]"))
         apply.append(f"thc_w{j:02d}_lut_0.apply();\nthc_w{j:02d}_lut_1.apply();\n")
     return "".join(decl), "".join(apply)

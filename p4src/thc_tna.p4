@@ -39,6 +39,7 @@ const bit<2> THC_PAY_NONE = 0;   // the pass parses nothing after the THC header
 const bit<2> THC_PAY_IDX2 = 1;   // the indices of both halves (pass 0, pass 1)
 const bit<2> THC_PAY_IDX1 = 2;   // the first half's indices, before the last half's sums
 const bit<2> THC_PAY_MAX = 3;    // one 32-bit max lane a word
+const bit<8> THC_TNA_NO_LUT = 0xFF;   // no lookup entry has this job index
 
 // A register index: a slot version (pool_base + slot) * 2 + version, and for the words the
 // pass's half above it (THC_REG_SIZE).
@@ -67,13 +68,14 @@ header thc_pass_h {
     bit<1>  is_reply;     // egress rewrites the addresses (worker_id or egress_rid - 1)
     bit<5>  pad1;
     bit<2>  lane_op;      // THC_OP_*
+    bit<6>  pad2;
+    bit<4>  pad3;
     bit<1>  is_max;
-    bit<1>  blank;        // no payload: a new use's words are cleared (FLUSH)
-    bit<4>  pad2;
     bit<1>  last;         // the next pass is the last (pass 2, or pass 1 for MAX)
     bit<2>  payload;      // THC_PAY_*: what the next pass parses after the THC header
-    bit<5>  pad3;
-    bit<8>  pad4;
+    bit<8>  lut_job;      // the job's index for the lookups, THC_TNA_NO_LUT without indices
+    bit<1>  blank;        // no payload: a new use's words are cleared (FLUSH)
+    bit<7>  pad4;
     thc_index_t word_index;    // the next pass's half of the words' registers
     thc_index_t word_index2;   // pass 2's half (pass 1 moves it up)
 }
@@ -370,6 +372,7 @@ control ThcIngress(inout tna_headers_t hdr, inout metadata_t meta,
                    bit<32> full_bitmap, bit<16> mcast_grp, bit<8> sum_bits, bit<32> epoch,
                    bit<8> aggregation) {
         meta.job_index = job_index;
+        meta.bridge.lut_job = job_index;
         meta.n_workers = n_workers;
         meta.pool_base = pool_base;
         meta.pool_size = pool_size;
@@ -747,10 +750,12 @@ control ThcIngress(inout tna_headers_t hdr, inout metadata_t meta,
                 meta.bridge.is_max = 1;
                 meta.bridge.last = 1;
                 meta.bridge.payload = THC_PAY_MAX;
+                meta.bridge.lut_job = THC_TNA_NO_LUT;
             } else if (hdr.thc.pkt_type == THC_FLUSH) {
                 meta.worker_bit = 0x80000000;
                 meta.blank = 1;
                 meta.bridge.blank = 1;
+                meta.bridge.lut_job = THC_TNA_NO_LUT;
             } else if (hdr.cur[0].isValid()) {
                 meta.bridge.payload = THC_PAY_IDX2;
             }

@@ -3,5 +3,6 @@
 // Sizes of the Tofino program (thc_tna.p4)
 #define THC_TNA_WORDS 32
 #define THC_TNA_OCTS 16
+#define THC_TNA_LUT_SIZE 1024
 const bit<7> THC_TNA_RECIRC_PORT = 68;
 const bit<9> THC_TNA_CPU_PORT = 320;
