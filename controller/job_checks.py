@@ -29,11 +29,16 @@ def check_job(sw: Switch, job: Job, job_index: int, others: dict[int, dict]) -> 
                           f"compiled for {sw.lanes}")
     if not 0 <= job_index < P.MAX_JOBS:
         raise ConfigError(f"job index {job_index} outside 0..{P.MAX_JOBS - 1}")
+    room = target_of(sw).max_jobs(sw.p4info)
+    if len(others) >= room:
+        raise ConfigError(f"job {job.job_id}: the {target_of(sw).name} program's lookup tables "
+                          f"hold {room} jobs at once, and {len(others)} stay installed "
+                          f"({', '.join(str(j) for j in sorted(others))}); remove one first")
     if job.pool_base + job.pool_size > P.SWITCH_SLOTS:
         raise ConfigError(f"job {job.job_id}: pool {job.pool_base}..{job.pool_base + job.pool_size - 1}"
                           f" does not fit the switch's {P.SWITCH_SLOTS} slots")
     for w in job.workers:
-        if not 0 <= w.switch_port < 511 or w.switch_port == P.CPU_PORT:
+        if not 0 <= w.switch_port < 511 or w.switch_port == target_of(sw).cpu_port:
             raise ConfigError(f"job {job.job_id} worker {w.id}: switch_port {w.switch_port} "
                               f"is not a front-panel port")
     for jid, cfg in others.items():

@@ -139,7 +139,8 @@ def unchanged(sw: Switch, job: Job, agg: "AggAddress", job_index: int | None = N
     checked_ids = {sw.tables.get(t, "table").preamble.id for t in checked}
     wanted = [job_entry(sw, job, cfg["job_index"], cfg["epoch"]), *worker_entries(sw, job),
               *addr_entries(sw, job, agg),
-              *(e for e in lut_entries(sw, job) if p4rt.entity_table_id(e) in checked_ids)]
+              *(e for e in lut_entries(sw, job, cfg["job_index"])
+                if p4rt.entity_table_id(e) in checked_ids)]
     have = [e for table in (JOB_TABLE, WORKER_TABLE, ADDR_TABLE, *checked)
             for e in _job_entries(sw, table, job.job_id)]
     if sorted(map(_canonical, wanted)) != sorted(map(_canonical, have)):
@@ -219,10 +220,10 @@ def addr_entries(sw: Switch, job: Job, agg: AggAddress) -> list:
             for w in job.workers]
 
 
-def lut_entries(sw: Switch, job: Job, with_action: bool = True) -> list:
+def lut_entries(sw: Switch, job: Job, job_index: int, with_action: bool = True) -> list:
     """The job's lookup entries for the switch's target (serialized: see Switch.entry_bytes);
-    without action: their keys."""
-    return target_of(sw).lut_entries(sw, job, with_action)
+    without action: their keys. BMv2 keys them on the job id, Tofino on the job's index."""
+    return target_of(sw).lut_entries(sw, job, job_index, with_action)
 
 
 def _upsert(sw: Switch, entries: list, exists: bool = False) -> None:
@@ -301,7 +302,7 @@ def _write_job(sw: Switch, job: Job, job_index: int, agg: AggAddress,
     again = previous is not None
     addrs = addr_entries(sw, job, agg)
     _upsert(sw, addrs, again)
-    _upsert(sw, lut_entries(sw, job), again)
+    _upsert(sw, lut_entries(sw, job, job_index), again)
     sw.set_multicast_group(job.mcast_grp, [(w.switch_port, w.id + 1) for w in job.workers])
     forwarding.install(sw, {w.mac: w.switch_port for w in job.workers})
     epoch = P.new_epoch(previous.get("epoch") if previous else None)
@@ -340,10 +341,11 @@ def _remove(sw: Switch, job_id: int, cfg: dict) -> None:
     _delete(sw, _job_entries(sw, WORKER_TABLE, job_id))
     _delete(sw, [sw.table_entry(JOB_TABLE, {"job_id": job_id})])
     _delete(sw, _job_entries(sw, ADDR_TABLE, job_id))
-    # the lookup keys depend on the job id only: the table values are not needed to delete
+    # the lookup keys depend on the job id or index only: the table values are not needed
     keys_of = Job(job_id=job_id, workers=(), table=(0,) * (1 << P.INDEX_BITS), granularity=1,
                   lanes=sw.lanes)
-    sw.write_entries("DELETE", lut_entries(sw, keys_of, with_action=False), ignore=["NOT_FOUND"])
+    sw.write_entries("DELETE", lut_entries(sw, keys_of, cfg["job_index"], with_action=False),
+                     ignore=["NOT_FOUND"])
     sw.delete_multicast_group(cfg["mcast_grp"])
     if macs:
         forwarding.remove(sw, macs)

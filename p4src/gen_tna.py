@@ -1,161 +1,186 @@
 """The generated parts of the Tofino program (p4src/thc_tna.p4): its word instances, their
-apply calls in both passes, and the parser states that extract each pass's lanes.
+apply calls, the lookup tables and the parser states that extract each pass's lanes.
 
-A word is four 8-bit lanes. Pass 0 adds the last PASS0_WORDS words of a packet (after the
-slot state, in the stages left), pass 1 the first WORDS; the first PASS0_WORDS word
-registers serve both passes (docs/switch.md, "Tofino"). gen_p4.py writes these files with
-the BMv2 program's.
+A word is four 8-bit lanes. Pass 0 runs the slot state only; pass 1 adds the packet's last
+WORDS words, pass 2 its first WORDS, in the same word registers at the two halves of their
+index (docs/switch.md, "Tofino"). gen_p4.py writes these files with the BMv2 program's.
 """
 from __future__ import annotations
 
 WORD_LANES = 4
-WORDS = 40
-"""Words pass 1 adds (lanes 0 .. 4 * WORDS - 1)."""
-PASS0_WORDS = 24
-"""Words pass 0 adds (the packet's last lanes), in the word registers 0 .. PASS0_WORDS - 1."""
-EARLY_WORDS = 4
-"""Words of pass 1 whose two lookups share a stage (ThcEarlyWord), so that their registers
-can take the stage after the first: the other words take a stage per lookup."""
+WORDS = 32
+"""Words each adding pass (1 and 2) adds: 4 * WORDS lanes, half a packet."""
 RECIRC_PORT = 68
 """The recirculation port of a Tofino-1 pipe (low 7 bits of the port number)."""
 CPU_PORT = 320
 """Tofino-1's PCIe CPU port (pipe 2, port 64, on a four-pipe part): where packet-outs enter."""
 
-HALF = 20
-"""Header stacks hold at most 32 (their validity bits share a container): words in halves."""
+STAGES = 12
+"""MAU stages of a Tofino-1 pipe."""
+EXACT_A_STAGE = 8
+"""Exact-match tables a stage holds with distinct keys (its hash units): the lookups' bound."""
+SALUS_A_STAGE = 4
+STAGE0_EXACT = 2
+"""thc_job and thc_worker: pass 0 starts in stage 0."""
+SLOT_STATE_STAGES = range(3, 9)
+"""Stages where pass 0's slot state may take a stateful ALU (one a stage): kept free."""
+LUT_JOBS = 4
+"""Jobs whose lookup entries a word's tables hold at once. A lookup of two ways takes 20 of a
+stage's 416 hash bits (the compiler's default, four ways, 40: too many for eight a stage)."""
+SPLIT_WORDS = 13
+"""Result words whose halves take a 16-bit container each."""
 
-WORD_DECL = "{control}() thc_w{j:02d};\n"
-WORD_APPLY = ("thc_w{j:02d}.apply(hdr.{res}, {halves}{index}, "
-              "{src}.lane_op, {src}.is_max, {src}.blank, {run});\n")
+WORD_DECL = "ThcWord{j:02d}() thc_w{j:02d};\n"
+WORD_CONTROL = "THC_WORD(ThcWord{j:02d}, {stage})\n"
+WORD_APPLY = ("thc_w{j:02d}.apply(hdr.res[{j}], meta.p1.word_index, meta.p1.lane_op, "
+              "meta.p1.is_max, meta.p1.blank, meta.p1.recirc);\n")
+OCTS = WORDS // 2
+"""Index headers a pass reads: eight 4-bit indices (two words) each."""
 
 
 def check(spec: dict) -> None:
     lanes = spec["lanes"]
-    if (WORDS + PASS0_WORDS) * WORD_LANES != lanes:
-        raise SystemExit(f"gen_tna: {WORDS} + {PASS0_WORDS} words of {WORD_LANES} lanes do "
+    if 2 * WORDS * WORD_LANES != lanes:
+        raise SystemExit(f"gen_tna: two passes of {WORDS} words of {WORD_LANES} lanes do "
                          f"not make protocol.json's {lanes} lanes")
-    if spec["max_lanes"] > WORDS - EARLY_WORDS or WORDS % 8 or PASS0_WORDS % 8:
-        raise SystemExit("gen_tna: the max lanes ride pass 1's words (not the early ones); "
-                         "payload headers hold "
-                         "two words (indices) or eight (sign bits)")
+    if spec["max_lanes"] > WORDS or WORDS % 2 or WORDS > 32:
+        raise SystemExit("gen_tna: the max lanes ride one pass's words; index headers hold "
+                         "two words; a header stack holds at most 32")
+
+
+def schedule() -> list[tuple[int, int, int]]:
+    """(stage of the word's first lookup, of its second, of its register) for each word: the
+    placer left to itself fills the first stages with lookups and the words come after pass
+    0's slot state, so each is pinned (@stage). A stage takes EXACT_A_STAGE lookups and
+    SALUS_A_STAGE registers (one fewer where the slot state may run); the two lookups of a
+    word share a stage only where its result word's halves have containers of their own
+    (the first SPLIT_WORDS: PHV has no more 16-bit containers to spare); a word's register
+    comes after its lookups."""
+    exact = [EXACT_A_STAGE] * STAGES
+    exact[0] -= STAGE0_EXACT
+    salus = [SALUS_A_STAGE - (s in SLOT_STATE_STAGES) for s in range(STAGES)]
+    first, second, pending, j = {}, {}, [], 0
+    for s in range(STAGES):
+        for w in list(pending):
+            if exact[s]:
+                exact[s] -= 1
+                second[w] = s
+                pending.remove(w)
+        while j < WORDS and exact[s] >= (2 if j < SPLIT_WORDS else 1):
+            first[j] = s
+            exact[s] -= 1
+            if j < SPLIT_WORDS:
+                second[j] = s
+                exact[s] -= 1
+            else:
+                pending.append(j)
+            j += 1
+    out = []
+    for w in range(WORDS):
+        if w not in second:
+            raise SystemExit("gen_tna: the lookups do not fit the pipe's stages")
+        c = next((s for s in range(second[w] + 1, STAGES - 1) if salus[s]), None)
+        if c is None:
+            raise SystemExit("gen_tna: the words do not fit the pipe's stages")
+        salus[c] -= 1
+        out.append((first[w], second[w], c))
+    return out
 
 
 def constants(header: str) -> str:
-    return "".join([header, "// Sizes of the Tofino program (thc_tna.p4): words of four lanes in two passes\n",
-            f"#define THC_TNA_WORDS {WORDS}\n",
-            f"#define THC_TNA_PASS0_WORDS {PASS0_WORDS}\n",
-            f"#define THC_TNA_HALF {HALF}\n",
-            f"const bit<7> THC_TNA_RECIRC_PORT = {RECIRC_PORT};\n",
-            f"const bit<9> THC_TNA_CPU_PORT = {CPU_PORT};\n"])
-
-
-def word(stack: str, j: int) -> str:
-    """Word j of the result stack, kept in halves."""
-    return f"{stack}_a[{j}]" if j < HALF else f"{stack}_b[{j - HALF}]"
-
-
-def _apply(j: int, src: str, index: str, run: str) -> str:
-    halves = f"thc_w{j:02d}_hi, thc_w{j:02d}_lo, " if early(j) else ""
-    return WORD_APPLY.format(j=j, halves=halves, src=src, index=index, run=run,
-                             res=word("res", j))
-
-
-def early(j: int) -> bool:
-    return j >= WORDS - EARLY_WORDS
+    return "".join([header, "// Sizes of the Tofino program (thc_tna.p4)\n",
+                    f"#define THC_TNA_WORDS {WORDS}\n",
+                    f"#define THC_TNA_OCTS {OCTS}\n",
+                    f"#define THC_TNA_LUT_SIZE {256 * LUT_JOBS}\n",
+                    f"const bit<7> THC_TNA_RECIRC_PORT = {RECIRC_PORT};\n",
+                    f"const bit<9> THC_TNA_CPU_PORT = {CPU_PORT};\n"])
 
 
 LUT_DECL = """    @name("thc_w{j:02d}.thc_lut_set_{h}")
-    action thc_w{j:02d}_lut_set_{h}(bit<16> value) {{ {dst} = value; }}
+    action thc_w{j:02d}_lut_set_{h}(bit<16> value) {{ hdr.res[{j}].w[{hi}:{lo}] = value; }}
     @name("thc_w{j:02d}.thc_lut_{h}")
+    @stage({stage})
+    @ways(2)
     table thc_w{j:02d}_lut_{h} {{
-        key = {{ hdr.thc.job_id: exact @name("job_id"); {key}: exact @name("idx"); }}
-        actions = {{ thc_w{j:02d}_lut_set_{h}; }}
-        default_action = thc_w{j:02d}_lut_set_{h}(0);
-        size = THC_LUT_SIZE;
+        key = {{ meta.p1.lut_job: exact @name("job_index"); {key}: exact @name("idx"); }}
+        actions = {{ thc_w{j:02d}_lut_set_{h}; @defaultonly NoAction; }}
+        const default_action = NoAction();
+        size = THC_TNA_LUT_SIZE;
     }}
 """
 
 
 def _luts() -> tuple[str, str]:
     """Each word's two lookup tables (thc.p4's names under the word), declared and applied
-    in the ingress control; a word of pass 1 only looks up when its indices are there."""
+    in the ingress control. They apply to every packet of passes 1 and 2, without a
+    condition (a gateway a word chains the words stage after stage), keyed on the job's
+    index that pass 0 bridged (THC_TNA_NO_LUT where the pass carries no indices: a miss
+    leaves a MAX packet's lanes alone) and one index byte: two input crossbar bytes, one of
+    them shared by every lookup.
+    The two write the halves of one result word: in one stage where each half has a
+    container of its own (thc_tna_pragmas.p4), else one after the other (schedule)."""
     decl, apply = [], []
+    stages = schedule()
     for j in range(WORDS):
         o, second = divmod(j, 2)
-        idx = f"hdr.cur[{o}].idx"
-        if early(j):
-            decl.append(f"    bit<16> thc_w{j:02d}_hi = 0;\n    bit<16> thc_w{j:02d}_lo = 0;\n")
         for h in range(2):
             bit = 31 - 16 * second - 8 * h
-            if early(j):
-                dst = f"thc_w{j:02d}_{'hi' if h == 0 else 'lo'}"
-            else:
-                dst = f"hdr.{word('res', j)}.w[{31 - 16 * h}:{16 - 16 * h}]"
-            decl.append(LUT_DECL.format(j=j, h=h, dst=dst, key=f"{idx}[{bit}:{bit - 7}]"))
-        apply.append(f"if (hdr.cur[{o}].isValid()) {{ thc_w{j:02d}_lut_0.apply(); "
-                     f"thc_w{j:02d}_lut_1.apply(); }}\n")
+            decl.append(LUT_DECL.format(j=j, h=h, hi=31 - 16 * h, lo=16 - 16 * h,
+                                        stage=stages[j][h],
+                                        key=f"hdr.cur[{o}].idx[{bit}:{bit - 7}]"))
+        apply.append(f"thc_w{j:02d}_lut_0.apply();\nthc_w{j:02d}_lut_1.apply();\n")
     return "".join(decl), "".join(apply)
 
 
 def _extract(stack: str, n: int) -> str:
-    names = [word(stack, i) if stack == "res" else f"{stack}[{i}]" for i in range(n)]
-    return "".join(f"        pkt.extract(hdr.{name});\n" for name in names)
+    return "".join(f"        pkt.extract(hdr.{stack}[{i}]);\n" for i in range(n))
 
 
-def _each(fmt: str, stack: str, n: int) -> str:
-    return "".join(fmt.format(word(stack, i) if stack else i) for i in range(n))
+def _each(fmt: str, n: int) -> str:
+    return "".join(fmt.format(i) for i in range(n))
 
 
 def _state(name: str, body: str) -> str:
     return f"    state {name} {{\n{body}        transition accept;\n    }}\n"
 
 
-def _pragmas() -> str:
-    """The words of pass 1 only look their halves up when pass 0's carried indices are
-    gone."""
-    pairs = [(f"hdr.rest[{i}]", f"thc_w{j:02d}_{half}") for i in range(WORDS // 2)
-             for j in range(WORDS - EARLY_WORDS, WORDS) for half in ("hi", "lo")]
-    return "".join(f'@pa_mutually_exclusive("ingress", "{a}", "{b}")\n' for a, b in pairs)
-
-
 def files(spec: dict, header: str) -> dict[str, str]:
     """File name -> text of the Tofino program's generated files."""
     check(spec)
-    octs, votes = WORDS // 2, WORDS // 8
     parse = "".join([
-        _state("p0_data", _extract("rest", octs) + _extract("cur", PASS0_WORDS // 2)),
-        _state("p0_vote", _extract("rest", votes) + _extract("cur", PASS0_WORDS // 8)),
-        _state("p1_data", _extract("cur", octs)),
-        _state("p1_vote", _extract("cur", votes)),
+        _state("parse_idx2", _extract("rest", OCTS) + _extract("cur", OCTS)),
+        _state("parse_idx1", _extract("cur", OCTS)),
         _state("parse_max", _extract("res", spec["max_lanes"])),
     ])
+    luts, luts_apply = _luts()
     return {
         "thc_tna_constants.p4": constants(header),
         "thc_tna_luts.p4": header + "// The words' lookup tables (thc_tna.p4's ingress).\n"
-                           + _luts()[0],
+                           + luts,
         "thc_tna_luts_apply.p4": header + "// The words' lookups, first in ingress.\n"
-                                 + _luts()[1],
-        "thc_tna_pragmas.p4": header + "// PHV that no packet uses twice (thc_tna.p4's ingress):"
-                              " index octs or sign-bit halfwords; pass 0's carried indices or"
-                              " pass 1's early words.\n" + _pragmas(),
+                                 + luts_apply,
         "thc_tna_parse.p4": header + "// Parser states of thc_tna.p4: each pass's lanes.\n"
                             + parse,
         "thc_tna_words.p4": header + "// The word instances of thc_tna.p4.\n"
-                            + "".join(WORD_DECL.format(
-                                j=j, control="ThcEarlyWord" if j >= WORDS - EARLY_WORDS else "ThcWord")
-                                for j in range(WORDS)),
-        "thc_tna_words_apply0.p4": header + "// Words of both passes (this pass's slot state).\n"
-                                   + "".join(_apply(j, "meta", "meta.word_index", "meta.run_words") for j in range(PASS0_WORDS)),
-        "thc_tna_words_apply1.p4": header + "// Words of pass 1 only (pass 0's decisions).\n"
-                                   + "".join(_apply(j, "meta.p1", "meta.p1.word_index", "meta.p1.recirc")
-                                             for j in range(PASS0_WORDS, WORDS)),
-        "thc_tna_res_valid0.p4": header + "// Pass 0's sums.\n"
-                                 + _each("hdr.{}.setValid();\n", "res", PASS0_WORDS),
-        "thc_tna_res_valid1.p4": header + "// Pass 1's sums.\n"
-                                 + _each("hdr.{}.setValid();\n", "res", WORDS),
+                            + _each(WORD_DECL.replace("{j:02d}", "{0:02d}"), WORDS),
+        "thc_tna_word_controls.p4": header + "// The words of thc_tna.p4, each pinned to "
+                                    "its stage (gen_tna.schedule).\n"
+                                    + "".join(WORD_CONTROL.format(j=j, stage=c)
+                                              for j, (_, _, c) in enumerate(schedule())),
+        "thc_tna_pragmas.p4": header + "// Each half of the first result words in a container "
+                              "of its own: the word's two lookups write them in one stage.\n"
+                              + _each('@pa_container_size("ingress", "hdr.res[{0}].w", 16, 16)\n',
+                                      SPLIT_WORDS),
+        "thc_tna_words_apply.p4": header + "// The words, in passes 1 and 2 (pass 0's "
+                                  "decisions, carried in the bridge header).\n"
+                                  + _each(WORD_APPLY.replace("{j:02d}", "{0:02d}")
+                                          .replace("{j}", "{0}"), WORDS),
+        "thc_tna_res_valid.p4": header + "// This pass's sums.\n"
+                                + _each("hdr.res[{}].setValid();\n", WORDS),
         "thc_tna_payload_invalid.p4": header + "// A reply without lanes.\n"
-                                      + _each("hdr.rest[{}].setInvalid();\n", "", octs)
-                                      + _each("hdr.{}.setInvalid();\n", "res", WORDS),
-        "thc_tna_cur_invalid.p4": header + "// Indices this pass has looked up.\n"
-                                  + _each("hdr.cur[{}].setInvalid();\n", "", octs),
+                                      + _each("hdr.rest[{}].setInvalid();\n", OCTS)
+                                      + _each("hdr.cur[{}].setInvalid();\n", OCTS)
+                                      + _each("hdr.res[{}].setInvalid();\n", WORDS),
+        "thc_tna_cur_invalid.p4": header + "// Indices this pass has added.\n"
+                                  + _each("hdr.cur[{}].setInvalid();\n", OCTS),
     }

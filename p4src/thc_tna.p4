@@ -4,20 +4,23 @@
  * THC header; the configuration tables, counters and multicast groups have thc.p4's names,
  * the lookup tables are laid out for this pipeline (controller/targets.py).
  *
- * All 256 lanes of a packet in two passes (docs/switch.md, "Tofino"). Tofino-1 returns one
- * 32-bit word per stateful ALU access, and a pipe has 48 stateful ALUs: 256 8-bit sums are
- * 64 words, more than one pass can read. So a packet goes round once:
+ * All 256 lanes of a packet in three passes (docs/switch.md, "Tofino"). Tofino-1 returns
+ * one 32-bit word per stateful ALU access, and a pipe has 48 stateful ALUs: 256 8-bit sums
+ * are 64 words, more than one pass can read. So a packet goes round twice:
  *  - pass 0 checks the packet and runs the slot state (one register a stage: the job's run,
- *    the slot version's (run, seq), its (bitmap, seq), its count), then adds the last
- *    THC_TNA_PASS0_WORDS words (lanes 160-255) in the stages after it, and either answers
- *    at once (PENDING, REFUSED, drops) or recirculates the packet: the header thc_pass_h
- *    carries what it decided, the unprocessed indices stay in the packet before the sums;
- *  - pass 1 adds lanes 0-159 in THC_TNA_WORDS words (the first THC_TNA_PASS0_WORDS are the
- *    same registers as pass 0's, at the other half of the index), then multicasts the
- *    result, returns it to the sender, or drops the packet (consumed).
+ *    the slot version's (run, seq), its (bitmap, seq), its count), then either answers at
+ *    once (PENDING, REFUSED, drops) or recirculates the packet, the header thc_pass_h in
+ *    front carrying what it decided;
+ *  - pass 1 adds the packet's last 128 lanes in THC_TNA_WORDS word registers (their lower
+ *    index half) and recirculates it again, its sums after the first lanes' indices;
+ *  - pass 2 adds the first 128 lanes in the same registers (the upper half), then
+ *    multicasts the result, returns it to the sender, or drops the packet (consumed).
+ * The words take the stages after their lookups in passes 1 and 2, where no slot state
+ * runs: the slot state and the words never compete for a stage's stateful ALUs.
  * A word holds four 8-bit lanes (no carry crosses lanes: n x g <= 255), or one max lane.
- * 16-bit jobs would need four passes; this program serves 8-bit jobs (set_job's sum_bits
- * 16 is dropped as bad_lanes, and the controller refuses such jobs for this target).
+ * 16-bit jobs would need twice the passes; this program serves 8-bit jobs (set_job's
+ * sum_bits 16 is dropped as bad_lanes, and the controller refuses such jobs for this
+ * target), and no vote jobs.
  *
  * Not (yet) here, unlike thc.p4 and the reference model (host/wire/model.py): the run jump
  * and idle rules (a newer run always takes the job), one incarnation per worker per run
@@ -32,45 +35,49 @@
 #include "generated/thc_tna_constants.p4"
 #include "thc_common.p4"
 
-const bit<2> THC_PAY_NONE = 0;   // pass 1 parses nothing after the THC header (FLUSH)
-const bit<2> THC_PAY_IDX = 1;    // four 4-bit indices a quad
-const bit<2> THC_PAY_VOTE = 2;   // eight sign bits a byte
+const bit<2> THC_PAY_NONE = 0;   // the pass parses nothing after the THC header (FLUSH)
+const bit<2> THC_PAY_IDX2 = 1;   // the indices of both halves (pass 0, pass 1)
+const bit<2> THC_PAY_IDX1 = 2;   // the first half's indices, before the last half's sums
 const bit<2> THC_PAY_MAX = 3;    // one 32-bit max lane a word
+const bit<8> THC_TNA_NO_LUT = 0xFF;   // no lookup entry has this job index
 
 // A register index: a slot version (pool_base + slot) * 2 + version, and for the words the
-// pass's half above it.
+// pass's half above it (THC_REG_SIZE).
 typedef bit<16> thc_index_t;
 
-// DATA: eight lanes' indices (two words), the first lane in the high nibble; a vote job's
-// DATA: 32 lanes' sign bits (eight words), the first lane in the high bit. Payload headers
-// hold two words or more: every header costs a validity bit, and a pipe has 256.
+// DATA: eight lanes' indices (two words), the first lane in the high nibble. Payload
+// headers hold two words: every header costs a validity bit, and a pipe has 256.
 header thc_oct_h {
     bit<32> idx;
 }
-
-
 
 // four lanes' 8-bit sums (big-endian), or one max lane
 header thc_word_h {
     bit<32> w;
 }
 
-// Ingress -> egress on every packet, and pass 0 -> pass 1 around the recirculation.
+// Ingress -> egress on every packet, and each pass -> the next around the recirculation. Its
+// bit fields come in bytes by writer: an action that writes some bits of a container writes
+// them contiguously, from one source.
 header thc_pass_h {
     bit<7>  pad0;
-    bit<9>  in_port;      // where a unicast reply of pass 1 goes
-    bit<16> mcast_grp;    // pass 1: 0 = unicast to in_port
+    bit<9>  in_port;      // where a unicast reply of the last pass goes
+    bit<16> mcast_grp;    // the last pass: 0 = unicast to in_port
     bit<1>  recirc;       // go round: egress passes the packet through unchanged
-    bit<1>  reply;        // pass 1 sends the packet (else: consumed, dropped)
+    bit<1>  reply;        // the last pass sends the packet (else: consumed, dropped)
     bit<1>  is_reply;     // egress rewrites the addresses (worker_id or egress_rid - 1)
     bit<5>  pad1;
     bit<2>  lane_op;      // THC_OP_*
-    bit<2>  payload;      // THC_PAY_*: what pass 1 parses after the THC header
+    bit<6>  pad2;
+    bit<4>  pad3;
     bit<1>  is_max;
+    bit<1>  last;         // the next pass is the last (pass 2, or pass 1 for MAX)
+    bit<2>  payload;      // THC_PAY_*: what the next pass parses after the THC header
+    bit<8>  lut_job;      // the job's index for the lookups, THC_TNA_NO_LUT without indices
     bit<1>  blank;        // no payload: a new use's words are cleared (FLUSH)
-    bit<1>  vote;         // the payload is sign bits
-    bit<1>  pad2;
-    thc_index_t word_index;   // pass 1's half of the words' registers
+    bit<7>  pad4;
+    thc_index_t word_index;    // the next pass's half of the words' registers
+    thc_index_t word_index2;   // pass 2's half (pass 1 moves it up)
 }
 
 // a slot version's run and last seq; its bitmap and the seq of the use it belongs to
@@ -88,17 +95,15 @@ struct tna_headers_t {
     ipv4_h     ipv4;
     udp_h      udp;
     thc_h      thc;
-    thc_oct_h[THC_TNA_WORDS / 2]     rest;   // pass 0: lanes 0-159, carried to pass 1
-    thc_oct_h[THC_TNA_WORDS / 2]     cur;    // the lanes this pass adds
-    // at most 32 a stack (its validity bits share one container): in halves
-    thc_word_h[THC_TNA_HALF]         res_a;  // their sums, or the max lanes
-    thc_word_h[THC_TNA_HALF]         res_b;
+    thc_oct_h[THC_TNA_OCTS]   rest;   // the first half's indices, carried to pass 2
+    thc_oct_h[THC_TNA_OCTS]   cur;    // the indices this pass adds
+    thc_word_h[THC_TNA_WORDS] res;    // their sums, or the max lanes
 }
 
 @pa_auto_init_metadata
 struct metadata_t {
-    thc_pass_h bridge;      // what this pass tells egress (and pass 1)
-    thc_pass_h p1;          // pass 1: what pass 0 decided (parsed)
+    thc_pass_h bridge;      // what pass 0 or the last pass tells egress (and pass 1)
+    thc_pass_h p1;          // passes 1 and 2: what the pass before decided (parsed)
     // from thc_job
     bit<8>  job_index;
     bit<8>  n_workers;
@@ -106,7 +111,7 @@ struct metadata_t {
     bit<16> pool_size;
     bit<16> mcast_grp;
     bit<1>  wide;
-    bit<1>  vote;
+    bit<1>  vote;           // a vote job: refused here
     bit<32> epoch;
     bit<1>  job_hit;
     // from thc_worker
@@ -118,10 +123,8 @@ struct metadata_t {
     bit<8>  room8;
     bit<16> room16;
     thc_index_t reg_index;
-    thc_index_t word_index;     // the words' register index in this pass
     bit<32> jc4;
     bit<32> jc1;
-    bit<1>  one;
     bit<32> jc_index;
     // slot state as seen by this packet
     bit<1>  run_stale;
@@ -131,11 +134,8 @@ struct metadata_t {
     bit<8>  count;
     bit<1>  dup;
     bit<1>  closed;
-    bit<2>  lane_op;
     bit<1>  is_max;
     bit<1>  blank;
-    bit<1>  vote_pkt;       // a vote job's DATA: sign bits in cur / rest
-    bit<1>  run_words;
     bit<1>  refuse;
     bit<8>  drop_reason;
     bit<6>  dscp;
@@ -151,7 +151,8 @@ parser ThcIngressParser(packet_in pkt, out tna_headers_t hdr, out metadata_t met
             default: parse_ethernet;
         }
     }
-    // pass 1: a THC packet that pass 0 sent round, its lanes named by the bridge header
+    // passes 1 and 2: a THC packet that the pass before sent round, its lanes named by the
+    // bridge header
     state parse_pass {
         pkt.extract(meta.p1);
         pkt.extract(hdr.ethernet);
@@ -159,8 +160,8 @@ parser ThcIngressParser(packet_in pkt, out tna_headers_t hdr, out metadata_t met
         pkt.extract(hdr.udp);
         pkt.extract(hdr.thc);
         transition select(meta.p1.payload) {
-            THC_PAY_IDX: p1_data;
-            THC_PAY_VOTE: p1_vote;
+            THC_PAY_IDX2: parse_idx2;
+            THC_PAY_IDX1: parse_idx1;
             THC_PAY_MAX: parse_max;
             default: accept;
         }
@@ -189,8 +190,7 @@ parser ThcIngressParser(packet_in pkt, out tna_headers_t hdr, out metadata_t met
     state parse_thc {
         pkt.extract(hdr.thc);
         transition select(hdr.thc.pkt_type, hdr.udp.length) {
-            (THC_DATA, THC_UDP_LEN_DATA): p0_data;
-            (THC_DATA, THC_UDP_LEN_VOTE): p0_vote;
+            (THC_DATA, THC_UDP_LEN_DATA): parse_idx2;
             (THC_MAX, THC_UDP_LEN_MAX): parse_max;
             default: accept;
         }
@@ -204,115 +204,67 @@ parser ThcIngressParser(packet_in pkt, out tna_headers_t hdr, out metadata_t met
  * Tofino addresses a register the same way in every action, one operation per packet. A new
  * use writes (op THC_OP_WRITE) and a contribution adds in one program; a FLUSH opening a use
  * clears the word. The word's two byte-keyed lookups (two indices in, two packed table values
- * out) are tables of the ingress control, applied first (generated/thc_tna_luts*.p4), so
- * that the placer puts them in the first stages.
- *
- * Two forms. ThcWord adds the result word, which its lookups filled one byte-table a stage
- * (two tables writing one container share no stage). ThcEarlyWord (the last
- * gen_tna.EARLY_WORDS words of pass 1) adds two 16-bit halves that its lookups filled in one
- * stage, so that its register can take stage 1: PHV for the halves is spent only where
- * stages are short.
+ * out, one result halfword each) are tables of the ingress control, applied first
+ * (generated/thc_tna_luts*.p4), so that the placer puts them in the first stages.
  */
-#define THC_WORD_CONTROL(NAME, INPUT, HALVES)                                                      \
-control NAME(inout thc_word_h r, HALVES in thc_index_t index, in bit<2> op,                  \
-             in bit<1> is_max, in bit<1> blank, in bit<1> run) {                            \
-    Register<bit<32>, thc_index_t>(THC_REG_SIZE * 2) thc_sum;                               \
-    RegisterAction<bit<32>, thc_index_t, bit<32>>(thc_sum) thc_sum_ra = {                   \
-        void apply(inout bit<32> value, out bit<32> rv) {                                   \
-            if (op == THC_OP_WRITE) {                                                       \
-                value = INPUT;                                                              \
-            } else {                                                                        \
-                value = value + INPUT;                                                      \
-            }                                                                               \
-            rv = value;                                                                     \
-        }                                                                                   \
-    };                                                                                      \
-    RegisterAction<bit<32>, thc_index_t, bit<32>>(thc_sum) thc_read = {                     \
-        void apply(inout bit<32> value, out bit<32> rv) { rv = value; }                     \
-    };                                                                                      \
-    RegisterAction<bit<32>, thc_index_t, bit<32>>(thc_sum) thc_clear = {                    \
-        void apply(inout bit<32> value, out bit<32> rv) { value = 0; rv = value; }          \
-    };                                                                                      \
-    RegisterAction<bit<32>, thc_index_t, bit<32>>(thc_sum) thc_max = {                      \
-        void apply(inout bit<32> value, out bit<32> rv) {                                   \
-            if (op == THC_OP_WRITE || r.w > value) {                                        \
-                value = r.w;                                                                \
-            }                                                                               \
-            rv = value;                                                                     \
-        }                                                                                   \
-    };                                                                                      \
-    action thc_word_sum() { r.w = thc_sum_ra.execute(index); }                              \
-    action thc_word_read() { r.w = thc_read.execute(index); }                               \
-    action thc_word_clear() { r.w = thc_clear.execute(index); }                             \
-    action thc_word_max() { r.w = thc_max.execute(index); }                                 \
-    table thc_word_op {                                                                     \
-        key = { op: exact; is_max: exact; blank: exact; }                                   \
-        actions = { thc_word_sum; thc_word_read; thc_word_clear; thc_word_max; NoAction; }  \
-        const entries = {                                                                   \
-            (THC_OP_WRITE, 0, 0): thc_word_sum();                                           \
-            (THC_OP_ADD, 0, 0): thc_word_sum();                                             \
-            (THC_OP_WRITE, 0, 1): thc_word_clear();                                         \
-            (THC_OP_READ, 0, 0): thc_word_read();                                           \
-            (THC_OP_READ, 0, 1): thc_word_read();                                           \
-            (THC_OP_WRITE, 1, 0): thc_word_max();                                           \
-            (THC_OP_ADD, 1, 0): thc_word_max();                                             \
-            (THC_OP_READ, 1, 0): thc_word_read();                                           \
-        }                                                                                   \
-        const default_action = NoAction;                                                    \
-        size = 16;                                                                          \
-    }                                                                                       \
-    apply {                                                                                 \
-        if (run == 1) {                                                                     \
-            thc_word_op.apply();                                                            \
-        }                                                                                   \
-    }                                                                                       \
+#define THC_WORD(NAME, STAGE)                                                            \
+control NAME(inout thc_word_h r, in thc_index_t index, in bit<2> op, in bit<1> is_max,   \
+             in bit<1> blank, in bit<1> run) {                                                \
+    Register<bit<32>, thc_index_t>(THC_REG_SIZE * 2) thc_sum;                                 \
+    RegisterAction<bit<32>, thc_index_t, bit<32>>(thc_sum) thc_sum_ra = {                     \
+        void apply(inout bit<32> value, out bit<32> rv) {                                     \
+            if (op == THC_OP_WRITE) {                                                         \
+                value = r.w;                                                                  \
+            } else {                                                                          \
+                value = value + r.w;                                                          \
+            }                                                                                 \
+            rv = value;                                                                       \
+        }                                                                                     \
+    };                                                                                        \
+    RegisterAction<bit<32>, thc_index_t, bit<32>>(thc_sum) thc_read = {                       \
+        void apply(inout bit<32> value, out bit<32> rv) { rv = value; }                       \
+    };                                                                                        \
+    RegisterAction<bit<32>, thc_index_t, bit<32>>(thc_sum) thc_clear = {                      \
+        void apply(inout bit<32> value, out bit<32> rv) { value = 0; rv = value; }            \
+    };                                                                                        \
+    RegisterAction<bit<32>, thc_index_t, bit<32>>(thc_sum) thc_max = {                        \
+        void apply(inout bit<32> value, out bit<32> rv) {                                     \
+            if (op == THC_OP_WRITE || r.w > value) {                                          \
+                value = r.w;                                                                  \
+            }                                                                                 \
+            rv = value;                                                                       \
+        }                                                                                     \
+    };                                                                                        \
+    action thc_word_sum() { r.w = thc_sum_ra.execute(index); }                                \
+    action thc_word_read() { r.w = thc_read.execute(index); }                                 \
+    action thc_word_clear() { r.w = thc_clear.execute(index); }                               \
+    action thc_word_max() { r.w = thc_max.execute(index); }                                   \
+    /* run is a key, not a condition: a gateway a word would chain the words stage by */      \
+    /* stage. Ternary: a stage's exact-match hash units go to the lookups. */                 \
+    @stage(STAGE)                                                                             \
+    table thc_word_op {                                                                       \
+        key = { run: ternary; op: ternary; is_max: ternary; blank: ternary; }                 \
+        actions = { thc_word_sum; thc_word_read; thc_word_clear; thc_word_max; NoAction; }    \
+        const entries = {                                                                     \
+            (1, THC_OP_WRITE, 0, 0): thc_word_sum();                                          \
+            (1, THC_OP_ADD, 0, 0): thc_word_sum();                                            \
+            (1, THC_OP_WRITE, 0, 1): thc_word_clear();                                        \
+            (1, THC_OP_READ, 0, 0): thc_word_read();                                          \
+            (1, THC_OP_READ, 0, 1): thc_word_read();                                          \
+            (1, THC_OP_WRITE, 1, 0): thc_word_max();                                          \
+            (1, THC_OP_ADD, 1, 0): thc_word_max();                                            \
+            (1, THC_OP_READ, 1, 0): thc_word_read();                                          \
+        }                                                                                     \
+        const default_action = NoAction;                                                      \
+        size = 16;                                                                            \
+    }                                                                                         \
+    apply {                                                                                   \
+        thc_word_op.apply();                                                                  \
+    }                                                                                         \
 }
 
-#define THC_NO_HALVES
-THC_WORD_CONTROL(ThcWord, r.w, THC_NO_HALVES)
-#undef THC_WORD_CONTROL
-#undef THC_NO_HALVES
-
-// A stateful ALU that reads two 16-bit halves has no input left for a condition on the lane
-// operation: the early word writes and adds in two programs, and keeps no max lane.
-control ThcEarlyWord(inout thc_word_h r, in bit<16> hi, in bit<16> lo, in thc_index_t index,
-                     in bit<2> op, in bit<1> is_max, in bit<1> blank, in bit<1> run) {
-    Register<bit<32>, thc_index_t>(THC_REG_SIZE * 2) thc_sum;
-    RegisterAction<bit<32>, thc_index_t, bit<32>>(thc_sum) thc_write = {
-        void apply(inout bit<32> value, out bit<32> rv) { value = hi ++ lo; rv = value; }
-    };
-    RegisterAction<bit<32>, thc_index_t, bit<32>>(thc_sum) thc_add = {
-        void apply(inout bit<32> value, out bit<32> rv) { value = value + (hi ++ lo); rv = value; }
-    };
-    RegisterAction<bit<32>, thc_index_t, bit<32>>(thc_sum) thc_read = {
-        void apply(inout bit<32> value, out bit<32> rv) { rv = value; }
-    };
-    RegisterAction<bit<32>, thc_index_t, bit<32>>(thc_sum) thc_clear = {
-        void apply(inout bit<32> value, out bit<32> rv) { value = 0; rv = value; }
-    };
-    action thc_word_write() { r.w = thc_write.execute(index); }
-    action thc_word_add() { r.w = thc_add.execute(index); }
-    action thc_word_read() { r.w = thc_read.execute(index); }
-    action thc_word_clear() { r.w = thc_clear.execute(index); }
-    table thc_word_op {
-        key = { op: exact; is_max: exact; blank: exact; }
-        actions = { thc_word_write; thc_word_add; thc_word_read; thc_word_clear; NoAction; }
-        const entries = {
-            (THC_OP_WRITE, 0, 0): thc_word_write();
-            (THC_OP_ADD, 0, 0): thc_word_add();
-            (THC_OP_WRITE, 0, 1): thc_word_clear();
-            (THC_OP_READ, 0, 0): thc_word_read();
-            (THC_OP_READ, 0, 1): thc_word_read();
-        }
-        const default_action = NoAction;
-        size = 8;
-    }
-    apply {
-        if (run == 1) {
-            thc_word_op.apply();
-        }
-    }
-}
+#include "generated/thc_tna_word_controls.p4"
+#undef THC_WORD
 
 #include "generated/thc_tna_pragmas.p4"
 control ThcIngress(inout tna_headers_t hdr, inout metadata_t meta,
@@ -420,6 +372,7 @@ control ThcIngress(inout tna_headers_t hdr, inout metadata_t meta,
                    bit<32> full_bitmap, bit<16> mcast_grp, bit<8> sum_bits, bit<32> epoch,
                    bit<8> aggregation) {
         meta.job_index = job_index;
+        meta.bridge.lut_job = job_index;
         meta.n_workers = n_workers;
         meta.pool_base = pool_base;
         meta.pool_size = pool_size;
@@ -429,6 +382,7 @@ control ThcIngress(inout tna_headers_t hdr, inout metadata_t meta,
         meta.epoch = epoch;
         meta.job_hit = 1;
     }
+    @stage(0)
     table thc_job {
         key = { hdr.thc.job_id: exact @name("job_id"); }
         actions = { set_job; @defaultonly NoAction; }
@@ -440,6 +394,7 @@ control ThcIngress(inout tna_headers_t hdr, inout metadata_t meta,
         meta.worker_bit = worker_bit;
         meta.worker_hit = 1;
     }
+    @stage(0)
     table thc_worker {
         key = {
             hdr.thc.job_id: exact @name("job_id");
@@ -489,22 +444,22 @@ control ThcIngress(inout tna_headers_t hdr, inout metadata_t meta,
         meta.room16 = meta.pool_size |-| hdr.thc.slot;
         meta.jc4 = 22w0 ++ meta.job_index ++ 2w0;
         meta.jc1 = 24w0 ++ meta.job_index;
-        meta.one = 1;
     }
     // register indices through the hash unit's identity: no ALU alignment between the
     // header fields and the indices
     Hash<thc_index_t>(HashAlgorithm_t.IDENTITY) thc_reg_hash;
     Hash<thc_index_t>(HashAlgorithm_t.IDENTITY) thc_word_hash;
+    Hash<thc_index_t>(HashAlgorithm_t.IDENTITY) thc_word_hash2;
     action thc_index() {
         meta.reg_index = thc_reg_hash.get({meta.slot_idx[9:0], hdr.thc.version[0:0]});
         meta.jc_index = meta.jc4 + meta.jc1;   // x THC_N_JOB_COUNTERS (5)
     }
-    // the words' registers hold pass 0's half of a slot version below THC_REG_SIZE, pass
-    // 1's above
+    // the words' registers hold pass 1's half of a slot version below THC_REG_SIZE, pass
+    // 2's above
     action thc_word_index() {
-        meta.word_index = meta.reg_index;
-        meta.bridge.word_index = thc_word_hash.get({meta.one, meta.slot_idx[9:0],
-                                                    hdr.thc.version[0:0]});
+        meta.bridge.word_index = thc_word_hash.get({meta.slot_idx[8:0], hdr.thc.version[0:0]});
+        meta.bridge.word_index2 = thc_word_hash2.get({1w1, meta.slot_idx[8:0],
+                                                      hdr.thc.version[0:0]});
     }
     action thc_set_drop(bit<8> reason) {
         meta.drop_reason = reason;
@@ -524,9 +479,9 @@ control ThcIngress(inout tna_headers_t hdr, inout metadata_t meta,
     // that are powers of two: slot == seq mod pool (slotx masked) and version == bit
     // log2(pool) of seq.
 #define THC_POOL(P) \
-            (0, 1, _, _, _, _, _, _, P, 0 &&& (P - 1), 0 &&& P, 0, _, _, _): \
+            (0, 1, _, _, _, _, _, P, 0 &&& (P - 1), 0 &&& P, 0, _, _, _): \
                 thc_job_run_check(); \
-            (0, 1, _, _, _, _, _, _, P, 0 &&& (P - 1), P &&& P, 1, _, _, _): \
+            (0, 1, _, _, _, _, _, P, 0 &&& (P - 1), P &&& P, 1, _, _, _): \
                 thc_job_run_check();
     table thc_check {
         key = {
@@ -535,8 +490,7 @@ control ThcIngress(inout tna_headers_t hdr, inout metadata_t meta,
             hdr.thc.pkt_type: ternary;
             meta.vote: ternary;
             hdr.cur[0].isValid(): ternary;
-            meta.vote_pkt: ternary;
-            hdr.res_a[0].isValid(): ternary;
+            hdr.res[0].isValid(): ternary;
             meta.wide: ternary;
             meta.pool_size: ternary;
             meta.slotx: ternary;
@@ -548,27 +502,25 @@ control ThcIngress(inout tna_headers_t hdr, inout metadata_t meta,
         }
         actions = { thc_set_drop; thc_refuse; thc_job_run_check; thc_job_run_clear; NoAction; }
         const entries = {
-            (0, 0, _, _, _, _, _, _, _, _, _, _, _, _, _): thc_set_drop(THC_DROP_UNKNOWN_JOB);
-            (0, 1, _, _, _, _, _, 1, _, _, _, _, _, _, _): thc_set_drop(THC_DROP_BAD_LANES);
-            (0, 1, THC_DATA, 0, false, _, _, _, _, _, _, _, _, _, _):
+            (0, 0, _, _, _, _, _, _, _, _, _, _, _, _): thc_set_drop(THC_DROP_UNKNOWN_JOB);
+            (0, 1, _, _, _, _, 1, _, _, _, _, _, _, _): thc_set_drop(THC_DROP_BAD_LANES);
+            (0, 1, THC_DATA, 0, false, _, _, _, _, _, _, _, _, _):
                 thc_set_drop(THC_DROP_BAD_LANES);
-            (0, 1, THC_DATA, 0, _, 1, _, _, _, _, _, _, _, _, _):
+            (0, 1, THC_DATA, 1, _, _, _, _, _, _, _, _, _, _):
                 thc_set_drop(THC_DROP_BAD_LANES);
-            (0, 1, THC_DATA, 1, _, _, _, _, _, _, _, _, _, _, _):
+            (0, 1, THC_MAX, _, _, false, _, _, _, _, _, _, _, _):
                 thc_set_drop(THC_DROP_BAD_LANES);
-            (0, 1, THC_MAX, _, _, _, false, _, _, _, _, _, _, _, _):
-                thc_set_drop(THC_DROP_BAD_LANES);
-            (0, 1, THC_RESET, _, _, _, _, _, _, _, _, _, _, _, 0):
+            (0, 1, THC_RESET, _, _, _, _, _, _, _, _, _, _, 0):
                 thc_set_drop(THC_DROP_SLOT_OUTSIDE_POOL);
-            (0, 1, THC_RESET, _, _, _, _, _, _, _, _, _, _, _, _): thc_job_run_clear();
-            (0, 1, _, _, _, _, _, _, _, _, _, _, 0, _, _):
+            (0, 1, THC_RESET, _, _, _, _, _, _, _, _, _, _, _): thc_job_run_clear();
+            (0, 1, _, _, _, _, _, _, _, _, _, 0, _, _):
                 thc_set_drop(THC_DROP_WORKER_OUTSIDE_JOB);
-            (0, 1, _, _, _, _, _, _, _, _, _, _, _, 0, _): thc_set_drop(THC_DROP_UNKNOWN_WORKER);
-            (0, 1, _, _, _, _, _, _, _, _, _, _, _, _, 0):
+            (0, 1, _, _, _, _, _, _, _, _, _, _, 0, _): thc_set_drop(THC_DROP_UNKNOWN_WORKER);
+            (0, 1, _, _, _, _, _, _, _, _, _, _, _, 0):
                 thc_set_drop(THC_DROP_SLOT_OUTSIDE_POOL);
             THC_POOL(1) THC_POOL(2) THC_POOL(4) THC_POOL(8) THC_POOL(16) THC_POOL(32)
             THC_POOL(64) THC_POOL(128) THC_POOL(256) THC_POOL(512)
-            (0, 1, _, _, _, _, _, _, _, _, _, _, _, _, _): thc_refuse(THC_DROP_WRONG_SLOT);
+            (0, 1, _, _, _, _, _, _, _, _, _, _, _, _): thc_refuse(THC_DROP_WRONG_SLOT);
         }
         const default_action = NoAction;
         size = 64;
@@ -628,49 +580,37 @@ control ThcIngress(inout tna_headers_t hdr, inout metadata_t meta,
     action thc_count_start() {
         meta.count = thc_count_first.execute(meta.reg_index);
         meta.bitmap = meta.worker_bit;
-        meta.lane_op = THC_OP_WRITE;
         meta.bridge.lane_op = THC_OP_WRITE;
-        meta.run_words = 1;
     }
     action thc_count_flush_start() {
         meta.count = thc_count_zero.execute(meta.reg_index);
         meta.bitmap = 0;
         meta.closed = 1;
-        meta.lane_op = THC_OP_WRITE;
         meta.bridge.lane_op = THC_OP_WRITE;
-        meta.run_words = 1;
     }
     action thc_count_add() {
         meta.count = thc_count_ra.execute(meta.reg_index);
         meta.bitmap = meta.old_bitmap | meta.worker_bit;
-        meta.lane_op = THC_OP_ADD;
         meta.bridge.lane_op = THC_OP_ADD;
-        meta.run_words = 1;
     }
     action thc_count_closed() {
         meta.count = thc_count_read.execute(meta.reg_index);
         meta.bitmap = meta.old_bitmap & 0x7FFFFFFF;
         meta.closed = 1;
         meta.dup = 1;
-        meta.lane_op = THC_OP_READ;
         meta.bridge.lane_op = THC_OP_READ;
-        meta.run_words = 1;
     }
     action thc_count_flush() {
         meta.count = thc_count_read.execute(meta.reg_index);
         meta.bitmap = meta.old_bitmap & 0x7FFFFFFF;
         meta.closed = 1;
-        meta.lane_op = THC_OP_READ;
         meta.bridge.lane_op = THC_OP_READ;
-        meta.run_words = 1;
     }
     action thc_count_dup() {
         meta.count = thc_count_read.execute(meta.reg_index);
         meta.bitmap = meta.old_bitmap;
         meta.dup = 1;
-        meta.lane_op = THC_OP_READ;
         meta.bridge.lane_op = THC_OP_READ;
-        meta.run_words = 1;
     }
     action thc_count_clear() {
         meta.count = thc_count_zero.execute(meta.reg_index);
@@ -725,28 +665,58 @@ control ThcIngress(inout tna_headers_t hdr, inout metadata_t meta,
         ig_tm_md.ucast_egress_port = ig_intr_md.ingress_port;
         meta.bridge.is_reply = 1;
     }
-    // go round: pass 1 adds the first lanes and sends (reply) or drops the packet
-    action thc_go_round(bit<1> reply, bit<16> mcast_grp) {
+    // go round: the next pass adds lanes (pass 0 -> 1 -> 2; a MAX packet's pass 1 is its
+    // last); the last sends (reply) or drops the packet
+    action thc_recirculate() {
         ig_tm_md.ucast_egress_port = ig_intr_md.ingress_port[8:7] ++ THC_TNA_RECIRC_PORT;
         meta.bridge.recirc = 1;
+    }
+    action thc_go_round(bit<1> reply, bit<16> mcast_grp) {
+        thc_recirculate();
         meta.bridge.reply = reply;
         meta.bridge.mcast_grp = mcast_grp;
     }
-    action thc_pass1() {
-        meta.lane_op = meta.p1.lane_op;
-        meta.is_max = meta.p1.is_max;
-        meta.blank = meta.p1.blank;
-        meta.vote_pkt = meta.p1.vote;
-        meta.word_index = meta.p1.word_index;
-        meta.run_words = 1;
+    // pass 1 -> pass 2: the bridge header pass 1 read goes round again (the first half's
+    // indices, then the registers' upper half)
+    action thc_go_round_again(bit<2> payload) {
+        ig_tm_md.ucast_egress_port = ig_intr_md.ingress_port[8:7] ++ THC_TNA_RECIRC_PORT;
+        meta.bridge.setInvalid();
+        meta.p1.last = 1;
+        meta.p1.payload = payload;
+        meta.p1.word_index = meta.p1.word_index2;
     }
 
     apply {
         meta.bridge.setValid();
-        // every word's lookups first: they depend on the packet alone
-#include "generated/thc_tna_luts_apply.p4"
+        // Pass 0 and the adding passes in the two branches of one condition: a table after
+        // a condition takes a later stage than the tables before it, and tables of two
+        // branches need no order, so the words take the stages beside pass 0's slot state.
         if (meta.p1.recirc == 1) {
-            thc_pass1();
+            // ---- passes 1 and 2: every word's lookups, then the words ----
+#include "generated/thc_tna_luts_apply.p4"
+#include "generated/thc_tna_words_apply.p4"
+            if (meta.p1.payload != THC_PAY_MAX) {
+#include "generated/thc_tna_res_valid.p4"
+            }
+#include "generated/thc_tna_cur_invalid.p4"
+            if (meta.p1.last == 0) {
+                if (meta.p1.payload == THC_PAY_IDX2) {
+                    thc_go_round_again(THC_PAY_IDX1);
+                } else {
+                    thc_go_round_again(THC_PAY_NONE);
+                }
+            } else if (meta.p1.reply == 1) {
+                meta.p1.setInvalid();
+                meta.bridge.is_reply = 1;
+                if (meta.p1.mcast_grp != 0) {
+                    ig_tm_md.mcast_grp_a = meta.p1.mcast_grp;
+                } else {
+                    ig_tm_md.ucast_egress_port = meta.p1.in_port;
+                }
+            } else {
+                meta.p1.setInvalid();
+                ig_dprsr_md.drop_ctl = 1;
+            }
         } else if (hdr.udp.isValid() && hdr.udp.dstPort == THC_UDP_PORT) {
             // ---- pass 0 ----
             meta.bridge.in_port = ig_intr_md.ingress_port;
@@ -778,13 +748,16 @@ control ThcIngress(inout tna_headers_t hdr, inout metadata_t meta,
             if (hdr.thc.pkt_type == THC_MAX) {
                 meta.is_max = 1;
                 meta.bridge.is_max = 1;
-            } else if (hdr.thc.pkt_type == THC_DATA && hdr.udp.length == THC_UDP_LEN_VOTE) {
-                meta.vote_pkt = 1;
-                meta.bridge.vote = 1;
+                meta.bridge.last = 1;
+                meta.bridge.payload = THC_PAY_MAX;
+                meta.bridge.lut_job = THC_TNA_NO_LUT;
             } else if (hdr.thc.pkt_type == THC_FLUSH) {
                 meta.worker_bit = 0x80000000;
                 meta.blank = 1;
                 meta.bridge.blank = 1;
+                meta.bridge.lut_job = THC_TNA_NO_LUT;
+            } else if (hdr.cur[0].isValid()) {
+                meta.bridge.payload = THC_PAY_IDX2;
             }
             meta.slotx = hdr.thc.seq[15:0] ^ hdr.thc.slot;
             thc_slot();
@@ -794,17 +767,9 @@ control ThcIngress(inout tna_headers_t hdr, inout metadata_t meta,
             thc_run_op.apply();
             thc_bitmap_op.apply();
             thc_count_op.apply();
-            if (meta.is_max == 1) {
-                meta.run_words = 0;    // pass 1 takes all the max lanes
-                meta.bridge.payload = THC_PAY_MAX;
-            } else if (meta.vote_pkt == 1) {
-                meta.bridge.payload = THC_PAY_VOTE;
-            } else if (hdr.rest[0].isValid()) {
-                meta.bridge.payload = THC_PAY_IDX;
-            }
             if (meta.drop_reason == 0 && hdr.thc.pkt_type != THC_RESET) {
                 if (meta.count == meta.n_workers || meta.closed == 1) {
-                    // complete or closed: RESULT / MAX_RESULT after pass 1
+                    // complete or closed: RESULT / MAX_RESULT after the last pass
                     if (meta.is_max == 0) {
                         thc_len(THC_UDP_LEN_RESULT8);
                         thc_reply(THC_RESULT);
@@ -825,7 +790,7 @@ control ThcIngress(inout tna_headers_t hdr, inout metadata_t meta,
                     thc_answer_now();
                     meta.jc_index = meta.jc_index + THC_JC_PENDING;
                 } else {
-                    thc_go_round(0, 0);   // consumed once pass 1 has added its lanes
+                    thc_go_round(0, 0);   // consumed once the passes have added its lanes
                 }
                 thc_job_counters.count(meta.jc_index);
             }
@@ -843,35 +808,12 @@ control ThcIngress(inout tna_headers_t hdr, inout metadata_t meta,
                     ig_dprsr_md.drop_ctl = 1;
                 }
             }
+            if (meta.bridge.is_reply == 1) {
+#include "generated/thc_tna_payload_invalid.p4"
+            }
         } else if (hdr.ethernet.isValid()) {
             l2_forward.apply();
         }
-
-        // the lane words: pass 0 lanes 160-255, pass 1 lanes 0-159
-#include "generated/thc_tna_words_apply0.p4"
-#include "generated/thc_tna_words_apply1.p4"
-        if (meta.p1.recirc == 1) {
-            if (meta.p1.payload != THC_PAY_MAX) {
-#include "generated/thc_tna_res_valid1.p4"
-            }
-            if (meta.p1.reply == 1) {
-                meta.bridge.is_reply = 1;
-                if (meta.p1.mcast_grp != 0) {
-                    ig_tm_md.mcast_grp_a = meta.p1.mcast_grp;
-                } else {
-                    ig_tm_md.ucast_egress_port = meta.p1.in_port;
-                }
-            } else {
-                ig_dprsr_md.drop_ctl = 1;
-            }
-        } else if (meta.bridge.recirc == 1) {
-            if (meta.is_max == 0) {
-#include "generated/thc_tna_res_valid0.p4"
-            }
-        } else if (meta.bridge.is_reply == 1) {
-#include "generated/thc_tna_payload_invalid.p4"
-        }
-#include "generated/thc_tna_cur_invalid.p4"
         if (hdr.ipv4.isValid()) {
             meta.dscp = hdr.ipv4.diffserv[7:2];
             thc_dscp.apply();
@@ -882,7 +824,8 @@ control ThcIngress(inout tna_headers_t hdr, inout metadata_t meta,
 control ThcIngressDeparser(packet_out pkt, inout tna_headers_t hdr, in metadata_t meta,
                            in ingress_intrinsic_metadata_for_deparser_t ig_dprsr_md) {
     apply {
-        pkt.emit(meta.bridge);
+        pkt.emit(meta.bridge);   // pass 0, the last pass
+        pkt.emit(meta.p1);       // pass 1, going round again
         pkt.emit(hdr);
     }
 }

@@ -88,9 +88,8 @@ def record_tofino(out: Path) -> None:
         "command": (f"p4c --target tofino --arch tna --verbose 1 -o <out> --p4runtime-files "
                     f"<out>/thc_tna.p4info.txt --p4runtime-force-std-externs {rel(TNA_P4)}"),
         "lanes": load_spec()["lanes"],
-        "passes": 2,
-        "words_pass0": gen_tna.PASS0_WORDS,
-        "words_pass1": gen_tna.WORDS,
+        "passes": 3,
+        "words_a_pass": gen_tna.WORDS,
         "max_lanes": load_spec()["max_lanes"],
         "compiled": rc == 0 if rc is not None else None,
         "exit_status": rc,

@@ -133,15 +133,16 @@ def test_generator_only_instantiates_the_lane_group():
     text = (P4SRC / "thc.p4").read_text()
     assert len(re.findall(r"^control ThcLaneGroup\(", text, re.M)) == 1
     text = (P4SRC / "thc_tna.p4").read_text()
-    assert len(re.findall(r"^#define THC_WORD_CONTROL\(", text, re.M)) == 1
+    assert len(re.findall(r"^#define THC_WORD\(", text, re.M)) == 1
     with pytest.raises(SystemExit, match="groups"):
         gen.generate(gen.load_spec(), lanes=12)
 
 
 def test_tofino_words_cover_every_lane_once():
-    """The Tofino program's two passes add every lane of a packet exactly once: pass 0 the
-    last PASS0_WORDS words, pass 1 the first WORDS; each word's two lookups read its own
-    index bytes and fill its own result word (or, for the early words, its own halves)."""
+    """The Tofino program's passes add every lane of a packet exactly once: pass 1 the
+    packet's last OCTS index headers (after the first half's, carried), pass 2 its first,
+    both in words 00..WORDS-1; each word's two lookups read its own index bytes and fill
+    its own halves of its own result word."""
     files = gen.generate(gen.load_spec())
     tna = gen.gen_tna
     luts = re.findall(r"action thc_w(\d+)_lut_set_(\d)\(bit<16> value\) \{ (\S+) = value; \}"
@@ -152,27 +153,19 @@ def test_tofino_words_cover_every_lane_once():
         w, h = int(w), int(h)
         assert int(hi) - int(lo) == 7
         assert int(oct_) * 32 + 31 - int(hi) == 16 * w + 8 * h     # the word's own byte
-        if tna.early(w):
-            assert dst == f"thc_w{w:02d}_{'hi' if h == 0 else 'lo'}"
-        else:
-            half = "a" if w < tna.HALF else "b"
-            assert dst == f"hdr.res_{half}[{w % tna.HALF}].w[{31 - 16 * h}:{16 - 16 * h}]"
-    applied = re.findall(r"thc_w(\d+)\.apply\(hdr\.res_([ab])\[(\d+)\]",
-                         files["thc_tna_words_apply0.p4"] + files["thc_tna_words_apply1.p4"])
-    assert [int(w) for w, _, _ in applied] == list(range(tna.WORDS))
-    assert all((0 if half == "a" else tna.HALF) + int(r) == int(w) for w, half, r in applied)
-    lanes = {}
-    for w in range(tna.WORDS):          # pass 1: lanes 0 .. 4 * WORDS - 1
-        lanes.setdefault(w * 4, []).append(1)
-    for w in range(tna.PASS0_WORDS):    # pass 0: the packet's last words
-        lanes.setdefault((tna.WORDS + w) * 4, []).append(0)
-    assert sorted(lanes) == list(range(0, P.LANES, 4))
-    assert all(len(v) == 1 for v in lanes.values())
+        assert dst == f"hdr.res[{w}].w[{31 - 16 * h}:{16 - 16 * h}]"
+    applied = re.findall(r"thc_w(\d+)\.apply\(hdr\.res\[(\d+)\]", files["thc_tna_words_apply.p4"])
+    assert [(int(w), int(r)) for w, r in applied] == [(w, w) for w in range(tna.WORDS)]
     parse = files["thc_tna_parse.p4"]
-    p0 = parse.split("state p0_data")[1].split("state")[0]
-    assert p0.count("hdr.rest[") * 8 == tna.WORDS * 4
-    assert p0.count("hdr.cur[") * 8 == tna.PASS0_WORDS * 4
-    assert parse.split("state parse_max")[1].count("pkt.extract(hdr.res_") == P.MAX_LANES
+    two = parse.split("state parse_idx2")[1].split("state")[0]
+    one = parse.split("state parse_idx1")[1].split("state")[0]
+    # pass 1: the first half's indices carried (rest), the last half's added (cur)
+    assert re.findall(r"hdr\.(\w+)\[(\d+)\]", two) == (
+        [("rest", str(i)) for i in range(tna.OCTS)] + [("cur", str(i)) for i in range(tna.OCTS)])
+    # pass 2: the first half's indices, then pass 1's sums left unparsed
+    assert re.findall(r"hdr\.(\w+)\[(\d+)\]", one) == [("cur", str(i)) for i in range(tna.OCTS)]
+    assert 2 * tna.OCTS * 8 == P.LANES          # two passes of eight lanes an index header
+    assert parse.split("state parse_max")[1].count("pkt.extract(hdr.res[") == P.MAX_LANES
     with pytest.raises(SystemExit, match="words"):
         tna.check({**gen.load_spec(), "lanes": 512})
 

@@ -285,7 +285,7 @@ def test_every_write_of_install_and_remove_fits_the_committed_p4info(name):
     installed = check_everything(p4info, sw, cluster)
 
     luts = jobs._lut_tables(sw)
-    assert len(luts) == {"bmv2": P.LANES // 2, "tofino": 80}[name]
+    assert len(luts) == {"bmv2": P.LANES // 2, "tofino": 64}[name]
     n_workers = sum(j.n_workers for j in cluster.jobs)
     shared = {program.JOB_TABLE: len(cluster.jobs), program.WORKER_TABLE: n_workers,
               program.ADDR_TABLE: n_workers, program.L2_TABLE: n_workers}
@@ -314,18 +314,65 @@ def test_tofino_refuses_vote_and_16_bit_jobs_before_any_write():
     with pytest.raises(ConfigError, match=r"job 6 is a vote job.*BMv2.*software"):
         jobs.install_cluster(sw, sample_cluster())
     assert sw.writes == [] and sw.groups == [] and sw.packets == [] and sw.device.log == []
-    with pytest.raises(ConfigError, match=r"job 7 has 16-bit sums.*four passes.*BMv2.*software"):
-        jobs.lut_entries(sw, sample_cluster().job(7))
+    with pytest.raises(ConfigError, match=r"job 7 has 16-bit sums.*twice the adding passes.*BMv2.*software"):
+        jobs.lut_entries(sw, sample_cluster().job(7), 0)
+
+
+def test_tofino_holds_four_jobs_and_keys_their_lookups_on_the_job_index():
+    """The Tofino program's lookups hold 256 entries of each of four jobs, keyed on the job's
+    index (pass 0 bridges it): the entries of the job at index 2 carry 2, and a fifth job
+    is refused before any write, naming the four that stay."""
+    sw = recording_switch(targets.get("tofino"))
+    for k in range(4):
+        job = Job(job_id=20 + k, workers=_workers(20 + k, 3), table=TABLE, granularity=30,
+                  pool_base=8 * k, pool_size=8)
+        assert jobs.install_job(sw, job) == k
+    entries = jobs.lut_entries(sw, Job(job_id=22, workers=_workers(22, 3), table=TABLE,
+                                       granularity=30, pool_base=16, pool_size=8), 2)
+    assert len(entries) == 64 * 256
+    job_index = set()
+    for raw in entries:
+        te = p4runtime_pb2.Entity.FromString(raw).table_entry
+        fid = sw.field_id(sw.table_name(te.table_id), "job_index")
+        job_index |= {int.from_bytes(m.exact.value, "big") for m in te.match if m.field_id == fid}
+    assert job_index == {2}
+    before = len(sw.writes)
+    fifth = Job(job_id=30, workers=_workers(30, 3), table=TABLE, granularity=30,
+                pool_base=40, pool_size=8)
+    with pytest.raises(ConfigError, match=r"hold 4 jobs at once.*20, 21, 22, 23"):
+        jobs.install_job(sw, fifth)
+    assert len(sw.writes) == before
+    jobs.remove_job(sw, 21, force=True)
+    assert jobs.install_job(sw, fifth) == 1
+
+
+def test_tofino_refuses_a_worker_at_its_cpu_port():
+    """Packet-outs enter a Tofino at port 320 (BMv2: 255): no worker may sit there."""
+    for name, port in (("tofino", tofino.CPU_PORT), ("bmv2", P.CPU_PORT)):
+        sw = recording_switch(targets.get(name))
+        workers = (*_workers(9, 2), Worker(2, "10.9.0.3", 20002, "02:00:00:00:09:03", port))
+        job = Job(job_id=9, workers=workers, table=TABLE, granularity=30, pool_size=8)
+        with pytest.raises(ConfigError, match=f"switch_port {port} is not a front-panel port"):
+            jobs.install_job(sw, job)
+        assert sw.writes == []
+    sw = recording_switch(targets.get("tofino"))
+    workers = (*_workers(9, 2), Worker(2, "10.9.0.3", 20002, "02:00:00:00:09:03", P.CPU_PORT))
+    jobs.install_job(sw, Job(job_id=9, workers=workers, table=TABLE, granularity=30,
+                             pool_size=8))
 
 
 @pytest.mark.parametrize("name", sorted(targets.TARGETS))
 def test_the_lookup_tables_hold_every_job_the_switch_holds(name):
-    """Each lookup table holds 256 entries of each of MAX_JOBS jobs; thc_job one each."""
-    p4info = committed_p4info(targets.get(name))
+    """Each lookup table holds 256 entries of each job the target takes at once (BMv2:
+    MAX_JOBS; Tofino: its lookups' size, which the job checks enforce); thc_job one each."""
+    target = targets.get(name)
+    p4info = committed_p4info(target)
+    room = target.max_jobs(p4info)
+    assert room == (P.MAX_JOBS if name == "bmv2" else 4)
     sizes = {t.preamble.name: t.size for t in p4info.tables}
     for t, size in sizes.items():
         if program.short_name(t).startswith("thc_lut_"):
-            assert size >= 256 * P.MAX_JOBS, t
+            assert size >= 256 * room, t
     job_table = next(t for t in sizes if program.short_name(t) == program.JOB_TABLE)
     assert sizes[job_table] >= P.MAX_JOBS
 
@@ -383,7 +430,7 @@ def test_tofino_lookup_values_add_into_8_bit_lanes_in_order():
     job = Job(job_id=3, workers=_workers(3, n), table=TABLE, granularity=30).validate()
     values = np.array(tofino.lut_values(job), dtype=np.uint32)
     rng = np.random.default_rng(3)
-    lanes_a_pass = 160                                   # pass 1: words 00-39
+    lanes_a_pass = 128                                   # a pass: words 00-31
     idx = rng.integers(0, 16, (n, lanes_a_pass))
     idx[0] = 15
     key = idx[:, 0::2] << 4 | idx[:, 1::2]                  # worker, byte 2*NN + h

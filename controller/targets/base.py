@@ -11,6 +11,7 @@ from abc import ABC, abstractmethod
 from pathlib import Path
 
 from thc.controller.toolchain import BUILD_DIR
+from thc.wire import protocol as P
 
 
 class Target(ABC):
@@ -23,6 +24,8 @@ class Target(ABC):
     """Full name of a lookup table, formatted with (lane group or word, key byte)."""
     push_refusal: str | None = None
     """Why the controller cannot push this target's program over P4Runtime (None: it can)."""
+    cpu_port = P.CPU_PORT
+    """The port packet-outs enter by: no worker sits there."""
 
     @property
     def p4info_file(self) -> Path:
@@ -45,12 +48,18 @@ class Target(ABC):
     def lanes(self, p4info) -> int:
         """Lanes of a packet that the program aggregates."""
 
+    def max_jobs(self, p4info) -> int:
+        """Jobs the program holds at once: its lookup tables' entries, 256 a job."""
+        size = next(t.size for t in p4info.tables
+                    if t.preamble.name == self.lut_table.format(0, 0))
+        return min(P.MAX_JOBS, size // 256)
+
     def check_job(self, job) -> None:
         """ConfigError when the program cannot run ``job`` (host/wire/jobs.py Job); by
         default a target runs every job that validates."""
 
     @abstractmethod
-    def lut_entries(self, sw, job, with_action: bool = True) -> list[bytes]:
+    def lut_entries(self, sw, job, job_index: int, with_action: bool = True) -> list[bytes]:
         """A job's lookup entries, serialized (controller/switch.py ``Switch.entries_bytes``);
         without action: the keys, to delete them."""
 

@@ -57,8 +57,8 @@ class Bmv2(Target):
     def lanes(self, p4info) -> int:
         return GROUP_LANES * self.groups(p4info)
 
-    def lut_entries(self, sw, job, with_action: bool = True) -> list[bytes]:
-        """256 x 4 lookup entries per lane group."""
+    def lut_entries(self, sw, job, job_index: int, with_action: bool = True) -> list[bytes]:
+        """256 x 4 lookup entries per lane group, keyed on the job id."""
         values = lut_values(job) if with_action else None
         out = []
         for group in range(sw.lanes // GROUP_LANES):

@@ -1,15 +1,15 @@
 """The Tofino target: p4src/thc_tna.p4 under bf_switchd's P4Runtime server, and its lookup
 tables.
 
-The program adds a packet's 256 lanes in two passes of words of four 8-bit lanes (pass 0 the
-last 96 lanes in words 00-23, pass 1 the first 160 in words 00-39; docs/switch.md,
-"Tofino"). Each word has two lookup tables, one per byte of its four indices (two 4-bit
+The program adds a packet's 256 lanes in words of four 8-bit lanes, 32 words a pass (pass 1
+the last 128 lanes, pass 2 the first 128, in words 00-31; docs/switch.md, "Tofino"). Each word has two lookup tables, one per byte of its four indices (two 4-bit
 indices, the first lane in the high nibble), returning both lanes' table values at once (the
 first lane in the high byte):
 
-  ThcIngress.thc_w<NN>.thc_lut_<h>   (job_id, idx) -> thc_lut_set_<h>(value: 16 bits)
-                                     NN = 00..39, h = 0, 1: 256 entries a job in each, the
-                                     same in every table
+  ThcIngress.thc_w<NN>.thc_lut_<h>   (job_index, idx) -> thc_lut_set_<h>(value: 16 bits)
+                                     NN = 00..31, h = 0, 1: 256 entries a job in each, the
+                                     same in every table; keyed on the job's index (set_job's
+                                     job_index, which pass 0 bridges to the adding passes)
 
 Jobs with 16-bit sums, vote jobs (a table a word more than the pipe's logical tables
 hold), or with 32 workers (bit 31 of a slot's bitmap marks a use closed by a FLUSH), do not
@@ -33,6 +33,8 @@ WORD_LANES = 4
 WORD_KEYS = 2
 """Key bytes (lookup tables) a word: four 4-bit indices."""
 SUM_BITS = 8
+CPU_PORT = 320
+"""Tofino-1's PCIe CPU port (pipe 2, port 64, on a four-pipe part)."""
 CLOSED_BIT = 31
 """The slot bitmap's bit that marks a use closed by a FLUSH: no worker may hold it."""
 
@@ -49,6 +51,7 @@ class Tofino(Target):
     program = "thc_tna"
     build_dir = BUILD_DIR / "tofino"
     lut_table = LUT_TABLE
+    cpu_port = CPU_PORT
     push_refusal = ("bf_switchd loads the Tofino program when it starts (its --conf-file "
                     "names the compiled binary); connect to it without pushing")
 
@@ -61,7 +64,7 @@ class Tofino(Target):
                 f"job {job.job_id} has {job.sum_bits}-bit sums ({job.n_workers} workers x "
                 f"granularity {job.granularity} = {job.n_workers * job.granularity}, above "
                 f"{(1 << SUM_BITS) - 1}); the Tofino program adds 8-bit lanes only: its words "
-                f"hold four 8-bit lanes, and 256 16-bit lanes would need four passes. Run the "
+                f"hold four 8-bit lanes, and 256 16-bit lanes would need twice the adding passes. Run the "
                 f"job on BMv2 (--target bmv2) or the software aggregator, or lower its "
                 f"granularity to {((1 << SUM_BITS) - 1) // job.n_workers} or less")
         if job.aggregation != "thc":
@@ -75,24 +78,25 @@ class Tofino(Target):
                 f"most {CLOSED_BIT} (bit {CLOSED_BIT} of a slot's bitmap marks a use closed "
                 f"by a FLUSH)")
 
-    def lut_entries(self, sw, job, with_action: bool = True) -> list[bytes]:
-        """256 entries in each word's two index tables."""
+    def lut_entries(self, sw, job, job_index: int, with_action: bool = True) -> list[bytes]:
+        """256 entries in each word's two index tables, keyed on the job's index (pass 0
+        bridges it to the passes that look up)."""
         self.check_job(job)
         out = []
         for word in range(self.groups(sw.p4info)):
             for h in range(WORD_KEYS):
                 out += self._entries(sw, LUT_TABLE.format(word, h), LUT_ACTION.format(word, h),
-                                     lut_values(job), job.job_id, with_action)
+                                     lut_values(job), job_index, with_action)
         return out
 
     @staticmethod
-    def _entries(sw, table: str, action: str, values: list[int], job_id: int,
+    def _entries(sw, table: str, action: str, values: list[int], job_index: int,
                  with_action: bool) -> list[bytes]:
         if with_action:
             return sw.entries_bytes(table, action, [
-                ({"job_id": job_id, "idx": key}, {"value": value})
+                ({"job_index": job_index, "idx": key}, {"value": value})
                 for key, value in enumerate(values)])
-        return [sw.entry_bytes(table, {"job_id": job_id, "idx": key})
+        return [sw.entry_bytes(table, {"job_index": job_index, "idx": key})
                 for key in range(len(values))]
 
 

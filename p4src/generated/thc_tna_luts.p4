@@ -2,730 +2,706 @@
 // Regenerate with `make p4` (or `python p4src/gen_p4.py`).
 // The words' lookup tables (thc_tna.p4's ingress).
     @name("thc_w00.thc_lut_set_0")
-    action thc_w00_lut_set_0(bit<16> value) { hdr.res_a[0].w[31:16] = value; }
+    action thc_w00_lut_set_0(bit<16> value) { hdr.res[0].w[31:16] = value; }
     @name("thc_w00.thc_lut_0")
+    @stage(0)
+    @ways(2)
     table thc_w00_lut_0 {
-        key = { hdr.thc.job_id: exact @name("job_id"); hdr.cur[0].idx[31:24]: exact @name("idx"); }
-        actions = { thc_w00_lut_set_0; }
-        default_action = thc_w00_lut_set_0(0);
-        size = THC_LUT_SIZE;
+        key = { meta.p1.lut_job: exact @name("job_index"); hdr.cur[0].idx[31:24]: exact @name("idx"); }
+        actions = { thc_w00_lut_set_0; @defaultonly NoAction; }
+        const default_action = NoAction();
+        size = THC_TNA_LUT_SIZE;
     }
     @name("thc_w00.thc_lut_set_1")
-    action thc_w00_lut_set_1(bit<16> value) { hdr.res_a[0].w[15:0] = value; }
+    action thc_w00_lut_set_1(bit<16> value) { hdr.res[0].w[15:0] = value; }
     @name("thc_w00.thc_lut_1")
+    @stage(0)
+    @ways(2)
     table thc_w00_lut_1 {
-        key = { hdr.thc.job_id: exact @name("job_id"); hdr.cur[0].idx[23:16]: exact @name("idx"); }
-        actions = { thc_w00_lut_set_1; }
-        default_action = thc_w00_lut_set_1(0);
-        size = THC_LUT_SIZE;
+        key = { meta.p1.lut_job: exact @name("job_index"); hdr.cur[0].idx[23:16]: exact @name("idx"); }
+        actions = { thc_w00_lut_set_1; @defaultonly NoAction; }
+        const default_action = NoAction();
+        size = THC_TNA_LUT_SIZE;
     }
     @name("thc_w01.thc_lut_set_0")
-    action thc_w01_lut_set_0(bit<16> value) { hdr.res_a[1].w[31:16] = value; }
+    action thc_w01_lut_set_0(bit<16> value) { hdr.res[1].w[31:16] = value; }
     @name("thc_w01.thc_lut_0")
+    @stage(0)
+    @ways(2)
     table thc_w01_lut_0 {
-        key = { hdr.thc.job_id: exact @name("job_id"); hdr.cur[0].idx[15:8]: exact @name("idx"); }
-        actions = { thc_w01_lut_set_0; }
-        default_action = thc_w01_lut_set_0(0);
-        size = THC_LUT_SIZE;
+        key = { meta.p1.lut_job: exact @name("job_index"); hdr.cur[0].idx[15:8]: exact @name("idx"); }
+        actions = { thc_w01_lut_set_0; @defaultonly NoAction; }
+        const default_action = NoAction();
+        size = THC_TNA_LUT_SIZE;
     }
     @name("thc_w01.thc_lut_set_1")
-    action thc_w01_lut_set_1(bit<16> value) { hdr.res_a[1].w[15:0] = value; }
+    action thc_w01_lut_set_1(bit<16> value) { hdr.res[1].w[15:0] = value; }
     @name("thc_w01.thc_lut_1")
+    @stage(0)
+    @ways(2)
     table thc_w01_lut_1 {
-        key = { hdr.thc.job_id: exact @name("job_id"); hdr.cur[0].idx[7:0]: exact @name("idx"); }
-        actions = { thc_w01_lut_set_1; }
-        default_action = thc_w01_lut_set_1(0);
-        size = THC_LUT_SIZE;
+        key = { meta.p1.lut_job: exact @name("job_index"); hdr.cur[0].idx[7:0]: exact @name("idx"); }
+        actions = { thc_w01_lut_set_1; @defaultonly NoAction; }
+        const default_action = NoAction();
+        size = THC_TNA_LUT_SIZE;
     }
     @name("thc_w02.thc_lut_set_0")
-    action thc_w02_lut_set_0(bit<16> value) { hdr.res_a[2].w[31:16] = value; }
+    action thc_w02_lut_set_0(bit<16> value) { hdr.res[2].w[31:16] = value; }
     @name("thc_w02.thc_lut_0")
+    @stage(0)
+    @ways(2)
     table thc_w02_lut_0 {
-        key = { hdr.thc.job_id: exact @name("job_id"); hdr.cur[1].idx[31:24]: exact @name("idx"); }
-        actions = { thc_w02_lut_set_0; }
-        default_action = thc_w02_lut_set_0(0);
-        size = THC_LUT_SIZE;
+        key = { meta.p1.lut_job: exact @name("job_index"); hdr.cur[1].idx[31:24]: exact @name("idx"); }
+        actions = { thc_w02_lut_set_0; @defaultonly NoAction; }
+        const default_action = NoAction();
+        size = THC_TNA_LUT_SIZE;
     }
     @name("thc_w02.thc_lut_set_1")
-    action thc_w02_lut_set_1(bit<16> value) { hdr.res_a[2].w[15:0] = value; }
+    action thc_w02_lut_set_1(bit<16> value) { hdr.res[2].w[15:0] = value; }
     @name("thc_w02.thc_lut_1")
+    @stage(0)
+    @ways(2)
     table thc_w02_lut_1 {
-        key = { hdr.thc.job_id: exact @name("job_id"); hdr.cur[1].idx[23:16]: exact @name("idx"); }
-        actions = { thc_w02_lut_set_1; }
-        default_action = thc_w02_lut_set_1(0);
-        size = THC_LUT_SIZE;
+        key = { meta.p1.lut_job: exact @name("job_index"); hdr.cur[1].idx[23:16]: exact @name("idx"); }
+        actions = { thc_w02_lut_set_1; @defaultonly NoAction; }
+        const default_action = NoAction();
+        size = THC_TNA_LUT_SIZE;
     }
     @name("thc_w03.thc_lut_set_0")
-    action thc_w03_lut_set_0(bit<16> value) { hdr.res_a[3].w[31:16] = value; }
+    action thc_w03_lut_set_0(bit<16> value) { hdr.res[3].w[31:16] = value; }
     @name("thc_w03.thc_lut_0")
+    @stage(1)
+    @ways(2)
     table thc_w03_lut_0 {
-        key = { hdr.thc.job_id: exact @name("job_id"); hdr.cur[1].idx[15:8]: exact @name("idx"); }
-        actions = { thc_w03_lut_set_0; }
-        default_action = thc_w03_lut_set_0(0);
-        size = THC_LUT_SIZE;
+        key = { meta.p1.lut_job: exact @name("job_index"); hdr.cur[1].idx[15:8]: exact @name("idx"); }
+        actions = { thc_w03_lut_set_0; @defaultonly NoAction; }
+        const default_action = NoAction();
+        size = THC_TNA_LUT_SIZE;
     }
     @name("thc_w03.thc_lut_set_1")
-    action thc_w03_lut_set_1(bit<16> value) { hdr.res_a[3].w[15:0] = value; }
+    action thc_w03_lut_set_1(bit<16> value) { hdr.res[3].w[15:0] = value; }
     @name("thc_w03.thc_lut_1")
+    @stage(1)
+    @ways(2)
     table thc_w03_lut_1 {
-        key = { hdr.thc.job_id: exact @name("job_id"); hdr.cur[1].idx[7:0]: exact @name("idx"); }
-        actions = { thc_w03_lut_set_1; }
-        default_action = thc_w03_lut_set_1(0);
-        size = THC_LUT_SIZE;
+        key = { meta.p1.lut_job: exact @name("job_index"); hdr.cur[1].idx[7:0]: exact @name("idx"); }
+        actions = { thc_w03_lut_set_1; @defaultonly NoAction; }
+        const default_action = NoAction();
+        size = THC_TNA_LUT_SIZE;
     }
     @name("thc_w04.thc_lut_set_0")
-    action thc_w04_lut_set_0(bit<16> value) { hdr.res_a[4].w[31:16] = value; }
+    action thc_w04_lut_set_0(bit<16> value) { hdr.res[4].w[31:16] = value; }
     @name("thc_w04.thc_lut_0")
+    @stage(1)
+    @ways(2)
     table thc_w04_lut_0 {
-        key = { hdr.thc.job_id: exact @name("job_id"); hdr.cur[2].idx[31:24]: exact @name("idx"); }
-        actions = { thc_w04_lut_set_0; }
-        default_action = thc_w04_lut_set_0(0);
-        size = THC_LUT_SIZE;
+        key = { meta.p1.lut_job: exact @name("job_index"); hdr.cur[2].idx[31:24]: exact @name("idx"); }
+        actions = { thc_w04_lut_set_0; @defaultonly NoAction; }
+        const default_action = NoAction();
+        size = THC_TNA_LUT_SIZE;
     }
     @name("thc_w04.thc_lut_set_1")
-    action thc_w04_lut_set_1(bit<16> value) { hdr.res_a[4].w[15:0] = value; }
+    action thc_w04_lut_set_1(bit<16> value) { hdr.res[4].w[15:0] = value; }
     @name("thc_w04.thc_lut_1")
+    @stage(1)
+    @ways(2)
     table thc_w04_lut_1 {
-        key = { hdr.thc.job_id: exact @name("job_id"); hdr.cur[2].idx[23:16]: exact @name("idx"); }
-        actions = { thc_w04_lut_set_1; }
-        default_action = thc_w04_lut_set_1(0);
-        size = THC_LUT_SIZE;
+        key = { meta.p1.lut_job: exact @name("job_index"); hdr.cur[2].idx[23:16]: exact @name("idx"); }
+        actions = { thc_w04_lut_set_1; @defaultonly NoAction; }
+        const default_action = NoAction();
+        size = THC_TNA_LUT_SIZE;
     }
     @name("thc_w05.thc_lut_set_0")
-    action thc_w05_lut_set_0(bit<16> value) { hdr.res_a[5].w[31:16] = value; }
+    action thc_w05_lut_set_0(bit<16> value) { hdr.res[5].w[31:16] = value; }
     @name("thc_w05.thc_lut_0")
+    @stage(1)
+    @ways(2)
     table thc_w05_lut_0 {
-        key = { hdr.thc.job_id: exact @name("job_id"); hdr.cur[2].idx[15:8]: exact @name("idx"); }
-        actions = { thc_w05_lut_set_0; }
-        default_action = thc_w05_lut_set_0(0);
-        size = THC_LUT_SIZE;
+        key = { meta.p1.lut_job: exact @name("job_index"); hdr.cur[2].idx[15:8]: exact @name("idx"); }
+        actions = { thc_w05_lut_set_0; @defaultonly NoAction; }
+        const default_action = NoAction();
+        size = THC_TNA_LUT_SIZE;
     }
     @name("thc_w05.thc_lut_set_1")
-    action thc_w05_lut_set_1(bit<16> value) { hdr.res_a[5].w[15:0] = value; }
+    action thc_w05_lut_set_1(bit<16> value) { hdr.res[5].w[15:0] = value; }
     @name("thc_w05.thc_lut_1")
+    @stage(1)
+    @ways(2)
     table thc_w05_lut_1 {
-        key = { hdr.thc.job_id: exact @name("job_id"); hdr.cur[2].idx[7:0]: exact @name("idx"); }
-        actions = { thc_w05_lut_set_1; }
-        default_action = thc_w05_lut_set_1(0);
-        size = THC_LUT_SIZE;
+        key = { meta.p1.lut_job: exact @name("job_index"); hdr.cur[2].idx[7:0]: exact @name("idx"); }
+        actions = { thc_w05_lut_set_1; @defaultonly NoAction; }
+        const default_action = NoAction();
+        size = THC_TNA_LUT_SIZE;
     }
     @name("thc_w06.thc_lut_set_0")
-    action thc_w06_lut_set_0(bit<16> value) { hdr.res_a[6].w[31:16] = value; }
+    action thc_w06_lut_set_0(bit<16> value) { hdr.res[6].w[31:16] = value; }
     @name("thc_w06.thc_lut_0")
+    @stage(1)
+    @ways(2)
     table thc_w06_lut_0 {
-        key = { hdr.thc.job_id: exact @name("job_id"); hdr.cur[3].idx[31:24]: exact @name("idx"); }
-        actions = { thc_w06_lut_set_0; }
-        default_action = thc_w06_lut_set_0(0);
-        size = THC_LUT_SIZE;
+        key = { meta.p1.lut_job: exact @name("job_index"); hdr.cur[3].idx[31:24]: exact @name("idx"); }
+        actions = { thc_w06_lut_set_0; @defaultonly NoAction; }
+        const default_action = NoAction();
+        size = THC_TNA_LUT_SIZE;
     }
     @name("thc_w06.thc_lut_set_1")
-    action thc_w06_lut_set_1(bit<16> value) { hdr.res_a[6].w[15:0] = value; }
+    action thc_w06_lut_set_1(bit<16> value) { hdr.res[6].w[15:0] = value; }
     @name("thc_w06.thc_lut_1")
+    @stage(1)
+    @ways(2)
     table thc_w06_lut_1 {
-        key = { hdr.thc.job_id: exact @name("job_id"); hdr.cur[3].idx[23:16]: exact @name("idx"); }
-        actions = { thc_w06_lut_set_1; }
-        default_action = thc_w06_lut_set_1(0);
-        size = THC_LUT_SIZE;
+        key = { meta.p1.lut_job: exact @name("job_index"); hdr.cur[3].idx[23:16]: exact @name("idx"); }
+        actions = { thc_w06_lut_set_1; @defaultonly NoAction; }
+        const default_action = NoAction();
+        size = THC_TNA_LUT_SIZE;
     }
     @name("thc_w07.thc_lut_set_0")
-    action thc_w07_lut_set_0(bit<16> value) { hdr.res_a[7].w[31:16] = value; }
+    action thc_w07_lut_set_0(bit<16> value) { hdr.res[7].w[31:16] = value; }
     @name("thc_w07.thc_lut_0")
+    @stage(2)
+    @ways(2)
     table thc_w07_lut_0 {
-        key = { hdr.thc.job_id: exact @name("job_id"); hdr.cur[3].idx[15:8]: exact @name("idx"); }
-        actions = { thc_w07_lut_set_0; }
-        default_action = thc_w07_lut_set_0(0);
-        size = THC_LUT_SIZE;
+        key = { meta.p1.lut_job: exact @name("job_index"); hdr.cur[3].idx[15:8]: exact @name("idx"); }
+        actions = { thc_w07_lut_set_0; @defaultonly NoAction; }
+        const default_action = NoAction();
+        size = THC_TNA_LUT_SIZE;
     }
     @name("thc_w07.thc_lut_set_1")
-    action thc_w07_lut_set_1(bit<16> value) { hdr.res_a[7].w[15:0] = value; }
+    action thc_w07_lut_set_1(bit<16> value) { hdr.res[7].w[15:0] = value; }
     @name("thc_w07.thc_lut_1")
+    @stage(2)
+    @ways(2)
     table thc_w07_lut_1 {
-        key = { hdr.thc.job_id: exact @name("job_id"); hdr.cur[3].idx[7:0]: exact @name("idx"); }
-        actions = { thc_w07_lut_set_1; }
-        default_action = thc_w07_lut_set_1(0);
-        size = THC_LUT_SIZE;
+        key = { meta.p1.lut_job: exact @name("job_index"); hdr.cur[3].idx[7:0]: exact @name("idx"); }
+        actions = { thc_w07_lut_set_1; @defaultonly NoAction; }
+        const default_action = NoAction();
+        size = THC_TNA_LUT_SIZE;
     }
     @name("thc_w08.thc_lut_set_0")
-    action thc_w08_lut_set_0(bit<16> value) { hdr.res_a[8].w[31:16] = value; }
+    action thc_w08_lut_set_0(bit<16> value) { hdr.res[8].w[31:16] = value; }
     @name("thc_w08.thc_lut_0")
+    @stage(2)
+    @ways(2)
     table thc_w08_lut_0 {
-        key = { hdr.thc.job_id: exact @name("job_id"); hdr.cur[4].idx[31:24]: exact @name("idx"); }
-        actions = { thc_w08_lut_set_0; }
-        default_action = thc_w08_lut_set_0(0);
-        size = THC_LUT_SIZE;
+        key = { meta.p1.lut_job: exact @name("job_index"); hdr.cur[4].idx[31:24]: exact @name("idx"); }
+        actions = { thc_w08_lut_set_0; @defaultonly NoAction; }
+        const default_action = NoAction();
+        size = THC_TNA_LUT_SIZE;
     }
     @name("thc_w08.thc_lut_set_1")
-    action thc_w08_lut_set_1(bit<16> value) { hdr.res_a[8].w[15:0] = value; }
+    action thc_w08_lut_set_1(bit<16> value) { hdr.res[8].w[15:0] = value; }
     @name("thc_w08.thc_lut_1")
+    @stage(2)
+    @ways(2)
     table thc_w08_lut_1 {
-        key = { hdr.thc.job_id: exact @name("job_id"); hdr.cur[4].idx[23:16]: exact @name("idx"); }
-        actions = { thc_w08_lut_set_1; }
-        default_action = thc_w08_lut_set_1(0);
-        size = THC_LUT_SIZE;
+        key = { meta.p1.lut_job: exact @name("job_index"); hdr.cur[4].idx[23:16]: exact @name("idx"); }
+        actions = { thc_w08_lut_set_1; @defaultonly NoAction; }
+        const default_action = NoAction();
+        size = THC_TNA_LUT_SIZE;
     }
     @name("thc_w09.thc_lut_set_0")
-    action thc_w09_lut_set_0(bit<16> value) { hdr.res_a[9].w[31:16] = value; }
+    action thc_w09_lut_set_0(bit<16> value) { hdr.res[9].w[31:16] = value; }
     @name("thc_w09.thc_lut_0")
+    @stage(2)
+    @ways(2)
     table thc_w09_lut_0 {
-        key = { hdr.thc.job_id: exact @name("job_id"); hdr.cur[4].idx[15:8]: exact @name("idx"); }
-        actions = { thc_w09_lut_set_0; }
-        default_action = thc_w09_lut_set_0(0);
-        size = THC_LUT_SIZE;
+        key = { meta.p1.lut_job: exact @name("job_index"); hdr.cur[4].idx[15:8]: exact @name("idx"); }
+        actions = { thc_w09_lut_set_0; @defaultonly NoAction; }
+        const default_action = NoAction();
+        size = THC_TNA_LUT_SIZE;
     }
     @name("thc_w09.thc_lut_set_1")
-    action thc_w09_lut_set_1(bit<16> value) { hdr.res_a[9].w[15:0] = value; }
+    action thc_w09_lut_set_1(bit<16> value) { hdr.res[9].w[15:0] = value; }
     @name("thc_w09.thc_lut_1")
+    @stage(2)
+    @ways(2)
     table thc_w09_lut_1 {
-        key = { hdr.thc.job_id: exact @name("job_id"); hdr.cur[4].idx[7:0]: exact @name("idx"); }
-        actions = { thc_w09_lut_set_1; }
-        default_action = thc_w09_lut_set_1(0);
-        size = THC_LUT_SIZE;
+        key = { meta.p1.lut_job: exact @name("job_index"); hdr.cur[4].idx[7:0]: exact @name("idx"); }
+        actions = { thc_w09_lut_set_1; @defaultonly NoAction; }
+        const default_action = NoAction();
+        size = THC_TNA_LUT_SIZE;
     }
     @name("thc_w10.thc_lut_set_0")
-    action thc_w10_lut_set_0(bit<16> value) { hdr.res_a[10].w[31:16] = value; }
+    action thc_w10_lut_set_0(bit<16> value) { hdr.res[10].w[31:16] = value; }
     @name("thc_w10.thc_lut_0")
+    @stage(2)
+    @ways(2)
     table thc_w10_lut_0 {
-        key = { hdr.thc.job_id: exact @name("job_id"); hdr.cur[5].idx[31:24]: exact @name("idx"); }
-        actions = { thc_w10_lut_set_0; }
-        default_action = thc_w10_lut_set_0(0);
-        size = THC_LUT_SIZE;
+        key = { meta.p1.lut_job: exact @name("job_index"); hdr.cur[5].idx[31:24]: exact @name("idx"); }
+        actions = { thc_w10_lut_set_0; @defaultonly NoAction; }
+        const default_action = NoAction();
+        size = THC_TNA_LUT_SIZE;
     }
     @name("thc_w10.thc_lut_set_1")
-    action thc_w10_lut_set_1(bit<16> value) { hdr.res_a[10].w[15:0] = value; }
+    action thc_w10_lut_set_1(bit<16> value) { hdr.res[10].w[15:0] = value; }
     @name("thc_w10.thc_lut_1")
+    @stage(2)
+    @ways(2)
     table thc_w10_lut_1 {
-        key = { hdr.thc.job_id: exact @name("job_id"); hdr.cur[5].idx[23:16]: exact @name("idx"); }
-        actions = { thc_w10_lut_set_1; }
-        default_action = thc_w10_lut_set_1(0);
-        size = THC_LUT_SIZE;
+        key = { meta.p1.lut_job: exact @name("job_index"); hdr.cur[5].idx[23:16]: exact @name("idx"); }
+        actions = { thc_w10_lut_set_1; @defaultonly NoAction; }
+        const default_action = NoAction();
+        size = THC_TNA_LUT_SIZE;
     }
     @name("thc_w11.thc_lut_set_0")
-    action thc_w11_lut_set_0(bit<16> value) { hdr.res_a[11].w[31:16] = value; }
+    action thc_w11_lut_set_0(bit<16> value) { hdr.res[11].w[31:16] = value; }
     @name("thc_w11.thc_lut_0")
+    @stage(3)
+    @ways(2)
     table thc_w11_lut_0 {
-        key = { hdr.thc.job_id: exact @name("job_id"); hdr.cur[5].idx[15:8]: exact @name("idx"); }
-        actions = { thc_w11_lut_set_0; }
-        default_action = thc_w11_lut_set_0(0);
-        size = THC_LUT_SIZE;
+        key = { meta.p1.lut_job: exact @name("job_index"); hdr.cur[5].idx[15:8]: exact @name("idx"); }
+        actions = { thc_w11_lut_set_0; @defaultonly NoAction; }
+        const default_action = NoAction();
+        size = THC_TNA_LUT_SIZE;
     }
     @name("thc_w11.thc_lut_set_1")
-    action thc_w11_lut_set_1(bit<16> value) { hdr.res_a[11].w[15:0] = value; }
+    action thc_w11_lut_set_1(bit<16> value) { hdr.res[11].w[15:0] = value; }
     @name("thc_w11.thc_lut_1")
+    @stage(3)
+    @ways(2)
     table thc_w11_lut_1 {
-        key = { hdr.thc.job_id: exact @name("job_id"); hdr.cur[5].idx[7:0]: exact @name("idx"); }
-        actions = { thc_w11_lut_set_1; }
-        default_action = thc_w11_lut_set_1(0);
-        size = THC_LUT_SIZE;
+        key = { meta.p1.lut_job: exact @name("job_index"); hdr.cur[5].idx[7:0]: exact @name("idx"); }
+        actions = { thc_w11_lut_set_1; @defaultonly NoAction; }
+        const default_action = NoAction();
+        size = THC_TNA_LUT_SIZE;
     }
     @name("thc_w12.thc_lut_set_0")
-    action thc_w12_lut_set_0(bit<16> value) { hdr.res_a[12].w[31:16] = value; }
+    action thc_w12_lut_set_0(bit<16> value) { hdr.res[12].w[31:16] = value; }
     @name("thc_w12.thc_lut_0")
+    @stage(3)
+    @ways(2)
     table thc_w12_lut_0 {
-        key = { hdr.thc.job_id: exact @name("job_id"); hdr.cur[6].idx[31:24]: exact @name("idx"); }
-        actions = { thc_w12_lut_set_0; }
-        default_action = thc_w12_lut_set_0(0);
-        size = THC_LUT_SIZE;
+        key = { meta.p1.lut_job: exact @name("job_index"); hdr.cur[6].idx[31:24]: exact @name("idx"); }
+        actions = { thc_w12_lut_set_0; @defaultonly NoAction; }
+        const default_action = NoAction();
+        size = THC_TNA_LUT_SIZE;
     }
     @name("thc_w12.thc_lut_set_1")
-    action thc_w12_lut_set_1(bit<16> value) { hdr.res_a[12].w[15:0] = value; }
+    action thc_w12_lut_set_1(bit<16> value) { hdr.res[12].w[15:0] = value; }
     @name("thc_w12.thc_lut_1")
+    @stage(3)
+    @ways(2)
     table thc_w12_lut_1 {
-        key = { hdr.thc.job_id: exact @name("job_id"); hdr.cur[6].idx[23:16]: exact @name("idx"); }
-        actions = { thc_w12_lut_set_1; }
-        default_action = thc_w12_lut_set_1(0);
-        size = THC_LUT_SIZE;
+        key = { meta.p1.lut_job: exact @name("job_index"); hdr.cur[6].idx[23:16]: exact @name("idx"); }
+        actions = { thc_w12_lut_set_1; @defaultonly NoAction; }
+        const default_action = NoAction();
+        size = THC_TNA_LUT_SIZE;
     }
     @name("thc_w13.thc_lut_set_0")
-    action thc_w13_lut_set_0(bit<16> value) { hdr.res_a[13].w[31:16] = value; }
+    action thc_w13_lut_set_0(bit<16> value) { hdr.res[13].w[31:16] = value; }
     @name("thc_w13.thc_lut_0")
+    @stage(3)
+    @ways(2)
     table thc_w13_lut_0 {
-        key = { hdr.thc.job_id: exact @name("job_id"); hdr.cur[6].idx[15:8]: exact @name("idx"); }
-        actions = { thc_w13_lut_set_0; }
-        default_action = thc_w13_lut_set_0(0);
-        size = THC_LUT_SIZE;
+        key = { meta.p1.lut_job: exact @name("job_index"); hdr.cur[6].idx[15:8]: exact @name("idx"); }
+        actions = { thc_w13_lut_set_0; @defaultonly NoAction; }
+        const default_action = NoAction();
+        size = THC_TNA_LUT_SIZE;
     }
     @name("thc_w13.thc_lut_set_1")
-    action thc_w13_lut_set_1(bit<16> value) { hdr.res_a[13].w[15:0] = value; }
+    action thc_w13_lut_set_1(bit<16> value) { hdr.res[13].w[15:0] = value; }
     @name("thc_w13.thc_lut_1")
+    @stage(4)
+    @ways(2)
     table thc_w13_lut_1 {
-        key = { hdr.thc.job_id: exact @name("job_id"); hdr.cur[6].idx[7:0]: exact @name("idx"); }
-        actions = { thc_w13_lut_set_1; }
-        default_action = thc_w13_lut_set_1(0);
-        size = THC_LUT_SIZE;
+        key = { meta.p1.lut_job: exact @name("job_index"); hdr.cur[6].idx[7:0]: exact @name("idx"); }
+        actions = { thc_w13_lut_set_1; @defaultonly NoAction; }
+        const default_action = NoAction();
+        size = THC_TNA_LUT_SIZE;
     }
     @name("thc_w14.thc_lut_set_0")
-    action thc_w14_lut_set_0(bit<16> value) { hdr.res_a[14].w[31:16] = value; }
+    action thc_w14_lut_set_0(bit<16> value) { hdr.res[14].w[31:16] = value; }
     @name("thc_w14.thc_lut_0")
+    @stage(3)
+    @ways(2)
     table thc_w14_lut_0 {
-        key = { hdr.thc.job_id: exact @name("job_id"); hdr.cur[7].idx[31:24]: exact @name("idx"); }
-        actions = { thc_w14_lut_set_0; }
-        default_action = thc_w14_lut_set_0(0);
-        size = THC_LUT_SIZE;
+        key = { meta.p1.lut_job: exact @name("job_index"); hdr.cur[7].idx[31:24]: exact @name("idx"); }
+        actions = { thc_w14_lut_set_0; @defaultonly NoAction; }
+        const default_action = NoAction();
+        size = THC_TNA_LUT_SIZE;
     }
     @name("thc_w14.thc_lut_set_1")
-    action thc_w14_lut_set_1(bit<16> value) { hdr.res_a[14].w[15:0] = value; }
+    action thc_w14_lut_set_1(bit<16> value) { hdr.res[14].w[15:0] = value; }
     @name("thc_w14.thc_lut_1")
+    @stage(4)
+    @ways(2)
     table thc_w14_lut_1 {
-        key = { hdr.thc.job_id: exact @name("job_id"); hdr.cur[7].idx[23:16]: exact @name("idx"); }
-        actions = { thc_w14_lut_set_1; }
-        default_action = thc_w14_lut_set_1(0);
-        size = THC_LUT_SIZE;
+        key = { meta.p1.lut_job: exact @name("job_index"); hdr.cur[7].idx[23:16]: exact @name("idx"); }
+        actions = { thc_w14_lut_set_1; @defaultonly NoAction; }
+        const default_action = NoAction();
+        size = THC_TNA_LUT_SIZE;
     }
     @name("thc_w15.thc_lut_set_0")
-    action thc_w15_lut_set_0(bit<16> value) { hdr.res_a[15].w[31:16] = value; }
+    action thc_w15_lut_set_0(bit<16> value) { hdr.res[15].w[31:16] = value; }
     @name("thc_w15.thc_lut_0")
+    @stage(3)
+    @ways(2)
     table thc_w15_lut_0 {
-        key = { hdr.thc.job_id: exact @name("job_id"); hdr.cur[7].idx[15:8]: exact @name("idx"); }
-        actions = { thc_w15_lut_set_0; }
-        default_action = thc_w15_lut_set_0(0);
-        size = THC_LUT_SIZE;
+        key = { meta.p1.lut_job: exact @name("job_index"); hdr.cur[7].idx[15:8]: exact @name("idx"); }
+        actions = { thc_w15_lut_set_0; @defaultonly NoAction; }
+        const default_action = NoAction();
+        size = THC_TNA_LUT_SIZE;
     }
     @name("thc_w15.thc_lut_set_1")
-    action thc_w15_lut_set_1(bit<16> value) { hdr.res_a[15].w[15:0] = value; }
+    action thc_w15_lut_set_1(bit<16> value) { hdr.res[15].w[15:0] = value; }
     @name("thc_w15.thc_lut_1")
+    @stage(4)
+    @ways(2)
     table thc_w15_lut_1 {
-        key = { hdr.thc.job_id: exact @name("job_id"); hdr.cur[7].idx[7:0]: exact @name("idx"); }
-        actions = { thc_w15_lut_set_1; }
-        default_action = thc_w15_lut_set_1(0);
-        size = THC_LUT_SIZE;
+        key = { meta.p1.lut_job: exact @name("job_index"); hdr.cur[7].idx[7:0]: exact @name("idx"); }
+        actions = { thc_w15_lut_set_1; @defaultonly NoAction; }
+        const default_action = NoAction();
+        size = THC_TNA_LUT_SIZE;
     }
     @name("thc_w16.thc_lut_set_0")
-    action thc_w16_lut_set_0(bit<16> value) { hdr.res_a[16].w[31:16] = value; }
+    action thc_w16_lut_set_0(bit<16> value) { hdr.res[16].w[31:16] = value; }
     @name("thc_w16.thc_lut_0")
+    @stage(3)
+    @ways(2)
     table thc_w16_lut_0 {
-        key = { hdr.thc.job_id: exact @name("job_id"); hdr.cur[8].idx[31:24]: exact @name("idx"); }
-        actions = { thc_w16_lut_set_0; }
-        default_action = thc_w16_lut_set_0(0);
-        size = THC_LUT_SIZE;
+        key = { meta.p1.lut_job: exact @name("job_index"); hdr.cur[8].idx[31:24]: exact @name("idx"); }
+        actions = { thc_w16_lut_set_0; @defaultonly NoAction; }
+        const default_action = NoAction();
+        size = THC_TNA_LUT_SIZE;
     }
     @name("thc_w16.thc_lut_set_1")
-    action thc_w16_lut_set_1(bit<16> value) { hdr.res_a[16].w[15:0] = value; }
+    action thc_w16_lut_set_1(bit<16> value) { hdr.res[16].w[15:0] = value; }
     @name("thc_w16.thc_lut_1")
+    @stage(4)
+    @ways(2)
     table thc_w16_lut_1 {
-        key = { hdr.thc.job_id: exact @name("job_id"); hdr.cur[8].idx[23:16]: exact @name("idx"); }
-        actions = { thc_w16_lut_set_1; }
-        default_action = thc_w16_lut_set_1(0);
-        size = THC_LUT_SIZE;
+        key = { meta.p1.lut_job: exact @name("job_index"); hdr.cur[8].idx[23:16]: exact @name("idx"); }
+        actions = { thc_w16_lut_set_1; @defaultonly NoAction; }
+        const default_action = NoAction();
+        size = THC_TNA_LUT_SIZE;
     }
     @name("thc_w17.thc_lut_set_0")
-    action thc_w17_lut_set_0(bit<16> value) { hdr.res_a[17].w[31:16] = value; }
+    action thc_w17_lut_set_0(bit<16> value) { hdr.res[17].w[31:16] = value; }
     @name("thc_w17.thc_lut_0")
+    @stage(4)
+    @ways(2)
     table thc_w17_lut_0 {
-        key = { hdr.thc.job_id: exact @name("job_id"); hdr.cur[8].idx[15:8]: exact @name("idx"); }
-        actions = { thc_w17_lut_set_0; }
-        default_action = thc_w17_lut_set_0(0);
-        size = THC_LUT_SIZE;
+        key = { meta.p1.lut_job: exact @name("job_index"); hdr.cur[8].idx[15:8]: exact @name("idx"); }
+        actions = { thc_w17_lut_set_0; @defaultonly NoAction; }
+        const default_action = NoAction();
+        size = THC_TNA_LUT_SIZE;
     }
     @name("thc_w17.thc_lut_set_1")
-    action thc_w17_lut_set_1(bit<16> value) { hdr.res_a[17].w[15:0] = value; }
+    action thc_w17_lut_set_1(bit<16> value) { hdr.res[17].w[15:0] = value; }
     @name("thc_w17.thc_lut_1")
+    @stage(5)
+    @ways(2)
     table thc_w17_lut_1 {
-        key = { hdr.thc.job_id: exact @name("job_id"); hdr.cur[8].idx[7:0]: exact @name("idx"); }
-        actions = { thc_w17_lut_set_1; }
-        default_action = thc_w17_lut_set_1(0);
-        size = THC_LUT_SIZE;
+        key = { meta.p1.lut_job: exact @name("job_index"); hdr.cur[8].idx[7:0]: exact @name("idx"); }
+        actions = { thc_w17_lut_set_1; @defaultonly NoAction; }
+        const default_action = NoAction();
+        size = THC_TNA_LUT_SIZE;
     }
     @name("thc_w18.thc_lut_set_0")
-    action thc_w18_lut_set_0(bit<16> value) { hdr.res_a[18].w[31:16] = value; }
+    action thc_w18_lut_set_0(bit<16> value) { hdr.res[18].w[31:16] = value; }
     @name("thc_w18.thc_lut_0")
+    @stage(4)
+    @ways(2)
     table thc_w18_lut_0 {
-        key = { hdr.thc.job_id: exact @name("job_id"); hdr.cur[9].idx[31:24]: exact @name("idx"); }
-        actions = { thc_w18_lut_set_0; }
-        default_action = thc_w18_lut_set_0(0);
-        size = THC_LUT_SIZE;
+        key = { meta.p1.lut_job: exact @name("job_index"); hdr.cur[9].idx[31:24]: exact @name("idx"); }
+        actions = { thc_w18_lut_set_0; @defaultonly NoAction; }
+        const default_action = NoAction();
+        size = THC_TNA_LUT_SIZE;
     }
     @name("thc_w18.thc_lut_set_1")
-    action thc_w18_lut_set_1(bit<16> value) { hdr.res_a[18].w[15:0] = value; }
+    action thc_w18_lut_set_1(bit<16> value) { hdr.res[18].w[15:0] = value; }
     @name("thc_w18.thc_lut_1")
+    @stage(5)
+    @ways(2)
     table thc_w18_lut_1 {
-        key = { hdr.thc.job_id: exact @name("job_id"); hdr.cur[9].idx[23:16]: exact @name("idx"); }
-        actions = { thc_w18_lut_set_1; }
-        default_action = thc_w18_lut_set_1(0);
-        size = THC_LUT_SIZE;
+        key = { meta.p1.lut_job: exact @name("job_index"); hdr.cur[9].idx[23:16]: exact @name("idx"); }
+        actions = { thc_w18_lut_set_1; @defaultonly NoAction; }
+        const default_action = NoAction();
+        size = THC_TNA_LUT_SIZE;
     }
     @name("thc_w19.thc_lut_set_0")
-    action thc_w19_lut_set_0(bit<16> value) { hdr.res_a[19].w[31:16] = value; }
+    action thc_w19_lut_set_0(bit<16> value) { hdr.res[19].w[31:16] = value; }
     @name("thc_w19.thc_lut_0")
+    @stage(4)
+    @ways(2)
     table thc_w19_lut_0 {
-        key = { hdr.thc.job_id: exact @name("job_id"); hdr.cur[9].idx[15:8]: exact @name("idx"); }
-        actions = { thc_w19_lut_set_0; }
-        default_action = thc_w19_lut_set_0(0);
-        size = THC_LUT_SIZE;
+        key = { meta.p1.lut_job: exact @name("job_index"); hdr.cur[9].idx[15:8]: exact @name("idx"); }
+        actions = { thc_w19_lut_set_0; @defaultonly NoAction; }
+        const default_action = NoAction();
+        size = THC_TNA_LUT_SIZE;
     }
     @name("thc_w19.thc_lut_set_1")
-    action thc_w19_lut_set_1(bit<16> value) { hdr.res_a[19].w[15:0] = value; }
+    action thc_w19_lut_set_1(bit<16> value) { hdr.res[19].w[15:0] = value; }
     @name("thc_w19.thc_lut_1")
+    @stage(5)
+    @ways(2)
     table thc_w19_lut_1 {
-        key = { hdr.thc.job_id: exact @name("job_id"); hdr.cur[9].idx[7:0]: exact @name("idx"); }
-        actions = { thc_w19_lut_set_1; }
-        default_action = thc_w19_lut_set_1(0);
-        size = THC_LUT_SIZE;
+        key = { meta.p1.lut_job: exact @name("job_index"); hdr.cur[9].idx[7:0]: exact @name("idx"); }
+        actions = { thc_w19_lut_set_1; @defaultonly NoAction; }
+        const default_action = NoAction();
+        size = THC_TNA_LUT_SIZE;
     }
     @name("thc_w20.thc_lut_set_0")
-    action thc_w20_lut_set_0(bit<16> value) { hdr.res_b[0].w[31:16] = value; }
+    action thc_w20_lut_set_0(bit<16> value) { hdr.res[20].w[31:16] = value; }
     @name("thc_w20.thc_lut_0")
+    @stage(4)
+    @ways(2)
     table thc_w20_lut_0 {
-        key = { hdr.thc.job_id: exact @name("job_id"); hdr.cur[10].idx[31:24]: exact @name("idx"); }
-        actions = { thc_w20_lut_set_0; }
-        default_action = thc_w20_lut_set_0(0);
-        size = THC_LUT_SIZE;
+        key = { meta.p1.lut_job: exact @name("job_index"); hdr.cur[10].idx[31:24]: exact @name("idx"); }
+        actions = { thc_w20_lut_set_0; @defaultonly NoAction; }
+        const default_action = NoAction();
+        size = THC_TNA_LUT_SIZE;
     }
     @name("thc_w20.thc_lut_set_1")
-    action thc_w20_lut_set_1(bit<16> value) { hdr.res_b[0].w[15:0] = value; }
+    action thc_w20_lut_set_1(bit<16> value) { hdr.res[20].w[15:0] = value; }
     @name("thc_w20.thc_lut_1")
+    @stage(5)
+    @ways(2)
     table thc_w20_lut_1 {
-        key = { hdr.thc.job_id: exact @name("job_id"); hdr.cur[10].idx[23:16]: exact @name("idx"); }
-        actions = { thc_w20_lut_set_1; }
-        default_action = thc_w20_lut_set_1(0);
-        size = THC_LUT_SIZE;
+        key = { meta.p1.lut_job: exact @name("job_index"); hdr.cur[10].idx[23:16]: exact @name("idx"); }
+        actions = { thc_w20_lut_set_1; @defaultonly NoAction; }
+        const default_action = NoAction();
+        size = THC_TNA_LUT_SIZE;
     }
     @name("thc_w21.thc_lut_set_0")
-    action thc_w21_lut_set_0(bit<16> value) { hdr.res_b[1].w[31:16] = value; }
+    action thc_w21_lut_set_0(bit<16> value) { hdr.res[21].w[31:16] = value; }
     @name("thc_w21.thc_lut_0")
+    @stage(5)
+    @ways(2)
     table thc_w21_lut_0 {
-        key = { hdr.thc.job_id: exact @name("job_id"); hdr.cur[10].idx[15:8]: exact @name("idx"); }
-        actions = { thc_w21_lut_set_0; }
-        default_action = thc_w21_lut_set_0(0);
-        size = THC_LUT_SIZE;
+        key = { meta.p1.lut_job: exact @name("job_index"); hdr.cur[10].idx[15:8]: exact @name("idx"); }
+        actions = { thc_w21_lut_set_0; @defaultonly NoAction; }
+        const default_action = NoAction();
+        size = THC_TNA_LUT_SIZE;
     }
     @name("thc_w21.thc_lut_set_1")
-    action thc_w21_lut_set_1(bit<16> value) { hdr.res_b[1].w[15:0] = value; }
+    action thc_w21_lut_set_1(bit<16> value) { hdr.res[21].w[15:0] = value; }
     @name("thc_w21.thc_lut_1")
+    @stage(6)
+    @ways(2)
     table thc_w21_lut_1 {
-        key = { hdr.thc.job_id: exact @name("job_id"); hdr.cur[10].idx[7:0]: exact @name("idx"); }
-        actions = { thc_w21_lut_set_1; }
-        default_action = thc_w21_lut_set_1(0);
-        size = THC_LUT_SIZE;
+        key = { meta.p1.lut_job: exact @name("job_index"); hdr.cur[10].idx[7:0]: exact @name("idx"); }
+        actions = { thc_w21_lut_set_1; @defaultonly NoAction; }
+        const default_action = NoAction();
+        size = THC_TNA_LUT_SIZE;
     }
     @name("thc_w22.thc_lut_set_0")
-    action thc_w22_lut_set_0(bit<16> value) { hdr.res_b[2].w[31:16] = value; }
+    action thc_w22_lut_set_0(bit<16> value) { hdr.res[22].w[31:16] = value; }
     @name("thc_w22.thc_lut_0")
+    @stage(5)
+    @ways(2)
     table thc_w22_lut_0 {
-        key = { hdr.thc.job_id: exact @name("job_id"); hdr.cur[11].idx[31:24]: exact @name("idx"); }
-        actions = { thc_w22_lut_set_0; }
-        default_action = thc_w22_lut_set_0(0);
-        size = THC_LUT_SIZE;
+        key = { meta.p1.lut_job: exact @name("job_index"); hdr.cur[11].idx[31:24]: exact @name("idx"); }
+        actions = { thc_w22_lut_set_0; @defaultonly NoAction; }
+        const default_action = NoAction();
+        size = THC_TNA_LUT_SIZE;
     }
     @name("thc_w22.thc_lut_set_1")
-    action thc_w22_lut_set_1(bit<16> value) { hdr.res_b[2].w[15:0] = value; }
+    action thc_w22_lut_set_1(bit<16> value) { hdr.res[22].w[15:0] = value; }
     @name("thc_w22.thc_lut_1")
+    @stage(6)
+    @ways(2)
     table thc_w22_lut_1 {
-        key = { hdr.thc.job_id: exact @name("job_id"); hdr.cur[11].idx[23:16]: exact @name("idx"); }
-        actions = { thc_w22_lut_set_1; }
-        default_action = thc_w22_lut_set_1(0);
-        size = THC_LUT_SIZE;
+        key = { meta.p1.lut_job: exact @name("job_index"); hdr.cur[11].idx[23:16]: exact @name("idx"); }
+        actions = { thc_w22_lut_set_1; @defaultonly NoAction; }
+        const default_action = NoAction();
+        size = THC_TNA_LUT_SIZE;
     }
     @name("thc_w23.thc_lut_set_0")
-    action thc_w23_lut_set_0(bit<16> value) { hdr.res_b[3].w[31:16] = value; }
+    action thc_w23_lut_set_0(bit<16> value) { hdr.res[23].w[31:16] = value; }
     @name("thc_w23.thc_lut_0")
+    @stage(5)
+    @ways(2)
     table thc_w23_lut_0 {
-        key = { hdr.thc.job_id: exact @name("job_id"); hdr.cur[11].idx[15:8]: exact @name("idx"); }
-        actions = { thc_w23_lut_set_0; }
-        default_action = thc_w23_lut_set_0(0);
-        size = THC_LUT_SIZE;
+        key = { meta.p1.lut_job: exact @name("job_index"); hdr.cur[11].idx[15:8]: exact @name("idx"); }
+        actions = { thc_w23_lut_set_0; @defaultonly NoAction; }
+        const default_action = NoAction();
+        size = THC_TNA_LUT_SIZE;
     }
     @name("thc_w23.thc_lut_set_1")
-    action thc_w23_lut_set_1(bit<16> value) { hdr.res_b[3].w[15:0] = value; }
+    action thc_w23_lut_set_1(bit<16> value) { hdr.res[23].w[15:0] = value; }
     @name("thc_w23.thc_lut_1")
+    @stage(6)
+    @ways(2)
     table thc_w23_lut_1 {
-        key = { hdr.thc.job_id: exact @name("job_id"); hdr.cur[11].idx[7:0]: exact @name("idx"); }
-        actions = { thc_w23_lut_set_1; }
-        default_action = thc_w23_lut_set_1(0);
-        size = THC_LUT_SIZE;
+        key = { meta.p1.lut_job: exact @name("job_index"); hdr.cur[11].idx[7:0]: exact @name("idx"); }
+        actions = { thc_w23_lut_set_1; @defaultonly NoAction; }
+        const default_action = NoAction();
+        size = THC_TNA_LUT_SIZE;
     }
     @name("thc_w24.thc_lut_set_0")
-    action thc_w24_lut_set_0(bit<16> value) { hdr.res_b[4].w[31:16] = value; }
+    action thc_w24_lut_set_0(bit<16> value) { hdr.res[24].w[31:16] = value; }
     @name("thc_w24.thc_lut_0")
+    @stage(5)
+    @ways(2)
     table thc_w24_lut_0 {
-        key = { hdr.thc.job_id: exact @name("job_id"); hdr.cur[12].idx[31:24]: exact @name("idx"); }
-        actions = { thc_w24_lut_set_0; }
-        default_action = thc_w24_lut_set_0(0);
-        size = THC_LUT_SIZE;
+        key = { meta.p1.lut_job: exact @name("job_index"); hdr.cur[12].idx[31:24]: exact @name("idx"); }
+        actions = { thc_w24_lut_set_0; @defaultonly NoAction; }
+        const default_action = NoAction();
+        size = THC_TNA_LUT_SIZE;
     }
     @name("thc_w24.thc_lut_set_1")
-    action thc_w24_lut_set_1(bit<16> value) { hdr.res_b[4].w[15:0] = value; }
+    action thc_w24_lut_set_1(bit<16> value) { hdr.res[24].w[15:0] = value; }
     @name("thc_w24.thc_lut_1")
+    @stage(6)
+    @ways(2)
     table thc_w24_lut_1 {
-        key = { hdr.thc.job_id: exact @name("job_id"); hdr.cur[12].idx[23:16]: exact @name("idx"); }
-        actions = { thc_w24_lut_set_1; }
-        default_action = thc_w24_lut_set_1(0);
-        size = THC_LUT_SIZE;
+        key = { meta.p1.lut_job: exact @name("job_index"); hdr.cur[12].idx[23:16]: exact @name("idx"); }
+        actions = { thc_w24_lut_set_1; @defaultonly NoAction; }
+        const default_action = NoAction();
+        size = THC_TNA_LUT_SIZE;
     }
     @name("thc_w25.thc_lut_set_0")
-    action thc_w25_lut_set_0(bit<16> value) { hdr.res_b[5].w[31:16] = value; }
+    action thc_w25_lut_set_0(bit<16> value) { hdr.res[25].w[31:16] = value; }
     @name("thc_w25.thc_lut_0")
+    @stage(6)
+    @ways(2)
     table thc_w25_lut_0 {
-        key = { hdr.thc.job_id: exact @name("job_id"); hdr.cur[12].idx[15:8]: exact @name("idx"); }
-        actions = { thc_w25_lut_set_0; }
-        default_action = thc_w25_lut_set_0(0);
-        size = THC_LUT_SIZE;
+        key = { meta.p1.lut_job: exact @name("job_index"); hdr.cur[12].idx[15:8]: exact @name("idx"); }
+        actions = { thc_w25_lut_set_0; @defaultonly NoAction; }
+        const default_action = NoAction();
+        size = THC_TNA_LUT_SIZE;
     }
     @name("thc_w25.thc_lut_set_1")
-    action thc_w25_lut_set_1(bit<16> value) { hdr.res_b[5].w[15:0] = value; }
+    action thc_w25_lut_set_1(bit<16> value) { hdr.res[25].w[15:0] = value; }
     @name("thc_w25.thc_lut_1")
+    @stage(7)
+    @ways(2)
     table thc_w25_lut_1 {
-        key = { hdr.thc.job_id: exact @name("job_id"); hdr.cur[12].idx[7:0]: exact @name("idx"); }
-        actions = { thc_w25_lut_set_1; }
-        default_action = thc_w25_lut_set_1(0);
-        size = THC_LUT_SIZE;
+        key = { meta.p1.lut_job: exact @name("job_index"); hdr.cur[12].idx[7:0]: exact @name("idx"); }
+        actions = { thc_w25_lut_set_1; @defaultonly NoAction; }
+        const default_action = NoAction();
+        size = THC_TNA_LUT_SIZE;
     }
     @name("thc_w26.thc_lut_set_0")
-    action thc_w26_lut_set_0(bit<16> value) { hdr.res_b[6].w[31:16] = value; }
+    action thc_w26_lut_set_0(bit<16> value) { hdr.res[26].w[31:16] = value; }
     @name("thc_w26.thc_lut_0")
+    @stage(6)
+    @ways(2)
     table thc_w26_lut_0 {
-        key = { hdr.thc.job_id: exact @name("job_id"); hdr.cur[13].idx[31:24]: exact @name("idx"); }
-        actions = { thc_w26_lut_set_0; }
-        default_action = thc_w26_lut_set_0(0);
-        size = THC_LUT_SIZE;
+        key = { meta.p1.lut_job: exact @name("job_index"); hdr.cur[13].idx[31:24]: exact @name("idx"); }
+        actions = { thc_w26_lut_set_0; @defaultonly NoAction; }
+        const default_action = NoAction();
+        size = THC_TNA_LUT_SIZE;
     }
     @name("thc_w26.thc_lut_set_1")
-    action thc_w26_lut_set_1(bit<16> value) { hdr.res_b[6].w[15:0] = value; }
+    action thc_w26_lut_set_1(bit<16> value) { hdr.res[26].w[15:0] = value; }
     @name("thc_w26.thc_lut_1")
+    @stage(7)
+    @ways(2)
     table thc_w26_lut_1 {
-        key = { hdr.thc.job_id: exact @name("job_id"); hdr.cur[13].idx[23:16]: exact @name("idx"); }
-        actions = { thc_w26_lut_set_1; }
-        default_action = thc_w26_lut_set_1(0);
-        size = THC_LUT_SIZE;
+        key = { meta.p1.lut_job: exact @name("job_index"); hdr.cur[13].idx[23:16]: exact @name("idx"); }
+        actions = { thc_w26_lut_set_1; @defaultonly NoAction; }
+        const default_action = NoAction();
+        size = THC_TNA_LUT_SIZE;
     }
     @name("thc_w27.thc_lut_set_0")
-    action thc_w27_lut_set_0(bit<16> value) { hdr.res_b[7].w[31:16] = value; }
+    action thc_w27_lut_set_0(bit<16> value) { hdr.res[27].w[31:16] = value; }
     @name("thc_w27.thc_lut_0")
+    @stage(6)
+    @ways(2)
     table thc_w27_lut_0 {
-        key = { hdr.thc.job_id: exact @name("job_id"); hdr.cur[13].idx[15:8]: exact @name("idx"); }
-        actions = { thc_w27_lut_set_0; }
-        default_action = thc_w27_lut_set_0(0);
-        size = THC_LUT_SIZE;
+        key = { meta.p1.lut_job: exact @name("job_index"); hdr.cur[13].idx[15:8]: exact @name("idx"); }
+        actions = { thc_w27_lut_set_0; @defaultonly NoAction; }
+        const default_action = NoAction();
+        size = THC_TNA_LUT_SIZE;
     }
     @name("thc_w27.thc_lut_set_1")
-    action thc_w27_lut_set_1(bit<16> value) { hdr.res_b[7].w[15:0] = value; }
+    action thc_w27_lut_set_1(bit<16> value) { hdr.res[27].w[15:0] = value; }
     @name("thc_w27.thc_lut_1")
+    @stage(7)
+    @ways(2)
     table thc_w27_lut_1 {
-        key = { hdr.thc.job_id: exact @name("job_id"); hdr.cur[13].idx[7:0]: exact @name("idx"); }
-        actions = { thc_w27_lut_set_1; }
-        default_action = thc_w27_lut_set_1(0);
-        size = THC_LUT_SIZE;
+        key = { meta.p1.lut_job: exact @name("job_index"); hdr.cur[13].idx[7:0]: exact @name("idx"); }
+        actions = { thc_w27_lut_set_1; @defaultonly NoAction; }
+        const default_action = NoAction();
+        size = THC_TNA_LUT_SIZE;
     }
     @name("thc_w28.thc_lut_set_0")
-    action thc_w28_lut_set_0(bit<16> value) { hdr.res_b[8].w[31:16] = value; }
+    action thc_w28_lut_set_0(bit<16> value) { hdr.res[28].w[31:16] = value; }
     @name("thc_w28.thc_lut_0")
+    @stage(6)
+    @ways(2)
     table thc_w28_lut_0 {
-        key = { hdr.thc.job_id: exact @name("job_id"); hdr.cur[14].idx[31:24]: exact @name("idx"); }
-        actions = { thc_w28_lut_set_0; }
-        default_action = thc_w28_lut_set_0(0);
-        size = THC_LUT_SIZE;
+        key = { meta.p1.lut_job: exact @name("job_index"); hdr.cur[14].idx[31:24]: exact @name("idx"); }
+        actions = { thc_w28_lut_set_0; @defaultonly NoAction; }
+        const default_action = NoAction();
+        size = THC_TNA_LUT_SIZE;
     }
     @name("thc_w28.thc_lut_set_1")
-    action thc_w28_lut_set_1(bit<16> value) { hdr.res_b[8].w[15:0] = value; }
+    action thc_w28_lut_set_1(bit<16> value) { hdr.res[28].w[15:0] = value; }
     @name("thc_w28.thc_lut_1")
+    @stage(7)
+    @ways(2)
     table thc_w28_lut_1 {
-        key = { hdr.thc.job_id: exact @name("job_id"); hdr.cur[14].idx[23:16]: exact @name("idx"); }
-        actions = { thc_w28_lut_set_1; }
-        default_action = thc_w28_lut_set_1(0);
-        size = THC_LUT_SIZE;
+        key = { meta.p1.lut_job: exact @name("job_index"); hdr.cur[14].idx[23:16]: exact @name("idx"); }
+        actions = { thc_w28_lut_set_1; @defaultonly NoAction; }
+        const default_action = NoAction();
+        size = THC_TNA_LUT_SIZE;
     }
     @name("thc_w29.thc_lut_set_0")
-    action thc_w29_lut_set_0(bit<16> value) { hdr.res_b[9].w[31:16] = value; }
+    action thc_w29_lut_set_0(bit<16> value) { hdr.res[29].w[31:16] = value; }
     @name("thc_w29.thc_lut_0")
+    @stage(7)
+    @ways(2)
     table thc_w29_lut_0 {
-        key = { hdr.thc.job_id: exact @name("job_id"); hdr.cur[14].idx[15:8]: exact @name("idx"); }
-        actions = { thc_w29_lut_set_0; }
-        default_action = thc_w29_lut_set_0(0);
-        size = THC_LUT_SIZE;
+        key = { meta.p1.lut_job: exact @name("job_index"); hdr.cur[14].idx[15:8]: exact @name("idx"); }
+        actions = { thc_w29_lut_set_0; @defaultonly NoAction; }
+        const default_action = NoAction();
+        size = THC_TNA_LUT_SIZE;
     }
     @name("thc_w29.thc_lut_set_1")
-    action thc_w29_lut_set_1(bit<16> value) { hdr.res_b[9].w[15:0] = value; }
+    action thc_w29_lut_set_1(bit<16> value) { hdr.res[29].w[15:0] = value; }
     @name("thc_w29.thc_lut_1")
+    @stage(8)
+    @ways(2)
     table thc_w29_lut_1 {
-        key = { hdr.thc.job_id: exact @name("job_id"); hdr.cur[14].idx[7:0]: exact @name("idx"); }
-        actions = { thc_w29_lut_set_1; }
-        default_action = thc_w29_lut_set_1(0);
-        size = THC_LUT_SIZE;
+        key = { meta.p1.lut_job: exact @name("job_index"); hdr.cur[14].idx[7:0]: exact @name("idx"); }
+        actions = { thc_w29_lut_set_1; @defaultonly NoAction; }
+        const default_action = NoAction();
+        size = THC_TNA_LUT_SIZE;
     }
     @name("thc_w30.thc_lut_set_0")
-    action thc_w30_lut_set_0(bit<16> value) { hdr.res_b[10].w[31:16] = value; }
+    action thc_w30_lut_set_0(bit<16> value) { hdr.res[30].w[31:16] = value; }
     @name("thc_w30.thc_lut_0")
+    @stage(7)
+    @ways(2)
     table thc_w30_lut_0 {
-        key = { hdr.thc.job_id: exact @name("job_id"); hdr.cur[15].idx[31:24]: exact @name("idx"); }
-        actions = { thc_w30_lut_set_0; }
-        default_action = thc_w30_lut_set_0(0);
-        size = THC_LUT_SIZE;
+        key = { meta.p1.lut_job: exact @name("job_index"); hdr.cur[15].idx[31:24]: exact @name("idx"); }
+        actions = { thc_w30_lut_set_0; @defaultonly NoAction; }
+        const default_action = NoAction();
+        size = THC_TNA_LUT_SIZE;
     }
     @name("thc_w30.thc_lut_set_1")
-    action thc_w30_lut_set_1(bit<16> value) { hdr.res_b[10].w[15:0] = value; }
+    action thc_w30_lut_set_1(bit<16> value) { hdr.res[30].w[15:0] = value; }
     @name("thc_w30.thc_lut_1")
+    @stage(8)
+    @ways(2)
     table thc_w30_lut_1 {
-        key = { hdr.thc.job_id: exact @name("job_id"); hdr.cur[15].idx[23:16]: exact @name("idx"); }
-        actions = { thc_w30_lut_set_1; }
-        default_action = thc_w30_lut_set_1(0);
-        size = THC_LUT_SIZE;
+        key = { meta.p1.lut_job: exact @name("job_index"); hdr.cur[15].idx[23:16]: exact @name("idx"); }
+        actions = { thc_w30_lut_set_1; @defaultonly NoAction; }
+        const default_action = NoAction();
+        size = THC_TNA_LUT_SIZE;
     }
     @name("thc_w31.thc_lut_set_0")
-    action thc_w31_lut_set_0(bit<16> value) { hdr.res_b[11].w[31:16] = value; }
+    action thc_w31_lut_set_0(bit<16> value) { hdr.res[31].w[31:16] = value; }
     @name("thc_w31.thc_lut_0")
+    @stage(7)
+    @ways(2)
     table thc_w31_lut_0 {
-        key = { hdr.thc.job_id: exact @name("job_id"); hdr.cur[15].idx[15:8]: exact @name("idx"); }
-        actions = { thc_w31_lut_set_0; }
-        default_action = thc_w31_lut_set_0(0);
-        size = THC_LUT_SIZE;
+        key = { meta.p1.lut_job: exact @name("job_index"); hdr.cur[15].idx[15:8]: exact @name("idx"); }
+        actions = { thc_w31_lut_set_0; @defaultonly NoAction; }
+        const default_action = NoAction();
+        size = THC_TNA_LUT_SIZE;
     }
     @name("thc_w31.thc_lut_set_1")
-    action thc_w31_lut_set_1(bit<16> value) { hdr.res_b[11].w[15:0] = value; }
+    action thc_w31_lut_set_1(bit<16> value) { hdr.res[31].w[15:0] = value; }
     @name("thc_w31.thc_lut_1")
+    @stage(8)
+    @ways(2)
     table thc_w31_lut_1 {
-        key = { hdr.thc.job_id: exact @name("job_id"); hdr.cur[15].idx[7:0]: exact @name("idx"); }
-        actions = { thc_w31_lut_set_1; }
-        default_action = thc_w31_lut_set_1(0);
-        size = THC_LUT_SIZE;
-    }
-    @name("thc_w32.thc_lut_set_0")
-    action thc_w32_lut_set_0(bit<16> value) { hdr.res_b[12].w[31:16] = value; }
-    @name("thc_w32.thc_lut_0")
-    table thc_w32_lut_0 {
-        key = { hdr.thc.job_id: exact @name("job_id"); hdr.cur[16].idx[31:24]: exact @name("idx"); }
-        actions = { thc_w32_lut_set_0; }
-        default_action = thc_w32_lut_set_0(0);
-        size = THC_LUT_SIZE;
-    }
-    @name("thc_w32.thc_lut_set_1")
-    action thc_w32_lut_set_1(bit<16> value) { hdr.res_b[12].w[15:0] = value; }
-    @name("thc_w32.thc_lut_1")
-    table thc_w32_lut_1 {
-        key = { hdr.thc.job_id: exact @name("job_id"); hdr.cur[16].idx[23:16]: exact @name("idx"); }
-        actions = { thc_w32_lut_set_1; }
-        default_action = thc_w32_lut_set_1(0);
-        size = THC_LUT_SIZE;
-    }
-    @name("thc_w33.thc_lut_set_0")
-    action thc_w33_lut_set_0(bit<16> value) { hdr.res_b[13].w[31:16] = value; }
-    @name("thc_w33.thc_lut_0")
-    table thc_w33_lut_0 {
-        key = { hdr.thc.job_id: exact @name("job_id"); hdr.cur[16].idx[15:8]: exact @name("idx"); }
-        actions = { thc_w33_lut_set_0; }
-        default_action = thc_w33_lut_set_0(0);
-        size = THC_LUT_SIZE;
-    }
-    @name("thc_w33.thc_lut_set_1")
-    action thc_w33_lut_set_1(bit<16> value) { hdr.res_b[13].w[15:0] = value; }
-    @name("thc_w33.thc_lut_1")
-    table thc_w33_lut_1 {
-        key = { hdr.thc.job_id: exact @name("job_id"); hdr.cur[16].idx[7:0]: exact @name("idx"); }
-        actions = { thc_w33_lut_set_1; }
-        default_action = thc_w33_lut_set_1(0);
-        size = THC_LUT_SIZE;
-    }
-    @name("thc_w34.thc_lut_set_0")
-    action thc_w34_lut_set_0(bit<16> value) { hdr.res_b[14].w[31:16] = value; }
-    @name("thc_w34.thc_lut_0")
-    table thc_w34_lut_0 {
-        key = { hdr.thc.job_id: exact @name("job_id"); hdr.cur[17].idx[31:24]: exact @name("idx"); }
-        actions = { thc_w34_lut_set_0; }
-        default_action = thc_w34_lut_set_0(0);
-        size = THC_LUT_SIZE;
-    }
-    @name("thc_w34.thc_lut_set_1")
-    action thc_w34_lut_set_1(bit<16> value) { hdr.res_b[14].w[15:0] = value; }
-    @name("thc_w34.thc_lut_1")
-    table thc_w34_lut_1 {
-        key = { hdr.thc.job_id: exact @name("job_id"); hdr.cur[17].idx[23:16]: exact @name("idx"); }
-        actions = { thc_w34_lut_set_1; }
-        default_action = thc_w34_lut_set_1(0);
-        size = THC_LUT_SIZE;
-    }
-    @name("thc_w35.thc_lut_set_0")
-    action thc_w35_lut_set_0(bit<16> value) { hdr.res_b[15].w[31:16] = value; }
-    @name("thc_w35.thc_lut_0")
-    table thc_w35_lut_0 {
-        key = { hdr.thc.job_id: exact @name("job_id"); hdr.cur[17].idx[15:8]: exact @name("idx"); }
-        actions = { thc_w35_lut_set_0; }
-        default_action = thc_w35_lut_set_0(0);
-        size = THC_LUT_SIZE;
-    }
-    @name("thc_w35.thc_lut_set_1")
-    action thc_w35_lut_set_1(bit<16> value) { hdr.res_b[15].w[15:0] = value; }
-    @name("thc_w35.thc_lut_1")
-    table thc_w35_lut_1 {
-        key = { hdr.thc.job_id: exact @name("job_id"); hdr.cur[17].idx[7:0]: exact @name("idx"); }
-        actions = { thc_w35_lut_set_1; }
-        default_action = thc_w35_lut_set_1(0);
-        size = THC_LUT_SIZE;
-    }
-    bit<16> thc_w36_hi = 0;
-    bit<16> thc_w36_lo = 0;
-    @name("thc_w36.thc_lut_set_0")
-    action thc_w36_lut_set_0(bit<16> value) { thc_w36_hi = value; }
-    @name("thc_w36.thc_lut_0")
-    table thc_w36_lut_0 {
-        key = { hdr.thc.job_id: exact @name("job_id"); hdr.cur[18].idx[31:24]: exact @name("idx"); }
-        actions = { thc_w36_lut_set_0; }
-        default_action = thc_w36_lut_set_0(0);
-        size = THC_LUT_SIZE;
-    }
-    @name("thc_w36.thc_lut_set_1")
-    action thc_w36_lut_set_1(bit<16> value) { thc_w36_lo = value; }
-    @name("thc_w36.thc_lut_1")
-    table thc_w36_lut_1 {
-        key = { hdr.thc.job_id: exact @name("job_id"); hdr.cur[18].idx[23:16]: exact @name("idx"); }
-        actions = { thc_w36_lut_set_1; }
-        default_action = thc_w36_lut_set_1(0);
-        size = THC_LUT_SIZE;
-    }
-    bit<16> thc_w37_hi = 0;
-    bit<16> thc_w37_lo = 0;
-    @name("thc_w37.thc_lut_set_0")
-    action thc_w37_lut_set_0(bit<16> value) { thc_w37_hi = value; }
-    @name("thc_w37.thc_lut_0")
-    table thc_w37_lut_0 {
-        key = { hdr.thc.job_id: exact @name("job_id"); hdr.cur[18].idx[15:8]: exact @name("idx"); }
-        actions = { thc_w37_lut_set_0; }
-        default_action = thc_w37_lut_set_0(0);
-        size = THC_LUT_SIZE;
-    }
-    @name("thc_w37.thc_lut_set_1")
-    action thc_w37_lut_set_1(bit<16> value) { thc_w37_lo = value; }
-    @name("thc_w37.thc_lut_1")
-    table thc_w37_lut_1 {
-        key = { hdr.thc.job_id: exact @name("job_id"); hdr.cur[18].idx[7:0]: exact @name("idx"); }
-        actions = { thc_w37_lut_set_1; }
-        default_action = thc_w37_lut_set_1(0);
-        size = THC_LUT_SIZE;
-    }
-    bit<16> thc_w38_hi = 0;
-    bit<16> thc_w38_lo = 0;
-    @name("thc_w38.thc_lut_set_0")
-    action thc_w38_lut_set_0(bit<16> value) { thc_w38_hi = value; }
-    @name("thc_w38.thc_lut_0")
-    table thc_w38_lut_0 {
-        key = { hdr.thc.job_id: exact @name("job_id"); hdr.cur[19].idx[31:24]: exact @name("idx"); }
-        actions = { thc_w38_lut_set_0; }
-        default_action = thc_w38_lut_set_0(0);
-        size = THC_LUT_SIZE;
-    }
-    @name("thc_w38.thc_lut_set_1")
-    action thc_w38_lut_set_1(bit<16> value) { thc_w38_lo = value; }
-    @name("thc_w38.thc_lut_1")
-    table thc_w38_lut_1 {
-        key = { hdr.thc.job_id: exact @name("job_id"); hdr.cur[19].idx[23:16]: exact @name("idx"); }
-        actions = { thc_w38_lut_set_1; }
-        default_action = thc_w38_lut_set_1(0);
-        size = THC_LUT_SIZE;
-    }
-    bit<16> thc_w39_hi = 0;
-    bit<16> thc_w39_lo = 0;
-    @name("thc_w39.thc_lut_set_0")
-    action thc_w39_lut_set_0(bit<16> value) { thc_w39_hi = value; }
-    @name("thc_w39.thc_lut_0")
-    table thc_w39_lut_0 {
-        key = { hdr.thc.job_id: exact @name("job_id"); hdr.cur[19].idx[15:8]: exact @name("idx"); }
-        actions = { thc_w39_lut_set_0; }
-        default_action = thc_w39_lut_set_0(0);
-        size = THC_LUT_SIZE;
-    }
-    @name("thc_w39.thc_lut_set_1")
-    action thc_w39_lut_set_1(bit<16> value) { thc_w39_lo = value; }
-    @name("thc_w39.thc_lut_1")
-    table thc_w39_lut_1 {
-        key = { hdr.thc.job_id: exact @name("job_id"); hdr.cur[19].idx[7:0]: exact @name("idx"); }
-        actions = { thc_w39_lut_set_1; }
-        default_action = thc_w39_lut_set_1(0);
-        size = THC_LUT_SIZE;
+        key = { meta.p1.lut_job: exact @name("job_index"); hdr.cur[15].idx[7:0]: exact @name("idx"); }
+        actions = { thc_w31_lut_set_1; @defaultonly NoAction; }
+        const default_action = NoAction();
+        size = THC_TNA_LUT_SIZE;
     }

@@ -87,7 +87,7 @@ def test_job_entries_from_the_committed_p4info():
     sw = Switch.offline()
     assert sw.lanes == P.LANES
     job = _job().validate()
-    lut = jobs.lut_entries(sw, job)
+    lut = jobs.lut_entries(sw, job, 3)
     assert len(lut) == P.LANES // bmv2_target.GROUP_LANES * bmv2_target.GROUP_BYTES * 256
     e = jobs.job_entry(sw, job, 3, epoch=0xDEADBEEF)
     assert sw.param_values(e) == {"job_index": 3, "n_workers": 3, "pool_base": 0,
