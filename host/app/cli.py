@@ -18,6 +18,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "controller": ("controller.cli", "program a BMv2 or Tofino switch over P4Runtime"),
     "model": ("host.app.perfmodel", "iteration-time model: when does compression pay?"),
     "run": ("thcnet.mainjob", "the main job: train a model with FP32, THC and TopK, compare"),
+    "sweep": ("thcnet.sweep", "the main job at several link bandwidths: where THC stops "
+                              "paying, measured and modelled"),
     "faults": ("thcnet.faults", "the fault matrix: exact sums under loss, restarts, ... "
                                 "(docs/faults.md)"),
 }
