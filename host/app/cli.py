@@ -16,7 +16,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("host.bench.cli", "benchmarks: codec, aggregator, switch, allreduce"),
     "aggregator": ("host.net.aggregator", "run the software aggregator (THC's parameter server)"),
     "controller": ("controller.cli", "program a BMv2 or Tofino switch over P4Runtime"),
-    "model": ("host.app.perfmodel", "iteration-time model: when does compression pay?"),
+    "model": ("host.app.modelcmd", "iteration-time model: when does compression pay?"),
     "run": ("thcnet.mainjob", "the main job: train a model with FP32, THC and TopK, compare"),
     "sweep": ("thcnet.sweep", "the main job at several link bandwidths: where THC stops "
                               "paying, measured and modelled"),
