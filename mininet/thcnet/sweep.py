@@ -7,8 +7,9 @@ bounded number of steps (``--steps``: the first ``steps x workers x batch`` trai
 one pass), through the main job's own per-mode runner, so the runs are the main job's runs.
 Each run records its steady-state seconds a step (first evaluation to last, as ``thc model
 --calibrate`` reads them), its accuracy at every evaluation and the bytes on the worker
-links; each point its time to FP32's final accuracy minus one point (the main job's target,
-at that bandwidth; a bounded run reaches it or not, and says so). The modes of one
+links; each point its time to an accuracy (``--target``, else FP32's final accuracy minus one
+point at that bandwidth, the main job's target; a bounded run reaches it or not, and the
+table says how many points did). The modes of one
 bandwidth run back to back, so a load that comes and goes hits them alike; the load average
 before every run is recorded with it.
 
@@ -35,7 +36,7 @@ from host.app.argtypes import positive_int
 from host.app.breakeven import analyse
 from host.app.datasets import fashion_dir
 from thcnet import mainjob
-from thcnet.mainreport import summarize
+from thcnet.mainreport import summarize, time_to
 from thcnet.sweepreport import markdown, plot
 from thcnet.testbed import mininet_unavailable_reason
 
@@ -56,6 +57,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch", type=positive_int, default=128, help="per-worker batch size")
     parser.add_argument("--data", default="fashion-mnist", choices=("fashion-mnist", "digits"))
     parser.add_argument("--width", type=int, default=None, help="model width (main job's)")
+    parser.add_argument("--target", type=float, default=None,
+                        help="accuracy of the time-to-accuracy figures (default: FP32's final "
+                             "accuracy minus one point at each bandwidth, the main job's)")
     parser.add_argument("--timeout", type=float, default=600.0, help="limit a run, seconds")
     parser.add_argument("--agg-pps", type=float, default=86e3,
                         help="software aggregator packets/s for the model (thc bench "
@@ -119,9 +123,11 @@ def _job_args(args: argparse.Namespace, bw: float) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def _tta(runs: list[dict]) -> dict:
-    """Each mode's training seconds to FP32's final accuracy minus one point (the main
-    job's target; None where FP32 did not run or the mode never got there)."""
+def _tta(runs: list[dict], target: float | None) -> dict:
+    """Each mode's training seconds to ``target`` accuracy, else to FP32's final accuracy
+    minus one point (the main job's target); None where the mode never got there."""
+    if target is not None:
+        return {r["mode"]: time_to(r["history"], target) for r in runs}
     rows = summarize(runs, 1.0)["rows"]
     return {row["mode"]: row.get("tta_fp32_minus_1pt") for row in rows}
 
@@ -161,7 +167,7 @@ def sweep(args: argparse.Namespace, bws: list[float], modes: list[str], path: Pa
                   f"{run['train_seconds'] / h[-1]['steps']:.3f} s a step, accuracy "
                   f"{run['final_accuracy']:.4f}", flush=True)
             point["runs"].append(run)
-        point["tta_s"] = _tta(point["runs"])
+        point["tta_s"] = _tta(point["runs"], args.target)
         data["points"].append(point)
         path.write_text(json.dumps(data, indent=1))
     params = next((r["params"] for p in data["points"] for r in p["runs"]), None)
@@ -208,6 +214,10 @@ def run(args: argparse.Namespace) -> int:
     if thc is None:
         print("thc sweep: no THC mode swept: no break-even to compute")
         return 1 if data["failed"] else 0
+    for p in data["points"]:
+        p["tta_s"] = _tta(p["runs"], args.target)
+    data["tta_target"] = ("FP32's final accuracy minus one point" if args.target is None
+                          else f"accuracy {args.target:g}")
     baselines = tuple(m for m in ("fp32", "fp16") if m in data["modes"])
     data["analysis"] = analyse(data, thc, baselines, args.agg_pps)
     print()
