@@ -10,7 +10,8 @@ fix its zero; interpolating in BW itself would bias it towards the higher bandwi
 Predicted: the performance model fed the sweep's own figures (its calibrated inputs):
 compute a step and THC's codec seconds a step as the THC runs' hooks measured them, the
 FP16 cast as timed beside the sweep, and alpha (per-message cost) and the link efficiency
-fitted to the FP32 points alone (a least-squares line of step time against 1/BW). FP16's
+fitted to the FP32 points alone (a least-squares line of step time against 1/BW, relative
+residuals). FP16's
 and THC's step times, and so every break-even, are then predictions; FP32's are fitted.
 """
 from __future__ import annotations
@@ -80,7 +81,9 @@ def _point_report(point: dict, args: dict) -> dict:
 def fit_links(sweep: dict, agg_pps: float) -> tuple[float, float]:
     """(alpha seconds, link efficiency) of the least-squares line through the FP32 points:
     step = alpha x messages + wire bytes / (efficiency x BW), the two terms as the model
-    counts them at each point's bandwidth."""
+    counts them at each point's bandwidth. Residuals are relative (weights 1/step^2): the
+    step times span an order of magnitude, and absolute ones would let the slowest link
+    settle alpha, which the fast links, where the break-even lies, depend on."""
     rows = []
     for point in sweep["points"]:
         fp32 = next((r for r in point["runs"] if r["mode"] == "fp32"), None)
@@ -93,11 +96,12 @@ def fit_links(sweep: dict, agg_pps: float) -> tuple[float, float]:
         rows.append((msgs, wire, step_seconds(fp32)))
     if len({round(w, 12) for _, w, _ in rows}) < 2:
         raise ValueError("the fit needs FP32 at two bandwidths or more")
-    saa = sum(a * a for a, _, _ in rows)
-    sab = sum(a * b for a, b, _ in rows)
-    sbb = sum(b * b for _, b, _ in rows)
-    sat = sum(a * t for a, _, t in rows)
-    sbt = sum(b * t for _, b, t in rows)
+    w = [1.0 / (t * t) for _, _, t in rows]
+    saa = sum(wi * a * a for wi, (a, _, _) in zip(w, rows))
+    sab = sum(wi * a * b for wi, (a, b, _) in zip(w, rows))
+    sbb = sum(wi * b * b for wi, (_, b, _) in zip(w, rows))
+    sat = sum(wi * a * t for wi, (a, _, t) in zip(w, rows))
+    sbt = sum(wi * b * t for wi, (_, b, t) in zip(w, rows))
     det = saa * sbb - sab * sab
     alpha = (sat * sbb - sbt * sab) / det
     inv_eff = (saa * sbt - sab * sat) / det

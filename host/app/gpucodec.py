@@ -89,7 +89,7 @@ def run(path: str, base: Setup) -> int:
         print(f"thc model --gpu-codec: {path}: {e}")
         return 2
     n = speeds["elements"]
-    print(f"codec measured in {path}: {speeds['device_name']} ({speeds['device']}), "
+    print(f"codec figures from {path}: {speeds['device_name']} ({speeds['device']}), "
           f"{speeds['row']} at {n} elements (2^{math.log2(n):.1f}): "
           f"{speeds['codec_mbps']:.0f} MB/s of float32; FP16 round trip "
           + (f"{speeds['fp16_mbps']:.0f} MB/s" if speeds["fp16_mbps"] else

@@ -183,6 +183,7 @@ def run(args: argparse.Namespace) -> int:
     plot_path = Path(args.plot) if args.plot else out / "sweep.png"
     if args.report:
         data = json.loads(Path(args.report).read_text())
+        data["analysed_by"] = "thc sweep " + " ".join(map(shlex.quote, sys.argv[2:]))
     else:
         try:
             bws = sorted({float(x) for x in args.bw.split(",") if x.strip()})

@@ -31,7 +31,9 @@ def markdown(data: dict) -> str:
              f"{first['dataset']}, {first['params'] / 1e6:.2f}M parameters, "
              f"{data['args']['workers']} workers in Mininet, {data['steps']} steps a run "
              f"(batch {data['args']['batch']} a worker). Seconds a step: steady state, first "
-             f"evaluation to last.", ""]
+             f"evaluation to last."
+             + (f" Analysed by `{data['analysed_by']}`." if data.get("analysed_by") else ""),
+             ""]
     head = (["Mbit/s"] + [f"{_label(x)} ms/step" for x in data["modes"]]
             + [f"{_label(x)}/{_label(mode)}" for x in others]
             + [f"model {_label(x)} ms" for x in data["modes"]]
@@ -48,6 +50,7 @@ def markdown(data: dict) -> str:
             [f"{row['bw_mbit']:g}"] + [_ms(meas.get(x)) for x in data["modes"]] + ratios
             + [_ms(pred.get(x)) for x in data["modes"]] + [mb, "-" if load is None else f"{load:.2f}"])
             + " |")
+    lines += ["", *_split(data, mode)]
     lines += ["", f"Model inputs, calibrated on this sweep: compute {1e3 * m['compute_s']:.0f} ms "
               f"a step and codec {1e3 * m['codec_s']:.0f} ms a step (the THC runs' hooks), "
               f"FP16 cast {_ms(m['fp16_cast_s'])} ms, alpha {1e3 * m['alpha_s']:.2f} ms and "
@@ -67,6 +70,27 @@ def markdown(data: dict) -> str:
                      f"({be['tta_points']} of {len(a['points'])} points: both reached "
                      f"{data.get('tta_target', 'the target')}) |")
     return "\n".join(lines)
+
+
+def _split(data: dict, mode: str) -> list[str]:
+    """Where a step of ``mode`` goes at each bandwidth, as its hook measured it (whole run,
+    first steps included): the time the step did not wait for communication (the model's
+    compute), the time it waited (from the last bucket handed over to the last reduced), and
+    the codec's seconds, which fall in both (buckets encoded while backward went on, and the
+    last bucket's after it)."""
+    lines = [f"| Mbit/s | {_label(mode)} ms a step (whole run) | not waiting ms | waiting for "
+             f"communication ms | codec ms (within both) |", "|---|---|---|---|---|"]
+    for p in data["points"]:
+        run = next((r for r in p["runs"] if r["mode"] == mode), None)
+        if run is None:
+            continue
+        last = run["history"][-1]
+        n = last["steps"]
+        exposed = last.get("exposed_comm_seconds") or 0.0
+        lines.append(f"| {p['bw_mbit']:g} | {_ms(run['train_seconds'] / n)} | "
+                     f"{_ms((run['train_seconds'] - exposed) / n)} | {_ms(exposed / n)} | "
+                     f"{_ms((last.get('codec_seconds') or 0.0) / n)} |")
+    return lines
 
 
 def plot(data: dict, path: Path) -> None:
