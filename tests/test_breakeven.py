@@ -114,28 +114,29 @@ def test_measured_and_predicted_break_even_against_hand_figures():
 @pytest.mark.slow
 @pytest.mark.mininet
 def test_sweep_command_runs_small_on_mininet(tmp_path):
-    """Two bandwidths, FP32 and THC, 2 workers, 4 steps of the digits CNN: the JSON holds
-    every run on shaped links and the analysis of them, the plot is written."""
+    """Two bandwidths, FP32, FP16 and THC, 2 workers, 4 steps of the digits CNN: the JSON
+    holds every run on shaped links (FP16 moving half FP32's bytes, THC far fewer) and the
+    analysis of them, the plot is written."""
     from thcnet.testbed import mininet_unavailable_reason
     if why := mininet_unavailable_reason("sharded"):
         pytest.skip(f"the sweep shapes links with Mininet: {why}")
     out = subprocess.run(
         [sys.executable, "-m", "host.app.cli", "sweep", "--bw", "100,1000", "--modes",
-         "fp32,thc", "--steps", "4", "--evals", "2", "--workers", "2", "--batch", "32",
+         "fp32,fp16,thc", "--steps", "4", "--evals", "2", "--workers", "2", "--batch", "32",
          "--data", "digits", "--out", str(tmp_path)],
         capture_output=True, text=True, timeout=400)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     data = json.loads((tmp_path / "sweep.json").read_text())
     assert [p["bw_mbit"] for p in data["points"]] == [100.0, 1000.0]
     for p in data["points"]:
-        assert [r["mode"] for r in p["runs"]] == ["fp32", "thc"]
-        for r in p["runs"]:
+        runs = {r["mode"]: r for r in p["runs"]}
+        assert list(runs) == ["fp32", "fp16", "thc"]
+        for r in runs.values():
             assert r["testbed"] == "mininet" and r["history"][-1]["steps"] == 4
-            assert r["wire_bytes"] > 0
-    fp32 = [p["runs"][0]["wire_bytes"] for p in data["points"]]
-    thc = [p["runs"][1]["wire_bytes"] for p in data["points"]]
-    assert min(fp32) > 2 * max(thc)
-    be = data["analysis"]["break_even"]["fp32"]
-    assert be["measured"]["relation"] in ("between", "above", "below")
+        assert 0.4 < runs["fp16"]["wire_bytes"] / runs["fp32"]["wire_bytes"] < 0.6
+        assert runs["fp32"]["wire_bytes"] > 2 * runs["thc"]["wire_bytes"] > 0
+    for base in ("fp32", "fp16"):
+        be = data["analysis"]["break_even"][base]
+        assert be["measured"]["relation"] in ("between", "above", "below")
     assert "| FP32 |" in out.stdout and data["fp16_cast_s"] > 0
     assert (tmp_path / "sweep.png").stat().st_size > 10_000
