@@ -45,13 +45,15 @@ DEFAULT_MODES = "fp32,fp16,thc"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--bw", default=DEFAULT_BW, help="link bandwidths, Mbit/s")
+    parser.add_argument("--bw", default=DEFAULT_BW,
+                        help=f"link bandwidths, Mbit/s (default {DEFAULT_BW})")
     parser.add_argument("--modes", default=DEFAULT_MODES,
-                        help="main-job modes; the first THC mode is the one whose break-even "
-                             "is computed against fp32 and fp16")
+                        help=f"main-job modes (default {DEFAULT_MODES}); the first THC mode "
+                             f"is the one whose break-even is computed against fp32 and fp16")
     parser.add_argument("--workers", type=positive_int, default=4)
     parser.add_argument("--steps", type=positive_int, default=40,
-                        help="training steps a run (bounds the sweep's time)")
+                        help="training steps a run (default 40; bounds the sweep's time: 15 "
+                             "runs of 40 steps took 9.4 minutes on 2 cores)")
     parser.add_argument("--evals", type=positive_int, default=4,
                         help="evaluations a run (step time: first to last; at least 2)")
     parser.add_argument("--batch", type=positive_int, default=128, help="per-worker batch size")
