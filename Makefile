@@ -11,7 +11,7 @@ P4SRC  := p4src
 P4OUT  := $(P4SRC)/build
 WORKERS ?= 4
 
-.PHONY: setup system-deps test fuzz run run-bmv2 p4 p4-check p4-tofino bench mininet faults clean
+.PHONY: setup system-deps test fuzz run run-bmv2 sweep p4 p4-check p4-tofino bench mininet faults clean
 
 setup: $(STAMP)
 
@@ -51,7 +51,12 @@ run: system-deps setup
 
 # FP32, THC through the software shards and THC through BMv2, every mode for every epoch.
 run-bmv2: system-deps setup
-	$(PY) -m thc.app.cli run --workers $(WORKERS) --modes fp32,thc,thc-bmv2 --bmv2-steps all
+	$(PY) -m thc.cli run --workers $(WORKERS) --modes fp32,thc,thc-bmv2 --bmv2-steps all
+
+# The main job at 50-1000 Mbit/s with FP32, FP16 and THC (Mininet, root): where THC stops
+# paying, measured and modelled (docs/results.md).
+sweep: system-deps setup
+	$(PY) -m thc.cli sweep --workers $(WORKERS) --out out/sweep $(SWEEP_ARGS)
 
 bench: setup
 	$(PY) -m thc.cli bench codec --json out/bench_codec.json

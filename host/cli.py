@@ -30,8 +30,10 @@ COMMANDS: dict[str, tuple[str | dict, str]] = {
     "bench": (BENCHES, "benchmarks: codec, aggregator, switch, allreduce"),
     "aggregator": ("thc.net.aggregator", "run the software aggregator (THC's parameter server)"),
     "controller": ("thc.controller.cli", "program a BMv2 or Tofino switch over P4Runtime"),
-    "model": ("thc.app.perfmodel", "iteration-time model: when does compression pay?"),
+    "model": ("thc.app.modelcmd", "iteration-time model: when does compression pay?"),
     "run": ("thc.emu.mainjob", "the main job: train a model with FP32, THC and TopK, compare"),
+    "sweep": ("thc.emu.sweep", "the main job at several link bandwidths: where THC stops "
+                               "paying, measured and modelled"),
     "faults": ("thc.emu.faults", "the fault matrix: exact sums under loss, restarts, ... "
                                 "(docs/faults.md)"),
 }

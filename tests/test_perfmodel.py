@@ -44,6 +44,18 @@ def test_marsit_moves_a_bit_per_coordinate():
     assert t["fp32_ring"] == pytest.approx(32 * t["marsit_ring"])
 
 
+def test_fp16_moves_two_bytes_a_coordinate_and_pays_its_cast():
+    # 1M coordinates, 4 workers at 8 Gbit/s (1 GB/s), no latency, no compute: the ring moves
+    # 2 x 2 MB x 3/4 = 3 ms; the cast of 4 MB of float32 at 1000 MB/s adds 4 ms.
+    s = Setup(params=1e6, workers=4, bandwidth_gbps=8.0, latency_us=0.0, compute_s=0.0,
+              fp16_mbps=1000.0)
+    t = iteration_s(s)
+    assert t["fp16_ring"] == pytest.approx(0.003 + 0.004)
+    assert t["fp32_ring"] == pytest.approx(0.006)
+    # at a low enough bandwidth FP16 beats FP32, above it the cast costs more than it saves
+    assert break_even_gbps(s, "fp16_ring") == pytest.approx(8 * 3e6 / 4e-3 / 1e9, rel=1e-6)
+
+
 def test_calibration_fits_figures_computed_by_hand():
     """A report whose step times are worked out here from the ring formula (not by the
     model): 200k parameters (one DDP bucket), 4 workers, 100 Mbit/s at efficiency 0.8

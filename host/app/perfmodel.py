@@ -6,6 +6,7 @@ workers costs 2*alpha*(p-1) + 2*b*(p-1)/(p*BW), alpha paid once per message and 
 bucket (``buckets``: DDP's 1 MB first bucket, then 25 MB ones). Schemes:
 
 - FP32: one ring all-reduce of 4 bytes a coordinate.
+- FP16: the same of 2 bytes a coordinate, plus the cast to half and back (``fp16_mbps``).
 - THC over all-reduce: a MAX all-reduce of the norms and one of the sums (sum_bits/8 bytes).
 - THC through a switch or the software aggregator: each worker streams its chunks once and
   receives the sums once, full duplex; the round takes the slowest of the worker's link, the
@@ -64,6 +65,9 @@ class Setup:
     overlap: float = 1.05
     codec_mbps: float = 270.0
     """THC encode + decode throughput per worker (MB of float32 per second; `thc bench codec`)."""
+    fp16_mbps: float = float("inf")
+    """FP16's cast down and back, MB of float32 per second (`thc bench codec`'s fp16 round
+    trip); inf leaves it out."""
     lanes: int = P.LANES
     granularity: int = 30
     buckets: int = 1
@@ -160,6 +164,8 @@ def iteration_s(s: Setup) -> dict[str, float]:
     k = s.topk_ratio * s.params
     return {
         "fp32_ring": max(compute, ring_allreduce_s(4 * s.params, s)),
+        "fp16_ring": max(compute, ring_allreduce_s(2 * s.params, s))
+        + 4 * s.params / (s.fp16_mbps * 1e6),
         "thc_switch": max(compute, max_round + lossy_s(thc_agg, packets, s, 0.0)) + codec,
         "thc_switch_dlcp": max(compute, max_round + lossy_s(thc_agg, packets, s, s.loss_bound))
         + codec,
@@ -171,15 +177,18 @@ def iteration_s(s: Setup) -> dict[str, float]:
     }
 
 
-MODE_SCHEME = {"fp32": "fp32_ring", "thc": "thc_switch", "thc-central": "thc_switch",
-               "thc-bmv2": "thc_switch", "thc-dist": "thc_allreduce", "marsit": "marsit_ring",
+MODE_SCHEME = {"fp32": "fp32_ring", "fp16": "fp16_ring", "thc": "thc_switch",
+               "thc-central": "thc_switch", "thc-bmv2": "thc_switch",
+               "thc-dist": "thc_allreduce", "marsit": "marsit_ring",
                "marsit-vote": "marsit_vote", "marsit-vote-bmv2": "marsit_vote",
                "topk": "topk_allgather", "thc-lossy": "thc_switch_dlcp",
                "thc-dlcp": "thc_switch_dlcp"}
 """Main-job modes and the model's scheme for each."""
+NO_HOOK = ("fp32", "fp16")
+"""Modes that run DDP's own all-reduce: no hook says how much of a step was communication."""
 
 
-def _step_s(run: dict) -> float:
+def step_seconds(run: dict) -> float:
     """Steady-state seconds per step: from the first evaluation to the last (the first steps
     pay DDP's bucket rebuild and Gloo's connection setup, which the model leaves out)."""
     h = run["history"]
@@ -188,7 +197,7 @@ def _step_s(run: dict) -> float:
     return run["train_seconds"] / h[-1]["steps"]
 
 
-def _base(report: dict, agg_pps: float) -> Setup:
+def report_setup(report: dict, agg_pps: float) -> Setup:
     """The main job's setup: compute per step from the runs whose hook reports how much
     communication backward waited for (step time minus exposed communication, averaged),
     bandwidth and workers from its arguments, DDP's buckets from the model size."""
@@ -196,7 +205,7 @@ def _base(report: dict, agg_pps: float) -> Setup:
     computes = []
     for r in runs:
         last = r["history"][-1]
-        if last.get("exposed_comm_seconds") is not None and r["mode"] != "fp32":
+        if last.get("exposed_comm_seconds") is not None and r["mode"] not in NO_HOOK:
             computes.append((r["train_seconds"] - last["exposed_comm_seconds"])
                             / last["steps"])
     if not computes:
@@ -221,7 +230,7 @@ latency-bound."""
 def fit(report: dict, agg_pps: float = 86e3) -> tuple[float, float]:
     """(alpha seconds, link efficiency) that make the model meet the report's FP32 and
     Marsit ring step times: two equations, alpha x messages + bytes / (efficiency x BW)."""
-    base = _base(report, agg_pps)
+    base = report_setup(report, agg_pps)
     runs = {r["mode"]: r for r in report["runs"]}
     missing = [m for m in FIT_MODES if m not in runs]
     if missing:
@@ -233,7 +242,7 @@ def fit(report: dict, agg_pps: float = 86e3) -> tuple[float, float]:
         scheme = MODE_SCHEME[mode]
         wire = iteration_s(replace(base, compute_s=0.0))[scheme]
         msgs = iteration_s(replace(one, compute_s=0.0, bandwidth_gbps=1e12))[scheme]
-        rows.append((msgs, wire, _step_s(runs[mode])))
+        rows.append((msgs, wire, step_seconds(runs[mode])))
     (a1, b1, t1), (a2, b2, t2) = rows
     det = a1 * b2 - a2 * b1
     if det == 0:
@@ -253,7 +262,7 @@ def calibrate(report: dict, alpha_s: float | None = None, efficiency: float | No
     alpha and efficiency as given, else fitted to this report (:func:`fit`), and then its
     FP32 and Marsit rows say ``fitted``.
     """
-    base = _base(report, agg_pps)
+    base = report_setup(report, agg_pps)
     if alpha_s is None or efficiency is None:
         alpha_s, efficiency = fit(report, agg_pps)
         fitted = True
@@ -269,7 +278,7 @@ def calibrate(report: dict, alpha_s: float | None = None, efficiency: float | No
         s = replace(base, lanes=P.LANES if bmv2 else base.lanes,
                     codec_mbps=(4 * base.params / codec_s / 1e6) if codec_s else 1e12,
                     agg_pps=float("inf") if bmv2 else base.agg_pps)
-        measured, predicted = _step_s(r), iteration_s(s)[scheme]
+        measured, predicted = step_seconds(r), iteration_s(s)[scheme]
         rows.append({"mode": r["mode"], "scheme": scheme, "measured_s": measured,
                      "predicted_s": predicted, "error": predicted / measured - 1,
                      "compute_s": base.compute_s, "codec_s": codec_s, "alpha_s": alpha_s,
@@ -280,11 +289,12 @@ def calibrate(report: dict, alpha_s: float | None = None, efficiency: float | No
 
 
 def break_even_gbps(s: Setup, scheme: str = "thc_switch", lo: float = 1e-3,
-                    hi: float = 1e4) -> float | None:
-    """Bandwidth below which ``scheme`` beats FP32 (None if it never does in [lo, hi])."""
+                    hi: float = 1e4, baseline: str = "fp32_ring") -> float | None:
+    """Bandwidth below which ``scheme`` beats ``baseline`` (None if it never does in
+    [lo, hi]; ``hi`` if it does everywhere there)."""
     def gain(bw: float) -> float:
         t = iteration_s(Setup(**{**s.__dict__, "bandwidth_gbps": bw}))
-        return t["fp32_ring"] - t[scheme]
+        return t[baseline] - t[scheme]
 
     if gain(lo) <= 0:
         return None

@@ -1,6 +1,7 @@
 """One data-parallel training worker: Fashion-MNIST (or digits) with DDP over Gloo.
 
-The gradient exchange is chosen by ``--mode``: ``fp32`` (DDP's own all-reduce), ``thc``
+The gradient exchange is chosen by ``--mode``: ``fp32`` (DDP's own all-reduce), ``fp16``
+(the same all-reduce of gradients cast to half precision: torch's ``fp16_compress_hook``), ``thc``
 (THC through the aggregator at ``--agg``: switch or software), ``thc-dist`` (THC integer
 sums over the Gloo all-reduce), ``topk`` (10% TopK with error feedback), ``marsit`` (sign
 bits merged along a ring) or ``marsit-vote`` (sign bits counted by a vote job at ``--agg``:
@@ -35,7 +36,7 @@ from thc.collective.allreduce import THCAllReduce
 from thc.collective.ddp import HookOptions, MarsitHook, MarsitVoteHook, THCHook, TopKHook
 from thc.net.client import AggregationClient
 
-MODES = ("fp32", "thc", "thc-dist", "topk", "marsit", "marsit-vote")
+MODES = ("fp32", "fp16", "thc", "thc-dist", "topk", "marsit", "marsit-vote")
 OPTIMIZER = {"marsit": (0.1, 0.0), "marsit-vote": (0.1, 0.0)}
 """(learning rate, momentum) of the modes that do not train with the default (0.05, 0.9)."""
 DEFAULT_OPTIMIZER = (0.05, 0.9)
@@ -179,7 +180,12 @@ def train(args) -> list[dict]:
     model = make_model(xtr.shape[-1], args.width, ds.classes)
     ddp = DDP(model)
     hook = None
-    if args.mode != "fp32":
+    if args.mode == "fp16":
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import (
+            fp16_compress_hook,
+        )
+        ddp.register_comm_hook(None, fp16_compress_hook)
+    elif args.mode != "fp32":
         hook = _hook(args, model, ddp).register(ddp)
     n_params = sum(p.numel() for p in model.parameters())
     say = print if args.rank == 0 else (lambda *a, **k: None)
@@ -230,8 +236,9 @@ def train(args) -> list[dict]:
                 continue
             ddp.eval()
             acc = _accuracy(model, xte, yte)
-            if args.mode == "fp32":
-                sent = 2 * (args.world - 1) * n_params * 4 * len(step_losses) // args.world
+            if hook is None:  # DDP's ring all-reduce: 4 bytes a coordinate, 2 in fp16
+                width = 2 if args.mode == "fp16" else 4
+                sent = 2 * (args.world - 1) * n_params * width * len(step_losses) // args.world
             else:
                 sent = hook.bytes_sent
             n = len(step_losses)

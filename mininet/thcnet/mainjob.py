@@ -1,6 +1,7 @@
 """``thc run``: the main job. Train the same model with each gradient exchange and compare.
 
-Modes (one table, :data:`MODES`): uncompressed FP32 (DDP's Gloo all-reduce), THC through
+Modes (one table, :data:`MODES`): uncompressed FP32 (DDP's Gloo all-reduce), on request
+FP16 (the same all-reduce of gradients cast to half precision), THC through
 software aggregator shards co-located with the workers (THC's parameter-server layout), THC
 through the BMv2 switch (when BMv2 and Mininet are present; bounded to ``--bmv2-steps`` steps,
 3 by default, its losses compared step by step with THC's through the software shards), THC's
@@ -55,6 +56,8 @@ class Mode:
 
 MODES = {
     "fp32": Mode("fp32", "none", "uncompressed FP32 all-reduce (Gloo ring)"),
+    "fp16": Mode("fp16", "none", "FP16 all-reduce (Gloo ring, gradients cast to half by "
+                 "torch's fp16_compress_hook)"),
     "thc": Mode("thc", "sharded", "THC through software aggregator shards, one on every "
                 "worker host"),
     "thc-central": Mode("thc", "software", "THC through one central software aggregator on "
@@ -74,10 +77,10 @@ MODES = {
     "marsit-vote-bmv2": Mode("marsit-vote", "bmv2",
                              "Marsit sign bits counted by the BMv2 switch (vote job)"),
 }
-OPT_IN = ("thc-central", "thc-lossy", "thc-dlcp", "marsit-vote-bmv2")
+OPT_IN = ("fp16", "thc-central", "thc-lossy", "thc-dlcp", "marsit-vote-bmv2")
 DEFAULT_MODES = ",".join(m for m in MODES if m not in OPT_IN)
-"""Every mode but the central aggregator's (plain and DLCP: a comparison under ``--congest``)
-and the BMv2 vote: at BMv2's ~2k packets/s of 256 lanes a step of 1.2M signs takes about
+"""Every mode but FP16 (a baseline of the bandwidth sweep, ``thc sweep``), the central
+aggregator's (plain and DLCP: a comparison under ``--congest``) and the BMv2 vote: at BMv2's ~2k packets/s of 256 lanes a step of 1.2M signs takes about
 10 s (estimated), an epoch 20 min."""
 BMV2_STEPS = 3
 """Steps a mode through BMv2 trains by default: its losses after two rounds of sums through

@@ -1,0 +1,194 @@
+"""The break-even bandwidth of a bandwidth sweep: where a compressed mode stops beating a
+baseline, measured and predicted.
+
+Measured: between the two swept bandwidths that bracket the change of sign of
+``baseline - mode`` (seconds a step, or to an accuracy), interpolated linearly in
+1/bandwidth. A step's time is a + b/BW for every scheme of the performance model
+(host/app/perfmodel.py), so the difference of two modes is linear in 1/BW and two points
+fix its zero; interpolating in BW itself would bias it towards the higher bandwidth.
+
+Predicted: the performance model fed the sweep's own figures (its calibrated inputs):
+compute a step and THC's codec seconds a step as the THC runs' hooks measured them, the
+FP16 cast as timed beside the sweep, and alpha (per-message cost) and the link efficiency
+fitted to the FP32 points alone (a least-squares line of step time against 1/BW, relative
+residuals). FP16's
+and THC's step times, and so every break-even, are then predictions; FP32's are fitted.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from thc.app.perfmodel import (
+    MODE_SCHEME,
+    NO_HOOK,
+    Setup,
+    break_even_gbps,
+    iteration_s,
+    report_setup,
+    step_seconds,
+)
+
+
+def crossing(points: list[tuple[float, float, float]]) -> dict:
+    """Where a mode stops beating its baseline, from ``(bandwidth, mode, baseline)`` triples
+    (any unit of time; lower is better).
+
+    Returns ``relation`` "between" with the interpolated ``at`` (the first crossing from
+    beating to not beating, going up in bandwidth; a tie counts as not beating) and its
+    ``bracket``; "above" (the mode beats the baseline at every point: the break-even lies
+    above the highest, ``bracket`` [highest, None]); or "below" (it beats it nowhere:
+    [None, lowest]). ``crossings`` lists every crossing, more than one where the measured
+    gain changes sign more than once.
+    """
+    pts = sorted(points)
+    if len(pts) < 1:
+        raise ValueError("no points")
+    if len({bw for bw, _, _ in pts}) != len(pts):
+        raise ValueError("two points at the same bandwidth")
+    gains = [(bw, base - mode) for bw, mode, base in pts]
+    found = []
+    for (b0, g0), (b1, g1) in zip(gains, gains[1:]):
+        if g0 > 0 >= g1:
+            x0, x1 = 1.0 / b0, 1.0 / b1
+            x = x0 + g0 / (g0 - g1) * (x1 - x0)
+            found.append({"at": 1.0 / x, "bracket": [b0, b1]})
+    if found:
+        return {"relation": "between", **found[0], "crossings": [c["at"] for c in found]}
+    if gains[0][1] > 0:
+        return {"relation": "above", "at": None, "bracket": [gains[-1][0], None],
+                "crossings": []}
+    return {"relation": "below", "at": None, "bracket": [None, gains[0][0]], "crossings": []}
+
+
+def describe(result: dict, unit: str = "Mbit/s") -> str:
+    """One phrase for a :func:`crossing` result."""
+    if result["relation"] == "between":
+        lo, hi = result["bracket"]
+        more = (f"; {len(result['crossings'])} crossings in all"
+                if len(result["crossings"]) > 1 else "")
+        return f"{result['at']:.0f} {unit} (between {lo:g} and {hi:g}{more})"
+    if result["relation"] == "above":
+        return f"above {result['bracket'][0]:g} {unit} (faster at every point)"
+    return f"below {result['bracket'][1]:g} {unit} (slower at every point)"
+
+
+def _point_report(point: dict, args: dict) -> dict:
+    """A sweep point as the main job's report (its runs, the sweep's arguments at its
+    bandwidth), the shape the performance model's calibration reads."""
+    return {"args": {**args, "bw": point["bw_mbit"]}, "runs": point["runs"]}
+
+
+def fit_links(sweep: dict, agg_pps: float) -> tuple[float, float]:
+    """(alpha seconds, link efficiency) of the least-squares line through the FP32 points:
+    step = alpha x messages + wire bytes / (efficiency x BW), the two terms as the model
+    counts them at each point's bandwidth. Residuals are relative (weights 1/step^2): the
+    step times span an order of magnitude, and absolute ones would let the slowest link
+    settle alpha, which the fast links, where the break-even lies, depend on."""
+    rows = []
+    for point in sweep["points"]:
+        fp32 = next((r for r in point["runs"] if r["mode"] == "fp32"), None)
+        if fp32 is None:
+            continue
+        base = report_setup(_point_report(point, sweep["args"]), agg_pps)
+        wire = iteration_s(replace(base, compute_s=0.0, latency_us=0.0))["fp32_ring"]
+        msgs = iteration_s(replace(base, compute_s=0.0, latency_us=1e6,
+                                   bandwidth_gbps=1e12))["fp32_ring"]
+        rows.append((msgs, wire, step_seconds(fp32)))
+    if len({round(w, 12) for _, w, _ in rows}) < 2:
+        raise ValueError("the fit needs FP32 at two bandwidths or more")
+    w = [1.0 / (t * t) for _, _, t in rows]
+    saa = sum(wi * a * a for wi, (a, _, _) in zip(w, rows))
+    sab = sum(wi * a * b for wi, (a, b, _) in zip(w, rows))
+    sbb = sum(wi * b * b for wi, (_, b, _) in zip(w, rows))
+    sat = sum(wi * a * t for wi, (a, _, t) in zip(w, rows))
+    sbt = sum(wi * b * t for wi, (_, b, t) in zip(w, rows))
+    det = saa * sbb - sab * sab
+    alpha = (sat * sbb - sbt * sab) / det
+    inv_eff = (saa * sbt - sab * sat) / det
+    if alpha < 0 or inv_eff <= 0:
+        raise ValueError(f"fit out of range (alpha {alpha:.4g} s, 1/efficiency {inv_eff:.4g})")
+    return alpha, 1.0 / inv_eff
+
+
+def calibrated(sweep: dict, agg_pps: float) -> Setup:
+    """The model's setup for the sweep: its testbed and model size, compute and THC codec
+    seconds averaged over the points, the FP16 cast, alpha and efficiency from
+    :func:`fit_links`."""
+    bases = [report_setup(_point_report(p, sweep["args"]), agg_pps) for p in sweep["points"]
+             if any(r["mode"] not in NO_HOOK for r in p["runs"])]
+    if not bases:
+        raise ValueError("no point has a run with a hook (THC) to measure compute and codec")
+    codec = [r["history"][-1]["codec_seconds"] / r["history"][-1]["steps"]
+             for p in sweep["points"] for r in p["runs"]
+             if r["history"][-1].get("codec_seconds")]
+    alpha, eff = fit_links(sweep, agg_pps)
+    params = bases[0].params
+    cast = sweep.get("fp16_cast_s")
+    return replace(bases[0], compute_s=sum(b.compute_s for b in bases) / len(bases),
+                   codec_mbps=4 * params / (sum(codec) / len(codec)) / 1e6 if codec else 1e12,
+                   fp16_mbps=4 * params / cast / 1e6 if cast else float("inf"),
+                   latency_us=alpha * 1e6, efficiency=eff)
+
+
+MODEL_RANGE_GBPS = (1e-3, 1e4)
+"""Where the model's break-even is sought (1 Mbit/s to 10 Tbit/s)."""
+CURVE_POINTS = 41
+"""Bandwidths of the model's curve across the swept range (evenly spaced in log)."""
+
+
+def predicted_s(setup: Setup, mode: str, bw_mbit: float) -> float:
+    """The model's seconds a step of a main-job mode at ``bw_mbit``."""
+    return iteration_s(replace(setup, bandwidth_gbps=bw_mbit / 1e3))[MODE_SCHEME[mode]]
+
+
+def analyse(sweep: dict, mode: str = "thc", baselines: tuple[str, ...] = ("fp32", "fp16"),
+            agg_pps: float = 86e3) -> dict:
+    """Measured step times, the model's predictions and both break-evens of ``mode``
+    against each baseline; with ``tta`` in the points, the break-even in time to accuracy
+    too (measured only: the model has no accuracy)."""
+    setup = calibrated(sweep, agg_pps)
+    out = {"mode": mode, "model": {"alpha_s": setup.alpha, "efficiency": setup.efficiency,
+                                   "compute_s": setup.compute_s,
+                                   "codec_s": 4 * setup.params / (setup.codec_mbps * 1e6),
+                                   "fp16_cast_s": sweep.get("fp16_cast_s"),
+                                   "params": setup.params, "workers": setup.workers,
+                                   "buckets": setup.buckets, "lanes": setup.lanes,
+                                   "agg_pps": setup.agg_pps,
+                                   "fitted": "alpha and efficiency, to the FP32 points"},
+           "points": [], "break_even": {}}
+    for p in sweep["points"]:
+        row = {"bw_mbit": p["bw_mbit"], "measured_s": {}, "predicted_s": {}, "tta_s": {}}
+        for r in p["runs"]:
+            row["measured_s"][r["mode"]] = step_seconds(r)
+            row["predicted_s"][r["mode"]] = predicted_s(setup, r["mode"], p["bw_mbit"])
+        row["tta_s"] = dict(p.get("tta_s") or {})
+        out["points"].append(row)
+    bws = [p["bw_mbit"] for p in sweep["points"]]
+    modes = sorted({r["mode"] for p in sweep["points"] for r in p["runs"]})
+    grid = [min(bws) * (max(bws) / min(bws)) ** (i / (CURVE_POINTS - 1))
+            for i in range(CURVE_POINTS)] if len(bws) > 1 else bws
+    out["curve"] = {"bw_mbit": grid,
+                    **{m: [predicted_s(setup, m, bw) for bw in grid] for m in modes}}
+    for base in baselines:
+        have = [row for row in out["points"]
+                if mode in row["measured_s"] and base in row["measured_s"]]
+        if not have:
+            continue
+        measured = crossing([(row["bw_mbit"], row["measured_s"][mode],
+                              row["measured_s"][base]) for row in have])
+        lo, hi = min(r["bw_mbit"] for r in have), max(r["bw_mbit"] for r in have)
+        gbps = break_even_gbps(setup, MODE_SCHEME[mode], lo=MODEL_RANGE_GBPS[0],
+                               hi=MODEL_RANGE_GBPS[1], baseline=MODE_SCHEME[base])
+        model = None if gbps is None or gbps >= MODEL_RANGE_GBPS[1] else 1e3 * gbps
+        entry = {"measured": measured, "predicted_mbit": model, "swept": [lo, hi],
+                 "predicted_relation": ("never pays" if gbps is None else "pays everywhere"
+                                        if model is None else "between")}
+        if measured["at"] is not None and model is not None:
+            entry["predicted_over_measured"] = model / measured["at"]
+        tta = [(row["bw_mbit"], row["tta_s"].get(mode), row["tta_s"].get(base))
+               for row in have]
+        tta = [t for t in tta if t[1] is not None and t[2] is not None]
+        entry["tta_measured"] = crossing(tta) if tta else None
+        entry["tta_points"] = len(tta)
+        out["break_even"][base] = entry
+    return out

@@ -1,0 +1,108 @@
+"""``thc model --gpu-codec JSON``: where THC stops paying for 25M-, 100M- and 350M-parameter
+models at a GPU codec's measured speed. A model: the break-evens it prints are estimates.
+
+It reads the JSON that ``thc bench codec --device cuda --json FILE`` writes. The fields it
+needs, all written by that command (a hand-made file needs only these):
+
+- ``results``: rows of ``name``, ``elements`` and ``median_s`` (seconds for that many float32
+  elements). It takes the row ``THC encode+decode (<label>)`` of the fast path (a label
+  without "reference", else the reference) and the row ``fp16 round trip
+  (x.half().float())`` (FP16's cast down and back), both at the size nearest DDP's 25 MB
+  bucket (6.6M elements): the hook encodes and decodes a bucket at a time.
+- ``device`` and ``device_name`` (optional): printed with the figures.
+
+Speeds are MB of float32 input a second (4 bytes an element); FP16's cast is charged to
+FP16 as THC's codec is to THC (a run without the FP16 row leaves the cast out, and says so).
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import replace
+from pathlib import Path
+
+from thc.app.perfmodel import BUCKET_BYTES, Setup, break_even_gbps, ddp_buckets
+
+SIZES = (25e6, 100e6, 350e6)
+"""Model sizes (parameters) of the table."""
+CODEC_ROW = "THC encode+decode ("
+FP16_ROW = "fp16 round trip (x.half().float())"
+COLUMNS = (("thc_switch", "fp32_ring"), ("thc_switch", "fp16_ring"),
+           ("thc_allreduce", "fp32_ring"), ("thc_allreduce", "fp16_ring"))
+"""(THC scheme, baseline) of each column."""
+
+
+def _mbps(row: dict) -> float:
+    return 4 * row["elements"] / row["median_s"] / 1e6
+
+
+def codec_speeds(report: dict) -> dict:
+    """The codec's and the FP16 cast's speed from a ``thc bench codec`` report (see the
+    module docstring for the rows it takes)."""
+    rows = report.get("results")
+    if not isinstance(rows, list):
+        raise ValueError("no 'results' list: not a `thc bench codec --json` report")
+    for r in rows:
+        if not {"name", "elements", "median_s"} <= set(r) or r["median_s"] <= 0:
+            raise ValueError(f"a row needs name, elements and median_s > 0: {r}")
+    codec = [r for r in rows if r["name"].startswith(CODEC_ROW)]
+    if not codec:
+        raise ValueError(f"no '{CODEC_ROW}...)' row in the report")
+    fast = [r for r in codec if "reference" not in r["name"]] or codec
+    bucket = BUCKET_BYTES / 4
+    size = min({r["elements"] for r in fast}, key=lambda n: abs(math.log(n / bucket)))
+    row = min((r for r in fast if r["elements"] == size), key=lambda r: r["median_s"])
+    fp16 = next((r for r in rows if r["name"] == FP16_ROW and r["elements"] == size), None)
+    return {"device": report.get("device", "?"), "device_name": report.get("device_name", "?"),
+            "row": row["name"], "elements": size, "codec_mbps": _mbps(row),
+            "fp16_mbps": _mbps(fp16) if fp16 else None}
+
+
+def break_evens(speeds: dict, base: Setup) -> list[dict]:
+    """For each size of :data:`SIZES`: the bandwidth (Gbit/s) below which each THC scheme
+    beats each baseline, in ``base``'s setting at the measured speeds (None: never; inf:
+    at every bandwidth up to 10 Tbit/s)."""
+    out = []
+    for params in SIZES:
+        s = replace(base, params=params, buckets=ddp_buckets(params),
+                    codec_mbps=speeds["codec_mbps"],
+                    fp16_mbps=speeds["fp16_mbps"] or float("inf"))
+        row = {"params": params, "buckets": s.buckets}
+        for scheme, baseline in COLUMNS:
+            be = break_even_gbps(s, scheme, baseline=baseline)
+            row[f"{scheme}/{baseline}"] = math.inf if be == 1e4 else be
+        out.append(row)
+    return out
+
+
+def _gbps(x: float | None) -> str:
+    if x is None:
+        return "never"
+    return "always" if math.isinf(x) else f"{x:.4g}"
+
+
+def run(path: str, base: Setup) -> int:
+    """Print the table of :func:`break_evens` for the report at ``path``."""
+    try:
+        speeds = codec_speeds(json.loads(Path(path).read_text()))
+    except (OSError, ValueError) as e:
+        print(f"thc model --gpu-codec: {path}: {e}")
+        return 2
+    n = speeds["elements"]
+    print(f"codec figures from {path}: {speeds['device_name']} ({speeds['device']}), "
+          f"{speeds['row']} at {n} elements (2^{math.log2(n):.1f}): "
+          f"{speeds['codec_mbps']:.0f} MB/s of float32; FP16 round trip "
+          + (f"{speeds['fp16_mbps']:.0f} MB/s" if speeds["fp16_mbps"] else
+             "not in the report (FP16's cast left out)"))
+    print(f"MODEL (an estimate, not a measurement): {base.workers} workers, alpha "
+          f"{base.latency_us:g} us, compute {1e3 * base.compute_s:g} ms a step for every "
+          f"size, overlap {base.overlap}, DDP buckets of {BUCKET_BYTES >> 20} MB; THC through "
+          f"a switch at line rate or over all-reduce")
+    print("bandwidth (Gbit/s) below which THC beats the baseline:")
+    head = f"{'params':>7} {'buckets':>7}" + "".join(
+        f" {a.split('_')[1] + ' vs ' + b.split('_')[0].upper():>18}" for a, b in COLUMNS)
+    print(head)
+    for row in break_evens(speeds, base):
+        print(f"{row['params'] / 1e6:>6g}M {row['buckets']:>7}" + "".join(
+            f" {_gbps(row[f'{a}/{b}']):>18}" for a, b in COLUMNS))
+    return 0

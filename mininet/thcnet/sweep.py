@@ -1,0 +1,235 @@
+"""``thc sweep``: the main job's training at several link bandwidths, and where THC stops
+paying.
+
+At each bandwidth (Mininet, every worker link shaped alike) it trains the main job's model
+with each mode (default FP32, FP16 and THC through the software aggregator shards) for a
+bounded number of steps (``--steps``: the first ``steps x workers x batch`` training images,
+one pass), through the main job's own per-mode runner, so the runs are the main job's runs.
+Each run records its steady-state seconds a step (first evaluation to last, as ``thc model
+--calibrate`` reads them), its accuracy at every evaluation and the bytes on the worker
+links; each point its time to an accuracy (``--target``, else FP32's final accuracy minus one
+point at that bandwidth, the main job's target; a bounded run reaches it or not, and the
+table says how many points did). The modes of one
+bandwidth run back to back, so a load that comes and goes hits them alike; the load average
+before every run is recorded with it.
+
+It then computes the measured break-even (host/app/breakeven.py: interpolated between the
+bracketing points) and the performance model's prediction from the sweep's own calibrated
+inputs, prints both and a table, and writes the JSON of all points (after every point, so an
+interrupted sweep keeps what it measured) and a plot. ``--report JSON`` redoes the analysis,
+table and plot of a sweep already run, without running anything.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import statistics
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+from thc.app.argtypes import positive_int
+from thc.app.breakeven import analyse
+from thc.app.datasets import fashion_dir
+from thc.emu import mainjob
+from thc.emu.mainreport import summarize, time_to
+from thc.emu.sweepreport import markdown, plot
+from thc.emu.testbed import mininet_unavailable_reason
+
+DEFAULT_BW = "50,100,200,500,1000"
+DEFAULT_MODES = "fp32,fp16,thc"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--bw", default=DEFAULT_BW,
+                        help=f"link bandwidths, Mbit/s (default {DEFAULT_BW})")
+    parser.add_argument("--modes", default=DEFAULT_MODES,
+                        help=f"main-job modes (default {DEFAULT_MODES}); the first THC mode "
+                             f"is the one whose break-even is computed against fp32 and fp16")
+    parser.add_argument("--workers", type=positive_int, default=4)
+    parser.add_argument("--steps", type=positive_int, default=40,
+                        help="training steps a run (default 40; bounds the sweep's time: 15 "
+                             "runs of 40 steps took 9.4 minutes on 2 cores)")
+    parser.add_argument("--evals", type=positive_int, default=4,
+                        help="evaluations a run (step time: first to last; at least 2)")
+    parser.add_argument("--batch", type=positive_int, default=128, help="per-worker batch size")
+    parser.add_argument("--data", default="fashion-mnist", choices=("fashion-mnist", "digits"))
+    parser.add_argument("--width", type=int, default=None, help="model width (main job's)")
+    parser.add_argument("--target", type=float, default=None,
+                        help="accuracy of the time-to-accuracy figures (default: FP32's final "
+                             "accuracy minus one point at each bandwidth, the main job's)")
+    parser.add_argument("--timeout", type=float, default=600.0, help="limit a run, seconds")
+    parser.add_argument("--agg-pps", type=float, default=86e3,
+                        help="software aggregator packets/s for the model (thc bench "
+                             "aggregator, 4 workers)")
+    parser.add_argument("--out", default="out", help="directory of sweep.json and sweep.png")
+    parser.add_argument("--json", default=None, help="the JSON's path (default OUT/sweep.json)")
+    parser.add_argument("--plot", default=None, help="the plot's path (default OUT/sweep.png)")
+    parser.add_argument("--report", metavar="SWEEP_JSON", default=None,
+                        help="analyse a sweep already run: table, break-even, plot")
+
+
+def machine() -> dict:
+    """What the figures were measured on."""
+    cpu = ""
+    try:
+        cpu = next((line.split(":", 1)[1].strip() for line in
+                    Path("/proc/cpuinfo").read_text().splitlines()
+                    if line.startswith("model name")), "")
+    except OSError:
+        pass
+    mem = None
+    try:
+        kb = next(int(line.split()[1]) for line in Path("/proc/meminfo").read_text().splitlines()
+                  if line.startswith("MemTotal"))
+        mem = round(kb / 2 ** 20, 1)
+    except (OSError, StopIteration):
+        pass
+    return {"cpus": os.cpu_count(), "cpu": cpu, "memory_gib": mem,
+            "kernel": platform.release(), "python": platform.python_version()}
+
+
+def fp16_cast_s(params: int, repeat: int = 15) -> float:
+    """Median seconds of the FP16 round trip (``x.half().float()``) of ``params`` float32 on
+    one thread, as a worker casts its gradients (the model's FP16 cost)."""
+    import torch
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        x = torch.randn(params, generator=torch.Generator().manual_seed(0))
+        x.half().float()
+        times = []
+        for _ in range(repeat):
+            t = time.perf_counter()
+            x.half().float()
+            times.append(time.perf_counter() - t)
+    finally:
+        torch.set_num_threads(threads)
+    return statistics.median(times)
+
+
+def _job_args(args: argparse.Namespace, bw: float) -> argparse.Namespace:
+    """The main job's arguments for one run of the sweep."""
+    parser = argparse.ArgumentParser()
+    mainjob.add_arguments(parser)
+    argv = ["--workers", str(args.workers), "--epochs", "1", "--batch", str(args.batch),
+            "--evals", str(args.evals), "--data", args.data, "--bw", f"{bw:g}",
+            "--train-subset", str(args.steps * args.workers * args.batch),
+            "--timeout", f"{args.timeout:g}", "--out", args.out]
+    if args.width:
+        argv += ["--width", str(args.width)]
+    return parser.parse_args(argv)
+
+
+def _tta(runs: list[dict], target: float | None) -> dict:
+    """Each mode's training seconds to ``target`` accuracy, else to FP32's final accuracy
+    minus one point (the main job's target); None where the mode never got there."""
+    if target is not None:
+        return {r["mode"]: time_to(r["history"], target) for r in runs}
+    rows = summarize(runs, 1.0)["rows"]
+    return {row["mode"]: row.get("tta_fp32_minus_1pt") for row in rows}
+
+
+def sweep(args: argparse.Namespace, bws: list[float], modes: list[str], path: Path) -> dict:
+    """Run every (bandwidth, mode), saving the JSON after every point."""
+    from tqdm import tqdm
+    data = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "command": "thc sweep " + " ".join(shlex.quote(a) for a in sys.argv[2:])
+            if sys.argv[1:2] == ["sweep"] else " ".join(map(shlex.quote, sys.argv)),
+            "machine": machine(), "modes": modes, "steps": args.steps,
+            "args": vars(_job_args(args, bws[0])), "points": [], "failed": []}
+    total, k, t_start = len(bws) * len(modes), 0, time.monotonic()
+    for bw in bws:
+        job = _job_args(args, bw)
+        point = {"bw_mbit": bw, "runs": [], "load_before": {}}
+        for name in modes:
+            k += 1
+            load = os.getloadavg()
+            point["load_before"][name] = list(load)
+            took = time.monotonic() - t_start
+            print(f"\n[{k}/{total}] {bw:g} Mbit/s, {name}: {mainjob.MODES[name].description} "
+                  f"(load {load[0]:.2f}; {took / 60:.1f} min so far)", flush=True)
+            try:
+                with tqdm(total=args.steps, desc=f"{name}@{bw:g}", unit="step",
+                          file=sys.stdout) as bar:
+                    run = mainjob._run_mode(name, job, bar)
+            except Exception as e:  # one failed run must not cost the others
+                print(f"{name} at {bw:g} Mbit/s FAILED: {e}", flush=True)
+                data["failed"].append({"bw_mbit": bw, "mode": name, "error": str(e)})
+                continue
+            if run["testbed"] != "mininet":
+                raise RuntimeError(f"the run used the {run['testbed']} testbed: its links "
+                                   f"were not shaped")
+            h = run["history"]
+            print(f"{name} at {bw:g} Mbit/s: {h[-1]['steps']} steps, "
+                  f"{run['train_seconds'] / h[-1]['steps']:.3f} s a step, accuracy "
+                  f"{run['final_accuracy']:.4f}", flush=True)
+            point["runs"].append(run)
+        point["tta_s"] = _tta(point["runs"], args.target)
+        data["points"].append(point)
+        path.write_text(json.dumps(data, indent=1))
+    params = next((r["params"] for p in data["points"] for r in p["runs"]), None)
+    if params:
+        data["fp16_cast_s"] = fp16_cast_s(int(params))
+    data["wall_seconds"] = time.monotonic() - t_start
+    return data
+
+
+def run(args: argparse.Namespace) -> int:
+    out = Path(args.out)
+    json_path = Path(args.json) if args.json else out / "sweep.json"
+    plot_path = Path(args.plot) if args.plot else out / "sweep.png"
+    if args.report:
+        data = json.loads(Path(args.report).read_text())
+        data["analysed_by"] = "thc sweep " + " ".join(map(shlex.quote, sys.argv[2:]))
+    else:
+        try:
+            bws = sorted({float(x) for x in args.bw.split(",") if x.strip()})
+        except ValueError:
+            print(f"thc sweep: --bw must be numbers, got {args.bw!r}", file=sys.stderr)
+            return 2
+        modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+        unknown = [m for m in modes if m not in mainjob.MODES]
+        if unknown or not bws or min(bws) <= 0 or args.evals < 2:
+            print(f"thc sweep: need bandwidths > 0, --evals >= 2 and modes from "
+                  f"{','.join(mainjob.MODES)} (unknown: {unknown})", file=sys.stderr)
+            return 2
+        if why := mininet_unavailable_reason("sharded"):
+            print(f"thc sweep: needs the Mininet testbed to shape links ({why})",
+                  file=sys.stderr)
+            return 2
+        if args.data == "fashion-mnist" and not fashion_dir().is_dir():
+            print(f"thc sweep: Fashion-MNIST is not installed in {fashion_dir()}: training "
+                  f"on digits instead", flush=True)
+            args.data = "digits"
+        out.mkdir(parents=True, exist_ok=True)
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        print(f"thc sweep: {args.data}, {args.workers} workers, {args.steps} steps a run, "
+              f"modes {', '.join(modes)} at {', '.join(f'{b:g}' for b in bws)} Mbit/s "
+              f"({len(bws) * len(modes)} runs)", flush=True)
+        data = sweep(args, bws, modes, json_path)
+    thc = next((m for m in data["modes"] if mainjob.MODES[m].train_mode.startswith("thc")),
+               None)
+    if thc is None:
+        print("thc sweep: no THC mode swept: no break-even to compute")
+        return 1 if data["failed"] else 0
+    for p in data["points"]:
+        p["tta_s"] = _tta(p["runs"], args.target)
+    data["tta_target"] = ("FP32's final accuracy minus one point" if args.target is None
+                          else f"accuracy {args.target:g}")
+    baselines = tuple(m for m in ("fp32", "fp16") if m in data["modes"])
+    data["analysis"] = analyse(data, thc, baselines, args.agg_pps)
+    print()
+    print(markdown(data))
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    json_path.write_text(json.dumps(data, indent=1))
+    plot_path.parent.mkdir(parents=True, exist_ok=True)
+    plot(data, plot_path)
+    print(f"\nwrote {json_path} and {plot_path}")
+    for f in data["failed"]:
+        print(f"{f['mode']} at {f['bw_mbit']:g} Mbit/s FAILED (not in the table): {f['error']}")
+    return 1 if data["failed"] else 0

@@ -1,0 +1,75 @@
+"""``thc model --gpu-codec``: the break-even bandwidths it prints for a codec report written
+here from known figures, against answers worked out here from the ring formula."""
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from thc.cli import main
+
+N = 1 << 23
+"""The report's size nearest DDP's 25 MB bucket (6.6M elements)."""
+CODEC_S, FP16_S = 4 * N / 93e9, 4 * N / 741e9
+"""Seconds for N elements: THC encode+decode at 93 GB/s, FP16 round trip at 741 GB/s."""
+
+
+def _report(path):
+    rows = [
+        {"name": "copy (x.clone())", "group": "baseline", "elements": N,
+         "median_s": 4 * N / 1.3e12},
+        {"name": "fp16 round trip (x.half().float())", "group": "baseline", "elements": N,
+         "median_s": FP16_S},
+        {"name": "THC encode+decode (cuda, triton)", "group": "cuda, triton", "elements": N,
+         "median_s": CODEC_S},
+        # slower rows the model must not take: the reference path, a size far from a bucket
+        {"name": "THC encode+decode (cuda, reference)", "group": "cuda, reference",
+         "elements": N, "median_s": 30 * CODEC_S},
+        {"name": "THC encode+decode (cuda, triton)", "group": "cuda, triton", "elements": 1 << 20,
+         "median_s": (1 << 20) * 4 / 10e9},
+        {"name": "fp16 round trip (x.half().float())", "group": "baseline", "elements": 1 << 20,
+         "median_s": (1 << 20) * 4 / 10e9},
+    ]
+    path.write_text(json.dumps({"device": "cuda", "device_name": "figures of the test",
+                                "results": rows}))
+
+
+def _printed(text: str) -> dict[float, list[float]]:
+    rows = {}
+    for line in text.splitlines():
+        m = re.match(r"\s*(\d+)M\s+\d+\s+(.*)$", line)
+        if m:
+            rows[float(m.group(1)) * 1e6] = [float(x) for x in m.group(2).split()]
+    return rows
+
+
+def test_break_even_of_each_size_matches_the_ring_formula(tmp_path, capsys):
+    """4 workers, no per-message cost, 100 ms of compute (x 1.05 overlap): FP32's step is
+    max(0.105, 6d / B) (a ring of 4 bytes a coordinate, 2 x 3/4 of it per worker), FP16's
+    max(0.105, 3d / B) + its cast, THC's 0.105 + its codec while its bytes (at most
+    1.2 bytes a coordinate: 4-bit indices up, 8-bit sums down, headers) take less than the
+    compute. So THC pays below B = 6d / (0.105 + codec) against FP32 and
+    3d / (0.105 + codec - cast) against FP16, d the parameters, B in bytes a second."""
+    _report(tmp_path / "codec.json")
+    assert main(["model", "--gpu-codec", str(tmp_path / "codec.json"), "--workers", "4",
+                 "--latency-us", "0", "--compute-ms", "100", "--overlap", "1.05"]) == 0
+    out = capsys.readouterr().out
+    assert "MODEL (an estimate" in out and "figures of the test" in out
+    rows = _printed(out)
+    assert set(rows) == {25e6, 100e6, 350e6}
+    lam_c = 1.05 * 0.100
+    for d, printed in rows.items():
+        codec, cast = 4 * d / 93e9, 4 * d / 741e9
+        vs_fp32 = 6 * d / (lam_c + codec)
+        vs_fp16 = 3 * d / (lam_c + codec - cast)
+        assert 1.2 * d / vs_fp16 < lam_c        # THC's bytes hidden behind compute there
+        assert printed[0] == pytest.approx(8 * vs_fp32 / 1e9, rel=1e-3)
+        assert printed[1] == pytest.approx(8 * vs_fp16 / 1e9, rel=1e-3)
+
+
+def test_a_report_without_the_codec_row_is_refused(tmp_path, capsys):
+    (tmp_path / "codec.json").write_text(json.dumps({"results": [
+        {"name": "copy (x.clone())", "elements": N, "median_s": 1e-4}]}))
+    assert main(["model", "--gpu-codec", str(tmp_path / "codec.json")]) == 2
+    assert "no 'THC encode+decode (...)' row" in capsys.readouterr().out
