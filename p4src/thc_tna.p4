@@ -24,7 +24,8 @@
  *
  * Not (yet) here, unlike thc.p4 and the reference model (host/wire/model.py): the run jump
  * and idle rules (a newer run always takes the job), one incarnation per worker per run
- * (reused_run), op and offset per slot use (wrong_use), per-use acknowledgements (held).
+ * (reused_run), per-use acknowledgements (held). Offsets take 31 bits here (bit 31 tells
+ * a MAX use from a DATA use, wrong_use).
  * docs/switch.md lists what each gap allows.
  */
 #include <core.p4>
@@ -129,6 +130,8 @@ struct metadata_t {
     // slot state as seen by this packet
     bit<1>  run_stale;
     bit<1>  seq_newer;
+    bit<32> use_key;        // the use this packet joins: its offset, bit 31 for MAX
+    bit<1>  wrong_use;
     bit<32> old_bitmap;     // 0: another seq (stale); bit 31: closed by a FLUSH
     bit<32> bitmap;
     bit<8>  count;
@@ -287,6 +290,7 @@ control ThcIngress(inout tna_headers_t hdr, inout metadata_t meta,
     Register<thc_run_seq_t, thc_index_t>(THC_REG_SIZE) thc_run;
     Register<thc_bitmap_seq_t, thc_index_t>(THC_REG_SIZE) thc_bitmap;
     Register<bit<8>, thc_index_t>(THC_REG_SIZE) thc_count;
+    Register<bit<32>, thc_index_t>(THC_REG_SIZE) thc_use;
 
     // RFC 1982: the first run, or one not older than the job's, takes the job.
     RegisterAction<bit<32>, bit<32>, bit<1>>(thc_job_run) thc_job_run_ra = {
@@ -320,6 +324,26 @@ control ThcIngress(inout tna_headers_t hdr, inout metadata_t meta,
             value.seq = THC_SEQ_RESET;
         }
     };
+    // What a slot use adds: its offset, bit 31 set for a MAX use (offsets reach 2^31 only
+    // as malformed). A new use records it; a packet of the use must match it (wrong_use).
+    RegisterAction<bit<32>, thc_index_t, bit<1>>(thc_use) thc_use_new = {
+        void apply(inout bit<32> value, out bit<1> wrong) {
+            value = meta.use_key;
+            wrong = 0;
+        }
+    };
+    RegisterAction<bit<32>, thc_index_t, bit<1>>(thc_use) thc_use_check = {
+        void apply(inout bit<32> value, out bit<1> wrong) {
+            if (value != meta.use_key) {
+                wrong = 1;
+            } else {
+                wrong = 0;
+            }
+        }
+    };
+    RegisterAction<bit<32>, thc_index_t, bit<1>>(thc_use) thc_use_reset = {
+        void apply(inout bit<32> value) { value = 0; }
+    };
     // A new use starts from the sender's bit; the same seq adds it unless a FLUSH closed the
     // use (bit 31) and returns the bitmap before; another seq (older) returns 0: a use's
     // bitmap is never 0, since the packet that opened it set a bit.
@@ -336,6 +360,14 @@ control ThcIngress(inout tna_headers_t hdr, inout metadata_t meta,
                 if (value.bitmap < 0x80000000) {
                     value.bitmap = value.bitmap | meta.worker_bit;
                 }
+            }
+        }
+    };
+    // a packet of another use (wrong_use) adds nothing: the bitmap before, or 0 (stale)
+    RegisterAction<thc_bitmap_seq_t, thc_index_t, bit<32>>(thc_bitmap) thc_bitmap_peek = {
+        void apply(inout thc_bitmap_seq_t value, out bit<32> old) {
+            if (value.seq == hdr.thc.seq) {
+                old = value.bitmap;
             }
         }
     };
@@ -549,6 +581,31 @@ control ThcIngress(inout tna_headers_t hdr, inout metadata_t meta,
         size = 4;
     }
 
+    action thc_use_start() {
+        meta.wrong_use = thc_use_new.execute(meta.reg_index);
+    }
+    action thc_use_match() {
+        meta.wrong_use = thc_use_check.execute(meta.reg_index);
+    }
+    action thc_use_clear() {
+        thc_use_reset.execute(meta.reg_index);
+    }
+    table thc_use_op {
+        key = {
+            meta.drop_reason: ternary;
+            hdr.thc.pkt_type: ternary;
+            meta.seq_newer: ternary;
+        }
+        actions = { thc_use_start; thc_use_match; thc_use_clear; NoAction; }
+        const entries = {
+            (0, THC_RESET, _): thc_use_clear();
+            (0, _, 1): thc_use_start();
+            (0, _, 0): thc_use_match();
+        }
+        const default_action = NoAction;
+        size = 4;
+    }
+
     action thc_bitmap_start() {
         meta.old_bitmap = thc_bitmap_new.execute(meta.reg_index);
     }
@@ -558,17 +615,22 @@ control ThcIngress(inout tna_headers_t hdr, inout metadata_t meta,
     action thc_bitmap_clear() {
         thc_bitmap_reset.execute(meta.reg_index);
     }
+    action thc_bitmap_look() {
+        meta.old_bitmap = thc_bitmap_peek.execute(meta.reg_index);
+    }
     table thc_bitmap_op {
         key = {
             meta.drop_reason: ternary;
             hdr.thc.pkt_type: ternary;
             meta.seq_newer: ternary;
+            meta.wrong_use: ternary;
         }
-        actions = { thc_bitmap_start; thc_bitmap_add; thc_bitmap_clear; NoAction; }
+        actions = { thc_bitmap_start; thc_bitmap_add; thc_bitmap_clear; thc_bitmap_look; NoAction; }
         const entries = {
-            (0, THC_RESET, _): thc_bitmap_clear();
-            (0, _, 1): thc_bitmap_start();
-            (0, _, 0): thc_bitmap_add();
+            (0, THC_RESET, _, _): thc_bitmap_clear();
+            (0, _, 1, _): thc_bitmap_start();
+            (0, _, 0, 0): thc_bitmap_add();
+            (0, _, 0, 1): thc_bitmap_look();
         }
         const default_action = NoAction;
         size = 4;
@@ -617,7 +679,7 @@ control ThcIngress(inout tna_headers_t hdr, inout metadata_t meta,
         thc_resets.count((bit<32>)meta.job_index);
         ig_dprsr_md.drop_ctl = 1;
     }
-#define THC_DUP(W) (0, _, 0, 32w1 << W, (32w1 << W) &&& (32w1 << W)): thc_count_dup();
+#define THC_DUP(W) (0, _, 0, 32w1 << W, (32w1 << W) &&& (32w1 << W), _): thc_count_dup();
     table thc_count_op {
         key = {
             meta.drop_reason: ternary;
@@ -625,24 +687,26 @@ control ThcIngress(inout tna_headers_t hdr, inout metadata_t meta,
             meta.seq_newer: ternary;
             meta.worker_bit: ternary;
             meta.old_bitmap: ternary;
+            meta.wrong_use: ternary;
         }
         actions = {
             thc_count_start; thc_count_flush_start; thc_count_add; thc_count_closed;
             thc_count_flush; thc_count_dup; thc_count_clear; thc_refuse; NoAction;
         }
         const entries = {
-            (0, THC_RESET, _, _, _): thc_count_clear();
-            (0, THC_FLUSH, 1, _, _): thc_count_flush_start();
-            (0, _, 1, _, _): thc_count_start();
-            (0, _, 0, _, 0): thc_refuse(THC_DROP_STALE);
-            (0, THC_FLUSH, 0, _, _): thc_count_flush();
-            (0, _, 0, _, 0x80000000 &&& 0x80000000): thc_count_closed();
+            (0, THC_RESET, _, _, _, _): thc_count_clear();
+            (0, THC_FLUSH, 1, _, _, _): thc_count_flush_start();
+            (0, _, 1, _, _, _): thc_count_start();
+            (0, _, 0, _, 0, _): thc_refuse(THC_DROP_STALE);
+            (0, _, 0, _, _, 1): thc_refuse(THC_DROP_WRONG_USE);
+            (0, THC_FLUSH, 0, _, _, _): thc_count_flush();
+            (0, _, 0, _, 0x80000000 &&& 0x80000000, _): thc_count_closed();
             THC_DUP(0) THC_DUP(1) THC_DUP(2) THC_DUP(3) THC_DUP(4) THC_DUP(5) THC_DUP(6)
             THC_DUP(7) THC_DUP(8) THC_DUP(9) THC_DUP(10) THC_DUP(11) THC_DUP(12) THC_DUP(13)
             THC_DUP(14) THC_DUP(15) THC_DUP(16) THC_DUP(17) THC_DUP(18) THC_DUP(19)
             THC_DUP(20) THC_DUP(21) THC_DUP(22) THC_DUP(23) THC_DUP(24) THC_DUP(25)
             THC_DUP(26) THC_DUP(27) THC_DUP(28) THC_DUP(29) THC_DUP(30)
-            (0, _, 0, _, _): thc_count_add();
+            (0, _, 0, _, _, _): thc_count_add();
         }
         const default_action = NoAction;
         size = 64;
@@ -742,10 +806,14 @@ control ThcIngress(inout tna_headers_t hdr, inout metadata_t meta,
             } else if ((hdr.thc.pkt_type == THC_RESET || hdr.thc.pkt_type == THC_FLUSH)
                        && hdr.udp.length != THC_UDP_LEN_HDR) {
                 meta.drop_reason = THC_DROP_BAD_LANES;
+            } else if (hdr.thc.offset[31:31] == 1) {
+                meta.drop_reason = THC_DROP_MALFORMED;   // bit 31 tells a MAX use (thc_use)
             }
             thc_job.apply();
             thc_worker.apply();
+            meta.use_key = hdr.thc.offset;
             if (hdr.thc.pkt_type == THC_MAX) {
+                meta.use_key[31:31] = 1;
                 meta.is_max = 1;
                 meta.bridge.is_max = 1;
                 meta.bridge.last = 1;
@@ -765,6 +833,7 @@ control ThcIngress(inout tna_headers_t hdr, inout metadata_t meta,
             thc_word_index();
             thc_check.apply();
             thc_run_op.apply();
+            thc_use_op.apply();
             thc_bitmap_op.apply();
             thc_count_op.apply();
             if (meta.drop_reason == 0 && hdr.thc.pkt_type != THC_RESET) {
