@@ -360,6 +360,8 @@ control ThcIngress(inout tna_headers_t hdr, inout metadata_t meta,
                 if (value.bitmap < 0x80000000) {
                     value.bitmap = value.bitmap | meta.worker_bit;
                 }
+            } else {
+                old = 0;
             }
         }
     };
@@ -368,6 +370,8 @@ control ThcIngress(inout tna_headers_t hdr, inout metadata_t meta,
         void apply(inout thc_bitmap_seq_t value, out bit<32> old) {
             if (value.seq == hdr.thc.seq) {
                 old = value.bitmap;
+            } else {
+                old = 0;
             }
         }
     };
@@ -699,8 +703,8 @@ control ThcIngress(inout tna_headers_t hdr, inout metadata_t meta,
             (0, _, 1, _, _, _): thc_count_start();
             (0, _, 0, _, 0, _): thc_refuse(THC_DROP_STALE);
             (0, _, 0, _, _, 1): thc_refuse(THC_DROP_WRONG_USE);
-            (0, THC_FLUSH, 0, _, _, _): thc_count_flush();
             (0, _, 0, _, 0x80000000 &&& 0x80000000, _): thc_count_closed();
+            (0, THC_FLUSH, 0, _, _, _): thc_count_flush();
             THC_DUP(0) THC_DUP(1) THC_DUP(2) THC_DUP(3) THC_DUP(4) THC_DUP(5) THC_DUP(6)
             THC_DUP(7) THC_DUP(8) THC_DUP(9) THC_DUP(10) THC_DUP(11) THC_DUP(12) THC_DUP(13)
             THC_DUP(14) THC_DUP(15) THC_DUP(16) THC_DUP(17) THC_DUP(18) THC_DUP(19)
@@ -755,7 +759,7 @@ control ThcIngress(inout tna_headers_t hdr, inout metadata_t meta,
         // Pass 0 and the adding passes in the two branches of one condition: a table after
         // a condition takes a later stage than the tables before it, and tables of two
         // branches need no order, so the words take the stages beside pass 0's slot state.
-        if (meta.p1.recirc == 1) {
+        if (meta.p1.isValid()) {
             // ---- passes 1 and 2: every word's lookups, then the words ----
 #include "generated/thc_tna_luts_apply.p4"
 #include "generated/thc_tna_words_apply.p4"
@@ -808,6 +812,7 @@ control ThcIngress(inout tna_headers_t hdr, inout metadata_t meta,
                 meta.drop_reason = THC_DROP_BAD_LANES;
             } else if (hdr.thc.offset[31:31] == 1) {
                 meta.drop_reason = THC_DROP_MALFORMED;   // bit 31 tells a MAX use (thc_use)
+                meta.refuse = 1;
             }
             thc_job.apply();
             thc_worker.apply();
@@ -883,7 +888,11 @@ control ThcIngress(inout tna_headers_t hdr, inout metadata_t meta,
         } else if (hdr.ethernet.isValid()) {
             l2_forward.apply();
         }
-        if (hdr.ipv4.isValid()) {
+        // A packet going round keeps one queue: passes of two packets never overtake each
+        // other (a FLUSH's READ after a DATA's WRITE or ADD that pass 0 counted first).
+        if (meta.bridge.recirc == 1 || (meta.p1.isValid() && meta.p1.last == 0)) {
+            ig_tm_md.qid = 0;
+        } else if (hdr.ipv4.isValid()) {
             meta.dscp = hdr.ipv4.diffserv[7:2];
             thc_dscp.apply();
         }

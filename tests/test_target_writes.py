@@ -39,8 +39,9 @@ def committed_p4info(target: targets.Target) -> p4info_pb2.P4Info:
 
 
 def _workers(job_id: int, n: int) -> tuple[Worker, ...]:
+    """On ports 256-319: a Tofino's pipe 2, the CPU port's (BMv2 takes them too)."""
     return tuple(Worker(i, f"10.{job_id}.0.{i + 1}", 20000 + i,
-                        f"02:00:00:00:{job_id:02x}:{i + 1:02x}", (job_id * 11 + i) % 64)
+                        f"02:00:00:00:{job_id:02x}:{i + 1:02x}", 256 + (job_id * 11 + i) % 64)
                  for i in range(n))
 
 
@@ -356,9 +357,20 @@ def test_tofino_refuses_a_worker_at_its_cpu_port():
             jobs.install_job(sw, job)
         assert sw.writes == []
     sw = recording_switch(targets.get("tofino"))
-    workers = (*_workers(9, 2), Worker(2, "10.9.0.3", 20002, "02:00:00:00:09:03", P.CPU_PORT))
+    workers = (*_workers(9, 2), Worker(2, "10.9.0.3", 20002, "02:00:00:00:09:03", 383))
     jobs.install_job(sw, Job(job_id=9, workers=workers, table=TABLE, granularity=30,
                              pool_size=8))
+
+
+def test_tofino_keeps_a_job_in_the_cpu_ports_pipe():
+    """A job's slot registers live in one pipe and RESETs enter at the CPU port (320, pipe
+    2): a worker on another pipe is refused before any write, naming the ports to use."""
+    sw = recording_switch(targets.get("tofino"))
+    workers = (*_workers(9, 2), Worker(2, "10.9.0.3", 20002, "02:00:00:00:09:03", 384))
+    with pytest.raises(ConfigError, match=r"port 384, pipe 3.*ports 256-383"):
+        jobs.install_job(sw, Job(job_id=9, workers=workers, table=TABLE, granularity=30,
+                                 pool_size=8))
+    assert sw.writes == []
 
 
 @pytest.mark.parametrize("name", sorted(targets.TARGETS))

@@ -35,6 +35,8 @@ WORD_KEYS = 2
 SUM_BITS = 8
 CPU_PORT = 320
 """Tofino-1's PCIe CPU port (pipe 2, port 64, on a four-pipe part)."""
+PIPE_SHIFT = 7
+"""A port's pipe: its number's bits 8-7. Each pipe has its own registers."""
 CLOSED_BIT = 31
 """The slot bitmap's bit that marks a use closed by a FLUSH: no worker may hold it."""
 
@@ -72,6 +74,15 @@ class Tofino(Target):
                 f"job {job.job_id} is a {job.aggregation} job; the Tofino program adds THC "
                 f"lookups only (a vote table per word would exceed the pipe's logical "
                 f"tables). Run it on BMv2 (--target bmv2) or the software aggregator")
+        pipe = CPU_PORT >> PIPE_SHIFT
+        away = [w for w in job.workers if w.switch_port >> PIPE_SHIFT != pipe]
+        if away:
+            raise ConfigError(
+                f"job {job.job_id}: worker {away[0].id} sits at port {away[0].switch_port}, "
+                f"pipe {away[0].switch_port >> PIPE_SHIFT}; a job's slot registers live in "
+                f"one pipe, and the RESET packet-outs that clear them enter at the CPU port "
+                f"{CPU_PORT} (pipe {pipe}): put the job's workers on ports "
+                f"{pipe << PIPE_SHIFT}-{((pipe + 1) << PIPE_SHIFT) - 1}")
         if job.n_workers > CLOSED_BIT:
             raise ConfigError(
                 f"job {job.job_id} has {job.n_workers} workers; the Tofino program takes at "
