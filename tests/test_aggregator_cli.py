@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -16,6 +17,7 @@ import pytest
 
 from thc.net import fastagg
 from thc.testing.clusters import free_port_block, local_job
+from thc.testing.stats import fresh_stats
 from thc.wire.jobs import Cluster
 
 
@@ -139,3 +141,27 @@ def test_refused_sends_are_counted_and_a_refused_gso_send_goes_out_one_by_one():
         assert out[f"{datapath}, worker 1 blocked"] == {"results": [40, 0], "send_errors": 40}
     if kind == "compiled":
         assert out["compiled, GSO refused"] == {"results": [40, 40], "send_errors": 0}
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_an_aggregator_started_with_sigint_ignored_stops_on_a_signal(tmp_path, sig):
+    """A shell's background job starts with SIGINT ignored: the aggregator still stops on
+    Ctrl-C (and on SIGTERM), printing its final counters."""
+    port = free_port_block(1)
+    cfg = tmp_path / "cluster.json"
+    Cluster(jobs=(local_job(3, 2, free_port_block(2)),), agg_port=port).save(cfg)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "thc.cli", "aggregator", "--listen", f"127.0.0.1:{port}",
+         "--config", str(cfg), "--stats-interval", "0", "--stats-file",
+         str(tmp_path / "stats.json")],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    try:
+        assert "listening" in proc.stdout.readline()
+        fresh_stats([tmp_path / "stats.json"], alive=lambda: proc.poll() is None)
+        proc.send_signal(sig)
+        out, _ = proc.communicate(timeout=20)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0
+    assert "drops" in json.loads(out.strip().splitlines()[-1])

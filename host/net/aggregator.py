@@ -13,6 +13,7 @@ import argparse
 import json
 import os
 import select
+import signal
 import socket
 import sys
 import threading
@@ -163,6 +164,15 @@ def choose(datapath: str, jobs, impair: Impairment, gso: bool = True,
     return Aggregator(jobs, impair=impair, shard=shard), f"python ({why_not})"
 
 
+def _stop_on_signals() -> None:
+    """Ctrl-C and SIGTERM end the serving loop, which prints the final counters: also where
+    the aggregator starts with SIGINT ignored (a background job of a shell, nohup)."""
+    def stop(signum, frame):
+        raise KeyboardInterrupt
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, stop)
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         cluster = Cluster.load(args.config)
@@ -194,6 +204,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"thc aggregator: {chosen.describe()}", file=sys.stderr, flush=True)
     end = None if args.duration is None else time.monotonic() + args.duration
     last_print = time.monotonic()
+    _stop_on_signals()
     try:
         while end is None or time.monotonic() < end:
             time.sleep(0.5)
