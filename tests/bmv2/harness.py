@@ -5,7 +5,8 @@ with one veth pair per port and pushes the compiled program from p4src/build.
 ``BMv2Harness`` implements tests/conformance/harness.py's Harness on top: workers are
 (MAC, IPv4, UDP port) triples spread over the worker ports (one more port hosts strangers);
 an endpoint sends raw Ethernet frames from its worker's address to the aggregator's and
-receives the THC datagrams addressed to it.
+receives the THC datagrams addressed to it. ``sync`` is tests/bmv2/barrier.py's barrier:
+no fixed wait decides what has been handled or what will still come.
 
 Needs root (veth pairs, AF_PACKET) and simple_switch_grpc on PATH; ``bmv2_available()`` says
 what is missing (through thc.controller.toolchain). p4c is not needed: the committed build in p4src/build is used.
@@ -15,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import queue
-import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -24,6 +24,7 @@ from thc.controller.frames import udp_frame
 from thc.controller.testing.bmv2 import LocalBMv2
 from thc.wire import protocol as P
 from thc.wire.jobs import SWITCH_AGG_IP, SWITCH_AGG_MAC, Job, Worker
+from tests.bmv2.barrier import SwitchBarrier
 from tests.conformance.harness import Endpoint, Harness, job_fields
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -40,9 +41,9 @@ def bmv2_available(program: str = "thc") -> tuple[bool, str]:
 class FrameEndpoint(Endpoint):
     """A worker address on one switch port: raw frames out, THC datagrams in."""
 
-    def __init__(self, switch: LocalBMv2, port: int, mac: str, ip: str, udp_port: int,
+    def __init__(self, switch: LocalBMv2, sync, port: int, mac: str, ip: str, udp_port: int,
                  agg_mac: str = AGG_MAC, agg_ip: str = AGG_IP):
-        self.switch, self.port = switch, port
+        self.switch, self.sync, self.port = switch, sync, port
         self.mac, self.ip, self.udp_port = mac, ip, udp_port
         self.agg_mac, self.agg_ip = agg_mac, agg_ip
         self.inbox = switch.register(ip, udp_port)
@@ -61,11 +62,17 @@ class FrameEndpoint(Endpoint):
         except queue.Empty:
             return None
 
+    def arrived(self) -> list[bytes]:
+        out = []
+        while True:
+            try:
+                out.append(self.inbox.get_nowait())
+            except queue.Empty:
+                return out
+
 
 class BMv2Harness(Harness):
     name = "bmv2"
-    settle = 0.15
-    quiet = 0.25
     max_jobs = 4
     """Jobs kept installed; the oldest is removed to make room (the switch holds MAX_JOBS,
     but every table read returns every job's entries: fewer keep reads fast)."""
@@ -74,6 +81,11 @@ class BMv2Harness(Harness):
         self.worker_ports = worker_ports
         self.switch = LocalBMv2(worker_ports + 1, program=program, build_dir=build_dir)
         self.sw = self.switch.sw
+        try:
+            self.barrier = SwitchBarrier(self.switch)
+        except BaseException:
+            self.switch.close()
+            raise
         self.stranger_port = worker_ports
         self._endpoints: dict[tuple[str, int], FrameEndpoint] = {}
         self._addr = itertools.count(1)
@@ -129,7 +141,7 @@ class BMv2Harness(Harness):
                 self._rr += 1
             mac, ip, udp_port = self._new_address(port)
             workers.append(Worker(i, ip, udp_port, mac, port))
-            self._endpoints[(ip, udp_port)] = FrameEndpoint(self.switch, port, mac, ip, udp_port)
+            self._endpoints[(ip, udp_port)] = self._frame_endpoint(port, mac, ip, udp_port)
         base = self._alloc_pool(job_id, pool_size)
         job = Job(job_id=job_id, workers=tuple(workers), pool_size=pool_size, pool_base=base,
                   lanes=self.sw.lanes, **job_fields(table, granularity, aggregation))
@@ -152,38 +164,24 @@ class BMv2Harness(Harness):
         self._installed.pop(job_id, None)
         self._pools.pop(job_id, None)
 
-    def recv_each(self, endpoints: dict) -> dict:
-        """All endpoints at once: until ``quiet`` seconds pass with none receiving anything
-        (the condition of one ``recv_all`` each, without waiting it out per worker)."""
-        got = {k: [] for k in endpoints}
-        last = time.monotonic()
-        while True:
-            progressed = False
-            for k, ep in endpoints.items():
-                while True:
-                    try:
-                        got[k].append(ep.inbox.get_nowait())
-                    except queue.Empty:
-                        break
-                    progressed = True
-            now = time.monotonic()
-            if progressed:
-                last = now
-            elif now - last >= self.quiet:
-                return got
-            time.sleep(0.005)
+    def sync(self) -> None:
+        """Every frame sent so far handled, every reply to it arrived (a barrier, not a wait)."""
+        self.barrier.wait()
 
     # -- endpoints ------------------------------------------------------------------------
+    def _frame_endpoint(self, port: int, mac: str, ip: str, udp_port: int) -> FrameEndpoint:
+        return FrameEndpoint(self.switch, self.sync, port, mac, ip, udp_port)
+
     def endpoint(self, job: Job, worker_id: int) -> Endpoint:
         w = job.worker(worker_id)
         key = (w.ip, w.port)
         if key not in self._endpoints:
-            self._endpoints[key] = FrameEndpoint(self.switch, w.switch_port, w.mac, w.ip, w.port)
+            self._endpoints[key] = self._frame_endpoint(w.switch_port, w.mac, w.ip, w.port)
         return self._endpoints[key]
 
     def stranger(self) -> Endpoint:
         mac, ip, udp_port = self._new_address(self.stranger_port)
-        ep = FrameEndpoint(self.switch, self.stranger_port, mac, ip, udp_port)
+        ep = self._frame_endpoint(self.stranger_port, mac, ip, udp_port)
         self._endpoints[(ip, udp_port)] = ep
         return ep
 

@@ -52,7 +52,7 @@ def round_trip(h, job: Job, seq: int, idxs, workers=None) -> dict[int, list[byte
     workers = range(job.n_workers) if workers is None else workers
     for w in workers:
         h.endpoint(job, w).send(data(job, w, seq, idxs[w]))
-    return {w: h.endpoint(job, w).recv_all(timeout=h.quiet) for w in range(job.n_workers)}
+    return h.recv_each({w: h.endpoint(job, w) for w in range(job.n_workers)})
 
 
 def check_round(h, job: Job, seq: int, rng: np.random.Generator) -> None:
@@ -63,11 +63,28 @@ def check_round(h, job: Job, seq: int, rng: np.random.Generator) -> None:
         check_result(got[w], job, seq, idxs, w)
 
 
-def recv_expected(ep, n: int, quiet: float, timeout: float = 10.0) -> list[bytes]:
-    """The ``n`` datagrams a test expects at ``ep``, each awaited up to ``timeout`` seconds
-    (a loaded switch may be slow), then any more that arrive within ``quiet`` (so that an
-    extra reply still shows)."""
-    out = []
-    while len(out) < n and (d := ep.recv(timeout)) is not None:
-        out.append(d)
-    return out + ep.recv_all(timeout=quiet)
+REPLY_TIMEOUT = 10.0
+"""Seconds a reply the test expects is awaited: a switch this late has failed."""
+
+
+def exchange(h, steps, endpoints: dict, unanswered: int = 8) -> dict:
+    """Send ``steps``, (endpoint, datagram, keys in ``endpoints`` of the workers its replies go
+    to), one at a time: each datagram's replies are awaited before the next is sent, and after
+    every ``unanswered`` datagrams without a reply comes the harness's barrier. So no burst
+    fills BMv2's pcap ring (a few dozen frames) and no sleep paces the sends. Returns what each
+    endpoint received, in arrival order, up to a final barrier (so an extra reply shows)."""
+    got = {k: [] for k in endpoints}
+    since_barrier = 0
+    for ep, datagram, dsts in steps:
+        ep.send(datagram)
+        for k in dsts:
+            if (reply := endpoints[k].recv(REPLY_TIMEOUT)) is not None:
+                got[k].append(reply)
+        if not dsts:
+            since_barrier += 1
+            if since_barrier == unanswered:
+                h.sync()
+                since_barrier = 0
+    for k, more in h.recv_each(endpoints).items():
+        got[k] += more
+    return got

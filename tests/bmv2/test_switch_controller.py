@@ -69,7 +69,7 @@ def test_reinstall_with_fewer_workers_drops_their_entries(bmv2, sw):
     # worker 2 is now outside the job
     before = counters.drops(sw)["worker_outside_job"]
     bmv2.endpoint(job, 2).send(data(job, 2, 0, np.zeros(job.lanes, np.uint8)))
-    bmv2.endpoint(job, 2).recv_all(timeout=bmv2.quiet)
+    bmv2.endpoint(job, 2).recv_all()
     assert counters.drops(sw)["worker_outside_job"] == before + 1
 
 
@@ -85,7 +85,7 @@ def test_remove_deletes_everything(bmv2, sw):
     # its packets are now unknown_job
     drops = counters.drops(sw)["unknown_job"]
     bmv2.endpoint(job, 0).send(data(job, 0, 0, np.zeros(job.lanes, np.uint8)))
-    assert bmv2.endpoint(job, 0).recv_all(timeout=bmv2.quiet) == []
+    assert bmv2.endpoint(job, 0).recv_all() == []
     assert counters.drops(sw)["unknown_job"] == drops + 1
 
 
@@ -100,10 +100,10 @@ def test_counters_by_name(bmv2, sw):
     idxs = [random_indices(rng, job) for _ in range(2)]
     round_trip(bmv2, job, 0, idxs)
     bmv2.endpoint(job, 0).send(data(job, 0, 0, idxs[0]))          # retransmission
-    bmv2.endpoint(job, 0).recv_all(timeout=bmv2.quiet)
+    bmv2.endpoint(job, 0).recv_all()
     bmv2.endpoint(job, 0).send(data(job, 0, 1, idxs[0]))          # first of seq 1
     bmv2.endpoint(job, 0).send(data(job, 0, 1, idxs[0]))          # pending
-    bmv2.endpoint(job, 0).recv_all(timeout=bmv2.quiet)
+    bmv2.endpoint(job, 0).recv_all()
     assert bmv2.job_counters(job) == {"packets": 5, "completions": 1, "retransmissions": 1,
                                       "pending": 1, "held": 0}
     snap = counters.snapshot(sw, jobs.installed_jobs(sw))

@@ -33,7 +33,7 @@ def test_every_class_aggregates_and_unknown_dscps_are_counted(bmv2, sw, dscp, kn
     before = counters.dscp_unknown(sw)
     for w in range(2):
         send_with_tos(bmv2, job, w, data(job, w, 0, idxs[w]), dscp << 2 | 1)   # ECN bit set
-    got = {w: bmv2.endpoint(job, w).recv_all(timeout=bmv2.quiet) for w in range(2)}
+    got = bmv2.recv_each({w: bmv2.endpoint(job, w) for w in range(2)})
     for w in range(2):
         check_result(got[w], job, 0, idxs, w)
     assert counters.dscp_unknown(sw) - before == (0 if known else 2)

@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import itertools
 import random
-import time
 
 import pytest
 
 from thc.wire.model import Model
 from tests import model_fuzz as F
-from tests.bmv2.packets import recv_expected
+from tests.bmv2.packets import exchange
 from tests.bmv2.test_switch_trace import without_epoch
 
 pytestmark = pytest.mark.bmv2
@@ -40,7 +39,7 @@ def test_switch_answers_every_interleaving_as_the_model(bmv2, monkeypatch, seed)
     ctx = F.Context(0, 1)
     want = {w: [] for w in range(F.N_WORKERS)}
     before = bmv2.drops()
-    sent = 0
+    steps = []
     for step in F.random_steps(random.Random(seed), 300):
         action = F.decode(step, ctx)
         if action[0] in ("time", "install"):
@@ -54,11 +53,9 @@ def test_switch_answers_every_interleaving_as_the_model(bmv2, monkeypatch, seed)
         replies, _ = model.handle(datagram, model_src, 0.0)
         for reply, dst in replies:
             want[worker_of[dst]].append(without_epoch(reply))
-        ep.send(datagram)
-        sent += 1
-        time.sleep(0.002)  # BMv2's pcap ring holds only a few dozen frames: no bursts
-    got = {w: [without_epoch(d) for d in recv_expected(eps[w], len(want[w]), bmv2.quiet)]
-           for w in eps}
+        steps.append((ep, datagram, [worker_of[dst] for _, dst in replies]))
+    got = {w: [without_epoch(d) for d in ds] for w, ds in exchange(bmv2, steps, eps).items()}
+    sent = len(steps)
     assert sent > 200 and sum(map(len, want.values())) > 20
     for w in eps:
         assert got[w] == want[w], f"worker {w}: the switch's replies differ from the model's"

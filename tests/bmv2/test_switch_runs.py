@@ -18,7 +18,7 @@ def send_round(h, job, seq, idxs, run, workers=None):
     workers = range(job.n_workers) if workers is None else workers
     for w in workers:
         h.endpoint(job, w).send(data(job, w, seq, idxs[w], run=run))
-    return {w: h.endpoint(job, w).recv_all(timeout=h.quiet) for w in range(job.n_workers)}
+    return h.recv_each({w: h.endpoint(job, w) for w in range(job.n_workers)})
 
 
 def test_replies_carry_the_job_epoch_and_each_install_draws_a_new_one(bmv2, sw):
@@ -69,5 +69,5 @@ def test_run_zero_is_malformed(bmv2, sw):
     bmv2.install(job)
     before = counters.drops(sw)["malformed"]
     bmv2.endpoint(job, 0).send(data(job, 0, 0, np.zeros(job.lanes, np.uint8), run=0))
-    assert bmv2.endpoint(job, 0).recv_all(timeout=bmv2.quiet) == []
+    assert bmv2.endpoint(job, 0).recv_all() == []
     assert counters.drops(sw)["malformed"] == before + 1

@@ -74,7 +74,7 @@ def test_reinstall_clears_a_dirty_pool(bmv2, sw):
     rng = np.random.default_rng(3)
     stale = random_indices(rng, job)
     bmv2.endpoint(job, 0).send(data(job, 0, 0, stale))        # a round left half done
-    bmv2.endpoint(job, 0).recv_all(timeout=bmv2.quiet)
+    bmv2.endpoint(job, 0).recv_all()
     jobs.install_job(sw, job, jobs.AggAddress(AGG_IP, AGG_MAC), force=True)
     check_round(bmv2, job, 0, rng)
 
@@ -109,7 +109,7 @@ def test_restarted_controller_leaves_a_running_job_alone(bmv2):
     rng = np.random.default_rng(4)
     idxs = [random_indices(rng, job) for _ in range(2)]
     bmv2.endpoint(job, 0).send(data(job, 0, 0, idxs[0]))       # worker 0 is mid-round
-    bmv2.endpoint(job, 0).recv_all(timeout=bmv2.quiet)
+    bmv2.endpoint(job, 0).recv_all()
 
     # the controller restarts: a new session reads what is installed
     bmv2.sw.close()

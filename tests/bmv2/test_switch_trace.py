@@ -3,14 +3,13 @@ software aggregator and through BMv2: every worker must receive identical datagr
 from __future__ import annotations
 
 import itertools
-import time
 
 import numpy as np
 import pytest
 
 from thc.codec.packing import pack_bits
 from thc.wire import protocol as P
-from tests.bmv2.packets import datagram, random_indices
+from tests.bmv2.packets import datagram, exchange, random_indices
 
 pytestmark = pytest.mark.bmv2
 _ids = itertools.count(700)
@@ -74,20 +73,9 @@ def test_same_trace_same_results_as_the_software_aggregator(bmv2, n_workers):
             soft[addr_to_worker[dst]].append(bytes(out))
             replies_to[-1].append(addr_to_worker[dst])
 
-    # one datagram at a time, its replies awaited before the next: BMv2's pcap ring holds
-    # only a few dozen frames, and a loaded machine must not decide what arrives
     before = bmv2.drops()
-    hard = {w.id: [] for w in job.workers}
-    for (w, d), dsts in zip(trace, replies_to):
-        bmv2.endpoint(job, w).send(d)
-        for dst in dsts:
-            got = bmv2.endpoint(job, dst).recv(10.0)
-            if got is not None:
-                hard[dst].append(got)
-        if not dsts:
-            time.sleep(0.002)
-    for w in job.workers:
-        hard[w.id] += bmv2.endpoint(job, w.id).recv_all(timeout=bmv2.quiet)
+    eps = {w.id: bmv2.endpoint(job, w.id) for w in job.workers}
+    hard = exchange(bmv2, [(eps[w], d, dsts) for (w, d), dsts in zip(trace, replies_to)], eps)
     assert sum(map(len, soft.values())) > 3 * 20
     epochs = {bytes(d[EPOCH]) for got in hard.values() for d in got}
     assert len(epochs) == 1 and epochs != {bytes(4)}, "one nonzero epoch from the switch"

@@ -7,7 +7,7 @@ for the software aggregator, raw Ethernet frames on veth ports for BMv2 (PTF sty
 from __future__ import annotations
 
 import abc
-import time
+from collections.abc import Callable
 
 from thc.wire import protocol as P
 from thc.wire.jobs import VOTE_TABLE, Job
@@ -16,6 +16,9 @@ from thc.wire.jobs import VOTE_TABLE, Job
 class Endpoint(abc.ABC):
     """One worker's view of the network: datagrams (THC header + payload) in and out."""
 
+    sync: Callable[[], None]
+    """The harness's :meth:`Harness.sync`."""
+
     @abc.abstractmethod
     def send(self, datagram: bytes) -> None: ...
 
@@ -23,11 +26,16 @@ class Endpoint(abc.ABC):
     def recv(self, timeout: float = 1.0) -> bytes | None:
         """Next THC datagram addressed to this worker, or None after ``timeout`` seconds."""
 
-    def recv_all(self, timeout: float = 0.3) -> list[bytes]:
-        out = []
-        while (d := self.recv(timeout)) is not None:
-            out.append(d)
-        return out
+    @abc.abstractmethod
+    def arrived(self) -> list[bytes]:
+        """The datagrams addressed to this worker that are here now, without waiting."""
+
+    def recv_all(self) -> list[bytes]:
+        """Every datagram the aggregator sends this worker in reply to what any endpoint sent
+        before the call, however late: the harness's barrier, then what has arrived (so that
+        an extra reply shows, and a missing one is missing, not late)."""
+        self.sync()
+        return self.arrived()
 
     def close(self) -> None:
         pass
@@ -37,16 +45,12 @@ class Harness(abc.ABC):
     """An aggregator under test plus the network around it."""
 
     name: str = "?"
-    settle: float = 0.0
-    """Seconds a harness that cannot observe the aggregator's progress waits in :meth:`sync`."""
-    quiet: float = 0.15
-    """Seconds of silence after which no more datagrams are expected (where replies cannot be
-    awaited by a barrier)."""
 
+    @abc.abstractmethod
     def sync(self) -> None:
-        """Return once the aggregator handled every datagram sent before the call, so that
-        counters and replies reflect them. The base waits ``settle`` seconds."""
-        time.sleep(self.settle)
+        """Return once the aggregator handled every datagram sent before the call and every
+        reply to them has arrived at its endpoint, so that counters and replies reflect them;
+        past a deadline it raises, naming what did not come."""
 
     @abc.abstractmethod
     def make_job(self, job_id: int, n_workers: int, pool_size: int = 8,
@@ -82,8 +86,9 @@ class Harness(abc.ABC):
         """Cumulative per-job events by name (protocol.json's job_counters)."""
 
     def recv_each(self, endpoints: dict) -> dict:
-        """What each endpoint receives until ``quiet`` seconds pass without a datagram."""
-        return {k: ep.recv_all(timeout=self.quiet) for k, ep in endpoints.items()}
+        """What each endpoint gets in reply to what was sent so far (one barrier for all)."""
+        self.sync()
+        return {k: ep.arrived() for k, ep in endpoints.items()}
 
     def close(self) -> None:
         pass

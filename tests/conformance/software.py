@@ -17,9 +17,7 @@ from tests.conformance.harness import Endpoint, Harness, job_fields
 
 class UdpEndpoint(Endpoint):
     def __init__(self, addr: tuple[str, int], aggregator: tuple[str, int],
-                 sync: Callable[[], None] | None = None):
-        """``sync``: returns once the aggregator answered everything sent before the call
-        (:meth:`SoftwareHarness.sync`); :meth:`recv_all` then takes what has arrived."""
+                 sync: Callable[[], None]):
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         self.sock.bind(addr)
         self.aggregator = aggregator
@@ -35,27 +33,18 @@ class UdpEndpoint(Endpoint):
         except socket.timeout:
             return None
 
-    def recv_all(self, timeout: float = 0.3) -> list[bytes]:
-        """With ``sync``: every reply to what was sent so far, however late the aggregator
-        sends it (``timeout`` unused); without: until ``timeout`` seconds of silence."""
-        if self.sync is None:
-            return super().recv_all(timeout)
-        self.sync()
-        return _drain(self.sock)
+    def arrived(self) -> list[bytes]:
+        """The datagrams already queued on the socket."""
+        self.sock.setblocking(False)
+        out = []
+        while True:
+            try:
+                out.append(self.sock.recv(4096))
+            except BlockingIOError:
+                return out
 
     def close(self) -> None:
         self.sock.close()
-
-
-def _drain(sock: socket.socket) -> list[bytes]:
-    """The datagrams already queued on ``sock``."""
-    sock.setblocking(False)
-    out = []
-    while True:
-        try:
-            out.append(sock.recv(4096))
-        except BlockingIOError:
-            return out
 
 
 SYNC_JOB_ID = (1 << 16) - 1
@@ -136,11 +125,6 @@ class SoftwareHarness(Harness):
     def _new_endpoint(self, addr: tuple[str, int]) -> UdpEndpoint:
         return UdpEndpoint(addr, self.addr, self.sync)
 
-    def recv_each(self, endpoints: dict) -> dict:
-        """Every reply each endpoint got to what was sent so far (one barrier for all)."""
-        self.sync()
-        return {k: _drain(ep.sock) for k, ep in endpoints.items()}
-
     def install(self, job: Job) -> None:
         self.agg.install(job)
 
@@ -178,7 +162,7 @@ class ShardedEndpoint(UdpEndpoint):
     client does (datagrams too short to carry a seq go to shard 0)."""
 
     def __init__(self, addr: tuple[str, int], shards: list[tuple[str, int]],
-                 sync: Callable[[], None] | None = None):
+                 sync: Callable[[], None]):
         super().__init__(addr, shards[0], sync)
         self.shards = shards
 

@@ -44,7 +44,7 @@ def test_a_max_at_a_sums_seq_is_refused_and_adds_nothing(harness):
     settle(harness)  # workers on different switch ports: keep the order
     before = harness.drops()
     w1.send(max_packet(job, 1, 0))
-    refused(w1.recv_all(timeout=harness.quiet), "wrong_use", 0, int(P.PktType.DATA))
+    refused(w1.recv_all(), "wrong_use", 0, int(P.PktType.DATA))
     settle(harness)
     assert drops_delta(before, harness.drops()) == {"wrong_use": 1}
     got = run_round(harness, job, 0, idxs, workers=[1])
@@ -61,16 +61,16 @@ def test_data_after_a_max_use_is_refused_and_the_next_use_starts_clean(harness):
     w0.send(max_packet(job, 0, 0, 1e30))
     settle(harness)  # workers on different switch ports: keep the order
     w1.send(data(job, 1, 0, indices(rng, job)))
-    refused(w1.recv_all(timeout=harness.quiet), "wrong_use", 0, int(P.PktType.MAX))
+    refused(w1.recv_all(), "wrong_use", 0, int(P.PktType.MAX))
     w1.send(flush(job, 1, 0))
-    refused(w1.recv_all(timeout=harness.quiet), "wrong_use", 0)
+    refused(w1.recv_all(), "wrong_use", 0)
     w1.send(max_packet(job, 1, 0, 2.0))
     got = harness.recv_each({0: w0, 1: w1})
     for w in (0, 1):
         hdr, _ = parse(got[w][0])
         assert hdr.pkt_type == P.PktType.MAX_RESULT and hdr.count == 2
     w0.send(data(job, 0, 0, indices(rng, job)))
-    refused(w0.recv_all(timeout=harness.quiet), "wrong_use", 0)
+    refused(w0.recv_all(), "wrong_use", 0)
     # every worker moves on through the other version; the slot's next use sums from zero
     for seq in (2, 4):
         idxs = [indices(rng, job) for _ in range(2)]
@@ -87,7 +87,7 @@ def test_a_chunk_whose_offset_differs_from_its_use_is_refused(harness):
     settle(harness)  # workers on different switch ports: keep the order
     w1 = harness.endpoint(job, 1)
     w1.send(data(job, 1, 0, idxs[1], offset=12345))
-    refused(w1.recv_all(timeout=harness.quiet), "wrong_use", 0)
+    refused(w1.recv_all(), "wrong_use", 0)
     got = run_round(harness, job, 0, idxs, workers=[1])
     for w in range(2):
         assert_result(got[w], job, 0, idxs, w)
@@ -104,7 +104,7 @@ def test_a_slot_or_version_that_is_not_the_seqs_is_refused(harness):
     for kw in ({"slot": 1}, {"slot": 1, "version": 0}, {"version": 0}):
         before = harness.drops()
         w1.send(data(job, 1, 6, idxs[1], **kw))
-        refused(w1.recv_all(timeout=harness.quiet), "wrong_slot", 6)
+        refused(w1.recv_all(), "wrong_slot", 6)
         settle(harness)
         assert drops_delta(before, harness.drops()) == {"wrong_slot": 1}
     got = run_round(harness, job, 1, idxs, workers=[1])
@@ -126,7 +126,7 @@ def test_a_far_newer_seq_waits_and_dead_ends_nothing(harness):
     w0 = harness.endpoint(job, 0)
     held_before = harness.job_counters(job)["held"]
     w0.send(data(job, 0, far, first[0]))
-    got = w0.recv_all(timeout=harness.quiet)
+    got = w0.recv_all()
     hdr, _ = parse(got[0])
     # held: only worker 0 (whose packet this is) has shown it holds seq 0's result
     assert len(got) == 1 and hdr.pkt_type == P.PktType.PENDING and hdr.bitmap == 0b01
@@ -134,7 +134,7 @@ def test_a_far_newer_seq_waits_and_dead_ends_nothing(harness):
     assert harness.job_counters(job)["held"] == held_before + 1
     # the slot version still answers seq 0 and continues normally
     harness.endpoint(job, 1).send(data(job, 1, 0, first[1]))
-    assert_result(harness.endpoint(job, 1).recv_all(timeout=harness.quiet), job, 0, first, 1)
+    assert_result(harness.endpoint(job, 1).recv_all(), job, 0, first, 1)
     for seq in (pool, 2 * pool):
         idxs = [indices(rng, job) for _ in range(2)]
         got = run_round(harness, job, seq, idxs)
@@ -161,7 +161,7 @@ def test_a_new_use_waits_for_the_worker_that_lacks_the_previous_result(harness):
     for seq in (0, pool):
         # the straggler still gets each chunk as it was closed (worker 0 alone)
         w1.send(data(job, 1, seq, idxs[seq][1]))
-        hdr, _ = parse(w1.recv_all(timeout=harness.quiet)[0])
+        hdr, _ = parse(w1.recv_all()[0])
         assert (hdr.pkt_type, hdr.seq, hdr.count, hdr.bitmap) == (P.PktType.RESULT, seq, 1, 1)
     # worker 1's chunk `pool` showed it holds chunk 0: chunk 2 x pool starts, exact
     seq = 2 * pool
@@ -178,9 +178,9 @@ def test_stale_packets_are_answered_so_the_sender_fails_at_once(harness):
         run_round(harness, job, seq, [indices(rng, job) for _ in range(2)])
     w0 = harness.endpoint(job, 0)
     w0.send(data(job, 0, 0, indices(rng, job)))
-    refused(w0.recv_all(timeout=harness.quiet), "stale", 0, 2 * pool)
+    refused(w0.recv_all(), "stale", 0, 2 * pool)
     w0.send(data(job, 0, 0, indices(rng, job), run=RUN - 1 or P.SEQ_MOD - 1))
-    refused(w0.recv_all(timeout=harness.quiet), "stale_run", 0, RUN)
+    refused(w0.recv_all(), "stale_run", 0, RUN)
 
 
 def test_a_far_future_run_cannot_take_a_live_job(harness):
@@ -193,7 +193,7 @@ def test_a_far_future_run_cannot_take_a_live_job(harness):
     far = (RUN + (1 << 31) - 1) % P.SEQ_MOD
     for seq in (2, 3):
         w1.send(data(job, 1, seq, indices(rng, job), run=far))
-        refused(w1.recv_all(timeout=harness.quiet), "stale_run", seq, RUN)
+        refused(w1.recv_all(), "stale_run", seq, RUN)
     idxs = [indices(rng, job) for _ in range(2)]
     got = run_round(harness, job, 2, idxs)
     for w in range(2):
@@ -235,7 +235,7 @@ def test_a_second_incarnation_of_a_worker_in_one_run_is_refused(harness):
     w1 = harness.endpoint(job, 1)
     before = harness.drops()
     w1.send(bytes(again))
-    refused(w1.recv_all(timeout=harness.quiet), "reused_run", 0, 0)
+    refused(w1.recv_all(), "reused_run", 0, 0)
     settle(harness)
     assert drops_delta(before, harness.drops()) == {"reused_run": 1}
     # the first incarnation goes on; a new run id starts cleanly with any nonce

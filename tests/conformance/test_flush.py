@@ -30,8 +30,7 @@ def assert_short(got, job, seq, idxs, counted, to_worker):
 
 
 def recv_everyone(harness, job):
-    return {w: harness.endpoint(job, w).recv_all(timeout=harness.quiet)
-            for w in range(job.n_workers)}
+    return harness.recv_each({w: harness.endpoint(job, w) for w in range(job.n_workers)})
 
 
 def test_flush_closes_a_chunk_short_for_every_worker(harness):
@@ -118,7 +117,7 @@ def test_bad_flush_is_dropped_counted_and_harmless(harness, case):
         ep = harness.stranger()
     before = harness.drops()
     ep.send(bad)
-    assert ep.recv_all(timeout=harness.quiet) == []
+    assert ep.recv_all() == []
     settle(harness)
     assert drops_delta(before, harness.drops()) == {reason: 1}
     got = run_round(harness, job, 0, idxs, workers=[1])   # the chunk was not closed
