@@ -36,6 +36,9 @@ WORD_APPLY = ("thc_w{j:02d}.apply(hdr.res[{j}], meta.p1.word_index, meta.p1.lane
               "meta.p1.is_max, meta.p1.blank, meta.p1.recirc);\n")
 OCTS = WORDS // 2
 """Index headers a pass reads: eight 4-bit indices (two words) each."""
+SIGN_WORDS = 2 * OCTS // 4
+"""Sign words of a vote DATA: 32 sign bits, four index headers' lanes, each parsed into the
+first of its four index headers (spread())."""
 
 
 def check(spec: dict) -> None:
@@ -85,6 +88,44 @@ def schedule() -> list[tuple[int, int, int]]:
         salus[c] -= 1
         out.append((first[w], second[w], c))
     return out
+
+
+def _oct(o: int) -> str:
+    """Where pass 0 spreads index header ``o`` of a vote DATA: the first 128 lanes in the
+    index headers of the adding passes (``cur``), the last 128 in the result words that
+    follow them in the packet, the first whose containers are whole (``SPLIT_WORDS`` on).
+    Both are in the containers the MAU reads; ``rest`` rides along outside them."""
+    return f"hdr.cur[{o}].idx" if o < OCTS else f"hdr.res[{SPLIT_WORDS + o - OCTS}].w"
+
+
+def _valid(o: int) -> str:
+    return _oct(o).rsplit(".", 1)[0] + ".setValid();"
+
+
+def _spread_to(o: int, dst: int, src: str, first: int) -> str:
+    hi = 31 - 8 * (o % 4) - first
+    return f"        {_oct(o)}[{dst}:{dst - 3}] = {src}[{hi}:{hi - 3}];\n"
+
+
+def spread() -> str:
+    """The three actions (one a stage: a container takes one shift a stage) that turn a
+    vote DATA's sign bits into the index headers the lookups key on, in pass 0.
+
+    Sign byte P holds the eight lanes of index header P (over the packet, 0-31), and each
+    byte of that header is one lookup's key, two lanes: each key byte must hold its two
+    lanes' sign bits. The first nibble of sign byte P goes to bits 25-22 of header P, the
+    second to bits 9-6: bits 1-0 of the first and third key bytes, bits 7-6 of the second
+    and fourth, where controller/targets/tofino.py's vote entries read them; the other bits
+    are whatever the container held, and every entry ignores them. Sign word m arrives in
+    header 4m (parse_signs): that header's first nibble moves last, from its own bits 31-28,
+    once no other header reads the word."""
+    first = [o for o in range(2 * OCTS) if o % 4 == 0]
+    others = [o for o in range(2 * OCTS) if o % 4]
+    a = [_spread_to(o, 25, _oct(o - o % 4), 0) + f"        {_valid(o)}\n" for o in others]
+    b = [_spread_to(o, 9, _oct(o - o % 4), 4) for o in others + first]
+    c = [_spread_to(o, 25, _oct(o), 0) for o in first]
+    return "".join(f"    action thc_spread_{n}() {{\n{''.join(body)}    }}\n"
+                   for n, body in enumerate((a, b, c)))
 
 
 def constants(header: str) -> str:
@@ -148,9 +189,14 @@ def files(spec: dict, header: str) -> dict[str, str]:
     """File name -> text of the Tofino program's generated files."""
     check(spec)
     parse = "".join([
-        _state("parse_idx2", _extract("rest", OCTS) + _extract("cur", OCTS)),
+        _state("parse_idx2", "        meta.lanes_in = THC_IN_IDX;\n"
+               + _extract("rest", OCTS) + _extract("cur", OCTS)),
         _state("parse_idx1", _extract("cur", OCTS)),
-        _state("parse_max", _extract("res", spec["max_lanes"])),
+        _state("parse_max", "        meta.lanes_in = THC_IN_MAX;\n"
+               + _extract("res", spec["max_lanes"])),
+        _state("parse_signs", "        meta.lanes_in = THC_IN_SIGNS;\n"
+               + "".join(f"        pkt.extract({_oct(4 * m).rsplit('.', 1)[0]});\n"
+                         for m in range(SIGN_WORDS))),
     ])
     luts, luts_apply = _luts()
     return {
@@ -167,10 +213,14 @@ def files(spec: dict, header: str) -> dict[str, str]:
                                     "its stage (gen_tna.schedule).\n"
                                     + "".join(WORD_CONTROL.format(j=j, stage=c)
                                               for j, (_, _, c) in enumerate(schedule())),
+        "thc_tna_spread.p4": header + "// A vote DATA's sign bits spread over the index "
+                              "headers (pass 0; gen_tna.spread).\n" + spread(),
         "thc_tna_pragmas.p4": header + "// Each half of the first result words in a container "
                               "of its own: the word's two lookups write them in one stage.\n"
                               + _each('@pa_container_size("ingress", "hdr.res[{0}].w", 16, 16)\n',
-                                      SPLIT_WORDS),
+                                      SPLIT_WORDS)
+
+                              ,
         "thc_tna_words_apply.p4": header + "// The words, in passes 1 and 2 (pass 0's "
                                   "decisions, carried in the bridge header).\n"
                                   + _each(WORD_APPLY.replace("{j:02d}", "{0:02d}")

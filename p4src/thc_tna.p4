@@ -20,7 +20,8 @@
  * A word holds four 8-bit lanes (no carry crosses lanes: n x g <= 255), or one max lane.
  * 16-bit jobs would need twice the passes; this program serves 8-bit jobs (set_job's
  * sum_bits 16 is dropped as bad_lanes, and the controller refuses such jobs for this
- * target), and no vote jobs.
+ * target). A vote job's DATA carries sign bits: pass 0 spreads them over the index headers
+ * (generated/thc_tna_spread.p4), and the job's lookup entries count them.
  *
  * Not (yet) here, unlike thc.p4 and the reference model (host/wire/model.py): the run jump
  * and idle rules (a newer run always takes the job), one incarnation per worker per run
@@ -41,6 +42,10 @@ const bit<2> THC_PAY_IDX2 = 1;   // the indices of both halves (pass 0, pass 1)
 const bit<2> THC_PAY_IDX1 = 2;   // the first half's indices, before the last half's sums
 const bit<2> THC_PAY_MAX = 3;    // one 32-bit max lane a word
 const bit<8> THC_TNA_NO_LUT = 0xFF;   // no lookup entry has this job index
+const bit<2> THC_IN_NONE = 0;    // pass 0: no lanes (or not a DATA's size)
+const bit<2> THC_IN_IDX = 1;     // 256 4-bit indices
+const bit<2> THC_IN_SIGNS = 2;   // 256 sign bits (a vote job's DATA), in index headers
+const bit<2> THC_IN_MAX = 3;     // max lanes   // no lookup entry has this job index
 
 // A register index: a slot version (pool_base + slot) * 2 + version, and for the words the
 // pass's half above it (THC_REG_SIZE).
@@ -112,7 +117,8 @@ struct metadata_t {
     bit<16> pool_size;
     bit<16> mcast_grp;
     bit<1>  wide;
-    bit<1>  vote;           // a vote job: refused here
+    bit<1>  vote;           // a vote job: DATA carries sign bits, the sums count the +1s
+    bit<2>  lanes_in;       // THC_IN_*: what pass 0's parser found after the THC header
     bit<32> epoch;
     bit<1>  job_hit;
     // from thc_worker
@@ -194,6 +200,7 @@ parser ThcIngressParser(packet_in pkt, out tna_headers_t hdr, out metadata_t met
         pkt.extract(hdr.thc);
         transition select(hdr.thc.pkt_type, hdr.udp.length) {
             (THC_DATA, THC_UDP_LEN_DATA): parse_idx2;
+            (THC_DATA, THC_UDP_LEN_VOTE): parse_signs;
             (THC_MAX, THC_UDP_LEN_MAX): parse_max;
             default: accept;
         }
@@ -284,6 +291,7 @@ control ThcIngress(inout tna_headers_t hdr, inout metadata_t meta,
 
 #include "generated/thc_tna_words.p4"
 #include "generated/thc_tna_luts.p4"
+#include "generated/thc_tna_spread.p4"
 
     // ---- slot state: one register a stage ----
     Register<bit<32>, bit<32>>(THC_MAX_JOBS) thc_job_run;
@@ -515,9 +523,9 @@ control ThcIngress(inout tna_headers_t hdr, inout metadata_t meta,
     // that are powers of two: slot == seq mod pool (slotx masked) and version == bit
     // log2(pool) of seq.
 #define THC_POOL(P) \
-            (0, 1, _, _, _, _, _, P, 0 &&& (P - 1), 0 &&& P, 0, _, _, _): \
+            (0, 1, _, _, _, _, P, 0 &&& (P - 1), 0 &&& P, 0, _, _, _): \
                 thc_job_run_check(); \
-            (0, 1, _, _, _, _, _, P, 0 &&& (P - 1), P &&& P, 1, _, _, _): \
+            (0, 1, _, _, _, _, P, 0 &&& (P - 1), P &&& P, 1, _, _, _): \
                 thc_job_run_check();
     table thc_check {
         key = {
@@ -525,8 +533,7 @@ control ThcIngress(inout tna_headers_t hdr, inout metadata_t meta,
             meta.job_hit: ternary;
             hdr.thc.pkt_type: ternary;
             meta.vote: ternary;
-            hdr.cur[0].isValid(): ternary;
-            hdr.res[0].isValid(): ternary;
+            meta.lanes_in: ternary;
             meta.wide: ternary;
             meta.pool_size: ternary;
             meta.slotx: ternary;
@@ -538,25 +545,29 @@ control ThcIngress(inout tna_headers_t hdr, inout metadata_t meta,
         }
         actions = { thc_set_drop; thc_refuse; thc_job_run_check; thc_job_run_clear; NoAction; }
         const entries = {
-            (0, 0, _, _, _, _, _, _, _, _, _, _, _, _): thc_set_drop(THC_DROP_UNKNOWN_JOB);
-            (0, 1, _, _, _, _, 1, _, _, _, _, _, _, _): thc_set_drop(THC_DROP_BAD_LANES);
-            (0, 1, THC_DATA, 0, false, _, _, _, _, _, _, _, _, _):
+            (0, 0, _, _, _, _, _, _, _, _, _, _, _): thc_set_drop(THC_DROP_UNKNOWN_JOB);
+            (0, 1, _, _, _, 1, _, _, _, _, _, _, _): thc_set_drop(THC_DROP_BAD_LANES);
+            (0, 1, THC_DATA, 0, THC_IN_NONE, _, _, _, _, _, _, _, _):
                 thc_set_drop(THC_DROP_BAD_LANES);
-            (0, 1, THC_DATA, 1, _, _, _, _, _, _, _, _, _, _):
+            (0, 1, THC_DATA, 0, THC_IN_SIGNS, _, _, _, _, _, _, _, _):
                 thc_set_drop(THC_DROP_BAD_LANES);
-            (0, 1, THC_MAX, _, _, false, _, _, _, _, _, _, _, _):
+            (0, 1, THC_DATA, 1, THC_IN_NONE, _, _, _, _, _, _, _, _):
                 thc_set_drop(THC_DROP_BAD_LANES);
-            (0, 1, THC_RESET, _, _, _, _, _, _, _, _, _, _, 0):
+            (0, 1, THC_DATA, 1, THC_IN_IDX, _, _, _, _, _, _, _, _):
+                thc_set_drop(THC_DROP_BAD_LANES);
+            (0, 1, THC_MAX, _, THC_IN_NONE, _, _, _, _, _, _, _, _):
+                thc_set_drop(THC_DROP_BAD_LANES);
+            (0, 1, THC_RESET, _, _, _, _, _, _, _, _, _, 0):
                 thc_set_drop(THC_DROP_SLOT_OUTSIDE_POOL);
-            (0, 1, THC_RESET, _, _, _, _, _, _, _, _, _, _, _): thc_job_run_clear();
-            (0, 1, _, _, _, _, _, _, _, _, _, 0, _, _):
+            (0, 1, THC_RESET, _, _, _, _, _, _, _, _, _, _): thc_job_run_clear();
+            (0, 1, _, _, _, _, _, _, _, _, 0, _, _):
                 thc_set_drop(THC_DROP_WORKER_OUTSIDE_JOB);
-            (0, 1, _, _, _, _, _, _, _, _, _, _, 0, _): thc_set_drop(THC_DROP_UNKNOWN_WORKER);
-            (0, 1, _, _, _, _, _, _, _, _, _, _, _, 0):
+            (0, 1, _, _, _, _, _, _, _, _, _, 0, _): thc_set_drop(THC_DROP_UNKNOWN_WORKER);
+            (0, 1, _, _, _, _, _, _, _, _, _, _, 0):
                 thc_set_drop(THC_DROP_SLOT_OUTSIDE_POOL);
             THC_POOL(1) THC_POOL(2) THC_POOL(4) THC_POOL(8) THC_POOL(16) THC_POOL(32)
             THC_POOL(64) THC_POOL(128) THC_POOL(256) THC_POOL(512)
-            (0, 1, _, _, _, _, _, _, _, _, _, _, _, _): thc_refuse(THC_DROP_WRONG_SLOT);
+            (0, 1, _, _, _, _, _, _, _, _, _, _, _): thc_refuse(THC_DROP_WRONG_SLOT);
         }
         const default_action = NoAction;
         size = 64;
@@ -829,7 +840,7 @@ control ThcIngress(inout tna_headers_t hdr, inout metadata_t meta,
                 meta.blank = 1;
                 meta.bridge.blank = 1;
                 meta.bridge.lut_job = THC_TNA_NO_LUT;
-            } else if (hdr.cur[0].isValid()) {
+            } else if (meta.lanes_in != THC_IN_NONE) {
                 meta.bridge.payload = THC_PAY_IDX2;
             }
             meta.slotx = hdr.thc.seq[15:0] ^ hdr.thc.slot;
@@ -881,6 +892,14 @@ control ThcIngress(inout tna_headers_t hdr, inout metadata_t meta,
                 } else {
                     ig_dprsr_md.drop_ctl = 1;
                 }
+            }
+            // A vote DATA's sign bits become the index headers the lookups key on (the
+            // vote job's entries count them), one shift a header per stage. Nothing in
+            // pass 0 reads them: the placer puts them where logical tables are free.
+            if (meta.lanes_in == THC_IN_SIGNS) {
+                thc_spread_0();
+                thc_spread_1();
+                thc_spread_2();
             }
             if (meta.bridge.is_reply == 1) {
 #include "generated/thc_tna_payload_invalid.p4"

@@ -88,7 +88,7 @@ def test_dry_run_refuses_what_the_target_cannot_run(monkeypatch, capsys, tmp_pat
     assert thc_controller(monkeypatch, "--target", "tofino", "--dry-run", "install",
                           "--config", config) == 1
     out = capsys.readouterr()
-    assert out.out == "" and "vote job" in out.err and "BMv2" in out.err
+    assert out.out == "" and "16-bit sums" in out.err and "BMv2" in out.err
 
 
 def test_dry_run_is_for_install_only(monkeypatch, capsys):

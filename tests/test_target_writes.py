@@ -7,7 +7,7 @@ table write, counter write, multicast group and packet-out is recorded as the co
 made it and checked here against the P4Info text file, decoded with protobuf (not with the
 controller's own encoder or the in-memory switch's decoder): ids and names exist, every key
 field and action parameter is present once and fits its width, the action is one the table
-may hold. The Tofino program has no 16-bit sums and no vote jobs: there the cluster is refused before any
+may hold. The Tofino program has no 16-bit sums: there the cluster is refused before any
 write.
 """
 from __future__ import annotations
@@ -268,8 +268,7 @@ def check_everything(p4info, sw: Recording, cluster: Cluster) -> dict[str, int]:
 
 def _runnable(target: targets.Target, cluster: Cluster) -> Cluster:
     """The cluster's jobs that the target can run (Tofino: 8-bit sums only)."""
-    keep = tuple(j for j in cluster.jobs
-                 if target.name != "tofino" or (j.sum_bits == 8 and j.aggregation == "thc"))
+    keep = tuple(j for j in cluster.jobs if target.name != "tofino" or j.sum_bits == 8)
     return Cluster(jobs=keep, agg_ip=cluster.agg_ip, agg_mac=cluster.agg_mac)
 
 
@@ -280,7 +279,7 @@ def test_every_write_of_install_and_remove_fits_the_committed_p4info(name):
     sw = recording_switch(target)
     assert sw.target is target and sw.lanes == P.LANES
     cluster = _runnable(target, sample_cluster())
-    assert len(cluster.jobs) == {"bmv2": 3, "tofino": 1}[name]
+    assert len(cluster.jobs) == {"bmv2": 3, "tofino": 2}[name]
     jobs.install_cluster(sw, cluster)
     assert sorted(jobs.installed_jobs(sw)) == sorted(j.job_id for j in cluster.jobs)
     installed = check_everything(p4info, sw, cluster)
@@ -310,9 +309,9 @@ def test_every_write_of_install_and_remove_fits_the_committed_p4info(name):
     assert sw.device.groups == {} and sw.packets == []
 
 
-def test_tofino_refuses_vote_and_16_bit_jobs_before_any_write():
+def test_tofino_refuses_16_bit_jobs_before_any_write():
     sw = recording_switch(targets.get("tofino"))
-    with pytest.raises(ConfigError, match=r"job 6 is a vote job.*BMv2.*software"):
+    with pytest.raises(ConfigError, match=r"job 7 has 16-bit sums.*twice the adding passes.*BMv2.*software"):
         jobs.install_cluster(sw, sample_cluster())
     assert sw.writes == [] and sw.groups == [] and sw.packets == [] and sw.device.log == []
     with pytest.raises(ConfigError, match=r"job 7 has 16-bit sums.*twice the adding passes.*BMv2.*software"):
@@ -440,7 +439,8 @@ def test_tofino_lookup_values_add_into_8_bit_lanes_in_order():
     nothing into the neighbour), the words read back as the pass's lanes in order."""
     n = 8
     job = Job(job_id=3, workers=_workers(3, n), table=TABLE, granularity=30).validate()
-    values = np.array(tofino.lut_values(job), dtype=np.uint32)
+    values = np.array(tofino.lut_values(job, 0), dtype=np.uint32)
+    assert tofino.lut_values(job, 1) == tofino.lut_values(job, 0)
     rng = np.random.default_rng(3)
     lanes_a_pass = 128                                   # a pass: words 00-31
     idx = rng.integers(0, 16, (n, lanes_a_pass))

@@ -2,18 +2,21 @@
 tables.
 
 The program adds a packet's 256 lanes in words of four 8-bit lanes, 32 words a pass (pass 1
-the last 128 lanes, pass 2 the first 128, in words 00-31; docs/switch.md, "Tofino"). Each word has two lookup tables, one per byte of its four indices (two 4-bit
-indices, the first lane in the high nibble), returning both lanes' table values at once (the
-first lane in the high byte):
+the last 128 lanes, pass 2 the first 128, in words 00-31; docs/switch.md, "Tofino"). Each
+word has two lookup tables, one per byte of its four indices (two 4-bit indices, the first
+lane in the high nibble), returning both lanes' table values at once (the first lane in the
+high byte):
 
   ThcIngress.thc_w<NN>.thc_lut_<h>   (job_index, idx) -> thc_lut_set_<h>(value: 16 bits)
                                      NN = 00..31, h = 0, 1: 256 entries a job in each, the
-                                     same in every table; keyed on the job's index (set_job's
-                                     job_index, which pass 0 bridges to the adding passes)
+                                     same in every table of one h; keyed on the job's index
+                                     (set_job's job_index, which pass 0 bridges to the
+                                     adding passes)
 
-Jobs with 16-bit sums, vote jobs (a table a word more than the pipe's logical tables
-hold), or with 32 workers (bit 31 of a slot's bitmap marks a use closed by a FLUSH), do not
-run here (check_job).
+A vote job's DATA carries one sign bit a lane; pass 0 spreads them over the index bytes
+(p4src/gen_tna.py, spread), two sign bits a key byte at VOTE_BITS, and the job's entries
+count them. Jobs with 16-bit sums, or with 32 workers (bit 31 of a slot's bitmap marks a
+use closed by a FLUSH), do not run here (check_job).
 
 The P4Info is p4c's Tofino back end's, written with ``--p4runtime-files`` and
 ``--p4runtime-force-std-externs`` (without it, table names gain a ``pipe.`` prefix and the
@@ -41,10 +44,20 @@ CLOSED_BIT = 31
 """The slot bitmap's bit that marks a use closed by a FLUSH: no worker may hold it."""
 
 
-def lut_values(job) -> list[int]:
-    """[key byte] -> the action value: the two lanes' table values, the first (high nibble)
-    in the high byte."""
+VOTE_BITS = ((1, 0), (7, 6))
+"""Where pass 0 leaves a vote DATA's two sign bits in a key byte of table h (first lane,
+second lane): bits 25-22 and 9-6 of each index header, gen_tna.spread. The other bits of
+the byte are not defined: every byte value has its entry."""
+
+
+def lut_values(job, h: int) -> list[int]:
+    """[key byte] -> the action value of table h: the two lanes' table values, the first
+    lane's in the high byte. A THC byte holds two indices (the first lane in the high
+    nibble), a vote byte two sign bits at VOTE_BITS[h] (VOTE_TABLE counts them)."""
     t = job.table
+    if job.aggregation == "vote":
+        first, second = VOTE_BITS[h]
+        return [t[byte >> first & 1] << 8 | t[byte >> second & 1] for byte in range(256)]
     return [t[byte >> 4] << 8 | t[byte & 0x0F] for byte in range(256)]
 
 
@@ -69,11 +82,6 @@ class Tofino(Target):
                 f"hold four 8-bit lanes, and 256 16-bit lanes would need twice the adding passes. Run the "
                 f"job on BMv2 (--target bmv2) or the software aggregator, or lower its "
                 f"granularity to {((1 << SUM_BITS) - 1) // job.n_workers} or less")
-        if job.aggregation != "thc":
-            raise ConfigError(
-                f"job {job.job_id} is a {job.aggregation} job; the Tofino program adds THC "
-                f"lookups only (a vote table per word would exceed the pipe's logical "
-                f"tables). Run it on BMv2 (--target bmv2) or the software aggregator")
         pipe = CPU_PORT >> PIPE_SHIFT
         away = [w for w in job.workers if w.switch_port >> PIPE_SHIFT != pipe]
         if away:
@@ -97,7 +105,7 @@ class Tofino(Target):
         for word in range(self.groups(sw.p4info)):
             for h in range(WORD_KEYS):
                 out += self._entries(sw, LUT_TABLE.format(word, h), LUT_ACTION.format(word, h),
-                                     lut_values(job), job_index, with_action)
+                                     lut_values(job, h), job_index, with_action)
         return out
 
     @staticmethod

@@ -2,6 +2,7 @@
 // Regenerate with `make p4` (or `python p4src/gen_p4.py`).
 // Parser states of thc_tna.p4: each pass's lanes.
     state parse_idx2 {
+        meta.lanes_in = THC_IN_IDX;
         pkt.extract(hdr.rest[0]);
         pkt.extract(hdr.rest[1]);
         pkt.extract(hdr.rest[2]);
@@ -56,6 +57,7 @@
         transition accept;
     }
     state parse_max {
+        meta.lanes_in = THC_IN_MAX;
         pkt.extract(hdr.res[0]);
         pkt.extract(hdr.res[1]);
         pkt.extract(hdr.res[2]);
@@ -88,5 +90,17 @@
         pkt.extract(hdr.res[29]);
         pkt.extract(hdr.res[30]);
         pkt.extract(hdr.res[31]);
+        transition accept;
+    }
+    state parse_signs {
+        meta.lanes_in = THC_IN_SIGNS;
+        pkt.extract(hdr.cur[0]);
+        pkt.extract(hdr.cur[4]);
+        pkt.extract(hdr.cur[8]);
+        pkt.extract(hdr.cur[12]);
+        pkt.extract(hdr.res[13]);
+        pkt.extract(hdr.res[17]);
+        pkt.extract(hdr.res[21]);
+        pkt.extract(hdr.res[25]);
         transition accept;
     }
