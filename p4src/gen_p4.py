@@ -222,7 +222,7 @@ def generate(spec: dict, lanes: int | None = None, slots: int | None = None,
         "thc_parse_max.p4": "".join(parse["thc_max"]),
         "thc_vote.p4": "".join(vote_decl),
         "thc_vote_apply.p4": "".join(vote_apply),
-        **(gen_tna.files(spec, HEADER) if tna else {}),
+        **(gen_tna.files(spec, HEADER, TO_AGGREGATOR, udp_hdr + hdr_bytes) if tna else {}),
     }
 
 

@@ -128,6 +128,62 @@ def spread() -> str:
                    for n, body in enumerate((a, b, c)))
 
 
+def complement(excluded: set[int], bits: int, prefix: int = 0, width: int = 0) -> list[tuple[int, int]]:
+    """Ternary (value, mask) pairs matching every ``bits``-bit value outside ``excluded``:
+    a table cannot say "not equal", its entries can cover the rest."""
+    if not any(v >> (bits - width) == prefix for v in excluded):
+        mask = ((1 << width) - 1) << (bits - width)
+        return [(prefix << (bits - width), mask)]
+    if width == bits:
+        return []
+    return (complement(excluded, bits, prefix << 1, width + 1)
+            + complement(excluded, bits, prefix << 1 | 1, width + 1))
+
+
+WELLFORMED_KEYS = ("thc_valid", "parser_err", "udp_length", "pkt_type", "version",
+                   "ingress_port", "run", "offset31")
+WELLFORMED_BITS = (1, 16, 16, 8, 8, 9, 32, 1)
+
+
+def wellformed(spec: dict, to_aggregator: tuple[str, ...], udp_len_hdr: int) -> str:
+    """The entries of thc_wellformed, thc.p4's first checks in its order (the first entry
+    that matches wins): one ternary table, where a chain of conditions would take a
+    logical table each and three stages of pass 0."""
+    types = spec["pkt_types"]
+    known = set(types.values())
+    replies = [types[n] for n in types if n not in to_aggregator]
+    malformed, lanes = "thc_set_drop(THC_DROP_MALFORMED)", "thc_set_drop(THC_DROP_BAD_LANES)"
+    rows = [({"thc_valid": "false"}, malformed)]
+    rows += [({"parser_err": (v, m)}, malformed) for v, m in complement({0}, 16)]
+    rows += [({"udp_length": (0, 0xFFE0)}, malformed),       # below THC_UDP_LEN_HDR (36)
+             ({"udp_length": (32, 0xFFFC)}, malformed)]
+    if not udp_len_hdr == 36:
+        raise SystemExit("gen_tna: thc_wellformed's short-packet entries assume a 36-byte "
+                         "THC datagram")
+    rows += [({"pkt_type": vm}, malformed) for vm in complement(known, 8)]
+    rows += [({"version": vm}, malformed) for vm in complement({0, 1}, 8)]
+    rows += [({"pkt_type": (t, 0xFF)}, "thc_set_drop(THC_DROP_WRONG_DIRECTION)")
+             for t in replies]
+    rows += [({"pkt_type": (types["RESET"], 0xFF), "ingress_port": vm},
+              "thc_set_drop(THC_DROP_NOT_FROM_CPU)") for vm in complement({CPU_PORT}, 9)]
+    rows += [({"pkt_type": vm, "run": (0, 0xFFFFFFFF)}, malformed)
+             for vm in complement({types["RESET"]}, 8)]
+    rows += [({"pkt_type": (types[t], 0xFF), "udp_length": vm}, lanes)
+             for t in ("RESET", "FLUSH") for vm in complement({udp_len_hdr}, 16)]
+    rows += [({"offset31": (1, 1)}, "thc_refuse(THC_DROP_MALFORMED)")]
+    out = []
+    for key, action in rows:
+        cells = []
+        for name, bits in zip(WELLFORMED_KEYS, WELLFORMED_BITS):
+            cell = key.get(name, "_")
+            if isinstance(cell, tuple):
+                v, m = cell
+                cell = f"{v:#x} &&& {m:#x}" if m != (1 << bits) - 1 else f"{v:#x}"
+            cells.append(cell)
+        out.append(f"            ({', '.join(cells)}): {action};\n")
+    return "".join(out)
+
+
 def constants(header: str) -> str:
     return "".join([header, "// Sizes of the Tofino program (thc_tna.p4)\n",
                     f"#define THC_TNA_WORDS {WORDS}\n",
@@ -185,7 +241,8 @@ def _state(name: str, body: str) -> str:
     return f"    state {name} {{\n{body}        transition accept;\n    }}\n"
 
 
-def files(spec: dict, header: str) -> dict[str, str]:
+def files(spec: dict, header: str, to_aggregator: tuple[str, ...], udp_len_hdr: int
+          ) -> dict[str, str]:
     """File name -> text of the Tofino program's generated files."""
     check(spec)
     parse = "".join([
@@ -215,6 +272,9 @@ def files(spec: dict, header: str) -> dict[str, str]:
                                               for j, (_, _, c) in enumerate(schedule())),
         "thc_tna_spread.p4": header + "// A vote DATA's sign bits spread over the index "
                               "headers (pass 0; gen_tna.spread).\n" + spread(),
+        "thc_tna_wellformed.p4": header + "// thc_wellformed's entries, thc.p4's first checks "
+                                 "in order (gen_tna.wellformed).\n"
+                                 + wellformed(spec, to_aggregator, udp_len_hdr),
         "thc_tna_pragmas.p4": header + "// Each half of the first result words in a container "
                               "of its own: the word's two lookups write them in one stage.\n"
                               + _each('@pa_container_size("ingress", "hdr.res[{0}].w", 16, 16)\n',

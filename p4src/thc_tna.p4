@@ -23,10 +23,10 @@
  * target). A vote job's DATA carries sign bits: pass 0 spreads them over the index headers
  * (generated/thc_tna_spread.p4), and the job's lookup entries count them.
  *
- * Not (yet) here, unlike thc.p4 and the reference model (host/wire/model.py): the run jump
- * and idle rules (a newer run always takes the job), one incarnation per worker per run
- * (reused_run), per-use acknowledgements (held). Offsets take 31 bits here (bit 31 tells
- * a MAX use from a DATA use, wrong_use).
+ * One incarnation of each worker per run and install (thc_worker_run, reused_run), as in
+ * thc.p4. Not (yet) here, unlike thc.p4 and the reference model (host/wire/model.py): the
+ * run jump and idle rules (a newer run always takes the job), per-use acknowledgements
+ * (held). Offsets take 31 bits here (bit 31 tells a MAX use from a DATA use, wrong_use).
  * docs/switch.md lists what each gap allows.
  */
 #include <core.p4>
@@ -91,6 +91,12 @@ struct thc_run_seq_t {
     bit<32> seq;
     bit<32> run;
 }
+// a worker's incarnation: the run it was recorded under (xor the install's epoch, so that
+// a new install starts afresh) and the nonce its packets carry in the epoch field
+struct thc_incarnation_t {
+    bit<32> run_key;
+    bit<32> nonce;
+}
 struct thc_bitmap_seq_t {
     bit<32> bitmap;
     bit<32> seq;
@@ -135,6 +141,9 @@ struct metadata_t {
     bit<32> jc_index;
     // slot state as seen by this packet
     bit<1>  run_stale;
+    bit<32> run_key;        // hdr.thc.run ^ epoch: the run under this install
+    bit<16> worker_index;   // job_index * THC_MAX_WORKERS + worker_id
+    bit<1>  reused;         // another incarnation of the worker already runs this run
     bit<1>  seq_newer;
     bit<32> use_key;        // the use this packet joins: its offset, bit 31 for MAX
     bit<1>  wrong_use;
@@ -299,6 +308,7 @@ control ThcIngress(inout tna_headers_t hdr, inout metadata_t meta,
     Register<thc_bitmap_seq_t, thc_index_t>(THC_REG_SIZE) thc_bitmap;
     Register<bit<8>, thc_index_t>(THC_REG_SIZE) thc_count;
     Register<bit<32>, thc_index_t>(THC_REG_SIZE) thc_use;
+    Register<thc_incarnation_t, bit<16>>(THC_MAX_JOBS * THC_MAX_WORKERS) thc_worker_run;
 
     // RFC 1982: the first run, or one not older than the job's, takes the job.
     RegisterAction<bit<32>, bit<32>, bit<1>>(thc_job_run) thc_job_run_ra = {
@@ -313,6 +323,22 @@ control ThcIngress(inout tna_headers_t hdr, inout metadata_t meta,
     };
     RegisterAction<bit<32>, bit<32>, bit<1>>(thc_job_run) thc_job_run_reset = {
         void apply(inout bit<32> value) { value = 0; }
+    };
+    // One incarnation of each worker per run and install: a process restarted under the
+    // same run id would meet its predecessor's slot uses (and their results) at the same
+    // seqs. Only a run that took the job gets here (the stage after thc_job_run).
+    RegisterAction<thc_incarnation_t, bit<16>, bit<1>>(thc_worker_run) thc_incarnation_ra = {
+        void apply(inout thc_incarnation_t value, out bit<1> reused) {
+            if (value.run_key != meta.run_key) {
+                value.run_key = meta.run_key;
+                value.nonce = hdr.thc.epoch;
+                reused = 0;
+            } else if (value.nonce != hdr.thc.epoch) {
+                reused = 1;
+            } else {
+                reused = 0;
+            }
+        }
     };
     // a new use: another run, or a later seq (RFC 1982)
     RegisterAction<thc_run_seq_t, thc_index_t, bit<1>>(thc_run) thc_run_ra = {
@@ -494,8 +520,11 @@ control ThcIngress(inout tna_headers_t hdr, inout metadata_t meta,
     Hash<thc_index_t>(HashAlgorithm_t.IDENTITY) thc_reg_hash;
     Hash<thc_index_t>(HashAlgorithm_t.IDENTITY) thc_word_hash;
     Hash<thc_index_t>(HashAlgorithm_t.IDENTITY) thc_word_hash2;
+    Hash<bit<16>>(HashAlgorithm_t.IDENTITY) thc_worker_hash;
     action thc_index() {
         meta.reg_index = thc_reg_hash.get({meta.slot_idx[9:0], hdr.thc.version[0:0]});
+        meta.worker_index = thc_worker_hash.get({meta.job_index[3:0], hdr.thc.worker_id[4:0]});
+        meta.run_key = hdr.thc.run ^ meta.epoch;
         meta.jc_index = meta.jc4 + meta.jc1;   // x THC_N_JOB_COUNTERS (5)
     }
     // the words' registers hold pass 1's half of a slot version below THC_REG_SIZE, pass
@@ -512,6 +541,26 @@ control ThcIngress(inout tna_headers_t hdr, inout metadata_t meta,
     action thc_refuse(bit<8> reason) {
         meta.drop_reason = reason;
         meta.refuse = 1;
+    }
+    // thc.p4's first checks, in its order, as one table: a chain of conditions takes a
+    // logical table each and three stages before the slot state can start
+    table thc_wellformed {
+        key = {
+            hdr.thc.isValid(): ternary @name("thc_valid");
+            ig_prsr_md.parser_err: ternary @name("parser_err");
+            hdr.udp.length: ternary @name("udp_length");
+            hdr.thc.pkt_type: ternary @name("pkt_type");
+            hdr.thc.version: ternary @name("version");
+            ig_intr_md.ingress_port: ternary @name("ingress_port");
+            hdr.thc.run: ternary @name("run");
+            hdr.thc.offset[31:31]: ternary @name("offset31");
+        }
+        actions = { thc_set_drop; thc_refuse; NoAction; }
+        const entries = {
+#include "generated/thc_tna_wellformed.p4"
+        }
+        const default_action = NoAction;
+        size = 128;
     }
     action thc_job_run_check() {
         meta.run_stale = thc_job_run_ra.execute((bit<32>)meta.job_index);
@@ -574,6 +623,24 @@ control ThcIngress(inout tna_headers_t hdr, inout metadata_t meta,
     }
 #undef THC_POOL
 
+    action thc_incarnation_check() {
+        meta.reused = thc_incarnation_ra.execute(meta.worker_index);
+    }
+    table thc_incarnation_op {
+        key = {
+            meta.drop_reason: ternary;
+            hdr.thc.pkt_type: ternary;
+            meta.run_stale: ternary;
+        }
+        actions = { thc_incarnation_check; NoAction; }
+        const entries = {
+            (0, THC_RESET, _): NoAction();
+            (0, _, 0): thc_incarnation_check();
+        }
+        const default_action = NoAction;
+        size = 4;
+    }
+
     action thc_run_check() {
         meta.seq_newer = thc_run_ra.execute(meta.reg_index);
     }
@@ -585,12 +652,14 @@ control ThcIngress(inout tna_headers_t hdr, inout metadata_t meta,
             meta.drop_reason: ternary;
             hdr.thc.pkt_type: ternary;
             meta.run_stale: ternary;
+            meta.reused: ternary;
         }
         actions = { thc_run_check; thc_run_clear; thc_refuse; NoAction; }
         const entries = {
-            (0, THC_RESET, _): thc_run_clear();
-            (0, _, 1): thc_refuse(THC_DROP_STALE_RUN);
-            (0, _, 0): thc_run_check();
+            (0, THC_RESET, _, _): thc_run_clear();
+            (0, _, 1, _): thc_refuse(THC_DROP_STALE_RUN);
+            (0, _, 0, 1): thc_refuse(THC_DROP_REUSED_RUN);
+            (0, _, 0, 0): thc_run_check();
         }
         const default_action = NoAction;
         size = 4;
@@ -799,32 +868,8 @@ control ThcIngress(inout tna_headers_t hdr, inout metadata_t meta,
         } else if (hdr.udp.isValid() && hdr.udp.dstPort == THC_UDP_PORT) {
             // ---- pass 0 ----
             meta.bridge.in_port = ig_intr_md.ingress_port;
-            // 1. well-formed, right direction: one small condition per gateway
-            if (!hdr.thc.isValid()) {
-                meta.drop_reason = THC_DROP_MALFORMED;
-            } else if (ig_prsr_md.parser_err != 0) {
-                meta.drop_reason = THC_DROP_MALFORMED;
-            } else if (hdr.udp.length[15:5] == 0 || hdr.udp.length[15:2] == 8) {
-                // udp.length < THC_UDP_LEN_HDR (36) as two masked comparisons
-                meta.drop_reason = THC_DROP_MALFORMED;
-            } else if (!(THC_KNOWN_TYPE(hdr.thc.pkt_type))) {
-                meta.drop_reason = THC_DROP_MALFORMED;
-            } else if (hdr.thc.version > 1) {
-                meta.drop_reason = THC_DROP_MALFORMED;
-            } else if (THC_REPLY_TYPE(hdr.thc.pkt_type)) {
-                meta.drop_reason = THC_DROP_WRONG_DIRECTION;
-            } else if (hdr.thc.pkt_type == THC_RESET
-                       && ig_intr_md.ingress_port != THC_TNA_CPU_PORT) {
-                meta.drop_reason = THC_DROP_NOT_FROM_CPU;
-            } else if (hdr.thc.pkt_type != THC_RESET && hdr.thc.run == 0) {
-                meta.drop_reason = THC_DROP_MALFORMED;
-            } else if ((hdr.thc.pkt_type == THC_RESET || hdr.thc.pkt_type == THC_FLUSH)
-                       && hdr.udp.length != THC_UDP_LEN_HDR) {
-                meta.drop_reason = THC_DROP_BAD_LANES;
-            } else if (hdr.thc.offset[31:31] == 1) {
-                meta.drop_reason = THC_DROP_MALFORMED;   // bit 31 tells a MAX use (thc_use)
-                meta.refuse = 1;
-            }
+            // 1. well-formed, right direction (bit 31 of the offset tells a MAX use)
+            thc_wellformed.apply();
             thc_job.apply();
             thc_worker.apply();
             meta.use_key = hdr.thc.offset;
@@ -848,6 +893,7 @@ control ThcIngress(inout tna_headers_t hdr, inout metadata_t meta,
             thc_index();
             thc_word_index();
             thc_check.apply();
+            thc_incarnation_op.apply();
             thc_run_op.apply();
             thc_use_op.apply();
             thc_bitmap_op.apply();

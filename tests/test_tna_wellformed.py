@@ -1,0 +1,115 @@
+"""The Tofino program's first checks are one ternary table (thc_wellformed), whose entries
+p4src/gen_tna.py derives from protocol.json; thc.p4 writes the same checks as a chain of
+conditions. Here the generated entries, read as text and matched as a TCAM does (the first
+entry that matches wins), must give every packet the drop reason the chain gives it.
+"""
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import random
+import re
+from pathlib import Path
+
+import pytest
+
+from thc.wire import protocol as P
+
+P4SRC = Path(__file__).resolve().parents[1] / "p4src"
+_spec = importlib.util.spec_from_file_location("gen_p4", P4SRC / "gen_p4.py")
+_gen = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_gen)
+gen_tna = _gen.gen_tna
+
+T = {t.name: int(t) for t in P.PktType}
+TO_AGGREGATOR = {T["DATA"], T["MAX"], T["FLUSH"], T["RESET"]}
+HDR_LEN = 36            # UDP length of a header-only THC datagram
+KEYS = gen_tna.WELLFORMED_KEYS
+
+
+def chain(p: dict) -> str | None:
+    """thc.p4's checks in its order: the first that fails names the drop."""
+    if not p["thc_valid"]:
+        return "MALFORMED"
+    if p["parser_err"] != 0 or p["udp_length"] < HDR_LEN:
+        return "MALFORMED"
+    if p["pkt_type"] not in T.values() or p["version"] > 1:
+        return "MALFORMED"
+    if p["pkt_type"] not in TO_AGGREGATOR:
+        return "WRONG_DIRECTION"
+    if p["pkt_type"] == T["RESET"] and p["ingress_port"] != gen_tna.CPU_PORT:
+        return "NOT_FROM_CPU"
+    if p["pkt_type"] != T["RESET"] and p["run"] == 0:
+        return "MALFORMED"
+    if p["pkt_type"] in (T["RESET"], T["FLUSH"]) and p["udp_length"] != HDR_LEN:
+        return "BAD_LANES"
+    if p["offset31"]:
+        return "MALFORMED refused"
+    return None
+
+
+def entries() -> list[tuple[list, str]]:
+    text = (P4SRC / "generated" / "thc_tna_wellformed.p4").read_text()
+    out = []
+    for cells, action in re.findall(r"^\s*\((.*)\): (\w+\(\w+\));$", text, re.M):
+        key = []
+        for cell in (c.strip() for c in cells.split(",")):
+            if cell == "_":
+                key.append(None)
+            elif cell in ("true", "false"):
+                key.append((int(cell == "true"), 1))
+            elif "&&&" in cell:
+                v, m = cell.split("&&&")
+                key.append((int(v, 0), int(m, 0)))
+            else:
+                key.append((int(cell, 0), None))
+        reason = re.search(r"THC_DROP_(\w+)", action)[1]
+        out.append((key, reason + (" refused" if action.startswith("thc_refuse") else "")))
+    return out
+
+
+def tcam(table, p: dict) -> str | None:
+    for key, reason in table:
+        if all(c is None or (p[k] & c[1] if c[1] is not None else p[k]) == c[0]
+               for k, c in zip(KEYS, key)):
+            return reason
+    return None
+
+
+def packets(n: int, seed: int):
+    rng = random.Random(seed)
+    edges = {"thc_valid": [0, 1], "parser_err": [0, 1, 0x8000],
+             "udp_length": [0, 35, 36, 37, 68, 164, 0xFFFF],
+             "pkt_type": list(range(11)) + [0xFF],
+             "version": [0, 1, 2, 0x80], "ingress_port": [0, gen_tna.CPU_PORT, 321, 511],
+             "run": [0, 1, 0xFFFFFFFF], "offset31": [0, 1]}
+    bits = dict(zip(KEYS, gen_tna.WELLFORMED_BITS))
+    for _ in range(n):
+        yield {k: rng.choice(edges[k]) if rng.random() < 0.8 else rng.getrandbits(bits[k])
+               for k in KEYS}
+
+
+def test_the_table_gives_every_packet_the_chains_drop_reason():
+    table = entries()
+    assert len(table) > 40
+    for p in packets(50_000, 1):
+        assert tcam(table, p) == chain(p), p
+
+
+@pytest.mark.parametrize("bits", [4, 8, 9])
+def test_complement_covers_exactly_the_values_left_out(bits):
+    rng = random.Random(bits)
+    for size in (0, 1, 2, 5):
+        excluded = set(rng.sample(range(1 << bits), size))
+        cover = gen_tna.complement(excluded, bits)
+        for v in range(1 << bits):
+            hits = sum((v & m) == value for value, m in cover)
+            assert hits == (0 if v in excluded else 1), (v, excluded)
+
+
+def test_a_wrong_entry_order_is_caught():
+    """The reference check can fail: the table with its last entry first answers some
+    packet differently from the chain."""
+    table = entries()
+    moved = [table[-1]] + table[:-1]
+    assert any(tcam(moved, p) != chain(p) for p in itertools.islice(packets(50_000, 2), 50_000))
