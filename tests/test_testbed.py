@@ -238,9 +238,13 @@ def test_cleanup_leaves_nothing_behind_after_an_exception():
             raise Boom
     assert not [n for n in cleanup.root_interfaces() if n.startswith(name)]
     assert not state_file.exists()
-    time.sleep(0.2)
-    assert not [p for p in pids if cleanup.start_time(p) is not None
+    def alive():
+        return [p for p in pids if cleanup.start_time(p) is not None
                 and not cleanup._is_zombie(p)]
+    deadline = time.monotonic() + 10
+    while alive() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not alive()
 
 
 @needs_mininet
