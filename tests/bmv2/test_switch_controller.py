@@ -74,8 +74,8 @@ def test_reinstall_with_fewer_workers_drops_their_entries(bmv2, sw):
 
 
 def test_remove_deletes_everything(bmv2, sw):
+    job = bmv2.make_job(next(_ids), 2, pool_size=4)   # may evict an earlier test's job
     before = snapshot(sw)
-    job = bmv2.make_job(next(_ids), 2, pool_size=4)
     bmv2.install(job)
     assert snapshot(sw) != before
     bmv2.remove(job.job_id)
