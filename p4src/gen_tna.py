@@ -22,7 +22,7 @@ EXACT_A_STAGE = 8
 SALUS_A_STAGE = 4
 STAGE0_EXACT = 2
 """thc_job and thc_worker: pass 0 starts in stage 0."""
-SLOT_STATE_STAGES = range(3, 9)
+SLOT_STATE_STAGES = range(3, 10)
 """Stages where pass 0's slot state may take a stateful ALU (one a stage): kept free."""
 LUT_JOBS = 4
 """Jobs whose lookup entries a word's tables hold at once. A lookup of two ways takes 20 of a
@@ -46,6 +46,8 @@ def check(spec: dict) -> None:
     if 2 * WORDS * WORD_LANES != lanes:
         raise SystemExit(f"gen_tna: two passes of {WORDS} words of {WORD_LANES} lanes do "
                          f"not make protocol.json's {lanes} lanes")
+    if spec["max_jobs"] > 16 or spec["max_workers"] > 32:
+        raise SystemExit("gen_tna: thc_worker_run's index is job_index[3:0] ++ worker_id[4:0]")
     if spec["max_lanes"] > WORDS or WORDS % 2 or WORDS > 32:
         raise SystemExit("gen_tna: the max lanes ride one pass's words; index headers hold "
                          "two words; a header stack holds at most 32")
@@ -121,7 +123,7 @@ def spread() -> str:
     once no other header reads the word."""
     first = [o for o in range(2 * OCTS) if o % 4 == 0]
     others = [o for o in range(2 * OCTS) if o % 4]
-    a = [_spread_to(o, 25, _oct(o - o % 4), 0) + f"        {_valid(o)}\n" for o in others]
+    a = [f"        {_valid(o)}\n" + _spread_to(o, 25, _oct(o - o % 4), 0) for o in others]
     b = [_spread_to(o, 9, _oct(o - o % 4), 4) for o in others + first]
     c = [_spread_to(o, 25, _oct(o), 0) for o in first]
     return "".join(f"    action thc_spread_{n}() {{\n{''.join(body)}    }}\n"
@@ -141,18 +143,19 @@ def complement(excluded: set[int], bits: int, prefix: int = 0, width: int = 0) -
 
 
 WELLFORMED_KEYS = ("thc_valid", "parser_err", "udp_length", "pkt_type", "version",
-                   "ingress_port", "run", "offset31")
-WELLFORMED_BITS = (1, 16, 16, 8, 8, 9, 32, 1)
+                   "ingress_port", "run")
+WELLFORMED_BITS = (1, 16, 16, 8, 8, 9, 32)
 
 
 def wellformed(spec: dict, to_aggregator: tuple[str, ...], udp_len_hdr: int) -> str:
-    """The entries of thc_wellformed, thc.p4's first checks in its order (the first entry
-    that matches wins): one ternary table, where a chain of conditions would take a
-    logical table each and three stages of pass 0."""
+    """The entries of thc_wellformed, the checks that need no job (the first entry that
+    matches wins): one ternary table, where a chain of conditions would take a logical
+    table each and three stages of pass 0. The checks that need the job or the worker
+    (lengths, offsets) are thc_check's, after unknown_job, as in the model."""
     types = spec["pkt_types"]
     known = set(types.values())
     replies = [types[n] for n in types if n not in to_aggregator]
-    malformed, lanes = "thc_set_drop(THC_DROP_MALFORMED)", "thc_set_drop(THC_DROP_BAD_LANES)"
+    malformed = "thc_set_drop(THC_DROP_MALFORMED)"
     rows = [({"thc_valid": "false"}, malformed)]
     rows += [({"parser_err": (v, m)}, malformed) for v, m in complement({0}, 16)]
     rows += [({"udp_length": (0, 0xFFE0)}, malformed),       # below THC_UDP_LEN_HDR (36)
@@ -168,9 +171,6 @@ def wellformed(spec: dict, to_aggregator: tuple[str, ...], udp_len_hdr: int) -> 
               "thc_set_drop(THC_DROP_NOT_FROM_CPU)") for vm in complement({CPU_PORT}, 9)]
     rows += [({"pkt_type": vm, "run": (0, 0xFFFFFFFF)}, malformed)
              for vm in complement({types["RESET"]}, 8)]
-    rows += [({"pkt_type": (types[t], 0xFF), "udp_length": vm}, lanes)
-             for t in ("RESET", "FLUSH") for vm in complement({udp_len_hdr}, 16)]
-    rows += [({"offset31": (1, 1)}, "thc_refuse(THC_DROP_MALFORMED)")]
     out = []
     for key, action in rows:
         cells = []
@@ -184,8 +184,14 @@ def wellformed(spec: dict, to_aggregator: tuple[str, ...], udp_len_hdr: int) -> 
     return "".join(out)
 
 
-def constants(header: str) -> str:
+TICK_NS = 1 << 16
+"""The unit of the job's idle clock: bits 47-16 of the ingress MAC timestamp (ns)."""
+
+
+def constants(header: str, spec: dict) -> str:
+    idle = -(-int(spec["run_idle_s"] * 1e9) // TICK_NS)
     return "".join([header, "// Sizes of the Tofino program (thc_tna.p4)\n",
+                    f"const bit<32> THC_TNA_IDLE = {idle};  // run_idle_s in {TICK_NS} ns ticks\n",
                     f"#define THC_TNA_WORDS {WORDS}\n",
                     f"#define THC_TNA_OCTS {OCTS}\n",
                     f"#define THC_TNA_LUT_SIZE {256 * LUT_JOBS}\n",
@@ -257,7 +263,7 @@ def files(spec: dict, header: str, to_aggregator: tuple[str, ...], udp_len_hdr: 
     ])
     luts, luts_apply = _luts()
     return {
-        "thc_tna_constants.p4": constants(header),
+        "thc_tna_constants.p4": constants(header, spec),
         "thc_tna_luts.p4": header + "// The words' lookup tables (thc_tna.p4's ingress).\n"
                            + luts,
         "thc_tna_luts_apply.p4": header + "// The words' lookups, first in ingress.\n"

@@ -23,10 +23,10 @@
  * target). A vote job's DATA carries sign bits: pass 0 spreads them over the index headers
  * (generated/thc_tna_spread.p4), and the job's lookup entries count them.
  *
- * One incarnation of each worker per run and install (thc_worker_run, reused_run), as in
- * thc.p4. Not (yet) here, unlike thc.p4 and the reference model (host/wire/model.py): the
- * run jump and idle rules (a newer run always takes the job), per-use acknowledgements
- * (held). Offsets take 31 bits here (bit 31 tells a MAX use from a DATA use, wrong_use).
+ * One incarnation of each worker per run and install (thc_worker_run, reused_run), and the
+ * run jump and idle rules (thc_job_run, thc_job_seen), as in thc.p4. Not (yet) here, unlike
+ * thc.p4 and the reference model (host/wire/model.py): per-use acknowledgements (held).
+ * Offsets take 31 bits here (bit 31 tells a MAX use from a DATA use, wrong_use).
  * docs/switch.md lists what each gap allows.
  */
 #include <core.p4>
@@ -42,10 +42,11 @@ const bit<2> THC_PAY_IDX2 = 1;   // the indices of both halves (pass 0, pass 1)
 const bit<2> THC_PAY_IDX1 = 2;   // the first half's indices, before the last half's sums
 const bit<2> THC_PAY_MAX = 3;    // one 32-bit max lane a word
 const bit<8> THC_TNA_NO_LUT = 0xFF;   // no lookup entry has this job index
-const bit<2> THC_IN_NONE = 0;    // pass 0: no lanes (or not a DATA's size)
-const bit<2> THC_IN_IDX = 1;     // 256 4-bit indices
-const bit<2> THC_IN_SIGNS = 2;   // 256 sign bits (a vote job's DATA), in index headers
-const bit<2> THC_IN_MAX = 3;     // max lanes   // no lookup entry has this job index
+const bit<3> THC_IN_NONE = 0;    // pass 0: not a size this packet type has
+const bit<3> THC_IN_IDX = 1;     // 256 4-bit indices
+const bit<3> THC_IN_SIGNS = 2;   // 256 sign bits (a vote job's DATA), in index headers
+const bit<3> THC_IN_MAX = 3;     // max lanes
+const bit<3> THC_IN_HDR = 4;     // the header alone (FLUSH, RESET)
 
 // A register index: a slot version (pool_base + slot) * 2 + version, and for the words the
 // pass's half above it (THC_REG_SIZE).
@@ -124,7 +125,7 @@ struct metadata_t {
     bit<16> mcast_grp;
     bit<1>  wide;
     bit<1>  vote;           // a vote job: DATA carries sign bits, the sums count the +1s
-    bit<2>  lanes_in;       // THC_IN_*: what pass 0's parser found after the THC header
+    bit<3>  lanes_in;       // THC_IN_*: what pass 0's parser found after the THC header
     bit<32> epoch;
     bit<1>  job_hit;
     // from thc_worker
@@ -138,9 +139,16 @@ struct metadata_t {
     thc_index_t reg_index;
     bit<32> jc4;
     bit<32> jc1;
-    bit<32> jc_index;
+    bit<32> jc_index;       // the job's first counter: packets consumed
+    bit<32> jc_done;        // completions
+    bit<32> jc_again;       // retransmissions answered with the result
+    bit<32> jc_pending;     // retransmissions answered PENDING
     // slot state as seen by this packet
     bit<1>  run_stale;
+    bit<32> now;            // ingress MAC timestamp in THC_TNA_IDLE's ticks
+    bit<32> idle_since;     // now - THC_TNA_IDLE: a job last heard before it is idle
+    bit<1>  idle;           // the job heard nothing for THC_TNA_IDLE (or was installed)
+    bit<32> run_far;        // run - THC_RUN_JUMP: a job's run below it is too far behind
     bit<32> run_key;        // hdr.thc.run ^ epoch: the run under this install
     bit<16> worker_index;   // job_index * THC_MAX_WORKERS + worker_id
     bit<1>  reused;         // another incarnation of the worker already runs this run
@@ -205,12 +213,18 @@ parser ThcIngressParser(packet_in pkt, out tna_headers_t hdr, out metadata_t met
             default: accept;
         }
     }
+    state parse_hdr_only {
+        meta.lanes_in = THC_IN_HDR;
+        transition accept;
+    }
     state parse_thc {
         pkt.extract(hdr.thc);
         transition select(hdr.thc.pkt_type, hdr.udp.length) {
             (THC_DATA, THC_UDP_LEN_DATA): parse_idx2;
             (THC_DATA, THC_UDP_LEN_VOTE): parse_signs;
             (THC_MAX, THC_UDP_LEN_MAX): parse_max;
+            (THC_FLUSH, THC_UDP_LEN_HDR): parse_hdr_only;
+            (THC_RESET, THC_UDP_LEN_HDR): parse_hdr_only;
             default: accept;
         }
     }
@@ -304,21 +318,45 @@ control ThcIngress(inout tna_headers_t hdr, inout metadata_t meta,
 
     // ---- slot state: one register a stage ----
     Register<bit<32>, bit<32>>(THC_MAX_JOBS) thc_job_run;
+    Register<bit<32>, bit<32>>(THC_MAX_JOBS) thc_job_seen;
     Register<thc_run_seq_t, thc_index_t>(THC_REG_SIZE) thc_run;
     Register<thc_bitmap_seq_t, thc_index_t>(THC_REG_SIZE) thc_bitmap;
     Register<bit<8>, thc_index_t>(THC_REG_SIZE) thc_count;
     Register<bit<32>, thc_index_t>(THC_REG_SIZE) thc_use;
     Register<thc_incarnation_t, bit<16>>(THC_MAX_JOBS * THC_MAX_WORKERS) thc_worker_run;
 
-    // RFC 1982: the first run, or one not older than the job's, takes the job.
+    // When the job was last heard from, by any well-formed packet of one of its workers: a
+    // job idle for THC_TNA_IDLE goes to any run. A RESET (install) leaves it idle.
+    RegisterAction<bit<32>, bit<32>, bit<1>>(thc_job_seen) thc_job_seen_ra = {
+        void apply(inout bit<32> value, out bit<1> idle) {
+            if ((int<32>)(meta.idle_since - value) >= 0) {
+                idle = 1;
+            } else {
+                idle = 0;
+            }
+            value = meta.now;
+        }
+    };
+    RegisterAction<bit<32>, bit<32>, bit<1>>(thc_job_seen) thc_job_seen_reset = {
+        void apply(inout bit<32> value) { value = meta.idle_since; }
+    };
+    // RFC 1982: the job's run, or a newer one within THC_RUN_JUMP, takes a live job (a far
+    // future run id from one packet cannot lock the job's run out); any run an idle one.
     RegisterAction<bit<32>, bit<32>, bit<1>>(thc_job_run) thc_job_run_ra = {
         void apply(inout bit<32> value, out bit<1> stale) {
-            if (value == 0 || (int<32>)(hdr.thc.run - value) >= 0) {
+            if ((int<32>)(hdr.thc.run - value) >= 0
+                    && (int<32>)(meta.run_far - value) <= 0) {
                 value = hdr.thc.run;
                 stale = 0;
             } else {
                 stale = 1;
             }
+        }
+    };
+    RegisterAction<bit<32>, bit<32>, bit<1>>(thc_job_run) thc_job_run_take = {
+        void apply(inout bit<32> value, out bit<1> stale) {
+            value = hdr.thc.run;
+            stale = 0;
         }
     };
     RegisterAction<bit<32>, bit<32>, bit<1>>(thc_job_run) thc_job_run_reset = {
@@ -492,6 +530,17 @@ control ThcIngress(inout tna_headers_t hdr, inout metadata_t meta,
         const entries = { THC_DSCP_ENTRIES }
         size = 16;
     }
+    // the last pass of a packet that went round: its queue again (pass 0 counted a miss)
+    action thc_best_effort() {
+        ig_tm_md.qid = 0;
+    }
+    table thc_dscp_last {
+        key = { meta.dscp: exact @name("dscp"); }
+        actions = { thc_set_priority; thc_best_effort; }
+        default_action = thc_best_effort();
+        const entries = { THC_DSCP_ENTRIES }
+        size = 16;
+    }
 
     action l2_set_port(PortId_t port) {
         ig_tm_md.ucast_egress_port = port;
@@ -553,9 +602,8 @@ control ThcIngress(inout tna_headers_t hdr, inout metadata_t meta,
             hdr.thc.version: ternary @name("version");
             ig_intr_md.ingress_port: ternary @name("ingress_port");
             hdr.thc.run: ternary @name("run");
-            hdr.thc.offset[31:31]: ternary @name("offset31");
         }
-        actions = { thc_set_drop; thc_refuse; NoAction; }
+        actions = { thc_set_drop; NoAction; }
         const entries = {
 #include "generated/thc_tna_wellformed.p4"
         }
@@ -565,6 +613,30 @@ control ThcIngress(inout tna_headers_t hdr, inout metadata_t meta,
     action thc_job_run_check() {
         meta.run_stale = thc_job_run_ra.execute((bit<32>)meta.job_index);
     }
+    action thc_job_run_idle() {
+        meta.run_stale = thc_job_run_take.execute((bit<32>)meta.job_index);
+    }
+    action thc_job_seen_check() {
+        meta.idle = thc_job_seen_ra.execute((bit<32>)meta.job_index);
+    }
+    action thc_job_seen_clear() {
+        thc_job_seen_reset.execute((bit<32>)meta.job_index);
+    }
+    table thc_job_seen_op {
+        key = {
+            meta.drop_reason: ternary;
+            meta.job_hit: ternary;
+            meta.worker_hit: ternary;
+            hdr.thc.pkt_type: ternary;
+        }
+        actions = { thc_job_seen_check; thc_job_seen_clear; NoAction; }
+        const entries = {
+            (0, 1, _, THC_RESET): thc_job_seen_clear();
+            (0, 1, 1, _): thc_job_seen_check();
+        }
+        const default_action = NoAction;
+        size = 4;
+    }
     action thc_job_run_clear() {
         thc_job_run_reset.execute((bit<32>)meta.job_index);
     }
@@ -572,9 +644,13 @@ control ThcIngress(inout tna_headers_t hdr, inout metadata_t meta,
     // that are powers of two: slot == seq mod pool (slotx masked) and version == bit
     // log2(pool) of seq.
 #define THC_POOL(P) \
-            (0, 1, _, _, _, _, P, 0 &&& (P - 1), 0 &&& P, 0, _, _, _): \
+            (0, 1, _, _, _, _, P, 0 &&& (P - 1), 0 &&& P, 0, _, _, _, _, 1): \
+                thc_job_run_idle(); \
+            (0, 1, _, _, _, _, P, 0 &&& (P - 1), 0 &&& P, 0, _, _, _, _, _): \
                 thc_job_run_check(); \
-            (0, 1, _, _, _, _, P, 0 &&& (P - 1), P &&& P, 1, _, _, _): \
+            (0, 1, _, _, _, _, P, 0 &&& (P - 1), P &&& P, 1, _, _, _, _, 1): \
+                thc_job_run_idle(); \
+            (0, 1, _, _, _, _, P, 0 &&& (P - 1), P &&& P, 1, _, _, _, _, _): \
                 thc_job_run_check();
     table thc_check {
         key = {
@@ -591,35 +667,46 @@ control ThcIngress(inout tna_headers_t hdr, inout metadata_t meta,
             meta.room8: ternary;
             meta.worker_hit: ternary;
             meta.room16: ternary;
+            hdr.thc.offset[31:31]: ternary @name("offset31");
+            meta.idle: ternary;
         }
-        actions = { thc_set_drop; thc_refuse; thc_job_run_check; thc_job_run_clear; NoAction; }
+        actions = {
+            thc_set_drop; thc_refuse; thc_job_run_check; thc_job_run_idle; thc_job_run_clear;
+            NoAction;
+        }
         const entries = {
-            (0, 0, _, _, _, _, _, _, _, _, _, _, _): thc_set_drop(THC_DROP_UNKNOWN_JOB);
-            (0, 1, _, _, _, 1, _, _, _, _, _, _, _): thc_set_drop(THC_DROP_BAD_LANES);
-            (0, 1, THC_DATA, 0, THC_IN_NONE, _, _, _, _, _, _, _, _):
+            (0, 0, _, _, _, _, _, _, _, _, _, _, _, _, _): thc_set_drop(THC_DROP_UNKNOWN_JOB);
+            (0, 1, _, _, _, 1, _, _, _, _, _, _, _, _, _): thc_set_drop(THC_DROP_BAD_LANES);
+            (0, 1, THC_DATA, 0, THC_IN_NONE, _, _, _, _, _, _, _, _, _, _):
                 thc_set_drop(THC_DROP_BAD_LANES);
-            (0, 1, THC_DATA, 0, THC_IN_SIGNS, _, _, _, _, _, _, _, _):
+            (0, 1, THC_DATA, 0, THC_IN_SIGNS, _, _, _, _, _, _, _, _, _, _):
                 thc_set_drop(THC_DROP_BAD_LANES);
-            (0, 1, THC_DATA, 1, THC_IN_NONE, _, _, _, _, _, _, _, _):
+            (0, 1, THC_DATA, 1, THC_IN_NONE, _, _, _, _, _, _, _, _, _, _):
                 thc_set_drop(THC_DROP_BAD_LANES);
-            (0, 1, THC_DATA, 1, THC_IN_IDX, _, _, _, _, _, _, _, _):
+            (0, 1, THC_DATA, 1, THC_IN_IDX, _, _, _, _, _, _, _, _, _, _):
                 thc_set_drop(THC_DROP_BAD_LANES);
-            (0, 1, THC_MAX, _, THC_IN_NONE, _, _, _, _, _, _, _, _):
+            (0, 1, THC_MAX, _, THC_IN_NONE, _, _, _, _, _, _, _, _, _, _):
                 thc_set_drop(THC_DROP_BAD_LANES);
-            (0, 1, THC_RESET, _, _, _, _, _, _, _, _, _, 0):
+            (0, 1, THC_FLUSH, _, THC_IN_NONE, _, _, _, _, _, _, _, _, _, _):
+                thc_set_drop(THC_DROP_BAD_LANES);
+            (0, 1, THC_RESET, _, THC_IN_NONE, _, _, _, _, _, _, _, _, _, _):
+                thc_set_drop(THC_DROP_BAD_LANES);
+            (0, 1, THC_RESET, _, _, _, _, _, _, _, _, _, 0, _, _):
                 thc_set_drop(THC_DROP_SLOT_OUTSIDE_POOL);
-            (0, 1, THC_RESET, _, _, _, _, _, _, _, _, _, _): thc_job_run_clear();
-            (0, 1, _, _, _, _, _, _, _, _, 0, _, _):
+            (0, 1, THC_RESET, _, _, _, _, _, _, _, _, _, _, _, _): thc_job_run_clear();
+            (0, 1, _, _, _, _, _, _, _, _, 0, _, _, _, _):
                 thc_set_drop(THC_DROP_WORKER_OUTSIDE_JOB);
-            (0, 1, _, _, _, _, _, _, _, _, _, 0, _): thc_set_drop(THC_DROP_UNKNOWN_WORKER);
-            (0, 1, _, _, _, _, _, _, _, _, _, _, 0):
+            (0, 1, _, _, _, _, _, _, _, _, _, 0, _, _, _): thc_set_drop(THC_DROP_UNKNOWN_WORKER);
+            (0, 1, _, _, _, _, _, _, _, _, _, _, 0, _, _):
                 thc_set_drop(THC_DROP_SLOT_OUTSIDE_POOL);
+            (0, 1, _, _, _, _, _, _, _, _, _, _, _, 1, _):
+                thc_refuse(THC_DROP_MALFORMED);   // bit 31 tells a MAX use (thc_use)
             THC_POOL(1) THC_POOL(2) THC_POOL(4) THC_POOL(8) THC_POOL(16) THC_POOL(32)
             THC_POOL(64) THC_POOL(128) THC_POOL(256) THC_POOL(512)
-            (0, 1, _, _, _, _, _, _, _, _, _, _, _): thc_refuse(THC_DROP_WRONG_SLOT);
+            (0, 1, _, _, _, _, _, _, _, _, _, _, _, _, _): thc_refuse(THC_DROP_WRONG_SLOT);
         }
         const default_action = NoAction;
-        size = 64;
+        size = 128;
     }
 #undef THC_POOL
 
@@ -798,44 +885,155 @@ control ThcIngress(inout tna_headers_t hdr, inout metadata_t meta,
 #undef THC_DUP
 
     // ---- replies ----
-    action thc_reply(bit<8> pkt_type) {
-        hdr.thc.pkt_type = pkt_type;
-        hdr.thc.count = meta.count;
-        hdr.thc.bitmap = meta.bitmap;
-        hdr.thc.epoch = meta.epoch;
-        hdr.udp.checksum = 0;
+    // the job's counter of each outcome, ready before the outcome is known
+    action thc_jc() {
+        meta.jc_done = meta.jc_index + THC_JC_COMPLETIONS;
+        meta.jc_again = meta.jc_index + THC_JC_RETRANSMISSIONS;
+        meta.jc_pending = meta.jc_index + THC_JC_PENDING;
     }
-    action thc_len(bit<16> udp_len) {
-        hdr.udp.length = udp_len;
-        hdr.ipv4.totalLen = udp_len + 20;
-    }
+    // Each outcome is one action (its header fields, length, destination and counter): the
+    // replies take one stage after the count.
     action thc_answer_now() {
         ig_tm_md.ucast_egress_port = ig_intr_md.ingress_port;
         meta.bridge.is_reply = 1;
+#include "generated/thc_tna_payload_invalid.p4"
     }
     // go round: the next pass adds lanes (pass 0 -> 1 -> 2; a MAX packet's pass 1 is its
     // last); the last sends (reply) or drops the packet
     action thc_recirculate() {
         ig_tm_md.ucast_egress_port = ig_intr_md.ingress_port[8:7] ++ THC_TNA_RECIRC_PORT;
+        ig_tm_md.qid = 0;
         meta.bridge.recirc = 1;
-    }
-    action thc_go_round(bit<1> reply, bit<16> mcast_grp) {
-        thc_recirculate();
-        meta.bridge.reply = reply;
-        meta.bridge.mcast_grp = mcast_grp;
     }
     // pass 1 -> pass 2: the bridge header pass 1 read goes round again (the first half's
     // indices, then the registers' upper half)
     action thc_go_round_again(bit<2> payload) {
         ig_tm_md.ucast_egress_port = ig_intr_md.ingress_port[8:7] ++ THC_TNA_RECIRC_PORT;
+        ig_tm_md.qid = 0;
         meta.bridge.setInvalid();
         meta.p1.last = 1;
         meta.p1.payload = payload;
         meta.p1.word_index = meta.p1.word_index2;
     }
 
+    action thc_done(bit<8> pkt_type, bit<16> udp_len) {
+        hdr.thc.pkt_type = pkt_type;
+        hdr.thc.count = meta.count;
+        hdr.thc.bitmap = meta.bitmap;
+        hdr.thc.epoch = meta.epoch;
+        hdr.udp.checksum = 0;
+        hdr.udp.length = udp_len;
+        hdr.ipv4.totalLen = udp_len + 20;
+        thc_recirculate();
+        meta.bridge.reply = 1;
+    }
+    // complete or closed: RESULT / MAX_RESULT after the last pass, to every worker (a
+    // retransmission: to its sender)
+    action thc_result() {
+        thc_done(THC_RESULT, THC_UDP_LEN_RESULT8);
+        meta.bridge.mcast_grp = meta.mcast_grp;
+        thc_job_counters.count(meta.jc_done);
+    }
+    action thc_result_again() {
+        thc_done(THC_RESULT, THC_UDP_LEN_RESULT8);
+        thc_job_counters.count(meta.jc_again);
+    }
+    action thc_max_result() {
+        thc_done(THC_MAX_RESULT, THC_UDP_LEN_MAX);
+        meta.bridge.mcast_grp = meta.mcast_grp;
+        thc_job_counters.count(meta.jc_done);
+    }
+    action thc_max_result_again() {
+        thc_done(THC_MAX_RESULT, THC_UDP_LEN_MAX);
+        thc_job_counters.count(meta.jc_again);
+    }
+    table thc_done_op {
+        key = { meta.is_max: exact; }
+        actions = { thc_result; thc_max_result; }
+        const entries = {
+            0: thc_result();
+            1: thc_max_result();
+        }
+        size = 2;
+    }
+    table thc_again_op {
+        key = { meta.is_max: exact; }
+        actions = { thc_result_again; thc_max_result_again; }
+        const entries = {
+            0: thc_result_again();
+            1: thc_max_result_again();
+        }
+        size = 2;
+    }
+    // retransmission of an incomplete slot: tell the worker where it stands; else consumed
+    // once the passes have added its lanes
+    action thc_pending() {
+        hdr.thc.pkt_type = THC_PENDING;
+        hdr.thc.count = meta.count;
+        hdr.thc.bitmap = meta.bitmap;
+        hdr.thc.epoch = meta.epoch;
+        hdr.udp.checksum = 0;
+        hdr.udp.length = THC_UDP_LEN_HDR;
+        hdr.ipv4.totalLen = THC_UDP_LEN_HDR + 20;
+        thc_answer_now();
+        thc_job_counters.count(meta.jc_pending);
+    }
+    action thc_consumed() {
+        thc_recirculate();
+        thc_job_counters.count(meta.jc_index);
+    }
+    // a drop the sender is told of (REFUSED) or not; counted by reason either way
+    action thc_refused() {
+        thc_drops.count((bit<32>)meta.drop_reason);
+        hdr.thc.count = meta.drop_reason;
+        hdr.thc.bitmap = 0;
+        hdr.thc.pkt_type = THC_REFUSED;
+        hdr.thc.epoch = meta.epoch;
+        hdr.udp.checksum = 0;
+        hdr.udp.length = THC_UDP_LEN_HDR;
+        hdr.ipv4.totalLen = THC_UDP_LEN_HDR + 20;
+        thc_answer_now();
+    }
+    action thc_dropped() {
+        thc_drops.count((bit<32>)meta.drop_reason);
+        ig_dprsr_md.drop_ctl = 1;
+    }
+    // Tables, not bare actions: a counter's index comes through a table hit, and one table's
+    // actions share the index field.
+    table thc_drop_op {
+        key = { meta.refuse: exact; }
+        actions = { thc_refused; thc_dropped; }
+        const entries = {
+            1: thc_refused();
+            0: thc_dropped();
+        }
+        size = 2;
+    }
+    table thc_pending_op {
+        key = { meta.dup: exact; }
+        actions = { thc_pending; NoAction; }
+        const entries = { 1: thc_pending(); }
+        const default_action = NoAction;
+        size = 1;
+    }
+    table thc_consumed_op {
+        key = { meta.dup: exact; }
+        actions = { thc_consumed; NoAction; }
+        const entries = { 0: thc_consumed(); }
+        const default_action = NoAction;
+        size = 1;
+    }
+
     apply {
         meta.bridge.setValid();
+        // DLCP: the DSCP of every IPv4 packet picks its queue, first in pass 0 (counted once:
+        // the last pass looks it up again, uncounted); a pass going round takes queue 0
+        // (thc_recirculate, thc_go_round_again): passes of two packets never overtake each
+        // other (a FLUSH's READ after a DATA's WRITE or ADD that pass 0 counted first).
+        meta.dscp = hdr.ipv4.diffserv[7:2];
+        if (hdr.ipv4.isValid() && !meta.p1.isValid()) {
+            thc_dscp.apply();
+        }
         // Pass 0 and the adding passes in the two branches of one condition: a table after
         // a condition takes a later stage than the tables before it, and tables of two
         // branches need no order, so the words take the stages beside pass 0's slot state.
@@ -854,6 +1052,7 @@ control ThcIngress(inout tna_headers_t hdr, inout metadata_t meta,
                     thc_go_round_again(THC_PAY_NONE);
                 }
             } else if (meta.p1.reply == 1) {
+                thc_dscp_last.apply();
                 meta.p1.setInvalid();
                 meta.bridge.is_reply = 1;
                 if (meta.p1.mcast_grp != 0) {
@@ -868,10 +1067,22 @@ control ThcIngress(inout tna_headers_t hdr, inout metadata_t meta,
         } else if (hdr.udp.isValid() && hdr.udp.dstPort == THC_UDP_PORT) {
             // ---- pass 0 ----
             meta.bridge.in_port = ig_intr_md.ingress_port;
+            // A vote DATA's sign bits become the index headers the lookups key on (the
+            // vote job's entries count them), one shift a header per stage. First: a reply
+            // without lanes invalidates them (thc_answer_now).
+            if (meta.lanes_in == THC_IN_SIGNS) {
+                thc_spread_0();
+                thc_spread_1();
+                thc_spread_2();
+            }
             // 1. well-formed, right direction (bit 31 of the offset tells a MAX use)
             thc_wellformed.apply();
             thc_job.apply();
             thc_worker.apply();
+            meta.now = ig_intr_md.ingress_mac_tstamp[47:16];
+            meta.idle_since = ig_intr_md.ingress_mac_tstamp[47:16] - THC_TNA_IDLE;
+            meta.run_far = hdr.thc.run - THC_RUN_JUMP;
+            thc_job_seen_op.apply();
             meta.use_key = hdr.thc.offset;
             if (hdr.thc.pkt_type == THC_MAX) {
                 meta.use_key[31:31] = 1;
@@ -891,6 +1102,7 @@ control ThcIngress(inout tna_headers_t hdr, inout metadata_t meta,
             meta.slotx = hdr.thc.seq[15:0] ^ hdr.thc.slot;
             thc_slot();
             thc_index();
+            thc_jc();
             thc_word_index();
             thc_check.apply();
             thc_incarnation_op.apply();
@@ -898,68 +1110,23 @@ control ThcIngress(inout tna_headers_t hdr, inout metadata_t meta,
             thc_use_op.apply();
             thc_bitmap_op.apply();
             thc_count_op.apply();
-            if (meta.drop_reason == 0 && hdr.thc.pkt_type != THC_RESET) {
+            if (meta.drop_reason != 0) {
+                thc_drop_op.apply();
+            } else if (hdr.thc.pkt_type != THC_RESET) {
                 if (meta.count == meta.n_workers || meta.closed == 1) {
-                    // complete or closed: RESULT / MAX_RESULT after the last pass
-                    if (meta.is_max == 0) {
-                        thc_len(THC_UDP_LEN_RESULT8);
-                        thc_reply(THC_RESULT);
-                    } else {
-                        thc_reply(THC_MAX_RESULT);
-                    }
                     if (meta.dup == 1) {
-                        thc_go_round(1, 0);
-                        meta.jc_index = meta.jc_index + THC_JC_RETRANSMISSIONS;
+                        thc_again_op.apply();
                     } else {
-                        thc_go_round(1, meta.mcast_grp);
-                        meta.jc_index = meta.jc_index + THC_JC_COMPLETIONS;
+                        thc_done_op.apply();
                     }
                 } else if (meta.dup == 1) {
-                    // retransmission of an incomplete slot: tell the worker where it stands
-                    thc_len(THC_UDP_LEN_HDR);
-                    thc_reply(THC_PENDING);
-                    thc_answer_now();
-                    meta.jc_index = meta.jc_index + THC_JC_PENDING;
+                    thc_pending_op.apply();
                 } else {
-                    thc_go_round(0, 0);   // consumed once the passes have added its lanes
+                    thc_consumed_op.apply();
                 }
-                thc_job_counters.count(meta.jc_index);
-            }
-            if (meta.drop_reason != 0) {
-                thc_drops.count((bit<32>)meta.drop_reason);
-                if (meta.refuse == 1) {
-                    hdr.thc.count = meta.drop_reason;
-                    hdr.thc.bitmap = 0;
-                    hdr.thc.pkt_type = THC_REFUSED;
-                    hdr.thc.epoch = meta.epoch;
-                    hdr.udp.checksum = 0;
-                    thc_len(THC_UDP_LEN_HDR);
-                    thc_answer_now();
-                } else {
-                    ig_dprsr_md.drop_ctl = 1;
-                }
-            }
-            // A vote DATA's sign bits become the index headers the lookups key on (the
-            // vote job's entries count them), one shift a header per stage. Nothing in
-            // pass 0 reads them: the placer puts them where logical tables are free.
-            if (meta.lanes_in == THC_IN_SIGNS) {
-                thc_spread_0();
-                thc_spread_1();
-                thc_spread_2();
-            }
-            if (meta.bridge.is_reply == 1) {
-#include "generated/thc_tna_payload_invalid.p4"
             }
         } else if (hdr.ethernet.isValid()) {
             l2_forward.apply();
-        }
-        // A packet going round keeps one queue: passes of two packets never overtake each
-        // other (a FLUSH's READ after a DATA's WRITE or ADD that pass 0 counted first).
-        if (meta.bridge.recirc == 1 || (meta.p1.isValid() && meta.p1.last == 0)) {
-            ig_tm_md.qid = 0;
-        } else if (hdr.ipv4.isValid()) {
-            meta.dscp = hdr.ipv4.diffserv[7:2];
-            thc_dscp.apply();
         }
     }
 }

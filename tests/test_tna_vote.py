@@ -91,6 +91,8 @@ def run_pass0(signs: bytes, rng, sequential: bool) -> bytes:
                 valid.add(st[1])
                 continue
             _, dst, dhi, dlo, src, shi, slo = st
+            if dst not in valid:
+                continue            # P4: a write to a field of an invalid header does nothing
             value = _bits((phv if sequential else before)[src], shi, slo)
             phv[dst] = _deposit(phv[dst], dhi, dlo, value)
     order = [("rest", i) for i in range(16)] + [("cur", i) for i in range(16)] \
