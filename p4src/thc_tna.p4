@@ -76,7 +76,7 @@ header thc_pass_h {
     bit<5>  pad1;
     bit<2>  lane_op;      // THC_OP_*
     bit<6>  pad2;
-    bit<4>  pad3;
+    bit<4>  job;          // the job's index (passes 1 and 2 mark it heard from)
     bit<1>  is_max;
     bit<1>  last;         // the next pass is the last (pass 2, or pass 1 for MAX)
     bit<2>  payload;      // THC_PAY_*: what the next pass parses after the THC header
@@ -145,7 +145,7 @@ struct metadata_t {
     bit<32> jc_pending;     // retransmissions answered PENDING
     // slot state as seen by this packet
     bit<1>  run_stale;
-    bit<32> now;            // ingress MAC timestamp in THC_TNA_IDLE's ticks
+    bit<32> now;            // ingress MAC timestamp in THC_TNA_IDLE's ticks, bit 0 set
     bit<32> idle_since;     // now - THC_TNA_IDLE: a job last heard before it is idle
     bit<1>  idle;           // the job heard nothing for THC_TNA_IDLE (or was installed)
     bit<32> run_far;        // run - THC_RUN_JUMP: a job's run below it is too far behind
@@ -325,20 +325,23 @@ control ThcIngress(inout tna_headers_t hdr, inout metadata_t meta,
     Register<bit<32>, thc_index_t>(THC_REG_SIZE) thc_use;
     Register<thc_incarnation_t, bit<16>>(THC_MAX_JOBS * THC_MAX_WORKERS) thc_worker_run;
 
-    // When the job was last heard from, by any well-formed packet of one of its workers: a
-    // job idle for THC_TNA_IDLE goes to any run. A RESET (install) leaves it idle.
+    // When the job last accepted a packet (a pass after pass 0 writes it: pass 0 cannot know
+    // yet whether a later check refuses the packet), 0 for a job without a run (RESET). A
+    // job without a run, or idle for THC_TNA_IDLE, goes to any run.
     RegisterAction<bit<32>, bit<32>, bit<1>>(thc_job_seen) thc_job_seen_ra = {
         void apply(inout bit<32> value, out bit<1> idle) {
-            if ((int<32>)(meta.idle_since - value) >= 0) {
+            if (value == 0 || (int<32>)(meta.idle_since - value) >= 0) {
                 idle = 1;
             } else {
                 idle = 0;
             }
-            value = meta.now;
         }
     };
     RegisterAction<bit<32>, bit<32>, bit<1>>(thc_job_seen) thc_job_seen_reset = {
-        void apply(inout bit<32> value) { value = meta.idle_since; }
+        void apply(inout bit<32> value) { value = 0; }
+    };
+    RegisterAction<bit<32>, bit<32>, bit<1>>(thc_job_seen) thc_job_seen_touch = {
+        void apply(inout bit<32> value) { value = meta.now; }
     };
     // RFC 1982: the job's run, or a newer one within THC_RUN_JUMP, takes a live job (a far
     // future run id from one packet cannot lock the job's run out); any run an idle one.
@@ -481,6 +484,7 @@ control ThcIngress(inout tna_headers_t hdr, inout metadata_t meta,
                    bit<8> aggregation) {
         meta.job_index = job_index;
         meta.bridge.lut_job = job_index;
+        meta.bridge.job = job_index[3:0];
         meta.n_workers = n_workers;
         meta.pool_base = pool_base;
         meta.pool_size = pool_size;
@@ -621,6 +625,17 @@ control ThcIngress(inout tna_headers_t hdr, inout metadata_t meta,
     }
     action thc_job_seen_clear() {
         thc_job_seen_reset.execute((bit<32>)meta.job_index);
+    }
+    action thc_job_heard() {
+        thc_job_seen_touch.execute((bit<32>)meta.p1.job);
+    }
+    // every pass after pass 0 is of a packet pass 0 accepted
+    table thc_job_heard_op {
+        key = { meta.p1.recirc: exact; }
+        actions = { thc_job_heard; NoAction; }
+        const entries = { 1: thc_job_heard(); }
+        const default_action = NoAction;
+        size = 1;
     }
     table thc_job_seen_op {
         key = {
@@ -1026,6 +1041,7 @@ control ThcIngress(inout tna_headers_t hdr, inout metadata_t meta,
 
     apply {
         meta.bridge.setValid();
+        meta.now = ig_intr_md.ingress_mac_tstamp[47:16] | 1;   // never 0: "no run"
         // DLCP: the DSCP of every IPv4 packet picks its queue, first in pass 0 (counted once:
         // the last pass looks it up again, uncounted); a pass going round takes queue 0
         // (thc_recirculate, thc_go_round_again): passes of two packets never overtake each
@@ -1039,6 +1055,7 @@ control ThcIngress(inout tna_headers_t hdr, inout metadata_t meta,
         // branches need no order, so the words take the stages beside pass 0's slot state.
         if (meta.p1.isValid()) {
             // ---- passes 1 and 2: every word's lookups, then the words ----
+            thc_job_heard_op.apply();
 #include "generated/thc_tna_luts_apply.p4"
 #include "generated/thc_tna_words_apply.p4"
             if (meta.p1.payload != THC_PAY_MAX) {
@@ -1079,7 +1096,6 @@ control ThcIngress(inout tna_headers_t hdr, inout metadata_t meta,
             thc_wellformed.apply();
             thc_job.apply();
             thc_worker.apply();
-            meta.now = ig_intr_md.ingress_mac_tstamp[47:16];
             meta.idle_since = ig_intr_md.ingress_mac_tstamp[47:16] - THC_TNA_IDLE;
             meta.run_far = hdr.thc.run - THC_RUN_JUMP;
             thc_job_seen_op.apply();
