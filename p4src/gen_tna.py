@@ -142,6 +142,14 @@ def complement(excluded: set[int], bits: int, prefix: int = 0, width: int = 0) -
             + complement(excluded, bits, prefix << 1 | 1, width + 1))
 
 
+def below(n: int, bits: int) -> list[tuple[int, int]]:
+    """Ternary (value, mask) pairs matching every ``bits``-bit value below ``n``: one per set
+    bit of ``n``, its higher bits equal and that bit 0."""
+    full = (1 << bits) - 1
+    return [(n & ~((2 << k) - 1) & full, full & ~((1 << k) - 1))
+            for k in reversed(range(bits)) if n >> k & 1]
+
+
 WELLFORMED_KEYS = ("thc_valid", "parser_err", "udp_length", "pkt_type", "version",
                    "ingress_port", "run")
 WELLFORMED_BITS = (1, 16, 16, 8, 8, 9, 32)
@@ -158,11 +166,7 @@ def wellformed(spec: dict, to_aggregator: tuple[str, ...], udp_len_hdr: int) -> 
     malformed = "thc_set_drop(THC_DROP_MALFORMED)"
     rows = [({"thc_valid": "false"}, malformed)]
     rows += [({"parser_err": (v, m)}, malformed) for v, m in complement({0}, 16)]
-    rows += [({"udp_length": (0, 0xFFE0)}, malformed),       # below THC_UDP_LEN_HDR (36)
-             ({"udp_length": (32, 0xFFFC)}, malformed)]
-    if not udp_len_hdr == 36:
-        raise SystemExit("gen_tna: thc_wellformed's short-packet entries assume a 36-byte "
-                         "THC datagram")
+    rows += [({"udp_length": vm}, malformed) for vm in below(udp_len_hdr, 16)]
     rows += [({"pkt_type": vm}, malformed) for vm in complement(known, 8)]
     rows += [({"version": vm}, malformed) for vm in complement({0, 1}, 8)]
     rows += [({"pkt_type": (t, 0xFF)}, "thc_set_drop(THC_DROP_WRONG_DIRECTION)")
@@ -284,9 +288,7 @@ def files(spec: dict, header: str, to_aggregator: tuple[str, ...], udp_len_hdr: 
         "thc_tna_pragmas.p4": header + "// Each half of the first result words in a container "
                               "of its own: the word's two lookups write them in one stage.\n"
                               + _each('@pa_container_size("ingress", "hdr.res[{0}].w", 16, 16)\n',
-                                      SPLIT_WORDS)
-
-                              ,
+                                      SPLIT_WORDS),
         "thc_tna_words_apply.p4": header + "// The words, in passes 1 and 2 (pass 0's "
                                   "decisions, carried in the bridge header).\n"
                                   + _each(WORD_APPLY.replace("{j:02d}", "{0:02d}")

@@ -1092,7 +1092,7 @@ control ThcIngress(inout tna_headers_t hdr, inout metadata_t meta,
                 thc_spread_1();
                 thc_spread_2();
             }
-            // 1. well-formed, right direction (bit 31 of the offset tells a MAX use)
+            // 1. well-formed, right direction (the checks that need no job)
             thc_wellformed.apply();
             thc_job.apply();
             thc_worker.apply();

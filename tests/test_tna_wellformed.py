@@ -105,6 +105,13 @@ def test_complement_covers_exactly_the_values_left_out(bits):
             assert hits == (0 if v in excluded else 1), (v, excluded)
 
 
+@pytest.mark.parametrize("n", [0, 1, 36, 37, 255, 256])
+def test_below_covers_exactly_the_smaller_values(n):
+    cover = gen_tna.below(n, 9)
+    for v in range(1 << 9):
+        assert sum((v & m) == value for value, m in cover) == (v < n), (v, n)
+
+
 def test_a_wrong_entry_order_is_caught():
     """The reference check can fail: the table with a NOT_FROM_CPU entry first answers
     some packet differently from the chain."""
