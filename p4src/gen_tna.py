@@ -20,10 +20,14 @@ STAGES = 12
 EXACT_A_STAGE = 8
 """Exact-match tables a stage holds with distinct keys (its hash units): the lookups' bound."""
 SALUS_A_STAGE = 4
-STAGE0_EXACT = 2
-"""thc_job and thc_worker: pass 0 starts in stage 0."""
-SLOT_STATE_STAGES = range(3, 10)
-"""Stages where pass 0's slot state may take a stateful ALU (one a stage): kept free."""
+EXACT_TAKEN = {0: 2, 2: 2, 5: 2}
+"""Hash units pass 0 takes: thc_job and thc_worker in stage 0, the register indices' identity
+hashes (thc_index) in stage 2, the addresses of the incarnation and acknowledgement
+registers in stage 5."""
+SLOT_STATE_SALUS = {1: 1, 4: 1, 5: 3, 6: 1, 7: 1, 8: 1, 9: 1}
+"""The stateful ALUs pass 0's slot state takes in each stage (thc_tna.p4 pins its tables
+there): the job's last-heard time, the job's run, the worker's incarnation, both versions'
+acknowledgements, the slot version's run, use, bitmap and count. Kept free of words."""
 LUT_JOBS = 4
 """Jobs whose lookup entries a word's tables hold at once. A lookup of two ways takes 20 of a
 stage's 416 hash bits (the compiler's default, four ways, 40: too many for eight a stage)."""
@@ -57,13 +61,14 @@ def schedule() -> list[tuple[int, int, int]]:
     """(stage of the word's first lookup, of its second, of its register) for each word: the
     placer left to itself fills the first stages with lookups and the words come after pass
     0's slot state, so each is pinned (@stage). A stage takes EXACT_A_STAGE lookups and
-    SALUS_A_STAGE registers (one fewer where the slot state may run); the two lookups of a
+    SALUS_A_STAGE registers (fewer where the slot state runs); the two lookups of a
     word share a stage only where its result word's halves have containers of their own
     (the first SPLIT_WORDS: PHV has no more 16-bit containers to spare); a word's register
     comes after its lookups."""
     exact = [EXACT_A_STAGE] * STAGES
-    exact[0] -= STAGE0_EXACT
-    salus = [SALUS_A_STAGE - (s in SLOT_STATE_STAGES) for s in range(STAGES)]
+    for s, n in EXACT_TAKEN.items():
+        exact[s] -= n
+    salus = [SALUS_A_STAGE - SLOT_STATE_SALUS.get(s, 0) for s in range(STAGES)]
     first, second, pending, j = {}, {}, [], 0
     for s in range(STAGES):
         for w in list(pending):
@@ -84,7 +89,7 @@ def schedule() -> list[tuple[int, int, int]]:
     for w in range(WORDS):
         if w not in second:
             raise SystemExit("gen_tna: the lookups do not fit the pipe's stages")
-        c = next((s for s in range(second[w] + 1, STAGES - 1) if salus[s]), None)
+        c = next((s for s in range(second[w] + 1, STAGES) if salus[s]), None)
         if c is None:
             raise SystemExit("gen_tna: the words do not fit the pipe's stages")
         salus[c] -= 1

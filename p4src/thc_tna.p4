@@ -23,9 +23,9 @@
  * target). A vote job's DATA carries sign bits: pass 0 spreads them over the index headers
  * (generated/thc_tna_spread.p4), and the job's lookup entries count them.
  *
- * One incarnation of each worker per run and install (thc_worker_run, reused_run), and the
- * run jump and idle rules (thc_job_run, thc_job_seen), as in thc.p4. Not (yet) here, unlike
- * thc.p4 and the reference model (host/wire/model.py): per-use acknowledgements (held).
+ * One incarnation of each worker per run and install (thc_worker_run, reused_run), the run
+ * jump and idle rules (thc_job_run, thc_job_seen) and per-use acknowledgements (held:
+ * thc_acked0, thc_acked1), as in thc.p4 (docs/switch.md: where they differ).
  * Offsets take 31 bits here (bit 31 tells a MAX use from a DATA use, wrong_use).
  * docs/switch.md lists what each gap allows.
  */
@@ -47,6 +47,12 @@ const bit<3> THC_IN_IDX = 1;     // 256 4-bit indices
 const bit<3> THC_IN_SIGNS = 2;   // 256 sign bits (a vote job's DATA), in index headers
 const bit<3> THC_IN_MAX = 3;     // max lanes
 const bit<3> THC_IN_HDR = 4;     // the header alone (FLUSH, RESET)
+// thc_run's verdict: its stateful ALU's predicate over (another run, a later seq), one-hot.
+// The same run and seq (or an older seq: stale) is THC_STEP_SAME; a later seq of the same
+// run while a worker may still need the previous result (meta.hold) is held; any other
+// starts a new use.
+const bit<4> THC_STEP_SAME = 1;
+const bit<4> THC_STEP_SEQ = 4;
 
 // A register index: a slot version (pool_base + slot) * 2 + version, and for the words the
 // pass's half above it (THC_REG_SIZE).
@@ -73,7 +79,8 @@ header thc_pass_h {
     bit<1>  recirc;       // go round: egress passes the packet through unchanged
     bit<1>  reply;        // the last pass sends the packet (else: consumed, dropped)
     bit<1>  is_reply;     // egress rewrites the addresses (worker_id or egress_rid - 1)
-    bit<5>  pad1;
+    bit<1>  new_use;      // pass 1: the packet started a use (its acknowledgements restart)
+    bit<4>  pad1;
     bit<2>  lane_op;      // THC_OP_*
     bit<6>  pad2;
     bit<4>  job;          // the job's index (passes 1 and 2 mark it heard from)
@@ -101,6 +108,12 @@ struct thc_incarnation_t {
 struct thc_bitmap_seq_t {
     bit<32> bitmap;
     bit<32> seq;
+}
+// a slot version's use (its seq) and the workers known to hold its result (all ones: no use
+// since the install)
+struct thc_ack_t {
+    bit<32> seq;
+    bit<32> acked;
 }
 
 struct tna_headers_t {
@@ -137,12 +150,13 @@ struct metadata_t {
     bit<8>  room8;
     bit<16> room16;
     thc_index_t reg_index;
-    bit<32> jc4;
-    bit<32> jc1;
-    bit<32> jc_index;       // the job's first counter: packets consumed
-    bit<32> jc_done;        // completions
-    bit<32> jc_again;       // retransmissions answered with the result
-    bit<32> jc_pending;     // retransmissions answered PENDING
+    bit<8>  jc4;            // the job counters' index (at most 80): one byte
+    bit<8>  jc1;
+    bit<8>  jc_index;       // the job's first counter: packets consumed
+    bit<8>  jc_done;        // completions
+    bit<8>  jc_again;       // retransmissions answered with the result
+    bit<8>  jc_pending;     // retransmissions answered PENDING
+    bit<8>  jc_held;        // new uses held: a worker may still need the previous result
     // slot state as seen by this packet
     bit<1>  run_stale;
     bit<32> now;            // ingress MAC timestamp in THC_TNA_IDLE's ticks, bit 0 set
@@ -152,7 +166,11 @@ struct metadata_t {
     bit<32> run_key;        // hdr.thc.run ^ epoch: the run under this install
     bit<16> worker_index;   // job_index * THC_MAX_WORKERS + worker_id
     bit<1>  reused;         // another incarnation of the worker already runs this run
-    bit<1>  seq_newer;
+    bit<32> ack_bit;        // the sender's bit (a FLUSH's worker_bit becomes bit 31)
+    bit<32> ack0;           // version 0's acknowledgements, this packet's included
+    bit<32> ack1;           // version 1's
+    bit<4>  use_step;       // THC_STEP_*: what thc_run found
+    bit<1>  hold;           // thc_run may not start a use at a later seq of the same run
     bit<32> use_key;        // the use this packet joins: its offset, bit 31 for MAX
     bit<1>  wrong_use;
     bit<32> old_bitmap;     // 0: another seq (stale); bit 31: closed by a FLUSH
@@ -306,7 +324,7 @@ control ThcIngress(inout tna_headers_t hdr, inout metadata_t meta,
                    inout ingress_intrinsic_metadata_for_deparser_t ig_dprsr_md,
                    inout ingress_intrinsic_metadata_for_tm_t ig_tm_md) {
     Counter<bit<32>, bit<32>>(THC_N_DROP_REASONS, CounterType_t.PACKETS) thc_drops;
-    Counter<bit<32>, bit<32>>(THC_MAX_JOBS * THC_N_JOB_COUNTERS, CounterType_t.PACKETS)
+    Counter<bit<32>, bit<8>>(THC_MAX_JOBS * THC_N_JOB_COUNTERS, CounterType_t.PACKETS)
         thc_job_counters;
     Counter<bit<32>, bit<32>>(THC_MAX_JOBS, CounterType_t.PACKETS) thc_resets;
     Counter<bit<32>, bit<32>>(1, CounterType_t.PACKETS) l2_misses;
@@ -324,6 +342,8 @@ control ThcIngress(inout tna_headers_t hdr, inout metadata_t meta,
     Register<bit<8>, thc_index_t>(THC_REG_SIZE) thc_count;
     Register<bit<32>, thc_index_t>(THC_REG_SIZE) thc_use;
     Register<thc_incarnation_t, bit<16>>(THC_MAX_JOBS * THC_MAX_WORKERS) thc_worker_run;
+    Register<thc_ack_t, bit<16>>(THC_REG_SIZE / 2) thc_acked0;
+    Register<thc_ack_t, bit<16>>(THC_REG_SIZE / 2) thc_acked1;
 
     // When the job last accepted a packet (a pass after pass 0 writes it: pass 0 cannot know
     // yet whether a later check refuses the packet), 0 for a job without a run (RESET). A
@@ -382,14 +402,25 @@ control ThcIngress(inout tna_headers_t hdr, inout metadata_t meta,
         }
     };
     // a new use: another run, or a later seq (RFC 1982)
-    RegisterAction<thc_run_seq_t, thc_index_t, bit<1>>(thc_run) thc_run_ra = {
-        void apply(inout thc_run_seq_t value, out bit<1> newer) {
+    RegisterAction<thc_run_seq_t, thc_index_t, bit<4>>(thc_run) thc_run_ra = {
+        void apply(inout thc_run_seq_t value, out bit<4> step) {
+            step = this.predicate(value.run != hdr.thc.run,
+                                  (int<32>)(hdr.thc.seq - value.seq) > 0);
             if (value.run != hdr.thc.run || (int<32>)(hdr.thc.seq - value.seq) > 0) {
                 value.run = hdr.thc.run;
                 value.seq = hdr.thc.seq;
-                newer = 1;
-            } else {
-                newer = 0;
+            }
+        }
+    };
+    // the same while a worker may still need the use's result: only another run starts a
+    // new use (a later seq of the same run is held)
+    RegisterAction<thc_run_seq_t, thc_index_t, bit<4>>(thc_run) thc_run_hold = {
+        void apply(inout thc_run_seq_t value, out bit<4> step) {
+            step = this.predicate(value.run != hdr.thc.run,
+                                  (int<32>)(hdr.thc.seq - value.seq) > 0);
+            if (value.run != hdr.thc.run) {
+                value.run = hdr.thc.run;
+                value.seq = hdr.thc.seq;
             }
         }
     };
@@ -419,6 +450,40 @@ control ThcIngress(inout tna_headers_t hdr, inout metadata_t meta,
     RegisterAction<bit<32>, thc_index_t, bit<1>>(thc_use) thc_use_reset = {
         void apply(inout bit<32> value) { value = 0; }
     };
+    // Acknowledgements of version V's use, a register a version so that a packet reaches
+    // both in one stage: every packet of the job's run shows its sender holds the result of
+    // every seq up to seq - pool (RFC 1982; a window never exceeds the pool). A slot
+    // version's seqs are congruent modulo 2 x pool, so "at most seq - pool" is "older than
+    // seq" (one ALU comparison; seq - pool in PHV would take a 32-bit add on seq, whose low
+    // half the slot check needs in a 16-bit container). The use's run is not here: the
+    // slot's run register, a stage later, decides first whether the packet starts a new use
+    // of another run, and a use of an older run is never joined again (stale_run) unless an
+    // idle job goes back to that run. Pass 1 restarts them for the use pass 0 started
+    // (thc_ack0_new, thc_ack1_new).
+#define THC_ACKED(V) \
+    RegisterAction<thc_ack_t, bit<16>, bit<32>>(thc_acked##V) thc_acked##V##_ra = {          \
+        void apply(inout thc_ack_t value, out bit<32> acked) {                                \
+            if ((int<32>)(value.seq - hdr.thc.seq) < 0) {                                      \
+                value.acked = value.acked | meta.ack_bit;                                      \
+            }                                                                                  \
+            acked = value.acked;                                                               \
+        }                                                                                      \
+    };                                                                                         \
+    RegisterAction<thc_ack_t, bit<16>, bit<32>>(thc_acked##V) thc_acked##V##_fresh = {       \
+        void apply(inout thc_ack_t value) {                                                    \
+            value.seq = hdr.thc.seq;                                                           \
+            value.acked = 0;                                                                   \
+        }                                                                                      \
+    };                                                                                         \
+    RegisterAction<thc_ack_t, bit<16>, bit<32>>(thc_acked##V) thc_acked##V##_reset = {       \
+        void apply(inout thc_ack_t value) {                                                    \
+            value.seq = THC_SEQ_RESET;                                                         \
+            value.acked = 0xFFFFFFFF;                                                          \
+        }                                                                                      \
+    };
+    THC_ACKED(0)
+    THC_ACKED(1)
+#undef THC_ACKED
     // A new use starts from the sender's bit; the same seq adds it unless a FLUSH closed the
     // use (bit 31) and returns the bitmap before; another seq (older) returns 0: a use's
     // bitmap is never 0, since the packet that opened it set a bit.
@@ -504,6 +569,7 @@ control ThcIngress(inout tna_headers_t hdr, inout metadata_t meta,
 
     action set_worker(bit<32> worker_bit) {
         meta.worker_bit = worker_bit;
+        meta.ack_bit = worker_bit;
         meta.worker_hit = 1;
     }
     @stage(0)
@@ -565,8 +631,8 @@ control ThcIngress(inout tna_headers_t hdr, inout metadata_t meta,
         meta.slot_idx = meta.pool_base + hdr.thc.slot;
         meta.room8 = meta.n_workers |-| hdr.thc.worker_id;
         meta.room16 = meta.pool_size |-| hdr.thc.slot;
-        meta.jc4 = 22w0 ++ meta.job_index ++ 2w0;
-        meta.jc1 = 24w0 ++ meta.job_index;
+        meta.jc4 = meta.job_index[5:0] ++ 2w0;
+        meta.jc1 = meta.job_index;
     }
     // register indices through the hash unit's identity: no ALU alignment between the
     // header fields and the indices
@@ -637,6 +703,7 @@ control ThcIngress(inout tna_headers_t hdr, inout metadata_t meta,
         const default_action = NoAction;
         size = 1;
     }
+    @stage(1)
     table thc_job_seen_op {
         key = {
             meta.drop_reason: ternary;
@@ -667,6 +734,7 @@ control ThcIngress(inout tna_headers_t hdr, inout metadata_t meta,
                 thc_job_run_idle(); \
             (0, 1, _, _, _, _, P, 0 &&& (P - 1), P &&& P, 1, _, _, _, _, _): \
                 thc_job_run_check();
+    @stage(4)
     table thc_check {
         key = {
             meta.drop_reason: ternary;
@@ -728,6 +796,7 @@ control ThcIngress(inout tna_headers_t hdr, inout metadata_t meta,
     action thc_incarnation_check() {
         meta.reused = thc_incarnation_ra.execute(meta.worker_index);
     }
+    @stage(5)
     table thc_incarnation_op {
         key = {
             meta.drop_reason: ternary;
@@ -743,29 +812,115 @@ control ThcIngress(inout tna_headers_t hdr, inout metadata_t meta,
         size = 4;
     }
 
+    // Both versions' acknowledgements, once the job's run is known (a packet refused as
+    // stale_run acknowledges nothing), a table a register, in the stage of the worker's
+    // incarnation (one refused as reused_run there still acknowledges: docs/switch.md).
+    // RESET makes the version it names unused.
+#define THC_ACK_OP(V) \
+    action thc_ack##V() {                                                                      \
+        meta.ack##V = thc_acked##V##_ra.execute(meta.slot_idx);                               \
+    }                                                                                          \
+    action thc_ack_clear##V() {                                                                \
+        thc_acked##V##_reset.execute(meta.slot_idx);                                          \
+    }                                                                                          \
+    @stage(5)                                                                                  \
+    table thc_ack##V##_op {                                                                    \
+        key = {                                                                                \
+            meta.drop_reason: ternary;                                                         \
+            hdr.thc.pkt_type: ternary;                                                         \
+            hdr.thc.version: ternary;                                                          \
+            meta.run_stale: ternary;                                                           \
+        }                                                                                      \
+        actions = { thc_ack##V; thc_ack_clear##V; NoAction; }                                  \
+        const entries = {                                                                      \
+            (0, THC_RESET, V, _): thc_ack_clear##V();                                          \
+            (0, THC_RESET, _, _): NoAction();                                                  \
+            (0, _, _, 0): thc_ack##V();                                                        \
+        }                                                                                      \
+        const default_action = NoAction;                                                       \
+        size = 4;                                                                              \
+    }
+    THC_ACK_OP(0)
+    THC_ACK_OP(1)
+#undef THC_ACK_OP
+    // Pass 1: a new use's acknowledgements restart. The slot as pass 0 addressed it, from the
+    // bridged word index (one address for both passes: each hash of its own would take a
+    // hash distribution unit that stage does not have).
+    action thc_ack_slot() {
+        meta.slot_idx = 7w0 ++ meta.p1.word_index[9:1];
+    }
+    action thc_ack_start0() {
+        thc_acked0_fresh.execute(meta.slot_idx);
+    }
+    action thc_ack_start1() {
+        thc_acked1_fresh.execute(meta.slot_idx);
+    }
+    table thc_ack0_new {
+        key = {
+            meta.p1.new_use: exact;
+            hdr.thc.version: exact;
+        }
+        actions = { thc_ack_start0; NoAction; }
+        const entries = { (1, 0): thc_ack_start0(); }
+        const default_action = NoAction;
+        size = 1;
+    }
+    table thc_ack1_new {
+        key = {
+            meta.p1.new_use: exact;
+            hdr.thc.version: exact;
+        }
+        actions = { thc_ack_start1; NoAction; }
+        const entries = { (1, 1): thc_ack_start1(); }
+        const default_action = NoAction;
+        size = 1;
+    }
+
     action thc_run_check() {
-        meta.seq_newer = thc_run_ra.execute(meta.reg_index);
+        meta.use_step = thc_run_ra.execute(meta.reg_index);
+    }
+    action thc_run_hold_check() {
+        meta.use_step = thc_run_hold.execute(meta.reg_index);
+        meta.hold = 1;
     }
     action thc_run_clear() {
         thc_run_reset.execute(meta.reg_index);
     }
+    // A version every worker acknowledged starts a new use at a later seq; any other holds
+    // it. Worker w's bit is 1 << w (w < n, thc_check), so "every worker" is the low n bits:
+    // a ternary match of the packet's version's acknowledgements for each n and version.
+#define THC_FULL(N) \
+            (0, _, 0, 0, N, 0, ((32w1 << N) - 1) &&& ((32w1 << N) - 1), _): thc_run_check(); \
+            (0, _, 0, 0, N, 1, _, ((32w1 << N) - 1) &&& ((32w1 << N) - 1)): thc_run_check();
+    @stage(6)
     table thc_run_op {
         key = {
             meta.drop_reason: ternary;
             hdr.thc.pkt_type: ternary;
             meta.run_stale: ternary;
             meta.reused: ternary;
+            meta.n_workers: ternary;
+            hdr.thc.version: ternary;
+            meta.ack0: ternary;
+            meta.ack1: ternary;
         }
-        actions = { thc_run_check; thc_run_clear; thc_refuse; NoAction; }
+        actions = { thc_run_check; thc_run_hold_check; thc_run_clear; thc_refuse; NoAction; }
         const entries = {
-            (0, THC_RESET, _, _): thc_run_clear();
-            (0, _, 1, _): thc_refuse(THC_DROP_STALE_RUN);
-            (0, _, 0, 1): thc_refuse(THC_DROP_REUSED_RUN);
-            (0, _, 0, 0): thc_run_check();
+            (0, THC_RESET, _, _, _, _, _, _): thc_run_clear();
+            (0, _, 1, _, _, _, _, _): thc_refuse(THC_DROP_STALE_RUN);
+            (0, _, 0, 1, _, _, _, _): thc_refuse(THC_DROP_REUSED_RUN);
+            THC_FULL(1) THC_FULL(2) THC_FULL(3) THC_FULL(4) THC_FULL(5) THC_FULL(6)
+            THC_FULL(7) THC_FULL(8) THC_FULL(9) THC_FULL(10) THC_FULL(11) THC_FULL(12)
+            THC_FULL(13) THC_FULL(14) THC_FULL(15) THC_FULL(16) THC_FULL(17) THC_FULL(18)
+            THC_FULL(19) THC_FULL(20) THC_FULL(21) THC_FULL(22) THC_FULL(23) THC_FULL(24)
+            THC_FULL(25) THC_FULL(26) THC_FULL(27) THC_FULL(28) THC_FULL(29) THC_FULL(30)
+            THC_FULL(31)
+            (0, _, 0, 0, _, _, _, _): thc_run_hold_check();
         }
         const default_action = NoAction;
-        size = 4;
+        size = 128;
     }
+#undef THC_FULL
 
     action thc_use_start() {
         meta.wrong_use = thc_use_new.execute(meta.reg_index);
@@ -776,17 +931,20 @@ control ThcIngress(inout tna_headers_t hdr, inout metadata_t meta,
     action thc_use_clear() {
         thc_use_reset.execute(meta.reg_index);
     }
+    @stage(7)
     table thc_use_op {
         key = {
             meta.drop_reason: ternary;
             hdr.thc.pkt_type: ternary;
-            meta.seq_newer: ternary;
+            meta.use_step: ternary;
+            meta.hold: ternary;
         }
         actions = { thc_use_start; thc_use_match; thc_use_clear; NoAction; }
         const entries = {
-            (0, THC_RESET, _): thc_use_clear();
-            (0, _, 1): thc_use_start();
-            (0, _, 0): thc_use_match();
+            (0, THC_RESET, _, _): thc_use_clear();
+            (0, _, THC_STEP_SAME, _): thc_use_match();
+            (0, _, THC_STEP_SEQ, 1): NoAction();
+            (0, _, _, _): thc_use_start();
         }
         const default_action = NoAction;
         size = 4;
@@ -804,22 +962,25 @@ control ThcIngress(inout tna_headers_t hdr, inout metadata_t meta,
     action thc_bitmap_look() {
         meta.old_bitmap = thc_bitmap_peek.execute(meta.reg_index);
     }
+    @stage(8)
     table thc_bitmap_op {
         key = {
             meta.drop_reason: ternary;
             hdr.thc.pkt_type: ternary;
-            meta.seq_newer: ternary;
+            meta.use_step: ternary;
+            meta.hold: ternary;
             meta.wrong_use: ternary;
         }
         actions = { thc_bitmap_start; thc_bitmap_add; thc_bitmap_clear; thc_bitmap_look; NoAction; }
         const entries = {
-            (0, THC_RESET, _, _): thc_bitmap_clear();
-            (0, _, 1, _): thc_bitmap_start();
-            (0, _, 0, 0): thc_bitmap_add();
-            (0, _, 0, 1): thc_bitmap_look();
+            (0, THC_RESET, _, _, _): thc_bitmap_clear();
+            (0, _, THC_STEP_SAME, _, 0): thc_bitmap_add();
+            (0, _, THC_STEP_SAME, _, 1): thc_bitmap_look();
+            (0, _, THC_STEP_SEQ, 1, _): NoAction();
+            (0, _, _, _, _): thc_bitmap_start();
         }
         const default_action = NoAction;
-        size = 4;
+        size = 8;
     }
 
     // The count and the lane operation. A new use writes (a FLUSH: zeros, count 0, closed);
@@ -829,12 +990,14 @@ control ThcIngress(inout tna_headers_t hdr, inout metadata_t meta,
         meta.count = thc_count_first.execute(meta.reg_index);
         meta.bitmap = meta.worker_bit;
         meta.bridge.lane_op = THC_OP_WRITE;
+        meta.bridge.new_use = 1;
     }
     action thc_count_flush_start() {
         meta.count = thc_count_zero.execute(meta.reg_index);
         meta.bitmap = 0;
         meta.closed = 1;
         meta.bridge.lane_op = THC_OP_WRITE;
+        meta.bridge.new_use = 1;
     }
     action thc_count_add() {
         meta.count = thc_count_ra.execute(meta.reg_index);
@@ -865,12 +1028,15 @@ control ThcIngress(inout tna_headers_t hdr, inout metadata_t meta,
         thc_resets.count((bit<32>)meta.job_index);
         ig_dprsr_md.drop_ctl = 1;
     }
-#define THC_DUP(W) (0, _, 0, 32w1 << W, (32w1 << W) &&& (32w1 << W), _): thc_count_dup();
+#define THC_DUP(W) \
+            (0, _, THC_STEP_SAME, _, 32w1 << W, (32w1 << W) &&& (32w1 << W), _): thc_count_dup();
+    @stage(9)
     table thc_count_op {
         key = {
             meta.drop_reason: ternary;
             hdr.thc.pkt_type: ternary;
-            meta.seq_newer: ternary;
+            meta.use_step: ternary;
+            meta.hold: ternary;
             meta.worker_bit: ternary;
             meta.old_bitmap: ternary;
             meta.wrong_use: ternary;
@@ -880,19 +1046,20 @@ control ThcIngress(inout tna_headers_t hdr, inout metadata_t meta,
             thc_count_flush; thc_count_dup; thc_count_clear; thc_refuse; NoAction;
         }
         const entries = {
-            (0, THC_RESET, _, _, _, _): thc_count_clear();
-            (0, THC_FLUSH, 1, _, _, _): thc_count_flush_start();
-            (0, _, 1, _, _, _): thc_count_start();
-            (0, _, 0, _, 0, _): thc_refuse(THC_DROP_STALE);
-            (0, _, 0, _, _, 1): thc_refuse(THC_DROP_WRONG_USE);
-            (0, _, 0, _, 0x80000000 &&& 0x80000000, _): thc_count_closed();
-            (0, THC_FLUSH, 0, _, _, _): thc_count_flush();
+            (0, THC_RESET, _, _, _, _, _): thc_count_clear();
+            (0, _, THC_STEP_SAME, _, _, 0, _): thc_refuse(THC_DROP_STALE);
+            (0, _, THC_STEP_SAME, _, _, _, 1): thc_refuse(THC_DROP_WRONG_USE);
+            (0, _, THC_STEP_SAME, _, _, 0x80000000 &&& 0x80000000, _): thc_count_closed();
+            (0, THC_FLUSH, THC_STEP_SAME, _, _, _, _): thc_count_flush();
             THC_DUP(0) THC_DUP(1) THC_DUP(2) THC_DUP(3) THC_DUP(4) THC_DUP(5) THC_DUP(6)
             THC_DUP(7) THC_DUP(8) THC_DUP(9) THC_DUP(10) THC_DUP(11) THC_DUP(12) THC_DUP(13)
             THC_DUP(14) THC_DUP(15) THC_DUP(16) THC_DUP(17) THC_DUP(18) THC_DUP(19)
             THC_DUP(20) THC_DUP(21) THC_DUP(22) THC_DUP(23) THC_DUP(24) THC_DUP(25)
             THC_DUP(26) THC_DUP(27) THC_DUP(28) THC_DUP(29) THC_DUP(30)
-            (0, _, 0, _, _, _): thc_count_add();
+            (0, _, THC_STEP_SAME, _, _, _, _): thc_count_add();
+            (0, _, THC_STEP_SEQ, 1, _, _, _): NoAction();
+            (0, THC_FLUSH, _, _, _, _, _): thc_count_flush_start();
+            (0, _, _, _, _, _, _): thc_count_start();
         }
         const default_action = NoAction;
         size = 64;
@@ -902,9 +1069,10 @@ control ThcIngress(inout tna_headers_t hdr, inout metadata_t meta,
     // ---- replies ----
     // the job's counter of each outcome, ready before the outcome is known
     action thc_jc() {
-        meta.jc_done = meta.jc_index + THC_JC_COMPLETIONS;
-        meta.jc_again = meta.jc_index + THC_JC_RETRANSMISSIONS;
-        meta.jc_pending = meta.jc_index + THC_JC_PENDING;
+        meta.jc_done = meta.jc_index + (bit<8>)THC_JC_COMPLETIONS;
+        meta.jc_again = meta.jc_index + (bit<8>)THC_JC_RETRANSMISSIONS;
+        meta.jc_pending = meta.jc_index + (bit<8>)THC_JC_PENDING;
+        meta.jc_held = meta.jc_index + (bit<8>)THC_JC_HELD;
     }
     // Each outcome is one action (its header fields, length, destination and counter): the
     // replies take one stage after the count.
@@ -929,6 +1097,7 @@ control ThcIngress(inout tna_headers_t hdr, inout metadata_t meta,
         meta.p1.last = 1;
         meta.p1.payload = payload;
         meta.p1.word_index = meta.p1.word_index2;
+        meta.p1.new_use = 0;
     }
 
     action thc_done(bit<8> pkt_type, bit<16> udp_len) {
@@ -993,6 +1162,36 @@ control ThcIngress(inout tna_headers_t hdr, inout metadata_t meta,
         thc_answer_now();
         thc_job_counters.count(meta.jc_pending);
     }
+    // a new use held (a worker may still need the previous result): count 0, and who is
+    // known to hold that result
+    action thc_held_reply() {
+        hdr.thc.pkt_type = THC_PENDING;
+        hdr.thc.count = 0;
+        hdr.thc.epoch = meta.epoch;
+        hdr.udp.checksum = 0;
+        hdr.udp.length = THC_UDP_LEN_HDR;
+        hdr.ipv4.totalLen = THC_UDP_LEN_HDR + 20;
+        thc_answer_now();
+        thc_job_counters.count(meta.jc_held);
+    }
+    action thc_held0() {
+        thc_held_reply();
+        hdr.thc.bitmap = meta.ack0;
+    }
+    action thc_held1() {
+        thc_held_reply();
+        hdr.thc.bitmap = meta.ack1;
+    }
+    table thc_held_op {
+        key = { hdr.thc.version: exact; }
+        actions = { thc_held0; thc_held1; NoAction; }
+        const entries = {
+            0: thc_held0();
+            1: thc_held1();
+        }
+        const default_action = NoAction;
+        size = 2;
+    }
     action thc_consumed() {
         thc_recirculate();
         thc_job_counters.count(meta.jc_index);
@@ -1056,6 +1255,9 @@ control ThcIngress(inout tna_headers_t hdr, inout metadata_t meta,
         if (meta.p1.isValid()) {
             // ---- passes 1 and 2: every word's lookups, then the words ----
             thc_job_heard_op.apply();
+            thc_ack_slot();
+            thc_ack0_new.apply();
+            thc_ack1_new.apply();
 #include "generated/thc_tna_luts_apply.p4"
 #include "generated/thc_tna_words_apply.p4"
             if (meta.p1.payload != THC_PAY_MAX) {
@@ -1122,12 +1324,16 @@ control ThcIngress(inout tna_headers_t hdr, inout metadata_t meta,
             thc_word_index();
             thc_check.apply();
             thc_incarnation_op.apply();
+            thc_ack0_op.apply();
+            thc_ack1_op.apply();
             thc_run_op.apply();
             thc_use_op.apply();
             thc_bitmap_op.apply();
             thc_count_op.apply();
             if (meta.drop_reason != 0) {
                 thc_drop_op.apply();
+            } else if (meta.use_step == THC_STEP_SEQ && meta.hold == 1) {
+                thc_held_op.apply();
             } else if (hdr.thc.pkt_type != THC_RESET) {
                 if (meta.count == meta.n_workers || meta.closed == 1) {
                     if (meta.dup == 1) {

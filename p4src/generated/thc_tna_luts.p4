@@ -224,7 +224,7 @@
     @name("thc_w10.thc_lut_set_0")
     action thc_w10_lut_set_0(bit<16> value) { hdr.res[10].w[31:16] = value; }
     @name("thc_w10.thc_lut_0")
-    @stage(2)
+    @stage(3)
     @ways(2)
     table thc_w10_lut_0 {
         key = { meta.p1.lut_job: exact @name("job_index"); hdr.cur[5].idx[31:24]: exact @name("idx"); }
@@ -235,7 +235,7 @@
     @name("thc_w10.thc_lut_set_1")
     action thc_w10_lut_set_1(bit<16> value) { hdr.res[10].w[15:0] = value; }
     @name("thc_w10.thc_lut_1")
-    @stage(2)
+    @stage(3)
     @ways(2)
     table thc_w10_lut_1 {
         key = { meta.p1.lut_job: exact @name("job_index"); hdr.cur[5].idx[23:16]: exact @name("idx"); }
@@ -334,7 +334,7 @@
     @name("thc_w15.thc_lut_set_0")
     action thc_w15_lut_set_0(bit<16> value) { hdr.res[15].w[31:16] = value; }
     @name("thc_w15.thc_lut_0")
-    @stage(3)
+    @stage(4)
     @ways(2)
     table thc_w15_lut_0 {
         key = { meta.p1.lut_job: exact @name("job_index"); hdr.cur[7].idx[15:8]: exact @name("idx"); }
@@ -345,7 +345,7 @@
     @name("thc_w15.thc_lut_set_1")
     action thc_w15_lut_set_1(bit<16> value) { hdr.res[15].w[15:0] = value; }
     @name("thc_w15.thc_lut_1")
-    @stage(4)
+    @stage(5)
     @ways(2)
     table thc_w15_lut_1 {
         key = { meta.p1.lut_job: exact @name("job_index"); hdr.cur[7].idx[7:0]: exact @name("idx"); }
@@ -356,7 +356,7 @@
     @name("thc_w16.thc_lut_set_0")
     action thc_w16_lut_set_0(bit<16> value) { hdr.res[16].w[31:16] = value; }
     @name("thc_w16.thc_lut_0")
-    @stage(3)
+    @stage(4)
     @ways(2)
     table thc_w16_lut_0 {
         key = { meta.p1.lut_job: exact @name("job_index"); hdr.cur[8].idx[31:24]: exact @name("idx"); }
@@ -367,7 +367,7 @@
     @name("thc_w16.thc_lut_set_1")
     action thc_w16_lut_set_1(bit<16> value) { hdr.res[16].w[15:0] = value; }
     @name("thc_w16.thc_lut_1")
-    @stage(4)
+    @stage(5)
     @ways(2)
     table thc_w16_lut_1 {
         key = { meta.p1.lut_job: exact @name("job_index"); hdr.cur[8].idx[23:16]: exact @name("idx"); }
@@ -466,7 +466,7 @@
     @name("thc_w21.thc_lut_set_0")
     action thc_w21_lut_set_0(bit<16> value) { hdr.res[21].w[31:16] = value; }
     @name("thc_w21.thc_lut_0")
-    @stage(5)
+    @stage(6)
     @ways(2)
     table thc_w21_lut_0 {
         key = { meta.p1.lut_job: exact @name("job_index"); hdr.cur[10].idx[15:8]: exact @name("idx"); }
@@ -477,7 +477,7 @@
     @name("thc_w21.thc_lut_set_1")
     action thc_w21_lut_set_1(bit<16> value) { hdr.res[21].w[15:0] = value; }
     @name("thc_w21.thc_lut_1")
-    @stage(6)
+    @stage(7)
     @ways(2)
     table thc_w21_lut_1 {
         key = { meta.p1.lut_job: exact @name("job_index"); hdr.cur[10].idx[7:0]: exact @name("idx"); }
@@ -488,7 +488,7 @@
     @name("thc_w22.thc_lut_set_0")
     action thc_w22_lut_set_0(bit<16> value) { hdr.res[22].w[31:16] = value; }
     @name("thc_w22.thc_lut_0")
-    @stage(5)
+    @stage(6)
     @ways(2)
     table thc_w22_lut_0 {
         key = { meta.p1.lut_job: exact @name("job_index"); hdr.cur[11].idx[31:24]: exact @name("idx"); }
@@ -499,7 +499,7 @@
     @name("thc_w22.thc_lut_set_1")
     action thc_w22_lut_set_1(bit<16> value) { hdr.res[22].w[15:0] = value; }
     @name("thc_w22.thc_lut_1")
-    @stage(6)
+    @stage(7)
     @ways(2)
     table thc_w22_lut_1 {
         key = { meta.p1.lut_job: exact @name("job_index"); hdr.cur[11].idx[23:16]: exact @name("idx"); }
@@ -510,7 +510,7 @@
     @name("thc_w23.thc_lut_set_0")
     action thc_w23_lut_set_0(bit<16> value) { hdr.res[23].w[31:16] = value; }
     @name("thc_w23.thc_lut_0")
-    @stage(5)
+    @stage(6)
     @ways(2)
     table thc_w23_lut_0 {
         key = { meta.p1.lut_job: exact @name("job_index"); hdr.cur[11].idx[15:8]: exact @name("idx"); }
@@ -521,7 +521,7 @@
     @name("thc_w23.thc_lut_set_1")
     action thc_w23_lut_set_1(bit<16> value) { hdr.res[23].w[15:0] = value; }
     @name("thc_w23.thc_lut_1")
-    @stage(6)
+    @stage(7)
     @ways(2)
     table thc_w23_lut_1 {
         key = { meta.p1.lut_job: exact @name("job_index"); hdr.cur[11].idx[7:0]: exact @name("idx"); }
@@ -532,7 +532,7 @@
     @name("thc_w24.thc_lut_set_0")
     action thc_w24_lut_set_0(bit<16> value) { hdr.res[24].w[31:16] = value; }
     @name("thc_w24.thc_lut_0")
-    @stage(5)
+    @stage(6)
     @ways(2)
     table thc_w24_lut_0 {
         key = { meta.p1.lut_job: exact @name("job_index"); hdr.cur[12].idx[31:24]: exact @name("idx"); }
@@ -543,7 +543,7 @@
     @name("thc_w24.thc_lut_set_1")
     action thc_w24_lut_set_1(bit<16> value) { hdr.res[24].w[15:0] = value; }
     @name("thc_w24.thc_lut_1")
-    @stage(6)
+    @stage(7)
     @ways(2)
     table thc_w24_lut_1 {
         key = { meta.p1.lut_job: exact @name("job_index"); hdr.cur[12].idx[23:16]: exact @name("idx"); }
@@ -642,7 +642,7 @@
     @name("thc_w29.thc_lut_set_0")
     action thc_w29_lut_set_0(bit<16> value) { hdr.res[29].w[31:16] = value; }
     @name("thc_w29.thc_lut_0")
-    @stage(7)
+    @stage(8)
     @ways(2)
     table thc_w29_lut_0 {
         key = { meta.p1.lut_job: exact @name("job_index"); hdr.cur[14].idx[15:8]: exact @name("idx"); }
@@ -653,7 +653,7 @@
     @name("thc_w29.thc_lut_set_1")
     action thc_w29_lut_set_1(bit<16> value) { hdr.res[29].w[15:0] = value; }
     @name("thc_w29.thc_lut_1")
-    @stage(8)
+    @stage(9)
     @ways(2)
     table thc_w29_lut_1 {
         key = { meta.p1.lut_job: exact @name("job_index"); hdr.cur[14].idx[7:0]: exact @name("idx"); }
@@ -664,7 +664,7 @@
     @name("thc_w30.thc_lut_set_0")
     action thc_w30_lut_set_0(bit<16> value) { hdr.res[30].w[31:16] = value; }
     @name("thc_w30.thc_lut_0")
-    @stage(7)
+    @stage(8)
     @ways(2)
     table thc_w30_lut_0 {
         key = { meta.p1.lut_job: exact @name("job_index"); hdr.cur[15].idx[31:24]: exact @name("idx"); }
@@ -675,7 +675,7 @@
     @name("thc_w30.thc_lut_set_1")
     action thc_w30_lut_set_1(bit<16> value) { hdr.res[30].w[15:0] = value; }
     @name("thc_w30.thc_lut_1")
-    @stage(8)
+    @stage(9)
     @ways(2)
     table thc_w30_lut_1 {
         key = { meta.p1.lut_job: exact @name("job_index"); hdr.cur[15].idx[23:16]: exact @name("idx"); }
@@ -686,7 +686,7 @@
     @name("thc_w31.thc_lut_set_0")
     action thc_w31_lut_set_0(bit<16> value) { hdr.res[31].w[31:16] = value; }
     @name("thc_w31.thc_lut_0")
-    @stage(7)
+    @stage(8)
     @ways(2)
     table thc_w31_lut_0 {
         key = { meta.p1.lut_job: exact @name("job_index"); hdr.cur[15].idx[15:8]: exact @name("idx"); }
@@ -697,7 +697,7 @@
     @name("thc_w31.thc_lut_set_1")
     action thc_w31_lut_set_1(bit<16> value) { hdr.res[31].w[15:0] = value; }
     @name("thc_w31.thc_lut_1")
-    @stage(8)
+    @stage(9)
     @ways(2)
     table thc_w31_lut_1 {
         key = { meta.p1.lut_job: exact @name("job_index"); hdr.cur[15].idx[7:0]: exact @name("idx"); }

@@ -1,0 +1,154 @@
+"""An executable reading of p4src/thc_tna.p4's pass 0: the slot state that decides what the
+Tofino program does with a THC packet, run on the program's own text.
+
+Nothing executes thc_tna.p4 here (no Tofino, no model), so this module reads it through cpp
+(for its #includes and macros) and interprets what decides a packet's fate: constants and
+field widths (arithmetic wraps at the declared width), the ingress parser's states, and
+``control ThcIngress``'s RegisterActions, actions, tables and ``apply`` block, statement by
+statement. Passes 1 and 2 run only the tables that touch the slot state (PASS1): words,
+lookups and lanes are out of scope, and the vote spread is a no-op (SKIP). A construct this
+reading does not know raises Unsupported, naming it, so that a change of the program fails
+loudly instead of being read wrong. ``TnaEngine.handle(datagram, src, now)`` answers like
+``thc.wire.model.Model.handle``: (replies, drop reason), a reply being the 28-byte THC
+header the program wrote and its destination.
+"""
+from __future__ import annotations
+
+import ipaddress
+from collections import Counter
+
+from tests.tna.interp import Machine, Program
+from tests.tna.p4text import Unsupported, mask, preprocess
+from thc.controller import jobs as controller_jobs
+from thc.controller import program as names
+from thc.controller.frames import reset_frame, udp_frame
+from thc.wire import protocol as P
+
+AGG_MAC, AGG_IP = "02:00:00:00:00:fe", "10.0.0.254"
+
+
+class _Recorder:
+    """Stands in for controller/switch.py: returns the entries controller/jobs.py builds."""
+
+    @staticmethod
+    def table_entry(table, match, action, params):
+        return table, match, action, params
+
+
+def _key(value) -> int:
+    return int(ipaddress.IPv4Address(value)) if isinstance(value, str) else int(value)
+
+
+class TnaEngine:
+    """Pass 0 of thc_tna.p4 (and pass 1's slot-state tables, right after it) on datagrams:
+    ``handle(datagram, src, now) -> (replies, drop reason)``, as the model answers."""
+
+    STRANGER_PORT = 300
+    """The ingress port of a datagram from no worker's address (in the CPU port's pipe)."""
+
+    def __init__(self, program: Program | None = None):
+        self.p = program or Program(preprocess())
+        self.regs, self.counters, self.installed = {}, Counter(), {}
+        self.addr: dict[tuple[int, int], tuple[str, int]] = {}
+        self.ports: dict[tuple[str, int], int] = {}
+        self.mcast: dict[int, list[int]] = {}
+        self.went_round = False
+        """Whether the last packet went round (pass 1 ran)."""
+
+    def install(self, job, epoch: int, job_index: int = 0, now: float = 0.0) -> None:
+        """controller/jobs.py's _write_job: the job's worker entries out, its multicast group
+        and thc_job entry in, a RESET packet-out per slot version from the CPU port (each
+        counted in thc_resets, which reset_pool waits for), its counters cleared, then the
+        worker entries."""
+        rec, cpu_port = _Recorder(), self.p.consts["THC_TNA_CPU_PORT"][0]
+        job_key = self.p.tables[names.WORKER_TABLE]["key_names"].index("job_id")
+        self.installed[names.WORKER_TABLE] = [e for e in self.installed.get(names.WORKER_TABLE, [])
+                                              if e[0][job_key][0] != job.job_id]
+        self.mcast[job.mcast_grp] = [w.id + 1 for w in job.workers]
+        self.addr.update({(job.job_id, w.id): (w.ip, w.port) for w in job.workers})
+        self.ports.update({(w.ip, w.port): w.switch_port for w in job.workers})
+        self._write(controller_jobs.job_entry(rec, job, job_index, epoch))
+        for slot in range(job.pool_size):
+            for version in (0, 1):
+                before = self.counters[names.RESETS, job_index]
+                out = self._frame(reset_frame(job.job_id, slot, AGG_MAC, AGG_IP, version),
+                                  cpu_port, now)
+                if out != ([], None) or self.counters[names.RESETS, job_index] != before + 1:
+                    raise AssertionError(f"RESET of slot {slot} version {version}: {out}")
+        for k in range(len(P.JOB_COUNTERS)):
+            self.counters.pop((names.JOB_COUNTERS, job_index * len(P.JOB_COUNTERS) + k), None)
+        for entry in controller_jobs.worker_entries(rec, job):
+            self._write(entry)
+
+    def _write(self, entry) -> None:
+        table, match, action, params = entry
+        cells = [(_key(match[k]), -1) for k in self.p.tables[table]["key_names"]]
+        args = [(_key(params[name]), None, False) for name, _ in self.p.actions[action][0]]
+        rows = [e for e in self.installed.get(table, []) if e[0] != cells]
+        self.installed[table] = rows + [(cells, action, args)]
+
+    def handle(self, datagram: bytes, src: tuple[str, int], now: float):
+        frame = udp_frame("02:00:00:00:00:01", AGG_MAC, src[0], AGG_IP, src[1], P.UDP_PORT,
+                          datagram)
+        return self._frame(frame, self.ports.get(tuple(src), self.STRANGER_PORT), now)
+
+    def _layout(self, *headers: str) -> list[tuple[str, int]]:
+        """Field names and widths of the headers (hdr.<name>, struct <name>_h), in order."""
+        return [(f"hdr.{h}.{k}", w) for h in headers for k, w in self.p.structs[f"{h}_h"].items()]
+
+    def _frame(self, frame: bytes, port: int, now: float):
+        layout, fields = self._layout("ethernet", "ipv4", "udp", "thc"), {}
+        bits = sum(w for _, w in layout)
+        value = int.from_bytes(frame[:bits // 8], "big")
+        for name, w in layout:
+            bits -= w
+            fields[name] = value >> bits & mask(w)
+        tstamp = int(now * 1e9) & mask(48)
+        f = self._pass(fields, port, tstamp)
+        code = f.get("meta.drop_reason", 0)
+        reason = P.DropReason(code).name if code else None
+        self.went_round = bool(f.get("meta.bridge.recirc", 0))
+        if f.get("ig_dprsr_md.drop_ctl", 0):
+            return [], reason
+        if self.went_round:   # pass 1: the same headers, pass 0's bridge header as meta.p1
+            again = {k: v for k, v in f.items() if k.startswith("hdr.")}
+            again.update({"meta.p1" + k[len("meta.bridge"):]: v for k, v in f.items()
+                          if k.startswith("meta.bridge.")})
+            self._pass(again, f["ig_tm_md.ucast_egress_port"], tstamp)
+            if not f.get("meta.bridge.reply", 0):
+                return [], reason
+            grp = f.get("meta.bridge.mcast_grp", 0)
+            rids = self.mcast.get(grp, []) if grp else [0]
+        elif f.get("meta.bridge.is_reply", 0):
+            rids = [0]
+        else:
+            raise Unsupported("pass 0 neither dropped the packet, answered it nor sent it round")
+        replies, layout = [], self._layout("thc")
+        for rid in rids:   # egress: a replica's worker_id is its rid - 1 (thc_worker_addr)
+            thc = {name: f.get(name, 0) for name, _ in layout}
+            if rid:
+                thc["hdr.thc.worker_id"] = rid - 1
+            dest, value = self.addr.get((thc["hdr.thc.job_id"], thc["hdr.thc.worker_id"])), 0
+            for name, w in layout:
+                value = value << w | thc[name]
+            if dest is not None:
+                replies.append((value.to_bytes(P.HEADER_BYTES, "big"), dest))
+        return replies, reason
+
+    def _pass(self, fields: dict, port: int, tstamp: int) -> dict:
+        m = Machine(self.p, self.regs, self.counters, self.installed)
+        m.f = dict(fields, **{"ig_intr_md.ingress_port": port,
+                              "ig_intr_md.ingress_mac_tstamp": tstamp})
+        m.parse()
+        m.run(self.p.apply)
+        return m.f
+
+    def drops(self) -> Counter:
+        """thc_drops by reason name, as the model's ``drops``."""
+        return Counter({P.DropReason(i).name: n for (c, i), n in self.counters.items()
+                        if c == names.DROPS and n})
+
+    def job_counters(self, job_index: int = 0) -> dict[str, int]:
+        """The job's five thc_job_counters cells, by protocol.json's names."""
+        base = job_index * len(P.JOB_COUNTERS)
+        return {k: self.counters[names.JOB_COUNTERS, base + i] for k, i in P.JOB_COUNTERS.items()}
