@@ -1272,13 +1272,13 @@ control ThcIngress(inout tna_headers_t hdr, inout metadata_t meta,
                 }
             } else if (meta.p1.reply == 1) {
                 thc_dscp_last.apply();
-                meta.p1.setInvalid();
                 meta.bridge.is_reply = 1;
                 if (meta.p1.mcast_grp != 0) {
                     ig_tm_md.mcast_grp_a = meta.p1.mcast_grp;
                 } else {
                     ig_tm_md.ucast_egress_port = meta.p1.in_port;
                 }
+                meta.p1.setInvalid();
             } else {
                 meta.p1.setInvalid();
                 ig_dprsr_md.drop_ctl = 1;

@@ -27,6 +27,8 @@ Known differences between thc_tna.p4 and the model (docs/switch.md, "Tofino"), e
  7. a use exactly 2^31 - pool seqs ahead of a packet in the other version is acknowledged by
     the model (RFC 1982 reads it as behind), not by the TNA ("older than seq"): no packet is
     sent that far from the window.
+A packet's pass 1 runs right after its pass 0, and pass 2 (lanes only) not at all, so the
+one-recirculation windows docs/switch.md describes are not exercised here.
 Also not generated: offsets of 2^31 or more (the TNA takes 31-bit offsets, bit 31 tells a
 MAX use, and refuses larger ones as malformed), shards, 16-bit jobs, truncated headers.
 """
