@@ -37,9 +37,14 @@ from __future__ import annotations
 import os
 import random
 import re
+import shutil
 from collections import Counter
 
 import pytest
+
+if shutil.which("cpp") is None:
+    pytest.skip("cpp (the C preprocessor) is not installed: reading thc_tna.p4 needs it for "
+                "its #includes and macros", allow_module_level=True)
 
 from tests.tna.interp import Program
 from tests.tna.p4text import P4SRC, Unsupported, preprocess
