@@ -21,10 +21,9 @@ Known differences between thc_tna.p4 and the model (docs/switch.md, "Tofino"), e
     counts 65.5 us ticks);
  4. acknowledgements of a use of an older run: an idle job is never given back a run id
     that held it since the install (a packet of such a run gets a fresh id instead);
- 5. a reply-type packet with run 0 (wrong_direction or malformed): not generated;
- 6. a packet refused as reused_run acknowledges on the TNA (thc_ack<V>_op runs beside the
+ 5. a packet refused as reused_run acknowledges on the TNA (thc_ack<V>_op runs beside the
     incarnation's check): its changes to thc_acked0/1 are undone after it;
- 7. a use exactly 2^31 - pool seqs ahead of a packet in the other version is acknowledged by
+ 6. a use exactly 2^31 - pool seqs ahead of a packet in the other version is acknowledged by
     the model (RFC 1982 reads it as behind), not by the TNA ("older than seq"): no packet is
     sent that far from the window.
 A packet's pass 1 runs right after its pass 0, and pass 2 (lanes only) not at all, so the
@@ -56,7 +55,7 @@ from thc.wire.model import Model
 SEED = int(os.environ.get("THC_TNA_SEED", "1729"))
 CASES, STEPS = 60, 300
 ACKED = ("thc_acked0", "thc_acked1")
-"""The acknowledgement registers (known difference 6)."""
+"""The acknowledgement registers (known difference 5)."""
 JOB_ID, FIRST_RUN, M = 9, 1000, P.SEQ_MOD
 T = {t.name: int(t) for t in P.PktType}
 TABLE = (0, 1, 2, 4, 6, 8, 11, 14, 16, 19, 22, 24, 26, 28, 29, 30)
@@ -176,7 +175,7 @@ class Interleaving:
         elif what == 1:
             self.send(rng.choice(["FLUSH", "MAX"] if kind == "DATA" else ["DATA", "FLUSH"]), w, seq)
         elif what == 2:
-            ahead = rng.choice((2 * pool, 3 * pool, 1000, 1 << 30))   # not 2^31 - pool (7.)
+            ahead = rng.choice((2 * pool, 3 * pool, 1000, 1 << 30))   # not 2^31 - pool (6.)
             self.send(kind, w, (seq + ahead) % M)
         elif what == 3:
             self.send(kind, w, (self.front[w] - rng.randint(1, 4 * pool)) % M)
@@ -199,9 +198,10 @@ class Interleaving:
             self.send(kind, w, seq, run=run + rng.randint(1, 2))
 
     def junk(self, w: int, seq: int) -> None:
-        """Packets that the checks before the slot state drop (no reply-type with run 0)."""
-        what = self.rng.randrange(9)
+        """Packets that the checks before the slot state drop."""
+        what = self.rng.randrange(10)
         kinds = [("DATA", {"version": 2}), ("DATA", {"run": 0}), ("RESULT", {}),
+                 ("RESULT", {"run": 0}),
                  ("PENDING", {}), ("RESET", {}), ("DATA", {"body": b""}),
                  ("DATA", {"body": bytes(32)}), ("FLUSH", {"body": bytes(128)}),
                  ("DATA", {"job_id": JOB_ID + 1})]
@@ -239,7 +239,7 @@ class Interleaving:
         acked = {r: dict(self.tna.regs.get(r, {})) for r in ACKED}
         got = self.tna.handle(d, src, self.now)
         if got[1] == "reused_run":
-            self.tna.regs.update(acked)   # difference 6: its acknowledgements undone
+            self.tna.regs.update(acked)   # difference 5: its acknowledgements undone
         if self.tna.went_round:
             self.seen = self.now
         w, g = normalize(want), normalize(got)
