@@ -7,10 +7,12 @@
  * All 256 lanes of a packet in three passes (docs/switch.md, "Tofino"). Tofino-1 returns
  * one 32-bit word per stateful ALU access, and a pipe has 48 stateful ALUs: 256 8-bit sums
  * are 64 words, more than one pass can read. So a packet goes round twice:
- *  - pass 0 checks the packet and runs the slot state (one register a stage: the job's run,
- *    the slot version's (run, seq), its (bitmap, seq), its count), then either answers at
- *    once (PENDING, REFUSED, drops) or recirculates the packet, the header thc_pass_h in
- *    front carrying what it decided;
+ *  - pass 0 checks the packet and runs the slot state (a register a stage: the job's run,
+ *    the worker's incarnation and both versions' acknowledgements, the slot version's
+ *    (run, seq), its use, its (bitmap, seq), its count), then answers at once what it
+ *    refuses before the job's run is checked (REFUSED, drops), or recirculates the packet,
+ *    the header thc_pass_h in front carrying what it decided (a PENDING, held PENDING or
+ *    later REFUSED: pass 1 sends it, refreshing the job's idle clock);
  *  - pass 1 adds the packet's last 128 lanes in THC_TNA_WORDS word registers (their lower
  *    index half) and recirculates it again, its sums after the first lanes' indices;
  *  - pass 2 adds the first 128 lanes in the same registers (the upper half), then
@@ -80,7 +82,9 @@ header thc_pass_h {
     bit<1>  reply;        // the last pass sends the packet (else: consumed, dropped)
     bit<1>  is_reply;     // egress rewrites the addresses (worker_id or egress_rid - 1)
     bit<1>  new_use;      // pass 1: the packet started a use (its acknowledgements restart)
-    bit<4>  pad1;
+    bit<1>  hdr_only;     // pass 1 sends the header pass 0 wrote (no sums): it refreshes the
+                          // job's idle clock on the way
+    bit<3>  pad1;
     bit<2>  lane_op;      // THC_OP_*
     bit<6>  pad2;
     bit<4>  job;          // the job's index (passes 1 and 2 mark it heard from)
@@ -158,6 +162,7 @@ struct metadata_t {
     bit<8>  jc_pending;     // retransmissions answered PENDING
     bit<8>  jc_held;        // new uses held: a worker may still need the previous result
     // slot state as seen by this packet
+    bit<1>  run_checked;    // the job's run was checked (stale or not)
     bit<1>  run_stale;
     bit<32> now;            // ingress MAC timestamp in THC_TNA_IDLE's ticks, bit 0 set
     bit<32> idle_since;     // now - THC_TNA_IDLE: a job last heard before it is idle
@@ -682,9 +687,11 @@ control ThcIngress(inout tna_headers_t hdr, inout metadata_t meta,
     }
     action thc_job_run_check() {
         meta.run_stale = thc_job_run_ra.execute((bit<32>)meta.job_index);
+        meta.run_checked = 1;
     }
     action thc_job_run_idle() {
         meta.run_stale = thc_job_run_take.execute((bit<32>)meta.job_index);
+        meta.run_checked = 1;
     }
     action thc_job_seen_check() {
         meta.idle = thc_job_seen_ra.execute((bit<32>)meta.job_index);
@@ -1081,6 +1088,20 @@ control ThcIngress(inout tna_headers_t hdr, inout metadata_t meta,
         meta.bridge.is_reply = 1;
 #include "generated/thc_tna_payload_invalid.p4"
     }
+    // The same answer, sent by pass 1: a packet that passed the job's run check refreshes the
+    // job's idle clock (thc_job_heard_op), as in the model, whatever its answer.
+    action thc_answer_round() {
+        ig_tm_md.ucast_egress_port = ig_intr_md.ingress_port[8:7] ++ THC_TNA_RECIRC_PORT;
+        ig_tm_md.qid = 0;
+        meta.bridge.recirc = 1;
+        meta.bridge.reply = 1;
+        meta.bridge.last = 1;
+        meta.bridge.hdr_only = 1;
+        meta.bridge.payload = THC_PAY_NONE;
+        meta.bridge.lut_job = THC_TNA_NO_LUT;
+        meta.bridge.lane_op = THC_OP_NONE;
+#include "generated/thc_tna_payload_invalid.p4"
+    }
     // go round: the next pass adds lanes (pass 0 -> 1 -> 2; a MAX packet's pass 1 is its
     // last); the last sends (reply) or drops the packet
     action thc_recirculate() {
@@ -1159,7 +1180,7 @@ control ThcIngress(inout tna_headers_t hdr, inout metadata_t meta,
         hdr.udp.checksum = 0;
         hdr.udp.length = THC_UDP_LEN_HDR;
         hdr.ipv4.totalLen = THC_UDP_LEN_HDR + 20;
-        thc_answer_now();
+        thc_answer_round();
         thc_job_counters.count(meta.jc_pending);
     }
     // a new use held (a worker may still need the previous result): count 0, and who is
@@ -1171,7 +1192,7 @@ control ThcIngress(inout tna_headers_t hdr, inout metadata_t meta,
         hdr.udp.checksum = 0;
         hdr.udp.length = THC_UDP_LEN_HDR;
         hdr.ipv4.totalLen = THC_UDP_LEN_HDR + 20;
-        thc_answer_now();
+        thc_answer_round();
         thc_job_counters.count(meta.jc_held);
     }
     action thc_held0() {
@@ -1197,7 +1218,7 @@ control ThcIngress(inout tna_headers_t hdr, inout metadata_t meta,
         thc_job_counters.count(meta.jc_index);
     }
     // a drop the sender is told of (REFUSED) or not; counted by reason either way
-    action thc_refused() {
+    action thc_refusal() {
         thc_drops.count((bit<32>)meta.drop_reason);
         hdr.thc.count = meta.drop_reason;
         hdr.thc.bitmap = 0;
@@ -1206,7 +1227,15 @@ control ThcIngress(inout tna_headers_t hdr, inout metadata_t meta,
         hdr.udp.checksum = 0;
         hdr.udp.length = THC_UDP_LEN_HDR;
         hdr.ipv4.totalLen = THC_UDP_LEN_HDR + 20;
+    }
+    action thc_refused() {
+        thc_refusal();
         thc_answer_now();
+    }
+    // refused after the job's run took it (reused_run, stale, wrong_use): sent by pass 1
+    action thc_refused_round() {
+        thc_refusal();
+        thc_answer_round();
     }
     action thc_dropped() {
         thc_drops.count((bit<32>)meta.drop_reason);
@@ -1215,13 +1244,18 @@ control ThcIngress(inout tna_headers_t hdr, inout metadata_t meta,
     // Tables, not bare actions: a counter's index comes through a table hit, and one table's
     // actions share the index field.
     table thc_drop_op {
-        key = { meta.refuse: exact; }
-        actions = { thc_refused; thc_dropped; }
-        const entries = {
-            1: thc_refused();
-            0: thc_dropped();
+        key = {
+            meta.refuse: ternary;
+            meta.run_checked: ternary;
+            meta.run_stale: ternary;
         }
-        size = 2;
+        actions = { thc_refused; thc_refused_round; thc_dropped; }
+        const entries = {
+            (1, 1, 0): thc_refused_round();
+            (1, _, _): thc_refused();
+            (0, _, _): thc_dropped();
+        }
+        size = 4;
     }
     table thc_pending_op {
         key = { meta.dup: exact; }
@@ -1260,7 +1294,7 @@ control ThcIngress(inout tna_headers_t hdr, inout metadata_t meta,
             thc_ack1_new.apply();
 #include "generated/thc_tna_luts_apply.p4"
 #include "generated/thc_tna_words_apply.p4"
-            if (meta.p1.payload != THC_PAY_MAX) {
+            if (meta.p1.payload != THC_PAY_MAX && meta.p1.hdr_only == 0) {
 #include "generated/thc_tna_res_valid.p4"
             }
 #include "generated/thc_tna_cur_invalid.p4"
