@@ -71,9 +71,7 @@ header thc_word_h {
     bit<32> w;
 }
 
-// Ingress -> egress on every packet, and each pass -> the next around the recirculation. Its
-// bit fields come in bytes by writer: an action that writes some bits of a container writes
-// them contiguously, from one source.
+// Ingress -> egress on every packet, and each pass -> the next around the recirculation.
 header thc_pass_h {
     bit<7>  pad0;
     bit<9>  in_port;      // where a unicast reply of the last pass goes

@@ -179,8 +179,10 @@ def main(argv: list[str] | None = None) -> int:
                 else:
                     mismatches += int(np.count_nonzero(sums != ref))
                 rounds += 1
-                if args.until:
-                    Path(args.until, f"done-{args.rank}").write_text(str(rounds))
+                if args.until:   # renamed into place: the driver never reads it empty
+                    tmp = Path(args.until, f"tmp-{args.rank}")
+                    tmp.write_text(str(rounds))
+                    tmp.rename(Path(args.until, f"done-{args.rank}"))
         except (AggregationTimeout, AggregatorRestarted, AggregationRefused) as e:
             line = {"rank": args.rank, "error": type(e).__name__, "message": str(e),
                     "missing": getattr(e, "missing", None), "rounds": rounds,

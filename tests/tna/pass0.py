@@ -111,6 +111,8 @@ class TnaEngine:
         if f.get("ig_dprsr_md.drop_ctl", 0):
             return [], reason
         if self.went_round:   # pass 1: the same headers, pass 0's bridge header as meta.p1
+            if f.get("meta.bridge.hdr_only", 0):
+                self._header_only(f)
             again = {k: v for k, v in f.items() if k.startswith("hdr.")}
             again.update({"meta.p1" + k[len("meta.bridge"):]: v for k, v in f.items()
                           if k.startswith("meta.bridge.")})
@@ -142,6 +144,18 @@ class TnaEngine:
         m.parse()
         m.run(self.p.apply)
         return m.f
+
+    def _header_only(self, f: dict) -> None:
+        """A reply pass 1 only sends (it refreshes the job's idle clock on the way) must not
+        reach the words, their lookups or a use's acknowledgements, which this reading does
+        not run in pass 1: pass 0 must have said so in the bridge header."""
+        want = {"lane_op": "THC_OP_NONE", "payload": "THC_PAY_NONE", "lut_job": "THC_TNA_NO_LUT",
+                "last": 1, "reply": 1, "new_use": 0}
+        for name, value in want.items():
+            value = self.p.consts[value][0] if isinstance(value, str) else value
+            got = f.get("meta.bridge." + name, 0)
+            if got != value:
+                raise AssertionError(f"a header-only pass 1 with bridge {name} {got}, not {value}")
 
     def drops(self) -> Counter:
         """thc_drops by reason name, as the model's ``drops``."""
