@@ -9,11 +9,10 @@ rules; docs/protocol.md states them.
 from __future__ import annotations
 
 import numpy as np
-import pytest
 
 from thc.wire import protocol as P
 from tests.conformance.test_flush import flush
-from tests.conformance.test_semantics import (RUN, assert_result, data, datagram,
+from tests.conformance.rounds import (RUN, assert_result, data, datagram,
                                               drops_delta, indices, new_job, parse, run_round,
                                               settle)
 

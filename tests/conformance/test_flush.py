@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from thc.wire import protocol as P
-from tests.conformance.test_semantics import (data, datagram, drops_delta, expected_sums,
+from tests.conformance.rounds import (data, datagram, drops_delta, expected_sums,
                                               indices, new_job, parse, run_round, settle,
                                               sums_of)
 

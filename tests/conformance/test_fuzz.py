@@ -18,7 +18,7 @@ from scapy.packet import Raw
 from thc.codec.packing import pack_bits
 from thc.wire import protocol as P
 from thc.wire.layers import THC
-from tests.conformance.test_semantics import (
+from tests.conformance.rounds import (
     assert_result,
     data,
     drops_delta,
