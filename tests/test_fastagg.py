@@ -228,10 +228,26 @@ def bursts(packets, most: int = 16):
     return runs
 
 
-def serve_trace(agg, packets, job_socks, stranger, gso: bool = False) -> tuple[dict, dict]:
+BARRIER_SEQ = 0x13579BDF
+"""A seq no trace uses: the barrier's REFUSED is told from the trace's replies by it."""
+
+
+def barrier_of(job: Job) -> tuple[bytes, tuple[str, int]]:
+    """A datagram the aggregator answers with a REFUSED (``wrong_slot``: the other version)
+    to worker 0 of ``job``: sent last, its answer is the last, so every reply before it is
+    in its socket once it arrives (one receive socket, replies sent in order, loopback
+    delivering in the send call)."""
+    version = 1 - P.slot_of(BARRIER_SEQ, job.pool_size)[1]
+    return (dgram(job, 0, BARRIER_SEQ, run=RUN, version=version,
+                  rng=np.random.default_rng(0)), addr(job, 0))
+
+
+def serve_trace(agg, packets, job_socks, stranger, barrier,
+                gso: bool = False) -> tuple[dict, dict]:
     """Send ``packets`` over loopback to a started aggregator (``gso``: each run of
-    :func:`bursts` as one UDP GSO send); return what each address received (in order) and
-    the aggregator's counters."""
+    :func:`bursts` as one UDP GSO send), then ``barrier`` (:func:`barrier_of`); return what
+    each address received (in order, the barrier's REFUSED included) and the aggregator's
+    counters."""
     target = agg.address
     sends = bursts(packets) if gso else [([data], src) for data, src in packets]
     for i, (run, src) in enumerate(sends):
@@ -243,21 +259,28 @@ def serve_trace(agg, packets, job_socks, stranger, gso: bool = False) -> tuple[d
                                             struct.pack("=H", len(run[0])))], 0, target)
         if i % 16 == 15:
             time.sleep(0.002)
-    # Quiet for a while: the aggregator is done and every reply sits in its socket.
-    last, seen = time.monotonic(), agg.counters()
-    while time.monotonic() - last < 0.3:
-        time.sleep(0.05)
-        if (now := agg.counters()) != seen:
-            last, seen = time.monotonic(), now
-    got = {}
+    data, bsrc = barrier
+    job_socks[bsrc].sendto(data, target)
+    got = {bsrc: []}
+    job_socks[bsrc].settimeout(10.0)
+    while True:
+        try:
+            reply = job_socks[bsrc].recv(4096)
+        except TimeoutError:
+            raise AssertionError("the barrier's REFUSED did not come back within 10 s") from None
+        got[bsrc].append(reply)
+        h = P.Header.unpack(reply)
+        if (h.pkt_type, h.seq, h.count) == (
+                P.PktType.REFUSED, BARRIER_SEQ, P.DropReason.wrong_slot):
+            break
     for src, s in list(job_socks.items()) + [("stranger", stranger)]:
-        got[src] = []
-        while True:
+        got.setdefault(src, [])
+        while src != bsrc:
             try:
                 got[src].append(s.recv(4096, socket.MSG_DONTWAIT))
             except BlockingIOError:
                 break
-    return got, seen
+    return got, agg.counters()
 
 
 def test_served_over_udp_both_answer_a_trace_identically():
@@ -287,7 +310,8 @@ def test_served_over_udp_both_answer_a_trace_identically():
             stranger.bind(stranger_of(base))
             with kind(jobs(base), epoch=EPOCH) as agg:
                 agg.start("127.0.0.1", 0)
-                results.append(serve_trace(agg, packets, socks, stranger, gso))
+                results.append(serve_trace(agg, packets, socks, stranger,
+                                           barrier_of(jobs(base)[0]), gso))
         finally:
             for s in socks.values():
                 s.close()
