@@ -40,10 +40,13 @@ system-deps:
 test: system-deps setup
 	$(PY) -m pytest -q
 
-# The model-based fuzz at length: every engine against host/wire/model.py (tests/model_fuzz.py)
+# The model-based fuzz at length: every engine against host/wire/model.py (tests/model_fuzz.py),
+# then the Tofino program's pass 0, read from its text (tests/tna/interleave.py: 300 packets a case)
 FUZZ_STEPS ?= 1000000
+TNA_FUZZ_CASES ?= 2000
 fuzz: setup
 	$(PY) -m tests.model_fuzz --steps $(FUZZ_STEPS)
+	$(PY) -m tests.tna.interleave --cases $(TNA_FUZZ_CASES)
 
 # The main job; a mode through BMv2 trains a bounded number of steps (--bmv2-steps).
 run: system-deps setup

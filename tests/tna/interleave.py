@@ -1,0 +1,376 @@
+"""Random interleavings and directed sequences that drive thc_tna.p4's pass 0
+(tests/tna/pass0.py) and the reference model side by side, packet for packet.
+
+tests/tna/pass0.py executes the Tofino program's text (its pass 0, and pass 1's slot-state
+tables); here seeded random interleavings drive it and host/wire/model.py side by side:
+1-5 workers, pools of 1, 2 and 4, honest workers with a window of the pool (one of them
+often a straggler, results lost at random), FLUSHes that close chunks short (so that new
+uses are held), duplicates, wrong offsets and ops, seqs far ahead and stale, restarted
+workers under the same run, run changes within the jump bound, stale and far runs, idle
+jumps, re-installs and malformed packets. Each packet's drop reason and replies (type,
+header fields, destination) must agree, and so must the counters. ``THC_TNA_SEED`` picks
+another seed.
+
+Known differences between thc_tna.p4 and the model (docs/switch.md, "Tofino"), excluded:
+ 1. a REFUSED's bitmap (detail) is 0 on the TNA: zeroed on both sides before comparing;
+ 2. a FLUSH at a complete (not closed) use multicasts the RESULT again on the TNA (a
+    completion), where the model answers its sender (a retransmission): the TNA's copies to
+    the other workers are dropped and its counters moved before comparing;
+ 3. the TNA's idle clock counts 65.5 us ticks: gaps within 0.5 s of run_idle_s are stepped
+    over (every packet that passes the run check refreshes it, as in the model: the clocks
+    are otherwise compared, through the packets that find the job idle or not);
+ 4. acknowledgements of a use of an older run: an idle job is never given back a run id
+    that held it since the install (a packet of such a run gets a fresh id instead);
+ 5. a packet refused as reused_run acknowledges on the TNA (thc_ack<V>_op runs beside the
+    incarnation's check): its changes to thc_acked0/1 are undone after it;
+ 6. a use exactly 2^31 - pool seqs ahead of a packet in the other version is acknowledged by
+    the model (RFC 1982 reads it as behind), not by the TNA ("older than seq"): no packet is
+    sent that far from the window.
+A packet's pass 1 runs right after its pass 0, and pass 2 (lanes only) not at all, so the
+one-recirculation windows docs/switch.md describes are not exercised here.
+Also not generated: offsets of 2^31 or more (the TNA takes 31-bit offsets, bit 31 tells a
+MAX use, and refuses larger ones as malformed), shards, 16-bit jobs, truncated headers.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import sys
+from collections import Counter
+
+from tests.tna.interp import Program
+from tests.tna.p4text import preprocess
+from tests.tna.pass0 import TnaEngine
+from thc.wire import protocol as P
+from thc.wire.jobs import Job
+from thc.wire.model import Model
+
+SEED = int(os.environ.get("THC_TNA_SEED", "1729"))
+CASES, STEPS = 60, 300
+ACKED = ("thc_acked0", "thc_acked1")
+"""The acknowledgement registers (known difference 5)."""
+JOB_ID, FIRST_RUN, M = 9, 1000, P.SEQ_MOD
+T = {t.name: int(t) for t in P.PktType}
+TABLE = (0, 1, 2, 4, 6, 8, 11, 14, 16, 19, 22, 24, 26, 28, 29, 30)
+STRANGER = ("10.0.0.200", 42999)
+
+
+class Difference(AssertionError):
+    pass
+
+
+def addr(w: int) -> tuple[str, int]:
+    return (f"10.0.0.{w + 1}", 42000 + w)
+
+
+def make_job(n: int, pool: int, pool_base: int = 0) -> Job:
+    return Job.from_dict({
+        "job_id": JOB_ID, "pool_size": pool, "pool_base": pool_base, "lanes": P.LANES,
+        "table": TABLE, "granularity": 30,
+        "workers": [{"id": w, "ip": addr(w)[0], "port": addr(w)[1], "switch_port": 260 + w}
+                    for w in range(n)]})
+
+
+def kind_of(run: int, seq: int) -> str:
+    """Every worker agrees which chunks are MAX rounds."""
+    return "MAX" if (seq * 2654435761 + run) % 7 == 0 else "DATA"
+
+
+def offset_of(seq: int) -> int:
+    return seq * P.LANES % (1 << 31)
+
+
+def nonce_of(w: int, run: int, restarts: int = 0) -> int:
+    return ((run * 131 + w) * 2654435761 + restarts * 40503) % M or 1
+
+
+def describe(d: bytes, src) -> str:
+    h = P.Header.unpack(d)
+    return (f"{P.PktType(h.pkt_type).name if h.pkt_type in T.values() else h.pkt_type} "
+            f"w{h.worker_id} job {h.job_id} run {h.run} seq {h.seq} slot {h.slot}/{h.version} "
+            f"offset {h.offset} nonce {h.epoch} +{len(d) - P.HEADER_BYTES}B from {src}")
+
+
+def normalize(outcome) -> tuple:
+    """(reason, [(header fields, destination)]); a REFUSED's detail zeroed (difference 1)."""
+    replies, reason = outcome
+    out = []
+    for reply, dst in replies:
+        h = P.Header.unpack(reply[:P.HEADER_BYTES])
+        fields = (P.PktType(h.pkt_type).name, h.worker_id, h.job_id, h.slot, h.version,
+                  h.count, h.seq, h.offset, 0 if h.pkt_type == T["REFUSED"] else h.bitmap,
+                  h.run, h.epoch)
+        out.append((fields, tuple(dst)))
+    return reason, out
+
+
+class Interleaving:
+    """One random job and packet sequence on a fresh model and a fresh TNA engine."""
+
+    def __init__(self, prog: Program, rng: random.Random, stats: Counter):
+        self.rng, self.stats = rng, stats
+        self.n, self.pool = rng.randint(1, 5), rng.choice((1, 2, 4))
+        self.base, self.loss = rng.choice((0, M - 3)), rng.choice((0.0, 0.2, 0.5))
+        self.weights = [1.0] * self.n
+        if self.n > 1 and rng.random() < 0.7:
+            self.weights[rng.randrange(self.n)] = 0.15   # a straggler
+        pool_base = rng.choice((0, 8, 64))
+        self.config = (f"{self.n} workers, pool {self.pool} at {pool_base}, base {self.base}, "
+                       f"loss {self.loss}, weights {self.weights}")
+        self.job = make_job(self.n, self.pool, pool_base)
+        self.model, self.tna = Model(), TnaEngine(prog)
+        self.now, self.top, self.history = 1000.0, FIRST_RUN - 1, []
+        self.install()
+
+    def install(self) -> None:
+        epoch = self.rng.randrange(1, M)
+        self.model.install(self.job, epoch)
+        self.tna.install(self.job, epoch, now=self.now)
+        self.seen, self.owned, self.flush_again = float("-inf"), set(), 0
+        self.new_run(self.top + 1)
+
+    def new_run(self, run: int) -> None:
+        self.run, self.top = run, max(self.top, run)
+        self.front = [self.base] * self.n
+        self.done = [set() for _ in range(self.n)]
+        self.restarts = [0] * self.n
+
+    def step(self) -> None:
+        rng, n, pool = self.rng, self.n, self.pool
+        w = rng.choices(range(n), self.weights)[0]
+        seq = (self.front[w] + rng.randrange(pool)) % M
+        kind = kind_of(self.run, seq)
+        r = rng.random()
+        if r < 0.55:
+            self.send(kind, w, seq)
+        elif r < 0.66:
+            head = self.front[w]   # the window's head times out: closed short
+            self.send("FLUSH" if kind_of(self.run, head) == "DATA" else "MAX", w, head)
+        elif r < 0.82:
+            self.perturbed(w, seq, kind)
+        elif r < 0.87:
+            self.junk(w, seq)
+        elif r < 0.945:
+            self.now += rng.choice((0.001, 0.05, 0.5, 3.0))
+        elif r < 0.955:
+            self.now += rng.uniform(20.0, 59.0)   # whether the packets between refreshed
+        elif r < 0.97:
+            self.now += rng.uniform(61.0, 200.0)
+        elif r < 0.99:
+            self.new_run(self.top + rng.randint(1, 2))
+        else:
+            self.check_counters()
+            self.install()
+
+    def perturbed(self, w: int, seq: int, kind: str) -> None:
+        rng, pool, run = self.rng, self.pool, self.run
+        what = rng.randrange(11)
+        if what == 0:
+            self.send(kind, w, seq, offset=(offset_of(seq) + P.LANES) % (1 << 31))
+        elif what == 1:
+            self.send(rng.choice(["FLUSH", "MAX"] if kind == "DATA" else ["DATA", "FLUSH"]), w, seq)
+        elif what == 2:
+            ahead = rng.choice((2 * pool, 3 * pool, 1000, 1 << 30))   # not 2^31 - pool (6.)
+            self.send(kind, w, (seq + ahead) % M)
+        elif what == 3:
+            self.send(kind, w, (self.front[w] - rng.randint(1, 4 * pool)) % M)
+        elif what == 4:
+            s, v = P.slot_of(seq, pool)
+            self.send(kind, w, seq, **({"slot": (s + 1) % pool} if pool > 1 and rng.random() < 0.5
+                                       else {"version": 1 - v}))
+        elif what == 5 and rng.random() < 0.2:
+            self.restarts[w] += 1   # restarted under the same run: reused_run from now on
+            self.send(kind, w, seq)
+        elif what in (5, 6):
+            self.send(kind, w, seq, nonce=nonce_of(w, run, self.restarts[w] + 1))
+        elif what == 7:
+            self.send(kind, w, seq, run=max(1, run - rng.randint(1, 3)))
+        elif what == 8:
+            self.send(kind, w, seq, run=run + P.RUN_JUMP + rng.randint(0, 2))
+        elif what == 9:
+            self.send(kind, w, seq, src=STRANGER if rng.random() < 0.5 else addr((w + 1) % self.n))
+        else:
+            self.send(kind, w, seq, run=run + rng.randint(1, 2))
+
+    def junk(self, w: int, seq: int) -> None:
+        """Packets that the checks before the slot state drop."""
+        what = self.rng.randrange(10)
+        kinds = [("DATA", {"version": 2}), ("DATA", {"run": 0}), ("RESULT", {}),
+                 ("RESULT", {"run": 0}),
+                 ("PENDING", {}), ("RESET", {}), ("DATA", {"body": b""}),
+                 ("DATA", {"body": bytes(32)}), ("FLUSH", {"body": bytes(128)}),
+                 ("DATA", {"job_id": JOB_ID + 1})]
+        kind, kw = kinds[what]
+        if self.rng.random() < 0.3:
+            kw = {"w_id": self.n} if self.rng.random() < 0.5 else {"slot": self.pool}
+            kind = "DATA"
+        self.send(kind, w, seq, **kw)
+
+    def send(self, kind: str, w: int, seq: int, run: int | None = None, src=None, slot=None,
+             version=None, offset=None, nonce=None, body=None, job_id=JOB_ID, w_id=None) -> None:
+        if abs(self.now - self.seen - P.RUN_IDLE_S) < 0.5:
+            self.now += 1.0   # no gap at the idle threshold (difference 3)
+        st = self.model.jobs[JOB_ID]
+        run = self.run if run is None else run
+        idle = st.thc_job_run == 0 or self.now - self.seen >= P.RUN_IDLE_S
+        if idle and run != st.thc_job_run and run in self.owned:
+            run = self.top + 1   # an idle job never goes back to a run it had (difference 4)
+        self.top = max(self.top, run)
+        s, v = P.slot_of(seq, self.pool)
+        if body is None:
+            body = bytes(P.payload_bytes(T[kind])) if kind in ("DATA", "MAX") else b""
+        d = P.Header(T[kind], w if w_id is None else w_id, job_id, s if slot is None else slot,
+                     v if version is None else version, 0, seq,
+                     offset_of(seq) if offset is None else offset, 0, run,
+                     nonce_of(w, run, self.restarts[w]) if nonce is None else nonce).pack() + body
+        self.compare(d, src or addr(w))
+
+    def compare(self, d: bytes, src) -> None:
+        st = self.model.jobs[JOB_ID]
+        idle, before = self.now - self.seen >= P.RUN_IDLE_S, st.thc_job_run
+        want = self.model.handle(d, src, self.now)
+        done = self.tna.job_counters()["completions"]
+        acked = {r: dict(self.tna.regs.get(r, {})) for r in ACKED}
+        got = self.tna.handle(d, src, self.now)
+        if got[1] == "reused_run":
+            self.tna.regs.update(acked)   # difference 5: its acknowledgements undone
+        if st.run_seen == self.now:
+            self.seen = self.now
+        w, g = normalize(want), normalize(got)
+        label = self.label(w)
+        if (d[0] == T["FLUSH"] and len(w[1]) == 1 and w[1][0][0][0] == "RESULT"
+                and w[1][0][0][5] == self.n and self.tna.job_counters()["completions"] > done):
+            g = (g[0], [r for r in g[1] if r[1] == tuple(src)])   # difference 2
+            self.flush_again += 1
+            label = "FLUSH at a complete use (difference 2)"
+        self.history.append(f"{describe(d, src)} at {self.now:.3f}: {label}")
+        if w != g:
+            last = "\n    ".join(self.history[-12:])
+            raise Difference(f"packet {len(self.history)}: {describe(d, src)} at {self.now:.3f}"
+                             f"\n  model: {w}\n  TNA:   {g}\n  last packets:\n    {last}")
+        self.stats[label] += 1
+        if before and st.thc_job_run != before:
+            self.stats["run taken: " + ("idle job" if idle else "newer, in the jump")] += 1
+        if st.thc_job_run:
+            self.owned.add(st.thc_job_run)
+            if st.thc_job_run != self.run:
+                self.new_run(st.thc_job_run)   # a run took the job: its workers go on
+        for (fields, _dst) in w[1]:
+            if fields[0] in ("RESULT", "MAX_RESULT") and fields[9] == self.run \
+                    and self.rng.random() >= self.loss:
+                v = fields[1]
+                self.done[v].add(fields[6])
+                while self.front[v] in self.done[v]:
+                    self.front[v] = (self.front[v] + 1) % M
+
+    def label(self, outcome) -> str:
+        reason, replies = outcome
+        if not replies:
+            return f"dropped: {reason}" if reason else "consumed"
+        fields = replies[0][0]
+        if fields[0] == "REFUSED":
+            return f"REFUSED {reason}"
+        if fields[0] == "PENDING":
+            return "PENDING held (count 0)" if fields[5] == 0 else "PENDING"
+        to = "to every worker" if len(replies) == self.n else "to the sender"
+        short = " closed short" if fields[5] < self.n else ""
+        return f"{fields[0]}{short} {to}"
+
+    def check_counters(self) -> None:
+        want = {k: v for k, v in self.model.drops.items() if v}
+        if want != dict(self.tna.drops()):
+            raise Difference(f"drop counters: model {want}, TNA {dict(self.tna.drops())}")
+        jobs = dict(self.model.jobs[JOB_ID].counters)
+        tna = self.tna.job_counters()
+        got = {"packets": sum(tna.values()), "completions": tna["completions"] - self.flush_again,
+               "retransmissions": tna["retransmissions"] + self.flush_again,
+               "pending": tna["pending"], "held": tna["held"]}
+        if jobs != got:
+            raise Difference(f"job counters: model {jobs}, TNA {got} (cells {tna})")
+
+
+def fuzz(prog: Program, seed: int, cases: int = CASES, steps: int = STEPS, first: int = 0,
+         stats: Counter | None = None):
+    """(outcome counts, the first difference or None) over interleavings ``first`` to
+    ``first + cases - 1`` of ``seed``."""
+    stats = Counter() if stats is None else stats
+    for case in range(first, first + cases):
+        il = Interleaving(prog, random.Random(seed * 1_000_003 + case), stats)
+        try:
+            for _ in range(steps):
+                il.step()
+            il.check_counters()
+        except Difference as e:
+            return stats, f"seed {seed} case {case} ({il.config}): {e}"
+    return stats, None
+
+
+FAR = FIRST_RUN + P.RUN_JUMP + 5
+"""A run id beyond the jump bound: it takes the job only if the job is idle."""
+IDLE = {
+    # (seconds after the install, worker, type, seq, run, restarts); the last packet's reason
+    "a stale_run refusal does not refresh the idle clock": (
+        [(0, 0, "DATA", 0, FIRST_RUN, 0), (40, 0, "DATA", 0, FIRST_RUN - 1, 0),
+         (70, 1, "DATA", 0, FAR, 0)], None),
+    "a PENDING refreshes it": (
+        [(0, 0, "DATA", 0, FIRST_RUN, 0), (40, 0, "DATA", 0, FIRST_RUN, 0),
+         (70, 1, "DATA", 0, FAR, 0)], "stale_run"),
+    "a held PENDING refreshes it": (
+        [(0, 0, "DATA", 0, FIRST_RUN, 0), (0, 1, "DATA", 0, FIRST_RUN, 0),
+         (0, 0, "DATA", 1, FIRST_RUN, 0), (40, 0, "DATA", 2, FIRST_RUN, 0),
+         (70, 1, "DATA", 0, FAR, 0)], "stale_run"),
+    "a wrong_use refusal refreshes it": (
+        [(0, 0, "DATA", 0, FIRST_RUN, 0), (40, 0, "MAX", 0, FIRST_RUN, 0),
+         (70, 1, "DATA", 0, FAR, 0)], "stale_run"),
+    "a reused_run refusal refreshes it": (
+        [(0, 0, "DATA", 0, FIRST_RUN, 0), (40, 0, "DATA", 0, FIRST_RUN, 1),
+         (70, 1, "DATA", 0, FAR, 0)], "stale_run"),
+}
+"""The idle clock's rules, packet by packet: whether a packet 40 s after the job's first
+one refreshed its clock decides whether a far run id 30 s later takes the job."""
+
+
+def idle_scenarios(prog: Program) -> str | None:
+    """The first packet of IDLE that the program answers unlike the model, or None."""
+    for name, (steps, last) in IDLE.items():
+        job, model, tna = make_job(2, 1), Model(), TnaEngine(prog)
+        model.install(job, 77)
+        tna.install(job, 77, now=1000.0)
+        for t, w, kind, seq, run, restarts in steps:
+            body = bytes(P.payload_bytes(T[kind])) if kind in ("DATA", "MAX") else b""
+            d = P.Header(T[kind], w, JOB_ID, 0, seq & 1, 0, seq, offset_of(seq), 0, run,
+                         nonce_of(w, run, restarts)).pack() + body
+            want, got = (normalize(e.handle(d, addr(w), 1000.0 + t)) for e in (model, tna))
+            if want != got:
+                return f"{name}: {describe(d, addr(w))} at +{t} s\n  model: {want}\n  TNA: {got}"
+        assert want[0] == last, f"{name}: the model's last answer is {want[0]}, not {last}"
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m tests.tna.interleave`` (``make fuzz``): a long run, its outcome counts and
+    the first difference."""
+    ap = argparse.ArgumentParser(description=main.__doc__)
+    ap.add_argument("--seed", type=int, default=SEED)
+    ap.add_argument("--cases", type=int, default=CASES)
+    ap.add_argument("--steps", type=int, default=STEPS, help="packets of each interleaving")
+    args = ap.parse_args(argv)
+    prog, stats = Program(preprocess()), Counter()
+    difference = idle_scenarios(prog)
+    for first in range(0, args.cases, 100):
+        if difference:
+            break
+        _, difference = fuzz(prog, args.seed, min(100, args.cases - first), args.steps, first,
+                             stats)
+        print(f"seed {args.seed}: {min(first + 100, args.cases)} of {args.cases} interleavings",
+              flush=True)
+    for label, n in sorted(stats.items()):
+        print(f"{n:9d}  {label}")
+    print(f"seed {args.seed}, {args.steps} packets an interleaving: "
+          + (f"first difference:\n{difference}" if difference else "no difference"))
+    return 1 if difference else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
