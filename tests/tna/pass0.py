@@ -52,8 +52,6 @@ class TnaEngine:
         self.addr: dict[tuple[int, int], tuple[str, int]] = {}
         self.ports: dict[tuple[str, int], int] = {}
         self.mcast: dict[int, list[int]] = {}
-        self.went_round = False
-        """Whether the last packet went round (pass 1 ran)."""
 
     def install(self, job, epoch: int, job_index: int = 0, now: float = 0.0) -> None:
         """controller/jobs.py's _write_job: the job's worker entries out, its multicast group
@@ -107,10 +105,10 @@ class TnaEngine:
         f = self._pass(fields, port, tstamp)
         code = f.get("meta.drop_reason", 0)
         reason = P.DropReason(code).name if code else None
-        self.went_round = bool(f.get("meta.bridge.recirc", 0))
+        went_round = bool(f.get("meta.bridge.recirc", 0))
         if f.get("ig_dprsr_md.drop_ctl", 0):
             return [], reason
-        if self.went_round:   # pass 1: the same headers, pass 0's bridge header as meta.p1
+        if went_round:   # pass 1: the same headers, pass 0's bridge header as meta.p1
             if f.get("meta.bridge.hdr_only", 0):
                 self._header_only(f)
             again = {k: v for k, v in f.items() if k.startswith("hdr.")}
