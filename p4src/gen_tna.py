@@ -1,9 +1,17 @@
 """The generated parts of the Tofino program (p4src/thc_tna.p4): its word instances, their
 apply calls, the lookup tables and the parser states that extract each pass's lanes.
 
-A word is four 8-bit lanes. Pass 0 runs the slot state only; pass 1 adds the packet's last
-WORDS words, pass 2 its first WORDS, in the same word registers at the two halves of their
-index (docs/switch.md, "Tofino"). gen_p4.py writes these files with the BMv2 program's.
+A word is four 8-bit lanes or two 16-bit lanes. Pass 0 runs the slot state only; an 8-bit
+job's pass 1 adds the packet's last WORDS words, pass 2 its first WORDS; a 16-bit job's
+passes 1-4 add a quarter each, last quarter first; all in the same word registers at a
+quarter of their index each (docs/switch.md, "Tofino"). gen_p4.py writes these files with
+the BMv2 program's.
+
+Where the index blocks ride: pass 0 sends a DATA's four blocks of BLOCK index headers round
+last block first, so that what the next pass adds is always at the front. A 16-bit pass
+needs each index byte twice (a word's two lookups key on two bytes, and its two 16-bit
+lanes are one byte's two indices): the egress of the pass before doubles the next block
+(dup()), and the adding passes find the blocks after it in ``rest``.
 """
 from __future__ import annotations
 
@@ -40,6 +48,12 @@ WORD_APPLY = ("thc_w{j:02d}.apply(hdr.res[{j}], meta.p1.word_index, meta.p1.lane
               "meta.p1.is_max, meta.p1.blank, meta.p1.recirc);\n")
 OCTS = WORDS // 2
 """Index headers a pass reads: eight 4-bit indices (two words) each."""
+BLOCK = OCTS // 2
+"""Index headers a 16-bit pass adds (each doubled: OCTS headers, 2 * OCTS lanes' bytes)."""
+BLOCKS = 4
+"""Blocks of a DATA's indices: a 16-bit job's adding passes."""
+REST_OCTS = (BLOCKS - 1) * BLOCK
+"""Index headers riding behind the ones a pass adds: at most three blocks."""
 SIGN_WORDS = 2 * OCTS // 4
 """Sign words of a vote DATA: 32 sign bits, four index headers' lanes, each parsed into the
 first of its four index headers (spread())."""
@@ -52,6 +66,9 @@ def check(spec: dict) -> None:
                          f"not make protocol.json's {lanes} lanes")
     if spec["max_jobs"] > 16 or spec["max_workers"] > 32:
         raise SystemExit("gen_tna: thc_worker_run's index is job_index[3:0] ++ worker_id[4:0]")
+    if BLOCKS * BLOCK * 8 != lanes or BLOCKS * WORDS * 2 != lanes:
+        raise SystemExit(f"gen_tna: {BLOCKS} 16-bit passes of {WORDS} words (a block of "
+                         f"{BLOCK} index headers each) do not make {lanes} lanes")
     if spec["max_lanes"] > WORDS or WORDS % 2 or WORDS > 32:
         raise SystemExit("gen_tna: the max lanes ride one pass's words; index headers hold "
                          "two words; a header stack holds at most 32")
@@ -98,11 +115,14 @@ def schedule() -> list[tuple[int, int, int]]:
 
 
 def _oct(o: int) -> str:
-    """Where pass 0 spreads index header ``o`` of a vote DATA: the first 128 lanes in the
-    index headers of the adding passes (``cur``), the last 128 in the result words that
-    follow them in the packet, the first whose containers are whole (``SPLIT_WORDS`` on).
-    Both are in the containers the MAU reads; ``rest`` rides along outside them."""
-    return f"hdr.cur[{o}].idx" if o < OCTS else f"hdr.res[{SPLIT_WORDS + o - OCTS}].w"
+    """Where pass 0 spreads index header ``o`` of a vote DATA, so that the packet carries
+    the blocks last first (block_order()): blocks 3 and 2 in the index headers of the adding
+    passes (``cur``), blocks 1 and 0 in the result words that follow them in the packet, the
+    first whose containers are whole (``SPLIT_WORDS`` on). Both are in the containers the
+    MAU reads; ``rest`` rides along outside them."""
+    b, i = divmod(o, BLOCK)
+    return [f"hdr.res[{SPLIT_WORDS + BLOCK + i}].w", f"hdr.res[{SPLIT_WORDS + i}].w",
+            f"hdr.cur[{BLOCK + i}].idx", f"hdr.cur[{i}].idx"][b]
 
 
 def _valid(o: int) -> str:
@@ -203,6 +223,7 @@ def constants(header: str, spec: dict) -> str:
                     f"const bit<32> THC_TNA_IDLE = {idle};  // run_idle_s in {TICK_NS} ns ticks\n",
                     f"#define THC_TNA_WORDS {WORDS}\n",
                     f"#define THC_TNA_OCTS {OCTS}\n",
+                    f"#define THC_TNA_REST_OCTS {REST_OCTS}\n",
                     f"#define THC_TNA_LUT_SIZE {256 * LUT_JOBS}\n",
                     f"const bit<7> THC_TNA_RECIRC_PORT = {RECIRC_PORT};\n",
                     f"const bit<9> THC_TNA_CPU_PORT = {CPU_PORT};\n"])
@@ -224,7 +245,7 @@ LUT_DECL = """    @name("thc_w{j:02d}.thc_lut_set_{h}")
 
 def _luts() -> tuple[str, str]:
     """Each word's two lookup tables (thc.p4's names under the word), declared and applied
-    in the ingress control. They apply to every packet of passes 1 and 2, without a
+    in the ingress control. They apply to every packet of the adding passes, without a
     condition (a gateway a word chains the words stage after stage), keyed on the job's
     index that pass 0 bridged (THC_TNA_NO_LUT where the pass carries no indices: a miss
     leaves a MAX packet's lanes alone) and one index byte: two input crossbar bytes, one of
@@ -248,6 +269,10 @@ def _extract(stack: str, n: int) -> str:
     return "".join(f"        pkt.extract(hdr.{stack}[{i}]);\n" for i in range(n))
 
 
+def _extract_block(stack: str, first: int) -> str:
+    return "".join(f"        pkt.extract(hdr.{stack}[{first + i}]);\n" for i in range(BLOCK))
+
+
 def _each(fmt: str, n: int) -> str:
     return "".join(fmt.format(i) for i in range(n))
 
@@ -256,20 +281,82 @@ def _state(name: str, body: str) -> str:
     return f"    state {name} {{\n{body}        transition accept;\n    }}\n"
 
 
+def block_order() -> list[int]:
+    """The DATA index blocks in the order pass 0 sends them round (and a vote DATA's
+    spread leaves them): the block the next pass adds first, the rest in the order the
+    passes after it add them. Results go behind the indices, so the last block is added
+    first."""
+    return list(reversed(range(BLOCKS)))
+
+
+PASS0_HOME = {3: ("rest", 0), 2: ("rest", BLOCK), 1: ("rest", 2 * BLOCK), 0: ("cur", 0)}
+"""Where pass 0's parser puts a DATA's block b (its first index header): the deparser emits
+rest, then cur, so the packet goes round in block_order()."""
+
+
+def pass_states() -> list[tuple[str, int, int, str]]:
+    """The adding passes' parser states: (name, wide, adding passes before it, body). An 8-bit pass adds two blocks into cur (the later one in its upper
+    half: they arrive last first) and carries the two before them in rest; a 16-bit pass
+    finds the block it adds doubled (OCTS headers into cur) and carries the ones left."""
+    eight = _extract_block("cur", BLOCK) + _extract_block("cur", 0)
+    out = [("parse_idx8_1", 0, 0, eight + _extract("rest", 2 * BLOCK)),
+           ("parse_idx8_0", 0, 1, eight)]
+    for left in reversed(range(BLOCKS)):
+        out.append((f"parse_idx16_{left}", 1, BLOCKS - 1 - left,
+                    _extract("cur", OCTS) + _extract("rest", left * BLOCK)))
+    return out
+
+
+def parse_lanes() -> str:
+    """The adding passes' choice of parser state: the lane payload the pass before named,
+    the job's width, and the adding passes before this one."""
+    rows = [f"            (THC_PAY_IDX, {wide}, {step}): {name};\n"
+            for name, wide, step, _ in pass_states()]
+    return ("    state parse_lanes {\n        transition select(meta.p1.payload, meta.p1.wide, "
+            "meta.p1.step) {\n" + "".join(rows)
+            + "            (THC_PAY_MAX, _, _): parse_max;\n            default: accept;\n"
+            "        }\n    }\n")
+
+
+def dup() -> tuple[str, str]:
+    """The egress parser state and the three actions (one a stage) that double each index
+    byte of the block the next 16-bit pass adds: header m (bytes a b c d) becomes dd[2m] =
+    a a b b and dd[2m + 1] = c c d d, so that a word's two lookups (bytes 2j and 2j + 1)
+    both key on byte j of the block, and the word's two 16-bit lanes are that byte's two
+    indices. Each statement moves one 16-bit half or one byte of it: one instruction a
+    container, whether the compiler gives a header one 32-bit or two 16-bit containers."""
+    state = _state("parse_dup_octs", "".join(f"        pkt.extract(hdr.dd[{2 * m}]);\n"
+                                             for m in range(BLOCK)))
+    steps = [[], [], []]
+    for m in range(BLOCK):
+        e, o = f"hdr.dd[{2 * m}]", f"hdr.dd[{2 * m + 1}]"
+        steps[0] += [f"{o}.setValid();", f"{o}.lo = {e}.lo;", f"{e}.lo = {e}.hi;"]
+        steps[1] += [f"{o}.hi = {o}.lo;", f"{e}.lo[15:8] = {e}.hi[7:0];",
+                     f"{e}.hi[7:0] = {e}.hi[15:8];"]
+        steps[2] += [f"{o}.lo[15:8] = {o}.hi[7:0];", f"{o}.hi[7:0] = {o}.hi[15:8];"]
+    actions = "".join(f"    action thc_dup_{n}() {{\n"
+                      + "".join(f"        {st}\n" for st in body) + "    }\n"
+                      for n, body in enumerate(steps))
+    return state, actions
+
+
 def files(spec: dict, header: str, to_aggregator: tuple[str, ...], udp_len_hdr: int
           ) -> dict[str, str]:
     """File name -> text of the Tofino program's generated files."""
     check(spec)
+    home = {b: PASS0_HOME[b] for b in range(BLOCKS)}
     parse = "".join([
-        _state("parse_idx2", "        meta.lanes_in = THC_IN_IDX;\n"
-               + _extract("rest", OCTS) + _extract("cur", OCTS)),
-        _state("parse_idx1", _extract("cur", OCTS)),
+        _state("parse_idx", "        meta.lanes_in = THC_IN_IDX;\n"
+               + "".join(_extract_block(*home[b]) for b in range(BLOCKS))),
+        *(_state(name, body) for name, _, _, body in pass_states()),
+        parse_lanes(),
         _state("parse_max", "        meta.lanes_in = THC_IN_MAX;\n"
                + _extract("res", spec["max_lanes"])),
         _state("parse_signs", "        meta.lanes_in = THC_IN_SIGNS;\n"
                + "".join(f"        pkt.extract({_oct(4 * m).rsplit('.', 1)[0]});\n"
                          for m in range(SIGN_WORDS))),
     ])
+    dup_state, dup_actions = dup()
     luts, luts_apply = _luts()
     return {
         "thc_tna_constants.p4": constants(header, spec),
@@ -285,6 +372,10 @@ def files(spec: dict, header: str, to_aggregator: tuple[str, ...], udp_len_hdr: 
                                     "its stage (gen_tna.schedule).\n"
                                     + "".join(WORD_CONTROL.format(j=j, stage=c)
                                               for j, (_, _, c) in enumerate(schedule())),
+        "thc_tna_eg_parse.p4": header + "// Egress parser state: the block the next 16-bit "
+                               "pass adds (gen_tna.dup).\n" + dup_state,
+        "thc_tna_dup.p4": header + "// Egress: each index byte of that block twice "
+                          "(gen_tna.dup).\n" + dup_actions,
         "thc_tna_spread.p4": header + "// A vote DATA's sign bits spread over the index "
                               "headers (pass 0; gen_tna.spread).\n" + spread(),
         "thc_tna_wellformed.p4": header + "// thc_wellformed's entries, thc.p4's first checks "
@@ -294,14 +385,14 @@ def files(spec: dict, header: str, to_aggregator: tuple[str, ...], udp_len_hdr: 
                               "of its own: the word's two lookups write them in one stage.\n"
                               + _each('@pa_container_size("ingress", "hdr.res[{0}].w", 16, 16)\n',
                                       SPLIT_WORDS),
-        "thc_tna_words_apply.p4": header + "// The words, in passes 1 and 2 (pass 0's "
+        "thc_tna_words_apply.p4": header + "// The words, in the adding passes (pass 0's "
                                   "decisions, carried in the bridge header).\n"
                                   + _each(WORD_APPLY.replace("{j:02d}", "{0:02d}")
                                           .replace("{j}", "{0}"), WORDS),
         "thc_tna_res_valid.p4": header + "// This pass's sums.\n"
                                 + _each("hdr.res[{}].setValid();\n", WORDS),
         "thc_tna_payload_invalid.p4": header + "// A reply without lanes.\n"
-                                      + _each("hdr.rest[{}].setInvalid();\n", OCTS)
+                                      + _each("hdr.rest[{}].setInvalid();\n", REST_OCTS)
                                       + _each("hdr.cur[{}].setInvalid();\n", OCTS)
                                       + _each("hdr.res[{}].setInvalid();\n", WORDS),
         "thc_tna_cur_invalid.p4": header + "// Indices this pass has added.\n"

@@ -4,26 +4,31 @@
  * THC header; the configuration tables, counters and multicast groups have thc.p4's names,
  * the lookup tables are laid out for this pipeline (controller/targets.py).
  *
- * All 256 lanes of a packet in three passes (docs/switch.md, "Tofino"). Tofino-1 returns
- * one 32-bit word per stateful ALU access, and a pipe has 48 stateful ALUs: 256 8-bit sums
- * are 64 words, more than one pass can read. So a packet goes round twice:
+ * All 256 lanes of a packet in three passes, five for a 16-bit job (docs/switch.md,
+ * "Tofino"). Tofino-1 returns one 32-bit word per stateful ALU access, and a pipe has 48
+ * stateful ALUs: 256 8-bit sums are 64 words, more than one pass can read. So a packet of
+ * an 8-bit job goes round twice:
  *  - pass 0 checks the packet and runs the slot state (a register a stage: the job's run,
  *    the worker's incarnation and both versions' acknowledgements, the slot version's
  *    (run, seq), its use, its (bitmap, seq), its count), then answers at once what it
  *    refuses before the job's run is checked (REFUSED, drops), or recirculates the packet,
  *    the header thc_pass_h in front carrying what it decided (a PENDING, held PENDING or
  *    later REFUSED: pass 1 sends it, refreshing the job's idle clock);
- *  - pass 1 adds the packet's last 128 lanes in THC_TNA_WORDS word registers (their lower
- *    index half) and recirculates it again, its sums after the first lanes' indices;
- *  - pass 2 adds the first 128 lanes in the same registers (the upper half), then
+ *  - pass 1 adds the packet's last 128 lanes in THC_TNA_WORDS word registers (the first
+ *    quarter of their index) and recirculates it again, its sums after the first lanes'
+ *    indices;
+ *  - pass 2 adds the first 128 lanes in the same registers (the second quarter), then
  *    multicasts the result, returns it to the sender, or drops the packet (consumed).
- * The words take the stages after their lookups in passes 1 and 2, where no slot state
+ * A 16-bit job's words hold two lanes: passes 1-4 add 64 lanes each, the last first, in
+ * the four quarters. Its index bytes are needed twice (a word's two lookups key on two
+ * bytes, its two lanes are one byte's indices): the egress of each pass before doubles
+ * the block the next pass adds (thc_dup_*), which pass 0 sends round at the front.
+ * The words take the stages after their lookups in the adding passes, where no slot state
  * runs: the slot state and the words never compete for a stage's stateful ALUs.
- * A word holds four 8-bit lanes (no carry crosses lanes: n x g <= 255), or one max lane.
- * 16-bit jobs would need twice the passes; this program serves 8-bit jobs (set_job's
- * sum_bits 16 is dropped as bad_lanes, and the controller refuses such jobs for this
- * target). A vote job's DATA carries sign bits: pass 0 spreads them over the index headers
- * (generated/thc_tna_spread.p4), and the job's lookup entries count them.
+ * A word holds four 8-bit lanes (no carry crosses lanes: n x g <= 255), two 16-bit lanes,
+ * or one max lane. A vote job's DATA carries sign bits: pass 0 spreads them over the index
+ * headers (generated/thc_tna_spread.p4), and the job's lookup entries count them (8-bit
+ * counts: a 16-bit vote job is dropped as bad_lanes, and the controller refuses it).
  *
  * One incarnation of each worker per run and install (thc_worker_run, reused_run), the run
  * jump and idle rules (thc_job_run, thc_job_seen) and per-use acknowledgements (held:
@@ -40,8 +45,7 @@
 #include "thc_common.p4"
 
 const bit<2> THC_PAY_NONE = 0;   // the pass parses nothing after the THC header (FLUSH)
-const bit<2> THC_PAY_IDX2 = 1;   // the indices of both halves (pass 0, pass 1)
-const bit<2> THC_PAY_IDX1 = 2;   // the first half's indices, before the last half's sums
+const bit<2> THC_PAY_IDX = 1;    // index blocks (parse_lanes: which, by width and pass)
 const bit<2> THC_PAY_MAX = 3;    // one 32-bit max lane a word
 const bit<8> THC_TNA_NO_LUT = 0xFF;   // no lookup entry has this job index
 const bit<3> THC_IN_NONE = 0;    // pass 0: not a size this packet type has
@@ -57,7 +61,7 @@ const bit<4> THC_STEP_SAME = 1;
 const bit<4> THC_STEP_SEQ = 4;
 
 // A register index: a slot version (pool_base + slot) * 2 + version, and for the words the
-// pass's half above it (THC_REG_SIZE).
+// pass's quarter above it (THC_REG_SIZE each).
 typedef bit<16> thc_index_t;
 
 // DATA: eight lanes' indices (two words), the first lane in the high nibble. Payload
@@ -80,20 +84,25 @@ header thc_pass_h {
     bit<1>  reply;        // the last pass sends the packet (else: consumed, dropped)
     bit<1>  is_reply;     // egress rewrites the addresses (worker_id or egress_rid - 1)
     bit<1>  new_use;      // pass 1: the packet started a use (its acknowledgements restart)
+    bit<2>  step;         // adding passes before the next one (0: the next is pass 1)
     bit<1>  hdr_only;     // pass 1 sends the header pass 0 wrote (no sums): it refreshes the
                           // job's idle clock on the way
-    bit<3>  pad1;
+    bit<1>  pad1;
     bit<2>  lane_op;      // THC_OP_*
     bit<6>  pad2;
-    bit<4>  job;          // the job's index (passes 1 and 2 mark it heard from)
+    bit<4>  job;          // the job's index (the adding passes mark it heard from)
     bit<1>  is_max;
-    bit<1>  last;         // the next pass is the last (pass 2, or pass 1 for MAX)
+    bit<1>  last;         // the next pass is the last (pass 2, pass 4 of a 16-bit job, or
+                          // pass 1 for MAX and the answers pass 1 sends)
     bit<2>  payload;      // THC_PAY_*: what the next pass parses after the THC header
     bit<8>  lut_job;      // the job's index for the lookups, THC_TNA_NO_LUT without indices
     bit<1>  blank;        // no payload: a new use's words are cleared (FLUSH)
-    bit<7>  pad4;
-    thc_index_t word_index;    // the next pass's half of the words' registers
-    thc_index_t word_index2;   // pass 2's half (pass 1 moves it up)
+    bit<6>  pad4;
+    // Where an action writes part of a container, Tofino needs the bits written or the bits
+    // left to be contiguous, and no arithmetic on a field that shares its container: the
+    // pass round sets step and the quarter from its table's entry (thc_next).
+    bit<1>  wide;         // a 16-bit job: four adding passes, each block's bytes doubled
+    thc_index_t word_index;    // the next pass's quarter of the words' registers
 }
 
 // a slot version's run and last seq; its bitmap and the seq of the use it belongs to
@@ -123,7 +132,7 @@ struct tna_headers_t {
     ipv4_h     ipv4;
     udp_h      udp;
     thc_h      thc;
-    thc_oct_h[THC_TNA_OCTS]   rest;   // the first half's indices, carried to pass 2
+    thc_oct_h[THC_TNA_REST_OCTS] rest;  // index blocks carried to the passes after this one
     thc_oct_h[THC_TNA_OCTS]   cur;    // the indices this pass adds
     thc_word_h[THC_TNA_WORDS] res;    // their sums, or the max lanes
 }
@@ -131,7 +140,7 @@ struct tna_headers_t {
 @pa_auto_init_metadata
 struct metadata_t {
     thc_pass_h bridge;      // what pass 0 or the last pass tells egress (and pass 1)
-    thc_pass_h p1;          // passes 1 and 2: what the pass before decided (parsed)
+    thc_pass_h p1;          // the adding passes: what the pass before decided (parsed)
     // from thc_job
     bit<8>  job_index;
     bit<8>  n_workers;
@@ -198,20 +207,15 @@ parser ThcIngressParser(packet_in pkt, out tna_headers_t hdr, out metadata_t met
             default: parse_ethernet;
         }
     }
-    // passes 1 and 2: a THC packet that the pass before sent round, its lanes named by the
-    // bridge header
+    // the adding passes: a THC packet that the pass before sent round, its lanes named by
+    // the bridge header (parse_lanes)
     state parse_pass {
         pkt.extract(meta.p1);
         pkt.extract(hdr.ethernet);
         pkt.extract(hdr.ipv4);
         pkt.extract(hdr.udp);
         pkt.extract(hdr.thc);
-        transition select(meta.p1.payload) {
-            THC_PAY_IDX2: parse_idx2;
-            THC_PAY_IDX1: parse_idx1;
-            THC_PAY_MAX: parse_max;
-            default: accept;
-        }
+        transition parse_lanes;
     }
     state parse_ethernet {
         pkt.extract(hdr.ethernet);
@@ -241,7 +245,7 @@ parser ThcIngressParser(packet_in pkt, out tna_headers_t hdr, out metadata_t met
     state parse_thc {
         pkt.extract(hdr.thc);
         transition select(hdr.thc.pkt_type, hdr.udp.length) {
-            (THC_DATA, THC_UDP_LEN_DATA): parse_idx2;
+            (THC_DATA, THC_UDP_LEN_DATA): parse_idx;
             (THC_DATA, THC_UDP_LEN_VOTE): parse_signs;
             (THC_MAX, THC_UDP_LEN_MAX): parse_max;
             (THC_FLUSH, THC_UDP_LEN_HDR): parse_hdr_only;
@@ -264,7 +268,7 @@ parser ThcIngressParser(packet_in pkt, out tna_headers_t hdr, out metadata_t met
 #define THC_WORD(NAME, STAGE)                                                            \
 control NAME(inout thc_word_h r, in thc_index_t index, in bit<2> op, in bit<1> is_max,   \
              in bit<1> blank, in bit<1> run) {                                                \
-    Register<bit<32>, thc_index_t>(THC_REG_SIZE * 2) thc_sum;                                 \
+    Register<bit<32>, thc_index_t>(THC_REG_SIZE * 4) thc_sum;                                 \
     RegisterAction<bit<32>, thc_index_t, bit<32>>(thc_sum) thc_sum_ra = {                     \
         void apply(inout bit<32> value, out bit<32> rv) {                                     \
             if (op == THC_OP_WRITE) {                                                         \
@@ -636,12 +640,12 @@ control ThcIngress(inout tna_headers_t hdr, inout metadata_t meta,
         meta.room16 = meta.pool_size |-| hdr.thc.slot;
         meta.jc4 = meta.job_index[5:0] ++ 2w0;
         meta.jc1 = meta.job_index;
+        meta.bridge.wide = meta.wide;
     }
     // register indices through the hash unit's identity: no ALU alignment between the
     // header fields and the indices
     Hash<thc_index_t>(HashAlgorithm_t.IDENTITY) thc_reg_hash;
     Hash<thc_index_t>(HashAlgorithm_t.IDENTITY) thc_word_hash;
-    Hash<thc_index_t>(HashAlgorithm_t.IDENTITY) thc_word_hash2;
     Hash<bit<16>>(HashAlgorithm_t.IDENTITY) thc_worker_hash;
     action thc_index() {
         meta.reg_index = thc_reg_hash.get({meta.slot_idx[9:0], hdr.thc.version[0:0]});
@@ -649,12 +653,10 @@ control ThcIngress(inout tna_headers_t hdr, inout metadata_t meta,
         meta.run_key = hdr.thc.run ^ meta.epoch;
         meta.jc_index = meta.jc4 + meta.jc1;   // x THC_N_JOB_COUNTERS (5)
     }
-    // the words' registers hold pass 1's half of a slot version below THC_REG_SIZE, pass
-    // 2's above
+    // the words' registers hold pass 1's quarter of a slot version below THC_REG_SIZE;
+    // each pass going round moves up a quarter
     action thc_word_index() {
         meta.bridge.word_index = thc_word_hash.get({meta.slot_idx[8:0], hdr.thc.version[0:0]});
-        meta.bridge.word_index2 = thc_word_hash2.get({1w1, meta.slot_idx[8:0],
-                                                      hdr.thc.version[0:0]});
     }
     action thc_set_drop(bit<8> reason) {
         meta.drop_reason = reason;
@@ -764,7 +766,7 @@ control ThcIngress(inout tna_headers_t hdr, inout metadata_t meta,
         }
         const entries = {
             (0, 0, _, _, _, _, _, _, _, _, _, _, _, _, _): thc_set_drop(THC_DROP_UNKNOWN_JOB);
-            (0, 1, _, _, _, 1, _, _, _, _, _, _, _, _, _): thc_set_drop(THC_DROP_BAD_LANES);
+            (0, 1, _, 1, _, 1, _, _, _, _, _, _, _, _, _): thc_set_drop(THC_DROP_BAD_LANES);
             (0, 1, THC_DATA, 0, THC_IN_NONE, _, _, _, _, _, _, _, _, _, _):
                 thc_set_drop(THC_DROP_BAD_LANES);
             (0, 1, THC_DATA, 0, THC_IN_SIGNS, _, _, _, _, _, _, _, _, _, _):
@@ -1100,23 +1102,37 @@ control ThcIngress(inout tna_headers_t hdr, inout metadata_t meta,
         meta.bridge.lane_op = THC_OP_NONE;
 #include "generated/thc_tna_payload_invalid.p4"
     }
-    // go round: the next pass adds lanes (pass 0 -> 1 -> 2; a MAX packet's pass 1 is its
-    // last); the last sends (reply) or drops the packet
+    // go round: the next pass adds lanes (pass 0 -> 1 -> 2, to 4 for a 16-bit job; a MAX
+    // packet's pass 1 is its last); the last sends (reply) or drops the packet
     action thc_recirculate() {
         ig_tm_md.ucast_egress_port = ig_intr_md.ingress_port[8:7] ++ THC_TNA_RECIRC_PORT;
         ig_tm_md.qid = 0;
         meta.bridge.recirc = 1;
     }
-    // pass 1 -> pass 2: the bridge header pass 1 read goes round again (the first half's
-    // indices, then the registers' upper half)
-    action thc_go_round_again(bit<2> payload) {
+    // an adding pass -> the next: the bridge header this pass read goes round again (the
+    // index blocks it carried), the next pass's step and quarter of the words' registers
+    // (the quarter is the step: word_index's bits above THC_REG_SIZE's)
+    action thc_go_round_again(bit<1> last, bit<2> step) {
         ig_tm_md.ucast_egress_port = ig_intr_md.ingress_port[8:7] ++ THC_TNA_RECIRC_PORT;
         ig_tm_md.qid = 0;
         meta.bridge.setInvalid();
-        meta.p1.last = 1;
-        meta.p1.payload = payload;
-        meta.p1.word_index = meta.p1.word_index2;
+        meta.p1.last = last;
+        meta.p1.step = step;
+        meta.p1.word_index[11:10] = step;
         meta.p1.new_use = 0;
+    }
+    // the last adding pass is pass 2, or pass 4 of a 16-bit job
+    table thc_next {
+        key = { meta.p1.wide: exact; meta.p1.step: exact; }
+        actions = { thc_go_round_again; NoAction; }
+        const entries = {
+            (0, 0): thc_go_round_again(1, 1);
+            (1, 0): thc_go_round_again(0, 1);
+            (1, 1): thc_go_round_again(0, 2);
+            (1, 2): thc_go_round_again(1, 3);
+        }
+        const default_action = NoAction;
+        size = 4;
     }
 
     action thc_done(bit<8> pkt_type, bit<16> udp_len) {
@@ -1141,6 +1157,15 @@ control ThcIngress(inout tna_headers_t hdr, inout metadata_t meta,
         thc_done(THC_RESULT, THC_UDP_LEN_RESULT8);
         thc_job_counters.count(meta.jc_again);
     }
+    action thc_result16() {
+        thc_done(THC_RESULT, THC_UDP_LEN_RESULT16);
+        meta.bridge.mcast_grp = meta.mcast_grp;
+        thc_job_counters.count(meta.jc_done);
+    }
+    action thc_result16_again() {
+        thc_done(THC_RESULT, THC_UDP_LEN_RESULT16);
+        thc_job_counters.count(meta.jc_again);
+    }
     action thc_max_result() {
         thc_done(THC_MAX_RESULT, THC_UDP_LEN_MAX);
         meta.bridge.mcast_grp = meta.mcast_grp;
@@ -1151,22 +1176,26 @@ control ThcIngress(inout tna_headers_t hdr, inout metadata_t meta,
         thc_job_counters.count(meta.jc_again);
     }
     table thc_done_op {
-        key = { meta.is_max: exact; }
-        actions = { thc_result; thc_max_result; }
+        key = { meta.is_max: exact; meta.wide: exact; }
+        actions = { thc_result; thc_result16; thc_max_result; }
         const entries = {
-            0: thc_result();
-            1: thc_max_result();
+            (0, 0): thc_result();
+            (0, 1): thc_result16();
+            (1, 0): thc_max_result();
+            (1, 1): thc_max_result();
         }
-        size = 2;
+        size = 4;
     }
     table thc_again_op {
-        key = { meta.is_max: exact; }
-        actions = { thc_result_again; thc_max_result_again; }
+        key = { meta.is_max: exact; meta.wide: exact; }
+        actions = { thc_result_again; thc_result16_again; thc_max_result_again; }
         const entries = {
-            0: thc_result_again();
-            1: thc_max_result_again();
+            (0, 0): thc_result_again();
+            (0, 1): thc_result16_again();
+            (1, 0): thc_max_result_again();
+            (1, 1): thc_max_result_again();
         }
-        size = 2;
+        size = 4;
     }
     // retransmission of an incomplete slot: tell the worker where it stands; else consumed
     // once the passes have added its lanes
@@ -1285,7 +1314,7 @@ control ThcIngress(inout tna_headers_t hdr, inout metadata_t meta,
         // a condition takes a later stage than the tables before it, and tables of two
         // branches need no order, so the words take the stages beside pass 0's slot state.
         if (meta.p1.isValid()) {
-            // ---- passes 1 and 2: every word's lookups, then the words ----
+            // ---- the adding passes: every word's lookups, then the words ----
             thc_job_heard_op.apply();
             thc_ack_slot();
             thc_ack0_new.apply();
@@ -1297,11 +1326,7 @@ control ThcIngress(inout tna_headers_t hdr, inout metadata_t meta,
             }
 #include "generated/thc_tna_cur_invalid.p4"
             if (meta.p1.last == 0) {
-                if (meta.p1.payload == THC_PAY_IDX2) {
-                    thc_go_round_again(THC_PAY_IDX1);
-                } else {
-                    thc_go_round_again(THC_PAY_NONE);
-                }
+                thc_next.apply();
             } else if (meta.p1.reply == 1) {
                 thc_dscp_last.apply();
                 meta.bridge.is_reply = 1;
@@ -1347,7 +1372,7 @@ control ThcIngress(inout tna_headers_t hdr, inout metadata_t meta,
                 meta.bridge.blank = 1;
                 meta.bridge.lut_job = THC_TNA_NO_LUT;
             } else if (meta.lanes_in != THC_IN_NONE) {
-                meta.bridge.payload = THC_PAY_IDX2;
+                meta.bridge.payload = THC_PAY_IDX;
             }
             meta.slotx = hdr.thc.seq[15:0] ^ hdr.thc.slot;
             thc_slot();
@@ -1395,13 +1420,21 @@ control ThcIngressDeparser(packet_out pkt, inout tna_headers_t hdr, in metadata_
 }
 
 // Egress sees the bridged header and, for a reply, the packet up to the THC header; a packet
-// going round passes unchanged, its bridge header in front for pass 1.
+// going round passes unchanged, its bridge header in front for the next pass, except that a
+// 16-bit job's next block of indices is doubled.
+// Two 16-bit halves: each step of the doubling moves one half, or one byte within it.
+header thc_dup_h {
+    bit<16> hi;
+    bit<16> lo;
+}
+
 struct eg_headers_t {
     thc_pass_h   bridge;
     ethernet_h   ethernet;
     ipv4_h       ipv4;
     udp_h        udp;
     thc_h        thc;
+    thc_dup_h[THC_TNA_OCTS] dd;   // the next pass's block, each byte twice
 }
 
 struct eg_metadata_t {
@@ -1412,8 +1445,10 @@ parser ThcEgressParser(packet_in pkt, out eg_headers_t hdr, out eg_metadata_t me
     state start {
         pkt.extract(eg_intr_md);
         pkt.extract(hdr.bridge);
-        transition select(hdr.bridge.recirc, hdr.bridge.is_reply) {
-            (0, 1): parse_reply;
+        transition select(hdr.bridge.recirc, hdr.bridge.is_reply, hdr.bridge.wide,
+                          hdr.bridge.payload) {
+            (0, 1, _, _): parse_reply;
+            (1, _, 1, THC_PAY_IDX): parse_dup;
             default: accept;
         }
     }
@@ -1424,6 +1459,14 @@ parser ThcEgressParser(packet_in pkt, out eg_headers_t hdr, out eg_metadata_t me
         pkt.extract(hdr.thc);
         transition accept;
     }
+    state parse_dup {
+        pkt.extract(hdr.ethernet);
+        pkt.extract(hdr.ipv4);
+        pkt.extract(hdr.udp);
+        pkt.extract(hdr.thc);
+        transition parse_dup_octs;
+    }
+#include "generated/thc_tna_eg_parse.p4"
 }
 
 control ThcEgress(inout eg_headers_t hdr, inout eg_metadata_t meta,
@@ -1454,7 +1497,14 @@ control ThcEgress(inout eg_headers_t hdr, inout eg_metadata_t meta,
         size = THC_MAX_JOBS * THC_MAX_WORKERS;
     }
 
+#include "generated/thc_tna_dup.p4"
+
     apply {
+        if (hdr.dd[0].isValid()) {
+            thc_dup_0();
+            thc_dup_1();
+            thc_dup_2();
+        }
         if (hdr.bridge.recirc == 0) {
             if (hdr.bridge.is_reply == 1) {
                 if (eg_intr_md.egress_rid != 0) {

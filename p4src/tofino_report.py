@@ -88,7 +88,7 @@ def record_tofino(out: Path) -> None:
         "command": (f"p4c --target tofino --arch tna --verbose 1 -o <out> --p4runtime-files "
                     f"<out>/thc_tna.p4info.txt --p4runtime-force-std-externs {rel(TNA_P4)}"),
         "lanes": load_spec()["lanes"],
-        "passes": 3,
+        "passes": {"8-bit sums": 3, "16-bit sums": 1 + gen_tna.BLOCKS},
         "words_a_pass": gen_tna.WORDS,
         "max_lanes": load_spec()["max_lanes"],
         "compiled": rc == 0 if rc is not None else None,
@@ -100,7 +100,8 @@ def record_tofino(out: Path) -> None:
     TOFINO_REPORT.write_text(json.dumps(rec, indent=2, sort_keys=True) + "\n")
     verdict = {True: "compiled", False: f"FAILED (exit {rc}; errors.txt)", None: "?"}[
         rec["compiled"]]
-    print(f"gen_p4: {rec['lanes']} lanes in {rec['passes']} passes {verdict}; recorded {', '.join(sorted(found))} "
+    passes = " or ".join(f"{n} ({w})" for w, n in rec["passes"].items())
+    print(f"gen_p4: {rec['lanes']} lanes in {passes} passes {verdict}; recorded {', '.join(sorted(found))} "
           f"({rec['compiler']}) in {rel(TOFINO_DIR)}")
 
 

@@ -12,7 +12,8 @@ from p4.v1 import p4runtime_pb2
 
 from thc.controller import cli, dryrun, jobs, targets
 from thc.wire.jobs import Cluster
-from tests.test_target_writes import committed_p4info, recording_switch, sample_cluster
+from tests.test_target_writes import (committed_p4info, recording_switch, sample_cluster,
+                                      wide_vote_cluster)
 
 EPOCH = re.compile(r"epoch=0x[0-9a-f]{8}")
 ENTRY = re.compile(r"(INSERT|MODIFY|DELETE) (\S+) ((?:\w+=\S+ ?)*)(?:-> (\S+)\((.*)\))?$")
@@ -84,11 +85,11 @@ def test_dry_run_prints_the_writes_of_the_install(name, monkeypatch, capsys, tmp
 
 def test_dry_run_refuses_what_the_target_cannot_run(monkeypatch, capsys, tmp_path):
     recording_switch(targets.get("tofino"))
-    config = _config(tmp_path, sample_cluster())
+    config = _config(tmp_path, wide_vote_cluster())
     assert thc_controller(monkeypatch, "--target", "tofino", "--dry-run", "install",
                           "--config", config) == 1
     out = capsys.readouterr()
-    assert out.out == "" and "16-bit sums" in out.err and "BMv2" in out.err
+    assert out.out == "" and "vote job with 16-bit sums" in out.err and "BMv2" in out.err
 
 
 def test_dry_run_is_for_install_only(monkeypatch, capsys):

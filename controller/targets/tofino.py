@@ -2,10 +2,13 @@
 tables.
 
 The program adds a packet's 256 lanes in words of four 8-bit lanes, 32 words a pass (pass 1
-the last 128 lanes, pass 2 the first 128, in words 00-31; docs/switch.md, "Tofino"). Each
-word has two lookup tables, one per byte of its four indices (two 4-bit indices, the first
-lane in the high nibble), returning both lanes' table values at once (the first lane in the
-high byte):
+the last 128 lanes, pass 2 the first 128, in words 00-31; docs/switch.md, "Tofino"), or of
+two 16-bit lanes (passes 1-4, 64 lanes each, the last first). Each word has two lookup
+tables, one per key byte (two 4-bit indices, the first lane in the high nibble). For an
+8-bit job the word's two key bytes are four indices, and each table returns its byte's
+two lanes' table values at once (the first lane in the high byte); for a 16-bit job both
+key bytes are the same index byte (the program doubles it), and table h returns the value
+of its lane h, 16 bits:
 
   ThcIngress.thc_w<NN>.thc_lut_<h>   (job_index, idx) -> thc_lut_set_<h>(value: 16 bits)
                                      NN = 00..31, h = 0, 1: 256 entries a job in each, the
@@ -15,8 +18,8 @@ high byte):
 
 A vote job's DATA carries one sign bit a lane; pass 0 spreads them over the index bytes
 (p4src/gen_tna.py, spread), two sign bits a key byte at VOTE_BITS, and the job's entries
-count them. Jobs with 16-bit sums, or with 32 workers (bit 31 of a slot's bitmap marks a
-use closed by a FLUSH), do not run here (check_job).
+count them (8-bit counts). Vote jobs with 16-bit sums, and jobs of 32 workers (bit 31 of a
+slot's bitmap marks a use closed by a FLUSH), do not run here (check_job).
 
 The P4Info is p4c's Tofino back end's, written with ``--p4runtime-files`` and
 ``--p4runtime-force-std-externs`` (without it, table names gain a ``pipe.`` prefix and the
@@ -35,7 +38,6 @@ LUT_ACTION = WORD + ".thc_lut_set_{}"
 WORD_LANES = 4
 WORD_KEYS = 2
 """Key bytes (lookup tables) a word: four 4-bit indices."""
-SUM_BITS = 8
 CPU_PORT = 320
 """Tofino-1's PCIe CPU port (pipe 2, port 64, on a four-pipe part)."""
 PIPE_SHIFT = 7
@@ -51,10 +53,13 @@ the byte are not defined: every byte value has its entry."""
 
 
 def lut_values(job, h: int) -> list[int]:
-    """[key byte] -> the action value of table h: the two lanes' table values, the first
-    lane's in the high byte. A THC byte holds two indices (the first lane in the high
-    nibble), a vote byte two sign bits at VOTE_BITS[h] (VOTE_TABLE counts them)."""
+    """[key byte] -> the action value of table h. A THC byte holds two indices (the first
+    lane in the high nibble): an 8-bit job's value is both lanes' table values, the first
+    lane's in the high byte; a 16-bit job's is lane h's alone. A vote byte holds two sign
+    bits at VOTE_BITS[h] (VOTE_TABLE counts them)."""
     t = job.table
+    if job.sum_bits == 16:
+        return [t[byte >> 4] if h == 0 else t[byte & 0x0F] for byte in range(256)]
     if job.aggregation == "vote":
         first, second = VOTE_BITS[h]
         return [t[byte >> first & 1] << 8 | t[byte >> second & 1] for byte in range(256)]
@@ -74,14 +79,12 @@ class Tofino(Target):
         return P.LANES if self.groups(p4info) else 0
 
     def check_job(self, job) -> None:
-        if job.sum_bits != SUM_BITS:
+        if job.aggregation == "vote" and job.sum_bits != 8:
             raise ConfigError(
-                f"job {job.job_id} has {job.sum_bits}-bit sums ({job.n_workers} workers x "
-                f"granularity {job.granularity} = {job.n_workers * job.granularity}, above "
-                f"{(1 << SUM_BITS) - 1}); the Tofino program adds 8-bit lanes only: its words "
-                f"hold four 8-bit lanes, and 256 16-bit lanes would need twice the adding passes. Run the "
-                f"job on BMv2 (--target bmv2) or the software aggregator, or lower its "
-                f"granularity to {((1 << SUM_BITS) - 1) // job.n_workers} or less")
+                f"job {job.job_id} is a vote job with {job.sum_bits}-bit sums; the Tofino "
+                f"program counts votes in 8-bit lanes (counts of at most {CLOSED_BIT} workers): "
+                f"leave sum_bits out, or run the job on BMv2 (--target bmv2) or the software "
+                f"aggregator")
         pipe = CPU_PORT >> PIPE_SHIFT
         away = [w for w in job.workers if w.switch_port >> PIPE_SHIFT != pipe]
         if away:

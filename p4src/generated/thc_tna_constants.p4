@@ -4,6 +4,7 @@
 const bit<32> THC_TNA_IDLE = 915528;  // run_idle_s in 65536 ns ticks
 #define THC_TNA_WORDS 32
 #define THC_TNA_OCTS 16
+#define THC_TNA_REST_OCTS 24
 #define THC_TNA_LUT_SIZE 1024
 const bit<7> THC_TNA_RECIRC_PORT = 68;
 const bit<9> THC_TNA_CPU_PORT = 320;

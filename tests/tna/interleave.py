@@ -29,7 +29,8 @@ Known differences between thc_tna.p4 and the model (docs/switch.md, "Tofino"), e
 A packet's pass 1 runs right after its pass 0, and pass 2 (lanes only) not at all, so the
 one-recirculation windows docs/switch.md describes are not exercised here.
 Also not generated: offsets of 2^31 or more (the TNA takes 31-bit offsets, bit 31 tells a
-MAX use, and refuses larger ones as malformed), shards, 16-bit jobs, truncated headers.
+MAX use, and refuses larger ones as malformed), shards, truncated headers. Where lanes go
+in the passes after pass 0 is tests/tna/lanes.py's.
 """
 from __future__ import annotations
 
@@ -64,10 +65,10 @@ def addr(w: int) -> tuple[str, int]:
     return (f"10.0.0.{w + 1}", 42000 + w)
 
 
-def make_job(n: int, pool: int, pool_base: int = 0) -> Job:
+def make_job(n: int, pool: int, pool_base: int = 0, sum_bits: int = 0) -> Job:
     return Job.from_dict({
         "job_id": JOB_ID, "pool_size": pool, "pool_base": pool_base, "lanes": P.LANES,
-        "table": TABLE, "granularity": 30,
+        "table": TABLE, "granularity": 30, "sum_bits": sum_bits,
         "workers": [{"id": w, "ip": addr(w)[0], "port": addr(w)[1], "switch_port": 260 + w}
                     for w in range(n)]})
 
@@ -93,7 +94,8 @@ def describe(d: bytes, src) -> str:
 
 
 def normalize(outcome) -> tuple:
-    """(reason, [(header fields, destination)]); a REFUSED's detail zeroed (difference 1)."""
+    """(reason, [(header fields, length, destination)]); a REFUSED's detail zeroed
+    (difference 1)."""
     replies, reason = outcome
     out = []
     for reply, dst in replies:
@@ -101,7 +103,7 @@ def normalize(outcome) -> tuple:
         fields = (P.PktType(h.pkt_type).name, h.worker_id, h.job_id, h.slot, h.version,
                   h.count, h.seq, h.offset, 0 if h.pkt_type == T["REFUSED"] else h.bitmap,
                   h.run, h.epoch)
-        out.append((fields, tuple(dst)))
+        out.append((fields, len(reply), tuple(dst)))
     return reason, out
 
 
@@ -116,9 +118,10 @@ class Interleaving:
         if self.n > 1 and rng.random() < 0.7:
             self.weights[rng.randrange(self.n)] = 0.15   # a straggler
         pool_base = rng.choice((0, 8, 64))
+        sum_bits = rng.choice((0, 16))             # 0: the narrowest, 8 bits here
         self.config = (f"{self.n} workers, pool {self.pool} at {pool_base}, base {self.base}, "
-                       f"loss {self.loss}, weights {self.weights}")
-        self.job = make_job(self.n, self.pool, pool_base)
+                       f"loss {self.loss}, weights {self.weights}, sum_bits {sum_bits}")
+        self.job = make_job(self.n, self.pool, pool_base, sum_bits)
         self.model, self.tna = Model(), TnaEngine(prog)
         self.now, self.top, self.history = 1000.0, FIRST_RUN - 1, []
         self.install()
@@ -241,7 +244,7 @@ class Interleaving:
         label = self.label(w)
         if (d[0] == T["FLUSH"] and len(w[1]) == 1 and w[1][0][0][0] == "RESULT"
                 and w[1][0][0][5] == self.n and self.tna.job_counters()["completions"] > done):
-            g = (g[0], [r for r in g[1] if r[1] == tuple(src)])   # difference 2
+            g = (g[0], [r for r in g[1] if r[2] == tuple(src)])   # difference 2
             self.flush_again += 1
             label = "FLUSH at a complete use (difference 2)"
         self.history.append(f"{describe(d, src)} at {self.now:.3f}: {label}")
@@ -256,7 +259,7 @@ class Interleaving:
             self.owned.add(st.thc_job_run)
             if st.thc_job_run != self.run:
                 self.new_run(st.thc_job_run)   # a run took the job: its workers go on
-        for (fields, _dst) in w[1]:
+        for (fields, _size, _dst) in w[1]:
             if fields[0] in ("RESULT", "MAX_RESULT") and fields[9] == self.run \
                     and self.rng.random() >= self.loss:
                 v = fields[1]

@@ -24,6 +24,8 @@ from thc.controller import program as names
 from thc.controller.frames import reset_frame, udp_frame
 from thc.wire import protocol as P
 
+UDP_HEADER_BYTES = 8
+
 AGG_MAC, AGG_IP = "02:00:00:00:00:fe", "10.0.0.254"
 
 
@@ -131,8 +133,9 @@ class TnaEngine:
             dest, value = self.addr.get((thc["hdr.thc.job_id"], thc["hdr.thc.worker_id"])), 0
             for name, w in layout:
                 value = value << w | thc[name]
-            if dest is not None:
-                replies.append((value.to_bytes(P.HEADER_BYTES, "big"), dest))
+            if dest is not None:   # the payload's bytes are the passes' (tests/tna/lanes.py)
+                size = f.get("hdr.udp.length", 0) - UDP_HEADER_BYTES
+                replies.append((value.to_bytes(P.HEADER_BYTES, "big").ljust(size, b"\0"), dest))
         return replies, reason
 
     def _pass(self, fields: dict, port: int, tstamp: int) -> dict:
