@@ -229,3 +229,16 @@ def test_a_chunk_held_for_a_gone_worker_times_out_naming_it():
         finally:
             w0.close()
             w1.close()
+
+
+def test_a_refusal_names_what_the_aggregator_holds_or_leaves_it_out():
+    """A REFUSED's detail (the job's run, the slot's newer seq, the use's packet type, the
+    first incarnation's nonce) is never 0; the Tofino program sends 0 for "not reported",
+    and the message must not name run 0 or seq 0 as what the aggregator holds."""
+    where = "job 3 run 9 seq 12"
+    assert "another run (7) that is active" in str(AggregationRefused(where, "stale_run", 7))
+    assert "newer chunk (seq 40) of" in str(AggregationRefused(where, "stale", 40))
+    assert "(nonce 0x0000abcd)" in str(AggregationRefused(where, "reused_run", 0xABCD))
+    for reason in ("stale_run", "stale", "wrong_use", "reused_run"):
+        text = str(AggregationRefused(where, reason, 0))
+        assert "(" + reason + ")" in text and "0)" not in text and "0x" not in text, text

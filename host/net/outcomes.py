@@ -56,25 +56,30 @@ class AggregationTimeout(TimeoutError):
 class AggregationRefused(RuntimeError):
     """The aggregator refused a chunk of this run (a REFUSED reply): ``reason`` is the drop
     reason (protocol.json), ``detail`` what the aggregator holds instead (stale_run: the
-    job's run; stale: the slot's newer seq; wrong_use: the use's packet type)."""
+    job's run; stale: the slot's newer seq; wrong_use: the use's packet type; reused_run:
+    the first incarnation's nonce). 0 is no value of these: an aggregator that does not
+    report it (the Tofino program) sends 0, and the message leaves it out."""
 
     HINTS = {
-        "stale_run": "the job belongs to another run ({detail}) that is active: a run takes "
+        "stale_run": "the job belongs to another run{detail} that is active: a run takes "
                      "an active job over only with an id newer by at most {jump} (the "
                      "default clock id of a later launch), any run once the job has been "
                      "idle for {idle} s; restarted workers need a new run id",
-        "stale": "the slot already holds a newer chunk (seq {detail}) of this run: a worker "
+        "stale": "the slot already holds a newer chunk{detail} of this run: a worker "
                  "of the run is out of step (restarted with the same run id?)",
-        "wrong_use": "the chunk's slot is in use by another kind of round or another offset "
-                     "(packet type {detail}): the workers of this run are out of step",
+        "wrong_use": "the chunk's slot is in use by another kind of round or another offset"
+                     "{detail}: the workers of this run are out of step",
         "wrong_slot": "the packet named a slot or version that is not its sequence number's",
-        "reused_run": "another incarnation of this worker (nonce {detail:#010x}) already sent "
+        "reused_run": "another incarnation of this worker{detail} already sent "
                       "chunks under this run id: restarted workers need a new run id (a "
                       "launcher must set a fresh THC_RUN at every launch and restart)",
     }
+    SHOW = {"stale_run": " ({})", "stale": " (seq {})", "wrong_use": " (packet type {})",
+            "reused_run": " (nonce {:#010x})"}
 
     def __init__(self, where: str, reason: str, detail: int):
-        hint = self.HINTS.get(reason, "").format(detail=detail, jump=P.RUN_JUMP,
+        shown = self.SHOW.get(reason, "").format(detail) if detail else ""
+        hint = self.HINTS.get(reason, "").format(detail=shown, jump=P.RUN_JUMP,
                                                  idle=P.RUN_IDLE_S)
         super().__init__(f"{where}: refused by the aggregator ({reason}): {hint}")
         self.reason = reason
