@@ -70,7 +70,7 @@ header thc_oct_h {
     bit<32> idx;
 }
 
-// four lanes' 8-bit sums (big-endian), or one max lane
+// four 8-bit or two 16-bit sums (big-endian), or one max lane
 header thc_word_h {
     bit<32> w;
 }

@@ -83,11 +83,45 @@ def _program() -> str:
     return (P4SRC / "thc_tna.p4").read_text()
 
 
+def _constant(name: str) -> int:
+    text = "".join((GEN / f).read_text() for f in ("thc_constants.p4", "thc_tna_constants.p4"))
+    return int(re.search(rf"#define {name} (\d+)", text)[1])
+
+
+def call_order(control: str, prefix: str) -> list[int]:
+    """The order in which ``control``'s apply block calls the actions prefix_<n>."""
+    body = _program().split(f"control {control}(", 1)[1]
+    body = body[body.index("\n    apply {"):]
+    return [int(n) for n in re.findall(rf"\b{prefix}_(\d+)\(\);", body)]
+
+
+def egress_state(recirc: int, is_reply: int, wide: int, payload: str) -> str:
+    """Where the egress parser goes after the bridge header: its select's first match."""
+    start = _program().split("parser ThcEgressParser(", 1)[1]
+    cases = re.search(r"transition select\(hdr\.bridge\.recirc, hdr\.bridge\.is_reply, "
+                      r"hdr\.bridge\.wide,\s*hdr\.bridge\.payload\) \{(.*?)\}", start, re.S)
+    assert cases, "the egress parser's select changed"
+    for m in re.finditer(r"\(([^)]*)\): (\w+);|default: (\w+);", cases.group(1)):
+        if m[3]:
+            return m[3]
+        cells = [c.strip() for c in m[1].split(",")]
+        if all(c == "_" or c == v for c, v in zip(cells, (str(recirc), str(is_reply),
+                                                          str(wide), payload))):
+            return m[2]
+    raise AssertionError("the egress parser's select has no default")
+
+
 def pass_rules() -> tuple[int, dict[tuple[int, int], tuple[int, int]], int]:
     """What the program's own statements say: set_job's shift for the job's width, the pass
     round's entries ((wide, step) -> (last, next step), thc_next), and how many quarters
-    the words' registers hold. The pass round must set the quarter to the step."""
+    the words' registers hold. The pass round sets the step into the word index's bits
+    above a slot version's (the index is the slot's low bits and the version: THC_REG_SIZE
+    values, below those bits)."""
     text = _program()
+    index = re.search(r"thc_word_hash\.get\(\{meta\.slot_idx\[(\d+):0\], "
+                      r"hdr\.thc\.version\[0:0\]\}\)", text)
+    assert index and 1 << int(index[1]) + 2 == _constant("THC_REG_SIZE") == 1 << 10, \
+        "the words' index of a slot version must take THC_REG_SIZE values, bits 9:0"
     wide = re.search(r"meta\.bridge\.wide = meta\.wide;", text)
     shift = re.search(r"meta\.wide = \(bit<1>\)\(sum_bits >> (\d+)\);", text)
     again = re.search(r"action thc_go_round_again\(bit<1> last, bit<2> step\) \{(.*?)\n    \}",
@@ -150,29 +184,33 @@ def walk(job, data: bytes, rng, parallel: bool = True) -> Walk:
     """A DATA payload of ``job`` (indices, or a vote DATA's sign bits) through pass 0, the
     egress between passes and every adding pass; undefined bits start random."""
     shift, rounds, quarters = pass_rules()
-    n_rest = max(i for s, i in state("parse_idx") if s == "rest") + 1
-    stacks = (("rest", n_rest), ("cur", 32), ("res", 32))
+    stacks = (("rest", _constant("THC_TNA_REST_OCTS")), ("cur", _constant("THC_TNA_OCTS")),
+              ("res", _constant("THC_TNA_WORDS")))
     order = [(s, i) for s, n in stacks for i in range(n)]
     phv, valid = _garbage(rng, stacks), set()
     vote = job.aggregation == "vote"
     rest = _extract(data, state("parse_signs" if vote else "parse_idx"), phv, valid)
     assert rest == b"", "pass 0 parses the whole DATA"
     if vote:
-        for stmts in actions("thc_tna_spread.p4", "thc_spread"):
-            run(phv, valid, stmts, dict(phv) if parallel else None)
+        spread = actions("thc_tna_spread.p4", "thc_spread")
+        for n in call_order("ThcIngress", "thc_spread"):
+            run(phv, valid, spread[n], dict(phv) if parallel else None)
     packet = _emit(phv, valid, order)
     wide = job.sum_bits >> shift & 1
     step, last = 0, 0                                     # pass 0's bridge (auto-initialised)
     values = [tofino.lut_values(job, h) for h in range(2)]
     out = Walk()
     while True:
-        if wide:                                          # egress: double the next block
-            eg_phv, eg_valid = _garbage(rng, (("dd", 16),)), set()
+        # the egress of the pass before: a packet going round, its lanes' blocks next
+        if egress_state(1, 0, wide, "THC_PAY_IDX") == "parse_dup":
+            n = _constant("THC_TNA_OCTS")
+            eg_phv, eg_valid = _garbage(rng, (("dd", n),)), set()
             after = _extract(packet, state("parse_dup_octs", "thc_tna_eg_parse.p4"),
                              eg_phv, eg_valid)
-            for stmts in actions("thc_tna_dup.p4", "thc_dup"):
-                run(eg_phv, eg_valid, stmts, dict(eg_phv) if parallel else None)
-            packet = _emit(eg_phv, eg_valid, [("dd", i) for i in range(16)]) + after
+            dup = actions("thc_tna_dup.p4", "thc_dup")
+            for k in call_order("ThcEgress", "thc_dup"):
+                run(eg_phv, eg_valid, dup[k], dict(eg_phv) if parallel else None)
+            packet = _emit(eg_phv, eg_valid, [("dd", i) for i in range(n)]) + after
         name = lane_states()[(wide, step)]
         out.passes.append(name)
         out.quarters.append(step)
@@ -181,8 +219,8 @@ def walk(job, data: bytes, rng, parallel: bool = True) -> Walk:
         for word, h, octet, hi, lo, res_hi in lookups():
             value = values[h][_get(phv[("cur", octet)], hi, lo)]
             phv[("res", word)] = _put(phv[("res", word)], res_hi, res_hi - 15, value)
-        valid -= {("cur", i) for i in range(32)}
-        valid |= {("res", i) for i in range(32)}
+        valid -= {("cur", i) for i in range(_constant("THC_TNA_OCTS"))}
+        valid |= {("res", i) for i in range(_constant("THC_TNA_WORDS"))}
         packet = _emit(phv, valid, order) + behind
         if last:
             out.payload = packet
