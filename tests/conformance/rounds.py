@@ -80,6 +80,15 @@ def assert_result(got, job, seq, idxs, to_worker, run=RUN):
     np.testing.assert_array_equal(sums_of(payload, job), expected_sums(job, idxs))
 
 
+def assert_round(harness, job, seq, idxs, workers=None, run=RUN):
+    """All (or the given) workers send chunk ``seq``; every worker of the job receives its
+    RESULT of all of ``idxs``. Returns what each received."""
+    got = run_round(harness, job, seq, idxs, workers=workers, run=run)
+    for w in range(job.n_workers):
+        assert_result(got[w], job, seq, idxs, w, run=run)
+    return got
+
+
 def assert_refused(got, job, reason, detail, seq, to_worker, run=RUN):
     """``got`` is exactly one REFUSED of ``job``'s chunk ``seq`` to ``to_worker``: the drop
     reason's code in ``count``, its detail in ``bitmap``, no payload."""

@@ -12,9 +12,8 @@ import numpy as np
 
 from thc.wire import protocol as P
 from tests.conformance.test_flush import flush
-from tests.conformance.rounds import (RUN, assert_result, data, datagram,
-                                              drops_delta, indices, new_job, parse, run_round,
-                                              settle)
+from tests.conformance.rounds import (RUN, assert_result, assert_round, data, datagram,
+                                      drops_delta, indices, new_job, parse, run_round, settle)
 
 
 def max_packet(job, worker, seq, value=1.0, **kw):
@@ -46,9 +45,7 @@ def test_a_max_at_a_sums_seq_is_refused_and_adds_nothing(harness):
     refused(w1.recv_all(), "wrong_use", 0, int(P.PktType.DATA))
     settle(harness)
     assert drops_delta(before, harness.drops()) == {"wrong_use": 1}
-    got = run_round(harness, job, 0, idxs, workers=[1])
-    for w in range(2):
-        assert_result(got[w], job, 0, idxs, w)
+    assert_round(harness, job, 0, idxs, workers=[1])
 
 
 def test_data_after_a_max_use_is_refused_and_the_next_use_starts_clean(harness):
@@ -73,9 +70,7 @@ def test_data_after_a_max_use_is_refused_and_the_next_use_starts_clean(harness):
     # every worker moves on through the other version; the slot's next use sums from zero
     for seq in (2, 4):
         idxs = [indices(rng, job) for _ in range(2)]
-        got = run_round(harness, job, seq, idxs)
-        for w in range(2):
-            assert_result(got[w], job, seq, idxs, w)
+        assert_round(harness, job, seq, idxs)
 
 
 def test_a_chunk_whose_offset_differs_from_its_use_is_refused(harness):
@@ -87,9 +82,7 @@ def test_a_chunk_whose_offset_differs_from_its_use_is_refused(harness):
     w1 = harness.endpoint(job, 1)
     w1.send(data(job, 1, 0, idxs[1], offset=12345))
     refused(w1.recv_all(), "wrong_use", 0)
-    got = run_round(harness, job, 0, idxs, workers=[1])
-    for w in range(2):
-        assert_result(got[w], job, 0, idxs, w)
+    assert_round(harness, job, 0, idxs, workers=[1])
 
 
 def test_a_slot_or_version_that_is_not_the_seqs_is_refused(harness):
@@ -106,9 +99,7 @@ def test_a_slot_or_version_that_is_not_the_seqs_is_refused(harness):
         refused(w1.recv_all(), "wrong_slot", 6)
         settle(harness)
         assert drops_delta(before, harness.drops()) == {"wrong_slot": 1}
-    got = run_round(harness, job, 1, idxs, workers=[1])
-    for w in range(2):
-        assert_result(got[w], job, 1, idxs, w)
+    assert_round(harness, job, 1, idxs, workers=[1])
 
 
 def test_a_far_newer_seq_waits_and_dead_ends_nothing(harness):
@@ -136,9 +127,7 @@ def test_a_far_newer_seq_waits_and_dead_ends_nothing(harness):
     assert_result(harness.endpoint(job, 1).recv_all(), job, 0, first, 1)
     for seq in (pool, 2 * pool):
         idxs = [indices(rng, job) for _ in range(2)]
-        got = run_round(harness, job, seq, idxs)
-        for w in range(2):
-            assert_result(got[w], job, seq, idxs, w)
+        assert_round(harness, job, seq, idxs)
 
 
 def test_a_new_use_waits_for_the_worker_that_lacks_the_previous_result(harness):
@@ -164,9 +153,7 @@ def test_a_new_use_waits_for_the_worker_that_lacks_the_previous_result(harness):
         assert (hdr.pkt_type, hdr.seq, hdr.count, hdr.bitmap) == (P.PktType.RESULT, seq, 1, 1)
     # worker 1's chunk `pool` showed it holds chunk 0: chunk 2 x pool starts, exact
     seq = 2 * pool
-    got = run_round(harness, job, seq, idxs[seq])
-    for w in range(2):
-        assert_result(got[w], job, seq, idxs[seq], w)
+    assert_round(harness, job, seq, idxs[seq])
 
 
 def test_stale_packets_are_answered_so_the_sender_fails_at_once(harness):
@@ -194,16 +181,12 @@ def test_a_far_future_run_cannot_take_a_live_job(harness):
         w1.send(data(job, 1, seq, indices(rng, job), run=far))
         refused(w1.recv_all(), "stale_run", seq, RUN)
     idxs = [indices(rng, job) for _ in range(2)]
-    got = run_round(harness, job, 2, idxs)
-    for w in range(2):
-        assert_result(got[w], job, 2, idxs, w)
+    assert_round(harness, job, 2, idxs)
     # a later launch's run (newer within the jump) takes the job at once
     later = RUN + 600
     for seq in (0, 1):
         idxs = [indices(rng, job) for _ in range(2)]
-        got = run_round(harness, job, seq, idxs, run=later)
-        for w in range(2):
-            assert_result(got[w], job, seq, idxs, w, run=later)
+        assert_round(harness, job, seq, idxs, run=later)
 
 
 def test_each_install_answers_with_a_new_epoch(harness):
@@ -226,9 +209,7 @@ def test_a_second_incarnation_of_a_worker_in_one_run_is_refused(harness):
     rng = np.random.default_rng(49)
     job = new_job(harness, n_workers=2)
     idxs = [indices(rng, job) for _ in range(2)]
-    got = run_round(harness, job, 0, idxs)
-    for w in range(2):
-        assert_result(got[w], job, 0, idxs, w)
+    assert_round(harness, job, 0, idxs)
     again = bytearray(data(job, 1, 0, idxs[1]))
     again[P.HEADER_BYTES - 4:P.HEADER_BYTES] = (0x5EED).to_bytes(4, "big")
     w1 = harness.endpoint(job, 1)

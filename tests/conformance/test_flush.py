@@ -9,9 +9,8 @@ import numpy as np
 import pytest
 
 from thc.wire import protocol as P
-from tests.conformance.rounds import (data, datagram, drops_delta, expected_sums,
-                                              indices, new_job, parse, run_round, settle,
-                                              sums_of)
+from tests.conformance.rounds import (data, datagram, drops_delta, expected_sums, indices, new_job,
+                                      parse, run_round, settle, sums_of)
 
 
 def flush(job, worker, seq, **kw):

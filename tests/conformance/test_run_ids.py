@@ -6,8 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.conformance.rounds import (RUN, assert_refused, assert_result, data, datagram,
-                                      drops_delta, indices, new_job, parse, run_round, settle)
+from tests.conformance.rounds import (RUN, assert_refused, assert_result, assert_round, data,
+                                      datagram, drops_delta, indices, new_job, parse, run_round,
+                                      settle)
 from thc.wire import protocol as P
 
 
@@ -22,9 +23,7 @@ def test_restart_after_a_failed_round_gets_exact_sums(harness):
     before = harness.drops()
     for seq in range(3):
         fresh = [indices(rng, job) for _ in range(4)]
-        got = run_round(harness, job, seq, fresh, run=2)
-        for w in range(4):
-            assert_result(got[w], job, seq, fresh, w, run=2)
+        assert_round(harness, job, seq, fresh, run=2)
     settle(harness)
     assert drops_delta(before, harness.drops()) == {}
 
@@ -38,9 +37,7 @@ def test_restart_after_a_completed_round_reuses_seqs_from_zero(harness):
     before = harness.drops()
     for seq in range(5):
         fresh = [indices(rng, job) for _ in range(2)]
-        got = run_round(harness, job, seq, fresh, run=2)
-        for w in range(2):
-            assert_result(got[w], job, seq, fresh, w, run=2)
+        assert_round(harness, job, seq, fresh, run=2)
     settle(harness)
     assert drops_delta(before, harness.drops()) == {}
 
@@ -141,9 +138,7 @@ def test_a_reinstalled_job_knows_no_run(harness):
     harness.remove(job.job_id)
     harness.install(job)
     again = [indices(rng, job) for _ in range(2)]
-    got = run_round(harness, job, 0, again, run=5)
-    for w in range(2):
-        assert_result(got[w], job, 0, again, w, run=5)
+    assert_round(harness, job, 0, again, run=5)
 
 
 def test_a_chunk_sent_to_the_wrong_shard_is_dropped_counted_and_harmless(harness):
@@ -166,7 +161,5 @@ def test_a_chunk_sent_to_the_wrong_shard_is_dropped_counted_and_harmless(harness
     assert drops_delta(before, harness.drops()) == {"wrong_shard": 2}
     # Both shards still aggregate the run exactly (shard 0 did not take RUN + 7).
     for seq in (0, 1):
-        got = run_round(harness, job, seq, idxs)
-        for w in range(2):
-            assert_result(got[w], job, seq, idxs, w)
+        assert_round(harness, job, seq, idxs)
     assert drops_delta(before, harness.drops()) == {"wrong_shard": 2}

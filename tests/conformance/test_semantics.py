@@ -8,8 +8,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.conformance.rounds import (assert_refused, assert_result, data, datagram, drops_delta,
-                                      indices, new_job, parse, run_round, settle)
+from tests.conformance.rounds import (assert_refused, assert_result, assert_round, data, datagram,
+                                      drops_delta, indices, new_job, parse, run_round, settle)
 from thc.codec.packing import pack_bits
 from thc.wire import protocol as P
 
@@ -19,9 +19,7 @@ def test_exact_sums_multicast_to_every_worker(harness):
     job = new_job(harness, n_workers=3)
     for seq in range(6):
         idxs = [indices(rng, job) for _ in range(job.n_workers)]
-        got = run_round(harness, job, seq, idxs)
-        for w in range(job.n_workers):
-            assert_result(got[w], job, seq, idxs, w)
+        assert_round(harness, job, seq, idxs)
 
 
 @pytest.mark.parametrize("n_workers,sum_bits", [(8, 8), (9, 16), (32, 16)])
@@ -34,14 +32,10 @@ def test_sum_width_follows_workers_times_granularity(harness, n_workers, sum_bit
     top = int(np.argmax(job.table))
     idxs = [np.full(lanes, top, np.uint8) for _ in range(n_workers - 1)]
     idxs.append(np.arange(lanes, dtype=np.uint8) % 16)
-    got = run_round(harness, job, 0, idxs)
-    for w in range(n_workers):
-        assert_result(got[w], job, 0, idxs, w)
+    assert_round(harness, job, 0, idxs)
     rng = np.random.default_rng(12)
     idxs = [indices(rng, job) for _ in range(n_workers)]
-    got = run_round(harness, job, 1, idxs)
-    for w in range(n_workers):
-        assert_result(got[w], job, 1, idxs, w)
+    assert_round(harness, job, 1, idxs)
 
 
 def test_extreme_indices_sum_exactly(harness):
@@ -49,9 +43,7 @@ def test_extreme_indices_sum_exactly(harness):
     lanes = job.lanes
     idxs = [np.full(lanes, 15, np.uint8), np.full(lanes, 15, np.uint8),
             np.arange(lanes, dtype=np.uint8) % 16, np.zeros(lanes, np.uint8)]
-    got = run_round(harness, job, 0, idxs)
-    for w in range(4):
-        assert_result(got[w], job, 0, idxs, w)
+    assert_round(harness, job, 0, idxs)
 
 
 def test_partial_then_complete(harness):
@@ -60,9 +52,7 @@ def test_partial_then_complete(harness):
     idxs = [indices(rng, job) for _ in range(3)]
     got = run_round(harness, job, 0, idxs, workers=[0, 1])
     assert all(not v for v in got.values()), "no result before the last worker contributes"
-    got = run_round(harness, job, 0, idxs, workers=[2])
-    for w in range(3):
-        assert_result(got[w], job, 0, idxs, w)
+    assert_round(harness, job, 0, idxs, workers=[2])
 
 
 def test_duplicate_before_completion_counts_once_and_reports_pending(harness):
@@ -77,9 +67,7 @@ def test_duplicate_before_completion_counts_once_and_reports_pending(harness):
     hdr, payload = parse(got[0])
     assert hdr.pkt_type == P.PktType.PENDING and payload == b""
     assert hdr.bitmap == 0b101 and hdr.count == 2 and hdr.worker_id == 0
-    got = run_round(harness, job, 0, idxs, workers=[1])
-    for w in range(3):
-        assert_result(got[w], job, 0, idxs, w)
+    assert_round(harness, job, 0, idxs, workers=[1])
 
 
 def test_retransmission_to_completed_slot_answers_that_worker_only(harness):
@@ -150,9 +138,7 @@ def test_sequence_numbers_wrap_around(harness):
     assert seqs[0] == P.SEQ_MOD - 2 * pool and 0 in seqs and seqs[-1] == 2 * pool
     for seq in seqs:
         idxs = [indices(rng, job) for _ in range(2)]
-        got = run_round(harness, job, seq, idxs)
-        for w in range(2):
-            assert_result(got[w], job, seq, idxs, w)
+        assert_round(harness, job, seq, idxs)
     settle(harness)
     assert drops_delta(before, harness.drops()) == {}
     assert harness.job_counters(job)["held"] == held
@@ -256,9 +242,7 @@ def test_bad_packet_is_dropped_counted_and_harmless(harness, case):
     changed = {k: after[k] - before[k] for k in after if after[k] != before[k]}
     assert changed == {reason: 1}
     # The aggregate afterwards is exactly what the good packets make.
-    got = run_round(harness, job, 0, idxs)
-    for w in range(2):
-        assert_result(got[w], job, 0, idxs, w)
+    assert_round(harness, job, 0, idxs)
 
 
 def test_job_counters_track_packets_and_completions(harness):
