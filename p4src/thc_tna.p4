@@ -408,6 +408,12 @@ control ThcIngress(inout tna_headers_t hdr, inout metadata_t meta,
             }
         }
     };
+    // what a REFUSED reused_run names (pass 1): the first incarnation's nonce
+    RegisterAction<thc_incarnation_t, bit<16>, bit<32>>(thc_worker_run) thc_nonce_read = {
+        void apply(inout thc_incarnation_t value, out bit<32> nonce) {
+            nonce = value.nonce;
+        }
+    };
     // a new use: another run, or a later seq (RFC 1982)
     RegisterAction<thc_run_seq_t, thc_index_t, bit<4>>(thc_run) thc_run_ra = {
         void apply(inout thc_run_seq_t value, out bit<4> step) {
@@ -429,6 +435,12 @@ control ThcIngress(inout tna_headers_t hdr, inout metadata_t meta,
                 value.run = hdr.thc.run;
                 value.seq = hdr.thc.seq;
             }
+        }
+    };
+    // what a REFUSED stale names (pass 1): the slot version's newer seq
+    RegisterAction<thc_run_seq_t, thc_index_t, bit<32>>(thc_run) thc_seq_read = {
+        void apply(inout thc_run_seq_t value, out bit<32> seq) {
+            seq = value.seq;
         }
     };
     RegisterAction<thc_run_seq_t, thc_index_t, bit<1>>(thc_run) thc_run_reset = {
@@ -456,6 +468,16 @@ control ThcIngress(inout tna_headers_t hdr, inout metadata_t meta,
     };
     RegisterAction<bit<32>, thc_index_t, bit<1>>(thc_use) thc_use_reset = {
         void apply(inout bit<32> value) { value = 0; }
+    };
+    // what a REFUSED wrong_use names (pass 1): the use's packet type
+    RegisterAction<bit<32>, thc_index_t, bit<32>>(thc_use) thc_op_read = {
+        void apply(inout bit<32> value, out bit<32> op) {
+            if ((int<32>)value < 0) {
+                op = (bit<32>)THC_MAX;
+            } else {
+                op = (bit<32>)THC_DATA;
+            }
+        }
     };
     // Acknowledgements of version V's use, a register a version so that a packet reaches
     // both in one stage: every packet of the job's run shows its sender holds the result of
@@ -647,6 +669,7 @@ control ThcIngress(inout tna_headers_t hdr, inout metadata_t meta,
     Hash<thc_index_t>(HashAlgorithm_t.IDENTITY) thc_reg_hash;
     Hash<thc_index_t>(HashAlgorithm_t.IDENTITY) thc_word_hash;
     Hash<bit<16>>(HashAlgorithm_t.IDENTITY) thc_worker_hash;
+    Hash<bit<16>>(HashAlgorithm_t.IDENTITY) thc_worker_hash1;
     action thc_index() {
         meta.reg_index = thc_reg_hash.get({meta.slot_idx[9:0], hdr.thc.version[0:0]});
         meta.worker_index = thc_worker_hash.get({meta.job_index[3:0], hdr.thc.worker_id[4:0]});
@@ -856,6 +879,29 @@ control ThcIngress(inout tna_headers_t hdr, inout metadata_t meta,
     action thc_ack_slot() {
         meta.slot_idx = 7w0 ++ meta.p1.word_index[9:1];
     }
+    // Pass 1 of a REFUSED that pass 0 sent round (reused_run, stale, wrong_use) reads what
+    // the model names in its bitmap from the register that refused it, addressed through
+    // the same fields as pass 0.
+    action thc_detail_index() {
+        meta.reg_index = 6w0 ++ meta.p1.word_index[9:0];
+        meta.worker_index = thc_worker_hash1.get({meta.p1.job, hdr.thc.worker_id[4:0]});
+    }
+    action thc_nonce_detail() { hdr.thc.bitmap = thc_nonce_read.execute(meta.worker_index); }
+    action thc_seq_detail() { hdr.thc.bitmap = thc_seq_read.execute(meta.reg_index); }
+    action thc_op_detail() { hdr.thc.bitmap = thc_op_read.execute(meta.reg_index); }
+#define THC_DETAIL(REG, STAGE, REASON) \
+    @stage(STAGE) \
+    table thc_##REG##_detail_op { \
+        key = { hdr.thc.pkt_type: ternary; hdr.thc.count: ternary; } \
+        actions = { thc_##REG##_detail; NoAction; } \
+        const entries = { (THC_REFUSED, REASON): thc_##REG##_detail(); } \
+        const default_action = NoAction; \
+        size = 1; \
+    }
+    THC_DETAIL(nonce, 5, THC_DROP_REUSED_RUN)
+    THC_DETAIL(seq, 6, THC_DROP_STALE)
+    THC_DETAIL(op, 7, THC_DROP_WRONG_USE)
+#undef THC_DETAIL
     action thc_ack_start0() {
         thc_acked0_fresh.execute(meta.slot_idx);
     }
@@ -1317,6 +1363,10 @@ control ThcIngress(inout tna_headers_t hdr, inout metadata_t meta,
             // ---- the adding passes: every word's lookups, then the words ----
             thc_job_heard_op.apply();
             thc_ack_slot();
+            thc_detail_index();
+            thc_nonce_detail_op.apply();
+            thc_seq_detail_op.apply();
+            thc_op_detail_op.apply();
             thc_ack0_new.apply();
             thc_ack1_new.apply();
 #include "generated/thc_tna_luts_apply.p4"

@@ -12,7 +12,8 @@ header fields, destination) must agree, and so must the counters. ``THC_TNA_SEED
 another seed.
 
 Known differences between thc_tna.p4 and the model (docs/switch.md, "Tofino"), excluded:
- 1. a REFUSED's bitmap (detail) is 0 on the TNA: zeroed on both sides before comparing;
+ 1. a REFUSED stale_run's bitmap (detail, the job's run) is 0 on the TNA: zeroed on both
+    sides before comparing (the REFUSEDs pass 1 sends name what the model names);
  2. a FLUSH at a complete (not closed) use multicasts the RESULT again on the TNA (a
     completion), where the model answers its sender (a retransmission): the TNA's copies to
     the other workers are dropped and its counters moved before comparing;
@@ -95,13 +96,14 @@ def describe(d: bytes, src) -> str:
 
 def normalize(outcome) -> tuple:
     """(reason, [(header fields, length, destination)]); a REFUSED's detail zeroed
-    (difference 1)."""
+    (difference 1: stale_run's)."""
     replies, reason = outcome
     out = []
     for reply, dst in replies:
         h = P.Header.unpack(reply[:P.HEADER_BYTES])
         fields = (P.PktType(h.pkt_type).name, h.worker_id, h.job_id, h.slot, h.version,
-                  h.count, h.seq, h.offset, 0 if h.pkt_type == T["REFUSED"] else h.bitmap,
+                  h.count, h.seq, h.offset, 0 if (h.pkt_type == T["REFUSED"] and
+                                                  h.count == P.DropReason.stale_run) else h.bitmap,
                   h.run, h.epoch)
         out.append((fields, len(reply), tuple(dst)))
     return reason, out

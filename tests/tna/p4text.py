@@ -10,9 +10,10 @@ import subprocess
 from pathlib import Path
 
 P4SRC = Path(__file__).resolve().parents[2] / "p4src"
-PASS1 = ("thc_job_heard_op", "thc_ack_slot", "thc_ack0_new", "thc_ack1_new")
-"""The statements (tables applied, actions called) of passes 1 and 2 that touch the slot
-state; the rest adds lanes."""
+PASS1 = ("thc_job_heard_op", "thc_ack_slot", "thc_ack0_new", "thc_ack1_new",
+         "thc_detail_index", "thc_nonce_detail_op", "thc_seq_detail_op", "thc_op_detail_op")
+"""The statements (tables applied, actions called) of the adding passes that touch the slot
+state (or read it into a REFUSED); the rest adds lanes."""
 SKIP = ("thc_spread_",)
 """Actions read as no-ops: the vote spread moves sign bits, and lanes are not simulated."""
 INTRINSIC = {"ig_intr_md": {"ingress_port": 9, "ingress_mac_tstamp": 48},

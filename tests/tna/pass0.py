@@ -116,9 +116,11 @@ class TnaEngine:
             again = {k: v for k, v in f.items() if k.startswith("hdr.")}
             again.update({"meta.p1" + k[len("meta.bridge"):]: v for k, v in f.items()
                           if k.startswith("meta.bridge.")})
-            self._pass(again, f["ig_tm_md.ucast_egress_port"], tstamp)
+            f1 = self._pass(again, f["ig_tm_md.ucast_egress_port"], tstamp)
             if not f.get("meta.bridge.reply", 0):
                 return [], reason
+            if f.get("meta.bridge.hdr_only", 0):   # pass 1 sends it, its header as it left
+                f = dict(f, **{k: v for k, v in f1.items() if k.startswith("hdr.thc.")})
             grp = f.get("meta.bridge.mcast_grp", 0)
             rids = self.mcast.get(grp, []) if grp else [0]
         elif f.get("meta.bridge.is_reply", 0):
