@@ -233,7 +233,7 @@ def test_a_chunk_held_for_a_gone_worker_times_out_naming_it():
 
 def test_a_refusal_names_what_the_aggregator_holds_or_leaves_it_out():
     """A REFUSED's detail (the job's run, the slot's newer seq, the use's packet type, the
-    first incarnation's nonce) is never 0; the Tofino program sends 0 for "not reported",
+    first incarnation's nonce) is never 0: an aggregator that does not report it sends 0,
     and the message must not name run 0 or seq 0 as what the aggregator holds."""
     where = "job 3 run 9 seq 12"
     assert "another run (7) that is active" in str(AggregationRefused(where, "stale_run", 7))

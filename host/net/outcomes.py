@@ -57,8 +57,8 @@ class AggregationRefused(RuntimeError):
     """The aggregator refused a chunk of this run (a REFUSED reply): ``reason`` is the drop
     reason (protocol.json), ``detail`` what the aggregator holds instead (stale_run: the
     job's run; stale: the slot's newer seq; wrong_use: the use's packet type; reused_run:
-    the first incarnation's nonce). 0 is no value of these: an aggregator that does not
-    report it (the Tofino program) sends 0, and the message leaves it out."""
+    the first incarnation's nonce). 0 is no value of these: from an aggregator that does
+    not report it, the message leaves it out."""
 
     HINTS = {
         "stale_run": "the job belongs to another run{detail} that is active: a run takes "

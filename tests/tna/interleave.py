@@ -13,7 +13,9 @@ another seed.
 
 Known differences between thc_tna.p4 and the model (docs/switch.md, "Tofino"), excluded:
  1. a REFUSED stale_run's bitmap (detail, the job's run) is 0 on the TNA: zeroed on both
-    sides before comparing (the REFUSEDs pass 1 sends name what the model names);
+    sides before comparing (the REFUSEDs pass 1 sends name what the model names, read by
+    their pass 1, which runs here right after pass 0: on a switch one recirculation later,
+    when a packet between may have changed the register they read);
  2. a FLUSH at a complete (not closed) use multicasts the RESULT again on the TNA (a
     completion), where the model answers its sender (a retransmission): the TNA's copies to
     the other workers are dropped and its counters moved before comparing;
