@@ -7,8 +7,9 @@ tables); here seeded random interleavings drive it and host/wire/model.py side b
 often a straggler, results lost at random), FLUSHes that close chunks short (so that new
 uses are held), duplicates, wrong offsets and ops, seqs far ahead and stale, restarted
 workers under the same run, run changes within the jump bound, stale and far runs, idle
-jumps, re-installs and malformed packets. Each packet's drop reason and replies (type,
-header fields, destination) must agree, and so must the counters. ``THC_TNA_SEED`` picks
+jumps, re-installs and malformed packets, random lanes. Each packet's drop reason and
+replies (type, header fields, payload, destination) must agree, and so must the counters:
+a packet's adding passes run in tests/tna/lanes.py, the words' registers with them. ``THC_TNA_SEED`` picks
 another seed.
 
 Known differences between thc_tna.p4 and the model (docs/switch.md, "Tofino"), excluded:
@@ -29,15 +30,16 @@ Known differences between thc_tna.p4 and the model (docs/switch.md, "Tofino"), e
  6. a use exactly 2^31 - pool seqs ahead of a packet in the other version is acknowledged by
     the model (RFC 1982 reads it as behind), not by the TNA ("older than seq"): no packet is
     sent that far from the window.
-A packet's pass 1 runs right after its pass 0, and pass 2 (lanes only) not at all, so the
-one-recirculation windows docs/switch.md describes are not exercised here.
+A packet's adding passes run right after its pass 0, so the one-recirculation windows
+docs/switch.md describes are not exercised here.
 Also not generated: offsets of 2^31 or more (the TNA takes 31-bit offsets, bit 31 tells a
-MAX use, and refuses larger ones as malformed), shards, truncated headers. Where lanes go
-in the passes after pass 0 is tests/tna/lanes.py's.
+MAX use, and refuses larger ones as malformed), shards, truncated headers, vote jobs (their
+lanes: tests/test_tna_vote.py).
 """
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import random
 import sys
@@ -76,6 +78,12 @@ def make_job(n: int, pool: int, pool_base: int = 0, sum_bits: int = 0) -> Job:
                     for w in range(n)]})
 
 
+def lanes_of(kind: str, w: int, run: int, seq: int) -> bytes:
+    """A packet's lanes: random, the same in every retransmission of it."""
+    n = P.payload_bytes(T[kind]) if kind in ("DATA", "MAX") else 0
+    return random.Random(f"{kind} {w} {run} {seq}").randbytes(n)
+
+
 def kind_of(run: int, seq: int) -> str:
     """Every worker agrees which chunks are MAX rounds."""
     return "MAX" if (seq * 2654435761 + run) % 7 == 0 else "DATA"
@@ -97,8 +105,8 @@ def describe(d: bytes, src) -> str:
 
 
 def normalize(outcome) -> tuple:
-    """(reason, [(header fields, length, destination)]); a REFUSED's detail zeroed
-    (difference 1: stale_run's)."""
+    """(reason, [(header fields, (length, the payload's digest), destination)]); a REFUSED's
+    detail zeroed (difference 1: stale_run's)."""
     replies, reason = outcome
     out = []
     for reply, dst in replies:
@@ -107,7 +115,8 @@ def normalize(outcome) -> tuple:
                   h.count, h.seq, h.offset, 0 if (h.pkt_type == T["REFUSED"] and
                                                   h.count == P.DropReason.stale_run) else h.bitmap,
                   h.run, h.epoch)
-        out.append((fields, len(reply), tuple(dst)))
+        body = hashlib.sha256(reply[P.HEADER_BYTES:]).hexdigest()[:12]
+        out.append((fields, (len(reply), body), tuple(dst)))
     return reason, out
 
 
@@ -226,7 +235,7 @@ class Interleaving:
         self.top = max(self.top, run)
         s, v = P.slot_of(seq, self.pool)
         if body is None:
-            body = bytes(P.payload_bytes(T[kind])) if kind in ("DATA", "MAX") else b""
+            body = lanes_of(kind, w, run, seq)
         d = P.Header(T[kind], w if w_id is None else w_id, job_id, s if slot is None else slot,
                      v if version is None else version, 0, seq,
                      offset_of(seq) if offset is None else offset, 0, run,
@@ -239,7 +248,11 @@ class Interleaving:
         want = self.model.handle(d, src, self.now)
         done = self.tna.job_counters()["completions"]
         acked = {r: dict(self.tna.regs.get(r, {})) for r in ACKED}
-        got = self.tna.handle(d, src, self.now)
+        try:
+            got = self.tna.handle(d, src, self.now)
+        except AssertionError as e:   # the TNA's own reply contradicts itself
+            raise Difference(f"packet {len(self.history) + 1}: {describe(d, src)} at "
+                             f"{self.now:.3f}\n  TNA: {e}") from None
         if got[1] == "reused_run":
             self.tna.regs.update(acked)   # difference 5: its acknowledgements undone
         if st.run_seen == self.now:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from functools import lru_cache
 from pathlib import Path
 
 from thc.controller.targets import tofino
@@ -27,22 +28,26 @@ EMIT = ("rest", "cur", "res")
 """The ingress deparser's order of the lane headers (the struct's)."""
 
 
+@lru_cache(maxsize=None)
 def _text(name: str) -> str:
     return (GEN / name).read_text()
 
 
+@lru_cache(maxsize=None)
 def state(name: str, file: str = "thc_tna_parse.p4") -> list[tuple[str, int]]:
     """The headers a parser state extracts, in packet order."""
     body = re.search(rf"state {name} \{{(.*?)\n    \}}", _text(file), re.S).group(1)
     return [(m[1], int(m[2])) for m in re.finditer(r"pkt\.extract\(hdr\.(\w+)\[(\d+)\]\)", body)]
 
 
+@lru_cache(maxsize=None)
 def lane_states() -> dict[tuple[int, int], str]:
     """parse_lanes's choice for a DATA: (wide, adding passes before) -> state."""
     return {(int(m[1]), int(m[2])): m[3] for m in re.finditer(
         r"\(THC_PAY_IDX, (\d), (\d)\): (\w+);", _text("thc_tna_parse.p4"))}
 
 
+@lru_cache(maxsize=None)
 def actions(file: str, prefix: str) -> list[list[tuple]]:
     """The statements of the actions named prefix_<n>, in order: ('valid', header) or
     ('set', dst, hi, lo, src, hi, lo) with absolute bit positions in the 32-bit headers."""
@@ -68,6 +73,7 @@ def _bits_of(stack, i, name, hi, lo):
     return (stack, int(i)), flo + int(hi), flo + int(lo)
 
 
+@lru_cache(maxsize=None)
 def lookups() -> list[tuple[int, int, int, int, int, int]]:
     """Each lookup table: (word, h, index header, key hi, key lo, result hi)."""
     out = []
@@ -79,25 +85,31 @@ def lookups() -> list[tuple[int, int, int, int, int, int]]:
     return out
 
 
-def _program() -> str:
-    return (P4SRC / "thc_tna.p4").read_text()
+@lru_cache(maxsize=None)
+def _program(text: str | None = None) -> str:
+    """The program's text: the file's, or a (broken) copy's."""
+    return text or (P4SRC / "thc_tna.p4").read_text()
 
 
+@lru_cache(maxsize=None)
 def _constant(name: str) -> int:
     text = "".join((GEN / f).read_text() for f in ("thc_constants.p4", "thc_tna_constants.p4"))
     return int(re.search(rf"#define {name} (\d+)", text)[1])
 
 
-def call_order(control: str, prefix: str) -> list[int]:
+@lru_cache(maxsize=None)
+def call_order(control: str, prefix: str, text: str | None = None) -> list[int]:
     """The order in which ``control``'s apply block calls the actions prefix_<n>."""
-    body = _program().split(f"control {control}(", 1)[1]
+    body = _program(text).split(f"control {control}(", 1)[1]
     body = body[body.index("\n    apply {"):]
     return [int(n) for n in re.findall(rf"\b{prefix}_(\d+)\(\);", body)]
 
 
-def egress_state(recirc: int, is_reply: int, wide: int, payload: str) -> str:
+@lru_cache(maxsize=None)
+def egress_state(recirc: int, is_reply: int, wide: int, payload: str,
+                 text: str | None = None) -> str:
     """Where the egress parser goes after the bridge header: its select's first match."""
-    start = _program().split("parser ThcEgressParser(", 1)[1]
+    start = _program(text).split("parser ThcEgressParser(", 1)[1]
     cases = re.search(r"transition select\(hdr\.bridge\.recirc, hdr\.bridge\.is_reply, "
                       r"hdr\.bridge\.wide,\s*hdr\.bridge\.payload\) \{(.*?)\}", start, re.S)
     assert cases, "the egress parser's select changed"
@@ -111,13 +123,15 @@ def egress_state(recirc: int, is_reply: int, wide: int, payload: str) -> str:
     raise AssertionError("the egress parser's select has no default")
 
 
-def pass_rules() -> tuple[int, dict[tuple[int, int], tuple[int, int]], int]:
+@lru_cache(maxsize=None)
+def pass_rules(text: str | None = None) -> tuple[int, dict[tuple[int, int], tuple[int, int]],
+                                                 int]:
     """What the program's own statements say: set_job's shift for the job's width, the pass
     round's entries ((wide, step) -> (last, next step), thc_next), and how many quarters
     the words' registers hold. The pass round sets the step into the word index's bits
     above a slot version's (the index is the slot's low bits and the version: THC_REG_SIZE
     values, below those bits)."""
-    text = _program()
+    text = _program(text)
     index = re.search(r"thc_word_hash\.get\(\{meta\.slot_idx\[(\d+):0\], "
                       r"hdr\.thc\.version\[0:0\]\}\)", text)
     assert index and 1 << int(index[1]) + 2 == _constant("THC_REG_SIZE") == 1 << 10, \
@@ -169,58 +183,138 @@ def _emit(phv: dict, valid: set, order) -> bytes:
 
 
 def _garbage(rng, stacks) -> dict:
-    return {(s, i): int(rng.integers(0, 1 << 32)) for s, n in stacks for i in range(n)}
+    keys = [(s, i) for s, n in stacks for i in range(n)]
+    return dict(zip(keys, rng.integers(0, 1 << 32, len(keys)).tolist()))
 
 
 @dataclass
 class Walk:
-    """One worker's DATA through the passes: each pass's quarter and result words."""
+    """A packet through the adding passes: each pass's parser state and quarter, and the
+    payload the last pass sends (without registers: one worker's lookup values)."""
     passes: list[str] = field(default_factory=list)      # the parser state of each pass
     quarters: list[int] = field(default_factory=list)
-    payload: bytes = b""                                  # the RESULT payload, this worker's part
+    payload: bytes = b""
 
 
-def walk(job, data: bytes, rng, parallel: bool = True) -> Walk:
-    """A DATA payload of ``job`` (indices, or a vote DATA's sign bits) through pass 0, the
-    egress between passes and every adding pass; undefined bits start random."""
-    shift, rounds, quarters = pass_rules()
+@dataclass
+class Bridge:
+    """What pass 0 decided for the adding passes (thc_pass_h)."""
+    payload: str = "THC_PAY_IDX"
+    wide: int = 0
+    last: int = 0
+    lane_op: int | None = None        # None: no registers (a worker's lookup values alone)
+    is_max: int = 0
+    blank: int = 0
+    word_index: int = 0
+    lut: bool = True                  # lut_job names the job: the lookups hit
+
+
+WORD_RAS = {
+    "thc_sum_ra": ("if (op == THC_OP_WRITE) { value = r.w; } else { value = value + r.w; } "
+                   "rv = value;"),
+    "thc_read": "rv = value;",
+    "thc_clear": "value = 0; rv = value;",
+    "thc_max": "if (op == THC_OP_WRITE || r.w > value) { value = r.w; } rv = value;",
+}
+"""What each RegisterAction of a word does, as THC_WORD writes it (checked against its
+text: Words)."""
+
+
+class Words:
+    """The word registers of the adding passes, one 32-bit cell a word and index, each pass
+    applying thc_word_op's const entries (run, op, is_max, blank) -> RegisterAction."""
+
+    def __init__(self, consts: dict[str, int], text: str | None = None):
+        self.text = text
+        macro = _program(text).split("#define THC_WORD(", 1)[1]
+        macro = macro.split("#undef THC_WORD", 1)[0]
+        text = " ".join(line.rstrip("\\").strip() for line in macro.splitlines())
+        for ra, body in WORD_RAS.items():
+            want = re.sub(r"\s+", " ", body)
+            got = re.search(rf"\) {ra} = {{ void apply\(inout bit<32> value, out bit<32> rv\) "
+                            rf"{{ (.*?) }} }};", re.sub(r"\s+", " ", text))
+            assert got and got[1] == want, f"THC_WORD's {ra} is not {want!r}: {got and got[1]}"
+        acts = {m[1]: m[2] for m in re.finditer(
+            r"action (thc_word_\w+)\(\) \{ r\.w = (\w+)\.execute\(index\); \}", text)}
+        self.entries = {}
+        for m in re.finditer(r"\((\d), (THC_OP_\w+), (\d), (\d)\): (thc_word_\w+)\(\);", text):
+            key = (int(m[1]), consts[m[2]], int(m[3]), int(m[4]))
+            self.entries[key] = acts[m[5]]
+        self.write = consts["THC_OP_WRITE"]
+        self.cells: dict[tuple[int, int], int] = {}
+
+    def apply(self, word: int, index: int, op: int, is_max: int, blank: int, r: int):
+        """The word's RegisterAction for this pass (None: NoAction), its output."""
+        ra = self.entries.get((1, op, is_max, blank))
+        if ra is None:
+            return None
+        value = self.cells.get((word, index), 0)
+        if ra == "thc_sum_ra":
+            value = r if op == self.write else (value + r) & 0xFFFFFFFF
+        elif ra == "thc_clear":
+            value = 0
+        elif ra == "thc_max" and (op == self.write or r > value):
+            value = r
+        self.cells[(word, index)] = value
+        return value
+
+
+def passes(job, br: Bridge, data: bytes, rng, words: Words | None = None,
+           parallel: bool = True) -> Walk:
+    """A packet of ``job`` through pass 0's parser (and a vote DATA's spread), the egress
+    between passes and every adding pass, with the words' registers if given; undefined
+    bits start random. ``data``: the DATA's indices or sign bits, a MAX's lanes, or none."""
+    text = words.text if words is not None else None
+    shift, rounds, quarters = pass_rules(text)
     stacks = (("rest", _constant("THC_TNA_REST_OCTS")), ("cur", _constant("THC_TNA_OCTS")),
               ("res", _constant("THC_TNA_WORDS")))
     order = [(s, i) for s, n in stacks for i in range(n)]
     phv, valid = _garbage(rng, stacks), set()
-    vote = job.aggregation == "vote"
-    rest = _extract(data, state("parse_signs" if vote else "parse_idx"), phv, valid)
-    assert rest == b"", "pass 0 parses the whole DATA"
-    if vote:
-        spread = actions("thc_tna_spread.p4", "thc_spread")
-        for n in call_order("ThcIngress", "thc_spread"):
-            run(phv, valid, spread[n], dict(phv) if parallel else None)
-    packet = _emit(phv, valid, order)
-    wide = job.sum_bits >> shift & 1
-    step, last = 0, 0                                     # pass 0's bridge (auto-initialised)
+    if br.payload == "THC_PAY_IDX":
+        vote = job.aggregation == "vote"
+        rest = _extract(data, state("parse_signs" if vote else "parse_idx"), phv, valid)
+        assert rest == b"", "pass 0 parses the whole DATA"
+        if vote:
+            spread = actions("thc_tna_spread.p4", "thc_spread")
+            for n in call_order("ThcIngress", "thc_spread", text):
+                run(phv, valid, spread[n], dict(phv) if parallel else None)
+        packet = _emit(phv, valid, order)
+    else:
+        packet = data if br.payload == "THC_PAY_MAX" else b""
+    assert br.wide == job.sum_bits >> shift & 1
+    wide, step, last = br.wide, 0, br.last
     values = [tofino.lut_values(job, h) for h in range(2)]
     out = Walk()
     while True:
         # the egress of the pass before: a packet going round, its lanes' blocks next
-        if egress_state(1, 0, wide, "THC_PAY_IDX") == "parse_dup":
+        if egress_state(1, 0, wide, br.payload, text) == "parse_dup":
             n = _constant("THC_TNA_OCTS")
             eg_phv, eg_valid = _garbage(rng, (("dd", n),)), set()
             after = _extract(packet, state("parse_dup_octs", "thc_tna_eg_parse.p4"),
                              eg_phv, eg_valid)
             dup = actions("thc_tna_dup.p4", "thc_dup")
-            for k in call_order("ThcEgress", "thc_dup"):
+            for k in call_order("ThcEgress", "thc_dup", text):
                 run(eg_phv, eg_valid, dup[k], dict(eg_phv) if parallel else None)
             packet = _emit(eg_phv, eg_valid, [("dd", i) for i in range(n)]) + after
-        name = lane_states()[(wide, step)]
+        name = {"THC_PAY_IDX": lane_states().get((wide, step)),
+                "THC_PAY_MAX": "parse_max"}.get(br.payload)
         out.passes.append(name)
         out.quarters.append(step)
         phv, valid = _garbage(rng, stacks), set()
-        behind = _extract(packet, state(name), phv, valid)
-        for word, h, octet, hi, lo, res_hi in lookups():
-            value = values[h][_get(phv[("cur", octet)], hi, lo)]
-            phv[("res", word)] = _put(phv[("res", word)], res_hi, res_hi - 15, value)
+        behind = _extract(packet, state(name), phv, valid) if name else packet
+        if br.lut:
+            for word, h, octet, hi, lo, res_hi in lookups():
+                value = values[h][_get(phv[("cur", octet)], hi, lo)]
+                phv[("res", word)] = _put(phv[("res", word)], res_hi, res_hi - 15, value)
+        if words is not None:
+            index = br.word_index & ~(3 << 10) | step << 10
+            for j in range(_constant("THC_TNA_WORDS")):
+                rv = words.apply(j, index, br.lane_op, br.is_max, br.blank, phv[("res", j)])
+                if rv is not None:
+                    phv[("res", j)] = rv
         valid -= {("cur", i) for i in range(_constant("THC_TNA_OCTS"))}
-        valid |= {("res", i) for i in range(_constant("THC_TNA_WORDS"))}
+        if br.payload != "THC_PAY_MAX":
+            valid |= {("res", i) for i in range(_constant("THC_TNA_WORDS"))}
         packet = _emit(phv, valid, order) + behind
         if last:
             out.payload = packet
@@ -228,3 +322,10 @@ def walk(job, data: bytes, rng, parallel: bool = True) -> Walk:
         assert (wide, step) in rounds, f"no pass round after step {step} (wide {wide})"
         last, step = rounds[(wide, step)]
         assert step < quarters, "a pass beyond the words' registers"
+
+
+def walk(job, data: bytes, rng, parallel: bool = True) -> Walk:
+    """One worker's DATA of ``job`` (indices, or a vote DATA's sign bits) through the
+    passes: its lookup values where the sums go."""
+    wide = job.sum_bits >> pass_rules()[0] & 1
+    return passes(job, Bridge(wide=wide), data, rng, parallel=parallel)

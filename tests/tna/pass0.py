@@ -5,18 +5,23 @@ Nothing executes thc_tna.p4 here (no Tofino, no model), so this module reads it 
 (for its #includes and macros) and interprets what decides a packet's fate: constants and
 field widths (arithmetic wraps at the declared width), the ingress parser's states, and
 ``control ThcIngress``'s RegisterActions, actions, tables and ``apply`` block, statement by
-statement. Passes 1 and 2 run only the tables that touch the slot state (PASS1): words,
-lookups and lanes are out of scope, and the vote spread is a no-op (SKIP). A construct this
-reading does not know raises Unsupported, naming it, so that a change of the program fails
-loudly instead of being read wrong. ``TnaEngine.handle(datagram, src, now)`` answers like
-``thc.wire.model.Model.handle``: (replies, drop reason), a reply being the 28-byte THC
-header the program wrote and its destination.
+statement. In the adding passes it runs only the tables that touch the slot state (PASS1);
+their lanes (parser states, egress doubling, lookups with the controller's entries, the
+words' registers and thc_word_op's entries, deparse order) run as tests/tna/lanes.py reads
+them, and the vote spread is a no-op here (SKIP). A construct this reading does not know
+raises Unsupported, naming it, so that a change of the program fails loudly instead of
+being read wrong. ``TnaEngine.handle(datagram, src, now)`` answers like
+``thc.wire.model.Model.handle``: (replies, drop reason), a reply being the THC header the
+program wrote, the payload the last pass sends, and its destination.
 """
 from __future__ import annotations
 
 import ipaddress
 from collections import Counter
 
+import numpy as np
+
+from tests.tna import lanes
 from tests.tna.interp import Machine, Program
 from tests.tna.p4text import Unsupported, mask, preprocess
 from thc.controller import jobs as controller_jobs
@@ -25,6 +30,8 @@ from thc.controller.frames import reset_frame, udp_frame
 from thc.wire import protocol as P
 
 UDP_HEADER_BYTES = 8
+FRAME_HEADERS = 14 + 20 + UDP_HEADER_BYTES + P.HEADER_BYTES
+"""Ethernet, IPv4, UDP and THC headers: where a frame's lanes start."""
 
 AGG_MAC, AGG_IP = "02:00:00:00:00:fe", "10.0.0.254"
 
@@ -54,6 +61,9 @@ class TnaEngine:
         self.addr: dict[tuple[int, int], tuple[str, int]] = {}
         self.ports: dict[tuple[str, int], int] = {}
         self.mcast: dict[int, list[int]] = {}
+        self.jobs: dict[int, object] = {}
+        self.words = lanes.Words({k: v[0] for k, v in self.p.consts.items()}, self.p.raw)
+        self.rng = np.random.default_rng(0)   # what a pass's containers held before
 
     def install(self, job, epoch: int, job_index: int = 0, now: float = 0.0) -> None:
         """controller/jobs.py's _write_job: the job's worker entries out, its multicast group
@@ -65,6 +75,7 @@ class TnaEngine:
         self.installed[names.WORKER_TABLE] = [e for e in self.installed.get(names.WORKER_TABLE, [])
                                               if e[0][job_key][0] != job.job_id]
         self.mcast[job.mcast_grp] = [w.id + 1 for w in job.workers]
+        self.jobs[job_index] = job
         self.addr.update({(job.job_id, w.id): (w.ip, w.port) for w in job.workers})
         self.ports.update({(w.ip, w.port): w.switch_port for w in job.workers})
         self._write(controller_jobs.job_entry(rec, job, job_index, epoch))
@@ -117,6 +128,7 @@ class TnaEngine:
             again.update({"meta.p1" + k[len("meta.bridge"):]: v for k, v in f.items()
                           if k.startswith("meta.bridge.")})
             f1 = self._pass(again, f["ig_tm_md.ucast_egress_port"], tstamp)
+            sent = b"" if f.get("meta.bridge.hdr_only", 0) else self._lanes(f, frame)
             if not f.get("meta.bridge.reply", 0):
                 return [], reason
             if f.get("meta.bridge.hdr_only", 0):   # pass 1 sends it, its header as it left
@@ -124,7 +136,7 @@ class TnaEngine:
             grp = f.get("meta.bridge.mcast_grp", 0)
             rids = self.mcast.get(grp, []) if grp else [0]
         elif f.get("meta.bridge.is_reply", 0):
-            rids = [0]
+            rids, sent = [0], b""
         else:
             raise Unsupported("pass 0 neither dropped the packet, answered it nor sent it round")
         replies, layout = [], self._layout("thc")
@@ -135,10 +147,31 @@ class TnaEngine:
             dest, value = self.addr.get((thc["hdr.thc.job_id"], thc["hdr.thc.worker_id"])), 0
             for name, w in layout:
                 value = value << w | thc[name]
-            if dest is not None:   # the payload's bytes are the passes' (tests/tna/lanes.py)
-                size = f.get("hdr.udp.length", 0) - UDP_HEADER_BYTES
-                replies.append((value.to_bytes(P.HEADER_BYTES, "big").ljust(size, b"\0"), dest))
+            if dest is not None:
+                reply = value.to_bytes(P.HEADER_BYTES, "big") + sent
+                if len(reply) != f.get("hdr.udp.length", 0) - UDP_HEADER_BYTES:
+                    raise AssertionError(f"a reply of {len(reply)} bytes in a UDP length of "
+                                         f"{f.get('hdr.udp.length', 0)}")
+                replies.append((reply, dest))
         return replies, reason
+
+    def _lanes(self, f: dict, frame: bytes) -> bytes:
+        """The adding passes of a packet pass 0 sent round (tests/tna/lanes.py), with the
+        words' registers: the payload the last pass sends."""
+        consts = self.p.consts
+        payload = next(k for k in ("THC_PAY_NONE", "THC_PAY_IDX", "THC_PAY_MAX")
+                       if consts[k][0] == f.get("meta.bridge.payload", 0))
+        lut = f.get("meta.bridge.lut_job", 0)
+        job = self.jobs[f["meta.job_index"]]
+        br = lanes.Bridge(payload=payload, wide=f.get("meta.bridge.wide", 0),
+                          last=f.get("meta.bridge.last", 0),
+                          lane_op=f.get("meta.bridge.lane_op", 0),
+                          is_max=f.get("meta.bridge.is_max", 0),
+                          blank=f.get("meta.bridge.blank", 0),
+                          word_index=f.get("meta.bridge.word_index", 0),
+                          lut=lut != consts["THC_TNA_NO_LUT"][0])
+        assert not br.lut or lut == f["meta.job_index"], "a lookup of another job's entries"
+        return lanes.passes(job, br, frame[FRAME_HEADERS:], self.rng, self.words).payload
 
     def _pass(self, fields: dict, port: int, tstamp: int) -> dict:
         m = Machine(self.p, self.regs, self.counters, self.installed)
