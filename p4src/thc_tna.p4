@@ -1443,7 +1443,9 @@ control ThcIngress(inout tna_headers_t hdr, inout metadata_t meta,
                 thc_held_op.apply();
             } else if (hdr.thc.pkt_type != THC_RESET) {
                 if (meta.count == meta.n_workers || meta.closed == 1) {
-                    if (meta.dup == 1) {
+                    // a FLUSH at a complete use is a retransmission: its sender's result
+                    if (meta.dup == 1 || (hdr.thc.pkt_type == THC_FLUSH
+                                          && meta.count == meta.n_workers)) {
                         thc_again_op.apply();
                     } else {
                         thc_done_op.apply();
