@@ -1,5 +1,5 @@
 """Every lane of a DATA lands in its place of the RESULT on the Tofino program, run on paper
-(tests/tna/lanes.py): 8-bit jobs in two adding passes, 16-bit jobs in four with each index
+(tests/tna/passes.py): 8-bit jobs in two adding passes, 16-bit jobs in four with each index
 byte doubled by the egress between them, each pass in a quarter of the words' registers of
 its own. The sums must be protocol.json's RESULT: the lanes in order, big-endian, the
 job's width. No compiler is needed.
@@ -9,7 +9,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.tna import lanes
+from tests.tna import passes
+from thc.controller.targets import tofino
 from thc.wire import protocol as P
 from thc.wire.jobs import Job, Worker
 
@@ -25,7 +26,7 @@ def _job(n: int, **kw) -> Job:
 def aggregate(job: Job, payloads: list[bytes], seed: int, parallel: bool = True):
     """The RESULT payload the switch sends: every worker's walk, summed as the words add."""
     rng = np.random.default_rng(seed)
-    walks = [lanes.walk(job, p, rng, parallel) for p in payloads]
+    walks = [passes.walk(job, p, rng, parallel) for p in payloads]
     words = sum(np.frombuffer(w.payload, ">u4").astype(np.uint64) for w in walks)
     total = (words % (1 << 32)).astype(">u4").tobytes()
     return walks, np.frombuffer(total, P.sum_dtype(job.sum_bits)).astype(np.int64)
@@ -56,8 +57,8 @@ def test_every_lane_sums_into_its_place(n_workers, sum_bits):
 def test_a_16_bit_job_takes_four_adding_passes_each_in_a_quarter_of_its_own():
     job8, job16 = _job(8), _job(9)
     rng = np.random.default_rng(0)
-    w8 = lanes.walk(job8, _data(_indices(rng, 1))[0], rng)
-    w16 = lanes.walk(job16, _data(_indices(rng, 1))[0], rng)
+    w8 = passes.walk(job8, _data(_indices(rng, 1))[0], rng)
+    w16 = passes.walk(job16, _data(_indices(rng, 1))[0], rng)
     assert w8.passes == ["parse_idx8_1", "parse_idx8_0"] and w8.quarters == [0, 1]
     assert w16.passes == [f"parse_idx16_{k}" for k in (3, 2, 1, 0)]
     assert w16.quarters == [0, 1, 2, 3]
@@ -76,6 +77,6 @@ def test_the_doubling_reads_what_p4_reads():
 
 def test_a_16_bit_lookup_returns_one_lane_of_its_byte():
     job = _job(20)
-    values = [lanes.tofino.lut_values(job, h) for h in range(2)]
+    values = [tofino.lut_values(job, h) for h in range(2)]
     assert values[0][0x3A] == TABLE[3] and values[1][0x3A] == TABLE[0xA]
     assert max(max(v) for v in values) == 30

@@ -76,6 +76,19 @@ BROKEN = {
         r"\(1, THC_OP_ADD, 0, 0\): thc_word_sum\(\);", "(1, THC_OP_ADD, 0, 0): thc_word_read();"),
     "the next block not doubled for a 16-bit job's pass": (
         r"\(1, _, 1, THC_PAY_IDX\): parse_dup;", "(1, _, 1, THC_PAY_NONE): parse_dup;"),
+    "the word's is_max and blank parameters swapped": (
+        r"in bit<1> is_max,(\s*\\\n\s*)in bit<1> blank,", r"in bit<1> blank,\1in bit<1> is_max,"),
+    "the passes after pass 1 read instead of adding": (
+        r"(        meta\.p1\.new_use = 0;\n)", r"\1        meta.p1.lane_op = THC_OP_READ;\n"),
+    "an ADD of any kind read, an entry before the others": (
+        r"^(\s*)(\(1, THC_OP_WRITE, 0, 0\): thc_word_sum\(\);)",
+        r"\1(1, THC_OP_ADD, _, _): thc_word_read(); \\\n\1\2"),
+    "pass 1 in the words' last quarter": (
+        r"(        meta\.bridge\.word_index = thc_word_hash\.get\(.*\);\n)",
+        r"\1        meta.bridge.word_index[11:10] = 2w3;\n"),
+    "the words before their lookups": (
+        r'(#include "generated/thc_tna_luts_apply\.p4"\n)'
+        r'(#include "generated/thc_tna_words_apply\.p4"\n)', r"\2\1"),
 }
 
 

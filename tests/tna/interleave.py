@@ -9,8 +9,8 @@ uses are held), duplicates, wrong offsets and ops, seqs far ahead and stale, res
 workers under the same run, run changes within the jump bound, stale and far runs, idle
 jumps, re-installs and malformed packets, random lanes. Each packet's drop reason and
 replies (type, header fields, payload, destination) must agree, and so must the counters:
-a packet's adding passes run in tests/tna/lanes.py, the words' registers with them. ``THC_TNA_SEED`` picks
-another seed.
+a packet's adding passes run in tests/tna/passes.py, the words' registers with them.
+``THC_TNA_SEED`` picks another seed.
 
 Known differences between thc_tna.p4 and the model (docs/switch.md, "Tofino"), excluded:
  1. a REFUSED stale_run's bitmap (detail, the job's run) is 0 on the TNA: zeroed on both

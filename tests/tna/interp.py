@@ -22,7 +22,7 @@ class Program:
     def __init__(self, text: str, raw: str | None = None):
         self.raw = raw
         """The program's text before cpp, where it differs from the file's (a broken copy):
-        tests/tna/lanes.py reads its THC_WORD macro from it."""
+        tests/tna/words.py reads its THC_WORD macro from it."""
         self.typedefs = dict(TNA_TYPES, **{m[2]: int(m[1]) for m in re.finditer(
             r"typedef\s+bit\s*<\s*(\d+)\s*>\s*(\w+)\s*;", text)})
         self.structs = {k: dict(v) for k, v in INTRINSIC.items()}

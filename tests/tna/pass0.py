@@ -7,10 +7,10 @@ field widths (arithmetic wraps at the declared width), the ingress parser's stat
 ``control ThcIngress``'s RegisterActions, actions, tables and ``apply`` block, statement by
 statement. In the adding passes it runs only the tables that touch the slot state (PASS1);
 their lanes (parser states, egress doubling, lookups with the controller's entries, the
-words' registers and thc_word_op's entries, deparse order) run as tests/tna/lanes.py reads
-them, and the vote spread is a no-op here (SKIP). A construct this reading does not know
-raises Unsupported, naming it, so that a change of the program fails loudly instead of
-being read wrong. ``TnaEngine.handle(datagram, src, now)`` answers like
+words' registers and thc_word_op's entries, deparse order) run in tests/tna/passes.py,
+and the vote spread is a no-op here (SKIP). A construct this reading does not know raises
+Unsupported, naming it, so that a change of the program fails loudly instead of being
+read wrong. ``TnaEngine.handle(datagram, src, now)`` answers like
 ``thc.wire.model.Model.handle``: (replies, drop reason), a reply being the THC header the
 program wrote, the payload the last pass sends, and its destination.
 """
@@ -21,8 +21,9 @@ from collections import Counter
 
 import numpy as np
 
-from tests.tna import lanes
 from tests.tna.interp import Machine, Program
+from tests.tna.passes import passes
+from tests.tna.words import Words
 from tests.tna.p4text import Unsupported, mask, preprocess
 from thc.controller import jobs as controller_jobs
 from thc.controller import program as names
@@ -62,7 +63,7 @@ class TnaEngine:
         self.ports: dict[tuple[str, int], int] = {}
         self.mcast: dict[int, list[int]] = {}
         self.jobs: dict[int, object] = {}
-        self.words = lanes.Words({k: v[0] for k, v in self.p.consts.items()}, self.p.raw)
+        self.words = Words({k: v[0] for k, v in self.p.consts.items()}, self.p.raw)
         self.rng = np.random.default_rng(0)   # what a pass's containers held before
 
     def install(self, job, epoch: int, job_index: int = 0, now: float = 0.0) -> None:
@@ -156,22 +157,14 @@ class TnaEngine:
         return replies, reason
 
     def _lanes(self, f: dict, frame: bytes) -> bytes:
-        """The adding passes of a packet pass 0 sent round (tests/tna/lanes.py), with the
-        words' registers: the payload the last pass sends."""
-        consts = self.p.consts
-        payload = next(k for k in ("THC_PAY_NONE", "THC_PAY_IDX", "THC_PAY_MAX")
-                       if consts[k][0] == f.get("meta.bridge.payload", 0))
-        lut = f.get("meta.bridge.lut_job", 0)
+        """The adding passes of a packet pass 0 sent round (tests/tna/passes.py), from the
+        bridge header it wrote, with the words' registers: the payload the last pass
+        sends."""
+        p1 = {k[len("meta.bridge."):]: v for k, v in f.items() if k.startswith("meta.bridge.")}
         job = self.jobs[f["meta.job_index"]]
-        br = lanes.Bridge(payload=payload, wide=f.get("meta.bridge.wide", 0),
-                          last=f.get("meta.bridge.last", 0),
-                          lane_op=f.get("meta.bridge.lane_op", 0),
-                          is_max=f.get("meta.bridge.is_max", 0),
-                          blank=f.get("meta.bridge.blank", 0),
-                          word_index=f.get("meta.bridge.word_index", 0),
-                          lut=lut != consts["THC_TNA_NO_LUT"][0])
-        assert not br.lut or lut == f["meta.job_index"], "a lookup of another job's entries"
-        return lanes.passes(job, br, frame[FRAME_HEADERS:], self.rng, self.words).payload
+        if p1.get("lut_job", 0) != self.p.consts["THC_TNA_NO_LUT"][0]:
+            assert p1["lut_job"] == f["meta.job_index"], "a lookup of another job's entries"
+        return passes(job, p1, frame[FRAME_HEADERS:], self.rng, self.words).payload
 
     def _pass(self, fields: dict, port: int, tstamp: int) -> dict:
         m = Machine(self.p, self.regs, self.counters, self.installed)

@@ -1,0 +1,142 @@
+"""The adding passes' registers and bridge as thc_tna.p4 writes them, read from its text:
+the THC_WORD control (its parameters, bound to the arguments of every word's apply in
+generated/thc_tna_words_apply.p4; thc_word_op's const entries, first match wins; its
+RegisterActions, checked against WORD_RAS), and what thc_go_round_again writes into the
+bridge header between passes. tests/tna/passes.py runs them; anything of another shape
+fails loudly instead of being read wrong.
+"""
+from __future__ import annotations
+
+import re
+from functools import lru_cache
+
+from tests.tna.lanes import GEN, _program
+
+WORD_RAS = {
+    "thc_sum_ra": ("if (op == THC_OP_WRITE) { value = r.w; } else { value = value + r.w; } "
+                   "rv = value;"),
+    "thc_read": "rv = value;",
+    "thc_clear": "value = 0; rv = value;",
+    "thc_max": "if (op == THC_OP_WRITE || r.w > value) { value = r.w; } rv = value;",
+}
+"""What each RegisterAction of a word does, as THC_WORD writes it."""
+BRANCH = (r'#include "generated/thc_tna_luts_apply\.p4"',
+          r'#include "generated/thc_tna_words_apply\.p4"',
+          r"if \(meta\.p1\.payload != THC_PAY_MAX && meta\.p1\.hdr_only == 0\) \{\s*"
+          r'#include "generated/thc_tna_res_valid\.p4"\s*\}',
+          r'#include "generated/thc_tna_cur_invalid\.p4"',
+          r"if \(meta\.p1\.last == 0\) \{\s*thc_next\.apply\(\);\s*\}")
+"""The adding passes' branch, in this order: lookups, words, this pass's sums made valid
+where it has sums, its indices dropped, the pass round. passes.passes runs it so."""
+
+
+def _flat(text: str) -> str:
+    return re.sub(r"\s+", " ", text.replace("\\\n", "\n"))
+
+
+@lru_cache(maxsize=None)
+def check_branch(text: str | None = None) -> None:
+    body = _program(text).split("if (meta.p1.isValid()) {", 1)[1]
+    body = body.split("} else if (hdr.udp.isValid()", 1)[0]
+    at = 0
+    for part in BRANCH:
+        m = re.compile(part).search(body, at)
+        assert m, f"the adding passes' branch changed: {part!r} not after the step before"
+        at = m.end()
+
+
+class Words:
+    """Each word's register, one 32-bit cell an index, and how a pass applies it."""
+
+    def __init__(self, consts: dict[str, int], text: str | None = None):
+        self.text, self.consts = text, consts
+        macro = _program(text).split("#define THC_WORD(", 1)[1].split("#undef THC_WORD", 1)[0]
+        flat = _flat(macro)
+        for ra, body in WORD_RAS.items():
+            got = re.search(rf"\) {ra} = {{ void apply\(inout bit<32> value, out bit<32> rv\) "
+                            rf"{{ (.*?) }} }};", flat)
+            assert got and got[1] == _flat(body), f"THC_WORD's {ra}: {got and got[1]}"
+        sig = re.search(r"control NAME\((.*?)\) \{", flat)[1]
+        params = [p.split()[-1] for p in sig.split(",")]
+        calls = re.findall(r"thc_w(\d+)\.apply\((.*?)\);",
+                           (GEN / "thc_tna_words_apply.p4").read_text())
+        self.args = {}
+        for j, args in calls:
+            bound = dict(zip(params, [a.strip() for a in args.split(",")], strict=True))
+            assert bound.pop("r") == f"hdr.res[{int(j)}]", "word NN adds result word NN"
+            self.args[int(j)] = bound
+        assert len({tuple(a.items()) for a in self.args.values()}) == 1, \
+            "every word applies with the same bridge fields"
+        self.index = re.search(r"action thc_word_sum\(\) \{ r\.w = thc_sum_ra\.execute\((\w+)\);",
+                               flat)[1]
+        table = re.search(r"table thc_word_op \{ key = \{ (.*?) \} actions = \{ (.*?) \} "
+                          r"const entries = \{ (.*?) \}", flat)
+        self.keys = [k.split(":")[0].strip() for k in table[1].split(";") if k.strip()]
+        acts = {m[1]: m[2] for m in re.finditer(
+            r"action (thc_word_\w+)\(\) \{ r\.w = (\w+)\.execute\((\w+)\); \}", flat)}
+        rows = [r.strip() for r in table[3].split(";") if r.strip()]
+        self.entries = []
+        for row in rows:
+            m = re.fullmatch(r"\((.*)\): (thc_word_\w+)\(\)", row)
+            assert m, f"thc_word_op entry {row!r}"
+            cells = [c.strip() for c in m[1].split(",")]
+            assert len(cells) == len(self.keys) and all("&&&" not in c for c in cells), row
+            self.entries.append(([None if c == "_" else int(c) if c.isdigit() else consts[c]
+                                  for c in cells], acts[m[2]]))
+        self.cells: dict[tuple[int, int], int] = {}
+
+    def value(self, expr: str, p1: dict) -> int:
+        m = re.fullmatch(r"meta\.p1\.(\w+)", expr)
+        assert m, f"a word's argument {expr!r} is not a bridge field"
+        return p1.get(m[1], 0)
+
+    def apply(self, word: int, p1: dict, r: int):
+        """The word's RegisterAction in a pass with bridge ``p1`` (None: NoAction)."""
+        args = self.args[word]
+        key = [self.value(args[k], p1) for k in self.keys]
+        ra = next((a for cells, a in self.entries
+                   if all(c is None or c == v for c, v in zip(cells, key))), None)
+        if ra is None:
+            return None
+        op, index = self.value(args["op"], p1), self.value(args[self.index], p1)
+        write = op == self.consts["THC_OP_WRITE"]
+        value = self.cells.get((word, index), 0)
+        if ra == "thc_sum_ra":
+            value = r if write else (value + r) & 0xFFFFFFFF
+        elif ra == "thc_clear":
+            value = 0
+        elif ra == "thc_max" and (write or r > value):
+            value = r
+        self.cells[(word, index)] = value
+        return value
+
+
+@lru_cache(maxsize=None)
+def round_statements(text: str | None = None) -> tuple[tuple, ...]:
+    """thc_go_round_again's writes to the bridge: (field, hi, lo, source), source a
+    parameter name, a number or a constant's name."""
+    body = re.search(r"action thc_go_round_again\((.*?)\) \{(.*?)\n    \}", _program(text),
+                     re.S)
+    out = []
+    for line in body[2].strip().splitlines():
+        line = line.strip()
+        if line.startswith("ig_tm_md.") or line == "meta.bridge.setInvalid();":
+            continue
+        m = re.fullmatch(r"meta\.p1\.(\w+)(?:\[(\d+):(\d+)\])? = (\w+);", line)
+        assert m, f"thc_go_round_again: {line!r}"
+        out.append((m[1], m[2] and int(m[2]), m[3] and int(m[3]), m[4]))
+    return tuple(out)
+
+
+def go_round(p1: dict, params: dict[str, int], consts: dict[str, int],
+             text: str | None = None) -> dict:
+    """The bridge the next pass reads: thc_go_round_again(params) applied to ``p1``."""
+    p1 = dict(p1)
+    for name, hi, lo, src in round_statements(text):
+        v = params[src] if src in params else int(src) if src.isdigit() else consts[src]
+        if hi is None:
+            p1[name] = v
+        else:
+            mask = ((1 << (hi - lo + 1)) - 1) << lo
+            p1[name] = p1.get(name, 0) & ~mask | v << lo & mask
+    return p1
