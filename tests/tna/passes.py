@@ -5,6 +5,10 @@ and the pass round, all as tests/tna/lanes.py and words.py read them from the pr
 Without registers, a worker's walk places its lookup values where the sums go: summing
 the workers' walks as 32-bit words is what the registers hold after the last worker
 (tests/test_tna_lanes.py); with them, tests/tna/pass0.py answers as the switch would.
+A pass writes its result words (lookups, words) before it sets them valid: bf-p4c keeps a
+header's validity in a bit of its own and writes its containers whatever that bit says,
+and so does this reading (lanes.run, for the vote spread, reads P4's stricter rule, which
+the spread meets by setting each header valid first).
 """
 from __future__ import annotations
 
