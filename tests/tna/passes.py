@@ -84,8 +84,9 @@ def passes(job, p1: dict, data: bytes, rng, words=None, parallel: bool = True) -
                 phv[("res", word)] = _put(phv[("res", word)], res_hi, res_hi - 15, value)
         if words is not None:
             assert p1.get("word_index", 0) < size, "a pass beyond the words' registers"
+            ra = words.action(p1)
             for j in range(_constant("THC_TNA_WORDS")):
-                rv = words.apply(j, p1, phv[("res", j)])
+                rv = words.apply(j, p1, phv[("res", j)], ra)
                 if rv is not None:
                     phv[("res", j)] = rv
         if pay != "THC_PAY_MAX" and not p1.get("hdr_only", 0):

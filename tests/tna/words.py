@@ -67,6 +67,11 @@ class Words:
             self.args[int(j)] = bound
         assert len({tuple(a.items()) for a in self.args.values()}) == 1, \
             "every word applies with the same bridge fields"
+        self.fields = {}
+        for param, expr in self.args[0].items():
+            m = re.fullmatch(r"meta\.p1\.(\w+)", expr)
+            assert m, f"a word's argument {expr!r} is not a bridge field"
+            self.fields[param] = m[1]
         self.index = re.search(r"action thc_word_sum\(\) \{ r\.w = thc_sum_ra\.execute\((\w+)\);",
                                flat)[1]
         table = re.search(r"table thc_word_op \{ key = \{ (.*?) \} actions = \{ (.*?) \} "
@@ -85,20 +90,17 @@ class Words:
                                   for c in cells], acts[m[2]]))
         self.cells: dict[tuple[int, int], int] = {}
 
-    def value(self, expr: str, p1: dict) -> int:
-        m = re.fullmatch(r"meta\.p1\.(\w+)", expr)
-        assert m, f"a word's argument {expr!r} is not a bridge field"
-        return p1.get(m[1], 0)
+    def action(self, p1: dict) -> str | None:
+        """The RegisterAction every word runs in a pass with bridge ``p1`` (None: NoAction)."""
+        key = [p1.get(self.fields[k], 0) for k in self.keys]
+        return next((a for cells, a in self.entries
+                     if all(c is None or c == v for c, v in zip(cells, key))), None)
 
-    def apply(self, word: int, p1: dict, r: int):
-        """The word's RegisterAction in a pass with bridge ``p1`` (None: NoAction)."""
-        args = self.args[word]
-        key = [self.value(args[k], p1) for k in self.keys]
-        ra = next((a for cells, a in self.entries
-                   if all(c is None or c == v for c, v in zip(cells, key))), None)
+    def apply(self, word: int, p1: dict, r: int, ra: str | None):
+        """Word ``word``'s RegisterAction ``ra`` (action()) on input ``r``: its output."""
         if ra is None:
             return None
-        op, index = self.value(args["op"], p1), self.value(args[self.index], p1)
+        op, index = p1.get(self.fields["op"], 0), p1.get(self.fields[self.index], 0)
         write = op == self.consts["THC_OP_WRITE"]
         value = self.cells.get((word, index), 0)
         if ra == "thc_sum_ra":
