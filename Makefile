@@ -41,7 +41,8 @@ test: system-deps setup
 	$(PY) -m pytest -q
 
 # The model-based fuzz at length: every engine against host/wire/model.py (tests/model_fuzz.py),
-# then the Tofino program's pass 0, read from its text (tests/tna/interleave.py: 300 packets a case)
+# then the Tofino program read from its text, slot state and sums (tests/tna/interleave.py: 300
+# packets a case)
 FUZZ_STEPS ?= 1000000
 TNA_FUZZ_CASES ?= 2000
 fuzz: setup
