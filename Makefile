@@ -42,12 +42,13 @@ test: system-deps setup
 
 # The model-based fuzz at length: every engine against host/wire/model.py (tests/model_fuzz.py),
 # then the Tofino program read from its text, slot state and sums (tests/tna/interleave.py: 300
-# packets a case)
+# packets a case), and its sums with the passes after pass 0 three packets late
 FUZZ_STEPS ?= 1000000
 TNA_FUZZ_CASES ?= 2000
 fuzz: setup
 	$(PY) -m tests.model_fuzz --steps $(FUZZ_STEPS)
 	$(PY) -m tests.tna.interleave --cases $(TNA_FUZZ_CASES)
+	$(PY) -m tests.tna.interleave --cases $$(( $(TNA_FUZZ_CASES) / 4 )) --delay 3
 
 # The main job; a mode through BMv2 trains a bounded number of steps (--bmv2-steps).
 run: system-deps setup

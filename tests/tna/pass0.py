@@ -17,7 +17,7 @@ program wrote, the payload the last pass sends, and its destination.
 from __future__ import annotations
 
 import ipaddress
-from collections import Counter
+from collections import Counter, deque
 
 import numpy as np
 
@@ -56,8 +56,11 @@ class TnaEngine:
     STRANGER_PORT = 300
     """The ingress port of a datagram from no worker's address (in the CPU port's pipe)."""
 
-    def __init__(self, program: Program | None = None):
+    def __init__(self, program: Program | None = None, delay: int = 0):
         self.p = program or Program(preprocess())
+        self.delay = delay
+        """Packets whose pass 0 runs before a packet's passes after pass 0 (0: at once)."""
+        self.going_round: deque = deque()
         self.regs, self.counters, self.installed = {}, Counter(), {}
         self.addr: dict[tuple[int, int], tuple[str, int]] = {}
         self.ports: dict[tuple[str, int], int] = {}
@@ -102,13 +105,27 @@ class TnaEngine:
     def handle(self, datagram: bytes, src: tuple[str, int], now: float):
         frame = udp_frame("02:00:00:00:00:01", AGG_MAC, src[0], AGG_IP, src[1], P.UDP_PORT,
                           datagram)
-        return self._frame(frame, self.ports.get(tuple(src), self.STRANGER_PORT), now)
+        port = self.ports.get(tuple(src), self.STRANGER_PORT)
+        if not self.delay:
+            return self._frame(frame, port, now)
+        replies, reason, later = self._pass0(frame, port, now)
+        if later is not None:
+            self.going_round.append(later)
+        while len(self.going_round) > self.delay:
+            replies = replies + self.going_round.popleft()()
+        return replies, reason
 
     def _layout(self, *headers: str) -> list[tuple[str, int]]:
         """Field names and widths of the headers (hdr.<name>, struct <name>_h), in order."""
         return [(f"hdr.{h}.{k}", w) for h in headers for k, w in self.p.structs[f"{h}_h"].items()]
 
     def _frame(self, frame: bytes, port: int, now: float):
+        replies, reason, later = self._pass0(frame, port, now)
+        return (replies if later is None else later()), reason
+
+    def _pass0(self, frame: bytes, port: int, now: float):
+        """(replies, drop reason, the passes after pass 0 or None): pass 0 at once; what
+        it sends round runs when the returned function is called (its replies)."""
         layout, fields = self._layout("ethernet", "ipv4", "udp", "thc"), {}
         bits = sum(w for _, w in layout)
         value = int.from_bytes(frame[:bits // 8], "big")
@@ -119,27 +136,32 @@ class TnaEngine:
         f = self._pass(fields, port, tstamp)
         code = f.get("meta.drop_reason", 0)
         reason = P.DropReason(code).name if code else None
-        went_round = bool(f.get("meta.bridge.recirc", 0))
         if f.get("ig_dprsr_md.drop_ctl", 0):
-            return [], reason
-        if went_round:   # pass 1: the same headers, pass 0's bridge header as meta.p1
+            return [], reason, None
+        if f.get("meta.bridge.recirc", 0):
             if f.get("meta.bridge.hdr_only", 0):
                 self._header_only(f)
-            again = {k: v for k, v in f.items() if k.startswith("hdr.")}
-            again.update({"meta.p1" + k[len("meta.bridge"):]: v for k, v in f.items()
-                          if k.startswith("meta.bridge.")})
-            f1 = self._pass(again, f["ig_tm_md.ucast_egress_port"], tstamp)
-            sent = b"" if f.get("meta.bridge.hdr_only", 0) else self._lanes(f, frame)
-            if not f.get("meta.bridge.reply", 0):
-                return [], reason
-            if f.get("meta.bridge.hdr_only", 0):   # pass 1 sends it, its header as it left
-                f = dict(f, **{k: v for k, v in f1.items() if k.startswith("hdr.thc.")})
-            grp = f.get("meta.bridge.mcast_grp", 0)
-            rids = self.mcast.get(grp, []) if grp else [0]
-        elif f.get("meta.bridge.is_reply", 0):
-            rids, sent = [0], b""
-        else:
-            raise Unsupported("pass 0 neither dropped the packet, answered it nor sent it round")
+            return [], reason, lambda: self._round(f, frame, tstamp)
+        if f.get("meta.bridge.is_reply", 0):
+            return self._replies(f, [0], b""), reason, None
+        raise Unsupported("pass 0 neither dropped the packet, answered it nor sent it round")
+
+    def _round(self, f: dict, frame: bytes, tstamp: int) -> list:
+        """The passes after pass 0 (pass 1: the same headers, pass 0's bridge header as
+        meta.p1), then the last pass's replies."""
+        again = {k: v for k, v in f.items() if k.startswith("hdr.")}
+        again.update({"meta.p1" + k[len("meta.bridge"):]: v for k, v in f.items()
+                      if k.startswith("meta.bridge.")})
+        f1 = self._pass(again, f["ig_tm_md.ucast_egress_port"], tstamp)
+        sent = b"" if f.get("meta.bridge.hdr_only", 0) else self._lanes(f, frame)
+        if not f.get("meta.bridge.reply", 0):
+            return []
+        if f.get("meta.bridge.hdr_only", 0):   # pass 1 sends it, its header as it left
+            f = dict(f, **{k: v for k, v in f1.items() if k.startswith("hdr.thc.")})
+        grp = f.get("meta.bridge.mcast_grp", 0)
+        return self._replies(f, self.mcast.get(grp, []) if grp else [0], sent)
+
+    def _replies(self, f: dict, rids: list[int], sent: bytes) -> list:
         replies, layout = [], self._layout("thc")
         for rid in rids:   # egress: a replica's worker_id is its rid - 1 (thc_worker_addr)
             thc = {name: f.get(name, 0) for name, _ in layout}
@@ -154,7 +176,7 @@ class TnaEngine:
                     raise AssertionError(f"a reply of {len(reply)} bytes in a UDP length of "
                                          f"{f.get('hdr.udp.length', 0)}")
                 replies.append((reply, dest))
-        return replies, reason
+        return replies
 
     def _lanes(self, f: dict, frame: bytes) -> bytes:
         """The adding passes of a packet pass 0 sent round (tests/tna/passes.py), from the
