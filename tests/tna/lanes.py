@@ -81,13 +81,13 @@ def lookups() -> list[tuple[int, int, int, int, int, int]]:
 
 
 @lru_cache(maxsize=None)
-def _program(text: str | None = None) -> str:
+def program_text(text: str | None = None) -> str:
     """The program's text: the file's, or a (broken) copy's."""
     return text or (P4SRC / "thc_tna.p4").read_text()
 
 
 @lru_cache(maxsize=None)
-def _constant(name: str) -> int:
+def constant(name: str) -> int:
     text = "".join((GEN / f).read_text() for f in ("thc_constants.p4", "thc_tna_constants.p4"))
     return int(re.search(rf"#define {name} (\d+)", text)[1])
 
@@ -95,7 +95,7 @@ def _constant(name: str) -> int:
 @lru_cache(maxsize=None)
 def call_order(control: str, prefix: str, text: str | None = None) -> list[int]:
     """The order in which ``control``'s apply block calls the actions prefix_<n>."""
-    body = _program(text).split(f"control {control}(", 1)[1]
+    body = program_text(text).split(f"control {control}(", 1)[1]
     body = body[body.index("\n    apply {"):]
     return [int(n) for n in re.findall(rf"\b{prefix}_(\d+)\(\);", body)]
 
@@ -104,7 +104,7 @@ def call_order(control: str, prefix: str, text: str | None = None) -> list[int]:
 def egress_state(recirc: int, is_reply: int, wide: int, payload: str,
                  text: str | None = None) -> str:
     """Where the egress parser goes after the bridge header: its select's first match."""
-    start = _program(text).split("parser ThcEgressParser(", 1)[1]
+    start = program_text(text).split("parser ThcEgressParser(", 1)[1]
     cases = re.search(r"transition select\(hdr\.bridge\.recirc, hdr\.bridge\.is_reply, "
                       r"hdr\.bridge\.wide,\s*hdr\.bridge\.payload\) \{(.*?)\}", start, re.S)
     assert cases, "the egress parser's select changed"
@@ -124,10 +124,10 @@ def pass_rules(text: str | None = None) -> tuple[int, tuple, tuple, int]:
     thc_next's keys (bridge fields) and entries (cells, thc_go_round_again's arguments by
     name), and the words' register size (a slot version's index takes THC_REG_SIZE values,
     bits 9:0, so that the pass round can put each pass in a quarter above them)."""
-    text = _program(text)
+    text = program_text(text)
     index = re.search(r"thc_word_hash\.get\(\{meta\.slot_idx\[(\d+):0\], "
                       r"hdr\.thc\.version\[0:0\]\}\)", text)
-    assert index and 1 << int(index[1]) + 2 == _constant("THC_REG_SIZE") == 1 << 10, \
+    assert index and 1 << int(index[1]) + 2 == constant("THC_REG_SIZE") == 1 << 10, \
         "the words' index of a slot version must take THC_REG_SIZE values, bits 9:0"
     wide = re.search(r"meta\.bridge\.wide = meta\.wide;", text)
     shift = re.search(r"meta\.wide = \(bit<1>\)\(sum_bits >> (\d+)\);", text)
@@ -140,23 +140,23 @@ def pass_rules(text: str | None = None) -> tuple[int, tuple, tuple, int]:
                     for m in re.finditer(r"\(([\d, ]+)\): thc_go_round_again\(([\d, ]+)\);", nxt))
     size = re.search(r"Register<bit<32>, thc_index_t>\(THC_REG_SIZE \* (\d+)\) thc_sum;", text)
     assert wide and shift and keys and entries and size, "set_job, thc_next or thc_sum changed"
-    return int(shift[1]), keys, entries, int(size[1]) * _constant("THC_REG_SIZE")
+    return int(shift[1]), keys, entries, int(size[1]) * constant("THC_REG_SIZE")
 
 
 @lru_cache(maxsize=None)
 def consts(text: str | None = None) -> dict[str, int]:
     """The program's own numeric constants (THC_PAY_*, THC_TNA_NO_LUT), and the generated
     ones (THC_OP_*)."""
-    src = _program(text) + (GEN / "thc_constants.p4").read_text()
+    src = program_text(text) + (GEN / "thc_constants.p4").read_text()
     return {m[1]: int(m[2], 0) for m in re.finditer(
         r"const bit<\d+> (\w+) = (0x[0-9A-Fa-f]+|\d+);", src)}
 
 
-def _get(v: int, hi: int, lo: int) -> int:
+def get_bits(v: int, hi: int, lo: int) -> int:
     return v >> lo & ((1 << (hi - lo + 1)) - 1)
 
 
-def _put(v: int, hi: int, lo: int, x: int) -> int:
+def put_bits(v: int, hi: int, lo: int, x: int) -> int:
     mask = ((1 << (hi - lo + 1)) - 1) << lo
     return v & ~mask | x << lo & mask
 
@@ -171,20 +171,20 @@ def run(phv: dict, valid: set, stmts: list[tuple], before: dict | None = None) -
         _, dst, dhi, dlo, src, shi, slo = st
         if dst not in valid:
             continue                # P4: a write to a field of an invalid header does nothing
-        phv[dst] = _put(phv[dst], dhi, dlo, _get((before or phv)[src], shi, slo))
+        phv[dst] = put_bits(phv[dst], dhi, dlo, get_bits((before or phv)[src], shi, slo))
 
 
-def _extract(data: bytes, headers, phv: dict, valid: set) -> bytes:
+def extract(data: bytes, headers, phv: dict, valid: set) -> bytes:
     for k, h in enumerate(headers):
         phv[h] = int.from_bytes(data[4 * k:4 * k + 4], "big")
         valid.add(h)
     return data[4 * len(headers):]
 
 
-def _emit(phv: dict, valid: set, order) -> bytes:
+def emit(phv: dict, valid: set, order) -> bytes:
     return b"".join(phv[h].to_bytes(4, "big") for h in order if h in valid)
 
 
-def _garbage(rng, stacks) -> dict:
+def garbage(rng, stacks) -> dict:
     keys = [(s, i) for s, n in stacks for i in range(n)]
     return dict(zip(keys, rng.integers(0, 1 << 32, len(keys)).tolist()))

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tests.tna.lanes import (_constant, _emit, _extract, _garbage, _get, _put, actions,
-                             call_order, consts, egress_state, lane_states, lookups,
-                             pass_rules, run, state)
+from tests.tna.lanes import (actions, call_order, constant, consts, egress_state, emit, extract,
+                             garbage, get_bits, lane_states, lookups, pass_rules, put_bits,
+                             run, state)
 from tests.tna.words import check_branch, go_round
 from thc.controller.targets import tofino
 
@@ -41,19 +41,19 @@ def passes(job, p1: dict, data: bytes, rng, words=None, parallel: bool = True) -
     c = consts(text)
     check_branch(text)
     pay = {v: k for k, v in c.items() if k.startswith("THC_PAY_")}[p1.get("payload", 0)]
-    stacks = (("rest", _constant("THC_TNA_REST_OCTS")), ("cur", _constant("THC_TNA_OCTS")),
-              ("res", _constant("THC_TNA_WORDS")))
+    stacks = (("rest", constant("THC_TNA_REST_OCTS")), ("cur", constant("THC_TNA_OCTS")),
+              ("res", constant("THC_TNA_WORDS")))
     order = [(s, i) for s, n in stacks for i in range(n)]
-    phv, valid = _garbage(rng, stacks), set()
+    phv, valid = garbage(rng, stacks), set()
     if pay == "THC_PAY_IDX":
         vote = job.aggregation == "vote"
-        rest = _extract(data, state("parse_signs" if vote else "parse_idx"), phv, valid)
+        rest = extract(data, state("parse_signs" if vote else "parse_idx"), phv, valid)
         assert rest == b"", "pass 0 parses the whole DATA"
         if vote:
             spread = actions("thc_tna_spread.p4", "thc_spread")
             for n in call_order("ThcIngress", "thc_spread", text):
                 run(phv, valid, spread[n], dict(phv) if parallel else None)
-        packet = _emit(phv, valid, order)
+        packet = emit(phv, valid, order)
     else:
         packet = data if pay == "THC_PAY_MAX" else b""
     assert p1.get("wide", 0) == job.sum_bits >> shift & 1
@@ -63,36 +63,36 @@ def passes(job, p1: dict, data: bytes, rng, words=None, parallel: bool = True) -
         wide, step = p1.get("wide", 0), p1.get("step", 0)
         # the egress of the pass before: a packet going round, its lanes' blocks next
         if egress_state(1, 0, wide, pay, text) == "parse_dup":
-            n = _constant("THC_TNA_OCTS")
-            eg_phv, eg_valid = _garbage(rng, (("dd", n),)), set()
-            after = _extract(packet, state("parse_dup_octs", "thc_tna_eg_parse.p4"),
+            n = constant("THC_TNA_OCTS")
+            eg_phv, eg_valid = garbage(rng, (("dd", n),)), set()
+            after = extract(packet, state("parse_dup_octs", "thc_tna_eg_parse.p4"),
                              eg_phv, eg_valid)
             dup = actions("thc_tna_dup.p4", "thc_dup")
             for k in call_order("ThcEgress", "thc_dup", text):
                 run(eg_phv, eg_valid, dup[k], dict(eg_phv) if parallel else None)
-            packet = _emit(eg_phv, eg_valid, [("dd", i) for i in range(n)]) + after
+            packet = emit(eg_phv, eg_valid, [("dd", i) for i in range(n)]) + after
         name = {"THC_PAY_IDX": lane_states().get((wide, step)),
                 "THC_PAY_MAX": "parse_max"}.get(pay)
         out.passes.append(name)
         out.quarters.append(p1.get("word_index", 0) >> 10)
-        phv, valid = _garbage(rng, stacks), set()
-        behind = _extract(packet, state(name), phv, valid) if name else packet
+        phv, valid = garbage(rng, stacks), set()
+        behind = extract(packet, state(name), phv, valid) if name else packet
         # check_branch: the lookups, the words, the sums made valid, the indices dropped
         if p1.get("lut_job", 0) != c["THC_TNA_NO_LUT"]:
             for word, h, octet, hi, lo, res_hi in lookups():
-                value = values[h][_get(phv[("cur", octet)], hi, lo)]
-                phv[("res", word)] = _put(phv[("res", word)], res_hi, res_hi - 15, value)
+                value = values[h][get_bits(phv[("cur", octet)], hi, lo)]
+                phv[("res", word)] = put_bits(phv[("res", word)], res_hi, res_hi - 15, value)
         if words is not None:
             assert p1.get("word_index", 0) < size, "a pass beyond the words' registers"
             ra = words.action(p1)
-            for j in range(_constant("THC_TNA_WORDS")):
+            for j in range(constant("THC_TNA_WORDS")):
                 rv = words.apply(j, p1, phv[("res", j)], ra)
                 if rv is not None:
                     phv[("res", j)] = rv
         if pay != "THC_PAY_MAX" and not p1.get("hdr_only", 0):
-            valid |= {("res", i) for i in range(_constant("THC_TNA_WORDS"))}
-        valid -= {("cur", i) for i in range(_constant("THC_TNA_OCTS"))}
-        packet = _emit(phv, valid, order) + behind
+            valid |= {("res", i) for i in range(constant("THC_TNA_WORDS"))}
+        valid -= {("cur", i) for i in range(constant("THC_TNA_OCTS"))}
+        packet = emit(phv, valid, order) + behind
         if p1.get("last", 0):
             out.payload = packet
             return out

@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from functools import lru_cache
 
-from tests.tna.lanes import GEN, _program
+from tests.tna.lanes import GEN, program_text
 
 WORD_RAS = {
     "thc_sum_ra": ("if (op == THC_OP_WRITE) { value = r.w; } else { value = value + r.w; } "
@@ -36,7 +36,7 @@ def _flat(text: str) -> str:
 
 @lru_cache(maxsize=None)
 def check_branch(text: str | None = None) -> None:
-    body = _program(text).split("if (meta.p1.isValid()) {", 1)[1]
+    body = program_text(text).split("if (meta.p1.isValid()) {", 1)[1]
     body = body.split("} else if (hdr.udp.isValid()", 1)[0]
     at = 0
     for part in BRANCH:
@@ -50,7 +50,7 @@ class Words:
 
     def __init__(self, consts: dict[str, int], text: str | None = None):
         self.text, self.consts = text, consts
-        macro = _program(text).split("#define THC_WORD(", 1)[1].split("#undef THC_WORD", 1)[0]
+        macro = program_text(text).split("#define THC_WORD(", 1)[1].split("#undef THC_WORD", 1)[0]
         flat = _flat(macro)
         for ra, body in WORD_RAS.items():
             got = re.search(rf"\) {ra} = {{ void apply\(inout bit<32> value, out bit<32> rv\) "
@@ -117,7 +117,7 @@ class Words:
 def round_statements(text: str | None = None) -> tuple[tuple, ...]:
     """thc_go_round_again's writes to the bridge: (field, hi, lo, source), source a
     parameter name, a number or a constant's name."""
-    body = re.search(r"action thc_go_round_again\((.*?)\) \{(.*?)\n    \}", _program(text),
+    body = re.search(r"action thc_go_round_again\((.*?)\) \{(.*?)\n    \}", program_text(text),
                      re.S)
     out = []
     for line in body[2].strip().splitlines():
