@@ -95,6 +95,9 @@ BROKEN = {
     "pass 1 in the words' last quarter": (
         r"(        meta\.bridge\.word_index = thc_word_hash\.get\(.*\);\n)",
         r"\1        meta.bridge.word_index[11:10] = 2w3;\n"),
+    "the last pass unicasting every result": (
+        r"ig_tm_md\.mcast_grp_a = meta\.p1\.mcast_grp;",
+        "ig_tm_md.ucast_egress_port = meta.p1.in_port;"),
     "the words before their lookups": (
         r'(#include "generated/thc_tna_luts_apply\.p4"\n)'
         r'(#include "generated/thc_tna_words_apply\.p4"\n)', r"\2\1"),

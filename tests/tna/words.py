@@ -25,9 +25,16 @@ BRANCH = (r'#include "generated/thc_tna_luts_apply\.p4"',
           r"if \(meta\.p1\.payload != THC_PAY_MAX && meta\.p1\.hdr_only == 0\) \{\s*"
           r'#include "generated/thc_tna_res_valid\.p4"\s*\}',
           r'#include "generated/thc_tna_cur_invalid\.p4"',
-          r"if \(meta\.p1\.last == 0\) \{\s*thc_next\.apply\(\);\s*\}")
+          r"if \(meta\.p1\.last == 0\) \{\s*thc_next\.apply\(\);\s*\}",
+          r"else if \(meta\.p1\.reply == 1\) \{\s*thc_dscp_last\.apply\(\);\s*"
+          r"meta\.bridge\.is_reply = 1;\s*if \(meta\.p1\.mcast_grp != 0\) \{\s*"
+          r"ig_tm_md\.mcast_grp_a = meta\.p1\.mcast_grp;\s*\} else \{\s*"
+          r"ig_tm_md\.ucast_egress_port = meta\.p1\.in_port;\s*\}",
+          r"else \{\s*meta\.p1\.setInvalid\(\);\s*ig_dprsr_md\.drop_ctl = 1;\s*\}")
 """The adding passes' branch, in this order: lookups, words, this pass's sums made valid
-where it has sums, its indices dropped, the pass round. passes.passes runs it so."""
+where it has sums, its indices dropped, the pass round; the last pass sends to pass 0's
+multicast group, or to the port pass 0 heard the packet on, or drops it (consumed).
+passes.passes and pass0.TnaEngine run it so."""
 
 
 def _flat(text: str) -> str:
