@@ -1,4 +1,4 @@
-"""A vote job on the Tofino program, run on paper (tests/tna/lanes.py): the generated parser
+"""A vote job on the Tofino program, run on paper (tests/tna/passes.py): the generated parser
 state, the three spread actions of pass 0, the passes after it and the words' lookups
 (p4src/generated/thc_tna_*.p4) are read as text and executed here on random sign payloads,
 with the controller's entries for the job (controller/targets/tofino.py); the counts must
