@@ -1,7 +1,8 @@
-"""thc_tna.p4's pass-0 slot state against the reference model, packet for packet: the
-interleavings and directed sequences of tests/tna/interleave.py (its docstring lists the
-known differences they exclude), the check that they catch a broken program, and the
-reading's own guards."""
+"""thc_tna.p4 against the reference model, packet for packet: its pass-0 slot state and the
+sums its adding passes send, over the interleavings and directed sequences of
+tests/tna/interleave.py (its docstring lists the known differences they exclude); its sums
+when those passes run late; the check that they catch a broken program; and the reading's
+own guards."""
 from __future__ import annotations
 
 import re
