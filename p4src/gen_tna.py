@@ -116,7 +116,7 @@ def schedule() -> list[tuple[int, int, int]]:
 
 def _oct(o: int) -> str:
     """Where pass 0 spreads index header ``o`` of a vote DATA, so that the packet carries
-    the blocks last first (block_order()): blocks 3 and 2 in the index headers of the adding
+    the blocks last first (as PASS0_HOME): blocks 3 and 2 in the index headers of the adding
     passes (``cur``), blocks 1 and 0 in the result words that follow them in the packet, the
     first whose containers are whole (``SPLIT_WORDS`` on). Both are in the containers the
     MAU reads; ``rest`` rides along outside them."""
@@ -281,17 +281,10 @@ def _state(name: str, body: str) -> str:
     return f"    state {name} {{\n{body}        transition accept;\n    }}\n"
 
 
-def block_order() -> list[int]:
-    """The DATA index blocks in the order pass 0 sends them round (and a vote DATA's
-    spread leaves them): the block the next pass adds first, the rest in the order the
-    passes after it add them. Results go behind the indices, so the last block is added
-    first."""
-    return list(reversed(range(BLOCKS)))
-
-
 PASS0_HOME = {3: ("rest", 0), 2: ("rest", BLOCK), 1: ("rest", 2 * BLOCK), 0: ("cur", 0)}
 """Where pass 0's parser puts a DATA's block b (its first index header): the deparser emits
-rest, then cur, so the packet goes round in block_order()."""
+rest, then cur, so the packet goes round last block first (the next pass adds the block at
+the front, and its sums go behind the blocks left)."""
 
 
 def pass_states() -> list[tuple[str, int, int, str]]:
@@ -344,10 +337,9 @@ def files(spec: dict, header: str, to_aggregator: tuple[str, ...], udp_len_hdr: 
           ) -> dict[str, str]:
     """File name -> text of the Tofino program's generated files."""
     check(spec)
-    home = {b: PASS0_HOME[b] for b in range(BLOCKS)}
     parse = "".join([
         _state("parse_idx", "        meta.lanes_in = THC_IN_IDX;\n"
-               + "".join(_extract_block(*home[b]) for b in range(BLOCKS))),
+               + "".join(_extract_block(*PASS0_HOME[b]) for b in range(BLOCKS))),
         *(_state(name, body) for name, _, _, body in pass_states()),
         parse_lanes(),
         _state("parse_max", "        meta.lanes_in = THC_IN_MAX;\n"

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from tests.tna import passes
+from thc.codec.packing import pack_bits
 from thc.controller.targets import tofino
 from thc.wire import protocol as P
 from thc.wire.jobs import Job, Worker
@@ -39,7 +40,7 @@ def _indices(rng, n: int) -> np.ndarray:
 
 
 def _data(idx: np.ndarray) -> list[bytes]:
-    return [(row[0::2] << 4 | row[1::2]).astype(np.uint8).tobytes() for row in idx]
+    return [pack_bits(row.astype(np.uint8), P.INDEX_BITS).tobytes() for row in idx]
 
 
 @pytest.mark.parametrize("n_workers,sum_bits", [(1, 8), (8, 8), (9, 16), (31, 16)])

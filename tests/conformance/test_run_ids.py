@@ -12,6 +12,16 @@ from tests.conformance.rounds import (RUN, assert_refused, assert_result, assert
 from thc.wire import protocol as P
 
 
+def fresh_rounds_drop_nothing(harness, job, rng, rounds: int, run: int) -> None:
+    """Seqs 0 .. rounds - 1 of ``run``, fresh indices: exact sums, no drop counted."""
+    before = harness.drops()
+    for seq in range(rounds):
+        assert_round(harness, job, seq, [indices(rng, job) for _ in range(job.n_workers)],
+                     run=run)
+    settle(harness)
+    assert drops_delta(before, harness.drops()) == {}
+
+
 def test_restart_after_a_failed_round_gets_exact_sums(harness):
     """3 of 4 workers contribute to seq 0, then all four restart as a new run from seq 0:
     the failed run's contributions must not count in the new run."""
@@ -20,12 +30,7 @@ def test_restart_after_a_failed_round_gets_exact_sums(harness):
     failed = [indices(rng, job) for _ in range(4)]
     got = run_round(harness, job, 0, failed, workers=[0, 1, 2], run=1)
     assert all(not v for v in got.values())
-    before = harness.drops()
-    for seq in range(3):
-        fresh = [indices(rng, job) for _ in range(4)]
-        assert_round(harness, job, seq, fresh, run=2)
-    settle(harness)
-    assert drops_delta(before, harness.drops()) == {}
+    fresh_rounds_drop_nothing(harness, job, rng, 3, run=2)
 
 
 def test_restart_after_a_completed_round_reuses_seqs_from_zero(harness):
@@ -34,12 +39,7 @@ def test_restart_after_a_completed_round_reuses_seqs_from_zero(harness):
     job = new_job(harness, n_workers=2, pool_size=2)
     for seq in range(7):
         run_round(harness, job, seq, [indices(rng, job) for _ in range(2)], run=1)
-    before = harness.drops()
-    for seq in range(5):
-        fresh = [indices(rng, job) for _ in range(2)]
-        assert_round(harness, job, seq, fresh, run=2)
-    settle(harness)
-    assert drops_delta(before, harness.drops()) == {}
+    fresh_rounds_drop_nothing(harness, job, rng, 5, run=2)
 
 
 def test_interleaved_runs_drop_the_old_run_as_stale_run(harness):

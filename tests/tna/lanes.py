@@ -12,8 +12,6 @@ import re
 from functools import lru_cache
 from pathlib import Path
 
-from thc.controller.targets import tofino
-
 P4SRC = Path(__file__).resolve().parents[2] / "p4src"
 GEN = P4SRC / "generated"
 FIELDS = {"idx": (31, 0), "w": (31, 0), "hi": (31, 16), "lo": (15, 0)}
