@@ -11,7 +11,7 @@ P4SRC  := p4src
 P4OUT  := $(P4SRC)/build
 WORKERS ?= 4
 
-.PHONY: setup system-deps test fuzz run run-bmv2 sweep p4 p4-check p4-tofino bench mininet faults clean
+.PHONY: setup system-deps test fuzz run run-bmv2 sweep p4 p4-check p4-tofino bench bench-gpu mininet faults clean
 
 setup: $(STAMP)
 
@@ -62,6 +62,17 @@ run-bmv2: system-deps setup
 # paying, measured and modelled (docs/results.md).
 sweep: system-deps setup
 	$(PY) -m thc.cli sweep --workers $(WORKERS) --out out/sweep $(SWEEP_ARGS)
+
+# On a machine with an NVIDIA GPU: the GPU tests, then the codec, its kernels one by one and
+# the DDP hook on ResNet-50 timed (`make bench-gpu PY=python3` where torch with CUDA is the
+# system's, with this checkout importable as thc).
+GPU_OUT ?= out/gpu
+bench-gpu:
+	$(PY) -m pytest -q tests/test_codec_gpu.py tests/test_codec_kernels.py
+	$(PY) -m thc.cli bench kernels --precisions tf32x2,ieee,tf32x3 --json $(GPU_OUT)/kernels.json
+	$(PY) -m thc.cli bench codec --device cuda --json $(GPU_OUT)/codec.json
+	$(PY) -m thc.cli bench hook --json $(GPU_OUT)/hook.json
+	$(PY) -m thc.cli model --gpu-codec $(GPU_OUT)/hook.json
 
 bench: setup
 	$(PY) -m thc.cli bench codec --json out/bench_codec.json

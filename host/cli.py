@@ -15,6 +15,10 @@ import sys
 
 BENCHES: dict[str, tuple[str, str]] = {
     "codec": ("thc.bench.codec", "THC encode/decode throughput vs FP16 cast and PowerSGD"),
+    "kernels": ("thc.bench.kernels", "the codec's GPU kernels one by one: bytes, share of "
+                                     "the copy's bandwidth, error"),
+    "hook": ("thc.bench.hook", "what THC's DDP hook adds to a ResNet-50 step, against FP32 "
+                               "and FP16, per bucket size"),
     "nmse": ("thc.bench.nmse", "NMSE of THC and the baselines"),
     "aggregator": ("thc.bench.aggregator", "compiled and Python aggregators vs UDP echoes"),
     "switch": ("thc.controller.bench", "BMv2 aggregation vs BMv2 L2 forwarding"),
@@ -27,7 +31,7 @@ BENCHES: dict[str, tuple[str, str]] = {
 COMMANDS: dict[str, tuple[str | dict, str]] = {
     "table": ("thc.app.table", "print the optimal THC lookup table for (bits, granularity, p)"),
     "nmse": ("thc.bench.nmse", "NMSE of THC and the baselines on synthetic vectors"),
-    "bench": (BENCHES, "benchmarks: codec, aggregator, switch, allreduce"),
+    "bench": (BENCHES, "benchmarks: codec, kernels, hook, aggregator, switch, allreduce"),
     "aggregator": ("thc.net.aggregator", "run the software aggregator (THC's parameter server)"),
     "controller": ("thc.controller.cli", "program a BMv2 or Tofino switch over P4Runtime"),
     "model": ("thc.app.modelcmd", "iteration-time model: when does compression pay?"),

@@ -334,3 +334,56 @@ def test_cuda_tensors_take_the_kernels(monkeypatch):
     assert calls and nmse(x, est) == pytest.approx(0.0204, rel=0.05)
     with pytest.raises(ValueError, match="generator"):
         c.encode(x, m, 0, torch.Generator())
+
+
+@kernels
+def test_deferred_checks_flag_on_the_device_and_raise_at_check():
+    """With deferred checks nothing raises (or waits) in the call; check() raises what the
+    kernels flagged, naming the slice or index, and clears it."""
+    p = THCParams(slice_size=256)
+    c = THCCodec(p, backend="triton", deferred_checks=True)
+    x = torch.randn(1024, generator=torch.Generator().manual_seed(2)).to(DEV)
+    m = c.norms(x)
+    c.check()
+    y = x.clone()
+    y[600] = float("nan")                      # slice 2
+    c.encode_prepared(c.prepare(y, 0), m, 1)
+    with pytest.raises(ValueError, match="NaN or Inf .* in slice 2"):
+        c.check()
+    c.check()                                  # cleared
+    y[600] = float("inf")
+    c.encode(y, m, 0, 1)
+    with pytest.raises(ValueError, match="NaN or Inf .* in slice 2"):
+        c.check()
+    idx = c.encode(x, m, 0, 1)
+    mb = m.clone()
+    mb[3] = -1.0
+    c.decode(c.aggregate([idx]), 1, mb, 1024, 0)
+    with pytest.raises(ValueError, match=r"max norms must be finite and >= 0 \(slice 3"):
+        c.check()
+    c.encode(x, mb, 0, 1)
+    with pytest.raises(ValueError, match=r"max norms .*slice 3"):
+        c.check()
+    bad = idx.clone()
+    bad[5] = 16
+    c.decode_own(bad, m, 1024, 0)
+    with pytest.raises(ValueError, match="index 16 outside the 16-entry table"):
+        c.check()
+    c.decode_own(idx, m, 1024, 0)
+    c.check()
+
+
+@kernels
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_kernels_read_half_types_as_they_are(dtype):
+    """float16 and bfloat16 reach the kernels without a float32 copy and encode exactly as
+    their float32 values do."""
+    p = THCParams(slice_size=1 << 10)
+    x = torch.randn(3000, generator=torch.Generator().manual_seed(5)).to(DEV).to(dtype)
+    m = thc.slice_norms(x.float(), p)
+    prep = thc.prepare(x, p, 4, backend="triton")
+    assert prep.flat.dtype == dtype
+    assert torch.allclose(prep.norms, m, rtol=1e-5)
+    want = thc.encode_packed(x.float(), m, p, 4, 9, backend="triton")
+    assert torch.equal(thc.encode_prepared(prep, m, p, 9), want)
+    assert torch.equal(thc.encode_packed(x, m, p, 4, 9, backend="triton"), want)

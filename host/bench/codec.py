@@ -8,6 +8,13 @@ workers' sums) and encode+decode, and PowerSGD. Figures are GB/s of float32
 input (4 bytes per element, GB = 10^9 bytes) from the median of --repeat runs, and the speed
 relative to the copy (1.0: as fast as copying the tensor once).
 
+On a GPU the codec defers its input checks (no call waits for the device; the checks are read
+once after the timing) and decode gets the sums in the narrowest integer type (uint8 for 4
+workers at g = 30), as the torch.distributed transport delivers them. Two more rows per size
+replay the copy and THC encode+decode from CUDA graphs over distinct inputs (``..., CUDA
+graph``; their "of copy" is against the graph's copy): the device's time without launch or
+Python costs, what a small bucket costs a hook captured in a graph.
+
 ``--device cpu`` (the default) runs on one core (torch.set_num_threads(1), BLAS limited to one
 thread; the compiled codec is single-threaded), torch and numpy, each through the compiled
 codec (``--backend auto``, host/codec/fastcodec.py) and, for comparison in the same run, the
@@ -143,19 +150,81 @@ def resolved(backend: str, x) -> str:
 
 
 def _thc_ops(params, label: str, x, n: int, backend: str) -> tuple[list, tuple]:
-    """THC's steps on one backend; each encode uses a new round (a fresh rotation)."""
+    """THC's steps on one backend; each encode uses a new round (a fresh rotation). On a GPU
+    the codec defers its checks (nothing waits for the device) and decode gets the sums as
+    the torch.distributed transport hands them over: the narrowest integer type."""
     import numpy as np
-    c = THCCodec(params, backend=backend)
+    cuda = not isinstance(x, np.ndarray) and x.device.type == "cuda"
+    c = THCCodec(params, backend=backend, deferred_checks=cuda)
     m = c.norms(x)
     rounds = iter(range(10 ** 9))
     gen = np.random.default_rng(2) if isinstance(x, np.ndarray) else None
     idx = c.encode(x, m, 0, gen)
     sums = c.aggregate([idx] * 4)
+    if cuda:
+        sums = sums.to(narrowest(4, params))
     enc, dec = f"THC encode ({label})", f"THC decode, 4 workers ({label})"
     ops = [(f"THC norms ({label})", label, lambda: c.norms(x)),
            (enc, label, lambda: c.encode_prepared(c.prepare(x, next(rounds)), m, gen)),
            (dec, label, lambda: c.decode(sums, 4, m, n, 0))]
-    return ops, (f"THC encode+decode ({label})", label, enc, dec)
+    return ops, (f"THC encode+decode ({label})", label, enc, dec), c
+
+
+def narrowest(workers: int, params):
+    """The narrowest torch integer type that holds the sums of ``workers``."""
+    import torch
+    top = workers * params.granularity
+    return torch.uint8 if top <= 255 else torch.int16 if top < 1 << 15 else torch.int32
+
+
+def graph_rows(n: int, x, params, repeat: int) -> list[dict]:
+    """The copy and THC encode+decode replayed from CUDA graphs (no launch or Python cost),
+    over enough distinct inputs that they are not served from L2."""
+    import torch
+    k = max(1, min(16, (1 << 24) // n))
+    xs = [x.roll(i) for i in range(k)]
+    c = THCCodec(params, deferred_checks=True)
+    ms = [c.norms(v) for v in xs]
+    sums = [c.aggregate([c.encode(v, m, 0, 5)] * 4).to(narrowest(4, params))
+            for v, m in zip(xs, ms)]
+    outs = [torch.empty(n, device=x.device) for _ in xs]
+
+    def thc():
+        for v, m, s, o in zip(xs, ms, sums, outs):
+            c.encode_prepared(c.prepare(v, 1), m, 5)
+            c.decode(s, 4, m, n, 1, out=o)
+
+    rows = []
+    for name, fn in (("copy, CUDA graph", lambda: [v.clone() for v in xs]),
+                     ("THC encode+decode, CUDA graph (triton)", thc)):
+        rows.append({"name": name, "group": "graph", "median_s": _replay(fn, repeat) / k})
+    c.check()
+    return rows
+
+
+def _replay(fn, repeat: int) -> float:
+    """Median seconds of one replay of a CUDA graph of ``fn``."""
+    import torch
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    runs = []
+    for _ in range(max(repeat, 5)):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        runs.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(runs)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -234,15 +303,18 @@ def _measure(n, device, backend, reference, ranks, params, repeat, sync) -> list
         ops.append(("fp16 round trip (numpy astype)", "baseline",
                     lambda: xn.astype(np.float16).astype(np.float32)))
         inputs.append(("numpy", xn))
-    pairs = []
+    pairs, codecs = [], []
     for name, inp in inputs:
         labels = {}   # without the extension, auto resolves to the reference: time it once
         for path in [backend] + (["reference"] if reference else []):
+            if name == "numpy" and path == "triton":
+                continue   # the kernels take tensors
             labels.setdefault(f"{name}, {resolved(path, inp)}", path)
         for label, path in labels.items():
-            thc_ops, pair = _thc_ops(params, label, inp, n, path)
+            thc_ops, pair, codec = _thc_ops(params, label, inp, n, path)
             ops += thc_ops
             pairs.append(pair)
+            codecs.append(codec)
     for rank in ranks:
         comp, decomp, shape = powersgd_steps(x, rank)
         name = f"PowerSGD rank {rank} ({shape[0]}x{shape[1]})"
@@ -252,6 +324,14 @@ def _measure(n, device, backend, reference, ranks, params, repeat, sync) -> list
                       f"{name} compress", f"{name} decompress"))
     times = _time_interleaved(ops, repeat, sync)
     rows = [dict(name=name, group=group, **times[name]) for name, group, _ in ops]
+    for c in codecs:
+        c.check()
+    if device.type == "cuda":
+        graphs = graph_rows(n, x, params, repeat)
+        copy = graphs[0]["median_s"]
+        for r in graphs:
+            r["speed_vs_copy"] = copy / r["median_s"]
+        rows += graphs
     for name, group, first, second in pairs:
         med = times[first]["median_s"] + times[second]["median_s"]
         best = times[first]["best_s"] + times[second]["best_s"]
@@ -261,5 +341,5 @@ def _measure(n, device, backend, reference, ranks, params, repeat, sync) -> list
     for r in rows:
         r["elements"] = n
         r["gb_per_s"] = 4 * n / 1e9 / r["median_s"]
-        r["speed_vs_copy"] = copy / r["median_s"]
+        r.setdefault("speed_vs_copy", copy / r["median_s"])
     return rows

@@ -21,15 +21,17 @@ def layout(numel: int, params: THCParams) -> SliceLayout:
     return SliceLayout(int(numel), params.slice_size)
 
 
-def flat(x, what: str = "x"):
-    """x as a flat float32 vector of its own backend (a view when possible)."""
+def flat(x, what: str = "x", keep_half: bool = False):
+    """x as a flat float32 vector of its own backend (a view when possible); with
+    ``keep_half`` float16 and bfloat16 tensors stay as they are (the kernels read them)."""
     if is_torch(x):
         import torch
         if not (x.is_floating_point() or x.dtype in (torch.int8, torch.int16, torch.int32,
                                                       torch.int64, torch.uint8)):
             raise TypeError(f"{what} must be a real tensor, got {x.dtype}")
         f = x.detach().reshape(-1)
-        return f if f.dtype == torch.float32 else f.float()
+        keep = (torch.float32, torch.float16, torch.bfloat16) if keep_half else (torch.float32,)
+        return f if f.dtype in keep else f.float()
     a = np.asarray(x)
     if a.dtype.kind not in "fiu":
         raise TypeError(f"{what} must be a real array, got dtype {a.dtype}")
@@ -118,6 +120,41 @@ def check_finite(first_coords, grp) -> None:
     if not ok:
         raise ValueError(f"input contains NaN or Inf (or values so large that the rotation "
                          f"overflows float32) in slices {grp.first}..{grp.first + grp.count - 1}")
+
+
+BAD_INPUT, BAD_NORMS, BAD_INDEX = 1, 2, 4
+"""Flags of the kernels' status word."""
+
+
+def status_word(device):
+    """The kernels' status word on ``device``: flags, then the last slice with a NaN or Inf
+    + 1, the last slice with a bad max norm + 1, the largest bad index + 1 (0: none)."""
+    import torch
+    return torch.zeros(4, dtype=torch.int32, device=device)
+
+
+def flag(word, bad, which: int, value) -> None:
+    """Flag ``which`` (one of the BAD_ flags) into ``word`` where the device boolean ``bad``
+    holds, with ``value`` in the flag's word, without waiting for the device."""
+    import torch
+    slot = {BAD_INPUT: 1, BAD_NORMS: 2, BAD_INDEX: 3}[which]
+    b = bad.to(torch.int32)
+    word[0:1].bitwise_or_(b * which)
+    torch.maximum(word[slot: slot + 1], b * int(value), out=word[slot: slot + 1])
+
+
+def raise_status(values, params: THCParams, max_norms=None) -> None:
+    """Raise the error a status word's ``values`` (a list of four ints) name, if any."""
+    flags = values[0]
+    if flags & BAD_INPUT:
+        raise ValueError(f"input contains NaN or Inf (or values whose squares overflow "
+                         f"float32) in slice {values[1] - 1}")
+    if flags & BAD_NORMS:
+        got = f", got {max_norms.detach().cpu().numpy()}" if max_norms is not None else ""
+        raise ValueError(f"max norms must be finite and >= 0 (slice {values[2] - 1}'s is "
+                         f"not){got}")
+    if flags & BAD_INDEX:
+        raise ValueError(f"index {values[3] - 1} outside the {params.levels}-entry table")
 
 
 def check_indices(i, params: THCParams) -> None:

@@ -1,5 +1,6 @@
 """The compiled CPU backend: thc.py's operations on host/codec/fastcodec.py's C code, one
-call for all slices. Slice norms of tensors keep torch's norm (the reference's)."""
+call for all slices. Slice norms of tensors keep torch's norm (the reference's). Its checks
+raise at once (``status``, the kernels' deferred status word, is not used here)."""
 from __future__ import annotations
 
 import numpy as np
@@ -24,12 +25,13 @@ def norms(flat, params: THCParams, lay):
     return out
 
 
-def prepare(flat, params: THCParams, lay, round: int, backend: str) -> Prepared:
+def prepare(flat, params: THCParams, lay, round: int, backend: str,
+            status=None) -> Prepared:
     return Prepared(flat, round, norms(flat, params, lay), {}, backend)
 
 
 def encode(flat, lay, max_norms, params: THCParams, round: int, generator, pack: bool,
-           scratch=None):
+           scratch=None, status=None):
     m = norm_array(max_norms, lay.n_slices)
     coef = encode_coef(m, params).astype(np.float32)
     key = rounding_key(generator, flat)
@@ -50,7 +52,7 @@ def encode(flat, lay, max_norms, params: THCParams, round: int, generator, pack:
 
 
 def decode(sums, n: int, max_norms, lay, params: THCParams, round: int, out,
-           own_table=None):
+           own_table=None, status=None):
     """With ``own_table`` the sums are one worker's indices, mapped through the table on the
     fly."""
     indices = own_table is not None

@@ -1,7 +1,8 @@
 """The reference codec: numpy arrays and torch tensors through the same whole-array
 operations (signs, GEMM-based transform, rounding, table lookups), slices in batches of about
 2^20 elements so that each batch's temporaries stay in cache. The readable definition that
-the compiled codec and the kernels are checked against, and their fallback."""
+the compiled codec and the kernels are checked against, and their fallback. Its checks raise
+at once (``status``, the kernels' deferred status word, is not used here)."""
 from __future__ import annotations
 
 import numpy as np
@@ -48,7 +49,8 @@ def norms(flat, params: THCParams, lay):
     return out
 
 
-def prepare(flat, params: THCParams, lay, round: int, backend: str) -> Prepared:
+def prepare(flat, params: THCParams, lay, round: int, backend: str,
+            status=None) -> Prepared:
     return Prepared(flat, round, norms(flat, params, lay), {}, backend)
 
 
@@ -76,7 +78,7 @@ def round_group(flat, grp, c, params: THCParams, round: int, table, draw, out) -
 
 
 def encode(flat, lay, max_norms, params: THCParams, round: int, generator, pack: bool,
-           scratch=None):
+           scratch=None, status=None):
     m = norm_array(max_norms, lay.n_slices)
     table = tuple(int(v) for v in params.table)
     torch_in = is_torch(flat)
@@ -148,7 +150,7 @@ def alphas(m, grp, params: THCParams, n: int):
 
 
 def decode(sums, n: int, max_norms, lay, params: THCParams, round: int, out,
-           own_table=None):
+           own_table=None, status=None):
     m = norm_array(max_norms, lay.n_slices)
     centre = n * params.granularity / 2.0
     for grp in lay.groups(GROUP_ELEMENTS):

@@ -43,7 +43,7 @@ import numpy as np
 from thc.codec import backends, settings
 from thc.codec.backends import BACKENDS, Choice, kernels_for
 from thc.codec.common import (Prepared, accumulator_dtype, check_indices, flat as _flat, layout,
-                               same_device, torch_table)
+                               raise_status, same_device, status_word, torch_table)
 from thc.codec.hadamard import SliceLayout, is_torch
 from thc.codec.packing import pack_bits, unpack_bits
 from thc.codec.params import THCParams
@@ -102,7 +102,7 @@ def agree_max(norm_vectors: Sequence):
 
 
 def encode(x, max_norms, params: THCParams, round: int = 0, generator=None,
-           backend="auto"):
+           backend="auto", status=None):
     """THC indices (uint8, one per padded coordinate) of x under the agreed max norms.
 
     ``generator``: np.random.Generator, torch.Generator, int seed or None (see
@@ -113,37 +113,47 @@ def encode(x, max_norms, params: THCParams, round: int = 0, generator=None,
     other generator; the reference path draws every uniform from it.
     ``backend``: see :func:`compiled_for` and :func:`kernels_for`.
     """
-    return _encode(x, max_norms, params, round, generator, backend, pack=False)
+    return _encode(x, max_norms, params, round, generator, backend, False, status=status)
 
 
 def encode_packed(x, max_norms, params: THCParams, round: int = 0, generator=None,
-                  backend="auto"):
+                  backend="auto", status=None):
     """The wire form of :func:`encode` (b-bit indices packed MSB first); at b = 4 the kernels
     write the packed bytes directly."""
-    return _encode(x, max_norms, params, round, generator, backend, pack=True)
+    return _encode(x, max_norms, params, round, generator, backend, True, status=status)
 
 
-def prepare(x, params: THCParams, round: int = 0, backend="auto") -> Prepared:
+def prepare(x, params: THCParams, round: int = 0, backend="auto", status=None) -> Prepared:
     """Slice norms of x and, on the kernels, encode pass 1 from the same read. Then
-    ``encode_prepared(prep, agree_max(...))``; x must not change in between."""
-    flat = _flat(x)
-    choice = _choice(backend)
-    return choice(flat).prepare(flat, params, layout(flat.shape[0], params), round,
-                                backend)
+    ``encode_prepared(prep, agree_max(...))``; x must not change in between. ``status``: see
+    :class:`THCCodec`'s ``deferred_checks``."""
+    flat, impl = _input(x, _choice(backend))
+    return impl.prepare(flat, params, layout(flat.shape[0], params), round, backend,
+                        status=status)
 
 
 def encode_prepared(prep: Prepared, max_norms, params: THCParams, generator=None,
-                    pack: bool = True):
+                    pack: bool = True, status=None):
     """Finish :func:`prepare`'s encode under the agreed max norms: packed wire form by
     default, uint8 indices with ``pack=False``."""
     return _encode(prep.flat, max_norms, params, prep.round, generator, prep.backend, pack,
-                   prep.scratch)
+                   prep.scratch, status)
 
 
-def _encode(x, max_norms, params, round, generator, backend, pack, scratch=None):
-    flat = _flat(x)
-    return _choice(backend)(flat).encode(flat, layout(flat.shape[0], params), max_norms,
-                                         params, round, generator, pack, scratch)
+def _input(x, choice: Choice):
+    """x flattened, and the backend that runs it: float16 and bfloat16 tensors reach the
+    kernels as they are (no float32 copy), every other path gets float32."""
+    flat = _flat(x, keep_half=True)
+    impl = choice(flat)
+    if impl.name != "triton" and is_torch(flat) and str(flat.dtype) != "torch.float32":
+        flat = flat.float()
+    return flat, impl
+
+
+def _encode(x, max_norms, params, round, generator, backend, pack, scratch=None, status=None):
+    flat, impl = _input(x, _choice(backend))
+    return impl.encode(flat, layout(flat.shape[0], params), max_norms, params, round,
+                       generator, pack, scratch, status=status)
 
 
 def table_values(indices, params: THCParams):
@@ -187,16 +197,18 @@ def aggregate(index_vectors: Sequence, params: THCParams):
 
 
 def decode(sums, n_workers: int, max_norms, numel: int, params: THCParams, round: int = 0,
-           out=None, backend="auto"):
+           out=None, backend="auto", status=None):
     """Estimate of the workers' mean vector (flat float32, ``numel`` long) from the sums.
 
     ``out``: optional flat float32 buffer of ``numel`` elements to write into (saves the
     allocation and its page faults when decoding every round into the same buffer).
     ``backend``: see :func:`kernels_for`."""
-    return _decode(sums, n_workers, max_norms, numel, params, round, out, backend, False)
+    return _decode(sums, n_workers, max_norms, numel, params, round, out, backend, False,
+                   status)
 
 
-def _decode(sums, n_workers, max_norms, numel, params, round, out, backend, own: bool):
+def _decode(sums, n_workers, max_norms, numel, params, round, out, backend, own: bool,
+            status=None):
     """decode; with ``own`` the ``sums`` are one worker's indices, which the backend maps
     through the table itself."""
     if int(n_workers) < 1:
@@ -232,19 +244,21 @@ def _decode(sums, n_workers, max_norms, numel, params, round, out, backend, own:
         raise ValueError(f"out must be a flat float32 buffer of {lay.numel} elements like the "
                          f"sums, got {type(out).__name__} {tuple(out.shape)} {out.dtype}")
     table = impl.own_table(params, sums.device if torch_in else None) if own else None
-    return impl.decode(sums, int(n_workers), max_norms, lay, params, round, out, table)
+    return impl.decode(sums, int(n_workers), max_norms, lay, params, round, out, table,
+                       status=status)
 
 
 def decode_indices(indices, max_norms, numel: int, params: THCParams, round: int = 0,
-                   backend="auto"):
+                   backend="auto", status=None):
     """One worker's own reconstruction (decode with n = 1): what error feedback subtracts.
     The kernels and the compiled path map indices through the table themselves (no
-    table-value pass)."""
+    table-value pass; the kernels check the indices on the device)."""
     impl = _choice(backend)(indices)
     if impl.own_table is not None:
         i = indices.reshape(-1)
-        check_indices(i, params)
-        return _decode(i, 1, max_norms, numel, params, round, None, backend, True)
+        if impl.name != "triton":
+            check_indices(i, params)
+        return _decode(i, 1, max_norms, numel, params, round, None, backend, True, status)
     return decode(table_values(indices, params), 1, max_norms, numel, params, round,
                   backend=backend)
 
@@ -294,12 +308,37 @@ class THCCodec:
     """The codec bound to one set of parameters (all workers of a job share them)."""
 
     def __init__(self, params: THCParams | None = None, backend: str = "auto",
-                 cpu: str | None = None):
+                 cpu: str | None = None, deferred_checks: bool = False):
         """``backend``: see :mod:`thc.codec.backends`; ``cpu``: what ``auto`` runs on the
-        CPU, ``compiled`` or ``reference`` (default: :func:`thc.codec.settings.current`)."""
+        CPU, ``compiled`` or ``reference`` (default: :func:`thc.codec.settings.current`).
+
+        ``deferred_checks``: on the kernels, no call waits for the device (so a stream of
+        calls runs back to back, and can be captured in a CUDA graph); bad input (NaN or Inf,
+        bad max norms, an index outside the table) is flagged in a status word on the device
+        and raised by the next :meth:`check`. The CPU paths still raise at once."""
         self.params = params or THCParams()
         self.choice = Choice(backend, _cpu() if cpu is None else cpu)
         self.backend = backend
+        self.deferred_checks = deferred_checks
+        self._words: dict = {}
+
+    def _status(self, x):
+        """The status word the kernels flag into for x's device (deferred checks only)."""
+        if not self.deferred_checks or not is_torch(x):
+            return None
+        word = self._words.get(x.device)
+        if word is None:
+            word = self._words[x.device] = status_word(x.device)
+        return word
+
+    def check(self) -> None:
+        """Raise what the kernels flagged since the last check (one wait for each device
+        used), and clear it; nothing to do without deferred checks."""
+        for word in self._words.values():
+            values = word.tolist()
+            if values[0]:
+                word.zero_()
+                raise_status(values, self.params)
 
     def layout(self, numel: int) -> SliceLayout:
         return layout(numel, self.params)
@@ -308,27 +347,32 @@ class THCCodec:
         return slice_norms(x, self.params, self.choice)
 
     def encode(self, x, max_norms, round: int = 0, generator=None):
-        return encode(x, max_norms, self.params, round, generator, self.choice)
+        return encode(x, max_norms, self.params, round, generator, self.choice,
+                      self._status(x))
 
     def encode_packed(self, x, max_norms, round: int = 0, generator=None):
         """Encode straight to the wire form (fused on the kernels at b = 4)."""
-        return encode_packed(x, max_norms, self.params, round, generator, self.choice)
+        return encode_packed(x, max_norms, self.params, round, generator, self.choice,
+                             self._status(x))
 
     def prepare(self, x, round: int = 0) -> Prepared:
         """Norms and, on the kernels, encode pass 1 from one read of x (see :func:`prepare`)."""
-        return prepare(x, self.params, round, self.choice)
+        return prepare(x, self.params, round, self.choice, self._status(x))
 
     def encode_prepared(self, prep: Prepared, max_norms, generator=None, pack: bool = True):
-        return encode_prepared(prep, max_norms, self.params, generator, pack)
+        return encode_prepared(prep, max_norms, self.params, generator, pack,
+                               self._status(prep.flat))
 
     def aggregate(self, index_vectors: Sequence):
         return aggregate(index_vectors, self.params)
 
     def decode(self, sums, n_workers: int, max_norms, numel: int, round: int = 0, out=None):
-        return decode(sums, n_workers, max_norms, numel, self.params, round, out, self.choice)
+        return decode(sums, n_workers, max_norms, numel, self.params, round, out, self.choice,
+                      self._status(sums))
 
     def decode_own(self, indices, max_norms, numel: int, round: int = 0):
-        return decode_indices(indices, max_norms, numel, self.params, round, self.choice)
+        return decode_indices(indices, max_norms, numel, self.params, round, self.choice,
+                              self._status(indices))
 
     def pack(self, indices):
         """Wire form: b-bit indices packed MSB first (two per byte at b = 4)."""

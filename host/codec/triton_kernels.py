@@ -5,22 +5,29 @@ Why this shape: a slice of d = 2^L coordinates (2^20 by default, 4 MiB) does not
 so it is viewed as an R x C matrix (d = R C, index i = row C + col) and H_d = H_R (x) H_C is
 applied in two passes, each on chip:
 
-- encode pass 1 (rows): load x, add up its squares (the slice norms of the MAX round come
-  from this read), apply the rotation signs (host/codec/rng.py, computed in the kernel from
+- encode pass 1 (rows): load x (float32, or float16/bfloat16 read as they are), add up its
+  squares (the slice norms of the MAX round come from this read; a NaN or Inf shows in them
+  and is flagged), apply the rotation signs (host/codec/rng.py, computed in the kernel from
   the slice's key), transform each row of C with H_C, store float32 scratch. The scale needs
   the agreed max norm only in pass 2, so pass 1 can run before the MAX round.
 - encode pass 2 (columns): load a block of whole columns, transform them with H_R, then
-  scale by g / (2 t_p M), shift by g/2, truncate to [0, g], round stochastically onto the
-  table (uniforms from the counter-based generator) and store indices, packed two to a byte
-  at b = 4; the first rotated coordinate of each slice goes out for the NaN/Inf check.
+  scale by g / (2 t_p M) (from the agreed max norm M, read here), shift by g/2, truncate to
+  [0, g], round stochastically onto the table (uniforms from the counter-based generator)
+  and store indices, packed two to a byte at b = 4.
 - decode pass 1: load the sums (any integer width, widened here) or a worker's own indices
   (mapped through the table), subtract n g/2, transform rows; pass 2: transform columns,
   scale by 2 t_p M / (g d n), apply the signs, store the unpadded float32 result.
 
 Each H_K on chip is one or two small dense ±1 products (K = K1 K2, factors of 16..64 built in
-registers from the parity of i & j) in full float32 (input_precision "ieee": TF32 would cost
-the codec precision it does not need to lose). Slices of fewer than 2^8 or more than 2^24
-coordinates (a short tail slice) are left to the reference path by the caller.
+registers from the parity of i & j) on the tensor cores: H's entries are exact in TF32, so
+each product is split into x's TF32 head and the rest ("tf32x2": two TF32 products whose sum
+keeps about 22 of float32's 24 bits). Slices of fewer than 2^8 or more than 2^24 coordinates
+(a short tail slice) are left to the reference path by the caller.
+
+Nothing here waits for the device. Bad input is flagged in a status word on the device
+(host/codec/common.py's ``status_word``) that the caller reads when it chooses
+(host/codec/kernels.py): a NaN or Inf in x, a max norm that is negative or not finite, an
+index outside the table.
 """
 from __future__ import annotations
 
@@ -30,14 +37,28 @@ import triton
 import triton.language as tl
 
 from thc.codec import rng
+from thc.codec.common import BAD_INDEX, BAD_INPUT, BAD_NORMS
 
 MIN_LOG, MAX_LOG = 8, 24
 """Slice lengths 2^8..2^24 run here; others take the reference path."""
-TILE, TILE_COLS = 4096, 8192
+TILE, TILE_COLS = 4096, 4096
 """float32 elements a program holds: rows x C in the row passes, R x columns in the column
-passes (measured on an H100 at 2^26: the fastest of 4096..32768 per pass)."""
-PRECISION = "ieee"
+passes."""
 NUM_WARPS, NUM_WARPS_COLS = 4, 8
+COLS_FIRST = True
+"""Order of the column passes' programs (one flat grid): column blocks of one slice next to
+each other (True: the rows they read share DRAM pages) or one column block of every slice."""
+COLS_LOG = 12
+"""The smallest log2 C a slice is split with where it can be (12: a 2^20 slice is 256 x 4096,
+so a column pass reads 64 bytes of each row; 0: 1024 x 1024)."""
+# Tiles, warps, order and split: the fastest of ten settings for encode plus decode at 2^26
+# on an H200 (`thc bench kernels --configs`, docs/results.md).
+PRECISIONS = ("tf32x2", "ieee", "tf32x3", "tf32")
+"""How the ±1 products run: tf32x2 (the default, above); ieee (float32 FMAs, no tensor cores);
+tf32x3 (Triton's three-product split); tf32 (one product: 10 bits of x, only for timing)."""
+PRECISION = "tf32x2"
+_INPUT, _NORMS, _INDEX = tl.constexpr(BAD_INPUT), tl.constexpr(BAD_NORMS), tl.constexpr(BAD_INDEX)
+_FLT_MAX = tl.constexpr(3.4028234663852886e38)
 
 
 def supports(padded: int) -> bool:
@@ -52,7 +73,12 @@ def _axis_factor(log: int) -> int:
 
 
 def _split(log: int) -> tuple[int, int]:
-    """(log R, log C) with each side either 2^4..2^6 (one product) or 2^8..2^12 (two)."""
+    """(log R, log C) with each side either 2^4..2^6 (one product) or 2^8..2^12 (two), C at
+    least 2^COLS_LOG where it can be."""
+    for c in range(max((log + 1) // 2, COLS_LOG), log - 3):
+        r = log - c
+        if all(4 <= e <= 6 or 8 <= e <= 12 for e in (r, c)):
+            return r, c
     for c in range((log + 1) // 2, log - 3):
         r = log - c
         if all(4 <= e <= 6 or 8 <= e <= 12 for e in (r, c)):
@@ -109,15 +135,28 @@ def _hmat(K: tl.constexpr):
 
 
 @triton.jit
+def _dot(a, h, PREC: tl.constexpr):
+    """a @ h for a ±1 matrix h (exact in TF32); tf32x2 splits a into its TF32 head and the
+    float32 rest, so the tensor cores lose about 2 bits of a instead of 13."""
+    if PREC == "tf32x2":
+        hi = (a.to(tl.uint32, bitcast=True) & 0xFFFFE000).to(tl.float32, bitcast=True)
+        y = tl.dot(hi, h, input_precision="tf32")
+        y = tl.dot(a - hi, h, acc=y, input_precision="tf32")
+    else:
+        y = tl.dot(a, h, input_precision=PREC)
+    return y
+
+
+@triton.jit
 def _had_last(x, M: tl.constexpr, K: tl.constexpr, K1: tl.constexpr, PREC: tl.constexpr):
     """H_K along axis 1 of an (M, K) tile, K = K1 K2 (K1 = 1: one product)."""
     if K1 == 1:
-        y = tl.dot(x, _hmat(K), input_precision=PREC)
+        y = _dot(x, _hmat(K), PREC)
     else:
         K2: tl.constexpr = K // K1
-        y = tl.dot(tl.reshape(x, (M * K1, K2)), _hmat(K2), input_precision=PREC)
+        y = _dot(tl.reshape(x, (M * K1, K2)), _hmat(K2), PREC)
         y = tl.permute(tl.reshape(y, (M, K1, K2)), (0, 2, 1))
-        y = tl.dot(tl.reshape(y, (M * K2, K1)), _hmat(K1), input_precision=PREC)
+        y = _dot(tl.reshape(y, (M * K2, K1)), _hmat(K1), PREC)
         y = tl.reshape(tl.permute(tl.reshape(y, (M, K2, K1)), (0, 2, 1)), (M, K))
     return y
 
@@ -126,41 +165,66 @@ def _had_last(x, M: tl.constexpr, K: tl.constexpr, K1: tl.constexpr, PREC: tl.co
 def _had_first(x, K: tl.constexpr, N: tl.constexpr, K1: tl.constexpr, PREC: tl.constexpr):
     """H_K along axis 0 of a (K, N) tile, K = K1 K2 (K1 = 1: one product)."""
     if K1 == 1:
-        y = tl.trans(tl.dot(tl.trans(x), _hmat(K), input_precision=PREC))
+        y = tl.trans(_dot(tl.trans(x), _hmat(K), PREC))
     else:
         K2: tl.constexpr = K // K1
         y = tl.permute(tl.reshape(x, (K1, K2, N)), (0, 2, 1))
-        y = tl.dot(tl.reshape(y, (K1 * N, K2)), _hmat(K2), input_precision=PREC)
+        y = _dot(tl.reshape(y, (K1 * N, K2)), _hmat(K2), PREC)
         y = tl.permute(tl.reshape(y, (K1, N, K2)), (2, 1, 0))
-        y = tl.dot(tl.reshape(y, (K2 * N, K1)), _hmat(K1), input_precision=PREC)
+        y = _dot(tl.reshape(y, (K2 * N, K1)), _hmat(K1), PREC)
         y = tl.reshape(tl.permute(tl.reshape(y, (K2, N, K1)), (2, 0, 1)), (K, N))
     return y
 
 
 @triton.jit
-def _encode_rows(X, TMP, prefix, first, PART, length, d,
+def _flag(STATUS, bad, flag: tl.constexpr, word, value):
+    """OR ``flag`` into the status word and raise word ``word`` to ``value`` where ``bad``."""
+    tl.atomic_or(STATUS, flag, mask=bad)
+    tl.atomic_max(STATUS + word, value, mask=bad)
+
+
+@triton.jit
+def _norm_bad(m):
+    """A max norm that is negative, NaN or infinite."""
+    return (m != m) | (m < 0.0) | (m > _FLT_MAX)
+
+
+@triton.jit
+def _encode_rows(X, TMP, PART, STATUS, prefix, first, length, d,
                  C: tl.constexpr, C1: tl.constexpr, BM: tl.constexpr, PREC: tl.constexpr):
     s = tl.program_id(0)
     rows = tl.program_id(1) * BM + tl.arange(0, BM)
     i = rows[:, None] * C + tl.arange(0, C)[None, :]
-    x = tl.load(X + s.to(tl.int64) * length + i, mask=i < length, other=0.0)
-    tl.store(PART + s * tl.num_programs(1) + tl.program_id(1), tl.sum(tl.sum(x * x, 1), 0))
+    x = tl.load(X + s.to(tl.int64) * length + i, mask=i < length, other=0.0).to(tl.float32)
+    ssq = tl.sum(tl.sum(x * x, 1), 0)
+    tl.store(PART + s * tl.num_programs(1) + tl.program_id(1), ssq)
+    _flag(STATUS, (ssq != ssq) | (ssq > _FLT_MAX), _INPUT, 1, first + s + 1)
     k0, k1 = _key(prefix, first, s)
     y = _had_last(_signed(x, i, k0, k1), BM, C, C1, PREC)
     tl.store(TMP + s.to(tl.int64) * d + i, y)
 
 
 @triton.jit
-def _encode_cols(TMP, OUT, FIRST, COEF, uprefix, first, LOWER, BASE, WIDTH, d, g,
-                 R: tl.constexpr, C: tl.constexpr, R1: tl.constexpr, BN: tl.constexpr,
-                 PREC: tl.constexpr, PACK: tl.constexpr):
-    s = tl.program_id(0)
-    nb = tl.program_id(1)
+def _col_block(count, NB: tl.constexpr, FIRST: tl.constexpr):
+    """(slice, column block) of this program of a flat grid of count x NB."""
+    pid = tl.program_id(0)
+    if FIRST:
+        return pid // NB, pid % NB
+    return pid % count, pid // count
+
+
+@triton.jit
+def _encode_cols(TMP, OUT, MAXN, STATUS, uprefix, first, count, LOWER, BASE, WIDTH, d, g,
+                 scale, R: tl.constexpr, C: tl.constexpr, R1: tl.constexpr, BN: tl.constexpr,
+                 PREC: tl.constexpr, PACK: tl.constexpr, FIRST: tl.constexpr):
+    s, nb = _col_block(count, C // BN, FIRST)
+    m = tl.load(MAXN + first + s).to(tl.float32)
+    _flag(STATUS, _norm_bad(m) & (nb == 0), _NORMS, 2, first + s + 1)
+    coef = tl.where(m > 0.0, scale / tl.where(m > 0.0, m, 1.0), 0.0)
     rows = tl.arange(0, R)
     i = rows[:, None] * C + (nb * BN + tl.arange(0, BN))[None, :]
     y = tl.load(TMP + s.to(tl.int64) * d + i)
-    z = _had_first(y, R, BN, R1, PREC) * tl.load(COEF + s) + 0.5 * g
-    tl.store(FIRST + s + i * 0, z, mask=i == 0)
+    z = _had_first(y, R, BN, R1, PREC) * coef + 0.5 * g
     u = tl.minimum(tl.maximum(z, 0.0), g)
     k = tl.maximum(tl.minimum(u.to(tl.int32), g - 1), 0)
     lower = tl.load(LOWER + k).to(tl.int32)
@@ -177,7 +241,7 @@ def _encode_cols(TMP, OUT, FIRST, COEF, uprefix, first, LOWER, BASE, WIDTH, d, g
 
 
 @triton.jit
-def _decode_rows(S, TMP, TABLE, centre, d,
+def _decode_rows(S, TMP, TABLE, STATUS, centre, d, levels,
                  C: tl.constexpr, C1: tl.constexpr, BM: tl.constexpr, PREC: tl.constexpr,
                  LOOKUP: tl.constexpr):
     s = tl.program_id(0)
@@ -185,20 +249,23 @@ def _decode_rows(S, TMP, TABLE, centre, d,
     i = rows[:, None] * C + tl.arange(0, C)[None, :]
     v = tl.load(S + s.to(tl.int64) * d + i)
     if LOOKUP:
-        v = tl.load(TABLE + v.to(tl.int32))
+        top = tl.max(tl.max(v.to(tl.int32), 1), 0)
+        _flag(STATUS, top >= levels, _INDEX, 3, top + 1)
+        v = tl.load(TABLE + tl.minimum(v.to(tl.int32), levels - 1))
     w = v.to(tl.float32) - centre
     tl.store(TMP + s.to(tl.int64) * d + i, _had_last(w, BM, C, C1, PREC))
 
 
 @triton.jit
-def _decode_cols(TMP, OUT, ALPHA, prefix, first, length, d,
+def _decode_cols(TMP, OUT, MAXN, STATUS, prefix, first, count, length, d, scale,
                  R: tl.constexpr, C: tl.constexpr, R1: tl.constexpr, BN: tl.constexpr,
-                 PREC: tl.constexpr):
-    s = tl.program_id(0)
-    nb = tl.program_id(1)
+                 PREC: tl.constexpr, FIRST: tl.constexpr):
+    s, nb = _col_block(count, C // BN, FIRST)
+    m = tl.load(MAXN + first + s).to(tl.float32)
+    _flag(STATUS, _norm_bad(m) & (nb == 0), _NORMS, 2, first + s + 1)
     i = tl.arange(0, R)[:, None] * C + (nb * BN + tl.arange(0, BN))[None, :]
     y = tl.load(TMP + s.to(tl.int64) * d + i)
-    z = _had_first(y, R, BN, R1, PREC) * tl.load(ALPHA + s)
+    z = _had_first(y, R, BN, R1, PREC) * (scale * m)
     k0, k1 = _key(prefix, first, s)
     tl.store(OUT + s.to(tl.int64) * length + i, _signed(z, i, k0, k1), mask=i < length)
 
@@ -236,60 +303,66 @@ def _luts(table: tuple[int, ...], device):
     return _LUTS[key]
 
 
-def _on(v, device):
-    """Per-slice float32 factors on the device (computed there by the caller, or numpy)."""
-    if isinstance(v, torch.Tensor):
-        return v.to(device=device, dtype=torch.float32).contiguous()
-    return torch.from_numpy(np.ascontiguousarray(v, dtype=np.float32)).to(device)
-
-
-def encode_rows(flat, grp, seed: int, round_: int):
-    """Encode pass 1 of one group of equal slices of ``flat`` (float32, contiguous): the
-    signed, row-transformed scratch and the slices' L2 norms (from the same read of x)."""
+def encode_rows(flat, grp, seed: int, round_: int, st):
+    """Encode pass 1 of one group of equal slices of ``flat`` (contiguous; float32, float16
+    or bfloat16): the signed, row-transformed scratch and the slices' L2 norms (from the same
+    read of x); a NaN or Inf is flagged in ``st``."""
     sh, dev, d = _Shape(grp.padded), flat.device, grp.padded
     x = flat[grp.start: grp.start + grp.count * grp.length]
     tmp = torch.empty(grp.count * d, dtype=torch.float32, device=dev)
     part = torch.empty((grp.count, sh.R // sh.BM), dtype=torch.float32, device=dev)
     pfx = _prefix(seed, round_, rng.SIGN_STREAM)
-    _encode_rows[(grp.count, sh.R // sh.BM)](x, tmp, pfx, grp.first, part, grp.length, d, C=sh.C,
-                                             C1=sh.C1, BM=sh.BM, PREC=PRECISION,
+    _encode_rows[(grp.count, sh.R // sh.BM)](x, tmp, part, st, pfx, grp.first, grp.length, d,
+                                             C=sh.C, C1=sh.C1, BM=sh.BM, PREC=PRECISION,
                                              num_warps=NUM_WARPS)
     return tmp, part.sum(1).sqrt_()
 
 
-def encode_cols(tmp, grp, coef, table: tuple[int, ...], round_: int,
-                uniform_seed: int, out, pack: bool):
-    """Encode pass 2 of one group: column transform, scale, truncation, stochastic rounding
-    into ``out`` (uint8 indices, or packed b = 4 bytes when ``pack``). Returns the first
-    rotated coordinate of each slice (for the caller's NaN/Inf check)."""
+def encode_cols(tmp, grp, max_norms, params, round_: int, uniform_seed: int, out, pack: bool,
+                st):
+    """Encode pass 2 of one group: column transform, scale by g / (2 t_p M) from the device
+    tensor ``max_norms`` (all slices'), truncation, stochastic rounding into ``out`` (uint8
+    indices, or packed b = 4 bytes when ``pack``); bad max norms are flagged in ``st``."""
     sh, dev, d = _Shape(grp.padded), tmp.device, grp.padded
-    first = torch.empty(grp.count, dtype=torch.float32, device=dev)
+    table = tuple(int(v) for v in params.table)
     upfx = _prefix(uniform_seed, round_, rng.UNIFORM_STREAM)
     lower, base, width = _luts(table, dev)
-    c = _on(coef, dev)
-    _encode_cols[(grp.count, sh.C // sh.BN)](tmp, out, first, c, upfx, grp.first, lower, base, width, d,
-                                             table[-1], R=sh.R, C=sh.C, R1=sh.R1, BN=sh.BN,
-                                             PREC=PRECISION, PACK=pack, num_warps=NUM_WARPS_COLS)
-    return first
+    g = params.granularity
+    _encode_cols[(grp.count * (sh.C // sh.BN),)](
+        tmp, out, max_norms, st, upfx, grp.first, grp.count, lower, base, width, d, g,
+        g / (2.0 * params.t_p), R=sh.R, C=sh.C, R1=sh.R1, BN=sh.BN, PREC=PRECISION, PACK=pack,
+        FIRST=COLS_FIRST, num_warps=NUM_WARPS_COLS)
 
 
-def decode_group(values, grp, alpha, centre: float, seed: int, round_: int, out,
-                 table=None):
-    """Decode one group: ``values`` are the group's sums (any integer dtype) or, with
-    ``table`` (int32 tensor on the device), one worker's indices; writes ``out`` (the group's
-    unpadded float32 coordinates)."""
-    sh, dev, d = _Shape(grp.padded), values.device, grp.padded
-    tmp = torch.empty(grp.count * d, dtype=torch.float32, device=dev)
+def decode_rows(values, grp, n: int, params, st, table=None):
+    """Decode pass 1 of one group: ``values`` are the group's sums of ``n`` workers (any
+    integer dtype) or, with ``table`` (on the device), one worker's indices, flagged in
+    ``st`` where outside it. Returns the float32 scratch."""
+    sh, d = _Shape(grp.padded), grp.padded
+    tmp = torch.empty(grp.count * d, dtype=torch.float32, device=values.device)
     lookup = table is not None
-    _decode_rows[(grp.count, sh.R // sh.BM)](values, tmp, table if lookup else values,
-                                             float(centre), d, C=sh.C, C1=sh.C1, BM=sh.BM,
-                                             PREC=PRECISION, LOOKUP=lookup,
-                                             num_warps=NUM_WARPS)
-    pfx = _prefix(seed, round_, rng.SIGN_STREAM)
-    a = _on(alpha, dev)
-    _decode_cols[(grp.count, sh.C // sh.BN)](tmp, out, a, pfx, grp.first, grp.length, d, R=sh.R,
-                                             C=sh.C, R1=sh.R1, BN=sh.BN, PREC=PRECISION,
-                                             num_warps=NUM_WARPS_COLS)
+    _decode_rows[(grp.count, sh.R // sh.BM)](values, tmp, table if lookup else values, st,
+                                             n * params.granularity / 2.0, d, params.levels,
+                                             C=sh.C, C1=sh.C1, BM=sh.BM, PREC=PRECISION,
+                                             LOOKUP=lookup, num_warps=NUM_WARPS)
+    return tmp
+
+
+def decode_cols(tmp, grp, max_norms, n: int, params, round_: int, out, st):
+    """Decode pass 2 of one group into ``out`` (its unpadded float32 coordinates), scaled by
+    2 t_p M / (g d n) from the device tensor ``max_norms``, flagged in ``st`` if bad."""
+    sh, d = _Shape(grp.padded), grp.padded
+    pfx = _prefix(params.seed, round_, rng.SIGN_STREAM)
+    _decode_cols[(grp.count * (sh.C // sh.BN),)](
+        tmp, out, max_norms, st, pfx, grp.first, grp.count, grp.length, d,
+        2.0 * params.t_p / (params.granularity * d * n), R=sh.R, C=sh.C, R1=sh.R1, BN=sh.BN,
+        PREC=PRECISION, FIRST=COLS_FIRST, num_warps=NUM_WARPS_COLS)
+
+
+def decode_group(values, grp, max_norms, n: int, params, round_: int, out, st, table=None):
+    """Both decode passes of one group (see :func:`decode_rows`, :func:`decode_cols`)."""
+    decode_cols(decode_rows(values, grp, n, params, st, table), grp, max_norms, n, params,
+                round_, out, st)
 
 
 def compile_for(padded: int, arch: int = 90) -> dict:
@@ -300,17 +373,17 @@ def compile_for(padded: int, arch: int = 90) -> dict:
     from triton.compiler import ASTSource
     sh = _Shape(padded)
     rows = dict(C=sh.C, C1=sh.C1, BM=sh.BM, PREC=PRECISION)
-    cols = dict(R=sh.R, C=sh.C, R1=sh.R1, BN=sh.BN, PREC=PRECISION)
+    cols = dict(R=sh.R, C=sh.C, R1=sh.R1, BN=sh.BN, PREC=PRECISION, FIRST=COLS_FIRST)
     jobs = [
-        (_encode_rows, dict(X="*fp32", TMP="*fp32", prefix="i32", first="i32", PART="*fp32", length="i32",
-                            d="i32"), rows),
-        (_encode_cols, dict(TMP="*fp32", OUT="*u8", FIRST="*fp32", COEF="*fp32", uprefix="i32", first="i32",
-                            LOWER="*i32", BASE="*fp32", WIDTH="*fp32", d="i32", g="i32"),
-         dict(cols, PACK=True)),
-        (_decode_rows, dict(S="*i32", TMP="*fp32", TABLE="*u8", centre="fp32", d="i32"),
-         dict(rows, LOOKUP=True)),
-        (_decode_cols, dict(TMP="*fp32", OUT="*fp32", ALPHA="*fp32", prefix="i32", first="i32", length="i32",
-                            d="i32"), cols),
+        (_encode_rows, dict(X="*bf16", TMP="*fp32", PART="*fp32", STATUS="*i32", prefix="i32",
+                            first="i32", length="i32", d="i32"), rows),
+        (_encode_cols, dict(TMP="*fp32", OUT="*u8", MAXN="*fp32", STATUS="*i32", uprefix="i32",
+                            first="i32", count="i32", LOWER="*i32", BASE="*fp32", WIDTH="*fp32", d="i32",
+                            g="i32", scale="fp32"), dict(cols, PACK=True)),
+        (_decode_rows, dict(S="*u8", TMP="*fp32", TABLE="*u8", STATUS="*i32", centre="fp32",
+                            d="i32", levels="i32"), dict(rows, LOOKUP=True)),
+        (_decode_cols, dict(TMP="*fp32", OUT="*fp32", MAXN="*fp32", STATUS="*i32", prefix="i32",
+                            first="i32", count="i32", length="i32", d="i32", scale="fp32"), cols),
     ]
     out = {}
     for fn, sig, consts in jobs:

@@ -17,12 +17,13 @@ domain) and error feedback keeps this worker's lost part for the next round.
 from __future__ import annotations
 
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
+from thc.codec.common import torch_table
 from thc.codec.params import THCParams
 from thc.codec.thc import ErrorFeedback, THCCodec, table_values
 from thc.collective.worker import agree_run
@@ -106,6 +107,8 @@ class DistTransport:
         self.group = group
         self.n_workers = dist.get_world_size(group)
         self.bytes_sent = 0
+        self.stream_ordered = dist.get_backend(group) == "nccl"
+        """NCCL adds on the device's stream: a round needs no host wait in between."""
 
     def check(self, params: THCParams) -> None:
         pass
@@ -123,10 +126,23 @@ class DistTransport:
     def sum(self, indices: torch.Tensor, count: int, params: THCParams, classes=None):
         top = self.n_workers * params.granularity
         dtype = torch.uint8 if top <= 255 else torch.int16 if top < 1 << 15 else torch.int32
-        vals = table_values(indices, params).to(dtype)
+        # the codec's own indices are in the table: looked up without a check that would
+        # wait for the device
+        vals = torch_table(params, indices.device).index_select(
+            0, indices.to(torch.int32)).to(dtype)
         self.bytes_sent += vals.numel() * vals.element_size()
         self.dist.all_reduce(vals, group=self.group)
         return vals, None
+
+
+def _inline(fn, *args) -> Future:
+    """fn(*args) run now, as a done future (one piece: no helper thread to hand it to)."""
+    fut: Future = Future()
+    try:
+        fut.set_result(fn(*args))
+    except BaseException as e:  # noqa: BLE001 - handed on to whoever reads the future
+        fut.set_exception(e)
+    return fut
 
 
 @dataclass
@@ -155,7 +171,8 @@ class THCAllReduce:
         self._pool: ThreadPoolExecutor | None = None
         self.transport = transport
         transport.check(self.params)
-        self.codec = THCCodec(self.params)
+        # on a GPU nothing in a round waits for the device until its end (check below)
+        self.codec = THCCodec(self.params, deferred_checks=True)
         self.feedback = ErrorFeedback(self.params) if error_feedback else None
         self.round = 0
         self.stats = RoundStats()
@@ -220,9 +237,15 @@ class THCAllReduce:
             return tensor.clone()
         secs = self.stats.seconds
         t0 = time.perf_counter()
-        flat = tensor.detach().reshape(-1).float()
+        flat = tensor.detach().reshape(-1)
+        if flat.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            flat = flat.float()   # half types reach the kernels as they are
         y = self.feedback.compensate(flat) if self.feedback else flat
-        step, slice_size = self.pipeline_elements, self.params.slice_size
+        slice_size = self.params.slice_size
+        # a GPU tensor whose sums the transport adds in stream order gains nothing from
+        # pieces: every step queues on the device anyway, and each piece costs host time
+        whole = flat.is_cuda and getattr(self.transport, "stream_ordered", False)
+        step = max(flat.numel(), 1) if whole else self.pipeline_elements
         pieces = [(a, min(a + step, flat.numel())) for a in range(0, flat.numel(), step)]
         rnd = self.round
         # the fused encode: each piece's norms now, its wire form from them after the MAX round
@@ -233,12 +256,13 @@ class THCAllReduce:
         slice_cls = (None if position is None else
                      self.priority_classes(position, max_norms, flat.numel()))
         norms_of = lambda a, b: max_norms[a // slice_size: -(-b // slice_size)]  # noqa: E731
-        est = torch.empty_like(flat)
-        own = torch.empty_like(flat) if self.feedback else None
+        est = torch.empty_like(flat, dtype=torch.float32)
+        own = torch.empty_like(flat, dtype=torch.float32) if self.feedback else None
         packed = self.transport.packed
         lanes = self.transport.lanes
-        if self._pool is None:
+        if self._pool is None and len(pieces) > 1:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="thc-codec")
+        submit = self._pool.submit if len(pieces) > 1 else _inline
 
         def encode(k):
             t = time.perf_counter()
@@ -267,12 +291,12 @@ class THCAllReduce:
                 own[a:b] = self.codec.decode_own(idx, norms_of(a, b), b - a, rnd)
                 secs["feedback"] += time.perf_counter() - t
 
-        next_wire = self._pool.submit(encode, 0)
+        next_wire = submit(encode, 0)
         decodes = []
         for k, (a, b) in enumerate(pieces):
             wire = next_wire.result()
             if k + 1 < len(pieces):
-                next_wire = self._pool.submit(encode, k + 1)
+                next_wire = submit(encode, k + 1)
             count = self.codec.layout(b - a).total_padded
             classes = None
             if slice_cls is not None and lanes is not None:
@@ -282,9 +306,10 @@ class THCAllReduce:
             t = time.perf_counter()
             sums, short = self.transport.sum(wire, count, self.params, classes)
             secs["sum"] += time.perf_counter() - t
-            decodes.append(self._pool.submit(decode, a, b, sums, wire, short))
+            decodes.append(submit(decode, a, b, sums, wire, short))
         for f in decodes:
             f.result()
+        self.codec.check()
         if self.feedback:
             self.feedback.keep(y, own)
         self.round += 1

@@ -1,5 +1,5 @@
-"""PyTorch DDP communication hooks: THC (through an aggregator or torch.distributed), TopK,
-Marsit (sign bits merged along a ring, or counted by a vote job in the network).
+"""PyTorch DDP communication hooks: THC (through an aggregator or torch.distributed), FP32
+(the baseline, on the same machinery), TopK, Marsit (sign bits merged along a ring, or counted by a vote job in the network).
 
 Install with ``hook.register(ddp_model)``. Gradients of parameters chosen
 to stay uncompressed (by name, or below a size) go through the process group's ordinary
@@ -164,6 +164,18 @@ class _Hook:
         """The workers' mean of ``flat``, the bucket's compressed parameters (of ``sizes``);
         ``position``: each element's layer place (only when :attr:`wants_positions`)."""
         raise NotImplementedError
+
+
+class FP32Hook(_Hook):
+    """The FP32 all-reduce (the mean) through the same machinery as the compressing hooks:
+    the baseline that leaves only their codec's cost as the difference."""
+
+    def reduce(self, bucket_index: int, flat: torch.Tensor, sizes: list[int],
+               position: torch.Tensor | None = None) -> torch.Tensor:
+        out = flat.clone()
+        dist.all_reduce(out, group=self.group)
+        self.bytes_sent += 2 * (self.world - 1) * out.numel() * out.element_size() // self.world
+        return out.div_(self.world)
 
 
 class THCHook(_Hook):

@@ -1,0 +1,181 @@
+"""``thc bench hook``: what THC's DDP hook adds to a training step, on one device.
+
+ResNet-50 (host/bench/resnet.py, 25.6M parameters), SGD with momentum, synthetic batches,
+in one process with a process group of one (NCCL on CUDA, Gloo on the CPU): every
+all-reduce is a local sum, so what differs between the modes is the work around it. Per DDP
+bucket size (``--buckets``, MB), the step time (forward, backward, optimizer step, waited
+for; the median of ``--steps``, the modes taking turns step by step) of:
+
+- ``ddp``: DDP's own all-reduce, no hook;
+- ``fp16``: torch's ``fp16_compress_hook``, DDP's machinery plus the cast down and back;
+- ``fp32 hook``: the project's hook machinery (a communication thread, bucket copies,
+  :class:`thc.collective.ddp.FP32Hook`) with the plain all-reduce;
+- ``thc hook``: the same machinery with THC (:class:`thc.collective.ddp.THCHook` over
+  torch.distributed, error feedback on).
+
+THC's cost on the critical path is ``thc hook`` - ``fp32 hook``; FP16's is ``fp16`` - ``ddp``.
+The JSON's ``results`` give both per bucket (elements, seconds) under the row names
+``thc model --gpu-codec`` reads ("THC encode+decode (DDP hook, B MB buckets)" and FP16's
+round trip), so the model can take the hook's measured cost in place of the codec alone.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+from thc.bench import add_common, emit_json
+from thc.codec.params import THCParams
+
+MODES = ("ddp", "fp16", "fp32 hook", "thc hook")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--device", default="cuda", help="cuda (default) or cpu")
+    parser.add_argument("--buckets", default="5,25,100", help="DDP bucket sizes, MB")
+    parser.add_argument("--batch", type=int, default=64, help="images a step (default 64)")
+    parser.add_argument("--image", type=int, default=224, help="image side (default 224)")
+    parser.add_argument("--steps", type=int, default=20, help="timed steps a mode")
+    parser.add_argument("--warmup", type=int, default=5, help="untimed steps a mode first")
+    THCParams.add_arguments(parser, seed=False)
+    add_common(parser)
+
+
+def _group(device):
+    """A process group of this one process (a store in memory, no network)."""
+    import torch.distributed as dist
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                                store=dist.HashStore(), rank=0, world_size=1)
+
+
+def _ddp(mode: str, model, bucket_mb: int, params: THCParams, calls: list):
+    """``model`` wrapped for ``mode``; ``calls`` counts the buckets its hook is handed."""
+    import torch.distributed.algorithms.ddp_comm_hooks.default_hooks as default
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from thc.collective.allreduce import THCAllReduce
+    from thc.collective.ddp import FP32Hook, THCHook
+    ddp = DDP(model, bucket_cap_mb=bucket_mb)
+    if mode == "ddp":
+        return ddp, None
+    if mode == "fp16":
+        def fp16(state, bucket):
+            calls.append(1)
+            return default.fp16_compress_hook(state, bucket)
+        ddp.register_comm_hook(None, fp16)
+        return ddp, None
+    if mode == "fp32 hook":
+        hook = FP32Hook(model)
+    else:
+        hook = THCHook(model, lambda: THCAllReduce.through_torch_distributed(
+            params=params, generator=1000))
+    inner = hook.hook
+
+    def counted(state, bucket):
+        calls.append(1)
+        return inner(state, bucket)
+    ddp.register_comm_hook(None, counted)
+    return ddp, hook
+
+
+def _measure(bucket_mb: int, args, params: THCParams, device) -> list[dict]:
+    """Every mode at one bucket size, the modes taking turns step by step."""
+    import torch
+    from thc.bench.resnet import ResNet50
+    torch.manual_seed(0)
+    base = ResNet50().to(device)
+    gen = torch.Generator(device=device).manual_seed(1)
+    x = torch.randn(args.batch, 3, args.image, args.image, device=device, generator=gen)
+    y = torch.randint(0, 1000, (args.batch,), device=device, generator=gen)
+    runs = {}
+    for mode in MODES:
+        model = ResNet50().to(device)
+        model.load_state_dict(base.state_dict())
+        calls: list = []
+        ddp, hook = _ddp(mode, model, bucket_mb, params, calls)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
+        runs[mode] = {"ddp": ddp, "hook": hook, "opt": opt, "calls": calls, "times": []}
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    for step in range(args.warmup + args.steps):
+        for mode, r in runs.items():
+            if step == args.warmup:
+                r["calls"].clear()
+            sync()
+            t = time.perf_counter()
+            r["opt"].zero_grad(set_to_none=True)
+            loss = torch.nn.functional.cross_entropy(r["ddp"](x), y)
+            loss.backward()
+            r["opt"].step()
+            sync()
+            if step >= args.warmup:
+                r["times"].append(time.perf_counter() - t)
+        print(f"  {bucket_mb} MB buckets: step {step + 1} of {args.warmup + args.steps}",
+              file=sys.stderr, flush=True)
+    rows = []
+    for mode, r in runs.items():
+        rows.append({"bucket_mb": bucket_mb, "mode": mode,
+                     "median_s": statistics.median(r["times"]), "min_s": min(r["times"]),
+                     "buckets": len(r["calls"]) / args.steps if r["calls"] else None})
+    return rows
+
+
+def costs(rows: list[dict], n_params: int) -> list[dict]:
+    """Per bucket size: THC's and FP16's cost a step and a bucket, and the codec rows of
+    ``thc model --gpu-codec`` (only where the difference is above zero)."""
+    out = []
+    for mb in sorted({r["bucket_mb"] for r in rows}):
+        by = {r["mode"]: r for r in rows if r["bucket_mb"] == mb}
+        for name, mode, base in (("THC encode+decode (DDP hook, {} MB buckets)", "thc hook",
+                                  "fp32 hook"),
+                                 ("fp16 round trip (x.half().float())", "fp16", "ddp")):
+            cost = by[mode]["median_s"] - by[base]["median_s"]
+            buckets = by[mode]["buckets"] or 1
+            row = {"name": name.format(mb), "bucket_mb": mb, "step_cost_s": cost,
+                   "buckets": buckets, "elements": round(n_params / buckets)}
+            if cost > 0:
+                row["median_s"] = cost / buckets
+                row["mb_per_s"] = 4 * n_params / cost / 1e6
+            out.append(row)
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("thc bench hook: --device cuda but torch sees no CUDA device")
+        return 2
+    params = THCParams.from_args(args)
+    if args.quick:
+        args.batch, args.image, args.steps, args.warmup = 2, 32, 2, 1
+    buckets = [int(b) for b in args.buckets.split(",") if b]
+    _group(device)
+    from thc.bench.resnet import ResNet50
+    n_params = sum(p.numel() for p in ResNet50().parameters())
+    rows = []
+    for mb in buckets:
+        rows += _measure(mb, args, params, device)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    results = costs(rows, n_params)
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    out = sys.stderr if args.json == "-" else sys.stdout
+    print(f"DDP hooks on {where}: ResNet-50 ({n_params / 1e6:.1f}M parameters), batch "
+          f"{args.batch} of {args.image}x{args.image}, a process group of one (local sums); "
+          f"median of {args.steps} steps", file=out)
+    print(f"{'buckets':>8} {'mode':<10} {'step ms':>9} {'buckets':>8}", file=out)
+    for r in rows:
+        print(f"{r['bucket_mb']:>6}MB {r['mode']:<10} {r['median_s'] * 1e3:>9.2f} "
+              f"{r['buckets'] or '-':>8}", file=out)
+    for r in results:
+        what = "THC" if r["name"].startswith("THC") else "FP16"
+        print(f"{r['bucket_mb']:>6}MB {what} costs {r['step_cost_s'] * 1e3:.2f} ms a step"
+              + (f", {r['mb_per_s']:.0f} MB/s of float32 gradient" if "mb_per_s" in r else
+                 " (not above the noise)"), file=out)
+    emit_json(args, {"device": str(device), "device_name": where, "model": "resnet50",
+                     "params": n_params, "batch": args.batch, "image": args.image,
+                     "steps": args.steps, "torch": torch.__version__, "rows": rows,
+                     "results": [r for r in results if "median_s" in r]})
+    return 0

@@ -1,0 +1,43 @@
+"""``thc bench hook``: its arithmetic on made-up step times, and a short real run on the CPU
+whose JSON ``thc model --gpu-codec`` reads."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from thc.app.gpucodec import codec_speeds
+from thc.bench.hook import MODES, costs
+
+
+def _rows(mb, times, buckets=4):
+    return [{"bucket_mb": mb, "mode": m, "median_s": t, "buckets": None if m == "ddp" else buckets}
+            for m, t in zip(MODES, times)]
+
+
+def test_costs_are_differences_against_the_same_machinery():
+    rows = _rows(25, [0.100, 0.104, 0.110, 0.150]) + _rows(5, [0.100, 0.099, 0.110, 0.130], 13)
+    got = {r["name"]: r for r in costs(rows, 26_000_000)}
+    thc = got["THC encode+decode (DDP hook, 25 MB buckets)"]
+    assert thc["step_cost_s"] == pytest.approx(0.040)          # THC hook - FP32 hook
+    assert thc["median_s"] == pytest.approx(0.010)             # per bucket
+    assert thc["elements"] == 6_500_000
+    assert thc["mb_per_s"] == pytest.approx(4 * 26e6 / 0.040 / 1e6)
+    fp16 = [r for r in costs(rows, 26_000_000) if r["name"].startswith("fp16")]
+    assert fp16[0]["bucket_mb"] == 5 and "median_s" not in fp16[0]   # below DDP's own: noise
+    assert fp16[1]["median_s"] == pytest.approx(0.001)               # (0.104 - 0.100) / 4
+
+
+def test_a_short_run_on_the_cpu_feeds_the_model(tmp_path):
+    out = tmp_path / "hook.json"
+    r = subprocess.run([sys.executable, "-m", "thc.cli", "bench", "hook", "--device", "cpu",
+                        "--quick", "--buckets", "25", "--json", str(out)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    report = json.loads(out.read_text())
+    assert report["params"] == 25_557_032
+    assert {row["mode"] for row in report["rows"]} == set(MODES)
+    assert all(row["buckets"] == 4 for row in report["rows"] if row["mode"] != "ddp")
+    speeds = codec_speeds(report)
+    assert speeds["row"] == "THC encode+decode (DDP hook, 25 MB buckets)"
+    assert speeds["codec_mbps"] > 0
