@@ -387,3 +387,46 @@ def test_kernels_read_half_types_as_they_are(dtype):
     want = thc.encode_packed(x.float(), m, p, 4, 9, backend="triton")
     assert torch.equal(thc.encode_prepared(prep, m, p, 9), want)
     assert torch.equal(thc.encode_packed(x, m, p, 4, 9, backend="triton"), want)
+
+
+class _TwoWorkers:
+    """Two workers' transport in one process, stream-ordered like NCCL; its MAX drops a NaN
+    as fmax does (the worst a collective may do), its sum doubles this worker's values."""
+    stream_ordered, packed, lanes, short_chunks, n_workers = True, False, None, None, 2
+
+    def __init__(self, other_norms):
+        self.other, self.sent, self.bytes_sent = other_norms, [], 0
+
+    def check(self, params):
+        pass
+
+    def max(self, norms):
+        self.sent.append(norms.clone())
+        return torch.fmax(norms, self.other)
+
+    def sum(self, indices, count, params, classes=None):
+        return 2 * thc.table_values(indices, params).to(torch.int32), None
+
+
+@kernels
+def test_a_bad_gradient_ends_every_workers_round_in_an_error():
+    """On the deferred (GPU) path a NaN in one worker's gradient goes into the MAX round as
+    +inf: that worker and its peer both raise at the round's end; neither returns a mean."""
+    from thc.collective.allreduce import THCAllReduce
+    p = THCParams(slice_size=256)
+    good = torch.randn(1024, generator=torch.Generator().manual_seed(3)).to(DEV)
+    bad = good.clone()
+    bad[300] = float("nan")                    # slice 1
+    peer = THCAllReduce(_TwoWorkers(torch.zeros(4, device=DEV)), p, backend="triton")
+    ok_norms = peer.codec.norms(good)
+    worker = THCAllReduce(_TwoWorkers(ok_norms), p, backend="triton")
+    with pytest.raises(ValueError, match="NaN or Inf .* in slice 1"):
+        worker(bad)
+    sent = worker.transport.sent[0]
+    assert torch.isinf(sent[1]) and torch.isfinite(sent[[0, 2, 3]]).all()
+    peer.transport.other = sent
+    with pytest.raises(ValueError, match=r"max norms must be finite .*slice 1"):
+        peer(good)
+    assert peer.round == 0 and peer.feedback.residual is None
+    peer.transport.other = ok_norms            # the next round, all well again
+    assert torch.isfinite(peer(good)).all() and peer.round == 1

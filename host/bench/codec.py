@@ -59,7 +59,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeat", type=int, default=5, help="runs per figure (median)")
     THCParams.add_arguments(parser, seed=False)
     parser.add_argument("--ranks", default="1,4", help="PowerSGD ranks (default 1,4; '' none)")
-    add_common(parser)
+    add_common(parser, plot="out/bench_codec.png")
 
 
 def parse_sizes(text: str) -> list[int]:
@@ -280,6 +280,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"{r['name']:<48} 2^{r['elements'].bit_length() - 1:<7} "
               f"{r['median_s'] * 1e3:>9.3f} {r['gb_per_s']:>8.2f} {r['speed_vs_copy']:>8.3f}",
               file=out)
+    if args.plot:
+        plot(rows, args.plot, f"{device.type} ({where}), {params.describe()}")
+        print(f"wrote {args.plot}", file=out)
     emit_json(args, {"device": str(device), "device_name": where, "backend": args.backend,
                      "reference": reference,
                      "sizes": sizes, "repeat": repeat,
@@ -287,6 +290,37 @@ def run(args: argparse.Namespace) -> int:
                                 "p": params.p},
                      "torch": torch.__version__, "results": rows})
     return 0
+
+
+PLOTTED = ("copy", "fp16 round trip", "THC encode+decode")
+"""Rows whose names start so are drawn: the yardsticks and the codec's round trip."""
+
+
+def plot(rows: list[dict], path: str, title: str) -> None:
+    """GB/s of float32 input against the size, one line per operation of :data:`PLOTTED`."""
+    import matplotlib
+    matplotlib.use("Agg")
+    from pathlib import Path
+
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    names = [n for n in dict.fromkeys(r["name"] for r in rows) if n.startswith(PLOTTED)]
+    for name in names:
+        pts = sorted((r["elements"], r["gb_per_s"]) for r in rows if r["name"] == name)
+        xs, ys = zip(*pts)
+        ax.plot(xs, ys, marker="o", label=name,
+                linestyle="--" if "graph" in name else "-")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("elements (float32)")
+    ax.set_ylabel("GB/s of float32 input")
+    ax.set_title(title, fontsize=9)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def _measure(n, device, backend, reference, ranks, params, repeat, sync) -> list[dict]:

@@ -161,7 +161,7 @@ class THCAllReduce:
     """
 
     def __init__(self, transport, params: THCParams | None = None, error_feedback: bool = True,
-                 generator=None, pipeline_elements: int = 1 << 21):
+                 generator=None, pipeline_elements: int = 1 << 21, backend: str = "auto"):
         self.params = params or THCParams()
         self.generator = generator
         if pipeline_elements % self.params.slice_size:
@@ -171,8 +171,8 @@ class THCAllReduce:
         self._pool: ThreadPoolExecutor | None = None
         self.transport = transport
         transport.check(self.params)
-        # on a GPU nothing in a round waits for the device until its end (check below)
-        self.codec = THCCodec(self.params, deferred_checks=True)
+        # on a GPU nothing in a round waits for the device until its end (see __call__)
+        self.codec = THCCodec(self.params, backend=backend, deferred_checks=True)
         self.feedback = ErrorFeedback(self.params) if error_feedback else None
         self.round = 0
         self.stats = RoundStats()
@@ -228,7 +228,14 @@ class THCAllReduce:
         Pieces are ``pipeline_elements`` long (whole slices), so every worker cuts a tensor
         the same way; each piece is encoded as a tensor of its own (its slices' rotations
         restart at slice index 0 of the round). torch releases the GIL while it computes, so
-        the codec overlaps the transport. A tensor up to one piece long is a single piece.
+        the codec overlaps the transport. A tensor up to one piece long is a single piece, and
+        so is every tensor when the transport adds in the device's stream order (NCCL).
+
+        Bad input never becomes a sum a worker accepts. On the GPU the codec's checks are
+        read once, at the round's end; a slice norm that is not finite goes into the MAX
+        round as +inf, so every worker's kernels see that slice's max norm as bad and every
+        worker's round ends in an error, not only this one's. Where the transport brings the
+        max norms to the host anyway (an aggregator), the checks are read before any sum.
 
         ``position``: per element, its layer's place in the next forward pass (0 first .. 1
         last); given, every chunk is marked with its DLCP priority class.
@@ -244,14 +251,17 @@ class THCAllReduce:
         slice_size = self.params.slice_size
         # a GPU tensor whose sums the transport adds in stream order gains nothing from
         # pieces: every step queues on the device anyway, and each piece costs host time
-        whole = flat.is_cuda and getattr(self.transport, "stream_ordered", False)
+        whole = getattr(self.transport, "stream_ordered", False)
         step = max(flat.numel(), 1) if whole else self.pipeline_elements
         pieces = [(a, min(a + step, flat.numel())) for a in range(0, flat.numel(), step)]
         rnd = self.round
         # the fused encode: each piece's norms now, its wire form from them after the MAX round
         preps = [self.codec.prepare(y[a:b], rnd) for a, b in pieces]
         norms = preps[0].norms if len(preps) == 1 else torch.cat([p.norms for p in preps])
-        max_norms = self.transport.max(norms)
+        inf = float("inf")
+        max_norms = self.transport.max(torch.nan_to_num(norms, nan=inf, posinf=inf))
+        if not whole:
+            self.codec.check()
         secs["norms"] += time.perf_counter() - t0
         slice_cls = (None if position is None else
                      self.priority_classes(position, max_norms, flat.numel()))
