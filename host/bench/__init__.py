@@ -37,3 +37,20 @@ def emit_json(args: argparse.Namespace, result: dict) -> None:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(text + "\n")
         print(f"wrote {args.json}")
+
+
+def figure(width: float = 7.5, height: float = 4.5, cols: int = 1):
+    """A new matplotlib figure and its axes (one row of ``cols``), drawn without a display."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt.subplots(1, cols, figsize=(width, height), squeeze=False)
+
+
+def save_figure(fig, path: str) -> None:
+    """Lay out, write (the folder made if needed) and close ``fig``."""
+    import matplotlib.pyplot as plt
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

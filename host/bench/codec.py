@@ -39,7 +39,7 @@ import statistics
 import sys
 import time
 
-from thc.bench import add_common, emit_json
+from thc.bench import add_common, emit_json, figure, save_figure
 from thc.codec import settings
 from thc.codec.params import THCParams
 from thc.codec.thc import THCCodec
@@ -298,12 +298,8 @@ PLOTTED = ("copy", "fp16 round trip", "THC encode+decode")
 
 def plot(rows: list[dict], path: str, title: str) -> None:
     """GB/s of float32 input against the size, one line per operation of :data:`PLOTTED`."""
-    import matplotlib
-    matplotlib.use("Agg")
-    from pathlib import Path
-
-    import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    fig, axes = figure()
+    ax = axes[0][0]
     names = [n for n in dict.fromkeys(r["name"] for r in rows) if n.startswith(PLOTTED)]
     for name in names:
         pts = sorted((r["elements"], r["gb_per_s"]) for r in rows if r["name"] == name)
@@ -317,10 +313,7 @@ def plot(rows: list[dict], path: str, title: str) -> None:
     ax.set_title(title, fontsize=9)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def _measure(n, device, backend, reference, ranks, params, repeat, sync) -> list[dict]:

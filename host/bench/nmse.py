@@ -15,7 +15,7 @@ import time
 
 import numpy as np
 
-from thc.bench import add_common, emit_json
+from thc.bench import add_common, emit_json, figure, save_figure
 from thc.codec.baselines import make_scheme
 from thc.codec.params import THCParams
 from thc.codec.table import expected_nmse, optimal_table, uniform_table
@@ -99,12 +99,7 @@ def sweep_specs(quick: bool) -> list[tuple[str, str]]:
 
 
 def plot(sweep: list[dict], workers: list[int], path: str, title: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    from pathlib import Path
-
-    import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(1, len(workers), figsize=(6 * len(workers), 4.5), squeeze=False)
+    fig, axes = figure(6 * len(workers), 4.5, len(workers))
     families = list(dict.fromkeys(r["family"] for r in sweep))
     markers = dict(zip(families, "osD^v<>px*"))
     for ax, n in zip(axes[0], workers):
@@ -121,10 +116,7 @@ def plot(sweep: list[dict], workers: list[int], path: str, title: str) -> None:
         ax.set_title(f"{title}, n = {n}")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def run(args: argparse.Namespace) -> int:
