@@ -1,8 +1,10 @@
 """``thc model --gpu-codec JSON``: where THC stops paying for 25M-, 100M- and 350M-parameter
 models at a GPU codec's measured speed. A model: the break-evens it prints are estimates.
 
-It reads the JSON that ``thc bench codec --device cuda --json FILE`` writes. The fields it
-needs, all written by that command (a hand-made file needs only these):
+It reads the JSON that ``thc bench codec --device cuda --json FILE`` writes, or that of
+``thc bench hook --json FILE`` (whose rows give the codec's cost as measured in a DDP step,
+per bucket). The fields it needs, all written by those commands (a hand-made file needs only
+these):
 
 - ``results``: rows of ``name``, ``elements`` and ``median_s`` (seconds for that many float32
   elements). It takes the row ``THC encode+decode (<label>)`` of the fast path (a label
