@@ -49,6 +49,34 @@ def _through_aggregator(xs, rounds=1, error_feedback=True):
     return out
 
 
+def test_a_nan_on_one_worker_fails_every_worker_and_none_waits():
+    """The worker with NaN in its gradient still sends its MAX packets, marked: its peers
+    refuse the round too, at once, and nobody is left waiting for a sum."""
+    xs = _vectors(3, 5000, seed=4)
+    xs[1][123] = float("nan")
+    job = local_job(1, 3, free_port_block(3), pool_size=32, granularity=PARAMS.granularity,
+                    table=PARAMS.table)
+    got: dict = {}
+    with Aggregator([job]) as agg:
+        addr = agg.start()
+
+        def work(w):
+            with AggregationClient(job, w, addr, run=1) as c:
+                ar = THCAllReduce.through_aggregator(c, PARAMS)
+                try:
+                    got[w] = ar(xs[w])
+                except ValueError as e:
+                    got[w] = e
+
+        ts = [threading.Thread(target=work, args=(w,)) for w in range(3)]
+        [t.start() for t in ts]
+        [t.join(60) for t in ts]
+    assert not any(t.is_alive() for t in ts)
+    assert "NaN or Inf" in str(got[1])
+    for w in (0, 2):
+        assert isinstance(got[w], ValueError) and "mark of a worker" in str(got[w]), got[w]
+
+
 def test_estimate_is_identical_on_every_worker_and_close_to_the_mean():
     xs = _vectors(4, 50_000)
     out = _through_aggregator(xs)
@@ -110,6 +138,32 @@ def _dist_worker(rank, world, port, xs, q):
                                                 generator=torch.Generator().manual_seed(rank))
     q.put((rank, ar(xs[rank]).numpy(), ar.transport.bytes_sent))
     dist.destroy_process_group()
+
+
+def _nan_worker(rank, port, q):
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2)
+    x = torch.randn(3000, generator=torch.Generator().manual_seed(rank))
+    if rank == 0:
+        x[2000] = float("inf")
+    try:
+        THCAllReduce.through_torch_distributed(params=PARAMS)(x)
+        q.put((rank, "returned"))
+    except ValueError as e:
+        q.put((rank, str(e)))
+    dist.destroy_process_group()
+
+
+def test_torch_distributed_a_bad_worker_fails_its_peer_too():
+    ctx = tmp.get_context("spawn")
+    q = ctx.Queue()
+    port = free_port_block(1)
+    ps = [ctx.Process(target=_nan_worker, args=(r, port, q)) for r in range(2)]
+    [p.start() for p in ps]
+    res = dict(q.get(timeout=60) for _ in ps)
+    [p.join(30) for p in ps]
+    assert "NaN or Inf" in res[0]
+    assert "mark of a worker" in res[1]
 
 
 def test_torch_distributed_transport_gloo():

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from thc.codec import rng, thc
+from thc.codec.common import NORM_MARK
 from thc.codec.hadamard import fwht
 from thc.codec.thc import ErrorFeedback, THCCodec, THCParams
 
@@ -411,7 +412,8 @@ class _TwoWorkers:
 @kernels
 def test_a_bad_gradient_ends_every_workers_round_in_an_error():
     """On the deferred (GPU) path a NaN in one worker's gradient goes into the MAX round as
-    +inf: that worker and its peer both raise at the round's end; neither returns a mean."""
+    NORM_MARK: that worker and its peer both raise at the round's end; neither returns a
+    mean, and the next round is clean."""
     from thc.collective.allreduce import THCAllReduce
     p = THCParams(slice_size=256)
     good = torch.randn(1024, generator=torch.Generator().manual_seed(3)).to(DEV)
@@ -423,10 +425,50 @@ def test_a_bad_gradient_ends_every_workers_round_in_an_error():
     with pytest.raises(ValueError, match="NaN or Inf .* in slice 1"):
         worker(bad)
     sent = worker.transport.sent[0]
-    assert torch.isinf(sent[1]) and torch.isfinite(sent[[0, 2, 3]]).all()
+    assert sent[1] == NORM_MARK and (sent[[0, 2, 3]] < 1e6).all()
     peer.transport.other = sent
     with pytest.raises(ValueError, match=r"max norms must be finite .*slice 1"):
         peer(good)
     assert peer.round == 0 and peer.feedback.residual is None
     peer.transport.other = ok_norms            # the next round, all well again
     assert torch.isfinite(peer(good)).all() and peer.round == 1
+
+
+@kernels
+def test_a_call_that_raises_leaves_no_flag_behind():
+    """A short tail slice reads the max norms on the host before any kernel runs: the call
+    raises at once and flags nothing that a later, good call's check() would report."""
+    p = THCParams(slice_size=256)
+    c = THCCodec(p, backend="triton", deferred_checks=True)
+    x = torch.randn(1024 + 3, generator=torch.Generator().manual_seed(8)).to(DEV)
+    m = c.norms(x)
+    sums = c.aggregate([c.encode(x, m, 0, 1)])
+    bad = m.clone()
+    bad[1] = float("inf")
+    for call in (lambda mm: c.decode(sums, 1, mm, x.numel(), 0),
+                 lambda mm: c.encode(x, mm, 0, 1)):
+        with pytest.raises(ValueError, match="max norms must be finite"):
+            call(bad)
+        call(m)
+        c.check()
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_wide_and_negative_indices_are_refused(backend):
+    """An index is compared at its own width: 2^32 + 5 does not wrap to 5, -1 is no entry."""
+    if backend == "triton" and SKIP:
+        pytest.skip(SKIP)
+    p = THCParams(slice_size=256)
+    c = THCCodec(p, backend=backend, deferred_checks=True)
+    x = torch.randn(512, generator=torch.Generator().manual_seed(9)).to(DEV)
+    m = c.norms(x)
+    idx = c.encode(x, m, 0, 1).to(torch.int64)
+    for value, what in ((2 ** 32 + 5, "index 1073741824 or larger" if backend == "triton"
+                         else "index 4294967301"), (-1, "a negative index")):
+        wrong = idx.clone()
+        wrong[5] = value
+        with pytest.raises(ValueError, match=what + " outside the 16-entry table"):
+            c.decode_own(wrong, m, 512, 0)
+            c.check()
+    c.decode_own(idx, m, 512, 0)
+    c.check()

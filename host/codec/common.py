@@ -87,7 +87,7 @@ def norm_array(max_norms, n_slices: int) -> np.ndarray:
     m = np.asarray(m, dtype=np.float64).reshape(-1)
     if m.size != n_slices:
         raise ValueError(f"expected {n_slices} max norms (one per slice), got {m.size}")
-    if not np.all(np.isfinite(m)) or np.any(m < 0):
+    if not np.all(np.isfinite(m)) or np.any(m < 0) or np.any(m >= NORM_MARK):
         raise ValueError(f"max norms must be finite and >= 0, got {m}")
     return m
 
@@ -124,11 +124,17 @@ def check_finite(first_coords, grp) -> None:
 
 BAD_INPUT, BAD_NORMS, BAD_INDEX = 1, 2, 4
 """Flags of the kernels' status word."""
+NORM_MARK = float(np.finfo(np.float32).max)
+"""The slice norm a worker whose input holds NaN or Inf sends into the MAX round: above any
+real norm (a finite float32 norm is below 2^64), so every worker refuses that max norm."""
+INDEX_CAP = 1 << 30
+"""The largest bad index the status word records as it is (larger ones as this)."""
 
 
 def status_word(device):
     """The kernels' status word on ``device``: flags, then the last slice with a NaN or Inf
-    + 1, the last slice with a bad max norm + 1, the largest bad index + 1 (0: none)."""
+    + 1, the last slice with a bad max norm + 1, the largest bad index + 2 (1: negative;
+    0: none)."""
     import torch
     return torch.zeros(4, dtype=torch.int32, device=device)
 
@@ -154,13 +160,18 @@ def raise_status(values, params: THCParams, max_norms=None) -> None:
         raise ValueError(f"max norms must be finite and >= 0 (slice {values[2] - 1}'s is "
                          f"not){got}")
     if flags & BAD_INDEX:
-        raise ValueError(f"index {values[3] - 1} outside the {params.levels}-entry table")
+        top = values[3] - 2
+        what = "a negative index" if top < 0 else f"index {top}" + (
+            " or larger" if top >= INDEX_CAP else "")
+        raise ValueError(f"{what} outside the {params.levels}-entry table")
 
 
 def check_indices(i, params: THCParams) -> None:
     if i.numel() if is_torch(i) else i.size:
         if int(i.max()) >= params.levels:
             raise ValueError(f"index {int(i.max())} outside the {params.levels}-entry table")
+        if int(i.min()) < 0:
+            raise ValueError(f"a negative index outside the {params.levels}-entry table")
 
 
 _TORCH_TABLES: dict = {}

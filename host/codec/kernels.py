@@ -39,6 +39,14 @@ def device_norms(max_norms, n_slices: int, device):
     return torch.from_numpy(m.astype(np.float32)).to(device)
 
 
+def _host_norms(kern, groups, md, lay):
+    """The max norms checked on the host, where a group goes through the reference code:
+    read before any kernel runs, so a call that raises here has flagged nothing."""
+    if all(kern.supports(grp.padded) for grp in groups):
+        return None
+    return norm_array(md, lay.n_slices)
+
+
 def _settle(word, status, params: THCParams, max_norms=None) -> None:
     """Without a caller's status word, read this call's own now: one wait, errors at once."""
     if status is None:
@@ -77,7 +85,9 @@ def encode(kern, flat, lay, max_norms, params: THCParams, round: int, generator,
     key = rounding_key(generator, flat)
     out = torch.empty((lay.total_padded + 1) // 2 if fused else lay.total_padded,
                       dtype=torch.uint8, device=flat.device)
-    for grp in lay.groups(WHOLE):
+    groups = list(lay.groups(WHOLE))
+    m = _host_norms(kern, groups, md, lay)
+    for grp in groups:
         if kern.supports(grp.padded):
             a, n = (grp.padded_start // 2, grp.count * grp.padded // 2) if fused else \
                 (grp.padded_start, grp.count * grp.padded)
@@ -86,8 +96,7 @@ def encode(kern, flat, lay, max_norms, params: THCParams, round: int, generator,
                 tmp, _ = kern.encode_rows(flat, grp, params.seed, round, word)
             kern.encode_cols(tmp, grp, md, params, round, key, out[a: a + n], fused, word)
             continue
-        _encode_short(flat.float(), grp, norm_array(md, lay.n_slices), params, round, key, out,
-                      fused)
+        _encode_short(flat.float(), grp, m, params, round, key, out, fused)
     _settle(word, status, params, md)
     if pack and not fused:
         return pack_bits(out, params.bits)
@@ -119,15 +128,19 @@ def decode(kern, sums, n: int, max_norms, lay, params: THCParams, round: int, ou
         raise ValueError("out must be contiguous")
     word = status if status is not None else status_word(sums.device)
     md = device_norms(max_norms, lay.n_slices, sums.device)
-    for grp in lay.groups(WHOLE):
+    groups = list(lay.groups(WHOLE))
+    m = _host_norms(kern, groups, md, lay)
+    short = [g for g in groups if not kern.supports(g.padded)]
+    if own_table is not None:
+        for grp in short:
+            check_indices(sums[grp.padded_start: grp.padded_start + grp.count * grp.padded],
+                          params)
+    for grp in groups:
         s = sums[grp.padded_start: grp.padded_start + grp.count * grp.padded]
         dst = out[grp.start: grp.start + grp.count * grp.length]
         if kern.supports(grp.padded):
             kern.decode_group(s, grp, md, n, params, round, dst, word, own_table)
             continue
-        if own_table is not None:
-            check_indices(s, params)
-        m = norm_array(md, lay.n_slices)
         alpha = reference.alphas(m, grp, params, n).astype(np.float32)
         reference.decode_group(s, grp, alpha, n * params.granularity / 2.0, params, round,
                                dst, own_table)

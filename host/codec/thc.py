@@ -333,12 +333,22 @@ class THCCodec:
 
     def check(self) -> None:
         """Raise what the kernels flagged since the last check (one wait for each device
-        used), and clear it; nothing to do without deferred checks."""
+        used; the first device's first flag when several are set), and clear every flag;
+        nothing to do without deferred checks."""
+        flagged = []
         for word in self._words.values():
             values = word.tolist()
             if values[0]:
                 word.zero_()
-                raise_status(values, self.params)
+                flagged.append(values)
+        if flagged:
+            raise_status(flagged[0], self.params)
+
+    def discard_checks(self) -> None:
+        """Forget what the kernels flagged (a caller abandoning its round after an error), so
+        that it is not blamed on the next one."""
+        for word in self._words.values():
+            word.zero_()
 
     def layout(self, numel: int) -> SliceLayout:
         return layout(numel, self.params)

@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 
 from thc.codec import rng
-from thc.codec.common import BAD_INDEX, BAD_INPUT, BAD_NORMS
+from thc.codec.common import BAD_INDEX, BAD_INPUT, BAD_NORMS, INDEX_CAP
 
 MIN_LOG, MAX_LOG = 8, 24
 """Slice lengths 2^8..2^24 run here; others take the reference path."""
@@ -59,6 +59,7 @@ tf32x3 (Triton's three-product split); tf32 (one product: 10 bits of x, only for
 PRECISION = "tf32x2"
 _INPUT, _NORMS, _INDEX = tl.constexpr(BAD_INPUT), tl.constexpr(BAD_NORMS), tl.constexpr(BAD_INDEX)
 _FLT_MAX = tl.constexpr(3.4028234663852886e38)
+_INDEX_CAP = tl.constexpr(INDEX_CAP)
 
 
 def supports(padded: int) -> bool:
@@ -185,8 +186,8 @@ def _flag(STATUS, bad, flag: tl.constexpr, word, value):
 
 @triton.jit
 def _norm_bad(m):
-    """A max norm that is negative, NaN or infinite."""
-    return (m != m) | (m < 0.0) | (m > _FLT_MAX)
+    """A max norm that is negative, NaN, infinite or common.NORM_MARK."""
+    return (m != m) | (m < 0.0) | (m >= _FLT_MAX)
 
 
 @triton.jit
@@ -249,9 +250,12 @@ def _decode_rows(S, TMP, TABLE, STATUS, centre, d, levels,
     i = rows[:, None] * C + tl.arange(0, C)[None, :]
     v = tl.load(S + s.to(tl.int64) * d + i)
     if LOOKUP:
-        top = tl.max(tl.max(v.to(tl.int32), 1), 0)
-        _flag(STATUS, top >= levels, _INDEX, 3, top + 1)
-        v = tl.load(TABLE + tl.minimum(v.to(tl.int32), levels - 1))
+        # compared at full width: a wide index must not wrap into the table
+        w = v.to(tl.int64)
+        bad = (w < 0) | (w >= levels)
+        seen = tl.max(tl.max(tl.where(bad, tl.minimum(tl.maximum(w, -1), _INDEX_CAP), -2), 1), 0)
+        _flag(STATUS, seen != -2, _INDEX, 3, seen.to(tl.int32) + 2)
+        v = tl.load(TABLE + tl.where(bad, 0, w).to(tl.int32))
     w = v.to(tl.float32) - centre
     tl.store(TMP + s.to(tl.int64) * d + i, _had_last(w, BM, C, C1, PREC))
 

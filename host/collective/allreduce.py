@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from thc.codec.common import torch_table
+from thc.codec.common import NORM_MARK, torch_table
 from thc.codec.params import THCParams
 from thc.codec.thc import ErrorFeedback, THCCodec, table_values
 from thc.collective.worker import agree_run
@@ -231,17 +231,49 @@ class THCAllReduce:
         the codec overlaps the transport. A tensor up to one piece long is a single piece, and
         so is every tensor when the transport adds in the device's stream order (NCCL).
 
-        Bad input never becomes a sum a worker accepts. On the GPU the codec's checks are
-        read once, at the round's end; a slice norm that is not finite goes into the MAX
-        round as +inf, so every worker's kernels see that slice's max norm as bad and every
-        worker's round ends in an error, not only this one's. Where the transport brings the
-        max norms to the host anyway (an aggregator), the checks are read before any sum.
+        Bad input never becomes a sum a worker accepts, and no worker waits for one that
+        failed: see :meth:`_max_round`. On the GPU the codec's checks are read once, at the
+        round's end (on a stream-ordered transport) or after the MAX round (elsewhere).
 
         ``position``: per element, its layer's place in the next forward pass (0 first .. 1
         last); given, every chunk is marked with its DLCP priority class.
         """
         if tensor.numel() == 0:
             return tensor.clone()
+        try:
+            return self._round(tensor, position)
+        except BaseException:
+            self.codec.discard_checks()   # this round's flags are not the next one's
+            raise
+
+    def _max_round(self, y, pieces, rnd: int, whole: bool):
+        """Each piece's prepare, and the MAX round of their slice norms. A worker with bad
+        input still takes part, its bad slices' norms (all of them if it cannot tell which)
+        sent as :data:`NORM_MARK`, so that no peer waits for it and no peer accepts that
+        slice. Where the max norms reach the host, every worker raises here, before any
+        sum; on a stream-ordered transport the kernels flag the mark (``__call__``)."""
+        try:
+            preps = [self.codec.prepare(y[a:b], rnd) for a, b in pieces]
+        except ValueError:
+            n = sum(self.codec.layout(b - a).n_slices for a, b in pieces)
+            self.transport.max(torch.full((n,), NORM_MARK, device=y.device))
+            raise
+        norms = preps[0].norms if len(preps) == 1 else torch.cat([p.norms for p in preps])
+        max_norms = self.transport.max(torch.nan_to_num(norms, nan=NORM_MARK,
+                                                        posinf=NORM_MARK))
+        if not whole:
+            own = (~torch.isfinite(norms)).nonzero()
+            if own.numel():
+                raise ValueError(f"input contains NaN or Inf (or values whose squares "
+                                 f"overflow float32) in slice {int(own[0])}")
+            marked = (~(max_norms < NORM_MARK)).nonzero()
+            if marked.numel():
+                raise ValueError(f"slice {int(marked[0])}'s max norm is the mark of a worker "
+                                 f"whose input holds NaN or Inf there: the round is refused")
+            self.codec.check()
+        return preps, max_norms
+
+    def _round(self, tensor: torch.Tensor, position) -> torch.Tensor:
         secs = self.stats.seconds
         t0 = time.perf_counter()
         flat = tensor.detach().reshape(-1)
@@ -256,12 +288,7 @@ class THCAllReduce:
         pieces = [(a, min(a + step, flat.numel())) for a in range(0, flat.numel(), step)]
         rnd = self.round
         # the fused encode: each piece's norms now, its wire form from them after the MAX round
-        preps = [self.codec.prepare(y[a:b], rnd) for a, b in pieces]
-        norms = preps[0].norms if len(preps) == 1 else torch.cat([p.norms for p in preps])
-        inf = float("inf")
-        max_norms = self.transport.max(torch.nan_to_num(norms, nan=inf, posinf=inf))
-        if not whole:
-            self.codec.check()
+        preps, max_norms = self._max_round(y, pieces, rnd, whole)
         secs["norms"] += time.perf_counter() - t0
         slice_cls = (None if position is None else
                      self.priority_classes(position, max_norms, flat.numel()))
