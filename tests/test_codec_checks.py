@@ -1,0 +1,132 @@
+"""The codec's checks on the kernels' path: flagged on the device, raised by check(),
+never left behind by a call that raises, and never a mean accepted from a round whose input
+was bad on any worker. Under Triton's interpreter without a GPU (see
+test_codec_kernels.py, which this imports first for that)."""
+import pytest
+import torch
+
+from tests.test_codec_kernels import DEV, SKIP, kernels
+from thc.codec import thc
+from thc.codec.common import NORM_MARK
+from thc.codec.thc import THCCodec, THCParams
+
+
+@kernels
+def test_deferred_checks_flag_on_the_device_and_raise_at_check():
+    """With deferred checks nothing raises (or waits) in the call; check() raises what the
+    kernels flagged, naming the slice or index, and clears it."""
+    p = THCParams(slice_size=256)
+    c = THCCodec(p, backend="triton", deferred_checks=True)
+    x = torch.randn(1024, generator=torch.Generator().manual_seed(2)).to(DEV)
+    m = c.norms(x)
+    c.check()
+    y = x.clone()
+    y[600] = float("nan")                      # slice 2
+    c.encode_prepared(c.prepare(y, 0), m, 1)
+    with pytest.raises(ValueError, match="NaN or Inf .* in slice 2"):
+        c.check()
+    c.check()                                  # cleared
+    y[600] = float("inf")
+    c.encode(y, m, 0, 1)
+    with pytest.raises(ValueError, match="NaN or Inf .* in slice 2"):
+        c.check()
+    idx = c.encode(x, m, 0, 1)
+    mb = m.clone()
+    mb[3] = -1.0
+    c.decode(c.aggregate([idx]), 1, mb, 1024, 0)
+    with pytest.raises(ValueError, match=r"max norms must be finite and >= 0 \(slice 3"):
+        c.check()
+    c.encode(x, mb, 0, 1)
+    with pytest.raises(ValueError, match=r"max norms .*slice 3"):
+        c.check()
+    bad = idx.clone()
+    bad[5] = 16
+    c.decode_own(bad, m, 1024, 0)
+    with pytest.raises(ValueError, match="index 16 outside the 16-entry table"):
+        c.check()
+    c.decode_own(idx, m, 1024, 0)
+    c.check()
+
+
+class _TwoWorkers:
+    """Two workers' transport in one process, stream-ordered like NCCL; its MAX drops a NaN
+    as fmax does (the worst a collective may do), its sum doubles this worker's values."""
+    stream_ordered, packed, lanes, short_chunks, n_workers = True, False, None, None, 2
+
+    def __init__(self, other_norms):
+        self.other, self.sent, self.bytes_sent = other_norms, [], 0
+
+    def check(self, params):
+        pass
+
+    def max(self, norms):
+        self.sent.append(norms.clone())
+        return torch.fmax(norms, self.other)
+
+    def sum(self, indices, count, params, classes=None):
+        return 2 * thc.table_values(indices, params).to(torch.int32), None
+
+
+@kernels
+def test_a_bad_gradient_ends_every_workers_round_in_an_error():
+    """On the deferred (GPU) path a NaN in one worker's gradient goes into the MAX round as
+    NORM_MARK: that worker and its peer both raise at the round's end; neither returns a
+    mean, and the next round is clean."""
+    from thc.collective.allreduce import THCAllReduce
+    p = THCParams(slice_size=256)
+    good = torch.randn(1024, generator=torch.Generator().manual_seed(3)).to(DEV)
+    bad = good.clone()
+    bad[300] = float("nan")                    # slice 1
+    peer = THCAllReduce(_TwoWorkers(torch.zeros(4, device=DEV)), p, backend="triton")
+    ok_norms = peer.codec.norms(good)
+    worker = THCAllReduce(_TwoWorkers(ok_norms), p, backend="triton")
+    with pytest.raises(ValueError, match="NaN or Inf .* in slice 1"):
+        worker(bad)
+    sent = worker.transport.sent[0]
+    assert sent[1] == NORM_MARK and (sent[[0, 2, 3]] < 1e6).all()
+    peer.transport.other = sent
+    with pytest.raises(ValueError, match=r"max norms must be finite .*slice 1"):
+        peer(good)
+    assert peer.round == 0 and peer.feedback.residual is None
+    peer.transport.other = ok_norms            # the next round, all well again
+    assert torch.isfinite(peer(good)).all() and peer.round == 1
+
+
+@kernels
+def test_a_call_that_raises_leaves_no_flag_behind():
+    """A short tail slice reads the max norms on the host before any kernel runs: the call
+    raises at once and flags nothing that a later, good call's check() would report."""
+    p = THCParams(slice_size=256)
+    c = THCCodec(p, backend="triton", deferred_checks=True)
+    x = torch.randn(1024 + 3, generator=torch.Generator().manual_seed(8)).to(DEV)
+    m = c.norms(x)
+    sums = c.aggregate([c.encode(x, m, 0, 1)])
+    bad = m.clone()
+    bad[1] = float("inf")
+    for call in (lambda mm: c.decode(sums, 1, mm, x.numel(), 0),
+                 lambda mm: c.encode(x, mm, 0, 1)):
+        with pytest.raises(ValueError, match="max norms must be finite"):
+            call(bad)
+        call(m)
+        c.check()
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_wide_and_negative_indices_are_refused(backend):
+    """An index is compared at its own width: 2^32 + 5 does not wrap to 5, -1 is no entry."""
+    if backend == "triton" and SKIP:
+        pytest.skip(SKIP)
+    p = THCParams(slice_size=256)
+    c = THCCodec(p, backend=backend, deferred_checks=True)
+    x = torch.randn(512, generator=torch.Generator().manual_seed(9)).to(DEV)
+    m = c.norms(x)
+    idx = c.encode(x, m, 0, 1).to(torch.int64)
+    for value, what in ((2 ** 32 + 5, "index 1073741824 or larger" if backend == "triton"
+                         else "index 4294967301"), (-1, "a negative index")):
+        wrong = idx.clone()
+        wrong[5] = value
+        with pytest.raises(ValueError, match=what + " outside the 16-entry table"):
+            c.decode_own(wrong, m, 512, 0)
+            c.check()
+    c.decode_own(idx, m, 512, 0)
+    c.check()
