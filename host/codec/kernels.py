@@ -16,8 +16,8 @@ import numpy as np
 
 from thc.codec import reference, rng
 from thc.codec.common import (BAD_INPUT, WHOLE, Prepared, check_generator, check_indices,
-                               encode_coef, flag, norm_array, raise_status, rounding_key, same_place,
-                               status_word, view)
+                               encode_coef, flag, norm_array, raise_status, rounding_key,
+                               same_place, status_word, view)
 from thc.codec.hadamard import is_torch
 from thc.codec.packing import pack_bits
 from thc.codec.params import THCParams

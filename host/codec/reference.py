@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from thc.codec import rng
-from thc.codec.common import (GROUP_ELEMENTS, Prepared, check_finite, check_generator,
+from thc.codec.common import (GROUP_ELEMENTS, WHOLE, Prepared, check_finite, check_generator,
                                check_norms_finite, encode_coef, norm_array, view)
 from thc.codec.hadamard import fwht, is_torch, random_signs
 from thc.codec.packing import pack_bits
@@ -32,11 +32,12 @@ def rows(flat, group):
 
 
 def norms(flat, params: THCParams, lay):
-    """Per-slice L2 norms (float32): torch's norm for tensors, float64 sums for numpy."""
+    """Per-slice L2 norms (float32): torch's norm for tensors (on a GPU one call for all
+    equal slices, not one per cache-sized batch), float64 sums for numpy."""
     if is_torch(flat):
         import torch
-        parts = [torch.linalg.vector_norm(view(flat, grp), dim=1)
-                 for grp in lay.groups(GROUP_ELEMENTS)]
+        batch = WHOLE if flat.device.type == "cuda" else GROUP_ELEMENTS
+        parts = [torch.linalg.vector_norm(view(flat, grp), dim=1) for grp in lay.groups(batch)]
         out = torch.cat(parts) if parts else flat.new_zeros(0)
         check_norms_finite(out)
         return out

@@ -382,8 +382,9 @@ def compile_for(padded: int, arch: int = 90) -> dict:
         (_encode_rows, dict(X="*bf16", TMP="*fp32", PART="*fp32", STATUS="*i32", prefix="i32",
                             first="i32", length="i32", d="i32"), rows),
         (_encode_cols, dict(TMP="*fp32", OUT="*u8", MAXN="*fp32", STATUS="*i32", uprefix="i32",
-                            first="i32", count="i32", LOWER="*i32", BASE="*fp32", WIDTH="*fp32", d="i32",
-                            g="i32", scale="fp32"), dict(cols, PACK=True)),
+                            first="i32", count="i32", LOWER="*i32", BASE="*fp32",
+                            WIDTH="*fp32", d="i32", g="i32", scale="fp32"),
+         dict(cols, PACK=True)),
         (_decode_rows, dict(S="*u8", TMP="*fp32", TABLE="*u8", STATUS="*i32", centre="fp32",
                             d="i32", levels="i32"), dict(rows, LOOKUP=True)),
         (_decode_cols, dict(TMP="*fp32", OUT="*fp32", MAXN="*fp32", STATUS="*i32", prefix="i32",
@@ -392,8 +393,8 @@ def compile_for(padded: int, arch: int = 90) -> dict:
     out = {}
     for fn, sig, consts in jobs:
         sig = dict(sig, **{k: "constexpr" for k in consts})
+        warps = NUM_WARPS_COLS if fn in (_encode_cols, _decode_cols) else NUM_WARPS
         k = triton.compile(ASTSource(fn, sig, consts), target=GPUTarget("cuda", arch, 32),
-                           options={"num_warps": NUM_WARPS_COLS if fn in (_encode_cols, _decode_cols)
-                                    else NUM_WARPS})
+                           options={"num_warps": warps})
         out[fn.__name__] = k.metadata.shared
     return out

@@ -1,5 +1,6 @@
 """PyTorch DDP communication hooks: THC (through an aggregator or torch.distributed), FP32
-(the baseline, on the same machinery), TopK, Marsit (sign bits merged along a ring, or counted by a vote job in the network).
+(the baseline, on the same machinery), TopK, Marsit (sign bits merged along a ring, or
+counted by a vote job in the network).
 
 Install with ``hook.register(ddp_model)``. Gradients of parameters chosen
 to stay uncompressed (by name, or below a size) go through the process group's ordinary
