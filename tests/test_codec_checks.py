@@ -9,6 +9,7 @@ from tests.test_codec_kernels import DEV, SKIP, kernels
 from thc.codec import thc
 from thc.codec.common import NORM_MARK
 from thc.codec.thc import THCCodec, THCParams
+from thc.collective.allreduce import THCAllReduce
 
 
 @kernels
@@ -53,17 +54,18 @@ class _TwoWorkers:
     as fmax does (the worst a collective may do), its sum doubles this worker's values."""
     stream_ordered, packed, lanes, short_chunks, n_workers = True, False, None, None, 2
 
-    def __init__(self, other_norms):
-        self.other, self.sent, self.bytes_sent = other_norms, [], 0
+    def __init__(self, other):
+        self.other, self.sent, self.sums, self.bytes_sent = other, [], 0, 0
 
     def check(self, params):
         pass
 
-    def max(self, norms):
-        self.sent.append(norms.clone())
-        return torch.fmax(norms, self.other)
+    def max(self, vector):
+        self.sent.append(vector.clone())
+        return torch.fmax(vector, self.other)
 
     def sum(self, indices, count, params, classes=None):
+        self.sums += 1
         return 2 * thc.table_values(indices, params).to(torch.int32), None
 
 
@@ -71,25 +73,76 @@ class _TwoWorkers:
 def test_a_bad_gradient_ends_every_workers_round_in_an_error():
     """On the deferred (GPU) path a NaN in one worker's gradient goes into the MAX round as
     NORM_MARK: that worker and its peer both raise at the round's end; neither returns a
-    mean, and the next round is clean."""
-    from thc.collective.allreduce import THCAllReduce
+    mean, both stay in the same round, and the next round is clean."""
+    from thc.collective.agreement import tagged
     p = THCParams(slice_size=256)
     good = torch.randn(1024, generator=torch.Generator().manual_seed(3)).to(DEV)
     bad = good.clone()
     bad[300] = float("nan")                    # slice 1
-    peer = THCAllReduce(_TwoWorkers(torch.zeros(4, device=DEV)), p, backend="triton")
-    ok_norms = peer.codec.norms(good)
-    worker = THCAllReduce(_TwoWorkers(ok_norms), p, backend="triton")
+    peer = THCAllReduce(_TwoWorkers(None), p, backend="triton")
+    worker = THCAllReduce(_TwoWorkers(tagged(peer.codec.norms(good), 0)), p, backend="triton")
     with pytest.raises(ValueError, match="NaN or Inf .* in slice 1"):
         worker(bad)
     sent = worker.transport.sent[0]
     assert sent[1] == NORM_MARK and (sent[[0, 2, 3]] < 1e6).all()
+    assert worker.transport.sums == 1          # it took part in the sum: no peer waits
     peer.transport.other = sent
     with pytest.raises(ValueError, match=r"max norms must be finite .*slice 1"):
         peer(good)
-    assert peer.round == 0 and peer.feedback.residual is None
-    peer.transport.other = ok_norms            # the next round, all well again
-    assert torch.isfinite(peer(good)).all() and peer.round == 1
+    assert peer.round == worker.round == 1 and peer.feedback.residual is None
+    peer.transport.other = tagged(worker.codec.norms(good), 1)
+    assert torch.isfinite(peer(good)).all() and peer.round == 2
+
+
+@kernels
+def test_workers_out_of_step_refuse_the_round():
+    """The round number rides in the MAX round: a worker a round behind makes every worker
+    refuse, at the round's end on a stream-ordered transport."""
+    from thc.collective.agreement import tagged
+    p = THCParams(slice_size=256)
+    x = torch.randn(1024, generator=torch.Generator().manual_seed(5)).to(DEV)
+    ar = THCAllReduce(_TwoWorkers(tagged(torch.zeros(4, device=DEV), 1)), p, backend="triton")
+    with pytest.raises(RuntimeError, match="different rounds"):
+        ar(x)                                  # this worker is in round 0, the other in 1
+    ar.transport.other = tagged(torch.zeros(4, device=DEV), 1)
+    assert torch.isfinite(ar(x)).all()         # both in round 1 now
+
+
+def test_a_worker_that_stops_early_still_joins_a_stream_ordered_sum():
+    """The reference codec raises in prepare. On a stream-ordered transport the worker still
+    sends its MAX round (the bad slice marked) and a sum of zeros, so peers on the kernels
+    do not wait in the sum; a peer on the reference codec refuses the marked slice the same
+    way. Both stay in the same round."""
+    from thc.collective.agreement import tagged
+    p = THCParams(slice_size=256)
+    x = torch.randn(1024, generator=torch.Generator().manual_seed(6))
+    bad = x.clone()
+    bad[700] = float("nan")                    # slice 2
+    worker = THCAllReduce(_TwoWorkers(tagged(torch.zeros(4), 0)), p, backend="reference")
+    with pytest.raises(ValueError, match="NaN or Inf in slice 2"):
+        worker(bad)
+    sent = worker.transport.sent[0]
+    assert sent[2] == NORM_MARK and (sent[[0, 1, 3]] == 0).all()
+    assert worker.transport.sums == 1 and worker.round == 1
+    peer = THCAllReduce(_TwoWorkers(sent), p, backend="reference")
+    with pytest.raises(ValueError, match="slice 2's max norm is the mark"):
+        peer(x)
+    assert peer.transport.sums == 1 and peer.round == 1
+
+
+def test_a_worker_failing_for_another_reason_marks_every_slice(monkeypatch):
+    """Out of memory in prepare: no slice of this worker may be summed, so all are marked
+    (its peers refuse the whole round) and the error is its own."""
+    from thc.collective.agreement import tagged
+    p = THCParams(slice_size=256)
+    ar = THCAllReduce(_TwoWorkers(tagged(torch.zeros(4), 0)), p, backend="reference")
+
+    def out_of_memory(*a, **k):
+        raise MemoryError("no room")
+    monkeypatch.setattr(ar.codec, "prepare", out_of_memory)
+    with pytest.raises(MemoryError, match="no room"):
+        ar(torch.randn(1024))
+    assert (ar.transport.sent[0][:4] == NORM_MARK).all() and ar.transport.sums == 1
 
 
 @kernels
@@ -130,3 +183,4 @@ def test_wide_and_negative_indices_are_refused(backend):
             c.check()
     c.decode_own(idx, m, 512, 0)
     c.check()
+

@@ -87,8 +87,11 @@ def norm_array(max_norms, n_slices: int) -> np.ndarray:
     m = np.asarray(m, dtype=np.float64).reshape(-1)
     if m.size != n_slices:
         raise ValueError(f"expected {n_slices} max norms (one per slice), got {m.size}")
-    if not np.all(np.isfinite(m)) or np.any(m < 0) or np.any(m >= NORM_MARK):
+    if not np.all(np.isfinite(m)) or np.any(m < 0):
         raise ValueError(f"max norms must be finite and >= 0, got {m}")
+    if np.any(m >= NORM_MARK):
+        raise ValueError(f"slice {int(np.argmax(m >= NORM_MARK))}'s max norm is the mark of a "
+                         f"worker whose input holds NaN or Inf there")
     return m
 
 
@@ -158,7 +161,8 @@ def raise_status(values, params: THCParams, max_norms=None) -> None:
     if flags & BAD_NORMS:
         got = f", got {max_norms.detach().cpu().numpy()}" if max_norms is not None else ""
         raise ValueError(f"max norms must be finite and >= 0 (slice {values[2] - 1}'s is "
-                         f"not){got}")
+                         f"not, or is the mark of a worker whose input holds NaN or Inf "
+                         f"there){got}")
     if flags & BAD_INDEX:
         top = values[3] - 2
         what = "a negative index" if top < 0 else f"index {top}" + (

@@ -82,11 +82,11 @@ def encode(kern, flat, lay, max_norms, params: THCParams, round: int, generator,
     md = device_norms(max_norms, lay.n_slices, flat.device)
     # packed groups start on whole bytes when slices have an even length
     fused = pack and params.bits == 4 and params.slice_size >= 2
-    key = rounding_key(generator, flat)
-    out = torch.empty((lay.total_padded + 1) // 2 if fused else lay.total_padded,
-                      dtype=torch.uint8, device=flat.device)
     groups = list(lay.groups(WHOLE))
     m = _host_norms(kern, groups, md, lay)
+    key = rounding_key(generator, flat)   # drawn once the call cannot refuse its input
+    out = torch.empty((lay.total_padded + 1) // 2 if fused else lay.total_padded,
+                      dtype=torch.uint8, device=flat.device)
     for grp in groups:
         if kern.supports(grp.padded):
             a, n = (grp.padded_start // 2, grp.count * grp.padded // 2) if fused else \

@@ -23,9 +23,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from thc.codec.common import NORM_MARK, torch_table
+from thc.codec.common import torch_table
 from thc.codec.params import THCParams
 from thc.codec.thc import ErrorFeedback, THCCodec, table_values
+from thc.collective import agreement
 from thc.collective.worker import agree_run
 from thc.net.priority import magnitude_rank, priority_class
 from thc.wire import protocol as P
@@ -246,32 +247,41 @@ class THCAllReduce:
             self.codec.discard_checks()   # this round's flags are not the next one's
             raise
 
-    def _max_round(self, y, pieces, rnd: int, whole: bool):
-        """Each piece's prepare, and the MAX round of their slice norms. A worker with bad
-        input still takes part, its bad slices' norms (all of them if it cannot tell which)
-        sent as :data:`NORM_MARK`, so that no peer waits for it and no peer accepts that
-        slice. Where the max norms reach the host, every worker raises here, before any
-        sum; on a stream-ordered transport the kernels flag the mark (``__call__``)."""
+    def _max_round(self, flat, pieces, rnd: int, whole: bool):
+        """Each piece's prepare, and the MAX round of their slice norms with the round number
+        (:mod:`thc.collective.agreement`). A worker whose prepare fails still sends its MAX
+        round, its bad slices marked (and on a stream-ordered transport joins the sum), then
+        raises. Where the max norms reach the host, every worker refuses a marked round or
+        one out of step here, before any sum; on a stream-ordered transport the kernels flag
+        a mark and the rounds are compared at the round's end (:meth:`_round`)."""
+        layout_of = self.codec.layout
+        y = flat
         try:
+            y = self.feedback.compensate(flat) if self.feedback else flat
             preps = [self.codec.prepare(y[a:b], rnd) for a, b in pieces]
-        except ValueError:
-            n = sum(self.codec.layout(b - a).n_slices for a, b in pieces)
-            self.transport.max(torch.full((n,), NORM_MARK, device=y.device))
+        except Exception as e:
+            bad = agreement.marks(y, pieces, layout_of)
+            self.transport.max(agreement.tagged(bad, rnd))
+            if whole:
+                self._join_sum(y, pieces)
+            slice_ = agreement.first_marked(bad)
+            if isinstance(e, ValueError) and slice_ is not None:
+                raise ValueError(f"input contains NaN or Inf in slice {slice_}") from e
             raise
         norms = preps[0].norms if len(preps) == 1 else torch.cat([p.norms for p in preps])
-        max_norms = self.transport.max(torch.nan_to_num(norms, nan=NORM_MARK,
-                                                        posinf=NORM_MARK))
+        max_norms, tags = agreement.untag(self.transport.max(agreement.tagged(norms, rnd)))
         if not whole:
-            own = (~torch.isfinite(norms)).nonzero()
-            if own.numel():
-                raise ValueError(f"input contains NaN or Inf (or values whose squares "
-                                 f"overflow float32) in slice {int(own[0])}")
-            marked = (~(max_norms < NORM_MARK)).nonzero()
-            if marked.numel():
-                raise ValueError(f"slice {int(marked[0])}'s max norm is the mark of a worker "
-                                 f"whose input holds NaN or Inf there: the round is refused")
+            agreement.refuse_marked(norms, max_norms)
+            agreement.check_rounds(tags)
             self.codec.check()
-        return preps, max_norms
+        return y, preps, max_norms, tags
+
+    def _join_sum(self, y, pieces) -> None:
+        """Zeros into a stream-ordered sum that every worker will refuse: its peers do not
+        wait for this worker."""
+        count = sum(self.codec.layout(b - a).total_padded for a, b in pieces)
+        zeros = torch.zeros(count, dtype=torch.uint8, device=y.device)
+        self.transport.sum(zeros, count, self.params)
 
     def _round(self, tensor: torch.Tensor, position) -> torch.Tensor:
         secs = self.stats.seconds
@@ -279,16 +289,18 @@ class THCAllReduce:
         flat = tensor.detach().reshape(-1)
         if flat.dtype not in (torch.float32, torch.float16, torch.bfloat16):
             flat = flat.float()   # half types reach the kernels as they are
-        y = self.feedback.compensate(flat) if self.feedback else flat
         slice_size = self.params.slice_size
         # a GPU tensor whose sums the transport adds in stream order gains nothing from
         # pieces: every step queues on the device anyway, and each piece costs host time
         whole = getattr(self.transport, "stream_ordered", False)
         step = max(flat.numel(), 1) if whole else self.pipeline_elements
         pieces = [(a, min(a + step, flat.numel())) for a in range(0, flat.numel(), step)]
+        # every worker counts the round as taken, whatever happens in it: a worker that fails
+        # part-way stays in step with those that do not (and the MAX round checks it)
         rnd = self.round
+        self.round += 1
         # the fused encode: each piece's norms now, its wire form from them after the MAX round
-        preps, max_norms = self._max_round(y, pieces, rnd, whole)
+        y, preps, max_norms, tags = self._max_round(flat, pieces, rnd, whole)
         secs["norms"] += time.perf_counter() - t0
         slice_cls = (None if position is None else
                      self.priority_classes(position, max_norms, flat.numel()))
@@ -331,7 +343,12 @@ class THCAllReduce:
         next_wire = submit(encode, 0)
         decodes = []
         for k, (a, b) in enumerate(pieces):
-            wire = next_wire.result()
+            try:
+                wire = next_wire.result()
+            except Exception:
+                if whole and agreement.first_marked(max_norms) is not None:
+                    self._join_sum(y, pieces)   # every peer refuses this round: let them end
+                raise
             if k + 1 < len(pieces):
                 next_wire = submit(encode, k + 1)
             count = self.codec.layout(b - a).total_padded
@@ -347,9 +364,10 @@ class THCAllReduce:
         for f in decodes:
             f.result()
         self.codec.check()
+        if whole:
+            agreement.check_rounds(tags)
         if self.feedback:
             self.feedback.keep(y, own)
-        self.round += 1
         self.stats.calls += 1
         self.stats.elements += flat.numel()
         return est.reshape(tensor.shape).to(tensor.dtype)
