@@ -31,11 +31,13 @@ def test_costs_are_differences_against_the_same_machinery():
 def test_a_short_run_on_the_cpu_feeds_the_model(tmp_path):
     out = tmp_path / "hook.json"
     r = subprocess.run([sys.executable, "-m", "thc.cli", "bench", "hook", "--device", "cpu",
-                        "--quick", "--buckets", "25", "--json", str(out)],
+                        "--quick", "--buckets", "25", "--json", str(out), "--plot",
+                        str(tmp_path / "hook.png")],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     report = json.loads(out.read_text())
     assert report["params"] == 25_557_032
+    assert (tmp_path / "hook.png").stat().st_size > 10_000
     assert {row["mode"] for row in report["rows"]} == set(MODES)
     assert all(row["buckets"] == 4 for row in report["rows"] if row["mode"] != "ddp")
     speeds = codec_speeds(report)

@@ -25,7 +25,7 @@ import statistics
 import sys
 import time
 
-from thc.bench import add_common, emit_json
+from thc.bench import add_common, emit_json, figure, save_figure
 from thc.codec.params import THCParams
 
 MODES = ("ddp", "fp16", "fp32 hook", "thc hook")
@@ -39,7 +39,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=20, help="timed steps a mode")
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps a mode first")
     THCParams.add_arguments(parser, seed=False)
-    add_common(parser)
+    add_common(parser, plot="out/bench_hook.png")
 
 
 def _group(device):
@@ -141,6 +141,25 @@ def costs(rows: list[dict], n_params: int) -> list[dict]:
     return out
 
 
+def plot(rows: list[dict], path: str, title: str) -> None:
+    """Median step time of each mode, grouped by bucket size."""
+    fig, axes = figure(7.5, 4.2)
+    ax = axes[0][0]
+    sizes = sorted({r["bucket_mb"] for r in rows})
+    width = 0.8 / len(MODES)
+    for i, mode in enumerate(MODES):
+        ys = [next(r["median_s"] for r in rows if r["bucket_mb"] == mb and r["mode"] == mode)
+              * 1e3 for mb in sizes]
+        ax.bar([k + (i - (len(MODES) - 1) / 2) * width for k in range(len(sizes))], ys,
+               width, label=mode)
+    ax.set_xticks(range(len(sizes)), [f"{mb} MB buckets" for mb in sizes])
+    ax.set_ylabel("step time, ms (median)")
+    ax.set_title(title, fontsize=9)
+    ax.grid(True, axis="y", alpha=0.3)
+    ax.legend(fontsize=8)
+    save_figure(fig, path)
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
     device = torch.device(args.device)
@@ -174,6 +193,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"{r['bucket_mb']:>6}MB {what} costs {r['step_cost_s'] * 1e3:.2f} ms a step"
               + (f", {r['mb_per_s']:.0f} MB/s of float32 gradient" if "mb_per_s" in r else
                  " (not above the noise)"), file=out)
+    if args.plot:
+        plot(rows, args.plot, f"ResNet-50, batch {args.batch}, {where}: DDP hooks")
+        print(f"wrote {args.plot}", file=out)
     emit_json(args, {"device": str(device), "device_name": where, "model": "resnet50",
                      "params": n_params, "batch": args.batch, "image": args.image,
                      "steps": args.steps, "torch": torch.__version__, "rows": rows,
