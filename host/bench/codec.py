@@ -41,6 +41,7 @@ import time
 
 from thc.bench import add_common, emit_json, figure, save_figure
 from thc.codec import settings
+from thc.codec.common import wire_sum_dtype
 from thc.codec.params import THCParams
 from thc.codec.thc import THCCodec
 
@@ -162,19 +163,12 @@ def _thc_ops(params, label: str, x, n: int, backend: str) -> tuple[list, tuple]:
     idx = c.encode(x, m, 0, gen)
     sums = c.aggregate([idx] * 4)
     if cuda:
-        sums = sums.to(narrowest(4, params))
+        sums = sums.to(wire_sum_dtype(4, params))
     enc, dec = f"THC encode ({label})", f"THC decode, 4 workers ({label})"
     ops = [(f"THC norms ({label})", label, lambda: c.norms(x)),
            (enc, label, lambda: c.encode_prepared(c.prepare(x, next(rounds)), m, gen)),
            (dec, label, lambda: c.decode(sums, 4, m, n, 0))]
     return ops, (f"THC encode+decode ({label})", label, enc, dec), c
-
-
-def narrowest(workers: int, params):
-    """The narrowest torch integer type that holds the sums of ``workers``."""
-    import torch
-    top = workers * params.granularity
-    return torch.uint8 if top <= 255 else torch.int16 if top < 1 << 15 else torch.int32
 
 
 def graph_rows(n: int, x, params, repeat: int) -> list[dict]:
@@ -185,7 +179,7 @@ def graph_rows(n: int, x, params, repeat: int) -> list[dict]:
     xs = [x.roll(i) for i in range(k)]
     c = THCCodec(params, deferred_checks=True)
     ms = [c.norms(v) for v in xs]
-    sums = [c.aggregate([c.encode(v, m, 0, 5)] * 4).to(narrowest(4, params))
+    sums = [c.aggregate([c.encode(v, m, 0, 5)] * 4).to(wire_sum_dtype(4, params))
             for v, m in zip(xs, ms)]
     outs = [torch.empty(n, device=x.device) for _ in xs]
 

@@ -102,10 +102,6 @@ def encode_coef(m: np.ndarray, params: THCParams) -> np.ndarray:
     return np.where(m > 0, g / (2.0 * t * np.where(m > 0, m, 1.0)), 0.0)
 
 
-def raise_bad_norms(m) -> None:
-    raise ValueError(f"max norms must be finite and >= 0, got {m.detach().cpu().numpy()}")
-
-
 def view(flat, group):
     """The group's slices as a (count, length) view of the flat tensor."""
     n = group.count * group.length
@@ -190,6 +186,14 @@ def torch_table(params: THCParams, device):
     if t is None:
         t = _TORCH_TABLES[key] = torch.from_numpy(params.table.astype(dt)).to(device)
     return t
+
+
+def wire_sum_dtype(n_workers: int, params: THCParams):
+    """The narrowest torch integer type that holds the sum of ``n_workers``' table values:
+    what a torch.distributed all-reduce of them carries."""
+    import torch
+    top = int(n_workers) * params.granularity
+    return torch.uint8 if top <= 255 else torch.int16 if top < 1 << 15 else torch.int32
 
 
 def accumulator_dtype(n_workers: int, params: THCParams, torch_backend: bool = False):

@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 
 from thc.codec import rng
-from thc.codec.common import BAD_INDEX, BAD_INPUT, BAD_NORMS, INDEX_CAP
+from thc.codec.common import BAD_INDEX, BAD_INPUT, BAD_NORMS, INDEX_CAP, NORM_MARK
 
 MIN_LOG, MAX_LOG = 8, 24
 """Slice lengths 2^8..2^24 run here; others take the reference path."""
@@ -58,7 +58,7 @@ PRECISIONS = ("tf32x2", "ieee", "tf32x3", "tf32")
 tf32x3 (Triton's three-product split); tf32 (one product: 10 bits of x, only for timing)."""
 PRECISION = "tf32x2"
 _INPUT, _NORMS, _INDEX = tl.constexpr(BAD_INPUT), tl.constexpr(BAD_NORMS), tl.constexpr(BAD_INDEX)
-_FLT_MAX = tl.constexpr(3.4028234663852886e38)
+_MARK = tl.constexpr(NORM_MARK)   # float32's largest: at or above it, a norm is bad
 _INDEX_CAP = tl.constexpr(INDEX_CAP)
 
 
@@ -187,7 +187,7 @@ def _flag(STATUS, bad, flag: tl.constexpr, word, value):
 @triton.jit
 def _norm_bad(m):
     """A max norm that is negative, NaN, infinite or common.NORM_MARK."""
-    return (m != m) | (m < 0.0) | (m >= _FLT_MAX)
+    return (m != m) | (m < 0.0) | (m >= _MARK)
 
 
 @triton.jit
@@ -199,7 +199,7 @@ def _encode_rows(X, TMP, PART, STATUS, prefix, first, length, d,
     x = tl.load(X + s.to(tl.int64) * length + i, mask=i < length, other=0.0).to(tl.float32)
     ssq = tl.sum(tl.sum(x * x, 1), 0)
     tl.store(PART + s * tl.num_programs(1) + tl.program_id(1), ssq)
-    _flag(STATUS, (ssq != ssq) | (ssq > _FLT_MAX), _INPUT, 1, first + s + 1)
+    _flag(STATUS, (ssq != ssq) | (ssq > _MARK), _INPUT, 1, first + s + 1)
     k0, k1 = _key(prefix, first, s)
     y = _had_last(_signed(x, i, k0, k1), BM, C, C1, PREC)
     tl.store(TMP + s.to(tl.int64) * d + i, y)

@@ -74,7 +74,7 @@ def first_marked(values: torch.Tensor) -> int | None:
 def refuse_marked(norms: torch.Tensor, max_norms: torch.Tensor) -> None:
     """Raise, on the host, if this worker's or any worker's slice is marked: this worker's
     own input first."""
-    own = first_marked(torch.nan_to_num(norms.float(), nan=NORM_MARK, posinf=NORM_MARK))
+    own = first_marked(norms)
     if own is not None:
         raise ValueError(f"input contains NaN or Inf (or values whose squares overflow "
                          f"float32) in slice {own}")

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from thc.codec.common import torch_table
+from thc.codec.common import wire_sum_dtype
 from thc.codec.params import THCParams
 from thc.codec.thc import ErrorFeedback, THCCodec, table_values
 from thc.collective import agreement
@@ -125,12 +125,9 @@ class DistTransport:
     short_chunks = None
 
     def sum(self, indices: torch.Tensor, count: int, params: THCParams, classes=None):
-        top = self.n_workers * params.granularity
-        dtype = torch.uint8 if top <= 255 else torch.int16 if top < 1 << 15 else torch.int32
-        # the codec's own indices are in the table: looked up without a check that would
-        # wait for the device
-        vals = torch_table(params, indices.device).index_select(
-            0, indices.to(torch.int32)).to(dtype)
+        # the codec's own indices: in the table by construction
+        vals = table_values(indices, params, checked=False).to(
+            wire_sum_dtype(self.n_workers, params))
         self.bytes_sent += vals.numel() * vals.element_size()
         self.dist.all_reduce(vals, group=self.group)
         return vals, None
