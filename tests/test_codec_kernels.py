@@ -350,3 +350,30 @@ def test_kernels_read_half_types_as_they_are(dtype):
     want = thc.encode_packed(x.float(), m, p, 4, 9, backend="triton")
     assert torch.equal(thc.encode_prepared(prep, m, p, 9), want)
     assert torch.equal(thc.encode_packed(x, m, p, 4, 9, backend="triton"), want)
+
+
+@kernels
+def test_a_round_held_on_the_device_gives_the_int_rounds_results():
+    """The kernels read a round from an int64 tensor (what a CUDA graph replays) and finish
+    the keys from it: the same indices and decodes as the int round, past 2^32 too; where the
+    tensor cannot be read on the device, it is refused."""
+    p = THCParams(slice_size=512)
+    c = THCCodec(p, backend="triton", deferred_checks=True)
+    x = torch.randn(2048 + 300, generator=torch.Generator().manual_seed(1)).to(DEV)
+    m = c.norms(x)
+    for r in (0, 7, (1 << 33) + 5):
+        rt = torch.tensor([r], dtype=torch.int64, device=DEV)
+        a = c.encode_prepared(c.prepare(x, r), m, 11, pack=False)
+        assert torch.equal(a, c.encode_prepared(c.prepare(x, rt), m, 11, pack=False))
+        assert torch.equal(c.encode_packed(x, m, r, 11), c.encode_packed(x, m, rt, 11))
+        s = c.aggregate([a, a])
+        assert torch.equal(c.decode(s, 2, m, x.numel(), r), c.decode(s, 2, m, x.numel(), rt))
+        assert torch.equal(c.decode_own(a, m, x.numel(), r), c.decode_own(a, m, x.numel(), rt))
+    c.check()
+    rt = torch.zeros(1, dtype=torch.int64, device=DEV)
+    with pytest.raises(ValueError, match="every slice in the kernels"):
+        c.prepare(torch.randn(2048 + 100, device=DEV), rt)
+    with pytest.raises(TypeError, match="one int64"):
+        c.prepare(x, rt.int())
+    with pytest.raises(TypeError, match="kernels only"):
+        THCCodec(p, backend="reference").encode(x, m, rt, 1)

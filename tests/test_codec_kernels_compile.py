@@ -1,4 +1,5 @@
-"""The codec's Triton kernels compile for an H100 (sm_90) ahead of time, without a GPU.
+"""The codec's Triton kernels compile for an H100 (sm_90) ahead of time, without a GPU
+(the variant that reads the round from device memory at 2^8, the other at 2^20).
 
 The interpreter tests (test_codec_kernels.py) check what the kernels compute; this checks that
 the same source also builds for the device, where the compiler is stricter (tile shapes of the
@@ -14,8 +15,8 @@ import pytest
 SCRIPT = """
 import sys
 from thc.codec import triton_kernels as tk
-for log in (8, 20):
-    print(log, tk.compile_for(1 << log, 90), flush=True)
+for log, device_round in ((8, True), (20, False)):
+    print(log, tk.compile_for(1 << log, 90, device_round), flush=True)
 """
 
 

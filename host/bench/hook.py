@@ -11,9 +11,12 @@ for; the median of ``--steps``, the modes taking turns step by step) of:
 - ``fp32 hook``: the project's hook machinery (a communication thread, bucket copies,
   :class:`thc.collective.ddp.FP32Hook`) with the plain all-reduce;
 - ``thc hook``: the same machinery with THC (:class:`thc.collective.ddp.THCHook` over
-  torch.distributed, error feedback on).
+  torch.distributed, error feedback on);
+- ``thc graphed`` (CUDA only): the same hook, each bucket's round replayed from a CUDA graph
+  (:class:`thc.collective.graphed.GraphedAllReduce`).
 
-THC's cost on the critical path is ``thc hook`` - ``fp32 hook``; FP16's is ``fp16`` - ``ddp``.
+THC's cost on the critical path is ``thc hook`` (or ``thc graphed``) - ``fp32 hook``; FP16's
+is ``fp16`` - ``ddp``.
 The JSON's ``results`` give both per bucket (elements, seconds) under the row names
 ``thc model --gpu-codec`` reads ("THC encode+decode (DDP hook, B MB buckets)" and FP16's
 round trip), so the model can take the hook's measured cost in place of the codec alone.
@@ -28,7 +31,15 @@ import time
 from thc.bench import add_common, emit_json, figure, save_figure
 from thc.codec.params import THCParams
 
-MODES = ("ddp", "fp16", "fp32 hook", "thc hook")
+MODES = ("ddp", "fp16", "fp32 hook", "thc hook", "thc graphed")
+GRAPHED = "thc graphed"
+"""The mode that needs CUDA (the kernels, NCCL, graphs)."""
+THC_ROWS = (("thc hook", "THC encode+decode (DDP hook, {} MB buckets)"),
+            (GRAPHED, "THC encode+decode (DDP hook, CUDA graphs, {} MB buckets)"))
+
+
+def modes(device) -> tuple[str, ...]:
+    return MODES if device.type == "cuda" else tuple(m for m in MODES if m != GRAPHED)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -57,6 +68,7 @@ def _ddp(mode: str, model, bucket_mb: int, params: THCParams, calls: list):
 
     from thc.collective.allreduce import THCAllReduce
     from thc.collective.ddp import FP32Hook, THCHook
+    from thc.collective.graphed import GraphedAllReduce
     ddp = DDP(model, bucket_cap_mb=bucket_mb)
     if mode == "ddp":
         return ddp, None
@@ -68,6 +80,9 @@ def _ddp(mode: str, model, bucket_mb: int, params: THCParams, calls: list):
         return ddp, None
     if mode == "fp32 hook":
         hook = FP32Hook(model)
+    elif mode == GRAPHED:
+        hook = THCHook(model, lambda: GraphedAllReduce.through_torch_distributed(
+            params=params, generator=1000))
     else:
         hook = THCHook(model, lambda: THCAllReduce.through_torch_distributed(
             params=params, generator=1000))
@@ -90,7 +105,7 @@ def _measure(bucket_mb: int, args, params: THCParams, device) -> list[dict]:
     x = torch.randn(args.batch, 3, args.image, args.image, device=device, generator=gen)
     y = torch.randint(0, 1000, (args.batch,), device=device, generator=gen)
     runs = {}
-    for mode in MODES:
+    for mode in modes(device):
         model = ResNet50().to(device)
         model.load_state_dict(base.state_dict())
         calls: list = []
@@ -127,9 +142,9 @@ def costs(rows: list[dict], n_params: int) -> list[dict]:
     out = []
     for mb in sorted({r["bucket_mb"] for r in rows}):
         by = {r["mode"]: r for r in rows if r["bucket_mb"] == mb}
-        for name, mode, base in (("THC encode+decode (DDP hook, {} MB buckets)", "thc hook",
-                                  "fp32 hook"),
-                                 ("fp16 round trip (x.half().float())", "fp16", "ddp")):
+        pairs = [(name, mode, "fp32 hook") for mode, name in THC_ROWS if mode in by]
+        for name, mode, base in pairs + [("fp16 round trip (x.half().float())", "fp16",
+                                          "ddp")]:
             cost = by[mode]["median_s"] - by[base]["median_s"]
             buckets = by[mode]["buckets"] or 1
             row = {"name": name.format(mb), "bucket_mb": mb, "step_cost_s": cost,
@@ -146,11 +161,12 @@ def plot(rows: list[dict], path: str, title: str) -> None:
     fig, axes = figure(7.5, 4.2)
     ax = axes[0][0]
     sizes = sorted({r["bucket_mb"] for r in rows})
-    width = 0.8 / len(MODES)
-    for i, mode in enumerate(MODES):
+    shown = [m for m in MODES if any(r["mode"] == m for r in rows)]
+    width = 0.8 / len(shown)
+    for i, mode in enumerate(shown):
         ys = [next(r["median_s"] for r in rows if r["bucket_mb"] == mb and r["mode"] == mode)
               * 1e3 for mb in sizes]
-        ax.bar([k + (i - (len(MODES) - 1) / 2) * width for k in range(len(sizes))], ys,
+        ax.bar([k + (i - (len(shown) - 1) / 2) * width for k in range(len(sizes))], ys,
                width, label=mode)
     ax.set_xticks(range(len(sizes)), [f"{mb} MB buckets" for mb in sizes])
     ax.set_ylabel("step time, ms (median)")
@@ -184,12 +200,15 @@ def run(args: argparse.Namespace) -> int:
     print(f"DDP hooks on {where}: ResNet-50 ({n_params / 1e6:.1f}M parameters), batch "
           f"{args.batch} of {args.image}x{args.image}, a process group of one (local sums); "
           f"median of {args.steps} steps", file=out)
-    print(f"{'buckets':>8} {'mode':<10} {'step ms':>9} {'buckets':>8}", file=out)
+    if GRAPHED not in modes(device):
+        print(f"'{GRAPHED}' left out: CUDA graphs need a CUDA device", file=out)
+    print(f"{'buckets':>8} {'mode':<11} {'step ms':>9} {'buckets':>8}", file=out)
     for r in rows:
-        print(f"{r['bucket_mb']:>6}MB {r['mode']:<10} {r['median_s'] * 1e3:>9.2f} "
+        print(f"{r['bucket_mb']:>6}MB {r['mode']:<11} {r['median_s'] * 1e3:>9.2f} "
               f"{r['buckets'] or '-':>8}", file=out)
     for r in results:
-        what = "THC" if r["name"].startswith("THC") else "FP16"
+        what = ("THC (graphs)" if "graphs" in r["name"] else "THC") \
+            if r["name"].startswith("THC") else "FP16"
         print(f"{r['bucket_mb']:>6}MB {what} costs {r['step_cost_s'] * 1e3:.2f} ms a step"
               + (f", {r['mb_per_s']:.0f} MB/s of float32 gradient" if "mb_per_s" in r else
                  " (not above the noise)"), file=out)

@@ -47,6 +47,15 @@ def _host_norms(kern, groups, md, lay):
     return norm_array(md, lay.n_slices)
 
 
+def _device_round(kern, groups, round) -> None:
+    """A round held on the device (an int64 tensor the kernels read, so that a CUDA graph
+    replays each round with the device's number) needs every slice in the kernels: the
+    reference code a short tail slice takes would read it on the host."""
+    if is_torch(round) and not all(kern.supports(grp.padded) for grp in groups):
+        raise ValueError("a round held on the device needs every slice in the kernels "
+                         "(2^8 or more coordinates): pad a short tail slice")
+
+
 def _settle(word, status, params: THCParams, max_norms=None) -> None:
     """Without a caller's status word, read this call's own now: one wait, errors at once."""
     if status is None:
@@ -60,6 +69,7 @@ def prepare(kern, flat, params: THCParams, lay, round: int, backend: str,
     flat = flat.contiguous()
     word = status if status is not None else status_word(flat.device)
     parts, scratch = [], {}
+    _device_round(kern, lay.groups(WHOLE), round)
     for grp in lay.groups(WHOLE):
         if kern.supports(grp.padded):
             scratch[grp.first], nrm = kern.encode_rows(flat, grp, params.seed, round, word)
@@ -83,6 +93,7 @@ def encode(kern, flat, lay, max_norms, params: THCParams, round: int, generator,
     # packed groups start on whole bytes when slices have an even length
     fused = pack and params.bits == 4 and params.slice_size >= 2
     groups = list(lay.groups(WHOLE))
+    _device_round(kern, groups, round)
     m = _host_norms(kern, groups, md, lay)
     key = rounding_key(generator, flat)   # drawn once the call cannot refuse its input
     out = torch.empty((lay.total_padded + 1) // 2 if fused else lay.total_padded,
@@ -129,6 +140,7 @@ def decode(kern, sums, n: int, max_norms, lay, params: THCParams, round: int, ou
     word = status if status is not None else status_word(sums.device)
     md = device_norms(max_norms, lay.n_slices, sums.device)
     groups = list(lay.groups(WHOLE))
+    _device_round(kern, groups, round)
     m = _host_norms(kern, groups, md, lay)
     short = [g for g in groups if not kern.supports(g.padded)]
     if own_table is not None:

@@ -50,17 +50,33 @@ def mix32_int(x: int) -> int:
     return x
 
 
+def seed_state(seed: int, stream: int) -> int:
+    """The key schedule up to the round words: fixed for a job (and stream), so a kernel that
+    reads the round from device memory finishes the prefix itself (:func:`finish_prefix`)."""
+    seed = int(seed)
+    if not 0 <= seed < (1 << 64):
+        raise ValueError(f"seed must be an integer in [0, 2^64), got {seed}")
+    h = mix32_int(int(stream) ^ GOLDEN)
+    for w in (seed & M32, seed >> 32):
+        h = mix32_int(((h ^ w) + GOLDEN) & M32)
+    return h
+
+
+def finish_prefix(state: int, round_: int) -> int:
+    """:func:`key_prefix` from :func:`seed_state`: the round's two words."""
+    round_ = int(round_)
+    if not 0 <= round_ < (1 << 64):
+        raise ValueError(f"round must be an integer in [0, 2^64), got {round_}")
+    h = state
+    for w in (round_ & M32, round_ >> 32):
+        h = mix32_int(((h ^ w) + GOLDEN) & M32)
+    return h
+
+
 def key_prefix(seed: int, round_: int, stream: int) -> int:
     """The key schedule up to the slice word: shared by every slice of one (seed, round,
     stream), so a kernel finishes each slice's key itself from this one scalar."""
-    seed, round_ = int(seed), int(round_)
-    for name, v in (("seed", seed), ("round", round_)):
-        if not 0 <= v < (1 << 64):
-            raise ValueError(f"{name} must be an integer in [0, 2^64), got {v}")
-    h = mix32_int(int(stream) ^ GOLDEN)
-    for w in (seed & M32, seed >> 32, round_ & M32, round_ >> 32):
-        h = mix32_int(((h ^ w) + GOLDEN) & M32)
-    return h
+    return finish_prefix(seed_state(seed, stream), round_)
 
 
 def key_from_prefix(prefix: int, slice_index: int) -> tuple[int, int]:

@@ -112,6 +112,9 @@ def encode(x, max_norms, params: THCParams, round: int = 0, generator=None,
     transform's rounding. The compiled codec and the kernels take one such key from any
     other generator; the reference path draws every uniform from it.
     ``backend``: see :func:`compiled_for` and :func:`kernels_for`.
+    ``round``: an int, or on the kernels a one-element int64 tensor on x's device that the
+    kernels read there (so a CUDA graph that captured the call replays each round with the
+    number the tensor holds then; every slice must then run in the kernels).
     """
     return _encode(x, max_norms, params, round, generator, backend, False, status=status)
 
@@ -128,6 +131,7 @@ def prepare(x, params: THCParams, round: int = 0, backend="auto", status=None) -
     ``encode_prepared(prep, agree_max(...))``; x must not change in between. ``status``: see
     :class:`THCCodec`'s ``deferred_checks``."""
     flat, impl = _input(x, _choice(backend))
+    _round(round, impl, flat)
     return impl.prepare(flat, params, layout(flat.shape[0], params), round, backend,
                         status=status)
 
@@ -150,8 +154,24 @@ def _input(x, choice: Choice):
     return flat, impl
 
 
+def _round(round, impl, like):
+    """A round is an int, or on the kernels an int64 tensor of one element on the input's
+    device: the kernels read it there (a CUDA graph replays with the round it holds then)."""
+    if not is_torch(round):
+        return
+    import torch
+    if impl.name != "triton":
+        raise TypeError(f"a round held in a tensor runs on the kernels only, not on the "
+                        f"{impl.name} backend: pass an int")
+    if round.dtype != torch.int64 or round.numel() != 1:
+        raise TypeError(f"a round tensor must hold one int64, got {round.dtype} "
+                        f"{tuple(round.shape)}")
+    same_device("the round tensor", round, like)
+
+
 def _encode(x, max_norms, params, round, generator, backend, pack, scratch=None, status=None):
     flat, impl = _input(x, _choice(backend))
+    _round(round, impl, flat)
     return impl.encode(flat, layout(flat.shape[0], params), max_norms, params, round,
                        generator, pack, scratch, status=status)
 
@@ -245,6 +265,7 @@ def _decode(sums, n_workers, max_norms, numel, params, round, out, backend, own:
             or str(out.dtype) not in ("float32", "torch.float32"):
         raise ValueError(f"out must be a flat float32 buffer of {lay.numel} elements like the "
                          f"sums, got {type(out).__name__} {tuple(out.shape)} {out.dtype}")
+    _round(round, impl, sums)
     table = impl.own_table(params, sums.device if torch_in else None) if own else None
     return impl.decode(sums, int(n_workers), max_norms, lay, params, round, out, table,
                        status=status)
@@ -332,6 +353,11 @@ class THCCodec:
         if word is None:
             word = self._words[x.device] = status_word(x.device)
         return word
+
+    def status(self, x):
+        """The status word the kernels flag into for x's device (int32: flags, then where),
+        for a caller that reads it itself; None without deferred checks."""
+        return self._status(x)
 
     def check(self) -> None:
         """Raise what the kernels flagged since the last check (one wait for each device

@@ -108,6 +108,19 @@ def _block(j, k0, k1):
 
 
 @triton.jit
+def _round_prefix(prefix, ROUND, DEV_ROUND: tl.constexpr):
+    """The key prefix of this call's round: as passed, or (``DEV_ROUND``) finished here from
+    rng.seed_state and the int64 round at ``ROUND``, so that a CUDA graph replays each round
+    with the round number the device holds then (rng.finish_prefix)."""
+    if DEV_ROUND:
+        r = tl.load(ROUND)
+        h = prefix.to(tl.uint32, bitcast=True)
+        h = _mix32((h ^ (r & 0xFFFFFFFF).to(tl.uint32)) + 0x9E3779B9)
+        return _mix32((h ^ (r >> 32).to(tl.uint32)) + 0x9E3779B9)
+    return prefix
+
+
+@triton.jit
 def _key(prefix, first, s):
     """rng.key_from_prefix of slice first + s: the key schedule's last step, per program."""
     w = prefix.to(tl.uint32, bitcast=True) ^ (first + s).to(tl.uint32)
@@ -191,8 +204,9 @@ def _norm_bad(m):
 
 
 @triton.jit
-def _encode_rows(X, TMP, PART, STATUS, prefix, first, length, d,
-                 C: tl.constexpr, C1: tl.constexpr, BM: tl.constexpr, PREC: tl.constexpr):
+def _encode_rows(X, TMP, PART, STATUS, prefix, ROUND, first, length, d,
+                 C: tl.constexpr, C1: tl.constexpr, BM: tl.constexpr, PREC: tl.constexpr,
+                 DEV_ROUND: tl.constexpr):
     s = tl.program_id(0)
     rows = tl.program_id(1) * BM + tl.arange(0, BM)
     i = rows[:, None] * C + tl.arange(0, C)[None, :]
@@ -200,7 +214,7 @@ def _encode_rows(X, TMP, PART, STATUS, prefix, first, length, d,
     ssq = tl.sum(tl.sum(x * x, 1), 0)
     tl.store(PART + s * tl.num_programs(1) + tl.program_id(1), ssq)
     _flag(STATUS, (ssq != ssq) | (ssq > _MARK), _INPUT, 1, first + s + 1)
-    k0, k1 = _key(prefix, first, s)
+    k0, k1 = _key(_round_prefix(prefix, ROUND, DEV_ROUND), first, s)
     y = _had_last(_signed(x, i, k0, k1), BM, C, C1, PREC)
     tl.store(TMP + s.to(tl.int64) * d + i, y)
 
@@ -215,9 +229,10 @@ def _col_block(count, NB: tl.constexpr, FIRST: tl.constexpr):
 
 
 @triton.jit
-def _encode_cols(TMP, OUT, MAXN, STATUS, uprefix, first, count, LOWER, BASE, WIDTH, d, g,
-                 scale, R: tl.constexpr, C: tl.constexpr, R1: tl.constexpr, BN: tl.constexpr,
-                 PREC: tl.constexpr, PACK: tl.constexpr, FIRST: tl.constexpr):
+def _encode_cols(TMP, OUT, MAXN, STATUS, uprefix, ROUND, first, count, LOWER, BASE, WIDTH, d,
+                 g, scale, R: tl.constexpr, C: tl.constexpr, R1: tl.constexpr,
+                 BN: tl.constexpr, PREC: tl.constexpr, PACK: tl.constexpr,
+                 FIRST: tl.constexpr, DEV_ROUND: tl.constexpr):
     s, nb = _col_block(count, C // BN, FIRST)
     m = tl.load(MAXN + first + s).to(tl.float32)
     _flag(STATUS, _norm_bad(m) & (nb == 0), _NORMS, 2, first + s + 1)
@@ -230,7 +245,7 @@ def _encode_cols(TMP, OUT, MAXN, STATUS, uprefix, first, count, LOWER, BASE, WID
     k = tl.maximum(tl.minimum(u.to(tl.int32), g - 1), 0)
     lower = tl.load(LOWER + k).to(tl.int32)
     frac = (u - tl.load(BASE + k)) / tl.load(WIDTH + k)
-    uk0, uk1 = _key(uprefix, first, s)
+    uk0, uk1 = _key(_round_prefix(uprefix, ROUND, DEV_ROUND), first, s)
     r = (_block(i.to(tl.uint32), uk0, uk1) >> 8).to(tl.float32) * 5.9604644775390625e-08
     idx = lower + (r < frac).to(tl.int32)
     if PACK:
@@ -261,16 +276,16 @@ def _decode_rows(S, TMP, TABLE, STATUS, centre, d, levels,
 
 
 @triton.jit
-def _decode_cols(TMP, OUT, MAXN, STATUS, prefix, first, count, length, d, scale,
+def _decode_cols(TMP, OUT, MAXN, STATUS, prefix, ROUND, first, count, length, d, scale,
                  R: tl.constexpr, C: tl.constexpr, R1: tl.constexpr, BN: tl.constexpr,
-                 PREC: tl.constexpr, FIRST: tl.constexpr):
+                 PREC: tl.constexpr, FIRST: tl.constexpr, DEV_ROUND: tl.constexpr):
     s, nb = _col_block(count, C // BN, FIRST)
     m = tl.load(MAXN + first + s).to(tl.float32)
     _flag(STATUS, _norm_bad(m) & (nb == 0), _NORMS, 2, first + s + 1)
     i = tl.arange(0, R)[:, None] * C + (nb * BN + tl.arange(0, BN))[None, :]
     y = tl.load(TMP + s.to(tl.int64) * d + i)
     z = _had_first(y, R, BN, R1, PREC) * (scale * m)
-    k0, k1 = _key(prefix, first, s)
+    k0, k1 = _key(_round_prefix(prefix, ROUND, DEV_ROUND), first, s)
     tl.store(OUT + s.to(tl.int64) * length + i, _signed(z, i, k0, k1), mask=i < length)
 
 
@@ -286,11 +301,16 @@ class _Shape:
         self.BN = max(2, min(self.C, TILE_COLS // self.R))
 
 
-def _prefix(seed: int, round_: int, stream: int) -> int:
-    """rng.key_prefix as the int32 the kernels take (they finish each slice's key): no
-    per-slice key table is computed on the host or copied to the device."""
-    p = rng.key_prefix(seed, round_, stream)
-    return p - (1 << 32) if p >= 1 << 31 else p
+def _prefix(seed: int, round_, stream: int, st):
+    """(prefix, ROUND, DEV_ROUND) of the kernels' key schedule, the prefix as the int32 they
+    take (they finish each slice's key: no per-slice key table is computed on the host or
+    copied to the device). ``round_``: an int (the prefix is finished here; ``st`` fills the
+    unused pointer) or a device int64 tensor the kernels read it from."""
+    if isinstance(round_, torch.Tensor):
+        p, ptr = rng.seed_state(seed, stream), round_
+    else:
+        p, ptr = rng.key_prefix(seed, round_, stream), st
+    return (p - (1 << 32) if p >= 1 << 31 else p), ptr, ptr is round_
 
 
 _LUTS: dict = {}
@@ -315,10 +335,10 @@ def encode_rows(flat, grp, seed: int, round_: int, st):
     x = flat[grp.start: grp.start + grp.count * grp.length]
     tmp = torch.empty(grp.count * d, dtype=torch.float32, device=dev)
     part = torch.empty((grp.count, sh.R // sh.BM), dtype=torch.float32, device=dev)
-    pfx = _prefix(seed, round_, rng.SIGN_STREAM)
-    _encode_rows[(grp.count, sh.R // sh.BM)](x, tmp, part, st, pfx, grp.first, grp.length, d,
-                                             C=sh.C, C1=sh.C1, BM=sh.BM, PREC=PRECISION,
-                                             num_warps=NUM_WARPS)
+    pfx, rnd, on_dev = _prefix(seed, round_, rng.SIGN_STREAM, st)
+    _encode_rows[(grp.count, sh.R // sh.BM)](x, tmp, part, st, pfx, rnd, grp.first, grp.length,
+                                             d, C=sh.C, C1=sh.C1, BM=sh.BM, PREC=PRECISION,
+                                             DEV_ROUND=on_dev, num_warps=NUM_WARPS)
     return tmp, part.sum(1).sqrt_()
 
 
@@ -329,13 +349,13 @@ def encode_cols(tmp, grp, max_norms, params, round_: int, uniform_seed: int, out
     indices, or packed b = 4 bytes when ``pack``); bad max norms are flagged in ``st``."""
     sh, dev, d = _Shape(grp.padded), tmp.device, grp.padded
     table = tuple(int(v) for v in params.table)
-    upfx = _prefix(uniform_seed, round_, rng.UNIFORM_STREAM)
+    upfx, rnd, on_dev = _prefix(uniform_seed, round_, rng.UNIFORM_STREAM, st)
     lower, base, width = _luts(table, dev)
     g = params.granularity
     _encode_cols[(grp.count * (sh.C // sh.BN),)](
-        tmp, out, max_norms, st, upfx, grp.first, grp.count, lower, base, width, d, g,
+        tmp, out, max_norms, st, upfx, rnd, grp.first, grp.count, lower, base, width, d, g,
         g / (2.0 * params.t_p), R=sh.R, C=sh.C, R1=sh.R1, BN=sh.BN, PREC=PRECISION, PACK=pack,
-        FIRST=COLS_FIRST, num_warps=NUM_WARPS_COLS)
+        FIRST=COLS_FIRST, DEV_ROUND=on_dev, num_warps=NUM_WARPS_COLS)
 
 
 def decode_rows(values, grp, n: int, params, st, table=None):
@@ -356,11 +376,11 @@ def decode_cols(tmp, grp, max_norms, n: int, params, round_: int, out, st):
     """Decode pass 2 of one group into ``out`` (its unpadded float32 coordinates), scaled by
     2 t_p M / (g d n) from the device tensor ``max_norms``, flagged in ``st`` if bad."""
     sh, d = _Shape(grp.padded), grp.padded
-    pfx = _prefix(params.seed, round_, rng.SIGN_STREAM)
+    pfx, rnd, on_dev = _prefix(params.seed, round_, rng.SIGN_STREAM, st)
     _decode_cols[(grp.count * (sh.C // sh.BN),)](
-        tmp, out, max_norms, st, pfx, grp.first, grp.count, grp.length, d,
+        tmp, out, max_norms, st, pfx, rnd, grp.first, grp.count, grp.length, d,
         2.0 * params.t_p / (params.granularity * d * n), R=sh.R, C=sh.C, R1=sh.R1, BN=sh.BN,
-        PREC=PRECISION, FIRST=COLS_FIRST, num_warps=NUM_WARPS_COLS)
+        PREC=PRECISION, FIRST=COLS_FIRST, DEV_ROUND=on_dev, num_warps=NUM_WARPS_COLS)
 
 
 def decode_group(values, grp, max_norms, n: int, params, round_: int, out, st, table=None):
@@ -369,10 +389,11 @@ def decode_group(values, grp, max_norms, n: int, params, round_: int, out, st, t
                 round_, out, st)
 
 
-def compile_for(padded: int, arch: int = 90) -> dict:
+def compile_for(padded: int, arch: int = 90, device_round: bool = False) -> dict:
     """Compile the four kernels for a slice of ``padded`` coordinates ahead of time for CUDA
     compute capability ``arch`` (90: H100), without a GPU: the check that what the
-    interpreter ran also builds for the device. Returns kernel name -> shared memory bytes."""
+    interpreter ran also builds for the device (``device_round``: the variant that reads the
+    round from device memory). Returns kernel name -> shared memory bytes."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     sh = _Shape(padded)
@@ -380,15 +401,17 @@ def compile_for(padded: int, arch: int = 90) -> dict:
     cols = dict(R=sh.R, C=sh.C, R1=sh.R1, BN=sh.BN, PREC=PRECISION, FIRST=COLS_FIRST)
     jobs = [
         (_encode_rows, dict(X="*bf16", TMP="*fp32", PART="*fp32", STATUS="*i32", prefix="i32",
-                            first="i32", length="i32", d="i32"), rows),
+                            ROUND="*i64", first="i32", length="i32", d="i32"),
+         dict(rows, DEV_ROUND=device_round)),
         (_encode_cols, dict(TMP="*fp32", OUT="*u8", MAXN="*fp32", STATUS="*i32", uprefix="i32",
-                            first="i32", count="i32", LOWER="*i32", BASE="*fp32",
+                            ROUND="*i64", first="i32", count="i32", LOWER="*i32", BASE="*fp32",
                             WIDTH="*fp32", d="i32", g="i32", scale="fp32"),
-         dict(cols, PACK=True)),
+         dict(cols, PACK=True, DEV_ROUND=device_round)),
         (_decode_rows, dict(S="*u8", TMP="*fp32", TABLE="*u8", STATUS="*i32", centre="fp32",
                             d="i32", levels="i32"), dict(rows, LOOKUP=True)),
         (_decode_cols, dict(TMP="*fp32", OUT="*fp32", MAXN="*fp32", STATUS="*i32", prefix="i32",
-                            first="i32", count="i32", length="i32", d="i32", scale="fp32"), cols),
+                            ROUND="*i64", first="i32", count="i32", length="i32", d="i32",
+                            scale="fp32"), dict(cols, DEV_ROUND=device_round)),
     ]
     out = {}
     for fn, sig, consts in jobs:

@@ -21,13 +21,17 @@ ROUND_SPAN = 1 << 20
 """Round numbers travel modulo this (exact in float32)."""
 
 
-def tagged(norms: torch.Tensor, rnd: int) -> torch.Tensor:
+def tagged(norms: torch.Tensor, rnd) -> torch.Tensor:
     """The MAX round's vector: the slice norms (non-finite ones marked) and the round's two
-    lanes."""
-    r = float(rnd % ROUND_SPAN)
-    # filled on the device: a copy from the host would wait for it
-    tags = [torch.full((1,), v, dtype=torch.float32, device=norms.device)
-            for v in (r, ROUND_SPAN - r)]
+    lanes. ``rnd``: an int, or an int64 tensor on the device (a graphed round's)."""
+    if isinstance(rnd, torch.Tensor):
+        r = (rnd.reshape(1) % ROUND_SPAN).float()
+        tags = [r, ROUND_SPAN - r]
+    else:
+        r = float(rnd % ROUND_SPAN)
+        # filled on the device: a copy from the host would wait for it
+        tags = [torch.full((1,), v, dtype=torch.float32, device=norms.device)
+                for v in (r, ROUND_SPAN - r)]
     marked = torch.nan_to_num(norms.float(), nan=NORM_MARK, posinf=NORM_MARK)
     return torch.cat([marked] + tags)
 
@@ -37,9 +41,15 @@ def untag(maxima: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return maxima[:-2], maxima[-2:]
 
 
-def check_rounds(tags: torch.Tensor) -> None:
-    """Raise on every worker when the job's workers are not all in the same round."""
-    high, low = tags.tolist()
+def in_step(tags: torch.Tensor) -> torch.Tensor:
+    """Whether the job's workers are all in the same round, as a boolean on the device."""
+    return tags.sum() == ROUND_SPAN
+
+
+def check_rounds(tags) -> None:
+    """Raise on every worker when the job's workers are not all in the same round
+    (``tags``: the two round lanes, a tensor or a list)."""
+    high, low = tags.tolist() if isinstance(tags, torch.Tensor) else tags
     if high + low != ROUND_SPAN:
         raise RuntimeError(f"the workers are in different rounds ({ROUND_SPAN - low:.0f} to "
                            f"{high:.0f}, modulo {ROUND_SPAN}): a worker missed a round, so "

@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from thc.codec.baselines import TopK
 from thc.collective.allreduce import THCAllReduce
+from thc.collective.graphed import GraphedAllReduce
 from thc.collective.marsit import MarsitAllReduce, MarsitVoteAllReduce
 
 
@@ -181,23 +182,26 @@ class FP32Hook(_Hook):
 
 class THCHook(_Hook):
     """THC all-reduce of each bucket; ``make_allreducer()`` builds one per bucket (its own
-    error-feedback residual) on a shared transport. ``priorities``: mark every chunk with its
-    DLCP class (an aggregator transport's packets carry it in DSCP)."""
+    error-feedback residual) on a shared transport: a :class:`THCAllReduce`, or on NCCL a
+    :class:`GraphedAllReduce`, whose rounds replay from a CUDA graph. ``priorities``: mark
+    every chunk with its DLCP class (an aggregator transport's packets carry it in DSCP)."""
 
-    def __init__(self, model, make_allreducer: Callable[[], THCAllReduce],
+    def __init__(self, model, make_allreducer: Callable[[], THCAllReduce | GraphedAllReduce],
                  options: HookOptions = HookOptions(), group=None, overlap: bool = True,
                  priorities: bool = False):
         super().__init__(model, options, group, overlap)
         self.make_allreducer = make_allreducer
         self.wants_positions = priorities
-        self.reducers: dict[tuple[int, int], THCAllReduce] = {}
+        self.reducers: dict[tuple[int, int], THCAllReduce | GraphedAllReduce] = {}
 
     @property
     def codec_seconds(self) -> float:
         """Encode, decode and error-feedback time of every bucket so far (the codec cost the
-        all-reduce really paid, measured; the norm round's wire time is not in it)."""
+        all-reduce really paid, measured; the norm round's wire time is not in it). A round
+        replayed from a CUDA graph counts whole (``graph``: its host time, waits included)."""
         return sum(ar.stats.seconds["encode"] + ar.stats.seconds["decode"]
-                   + ar.stats.seconds["feedback"] for ar in self.reducers.values())
+                   + ar.stats.seconds["feedback"] + ar.stats.seconds.get("graph", 0.0)
+                   for ar in self.reducers.values())
 
     @property
     def short_chunks(self) -> int | None:

@@ -1,0 +1,196 @@
+"""Graphed THC rounds (thc.collective.graphed) against the eager all-reduce, the reference:
+the same estimates bit for bit with the same int key, the same refusals, the residual kept
+through a refused round. On the CPU the rounds run their steps eagerly under Triton's
+interpreter (see test_codec_kernels.py, imported first for that); tests/test_codec_gpu.py
+captures and replays them on a GPU."""
+import multiprocessing as mp
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.test_codec_kernels import DEV, kernels
+from thc.codec import thc
+from thc.codec.thc import THCParams
+from thc.collective.agreement import tagged
+from thc.collective.allreduce import THCAllReduce
+from thc.collective.graphed import GraphedAllReduce
+from thc.testing.clusters import free_tcp_port
+
+P = THCParams(slice_size=256)
+
+
+class _Peer:
+    """The other worker of two, in this process, stream-ordered like NCCL: its MAX vector is
+    given (fmax drops a NaN, the worst a collective may do), its indices equal this one's."""
+    stream_ordered, packed, lanes, short_chunks, n_workers = True, False, None, None, 2
+
+    def __init__(self, other):
+        self.other, self.bytes_sent = other, 0
+
+    def check(self, params):
+        pass
+
+    def max(self, vector):
+        return torch.fmax(vector, self.other)
+
+    def sum(self, indices, count, params, classes=None):
+        vals = 2 * thc.table_values(indices, params, checked=False).to(torch.int32)
+        self.bytes_sent += vals.numel()
+        return vals, None
+
+
+def _group():
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_tcp_port()}",
+                            rank=0, world_size=1)
+
+
+@kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_graphed_rounds_equal_the_eager_allreduce(dtype):
+    """Three rounds with error feedback through torch.distributed: the same estimates, bit
+    for bit, the same bytes; the round number lives on the device."""
+    _group()
+    try:
+        eager = THCAllReduce.through_torch_distributed(params=P, generator=11,
+                                                       backend="triton")
+        graphed = GraphedAllReduce.through_torch_distributed(params=P, generator=11)
+        gen = torch.Generator().manual_seed(1)
+        for r in range(3):
+            x = torch.randn(3 * 256 + 200, generator=gen).to(DEV, dtype)
+            a, b = eager(x), graphed(x)
+            assert b.dtype == dtype and b.shape == x.shape
+            assert torch.equal(a, b), r
+        assert graphed.round == 3 and int(graphed._bufs.round) == 3
+        assert graphed.transport.bytes_sent == eager.transport.bytes_sent > 0
+    finally:
+        dist.destroy_process_group()
+
+
+@kernels
+def test_a_short_tail_is_padded_into_the_kernels():
+    """A tail slice under 2^8 coordinates is padded with zeros (the kernels take every slice);
+    the estimate keeps its size and is as close to the input as the eager one's."""
+    _group()
+    try:
+        graphed = GraphedAllReduce.through_torch_distributed(params=P, generator=3)
+        eager = THCAllReduce.through_torch_distributed(params=P, generator=3,
+                                                       backend="triton")
+        x = torch.randn(2 * 256 + 40, generator=torch.Generator().manual_seed(2)).to(DEV)
+        b, a = graphed(x), eager(x)
+        assert b.shape == x.shape and graphed._bufs.x.numel() == 3 * 256
+        err = lambda e: float((e - x).norm() / x.norm())  # noqa: E731
+        assert err(b) < 0.2 and abs(err(b) - err(a)) < 0.05
+        with pytest.raises(ValueError, match="serves one tensor"):
+            graphed(x[:-1])
+    finally:
+        dist.destroy_process_group()
+
+
+@kernels
+def test_a_bad_gradient_is_refused_by_both_workers_and_the_residual_kept():
+    """A NaN on one worker: it raises naming its slice, its peer raises on the mark, neither
+    changes its residual, both stay in step, and the next round is the eager one's."""
+    x = torch.randn(1024, generator=torch.Generator().manual_seed(4)).to(DEV)
+    bad = x.clone()
+    bad[300] = float("nan")                                         # slice 1
+    peer = GraphedAllReduce(_Peer(tagged(torch.zeros(4, device=DEV), 0)), P, generator=5)
+    eager = THCAllReduce(_Peer(tagged(torch.zeros(4, device=DEV), 0)), P, generator=5,
+                         backend="triton")
+    assert torch.equal(peer(x), eager(x))
+    kept = peer._bufs.residual.clone()
+    worker = GraphedAllReduce(_Peer(tagged(torch.zeros(4, device=DEV), 1)), P, generator=5)
+    worker._buffers(x).round.fill_(1)
+    worker.round = 1
+    with pytest.raises(ValueError, match="NaN or Inf .* in slice 1"):
+        worker(bad)
+    peer.transport.other = eager.transport.other = tagged(torch.full((4,), 1e38,
+                                                                     device=DEV), 1)
+    peer.transport.other[1] = 3.4028234663852886e38                 # the bad worker's mark
+    with pytest.raises(ValueError, match=r"max norms must be finite .*slice 1"):
+        peer(x)
+    with pytest.raises(ValueError, match=r"max norms must be finite .*slice 1"):
+        eager(x)
+    assert torch.equal(peer._bufs.residual, kept)
+    assert peer.round == eager.round == worker.round == 2
+    peer.transport.other = eager.transport.other = tagged(torch.zeros(4, device=DEV), 2)
+    assert torch.equal(peer(x), eager(x))
+    assert torch.equal(peer._bufs.residual, eager.feedback.residual)
+
+
+@kernels
+def test_workers_out_of_step_refuse_the_round():
+    x = torch.randn(1024, generator=torch.Generator().manual_seed(5)).to(DEV)
+    ar = GraphedAllReduce(_Peer(tagged(torch.zeros(4, device=DEV), 1)), P, generator=1)
+    with pytest.raises(RuntimeError, match="different rounds"):
+        ar(x)                                   # this worker is in round 0, the other in 1
+    assert not ar._bufs.residual.any()          # nothing kept from a refused round
+    ar.transport.other = tagged(torch.zeros(4, device=DEV), 1)
+    assert torch.isfinite(ar(x)).all() and ar._bufs.residual.any()
+
+
+@kernels
+def test_a_round_that_fails_part_way_still_counts():
+    """A transport error part-way through a round: the call raises, and the device's round
+    number moves on with the host's, so the next round is in step with the peer's."""
+    x = torch.randn(1024, generator=torch.Generator().manual_seed(6)).to(DEV)
+    ar = GraphedAllReduce(_Peer(tagged(torch.zeros(4, device=DEV), 0)), P, generator=1)
+    ar.transport.sum = lambda *a, **k: (_ for _ in ()).throw(ConnectionError("peer gone"))
+    with pytest.raises(ConnectionError):
+        ar(x)
+    del ar.transport.sum
+    ar.transport.other = tagged(torch.zeros(4, device=DEV), 1)
+    assert torch.isfinite(ar(x)).all() and ar.round == 2
+
+
+def test_what_a_graphed_round_refuses_up_front():
+    with pytest.raises(TypeError, match="fixed int"):
+        GraphedAllReduce(_Peer(None), P, generator=torch.Generator())
+    packed = _Peer(None)
+    packed.packed = True
+    with pytest.raises(ValueError, match="aggregator"):
+        GraphedAllReduce(packed, P)
+    ar = GraphedAllReduce(_Peer(None), P, capture=True)
+    with pytest.raises(ValueError, match="DLCP"):
+        ar(torch.zeros(4), position=torch.zeros(4))
+
+
+def _worker(rank, port, q):
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2)
+    graphed = GraphedAllReduce.through_torch_distributed(params=P, generator=rank)
+    eager = THCAllReduce.through_torch_distributed(params=P, generator=rank, backend="triton")
+    gen = torch.Generator().manual_seed(rank)
+    out = []
+    for r in range(3):
+        x = torch.randn(700, generator=gen)
+        if rank == 0 and r == 1:
+            x[10] = float("inf")
+        got = []
+        for ar in (graphed, eager):
+            try:
+                got.append(ar(x))
+            except ValueError as e:
+                got.append(str(e))
+        out.append(got)
+    q.put((rank, out))
+    dist.destroy_process_group()
+
+
+@kernels
+def test_two_gloo_workers_agree_with_the_eager_allreduce():
+    """Two processes: every round's estimate equals the eager all-reduce's and the peer's;
+    an Inf on one worker makes both refuse that round, and the next one is clean."""
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = free_tcp_port()
+    ps = [ctx.Process(target=_worker, args=(r, port, q)) for r in range(2)]
+    [p.start() for p in ps]
+    res = dict(q.get(timeout=300) for _ in ps)
+    [p.join(30) for p in ps]
+    for r in (0, 2):
+        for rank in (0, 1):
+            assert torch.equal(res[rank][r][0], res[rank][r][1])
+        assert torch.equal(res[0][r][0], res[1][r][0])
+    assert "NaN or Inf" in res[0][1][0] and "NaN or Inf" in res[0][1][1]
+    assert "mark of a worker" in res[1][1][0] and "mark of a worker" in res[1][1][1]

@@ -1,0 +1,75 @@
+"""Graphed THC rounds on a GPU: captured in a CUDA graph at their second round and replayed
+from then on, over NCCL (a process group of one), equal to the eager all-reduce bit for bit,
+alone and inside the DDP hook (captured on its communication thread while backward runs).
+Needs CUDA and NCCL; skipped without them (tests/test_graphed.py checks the same steps
+eagerly under Triton's interpreter)."""
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from thc.codec.thc import THCParams
+from thc.collective.allreduce import THCAllReduce
+from thc.collective.ddp import THCHook
+from thc.collective.graphed import GraphedAllReduce
+
+pytestmark = pytest.mark.skipif(
+    not (torch.cuda.is_available() and dist.is_nccl_available()),
+    reason="no CUDA device with NCCL: graphed rounds are captured on a GPU")
+
+
+@pytest.fixture(scope="module")
+def nccl():
+    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_rounds_replay_from_a_graph_equal_to_the_eager_ones(nccl):
+    """Six rounds: eager, captured, then replays; a NaN in round 3 is refused by both, and the
+    rounds after it are equal again."""
+    p = THCParams()
+    eager = THCAllReduce.through_torch_distributed(params=p, generator=9)
+    graphed = GraphedAllReduce.through_torch_distributed(params=p, generator=9)
+    gen = torch.Generator("cuda").manual_seed(1)
+    for r in range(6):
+        x = torch.randn((1 << 21) + 5000, device="cuda", generator=gen)
+        if r == 3:
+            x[70_000] = float("nan")
+            for ar in (eager, graphed):
+                with pytest.raises(ValueError, match="NaN or Inf .* in slice 0"):
+                    ar(x)
+            continue
+        assert torch.equal(eager(x), graphed(x)), r
+    assert graphed.graph is not None and graphed.round == eager.round == 6
+    assert graphed.transport.bytes_sent == eager.transport.bytes_sent
+
+
+def test_the_ddp_hook_replays_graphed_rounds(nccl):
+    """Two copies of a model, the eager rounds and the graphed ones in the hook: the same
+    gradients, bit for bit, step after step (DDP rebuilds its buckets after the first)."""
+    torch.manual_seed(0)
+    base = torch.nn.Sequential(torch.nn.Linear(512, 1024), torch.nn.ReLU(),
+                               torch.nn.Linear(1024, 10)).cuda()
+    p = THCParams(slice_size=1 << 16)
+    makers = (lambda: THCAllReduce.through_torch_distributed(params=p, generator=4),
+              lambda: GraphedAllReduce.through_torch_distributed(params=p, generator=4))
+    models, hooks = [], []
+    for make in makers:
+        m = copy.deepcopy(base)
+        ddp = torch.nn.parallel.DistributedDataParallel(m, bucket_cap_mb=1)
+        hooks.append(THCHook(m, make).register(ddp))
+        models.append(ddp)
+    gen = torch.Generator("cuda").manual_seed(2)
+    for step in range(5):
+        x = torch.randn(64, 512, device="cuda", generator=gen)
+        grads = []
+        for ddp in models:
+            ddp.zero_grad(set_to_none=True)
+            ddp(x).square().mean().backward()
+            grads.append([q.grad.clone() for q in ddp.parameters()])
+        for a, b in zip(*grads):
+            assert torch.equal(a, b), step
+    replayed = [ar for ar in hooks[1].reducers.values() if ar.graph is not None]
+    assert replayed and all(ar.stats.calls >= 3 for ar in replayed)
