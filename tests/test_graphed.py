@@ -22,7 +22,8 @@ P = THCParams(slice_size=256)
 
 class _Peer:
     """The other worker of two, in this process, stream-ordered like NCCL: its MAX vector is
-    given (fmax drops a NaN, the worst a collective may do), its indices equal this one's."""
+    given (fmax drops a NaN, the worst a collective may do), its indices equal this one's.
+    Tests change that vector between rounds, so their rounds are not captured on a GPU."""
     stream_ordered, packed, lanes, short_chunks, n_workers = True, False, None, None, 2
 
     def __init__(self, other):
@@ -38,6 +39,10 @@ class _Peer:
         vals = 2 * thc.table_values(indices, params, checked=False).to(torch.int32)
         self.bytes_sent += vals.numel()
         return vals, None
+
+
+def _graphed(other, key):
+    return GraphedAllReduce(_Peer(other), P, generator=key, capture=False)
 
 
 def _group():
@@ -94,12 +99,12 @@ def test_a_bad_gradient_is_refused_by_both_workers_and_the_residual_kept():
     x = torch.randn(1024, generator=torch.Generator().manual_seed(4)).to(DEV)
     bad = x.clone()
     bad[300] = float("nan")                                         # slice 1
-    peer = GraphedAllReduce(_Peer(tagged(torch.zeros(4, device=DEV), 0)), P, generator=5)
+    peer = _graphed(tagged(torch.zeros(4, device=DEV), 0), 5)
     eager = THCAllReduce(_Peer(tagged(torch.zeros(4, device=DEV), 0)), P, generator=5,
                          backend="triton")
     assert torch.equal(peer(x), eager(x))
     kept = peer._bufs.residual.clone()
-    worker = GraphedAllReduce(_Peer(tagged(torch.zeros(4, device=DEV), 1)), P, generator=5)
+    worker = _graphed(tagged(torch.zeros(4, device=DEV), 1), 5)
     worker._buffers(x).round.fill_(1)
     worker.round = 1
     with pytest.raises(ValueError, match="NaN or Inf .* in slice 1"):
@@ -121,7 +126,7 @@ def test_a_bad_gradient_is_refused_by_both_workers_and_the_residual_kept():
 @kernels
 def test_workers_out_of_step_refuse_the_round():
     x = torch.randn(1024, generator=torch.Generator().manual_seed(5)).to(DEV)
-    ar = GraphedAllReduce(_Peer(tagged(torch.zeros(4, device=DEV), 1)), P, generator=1)
+    ar = _graphed(tagged(torch.zeros(4, device=DEV), 1), 1)
     with pytest.raises(RuntimeError, match="different rounds"):
         ar(x)                                   # this worker is in round 0, the other in 1
     assert not ar._bufs.residual.any()          # nothing kept from a refused round
@@ -134,7 +139,7 @@ def test_a_round_that_fails_part_way_still_counts():
     """A transport error part-way through a round: the call raises, and the device's round
     number moves on with the host's, so the next round is in step with the peer's."""
     x = torch.randn(1024, generator=torch.Generator().manual_seed(6)).to(DEV)
-    ar = GraphedAllReduce(_Peer(tagged(torch.zeros(4, device=DEV), 0)), P, generator=1)
+    ar = _graphed(tagged(torch.zeros(4, device=DEV), 0), 1)
     ar.transport.sum = lambda *a, **k: (_ for _ in ()).throw(ConnectionError("peer gone"))
     with pytest.raises(ConnectionError):
         ar(x)
@@ -143,6 +148,7 @@ def test_a_round_that_fails_part_way_still_counts():
     assert torch.isfinite(ar(x)).all() and ar.round == 2
 
 
+@kernels
 def test_what_a_graphed_round_refuses_up_front():
     with pytest.raises(TypeError, match="fixed int"):
         GraphedAllReduce(_Peer(None), P, generator=torch.Generator())
@@ -153,6 +159,9 @@ def test_what_a_graphed_round_refuses_up_front():
     ar = GraphedAllReduce(_Peer(None), P, capture=True)
     with pytest.raises(ValueError, match="DLCP"):
         ar(torch.zeros(4), position=torch.zeros(4))
+    if DEV == "cpu":
+        with pytest.raises(ValueError, match="CUDA graph captures a round of CUDA tensors"):
+            ar(torch.zeros(256))
 
 
 def _worker(rank, port, q):

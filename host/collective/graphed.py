@@ -149,7 +149,8 @@ class GraphedAllReduce:
             self.transport.bytes_sent += self._round_bytes
             return
         before = self.transport.bytes_sent
-        if not self._warm or not self._capturable(flat):
+        capture = self._capturable(flat)
+        if not self._warm or not capture:
             self._step(b)
             self._round_bytes = self.transport.bytes_sent - before
             self._warm = True
