@@ -117,7 +117,7 @@ def _round_prefix(prefix, ROUND, DEV_ROUND: tl.constexpr):
         h = prefix.to(tl.uint32, bitcast=True)
         h = _mix32((h ^ (r & 0xFFFFFFFF).to(tl.uint32)) + 0x9E3779B9)
         return _mix32((h ^ (r >> 32).to(tl.uint32)) + 0x9E3779B9)
-    return prefix
+    return prefix.to(tl.uint32, bitcast=True)
 
 
 @triton.jit
