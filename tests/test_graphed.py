@@ -1,10 +1,11 @@
 """Graphed THC rounds (thc.collective.graphed) against the eager all-reduce, the reference:
 the same estimates bit for bit with the same int key, the same refusals, the residual kept
 through a refused round. On the CPU the rounds run their steps eagerly under Triton's
-interpreter (see test_codec_kernels.py, imported first for that); tests/test_codec_gpu.py
+interpreter (see test_codec_kernels.py, imported first for that); tests/test_graphed_gpu.py
 captures and replays them on a GPU."""
 import multiprocessing as mp
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -12,6 +13,7 @@ import torch.distributed as dist
 from tests.test_codec_kernels import DEV, kernels
 from thc.codec import thc
 from thc.codec.thc import THCParams
+from thc.codec.common import NORM_MARK
 from thc.collective.agreement import tagged
 from thc.collective.allreduce import THCAllReduce
 from thc.collective.graphed import GraphedAllReduce
@@ -27,15 +29,17 @@ class _Peer:
     stream_ordered, packed, lanes, short_chunks, n_workers = True, False, None, None, 2
 
     def __init__(self, other):
-        self.other, self.bytes_sent = other, 0
+        self.other, self.bytes_sent, self.sent, self.summed = other, 0, [], []
 
     def check(self, params):
         pass
 
     def max(self, vector):
+        self.sent.append(vector.clone())
         return torch.fmax(vector, self.other)
 
     def sum(self, indices, count, params, classes=None):
+        self.summed.append(indices.clone())
         vals = 2 * thc.table_values(indices, params, checked=False).to(torch.int32)
         self.bytes_sent += vals.numel()
         return vals, None
@@ -149,6 +153,41 @@ def test_a_round_that_fails_part_way_still_counts():
 
 
 @kernels
+def test_a_worker_that_fails_before_its_max_round_still_lets_its_peers_refuse_it():
+    """Out of memory in its own steps, or a tensor of another size: the worker still sends
+    its MAX round, every slice marked, and a sum of zeros (its peers' rounds sum without a
+    host check), counts the round, and the next round is in step."""
+    x = torch.randn(1024, generator=torch.Generator().manual_seed(7)).to(DEV)
+    ar = _graphed(tagged(torch.zeros(4, device=DEV), 0), 2)
+    ar(x)
+    real = ar.codec.prepare
+    ar.codec.prepare = lambda *a, **k: (_ for _ in ()).throw(MemoryError("out of memory"))
+    for bad_call in (lambda: ar(x), lambda: ar(x[:-1])):
+        n = len(ar.transport.sent)
+        with pytest.raises((MemoryError, ValueError)):
+            bad_call()
+        marks, zeros = ar.transport.sent[n], ar.transport.summed[-1]
+        assert len(ar.transport.sent) == n + 1 and (marks[:4] == NORM_MARK).all()
+        assert marks[4] == ar.round - 1 and zeros.numel() == 1024 and not zeros.any()
+        ar.codec.prepare = real
+    ar.transport.other = tagged(torch.zeros(4, device=DEV), 3)
+    assert torch.isfinite(ar(x)).all() and ar.round == 4
+
+
+@kernels
+def test_round_lanes_are_compared_as_exactly_on_the_device_as_on_the_host():
+    """A lane off by less than float32's step at 2^20: the host refuses the round, and the
+    device keeps the residual as it was."""
+    x = torch.randn(1024, generator=torch.Generator().manual_seed(8)).to(DEV)
+    other = tagged(torch.zeros(4, device=DEV), 0)
+    other[4] += 0.03
+    ar = _graphed(other, 1)
+    with pytest.raises(RuntimeError, match="different rounds"):
+        ar(x)
+    assert not ar._bufs.residual.any()
+
+
+@kernels
 def test_what_a_graphed_round_refuses_up_front():
     with pytest.raises(TypeError, match="fixed int"):
         GraphedAllReduce(_Peer(None), P, generator=torch.Generator())
@@ -178,7 +217,7 @@ def _worker(rank, port, q):
         got = []
         for ar in (graphed, eager):
             try:
-                got.append(ar(x))
+                got.append(ar(x).numpy())   # not a tensor: its memory goes with this process
             except ValueError as e:
                 got.append(str(e))
         out.append(got)
@@ -199,7 +238,7 @@ def test_two_gloo_workers_agree_with_the_eager_allreduce():
     [p.join(30) for p in ps]
     for r in (0, 2):
         for rank in (0, 1):
-            assert torch.equal(res[rank][r][0], res[rank][r][1])
-        assert torch.equal(res[0][r][0], res[1][r][0])
+            np.testing.assert_array_equal(res[rank][r][0], res[rank][r][1])
+        np.testing.assert_array_equal(res[0][r][0], res[1][r][0])
     assert "NaN or Inf" in res[0][1][0] and "NaN or Inf" in res[0][1][1]
     assert "mark of a worker" in res[1][1][0] and "mark of a worker" in res[1][1][1]

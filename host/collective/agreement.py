@@ -43,7 +43,7 @@ def untag(maxima: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def in_step(tags: torch.Tensor) -> torch.Tensor:
     """Whether the job's workers are all in the same round, as a boolean on the device."""
-    return tags.sum() == ROUND_SPAN
+    return tags.double().sum() == ROUND_SPAN   # as exact as check_rounds on the host
 
 
 def check_rounds(tags) -> None:
@@ -51,8 +51,8 @@ def check_rounds(tags) -> None:
     (``tags``: the two round lanes, a tensor or a list)."""
     high, low = tags.tolist() if isinstance(tags, torch.Tensor) else tags
     if high + low != ROUND_SPAN:
-        raise RuntimeError(f"the workers are in different rounds ({ROUND_SPAN - low:.0f} to "
-                           f"{high:.0f}, modulo {ROUND_SPAN}): a worker missed a round, so "
+        raise RuntimeError(f"the workers are in different rounds ({ROUND_SPAN - low:g} to "
+                           f"{high:g}, modulo {ROUND_SPAN}): a worker missed a round, so "
                            f"their rotations differ and no sum of this round is used")
 
 

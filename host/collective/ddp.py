@@ -197,11 +197,10 @@ class THCHook(_Hook):
     @property
     def codec_seconds(self) -> float:
         """Encode, decode and error-feedback time of every bucket so far (the codec cost the
-        all-reduce really paid, measured; the norm round's wire time is not in it). A round
-        replayed from a CUDA graph counts whole (``graph``: its host time, waits included)."""
+        all-reduce really paid, measured; the norm round's wire time is not in it). Rounds
+        replayed from a CUDA graph are not split into phases, so they are not in it."""
         return sum(ar.stats.seconds["encode"] + ar.stats.seconds["decode"]
-                   + ar.stats.seconds["feedback"] + ar.stats.seconds.get("graph", 0.0)
-                   for ar in self.reducers.values())
+                   + ar.stats.seconds["feedback"] for ar in self.reducers.values())
 
     @property
     def short_chunks(self) -> int | None:

@@ -16,12 +16,21 @@ once, a round is one replay. A graph fixes everything but the contents of memory
   out of step.
 
 The rounding draws are keyed by a fixed int (``generator``) and the round, so with the same
-int :class:`THCAllReduce` gives the same estimates, bit for bit, where no tail is padded.
+int :class:`THCAllReduce` gives the same estimates, bit for bit, where no tail is padded and
+it takes the tensor in one piece (on NCCL, or up to its ``pipeline_elements``). Every worker
+of a job uses the same class: a padded tail changes the length of what is summed.
 
 A graph is captured where one can run: CUDA tensors on a stream-ordered transport (NCCL). The
 first round runs eagerly (it compiles the kernels and opens the communicator), the second is
 captured, and every round from then on is a replay. Elsewhere (CPU tensors under Triton's
 interpreter, Gloo) every round runs the same steps eagerly: how the tests check them.
+
+A worker that fails before its MAX round reached its peers (a refused tensor, a failed
+capture, an error in its own steps) still sends that round, every slice marked, and a sum of
+zeros, so its peers refuse the round instead of waiting. No NCCL watchdog watches a replayed
+collective, so a replay is waited for with a deadline (``timeout``). While a round is being
+captured (once per reducer), no other thread may issue collectives on the same process group:
+DDP's own (``find_unused_parameters=True``) would land in the graph.
 """
 from __future__ import annotations
 
@@ -31,7 +40,7 @@ from dataclasses import dataclass
 import torch
 
 from thc.codec.backends import kernels_for
-from thc.codec.common import WHOLE, raise_status
+from thc.codec.common import NORM_MARK, WHOLE, raise_status
 from thc.codec.params import THCParams
 from thc.codec.thc import THCCodec
 from thc.collective import agreement
@@ -55,10 +64,13 @@ class _Buffers:
 
 class GraphedAllReduce:
     """Callable like :class:`THCAllReduce` (one tensor size a reducer), its rounds replayed
-    from a CUDA graph where one can be captured (``capture``: None decides, True insists)."""
+    from a CUDA graph where one can be captured (``capture``: None decides, True insists,
+    False never). ``generator``: this worker's key of the rounding draws; give each worker
+    its own (``base + rank``, as for :class:`THCAllReduce`): workers that share one round
+    alike, and the mean gets noisier."""
 
     def __init__(self, transport, params: THCParams | None = None, error_feedback: bool = True,
-                 generator: int = 0, capture: bool | None = None):
+                 generator: int = 0, capture: bool | None = None, timeout: float = 600.0):
         if isinstance(generator, bool) or not isinstance(generator, int):
             raise TypeError(f"a graphed round keys its rounding draws by a fixed int and the "
                             f"round; got generator={generator!r}")
@@ -71,6 +83,8 @@ class GraphedAllReduce:
         self.key = generator
         self.error_feedback = error_feedback
         self.capture = capture
+        self.timeout = timeout
+        """Seconds a replayed round may take (NCCL's own default: 10 minutes)."""
         self.codec = THCCodec(self.params, backend="triton", deferred_checks=True)
         self.round = 0
         """Rounds taken (every call takes one, as in :class:`THCAllReduce`)."""
@@ -80,6 +94,9 @@ class GraphedAllReduce:
         self._warm = False
         self._bufs: _Buffers | None = None
         self._round_bytes = 0
+        self._capturing = False
+        self._sent = 0
+        """How far this round got: 1 when its MAX round left this worker, 2 its sum."""
 
     @classmethod
     def through_torch_distributed(cls, group=None, params: THCParams | None = None, **kw):
@@ -109,7 +126,8 @@ class GraphedAllReduce:
             b = self._bufs = _Buffers(
                 flat.numel(), torch.zeros(n, dtype=flat.dtype, device=dev),
                 torch.zeros(n, device=dev) if self.error_feedback else None,
-                torch.empty(n, device=dev), torch.zeros(1, dtype=torch.int64, device=dev),
+                torch.empty(n, device=dev),
+                torch.full((1,), self.round - 1, dtype=torch.int64, device=dev),
                 torch.zeros(6, dtype=torch.float64, device=dev))
         elif (b.numel, b.x.dtype, b.x.device) != (flat.numel(), flat.dtype, flat.device):
             raise ValueError(f"a graphed all-reduce serves one tensor: {b.numel} {b.x.dtype} "
@@ -124,8 +142,10 @@ class GraphedAllReduce:
         prep = c.prepare(y, b.round)
         max_norms, tags = agreement.untag(
             self.transport.max(agreement.tagged(prep.norms, b.round)))
+        self._sent = 0 if self._capturing else 1
         wire = c.encode_prepared(prep, max_norms, self.key, pack=False)
         sums, _ = self.transport.sum(wire, wire.numel(), self.params)
+        self._sent = 0 if self._capturing else 2
         c.decode(sums, self.n_workers, max_norms, n, b.round, out=b.out)
         word = c.status(y)
         if b.residual is not None:
@@ -145,8 +165,10 @@ class GraphedAllReduce:
 
     def _run(self, b: _Buffers, flat: torch.Tensor) -> None:
         if self.graph is not None:
+            self._sent = 2
             self.graph.replay()
             self.transport.bytes_sent += self._round_bytes
+            self._wait()
             return
         before = self.transport.bytes_sent
         capture = self._capturable(flat)
@@ -156,12 +178,50 @@ class GraphedAllReduce:
             self._warm = True
             return
         graph = torch.cuda.CUDAGraph()
-        # other threads (backward, while a DDP hook captures) go on launching meanwhile
-        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-            self._step(b)
-        self.transport.bytes_sent = before   # capture sent nothing
+        self._capturing = True
+        try:
+            # other threads (backward, while a DDP hook captures) go on launching meanwhile
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+                self._step(b)
+        except BaseException:
+            self.capture = False   # this reducer's rounds run eagerly from now on
+            raise
+        finally:
+            self._capturing = False
+            self.transport.bytes_sent = before   # capture sends nothing
         self.graph = graph
         self._run(b, flat)
+
+    def _wait(self) -> None:
+        """Wait for the replay, but not forever: no NCCL watchdog watches a collective
+        replayed from a graph, so a peer that never joins would otherwise hang this one."""
+        done = torch.cuda.Event()
+        done.record()
+        deadline = time.monotonic() + self.timeout
+        while not done.query():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"round {self.round - 1} replayed from a CUDA graph did not "
+                                   f"finish in {self.timeout:g} s: a peer did not take part "
+                                   f"in its collectives (the device may now be stuck)")
+            time.sleep(20e-6)
+
+    def _owe(self, b: _Buffers) -> None:
+        """What a worker that fails part-way owes its peers: before its MAX round reached
+        them, that round with every slice marked and a sum of zeros (the peers' rounds sum
+        without a host check between), so that every peer refuses the round instead of
+        waiting. After it, nothing can be marked: the peers' collectives time out, as on
+        :class:`THCAllReduce`'s stream-ordered path."""
+        if self._sent:
+            return
+        lay = self.codec.layout(b.x.numel())
+        dev = b.x.device
+        try:
+            marks = torch.full((lay.n_slices,), NORM_MARK, device=dev)
+            self.transport.max(agreement.tagged(marks, self.round - 1))
+            zeros = torch.zeros(lay.total_padded, dtype=torch.uint8, device=dev)
+            self.transport.sum(zeros, lay.total_padded, self.params)
+        except Exception:  # noqa: BLE001, S110 - the worker's own error is the one raised
+            pass
 
     def __call__(self, tensor: torch.Tensor, position=None) -> torch.Tensor:
         """The THC estimate of the workers' mean of ``tensor``; raises, on every worker, what
@@ -176,15 +236,18 @@ class GraphedAllReduce:
         flat = tensor.detach().reshape(-1)
         if flat.dtype not in HALF:
             flat = flat.float()
-        b = self._buffers(flat)
-        b.x[:b.numel].copy_(flat)
+        # every worker counts the round as taken, whatever happens in it
         self.round += 1
+        self._sent = 0
         try:
+            b = self._buffers(flat)
+            b.x[:b.numel].copy_(flat)
             self._run(b, flat)
         except BaseException:
-            # the round is taken all the same: the device's number stays the host's
-            b.round.fill_(self.round)
-            self.codec.discard_checks()
+            if self._bufs is not None:
+                self._bufs.round.fill_(self.round)   # the device's number stays the host's
+                self.codec.discard_checks()
+                self._owe(self._bufs)
             raise
         values = b.report.tolist()
         if values[0] or values[4] + values[5] != agreement.ROUND_SPAN:
