@@ -13,10 +13,11 @@ from thc.bench.kernels import parse_configs
 def test_configs_parse_and_refuse_what_is_not_a_setting():
     class Kernels:
         TILE, COLS_FIRST, COLS_LOG = 4096, True, 12
+        FORM, FORMS = "transpose", ("transpose", "sandwich")
     assert parse_configs("", Kernels) == [{}]
-    assert parse_configs("TILE=8192,COLS_FIRST=0;COLS_LOG=0", Kernels) == [
-        {"TILE": 8192, "COLS_FIRST": False}, {"COLS_LOG": 0}]
-    for bad in ("PRECISION=1", "TILE=big", "NOPE=3"):
+    assert parse_configs("TILE=8192,COLS_FIRST=0;COLS_LOG=0;FORM=sandwich", Kernels) == [
+        {"TILE": 8192, "COLS_FIRST": False}, {"COLS_LOG": 0}, {"FORM": "sandwich"}]
+    for bad in ("PRECISION=1", "TILE=big", "NOPE=3", "FORM=2", "FORM=twisted"):
         with pytest.raises(ValueError, match="NAME=INTEGER"):
             parse_configs(bad, Kernels)
 
@@ -26,12 +27,12 @@ def test_runs_under_the_interpreter(tmp_path):
     out = tmp_path / "k.json"
     env = dict(os.environ, TRITON_INTERPRET="1")
     r = subprocess.run([sys.executable, "-m", "thc.cli", "bench", "kernels", "--device", "cpu",
-                        "--quick", "--precisions", "tf32x2", "--configs", ";COLS_FIRST=0",
+                        "--quick", "--precisions", "tf32x2", "--configs", ";FORM=sandwich",
                         "--json", str(out)], capture_output=True, text=True, env=env,
                        timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     rep = json.loads(out.read_text())["precisions"]["tf32x2"]
-    assert {row["config"] for row in rep["rows"]} == {"as set", "COLS_FIRST=False"}
+    assert {row["config"] for row in rep["rows"]} == {"as set", "FORM=sandwich"}
     assert rep["decode_rel_error"] < 1e-6 and rep["indices_differing"] < 1e-3
     names = [row["name"] for row in rep["rows"]]
     assert names.count("decode pass 2") == 2 and "copy in pass 2's tiles" in names

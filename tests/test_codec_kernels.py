@@ -377,3 +377,26 @@ def test_a_round_held_on_the_device_gives_the_int_rounds_results():
         c.prepare(x, rt.int())
     with pytest.raises(TypeError, match="kernels only"):
         THCCodec(p, backend="reference").encode(x, m, rt, 1)
+
+
+@kernels
+@pytest.mark.parametrize("slice_log,cols_log", [(13, 12), (16, 0), (16, 12)])
+def test_both_forms_of_the_products_give_the_reference(monkeypatch, slice_log, cols_log):
+    """FORM="sandwich" (H_K1 X H_K2, batched products, no transposes) and "transpose" give
+    the reference's indices and decodes, on splits whose rows and columns both take two
+    factors (2^16 as 256 x 256) and whose rows are batched (2^13 as 32 x 256)."""
+    from thc.codec import triton_kernels as tk
+    monkeypatch.setattr(tk, "COLS_LOG", cols_log)
+    p = THCParams(slice_size=1 << slice_log)
+    n = 2 * (1 << slice_log) + 700
+    x = torch.randn(n, generator=torch.Generator().manual_seed(slice_log)).to(DEV)
+    m = thc.slice_norms(x, p)
+    ref = thc.encode(x.cpu(), m.cpu(), p, 5, 77, backend="reference")
+    sums = thc.aggregate([ref, ref], p)
+    want = thc.decode(sums, 2, m.cpu(), n, p, 5, backend="reference")
+    for form in tk.FORMS:
+        monkeypatch.setattr(tk, "FORM", form)
+        a = thc.encode(x, m, p, 5, 77, backend="triton")
+        assert (a.cpu() != ref).float().mean() < 1e-4, form
+        got = thc.decode(sums.to(DEV), 2, m, n, p, 5, backend="triton")
+        assert torch.allclose(got.cpu(), want, atol=1e-5), form

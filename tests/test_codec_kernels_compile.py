@@ -1,5 +1,6 @@
 """The codec's Triton kernels compile for an H100 (sm_90) ahead of time, without a GPU
-(the variant that reads the round from device memory at 2^8, the other at 2^20).
+(the variant that reads the round from device memory at 2^8, the other at 2^20, in both
+forms of the products).
 
 The interpreter tests (test_codec_kernels.py) check what the kernels compute; this checks that
 the same source also builds for the device, where the compiler is stricter (tile shapes of the
@@ -14,9 +15,9 @@ import pytest
 
 SCRIPT = """
 import sys
-from thc.codec import triton_kernels as tk
-for log, device_round in ((8, True), (20, False)):
-    print(log, tk.compile_for(1 << log, 90, device_round), flush=True)
+from thc.codec import triton_compile
+for log, device_round, form in ((8, True, None), (20, False, None), (20, False, "sandwich")):
+    print(log, form, triton_compile.compile_for(1 << log, 90, device_round, form), flush=True)
 """
 
 
@@ -34,7 +35,9 @@ def test_kernels_compile_for_sm90():
     if proc.returncode and "ptxas" in proc.stderr and "not found" in proc.stderr:
         pytest.skip(f"no ptxas to compile with: {proc.stderr.strip()[-300:]}")
     assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert sum(li.startswith("20 ") for li in lines) == 2
     for log in ("8", "20"):
-        line = next(li for li in proc.stdout.splitlines() if li.startswith(log + " "))
+        line = next(li for li in lines if li.startswith(log + " "))
         assert all(k in line for k in ("_encode_rows", "_encode_cols", "_decode_rows",
                                        "_decode_cols"))

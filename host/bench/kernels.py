@@ -36,8 +36,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "tf32x2,ieee; also tf32x3, tf32)")
     parser.add_argument("--configs", default="",
                         help="tile settings to compare, ';' between them, e.g. "
-                             "'TILE_COLS=16384,NUM_WARPS_COLS=16,COLS_FIRST=1' (names of "
-                             "triton_kernels' module settings; default: as they are)")
+                             "'TILE_COLS=16384,NUM_WARPS_COLS=16,COLS_FIRST=1;FORM=sandwich' "
+                             "(names of triton_kernels' module settings; default: as they "
+                             "are)")
     parser.add_argument("--error-size", type=int, default=22,
                         help="log2 elements of the error check (default 22)")
     THCParams.add_arguments(parser, seed=False)
@@ -45,8 +46,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 TUNABLE = ("PRECISION", "TILE", "TILE_COLS", "NUM_WARPS", "NUM_WARPS_COLS", "COLS_FIRST",
-           "COLS_LOG")
-"""triton_kernels' module settings a run may change (and puts back)."""
+           "COLS_LOG", "FORM")
+"""triton_kernels' module settings a run may change (and puts back): PRECISION by
+``--precisions``, the others by ``--configs`` (FORM by name, one of ``FORMS``)."""
 
 
 def parse_configs(text: str, tk) -> list[dict]:
@@ -56,9 +58,13 @@ def parse_configs(text: str, tk) -> list[dict]:
         config = {}
         for item in filter(None, (p.strip() for p in part.split(","))):
             name, _, value = item.partition("=")
-            if name not in TUNABLE[1:] or not value.isdigit():
+            if name == "FORM" and value in tk.FORMS:
+                config[name] = value
+                continue
+            if name not in TUNABLE[1:] or name == "FORM" or not value.isdigit():
                 raise ValueError(f"config item {item!r}: use NAME=INTEGER with NAME one of "
-                                 f"{', '.join(TUNABLE[1:])}")
+                                 f"{', '.join(TUNABLE[1:-1])}, or FORM= one of "
+                                 f"{', '.join(tk.FORMS)}")
             config[name] = type(getattr(tk, name))(int(value))
         out.append(config)
     return out or [{}]

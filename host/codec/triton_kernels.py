@@ -21,7 +21,9 @@ applied in two passes, each on chip:
 Each H_K on chip is one or two small dense ±1 products (K = K1 K2, factors of 16..64 built in
 registers from the parity of i & j) on the tensor cores: H's entries are exact in TF32, so
 each product is split into x's TF32 head and the rest ("tf32x2": two TF32 products whose sum
-keeps about 22 of float32's 24 bits). Slices of fewer than 2^8 or more than 2^24 coordinates
+keeps about 22 of float32's 24 bits). Two factors are laid out one of two ways (``FORM``):
+with transposes between two right products, or as H_K1 X H_K2, multiplied from both sides
+where the data lies. Slices of fewer than 2^8 or more than 2^24 coordinates
 (a short tail slice) are left to the reference path by the caller.
 
 Nothing here waits for the device. Bad input is flagged in a status word on the device
@@ -57,6 +59,10 @@ PRECISIONS = ("tf32x2", "ieee", "tf32x3", "tf32")
 """How the ±1 products run: tf32x2 (the default, above); ieee (float32 FMAs, no tensor cores);
 tf32x3 (Triton's three-product split); tf32 (one product: 10 bits of x, only for timing)."""
 PRECISION = "tf32x2"
+FORMS = ("transpose", "sandwich")
+"""How a two-factor H_K is laid out on chip (see :func:`_had_last`): both give the same
+values; which is faster is measured (`thc bench kernels --configs FORM=sandwich`)."""
+FORM = "transpose"
 _INPUT, _NORMS, _INDEX = tl.constexpr(BAD_INPUT), tl.constexpr(BAD_NORMS), tl.constexpr(BAD_INDEX)
 _MARK = tl.constexpr(NORM_MARK)   # float32's largest: at or above it, a norm is bad
 _INDEX_CAP = tl.constexpr(INDEX_CAP)
@@ -162,10 +168,34 @@ def _dot(a, h, PREC: tl.constexpr):
 
 
 @triton.jit
-def _had_last(x, M: tl.constexpr, K: tl.constexpr, K1: tl.constexpr, PREC: tl.constexpr):
-    """H_K along axis 1 of an (M, K) tile, K = K1 K2 (K1 = 1: one product)."""
+def _ldot(h, a, PREC: tl.constexpr):
+    """h @ a for a ±1 matrix h, a split as in :func:`_dot` (2-D, or 3-D: a batch)."""
+    if PREC == "tf32x2":
+        hi = (a.to(tl.uint32, bitcast=True) & 0xFFFFE000).to(tl.float32, bitcast=True)
+        y = tl.dot(h, hi, input_precision="tf32")
+        y = tl.dot(h, a - hi, acc=y, input_precision="tf32")
+    else:
+        y = tl.dot(h, a, input_precision=PREC)
+    return y
+
+
+@triton.jit
+def _had_last(x, M: tl.constexpr, K: tl.constexpr, K1: tl.constexpr, PREC: tl.constexpr,
+              FORM: tl.constexpr):
+    """H_K along axis 1 of an (M, K) tile, K = K1 K2 (K1 = 1: one product). Viewing each row
+    as a K1 x K2 matrix X (index a K2 + b), H_K x is H_K1 X H_K2: "sandwich" multiplies on
+    both sides as X lies, "transpose" transposes X between two right products."""
     if K1 == 1:
         y = _dot(x, _hmat(K), PREC)
+    elif FORM == "sandwich":
+        K2: tl.constexpr = K // K1
+        t = _dot(tl.reshape(x, (M * K1, K2)), _hmat(K2), PREC)
+        if M == 1:
+            y = _ldot(_hmat(K1), tl.reshape(t, (K1, K2)), PREC)
+        else:
+            h = tl.broadcast_to(tl.reshape(_hmat(K1), (1, K1, K1)), (M, K1, K1))
+            y = _ldot(h, tl.reshape(t, (M, K1, K2)), PREC)
+        y = tl.reshape(y, (M, K))
     else:
         K2: tl.constexpr = K // K1
         y = _dot(tl.reshape(x, (M * K1, K2)), _hmat(K2), PREC)
@@ -176,10 +206,18 @@ def _had_last(x, M: tl.constexpr, K: tl.constexpr, K1: tl.constexpr, PREC: tl.co
 
 
 @triton.jit
-def _had_first(x, K: tl.constexpr, N: tl.constexpr, K1: tl.constexpr, PREC: tl.constexpr):
-    """H_K along axis 0 of a (K, N) tile, K = K1 K2 (K1 = 1: one product)."""
+def _had_first(x, K: tl.constexpr, N: tl.constexpr, K1: tl.constexpr, PREC: tl.constexpr,
+               FORM: tl.constexpr):
+    """H_K along axis 0 of a (K, N) tile, K = K1 K2 (K1 = 1: one product), x viewed as
+    K1 x K2 x N: "sandwich" applies H_K2 to each of the K1 blocks, then H_K1 across them,
+    both from the left, with no transposes (where N >= 16); "transpose" moves the axes."""
     if K1 == 1:
         y = tl.trans(_dot(tl.trans(x), _hmat(K), PREC))
+    elif FORM == "sandwich" and N >= 16:
+        K2: tl.constexpr = K // K1
+        h = tl.broadcast_to(tl.reshape(_hmat(K2), (1, K2, K2)), (K1, K2, K2))
+        t = _ldot(h, tl.reshape(x, (K1, K2, N)), PREC)
+        y = tl.reshape(_ldot(_hmat(K1), tl.reshape(t, (K1, K2 * N)), PREC), (K, N))
     else:
         K2: tl.constexpr = K // K1
         y = tl.permute(tl.reshape(x, (K1, K2, N)), (0, 2, 1))
@@ -206,7 +244,7 @@ def _norm_bad(m):
 @triton.jit
 def _encode_rows(X, TMP, PART, STATUS, prefix, ROUND, first, length, d,
                  C: tl.constexpr, C1: tl.constexpr, BM: tl.constexpr, PREC: tl.constexpr,
-                 DEV_ROUND: tl.constexpr):
+                 FORM: tl.constexpr, DEV_ROUND: tl.constexpr):
     s = tl.program_id(0)
     rows = tl.program_id(1) * BM + tl.arange(0, BM)
     i = rows[:, None] * C + tl.arange(0, C)[None, :]
@@ -215,7 +253,7 @@ def _encode_rows(X, TMP, PART, STATUS, prefix, ROUND, first, length, d,
     tl.store(PART + s * tl.num_programs(1) + tl.program_id(1), ssq)
     _flag(STATUS, (ssq != ssq) | (ssq > _MARK), _INPUT, 1, first + s + 1)
     k0, k1 = _key(_round_prefix(prefix, ROUND, DEV_ROUND), first, s)
-    y = _had_last(_signed(x, i, k0, k1), BM, C, C1, PREC)
+    y = _had_last(_signed(x, i, k0, k1), BM, C, C1, PREC, FORM)
     tl.store(TMP + s.to(tl.int64) * d + i, y)
 
 
@@ -231,7 +269,8 @@ def _col_block(count, NB: tl.constexpr, FIRST: tl.constexpr):
 @triton.jit
 def _encode_cols(TMP, OUT, MAXN, STATUS, uprefix, ROUND, first, count, LOWER, BASE, WIDTH, d,
                  g, scale, R: tl.constexpr, C: tl.constexpr, R1: tl.constexpr,
-                 BN: tl.constexpr, PREC: tl.constexpr, PACK: tl.constexpr,
+                 BN: tl.constexpr, PREC: tl.constexpr, FORM: tl.constexpr,
+                 PACK: tl.constexpr,
                  FIRST: tl.constexpr, DEV_ROUND: tl.constexpr):
     s, nb = _col_block(count, C // BN, FIRST)
     m = tl.load(MAXN + first + s).to(tl.float32)
@@ -240,7 +279,7 @@ def _encode_cols(TMP, OUT, MAXN, STATUS, uprefix, ROUND, first, count, LOWER, BA
     rows = tl.arange(0, R)
     i = rows[:, None] * C + (nb * BN + tl.arange(0, BN))[None, :]
     y = tl.load(TMP + s.to(tl.int64) * d + i)
-    z = _had_first(y, R, BN, R1, PREC) * coef + 0.5 * g
+    z = _had_first(y, R, BN, R1, PREC, FORM) * coef + 0.5 * g
     u = tl.minimum(tl.maximum(z, 0.0), g)
     k = tl.maximum(tl.minimum(u.to(tl.int32), g - 1), 0)
     lower = tl.load(LOWER + k).to(tl.int32)
@@ -259,7 +298,7 @@ def _encode_cols(TMP, OUT, MAXN, STATUS, uprefix, ROUND, first, count, LOWER, BA
 @triton.jit
 def _decode_rows(S, TMP, TABLE, STATUS, centre, d, levels,
                  C: tl.constexpr, C1: tl.constexpr, BM: tl.constexpr, PREC: tl.constexpr,
-                 LOOKUP: tl.constexpr):
+                 FORM: tl.constexpr, LOOKUP: tl.constexpr):
     s = tl.program_id(0)
     rows = tl.program_id(1) * BM + tl.arange(0, BM)
     i = rows[:, None] * C + tl.arange(0, C)[None, :]
@@ -272,19 +311,20 @@ def _decode_rows(S, TMP, TABLE, STATUS, centre, d, levels,
         _flag(STATUS, seen != -2, _INDEX, 3, seen.to(tl.int32) + 2)
         v = tl.load(TABLE + tl.where(bad, 0, w).to(tl.int32))
     w = v.to(tl.float32) - centre
-    tl.store(TMP + s.to(tl.int64) * d + i, _had_last(w, BM, C, C1, PREC))
+    tl.store(TMP + s.to(tl.int64) * d + i, _had_last(w, BM, C, C1, PREC, FORM))
 
 
 @triton.jit
 def _decode_cols(TMP, OUT, MAXN, STATUS, prefix, ROUND, first, count, length, d, scale,
                  R: tl.constexpr, C: tl.constexpr, R1: tl.constexpr, BN: tl.constexpr,
-                 PREC: tl.constexpr, FIRST: tl.constexpr, DEV_ROUND: tl.constexpr):
+                 PREC: tl.constexpr, FORM: tl.constexpr, FIRST: tl.constexpr,
+                 DEV_ROUND: tl.constexpr):
     s, nb = _col_block(count, C // BN, FIRST)
     m = tl.load(MAXN + first + s).to(tl.float32)
     _flag(STATUS, _norm_bad(m) & (nb == 0), _NORMS, 2, first + s + 1)
     i = tl.arange(0, R)[:, None] * C + (nb * BN + tl.arange(0, BN))[None, :]
     y = tl.load(TMP + s.to(tl.int64) * d + i)
-    z = _had_first(y, R, BN, R1, PREC) * (scale * m)
+    z = _had_first(y, R, BN, R1, PREC, FORM) * (scale * m)
     k0, k1 = _key(_round_prefix(prefix, ROUND, DEV_ROUND), first, s)
     tl.store(OUT + s.to(tl.int64) * length + i, _signed(z, i, k0, k1), mask=i < length)
 
@@ -338,7 +378,7 @@ def encode_rows(flat, grp, seed: int, round_: int, st):
     pfx, rnd, on_dev = _prefix(seed, round_, rng.SIGN_STREAM, st)
     _encode_rows[(grp.count, sh.R // sh.BM)](x, tmp, part, st, pfx, rnd, grp.first, grp.length,
                                              d, C=sh.C, C1=sh.C1, BM=sh.BM, PREC=PRECISION,
-                                             DEV_ROUND=on_dev, num_warps=NUM_WARPS)
+                                             FORM=FORM, DEV_ROUND=on_dev, num_warps=NUM_WARPS)
     return tmp, part.sum(1).sqrt_()
 
 
@@ -354,8 +394,8 @@ def encode_cols(tmp, grp, max_norms, params, round_: int, uniform_seed: int, out
     g = params.granularity
     _encode_cols[(grp.count * (sh.C // sh.BN),)](
         tmp, out, max_norms, st, upfx, rnd, grp.first, grp.count, lower, base, width, d, g,
-        g / (2.0 * params.t_p), R=sh.R, C=sh.C, R1=sh.R1, BN=sh.BN, PREC=PRECISION, PACK=pack,
-        FIRST=COLS_FIRST, DEV_ROUND=on_dev, num_warps=NUM_WARPS_COLS)
+        g / (2.0 * params.t_p), R=sh.R, C=sh.C, R1=sh.R1, BN=sh.BN, PREC=PRECISION, FORM=FORM,
+        PACK=pack, FIRST=COLS_FIRST, DEV_ROUND=on_dev, num_warps=NUM_WARPS_COLS)
 
 
 def decode_rows(values, grp, n: int, params, st, table=None):
@@ -367,7 +407,7 @@ def decode_rows(values, grp, n: int, params, st, table=None):
     lookup = table is not None
     _decode_rows[(grp.count, sh.R // sh.BM)](values, tmp, table if lookup else values, st,
                                              n * params.granularity / 2.0, d, params.levels,
-                                             C=sh.C, C1=sh.C1, BM=sh.BM, PREC=PRECISION,
+                                             C=sh.C, C1=sh.C1, BM=sh.BM, PREC=PRECISION, FORM=FORM,
                                              LOOKUP=lookup, num_warps=NUM_WARPS)
     return tmp
 
@@ -380,44 +420,10 @@ def decode_cols(tmp, grp, max_norms, n: int, params, round_: int, out, st):
     _decode_cols[(grp.count * (sh.C // sh.BN),)](
         tmp, out, max_norms, st, pfx, rnd, grp.first, grp.count, grp.length, d,
         2.0 * params.t_p / (params.granularity * d * n), R=sh.R, C=sh.C, R1=sh.R1, BN=sh.BN,
-        PREC=PRECISION, FIRST=COLS_FIRST, DEV_ROUND=on_dev, num_warps=NUM_WARPS_COLS)
+        PREC=PRECISION, FORM=FORM, FIRST=COLS_FIRST, DEV_ROUND=on_dev, num_warps=NUM_WARPS_COLS)
 
 
 def decode_group(values, grp, max_norms, n: int, params, round_: int, out, st, table=None):
     """Both decode passes of one group (see :func:`decode_rows`, :func:`decode_cols`)."""
     decode_cols(decode_rows(values, grp, n, params, st, table), grp, max_norms, n, params,
                 round_, out, st)
-
-
-def compile_for(padded: int, arch: int = 90, device_round: bool = False) -> dict:
-    """Compile the four kernels for a slice of ``padded`` coordinates ahead of time for CUDA
-    compute capability ``arch`` (90: H100), without a GPU: the check that what the
-    interpreter ran also builds for the device (``device_round``: the variant that reads the
-    round from device memory). Returns kernel name -> shared memory bytes."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    sh = _Shape(padded)
-    rows = dict(C=sh.C, C1=sh.C1, BM=sh.BM, PREC=PRECISION)
-    cols = dict(R=sh.R, C=sh.C, R1=sh.R1, BN=sh.BN, PREC=PRECISION, FIRST=COLS_FIRST)
-    jobs = [
-        (_encode_rows, dict(X="*bf16", TMP="*fp32", PART="*fp32", STATUS="*i32", prefix="i32",
-                            ROUND="*i64", first="i32", length="i32", d="i32"),
-         dict(rows, DEV_ROUND=device_round)),
-        (_encode_cols, dict(TMP="*fp32", OUT="*u8", MAXN="*fp32", STATUS="*i32", uprefix="i32",
-                            ROUND="*i64", first="i32", count="i32", LOWER="*i32", BASE="*fp32",
-                            WIDTH="*fp32", d="i32", g="i32", scale="fp32"),
-         dict(cols, PACK=True, DEV_ROUND=device_round)),
-        (_decode_rows, dict(S="*u8", TMP="*fp32", TABLE="*u8", STATUS="*i32", centre="fp32",
-                            d="i32", levels="i32"), dict(rows, LOOKUP=True)),
-        (_decode_cols, dict(TMP="*fp32", OUT="*fp32", MAXN="*fp32", STATUS="*i32", prefix="i32",
-                            ROUND="*i64", first="i32", count="i32", length="i32", d="i32",
-                            scale="fp32"), dict(cols, DEV_ROUND=device_round)),
-    ]
-    out = {}
-    for fn, sig, consts in jobs:
-        sig = dict(sig, **{k: "constexpr" for k in consts})
-        warps = NUM_WARPS_COLS if fn in (_encode_cols, _decode_cols) else NUM_WARPS
-        k = triton.compile(ASTSource(fn, sig, consts), target=GPUTarget("cuda", arch, 32),
-                           options={"num_warps": warps})
-        out[fn.__name__] = k.metadata.shared
-    return out

@@ -1,0 +1,44 @@
+"""The codec's Triton kernels compiled ahead of time for a GPU that is not here: the check
+that what the interpreter runs (tests/test_codec_kernels.py) also builds for the device, whose
+compiler is stricter (tile shapes of the matrix products, static branches, return types)."""
+from __future__ import annotations
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from thc.codec import triton_kernels as tk
+
+
+def compile_for(padded: int, arch: int = 90, device_round: bool = False,
+                form: str | None = None) -> dict:
+    """Compile the four kernels for a slice of ``padded`` coordinates for CUDA compute
+    capability ``arch`` (90: H100) at the module's settings (``device_round``: the variant
+    that reads the round from device memory; ``form``: one of tk.FORMS, default tk.FORM).
+    Returns kernel name -> shared memory bytes."""
+    sh = tk._Shape(padded)
+    rows = dict(C=sh.C, C1=sh.C1, BM=sh.BM, PREC=tk.PRECISION, FORM=form or tk.FORM)
+    cols = dict(R=sh.R, C=sh.C, R1=sh.R1, BN=sh.BN, PREC=tk.PRECISION, FORM=form or tk.FORM,
+                FIRST=tk.COLS_FIRST)
+    jobs = [
+        (tk._encode_rows, dict(X="*bf16", TMP="*fp32", PART="*fp32", STATUS="*i32", prefix="i32",
+                               ROUND="*i64", first="i32", length="i32", d="i32"),
+         dict(rows, DEV_ROUND=device_round)),
+        (tk._encode_cols, dict(TMP="*fp32", OUT="*u8", MAXN="*fp32", STATUS="*i32", uprefix="i32",
+                               ROUND="*i64", first="i32", count="i32", LOWER="*i32", BASE="*fp32",
+                               WIDTH="*fp32", d="i32", g="i32", scale="fp32"),
+         dict(cols, PACK=True, DEV_ROUND=device_round)),
+        (tk._decode_rows, dict(S="*u8", TMP="*fp32", TABLE="*u8", STATUS="*i32", centre="fp32",
+                               d="i32", levels="i32"), dict(rows, LOOKUP=True)),
+        (tk._decode_cols, dict(TMP="*fp32", OUT="*fp32", MAXN="*fp32", STATUS="*i32", prefix="i32",
+                               ROUND="*i64", first="i32", count="i32", length="i32", d="i32",
+                               scale="fp32"), dict(cols, DEV_ROUND=device_round)),
+    ]
+    out = {}
+    for fn, sig, consts in jobs:
+        sig = dict(sig, **{k: "constexpr" for k in consts})
+        warps = tk.NUM_WARPS_COLS if fn in (tk._encode_cols, tk._decode_cols) else tk.NUM_WARPS
+        k = triton.compile(ASTSource(fn, sig, consts), target=GPUTarget("cuda", arch, 32),
+                           options={"num_warps": warps})
+        out[fn.__name__] = k.metadata.shared
+    return out
