@@ -244,3 +244,33 @@ def test_training_runs_the_fused_encode_to_wire_path(monkeypatch):
     idx = [codec.encode(x, m, 0, torch.Generator().manual_seed(w)) for w, x in enumerate(xs)]
     ref = codec.decode(codec.aggregate(idx), 2, m, 20_000, 0)
     torch.testing.assert_close(out[0][0], ref, rtol=0, atol=0)
+
+
+def test_a_round_left_between_its_collectives_abandons_the_process_group():
+    """A worker that fails after its MAX round and before its sums (here in encode) would
+    pair its next collective with a peer's pending sum: its transport refuses every later
+    round on that group, naming the failure; a new group is usable again."""
+    from thc.testing.clusters import free_tcp_port
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_tcp_port()}",
+                            rank=0, world_size=1)
+    try:
+        ar = THCAllReduce.through_torch_distributed(params=PARAMS, generator=1)
+        x = torch.randn(5000, generator=torch.Generator().manual_seed(1))
+        ar(x)
+        ar.codec.encode_prepared = lambda *a, **k: (_ for _ in ()).throw(MemoryError("oom"))
+        with pytest.raises(MemoryError):
+            ar(x)
+        del ar.codec.encode_prepared
+        other = THCAllReduce.through_torch_distributed(params=PARAMS, generator=2)
+        for reducer in (ar, other):
+            with pytest.raises(RuntimeError, match="round 1 failed between its MAX round and "
+                                                   "its sums .*MemoryError: oom.*out of step"):
+                reducer(x)
+    finally:
+        dist.destroy_process_group()
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_tcp_port()}",
+                            rank=0, world_size=1)
+    try:
+        assert torch.isfinite(THCAllReduce.through_torch_distributed(params=PARAMS)(x)).all()
+    finally:
+        dist.destroy_process_group()

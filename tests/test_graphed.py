@@ -16,6 +16,7 @@ from thc.codec.thc import THCParams
 from thc.codec.common import NORM_MARK
 from thc.collective.agreement import tagged
 from thc.collective.allreduce import THCAllReduce
+from thc.collective import graphed
 from thc.collective.graphed import GraphedAllReduce
 from thc.testing.clusters import free_tcp_port
 
@@ -30,9 +31,13 @@ class _Peer:
 
     def __init__(self, other):
         self.other, self.bytes_sent, self.sent, self.summed = other, 0, [], []
+        self.abandoned = None
 
     def check(self, params):
         pass
+
+    def abandon(self, why):
+        self.abandoned = why
 
     def max(self, vector):
         self.sent.append(vector.clone())
@@ -139,29 +144,40 @@ def test_workers_out_of_step_refuse_the_round():
 
 
 @kernels
-def test_a_round_that_fails_part_way_still_counts():
-    """A transport error part-way through a round: the call raises, and the device's round
-    number moves on with the host's, so the next round is in step with the peer's."""
+@pytest.mark.parametrize("where", ["max", "sum"])
+def test_a_round_that_fails_after_its_max_round_left_abandons_the_group(where):
+    """An error once the MAX round may have left (inside the MAX all-reduce, or in the sum):
+    nothing more is sent for that round (an owed MAX would pair with a peer's sum), the
+    transport is abandoned, and the device's round number still moves on with the host's."""
     x = torch.randn(1024, generator=torch.Generator().manual_seed(6)).to(DEV)
     ar = _graphed(tagged(torch.zeros(4, device=DEV), 0), 1)
-    ar.transport.sum = lambda *a, **k: (_ for _ in ()).throw(ConnectionError("peer gone"))
+    real = getattr(ar.transport, where)
+
+    def fails_after(*a, **k):
+        real(*a, **k)
+        raise ConnectionError("peer gone")
+    setattr(ar.transport, where, fails_after)
     with pytest.raises(ConnectionError):
         ar(x)
-    del ar.transport.sum
+    assert len(ar.transport.sent) == 1 and len(ar.transport.summed) == (where == "sum")
+    assert "round 0 failed between its MAX round and its sum" in ar.transport.abandoned
+    delattr(ar.transport, where)
     ar.transport.other = tagged(torch.zeros(4, device=DEV), 1)
-    assert torch.isfinite(ar(x)).all() and ar.round == 2
+    assert torch.isfinite(ar(x)).all() and ar.round == 2 and int(ar._bufs.round) == 2
 
 
 @kernels
-def test_a_worker_that_fails_before_its_max_round_still_lets_its_peers_refuse_it():
-    """Out of memory in its own steps, or a tensor of another size: the worker still sends
-    its MAX round, every slice marked, and a sum of zeros (its peers' rounds sum without a
-    host check), counts the round, and the next round is in step."""
+def test_a_worker_that_fails_before_its_max_round_still_lets_its_peers_refuse_it(monkeypatch):
+    """Out of memory in its own steps or for its buffers (first call), or a tensor of another
+    size: the worker still sends its MAX round, every slice marked, and a sum of zeros (its
+    peers' rounds sum without a host check), counts the round, and the next round is in
+    step."""
     x = torch.randn(1024, generator=torch.Generator().manual_seed(7)).to(DEV)
     ar = _graphed(tagged(torch.zeros(4, device=DEV), 0), 2)
     ar(x)
     real = ar.codec.prepare
     ar.codec.prepare = lambda *a, **k: (_ for _ in ()).throw(MemoryError("out of memory"))
+    assert ar.transport.abandoned is None
     for bad_call in (lambda: ar(x), lambda: ar(x[:-1])):
         n = len(ar.transport.sent)
         with pytest.raises((MemoryError, ValueError)):
@@ -171,7 +187,15 @@ def test_a_worker_that_fails_before_its_max_round_still_lets_its_peers_refuse_it
         assert marks[4] == ar.round - 1 and zeros.numel() == 1024 and not zeros.any()
         ar.codec.prepare = real
     ar.transport.other = tagged(torch.zeros(4, device=DEV), 3)
-    assert torch.isfinite(ar(x)).all() and ar.round == 4
+    assert torch.isfinite(ar(x)).all() and ar.round == 4 and ar.transport.abandoned is None
+    first = _graphed(tagged(torch.zeros(4, device=DEV), 1), 2)
+    with monkeypatch.context() as m:        # out of memory for the buffers, first call
+        m.setattr(graphed, "_Buffers", lambda *a: (_ for _ in ()).throw(MemoryError("oom")))
+        with pytest.raises(MemoryError):
+            first(x)
+    assert (first.transport.sent[0][:4] == NORM_MARK).all() and first.transport.sent[0][4] == 0
+    assert first.transport.summed[0].numel() == 1024
+    assert torch.isfinite(first(x)).all() and int(first._bufs.round) == 2
 
 
 @kernels
@@ -232,7 +256,7 @@ def test_two_gloo_workers_agree_with_the_eager_allreduce():
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = free_tcp_port()
-    ps = [ctx.Process(target=_worker, args=(r, port, q)) for r in range(2)]
+    ps = [ctx.Process(target=_worker, args=(r, port, q), daemon=True) for r in range(2)]
     [p.start() for p in ps]
     res = dict(q.get(timeout=300) for _ in ps)
     [p.join(30) for p in ps]

@@ -73,3 +73,34 @@ def test_the_ddp_hook_replays_graphed_rounds(nccl):
             assert torch.equal(a, b), step
     replayed = [ar for ar in hooks[1].reducers.values() if ar.graph is not None]
     assert replayed and all(ar.stats.calls >= 3 for ar in replayed)
+
+
+def test_a_failed_capture_falls_back_to_eager_rounds(nccl, monkeypatch):
+    """The capture at round 2 fails: that round owes its collectives and raises, the reducer
+    runs eagerly from then on, host and device rounds in step."""
+    ar = GraphedAllReduce.through_torch_distributed(params=THCParams(), generator=3)
+    x = torch.randn((1 << 20) + 300, device="cuda")
+    ar(x)
+
+    def broken(*a, **k):
+        raise RuntimeError("capture refused")
+    monkeypatch.setattr(torch.cuda, "graph", broken)
+    with pytest.raises(RuntimeError, match="capture refused"):
+        ar(x)
+    monkeypatch.undo()
+    assert ar.capture is False and ar.graph is None
+    assert torch.isfinite(ar(x)).all() and ar.round == int(ar._bufs.round) == 3
+
+
+def test_a_replay_that_outlasts_its_deadline_abandons_the_group(nccl):
+    """No watchdog watches a replayed collective: past ``timeout`` the wait raises, and no
+    later round uses that process group."""
+    group = dist.new_group(backend="nccl")
+    ar = GraphedAllReduce.through_torch_distributed(group, THCParams(), generator=3,
+                                                    timeout=1e-9)
+    x = torch.randn(1 << 22, device="cuda")
+    ar(x)
+    with pytest.raises(TimeoutError, match="did not finish in"):
+        ar(x)
+    with pytest.raises(RuntimeError, match="out of step"):
+        ar(x)

@@ -17,6 +17,7 @@ domain) and error feedback keeps this worker's lost part for the next round.
 from __future__ import annotations
 
 import time
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -102,10 +103,14 @@ class AggregatorTransport:
 class DistTransport:
     """Sums through ``torch.distributed.all_reduce`` of table values (narrowest exact dtype)."""
 
+    _abandoned: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+    """Process group -> why no THC round may use it any more (see :meth:`abandon`)."""
+
     def __init__(self, group=None):
         import torch.distributed as dist
         self.dist = dist
         self.group = group
+        self._pg = group if group is not None else dist.group.WORLD
         self.n_workers = dist.get_world_size(group)
         self.bytes_sent = 0
         self.stream_ordered = dist.get_backend(group) == "nccl"
@@ -114,7 +119,20 @@ class DistTransport:
     def check(self, params: THCParams) -> None:
         pass
 
+    def abandon(self, why: str) -> None:
+        """This worker left a round between its collectives: any later collective of its on
+        this process group would pair with a peer's pending one (NCCL does not check that
+        they match), so none is issued; the peers' own collectives time out."""
+        DistTransport._abandoned[self._pg] = why
+
+    def _usable(self) -> None:
+        why = DistTransport._abandoned.get(self._pg)
+        if why is not None:
+            raise RuntimeError(f"no THC round may use this process group any more: {why}; its "
+                               f"workers' collectives are out of step (restart the job)")
+
     def max(self, norms: torch.Tensor) -> torch.Tensor:
+        self._usable()
         out = norms.detach().clone()
         self.dist.all_reduce(out, op=self.dist.ReduceOp.MAX, group=self.group)
         return out
@@ -125,6 +143,7 @@ class DistTransport:
     short_chunks = None
 
     def sum(self, indices: torch.Tensor, count: int, params: THCParams, classes=None):
+        self._usable()
         # the codec's own indices: in the table by construction
         vals = table_values(indices, params, checked=False).to(
             wire_sum_dtype(self.n_workers, params))
@@ -173,6 +192,7 @@ class THCAllReduce:
         self.codec = THCCodec(self.params, backend=backend, deferred_checks=True)
         self.feedback = ErrorFeedback(self.params) if error_feedback else None
         self.round = 0
+        self._open = False
         self.stats = RoundStats()
 
     @classmethod
@@ -238,10 +258,16 @@ class THCAllReduce:
         """
         if tensor.numel() == 0:
             return tensor.clone()
+        self._open = False
         try:
             return self._round(tensor, position)
-        except BaseException:
+        except BaseException as e:
             self.codec.discard_checks()   # this round's flags are not the next one's
+            if self._open and hasattr(self.transport, "abandon"):
+                # peers wait in a sum this worker will not join: none of its later
+                # collectives may pair with theirs
+                self.transport.abandon(f"round {self.round - 1} failed between its MAX round "
+                                       f"and its sums ({type(e).__name__}: {e})")
             raise
 
     def _max_round(self, flat, pieces, rnd: int, whole: bool):
@@ -298,6 +324,7 @@ class THCAllReduce:
         self.round += 1
         # the fused encode: each piece's norms now, its wire form from them after the MAX round
         y, preps, max_norms, tags = self._max_round(flat, pieces, rnd, whole)
+        self._open = True   # until every sum of the round is issued
         secs["norms"] += time.perf_counter() - t0
         slice_cls = (None if position is None else
                      self.priority_classes(position, max_norms, flat.numel()))
@@ -345,6 +372,7 @@ class THCAllReduce:
             except Exception:
                 if whole and agreement.first_marked(max_norms) is not None:
                     self._join_sum(y, pieces)   # every peer refuses this round: let them end
+                    self._open = False
                 raise
             if k + 1 < len(pieces):
                 next_wire = submit(encode, k + 1)
@@ -358,6 +386,7 @@ class THCAllReduce:
             sums, short = self.transport.sum(wire, count, self.params, classes)
             secs["sum"] += time.perf_counter() - t
             decodes.append(submit(decode, a, b, sums, wire, short))
+        self._open = False
         for f in decodes:
             f.result()
         self.codec.check()

@@ -25,9 +25,11 @@ first round runs eagerly (it compiles the kernels and opens the communicator), t
 captured, and every round from then on is a replay. Elsewhere (CPU tensors under Triton's
 interpreter, Gloo) every round runs the same steps eagerly: how the tests check them.
 
-A worker that fails before its MAX round reached its peers (a refused tensor, a failed
-capture, an error in its own steps) still sends that round, every slice marked, and a sum of
-zeros, so its peers refuse the round instead of waiting. No NCCL watchdog watches a replayed
+A worker that fails before its MAX round could leave (a refused tensor, a failed capture, an
+error in its own steps) still sends that round, every slice marked, and a sum of zeros, so its
+peers refuse the round instead of waiting. One that fails between its MAX round and its sum
+abandons the process group (``DistTransport.abandon``): none of its later collectives may
+pair with a peer's pending one, and the peers' time out. No NCCL watchdog watches a replayed
 collective, so a replay is waited for with a deadline (``timeout``). While a round is being
 captured (once per reducer), no other thread may issue collectives on the same process group:
 DDP's own (``find_unused_parameters=True``) would land in the graph.
@@ -35,6 +37,7 @@ DDP's own (``find_unused_parameters=True``) would land in the graph.
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext as _nothing
 from dataclasses import dataclass
 
 import torch
@@ -64,10 +67,11 @@ class _Buffers:
 
 class GraphedAllReduce:
     """Callable like :class:`THCAllReduce` (one tensor size a reducer), its rounds replayed
-    from a CUDA graph where one can be captured (``capture``: None decides, True insists,
-    False never). ``generator``: this worker's key of the rounding draws; give each worker
-    its own (``base + rank``, as for :class:`THCAllReduce`): workers that share one round
-    alike, and the mean gets noisier."""
+    from a CUDA graph where one can be captured (``capture``: None decides, and runs eagerly
+    after a failed capture; True insists, and tries again each round; False never).
+    ``generator``: this worker's key of the rounding draws; give each worker its own
+    (``base + rank``, as for :class:`THCAllReduce`): workers that share one round alike, and
+    the mean gets noisier."""
 
     def __init__(self, transport, params: THCParams | None = None, error_feedback: bool = True,
                  generator: int = 0, capture: bool | None = None, timeout: float = 600.0):
@@ -83,7 +87,9 @@ class GraphedAllReduce:
         self.key = generator
         self.error_feedback = error_feedback
         self.capture = capture
-        self.timeout = timeout
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
+            raise ValueError(f"timeout must be a number of seconds > 0, got {timeout!r}")
+        self.timeout = float(timeout)
         """Seconds a replayed round may take (NCCL's own default: 10 minutes)."""
         self.codec = THCCodec(self.params, backend="triton", deferred_checks=True)
         self.round = 0
@@ -96,7 +102,8 @@ class GraphedAllReduce:
         self._round_bytes = 0
         self._capturing = False
         self._sent = 0
-        """How far this round got: 1 when its MAX round left this worker, 2 its sum."""
+        """How far this round got: 1 from when its MAX round may have left this worker, 2
+        once its sum is done (left at 0 while capturing: a capture sends nothing)."""
 
     @classmethod
     def through_torch_distributed(cls, group=None, params: THCParams | None = None, **kw):
@@ -140,9 +147,9 @@ class GraphedAllReduce:
         c, n = self.codec, b.x.numel()
         y = b.x + b.residual if b.residual is not None else b.x
         prep = c.prepare(y, b.round)
-        max_norms, tags = agreement.untag(
-            self.transport.max(agreement.tagged(prep.norms, b.round)))
-        self._sent = 0 if self._capturing else 1
+        vector = agreement.tagged(prep.norms, b.round)
+        self._sent = 0 if self._capturing else 1   # from here the MAX round may have left
+        max_norms, tags = agreement.untag(self.transport.max(vector))
         wire = c.encode_prepared(prep, max_norms, self.key, pack=False)
         sums, _ = self.transport.sum(wire, wire.numel(), self.params)
         self._sent = 0 if self._capturing else 2
@@ -165,10 +172,11 @@ class GraphedAllReduce:
 
     def _run(self, b: _Buffers, flat: torch.Tensor) -> None:
         if self.graph is not None:
-            self._sent = 2
+            self._sent = 1
             self.graph.replay()
             self.transport.bytes_sent += self._round_bytes
-            self._wait()
+            self._wait(b)
+            self._sent = 2
             return
         before = self.transport.bytes_sent
         capture = self._capturable(flat)
@@ -184,7 +192,8 @@ class GraphedAllReduce:
             with torch.cuda.graph(graph, capture_error_mode="thread_local"):
                 self._step(b)
         except BaseException:
-            self.capture = False   # this reducer's rounds run eagerly from now on
+            if self.capture is None:
+                self.capture = False   # this reducer's rounds run eagerly from now on
             raise
         finally:
             self._capturing = False
@@ -192,36 +201,51 @@ class GraphedAllReduce:
         self.graph = graph
         self._run(b, flat)
 
-    def _wait(self) -> None:
+    def _wait(self, b: _Buffers) -> None:
         """Wait for the replay, but not forever: no NCCL watchdog watches a collective
-        replayed from a graph, so a peer that never joins would otherwise hang this one."""
+        replayed from a graph, so a peer that never joins would otherwise hang this one. A
+        short spin first (a replay of a small bucket takes tens of microseconds), then
+        sleeps that release the GIL to the threads running backward."""
         done = torch.cuda.Event()
-        done.record()
-        deadline = time.monotonic() + self.timeout
+        done.record(torch.cuda.current_stream(b.x.device))
+        start = time.monotonic()
         while not done.query():
-            if time.monotonic() > deadline:
+            waited = time.monotonic() - start
+            if waited > self.timeout:
                 raise TimeoutError(f"round {self.round - 1} replayed from a CUDA graph did not "
                                    f"finish in {self.timeout:g} s: a peer did not take part "
                                    f"in its collectives (the device may now be stuck)")
-            time.sleep(20e-6)
+            time.sleep(0 if waited < 200e-6 else 50e-6)
 
-    def _owe(self, b: _Buffers) -> None:
-        """What a worker that fails part-way owes its peers: before its MAX round reached
-        them, that round with every slice marked and a sum of zeros (the peers' rounds sum
-        without a host check between), so that every peer refuses the round instead of
-        waiting. After it, nothing can be marked: the peers' collectives time out, as on
-        :class:`THCAllReduce`'s stream-ordered path."""
-        if self._sent:
-            return
-        lay = self.codec.layout(b.x.numel())
-        dev = b.x.device
+    def _owe(self, flat: torch.Tensor) -> None:
+        """What a worker that failed before its MAX round could leave owes its peers: that
+        round with every slice marked and a sum of zeros (the peers' rounds sum without a
+        host check between), so that every peer refuses the round instead of waiting."""
         try:
+            n = self._bufs.x.numel() if self._bufs is not None else self._padded(flat)
+            lay, dev = self.codec.layout(n), flat.device
             marks = torch.full((lay.n_slices,), NORM_MARK, device=dev)
             self.transport.max(agreement.tagged(marks, self.round - 1))
             zeros = torch.zeros(lay.total_padded, dtype=torch.uint8, device=dev)
             self.transport.sum(zeros, lay.total_padded, self.params)
         except Exception:  # noqa: BLE001, S110 - the worker's own error is the one raised
             pass
+
+    def _settle(self, tensor: torch.Tensor, error: BaseException) -> None:
+        """A round this worker cannot finish: its round number still moves on, and its peers
+        neither wait for it nor pair a later collective of its with one of theirs. Before
+        its MAX round could leave it owes that round (:meth:`_owe`); between its MAX round
+        and its sum nothing can be marked any more, so the transport is abandoned
+        (``DistTransport.abandon``): no collective of this worker follows on that process
+        group, and the peers' time out."""
+        self.codec.discard_checks()
+        if self._bufs is not None:
+            self._bufs.round.fill_(self.round)   # the device's number stays the host's
+        if self._sent == 0:
+            self._owe(tensor.detach().reshape(-1))
+        elif self._sent == 1 and hasattr(self.transport, "abandon"):
+            self.transport.abandon(f"round {self.round - 1} failed between its MAX round "
+                                   f"and its sum ({type(error).__name__}: {error})")
 
     def __call__(self, tensor: torch.Tensor, position=None) -> torch.Tensor:
         """The THC estimate of the workers' mean of ``tensor``; raises, on every worker, what
@@ -233,21 +257,19 @@ class GraphedAllReduce:
         if tensor.numel() == 0:
             return tensor.clone()
         t0 = time.perf_counter()
-        flat = tensor.detach().reshape(-1)
-        if flat.dtype not in HALF:
-            flat = flat.float()
         # every worker counts the round as taken, whatever happens in it
         self.round += 1
         self._sent = 0
         try:
+            flat = tensor.detach().reshape(-1)
+            if flat.dtype not in HALF:
+                flat = flat.float()
             b = self._buffers(flat)
-            b.x[:b.numel].copy_(flat)
-            self._run(b, flat)
-        except BaseException:
-            if self._bufs is not None:
-                self._bufs.round.fill_(self.round)   # the device's number stays the host's
-                self.codec.discard_checks()
-                self._owe(self._bufs)
+            with torch.cuda.device(b.x.device) if b.x.is_cuda else _nothing():
+                b.x[:b.numel].copy_(flat)
+                self._run(b, flat)
+        except BaseException as e:
+            self._settle(tensor, e)
             raise
         values = b.report.tolist()
         if values[0] or values[4] + values[5] != agreement.ROUND_SPAN:
