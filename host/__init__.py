@@ -6,7 +6,7 @@ What the README teaches, importable from here (``from thc import THCCodec``):
   cluster      Cluster, Job (the config the controller and the aggregator share)
   client       AggregationClient, AggregationResult, AggregationTimeout, AggregationRefused,
                AggregatorRestarted, worker_client (the client of a rank from a cluster file)
-  all-reduce   THCAllReduce
+  all-reduce   THCAllReduce, GraphedAllReduce (its rounds replayed from a CUDA graph)
   DDP hooks    THCHook, TopKHook, MarsitHook, MarsitVoteHook, HookOptions
   aggregator   Aggregator (Python), FastAggregator (compiled)
   settings     Settings
@@ -42,6 +42,7 @@ _API = {
     "FastAggregator": "thc.net.fastagg",
     "worker_client": "thc.collective.worker",
     "THCAllReduce": "thc.collective.allreduce",
+    "GraphedAllReduce": "thc.collective.graphed",
     "THCHook": "thc.collective.ddp",
     "TopKHook": "thc.collective.ddp",
     "MarsitHook": "thc.collective.ddp",
