@@ -274,3 +274,28 @@ def test_a_round_left_between_its_collectives_abandons_the_process_group():
         assert torch.isfinite(THCAllReduce.through_torch_distributed(params=PARAMS)(x)).all()
     finally:
         dist.destroy_process_group()
+
+
+def test_a_failure_right_after_the_max_round_abandons_and_keeps_the_first_reason(monkeypatch):
+    """The MAX all-reduce returned, then this worker failed before its sums (here untagging
+    the result): its peers wait in a sum, so the group is abandoned; a later refusal keeps
+    the first reason, and so does the hook's FP32 span."""
+    from thc.collective import agreement
+    from thc.collective.allreduce import DistTransport
+    from thc.testing.clusters import free_tcp_port
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_tcp_port()}",
+                            rank=0, world_size=1)
+    try:
+        ar = THCAllReduce.through_torch_distributed(params=PARAMS, generator=1)
+        x = torch.randn(5000, generator=torch.Generator().manual_seed(1))
+        with monkeypatch.context() as m:
+            m.setattr(agreement, "untag", lambda v: (_ for _ in ()).throw(MemoryError("oom")))
+            with pytest.raises(MemoryError):
+                ar(x)
+        for _ in range(2):
+            with pytest.raises(RuntimeError, match=r"round 0 failed .*MemoryError: oom\); its"):
+                ar(x)
+        with pytest.raises(RuntimeError, match="round 0 failed"):
+            DistTransport.check_group(None)
+    finally:
+        dist.destroy_process_group()

@@ -37,7 +37,7 @@ class _Peer:
         pass
 
     def abandon(self, why):
-        self.abandoned = why
+        self.abandoned = self.abandoned or why
 
     def max(self, vector):
         self.sent.append(vector.clone())
@@ -266,3 +266,32 @@ def test_two_gloo_workers_agree_with_the_eager_allreduce():
         np.testing.assert_array_equal(res[0][r][0], res[1][r][0])
     assert "NaN or Inf" in res[0][1][0] and "NaN or Inf" in res[0][1][1]
     assert "mark of a worker" in res[1][1][0] and "mark of a worker" in res[1][1][1]
+
+
+@kernels
+def test_a_captured_round_does_not_replay_on_an_abandoned_group():
+    """A replay's collectives run without Python: once the group is abandoned, the reducer
+    refuses the round before replaying, owes nothing, and the reason stays the first one."""
+    x = torch.randn(1024, generator=torch.Generator().manual_seed(6)).to(DEV)
+    ar = _graphed(tagged(torch.zeros(4, device=DEV), 0), 1)
+    ar(x)
+    replays = []
+
+    class Graph:
+        def replay(self):
+            replays.append(1)
+    ar.graph = Graph()
+    peer = ar.transport
+    peer.abandon("round 0 failed between its MAX round and its sum")
+
+    def usable():   # as DistTransport's: every later collective refused
+        raise RuntimeError(f"abandoned: {peer.abandoned}")
+    real_max = peer.max
+    peer.usable = usable
+    peer.max = lambda v: (usable(), real_max(v))[1]
+    n = len(peer.sent)
+    with pytest.raises(RuntimeError, match="abandoned: round 0 failed"):
+        ar(x)
+    assert not replays and len(ar.transport.sent) == n
+    assert ar.transport.abandoned == "round 0 failed between its MAX round and its sum"
+    assert ar.round == int(ar._bufs.round) == 2

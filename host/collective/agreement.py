@@ -46,6 +46,14 @@ def in_step(tags: torch.Tensor) -> torch.Tensor:
     return tags.double().sum() == ROUND_SPAN   # as exact as check_rounds on the host
 
 
+def refused(max_norms: torch.Tensor, tags: torch.Tensor) -> bool:
+    """Whether every worker refuses the round once the MAX round's result is read on the host
+    (a marked slice, or workers out of step): what :func:`refuse_marked` and
+    :func:`check_rounds` raise on."""
+    high, low = tags.tolist()
+    return first_marked(max_norms) is not None or high + low != ROUND_SPAN
+
+
 def check_rounds(tags) -> None:
     """Raise on every worker when the job's workers are not all in the same round
     (``tags``: the two round lanes, a tensor or a list)."""

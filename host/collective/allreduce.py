@@ -110,7 +110,6 @@ class DistTransport:
         import torch.distributed as dist
         self.dist = dist
         self.group = group
-        self._pg = group if group is not None else dist.group.WORLD
         self.n_workers = dist.get_world_size(group)
         self.bytes_sent = 0
         self.stream_ordered = dist.get_backend(group) == "nccl"
@@ -119,20 +118,37 @@ class DistTransport:
     def check(self, params: THCParams) -> None:
         pass
 
+    def _group(self):
+        """The process group this transport's collectives use now (``group=None``: the
+        default group of the moment, which a re-init replaces)."""
+        return self.group if self.group is not None else self.dist.group.WORLD
+
     def abandon(self, why: str) -> None:
         """This worker left a round between its collectives: any later collective of its on
         this process group would pair with a peer's pending one (NCCL does not check that
-        they match), so none is issued; the peers' own collectives time out."""
-        DistTransport._abandoned[self._pg] = why
+        they match), so the project issues none (the first reason is kept); the peers' own
+        collectives time out. What does not pass through :meth:`max` and :meth:`sum` (a
+        replayed CUDA graph, a DDP hook's FP32 spans) calls :meth:`check_group` first."""
+        group = self._group()
+        if group is not None:   # None: no process group any more, nothing to pair with
+            DistTransport._abandoned.setdefault(group, why)
 
-    def _usable(self) -> None:
-        why = DistTransport._abandoned.get(self._pg)
+    def usable(self) -> None:
+        """Raise if a round on this transport's process group was abandoned."""
+        DistTransport.check_group(self.group)
+
+    @staticmethod
+    def check_group(group) -> None:
+        """Raise if a round on ``group`` (None: the default group now) was abandoned."""
+        import torch.distributed as dist
+        group = group if group is not None else dist.group.WORLD
+        why = DistTransport._abandoned.get(group) if group is not None else None
         if why is not None:
             raise RuntimeError(f"no THC round may use this process group any more: {why}; its "
                                f"workers' collectives are out of step (restart the job)")
 
     def max(self, norms: torch.Tensor) -> torch.Tensor:
-        self._usable()
+        self.usable()
         out = norms.detach().clone()
         self.dist.all_reduce(out, op=self.dist.ReduceOp.MAX, group=self.group)
         return out
@@ -143,7 +159,7 @@ class DistTransport:
     short_chunks = None
 
     def sum(self, indices: torch.Tensor, count: int, params: THCParams, classes=None):
-        self._usable()
+        self.usable()
         # the codec's own indices: in the table by construction
         vals = table_values(indices, params, checked=False).to(
             wire_sum_dtype(self.n_workers, params))
@@ -249,9 +265,12 @@ class THCAllReduce:
         the codec overlaps the transport. A tensor up to one piece long is a single piece, and
         so is every tensor when the transport adds in the device's stream order (NCCL).
 
-        Bad input never becomes a sum a worker accepts, and no worker waits for one that
-        failed: see :meth:`_max_round`. On the GPU the codec's checks are read once, at the
-        round's end (on a stream-ordered transport) or after the MAX round (elsewhere).
+        Bad input never becomes a sum a worker accepts, and no worker waits for one whose
+        input was bad or that failed before its norms: see :meth:`_max_round`. One that fails
+        between its MAX round and its sums with nothing to mark abandons the process group
+        (:meth:`DistTransport.abandon`): its peers' collectives time out. On the GPU the
+        codec's checks are read once, at the round's end (on a stream-ordered transport) or
+        after the MAX round (elsewhere).
 
         ``position``: per element, its layer's place in the next forward pass (0 first .. 1
         last); given, every chunk is marked with its DLCP priority class.
@@ -284,18 +303,24 @@ class THCAllReduce:
             preps = [self.codec.prepare(y[a:b], rnd) for a, b in pieces]
         except Exception as e:
             bad = agreement.marks(y, pieces, layout_of)
+            self._open = whole   # on a stream-ordered transport a sum follows the MAX round
             self.transport.max(agreement.tagged(bad, rnd))
             if whole:
                 self._join_sum(y, pieces)
+            self._open = False
             slice_ = agreement.first_marked(bad)
             if isinstance(e, ValueError) and slice_ is not None:
                 raise ValueError(f"input contains NaN or Inf in slice {slice_}") from e
             raise
         norms = preps[0].norms if len(preps) == 1 else torch.cat([p.norms for p in preps])
-        max_norms, tags = agreement.untag(self.transport.max(agreement.tagged(norms, rnd)))
+        vector = agreement.tagged(norms, rnd)
+        self._open = True   # from here the MAX round may have left: peers may wait in a sum
+        max_norms, tags = agreement.untag(self.transport.max(vector))
         if not whole:
-            agreement.refuse_marked(norms, max_norms)
-            agreement.check_rounds(tags)
+            if agreement.refused(max_norms, tags):
+                self._open = False   # every worker refuses here: no sum is pending
+                agreement.refuse_marked(norms, max_norms)
+                agreement.check_rounds(tags)
             self.codec.check()
         return y, preps, max_norms, tags
 

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from thc.codec.baselines import TopK
-from thc.collective.allreduce import THCAllReduce
+from thc.collective.allreduce import DistTransport, THCAllReduce
 from thc.collective.graphed import GraphedAllReduce
 from thc.collective.marsit import MarsitAllReduce, MarsitVoteAllReduce
 
@@ -136,6 +136,7 @@ class _Hook:
         plain = [buf[a:b] for a, b, fp32, _ in spans if fp32]
         if plain:
             flat = torch.cat(plain)
+            DistTransport.check_group(self.group)   # a THC round left its peers mid-round
             dist.all_reduce(flat, group=self.group)
             flat /= self.world
             self.fp32_elements += flat.numel()

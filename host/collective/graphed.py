@@ -28,9 +28,10 @@ interpreter, Gloo) every round runs the same steps eagerly: how the tests check 
 A worker that fails before its MAX round could leave (a refused tensor, a failed capture, an
 error in its own steps) still sends that round, every slice marked, and a sum of zeros, so its
 peers refuse the round instead of waiting. One that fails between its MAX round and its sum
-abandons the process group (``DistTransport.abandon``): none of its later collectives may
-pair with a peer's pending one, and the peers' time out. No NCCL watchdog watches a replayed
-collective, so a replay is waited for with a deadline (``timeout``). While a round is being
+abandons the process group (``DistTransport.abandon``): none of its later rounds (a replay
+is checked before it is launched) may pair with a peer's pending one, and the peers' time
+out; so does one whose owed MAX round left without its zero sum. No NCCL watchdog watches a
+replayed collective, so a replay is waited for with a deadline (``timeout``). While a round is being
 captured (once per reducer), no other thread may issue collectives on the same process group:
 DDP's own (``find_unused_parameters=True``) would land in the graph.
 """
@@ -148,6 +149,7 @@ class GraphedAllReduce:
         y = b.x + b.residual if b.residual is not None else b.x
         prep = c.prepare(y, b.round)
         vector = agreement.tagged(prep.norms, b.round)
+        self._check_usable()
         self._sent = 0 if self._capturing else 1   # from here the MAX round may have left
         max_norms, tags = agreement.untag(self.transport.max(vector))
         wire = c.encode_prepared(prep, max_norms, self.key, pack=False)
@@ -172,6 +174,7 @@ class GraphedAllReduce:
 
     def _run(self, b: _Buffers, flat: torch.Tensor) -> None:
         if self.graph is not None:
+            self._check_usable()   # a replay's collectives run whatever Python thinks
             self._sent = 1
             self.graph.replay()
             self.transport.bytes_sent += self._round_bytes
@@ -217,19 +220,34 @@ class GraphedAllReduce:
                                    f"in its collectives (the device may now be stuck)")
             time.sleep(0 if waited < 200e-6 else 50e-6)
 
+    def _check_usable(self) -> None:
+        check = getattr(self.transport, "usable", None)
+        if check is not None:
+            check()
+
     def _owe(self, flat: torch.Tensor) -> None:
         """What a worker that failed before its MAX round could leave owes its peers: that
         round with every slice marked and a sum of zeros (the peers' rounds sum without a
         host check between), so that every peer refuses the round instead of waiting."""
+        sent = False
         try:
-            n = self._bufs.x.numel() if self._bufs is not None else self._padded(flat)
-            lay, dev = self.codec.layout(n), flat.device
+            b = self._bufs
+            n = b.x.numel() if b is not None else self._padded(flat)
+            # the reducer's device, not the refused tensor's
+            lay, dev = self.codec.layout(n), (b.x.device if b is not None else flat.device)
             marks = torch.full((lay.n_slices,), NORM_MARK, device=dev)
-            self.transport.max(agreement.tagged(marks, self.round - 1))
             zeros = torch.zeros(lay.total_padded, dtype=torch.uint8, device=dev)
+            vector = agreement.tagged(marks, self.round - 1)
+            sent = True
+            self.transport.max(vector)
             self.transport.sum(zeros, lay.total_padded, self.params)
-        except Exception:  # noqa: BLE001, S110 - the worker's own error is the one raised
-            pass
+        except BaseException as e:  # noqa: BLE001 - the worker's own error is the one raised
+            if sent and hasattr(self.transport, "abandon"):
+                self.transport.abandon(f"round {self.round - 1}: a failed worker's owed MAX "
+                                       f"round may have left without its sum "
+                                       f"({type(e).__name__}: {e})")
+            if not isinstance(e, Exception):
+                raise
 
     def _settle(self, tensor: torch.Tensor, error: BaseException) -> None:
         """A round this worker cannot finish: its round number still moves on, and its peers
