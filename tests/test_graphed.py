@@ -235,13 +235,13 @@ def _worker(rank, port, q):
     gen = torch.Generator().manual_seed(rank)
     out = []
     for r in range(3):
-        x = torch.randn(700, generator=gen)
+        x = torch.randn(700, generator=gen).to(DEV)
         if rank == 0 and r == 1:
             x[10] = float("inf")
         got = []
         for ar in (graphed, eager):
             try:
-                got.append(ar(x).numpy())   # not a tensor: its memory goes with this process
+                got.append(ar(x).cpu().numpy())   # memory that outlives this process
             except ValueError as e:
                 got.append(str(e))
         out.append(got)
