@@ -31,9 +31,9 @@ peers refuse the round instead of waiting. One that fails between its MAX round 
 abandons the process group (``DistTransport.abandon``): none of its later rounds (a replay
 is checked before it is launched) may pair with a peer's pending one, and the peers' time
 out; so does one whose owed MAX round left without its zero sum. No NCCL watchdog watches a
-replayed collective, so a replay is waited for with a deadline (``timeout``). While a round is being
-captured (once per reducer), no other thread may issue collectives on the same process group:
-DDP's own (``find_unused_parameters=True``) would land in the graph.
+replayed collective, so a replay is waited for with a deadline (``timeout``). While a round
+is being captured (once per reducer), no other thread may issue collectives on the same
+process group: DDP's own (``find_unused_parameters=True``) would land in the graph.
 """
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ from thc.codec.thc import THCCodec
 from thc.collective import agreement
 from thc.collective.allreduce import DistTransport, RoundStats
 
-HALF = (torch.float32, torch.float16, torch.bfloat16)
+KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 """Input types the kernels read as they are."""
 
 
@@ -280,7 +280,7 @@ class GraphedAllReduce:
         self._sent = 0
         try:
             flat = tensor.detach().reshape(-1)
-            if flat.dtype not in HALF:
+            if flat.dtype not in KERNEL_DTYPES:
                 flat = flat.float()
             b = self._buffers(flat)
             with torch.cuda.device(b.x.device) if b.x.is_cuda else _nothing():
