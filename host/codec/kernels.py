@@ -69,8 +69,9 @@ def prepare(kern, flat, params: THCParams, lay, round: int, backend: str,
     flat = flat.contiguous()
     word = status if status is not None else status_word(flat.device)
     parts, scratch = [], {}
-    _device_round(kern, lay.groups(WHOLE), round)
-    for grp in lay.groups(WHOLE):
+    groups = list(lay.groups(WHOLE))
+    _device_round(kern, groups, round)
+    for grp in groups:
         if kern.supports(grp.padded):
             scratch[grp.first], nrm = kern.encode_rows(flat, grp, params.seed, round, word)
         else:
