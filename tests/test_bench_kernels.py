@@ -27,12 +27,12 @@ def test_runs_under_the_interpreter(tmp_path):
     out = tmp_path / "k.json"
     env = dict(os.environ, TRITON_INTERPRET="1")
     r = subprocess.run([sys.executable, "-m", "thc.cli", "bench", "kernels", "--device", "cpu",
-                        "--quick", "--precisions", "tf32x2", "--configs", ";FORM=sandwich",
+                        "--quick", "--precisions", "tf32x2", "--configs", ";FORM=transpose",
                         "--json", str(out)], capture_output=True, text=True, env=env,
                        timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     rep = json.loads(out.read_text())["precisions"]["tf32x2"]
-    assert {row["config"] for row in rep["rows"]} == {"as set", "FORM=sandwich"}
+    assert {row["config"] for row in rep["rows"]} == {"as set", "FORM=transpose"}
     assert rep["decode_rel_error"] < 1e-6 and rep["indices_differing"] < 1e-3
     names = [row["name"] for row in rep["rows"]]
     assert names.count("decode pass 2") == 2 and "copy in pass 2's tiles" in names

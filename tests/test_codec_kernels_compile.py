@@ -16,7 +16,7 @@ import pytest
 SCRIPT = """
 import sys
 from thc.codec import triton_compile
-for log, device_round, form in ((8, True, None), (20, False, None), (20, False, "sandwich")):
+for log, device_round, form in ((8, True, None), (20, False, None), (20, False, "transpose")):
     print(log, form, triton_compile.compile_for(1 << log, 90, device_round, form), flush=True)
 """
 

@@ -46,15 +46,18 @@ def test_rounds_replay_from_a_graph_equal_to_the_eager_ones(nccl):
     assert graphed.transport.bytes_sent == eager.transport.bytes_sent
 
 
-def test_the_ddp_hook_replays_graphed_rounds(nccl):
-    """Two copies of a model, the eager rounds and the graphed ones in the hook: the same
-    gradients, bit for bit, step after step (DDP rebuilds its buckets after the first)."""
+@pytest.mark.parametrize("deferred", [False, True])
+def test_the_ddp_hook_replays_graphed_rounds(nccl, deferred):
+    """Two copies of a model, the eager rounds and the graphed ones in the hook (waited for,
+    or with deferred checks): the same gradients, bit for bit, step after step (DDP rebuilds
+    its buckets after the first)."""
     torch.manual_seed(0)
     base = torch.nn.Sequential(torch.nn.Linear(512, 1024), torch.nn.ReLU(),
                                torch.nn.Linear(1024, 10)).cuda()
     p = THCParams(slice_size=1 << 16)
     makers = (lambda: THCAllReduce.through_torch_distributed(params=p, generator=4),
-              lambda: GraphedAllReduce.through_torch_distributed(params=p, generator=4))
+              lambda: GraphedAllReduce.through_torch_distributed(
+                  params=p, generator=4, deferred_checks=deferred))
     models, hooks = [], []
     for make in makers:
         m = copy.deepcopy(base)
@@ -73,6 +76,31 @@ def test_the_ddp_hook_replays_graphed_rounds(nccl):
             assert torch.equal(a, b), step
     replayed = [ar for ar in hooks[1].reducers.values() if ar.graph is not None]
     assert replayed and all(ar.stats.calls >= 3 for ar in replayed)
+    hooks[1].check()
+
+
+def test_deferred_rounds_replay_equal_to_the_waited_ones(nccl):
+    """Replayed rounds that are not waited for: equal to the eager ones; a NaN's round returns
+    zeros and the next call raises it, taking no round; then equal again."""
+    p = THCParams()
+    eager = THCAllReduce.through_torch_distributed(params=p, generator=9)
+    graphed = GraphedAllReduce.through_torch_distributed(params=p, generator=9,
+                                                         deferred_checks=True)
+    gen = torch.Generator("cuda").manual_seed(1)
+    for r in range(7):
+        x = torch.randn((1 << 21) + 5000, device="cuda", generator=gen)
+        if r == 3:
+            x[70_000] = float("nan")
+            with pytest.raises(ValueError, match="NaN or Inf .* in slice 0"):
+                eager(x)
+            assert not graphed(x).any()
+            continue
+        if r == 4:
+            with pytest.raises(ValueError, match="NaN or Inf .* in slice 0"):
+                graphed(x)
+        assert torch.equal(eager(x), graphed(x)), r
+    graphed.check()
+    assert graphed.graph is not None and graphed.round == eager.round == 6
 
 
 def test_a_failed_capture_falls_back_to_eager_rounds(nccl, monkeypatch):

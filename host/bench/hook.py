@@ -13,9 +13,11 @@ for; the median of ``--steps``, the modes taking turns step by step) of:
 - ``thc hook``: the same machinery with THC (:class:`thc.collective.ddp.THCHook` over
   torch.distributed, error feedback on);
 - ``thc graphed`` (CUDA only): the same hook, each bucket's round replayed from a CUDA graph
-  (:class:`thc.collective.graphed.GraphedAllReduce`).
+  (:class:`thc.collective.graphed.GraphedAllReduce`) and waited for;
+- ``thc deferred`` (CUDA only): the same, its checks deferred (``deferred_checks``): no round
+  is waited for.
 
-THC's cost on the critical path is ``thc hook`` (or ``thc graphed``) - ``fp32 hook``; FP16's
+THC's cost on the critical path is ``thc hook`` (or a graphed mode) - ``fp32 hook``; FP16's
 is ``fp16`` - ``ddp``.
 The JSON's ``results`` give both per bucket (elements, seconds) under the row names
 ``thc model --gpu-codec`` reads ("THC encode+decode (DDP hook, B MB buckets)" and FP16's
@@ -31,15 +33,17 @@ import time
 from thc.bench import add_common, emit_json, figure, save_figure
 from thc.codec.params import THCParams
 
-MODES = ("ddp", "fp16", "fp32 hook", "thc hook", "thc graphed")
-GRAPHED = "thc graphed"
-"""The mode that needs CUDA (the kernels, NCCL, graphs)."""
+MODES = ("ddp", "fp16", "fp32 hook", "thc hook", "thc graphed", "thc deferred")
+GRAPHED = ("thc graphed", "thc deferred")
+"""The modes that need CUDA (the kernels, NCCL, graphs)."""
 THC_ROWS = (("thc hook", "THC encode+decode (DDP hook, {} MB buckets)"),
-            (GRAPHED, "THC encode+decode (DDP hook, CUDA graphs, {} MB buckets)"))
+            ("thc graphed", "THC encode+decode (DDP hook, CUDA graphs, {} MB buckets)"),
+            ("thc deferred",
+             "THC encode+decode (DDP hook, CUDA graphs, checks deferred, {} MB buckets)"))
 
 
 def modes(device) -> tuple[str, ...]:
-    return MODES if device.type == "cuda" else tuple(m for m in MODES if m != GRAPHED)
+    return MODES if device.type == "cuda" else tuple(m for m in MODES if m not in GRAPHED)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -80,9 +84,9 @@ def _ddp(mode: str, model, bucket_mb: int, params: THCParams, calls: list):
         return ddp, None
     if mode == "fp32 hook":
         hook = FP32Hook(model)
-    elif mode == GRAPHED:
+    elif mode in GRAPHED:
         hook = THCHook(model, lambda: GraphedAllReduce.through_torch_distributed(
-            params=params, generator=1000))
+            params=params, generator=1000, deferred_checks=mode == "thc deferred"))
     else:
         hook = THCHook(model, lambda: THCAllReduce.through_torch_distributed(
             params=params, generator=1000))
@@ -147,7 +151,7 @@ def costs(rows: list[dict], n_params: int) -> list[dict]:
                                           "ddp")]:
             cost = by[mode]["median_s"] - by[base]["median_s"]
             buckets = by[mode]["buckets"] or 1
-            row = {"name": name.format(mb), "bucket_mb": mb, "step_cost_s": cost,
+            row = {"name": name.format(mb), "mode": mode, "bucket_mb": mb, "step_cost_s": cost,
                    "buckets": buckets, "elements": round(n_params / buckets)}
             if cost > 0:
                 row["median_s"] = cost / buckets
@@ -200,16 +204,14 @@ def run(args: argparse.Namespace) -> int:
     print(f"DDP hooks on {where}: ResNet-50 ({n_params / 1e6:.1f}M parameters), batch "
           f"{args.batch} of {args.image}x{args.image}, a process group of one (local sums); "
           f"median of {args.steps} steps", file=out)
-    if GRAPHED not in modes(device):
-        print(f"'{GRAPHED}' left out: CUDA graphs need a CUDA device", file=out)
-    print(f"{'buckets':>8} {'mode':<11} {'step ms':>9} {'buckets':>8}", file=out)
+    if GRAPHED[0] not in modes(device):
+        print(f"{' and '.join(GRAPHED)} left out: CUDA graphs need a CUDA device", file=out)
+    print(f"{'buckets':>8} {'mode':<12} {'step ms':>9} {'buckets':>8}", file=out)
     for r in rows:
-        print(f"{r['bucket_mb']:>6}MB {r['mode']:<11} {r['median_s'] * 1e3:>9.2f} "
+        print(f"{r['bucket_mb']:>6}MB {r['mode']:<12} {r['median_s'] * 1e3:>9.2f} "
               f"{r['buckets'] or '-':>8}", file=out)
     for r in results:
-        what = ("THC (graphs)" if "graphs" in r["name"] else "THC") \
-            if r["name"].startswith("THC") else "FP16"
-        print(f"{r['bucket_mb']:>6}MB {what} costs {r['step_cost_s'] * 1e3:.2f} ms a step"
+        print(f"{r['bucket_mb']:>6}MB {r['mode']} costs {r['step_cost_s'] * 1e3:.2f} ms a step"
               + (f", {r['mb_per_s']:.0f} MB/s of float32 gradient" if "mb_per_s" in r else
                  " (not above the noise)"), file=out)
     if args.plot:

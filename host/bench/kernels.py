@@ -36,7 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "tf32x2,ieee; also tf32x3, tf32)")
     parser.add_argument("--configs", default="",
                         help="tile settings to compare, ';' between them, e.g. "
-                             "'TILE_COLS=16384,NUM_WARPS_COLS=16,COLS_FIRST=1;FORM=sandwich' "
+                             "'TILE_COLS=16384,NUM_WARPS_COLS=16,COLS_FIRST=1;FORM=transpose' "
                              "(names of triton_kernels' module settings; default: as they "
                              "are)")
     parser.add_argument("--error-size", type=int, default=22,

@@ -59,10 +59,11 @@ PRECISIONS = ("tf32x2", "ieee", "tf32x3", "tf32")
 """How the ±1 products run: tf32x2 (the default, above); ieee (float32 FMAs, no tensor cores);
 tf32x3 (Triton's three-product split); tf32 (one product: 10 bits of x, only for timing)."""
 PRECISION = "tf32x2"
-FORMS = ("transpose", "sandwich")
+FORMS = ("sandwich", "transpose")
 """How a two-factor H_K is laid out on chip (see :func:`_had_last`): both give the same
-values; which is faster is measured (`thc bench kernels --configs FORM=sandwich`)."""
-FORM = "transpose"
+values; sandwich, the default, is the faster on an H200 (`thc bench kernels --configs
+';FORM=transpose'`, docs/results.md)."""
+FORM = "sandwich"
 _INPUT, _NORMS, _INDEX = tl.constexpr(BAD_INPUT), tl.constexpr(BAD_NORMS), tl.constexpr(BAD_INDEX)
 _MARK = tl.constexpr(NORM_MARK)   # float32's largest: at or above it, a norm is bad
 _INDEX_CAP = tl.constexpr(INDEX_CAP)

@@ -210,12 +210,20 @@ class THCHook(_Hook):
                   if ar.transport.short_chunks is not None]
         return sum(counts) if counts else None
 
+    def check(self) -> None:
+        """Raise a refusal that reducers with deferred checks (``GraphedAllReduce(
+        deferred_checks=True)``) still hold: call it after the last step."""
+        for ar in list(self.reducers.values()):
+            if isinstance(ar, GraphedAllReduce):
+                ar.check()
+
     def reduce(self, bucket_index: int, flat: torch.Tensor, sizes: list[int],
                position: torch.Tensor | None = None) -> torch.Tensor:
         # DDP rebuilds its buckets after the first iteration: a new size starts a new residual.
         key = (bucket_index, flat.numel())
         ar = self.reducers.get(key)
         if ar is None:
+            self.check()   # the reducers of buckets DDP rebuilt take no further rounds
             ar = self.reducers[key] = self.make_allreducer()
         before = ar.transport.bytes_sent
         out = ar(flat, position=position)

@@ -15,6 +15,15 @@ once, a round is one replay. A graph fixes everything but the contents of memory
   on a stream-ordered transport: every worker refuses a round with a marked slice or workers
   out of step.
 
+That read waits for the round to finish, and the wait costs a DDP step more than the round:
+the host stops running ahead of the device (docs/results.md). With ``deferred_checks`` a call
+returns as soon as its round is launched: the estimate of a refused round is zeros (no wrong
+sum reaches the model; the residual keeps its value), and what refused it is raised by the
+next call, before that one takes a round, or by :meth:`GraphedAllReduce.check`. A deadline
+still holds: the next call waits for the round no longer than ``timeout`` after its launch,
+and :mod:`thc.collective.watchdog` ends the process soon after, should the loop wait on the
+stream itself first.
+
 The rounding draws are keyed by a fixed int (``generator``) and the round, so with the same
 int :class:`THCAllReduce` gives the same estimates, bit for bit, where no tail is padded and
 it takes the tensor in one piece (on NCCL, or up to its ``pipeline_elements``). Every worker
@@ -47,7 +56,7 @@ from thc.codec.backends import kernels_for
 from thc.codec.common import NORM_MARK, WHOLE, raise_status
 from thc.codec.params import THCParams
 from thc.codec.thc import THCCodec
-from thc.collective import agreement
+from thc.collective import agreement, watchdog
 from thc.collective.allreduce import DistTransport, RoundStats
 
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -64,6 +73,10 @@ class _Buffers:
     round: torch.Tensor
     report: torch.Tensor
     """float64: the status word's four ints, then the two round lanes."""
+    clean: torch.Tensor
+    """Whether the round is clean (a bool on the device)."""
+    host: torch.Tensor
+    """The report copied to the host (pinned memory on CUDA) for deferred checks."""
 
 
 class GraphedAllReduce:
@@ -72,10 +85,12 @@ class GraphedAllReduce:
     after a failed capture; True insists, and tries again each round; False never).
     ``generator``: this worker's key of the rounding draws; give each worker its own
     (``base + rank``, as for :class:`THCAllReduce`): workers that share one round alike, and
-    the mean gets noisier."""
+    the mean gets noisier. ``deferred_checks``: return without waiting for the round, raise
+    its refusal later (module docstring); every worker of a job sets it alike."""
 
     def __init__(self, transport, params: THCParams | None = None, error_feedback: bool = True,
-                 generator: int = 0, capture: bool | None = None, timeout: float = 600.0):
+                 generator: int = 0, capture: bool | None = None, timeout: float = 600.0,
+                 deferred_checks: bool = False):
         if isinstance(generator, bool) or not isinstance(generator, int):
             raise TypeError(f"a graphed round keys its rounding draws by a fixed int and the "
                             f"round; got generator={generator!r}")
@@ -93,6 +108,9 @@ class GraphedAllReduce:
         self.timeout = float(timeout)
         """Seconds a replayed round may take (NCCL's own default: 10 minutes)."""
         self.codec = THCCodec(self.params, backend="triton", deferred_checks=True)
+        self.deferred_checks = deferred_checks
+        self._pending: tuple[torch.cuda.Event | None, float, int] | None = None
+        """A deferred round's (event, launch time, round) whose report is still to be read."""
         self.round = 0
         """Rounds taken (every call takes one, as in :class:`THCAllReduce`)."""
         self.stats = RoundStats()
@@ -136,7 +154,9 @@ class GraphedAllReduce:
                 torch.zeros(n, device=dev) if self.error_feedback else None,
                 torch.empty(n, device=dev),
                 torch.full((1,), self.round - 1, dtype=torch.int64, device=dev),
-                torch.zeros(6, dtype=torch.float64, device=dev))
+                torch.zeros(6, dtype=torch.float64, device=dev),
+                torch.zeros((), dtype=torch.bool, device=dev),
+                torch.zeros(6, dtype=torch.float64, pin_memory=dev.type == "cuda"))
         elif (b.numel, b.x.dtype, b.x.device) != (flat.numel(), flat.dtype, flat.device):
             raise ValueError(f"a graphed all-reduce serves one tensor: {b.numel} {b.x.dtype} "
                              f"on {b.x.device}, got {flat.numel()} {flat.dtype} on "
@@ -157,9 +177,10 @@ class GraphedAllReduce:
         self._sent = 0 if self._capturing else 2
         c.decode(sums, self.n_workers, max_norms, n, b.round, out=b.out)
         word = c.status(y)
+        clean = (word[0] == 0) & agreement.in_step(tags)
+        b.clean.copy_(clean)
         if b.residual is not None:
             own = c.decode_own(wire, max_norms, n, b.round)
-            clean = (word[0] == 0) & agreement.in_step(tags)
             torch.where(clean, y - own, b.residual, out=b.residual)
         b.report[:4].copy_(word)
         b.report[4:].copy_(tags)
@@ -178,7 +199,8 @@ class GraphedAllReduce:
             self._sent = 1
             self.graph.replay()
             self.transport.bytes_sent += self._round_bytes
-            self._wait(b)
+            if not self.deferred_checks:
+                self._wait(b)
             self._sent = 2
             return
         before = self.transport.bytes_sent
@@ -205,20 +227,61 @@ class GraphedAllReduce:
         self._run(b, flat)
 
     def _wait(self, b: _Buffers) -> None:
-        """Wait for the replay, but not forever: no NCCL watchdog watches a collective
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(b.x.device))
+        self._await(done, time.monotonic(), self.round - 1)
+
+    def _await(self, done: torch.cuda.Event, start: float, rnd: int) -> None:
+        """Wait for a replay, but not forever: no NCCL watchdog watches a collective
         replayed from a graph, so a peer that never joins would otherwise hang this one. A
         short spin first (a replay of a small bucket takes tens of microseconds), then
         sleeps that release the GIL to the threads running backward."""
-        done = torch.cuda.Event()
-        done.record(torch.cuda.current_stream(b.x.device))
-        start = time.monotonic()
         while not done.query():
             waited = time.monotonic() - start
             if waited > self.timeout:
-                raise TimeoutError(f"round {self.round - 1} replayed from a CUDA graph did not "
-                                   f"finish in {self.timeout:g} s: a peer did not take part "
-                                   f"in its collectives (the device may now be stuck)")
+                raise TimeoutError(f"round {rnd} replayed from a CUDA graph did not finish in "
+                                   f"{self.timeout:g} s: a peer did not take part in its "
+                                   f"collectives (the device may now be stuck)")
             time.sleep(0 if waited < 200e-6 else 50e-6)
+
+    def _defer(self, b: _Buffers) -> None:
+        """Copy the report to the host behind the round, to be read by the next call."""
+        rnd, start = self.round - 1, time.monotonic()
+        if not b.x.is_cuda:
+            b.host.copy_(b.report)
+            self._pending = (None, start, rnd)
+            return
+        b.host.copy_(b.report, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(b.x.device))
+        self._pending = (done, start, rnd)
+        # later than the next call's own deadline, which raises instead
+        watchdog.SHARED.watch(done, start + self.timeout + watchdog.GRACE,
+                              f"round {rnd} replayed from a CUDA graph did not finish in "
+                              f"{self.timeout:g} s: a peer did not take part in its "
+                              f"collectives")
+
+    def check(self) -> None:
+        """Raise what refused the last round whose checks were deferred, once it has run
+        (waiting at most until its deadline); nothing to do otherwise."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        done, start, rnd = pending
+        if done is not None:
+            try:
+                self._await(done, start, rnd)
+            except TimeoutError as e:
+                if hasattr(self.transport, "abandon"):
+                    self.transport.abandon(str(e))
+                raise
+        self._raise_report(self._bufs.host.tolist())
+
+    def _raise_report(self, values: list[float]) -> None:
+        if values[0] or values[4] + values[5] != agreement.ROUND_SPAN:
+            self.codec.discard_checks()
+            raise_status([int(v) for v in values[:4]], self.params)
+            agreement.check_rounds(values[4:])
 
     def _check_usable(self) -> None:
         check = getattr(self.transport, "usable", None)
@@ -274,6 +337,7 @@ class GraphedAllReduce:
                              "which a graphed round does not use")
         if tensor.numel() == 0:
             return tensor.clone()
+        self.check()   # the last round's refusal, before this one takes a round
         t0 = time.perf_counter()
         # every worker counts the round as taken, whatever happens in it
         self.round += 1
@@ -289,13 +353,15 @@ class GraphedAllReduce:
         except BaseException as e:
             self._settle(tensor, e)
             raise
-        values = b.report.tolist()
-        if values[0] or values[4] + values[5] != agreement.ROUND_SPAN:
-            self.codec.discard_checks()
-            raise_status([int(v) for v in values[:4]], self.params)
-            agreement.check_rounds(values[4:])
+        if self.deferred_checks:
+            self._defer(b)
+            # zeros where the round was refused: its refusal is raised by the next call
+            out = torch.where(b.clean, b.out[:b.numel], 0.0).to(tensor.dtype)
+        else:
+            self._raise_report(b.report.tolist())
+            # a copy: the next round overwrites the buffer
+            out = b.out[:b.numel].to(tensor.dtype, copy=True)
         self.stats.calls += 1
         self.stats.elements += b.numel
         self.stats.seconds["graph"] += time.perf_counter() - t0
-        # a copy: the next round overwrites the buffer
-        return b.out[:b.numel].to(tensor.dtype, copy=True).reshape(tensor.shape)
+        return out.reshape(tensor.shape)

@@ -1,0 +1,148 @@
+"""Graphed THC rounds with deferred checks (``GraphedAllReduce(deferred_checks=True)``): the
+same estimates as rounds waited for; a refused round returns zeros, keeps the residual and is
+raised by the next call (which takes no round) or by ``check()``; a round that outlasts its
+deadline is raised there too. The watchdog ends a process whose round outlasts it. Eager under
+Triton's interpreter on the CPU (tests/test_graphed_gpu.py replays them on a GPU)."""
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.test_codec_kernels import DEV, kernels
+from tests.test_graphed import P, _Peer
+from thc.collective import watchdog
+from thc.collective.agreement import tagged
+from thc.collective.ddp import THCHook
+from thc.collective.graphed import GraphedAllReduce
+from thc.testing.clusters import free_tcp_port
+
+
+def _pair(key=5):
+    """A reducer that waits and one that defers, each with its own peer."""
+    return [GraphedAllReduce(_Peer(None), P, generator=key, capture=False,
+                             deferred_checks=d) for d in (False, True)]
+
+
+def _peers_say(reducers, r, norms=0.0):
+    for ar in reducers:
+        ar.transport.other = tagged(torch.full((4,), norms, device=DEV), r)
+
+
+def _x(seed):
+    return torch.randn(1024, generator=torch.Generator().manual_seed(seed)).to(DEV)
+
+
+@kernels
+def test_deferred_rounds_equal_the_waited_ones():
+    waited, deferred = _pair()
+    for r in range(3):
+        _peers_say((waited, deferred), r)
+        assert torch.equal(waited(_x(r)), deferred(_x(r))), r
+    deferred.check()
+    assert deferred.round == 3 and deferred._pending is None
+    assert torch.equal(waited._bufs.residual, deferred._bufs.residual)
+
+
+@kernels
+def test_a_refused_round_returns_zeros_and_the_next_call_raises_it():
+    """A peer's mark in round 1: the waiting reducer raises at once; the deferring one
+    returns zeros, keeps its residual, and raises at its next call, which takes no round;
+    from then on the two are equal again."""
+    waited, deferred = _pair()
+    _peers_say((waited, deferred), 0)
+    assert torch.equal(waited(_x(0)), deferred(_x(0)))
+    kept = deferred._bufs.residual.clone()
+    _peers_say((waited, deferred), 1, norms=3.4028234663852886e38)   # a worker's mark
+    with pytest.raises(ValueError, match="max norms must be finite"):
+        waited(_x(1))
+    assert not deferred(_x(1)).any()
+    assert torch.equal(deferred._bufs.residual, kept)
+    _peers_say((waited, deferred), 2)
+    n = len(deferred.transport.sent)
+    with pytest.raises(ValueError, match="max norms must be finite"):
+        deferred(_x(2))
+    assert len(deferred.transport.sent) == n and deferred.round == 2
+    assert torch.equal(waited(_x(2)), deferred(_x(2)))
+    assert torch.equal(waited._bufs.residual, deferred._bufs.residual)
+
+
+@kernels
+def test_check_raises_what_the_last_round_refused():
+    _, deferred = _pair()
+    _peers_say([deferred], 1)                       # this worker is in round 0
+    assert not deferred(_x(3)).any()
+    with pytest.raises(RuntimeError, match="different rounds"):
+        deferred.check()
+    deferred.check()                                # raised once, then forgotten
+
+
+@kernels
+def test_a_deferred_round_past_its_deadline_raises_and_abandons():
+    _, deferred = _pair()
+    _peers_say([deferred], 0)
+    deferred(_x(4))
+
+    class Stuck:
+        def query(self):
+            return False
+    deferred.timeout = 0.05
+    deferred._pending = (Stuck(), time.monotonic(), 0)
+    with pytest.raises(TimeoutError, match="round 0 replayed from a CUDA graph did not finish"):
+        deferred(_x(4))
+    assert "round 0" in deferred.transport.abandoned
+
+
+@kernels
+def test_the_hook_raises_a_refusal_its_reducers_hold():
+    """``THCHook.check`` after the last step, and before a new reducer (DDP rebuilt its
+    buckets) takes over from the old ones."""
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_tcp_port()}",
+                            rank=0, world_size=1)
+    try:
+        hook = THCHook(torch.nn.Linear(4, 4), lambda: _pair()[1], overlap=False)
+        old = hook.reducers[(0, 1024)] = _pair()[1]
+        _peers_say([old], 1)
+        old(_x(5))
+        with pytest.raises(RuntimeError, match="different rounds"):
+            hook.check()
+        _peers_say([old], 2)
+        old(_x(5))   # raised above, so this one takes its round 1 (and is refused again)
+        with pytest.raises(RuntimeError, match="different rounds"):
+            hook.reduce(1, _x(6), [1024])
+        assert len(hook.reducers) == 1
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_watchdog_expires_only_what_outlasts_its_deadline():
+    expired = []
+    dog = watchdog.Watchdog(expire=expired.append, interval=0.01)
+
+    class Event:
+        def __init__(self, done):
+            self.done = done
+
+        def query(self):
+            return self.done
+    dog.watch(Event(True), time.monotonic() - 1, "done, though late")
+    late = Event(False)
+    dog.watch(late, time.monotonic() + 0.05, "round 7 late")
+    dog.watch(Event(False), time.monotonic() + 60, "round 8 in time")
+    deadline = time.monotonic() + 5
+    while not expired and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert expired == ["round 7 late"] and dog.watched == 1
+
+
+def test_the_watchdog_ends_the_process_with_the_rounds_name():
+    code = ("import time\nfrom thc.collective import watchdog\n"
+            "class E:\n    query = lambda self: False\n"
+            "watchdog.SHARED.watch(E(), 0, 'round 3 replayed from a CUDA graph did not "
+            "finish')\ntime.sleep(30)\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60)
+    assert run.returncode == watchdog.EXIT_CODE
+    assert "thc: round 3 replayed from a CUDA graph did not finish; ending" in run.stderr
