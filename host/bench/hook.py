@@ -176,7 +176,8 @@ def plot(rows: list[dict], path: str, title: str) -> None:
     ax.set_ylabel("step time, ms (median)")
     ax.set_title(title, fontsize=9)
     ax.grid(True, axis="y", alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.set_ylim(0, 1.3 * max(r["median_s"] for r in rows) * 1e3)   # room for the legend
+    ax.legend(fontsize=8, ncol=3, loc="upper center")
     save_figure(fig, path)
 
 
