@@ -37,8 +37,10 @@ system-deps:
 	fi
 	@if [ -d $(DEBIAN_MININET) ] && [ -x $(PY) ]; then ln -sfn $(DEBIAN_MININET) "$(SITE)/mininet"; fi
 
+# Two pytest processes; the tests that start Mininet, BMv2 or namespaces run in one of them.
+TEST_PROCESSES ?= 2
 test: system-deps setup
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_PROCESSES) --dist loadgroup
 
 # The model-based fuzz at length: every engine against host/wire/model.py (tests/model_fuzz.py),
 # then the Tofino program read from its text, slot state and sums (tests/tna/interleave.py: 300

@@ -1,5 +1,6 @@
 """Each test starts from the environment's settings: a test that sets THC_* variables sees
-them, whatever an earlier test in the process installed."""
+them, whatever an earlier test in the process installed. Under pytest-xdist (``make test``)
+the tests that use system-wide resources share one process."""
 import pytest
 
 from thc.codec import settings
@@ -10,3 +11,18 @@ def _fresh_settings():
     settings.reset()
     yield
     settings.reset()
+
+
+SYSTEM = ("tests/bmv2/", "tests/conformance/", "test_testbed.py", "test_mainjob.py",
+          "test_breakeven.py", "test_faults.py", "test_dlcp_training.py", "test_shards.py",
+          "test_priority_links.py", "test_p4_build.py", "test_target_writes.py",
+          "test_readme.py", "test_jobs_safety.py", "test_namespace.py", "test_perfmodel.py")
+"""Files whose tests start Mininet, BMv2 or network namespaces (system-wide names and
+cleanups): one pytest-xdist process runs them all, one after another (``make test``)."""
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if (item.get_closest_marker("bmv2") or item.get_closest_marker("mininet")
+                or any(s in item.nodeid for s in SYSTEM)):
+            item.add_marker(pytest.mark.xdist_group("system"))

@@ -70,6 +70,48 @@ def test_a_refused_round_returns_zeros_and_the_next_call_raises_it():
 
 
 @kernels
+def test_a_worker_that_fails_before_its_max_round_raises_again_with_its_peers():
+    """Its peers return zeros for the round its failure refused and raise at their next call;
+    so does it, taking no round either, and the next rounds pair up again."""
+    _, deferred = _pair()
+    _peers_say([deferred], 0)
+    deferred(_x(7))
+    with pytest.raises(ValueError, match="serves one tensor"):
+        deferred(_x(7)[:-1])                      # round 1, owed: marked MAX, zero sum
+    n = len(deferred.transport.sent)
+    with pytest.raises(RuntimeError, match="round 1 was refused by every worker"):
+        deferred(_x(7))
+    assert len(deferred.transport.sent) == n and deferred.round == 2
+    _peers_say([deferred], 2)
+    assert deferred(_x(7)).any()
+    deferred.check()
+
+
+@kernels
+def test_an_index_outside_the_table_refuses_the_round_on_the_device():
+    """The worker's own indices, decoded for its residual, are read before the round's flags:
+    an index outside the table gives zeros and keeps the residual."""
+    _, deferred = _pair()
+    _peers_say([deferred], 0)
+    deferred(_x(8))
+    kept = deferred._bufs.residual.clone()
+    real = deferred.codec.encode_prepared
+
+    def bad_index(*a, **k):
+        wire = real(*a, **k)
+        wire[3] = 200
+        return wire
+    deferred.codec.encode_prepared = bad_index
+    deferred.transport.sum = lambda idx, count, params, classes=None: (
+        2 * torch.ones(idx.numel(), dtype=torch.int32, device=DEV), None)
+    _peers_say([deferred], 1)
+    assert not deferred(_x(8)).any()
+    assert torch.equal(deferred._bufs.residual, kept)
+    with pytest.raises(ValueError, match="index 200 outside"):
+        deferred.check()
+
+
+@kernels
 def test_check_raises_what_the_last_round_refused():
     _, deferred = _pair()
     _peers_say([deferred], 1)                       # this worker is in round 0
@@ -89,7 +131,7 @@ def test_a_deferred_round_past_its_deadline_raises_and_abandons():
         def query(self):
             return False
     deferred.timeout = 0.05
-    deferred._pending = (Stuck(), time.monotonic(), 0)
+    deferred._pending.done = Stuck()
     with pytest.raises(TimeoutError, match="round 0 replayed from a CUDA graph did not finish"):
         deferred(_x(4))
     assert "round 0" in deferred.transport.abandoned
@@ -135,6 +177,32 @@ def test_the_watchdog_expires_only_what_outlasts_its_deadline():
     while not expired and time.monotonic() < deadline:
         time.sleep(0.01)
     assert expired == ["round 7 late"] and dog.watched == 1
+
+
+def test_the_watchdog_outlives_a_failing_query_and_a_failing_action():
+    expired = []
+
+    def expire(what):
+        expired.append(what)
+        raise RuntimeError("the action failed")
+    dog = watchdog.Watchdog(expire=expire, interval=0.01)
+
+    class Broken:
+        def query(self):
+            raise RuntimeError("an illegal memory access was encountered")
+
+    class Stuck:
+        def query(self):
+            return False
+    dog.watch(Broken(), time.monotonic() + 60, "round 1")
+    deadline = time.monotonic() + 5
+    while not expired and time.monotonic() < deadline:
+        time.sleep(0.01)
+    dog.watch(Stuck(), time.monotonic(), "round 2")
+    while len(expired) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert expired[0].startswith("round 1 (and querying it raised RuntimeError: an illegal")
+    assert expired[1:] == ["round 2"]
 
 
 def test_the_watchdog_ends_the_process_with_the_rounds_name():

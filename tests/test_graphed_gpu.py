@@ -132,3 +132,24 @@ def test_a_replay_that_outlasts_its_deadline_abandons_the_group(nccl):
         ar(x)
     with pytest.raises(RuntimeError, match="out of step"):
         ar(x)
+
+
+def test_a_refusal_raised_on_another_stream_does_not_refuse_the_next_round(nccl):
+    """Each round clears its own flags in its stream order: a refusal raised while another,
+    busy stream is current leaves no flag behind for the next, clean, round."""
+    ar = GraphedAllReduce.through_torch_distributed(params=THCParams(), generator=1,
+                                                    deferred_checks=True)
+    gen = torch.Generator("cuda").manual_seed(0)
+    for _ in range(3):
+        ar(torch.randn(1 << 20, device="cuda", generator=gen))
+    bad = torch.randn(1 << 20, device="cuda", generator=gen)
+    bad[5] = float("nan")
+    assert not ar(bad).any()
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(int(1e9))              # the side stream is busy for a while
+        with pytest.raises(ValueError, match="NaN or Inf"):
+            ar.check()
+    clean = ar(torch.randn(1 << 20, device="cuda", generator=gen))
+    ar.check()
+    assert clean.any() and ar.graph is not None

@@ -21,8 +21,9 @@ returns as soon as its round is launched: the estimate of a refused round is zer
 sum reaches the model; the residual keeps its value), and what refused it is raised by the
 next call, before that one takes a round, or by :meth:`GraphedAllReduce.check`. A deadline
 still holds: the next call waits for the round no longer than ``timeout`` after its launch,
-and :mod:`thc.collective.watchdog` ends the process soon after, should the loop wait on the
-stream itself first.
+and :mod:`thc.collective.watchdog` ends the process a little later, raised or not (the
+stream stays stuck; the loop may be waiting on it). A worker whose own call fails before its
+MAX round raises at once and again at its next call, as its peers do.
 
 The rounding draws are keyed by a fixed int (``generator``) and the round, so with the same
 int :class:`THCAllReduce` gives the same estimates, bit for bit, where no tail is padded and
@@ -79,6 +80,30 @@ class _Buffers:
     """The report copied to the host (pinned memory on CUDA) for deferred checks."""
 
 
+@dataclass
+class _Pending:
+    """A round whose checks were deferred: what the next call raises, if anything."""
+    round: int
+    launched: float
+    done: object = None
+    """Its event (None where the report is on the host already)."""
+    failure: str | None = None
+    """This worker's own error before its MAX round: its peers refuse that round at their
+    next call, so this worker's next call raises too."""
+
+
+class _OnDevice:
+    """An event queried with its device current: the watchdog's thread would otherwise make
+    a context on the first GPU."""
+
+    def __init__(self, event: torch.cuda.Event, device: torch.device):
+        self.event, self.device = event, device
+
+    def query(self) -> bool:
+        with torch.cuda.device(self.device):
+            return self.event.query()
+
+
 class GraphedAllReduce:
     """Callable like :class:`THCAllReduce` (one tensor size a reducer), its rounds replayed
     from a CUDA graph where one can be captured (``capture``: None decides, and runs eagerly
@@ -109,8 +134,8 @@ class GraphedAllReduce:
         """Seconds a replayed round may take (NCCL's own default: 10 minutes)."""
         self.codec = THCCodec(self.params, backend="triton", deferred_checks=True)
         self.deferred_checks = deferred_checks
-        self._pending: tuple[torch.cuda.Event | None, float, int] | None = None
-        """A deferred round's (event, launch time, round) whose report is still to be read."""
+        self._pending: _Pending | None = None
+        """A deferred round whose report is still to be read."""
         self.round = 0
         """Rounds taken (every call takes one, as in :class:`THCAllReduce`)."""
         self.stats = RoundStats()
@@ -167,6 +192,8 @@ class GraphedAllReduce:
         """One round on the buffers, nothing read on the host: what the graph captures."""
         c, n = self.codec, b.x.numel()
         y = b.x + b.residual if b.residual is not None else b.x
+        word = c.status(y)
+        word.zero_()   # each round's flags are its own, cleared in its stream order
         prep = c.prepare(y, b.round)
         vector = agreement.tagged(prep.norms, b.round)
         self._check_usable()
@@ -176,11 +203,10 @@ class GraphedAllReduce:
         sums, _ = self.transport.sum(wire, wire.numel(), self.params)
         self._sent = 0 if self._capturing else 2
         c.decode(sums, self.n_workers, max_norms, n, b.round, out=b.out)
-        word = c.status(y)
-        clean = (word[0] == 0) & agreement.in_step(tags)
+        own = c.decode_own(wire, max_norms, n, b.round) if b.residual is not None else None
+        clean = (word[0] == 0) & agreement.in_step(tags)   # read after every kernel flagged
         b.clean.copy_(clean)
-        if b.residual is not None:
-            own = c.decode_own(wire, max_norms, n, b.round)
+        if own is not None:
             torch.where(clean, y - own, b.residual, out=b.residual)
         b.report[:4].copy_(word)
         b.report[4:].copy_(tags)
@@ -246,17 +272,19 @@ class GraphedAllReduce:
 
     def _defer(self, b: _Buffers) -> None:
         """Copy the report to the host behind the round, to be read by the next call."""
-        rnd, start = self.round - 1, time.monotonic()
+        pending = _Pending(self.round - 1, time.monotonic())
         if not b.x.is_cuda:
             b.host.copy_(b.report)
-            self._pending = (None, start, rnd)
+            self._pending = pending
             return
         b.host.copy_(b.report, non_blocking=True)
-        done = torch.cuda.Event()
-        done.record(torch.cuda.current_stream(b.x.device))
-        self._pending = (done, start, rnd)
-        # later than the next call's own deadline, which raises instead
-        watchdog.SHARED.watch(done, start + self.timeout + watchdog.GRACE,
+        pending.done = torch.cuda.Event()
+        pending.done.record(torch.cuda.current_stream(b.x.device))
+        self._pending = pending
+        rnd, start = pending.round, pending.launched
+        # later than the next call's own deadline, which raises first
+        watchdog.SHARED.watch(_OnDevice(pending.done, b.x.device),
+                              start + self.timeout + watchdog.GRACE,
                               f"round {rnd} replayed from a CUDA graph did not finish in "
                               f"{self.timeout:g} s: a peer did not take part in its "
                               f"collectives")
@@ -264,22 +292,26 @@ class GraphedAllReduce:
     def check(self) -> None:
         """Raise what refused the last round whose checks were deferred, once it has run
         (waiting at most until its deadline); nothing to do otherwise."""
-        pending, self._pending = self._pending, None
+        pending = self._pending
         if pending is None:
             return
-        done, start, rnd = pending
-        if done is not None:
+        if pending.failure is not None:
+            self._pending = None
+            raise RuntimeError(f"round {pending.round} was refused by every worker: this "
+                               f"worker failed before its MAX round ({pending.failure})")
+        if pending.done is not None:
             try:
-                self._await(done, start, rnd)
+                self._await(pending.done, pending.launched, pending.round)
             except TimeoutError as e:
+                self._pending = None
                 if hasattr(self.transport, "abandon"):
                     self.transport.abandon(str(e))
                 raise
+        self._pending = None
         self._raise_report(self._bufs.host.tolist())
 
     def _raise_report(self, values: list[float]) -> None:
         if values[0] or values[4] + values[5] != agreement.ROUND_SPAN:
-            self.codec.discard_checks()
             raise_status([int(v) for v in values[:4]], self.params)
             agreement.check_rounds(values[4:])
 
@@ -319,11 +351,13 @@ class GraphedAllReduce:
         and its sum nothing can be marked any more, so the transport is abandoned
         (``DistTransport.abandon``): no collective of this worker follows on that process
         group, and the peers' time out."""
-        self.codec.discard_checks()
         if self._bufs is not None:
             self._bufs.round.fill_(self.round)   # the device's number stays the host's
         if self._sent == 0:
             self._owe(tensor.detach().reshape(-1))
+            if self.deferred_checks:   # its peers raise this round at their next call
+                self._pending = _Pending(self.round - 1, time.monotonic(),
+                                         failure=f"{type(error).__name__}: {error}")
         elif self._sent == 1 and hasattr(self.transport, "abandon"):
             self.transport.abandon(f"round {self.round - 1} failed between its MAX round "
                                    f"and its sum ({type(error).__name__}: {error})")
@@ -354,9 +388,9 @@ class GraphedAllReduce:
             self._settle(tensor, e)
             raise
         if self.deferred_checks:
-            self._defer(b)
             # zeros where the round was refused: its refusal is raised by the next call
             out = torch.where(b.clean, b.out[:b.numel], 0.0).to(tensor.dtype)
+            self._defer(b)   # after the reads of the buffers, so that its event covers them
         else:
             self._raise_report(b.report.tolist())
             # a copy: the next round overwrites the buffer

@@ -5,7 +5,8 @@ checks are deferred (``GraphedAllReduce(deferred_checks=True)``) returns before 
 has run. Were a peer never to join, the stream would stay stuck, and the training loop's next
 wait on it (``loss.item()``) would hang without a word. Past its deadline a round ends the
 process with a message that names it, as NCCL's watchdog tears a process down after one of
-its collectives times out (``TORCH_NCCL_ASYNC_ERROR_HANDLING``).
+its collectives times out (``TORCH_NCCL_ASYNC_ERROR_HANDLING``): whether or not the caller
+saw a ``TimeoutError`` first, since the stream stays stuck either way.
 """
 from __future__ import annotations
 
@@ -57,14 +58,23 @@ class Watchdog:
             now, late = time.monotonic(), []
             with self._lock:
                 keep = []
-                for entry in self._watched:
-                    event, deadline, what = entry
-                    if event.query():
+                for event, deadline, what in self._watched:
+                    try:
+                        if event.query():
+                            continue
+                    except Exception as e:  # noqa: BLE001 - a device error: stuck, or worse
+                        late.append(f"{what} (and querying it raised {type(e).__name__}: {e})")
                         continue
-                    (late if now > deadline else keep).append(entry)
+                    if now > deadline:
+                        late.append(what)
+                    else:
+                        keep.append((event, deadline, what))
                 self._watched = keep
-            for _, _, what in late:
-                self.expire(what)
+            for what in late:
+                try:
+                    self.expire(what)
+                except Exception as e:  # noqa: BLE001 - the thread must outlive one failure
+                    print(f"thc watchdog: {what}; acting on it raised {e!r}", file=sys.stderr)
 
 
 SHARED = Watchdog()
