@@ -70,21 +70,41 @@ def test_a_refused_round_returns_zeros_and_the_next_call_raises_it():
 
 
 @kernels
-def test_a_worker_that_fails_before_its_max_round_raises_again_with_its_peers():
+def test_a_worker_that_fails_before_its_max_round_does_what_its_peers_do():
     """Its peers return zeros for the round its failure refused and raise at their next call;
-    so does it, taking no round either, and the next rounds pair up again."""
+    so does it (its own error), taking no round either, and the next rounds pair up again."""
     _, deferred = _pair()
     _peers_say([deferred], 0)
     deferred(_x(7))
-    with pytest.raises(ValueError, match="serves one tensor"):
-        deferred(_x(7)[:-1])                      # round 1, owed: marked MAX, zero sum
+    short = deferred(_x(7)[:-1])                  # round 1, owed: marked MAX, zero sum
+    assert short.shape == (1023,) and not short.any()
+    assert (deferred.transport.sent[-1][:4] > 1e38).all()
     n = len(deferred.transport.sent)
-    with pytest.raises(RuntimeError, match="round 1 was refused by every worker"):
+    with pytest.raises(RuntimeError, match="round 1 was refused by every worker: .*"
+                                           "ValueError: a graphed all-reduce serves one"):
         deferred(_x(7))
     assert len(deferred.transport.sent) == n and deferred.round == 2
     _peers_say([deferred], 2)
     assert deferred(_x(7)).any()
     deferred.check()
+
+
+@kernels
+def test_a_failure_it_could_not_owe_is_raised_at_once_and_only_once():
+    """Its owed round did not go out (the transport failed too): nothing was refused by the
+    peers, so the worker raises its own error at once and its next call claims no refusal."""
+    _, deferred = _pair()
+    _peers_say([deferred], 0)
+    deferred(_x(9))
+    real_prepare, real_max = deferred.codec.prepare, deferred.transport.max
+    deferred.codec.prepare = lambda *a, **k: (_ for _ in ()).throw(MemoryError("oom"))
+    deferred.transport.max = lambda v: (_ for _ in ()).throw(ConnectionError("peer gone"))
+    with pytest.raises(MemoryError):
+        deferred(_x(9))
+    assert "owed MAX round may have left" in deferred.transport.abandoned
+    deferred.codec.prepare, deferred.transport.max = real_prepare, real_max
+    _peers_say([deferred], 2)
+    assert deferred(_x(9)).any()
 
 
 @kernels
@@ -155,6 +175,13 @@ def test_the_hook_raises_a_refusal_its_reducers_hold():
         with pytest.raises(RuntimeError, match="different rounds"):
             hook.reduce(1, _x(6), [1024])
         assert len(hook.reducers) == 1
+        other = hook.reducers[(1, 1024)] = _pair()[1]
+        for ar in (old, other):
+            _peers_say([ar], 5)
+            ar(_x(7))
+        with pytest.raises(RuntimeError, match="2 buckets' rounds were refused: .*rounds"):
+            hook.check()
+        hook.check()                                 # both were read
     finally:
         dist.destroy_process_group()
 

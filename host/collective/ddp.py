@@ -213,9 +213,18 @@ class THCHook(_Hook):
     def check(self) -> None:
         """Raise a refusal that reducers with deferred checks (``GraphedAllReduce(
         deferred_checks=True)``) still hold: call it after the last step."""
+        errors = []
         for ar in list(self.reducers.values()):
             if isinstance(ar, GraphedAllReduce):
-                ar.check()
+                try:
+                    ar.check()
+                except Exception as e:  # noqa: BLE001 - every reducer's pending is read
+                    errors.append(e)
+        if len(errors) > 1:
+            raise RuntimeError(f"{len(errors)} buckets' rounds were refused: "
+                               + "; ".join(str(e) for e in errors)) from errors[0]
+        if errors:
+            raise errors[0]
 
     def reduce(self, bucket_index: int, flat: torch.Tensor, sizes: list[int],
                position: torch.Tensor | None = None) -> torch.Tensor:

@@ -23,7 +23,10 @@ next call, before that one takes a round, or by :meth:`GraphedAllReduce.check`. 
 still holds: the next call waits for the round no longer than ``timeout`` after its launch,
 and :mod:`thc.collective.watchdog` ends the process a little later, raised or not (the
 stream stays stuck; the loop may be waiting on it). A worker whose own call fails before its
-MAX round raises at once and again at its next call, as its peers do.
+MAX round (an error, once that round is owed) returns zeros too, and its next call raises
+its error, as its peers raise the refusal: every worker skips the same step. (The type of
+the error differs: the peers' is the refusal's ``ValueError``, this worker's a
+``RuntimeError`` from its own.)
 
 The rounding draws are keyed by a fixed int (``generator``) and the round, so with the same
 int :class:`THCAllReduce` gives the same estimates, bit for bit, where no tail is padded and
@@ -87,9 +90,9 @@ class _Pending:
     launched: float
     done: object = None
     """Its event (None where the report is on the host already)."""
-    failure: str | None = None
-    """This worker's own error before its MAX round: its peers refuse that round at their
-    next call, so this worker's next call raises too."""
+    failure: Exception | None = None
+    """This worker's own error before its MAX round, which it owed its peers: they refuse
+    that round at their next call, and so does this worker."""
 
 
 class _OnDevice:
@@ -298,7 +301,9 @@ class GraphedAllReduce:
         if pending.failure is not None:
             self._pending = None
             raise RuntimeError(f"round {pending.round} was refused by every worker: this "
-                               f"worker failed before its MAX round ({pending.failure})")
+                               f"worker failed before its MAX round "
+                               f"({type(pending.failure).__name__}: {pending.failure})"
+                               ) from pending.failure
         if pending.done is not None:
             try:
                 self._await(pending.done, pending.launched, pending.round)
@@ -320,10 +325,11 @@ class GraphedAllReduce:
         if check is not None:
             check()
 
-    def _owe(self, flat: torch.Tensor) -> None:
+    def _owe(self, flat: torch.Tensor) -> bool:
         """What a worker that failed before its MAX round could leave owes its peers: that
         round with every slice marked and a sum of zeros (the peers' rounds sum without a
-        host check between), so that every peer refuses the round instead of waiting."""
+        host check between), so that every peer refuses the round instead of waiting.
+        Whether both went out."""
         sent = False
         try:
             b = self._bufs
@@ -336,6 +342,7 @@ class GraphedAllReduce:
             sent = True
             self.transport.max(vector)
             self.transport.sum(zeros, lay.total_padded, self.params)
+            return True
         except BaseException as e:  # noqa: BLE001 - the worker's own error is the one raised
             if sent and hasattr(self.transport, "abandon"):
                 self.transport.abandon(f"round {self.round - 1}: a failed worker's owed MAX "
@@ -343,24 +350,24 @@ class GraphedAllReduce:
                                        f"({type(e).__name__}: {e})")
             if not isinstance(e, Exception):
                 raise
+            return False
 
-    def _settle(self, tensor: torch.Tensor, error: BaseException) -> None:
+    def _settle(self, tensor: torch.Tensor, error: BaseException) -> bool:
         """A round this worker cannot finish: its round number still moves on, and its peers
         neither wait for it nor pair a later collective of its with one of theirs. Before
         its MAX round could leave it owes that round (:meth:`_owe`); between its MAX round
         and its sum nothing can be marked any more, so the transport is abandoned
         (``DistTransport.abandon``): no collective of this worker follows on that process
-        group, and the peers' time out."""
+        group, and the peers' time out. Whether the round was owed (and so refused by every
+        worker)."""
         if self._bufs is not None:
             self._bufs.round.fill_(self.round)   # the device's number stays the host's
         if self._sent == 0:
-            self._owe(tensor.detach().reshape(-1))
-            if self.deferred_checks:   # its peers raise this round at their next call
-                self._pending = _Pending(self.round - 1, time.monotonic(),
-                                         failure=f"{type(error).__name__}: {error}")
-        elif self._sent == 1 and hasattr(self.transport, "abandon"):
+            return self._owe(tensor.detach().reshape(-1))
+        if self._sent == 1 and hasattr(self.transport, "abandon"):
             self.transport.abandon(f"round {self.round - 1} failed between its MAX round "
                                    f"and its sum ({type(error).__name__}: {error})")
+        return False
 
     def __call__(self, tensor: torch.Tensor, position=None) -> torch.Tensor:
         """The THC estimate of the workers' mean of ``tensor``; raises, on every worker, what
@@ -384,13 +391,26 @@ class GraphedAllReduce:
             with torch.cuda.device(b.x.device) if b.x.is_cuda else _nothing():
                 b.x[:b.numel].copy_(flat)
                 self._run(b, flat)
+        except Exception as e:
+            if self._settle(tensor, e) and self.deferred_checks:
+                # as its peers do: zeros now, the refusal raised by the next call
+                self._pending = _Pending(self.round - 1, time.monotonic(), failure=e)
+                return torch.zeros_like(tensor)
+            raise
         except BaseException as e:
             self._settle(tensor, e)
             raise
         if self.deferred_checks:
-            # zeros where the round was refused: its refusal is raised by the next call
-            out = torch.where(b.clean, b.out[:b.numel], 0.0).to(tensor.dtype)
-            self._defer(b)   # after the reads of the buffers, so that its event covers them
+            try:
+                # zeros where the round was refused: its refusal is raised by the next call
+                out = torch.where(b.clean, b.out[:b.numel], 0.0).to(tensor.dtype)
+                self._defer(b)   # after the reads of the buffers: its event covers them
+            except BaseException as e:
+                # the round went out, but whether it was refused is unknown here
+                if hasattr(self.transport, "abandon"):
+                    self.transport.abandon(f"round {self.round - 1}: its checks could not be "
+                                           f"deferred ({type(e).__name__}: {e})")
+                raise
         else:
             self._raise_report(b.report.tolist())
             # a copy: the next round overwrites the buffer
