@@ -3,10 +3,12 @@ same estimates as rounds waited for; a refused round returns zeros, keeps the re
 raised by the next call (which takes no round) or by ``check()``; a round that outlasts its
 deadline is raised there too. The watchdog ends a process whose round outlasts it. Eager under
 Triton's interpreter on the CPU (tests/test_graphed_gpu.py replays them on a GPU)."""
+import multiprocessing as mp
 import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -184,6 +186,44 @@ def test_the_hook_raises_a_refusal_its_reducers_hold():
         hook.check()                                 # both were read
     finally:
         dist.destroy_process_group()
+
+
+def _gloo_worker(rank, port, q):
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2)
+    ar = GraphedAllReduce.through_torch_distributed(params=P, generator=rank,
+                                                    deferred_checks=True)
+    gen = torch.Generator().manual_seed(rank)
+    out = []
+    for call in range(4):
+        x = torch.randn(700, generator=gen).to(DEV)
+        if rank == 0 and call == 1:
+            x[10] = float("inf")
+        try:
+            out.append(ar(x).cpu().numpy())   # memory that outlives this process
+        except ValueError as e:
+            out.append(str(e))
+    q.put((rank, out, ar.round))
+    dist.destroy_process_group()
+
+
+@kernels
+def test_two_gloo_workers_defer_a_refusal_alike():
+    """Two processes: an Inf on one worker gives both zeros, both raise at their next call
+    (taking no round), and the next round's estimates agree."""
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = free_tcp_port()
+    ps = [ctx.Process(target=_gloo_worker, args=(r, port, q), daemon=True) for r in range(2)]
+    [p.start() for p in ps]
+    res = {rank: (out, rounds) for rank, out, rounds in (q.get(timeout=300) for _ in ps)}
+    [p.join(30) for p in ps]
+    (a, ra), (b, rb) = res[0], res[1]
+    np.testing.assert_array_equal(a[0], b[0])
+    assert not a[1].any() and not b[1].any()
+    assert "NaN or Inf" in a[2] and "mark of a worker" in b[2]
+    np.testing.assert_array_equal(a[3], b[3])
+    assert a[3].any() and ra == rb == 3
 
 
 def test_the_watchdog_expires_only_what_outlasts_its_deadline():
