@@ -18,7 +18,9 @@ SYSTEM = ("tests/bmv2/", "tests/conformance/", "test_testbed.py", "test_mainjob.
           "test_priority_links.py", "test_p4_build.py", "test_target_writes.py",
           "test_readme.py", "test_jobs_safety.py", "test_namespace.py", "test_perfmodel.py")
 """Files whose tests start Mininet, BMv2 or network namespaces (system-wide names and
-cleanups): one pytest-xdist process runs them all, one after another (``make test``)."""
+cleanups): one pytest-xdist process runs them all, one after another (``make test``), with
+every test marked ``bmv2`` or ``mininet``. A new test that starts one is marked so, or its
+file is listed here."""
 
 
 def pytest_collection_modifyitems(config, items):
