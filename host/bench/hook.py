@@ -134,6 +134,8 @@ def _measure(bucket_mb: int, args, params: THCParams, device) -> list[dict]:
               file=sys.stderr, flush=True)
     rows = []
     for mode, r in runs.items():
+        if hasattr(r["hook"], "check"):
+            r["hook"].check()   # a round refused with its checks deferred: no figure
         rows.append({"bucket_mb": bucket_mb, "mode": mode,
                      "median_s": statistics.median(r["times"]), "min_s": min(r["times"]),
                      "buckets": len(r["calls"]) / args.steps if r["calls"] else None})
