@@ -372,7 +372,8 @@ class GraphedAllReduce:
     def __call__(self, tensor: torch.Tensor, position=None) -> torch.Tensor:
         """The THC estimate of the workers' mean of ``tensor``; raises, on every worker, what
         :class:`THCAllReduce` raises at a round's end (bad input anywhere, workers out of
-        step). ``position`` (DLCP classes) needs the aggregator's transport: refused."""
+        step); with deferred checks, zeros for that round and the error at the next call.
+        ``position`` (DLCP classes) needs the aggregator's transport: refused."""
         if position is not None:
             raise ValueError("DLCP priority classes travel through the aggregator's transport, "
                              "which a graphed round does not use")
