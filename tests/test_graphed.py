@@ -227,9 +227,26 @@ def test_what_a_graphed_round_refuses_up_front():
             ar(torch.zeros(256))
 
 
-def _worker(rank, port, q):
+def gloo_pair(target) -> dict:
+    """Run ``target(rank, port, q)`` in two spawned processes of one Gloo group; each puts
+    (rank, result) on ``q``. Returns {rank: result}."""
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = free_tcp_port()
+    ps = [ctx.Process(target=target, args=(r, port, q), daemon=True) for r in range(2)]
+    [p.start() for p in ps]
+    res = dict(q.get(timeout=300) for _ in ps)
+    [p.join(30) for p in ps]
+    return res
+
+
+def join_gloo(rank, port):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=2)
+
+
+def _worker(rank, port, q):
+    join_gloo(rank, port)
     graphed = GraphedAllReduce.through_torch_distributed(params=P, generator=rank)
     eager = THCAllReduce.through_torch_distributed(params=P, generator=rank, backend="triton")
     gen = torch.Generator().manual_seed(rank)
@@ -253,13 +270,7 @@ def _worker(rank, port, q):
 def test_two_gloo_workers_agree_with_the_eager_allreduce():
     """Two processes: every round's estimate equals the eager all-reduce's and the peer's;
     an Inf on one worker makes both refuse that round, and the next one is clean."""
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    port = free_tcp_port()
-    ps = [ctx.Process(target=_worker, args=(r, port, q), daemon=True) for r in range(2)]
-    [p.start() for p in ps]
-    res = dict(q.get(timeout=300) for _ in ps)
-    [p.join(30) for p in ps]
+    res = gloo_pair(_worker)
     for r in (0, 2):
         for rank in (0, 1):
             np.testing.assert_array_equal(res[rank][r][0], res[rank][r][1])

@@ -3,7 +3,6 @@ same estimates as rounds waited for; a refused round returns zeros, keeps the re
 raised by the next call (which takes no round) or by ``check()``; a round that outlasts its
 deadline is raised there too. The watchdog ends a process whose round outlasts it. Eager under
 Triton's interpreter on the CPU (tests/test_graphed_gpu.py replays them on a GPU)."""
-import multiprocessing as mp
 import subprocess
 import sys
 import time
@@ -14,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from tests.test_codec_kernels import DEV, kernels
-from tests.test_graphed import P, _Peer
+from tests.test_graphed import P, _Peer, gloo_pair, join_gloo
 from thc.collective import watchdog
 from thc.collective.agreement import tagged
 from thc.collective.ddp import THCHook
@@ -189,8 +188,7 @@ def test_the_hook_raises_a_refusal_its_reducers_hold():
 
 
 def _gloo_worker(rank, port, q):
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=2)
+    join_gloo(rank, port)
     ar = GraphedAllReduce.through_torch_distributed(params=P, generator=rank,
                                                     deferred_checks=True)
     gen = torch.Generator().manual_seed(rank)
@@ -203,7 +201,7 @@ def _gloo_worker(rank, port, q):
             out.append(ar(x).cpu().numpy())   # memory that outlives this process
         except ValueError as e:
             out.append(str(e))
-    q.put((rank, out, ar.round))
+    q.put((rank, (out, ar.round)))
     dist.destroy_process_group()
 
 
@@ -211,13 +209,7 @@ def _gloo_worker(rank, port, q):
 def test_two_gloo_workers_defer_a_refusal_alike():
     """Two processes: an Inf on one worker gives both zeros, both raise at their next call
     (taking no round), and the next round's estimates agree."""
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    port = free_tcp_port()
-    ps = [ctx.Process(target=_gloo_worker, args=(r, port, q), daemon=True) for r in range(2)]
-    [p.start() for p in ps]
-    res = {rank: (out, rounds) for rank, out, rounds in (q.get(timeout=300) for _ in ps)}
-    [p.join(30) for p in ps]
+    res = gloo_pair(_gloo_worker)
     (a, ra), (b, rb) = res[0], res[1]
     np.testing.assert_array_equal(a[0], b[0])
     assert not a[1].any() and not b[1].any()
