@@ -400,3 +400,30 @@ def test_both_forms_of_the_products_give_the_reference(monkeypatch, slice_log, c
         assert (a.cpu() != ref).float().mean() < 1e-4, form
         got = thc.decode(sums.to(DEV), 2, m, n, p, 5, backend="triton")
         assert torch.allclose(got.cpu(), want, atol=1e-5), form
+
+
+@kernels
+@pytest.mark.parametrize("tiles", [2, 8])
+def test_programs_of_several_row_tiles_give_what_one_tile_gives(monkeypatch, tiles):
+    """Row passes whose programs run several tiles, loading the next before transforming the
+    current, give one tile a program's indices and decodes bit for bit, with a ragged last
+    slice, and its norms to float32 rounding (they are added up in another order)."""
+    from thc.codec import triton_kernels as tk
+    monkeypatch.setattr(tk, "TILE", 512)
+    monkeypatch.setattr(tk, "MIN_PROGRAMS", 1)
+    p = THCParams(slice_size=1 << 12)
+    n = 3 * (1 << 12) + 1000
+    x = torch.randn(n, generator=torch.Generator().manual_seed(tiles)).to(DEV)
+    got = []
+    for t in (1, tiles):
+        monkeypatch.setattr(tk, "ROW_TILES", t)
+        assert tk._Shape(1 << 12).tiles(3) == t
+        prep = thc.prepare(x, p, 5, backend="triton")
+        m = thc.slice_norms(x, p)
+        idx = thc.encode_prepared(prep, m, p, 77, pack=False)
+        sums = thc.aggregate([idx, idx], p)
+        got.append((prep.norms.cpu(), idx.cpu(), thc.decode(sums, 2, m, n, p, 5, backend="triton").cpu(),
+                    thc.decode_indices(idx, m, n, p, 5, backend="triton").cpu()))
+    (n1, i1, d1, o1), (nt, it, dt, ot) = got
+    assert torch.allclose(nt, n1, rtol=1e-6)
+    assert torch.equal(it, i1) and torch.equal(dt, d1) and torch.equal(ot, o1)

@@ -1,6 +1,6 @@
 """The codec's Triton kernels compile for an H100 (sm_90) ahead of time, without a GPU
 (the variant that reads the round from device memory at 2^8, the other at 2^20, in both
-forms of the products).
+forms of the products and with several row tiles a program).
 
 The interpreter tests (test_codec_kernels.py) check what the kernels compute; this checks that
 the same source also builds for the device, where the compiler is stricter (tile shapes of the
@@ -15,9 +15,11 @@ import pytest
 
 SCRIPT = """
 import sys
-from thc.codec import triton_compile
-for log, device_round, form in ((8, True, None), (20, False, None), (20, False, "transpose")):
-    print(log, form, triton_compile.compile_for(1 << log, 90, device_round, form), flush=True)
+from thc.codec import triton_compile, triton_kernels as tk
+for log, device_round, form, tiles in ((8, True, None, 1), (20, False, None, tk.ROW_TILES),
+                                       (20, False, "transpose", 1)):
+    print(log, form, tiles, triton_compile.compile_for(1 << log, 90, device_round, form, tiles),
+          flush=True)
 """
 
 

@@ -46,7 +46,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 TUNABLE = ("PRECISION", "TILE", "TILE_COLS", "NUM_WARPS", "NUM_WARPS_COLS", "COLS_FIRST",
-           "COLS_LOG", "FORM")
+           "COLS_LOG", "FORM", "ROW_TILES", "MIN_PROGRAMS")
 """triton_kernels' module settings a run may change (and puts back): PRECISION by
 ``--precisions``, the others by ``--configs`` (FORM by name, one of ``FORMS``)."""
 

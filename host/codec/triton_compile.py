@@ -11,13 +11,14 @@ from thc.codec import triton_kernels as tk
 
 
 def compile_for(padded: int, arch: int = 90, device_round: bool = False,
-                form: str | None = None) -> dict:
+                form: str | None = None, tiles: int = 1) -> dict:
     """Compile the four kernels for a slice of ``padded`` coordinates for CUDA compute
     capability ``arch`` (90: H100) at the module's settings (``device_round``: the variant
-    that reads the round from device memory; ``form``: one of tk.FORMS, default tk.FORM).
+    that reads the round from device memory; ``form``: one of tk.FORMS, default tk.FORM; ``tiles``: row tiles a program).
     Returns kernel name -> shared memory bytes."""
     sh = tk._Shape(padded)
-    rows = dict(C=sh.C, C1=sh.C1, BM=sh.BM, PREC=tk.PRECISION, FORM=form or tk.FORM)
+    rows = dict(C=sh.C, C1=sh.C1, BM=sh.BM, PREC=tk.PRECISION, FORM=form or tk.FORM,
+                TILES=tiles)
     cols = dict(R=sh.R, C=sh.C, R1=sh.R1, BN=sh.BN, PREC=tk.PRECISION, FORM=form or tk.FORM,
                 FIRST=tk.COLS_FIRST)
     jobs = [

@@ -5,26 +5,24 @@ Why this shape: a slice of d = 2^L coordinates (2^20 by default, 4 MiB) does not
 so it is viewed as an R x C matrix (d = R C, index i = row C + col) and H_d = H_R (x) H_C is
 applied in two passes, each on chip:
 
-- encode pass 1 (rows): load x (float32, or float16/bfloat16 read as they are), add up its
-  squares (the slice norms of the MAX round come from this read; a NaN or Inf shows in them
-  and is flagged), apply the rotation signs (host/codec/rng.py, computed in the kernel from
-  the slice's key), transform each row of C with H_C, store float32 scratch. The scale needs
-  the agreed max norm only in pass 2, so pass 1 can run before the MAX round.
-- encode pass 2 (columns): load a block of whole columns, transform them with H_R, then
-  scale by g / (2 t_p M) (from the agreed max norm M, read here), shift by g/2, truncate to
-  [0, g], round stochastically onto the table (uniforms from the counter-based generator)
-  and store indices, packed two to a byte at b = 4.
-- decode pass 1: load the sums (any integer width, widened here) or a worker's own indices
-  (mapped through the table), subtract n g/2, transform rows; pass 2: transform columns,
-  scale by 2 t_p M / (g d n), apply the signs, store the unpadded float32 result.
+- encode pass 1 (rows): load x (float32, or float16/bfloat16 as they are), add up its squares
+  (the slice norms of the MAX round come from this read; a NaN or Inf is flagged), apply the
+  rotation signs (host/codec/rng.py, from the slice's key), transform rows with H_C, store
+  float32 scratch. Only pass 2 needs the agreed max norm, so pass 1 can run before the MAX
+  round. A program runs several row tiles, loading the next while it transforms one.
+- encode pass 2 (columns): transform whole columns with H_R, scale by g / (2 t_p M) (M, the
+  agreed max norm, read here), shift by g/2, truncate to [0, g], round stochastically onto
+  the table (uniforms from the counter-based generator), store indices (two a byte at b = 4).
+- decode pass 1: load the sums (any integer width) or a worker's own indices (mapped through
+  the table), subtract n g/2, transform rows; pass 2: transform columns, scale by
+  2 t_p M / (g d n), apply the signs, store the unpadded float32 result.
 
 Each H_K on chip is one or two small dense ±1 products (K = K1 K2, factors of 16..64 built in
 registers from the parity of i & j) on the tensor cores: H's entries are exact in TF32, so
 each product is split into x's TF32 head and the rest ("tf32x2": two TF32 products whose sum
-keeps about 22 of float32's 24 bits). Two factors are laid out one of two ways (``FORM``):
-with transposes between two right products, or as H_K1 X H_K2, multiplied from both sides
-where the data lies. Slices of fewer than 2^8 or more than 2^24 coordinates
-(a short tail slice) are left to the reference path by the caller.
+keeps about 22 of float32's 24 bits). Two factors are laid out one of two ways (``FORM``).
+Slices of fewer than 2^8 or more than 2^24 coordinates (a short tail slice) are left to the
+reference path by the caller.
 
 Nothing here waits for the device. Bad input is flagged in a status word on the device
 (host/codec/common.py's ``status_word``) that the caller reads when it chooses
@@ -39,7 +37,9 @@ import triton
 import triton.language as tl
 
 from thc.codec import rng
-from thc.codec.common import BAD_INDEX, BAD_INPUT, BAD_NORMS, INDEX_CAP, NORM_MARK
+from thc.codec.common import BAD_INDEX, BAD_INPUT, BAD_NORMS, INDEX_CAP
+from thc.codec.triton_onchip import (MARK, block, flag, had_first, had_last, norm_bad,
+                                     program_key, round_prefix, signed)
 
 MIN_LOG, MAX_LOG = 8, 24
 """Slice lengths 2^8..2^24 run here; others take the reference path."""
@@ -53,6 +53,12 @@ each other (True: the rows they read share DRAM pages) or one column block of ev
 COLS_LOG = 12
 """The smallest log2 C a slice is split with where it can be (12: a 2^20 slice is 256 x 4096,
 so a column pass reads 64 bytes of each row; 0: 1024 x 1024)."""
+ROW_TILES = 4
+"""Tiles a program of the row passes runs one after another, loading the next before it
+transforms the current one, so that its loads overlap its own arithmetic (fewer where the grid
+would fall below ``MIN_PROGRAMS`` programs). The column passes run one tile a program: more
+registers cost them more than the overlap gains (`thc bench kernels`, docs/results.md)."""
+MIN_PROGRAMS = 1024
 # Tiles, warps, order and split: the fastest of ten settings for encode plus decode at 2^26
 # on an H200 (`thc bench kernels --configs`, docs/results.md).
 PRECISIONS = ("tf32x2", "ieee", "tf32x3", "tf32")
@@ -60,12 +66,11 @@ PRECISIONS = ("tf32x2", "ieee", "tf32x3", "tf32")
 tf32x3 (Triton's three-product split); tf32 (one product: 10 bits of x, only for timing)."""
 PRECISION = "tf32x2"
 FORMS = ("sandwich", "transpose")
-"""How a two-factor H_K is laid out on chip (see :func:`_had_last`): both give the same
+"""How a two-factor H_K is laid out on chip (see :func:`thc.codec.triton_onchip.had_last`): both give the same
 values; sandwich, the default, is the faster on an H200 (`thc bench kernels --configs
 ';FORM=transpose'`, docs/results.md)."""
 FORM = "sandwich"
 _INPUT, _NORMS, _INDEX = tl.constexpr(BAD_INPUT), tl.constexpr(BAD_NORMS), tl.constexpr(BAD_INDEX)
-_MARK = tl.constexpr(NORM_MARK)   # float32's largest: at or above it, a norm is bad
 _INDEX_CAP = tl.constexpr(INDEX_CAP)
 
 
@@ -82,180 +87,37 @@ def _axis_factor(log: int) -> int:
 
 def _split(log: int) -> tuple[int, int]:
     """(log R, log C) with each side either 2^4..2^6 (one product) or 2^8..2^12 (two), C at
-    least 2^COLS_LOG where it can be."""
-    for c in range(max((log + 1) // 2, COLS_LOG), log - 3):
-        r = log - c
-        if all(4 <= e <= 6 or 8 <= e <= 12 for e in (r, c)):
-            return r, c
-    for c in range((log + 1) // 2, log - 3):
-        r = log - c
-        if all(4 <= e <= 6 or 8 <= e <= 12 for e in (r, c)):
-            return r, c
-    for c in range(4, log - 3):
-        r = log - c
-        if all(4 <= e <= 6 or 8 <= e <= 12 for e in (r, c)):
-            return r, c
+    least 2^COLS_LOG where it can be, else at least the square root, else any."""
+    starts = (max((log + 1) // 2, COLS_LOG), (log + 1) // 2, 4)
+    for c in (c for a in starts for c in range(a, log - 3)):
+        if all(4 <= e <= 6 or 8 <= e <= 12 for e in (log - c, c)):
+            return log - c, c
     raise ValueError(f"no R x C split for a slice of 2^{log}")
-
-
-@triton.jit
-def _mix32(x):
-    x ^= x >> 16
-    x = x * 0x7FEB352D
-    x ^= x >> 15
-    x = x * 0x846CA68B
-    x ^= x >> 16
-    return x
-
-
-@triton.jit
-def _block(j, k0, k1):
-    """rng.block: mix32(mix32(j ^ k0) ^ k1) on uint32."""
-    return _mix32(_mix32(j ^ k0) ^ k1)
-
-
-@triton.jit
-def _round_prefix(prefix, ROUND, DEV_ROUND: tl.constexpr):
-    """The key prefix of this call's round: as passed, or (``DEV_ROUND``) finished here from
-    rng.seed_state and the int64 round at ``ROUND``, so that a CUDA graph replays each round
-    with the round number the device holds then (rng.finish_prefix)."""
-    if DEV_ROUND:
-        r = tl.load(ROUND)
-        h = prefix.to(tl.uint32, bitcast=True)
-        h = _mix32((h ^ (r & 0xFFFFFFFF).to(tl.uint32)) + 0x9E3779B9)
-        return _mix32((h ^ (r >> 32).to(tl.uint32)) + 0x9E3779B9)
-    return prefix.to(tl.uint32, bitcast=True)
-
-
-@triton.jit
-def _key(prefix, first, s):
-    """rng.key_from_prefix of slice first + s: the key schedule's last step, per program."""
-    w = prefix.to(tl.uint32, bitcast=True) ^ (first + s).to(tl.uint32)
-    h = _mix32(w + 0x9E3779B9)
-    return h, _mix32(h ^ 0x85EBCA6B)
-
-
-@triton.jit
-def _signed(x, i, k0, k1):
-    """x times the rotation sign of coordinate i: bit i mod 32 of block(i div 32)."""
-    iu = i.to(tl.uint32)
-    w = _block(iu >> 5, k0, k1)
-    bit = (w >> (iu & 31)) & 1
-    return tl.where(bit == 1, -x, x)
-
-
-@triton.jit
-def _hmat(K: tl.constexpr):
-    """Sylvester's H_K (K <= 256) as float32: (-1)^popcount(a & b)."""
-    a = tl.arange(0, K)
-    p = a[:, None] & a[None, :]
-    p ^= p >> 4
-    p ^= p >> 2
-    p ^= p >> 1
-    return tl.where((p & 1) == 1, -1.0, 1.0)
-
-
-@triton.jit
-def _dot(a, h, PREC: tl.constexpr):
-    """a @ h for a ±1 matrix h (exact in TF32); tf32x2 splits a into its TF32 head and the
-    float32 rest, so the tensor cores lose about 2 bits of a instead of 13."""
-    if PREC == "tf32x2":
-        hi = (a.to(tl.uint32, bitcast=True) & 0xFFFFE000).to(tl.float32, bitcast=True)
-        y = tl.dot(hi, h, input_precision="tf32")
-        y = tl.dot(a - hi, h, acc=y, input_precision="tf32")
-    else:
-        y = tl.dot(a, h, input_precision=PREC)
-    return y
-
-
-@triton.jit
-def _ldot(h, a, PREC: tl.constexpr):
-    """h @ a for a ±1 matrix h, a split as in :func:`_dot` (2-D, or 3-D: a batch)."""
-    if PREC == "tf32x2":
-        hi = (a.to(tl.uint32, bitcast=True) & 0xFFFFE000).to(tl.float32, bitcast=True)
-        y = tl.dot(h, hi, input_precision="tf32")
-        y = tl.dot(h, a - hi, acc=y, input_precision="tf32")
-    else:
-        y = tl.dot(h, a, input_precision=PREC)
-    return y
-
-
-@triton.jit
-def _had_last(x, M: tl.constexpr, K: tl.constexpr, K1: tl.constexpr, PREC: tl.constexpr,
-              FORM: tl.constexpr):
-    """H_K along axis 1 of an (M, K) tile, K = K1 K2 (K1 = 1: one product). Viewing each row
-    as a K1 x K2 matrix X (index a K2 + b), H_K x is H_K1 X H_K2: "sandwich" multiplies on
-    both sides as X lies, "transpose" transposes X between two right products."""
-    if K1 == 1:
-        y = _dot(x, _hmat(K), PREC)
-    elif FORM == "sandwich":
-        K2: tl.constexpr = K // K1
-        t = _dot(tl.reshape(x, (M * K1, K2)), _hmat(K2), PREC)
-        if M == 1:
-            y = _ldot(_hmat(K1), tl.reshape(t, (K1, K2)), PREC)
-        else:
-            h = tl.broadcast_to(tl.reshape(_hmat(K1), (1, K1, K1)), (M, K1, K1))
-            y = _ldot(h, tl.reshape(t, (M, K1, K2)), PREC)
-        y = tl.reshape(y, (M, K))
-    else:
-        K2: tl.constexpr = K // K1
-        y = _dot(tl.reshape(x, (M * K1, K2)), _hmat(K2), PREC)
-        y = tl.permute(tl.reshape(y, (M, K1, K2)), (0, 2, 1))
-        y = _dot(tl.reshape(y, (M * K2, K1)), _hmat(K1), PREC)
-        y = tl.reshape(tl.permute(tl.reshape(y, (M, K2, K1)), (0, 2, 1)), (M, K))
-    return y
-
-
-@triton.jit
-def _had_first(x, K: tl.constexpr, N: tl.constexpr, K1: tl.constexpr, PREC: tl.constexpr,
-               FORM: tl.constexpr):
-    """H_K along axis 0 of a (K, N) tile, K = K1 K2 (K1 = 1: one product), x viewed as
-    K1 x K2 x N: "sandwich" applies H_K2 to each of the K1 blocks, then H_K1 across them,
-    both from the left, with no transposes (where N >= 16); "transpose" moves the axes."""
-    if K1 == 1:
-        y = tl.trans(_dot(tl.trans(x), _hmat(K), PREC))
-    elif FORM == "sandwich" and N >= 16:
-        K2: tl.constexpr = K // K1
-        h = tl.broadcast_to(tl.reshape(_hmat(K2), (1, K2, K2)), (K1, K2, K2))
-        t = _ldot(h, tl.reshape(x, (K1, K2, N)), PREC)
-        y = tl.reshape(_ldot(_hmat(K1), tl.reshape(t, (K1, K2 * N)), PREC), (K, N))
-    else:
-        K2: tl.constexpr = K // K1
-        y = tl.permute(tl.reshape(x, (K1, K2, N)), (0, 2, 1))
-        y = _dot(tl.reshape(y, (K1 * N, K2)), _hmat(K2), PREC)
-        y = tl.permute(tl.reshape(y, (K1, N, K2)), (2, 1, 0))
-        y = _dot(tl.reshape(y, (K2 * N, K1)), _hmat(K1), PREC)
-        y = tl.reshape(tl.permute(tl.reshape(y, (K2, N, K1)), (2, 0, 1)), (K, N))
-    return y
-
-
-@triton.jit
-def _flag(STATUS, bad, flag: tl.constexpr, word, value):
-    """OR ``flag`` into the status word and raise word ``word`` to ``value`` where ``bad``."""
-    tl.atomic_or(STATUS, flag, mask=bad)
-    tl.atomic_max(STATUS + word, value, mask=bad)
-
-
-@triton.jit
-def _norm_bad(m):
-    """A max norm that is negative, NaN, infinite or common.NORM_MARK."""
-    return (m != m) | (m < 0.0) | (m >= _MARK)
 
 
 @triton.jit
 def _encode_rows(X, TMP, PART, STATUS, prefix, ROUND, first, length, d,
                  C: tl.constexpr, C1: tl.constexpr, BM: tl.constexpr, PREC: tl.constexpr,
-                 FORM: tl.constexpr, DEV_ROUND: tl.constexpr):
+                 FORM: tl.constexpr, DEV_ROUND: tl.constexpr, TILES: tl.constexpr):
     s = tl.program_id(0)
-    rows = tl.program_id(1) * BM + tl.arange(0, BM)
+    k0, k1 = program_key(round_prefix(prefix, ROUND, DEV_ROUND), first, s)
+    src, dst = X + s.to(tl.int64) * length, TMP + s.to(tl.int64) * d
+    rows = tl.program_id(1) * (BM * TILES) + tl.arange(0, BM)
     i = rows[:, None] * C + tl.arange(0, C)[None, :]
-    x = tl.load(X + s.to(tl.int64) * length + i, mask=i < length, other=0.0).to(tl.float32)
-    ssq = tl.sum(tl.sum(x * x, 1), 0)
+    x = tl.load(src + i, mask=i < length, other=0.0)
+    acc = tl.zeros((BM,), tl.float32)
+    for t in tl.static_range(TILES):
+        if t + 1 < TILES:
+            ahead = tl.load(src + i + BM * C, mask=i + BM * C < length, other=0.0)
+        x = x.to(tl.float32)
+        acc += tl.sum(x * x, 1)
+        tl.store(dst + i, had_last(signed(x, rows, 0, k0, k1, BM, C, C), BM, C, C1, PREC,
+                                    FORM))
+        if t + 1 < TILES:
+            x, rows, i = ahead, rows + BM, i + BM * C
+    ssq = tl.sum(acc, 0)
     tl.store(PART + s * tl.num_programs(1) + tl.program_id(1), ssq)
-    _flag(STATUS, (ssq != ssq) | (ssq > _MARK), _INPUT, 1, first + s + 1)
-    k0, k1 = _key(_round_prefix(prefix, ROUND, DEV_ROUND), first, s)
-    y = _had_last(_signed(x, i, k0, k1), BM, C, C1, PREC, FORM)
-    tl.store(TMP + s.to(tl.int64) * d + i, y)
+    flag(STATUS, (ssq != ssq) | (ssq > MARK), _INPUT, 1, first + s + 1)
 
 
 @triton.jit
@@ -271,23 +133,22 @@ def _col_block(count, NB: tl.constexpr, FIRST: tl.constexpr):
 def _encode_cols(TMP, OUT, MAXN, STATUS, uprefix, ROUND, first, count, LOWER, BASE, WIDTH, d,
                  g, scale, R: tl.constexpr, C: tl.constexpr, R1: tl.constexpr,
                  BN: tl.constexpr, PREC: tl.constexpr, FORM: tl.constexpr,
-                 PACK: tl.constexpr,
-                 FIRST: tl.constexpr, DEV_ROUND: tl.constexpr):
+                 PACK: tl.constexpr, FIRST: tl.constexpr, DEV_ROUND: tl.constexpr):
     s, nb = _col_block(count, C // BN, FIRST)
     m = tl.load(MAXN + first + s).to(tl.float32)
-    _flag(STATUS, _norm_bad(m) & (nb == 0), _NORMS, 2, first + s + 1)
+    flag(STATUS, norm_bad(m) & (nb == 0), _NORMS, 2, first + s + 1)
     coef = tl.where(m > 0.0, scale / tl.where(m > 0.0, m, 1.0), 0.0)
     rows = tl.arange(0, R)
     i = rows[:, None] * C + (nb * BN + tl.arange(0, BN))[None, :]
     y = tl.load(TMP + s.to(tl.int64) * d + i)
-    z = _had_first(y, R, BN, R1, PREC, FORM) * coef + 0.5 * g
+    z = had_first(y, R, BN, R1, PREC, FORM) * coef + 0.5 * g
     u = tl.minimum(tl.maximum(z, 0.0), g)
     k = tl.maximum(tl.minimum(u.to(tl.int32), g - 1), 0)
     lower = tl.load(LOWER + k).to(tl.int32)
-    frac = (u - tl.load(BASE + k)) / tl.load(WIDTH + k)
-    uk0, uk1 = _key(_round_prefix(uprefix, ROUND, DEV_ROUND), first, s)
-    r = (_block(i.to(tl.uint32), uk0, uk1) >> 8).to(tl.float32) * 5.9604644775390625e-08
-    idx = lower + (r < frac).to(tl.int32)
+    uk0, uk1 = program_key(round_prefix(uprefix, ROUND, DEV_ROUND), first, s)
+    r = (block(i.to(tl.uint32), uk0, uk1) >> 8).to(tl.float32) * 5.9604644775390625e-08
+    # r < (u - base) / width, without the division (width > 0)
+    idx = lower + (r * tl.load(WIDTH + k) < u - tl.load(BASE + k)).to(tl.int32)
     if PACK:
         hi, lo = tl.split(tl.reshape(idx, (R, BN // 2, 2)))
         j = rows[:, None] * (C // 2) + (nb * (BN // 2) + tl.arange(0, BN // 2))[None, :]
@@ -299,20 +160,26 @@ def _encode_cols(TMP, OUT, MAXN, STATUS, uprefix, ROUND, first, count, LOWER, BA
 @triton.jit
 def _decode_rows(S, TMP, TABLE, STATUS, centre, d, levels,
                  C: tl.constexpr, C1: tl.constexpr, BM: tl.constexpr, PREC: tl.constexpr,
-                 FORM: tl.constexpr, LOOKUP: tl.constexpr):
+                 FORM: tl.constexpr, LOOKUP: tl.constexpr, TILES: tl.constexpr):
     s = tl.program_id(0)
-    rows = tl.program_id(1) * BM + tl.arange(0, BM)
-    i = rows[:, None] * C + tl.arange(0, C)[None, :]
-    v = tl.load(S + s.to(tl.int64) * d + i)
-    if LOOKUP:
-        # compared at full width: a wide index must not wrap into the table
-        w = v.to(tl.int64)
-        bad = (w < 0) | (w >= levels)
-        seen = tl.max(tl.max(tl.where(bad, tl.minimum(tl.maximum(w, -1), _INDEX_CAP), -2), 1), 0)
-        _flag(STATUS, seen != -2, _INDEX, 3, seen.to(tl.int32) + 2)
-        v = tl.load(TABLE + tl.where(bad, 0, w).to(tl.int32))
-    w = v.to(tl.float32) - centre
-    tl.store(TMP + s.to(tl.int64) * d + i, _had_last(w, BM, C, C1, PREC, FORM))
+    src, dst = S + s.to(tl.int64) * d, TMP + s.to(tl.int64) * d
+    i = (tl.program_id(1) * (BM * TILES) + tl.arange(0, BM))[:, None] * C + \
+        tl.arange(0, C)[None, :]
+    v = tl.load(src + i)
+    for t in tl.static_range(TILES):
+        if t + 1 < TILES:
+            ahead = tl.load(src + i + BM * C)
+        if LOOKUP:
+            # compared at full width: a wide index must not wrap into the table
+            w = v.to(tl.int64)
+            bad = (w < 0) | (w >= levels)
+            seen = tl.max(tl.max(tl.where(bad, tl.minimum(tl.maximum(w, -1), _INDEX_CAP), -2),
+                                 1), 0)
+            flag(STATUS, seen != -2, _INDEX, 3, seen.to(tl.int32) + 2)
+            v = tl.load(TABLE + tl.where(bad, 0, w).to(tl.int32))
+        tl.store(dst + i, had_last(v.to(tl.float32) - centre, BM, C, C1, PREC, FORM))
+        if t + 1 < TILES:
+            v, i = ahead, i + BM * C
 
 
 @triton.jit
@@ -322,12 +189,14 @@ def _decode_cols(TMP, OUT, MAXN, STATUS, prefix, ROUND, first, count, length, d,
                  DEV_ROUND: tl.constexpr):
     s, nb = _col_block(count, C // BN, FIRST)
     m = tl.load(MAXN + first + s).to(tl.float32)
-    _flag(STATUS, _norm_bad(m) & (nb == 0), _NORMS, 2, first + s + 1)
-    i = tl.arange(0, R)[:, None] * C + (nb * BN + tl.arange(0, BN))[None, :]
+    flag(STATUS, norm_bad(m) & (nb == 0), _NORMS, 2, first + s + 1)
+    rows = tl.arange(0, R)
+    i = rows[:, None] * C + (nb * BN + tl.arange(0, BN))[None, :]
     y = tl.load(TMP + s.to(tl.int64) * d + i)
-    z = _had_first(y, R, BN, R1, PREC, FORM) * (scale * m)
-    k0, k1 = _key(_round_prefix(prefix, ROUND, DEV_ROUND), first, s)
-    tl.store(OUT + s.to(tl.int64) * length + i, _signed(z, i, k0, k1), mask=i < length)
+    z = had_first(y, R, BN, R1, PREC, FORM) * (scale * m)
+    k0, k1 = program_key(round_prefix(prefix, ROUND, DEV_ROUND), first, s)
+    z = signed(z, rows, nb * BN, k0, k1, R, C, BN)
+    tl.store(OUT + s.to(tl.int64) * length + i, z, mask=i < length)
 
 
 class _Shape:
@@ -340,6 +209,13 @@ class _Shape:
         self.R1, self.C1 = _axis_factor(lr), _axis_factor(lc)
         self.BM = max(1, min(self.R, TILE // self.C))
         self.BN = max(2, min(self.C, TILE_COLS // self.R))
+
+    def tiles(self, count: int) -> int:
+        """Row tiles a program runs for ``count`` slices (see ROW_TILES)."""
+        t, per_slice = max(1, min(ROW_TILES, self.R // self.BM)), self.R // self.BM
+        while t > 1 and count * per_slice // t < MIN_PROGRAMS:
+            t //= 2
+        return t
 
 
 def _prefix(seed: int, round_, stream: int, st):
@@ -375,11 +251,12 @@ def encode_rows(flat, grp, seed: int, round_: int, st):
     sh, dev, d = _Shape(grp.padded), flat.device, grp.padded
     x = flat[grp.start: grp.start + grp.count * grp.length]
     tmp = torch.empty(grp.count * d, dtype=torch.float32, device=dev)
-    part = torch.empty((grp.count, sh.R // sh.BM), dtype=torch.float32, device=dev)
+    rt = sh.tiles(grp.count)
+    part = torch.empty((grp.count, sh.R // sh.BM // rt), dtype=torch.float32, device=dev)
     pfx, rnd, on_dev = _prefix(seed, round_, rng.SIGN_STREAM, st)
-    _encode_rows[(grp.count, sh.R // sh.BM)](x, tmp, part, st, pfx, rnd, grp.first, grp.length,
-                                             d, C=sh.C, C1=sh.C1, BM=sh.BM, PREC=PRECISION,
-                                             FORM=FORM, DEV_ROUND=on_dev, num_warps=NUM_WARPS)
+    _encode_rows[part.shape](x, tmp, part, st, pfx, rnd, grp.first, grp.length, d, C=sh.C,
+                             C1=sh.C1, BM=sh.BM, PREC=PRECISION, FORM=FORM, DEV_ROUND=on_dev,
+                             TILES=rt, num_warps=NUM_WARPS)
     return tmp, part.sum(1).sqrt_()
 
 
@@ -405,11 +282,11 @@ def decode_rows(values, grp, n: int, params, st, table=None):
     ``st`` where outside it. Returns the float32 scratch."""
     sh, d = _Shape(grp.padded), grp.padded
     tmp = torch.empty(grp.count * d, dtype=torch.float32, device=values.device)
-    lookup = table is not None
-    _decode_rows[(grp.count, sh.R // sh.BM)](values, tmp, table if lookup else values, st,
-                                             n * params.granularity / 2.0, d, params.levels,
-                                             C=sh.C, C1=sh.C1, BM=sh.BM, PREC=PRECISION, FORM=FORM,
-                                             LOOKUP=lookup, num_warps=NUM_WARPS)
+    lookup, rt = table is not None, sh.tiles(grp.count)
+    _decode_rows[(grp.count, sh.R // sh.BM // rt)](
+        values, tmp, table if lookup else values, st, n * params.granularity / 2.0, d,
+        params.levels, C=sh.C, C1=sh.C1, BM=sh.BM, PREC=PRECISION, FORM=FORM, LOOKUP=lookup,
+        TILES=rt, num_warps=NUM_WARPS)
     return tmp
 
 
