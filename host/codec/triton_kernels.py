@@ -116,7 +116,8 @@ def _encode_rows(X, TMP, PART, STATUS, prefix, ROUND, first, length, d,
         if t + 1 < TILES:
             x, rows, i = ahead, rows + BM, i + BM * C
     ssq = tl.sum(acc, 0)
-    tl.store(PART + s * tl.num_programs(1) + tl.program_id(1), ssq)
+    # the norm of this program's part: the slice's norm is their norm, one reduction after
+    tl.store(PART + s * tl.num_programs(1) + tl.program_id(1), tl.sqrt_rn(ssq))
     flag(STATUS, (ssq != ssq) | (ssq > MARK), _INPUT, 1, first + s + 1)
 
 
@@ -257,7 +258,7 @@ def encode_rows(flat, grp, seed: int, round_: int, st):
     _encode_rows[part.shape](x, tmp, part, st, pfx, rnd, grp.first, grp.length, d, C=sh.C,
                              C1=sh.C1, BM=sh.BM, PREC=PRECISION, FORM=FORM, DEV_ROUND=on_dev,
                              TILES=rt, num_warps=NUM_WARPS)
-    return tmp, part.sum(1).sqrt_()
+    return tmp, torch.linalg.vector_norm(part, dim=1)
 
 
 def encode_cols(tmp, grp, max_norms, params, round_: int, uniform_seed: int, out, pack: bool,
