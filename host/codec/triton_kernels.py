@@ -148,8 +148,8 @@ def _encode_cols(TMP, OUT, MAXN, STATUS, uprefix, ROUND, first, count, LOWER, BA
     lower = tl.load(LOWER + k).to(tl.int32)
     uk0, uk1 = program_key(round_prefix(uprefix, ROUND, DEV_ROUND), first, s)
     r = (block(i.to(tl.uint32), uk0, uk1) >> 8).to(tl.float32) * 5.9604644775390625e-08
-    # r < (u - base) / width, without the division (width > 0)
-    idx = lower + (r * tl.load(WIDTH + k) < u - tl.load(BASE + k)).to(tl.int32)
+    # r < (u - base) / width decided exactly (one rounding, no division; width > 0)
+    idx = lower + (tl.fma(r, tl.load(WIDTH + k), tl.load(BASE + k) - u) < 0.0).to(tl.int32)
     if PACK:
         hi, lo = tl.split(tl.reshape(idx, (R, BN // 2, 2)))
         j = rows[:, None] * (C // 2) + (nb * (BN // 2) + tl.arange(0, BN // 2))[None, :]
@@ -212,8 +212,10 @@ class _Shape:
         self.BN = max(2, min(self.C, TILE_COLS // self.R))
 
     def tiles(self, count: int) -> int:
-        """Row tiles a program runs for ``count`` slices (see ROW_TILES)."""
-        t, per_slice = max(1, min(ROW_TILES, self.R // self.BM)), self.R // self.BM
+        """Row tiles a program runs for ``count`` slices (see ROW_TILES): a power of two, so
+        that the programs cover every tile of a slice."""
+        per_slice = self.R // self.BM
+        t = 1 << (max(1, min(ROW_TILES, per_slice)).bit_length() - 1)
         while t > 1 and count * per_slice // t < MIN_PROGRAMS:
             t //= 2
         return t
