@@ -99,7 +99,6 @@ class AggregatorProcesses:
         While it runs they are at most half a second old (its --stats-file); after
         :meth:`stop_aggregator` they are final.
         """
-        import json
         if self._agg_final is not None:
             return self._agg_final
         if self.aggregator == "sharded":
@@ -137,7 +136,6 @@ class AggregatorProcesses:
     def stop_aggregator(self) -> dict | None:
         """Stop the software aggregator or its shards (SIGINT, as Ctrl-C) and return the final
         counters (summed over the shards, each shard's under ``"shards"``)."""
-        import json
         import signal
         procs = [p for _, p in self._aggregator_procs()]
         if not procs:

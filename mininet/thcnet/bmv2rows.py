@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import re
 import time
 
 from thc.emu.base import bmv2_unavailable_reason

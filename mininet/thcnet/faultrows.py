@@ -3,7 +3,6 @@ duplication, reordering and jitter, a worker killed, the aggregator or the switc
 mid-stream, and a long stream of many workers."""
 from __future__ import annotations
 
-import re
 import time
 
 from thc.emu.base import bmv2_unavailable_reason

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import re
 import time
 from pathlib import Path
 
