@@ -49,8 +49,8 @@ P4SRC = Path(__file__).resolve().parent
 sys.path.insert(0, str(P4SRC))
 # beside this script, which runs outside any package
 import gen_tna  # noqa: E402
-import tofino_report  # noqa: E402, F401 (the tests patch its paths through this module)
-from p4files import (BUILD_DIR, COMMON_P4, GEN_DIR, PROTOCOL_JSON, ROOT,  # noqa: E402
+import tofino_report  # noqa: E402
+from p4files import (BUILD_DIR, COMMON_P4, GEN_DIR, PROTOCOL_JSON, ROOT, TNA_P4,  # noqa: E402
                      load_spec, p4c_binary, p4c_version, rel, sha256)
 from tofino_report import TOFINO_REPORT, check_tofino, record_tofino, tofino_sources  # noqa
 SOURCES_JSON = BUILD_DIR / "SOURCES.json"
