@@ -245,16 +245,22 @@ def join_gloo(rank, port):
                             world_size=2)
 
 
+def gloo_inputs(rank, calls):
+    """Each call's tensor on one of the two Gloo workers: worker 0's second holds an Inf."""
+    gen = torch.Generator().manual_seed(rank)
+    for call in range(calls):
+        x = torch.randn(700, generator=gen).to(DEV)
+        if rank == 0 and call == 1:
+            x[10] = float("inf")
+        yield x
+
+
 def _worker(rank, port, q):
     join_gloo(rank, port)
     graphed = GraphedAllReduce.through_torch_distributed(params=P, generator=rank)
     eager = THCAllReduce.through_torch_distributed(params=P, generator=rank, backend="triton")
-    gen = torch.Generator().manual_seed(rank)
     out = []
-    for r in range(3):
-        x = torch.randn(700, generator=gen).to(DEV)
-        if rank == 0 and r == 1:
-            x[10] = float("inf")
+    for x in gloo_inputs(rank, 3):
         got = []
         for ar in (graphed, eager):
             try:

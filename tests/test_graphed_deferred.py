@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from tests.test_codec_kernels import DEV, kernels
-from tests.test_graphed import P, _Peer, gloo_pair, join_gloo
+from tests.test_graphed import P, _Peer, gloo_inputs, gloo_pair, join_gloo
 from thc.collective import watchdog
 from thc.collective.agreement import tagged
 from thc.collective.ddp import THCHook
@@ -191,12 +191,8 @@ def _gloo_worker(rank, port, q):
     join_gloo(rank, port)
     ar = GraphedAllReduce.through_torch_distributed(params=P, generator=rank,
                                                     deferred_checks=True)
-    gen = torch.Generator().manual_seed(rank)
     out = []
-    for call in range(4):
-        x = torch.randn(700, generator=gen).to(DEV)
-        if rank == 0 and call == 1:
-            x[10] = float("inf")
+    for x in gloo_inputs(rank, 4):
         try:
             out.append(ar(x).cpu().numpy())   # memory that outlives this process
         except ValueError as e:
