@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from thc.bench.kernels import parse_configs
+from thc.bench.kernels import TUNABLE, parse_configs
 
 
 def test_configs_parse_and_refuse_what_is_not_a_setting():
@@ -18,8 +18,9 @@ def test_configs_parse_and_refuse_what_is_not_a_setting():
     assert parse_configs("TILE=8192,COLS_FIRST=0;COLS_LOG=0;FORM=sandwich", Kernels) == [
         {"TILE": 8192, "COLS_FIRST": False}, {"COLS_LOG": 0}, {"FORM": "sandwich"}]
     for bad in ("PRECISION=1", "TILE=big", "NOPE=3", "FORM=2", "FORM=twisted"):
-        with pytest.raises(ValueError, match="NAME=INTEGER"):
+        with pytest.raises(ValueError, match="NAME=INTEGER") as err:
             parse_configs(bad, Kernels)
+        assert all(name in str(err.value) for name in TUNABLE if name != "PRECISION")
 
 
 def test_runs_under_the_interpreter(tmp_path):
