@@ -253,21 +253,27 @@ def test_the_next_start_cleans_up_after_a_crashed_run():
         import os, signal
         from thc.emu.testbed import open_testbed
         tb = open_testbed(2, bw_mbit=10)
+        tb.start_aggregator()
         print(tb.switch_name, tb.registry.path, flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
     """)
+    # The hosts' shells end with their owner; the aggregator outlives it (a session of its
+    # own) and keeps host agg's namespace, and so its switch port, until the next start.
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                        cwd=ROOT)
     assert r.returncode == -9, r.stderr
     name, state_file = r.stdout.split()
     state = json.loads(Path(state_file).read_text())
+    def alive():
+        return [p for p, st, _ in state["pids"] if cleanup.same_process(p, st)
+                and not cleanup._is_zombie(p)]
+    assert alive()
     assert [n for n in cleanup.root_interfaces() if n.startswith(name + "-")]
     with open_testbed(1) as tb:   # the next start reaps the crashed one
         assert tb.kind == "mininet"
     assert not [n for n in cleanup.root_interfaces() if n == name or n.startswith(name + "-")]
     assert not Path(state_file).exists()
-    assert not [p for p, st, _ in state["pids"] if cleanup.same_process(p, st)
-                and not cleanup._is_zombie(p)]
+    assert not alive()
 
 
 @needs_mininet
