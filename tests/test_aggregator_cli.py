@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -165,3 +166,23 @@ def test_an_aggregator_started_with_sigint_ignored_stops_on_a_signal(tmp_path, s
         proc.kill()
     assert proc.returncode == 0
     assert "drops" in json.loads(out.strip().splitlines()[-1])
+
+
+def test_a_bug_in_the_serving_thread_is_kept_as_its_error():
+    """Not only a socket failure: anything that ends the thread is kept, so that
+    `thc aggregator` exits naming it instead of serving nothing with a clean face."""
+    from thc.net.aggregator import Aggregator
+    job = local_job(1, 2, free_port_block(2))
+
+    def boom(datagram, src, now):
+        raise RuntimeError("a bug in the model")
+
+    with Aggregator([job]) as agg:
+        agg._handle = boom
+        addr = agg.start()
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.sendto(b"\x00" * 40, addr)
+        deadline = time.monotonic() + 10
+        while agg.error is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert isinstance(agg.error, RuntimeError) and "a bug in the model" in str(agg.error)

@@ -3,8 +3,11 @@ on loopback: the datagrams they send, hostile replies ignored and counted alike,
 short, an epoch change, a missing worker named, and the cases that fall back to Python."""
 from __future__ import annotations
 
+import os
+import select
 import socket
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -12,6 +15,7 @@ import pytest
 from thc.codec.packing import pack_bits
 from thc.net.client import (AggregationClient, AggregationTimeout, AggregatorRestarted,
                              resolve_datapath)
+from thc.net.aggregator import Aggregator
 from thc.net.impair import Impairment
 from thc.testing.clusters import free_port_block, local_job
 from thc.wire import protocol as P
@@ -229,3 +233,126 @@ def test_a_refused_send_is_an_oserror_on_both_datapaths(job, datapath):
         with pytest.raises(PermissionError):
             c.aggregate(_packed(job, 1))
         assert c.datapath == datapath
+
+
+def test_results_queued_before_a_round_are_not_taken_as_its_own(job, datapath):
+    """A RESULT that reached the socket before the round sent anything (here: from the
+    aggregator's own address, every field right, as a restarted worker's predecessor's
+    result would be) is dropped unread, not taken for chunk 0."""
+    agg = ScriptedAggregator(job)
+    try:
+        with AggregationClient(job, 0, agg.addr, run=4, timeout=2.0, max_timeout=2.0) as c:
+            slot, version = P.slot_of(0, job.pool_size)
+            stale = P.HEADER_STRUCT.pack(P.PktType.RESULT, 0, job.job_id, slot, version, 2, 0,
+                                         0, 0b11, 4, agg.epoch)
+            agg.sock.sendto(stale + np.full(job.lanes, 5, P.sum_dtype(job.sum_bits)).tobytes(),
+                            c.sock.getsockname())
+            deadline = time.monotonic() + 5
+            while not select.select([c.sock], [], [], 0.01)[0] and time.monotonic() < deadline:
+                pass
+            r = c.reduce(_packed(job, 1))
+            assert r.datapath == datapath and c.stats.drained == 1
+            np.testing.assert_array_equal(r.sums[: job.lanes], ScriptedAggregator.values(
+                0, job.lanes))
+    finally:
+        agg.close()
+
+
+def test_a_max_above_every_float_is_ignored(job, datapath):
+    """A MAX_RESULT lane no worker can send (a NaN, infinite or negative float's bits, all
+    at or above its own lanes) is ignored and counted; the honest answer is taken."""
+    srv = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    srv.bind(("127.0.0.1", 0))
+    srv.settimeout(0.05)
+    stop = threading.Event()
+
+    def serve():
+        while not stop.is_set():
+            try:
+                data, src = srv.recvfrom(4096)
+            except socket.timeout:
+                continue
+            head = bytearray(data[: P.HEADER_BYTES])
+            head[0], head[7] = P.PktType.MAX_RESULT, job.n_workers
+            head[16:20] = job.full_bitmap.to_bytes(4, "big")
+            lanes = np.frombuffer(data, ">u4", offset=P.HEADER_BYTES)
+            for bad in (0x7F800000, 0x7FC00000, 0xBF800000):
+                srv.sendto(bytes(head) + np.where(np.arange(lanes.size) == 1, bad, lanes)
+                           .astype(">u4").tobytes(), src)
+            srv.sendto(bytes(head) + (lanes + 1).astype(">u4").tobytes(), src)
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    try:
+        values = np.arange(1, 5, dtype=np.float32)
+        with AggregationClient(job, 0, srv.getsockname(), run=2, timeout=2.0,
+                               max_timeout=2.0) as c:
+            got = c.max(values)
+            assert c.stats.compiled_rounds == (datapath == "compiled")
+            assert c.stats.ignored == 3
+        np.testing.assert_array_equal(got.view(np.uint32), values.view(np.uint32) + 1)
+    finally:
+        stop.set()
+        t.join()
+        srv.close()
+
+
+def test_an_aggregator_named_by_host_name_answers(job, datapath):
+    """``localhost`` is resolved once to the address replies come from."""
+    agg = ScriptedAggregator(job)
+    try:
+        with AggregationClient(job, 0, ("localhost", agg.addr[1]), run=6, timeout=2.0,
+                               max_timeout=2.0) as c:
+            assert c.aggregator == agg.addr
+            assert c.reduce(_packed(job, 1)).datapath == datapath
+        with pytest.raises(ValueError, match="nohost.invalid"):
+            AggregationClient(job, 0, ("nohost.invalid", 9), run=1)
+    finally:
+        agg.close()
+
+
+@pytest.mark.parametrize("kw, match", [
+    ({"deadline": float("nan")}, "deadline nan"),
+    ({"timeout": 0.0}, "0 < timeout"),
+    ({"timeout": 1.0, "max_timeout": 0.5}, "timeout <= max_timeout"),
+])
+def test_timeouts_are_checked(job, kw, match):
+    with pytest.raises(ValueError, match=match):
+        AggregationClient(job, 0, ("127.0.0.1", 9), run=1, **kw)
+
+
+def test_classes_and_indices_are_checked_before_anything_is_sent(job):
+    with AggregationClient(job, 0, ("127.0.0.1", 9), run=1) as c:
+        with pytest.raises(ValueError, match=r"priority classes are 0\.\.3, got \[7\]"):
+            c.aggregate(_packed(job, 1), classes=np.full(N_CHUNKS, 7))
+        with pytest.raises(ValueError, match=r"got \[-1\]"):
+            c.aggregate(_packed(job, 1), classes=np.full(N_CHUNKS, -1))
+        with pytest.raises(TypeError, match="uint8"):
+            c.aggregate(_packed(job, 1).astype(np.int64) + 256)
+        assert c.stats.sent == 0
+
+
+def test_python_window_and_aggregator_serve_sockets_numbered_past_1024():
+    """Both wait by poll, which takes any descriptor (select stops at 1024)."""
+    import resource
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = 1200
+    if soft < want:
+        if hard != resource.RLIM_INFINITY and hard < want:
+            pytest.skip(f"the descriptor limit ({hard}) is below {want}")
+        resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+    fill = [open(os.devnull) for _ in range(1100)]
+    try:
+        job = local_job(1, 1, free_port_block(1), pool_size=16)
+        with Aggregator([job]) as agg:
+            addr = agg.start()
+            with AggregationClient(job, 0, addr, run=1, datapath="python") as c:
+                assert c.sock.fileno() >= 1024 and agg._sock.fileno() >= 1024
+                idx = np.random.default_rng(0).integers(0, 16, 4 * job.lanes).astype(np.uint8)
+                sums = c.aggregate(pack_bits(idx, P.INDEX_BITS))
+            assert agg.error is None
+        np.testing.assert_array_equal(sums, np.asarray(job.table)[idx])
+    finally:
+        for f in fill:
+            f.close()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))

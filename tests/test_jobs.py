@@ -106,3 +106,28 @@ def test_the_pool_is_a_power_of_two_within_the_slot_field(size, base):
     with pytest.raises(ConfigError, match="power-of-two pool_size"):
         job(2, pool_size=size, pool_base=base).validate()
     assert job(2, pool_size=1 << 15, pool_base=1 << 15).validate().pool_size == 1 << 15
+
+
+@pytest.mark.parametrize("field,value", [("job_id", 3.0), ("job_id", True), ("lanes", 16.0),
+                                         ("granularity", 30.0), ("sum_bits", 8.0)])
+def test_numbers_the_header_and_the_datapaths_pack_are_integers(field, value):
+    """A float such as 3.0 passed the range checks, then failed where a header was packed:
+    the Python aggregator's serving thread died on its first reply."""
+    from dataclasses import replace
+    with pytest.raises(ConfigError, match=f"{field} {value!r} is not an integer"):
+        replace(job(2), **{field: value}).validate()
+    with pytest.raises(ConfigError, match="table entry 1 2.0 is not an integer"):
+        Job(job_id=1, workers=job(2).workers, table=(0, 2.0) + TABLE[2:],
+            granularity=30).validate()
+    with pytest.raises(ConfigError, match="worker 1's id 1.0 is not an integer"):
+        Job(job_id=1, workers=(Worker(0, "127.0.0.1", 9000), Worker(1.0, "127.0.0.1", 9001)),
+            table=TABLE, granularity=30).validate()
+
+
+def test_the_aggregator_address_is_an_ipv4_literal():
+    """Replies are matched against it as their source reads: a name would match none."""
+    from thc.wire.jobs import Cluster
+    with pytest.raises(ConfigError, match="the aggregator: ip 'localhost'"):
+        Cluster.from_dict({"agg_ip": "localhost", "jobs": [job(2).to_dict()]})
+    assert Cluster.from_dict({"agg_ip": "10.0.0.9", "jobs": [job(2).to_dict()]}).agg_ip \
+        == "10.0.0.9"

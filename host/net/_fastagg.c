@@ -1686,7 +1686,8 @@ static PyObject *fa_stream(PyObject *self, PyObject *args) {
                      * max below ours. No early exit: the common loop vectorizes. */
                     const uint8_t *q = d + HDR, *own = c->chunks + (size_t)i * chunk_bytes;
                     uint8_t *o = outp + (size_t)i * lanes * out_itemsize;
-                    uint32_t bound = (uint32_t)r_count * (uint32_t)top;
+                    /* DATA: what the contributors can sum to; MAX: the largest float's bits */
+                    uint32_t bound = is_data ? (uint32_t)r_count * (uint32_t)top : (uint32_t)top;
                     int bad = 0;
                     if (wire_bytes == 1 && out_itemsize == 2) { /* 8-bit sums: the common case */
                         uint16_t *o16 = (uint16_t *)o; /* numpy aligns its elements */
@@ -1700,7 +1701,7 @@ static PyObject *fa_stream(PyObject *self, PyObject *args) {
                         for (int l = 0; l < lanes; l++) {
                             uint32_t v = wire_bytes == 1 ? q[l]
                                          : wire_bytes == 2 ? rd16(q + 2 * l) : rd32(q + 4 * l);
-                            bad |= is_data ? v > bound : v < rd32(own + 4 * l);
+                            bad |= v > bound || (!is_data && v < rd32(own + 4 * l));
                             if (out_itemsize == 2) {
                                 uint16_t v16 = (uint16_t)v;
                                 memcpy(o + 2 * l, &v16, 2);

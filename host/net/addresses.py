@@ -28,3 +28,20 @@ def ipv4_int(ip: str) -> int | None:
 
 def ipv4_str(value: int) -> str:
     return socket.inet_ntoa(struct.pack("!I", value))
+
+
+def peer_address(addr, family: int = socket.AF_INET) -> tuple:
+    """``addr`` (host and port, and for IPv6 flow info and scope) as a received packet's
+    source reads on a socket of ``family``: the host's literal address, resolved once, so
+    that replies from it match; a name or a form such as ``127.1`` would never equal a
+    reply's source and every reply would be ignored."""
+    try:
+        host, port = tuple(addr)[:2]
+        infos = socket.getaddrinfo(host, port, family, socket.SOCK_DGRAM)
+    except (TypeError, ValueError, OSError) as e:
+        raise ValueError(f"aggregator address {addr!r} is no {family.name} host and port: "
+                         f"{e}") from None
+    got = infos[0][4]
+    if family == socket.AF_INET6 and len(tuple(addr)) == 4:
+        got = got[:2] + tuple(addr)[2:]   # flow info and scope as given
+    return got

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import select
 import signal
@@ -86,6 +87,8 @@ class Aggregator(UDPServer):
         if sock is None:
             raise RuntimeError("call bind() first")
         buf = bytearray(2048)
+        poller = select.poll()
+        poller.register(sock, select.POLLIN)
         view = memoryview(buf)
         end = None if duration is None else time.monotonic() + duration
         impair = self.impair
@@ -101,7 +104,7 @@ class Aggregator(UDPServer):
             if impair.jitter:
                 release = impair.next_release()
                 wait = wait if release is None else min(wait, release)
-            ready, _, _ = select.select([sock], [], [], wait)
+            ready = poller.poll(math.ceil(wait * 1000))  # ms; any descriptor number
             if impair.jitter:
                 impair.release_due()
             if not ready:
@@ -209,7 +212,8 @@ def run(args: argparse.Namespace) -> int:
         while end is None or time.monotonic() < end:
             time.sleep(0.5)
             if agg.error is not None:
-                print(f"thc aggregator: the datapath stopped: {agg.error}", file=sys.stderr)
+                print(f"thc aggregator: the datapath stopped: {type(agg.error).__name__}: "
+                      f"{agg.error}", file=sys.stderr)
                 return 1
             stats = agg.counters()
             if args.stats_file:

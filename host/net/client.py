@@ -36,17 +36,19 @@ each round's :class:`AggregationResult` says which one ran it.
 """
 from __future__ import annotations
 
+import math
 import socket
 
 import numpy as np
 
 from thc.codec.settings import DATAPATHS, ENV, Settings
 from thc.net import fastclient
+from thc.net.addresses import peer_address
 from thc.net.fastclient import CompiledWindow
 from thc.net.impair import Impairment
 from thc.net.outcomes import (AggregationRefused, AggregationResult, AggregationTimeout,
                                AggregatorRestarted, RunFailed, TransportStats)
-from thc.net.priority import tos_of
+from thc.net.priority import N_CLASSES, tos_of
 from thc.net.pywindow import PythonWindow
 from thc.net.window import RttEstimator, Round
 from thc.wire import protocol as P
@@ -130,13 +132,20 @@ class AggregationClient:
         elif aggregator is None:
             raise ValueError(f"job {job.job_id} has no shard map: pass the aggregator's address")
         else:
-            self.aggregators = [tuple(aggregator)]
+            family = sock.family if sock is not None else socket.AF_INET
+            self.aggregators = [peer_address(aggregator, family)]
         self.aggregator = self.aggregators[0]
         """The aggregator (the first shard's address for a sharded job)."""
         self.epochs: list[int | None] = [None] * len(self.aggregators)
         if window is not None and (not isinstance(window, int) or window < 1):
             raise ValueError(f"window must be a positive number of chunks, got {window!r}")
         self.window = min(window or self.DEFAULT_WINDOW, job.pool_size)
+        if not all(isinstance(t, (int, float)) and math.isfinite(t) for t in
+                   (timeout, max_timeout, deadline)) or not 0 < timeout <= max_timeout \
+                or deadline <= 0:
+            raise ValueError(f"timeouts must be finite seconds with 0 < timeout <= max_timeout "
+                             f"and deadline > 0, got timeout {timeout!r}, max_timeout "
+                             f"{max_timeout!r}, deadline {deadline!r}")
         self.timeout = timeout
         self.max_timeout = max_timeout
         self.deadline = deadline
@@ -213,7 +222,11 @@ class AggregationClient:
         count in its counts; all zero when nobody's packet arrived).
         """
         lanes = self.job.lanes
-        packed = np.ascontiguousarray(packed, dtype=np.uint8).reshape(-1)
+        packed = np.asarray(packed)
+        if packed.dtype != np.uint8:
+            raise TypeError(f"packed indices must be bytes (uint8), got {packed.dtype}: a "
+                            f"wider value would be cut to its low byte")
+        packed = np.ascontiguousarray(packed).reshape(-1)
         chunk_bytes = P.payload_bytes(P.PktType.DATA, lanes, aggregation=self.job.aggregation)
         if packed.size % chunk_bytes:
             raise ValueError(f"packed indices ({packed.size} bytes) must be a multiple of one "
@@ -225,6 +238,9 @@ class AggregationClient:
             classes = np.asarray(classes).reshape(-1)
             if classes.size != len(chunks):
                 raise ValueError(f"{classes.size} priority classes for {len(chunks)} chunks")
+            bad = sorted({c for c in classes.tolist() if c not in range(N_CLASSES)})
+            if bad:
+                raise ValueError(f"priority classes are 0..{N_CLASSES - 1}, got {bad[:4]}")
             tos = [tos_of(c) for c in classes]
         r = self._stream(P.PktType.DATA, chunks, out, offset_base, lanes,
                          P.sum_dtype(self.job.sum_bits), tos)
@@ -276,6 +292,7 @@ class AggregationClient:
         rnd = Round(pkt_type, chunks, out, offset_base, lanes, dtype, tos, self.next_seq,
                     self._run, counts, bitmaps)
         window = next(w for w in self._windows if w.fits(self, rnd))
+        self._drain()
         try:
             window.run(self, rnd)
         except BaseException as e:
@@ -283,6 +300,18 @@ class AggregationClient:
             raise
         self.next_seq = (rnd.base + total) % P.SEQ_MOD
         return AggregationResult(out, counts, bitmaps, window.name)
+
+    def _drain(self) -> None:
+        """Drop what is queued before a round's first packet: nothing of the round was sent,
+        so nothing there answers it. A process restarted under its predecessor's run id would
+        otherwise take the results queued for its predecessor as its own before the
+        aggregator's ``reused_run`` refusal reaches it."""
+        while True:
+            try:
+                self.sock.recv(1, socket.MSG_DONTWAIT | socket.MSG_TRUNC)
+            except (BlockingIOError, InterruptedError):
+                return
+            self.stats.drained += 1
 
     def rto(self, shard: int = 0) -> float:
         """Retransmission timeout towards ``shard``: RFC 6298's estimator, never below the

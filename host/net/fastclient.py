@@ -55,7 +55,7 @@ def stream(end: Endpoint, rnd: Round, chunks: np.ndarray) -> Streamed:
     header = (int(rnd.pkt_type), int(rnd.result_type), int(P.PktType.PENDING), int(other),
               int(rnd.is_data), end.worker_id, job.job_id, job.pool_size, rnd.run, rnd.base,
               rnd.offset_base % P.SEQ_MOD, rnd.lanes, job.n_workers, int(P.PktType.REFUSED),
-              job.granularity, end.incarnation)
+              job.granularity if rnd.is_data else P.MAX_LANE_TOP, end.incarnation)
     aggs = [(ipv4_int(ip), port) for ip, port in end.aggregators]
     timing = (end.timeout, end.max_timeout, end.deadline, FAST_RETRANSMIT_AFTER,
               FAST_BACKOFF_CAP)

@@ -108,3 +108,6 @@ class TransportStats:
     """Chunks that ended with fewer than all workers (whoever closed them)."""
     compiled_rounds: int = 0
     """Rounds (aggregate/max calls) the compiled datapath ran; the others ran in Python."""
+    drained: int = 0
+    """Datagrams found queued when a round began, dropped unread: no packet of the round
+    had been sent, so none can answer it (a predecessor's results, late duplicates)."""

@@ -77,6 +77,8 @@ class PythonWindow:
         hi = 0
         buf = bytearray(4096)
         sock = end.sock
+        poller = select.poll()
+        poller.register(sock, select.POLLIN)
         jitter = end.impair.jitter
         now = time.monotonic()
         last_reply = now
@@ -86,7 +88,8 @@ class PythonWindow:
         pending_type, refused_type = int(P.PktType.PENDING), int(P.PktType.REFUSED)
         reply_types = (pending_type, refused_type, int(P.PktType.RESULT),
                        int(P.PktType.MAX_RESULT))
-        full, top, incarnation = job.full_bitmap, job.granularity, end.incarnation
+        full, incarnation = job.full_bitmap, end.incarnation
+        top = job.granularity if pkt_type == P.PktType.DATA else P.MAX_LANE_TOP
         is_data = pkt_type == P.PktType.DATA
 
         def packet(i: int) -> bytes:
@@ -138,7 +141,7 @@ class PythonWindow:
                 release = end.impair.next_release()
                 if release is not None:
                     wait = min(wait, release)
-            ready, _, _ = select.select([sock], [], [], wait)
+            ready = poller.poll(math.ceil(wait * 1000))  # ms; any descriptor number
             if jitter:
                 end.impair.release_due()
             if ready:
@@ -188,8 +191,9 @@ class PythonWindow:
                         continue
                     sums = np.frombuffer(buf, dtype=dtype, count=lanes, offset=header_bytes)
                     if (sums.max() > r_count * top if is_data else
-                            (sums < chunks[i].view(">u4")).any()):
-                        # more than the contributors can sum to, or a max below our own
+                            (sums < chunks[i].view(">u4")).any() or sums.max() > top):
+                        # more than the contributors can sum to, a max below our own or
+                        # no float's
                         end.stats.ignored += 1
                         continue
                     if r_count != n_workers:

@@ -41,12 +41,13 @@ class UDPServer:
     def _serve_thread(self) -> None:
         try:
             self.serve()
-        except OSError as e:  # the socket failed: `thc aggregator` reports it and exits
+        except Exception as e:  # `thc aggregator` reports it and exits: never a silent stop
             self._error = e
 
     @property
-    def error(self) -> OSError | None:
-        """What ended the serving thread early, if anything did."""
+    def error(self) -> Exception | None:
+        """What ended the serving thread early, if anything did: a socket failure or a bug,
+        which would otherwise leave a server that answers nothing."""
         return self._error
 
     def start(self, host: str = "127.0.0.1", port: int = 0) -> tuple[str, int]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import json
+import numbers
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -42,18 +43,19 @@ class Worker:
 
 
 def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+    """An integer (numpy's included), not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
-def _check_address(where: str, node) -> None:
+def _check_address(where: str, ip, port) -> None:
     """An IPv4 literal and a port in 1..65535: the switch keys on them, the compiled
     datapaths take nothing else, and a bad one would leave the node's packets dropped."""
     try:
-        ipaddress.IPv4Address(node.ip)
+        ipaddress.IPv4Address(ip)
     except (ipaddress.AddressValueError, ValueError, TypeError):
-        raise ConfigError(f"{where}: ip {node.ip!r} is not an IPv4 address") from None
-    if not _is_int(node.port) or not 0 < node.port < 1 << 16:
-        raise ConfigError(f"{where}: port {node.port!r} is not an integer in 1..65535")
+        raise ConfigError(f"{where}: ip {ip!r} is not an IPv4 address") from None
+    if not _is_int(port) or not 0 < port < 1 << 16:
+        raise ConfigError(f"{where}: port {port!r} is not an integer in 1..65535")
 
 
 def check_loss_bound(value, where: str = "") -> float:
@@ -168,6 +170,14 @@ class Job:
                    aggregation="vote", **kw)
 
     def validate(self) -> "Job":
+        numbers = {"job_id": self.job_id, "granularity": self.granularity, "lanes": self.lanes,
+                   "sum_bits": self.sum_bits, "mcast_grp": self.mcast_grp}
+        numbers.update({f"worker {i}'s id": w.id for i, w in enumerate(self.workers)})
+        numbers.update({f"table entry {i}": t for i, t in enumerate(self.table)})
+        for name, value in numbers.items():
+            if not _is_int(value):
+                # packed into header fields and C integers: 3.0 would fail there, not here
+                raise ConfigError(f"job {self.job_id!r}: {name} {value!r} is not an integer")
         if not 1 <= self.job_id < 1 << 16:
             raise ConfigError(f"job_id {self.job_id} outside 1..65535")
         n = self.n_workers
@@ -178,7 +188,8 @@ class Job:
                               f"got {sorted(w.id for w in self.workers)}")
         for kind, nodes in (("worker", self.workers), ("shard", self.shards)):
             for i, node in enumerate(nodes):
-                _check_address(f"job {self.job_id}: {kind} {getattr(node, 'id', i)}", node)
+                _check_address(f"job {self.job_id}: {kind} {getattr(node, 'id', i)}", node.ip,
+                               node.port)
         addrs = [(w.ip, w.port) for w in self.workers]
         if len(set(addrs)) != n:
             raise ConfigError(f"job {self.job_id}: two workers share an address")
@@ -279,6 +290,7 @@ class Cluster:
         raise KeyError(job_id)
 
     def validate(self, total_slots: int | None = None) -> "Cluster":
+        _check_address("the aggregator", self.agg_ip, self.agg_port)
         ids = [j.job_id for j in self.jobs]
         if len(set(ids)) != len(ids):
             raise ConfigError(f"duplicate job ids in {ids}")

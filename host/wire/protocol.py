@@ -252,6 +252,11 @@ def decode(datagram: bytes | memoryview) -> tuple[Header, memoryview]:
     return hdr, memoryview(datagram)[HEADER_BYTES:]
 
 
+MAX_LANE_TOP = int(np.array(np.finfo(np.float32).max, dtype=np.float32).view(np.uint32))
+"""The largest MAX lane a worker sends (the largest finite float's bits): a MAX_RESULT lane
+above it is no worker's value (a negative, infinite or NaN pattern), and is refused."""
+
+
 def floats_to_ordered_u32(x: np.ndarray) -> np.ndarray:
     """Non-negative IEEE-754 floats order like their bit patterns: a switch takes max of raw bits."""
     x = np.asarray(x, dtype=np.float32)
