@@ -166,6 +166,99 @@ def test_torch_distributed_a_bad_worker_fails_its_peer_too():
     assert "mark of a worker" in res[1]
 
 
+def _unlike_worker(rank, port, q):
+    """Rounds whose workers differ in one thing each, then one where they agree."""
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2)
+    cases = [(THCParams(slice_size=256, seed=rank), 1024),               # the rotation
+             (THCParams(slice_size=256, granularity=30 + 30 * rank), 1024),  # the table
+             (THCParams(slice_size=256), 1000 + 24 * rank),              # the length
+             (THCParams(slice_size=256), 1024)]                          # alike
+    out = []
+    for params, numel in cases:
+        ar = THCAllReduce.through_torch_distributed(params=params, generator=rank)
+        try:
+            out.append(float(ar(torch.ones(numel)).mean()))
+        except RuntimeError as e:
+            out.append(str(e))
+    q.put((rank, out))
+    dist.destroy_process_group()
+
+
+def test_torch_distributed_workers_with_unlike_rounds_all_refuse():
+    """Two workers that differ in seed, granularity or tensor length used to decode each
+    other's indices as their own: a wrong mean, different on each worker, and no error."""
+    ctx = tmp.get_context("spawn")
+    q = ctx.Queue()
+    port = free_port_block(1)
+    ps = [ctx.Process(target=_unlike_worker, args=(r, port, q), daemon=True)
+          for r in range(2)]
+    [p.start() for p in ps]
+    res = dict(q.get(timeout=120) for _ in ps)
+    [p.join(30) for p in ps]
+    for rank in (0, 1):
+        *refused, alike = res[rank]
+        assert all("differ in their THC parameters" in r for r in refused), refused
+        assert alike == pytest.approx(1.0, abs=0.1)
+
+
+def _refusing_worker(rank, port, q):
+    """Worker 1 hands in bad layer positions, then a bool tensor; worker 0 good input."""
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2)
+    ar = THCAllReduce.through_torch_distributed(params=THCParams(slice_size=256),
+                                                generator=rank)
+    x = torch.ones(1024)
+    calls = [(x, torch.full((1024,), 2.0) if rank else None),
+             (x.bool() if rank else x, None), (x, None)]
+    out = []
+    for tensor, position in calls:
+        try:
+            out.append(float(ar(tensor, position).mean()))
+        except (TypeError, ValueError) as e:
+            out.append(str(e))
+    q.put((rank, out, ar.round))
+    dist.destroy_process_group()
+
+
+def test_a_worker_refusing_its_input_ends_its_peers_round_too():
+    """Bad layer positions (checked after the MAX round) or a dtype THC cannot average (cast
+    silently) used to leave the peer waiting in a collective: now the refusing worker's round
+    goes out marked, every worker refuses it, and the next round is good on both."""
+    ctx = tmp.get_context("spawn")
+    q = ctx.Queue()
+    port = free_port_block(1)
+    ps = [ctx.Process(target=_refusing_worker, args=(r, port, q), daemon=True)
+          for r in range(2)]
+    [p.start() for p in ps]
+    res = {r: (out, rnd) for r, out, rnd in (q.get(timeout=120) for _ in ps)}
+    [p.join(30) for p in ps]
+    (bad_pos, bad_dtype, good), rounds = res[1]
+    assert "layer positions must lie in [0, 1]" in bad_pos
+    assert "floating-point tensors, got torch.bool" in bad_dtype
+    peer, rounds0 = res[0]
+    assert all("mark of a worker" in r for r in peer[:2]), peer
+    assert good == pytest.approx(1.0, abs=0.1) and peer[2] == pytest.approx(1.0, abs=0.1)
+    assert rounds == rounds0 == 3
+
+
+@pytest.mark.parametrize("generator, error", [(-1, ValueError), (1 << 64, ValueError),
+                                              (1.5, TypeError), (True, TypeError)])
+def test_a_generator_the_codec_refuses_is_refused_before_any_round(generator, error):
+    from thc.collective.graphed import GraphedAllReduce
+
+    class Transport:
+        packed, lanes, stream_ordered = False, None, True
+
+        def check(self, params):
+            pass
+
+    with pytest.raises(error, match="generator"):
+        THCAllReduce(Transport(), PARAMS, generator=generator)
+    with pytest.raises(error, match="generator"):
+        GraphedAllReduce(Transport(), PARAMS, generator=generator)
+
+
 def test_torch_distributed_transport_gloo():
     world = 3
     xs = _vectors(world, 20_000, seed=3)

@@ -9,6 +9,7 @@ from tests.test_codec_kernels import DEV, SKIP, kernels
 from thc.codec import thc
 from thc.codec.common import NORM_MARK
 from thc.codec.thc import THCCodec, THCParams
+from thc.collective import agreement
 from thc.collective.allreduce import THCAllReduce
 
 
@@ -69,18 +70,23 @@ class _TwoWorkers:
         return 2 * thc.table_values(indices, params).to(torch.int32), None
 
 
+def _tagged(norms, rnd, p):
+    """A peer's MAX vector for a round of 1024 elements under ``p``, its fingerprint included."""
+    return agreement.tagged(norms, rnd, agreement.fingerprint(p, 1024, 1024))
+
+
 @kernels
 def test_a_bad_gradient_ends_every_workers_round_in_an_error():
     """On the deferred (GPU) path a NaN in one worker's gradient goes into the MAX round as
     NORM_MARK: that worker and its peer both raise at the round's end; neither returns a
     mean, both stay in the same round, and the next round is clean."""
-    from thc.collective.agreement import tagged
     p = THCParams(slice_size=256)
     good = torch.randn(1024, generator=torch.Generator().manual_seed(3)).to(DEV)
     bad = good.clone()
     bad[300] = float("nan")                    # slice 1
     peer = THCAllReduce(_TwoWorkers(None), p, backend="triton")
-    worker = THCAllReduce(_TwoWorkers(tagged(peer.codec.norms(good), 0)), p, backend="triton")
+    worker = THCAllReduce(_TwoWorkers(_tagged(peer.codec.norms(good), 0, p)), p,
+                          backend="triton")
     with pytest.raises(ValueError, match="NaN or Inf .* in slice 1"):
         worker(bad)
     sent = worker.transport.sent[0]
@@ -90,7 +96,7 @@ def test_a_bad_gradient_ends_every_workers_round_in_an_error():
     with pytest.raises(ValueError, match=r"max norms must be finite .*slice 1"):
         peer(good)
     assert peer.round == worker.round == 1 and peer.feedback.residual is None
-    peer.transport.other = tagged(worker.codec.norms(good), 1)
+    peer.transport.other = _tagged(worker.codec.norms(good), 1, p)
     assert torch.isfinite(peer(good)).all() and peer.round == 2
 
 
@@ -98,13 +104,13 @@ def test_a_bad_gradient_ends_every_workers_round_in_an_error():
 def test_workers_out_of_step_refuse_the_round():
     """The round number rides in the MAX round: a worker a round behind makes every worker
     refuse, at the round's end on a stream-ordered transport."""
-    from thc.collective.agreement import tagged
     p = THCParams(slice_size=256)
     x = torch.randn(1024, generator=torch.Generator().manual_seed(5)).to(DEV)
-    ar = THCAllReduce(_TwoWorkers(tagged(torch.zeros(4, device=DEV), 1)), p, backend="triton")
+    ar = THCAllReduce(_TwoWorkers(_tagged(torch.zeros(4, device=DEV), 1, p)), p,
+                      backend="triton")
     with pytest.raises(RuntimeError, match="different rounds"):
         ar(x)                                  # this worker is in round 0, the other in 1
-    ar.transport.other = tagged(torch.zeros(4, device=DEV), 1)
+    ar.transport.other = _tagged(torch.zeros(4, device=DEV), 1, p)
     assert torch.isfinite(ar(x)).all()         # both in round 1 now
 
 
@@ -113,12 +119,11 @@ def test_a_worker_that_stops_early_still_joins_a_stream_ordered_sum():
     sends its MAX round (the bad slice marked) and a sum of zeros, so peers on the kernels
     do not wait in the sum; a peer on the reference codec refuses the marked slice the same
     way. Both stay in the same round."""
-    from thc.collective.agreement import tagged
     p = THCParams(slice_size=256)
     x = torch.randn(1024, generator=torch.Generator().manual_seed(6))
     bad = x.clone()
     bad[700] = float("nan")                    # slice 2
-    worker = THCAllReduce(_TwoWorkers(tagged(torch.zeros(4), 0)), p, backend="reference")
+    worker = THCAllReduce(_TwoWorkers(_tagged(torch.zeros(4), 0, p)), p, backend="reference")
     with pytest.raises(ValueError, match="NaN or Inf in slice 2"):
         worker(bad)
     sent = worker.transport.sent[0]
@@ -133,9 +138,8 @@ def test_a_worker_that_stops_early_still_joins_a_stream_ordered_sum():
 def test_a_worker_failing_for_another_reason_marks_every_slice(monkeypatch):
     """Out of memory in prepare: no slice of this worker may be summed, so all are marked
     (its peers refuse the whole round) and the error is its own."""
-    from thc.collective.agreement import tagged
     p = THCParams(slice_size=256)
-    ar = THCAllReduce(_TwoWorkers(tagged(torch.zeros(4), 0)), p, backend="reference")
+    ar = THCAllReduce(_TwoWorkers(_tagged(torch.zeros(4), 0, p)), p, backend="reference")
 
     def out_of_memory(*a, **k):
         raise MemoryError("no room")

@@ -112,3 +112,52 @@ def test_thc_hook_gradient_close_to_the_mean():
     den = sum(float((mean[k] ** 2).sum()) for k in mean)
     # Two workers' THC estimate of their mean: relative error well under 10%.
     assert num / den < 0.1, num / den
+
+
+class _Crossed(torch.nn.Module):
+    """``first`` is registered first but runs second: DDP's first buckets (reverse
+    registration order) hold ``second`` in bucket 0, its rebuilt ones (gradient-ready order)
+    ``first``; both buckets are the same size."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.first, self.second = torch.nn.Linear(64, 64), torch.nn.Linear(64, 64)
+
+    def forward(self, x):
+        h = self.second(x)
+        return self.first(h).pow(2).sum() + 1e3 * h.pow(2).sum()   # second's grads are large
+
+
+@pytest.mark.parametrize("kind", ["thc", "topk"])
+def test_a_rebuilt_bucket_keeps_its_parameters_residuals(kind):
+    """Residuals were keyed by bucket index and size: after DDP's rebuild, bucket 0 held
+    ``first`` and was handed ``second``'s residual (first's gradient off by 10^5 in NMSE)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from thc.codec.params import THCParams
+    from thc.collective.allreduce import THCAllReduce
+    from thc.collective.ddp import THCHook, TopKHook
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port_block(1)}",
+                            rank=0, world_size=1)
+    try:
+        model = _Crossed()
+        cap = 64 * 65 * 4 / 2 ** 20
+        ddp = DDP(model, bucket_cap_mb_list=[cap, cap])
+        hook = THCHook(model, lambda: THCAllReduce.through_torch_distributed(
+            params=THCParams(slice_size=1024), generator=0), overlap=False) \
+            if kind == "thc" else TopKHook(model, ratio=0.05, overlap=False)
+        hook.register(ddp)
+        x = torch.randn(16, 64, generator=torch.Generator().manual_seed(1))
+        errors = []
+        for _ in range(2):
+            model.zero_grad()
+            ddp(x).backward()
+            got = model.first.weight.grad.clone()
+            model.zero_grad()
+            model(x).backward()   # one worker: the mean is its own gradient
+            want = model.first.weight.grad
+            errors.append(float((got - want).pow(2).sum() / want.pow(2).sum()))
+        assert errors[1] < 2 * errors[0] + 0.1, errors
+    finally:
+        dist.destroy_process_group()

@@ -14,13 +14,18 @@ from tests.test_codec_kernels import DEV, kernels
 from thc.codec import thc
 from thc.codec.thc import THCParams
 from thc.codec.common import NORM_MARK
-from thc.collective.agreement import tagged
+from thc.collective import agreement
 from thc.collective.allreduce import THCAllReduce
 from thc.collective import graphed
 from thc.collective.graphed import GraphedAllReduce
 from thc.testing.clusters import free_tcp_port
 
 P = THCParams(slice_size=256)
+
+
+def tagged(norms, rnd):
+    """A peer's MAX vector for a round of 1024 elements under P, its fingerprint included."""
+    return agreement.tagged(norms, rnd, agreement.fingerprint(P, 1024, 1024))
 
 
 class _Peer:
@@ -283,6 +288,18 @@ def test_two_gloo_workers_agree_with_the_eager_allreduce():
         np.testing.assert_array_equal(res[0][r][0], res[1][r][0])
     assert "NaN or Inf" in res[0][1][0] and "NaN or Inf" in res[0][1][1]
     assert "mark of a worker" in res[1][1][0] and "mark of a worker" in res[1][1][1]
+
+
+@kernels
+def test_a_peer_with_another_fingerprint_refuses_the_round():
+    """A peer with other THC parameters or another tensor length: refused, nothing kept."""
+    x = torch.randn(1024, generator=torch.Generator().manual_seed(5)).to(DEV)
+    ar = _graphed(agreement.tagged(torch.zeros(4, device=DEV), 0, 12345), 1)
+    with pytest.raises(RuntimeError, match="differ in their THC parameters"):
+        ar(x)
+    assert not ar._bufs.residual.any()
+    ar.transport.other = tagged(torch.zeros(4, device=DEV), 1)
+    assert torch.isfinite(ar(x)).all() and ar._bufs.residual.any()
 
 
 @kernels

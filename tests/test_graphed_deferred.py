@@ -13,9 +13,8 @@ import torch
 import torch.distributed as dist
 
 from tests.test_codec_kernels import DEV, kernels
-from tests.test_graphed import P, _Peer, gloo_inputs, gloo_pair, join_gloo
+from tests.test_graphed import P, _Peer, gloo_inputs, gloo_pair, join_gloo, tagged
 from thc.collective import watchdog
-from thc.collective.agreement import tagged
 from thc.collective.ddp import THCHook
 from thc.collective.graphed import GraphedAllReduce
 from thc.testing.clusters import free_tcp_port

@@ -72,6 +72,32 @@ def rounding_key(generator, flat) -> int:
                              device=generator.device).item())
 
 
+def check_key(generator) -> None:
+    """What :func:`rounding_key` takes, checked before any round: an int in [0, 2^64), a
+    numpy or torch Generator, or None."""
+    if isinstance(generator, bool):
+        raise TypeError("generator must be an int, a numpy or torch Generator or None, "
+                        "got a bool")
+    if isinstance(generator, (int, np.integer)):
+        if not 0 <= int(generator) < 1 << 64:
+            raise ValueError(f"an int generator keys the rounding draws: it must lie in "
+                             f"[0, 2^64), got {int(generator)}")
+        return
+    if generator is None or isinstance(generator, np.random.Generator):
+        return
+    import torch
+    if not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be an int, a numpy or torch Generator or None, got "
+                        f"{type(generator).__name__}")
+
+
+def check_float(flat) -> None:
+    """THC averages real floating-point values: a complex, bool or integer tensor would be
+    cast, losing its imaginary part or coming back rounded, and is refused instead."""
+    if not flat.is_floating_point():
+        raise TypeError(f"THC averages floating-point tensors, got {flat.dtype}")
+
+
 def check_generator(generator, flat) -> None:
     """A torch generator must live where the input does."""
     import torch
@@ -91,7 +117,7 @@ def norm_array(max_norms, n_slices: int) -> np.ndarray:
         raise ValueError(f"max norms must be finite and >= 0, got {m}")
     if np.any(m >= NORM_MARK):
         raise ValueError(f"slice {int(np.argmax(m >= NORM_MARK))}'s max norm is the mark of a "
-                         f"worker whose input holds NaN or Inf there")
+                         f"worker whose input holds NaN or Inf there or was refused")
     return m
 
 
@@ -158,7 +184,7 @@ def raise_status(values, params: THCParams, max_norms=None) -> None:
         got = f", got {max_norms.detach().cpu().numpy()}" if max_norms is not None else ""
         raise ValueError(f"max norms must be finite and >= 0 (slice {values[2] - 1}'s is "
                          f"not, or is the mark of a worker whose input holds NaN or Inf "
-                         f"there){got}")
+                         f"there or was refused){got}")
     if flags & BAD_INDEX:
         top = values[3] - 2
         what = "a negative index" if top < 0 else f"index {top}" + (

@@ -6,12 +6,17 @@ a wait.
   replaced by :data:`NORM_MARK` (above any real norm): every worker refuses those slices.
 - The round number travels beside the norms as two more MAX lanes, ``r`` and
   ``ROUND_SPAN - r``: their maxima give every worker the largest and the smallest round
-  number of the job, which differ only when some worker missed a round.
+  number of the job, which differ only when some worker missed a round. Two more carry a
+  fingerprint of what the round's sums assume alike (:func:`fingerprint`: the codec's
+  parameters and the tensor's cut) the same way: workers whose rotations, tables or lengths
+  differ refuse the round instead of decoding each other's indices as their own.
 - On a stream-ordered transport (NCCL) the peers do not read the max norms before the sum, so
   a worker that stops between the MAX round and the sum first joins the sum with zeros, but
   only where a mark makes every peer refuse that sum anyway.
 """
 from __future__ import annotations
+
+import zlib
 
 import torch
 
@@ -21,47 +26,78 @@ ROUND_SPAN = 1 << 20
 """Round numbers travel modulo this (exact in float32)."""
 
 
-def tagged(norms: torch.Tensor, rnd) -> torch.Tensor:
-    """The MAX round's vector: the slice norms (non-finite ones marked) and the round's two
-    lanes. ``rnd``: an int, or an int64 tensor on the device (a graphed round's)."""
+TAG_LANES = 4
+"""The lanes after the norms: the round number's pair, then the fingerprint's pair."""
+
+
+def fingerprint(params, *cut: int) -> int:
+    """What the workers' rounds must share for their sums to mean one thing, as a lane value
+    below ROUND_SPAN: the codec's parameters (rotation seed, slice size, table) and ``cut``,
+    the numbers that cut the tensor (its length, the pipeline's piece length)."""
+    key = (params.bits, params.granularity, float(params.p), params.seed, params.slice_size,
+           tuple(int(t) for t in params.table)) + tuple(int(c) for c in cut)
+    return zlib.crc32(repr(key).encode()) % ROUND_SPAN
+
+
+def tagged(norms: torch.Tensor, rnd, key: int) -> torch.Tensor:
+    """The MAX round's vector: the slice norms (non-finite ones marked), the round's two
+    lanes and the fingerprint's two. ``rnd``: an int, or an int64 tensor on the device (a
+    graphed round's); ``key``: :func:`fingerprint`."""
+    k = float(key % ROUND_SPAN)
+    # filled on the device: a copy from the host would wait for it
+    keys = [torch.full((1,), v, dtype=torch.float32, device=norms.device)
+            for v in (k, ROUND_SPAN - k)]
     if isinstance(rnd, torch.Tensor):
         r = (rnd.reshape(1) % ROUND_SPAN).float()
         tags = [r, ROUND_SPAN - r]
     else:
         r = float(rnd % ROUND_SPAN)
-        # filled on the device: a copy from the host would wait for it
         tags = [torch.full((1,), v, dtype=torch.float32, device=norms.device)
                 for v in (r, ROUND_SPAN - r)]
     marked = torch.nan_to_num(norms.float(), nan=NORM_MARK, posinf=NORM_MARK)
-    return torch.cat([marked] + tags)
+    return torch.cat([marked] + tags + keys)
 
 
 def untag(maxima: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(max norms, the two round lanes) of a MAX round's result."""
-    return maxima[:-2], maxima[-2:]
+    """(max norms, the four tag lanes) of a MAX round's result."""
+    return maxima[:-TAG_LANES], maxima[-TAG_LANES:]
 
 
 def in_step(tags: torch.Tensor) -> torch.Tensor:
-    """Whether the job's workers are all in the same round, as a boolean on the device."""
-    return tags.double().sum() == ROUND_SPAN   # as exact as check_rounds on the host
+    """Whether the job's workers are all in the same round with the same fingerprint, as a
+    boolean on the device (as exact as check_rounds on the host)."""
+    pairs = tags.double().reshape(2, 2).sum(dim=1)
+    return (pairs == ROUND_SPAN).all()
+
+
+def agreed(tags) -> bool:
+    """Whether the four tag lanes (read on the host) say: one round, one fingerprint."""
+    high, low, khigh, klow = tags
+    return high + low == ROUND_SPAN and khigh + klow == ROUND_SPAN
 
 
 def refused(max_norms: torch.Tensor, tags: torch.Tensor) -> bool:
     """Whether every worker refuses the round once the MAX round's result is read on the host
-    (a marked slice, or workers out of step): what :func:`refuse_marked` and
+    (a marked slice, workers out of step or unlike): what :func:`refuse_marked` and
     :func:`check_rounds` raise on."""
-    high, low = tags.tolist()
-    return first_marked(max_norms) is not None or high + low != ROUND_SPAN
+    return first_marked(max_norms) is not None or not agreed(tags.tolist())
 
 
 def check_rounds(tags) -> None:
-    """Raise on every worker when the job's workers are not all in the same round
-    (``tags``: the two round lanes, a tensor or a list)."""
-    high, low = tags.tolist() if isinstance(tags, torch.Tensor) else tags
+    """Raise on every worker when the job's workers are not all in the same round, or their
+    rounds differ in fingerprint (``tags``: the four tag lanes, a tensor or a list)."""
+    tags = tags.tolist() if isinstance(tags, torch.Tensor) else list(tags)
+    high, low, khigh, klow = tags
     if high + low != ROUND_SPAN:
         raise RuntimeError(f"the workers are in different rounds ({ROUND_SPAN - low:g} to "
                            f"{high:g}, modulo {ROUND_SPAN}): a worker missed a round, so "
                            f"their rotations differ and no sum of this round is used")
+    if khigh + klow != ROUND_SPAN:
+        raise RuntimeError(f"the workers' rounds differ in their THC parameters (bits, "
+                           f"granularity, p, seed, slice size, table) or in the tensor's "
+                           f"length or piece length (fingerprints {ROUND_SPAN - klow:g} to "
+                           f"{khigh:g}): their indices mean different things, so no sum of "
+                           f"this round is used")
 
 
 def marks(y: torch.Tensor, pieces, layout_of) -> torch.Tensor:
@@ -99,4 +135,5 @@ def refuse_marked(norms: torch.Tensor, max_norms: torch.Tensor) -> None:
     other = first_marked(max_norms)
     if other is not None:
         raise ValueError(f"slice {other}'s max norm is the mark of a worker whose input holds "
-                         f"NaN or Inf there: the round is refused")
+                         f"NaN or Inf there or was refused (a wrong dtype or layer positions): "
+                         f"the round is refused")

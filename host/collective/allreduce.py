@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from thc.codec.common import wire_sum_dtype
+from thc.codec.common import check_float, check_key, wire_sum_dtype
 from thc.codec.params import THCParams
 from thc.codec.thc import ErrorFeedback, THCCodec, table_values
 from thc.collective import agreement
@@ -186,6 +186,17 @@ class RoundStats:
                                                    "decode": 0.0, "feedback": 0.0})
 
 
+def check_positions(position, numel: int) -> torch.Tensor:
+    """The layer positions of a round's elements as floats: one per element, in [0, 1]."""
+    pos = torch.as_tensor(position).detach().reshape(-1).float().cpu()
+    if pos.numel() != numel:
+        raise ValueError(f"{pos.numel()} layer positions for {numel} elements")
+    if not bool(((pos >= 0) & (pos <= 1)).all()):
+        raise ValueError("layer positions must lie in [0, 1] (0: needed first by the next "
+                         "forward pass)")
+    return pos
+
+
 class THCAllReduce:
     """Callable that returns the THC estimate of the mean of a tensor across workers.
 
@@ -196,6 +207,7 @@ class THCAllReduce:
     def __init__(self, transport, params: THCParams | None = None, error_feedback: bool = True,
                  generator=None, pipeline_elements: int = 1 << 21, backend: str = "auto"):
         self.params = params or THCParams()
+        check_key(generator)   # here, not in a round's encode, where peers would wait
         self.generator = generator
         if pipeline_elements % self.params.slice_size:
             raise ValueError(f"pipeline_elements ({pipeline_elements}) must be a multiple of "
@@ -230,9 +242,7 @@ class THCAllReduce:
         A slice mixes its coordinates (the rotation), so classes are per slice: set
         ``THCParams.slice_size`` to a layer's size or less for per-layer classes."""
         size = self.params.slice_size
-        pos = torch.as_tensor(position).reshape(-1).float()
-        if pos.numel() != numel:
-            raise ValueError(f"{pos.numel()} layer positions for {numel} elements")
+        pos = check_positions(position, numel)
         n_slices = -(-numel // size)
         pad = n_slices * size - numel
         pos = torch.nn.functional.pad(pos, (0, pad), value=1.0).reshape(n_slices, size)
@@ -289,31 +299,38 @@ class THCAllReduce:
                                        f"and its sums ({type(e).__name__}: {e})")
             raise
 
-    def _max_round(self, flat, pieces, rnd: int, whole: bool):
+    def _max_round(self, flat, pieces, rnd: int, whole: bool, refusal=None):
         """Each piece's prepare, and the MAX round of their slice norms with the round number
         (:mod:`thc.collective.agreement`). A worker whose prepare fails still sends its MAX
         round, its bad slices marked (and on a stream-ordered transport joins the sum), then
         raises. Where the max norms reach the host, every worker refuses a marked round or
         one out of step here, before any sum; on a stream-ordered transport the kernels flag
-        a mark and the rounds are compared at the round's end (:meth:`_round`)."""
+        a mark and the rounds are compared at the round's end (:meth:`_round`).
+        ``refusal``: this worker's input was refused; its round goes out, every slice marked."""
         layout_of = self.codec.layout
+        # one piece of the whole tensor, as a graphed round's: the two may be peers
+        key = agreement.fingerprint(self.params, flat.numel(), pieces[0][1] - pieces[0][0])
         y = flat
         try:
+            if refusal is not None:
+                raise refusal
             y = self.feedback.compensate(flat) if self.feedback else flat
             preps = [self.codec.prepare(y[a:b], rnd) for a, b in pieces]
         except Exception as e:
             bad = agreement.marks(y, pieces, layout_of)
             self._open = whole   # on a stream-ordered transport a sum follows the MAX round
-            self.transport.max(agreement.tagged(bad, rnd))
+            self.transport.max(agreement.tagged(bad, rnd, key))
             if whole:
                 self._join_sum(y, pieces)
             self._open = False
+            if refusal is not None:
+                raise
             slice_ = agreement.first_marked(bad)
             if isinstance(e, ValueError) and slice_ is not None:
                 raise ValueError(f"input contains NaN or Inf in slice {slice_}") from e
             raise
         norms = preps[0].norms if len(preps) == 1 else torch.cat([p.norms for p in preps])
-        vector = agreement.tagged(norms, rnd)
+        vector = agreement.tagged(norms, rnd, key)
         self._open = True   # from here the MAX round may have left: peers may wait in a sum
         max_norms, tags = agreement.untag(self.transport.max(vector))
         if not whole:
@@ -335,6 +352,14 @@ class THCAllReduce:
         secs = self.stats.seconds
         t0 = time.perf_counter()
         flat = tensor.detach().reshape(-1)
+        refusal = None   # input refused: its round still goes out, marked, so peers refuse it
+        try:
+            check_float(flat)
+            if position is not None:
+                check_positions(position, flat.numel())
+        except (TypeError, ValueError) as e:
+            refusal = e
+            flat = torch.zeros(flat.shape, device=flat.device)
         if flat.dtype not in (torch.float32, torch.float16, torch.bfloat16):
             flat = flat.float()   # half types reach the kernels as they are
         slice_size = self.params.slice_size
@@ -348,10 +373,10 @@ class THCAllReduce:
         rnd = self.round
         self.round += 1
         # the fused encode: each piece's norms now, its wire form from them after the MAX round
-        y, preps, max_norms, tags = self._max_round(flat, pieces, rnd, whole)
+        y, preps, max_norms, tags = self._max_round(flat, pieces, rnd, whole, refusal)
         self._open = True   # until every sum of the round is issued
         secs["norms"] += time.perf_counter() - t0
-        slice_cls = (None if position is None else
+        slice_cls = (None if position is None or self.transport.lanes is None else
                      self.priority_classes(position, max_norms, flat.numel()))
         norms_of = lambda a, b: max_norms[a // slice_size: -(-b // slice_size)]  # noqa: E731
         est = torch.empty_like(flat, dtype=torch.float32)

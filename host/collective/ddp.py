@@ -109,15 +109,18 @@ class _Hook:
     def hook(self, state, bucket):  # unannotated: DDP rejects string annotations
         buf = bucket.buffer()
         spans, offset = [], 0
-        for p in bucket.parameters():
+        params = bucket.parameters()
+        for p in params:
             spans.append((offset, offset + p.numel(), self._keep_fp32(p),
                           self._positions.get(id(p), 1.0)))
             offset += p.numel()
-        index = bucket.index()
+        # a bucket is its parameters, not its index: DDP rebuilds its buckets after the
+        # first iteration, and an index may then hold others (a residual would move to them)
+        key = tuple(id(p) for p in params)
         with self._stats_lock:
             self._last_call = time.perf_counter()
         if self._pool is None:
-            return _done(self._reduce_bucket(index, buf, spans))
+            return _done(self._reduce_bucket(key, buf, spans))
         fut: torch.futures.Future = torch.futures.Future()
 
         def finish(done) -> None:
@@ -127,10 +130,10 @@ class _Hook:
             else:
                 fut.set_result(done.result())
 
-        self._pool.submit(self._reduce_bucket, index, buf, spans).add_done_callback(finish)
+        self._pool.submit(self._reduce_bucket, key, buf, spans).add_done_callback(finish)
         return fut
 
-    def _reduce_bucket(self, index: int, buf: torch.Tensor, spans) -> torch.Tensor:
+    def _reduce_bucket(self, bucket, buf: torch.Tensor, spans) -> torch.Tensor:
         start = time.perf_counter()
         comp = [buf[a:b] for a, b, fp32, _ in spans if not fp32]
         plain = [buf[a:b] for a, b, fp32, _ in spans if fp32]
@@ -151,7 +154,7 @@ class _Hook:
             if self.wants_positions:
                 position = torch.cat([torch.full((b - a,), pos) for a, b, fp32, pos in spans
                                       if not fp32])
-            out = self.reduce(index, flat, [v.numel() for v in comp], position)
+            out = self.reduce(bucket, flat, [v.numel() for v in comp], position)
             i = 0
             for view in comp:
                 view.copy_(out[i: i + view.numel()])
@@ -162,10 +165,12 @@ class _Hook:
             self._last_done = end
         return buf
 
-    def reduce(self, bucket_index: int, flat: torch.Tensor, sizes: list[int],
+    def reduce(self, bucket, flat: torch.Tensor, sizes: list[int],
                position: torch.Tensor | None = None) -> torch.Tensor:
         """The workers' mean of ``flat``, the bucket's compressed parameters (of ``sizes``);
-        ``position``: each element's layer place (only when :attr:`wants_positions`)."""
+        ``bucket``: the bucket's identity (hashable; the hook's: its parameters' ids, in
+        order), which keys residuals; ``position``: each element's layer place (only when
+        :attr:`wants_positions`)."""
         raise NotImplementedError
 
 
@@ -173,7 +178,7 @@ class FP32Hook(_Hook):
     """The FP32 all-reduce (the mean) through the same machinery as the compressing hooks:
     the baseline that leaves only their codec's cost as the difference."""
 
-    def reduce(self, bucket_index: int, flat: torch.Tensor, sizes: list[int],
+    def reduce(self, bucket, flat: torch.Tensor, sizes: list[int],
                position: torch.Tensor | None = None) -> torch.Tensor:
         out = flat.clone()
         dist.all_reduce(out, group=self.group)
@@ -193,7 +198,7 @@ class THCHook(_Hook):
         super().__init__(model, options, group, overlap)
         self.make_allreducer = make_allreducer
         self.wants_positions = priorities
-        self.reducers: dict[tuple[int, int], THCAllReduce | GraphedAllReduce] = {}
+        self.reducers: dict[tuple, THCAllReduce | GraphedAllReduce] = {}
 
     @property
     def codec_seconds(self) -> float:
@@ -226,10 +231,9 @@ class THCHook(_Hook):
         if errors:
             raise errors[0]
 
-    def reduce(self, bucket_index: int, flat: torch.Tensor, sizes: list[int],
+    def reduce(self, bucket, flat: torch.Tensor, sizes: list[int],
                position: torch.Tensor | None = None) -> torch.Tensor:
-        # DDP rebuilds its buckets after the first iteration: a new size starts a new residual.
-        key = (bucket_index, flat.numel())
+        key = (bucket, flat.numel())
         ar = self.reducers.get(key)
         if ar is None:
             self.check()   # the reducers of buckets DDP rebuilt take no further rounds
@@ -249,10 +253,9 @@ class TopKHook(_Hook):
         super().__init__(model, options, group, overlap)
         self.scheme = TopK(ratio=ratio, error_feedback=True)
 
-    def reduce(self, bucket_index: int, flat: torch.Tensor, sizes: list[int],
+    def reduce(self, bucket, flat: torch.Tensor, sizes: list[int],
                position: torch.Tensor | None = None) -> torch.Tensor:
-        # The residual is keyed by bucket and size: DDP rebuilds buckets after one iteration.
-        payload = self.scheme.compress(flat, key=(bucket_index, flat.numel()))
+        payload = self.scheme.compress(flat, key=(bucket, flat.numel()))
         idx = payload.indices.to(torch.int32)
         vals = payload.values.float()
         all_idx = [torch.empty_like(idx) for _ in range(self.world)]
@@ -276,11 +279,11 @@ class MarsitHook(_Hook):
         super().__init__(model, options, group, overlap)
         self.make_allreducer = make_allreducer or (
             lambda: MarsitAllReduce(self.group, generator))
-        self.reducers: dict[tuple[int, int], MarsitAllReduce] = {}
+        self.reducers: dict[tuple, MarsitAllReduce] = {}
 
-    def reduce(self, bucket_index: int, flat: torch.Tensor, sizes: list[int],
+    def reduce(self, bucket, flat: torch.Tensor, sizes: list[int],
                position: torch.Tensor | None = None) -> torch.Tensor:
-        key = (bucket_index, flat.numel())
+        key = (bucket, flat.numel())
         ar = self.reducers.get(key)
         if ar is None:
             ar = self.reducers[key] = self.make_allreducer()

@@ -57,7 +57,7 @@ from dataclasses import dataclass
 import torch
 
 from thc.codec.backends import kernels_for
-from thc.codec.common import NORM_MARK, WHOLE, raise_status
+from thc.codec.common import NORM_MARK, WHOLE, check_float, check_key, raise_status
 from thc.codec.params import THCParams
 from thc.codec.thc import THCCodec
 from thc.collective import agreement, watchdog
@@ -122,6 +122,7 @@ class GraphedAllReduce:
         if isinstance(generator, bool) or not isinstance(generator, int):
             raise TypeError(f"a graphed round keys its rounding draws by a fixed int and the "
                             f"round; got generator={generator!r}")
+        check_key(generator)
         if transport.packed:
             raise ValueError("a graphed round sums through torch.distributed: the "
                              "aggregator's client runs on the host")
@@ -182,9 +183,10 @@ class GraphedAllReduce:
                 torch.zeros(n, device=dev) if self.error_feedback else None,
                 torch.empty(n, device=dev),
                 torch.full((1,), self.round - 1, dtype=torch.int64, device=dev),
-                torch.zeros(6, dtype=torch.float64, device=dev),
+                torch.zeros(4 + agreement.TAG_LANES, dtype=torch.float64, device=dev),
                 torch.zeros((), dtype=torch.bool, device=dev),
-                torch.zeros(6, dtype=torch.float64, pin_memory=dev.type == "cuda"))
+                torch.zeros(4 + agreement.TAG_LANES, dtype=torch.float64,
+                            pin_memory=dev.type == "cuda"))
         elif (b.numel, b.x.dtype, b.x.device) != (flat.numel(), flat.dtype, flat.device):
             raise ValueError(f"a graphed all-reduce serves one tensor: {b.numel} {b.x.dtype} "
                              f"on {b.x.device}, got {flat.numel()} {flat.dtype} on "
@@ -198,7 +200,8 @@ class GraphedAllReduce:
         word = c.status(y)
         word.zero_()   # each round's flags are its own, cleared in its stream order
         prep = c.prepare(y, b.round)
-        vector = agreement.tagged(prep.norms, b.round)
+        vector = agreement.tagged(prep.norms, b.round,
+                                  agreement.fingerprint(self.params, b.numel, b.numel))
         self._check_usable()
         self._sent = 0 if self._capturing else 1   # from here the MAX round may have left
         max_norms, tags = agreement.untag(self.transport.max(vector))
@@ -316,7 +319,7 @@ class GraphedAllReduce:
         self._raise_report(self._bufs.host.tolist())
 
     def _raise_report(self, values: list[float]) -> None:
-        if values[0] or values[4] + values[5] != agreement.ROUND_SPAN:
+        if values[0] or not agreement.agreed(values[4:]):
             raise_status([int(v) for v in values[:4]], self.params)
             agreement.check_rounds(values[4:])
 
@@ -338,7 +341,9 @@ class GraphedAllReduce:
             lay, dev = self.codec.layout(n), (b.x.device if b is not None else flat.device)
             marks = torch.full((lay.n_slices,), NORM_MARK, device=dev)
             zeros = torch.zeros(lay.total_padded, dtype=torch.uint8, device=dev)
-            vector = agreement.tagged(marks, self.round - 1)
+            numel = b.numel if b is not None else flat.numel()
+            key = agreement.fingerprint(self.params, numel, numel)
+            vector = agreement.tagged(marks, self.round - 1, key)
             sent = True
             self.transport.max(vector)
             self.transport.sum(zeros, lay.total_padded, self.params)
@@ -386,6 +391,7 @@ class GraphedAllReduce:
         self._sent = 0
         try:
             flat = tensor.detach().reshape(-1)
+            check_float(flat)   # owed to the peers as a refused round, as bad values are
             if flat.dtype not in KERNEL_DTYPES:
                 flat = flat.float()
             b = self._buffers(flat)
