@@ -65,14 +65,15 @@ def _worker(rank, world, port, q):
     grad = torch.randn(5003, generator=g) + 0.3 * rank
     first = ar(grad)
     second = ar(grad)
+    residual, nbytes = ar.residual, ar.bytes_sent
     try:
-        ar(torch.full((3,), float("nan")))
+        ar(torch.full_like(grad, float("nan")))
         nan_error = ""
     except ValueError as e:
         nan_error = str(e)
     # numpy copies: a tensor put on the queue shares memory with a process that exits
-    q.put((rank, *(t.numpy().copy() for t in (grad, first, second, ar.residual)),
-           ar.bytes_sent, nan_error))
+    q.put((rank, *(t.numpy().copy() for t in (grad, first, second, residual)),
+           nbytes, nan_error))
     dist.destroy_process_group()
 
 
@@ -102,7 +103,7 @@ def test_ring_allreduce_in_gloo_agrees_on_every_rank():
     for rank, grad, first, second, residual, nbytes, err in out:
         assert torch.allclose(residual, grad + (grad - first) - second, atol=1e-5)
         d = grad.numel()
-        assert nbytes == 2 * 2 * (world - 1) * math.ceil(d / (8 * world)) + 2 * (2 * 2 * 4 // 3)
+        assert nbytes == 2 * 2 * (world - 1) * math.ceil(d / (8 * world)) + 2 * (2 * 2 * 8 // 3)
         assert "NaN or Inf" in err
 
 
@@ -163,3 +164,42 @@ def test_vote_allreduce_through_the_software_aggregator_is_the_exact_mean_sign()
         assert torch.allclose(ests[0][seg], scale * mean_sign[seg], rtol=1e-5, atol=1e-7)
     for (_, g, e, r) in out:
         assert torch.allclose(torch.from_numpy(r), torch.from_numpy(g) - torch.from_numpy(e))
+
+
+def _bad_worker(rank, port, q):
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2)
+    ar = marsit.MarsitAllReduce(generator=torch.Generator().manual_seed(rank))
+    x = torch.randn(4096, generator=torch.Generator().manual_seed(rank))
+    nan = x.clone()
+    if rank == 1:
+        nan[5] = float("nan")
+    out = []
+    for grad in (nan, x.clamp(-1, 1) * 3e38, x.clamp(-1, 1) * 3e38, x):
+        try:
+            est = ar(grad)
+            out.append(bool(torch.isfinite(est).all()))
+        except ValueError as e:
+            out.append(str(e))
+    q.put((rank, out))
+    dist.destroy_process_group()
+
+
+def test_a_nan_or_an_overflow_is_refused_by_every_worker():
+    """A NaN on one worker used to raise there alone (its peer waited in the scales'
+    all-reduce); values near float32's top made the scales overflow on every worker and the
+    estimate NaN, with no error."""
+    ctx = tmp.get_context("spawn")
+    q = ctx.Queue()
+    port = free_port_block(1)
+    ps = [ctx.Process(target=_bad_worker, args=(r, port, q), daemon=True) for r in range(2)]
+    [p.start() for p in ps]
+    res = dict(q.get(timeout=120) for _ in ps)
+    [p.join(30) for p in ps]
+    assert res[1][0] == "Marsit: the gradient (with its compensation) holds NaN or Inf"
+    assert "a worker's gradient" in res[0][0] and "refused" in res[0][0]
+    for rank in (0, 1):
+        huge, compensated, good = res[rank][1:]
+        assert huge is True                           # finite scales, finite estimate
+        assert compensated is True or "NaN or Inf" in compensated
+        assert good is True

@@ -69,8 +69,6 @@ class _SignAllReduce:
     def __call__(self, grad: torch.Tensor, sizes: list[int] | None = None) -> torch.Tensor:
         """The estimate of the workers' mean of ``grad``; ``sizes`` splits it into segments
         with a scale each (default: one)."""
-        if not torch.isfinite(grad).all():
-            raise ValueError("Marsit: the gradient holds NaN or Inf")
         flat = grad.reshape(-1).float()
         if self.compensation and self.residual is not None:
             if self.residual.shape != flat.shape:
@@ -80,11 +78,22 @@ class _SignAllReduce:
         sizes = [flat.numel()] if sizes is None else list(sizes)
         if sum(sizes) != flat.numel() or any(n < 1 for n in sizes):
             raise ValueError(f"Marsit: segments {sizes} do not split {flat.numel()} elements")
-        scale = torch.stack([part.abs().mean() for part in flat.split(sizes)])
+        # A worker with NaN or Inf still joins the scales' all-reduce, with NaN scales: the
+        # sum carries them to every worker, and all refuse the round (none waits). Scales in
+        # float64: a float32 sum of huge values would overflow on every worker alike.
+        ok = bool(torch.isfinite(flat).all())
+        scale = torch.stack([part.abs().double().mean() for part in flat.split(sizes)]) \
+            if ok else torch.full((len(sizes),), float("nan"), dtype=torch.float64,
+                                  device=flat.device)
         dist.all_reduce(scale, group=self.group)
+        self.bytes_sent += 2 * (self.world - 1) * scale.element_size() * len(sizes) // self.world
+        if not ok or not bool(torch.isfinite(scale).all()):
+            self.residual = None   # every worker refuses the round and compensates anew
+            raise ValueError("Marsit: the gradient (with its compensation) holds NaN or Inf"
+                             if not ok else "Marsit: a worker's gradient (with its "
+                             "compensation) holds NaN or Inf: the round is refused")
         scale /= self.world
-        self.bytes_sent += 2 * (self.world - 1) * 4 * len(sizes) // self.world
-        per_coord = scale.repeat_interleave(torch.tensor(sizes))
+        per_coord = scale.float().repeat_interleave(torch.tensor(sizes, device=flat.device))
         estimate = self.mean_sign(flat >= 0) * per_coord
         if self.compensation:
             self.residual = flat - estimate
