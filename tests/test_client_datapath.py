@@ -125,6 +125,8 @@ def test_hostile_replies_ignored_and_counted_short_chunks_and_restart(job, datap
             assert s.retransmitted == 0 and s.sent == N_CHUNKS
             assert s.received == 14 * N_CHUNKS + 2
             assert s.ignored == 11 * N_CHUNKS + 2
+            # impossible from the right address: count n/bitmap, > 2 x 30, type, length
+            assert s.rejected == 4 * N_CHUNKS + 2
             assert s.other_run == N_CHUNKS and s.pending == N_CHUNKS and s.short == 1
             assert s.bytes_sent == sum(map(len, agg.received))
             assert r.counts[SHORT_SEQ] == 1 and r.bitmaps[SHORT_SEQ] == 0b01
@@ -356,3 +358,36 @@ def test_python_window_and_aggregator_serve_sockets_numbered_past_1024():
         for f in fill:
             f.close()
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_an_aggregator_answering_only_impossible_results_is_named_so(job, datapath):
+    """Configured with another job (here: 16-bit sums where the job has 8): every RESULT is
+    the wrong size, and the timeout says so instead of calling the aggregator silent."""
+    srv = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    srv.bind(("127.0.0.1", 0))
+    srv.settimeout(0.05)
+    stop = threading.Event()
+
+    def serve():
+        while not stop.is_set():
+            try:
+                data, src = srv.recvfrom(4096)
+            except socket.timeout:
+                continue
+            head = bytearray(data[: P.HEADER_BYTES])
+            head[0], head[7] = P.PktType.RESULT, job.n_workers
+            head[16:20] = job.full_bitmap.to_bytes(4, "big")
+            srv.sendto(bytes(head) + bytes(2 * job.lanes), src)
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    try:
+        with AggregationClient(job, 0, srv.getsockname(), run=2, deadline=0.5) as c:
+            with pytest.raises(AggregationTimeout, match=r"answered with \d+ impossible "
+                                                         r"replies .* configured with this job"):
+                c.aggregate(_packed(job, 1)[: job.lanes // 2])
+            assert c.stats.rejected > 0 and c.stats.compiled_rounds == (datapath == "compiled")
+    finally:
+        stop.set()
+        t.join()
+        srv.close()

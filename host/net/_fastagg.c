@@ -1260,7 +1260,7 @@ enum { M_RESENT = 1, M_OVERTAKEN = 2 };
 
 enum { EV_DONE, EV_RESTARTED, EV_TIMEOUT, EV_OSERROR, EV_REFUSED };
 enum { S_SENT, S_RETRANSMITTED, S_RECEIVED, S_IGNORED, S_OTHER_RUN, S_PENDING, S_BYTES_SENT,
-       S_BYTES_RECEIVED, S_SHORT, N_CSTATS };
+       S_BYTES_RECEIVED, S_SHORT, S_REJECTED, N_CSTATS };
 
 typedef struct {
     int fd, n_shards, window, lanes, n_workers, is_data, chunk_bytes;
@@ -1679,6 +1679,7 @@ static PyObject *fa_stream(PyObject *self, PyObject *args) {
                         (r_bitmap & ~full) || __builtin_popcount(r_bitmap) != r_count ||
                         (r_count != n_workers && !is_data)) {
                         c->st[S_IGNORED]++;
+                        c->st[S_REJECTED]++;
                         continue;
                     }
                     /* Copy the lanes out while checking them (the row is rewritten by the
@@ -1712,6 +1713,7 @@ static PyObject *fa_stream(PyObject *self, PyObject *args) {
                     }
                     if (bad) {
                         c->st[S_IGNORED]++;
+                        c->st[S_REJECTED]++;
                         continue;
                     }
                     if (r_count != n_workers) {

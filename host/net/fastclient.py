@@ -44,6 +44,7 @@ class Streamed:
     bytes_sent: int
     bytes_received: int
     short: int
+    rejected: int
     srtt: list
     rttvar: list
 
@@ -85,7 +86,7 @@ class CompiledWindow:
         s.compiled_rounds += 1
         r = stream(end, rnd, np.ascontiguousarray(rnd.chunks, dtype=np.uint8))
         for name in ("sent", "retransmitted", "received", "ignored", "other_run", "pending",
-                     "bytes_sent", "bytes_received", "short"):
+                     "bytes_sent", "bytes_received", "short", "rejected"):
             setattr(s, name, getattr(s, name) + getattr(r, name))
         end.rtt.srtt, end.rtt.rttvar = r.srtt, r.rttvar
         if r.event == STREAM_RESTARTED:
@@ -94,7 +95,7 @@ class CompiledWindow:
                                       shard if len(end.aggregators) > 1 else None)
         if r.event == STREAM_TIMEOUT:
             i, bitmap, silent = r.info
-            raise_timeout(end, rnd, i, bitmap, silent)
+            raise_timeout(end, rnd, i, bitmap, silent, r.rejected)
         if r.event == STREAM_OSERROR:
             raise OSError(r.info, os.strerror(r.info))
         if r.event == STREAM_REFUSED:

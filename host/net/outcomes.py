@@ -108,6 +108,10 @@ class TransportStats:
     """Chunks that ended with fewer than all workers (whoever closed them)."""
     compiled_rounds: int = 0
     """Rounds (aggregate/max calls) the compiled datapath ran; the others ran in Python."""
+    rejected: int = 0
+    """Replies from the right address for a chunk in flight that were impossible (the wrong
+    type or size, count and bitmap at odds, sums no contributors can make): counted in
+    ``ignored`` too. Many of them point at an aggregator configured with another job."""
     drained: int = 0
     """Datagrams found queued when a round began, dropped unread: no packet of the round
     had been sent, so none can answer it (a predecessor's results, late duplicates)."""

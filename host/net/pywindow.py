@@ -82,6 +82,7 @@ class PythonWindow:
         jitter = end.impair.jitter
         now = time.monotonic()
         last_reply = now
+        rejected_before = end.stats.rejected
 
         pack, unpack = P.HEADER_STRUCT.pack, P.HEADER_STRUCT.unpack_from
         job_id, n_workers, header_bytes = job.job_id, job.n_workers, P.HEADER_BYTES
@@ -188,6 +189,7 @@ class PythonWindow:
                             or r_bitmap & ~full or bin(r_bitmap).count("1") != r_count
                             or (r_count < n_workers and not is_data)):
                         end.stats.ignored += 1
+                        end.stats.rejected += 1
                         continue
                     sums = np.frombuffer(buf, dtype=dtype, count=lanes, offset=header_bytes)
                     if (sums.max() > r_count * top if is_data else
@@ -195,6 +197,7 @@ class PythonWindow:
                         # more than the contributors can sum to, a max below our own or
                         # no float's
                         end.stats.ignored += 1
+                        end.stats.rejected += 1
                         continue
                     if r_count != n_workers:
                         # closed short (FLUSH): count and bitmap say who was counted
@@ -229,7 +232,8 @@ class PythonWindow:
                 if t > now:
                     continue
                 if now - started[i] > end.deadline:
-                    raise_timeout(end, rnd, i, pending_bitmap.get(i), now - last_reply)
+                    raise_timeout(end, rnd, i, pending_bitmap.get(i), now - last_reply,
+                                  end.stats.rejected - rejected_before)
                 resend(i)
                 rto = end.rtt.rto(shard_of(i))
                 # exponential backoff, capped at FAST_BACKOFF_CAP RTOs for the window's head

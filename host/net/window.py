@@ -122,8 +122,11 @@ def raise_refused(end: Endpoint, rnd: Round, i: int, code: int, detail: int):
     raise AggregationRefused(where(end, rnd.run, rnd.base + i), reason, detail)
 
 
-def raise_timeout(end: Endpoint, rnd: Round, i: int, bitmap: int | None, silent: float = 0.0):
-    """``silent``: seconds since the aggregator last answered anything of this run. A
+def raise_timeout(end: Endpoint, rnd: Round, i: int, bitmap: int | None, silent: float = 0.0,
+                  rejected: int = 0):
+    """``rejected``: this round's impossible replies (:attr:`TransportStats.rejected`): an
+    aggregator that answers only those is named as such, not as silent.
+    ``silent``: seconds since the aggregator last answered anything of this run. A
     live aggregator answers every retransmission of a chunk it holds (PENDING), and they
     come at least every ``max_timeout``; silent for two of those (and half the deadline),
     the cause is the aggregator (gone, unreachable, or restarted without a program yet),
@@ -136,6 +139,11 @@ def raise_timeout(end: Endpoint, rnd: Round, i: int, bitmap: int | None, silent:
     shard = job.shard_of(seq)
     ip, port = end.aggregators[shard]
     who = f"aggregator shard {shard}" if job.shards else "the aggregator"
+    if bitmap is None and rejected:
+        raise AggregationTimeout(
+            f"{at}; {who} at {ip}:{port} answered with {rejected} impossible replies this "
+            f"round (the wrong type or size, or sums, counts or bitmaps this job cannot "
+            f"make): is it configured with this job (lanes, sum width, workers)?", None)
     if bitmap is None:
         raise AggregationTimeout(f"{at}; no answer from {who} at {ip}:{port}", None)
     if silent >= max(end.deadline / 2, 2 * end.max_timeout):
