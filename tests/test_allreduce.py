@@ -173,6 +173,7 @@ def _unlike_worker(rank, port, q):
     cases = [(THCParams(slice_size=256, seed=rank), 1024),               # the rotation
              (THCParams(slice_size=256, granularity=30 + 30 * rank), 1024),  # the table
              (THCParams(slice_size=256), 1000 + 24 * rank),              # the length
+             (THCParams(slice_size=256), 1024 + 1024 * rank),            # slice count
              (THCParams(slice_size=256), 1024)]                          # alike
     out = []
     for params, numel in cases:
@@ -187,7 +188,8 @@ def _unlike_worker(rank, port, q):
 
 def test_torch_distributed_workers_with_unlike_rounds_all_refuse():
     """Two workers that differ in seed, granularity or tensor length used to decode each
-    other's indices as their own: a wrong mean, different on each worker, and no error."""
+    other's indices as their own: a wrong mean, different on each worker, and no error; with
+    different slice counts Gloo aborted a process on MAX rounds of different lengths."""
     ctx = tmp.get_context("spawn")
     q = ctx.Queue()
     port = free_port_block(1)

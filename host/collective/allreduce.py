@@ -221,6 +221,8 @@ class THCAllReduce:
         self.feedback = ErrorFeedback(self.params) if error_feedback else None
         self.round = 0
         self._open = False
+        self._sizes: set[int] = set()
+        """Tensor sizes every worker's rounds have agreed on (:meth:`_agree_size`)."""
         self.stats = RoundStats()
 
     @classmethod
@@ -299,6 +301,21 @@ class THCAllReduce:
                                        f"and its sums ({type(e).__name__}: {e})")
             raise
 
+    def _key(self, flat, pieces) -> int:
+        # one piece of the whole tensor, as a graphed round's: the two may be peers
+        return agreement.fingerprint(self.params, flat.numel(), pieces[0][1] - pieces[0][0])
+
+    def _agree_size(self, flat, pieces) -> None:
+        """Before the first round of a tensor size: a MAX round of the tag lanes alone, the
+        same length on every worker, that takes no round. Workers whose sizes differ would
+        otherwise pair MAX rounds of different lengths, and Gloo ends that by aborting the
+        process; here every worker raises, naming it. Sizes are added only once agreed, so
+        every worker keeps the same set."""
+        tags = self.transport.max(agreement.tagged(flat.new_zeros(0, dtype=torch.float32),
+                                                   self.round, self._key(flat, pieces)))
+        agreement.check_rounds(tags)
+        self._sizes.add(flat.numel())
+
     def _max_round(self, flat, pieces, rnd: int, whole: bool, refusal=None):
         """Each piece's prepare, and the MAX round of their slice norms with the round number
         (:mod:`thc.collective.agreement`). A worker whose prepare fails still sends its MAX
@@ -308,8 +325,7 @@ class THCAllReduce:
         a mark and the rounds are compared at the round's end (:meth:`_round`).
         ``refusal``: this worker's input was refused; its round goes out, every slice marked."""
         layout_of = self.codec.layout
-        # one piece of the whole tensor, as a graphed round's: the two may be peers
-        key = agreement.fingerprint(self.params, flat.numel(), pieces[0][1] - pieces[0][0])
+        key = self._key(flat, pieces)
         y = flat
         try:
             if refusal is not None:
@@ -368,6 +384,8 @@ class THCAllReduce:
         whole = getattr(self.transport, "stream_ordered", False)
         step = max(flat.numel(), 1) if whole else self.pipeline_elements
         pieces = [(a, min(a + step, flat.numel())) for a in range(0, flat.numel(), step)]
+        if flat.numel() not in self._sizes:
+            self._agree_size(flat, pieces)
         # every worker counts the round as taken, whatever happens in it: a worker that fails
         # part-way stays in step with those that do not (and the MAX round checks it)
         rnd = self.round

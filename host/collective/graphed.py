@@ -218,6 +218,14 @@ class GraphedAllReduce:
         b.report[4:].copy_(tags)
         b.round.add_(1)
 
+    def _agree_size(self, tensor: torch.Tensor) -> None:
+        """Before the first round: the tag lanes alone, as THCAllReduce does before a new
+        size (a MAX round of another length would abort a Gloo peer); takes no round."""
+        n = tensor.numel()
+        tags = self.transport.max(agreement.tagged(
+            torch.zeros(0, device=tensor.device), self.round, agreement.fingerprint(self.params, n, n)))
+        agreement.check_rounds(tags)
+
     def _capturable(self, flat: torch.Tensor) -> bool:
         can = flat.device.type == "cuda" and getattr(self.transport, "stream_ordered", False)
         if self.capture and not can:
@@ -385,6 +393,8 @@ class GraphedAllReduce:
         if tensor.numel() == 0:
             return tensor.clone()
         self.check()   # the last round's refusal, before this one takes a round
+        if self._bufs is None:
+            self._agree_size(tensor)
         t0 = time.perf_counter()
         # every worker counts the round as taken, whatever happens in it
         self.round += 1

@@ -152,6 +152,7 @@ def row_spoofed(tb, numel: int, suffix: str = "", **kw) -> Row:
     sums, exact, retx = check_sums(results)
     ignored = sum(r.get("stats", {}).get("ignored", 0) for r in results)
     other_run = sum(r.get("stats", {}).get("other_run", 0) for r in results)
+    drained = sum(r.get("stats", {}).get("drained", 0) for r in results)
     note = (f"a forger on {where} sent the workers {forged.get('forged', '?')} forged replies "
             f"while they streamed {rounds} vectors ({forged.get('result', '?')} RESULT with "
             f"count 4, full bitmap and possible sums, {forged.get('refused', '?')} REFUSED "
@@ -161,7 +162,9 @@ def row_spoofed(tb, numel: int, suffix: str = "", **kw) -> Row:
             + f"; the clients ignored {ignored} replies (TransportStats.ignored, all workers: "
               f"the forgeries that came while they streamed, and late copies of the "
               f"aggregator's own replies to {retx} retransmissions)"
-            + (f", {other_run} of another run" if other_run else ""))
+            + (f", {other_run} of another run" if other_run else "")
+            + (f"; {drained} more came between rounds and were dropped unread "
+               f"(TransportStats.drained)" if drained else ""))
     return Row(name, testbed_label(tb), sums, done, retx, seconds, drops, note, exact,
                max(r.get("seconds", 0.0) for r in results))
 
