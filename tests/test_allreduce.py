@@ -15,6 +15,7 @@ from thc.collective.allreduce import THCAllReduce
 from thc.net.aggregator import Aggregator
 from thc.net.client import AggregationClient
 from thc.testing.clusters import free_port_block, local_job
+from tests.test_graphed import gloo_pair
 
 PARAMS = THCParams(seed=7)
 
@@ -190,14 +191,7 @@ def test_torch_distributed_workers_with_unlike_rounds_all_refuse():
     """Two workers that differ in seed, granularity or tensor length used to decode each
     other's indices as their own: a wrong mean, different on each worker, and no error; with
     different slice counts Gloo aborted a process on MAX rounds of different lengths."""
-    ctx = tmp.get_context("spawn")
-    q = ctx.Queue()
-    port = free_port_block(1)
-    ps = [ctx.Process(target=_unlike_worker, args=(r, port, q), daemon=True)
-          for r in range(2)]
-    [p.start() for p in ps]
-    res = dict(q.get(timeout=120) for _ in ps)
-    [p.join(30) for p in ps]
+    res = gloo_pair(_unlike_worker)
     for rank in (0, 1):
         *refused, alike = res[rank]
         assert all("differ in their THC parameters" in r for r in refused), refused
@@ -219,7 +213,7 @@ def _refusing_worker(rank, port, q):
             out.append(float(ar(tensor, position).mean()))
         except (TypeError, ValueError) as e:
             out.append(str(e))
-    q.put((rank, out, ar.round))
+    q.put((rank, (out, ar.round)))
     dist.destroy_process_group()
 
 
@@ -227,14 +221,7 @@ def test_a_worker_refusing_its_input_ends_its_peers_round_too():
     """Bad layer positions (checked after the MAX round) or a dtype THC cannot average (cast
     silently) used to leave the peer waiting in a collective: now the refusing worker's round
     goes out marked, every worker refuses it, and the next round is good on both."""
-    ctx = tmp.get_context("spawn")
-    q = ctx.Queue()
-    port = free_port_block(1)
-    ps = [ctx.Process(target=_refusing_worker, args=(r, port, q), daemon=True)
-          for r in range(2)]
-    [p.start() for p in ps]
-    res = {r: (out, rnd) for r, out, rnd in (q.get(timeout=120) for _ in ps)}
-    [p.join(30) for p in ps]
+    res = gloo_pair(_refusing_worker)
     (bad_pos, bad_dtype, good), rounds = res[1]
     assert "layer positions must lie in [0, 1]" in bad_pos
     assert "floating-point tensors, got torch.bool" in bad_dtype

@@ -3,6 +3,7 @@ on loopback: the datagrams they send, hostile replies ignored and counted alike,
 short, an epoch change, a missing worker named, and the cases that fall back to Python."""
 from __future__ import annotations
 
+import contextlib
 import os
 import select
 import socket
@@ -260,9 +261,10 @@ def test_results_queued_before_a_round_are_not_taken_as_its_own(job, datapath):
         agg.close()
 
 
-def test_a_max_above_every_float_is_ignored(job, datapath):
-    """A MAX_RESULT lane no worker can send (a NaN, infinite or negative float's bits, all
-    at or above its own lanes) is ignored and counted; the honest answer is taken."""
+@contextlib.contextmanager
+def _answering(answer):
+    """A UDP server on loopback sending each datagram's sender what ``answer(datagram)``
+    returns (a list of datagrams); yields its address."""
     srv = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     srv.bind(("127.0.0.1", 0))
     srv.settimeout(0.05)
@@ -274,29 +276,44 @@ def test_a_max_above_every_float_is_ignored(job, datapath):
                 data, src = srv.recvfrom(4096)
             except socket.timeout:
                 continue
-            head = bytearray(data[: P.HEADER_BYTES])
-            head[0], head[7] = P.PktType.MAX_RESULT, job.n_workers
-            head[16:20] = job.full_bitmap.to_bytes(4, "big")
-            lanes = np.frombuffer(data, ">u4", offset=P.HEADER_BYTES)
-            for bad in (0x7F800000, 0x7FC00000, 0xBF800000):
-                srv.sendto(bytes(head) + np.where(np.arange(lanes.size) == 1, bad, lanes)
-                           .astype(">u4").tobytes(), src)
-            srv.sendto(bytes(head) + (lanes + 1).astype(">u4").tobytes(), src)
+            for out in answer(data):
+                srv.sendto(out, src)
 
     t = threading.Thread(target=serve, daemon=True)
     t.start()
     try:
-        values = np.arange(1, 5, dtype=np.float32)
-        with AggregationClient(job, 0, srv.getsockname(), run=2, timeout=2.0,
-                               max_timeout=2.0) as c:
-            got = c.max(values)
-            assert c.stats.compiled_rounds == (datapath == "compiled")
-            assert c.stats.ignored == 3
-        np.testing.assert_array_equal(got.view(np.uint32), values.view(np.uint32) + 1)
+        yield srv.getsockname()
     finally:
         stop.set()
         t.join()
         srv.close()
+
+
+def _complete(data: bytes, pkt_type: int, job) -> bytes:
+    """``data``'s header made a complete reply of ``pkt_type`` (every worker counted)."""
+    head = bytearray(data[: P.HEADER_BYTES])
+    head[0], head[7] = pkt_type, job.n_workers
+    head[16:20] = job.full_bitmap.to_bytes(4, "big")
+    return bytes(head)
+
+
+def test_a_max_above_every_float_is_ignored(job, datapath):
+    """A MAX_RESULT lane no worker can send (a NaN, infinite or negative float's bits, all
+    at or above its own lanes) is ignored and counted; the honest answer is taken."""
+    def answer(data):
+        head = _complete(data, P.PktType.MAX_RESULT, job)
+        lanes = np.frombuffer(data, ">u4", offset=P.HEADER_BYTES)
+        return [head + np.where(np.arange(lanes.size) == 1, bad, lanes).astype(">u4").tobytes()
+                for bad in (0x7F800000, 0x7FC00000, 0xBF800000)] + \
+            [head + (lanes + 1).astype(">u4").tobytes()]
+
+    values = np.arange(1, 5, dtype=np.float32)
+    with _answering(answer) as addr:
+        with AggregationClient(job, 0, addr, run=2, timeout=2.0, max_timeout=2.0) as c:
+            got = c.max(values)
+            assert c.stats.compiled_rounds == (datapath == "compiled")
+            assert c.stats.ignored == 3
+    np.testing.assert_array_equal(got.view(np.uint32), values.view(np.uint32) + 1)
 
 
 def test_an_aggregator_named_by_host_name_answers(job, datapath):
@@ -363,31 +380,12 @@ def test_python_window_and_aggregator_serve_sockets_numbered_past_1024():
 def test_an_aggregator_answering_only_impossible_results_is_named_so(job, datapath):
     """Configured with another job (here: 16-bit sums where the job has 8): every RESULT is
     the wrong size, and the timeout says so instead of calling the aggregator silent."""
-    srv = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    srv.bind(("127.0.0.1", 0))
-    srv.settimeout(0.05)
-    stop = threading.Event()
+    def answer(data):
+        return [_complete(data, P.PktType.RESULT, job) + bytes(2 * job.lanes)]
 
-    def serve():
-        while not stop.is_set():
-            try:
-                data, src = srv.recvfrom(4096)
-            except socket.timeout:
-                continue
-            head = bytearray(data[: P.HEADER_BYTES])
-            head[0], head[7] = P.PktType.RESULT, job.n_workers
-            head[16:20] = job.full_bitmap.to_bytes(4, "big")
-            srv.sendto(bytes(head) + bytes(2 * job.lanes), src)
-
-    t = threading.Thread(target=serve, daemon=True)
-    t.start()
-    try:
-        with AggregationClient(job, 0, srv.getsockname(), run=2, deadline=0.5) as c:
+    with _answering(answer) as addr:
+        with AggregationClient(job, 0, addr, run=2, deadline=0.5) as c:
             with pytest.raises(AggregationTimeout, match=r"answered with \d+ impossible "
                                                          r"replies .* configured with this job"):
                 c.aggregate(_packed(job, 1)[: job.lanes // 2])
             assert c.stats.rejected > 0 and c.stats.compiled_rounds == (datapath == "compiled")
-    finally:
-        stop.set()
-        t.join()
-        srv.close()

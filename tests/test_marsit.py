@@ -10,6 +10,7 @@ import torch.multiprocessing as tmp
 
 from thc.collective import marsit
 from thc.testing.clusters import free_port_block
+from tests.test_graphed import gloo_pair
 
 COORDS = 20000
 
@@ -189,13 +190,7 @@ def test_a_nan_or_an_overflow_is_refused_by_every_worker():
     """A NaN on one worker used to raise there alone (its peer waited in the scales'
     all-reduce); values near float32's top made the scales overflow on every worker and the
     estimate NaN, with no error."""
-    ctx = tmp.get_context("spawn")
-    q = ctx.Queue()
-    port = free_port_block(1)
-    ps = [ctx.Process(target=_bad_worker, args=(r, port, q), daemon=True) for r in range(2)]
-    [p.start() for p in ps]
-    res = dict(q.get(timeout=120) for _ in ps)
-    [p.join(30) for p in ps]
+    res = gloo_pair(_bad_worker)
     assert res[1][0] == "Marsit: the gradient (with its compensation) holds NaN or Inf"
     assert "a worker's gradient" in res[0][0] and "refused" in res[0][0]
     for rank in (0, 1):
