@@ -389,3 +389,19 @@ def test_an_aggregator_answering_only_impossible_results_is_named_so(job, datapa
                                                          r"replies .* configured with this job"):
                 c.aggregate(_packed(job, 1)[: job.lanes // 2])
             assert c.stats.rejected > 0 and c.stats.compiled_rounds == (datapath == "compiled")
+
+
+def test_a_negative_zero_max_is_a_zero_and_a_socket_with_a_timeout_is_refused(datapath):
+    """-0.0's bits (the sign bit) order above every float's: sent as they are, the
+    aggregator's max was refused as no float's."""
+    job = local_job(1, 1, free_port_block(1), pool_size=16)
+    with Aggregator([job]) as agg:
+        addr = agg.start()
+        with AggregationClient(job, 0, addr, run=1) as c:
+            got = c.max(np.array([-0.0, 1.0], dtype=np.float32))
+    assert got.tolist() == [0.0, 1.0] and not np.signbit(got[0])
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    sock.settimeout(1.5)
+    with pytest.raises(ValueError, match=r"socket has a timeout .*settimeout\(None\)"):
+        AggregationClient(job, 0, addr, run=1, sock=sock)
+    sock.close()

@@ -307,6 +307,27 @@ def test_a_peer_with_another_fingerprint_refuses_the_round():
 
 
 @kernels
+def test_a_refused_first_round_does_not_check_the_size_again():
+    """A first call refused before its buffers exist (an integer tensor) still went out as
+    an owed round: the next call must not send the size check again, which its peers (past
+    their first round) would pair with their MAX round."""
+    x = torch.randn(1024, generator=torch.Generator().manual_seed(5)).to(DEV)
+    ar = _graphed(tagged(torch.zeros(4, device=DEV), 0), 1)
+    lengths = []
+    real = ar.transport.max
+
+    def recorded(vector):
+        lengths.append(vector.numel())
+        return real(vector)
+    ar.transport.max = recorded
+    with pytest.raises(TypeError, match="floating-point tensors, got torch.int32"):
+        ar(torch.ones(1024, dtype=torch.int32, device=DEV))
+    ar.transport.other = tagged(torch.zeros(4, device=DEV), 1)
+    assert torch.isfinite(ar(x)).all()
+    assert lengths == [agreement.TAG_LANES, 4 + agreement.TAG_LANES, 4 + agreement.TAG_LANES]
+
+
+@kernels
 def test_a_captured_round_does_not_replay_on_an_abandoned_group():
     """A replay's collectives run without Python: once the group is abandoned, the reducer
     refuses the round before replaying, owes nothing, and the reason stays the first one."""

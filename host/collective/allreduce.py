@@ -310,7 +310,8 @@ class THCAllReduce:
         same length on every worker, that takes no round. Workers whose sizes differ would
         otherwise pair MAX rounds of different lengths, and Gloo ends that by aborting the
         process; here every worker raises, naming it. Sizes are added only once agreed, so
-        every worker keeps the same set."""
+        every worker keeps the same set. It covers a size new to every worker; workers that
+        call sizes they all know in different orders still pair unlike MAX rounds."""
         tags = self.transport.max(agreement.tagged(flat.new_zeros(0, dtype=torch.float32),
                                                    self.round, self._key(flat, pieces)))
         agreement.check_rounds(tags)

@@ -147,6 +147,8 @@ class GraphedAllReduce:
         self.graph = None
         self._warm = False
         self._bufs: _Buffers | None = None
+        self._agreed = False
+        """Whether the workers agreed on this reducer's size (:meth:`_agree_size`)."""
         self._round_bytes = 0
         self._capturing = False
         self._sent = 0
@@ -220,11 +222,14 @@ class GraphedAllReduce:
 
     def _agree_size(self, tensor: torch.Tensor) -> None:
         """Before the first round: the tag lanes alone, as THCAllReduce does before a new
-        size (a MAX round of another length would abort a Gloo peer); takes no round."""
+        size (a MAX round of another length would abort a Gloo peer); takes no round. Once
+        agreed, never again: a first round that failed still went out (owed)."""
         n = tensor.numel()
-        tags = self.transport.max(agreement.tagged(
-            torch.zeros(0, device=tensor.device), self.round, agreement.fingerprint(self.params, n, n)))
+        key = agreement.fingerprint(self.params, n, n)
+        tags = self.transport.max(agreement.tagged(torch.zeros(0, device=tensor.device),
+                                                   self.round, key))
         agreement.check_rounds(tags)
+        self._agreed = True
 
     def _capturable(self, flat: torch.Tensor) -> bool:
         can = flat.device.type == "cuda" and getattr(self.transport, "stream_ordered", False)
@@ -393,7 +398,7 @@ class GraphedAllReduce:
         if tensor.numel() == 0:
             return tensor.clone()
         self.check()   # the last round's refusal, before this one takes a round
-        if self._bufs is None:
+        if not self._agreed:
             self._agree_size(tensor)
         t0 = time.perf_counter()
         # every worker counts the round as taken, whatever happens in it

@@ -37,6 +37,8 @@ each round's :class:`AggregationResult` says which one ran it.
 from __future__ import annotations
 
 import math
+import numbers
+import select
 import socket
 
 import numpy as np
@@ -140,8 +142,8 @@ class AggregationClient:
         if window is not None and (not isinstance(window, int) or window < 1):
             raise ValueError(f"window must be a positive number of chunks, got {window!r}")
         self.window = min(window or self.DEFAULT_WINDOW, job.pool_size)
-        if not all(isinstance(t, (int, float)) and math.isfinite(t) for t in
-                   (timeout, max_timeout, deadline)) or not 0 < timeout <= max_timeout \
+        if not all(isinstance(t, numbers.Real) and not isinstance(t, bool) and math.isfinite(t)
+                   for t in (timeout, max_timeout, deadline)) or not 0 < timeout <= max_timeout \
                 or deadline <= 0:
             raise ValueError(f"timeouts must be finite seconds with 0 < timeout <= max_timeout "
                              f"and deadline > 0, got timeout {timeout!r}, max_timeout "
@@ -170,6 +172,10 @@ class AggregationClient:
         self._windows = [CompiledWindow(), PythonWindow()] if self.datapath == "compiled" \
             else [PythonWindow()]
         me = job.worker(worker_id)
+        if sock is not None and sock.gettimeout() is not None:
+            raise ValueError(f"the socket has a timeout ({sock.gettimeout()!r} s): the client "
+                             f"waits by poll and reads without blocking, which such a socket "
+                             f"turns into waits; pass it with settimeout(None)")
         if sock is None:
             sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
@@ -306,7 +312,9 @@ class AggregationClient:
         so nothing there answers it. A process restarted under its predecessor's run id would
         otherwise take the results queued for its predecessor as its own before the
         aggregator's ``reused_run`` refusal reaches it."""
-        while True:
+        poller = select.poll()   # not recv's timeout: a socket with one would wait it out
+        poller.register(self.sock, select.POLLIN)
+        while poller.poll(0):
             try:
                 self.sock.recv(1, socket.MSG_DONTWAIT | socket.MSG_TRUNC)
             except (BlockingIOError, InterruptedError):

@@ -125,7 +125,7 @@ def raise_refused(end: Endpoint, rnd: Round, i: int, code: int, detail: int):
 def raise_timeout(end: Endpoint, rnd: Round, i: int, bitmap: int | None, silent: float = 0.0,
                   rejected: int = 0):
     """``rejected``: this round's impossible replies (:attr:`TransportStats.rejected`): an
-    aggregator that answers only those is named as such, not as silent.
+    aggregator that answers, but only those, is named as such, not as silent.
     ``silent``: seconds since the aggregator last answered anything of this run. A
     live aggregator answers every retransmission of a chunk it holds (PENDING), and they
     come at least every ``max_timeout``; silent for two of those (and half the deadline),
@@ -139,7 +139,7 @@ def raise_timeout(end: Endpoint, rnd: Round, i: int, bitmap: int | None, silent:
     shard = job.shard_of(seq)
     ip, port = end.aggregators[shard]
     who = f"aggregator shard {shard}" if job.shards else "the aggregator"
-    if bitmap is None and rejected:
+    if bitmap is None and rejected and silent < max(end.deadline / 2, 2 * end.max_timeout):
         raise AggregationTimeout(
             f"{at}; {who} at {ip}:{port} answered with {rejected} impossible replies this "
             f"round (the wrong type or size, or sums, counts or bitmaps this job cannot "

@@ -262,7 +262,7 @@ def floats_to_ordered_u32(x: np.ndarray) -> np.ndarray:
     x = np.asarray(x, dtype=np.float32)
     if np.any(~np.isfinite(x)) or np.any(x < 0):
         raise ValueError("MAX values must be finite and non-negative")
-    return x.view(np.uint32)
+    return (x + np.float32(0.0)).view(np.uint32)   # -0.0 as +0.0: its sign bit orders last
 
 
 def ordered_u32_to_floats(u: np.ndarray) -> np.ndarray:
