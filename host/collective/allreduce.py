@@ -302,7 +302,8 @@ class THCAllReduce:
             raise
 
     def _key(self, flat, pieces) -> int:
-        # one piece of the whole tensor, as a graphed round's: the two may be peers
+        # one piece of the whole tensor, as a graphed round's: on a stream-ordered
+        # transport (NCCL) the two may be peers
         return agreement.fingerprint(self.params, flat.numel(), pieces[0][1] - pieces[0][0])
 
     def _agree_size(self, flat, pieces) -> None:
