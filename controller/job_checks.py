@@ -18,12 +18,36 @@ def target_of(sw: Switch) -> targets.Target:
     return sw.target
 
 
+REGISTER_SIZES = {"thc_run": 2 * P.SWITCH_SLOTS, "thc_job_run": P.MAX_JOBS,
+                  "thc_worker_run": P.MAX_JOBS * P.MAX_WORKERS}
+"""Registers whose sizes protocol.json fixes (slot versions, jobs, workers of every job)."""
+
+
+def check_program(sw: Switch) -> None:
+    """ConfigError when the switch's program was compiled for other slots, jobs or workers
+    than protocol.json gives: it would take jobs whose slots it does not have, and leave
+    their workers unanswered (registers a P4Info does not list are not checked)."""
+    for reg in sw.p4info.registers:
+        short = reg.preamble.name.rsplit(".", 1)[-1]
+        want = REGISTER_SIZES.get(short)
+        if want is not None and reg.size != want:
+            raise ConfigError(f"the switch's P4 program does not match protocol.json: register "
+                              f"{short} holds {reg.size} entries, protocol.json gives {want}; "
+                              f"compile the program again and push it (`make p4`)")
+
+
 def check_job(sw: Switch, job: Job, job_index: int, others: dict[int, dict]) -> None:
     """Why ``job`` cannot go on the switch at ``job_index`` (ConfigError), checked before any
     write. ``others``: {job_id: set_job parameters plus ``addresses`` as installed_addresses
     gives them} of the jobs that stay on the switch beside ``job``."""
     job.validate()
     target_of(sw).check_job(job)
+    check_program(sw)
+    top = target_of(sw).max_mcast_group
+    if not 1 <= job.mcast_grp <= top:
+        raise ConfigError(f"job {job.job_id}: multicast group {job.mcast_grp} outside "
+                          f"1..{top} ({target_of(sw).name}); give the job an mcast_grp in range "
+                          f"(it defaults to the job id)")
     if job.lanes != sw.lanes:
         raise ConfigError(f"job {job.job_id} has {job.lanes} lanes; the switch program was "
                           f"compiled for {sw.lanes}")

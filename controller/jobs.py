@@ -286,12 +286,28 @@ def install_job(sw: Switch, job: Job, agg: AggAddress = AggAddress(),
     if previous is not None:
         _refuse_live(sw, {job.job_id: previous["job_index"]}, "re-installing it", force,
                      live_window)
-    _write_job(sw, job, job_index, agg, previous)
+    _write_job(sw, job, job_index, agg, previous,
+               {cfg["mcast_grp"] for cfg in installed.values()})
     return job_index
 
 
 def _write_job(sw: Switch, job: Job, job_index: int, agg: AggAddress,
-               previous: dict | None) -> None:
+               previous: dict | None, groups_in_use: set[int] = frozenset()) -> None:
+    """``groups_in_use``: multicast groups other jobs hold or are given in the same
+    install: the previous group of this job is deleted only when none of them is it. A
+    write that fails leaves the job without all its worker entries (they go in last), so no
+    chunk of it completes; the error says so and how to finish."""
+    try:
+        _write_entries(sw, job, job_index, agg, previous, groups_in_use)
+    except SwitchError as e:
+        raise SwitchError(f"job {job.job_id}: the install stopped part-way ({e}). What it "
+                          f"wrote stays on the switch without all the job's worker entries, "
+                          f"so none of its chunks can complete: install the job again (every "
+                          f"entry is rewritten) once the cause is fixed") from e
+
+
+def _write_entries(sw: Switch, job: Job, job_index: int, agg: AggAddress,
+                   previous: dict | None, groups_in_use) -> None:
     if previous is not None:
         # no worker of the old version may add to a slot from here on
         _delete(sw, _job_entries(sw, WORKER_TABLE, job.job_id))
@@ -311,7 +327,8 @@ def _write_job(sw: Switch, job: Job, job_index: int, agg: AggAddress,
 
     # leftovers of an earlier version of this job
     _delete_stale(sw, ADDR_TABLE, job.job_id, addrs)
-    if previous is not None and previous["mcast_grp"] != job.mcast_grp:
+    if previous is not None and previous["mcast_grp"] != job.mcast_grp \
+            and previous["mcast_grp"] not in groups_in_use:
         sw.delete_multicast_group(previous["mcast_grp"])
     gone = old_macs - {w.mac.lower() for w in job.workers} - _worker_macs(sw, exclude=job.job_id)
     if gone:
@@ -392,7 +409,9 @@ def install_cluster(sw: Switch, cluster: Cluster, prune: bool = False, force: bo
              and installed[j.job_id]["job_index"] != index[j.job_id]]
     for job in moved:   # off first, so that indices can be swapped
         _remove(sw, job.job_id, installed.pop(job.job_id))
+    groups = {j.mcast_grp for j in cluster.jobs} | {cfg["mcast_grp"] for cfg in staying.values()}
     for job in cluster.jobs:
         if job.job_id not in keep:
-            _write_job(sw, job, index[job.job_id], agg, installed.get(job.job_id))
+            _write_job(sw, job, index[job.job_id], agg, installed.get(job.job_id),
+                       groups - {job.mcast_grp})
     return index

@@ -348,3 +348,28 @@ def test_codec_bench_quick(tmp_path, capsys):
     assert bench.run(args) == 2
     args = parser.parse_args(["--device", "cuda", "--backend", "compiled"])
     assert bench.run(args) == 2 and "compiled is the CPU codec" in capsys.readouterr().out
+
+
+def test_numpy_sums_of_a_table_wider_than_a_byte():
+    """g > 255 gives int32 table values, n x g <= 65535 uint16 sums: numpy refused to add
+    one into the other, so numpy rounds of such a job failed."""
+    from thc.codec import thc
+    p = THCParams(bits=8, granularity=300, slice_size=256)
+    x = np.random.default_rng(0).standard_normal(512).astype(np.float32)
+    m = thc.slice_norms(x, p)
+    idx = [thc.encode(x, m, p, 0, k) for k in (1, 2)]
+    sums = thc.aggregate(idx, p)
+    want = p.table.astype(np.int64)[idx[0]] + p.table.astype(np.int64)[idx[1]]
+    assert sums.dtype == np.uint16 and np.array_equal(sums, want)
+
+
+def test_indices_too_wide_are_refused_not_wrapped():
+    from thc.codec.packing import pack_bits
+    for bad in ([259, 1], [-251, 1]):
+        with pytest.raises(ValueError, match="do not fit in 4 bits"):
+            pack_bits(np.array(bad), 4)
+        with pytest.raises(ValueError, match="do not fit in 4 bits"):
+            pack_bits(torch.tensor(bad), 4)
+    with pytest.raises(ValueError, match="do not fit in 8 bits"):
+        pack_bits(np.array([300]), 8)
+    assert pack_bits(np.array([15, 1]), 4).tolist() == [0xF1]

@@ -214,6 +214,31 @@ def test_kernels_refuse_nan_and_inf():
             thc.prepare(y, p, 0, backend="triton")
 
 
+@pytest.mark.parametrize("tiny", [1e-39, 1.1754944e-38, 1e-45])
+def test_a_slice_below_float32s_reach_encodes_as_zeros_on_every_backend(tiny):
+    """Its scale g / (2 t M) overflows float32: the CPU backends refused the input as NaN or
+    Inf (naming the healthy slice too) and the kernels encoded all-extreme indices (decoding
+    2e-39 for 1e-39). Now every backend encodes it as a zero slice, the same indices."""
+    p = THCParams(slice_size=256)
+    x = torch.randn(512, generator=torch.Generator().manual_seed(3))
+    x[256:] = 0.0
+    x[300] = tiny
+    m = torch.from_numpy(thc.slice_norms(x.numpy(), p))   # float64 sums: no underflow to 0
+    assert m[1] > 0
+    got = {}
+    for backend in ("reference", "compiled", "triton"):
+        if backend == "triton" and SKIP:
+            continue
+        dev = DEV if backend == "triton" else "cpu"
+        idx = thc.encode(x.to(dev), m.to(dev), p, 0, 9, backend=backend).cpu()
+        est = thc.decode(thc.aggregate([idx], p), 1, m, 512, p, 0, backend="reference")
+        assert nmse(x[:256], est[:256]) < 0.1, backend
+        assert float(est[256:].abs().max()) < 1e-37, backend
+        got[backend] = idx
+    for backend, idx in got.items():
+        assert torch.equal(idx[256:], got["reference"][256:]), backend
+
+
 @pytest.mark.parametrize("backend", ["reference", "triton"])
 def test_bad_max_norms_refused_on_every_backend(backend):
     """The kernels keep device-side max norms on the device and check them in the wait they

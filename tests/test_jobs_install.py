@@ -13,6 +13,7 @@ from thc.controller import cli, counters, forwarding, jobs
 from thc.controller.switch import Switch, SwitchError
 from thc.controller.testing.memswitch import MemoryDevice, MemorySwitch
 from thc.wire import protocol as P
+from thc.wire.jobs import ConfigError
 from tests.test_jobs_safety import IDLE, cluster, make_job
 
 
@@ -144,3 +145,44 @@ def test_cli_without_a_switch_says_so(monkeypatch, capsys):
     args = parser.parse_args(["--grpc-addr", "127.0.0.1:1", "--timeout", "0.5", "counters"])
     assert cli.run(args) == 1
     assert "no P4Runtime server" in capsys.readouterr().err
+
+
+def test_jobs_that_swap_multicast_groups_keep_both(sw):
+    """A later job's write deleted its previous group, which an earlier job of the same
+    install had just taken: the swap left one job with no group, and its workers no results."""
+    a, b = make_job(1), make_job(2, pool_base=8)
+    jobs.install_cluster(sw, cluster(a, b))
+    a2, b2 = replace(a, mcast_grp=2), replace(b, mcast_grp=1)
+    jobs.install_cluster(sw, cluster(a2, b2), live_window=IDLE)
+    groups = sw.multicast_groups()
+    assert groups[2] == {(w.switch_port, w.id + 1) for w in a.workers}
+    assert groups[1] == {(w.switch_port, w.id + 1) for w in b.workers}
+    c = make_job(3, pool_base=16, mcast_grp=2)   # takes a2's group while a2 moves to 7
+    jobs.install_cluster(sw, cluster(c, replace(a2, mcast_grp=7), b2), live_window=IDLE)
+    assert {1, 2, 7} <= set(sw.multicast_groups())
+
+
+def test_a_program_compiled_for_other_slots_is_refused(sw, monkeypatch):
+    """A stale program with fewer slots took a job beyond its registers: that job's
+    workers were never answered, and nothing was counted."""
+    from p4.config.v1 import p4info_pb2
+    info = p4info_pb2.P4Info()
+    info.CopyFrom(sw.p4info)
+    reg = next(r for r in info.registers if r.preamble.name.endswith(".thc_run"))
+    reg.size = 256
+    monkeypatch.setattr(sw, "p4info", info)
+    mark = len(sw.device.log)
+    with pytest.raises(ConfigError, match="register thc_run holds 256 entries, protocol.json "
+                                          "gives 1024"):
+        jobs.install_job(sw, make_job(1))
+    assert sw.device.log[mark:] == []
+
+
+def test_an_install_that_fails_part_way_says_what_it_left(sw, monkeypatch):
+    def refused(group, replicas):
+        raise SwitchError(f"multicast group {group}: OUT_OF_RANGE")
+    monkeypatch.setattr(sw, "set_multicast_group", refused)
+    with pytest.raises(SwitchError, match=r"job 1: the install stopped part-way \(multicast "
+                                          r"group 1: OUT_OF_RANGE\).*install the job again"):
+        jobs.install_job(sw, make_job(1))
+    assert jobs._job_entries(sw, jobs.WORKER_TABLE, 1) == []

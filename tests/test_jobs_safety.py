@@ -200,6 +200,19 @@ def bad_inputs(job: Job, other: Job) -> dict:
         "cluster_whose_last_job_clashes": (ConfigError, f"MAC {w.mac}", lambda sw:
                                            jobs.install_cluster(sw, cluster(
                                                other, make_job(3, pool_base=16, mac=w.mac)))),
+        # these used to fail part-way, after thousands of writes (or, re-installing, after
+        # the job's worker entries were taken off)
+        "malformed_mac_reinstall": (ConfigError, "MAC '02:00:00:00:00' is not six hex bytes",
+                                    install(replace(job, workers=(
+                                        replace(w, mac="02:00:00:00:00"), job.workers[1])))),
+        "mcast_group_beyond_bmv2": (ConfigError, r"multicast group 40000 outside 1\.\.32767",
+                                    install(replace(other, mcast_grp=40000))),
+        "mcast_group_negative": (ConfigError, "multicast group -1 outside",
+                                 install(replace(other, mcast_grp=-1))),
+        "agg_mac": (ConfigError, "the aggregator: MAC 'not-a-mac'", lambda sw:
+                    jobs.install_cluster(sw, replace(cluster(other), agg_mac="not-a-mac"))),
+        "switch_port_text": (ConfigError, "switch_port '3' is not an integer",
+                             install(worker0(switch_port="3"))),
     }
 
 

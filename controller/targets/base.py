@@ -26,6 +26,8 @@ class Target(ABC):
     """Why the controller cannot push this target's program over P4Runtime (None: it can)."""
     cpu_port = P.CPU_PORT
     """The port packet-outs enter by: no worker sits there."""
+    max_mcast_group = (1 << 16) - 1
+    """The largest multicast group id the target's replication engine takes."""
 
     @property
     def p4info_file(self) -> Path:

@@ -50,6 +50,8 @@ def lut_action(group: int, pos: int, sum_bits: int) -> str:
 
 class Bmv2(Target):
     name = "bmv2"
+    max_mcast_group = (1 << 15) - 1
+    """BMv2's pre refuses ids from 32768 ("Group id value is too high")."""
     program = "thc"
     build_dir = BUILD_DIR
     lut_table = LUT_TABLE

@@ -30,7 +30,7 @@ from typing import NamedTuple
 
 from google.rpc import code_pb2
 
-from thc.controller import counters, p4rt
+from thc.controller import counters, p4rt, targets
 from thc.controller.frames import parse_udp_frame
 from thc.controller.switch import BUILD_DIR, Switch, SwitchError, short_name
 from thc.controller.testing.entry_checks import EntryChecker, Refused
@@ -116,8 +116,9 @@ class MemoryDevice:
 
     def set_group(self, group: int, replicas: Iterable[tuple[int, int]]) -> None:
         replicas = set(replicas)
-        if not 0 < group < 1 << 16 or any(not 0 <= port < 1 << 9 for port, _ in replicas):
-            raise SwitchError(f"multicast group {group}: INVALID_ARGUMENT (ids 1..65535, "
+        top = targets.TARGETS["bmv2"].max_mcast_group   # as BMv2's pre
+        if not 0 < group <= top or any(not 0 <= port < 1 << 9 for port, _ in replicas):
+            raise SwitchError(f"multicast group {group}: INVALID_ARGUMENT (ids 1..{top}, "
                               f"9-bit ports)")
         self.groups[group] = replicas
         self.log.append(Event("GROUP_SET", group, frozenset(replicas)))

@@ -125,7 +125,10 @@ def encode_coef(m: np.ndarray, params: THCParams) -> np.ndarray:
     """c = g / (2 t M) per slice: maps H D x (unnormalized H) straight onto u - g/2; the
     sqrt(d) of the scale cancels the 1/sqrt(d) of the normalized transform."""
     g, t = params.granularity, params.t_p
-    return np.where(m > 0, g / (2.0 * t * np.where(m > 0, m, 1.0)), 0.0)
+    c = np.where(m > 0, g / (2.0 * t * np.where(m > 0, m, 1.0)), 0.0)
+    # a slice whose norm is below float32's reach (c would overflow it: M < ~2e-38 g/30)
+    # encodes as a zero slice does, on every backend (the kernels: triton_kernels)
+    return np.where(c <= float(np.finfo(np.float32).max), c, 0.0)
 
 
 def view(flat, group):

@@ -26,14 +26,19 @@ def pack_bits(idx, bits: int):
     bits (for b = 4: the wire's DATA payload, two indices a byte, the first in the high nibble). The last byte is zero-padded."""
     b = _check_bits(bits)
     torch_in = is_torch(idx)
+    # the range on the values as given: a cast to bytes first would wrap 259 to 3
     if torch_in:
         import torch
-        x = idx.reshape(-1).to(torch.uint8)
+        x = idx.reshape(-1)
+        if x.numel() and (int(x.max()) >> b or int(x.min()) < 0):
+            raise ValueError(f"indices {int(x.min())}..{int(x.max())} do not fit in {b} bits")
+        x = x.to(torch.uint8)
     else:
-        x = np.asarray(idx, dtype=np.uint8).reshape(-1)
+        x = np.asarray(idx).reshape(-1)
+        if x.size and (int(x.max()) >> b or int(x.min()) < 0):
+            raise ValueError(f"indices {int(x.min())}..{int(x.max())} do not fit in {b} bits")
+        x = x.astype(np.uint8)
     n = x.shape[0]
-    if n and int(x.max()) >> b:
-        raise ValueError(f"index {int(x.max())} does not fit in {b} bits")
     if b == 8:
         return x.clone() if torch_in else x.copy()
     if 8 % b == 0:

@@ -214,7 +214,8 @@ def aggregate(index_vectors: Sequence, params: THCParams):
         return s
     s = np.zeros(first.shape[0], dtype=accumulator_dtype(n, params))
     for v in index_vectors:
-        s += table_values(v, params)
+        # int32 values (g > 255) into uint16 sums: n x g fits, which the dtype was chosen for
+        np.add(s, table_values(v, params), out=s, casting="unsafe")
     return s
 
 

@@ -138,7 +138,9 @@ def _encode_cols(TMP, OUT, MAXN, STATUS, uprefix, ROUND, first, count, LOWER, BA
     s, nb = _col_block(count, C // BN, FIRST)
     m = tl.load(MAXN + first + s).to(tl.float32)
     flag(STATUS, norm_bad(m) & (nb == 0), _NORMS, 2, first + s + 1)
-    coef = tl.where(m > 0.0, scale / tl.where(m > 0.0, m, 1.0), 0.0)
+    c = scale / tl.where(m > 0.0, m, 1.0)
+    # a norm below float32's reach (c overflows): encoded as a zero slice, as encode_coef does
+    coef = tl.where((m > 0.0) & (c <= 3.4028234663852886e38), c, 0.0)
     rows = tl.arange(0, R)
     i = rows[:, None] * C + (nb * BN + tl.arange(0, BN))[None, :]
     y = tl.load(TMP + s.to(tl.int64) * d + i)

@@ -11,6 +11,7 @@ import argparse
 import ipaddress
 import json
 import numbers
+import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -56,6 +57,12 @@ def _check_address(where: str, ip, port) -> None:
         raise ConfigError(f"{where}: ip {ip!r} is not an IPv4 address") from None
     if not _is_int(port) or not 0 < port < 1 << 16:
         raise ConfigError(f"{where}: port {port!r} is not an integer in 1..65535")
+
+
+def _check_mac(where: str, mac) -> None:
+    """Six bytes as hex pairs: the switch writes it into frames and routes by it."""
+    if not isinstance(mac, str) or not re.fullmatch(r"[0-9A-Fa-f]{2}(:[0-9A-Fa-f]{2}){5}", mac):
+        raise ConfigError(f"{where}: MAC {mac!r} is not six hex bytes (aa:bb:cc:dd:ee:ff)")
 
 
 def check_loss_bound(value, where: str = "") -> float:
@@ -173,6 +180,8 @@ class Job:
         numbers = {"job_id": self.job_id, "granularity": self.granularity, "lanes": self.lanes,
                    "sum_bits": self.sum_bits, "mcast_grp": self.mcast_grp}
         numbers.update({f"worker {i}'s id": w.id for i, w in enumerate(self.workers)})
+        numbers.update({f"worker {i}'s switch_port": w.switch_port
+                        for i, w in enumerate(self.workers)})
         numbers.update({f"table entry {i}": t for i, t in enumerate(self.table)})
         for name, value in numbers.items():
             if not _is_int(value):
@@ -190,6 +199,8 @@ class Job:
             for i, node in enumerate(nodes):
                 _check_address(f"job {self.job_id}: {kind} {getattr(node, 'id', i)}", node.ip,
                                node.port)
+        for w in self.workers:
+            _check_mac(f"job {self.job_id}: worker {w.id}", w.mac)
         addrs = [(w.ip, w.port) for w in self.workers]
         if len(set(addrs)) != n:
             raise ConfigError(f"job {self.job_id}: two workers share an address")
@@ -291,6 +302,7 @@ class Cluster:
 
     def validate(self, total_slots: int | None = None) -> "Cluster":
         _check_address("the aggregator", self.agg_ip, self.agg_port)
+        _check_mac("the aggregator", self.agg_mac)
         ids = [j.job_id for j in self.jobs]
         if len(set(ids)) != len(ids):
             raise ConfigError(f"duplicate job ids in {ids}")
