@@ -250,3 +250,5 @@ class Prepared:
     norms: object
     scratch: dict = field(default_factory=dict)   # first slice of a group -> its scratch
     backend: str = "auto"
+    params: object = None
+    """The THCParams it was prepared under: its norms and scratch hold for those only."""

@@ -27,7 +27,7 @@ def norms(flat, params: THCParams, lay):
 
 def prepare(flat, params: THCParams, lay, round: int, backend: str,
             status=None) -> Prepared:
-    return Prepared(flat, round, norms(flat, params, lay), {}, backend)
+    return Prepared(flat, round, norms(flat, params, lay), {}, backend, params)
 
 
 def encode(flat, lay, max_norms, params: THCParams, round: int, generator, pack: bool,

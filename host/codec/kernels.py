@@ -81,7 +81,7 @@ def prepare(kern, flat, params: THCParams, lay, round: int, backend: str,
     norms = (parts[0] if len(parts) == 1 else torch.cat(parts)) if parts else \
         flat.new_zeros(0, dtype=torch.float32)
     _settle(word, status, params)
-    return Prepared(flat, round, norms, scratch, backend)
+    return Prepared(flat, round, norms, scratch, backend, params)
 
 
 def encode(kern, flat, lay, max_norms, params: THCParams, round: int, generator, pack: bool,

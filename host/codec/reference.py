@@ -52,7 +52,7 @@ def norms(flat, params: THCParams, lay):
 
 def prepare(flat, params: THCParams, lay, round: int, backend: str,
             status=None) -> Prepared:
-    return Prepared(flat, round, norms(flat, params, lay), {}, backend)
+    return Prepared(flat, round, norms(flat, params, lay), {}, backend, params)
 
 
 def round_group(flat, grp, c, params: THCParams, round: int, table, draw, out) -> None:

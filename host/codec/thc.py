@@ -140,6 +140,9 @@ def encode_prepared(prep: Prepared, max_norms, params: THCParams, generator=None
                     pack: bool = True, status=None):
     """Finish :func:`prepare`'s encode under the agreed max norms: packed wire form by
     default, uint8 indices with ``pack=False``."""
+    if prep.params is not None and prep.params != params:
+        raise ValueError(f"prepared under other THC parameters ({prep.params}), encoded under "
+                         f"{params}: its norms and scratch hold for those only; prepare again")
     return _encode(prep.flat, max_norms, params, prep.round, generator, prep.backend, pack,
                    prep.scratch, status)
 
