@@ -373,3 +373,13 @@ def test_indices_too_wide_are_refused_not_wrapped():
     with pytest.raises(ValueError, match="do not fit in 8 bits"):
         pack_bits(np.array([300]), 8)
     assert pack_bits(np.array([15, 1]), 4).tolist() == [0xF1]
+
+
+def test_decode_takes_a_list_as_encode_does():
+    """It read ``.shape`` before converting: an AttributeError instead of the estimate."""
+    from thc.codec import thc
+    p = THCParams(slice_size=256)
+    x = np.random.default_rng(1).standard_normal(256).astype(np.float32)
+    m = thc.slice_norms(x, p)
+    sums = thc.aggregate([thc.encode(x, m, p, 0, 1)], p)
+    assert np.array_equal(thc.decode(sums.tolist(), 1, m, 256, p), thc.decode(sums, 1, m, 256, p))

@@ -240,6 +240,8 @@ def _decode(sums, n_workers, max_norms, numel, params, round, out, backend, own:
     if int(n_workers) < 1:
         raise ValueError(f"n_workers must be >= 1, got {n_workers}")
     lay = layout(numel, params)
+    if not is_torch(sums):
+        sums = np.asarray(sums)   # a list as encode takes one
     size = int(sums.shape[0]) if getattr(sums, "ndim", 1) else 1
     if getattr(sums, "ndim", 1) != 1 or size != lay.total_padded:
         raise ValueError(f"expected {lay.total_padded} sums (padded length of {numel} "
