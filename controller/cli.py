@@ -137,7 +137,10 @@ def _run(args: argparse.Namespace) -> int:
             if not installed:
                 print("no jobs installed")
             for jid, cfg in sorted(installed.items()):
-                print(f"job {jid}: " + ", ".join(f"{k}={v}" for k, v in cfg.items()))
+                live = len(jobs.worker_entries_of(sw, jid))
+                state = "" if live == cfg["n_workers"] else \
+                    f" (NOT serving: {live} of {cfg['n_workers']} worker entries; install it again)"
+                print(f"job {jid}: " + ", ".join(f"{k}={v}" for k, v in cfg.items()) + state)
         elif args.action == "counters":
             snap = counters.snapshot(sw, jobs.installed_jobs(sw))
             if args.json:

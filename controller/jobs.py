@@ -72,6 +72,11 @@ def installed_jobs(sw: Switch) -> dict[int, dict]:
     return {sw.match_values(e)[fid]: sw.param_values(e) for e in sw.read_table(JOB_TABLE)}
 
 
+def worker_entries_of(sw: Switch, job_id: int) -> list:
+    """The job's thc_worker entries: all n_workers of them once an install finished."""
+    return _job_entries(sw, WORKER_TABLE, job_id)
+
+
 def _job_entries(sw: Switch, table: str, job_id: int) -> list:
     fid = sw.field_id(table, "job_id")
     return [e for e in sw.read_table(table) if sw.match_values(e)[fid] == job_id]

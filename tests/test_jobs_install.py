@@ -186,3 +186,19 @@ def test_an_install_that_fails_part_way_says_what_it_left(sw, monkeypatch):
                                           r"group 1: OUT_OF_RANGE\).*install the job again"):
         jobs.install_job(sw, make_job(1))
     assert jobs._job_entries(sw, jobs.WORKER_TABLE, 1) == []
+
+
+def test_jobs_lists_a_half_installed_job_as_not_serving(sw, monkeypatch, capsys):
+    """An install that stopped after the job entry (here: its slot resets) left a job that
+    `jobs` listed as a healthy one."""
+    def lost(*a, **k):
+        raise SwitchError("only 0 of 8 slot resets reached the data plane")
+    with monkeypatch.context() as m:
+        m.setattr(jobs, "reset_pool", lost)
+        with pytest.raises(SwitchError, match="stopped part-way"):
+            jobs.install_job(sw, make_job(1))
+    assert thc_controller(sw.device, monkeypatch, "jobs") == 0
+    assert "(NOT serving: 0 of 2 worker entries; install it again)" in capsys.readouterr().out
+    jobs.install_job(sw, make_job(1), live_window=IDLE)
+    assert thc_controller(sw.device, monkeypatch, "jobs") == 0
+    assert "NOT serving" not in capsys.readouterr().out
