@@ -112,8 +112,40 @@ def test_counts_become_the_mean_or_the_majority_sign():
     counts = torch.tensor([0, 1, 2, 3, 4])
     assert marsit.counts_to_mean_sign(counts, 4).tolist() == [-1.0, -0.5, 0.0, 0.5, 1.0]
     assert marsit.counts_to_mean_sign(counts, 4, majority=True).tolist() == [-1, -1, 0, 1, 1]
-    with pytest.raises(ValueError, match="5 \\+1 votes among 4"):
+    with pytest.raises(ValueError, match="more \\+1 votes than workers counted \\(5 among 4"):
         marsit.counts_to_mean_sign(torch.tensor([5]), 4)
+    # one of four counted (a chunk closed short): the missing workers' votes count 0
+    voters = torch.tensor([1, 1, 4])
+    assert marsit.counts_to_mean_sign(torch.tensor([1, 0, 4]), 4, voters=voters).tolist() \
+        == [0.25, -0.25, 1.0]
+    assert marsit.counts_to_mean_sign(torch.tensor([1, 0, 2]), 4, majority=True,
+                                      voters=voters).tolist() == [1, -1, 0]
+
+
+def test_a_vote_chunk_closed_short_counts_only_its_voters():
+    """A vote job with a loss bound: worker 1's chunk 0 never comes and worker 0 closes it
+    short. Its one +1 vote was decoded as if the missing worker had voted -1 (mean 0)."""
+    import socket
+
+    from thc.net.aggregator import Aggregator
+    from thc.net.client import AggregationClient
+    from thc.wire import protocol as P
+    from thc.wire.jobs import Job, Worker
+    base = free_port_block(2)
+    job = Job.vote(5, [Worker(i, "127.0.0.1", base + i) for i in range(2)], lanes=256,
+                   loss_bound=0.5).validate()
+    with Aggregator([job]) as agg, socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as w1:
+        addr = agg.start()
+        w1.bind(("127.0.0.1", base + 1))   # worker 1 votes +1 on chunk 1 only
+        slot, version = P.slot_of(1, job.pool_size)
+        w1.sendto(P.HEADER_STRUCT.pack(P.PktType.DATA, 1, 5, slot, version, 0, 1, 256, 0, 9,
+                                       77) + b"\xff" * 32, addr)
+        with AggregationClient(job, 0, addr, run=9, deadline=5.0) as client:
+            ar = object.__new__(marsit.MarsitVoteAllReduce)   # mean_sign needs the client only
+            ar.client, ar.majority, ar.bytes_sent = client, False, 0
+            est = ar.mean_sign(torch.ones(512, dtype=torch.bool))
+            assert client.stats.short == 1
+    assert set(est[:256].tolist()) == {0.5} and set(est[256:].tolist()) == {1.0}
 
 
 def _vote_worker(rank, world, port, job_dict, agg, q):

@@ -143,14 +143,19 @@ class MarsitAllReduce(_SignAllReduce):
 
 
 def counts_to_mean_sign(counts: torch.Tensor, n_workers: int,
-                        majority: bool = False) -> torch.Tensor:
+                        majority: bool = False, voters: torch.Tensor | None = None
+                        ) -> torch.Tensor:
     """Counts of +1 votes among ``n_workers`` -> the mean sign (2c - n) / n, or with
-    ``majority`` the majority's sign (a tie counts 0)."""
+    ``majority`` the majority's sign (a tie counts 0). ``voters``: per coordinate, the
+    workers counted (a chunk closed short counts fewer): (2c - k) / n, a missing worker's
+    vote as 0, as THC counts a missing worker's value."""
     if n_workers < 1:
         raise ValueError(f"a vote needs at least one worker, got {n_workers}")
-    if counts.numel() and int(counts.max()) > n_workers:
-        raise ValueError(f"a count of {int(counts.max())} +1 votes among {n_workers} workers")
-    diff = counts.float() * 2 - n_workers
+    k = torch.full_like(counts, n_workers) if voters is None else voters
+    if counts.numel() and bool((counts > k).any()):
+        raise ValueError(f"more +1 votes than workers counted ({int(counts.max())} among "
+                         f"{n_workers} workers)")
+    diff = counts.float() * 2 - k.float()
     return torch.sign(diff) if majority else diff / n_workers
 
 
@@ -175,8 +180,10 @@ class MarsitVoteAllReduce(_SignAllReduce):
         padded = torch.zeros(-(-d // lanes) * lanes, dtype=torch.bool)
         padded[:d] = own.cpu()
         before = self.client.stats.bytes_sent
-        counts = self.client.aggregate(pack_bits(padded, 1).numpy())
+        r = self.client.reduce(pack_bits(padded, 1).numpy())
         self.bytes_sent += self.client.stats.bytes_sent - before
-        est = counts_to_mean_sign(torch.from_numpy(counts[:d].astype("int64")),
-                                  self.client.job.n_workers, self.majority)
+        # a chunk closed short (bounded loss) counts only the workers in its bitmap
+        voters = torch.from_numpy(r.counts.astype("int64")).repeat_interleave(lanes)[:d]
+        est = counts_to_mean_sign(torch.from_numpy(r.sums[:d].astype("int64")),
+                                  self.client.job.n_workers, self.majority, voters)
         return est.to(own.device)
