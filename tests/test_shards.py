@@ -72,8 +72,15 @@ def test_thc_aggregator_cli_refuses_a_sharded_config_without_shard(tmp_path, cap
     args = ns.parse_args(["--config", str(cfg), "--listen", "127.0.0.1:0"])
     assert agg_cli.run(args) == 2
     assert "--shard" in capsys.readouterr().err
-    args = ns.parse_args(["--config", str(cfg), "--listen", "127.0.0.1:0", "--shard", "1",
-                          "--duration", "0.1", "--stats-interval", "0"])
+    # at shard 0's address as shard 1: every chunk would drop as wrong_shard, and its workers
+    # time out blaming a silent aggregator
+    mine, other = job.shards[1], job.shards[0]
+    args = ns.parse_args(["--config", str(cfg), "--listen", f"{other.ip}:{other.port}",
+                          "--shard", "1"])
+    assert agg_cli.run(args) == 2
+    assert f"shard map puts shard 1 at {mine.ip}:{mine.port}" in capsys.readouterr().err
+    args = ns.parse_args(["--config", str(cfg), "--listen", f"{mine.ip}:{mine.port}",
+                          "--shard", "1", "--duration", "0.1", "--stats-interval", "0"])
     assert agg_cli.run(args) == 0
     assert "as shard 1" in capsys.readouterr().out
 

@@ -167,6 +167,21 @@ def choose(datapath: str, jobs, impair: Impairment, gso: bool = True,
     return Aggregator(jobs, impair=impair, shard=shard), f"python ({why_not})"
 
 
+def check_shard_address(jobs, shard: int | None, host: str, port: int) -> None:
+    """ConfigError unless ``host:port`` is the address every sharded job's map gives shard
+    ``shard``: listening at another shard's address, it would drop every chunk as
+    wrong_shard and its workers would time out blaming a silent aggregator."""
+    if shard is None:
+        return
+    for job in jobs:
+        if not job.shards or not 0 <= shard < job.n_shards:
+            continue
+        want = job.shards[shard]
+        if port != want.port or host not in (want.ip, "0.0.0.0", ""):
+            raise ConfigError(f"--shard {shard} listens on {host}:{port}, but job {job.job_id}'s "
+                              f"shard map puts shard {shard} at {want.ip}:{want.port}")
+
+
 def _stop_on_signals() -> None:
     """Ctrl-C and SIGTERM end the serving loop, which prints the final counters: also where
     the aggregator starts with SIGINT ignored (a background job of a shell, nohup)."""
@@ -193,6 +208,11 @@ def run(args: argparse.Namespace) -> int:
         agg, datapath = choose(chosen.aggregator_datapath, cluster.jobs, impair, args.gso,
                                args.shard)
     except (ConfigError, RuntimeError) as e:
+        print(f"thc aggregator: {e}", file=sys.stderr)
+        return 2
+    try:
+        check_shard_address(cluster.jobs, args.shard, host, port)
+    except ConfigError as e:
         print(f"thc aggregator: {e}", file=sys.stderr)
         return 2
     try:
