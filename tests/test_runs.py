@@ -100,7 +100,8 @@ def test_a_strangers_result_with_the_real_epoch_is_ignored(datapath):
             with AggregationClient(job, 1, addr, run=5) as c1:
                 c1.aggregate(_chunk(job, 3))
             t.join(10)
-            assert c.stats.ignored == 1
+            # ignored, or dropped unread when it beat the round's first packet
+            assert c.stats.ignored + c.stats.drained == 1
         np.testing.assert_array_equal(out["s"], 5)
 
 
