@@ -363,7 +363,7 @@ def test_a_failure_right_after_the_max_round_abandons_and_keeps_the_first_reason
     the result): its peers wait in a sum, so the group is abandoned; a later refusal keeps
     the first reason, and so does the hook's FP32 span."""
     from thc.collective import agreement
-    from thc.collective.allreduce import DistTransport
+    from thc.collective.transports import DistTransport
     from thc.testing.clusters import free_tcp_port
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_tcp_port()}",
                             rank=0, world_size=1)

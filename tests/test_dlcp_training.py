@@ -40,7 +40,8 @@ def test_thc_hook_hands_every_bucket_its_layer_positions(priorities):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from thc.codec.params import THCParams
-    from thc.collective.allreduce import AggregatorTransport, THCAllReduce
+    from thc.collective.allreduce import THCAllReduce
+    from thc.collective.transports import AggregatorTransport
     from thc.collective.ddp import THCHook
     from thc.net.aggregator import Aggregator
     from thc.net.client import AggregationClient

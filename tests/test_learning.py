@@ -75,7 +75,7 @@ def _flip_sign() -> None:
 def _zero_sums() -> None:
     import torch
 
-    from thc.collective.allreduce import AggregatorTransport
+    from thc.collective.transports import AggregatorTransport
     real = AggregatorTransport.sum
 
     def zeroed(self, packed, count, params, classes=None):

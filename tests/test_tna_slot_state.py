@@ -99,6 +99,11 @@ BROKEN = {
     "the last pass unicasting every result": (
         r"ig_tm_md\.mcast_grp_a = meta\.p1\.mcast_grp;",
         "ig_tm_md.ucast_egress_port = meta.p1.in_port;"),
+    "the idle clock refreshed at job index 0 whatever the job": (
+        r"thc_job_seen_touch\.execute\(\(bit<32>\)meta\.p1\.job\)",
+        "thc_job_seen_touch.execute(32w0)"),
+    "the job counters at job index 0's cells": (
+        r"meta\.jc_index = meta\.jc4 \+ meta\.jc1;", "meta.jc_index = meta.jc1;"),
     "the words before their lookups": (
         r'(#include "generated/thc_tna_luts_apply\.p4"\n)'
         r'(#include "generated/thc_tna_words_apply\.p4"\n)', r"\2\1"),

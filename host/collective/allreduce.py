@@ -1,171 +1,26 @@
 """A whole THC all-reduce of one tensor: norm round, encode, sum on the wire, decode.
 
-The codec is the same whatever adds the integers; a *transport* does the two collective
-steps (max of the slice norms, sum of table values):
-
-- :class:`AggregatorTransport`: the switch or the software aggregator (UDP, 4-bit indices up,
-  sums down), through :class:`thc.net.client.AggregationClient`;
-- :class:`DistTransport`: an ordinary ``torch.distributed`` all-reduce (Gloo, NCCL) of the
-  table values, for clusters without a programmable switch: THC sums are integers, so any
-  all-reduce adds them exactly.
-
-``transport.sum`` returns the sums and, when a round closed short (DLCP's bounded loss), a
-:class:`Short`: how many workers each lane actually had and whether this worker's own value
-was among them. The decoder then counts every missing contribution as zero (in the rotated
-domain) and error feedback keeps this worker's lost part for the next round.
+The codec is the same whatever adds the integers; a transport
+(:mod:`thc.collective.transports`: the switch or software aggregator, or torch.distributed)
+does the two collective steps. When a round closed short (DLCP's bounded loss) the decoder
+counts every missing contribution as zero (in the rotated domain) and error feedback keeps
+this worker's lost part for the next round.
 """
 from __future__ import annotations
 
 import time
-import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from thc.codec.common import check_float, check_key, wire_sum_dtype
+from thc.codec.common import check_float, check_key
 from thc.codec.params import THCParams
 from thc.codec.thc import ErrorFeedback, THCCodec, table_values
 from thc.collective import agreement
-from thc.collective.worker import agree_run
+from thc.collective.transports import AggregatorTransport, DistTransport, Short
 from thc.net.priority import magnitude_rank, priority_class
-from thc.wire import protocol as P
-
-
-@dataclass
-class Short:
-    """Per lane of a round that closed short: workers counted, and whether this one was."""
-    counts: np.ndarray
-    mine: np.ndarray
-
-
-class AggregatorTransport:
-    """Sums through an aggregator: the indices travel packed, the table lives in the network.
-
-    A client without a run id gets one agreed over ``group`` (:func:`agree_run`)."""
-
-    def __init__(self, client, group=None):
-        if client.run is None:
-            client.run = agree_run(group, alone=client.job.n_workers == 1)
-        self.client = client
-        self.n_workers = client.job.n_workers
-        self.bytes_sent = 0
-        self.datapath: str | None = None
-        """The client datapath that ran the last round."""
-        self.short_chunks = 0
-        """Chunks of this transport's rounds that ended short (DLCP's bounded loss)."""
-
-    def check(self, params: THCParams) -> None:
-        job = self.client.job
-        if params.bits != P.INDEX_BITS:
-            raise ValueError(f"the aggregation protocol carries {P.INDEX_BITS}-bit indices; "
-                             f"THC bits={params.bits} needs the torch.distributed transport")
-        if tuple(int(v) for v in params.table) != tuple(job.table):
-            raise ValueError(f"job {job.job_id}'s lookup table {list(job.table)} differs from "
-                             f"the codec's {list(params.table)}: install the job with the "
-                             f"same bits/granularity/p")
-
-    def max(self, norms: torch.Tensor) -> torch.Tensor:
-        out = self.client.max(norms.detach().cpu().numpy())
-        return torch.from_numpy(out).to(norms.device)
-
-    packed = True
-    """What :meth:`sum` takes: the packed wire form the codec's fused encode writes."""
-
-    @property
-    def lanes(self) -> int:
-        """Coordinates per chunk: priority classes are given per chunk of lanes."""
-        return self.client.job.lanes
-
-    def sum(self, packed: torch.Tensor, count: int, params: THCParams, classes=None):
-        """(sums of ``count`` coordinates, None or :class:`Short`); ``packed``: their 4-bit
-        indices in wire form; ``classes``: a priority class per chunk of lanes."""
-        client = self.client
-        lanes = client.job.lanes
-        wire = packed.cpu().numpy() if isinstance(packed, torch.Tensor) else packed
-        pad = (-count) % lanes
-        if pad:
-            wire = np.concatenate([wire, np.zeros((count + pad) // 2 - wire.size, np.uint8)])
-        before = client.stats.bytes_sent
-        r = client.reduce(wire, classes=classes)
-        sums = r.sums[:count]
-        self.bytes_sent += client.stats.bytes_sent - before
-        self.datapath = r.datapath
-        short = None
-        if r.short(self.n_workers):
-            self.short_chunks += int(np.count_nonzero(r.counts < self.n_workers))
-            mine = (r.bitmaps >> client.worker_id) & 1 == 1
-            short = Short(np.repeat(r.counts, lanes)[:count], np.repeat(mine, lanes)[:count])
-        return torch.from_numpy(sums.astype(np.int32)).to(packed.device), short
-
-
-class DistTransport:
-    """Sums through ``torch.distributed.all_reduce`` of table values (narrowest exact dtype)."""
-
-    _abandoned: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-    """Process group -> why no THC round may use it any more (see :meth:`abandon`)."""
-
-    def __init__(self, group=None):
-        import torch.distributed as dist
-        self.dist = dist
-        self.group = group
-        self.n_workers = dist.get_world_size(group)
-        self.bytes_sent = 0
-        self.stream_ordered = dist.get_backend(group) == "nccl"
-        """NCCL adds on the device's stream: a round needs no host wait in between."""
-
-    def check(self, params: THCParams) -> None:
-        pass
-
-    def _group(self):
-        """The process group this transport's collectives use now (``group=None``: the
-        default group of the moment, which a re-init replaces)."""
-        return self.group if self.group is not None else self.dist.group.WORLD
-
-    def abandon(self, why: str) -> None:
-        """This worker left a round between its collectives: any later collective of its on
-        this process group would pair with a peer's pending one (NCCL does not check that
-        they match), so the project issues none (the first reason is kept); the peers' own
-        collectives time out. What does not pass through :meth:`max` and :meth:`sum` (a
-        replayed CUDA graph, a DDP hook's FP32 spans) calls :meth:`check_group` first."""
-        group = self._group()
-        if group is not None:   # None: no process group any more, nothing to pair with
-            DistTransport._abandoned.setdefault(group, why)
-
-    def usable(self) -> None:
-        """Raise if a round on this transport's process group was abandoned."""
-        DistTransport.check_group(self.group)
-
-    @staticmethod
-    def check_group(group) -> None:
-        """Raise if a round on ``group`` (None: the default group now) was abandoned."""
-        import torch.distributed as dist
-        group = group if group is not None else dist.group.WORLD
-        why = DistTransport._abandoned.get(group) if group is not None else None
-        if why is not None:
-            raise RuntimeError(f"no THC round may use this process group any more: {why}; its "
-                               f"workers' collectives are out of step (restart the job)")
-
-    def max(self, norms: torch.Tensor) -> torch.Tensor:
-        self.usable()
-        out = norms.detach().clone()
-        self.dist.all_reduce(out, op=self.dist.ReduceOp.MAX, group=self.group)
-        return out
-
-    packed = False
-    """What :meth:`sum` takes: indices, whose table values are summed."""
-    lanes = None
-    short_chunks = None
-
-    def sum(self, indices: torch.Tensor, count: int, params: THCParams, classes=None):
-        self.usable()
-        # the codec's own indices: in the table by construction
-        vals = table_values(indices, params, checked=False).to(
-            wire_sum_dtype(self.n_workers, params))
-        self.bytes_sent += vals.numel() * vals.element_size()
-        self.dist.all_reduce(vals, group=self.group)
-        return vals, None
 
 
 def _inline(fn, *args) -> Future:

@@ -28,7 +28,8 @@ import torch
 import torch.distributed as dist
 
 from thc.codec.baselines import TopK
-from thc.collective.allreduce import DistTransport, THCAllReduce
+from thc.collective.allreduce import THCAllReduce
+from thc.collective.transports import DistTransport
 from thc.collective.graphed import GraphedAllReduce
 from thc.collective.marsit import MarsitAllReduce, MarsitVoteAllReduce
 

@@ -61,7 +61,8 @@ from thc.codec.common import NORM_MARK, WHOLE, check_float, check_key, raise_sta
 from thc.codec.params import THCParams
 from thc.codec.thc import THCCodec
 from thc.collective import agreement, watchdog
-from thc.collective.allreduce import DistTransport, RoundStats
+from thc.collective.allreduce import RoundStats
+from thc.collective.transports import DistTransport
 
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 """Input types the kernels read as they are."""

@@ -133,6 +133,8 @@ class Interleaving:
         sum_bits = rng.choice((0, 16))             # 0: the narrowest, 8 bits here
         self.config = (f"{self.n} workers, pool {self.pool} at {pool_base}, base {self.base}, "
                        f"loss {self.loss}, weights {self.weights}, sum_bits {sum_bits}")
+        self.job_index = rng.randrange(P.MAX_JOBS)   # registers and lookups per job index
+        self.config += f", job index {self.job_index}"
         self.job = make_job(self.n, self.pool, pool_base, sum_bits)
         self.model, self.tna = Model(), TnaEngine(prog, delay)
         self.now, self.top, self.history = 1000.0, FIRST_RUN - 1, []
@@ -141,7 +143,7 @@ class Interleaving:
     def install(self) -> None:
         epoch = self.rng.randrange(1, M)
         self.model.install(self.job, epoch)
-        self.tna.install(self.job, epoch, now=self.now)
+        self.tna.install(self.job, epoch, self.job_index, now=self.now)
         self.seen, self.owned = float("-inf"), set()
         self.new_run(self.top + 1)
 
@@ -309,7 +311,7 @@ class Interleaving:
         if want != dict(self.tna.drops()):
             raise Difference(f"drop counters: model {want}, TNA {dict(self.tna.drops())}")
         jobs = dict(self.model.jobs[JOB_ID].counters)
-        tna = self.tna.job_counters()
+        tna = self.tna.job_counters(self.job_index)
         got = {"packets": sum(tna.values()), "completions": tna["completions"],
                "retransmissions": tna["retransmissions"], "pending": tna["pending"],
                "held": tna["held"]}
