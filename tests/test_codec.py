@@ -373,6 +373,8 @@ def test_indices_too_wide_are_refused_not_wrapped():
     with pytest.raises(ValueError, match="do not fit in 8 bits"):
         pack_bits(np.array([300]), 8)
     assert pack_bits(np.array([15, 1]), 4).tolist() == [0xF1]
+    for dtype in (torch.uint16, torch.uint32, torch.bool):   # no CPU min/max for the first two
+        assert pack_bits(torch.tensor([1, 1], dtype=dtype), 4).tolist() == [0x11]
 
 
 def test_decode_takes_a_list_as_encode_does():

@@ -493,8 +493,9 @@ def test_thc_aggregator_picks_the_compiled_datapath_and_says_so(tmp_path):
         choose("compiled", js, Impairment(loss=0.1), shard=SHARD)
     cfg = tmp_path / "cluster.json"
     Cluster(jobs=tuple(js)).save(cfg)
+    shard = next(j for j in js if j.shards).shards[SHARD]   # where the map puts it
     out = subprocess.run([sys.executable, "-m", "thc.cli", "aggregator", "--listen",
-                          f"127.0.0.1:{free_port_block(1)}", "--config", str(cfg),
+                          f"{shard.ip}:{shard.port}", "--config", str(cfg),
                           "--duration", "0.2", "--stats-interval", "0", "--shard", str(SHARD)],
                          check=False, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr

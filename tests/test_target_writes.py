@@ -451,3 +451,18 @@ def test_tofino_lookup_values_add_into_8_bit_lanes_in_order():
     assert total.max() < 1 << 16
     lanes = np.frombuffer(total.astype(">u2").tobytes(), np.uint8)
     np.testing.assert_array_equal(lanes, np.asarray(TABLE)[idx].sum(axis=0))
+
+
+def test_each_target_takes_the_multicast_groups_its_engine_takes():
+    """BMv2's pre refuses group ids from 32768, Tofino's takes 16 bits: the check before any
+    write and the in-memory switch follow the target."""
+    for name, ok, bad in (("tofino", 40000, 70000), ("bmv2", 32767, 40000)):
+        sw = recording_switch(targets.get(name))
+        job = Job(job_id=5, workers=_workers(5, 2), table=TABLE, granularity=30,
+                  mcast_grp=ok)
+        jobs.install_job(sw, job)
+        assert ok in sw.multicast_groups()
+        top = ok if name == "bmv2" else 65535
+        with pytest.raises(ConfigError, match=f"multicast group {bad} outside 1..{top}"):
+            jobs.install_job(sw, Job(job_id=6, workers=_workers(6, 2), table=TABLE,
+                                     granularity=30, pool_base=8, mcast_grp=bad))

@@ -116,7 +116,9 @@ class MemoryDevice:
 
     def set_group(self, group: int, replicas: Iterable[tuple[int, int]]) -> None:
         replicas = set(replicas)
-        top = targets.TARGETS["bmv2"].max_mcast_group   # as BMv2's pre
+        # BMv2's pre refuses ids from 32768, Tofino's takes 16 bits
+        target = targets.of_p4info(self.p4info) if self.p4info is not None else None
+        top = (target or targets.TARGETS["bmv2"]).max_mcast_group
         if not 0 < group <= top or any(not 0 <= port < 1 << 9 for port, _ in replicas):
             raise SwitchError(f"multicast group {group}: INVALID_ARGUMENT (ids 1..{top}, "
                               f"9-bit ports)")

@@ -30,8 +30,13 @@ def pack_bits(idx, bits: int):
     if torch_in:
         import torch
         x = idx.reshape(-1)
-        if x.numel() and (int(x.max()) >> b or int(x.min()) < 0):
-            raise ValueError(f"indices {int(x.min())}..{int(x.max())} do not fit in {b} bits")
+        if x.numel() and x.dtype != torch.bool:
+            # one wait on a GPU; unsigned 16-64 bit tensors have no min/max on the CPU
+            wide = x.to(torch.int64) if x.dtype in (torch.uint16, torch.uint32,
+                                                     torch.uint64) else x
+            lo, hi = (int(v) for v in torch.stack(torch.aminmax(wide)).tolist())
+            if hi >> b or lo < 0:
+                raise ValueError(f"indices {lo}..{hi} do not fit in {b} bits")
         x = x.to(torch.uint8)
     else:
         x = np.asarray(idx).reshape(-1)

@@ -173,11 +173,15 @@ def check_shard_address(jobs, shard: int | None, host: str, port: int) -> None:
     wrong_shard and its workers would time out blaming a silent aggregator."""
     if shard is None:
         return
+    try:   # a name as the socket binds it
+        ip = socket.getaddrinfo(host, port, socket.AF_INET)[0][4][0] if host else "0.0.0.0"
+    except OSError:
+        ip = host   # not bindable either: the bind names the error
     for job in jobs:
         if not job.shards or not 0 <= shard < job.n_shards:
             continue
         want = job.shards[shard]
-        if port != want.port or host not in (want.ip, "0.0.0.0", ""):
+        if port != want.port or ip not in (want.ip, "0.0.0.0"):
             raise ConfigError(f"--shard {shard} listens on {host}:{port}, but job {job.job_id}'s "
                               f"shard map puts shard {shard} at {want.ip}:{want.port}")
 
