@@ -357,6 +357,8 @@ IDLE = {
     "a reused_run refusal refreshes it": (
         [(0, 0, "DATA", 0, FIRST_RUN, 0), (40, 0, "DATA", 0, FIRST_RUN, 1),
          (70, 1, "DATA", 0, FAR, 0)], "stale_run"),
+    "a fresh job takes any run id, however far": (
+        [(0, 0, "DATA", 0, FAR + P.RUN_JUMP, 0)], None),
 }
 """The idle clock's rules, packet by packet: whether a packet 40 s after the job's first
 one refreshed its clock decides whether a far run id 30 s later takes the job."""
@@ -364,18 +366,22 @@ one refreshed its clock decides whether a far run id 30 s later takes the job.""
 
 def idle_scenarios(prog: Program) -> str | None:
     """The first packet of IDLE that the program answers unlike the model, or None."""
-    for name, (steps, last) in IDLE.items():
-        job, model, tna = make_job(2, 1), Model(), TnaEngine(prog)
-        model.install(job, 77)
-        tna.install(job, 77, now=1000.0)
-        for t, w, kind, seq, run, restarts in steps:
-            body = bytes(P.payload_bytes(T[kind])) if kind in ("DATA", "MAX") else b""
-            d = P.Header(T[kind], w, JOB_ID, 0, seq & 1, 0, seq, offset_of(seq), 0, run,
-                         nonce_of(w, run, restarts)).pack() + body
-            want, got = (normalize(e.handle(d, addr(w), 1000.0 + t)) for e in (model, tna))
-            if want != got:
-                return f"{name}: {describe(d, addr(w))} at +{t} s\n  model: {want}\n  TNA: {got}"
-        assert want[0] == last, f"{name}: the model's last answer is {want[0]}, not {last}"
+    # also 1 s after the switch's clock started: a fresh job then reads idle only by its
+    # "no run since RESET" mark, not by the age of its last packet
+    for start in (1000.0, 1.0):
+        for name, (steps, last) in IDLE.items():
+            job, model, tna = make_job(2, 1), Model(), TnaEngine(prog)
+            model.install(job, 77)
+            tna.install(job, 77, now=start)
+            for t, w, kind, seq, run, restarts in steps:
+                body = bytes(P.payload_bytes(T[kind])) if kind in ("DATA", "MAX") else b""
+                d = P.Header(T[kind], w, JOB_ID, 0, seq & 1, 0, seq, offset_of(seq), 0, run,
+                             nonce_of(w, run, restarts)).pack() + body
+                want, got = (normalize(e.handle(d, addr(w), start + t)) for e in (model, tna))
+                if want != got:
+                    return (f"{name} (clock from {start:g} s): {describe(d, addr(w))} at +{t} "
+                            f"s\n  model: {want}\n  TNA: {got}")
+            assert want[0] == last, f"{name}: the model's last answer is {want[0]}, not {last}"
     return None
 
 
