@@ -161,3 +161,23 @@ def test_a_rebuilt_bucket_keeps_its_parameters_residuals(kind):
         assert errors[1] < 2 * errors[0] + 0.1, errors
     finally:
         dist.destroy_process_group()
+
+
+def test_overlap_is_off_where_ddp_all_reduces_its_unused_parameters():
+    """With find_unused_parameters DDP issues a collective of its own after the last bucket:
+    the hook's overlap thread issued its all-reduces beside it in another order on each rank,
+    and Gloo paired them wrongly (an FP32 hook off native DDP in 127 of 300 steps)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from thc.collective.ddp import FP32Hook
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port_block(1)}",
+                            rank=0, world_size=1)
+    try:
+        for unused, static, overlapped in ((False, False, True), (True, False, False),
+                                           (True, True, True)):
+            model = _Crossed()
+            ddp = DDP(model, find_unused_parameters=unused, static_graph=static)
+            hook = FP32Hook(model).register(ddp)
+            assert (hook._pool is not None) == overlapped, (unused, static)
+    finally:
+        dist.destroy_process_group()

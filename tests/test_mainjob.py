@@ -57,6 +57,12 @@ def test_time_to_accuracy_summary_names_the_winner():
     assert rows["thc"]["speedup"] == 30 / 8 and rows["topk"]["speedup"] is None
     assert s["verdict"].startswith("thc won") and "3.75x" in s["verdict"]
     assert rows["thc-bmv2"]["stopped"]          # a stopped run never wins
+    # FP32 stopped at the limit: its last accuracy is no target, and no speedup is claimed
+    s = summarize([_run_of("fp32", [(10, 0.55)], stopped="stopped at the 10 s limit"), thc],
+                  0.8)
+    assert s["verdict"].startswith("FP32 stopped at the time limit")
+    assert s["target_fp32_minus_1pt"] is None
+    assert all(r["speedup"] is None for r in s["rows"])
 
 
 def test_deadline_stops_every_rank_after_the_same_step_and_evaluates():

@@ -103,7 +103,17 @@ class _Hook:
                                                          self.options.uncompressed)
 
     def register(self, ddp_model) -> "_Hook":
-        """Install on a DistributedDataParallel model (DDP wants a function: the bound method)."""
+        """Install on a DistributedDataParallel model (DDP wants a function: the bound method).
+
+        With ``find_unused_parameters`` (and no static graph) DDP all-reduces its table of
+        used parameters from its own thread right after the last bucket; the hook's
+        collectives from the overlap thread would then pair with it in another order on each
+        rank (Gloo pairs collectives by issue order): a wrong mean or an abort. Overlap is
+        turned off there."""
+        if self._pool is not None and getattr(ddp_model, "find_unused_parameters", False) \
+                and not getattr(ddp_model, "static_graph", False):
+            self._pool.shutdown()
+            self._pool = None
         ddp_model.register_comm_hook(None, self.hook)
         return self
 

@@ -31,7 +31,15 @@ def summarize(runs: list[dict], fixed: float) -> dict:
             row["tta_fp32_minus_1pt"] = time_to(r["history"], target)
         rows.append(row)
     verdict = "no FP32 run: no comparison"
-    if base:
+    if base and base["stopped"]:
+        # its final accuracy is where it stopped, not where it ends: no target, no speedup
+        verdict = (f"FP32 stopped at the time limit (epoch {base['epochs_done']}): no "
+                   f"speedup against it is claimed")
+        target = None
+        for row in rows:
+            row["tta_fp32_minus_1pt"] = row["speedup"] = None
+            row["accuracy_vs_fp32_pp"] = 100 * (row["final_accuracy"] - base["final_accuracy"])
+    elif base:
         b = time_to(base["history"], target)
         for row in rows:
             t = row["tta_fp32_minus_1pt"]
