@@ -385,3 +385,10 @@ def test_decode_takes_a_list_as_encode_does():
     m = thc.slice_norms(x, p)
     sums = thc.aggregate([thc.encode(x, m, p, 0, 1)], p)
     assert np.array_equal(thc.decode(sums.tolist(), 1, m, 256, p), thc.decode(sums, 1, m, 256, p))
+
+
+def test_p_may_be_a_numpy_float():
+    """np.float32(0.5) is a probability as 0.5 is: it was refused as outside (0, 1)."""
+    assert THCParams(p=np.float32(0.5)) == THCParams(p=0.5)
+    with pytest.raises(ValueError, match="p must lie strictly between 0 and 1"):
+        THCParams(p=True)

@@ -181,3 +181,29 @@ def test_overlap_is_off_where_ddp_all_reduces_its_unused_parameters():
             assert (hook._pool is not None) == overlapped, (unused, static)
     finally:
         dist.destroy_process_group()
+
+
+def _half_worker(rank, port, q):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from thc.collective.ddp import HookOptions, TopKHook
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 8).to(torch.bfloat16)
+    hook = TopKHook(model, options=HookOptions(min_numel=1 << 20), overlap=False)
+    ddp = DDP(model)
+    hook.register(ddp)
+    ddp(torch.ones(2, 8, dtype=torch.bfloat16)).sum().backward()
+    q.put((rank, (hook.bytes_sent, hook.fp32_elements)))
+    dist.destroy_process_group()
+
+
+def test_uncompressed_spans_count_the_bytes_of_their_dtype():
+    """A bf16 model's uncompressed spans all-reduce 2 bytes an element: they were counted
+    at 4 (an FP32 span's), doubling what the hook reports on the wire."""
+    from tests.test_graphed import gloo_pair
+    res = gloo_pair(_half_worker)
+    for rank in (0, 1):
+        sent, elements = res[rank]
+        assert elements == 72 and sent == 2 * (2 - 1) * 72 * 2 // 2, res[rank]

@@ -55,7 +55,8 @@ class THCParams:
             raise ValueError(f"granularity must be an integer >= 2^bits - 1 = {levels} "
                              f"(the table needs 2^{self.bits} distinct values in 0..g), "
                              f"got {self.granularity!r}")
-        if not (isinstance(self.p, (int, float)) and 0.0 < float(self.p) < 1.0):
+        if not (isinstance(self.p, (int, float, np.floating)) and not isinstance(self.p, bool)
+                and 0.0 < float(self.p) < 1.0):
             raise ValueError(f"p must lie strictly between 0 and 1, got {self.p!r}")
         s = self.slice_size
         if not isinstance(s, (int, np.integer)) or s < 1 or s & (s - 1):

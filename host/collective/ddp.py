@@ -154,7 +154,8 @@ class _Hook:
             dist.all_reduce(flat, group=self.group)
             flat /= self.world
             self.fp32_elements += flat.numel()
-            self.bytes_sent += 2 * (self.world - 1) * flat.numel() * 4 // self.world
+            self.bytes_sent += (2 * (self.world - 1) * flat.numel() * flat.element_size()
+                                // self.world)
             i = 0
             for view in plain:
                 view.copy_(flat[i: i + view.numel()])
