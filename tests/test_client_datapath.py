@@ -332,6 +332,7 @@ def test_an_aggregator_named_by_host_name_answers(job, datapath):
 
 @pytest.mark.parametrize("kw, match", [
     ({"deadline": float("nan")}, "deadline nan"),
+    ({"deadline": 0.0}, "deadline 0.0"),
     ({"timeout": 0.0}, "0 < timeout"),
     ({"timeout": 1.0, "max_timeout": 0.5}, "timeout <= max_timeout"),
 ])

@@ -40,9 +40,10 @@ def pack_bits(idx, bits: int):
         x = x.to(torch.uint8)
     else:
         x = np.asarray(idx).reshape(-1)
-        if x.size and (int(x.max()) >> b or int(x.min()) < 0):
+        # one pass for the common unsigned input; a second for the lower bound otherwise
+        if x.size and (int(x.max()) >> b or (x.dtype.kind not in "ub" and int(x.min()) < 0)):
             raise ValueError(f"indices {int(x.min())}..{int(x.max())} do not fit in {b} bits")
-        x = x.astype(np.uint8)
+        x = x.astype(np.uint8, copy=False)
     n = x.shape[0]
     if b == 8:
         return x.clone() if torch_in else x.copy()

@@ -100,6 +100,16 @@ def check_rounds(tags) -> None:
                            f"this round is used")
 
 
+def agree(transport, rnd: int, key: int, device) -> None:
+    """The four tag lanes alone in a MAX round that takes no round number, the same length
+    on every worker whatever its tensor: raises on every worker unless all are in round
+    ``rnd`` with fingerprint ``key``. A reducer runs it before the first round of a size, so
+    that workers whose tensors differ in slice count never pair MAX rounds of different
+    lengths (Gloo ends that by aborting a process)."""
+    tags = transport.max(tagged(torch.zeros(0, device=device), rnd, key))
+    check_rounds(tags)
+
+
 def marks(y: torch.Tensor, pieces, layout_of) -> torch.Tensor:
     """The norms a worker that could not compute its own sends: :data:`NORM_MARK` for each
     slice holding NaN or Inf, 0 (no say) elsewhere; every slice marked where none does (the

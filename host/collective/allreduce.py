@@ -98,8 +98,11 @@ class THCAllReduce:
         ``position`` (per element, in [0, 1], 0 = needed first by the next forward pass).
         A slice mixes its coordinates (the rotation), so classes are per slice: set
         ``THCParams.slice_size`` to a layer's size or less for per-layer classes."""
+        return self._classes(check_positions(position, numel), max_norms, numel)
+
+    def _classes(self, pos: torch.Tensor, max_norms: torch.Tensor, numel: int) -> np.ndarray:
+        """:meth:`priority_classes` of positions already checked (:func:`check_positions`)."""
         size = self.params.slice_size
-        pos = check_positions(position, numel)
         n_slices = -(-numel // size)
         pad = n_slices * size - numel
         pos = torch.nn.functional.pad(pos, (0, pad), value=1.0).reshape(n_slices, size)
@@ -162,15 +165,11 @@ class THCAllReduce:
         return agreement.fingerprint(self.params, flat.numel(), pieces[0][1] - pieces[0][0])
 
     def _agree_size(self, flat, pieces) -> None:
-        """Before the first round of a tensor size: a MAX round of the tag lanes alone, the
-        same length on every worker, that takes no round. Workers whose sizes differ would
-        otherwise pair MAX rounds of different lengths, and Gloo ends that by aborting the
-        process; here every worker raises, naming it. Sizes are added only once agreed, so
-        every worker keeps the same set. It covers a size new to every worker; workers that
-        call sizes they all know in different orders still pair unlike MAX rounds."""
-        tags = self.transport.max(agreement.tagged(flat.new_zeros(0, dtype=torch.float32),
-                                                   self.round, self._key(flat, pieces)))
-        agreement.check_rounds(tags)
+        """:func:`agreement.agree` before the first round of a tensor size. Sizes are added
+        only once agreed, so every worker keeps the same set. It covers a size new to every
+        worker; workers that call sizes they all know in different orders still pair unlike
+        MAX rounds."""
+        agreement.agree(self.transport, self.round, self._key(flat, pieces), flat.device)
         self._sizes.add(flat.numel())
 
     def _max_round(self, flat, pieces, rnd: int, whole: bool, refusal=None):
@@ -229,7 +228,7 @@ class THCAllReduce:
         try:
             check_float(flat)
             if position is not None:
-                check_positions(position, flat.numel())
+                position = check_positions(position, flat.numel())
         except (TypeError, ValueError) as e:
             refusal = e
             flat = torch.zeros(flat.shape, device=flat.device)
@@ -252,7 +251,7 @@ class THCAllReduce:
         self._open = True   # until every sum of the round is issued
         secs["norms"] += time.perf_counter() - t0
         slice_cls = (None if position is None or self.transport.lanes is None else
-                     self.priority_classes(position, max_norms, flat.numel()))
+                     self._classes(position, max_norms, flat.numel()))
         norms_of = lambda a, b: max_norms[a // slice_size: -(-b // slice_size)]  # noqa: E731
         est = torch.empty_like(flat, dtype=torch.float32)
         own = torch.empty_like(flat, dtype=torch.float32) if self.feedback else None

@@ -222,14 +222,11 @@ class GraphedAllReduce:
         b.round.add_(1)
 
     def _agree_size(self, tensor: torch.Tensor) -> None:
-        """Before the first round: the tag lanes alone, as THCAllReduce does before a new
-        size (a MAX round of another length would abort a Gloo peer); takes no round. Once
-        agreed, never again: a first round that failed still went out (owed)."""
+        """:func:`agreement.agree` before the first round. Once agreed, never again: a first
+        round that failed still went out (owed)."""
         n = tensor.numel()
-        key = agreement.fingerprint(self.params, n, n)
-        tags = self.transport.max(agreement.tagged(torch.zeros(0, device=tensor.device),
-                                                   self.round, key))
-        agreement.check_rounds(tags)
+        agreement.agree(self.transport, self.round, agreement.fingerprint(self.params, n, n),
+                        tensor.device)
         self._agreed = True
 
     def _capturable(self, flat: torch.Tensor) -> bool:
