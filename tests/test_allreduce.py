@@ -40,6 +40,8 @@ def _through_aggregator(xs, rounds=1, error_feedback=True):
                     ar = THCAllReduce.through_aggregator(c, PARAMS, error_feedback=error_feedback,
                                                          generator=torch.Generator().manual_seed(w))
                     out[w] = [ar(xs[w]) for _ in range(rounds)]
+                    # every round counted: the size agreement, MAX and DATA packets
+                    assert ar.transport.bytes_sent == c.stats.bytes_sent > 0
             except Exception as e:  # surfaced below
                 errors.append(e)
 
@@ -263,8 +265,11 @@ def test_torch_distributed_transport_gloo():
     mean = torch.stack(xs).mean(0)
     nmse = float(((torch.from_numpy(res[0][0]) - mean) ** 2).sum() / torch.stack([(x ** 2).sum() for x in xs]).mean())
     assert 0.001 < nmse < 0.015, nmse
-    # uint8 sums: one byte per padded coordinate (32768 for 20000 elements).
-    assert res[0][1] == 32768
+    # counted as a ring all-reduce sends, 2 (p-1)/p of each tensor: uint8 sums (a byte per
+    # padded coordinate, 32768 for 20000 elements), the MAX round (one norm and four tag
+    # lanes) and the size agreement (four tag lanes), float32
+    ring = [2 * (world - 1) * nbytes // world for nbytes in (32768, 5 * 4, 4 * 4)]
+    assert res[0][1] == sum(ring) == 43737
 
 
 def test_pipelined_path_matches_accuracy_and_agrees_across_workers():

@@ -252,6 +252,9 @@ def test_argument_errors():
         codec.decode(sums, 0, m, 3000, P)
     with pytest.raises(ValueError, match="differ in length"):
         codec.aggregate([idx, idx[:-2]], P)
+    for v in (np.ones(3, np.float32), torch.ones(3)):
+        with pytest.raises(ValueError, match="norm vectors differ in length"):
+            codec.agree_max([v, v[:2]])
     with pytest.raises(ValueError, match="outside"):
         codec.table_values(np.array([16], np.uint8), P)
     with pytest.raises(ValueError, match="out must be"):

@@ -91,12 +91,12 @@ def agree_max(norm_vectors: Sequence):
     norm_vectors = list(norm_vectors)
     if not norm_vectors:
         raise ValueError("agree_max needs at least one norm vector")
+    sizes = {v.numel() if is_torch(v) else np.asarray(v).size for v in norm_vectors}
+    if len(sizes) != 1:
+        raise ValueError(f"norm vectors differ in length: {sorted(sizes)}")
     if is_torch(norm_vectors[0]):
         import torch
         return torch.stack([v.reshape(-1) for v in norm_vectors]).amax(dim=0)
-    sizes = {np.asarray(v).size for v in norm_vectors}
-    if len(sizes) != 1:
-        raise ValueError(f"norm vectors differ in length: {sorted(sizes)}")
     return np.max(np.stack([np.asarray(v, dtype=np.float32).reshape(-1)
                             for v in norm_vectors]), axis=0)
 

@@ -44,6 +44,7 @@ class AggregatorTransport:
         self.client = client
         self.n_workers = client.job.n_workers
         self.bytes_sent = 0
+        """UDP payload bytes this worker sent in the MAX and DATA rounds (the client's count)."""
         self.datapath: str | None = None
         """The client datapath that ran the last round."""
         self.short_chunks = 0
@@ -60,7 +61,9 @@ class AggregatorTransport:
                              f"same bits/granularity/p")
 
     def max(self, norms: torch.Tensor) -> torch.Tensor:
+        before = self.client.stats.bytes_sent
         out = self.client.max(norms.detach().cpu().numpy())
+        self.bytes_sent += self.client.stats.bytes_sent - before
         return torch.from_numpy(out).to(norms.device)
 
     packed = True
@@ -105,6 +108,8 @@ class DistTransport:
         self.group = group
         self.n_workers = dist.get_world_size(group)
         self.bytes_sent = 0
+        """Bytes this worker sends in its all-reduces, counted as a ring all-reduce sends them
+        (2 (p-1)/p of the tensor), as the FP32 and FP16 hooks count theirs."""
         self.stream_ordered = dist.get_backend(group) == "nccl"
         """NCCL adds on the device's stream: a round needs no host wait in between."""
 
@@ -140,9 +145,14 @@ class DistTransport:
             raise RuntimeError(f"no THC round may use this process group any more: {why}; its "
                                f"workers' collectives are out of step (restart the job)")
 
+    def _count(self, t: torch.Tensor) -> None:
+        p = self.n_workers
+        self.bytes_sent += 2 * (p - 1) * t.numel() * t.element_size() // p
+
     def max(self, norms: torch.Tensor) -> torch.Tensor:
         self.usable()
         out = norms.detach().clone()
+        self._count(out)
         self.dist.all_reduce(out, op=self.dist.ReduceOp.MAX, group=self.group)
         return out
 
@@ -156,6 +166,6 @@ class DistTransport:
         # the codec's own indices: in the table by construction
         vals = table_values(indices, params, checked=False).to(
             wire_sum_dtype(self.n_workers, params))
-        self.bytes_sent += vals.numel() * vals.element_size()
+        self._count(vals)
         self.dist.all_reduce(vals, group=self.group)
         return vals, None
