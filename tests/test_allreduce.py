@@ -13,7 +13,7 @@ from thc.codec.params import THCParams
 from thc.codec.thc import THCCodec, aggregate, decode
 from thc.collective.allreduce import THCAllReduce
 from thc.net.aggregator import Aggregator
-from thc.net.client import AggregationClient
+from thc.net.client import AggregationClient, AggregationTimeout
 from thc.testing.clusters import free_port_block, local_job
 from tests.test_graphed import gloo_pair
 
@@ -127,6 +127,37 @@ def test_error_feedback_makes_repeated_rounds_converge():
     assert err_avg < err_first / 4
 
 
+def test_workers_calling_known_sizes_in_different_orders_refuse_through_an_aggregator():
+    """Both workers know 4- and 8-slice tensors; then worker 0 calls the short one while
+    worker 1 calls the long one. The tag lanes sat after the norms, so each read them from a
+    different lane: worker 0 took a mean of the two calls' tensors without an error."""
+    p = THCParams(slice_size=256, seed=7)
+    job = local_job(1, 2, free_port_block(2), pool_size=32, table=p.table)
+    out = {0: [], 1: []}
+    with Aggregator([job]) as agg:
+        addr = agg.start()
+
+        def work(w):
+            with AggregationClient(job, w, addr, run=1, deadline=1.0) as c:
+                ar = THCAllReduce.through_aggregator(c, p, generator=w, error_feedback=False)
+                # norms below the round lanes: read as tags, they passed as the peer's
+                short, long_ = torch.full((1024,), 0.01), torch.full((2048,), 0.1)
+                for x in (short, long_, short if w == 0 else long_):
+                    try:
+                        out[w].append(float(ar(x).mean()))
+                    except (RuntimeError, AggregationTimeout) as e:
+                        out[w].append(e)
+
+        ts = [threading.Thread(target=work, args=(w,)) for w in range(2)]
+        [t.start() for t in ts]
+        [t.join(60) for t in ts]
+    for w in (0, 1):
+        assert out[w][0] == pytest.approx(0.01, abs=0.002), out
+        assert out[w][1] == pytest.approx(0.1, abs=0.02), out
+    assert "differ in their THC parameters" in str(out[0][2]), out
+    assert isinstance(out[1][2], (RuntimeError, AggregationTimeout)), out
+
+
 def test_mismatched_table_is_refused():
     job = local_job(1, 2, free_port_block(2), table=list(range(0, 32, 2)))
     with AggregationClient(job, 0, ("127.0.0.1", 9), run=1) as c:
@@ -198,6 +229,38 @@ def test_torch_distributed_workers_with_unlike_rounds_all_refuse():
         *refused, alike = res[rank]
         assert all("differ in their THC parameters" in r for r in refused), refused
         assert alike == pytest.approx(1.0, abs=0.1)
+
+
+def _out_of_step_worker(rank, port, q):
+    """Call k's tensor is k + 1 everywhere (so is its mean), but worker 0 first hands in an
+    empty tensor, and later a size it knows where worker 1 calls one new to it."""
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2)
+    ar = THCAllReduce.through_torch_distributed(params=THCParams(slice_size=256),
+                                                generator=rank, error_feedback=False)
+    sizes = [0 if rank == 0 else 1024, 1024, 2048, 1024 if rank == 0 else 4096, 1024]
+    out = []
+    for k, numel in enumerate(sizes):
+        try:
+            out.append(float(ar(torch.full((numel,), k + 1.0)).mean()))
+        except RuntimeError as e:
+            out.append(str(e))
+    q.put((rank, out))
+    dist.destroy_process_group()
+
+
+def test_workers_out_of_step_in_their_sizes_all_refuse():
+    """An empty tensor took no round: the peer's round then paired with the worker's next
+    call, a mean of two calls' tensors and no error. A size new to one worker but known to
+    the other paired the agreement round with a MAX round, and Gloo aborted a process."""
+    res = gloo_pair(_out_of_step_worker)
+    for rank in (0, 1):
+        out = res[rank]
+        assert isinstance(out[0], str) and "differ in their THC parameters" in out[0], out
+        # THC's estimates of constant tensors: within 0.2 (a mean of two calls is 0.5 off)
+        assert out[1] == pytest.approx(2.0, abs=0.2) and out[2] == pytest.approx(3.0, abs=0.2)
+        assert "differ in their THC parameters" in out[3], out
+        assert out[4] == pytest.approx(5.0, abs=0.2), out
 
 
 def _refusing_worker(rank, port, q):

@@ -4,12 +4,14 @@ a wait.
 
 - A worker whose gradient holds NaN or Inf still sends its MAX round, its bad slices' norms
   replaced by :data:`NORM_MARK` (above any real norm): every worker refuses those slices.
-- The round number travels beside the norms as two more MAX lanes, ``r`` and
+- The round number travels in the MAX round's first two lanes, ``r`` and
   ``ROUND_SPAN - r``: their maxima give every worker the largest and the smallest round
-  number of the job, which differ only when some worker missed a round. Two more carry a
+  number of the job, which differ only when some worker missed a round. The next two carry a
   fingerprint of what the round's sums assume alike (:func:`fingerprint`: the codec's
   parameters and the tensor's cut) the same way: workers whose rotations, tables or lengths
-  differ refuse the round instead of decoding each other's indices as their own.
+  differ refuse the round instead of decoding each other's indices as their own. The norms
+  follow the four tag lanes, so that every worker reads the tags from the same lanes
+  whatever its tensor's slice count.
 - On a stream-ordered transport (NCCL) the peers do not read the max norms before the sum, so
   a worker that stops between the MAX round and the sum first joins the sum with zeros, but
   only where a mark makes every peer refuse that sum anyway.
@@ -24,29 +26,30 @@ from thc.codec.common import NORM_MARK
 
 ROUND_SPAN = 1 << 20
 """Round numbers travel modulo this (exact in float32)."""
-
+KEY_SPAN = 1 << 24
+"""Fingerprints travel modulo this: float32 holds every integer up to it exactly."""
 
 TAG_LANES = 4
-"""The lanes after the norms: the round number's pair, then the fingerprint's pair."""
+"""The lanes before the norms: the round number's pair, then the fingerprint's pair."""
 
 
 def fingerprint(params, *cut: int) -> int:
     """What the workers' rounds must share for their sums to mean one thing, as a lane value
-    below ROUND_SPAN: the codec's parameters (rotation seed, slice size, table) and ``cut``,
+    below KEY_SPAN: the codec's parameters (rotation seed, slice size, table) and ``cut``,
     the numbers that cut the tensor (its length, the pipeline's piece length)."""
     key = (params.bits, params.granularity, float(params.p), params.seed, params.slice_size,
            tuple(int(t) for t in params.table)) + tuple(int(c) for c in cut)
-    return zlib.crc32(repr(key).encode()) % ROUND_SPAN
+    return zlib.crc32(repr(key).encode()) % KEY_SPAN
 
 
 def tagged(norms: torch.Tensor, rnd, key: int) -> torch.Tensor:
-    """The MAX round's vector: the slice norms (non-finite ones marked), the round's two
-    lanes and the fingerprint's two. ``rnd``: an int, or an int64 tensor on the device (a
+    """The MAX round's vector: the round's two lanes, the fingerprint's two, then the slice
+    norms (non-finite ones marked). ``rnd``: an int, or an int64 tensor on the device (a
     graphed round's); ``key``: :func:`fingerprint`."""
-    k = float(key % ROUND_SPAN)
+    k = float(key % KEY_SPAN)
     # filled on the device: a copy from the host would wait for it
     keys = [torch.full((1,), v, dtype=torch.float32, device=norms.device)
-            for v in (k, ROUND_SPAN - k)]
+            for v in (k, KEY_SPAN - k)]
     if isinstance(rnd, torch.Tensor):
         r = (rnd.reshape(1) % ROUND_SPAN).float()
         tags = [r, ROUND_SPAN - r]
@@ -55,25 +58,25 @@ def tagged(norms: torch.Tensor, rnd, key: int) -> torch.Tensor:
         tags = [torch.full((1,), v, dtype=torch.float32, device=norms.device)
                 for v in (r, ROUND_SPAN - r)]
     marked = torch.nan_to_num(norms.float(), nan=NORM_MARK, posinf=NORM_MARK)
-    return torch.cat([marked] + tags + keys)
+    return torch.cat(tags + keys + [marked])
 
 
 def untag(maxima: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(max norms, the four tag lanes) of a MAX round's result."""
-    return maxima[:-TAG_LANES], maxima[-TAG_LANES:]
+    return maxima[TAG_LANES:], maxima[:TAG_LANES]
 
 
 def in_step(tags: torch.Tensor) -> torch.Tensor:
     """Whether the job's workers are all in the same round with the same fingerprint, as a
     boolean on the device (as exact as check_rounds on the host)."""
     pairs = tags.double().reshape(2, 2).sum(dim=1)
-    return (pairs == ROUND_SPAN).all()
+    return (pairs[0] == ROUND_SPAN) & (pairs[1] == KEY_SPAN)
 
 
 def agreed(tags) -> bool:
     """Whether the four tag lanes (read on the host) say: one round, one fingerprint."""
     high, low, khigh, klow = tags
-    return high + low == ROUND_SPAN and khigh + klow == ROUND_SPAN
+    return high + low == ROUND_SPAN and khigh + klow == KEY_SPAN
 
 
 def refused(max_norms: torch.Tensor, tags: torch.Tensor) -> bool:
@@ -92,10 +95,10 @@ def check_rounds(tags) -> None:
         raise RuntimeError(f"the workers are in different rounds ({ROUND_SPAN - low:g} to "
                            f"{high:g}, modulo {ROUND_SPAN}): a worker missed a round, so "
                            f"their rotations differ and no sum of this round is used")
-    if khigh + klow != ROUND_SPAN:
+    if khigh + klow != KEY_SPAN:
         raise RuntimeError(f"the workers' rounds differ in their THC parameters (bits, "
                            f"granularity, p, seed, slice size, table) or in the tensor's "
-                           f"length or piece length (fingerprints {ROUND_SPAN - klow:g} to "
+                           f"length or piece length (fingerprints {KEY_SPAN - klow:g} to "
                            f"{khigh:g}): their indices mean different things, so no sum of "
                            f"this round is used")
 
@@ -103,9 +106,10 @@ def check_rounds(tags) -> None:
 def agree(transport, rnd: int, key: int, device) -> None:
     """The four tag lanes alone in a MAX round that takes no round number, the same length
     on every worker whatever its tensor: raises on every worker unless all are in round
-    ``rnd`` with fingerprint ``key``. A reducer runs it before the first round of a size, so
-    that workers whose tensors differ in slice count never pair MAX rounds of different
-    lengths (Gloo ends that by aborting a process)."""
+    ``rnd`` with fingerprint ``key``. A reducer runs it before the first round of a size (on
+    Gloo before every round), so that workers whose tensors differ in slice count do not pair
+    MAX rounds of different lengths (Gloo ends that by aborting a process), and for an empty
+    tensor, which takes no round but must not let a peer's round pass unpaired."""
     tags = transport.max(tagged(torch.zeros(0, device=device), rnd, key))
     check_rounds(tags)
 

@@ -146,6 +146,9 @@ class THCAllReduce:
         last); given, every chunk is marked with its DLCP priority class.
         """
         if tensor.numel() == 0:
+            # no round, but an agreement: a peer whose tensor is not empty refuses it
+            agreement.agree(self.transport, self.round, agreement.fingerprint(self.params, 0, 0),
+                            tensor.device)
             return tensor.clone()
         self._open = False
         try:
@@ -165,10 +168,12 @@ class THCAllReduce:
         return agreement.fingerprint(self.params, flat.numel(), pieces[0][1] - pieces[0][0])
 
     def _agree_size(self, flat, pieces) -> None:
-        """:func:`agreement.agree` before the first round of a tensor size. Sizes are added
-        only once agreed, so every worker keeps the same set. It covers a size new to every
-        worker; workers that call sizes they all know in different orders still pair unlike
-        MAX rounds."""
+        """:func:`agreement.agree` before the first round of a tensor size, and before every
+        round on a transport that asks for it (Gloo: a size new to one worker but known to
+        another would pair unlike lengths). Sizes are added only once agreed, so every worker
+        keeps the same set. Elsewhere, workers that call sizes they all know in different
+        orders pair MAX rounds of unlike lengths, whose tag lanes (first in every MAX round)
+        differ in fingerprint: every worker refuses them."""
         agreement.agree(self.transport, self.round, self._key(flat, pieces), flat.device)
         self._sizes.add(flat.numel())
 
@@ -240,7 +245,8 @@ class THCAllReduce:
         whole = getattr(self.transport, "stream_ordered", False)
         step = max(flat.numel(), 1) if whole else self.pipeline_elements
         pieces = [(a, min(a + step, flat.numel())) for a in range(0, flat.numel(), step)]
-        if flat.numel() not in self._sizes:
+        if getattr(self.transport, "agree_each_round", False) or \
+                flat.numel() not in self._sizes:
             self._agree_size(flat, pieces)
         # every worker counts the round as taken, whatever happens in it: a worker that fails
         # part-way stays in step with those that do not (and the MAX round checks it)

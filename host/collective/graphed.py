@@ -393,9 +393,12 @@ class GraphedAllReduce:
         if position is not None:
             raise ValueError("DLCP priority classes travel through the aggregator's transport, "
                              "which a graphed round does not use")
-        if tensor.numel() == 0:
-            return tensor.clone()
         self.check()   # the last round's refusal, before this one takes a round
+        if tensor.numel() == 0:
+            # no round, but an agreement: a peer whose tensor is not empty refuses it
+            agreement.agree(self.transport, self.round, agreement.fingerprint(self.params, 0, 0),
+                            tensor.device)
+            return tensor.clone()
         if not self._agreed:
             self._agree_size(tensor)
         t0 = time.perf_counter()

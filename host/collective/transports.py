@@ -112,6 +112,10 @@ class DistTransport:
         (2 (p-1)/p of the tensor), as the FP32 and FP16 hooks count theirs."""
         self.stream_ordered = dist.get_backend(group) == "nccl"
         """NCCL adds on the device's stream: a round needs no host wait in between."""
+        self.agree_each_round = not self.stream_ordered
+        """Gloo aborts a process whose all-reduce differs in length from its peers': every
+        round starts with the fixed-length agreement (four lanes), so that workers whose
+        tensors differ in slice count refuse the round instead."""
 
     def check(self, params: THCParams) -> None:
         pass
