@@ -20,6 +20,7 @@ from thc.net.aggregator import Aggregator
 from thc.net.impair import Impairment
 from thc.testing.clusters import free_port_block, local_job
 from thc.wire import protocol as P
+from thc.wire.jobs import Job
 from tests.test_transport import datapath  # noqa: F401 (a fixture)
 
 N_CHUNKS = 20
@@ -406,3 +407,103 @@ def test_a_negative_zero_max_is_a_zero_and_a_socket_with_a_timeout_is_refused(da
     with pytest.raises(ValueError, match=r"socket has a timeout .*settimeout\(None\)"):
         AggregationClient(job, 0, addr, run=1, sock=sock)
     sock.close()
+
+
+def _reply(data: bytes, pkt_type: int, count: int, bitmap: int) -> bytes:
+    """A payload-less reply to ``data`` (a DATA packet) with its fields (the epoch: the
+    sender's nonce, as :func:`_complete` keeps it)."""
+    (_t, w, j, slot, version, _c, seq, offset, _b, run, epoch) = \
+        P.HEADER_STRUCT.unpack_from(data)
+    return P.HEADER_STRUCT.pack(pkt_type, w, j, slot, version, count, seq, offset, bitmap, run,
+                                epoch)
+
+
+def test_impossible_results_after_a_pending_name_the_aggregator_not_a_worker(job, datapath):
+    """A PENDING first (worker 1 late), then only impossible RESULTs (16-bit sums where the
+    job has 8: the aggregator runs another job's config): the newer evidence names the
+    aggregator; the old PENDING's bitmap named worker 1, who was fine."""
+    seen = []
+
+    def answer(data):
+        seen.append(data)
+        if len(seen) <= 2:
+            return [_reply(data, P.PktType.PENDING, 1, 0b01)]
+        return [_complete(data, P.PktType.RESULT, job) + bytes(2 * job.lanes)]
+
+    with _answering(answer) as addr:
+        with AggregationClient(job, 0, addr, run=2, deadline=0.5) as c:
+            with pytest.raises(AggregationTimeout, match=r"answered with \d+ impossible "
+                                                         r"replies .* configured with this "
+                                                         r"job") as e:
+                c.aggregate(_packed(job, 1)[: job.lanes // 2])
+            assert e.value.missing is None
+            assert c.stats.pending >= 1 and c.stats.rejected > 0
+            assert c.stats.compiled_rounds == (datapath == "compiled")
+
+
+def test_a_silent_aggregator_is_named_under_a_deadline_of_two_max_timeouts(job, datapath):
+    """A PENDING (worker 1 late), then silence, under a deadline (0.8 s) below twice
+    max_timeout (0.5 s): the resends it left unanswered name the aggregator, not worker 1."""
+    t0 = time.monotonic()
+
+    def answer(data):
+        return [_reply(data, P.PktType.PENDING, 1, 0b01)] if time.monotonic() - t0 < 0.1 \
+            else []
+
+    with _answering(answer) as addr:
+        with AggregationClient(job, 0, addr, run=2, deadline=0.8) as c:
+            t0 = time.monotonic()
+            with pytest.raises(AggregationTimeout, match="the aggregator at .* stopped "
+                                                         "answering") as e:
+                c.aggregate(_packed(job, 1)[: job.lanes // 2])
+            assert e.value.missing is None and c.stats.pending >= 1
+
+
+def test_a_silent_shard_is_named_though_another_shard_answers(datapath):
+    """Shard 1 answers one PENDING, then falls silent; shard 0 goes on answering its own
+    chunks' resends (worker 1 is late there too). Shard 0's replies say nothing of shard 1:
+    the timeout of shard 1's chunk names shard 1, not worker 1."""
+    base = free_port_block(2)
+    t0 = time.monotonic()
+    first = {}
+
+    def shard0(data):
+        seq = P.HEADER_STRUCT.unpack_from(data)[6]
+        # chunk 0 completes after 0.3 s (so chunk 2 starts late, timing out after chunk 1),
+        # chunk 2 waits for worker 1 for ever
+        if seq == 0 and time.monotonic() - first.setdefault(0, time.monotonic()) > 0.3:
+            return [_complete(data, P.PktType.RESULT, job) + bytes(job.lanes)]
+        return [_reply(data, P.PktType.PENDING, 1, 0b01)]
+
+    def shard1(data):
+        return [_reply(data, P.PktType.PENDING, 1, 0b01)] if time.monotonic() - t0 < 0.1 \
+            else []
+
+    with _answering(shard0) as a0, _answering(shard1) as a1:
+        job = Job.from_dict({"job_id": 1, "pool_size": 16, "lanes": P.LANES, "granularity": 30,
+                             "workers": [{"id": i, "ip": "127.0.0.1", "port": base + i}
+                                         for i in range(2)],
+                             "shards": [{"ip": a[0], "port": a[1]} for a in (a0, a1)]})
+        packed = _packed(job, 1)[: 3 * job.lanes // 2]
+        with AggregationClient(job, 0, run=2, deadline=1.2, max_timeout=0.1, window=2) as c:
+            t0 = time.monotonic()
+            with pytest.raises(AggregationTimeout, match=r"chunk seq 1 .* aggregator shard 1 "
+                                                         r"at .* stopped answering") as e:
+                c.aggregate(packed)
+            assert e.value.missing is None
+            assert c.stats.compiled_rounds == (datapath == "compiled")
+
+
+def test_a_live_aggregator_quiet_between_long_backoffs_is_not_called_silent(job):
+    """A DSCP-marked chunk backs off in full (0.32 s after the resend at 0.3 s), so with a
+    0.5 s deadline the aggregator, answering every resend, was last heard more than half
+    the deadline ago: with no resend left unanswered that is no silence, and the missing
+    worker is named (the Python window: the only one with DSCP marks)."""
+    agg = ScriptedAggregator(job, mode="pending")
+    try:
+        with AggregationClient(job, 0, agg.addr, run=5, deadline=0.5) as c:
+            with pytest.raises(AggregationTimeout, match=r"missing worker\(s\) \[1\]") as e:
+                c.aggregate(_packed(job, 1)[: job.lanes // 2], classes=np.zeros(1, np.uint8))
+            assert e.value.missing == [1] and c.stats.compiled_rounds == 0
+    finally:
+        agg.close()

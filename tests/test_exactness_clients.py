@@ -176,12 +176,19 @@ def test_a_far_future_run_neither_locks_a_live_job_nor_an_idle_one(aggregator_ki
             assert (c.aggregate(one) == 3).all()
 
 
-@pytest.mark.parametrize("window", [-1, 0, 1.5, "4"])
+@pytest.mark.parametrize("window", [-1, 0, 1.5, "4", True, np.int64(0)])
 def test_a_window_that_cannot_hold_a_chunk_is_refused(window):
     """Case 8: window=-1 looped forever, past its deadline."""
     job = local_job(1, 1, free_port_block(1), table=TABLE)
     with pytest.raises(ValueError, match="window"):
         AggregationClient(job, 0, ("127.0.0.1", 9), window=window, run=1)
+
+
+def test_a_window_of_any_integer_type_is_taken():
+    """A numpy integer (a config read through numpy) is a number of chunks, kept as int."""
+    job = local_job(1, 1, free_port_block(1), table=TABLE)
+    with AggregationClient(job, 0, ("127.0.0.1", 9), window=np.int64(8), run=1) as c:
+        assert c.window == 8 and type(c.window) is int
 
 
 def test_a_restarted_worker_under_the_same_run_id_fails_at_once(aggregator_kind, datapath):

@@ -382,3 +382,57 @@ def test_heavy_loss_on_every_link_recovers_lost_results_in_time(tmp_path, job, d
         assert ran == datapath and retransmitted > 0
     assert relay.dropped["to aggregator"] > 0 and relay.dropped["to workers"] > 0
     assert stats["jobs"]["1"]["completions"] == 128  # exactly once
+
+
+_FLOOD = """
+import socket, struct, sys, time
+port, seconds = int(sys.argv[1]), float(sys.argv[2])
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 8 << 20)
+try:   # UDP GSO: 64 one-byte datagrams a send, far more than plain sends make
+    cmsg = [(socket.SOL_UDP, 103, struct.pack("H", 1))]
+    s.sendmsg([bytes(64)], cmsg, 0, ("127.0.0.1", port))
+except OSError:
+    cmsg = []
+print("flooding", flush=True)
+stop = time.monotonic() + seconds
+while time.monotonic() < stop:
+    try:
+        s.sendmsg([bytes(64 if cmsg else 1)], cmsg, 0, ("127.0.0.1", port))
+    except OSError:
+        pass
+"""
+
+
+@pytest.mark.parametrize("start", ["before", "during"])
+def test_a_flood_to_the_worker_port_does_not_hold_off_the_deadline(job, datapath, start):
+    """Strangers flood the worker's port with junk datagrams, queued before the round (the
+    drain before its first packet) or arriving during it (the window's receive loop), while
+    the aggregator says nothing: the round still ends near its deadline, naming the silent
+    aggregator, not after the flood. Three flooders: the compiled window reads one
+    flooder's datagrams faster than it sends them."""
+    silent = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    silent.bind(("127.0.0.1", 0))
+    deadline, flood_s = 0.5, 5.0
+    with AggregationClient(job, 0, silent.getsockname(), run=3, deadline=deadline) as c:
+        port = str(c.sock.getsockname()[1])
+        floods = [subprocess.Popen([sys.executable, "-c", _FLOOD, port, str(flood_s)],
+                                   stdout=subprocess.PIPE, text=True) for _ in range(3)]
+        try:
+            for flood in floods:
+                assert flood.stdout.readline().strip() == "flooding"
+            if start == "before":
+                time.sleep(0.2)  # the socket's queue fills
+            t0 = time.monotonic()
+            with pytest.raises(AggregationTimeout, match="no answer from the aggregator"):
+                c.aggregate(np.zeros(job.lanes // 2, np.uint8))
+            took = time.monotonic() - t0
+        finally:
+            for flood in floods:
+                flood.kill()
+                flood.wait()
+                flood.stdout.close()
+            silent.close()
+        assert c.stats.compiled_rounds == (datapath == "compiled")
+        assert c.stats.received + c.stats.drained > 1000, "no flood arrived"
+        assert took < deadline + 1.0, f"the round took {took:.2f}s (deadline {deadline}s)"

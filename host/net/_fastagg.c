@@ -1253,6 +1253,8 @@ cleanup:
  * exceptions: stream() returns an event (done, an epoch change, a deadline) for it to raise. */
 
 #define CL_RECV_BYTES 4096 /* the Python loop's receive buffer */
+/* stream()'s arguments and timeout report: host/net/fastclient.py refuses another version */
+#define CL_WINDOW_VERSION 2
 #define CL_OUT_BYTES 2048
 /* per chunk in the window: retransmitted (no RTT sample: Karn), overtaken by a later
  * chunk of its shard (a lost packet, not a missing worker: its timer does not back off) */
@@ -1280,6 +1282,12 @@ typedef struct {
     int gso; /* DATA to one shard leaves as one UDP GSO send; replies come in by GRO */
     unsigned long long st[N_CSTATS];
     int err; /* errno of a send the kernel refused for good */
+    /* per shard (one shard's replies say nothing of another's): when it last answered, its
+     * impossible replies, and the times of the first silent_after resends to it since */
+    double *last_reply, *asked;
+    int *nasked;
+    unsigned long long *rejected;
+    int silent_after;
 } Client;
 
 static inline int cl_shard(Client *c, long i) {
@@ -1421,6 +1429,23 @@ static void cl_send(Client *c, long i) {
     c->st[S_BYTES_SENT] += HDR + (unsigned long long)c->chunk_bytes;
 }
 
+/* Queue a retransmission of chunk i; the first silent_after since its shard last answered
+ * are remembered: a live shard answers each. */
+static void cl_resend(Client *c, long i, double now) {
+    int s = cl_shard(c, i);
+    c->st[S_RETRANSMITTED]++;
+    cl_send(c, i);
+    if (c->nasked[s] < c->silent_after) c->asked[s * c->silent_after + c->nasked[s]++] = now;
+}
+
+/* Of those resends to shard s, the ones that had an RTO to be answered. */
+static int cl_unanswered(Client *c, int s, double now) {
+    double rto = cl_rto(c, s);
+    int n = 0;
+    for (int k = 0; k < c->nasked[s]; k++) n += now - c->asked[s * c->silent_after + k] >= rto;
+    return n;
+}
+
 static PyObject *list_of_doubles(const double *v, int n) {
     PyObject *l = PyList_New(n);
     for (int k = 0; l && k < n; k++) {
@@ -1440,26 +1465,29 @@ static PyObject *list_of_doubles(const double *v, int n) {
  *            pool, run, base, offset_base, lanes, n_workers); replies of the three types are
  *            this job's, a result of the other type is counted as ignored
  *   aggs: [(ipv4 as int, port)] per shard; epochs: [int or None] per shard (updated in place)
- *   timing: (timeout, max_timeout, deadline, fast_retransmit_after, fast_backoff_cap), the
- *           last two host/net/window.py's rules (results of later chunks that mean a chunk
- *           was lost; the backoff cap in RTOs of the head and of lost chunks); srtt/rttvar: [float or None] / [float] per shard
+ *   timing: (timeout, max_timeout, deadline, fast_retransmit_after, fast_backoff_cap,
+ *           silent_after, recv_batch), the last four host/net/window.py's rules (results of
+ *           later chunks that mean a chunk was lost; the backoff cap in RTOs of the head and
+ *           of lost chunks; unanswered resends that make a shard silent; datagrams taken in
+ *           before the timers are looked at); srtt/rttvar: [float or None] / [float] per
+ *           shard
  *   out: total * lanes elements of out_itemsize bytes (host order); counts (uint8) and
  *   bitmaps (uint32) per chunk, written for chunks closed short
  * -> (event, info, stats, srtt, rttvar) with event 0 done, 1 restarted (shard, old, new),
- *    2 timeout (chunk, PENDING bitmap or None, seconds since the last reply), 3 OS error
- *    (errno) */
+ *    2 timeout (chunk, PENDING bitmap or None, seconds since its shard's last reply, the
+ *    shard's unanswered resends, its impossible replies), 3 OS error (errno) */
 static PyObject *fa_stream(PyObject *self, PyObject *args) {
     PyObject *hdr, *aggs_o, *epochs, *srtt_o, *rttvar_o;
     Py_buffer chunks = {0}, out = {0}, counts = {0}, bitmaps = {0};
     int fd, chunk_bytes, window, out_itemsize, expect_payload, gso;
     double timeout, max_timeout, deadline;
-    int fast_after, backoff_cap;
-    if (!PyArg_ParseTuple(args, "iOy*iO!O!i(dddii)O!O!w*iiw*w*p", &fd, &hdr, &chunks,
+    int fast_after, backoff_cap, silent_after, recv_batch;
+    if (!PyArg_ParseTuple(args, "iOy*iO!O!i(dddiiii)O!O!w*iiw*w*p", &fd, &hdr, &chunks,
                           &chunk_bytes, &PyList_Type, &aggs_o, &PyList_Type, &epochs, &window,
                           &timeout, &max_timeout, &deadline, &fast_after,
-                          &backoff_cap, &PyList_Type, &srtt_o, &PyList_Type,
-                          &rttvar_o, &out, &out_itemsize, &expect_payload, &counts, &bitmaps,
-                          &gso))
+                          &backoff_cap, &silent_after, &recv_batch, &PyList_Type, &srtt_o,
+                          &PyList_Type, &rttvar_o, &out, &out_itemsize, &expect_payload,
+                          &counts, &bitmaps, &gso))
         return NULL;
     Client *c = calloc(1, sizeof(Client));
     PyObject *res = NULL;
@@ -1497,6 +1525,7 @@ static PyObject *fa_stream(PyObject *self, PyObject *args) {
         expect_payload % lanes || (wire_bytes != 1 && wire_bytes != 2 && wire_bytes != 4) ||
         (out_itemsize != 2 && out_itemsize != 4) || out_itemsize < wire_bytes ||
         n_workers < 1 || n_workers > MAX_WORKERS || worker < 0 || worker > 255 ||
+        silent_after < 1 || silent_after > 64 || recv_batch < 1 ||
         out.len < (Py_ssize_t)total * lanes * out_itemsize || counts.len < total ||
         bitmaps.len < (Py_ssize_t)total * 4) {
         PyErr_SetString(PyExc_ValueError, "stream: bad arguments");
@@ -1505,6 +1534,11 @@ static PyObject *fa_stream(PyObject *self, PyObject *args) {
     c->aggs = calloc((size_t)n_shards, sizeof(struct sockaddr_in));
     c->srtt = calloc((size_t)n_shards, sizeof(double));
     c->rttvar = calloc((size_t)n_shards, sizeof(double));
+    c->last_reply = calloc((size_t)n_shards, sizeof(double));
+    c->asked = calloc((size_t)n_shards * (size_t)silent_after, sizeof(double));
+    c->nasked = calloc((size_t)n_shards, sizeof(int));
+    c->rejected = calloc((size_t)n_shards, sizeof(unsigned long long));
+    c->silent_after = silent_after;
     epoch = calloc((size_t)n_shards, sizeof(long long));
     c->sbuf = malloc((size_t)BATCH * CL_OUT_BYTES);
     done = calloc((size_t)total + 1, 1);
@@ -1521,7 +1555,8 @@ static PyObject *fa_stream(PyObject *self, PyObject *args) {
     riov = calloc(BATCH, sizeof(struct iovec));
     rctl = calloc(BATCH, GRO_CTL);
     rsrc = calloc(BATCH, sizeof(struct sockaddr_in));
-    if (!rsrc || !c->aggs || !c->srtt || !c->rttvar || !epoch || !c->sbuf || !done || !mark || !due ||
+    if (!rsrc || !c->aggs || !c->srtt || !c->rttvar || !c->last_reply || !c->asked ||
+        !c->nasked || !c->rejected || !epoch || !c->sbuf || !done || !mark || !due ||
         !backoff || !started || !later || !pend || !rbuf || !rmsgs || !riov || !rctl) {
         PyErr_NoMemory();
         goto cleanup;
@@ -1568,12 +1603,14 @@ static PyObject *fa_stream(PyObject *self, PyObject *args) {
     int event = EV_DONE, interrupted = 0;
     long ev_chunk = 0;
     long long ev_old = 0, ev_new = 0, ev_bitmap = -1, ev_code = 0;
-    int ev_shard = 0;
+    int ev_shard = 0, ev_unanswered = 0;
     double ev_silent = 0;
+    unsigned long long ev_rejected = 0;
 
     Py_BEGIN_ALLOW_THREADS
     long lo = 0, hi = 0;
-    double now = now_s(), last_reply = now, last_check = now;
+    double now = now_s(), last_check = now;
+    for (int s = 0; s < n_shards; s++) c->last_reply[s] = now;
     while (lo < total && event == EV_DONE) {
         while (hi < total && hi < lo + window) {
             long r = hi % window;
@@ -1605,7 +1642,8 @@ static PyObject *fa_stream(PyObject *self, PyObject *args) {
         struct timespec ts = {.tv_sec = (time_t)wait,
                               .tv_nsec = (long)((wait - (double)(time_t)wait) * 1e9)};
         int ready = ppoll(&pfd, 1, &ts, NULL);
-        while (ready > 0 && event == EV_DONE) {
+        long taken = 0; /* up to recv_batch datagrams, then the timers, even under a flood */
+        while (ready > 0 && event == EV_DONE && taken < recv_batch) {
             rx_arm(rmsgs, riov, rctl, rbuf, nmsg, rbytes, rsrc);
             int got = recvmmsg(fd, rmsgs, (unsigned)nmsg, MSG_DONTWAIT, NULL);
             if (got <= 0) break;
@@ -1619,6 +1657,7 @@ static PyObject *fa_stream(PyObject *self, PyObject *args) {
                     size_t n = len - off < seg ? len - off : seg;
                     c->st[S_RECEIVED]++;
                     c->st[S_BYTES_RECEIVED] += n;
+                    taken++;
                     if (n < HDR) {
                         c->st[S_IGNORED]++;
                         continue;
@@ -1649,7 +1688,8 @@ static PyObject *fa_stream(PyObject *self, PyObject *args) {
                         c->st[S_IGNORED]++;
                         continue;
                     }
-                    last_reply = now;
+                    c->last_reply[shard] = now;
+                    c->nasked[shard] = 0;
                     if ((long long)r_epoch != epoch[shard]) {
                         if (epoch[shard] >= 0) {
                             event = EV_RESTARTED;
@@ -1680,6 +1720,8 @@ static PyObject *fa_stream(PyObject *self, PyObject *args) {
                         (r_count != n_workers && !is_data)) {
                         c->st[S_IGNORED]++;
                         c->st[S_REJECTED]++;
+                        c->rejected[shard]++;
+                        pend[r] = -1; /* newer than any PENDING: the timeout names these */
                         continue;
                     }
                     /* Copy the lanes out while checking them (the row is rewritten by the
@@ -1714,6 +1756,8 @@ static PyObject *fa_stream(PyObject *self, PyObject *args) {
                     if (bad) {
                         c->st[S_IGNORED]++;
                         c->st[S_REJECTED]++;
+                        c->rejected[shard]++;
+                        pend[r] = -1; /* newer than any PENDING: the timeout names these */
                         continue;
                     }
                     if (r_count != n_workers) {
@@ -1744,8 +1788,7 @@ static PyObject *fa_stream(PyObject *self, PyObject *args) {
                             long rj = j % window;
                             if (++later[rj] == fast_after) {
                                 /* overtaken this often: lost, not merely reordered */
-                                c->st[S_RETRANSMITTED]++;
-                                cl_send(c, j);
+                                cl_resend(c, j, now);
                                 mark[rj] |= M_RESENT | M_OVERTAKEN;
                                 backoff[rj] = rto;
                                 due[rj] = now + rto;
@@ -1779,11 +1822,13 @@ static PyObject *fa_stream(PyObject *self, PyObject *args) {
                 event = EV_TIMEOUT;
                 ev_chunk = i;
                 ev_bitmap = pend[r];
-                ev_silent = now - last_reply;
+                int s = cl_shard(c, i);
+                ev_silent = now - c->last_reply[s];
+                ev_unanswered = cl_unanswered(c, s, now);
+                ev_rejected = c->rejected[s];
                 break;
             }
-            c->st[S_RETRANSMITTED]++;
-            cl_send(c, i);
+            cl_resend(c, i, now);
             mark[r] |= M_RESENT;
             double b = cl_rto(c, cl_shard(c, i));
             /* exponential backoff, capped at backoff_cap RTOs for the window's head
@@ -1818,8 +1863,10 @@ static PyObject *fa_stream(PyObject *self, PyObject *args) {
     if (event == EV_RESTARTED)
         info = Py_BuildValue("(iLL)", ev_shard, ev_old, ev_new);
     else if (event == EV_TIMEOUT)
-        info = ev_bitmap < 0 ? Py_BuildValue("(lOd)", ev_chunk, Py_None, ev_silent)
-                             : Py_BuildValue("(lLd)", ev_chunk, ev_bitmap, ev_silent);
+        info = ev_bitmap < 0 ? Py_BuildValue("(lOdiK)", ev_chunk, Py_None, ev_silent,
+                                             ev_unanswered, ev_rejected)
+                             : Py_BuildValue("(lLdiK)", ev_chunk, ev_bitmap, ev_silent,
+                                             ev_unanswered, ev_rejected);
     else if (event == EV_OSERROR)
         info = PyLong_FromLong(c->err);
     else if (event == EV_REFUSED)
@@ -1836,7 +1883,8 @@ static PyObject *fa_stream(PyObject *self, PyObject *args) {
     Py_XDECREF(info); Py_XDECREF(st); Py_XDECREF(srtt_l); Py_XDECREF(rttvar_l);
 cleanup:
     if (c) {
-        free(c->aggs); free(c->srtt); free(c->rttvar); free(c->sbuf); free(c);
+        free(c->aggs); free(c->srtt); free(c->rttvar); free(c->sbuf);
+        free(c->last_reply); free(c->asked); free(c->nasked); free(c->rejected); free(c);
     }
     free(epoch); free(done); free(mark); free(due); free(backoff); free(started); free(later);
     if (gso) gro_set(fd, 0);
@@ -1856,8 +1904,9 @@ static PyMethodDef module_methods[] = {
      "`chunks` DATA chunks each with a window, resending after `rto` seconds without progress"},
     {"stream", fa_stream, METH_VARARGS,
      "stream(fd, header, chunks, chunk_bytes, aggs, epochs, window, (timeout, max_timeout, "
-     "deadline), srtt, rttvar, out, out_itemsize, expect_payload, counts, bitmaps) -> (event, "
-     "info, stats, srtt, rttvar): one client's sliding window (host/net/fastclient.py)"},
+     "deadline, fast_after, backoff_cap, silent_after, recv_batch), srtt, rttvar, out, "
+     "out_itemsize, expect_payload, counts, bitmaps, gso) -> (event, info, stats, srtt, "
+     "rttvar): one client's sliding window (host/net/fastclient.py)"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -1888,7 +1937,8 @@ PyMODINIT_FUNC PyInit__fastagg(void) {
         PyModule_AddObject(m, "HEADER_LAYOUT", layout) < 0 ||
         PyModule_AddIntConstant(m, "MAX_WORKERS", MAX_WORKERS) < 0 ||
         PyModule_AddIntConstant(m, "BATCH", BATCH) < 0 ||
-        PyModule_AddIntConstant(m, "CLIENT_MAX_DATAGRAM", CL_OUT_BYTES) < 0) {
+        PyModule_AddIntConstant(m, "CLIENT_MAX_DATAGRAM", CL_OUT_BYTES) < 0 ||
+        PyModule_AddIntConstant(m, "CLIENT_WINDOW", CL_WINDOW_VERSION) < 0) {
         Py_DECREF(m);
         return NULL;
     }

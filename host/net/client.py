@@ -40,6 +40,7 @@ import math
 import numbers
 import select
 import socket
+import time
 
 import numpy as np
 
@@ -98,6 +99,11 @@ class AggregationClient:
     """Chunks in flight. Larger windows caused retransmission storms on busy hosts (38% of
     packets resent at 128 in Mininet on 2 cores) and overflow BMv2's input queues."""
 
+    DRAIN_SHARE = 0.05
+    """The share of the deadline a round may spend dropping what was queued before it: a
+    flood to the worker's port must not hold the round off (the rest is left to the
+    window's checks)."""
+
     def __init__(self, job: Job, worker_id: int, aggregator: tuple[str, int] | None = None,
                  window: int | None = None, timeout: float = 0.02, max_timeout: float = 0.5,
                  deadline: float = 10.0, impair: Impairment | None = None,
@@ -139,9 +145,10 @@ class AggregationClient:
         self.aggregator = self.aggregators[0]
         """The aggregator (the first shard's address for a sharded job)."""
         self.epochs: list[int | None] = [None] * len(self.aggregators)
-        if window is not None and (not isinstance(window, int) or window < 1):
+        if window is not None and (not isinstance(window, numbers.Integral)
+                                   or isinstance(window, bool) or window < 1):
             raise ValueError(f"window must be a positive number of chunks, got {window!r}")
-        self.window = min(window or self.DEFAULT_WINDOW, job.pool_size)
+        self.window = min(int(window or self.DEFAULT_WINDOW), job.pool_size)
         if not all(isinstance(t, numbers.Real) and not isinstance(t, bool) and math.isfinite(t)
                    for t in (timeout, max_timeout, deadline)) or not 0 < timeout <= max_timeout \
                 or deadline <= 0:
@@ -311,15 +318,19 @@ class AggregationClient:
         """Drop what is queued before a round's first packet: nothing of the round was sent,
         so nothing there answers it. A process restarted under its predecessor's run id would
         otherwise take the results queued for its predecessor as its own before the
-        aggregator's ``reused_run`` refusal reaches it."""
+        aggregator's ``reused_run`` refusal reaches it. Bounded (:attr:`DRAIN_SHARE`): the
+        oldest datagrams, a predecessor's results among them, go first."""
         poller = select.poll()   # not recv's timeout: a socket with one would wait it out
         poller.register(self.sock, select.POLLIN)
+        stop = time.monotonic() + self.DRAIN_SHARE * self.deadline
         while poller.poll(0):
             try:
                 self.sock.recv(1, socket.MSG_DONTWAIT | socket.MSG_TRUNC)
             except (BlockingIOError, InterruptedError):
                 return
             self.stats.drained += 1
+            if time.monotonic() >= stop:
+                return
 
     def rto(self, shard: int = 0) -> float:
         """Retransmission timeout towards ``shard``: RFC 6298's estimator, never below the

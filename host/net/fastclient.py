@@ -13,13 +13,16 @@ import numpy as np
 from thc.net.addresses import ipv4_int
 from thc.net.cext import UNAVAILABLE, _fastagg
 from thc.net.outcomes import AggregatorRestarted
-from thc.net.window import (FAST_BACKOFF_CAP, FAST_RETRANSMIT_AFTER, Endpoint, Round,
-                             raise_refused, raise_timeout)
+from thc.net.window import (FAST_BACKOFF_CAP, FAST_RETRANSMIT_AFTER, RECV_BATCH, SILENT_AFTER,
+                             Endpoint, Round, raise_refused, raise_timeout)
 from thc.wire import protocol as P
 
+CLIENT_WINDOW = 2
+"""The version of ``_fastagg.stream``'s arguments and timeout report this module speaks."""
+
 CLIENT_UNAVAILABLE: str | None = UNAVAILABLE or (
-    None if hasattr(_fastagg, "stream")
-    else "the compiled datapath predates the client window: rebuild it")
+    None if getattr(_fastagg, "CLIENT_WINDOW", 0) == CLIENT_WINDOW
+    else "the compiled datapath predates this client window: rebuild it")
 """Why the client's compiled window cannot run here; None when it can."""
 
 CLIENT_MAX_DATAGRAM = getattr(_fastagg, "CLIENT_MAX_DATAGRAM", 0)
@@ -59,7 +62,7 @@ def stream(end: Endpoint, rnd: Round, chunks: np.ndarray) -> Streamed:
               job.granularity if rnd.is_data else P.MAX_LANE_TOP, end.incarnation)
     aggs = [(ipv4_int(ip), port) for ip, port in end.aggregators]
     timing = (end.timeout, end.max_timeout, end.deadline, FAST_RETRANSMIT_AFTER,
-              FAST_BACKOFF_CAP)
+              FAST_BACKOFF_CAP, SILENT_AFTER, RECV_BATCH)
     event, info, st, srtt, rttvar = _fastagg.stream(
         end.sock.fileno(), header, chunks, chunks.shape[1], aggs, end.epochs, end.window,
         timing, list(end.rtt.srtt), list(end.rtt.rttvar), rnd.out, rnd.out.itemsize,
@@ -94,8 +97,8 @@ class CompiledWindow:
             raise AggregatorRestarted(end.aggregators[shard], rnd.run, old, new,
                                       shard if len(end.aggregators) > 1 else None)
         if r.event == STREAM_TIMEOUT:
-            i, bitmap, silent = r.info
-            raise_timeout(end, rnd, i, bitmap, silent, r.rejected)
+            i, bitmap, silent, unanswered, rejected = r.info  # of the chunk's shard
+            raise_timeout(end, rnd, i, bitmap, silent, rejected, unanswered)
         if r.event == STREAM_OSERROR:
             raise OSError(r.info, os.strerror(r.info))
         if r.event == STREAM_REFUSED:

@@ -13,8 +13,8 @@ import numpy as np
 
 from thc.net.outcomes import AggregatorRestarted
 from thc.net.priority import FLUSH_CLASS, tos_of
-from thc.net.window import (FAST_BACKOFF_CAP, FAST_RETRANSMIT_AFTER, Endpoint, Round,
-                             raise_refused, raise_timeout)
+from thc.net.window import (FAST_BACKOFF_CAP, FAST_RETRANSMIT_AFTER, RECV_BATCH, SILENT_AFTER,
+                             Endpoint, Round, raise_refused, raise_timeout)
 from thc.wire import protocol as P
 
 _TOS_CMSG: dict[int, list] = {}
@@ -81,8 +81,11 @@ class PythonWindow:
         poller.register(sock, select.POLLIN)
         jitter = end.impair.jitter
         now = time.monotonic()
-        last_reply = now
-        rejected_before = end.stats.rejected
+        # per shard (one shard's replies say nothing of another's): when it last answered,
+        # its impossible replies, the first SILENT_AFTER resends to it since it answered
+        last_reply = [now] * n_shards
+        rejected = [0] * n_shards
+        asked: list[list[float]] = [[] for _ in range(n_shards)]
 
         pack, unpack = P.HEADER_STRUCT.pack, P.HEADER_STRUCT.unpack_from
         job_id, n_workers, header_bytes = job.job_id, job.n_workers, P.HEADER_BYTES
@@ -110,6 +113,9 @@ class PythonWindow:
             timeout closes a chunk: overtaken chunks (fast retransmit) may merely sit in a
             lower class's queue, and a duplicate DATA costs nothing."""
             resent.add(i)
+            ask = asked[shard_of(i)]
+            if len(ask) < SILENT_AFTER:
+                ask.append(time.monotonic())
             if pending_bitmap.get(i, 0) >> 32:
                 # held: a FLUSH could only open the use closed and empty; the DATA waits in
                 # the same place and counts once the previous use is acknowledged
@@ -146,7 +152,7 @@ class PythonWindow:
             if jitter:
                 end.impair.release_due()
             if ready:
-                while True:
+                for _ in range(RECV_BATCH):  # then the timers, even under a flood
                     try:
                         nbytes, src = sock.recvfrom_into(buf, len(buf), socket.MSG_DONTWAIT)
                     except BlockingIOError:
@@ -171,7 +177,9 @@ class PythonWindow:
                             or r_offset != (offset_base + i * lanes) % P.SEQ_MOD):
                         end.stats.ignored += 1
                         continue
-                    last_reply = time.monotonic()
+                    last_reply[shard] = time.monotonic()
+                    if asked[shard]:
+                        asked[shard] = []
                     if r_epoch != epochs[shard]:
                         if epochs[shard] is not None:
                             raise AggregatorRestarted(aggs[shard], run, epochs[shard], r_epoch,
@@ -190,6 +198,9 @@ class PythonWindow:
                             or (r_count < n_workers and not is_data)):
                         end.stats.ignored += 1
                         end.stats.rejected += 1
+                        rejected[shard] += 1
+                        # newer than any PENDING: the timeout names the impossible replies
+                        pending_bitmap.pop(i, None)
                         continue
                     sums = np.frombuffer(buf, dtype=dtype, count=lanes, offset=header_bytes)
                     if (sums.max() > r_count * top if is_data else
@@ -198,6 +209,9 @@ class PythonWindow:
                         # no float's
                         end.stats.ignored += 1
                         end.stats.rejected += 1
+                        rejected[shard] += 1
+                        # newer than any PENDING: the timeout names the impossible replies
+                        pending_bitmap.pop(i, None)
                         continue
                     if r_count != n_workers:
                         # closed short (FLUSH): count and bitmap say who was counted
@@ -232,8 +246,9 @@ class PythonWindow:
                 if t > now:
                     continue
                 if now - started[i] > end.deadline:
-                    raise_timeout(end, rnd, i, pending_bitmap.get(i), now - last_reply,
-                                  end.stats.rejected - rejected_before)
+                    s, rto = shard_of(i), end.rtt.rto(shard_of(i))
+                    raise_timeout(end, rnd, i, pending_bitmap.get(i), now - last_reply[s],
+                                  rejected[s], sum(now - at >= rto for at in asked[s]))
                 resend(i)
                 rto = end.rtt.rto(shard_of(i))
                 # exponential backoff, capped at FAST_BACKOFF_CAP RTOs for the window's head

@@ -21,6 +21,15 @@ FAST_RETRANSMIT_AFTER = 3
 FAST_BACKOFF_CAP = 4
 """RTOs: the backoff cap of the window's head and of chunks found lost."""
 
+SILENT_AFTER = 3
+"""Retransmissions to a shard, each unanswered for an RTO, after which (and half the
+deadline of silence) a timeout names the shard silent rather than a missing worker: a live
+one answers each (a PENDING), so one lost reply or two is no such evidence."""
+
+RECV_BATCH = 256
+"""Datagrams a window takes in before it looks at its timers again: a flood of them to the
+worker's port must not hold its deadlines off."""
+
 
 class RttEstimator:
     """RFC 6298's round-trip estimator, one per shard (a co-located shard answers sooner
@@ -123,14 +132,20 @@ def raise_refused(end: Endpoint, rnd: Round, i: int, code: int, detail: int):
 
 
 def raise_timeout(end: Endpoint, rnd: Round, i: int, bitmap: int | None, silent: float = 0.0,
-                  rejected: int = 0):
-    """``rejected``: this round's impossible replies (:attr:`TransportStats.rejected`): an
-    aggregator that answers, but only those, is named as such, not as silent.
-    ``silent``: seconds since the aggregator last answered anything of this run. A
-    live aggregator answers every retransmission of a chunk it holds (PENDING), and they
-    come at least every ``max_timeout``; silent for two of those (and half the deadline),
-    the cause is the aggregator (gone, unreachable, or restarted without a program yet),
-    not a missing worker: an old PENDING's bitmap would name workers that are fine."""
+                  rejected: int = 0, unanswered: int = 0):
+    """Name the cause of chunk ``i``'s timeout from the evidence of its own shard (one
+    shard's replies say nothing about another's).
+
+    ``bitmap``: the chunk's latest PENDING (bit 32: held), None when there is none or an
+    impossible RESULT for it came since. ``rejected``: the shard's impossible replies this
+    round (:attr:`TransportStats.rejected`): an aggregator that answers, but only those, is
+    named as misconfigured, not as silent nor as waiting for a worker. ``silent``: seconds
+    since the shard last answered anything of this round; ``unanswered``: the
+    retransmissions to it since then that had an RTO to be answered (counted up to
+    :data:`SILENT_AFTER`). A live aggregator answers every retransmission of a chunk it
+    holds (PENDING): silent for half the deadline through SILENT_AFTER of them, the cause is
+    the aggregator (gone, unreachable, or restarted without a program yet), not a missing
+    worker: an old PENDING's bitmap would name workers that are fine."""
     job = end.job
     seq = (rnd.base + i) % P.SEQ_MOD
     slot, version = P.slot_of(rnd.base + i, job.pool_size)
@@ -139,14 +154,18 @@ def raise_timeout(end: Endpoint, rnd: Round, i: int, bitmap: int | None, silent:
     shard = job.shard_of(seq)
     ip, port = end.aggregators[shard]
     who = f"aggregator shard {shard}" if job.shards else "the aggregator"
-    if bitmap is None and rejected and silent < max(end.deadline / 2, 2 * end.max_timeout):
+    quiet = silent >= end.deadline / 2 and unanswered >= SILENT_AFTER
+    if bitmap is None and rejected:
         raise AggregationTimeout(
             f"{at}; {who} at {ip}:{port} answered with {rejected} impossible replies this "
             f"round (the wrong type or size, or sums, counts or bitmaps this job cannot "
             f"make): is it configured with this job (lanes, sum width, workers)?", None)
     if bitmap is None:
-        raise AggregationTimeout(f"{at}; no answer from {who} at {ip}:{port}", None)
-    if silent >= max(end.deadline / 2, 2 * end.max_timeout):
+        # a shard drops, unanswered, the chunks its own shard map gives another shard
+        hint = (" (down, unreachable, or given another shard map than this worker's)"
+                if job.shards else "")
+        raise AggregationTimeout(f"{at}; no answer from {who} at {ip}:{port}{hint}", None)
+    if quiet:
         raise AggregationTimeout(f"{at}; {who} at {ip}:{port} stopped answering "
                                  f"{silent:.1f}s ago (down, unreachable, or restarted and "
                                  f"not yet serving this job): start a new run once it is "
