@@ -114,6 +114,14 @@ def _run(args: argparse.Namespace) -> int:
         push = target.program
     if push and target.push_refusal:
         raise ValueError(f"cannot push to a {target.name} switch: {target.push_refusal}")
+    if push and cluster is not None:
+        # the push wipes every job: check the cluster against the program first
+        jobs.check_cluster(dryrun.DryRunSwitch(target, build_dir, out=lambda line: None),
+                           cluster, prune=args.prune)
+    if args.action == "l2" and args.op == "add" and (args.mac or "").lower() in \
+            forwarding.UNROUTABLE:
+        raise ValueError(f"l2 add: {args.mac} is the all-zero or broadcast MAC, which the "
+                         f"controller keeps out of l2_forward; name one host's MAC")
     read_only = args.action in ("jobs", "counters") or (args.action == "l2" and args.op == "list")
     with Switch(args.grpc_addr, args.device_id, _election(args.election_id),
                 timeout=args.timeout, require_primary=not read_only) as sw:
@@ -130,12 +138,20 @@ def _run(args: argparse.Namespace) -> int:
             placed = jobs.install_cluster(sw, cluster, prune=args.prune, force=args.force)
             _placed(cluster, placed, same)
         elif args.action == "remove":
-            jobs.remove_job(sw, args.job, force=args.force)
-            print(f"removed job {args.job}")
+            if jobs.remove_job(sw, args.job, force=args.force):
+                print(f"removed job {args.job}")
+            else:
+                print(f"removed the leftover entries of job {args.job} (it had no thc_job "
+                      f"entry)")
         elif args.action == "jobs":
             installed = jobs.installed_jobs(sw)
+            left = jobs.leftovers(sw)
             if not installed:
                 print("no jobs installed")
+            for jid, tables in sorted(left.items()):
+                print(f"job {jid}: NOT installed, but entries of it remain in "
+                      f"{', '.join(tables)} (an install or remove stopped part-way); "
+                      f"`remove --job {jid}` deletes them")
             for jid, cfg in sorted(installed.items()):
                 live = len(jobs.worker_entries_of(sw, jid))
                 state = "" if live == cfg["n_workers"] else \

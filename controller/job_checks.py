@@ -2,6 +2,8 @@
 input changes nothing installed (controller/jobs.py runs them)."""
 from __future__ import annotations
 
+import ipaddress
+
 from thc.controller import forwarding, targets
 from thc.controller.switch import Switch
 from thc.wire import protocol as P
@@ -65,6 +67,11 @@ def check_job(sw: Switch, job: Job, job_index: int, others: dict[int, dict]) -> 
         if not 0 <= w.switch_port < 511 or w.switch_port == target_of(sw).cpu_port:
             raise ConfigError(f"job {job.job_id} worker {w.id}: switch_port {w.switch_port} "
                               f"is not a front-panel port")
+        if w.mac.lower() in forwarding.UNROUTABLE:
+            raise ConfigError(f"job {job.job_id} worker {w.id}: mac {w.mac} (the default when "
+                              f"a worker gives none) cannot be answered: the switch sends "
+                              f"results to the worker's MAC; give the worker its `mac`")
+    _check_own_macs(job)
     for jid, cfg in others.items():
         if cfg["job_index"] == job_index:
             raise ConfigError(f"job index {job_index} is taken by job {jid}")
@@ -76,6 +83,33 @@ def check_job(sw: Switch, job: Job, job_index: int, others: dict[int, dict]) -> 
                               f"{job.pool_base + job.pool_size - 1} overlaps job {jid}'s "
                               f"{lo}..{hi - 1}")
         _check_addresses(job, jid, cfg.get("addresses", ()))
+
+
+def check_agg(agg_ip: str, agg_mac: str) -> None:
+    """ConfigError when results from the switch could not reach a worker: they leave with
+    ``agg_ip``/``agg_mac`` as their source, and a worker's stack drops a loopback or
+    unspecified source (127.0.0.1 is what a cluster without ``agg_ip`` gets)."""
+    ip = ipaddress.IPv4Address(agg_ip)
+    if ip.is_loopback or ip.is_unspecified or ip.is_multicast:
+        raise ConfigError(f"the cluster's agg_ip {agg_ip} (127.0.0.1 when the cluster gives "
+                          f"none) cannot be a switch's address: workers drop results from "
+                          f"it; give the cluster the switch's agg_ip (e.g. 10.0.0.254)")
+    if agg_mac.lower() in forwarding.UNROUTABLE:
+        raise ConfigError(f"the cluster's agg_mac {agg_mac} cannot be a switch's address; "
+                          f"give the cluster the switch's agg_mac (e.g. 02:00:00:00:00:fe)")
+
+
+def _check_own_macs(job: Job) -> None:
+    """One MAC names one host within a job too: two switch ports (l2_forward keeps one) or
+    two IPs under one MAC leave a worker unanswered."""
+    first: dict[str, object] = {}
+    for w in job.workers:
+        mac = w.mac.lower()
+        o = first.setdefault(mac, w)
+        if (o.ip, o.switch_port) != (w.ip, w.switch_port):
+            raise ConfigError(f"job {job.job_id} worker {w.id}: MAC {w.mac} belongs to {o.ip} "
+                              f"on switch port {o.switch_port} (worker {o.id}), not {w.ip} on "
+                              f"port {w.switch_port}")
 
 
 def _check_addresses(job: Job, other_id: int, addresses) -> None:

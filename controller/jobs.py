@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 from thc.controller import counters, forwarding, p4rt
 from thc.controller.frames import mac_str, reset_frame
-from thc.controller.job_checks import check_job, config_of, free_index, target_of
+from thc.controller.job_checks import check_agg, check_job, config_of, free_index, target_of
 from thc.controller.program import (ADDR_TABLE, JOB_TABLE, SET_JOB, SET_WORKER, SET_WORKER_ADDR,
                                 WORKER_TABLE)
 from thc.controller.switch import Switch, SwitchError
@@ -82,10 +82,12 @@ def _job_entries(sw: Switch, table: str, job_id: int) -> list:
     return [e for e in sw.read_table(table) if sw.match_values(e)[fid] == job_id]
 
 
-def _lut_tables(sw: Switch) -> list[str]:
-    """The lookup tables of the program (short names ``thc_lut_*``), in P4Info order."""
+def _lut_tables(sw: Switch, by_job_id: bool = False) -> list[str]:
+    """The lookup tables of the program (short names ``thc_lut_*``), in P4Info order;
+    ``by_job_id``: only if they are keyed on the job id (BMv2), else none."""
     return [t.preamble.name for t in sw.p4info.tables
-            if t.preamble.name.rsplit(".", 1)[-1].startswith("thc_lut_")]
+            if t.preamble.name.rsplit(".", 1)[-1].startswith("thc_lut_")
+            and (not by_job_id or any(f.name == "job_id" for f in t.match_fields))]
 
 
 def _worker_macs(sw: Switch, job_id: int | None = None, exclude: int | None = None) -> set[str]:
@@ -287,6 +289,7 @@ def install_job(sw: Switch, job: Job, agg: AggAddress = AggAddress(),
     if job_index is None:
         job_index = previous["job_index"] if previous is not None else \
             free_index({cfg["job_index"] for cfg in installed.values()})
+    check_agg(agg.agg_ip, agg.agg_mac)
     check_job(sw, job, job_index, installed)
     if previous is not None:
         _refuse_live(sw, {job.job_id: previous["job_index"]}, "re-installing it", force,
@@ -321,14 +324,16 @@ def _write_entries(sw: Switch, job: Job, job_index: int, agg: AggAddress,
     old_macs = {a[2] for a in previous["addresses"]} if previous is not None else set()
 
     again = previous is not None
+    # the job entry first: an install cut short leaves a job that `jobs` lists as not
+    # serving and `remove` deletes (without worker entries none of its packets count)
+    epoch = P.new_epoch(previous.get("epoch") if previous else None)
+    _upsert(sw, [job_entry(sw, job, job_index, epoch)],
+            again and previous["job_index"] == job_index)
     addrs = addr_entries(sw, job, agg)
     _upsert(sw, addrs, again)
     _upsert(sw, lut_entries(sw, job, job_index), again)
     sw.set_multicast_group(job.mcast_grp, [(w.switch_port, w.id + 1) for w in job.workers])
     forwarding.install(sw, {w.mac: w.switch_port for w in job.workers})
-    epoch = P.new_epoch(previous.get("epoch") if previous else None)
-    _upsert(sw, [job_entry(sw, job, job_index, epoch)],
-            again and previous["job_index"] == job_index)
 
     # leftovers of an earlier version of this job
     _delete_stale(sw, ADDR_TABLE, job.job_id, addrs)
@@ -345,52 +350,75 @@ def _write_entries(sw: Switch, job: Job, job_index: int, agg: AggAddress,
 
 
 def remove_job(sw: Switch, job_id: int, force: bool = False,
-               live_window: float = LIVE_WINDOW) -> None:
+               live_window: float = LIVE_WINDOW) -> bool:
     """Delete everything ``install_job`` created for ``job_id``; refuses (JobLive) while its
-    workers are sending, unless ``force``."""
+    workers are sending, unless ``force``. A job id with entries but no thc_job entry (see
+    :func:`leftovers`) has them deleted; returns False then, True for an installed job."""
     installed = installed_jobs(sw)
     cfg = installed.get(job_id)
     if cfg is None:
-        raise JobNotInstalled(f"job {job_id} is not installed on the switch "
-                              f"(installed: {sorted(installed) or 'none'})")
+        if job_id not in leftovers(sw):
+            raise JobNotInstalled(f"job {job_id} is not installed on the switch "
+                                  f"(installed: {sorted(installed) or 'none'})")
+        _remove(sw, job_id, None)
+        return False
     _refuse_live(sw, {job_id: cfg["job_index"]}, "removing it", force, live_window)
     _remove(sw, job_id, cfg)
+    return True
 
 
-def _remove(sw: Switch, job_id: int, cfg: dict) -> None:
+def leftovers(sw: Switch) -> dict[int, list[str]]:
+    """{job_id: short names of the tables holding its entries} of job ids without a thc_job
+    entry: what an install or a remove cut short left (a controller older than the job entry
+    going in first and out last). Lookup entries count where they are keyed on the job id
+    (BMv2); Tofino's are keyed on a job index and rewritten by the next job there."""
+    installed = installed_jobs(sw)
+    out: dict[int, list[str]] = {}
+    for table in (WORKER_TABLE, ADDR_TABLE, *_lut_tables(sw, by_job_id=True)[:1]):
+        fid = sw.field_id(table, "job_id")
+        for jid in sorted({sw.match_values(e)[fid] for e in sw.read_table(table)} - set(installed)):
+            out.setdefault(jid, []).append("lookup tables" if table not in (
+                WORKER_TABLE, ADDR_TABLE) else table)
+    return out
+
+
+def _remove(sw: Switch, job_id: int, cfg: dict | None) -> None:
+    """``cfg`` None: a job id without a thc_job entry; its group is taken to be the default
+    (the job id) when no installed job uses that group."""
     macs = _worker_macs(sw, job_id) - _worker_macs(sw, exclude=job_id)
-    # workers and the job entry first: from here on the job's packets drop
+    # workers first: from here on the job's packets drop. The job entry goes last, so that
+    # a remove cut short leaves a job that `jobs` lists and `remove` finishes
     _delete(sw, _job_entries(sw, WORKER_TABLE, job_id))
-    _delete(sw, [sw.table_entry(JOB_TABLE, {"job_id": job_id})])
-    _delete(sw, _job_entries(sw, ADDR_TABLE, job_id))
     # the lookup keys depend on the job id or index only: the table values are not needed
     keys_of = Job(job_id=job_id, workers=(), table=(0,) * (1 << P.INDEX_BITS), granularity=1,
                   lanes=sw.lanes)
-    sw.write_entries("DELETE", lut_entries(sw, keys_of, cfg["job_index"], with_action=False),
-                     ignore=["NOT_FOUND"])
-    sw.delete_multicast_group(cfg["mcast_grp"])
+    if cfg is not None or _lut_tables(sw, by_job_id=True):
+        sw.write_entries("DELETE", lut_entries(sw, keys_of, cfg["job_index"] if cfg else 0,
+                                               with_action=False), ignore=["NOT_FOUND"])
+    if cfg is not None:
+        sw.delete_multicast_group(cfg["mcast_grp"])
+    elif job_id not in {c["mcast_grp"] for c in installed_jobs(sw).values()}:
+        sw.delete_multicast_group(job_id)
     if macs:
         forwarding.remove(sw, macs)
+    _delete(sw, _job_entries(sw, ADDR_TABLE, job_id))
+    if cfg is not None:
+        _delete(sw, [sw.table_entry(JOB_TABLE, {"job_id": job_id})])
 
 
-def install_cluster(sw: Switch, cluster: Cluster, prune: bool = False, force: bool = False,
-                    live_window: float = LIVE_WINDOW) -> dict[int, int]:
-    """Make the switch hold every job of ``cluster``; returns {job_id: job_index}.
+def check_cluster(sw: Switch, cluster: Cluster, prune: bool = False) -> dict[int, int]:
+    """{job_id: job_index} the cluster's jobs would take on ``sw``, after every check that
+    ``install_cluster`` runs before its first write (ConfigError). On a DryRunSwitch of the
+    program to be pushed, these are the checks of the switch right after the push: run them
+    before a push, which wipes what is installed."""
+    return _plan(sw, cluster, _installed_configs(sw), prune)
 
-    Jobs already installed exactly as configured are left alone (running or not) and keep
-    their index; new jobs take free indices. With ``prune``, jobs the cluster lacks are
-    removed; without it they stay and must not collide with the cluster. Everything is
-    checked before the first write: a collision or a live job to be changed (JobLive,
-    unless ``force``) changes nothing."""
+
+def _plan(sw: Switch, cluster: Cluster, installed: dict[int, dict], prune: bool) -> dict:
     cluster.validate(total_slots=P.SWITCH_SLOTS)
-    agg = AggAddress.of(cluster)
-    installed = _installed_configs(sw)
+    check_agg(cluster.agg_ip, cluster.agg_mac)
     wanted = {j.job_id for j in cluster.jobs}
-    pruned = {jid: cfg for jid, cfg in installed.items() if jid not in wanted and prune}
     staying = {jid: cfg for jid, cfg in installed.items() if jid not in wanted and not prune}
-    keep = {j.job_id for j in cluster.jobs
-            if j.job_id in installed and unchanged(sw, j, agg)}
-
     index = {jid: installed[jid]["job_index"] for jid in wanted if jid in installed}
     taken = {cfg["job_index"] for cfg in staying.values()}
     for job in cluster.jobs:
@@ -403,6 +431,26 @@ def install_cluster(sw: Switch, cluster: Cluster, prune: bool = False, force: bo
         others = {**staying, **{j.job_id: config_of(j, index[j.job_id])
                                 for j in cluster.jobs if j.job_id != job.job_id}}
         check_job(sw, job, index[job.job_id], others)
+    return index
+
+
+def install_cluster(sw: Switch, cluster: Cluster, prune: bool = False, force: bool = False,
+                    live_window: float = LIVE_WINDOW) -> dict[int, int]:
+    """Make the switch hold every job of ``cluster``; returns {job_id: job_index}.
+
+    Jobs already installed exactly as configured are left alone (running or not) and keep
+    their index; new jobs take free indices. With ``prune``, jobs the cluster lacks are
+    removed; without it they stay and must not collide with the cluster. Everything is
+    checked before the first write: a collision or a live job to be changed (JobLive,
+    unless ``force``) changes nothing."""
+    installed = _installed_configs(sw)
+    index = _plan(sw, cluster, installed, prune)
+    agg = AggAddress.of(cluster)
+    wanted = {j.job_id for j in cluster.jobs}
+    pruned = {jid: cfg for jid, cfg in installed.items() if jid not in wanted and prune}
+    staying = {jid: cfg for jid, cfg in installed.items() if jid not in wanted and not prune}
+    keep = {j.job_id for j in cluster.jobs
+            if j.job_id in installed and unchanged(sw, j, agg)}
 
     changed = {jid: cfg["job_index"] for jid, cfg in installed.items()
                if jid in pruned or (jid in wanted and jid not in keep)}
@@ -410,6 +458,9 @@ def install_cluster(sw: Switch, cluster: Cluster, prune: bool = False, force: bo
 
     for jid, cfg in pruned.items():
         _remove(sw, jid, cfg)
+    for jid in (leftovers(sw) if prune else ()):
+        if jid not in wanted:
+            _remove(sw, jid, None)
     moved = [j for j in cluster.jobs if j.job_id in installed and j.job_id not in keep
              and installed[j.job_id]["job_index"] != index[j.job_id]]
     for job in moved:   # off first, so that indices can be swapped

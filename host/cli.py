@@ -31,7 +31,7 @@ BENCHES: dict[str, tuple[str, str]] = {
 COMMANDS: dict[str, tuple[str | dict, str]] = {
     "table": ("thc.app.table", "print the optimal THC lookup table for (bits, granularity, p)"),
     "nmse": ("thc.bench.nmse", "NMSE of THC and the baselines on synthetic vectors"),
-    "bench": (BENCHES, "benchmarks: codec, kernels, hook, aggregator, switch, allreduce"),
+    "bench": (BENCHES, "benchmarks: " + ", ".join(BENCHES)),
     "aggregator": ("thc.net.aggregator", "run the software aggregator (THC's parameter server)"),
     "controller": ("thc.controller.cli", "program a BMv2 or Tofino switch over P4Runtime"),
     "model": ("thc.app.modelcmd", "iteration-time model: when does compression pay?"),

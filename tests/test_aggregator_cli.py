@@ -36,6 +36,23 @@ def test_a_listen_address_without_a_port_is_refused(tmp_path):
     assert "listening" not in r.stdout
 
 
+@pytest.mark.parametrize("argv,env,message", [
+    (["--listen", "127.0.0.1:99999"], {}, "port 99999 of '127.0.0.1:99999' is not in 0..65535"),
+    (["--listen", "127.0.0.1:0"], {"THC_AGGREGATOR_DATAPATH": "bogus"},
+     "aggregator datapath 'bogus' is not one of"),
+    (["--listen", "127.0.0.1:0", "--stats-file", "/nonexistent-dir/stats.json"], {},
+     "--stats-file /nonexistent-dir/stats.json: cannot write it")])
+def test_bad_addresses_settings_and_stats_files_are_refused_at_startup(tmp_path, monkeypatch,
+                                                                       argv, env, message):
+    """These were tracebacks (OverflowError, ValueError), the stats file's only once the
+    aggregator had announced that it was serving."""
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    r = _aggregator(tmp_path, *argv)
+    assert r.returncode == 2 and f"thc aggregator: {message}" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr and "listening" not in r.stdout
+
+
 @pytest.mark.parametrize("datapath", ["python", "compiled"])
 def test_a_port_in_use_cannot_be_listened_on(tmp_path, datapath):
     if datapath == "compiled" and not fastagg.available():

@@ -6,6 +6,8 @@ import ast
 import importlib.util
 from pathlib import Path
 
+import pytest
+
 from thc import cli
 
 
@@ -48,3 +50,44 @@ def test_unknown_commands_are_refused(capsys):
     err = capsys.readouterr().err
     assert "thc: unknown command 'nonesuch'" in err
     assert "thc bench: unknown command 'nonesuch'" in err
+
+
+def test_the_bench_list_in_the_usage_is_the_benches_table(capsys):
+    """It was written by hand and lacked nmse, install and dlcp."""
+    assert cli.main(["--help"]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("  bench "))
+    assert line.split("benchmarks: ")[1] == ", ".join(cli.BENCHES)
+
+
+@pytest.mark.parametrize("argv,env,message", [
+    (["bench", "codec"], {"THC_CODEC_CPU": "bogus"}, "thc bench codec: codec cpu 'bogus'"),
+    (["bench", "aggregator"], {"THC_AGGREGATOR_DATAPATH": "bogus"},
+     "thc bench aggregator: aggregator datapath 'bogus'"),
+    (["bench", "aggregator", "--lanes", "7"], {}, "thc bench aggregator: lanes must be"),
+    (["run", "--loopback"], {"THC_CLIENT_DATAPATH": "bogus"},
+     "thc run: client datapath 'bogus'"),
+    (["run", "--loopback", "--software-lanes", "7"], {}, "thc run: --software-lanes 7"),
+    (["run", "--loopback", "--workers", "33"], {}, "thc run: --workers 33: a job takes 1..32"),
+    (["run", "--loopback", "--modes", ""], {}, "thc run: --modes names no mode"),
+    (["run", "--loopback", "--timeout", "-5"], {}, "thc run: --timeout -5: give a positive"),
+    (["run", "--loopback", "--bmv2-timeout", "nan"], {}, "thc run: --bmv2-timeout nan")])
+def test_bad_settings_and_flags_are_usage_errors_before_any_work(argv, env, message,
+                                                                 monkeypatch, capsys, tmp_path):
+    """A bad THC_* variable was a ValueError traceback; thc run's flags failed only once a
+    mode had started (after minutes of the modes before it)."""
+    from thc.codec import settings
+    from thc.emu import mainjob
+
+    def started(*a, **k):
+        raise AssertionError("a mode started")
+    monkeypatch.setattr(mainjob, "_run_mode", started)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    settings.reset()
+    try:
+        assert cli.main([*argv, *(["--out", str(tmp_path)] if argv[0] == "run" else [])]) == 2
+    finally:
+        settings.reset()
+    out = capsys.readouterr()
+    assert message in out.out + out.err
+    assert list(tmp_path.iterdir()) == [], "nothing was written"

@@ -188,8 +188,12 @@ def run_point(kind: str, n: int, chunks: int, lanes: int, window: int, load: str
 
 def run(args: argparse.Namespace) -> int:
     lanes = args.lanes or P.LANES
-    P.check_lanes(lanes)
-    settings = Settings.from_env()
+    try:
+        P.check_lanes(lanes)
+        settings = Settings.from_env()      # ValueError: a bad THC_* variable
+    except ValueError as e:
+        print(f"thc bench aggregator: {e}", file=sys.stderr)
+        return 2
     print(f"thc bench aggregator: {settings.describe()}", file=sys.stderr)
     if not fastagg.available():
         print(f"thc bench aggregator: {fastagg.UNAVAILABLE}")

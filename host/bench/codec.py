@@ -238,13 +238,14 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError("--device cuda but torch sees no CUDA device")
         if device.type not in ("cpu", "cuda"):
             raise ValueError(f"--device must be cpu or cuda, got {args.device}")
+        chosen = settings.current()         # ValueError: a bad THC_* variable
     except (ValueError, RuntimeError) as e:
         print(f"thc bench codec: {e}")
         return 2
     if min(sizes) < 1:
         print("thc bench codec: sizes must be >= 1")
         return 2
-    print(f"thc bench codec: {settings.current().describe()}", file=sys.stderr)
+    print(f"thc bench codec: {chosen.describe()}", file=sys.stderr)
     repeat = max(1, min(args.repeat, 2) if args.quick else args.repeat)
     cuda = device.type == "cuda"
     reference = args.reference

@@ -7,9 +7,13 @@ import struct
 
 
 def parse_hostport(text: str) -> tuple[str, int]:
+    """``HOST:PORT`` (empty host: every address; port 0: any free one), else ValueError:
+    a port past 65535 would fail later as an OverflowError of bind()."""
     host, sep, port = text.rpartition(":")
     if not sep or not port.isdigit():
         raise ValueError(f"expected HOST:PORT, got {text!r}")
+    if int(port) > 65535:
+        raise ValueError(f"port {port} of {text!r} is not in 0..65535")
     return host or "0.0.0.0", int(port)
 
 

@@ -186,6 +186,21 @@ def check_shard_address(jobs, shard: int | None, host: str, port: int) -> None:
                               f"shard map puts shard {shard} at {want.ip}:{want.port}")
 
 
+def _check_stats_file(path: str | None) -> None:
+    """ValueError unless ``path`` (and its temporary neighbour) can be written: found at
+    startup, not at the first write, after the aggregator was announced as serving."""
+    if not path:
+        return
+    try:
+        if Path(path).is_dir():
+            raise IsADirectoryError(21, "is a directory")
+        tmp = Path(path + ".tmp")
+        tmp.write_text("")
+        tmp.unlink()
+    except OSError as e:
+        raise ValueError(f"--stats-file {path}: cannot write it ({e.strerror})") from None
+
+
 def _stop_on_signals() -> None:
     """Ctrl-C and SIGTERM end the serving loop, which prints the final counters: also where
     the aggregator starts with SIGINT ignored (a background job of a shell, nohup)."""
@@ -208,15 +223,16 @@ def run(args: argparse.Namespace) -> int:
         print(f"thc aggregator: {e}", file=sys.stderr)
         return 2
     try:
-        chosen = settings.from_args(args)
+        chosen = settings.from_args(args)   # ValueError: a bad flag or THC_* variable
         agg, datapath = choose(chosen.aggregator_datapath, cluster.jobs, impair, args.gso,
                                args.shard)
-    except (ConfigError, RuntimeError) as e:
+    except (ValueError, RuntimeError) as e:
         print(f"thc aggregator: {e}", file=sys.stderr)
         return 2
     try:
         check_shard_address(cluster.jobs, args.shard, host, port)
-    except ConfigError as e:
+        _check_stats_file(args.stats_file)
+    except ValueError as e:
         print(f"thc aggregator: {e}", file=sys.stderr)
         return 2
     try:

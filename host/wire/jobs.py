@@ -12,7 +12,7 @@ import ipaddress
 import json
 import numbers
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from thc.codec.params import THCParams
@@ -52,9 +52,12 @@ def _check_address(where: str, ip, port) -> None:
     """An IPv4 literal and a port in 1..65535: the switch keys on them, the compiled
     datapaths take nothing else, and a bad one would leave the node's packets dropped."""
     try:
+        if not isinstance(ip, str):     # IPv4Address takes ints and packed bytes too
+            raise TypeError(ip)
         ipaddress.IPv4Address(ip)
     except (ipaddress.AddressValueError, ValueError, TypeError):
-        raise ConfigError(f"{where}: ip {ip!r} is not an IPv4 address") from None
+        raise ConfigError(f"{where}: ip {ip!r} is not an IPv4 address (a dotted-quad "
+                          f"string)") from None
     if not _is_int(port) or not 0 < port < 1 << 16:
         raise ConfigError(f"{where}: port {port!r} is not an integer in 1..65535")
 
@@ -65,9 +68,31 @@ def _check_mac(where: str, mac) -> None:
         raise ConfigError(f"{where}: MAC {mac!r} is not six hex bytes (aa:bb:cc:dd:ee:ff)")
 
 
+def _check_granularity(job_id, n_workers: int, granularity) -> None:
+    """An integer whose sum over the workers fits the widest sums: checked before a table is
+    computed from it, which for a huge one would try to allocate terabytes."""
+    if not _is_int(granularity):
+        raise ConfigError(f"job {job_id!r}: granularity {granularity!r} is not an integer")
+    top = n_workers * granularity
+    if top > (1 << P.SUM_WIDTHS[-1]) - 1:
+        raise ConfigError(f"job {job_id}: {n_workers} workers x granularity {granularity} "
+                          f"= {top} overflows even {P.SUM_WIDTHS[-1]}-bit sums (max "
+                          f"{(1 << P.SUM_WIDTHS[-1]) - 1}); lower the granularity or the "
+                          f"worker count")
+
+
+def _objects(where: str, key: str, value) -> list:
+    """``value`` as a list of JSON objects (workers, shards, jobs), else ConfigError."""
+    if not isinstance(value, list) or not all(isinstance(v, dict) for v in value):
+        raise ConfigError(f"{where}: {key} must be a list of JSON objects, got "
+                          f"{value!r:.80}")
+    return value
+
+
 def check_loss_bound(value, where: str = "") -> float:
-    """``value`` as a loss bound: a real number in [0, 1), else ConfigError."""
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    """``value`` as a loss bound: a real number in [0, 1) (numpy's included), else
+    ConfigError."""
+    ok = isinstance(value, numbers.Real) and not isinstance(value, bool)
     if not ok or not 0.0 <= float(value) < 1.0:
         raise ConfigError(f"{where}loss_bound must be a fraction of a round's chunks in "
                           f"[0, 1), got {value!r}")
@@ -213,12 +238,8 @@ class Job:
         if self.sum_bits not in P.SUM_WIDTHS:
             raise ConfigError(f"job {self.job_id}: sum_bits {self.sum_bits} not in "
                               f"{list(P.SUM_WIDTHS)}")
+        _check_granularity(self.job_id, n, self.granularity)
         top = n * self.granularity
-        if top > (1 << P.SUM_WIDTHS[-1]) - 1:
-            raise ConfigError(f"job {self.job_id}: {n} workers x granularity {self.granularity} "
-                              f"= {top} overflows even {P.SUM_WIDTHS[-1]}-bit sums (max "
-                              f"{(1 << P.SUM_WIDTHS[-1]) - 1}); lower the granularity or the "
-                              f"worker count")
         if top > (1 << self.sum_bits) - 1:
             raise ConfigError(f"job {self.job_id}: {n} workers x granularity {self.granularity} "
                               f"= {top} overflows the requested {self.sum_bits}-bit sums (max "
@@ -265,23 +286,44 @@ class Job:
 
     @classmethod
     def from_dict(cls, d: dict) -> "Job":
+        """A job from its JSON object: values as given (Job.validate refuses what is not an
+        integer where one is needed; nothing is rounded or parsed)."""
+        if not isinstance(d, dict):
+            raise ConfigError(f"a job must be a JSON object, got {d!r:.80}")
         d = dict(d)
+        where = f"job {d.get('job_id', '(no job_id)')!r}"
         try:
-            workers = tuple(Worker(**w) for w in d.pop("workers"))
-            d["shards"] = tuple(Shard(**s) for s in d.pop("shards", ()))
+            workers = tuple(Worker(**w) for w in _objects(where, "workers", d.pop("workers")))
+            d["shards"] = tuple(Shard(**s) for s in _objects(where, "shards",
+                                                             d.pop("shards", [])))
             if d.get("aggregation") == "vote":
                 d.setdefault("table", VOTE_TABLE)
                 d.setdefault("granularity", 1)
+            _check_granularity(d.get("job_id"), len(workers), d["granularity"])
             if "table" not in d:
-                params = THCParams(bits=P.INDEX_BITS, granularity=d["granularity"],
-                                   p=float(d.pop("p", 1 / 32)))
-                d["table"] = params.table
+                d["table"] = _table(where, d["granularity"], d.pop("p", 1 / 32))
             else:
                 d.pop("p", None)
-            d["table"] = tuple(int(t) for t in d["table"])
+            if not isinstance(d["table"], (list, tuple)):
+                raise ConfigError(f"{where}: table {d['table']!r} is not a list of "
+                                  f"{1 << P.INDEX_BITS} integers")
+            d["table"] = tuple(d["table"])
             return cls(workers=workers, **d).validate()
-        except (TypeError, KeyError) as e:
-            raise ConfigError(f"bad job description {d!r}: {e}") from None
+        except KeyError as e:
+            raise ConfigError(f"{where}: {e} is missing") from None
+        except TypeError as e:
+            raise ConfigError(f"{where}: bad job description: {e}") from None
+
+
+def _table(where: str, granularity: int, p) -> tuple[int, ...]:
+    """The optimal table of a job that gives none (its granularity already checked)."""
+    if not isinstance(p, numbers.Real) or isinstance(p, bool):
+        raise ConfigError(f"{where}: p {p!r} is not a number")
+    try:
+        table = THCParams(bits=P.INDEX_BITS, granularity=granularity, p=float(p)).table
+    except ValueError as e:
+        raise ConfigError(f"{where}: {e}") from None
+    return tuple(int(t) for t in table)
 
 
 @dataclass(frozen=True)
@@ -292,7 +334,6 @@ class Cluster:
     agg_ip: str = "127.0.0.1"
     agg_port: int = P.UDP_PORT
     agg_mac: str = SWITCH_AGG_MAC
-    extra: dict = field(default_factory=dict)
 
     def job(self, job_id: int) -> Job:
         for j in self.jobs:
@@ -320,14 +361,22 @@ class Cluster:
 
     def to_dict(self) -> dict:
         return {"agg_ip": self.agg_ip, "agg_port": self.agg_port, "agg_mac": self.agg_mac,
-                "jobs": [j.to_dict() for j in self.jobs], **self.extra}
+                "jobs": [j.to_dict() for j in self.jobs]}
 
     @classmethod
     def from_dict(cls, d: dict) -> "Cluster":
+        """A cluster from its JSON object; an unknown key is refused, as in a job, so that a
+        typo (``agg_mcac``) does not leave its field at the default unnoticed."""
+        if not isinstance(d, dict):
+            raise ConfigError(f"a cluster must be a JSON object with a \"jobs\" list, got "
+                              f"{d!r:.80}")
         d = dict(d)
-        jobs = tuple(Job.from_dict(j) for j in d.pop("jobs", []))
-        known = {k: d.pop(k) for k in ("agg_ip", "agg_port", "agg_mac") if k in d}
-        return cls(jobs=jobs, extra=d, **known).validate()
+        jobs = _objects("the cluster", "jobs", d.pop("jobs", []))
+        unknown = sorted(set(d) - {"agg_ip", "agg_port", "agg_mac"})
+        if unknown:
+            raise ConfigError(f"the cluster: unknown keys {unknown} (known: jobs, agg_ip, "
+                              f"agg_port, agg_mac)")
+        return cls(jobs=tuple(Job.from_dict(j) for j in jobs), **d).validate()
 
     @classmethod
     def load(cls, path: str | Path) -> "Cluster":

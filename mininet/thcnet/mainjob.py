@@ -31,6 +31,9 @@ from pathlib import Path
 
 from thc.app.argtypes import positive_int
 from thc.app.datasets import fashion_dir
+from thc.codec import settings
+from thc.codec.params import THCParams
+from thc.wire import protocol as P
 from thc.wire.jobs import loss_bound_arg
 from thc.wire.protocol import MAX_SOFTWARE_LANES
 from thc.emu.base import worker_ip
@@ -137,6 +140,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the limit for modes through BMv2 (default 3600 s; a lower limit "
                              "stops the mode where it got and still compares its losses with "
                              "THC's)")
+
+
+def check_args(args: argparse.Namespace, modes: list[str]) -> str | None:
+    """Why the flags cannot run (None: they can), found before the first mode starts rather
+    than when a mode's testbed or workers refuse them, after minutes of the others."""
+    unknown = [m for m in modes if m not in MODES]
+    if unknown or not modes:
+        return f"{'unknown mode(s) ' + str(unknown) if unknown else '--modes names no mode'}; " \
+               f"choose from {list(MODES)}"
+    top = min(P.MAX_WORKERS, 250)
+    if not 1 <= args.workers <= top:
+        return f"--workers {args.workers}: a job takes 1..{top} workers"
+    for flag, value in (("--timeout", args.timeout), ("--bmv2-timeout", args.bmv2_timeout)):
+        if not 0 < value < float("inf"):
+            return f"{flag} {value:g}: give a positive number of seconds"
+    if args.software_lanes:
+        sum_bits = P.sum_bits_for(args.workers, THCParams().granularity)
+        try:
+            P.check_lanes(args.software_lanes, sum_bits=sum_bits)
+        except ValueError as e:
+            return f"--software-lanes {args.software_lanes} ({args.workers} workers, " \
+                   f"{sum_bits}-bit sums): {e}"
+    try:
+        settings.current()                  # a bad THC_* variable
+    except ValueError as e:
+        return str(e)
+    return None
 
 
 def _steps(text: str) -> int | None:
@@ -332,9 +362,8 @@ def run(args: argparse.Namespace) -> int:
     if args.quick:
         args.epochs = 1
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    unknown = [m for m in modes if m not in MODES]
-    if unknown:
-        print(f"thc run: unknown mode(s) {unknown}; choose from {list(MODES)}", file=sys.stderr)
+    if why := check_args(args, modes):
+        print(f"thc run: {why}", file=sys.stderr)
         return 2
     if args.data == "fashion-mnist" and not fashion_dir().is_dir():
         print(f"thc run: Fashion-MNIST is not installed in {fashion_dir()} (Debian package "

@@ -1,0 +1,81 @@
+"""Cluster files as written by hand: every badly shaped or typed value is a ConfigError that
+names the job, raised before any table is computed or anything installed."""
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+
+from thc.wire.jobs import Cluster, ConfigError, Job, check_loss_bound
+
+WORKERS = [{"id": 0, "ip": "10.0.0.1", "port": 50000}, {"id": 1, "ip": "10.0.0.2", "port": 50001}]
+
+
+def one_job(**kw) -> dict:
+    return {"jobs": [{"job_id": 7, "granularity": 30, "workers": WORKERS, **kw}],
+            "agg_ip": "10.0.0.100"}
+
+
+@pytest.mark.parametrize("ip", [167772161, b"\n\x00\x00\x01", [10, 0, 0, 1]])
+def test_a_worker_ip_is_a_dotted_quad_string(ip):
+    """An integer passed (IPv4Address takes one); no packet's source ever read as it."""
+    with pytest.raises(ConfigError, match=f"job 7: worker 0: ip {re.escape(repr(ip))} is "
+                                          f"not an IPv4 address \\(a dotted-quad"):
+        Cluster.from_dict(one_job(workers=[{**WORKERS[0], "ip": ip}, WORKERS[1]]))
+
+
+@pytest.mark.parametrize("table,entry", [([i * 1.9 for i in range(16)], "0.0"),
+                                         ([str(2 * i) for i in range(16)], "'0'"),
+                                         ([True] * 16, "True")])
+def test_table_values_are_taken_as_given(table, entry):
+    """int() rounded floats down and parsed strings and bools into a table nobody wrote."""
+    with pytest.raises(ConfigError, match=f"job 7: table entry 0 {entry} is not an integer"):
+        Cluster.from_dict(one_job(table=table))
+
+
+@pytest.mark.parametrize("g,why", [(10 ** 6, "overflows even 16-bit sums"),
+                                   ("30", "granularity '30' is not an integer"),
+                                   (30.0, "granularity 30.0 is not an integer")])
+def test_granularity_is_checked_before_the_table_is_computed(g, why, monkeypatch):
+    """g = 1e6 tried to allocate terabytes for the table search."""
+    import thc.wire.jobs as jobs
+
+    def no_table(*a, **k):
+        raise AssertionError("a table was computed")
+    monkeypatch.setattr(jobs, "THCParams", no_table)
+    with pytest.raises(ConfigError, match=f"job 7: .*{why}"):
+        Cluster.from_dict(one_job(granularity=g))
+
+
+@pytest.mark.parametrize("d,why", [
+    ({"jobs": 5}, "the cluster: jobs must be a list of JSON objects, got 5"),
+    ({"jobs": ["x"]}, r"the cluster: jobs must be a list of JSON objects, got \['x'\]"),
+    ([], "a cluster must be a JSON object"),
+    ("x", "a cluster must be a JSON object"),
+    (one_job(workers=None), "job 7: workers must be a list of JSON objects, got None"),
+    (one_job(workers=[[0, "10.0.0.1", 5]]), "job 7: workers must be a list of JSON objects"),
+    (one_job(shards="x"), "job 7: shards must be a list of JSON objects"),
+    (one_job(table="0123"), "job 7: table '0123' is not a list of 16 integers"),
+    (one_job(p="abc"), "job 7: p 'abc' is not a number"),
+    (one_job(p=2), "job 7: p must lie strictly between 0 and 1"),
+    ({"jobs": [{"job_id": 7, "workers": WORKERS}]}, "job 7: 'granularity' is missing"),
+    ({**one_job(), "agg_mcac": "02:00:00:00:00:01"}, r"unknown keys \['agg_mcac'\]")])
+def test_badly_shaped_clusters_say_what_is_wrong(d, why):
+    """These gave tracebacks (TypeError, AttributeError) or, for a typo, nothing at all."""
+    with pytest.raises(ConfigError, match=why):
+        Cluster.from_dict(d)
+
+
+def test_documented_keys_still_load():
+    c = Cluster.from_dict({**one_job(), "agg_port": 48879, "agg_mac": "02:00:00:00:00:09"})
+    assert (c.agg_port, c.agg_mac) == (48879, "02:00:00:00:00:09")
+    assert Cluster.from_dict(c.to_dict()) == c
+    assert Job.from_dict(c.jobs[0].to_dict()) == c.jobs[0]
+
+
+@pytest.mark.parametrize("value", [np.float32(0.125), np.float64(0.1), np.int64(0)])
+def test_a_loss_bound_may_be_a_numpy_number(value):
+    assert check_loss_bound(value) == pytest.approx(float(value))
+    with pytest.raises(ConfigError, match="loss_bound must be"):
+        check_loss_bound(np.bool_(True) if value == 0 else value + 1)

@@ -1,0 +1,130 @@
+"""Switch-only checks of ``thc controller install`` (a push waits for them; MACs and the
+aggregator's address a switch answers with; one MAC one host within a job), and what an
+install or remove cut short leaves, on the in-memory switch."""
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+
+from thc.controller import forwarding, jobs
+from thc.controller.testing.memswitch import MemorySwitch
+from thc.wire.jobs import ConfigError, Worker
+from tests.test_jobs_install import thc_controller
+from tests.test_jobs_safety import IDLE, cluster, make_job
+
+
+@pytest.fixture
+def sw():
+    s = MemorySwitch().connect()
+    yield s
+    s.close()
+
+
+def _save(tmp_path, c, **top) -> str:
+    path = tmp_path / "cluster.json"
+    path.write_text(json.dumps({**c.to_dict(), **top}))
+    return str(path)
+
+
+def test_install_push_checks_the_cluster_before_pushing(sw, monkeypatch, capsys, tmp_path):
+    """The push (which wipes every job) ran first, then the cluster was refused: nothing
+    was left installed."""
+    jobs.install_job(sw, make_job(1))
+    bad = replace(make_job(2, pool_base=8), mcast_grp=40000)
+    mark = len(sw.device.log)
+    assert thc_controller(sw.device, monkeypatch, "install", "--push",
+                          "--config", _save(tmp_path, cluster(bad))) == 1
+    assert "multicast group 40000 outside" in capsys.readouterr().err
+    assert sw.device.log[mark:] == [] and 1 in jobs.installed_jobs(sw)
+
+
+@pytest.mark.parametrize("mac", ["00:00:00:00:00:00", "FF:FF:FF:FF:FF:FF"])
+def test_a_worker_without_a_mac_is_refused_on_a_switch(sw, mac):
+    """Results went to 00:00:00:00:00:00 and every worker waited forever."""
+    job = make_job(1)
+    job = replace(job, workers=(job.workers[0], replace(job.workers[1], mac=mac)))
+    job.validate()                          # a software aggregator takes it
+    with pytest.raises(ConfigError, match=f"job 1 worker 1: mac {mac}.*give the worker its "
+                                          f"`mac`"):
+        jobs.install_cluster(sw, cluster(job))
+    assert sw.device.log == []
+
+
+@pytest.mark.parametrize("top,why", [({"agg_ip": "127.0.0.1"}, "agg_ip 127.0.0.1"),
+                                     ({"agg_ip": "0.0.0.0"}, "agg_ip 0.0.0.0"),
+                                     ({"agg_mac": "ff:ff:ff:ff:ff:ff"}, "agg_mac ff")])
+def test_an_aggregator_address_no_worker_accepts_is_refused(sw, monkeypatch, capsys, tmp_path,
+                                                           top, why):
+    config = _save(tmp_path, cluster(make_job(1)), **top)
+    assert thc_controller(sw.device, monkeypatch, "install", "--config", config) == 1
+    assert why in capsys.readouterr().err
+    assert sw.device.log == []
+
+
+def test_one_mac_names_one_host_within_a_job_too(sw):
+    """Two workers of one job under one MAC on two switch ports: l2_forward kept one port."""
+    job = make_job(1)
+    w0, w1 = job.workers
+    two_ports = replace(job, workers=(w0, replace(w1, mac=w0.mac)))
+    with pytest.raises(ConfigError, match=f"job 1 worker 1: MAC {w0.mac} belongs to {w0.ip} "
+                                          f"on switch port 0 \\(worker 0\\)"):
+        jobs.install_job(sw, two_ports)
+    one_host = replace(job, workers=(w0, Worker(1, w0.ip, w0.port + 1, w0.mac, 0)))
+    jobs.install_job(sw, one_host)         # one host, two UDP ports: fine
+
+
+def test_a_remove_cut_short_is_finished_by_the_next(sw, monkeypatch, capsys):
+    job = make_job(1)
+    jobs.install_job(sw, job)
+    groups = sw.device.groups.copy()
+    real = sw.device.delete_group
+
+    def lost(group):
+        raise jobs.SwitchError("connection reset")
+    monkeypatch.setattr(sw.device, "delete_group", lost)
+    with pytest.raises(jobs.SwitchError):
+        jobs.remove_job(sw, 1, live_window=IDLE)
+    monkeypatch.setattr(sw.device, "delete_group", real)
+    assert sw.device.groups == groups
+    assert thc_controller(sw.device, monkeypatch, "jobs") == 0
+    assert "job 1: " in capsys.readouterr().out
+    assert thc_controller(sw.device, monkeypatch, "remove", "--job", "1") == 0
+    assert jobs.installed_jobs(sw) == {} and sw.device.groups == {}
+    assert jobs._job_entries(sw, jobs.ADDR_TABLE, 1) == [] and forwarding.routes(sw) == {}
+
+
+def test_leftovers_without_a_job_entry_are_listed_and_removed(sw, monkeypatch, capsys):
+    """An older controller's install cut short left address and lookup entries, a group and
+    routes under a job id with no thc_job entry: `jobs` showed nothing, `remove` refused."""
+    empty = sw.device.state()
+    job = make_job(3)
+    jobs._upsert(sw, jobs.addr_entries(sw, job, jobs.AggAddress()))
+    jobs._upsert(sw, jobs.lut_entries(sw, job, 0))
+    sw.set_multicast_group(3, [(0, 1)])
+    forwarding.install(sw, {w.mac: w.switch_port for w in job.workers})
+    assert jobs.leftovers(sw) == {3: [jobs.ADDR_TABLE, "lookup tables"]}
+    assert thc_controller(sw.device, monkeypatch, "jobs") == 0
+    assert "job 3: NOT installed, but entries of it remain in thc_worker_addr, lookup " \
+           "tables" in capsys.readouterr().out
+    assert thc_controller(sw.device, monkeypatch, "remove", "--job", "3") == 0
+    assert "removed the leftover entries of job 3" in capsys.readouterr().out
+    assert sw.device.state() == empty
+    assert thc_controller(sw.device, monkeypatch, "remove", "--job", "3") == 1
+
+
+def test_prune_removes_leftovers_the_cluster_lacks(sw):
+    job = make_job(3)
+    jobs._upsert(sw, jobs.addr_entries(sw, job, jobs.AggAddress()))
+    jobs.install_cluster(sw, cluster(make_job(1)), prune=True)
+    assert jobs.leftovers(sw) == {} and sorted(jobs.installed_jobs(sw)) == [1]
+
+
+@pytest.mark.parametrize("mac", ["ff:ff:ff:ff:ff:ff", "00:00:00:00:00:00"])
+def test_l2_add_of_broadcast_is_refused(sw, monkeypatch, capsys, mac):
+    """It printed success and wrote nothing."""
+    assert thc_controller(sw.device, monkeypatch, "l2", "add", mac, "3") == 1
+    assert f"thc controller: l2 add: {mac} is the all-zero or broadcast MAC" \
+        in capsys.readouterr().err
+    assert sw.device.log == []
