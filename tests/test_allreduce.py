@@ -449,3 +449,17 @@ def test_a_failure_right_after_the_max_round_abandons_and_keeps_the_first_reason
             DistTransport.check_group(None)
     finally:
         dist.destroy_process_group()
+
+
+def test_a_finite_input_whose_norm_overflows_is_not_called_nan():
+    """A prepare that failed for another reason than NaN or Inf marks every slice; its error
+    was rewritten as "NaN or Inf in slice 0" for an input that holds neither."""
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port_block(1)}",
+                            rank=0, world_size=1)
+    try:
+        ar = THCAllReduce.through_torch_distributed(params=PARAMS)
+        with pytest.raises(ValueError, match="overflows float32 in its norm") as err:
+            ar(torch.full((4096,), 1e37))
+        assert "NaN or Inf in slice" not in str(err.value)
+    finally:
+        dist.destroy_process_group()

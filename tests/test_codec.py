@@ -395,3 +395,15 @@ def test_p_may_be_a_numpy_float():
     assert THCParams(p=np.float32(0.5)) == THCParams(p=0.5)
     with pytest.raises(ValueError, match="p must lie strictly between 0 and 1"):
         THCParams(p=True)
+
+
+@pytest.mark.parametrize("scale", [1e-25, 1e20])
+def test_torch_norms_reach_as_far_as_numpy_norms(scale):
+    """Squares of 1e-25 underflow float32 and squares of 1e20 overflow it, though the norms
+    fit: torch's float32 norm made the first slice a zero slice (its gradient lost) and
+    refused the second as NaN or Inf, where numpy's float64 sums took both."""
+    x = np.random.default_rng(3).standard_normal(4096).astype(np.float32) * np.float32(scale)
+    want = THCCodec().norms(x)
+    got = THCCodec().norms(torch.from_numpy(x))
+    assert want[0] > 0 and np.isfinite(want[0])
+    np.testing.assert_allclose(got.numpy(), want, rtol=1e-6)

@@ -207,3 +207,28 @@ def test_uncompressed_spans_count_the_bytes_of_their_dtype():
     for rank in (0, 1):
         sent, elements = res[rank]
         assert elements == 72 and sent == 2 * (2 - 1) * 72 * 2 // 2, res[rank]
+
+
+def _fp16_sum_worker(rank, port, q):
+    from thc.collective.ddp import FP32Hook, HookOptions, THCHook
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2)
+    model = torch.nn.Linear(4, 4)
+    hook = FP32Hook(model, overlap=False)
+    whole = hook.reduce("b", torch.full((16,), 40000.0, dtype=torch.float16), [16])
+    spans = THCHook(model, lambda: None, HookOptions(uncompressed=("weight", "bias")),
+                    overlap=False)
+    buf = spans._reduce_bucket("k", torch.full((20,), 40000.0, dtype=torch.float16),
+                               [(0, 16, True, 0.0), (16, 20, True, 1.0)])
+    q.put((rank, (whole.tolist(), buf.tolist())))
+    dist.destroy_process_group()
+
+
+def test_half_buckets_are_divided_before_their_sum():
+    """Two workers' 40000 in fp16: the mean fits, the sum (80000) does not. The FP32 hook and
+    the uncompressed spans summed first and divided after, and returned Inf."""
+    from tests.test_graphed import gloo_pair
+    res = gloo_pair(_fp16_sum_worker)
+    for rank in (0, 1):
+        whole, spans = res[rank]
+        assert whole == [40000.0] * 16 and spans == [40000.0] * 20, res[rank]

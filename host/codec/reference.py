@@ -32,12 +32,15 @@ def rows(flat, group):
 
 
 def norms(flat, params: THCParams, lay):
-    """Per-slice L2 norms (float32): torch's norm for tensors (on a GPU one call for all
-    equal slices, not one per cache-sized batch), float64 sums for numpy."""
+    """Per-slice L2 norms (float32) from float64 sums of squares, so that a slice whose
+    squares underflow float32 (values below ~1e-23) still encodes, and one whose squares
+    overflow it but whose norm does not is taken: torch's norm for tensors (on a GPU one call
+    for all equal slices, not one per cache-sized batch), einsum for numpy."""
     if is_torch(flat):
         import torch
         batch = WHOLE if flat.device.type == "cuda" else GROUP_ELEMENTS
-        parts = [torch.linalg.vector_norm(view(flat, grp), dim=1) for grp in lay.groups(batch)]
+        parts = [torch.linalg.vector_norm(view(flat, grp), dim=1, dtype=torch.float64).float()
+                 for grp in lay.groups(batch)]
         out = torch.cat(parts) if parts else flat.new_zeros(0)
         check_norms_finite(out)
         return out

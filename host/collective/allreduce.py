@@ -203,7 +203,9 @@ class THCAllReduce:
             if refusal is not None:
                 raise
             slice_ = agreement.first_marked(bad)
-            if isinstance(e, ValueError) and slice_ is not None:
+            # every slice is marked where none holds NaN or Inf: the prepare's own error says
+            if isinstance(e, ValueError) and slice_ is not None \
+                    and not bool(torch.isfinite(y).all()):
                 raise ValueError(f"input contains NaN or Inf in slice {slice_}") from e
             raise
         norms = preps[0].norms if len(preps) == 1 else torch.cat([p.norms for p in preps])

@@ -151,8 +151,8 @@ class _Hook:
         if plain:
             flat = torch.cat(plain)
             DistTransport.check_group(self.group)   # a THC round left its peers mid-round
+            flat /= self.world   # before the sum, as DDP's own hook: a half sum overflows first
             dist.all_reduce(flat, group=self.group)
-            flat /= self.world
             self.fp32_elements += flat.numel()
             self.bytes_sent += (2 * (self.world - 1) * flat.numel() * flat.element_size()
                                 // self.world)
@@ -192,10 +192,10 @@ class FP32Hook(_Hook):
 
     def reduce(self, bucket, flat: torch.Tensor, sizes: list[int],
                position: torch.Tensor | None = None) -> torch.Tensor:
-        out = flat.clone()
+        out = flat / self.world   # before the sum, as DDP's own hook: a half sum overflows first
         dist.all_reduce(out, group=self.group)
         self.bytes_sent += 2 * (self.world - 1) * out.numel() * out.element_size() // self.world
-        return out.div_(self.world)
+        return out
 
 
 class THCHook(_Hook):
