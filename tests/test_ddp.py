@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import functools
 import time
+from datetime import timedelta
 
 import numpy as np
 import pytest
@@ -232,3 +233,30 @@ def test_half_buckets_are_divided_before_their_sum():
     for rank in (0, 1):
         whole, spans = res[rank]
         assert whole == [40000.0] * 16 and spans == [40000.0] * 20, res[rank]
+
+
+def _topk_nan_worker(rank, port, q):
+    from thc.collective.ddp import TopKHook
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2, timeout=timedelta(seconds=20))
+    hook = TopKHook(torch.nn.Linear(8, 8), ratio=0.5, overlap=False)
+    out = []
+    for call in range(3):
+        x = torch.full((64,), float(call + 1))
+        if rank == 0 and call == 0:
+            x[3] = float("nan")
+        try:
+            out.append(hook.reduce("bucket", x, [64]).tolist())
+        except (ValueError, RuntimeError) as e:
+            out.append(str(e))
+    q.put((rank, out))
+    dist.destroy_process_group()
+
+
+def test_topk_a_nan_on_one_worker_is_refused_by_both():
+    """The NaN worker raised before its all-gathers: its peer waited in them until the group's
+    timeout, and their later calls paired off by one (a wrong mean, no error)."""
+    from tests.test_graphed import gloo_pair
+    res = gloo_pair(_topk_nan_worker)
+    assert "NaN or Inf" in res[0][0] and "refused on every worker" in res[1][0], res
+    assert res[0][1:] == res[1][1:] and all(isinstance(r, list) for r in res[0][1:]), res

@@ -104,7 +104,10 @@ def test_ring_allreduce_in_gloo_agrees_on_every_rank():
     for rank, grad, first, second, residual, nbytes, err in out:
         assert torch.allclose(residual, grad + (grad - first) - second, atol=1e-5)
         d = grad.numel()
-        assert nbytes == 2 * 2 * (world - 1) * math.ceil(d / (8 * world)) + 2 * (2 * 2 * 8 // 3)
+        # two calls: ring hops of sign bits, the float64 scale's all-reduce and the
+        # agreement's five float32 lanes (both counted as a ring all-reduce sends them)
+        ring = 2 * (world - 1) * math.ceil(d / (8 * world))
+        assert nbytes == 2 * ring + 2 * (2 * 2 * 8 // 3) + 2 * (2 * 2 * 5 * 4 // 3)
         assert "NaN or Inf" in err
 
 
@@ -230,3 +233,38 @@ def test_a_nan_or_an_overflow_is_refused_by_every_worker():
         assert huge is True                           # finite scales, finite estimate
         assert compensated is True or "NaN or Inf" in compensated
         assert good is True
+
+
+def _unlike_worker(rank, port, q):
+    from datetime import timedelta
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2, timeout=timedelta(seconds=20))
+    ar = marsit.MarsitAllReduce(generator=torch.Generator().manual_seed(rank))
+    x = torch.cat([torch.full((50,), 100.0), torch.full((50,), 1.0)])
+    calls = [(torch.ones(100 + 8 * rank), None),                     # lengths differ
+             (x, [50, 50] if rank == 0 else [90, 10]),               # segments differ
+             (torch.full((64,), 2.0), None),                         # alike: residuals of 64
+             (torch.full((72 if rank == 0 else 64,), 2.0), None),    # worker 0's residual
+             (torch.full((64,), 3.0), None)]                         # alike
+    out = []
+    for t, sizes in calls:
+        try:
+            out.append(ar(t, sizes).tolist())
+        except (ValueError, RuntimeError) as e:
+            out.append(str(e))
+    q.put((rank, out))
+    dist.destroy_process_group()
+
+
+def test_unlike_or_failed_calls_are_refused_by_every_worker():
+    """Tensors or segments of other lengths were summed without a word (a coordinate came
+    out 1.0 on one worker and 78.0 on the other), and a worker refused by its residual check
+    raised before the scales' all-reduce: its peer paired that with its next call."""
+    res = gloo_pair(_unlike_worker)
+    for rank in (0, 1):
+        out = res[rank]
+        assert all("differ in the scheme's settings" in r for r in out[:2]), out
+        assert isinstance(out[2], list) and isinstance(out[3], str), out
+        assert isinstance(out[4], list), out
+    assert "use one instance per tensor" in res[0][3] and "refused" in res[1][3]
+    assert res[0][4] == res[1][4]

@@ -21,6 +21,7 @@ from __future__ import annotations
 import zlib
 
 import torch
+import torch.distributed as dist
 
 from thc.codec.common import NORM_MARK
 
@@ -39,7 +40,12 @@ def fingerprint(params, *cut: int) -> int:
     the numbers that cut the tensor (its length, the pipeline's piece length)."""
     key = (params.bits, params.granularity, float(params.p), params.seed, params.slice_size,
            tuple(int(t) for t in params.table)) + tuple(int(c) for c in cut)
-    return zlib.crc32(repr(key).encode()) % KEY_SPAN
+    return key_of(*key)
+
+
+def key_of(*parts) -> int:
+    """A fingerprint lane value (below KEY_SPAN) of ``parts``: numbers, strings, tuples."""
+    return zlib.crc32(repr(parts).encode()) % KEY_SPAN
 
 
 def tagged(norms: torch.Tensor, rnd, key: int) -> torch.Tensor:
@@ -86,9 +92,15 @@ def refused(max_norms: torch.Tensor, tags: torch.Tensor) -> bool:
     return first_marked(max_norms) is not None or not agreed(tags.tolist())
 
 
-def check_rounds(tags) -> None:
+THC_ALIKE = ("their THC parameters (bits, granularity, p, seed, slice size, table) or in the "
+             "tensor's length or piece length")
+"""What a THC round's fingerprint covers, as :func:`check_rounds` names it."""
+
+
+def check_rounds(tags, alike: str = THC_ALIKE) -> None:
     """Raise on every worker when the job's workers are not all in the same round, or their
-    rounds differ in fingerprint (``tags``: the four tag lanes, a tensor or a list)."""
+    rounds differ in fingerprint (``tags``: the four tag lanes, a tensor or a list;
+    ``alike``: what the fingerprint covers)."""
     tags = tags.tolist() if isinstance(tags, torch.Tensor) else list(tags)
     high, low, khigh, klow = tags
     if high + low != ROUND_SPAN:
@@ -96,11 +108,9 @@ def check_rounds(tags) -> None:
                            f"{high:g}, modulo {ROUND_SPAN}): a worker missed a round, so "
                            f"their rotations differ and no sum of this round is used")
     if khigh + klow != KEY_SPAN:
-        raise RuntimeError(f"the workers' rounds differ in their THC parameters (bits, "
-                           f"granularity, p, seed, slice size, table) or in the tensor's "
-                           f"length or piece length (fingerprints {KEY_SPAN - klow:g} to "
-                           f"{khigh:g}): their indices mean different things, so no sum of "
-                           f"this round is used")
+        raise RuntimeError(f"the workers' rounds differ in {alike} (fingerprints "
+                           f"{KEY_SPAN - klow:g} to {khigh:g}): what they send means "
+                           f"different things, so no sum of this round is used")
 
 
 def agree(transport, rnd: int, key: int, device) -> None:
@@ -112,6 +122,27 @@ def agree(transport, rnd: int, key: int, device) -> None:
     tensor, which takes no round but must not let a peer's round pass unpaired."""
     tags = transport.max(tagged(torch.zeros(0, device=device), rnd, key))
     check_rounds(tags)
+
+
+def together(group, rnd: int, key: int, device, failure: Exception | None = None,
+             alike: str = "the scheme's settings or the tensor's length or segments") -> int:
+    """For schemes whose collectives carry no tag lanes (TopK's all-gathers, Marsit's scales
+    and ring): the four tag lanes and a mark lane in one fixed-length MAX all-reduce before
+    them. A worker that failed first (``failure``), is out of step or unlike makes every
+    worker raise here, instead of leaving its peers waiting in a collective or pairing theirs
+    with its next call's. Returns the bytes a ring all-reduce sends for it."""
+    mark = torch.full((1,), NORM_MARK if failure is not None else 0.0, device=device)
+    out = tagged(mark, rnd, key)
+    dist.all_reduce(out, op=dist.ReduceOp.MAX, group=group)
+    if failure is not None:
+        raise failure
+    marked, tags = untag(out)
+    if first_marked(marked) is not None:
+        raise RuntimeError("a worker failed before this round's collectives (its own error "
+                           "says why): the round is refused on every worker")
+    check_rounds(tags, alike)
+    p = dist.get_world_size(group)
+    return 2 * (p - 1) * out.numel() * out.element_size() // p
 
 
 def marks(y: torch.Tensor, pieces, layout_of) -> torch.Tensor:

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from thc.codec.baselines import TopK
+from thc.collective import agreement
 from thc.collective.allreduce import THCAllReduce
 from thc.collective.transports import DistTransport
 from thc.collective.graphed import GraphedAllReduce
@@ -263,11 +264,32 @@ class TopKHook(_Hook):
     def __init__(self, model, ratio: float = 0.1, options: HookOptions = HookOptions(),
                  group=None, overlap: bool = True):
         super().__init__(model, options, group, overlap)
+        self.ratio = ratio
         self.scheme = TopK(ratio=ratio, error_feedback=True)
+        self._calls = 0
 
     def reduce(self, bucket, flat: torch.Tensor, sizes: list[int],
                position: torch.Tensor | None = None) -> torch.Tensor:
-        payload = self.scheme.compress(flat, key=(bucket, flat.numel()))
+        key = (bucket, flat.numel())
+        before = self.scheme.residuals.get(key)
+        failure = None
+        try:
+            payload = self.scheme.compress(flat, key=key)
+        except ValueError as e:   # NaN or Inf: every worker refuses, none waits in a gather
+            failure = e
+        rnd, self._calls = self._calls, self._calls + 1
+        try:
+            # the gathers are as long as k: agree on it first
+            self.bytes_sent += agreement.together(
+                self.group, rnd, agreement.key_of("topk", self.ratio, flat.numel()),
+                flat.device, failure)
+        except Exception:
+            if failure is None:   # a refused round leaves the residual as it was
+                if before is None:
+                    self.scheme.residuals.pop(key, None)
+                else:
+                    self.scheme.residuals[key] = before
+            raise
         idx = payload.indices.to(torch.int32)
         vals = payload.values.float()
         all_idx = [torch.empty_like(idx) for _ in range(self.world)]

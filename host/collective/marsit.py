@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from thc.codec.packing import pack_bits, unpack_bits
+from thc.collective import agreement
 
 
 def merge(incoming: torch.Tensor, own: torch.Tensor, merged: int,
@@ -60,6 +61,8 @@ class _SignAllReduce:
         self.compensation = compensation
         self.residual: torch.Tensor | None = None
         self.bytes_sent = 0
+        self.round = 0
+        """Calls so far, refused ones included: the agreement's round lanes."""
 
     def mean_sign(self, own: torch.Tensor) -> torch.Tensor:
         """From this worker's bits (bool, True = +1) to the shared estimate of the workers'
@@ -70,14 +73,23 @@ class _SignAllReduce:
         """The estimate of the workers' mean of ``grad``; ``sizes`` splits it into segments
         with a scale each (default: one)."""
         flat = grad.reshape(-1).float()
-        if self.compensation and self.residual is not None:
-            if self.residual.shape != flat.shape:
-                raise ValueError(f"Marsit: residual of {self.residual.numel()} elements, "
-                                 f"gradient of {flat.numel()}: use one instance per tensor")
-            flat = flat + self.residual
         sizes = [flat.numel()] if sizes is None else list(sizes)
-        if sum(sizes) != flat.numel() or any(n < 1 for n in sizes):
-            raise ValueError(f"Marsit: segments {sizes} do not split {flat.numel()} elements")
+        failure = None
+        try:
+            if self.compensation and self.residual is not None:
+                if self.residual.shape != flat.shape:
+                    raise ValueError(f"Marsit: residual of {self.residual.numel()} elements, "
+                                     f"gradient of {flat.numel()}: use one instance per tensor")
+                flat = flat + self.residual
+            if sum(sizes) != flat.numel() or any(n < 1 for n in sizes):
+                raise ValueError(f"Marsit: segments {sizes} do not split {flat.numel()} "
+                                 f"elements")
+        except ValueError as e:
+            failure = e
+        # the scales' all-reduce is as long as the segments: agree on them first
+        rnd, self.round = self.round, self.round + 1
+        key = agreement.key_of("marsit", flat.numel(), tuple(sizes))
+        self.bytes_sent += agreement.together(self.group, rnd, key, flat.device, failure)
         # A worker with NaN or Inf still joins the scales' all-reduce, with NaN scales: the
         # sum carries them to every worker, and all refuse the round (none waits). Scales in
         # float64: a float32 sum of huge values would overflow on every worker alike.
