@@ -263,6 +263,26 @@ def test_workers_out_of_step_in_their_sizes_all_refuse():
         assert out[4] == pytest.approx(5.0, abs=0.2), out
 
 
+def _backend_worker(rank, port, q):
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2)
+    ar = THCAllReduce.through_torch_distributed(params=THCParams(slice_size=256),
+                                                generator=rank,
+                                                backend="reference" if rank else "compiled")
+    try:
+        q.put((rank, float(ar(torch.ones(1024)).mean())))
+    except RuntimeError as e:
+        q.put((rank, str(e)))
+    dist.destroy_process_group()
+
+
+def test_workers_decoding_on_different_backends_refuse():
+    """The compiled and the reference decode differ in their last bits: workers on different
+    backends returned different means of the same sums, and DDP's replicas drifted apart."""
+    res = gloo_pair(_backend_worker)
+    assert all("or their codec backend" in str(res[r]) for r in (0, 1)), res
+
+
 def _refusing_worker(rank, port, q):
     """Worker 1 hands in bad layer positions, then a bool tensor; worker 0 good input."""
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,

@@ -72,9 +72,10 @@ class _TwoWorkers:
         return 2 * thc.table_values(indices, params).to(torch.int32), None
 
 
-def _tagged(norms, rnd, p):
-    """A peer's MAX vector for a round of 1024 elements under ``p``, its fingerprint included."""
-    return agreement.tagged(norms, rnd, agreement.fingerprint(p, 1024, 1024))
+def _tagged(norms, rnd, p, backend="triton"):
+    """A peer's MAX vector for a round of 1024 elements under ``p`` decoded on ``backend``, its
+    fingerprint included."""
+    return agreement.tagged(norms, rnd, agreement.fingerprint(p, 1024, 1024, backend=backend))
 
 
 @kernels
@@ -126,7 +127,8 @@ def test_a_worker_that_stops_early_still_joins_a_stream_ordered_sum():
     x = torch.randn(1024, generator=torch.Generator().manual_seed(6))
     bad = x.clone()
     bad[700] = float("nan")                    # slice 2
-    worker = THCAllReduce(_TwoWorkers(_tagged(torch.zeros(4), 0, p)), p, backend="reference")
+    worker = THCAllReduce(_TwoWorkers(_tagged(torch.zeros(4), 0, p, "reference")), p,
+                          backend="reference")
     with pytest.raises(ValueError, match="NaN or Inf in slice 2"):
         worker(bad)
     sent = worker.transport.sent[0]
@@ -143,7 +145,8 @@ def test_a_worker_failing_for_another_reason_marks_every_slice(monkeypatch):
     """Out of memory in prepare: no slice of this worker may be summed, so all are marked
     (its peers refuse the whole round) and the error is its own."""
     p = THCParams(slice_size=256)
-    ar = THCAllReduce(_TwoWorkers(_tagged(torch.zeros(4), 0, p)), p, backend="reference")
+    ar = THCAllReduce(_TwoWorkers(_tagged(torch.zeros(4), 0, p, "reference")), p,
+                      backend="reference")
 
     def out_of_memory(*a, **k):
         raise MemoryError("no room")

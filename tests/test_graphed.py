@@ -24,8 +24,9 @@ P = THCParams(slice_size=256)
 
 
 def tagged(norms, rnd):
-    """A peer's MAX vector for a round of 1024 elements under P, its fingerprint included."""
-    return agreement.tagged(norms, rnd, agreement.fingerprint(P, 1024, 1024))
+    """A peer's MAX vector for a round of 1024 elements under P decoded on the kernels, its
+    fingerprint included."""
+    return agreement.tagged(norms, rnd, agreement.fingerprint(P, 1024, 1024, backend="triton"))
 
 
 class _Peer:

@@ -34,12 +34,14 @@ TAG_LANES = 4
 """The lanes before the norms: the round number's pair, then the fingerprint's pair."""
 
 
-def fingerprint(params, *cut: int) -> int:
+def fingerprint(params, *cut: int, backend: str = "") -> int:
     """What the workers' rounds must share for their sums to mean one thing, as a lane value
-    below KEY_SPAN: the codec's parameters (rotation seed, slice size, table) and ``cut``,
-    the numbers that cut the tensor (its length, the pipeline's piece length)."""
+    below KEY_SPAN: the codec's parameters (rotation seed, slice size, table), ``cut``, the
+    numbers that cut the tensor (its length, the pipeline's piece length), and the codec
+    backend that decodes (the backends' estimates differ in their last bits, and workers must
+    all return the same one)."""
     key = (params.bits, params.granularity, float(params.p), params.seed, params.slice_size,
-           tuple(int(t) for t in params.table)) + tuple(int(c) for c in cut)
+           tuple(int(t) for t in params.table)) + tuple(int(c) for c in cut) + (backend,)
     return key_of(*key)
 
 
@@ -92,8 +94,8 @@ def refused(max_norms: torch.Tensor, tags: torch.Tensor) -> bool:
     return first_marked(max_norms) is not None or not agreed(tags.tolist())
 
 
-THC_ALIKE = ("their THC parameters (bits, granularity, p, seed, slice size, table) or in the "
-             "tensor's length or piece length")
+THC_ALIKE = ("their THC parameters (bits, granularity, p, seed, slice size, table), the "
+             "tensor's length or piece length, or their codec backend")
 """What a THC round's fingerprint covers, as :func:`check_rounds` names it."""
 
 

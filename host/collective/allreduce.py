@@ -165,7 +165,8 @@ class THCAllReduce:
     def _key(self, flat, pieces) -> int:
         # one piece of the whole tensor, as a graphed round's: on a stream-ordered
         # transport (NCCL) the two may be peers
-        return agreement.fingerprint(self.params, flat.numel(), pieces[0][1] - pieces[0][0])
+        return agreement.fingerprint(self.params, flat.numel(), pieces[0][1] - pieces[0][0],
+                                     backend=self.codec.choice(flat).name)
 
     def _agree_size(self, flat, pieces) -> None:
         """:func:`agreement.agree` before the first round of a tensor size, and before every

@@ -204,7 +204,7 @@ class GraphedAllReduce:
         word.zero_()   # each round's flags are its own, cleared in its stream order
         prep = c.prepare(y, b.round)
         vector = agreement.tagged(prep.norms, b.round,
-                                  agreement.fingerprint(self.params, b.numel, b.numel))
+                                  self._fingerprint(b.numel, b.x))
         self._check_usable()
         self._sent = 0 if self._capturing else 1   # from here the MAX round may have left
         max_norms, tags = agreement.untag(self.transport.max(vector))
@@ -221,11 +221,17 @@ class GraphedAllReduce:
         b.report[4:].copy_(tags)
         b.round.add_(1)
 
+    def _fingerprint(self, numel: int, like: torch.Tensor) -> int:
+        """A round's fingerprint, as an eager reducer's of the same tensor (one piece on a
+        stream-ordered transport): the two may be peers."""
+        return agreement.fingerprint(self.params, numel, numel,
+                                     backend=self.codec.choice(like).name)
+
     def _agree_size(self, tensor: torch.Tensor) -> None:
         """:func:`agreement.agree` before the first round. Once agreed, never again: a first
         round that failed still went out (owed)."""
         n = tensor.numel()
-        agreement.agree(self.transport, self.round, agreement.fingerprint(self.params, n, n),
+        agreement.agree(self.transport, self.round, self._fingerprint(n, tensor),
                         tensor.device)
         self._agreed = True
 
@@ -353,7 +359,7 @@ class GraphedAllReduce:
             marks = torch.full((lay.n_slices,), NORM_MARK, device=dev)
             zeros = torch.zeros(lay.total_padded, dtype=torch.uint8, device=dev)
             numel = b.numel if b is not None else flat.numel()
-            key = agreement.fingerprint(self.params, numel, numel)
+            key = self._fingerprint(numel, marks)
             vector = agreement.tagged(marks, self.round - 1, key)
             sent = True
             self.transport.max(vector)
