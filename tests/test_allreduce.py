@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -125,6 +126,41 @@ def test_error_feedback_makes_repeated_rounds_converge():
     err_first = float(((out[0][0] - mean) ** 2).sum())
     err_avg = float(((torch.stack(out[0]).mean(0) - mean) ** 2).sum())
     assert err_avg < err_first / 4
+
+
+@pytest.mark.parametrize("odd", ["empty", "new size"])
+def test_a_call_one_worker_makes_alone_is_refused_by_both_and_they_stay_in_step(odd):
+    """Worker 0 hands in an empty tensor, or a size new to it where worker 1 calls a size it
+    knows (each one MAX chunk). Both refuse that call; the agreement took no round number on
+    one worker while its peer's MAX round took one, so every later round was refused as
+    'different rounds'."""
+    p = THCParams(slice_size=256, seed=7)
+    job = local_job(1, 2, free_port_block(2), pool_size=32, table=p.table)
+    out = {0: [], 1: []}
+    with Aggregator([job]) as agg:
+        addr = agg.start()
+
+        def work(w):
+            with AggregationClient(job, w, addr, run=1, deadline=2.0) as c:
+                ar = THCAllReduce.through_aggregator(c, p, generator=w, error_feedback=False)
+                a = torch.full((1024,), 0.01)
+                other = torch.empty(0) if odd == "empty" else torch.full((2048,), 0.01)
+                for x in (a, other if w == 0 else a, a, a):
+                    try:
+                        y = ar(x)
+                        out[w].append(float(y.mean()) if y.numel() else None)
+                    except RuntimeError as e:
+                        out[w].append(str(e))
+                out[w].append(ar.round)
+
+        ts = [threading.Thread(target=work, args=(w,)) for w in range(2)]
+        [t.start() for t in ts]
+        [t.join(60) for t in ts]
+    for w in (0, 1):
+        first, refused, *later, rounds = out[w]
+        assert "differ in their THC parameters" in refused, out
+        assert all(r == pytest.approx(0.01, abs=0.002) for r in [first] + later), out
+        assert rounds == 4, out
 
 
 def test_workers_calling_known_sizes_in_different_orders_refuse_through_an_aggregator():
@@ -274,6 +310,33 @@ def _backend_worker(rank, port, q):
     except RuntimeError as e:
         q.put((rank, str(e)))
     dist.destroy_process_group()
+
+
+def _missing_backend_worker(rank, port, q):
+    import os
+    from datetime import timedelta
+    os.environ.pop("TRITON_INTERPRET", None)   # worker 0's backend cannot run its tensor
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2, timeout=timedelta(seconds=30))
+    ar = THCAllReduce.through_torch_distributed(params=THCParams(slice_size=256),
+                                                generator=rank,
+                                                backend="compiled" if rank else "triton")
+    t0 = time.monotonic()
+    try:
+        ar(torch.ones(1024))
+        q.put((rank, ("returned", time.monotonic() - t0)))
+    except RuntimeError as e:
+        q.put((rank, (str(e), time.monotonic() - t0)))
+    dist.destroy_process_group()
+
+
+def test_a_worker_whose_backend_cannot_run_fails_at_once_and_so_does_its_peer():
+    """Naming the backend in the fingerprint raised before anything was sent on the worker
+    that lacks its backend: its peer waited out the process group's timeout."""
+    res = gloo_pair(_missing_backend_worker)
+    (own, t_own), (peer, t_peer) = res[0], res[1]
+    assert "triton" in own and "codec backend" in peer, res
+    assert t_own < 20 and t_peer < 20, res
 
 
 def test_workers_decoding_on_different_backends_refuse():

@@ -296,6 +296,35 @@ def test_two_gloo_workers_agree_with_the_eager_allreduce():
     assert "mark of a worker" in res[1][1][0] and "mark of a worker" in res[1][1][1]
 
 
+def _empty_worker(rank, port, q):
+    join_gloo(rank, port)
+    ar = GraphedAllReduce.through_torch_distributed(params=P, generator=rank,
+                                                    error_feedback=False)
+    a = torch.full((512,), 1.0).to(DEV)
+    out = []
+    for x in (a, torch.empty(0, device=DEV) if rank == 0 else a, a):
+        try:
+            y = ar(x)
+            out.append(float(y.mean()) if y.numel() else None)
+        except RuntimeError as e:
+            out.append(str(e))
+    q.put((rank, (out, ar.round, int(ar._bufs.round))))
+    dist.destroy_process_group()
+
+
+@kernels
+def test_an_empty_tensor_on_one_gloo_worker_is_refused_by_both():
+    """Worker 0's empty tensor sent the four-lane agreement while its peer's round began with
+    its MAX round: Gloo aborted worker 0 on the unlike lengths. Over Gloo every round agrees
+    first, and every worker counts the round, on the host and on the device."""
+    res = gloo_pair(_empty_worker)
+    for rank in (0, 1):
+        (first, refused, last), rounds, on_device = res[rank]
+        assert "differ in their THC parameters" in refused, res
+        assert first == pytest.approx(1.0, abs=0.1) and last == pytest.approx(1.0, abs=0.1)
+        assert rounds == on_device == 3, res
+
+
 @kernels
 def test_a_peer_with_another_fingerprint_refuses_the_round():
     """A peer with other THC parameters or another tensor length: refused, nothing kept."""

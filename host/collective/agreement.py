@@ -116,12 +116,12 @@ def check_rounds(tags, alike: str = THC_ALIKE) -> None:
 
 
 def agree(transport, rnd: int, key: int, device) -> None:
-    """The four tag lanes alone in a MAX round that takes no round number, the same length
-    on every worker whatever its tensor: raises on every worker unless all are in round
-    ``rnd`` with fingerprint ``key``. A reducer runs it before the first round of a size (on
-    Gloo before every round), so that workers whose tensors differ in slice count do not pair
-    MAX rounds of different lengths (Gloo ends that by aborting a process), and for an empty
-    tensor, which takes no round but must not let a peer's round pass unpaired."""
+    """The four tag lanes alone in a MAX round, the same length on every worker whatever its
+    tensor: raises on every worker unless all are in round ``rnd`` with fingerprint ``key``.
+    A reducer runs it in the round before its MAX round, for the first round of a size (on
+    Gloo for every round), so that workers whose tensors differ in slice count do not pair
+    MAX rounds of different lengths (Gloo ends that by aborting a process), and as the whole
+    round of an empty tensor, whose peers must not pass their round unpaired."""
     tags = transport.max(tagged(torch.zeros(0, device=device), rnd, key))
     check_rounds(tags)
 

@@ -146,8 +146,9 @@ class THCAllReduce:
         last); given, every chunk is marked with its DLCP priority class.
         """
         if tensor.numel() == 0:
-            # no round, but an agreement: a peer whose tensor is not empty refuses it
-            agreement.agree(self.transport, self.round, agreement.fingerprint(self.params, 0, 0),
+            # a round of the agreement alone: a peer whose tensor is not empty refuses it
+            rnd, self.round = self.round, self.round + 1
+            agreement.agree(self.transport, rnd, agreement.fingerprint(self.params, 0, 0),
                             tensor.device)
             return tensor.clone()
         self._open = False
@@ -165,17 +166,26 @@ class THCAllReduce:
     def _key(self, flat, pieces) -> int:
         # one piece of the whole tensor, as a graphed round's: on a stream-ordered
         # transport (NCCL) the two may be peers
+        try:
+            backend = self.codec.choice(flat).name
+        except Exception:  # noqa: BLE001 - raised again once the round went out, refused
+            backend = "unresolved"
         return agreement.fingerprint(self.params, flat.numel(), pieces[0][1] - pieces[0][0],
-                                     backend=self.codec.choice(flat).name)
+                                     backend=backend)
 
-    def _agree_size(self, flat, pieces) -> None:
+    def _agree_size(self, flat, pieces, rnd: int) -> None:
         """:func:`agreement.agree` before the first round of a tensor size, and before every
         round on a transport that asks for it (Gloo: a size new to one worker but known to
         another would pair unlike lengths). Sizes are added only once agreed, so every worker
         keeps the same set. Elsewhere, workers that call sizes they all know in different
         orders pair MAX rounds of unlike lengths, whose tag lanes (first in every MAX round)
-        differ in fingerprint: every worker refuses them."""
-        agreement.agree(self.transport, self.round, self._key(flat, pieces), flat.device)
+        differ in fingerprint: every worker refuses them. It is part of round ``rnd``, which
+        every worker counts however it ends."""
+        try:
+            agreement.agree(self.transport, rnd, self._key(flat, pieces), flat.device)
+        except RuntimeError:
+            self.codec.choice(flat)   # a backend this worker lacks: its own error, not "unlike"
+            raise
         self._sizes.add(flat.numel())
 
     def _max_round(self, flat, pieces, rnd: int, whole: bool, refusal=None):
@@ -248,13 +258,14 @@ class THCAllReduce:
         whole = getattr(self.transport, "stream_ordered", False)
         step = max(flat.numel(), 1) if whole else self.pipeline_elements
         pieces = [(a, min(a + step, flat.numel())) for a in range(0, flat.numel(), step)]
-        if getattr(self.transport, "agree_each_round", False) or \
-                flat.numel() not in self._sizes:
-            self._agree_size(flat, pieces)
-        # every worker counts the round as taken, whatever happens in it: a worker that fails
-        # part-way stays in step with those that do not (and the MAX round checks it)
+        # every worker counts the round as taken, whatever happens in it (its agreement
+        # included): a worker that fails part-way stays in step with those that do not (and
+        # the MAX round checks it)
         rnd = self.round
         self.round += 1
+        if getattr(self.transport, "agree_each_round", False) or \
+                flat.numel() not in self._sizes:
+            self._agree_size(flat, pieces, rnd)
         # the fused encode: each piece's norms now, its wire form from them after the MAX round
         y, preps, max_norms, tags = self._max_round(flat, pieces, rnd, whole, refusal)
         self._open = True   # until every sum of the round is issued

@@ -221,18 +221,30 @@ class GraphedAllReduce:
         b.report[4:].copy_(tags)
         b.round.add_(1)
 
+    def _round_on_device(self) -> None:
+        """A round that ended without its step: the device's number stays the host's."""
+        if self._bufs is not None:
+            self._bufs.round.fill_(self.round)
+
     def _fingerprint(self, numel: int, like: torch.Tensor) -> int:
         """A round's fingerprint, as an eager reducer's of the same tensor (one piece on a
         stream-ordered transport): the two may be peers."""
-        return agreement.fingerprint(self.params, numel, numel,
-                                     backend=self.codec.choice(like).name)
+        try:
+            backend = self.codec.choice(like).name
+        except Exception:  # noqa: BLE001 - raised again once the round went out, refused
+            backend = "unresolved"
+        return agreement.fingerprint(self.params, numel, numel, backend=backend)
 
-    def _agree_size(self, tensor: torch.Tensor) -> None:
-        """:func:`agreement.agree` before the first round. Once agreed, never again: a first
-        round that failed still went out (owed)."""
+    def _agree_size(self, tensor: torch.Tensor, rnd: int) -> None:
+        """:func:`agreement.agree` in round ``rnd`` before the first round, and before every
+        round on a transport that asks for it (Gloo). A first round that failed after it
+        still went out (owed). Every worker counts the round however the agreement ends."""
         n = tensor.numel()
-        agreement.agree(self.transport, self.round, self._fingerprint(n, tensor),
-                        tensor.device)
+        try:
+            agreement.agree(self.transport, rnd, self._fingerprint(n, tensor), tensor.device)
+        except RuntimeError:
+            self.codec.choice(tensor)   # a backend this worker lacks: its own error
+            raise
         self._agreed = True
 
     def _capturable(self, flat: torch.Tensor) -> bool:
@@ -382,8 +394,7 @@ class GraphedAllReduce:
         (``DistTransport.abandon``): no collective of this worker follows on that process
         group, and the peers' time out. Whether the round was owed (and so refused by every
         worker)."""
-        if self._bufs is not None:
-            self._bufs.round.fill_(self.round)   # the device's number stays the host's
+        self._round_on_device()
         if self._sent == 0:
             return self._owe(tensor.detach().reshape(-1))
         if self._sent == 1 and hasattr(self.transport, "abandon"):
@@ -400,16 +411,25 @@ class GraphedAllReduce:
             raise ValueError("DLCP priority classes travel through the aggregator's transport, "
                              "which a graphed round does not use")
         self.check()   # the last round's refusal, before this one takes a round
-        if tensor.numel() == 0:
-            # no round, but an agreement: a peer whose tensor is not empty refuses it
-            agreement.agree(self.transport, self.round, agreement.fingerprint(self.params, 0, 0),
-                            tensor.device)
-            return tensor.clone()
-        if not self._agreed:
-            self._agree_size(tensor)
         t0 = time.perf_counter()
-        # every worker counts the round as taken, whatever happens in it
+        # every worker counts the round as taken, whatever happens in it (its agreement
+        # included)
+        rnd = self.round
         self.round += 1
+        empty = tensor.numel() == 0
+        if empty or not self._agreed or getattr(self.transport, "agree_each_round", False):
+            try:
+                if empty:   # a round of the agreement alone: a peer with a tensor refuses it
+                    agreement.agree(self.transport, rnd, agreement.fingerprint(self.params, 0, 0),
+                                    tensor.device)
+                else:
+                    self._agree_size(tensor, rnd)
+            except BaseException:
+                self._round_on_device()
+                raise
+        if empty:
+            self._round_on_device()
+            return tensor.clone()
         self._sent = 0
         try:
             flat = tensor.detach().reshape(-1)
