@@ -128,12 +128,10 @@ def test_error_feedback_makes_repeated_rounds_converge():
     assert err_avg < err_first / 4
 
 
-@pytest.mark.parametrize("odd", ["empty", "new size"])
-def test_a_call_one_worker_makes_alone_is_refused_by_both_and_they_stay_in_step(odd):
-    """Worker 0 hands in an empty tensor, or a size new to it where worker 1 calls a size it
-    knows (each one MAX chunk). Both refuse that call; the agreement took no round number on
-    one worker while its peer's MAX round took one, so every later round was refused as
-    'different rounds'."""
+def _two_workers_calling(calls_of, deadline: float) -> dict:
+    """Two workers (threads) through a software aggregator, worker w calling each tensor of
+    ``calls_of(w)``: per worker, each call's mean (None for an empty result) or the error
+    it raised, then the reducer's round count."""
     p = THCParams(slice_size=256, seed=7)
     job = local_job(1, 2, free_port_block(2), pool_size=32, table=p.table)
     out = {0: [], 1: []}
@@ -141,24 +139,34 @@ def test_a_call_one_worker_makes_alone_is_refused_by_both_and_they_stay_in_step(
         addr = agg.start()
 
         def work(w):
-            with AggregationClient(job, w, addr, run=1, deadline=2.0) as c:
+            with AggregationClient(job, w, addr, run=1, deadline=deadline) as c:
                 ar = THCAllReduce.through_aggregator(c, p, generator=w, error_feedback=False)
-                a = torch.full((1024,), 0.01)
-                other = torch.empty(0) if odd == "empty" else torch.full((2048,), 0.01)
-                for x in (a, other if w == 0 else a, a, a):
+                for x in calls_of(w):
                     try:
                         y = ar(x)
                         out[w].append(float(y.mean()) if y.numel() else None)
-                    except RuntimeError as e:
-                        out[w].append(str(e))
+                    except (RuntimeError, AggregationTimeout) as e:
+                        out[w].append(e)
                 out[w].append(ar.round)
 
         ts = [threading.Thread(target=work, args=(w,)) for w in range(2)]
         [t.start() for t in ts]
         [t.join(60) for t in ts]
+    return out
+
+
+@pytest.mark.parametrize("odd", ["empty", "new size"])
+def test_a_call_one_worker_makes_alone_is_refused_by_both_and_they_stay_in_step(odd):
+    """Worker 0 hands in an empty tensor, or a size new to it where worker 1 calls a size it
+    knows (each one MAX chunk). Both refuse that call; the agreement took no round number on
+    one worker while its peer's MAX round took one, so every later round was refused as
+    'different rounds'."""
+    a = torch.full((1024,), 0.01)
+    other = torch.empty(0) if odd == "empty" else torch.full((2048,), 0.01)
+    out = _two_workers_calling(lambda w: (a, other if w == 0 else a, a, a), deadline=2.0)
     for w in (0, 1):
         first, refused, *later, rounds = out[w]
-        assert "differ in their THC parameters" in refused, out
+        assert "differ in their THC parameters" in str(refused), out
         assert all(r == pytest.approx(0.01, abs=0.002) for r in [first] + later), out
         assert rounds == 4, out
 
@@ -167,26 +175,10 @@ def test_workers_calling_known_sizes_in_different_orders_refuse_through_an_aggre
     """Both workers know 4- and 8-slice tensors; then worker 0 calls the short one while
     worker 1 calls the long one. The tag lanes sat after the norms, so each read them from a
     different lane: worker 0 took a mean of the two calls' tensors without an error."""
-    p = THCParams(slice_size=256, seed=7)
-    job = local_job(1, 2, free_port_block(2), pool_size=32, table=p.table)
-    out = {0: [], 1: []}
-    with Aggregator([job]) as agg:
-        addr = agg.start()
-
-        def work(w):
-            with AggregationClient(job, w, addr, run=1, deadline=1.0) as c:
-                ar = THCAllReduce.through_aggregator(c, p, generator=w, error_feedback=False)
-                # norms below the round lanes: read as tags, they passed as the peer's
-                short, long_ = torch.full((1024,), 0.01), torch.full((2048,), 0.1)
-                for x in (short, long_, short if w == 0 else long_):
-                    try:
-                        out[w].append(float(ar(x).mean()))
-                    except (RuntimeError, AggregationTimeout) as e:
-                        out[w].append(e)
-
-        ts = [threading.Thread(target=work, args=(w,)) for w in range(2)]
-        [t.start() for t in ts]
-        [t.join(60) for t in ts]
+    # norms below the round lanes: read as tags, they passed as the peer's
+    short, long_ = torch.full((1024,), 0.01), torch.full((2048,), 0.1)
+    out = _two_workers_calling(lambda w: (short, long_, short if w == 0 else long_),
+                               deadline=1.0)
     for w in (0, 1):
         assert out[w][0] == pytest.approx(0.01, abs=0.002), out
         assert out[w][1] == pytest.approx(0.1, abs=0.02), out
