@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from thc.codec.common import NORM_MARK
+from thc.collective.transports import ring_bytes
 
 ROUND_SPAN = 1 << 20
 """Round numbers travel modulo this (exact in float32)."""
@@ -143,8 +144,7 @@ def together(group, rnd: int, key: int, device, failure: Exception | None = None
         raise RuntimeError("a worker failed before this round's collectives (its own error "
                            "says why): the round is refused on every worker")
     check_rounds(tags, alike)
-    p = dist.get_world_size(group)
-    return 2 * (p - 1) * out.numel() * out.element_size() // p
+    return ring_bytes(out, dist.get_world_size(group))
 
 
 def marks(y: torch.Tensor, pieces, layout_of) -> torch.Tensor:

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from thc.codec.baselines import TopK
 from thc.collective import agreement
 from thc.collective.allreduce import THCAllReduce
-from thc.collective.transports import DistTransport
+from thc.collective.transports import DistTransport, ring_bytes
 from thc.collective.graphed import GraphedAllReduce
 from thc.collective.marsit import MarsitAllReduce, MarsitVoteAllReduce
 
@@ -155,8 +155,7 @@ class _Hook:
             flat /= self.world   # before the sum, as DDP's own hook: a half sum overflows first
             dist.all_reduce(flat, group=self.group)
             self.fp32_elements += flat.numel()
-            self.bytes_sent += (2 * (self.world - 1) * flat.numel() * flat.element_size()
-                                // self.world)
+            self.bytes_sent += ring_bytes(flat, self.world)
             i = 0
             for view in plain:
                 view.copy_(flat[i: i + view.numel()])
@@ -195,7 +194,7 @@ class FP32Hook(_Hook):
                position: torch.Tensor | None = None) -> torch.Tensor:
         out = flat / self.world   # before the sum, as DDP's own hook: a half sum overflows first
         dist.all_reduce(out, group=self.group)
-        self.bytes_sent += 2 * (self.world - 1) * out.numel() * out.element_size() // self.world
+        self.bytes_sent += ring_bytes(out, self.world)
         return out
 
 

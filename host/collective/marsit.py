@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from thc.codec.packing import pack_bits, unpack_bits
 from thc.collective import agreement
+from thc.collective.transports import ring_bytes
 
 
 def merge(incoming: torch.Tensor, own: torch.Tensor, merged: int,
@@ -98,7 +99,7 @@ class _SignAllReduce:
             if ok else torch.full((len(sizes),), float("nan"), dtype=torch.float64,
                                   device=flat.device)
         dist.all_reduce(scale, group=self.group)
-        self.bytes_sent += 2 * (self.world - 1) * scale.element_size() * len(sizes) // self.world
+        self.bytes_sent += ring_bytes(scale, self.world)
         if not ok or not bool(torch.isfinite(scale).all()):
             self.residual = None   # every worker refuses the round and compensates anew
             raise ValueError("Marsit: the gradient (with its compensation) holds NaN or Inf"

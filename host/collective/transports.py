@@ -26,6 +26,12 @@ from thc.collective.worker import agree_run
 from thc.wire import protocol as P
 
 
+def ring_bytes(t: torch.Tensor, world: int) -> int:
+    """What one worker sends in a ring all-reduce of ``t`` among ``world``: 2 (p-1)/p of it.
+    Every all-reduce of the project is counted so, FP32's and THC's alike."""
+    return 2 * (world - 1) * t.numel() * t.element_size() // world
+
+
 @dataclass
 class Short:
     """Per lane of a round that closed short: workers counted, and whether this one was."""
@@ -149,14 +155,10 @@ class DistTransport:
             raise RuntimeError(f"no THC round may use this process group any more: {why}; its "
                                f"workers' collectives are out of step (restart the job)")
 
-    def _count(self, t: torch.Tensor) -> None:
-        p = self.n_workers
-        self.bytes_sent += 2 * (p - 1) * t.numel() * t.element_size() // p
-
     def max(self, norms: torch.Tensor) -> torch.Tensor:
         self.usable()
         out = norms.detach().clone()
-        self._count(out)
+        self.bytes_sent += ring_bytes(out, self.n_workers)
         self.dist.all_reduce(out, op=self.dist.ReduceOp.MAX, group=self.group)
         return out
 
@@ -170,6 +172,6 @@ class DistTransport:
         # the codec's own indices: in the table by construction
         vals = table_values(indices, params, checked=False).to(
             wire_sum_dtype(self.n_workers, params))
-        self._count(vals)
+        self.bytes_sent += ring_bytes(vals, self.n_workers)
         self.dist.all_reduce(vals, group=self.group)
         return vals, None

@@ -27,6 +27,8 @@ THC_BASE_PORT = 50000
 """Worker r's THC UDP port (Mininet): 50000 + r."""
 MASTER_PORT = 29500
 SUBNET = "10.0.0.0/24"
+MAX_TESTBED_WORKERS = min(P.MAX_WORKERS, 250)
+"""Workers a testbed hosts: a job's bitmap, and the hosts of SUBNET beside the aggregator's."""
 AGG_IP, AGG_MAC = "10.0.0.100", "02:00:00:00:00:64"
 """The software aggregator's host."""
 
@@ -99,8 +101,8 @@ class Testbed(AggregatorProcesses):
                  lanes: int | None, pool_size: int | None, loss_bound: float = 0.0):
         if aggregator not in AGGREGATORS:
             raise TestbedError(f"aggregator must be one of {AGGREGATORS}, got {aggregator!r}")
-        if not 1 <= n_workers <= min(P.MAX_WORKERS, 250):
-            raise TestbedError(f"n_workers must lie in 1..{min(P.MAX_WORKERS, 250)}, "
+        if not 1 <= n_workers <= MAX_TESTBED_WORKERS:
+            raise TestbedError(f"n_workers must lie in 1..{MAX_TESTBED_WORKERS}, "
                                f"got {n_workers}")
         self.n_workers = n_workers
         self.aggregator = aggregator

@@ -36,7 +36,7 @@ from thc.codec.params import THCParams
 from thc.wire import protocol as P
 from thc.wire.jobs import loss_bound_arg
 from thc.wire.protocol import MAX_SOFTWARE_LANES
-from thc.emu.base import worker_ip
+from thc.emu.base import MAX_TESTBED_WORKERS, worker_ip
 from thc.emu.mainreport import dlcp_ratios, plot, step_losses, summarize
 from thc.emu.procs import WorkerError
 from thc.emu import testbed
@@ -149,9 +149,8 @@ def check_args(args: argparse.Namespace, modes: list[str]) -> str | None:
     if unknown or not modes:
         return f"{'unknown mode(s) ' + str(unknown) if unknown else '--modes names no mode'}; " \
                f"choose from {list(MODES)}"
-    top = min(P.MAX_WORKERS, 250)
-    if not 1 <= args.workers <= top:
-        return f"--workers {args.workers}: a job takes 1..{top} workers"
+    if not 1 <= args.workers <= MAX_TESTBED_WORKERS:
+        return f"--workers {args.workers}: a job takes 1..{MAX_TESTBED_WORKERS} workers"
     for flag, value in (("--timeout", args.timeout), ("--bmv2-timeout", args.bmv2_timeout)):
         if not 0 < value < float("inf"):
             return f"{flag} {value:g}: give a positive number of seconds"
