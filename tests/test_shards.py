@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -16,7 +17,8 @@ from thc.codec.params import THCParams
 from thc.collective.allreduce import THCAllReduce
 from thc.net import aggregator as agg_cli
 from thc.net.aggregator import Aggregator
-from thc.net.client import AggregationClient, AggregationTimeout, AggregatorRestarted
+from thc.net.client import (AggregationClient, AggregationRefused, AggregationTimeout,
+                            AggregatorRestarted)
 from thc.testing.clusters import free_port_block, local_job
 from thc.wire import protocol as P
 from thc.wire.jobs import Cluster, ConfigError, Job, Shard
@@ -72,8 +74,7 @@ def test_thc_aggregator_cli_refuses_a_sharded_config_without_shard(tmp_path, cap
     args = ns.parse_args(["--config", str(cfg), "--listen", "127.0.0.1:0"])
     assert agg_cli.run(args) == 2
     assert "--shard" in capsys.readouterr().err
-    # at shard 0's address as shard 1: every chunk would drop as wrong_shard, and its workers
-    # time out blaming a silent aggregator
+    # at shard 0's address as shard 1: every chunk sent there would be refused as wrong_shard
     mine, other = job.shards[1], job.shards[0]
     args = ns.parse_args(["--config", str(cfg), "--listen", f"{other.ip}:{other.port}",
                           "--shard", "1"])
@@ -166,6 +167,26 @@ def test_a_restarted_shard_is_named_and_a_silent_one_times_out(datapath):
     finally:
         for a in first + [restarted]:
             a.stop()
+
+
+def test_shard_maps_that_differ_between_workers_and_shards_fail_at_once(datapath):
+    """The shards run with each other's indices (their map differs from the workers'): the
+    first chunk is refused as wrong_shard, naming the shard, long before the deadline."""
+    job = _sharded(local_job(1, 1, free_port_block(1), table=list(range(16))), 2)
+    crossed = [Aggregator([job], shard=1 - i) for i in range(2)]
+    for a, s in zip(crossed, job.shards):
+        a.start(s.ip, s.port)
+    try:
+        with AggregationClient(job, 0, run=3, deadline=30.0) as c:
+            t0 = time.monotonic()
+            with pytest.raises(AggregationRefused, match=r"wrong_shard\): the shard \(shard [01] "
+                                                         r"of 2\) does not own this chunk"):
+                c.aggregate(_chunks(job, [1, 2]))
+            assert time.monotonic() - t0 < 5
+    finally:
+        for a in crossed:
+            a.stop()
+    assert crossed[0].counters()["drops"]["wrong_shard"] >= 1
 
 
 def test_bench_ideal_bytes_per_layout():

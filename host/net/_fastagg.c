@@ -272,7 +272,8 @@ static int process(Datapath *dp, const uint8_t *d, size_t len, uint32_t sip, uin
     if (slot >= pool) return drop(dp, SLOT_OUTSIDE_POOL);
     if (slot != seq % pool || version != ((seq / pool) & 1))
         return refuse(dp, j, WRONG_SLOT, d, 0, sip, sport, out);
-    if (j->n_shards > 1 && seq % j->n_shards != j->shard) return drop(dp, WRONG_SHARD);
+    if (j->n_shards > 1 && seq % j->n_shards != j->shard)
+        return refuse(dp, j, WRONG_SHARD, d, j->n_shards << 16 | j->shard, sip, sport, out);
     if (run != j->job_run) {
         if (j->job_run && !((newer(run, j->job_run) && run - j->job_run <= dp->run_jump) ||
                             now - j->run_seen >= dp->run_idle))

@@ -169,8 +169,8 @@ def choose(datapath: str, jobs, impair: Impairment, gso: bool = True,
 
 def check_shard_address(jobs, shard: int | None, host: str, port: int) -> None:
     """ConfigError unless ``host:port`` is the address every sharded job's map gives shard
-    ``shard``: listening at another shard's address, it would drop every chunk as
-    wrong_shard and its workers would time out blaming a silent aggregator."""
+    ``shard``: listening at another shard's address, it would refuse every chunk sent
+    there as wrong_shard, so no round could complete: better refused at its start."""
     if shard is None:
         return
     try:   # a name as the socket binds it

@@ -73,17 +73,27 @@ class AggregationRefused(RuntimeError):
         "reused_run": "another incarnation of this worker{detail} already sent "
                       "chunks under this run id: restarted workers need a new run id (a "
                       "launcher must set a fresh THC_RUN at every launch and restart)",
+        "wrong_shard": "the shard{detail} does not own this chunk in its own shard map: the "
+                       "workers and the shards were given different shard maps",
     }
     SHOW = {"stale_run": " ({})", "stale": " (seq {})", "wrong_use": " (packet type {})",
             "reused_run": " (nonce {:#010x})"}
 
     def __init__(self, where: str, reason: str, detail: int):
-        shown = self.SHOW.get(reason, "").format(detail) if detail else ""
+        shown = self._shown(reason, detail)
         hint = self.HINTS.get(reason, "").format(detail=shown, jump=P.RUN_JUMP,
                                                  idle=P.RUN_IDLE_S)
         super().__init__(f"{where}: refused by the aggregator ({reason}): {hint}")
         self.reason = reason
         self.detail = detail
+
+    @classmethod
+    def _shown(cls, reason: str, detail: int) -> str:
+        if not detail:
+            return ""
+        if reason == "wrong_shard":
+            return " (shard {} of {})".format(*P.shard_in_detail(detail))
+        return cls.SHOW.get(reason, "").format(detail)
 
 
 class RunFailed(RuntimeError):

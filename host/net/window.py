@@ -161,7 +161,7 @@ def raise_timeout(end: Endpoint, rnd: Round, i: int, bitmap: int | None, silent:
             f"round (the wrong type or size, or sums, counts or bitmaps this job cannot "
             f"make): is it configured with this job (lanes, sum width, workers)?", None)
     if bitmap is None:
-        # a shard drops, unanswered, the chunks its own shard map gives another shard
+        # a shard at another address in the shards' own map never sees the chunk
         hint = (" (down, unreachable, or given another shard map than this worker's)"
                 if job.shards else "")
         raise AggregationTimeout(f"{at}; no answer from {who} at {ip}:{port}{hint}", None)

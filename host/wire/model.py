@@ -150,7 +150,8 @@ class Model:
         if slot != seq & (pool - 1) or version != (seq & pool != 0):  # pool: a power of 2
             return self._refuse("wrong_slot", 0, st, src, datagram)
         if st.n_shards > 1 and seq % st.n_shards != st.shard:
-            return self._drop("wrong_shard")
+            return self._refuse("wrong_shard", P.shard_detail(st.shard, st.n_shards), st, src,
+                                datagram)
         job_run = st.thc_job_run
         if run != job_run:
             if job_run and not ((newer(run, job_run) and (run - job_run) % SEQ_MOD <= P.RUN_JUMP)

@@ -176,6 +176,16 @@ def slot_of(seq: int, pool_size: int) -> tuple[int, int]:
     return seq % pool_size, (seq // pool_size) % 2
 
 
+def shard_detail(shard: int, n_shards: int) -> int:
+    """A ``wrong_shard`` REFUSED's detail: which shard of how many refused (never 0)."""
+    return n_shards << 16 | shard
+
+
+def shard_in_detail(detail: int) -> tuple[int, int]:
+    """(shard, n_shards) of a ``wrong_shard`` REFUSED's detail."""
+    return detail & 0xFFFF, detail >> 16
+
+
 def seq_newer(a: int, b: int) -> bool:
     """RFC 1982 serial-number order on 32 bits: is ``a`` newer than ``b``?"""
     d = (a - b) % SEQ_MOD

@@ -141,9 +141,10 @@ def test_a_reinstalled_job_knows_no_run(harness):
     assert_round(harness, job, 0, again, run=5)
 
 
-def test_a_chunk_sent_to_the_wrong_shard_is_dropped_counted_and_harmless(harness):
+def test_a_chunk_sent_to_the_wrong_shard_is_refused_counted_and_harmless(harness):
     """A shard aggregates only the chunks it owns (``seq mod n_shards``): another shard's
-    chunk, even one of a newer run, is a counted drop that changes no sum and no run."""
+    chunk, even one of a newer run, is refused (naming the shard, so shard maps that differ
+    between workers and shards fail at once) and changes no sum and no run."""
     if not hasattr(harness, "send_to_shard"):
         pytest.skip(f"the {harness.name} aggregator is not sharded")
     rng = np.random.default_rng(31)
@@ -153,10 +154,12 @@ def test_a_chunk_sent_to_the_wrong_shard_is_dropped_counted_and_harmless(harness
     wrong = [indices(rng, job) for _ in range(2)]
     ep0 = harness.endpoint(job, 0)
     before = harness.drops()
-    # seq 1 belongs to shard 1: shard 0 must drop it, whatever its run.
+    # seq 1 belongs to shard 1: shard 0 must refuse it, whatever its run.
+    detail = P.shard_detail(0, job.n_shards)
     harness.send_to_shard(ep0, data(job, 0, 1, wrong[0]), 0)
+    assert_refused(ep0.recv_all(), job, "wrong_shard", detail, 1, 0)
     harness.send_to_shard(ep0, data(job, 0, 1, wrong[0], run=RUN + 7), 0)
-    assert ep0.recv_all() == []
+    assert_refused(ep0.recv_all(), job, "wrong_shard", detail, 1, 0, run=RUN + 7)
     settle(harness)
     assert drops_delta(before, harness.drops()) == {"wrong_shard": 2}
     # Both shards still aggregate the run exactly (shard 0 did not take RUN + 7).
