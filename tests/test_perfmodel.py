@@ -40,8 +40,23 @@ def test_break_even_separates_the_two_regimes():
 def test_marsit_moves_a_bit_per_coordinate():
     s = Setup(params=8e6, workers=4, bandwidth_gbps=1.0, latency_us=0.0, compute_s=0.0)
     t = iteration_s(s)
-    assert t["marsit_ring"] == pytest.approx(ring_allreduce_s(1e6, s))
-    assert t["fp32_ring"] == pytest.approx(32 * t["marsit_ring"])
+    # the sign bits, and the agreement's four tag lanes and mark lane (float32)
+    assert t["marsit_ring"] == pytest.approx(ring_allreduce_s(1e6 + 20, s))
+    assert t["fp32_ring"] == pytest.approx(32 * t["marsit_ring"], rel=1e-4)
+
+
+def test_each_agreement_all_reduce_pays_its_messages():
+    """One more small all-reduce a bucket: THC over Gloo (every round), TopK and Marsit
+    (every call); THC over NCCL agrees at a bucket's first size only."""
+    s = Setup(params=1e5, workers=4, bandwidth_gbps=1e6, latency_us=1000.0, compute_s=0.0,
+              buckets=2, codec_mbps=float("inf"))
+    t = iteration_s(s)
+    hop = 2 * s.alpha * (s.workers - 1) * s.buckets   # one ring all-reduce's messages
+    assert t["thc_allreduce"] == pytest.approx(3 * hop, rel=1e-6)
+    assert t["marsit_ring"] == pytest.approx(3 * hop, rel=1e-6)
+    assert t["topk_allgather"] == pytest.approx(2 * hop, rel=1e-6)
+    nccl = iteration_s(Setup(**{**s.__dict__, "agree_each_round": False}))
+    assert nccl["thc_allreduce"] == pytest.approx(2 * hop, rel=1e-6)
 
 
 def test_fp16_moves_two_bytes_a_coordinate_and_pays_its_cast():
@@ -60,14 +75,16 @@ def test_calibration_fits_figures_computed_by_hand():
     """A report whose step times are worked out here from the ring formula (not by the
     model): 200k parameters (one DDP bucket), 4 workers, 100 Mbit/s at efficiency 0.8
     (10 MB/s), alpha 5 ms, 10 ms of compute. FP32: 2a(p-1) + 2 x 4P (p-1) / (p BW) =
-    30 + 120 ms; Marsit's ring: two collectives, 60 ms + 2 x P/8 x 3 / 4 / BW = 63.75 ms;
-    THC over Gloo: two collectives of 8-bit sums (4 x 30 <= 255), 60 + 30 ms, plus its
-    measured codec seconds. The fit must find alpha and efficiency, and the predictions
+    30 + 120 ms; Marsit's ring: three collectives (its agreement, scales and signs), 90 ms +
+    2 x (P/8 + 20) x 3 / 4 / BW = 93.753 ms; THC over Gloo: three collectives (its
+    agreement, norms, 8-bit sums as 4 x 30 <= 255), 90 + 2 x (P + 16) x 3 / 4 / BW =
+    120.0024 ms, plus its measured codec seconds. The fit must find alpha and efficiency, and the predictions
     must be these figures."""
     from thc.app.perfmodel import FIT_MODES, calibrate, fit
 
     params, steps, compute, codec = 200_000, 100, 0.01, 0.02
-    hand = {"fp32": 0.030 + 0.120, "marsit": 0.060 + 0.00375, "thc-dist": 0.060 + 0.030 + codec}
+    hand = {"fp32": 0.030 + 0.120, "marsit": 0.090 + 0.003753,
+            "thc-dist": 0.090 + 0.0300024 + codec}
     measured = {**hand, "thc-dist": 0.125}
 
     def run(mode, codec_s=None):
@@ -118,7 +135,9 @@ def test_vote_moves_a_bit_up_and_an_8_bit_count_down():
     per_packet = 14 + 20 + 8 + 28
     assert up == pytest.approx(1000 * (per_packet + 256))
     assert down == pytest.approx(1000 * (per_packet + 2048))
-    assert iteration_s(s)["marsit_vote"] == pytest.approx(down / s.bw)
+    # plus the agreement (20 bytes) and the scales' all-reduce (no bytes modelled)
+    assert iteration_s(s)["marsit_vote"] == pytest.approx(down / s.bw
+                                                          + ring_allreduce_s(20, s, 2))
 
 
 def test_software_aggregator_rate_and_its_link_bound_a_round():

@@ -7,15 +7,18 @@ bucket (``buckets``: DDP's 1 MB first bucket, then 25 MB ones). Schemes:
 
 - FP32: one ring all-reduce of 4 bytes a coordinate.
 - FP16: the same of 2 bytes a coordinate, plus the cast to half and back (``fp16_mbps``).
-- THC over all-reduce: a MAX all-reduce of the norms and one of the sums (sum_bits/8 bytes).
+- THC over all-reduce: a MAX all-reduce of the norms and one of the sums (sum_bits/8 bytes),
+  after the round's agreement (a small MAX all-reduce of its tags) on Gloo.
 - THC through a switch or the software aggregator: each worker streams its chunks once and
   receives the sums once, full duplex; the round takes the slowest of the worker's link, the
   aggregator's link (p x the bytes, ``agg_bw_factor`` x BW), its packet rate (``agg_pps``)
   and the client's window (``window`` chunks a round trip of 2 alpha), plus the MAX round.
-- Marsit's ring: an all-reduce of the scales and 2(p-1) hops of d/8 bytes.
-- Marsit's vote: the scales' all-reduce, then d/8 bytes of signs up and d 8-bit counts down
+- Marsit's ring: the agreement, an all-reduce of the scales and 2(p-1) hops of d/8 bytes.
+- Marsit's vote: the agreement and the scales' all-reduce, then d/8 bytes of signs up and d
+  8-bit counts down
   through the aggregator, as THC's chunks.
-- TopK: two all-gathers (values and indices, 4 bytes each) of k = ratio x d per worker.
+- TopK: the agreement, then two all-gathers (values and indices, 4 bytes each) of
+  k = ratio x d per worker.
 - DLCP: under a packet loss rate q, retransmitting everything sends 1/(1-q) of the bytes
   and waits a retransmission timeout for the round's last lost chunk; a loss bound b >= q
   closes the round without either (a bound below q still resends q - b of the chunks).
@@ -41,6 +44,7 @@ import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from thc.collective.agreement import TAG_LANES
 from thc.wire import protocol as P
 
 FIRST_BUCKET_BYTES = 1 << 20
@@ -88,6 +92,9 @@ class Setup:
     """DLCP's bound: the fraction of a round's chunks it may finish without."""
     rto_s: float = 0.02
     """Retransmission timeout (the client's initial one)."""
+    agree_each_round: bool = True
+    """THC over all-reduce agrees on its round's tags before every round, as on Gloo
+    (``DistTransport.agree_each_round``); False: at a bucket's first size only (NCCL)."""
 
     @property
     def sum_bits(self) -> int:
@@ -101,6 +108,11 @@ class Setup:
     @property
     def alpha(self) -> float:
         return self.latency_us * 1e-6
+
+
+AGREE_BYTES, TOGETHER_BYTES = 4 * TAG_LANES, 4 * (TAG_LANES + 1)
+"""One agreement all-reduce (thc.collective.agreement, float32 lanes): THC's tag lanes
+(``agree``); TopK's and Marsit's tag lanes and a mark lane (``together``)."""
 
 
 def ring_allreduce_s(nbytes: float, s: Setup, collectives: int = 1) -> float:
@@ -162,6 +174,8 @@ def iteration_s(s: Setup) -> dict[str, float]:
     vup, vdown = vote_wire_bytes(s)
     vote = aggregator_s(vup, vdown, s.params / (s.lanes // 8 * 8), s)
     k = s.topk_ratio * s.params
+    agree = TOGETHER_BYTES * s.buckets   # TopK's and Marsit's agreement before each call
+    thc_agree = AGREE_BYTES * s.buckets if s.agree_each_round else 0
     return {
         "fp32_ring": max(compute, ring_allreduce_s(4 * s.params, s)),
         "fp16_ring": max(compute, ring_allreduce_s(2 * s.params, s))
@@ -169,11 +183,12 @@ def iteration_s(s: Setup) -> dict[str, float]:
         "thc_switch": max(compute, max_round + lossy_s(thc_agg, packets, s, 0.0)) + codec,
         "thc_switch_dlcp": max(compute, max_round + lossy_s(thc_agg, packets, s, s.loss_bound))
         + codec,
-        "thc_allreduce": max(compute, ring_allreduce_s(s.params * s.sum_bits / 8, s, 2)) + codec,
-        "marsit_ring": max(compute, ring_allreduce_s(s.params / 8, s, 2)),
-        "marsit_vote": max(compute, ring_allreduce_s(0, s) + vote),
-        "topk_allgather": max(compute, 2 * s.alpha * (p - 1) * s.buckets
-                              + (p - 1) * k * 8 / s.bw),
+        "thc_allreduce": max(compute, ring_allreduce_s(
+            s.params * s.sum_bits / 8 + thc_agree, s, 3 if thc_agree else 2)) + codec,
+        "marsit_ring": max(compute, ring_allreduce_s(s.params / 8 + agree, s, 3)),
+        "marsit_vote": max(compute, ring_allreduce_s(agree, s, 2) + vote),
+        "topk_allgather": max(compute, ring_allreduce_s(agree, s) + 2 * s.alpha * (p - 1)
+                              * s.buckets + (p - 1) * k * 8 / s.bw),
     }
 
 
