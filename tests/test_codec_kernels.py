@@ -214,6 +214,32 @@ def test_kernels_refuse_nan_and_inf():
             thc.prepare(y, p, 0, backend="triton")
 
 
+@kernels
+@pytest.mark.parametrize("scale", [1e-25, 1e20])
+def test_kernel_norms_take_what_the_reference_takes(scale):
+    """Squares of 1e-25 underflow float32 and those of 1e20 overflow it, where their norms do
+    not: the kernels' pass 1 (and its short tail of 100, the reference path) sums squares in
+    float64 as the reference does, so the norms agree and the slices encode. A slice whose
+    norm is beyond float32 is refused alike, naming it."""
+    p = THCParams(slice_size=256)
+    x = torch.randn(612, generator=torch.Generator().manual_seed(5)).to(DEV) * scale
+    want = thc.slice_norms(x.cpu(), p)
+    assert bool((want > 0).all()) and bool(want.isfinite().all())
+    prep = thc.prepare(x, p, 2, backend="triton")
+    torch.testing.assert_close(prep.norms.cpu(), want, rtol=1e-6, atol=0)
+    idx = thc.encode_prepared(prep, want.to(DEV), p, 7, pack=False)
+    est = thc.decode_indices(idx, want.to(DEV), 612, p, 2, backend="triton").cpu()
+    assert nmse(x.cpu(), est) < 0.1
+    for at in (300, 600):   # a slice of the kernels, the short tail
+        y = x.clone()
+        y[at - 50: at] = 1e38   # each square overflows float32, so does the norm
+        with pytest.raises(ValueError, match=f"overflows float32 in its norm\\) in slice "
+                                             f"{at // 256}"):
+            thc.prepare(y, p, 2, backend="triton")
+        with pytest.raises(ValueError, match="overflows float32 in its norm"):
+            thc.slice_norms(y.cpu(), p)
+
+
 @pytest.mark.parametrize("tiny", [1e-39, 1.1754944e-38, 1e-45])
 def test_a_slice_below_float32s_reach_encodes_as_zeros_on_every_backend(tiny):
     """Its scale g / (2 t M) overflows float32: the CPU backends refused the input as NaN or

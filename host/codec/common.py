@@ -169,20 +169,32 @@ def status_word(device):
 
 def flag(word, bad, which: int, value) -> None:
     """Flag ``which`` (one of the BAD_ flags) into ``word`` where the device boolean ``bad``
-    holds, with ``value`` in the flag's word, without waiting for the device."""
+    holds, with ``value`` (an int, or an int tensor on the device) in the flag's word,
+    without waiting for the device."""
     import torch
     slot = {BAD_INPUT: 1, BAD_NORMS: 2, BAD_INDEX: 3}[which]
     b = bad.to(torch.int32)
     word[0:1].bitwise_or_(b * which)
-    torch.maximum(word[slot: slot + 1], b * int(value), out=word[slot: slot + 1])
+    value = value.to(torch.int32) if isinstance(value, torch.Tensor) else int(value)
+    torch.maximum(word[slot: slot + 1], b * value, out=word[slot: slot + 1])
+
+
+def wide_norms(norms, word, first: int):
+    """float32 slice norms of the float64 ones of a group of slices (a tensor) whose first
+    is ``first``; one that is not finite or beyond float32 flagged as bad input, without a
+    wait."""
+    import torch
+    bad = ~(norms < NORM_MARK)
+    flag(word, bad.any(), BAD_INPUT, first + 1 + bad.to(torch.int32).argmax())
+    return norms.float()
 
 
 def raise_status(values, params: THCParams, max_norms=None) -> None:
     """Raise the error a status word's ``values`` (a list of four ints) name, if any."""
     flags = values[0]
     if flags & BAD_INPUT:
-        raise ValueError(f"input contains NaN or Inf (or values whose squares overflow "
-                         f"float32) in slice {values[1] - 1}")
+        raise ValueError(f"input contains NaN or Inf (or overflows float32 in its norm) in "
+                         f"slice {values[1] - 1}")
     if flags & BAD_NORMS:
         got = f", got {max_norms.detach().cpu().numpy()}" if max_norms is not None else ""
         raise ValueError(f"max norms must be finite and >= 0 (slice {values[2] - 1}'s is "

@@ -15,9 +15,9 @@ from __future__ import annotations
 import numpy as np
 
 from thc.codec import reference, rng
-from thc.codec.common import (BAD_INPUT, WHOLE, Prepared, check_generator, check_indices,
-                               encode_coef, flag, norm_array, raise_status, rounding_key,
-                               same_place, status_word, view)
+from thc.codec.common import (WHOLE, Prepared, check_generator, check_indices, encode_coef,
+                               norm_array, raise_status, rounding_key, same_place, status_word,
+                               view, wide_norms)
 from thc.codec.hadamard import is_torch
 from thc.codec.packing import pack_bits
 from thc.codec.params import THCParams
@@ -75,8 +75,8 @@ def prepare(kern, flat, params: THCParams, lay, round: int, backend: str,
         if kern.supports(grp.padded):
             scratch[grp.first], nrm = kern.encode_rows(flat, grp, params.seed, round, word)
         else:
-            nrm = torch.linalg.vector_norm(view(flat, grp), dim=1, dtype=torch.float32)
-            flag(word, ~torch.isfinite(nrm).all(), BAD_INPUT, grp.first + 1)
+            nrm = wide_norms(torch.linalg.vector_norm(view(flat, grp), dim=1,
+                                                      dtype=torch.float64), word, grp.first)
         parts.append(nrm)
     norms = (parts[0] if len(parts) == 1 else torch.cat(parts)) if parts else \
         flat.new_zeros(0, dtype=torch.float32)

@@ -37,8 +37,8 @@ import triton
 import triton.language as tl
 
 from thc.codec import rng
-from thc.codec.common import BAD_INDEX, BAD_INPUT, BAD_NORMS, INDEX_CAP
-from thc.codec.triton_onchip import (MARK, block, flag, had_first, had_last, norm_bad,
+from thc.codec.common import BAD_INDEX, BAD_INPUT, BAD_NORMS, INDEX_CAP, wide_norms
+from thc.codec.triton_onchip import (block, flag, had_first, had_last, norm_bad,
                                      program_key, round_prefix, signed)
 
 MIN_LOG, MAX_LOG = 8, 24
@@ -105,20 +105,22 @@ def _encode_rows(X, TMP, PART, STATUS, prefix, ROUND, first, length, d,
     rows = tl.program_id(1) * (BM * TILES) + tl.arange(0, BM)
     i = rows[:, None] * C + tl.arange(0, C)[None, :]
     x = tl.load(src + i, mask=i < length, other=0.0)
-    acc = tl.zeros((BM,), tl.float32)
+    acc = tl.zeros((BM,), tl.float64)
     for t in tl.static_range(TILES):
         if t + 1 < TILES:
             ahead = tl.load(src + i + BM * C, mask=i + BM * C < length, other=0.0)
         x = x.to(tl.float32)
-        acc += tl.sum(x * x, 1)
+        wide = x.to(tl.float64)
+        acc += tl.sum(wide * wide, 1)
         tl.store(dst + i, had_last(signed(x, rows, 0, k0, k1, BM, C, C), BM, C, C1, PREC,
                                     FORM))
         if t + 1 < TILES:
             x, rows, i = ahead, rows + BM, i + BM * C
     ssq = tl.sum(acc, 0)
-    # the norm of this program's part: the slice's norm is their norm, one reduction after
-    tl.store(PART + s * tl.num_programs(1) + tl.program_id(1), tl.sqrt_rn(ssq))
-    flag(STATUS, (ssq != ssq) | (ssq > MARK), _INPUT, 1, first + s + 1)
+    # this program's part of the slice's sum of squares (float64: finite float32 squares
+    # neither overflow nor underflow it), added up after; inf - inf and NaN are not 0
+    tl.store(PART + s * tl.num_programs(1) + tl.program_id(1), ssq)
+    flag(STATUS, (ssq - ssq) != 0.0, _INPUT, 1, first + s + 1)
 
 
 @triton.jit
@@ -252,17 +254,18 @@ def _luts(table: tuple[int, ...], device):
 def encode_rows(flat, grp, seed: int, round_: int, st):
     """Encode pass 1 of one group of equal slices of ``flat`` (contiguous; float32, float16
     or bfloat16): the signed, row-transformed scratch and the slices' L2 norms (from the same
-    read of x); a NaN or Inf is flagged in ``st``."""
+    read of x, float64 sums of squares as the reference's); a NaN or Inf, or a norm beyond
+    float32, is flagged in ``st``."""
     sh, dev, d = _Shape(grp.padded), flat.device, grp.padded
     x = flat[grp.start: grp.start + grp.count * grp.length]
     tmp = torch.empty(grp.count * d, dtype=torch.float32, device=dev)
     rt = sh.tiles(grp.count)
-    part = torch.empty((grp.count, sh.R // sh.BM // rt), dtype=torch.float32, device=dev)
+    part = torch.empty((grp.count, sh.R // sh.BM // rt), dtype=torch.float64, device=dev)
     pfx, rnd, on_dev = _prefix(seed, round_, rng.SIGN_STREAM, st)
     _encode_rows[part.shape](x, tmp, part, st, pfx, rnd, grp.first, grp.length, d, C=sh.C,
                              C1=sh.C1, BM=sh.BM, PREC=PRECISION, FORM=FORM, DEV_ROUND=on_dev,
                              TILES=rt, num_warps=NUM_WARPS)
-    return tmp, torch.linalg.vector_norm(part, dim=1)
+    return tmp, wide_norms(part.sum(dim=1).sqrt(), st, grp.first)
 
 
 def encode_cols(tmp, grp, max_norms, params, round_: int, uniform_seed: int, out, pack: bool,
