@@ -11,12 +11,12 @@ import torch.distributed as dist
 import torch.multiprocessing as tmp
 
 from thc.codec.params import THCParams
-from thc.codec.thc import THCCodec, aggregate, decode
+from thc.codec.thc import THCCodec, aggregate, decode, table_values
 from thc.collective.allreduce import THCAllReduce
 from thc.net.aggregator import Aggregator
 from thc.net.client import AggregationClient, AggregationTimeout
 from thc.testing.clusters import free_port_block, local_job
-from tests.test_graphed import gloo_pair
+from tests.test_graphed import gloo_pair, join_gloo
 
 PARAMS = THCParams(seed=7)
 
@@ -408,6 +408,41 @@ def test_torch_distributed_transport_gloo():
     # lanes) and the size agreement (four tag lanes), float32
     ring = [2 * (world - 1) * nbytes // world for nbytes in (32768, 5 * 4, 4 * 4)]
     assert res[0][1] == sum(ring) == 43737
+
+
+WIDE = THCParams(granularity=150, slice_size=256)
+"""Two workers' sums reach 300: 16-bit sums, which Gloo cannot all-reduce as int16."""
+
+
+def _wide_sums_worker(rank, port, q):
+    join_gloo(rank, port)
+    from thc.collective.transports import DistTransport
+    idx = [torch.randint(0, WIDE.levels, (1001,), dtype=torch.uint8,
+                         generator=torch.Generator().manual_seed(r)) for r in range(2)]
+    t = DistTransport()
+    sums, _ = t.sum(idx[rank], idx[rank].numel(), WIDE)
+    want = sum(table_values(i, WIDE).long() for i in idx)
+    x = torch.randn(3000, generator=torch.Generator().manual_seed(rank))
+    est = THCAllReduce.through_torch_distributed(
+        params=WIDE, generator=torch.Generator().manual_seed(rank))(x)
+    q.put((rank, (sums.dtype, torch.equal(sums.long(), want), int(want.max()), t.bytes_sent,
+                  est.numpy())))
+    dist.destroy_process_group()
+
+
+def test_sums_wider_than_a_byte_cross_gloo_exactly():
+    """n g = 300 > 255: the sums are 16-bit, two lanes an int32 word on the wire (1002 lanes,
+    2004 bytes, all of which a two-worker ring sends: 2 (p-1)/p); before, every round failed
+    with Gloo's "Invalid scalar type" and left the group unusable."""
+    res = gloo_pair(_wide_sums_worker)
+    for rank in range(2):
+        dtype, exact, top, sent, _ = res[rank]
+        assert dtype == torch.int16 and exact and top > 255
+        assert sent == 1002 * 2
+    np.testing.assert_array_equal(res[0][4], res[1][4])
+    xs = [torch.randn(3000, generator=torch.Generator().manual_seed(r)) for r in range(2)]
+    mean = (xs[0] + xs[1]) / 2
+    assert float(((torch.from_numpy(res[0][4]) - mean) ** 2).sum() / (mean ** 2).sum()) < 0.05
 
 
 def test_pipelined_path_matches_accuracy_and_agrees_across_workers():

@@ -231,7 +231,8 @@ def torch_table(params: THCParams, device):
 
 def wire_sum_dtype(n_workers: int, params: THCParams):
     """The narrowest torch integer type that holds the sum of ``n_workers``' table values:
-    what a torch.distributed all-reduce of them carries."""
+    what a torch.distributed all-reduce of them carries (int16 as two lanes an int32 word,
+    thc.collective.transports.paired)."""
     import torch
     top = int(n_workers) * params.granularity
     return torch.uint8 if top <= 255 else torch.int16 if top < 1 << 15 else torch.int32

@@ -32,6 +32,18 @@ def ring_bytes(t: torch.Tensor, world: int) -> int:
     return 2 * (world - 1) * t.numel() * t.element_size() // world
 
 
+def paired(vals: torch.Tensor) -> torch.Tensor:
+    """What carries 16-bit sums through an all-reduce: neither Gloo nor NCCL sums int16, so
+    two lanes ride in each int32 word (a zero lane pads an odd count). Exact: every lane's
+    sum is below 2^15 (``wire_sum_dtype``), so none carries into its neighbour or the sign.
+    Other types go as they are."""
+    if vals.dtype != torch.int16:
+        return vals
+    if vals.numel() % 2:
+        vals = torch.cat([vals, vals.new_zeros(1)])
+    return vals.contiguous().view(torch.int32)
+
+
 @dataclass
 class Short:
     """Per lane of a round that closed short: workers counted, and whether this one was."""
@@ -172,6 +184,7 @@ class DistTransport:
         # the codec's own indices: in the table by construction
         vals = table_values(indices, params, checked=False).to(
             wire_sum_dtype(self.n_workers, params))
-        self.bytes_sent += ring_bytes(vals, self.n_workers)
-        self.dist.all_reduce(vals, group=self.group)
-        return vals, None
+        words = paired(vals)
+        self.bytes_sent += ring_bytes(words, self.n_workers)
+        self.dist.all_reduce(words, group=self.group)
+        return (vals if words is vals else words.view(torch.int16)[: vals.numel()]), None
