@@ -232,11 +232,10 @@ def test_kernel_norms_take_what_the_reference_takes(scale):
     assert nmse(x.cpu(), est) < 0.1
     for at in (300, 600):   # a slice of the kernels, the short tail
         y = x.clone()
-        y[at - 50: at] = 1e38   # each square overflows float32, so does the norm
-        with pytest.raises(ValueError, match=f"overflows float32 in its norm\\) in slice "
-                                             f"{at // 256}"):
+        y[at - 40: at] = 1e38   # each square overflows float32, so does the norm
+        with pytest.raises(ValueError, match=f"slice norm beyond .*, in slice {at // 256}"):
             thc.prepare(y, p, 2, backend="triton")
-        with pytest.raises(ValueError, match="overflows float32 in its norm"):
+        with pytest.raises(ValueError, match="slice norm beyond"):
             thc.slice_norms(y.cpu(), p)
 
 

@@ -179,22 +179,33 @@ def flag(word, bad, which: int, value) -> None:
     torch.maximum(word[slot: slot + 1], b * value, out=word[slot: slot + 1])
 
 
-def wide_norms(norms, word, first: int):
+def norm_limit(params: THCParams) -> float:
+    """The largest slice norm THC takes: an estimate reaches t_p times its max norm, and the
+    error-feedback residual (input minus estimate) one max norm more, both in float32."""
+    return NORM_MARK / (1.01 * (1.0 + params.t_p))
+
+
+BAD_INPUT_TEXT = "input contains NaN or Inf (or a slice norm beyond {limit:.3g})"
+"""What a refused input holds (a norm beyond :func:`norm_limit`: its estimate or residual
+could overflow float32; with error feedback, the input plus the residual)."""
+
+
+def wide_norms(norms, word, first: int, params: THCParams):
     """float32 slice norms of the float64 ones of a group of slices (a tensor) whose first
-    is ``first``; one that is not finite or beyond float32 flagged as bad input, without a
-    wait."""
+    is ``first``, without a wait: one that is not finite or beyond :func:`norm_limit` is
+    flagged as bad input and sent as the mark, so every worker refuses the round."""
     import torch
-    bad = ~(norms < NORM_MARK)
+    bad = ~(norms < norm_limit(params))
     flag(word, bad.any(), BAD_INPUT, first + 1 + bad.to(torch.int32).argmax())
-    return norms.float()
+    return torch.where(bad, NORM_MARK, norms).float()
 
 
 def raise_status(values, params: THCParams, max_norms=None) -> None:
     """Raise the error a status word's ``values`` (a list of four ints) name, if any."""
     flags = values[0]
     if flags & BAD_INPUT:
-        raise ValueError(f"input contains NaN or Inf (or overflows float32 in its norm) in "
-                         f"slice {values[1] - 1}")
+        raise ValueError(BAD_INPUT_TEXT.format(limit=norm_limit(params))
+                         + f", in slice {values[1] - 1}")
     if flags & BAD_NORMS:
         got = f", got {max_norms.detach().cpu().numpy()}" if max_norms is not None else ""
         raise ValueError(f"max norms must be finite and >= 0 (slice {values[2] - 1}'s is "
@@ -247,9 +258,12 @@ def accumulator_dtype(n_workers: int, params: THCParams, torch_backend: bool = F
     return np.uint16 if top <= 0xFFFF else np.int64
 
 
-def check_norms_finite(norms) -> None:
-    if not (bool(norms.isfinite().all()) if is_torch(norms) else np.all(np.isfinite(norms))):
-        raise ValueError("input contains NaN or Inf (or overflows float32 in its norm)")
+def check_norms(norms, params: THCParams) -> None:
+    """Raise unless every slice norm (float32) is finite and within :func:`norm_limit`."""
+    limit = norm_limit(params)
+    ok = bool((norms < limit).all()) if is_torch(norms) else bool(np.all(norms < limit))
+    if not ok:
+        raise ValueError(BAD_INPUT_TEXT.format(limit=limit))
 
 
 @dataclass

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from thc.codec import fastcodec, reference
-from thc.codec.common import Prepared, check_norms_finite, encode_coef, norm_array, \
+from thc.codec.common import Prepared, check_norms, encode_coef, norm_array, \
     rounding_key
 from thc.codec.hadamard import is_torch
 from thc.codec.packing import pack_bits
@@ -21,7 +21,7 @@ def norms(flat, params: THCParams, lay):
         return reference.norms(flat, params, lay)
     out = np.sqrt(fastcodec.sumsq(np.ascontiguousarray(flat), params.slice_size)) \
         .astype(np.float32)
-    check_norms_finite(out)
+    check_norms(out, params)
     return out
 
 

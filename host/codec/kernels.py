@@ -75,8 +75,8 @@ def prepare(kern, flat, params: THCParams, lay, round: int, backend: str,
         if kern.supports(grp.padded):
             scratch[grp.first], nrm = kern.encode_rows(flat, grp, params.seed, round, word)
         else:
-            nrm = wide_norms(torch.linalg.vector_norm(view(flat, grp), dim=1,
-                                                      dtype=torch.float64), word, grp.first)
+            nrm = torch.linalg.vector_norm(view(flat, grp), dim=1, dtype=torch.float64)
+        nrm = wide_norms(nrm, word, grp.first, params)
         parts.append(nrm)
     norms = (parts[0] if len(parts) == 1 else torch.cat(parts)) if parts else \
         flat.new_zeros(0, dtype=torch.float32)

@@ -9,7 +9,7 @@ import numpy as np
 
 from thc.codec import rng
 from thc.codec.common import (GROUP_ELEMENTS, WHOLE, Prepared, check_finite, check_generator,
-                               check_norms_finite, encode_coef, norm_array, view)
+                               check_norms, encode_coef, norm_array, view)
 from thc.codec.hadamard import fwht, is_torch, random_signs
 from thc.codec.packing import pack_bits
 from thc.codec.params import THCParams
@@ -42,14 +42,14 @@ def norms(flat, params: THCParams, lay):
         parts = [torch.linalg.vector_norm(view(flat, grp), dim=1, dtype=torch.float64).float()
                  for grp in lay.groups(batch)]
         out = torch.cat(parts) if parts else flat.new_zeros(0)
-        check_norms_finite(out)
+        check_norms(out, params)
         return out
     parts = []
     for grp in lay.groups(GROUP_ELEMENTS):
         r = view(flat, grp)
         parts.append(np.sqrt(np.einsum("ij,ij->i", r, r, dtype=np.float64)))
     out = np.concatenate(parts).astype(np.float32) if parts else np.zeros(0, np.float32)
-    check_norms_finite(out)
+    check_norms(out, params)
     return out
 
 

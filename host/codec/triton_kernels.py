@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 
 from thc.codec import rng
-from thc.codec.common import BAD_INDEX, BAD_INPUT, BAD_NORMS, INDEX_CAP, wide_norms
+from thc.codec.common import BAD_INDEX, BAD_INPUT, BAD_NORMS, INDEX_CAP
 from thc.codec.triton_onchip import (block, flag, had_first, had_last, norm_bad,
                                      program_key, round_prefix, signed)
 
@@ -253,9 +253,8 @@ def _luts(table: tuple[int, ...], device):
 
 def encode_rows(flat, grp, seed: int, round_: int, st):
     """Encode pass 1 of one group of equal slices of ``flat`` (contiguous; float32, float16
-    or bfloat16): the signed, row-transformed scratch and the slices' L2 norms (from the same
-    read of x, float64 sums of squares as the reference's); a NaN or Inf, or a norm beyond
-    float32, is flagged in ``st``."""
+    or bfloat16): the signed, row-transformed scratch and the slices' L2 norms (float64, from
+    the same read of x, as the reference's); a NaN or Inf is flagged in ``st``."""
     sh, dev, d = _Shape(grp.padded), flat.device, grp.padded
     x = flat[grp.start: grp.start + grp.count * grp.length]
     tmp = torch.empty(grp.count * d, dtype=torch.float32, device=dev)
@@ -265,7 +264,7 @@ def encode_rows(flat, grp, seed: int, round_: int, st):
     _encode_rows[part.shape](x, tmp, part, st, pfx, rnd, grp.first, grp.length, d, C=sh.C,
                              C1=sh.C1, BM=sh.BM, PREC=PRECISION, FORM=FORM, DEV_ROUND=on_dev,
                              TILES=rt, num_warps=NUM_WARPS)
-    return tmp, wide_norms(part.sum(dim=1).sqrt(), st, grp.first)
+    return tmp, part.sum(dim=1).sqrt()
 
 
 def encode_cols(tmp, grp, max_norms, params, round_: int, uniform_seed: int, out, pack: bool,

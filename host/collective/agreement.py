@@ -23,7 +23,7 @@ import zlib
 import torch
 import torch.distributed as dist
 
-from thc.codec.common import NORM_MARK
+from thc.codec.common import BAD_INPUT_TEXT, NORM_MARK, norm_limit
 from thc.collective.transports import ring_bytes
 
 ROUND_SPAN = 1 << 20
@@ -172,13 +172,12 @@ def first_marked(values: torch.Tensor) -> int | None:
     return int(hit[0]) if hit.numel() else None
 
 
-def refuse_marked(norms: torch.Tensor, max_norms: torch.Tensor) -> None:
+def refuse_marked(norms: torch.Tensor, max_norms: torch.Tensor, params) -> None:
     """Raise, on the host, if this worker's or any worker's slice is marked: this worker's
     own input first."""
     own = first_marked(norms)
     if own is not None:
-        raise ValueError(f"input contains NaN or Inf (or values whose squares overflow "
-                         f"float32) in slice {own}")
+        raise ValueError(BAD_INPUT_TEXT.format(limit=norm_limit(params)) + f", in slice {own}")
     other = first_marked(max_norms)
     if other is not None:
         raise ValueError(f"slice {other}'s max norm is the mark of a worker whose input holds "

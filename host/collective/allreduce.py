@@ -226,7 +226,7 @@ class THCAllReduce:
         if not whole:
             if agreement.refused(max_norms, tags):
                 self._open = False   # every worker refuses here: no sum is pending
-                agreement.refuse_marked(norms, max_norms)
+                agreement.refuse_marked(norms, max_norms, self.params)
                 agreement.check_rounds(tags)
             self.codec.check()
         return y, preps, max_norms, tags
