@@ -88,6 +88,19 @@ def test_bits_per_coord():
     assert FP16().bits_per_coord(d) == 16
 
 
+@pytest.mark.parametrize("s", [127, 255, 1000])
+@pytest.mark.parametrize("top", [1.0, 1e-38])
+def test_qsgd_keeps_every_level_and_tiny_scales(s, top):
+    """Levels above 127 wrapped in int8 (s = 255 decoded 1.0 as -0.004), and a scale below
+    s / float32's largest rounded every coordinate to the top level: each level in
+    [-s, s] and the quantization step are exact, so a coordinate decodes within one step."""
+    x = torch.tensor([1.0, -1.0, 0.6, 0.25, 0.0]) * top
+    scheme = QSGD(s)
+    est = scheme.decompress(scheme.compress(x, generator=torch.Generator().manual_seed(0)))
+    assert float((est - x).abs().max()) <= top / s * 1.0001
+    assert float(est[0]) == pytest.approx(top) and float(est[1]) == pytest.approx(-top)
+
+
 @pytest.mark.parametrize("scheme", [QSGD(7), TernGrad(), THC(p=1e-9)])
 def test_unbiased_schemes_average_out(scheme):
     """The mean of K independent compressions converges like 1/K in MSE."""

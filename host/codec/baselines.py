@@ -253,9 +253,11 @@ class QSGD(Scheme):
     def _compress(self, flat, gen) -> Payload:
         torch = _torch()
         scale = flat.abs().amax() if flat.numel() else flat.new_zeros(())
-        r = flat.abs() * (self.s / scale) if float(scale) > 0 else torch.zeros_like(flat)
+        # |x| / scale first: s / scale overflows float32 for a scale below s / its largest
+        r = flat.abs() / scale * self.s if float(scale) > 0 else torch.zeros_like(flat)
         lvl = torch.floor(r + torch.rand(r.shape, generator=gen, device=r.device))
-        q = (torch.sign(flat) * lvl.clamp_(max=self.s)).to(torch.int8)
+        levels = torch.int8 if self.s <= 127 else torch.int16   # a level and its sign
+        q = (torch.sign(flat) * lvl.clamp_(max=self.s)).to(levels)
         return Payload({"levels": q, "scale": scale}, flat.numel(), ())
 
     def _decompress(self, payload: Payload):
