@@ -33,7 +33,7 @@ class _Peer:
     """The other worker of two, in this process, stream-ordered like NCCL: its MAX vector is
     given (fmax drops a NaN, the worst a collective may do), its indices equal this one's.
     Tests change that vector between rounds, so their rounds are not captured on a GPU."""
-    stream_ordered, packed, lanes, short_chunks, n_workers = True, False, None, None, 2
+    stream_ordered, packed, lanes, short_chunks, n_workers, rank = True, False, None, None, 2, 0
 
     def __init__(self, other):
         self.other, self.bytes_sent, self.sent, self.summed = other, 0, [], []
@@ -310,6 +310,23 @@ def _empty_worker(rank, port, q):
             out.append(str(e))
     q.put((rank, (out, ar.round, int(ar._bufs.round))))
     dist.destroy_process_group()
+
+
+def _default_key_worker(rank, port, q):
+    join_gloo(rank, port)
+    ar = GraphedAllReduce.through_torch_distributed(params=P, error_feedback=False)
+    x = torch.full((512,), 0.3).to(DEV)
+    q.put((rank, (ar.key, float(ar(x).mean()))))
+    dist.destroy_process_group()
+
+
+@kernels
+def test_workers_draw_apart_by_default():
+    """Every worker keyed its rounding draws 0 unless told otherwise: alike draws round alike
+    and the mean gets noisier. The default key is the worker's rank."""
+    res = gloo_pair(_default_key_worker)
+    assert [res[r][0] for r in (0, 1)] == [0, 1]
+    assert res[0][1] == res[1][1] == pytest.approx(0.3, abs=0.05)
 
 
 @kernels

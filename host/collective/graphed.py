@@ -112,14 +112,18 @@ class GraphedAllReduce:
     """Callable like :class:`THCAllReduce` (one tensor size a reducer), its rounds replayed
     from a CUDA graph where one can be captured (``capture``: None decides, and runs eagerly
     after a failed capture; True insists, and tries again each round; False never).
-    ``generator``: this worker's key of the rounding draws; give each worker its own
-    (``base + rank``, as for :class:`THCAllReduce`): workers that share one round alike, and
-    the mean gets noisier. ``deferred_checks``: return without waiting for the round, raise
-    its refusal later (module docstring); every worker of a job sets it alike."""
+    ``generator``: this worker's key of the rounding draws (default: its rank in the group);
+    give each worker its own (``base + rank``, as for :class:`THCAllReduce`): workers that
+    share one round alike, and the mean gets noisier. ``deferred_checks``: return without
+    waiting for the round, raise its refusal later (module docstring); every worker of a job
+    sets it alike."""
 
     def __init__(self, transport, params: THCParams | None = None, error_feedback: bool = True,
-                 generator: int = 0, capture: bool | None = None, timeout: float = 600.0,
+                 generator: int | None = None, capture: bool | None = None,
+                 timeout: float = 600.0,
                  deferred_checks: bool = False):
+        if generator is None:
+            generator = transport.rank
         if isinstance(generator, bool) or not isinstance(generator, int):
             raise TypeError(f"a graphed round keys its rounding draws by a fixed int and the "
                             f"round; got generator={generator!r}")

@@ -61,6 +61,7 @@ class AggregatorTransport:
             client.run = agree_run(group, alone=client.job.n_workers == 1)
         self.client = client
         self.n_workers = client.job.n_workers
+        self.rank = client.worker_id
         self.bytes_sent = 0
         """UDP payload bytes this worker sent in the MAX and DATA rounds (the client's count)."""
         self.datapath: str | None = None
@@ -125,6 +126,7 @@ class DistTransport:
         self.dist = dist
         self.group = group
         self.n_workers = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
         self.bytes_sent = 0
         """Bytes this worker sends in its all-reduces, counted as a ring all-reduce sends them
         (2 (p-1)/p of the tensor), as the FP32 and FP16 hooks count theirs."""
