@@ -249,3 +249,56 @@ def test_a_refusal_names_what_the_aggregator_holds_or_leaves_it_out():
     for reason in ("stale_run", "stale", "wrong_use", "reused_run"):
         text = str(AggregationRefused(where, reason, 0))
         assert "(" + reason + ")" in text and "0)" not in text and "0x" not in text, text
+
+
+def _scripted(job, complete):
+    """A one-job aggregator that answers worker 0 alone: full results while ``complete`` is
+    set, else PENDINGs that only worker 0 contributed. Returns (address, stop)."""
+    import socket
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    sock.bind(("127.0.0.1", 0))
+    sock.settimeout(0.05)
+    stop = threading.Event()
+    zeros = np.zeros(job.lanes, P.sum_dtype(job.sum_bits)).tobytes()
+
+    def serve():
+        while not stop.is_set():
+            try:
+                data, src = sock.recvfrom(4096)
+            except socket.timeout:
+                continue
+            (_t, w, j, slot, ver, _c, seq, off, _b, run, _e) = P.HEADER_STRUCT.unpack_from(data)
+            kind, count, bitmap, body = ((P.PktType.RESULT, 2, 0b11, zeros) if complete.is_set()
+                                         else (P.PktType.PENDING, 1, 0b01, b""))
+            sock.sendto(P.HEADER_STRUCT.pack(kind, w, j, slot, ver, count, seq, off, bitmap,
+                                             run, 0x77) + body, src)
+
+    threading.Thread(target=serve, daemon=True).start()
+    return sock.getsockname(), stop
+
+
+@pytest.mark.parametrize("first_round_completes", [False, True])
+def test_a_missing_worker_in_the_first_round_a_worker_hears_may_be_a_restart(
+        datapath, first_round_completes):
+    """A worker whose every reply before an aggregator restart was lost learns the new epoch
+    from a PENDING: it cannot tell a lost round from a missing peer, whose timeout named the
+    peer alone while the peers raised AggregatorRestarted. The timeout names both where this
+    worker first heard the aggregator in the round; not where it had heard it before."""
+    job = local_job(3, 2, free_port_block(2), pool_size=4, lanes=16)
+    complete = threading.Event()
+    if first_round_completes:
+        complete.set()
+    addr, stop = _scripted(job, complete)
+    chunk = np.zeros(job.lanes // 2, np.uint8)
+    try:
+        with AggregationClient(job, 0, addr, run=5, deadline=1.0, datapath=datapath) as c:
+            if first_round_completes:
+                c.reduce(chunk)
+                complete.clear()
+            with pytest.raises(AggregationTimeout, match=r"missing worker\(s\) \[1\]") as err:
+                c.reduce(chunk)
+    finally:
+        stop.set()
+    assert ("aggregator restarted before this worker's first reply" in str(err.value)) \
+        is not first_round_completes
+    assert err.value.missing == [1]

@@ -306,8 +306,17 @@ class AggregationClient:
                     self._run, counts, bitmaps)
         window = next(w for w in self._windows if w.fits(self, rnd))
         self._drain()
+        unknown = [e is None for e in self.epochs]
         try:
             window.run(self, rnd)
+        except AggregationTimeout as e:
+            self._failed = f"{type(e).__name__}: {e}"
+            if e.missing and any(u and ep is not None for u, ep in zip(unknown, self.epochs)):
+                raise AggregationTimeout(f"{e}; or the aggregator restarted before this "
+                                         f"worker's first reply of the run, losing the round "
+                                         f"(its peers then raised AggregatorRestarted)",
+                                         e.missing) from e
+            raise
         except BaseException as e:
             self._failed = f"{type(e).__name__}: {e}"
             raise

@@ -71,7 +71,8 @@ class PythonWindow:
         done = np.zeros(total, dtype=bool)
         bounded = rnd.is_data and end.loss_bound > 0
         budget = math.floor(end.loss_bound * total) if bounded else 0
-        short: set[int] = set()     # chunks flushed by this worker or ended short
+        short: set[int] = set()     # chunks flushed by this worker (until they end full)
+        #                             or ended short: the loss bound's count
         flush_type, flush_tos = int(P.PktType.FLUSH), tos_of(FLUSH_CLASS) if tos else 0
         lo = 0
         hi = 0
@@ -218,6 +219,8 @@ class PythonWindow:
                         end.stats.short += 1
                         short.add(i)
                         counts[i], bitmaps[i] = r_count, r_bitmap
+                    else:   # flushed, but every worker's DATA came first
+                        short.discard(i)
                     out[i] = sums
                     done[i] = True
                     if i not in resent:
