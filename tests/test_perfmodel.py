@@ -113,8 +113,8 @@ RUNS = Path(__file__).resolve().parents[1] / "docs" / "runs"
 def test_calibrated_on_one_measured_run_it_predicts_runs_it_never_saw():
     """Inputs the model did not make: the main job's Mininet runs (docs/runs). Fitted to
     the first run's FP32 and Marsit steps, it predicts FP32 and THC over Gloo in two other
-    runs, at 25 and 100 Mbit/s, within 25 % of the measured step times (docs/results.md: the misses
-    are the modes whose later runs shared the cores with other jobs)."""
+    runs, at 25 and 100 Mbit/s, within 25 % of the measured step times (docs/results.md says
+    why the misses miss)."""
     from thc.app.perfmodel import calibrate, fit
 
     alpha, eff = fit(json.loads((RUNS / "mainjob-mininet-100mbit.json").read_text()))
