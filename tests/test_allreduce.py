@@ -582,6 +582,37 @@ def test_an_input_whose_estimate_could_overflow_is_refused_and_the_next_round_ru
         dist.destroy_process_group()
 
 
+SMALL = THCParams(slice_size=256, seed=7)
+
+
+def _huge_norm_worker(rank, port, q):
+    join_gloo(rank, port)
+    out = {}
+    for backend in ("reference", "compiled"):
+        ar = THCAllReduce.through_torch_distributed(params=SMALL, generator=rank,
+                                                    backend=backend)
+        x = torch.randn(700, generator=torch.Generator().manual_seed(rank))
+        if rank == 0:
+            x[300] = 3e38   # finite, in slice 1, its norm beyond norm_limit
+        try:
+            ar(x)
+            out[backend] = "returned"
+        except ValueError as e:
+            out[backend] = str(e)
+    q.put((rank, out))
+    dist.destroy_process_group()
+
+
+def test_a_norm_beyond_the_limit_is_named_with_its_slice_on_both_workers():
+    """The worker names its slice, and its peer the same slice and the limit as a cause:
+    the peer was told slice 0 and "NaN or Inf" for a finite input in slice 1."""
+    res = gloo_pair(_huge_norm_worker)
+    for backend in ("reference", "compiled"):
+        assert "slice norm beyond" in res[0][backend] and "in slice 1" in res[0][backend]
+        peer = res[1][backend]
+        assert peer.startswith("slice 1's max norm is the mark") and "norm beyond" in peer
+
+
 def test_a_finite_input_whose_norm_overflows_is_not_called_nan():
     """A prepare that failed for another reason than NaN or Inf marks every slice; its error
     was rewritten as "NaN or Inf in slice 0" for an input that holds neither."""

@@ -88,7 +88,7 @@ def test_bits_per_coord():
     assert FP16().bits_per_coord(d) == 16
 
 
-@pytest.mark.parametrize("s", [127, 255, 1000])
+@pytest.mark.parametrize("s", [127, 255, 1000, 40000])
 @pytest.mark.parametrize("top", [1.0, 1e-38])
 def test_qsgd_keeps_every_level_and_tiny_scales(s, top):
     """Levels above 127 wrapped in int8 (s = 255 decoded 1.0 as -0.004), and a scale below
@@ -97,7 +97,8 @@ def test_qsgd_keeps_every_level_and_tiny_scales(s, top):
     x = torch.tensor([1.0, -1.0, 0.6, 0.25, 0.0]) * top
     scheme = QSGD(s)
     est = scheme.decompress(scheme.compress(x, generator=torch.Generator().manual_seed(0)))
-    assert float((est - x).abs().max()) <= top / s * 1.0001
+    # plus s subnormal quanta (1.4e-45) where the step scale / s is itself subnormal
+    assert float((est - x).abs().max()) <= top / s * 1.0001 + s * 1.5e-45
     assert float(est[0]) == pytest.approx(top) and float(est[1]) == pytest.approx(-top)
 
 

@@ -239,6 +239,30 @@ def test_kernel_norms_take_what_the_reference_takes(scale):
             thc.slice_norms(y.cpu(), p)
 
 
+@kernels
+def test_every_backend_refuses_the_same_norms_at_the_limit():
+    """The limit as float32 (what a float32 norm is compared with): the reference refused a
+    slice of that norm and the kernels, comparing float64 norms, took it. One float32 step
+    below, every backend takes it."""
+    from thc.codec.common import norm_limit
+    p = THCParams(slice_size=256)
+    at = torch.tensor(norm_limit(p), dtype=torch.float32)
+    below = torch.nextafter(at, torch.tensor(0.0))
+    for value, refused in ((at, True), (below, False)):
+        for where in (5, 600):   # a slice of the kernels, the short tail
+            x = torch.zeros(612)
+            x[where] = value
+            for backend in ("reference", "compiled", "triton"):
+                dev = DEV if backend == "triton" else "cpu"
+                try:
+                    thc.prepare(x.to(dev), p, 0, backend=backend)
+                    got = False
+                except ValueError as e:
+                    assert "slice norm beyond" in str(e)
+                    got = True
+                assert got == refused, (float(value), where, backend)
+
+
 @pytest.mark.parametrize("tiny", [1e-39, 1.1754944e-38, 1e-45])
 def test_a_slice_below_float32s_reach_encodes_as_zeros_on_every_backend(tiny):
     """Its scale g / (2 t M) overflows float32: the CPU backends refused the input as NaN or

@@ -302,3 +302,29 @@ def test_a_missing_worker_in_the_first_round_a_worker_hears_may_be_a_restart(
     assert ("aggregator restarted before this worker's first reply" in str(err.value)) \
         is not first_round_completes
     assert err.value.missing == [1]
+
+
+def test_the_restart_hint_is_the_timed_out_chunks_shard_alone(datapath):
+    """Shard 0 was heard in round 1; in round 2 shard 1 is first heard (its chunk completes)
+    while shard 0's chunk waits for a missing worker: no restart of shard 0 is hinted (the
+    hint took any shard first heard in the round)."""
+    import dataclasses
+    from thc.wire.jobs import Shard
+    base = local_job(3, 2, free_port_block(2), pool_size=4, lanes=16)
+    first, second = threading.Event(), threading.Event()
+    first.set()
+    second.set()
+    (ip0, port0), stop0 = _scripted(base, first)
+    (ip1, port1), stop1 = _scripted(base, second)
+    job = dataclasses.replace(base, shards=(Shard(ip0, port0), Shard(ip1, port1))).validate()
+    chunk = np.zeros(job.lanes // 2, np.uint8)
+    try:
+        with AggregationClient(job, 0, run=5, deadline=1.0, datapath=datapath) as c:
+            c.reduce(chunk)                                     # seq 0: shard 0
+            first.clear()
+            with pytest.raises(AggregationTimeout, match=r"missing worker\(s\) \[1\]") as err:
+                c.reduce(np.concatenate([chunk, chunk]))        # seq 1: shard 1, seq 2: 0
+    finally:
+        stop0.set()
+        stop1.set()
+    assert err.value.shard == 0 and "restarted" not in str(err.value)

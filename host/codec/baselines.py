@@ -240,8 +240,8 @@ class QSGD(Scheme):
 
     def __init__(self, s: int = 7, error_feedback: bool = False):
         super().__init__(error_feedback)
-        if int(s) < 1:
-            raise ValueError(f"QSGD needs s >= 1 levels, got {s}")
+        if not 1 <= int(s) < 2 ** 31:
+            raise ValueError(f"QSGD needs 1 <= s < 2^31 levels, got {s}")
         self.s = int(s)
 
     def describe(self) -> str:
@@ -256,7 +256,8 @@ class QSGD(Scheme):
         # |x| / scale first: s / scale overflows float32 for a scale below s / its largest
         r = flat.abs() / scale * self.s if float(scale) > 0 else torch.zeros_like(flat)
         lvl = torch.floor(r + torch.rand(r.shape, generator=gen, device=r.device))
-        levels = torch.int8 if self.s <= 127 else torch.int16   # a level and its sign
+        levels = next(t for t in (torch.int8, torch.int16, torch.int32)   # a level, a sign
+                      if self.s <= torch.iinfo(t).max)
         q = (torch.sign(flat) * lvl.clamp_(max=self.s)).to(levels)
         return Payload({"levels": q, "scale": scale}, flat.numel(), ())
 

@@ -117,7 +117,8 @@ def norm_array(max_norms, n_slices: int) -> np.ndarray:
         raise ValueError(f"max norms must be finite and >= 0, got {m}")
     if np.any(m >= NORM_MARK):
         raise ValueError(f"slice {int(np.argmax(m >= NORM_MARK))}'s max norm is the mark of a "
-                         f"worker whose input holds NaN or Inf there or was refused")
+                         f"worker whose input holds NaN or Inf there (or a slice norm THC "
+                         f"cannot take) or was refused")
     return m
 
 
@@ -195,7 +196,7 @@ def wide_norms(norms, word, first: int, params: THCParams):
     is ``first``, without a wait: one that is not finite or beyond :func:`norm_limit` is
     flagged as bad input and sent as the mark, so every worker refuses the round."""
     import torch
-    bad = ~(norms < norm_limit(params))
+    bad = ~(norms.float() < norm_limit(params))   # as sent, and as check_norms compares
     flag(word, bad.any(), BAD_INPUT, first + 1 + bad.to(torch.int32).argmax())
     return torch.where(bad, NORM_MARK, norms).float()
 
@@ -261,9 +262,10 @@ def accumulator_dtype(n_workers: int, params: THCParams, torch_backend: bool = F
 def check_norms(norms, params: THCParams) -> None:
     """Raise unless every slice norm (float32) is finite and within :func:`norm_limit`."""
     limit = norm_limit(params)
-    ok = bool((norms < limit).all()) if is_torch(norms) else bool(np.all(norms < limit))
-    if not ok:
-        raise ValueError(BAD_INPUT_TEXT.format(limit=limit))
+    bad = ~(norms < limit)
+    if bool(bad.any()):
+        first = int(bad.nonzero()[0][0]) if is_torch(bad) else int(np.argmax(bad))
+        raise ValueError(BAD_INPUT_TEXT.format(limit=limit) + f", in slice {first}")
 
 
 @dataclass

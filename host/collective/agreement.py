@@ -147,17 +147,20 @@ def together(group, rnd: int, key: int, device, failure: Exception | None = None
     return ring_bytes(out, dist.get_world_size(group))
 
 
-def marks(y: torch.Tensor, pieces, layout_of) -> torch.Tensor:
+def marks(y: torch.Tensor, pieces, layout_of, limit: float) -> torch.Tensor:
     """The norms a worker that could not compute its own sends: :data:`NORM_MARK` for each
-    slice holding NaN or Inf, 0 (no say) elsewhere; every slice marked where none does (the
-    worker failed for another reason, so no slice of its may be summed) or even this fails."""
+    slice holding NaN or Inf or whose norm (as float32) is not below ``limit``
+    (``norm_limit``), 0 (no say) elsewhere; every slice marked where none is (the worker
+    failed for another reason, so no slice of its may be summed) or even this fails."""
     n = sum(layout_of(b - a).n_slices for a, b in pieces)
     try:
         out = []
         for a, b in pieces:
             lay = layout_of(b - a)
             for start, length in zip(lay.starts, lay.lengths):
-                bad = not bool(torch.isfinite(y[a + start: a + start + length]).all())
+                seg = y[a + start: a + start + length]
+                norm = torch.linalg.vector_norm(seg, dtype=torch.float64).float()
+                bad = not bool(torch.isfinite(seg).all()) or not bool(norm < limit)
                 out.append(NORM_MARK if bad else 0.0)
         if NORM_MARK in out:
             return torch.tensor(out, dtype=torch.float32).to(y.device)
@@ -181,5 +184,6 @@ def refuse_marked(norms: torch.Tensor, max_norms: torch.Tensor, params) -> None:
     other = first_marked(max_norms)
     if other is not None:
         raise ValueError(f"slice {other}'s max norm is the mark of a worker whose input holds "
-                         f"NaN or Inf there or was refused (a wrong dtype or layer positions): "
-                         f"the round is refused")
+                         f"NaN or Inf there (or a slice norm beyond {norm_limit(params):.3g}) "
+                         f"or was refused (a wrong dtype or layer positions): the round is "
+                         f"refused")

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from thc.codec.common import check_float, check_key
+from thc.codec.common import check_float, check_key, norm_limit
 from thc.codec.params import THCParams
 from thc.codec.thc import ErrorFeedback, THCCodec, table_values
 from thc.collective import agreement
@@ -205,7 +205,7 @@ class THCAllReduce:
             y = self.feedback.compensate(flat) if self.feedback else flat
             preps = [self.codec.prepare(y[a:b], rnd) for a, b in pieces]
         except Exception as e:
-            bad = agreement.marks(y, pieces, layout_of)
+            bad = agreement.marks(y, pieces, layout_of, norm_limit(self.params))
             self._open = whole   # on a stream-ordered transport a sum follows the MAX round
             self.transport.max(agreement.tagged(bad, rnd, key))
             if whole:

@@ -311,11 +311,12 @@ class AggregationClient:
             window.run(self, rnd)
         except AggregationTimeout as e:
             self._failed = f"{type(e).__name__}: {e}"
-            if e.missing and any(u and ep is not None for u, ep in zip(unknown, self.epochs)):
+            if e.missing and e.shard is not None and unknown[e.shard] \
+                    and self.epochs[e.shard] is not None:
                 raise AggregationTimeout(f"{e}; or the aggregator restarted before this "
                                          f"worker's first reply of the run, losing the round "
                                          f"(its peers then raised AggregatorRestarted)",
-                                         e.missing) from e
+                                         e.missing, e.shard) from e
             raise
         except BaseException as e:
             self._failed = f"{type(e).__name__}: {e}"

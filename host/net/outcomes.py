@@ -46,11 +46,13 @@ class AggregatorRestarted(ConnectionError):
 
 
 class AggregationTimeout(TimeoutError):
-    """A chunk did not complete in time; ``missing`` names the workers that never contributed."""
+    """A chunk did not complete in time; ``missing`` names the workers that never contributed,
+    ``shard`` the chunk's shard (0 for an unsharded job; None where not known)."""
 
-    def __init__(self, msg: str, missing: list[int] | None):
+    def __init__(self, msg: str, missing: list[int] | None, shard: int | None = None):
         super().__init__(msg)
         self.missing = missing
+        self.shard = shard
 
 
 class AggregationRefused(RuntimeError):

@@ -159,17 +159,18 @@ def raise_timeout(end: Endpoint, rnd: Round, i: int, bitmap: int | None, silent:
         raise AggregationTimeout(
             f"{at}; {who} at {ip}:{port} answered with {rejected} impossible replies this "
             f"round (the wrong type or size, or sums, counts or bitmaps this job cannot "
-            f"make): is it configured with this job (lanes, sum width, workers)?", None)
+            f"make): is it configured with this job (lanes, sum width, workers)?", None, shard)
     if bitmap is None:
         # a shard at another address in the shards' own map never sees the chunk
         hint = (" (down, unreachable, or given another shard map than this worker's)"
                 if job.shards else "")
-        raise AggregationTimeout(f"{at}; no answer from {who} at {ip}:{port}{hint}", None)
+        raise AggregationTimeout(f"{at}; no answer from {who} at {ip}:{port}{hint}", None,
+                                 shard)
     if quiet:
         raise AggregationTimeout(f"{at}; {who} at {ip}:{port} stopped answering "
                                  f"{silent:.1f}s ago (down, unreachable, or restarted and "
                                  f"not yet serving this job): start a new run once it is "
-                                 f"back", None)
+                                 f"back", None, shard)
     held, bitmap = bitmap >> 32, bitmap & 0xFFFFFFFF
     missing = [w for w in range(job.n_workers) if not bitmap >> w & 1]
     got = [w for w in range(job.n_workers) if bitmap >> w & 1]
@@ -177,6 +178,6 @@ def raise_timeout(end: Endpoint, rnd: Round, i: int, bitmap: int | None, silent:
         raise AggregationTimeout(
             f"{at}; held: worker(s) {missing} have not moved past the previous use of "
             f"its slot version, so they may still need its result (straggling or gone; "
-            f"moved past it: {got})", missing)
+            f"moved past it: {got})", missing, shard)
     raise AggregationTimeout(f"{at}; missing worker(s) {missing} "
-                             f"(contributed: {got})", missing)
+                             f"(contributed: {got})", missing, shard)
