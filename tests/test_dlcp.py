@@ -17,6 +17,7 @@ from thc.net.priority import N_CLASSES, magnitude_rank, priority_class, tos_of
 from thc.testing.clusters import free_port_block, local_job
 from thc.wire import protocol as P
 from thc.wire.jobs import ConfigError, Job
+from tests.scripted import scripted_aggregator
 
 
 def test_classes_rank_early_layers_and_large_gradients_first():
@@ -157,42 +158,22 @@ def test_a_flushed_chunk_that_ends_full_gives_its_share_of_the_bound_back():
     straggler is gone. Chunk 1 must be closed short; it was retransmitted to the deadline,
     chunk 0 still counted against the bound."""
     job = local_job(4, 2, free_port_block(2), pool_size=8, lanes=16)
-    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    sock.bind(("127.0.0.1", 0))
-    sock.settimeout(0.05)
-    stop, seen = threading.Event(), set()
     zeros = np.zeros(job.lanes, P.sum_dtype(job.sum_bits)).tobytes()
+    seen = set()
 
-    def serve():
-        while not stop.is_set():
-            try:
-                data, src = sock.recvfrom(4096)
-            except socket.timeout:
-                continue
-            (t, w, j, slot, ver, _c, seq, off, _b, run, _e) = P.HEADER_STRUCT.unpack_from(data)
+    def answer(t, seq):
+        again = (seq, t) in seen
+        seen.add((seq, t))
+        if seq >= 2 or (seq == 0 and t == P.PktType.FLUSH):
+            return P.PktType.RESULT, 2, 0b11, zeros
+        if seq == 1 and t == P.PktType.FLUSH:
+            return P.PktType.RESULT, 1, 0b01, zeros
+        return (P.PktType.PENDING, 1, 0b01, b"") if seq == 1 and again else None
 
-            def reply(kind, count, bitmap, payload=b""):
-                sock.sendto(P.HEADER_STRUCT.pack(kind, w, j, slot, ver, count, seq, off, bitmap,
-                                                 run, 0x42) + payload, src)
-            again = (seq, t) in seen
-            seen.add((seq, t))
-            if seq >= 2 or (seq == 0 and t == P.PktType.FLUSH):
-                reply(P.PktType.RESULT, 2, 0b11, zeros)
-            elif seq == 1 and t == P.PktType.FLUSH:
-                reply(P.PktType.RESULT, 1, 0b01, zeros)
-            elif seq == 1 and again:
-                reply(P.PktType.PENDING, 1, 0b01)
-
-    server = threading.Thread(target=serve, daemon=True)
-    server.start()
-    try:
-        with AggregationClient(job, 0, sock.getsockname(), run=9, timeout=0.02,
-                               max_timeout=0.1, deadline=3.0, loss_bound=0.25,
-                               datapath="python") as c:
+    with scripted_aggregator(answer) as addr:
+        with AggregationClient(job, 0, addr, run=9, timeout=0.02, max_timeout=0.1,
+                               deadline=3.0, loss_bound=0.25, datapath="python") as c:
             r = c.reduce(np.zeros(4 * job.lanes // 2, np.uint8))
-    finally:
-        stop.set()
-        server.join()
     assert r.counts.tolist() == [2, 1, 2, 2]
     assert c.stats.short == 1 and c.stats.flushed >= 2
 

@@ -20,6 +20,7 @@ from thc.net.client import (AggregationClient, AggregationRefused, AggregationTi
                              AggregatorRestarted, RunFailed)
 from thc.testing.clusters import free_port_block, local_job
 from thc.wire import protocol as P
+from tests.scripted import scripted_aggregator
 from tests.test_transport import datapath  # noqa: F401 (a fixture)
 
 TABLE = [0, 1, 2, 4, 6, 8, 11, 14, 16, 19, 22, 24, 26, 28, 29, 30]
@@ -251,30 +252,12 @@ def test_a_refusal_names_what_the_aggregator_holds_or_leaves_it_out():
         assert "(" + reason + ")" in text and "0)" not in text and "0x" not in text, text
 
 
-def _scripted(job, complete):
-    """A one-job aggregator that answers worker 0 alone: full results while ``complete`` is
-    set, else PENDINGs that only worker 0 contributed. Returns (address, stop)."""
-    import socket
-    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    sock.bind(("127.0.0.1", 0))
-    sock.settimeout(0.05)
-    stop = threading.Event()
+def _answers(job, complete):
+    """Full results while ``complete`` is set, else PENDINGs that only worker 0 (the test's
+    one client) contributed."""
     zeros = np.zeros(job.lanes, P.sum_dtype(job.sum_bits)).tobytes()
-
-    def serve():
-        while not stop.is_set():
-            try:
-                data, src = sock.recvfrom(4096)
-            except socket.timeout:
-                continue
-            (_t, w, j, slot, ver, _c, seq, off, _b, run, _e) = P.HEADER_STRUCT.unpack_from(data)
-            kind, count, bitmap, body = ((P.PktType.RESULT, 2, 0b11, zeros) if complete.is_set()
-                                         else (P.PktType.PENDING, 1, 0b01, b""))
-            sock.sendto(P.HEADER_STRUCT.pack(kind, w, j, slot, ver, count, seq, off, bitmap,
-                                             run, 0x77) + body, src)
-
-    threading.Thread(target=serve, daemon=True).start()
-    return sock.getsockname(), stop
+    return lambda t, seq: ((P.PktType.RESULT, 2, 0b11, zeros) if complete.is_set()
+                           else (P.PktType.PENDING, 1, 0b01, b""))
 
 
 @pytest.mark.parametrize("first_round_completes", [False, True])
@@ -288,17 +271,14 @@ def test_a_missing_worker_in_the_first_round_a_worker_hears_may_be_a_restart(
     complete = threading.Event()
     if first_round_completes:
         complete.set()
-    addr, stop = _scripted(job, complete)
     chunk = np.zeros(job.lanes // 2, np.uint8)
-    try:
-        with AggregationClient(job, 0, addr, run=5, deadline=1.0, datapath=datapath) as c:
-            if first_round_completes:
-                c.reduce(chunk)
-                complete.clear()
-            with pytest.raises(AggregationTimeout, match=r"missing worker\(s\) \[1\]") as err:
-                c.reduce(chunk)
-    finally:
-        stop.set()
+    with scripted_aggregator(_answers(job, complete)) as addr, \
+            AggregationClient(job, 0, addr, run=5, deadline=1.0, datapath=datapath) as c:
+        if first_round_completes:
+            c.reduce(chunk)
+            complete.clear()
+        with pytest.raises(AggregationTimeout, match=r"missing worker\(s\) \[1\]") as err:
+            c.reduce(chunk)
     assert ("aggregator restarted before this worker's first reply" in str(err.value)) \
         is not first_round_completes
     assert err.value.missing == [1]
@@ -314,17 +294,13 @@ def test_the_restart_hint_is_the_timed_out_chunks_shard_alone(datapath):
     first, second = threading.Event(), threading.Event()
     first.set()
     second.set()
-    (ip0, port0), stop0 = _scripted(base, first)
-    (ip1, port1), stop1 = _scripted(base, second)
-    job = dataclasses.replace(base, shards=(Shard(ip0, port0), Shard(ip1, port1))).validate()
-    chunk = np.zeros(job.lanes // 2, np.uint8)
-    try:
+    chunk = np.zeros(base.lanes // 2, np.uint8)
+    with scripted_aggregator(_answers(base, first)) as a0, \
+            scripted_aggregator(_answers(base, second)) as a1:
+        job = dataclasses.replace(base, shards=(Shard(*a0), Shard(*a1))).validate()
         with AggregationClient(job, 0, run=5, deadline=1.0, datapath=datapath) as c:
             c.reduce(chunk)                                     # seq 0: shard 0
             first.clear()
             with pytest.raises(AggregationTimeout, match=r"missing worker\(s\) \[1\]") as err:
                 c.reduce(np.concatenate([chunk, chunk]))        # seq 1: shard 1, seq 2: 0
-    finally:
-        stop0.set()
-        stop1.set()
     assert err.value.shard == 0 and "restarted" not in str(err.value)
