@@ -3,7 +3,6 @@ on loopback: the datagrams they send, hostile replies ignored and counted alike,
 short, an epoch change, a missing worker named, and the cases that fall back to Python."""
 from __future__ import annotations
 
-import contextlib
 import os
 import select
 import socket
@@ -21,6 +20,7 @@ from thc.net.impair import Impairment
 from thc.testing.clusters import free_port_block, local_job
 from thc.wire import protocol as P
 from thc.wire.jobs import Job
+from tests.scripted import answering
 from tests.test_transport import datapath  # noqa: F401 (a fixture)
 
 N_CHUNKS = 20
@@ -262,34 +262,6 @@ def test_results_queued_before_a_round_are_not_taken_as_its_own(job, datapath):
         agg.close()
 
 
-@contextlib.contextmanager
-def _answering(answer):
-    """A UDP server on loopback sending each datagram's sender what ``answer(datagram)``
-    returns (a list of datagrams); yields its address."""
-    srv = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    srv.bind(("127.0.0.1", 0))
-    srv.settimeout(0.05)
-    stop = threading.Event()
-
-    def serve():
-        while not stop.is_set():
-            try:
-                data, src = srv.recvfrom(4096)
-            except socket.timeout:
-                continue
-            for out in answer(data):
-                srv.sendto(out, src)
-
-    t = threading.Thread(target=serve, daemon=True)
-    t.start()
-    try:
-        yield srv.getsockname()
-    finally:
-        stop.set()
-        t.join()
-        srv.close()
-
-
 def _complete(data: bytes, pkt_type: int, job) -> bytes:
     """``data``'s header made a complete reply of ``pkt_type`` (every worker counted)."""
     head = bytearray(data[: P.HEADER_BYTES])
@@ -309,7 +281,7 @@ def test_a_max_above_every_float_is_ignored(job, datapath):
             [head + (lanes + 1).astype(">u4").tobytes()]
 
     values = np.arange(1, 5, dtype=np.float32)
-    with _answering(answer) as addr:
+    with answering(answer) as addr:
         with AggregationClient(job, 0, addr, run=2, timeout=2.0, max_timeout=2.0) as c:
             got = c.max(values)
             assert c.stats.compiled_rounds == (datapath == "compiled")
@@ -385,7 +357,7 @@ def test_an_aggregator_answering_only_impossible_results_is_named_so(job, datapa
     def answer(data):
         return [_complete(data, P.PktType.RESULT, job) + bytes(2 * job.lanes)]
 
-    with _answering(answer) as addr:
+    with answering(answer) as addr:
         with AggregationClient(job, 0, addr, run=2, deadline=0.5) as c:
             with pytest.raises(AggregationTimeout, match=r"answered with \d+ impossible "
                                                          r"replies .* configured with this job"):
@@ -430,7 +402,7 @@ def test_impossible_results_after_a_pending_name_the_aggregator_not_a_worker(job
             return [_reply(data, P.PktType.PENDING, 1, 0b01)]
         return [_complete(data, P.PktType.RESULT, job) + bytes(2 * job.lanes)]
 
-    with _answering(answer) as addr:
+    with answering(answer) as addr:
         with AggregationClient(job, 0, addr, run=2, deadline=0.5) as c:
             with pytest.raises(AggregationTimeout, match=r"answered with \d+ impossible "
                                                          r"replies .* configured with this "
@@ -450,7 +422,7 @@ def test_a_silent_aggregator_is_named_under_a_deadline_of_two_max_timeouts(job, 
         return [_reply(data, P.PktType.PENDING, 1, 0b01)] if time.monotonic() - t0 < 0.1 \
             else []
 
-    with _answering(answer) as addr:
+    with answering(answer) as addr:
         with AggregationClient(job, 0, addr, run=2, deadline=0.8) as c:
             t0 = time.monotonic()
             with pytest.raises(AggregationTimeout, match="the aggregator at .* stopped "
@@ -479,7 +451,7 @@ def test_a_silent_shard_is_named_though_another_shard_answers(datapath):
         return [_reply(data, P.PktType.PENDING, 1, 0b01)] if time.monotonic() - t0 < 0.1 \
             else []
 
-    with _answering(shard0) as a0, _answering(shard1) as a1:
+    with answering(shard0) as a0, answering(shard1) as a1:
         job = Job.from_dict({"job_id": 1, "pool_size": 16, "lanes": P.LANES, "granularity": 30,
                              "workers": [{"id": i, "ip": "127.0.0.1", "port": base + i}
                                          for i in range(2)],

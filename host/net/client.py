@@ -303,21 +303,11 @@ class AggregationClient:
                             f"would be answered from that round's slots. Start a new run "
                             f"(client.run = a newer id, the same on every worker)")
         rnd = Round(pkt_type, chunks, out, offset_base, lanes, dtype, tos, self.next_seq,
-                    self._run, counts, bitmaps)
+                    self._run, counts, bitmaps, [e is not None for e in self.epochs])
         window = next(w for w in self._windows if w.fits(self, rnd))
         self._drain()
-        unknown = [e is None for e in self.epochs]
         try:
             window.run(self, rnd)
-        except AggregationTimeout as e:
-            self._failed = f"{type(e).__name__}: {e}"
-            if e.missing and e.shard is not None and unknown[e.shard] \
-                    and self.epochs[e.shard] is not None:
-                raise AggregationTimeout(f"{e}; or the aggregator restarted before this "
-                                         f"worker's first reply of the run, losing the round "
-                                         f"(its peers then raised AggregatorRestarted)",
-                                         e.missing, e.shard) from e
-            raise
         except BaseException as e:
             self._failed = f"{type(e).__name__}: {e}"
             raise

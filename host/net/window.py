@@ -81,7 +81,8 @@ class Endpoint(Protocol):
 class Round:
     """One round: ``chunks`` (one row a chunk) of ``pkt_type`` from sequence number ``base``;
     results land in ``out`` (``dtype`` on the wire), counts and bitmaps per chunk in
-    ``counts`` and ``bitmaps``; ``tos``: a DSCP mark per chunk, or None."""
+    ``counts`` and ``bitmaps``; ``tos``: a DSCP mark per chunk, or None; ``heard``: per
+    shard, whether its epoch was known before the round."""
 
     pkt_type: int
     chunks: np.ndarray
@@ -94,6 +95,7 @@ class Round:
     run: int
     counts: np.ndarray
     bitmaps: np.ndarray
+    heard: list[bool]
 
     @property
     def is_data(self) -> bool:
@@ -145,7 +147,9 @@ def raise_timeout(end: Endpoint, rnd: Round, i: int, bitmap: int | None, silent:
     :data:`SILENT_AFTER`). A live aggregator answers every retransmission of a chunk it
     holds (PENDING): silent for half the deadline through SILENT_AFTER of them, the cause is
     the aggregator (gone, unreachable, or restarted without a program yet), not a missing
-    worker: an old PENDING's bitmap would name workers that are fine."""
+    worker: an old PENDING's bitmap would name workers that are fine. A shard first heard in
+    this round may have restarted before that, unseen: its peers then raised
+    AggregatorRestarted, and the missing workers are named beside that possibility."""
     job = end.job
     seq = (rnd.base + i) % P.SEQ_MOD
     slot, version = P.slot_of(rnd.base + i, job.pool_size)
@@ -179,5 +183,8 @@ def raise_timeout(end: Endpoint, rnd: Round, i: int, bitmap: int | None, silent:
             f"{at}; held: worker(s) {missing} have not moved past the previous use of "
             f"its slot version, so they may still need its result (straggling or gone; "
             f"moved past it: {got})", missing, shard)
+    unseen = ("" if rnd.heard[shard] else "; or the aggregator restarted before this worker's "
+              "first reply of the run, losing the round (its peers then raised "
+              "AggregatorRestarted)")
     raise AggregationTimeout(f"{at}; missing worker(s) {missing} "
-                             f"(contributed: {got})", missing, shard)
+                             f"(contributed: {got}){unseen}", missing, shard)
