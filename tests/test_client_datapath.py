@@ -20,7 +20,7 @@ from thc.net.impair import Impairment
 from thc.testing.clusters import free_port_block, local_job
 from thc.wire import protocol as P
 from thc.wire.jobs import Job
-from tests.scripted import answering
+from tests.scripted import answering, scripted_aggregator
 from tests.test_transport import datapath  # noqa: F401 (a fixture)
 
 N_CHUNKS = 20
@@ -479,3 +479,31 @@ def test_a_live_aggregator_quiet_between_long_backoffs_is_not_called_silent(job)
             assert e.value.missing == [1] and c.stats.compiled_rounds == 0
     finally:
         agg.close()
+
+
+def test_a_chunk_later_ones_overtook_is_resent_within_the_fast_backoff_cap(job, datapath):
+    """Chunk 3 is lost 8 times while every later chunk completes and the head (chunk 0)
+    waits 1 s for a peer: the overtakes say a packet was lost, so chunk 3 is resent at
+    least every FAST_BACKOFF_CAP RTOs (80 ms at the 20 ms floor), not after a backoff
+    grown towards max_timeout (1 s here) as for a chunk waiting on peers."""
+    n, lost, sent = 8, 8, []
+    zeros = np.zeros(job.lanes, P.sum_dtype(job.sum_bits)).tobytes()
+    result = (P.PktType.RESULT, 2, 0b11, zeros)
+    start = time.monotonic()
+
+    def answer(t, seq):
+        i = seq % n
+        if i == 3:
+            sent.append(time.monotonic())
+            return result if len(sent) > lost else None
+        if i == 0 and time.monotonic() < start + 1.0:
+            return (P.PktType.PENDING, 1, 0b01, b"")
+        return result
+
+    with scripted_aggregator(answer) as addr, \
+            AggregationClient(job, 0, addr, run=4, deadline=5.0, window=n,
+                              max_timeout=1.0) as c:
+        c.aggregate(_packed(job, 2)[: n * job.lanes // 2])
+        assert c.stats.compiled_rounds == (datapath == "compiled")
+    gaps = np.diff(sent[: lost + 1])
+    assert len(sent) > lost and gaps.max() < 0.3, gaps
