@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
+from collections import deque
 from contextlib import contextmanager
 
 from thc.wire import protocol as P
@@ -12,22 +14,31 @@ EPOCH = 0x42
 
 
 @contextmanager
-def answering(answer):
+def answering(answer, delay: float = 0.0):
     """A UDP server on loopback sending each datagram's sender what ``answer(datagram)``
-    returns (a list of datagrams); yields its address."""
+    returns (a list of datagrams), ``delay`` seconds later (a long path, in order); yields
+    its address."""
     srv = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     srv.bind(("127.0.0.1", 0))
-    srv.settimeout(0.05)
     stop = threading.Event()
+    later: deque = deque()
 
     def serve():
         while not stop.is_set():
+            now = time.monotonic()
+            while later and later[0][0] <= now:
+                _, out, src = later.popleft()
+                srv.sendto(out, src)
+            srv.settimeout(max(1e-4, min(0.05, later[0][0] - now)) if later else 0.05)
             try:
                 data, src = srv.recvfrom(4096)
             except socket.timeout:
                 continue
             for out in answer(data):
-                srv.sendto(out, src)
+                if delay:
+                    later.append((time.monotonic() + delay, out, src))
+                else:
+                    srv.sendto(out, src)
 
     t = threading.Thread(target=serve, daemon=True)
     t.start()
@@ -39,7 +50,7 @@ def answering(answer):
         srv.close()
 
 
-def scripted_aggregator(answer):
+def scripted_aggregator(answer, delay: float = 0.0):
     """:func:`answering` by header: ``answer(pkt_type, seq)`` gives None (no reply) or
     (reply type, count, bitmap, payload), sent with the datagram's other header fields and
     epoch :data:`EPOCH`."""
@@ -51,4 +62,4 @@ def scripted_aggregator(answer):
         kind, count, bitmap, payload = got
         return [P.HEADER_STRUCT.pack(kind, w, j, slot, ver, count, seq, off, bitmap, run,
                                      EPOCH) + payload]
-    return answering(reply)
+    return answering(reply, delay)

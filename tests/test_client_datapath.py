@@ -507,3 +507,24 @@ def test_a_chunk_later_ones_overtook_is_resent_within_the_fast_backoff_cap(job, 
         assert c.stats.compiled_rounds == (datapath == "compiled")
     gaps = np.diff(sent[: lost + 1])
     assert len(sent) > lost and gaps.max() < 0.3, gaps
+
+
+def test_a_round_trip_past_the_timeout_floor_is_learnt_from_spurious_timeouts(job, datapath):
+    """Every result comes 50 ms after its DATA, 2.5 times the 20 ms timeout floor, so the
+    first chunks all time out and are resent. Karn's rule takes no sample from a resent
+    chunk, and the estimator never learnt the round trip (each chunk resent about twice,
+    every round). The second RESULT of a chunk resent once shows the timeout spurious and
+    gives the sample: after the first round, no more resends."""
+    zeros = np.zeros(job.lanes, P.sum_dtype(job.sum_bits)).tobytes()
+    n = 64
+    with scripted_aggregator(lambda t, seq: (P.PktType.RESULT, 2, 0b11, zeros),
+                             delay=0.05) as addr, \
+            AggregationClient(job, 0, addr, run=4, window=16) as c:
+        data = _packed(job, 3)[: n * job.lanes // 2]
+        c.aggregate(data)
+        first = c.stats.retransmitted
+        for _ in range(2):
+            c.aggregate(data)
+        assert c.stats.compiled_rounds == (datapath == "compiled") * 3
+    assert c.stats.spurious > 0 and first > 0
+    assert c.stats.retransmitted - first < n // 4, (first, c.stats.retransmitted)

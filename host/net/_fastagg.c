@@ -1258,12 +1258,14 @@ cleanup:
 #define CL_WINDOW_VERSION 2
 #define CL_OUT_BYTES 2048
 /* per chunk in the window: retransmitted (no RTT sample: Karn), overtaken by a later
- * chunk of its shard (a lost packet, not a missing worker: its timer does not back off) */
-enum { M_RESENT = 1, M_OVERTAKEN = 2 };
+ * chunk of its shard (a lost packet, not a missing worker: its timer does not back off),
+ * resent once, by its timer, before any reply (a second RESULT then shows the timeout
+ * spurious: host/net/window.py's RttEstimator) */
+enum { M_RESENT = 1, M_OVERTAKEN = 2, M_LONE = 4 };
 
 enum { EV_DONE, EV_RESTARTED, EV_TIMEOUT, EV_OSERROR, EV_REFUSED };
 enum { S_SENT, S_RETRANSMITTED, S_RECEIVED, S_IGNORED, S_OTHER_RUN, S_PENDING, S_BYTES_SENT,
-       S_BYTES_RECEIVED, S_SHORT, S_REJECTED, N_CSTATS };
+       S_BYTES_RECEIVED, S_SHORT, S_REJECTED, S_SPURIOUS, N_CSTATS };
 
 typedef struct {
     int fd, n_shards, window, lanes, n_workers, is_data, chunk_bytes;
@@ -1501,6 +1503,7 @@ static PyObject *fa_stream(PyObject *self, PyObject *args) {
     long total = 0;
     uint8_t *done = NULL, *mark = NULL;
     double *due = NULL, *backoff = NULL, *started = NULL;
+    double *answered = NULL; /* per chunk: its first send's round trip, -1 unless M_LONE */
     int *later = NULL;
     long long *pend = NULL;
     long long *epoch = NULL;
@@ -1543,6 +1546,7 @@ static PyObject *fa_stream(PyObject *self, PyObject *args) {
     epoch = calloc((size_t)n_shards, sizeof(long long));
     c->sbuf = malloc((size_t)BATCH * CL_OUT_BYTES);
     done = calloc((size_t)total + 1, 1);
+    answered = malloc(((size_t)total + 1) * sizeof(double));
     mark = calloc((size_t)window, 1);
     due = calloc((size_t)window, sizeof(double));
     backoff = calloc((size_t)window, sizeof(double));
@@ -1558,7 +1562,8 @@ static PyObject *fa_stream(PyObject *self, PyObject *args) {
     rsrc = calloc(BATCH, sizeof(struct sockaddr_in));
     if (!rsrc || !c->aggs || !c->srtt || !c->rttvar || !c->last_reply || !c->asked ||
         !c->nasked || !c->rejected || !epoch || !c->sbuf || !done || !mark || !due ||
-        !backoff || !started || !later || !pend || !rbuf || !rmsgs || !riov || !rctl) {
+        !backoff || !started || !later || !pend || !rbuf || !rmsgs || !riov || !rctl ||
+        !answered) {
         PyErr_NoMemory();
         goto cleanup;
     }
@@ -1575,6 +1580,7 @@ static PyObject *fa_stream(PyObject *self, PyObject *args) {
         c->rttvar[s] = PyFloat_AsDouble(PyList_GET_ITEM(rttvar_o, s));
         if (PyErr_Occurred()) goto cleanup;
     }
+    for (long i = 0; i <= total; i++) answered[i] = -1;
     c->fd = fd;
     c->gso = gso;
     if (gso) gro_set(fd, 1);
@@ -1683,10 +1689,17 @@ static PyObject *fa_stream(PyObject *self, PyObject *args) {
                     }
                     long i = (long)(uint32_t)(r_seq - (uint32_t)c->base);
                     uint64_t g = c->base + (uint64_t)i; /* the chunk's seq before the wrap */
-                    if (i >= hi || done[i] || rd16(d + 4) != r_seq % c->pool ||
-                        d[6] != (uint8_t)((g / c->pool) & 1) ||
-                        rd32(d + 12) != (uint32_t)(c->offset_base + (uint64_t)i * lanes)) {
+                    int ours = i < hi && rd16(d + 4) == r_seq % c->pool &&
+                               d[6] == (uint8_t)((g / c->pool) & 1) &&
+                               rd32(d + 12) == (uint32_t)(c->offset_base + (uint64_t)i * lanes);
+                    if (!ours || done[i]) {
                         c->st[S_IGNORED]++;
+                        if (ours && answered[i] >= 0 && r_type == c->result_type &&
+                            n - HDR == (size_t)expect_payload) {
+                            c->st[S_SPURIOUS]++;
+                            cl_sample_rtt(c, shard, answered[i]);
+                            answered[i] = -1;
+                        }
                         continue;
                     }
                     c->last_reply[shard] = now;
@@ -1714,6 +1727,7 @@ static PyObject *fa_stream(PyObject *self, PyObject *args) {
                         /* bit 32: held (count 0: the previous use of the slot version
                          * is not yet acknowledged by the workers outside the bitmap) */
                         pend[r] = (long long)(r_bitmap & full) | ((long long)(r_count == 0) << 32);
+                        mark[r] &= (uint8_t)~M_LONE;
                         continue;
                     }
                     if (r_type != c->result_type || n - HDR != (size_t)expect_payload ||
@@ -1769,6 +1783,7 @@ static PyObject *fa_stream(PyObject *self, PyObject *args) {
                     }
                     done[i] = 1;
                     if (!(mark[r] & M_RESENT)) cl_sample_rtt(c, shard, now - started[r]);
+                    else if (mark[r] & M_LONE) answered[i] = now - started[r];
                     if (i == lo) {
                         while (lo < total && done[lo]) lo++;
                         if (lo < hi) { /* the new head: the whole window waits for it */
@@ -1790,7 +1805,8 @@ static PyObject *fa_stream(PyObject *self, PyObject *args) {
                             if (++later[rj] == fast_after) {
                                 /* overtaken this often: lost, not merely reordered */
                                 cl_resend(c, j, now);
-                                mark[rj] |= M_RESENT | M_OVERTAKEN;
+                                mark[rj] = (uint8_t)((mark[rj] & ~M_LONE) | M_RESENT |
+                                                     M_OVERTAKEN);
                                 backoff[rj] = rto;
                                 due[rj] = now + rto;
                                 later[rj] = -4 * fast_after;
@@ -1829,8 +1845,9 @@ static PyObject *fa_stream(PyObject *self, PyObject *args) {
                 ev_rejected = c->rejected[s];
                 break;
             }
+            int lone = !(mark[r] & M_RESENT) && pend[r] < 0;
             cl_resend(c, i, now);
-            mark[r] |= M_RESENT;
+            mark[r] = (uint8_t)((mark[r] & ~M_LONE) | M_RESENT | (lone ? M_LONE : 0));
             double b = cl_rto(c, cl_shard(c, i));
             /* exponential backoff, capped at backoff_cap RTOs for the window's head
              * (every chunk behind it waits for it) and for a chunk that later ones
@@ -1887,7 +1904,8 @@ cleanup:
         free(c->aggs); free(c->srtt); free(c->rttvar); free(c->sbuf);
         free(c->last_reply); free(c->asked); free(c->nasked); free(c->rejected); free(c);
     }
-    free(epoch); free(done); free(mark); free(due); free(backoff); free(started); free(later);
+    free(epoch); free(done); free(answered); free(mark); free(due); free(backoff);
+    free(started); free(later);
     if (gso) gro_set(fd, 0);
     free(pend); free(rbuf); free(rmsgs); free(riov); free(rctl); free(rsrc);
     PyBuffer_Release(&chunks);

@@ -48,6 +48,7 @@ class Streamed:
     bytes_received: int
     short: int
     rejected: int
+    spurious: int
     srtt: list
     rttvar: list
 
@@ -89,7 +90,7 @@ class CompiledWindow:
         s.compiled_rounds += 1
         r = stream(end, rnd, np.ascontiguousarray(rnd.chunks, dtype=np.uint8))
         for name in ("sent", "retransmitted", "received", "ignored", "other_run", "pending",
-                     "bytes_sent", "bytes_received", "short", "rejected"):
+                     "bytes_sent", "bytes_received", "short", "rejected", "spurious"):
             setattr(s, name, getattr(s, name) + getattr(r, name))
         end.rtt.srtt, end.rtt.rttvar = r.srtt, r.rttvar
         if r.event == STREAM_RESTARTED:

@@ -127,3 +127,6 @@ class TransportStats:
     drained: int = 0
     """Datagrams found queued when a round began, dropped unread: no packet of the round
     had been sent, so none can answer it (a predecessor's results, late duplicates)."""
+    spurious: int = 0
+    """Timeouts found spurious (see host/net/window.py's RttEstimator): each gave an RTT
+    sample from the chunk's first send, which Karn's rule would have thrown away."""

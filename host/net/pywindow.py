@@ -65,6 +65,11 @@ class PythonWindow:
         backoff: dict[int, float] = {}
         started: dict[int, float] = {}
         resent: set[int] = set()    # retransmitted chunks: no RTT sample (Karn)
+        # resent once, by the timer, before any reply: a second RESULT proves the timeout
+        # spurious (RttEstimator); the first RESULT's round trip from the first send waits
+        # in ``answered`` for it
+        lone: set[int] = set()
+        answered: dict[int, float] = {}
         overtaken: set[int] = set()  # a lost packet, not a missing worker: no backoff
         pending_bitmap: dict[int, int] = {}
         later: dict[int, int] = {}
@@ -113,6 +118,7 @@ class PythonWindow:
             """Retransmit chunk i, or close it short while the loss bound allows. Only a
             timeout closes a chunk: overtaken chunks (fast retransmit) may merely sit in a
             lower class's queue, and a duplicate DATA costs nothing."""
+            lone.discard(i)
             resent.add(i)
             ask = asked[shard_of(i)]
             if len(ask) < SILENT_AFTER:
@@ -174,9 +180,14 @@ class PythonWindow:
                         end.stats.other_run += 1
                         continue
                     i = (r_seq - base) % P.SEQ_MOD
-                    if (i >= hi or done[i] or (r_slot, r_version) != P.slot_of(r_seq, pool)
-                            or r_offset != (offset_base + i * lanes) % P.SEQ_MOD):
+                    ours = (i < hi and (r_slot, r_version) == P.slot_of(r_seq, pool)
+                            and r_offset == (offset_base + i * lanes) % P.SEQ_MOD)
+                    if not ours or done[i]:
                         end.stats.ignored += 1
+                        if (ours and i in answered and r_type == result_type
+                                and nbytes - header_bytes == expect_payload):
+                            end.stats.spurious += 1
+                            end.rtt.sample(shard, answered.pop(i))
                         continue
                     last_reply[shard] = time.monotonic()
                     if asked[shard]:
@@ -193,6 +204,7 @@ class PythonWindow:
                         # bit 32: held (count 0): the bitmap names who holds the previous
                         # use's result, and a FLUSH could only close the chunk empty
                         pending_bitmap[i] = r_bitmap & full | (r_count == 0) << 32
+                        lone.discard(i)
                         continue
                     if (r_type != result_type or nbytes - header_bytes != expect_payload
                             or r_bitmap & ~full or bin(r_bitmap).count("1") != r_count
@@ -225,7 +237,10 @@ class PythonWindow:
                     done[i] = True
                     if i not in resent:
                         end.rtt.sample(shard, time.monotonic() - started[i])
+                    elif i in lone:
+                        answered[i] = time.monotonic() - started[i]
                     resent.discard(i)
+                    lone.discard(i)
                     overtaken.discard(i)
                     for d in (packets, due, backoff, started, later):
                         d.pop(i, None)
@@ -252,7 +267,10 @@ class PythonWindow:
                     s, rto = shard_of(i), end.rtt.rto(shard_of(i))
                     raise_timeout(end, rnd, i, pending_bitmap.get(i), now - last_reply[s],
                                   rejected[s], sum(now - at >= rto for at in asked[s]))
+                first = i not in resent and i not in pending_bitmap
                 resend(i)
+                if first:
+                    lone.add(i)
                 rto = end.rtt.rto(shard_of(i))
                 # exponential backoff, capped at FAST_BACKOFF_CAP RTOs for the window's head
                 # (every chunk behind it waits for it; with priority classes it may merely

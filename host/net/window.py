@@ -33,7 +33,15 @@ worker's port must not hold its deadlines off."""
 
 class RttEstimator:
     """RFC 6298's round-trip estimator, one per shard (a co-located shard answers sooner
-    than a remote one); the timeout never goes below the configured one."""
+    than a remote one); the timeout never goes below the configured one.
+
+    Both windows also sample a spurious timeout, which Karn's rule would drop: a chunk sent
+    twice, the second time by its timer before any reply, that gets two RESULTs had both
+    sends answered, so the time from its first send to its first RESULT is a round trip.
+    Without it, once the round trip outgrew the RTO (results queued on a slow link) every
+    chunk was resent, no sample was left, and each resend's RESULT queued more: 3.8 times
+    the bytes and the time at 25 Mbit/s. A chunk sent three times is no such evidence: its
+    first RESULT may answer a later send, after the peers' recovery under loss."""
 
     def __init__(self, shards: int, timeout: float, max_timeout: float):
         self.timeout = timeout
