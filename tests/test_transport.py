@@ -437,3 +437,24 @@ def test_a_flood_to_the_worker_port_does_not_hold_off_the_deadline(job, datapath
         assert c.stats.compiled_rounds == (datapath == "compiled")
         assert c.stats.received + c.stats.drained > 1000, "no flood arrived"
         assert took < deadline + 1.0, f"the round took {took:.2f}s (deadline {deadline}s)"
+
+
+@pytest.mark.parametrize("other", [{"lanes": 128}, {"pool_size": 32}])
+def test_an_aggregator_holding_the_job_with_other_lanes_or_pool_is_named(tmp_path, datapath,
+                                                                          other):
+    """The aggregator drops chunks of another size, and those of a slot outside its smaller
+    pool, without an answer: the timeout names that configuration beside a dead host (one
+    worker, so every chunk of a slot it holds completes)."""
+    job = local_job(1, 1, free_port_block(1), pool_size=64)
+    theirs = dataclasses.replace(job, **other).validate()
+    agg = AggregatorProcess(tmp_path, [theirs])
+    why = (r"other lanes or pool for job 1 than this worker's 256 lanes and pool 64"
+           if "lanes" in other else r"a smaller pool for job 1 than this worker's 64 \(it "
+           r"drops slot 32 unanswered\)")
+    try:
+        with AggregationClient(job, 0, agg.addr, deadline=0.5, run=1) as c:
+            with pytest.raises(AggregationTimeout, match=r"chunk seq (0|32) .*no answer from "
+                               r"the aggregator .*, or configured with " + why):
+                c.aggregate(np.zeros(job.lanes // 2 * 64, np.uint8))
+    finally:
+        agg.stop()

@@ -173,9 +173,19 @@ def raise_timeout(end: Endpoint, rnd: Round, i: int, bitmap: int | None, silent:
             f"round (the wrong type or size, or sums, counts or bitmaps this job cannot "
             f"make): is it configured with this job (lanes, sum width, workers)?", None, shard)
     if bitmap is None:
-        # a shard at another address in the shards' own map never sees the chunk
-        hint = (" (down, unreachable, or given another shard map than this worker's)"
-                if job.shards else "")
+        # a shard at another address in the shards' own map never sees the chunk; one that
+        # holds the job with other lanes drops every chunk unanswered, with a smaller pool
+        # the chunks of slots outside it
+        causes = ["down", "unreachable"]
+        if job.shards:
+            causes.append("given another shard map than this worker's")
+        if end.epochs[shard] is None:
+            causes.append(f"configured with other lanes or pool for job {job.job_id} than "
+                          f"this worker's {rnd.lanes} lanes and pool {job.pool_size}")
+        else:
+            causes.append(f"configured with a smaller pool for job {job.job_id} than this "
+                          f"worker's {job.pool_size} (it drops slot {slot} unanswered)")
+        hint = f" ({', '.join(causes[:-1])}, or {causes[-1]})"
         raise AggregationTimeout(f"{at}; no answer from {who} at {ip}:{port}{hint}", None,
                                  shard)
     if quiet:
