@@ -528,3 +528,30 @@ def test_a_round_trip_past_the_timeout_floor_is_learnt_from_spurious_timeouts(jo
         assert c.stats.compiled_rounds == (datapath == "compiled") * 3
     assert c.stats.spurious > 0 and first > 0
     assert c.stats.retransmitted - first < n // 4, (first, c.stats.retransmitted)
+
+
+def test_a_duplicated_answer_to_a_resend_is_no_spurious_timeout(job, datapath):
+    """Each chunk's first DATA is lost and its resend answered with two RESULTs (a
+    duplicated reply): two RESULTs, but the first send was never answered. A sample from
+    it (the RTO plus the round trip) would raise the RTO every round towards max_timeout;
+    the duplicate comes at once, not the resend's delay after the first RESULT, so no
+    sample is taken and the RTO stays at the floor."""
+    zeros = np.zeros(job.lanes, P.sum_dtype(job.sum_bits)).tobytes()
+    seen = set()
+
+    def reply(data):
+        (_t, w, j, slot, ver, _c, seq, off, _b, run, _e) = P.HEADER_STRUCT.unpack_from(data)
+        if seq not in seen:
+            seen.add(seq)
+            return []
+        r = P.HEADER_STRUCT.pack(P.PktType.RESULT, w, j, slot, ver, 2, seq, off, 0b11, run,
+                                 0x42) + zeros
+        return [r, r]
+
+    with answering(reply) as addr, AggregationClient(job, 0, addr, run=4, window=16) as c:
+        data = _packed(job, 3)[: 16 * job.lanes // 2]
+        for _ in range(8):
+            c.aggregate(data)
+        assert c.stats.compiled_rounds == (datapath == "compiled") * 8
+        assert c.stats.retransmitted >= 8 * 16 and c.stats.spurious == 0
+        assert c.rtt.rto(0) == c.timeout

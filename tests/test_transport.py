@@ -448,13 +448,13 @@ def test_an_aggregator_holding_the_job_with_other_lanes_or_pool_is_named(tmp_pat
     job = local_job(1, 1, free_port_block(1), pool_size=64)
     theirs = dataclasses.replace(job, **other).validate()
     agg = AggregatorProcess(tmp_path, [theirs])
-    why = (r"other lanes or pool for job 1 than this worker's 256 lanes and pool 64"
-           if "lanes" in other else r"a smaller pool for job 1 than this worker's 64 \(it "
-           r"drops slot 32 unanswered\)")
+    why = (r"not serving job 1 with this worker's address, 256 lanes and pool 64"
+           if "lanes" in other else r"configured with a smaller pool for job 1 than this "
+           r"worker's 64, dropping slot 32 unanswered")
     try:
         with AggregationClient(job, 0, agg.addr, deadline=0.5, run=1) as c:
             with pytest.raises(AggregationTimeout, match=r"chunk seq (0|32) .*no answer from "
-                               r"the aggregator .*, or configured with " + why):
+                               r"the aggregator .* or " + why):
                 c.aggregate(np.zeros(job.lanes // 2 * 64, np.uint8))
     finally:
         agg.stop()

@@ -1255,7 +1255,7 @@ cleanup:
 
 #define CL_RECV_BYTES 4096 /* the Python loop's receive buffer */
 /* stream()'s arguments and timeout report: host/net/fastclient.py refuses another version */
-#define CL_WINDOW_VERSION 2
+#define CL_WINDOW_VERSION 3
 #define CL_OUT_BYTES 2048
 /* per chunk in the window: retransmitted (no RTT sample: Karn), overtaken by a later
  * chunk of its shard (a lost packet, not a missing worker: its timer does not back off),
@@ -1289,7 +1289,7 @@ typedef struct {
      * impossible replies, and the times of the first silent_after resends to it since */
     double *last_reply, *asked;
     int *nasked;
-    unsigned long long *rejected;
+    unsigned long long *rejected, *taken; /* per shard: impossible replies, chunks it ended */
     int silent_after;
 } Client;
 
@@ -1478,7 +1478,8 @@ static PyObject *list_of_doubles(const double *v, int n) {
  *   bitmaps (uint32) per chunk, written for chunks closed short
  * -> (event, info, stats, srtt, rttvar) with event 0 done, 1 restarted (shard, old, new),
  *    2 timeout (chunk, PENDING bitmap or None, seconds since its shard's last reply, the
- *    shard's unanswered resends, its impossible replies), 3 OS error (errno) */
+ *    shard's unanswered resends, its impossible replies, the chunks it ended this round),
+ *    3 OS error (errno) */
 static PyObject *fa_stream(PyObject *self, PyObject *args) {
     PyObject *hdr, *aggs_o, *epochs, *srtt_o, *rttvar_o;
     Py_buffer chunks = {0}, out = {0}, counts = {0}, bitmaps = {0};
@@ -1503,7 +1504,10 @@ static PyObject *fa_stream(PyObject *self, PyObject *args) {
     long total = 0;
     uint8_t *done = NULL, *mark = NULL;
     double *due = NULL, *backoff = NULL, *started = NULL;
-    double *answered = NULL; /* per chunk: its first send's round trip, -1 unless M_LONE */
+    /* per chunk resent M_LONE: its first send's round trip, -1 for none, and when the
+     * second RESULT may come (the resend's delay after the first, halved: a duplicate of
+     * one answer comes at once); per window slot: the M_LONE resend's delay */
+    double *answered = NULL, *earliest = NULL, *lone_gap = NULL;
     int *later = NULL;
     long long *pend = NULL;
     long long *epoch = NULL;
@@ -1542,11 +1546,14 @@ static PyObject *fa_stream(PyObject *self, PyObject *args) {
     c->asked = calloc((size_t)n_shards * (size_t)silent_after, sizeof(double));
     c->nasked = calloc((size_t)n_shards, sizeof(int));
     c->rejected = calloc((size_t)n_shards, sizeof(unsigned long long));
+    c->taken = calloc((size_t)n_shards, sizeof(unsigned long long));
     c->silent_after = silent_after;
     epoch = calloc((size_t)n_shards, sizeof(long long));
     c->sbuf = malloc((size_t)BATCH * CL_OUT_BYTES);
     done = calloc((size_t)total + 1, 1);
     answered = malloc(((size_t)total + 1) * sizeof(double));
+    earliest = calloc((size_t)total + 1, sizeof(double));
+    lone_gap = calloc((size_t)window, sizeof(double));
     mark = calloc((size_t)window, 1);
     due = calloc((size_t)window, sizeof(double));
     backoff = calloc((size_t)window, sizeof(double));
@@ -1561,9 +1568,9 @@ static PyObject *fa_stream(PyObject *self, PyObject *args) {
     rctl = calloc(BATCH, GRO_CTL);
     rsrc = calloc(BATCH, sizeof(struct sockaddr_in));
     if (!rsrc || !c->aggs || !c->srtt || !c->rttvar || !c->last_reply || !c->asked ||
-        !c->nasked || !c->rejected || !epoch || !c->sbuf || !done || !mark || !due ||
+        !c->nasked || !c->rejected || !c->taken || !epoch || !c->sbuf || !done || !mark || !due ||
         !backoff || !started || !later || !pend || !rbuf || !rmsgs || !riov || !rctl ||
-        !answered) {
+        !answered || !earliest || !lone_gap) {
         PyErr_NoMemory();
         goto cleanup;
     }
@@ -1612,7 +1619,7 @@ static PyObject *fa_stream(PyObject *self, PyObject *args) {
     long long ev_old = 0, ev_new = 0, ev_bitmap = -1, ev_code = 0;
     int ev_shard = 0, ev_unanswered = 0;
     double ev_silent = 0;
-    unsigned long long ev_rejected = 0;
+    unsigned long long ev_rejected = 0, ev_taken = 0;
 
     Py_BEGIN_ALLOW_THREADS
     long lo = 0, hi = 0;
@@ -1695,7 +1702,8 @@ static PyObject *fa_stream(PyObject *self, PyObject *args) {
                     if (!ours || done[i]) {
                         c->st[S_IGNORED]++;
                         if (ours && answered[i] >= 0 && r_type == c->result_type &&
-                            n - HDR == (size_t)expect_payload) {
+                            n - HDR == (size_t)expect_payload && !(r_bitmap & ~full) &&
+                            __builtin_popcount(r_bitmap) == r_count && now >= earliest[i]) {
                             c->st[S_SPURIOUS]++;
                             cl_sample_rtt(c, shard, answered[i]);
                             answered[i] = -1;
@@ -1782,8 +1790,12 @@ static PyObject *fa_stream(PyObject *self, PyObject *args) {
                         memcpy(bitmapp + i, &r_bitmap, 4);
                     }
                     done[i] = 1;
+                    c->taken[shard]++;
                     if (!(mark[r] & M_RESENT)) cl_sample_rtt(c, shard, now - started[r]);
-                    else if (mark[r] & M_LONE) answered[i] = now - started[r];
+                    else if (mark[r] & M_LONE) {
+                        answered[i] = now - started[r];
+                        earliest[i] = now + lone_gap[r] / 2;
+                    }
                     if (i == lo) {
                         while (lo < total && done[lo]) lo++;
                         if (lo < hi) { /* the new head: the whole window waits for it */
@@ -1843,11 +1855,13 @@ static PyObject *fa_stream(PyObject *self, PyObject *args) {
                 ev_silent = now - c->last_reply[s];
                 ev_unanswered = cl_unanswered(c, s, now);
                 ev_rejected = c->rejected[s];
+                ev_taken = c->taken[s];
                 break;
             }
             int lone = !(mark[r] & M_RESENT) && pend[r] < 0;
             cl_resend(c, i, now);
             mark[r] = (uint8_t)((mark[r] & ~M_LONE) | M_RESENT | (lone ? M_LONE : 0));
+            if (lone) lone_gap[r] = now - started[r];
             double b = cl_rto(c, cl_shard(c, i));
             /* exponential backoff, capped at backoff_cap RTOs for the window's head
              * (every chunk behind it waits for it) and for a chunk that later ones
@@ -1881,10 +1895,10 @@ static PyObject *fa_stream(PyObject *self, PyObject *args) {
     if (event == EV_RESTARTED)
         info = Py_BuildValue("(iLL)", ev_shard, ev_old, ev_new);
     else if (event == EV_TIMEOUT)
-        info = ev_bitmap < 0 ? Py_BuildValue("(lOdiK)", ev_chunk, Py_None, ev_silent,
-                                             ev_unanswered, ev_rejected)
-                             : Py_BuildValue("(lLdiK)", ev_chunk, ev_bitmap, ev_silent,
-                                             ev_unanswered, ev_rejected);
+        info = ev_bitmap < 0 ? Py_BuildValue("(lOdiKK)", ev_chunk, Py_None, ev_silent,
+                                             ev_unanswered, ev_rejected, ev_taken)
+                             : Py_BuildValue("(lLdiKK)", ev_chunk, ev_bitmap, ev_silent,
+                                             ev_unanswered, ev_rejected, ev_taken);
     else if (event == EV_OSERROR)
         info = PyLong_FromLong(c->err);
     else if (event == EV_REFUSED)
@@ -1902,9 +1916,11 @@ static PyObject *fa_stream(PyObject *self, PyObject *args) {
 cleanup:
     if (c) {
         free(c->aggs); free(c->srtt); free(c->rttvar); free(c->sbuf);
-        free(c->last_reply); free(c->asked); free(c->nasked); free(c->rejected); free(c);
+        free(c->last_reply); free(c->asked); free(c->nasked); free(c->rejected);
+        free(c->taken); free(c);
     }
-    free(epoch); free(done); free(answered); free(mark); free(due); free(backoff);
+    free(epoch); free(done); free(answered); free(earliest); free(lone_gap); free(mark);
+    free(due); free(backoff);
     free(started); free(later);
     if (gso) gro_set(fd, 0);
     free(pend); free(rbuf); free(rmsgs); free(riov); free(rctl); free(rsrc);

@@ -17,7 +17,7 @@ from thc.net.window import (FAST_BACKOFF_CAP, FAST_RETRANSMIT_AFTER, RECV_BATCH,
                              Endpoint, Round, raise_refused, raise_timeout)
 from thc.wire import protocol as P
 
-CLIENT_WINDOW = 2
+CLIENT_WINDOW = 3
 """The version of ``_fastagg.stream``'s arguments and timeout report this module speaks."""
 
 CLIENT_UNAVAILABLE: str | None = UNAVAILABLE or (
@@ -98,8 +98,8 @@ class CompiledWindow:
             raise AggregatorRestarted(end.aggregators[shard], rnd.run, old, new,
                                       shard if len(end.aggregators) > 1 else None)
         if r.event == STREAM_TIMEOUT:
-            i, bitmap, silent, unanswered, rejected = r.info  # of the chunk's shard
-            raise_timeout(end, rnd, i, bitmap, silent, rejected, unanswered)
+            i, bitmap, silent, unanswered, rejected, taken = r.info  # of the chunk's shard
+            raise_timeout(end, rnd, i, bitmap, silent, rejected, unanswered, taken)
         if r.event == STREAM_OSERROR:
             raise OSError(r.info, os.strerror(r.info))
         if r.event == STREAM_REFUSED:

@@ -65,11 +65,11 @@ class PythonWindow:
         backoff: dict[int, float] = {}
         started: dict[int, float] = {}
         resent: set[int] = set()    # retransmitted chunks: no RTT sample (Karn)
-        # resent once, by the timer, before any reply: a second RESULT proves the timeout
-        # spurious (RttEstimator); the first RESULT's round trip from the first send waits
-        # in ``answered`` for it
-        lone: set[int] = set()
-        answered: dict[int, float] = {}
+        # resent once, by the timer, before any reply (with the resend's delay): a second
+        # RESULT shows the timeout spurious (RttEstimator); ``answered`` holds the first
+        # RESULT's round trip from the first send, and when the second may come
+        lone: dict[int, float] = {}
+        answered: dict[int, tuple[float, float]] = {}
         overtaken: set[int] = set()  # a lost packet, not a missing worker: no backoff
         pending_bitmap: dict[int, int] = {}
         later: dict[int, int] = {}
@@ -91,6 +91,7 @@ class PythonWindow:
         # its impossible replies, the first SILENT_AFTER resends to it since it answered
         last_reply = [now] * n_shards
         rejected = [0] * n_shards
+        taken = [0] * n_shards      # chunks each shard ended this round
         asked: list[list[float]] = [[] for _ in range(n_shards)]
 
         pack, unpack = P.HEADER_STRUCT.pack, P.HEADER_STRUCT.unpack_from
@@ -118,7 +119,7 @@ class PythonWindow:
             """Retransmit chunk i, or close it short while the loss bound allows. Only a
             timeout closes a chunk: overtaken chunks (fast retransmit) may merely sit in a
             lower class's queue, and a duplicate DATA costs nothing."""
-            lone.discard(i)
+            lone.pop(i, None)
             resent.add(i)
             ask = asked[shard_of(i)]
             if len(ask) < SILENT_AFTER:
@@ -185,9 +186,12 @@ class PythonWindow:
                     if not ours or done[i]:
                         end.stats.ignored += 1
                         if (ours and i in answered and r_type == result_type
-                                and nbytes - header_bytes == expect_payload):
+                                and nbytes - header_bytes == expect_payload
+                                and not r_bitmap & ~full
+                                and bin(r_bitmap).count("1") == r_count
+                                and time.monotonic() >= answered[i][1]):
                             end.stats.spurious += 1
-                            end.rtt.sample(shard, answered.pop(i))
+                            end.rtt.sample(shard, answered.pop(i)[0])
                         continue
                     last_reply[shard] = time.monotonic()
                     if asked[shard]:
@@ -204,7 +208,7 @@ class PythonWindow:
                         # bit 32: held (count 0): the bitmap names who holds the previous
                         # use's result, and a FLUSH could only close the chunk empty
                         pending_bitmap[i] = r_bitmap & full | (r_count == 0) << 32
-                        lone.discard(i)
+                        lone.pop(i, None)
                         continue
                     if (r_type != result_type or nbytes - header_bytes != expect_payload
                             or r_bitmap & ~full or bin(r_bitmap).count("1") != r_count
@@ -235,12 +239,15 @@ class PythonWindow:
                         short.discard(i)
                     out[i] = sums
                     done[i] = True
+                    taken[shard] += 1
                     if i not in resent:
                         end.rtt.sample(shard, time.monotonic() - started[i])
                     elif i in lone:
-                        answered[i] = time.monotonic() - started[i]
+                        # the resend's answer comes about as much later as the resend went:
+                        # a duplicate of one answer comes at once
+                        at = time.monotonic()
+                        answered[i] = (at - started[i], at + lone.pop(i) / 2)
                     resent.discard(i)
-                    lone.discard(i)
                     overtaken.discard(i)
                     for d in (packets, due, backoff, started, later):
                         d.pop(i, None)
@@ -266,11 +273,12 @@ class PythonWindow:
                 if now - started[i] > end.deadline:
                     s, rto = shard_of(i), end.rtt.rto(shard_of(i))
                     raise_timeout(end, rnd, i, pending_bitmap.get(i), now - last_reply[s],
-                                  rejected[s], sum(now - at >= rto for at in asked[s]))
+                                  rejected[s], sum(now - at >= rto for at in asked[s]),
+                                  taken[s])
                 first = i not in resent and i not in pending_bitmap
                 resend(i)
-                if first:
-                    lone.add(i)
+                if first and i not in short:   # a DATA, not a FLUSH
+                    lone[i] = now - started[i]
                 rto = end.rtt.rto(shard_of(i))
                 # exponential backoff, capped at FAST_BACKOFF_CAP RTOs for the window's head
                 # (every chunk behind it waits for it; with priority classes it may merely

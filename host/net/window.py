@@ -36,8 +36,9 @@ class RttEstimator:
     than a remote one); the timeout never goes below the configured one.
 
     Both windows also sample a spurious timeout, which Karn's rule would drop: a chunk sent
-    twice, the second time by its timer before any reply, that gets two RESULTs had both
-    sends answered, so the time from its first send to its first RESULT is a round trip.
+    twice, the second time by its timer before any reply, that gets two RESULTs at least
+    half the resend's delay apart had both sends answered (a duplicated answer comes at
+    once), so the time from its first send to its first RESULT is a round trip.
     Without it, once the round trip outgrew the RTO (results queued on a slow link) every
     chunk was resent, no sample was left, and each resend's RESULT queued more: 3.8 times
     the bytes and the time at 25 Mbit/s. A chunk sent three times is no such evidence: its
@@ -142,7 +143,7 @@ def raise_refused(end: Endpoint, rnd: Round, i: int, code: int, detail: int):
 
 
 def raise_timeout(end: Endpoint, rnd: Round, i: int, bitmap: int | None, silent: float = 0.0,
-                  rejected: int = 0, unanswered: int = 0):
+                  rejected: int = 0, unanswered: int = 0, taken: int = 0):
     """Name the cause of chunk ``i``'s timeout from the evidence of its own shard (one
     shard's replies say nothing about another's).
 
@@ -152,8 +153,8 @@ def raise_timeout(end: Endpoint, rnd: Round, i: int, bitmap: int | None, silent:
     named as misconfigured, not as silent nor as waiting for a worker. ``silent``: seconds
     since the shard last answered anything of this round; ``unanswered``: the
     retransmissions to it since then that had an RTO to be answered (counted up to
-    :data:`SILENT_AFTER`). A live aggregator answers every retransmission of a chunk it
-    holds (PENDING): silent for half the deadline through SILENT_AFTER of them, the cause is
+    :data:`SILENT_AFTER`); ``taken``: the chunks it ended this round. A live aggregator
+    answers every retransmission of a chunk it holds (PENDING): silent for half the deadline through SILENT_AFTER of them, the cause is
     the aggregator (gone, unreachable, or restarted without a program yet), not a missing
     worker: an old PENDING's bitmap would name workers that are fine. A shard first heard in
     this round may have restarted before that, unseen: its peers then raised
@@ -173,19 +174,23 @@ def raise_timeout(end: Endpoint, rnd: Round, i: int, bitmap: int | None, silent:
             f"round (the wrong type or size, or sums, counts or bitmaps this job cannot "
             f"make): is it configured with this job (lanes, sum width, workers)?", None, shard)
     if bitmap is None:
-        # a shard at another address in the shards' own map never sees the chunk; one that
-        # holds the job with other lanes drops every chunk unanswered, with a smaller pool
-        # the chunks of slots outside it
-        causes = ["down", "unreachable"]
+        # Dropped unanswered: every chunk at an aggregator without this job, this worker's
+        # address or its lanes (DATA), or with another pool; with a smaller pool only the
+        # slots outside it, while it answers the others. A shard at another address in the
+        # shards' own map never sees the chunk.
+        answering = taken > 0   # this round: alive, and it takes other chunks
+        causes = ["each send of it or its reply lost"] if answering else ["down", "unreachable"]
         if job.shards:
             causes.append("given another shard map than this worker's")
+        lanes = f", {job.lanes} lanes" if rnd.is_data else ""
         if end.epochs[shard] is None:
-            causes.append(f"configured with other lanes or pool for job {job.job_id} than "
-                          f"this worker's {rnd.lanes} lanes and pool {job.pool_size}")
-        else:
+            causes.append(f"not serving job {job.job_id} with this worker's address{lanes} "
+                          f"and pool {job.pool_size}")
+        elif answering and slot:
             causes.append(f"configured with a smaller pool for job {job.job_id} than this "
-                          f"worker's {job.pool_size} (it drops slot {slot} unanswered)")
-        hint = f" ({', '.join(causes[:-1])}, or {causes[-1]})"
+                          f"worker's {job.pool_size}, dropping slot {slot} unanswered")
+        hint = (f" ({', '.join(causes[:-1])}, or {causes[-1]})" if len(causes) > 2 else
+                f" ({' or '.join(causes)})")
         raise AggregationTimeout(f"{at}; no answer from {who} at {ip}:{port}{hint}", None,
                                  shard)
     if quiet:
