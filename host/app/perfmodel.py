@@ -84,7 +84,9 @@ class Setup:
     efficiency: float = 1.0
     """Fraction of the nominal bandwidth the payload gets (headers, shaping)."""
     agg_bw_factor: float = float("inf")
-    """The aggregator's link as a multiple of a worker's (the Mininet testbed: workers)."""
+    """The aggregator's link as a multiple of a worker's: inf for a switch, the workers for
+    shards on every worker host (their links share the load), 1 for one central software
+    aggregator on a link like the workers' (the Mininet testbed's default)."""
     topk_ratio: float = 0.1
     loss: float = 0.0
     """Packet loss rate on the way to and from the aggregator (DLCP)."""
@@ -199,6 +201,9 @@ MODE_SCHEME = {"fp32": "fp32_ring", "fp16": "fp16_ring", "thc": "thc_switch",
                "topk": "topk_allgather", "thc-lossy": "thc_switch_dlcp",
                "thc-dlcp": "thc_switch_dlcp"}
 """Main-job modes and the model's scheme for each."""
+CENTRAL_MODES = ("thc-central", "thc-lossy", "thc-dlcp", "marsit-vote")
+"""Main-job modes through one central software aggregator on its own host, whose link is a
+worker's (mininet/thcnet/mainjob.py); ``thc`` runs a shard on every worker host."""
 NO_HOOK = ("fp32", "fp16")
 """Modes that run DDP's own all-reduce: no hook says how much of a step was communication."""
 
@@ -292,7 +297,9 @@ def calibrate(report: dict, alpha_s: float | None = None, efficiency: float | No
         bmv2 = r["mode"].endswith("bmv2")
         s = replace(base, lanes=P.LANES if bmv2 else base.lanes,
                     codec_mbps=(4 * base.params / codec_s / 1e6) if codec_s else 1e12,
-                    agg_pps=float("inf") if bmv2 else base.agg_pps)
+                    agg_pps=float("inf") if bmv2 else base.agg_pps,
+                    agg_bw_factor=(float("inf") if bmv2 else 1.0 if r["mode"] in CENTRAL_MODES
+                                   else base.agg_bw_factor))
         measured, predicted = step_seconds(r), iteration_s(s)[scheme]
         rows.append({"mode": r["mode"], "scheme": scheme, "measured_s": measured,
                      "predicted_s": predicted, "error": predicted / measured - 1,
