@@ -28,6 +28,9 @@ def test_main_job_runs_and_reports(tmp_path):
         assert r["stopped"] is None and r["epochs_done"] == 1.0
     # THC moves far fewer bytes than FP32 for the same steps (Marsit's modes: test_marsit).
     assert runs["fp32"]["wire_bytes"] > 4 * runs["thc"]["wire_bytes"]
+    # the aggregator client's counters ride along (DDP's ring has none)
+    sent = runs["thc"]["history"][-1]["transport"]["sent"]
+    assert sent > 0 and runs["fp32"]["history"][-1]["transport"] is None
     summary = report["summary"]
     assert summary["target_fp32_minus_1pt"] == runs["fp32"]["final_accuracy"] - 0.01
     assert {row["mode"] for row in summary["rows"]} == set(runs)

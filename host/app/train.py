@@ -97,25 +97,28 @@ def make_model(image_side: int, width: int | None = None, classes: int = 10):
 
 
 def _hook(args, model, ddp):
+    """The mode's communication hook, and its aggregator client (None for collectives)."""
     opts = HookOptions(uncompressed=tuple(s for s in args.uncompressed.split(",") if s))
     if args.mode == "topk":
-        return TopKHook(model, ratio=args.topk_ratio, options=opts)
+        return TopKHook(model, ratio=args.topk_ratio, options=opts), None
     import torch
     if args.mode == "marsit":
-        return MarsitHook(model, opts, generator=torch.Generator().manual_seed(1000 + args.rank))
+        return MarsitHook(model, opts,
+                          generator=torch.Generator().manual_seed(1000 + args.rank)), None
     if args.mode == "marsit-vote":
-        return MarsitVoteHook(model, _client(args), opts)
+        client = _client(args)
+        return MarsitVoteHook(model, client, opts), client
     params = THCParams.from_args(args, seed=args.seed, slice_size=args.slice_size)
     ef = not args.no_error_feedback
     gen = torch.Generator().manual_seed(1000 + args.rank)
     if args.mode == "thc-dist":
         make = lambda: THCAllReduce.through_torch_distributed(  # noqa: E731
             params=params, error_feedback=ef, generator=gen)
-        return THCHook(model, make, opts)
+        return THCHook(model, make, opts), None
     client = _client(args)
     make = lambda: THCAllReduce.through_aggregator(  # noqa: E731
         client, params, error_feedback=ef, generator=gen)
-    return THCHook(model, make, opts, priorities=args.priorities)
+    return THCHook(model, make, opts, priorities=args.priorities), client
 
 
 def _client(args) -> AggregationClient:
@@ -179,14 +182,15 @@ def train(args) -> list[dict]:
     xtr, ytr, xte, yte = _tensors(ds, args.train_subset)
     model = make_model(xtr.shape[-1], args.width, ds.classes)
     ddp = DDP(model)
-    hook = None
+    hook = client = None
     if args.mode == "fp16":
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import (
             fp16_compress_hook,
         )
         ddp.register_comm_hook(None, fp16_compress_hook)
     elif args.mode != "fp32":
-        hook = _hook(args, model, ddp).register(ddp)
+        hook, client = _hook(args, model, ddp)
+        hook.register(ddp)
     n_params = sum(p.numel() for p in model.parameters())
     say = print if args.rank == 0 else (lambda *a, **k: None)
     lr, momentum = optimizer_settings(args)
@@ -248,6 +252,8 @@ def train(args) -> list[dict]:
                    "steps": n, "comm_seconds": comm, "exposed_comm_seconds": exposed,
                    "codec_seconds": getattr(hook, "codec_seconds", None),
                    "short_chunks": getattr(hook, "short_chunks", None),
+                   # the aggregator client's counters: resends, spurious timeouts, ...
+                   "transport": vars(client.stats).copy() if client else None,
                    "step_losses": step_losses[reported:]}
             reported = n
             history.append(row)
