@@ -555,3 +555,51 @@ def test_a_duplicated_answer_to_a_resend_is_no_spurious_timeout(job, datapath):
         assert c.stats.compiled_rounds == (datapath == "compiled") * 8
         assert c.stats.retransmitted >= 8 * 16 and c.stats.spurious == 0
         assert c.rtt.rto(0) == c.timeout
+
+
+def test_a_pending_gives_its_resends_round_trip_while_peers_are_late(job, datapath):
+    """Each chunk waits 0.2 s for the other worker, and every reply comes 50 ms late: every
+    chunk is resent, and the resends are answered with PENDINGs. Karn's rule, and the
+    spurious-timeout rule (a PENDING came), take no sample: the estimator never learnt the
+    50 ms. A PENDING that is not held answers a resend, so after exactly one resend since
+    the chunk's last reply it gives that resend's round trip."""
+    zeros = np.zeros(job.lanes, P.sum_dtype(job.sum_bits)).tobytes()
+    first: dict[int, float] = {}
+
+    def answer(t, seq):
+        now = time.monotonic()
+        if seq not in first:
+            first[seq] = now
+            return None
+        if now < first[seq] + 0.2:
+            return (P.PktType.PENDING, 1, 0b01, b"")
+        return (P.PktType.RESULT, 2, 0b11, zeros)
+
+    with scripted_aggregator(answer, delay=0.05) as addr, \
+            AggregationClient(job, 0, addr, run=4, window=8) as c:
+        c.aggregate(_packed(job, 4)[: 8 * job.lanes // 2])
+        assert c.stats.compiled_rounds == (datapath == "compiled")
+        assert c.stats.pending > 0 and c.stats.retransmitted >= 8
+    srtt = c.rtt.srtt[0]
+    assert srtt is not None and 0.045 < srtt < 0.1, srtt
+
+
+def test_a_held_pending_gives_no_round_trip(job, datapath):
+    """A held PENDING (count 0: the slot's previous use is not acknowledged) answers a first
+    send as well as a resend: one arriving after a resend may be the first send's, 50 ms
+    late, and would give the resend's shorter time. No sample is taken from it."""
+    zeros = np.zeros(job.lanes, P.sum_dtype(job.sum_bits)).tobytes()
+    first: dict[int, float] = {}
+
+    def answer(t, seq):
+        now = first.setdefault(seq, time.monotonic())
+        if time.monotonic() < now + 0.2:
+            return (P.PktType.PENDING, 0, 0b10, b"")
+        return (P.PktType.RESULT, 2, 0b11, zeros)
+
+    with scripted_aggregator(answer, delay=0.05) as addr, \
+            AggregationClient(job, 0, addr, run=4, window=8) as c:
+        c.aggregate(_packed(job, 4)[: 8 * job.lanes // 2])
+        assert c.stats.compiled_rounds == (datapath == "compiled")
+        assert c.stats.pending > 0
+    assert c.rtt.srtt[0] is None

@@ -1508,6 +1508,10 @@ static PyObject *fa_stream(PyObject *self, PyObject *args) {
      * second RESULT may come (the resend's delay after the first, halved: a duplicate of
      * one answer comes at once); per window slot: the M_LONE resend's delay */
     double *answered = NULL, *earliest = NULL, *lone_gap = NULL;
+    /* per window slot: resends since the chunk's last reply, and when the latest went (a
+     * PENDING that is not held answers a resend: window.py's RttEstimator) */
+    int *unreplied = NULL;
+    double *last_sent = NULL;
     int *later = NULL;
     long long *pend = NULL;
     long long *epoch = NULL;
@@ -1554,6 +1558,8 @@ static PyObject *fa_stream(PyObject *self, PyObject *args) {
     answered = malloc(((size_t)total + 1) * sizeof(double));
     earliest = calloc((size_t)total + 1, sizeof(double));
     lone_gap = calloc((size_t)window, sizeof(double));
+    unreplied = calloc((size_t)window, sizeof(int));
+    last_sent = calloc((size_t)window, sizeof(double));
     mark = calloc((size_t)window, 1);
     due = calloc((size_t)window, sizeof(double));
     backoff = calloc((size_t)window, sizeof(double));
@@ -1570,7 +1576,7 @@ static PyObject *fa_stream(PyObject *self, PyObject *args) {
     if (!rsrc || !c->aggs || !c->srtt || !c->rttvar || !c->last_reply || !c->asked ||
         !c->nasked || !c->rejected || !c->taken || !epoch || !c->sbuf || !done || !mark || !due ||
         !backoff || !started || !later || !pend || !rbuf || !rmsgs || !riov || !rctl ||
-        !answered || !earliest || !lone_gap) {
+        !answered || !earliest || !lone_gap || !unreplied || !last_sent) {
         PyErr_NoMemory();
         goto cleanup;
     }
@@ -1633,6 +1639,7 @@ static PyObject *fa_stream(PyObject *self, PyObject *args) {
             backoff[r] = timeout;
             started[r] = now;
             later[r] = 0;
+            unreplied[r] = 0;
             pend[r] = -1;
             mark[r] = 0;
             hi++;
@@ -1736,6 +1743,9 @@ static PyObject *fa_stream(PyObject *self, PyObject *args) {
                          * is not yet acknowledged by the workers outside the bitmap) */
                         pend[r] = (long long)(r_bitmap & full) | ((long long)(r_count == 0) << 32);
                         mark[r] &= (uint8_t)~M_LONE;
+                        if (unreplied[r] == 1 && r_count)
+                            cl_sample_rtt(c, shard, now - last_sent[r]);
+                        unreplied[r] = 0;
                         continue;
                     }
                     if (r_type != c->result_type || n - HDR != (size_t)expect_payload ||
@@ -1817,6 +1827,8 @@ static PyObject *fa_stream(PyObject *self, PyObject *args) {
                             if (++later[rj] == fast_after) {
                                 /* overtaken this often: lost, not merely reordered */
                                 cl_resend(c, j, now);
+                                unreplied[rj]++;
+                                last_sent[rj] = now;
                                 mark[rj] = (uint8_t)((mark[rj] & ~M_LONE) | M_RESENT |
                                                      M_OVERTAKEN);
                                 backoff[rj] = rto;
@@ -1860,6 +1872,8 @@ static PyObject *fa_stream(PyObject *self, PyObject *args) {
             }
             int lone = !(mark[r] & M_RESENT) && pend[r] < 0;
             cl_resend(c, i, now);
+            unreplied[r]++;
+            last_sent[r] = now;
             mark[r] = (uint8_t)((mark[r] & ~M_LONE) | M_RESENT | (lone ? M_LONE : 0));
             if (lone) lone_gap[r] = now - started[r];
             double b = cl_rto(c, cl_shard(c, i));
@@ -1919,7 +1933,8 @@ cleanup:
         free(c->last_reply); free(c->asked); free(c->nasked); free(c->rejected);
         free(c->taken); free(c);
     }
-    free(epoch); free(done); free(answered); free(earliest); free(lone_gap); free(mark);
+    free(epoch); free(done); free(answered); free(earliest); free(lone_gap); free(unreplied);
+    free(last_sent); free(mark);
     free(due); free(backoff);
     free(started); free(later);
     if (gso) gro_set(fd, 0);

@@ -40,9 +40,12 @@ class RttEstimator:
     half the resend's delay apart had both sends answered (a duplicated answer comes at
     once), so the time from its first send to its first RESULT is a round trip.
     Without it, once the round trip outgrew the RTO (results queued on a slow link) every
-    chunk was resent, no sample was left, and each resend's RESULT queued more: 3.8 times
-    the bytes and the time at 25 Mbit/s. A chunk sent three times is no such evidence: its
-    first RESULT may answer a later send, after the peers' recovery under loss."""
+    chunk was resent, no sample was left, and each resend's RESULT queued more (twice the
+    bytes of Marsit's vote at 25 Mbit/s: docs/results.md). A chunk sent three times is no
+    such evidence: its first RESULT may answer a later send, after the peers' recovery under
+    loss. And a PENDING that is not held (count > 0) answers a resend, never a first send:
+    after exactly one resend since the chunk's last reply, it is that resend's round trip,
+    its own path's alone (peers that are late make a chunk wait, not its PENDING)."""
 
     def __init__(self, shards: int, timeout: float, max_timeout: float):
         self.timeout = timeout
