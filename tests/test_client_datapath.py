@@ -514,7 +514,7 @@ def test_a_round_trip_past_the_timeout_floor_is_learnt_from_spurious_timeouts(jo
     first chunks all time out and are resent. Karn's rule takes no sample from a resent
     chunk, and the estimator never learnt the round trip (each chunk resent about twice,
     every round). The second RESULT of a chunk resent once shows the timeout spurious and
-    gives the sample: after the first round, no more resends."""
+    gives the sample: after the first round, few resends (a late scripted reply)."""
     zeros = np.zeros(job.lanes, P.sum_dtype(job.sum_bits)).tobytes()
     n = 64
     with scripted_aggregator(lambda t, seq: (P.PktType.RESULT, 2, 0b11, zeros),
@@ -527,7 +527,7 @@ def test_a_round_trip_past_the_timeout_floor_is_learnt_from_spurious_timeouts(jo
             c.aggregate(data)
         assert c.stats.compiled_rounds == (datapath == "compiled") * 3
     assert c.stats.spurious > 0 and first > 0
-    assert c.stats.retransmitted - first < n // 4, (first, c.stats.retransmitted)
+    assert c.stats.retransmitted - first < n // 2, (first, c.stats.retransmitted)
 
 
 def test_a_duplicated_answer_to_a_resend_is_no_spurious_timeout(job, datapath):
@@ -558,11 +558,11 @@ def test_a_duplicated_answer_to_a_resend_is_no_spurious_timeout(job, datapath):
 
 
 def test_a_pending_gives_its_resends_round_trip_while_peers_are_late(job, datapath):
-    """Each chunk waits 0.2 s for the other worker, and every reply comes 50 ms late: every
-    chunk is resent, and the resends are answered with PENDINGs. Karn's rule, and the
-    spurious-timeout rule (a PENDING came), take no sample: the estimator never learnt the
-    50 ms. A PENDING that is not held answers a resend, so after exactly one resend since
-    the chunk's last reply it gives that resend's round trip."""
+    """Each chunk waits 0.2 s for the other worker, and every reply comes 30 ms late (after
+    the first resend at 20 ms, before the second at 60): every chunk is resent, and the
+    resends are answered with PENDINGs. Karn's rule, and the spurious-timeout rule (a
+    PENDING came), take no sample: the estimator never learnt the 30 ms. A PENDING that is
+    not held answers a resend, so for a chunk resent once it is that resend's round trip."""
     zeros = np.zeros(job.lanes, P.sum_dtype(job.sum_bits)).tobytes()
     first: dict[int, float] = {}
 
@@ -575,13 +575,13 @@ def test_a_pending_gives_its_resends_round_trip_while_peers_are_late(job, datapa
             return (P.PktType.PENDING, 1, 0b01, b"")
         return (P.PktType.RESULT, 2, 0b11, zeros)
 
-    with scripted_aggregator(answer, delay=0.05) as addr, \
+    with scripted_aggregator(answer, delay=0.03) as addr, \
             AggregationClient(job, 0, addr, run=4, window=8) as c:
         c.aggregate(_packed(job, 4)[: 8 * job.lanes // 2])
         assert c.stats.compiled_rounds == (datapath == "compiled")
         assert c.stats.pending > 0 and c.stats.retransmitted >= 8
     srtt = c.rtt.srtt[0]
-    assert srtt is not None and 0.045 < srtt < 0.1, srtt
+    assert srtt is not None and 0.028 < srtt < 0.06, srtt
 
 
 def test_a_held_pending_gives_no_round_trip(job, datapath):
@@ -603,3 +603,29 @@ def test_a_held_pending_gives_no_round_trip(job, datapath):
         assert c.stats.compiled_rounds == (datapath == "compiled")
         assert c.stats.pending > 0
     assert c.rtt.srtt[0] is None
+
+
+def test_pending_samples_are_never_shorter_than_the_round_trip(job, datapath):
+    """Replies 150 ms late, resends at most 100 ms apart (max_timeout) while the chunk waits
+    0.6 s for a peer: several resends are in flight, and a PENDING may answer any of them.
+    Paired with the latest resend, each sample was the round trip less the gap between
+    resends."""
+    zeros = np.zeros(job.lanes, P.sum_dtype(job.sum_bits)).tobytes()
+    first: dict[int, float] = {}
+
+    def answer(t, seq):
+        now = time.monotonic()
+        if seq not in first:
+            first[seq] = now
+            return None
+        if now < first[seq] + 0.6:
+            return (P.PktType.PENDING, 1, 0b01, b"")
+        return (P.PktType.RESULT, 2, 0b11, zeros)
+
+    with scripted_aggregator(answer, delay=0.15) as addr, \
+            AggregationClient(job, 0, addr, run=4, window=4, max_timeout=0.1) as c:
+        c.aggregate(_packed(job, 4)[: 4 * job.lanes // 2])
+        assert c.stats.compiled_rounds == (datapath == "compiled")
+        assert c.stats.pending > 4
+    srtt = c.rtt.srtt[0]
+    assert srtt is None or srtt > 0.14, srtt   # no sample, or none short

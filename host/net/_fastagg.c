@@ -1261,7 +1261,8 @@ cleanup:
  * chunk of its shard (a lost packet, not a missing worker: its timer does not back off),
  * resent once, by its timer, before any reply (a second RESULT then shows the timeout
  * spurious: host/net/window.py's RttEstimator) */
-enum { M_RESENT = 1, M_OVERTAKEN = 2, M_LONE = 4 };
+enum { M_RESENT = 1, M_OVERTAKEN = 2, M_LONE = 4, M_UNPAIRED = 8 };
+/* M_UNPAIRED: its PENDINGs give no sample (resent twice, or a PENDING came already) */
 
 enum { EV_DONE, EV_RESTARTED, EV_TIMEOUT, EV_OSERROR, EV_REFUSED };
 enum { S_SENT, S_RETRANSMITTED, S_RECEIVED, S_IGNORED, S_OTHER_RUN, S_PENDING, S_BYTES_SENT,
@@ -1508,10 +1509,9 @@ static PyObject *fa_stream(PyObject *self, PyObject *args) {
      * second RESULT may come (the resend's delay after the first, halved: a duplicate of
      * one answer comes at once); per window slot: the M_LONE resend's delay */
     double *answered = NULL, *earliest = NULL, *lone_gap = NULL;
-    /* per window slot: resends since the chunk's last reply, and when the latest went (a
-     * PENDING that is not held answers a resend: window.py's RttEstimator) */
-    int *unreplied = NULL;
-    double *last_sent = NULL;
+    /* per window slot: when the chunk's first resend went, for the PENDING that answers it
+     * (window.py's RttEstimator) */
+    double *resent_at = NULL;
     int *later = NULL;
     long long *pend = NULL;
     long long *epoch = NULL;
@@ -1558,8 +1558,7 @@ static PyObject *fa_stream(PyObject *self, PyObject *args) {
     answered = malloc(((size_t)total + 1) * sizeof(double));
     earliest = calloc((size_t)total + 1, sizeof(double));
     lone_gap = calloc((size_t)window, sizeof(double));
-    unreplied = calloc((size_t)window, sizeof(int));
-    last_sent = calloc((size_t)window, sizeof(double));
+    resent_at = calloc((size_t)window, sizeof(double));
     mark = calloc((size_t)window, 1);
     due = calloc((size_t)window, sizeof(double));
     backoff = calloc((size_t)window, sizeof(double));
@@ -1576,7 +1575,7 @@ static PyObject *fa_stream(PyObject *self, PyObject *args) {
     if (!rsrc || !c->aggs || !c->srtt || !c->rttvar || !c->last_reply || !c->asked ||
         !c->nasked || !c->rejected || !c->taken || !epoch || !c->sbuf || !done || !mark || !due ||
         !backoff || !started || !later || !pend || !rbuf || !rmsgs || !riov || !rctl ||
-        !answered || !earliest || !lone_gap || !unreplied || !last_sent) {
+        !answered || !earliest || !lone_gap || !resent_at) {
         PyErr_NoMemory();
         goto cleanup;
     }
@@ -1639,7 +1638,6 @@ static PyObject *fa_stream(PyObject *self, PyObject *args) {
             backoff[r] = timeout;
             started[r] = now;
             later[r] = 0;
-            unreplied[r] = 0;
             pend[r] = -1;
             mark[r] = 0;
             hi++;
@@ -1743,9 +1741,9 @@ static PyObject *fa_stream(PyObject *self, PyObject *args) {
                          * is not yet acknowledged by the workers outside the bitmap) */
                         pend[r] = (long long)(r_bitmap & full) | ((long long)(r_count == 0) << 32);
                         mark[r] &= (uint8_t)~M_LONE;
-                        if (unreplied[r] == 1 && r_count)
-                            cl_sample_rtt(c, shard, now - last_sent[r]);
-                        unreplied[r] = 0;
+                        if (r_count && (mark[r] & M_RESENT) && !(mark[r] & M_UNPAIRED))
+                            cl_sample_rtt(c, shard, now - resent_at[r]);
+                        mark[r] |= M_UNPAIRED;
                         continue;
                     }
                     if (r_type != c->result_type || n - HDR != (size_t)expect_payload ||
@@ -1827,8 +1825,8 @@ static PyObject *fa_stream(PyObject *self, PyObject *args) {
                             if (++later[rj] == fast_after) {
                                 /* overtaken this often: lost, not merely reordered */
                                 cl_resend(c, j, now);
-                                unreplied[rj]++;
-                                last_sent[rj] = now;
+                                if (mark[rj] & M_RESENT) mark[rj] |= M_UNPAIRED;
+                                else resent_at[rj] = now;
                                 mark[rj] = (uint8_t)((mark[rj] & ~M_LONE) | M_RESENT |
                                                      M_OVERTAKEN);
                                 backoff[rj] = rto;
@@ -1872,8 +1870,8 @@ static PyObject *fa_stream(PyObject *self, PyObject *args) {
             }
             int lone = !(mark[r] & M_RESENT) && pend[r] < 0;
             cl_resend(c, i, now);
-            unreplied[r]++;
-            last_sent[r] = now;
+            if (mark[r] & M_RESENT) mark[r] |= M_UNPAIRED;
+            else resent_at[r] = now;
             mark[r] = (uint8_t)((mark[r] & ~M_LONE) | M_RESENT | (lone ? M_LONE : 0));
             if (lone) lone_gap[r] = now - started[r];
             double b = cl_rto(c, cl_shard(c, i));
@@ -1933,8 +1931,7 @@ cleanup:
         free(c->last_reply); free(c->asked); free(c->nasked); free(c->rejected);
         free(c->taken); free(c);
     }
-    free(epoch); free(done); free(answered); free(earliest); free(lone_gap); free(unreplied);
-    free(last_sent); free(mark);
+    free(epoch); free(done); free(answered); free(earliest); free(lone_gap); free(resent_at); free(mark);
     free(due); free(backoff);
     free(started); free(later);
     if (gso) gro_set(fd, 0);

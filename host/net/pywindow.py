@@ -69,11 +69,10 @@ class PythonWindow:
         # RESULT shows the timeout spurious (RttEstimator); ``answered`` holds the first
         # RESULT's round trip from the first send, and when the second may come
         lone: dict[int, float] = {}
-        # resends since the chunk's last reply, and when the latest went: a PENDING answers
-        # a resend, never a first send, so after exactly one it gives that resend's round
-        # trip (RttEstimator)
-        unreplied: dict[int, int] = {}
-        last_sent: dict[int, float] = {}
+        # when the chunk's one resend went, for the PENDING that answers it (RttEstimator);
+        # chunks resent again, held or sampled: no such sample
+        resent_at: dict[int, float] = {}
+        unpaired: set[int] = set()
         answered: dict[int, tuple[float, float]] = {}
         overtaken: set[int] = set()  # a lost packet, not a missing worker: no backoff
         pending_bitmap: dict[int, int] = {}
@@ -125,9 +124,11 @@ class PythonWindow:
             timeout closes a chunk: overtaken chunks (fast retransmit) may merely sit in a
             lower class's queue, and a duplicate DATA costs nothing."""
             lone.pop(i, None)
+            if i in resent:
+                unpaired.add(i)
+            else:
+                resent_at[i] = time.monotonic()
             resent.add(i)
-            unreplied[i] = unreplied.get(i, 0) + 1
-            last_sent[i] = time.monotonic()
             ask = asked[shard_of(i)]
             if len(ask) < SILENT_AFTER:
                 ask.append(time.monotonic())
@@ -216,10 +217,9 @@ class PythonWindow:
                         # use's result, and a FLUSH could only close the chunk empty
                         pending_bitmap[i] = r_bitmap & full | (r_count == 0) << 32
                         lone.pop(i, None)
-                        # one resend since the last reply, not held (a held PENDING
-                        # may answer the first send): that resend's round trip
-                        if unreplied.pop(i, 0) == 1 and r_count:
-                            end.rtt.sample(shard, time.monotonic() - last_sent[i])
+                        if r_count and i in resent_at and i not in unpaired:
+                            end.rtt.sample(shard, time.monotonic() - resent_at[i])
+                        unpaired.add(i)
                         continue
                     if (r_type != result_type or nbytes - header_bytes != expect_payload
                             or r_bitmap & ~full or bin(r_bitmap).count("1") != r_count
@@ -260,8 +260,9 @@ class PythonWindow:
                         answered[i] = (at - started[i], at + lone.pop(i) / 2)
                     resent.discard(i)
                     overtaken.discard(i)
-                    for d in (packets, due, backoff, started, later, unreplied, last_sent):
+                    for d in (packets, due, backoff, started, later, resent_at):
                         d.pop(i, None)
+                    unpaired.discard(i)
                     if i == lo:
                         while lo < total and done[lo]:
                             lo += 1

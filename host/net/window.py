@@ -44,8 +44,10 @@ class RttEstimator:
     bytes of Marsit's vote at 25 Mbit/s: docs/results.md). A chunk sent three times is no
     such evidence: its first RESULT may answer a later send, after the peers' recovery under
     loss. And a PENDING that is not held (count > 0) answers a resend, never a first send:
-    after exactly one resend since the chunk's last reply, it is that resend's round trip,
-    its own path's alone (peers that are late make a chunk wait, not its PENDING)."""
+    for a chunk resent once so far its time is that resend's round trip, its own path's
+    alone (peers that are late make a chunk wait, not its PENDING). After two resends it
+    may answer either (paired with the latest, samples came out short by the gap between
+    them where the round trip was longer); a held PENDING may answer the first send too."""
 
     def __init__(self, shards: int, timeout: float, max_timeout: float):
         self.timeout = timeout
