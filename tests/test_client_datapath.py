@@ -557,12 +557,10 @@ def test_a_duplicated_answer_to_a_resend_is_no_spurious_timeout(job, datapath):
         assert c.rtt.rto(0) == c.timeout
 
 
-def test_a_pending_gives_its_resends_round_trip_while_peers_are_late(job, datapath):
-    """Each chunk waits 0.2 s for the other worker, and every reply comes 30 ms late (after
-    the first resend at 20 ms, before the second at 60): every chunk is resent, and the
-    resends are answered with PENDINGs. Karn's rule, and the spurious-timeout rule (a
-    PENDING came), take no sample: the estimator never learnt the 30 ms. A PENDING that is
-    not held answers a resend, so for a chunk resent once it is that resend's round trip."""
+def _peer_late(job, wait: float, held: bool = False):
+    """A scripted aggregator's answers while the other worker is ``wait`` seconds late with
+    each chunk: nothing to a chunk's first DATA, then PENDINGs (held ones, count 0, to every
+    DATA with ``held``), then its RESULT."""
     zeros = np.zeros(job.lanes, P.sum_dtype(job.sum_bits)).tobytes()
     first: dict[int, float] = {}
 
@@ -570,17 +568,33 @@ def test_a_pending_gives_its_resends_round_trip_while_peers_are_late(job, datapa
         now = time.monotonic()
         if seq not in first:
             first[seq] = now
-            return None
-        if now < first[seq] + 0.2:
-            return (P.PktType.PENDING, 1, 0b01, b"")
+            if not held:
+                return None
+        if now < first[seq] + wait:
+            return (P.PktType.PENDING, 0, 0b10, b"") if held else \
+                (P.PktType.PENDING, 1, 0b01, b"")
         return (P.PktType.RESULT, 2, 0b11, zeros)
+    return answer
 
-    with scripted_aggregator(answer, delay=0.03) as addr, \
-            AggregationClient(job, 0, addr, run=4, window=8) as c:
-        c.aggregate(_packed(job, 4)[: 8 * job.lanes // 2])
+
+def _srtt_while_peer_late(job, datapath, wait, delay, chunks, held=False, **kw):
+    """The estimator's srtt after one round of ``chunks`` against :func:`_peer_late`, its
+    replies ``delay`` seconds late."""
+    with scripted_aggregator(_peer_late(job, wait, held), delay=delay) as addr, \
+            AggregationClient(job, 0, addr, run=4, window=chunks, **kw) as c:
+        c.aggregate(_packed(job, 4)[: chunks * job.lanes // 2])
         assert c.stats.compiled_rounds == (datapath == "compiled")
-        assert c.stats.pending > 0 and c.stats.retransmitted >= 8
-    srtt = c.rtt.srtt[0]
+        assert c.stats.pending > 0 and c.stats.retransmitted >= chunks
+    return c.rtt.srtt[0]
+
+
+def test_a_pending_gives_its_resends_round_trip_while_peers_are_late(job, datapath):
+    """Each chunk waits 0.2 s for the other worker, and every reply comes 30 ms late (after
+    the first resend at 20 ms, before the second at 60): every chunk is resent, and the
+    resends are answered with PENDINGs. Karn's rule, and the spurious-timeout rule (a
+    PENDING came), take no sample: the estimator never learnt the 30 ms. A PENDING that is
+    not held answers a resend, so for a chunk resent once it is that resend's round trip."""
+    srtt = _srtt_while_peer_late(job, datapath, wait=0.2, delay=0.03, chunks=8)
     assert srtt is not None and 0.028 < srtt < 0.06, srtt
 
 
@@ -588,21 +602,8 @@ def test_a_held_pending_gives_no_round_trip(job, datapath):
     """A held PENDING (count 0: the slot's previous use is not acknowledged) answers a first
     send as well as a resend: one arriving after a resend may be the first send's, 50 ms
     late, and would give the resend's shorter time. No sample is taken from it."""
-    zeros = np.zeros(job.lanes, P.sum_dtype(job.sum_bits)).tobytes()
-    first: dict[int, float] = {}
-
-    def answer(t, seq):
-        now = first.setdefault(seq, time.monotonic())
-        if time.monotonic() < now + 0.2:
-            return (P.PktType.PENDING, 0, 0b10, b"")
-        return (P.PktType.RESULT, 2, 0b11, zeros)
-
-    with scripted_aggregator(answer, delay=0.05) as addr, \
-            AggregationClient(job, 0, addr, run=4, window=8) as c:
-        c.aggregate(_packed(job, 4)[: 8 * job.lanes // 2])
-        assert c.stats.compiled_rounds == (datapath == "compiled")
-        assert c.stats.pending > 0
-    assert c.rtt.srtt[0] is None
+    srtt = _srtt_while_peer_late(job, datapath, wait=0.2, delay=0.05, chunks=8, held=True)
+    assert srtt is None, srtt
 
 
 def test_pending_samples_are_never_shorter_than_the_round_trip(job, datapath):
@@ -610,22 +611,6 @@ def test_pending_samples_are_never_shorter_than_the_round_trip(job, datapath):
     0.6 s for a peer: several resends are in flight, and a PENDING may answer any of them.
     Paired with the latest resend, each sample was the round trip less the gap between
     resends."""
-    zeros = np.zeros(job.lanes, P.sum_dtype(job.sum_bits)).tobytes()
-    first: dict[int, float] = {}
-
-    def answer(t, seq):
-        now = time.monotonic()
-        if seq not in first:
-            first[seq] = now
-            return None
-        if now < first[seq] + 0.6:
-            return (P.PktType.PENDING, 1, 0b01, b"")
-        return (P.PktType.RESULT, 2, 0b11, zeros)
-
-    with scripted_aggregator(answer, delay=0.15) as addr, \
-            AggregationClient(job, 0, addr, run=4, window=4, max_timeout=0.1) as c:
-        c.aggregate(_packed(job, 4)[: 4 * job.lanes // 2])
-        assert c.stats.compiled_rounds == (datapath == "compiled")
-        assert c.stats.pending > 4
-    srtt = c.rtt.srtt[0]
+    srtt = _srtt_while_peer_late(job, datapath, wait=0.6, delay=0.15, chunks=4,
+                                 max_timeout=0.1)
     assert srtt is None or srtt > 0.14, srtt   # no sample, or none short
