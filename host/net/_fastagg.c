@@ -1507,10 +1507,10 @@ static PyObject *fa_stream(PyObject *self, PyObject *args) {
     double *due = NULL, *backoff = NULL, *started = NULL;
     /* per chunk resent M_LONE: its first send's round trip, -1 for none, and when the
      * second RESULT may come (the resend's delay after the first, halved: a duplicate of
-     * one answer comes at once); per window slot: the M_LONE resend's delay */
-    double *answered = NULL, *earliest = NULL, *lone_gap = NULL;
-    /* per window slot: when the chunk's first resend went, for the PENDING that answers it
-     * (window.py's RttEstimator) */
+     * one answer comes at once) */
+    double *answered = NULL, *earliest = NULL;
+    /* per window slot: when the chunk's first resend went (for that delay, and the PENDING
+     * that answers it: window.py's RttEstimator) */
     double *resent_at = NULL;
     int *later = NULL;
     long long *pend = NULL;
@@ -1557,7 +1557,6 @@ static PyObject *fa_stream(PyObject *self, PyObject *args) {
     done = calloc((size_t)total + 1, 1);
     answered = malloc(((size_t)total + 1) * sizeof(double));
     earliest = calloc((size_t)total + 1, sizeof(double));
-    lone_gap = calloc((size_t)window, sizeof(double));
     resent_at = calloc((size_t)window, sizeof(double));
     mark = calloc((size_t)window, 1);
     due = calloc((size_t)window, sizeof(double));
@@ -1573,9 +1572,9 @@ static PyObject *fa_stream(PyObject *self, PyObject *args) {
     rctl = calloc(BATCH, GRO_CTL);
     rsrc = calloc(BATCH, sizeof(struct sockaddr_in));
     if (!rsrc || !c->aggs || !c->srtt || !c->rttvar || !c->last_reply || !c->asked ||
-        !c->nasked || !c->rejected || !c->taken || !epoch || !c->sbuf || !done || !mark || !due ||
-        !backoff || !started || !later || !pend || !rbuf || !rmsgs || !riov || !rctl ||
-        !answered || !earliest || !lone_gap || !resent_at) {
+        !c->nasked || !c->rejected || !c->taken || !epoch || !c->sbuf || !done || !mark ||
+        !due || !backoff || !started || !later || !pend || !rbuf || !rmsgs || !riov ||
+        !rctl || !answered || !earliest || !resent_at) {
         PyErr_NoMemory();
         goto cleanup;
     }
@@ -1802,7 +1801,7 @@ static PyObject *fa_stream(PyObject *self, PyObject *args) {
                     if (!(mark[r] & M_RESENT)) cl_sample_rtt(c, shard, now - started[r]);
                     else if (mark[r] & M_LONE) {
                         answered[i] = now - started[r];
-                        earliest[i] = now + lone_gap[r] / 2;
+                        earliest[i] = now + (resent_at[r] - started[r]) / 2;
                     }
                     if (i == lo) {
                         while (lo < total && done[lo]) lo++;
@@ -1873,7 +1872,6 @@ static PyObject *fa_stream(PyObject *self, PyObject *args) {
             if (mark[r] & M_RESENT) mark[r] |= M_UNPAIRED;
             else resent_at[r] = now;
             mark[r] = (uint8_t)((mark[r] & ~M_LONE) | M_RESENT | (lone ? M_LONE : 0));
-            if (lone) lone_gap[r] = now - started[r];
             double b = cl_rto(c, cl_shard(c, i));
             /* exponential backoff, capped at backoff_cap RTOs for the window's head
              * (every chunk behind it waits for it) and for a chunk that later ones
@@ -1931,9 +1929,8 @@ cleanup:
         free(c->last_reply); free(c->asked); free(c->nasked); free(c->rejected);
         free(c->taken); free(c);
     }
-    free(epoch); free(done); free(answered); free(earliest); free(lone_gap); free(resent_at); free(mark);
-    free(due); free(backoff);
-    free(started); free(later);
+    free(epoch); free(done); free(answered); free(earliest); free(resent_at); free(mark);
+    free(due); free(backoff); free(started); free(later);
     if (gso) gro_set(fd, 0);
     free(pend); free(rbuf); free(rmsgs); free(riov); free(rctl); free(rsrc);
     PyBuffer_Release(&chunks);

@@ -65,12 +65,13 @@ class PythonWindow:
         backoff: dict[int, float] = {}
         started: dict[int, float] = {}
         resent: set[int] = set()    # retransmitted chunks: no RTT sample (Karn)
-        # resent once, by the timer, before any reply (with the resend's delay): a second
-        # RESULT shows the timeout spurious (RttEstimator); ``answered`` holds the first
-        # RESULT's round trip from the first send, and when the second may come
-        lone: dict[int, float] = {}
-        # when the chunk's one resend went, for the PENDING that answers it (RttEstimator);
-        # chunks resent again, held or sampled: no such sample
+        # resent once, by the timer, before any reply: a second RESULT shows the timeout
+        # spurious (RttEstimator); ``answered`` holds the first RESULT's round trip from the
+        # first send, and when the second may come
+        lone: set[int] = set()
+        # when the chunk's first resend went (for a spurious timeout's spacing, and the
+        # PENDING that answers it: RttEstimator); chunks resent again, held or sampled: no
+        # PENDING sample
         resent_at: dict[int, float] = {}
         unpaired: set[int] = set()
         answered: dict[int, tuple[float, float]] = {}
@@ -123,7 +124,7 @@ class PythonWindow:
             """Retransmit chunk i, or close it short while the loss bound allows. Only a
             timeout closes a chunk: overtaken chunks (fast retransmit) may merely sit in a
             lower class's queue, and a duplicate DATA costs nothing."""
-            lone.pop(i, None)
+            lone.discard(i)
             if i in resent:
                 unpaired.add(i)
             else:
@@ -216,7 +217,7 @@ class PythonWindow:
                         # bit 32: held (count 0): the bitmap names who holds the previous
                         # use's result, and a FLUSH could only close the chunk empty
                         pending_bitmap[i] = r_bitmap & full | (r_count == 0) << 32
-                        lone.pop(i, None)
+                        lone.discard(i)
                         if r_count and i in resent_at and i not in unpaired:
                             end.rtt.sample(shard, time.monotonic() - resent_at[i])
                         unpaired.add(i)
@@ -257,7 +258,8 @@ class PythonWindow:
                         # the resend's answer comes about as much later as the resend went:
                         # a duplicate of one answer comes at once
                         at = time.monotonic()
-                        answered[i] = (at - started[i], at + lone.pop(i) / 2)
+                        answered[i] = (at - started[i], at + (resent_at[i] - started[i]) / 2)
+                        lone.discard(i)
                     resent.discard(i)
                     overtaken.discard(i)
                     for d in (packets, due, backoff, started, later, resent_at):
@@ -290,7 +292,7 @@ class PythonWindow:
                 first = i not in resent and i not in pending_bitmap
                 resend(i)
                 if first and i not in short:   # a DATA, not a FLUSH
-                    lone[i] = now - started[i]
+                    lone.add(i)
                 rto = end.rtt.rto(shard_of(i))
                 # exponential backoff, capped at FAST_BACKOFF_CAP RTOs for the window's head
                 # (every chunk behind it waits for it; with priority classes it may merely

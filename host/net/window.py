@@ -39,15 +39,15 @@ class RttEstimator:
     twice, the second time by its timer before any reply, that gets two RESULTs at least
     half the resend's delay apart had both sends answered (a duplicated answer comes at
     once), so the time from its first send to its first RESULT is a round trip.
-    Without it, once the round trip outgrew the RTO (results queued on a slow link) every
-    chunk was resent, no sample was left, and each resend's RESULT queued more (twice the
-    bytes of Marsit's vote at 25 Mbit/s: docs/results.md). A chunk sent three times is no
-    such evidence: its first RESULT may answer a later send, after the peers' recovery under
+    Without it, a round trip longer than the RTO (results queued on a slow link) gets every
+    chunk resent, leaves no sample, and each resend's RESULT queues more (twice the bytes
+    of Marsit's vote at 25 Mbit/s: docs/results.md). A chunk sent three times is no such
+    evidence: its first RESULT may answer a later send, after the peers' recovery under
     loss. And a PENDING that is not held (count > 0) answers a resend, never a first send:
     for a chunk resent once so far its time is that resend's round trip, its own path's
     alone (peers that are late make a chunk wait, not its PENDING). After two resends it
-    may answer either (paired with the latest, samples came out short by the gap between
-    them where the round trip was longer); a held PENDING may answer the first send too."""
+    may answer either (paired with the latest, a sample is short by the gap between them
+    where the round trip is longer); a held PENDING may answer the first send too."""
 
     def __init__(self, shards: int, timeout: float, max_timeout: float):
         self.timeout = timeout
@@ -159,11 +159,12 @@ def raise_timeout(end: Endpoint, rnd: Round, i: int, bitmap: int | None, silent:
     since the shard last answered anything of this round; ``unanswered``: the
     retransmissions to it since then that had an RTO to be answered (counted up to
     :data:`SILENT_AFTER`); ``taken``: the chunks it ended this round. A live aggregator
-    answers every retransmission of a chunk it holds (PENDING): silent for half the deadline through SILENT_AFTER of them, the cause is
-    the aggregator (gone, unreachable, or restarted without a program yet), not a missing
-    worker: an old PENDING's bitmap would name workers that are fine. A shard first heard in
-    this round may have restarted before that, unseen: its peers then raised
-    AggregatorRestarted, and the missing workers are named beside that possibility."""
+    answers every retransmission of a chunk it holds (PENDING): silent for half the
+    deadline through SILENT_AFTER of them, the cause is the aggregator (gone, unreachable,
+    or restarted without a program yet), not a missing worker: an old PENDING's bitmap
+    would name workers that are fine. A shard first heard in this round may have restarted
+    before that, unseen: its peers then raised AggregatorRestarted, and the missing workers
+    are named beside that possibility."""
     job = end.job
     seq = (rnd.base + i) % P.SEQ_MOD
     slot, version = P.slot_of(rnd.base + i, job.pool_size)
