@@ -1,6 +1,7 @@
 """Local clusters for tests, benchmarks and single-machine runs: jobs on loopback ports."""
 from __future__ import annotations
 
+import random
 import socket
 
 from thc.wire import protocol as P
@@ -14,15 +15,29 @@ def free_tcp_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def _below_ephemeral() -> int:
+    """The first port the kernel hands out to a bind to port 0 (32768 where unknown)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port_block(n: int, host: str = "127.0.0.1", tcp: bool = False) -> int:
     """A base port with ``n`` free consecutive UDP ports (workers of a local job); with ``tcp``,
-    free for TCP too (a rendezvous port among them)."""
-    for _ in range(100):
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.bind((host, 0))
-            base = s.getsockname()[1]
-        if base + n >= 65535:
-            continue
+    free for TCP too (a rendezvous port among them). Below the ephemeral range: a socket
+    bound to port 0 later (a test's aggregator) cannot be handed one of them."""
+    top = _below_ephemeral() - n
+    rng = random.Random()
+    for _ in range(200):
+        base = rng.randrange(10000, top) if top > 10000 else None
+        if base is None:
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+                s.bind((host, 0))
+                base = s.getsockname()[1]
+            if base + n >= 65535:
+                continue
         socks = []
         try:
             for i in range(n):
