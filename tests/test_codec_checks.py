@@ -2,12 +2,13 @@
 never left behind by a call that raises, and never a mean accepted from a round whose input
 was bad on any worker. Under Triton's interpreter without a GPU (see
 test_codec_kernels.py, which this imports first for that)."""
+import numpy as np
 import pytest
 import torch
 
 from tests.test_codec_kernels import DEV, SKIP, kernels
 from thc.codec import thc
-from thc.codec.common import NORM_MARK
+from thc.codec.common import NORM_MARK, norm_limit
 from thc.codec.thc import THCCodec, THCParams
 from thc.collective import agreement
 from thc.collective.allreduce import THCAllReduce
@@ -36,7 +37,7 @@ def test_deferred_checks_flag_on_the_device_and_raise_at_check():
     mb = m.clone()
     mb[3] = -1.0
     c.decode(c.aggregate([idx]), 1, mb, 1024, 0)
-    with pytest.raises(ValueError, match=r"max norms must be finite and >= 0 \(slice 3"):
+    with pytest.raises(ValueError, match=r"max norms must be finite, >= 0 and below \S+ \(slice 3"):
         c.check()
     c.encode(x, mb, 0, 1)
     with pytest.raises(ValueError, match=r"max norms .*slice 3"):
@@ -97,7 +98,7 @@ def test_a_bad_gradient_ends_every_workers_round_in_an_error():
     assert norms[1] == NORM_MARK and (norms[[0, 2, 3]] < 1e6).all()
     assert worker.transport.sums == 1          # it took part in the sum: no peer waits
     peer.transport.other = sent
-    with pytest.raises(ValueError, match=r"max norms must be finite .*slice 1"):
+    with pytest.raises(ValueError, match=r"max norms must be finite.*slice 1"):
         peer(good)
     assert peer.round == worker.round == 1 and peer.feedback.residual is None
     peer.transport.other = _tagged(worker.codec.norms(good), 1, p)
@@ -195,3 +196,26 @@ def test_wide_and_negative_indices_are_refused(backend):
     c.decode_own(idx, m, 512, 0)
     c.check()
 
+
+
+@pytest.mark.parametrize("backend", ["reference", "compiled", "triton"])
+def test_a_max_norm_beyond_the_limit_is_refused_and_one_below_decodes_finite(backend):
+    """No worker's slice norm reaches norm_limit, so a max norm at or beyond it (given
+    directly) is refused, by encode and decode: under one of F32MAX / t_p or more, the
+    extreme indices decoded to Inf. Just below the limit they decode finite."""
+    if backend == "triton" and SKIP:
+        pytest.skip(SKIP)
+    p = THCParams(slice_size=256)
+    limit = norm_limit(p)
+    dev = DEV if backend == "triton" else "cpu"
+    c = THCCodec(p, backend=backend)
+    top = torch.full((256,), p.levels - 1, dtype=torch.uint8, device=dev)
+    x = torch.randn(256, generator=torch.Generator().manual_seed(4)).to(dev)
+    for m in (limit, NORM_MARK / 2):
+        over = torch.tensor([m], dtype=torch.float32, device=dev)
+        for call in (lambda: c.decode_own(top, over, 256, 0), lambda: c.encode(x, over, 0, 1)):
+            with pytest.raises(ValueError, match=r"max norm.*(beyond|below) 1\.0\de\+38"):
+                call()
+    below = torch.tensor([np.nextafter(np.float32(limit), np.float32(0))], device=dev)
+    out = c.decode_own(top, below, 256, 0)
+    assert torch.isfinite(out).all() and float(out.abs().max()) > limit

@@ -107,8 +107,10 @@ def check_generator(generator, flat) -> None:
                          f"on {flat.device}: use a generator of the input's device")
 
 
-def norm_array(max_norms, n_slices: int) -> np.ndarray:
-    """The agreed max norms on the host as float64, checked."""
+def norm_array(max_norms, n_slices: int, params: THCParams) -> np.ndarray:
+    """The agreed max norms on the host as float64, checked: a max norm at or beyond
+    :func:`norm_limit` (the mark among them) is refused, as no worker's slice norm reaches
+    it and a decode under it could overflow float32."""
     m = max_norms.detach().cpu().numpy() if is_torch(max_norms) else np.asarray(max_norms)
     m = np.asarray(m, dtype=np.float64).reshape(-1)
     if m.size != n_slices:
@@ -119,6 +121,11 @@ def norm_array(max_norms, n_slices: int) -> np.ndarray:
         raise ValueError(f"slice {int(np.argmax(m >= NORM_MARK))}'s max norm is the mark of a "
                          f"worker whose input holds NaN or Inf there (or a slice norm THC "
                          f"cannot take) or was refused")
+    limit = norm_limit(params)
+    if np.any(m.astype(np.float32) >= limit):
+        first = int(np.argmax(m >= limit))
+        raise ValueError(f"slice {first}'s max norm {m[first]:.3g} is beyond {limit:.3g}, the "
+                         f"largest slice norm THC takes (its decode could overflow float32)")
     return m
 
 
@@ -182,8 +189,9 @@ def flag(word, bad, which: int, value) -> None:
 
 def norm_limit(params: THCParams) -> float:
     """The largest slice norm THC takes: an estimate reaches t_p times its max norm, and the
-    error-feedback residual (input minus estimate) one max norm more, both in float32."""
-    return NORM_MARK / (1.01 * (1.0 + params.t_p))
+    error-feedback residual (input minus estimate) one max norm more, both in float32.
+    A float32 value, so that every check (host, device, kernels) draws the same line."""
+    return float(np.float32(NORM_MARK / (1.01 * (1.0 + params.t_p))))
 
 
 BAD_INPUT_TEXT = "input contains NaN or Inf (or a slice norm beyond {limit:.3g})"
@@ -209,9 +217,9 @@ def raise_status(values, params: THCParams, max_norms=None) -> None:
                          + f", in slice {values[1] - 1}")
     if flags & BAD_NORMS:
         got = f", got {max_norms.detach().cpu().numpy()}" if max_norms is not None else ""
-        raise ValueError(f"max norms must be finite and >= 0 (slice {values[2] - 1}'s is "
-                         f"not, or is the mark of a worker whose input holds NaN or Inf "
-                         f"there or was refused){got}")
+        raise ValueError(f"max norms must be finite, >= 0 and below {norm_limit(params):.3g} "
+                         f"(slice {values[2] - 1}'s is not, or is the mark of a worker whose "
+                         f"input holds NaN or Inf there or was refused){got}")
     if flags & BAD_INDEX:
         top = values[3] - 2
         what = "a negative index" if top < 0 else f"index {top}" + (

@@ -32,7 +32,7 @@ def prepare(flat, params: THCParams, lay, round: int, backend: str,
 
 def encode(flat, lay, max_norms, params: THCParams, round: int, generator, pack: bool,
            scratch=None, status=None):
-    m = norm_array(max_norms, lay.n_slices)
+    m = norm_array(max_norms, lay.n_slices, params)
     coef = encode_coef(m, params).astype(np.float32)
     key = rounding_key(generator, flat)
     # the C code packs whole bytes per slice: 4-bit indices, slices of even length
@@ -56,7 +56,7 @@ def decode(sums, n: int, max_norms, lay, params: THCParams, round: int, out,
     """With ``own_table`` the sums are one worker's indices, mapped through the table on the
     fly."""
     indices = own_table is not None
-    m = norm_array(max_norms, lay.n_slices)
+    m = norm_array(max_norms, lay.n_slices, params)
     g, t = params.granularity, params.t_p
     d = np.full(lay.n_slices, float(params.slice_size))
     if lay.tail:

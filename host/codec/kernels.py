@@ -25,7 +25,7 @@ from thc.codec.params import THCParams
 NAME = "triton"
 
 
-def device_norms(max_norms, n_slices: int, device):
+def device_norms(max_norms, n_slices: int, device, params: THCParams):
     """The agreed max norms as a flat tensor on ``device`` for the kernels to read: a
     tensor already there is used as it is (checked in the kernels), anything else is
     checked on the host and copied."""
@@ -35,16 +35,16 @@ def device_norms(max_norms, n_slices: int, device):
         if m.numel() != n_slices:
             raise ValueError(f"expected {n_slices} max norms (one per slice), got {m.numel()}")
         return (m if m.is_floating_point() else m.float()).contiguous()
-    m = norm_array(max_norms, n_slices)
+    m = norm_array(max_norms, n_slices, params)
     return torch.from_numpy(m.astype(np.float32)).to(device)
 
 
-def _host_norms(kern, groups, md, lay):
+def _host_norms(kern, groups, md, lay, params: THCParams):
     """The max norms checked on the host, where a group goes through the reference code:
     read before any kernel runs, so a call that raises here has flagged nothing."""
     if all(kern.supports(grp.padded) for grp in groups):
         return None
-    return norm_array(md, lay.n_slices)
+    return norm_array(md, lay.n_slices, params)
 
 
 def _device_round(kern, groups, round) -> None:
@@ -90,12 +90,12 @@ def encode(kern, flat, lay, max_norms, params: THCParams, round: int, generator,
     flat = flat.contiguous()
     check_generator(generator, flat)
     word = status if status is not None else status_word(flat.device)
-    md = device_norms(max_norms, lay.n_slices, flat.device)
+    md = device_norms(max_norms, lay.n_slices, flat.device, params)
     # packed groups start on whole bytes when slices have an even length
     fused = pack and params.bits == 4 and params.slice_size >= 2
     groups = list(lay.groups(WHOLE))
     _device_round(kern, groups, round)
-    m = _host_norms(kern, groups, md, lay)
+    m = _host_norms(kern, groups, md, lay, params)
     key = rounding_key(generator, flat)   # drawn once the call cannot refuse its input
     out = torch.empty((lay.total_padded + 1) // 2 if fused else lay.total_padded,
                       dtype=torch.uint8, device=flat.device)
@@ -139,10 +139,10 @@ def decode(kern, sums, n: int, max_norms, lay, params: THCParams, round: int, ou
     if not out.is_contiguous():
         raise ValueError("out must be contiguous")
     word = status if status is not None else status_word(sums.device)
-    md = device_norms(max_norms, lay.n_slices, sums.device)
+    md = device_norms(max_norms, lay.n_slices, sums.device, params)
     groups = list(lay.groups(WHOLE))
     _device_round(kern, groups, round)
-    m = _host_norms(kern, groups, md, lay)
+    m = _host_norms(kern, groups, md, lay, params)
     short = [g for g in groups if not kern.supports(g.padded)]
     if own_table is not None:
         for grp in short:

@@ -83,7 +83,7 @@ def round_group(flat, grp, c, params: THCParams, round: int, table, draw, out) -
 
 def encode(flat, lay, max_norms, params: THCParams, round: int, generator, pack: bool,
            scratch=None, status=None):
-    m = norm_array(max_norms, lay.n_slices)
+    m = norm_array(max_norms, lay.n_slices, params)
     table = tuple(int(v) for v in params.table)
     torch_in = is_torch(flat)
     if torch_in:
@@ -155,7 +155,7 @@ def alphas(m, grp, params: THCParams, n: int):
 
 def decode(sums, n: int, max_norms, lay, params: THCParams, round: int, out,
            own_table=None, status=None):
-    m = norm_array(max_norms, lay.n_slices)
+    m = norm_array(max_norms, lay.n_slices, params)
     centre = n * params.granularity / 2.0
     for grp in lay.groups(GROUP_ELEMENTS):
         s = sums[grp.padded_start: grp.padded_start + grp.count * grp.padded]

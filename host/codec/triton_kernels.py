@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 
 from thc.codec import rng
-from thc.codec.common import BAD_INDEX, BAD_INPUT, BAD_NORMS, INDEX_CAP
+from thc.codec.common import BAD_INDEX, BAD_INPUT, BAD_NORMS, INDEX_CAP, norm_limit
 from thc.codec.triton_onchip import (block, flag, had_first, had_last, norm_bad,
                                      program_key, round_prefix, signed)
 
@@ -134,12 +134,12 @@ def _col_block(count, NB: tl.constexpr, FIRST: tl.constexpr):
 
 @triton.jit
 def _encode_cols(TMP, OUT, MAXN, STATUS, uprefix, ROUND, first, count, LOWER, BASE, WIDTH, d,
-                 g, scale, R: tl.constexpr, C: tl.constexpr, R1: tl.constexpr,
+                 g, scale, limit, R: tl.constexpr, C: tl.constexpr, R1: tl.constexpr,
                  BN: tl.constexpr, PREC: tl.constexpr, FORM: tl.constexpr,
                  PACK: tl.constexpr, FIRST: tl.constexpr, DEV_ROUND: tl.constexpr):
     s, nb = _col_block(count, C // BN, FIRST)
     m = tl.load(MAXN + first + s).to(tl.float32)
-    flag(STATUS, norm_bad(m) & (nb == 0), _NORMS, 2, first + s + 1)
+    flag(STATUS, norm_bad(m, limit) & (nb == 0), _NORMS, 2, first + s + 1)
     c = scale / tl.where(m > 0.0, m, 1.0)
     # a norm below float32's reach (c overflows): encoded as a zero slice, as encode_coef does
     coef = tl.where((m > 0.0) & (c <= 3.4028234663852886e38), c, 0.0)
@@ -188,13 +188,13 @@ def _decode_rows(S, TMP, TABLE, STATUS, centre, d, levels,
 
 
 @triton.jit
-def _decode_cols(TMP, OUT, MAXN, STATUS, prefix, ROUND, first, count, length, d, scale,
+def _decode_cols(TMP, OUT, MAXN, STATUS, prefix, ROUND, first, count, length, d, scale, limit,
                  R: tl.constexpr, C: tl.constexpr, R1: tl.constexpr, BN: tl.constexpr,
                  PREC: tl.constexpr, FORM: tl.constexpr, FIRST: tl.constexpr,
                  DEV_ROUND: tl.constexpr):
     s, nb = _col_block(count, C // BN, FIRST)
     m = tl.load(MAXN + first + s).to(tl.float32)
-    flag(STATUS, norm_bad(m) & (nb == 0), _NORMS, 2, first + s + 1)
+    flag(STATUS, norm_bad(m, limit) & (nb == 0), _NORMS, 2, first + s + 1)
     rows = tl.arange(0, R)
     i = rows[:, None] * C + (nb * BN + tl.arange(0, BN))[None, :]
     y = tl.load(TMP + s.to(tl.int64) * d + i)
@@ -279,8 +279,9 @@ def encode_cols(tmp, grp, max_norms, params, round_: int, uniform_seed: int, out
     g = params.granularity
     _encode_cols[(grp.count * (sh.C // sh.BN),)](
         tmp, out, max_norms, st, upfx, rnd, grp.first, grp.count, lower, base, width, d, g,
-        g / (2.0 * params.t_p), R=sh.R, C=sh.C, R1=sh.R1, BN=sh.BN, PREC=PRECISION, FORM=FORM,
-        PACK=pack, FIRST=COLS_FIRST, DEV_ROUND=on_dev, num_warps=NUM_WARPS_COLS)
+        g / (2.0 * params.t_p), norm_limit(params), R=sh.R, C=sh.C, R1=sh.R1, BN=sh.BN,
+        PREC=PRECISION, FORM=FORM, PACK=pack, FIRST=COLS_FIRST, DEV_ROUND=on_dev,
+        num_warps=NUM_WARPS_COLS)
 
 
 def decode_rows(values, grp, n: int, params, st, table=None):
@@ -304,8 +305,9 @@ def decode_cols(tmp, grp, max_norms, n: int, params, round_: int, out, st):
     pfx, rnd, on_dev = _prefix(params.seed, round_, rng.SIGN_STREAM, st)
     _decode_cols[(grp.count * (sh.C // sh.BN),)](
         tmp, out, max_norms, st, pfx, rnd, grp.first, grp.count, grp.length, d,
-        2.0 * params.t_p / (params.granularity * d * n), R=sh.R, C=sh.C, R1=sh.R1, BN=sh.BN,
-        PREC=PRECISION, FORM=FORM, FIRST=COLS_FIRST, DEV_ROUND=on_dev, num_warps=NUM_WARPS_COLS)
+        2.0 * params.t_p / (params.granularity * d * n), norm_limit(params), R=sh.R, C=sh.C,
+        R1=sh.R1, BN=sh.BN, PREC=PRECISION, FORM=FORM, FIRST=COLS_FIRST, DEV_ROUND=on_dev,
+        num_warps=NUM_WARPS_COLS)
 
 
 def decode_group(values, grp, max_norms, n: int, params, round_: int, out, st, table=None):

@@ -8,9 +8,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from thc.codec.common import NORM_MARK
 
-MARK = tl.constexpr(NORM_MARK)   # float32's largest: at or above it, a norm is bad
 
 
 @triton.jit
@@ -164,6 +162,7 @@ def flag(STATUS, bad, bit: tl.constexpr, word, value):
 
 
 @triton.jit
-def norm_bad(m):
-    """A max norm that is negative, NaN, infinite or common.NORM_MARK."""
-    return (m != m) | (m < 0.0) | (m >= MARK)
+def norm_bad(m, limit):
+    """A max norm that is negative, NaN, infinite, or at or beyond ``limit``
+    (common.norm_limit, below common.NORM_MARK)."""
+    return (m != m) | (m < 0.0) | (m >= limit)
