@@ -60,7 +60,7 @@ from thc.codec.backends import kernels_for
 from thc.codec.common import NORM_MARK, WHOLE, check_float, check_key, raise_status
 from thc.codec.params import THCParams
 from thc.codec.thc import THCCodec
-from thc.collective import agreement, watchdog
+from thc.collective import agreement, replay
 from thc.collective.allreduce import RoundStats
 from thc.collective.transports import DistTransport
 
@@ -82,30 +82,6 @@ class _Buffers:
     """Whether the round is clean (a bool on the device)."""
     host: torch.Tensor
     """The report copied to the host (pinned memory on CUDA) for deferred checks."""
-
-
-@dataclass
-class _Pending:
-    """A round whose checks were deferred: what the next call raises, if anything."""
-    round: int
-    launched: float
-    done: object = None
-    """Its event (None where the report is on the host already)."""
-    failure: Exception | None = None
-    """This worker's own error before its MAX round, which it owed its peers: they refuse
-    that round at their next call, and so does this worker."""
-
-
-class _OnDevice:
-    """An event queried with its device current: the watchdog's thread would otherwise make
-    a context on the first GPU."""
-
-    def __init__(self, event: torch.cuda.Event, device: torch.device):
-        self.event, self.device = event, device
-
-    def query(self) -> bool:
-        with torch.cuda.device(self.device):
-            return self.event.query()
 
 
 class GraphedAllReduce:
@@ -143,7 +119,7 @@ class GraphedAllReduce:
         """Seconds a replayed round may take (NCCL's own default: 10 minutes)."""
         self.codec = THCCodec(self.params, backend="triton", deferred_checks=True)
         self.deferred_checks = deferred_checks
-        self._pending: _Pending | None = None
+        self._pending: replay.Pending | None = None
         """A deferred round whose report is still to be read."""
         self.round = 0
         """Rounds taken (every call takes one, as in :class:`THCAllReduce`)."""
@@ -265,7 +241,7 @@ class GraphedAllReduce:
             self.graph.replay()
             self.transport.bytes_sent += self._round_bytes
             if not self.deferred_checks:
-                self._wait(b)
+                replay.await_stream(b.x.device, self.round - 1, self.timeout)
             self._sent = 2
             return
         before = self.transport.bytes_sent
@@ -291,43 +267,6 @@ class GraphedAllReduce:
         self.graph = graph
         self._run(b, flat)
 
-    def _wait(self, b: _Buffers) -> None:
-        done = torch.cuda.Event()
-        done.record(torch.cuda.current_stream(b.x.device))
-        self._await(done, time.monotonic(), self.round - 1)
-
-    def _await(self, done: torch.cuda.Event, start: float, rnd: int) -> None:
-        """Wait for a replay, but not forever: no NCCL watchdog watches a collective
-        replayed from a graph, so a peer that never joins would otherwise hang this one. A
-        short spin first (a replay of a small bucket takes tens of microseconds), then
-        sleeps that release the GIL to the threads running backward."""
-        while not done.query():
-            waited = time.monotonic() - start
-            if waited > self.timeout:
-                raise TimeoutError(f"round {rnd} replayed from a CUDA graph did not finish in "
-                                   f"{self.timeout:g} s: a peer did not take part in its "
-                                   f"collectives (the device may now be stuck)")
-            time.sleep(0 if waited < 200e-6 else 50e-6)
-
-    def _defer(self, b: _Buffers) -> None:
-        """Copy the report to the host behind the round, to be read by the next call."""
-        pending = _Pending(self.round - 1, time.monotonic())
-        if not b.x.is_cuda:
-            b.host.copy_(b.report)
-            self._pending = pending
-            return
-        b.host.copy_(b.report, non_blocking=True)
-        pending.done = torch.cuda.Event()
-        pending.done.record(torch.cuda.current_stream(b.x.device))
-        self._pending = pending
-        rnd, start = pending.round, pending.launched
-        # later than the next call's own deadline, which raises first
-        watchdog.SHARED.watch(_OnDevice(pending.done, b.x.device),
-                              start + self.timeout + watchdog.GRACE,
-                              f"round {rnd} replayed from a CUDA graph did not finish in "
-                              f"{self.timeout:g} s: a peer did not take part in its "
-                              f"collectives")
-
     def check(self) -> None:
         """Raise what refused the last round whose checks were deferred, once it has run
         (waiting at most until its deadline); nothing to do otherwise."""
@@ -342,7 +281,7 @@ class GraphedAllReduce:
                                ) from pending.failure
         if pending.done is not None:
             try:
-                self._await(pending.done, pending.launched, pending.round)
+                replay.await_done(pending.done, pending.launched, pending.round, self.timeout)
             except TimeoutError as e:
                 self._pending = None
                 if hasattr(self.transport, "abandon"):
@@ -447,7 +386,7 @@ class GraphedAllReduce:
         except Exception as e:
             if self._settle(tensor, e) and self.deferred_checks:
                 # as its peers do: zeros now, the refusal raised by the next call
-                self._pending = _Pending(self.round - 1, time.monotonic(), failure=e)
+                self._pending = replay.Pending(self.round - 1, time.monotonic(), failure=e)
                 return torch.zeros_like(tensor)
             raise
         except BaseException as e:
@@ -457,7 +396,8 @@ class GraphedAllReduce:
             try:
                 # zeros where the round was refused: its refusal is raised by the next call
                 out = torch.where(b.clean, b.out[:b.numel], 0.0).to(tensor.dtype)
-                self._defer(b)   # after the reads of the buffers: its event covers them
+                # after the reads of the buffers: its event covers them
+                self._pending = replay.defer(b.report, b.host, self.round - 1, self.timeout)
             except BaseException as e:
                 # the round went out, but whether it was refused is unknown here
                 if hasattr(self.transport, "abandon"):
