@@ -25,8 +25,9 @@ the transform's float rounding.
 Input: any real array or tensor of any shape; it is flattened and converted to float32 (a
 copy when it is not contiguous float32 already: converted, never refused). Refused with a
 clear error: complex or bool input, NaN or Inf in the input (ValueError), a torch generator,
-an ``out`` buffer or error-feedback residual on another device than the input (ValueError).
-Max norms may come as numpy or as a tensor on any device (they are a few floats, copied).
+an ``out`` buffer or error-feedback residual on another device than the input (ValueError),
+a max norm that is negative, NaN, or at or beyond :func:`thc.codec.common.norm_limit`
+(ValueError). Max norms may come as numpy or as a tensor on any device (a few floats).
 
 Edge cases: an empty tensor gives empty indices and an empty decode; a slice whose max norm
 is 0 encodes every coordinate at g/2 (stochastically between the two middle entries) and
