@@ -13,11 +13,13 @@ from thc.collective.allreduce import THCAllReduce
 from thc.net.aggregator import Aggregator
 from thc.net.client import AggregationClient
 from thc.net.impair import Impairment
+from thc.net.outcomes import LossBoundExceeded
 from thc.net.priority import N_CLASSES, magnitude_rank, priority_class, tos_of
 from thc.testing.clusters import free_port_block, local_job
 from thc.wire import protocol as P
 from thc.wire.jobs import ConfigError, Job
 from tests.scripted import scripted_aggregator
+from tests.test_transport import datapath  # noqa: F401 (a fixture)
 
 
 def test_classes_rank_early_layers_and_large_gradients_first():
@@ -183,3 +185,48 @@ def test_without_a_loss_bound_every_chunk_is_retransmitted_to_completion():
     assert all(c.stats.short == 0 and c.stats.flushed == 0 for c in clients)
     assert clients[-1].stats.retransmitted > 0
     assert (clients[0].last.counts == len(xs)).all()
+
+
+def _short_answers(short_seqs):
+    """A scripted aggregator's answer: the chunks in ``short_seqs`` closed short by worker
+    1's FLUSH before worker 0's DATA came (count 0), every other chunk full."""
+    def answer(t, seq):
+        if t != P.PktType.DATA:
+            return None
+        if seq in short_seqs:
+            return P.PktType.RESULT, 0, 0, bytes(16)
+        return P.PktType.RESULT, 2, 0b11, bytes(16)
+    return answer
+
+
+def test_a_short_result_without_a_loss_bound_ends_the_round_with_the_cause(datapath):
+    """A peer with a loss bound of its own (or FLUSHes for chunks it never sent) must not
+    close chunks of a worker whose job has none: those lost shares were taken as counted
+    short on both windows, and the round returned as if nothing happened."""
+    job = local_job(4, 2, free_port_block(2), pool_size=8, lanes=16)
+    assert job.loss_bound == 0
+    with scripted_aggregator(_short_answers({2})) as addr:
+        with AggregationClient(job, 0, addr, run=9, deadline=2.0) as c:
+            with pytest.raises(LossBoundExceeded, match=r"seq 2 .*counting 0 of 2 workers "
+                                                        r"\(workers \[0, 1\] missing\).*no "
+                                                        r"loss bound"):
+                c.reduce(np.zeros(4 * job.lanes // 2, np.uint8))
+    assert c.stats.short == 0
+
+
+def test_short_chunks_beyond_n_times_the_bound_end_the_round():
+    """Loss bound 0.25 of 8 chunks: each of 2 workers may close 2, so 4 may end short and a
+    fifth is refused; the aggregate() of a round with short chunks refuses to drop counts."""
+    job = local_job(4, 2, free_port_block(2), pool_size=16, lanes=16)
+    data = np.zeros(8 * job.lanes // 2, np.uint8)
+    with scripted_aggregator(_short_answers({1, 3, 4, 6})) as addr:
+        with AggregationClient(job, 0, addr, run=9, deadline=2.0, loss_bound=0.25) as c:
+            r = c.reduce(data)
+    assert r.counts.tolist() == [2, 0, 2, 0, 0, 2, 0, 2] and c.stats.short == 4
+    with scripted_aggregator(_short_answers({1, 3, 4, 6, 7})) as addr:
+        with AggregationClient(job, 0, addr, run=9, deadline=2.0, loss_bound=0.25) as c:
+            with pytest.raises(LossBoundExceeded, match=r"seq 7 .*lets 4 of the round's 8"):
+                c.reduce(data)
+        with AggregationClient(job, 0, addr, run=10, deadline=2.0, loss_bound=0.5) as c:
+            with pytest.raises(ValueError, match="chunk 1 ended short.*reduce"):
+                c.aggregate(data)

@@ -179,10 +179,16 @@ def test_a_far_future_run_neither_locks_a_live_job_nor_an_idle_one(aggregator_ki
 
 @pytest.mark.parametrize("window", [-1, 0, 1.5, "4", True, np.int64(0)])
 def test_a_window_that_cannot_hold_a_chunk_is_refused(window):
-    """Case 8: window=-1 looped forever, past its deadline."""
+    """Case 8: window=-1 looped forever, past its deadline; so did a window of 0 set after
+    construction (the Python window sent nothing and armed no timer)."""
     job = local_job(1, 1, free_port_block(1), table=TABLE)
     with pytest.raises(ValueError, match="window"):
         AggregationClient(job, 0, ("127.0.0.1", 9), window=window, run=1)
+    with AggregationClient(job, 0, ("127.0.0.1", 9), run=1) as c:
+        with pytest.raises(ValueError, match="window"):
+            c.window = window
+        c.window = 10 ** 6
+        assert c.window == job.pool_size
 
 
 def test_a_window_of_any_integer_type_is_taken():

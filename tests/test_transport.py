@@ -439,21 +439,27 @@ def test_a_flood_to_the_worker_port_does_not_hold_off_the_deadline(job, datapath
         assert took < deadline + 1.0, f"the round took {took:.2f}s (deadline {deadline}s)"
 
 
+@pytest.mark.parametrize("max_first", [False, True])
 @pytest.mark.parametrize("other", [{"lanes": 128}, {"pool_size": 32}])
 def test_an_aggregator_holding_the_job_with_other_lanes_or_pool_is_named(tmp_path, datapath,
-                                                                          other):
+                                                                          other, max_first):
     """The aggregator drops chunks of another size, and those of a slot outside its smaller
     pool, without an answer: the timeout names that configuration beside a dead host (one
-    worker, so every chunk of a slot it holds completes)."""
+    worker, so every chunk of a slot it holds completes). After a MAX round it answered (a
+    MAX takes no lanes) the other lanes are named too, not a host down or unreachable."""
     job = local_job(1, 1, free_port_block(1), pool_size=64)
     theirs = dataclasses.replace(job, **other).validate()
     agg = AggregatorProcess(tmp_path, [theirs])
-    why = (r"not serving job 1 with this worker's address, 256 lanes and pool 64"
-           if "lanes" in other else r"configured with a smaller pool for job 1 than this "
-           r"worker's 64, dropping slot 32 unanswered")
+    why = (r"configured with a smaller pool for job 1 than this worker's 64, dropping slot "
+           r"32 unanswered" if "pool_size" in other else
+           r"serving job 1 with other lanes or aggregation than this worker's \(256 lanes, "
+           r"thc\), dropping its DATA unanswered" if max_first else
+           r"not serving job 1 with this worker's address, 256 lanes and pool 64")
     try:
         with AggregationClient(job, 0, agg.addr, deadline=0.5, run=1) as c:
-            with pytest.raises(AggregationTimeout, match=r"chunk seq (0|32) .*no answer from "
+            if max_first:
+                c.max(np.ones(4, np.float32))
+            with pytest.raises(AggregationTimeout, match=r"chunk seq (0|1|32) .*no answer from "
                                r"the aggregator .* or " + why):
                 c.aggregate(np.zeros(job.lanes // 2 * 64, np.uint8))
     finally:

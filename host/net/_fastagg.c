@@ -1255,7 +1255,7 @@ cleanup:
 
 #define CL_RECV_BYTES 4096 /* the Python loop's receive buffer */
 /* stream()'s arguments and timeout report: host/net/fastclient.py refuses another version */
-#define CL_WINDOW_VERSION 3
+#define CL_WINDOW_VERSION 4
 #define CL_OUT_BYTES 2048
 /* per chunk in the window: retransmitted (no RTT sample: Karn), overtaken by a later
  * chunk of its shard (a lost packet, not a missing worker: its timer does not back off),
@@ -1264,9 +1264,9 @@ cleanup:
 enum { M_RESENT = 1, M_OVERTAKEN = 2, M_LONE = 4, M_UNPAIRED = 8 };
 /* M_UNPAIRED: its PENDINGs give no sample (resent twice, or a PENDING came already) */
 
-enum { EV_DONE, EV_RESTARTED, EV_TIMEOUT, EV_OSERROR, EV_REFUSED };
+enum { EV_DONE, EV_RESTARTED, EV_TIMEOUT, EV_OSERROR, EV_REFUSED, EV_SHORT };
 enum { S_SENT, S_RETRANSMITTED, S_RECEIVED, S_IGNORED, S_OTHER_RUN, S_PENDING, S_BYTES_SENT,
-       S_BYTES_RECEIVED, S_SHORT, S_REJECTED, S_SPURIOUS, N_CSTATS };
+       S_BYTES_RECEIVED, S_REJECTED, S_SPURIOUS, N_CSTATS };
 
 typedef struct {
     int fd, n_shards, window, lanes, n_workers, is_data, chunk_bytes;
@@ -1464,10 +1464,11 @@ static PyObject *list_of_doubles(const double *v, int n) {
 }
 
 /* stream(fd, header, chunks, chunk_bytes, aggs, epochs, window, timing, srtt, rttvar, out,
- *        out_itemsize, expect_payload, counts, bitmaps)
+ *        out_itemsize, expect_payload, gso)
  *   header: (pkt_type, result_type, pending_type, other_result_type, is_data, worker, job_id,
- *            pool, run, base, offset_base, lanes, n_workers); replies of the three types are
- *            this job's, a result of the other type is counted as ignored
+ *            pool, run, base, offset_base, lanes, n_workers, refused_type, top,
+ *            incarnation); replies of the three types are this job's, a result of the
+ *            other type is counted as ignored
  *   aggs: [(ipv4 as int, port)] per shard; epochs: [int or None] per shard (updated in place)
  *   timing: (timeout, max_timeout, deadline, fast_retransmit_after, fast_backoff_cap,
  *           silent_after, recv_batch), the last four host/net/window.py's rules (results of
@@ -1475,24 +1476,25 @@ static PyObject *list_of_doubles(const double *v, int n) {
  *           of lost chunks; unanswered resends that make a shard silent; datagrams taken in
  *           before the timers are looked at); srtt/rttvar: [float or None] / [float] per
  *           shard
- *   out: total * lanes elements of out_itemsize bytes (host order); counts (uint8) and
- *   bitmaps (uint32) per chunk, written for chunks closed short
+ *   out: total * lanes elements of out_itemsize bytes (host order). Its rounds have no
+ *   loss bound (the Python window's): a chunk closed short ends the round
  * -> (event, info, stats, srtt, rttvar) with event 0 done, 1 restarted (shard, old, new),
  *    2 timeout (chunk, PENDING bitmap or None, seconds since its shard's last reply, the
  *    shard's unanswered resends, its impossible replies, the chunks it ended this round),
- *    3 OS error (errno) */
+ *    3 OS error (errno), 4 refused (chunk, reason code, detail), 5 a chunk closed short
+ *    (chunk, count, bitmap) */
 static PyObject *fa_stream(PyObject *self, PyObject *args) {
     PyObject *hdr, *aggs_o, *epochs, *srtt_o, *rttvar_o;
-    Py_buffer chunks = {0}, out = {0}, counts = {0}, bitmaps = {0};
+    Py_buffer chunks = {0}, out = {0};
     int fd, chunk_bytes, window, out_itemsize, expect_payload, gso;
     double timeout, max_timeout, deadline;
     int fast_after, backoff_cap, silent_after, recv_batch;
-    if (!PyArg_ParseTuple(args, "iOy*iO!O!i(dddiiii)O!O!w*iiw*w*p", &fd, &hdr, &chunks,
+    if (!PyArg_ParseTuple(args, "iOy*iO!O!i(dddiiii)O!O!w*iip", &fd, &hdr, &chunks,
                           &chunk_bytes, &PyList_Type, &aggs_o, &PyList_Type, &epochs, &window,
                           &timeout, &max_timeout, &deadline, &fast_after,
                           &backoff_cap, &silent_after, &recv_batch, &PyList_Type, &srtt_o,
                           &PyList_Type, &rttvar_o, &out, &out_itemsize, &expect_payload,
-                          &counts, &bitmaps, &gso))
+                          &gso))
         return NULL;
     Client *c = calloc(1, sizeof(Client));
     PyObject *res = NULL;
@@ -1538,8 +1540,7 @@ static PyObject *fa_stream(PyObject *self, PyObject *args) {
         (out_itemsize != 2 && out_itemsize != 4) || out_itemsize < wire_bytes ||
         n_workers < 1 || n_workers > MAX_WORKERS || worker < 0 || worker > 255 ||
         silent_after < 1 || silent_after > 64 || recv_batch < 1 ||
-        out.len < (Py_ssize_t)total * lanes * out_itemsize || counts.len < total ||
-        bitmaps.len < (Py_ssize_t)total * 4) {
+        out.len < (Py_ssize_t)total * lanes * out_itemsize) {
         PyErr_SetString(PyExc_ValueError, "stream: bad arguments");
         goto cleanup;
     }
@@ -1615,8 +1616,7 @@ static PyObject *fa_stream(PyObject *self, PyObject *args) {
     c->timeout = timeout;
     c->max_timeout = max_timeout;
 
-    uint8_t *outp = out.buf, *countp = counts.buf;
-    uint32_t *bitmapp = bitmaps.buf;
+    uint8_t *outp = out.buf;
     uint32_t full = n_workers == 32 ? 0xffffffffu : ((1u << n_workers) - 1);
     int event = EV_DONE, interrupted = 0;
     long ev_chunk = 0;
@@ -1791,10 +1791,12 @@ static PyObject *fa_stream(PyObject *self, PyObject *args) {
                         continue;
                     }
                     if (r_count != n_workers) {
-                        /* closed short (FLUSH): count and bitmap say who was counted */
-                        c->st[S_SHORT]++;
-                        countp[i] = r_count;
-                        memcpy(bitmapp + i, &r_bitmap, 4);
+                        /* closed short (a peer's FLUSH): no chunk of this round may be */
+                        event = EV_SHORT;
+                        ev_chunk = i;
+                        ev_code = r_count;
+                        ev_bitmap = r_bitmap;
+                        break;
                     }
                     done[i] = 1;
                     c->taken[shard]++;
@@ -1911,7 +1913,7 @@ static PyObject *fa_stream(PyObject *self, PyObject *args) {
                                              ev_unanswered, ev_rejected, ev_taken);
     else if (event == EV_OSERROR)
         info = PyLong_FromLong(c->err);
-    else if (event == EV_REFUSED)
+    else if (event == EV_REFUSED || event == EV_SHORT)
         info = Py_BuildValue("(lLL)", ev_chunk, ev_code, ev_bitmap);
     else
         info = (Py_INCREF(Py_None), Py_None);
@@ -1935,8 +1937,6 @@ cleanup:
     free(pend); free(rbuf); free(rmsgs); free(riov); free(rctl); free(rsrc);
     PyBuffer_Release(&chunks);
     if (out.obj) PyBuffer_Release(&out);
-    if (counts.obj) PyBuffer_Release(&counts);
-    if (bitmaps.obj) PyBuffer_Release(&bitmaps);
     return res;
 }
 
@@ -1949,7 +1949,7 @@ static PyMethodDef module_methods[] = {
     {"stream", fa_stream, METH_VARARGS,
      "stream(fd, header, chunks, chunk_bytes, aggs, epochs, window, (timeout, max_timeout, "
      "deadline, fast_after, backoff_cap, silent_after, recv_batch), srtt, rttvar, out, "
-     "out_itemsize, expect_payload, counts, bitmaps, gso) -> (event, info, stats, srtt, "
+     "out_itemsize, expect_payload, gso) -> (event, info, stats, srtt, "
      "rttvar): one client's sliding window (host/net/fastclient.py)"},
     {NULL, NULL, 0, NULL},
 };

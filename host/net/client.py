@@ -145,10 +145,7 @@ class AggregationClient:
         self.aggregator = self.aggregators[0]
         """The aggregator (the first shard's address for a sharded job)."""
         self.epochs: list[int | None] = [None] * len(self.aggregators)
-        if window is not None and (not isinstance(window, numbers.Integral)
-                                   or isinstance(window, bool) or window < 1):
-            raise ValueError(f"window must be a positive number of chunks, got {window!r}")
-        self.window = min(int(window or self.DEFAULT_WINDOW), job.pool_size)
+        self.window = self.DEFAULT_WINDOW if window is None else window
         if not all(isinstance(t, numbers.Real) and not isinstance(t, bool) and math.isfinite(t)
                    for t in (timeout, max_timeout, deadline)) or not 0 < timeout <= max_timeout \
                 or deadline <= 0:
@@ -189,6 +186,18 @@ class AggregationClient:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 8 << 20)
             sock.bind((me.ip, me.port))
         self.sock = sock
+
+    @property
+    def window(self) -> int:
+        """Chunks in flight, at most the job's pool (the aggregator acknowledges a slot
+        version's use by the next one's); checked whenever it is set."""
+        return self._window
+
+    @window.setter
+    def window(self, window: int) -> None:
+        if not isinstance(window, numbers.Integral) or isinstance(window, bool) or window < 1:
+            raise ValueError(f"window must be a positive number of chunks, got {window!r}")
+        self._window = min(int(window), self.job.pool_size)
 
     @property
     def run(self) -> int | None:
@@ -262,8 +271,15 @@ class AggregationClient:
 
     def aggregate(self, packed: np.ndarray, offset_base: int = 0,
                   classes: np.ndarray | None = None) -> np.ndarray:
-        """The sums of :meth:`reduce` alone."""
-        return self.reduce(packed, offset_base, classes).sums
+        """The sums of :meth:`reduce` alone, where every chunk counted every worker: a chunk
+        closed short (loss bound) raises, as its sums mean nothing without its count."""
+        r = self.reduce(packed, offset_base, classes)
+        if r.short(self.job.n_workers):
+            i = int(np.argmax(r.counts < self.job.n_workers))
+            raise ValueError(f"chunk {i} ended short (counting {int(r.counts[i])} of "
+                             f"{self.job.n_workers} workers): use reduce(), whose counts and "
+                             f"bitmaps say who each chunk's sums hold")
+        return r.sums
 
     def reduce_max(self, values: np.ndarray) -> AggregationResult:
         """Element-wise max over all workers of non-negative floats (the preliminary round)."""

@@ -14,10 +14,10 @@ from thc.net.addresses import ipv4_int
 from thc.net.cext import UNAVAILABLE, _fastagg
 from thc.net.outcomes import AggregatorRestarted
 from thc.net.window import (FAST_BACKOFF_CAP, FAST_RETRANSMIT_AFTER, RECV_BATCH, SILENT_AFTER,
-                             Endpoint, Round, raise_refused, raise_timeout)
+                             Endpoint, Round, raise_refused, raise_short, raise_timeout)
 from thc.wire import protocol as P
 
-CLIENT_WINDOW = 3
+CLIENT_WINDOW = 4
 """The version of ``_fastagg.stream``'s arguments and timeout report this module speaks."""
 
 CLIENT_UNAVAILABLE: str | None = UNAVAILABLE or (
@@ -27,7 +27,8 @@ CLIENT_UNAVAILABLE: str | None = UNAVAILABLE or (
 
 CLIENT_MAX_DATAGRAM = getattr(_fastagg, "CLIENT_MAX_DATAGRAM", 0)
 
-STREAM_DONE, STREAM_RESTARTED, STREAM_TIMEOUT, STREAM_OSERROR, STREAM_REFUSED = range(5)
+STREAM_DONE, STREAM_RESTARTED, STREAM_TIMEOUT, STREAM_OSERROR, STREAM_REFUSED, STREAM_SHORT = \
+    range(6)
 """The events the compiled window returns with."""
 
 
@@ -46,7 +47,6 @@ class Streamed:
     pending: int
     bytes_sent: int
     bytes_received: int
-    short: int
     rejected: int
     spurious: int
     srtt: list
@@ -67,7 +67,7 @@ def stream(end: Endpoint, rnd: Round, chunks: np.ndarray) -> Streamed:
     event, info, st, srtt, rttvar = _fastagg.stream(
         end.sock.fileno(), header, chunks, chunks.shape[1], aggs, end.epochs, end.window,
         timing, list(end.rtt.srtt), list(end.rtt.rttvar), rnd.out, rnd.out.itemsize,
-        rnd.expect_payload(job), rnd.counts, rnd.bitmaps, end.gso)
+        rnd.expect_payload(job), end.gso)
     return Streamed(event, info, *st, srtt, rttvar)
 
 
@@ -90,7 +90,7 @@ class CompiledWindow:
         s.compiled_rounds += 1
         r = stream(end, rnd, np.ascontiguousarray(rnd.chunks, dtype=np.uint8))
         for name in ("sent", "retransmitted", "received", "ignored", "other_run", "pending",
-                     "bytes_sent", "bytes_received", "short", "rejected", "spurious"):
+                     "bytes_sent", "bytes_received", "rejected", "spurious"):
             setattr(s, name, getattr(s, name) + getattr(r, name))
         end.rtt.srtt, end.rtt.rttvar = r.srtt, r.rttvar
         if r.event == STREAM_RESTARTED:
@@ -104,3 +104,5 @@ class CompiledWindow:
             raise OSError(r.info, os.strerror(r.info))
         if r.event == STREAM_REFUSED:
             raise_refused(end, rnd, *r.info)
+        if r.event == STREAM_SHORT:
+            raise_short(end, rnd, *r.info)

@@ -98,6 +98,25 @@ class AggregationRefused(RuntimeError):
         return cls.SHOW.get(reason, "").format(detail)
 
 
+class LossBoundExceeded(RuntimeError):
+    """A chunk came back closed short (a FLUSH counted fewer than every worker) beyond what
+    this worker's loss bound lets a round lose: its peers run with a larger bound, or one
+    sent FLUSH for chunks it never sent. Taken, it would count a gradient share as lost
+    that no rule of this job allowed to be."""
+
+    def __init__(self, where: str, count: int, n_workers: int, missing: list[int],
+                 loss_bound: float, cap: int, chunks: int):
+        allowed = (f"its loss bound {loss_bound:g} lets {cap} of the round's {chunks} chunks "
+                   f"end short (n x floor(bound x chunks): each worker counts its own)"
+                   if cap else "it has no loss bound (0), so no chunk may end short")
+        super().__init__(f"{where}: closed short, counting {count} of {n_workers} workers "
+                         f"(workers {missing} missing), beyond this worker's loss bound: "
+                         f"{allowed}. Every worker of a job must run with the job's "
+                         f"loss_bound; a peer with a larger one, or one that sent FLUSH for "
+                         f"chunks it never sent, closes chunks this worker may not lose")
+        self.count, self.missing, self.cap = count, missing, cap
+
+
 class RunFailed(RuntimeError):
     """An earlier round of this run failed, so its sequence numbers are spoilt: the slots may
     hold that round's sums or this worker's old contribution, and a retry would be answered

@@ -14,7 +14,8 @@ import numpy as np
 from thc.net.outcomes import AggregatorRestarted
 from thc.net.priority import FLUSH_CLASS, tos_of
 from thc.net.window import (FAST_BACKOFF_CAP, FAST_RETRANSMIT_AFTER, RECV_BATCH, SILENT_AFTER,
-                             Endpoint, Round, raise_refused, raise_timeout)
+                             Endpoint, Round, raise_refused, raise_short,
+                             raise_timeout)
 from thc.wire import protocol as P
 
 _TOS_CMSG: dict[int, list] = {}
@@ -83,6 +84,7 @@ class PythonWindow:
         budget = math.floor(end.loss_bound * total) if bounded else 0
         short: set[int] = set()     # chunks flushed by this worker (until they end full)
         #                             or ended short: the loss bound's count
+        ended_short, short_cap = 0, rnd.short_cap(end)
         flush_type, flush_tos = int(P.PktType.FLUSH), tos_of(FLUSH_CLASS) if tos else 0
         lo = 0
         hi = 0
@@ -244,6 +246,9 @@ class PythonWindow:
                         continue
                     if r_count != n_workers:
                         # closed short (FLUSH): count and bitmap say who was counted
+                        if ended_short >= short_cap:
+                            raise_short(end, rnd, i, r_count, r_bitmap)
+                        ended_short += 1
                         end.stats.short += 1
                         short.add(i)
                         counts[i], bitmaps[i] = r_count, r_bitmap

@@ -4,6 +4,7 @@ follow, and the failures they raise. host/net/pywindow.py and host/net/fastclien
 implement :class:`Window`; the client picks one per round."""
 from __future__ import annotations
 
+import math
 import socket
 from dataclasses import dataclass
 from typing import Protocol
@@ -11,7 +12,8 @@ from typing import Protocol
 import numpy as np
 
 from thc.net.impair import Impairment
-from thc.net.outcomes import AggregationRefused, AggregationTimeout, TransportStats
+from thc.net.outcomes import (AggregationRefused, AggregationTimeout, LossBoundExceeded,
+                              TransportStats)
 from thc.wire import protocol as P
 from thc.wire.jobs import Job
 
@@ -122,6 +124,14 @@ class Round:
     def expect_payload(self, job: Job) -> int:
         return P.payload_bytes(self.result_type, self.lanes, job.sum_bits)
 
+    def short_cap(self, end: Endpoint) -> int:
+        """The most chunks of this round that may end short: each worker may close
+        floor(loss_bound x chunks) (docs/protocol.md), so n times that; none in a MAX round
+        or without a loss bound. A short RESULT beyond it raises (:func:`raise_short`)."""
+        if not self.is_data or end.loss_bound <= 0:
+            return 0
+        return end.job.n_workers * math.floor(end.loss_bound * len(self.chunks))
+
 
 class Window(Protocol):
     name: str
@@ -145,6 +155,13 @@ def raise_refused(end: Endpoint, rnd: Round, i: int, code: int, detail: int):
     except ValueError:
         reason = f"reason {code}"
     raise AggregationRefused(where(end, rnd.run, rnd.base + i), reason, detail)
+
+
+def raise_short(end: Endpoint, rnd: Round, i: int, count: int, bitmap: int):
+    job = end.job
+    missing = [w.id for w in job.workers if not bitmap >> w.id & 1]
+    raise LossBoundExceeded(where(end, rnd.run, rnd.base + i), count, job.n_workers, missing,
+                            end.loss_bound, rnd.short_cap(end), len(rnd.chunks))
 
 
 def raise_timeout(end: Endpoint, rnd: Round, i: int, bitmap: int | None, silent: float = 0.0,
@@ -195,6 +212,11 @@ def raise_timeout(end: Endpoint, rnd: Round, i: int, bitmap: int | None, silent:
         elif answering and slot:
             causes.append(f"configured with a smaller pool for job {job.job_id} than this "
                           f"worker's {job.pool_size}, dropping slot {slot} unanswered")
+        elif rnd.is_data and not answering:
+            # it answered an earlier round of this run (a MAX round takes no lanes)
+            causes.append(f"serving job {job.job_id} with other lanes or aggregation than "
+                          f"this worker's ({job.lanes} lanes, {job.aggregation}), dropping "
+                          f"its DATA unanswered")
         hint = (f" ({', '.join(causes[:-1])}, or {causes[-1]})" if len(causes) > 2 else
                 f" ({' or '.join(causes)})")
         raise AggregationTimeout(f"{at}; no answer from {who} at {ip}:{port}{hint}", None,
