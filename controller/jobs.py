@@ -5,7 +5,8 @@ A job (host/wire/jobs.py ``Job``) becomes
   thc_job          job_id -> set_job(job_index, n_workers, pool_base, pool_size,
                                      full_bitmap, mcast_grp, sum_bits, epoch,
                                      aggregation)
-                   epoch: a fresh nonzero value at every install, returned in every reply
+                   epoch: the job's configuration tag and a fresh nonce at every install,
+                   returned in every reply (host/wire/protocol.py EPOCH_TAG_SHIFT)
   thc_worker       (job_id, worker_id, src_ip, src_port) -> set_worker(worker_bit)
   thc_worker_addr  (job_id, worker_id) -> set_worker_addr(worker_mac, worker_ip,
                                                           worker_port, agg_mac, agg_ip)  [egress]
@@ -326,7 +327,7 @@ def _write_entries(sw: Switch, job: Job, job_index: int, agg: AggAddress,
     again = previous is not None
     # the job entry first: an install cut short leaves a job that `jobs` lists as not
     # serving and `remove` deletes (without worker entries none of its packets count)
-    epoch = P.new_epoch(previous.get("epoch") if previous else None)
+    epoch = job.new_epoch(previous.get("epoch") if previous else None)
     _upsert(sw, [job_entry(sw, job, job_index, epoch)],
             again and previous["job_index"] == job_index)
     addrs = addr_entries(sw, job, agg)

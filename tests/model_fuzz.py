@@ -98,12 +98,13 @@ class Step:
 class Context:
     """What the interleaving has reached: the current run and the front of the chunks."""
 
-    def __init__(self, base: int, epoch: int):
-        self.base, self.run, self.front, self.epochs = base, FIRST_RUN, 0, [epoch]
+    def __init__(self, base: int, nonce: int):
+        self.base, self.run, self.front, self.nonces = base, FIRST_RUN, 0, [nonce]
 
 
 def decode(step: Step, ctx: Context):
-    """(datagram, source) to send, or ("time", seconds), or ("install", epoch)."""
+    """(datagram, source) to send, or ("time", seconds), or ("install", nonce): an install
+    whose epoch is the job's tag and that nonce."""
     op = step.op % 12
     w = step.a % N_WORKERS
     kind = ("DATA", "DATA", "DATA", "MAX", "MAX", "FLUSH")[step.b % 6]
@@ -124,8 +125,8 @@ def decode(step: Step, ctx: Context):
         return ("time", 0.001 if step.d % 2 else P.RUN_IDLE_S + 1)
     if op == 9:
         if step.d % 3 == 0:
-            ctx.epochs.append(0x1000 + len(ctx.epochs))
-            return ("install", ctx.epochs[-1])
+            ctx.nonces.append(0x1000 + len(ctx.nonces))
+            return ("install", ctx.nonces[-1])
         if step.d % 3 == 1:
             ctx.run += 1 + step.c % 2
         else:
@@ -176,13 +177,13 @@ class Engines:
     def __init__(self, compiled: bool = True, sharded: bool = False):
         from thc.net import fastagg
         self.job = make_job(sharded)
-        self.epoch = 0x1000
+        self.nonce = 0x1000
         shard = SHARD if sharded else None
-        self.ref = Aggregator([self.job], epoch=self.epoch, shard=shard)
+        self.ref = Aggregator([self.job], nonce=self.nonce, shard=shard)
         self.others = []
         if compiled and fastagg.available():
             self.others.append(("compiled", fastagg.FastAggregator(
-                [self.job], epoch=self.epoch, shard=shard)))
+                [self.job], nonce=self.nonce, shard=shard)))
         self.now = 1000.0
 
     def apply(self, action) -> None:
@@ -190,15 +191,15 @@ class Engines:
             self.now += action[1]
             return
         if action[0] == "install":
-            self.epoch = action[1]
-            self.ref.install(self.job, self.epoch)
+            self.nonce = action[1]
+            self.ref.install(self.job, self.nonce)
             for _, eng in self.others:
-                eng.install(self.job, self.epoch)
+                eng.install(self.job, self.nonce)
             return
         datagram, src = action
         want, _ = self.ref.model.handle(datagram, src, self.now)
         for reply, dst in want:
-            check_reply(reply, dst, self.epoch)
+            check_reply(reply, dst, self.job.new_epoch(nonce=self.nonce))
         for name, eng in self.others:
             got = eng.handle(datagram, src, self.now)
             if got != want:
@@ -217,7 +218,7 @@ def run_steps(steps: list[Step], base: int, compiled: bool = True,
               sharded: bool = False) -> Engines:
     """One interleaving from ``base``, on a central job or one shard of a sharded job."""
     engines = Engines(compiled, sharded)
-    ctx = Context(base, engines.epoch)
+    ctx = Context(base, engines.nonce)
     for k, step in enumerate(steps):
         action = decode(step, ctx)
         try:

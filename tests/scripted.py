@@ -10,7 +10,12 @@ from contextlib import contextmanager
 
 from thc.wire import protocol as P
 
-EPOCH = 0x42
+NONCE = 0x42
+
+
+def epoch(job) -> int:
+    """The epoch scripted replies carry: the job's configuration tag and :data:`NONCE`."""
+    return job.new_epoch(nonce=NONCE)
 
 
 @contextmanager
@@ -50,10 +55,12 @@ def answering(answer, delay: float = 0.0):
         srv.close()
 
 
-def scripted_aggregator(answer, delay: float = 0.0):
-    """:func:`answering` by header: ``answer(pkt_type, seq)`` gives None (no reply) or
-    (reply type, count, bitmap, payload), sent with the datagram's other header fields and
-    epoch :data:`EPOCH`."""
+def scripted_aggregator(job, answer, delay: float = 0.0):
+    """:func:`answering` by header for ``job``: ``answer(pkt_type, seq)`` gives None (no
+    reply) or (reply type, count, bitmap, payload), sent with the datagram's other header
+    fields and the job's :func:`epoch`."""
+    tagged = epoch(job)
+
     def reply(data):
         (t, w, j, slot, ver, _c, seq, off, _b, run, _e) = P.HEADER_STRUCT.unpack_from(data)
         got = answer(t, seq)
@@ -61,5 +68,5 @@ def scripted_aggregator(answer, delay: float = 0.0):
             return []
         kind, count, bitmap, payload = got
         return [P.HEADER_STRUCT.pack(kind, w, j, slot, ver, count, seq, off, bitmap, run,
-                                     EPOCH) + payload]
+                                     tagged) + payload]
     return answering(reply, delay)

@@ -21,7 +21,7 @@ from thc.net.impair import Impairment
 from thc.testing.clusters import free_port_block, local_job
 from thc.wire import protocol as P
 from thc.wire.jobs import Job
-from tests.scripted import answering, scripted_aggregator
+from tests.scripted import answering, epoch, scripted_aggregator
 from tests.test_transport import datapath  # noqa: F401 (a fixture)
 
 N_CHUNKS = 20
@@ -34,8 +34,9 @@ class ScriptedAggregator:
     ``short``: chunk SHORT_SEQ's RESULT closed short, worker 1 missing). A stranger's socket
     forges a RESULT with every field right, the epoch included."""
 
-    def __init__(self, job, epoch=0x1234, mode="answer", family=socket.AF_INET, short=False):
-        self.job, self.epoch, self.mode, self.short = job, epoch, mode, short
+    def __init__(self, job, nonce=0x1234, mode="answer", family=socket.AF_INET, short=False):
+        self.job, self.epoch = job, job.new_epoch(nonce=nonce)
+        self.mode, self.short = mode, short
         host = "::1" if family == socket.AF_INET6 else "127.0.0.1"
         self.sock = socket.socket(family, socket.SOCK_DGRAM)
         self.sock.bind((host, 0))
@@ -135,7 +136,7 @@ def test_hostile_replies_ignored_and_counted_short_chunks_and_restart(job, datap
             assert s.other_run == N_CHUNKS and s.pending == N_CHUNKS and s.short == 0
             assert s.bytes_sent == sum(map(len, agg.received))
             assert (r.counts == 2).all() and (r.bitmaps == 0b11).all()
-            assert c.epoch == 0x1234 and c.rtt.srtt[0] is not None
+            assert c.epoch == job.new_epoch(nonce=0x1234) and c.rtt.srtt[0] is not None
             # the datagrams, field by field, as the protocol lays them out
             chunk = len(packed) // N_CHUNKS
             for seq, data in enumerate(agg.received):
@@ -148,10 +149,11 @@ def test_hostile_replies_ignored_and_counted_short_chunks_and_restart(job, datap
             sums = c.aggregate(_packed(job, 2))
             np.testing.assert_array_equal(sums, np.concatenate(
                 [ScriptedAggregator.values(s, job.lanes) for s in range(N_CHUNKS, 2 * N_CHUNKS)]))
-            agg.epoch = 0x5678
+            agg.epoch = job.new_epoch(nonce=0x5678)
             with pytest.raises(AggregatorRestarted, match="the aggregator at 127.0.0.1") as e:
                 c.aggregate(_packed(job, 3))
-            assert (e.value.old_epoch, e.value.new_epoch, e.value.run) == (0x1234, 0x5678, 77)
+            assert (e.value.old_epoch & P.NONCE_MASK, e.value.new_epoch & P.NONCE_MASK,
+                    e.value.run) == (0x1234, 0x5678, 77)
     finally:
         agg.close()
 
@@ -269,10 +271,7 @@ def test_results_queued_before_a_round_are_not_taken_as_its_own(job, datapath):
 
 def _complete(data: bytes, pkt_type: int, job) -> bytes:
     """``data``'s header made a complete reply of ``pkt_type`` (every worker counted)."""
-    head = bytearray(data[: P.HEADER_BYTES])
-    head[0], head[7] = pkt_type, job.n_workers
-    head[16:20] = job.full_bitmap.to_bytes(4, "big")
-    return bytes(head)
+    return _reply(job, data, pkt_type, job.n_workers, job.full_bitmap)
 
 
 def test_a_max_above_every_float_is_ignored(job, datapath):
@@ -386,13 +385,12 @@ def test_a_negative_zero_max_is_a_zero_and_a_socket_with_a_timeout_is_refused(da
     sock.close()
 
 
-def _reply(data: bytes, pkt_type: int, count: int, bitmap: int) -> bytes:
-    """A payload-less reply to ``data`` (a DATA packet) with its fields (the epoch: the
-    sender's nonce, as :func:`_complete` keeps it)."""
-    (_t, w, j, slot, version, _c, seq, offset, _b, run, epoch) = \
-        P.HEADER_STRUCT.unpack_from(data)
+def _reply(job, data: bytes, pkt_type: int, count: int, bitmap: int) -> bytes:
+    """A payload-less reply to ``data`` (a DATA or MAX packet) with its fields, and the
+    job's scripted epoch."""
+    (_t, w, j, slot, version, _c, seq, offset, _b, run, _e) = P.HEADER_STRUCT.unpack_from(data)
     return P.HEADER_STRUCT.pack(pkt_type, w, j, slot, version, count, seq, offset, bitmap, run,
-                                epoch)
+                                epoch(job))
 
 
 def test_impossible_results_after_a_pending_name_the_aggregator_not_a_worker(job, datapath):
@@ -404,7 +402,7 @@ def test_impossible_results_after_a_pending_name_the_aggregator_not_a_worker(job
     def answer(data):
         seen.append(data)
         if len(seen) <= 2:
-            return [_reply(data, P.PktType.PENDING, 1, 0b01)]
+            return [_reply(job, data, P.PktType.PENDING, 1, 0b01)]
         return [_complete(data, P.PktType.RESULT, job) + bytes(2 * job.lanes)]
 
     with answering(answer) as addr:
@@ -424,7 +422,7 @@ def test_a_silent_aggregator_is_named_under_a_deadline_of_two_max_timeouts(job, 
     t0 = time.monotonic()
 
     def answer(data):
-        return [_reply(data, P.PktType.PENDING, 1, 0b01)] if time.monotonic() - t0 < 0.1 \
+        return [_reply(job, data, P.PktType.PENDING, 1, 0b01)] if time.monotonic() - t0 < 0.1 \
             else []
 
     with answering(answer) as addr:
@@ -450,10 +448,10 @@ def test_a_silent_shard_is_named_though_another_shard_answers(datapath):
         # chunk 2 waits for worker 1 for ever
         if seq == 0 and time.monotonic() - first.setdefault(0, time.monotonic()) > 0.3:
             return [_complete(data, P.PktType.RESULT, job) + bytes(job.lanes)]
-        return [_reply(data, P.PktType.PENDING, 1, 0b01)]
+        return [_reply(job, data, P.PktType.PENDING, 1, 0b01)]
 
     def shard1(data):
-        return [_reply(data, P.PktType.PENDING, 1, 0b01)] if time.monotonic() - t0 < 0.1 \
+        return [_reply(job, data, P.PktType.PENDING, 1, 0b01)] if time.monotonic() - t0 < 0.1 \
             else []
 
     with answering(shard0) as a0, answering(shard1) as a1:
@@ -505,7 +503,7 @@ def test_a_chunk_later_ones_overtook_is_resent_within_the_fast_backoff_cap(job, 
             return (P.PktType.PENDING, 1, 0b01, b"")
         return result
 
-    with scripted_aggregator(answer) as addr, \
+    with scripted_aggregator(job, answer) as addr, \
             AggregationClient(job, 0, addr, run=4, deadline=5.0, window=n,
                               max_timeout=1.0) as c:
         c.aggregate(_packed(job, 2)[: n * job.lanes // 2])
@@ -522,7 +520,7 @@ def test_a_round_trip_past_the_timeout_floor_is_learnt_from_spurious_timeouts(jo
     gives the sample: after the first round, few resends (a late scripted reply)."""
     zeros = np.zeros(job.lanes, P.sum_dtype(job.sum_bits)).tobytes()
     n = 64
-    with scripted_aggregator(lambda t, seq: (P.PktType.RESULT, 2, 0b11, zeros),
+    with scripted_aggregator(job, lambda t, seq: (P.PktType.RESULT, 2, 0b11, zeros),
                              delay=0.05) as addr, \
             AggregationClient(job, 0, addr, run=4, window=16) as c:
         data = _packed(job, 3)[: n * job.lanes // 2]
@@ -550,7 +548,7 @@ def test_a_duplicated_answer_to_a_resend_is_no_spurious_timeout(job, datapath):
             seen.add(seq)
             return []
         r = P.HEADER_STRUCT.pack(P.PktType.RESULT, w, j, slot, ver, 2, seq, off, 0b11, run,
-                                 0x42) + zeros
+                                 epoch(job)) + zeros
         return [r, r]
 
     with answering(reply) as addr, AggregationClient(job, 0, addr, run=4, window=16) as c:
@@ -585,7 +583,7 @@ def _peer_late(job, wait: float, held: bool = False):
 def _srtt_while_peer_late(job, datapath, wait, delay, chunks, held=False, **kw):
     """The estimator's srtt after one round of ``chunks`` against :func:`_peer_late`, its
     replies ``delay`` seconds late."""
-    with scripted_aggregator(_peer_late(job, wait, held), delay=delay) as addr, \
+    with scripted_aggregator(job, _peer_late(job, wait, held), delay=delay) as addr, \
             AggregationClient(job, 0, addr, run=4, window=chunks, **kw) as c:
         c.aggregate(_packed(job, 4)[: chunks * job.lanes // 2])
         assert c.stats.compiled_rounds == (datapath == "compiled")

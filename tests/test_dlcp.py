@@ -172,7 +172,7 @@ def test_a_flushed_chunk_that_ends_full_gives_its_share_of_the_bound_back():
             return P.PktType.RESULT, 1, 0b01, zeros
         return (P.PktType.PENDING, 1, 0b01, b"") if seq == 1 and again else None
 
-    with scripted_aggregator(answer) as addr:
+    with scripted_aggregator(job, answer) as addr:
         with AggregationClient(job, 0, addr, run=9, timeout=0.02, max_timeout=0.1,
                                deadline=3.0, loss_bound=0.25, datapath="python") as c:
             r = c.reduce(np.zeros(4 * job.lanes // 2, np.uint8))
@@ -205,7 +205,7 @@ def test_a_short_result_without_a_loss_bound_ends_the_round_with_the_cause(datap
     short on both windows, and the round returned as if nothing happened."""
     job = local_job(4, 2, free_port_block(2), pool_size=8, lanes=16)
     assert job.loss_bound == 0
-    with scripted_aggregator(_short_answers({2})) as addr:
+    with scripted_aggregator(job, _short_answers({2})) as addr:
         with AggregationClient(job, 0, addr, run=9, deadline=2.0) as c:
             with pytest.raises(LossBoundExceeded, match=r"seq 2 .*counting 0 of 2 workers "
                                                         r"\(workers \[0, 1\] missing\).*no "
@@ -219,11 +219,11 @@ def test_short_chunks_beyond_n_times_the_bound_end_the_round():
     fifth is refused; the aggregate() of a round with short chunks refuses to drop counts."""
     job = local_job(4, 2, free_port_block(2), pool_size=16, lanes=16)
     data = np.zeros(8 * job.lanes // 2, np.uint8)
-    with scripted_aggregator(_short_answers({1, 3, 4, 6})) as addr:
+    with scripted_aggregator(job, _short_answers({1, 3, 4, 6})) as addr:
         with AggregationClient(job, 0, addr, run=9, deadline=2.0, loss_bound=0.25) as c:
             r = c.reduce(data)
     assert r.counts.tolist() == [2, 0, 2, 0, 0, 2, 0, 2] and c.stats.short == 4
-    with scripted_aggregator(_short_answers({1, 3, 4, 6, 7})) as addr:
+    with scripted_aggregator(job, _short_answers({1, 3, 4, 6, 7})) as addr:
         with AggregationClient(job, 0, addr, run=9, deadline=2.0, loss_bound=0.25) as c:
             with pytest.raises(LossBoundExceeded, match=r"seq 7 .*lets 4 of the round's 8"):
                 c.reduce(data)

@@ -18,6 +18,7 @@ from thc.net import fastagg
 from thc.net.aggregator import Aggregator
 from thc.net.client import (AggregationClient, AggregationRefused, AggregationTimeout,
                              AggregatorRestarted, RunFailed)
+from thc.net.outcomes import AggregatorMisconfigured
 from thc.testing.clusters import free_port_block, local_job
 from thc.wire import protocol as P
 from tests.scripted import scripted_aggregator
@@ -278,7 +279,7 @@ def test_a_missing_worker_in_the_first_round_a_worker_hears_may_be_a_restart(
     if first_round_completes:
         complete.set()
     chunk = np.zeros(job.lanes // 2, np.uint8)
-    with scripted_aggregator(_answers(job, complete)) as addr, \
+    with scripted_aggregator(job, _answers(job, complete)) as addr, \
             AggregationClient(job, 0, addr, run=5, deadline=1.0, datapath=datapath) as c:
         if first_round_completes:
             c.reduce(chunk)
@@ -301,8 +302,8 @@ def test_the_restart_hint_is_the_timed_out_chunks_shard_alone(datapath):
     first.set()
     second.set()
     chunk = np.zeros(base.lanes // 2, np.uint8)
-    with scripted_aggregator(_answers(base, first)) as a0, \
-            scripted_aggregator(_answers(base, second)) as a1:
+    with scripted_aggregator(base, _answers(base, first)) as a0, \
+            scripted_aggregator(base, _answers(base, second)) as a1:
         job = dataclasses.replace(base, shards=(Shard(*a0), Shard(*a1))).validate()
         with AggregationClient(job, 0, run=5, deadline=1.0, datapath=datapath) as c:
             c.reduce(chunk)                                     # seq 0: shard 0
@@ -310,3 +311,23 @@ def test_the_restart_hint_is_the_timed_out_chunks_shard_alone(datapath):
             with pytest.raises(AggregationTimeout, match=r"missing worker\(s\) \[1\]") as err:
                 c.reduce(np.concatenate([chunk, chunk]))        # seq 1: shard 1, seq 2: 0
     assert err.value.shard == 0 and "restarted" not in str(err.value)
+
+
+@pytest.mark.parametrize("change", [{"table": [2 * v for v in range(16)]},
+                                    {"granularity": 31}, {"sum_bits": 16}])
+def test_an_aggregator_installed_with_another_configuration_is_refused(datapath, change):
+    """An aggregator given another table (every sum it makes still possible under the
+    workers' granularity) returned sums of its table, taken by both windows as the workers'
+    own. Its epoch now carries its job's configuration tag: the first reply is refused."""
+    import dataclasses
+    job = local_job(1, 2, free_port_block(2), table=TABLE)
+    theirs = dataclasses.replace(job, **change).validate()
+    assert theirs.config_tag != job.config_tag
+    with Aggregator([theirs]) as agg:
+        addr = agg.start()
+        for w in range(2):
+            with AggregationClient(job, w, addr, run=5, deadline=1.0) as c:
+                with pytest.raises(AggregatorMisconfigured, match=rf"serves job 1 with another "
+                                   rf"configuration .*tag {theirs.config_tag:#06x}"):
+                    c.aggregate(pack_bits(np.full(job.lanes, 3, np.uint8), P.INDEX_BITS))
+                assert c.stats.compiled_rounds == (datapath == "compiled")

@@ -38,7 +38,7 @@ from tests.conformance.test_fuzz import (
 pytestmark = pytest.mark.skipif(not fastagg.available(),
                                 reason=f"compiled aggregator skipped: {fastagg.UNAVAILABLE}")
 
-EPOCH = 0x5EED0001
+NONCE = 0x5EED
 BASE_PORT = 41000
 """Addresses of the per-packet tests (no socket is bound); the UDP test takes free ports."""
 SHARD = 1
@@ -75,8 +75,8 @@ def stranger_of(base: int = BASE_PORT) -> tuple[str, int]:
 
 def both(js=None):
     js = jobs() if js is None else js
-    return (Aggregator(js, epoch=EPOCH, shard=SHARD),
-            fastagg.FastAggregator(js, epoch=EPOCH, shard=SHARD))
+    return (Aggregator(js, nonce=NONCE, shard=SHARD),
+            fastagg.FastAggregator(js, nonce=NONCE, shard=SHARD))
 
 
 def handle_both(py: Aggregator, c, data: bytes, src: tuple[str, int], now: float) -> list:
@@ -199,7 +199,7 @@ def test_reinstall_and_remove_follow_the_reference():
     for step, (data, src) in enumerate(packets):
         if step == 100:
             for agg in (py, c):  # a re-install's new epoch, the same in both
-                agg.install(js[0], EPOCH + 1)
+                agg.install(js[0], NONCE + 1)
         if step == 200:
             for agg in (py, c):
                 agg.remove(js[1].job_id)
@@ -207,7 +207,7 @@ def test_reinstall_and_remove_follow_the_reference():
         assert c.handle(data, src, now) == py.model.handle(data, src, now)[0], \
             f"packet {step}"
     assert py.counters() == c.counters()
-    assert c.counters()["epochs"][js[0].job_id] == EPOCH + 1
+    assert c.counters()["epochs"][js[0].job_id] == js[0].new_epoch(nonce=NONCE + 1)
     with pytest.raises(KeyError):
         c.remove(js[1].job_id)
 
@@ -292,11 +292,11 @@ def test_served_over_udp_both_answer_a_trace_identically():
     packets = trace(seed=13, length=400, base=base)
     assert max(len(run) for run, _ in bursts(packets)) > 1
     results = []
-    kinds = ((lambda js, epoch: Aggregator(js, epoch=epoch, shard=SHARD), False),
-             (lambda js, epoch: fastagg.FastAggregator(js, epoch, shard=SHARD), False),
-             (lambda js, epoch: fastagg.FastAggregator(js, epoch, gso=False, shard=SHARD),
+    kinds = ((lambda js, nonce: Aggregator(js, nonce=nonce, shard=SHARD), False),
+             (lambda js, nonce: fastagg.FastAggregator(js, nonce, shard=SHARD), False),
+             (lambda js, nonce: fastagg.FastAggregator(js, nonce, gso=False, shard=SHARD),
               False),
-             (lambda js, epoch: fastagg.FastAggregator(js, epoch, shard=SHARD), True))
+             (lambda js, nonce: fastagg.FastAggregator(js, nonce, shard=SHARD), True))
     for kind, gso in kinds:
         socks = {}
         stranger = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
@@ -308,7 +308,7 @@ def test_served_over_udp_both_answer_a_trace_identically():
                     s.bind(addr(job, w))
                     socks[addr(job, w)] = s
             stranger.bind(stranger_of(base))
-            with kind(jobs(base), epoch=EPOCH) as agg:
+            with kind(jobs(base), nonce=NONCE) as agg:
                 agg.start("127.0.0.1", 0)
                 results.append(serve_trace(agg, packets, socks, stranger,
                                            barrier_of(jobs(base)[0]), gso))
@@ -383,7 +383,8 @@ def test_differential_fuzz_hostile_packets_are_counted_drops_in_both():
                 assert len(got) == 1 and got[0][1] == src
                 reply = P.Header.unpack(got[0][0])
                 assert len(got[0][0]) == P.HEADER_BYTES
-                assert reply.pkt_type == P.PktType.REFUSED and reply.epoch == EPOCH
+                assert reply.pkt_type == P.PktType.REFUSED
+                assert reply.epoch & P.NONCE_MASK == NONCE
                 assert (reply.worker_id, reply.job_id, reply.slot, reply.version, reply.count,
                         reply.seq, reply.offset, reply.bitmap, reply.run) == \
                     refused_fields(reason, data)
@@ -446,18 +447,23 @@ def test_differential_fuzz_mutated_packets_behave_identically(kind):
 
 
 def test_the_comparison_would_see_a_wrong_sum():
-    """The check can fail: a job whose table differs by one entry answers differently."""
+    """The check can fail: a job whose table differs by one entry answers other sums (its
+    epoch differs too, by its configuration tag: only the payloads are compared)."""
     js = jobs()
     changed = make_job(7, 3, 4, table=[TEST_TABLE[0] + 1] + TEST_TABLE[1:])
-    py = Aggregator(js, epoch=EPOCH, shard=SHARD)
-    c = fastagg.FastAggregator([changed] + js[1:], epoch=EPOCH, shard=SHARD)
-    diffs = sum(c.handle(d, s) != py.handle(d, s) for d, s in trace(seed=14, length=300))
+    py = Aggregator(js, nonce=NONCE, shard=SHARD)
+    c = fastagg.FastAggregator([changed] + js[1:], nonce=NONCE, shard=SHARD)
+
+    def payloads(replies):
+        return [(bytes(r[P.HEADER_BYTES:]), dst) for r, dst in replies]
+    diffs = sum(payloads(c.handle(d, s)) != payloads(py.handle(d, s))
+                for d, s in trace(seed=14, length=300))
     assert diffs > 0
 
 
 def test_compiled_echo_answers_every_packet_with_a_result():
     job = make_job(7, 3, 4)
-    echo = fastagg.FastEcho([job], epoch=EPOCH)
+    echo = fastagg.FastEcho([job], nonce=NONCE)
     rng = np.random.default_rng(3)
     d = dgram(job, 1, 5, 9, rng=rng, epoch=77)
     [(reply, dst)] = echo.handle(d, addr(job, 1))

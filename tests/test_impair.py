@@ -108,7 +108,7 @@ def test_a_silent_aggregator_is_named_as_the_cause_not_a_worker():
         data, src = fake.recvfrom(4096)
         h = P.HEADER_STRUCT.unpack_from(data)
         fake.sendto(P.HEADER_STRUCT.pack(P.PktType.PENDING, h[1], h[2], h[3], h[4], 1, h[6],
-                                         h[7], 0b01, h[9], 0x1234), src)
+                                         h[7], 0b01, h[9], job.new_epoch(nonce=0x1234)), src)
 
     t = threading.Thread(target=answer_once)
     t.start()

@@ -83,6 +83,6 @@ def test_the_comparison_sees_an_engine_that_differs(monkeypatch):
 
 def _engines_with_short_idle(self, compiled=True, sharded=False):
     from thc.net.aggregator import Aggregator
-    self.job, self.epoch, self.now = F.make_job(), 0x1000, 1000.0
-    self.ref = Aggregator([self.job], epoch=self.epoch, run_idle=0.0005)
-    self.others = [("compiled", fastagg.FastAggregator([self.job], epoch=self.epoch))]
+    self.job, self.nonce, self.now = F.make_job(), 0x1000, 1000.0
+    self.ref = Aggregator([self.job], nonce=self.nonce, run_idle=0.0005)
+    self.others = [("compiled", fastagg.FastAggregator([self.job], nonce=self.nonce))]

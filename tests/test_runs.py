@@ -43,7 +43,10 @@ def test_run_from_env():
 def test_epochs_are_nonzero_and_fresh():
     epochs = {P.new_epoch() for _ in range(50)}
     assert 0 not in epochs and len(epochs) > 45
-    assert Aggregator().epoch != 0
+    job = local_job(1, 1, free_port_block(1))
+    installed = [Aggregator([job]).counters()["epochs"][job.job_id] for _ in range(20)]
+    assert all(e >> P.EPOCH_TAG_SHIFT == job.config_tag and e & P.NONCE_MASK
+               for e in installed) and len(set(installed)) > 15
 
 
 def test_client_without_a_run_id_says_how_to_get_one(monkeypatch):
@@ -63,19 +66,20 @@ def _chunk(job, value):
 
 def test_restarted_aggregator_raises_naming_address_and_epochs():
     job = local_job(1, 1, free_port_block(1), table=list(range(16)))
-    first = Aggregator([job], epoch=0x11)
+    first = Aggregator([job], nonce=0x11)
     addr = first.start()
     with AggregationClient(job, 0, addr, run=3, deadline=2.0) as c:
         np.testing.assert_array_equal(c.aggregate(_chunk(job, 5)), 5)
         first.stop()
-        with Aggregator([job], epoch=0x22) as second:
+        with Aggregator([job], nonce=0x22) as second:
             second.start(*addr)
             with pytest.raises(AggregatorRestarted) as e:
                 c.aggregate(_chunk(job, 6))
-        assert (e.value.old_epoch, e.value.new_epoch) == (0x11, 0x22)
+        assert (e.value.old_epoch, e.value.new_epoch) == (job.new_epoch(nonce=0x11),
+                                                          job.new_epoch(nonce=0x22))
         assert f"{addr[0]}:{addr[1]}" in str(e.value) and "run 3" in str(e.value)
         # A new run starts cleanly on the restarted aggregator.
-        with Aggregator([job], epoch=0x33) as third:
+        with Aggregator([job], nonce=0x33) as third:
             third.start(*addr)
             c.run = 4
             np.testing.assert_array_equal(c.aggregate(_chunk(job, 7)), 7)
@@ -85,14 +89,15 @@ def test_a_strangers_result_with_the_real_epoch_is_ignored(datapath):
     """Issue case 2: a RESULT from a socket that is not the aggregator, with the job's real
     epoch, run and fields, and sums no two workers can make, is ignored and counted."""
     job = local_job(1, 2, free_port_block(2), table=list(range(16)))
-    with Aggregator([job], epoch=0x77) as agg:
+    with Aggregator([job], nonce=0x77) as agg:
         addr = agg.start()
         out = {}
         with AggregationClient(job, 0, addr, run=5) as c:
             t = threading.Thread(target=lambda: out.update(s=c.aggregate(_chunk(job, 2))))
             t.start()
             rogue = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-            forged = P.Header(P.PktType.RESULT, 0, job.job_id, 0, 0, 2, 0, 0, 3, 5, 0x77)
+            forged = P.Header(P.PktType.RESULT, 0, job.job_id, 0, 0, 2, 0, 0, 3, 5,
+                              job.new_epoch(nonce=0x77))
             rogue.sendto(forged.pack() + bytes([99]) * P.payload_bytes(
                 P.PktType.RESULT, job.lanes), c.sock.getsockname())
             rogue.close()
@@ -164,3 +169,17 @@ def test_a_failed_round_ends_the_run_so_a_retry_cannot_get_stale_sums(datapath):
                 np.testing.assert_array_equal(c1.aggregate(_chunk(job, 6)), 10)
                 t.join(10)
             np.testing.assert_array_equal(out["s"], 10)
+
+
+def test_an_install_whose_epoch_lacks_the_jobs_tag_is_refused():
+    """Every engine installs through the model's rule: an epoch whose high bits are not the
+    job's configuration tag would make every client refuse the job's replies."""
+    from thc.wire.jobs import ConfigError
+    from thc.wire.model import Model
+    job = local_job(1, 1, free_port_block(1))
+    other = local_job(1, 1, free_port_block(1), pool_size=32)
+    Model().install(job, job.new_epoch(nonce=5))
+    with pytest.raises(ConfigError, match="does not carry the job's configuration tag"):
+        Model().install(job, other.new_epoch(nonce=5))
+    assert job.new_epoch(nonce=5) & P.NONCE_MASK == 5 and job.new_epoch(nonce=5) > 0
+    assert len({job.new_epoch(previous=job.new_epoch(nonce=7)) for _ in range(50)}) > 40

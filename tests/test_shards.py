@@ -139,7 +139,7 @@ def test_sharded_allreduce_equals_the_central_one_bit_for_bit(datapath):
 
 def test_a_restarted_shard_is_named_and_a_silent_one_times_out(datapath):
     job = _sharded(local_job(1, 1, free_port_block(1), table=list(range(16))), 2)
-    first = [Aggregator([job], shard=i, epoch=0x10 + i) for i in range(2)]
+    first = [Aggregator([job], shard=i, nonce=0x10 + i) for i in range(2)]
     for a, s in zip(first, job.shards):
         a.start(s.ip, s.port)
     restarted = None
@@ -147,14 +147,15 @@ def test_a_restarted_shard_is_named_and_a_silent_one_times_out(datapath):
         with AggregationClient(job, 0, run=3, deadline=1.0) as c:
             r = c.reduce(_chunks(job, [1, 2, 3, 4]))
             np.testing.assert_array_equal(r.sums, np.repeat([1, 2, 3, 4], job.lanes))
-            assert c.epochs == [0x10, 0x11]
+            assert c.epochs == [job.new_epoch(nonce=0x10), job.new_epoch(nonce=0x11)]
             assert r.datapath == datapath
             first[1].stop()
-            restarted = Aggregator([job], shard=1, epoch=0x99)
+            restarted = Aggregator([job], shard=1, nonce=0x99)
             restarted.start(job.shards[1].ip, job.shards[1].port)
             with pytest.raises(AggregatorRestarted) as e:
                 c.aggregate(_chunks(job, [5, 6]))
-            assert e.value.shard == 1 and (e.value.old_epoch, e.value.new_epoch) == (0x11, 0x99)
+            assert e.value.shard == 1 and (e.value.old_epoch & P.NONCE_MASK,
+                                           e.value.new_epoch & P.NONCE_MASK) == (0x11, 0x99)
             assert f"shard 1 at 127.0.0.1:{job.shards[1].port}" in str(e.value)
             c.run = 4  # a new run starts cleanly on both shards
             np.testing.assert_array_equal(c.aggregate(_chunks(job, [7, 8])),

@@ -20,6 +20,7 @@ from thc.net import fastclient
 from thc.net.client import (DATAPATH_ENV, GSO_ENV, AggregationClient, AggregationTimeout,
                              resolve_gso)
 from thc.net.impair import Impairment
+from thc.net.outcomes import AggregatorMisconfigured
 from thc.testing.clusters import free_port_block, local_job
 from thc.testing.stats import fresh_stats
 from thc.wire import protocol as P
@@ -443,24 +444,26 @@ def test_a_flood_to_the_worker_port_does_not_hold_off_the_deadline(job, datapath
 @pytest.mark.parametrize("other", [{"lanes": 128}, {"pool_size": 32}])
 def test_an_aggregator_holding_the_job_with_other_lanes_or_pool_is_named(tmp_path, datapath,
                                                                           other, max_first):
-    """The aggregator drops chunks of another size, and those of a slot outside its smaller
-    pool, without an answer: the timeout names that configuration beside a dead host (one
-    worker, so every chunk of a slot it holds completes). After a MAX round it answered (a
-    MAX takes no lanes) the other lanes are named too, not a host down or unreachable."""
+    """An aggregator that holds the job with other lanes or another pool: the first reply's
+    epoch carries another configuration tag, refused at once (a MAX round takes no lanes,
+    so it is answered; a smaller pool answers its own slots). Where nothing is answered
+    (other lanes, no MAX round), the timeout names the configuration beside a dead host."""
     job = local_job(1, 1, free_port_block(1), pool_size=64)
     theirs = dataclasses.replace(job, **other).validate()
     agg = AggregatorProcess(tmp_path, [theirs])
-    why = (r"configured with a smaller pool for job 1 than this worker's 64, dropping slot "
-           r"32 unanswered" if "pool_size" in other else
-           r"serving job 1 with other lanes or aggregation than this worker's \(256 lanes, "
-           r"thc\), dropping its DATA unanswered" if max_first else
-           r"not serving job 1 with this worker's address, 256 lanes and pool 64")
     try:
         with AggregationClient(job, 0, agg.addr, deadline=0.5, run=1) as c:
-            if max_first:
-                c.max(np.ones(4, np.float32))
-            with pytest.raises(AggregationTimeout, match=r"chunk seq (0|1|32) .*no answer from "
-                               r"the aggregator .* or " + why):
+            if "lanes" in other and not max_first:
+                with pytest.raises(AggregationTimeout, match=r"chunk seq 0 .*no answer from the "
+                                   r"aggregator .* or not serving job 1 with this worker's "
+                                   r"address, 256 lanes and pool 64"):
+                    c.aggregate(np.zeros(job.lanes // 2 * 64, np.uint8))
+                return
+            with pytest.raises(AggregatorMisconfigured, match=rf"the aggregator at .* serves job "
+                               rf"1 with another configuration than this worker's \(tag "
+                               rf"{theirs.config_tag:#06x}, this worker's {job.config_tag:#06x}"):
+                if max_first:
+                    c.max(np.ones(4, np.float32))
                 c.aggregate(np.zeros(job.lanes // 2 * 64, np.uint8))
     finally:
         agg.stop()

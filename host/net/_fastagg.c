@@ -1255,7 +1255,7 @@ cleanup:
 
 #define CL_RECV_BYTES 4096 /* the Python loop's receive buffer */
 /* stream()'s arguments and timeout report: host/net/fastclient.py refuses another version */
-#define CL_WINDOW_VERSION 4
+#define CL_WINDOW_VERSION 5
 #define CL_OUT_BYTES 2048
 /* per chunk in the window: retransmitted (no RTT sample: Karn), overtaken by a later
  * chunk of its shard (a lost packet, not a missing worker: its timer does not back off),
@@ -1264,7 +1264,7 @@ cleanup:
 enum { M_RESENT = 1, M_OVERTAKEN = 2, M_LONE = 4, M_UNPAIRED = 8 };
 /* M_UNPAIRED: its PENDINGs give no sample (resent twice, or a PENDING came already) */
 
-enum { EV_DONE, EV_RESTARTED, EV_TIMEOUT, EV_OSERROR, EV_REFUSED, EV_SHORT };
+enum { EV_DONE, EV_RESTARTED, EV_TIMEOUT, EV_OSERROR, EV_REFUSED, EV_SHORT, EV_MISCONFIGURED };
 enum { S_SENT, S_RETRANSMITTED, S_RECEIVED, S_IGNORED, S_OTHER_RUN, S_PENDING, S_BYTES_SENT,
        S_BYTES_RECEIVED, S_REJECTED, S_SPURIOUS, N_CSTATS };
 
@@ -1467,8 +1467,10 @@ static PyObject *list_of_doubles(const double *v, int n) {
  *        out_itemsize, expect_payload, gso)
  *   header: (pkt_type, result_type, pending_type, other_result_type, is_data, worker, job_id,
  *            pool, run, base, offset_base, lanes, n_workers, refused_type, top,
- *            incarnation); replies of the three types are this job's, a result of the
- *            other type is counted as ignored
+ *            incarnation, (tag, tag_mask)); replies of the three types are this job's, a
+ *            result of the other type is counted as ignored; an epoch learnt must hold the
+ *            job's configuration tag: epoch & tag_mask == tag (protocol.py's
+ *            EPOCH_TAG_SHIFT)
  *   aggs: [(ipv4 as int, port)] per shard; epochs: [int or None] per shard (updated in place)
  *   timing: (timeout, max_timeout, deadline, fast_retransmit_after, fast_backoff_cap,
  *           silent_after, recv_batch), the last four host/net/window.py's rules (results of
@@ -1482,7 +1484,7 @@ static PyObject *list_of_doubles(const double *v, int n) {
  *    2 timeout (chunk, PENDING bitmap or None, seconds since its shard's last reply, the
  *    shard's unanswered resends, its impossible replies, the chunks it ended this round),
  *    3 OS error (errno), 4 refused (chunk, reason code, detail), 5 a chunk closed short
- *    (chunk, count, bitmap) */
+ *    (chunk, count, bitmap), 6 an epoch of another configuration (shard, epoch) */
 static PyObject *fa_stream(PyObject *self, PyObject *args) {
     PyObject *hdr, *aggs_o, *epochs, *srtt_o, *rttvar_o;
     Py_buffer chunks = {0}, out = {0};
@@ -1501,7 +1503,7 @@ static PyObject *fa_stream(PyObject *self, PyObject *args) {
     int n_shards = (int)PyList_GET_SIZE(aggs_o);
     int pkt_type, result_type, pending_type, other_result, is_data, worker, job_id, lanes,
         n_workers, refused_type, top;
-    unsigned long incarnation;
+    unsigned long incarnation, tag, tag_mask;
     unsigned long pool, run;
     unsigned long long base, offset_base;
     long total = 0;
@@ -1526,9 +1528,10 @@ static PyObject *fa_stream(PyObject *self, PyObject *args) {
         PyErr_NoMemory();
         goto cleanup;
     }
-    if (!PyArg_ParseTuple(hdr, "iiiiiiikkKKiiiik", &pkt_type, &result_type, &pending_type,
+    if (!PyArg_ParseTuple(hdr, "iiiiiiikkKKiiiik(kk)", &pkt_type, &result_type, &pending_type,
                           &other_result, &is_data, &worker, &job_id, &pool, &run, &base,
-                          &offset_base, &lanes, &n_workers, &refused_type, &top, &incarnation))
+                          &offset_base, &lanes, &n_workers, &refused_type, &top, &incarnation,
+                          &tag, &tag_mask))
         goto cleanup;
     int wire_bytes = lanes > 0 ? expect_payload / lanes : 0;
     if (chunk_bytes > 0) total = (long)(chunks.len / chunk_bytes);
@@ -1724,6 +1727,12 @@ static PyObject *fa_stream(PyObject *self, PyObject *args) {
                             ev_new = r_epoch;
                             break;
                         }
+                        if ((r_epoch & tag_mask) != tag) {
+                            event = EV_MISCONFIGURED; /* another job configuration's epoch */
+                            ev_shard = shard;
+                            ev_new = r_epoch;
+                            break;
+                        }
                         epoch[shard] = r_epoch;
                     }
                     long r = i % window;
@@ -1906,6 +1915,8 @@ static PyObject *fa_stream(PyObject *self, PyObject *args) {
     PyObject *info;
     if (event == EV_RESTARTED)
         info = Py_BuildValue("(iLL)", ev_shard, ev_old, ev_new);
+    else if (event == EV_MISCONFIGURED)
+        info = Py_BuildValue("(iL)", ev_shard, ev_new);
     else if (event == EV_TIMEOUT)
         info = ev_bitmap < 0 ? Py_BuildValue("(lOdiKK)", ev_chunk, Py_None, ev_silent,
                                              ev_unanswered, ev_rejected, ev_taken)

@@ -35,32 +35,33 @@ class Aggregator(UDPServer):
     """The reference model (``handle``) plus an optional UDP server loop around it."""
 
     def __init__(self, jobs: list[Job] | tuple[Job, ...] = (), impair: Impairment | None = None,
-                 epoch: int | None = None, shard: int | None = None,
+                 nonce: int | None = None, shard: int | None = None,
                  run_idle: float = P.RUN_IDLE_S):
-        """``epoch``: the epoch of the jobs installed here (default: a fresh one); every
-        later :meth:`install` draws a new one unless given. ``shard``: this aggregator's
-        index in the shard map of the jobs that have one."""
+        """``nonce``: the low bits of the epochs of the jobs installed here (1..0xFFFF; the
+        high bits are each job's configuration tag: :meth:`Job.new_epoch`), default a
+        fresh one per install. ``shard``: this aggregator's index in the shard map of the
+        jobs that have one."""
         self.model = Model(shard=shard, run_idle=run_idle)
         self._handle = self.model.handle
         self.shard = shard
-        self.epoch = P.new_epoch() if epoch is None else epoch
         self.impair = impair or Impairment()
         self.send_errors = 0
         self._lock = threading.Lock()
         self._stop = threading.Event()
         for job in jobs:
-            self.install(job, self.epoch)
+            self.install(job, nonce)
 
     @property
     def drops(self):
         return self.model.drops
 
     # -- control plane -------------------------------------------------------------
-    def install(self, job: Job, epoch: int | None = None) -> None:
-        """Install or re-install a job: its slots reset, no run, a new epoch (``epoch`` or a
-        fresh random one), as the controller installs a job on a switch."""
+    def install(self, job: Job, nonce: int | None = None) -> None:
+        """Install or re-install a job: its slots reset, no run, a new epoch (the job's tag
+        and ``nonce`` or a fresh random one), as the controller installs a job on a switch."""
         with self._lock:
-            self.model.install(job, P.new_epoch() if epoch is None else epoch)
+            old = self.model.jobs.get(job.job_id)
+            self.model.install(job, job.new_epoch(old.epoch if old else None, nonce))
 
     def remove(self, job_id: int) -> None:
         with self._lock:
@@ -70,7 +71,7 @@ class Aggregator(UDPServer):
         """Counters of packets, completions, retransmissions and drops per reason."""
         with self._lock:
             jobs = self.model.jobs
-            return {"epoch": self.epoch, "drops": dict(self.model.drops),
+            return {"drops": dict(self.model.drops),
                     "epochs": {jid: s.epoch for jid, s in jobs.items()},
                     "jobs": {jid: dict(s.counters) for jid, s in jobs.items()}}
 
@@ -242,7 +243,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     role = "" if args.shard is None else f" as shard {args.shard}"
     print(f"thc aggregator listening on {addr[0]}:{addr[1]}{role} with jobs "
-          f"{[j.job_id for j in cluster.jobs]}, epoch {agg.epoch:#010x}, datapath {datapath}",
+          f"{[j.job_id for j in cluster.jobs]}, epochs "
+          f"{ {jid: f'{e:#010x}' for jid, e in agg.counters()['epochs'].items()} }, "
+          f"datapath {datapath}",
           flush=True)
     print(f"thc aggregator: {chosen.describe()}", file=sys.stderr, flush=True)
     end = None if args.duration is None else time.monotonic() + args.duration

@@ -47,17 +47,16 @@ class FastAggregator(UDPServer):
     datapath = "compiled"
     echo = False
 
-    def __init__(self, jobs: list[Job] | tuple[Job, ...] = (), epoch: int | None = None,
+    def __init__(self, jobs: list[Job] | tuple[Job, ...] = (), nonce: int | None = None,
                  gso: bool = True, shard: int | None = None, run_idle: float = P.RUN_IDLE_S):
-        """``epoch``: the epoch of the jobs installed here (default: a fresh one; every later
-        :meth:`install` draws a new one unless given). ``gso``: replies to one worker may
+        """``nonce``: the low bits of the epochs of the jobs installed here, as the reference
+        aggregator's (thc.net.aggregator.Aggregator). ``gso``: replies to one worker may
         leave as one UDP GSO send (a NIC cuts them into packets; an emulated veth link would
         carry the burst as one packet: turn it off there)."""
         if UNAVAILABLE is not None:
             raise RuntimeError(UNAVAILABLE)
         if (why := unsupported(jobs)) is not None:
             raise RuntimeError(why)
-        self.epoch = P.new_epoch() if epoch is None else epoch
         self.gso = gso
         self.shard = shard
         self._dp = _fastagg.Datapath(
@@ -68,14 +67,14 @@ class FastAggregator(UDPServer):
         self.send_errors = 0
         self._epochs: dict[int, int] = {}
         for job in jobs:
-            self.install(job, self.epoch)
+            self.install(job, nonce)
 
     # -- control plane -------------------------------------------------------------
-    def install(self, job: Job, epoch: int | None = None) -> None:
-        """Install or re-install a job: its slots reset, no run, a new epoch (``epoch`` or a
-        fresh random one), as the controller installs a job on a switch."""
-        epoch = P.new_epoch() if epoch is None else P.check_run(epoch)
+    def install(self, job: Job, nonce: int | None = None) -> None:
+        """Install or re-install a job: its slots reset, no run, a new epoch (the job's tag
+        and ``nonce`` or a fresh random one), as the controller installs a job on a switch."""
         job.validate()
+        epoch = job.new_epoch(self._epochs.get(job.job_id), nonce)
         if (why := unsupported([job])) is not None:
             raise RuntimeError(why)
         n_shards, shard = job.aggregator_shard(self.shard)
@@ -104,8 +103,7 @@ class FastAggregator(UDPServer):
             ids = list(self._jobs)
             drops, jobs, self.send_errors, self.echoed = self._dp.counters(ids)
         by_reason = dict(zip(_fastagg.REASONS, drops))
-        return {"epoch": self.epoch,
-                "drops": {name: by_reason[name] for name in P.DropReason.__members__},
+        return {"drops": {name: by_reason[name] for name in P.DropReason.__members__},
                 "epochs": {jid: self._epochs[jid] for jid in ids},
                 "jobs": {jid: {name: c for name, c in zip(_fastagg.COUNTERS, jobs[jid])}
                          for jid in ids}}
@@ -146,6 +144,6 @@ class FastEcho(FastAggregator):
     datapath = "compiled echo"
     echo = True
 
-    def __init__(self, jobs=(), epoch=None, gso: bool = True):
+    def __init__(self, jobs=(), nonce=None, gso: bool = True):
         self.echoed = 0
-        super().__init__(jobs, epoch, gso)
+        super().__init__(jobs, nonce, gso)

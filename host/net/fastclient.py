@@ -14,10 +14,11 @@ from thc.net.addresses import ipv4_int
 from thc.net.cext import UNAVAILABLE, _fastagg
 from thc.net.outcomes import AggregatorRestarted
 from thc.net.window import (FAST_BACKOFF_CAP, FAST_RETRANSMIT_AFTER, RECV_BATCH, SILENT_AFTER,
-                             Endpoint, Round, raise_refused, raise_short, raise_timeout)
+                             Endpoint, Round, raise_misconfigured, raise_refused,
+                             raise_short, raise_timeout)
 from thc.wire import protocol as P
 
-CLIENT_WINDOW = 4
+CLIENT_WINDOW = 5
 """The version of ``_fastagg.stream``'s arguments and timeout report this module speaks."""
 
 CLIENT_UNAVAILABLE: str | None = UNAVAILABLE or (
@@ -27,8 +28,8 @@ CLIENT_UNAVAILABLE: str | None = UNAVAILABLE or (
 
 CLIENT_MAX_DATAGRAM = getattr(_fastagg, "CLIENT_MAX_DATAGRAM", 0)
 
-STREAM_DONE, STREAM_RESTARTED, STREAM_TIMEOUT, STREAM_OSERROR, STREAM_REFUSED, STREAM_SHORT = \
-    range(6)
+(STREAM_DONE, STREAM_RESTARTED, STREAM_TIMEOUT, STREAM_OSERROR, STREAM_REFUSED, STREAM_SHORT,
+ STREAM_MISCONFIGURED) = range(7)
 """The events the compiled window returns with."""
 
 
@@ -60,7 +61,8 @@ def stream(end: Endpoint, rnd: Round, chunks: np.ndarray) -> Streamed:
     header = (int(rnd.pkt_type), int(rnd.result_type), int(P.PktType.PENDING), int(other),
               int(rnd.is_data), end.worker_id, job.job_id, job.pool_size, rnd.run, rnd.base,
               rnd.offset_base % P.SEQ_MOD, rnd.lanes, job.n_workers, int(P.PktType.REFUSED),
-              job.granularity if rnd.is_data else P.MAX_LANE_TOP, end.incarnation)
+              job.granularity if rnd.is_data else P.MAX_LANE_TOP, end.incarnation,
+              (job.config_tag << P.EPOCH_TAG_SHIFT, P.SEQ_MOD - 1 - P.NONCE_MASK))
     aggs = [(ipv4_int(ip), port) for ip, port in end.aggregators]
     timing = (end.timeout, end.max_timeout, end.deadline, FAST_RETRANSMIT_AFTER,
               FAST_BACKOFF_CAP, SILENT_AFTER, RECV_BATCH)
@@ -97,6 +99,8 @@ class CompiledWindow:
             shard, old, new = r.info
             raise AggregatorRestarted(end.aggregators[shard], rnd.run, old, new,
                                       shard if len(end.aggregators) > 1 else None)
+        if r.event == STREAM_MISCONFIGURED:
+            raise_misconfigured(end, *r.info)
         if r.event == STREAM_TIMEOUT:
             i, bitmap, silent, unanswered, rejected, taken = r.info  # of the chunk's shard
             raise_timeout(end, rnd, i, bitmap, silent, rejected, unanswered, taken)

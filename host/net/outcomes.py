@@ -25,6 +25,11 @@ class AggregationResult:
         return bool(self.counts.size) and int(self.counts.min()) < n_workers
 
 
+def _who(aggregator: tuple[str, int], shard: int | None) -> str:
+    name = "the aggregator" if shard is None else f"aggregator shard {shard}"
+    return f"{name} at {aggregator[0]}:{aggregator[1]}"
+
+
 class AggregatorRestarted(ConnectionError):
     """The aggregator's epoch changed within a run: it restarted, or the job was installed
     again, and the run's in-flight chunks are lost.
@@ -33,16 +38,29 @@ class AggregatorRestarted(ConnectionError):
 
     def __init__(self, aggregator: tuple[str, int], run: int, old_epoch: int, new_epoch: int,
                  shard: int | None = None):
-        who = "the aggregator" if shard is None else f"aggregator shard {shard}"
-        super().__init__(f"{who} at {aggregator[0]}:{aggregator[1]} restarted or re-installed "
-                         f"the job during run {run}: its epoch changed from {old_epoch:#010x} "
-                         f"to {new_epoch:#010x}, so the run's in-flight chunks are lost; start "
-                         f"a new run")
+        super().__init__(f"{_who(aggregator, shard)} restarted or re-installed the job during "
+                         f"run {run}: its epoch changed from {old_epoch:#010x} to "
+                         f"{new_epoch:#010x}, so the run's in-flight chunks are lost; start a "
+                         f"new run")
         self.aggregator = aggregator
         self.shard = shard
         self.run = run
         self.old_epoch = old_epoch
         self.new_epoch = new_epoch
+
+
+class AggregatorMisconfigured(RuntimeError):
+    """The aggregator holds this worker's job with another configuration: its epoch's tag
+    (``Job.config_tag``) is not this worker's, so its sums, possible as they may look, are
+    not of this worker's table, width, lanes, pool or workers."""
+
+    def __init__(self, aggregator: tuple[str, int], job_id: int, theirs: int, ours: int,
+                 shard: int | None = None):
+        super().__init__(f"{_who(aggregator, shard)} serves job {job_id} with another "
+                         f"configuration than this worker's (tag {theirs:#06x}, this worker's "
+                         f"{ours:#06x}): its table, granularity, sum width, lanes, pool or "
+                         f"workers differ. Install it from the workers' cluster file")
+        self.aggregator, self.shard, self.theirs, self.ours = aggregator, shard, theirs, ours
 
 
 class AggregationTimeout(TimeoutError):

@@ -14,7 +14,7 @@ import numpy as np
 from thc.net.outcomes import AggregatorRestarted
 from thc.net.priority import FLUSH_CLASS, tos_of
 from thc.net.window import (FAST_BACKOFF_CAP, FAST_RETRANSMIT_AFTER, RECV_BATCH, SILENT_AFTER,
-                             Endpoint, Round, raise_refused, raise_short,
+                             Endpoint, Round, check_epoch, raise_refused, raise_short,
                              raise_timeout)
 from thc.wire import protocol as P
 
@@ -211,6 +211,7 @@ class PythonWindow:
                         if epochs[shard] is not None:
                             raise AggregatorRestarted(aggs[shard], run, epochs[shard], r_epoch,
                                                       shard if n_shards > 1 else None)
+                        check_epoch(end, shard, r_epoch)
                         epochs[shard] = r_epoch
                     if r_type == refused_type:
                         raise_refused(end, rnd, i, r_count, r_bitmap)

@@ -12,8 +12,8 @@ from typing import Protocol
 import numpy as np
 
 from thc.net.impair import Impairment
-from thc.net.outcomes import (AggregationRefused, AggregationTimeout, LossBoundExceeded,
-                              TransportStats)
+from thc.net.outcomes import (AggregationRefused, AggregationTimeout, AggregatorMisconfigured,
+                              LossBoundExceeded, TransportStats)
 from thc.wire import protocol as P
 from thc.wire.jobs import Job
 
@@ -157,6 +157,17 @@ def raise_refused(end: Endpoint, rnd: Round, i: int, code: int, detail: int):
     raise AggregationRefused(where(end, rnd.run, rnd.base + i), reason, detail)
 
 
+def check_epoch(end: Endpoint, shard: int, epoch: int) -> None:
+    """An epoch learnt from ``shard`` must carry this worker's job's configuration tag."""
+    if P.epoch_tag(epoch) != end.job.config_tag:
+        raise_misconfigured(end, shard, epoch)
+
+
+def raise_misconfigured(end: Endpoint, shard: int, epoch: int):
+    raise AggregatorMisconfigured(end.aggregators[shard], end.job.job_id, P.epoch_tag(epoch),
+                                  end.job.config_tag, shard if len(end.aggregators) > 1 else None)
+
+
 def raise_short(end: Endpoint, rnd: Round, i: int, count: int, bitmap: int):
     job = end.job
     missing = [w.id for w in job.workers if not bitmap >> w.id & 1]
@@ -198,9 +209,9 @@ def raise_timeout(end: Endpoint, rnd: Round, i: int, bitmap: int | None, silent:
             f"make): is it configured with this job (lanes, sum width, workers)?", None, shard)
     if bitmap is None:
         # Dropped unanswered: every chunk at an aggregator without this job, this worker's
-        # address or its lanes (DATA), or with another pool; with a smaller pool only the
-        # slots outside it, while it answers the others. A shard at another address in the
-        # shards' own map never sees the chunk.
+        # address or its lanes (DATA), or with another pool (once it answered, its epoch
+        # names another configuration: AggregatorMisconfigured). A shard at another address
+        # in the shards' own map never sees the chunk.
         answering = taken > 0   # this round: alive, and it takes other chunks
         causes = ["each send of it or its reply lost"] if answering else ["down", "unreachable"]
         if job.shards:
@@ -209,14 +220,6 @@ def raise_timeout(end: Endpoint, rnd: Round, i: int, bitmap: int | None, silent:
         if end.epochs[shard] is None:
             causes.append(f"not serving job {job.job_id} with this worker's address{lanes} "
                           f"and pool {job.pool_size}")
-        elif answering and slot:
-            causes.append(f"configured with a smaller pool for job {job.job_id} than this "
-                          f"worker's {job.pool_size}, dropping slot {slot} unanswered")
-        elif rnd.is_data and not answering:
-            # it answered an earlier round of this run (a MAX round takes no lanes)
-            causes.append(f"serving job {job.job_id} with other lanes or aggregation than "
-                          f"this worker's ({job.lanes} lanes, {job.aggregation}), dropping "
-                          f"its DATA unanswered")
         hint = (f" ({', '.join(causes[:-1])}, or {causes[-1]})" if len(causes) > 2 else
                 f" ({' or '.join(causes)})")
         raise AggregationTimeout(f"{at}; no answer from {who} at {ip}:{port}{hint}", None,

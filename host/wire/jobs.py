@@ -8,6 +8,7 @@ config is rejected with one clear message before it reaches either.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import ipaddress
 import json
 import numbers
@@ -188,6 +189,24 @@ class Job:
     @property
     def full_bitmap(self) -> int:
         return (1 << self.n_workers) - 1
+
+    @property
+    def config_tag(self) -> int:
+        """16 bits of a digest of what an aggregator's sums of this job depend on (aggregation,
+        table, granularity, sum width, lanes, pool, workers), carried in the high bits of
+        every install's epoch (:data:`thc.wire.protocol.EPOCH_TAG_SHIFT`): a client refuses
+        the replies of an aggregator that holds the job otherwise, whose sums would be
+        possible and wrong."""
+        what = [str(self.aggregation), [int(v) for v in self.table],
+                *(int(v) for v in (self.granularity, self.sum_bits, self.lanes, self.pool_size)),
+                sorted(int(w.id) for w in self.workers)]
+        digest = hashlib.blake2b(json.dumps(what).encode(), digest_size=2).digest()
+        return int.from_bytes(digest, "big")
+
+    def new_epoch(self, previous: int | None = None, nonce: int | None = None) -> int:
+        """An install's epoch: this job's tag, and ``nonce`` or a random one (an epoch unlike
+        ``previous``)."""
+        return P.job_epoch(self.config_tag, nonce, previous)
 
     def worker(self, worker_id: int) -> Worker:
         for w in self.workers:

@@ -23,7 +23,7 @@ from collections import Counter
 import numpy as np
 
 from thc.wire import protocol as P
-from thc.wire.jobs import Job
+from thc.wire.jobs import ConfigError, Job
 
 HEADER_BYTES = P.HEADER_BYTES
 unpack_header = P.HEADER_STRUCT.unpack_from
@@ -100,9 +100,13 @@ class Model:
         self.drops = Counter({name: 0 for name in P.DropReason.__members__})
 
     def install(self, job: Job, epoch: int) -> None:
-        """Install or re-install a job: its pool reset, no run, a new ``epoch`` (nonzero) that
-        every reply carries, so a client whose run spans the re-install fails instead of
-        meeting slots that forgot its chunks."""
+        """Install or re-install a job: its pool reset, no run, a new ``epoch`` (nonzero, with
+        the job's configuration tag: :meth:`Job.new_epoch`) that every reply carries, so a
+        client whose run spans the re-install fails instead of meeting slots that forgot its
+        chunks, and one whose job differs refuses the replies."""
+        if P.epoch_tag(epoch) != job.config_tag:
+            raise ConfigError(f"job {job.job_id}: epoch {epoch:#010x} does not carry the job's "
+                              f"configuration tag {job.config_tag:#06x} (Job.new_epoch)")
         self.jobs[job.job_id] = JobState(job, self.shard if job.shards else None, epoch)
 
     def remove(self, job_id: int) -> None:

@@ -236,10 +236,35 @@ def run_from_env(environ=None) -> int | None:
 
 
 def new_epoch(previous: int | None = None) -> int:
-    """A nonzero random 32-bit epoch, unlike ``previous``: a fresh one per aggregator start
-    (or switch install), so that a client sees its job's slot state was installed anew."""
+    """A nonzero random 32-bit value unlike ``previous``: a client's incarnation nonce."""
     while True:
         epoch = secrets.randbelow(SEQ_MOD - 1) + 1
+        if epoch != previous:
+            return epoch
+
+
+EPOCH_TAG_SHIFT = 16
+"""A job's epoch (the value every reply carries, set at each install by the control plane;
+the data plane returns it as it is): the job's configuration tag (``Job.config_tag``) in its
+high 16 bits, so that a client sees an aggregator installed with another table, width,
+lanes, pool or workers than its own, and a nonce drawn at each install in the low 16 bits,
+so that it sees the job's slot state installed anew."""
+NONCE_MASK = (1 << EPOCH_TAG_SHIFT) - 1
+
+
+def epoch_tag(epoch: int) -> int:
+    return epoch >> EPOCH_TAG_SHIFT
+
+
+def job_epoch(tag: int, nonce: int | None = None, previous: int | None = None) -> int:
+    """The epoch of an install of a job whose configuration tag is ``tag``: with ``nonce``
+    (1..0xFFFF) or a random one whose epoch differs from ``previous``."""
+    if nonce is not None:
+        if not 0 < nonce <= NONCE_MASK or isinstance(nonce, bool):
+            raise ValueError(f"an install's nonce is 1..{NONCE_MASK:#x}, got {nonce!r}")
+        return tag << EPOCH_TAG_SHIFT | nonce
+    while True:
+        epoch = tag << EPOCH_TAG_SHIFT | secrets.randbelow(NONCE_MASK) + 1
         if epoch != previous:
             return epoch
 

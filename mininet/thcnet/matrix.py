@@ -101,7 +101,7 @@ def delta(before: dict, after: dict) -> tuple[int, dict]:
     job = str(1)
     b, a = before.get("jobs", {}).get(job, {}), after.get("jobs", {}).get(job, {})
     rounds = a.get("completions", 0) - b.get("completions", 0)
-    if after.get("epoch") != before.get("epoch"):
+    if after.get("epochs", {}).get(job) != before.get("epochs", {}).get(job):
         rounds = a.get("completions", 0)
         b = {}
     drops = {k: v - before.get("drops", {}).get(k, 0) for k, v in after.get("drops", {}).items()}

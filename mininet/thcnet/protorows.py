@@ -77,7 +77,7 @@ def _job_epoch(tb) -> int:
         m = re.search(r"^job 1:.*\bepoch=(\d+)", out, re.M)
         return int(m.group(1)) if m else 0
     c = tb.aggregator_counters() or {}
-    return int(c.get("epochs", {}).get("1") or c.get("epoch") or 0)
+    return int(c.get("epochs", {}).get("1") or 0)
 
 
 def _write_progress(tb, before: dict, path: Path) -> None:

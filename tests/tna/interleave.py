@@ -141,7 +141,7 @@ class Interleaving:
         self.install()
 
     def install(self) -> None:
-        epoch = self.rng.randrange(1, M)
+        epoch = self.job.new_epoch(nonce=self.rng.randrange(1, P.NONCE_MASK + 1))
         self.model.install(self.job, epoch)
         self.tna.install(self.job, epoch, self.job_index, now=self.now)
         self.seen, self.owned = float("-inf"), set()
@@ -371,8 +371,8 @@ def idle_scenarios(prog: Program) -> str | None:
     for start in (1000.0, 1.0):
         for name, (steps, last) in IDLE.items():
             job, model, tna = make_job(2, 1), Model(), TnaEngine(prog)
-            model.install(job, 77)
-            tna.install(job, 77, now=start)
+            model.install(job, job.new_epoch(nonce=77))
+            tna.install(job, job.new_epoch(nonce=77), now=start)
             for t, w, kind, seq, run, restarts in steps:
                 body = bytes(P.payload_bytes(T[kind])) if kind in ("DATA", "MAX") else b""
                 d = P.Header(T[kind], w, JOB_ID, 0, seq & 1, 0, seq, offset_of(seq), 0, run,
