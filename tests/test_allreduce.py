@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as tmp
 
+from thc.codec.common import wire_sum_dtype
 from thc.codec.params import THCParams
 from thc.codec.thc import THCCodec, aggregate, decode, table_values
 from thc.collective.allreduce import THCAllReduce
@@ -388,6 +389,38 @@ def test_a_generator_the_codec_refuses_is_refused_before_any_round(generator, er
         GraphedAllReduce(Transport(), PARAMS, generator=generator)
 
 
+class _CudaGenerator(torch.Generator):
+    """A generator that says it lives on a GPU (as torch.Generator("cuda") does), beside CPU
+    tensors: the codec refuses it in encode, after the MAX round had left."""
+
+    @property
+    def device(self):
+        return torch.device("cuda", 0)
+
+
+def _misplaced_generator_worker(rank, port, q):
+    join_gloo(rank, port)
+    gen = _CudaGenerator() if rank == 0 else torch.Generator().manual_seed(rank)
+    ar = THCAllReduce.through_torch_distributed(params=PARAMS, generator=gen,
+                                                backend="reference")
+    t0 = time.monotonic()
+    try:
+        ar(torch.randn(1024, generator=torch.Generator().manual_seed(rank)))
+        q.put((rank, ("returned", 0.0)))
+    except Exception as e:  # noqa: BLE001 - the test reads what each worker raised
+        q.put((rank, (str(e), time.monotonic() - t0)))
+        time.sleep(2)   # alive while the peer finishes: its collectives must not need it
+
+
+def test_a_generator_on_another_device_fails_both_workers_at_once():
+    """The worker whose generator is elsewhere raised after its MAX round, in encode, and
+    abandoned the group: its peer waited in the sum until the group's timeout. Refused as
+    input is, its round goes out marked and both raise at once."""
+    res = gloo_pair(_misplaced_generator_worker)
+    assert "the torch generator is on cuda:0" in res[0][0], res
+    assert "mark of a worker" in res[1][0] and res[1][1] < 20, res
+
+
 def test_torch_distributed_transport_gloo():
     world = 3
     xs = _vectors(world, 20_000, seed=3)
@@ -404,10 +437,10 @@ def test_torch_distributed_transport_gloo():
     nmse = float(((torch.from_numpy(res[0][0]) - mean) ** 2).sum() / torch.stack([(x ** 2).sum() for x in xs]).mean())
     assert 0.001 < nmse < 0.015, nmse
     # counted as a ring all-reduce sends, 2 (p-1)/p of each tensor: uint8 sums (a byte per
-    # padded coordinate, 32768 for 20000 elements), the MAX round (one norm and four tag
-    # lanes) and the size agreement (four tag lanes), float32
-    ring = [2 * (world - 1) * nbytes // world for nbytes in (32768, 5 * 4, 4 * 4)]
-    assert res[0][1] == sum(ring) == 43737
+    # padded coordinate, 32768 for 20000 elements), the MAX round (one norm and eight tag
+    # lanes) and the size agreement (eight tag lanes), float32
+    ring = [2 * (world - 1) * nbytes // world for nbytes in (32768, 9 * 4, 8 * 4)]
+    assert res[0][1] == sum(ring) == 43780
 
 
 WIDE = THCParams(granularity=150, slice_size=256)
@@ -443,6 +476,26 @@ def test_sums_wider_than_a_byte_cross_gloo_exactly():
     xs = [torch.randn(3000, generator=torch.Generator().manual_seed(r)) for r in range(2)]
     mean = (xs[0] + xs[1]) / 2
     assert float(((torch.from_numpy(res[0][4]) - mean) ** 2).sum() / (mean ** 2).sum()) < 0.05
+
+
+HUGE = THCParams(granularity=(1 << 30) + 1, table_kind="uniform", slice_size=256)
+"""Two workers' sums pass 2^31: they wrapped in int32 lanes, a wrong mean on every worker."""
+
+
+def _huge_sums_worker(rank, port, q):
+    join_gloo(rank, port)
+    x = torch.randn(2048, generator=torch.Generator().manual_seed(0))   # alike on both
+    est = THCAllReduce.through_torch_distributed(params=HUGE, generator=rank,
+                                                 error_feedback=False)(x)
+    q.put((rank, (wire_sum_dtype(2, HUGE), float(((est - x) ** 2).sum() / (x ** 2).sum()))))
+    dist.destroy_process_group()
+
+
+def test_sums_beyond_int32_cross_gloo_exactly():
+    res = gloo_pair(_huge_sums_worker)
+    for rank in range(2):
+        dtype, nmse = res[rank]
+        assert dtype == torch.int64 and nmse < 0.05, res
 
 
 def test_pipelined_path_matches_accuracy_and_agrees_across_workers():
@@ -625,3 +678,23 @@ def test_a_finite_input_whose_norm_overflows_is_not_called_nan():
         assert "NaN or Inf in slice" not in str(err.value)
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("other", [(5 + (1 << 20), 77), (5 + (1 << 39), 77),
+                                   (5, 77 + (1 << 24)), (5, 77 + (1 << 47))])
+def test_rounds_or_fingerprints_that_differ_only_in_high_bits_are_refused(other):
+    """Rounds travelled modulo 2^20 and fingerprints (crc32) modulo 2^24: a worker 2^20
+    rounds off its peer, or one whose fingerprint differed only above, passed the check and
+    decoded its peer's indices under another rotation. Both now travel as two parts."""
+    from thc.collective import agreement
+    norms = torch.ones(3)
+    mine = agreement.tagged(norms, 5, 77)
+    theirs = agreement.tagged(norms, *other)
+    _, tags = agreement.untag(torch.maximum(mine, theirs))
+    assert not agreement.agreed(tags.tolist()) and not bool(agreement.in_step(tags))
+    with pytest.raises(RuntimeError, match="different rounds" if other[1] == 77 else "differ in"):
+        agreement.check_rounds(tags)
+    _, same = agreement.untag(torch.maximum(mine, agreement.tagged(norms, 5, 77)))
+    assert agreement.agreed(same.tolist()) and bool(agreement.in_step(same))
+    rnd = torch.tensor([other[0]])   # a graphed round's number, on the device
+    assert torch.equal(agreement.tagged(norms, rnd, other[1]), theirs)

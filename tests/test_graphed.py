@@ -194,7 +194,7 @@ def test_a_worker_that_fails_before_its_max_round_still_lets_its_peers_refuse_it
         with pytest.raises((MemoryError, ValueError)):
             bad_call()
         marks, zeros = ar.transport.sent[n], ar.transport.summed[-1]
-        assert len(ar.transport.sent) == n + 1 and (marks[4:] == NORM_MARK).all()
+        assert len(ar.transport.sent) == n + 1 and (marks[agreement.TAG_LANES:] == NORM_MARK).all()
         assert marks[0] == ar.round - 1 and zeros.numel() == 1024 and not zeros.any()
         ar.codec.prepare = real
     ar.transport.other = tagged(torch.zeros(4, device=DEV), 3)
@@ -204,7 +204,8 @@ def test_a_worker_that_fails_before_its_max_round_still_lets_its_peers_refuse_it
         m.setattr(graphed, "_Buffers", lambda *a: (_ for _ in ()).throw(MemoryError("oom")))
         with pytest.raises(MemoryError):
             first(x)
-    assert (first.transport.sent[0][4:] == NORM_MARK).all() and first.transport.sent[0][0] == 0
+    sent = first.transport.sent[0]
+    assert (sent[agreement.TAG_LANES:] == NORM_MARK).all() and sent[0] == 0
     assert first.transport.summed[0].numel() == 1024
     assert torch.isfinite(first(x)).all() and int(first._bufs.round) == 2
 
@@ -402,3 +403,26 @@ def test_a_captured_round_does_not_replay_on_an_abandoned_group():
     assert not replays and len(ar.transport.sent) == n
     assert ar.transport.abandoned == "round 0 failed between its MAX round and its sum"
     assert ar.round == int(ar._bufs.round) == 2
+
+
+def _padded_peer_worker(rank, port, q):
+    join_gloo(rank, port)
+    p = THCParams(slice_size=1024)
+    x = torch.randn(1024 + 100, generator=torch.Generator().manual_seed(rank)).to(DEV)
+    ar = GraphedAllReduce.through_torch_distributed(params=p, generator=rank) if rank == 0 \
+        else THCAllReduce.through_torch_distributed(params=p, generator=rank, backend="triton")
+    try:
+        ar(x)
+        q.put((rank, "returned"))
+    except Exception as e:  # noqa: BLE001 - the test reads what each worker raised
+        q.put((rank, str(e)))
+    dist.destroy_process_group()
+
+
+@kernels
+def test_a_graphed_peer_that_pads_a_tail_and_an_eager_one_refuse():
+    """A tail of 100 (below the kernels' shortest slice) is padded by the graphed reducer
+    alone: its sums are 1280 lanes, the eager one's 1152. Their fingerprints were equal, so
+    they paired sums of unlike lengths (Gloo aborted a process); now both refuse."""
+    res = gloo_pair(_padded_peer_worker)
+    assert all("differ in" in res[rank] for rank in (0, 1)), res

@@ -105,9 +105,9 @@ def test_ring_allreduce_in_gloo_agrees_on_every_rank():
         assert torch.allclose(residual, grad + (grad - first) - second, atol=1e-5)
         d = grad.numel()
         # two calls: ring hops of sign bits, the float64 scale's all-reduce and the
-        # agreement's five float32 lanes (both counted as a ring all-reduce sends them)
+        # agreement's nine float32 lanes (both counted as a ring all-reduce sends them)
         ring = 2 * (world - 1) * math.ceil(d / (8 * world))
-        assert nbytes == 2 * ring + 2 * (2 * 2 * 8 // 3) + 2 * (2 * 2 * 5 * 4 // 3)
+        assert nbytes == 2 * ring + 2 * (2 * 2 * 8 // 3) + 2 * (2 * 2 * 9 * 4 // 3)
         assert "NaN or Inf" in err
 
 

@@ -40,8 +40,8 @@ def test_break_even_separates_the_two_regimes():
 def test_marsit_moves_a_bit_per_coordinate():
     s = Setup(params=8e6, workers=4, bandwidth_gbps=1.0, latency_us=0.0, compute_s=0.0)
     t = iteration_s(s)
-    # the sign bits, and the agreement's four tag lanes and mark lane (float32)
-    assert t["marsit_ring"] == pytest.approx(ring_allreduce_s(1e6 + 20, s))
+    # the sign bits, and the agreement's eight tag lanes and mark lane (float32)
+    assert t["marsit_ring"] == pytest.approx(ring_allreduce_s(1e6 + 36, s))
     assert t["fp32_ring"] == pytest.approx(32 * t["marsit_ring"], rel=1e-4)
 
 
@@ -76,15 +76,15 @@ def test_calibration_fits_figures_computed_by_hand():
     model): 200k parameters (one DDP bucket), 4 workers, 100 Mbit/s at efficiency 0.8
     (10 MB/s), alpha 5 ms, 10 ms of compute. FP32: 2a(p-1) + 2 x 4P (p-1) / (p BW) =
     30 + 120 ms; Marsit's ring: three collectives (its agreement, scales and signs), 90 ms +
-    2 x (P/8 + 20) x 3 / 4 / BW = 93.753 ms; THC over Gloo: three collectives (its
-    agreement, norms, 8-bit sums as 4 x 30 <= 255), 90 + 2 x (P + 16) x 3 / 4 / BW =
-    120.0024 ms, plus its measured codec seconds. The fit must find alpha and efficiency, and the predictions
+    2 x (P/8 + 36) x 3 / 4 / BW = 93.7554 ms; THC over Gloo: three collectives (its
+    agreement, norms, 8-bit sums as 4 x 30 <= 255), 90 + 2 x (P + 32) x 3 / 4 / BW =
+    120.0048 ms, plus its measured codec seconds. The fit must find alpha and efficiency, and the predictions
     must be these figures."""
     from thc.app.perfmodel import FIT_MODES, calibrate, fit
 
     params, steps, compute, codec = 200_000, 100, 0.01, 0.02
-    hand = {"fp32": 0.030 + 0.120, "marsit": 0.090 + 0.003753,
-            "thc-dist": 0.090 + 0.0300024 + codec}
+    hand = {"fp32": 0.030 + 0.120, "marsit": 0.090 + 0.0037554,
+            "thc-dist": 0.090 + 0.0300048 + codec}
     measured = {**hand, "thc-dist": 0.125}
 
     def run(mode, codec_s=None):
@@ -135,9 +135,9 @@ def test_vote_moves_a_bit_up_and_an_8_bit_count_down():
     per_packet = 14 + 20 + 8 + 28
     assert up == pytest.approx(1000 * (per_packet + 256))
     assert down == pytest.approx(1000 * (per_packet + 2048))
-    # plus the agreement (20 bytes) and the scales' all-reduce (no bytes modelled)
+    # plus the agreement (36 bytes) and the scales' all-reduce (no bytes modelled)
     assert iteration_s(s)["marsit_vote"] == pytest.approx(down / s.bw
-                                                          + ring_allreduce_s(20, s, 2))
+                                                          + ring_allreduce_s(36, s, 2))
 
 
 def test_software_aggregator_rate_and_its_link_bound_a_round():

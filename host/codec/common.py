@@ -255,7 +255,8 @@ def wire_sum_dtype(n_workers: int, params: THCParams):
     thc.collective.transports.paired)."""
     import torch
     top = int(n_workers) * params.granularity
-    return torch.uint8 if top <= 255 else torch.int16 if top < 1 << 15 else torch.int32
+    return (torch.uint8 if top <= 255 else torch.int16 if top < 1 << 15 else
+            torch.int32 if top < 1 << 31 else torch.int64)
 
 
 def accumulator_dtype(n_workers: int, params: THCParams, torch_backend: bool = False):

@@ -4,13 +4,14 @@ a wait.
 
 - A worker whose gradient holds NaN or Inf still sends its MAX round, its bad slices' norms
   replaced by :data:`NORM_MARK` (above any real norm): every worker refuses those slices.
-- The round number travels in the MAX round's first two lanes, ``r`` and
-  ``ROUND_SPAN - r``: their maxima give every worker the largest and the smallest round
-  number of the job, which differ only when some worker missed a round. The next two carry a
+- The round number travels in the MAX round's first lanes as two parts below
+  ``ROUND_SPAN``, each as a pair ``v`` and ``ROUND_SPAN - v``: their maxima give every worker
+  the largest and the smallest part of the job, which differ only when some worker missed a
+  round (40 bits: a worker 2^20 rounds behind is seen too). The next two pairs carry a 48-bit
   fingerprint of what the round's sums assume alike (:func:`fingerprint`: the codec's
   parameters and the tensor's cut) the same way: workers whose rotations, tables or lengths
   differ refuse the round instead of decoding each other's indices as their own. The norms
-  follow the four tag lanes, so that every worker reads the tags from the same lanes
+  follow the eight tag lanes, so that every worker reads the tags from the same lanes
   whatever its tensor's slice count.
 - On a stream-ordered transport (NCCL) the peers do not read the max norms before the sum, so
   a worker that stops between the MAX round and the sum first joins the sum with zeros, but
@@ -18,7 +19,7 @@ a wait.
 """
 from __future__ import annotations
 
-import zlib
+import hashlib
 
 import torch
 import torch.distributed as dist
@@ -27,17 +28,19 @@ from thc.codec.common import BAD_INPUT_TEXT, NORM_MARK, norm_limit
 from thc.collective.transports import ring_bytes
 
 ROUND_SPAN = 1 << 20
-"""Round numbers travel modulo this (exact in float32)."""
+"""A round number travels as two parts below this (each exact in float32): 40 bits."""
 KEY_SPAN = 1 << 24
-"""Fingerprints travel modulo this: float32 holds every integer up to it exactly."""
+"""A fingerprint travels as two parts below this (float32 holds every integer up to it)."""
+SPANS = (ROUND_SPAN, ROUND_SPAN, KEY_SPAN, KEY_SPAN)
+"""The span of each tag pair: the round's low and high parts, the fingerprint's."""
 
-TAG_LANES = 4
-"""The lanes before the norms: the round number's pair, then the fingerprint's pair."""
+TAG_LANES = 2 * len(SPANS)
+"""The lanes before the norms: the round number's pairs, then the fingerprint's."""
 
 
 def fingerprint(params, *cut: int, backend: str = "") -> int:
-    """What the workers' rounds must share for their sums to mean one thing, as a lane value
-    below KEY_SPAN: the codec's parameters (rotation seed, slice size, table), ``cut``, the
+    """What the workers' rounds must share for their sums to mean one thing, as a 48-bit
+    value (:func:`key_of`): the codec's parameters (rotation seed, slice size, table), ``cut``, the
     numbers that cut the tensor (its length, the pipeline's piece length), and the codec
     backend that decodes (the backends' estimates differ in their last bits, and workers must
     all return the same one)."""
@@ -47,45 +50,44 @@ def fingerprint(params, *cut: int, backend: str = "") -> int:
 
 
 def key_of(*parts) -> int:
-    """A fingerprint lane value (below KEY_SPAN) of ``parts``: numbers, strings, tuples."""
-    return zlib.crc32(repr(parts).encode()) % KEY_SPAN
+    """A 48-bit fingerprint (below KEY_SPAN^2) of ``parts``: numbers, strings, tuples."""
+    return int.from_bytes(hashlib.blake2b(repr(parts).encode(), digest_size=6).digest(), "big")
 
 
 def tagged(norms: torch.Tensor, rnd, key: int) -> torch.Tensor:
-    """The MAX round's vector: the round's two lanes, the fingerprint's two, then the slice
+    """The MAX round's vector: the round's four lanes, the fingerprint's four, then the slice
     norms (non-finite ones marked). ``rnd``: an int, or an int64 tensor on the device (a
     graphed round's); ``key``: :func:`fingerprint`."""
-    k = float(key % KEY_SPAN)
+    key %= KEY_SPAN * KEY_SPAN
     # filled on the device: a copy from the host would wait for it
-    keys = [torch.full((1,), v, dtype=torch.float32, device=norms.device)
-            for v in (k, KEY_SPAN - k)]
+    parts = [torch.full((1,), float(v), dtype=torch.float32, device=norms.device)
+             for v in (key % KEY_SPAN, key // KEY_SPAN)]
     if isinstance(rnd, torch.Tensor):
-        r = (rnd.reshape(1) % ROUND_SPAN).float()
-        tags = [r, ROUND_SPAN - r]
+        r = rnd.reshape(1)
+        parts[:0] = [(r % ROUND_SPAN).float(), (r // ROUND_SPAN % ROUND_SPAN).float()]
     else:
-        r = float(rnd % ROUND_SPAN)
-        tags = [torch.full((1,), v, dtype=torch.float32, device=norms.device)
-                for v in (r, ROUND_SPAN - r)]
+        parts[:0] = [torch.full((1,), float(v), dtype=torch.float32, device=norms.device)
+                     for v in (rnd % ROUND_SPAN, rnd // ROUND_SPAN % ROUND_SPAN)]
+    tags = [lane for v, span in zip(parts, SPANS) for lane in (v, span - v)]
     marked = torch.nan_to_num(norms.float(), nan=NORM_MARK, posinf=NORM_MARK)
-    return torch.cat(tags + keys + [marked])
+    return torch.cat(tags + [marked])
 
 
 def untag(maxima: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(max norms, the four tag lanes) of a MAX round's result."""
+    """(max norms, the tag lanes) of a MAX round's result."""
     return maxima[TAG_LANES:], maxima[:TAG_LANES]
 
 
 def in_step(tags: torch.Tensor) -> torch.Tensor:
     """Whether the job's workers are all in the same round with the same fingerprint, as a
     boolean on the device (as exact as check_rounds on the host)."""
-    pairs = tags.double().reshape(2, 2).sum(dim=1)
-    return (pairs[0] == ROUND_SPAN) & (pairs[1] == KEY_SPAN)
+    pairs = tags.double().reshape(len(SPANS), 2).sum(dim=1)
+    return (pairs == torch.tensor(SPANS, dtype=torch.float64, device=tags.device)).all()
 
 
 def agreed(tags) -> bool:
-    """Whether the four tag lanes (read on the host) say: one round, one fingerprint."""
-    high, low, khigh, klow = tags
-    return high + low == ROUND_SPAN and khigh + klow == KEY_SPAN
+    """Whether the tag lanes (read on the host) say: one round, one fingerprint."""
+    return all(tags[2 * i] + tags[2 * i + 1] == span for i, span in enumerate(SPANS))
 
 
 def refused(max_norms: torch.Tensor, tags: torch.Tensor) -> bool:
@@ -102,22 +104,23 @@ THC_ALIKE = ("their THC parameters (bits, granularity, p, seed, slice size, tabl
 
 def check_rounds(tags, alike: str = THC_ALIKE) -> None:
     """Raise on every worker when the job's workers are not all in the same round, or their
-    rounds differ in fingerprint (``tags``: the four tag lanes, a tensor or a list;
-    ``alike``: what the fingerprint covers)."""
+    rounds differ in fingerprint (``tags``: the tag lanes, a tensor or a list; ``alike``:
+    what the fingerprint covers)."""
     tags = tags.tolist() if isinstance(tags, torch.Tensor) else list(tags)
-    high, low, khigh, klow = tags
-    if high + low != ROUND_SPAN:
-        raise RuntimeError(f"the workers are in different rounds ({ROUND_SPAN - low:g} to "
-                           f"{high:g}, modulo {ROUND_SPAN}): a worker missed a round, so "
-                           f"their rotations differ and no sum of this round is used")
-    if khigh + klow != KEY_SPAN:
+    # per part: (smallest, largest) over the workers
+    lo, hi, klo, khi = [(span - tags[2 * i + 1], tags[2 * i]) for i, span in enumerate(SPANS)]
+    if lo[0] != lo[1] or hi[0] != hi[1]:
+        raise RuntimeError(f"the workers are in different rounds (low 20 bits {lo[0]:g} to "
+                           f"{lo[1]:g}, high {hi[0]:g} to {hi[1]:g}): a worker missed a round, "
+                           f"so their rotations differ and no sum of this round is used")
+    if klo[0] != klo[1] or khi[0] != khi[1]:
         raise RuntimeError(f"the workers' rounds differ in {alike} (fingerprints "
-                           f"{KEY_SPAN - klow:g} to {khigh:g}): what they send means "
-                           f"different things, so no sum of this round is used")
+                           f"{klo[0]:g}..{klo[1]:g}, {khi[0]:g}..{khi[1]:g}): what they send "
+                           f"means different things, so no sum of this round is used")
 
 
 def agree(transport, rnd: int, key: int, device) -> None:
-    """The four tag lanes alone in a MAX round, the same length on every worker whatever its
+    """The tag lanes alone in a MAX round, the same length on every worker whatever its
     tensor: raises on every worker unless all are in round ``rnd`` with fingerprint ``key``.
     A reducer runs it in the round before its MAX round, for the first round of a size (on
     Gloo for every round), so that workers whose tensors differ in slice count do not pair
@@ -130,7 +133,7 @@ def agree(transport, rnd: int, key: int, device) -> None:
 def together(group, rnd: int, key: int, device, failure: Exception | None = None,
              alike: str = "the scheme's settings or the tensor's length or segments") -> int:
     """For schemes whose collectives carry no tag lanes (TopK's all-gathers, Marsit's scales
-    and ring): the four tag lanes and a mark lane in one fixed-length MAX all-reduce before
+    and ring): the tag lanes and a mark lane in one fixed-length MAX all-reduce before
     them. A worker that failed first (``failure``), is out of step or unlike makes every
     worker raise here, instead of leaving its peers waiting in a collective or pairing theirs
     with its next call's. Returns the bytes a ring all-reduce sends for it."""

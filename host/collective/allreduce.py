@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from thc.codec.common import check_float, check_key, norm_limit
+from thc.codec.common import check_float, check_generator, check_key, norm_limit
 from thc.codec.params import THCParams
 from thc.codec.thc import ErrorFeedback, THCCodec, table_values
 from thc.collective import agreement
@@ -245,6 +245,7 @@ class THCAllReduce:
         refusal = None   # input refused: its round still goes out, marked, so peers refuse it
         try:
             check_float(flat)
+            check_generator(self.generator, flat)   # in encode, after the MAX round: too late
             if position is not None:
                 position = check_positions(position, flat.numel())
         except (TypeError, ValueError) as e:

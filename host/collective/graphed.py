@@ -144,14 +144,14 @@ class GraphedAllReduce:
     def n_workers(self) -> int:
         return self.transport.n_workers
 
-    def _padded(self, flat: torch.Tensor) -> int:
-        """The input length every slice of which runs in the kernels."""
-        kern = kernels_for(flat, "triton")
+    def _padded(self, numel: int, like: torch.Tensor) -> int:
+        """The length of an input of ``numel`` elements on ``like``'s device, padded so that
+        every slice runs in the kernels."""
+        kern = kernels_for(like, "triton")
         size = self.params.slice_size
         if not kern.supports(size):
             raise ValueError(f"a graphed round needs slices the kernels take; slice_size "
                              f"{size} is not one")
-        numel = flat.numel()
         if all(kern.supports(g.padded) for g in self.codec.layout(numel).groups(WHOLE)):
             return numel
         low = next(1 << k for k in range(size.bit_length()) if kern.supports(1 << k))
@@ -160,7 +160,7 @@ class GraphedAllReduce:
     def _buffers(self, flat: torch.Tensor) -> _Buffers:
         b = self._bufs
         if b is None:
-            n, dev = self._padded(flat), flat.device
+            n, dev = self._padded(flat.numel(), flat), flat.device
             b = self._bufs = _Buffers(
                 flat.numel(), torch.zeros(n, dtype=flat.dtype, device=dev),
                 torch.zeros(n, device=dev) if self.error_feedback else None,
@@ -208,12 +208,14 @@ class GraphedAllReduce:
 
     def _fingerprint(self, numel: int, like: torch.Tensor) -> int:
         """A round's fingerprint, as an eager reducer's of the same tensor (one piece on a
-        stream-ordered transport): the two may be peers."""
+        stream-ordered transport): the two may be peers, unless this one pads a short tail
+        slice (its sums are longer: the padded length stands for the piece's)."""
         try:
             backend = self.codec.choice(like).name
+            summed = self._padded(numel, like)
         except Exception:  # noqa: BLE001 - raised again once the round went out, refused
-            backend = "unresolved"
-        return agreement.fingerprint(self.params, numel, numel, backend=backend)
+            backend, summed = "unresolved", numel
+        return agreement.fingerprint(self.params, numel, summed, backend=backend)
 
     def _agree_size(self, tensor: torch.Tensor, rnd: int) -> None:
         """:func:`agreement.agree` in round ``rnd`` before the first round, and before every
@@ -308,7 +310,7 @@ class GraphedAllReduce:
         sent = False
         try:
             b = self._bufs
-            n = b.x.numel() if b is not None else self._padded(flat)
+            n = b.x.numel() if b is not None else self._padded(flat.numel(), flat)
             # the reducer's device, not the refused tensor's
             lay, dev = self.codec.layout(n), (b.x.device if b is not None else flat.device)
             marks = torch.full((lay.n_slices,), NORM_MARK, device=dev)
