@@ -53,8 +53,8 @@ def _worker(rank, port, q):
         opts = HookOptions(uncompressed=("2.bias",))
         if kind == "thc":
             gen = torch.Generator().manual_seed(rank)
-            hook = THCHook(model, lambda: THCAllReduce.through_torch_distributed(
-                params=THCParams(seed=3), generator=gen), opts).register(ddp)
+            hook = THCHook(model, lambda group: THCAllReduce.through_torch_distributed(
+                group, params=THCParams(seed=3), generator=gen), opts).register(ddp)
         elif kind == "marsit":
             hook = MarsitHook(model, opts,
                               generator=torch.Generator().manual_seed(rank)).register(ddp)
@@ -145,8 +145,8 @@ def test_a_rebuilt_bucket_keeps_its_parameters_residuals(kind):
         model = _Crossed()
         cap = 64 * 65 * 4 / 2 ** 20
         ddp = DDP(model, bucket_cap_mb_list=[cap, cap])
-        hook = THCHook(model, lambda: THCAllReduce.through_torch_distributed(
-            params=THCParams(slice_size=1024), generator=0), overlap=False) \
+        hook = THCHook(model, lambda group: THCAllReduce.through_torch_distributed(
+            group, params=THCParams(slice_size=1024), generator=0), overlap=False) \
             if kind == "thc" else TopKHook(model, ratio=0.05, overlap=False)
         hook.register(ddp)
         x = torch.randn(16, 64, generator=torch.Generator().manual_seed(1))
@@ -164,24 +164,69 @@ def test_a_rebuilt_bucket_keeps_its_parameters_residuals(kind):
         dist.destroy_process_group()
 
 
-def test_overlap_is_off_where_ddp_all_reduces_its_unused_parameters():
-    """With find_unused_parameters DDP issues a collective of its own after the last bucket:
-    the hook's overlap thread issued its all-reduces beside it in another order on each rank,
-    and Gloo paired them wrongly (an FP32 hook off native DDP in 127 of 300 steps)."""
+class _SyncedBackward(torch.autograd.Function):
+    """Identity forward; backward all-reduces the gradient on the model's group, as
+    SyncBatchNorm's does, late on rank 0 (a slower backward)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        if dist.get_rank() == 0:
+            time.sleep(0.3)
+        g = g.contiguous().clone()
+        dist.all_reduce(g)
+        return g / dist.get_world_size()
+
+
+class _Synced(torch.nn.Module):
+    def __init__(self, unused: bool):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = (torch.nn.Linear(16, 16, bias=False) for _ in range(2))
+        if unused:   # no gradient: DDP all-reduces its table of unused parameters
+            self.unused = torch.nn.Linear(16, 16, bias=False)
+
+    def forward(self, x):
+        return self.b(_SyncedBackward.apply(self.a(x))).square().sum()
+
+
+def _synced_worker(unused, rank, port, q):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from thc.collective.ddp import FP32Hook
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port_block(1)}",
-                            rank=0, world_size=1)
-    try:
-        for unused, static, overlapped in ((False, False, True), (True, False, False),
-                                           (True, True, True)):
-            model = _Crossed()
-            ddp = DDP(model, find_unused_parameters=unused, static_graph=static)
-            hook = FP32Hook(model).register(ddp)
-            assert (hook._pool is not None) == overlapped, (unused, static)
-    finally:
-        dist.destroy_process_group()
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2, timeout=timedelta(seconds=30))
+    out = {}
+    for overlap in (False, True):
+        model = _Synced(unused)
+        ddp = DDP(model, bucket_cap_mb=1e-4, find_unused_parameters=unused)   # a bucket each
+        FP32Hook(model, overlap=overlap).register(ddp)
+        gen = torch.Generator().manual_seed(rank)
+        for _ in range(3):   # DDP's first step has one bucket; then one per parameter
+            model.zero_grad()
+            ddp(torch.randn(8, 16, generator=gen)).backward()
+        out[overlap] = [p.grad.clone().numpy() for p in (model.a.weight, model.b.weight)]
+    q.put((rank, out))
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("unused", [False, True])
+def test_collectives_of_backward_and_ddp_never_pair_with_the_hooks(unused):
+    """A backward that all-reduces on the model's group (SyncBatchNorm) and DDP's table of
+    unused parameters: the overlap thread issued the hook's all-reduces beside them in
+    another order on each rank, and Gloo paired them (an abort, or a wrong mean where the
+    lengths matched; overlap was turned off for unused parameters). The hook's collectives
+    now run on a group of its own: overlapped or not, the same gradients on both ranks."""
+    from tests.test_graphed import gloo_pair
+    res = gloo_pair(functools.partial(_synced_worker, unused))
+    for rank in (0, 1):
+        for plain, overlapped in zip(res[rank][False], res[rank][True]):
+            np.testing.assert_array_equal(plain, overlapped)
+    for g0, g1 in zip(res[0][True], res[1][True]):
+        np.testing.assert_array_equal(g0, g1)
 
 
 def _half_worker(rank, port, q):
@@ -217,7 +262,7 @@ def _fp16_sum_worker(rank, port, q):
     model = torch.nn.Linear(4, 4)
     hook = FP32Hook(model, overlap=False)
     whole = hook.reduce("b", torch.full((16,), 40000.0, dtype=torch.float16), [16])
-    spans = THCHook(model, lambda: None, HookOptions(uncompressed=("weight", "bias")),
+    spans = THCHook(model, lambda group: None, HookOptions(uncompressed=("weight", "bias")),
                     overlap=False)
     buf = spans._reduce_bucket("k", torch.full((20,), 40000.0, dtype=torch.float16),
                                [(0, 16, True, 0.0), (16, 20, True, 1.0)])

@@ -65,7 +65,7 @@ def test_thc_hook_hands_every_bucket_its_layer_positions(priorities):
             client = AggregationClient(job, 0, addr, deadline=10.0, run=7)
             params = THCParams(slice_size=16)
             ddp = DDP(model)
-            hook = THCHook(model, lambda: Recording(AggregatorTransport(client), params),
+            hook = THCHook(model, lambda group: Recording(AggregatorTransport(client), params),
                            overlap=False, priorities=priorities).register(ddp)
             ddp(torch.randn(4, 6)).sum().backward()
             client.close()

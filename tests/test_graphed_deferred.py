@@ -164,7 +164,7 @@ def test_the_hook_raises_a_refusal_its_reducers_hold():
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_tcp_port()}",
                             rank=0, world_size=1)
     try:
-        hook = THCHook(torch.nn.Linear(4, 4), lambda: _pair()[1], overlap=False)
+        hook = THCHook(torch.nn.Linear(4, 4), lambda group: _pair()[1], overlap=False)
         old = hook.reducers[(0, 1024)] = _pair()[1]
         _peers_say([old], 1)
         old(_x(5))

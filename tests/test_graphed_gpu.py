@@ -55,9 +55,10 @@ def test_the_ddp_hook_replays_graphed_rounds(nccl, deferred):
     base = torch.nn.Sequential(torch.nn.Linear(512, 1024), torch.nn.ReLU(),
                                torch.nn.Linear(1024, 10)).cuda()
     p = THCParams(slice_size=1 << 16)
-    makers = (lambda: THCAllReduce.through_torch_distributed(params=p, generator=4),
-              lambda: GraphedAllReduce.through_torch_distributed(
-                  params=p, generator=4, deferred_checks=deferred))
+    makers = (lambda group: THCAllReduce.through_torch_distributed(group, params=p,
+                                                                   generator=4),
+              lambda group: GraphedAllReduce.through_torch_distributed(
+                  group, params=p, generator=4, deferred_checks=deferred))
     models, hooks = [], []
     for make in makers:
         m = copy.deepcopy(base)

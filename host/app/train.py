@@ -112,11 +112,11 @@ def _hook(args, model, ddp):
     ef = not args.no_error_feedback
     gen = torch.Generator().manual_seed(1000 + args.rank)
     if args.mode == "thc-dist":
-        make = lambda: THCAllReduce.through_torch_distributed(  # noqa: E731
-            params=params, error_feedback=ef, generator=gen)
+        make = lambda group: THCAllReduce.through_torch_distributed(  # noqa: E731
+            group, params=params, error_feedback=ef, generator=gen)
         return THCHook(model, make, opts), None
     client = _client(args)
-    make = lambda: THCAllReduce.through_aggregator(  # noqa: E731
+    make = lambda group: THCAllReduce.through_aggregator(  # noqa: E731
         client, params, error_feedback=ef, generator=gen)
     return THCHook(model, make, opts, priorities=args.priorities), client
 

@@ -85,11 +85,11 @@ def _ddp(mode: str, model, bucket_mb: int, params: THCParams, calls: list):
     if mode == "fp32 hook":
         hook = FP32Hook(model)
     elif mode in GRAPHED:
-        hook = THCHook(model, lambda: GraphedAllReduce.through_torch_distributed(
-            params=params, generator=1000, deferred_checks=mode == "thc deferred"))
+        hook = THCHook(model, lambda group: GraphedAllReduce.through_torch_distributed(
+            group, params=params, generator=1000, deferred_checks=mode == "thc deferred"))
     else:
-        hook = THCHook(model, lambda: THCAllReduce.through_torch_distributed(
-            params=params, generator=1000))
+        hook = THCHook(model, lambda group: THCAllReduce.through_torch_distributed(
+            group, params=params, generator=1000))
     inner = hook.hook
 
     def counted(state, bucket):

@@ -9,8 +9,11 @@ error feedback.
 
 A hook returns at once with a future that one communication thread completes, so a bucket
 is reduced while backward computes the next ones, as DDP's own all-reduce overlaps. The one
-thread keeps every process's collectives in the same order. :meth:`_Hook.step_breakdown`
-says how much of the communication backward hid.
+thread keeps every process's collectives in the same order, on a process group of the hook's
+own: a collective that backward or DDP issues meanwhile on the model's group (SyncBatchNorm,
+DDP's table of unused parameters, the next forward's buffer broadcast) cannot pair with one
+of the hook's (Gloo and NCCL pair a group's collectives by issue order).
+:meth:`_Hook.step_breakdown` says how much of the communication backward hid.
 
 ``THCHook(..., priorities=True)`` hands THC each bucket's per-element layer positions
 (:func:`layer_positions`), so its chunks carry DLCP classes: the layers the next forward pass
@@ -53,6 +56,11 @@ def layer_positions(model: torch.nn.Module) -> dict[int, float]:
     return {id(p): i / last for i, m in enumerate(layers) for p in m.parameters(recurse=False)}
 
 
+def _private(group):
+    """A new process group of ``group``'s ranks (the world's for None)."""
+    return dist.new_group(ranks=None if group is None else dist.get_process_group_ranks(group))
+
+
 def _done(t: torch.Tensor) -> torch.futures.Future:
     fut: torch.futures.Future = torch.futures.Future()
     fut.set_result(t)
@@ -77,9 +85,13 @@ class _Hook:
 
     def __init__(self, model: torch.nn.Module, options: HookOptions = HookOptions(),
                  group=None, overlap: bool = True):
+        """``group``: the workers (default: the whole world). With ``overlap`` the hook's
+        collectives run on a new group of the same ranks (made here: every rank constructs
+        its hooks in the same order)."""
         self.options = options
-        self.group = group
         self.world = dist.get_world_size(group)
+        self.group = _private(group) if overlap else group
+        """The process group of the hook's collectives."""
         self._names = {id(p): n for n, p in model.named_parameters()}
         self._positions = layer_positions(model)
         self.wants_positions = False
@@ -104,17 +116,8 @@ class _Hook:
                                                          self.options.uncompressed)
 
     def register(self, ddp_model) -> "_Hook":
-        """Install on a DistributedDataParallel model (DDP wants a function: the bound method).
-
-        With ``find_unused_parameters`` (and no static graph) DDP all-reduces its table of
-        used parameters from its own thread right after the last bucket; the hook's
-        collectives from the overlap thread would then pair with it in another order on each
-        rank (Gloo pairs collectives by issue order): a wrong mean or an abort. Overlap is
-        turned off there."""
-        if self._pool is not None and getattr(ddp_model, "find_unused_parameters", False) \
-                and not getattr(ddp_model, "static_graph", False):
-            self._pool.shutdown()
-            self._pool = None
+        """Install on a DistributedDataParallel model (DDP wants a function: the bound
+        method)."""
         ddp_model.register_comm_hook(None, self.hook)
         return self
 
@@ -199,12 +202,15 @@ class FP32Hook(_Hook):
 
 
 class THCHook(_Hook):
-    """THC all-reduce of each bucket; ``make_allreducer()`` builds one per bucket (its own
-    error-feedback residual) on a shared transport: a :class:`THCAllReduce`, or on NCCL a
-    :class:`GraphedAllReduce`, whose rounds replay from a CUDA graph. ``priorities``: mark
-    every chunk with its DLCP class (an aggregator transport's packets carry it in DSCP)."""
+    """THC all-reduce of each bucket; ``make_allreducer(group)`` builds one per bucket (its
+    own error-feedback residual): a :class:`THCAllReduce`, or on NCCL a
+    :class:`GraphedAllReduce`, whose rounds replay from a CUDA graph, through
+    torch.distributed on ``group`` (the hook's process group: see the module docstring) or
+    through an aggregator. ``priorities``: mark every chunk with its DLCP class (an
+    aggregator transport's packets carry it in DSCP)."""
 
-    def __init__(self, model, make_allreducer: Callable[[], THCAllReduce | GraphedAllReduce],
+    def __init__(self, model,
+                 make_allreducer: Callable[[object], THCAllReduce | GraphedAllReduce],
                  options: HookOptions = HookOptions(), group=None, overlap: bool = True,
                  priorities: bool = False):
         super().__init__(model, options, group, overlap)
@@ -249,7 +255,7 @@ class THCHook(_Hook):
         ar = self.reducers.get(key)
         if ar is None:
             self.check()   # the reducers of buckets DDP rebuilt take no further rounds
-            ar = self.reducers[key] = self.make_allreducer()
+            ar = self.reducers[key] = self.make_allreducer(self.group)
         before = ar.transport.bytes_sent
         out = ar(flat, position=position)
         self.bytes_sent += ar.transport.bytes_sent - before
@@ -303,15 +309,15 @@ class TopKHook(_Hook):
 class MarsitHook(_Hook):
     """Marsit: one sign bit per coordinate through a merging ring all-reduce, with global
     compensation and a scale per parameter tensor (:class:`thc.collective.marsit.
-    MarsitAllReduce`, one per bucket). ``make_allreducer()`` builds another sign all-reduce
-    per bucket instead (the vote: :class:`MarsitVoteHook`)."""
+    MarsitAllReduce`, one per bucket). ``make_allreducer(group)`` builds another sign
+    all-reduce per bucket instead (the vote: :class:`MarsitVoteHook`), on the hook's group."""
 
     def __init__(self, model, options: HookOptions = HookOptions(), group=None,
                  generator: torch.Generator | None = None, overlap: bool = True,
-                 make_allreducer: Callable[[], MarsitAllReduce] | None = None):
+                 make_allreducer: Callable[[object], MarsitAllReduce] | None = None):
         super().__init__(model, options, group, overlap)
         self.make_allreducer = make_allreducer or (
-            lambda: MarsitAllReduce(self.group, generator))
+            lambda on: MarsitAllReduce(on, generator))
         self.reducers: dict[tuple, MarsitAllReduce] = {}
 
     def reduce(self, bucket, flat: torch.Tensor, sizes: list[int],
@@ -319,7 +325,7 @@ class MarsitHook(_Hook):
         key = (bucket, flat.numel())
         ar = self.reducers.get(key)
         if ar is None:
-            ar = self.reducers[key] = self.make_allreducer()
+            ar = self.reducers[key] = self.make_allreducer(self.group)
         before = ar.bytes_sent
         out = ar(flat, sizes)
         self.bytes_sent += ar.bytes_sent - before
@@ -333,5 +339,5 @@ class MarsitVoteHook(MarsitHook):
     def __init__(self, model, client, options: HookOptions = HookOptions(), group=None,
                  overlap: bool = True, majority: bool = False):
         super().__init__(model, options, group, overlap=overlap,
-                         make_allreducer=lambda: MarsitVoteAllReduce(client, group,
-                                                                     majority=majority))
+                         make_allreducer=lambda on: MarsitVoteAllReduce(client, on,
+                                                                        majority=majority))
