@@ -331,3 +331,23 @@ def test_an_aggregator_installed_with_another_configuration_is_refused(datapath,
                                    rf"configuration .*tag {theirs.config_tag:#06x}"):
                     c.aggregate(pack_bits(np.full(job.lanes, 3, np.uint8), P.INDEX_BITS))
                 assert c.stats.compiled_rounds == (datapath == "compiled")
+
+
+def test_a_second_thread_on_a_busy_client_is_refused_at_once():
+    """Two threads' rounds on one client took the same sequence numbers: the second's DATA
+    counted as a retransmission of the first's, and either could take the other's sums."""
+    job = local_job(1, 2, free_port_block(2), table=TABLE)
+    chunk = pack_bits(np.full(job.lanes, 3, np.uint8), P.INDEX_BITS)
+    with Aggregator([job]) as agg:
+        addr = agg.start()
+        with AggregationClient(job, 0, addr, run=5, deadline=1.5) as c:
+            first = threading.Thread(target=lambda: pytest.raises(AggregationTimeout,
+                                                                  c.aggregate, chunk))
+            first.start()   # waits for worker 1, who never comes
+            time.sleep(0.3)
+            t0 = time.monotonic()
+            with pytest.raises(RuntimeError, match="another thread's round is running"):
+                c.aggregate(chunk)
+            assert time.monotonic() - t0 < 0.5
+            first.join()
+            assert c.stats.sent - c.stats.retransmitted == 1   # the first round's chunk

@@ -40,6 +40,7 @@ import math
 import numbers
 import select
 import socket
+import threading
 import time
 
 import numpy as np
@@ -170,6 +171,7 @@ class AggregationClient:
         refuses a second incarnation of a worker under one run id (``reused_run``)."""
         self._run = P.run_from_env() if run is None else P.check_run(run)
         self._failed: str | None = None
+        self._busy = threading.Lock()
         """Why a round of this run failed (then the run takes no more rounds)."""
         self.rtt = RttEstimator(len(self.aggregators), timeout, max_timeout)
         """The round-trip estimate per shard, kept across rounds."""
@@ -301,6 +303,20 @@ class AggregationClient:
     # -- the run and its failures ----------------------------------------------------
     def _stream(self, pkt_type: int, chunks: np.ndarray, out: np.ndarray, offset_base: int,
                 lanes: int, dtype: np.dtype, tos: list[int] | None = None) -> AggregationResult:
+        """One round at a time: two threads' rounds would take the same sequence numbers,
+        and each could take the other's sums as its own."""
+        if not self._busy.acquire(blocking=False):
+            raise RuntimeError(f"job {self.job.job_id}, worker {self.worker_id}: another "
+                               f"thread's round is running on this client; its rounds take "
+                               f"the sequence numbers one after another (one client per "
+                               f"thread, or one call at a time)")
+        try:
+            return self._round(pkt_type, chunks, out, offset_base, lanes, dtype, tos)
+        finally:
+            self._busy.release()
+
+    def _round(self, pkt_type: int, chunks: np.ndarray, out: np.ndarray, offset_base: int,
+               lanes: int, dtype: np.dtype, tos: list[int] | None) -> AggregationResult:
         """One round; a round that fails leaves the run unusable (:class:`RunFailed`)."""
         job, me = self.job, self.worker_id
         total = len(chunks)
