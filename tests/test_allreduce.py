@@ -698,3 +698,35 @@ def test_rounds_or_fingerprints_that_differ_only_in_high_bits_are_refused(other)
     assert agreement.agreed(same.tolist()) and bool(agreement.in_step(same))
     rnd = torch.tensor([other[0]])   # a graphed round's number, on the device
     assert torch.equal(agreement.tagged(norms, rnd, other[1]), theirs)
+
+
+class _Recorder:
+    """A one-worker transport of a given rank that keeps the indices it is asked to sum."""
+    packed, lanes, short_chunks, n_workers = False, None, None, 1
+
+    def __init__(self, rank):
+        self.rank, self.bytes_sent, self.summed = rank, 0, []
+
+    def check(self, params):
+        pass
+
+    def max(self, vector):
+        return vector
+
+    def sum(self, indices, count, params, classes=None):
+        self.summed.append(indices.clone())
+        return table_values(indices, params).to(torch.int32), None
+
+
+def test_workers_without_a_generator_draw_unlike_roundings_though_seeded_alike():
+    """Training scripts seed torch alike on every rank: with no generator, every worker drew
+    its rounding key from torch's global generator, the same on all, so their rounding errors
+    were one error n times and the mean's did not shrink. The default key is the rank."""
+    x = torch.randn(4096, generator=torch.Generator().manual_seed(3))
+    reducers = [THCAllReduce(_Recorder(rank), PARAMS, error_feedback=False) for rank in (0, 1)]
+    for ar in reducers:
+        torch.manual_seed(0)
+        ar(x)
+    wires = [ar.transport.summed[0] for ar in reducers]
+    assert (wires[0] != wires[1]).float().mean() > 0.05
+    assert [ar.generator for ar in reducers] == [0, 1]

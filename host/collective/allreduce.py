@@ -8,6 +8,7 @@ this worker's lost part for the next round.
 """
 from __future__ import annotations
 
+import secrets
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -56,12 +57,19 @@ class THCAllReduce:
     """Callable that returns the THC estimate of the mean of a tensor across workers.
 
     Every worker must call it on same-shaped tensors in the same order: the round number
-    (part of the shared rotation seed) advances with each call.
+    (part of the shared rotation seed) advances with each call. ``generator``: this worker's
+    rounding draws (see :func:`thc.codec.thc.encode`); by default keyed by its rank, as a
+    graphed reducer's: torch's global generator, seeded alike on every rank as training
+    scripts do, gave every worker the same draws, and the mean's rounding error did not
+    shrink with more workers.
     """
 
     def __init__(self, transport, params: THCParams | None = None, error_feedback: bool = True,
                  generator=None, pipeline_elements: int = 1 << 21, backend: str = "auto"):
         self.params = params or THCParams()
+        if generator is None:
+            rank = getattr(transport, "rank", None)
+            generator = rank if isinstance(rank, int) else secrets.randbits(62)
         check_key(generator)   # here, not in a round's encode, where peers would wait
         self.generator = generator
         if pipeline_elements % self.params.slice_size:
