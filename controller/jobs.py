@@ -142,6 +142,10 @@ def unchanged(sw: Switch, job: Job, agg: "AggAddress", job_index: int | None = N
     cfg = installed.get(job.job_id)
     if cfg is None or (job_index is not None and cfg["job_index"] != job_index):
         return False
+    if P.epoch_tag(cfg["epoch"]) != job.config_tag:
+        # another configuration's epoch (what the entries do not hold: the granularity, a
+        # table the compared lookups agree on, or an install from before epochs had tags)
+        return False
     luts = _lut_tables(sw)
     checked = [luts[0], luts[-1]] if luts else []
     checked_ids = {sw.tables.get(t, "table").preamble.id for t in checked}

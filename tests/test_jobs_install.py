@@ -202,3 +202,25 @@ def test_jobs_lists_a_half_installed_job_as_not_serving(sw, monkeypatch, capsys)
     jobs.install_job(sw, make_job(1), live_window=IDLE)
     assert thc_controller(sw.device, monkeypatch, "jobs") == 0
     assert "NOT serving" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("change", [{"granularity": 31}, {"granularity": 100}])
+def test_a_change_the_entries_do_not_hold_installs_an_epoch_of_the_new_tag(sw, change):
+    """The switch entries hold no granularity: install_cluster kept the job as it was, with
+    an epoch of the old configuration's tag, and every worker of the new file refused it."""
+    job = make_job(1, 2)
+    jobs.install_cluster(sw, cluster(job), live_window=IDLE)
+    new = replace(job, **change).validate()
+    jobs.install_cluster(sw, cluster(new), live_window=IDLE)
+    assert P.epoch_tag(jobs.installed_jobs(sw)[1]["epoch"]) == new.config_tag != job.config_tag
+
+
+def test_an_epoch_without_the_jobs_tag_is_replaced_by_the_next_install(sw):
+    """A switch installed before epochs had tags (a random epoch) is installed anew."""
+    job = make_job(1, 2)
+    jobs.install_cluster(sw, cluster(job), live_window=IDLE)
+    old = jobs.installed_jobs(sw)[1]
+    jobs._upsert(sw, [jobs.job_entry(sw, job, old["job_index"], 0x00010001)], True)
+    assert P.epoch_tag(jobs.installed_jobs(sw)[1]["epoch"]) == 1 != job.config_tag
+    jobs.install_cluster(sw, cluster(job), live_window=IDLE)
+    assert P.epoch_tag(jobs.installed_jobs(sw)[1]["epoch"]) == job.config_tag
