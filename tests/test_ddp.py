@@ -305,3 +305,24 @@ def test_topk_a_nan_on_one_worker_is_refused_by_both():
     res = gloo_pair(_topk_nan_worker)
     assert "NaN or Inf" in res[0][0] and "refused on every worker" in res[1][0], res
     assert res[0][1:] == res[1][1:] and all(isinstance(r, list) for r in res[0][1:]), res
+
+
+def test_a_hook_on_a_smaller_group_that_overlaps_needs_a_group_made_by_every_rank():
+    """The hook made its collectives' group from its own ranks alone: torch names groups by
+    a per-process count, so ranks outside it fell one behind and the next group the whole
+    world made got two names (a hang), and hooks of disjoint replica groups shared one name
+    (ranks of both paired). Only the world's group is made inside the hook now."""
+    from thc.collective.ddp import FP32Hook
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port_block(1)}",
+                            rank=0, world_size=1)
+    try:
+        replicas, own = dist.new_group([0]), dist.new_group([0])
+        model = torch.nn.Linear(2, 2)
+        with pytest.raises(ValueError, match="comm_group=dist.new_group"):
+            FP32Hook(model, group=replicas)
+        assert FP32Hook(model, group=replicas, overlap=False).group is replicas
+        assert FP32Hook(model, group=replicas, comm_group=own).group is own
+        world = FP32Hook(model).group
+        assert world is not None and world is not dist.group.WORLD
+    finally:
+        dist.destroy_process_group()

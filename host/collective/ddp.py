@@ -56,11 +56,6 @@ def layer_positions(model: torch.nn.Module) -> dict[int, float]:
     return {id(p): i / last for i, m in enumerate(layers) for p in m.parameters(recurse=False)}
 
 
-def _private(group):
-    """A new process group of ``group``'s ranks (the world's for None)."""
-    return dist.new_group(ranks=None if group is None else dist.get_process_group_ranks(group))
-
-
 def _done(t: torch.Tensor) -> torch.futures.Future:
     fut: torch.futures.Future = torch.futures.Future()
     fut.set_result(t)
@@ -84,13 +79,25 @@ class _Hook:
     """Splits a bucket into compressed and FP32 spans; subclasses compress the former."""
 
     def __init__(self, model: torch.nn.Module, options: HookOptions = HookOptions(),
-                 group=None, overlap: bool = True):
-        """``group``: the workers (default: the whole world). With ``overlap`` the hook's
-        collectives run on a new group of the same ranks (made here: every rank constructs
-        its hooks in the same order)."""
+                 group=None, overlap: bool = True, comm_group=None):
+        """``group``: the workers (default: the whole world). ``comm_group``: the process
+        group of the hook's collectives, of the same ranks. With ``overlap`` it must be the
+        hook's own (see the module docstring): for the whole world one is made here, as
+        every rank of the world constructs its hooks in the same order (torch makes a group
+        only where every rank of the world joins); for a smaller group, pass one made so
+        (``dist.new_group(ranks)`` on every rank), or ``overlap=False``."""
         self.options = options
         self.world = dist.get_world_size(group)
-        self.group = _private(group) if overlap else group
+        if comm_group is None and overlap and group is not None:
+            raise ValueError("a hook that overlaps backward runs its collectives on a group "
+                             "of its own, which every rank of the world must make alike: "
+                             "pass comm_group=dist.new_group(ranks) made on every rank, or "
+                             "overlap=False")
+        if comm_group is not None and dist.get_world_size(comm_group) != self.world:
+            raise ValueError(f"comm_group holds {dist.get_world_size(comm_group)} ranks, the "
+                             f"hook's group {self.world}")
+        self.group = comm_group if comm_group is not None else \
+            dist.new_group() if overlap else group
         """The process group of the hook's collectives."""
         self._names = {id(p): n for n, p in model.named_parameters()}
         self._positions = layer_positions(model)
@@ -212,8 +219,8 @@ class THCHook(_Hook):
     def __init__(self, model,
                  make_allreducer: Callable[[object], THCAllReduce | GraphedAllReduce],
                  options: HookOptions = HookOptions(), group=None, overlap: bool = True,
-                 priorities: bool = False):
-        super().__init__(model, options, group, overlap)
+                 priorities: bool = False, comm_group=None):
+        super().__init__(model, options, group, overlap, comm_group)
         self.make_allreducer = make_allreducer
         self.wants_positions = priorities
         self.reducers: dict[tuple, THCAllReduce | GraphedAllReduce] = {}
@@ -267,8 +274,8 @@ class TopKHook(_Hook):
     exchanged by all-gather: k values and indices per worker."""
 
     def __init__(self, model, ratio: float = 0.1, options: HookOptions = HookOptions(),
-                 group=None, overlap: bool = True):
-        super().__init__(model, options, group, overlap)
+                 group=None, overlap: bool = True, comm_group=None):
+        super().__init__(model, options, group, overlap, comm_group)
         self.ratio = ratio
         self.scheme = TopK(ratio=ratio, error_feedback=True)
         self._calls = 0
@@ -314,8 +321,9 @@ class MarsitHook(_Hook):
 
     def __init__(self, model, options: HookOptions = HookOptions(), group=None,
                  generator: torch.Generator | None = None, overlap: bool = True,
-                 make_allreducer: Callable[[object], MarsitAllReduce] | None = None):
-        super().__init__(model, options, group, overlap)
+                 make_allreducer: Callable[[object], MarsitAllReduce] | None = None,
+                 comm_group=None):
+        super().__init__(model, options, group, overlap, comm_group)
         self.make_allreducer = make_allreducer or (
             lambda on: MarsitAllReduce(on, generator))
         self.reducers: dict[tuple, MarsitAllReduce] = {}
@@ -337,7 +345,8 @@ class MarsitVoteHook(MarsitHook):
     of ``client`` (switch or software aggregator), one compensation residual per bucket."""
 
     def __init__(self, model, client, options: HookOptions = HookOptions(), group=None,
-                 overlap: bool = True, majority: bool = False):
+                 overlap: bool = True, majority: bool = False, comm_group=None):
         super().__init__(model, options, group, overlap=overlap,
                          make_allreducer=lambda on: MarsitVoteAllReduce(client, on,
-                                                                        majority=majority))
+                                                                        majority=majority),
+                         comm_group=comm_group)
