@@ -59,9 +59,9 @@ class THCAllReduce:
     Every worker must call it on same-shaped tensors in the same order: the round number
     (part of the shared rotation seed) advances with each call. ``generator``: this worker's
     rounding draws (see :func:`thc.codec.thc.encode`); by default keyed by its rank, as a
-    graphed reducer's: torch's global generator, seeded alike on every rank as training
-    scripts do, gave every worker the same draws, and the mean's rounding error did not
-    shrink with more workers.
+    graphed reducer's, not by torch's global generator: training scripts seed that alike on
+    every rank, and workers drawing alike would leave the mean's rounding error as large as
+    one worker's.
     """
 
     def __init__(self, transport, params: THCParams | None = None, error_feedback: bool = True,
