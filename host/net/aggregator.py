@@ -244,7 +244,7 @@ def run(args: argparse.Namespace) -> int:
     role = "" if args.shard is None else f" as shard {args.shard}"
     print(f"thc aggregator listening on {addr[0]}:{addr[1]}{role} with jobs "
           f"{[j.job_id for j in cluster.jobs]}, epochs "
-          f"{ {jid: f'{e:#010x}' for jid, e in agg.counters()['epochs'].items()} }, "
+          f"{' '.join(f'{jid}:{e:#010x}' for jid, e in agg.counters()['epochs'].items())}, "
           f"datapath {datapath}",
           flush=True)
     print(f"thc aggregator: {chosen.describe()}", file=sys.stderr, flush=True)
