@@ -252,7 +252,8 @@ def test_uncompressed_spans_count_the_bytes_of_their_dtype():
     res = gloo_pair(_half_worker)
     for rank in (0, 1):
         sent, elements = res[rank]
-        assert elements == 72 and sent == 2 * (2 - 1) * 72 * 2 // 2, res[rank]
+        # and the bucket's agreement: nine float32 lanes, as a ring all-reduce sends them
+        assert elements == 72 and sent == 2 * (2 - 1) * 72 * 2 // 2 + 36, res[rank]
 
 
 def _fp16_sum_worker(rank, port, q):
@@ -326,3 +327,31 @@ def test_a_hook_on_a_smaller_group_that_overlaps_needs_a_group_made_by_every_ran
         assert world is not None and world is not dist.group.WORLD
     finally:
         dist.destroy_process_group()
+
+
+def _unlike_options_worker(rank, port, q):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from thc.collective.ddp import FP32Hook, HookOptions
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2, timeout=timedelta(seconds=30))
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+    ddp = DDP(model)
+    opts = HookOptions(uncompressed=("bias",) if rank == 0 else ())
+    FP32Hook(model, options=opts, overlap=False).register(ddp)
+    try:
+        ddp(torch.ones(2, 4)).sum().backward()
+        q.put((rank, "returned"))
+    except Exception as e:  # noqa: BLE001 - the test reads what each rank raised
+        q.put((rank, str(e)))
+    dist.destroy_process_group()
+
+
+def test_ranks_that_split_a_bucket_unlike_refuse_it():
+    """Rank 0 keeps the bias in FP32, rank 1 does not: rank 0's FP32 span paired with rank
+    1's reduction of the whole bucket (20 floats against 4: Gloo aborts; equal lengths sum
+    unlike things). Every rank checks a bucket's split before its first reduction."""
+    from tests.test_graphed import gloo_pair
+    res = gloo_pair(_unlike_options_worker)
+    assert all("differ in the hook" in res[rank] for rank in (0, 1)), res

@@ -105,6 +105,8 @@ class _Hook:
         """Subclasses set it to get each bucket's per-element layer positions in reduce."""
         self.bytes_sent = 0
         self.fp32_elements = 0
+        self._agreed: set = set()
+        """Buckets whose split every rank checked (:meth:`_agree_bucket`)."""
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="ddp-comm") if overlap else None
         self._stats_lock = threading.Lock()
         self._comm = 0.0
@@ -155,8 +157,21 @@ class _Hook:
         self._pool.submit(self._reduce_bucket, key, buf, spans).add_done_callback(finish)
         return fut
 
+    def _agree_bucket(self, bucket, spans, device) -> None:
+        """Before a bucket's first reduction, every rank checks that the others split it
+        alike: ranks whose hooks or options differ would pair one's FP32 span with another's
+        compressed round (an abort, or a wrong sum where the lengths match)."""
+        layout = tuple((b - a, fp32) for a, b, fp32, _ in spans)
+        key = agreement.key_of(type(self).__name__, layout)
+        self.bytes_sent += agreement.together(
+            self.group, len(self._agreed), key, device,
+            alike="the hook (its kind, or the bucket's FP32 and compressed spans)")
+        self._agreed.add(bucket)
+
     def _reduce_bucket(self, bucket, buf: torch.Tensor, spans) -> torch.Tensor:
         start = time.perf_counter()
+        if bucket not in self._agreed:
+            self._agree_bucket(bucket, spans, buf.device)
         comp = [buf[a:b] for a, b, fp32, _ in spans if not fp32]
         plain = [buf[a:b] for a, b, fp32, _ in spans if fp32]
         if plain:
