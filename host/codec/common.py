@@ -122,8 +122,9 @@ def norm_array(max_norms, n_slices: int, params: THCParams) -> np.ndarray:
                          f"worker whose input holds NaN or Inf there (or a slice norm THC "
                          f"cannot take) or was refused")
     limit = norm_limit(params)
-    if np.any(m.astype(np.float32) >= limit):
-        first = int(np.argmax(m >= limit))
+    beyond = m.astype(np.float32) >= limit   # as sent: norm_limit is a float32 value
+    if beyond.any():
+        first = int(np.argmax(beyond))
         raise ValueError(f"slice {first}'s max norm {m[first]:.3g} is beyond {limit:.3g}, the "
                          f"largest slice norm THC takes (its decode could overflow float32)")
     return m
