@@ -172,7 +172,8 @@ def _run(args: argparse.Namespace) -> int:
                 for mac, port in sorted(forwarding.routes(sw).items()):
                     print(f"{mac} -> port {port}")
             elif args.mac is None or (args.op == "add" and args.port is None):
-                raise ValueError(f"l2 {args.op} needs a MAC" + (" and a PORT" if args.op == "add" else ""))
+                need = " and a PORT" if args.op == "add" else ""
+                raise ValueError(f"l2 {args.op} needs a MAC{need}")
             elif args.op == "add":
                 forwarding.install(sw, {args.mac: args.port})
                 print(f"l2_forward: {args.mac} -> port {args.port}")

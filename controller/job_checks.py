@@ -61,7 +61,8 @@ def check_job(sw: Switch, job: Job, job_index: int, others: dict[int, dict]) -> 
                           f"hold {room} jobs at once, and {len(others)} stay installed "
                           f"({', '.join(str(j) for j in sorted(others))}); remove one first")
     if job.pool_base + job.pool_size > P.SWITCH_SLOTS:
-        raise ConfigError(f"job {job.job_id}: pool {job.pool_base}..{job.pool_base + job.pool_size - 1}"
+        last = job.pool_base + job.pool_size - 1
+        raise ConfigError(f"job {job.job_id}: pool {job.pool_base}..{last}"
                           f" does not fit the switch's {P.SWITCH_SLOTS} slots")
     for w in job.workers:
         if not 0 <= w.switch_port < 511 or w.switch_port == target_of(sw).cpu_port:

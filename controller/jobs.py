@@ -165,7 +165,8 @@ def unchanged(sw: Switch, job: Job, agg: "AggAddress", job_index: int | None = N
                if w.mac.lower() not in forwarding.UNROUTABLE)
 
 
-def live_jobs(sw: Switch, job_indices: dict[int, int], window: float = LIVE_WINDOW) -> dict[int, int]:
+def live_jobs(sw: Switch, job_indices: dict[int, int],
+              window: float = LIVE_WINDOW) -> dict[int, int]:
     """{job_id: packets counted while watching} of the jobs (by job index) whose packet
     counter moves within ``window`` seconds; returns as soon as every job moved."""
     if not job_indices or window <= 0:

@@ -143,15 +143,20 @@ def _wire_tags():
     def tag(message, field, wire_type):
         return _varint(_number(message, field) << 3 | wire_type)
     return {
-        "update.type": tag(pb.Update, "type", 0), "update.entity": tag(pb.Update, "entity", 2),
+        "update.type": tag(pb.Update, "type", 0),
+        "update.entity": tag(pb.Update, "entity", 2),
         "entity.table_entry": tag(pb.Entity, "table_entry", 2),
-        "table.id": tag(pb.TableEntry, "table_id", 0), "table.match": tag(pb.TableEntry, "match", 2),
+        "table.id": tag(pb.TableEntry, "table_id", 0),
+        "table.match": tag(pb.TableEntry, "match", 2),
         "table.action": tag(pb.TableEntry, "action", 2),
-        "match.id": tag(pb.FieldMatch, "field_id", 0), "match.exact": tag(pb.FieldMatch, "exact", 2),
+        "match.id": tag(pb.FieldMatch, "field_id", 0),
+        "match.exact": tag(pb.FieldMatch, "exact", 2),
         "exact.value": tag(pb.FieldMatch.Exact, "value", 2),
         "table_action.action": tag(pb.TableAction, "action", 2),
-        "action.id": tag(pb.Action, "action_id", 0), "action.params": tag(pb.Action, "params", 2),
-        "param.id": tag(pb.Action.Param, "param_id", 0), "param.value": tag(pb.Action.Param, "value", 2),
+        "action.id": tag(pb.Action, "action_id", 0),
+        "action.params": tag(pb.Action, "params", 2),
+        "param.id": tag(pb.Action.Param, "param_id", 0),
+        "param.value": tag(pb.Action.Param, "value", 2),
         "request.updates": tag(pb.WriteRequest, "updates", 2),
     }
 

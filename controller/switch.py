@@ -349,7 +349,7 @@ class Switch:
         try:
             for rep in client.read_one(entity):
                 yield from rep.entities
-        except Exception as e:  # noqa: BLE001 - P4RuntimeException, or grpc.RpcError while iterating
+        except Exception as e:  # noqa: BLE001 - P4RuntimeException, or grpc.RpcError
             why = e.details() if callable(getattr(e, "details", None)) else e
             raise SwitchError(f"P4Runtime read from {self.grpc_addr} failed: {why}") from None
 
@@ -401,7 +401,8 @@ class Switch:
             return {g.group_id: {(r.egress_port, r.instance) for r in g.replicas}
                     for g in sh.MulticastGroupEntry().read()}
         except Exception as e:  # noqa: BLE001 - P4RuntimeException while iterating
-            raise SwitchError(f"reading multicast groups from {self.grpc_addr} failed: {e}") from None
+            raise SwitchError(f"reading multicast groups from {self.grpc_addr} failed: "
+                              f"{e}") from None
 
     def set_multicast_group(self, group: int, replicas: Iterable[tuple[int, int]]) -> None:
         """Create or replace a multicast group (``shell.MulticastGroupEntry``)."""

@@ -434,7 +434,8 @@ def test_torch_distributed_transport_gloo():
     for r in range(1, world):
         np.testing.assert_array_equal(res[r][0], res[0][0])
     mean = torch.stack(xs).mean(0)
-    nmse = float(((torch.from_numpy(res[0][0]) - mean) ** 2).sum() / torch.stack([(x ** 2).sum() for x in xs]).mean())
+    power = torch.stack([(x ** 2).sum() for x in xs]).mean()
+    nmse = float(((torch.from_numpy(res[0][0]) - mean) ** 2).sum() / power)
     assert 0.001 < nmse < 0.015, nmse
     # counted as a ring all-reduce sends, 2 (p-1)/p of each tensor: uint8 sums (a byte per
     # padded coordinate, 32768 for 20000 elements), the MAX round (one norm and eight tag

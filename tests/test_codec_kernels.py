@@ -497,7 +497,8 @@ def test_programs_of_several_row_tiles_give_what_one_tile_gives(monkeypatch, til
         m = thc.slice_norms(x, p)
         idx = thc.encode_prepared(prep, m, p, 77, pack=False)
         sums = thc.aggregate([idx, idx], p)
-        got.append((prep.norms.cpu(), idx.cpu(), thc.decode(sums, 2, m, n, p, 5, backend="triton").cpu(),
+        got.append((prep.norms.cpu(), idx.cpu(),
+                    thc.decode(sums, 2, m, n, p, 5, backend="triton").cpu(),
                     thc.decode_indices(idx, m, n, p, 5, backend="triton").cpu()))
     (n1, i1, d1, o1), (nt, it, dt, ot) = got
     assert torch.allclose(nt, n1, rtol=1e-6)

@@ -1,4 +1,5 @@
-"""The committed P4 build (p4src/build) is current and follows host/wire/protocol.json. No p4c needed."""
+"""The committed P4 build (p4src/build) is current and follows host/wire/protocol.json. No p4c
+needed."""
 from __future__ import annotations
 
 import importlib.util

@@ -78,8 +78,8 @@ def test_calibration_fits_figures_computed_by_hand():
     30 + 120 ms; Marsit's ring: three collectives (its agreement, scales and signs), 90 ms +
     2 x (P/8 + 36) x 3 / 4 / BW = 93.7554 ms; THC over Gloo: three collectives (its
     agreement, norms, 8-bit sums as 4 x 30 <= 255), 90 + 2 x (P + 32) x 3 / 4 / BW =
-    120.0048 ms, plus its measured codec seconds. The fit must find alpha and efficiency, and the predictions
-    must be these figures."""
+    120.0048 ms, plus its measured codec seconds. The fit must find alpha and efficiency, and
+    the predictions must be these figures."""
     from thc.app.perfmodel import FIT_MODES, calibrate, fit
 
     params, steps, compute, codec = 200_000, 100, 0.01, 0.02

@@ -35,7 +35,8 @@ def test_each_dscp_class_is_queued_in_its_band_and_others_go_best_effort():
                 s.sendto(b"x" * 100, ("10.9.0.2", 9))
     """)
     script = ("set -e; sysctl -qw net.ipv6.conf.all.disable_ipv6=1 "
-              "net.ipv6.conf.default.disable_ipv6=1; ip link add va type veth peer name vb; ip addr add 10.9.0.1/24 dev va; "
+              "net.ipv6.conf.default.disable_ipv6=1; ip link add va type veth peer name vb; "
+              "ip addr add 10.9.0.1/24 dev va; "
               "ip link set va up; ip link set vb up; ip neigh add 10.9.0.2 lladdr "
               "02:00:00:00:00:02 dev va\n" + tc + f"\npython3 -c '{py}'\ntc -s class show dev va")
     r = subprocess.run(["unshare", "-n", "sh", "-c", script], capture_output=True, text=True,

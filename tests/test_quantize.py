@@ -33,7 +33,8 @@ def test_four_bit_packing_is_the_wire_format():
     idx = np.random.default_rng(0).integers(0, 16, 512).astype(np.uint8)
     wire = (idx[0::2] << 4) | idx[1::2]          # protocol.md: first index in the high nibble
     assert np.array_equal(pack_bits(idx, 4), wire)
-    assert pack_bits(idx, protocol.INDEX_BITS).size == protocol.payload_bytes(protocol.PktType.DATA, 512)
+    data_bytes = protocol.payload_bytes(protocol.PktType.DATA, 512)
+    assert pack_bits(idx, protocol.INDEX_BITS).size == data_bytes
     assert np.array_equal(unpack_bits(wire, 4, 512), idx)
 
 

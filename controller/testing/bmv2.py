@@ -7,8 +7,8 @@ program, and gives raw access to the host-side ends: ``send(port, frame)`` and, 
 ``receive=True``, a background thread that hands every received UDP payload to the queue
 registered for its (dst IP, dst port) and keeps the other frames per port in ``raw``.
 
-Needs root and simple_switch_grpc on PATH (``thc.controller.toolchain.bmv2_missing()`` says what is missing). Every
-veth and the process are removed by ``close()``.
+Needs root and simple_switch_grpc on PATH (``thc.controller.toolchain.bmv2_missing()`` says
+what is missing). Every veth and the process are removed by ``close()``.
 """
 from __future__ import annotations
 

@@ -5,8 +5,8 @@
 
 - ``fp32``: ``torch.distributed.all_reduce`` (Gloo, ring) of the whole tensor;
 - ``fp16``: the same all-reduce of the tensor cast to float16 (cast and back included);
-- ``thc``: :class:`thc.collective.allreduce.THCAllReduce` through the aggregator (norm round, encode,
-  stream through the switch or the software aggregator, decode);
+- ``thc``: :class:`thc.collective.allreduce.THCAllReduce` through the aggregator (norm round,
+  encode, stream through the switch or the software aggregator, decode);
 - ``thc-dist``: the same THC round with its integer sums carried by a Gloo all-reduce (no
   aggregator: THC sums are integers, so the ordinary ring adds them exactly).
 

@@ -80,7 +80,8 @@ def main(argv: list[str] | None = None) -> int:
         sum_mean += mean
     cum = float(((sum_est - sum_mean) ** 2).sum() / (sum_mean ** 2).sum())
     result = {"rank": args.rank, "times": times, "nmse": nmse, "cumulative_nmse": cum,
-              "short_chunks": short, "chunks_per_round": -(-ar.codec.layout(args.numel).total_padded // job.lanes),
+              "short_chunks": short,
+              "chunks_per_round": -(-ar.codec.layout(args.numel).total_padded // job.lanes),
               "transport": vars(client.stats)}
     client.close()
     dist.barrier()

@@ -62,8 +62,9 @@ def parse_configs(text: str, tk) -> list[dict]:
                 config[name] = value
                 continue
             if name not in TUNABLE[1:] or name == "FORM" or not value.isdigit():
+                names = ', '.join(n for n in TUNABLE[1:] if n != 'FORM')
                 raise ValueError(f"config item {item!r}: use NAME=INTEGER with NAME one of "
-                                 f"{', '.join(n for n in TUNABLE[1:] if n != 'FORM')}, or FORM= one of "
+                                 f"{names}, or FORM= one of "
                                  f"{', '.join(tk.FORMS)}")
             config[name] = type(getattr(tk, name))(int(value))
         out.append(config)

@@ -23,7 +23,8 @@ def _check_bits(bits: int) -> int:
 
 def pack_bits(idx, bits: int):
     """Pack b-bit indices into bytes, most significant bit first, the first index in the high
-    bits (for b = 4: the wire's DATA payload, two indices a byte, the first in the high nibble). The last byte is zero-padded."""
+    bits (for b = 4: the wire's DATA payload, two indices a byte, the first in the high
+    nibble). The last byte is zero-padded."""
     b = _check_bits(bits)
     torch_in = is_torch(idx)
     # the range on the values as given: a cast to bytes first would wrap 259 to 3

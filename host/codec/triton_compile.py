@@ -14,8 +14,8 @@ def compile_for(padded: int, arch: int = 90, device_round: bool = False,
                 form: str | None = None, tiles: int = 1) -> dict:
     """Compile the four kernels for a slice of ``padded`` coordinates for CUDA compute
     capability ``arch`` (90: H100) at the module's settings (``device_round``: the variant
-    that reads the round from device memory; ``form``: one of tk.FORMS, default tk.FORM; ``tiles``: row tiles a program).
-    Returns kernel name -> shared memory bytes."""
+    that reads the round from device memory; ``form``: one of tk.FORMS, default tk.FORM;
+    ``tiles``: row tiles a program). Returns kernel name -> shared memory bytes."""
     sh = tk._Shape(padded)
     rows = dict(C=sh.C, C1=sh.C1, BM=sh.BM, PREC=tk.PRECISION, FORM=form or tk.FORM,
                 TILES=tiles)

@@ -66,9 +66,9 @@ PRECISIONS = ("tf32x2", "ieee", "tf32x3", "tf32")
 tf32x3 (Triton's three-product split); tf32 (one product: 10 bits of x, only for timing)."""
 PRECISION = "tf32x2"
 FORMS = ("sandwich", "transpose")
-"""How a two-factor H_K is laid out on chip (see :func:`thc.codec.triton_onchip.had_last`): both give the same
-values; sandwich, the default, is the faster on an H200 (`thc bench kernels --configs
-';FORM=transpose'`, docs/results.md)."""
+"""How a two-factor H_K is laid out on chip (see :func:`thc.codec.triton_onchip.had_last`): both
+give the same values; sandwich, the default, is the faster on an H200 (`thc bench kernels
+--configs ';FORM=transpose'`, docs/results.md)."""
 FORM = "sandwich"
 _INPUT, _NORMS, _INDEX = tl.constexpr(BAD_INPUT), tl.constexpr(BAD_NORMS), tl.constexpr(BAD_INDEX)
 _INDEX_CAP = tl.constexpr(INDEX_CAP)

@@ -22,8 +22,8 @@ DLCP's bounded loss: with a job ``loss_bound`` > 0, a DATA chunk that would be r
 is closed short instead (a ``FLUSH``: the aggregator freezes the chunk with the workers it
 has and sends that RESULT, with its count and bitmap, to every worker), as long as at most
 ``loss_bound`` of the round's chunks end short. The :class:`AggregationResult` of
-:meth:`AggregationClient.reduce` says per chunk who was counted. Each DATA packet may carry a priority class
-in its IPv4 DSCP (:mod:`thc.net.priority`), set per packet with an ``IP_TOS`` control
+:meth:`AggregationClient.reduce` says per chunk who was counted. Each DATA packet may carry a
+priority class in its IPv4 DSCP (:mod:`thc.net.priority`), set per packet with an ``IP_TOS`` control
 message (as cheap as a plain ``sendto``).
 
 This module holds the run and its failure policy; two windows run a round's chunks, both

@@ -22,7 +22,8 @@ class Impairment:
     loss: float = 0.0
     dup: float = 0.0
     reorder: float = 0.0
-    """Probability that a packet is held back and released after the next ``reorder_gap`` packets."""
+    """Probability that a packet is held back and released after the next ``reorder_gap``
+    packets."""
     reorder_gap: int = 3
     jitter: float = 0.0
     """Every sent packet waits a random delay drawn uniformly from [0, jitter] seconds (so

@@ -159,7 +159,8 @@ class PythonWindow:
                 packets[hi] = packet(hi)
                 send(packets[hi], dst(hi), tos[hi] if tos else 0)
                 now = time.monotonic()
-                due[hi], backoff[hi], started[hi] = now + end.rtt.rto(shard_of(hi)), end.timeout, now
+                due[hi] = now + end.rtt.rto(shard_of(hi))
+                backoff[hi], started[hi] = end.timeout, now
                 hi += 1
             next_due = min(due.values()) if due else now + end.timeout
             wait = max(0.0, next_due - time.monotonic())

@@ -8,6 +8,7 @@ config is rejected with one clear message before it reaches either.
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import ipaddress
 import json
@@ -190,7 +191,7 @@ class Job:
     def full_bitmap(self) -> int:
         return (1 << self.n_workers) - 1
 
-    @property
+    @functools.cached_property
     def config_tag(self) -> int:
         """16 bits of a digest of what an aggregator's sums of this job depend on (aggregation,
         table, granularity, sum width, lanes, pool, workers), carried in the high bits of

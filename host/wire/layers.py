@@ -35,9 +35,9 @@ class THC(Packet):
                             "slot=%slot%/v%version% count=%count% epoch=%epoch%")
 
     def guess_payload_class(self, payload):
-        return {P.PktType.DATA: THCIndices, P.PktType.RESULT: THCSums,
-                P.PktType.MAX: THCMax, P.PktType.MAX_RESULT: THCMax}.get(self.pkt_type,
-                                                                         Packet.guess_payload_class(self, payload))
+        classes = {P.PktType.DATA: THCIndices, P.PktType.RESULT: THCSums,
+                   P.PktType.MAX: THCMax, P.PktType.MAX_RESULT: THCMax}
+        return classes.get(self.pkt_type, Packet.guess_payload_class(self, payload))
 
 
 class _Payload(Packet):

@@ -277,7 +277,8 @@ def encode(hdr: Header, payload: bytes | np.ndarray = b"") -> bytes:
 
 
 def decode(datagram: bytes | memoryview) -> tuple[Header, memoryview]:
-    """Split a UDP body into header and payload; raise ProtocolError on a short or unknown packet."""
+    """Split a UDP body into header and payload; raise ProtocolError on a short or unknown
+    packet."""
     if len(datagram) < HEADER_BYTES:
         raise ProtocolError(f"datagram of {len(datagram)} bytes is shorter than the "
                             f"{HEADER_BYTES}-byte THC header")
@@ -293,7 +294,8 @@ above it is no worker's value (a negative, infinite or NaN pattern), and is refu
 
 
 def floats_to_ordered_u32(x: np.ndarray) -> np.ndarray:
-    """Non-negative IEEE-754 floats order like their bit patterns: a switch takes max of raw bits."""
+    """Non-negative IEEE-754 floats order like their bit patterns: a switch takes max of raw
+    bits."""
     x = np.asarray(x, dtype=np.float32)
     if np.any(~np.isfinite(x)) or np.any(x < 0):
         raise ValueError("MAX values must be finite and non-negative")

@@ -1,5 +1,6 @@
 """What every testbed shares: addresses, the job a testbed runs, errors, probes, and the
-:class:`Testbed` interface that thc.emu.testbed (loopback) and thc.emu.emulation (Mininet) implement.
+:class:`Testbed` interface that thc.emu.testbed (loopback) and thc.emu.emulation (Mininet)
+implement.
 """
 from __future__ import annotations
 
@@ -193,14 +194,17 @@ class Testbed(AggregatorProcesses):
         if env and env.get("PYTHONPATH"):
             path = [str(REPO_ROOT)] + env["PYTHONPATH"].split(":")
         full["PYTHONPATH"] = ":".join(dict.fromkeys(path))
-        if node.startswith("h") and node[1:].isdigit() and not (env and "GLOO_SOCKET_IFNAME" in env):
+        own_ifname = env and "GLOO_SOCKET_IFNAME" in env
+        if node.startswith("h") and node[1:].isdigit() and not own_ifname:
             full["GLOO_SOCKET_IFNAME"] = self.worker_intf(int(node[1:]) - 1)
         full["THCNET_NODE"] = node
         full["THCNET_KIND"] = self.kind
         return full
 
-    def popen(self, node, argv: list[str], env: dict | None = None, name: str | None = None) -> Proc:
-        """Start ``argv`` on ``node`` (a worker rank, ``"h3"`` or ``"agg"``); it is killed at close."""
+    def popen(self, node, argv: list[str], env: dict | None = None,
+              name: str | None = None) -> Proc:
+        """Start ``argv`` on ``node`` (a worker rank, ``"h3"`` or ``"agg"``); it is killed at
+        close."""
         self._check_open()
         node = self.node_of(node)
         argv = pythonize(argv, self.python)

@@ -19,14 +19,14 @@ For each link bandwidth, Mininet testbeds of N worker hosts on a Linux bridge, e
 The software aggregators are whatever `thc aggregator` runs.
 
 Each mode: one untimed warm-up round, then ``--repeat`` timed rounds, each started after a
-barrier; a round's time is its slowest worker's, the figure is the median round. Bytes on
-the wire are read from each worker's interface counters around every timed round and
-compared with the computed ideal on the busiest link (rings: 2(p-1)/p x 4 bytes per
-element each way in MSS-sized TCP segments, 2 for FP16, 1 or 2 for THC's sums; THC: INDEX_BITS/8 up and sum_bits/8 down per
-element (8 or 16 bits, from workers x granularity), plus the per-packet THC/UDP/IP/Ethernet
-headers; sharded: (p-1)/p of both on every worker link, each way, as a worker's own chunks
-to its co-located shard stay on the host; central: p times the sums down the aggregator's
-link).
+barrier; a round's time is its slowest worker's, the figure is the median round. Bytes on the
+wire are read from each worker's interface counters around every timed round and compared with
+the computed ideal on the busiest link (rings: 2(p-1)/p x 4 bytes per element each way in
+MSS-sized TCP segments, 2 for FP16, 1 or 2 for THC's sums; THC: INDEX_BITS/8 up and sum_bits/8
+down per element (8 or 16 bits, from workers x granularity), plus the per-packet
+THC/UDP/IP/Ethernet headers; sharded: (p-1)/p of both on every worker link, each way, as a
+worker's own chunks to its co-located shard stay on the host; central: p times the sums down the
+aggregator's link).
 """
 from __future__ import annotations
 

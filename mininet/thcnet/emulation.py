@@ -12,7 +12,8 @@ Worker r: interface h<r+1>-eth0, MAC 02:00:00:00:00:<r+1>, THC port 50000 + r, s
 r + 1. Sharded (the default software layout): shard r of the job's shard map runs on worker
 host h<r+1> at 10.0.0.<r+1>:48879 and shares that host's link. The aggregator host (port
 N + 1) exists only for the central software aggregator; with BMv2 the switch answers for the
-virtual aggregator address, which every worker has a static ARP entry for. All host pairs get static ARP entries; IPv6 is off so no stray packets count.
+virtual aggregator address, which every worker has a static ARP entry for. All host pairs get
+static ARP entries; IPv6 is off so no stray packets count.
 
 Everything created in the root namespace is named after the testbed's tag and recorded by
 :mod:`thc.emu.cleanup`, which tears it down at close and after a crash.

@@ -150,8 +150,8 @@ def row_switch_restarted(tb, numel: int, restart_numel: int, **kw) -> Row:
             f"{gone:.1f}s; workers: {', '.join(causes)}"
             + ("" if cleared else " (UNCLEAR failure)")
             + f", all exited {gone + noticed:.1f}s after the kill, {noticed:.1f}s after the "
-              f"switch was back (deadline {deadline:g}s); then a new run: {restart.sums}; counters restart with the "
-              f"switch, so rounds and drops are the new run's")
+              f"switch was back (deadline {deadline:g}s); then a new run: {restart.sums}; "
+              f"counters restart with the switch, so rounds and drops are the new run's")
     exact = (restart.exact if cleared else None) if not wrong else False
     return Row("switch restarted mid-stream (BMv2)", testbed_label(tb),
                restart.sums if not wrong else f"WRONG: {wrong} sums differ", restart.rounds,

@@ -207,7 +207,8 @@ def set_link_loss(host, intf: str, loss_pct: float) -> None:
     out = host.cmd(
         f"nft add table netdev {EGRESS_TABLE} && nft add chain netdev {EGRESS_TABLE} eg "
         f"'{{ type filter hook egress device {intf} priority 0; }}' && nft add rule netdev "
-        f"{EGRESS_TABLE} eg meta protocol ip numgen random mod 1000 '<' {per_mille} counter drop 2>&1")
+        f"{EGRESS_TABLE} eg meta protocol ip numgen random mod 1000 '<' {per_mille} "
+        f"counter drop 2>&1")
     if out.strip():
         raise LinkError(f"{host.name}: nft egress loss failed: {out.strip()}")
 

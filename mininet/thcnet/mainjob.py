@@ -5,14 +5,15 @@ FP16 (the same all-reduce of gradients cast to half precision), THC through
 software aggregator shards co-located with the workers (THC's parameter-server layout), THC
 through the BMv2 switch (when BMv2 and Mininet are present; bounded to ``--bmv2-steps`` steps,
 3 by default, its losses compared step by step with THC's through the software shards), THC's
-integer sums over the Gloo all-reduce, TopK 10%, and Marsit's sign bits merged along a ring or counted by a vote job
-(software aggregator; BMv2 on request); on request (``--modes ...,thc-central``) THC through
-one central software aggregator on its own host, and DLCP over that aggregator: ``thc-lossy``
-(rounds may close short at the job's ``--loss-bound``) and ``thc-dlcp`` (the same, every
-chunk marked with its DLCP class by layer position), both on links queued by DLCP class;
-``thc``/``thc-central`` retransmit everything. ``--congest F`` adds a competing UDP flow
-(iperf) from every worker at F x the link rate, as ``thc bench dlcp`` does, and queues every
-mode's links by class (only the marks differ). Workers run in Mininet hosts behind emulated links when possible, else as loopback processes (said so).
+integer sums over the Gloo all-reduce, TopK 10%, and Marsit's sign bits merged along a ring or
+counted by a vote job (software aggregator; BMv2 on request); on request (``--modes
+...,thc-central``) THC through one central software aggregator on its own host, and DLCP over
+that aggregator: ``thc-lossy`` (rounds may close short at the job's ``--loss-bound``) and
+``thc-dlcp`` (the same, every chunk marked with its DLCP class by layer position), both on links
+queued by DLCP class; ``thc``/``thc-central`` retransmit everything. ``--congest F`` adds a
+competing UDP flow (iperf) from every worker at F x the link rate, as ``thc bench dlcp`` does,
+and queues every mode's links by class (only the marks differ). Workers run in Mininet hosts
+behind emulated links when possible, else as loopback processes (said so).
 
 For each mode it reports the time to reach a target accuracy (FP32's final accuracy minus
 one point, and a fixed one), the speedup over FP32, the final accuracy, and the bytes on the
@@ -83,8 +84,8 @@ MODES = {
 OPT_IN = ("fp16", "thc-central", "thc-lossy", "thc-dlcp", "marsit-vote-bmv2")
 DEFAULT_MODES = ",".join(m for m in MODES if m not in OPT_IN)
 """Every mode but FP16 (a baseline of the bandwidth sweep, ``thc sweep``), the central
-aggregator's (plain and DLCP: a comparison under ``--congest``) and the BMv2 vote: at BMv2's ~2k packets/s of 256 lanes a step of 1.2M signs takes about
-10 s (estimated), an epoch 20 min."""
+aggregator's (plain and DLCP: a comparison under ``--congest``) and the BMv2 vote: at BMv2's
+~2k packets/s of 256 lanes a step of 1.2M signs takes about 10 s (estimated), an epoch 20 min."""
 BMV2_STEPS = 3
 """Steps a mode through BMv2 trains by default: its losses after two rounds of sums through
 the switch are compared with ``thc``'s, and the whole main job stays within 12 minutes on 2

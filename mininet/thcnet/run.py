@@ -86,7 +86,8 @@ def run(args: argparse.Namespace) -> int:
               f"{tx:>8.2f} {rx:>8.2f} {st['sent']:>7} {st['retransmitted']:>6}  "
               + ("bit-exact" if row["sha256"] == ref else f"WRONG ({row['mismatches']} differ)"))
     if counters:
-        print(f"aggregator counters: {json.dumps(counters) if isinstance(counters, dict) else counters.strip()}")
+        shown = json.dumps(counters) if isinstance(counters, dict) else counters.strip()
+        print(f"aggregator counters: {shown}")
     print(f"\nsmoke all-reduce {'OK: every worker got the exact sums' if ok else 'FAILED'} "
           f"({time.monotonic() - t0:.1f} s total, testbed torn down)")
     return 0 if ok else 1

@@ -48,7 +48,8 @@ def markdown(data: dict) -> str:
         load = max((v[0] for v in p["load_before"].values()), default=None)
         lines.append("| " + " | ".join(
             [f"{row['bw_mbit']:g}"] + [_ms(meas.get(x)) for x in data["modes"]] + ratios
-            + [_ms(pred.get(x)) for x in data["modes"]] + [mb, "-" if load is None else f"{load:.2f}"])
+            + [_ms(pred.get(x)) for x in data["modes"]]
+            + [mb, "-" if load is None else f"{load:.2f}"])
             + " |")
     lines += ["", *_split(data, mode)]
     lines += ["", f"Model inputs, calibrated on this sweep: compute {1e3 * m['compute_s']:.0f} ms "

@@ -43,8 +43,9 @@ from thc.emu.base import (
 from thc.emu.errors import TestbedError, Unavailable
 from thc.emu.procs import WorkerError, WorkerResult
 
-__all__ = ["open_testbed", "add_arguments", "add_link_arguments", "add_job_arguments", "Testbed", "LoopbackTestbed", "WorkerResult", "WorkerError",
-           "TestbedError", "Unavailable", "mininet_unavailable_reason", "bmv2_unavailable_reason",
+__all__ = ["open_testbed", "add_arguments", "add_link_arguments", "add_job_arguments",
+           "Testbed", "LoopbackTestbed", "WorkerResult", "WorkerError", "TestbedError",
+           "Unavailable", "mininet_unavailable_reason", "bmv2_unavailable_reason",
            "AGGREGATORS"]
 
 

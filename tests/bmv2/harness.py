@@ -1,7 +1,8 @@
 """BMv2 harness: simple_switch_grpc on veth pairs, programmed by the controller, PTF style.
 
-controller/testing/bmv2.py's ``LocalBMv2`` starts ``simple_switch_grpc --device-id 0 --cpu-port 255``
-with one veth pair per port and pushes the compiled program from p4src/build.
+controller/testing/bmv2.py's ``LocalBMv2`` starts
+``simple_switch_grpc --device-id 0 --cpu-port 255`` with one veth pair per port and pushes the
+compiled program from p4src/build.
 ``BMv2Harness`` implements tests/conformance/harness.py's Harness on top: workers are
 (MAC, IPv4, UDP port) triples spread over the worker ports (one more port hosts strangers);
 an endpoint sends raw Ethernet frames from its worker's address to the aggregator's and
@@ -9,7 +10,8 @@ receives the THC datagrams addressed to it. ``sync`` is tests/bmv2/barrier.py's 
 no fixed wait decides what has been handled or what will still come.
 
 Needs root (veth pairs, AF_PACKET) and simple_switch_grpc on PATH; ``bmv2_available()`` says
-what is missing (through thc.controller.toolchain). p4c is not needed: the committed build in p4src/build is used.
+what is missing (through thc.controller.toolchain). p4c is not needed: the committed build in
+p4src/build is used.
 """
 from __future__ import annotations
 

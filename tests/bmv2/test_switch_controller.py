@@ -144,5 +144,6 @@ def test_cli_reads_counters_and_reports_errors(bmv2, tmp_path):
                        timeout=60)
     assert r.returncode != 0 and "thc controller:" in r.stderr
     r = subprocess.run([sys.executable, "-m", "thc.cli", "controller", "--grpc-addr",
-                        "127.0.0.1:1", "--timeout", "0.5", "counters"], capture_output=True, text=True, timeout=60)
+                        "127.0.0.1:1", "--timeout", "0.5", "counters"],
+                       capture_output=True, text=True, timeout=60)
     assert r.returncode != 0 and "no P4Runtime server" in r.stderr

@@ -34,7 +34,8 @@ def test_l2_forwarding_of_non_thc_traffic(bmv2, sw):
     assert got == frame
     assert forwarding.routes(sw)[dst] == port_out
     # non-IP too
-    arp_like = bytes.fromhex("02aa00000001") + bytes.fromhex("02aa00000002") + b"\x08\x06" + bytes(46)
+    arp_like = (bytes.fromhex("02aa00000001") + bytes.fromhex("02aa00000002") + b"\x08\x06"
+                + bytes(46))
     bmv2.switch.send(port_in, arp_like)
     assert raw[port_out].get(timeout=2) == arp_like
     # a miss is dropped and counted, never flooded

@@ -130,7 +130,8 @@ def test_restarted_controller_leaves_a_running_job_alone(bmv2):
 def test_bad_control_input_changes_nothing(bmv2, sw):
     job = bmv2.make_job(next(_ids), 2, pool_size=4)
     bmv2.install(job)
-    other = bmv2.make_job(next(_ids), 2, pool_size=4)    # (may evict an old job: before the snapshot)
+    # made before the snapshot, as making it may evict an old job
+    other = bmv2.make_job(next(_ids), 2, pool_size=4)
     agg = jobs.AggAddress(AGG_IP, AGG_MAC)
     before = snapshot(sw)
     unknown = max(jobs.installed_jobs(sw)) + 1

@@ -1,4 +1,5 @@
-"""What the conformance suite needs from an aggregator: install jobs, talk as workers, read counters.
+"""What the conformance suite needs from an aggregator: install jobs, talk as workers, read
+counters.
 
 One suite of aggregation semantics runs against every implementation (software aggregator,
 BMv2 switch). A harness hides how datagrams reach the aggregator: UDP sockets on loopback
