@@ -78,9 +78,18 @@ def worker_entries_of(sw: Switch, job_id: int) -> list:
     return _job_entries(sw, WORKER_TABLE, job_id)
 
 
-def _job_entries(sw: Switch, table: str, job_id: int) -> list:
-    fid = sw.field_id(table, "job_id")
+def _job_entries(sw: Switch, table: str, job_id: int, field: str = "job_id") -> list:
+    """The entries of ``table`` whose ``field`` (the job id, or a job index) is ``job_id``."""
+    fid = sw.field_id(table, field)
     return [e for e in sw.read_table(table) if sw.match_values(e)[fid] == job_id]
+
+
+def _lut_entries_of(sw: Switch, table: str, job_id: int, job_index: int) -> list:
+    """A lookup table's entries of one job: keyed on its id (BMv2) or its index (Tofino)."""
+    keys = {f.name for f in sw.tables.get(table, "table").match_fields}
+    if "job_id" in keys:
+        return _job_entries(sw, table, job_id)
+    return _job_entries(sw, table, job_index, "job_index")
 
 
 def _lut_tables(sw: Switch, by_job_id: bool = False) -> list[str]:
@@ -153,8 +162,10 @@ def unchanged(sw: Switch, job: Job, agg: "AggAddress", job_index: int | None = N
               *addr_entries(sw, job, agg),
               *(e for e in lut_entries(sw, job, cfg["job_index"])
                 if p4rt.entity_table_id(e) in checked_ids)]
-    have = [e for table in (JOB_TABLE, WORKER_TABLE, ADDR_TABLE, *checked)
-            for e in _job_entries(sw, table, job.job_id)]
+    have = [*(e for table in (JOB_TABLE, WORKER_TABLE, ADDR_TABLE)
+              for e in _job_entries(sw, table, job.job_id)),
+            *(e for table in checked
+              for e in _lut_entries_of(sw, table, job.job_id, cfg["job_index"]))]
     if sorted(map(_canonical, wanted)) != sorted(map(_canonical, have)):
         return False
     replicas = {(w.switch_port, w.id + 1) for w in job.workers}
@@ -322,9 +333,10 @@ def _write_job(sw: Switch, job: Job, job_index: int, agg: AggAddress,
 
 def _write_entries(sw: Switch, job: Job, job_index: int, agg: AggAddress,
                    previous: dict | None, groups_in_use) -> None:
+    # no worker of an old version may add to a slot from here on; a job id without a job
+    # entry (see leftovers) may hold worker entries too
+    _delete(sw, _job_entries(sw, WORKER_TABLE, job.job_id))
     if previous is not None:
-        # no worker of the old version may add to a slot from here on
-        _delete(sw, _job_entries(sw, WORKER_TABLE, job.job_id))
         if previous["job_index"] != job_index:
             _delete(sw, [sw.table_entry(JOB_TABLE, {"job_id": job.job_id})])
     old_macs = {a[2] for a in previous["addresses"]} if previous is not None else set()
@@ -467,13 +479,28 @@ def install_cluster(sw: Switch, cluster: Cluster, prune: bool = False, force: bo
     for jid in (leftovers(sw) if prune else ()):
         if jid not in wanted:
             _remove(sw, jid, None)
-    moved = [j for j in cluster.jobs if j.job_id in installed and j.job_id not in keep
-             and installed[j.job_id]["job_index"] != index[j.job_id]]
-    for job in moved:   # off first, so that indices can be swapped
-        _remove(sw, job.job_id, installed.pop(job.job_id))
+    changing = [j for j in cluster.jobs if j.job_id not in keep]
+    try:
+        for job in changing:
+            # every job to be written stops counting before any is rewritten: a job's new pool
+            # or group may be another's that is rewritten later (or never, if a write fails)
+            _delete(sw, _job_entries(sw, WORKER_TABLE, job.job_id))
+    except SwitchError as e:
+        raise SwitchError(f"taking the worker entries of jobs {[j.job_id for j in changing]} "
+                          f"off failed ({e}); some of them count no packet until the cluster "
+                          f"is installed again") from e
+    for job in changing:
+        if job.job_id in installed and installed[job.job_id]["job_index"] != index[job.job_id]:
+            _remove(sw, job.job_id, installed.pop(job.job_id))   # so that indices can swap
     groups = {j.mcast_grp for j in cluster.jobs} | {cfg["mcast_grp"] for cfg in staying.values()}
-    for job in cluster.jobs:
-        if job.job_id not in keep:
+    for k, job in enumerate(changing):
+        try:
             _write_job(sw, job, index[job.job_id], agg, installed.get(job.job_id),
                        groups - {job.mcast_grp})
+        except SwitchError as e:
+            rest = [j.job_id for j in changing[k + 1:]]
+            if not rest:
+                raise
+            raise SwitchError(f"{e}. Jobs {rest}, to be written after it, have no worker "
+                              f"entries either: install the cluster again") from e
     return index

@@ -247,3 +247,74 @@ def test_removing_a_job_twice_is_refused_the_second_time(sw):
     with pytest.raises(jobs.JobNotInstalled, match="job 1 is not installed"):
         jobs.remove_job(sw, 1)
     assert sw.device.log[mark:] == []
+
+
+# ---- jobs rewritten together --------------------------------------------------------------
+
+def counting(sw) -> dict[int, tuple[range, int]]:
+    """{job_id: (slots, multicast group)} of the jobs whose packets count: every worker
+    entry in place."""
+    return {jid: (range(c["pool_base"], c["pool_base"] + c["pool_size"]), c["mcast_grp"])
+            for jid, c in jobs.installed_jobs(sw).items()
+            if len(jobs.worker_entries_of(sw, jid)) == c["n_workers"]}
+
+
+def assert_apart(live: dict[int, tuple[range, int]]) -> None:
+    for a, b in itertools.combinations(sorted(live), 2):
+        (slots_a, grp_a), (slots_b, grp_b) = live[a], live[b]
+        assert not set(slots_a) & set(slots_b), f"jobs {a} and {b} count on the same slots"
+        assert grp_a != grp_b, f"jobs {a} and {b} multicast to group {grp_a}"
+
+
+@pytest.mark.parametrize("fail", [None, "first", "second"])
+def test_jobs_that_swap_pools_never_count_on_the_same_slots(sw, monkeypatch, fail):
+    """install_cluster rewrote jobs one at a time: after the first job took the second's
+    pool and group, both counted on slots 4..7 until the second was rewritten, and for
+    good when that write failed (its results then went to the first job's ports)."""
+    a, b = make_job(1, pool_base=0), make_job(2, pool_base=4)
+    jobs.install_cluster(sw, cluster(a, b))
+    seen = []
+    write_job = jobs._write_job
+
+    def lose_the_switch():
+        monkeypatch.setattr(sw.device, "write", lambda *a: (_ for _ in ()).throw(
+            SwitchError("UNAVAILABLE: connection reset")))
+
+    def watched(sw_, job, *args):
+        seen.append(counting(sw_))
+        if fail == "first":
+            lose_the_switch()
+        write_job(sw_, job, *args)
+        seen.append(counting(sw_))
+        if fail == "second":
+            lose_the_switch()
+    monkeypatch.setattr(jobs, "_write_job", watched)
+    swapped = cluster(replace(a, pool_base=4, mcast_grp=2), replace(b, pool_base=0, mcast_grp=1))
+    if fail is None:
+        jobs.install_cluster(sw, swapped, live_window=IDLE)
+        assert counting(sw) == {1: (range(4, 8), 2), 2: (range(0, 4), 1)}
+    else:
+        message = (r"job 1: the install stopped part-way.*Jobs \[2\], to be written after it, "
+                   r"have no worker entries either" if fail == "first"
+                   else r"job 2: the install stopped part-way")
+        with pytest.raises(SwitchError, match=message):
+            jobs.install_cluster(sw, swapped, live_window=IDLE)
+        seen.append(counting(sw))
+        assert seen[-1] == ({} if fail == "first" else {1: (range(4, 8), 2)})
+    for live in seen:
+        assert_apart(live)
+
+
+def test_a_fresh_install_takes_a_leftover_jobs_worker_entries_off(sw):
+    """A job id left without its job entry kept its thc_worker entries through a fresh
+    install: the old hosts counted as the new job's workers."""
+    old = make_job(1)
+    jobs.install_job(sw, old)
+    jobs._delete(sw, [sw.table_entry(jobs.JOB_TABLE, {"job_id": 1})])
+    assert 1 in jobs.leftovers(sw)
+    new = make_job(1)
+    jobs.install_cluster(sw, cluster(new), live_window=IDLE)
+    assert len(jobs.worker_entries_of(sw, 1)) == 2
+    sw.device.deliver(old, 0)
+    assert counters.drops(sw)["unknown_worker"] == 1
+    assert counters.job_counters(sw, 0)["packets"] == 0

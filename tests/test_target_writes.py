@@ -12,6 +12,8 @@ the Tofino before any write.
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 from google.protobuf import text_format
@@ -356,9 +358,23 @@ def test_tofino_refuses_a_worker_at_its_cpu_port():
             jobs.install_job(sw, job)
         assert sw.writes == []
     sw = recording_switch(targets.get("tofino"))
-    workers = (*_workers(9, 2), Worker(2, "10.9.0.3", 20002, "02:00:00:00:09:03", 383))
+    workers = (*_workers(9, 2), Worker(2, "10.9.0.3", 20002, "02:00:00:00:09:03", 319))
     jobs.install_job(sw, Job(job_id=9, workers=workers, table=TABLE, granularity=30,
                              pool_size=8))
+
+
+@pytest.mark.parametrize("port", [324, 321, 383])
+def test_tofino_refuses_a_worker_at_a_recirculation_port(port):
+    """Pipe 2's ports from 320 up are not front-panel ports; at 324 (the program's pass
+    port, 68 in the pipe) the job's RESULT copies would come back in as passes, their bridge
+    header read from the frame's MAC bytes."""
+    sw = recording_switch(targets.get("tofino"))
+    workers = (*_workers(9, 2), Worker(2, "10.9.0.3", 20002, "02:00:00:00:09:03", port))
+    with pytest.raises(ConfigError, match=f"switch_port {port} is not a front-panel port"
+                                          r".*ports 256-319"):
+        jobs.install_job(sw, Job(job_id=9, workers=workers, table=TABLE, granularity=30,
+                                 pool_size=8))
+    assert sw.writes == []
 
 
 def test_tofino_keeps_a_job_in_the_cpu_ports_pipe():
@@ -366,10 +382,27 @@ def test_tofino_keeps_a_job_in_the_cpu_ports_pipe():
     2): a worker on another pipe is refused before any write, naming the ports to use."""
     sw = recording_switch(targets.get("tofino"))
     workers = (*_workers(9, 2), Worker(2, "10.9.0.3", 20002, "02:00:00:00:09:03", 384))
-    with pytest.raises(ConfigError, match=r"port 384, pipe 3.*ports 256-383"):
+    with pytest.raises(ConfigError, match=r"port 384, pipe 3.*ports 256-319"):
         jobs.install_job(sw, Job(job_id=9, workers=workers, table=TABLE, granularity=30,
                                  pool_size=8))
     assert sw.writes == []
+
+
+@pytest.mark.parametrize("name", sorted(targets.TARGETS))
+def test_a_cluster_installed_again_is_left_alone(name):
+    """A restarted controller compares what is installed with the cluster: on Tofino it read
+    the lookup tables by a job id they are not keyed on, and every install after the first
+    failed ("has no match field 'job_id'")."""
+    sw = recording_switch(targets.get(name))
+    index = jobs.install_cluster(sw, sample_cluster(), live_window=0.05)
+    mark = len(sw.writes)
+    assert jobs.install_cluster(sw, sample_cluster(), live_window=0.05) == index
+    assert sw.writes[mark:] == []
+    changed = Cluster(jobs=(replace(sample_cluster().jobs[0], table=tuple(range(16))),
+                            *sample_cluster().jobs[1:]), agg_ip=SWITCH_AGG_IP,
+                      agg_mac=SWITCH_AGG_MAC).validate()
+    assert jobs.install_cluster(sw, changed, live_window=0.05) == index
+    assert len(sw.writes) > mark
 
 
 @pytest.mark.parametrize("name", sorted(targets.TARGETS))

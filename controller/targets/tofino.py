@@ -42,6 +42,10 @@ CPU_PORT = 320
 """Tofino-1's PCIe CPU port (pipe 2, port 64, on a four-pipe part)."""
 PIPE_SHIFT = 7
 """A port's pipe: its number's bits 8-7. Each pipe has its own registers."""
+FRONT_PANEL = 64
+"""A Tofino-1 pipe's front-panel ports are its ports 0-63; 64-71 are its CPU and
+recirculation ports, the program's pass port among them (gen_tna.RECIRC_PORT, 68): a frame
+arriving there is parsed as a pass, its bridge header read from the frame's first bytes."""
 CLOSED_BIT = 31
 """The slot bitmap's bit that marks a use closed by a FLUSH: no worker may hold it."""
 
@@ -86,14 +90,23 @@ class Tofino(Target):
                 f"leave sum_bits out, or run the job on BMv2 (--target bmv2) or the software "
                 f"aggregator")
         pipe = CPU_PORT >> PIPE_SHIFT
+        first = pipe << PIPE_SHIFT
+        ports = f"{first}-{first + FRONT_PANEL - 1}"
         away = [w for w in job.workers if w.switch_port >> PIPE_SHIFT != pipe]
         if away:
             raise ConfigError(
                 f"job {job.job_id}: worker {away[0].id} sits at port {away[0].switch_port}, "
                 f"pipe {away[0].switch_port >> PIPE_SHIFT}; a job's slot registers live in "
                 f"one pipe, and the RESET packet-outs that clear them enter at the CPU port "
-                f"{CPU_PORT} (pipe {pipe}): put the job's workers on ports "
-                f"{pipe << PIPE_SHIFT}-{((pipe + 1) << PIPE_SHIFT) - 1}")
+                f"{CPU_PORT} (pipe {pipe}): put the job's workers on its front-panel ports "
+                f"{ports}")
+        inside = [w for w in job.workers if w.switch_port & ((1 << PIPE_SHIFT) - 1) >= FRONT_PANEL]
+        if inside:
+            raise ConfigError(
+                f"job {job.job_id} worker {inside[0].id}: switch_port {inside[0].switch_port} "
+                f"is not a front-panel port (pipe {pipe}'s ports {first + FRONT_PANEL} and up "
+                f"are its CPU and recirculation ports, where the program's passes come back "
+                f"in): put the job's workers on ports {ports}")
         if job.n_workers > CLOSED_BIT:
             raise ConfigError(
                 f"job {job.job_id} has {job.n_workers} workers; the Tofino program takes at "
