@@ -2,13 +2,15 @@
 never left behind by a call that raises, and never a mean accepted from a round whose input
 was bad on any worker. Under Triton's interpreter without a GPU (see
 test_codec_kernels.py, which this imports first for that)."""
+import re
+
 import numpy as np
 import pytest
 import torch
 
 from tests.test_codec_kernels import DEV, SKIP, kernels
-from thc.codec import thc
-from thc.codec.common import NORM_MARK, norm_limit
+from thc.codec import rng, thc
+from thc.codec.common import NORM_MARK, norm_floor, norm_limit
 from thc.codec.thc import THCCodec, THCParams
 from thc.collective import agreement
 from thc.collective.allreduce import THCAllReduce
@@ -214,8 +216,83 @@ def test_a_max_norm_beyond_the_limit_is_refused_and_one_below_decodes_finite(bac
     for m in (limit, NORM_MARK / 2):
         over = torch.tensor([m], dtype=torch.float32, device=dev)
         for call in (lambda: c.decode_own(top, over, 256, 0), lambda: c.encode(x, over, 0, 1)):
-            with pytest.raises(ValueError, match=r"max norm.*(beyond|below) 1\.0\de\+38"):
+            with pytest.raises(ValueError, match=r"max norm.*(beyond|below) "
+                                                 + re.escape(f"{limit:.3g}")):
                 call()
     below = torch.tensor([np.nextafter(np.float32(limit), np.float32(0))], device=dev)
     out = c.decode_own(top, below, 256, 0)
     assert torch.isfinite(out).all() and float(out.abs().max()) > limit
+
+
+def _widest(p: THCParams, norm: float, dev) -> torch.Tensor:
+    """A slice of the given norm whose signed coordinates are all alike: every partial sum
+    of the unnormalized transform is as large as it gets (sqrt(d) times the norm)."""
+    d = p.slice_size
+    s = torch.from_numpy(rng.signs(d, p.seed, 0, 0).astype(np.float32))
+    return (s * np.float32(norm / np.sqrt(d))).to(dev)
+
+
+@pytest.mark.parametrize("backend", ["reference", "compiled", "triton"])
+def test_a_slice_just_below_the_limit_encodes_as_the_reference_does(backend):
+    """The kernels hold the unnormalized row transform before the scale: a slice within the
+    old limit (F32MAX / (1.01 (1 + t_p))) overflowed there, and its largest coordinates came
+    back as index 0, the sign flipped, without an error. The limit now keeps sqrt(d) times
+    the norm finite, and every backend agrees with the reference."""
+    if backend == "triton" and SKIP:
+        pytest.skip(SKIP)
+    p = THCParams(slice_size=4096, p=0.5)
+    limit = norm_limit(p)
+    dev = DEV if backend == "triton" else "cpu"
+    x = _widest(p, 0.999 * limit, dev)
+    m = torch.tensor([float(torch.linalg.vector_norm(x.double()))], dtype=torch.float32)
+    assert float(m[0]) < limit
+    want = thc.encode(x.cpu(), m, p, 0, 5, "reference")
+    got = THCCodec(p, backend=backend).encode(x, m.to(dev), 0, 5).cpu()
+    assert int((got.int() - want.int()).abs().max()) <= 1
+
+
+@pytest.mark.parametrize("backend", ["reference", "compiled", "triton"])
+def test_values_too_large_for_the_max_norms_given_are_refused(backend):
+    """Max norms far below a slice's own norm (given directly: the MAX round never does)
+    make the scaled transform overflow past its first coordinate, the only one checked: the
+    reference failed with an IndexError, the compiled codec and the kernels returned
+    indices."""
+    if backend == "triton" and SKIP:
+        pytest.skip(SKIP)
+    dev = DEV if backend == "triton" else "cpu"
+    p = THCParams(slice_size=4)
+    s = rng.signs(4, p.seed, 0, 0)
+    cases = [(THCParams(slice_size=4),
+              torch.from_numpy((s * np.float32([1, -1, -1, 1]) * np.float32(1e30))
+                               .astype(np.float32)), 3.5e-8),
+             (THCParams(slice_size=256),
+              torch.randn(256, generator=torch.Generator().manual_seed(1)) * 1e30, 1e-8)]
+    for p, x, m in cases:
+        c = THCCodec(p, backend=backend)
+        with pytest.raises(ValueError, match="so large for the max norms given"):
+            c.encode(x.to(dev), torch.tensor([m], device=dev), 0, 1)
+
+
+@pytest.mark.parametrize("backend", ["reference", "compiled", "triton"])
+def test_a_max_norm_under_the_floor_decodes_as_zeros_on_every_backend(backend):
+    """A max norm whose encode scale overflows float32 encodes the slice as zeros; its
+    decode still scaled the sums' noise by that norm (an estimate uncorrelated with the
+    input), and the kernels drew the line one float32 value off the host."""
+    if backend == "triton" and SKIP:
+        pytest.skip(SKIP)
+    p = THCParams(slice_size=256)
+    dev = DEV if backend == "triton" else "cpu"
+    c = THCCodec(p, backend=backend)
+    floor = np.float32(norm_floor(p))
+    base = torch.randn(256, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    for m, live in ((floor, True), (np.nextafter(floor, np.float32(0)), False)):
+        x = (base / base.norm() * float(m) * 0.999).float().to(dev)
+        mt = torch.tensor([float(m)], dtype=torch.float32, device=dev)
+        idx = c.encode(x, mt, 0, 3)
+        est = c.decode_own(idx, mt, 256, 0).cpu()
+        if live:
+            assert float(est.abs().max()) > 0
+            assert len(set(idx.cpu().tolist())) > 2
+        else:
+            assert len(set(idx.cpu().tolist())) <= 2        # the two middle entries
+            assert torch.equal(est, torch.zeros(256))

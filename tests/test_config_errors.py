@@ -58,7 +58,7 @@ def test_granularity_is_checked_before_the_table_is_computed(g, why, monkeypatch
     (one_job(shards="x"), "job 7: shards must be a list of JSON objects"),
     (one_job(table="0123"), "job 7: table '0123' is not a list of 16 integers"),
     (one_job(p="abc"), "job 7: p 'abc' is not a number"),
-    (one_job(p=2), "job 7: p must lie strictly between 0 and 1"),
+    (one_job(p=2), r"job 7: p must lie in \[1e-12, 1 - 1e-12\]"),
     ({"jobs": [{"job_id": 7, "workers": WORKERS}]}, "job 7: 'granularity' is missing"),
     ({**one_job(), "agg_mcac": "02:00:00:00:00:01"}, r"unknown keys \['agg_mcac'\]")])
 def test_badly_shaped_clusters_say_what_is_wrong(d, why):

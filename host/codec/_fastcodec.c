@@ -307,10 +307,14 @@ INLINE void narrow8(vi x, uint8_t *out) {
 
 /* Writes the indices of coordinates i0 .. i0 + 15 (y: their rotated values). Packed, the
  * even and odd coordinates go through the rounding as two vectors, so that each lane pair
- * makes one byte (the even coordinate in the high nibble). */
-INLINE void emit16(const round_t *rt, const float *y, uint32_t i0, uint8_t *out, int packed) {
+ * makes one byte (the even coordinate in the high nibble). *nan gathers y - y: 0 while
+ * every value is finite, NaN once one is not (an overflow of the transform stays in the
+ * coordinates it reaches, not always the first). */
+INLINE void emit16(const round_t *rt, const float *y, uint32_t i0, uint8_t *out, int packed,
+                   vf *nan) {
+    vf y0 = ldf(y), y1 = ldf(y + V);
+    *nan += (y0 - y0) + (y1 - y1);
     if (packed) {
-        vf y0 = ldf(y), y1 = ldf(y + V);
         vf even = SHUF2(y0, y1, 0, 2, 4, 6, 8, 10, 12, 14);
         vf odd = SHUF2(y0, y1, 1, 3, 5, 7, 9, 11, 13, 15);
         vu i = (vu){0} + i0 + 2 * LANE;
@@ -392,8 +396,15 @@ INLINE void load_block(float *dst, const float *x, size_t i0, size_t n, size_t l
     if (n > 64) levels(dst, n, 64, n / 2);
 }
 
+INLINE float lanes_sum(vf v) {
+    float s = 0.0f;
+    for (int l = 0; l < V; l++) s += v[l];
+    return s;
+}
+
 /* One slice: x (len valid coordinates, zero-padded to d), indices to out (the slice's own
- * part of the output). Returns the first rotated coordinate (NaN/Inf checks). */
+ * part of the output). Returns the first rotated coordinate, NaN where any rotated
+ * coordinate is not finite (the caller refuses the slice). */
 INLINE float encode_slice(const float *x, size_t len, size_t d, float c, rkey_t sk,
                           const round_t *rt, uint8_t *out, int packed, float *scratch) {
     if (d < 32) {
@@ -401,13 +412,15 @@ INLINE float encode_slice(const float *x, size_t len, size_t d, float c, rkey_t 
         for (uint32_t i = 0; i < d; i++)
             t[i] = signed1((i < len ? x[i] : 0.0f) * c, block1(i >> 5, sk), i & 31);
         fwht_small(t, d);
+        float nan = 0.0f;
+        for (uint32_t i = 0; i < d; i++) nan += t[i] - t[i];
         for (uint32_t i = 0; i < d; i++) {
             uint8_t v = round1(rt, t[i], i);
             if (!packed) out[i] = v;
             else if (i & 1) out[i / 2] |= v;
             else out[i / 2] = (uint8_t)(v << 4);
         }
-        return t[0];
+        return t[0] + nan;
     }
     shape_t s = shape_of(d);
     if (s.rows == 1) {
@@ -417,11 +430,13 @@ INLINE float encode_slice(const float *x, size_t len, size_t d, float c, rkey_t 
             load_signed(scratch, x, 0, d, len, c, sk);
             fwht_block(scratch, d);
         }
-        for (uint32_t i = 0; i < d; i += 2 * V) emit16(rt, scratch + i, i, out, packed);
-        return scratch[0];
+        vf nan = splat(0.0f);
+        for (uint32_t i = 0; i < d; i += 2 * V) emit16(rt, scratch + i, i, out, packed, &nan);
+        return scratch[0] + lanes_sum(nan);
     }
     size_t b = s.b, rows = s.rows;
     float *strip = scratch + d, first = 0.0f;
+    vf nan = splat(0.0f);
     for (size_t r = 0; r < rows; r++) load_block(scratch + r * b, x, r * b, b, len, c, sk);
     for (size_t c0 = 0; c0 < b; c0 += W) {
         /* gather the strip, its first three levels on the way */
@@ -438,9 +453,9 @@ INLINE float encode_slice(const float *x, size_t len, size_t d, float c, rkey_t 
         if (c0 == 0) first = strip[0];
         for (size_t r = 0; r < rows; r++)
             for (uint32_t w = 0; w < W; w += 2 * V)
-                emit16(rt, strip + r * W + w, (uint32_t)(r * b + c0 + w), out, packed);
+                emit16(rt, strip + r * W + w, (uint32_t)(r * b + c0 + w), out, packed, &nan);
     }
-    return first;
+    return first + lanes_sum(nan);
 }
 
 typedef struct {
@@ -720,7 +735,7 @@ PyDoc_STRVAR(encode_doc,
 "encode(x, numel, slice_size, coef, sign_prefix, uniform_prefix, table, out, packed, first)\n"
 "x: float32 buffer (numel); coef: float32 per slice; table: int32 entries; out: uint8 buffer\n"
 "(padded length, halved when packed); first: float32 per slice, receives each slice's first\n"
-"rotated coordinate.");
+"rotated coordinate, NaN where any rotated coordinate is not finite.");
 
 static PyObject *py_encode(PyObject *self, PyObject *args) {
     Py_buffer x, coef, table, out, first;

@@ -3,6 +3,8 @@ of the rounding draws. Kept below thc.py and the backends so that none of them i
 into the dispatcher."""
 from __future__ import annotations
 
+import functools
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -126,18 +128,24 @@ def norm_array(max_norms, n_slices: int, params: THCParams) -> np.ndarray:
     if beyond.any():
         first = int(np.argmax(beyond))
         raise ValueError(f"slice {first}'s max norm {m[first]:.3g} is beyond {limit:.3g}, the "
-                         f"largest slice norm THC takes (its decode could overflow float32)")
+                         f"largest slice norm THC takes (its transform or decode could overflow "
+                         f"float32)")
     return m
 
 
 def encode_coef(m: np.ndarray, params: THCParams) -> np.ndarray:
     """c = g / (2 t M) per slice: maps H D x (unnormalized H) straight onto u - g/2; the
-    sqrt(d) of the scale cancels the 1/sqrt(d) of the normalized transform."""
+    sqrt(d) of the scale cancels the 1/sqrt(d) of the normalized transform. 0 for a max
+    norm below :func:`norm_floor`."""
     g, t = params.granularity, params.t_p
-    c = np.where(m > 0, g / (2.0 * t * np.where(m > 0, m, 1.0)), 0.0)
-    # a slice whose norm is below float32's reach (c would overflow it: M < ~2e-38 g/30)
-    # encodes as a zero slice does, on every backend (the kernels: triton_kernels)
-    return np.where(c <= float(np.finfo(np.float32).max), c, 0.0)
+    live = m >= norm_floor(params)
+    return np.where(live, g / (2.0 * t * np.where(live, m, 1.0)), 0.0)
+
+
+def decode_live(m: np.ndarray, params: THCParams) -> np.ndarray:
+    """1.0 for the slices a decode scales by their max norm, 0.0 for those it writes as
+    zeros (max norm below :func:`norm_floor`: encoded as zero slices)."""
+    return (m >= norm_floor(params)).astype(np.float64)
 
 
 def view(flat, group):
@@ -146,17 +154,19 @@ def view(flat, group):
     return flat[group.start: group.start + n].reshape(group.count, group.length)
 
 
-def check_finite(first_coords, grp) -> None:
-    """Every rotated coordinate depends on every input one, so a NaN/Inf anywhere in a slice
-    shows up in its first rotated coordinate: checking those is O(slices), not O(d)."""
-    if is_torch(first_coords):
+def check_finite(rotated, grp) -> None:
+    """Every rotated coordinate must be finite: a NaN or Inf of the input reaches them all,
+    and one that the transform makes (values too large for the max norms given) stays in
+    the coordinates it reaches (inf - inf is NaN), whichever those are."""
+    if is_torch(rotated):
         import torch
-        ok = bool(torch.isfinite(first_coords).all())
+        ok = bool(torch.isfinite(rotated).all())
     else:
-        ok = bool(np.all(np.isfinite(first_coords)))
+        ok = bool(np.all(np.isfinite(rotated)))
     if not ok:
-        raise ValueError(f"input contains NaN or Inf (or values so large that the rotation "
-                         f"overflows float32) in slices {grp.first}..{grp.first + grp.count - 1}")
+        raise ValueError(f"input contains NaN or Inf (or values so large for the max norms "
+                         f"given that the rotation overflows float32) in slices "
+                         f"{grp.first}..{grp.first + grp.count - 1}")
 
 
 BAD_INPUT, BAD_NORMS, BAD_INDEX = 1, 2, 4
@@ -188,14 +198,34 @@ def flag(word, bad, which: int, value) -> None:
     torch.maximum(word[slot: slot + 1], b * value, out=word[slot: slot + 1])
 
 
+@functools.lru_cache(maxsize=64)
 def norm_limit(params: THCParams) -> float:
-    """The largest slice norm THC takes: an estimate reaches t_p times its max norm, and the
-    error-feedback residual (input minus estimate) one max norm more, both in float32.
-    A float32 value, so that every check (host, device, kernels) draws the same line."""
-    return float(np.float32(NORM_MARK / (1.01 * (1.0 + params.t_p))))
+    """The largest slice norm THC takes, a float32 value, so that every check (host, device,
+    kernels) draws the same line. Below it, in float32: an estimate (t_p times its max
+    norm), the error-feedback residual (one max norm more), and each coordinate of the
+    unnormalized transform of a slice (up to sqrt(d) times its norm), which the kernels
+    hold between their two passes before the scale."""
+    grow = max(1.0 + params.t_p, math.sqrt(params.slice_size))
+    return float(np.float32(NORM_MARK / (1.01 * grow)))
 
 
-BAD_INPUT_TEXT = "input contains NaN or Inf (or a slice norm beyond {limit:.3g})"
+@functools.lru_cache(maxsize=64)
+def norm_floor(params: THCParams) -> float:
+    """The smallest max norm (a float32 value) whose encode scale g / (2 t_p M) float32
+    holds. A slice under it (every value below float32's normal range) encodes as a zero
+    slice does and decodes as zeros, on every backend: the same float32 comparison."""
+    g, t = params.granularity, params.t_p
+    m = np.float32(g / (2.0 * t * NORM_MARK))
+    while g / (2.0 * t * float(m)) > NORM_MARK:
+        m = np.nextafter(m, np.float32(np.inf))
+    while (below := np.nextafter(m, np.float32(0))) > 0 and g / (2.0 * t * float(below)) \
+            <= NORM_MARK:
+        m = below
+    return float(m)
+
+
+BAD_INPUT_TEXT = ("input contains NaN or Inf (or a slice norm beyond {limit:.3g}, or values so "
+                  "large for the max norms given that the rotation overflows float32)")
 """What a refused input holds (a norm beyond :func:`norm_limit`: its estimate or residual
 could overflow float32; with error feedback, the input plus the residual)."""
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 
 from thc.codec import fastcodec, reference
-from thc.codec.common import Prepared, check_norms, encode_coef, norm_array, \
-    rounding_key
+from thc.codec.common import (Prepared, check_norms, decode_live, encode_coef, norm_array,
+                              rounding_key)
 from thc.codec.hadamard import is_torch
 from thc.codec.packing import pack_bits
 from thc.codec.params import THCParams
@@ -41,8 +41,9 @@ def encode(flat, lay, max_norms, params: THCParams, round: int, generator, pack:
                                   params.seed, round, key, params.table, packed)
     bad = np.flatnonzero(~np.isfinite(first))
     if bad.size:
-        raise ValueError(f"input contains NaN or Inf (or values so large that the rotation "
-                         f"overflows float32) in slices {bad[0]}..{bad[-1]}")
+        raise ValueError(f"input contains NaN or Inf (or values so large for the max norms "
+                         f"given that the rotation overflows float32) in slices "
+                         f"{bad[0]}..{bad[-1]}")
     if pack and not packed:
         out = pack_bits(out, params.bits)
     if is_torch(flat):
@@ -61,7 +62,7 @@ def decode(sums, n: int, max_norms, lay, params: THCParams, round: int, out,
     d = np.full(lay.n_slices, float(params.slice_size))
     if lay.tail:
         d[-1] = lay.tail_padded
-    alpha = (2.0 * t * m / (g * d * n)).astype(np.float32)
+    alpha = (2.0 * t * m * decode_live(m, params) / (g * d * n)).astype(np.float32)
     s = fastcodec.as_numpy(sums)
     if indices:
         s, kind = np.ascontiguousarray(s, np.uint8), "index"

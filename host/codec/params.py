@@ -16,6 +16,9 @@ import numpy as np
 from thc.codec.table import optimal_table, truncation_threshold, uniform_table
 
 TABLE_KINDS = ("optimal", "uniform")
+P_RANGE = (1e-12, 1.0 - 1e-12)
+"""The truncation probabilities taken: t_p = Phi^-1(1 - p/2) is finite and positive."""
+MAX_GRANULARITY = 1 << 24
 
 
 def parse_fraction(text: str | float) -> float:
@@ -56,13 +59,19 @@ class THCParams:
                              f"(the table needs 2^{self.bits} distinct values in 0..g), "
                              f"got {self.granularity!r}")
         if not (isinstance(self.p, (int, float, np.floating)) and not isinstance(self.p, bool)
-                and 0.0 < float(self.p) < 1.0):
-            raise ValueError(f"p must lie strictly between 0 and 1, got {self.p!r}")
+                and P_RANGE[0] <= float(self.p) <= P_RANGE[1]):
+            raise ValueError(f"p must lie in [1e-12, 1 - 1e-12] (its "
+                             f"truncation threshold t_p is then finite and positive), got "
+                             f"{self.p!r}")
+        if self.granularity > MAX_GRANULARITY:
+            raise ValueError(f"granularity must be at most 2^24 (table values and sums pass "
+                             f"through float32, exact up to 2^24), got {self.granularity!r}")
         s = self.slice_size
         if not isinstance(s, (int, np.integer)) or s < 1 or s & (s - 1):
             raise ValueError(f"slice_size must be a power of two >= 1, got {s!r}")
-        if not isinstance(self.seed, (int, np.integer)) or self.seed < 0:
-            raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, (int, np.integer)) \
+                or not 0 <= self.seed < 1 << 64:
+            raise ValueError(f"seed must be an integer in [0, 2^64), got {self.seed!r}")
         if self.table_kind not in TABLE_KINDS:
             raise ValueError(f"table_kind must be one of {TABLE_KINDS}, got {self.table_kind!r}")
         object.__setattr__(self, "bits", int(self.bits))

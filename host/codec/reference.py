@@ -9,7 +9,7 @@ import numpy as np
 
 from thc.codec import rng
 from thc.codec.common import (GROUP_ELEMENTS, WHOLE, Prepared, check_finite, check_generator,
-                               check_norms, encode_coef, norm_array, view)
+                               check_norms, decode_live, encode_coef, norm_array, view)
 from thc.codec.hadamard import fwht, is_torch, random_signs
 from thc.codec.packing import pack_bits
 from thc.codec.params import THCParams
@@ -75,7 +75,7 @@ def round_group(flat, grp, c, params: THCParams, round: int, table, draw, out) -
         else:
             w *= c[:, None]
         y = fwht(w, scale=1.0, overwrite_input=True)
-    check_finite(y[:, 0], grp)
+    check_finite(y, grp)
     y += np.float32(g / 2.0)
     u = y.clamp_(0.0, float(g)) if is_torch(flat) else np.clip(y, 0.0, g, out=y)
     stochastic_round(u, table, draw(u, idx), out=out)
@@ -148,9 +148,9 @@ def decode_group(s, grp, alpha, centre: float, params: THCParams, round: int, ds
 
 
 def alphas(m, grp, params: THCParams, n: int):
-    """2 t_p M / (g d n) per slice of the group: the decode's scale."""
-    return 2.0 * params.t_p * m[grp.first: grp.first + grp.count] / \
-        (params.granularity * grp.padded * n)
+    """2 t_p M / (g d n) per slice of the group: the decode's scale (0 under the floor)."""
+    m = m[grp.first: grp.first + grp.count]
+    return 2.0 * params.t_p * m * decode_live(m, params) / (params.granularity * grp.padded * n)
 
 
 def decode(sums, n: int, max_norms, lay, params: THCParams, round: int, out,

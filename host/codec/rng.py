@@ -64,9 +64,10 @@ def seed_state(seed: int, stream: int) -> int:
 
 def finish_prefix(state: int, round_: int) -> int:
     """:func:`key_prefix` from :func:`seed_state`: the round's two words."""
+    if isinstance(round_, bool) or not isinstance(round_, (int, np.integer)) \
+            or not 0 <= round_ < (1 << 64):
+        raise ValueError(f"round must be an integer in [0, 2^64), got {round_!r}")
     round_ = int(round_)
-    if not 0 <= round_ < (1 << 64):
-        raise ValueError(f"round must be an integer in [0, 2^64), got {round_}")
     h = state
     for w in (round_ & M32, round_ >> 32):
         h = mix32_int(((h ^ w) + GOLDEN) & M32)

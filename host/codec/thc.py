@@ -30,8 +30,8 @@ a max norm that is negative, NaN, or at or beyond :func:`thc.codec.common.norm_l
 (ValueError). Max norms may come as numpy or as a tensor on any device (a few floats).
 
 Edge cases: an empty tensor gives empty indices and an empty decode; a slice whose max norm
-is 0 encodes every coordinate at g/2 (stochastically between the two middle entries) and
-decodes to exactly 0.
+is 0, or below :func:`thc.codec.common.norm_floor` (about 2e-38 g/30), encodes every
+coordinate at g/2 (stochastically between the two middle entries) and decodes to exactly 0.
 """
 from __future__ import annotations
 

@@ -27,13 +27,15 @@ def compile_for(padded: int, arch: int = 90, device_round: bool = False,
          dict(rows, DEV_ROUND=device_round)),
         (tk._encode_cols, dict(TMP="*fp32", OUT="*u8", MAXN="*fp32", STATUS="*i32", uprefix="i32",
                                ROUND="*i64", first="i32", count="i32", LOWER="*i32", BASE="*fp32",
-                               WIDTH="*fp32", d="i32", g="i32", scale="fp32", limit="fp32"),
+                               WIDTH="*fp32", d="i32", g="i32", scale="fp32", limit="fp32",
+                               floor="fp32"),
          dict(cols, PACK=True, DEV_ROUND=device_round)),
         (tk._decode_rows, dict(S="*u8", TMP="*fp32", TABLE="*u8", STATUS="*i32", centre="fp32",
                                d="i32", levels="i32"), dict(rows, LOOKUP=True)),
         (tk._decode_cols, dict(TMP="*fp32", OUT="*fp32", MAXN="*fp32", STATUS="*i32", prefix="i32",
                                ROUND="*i64", first="i32", count="i32", length="i32", d="i32",
-                               scale="fp32", limit="fp32"), dict(cols, DEV_ROUND=device_round)),
+                               scale="fp32", limit="fp32", floor="fp32"),
+         dict(cols, DEV_ROUND=device_round)),
     ]
     out = {}
     for fn, sig, consts in jobs:

@@ -37,7 +37,8 @@ import triton
 import triton.language as tl
 
 from thc.codec import rng
-from thc.codec.common import BAD_INDEX, BAD_INPUT, BAD_NORMS, INDEX_CAP, norm_limit
+from thc.codec.common import (BAD_INDEX, BAD_INPUT, BAD_NORMS, INDEX_CAP, norm_floor,
+                              norm_limit)
 from thc.codec.triton_onchip import (block, flag, had_first, had_last, norm_bad,
                                      program_key, round_prefix, signed)
 
@@ -134,19 +135,23 @@ def _col_block(count, NB: tl.constexpr, FIRST: tl.constexpr):
 
 @triton.jit
 def _encode_cols(TMP, OUT, MAXN, STATUS, uprefix, ROUND, first, count, LOWER, BASE, WIDTH, d,
-                 g, scale, limit, R: tl.constexpr, C: tl.constexpr, R1: tl.constexpr,
+                 g, scale, limit, floor, R: tl.constexpr, C: tl.constexpr, R1: tl.constexpr,
                  BN: tl.constexpr, PREC: tl.constexpr, FORM: tl.constexpr,
                  PACK: tl.constexpr, FIRST: tl.constexpr, DEV_ROUND: tl.constexpr):
     s, nb = _col_block(count, C // BN, FIRST)
     m = tl.load(MAXN + first + s).to(tl.float32)
     flag(STATUS, norm_bad(m, limit) & (nb == 0), _NORMS, 2, first + s + 1)
-    c = scale / tl.where(m > 0.0, m, 1.0)
-    # a norm below float32's reach (c overflows): encoded as a zero slice, as encode_coef does
-    coef = tl.where((m > 0.0) & (c <= 3.4028234663852886e38), c, 0.0)
+    # a norm under the floor (common.norm_floor): encoded as a zero slice, as encode_coef does
+    live = m >= floor
+    coef = tl.where(live, tl.minimum(scale / tl.where(live, m, 1.0), 3.4028234663852886e38),
+                    0.0)
     rows = tl.arange(0, R)
     i = rows[:, None] * C + (nb * BN + tl.arange(0, BN))[None, :]
     y = tl.load(TMP + s.to(tl.int64) * d + i)
     z = had_first(y, R, BN, R1, PREC, FORM) * coef + 0.5 * g
+    # a value the transform made too large for the max norm given: inf, or NaN past inf - inf
+    overflow = tl.max(tl.max(((z - z) != 0.0).to(tl.int32), 1), 0) > 0
+    flag(STATUS, overflow, _INPUT, 1, first + s + 1)
     u = tl.minimum(tl.maximum(z, 0.0), g)
     k = tl.maximum(tl.minimum(u.to(tl.int32), g - 1), 0)
     lower = tl.load(LOWER + k).to(tl.int32)
@@ -189,7 +194,7 @@ def _decode_rows(S, TMP, TABLE, STATUS, centre, d, levels,
 
 @triton.jit
 def _decode_cols(TMP, OUT, MAXN, STATUS, prefix, ROUND, first, count, length, d, scale, limit,
-                 R: tl.constexpr, C: tl.constexpr, R1: tl.constexpr, BN: tl.constexpr,
+                 floor, R: tl.constexpr, C: tl.constexpr, R1: tl.constexpr, BN: tl.constexpr,
                  PREC: tl.constexpr, FORM: tl.constexpr, FIRST: tl.constexpr,
                  DEV_ROUND: tl.constexpr):
     s, nb = _col_block(count, C // BN, FIRST)
@@ -198,7 +203,7 @@ def _decode_cols(TMP, OUT, MAXN, STATUS, prefix, ROUND, first, count, length, d,
     rows = tl.arange(0, R)
     i = rows[:, None] * C + (nb * BN + tl.arange(0, BN))[None, :]
     y = tl.load(TMP + s.to(tl.int64) * d + i)
-    z = had_first(y, R, BN, R1, PREC, FORM) * (scale * m)
+    z = had_first(y, R, BN, R1, PREC, FORM) * tl.where(m >= floor, scale * m, 0.0)
     k0, k1 = program_key(round_prefix(prefix, ROUND, DEV_ROUND), first, s)
     z = signed(z, rows, nb * BN, k0, k1, R, C, BN)
     tl.store(OUT + s.to(tl.int64) * length + i, z, mask=i < length)
@@ -279,9 +284,9 @@ def encode_cols(tmp, grp, max_norms, params, round_: int, uniform_seed: int, out
     g = params.granularity
     _encode_cols[(grp.count * (sh.C // sh.BN),)](
         tmp, out, max_norms, st, upfx, rnd, grp.first, grp.count, lower, base, width, d, g,
-        g / (2.0 * params.t_p), norm_limit(params), R=sh.R, C=sh.C, R1=sh.R1, BN=sh.BN,
-        PREC=PRECISION, FORM=FORM, PACK=pack, FIRST=COLS_FIRST, DEV_ROUND=on_dev,
-        num_warps=NUM_WARPS_COLS)
+        g / (2.0 * params.t_p), norm_limit(params), norm_floor(params), R=sh.R, C=sh.C,
+        R1=sh.R1, BN=sh.BN, PREC=PRECISION, FORM=FORM, PACK=pack, FIRST=COLS_FIRST,
+        DEV_ROUND=on_dev, num_warps=NUM_WARPS_COLS)
 
 
 def decode_rows(values, grp, n: int, params, st, table=None):
@@ -305,9 +310,9 @@ def decode_cols(tmp, grp, max_norms, n: int, params, round_: int, out, st):
     pfx, rnd, on_dev = _prefix(params.seed, round_, rng.SIGN_STREAM, st)
     _decode_cols[(grp.count * (sh.C // sh.BN),)](
         tmp, out, max_norms, st, pfx, rnd, grp.first, grp.count, grp.length, d,
-        2.0 * params.t_p / (params.granularity * d * n), norm_limit(params), R=sh.R, C=sh.C,
-        R1=sh.R1, BN=sh.BN, PREC=PRECISION, FORM=FORM, FIRST=COLS_FIRST, DEV_ROUND=on_dev,
-        num_warps=NUM_WARPS_COLS)
+        2.0 * params.t_p / (params.granularity * d * n), norm_limit(params), norm_floor(params),
+        R=sh.R, C=sh.C, R1=sh.R1, BN=sh.BN, PREC=PRECISION, FORM=FORM, FIRST=COLS_FIRST,
+        DEV_ROUND=on_dev, num_warps=NUM_WARPS_COLS)
 
 
 def decode_group(values, grp, max_norms, n: int, params, round_: int, out, st, table=None):
