@@ -212,6 +212,49 @@ def test_reinstall_and_remove_follow_the_reference():
         c.remove(js[1].job_id)
 
 
+@pytest.mark.parametrize("engine", ["python", "compiled"])
+def test_no_install_repeats_the_jobs_last_epoch(engine, monkeypatch):
+    """install(job, nonce) with the installed nonce kept the epoch, and so did a random
+    nonce after a remove (the last epoch was forgotten): a client whose run spanned the
+    re-install met slots that forgot its chunks and blamed a worker that had sent."""
+    import secrets
+    job = jobs()[0]
+    agg = (Aggregator if engine == "python" else fastagg.FastAggregator)([job], nonce=NONCE)
+    with pytest.raises(ValueError, match="repeats the job's last epoch"):
+        agg.install(job, NONCE)
+    draws = iter([NONCE - 1, NONCE - 1, 7])     # randbelow's draw is the nonce minus one
+    monkeypatch.setattr(secrets, "randbelow", lambda n: next(draws))
+    agg.remove(job.job_id)
+    agg.install(job)
+    assert agg.counters()["epochs"][job.job_id] == job.new_epoch(nonce=8)
+
+
+@pytest.mark.parametrize("engine", ["python", "compiled"])
+def test_replies_that_fail_to_send_are_counted_in_the_counters(engine):
+    """Both engines counted failed sends in ``send_errors`` but left them out of
+    ``counters()``, which is all `thc aggregator` prints: a worker at a subnet broadcast
+    address (sendto: EACCES) lost every result unreported."""
+    d = make_job(1, 2, 8).to_dict()
+    d["workers"][1]["ip"] = "127.255.255.255"
+    d["loss_bound"] = 0.5
+    job = Job.from_dict(d)
+    agg = (Aggregator if engine == "python" else fastagg.FastAggregator)([job], nonce=NONCE)
+    addr = agg.start("127.0.0.1", 0)
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    s.bind(("127.0.0.1", BASE_PORT))
+    s.settimeout(5)
+    try:
+        s.sendto(P.Header(P.PktType.FLUSH, 0, 1, 0, 0, 0, 0, 0, 0, 7, 1).pack(), addr)
+        s.recv(4096)                    # worker 0's copy of the RESULT
+        deadline = time.monotonic() + 5
+        while agg.counters()["send_errors"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        agg.stop()
+        s.close()
+    assert agg.counters()["send_errors"] == 1
+
+
 UDP_SEGMENT = 103  # linux/udp.h; Python's socket module does not name it
 
 

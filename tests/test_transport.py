@@ -256,6 +256,48 @@ def test_no_aggregator_is_a_clear_timeout(job, datapath):
         assert c.stats.retransmitted > 0
 
 
+@pytest.mark.parametrize("engine", ["python", "compiled"])
+def test_replies_from_another_address_are_named_in_the_timeout(datapath, engine):
+    """An aggregator listening on 0.0.0.0 answered every chunk from the address of its route
+    (127.0.0.1), the workers sent to 127.0.0.2 and rightly ignored the replies, and the
+    timeout said the aggregator never answered (down or unreachable)."""
+    from thc.net.aggregator import Aggregator
+    from thc.net.fastagg import FastAggregator, available
+    if engine == "compiled" and not available():
+        pytest.skip("the compiled aggregator is not built")
+    job = local_job(1, 2, free_port_block(2), pool_size=8, lanes=16)
+    agg = (Aggregator if engine == "python" else FastAggregator)([job])
+    _, port = agg.start("0.0.0.0", 0)
+    errors = {}
+
+    def work(w):
+        with AggregationClient(job, w, ("127.0.0.2", port), deadline=1.0, run=5) as c:
+            try:
+                c.reduce(np.zeros(8, np.uint8))
+            except AggregationTimeout as e:
+                errors[w] = (str(e), c.stats.elsewhere)
+    threads = [threading.Thread(target=work, args=(w,)) for w in range(2)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        agg.stop()
+    assert agg.counters()["jobs"][1]["completions"] >= 1
+    for w in range(2):
+        msg, elsewhere = errors[w]
+        assert elsewhere > 0
+        assert f"{elsewhere} replies to this worker came from other addresses" in msg
+        assert "--listen 127.0.0.2:" in msg
+
+
+def test_a_worker_id_outside_the_job_is_refused_by_name(job):
+    """A bare KeyError(3) came out of the client's constructor."""
+    with pytest.raises(ValueError, match=r"job 1 has no worker 7 \(its workers: \[0, 1, 2, 3\]\)"):
+        AggregationClient(job, 7, ("127.0.0.1", 1), run=1)
+
+
 def test_max_round_over_loopback(tmp_path, job, datapath):
     agg = AggregatorProcess(tmp_path, [job])
     out = {}

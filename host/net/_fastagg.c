@@ -1255,7 +1255,7 @@ cleanup:
 
 #define CL_RECV_BYTES 4096 /* the Python loop's receive buffer */
 /* stream()'s arguments and timeout report: host/net/fastclient.py refuses another version */
-#define CL_WINDOW_VERSION 5
+#define CL_WINDOW_VERSION 6
 #define CL_OUT_BYTES 2048
 /* per chunk in the window: retransmitted (no RTT sample: Karn), overtaken by a later
  * chunk of its shard (a lost packet, not a missing worker: its timer does not back off),
@@ -1266,7 +1266,7 @@ enum { M_RESENT = 1, M_OVERTAKEN = 2, M_LONE = 4, M_UNPAIRED = 8 };
 
 enum { EV_DONE, EV_RESTARTED, EV_TIMEOUT, EV_OSERROR, EV_REFUSED, EV_SHORT, EV_MISCONFIGURED };
 enum { S_SENT, S_RETRANSMITTED, S_RECEIVED, S_IGNORED, S_OTHER_RUN, S_PENDING, S_BYTES_SENT,
-       S_BYTES_RECEIVED, S_REJECTED, S_SPURIOUS, N_CSTATS };
+       S_BYTES_RECEIVED, S_REJECTED, S_SPURIOUS, S_ELSEWHERE, N_CSTATS };
 
 typedef struct {
     int fd, n_shards, window, lanes, n_workers, is_data, chunk_bytes;
@@ -1690,11 +1690,15 @@ static PyObject *fa_stream(PyObject *self, PyObject *args) {
                     /* only the address that owns the chunk answers for it */
                     if (rd16(d + 2) != c->job_id || d[1] != c->worker ||
                         (r_type != c->pending_type && r_type != c->result_type &&
-                         r_type != (uint8_t)other_result && r_type != (uint8_t)refused_type) ||
-                        rsrc[k].sin_family != AF_INET ||
+                         r_type != (uint8_t)other_result && r_type != (uint8_t)refused_type)) {
+                        c->st[S_IGNORED]++;
+                        continue;
+                    }
+                    if (rsrc[k].sin_family != AF_INET ||
                         rsrc[k].sin_addr.s_addr != c->aggs[shard].sin_addr.s_addr ||
                         rsrc[k].sin_port != c->aggs[shard].sin_port) {
                         c->st[S_IGNORED]++;
+                        c->st[S_ELSEWHERE]++;
                         continue;
                     }
                     if (r_run != c->run) {

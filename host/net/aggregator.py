@@ -10,6 +10,7 @@ when it is built, saying which datapath runs in its first line.
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import json
 import math
 import os
@@ -48,6 +49,8 @@ class Aggregator(UDPServer):
         self.send_errors = 0
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self._last_epoch: dict[int, int] = {}
+        """Each job id's last epoch here, kept through a remove: the next install differs."""
         for job in jobs:
             self.install(job, nonce)
 
@@ -60,8 +63,9 @@ class Aggregator(UDPServer):
         """Install or re-install a job: its slots reset, no run, a new epoch (the job's tag
         and ``nonce`` or a fresh random one), as the controller installs a job on a switch."""
         with self._lock:
-            old = self.model.jobs.get(job.job_id)
-            self.model.install(job, job.new_epoch(old.epoch if old else None, nonce))
+            epoch = job.new_epoch(self._last_epoch.get(job.job_id), nonce)
+            self.model.install(job, epoch)
+            self._last_epoch[job.job_id] = epoch
 
     def remove(self, job_id: int) -> None:
         with self._lock:
@@ -72,6 +76,7 @@ class Aggregator(UDPServer):
         with self._lock:
             jobs = self.model.jobs
             return {"drops": dict(self.model.drops),
+                    "send_errors": self.send_errors,
                     "epochs": {jid: s.epoch for jid, s in jobs.items()},
                     "jobs": {jid: dict(s.counters) for jid, s in jobs.items()}}
 
@@ -248,6 +253,11 @@ def run(args: argparse.Namespace) -> int:
           f"datapath {datapath}",
           flush=True)
     print(f"thc aggregator: {chosen.describe()}", file=sys.stderr, flush=True)
+    if ipaddress.ip_address(addr[0]).is_unspecified:
+        print(f"thc aggregator: listening on {addr[0]}, replies leave from the address of the "
+              f"route to each worker, and workers take replies only from the address they "
+              f"send to: on a host with several addresses, --listen on that one",
+              file=sys.stderr, flush=True)
     end = None if args.duration is None else time.monotonic() + args.duration
     last_print = time.monotonic()
     _stop_on_signals()

@@ -177,7 +177,11 @@ class AggregationClient:
         """The round-trip estimate per shard, kept across rounds."""
         self._windows = [CompiledWindow(), PythonWindow()] if self.datapath == "compiled" \
             else [PythonWindow()]
-        me = job.worker(worker_id)
+        try:
+            me = job.worker(worker_id)
+        except KeyError:
+            raise ValueError(f"job {job.job_id} has no worker {worker_id!r} (its workers: "
+                             f"{sorted(w.id for w in job.workers)})") from None
         if sock is not None and sock.gettimeout() is not None:
             raise ValueError(f"the socket has a timeout ({sock.gettimeout()!r} s): the client "
                              f"waits by poll and reads without blocking, which such a socket "

@@ -66,6 +66,7 @@ class FastAggregator(UDPServer):
         self._lock = threading.Lock()
         self.send_errors = 0
         self._epochs: dict[int, int] = {}
+        self._last_epoch: dict[int, int] = {}   # kept through a remove, as the reference's
         for job in jobs:
             self.install(job, nonce)
 
@@ -74,7 +75,7 @@ class FastAggregator(UDPServer):
         """Install or re-install a job: its slots reset, no run, a new epoch (the job's tag
         and ``nonce`` or a fresh random one), as the controller installs a job on a switch."""
         job.validate()
-        epoch = job.new_epoch(self._epochs.get(job.job_id), nonce)
+        epoch = job.new_epoch(self._last_epoch.get(job.job_id), nonce)
         if (why := unsupported([job])) is not None:
             raise RuntimeError(why)
         n_shards, shard = job.aggregator_shard(self.shard)
@@ -84,7 +85,7 @@ class FastAggregator(UDPServer):
                              list(job.table), addrs, job.aggregation == "vote", n_shards,
                              shard, epoch)
             self._jobs[job.job_id] = job
-            self._epochs[job.job_id] = epoch
+            self._epochs[job.job_id] = self._last_epoch[job.job_id] = epoch
 
     def remove(self, job_id: int) -> None:
         with self._lock:
@@ -104,6 +105,7 @@ class FastAggregator(UDPServer):
             drops, jobs, self.send_errors, self.echoed = self._dp.counters(ids)
         by_reason = dict(zip(_fastagg.REASONS, drops))
         return {"drops": {name: by_reason[name] for name in P.DropReason.__members__},
+                "send_errors": self.send_errors,
                 "epochs": {jid: self._epochs[jid] for jid in ids},
                 "jobs": {jid: {name: c for name, c in zip(_fastagg.COUNTERS, jobs[jid])}
                          for jid in ids}}

@@ -185,9 +185,12 @@ class PythonWindow:
                     (r_type, r_worker, r_job, r_slot, r_version, r_count, r_seq, r_offset,
                      r_bitmap, r_run, r_epoch) = unpack(buf)
                     shard = r_seq % n_shards
-                    if (r_job != job_id or r_worker != me or r_type not in reply_types
-                            or src != aggs[shard]):
+                    if r_job != job_id or r_worker != me or r_type not in reply_types:
                         end.stats.ignored += 1
+                        continue
+                    if src != aggs[shard]:
+                        end.stats.ignored += 1
+                        end.stats.elsewhere += 1
                         continue
                     if r_run != run:
                         end.stats.other_run += 1

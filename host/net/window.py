@@ -222,6 +222,11 @@ def raise_timeout(end: Endpoint, rnd: Round, i: int, bitmap: int | None, silent:
                           f"and pool {job.pool_size}")
         hint = (f" ({', '.join(causes[:-1])}, or {causes[-1]})" if len(causes) > 2 else
                 f" ({' or '.join(causes)})")
+        if end.stats.elsewhere:
+            hint = (f"; {end.stats.elsewhere} replies to this worker came from other addresses"
+                    f" and were ignored: an aggregator listening on a wildcard address "
+                    f"(0.0.0.0) answers from the address of its route to the worker; let it "
+                    f"listen on {ip} (thc aggregator --listen {ip}:{port})")
         raise AggregationTimeout(f"{at}; no answer from {who} at {ip}:{port}{hint}", None,
                                  shard)
     if quiet:

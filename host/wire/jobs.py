@@ -56,10 +56,14 @@ def _check_address(where: str, ip, port) -> None:
     try:
         if not isinstance(ip, str):     # IPv4Address takes ints and packed bytes too
             raise TypeError(ip)
-        ipaddress.IPv4Address(ip)
+        addr = ipaddress.IPv4Address(ip)
     except (ipaddress.AddressValueError, ValueError, TypeError):
         raise ConfigError(f"{where}: ip {ip!r} is not an IPv4 address (a dotted-quad "
                           f"string)") from None
+    if addr.is_unspecified or addr.is_multicast or addr == ipaddress.IPv4Address(
+            "255.255.255.255"):
+        raise ConfigError(f"{where}: ip {ip} is not one host's address (unspecified, "
+                          f"multicast or broadcast): no packet comes from it")
     if not _is_int(port) or not 0 < port < 1 << 16:
         raise ConfigError(f"{where}: port {port!r} is not an integer in 1..65535")
 

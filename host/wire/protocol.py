@@ -258,10 +258,14 @@ def epoch_tag(epoch: int) -> int:
 
 def job_epoch(tag: int, nonce: int | None = None, previous: int | None = None) -> int:
     """The epoch of an install of a job whose configuration tag is ``tag``: with ``nonce``
-    (1..0xFFFF) or a random one whose epoch differs from ``previous``."""
+    (1..0xFFFF) or a random one, unlike ``previous`` (the job's last epoch there) either
+    way: a client whose run spans the install must see it."""
     if nonce is not None:
         if not 0 < nonce <= NONCE_MASK or isinstance(nonce, bool):
             raise ValueError(f"an install's nonce is 1..{NONCE_MASK:#x}, got {nonce!r}")
+        if tag << EPOCH_TAG_SHIFT | nonce == previous:
+            raise ValueError(f"nonce {nonce:#x} repeats the job's last epoch {previous:#010x}: "
+                             f"a client whose run spans the install would not see it")
         return tag << EPOCH_TAG_SHIFT | nonce
     while True:
         epoch = tag << EPOCH_TAG_SHIFT | secrets.randbelow(NONCE_MASK) + 1
