@@ -49,7 +49,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 EXACTNESS_CASES = """\
 ## The exactness cases
 
-Eight ways a client accepted a wrong sum or waited without an error before the protocol's
+Eleven ways a client accepted a wrong sum or waited without an error before the protocol's
 rules of docs/protocol.md (a slot use's op and offset, slot and version checked against seq,
 acknowledgements, REFUSED replies, run jumps and idle runs, an epoch per install, one
 incarnation per run, the client's acceptance checks). Each is a test that runs on every
@@ -68,6 +68,7 @@ involved, both client windows; the matrix rows above run four of them with real 
 | 8. `AggregationClient(window=-1)`, or `client.window = 0` later | the Python window looped forever, past its deadline | refused whenever set | `test_exactness_clients.py` (window_that_cannot_hold_a_chunk) |
 | 9. an aggregator installed with another table, granularity or sum width | both client windows took its sums (794 of 1024 lanes not the workers' sum) | every epoch carries the job's configuration tag: the first reply raises AggregatorMisconfigured | `test_exactness_clients.py` (installed_with_another_configuration), `test_transport.py` (other_lanes_or_pool) |
 | 10. a peer's FLUSHes for a worker whose job has no loss bound | every chunk came back closed short (count 0) and the round returned | a short RESULT beyond the worker's bound (any, without one) raises LossBoundExceeded; `aggregate()` refuses short chunks | `test_dlcp.py` (short_result_without_a_loss_bound, beyond_n_times_the_bound) |
+| 11. a software re-install with the installed nonce, or after a remove | the epoch stayed: a client whose run spanned it met slots that forgot its chunk and blamed a worker that had sent it (missing worker(s) [0]) | no install repeats the job's last epoch: a given nonce equal to it is refused, a drawn one differs, and the last epoch outlives a remove | `tests/test_fastagg.py` (no_install_repeats_the_jobs_last_epoch) |
 
 `tests/model_fuzz.py` checks every engine against the reference model over random
 interleavings of all these packets (`make fuzz`: a million steps), with an oracle that knows
