@@ -277,7 +277,8 @@ def test_values_too_large_for_the_max_norms_given_are_refused(backend):
 def test_a_max_norm_under_the_floor_decodes_as_zeros_on_every_backend(backend):
     """A max norm whose encode scale overflows float32 encodes the slice as zeros; its
     decode still scaled the sums' noise by that norm (an estimate uncorrelated with the
-    input), and the kernels drew the line one float32 value off the host."""
+    input), and the kernels drew the line one float32 value off the host. A float64 max norm
+    is compared as the float32 the kernels take."""
     if backend == "triton" and SKIP:
         pytest.skip(SKIP)
     p = THCParams(slice_size=256)
@@ -285,9 +286,12 @@ def test_a_max_norm_under_the_floor_decodes_as_zeros_on_every_backend(backend):
     c = THCCodec(p, backend=backend)
     floor = np.float32(norm_floor(p))
     base = torch.randn(256, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
-    for m, live in ((floor, True), (np.nextafter(floor, np.float32(0)), False)):
+    below64 = float(floor) * (1 - 1e-9)   # under the floor in float64, at it in float32
+    assert below64 < float(floor) and np.float32(below64) == floor
+    for m, live in ((floor, True), (np.nextafter(floor, np.float32(0)), False),
+                    (below64, True)):
         x = (base / base.norm() * float(m) * 0.999).float().to(dev)
-        mt = torch.tensor([float(m)], dtype=torch.float32, device=dev)
+        mt = torch.tensor([float(m)], dtype=torch.float64).to(dev)
         idx = c.encode(x, mt, 0, 3)
         est = c.decode_own(idx, mt, 256, 0).cpu()
         if live:

@@ -205,7 +205,7 @@ def test_bad_input_gets_the_reference_errors():
     with pytest.raises(ValueError, match="needs"):   # the C code checks buffer sizes itself
         fastcodec._fastcodec.encode(data(100), 100, 64, np.ones(2, np.float32), 0, 0,
                                     np.asarray(P.table, np.int32), np.empty(10, np.uint8),
-                                    False, np.empty(2, np.float32))
+                                    False, np.empty(2, np.float32), True)
 
 
 def test_path_selection(monkeypatch):

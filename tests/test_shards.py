@@ -207,3 +207,12 @@ def test_bench_ideal_bytes_per_layout():
     assert fp32 / central["busiest"] == pytest.approx(1.49, abs=0.01)
     fat = thc_wire_bytes(numel, lanes, layout="central", p=p, agg_bw_factor=p)
     assert fat["busiest"] == max(fat["up"], fat["down"])
+
+
+def test_the_summed_counters_of_a_sharded_aggregator_keep_its_failed_sends():
+    """The shards' sum (what Mininet rows read) kept drops and job counters only."""
+    from thc.emu.aggprocs import sum_shard_counters
+    job = local_job(1, 2, 30000, pool_size=8, lanes=16)
+    a, b = Aggregator([job]), Aggregator([job])
+    a.send_errors, b.send_errors = 3, 2
+    assert sum_shard_counters([a.counters(), b.counters()])["send_errors"] == 5

@@ -288,8 +288,38 @@ def test_replies_from_another_address_are_named_in_the_timeout(datapath, engine)
     for w in range(2):
         msg, elsewhere = errors[w]
         assert elsewhere > 0
-        assert f"{elsewhere} replies to this worker came from other addresses" in msg
+        assert f"{elsewhere} replies to this worker this round came from the port" in msg
         assert "--listen 127.0.0.2:" in msg
+
+
+def test_replies_from_another_port_leave_the_timeout_as_it_was(datapath):
+    """A wildcard aggregator answers from its own port: a stranger's replies from another
+    port (spoofed, protorows' row) do not make the timeout blame the listen address."""
+    job = local_job(1, 1, free_port_block(1), pool_size=8, lanes=16)
+    dead = ("127.0.0.1", free_port_block(1))
+    stop = threading.Event()
+
+    def forger():
+        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        s.bind(("127.0.0.1", 0))
+        w = job.worker(0)
+        while not stop.is_set():
+            s.sendto(P.Header(P.PktType.PENDING, 0, 1, 0, 0, 0, 0, 0, 0, 5, 1).pack(),
+                     (w.ip, w.port))
+            time.sleep(0.05)
+        s.close()
+    t = threading.Thread(target=forger)
+    t.start()
+    try:
+        with AggregationClient(job, 0, dead, deadline=1.0, run=5) as c:
+            with pytest.raises(AggregationTimeout, match=r"no answer from the aggregator at "
+                               r".*\(down, unreachable, or not serving job 1[^;]*\)$") as e:
+                c.reduce(np.zeros(8, np.uint8))
+            assert c.stats.ignored > 0 and c.stats.elsewhere == 0
+    finally:
+        stop.set()
+        t.join()
+    assert "wildcard" not in str(e.value)
 
 
 def test_a_worker_id_outside_the_job_is_refused_by_name(job):

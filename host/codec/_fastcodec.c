@@ -307,14 +307,10 @@ INLINE void narrow8(vi x, uint8_t *out) {
 
 /* Writes the indices of coordinates i0 .. i0 + 15 (y: their rotated values). Packed, the
  * even and odd coordinates go through the rounding as two vectors, so that each lane pair
- * makes one byte (the even coordinate in the high nibble). *nan gathers y - y: 0 while
- * every value is finite, NaN once one is not (an overflow of the transform stays in the
- * coordinates it reaches, not always the first). */
-INLINE void emit16(const round_t *rt, const float *y, uint32_t i0, uint8_t *out, int packed,
-                   vf *nan) {
-    vf y0 = ldf(y), y1 = ldf(y + V);
-    *nan += (y0 - y0) + (y1 - y1);
+ * makes one byte (the even coordinate in the high nibble). */
+INLINE void emit16(const round_t *rt, const float *y, uint32_t i0, uint8_t *out, int packed) {
     if (packed) {
+        vf y0 = ldf(y), y1 = ldf(y + V);
         vf even = SHUF2(y0, y1, 0, 2, 4, 6, 8, 10, 12, 14);
         vf odd = SHUF2(y0, y1, 1, 3, 5, 7, 9, 11, 13, 15);
         vu i = (vu){0} + i0 + 2 * LANE;
@@ -330,6 +326,15 @@ INLINE void emit16(const round_t *rt, const float *y, uint32_t i0, uint8_t *out,
         }
         narrow8(idx, out + i0 + h);
     }
+}
+
+/* emit16, returning the 16 values added in pairs, lane by lane: a slice's sum of these is
+ * finite unless a value is not (inf + -inf is NaN; finite rotated values, at most
+ * g sqrt(d) / (2 t_p) each, cannot add up to float32's range). An overflow of the transform
+ * stays in the coordinates it reaches, not always the first. */
+INLINE vf emit16_sum(const round_t *rt, const float *y, uint32_t i0, uint8_t *out, int packed) {
+    emit16(rt, y, i0, out, packed);
+    return ldf(y) + ldf(y + V);
 }
 
 /* ---- encode ---- */
@@ -396,31 +401,33 @@ INLINE void load_block(float *dst, const float *x, size_t i0, size_t n, size_t l
     if (n > 64) levels(dst, n, 64, n / 2);
 }
 
-INLINE float lanes_sum(vf v) {
+/* 0 when the lanes of v add up to a finite value, else NaN. */
+INLINE float nonfinite(vf v) {
     float s = 0.0f;
     for (int l = 0; l < V; l++) s += v[l];
-    return s;
+    return s - s;
 }
 
 /* One slice: x (len valid coordinates, zero-padded to d), indices to out (the slice's own
- * part of the output). Returns the first rotated coordinate, NaN where any rotated
- * coordinate is not finite (the caller refuses the slice). */
+ * part of the output). Returns the first rotated coordinate, NaN where ``check`` and any
+ * rotated coordinate is not finite (the caller refuses the slice). */
 INLINE float encode_slice(const float *x, size_t len, size_t d, float c, rkey_t sk,
-                          const round_t *rt, uint8_t *out, int packed, float *scratch) {
+                          const round_t *rt, uint8_t *out, int packed, float *scratch,
+                          int check) {
     if (d < 32) {
         float t[32];
         for (uint32_t i = 0; i < d; i++)
             t[i] = signed1((i < len ? x[i] : 0.0f) * c, block1(i >> 5, sk), i & 31);
         fwht_small(t, d);
         float nan = 0.0f;
-        for (uint32_t i = 0; i < d; i++) nan += t[i] - t[i];
+        for (uint32_t i = 0; i < d; i++) nan += t[i];
         for (uint32_t i = 0; i < d; i++) {
             uint8_t v = round1(rt, t[i], i);
             if (!packed) out[i] = v;
             else if (i & 1) out[i / 2] |= v;
             else out[i / 2] = (uint8_t)(v << 4);
         }
-        return t[0] + nan;
+        return t[0] + (nan - nan);
     }
     shape_t s = shape_of(d);
     if (s.rows == 1) {
@@ -431,8 +438,12 @@ INLINE float encode_slice(const float *x, size_t len, size_t d, float c, rkey_t 
             fwht_block(scratch, d);
         }
         vf nan = splat(0.0f);
-        for (uint32_t i = 0; i < d; i += 2 * V) emit16(rt, scratch + i, i, out, packed, &nan);
-        return scratch[0] + lanes_sum(nan);
+        if (check)
+            for (uint32_t i = 0; i < d; i += 2 * V)
+                nan += emit16_sum(rt, scratch + i, i, out, packed);
+        else
+            for (uint32_t i = 0; i < d; i += 2 * V) emit16(rt, scratch + i, i, out, packed);
+        return scratch[0] + nonfinite(nan);
     }
     size_t b = s.b, rows = s.rows;
     float *strip = scratch + d, first = 0.0f;
@@ -451,11 +462,17 @@ INLINE float encode_slice(const float *x, size_t len, size_t d, float c, rkey_t 
             }
         if (rows > 8) levels(strip, rows * W, 8 * W, rows * W / 2);
         if (c0 == 0) first = strip[0];
-        for (size_t r = 0; r < rows; r++)
-            for (uint32_t w = 0; w < W; w += 2 * V)
-                emit16(rt, strip + r * W + w, (uint32_t)(r * b + c0 + w), out, packed, &nan);
+        if (check)
+            for (size_t r = 0; r < rows; r++)
+                for (uint32_t w = 0; w < W; w += 2 * V)
+                    nan += emit16_sum(rt, strip + r * W + w, (uint32_t)(r * b + c0 + w), out,
+                                      packed);
+        else
+            for (size_t r = 0; r < rows; r++)
+                for (uint32_t w = 0; w < W; w += 2 * V)
+                    emit16(rt, strip + r * W + w, (uint32_t)(r * b + c0 + w), out, packed);
     }
-    return first + lanes_sum(nan);
+    return first + nonfinite(nan);
 }
 
 typedef struct {
@@ -474,14 +491,15 @@ static layout_t layout_of(size_t numel, size_t ss) {
 
 CLONES static void encode_all(const float *x, layout_t l, const float *coef,
                               uint32_t sign_prefix, uint32_t uni_prefix, round_t *rt,
-                              uint8_t *out, int packed, float *first, float *scratch) {
+                              uint8_t *out, int packed, float *first, float *scratch,
+                              int check) {
     for (size_t s = 0; s < l.n_slices; s++) {
         int full = s < l.full;
         size_t start = s * l.ss, d = full ? l.ss : l.tail_padded;
         rt->ukey = slice_key(uni_prefix, (uint32_t)s);
         first[s] = encode_slice(x + start, full ? l.ss : l.tail, d, coef[s],
                                 slice_key(sign_prefix, (uint32_t)s), rt,
-                                out + (packed ? start / 2 : start), packed, scratch);
+                                out + (packed ? start / 2 : start), packed, scratch, check);
     }
 }
 
@@ -732,18 +750,19 @@ static int fill_table(round_t *rt, Py_buffer *table) {
 }
 
 PyDoc_STRVAR(encode_doc,
-"encode(x, numel, slice_size, coef, sign_prefix, uniform_prefix, table, out, packed, first)\n"
+"encode(x, numel, slice_size, coef, sign_prefix, uniform_prefix, table, out, packed, first,\n"
+"       check)\n"
 "x: float32 buffer (numel); coef: float32 per slice; table: int32 entries; out: uint8 buffer\n"
 "(padded length, halved when packed); first: float32 per slice, receives each slice's first\n"
-"rotated coordinate, NaN where any rotated coordinate is not finite.");
+"rotated coordinate, NaN where check and any rotated coordinate is not finite.");
 
 static PyObject *py_encode(PyObject *self, PyObject *args) {
     Py_buffer x, coef, table, out, first;
     Py_ssize_t numel, ss;
     unsigned long sign_prefix, uni_prefix;
-    int packed;
-    if (!PyArg_ParseTuple(args, "y*nny*kky*w*pw*", &x, &numel, &ss, &coef, &sign_prefix,
-                          &uni_prefix, &table, &out, &packed, &first))
+    int packed, check;
+    if (!PyArg_ParseTuple(args, "y*nny*kky*w*pw*p", &x, &numel, &ss, &coef, &sign_prefix,
+                          &uni_prefix, &table, &out, &packed, &first, &check))
         return NULL;
     PyObject *ret = NULL;
     layout_t l;
@@ -766,7 +785,7 @@ static PyObject *py_encode(PyObject *self, PyObject *args) {
     Py_BEGIN_ALLOW_THREADS
     encode_all((const float *)x.buf, l, (const float *)coef.buf, (uint32_t)sign_prefix,
                (uint32_t)uni_prefix, &rt, (uint8_t *)out.buf, packed, (float *)first.buf,
-               scratch);
+               scratch, check);
     Py_END_ALLOW_THREADS
     ret = Py_NewRef(Py_None);
 done:

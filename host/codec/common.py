@@ -138,14 +138,14 @@ def encode_coef(m: np.ndarray, params: THCParams) -> np.ndarray:
     sqrt(d) of the scale cancels the 1/sqrt(d) of the normalized transform. 0 for a max
     norm below :func:`norm_floor`."""
     g, t = params.granularity, params.t_p
-    live = m >= norm_floor(params)
+    live = m.astype(np.float32) >= norm_floor(params)   # as the kernels compare
     return np.where(live, g / (2.0 * t * np.where(live, m, 1.0)), 0.0)
 
 
 def decode_live(m: np.ndarray, params: THCParams) -> np.ndarray:
     """1.0 for the slices a decode scales by their max norm, 0.0 for those it writes as
     zeros (max norm below :func:`norm_floor`: encoded as zero slices)."""
-    return (m >= norm_floor(params)).astype(np.float64)
+    return (m.astype(np.float32) >= norm_floor(params)).astype(np.float64)
 
 
 def view(flat, group):

@@ -70,10 +70,11 @@ def sumsq(flat: np.ndarray, slice_size: int) -> np.ndarray:
 
 
 def encode(flat: np.ndarray, slice_size: int, coef: np.ndarray, seed: int, round_: int,
-           key: int, table, packed: bool) -> tuple[np.ndarray, np.ndarray]:
+           key: int, table, packed: bool, check: bool = True) -> tuple[np.ndarray, np.ndarray]:
     """Indices of flat float32 ``flat`` (packed 4-bit when ``packed``) and each slice's first
-    rotated coordinate. ``coef``: per-slice scale g / (2 t_p M) as float32; ``key``: the
-    rounding draws' counter key (the int generator)."""
+    rotated coordinate, NaN where ``check`` found any rotated coordinate not finite.
+    ``coef``: per-slice scale g / (2 t_p M) as float32; ``key``: the rounding draws' counter
+    key (the int generator)."""
     n = flat.shape[0]
     ss = int(slice_size)
     full, tail = divmod(n, ss)
@@ -83,7 +84,7 @@ def encode(flat: np.ndarray, slice_size: int, coef: np.ndarray, seed: int, round
     _fastcodec.encode(flat, n, ss, np.ascontiguousarray(coef, np.float32),
                       rng.key_prefix(seed, round_, rng.SIGN_STREAM),
                       rng.key_prefix(key, round_, rng.UNIFORM_STREAM),
-                      np.ascontiguousarray(table, np.int32), out, packed, first)
+                      np.ascontiguousarray(table, np.int32), out, packed, first, check)
     return out, first
 
 

@@ -85,7 +85,7 @@ def prepare(kern, flat, params: THCParams, lay, round: int, backend: str,
 
 
 def encode(kern, flat, lay, max_norms, params: THCParams, round: int, generator, pack: bool,
-           scratch=None, status=None):
+           scratch=None, status=None, norms=None):
     import torch
     flat = flat.contiguous()
     check_generator(generator, flat)

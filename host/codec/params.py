@@ -16,9 +16,18 @@ import numpy as np
 from thc.codec.table import optimal_table, truncation_threshold, uniform_table
 
 TABLE_KINDS = ("optimal", "uniform")
-P_RANGE = (1e-12, 1.0 - 1e-12)
-"""The truncation probabilities taken: t_p = Phi^-1(1 - p/2) is finite and positive."""
-MAX_GRANULARITY = 1 << 24
+MAX_GRANULARITY = (1 << 31) - 1
+MAX_OPTIMAL_GRANULARITY = 4096
+
+
+def _threshold_of(p: float) -> float | None:
+    """t_p, or None where float64 makes it infinite or zero (p below about 1e-16, where
+    1 - p/2 rounds to 1, or within about 1e-16 of 1)."""
+    try:
+        t = truncation_threshold(p)
+    except ValueError:     # statistics.StatisticsError
+        return None
+    return t if math.isfinite(t) and t > 0 else None
 
 
 def parse_fraction(text: str | float) -> float:
@@ -59,13 +68,18 @@ class THCParams:
                              f"(the table needs 2^{self.bits} distinct values in 0..g), "
                              f"got {self.granularity!r}")
         if not (isinstance(self.p, (int, float, np.floating)) and not isinstance(self.p, bool)
-                and P_RANGE[0] <= float(self.p) <= P_RANGE[1]):
-            raise ValueError(f"p must lie in [1e-12, 1 - 1e-12] (its "
-                             f"truncation threshold t_p is then finite and positive), got "
-                             f"{self.p!r}")
+                and 0.0 < float(self.p) < 1.0 and _threshold_of(float(self.p)) is not None):
+            raise ValueError(f"p must lie between 0 and 1 and give a finite, positive "
+                             f"truncation threshold t_p = Phi^-1(1 - p/2) in float64 (p from "
+                             f"about 1e-16 to 1 - 1e-16), got {self.p!r}")
         if self.granularity > MAX_GRANULARITY:
-            raise ValueError(f"granularity must be at most 2^24 (table values and sums pass "
-                             f"through float32, exact up to 2^24), got {self.granularity!r}")
+            raise ValueError(f"granularity must be at most 2^31 - 1 (table values are int32), "
+                             f"got {self.granularity!r}")
+        if self.table_kind == "optimal" and self.granularity > MAX_OPTIMAL_GRANULARITY:
+            raise ValueError(f"an optimal table's dynamic program holds (g + 1)^2 costs: its "
+                             f"granularity must be at most {MAX_OPTIMAL_GRANULARITY} (seconds and "
+                             f"0.7 GB there), got {self.granularity!r}; a larger g takes "
+                             f"table_kind='uniform'")
         s = self.slice_size
         if not isinstance(s, (int, np.integer)) or s < 1 or s & (s - 1):
             raise ValueError(f"slice_size must be a power of two >= 1, got {s!r}")

@@ -82,7 +82,9 @@ def round_group(flat, grp, c, params: THCParams, round: int, table, draw, out) -
 
 
 def encode(flat, lay, max_norms, params: THCParams, round: int, generator, pack: bool,
-           scratch=None, status=None):
+           scratch=None, status=None, norms=None):
+    """``norms``: the input's own slice norms where known (:func:`prepare`'s), which a backend
+    may use to skip a check they make needless; this one checks every coordinate anyway."""
     m = norm_array(max_norms, lay.n_slices, params)
     table = tuple(int(v) for v in params.table)
     torch_in = is_torch(flat)

@@ -145,7 +145,7 @@ def encode_prepared(prep: Prepared, max_norms, params: THCParams, generator=None
         raise ValueError(f"prepared under other THC parameters ({prep.params}), encoded under "
                          f"{params}: its norms and scratch hold for those only; prepare again")
     return _encode(prep.flat, max_norms, params, prep.round, generator, prep.backend, pack,
-                   prep.scratch, status)
+                   prep.scratch, status, prep.norms)
 
 
 def _input(x, choice: Choice):
@@ -173,11 +173,12 @@ def _round(round, impl, like):
     same_device("the round tensor", round, like)
 
 
-def _encode(x, max_norms, params, round, generator, backend, pack, scratch=None, status=None):
+def _encode(x, max_norms, params, round, generator, backend, pack, scratch=None, status=None,
+            norms=None):
     flat, impl = _input(x, _choice(backend))
     _round(round, impl, flat)
     return impl.encode(flat, layout(flat.shape[0], params), max_norms, params, round,
-                       generator, pack, scratch, status=status)
+                       generator, pack, scratch, status=status, norms=norms)
 
 
 def table_values(indices, params: THCParams, checked: bool = True):

@@ -1698,7 +1698,9 @@ static PyObject *fa_stream(PyObject *self, PyObject *args) {
                         rsrc[k].sin_addr.s_addr != c->aggs[shard].sin_addr.s_addr ||
                         rsrc[k].sin_port != c->aggs[shard].sin_port) {
                         c->st[S_IGNORED]++;
-                        c->st[S_ELSEWHERE]++;
+                        if (rsrc[k].sin_family == AF_INET &&
+                            rsrc[k].sin_port == c->aggs[shard].sin_port)
+                            c->st[S_ELSEWHERE]++;   /* the port, from another IP */
                         continue;
                     }
                     if (r_run != c->run) {

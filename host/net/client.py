@@ -339,7 +339,8 @@ class AggregationClient:
                             f"would be answered from that round's slots. Start a new run "
                             f"(client.run = a newer id, the same on every worker)")
         rnd = Round(pkt_type, chunks, out, offset_base, lanes, dtype, tos, self.next_seq,
-                    self._run, counts, bitmaps, [e is not None for e in self.epochs])
+                    self._run, counts, bitmaps, [e is not None for e in self.epochs],
+                    self.stats.elsewhere)
         window = next(w for w in self._windows if w.fits(self, rnd))
         self._drain()
         try:

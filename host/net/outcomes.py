@@ -168,6 +168,6 @@ class TransportStats:
     """Timeouts found spurious (see host/net/window.py's RttEstimator): each gave an RTT
     sample from the chunk's first send, which Karn's rule would have thrown away."""
     elsewhere: int = 0
-    """Replies to this worker of its job from another address than the chunk's aggregator:
-    counted in ``ignored`` too. An aggregator listening on a wildcard address (0.0.0.0)
+    """Replies to this worker of its job from the port of the chunk's aggregator at another
+    IP: counted in ``ignored`` too. An aggregator listening on a wildcard address (0.0.0.0)
     answers from its route's address, which is not always the one workers send to."""

@@ -190,7 +190,8 @@ class PythonWindow:
                         continue
                     if src != aggs[shard]:
                         end.stats.ignored += 1
-                        end.stats.elsewhere += 1
+                        if src[1:] == aggs[shard][1:]:   # the port, from another IP
+                            end.stats.elsewhere += 1
                         continue
                     if r_run != run:
                         end.stats.other_run += 1

@@ -112,6 +112,8 @@ class Round:
     counts: np.ndarray
     bitmaps: np.ndarray
     heard: list[bool]
+    elsewhere: int = 0
+    """The worker's ``stats.elsewhere`` when the round began."""
 
     @property
     def is_data(self) -> bool:
@@ -222,11 +224,13 @@ def raise_timeout(end: Endpoint, rnd: Round, i: int, bitmap: int | None, silent:
                           f"and pool {job.pool_size}")
         hint = (f" ({', '.join(causes[:-1])}, or {causes[-1]})" if len(causes) > 2 else
                 f" ({' or '.join(causes)})")
-        if end.stats.elsewhere:
-            hint = (f"; {end.stats.elsewhere} replies to this worker came from other addresses"
-                    f" and were ignored: an aggregator listening on a wildcard address "
-                    f"(0.0.0.0) answers from the address of its route to the worker; let it "
-                    f"listen on {ip} (thc aggregator --listen {ip}:{port})")
+        elsewhere = end.stats.elsewhere - rnd.elsewhere
+        if elsewhere:
+            hint += (f"; {elsewhere} replies to this worker this round came from the port of "
+                     f"an aggregator of the job at another IP and were ignored: an aggregator "
+                     f"listening on a wildcard address (0.0.0.0) answers from the address of "
+                     f"its route to the worker; let it listen on the address the workers send "
+                     f"to (thc aggregator --listen {ip}:{port})")
         raise AggregationTimeout(f"{at}; no answer from {who} at {ip}:{port}{hint}", None,
                                  shard)
     if quiet:
