@@ -43,6 +43,13 @@ def check_job(sw: Switch, job: Job, job_index: int, others: dict[int, dict]) -> 
     write. ``others``: {job_id: set_job parameters plus ``addresses`` as installed_addresses
     gives them} of the jobs that stay on the switch beside ``job``."""
     job.validate()
+    if job.shards:
+        raise ConfigError(f"job {job.job_id} is spread over {len(job.shards)} software "
+                          f"aggregator shards (its shard map): the switch aggregates every "
+                          f"chunk it gets and refuses none as another shard's, so a worker "
+                          f"with another map would wait for chunks that never complete; "
+                          f"install the job without its shard map, or run `thc aggregator "
+                          f"--shard K` on the shards' hosts")
     target_of(sw).check_job(job)
     check_program(sw)
     top = target_of(sw).max_mcast_group

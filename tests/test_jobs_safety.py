@@ -15,7 +15,8 @@ from thc.controller import counters, forwarding, jobs
 from thc.controller.switch import SwitchError
 from thc.controller.testing.memswitch import MemorySwitch
 from thc.wire import protocol as P
-from thc.wire.jobs import SWITCH_AGG_IP, SWITCH_AGG_MAC, Cluster, ConfigError, Job, Worker
+from thc.wire.jobs import (SWITCH_AGG_IP, SWITCH_AGG_MAC, Cluster, ConfigError, Job, Shard,
+                          Worker)
 
 TABLE = tuple(range(0, 31, 2))
 IDLE = 0.05
@@ -213,6 +214,10 @@ def bad_inputs(job: Job, other: Job) -> dict:
                     jobs.install_cluster(sw, replace(cluster(other), agg_mac="not-a-mac"))),
         "switch_port_text": (ConfigError, "switch_port '3' is not an integer",
                              install(worker0(switch_port="3"))),
+        # the switch refuses no chunk as another shard's (the model's wrong_shard)
+        "shard_map": (ConfigError, "spread over 2 software aggregator shards",
+                      install(replace(other, shards=(Shard("10.9.0.1", 48879),
+                                                     Shard("10.9.0.2", 48879))).validate())),
     }
 
 
