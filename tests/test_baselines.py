@@ -232,3 +232,26 @@ def test_error_feedback_telescopes(spec):
     xs = [rng.standard_normal(777).astype(np.float32) for _ in range(5)]
     sent = sum(s.decompress(s.compress(x, key="k", generator=i)) for i, x in enumerate(xs))
     assert np.allclose(sent + s.residuals["k"].numpy(), np.sum(xs, axis=0), atol=1e-4)
+
+
+def test_a_residual_that_overflows_the_input_is_refused_and_kept():
+    """The residual was added after the NaN/Inf check: a finite 2e38 plus its residual
+    2e38 went out as Inf (then NaN in every later residual), on every worker's model."""
+    s = TopK(ratio=0.5)
+    s.compress(torch.tensor([3e38, 2e38]), key="b")          # keeps 3e38, residual 2e38
+    kept = s.residuals["b"].clone()
+    with pytest.raises(ValueError, match="plus its error-feedback residual contains NaN"):
+        s.compress(torch.tensor([3e38, 2e38]), key="b")
+    assert torch.equal(s.residuals["b"], kept)
+
+
+def test_means_of_large_values_do_not_overflow():
+    """Sums before the division overflowed float32 where the mean did not: TopK's combine
+    and aggregate_mean gave Inf for two workers' 2e38, SignSGD a scale of Inf."""
+    mean = TopK.combine([torch.tensor([2e38]), torch.tensor([2e38])],
+                        [torch.tensor([0]), torch.tensor([0])], 1)
+    assert mean.tolist() == [pytest.approx(2e38, rel=1e-6)]
+    assert math.isfinite(float(SignSGD().aggregate_mean([torch.full((2,), 3e38)] * 2)[0]))
+    assert math.isfinite(float(FP16().aggregate_mean([torch.full((2,), 6e4)] * 2)[0]))
+    est = TopK(ratio=1.0, error_feedback=False).aggregate_mean([torch.tensor([3e38])] * 2)
+    assert est.tolist() == [pytest.approx(3e38, rel=1e-6)]

@@ -29,8 +29,9 @@ def test_classes_rank_early_layers_and_large_gradients_first():
     assert np.all(np.diff(priority_class(pos, np.full(50, 0.5)).astype(int)) <= 0)
     assert np.all(np.diff(priority_class(np.full(50, 0.5), pos).astype(int)) >= 0)
     np.testing.assert_array_equal(magnitude_rank([3.0, 1.0, 2.0]), [1.0, 0.0, 0.5])
-    with pytest.raises(ValueError):
-        priority_class(1.5, 0.0)
+    for bad in ((1.5, 0.0), (float("nan"), 0.5), (0.0, float("nan"))):
+        with pytest.raises(ValueError, match="must lie in"):   # NaN passed as class 0
+            priority_class(*bad)
 
 
 @pytest.mark.parametrize("bad", [1.0, -0.01, float("nan"), True, "0.1", 2])

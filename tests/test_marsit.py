@@ -268,3 +268,74 @@ def test_unlike_or_failed_calls_are_refused_by_every_worker():
         assert isinstance(out[4], list), out
     assert "use one instance per tensor" in res[0][3] and "refused" in res[1][3]
     assert res[0][4] == res[1][4]
+
+
+def _zeros_worker(rank, port, q):
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2)
+    ar = marsit.MarsitAllReduce(generator=torch.Generator().manual_seed(rank),
+                                compensation=False)
+    x = torch.cat([torch.zeros(400), torch.full((4,), 4.0)])
+    out = [ar(x)[:400].tolist()]
+    for t, sizes in ((x, [0, 400, 4]), (torch.zeros(0), None)):
+        try:
+            out.append(ar(t, sizes).tolist())
+        except ValueError as e:
+            out.append(str(e))
+    q.put((rank, out))
+    dist.destroy_process_group()
+
+
+def test_an_exact_zero_is_a_fair_coin_and_empty_segments_are_taken():
+    """A zero was sent as +1 (every dead coordinate drifted up by the scale, without
+    compensation), and a zero-element parameter made every step fail with "segments [0, 12,
+    3] do not split 15 elements"."""
+    res = gloo_pair(_zeros_worker)
+    for rank in (0, 1):
+        zeros, segmented, empty = res[rank]
+        up = sum(v > 0 for v in zeros) / len(zeros)
+        assert 0.3 < up < 0.7 and all(v != 0 for v in zeros), up
+        assert isinstance(segmented, list) and len(segmented) == 404, segmented
+        assert empty == []
+    assert res[0] == res[1]
+
+
+def _vote_rules_worker(rank, world, port, job_dict, agg, q):
+    from thc.net.client import AggregationClient
+    from thc.wire.jobs import Job
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
+    with AggregationClient(Job.from_dict(job_dict), rank, agg, run=7, deadline=20.0) as c:
+        ar = marsit.MarsitVoteAllReduce(c, majority=rank == 0)
+        try:
+            q.put((rank, ar(torch.ones(64) * (1 if rank == 0 else -1)).tolist()))
+        except (ValueError, RuntimeError) as e:
+            q.put((rank, str(e)))
+    dist.destroy_process_group()
+
+
+def test_ranks_with_unlike_vote_rules_refuse_the_round_together():
+    """A rank taking the majority's sign beside ranks taking the mean sign returned another
+    estimate than its peers (1.0 against 0.33), and nothing was raised."""
+    from thc.net.aggregator import Aggregator
+    from thc.testing.clusters import local_job
+    from thc.wire.jobs import Job
+    world = 2
+    base = free_port_block(world + 1, tcp=True)
+    job = Job.vote(1, local_job(1, world, base, lanes=64).workers, lanes=64,
+                   pool_size=8).validate()
+    ctx = tmp.get_context("spawn")
+    q = ctx.Queue()
+    with Aggregator([job]) as agg:
+        addr = agg.start("127.0.0.1", 0)
+        procs = [ctx.Process(target=_vote_rules_worker,
+                             args=(r, world, base + world, job.to_dict(), addr, q))
+                 for r in range(world)]
+        for pr in procs:
+            pr.start()
+        out = dict(q.get(timeout=120) for _ in procs)
+        for pr in procs:
+            pr.join(timeout=30)
+    for rank in range(world):
+        assert isinstance(out[rank], str) and "differ in the scheme's settings" in out[rank]

@@ -66,10 +66,10 @@ def _torch_generator(rng, device):
     return torch.Generator(device=device).manual_seed(seed)
 
 
-def _check_finite(flat) -> None:
+def _check_finite(flat, what: str = "input") -> None:
     torch = _torch()
     if flat.numel() and not bool(torch.isfinite(flat).all()):
-        raise ValueError("input contains NaN or Inf")
+        raise ValueError(f"{what} contains NaN or Inf")
 
 
 @dataclass
@@ -135,6 +135,8 @@ class Scheme:
                     raise ValueError(f"error feedback for key {key!r} holds {e.numel()} "
                                      f"elements, got {flat.numel()}")
                 flat = flat + e
+                # finite values can overflow with their residual: refused, residual kept
+                _check_finite(flat, "input plus its error-feedback residual")
         payload = self._compress(flat, gen)
         payload.numel, payload.restore = flat.numel(), restore
         payload.shape = tuple(x.shape)
@@ -157,9 +159,9 @@ class Scheme:
             _check_finite(flat)
             p = self._compress(flat, gen)
             p.numel = flat.numel()
-            est = self._decompress(p)
+            est = self._decompress(p).double()   # a float32 sum of large estimates overflows
             total = est if total is None else total + est
-        return flats[0][1](total / len(xs))
+        return flats[0][1]((total / len(xs)).float())
 
     def reset(self) -> None:
         self.residuals.clear()
@@ -328,9 +330,10 @@ class TopK(Scheme):
         if isinstance(values, (list, tuple)):
             values, indices = torch.stack(list(values)), torch.stack(list(indices))
         w = values.shape[0] if values.ndim > 1 else 1
-        out = torch.zeros(int(numel), dtype=torch.float32, device=values.device)
-        out.index_add_(0, indices.reshape(-1).long(), values.reshape(-1).float())
-        return out / w
+        # float64: a float32 sum of W large values overflows where their mean does not
+        out = torch.zeros(int(numel), dtype=torch.float64, device=values.device)
+        out.index_add_(0, indices.reshape(-1).long(), values.reshape(-1).double())
+        return (out / w).float()
 
 
 class SignSGD(Scheme):
@@ -347,7 +350,7 @@ class SignSGD(Scheme):
 
     def _compress(self, flat, gen) -> Payload:
         torch = _torch()
-        scale = flat.abs().mean() if flat.numel() else flat.new_zeros(())
+        scale = flat.abs().double().mean().float() if flat.numel() else flat.new_zeros(())
         bits = (flat < 0).to(torch.uint8)
         return Payload({"signs": pack_bits(bits, 1), "scale": scale}, flat.numel(), ())
 

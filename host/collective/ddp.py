@@ -317,7 +317,7 @@ class TopKHook(_Hook):
                 else:
                     self.scheme.residuals[key] = before
             raise
-        idx = payload.indices.to(torch.int32)
+        idx = payload.indices.to(torch.int32 if flat.numel() <= 1 << 31 else torch.int64)
         vals = payload.values.float()
         all_idx = [torch.empty_like(idx) for _ in range(self.world)]
         all_vals = [torch.empty_like(vals) for _ in range(self.world)]

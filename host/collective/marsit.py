@@ -1,7 +1,8 @@
 """Marsit: one sign bit per coordinate through a ring all-reduce, merged at every hop, or
 counted by a switch or the software aggregator (a vote).
 
-Each worker sends the sign of its compensated gradient. In the ring's reduce-scatter, a
+Each worker sends the sign of its compensated gradient (an exact zero as a fair coin's, so
+its expectation stays 0). In the ring's reduce-scatter, a
 chunk that already merges the bits of k workers meets a new worker, which keeps its own bit
 with probability 1/(k+1) and otherwise forwards the incoming one: no hop decompresses or
 re-compresses, and every final bit is the sign of a uniformly chosen worker, so its
@@ -56,10 +57,18 @@ class _SignAllReduce:
     bucket) of fixed size, as the DDP hook does.
     """
 
-    def __init__(self, group=None, compensation: bool = True):
+    kind: tuple = ()
+    """What the agreement key names besides the layout: ranks running unlike reducers (the
+    ring and the vote, a mean and a majority) refuse the round together."""
+
+    def __init__(self, group=None, compensation: bool = True,
+                 generator: torch.Generator | None = None):
         self.group = group
         self.world = dist.get_world_size(group)
         self.compensation = compensation
+        self.generator = generator
+        self._coin = torch.Generator().manual_seed(0x4D415253 + dist.get_rank(group))
+        """Fair coins for exact zeros: private to the worker, not drawn alike on every rank."""
         self.residual: torch.Tensor | None = None
         self.bytes_sent = 0
         self.round = 0
@@ -82,20 +91,23 @@ class _SignAllReduce:
                     raise ValueError(f"Marsit: residual of {self.residual.numel()} elements, "
                                      f"gradient of {flat.numel()}: use one instance per tensor")
                 flat = flat + self.residual
-            if sum(sizes) != flat.numel() or any(n < 1 for n in sizes):
+            if sum(sizes) != flat.numel() or any(n < 0 for n in sizes):
                 raise ValueError(f"Marsit: segments {sizes} do not split {flat.numel()} "
                                  f"elements")
         except ValueError as e:
             failure = e
         # the scales' all-reduce is as long as the segments: agree on them first
         rnd, self.round = self.round, self.round + 1
-        key = agreement.key_of("marsit", flat.numel(), tuple(sizes))
+        key = agreement.key_of("marsit", *self.kind, flat.numel(), tuple(sizes))
         self.bytes_sent += agreement.together(self.group, rnd, key, flat.device, failure)
+        if flat.numel() == 0:      # every rank agreed on it: nothing to send
+            return grad.clone()
         # A worker with NaN or Inf still joins the scales' all-reduce, with NaN scales: the
         # sum carries them to every worker, and all refuse the round (none waits). Scales in
         # float64: a float32 sum of huge values would overflow on every worker alike.
         ok = bool(torch.isfinite(flat).all())
-        scale = torch.stack([part.abs().double().mean() for part in flat.split(sizes)]) \
+        scale = torch.stack([part.abs().double().sum() / max(1, part.numel())
+                             for part in flat.split(sizes)]) \
             if ok else torch.full((len(sizes),), float("nan"), dtype=torch.float64,
                                   device=flat.device)
         dist.all_reduce(scale, group=self.group)
@@ -107,21 +119,31 @@ class _SignAllReduce:
                              "compensation) holds NaN or Inf: the round is refused")
         scale /= self.world
         per_coord = scale.float().repeat_interleave(torch.tensor(sizes, device=flat.device))
-        estimate = self.mean_sign(flat >= 0) * per_coord
+        estimate = self.mean_sign(self._signs(flat)) * per_coord
         if self.compensation:
             self.residual = flat - estimate
         return estimate.reshape(grad.shape).to(grad.dtype)
+
+    def _signs(self, flat: torch.Tensor) -> torch.Tensor:
+        """This worker's bits (True = +1); an exact zero's bit is a fair coin."""
+        bits = flat > 0
+        zeros = flat == 0
+        count = int(zeros.sum())
+        if count:
+            bits[zeros] = (torch.rand(count, generator=self._coin) < 0.5).to(flat.device)
+        return bits
 
 
 class MarsitAllReduce(_SignAllReduce):
     """Sign-bit ring all-reduce of one tensor over a torch.distributed group (Gloo or NCCL),
     merging at every hop (:func:`merge`)."""
 
+    kind = ("ring",)
+
     def __init__(self, group=None, generator: torch.Generator | None = None,
                  compensation: bool = True):
-        super().__init__(group, compensation)
+        super().__init__(group, compensation, generator)
         self.rank = dist.get_rank(group)
-        self.generator = generator
 
     def _peer(self, offset: int) -> int:
         r = (self.rank + offset) % self.world
@@ -182,6 +204,7 @@ class MarsitVoteAllReduce(_SignAllReduce):
             raise ValueError(f"job {client.job.job_id} aggregates {client.job.aggregation!r}; "
                              f"Marsit's vote needs a vote job (Job.vote)")
         super().__init__(group, compensation)
+        self.kind = ("vote", bool(majority))
         if client.job.n_workers != self.world:
             raise ValueError(f"vote job of {client.job.n_workers} workers, process group of "
                              f"{self.world}")

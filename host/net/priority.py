@@ -32,7 +32,7 @@ def priority_class(layer_position, magnitude_rank) -> np.ndarray:
     """
     pos = np.asarray(layer_position, dtype=np.float64)
     rank = np.asarray(magnitude_rank, dtype=np.float64)
-    if np.any((pos < 0) | (pos > 1)) or np.any((rank < 0) | (rank > 1)):
+    if not (np.all((pos >= 0) & (pos <= 1)) and np.all((rank >= 0) & (rank <= 1))):  # NaN too
         raise ValueError("layer_position and magnitude_rank must lie in [0, 1]")
     score = LAYER_WEIGHT * (1.0 - pos) + (1.0 - LAYER_WEIGHT) * rank
     return np.minimum((score * N_CLASSES).astype(np.int64), N_CLASSES - 1).astype(np.uint8)
