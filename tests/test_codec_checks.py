@@ -78,7 +78,8 @@ class _TwoWorkers:
 def _tagged(norms, rnd, p, backend="triton"):
     """A peer's MAX vector for a round of 1024 elements under ``p`` decoded on ``backend``, its
     fingerprint included."""
-    return agreement.tagged(norms, rnd, agreement.fingerprint(p, 1024, 1024, backend=backend))
+    return agreement.tagged(norms, rnd, agreement.fingerprint(p, 1024, 1024, backend=backend,
+                                                                  steps="sum"))
 
 
 @kernels

@@ -355,3 +355,64 @@ def test_ranks_that_split_a_bucket_unlike_refuse_it():
     from tests.test_graphed import gloo_pair
     res = gloo_pair(_unlike_options_worker)
     assert all("differ in the hook" in res[rank] for rank in (0, 1)), res
+
+
+def test_a_hooks_group_is_its_own_keeps_the_timeout_and_refuses_after_an_abandoned_round():
+    """Two hooks given one comm_group interleaved their threads' collectives differently on
+    each rank (both ranks' gradients wrong, swapped); the group a hook made waited torch's
+    30 minutes, not the job's timeout; and a bucket's split check still issued its
+    all-reduce on a group a failed round had left mid-round (it paired with the peer's
+    pending sum: a wrong mean)."""
+    from thc.collective import agreement
+    from thc.collective.ddp import FP32Hook, _timeout_of
+    from thc.collective.transports import DistTransport
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port_block(1)}",
+                            rank=0, world_size=1, timeout=timedelta(seconds=7))
+    try:
+        shared = dist.new_group()
+        model = torch.nn.Linear(2, 2)
+        first = FP32Hook(model, comm_group=shared)
+        with pytest.raises(ValueError, match="carries another hook's collectives"):
+            FP32Hook(model, comm_group=shared)
+        assert FP32Hook(model, comm_group=shared, overlap=False).group is shared
+        assert _timeout_of(FP32Hook(model).group) == timedelta(seconds=7)
+        DistTransport(first.group).abandon("round 3 failed between its MAX round and its sums")
+        with pytest.raises(RuntimeError, match="no THC round may use this process group"):
+            agreement.together(first.group, 0, 1, torch.device("cpu"))
+    finally:
+        dist.destroy_process_group()
+
+
+def _factory_worker(rank, port, q):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from thc.codec.params import THCParams
+    from thc.collective.allreduce import THCAllReduce
+    from thc.collective.ddp import THCHook
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2, timeout=timedelta(seconds=30))
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4)
+    ddp = DDP(model)
+    pieces = (1 << 21) if rank == 0 else 1000          # rank 1's factory raises
+    THCHook(model, lambda g: THCAllReduce.through_torch_distributed(
+        g, params=THCParams(slice_size=64), pipeline_elements=pieces)).register(ddp)
+    start = time.monotonic()
+    try:
+        ddp(torch.randn(3, 8)).sum().backward()
+        out = "returned"
+    except Exception as e:  # noqa: BLE001 - the test reads what each rank raised
+        out = str(e)
+    q.put((rank, (out, time.monotonic() - start)))
+    time.sleep(1 if rank == 0 else 5)                  # rank 1 lives on, as a trainer would
+    dist.destroy_process_group()
+
+
+def test_a_reducer_that_fails_to_build_on_one_rank_fails_every_rank_at_once():
+    """The factory ran after the bucket's split check with nothing told to the peers: rank 0
+    waited in its reducer's first collective until the group's timeout, then read only
+    "Connection closed by peer"."""
+    from tests.test_graphed import gloo_pair
+    res = gloo_pair(_factory_worker)
+    assert "pipeline_elements" in res[1][0], res
+    assert "failed before this round's collectives" in res[0][0] and res[0][1] < 20, res

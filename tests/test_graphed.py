@@ -26,7 +26,8 @@ P = THCParams(slice_size=256)
 def tagged(norms, rnd):
     """A peer's MAX vector for a round of 1024 elements under P decoded on the kernels, its
     fingerprint included."""
-    return agreement.tagged(norms, rnd, agreement.fingerprint(P, 1024, 1024, backend="triton"))
+    return agreement.tagged(norms, rnd, agreement.fingerprint(P, 1024, 1024, backend="triton",
+                                                                  steps="sum"))
 
 
 class _Peer:
@@ -426,3 +427,23 @@ def test_a_graphed_peer_that_pads_a_tail_and_an_eager_one_refuse():
     they paired sums of unlike lengths (Gloo aborted a process); now both refuse."""
     res = gloo_pair(_padded_peer_worker)
     assert all("differ in" in res[rank] for rank in (0, 1)), res
+
+
+def _mixed_worker(rank, port, q):
+    join_gloo(rank, port)
+    ar = GraphedAllReduce.through_torch_distributed(params=P, generator=rank) if rank == 0 \
+        else THCAllReduce.through_torch_distributed(params=P, generator=rank, backend="triton")
+    try:
+        q.put((rank, float(ar(torch.ones(1024).to(DEV)).mean())))
+    except RuntimeError as e:
+        q.put((rank, str(e)))
+    dist.destroy_process_group()
+
+
+@kernels
+def test_a_graphed_and_an_eager_worker_on_gloo_refuse_each_other():
+    """On Gloo a refused eager round stops after its MAX round while a graphed one goes on
+    into its sum: the two shared a fingerprint, and a refused round left the graphed worker
+    in a sum its peer skipped (a Gloo abort, "collective mismatch")."""
+    res = gloo_pair(_mixed_worker)
+    assert all("how a refused round ends" in str(res[r]) for r in (0, 1)), res

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from thc.codec.common import BAD_INPUT_TEXT, NORM_MARK, norm_limit
-from thc.collective.transports import ring_bytes
+from thc.collective.transports import DistTransport, ring_bytes
 
 ROUND_SPAN = 1 << 20
 """A round number travels as two parts below this (each exact in float32): 40 bits."""
@@ -38,14 +38,16 @@ TAG_LANES = 2 * len(SPANS)
 """The lanes before the norms: the round number's pairs, then the fingerprint's."""
 
 
-def fingerprint(params, *cut: int, backend: str = "") -> int:
+def fingerprint(params, *cut: int, backend: str = "", steps: str = "") -> int:
     """What the workers' rounds must share for their sums to mean one thing, as a 48-bit
     value (:func:`key_of`): the codec's parameters (rotation seed, slice size, table), ``cut``, the
-    numbers that cut the tensor (its length, the pipeline's piece length), and the codec
+    numbers that cut the tensor (its length, the pipeline's piece length), the codec
     backend that decodes (the backends' estimates differ in their last bits, and workers must
-    all return the same one)."""
+    all return the same one), and ``steps``: whether a refused round still sums ("sum": a
+    stream-ordered or graphed round) or stops after its MAX round ("check"), so that a
+    worker of one kind never waits in a sum its peer of the other skips."""
     key = (params.bits, params.granularity, float(params.p), params.seed, params.slice_size,
-           tuple(int(t) for t in params.table)) + tuple(int(c) for c in cut) + (backend,)
+           tuple(int(t) for t in params.table)) + tuple(int(c) for c in cut) + (backend, steps)
     return key_of(*key)
 
 
@@ -98,7 +100,8 @@ def refused(max_norms: torch.Tensor, tags: torch.Tensor) -> bool:
 
 
 THC_ALIKE = ("their THC parameters (bits, granularity, p, seed, slice size, table), the "
-             "tensor's length or piece length, or their codec backend")
+             "tensor's length or piece length, their codec backend, or how a refused round "
+             "ends (a graphed or stream-ordered round still sums, an eager one on Gloo stops)")
 """What a THC round's fingerprint covers, as :func:`check_rounds` names it."""
 
 
@@ -137,6 +140,7 @@ def together(group, rnd: int, key: int, device, failure: Exception | None = None
     them. A worker that failed first (``failure``), is out of step or unlike makes every
     worker raise here, instead of leaving its peers waiting in a collective or pairing theirs
     with its next call's. Returns the bytes a ring all-reduce sends for it."""
+    DistTransport.check_group(group)   # a round left its peers mid-round: no collective here
     mark = torch.full((1,), NORM_MARK if failure is not None else 0.0, device=device)
     out = tagged(mark, rnd, key)
     dist.all_reduce(out, op=dist.ReduceOp.MAX, group=group)

@@ -178,8 +178,9 @@ class THCAllReduce:
             backend = self.codec.choice(flat).name
         except Exception:  # noqa: BLE001 - raised again once the round went out, refused
             backend = "unresolved"
+        steps = "sum" if getattr(self.transport, "stream_ordered", False) else "check"
         return agreement.fingerprint(self.params, flat.numel(), pieces[0][1] - pieces[0][0],
-                                     backend=backend)
+                                     backend=backend, steps=steps)
 
     def _agree_size(self, flat, pieces, rnd: int) -> None:
         """:func:`agreement.agree` before the first round of a tensor size, and before every

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable
@@ -75,6 +76,21 @@ class StepBreakdown:
         return max(0.0, self.comm - self.exposed)
 
 
+_OWNERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""Process group -> the overlapping hook whose collectives it carries: two hooks' threads
+on one group would interleave their collectives differently on each rank."""
+
+
+def _timeout_of(group):
+    """The timeout ``group`` (None: the default group) was made with, or None. torch keeps it
+    on the backend's options only; a group the hook makes gets it, not torch's 30 minutes."""
+    pg = group if group is not None else dist.group.WORLD
+    try:
+        return pg._get_backend(next(iter(pg._device_types))).options._timeout
+    except (AttributeError, RuntimeError, StopIteration):
+        return None
+
+
 class _Hook:
     """Splits a bucket into compressed and FP32 spans; subclasses compress the former."""
 
@@ -96,9 +112,19 @@ class _Hook:
         if comm_group is not None and dist.get_world_size(comm_group) != self.world:
             raise ValueError(f"comm_group holds {dist.get_world_size(comm_group)} ranks, the "
                              f"hook's group {self.world}")
+        if overlap and comm_group is not None:
+            owner = _OWNERS.get(comm_group)
+            if owner is not None and owner() is not None:
+                raise ValueError("comm_group carries another hook's collectives: each hook "
+                                 "that overlaps backward needs a group of its own "
+                                 "(dist.new_group(ranks) made on every rank)")
         self.group = comm_group if comm_group is not None else \
-            dist.new_group() if overlap else group
+            dist.new_group(timeout=_timeout_of(group)) if overlap else group
         """The process group of the hook's collectives."""
+        if overlap:
+            _OWNERS[self.group] = weakref.ref(self)
+        self._built = 0
+        """Reducers built so far (:meth:`_build`): the round of their agreement."""
         self._names = {id(p): n for n, p in model.named_parameters()}
         self._positions = layer_positions(model)
         self.wants_positions = False
@@ -167,6 +193,20 @@ class _Hook:
             self.group, len(self._agreed), key, device,
             alike="the hook (its kind, or the bucket's FP32 and compressed spans)")
         self._agreed.add(bucket)
+
+    def _build(self, make: Callable, numel: int, device):
+        """A bucket's reducer from ``make(self.group)``, then one agreement: a rank whose
+        factory failed makes every rank raise, none waits in the reducer's first round."""
+        failure, reducer = None, None
+        try:
+            reducer = make(self.group)
+        except Exception as e:  # noqa: BLE001 - raised on this rank by together
+            failure = e
+        rnd, self._built = self._built, self._built + 1
+        self.bytes_sent += agreement.together(
+            self.group, rnd, agreement.key_of("reducer", type(self).__name__, numel), device,
+            failure, alike="the hook or the bucket")
+        return reducer
 
     def _reduce_bucket(self, bucket, buf: torch.Tensor, spans) -> torch.Tensor:
         start = time.perf_counter()
@@ -277,7 +317,8 @@ class THCHook(_Hook):
         ar = self.reducers.get(key)
         if ar is None:
             self.check()   # the reducers of buckets DDP rebuilt take no further rounds
-            ar = self.reducers[key] = self.make_allreducer(self.group)
+            ar = self.reducers[key] = self._build(self.make_allreducer, flat.numel(),
+                                                  flat.device)
         before = ar.transport.bytes_sent
         out = ar(flat, position=position)
         self.bytes_sent += ar.transport.bytes_sent - before
@@ -348,7 +389,8 @@ class MarsitHook(_Hook):
         key = (bucket, flat.numel())
         ar = self.reducers.get(key)
         if ar is None:
-            ar = self.reducers[key] = self.make_allreducer(self.group)
+            ar = self.reducers[key] = self._build(self.make_allreducer, flat.numel(),
+                                                  flat.device)
         before = ar.bytes_sent
         out = ar(flat, sizes)
         self.bytes_sent += ar.bytes_sent - before

@@ -215,7 +215,7 @@ class GraphedAllReduce:
             summed = self._padded(numel, like)
         except Exception:  # noqa: BLE001 - raised again once the round went out, refused
             backend, summed = "unresolved", numel
-        return agreement.fingerprint(self.params, numel, summed, backend=backend)
+        return agreement.fingerprint(self.params, numel, summed, backend=backend, steps="sum")
 
     def _agree_size(self, tensor: torch.Tensor, rnd: int) -> None:
         """:func:`agreement.agree` in round ``rnd`` before the first round, and before every
