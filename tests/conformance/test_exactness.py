@@ -200,7 +200,8 @@ def test_each_install_answers_with_a_new_epoch(harness):
         got = run_round(harness, job, 0, idxs)
         epochs.append(parse(got[0][0])[0].epoch)
         harness.install(job)
-    assert len(set(epochs)) == 3 and 0 not in epochs
+    # each unlike the one before (an older one may come back, with chance 2^-16)
+    assert all(a != b for a, b in zip(epochs, epochs[1:])) and 0 not in epochs
 
 
 def test_a_second_incarnation_of_a_worker_in_one_run_is_refused(harness):
