@@ -329,23 +329,32 @@ def test_a_hook_on_a_smaller_group_that_overlaps_needs_a_group_made_by_every_ran
         dist.destroy_process_group()
 
 
-def _unlike_options_worker(rank, port, q):
+def _one_backward(hook_of, rank, port, q):
+    """One backward of a Linear(8, 4) under DDP with the hook ``hook_of(model, rank)``;
+    puts (rank, (what it raised or "returned", seconds)). Rank 1 lives on a while after, as
+    a trainer would."""
     from torch.nn.parallel import DistributedDataParallel as DDP
-
-    from thc.collective.ddp import FP32Hook, HookOptions
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=2, timeout=timedelta(seconds=30))
     torch.manual_seed(0)
-    model = torch.nn.Linear(4, 4)
+    model = torch.nn.Linear(8, 4)
     ddp = DDP(model)
-    opts = HookOptions(uncompressed=("bias",) if rank == 0 else ())
-    FP32Hook(model, options=opts, overlap=False).register(ddp)
+    hook_of(model, rank).register(ddp)
+    start = time.monotonic()
     try:
-        ddp(torch.ones(2, 4)).sum().backward()
-        q.put((rank, "returned"))
+        ddp(torch.ones(3, 8)).sum().backward()
+        out = "returned"
     except Exception as e:  # noqa: BLE001 - the test reads what each rank raised
-        q.put((rank, str(e)))
+        out = str(e)
+    q.put((rank, (out, time.monotonic() - start)))
+    time.sleep(1 if rank == 0 else 5)
     dist.destroy_process_group()
+
+
+def _unlike_options_hook(model, rank):
+    from thc.collective.ddp import FP32Hook, HookOptions
+    opts = HookOptions(uncompressed=("bias",) if rank == 0 else ())
+    return FP32Hook(model, options=opts, overlap=False)
 
 
 def test_ranks_that_split_a_bucket_unlike_refuse_it():
@@ -353,8 +362,8 @@ def test_ranks_that_split_a_bucket_unlike_refuse_it():
     1's reduction of the whole bucket (20 floats against 4: Gloo aborts; equal lengths sum
     unlike things). Every rank checks a bucket's split before its first reduction."""
     from tests.test_graphed import gloo_pair
-    res = gloo_pair(_unlike_options_worker)
-    assert all("differ in the hook" in res[rank] for rank in (0, 1)), res
+    res = gloo_pair(functools.partial(_one_backward, _unlike_options_hook))
+    assert all("differ in the hook" in res[rank][0] for rank in (0, 1)), res
 
 
 def test_a_hooks_group_is_its_own_keeps_the_timeout_and_refuses_after_an_abandoned_round():
@@ -383,29 +392,17 @@ def test_a_hooks_group_is_its_own_keeps_the_timeout_and_refuses_after_an_abandon
         dist.destroy_process_group()
 
 
-def _factory_worker(rank, port, q):
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
+def _factory_hook(model, rank):
     from thc.codec.params import THCParams
-    from thc.collective.allreduce import THCAllReduce
     from thc.collective.ddp import THCHook
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=2, timeout=timedelta(seconds=30))
-    torch.manual_seed(0)
-    model = torch.nn.Linear(8, 4)
-    ddp = DDP(model)
     pieces = (1 << 21) if rank == 0 else 1000          # rank 1's factory raises
-    THCHook(model, lambda g: THCAllReduce.through_torch_distributed(
-        g, params=THCParams(slice_size=64), pipeline_elements=pieces)).register(ddp)
-    start = time.monotonic()
-    try:
-        ddp(torch.randn(3, 8)).sum().backward()
-        out = "returned"
-    except Exception as e:  # noqa: BLE001 - the test reads what each rank raised
-        out = str(e)
-    q.put((rank, (out, time.monotonic() - start)))
-    time.sleep(1 if rank == 0 else 5)                  # rank 1 lives on, as a trainer would
-    dist.destroy_process_group()
+    return THCHook(model, functools.partial(_thc_with_pieces, THCParams(slice_size=64), pieces))
+
+
+def _thc_with_pieces(params, pieces, group):
+    from thc.collective.allreduce import THCAllReduce
+    return THCAllReduce.through_torch_distributed(group, params=params,
+                                                  pipeline_elements=pieces)
 
 
 def test_a_reducer_that_fails_to_build_on_one_rank_fails_every_rank_at_once():
@@ -413,6 +410,6 @@ def test_a_reducer_that_fails_to_build_on_one_rank_fails_every_rank_at_once():
     waited in its reducer's first collective until the group's timeout, then read only
     "Connection closed by peer"."""
     from tests.test_graphed import gloo_pair
-    res = gloo_pair(_factory_worker)
+    res = gloo_pair(functools.partial(_one_backward, _factory_hook))
     assert "pipeline_elements" in res[1][0], res
     assert "failed before this round's collectives" in res[0][0] and res[0][1] < 20, res

@@ -166,30 +166,40 @@ def _vote_worker(rank, world, port, job_dict, agg, q):
     dist.destroy_process_group()
 
 
-def test_vote_allreduce_through_the_software_aggregator_is_the_exact_mean_sign():
-    """Real UDP through a vote job: every rank gets scale x (2c - n) / n, c the +1 count."""
+def _through_a_vote_job(target, world: int):
+    """``target(rank, world, port, job_dict, aggregator, q)`` in ``world`` spawned ranks of
+    one Gloo group, every rank a worker of one vote job on a software aggregator; returns
+    ({rank: what it put after its rank}, the aggregator's counters, exit codes)."""
     from thc.net.aggregator import Aggregator
     from thc.testing.clusters import local_job
     from thc.wire.jobs import Job
-    world = 3
     base = free_port_block(world + 1, tcp=True)
-    thc = local_job(1, world, base, lanes=64)
-    job = Job.vote(1, thc.workers, lanes=64, pool_size=8).validate()
+    job = Job.vote(1, local_job(1, world, base, lanes=64).workers, lanes=64,
+                   pool_size=8).validate()
     assert job.sum_bits == 8 and job.aggregation == "vote"
     ctx = tmp.get_context("spawn")
     q = ctx.Queue()
     with Aggregator([job]) as agg:
         addr = agg.start("127.0.0.1", 0)
-        procs = [ctx.Process(target=_vote_worker,
-                             args=(r, world, base + world, job.to_dict(), addr, q))
+        procs = [ctx.Process(target=target, args=(r, world, base + world, job.to_dict(), addr, q))
                  for r in range(world)]
         for pr in procs:
             pr.start()
-        out = sorted((q.get(timeout=120) for _ in procs), key=lambda t: t[0])
+        got = [q.get(timeout=120) for _ in procs]
         for pr in procs:
             pr.join(timeout=30)
-            assert pr.exitcode == 0
-        assert agg.counters()["drops"] == {k: 0 for k in agg.counters()["drops"]}
+        counters = agg.counters()
+    return {t[0]: t[1] if len(t) == 2 else t[1:] for t in got}, counters, \
+        [pr.exitcode for pr in procs]
+
+
+def test_vote_allreduce_through_the_software_aggregator_is_the_exact_mean_sign():
+    """Real UDP through a vote job: every rank gets scale x (2c - n) / n, c the +1 count."""
+    world = 3
+    results, counters, exits = _through_a_vote_job(_vote_worker, world)
+    assert exits == [0] * world
+    assert counters["drops"] == {k: 0 for k in counters["drops"]}
+    out = [(rank, *results[rank]) for rank in sorted(results)]
     grads = [torch.from_numpy(o[1]) for o in out]
     ests = [torch.from_numpy(o[2]) for o in out]
     for e in ests[1:]:
@@ -318,24 +328,7 @@ def _vote_rules_worker(rank, world, port, job_dict, agg, q):
 def test_ranks_with_unlike_vote_rules_refuse_the_round_together():
     """A rank taking the majority's sign beside ranks taking the mean sign returned another
     estimate than its peers (1.0 against 0.33), and nothing was raised."""
-    from thc.net.aggregator import Aggregator
-    from thc.testing.clusters import local_job
-    from thc.wire.jobs import Job
     world = 2
-    base = free_port_block(world + 1, tcp=True)
-    job = Job.vote(1, local_job(1, world, base, lanes=64).workers, lanes=64,
-                   pool_size=8).validate()
-    ctx = tmp.get_context("spawn")
-    q = ctx.Queue()
-    with Aggregator([job]) as agg:
-        addr = agg.start("127.0.0.1", 0)
-        procs = [ctx.Process(target=_vote_rules_worker,
-                             args=(r, world, base + world, job.to_dict(), addr, q))
-                 for r in range(world)]
-        for pr in procs:
-            pr.start()
-        out = dict(q.get(timeout=120) for _ in procs)
-        for pr in procs:
-            pr.join(timeout=30)
+    out, _, _ = _through_a_vote_job(_vote_rules_worker, world)
     for rank in range(world):
         assert isinstance(out[rank], str) and "differ in the scheme's settings" in out[rank]
