@@ -138,14 +138,19 @@ def encode_coef(m: np.ndarray, params: THCParams) -> np.ndarray:
     sqrt(d) of the scale cancels the 1/sqrt(d) of the normalized transform. 0 for a max
     norm below :func:`norm_floor`."""
     g, t = params.granularity, params.t_p
-    live = m.astype(np.float32) >= norm_floor(params)   # as the kernels compare
+    live = _above_floor(m, params)
     return np.where(live, g / (2.0 * t * np.where(live, m, 1.0)), 0.0)
 
 
 def decode_live(m: np.ndarray, params: THCParams) -> np.ndarray:
     """1.0 for the slices a decode scales by their max norm, 0.0 for those it writes as
     zeros (max norm below :func:`norm_floor`: encoded as zero slices)."""
-    return (m.astype(np.float32) >= norm_floor(params)).astype(np.float64)
+    return _above_floor(m, params).astype(np.float64)
+
+
+def _above_floor(m: np.ndarray, params: THCParams) -> np.ndarray:
+    """Max norms at or above :func:`norm_floor`, compared as float32, as the kernels do."""
+    return m.astype(np.float32) >= norm_floor(params)
 
 
 def view(flat, group):

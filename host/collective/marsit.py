@@ -61,12 +61,10 @@ class _SignAllReduce:
     """What the agreement key names besides the layout: ranks running unlike reducers (the
     ring and the vote, a mean and a majority) refuse the round together."""
 
-    def __init__(self, group=None, compensation: bool = True,
-                 generator: torch.Generator | None = None):
+    def __init__(self, group=None, compensation: bool = True):
         self.group = group
         self.world = dist.get_world_size(group)
         self.compensation = compensation
-        self.generator = generator
         self._coin = torch.Generator().manual_seed(0x4D415253 + dist.get_rank(group))
         """Fair coins for exact zeros: private to the worker, not drawn alike on every rank."""
         self.residual: torch.Tensor | None = None
@@ -142,8 +140,9 @@ class MarsitAllReduce(_SignAllReduce):
 
     def __init__(self, group=None, generator: torch.Generator | None = None,
                  compensation: bool = True):
-        super().__init__(group, compensation, generator)
+        super().__init__(group, compensation)
         self.rank = dist.get_rank(group)
+        self.generator = generator
 
     def _peer(self, offset: int) -> int:
         r = (self.rank + offset) % self.world

@@ -65,8 +65,9 @@ class FastAggregator(UDPServer):
         self._jobs: dict[int, Job] = {}
         self._lock = threading.Lock()
         self.send_errors = 0
-        self._epochs: dict[int, int] = {}
-        self._last_epoch: dict[int, int] = {}   # kept through a remove, as the reference's
+        self._last_epoch: dict[int, int] = {}
+        """Each job id's last epoch here (the installed job's), kept through a remove: the
+        next install differs, as the reference's."""
         for job in jobs:
             self.install(job, nonce)
 
@@ -85,13 +86,12 @@ class FastAggregator(UDPServer):
                              list(job.table), addrs, job.aggregation == "vote", n_shards,
                              shard, epoch)
             self._jobs[job.job_id] = job
-            self._epochs[job.job_id] = self._last_epoch[job.job_id] = epoch
+            self._last_epoch[job.job_id] = epoch
 
     def remove(self, job_id: int) -> None:
         with self._lock:
             if self._jobs.pop(job_id, None) is None:
                 raise KeyError(f"job {job_id} is not installed")
-            del self._epochs[job_id]
             self._dp.remove(job_id)
 
     @property
@@ -106,7 +106,7 @@ class FastAggregator(UDPServer):
         by_reason = dict(zip(_fastagg.REASONS, drops))
         return {"drops": {name: by_reason[name] for name in P.DropReason.__members__},
                 "send_errors": self.send_errors,
-                "epochs": {jid: self._epochs[jid] for jid in ids},
+                "epochs": {jid: self._last_epoch[jid] for jid in ids},
                 "jobs": {jid: {name: c for name, c in zip(_fastagg.COUNTERS, jobs[jid])}
                          for jid in ids}}
 
