@@ -179,6 +179,11 @@ def sweep(args: argparse.Namespace, bws: list[float], modes: list[str], path: Pa
     return data
 
 
+def _thc_mode(modes: list[str]) -> str | None:
+    """The swept mode whose break-even is computed: the first THC mode."""
+    return next((m for m in modes if mainjob.MODES[m].train_mode.startswith("thc")), None)
+
+
 def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     json_path = Path(args.json) if args.json else out / "sweep.json"
@@ -198,6 +203,10 @@ def run(args: argparse.Namespace) -> int:
             print(f"thc sweep: need bandwidths > 0, --evals >= 2 and modes from "
                   f"{','.join(mainjob.MODES)} (unknown: {unknown})", file=sys.stderr)
             return 2
+        if _thc_mode(modes) and ("fp32" not in modes or len(bws) < 2):
+            print("thc sweep: the break-even fits the links to FP32's step times: sweep fp32 "
+                  "at two bandwidths or more", file=sys.stderr)
+            return 2
         if why := mininet_unavailable_reason("sharded"):
             print(f"thc sweep: needs the Mininet testbed to shape links ({why})",
                   file=sys.stderr)
@@ -212,8 +221,7 @@ def run(args: argparse.Namespace) -> int:
               f"modes {', '.join(modes)} at {', '.join(f'{b:g}' for b in bws)} Mbit/s "
               f"({len(bws) * len(modes)} runs)", flush=True)
         data = sweep(args, bws, modes, json_path)
-    thc = next((m for m in data["modes"] if mainjob.MODES[m].train_mode.startswith("thc")),
-               None)
+    thc = _thc_mode(data["modes"])
     if thc is None:
         print("thc sweep: no THC mode swept: no break-even to compute")
         return 1 if data["failed"] else 0
@@ -222,7 +230,11 @@ def run(args: argparse.Namespace) -> int:
     data["tta_target"] = ("FP32's final accuracy minus one point" if args.target is None
                           else f"accuracy {args.target:g}")
     baselines = tuple(m for m in ("fp32", "fp16") if m in data["modes"])
-    data["analysis"] = analyse(data, thc, baselines, args.agg_pps)
+    try:
+        data["analysis"] = analyse(data, thc, baselines, args.agg_pps)
+    except ValueError as e:
+        print(f"thc sweep: no analysis of the runs in {json_path}: {e}", file=sys.stderr)
+        return 1
     print()
     print(markdown(data))
     json_path.parent.mkdir(parents=True, exist_ok=True)
