@@ -28,7 +28,7 @@ import sys
 import time
 from pathlib import Path
 
-from thc.controller import counters, forwarding, jobs, toolchain
+from thc.controller import counters, forwarding, job_entries, jobs, toolchain
 from thc.controller.frames import udp_frame
 from thc.controller.switch import BUILD_DIR, SwitchError
 from thc.controller.testing.bmv2 import LocalBMv2
@@ -199,7 +199,7 @@ def _thc_frames(job, agg, rng, lanes):
 def bench_thc(args, build_dir, label: str, sum_bits: int = 8) -> dict:
     import numpy as np
 
-    agg = jobs.AggAddress()
+    agg = job_entries.AggAddress()
     with LocalBMv2(args.workers, program="thc", build_dir=build_dir, receive=False,
                    tag="tb") as bm:
         sw = bm.sw

@@ -12,7 +12,7 @@ import statistics
 import sys
 import time
 
-from thc.controller import jobs, toolchain
+from thc.controller import job_entries, jobs, toolchain
 from thc.controller.switch import SwitchError
 from thc.controller.testing.bmv2 import LocalBMv2
 from thc.bench import add_common, emit_json
@@ -61,14 +61,14 @@ def bench(args) -> dict:
                         for i in range(args.workers))
         job = Job(job_id=1, workers=workers, table=tuple(range(0, 31, 2)), granularity=30,
                   pool_size=args.pool, lanes=sw.lanes).validate()
-        specs = _as_messages(sw, jobs.lut_entries(sw, job, 0))
-        keys = jobs.lut_entries(sw, job, 0, with_action=False)
+        specs = _as_messages(sw, job_entries.lut_entries(sw, job, 0))
+        keys = job_entries.lut_entries(sw, job, 0, with_action=False)
         for _ in range(args.repeat):
             runs["install"].append(_timed(lambda: jobs.install_job(sw, job)))
             runs["reinstall"].append(_timed(lambda: jobs.install_job(sw, job, force=True)))
             runs["remove"].append(_timed(lambda: jobs.remove_job(sw, job.job_id, force=True)))
             runs["lut_serialized"].append(_timed(
-                lambda: sw.write_entries("INSERT", jobs.lut_entries(sw, job, 0))))
+                lambda: sw.write_entries("INSERT", job_entries.lut_entries(sw, job, 0))))
             sw.write_entries("DELETE", keys)
             runs["lut_messages"].append(_timed(lambda: sw.write_entries(
                 "INSERT", [sw.table_entry(*spec) for spec in specs])))

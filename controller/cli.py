@@ -22,7 +22,7 @@ import argparse
 import json
 import sys
 
-from thc.controller import counters, dryrun, forwarding, jobs, targets
+from thc.controller import counters, dryrun, forwarding, installed, job_entries, jobs, targets
 from thc.controller.switch import DEFAULT_DEVICE_ID, DEFAULT_GRPC, Switch, SwitchError
 from thc.wire.jobs import Cluster, ConfigError
 
@@ -133,8 +133,8 @@ def _run(args: argparse.Namespace) -> int:
             print(f"pushed {args.program} ({sw.lanes} lanes) to {args.grpc_addr}"
                   if args.program == "thc" else f"pushed {args.program} to {args.grpc_addr}")
         elif args.action == "install":
-            agg = jobs.AggAddress.of(cluster)
-            same = {j.job_id for j in cluster.jobs if jobs.unchanged(sw, j, agg)}
+            agg = job_entries.AggAddress.of(cluster)
+            same = {j.job_id for j in cluster.jobs if installed.unchanged(sw, j, agg)}
             placed = jobs.install_cluster(sw, cluster, prune=args.prune, force=args.force)
             _placed(cluster, placed, same)
         elif args.action == "remove":
@@ -144,21 +144,21 @@ def _run(args: argparse.Namespace) -> int:
                 print(f"removed the leftover entries of job {args.job} (it had no thc_job "
                       f"entry)")
         elif args.action == "jobs":
-            installed = jobs.installed_jobs(sw)
-            left = jobs.leftovers(sw)
-            if not installed:
+            held = installed.installed_jobs(sw)
+            left = installed.leftovers(sw)
+            if not held:
                 print("no jobs installed")
             for jid, tables in sorted(left.items()):
                 print(f"job {jid}: NOT installed, but entries of it remain in "
                       f"{', '.join(tables)} (an install or remove stopped part-way); "
                       f"`remove --job {jid}` deletes them")
-            for jid, cfg in sorted(installed.items()):
-                live = len(jobs.worker_entries_of(sw, jid))
+            for jid, cfg in sorted(held.items()):
+                live = len(installed.worker_entries_of(sw, jid))
                 state = "" if live == cfg["n_workers"] else \
                     f" (NOT serving: {live} of {cfg['n_workers']} worker entries; install it again)"
                 print(f"job {jid}: " + ", ".join(f"{k}={v}" for k, v in cfg.items()) + state)
         elif args.action == "counters":
-            snap = counters.snapshot(sw, jobs.installed_jobs(sw))
+            snap = counters.snapshot(sw, installed.installed_jobs(sw))
             if args.json:
                 print(json.dumps(snap, indent=2, sort_keys=True))
             else:

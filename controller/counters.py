@@ -42,7 +42,7 @@ def job_counters(sw: Switch, job_index: int) -> dict[str, int]:
 
 def all_job_counters(sw: Switch, installed: dict[int, dict]) -> dict[int, dict[str, int]]:
     """{job_id: counters} of the ``installed`` jobs ({job_id: {"job_index": ...}}, as
-    thc.controller.jobs.installed_jobs reads them)."""
+    thc.controller.installed.installed_jobs reads them)."""
     cells = sw.read_counter(JOB_COUNTERS)
     return {jid: _events(cells, cfg["job_index"]) for jid, cfg in installed.items()}
 

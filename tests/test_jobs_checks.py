@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import pytest
 
-from thc.controller import forwarding, jobs
+from thc.controller import forwarding, installed, job_entries, jobs, program
 from thc.controller.testing.memswitch import MemorySwitch
 from thc.wire.jobs import ConfigError, Worker
 from tests.test_jobs_install import thc_controller
@@ -37,7 +37,7 @@ def test_install_push_checks_the_cluster_before_pushing(sw, monkeypatch, capsys,
     assert thc_controller(sw.device, monkeypatch, "install", "--push",
                           "--config", _save(tmp_path, cluster(bad))) == 1
     assert "multicast group 40000 outside" in capsys.readouterr().err
-    assert sw.device.log[mark:] == [] and 1 in jobs.installed_jobs(sw)
+    assert sw.device.log[mark:] == [] and 1 in installed.installed_jobs(sw)
 
 
 @pytest.mark.parametrize("mac", ["00:00:00:00:00:00", "FF:FF:FF:FF:FF:FF"])
@@ -92,8 +92,8 @@ def test_a_remove_cut_short_is_finished_by_the_next(sw, monkeypatch, capsys):
     assert thc_controller(sw.device, monkeypatch, "jobs") == 0
     assert "job 1: " in capsys.readouterr().out
     assert thc_controller(sw.device, monkeypatch, "remove", "--job", "1") == 0
-    assert jobs.installed_jobs(sw) == {} and sw.device.groups == {}
-    assert jobs._job_entries(sw, jobs.ADDR_TABLE, 1) == [] and forwarding.routes(sw) == {}
+    assert installed.installed_jobs(sw) == {} and sw.device.groups == {}
+    assert installed.entries_of(sw, program.ADDR_TABLE, 1) == [] and forwarding.routes(sw) == {}
 
 
 def test_leftovers_without_a_job_entry_are_listed_and_removed(sw, monkeypatch, capsys):
@@ -101,11 +101,11 @@ def test_leftovers_without_a_job_entry_are_listed_and_removed(sw, monkeypatch, c
     routes under a job id with no thc_job entry: `jobs` showed nothing, `remove` refused."""
     empty = sw.device.state()
     job = make_job(3)
-    jobs._upsert(sw, jobs.addr_entries(sw, job, jobs.AggAddress()))
-    jobs._upsert(sw, jobs.lut_entries(sw, job, 0))
+    job_entries.upsert(sw, job_entries.addr_entries(sw, job, job_entries.AggAddress()))
+    job_entries.upsert(sw, job_entries.lut_entries(sw, job, 0))
     sw.set_multicast_group(3, [(0, 1)])
     forwarding.install(sw, {w.mac: w.switch_port for w in job.workers})
-    assert jobs.leftovers(sw) == {3: [jobs.ADDR_TABLE, "lookup tables"]}
+    assert installed.leftovers(sw) == {3: [program.ADDR_TABLE, "lookup tables"]}
     assert thc_controller(sw.device, monkeypatch, "jobs") == 0
     assert "job 3: NOT installed, but entries of it remain in thc_worker_addr, lookup " \
            "tables" in capsys.readouterr().out
@@ -117,9 +117,9 @@ def test_leftovers_without_a_job_entry_are_listed_and_removed(sw, monkeypatch, c
 
 def test_prune_removes_leftovers_the_cluster_lacks(sw):
     job = make_job(3)
-    jobs._upsert(sw, jobs.addr_entries(sw, job, jobs.AggAddress()))
+    job_entries.upsert(sw, job_entries.addr_entries(sw, job, job_entries.AggAddress()))
     jobs.install_cluster(sw, cluster(make_job(1)), prune=True)
-    assert jobs.leftovers(sw) == {} and sorted(jobs.installed_jobs(sw)) == [1]
+    assert installed.leftovers(sw) == {} and sorted(installed.installed_jobs(sw)) == [1]
 
 
 @pytest.mark.parametrize("mac", ["ff:ff:ff:ff:ff:ff", "00:00:00:00:00:00"])

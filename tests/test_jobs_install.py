@@ -9,7 +9,7 @@ from dataclasses import replace
 
 import pytest
 
-from thc.controller import cli, counters, forwarding, jobs
+from thc.controller import cli, counters, forwarding, installed, job_entries, jobs, program
 from thc.controller.switch import Switch, SwitchError
 from thc.controller.testing.memswitch import MemoryDevice, MemorySwitch
 from thc.wire import protocol as P
@@ -29,13 +29,13 @@ def sw():
 def test_install_is_idempotent(sw):
     job = make_job(1, 3)
     jobs.install_job(sw, job)
-    first, cfg = sw.device.state(skip=["thc_job"]), jobs.installed_jobs(sw)[1]
+    first, cfg = sw.device.state(skip=["thc_job"]), installed.installed_jobs(sw)[1]
     jobs.install_job(sw, job, live_window=IDLE)
     assert sw.device.state(skip=["thc_job"]) == first
-    again = jobs.installed_jobs(sw)[1]
+    again = installed.installed_jobs(sw)[1]
     assert again.pop("epoch") not in (0, cfg.pop("epoch")), "every install draws a new epoch"
     assert again == cfg
-    for table in jobs._lut_tables(sw):
+    for table in installed.lut_tables(sw):
         entries = sw.device.entries[sw.tables.get(table, "table").preamble.id]
         assert sorted(dict(key)[1] for key in entries) == [1] * 256, table
 
@@ -44,11 +44,11 @@ def test_reinstall_with_fewer_workers_drops_their_entries(sw):
     job = make_job(1, 3)
     jobs.install_job(sw, job)
     jobs.install_job(sw, replace(job, workers=job.workers[:2]), live_window=IDLE)
-    assert len(jobs._job_entries(sw, jobs.WORKER_TABLE, 1)) == 2
-    assert len(jobs._job_entries(sw, jobs.ADDR_TABLE, 1)) == 2
+    assert len(installed.entries_of(sw, program.WORKER_TABLE, 1)) == 2
+    assert len(installed.entries_of(sw, program.ADDR_TABLE, 1)) == 2
     assert job.workers[2].mac not in forwarding.routes(sw)
     assert sw.multicast_groups()[1] == {(0, 1), (1, 2)}
-    assert jobs.installed_jobs(sw)[1]["n_workers"] == 2
+    assert installed.installed_jobs(sw)[1]["n_workers"] == 2
     sw.device.deliver(job, 2)
     assert counters.drops(sw)["worker_outside_job"] == 1
 
@@ -87,7 +87,7 @@ def test_install_zeroes_the_job_counters_and_counters_read_by_name(sw):
         cells[counters.job_counter_index(0, name)] = n
     assert counters.job_counters(sw, 0) == {"packets": 5, "completions": 1,
                                             "retransmissions": 1, "pending": 1, "held": 0}
-    assert counters.snapshot(sw, jobs.installed_jobs(sw))["jobs"]["1"]["packets"] == 5
+    assert counters.snapshot(sw, installed.installed_jobs(sw))["jobs"]["1"]["packets"] == 5
 
 
 def test_second_session_in_one_process_is_refused(monkeypatch):
@@ -117,10 +117,10 @@ def test_cli_refuses_a_live_job_and_names_it(sw, monkeypatch, capsys):
         assert thc_controller(sw.device, monkeypatch, "remove", "--job", "1") == 1
     err = capsys.readouterr().err
     assert "job 1 is live" in err and "--force" in err
-    assert 1 in jobs.installed_jobs(sw)
+    assert 1 in installed.installed_jobs(sw)
     with sw.device.sending(job):
         assert thc_controller(sw.device, monkeypatch, "remove", "--job", "1", "--force") == 0
-    assert jobs.installed_jobs(sw) == {}
+    assert installed.installed_jobs(sw) == {}
 
 
 def test_cli_installs_a_cluster_once_and_reads_counters(sw, monkeypatch, capsys, tmp_path):
@@ -185,7 +185,7 @@ def test_an_install_that_fails_part_way_says_what_it_left(sw, monkeypatch):
     with pytest.raises(SwitchError, match=r"job 1: the install stopped part-way \(multicast "
                                           r"group 1: OUT_OF_RANGE\).*install the job again"):
         jobs.install_job(sw, make_job(1))
-    assert jobs._job_entries(sw, jobs.WORKER_TABLE, 1) == []
+    assert installed.entries_of(sw, program.WORKER_TABLE, 1) == []
 
 
 def test_jobs_lists_a_half_installed_job_as_not_serving(sw, monkeypatch, capsys):
@@ -212,15 +212,15 @@ def test_a_change_the_entries_do_not_hold_installs_an_epoch_of_the_new_tag(sw, c
     jobs.install_cluster(sw, cluster(job), live_window=IDLE)
     new = replace(job, **change).validate()
     jobs.install_cluster(sw, cluster(new), live_window=IDLE)
-    assert P.epoch_tag(jobs.installed_jobs(sw)[1]["epoch"]) == new.config_tag != job.config_tag
+    assert P.epoch_tag(installed.installed_jobs(sw)[1]["epoch"]) == new.config_tag != job.config_tag
 
 
 def test_an_epoch_without_the_jobs_tag_is_replaced_by_the_next_install(sw):
     """A switch installed before epochs had tags (a random epoch) is installed anew."""
     job = make_job(1, 2)
     jobs.install_cluster(sw, cluster(job), live_window=IDLE)
-    old = jobs.installed_jobs(sw)[1]
-    jobs._upsert(sw, [jobs.job_entry(sw, job, old["job_index"], 0x00010001)], True)
-    assert P.epoch_tag(jobs.installed_jobs(sw)[1]["epoch"]) == 1 != job.config_tag
+    old = installed.installed_jobs(sw)[1]
+    job_entries.upsert(sw, [job_entries.job_entry(sw, job, old["job_index"], 0x00010001)], True)
+    assert P.epoch_tag(installed.installed_jobs(sw)[1]["epoch"]) == 1 != job.config_tag
     jobs.install_cluster(sw, cluster(job), live_window=IDLE)
-    assert P.epoch_tag(jobs.installed_jobs(sw)[1]["epoch"]) == job.config_tag
+    assert P.epoch_tag(installed.installed_jobs(sw)[1]["epoch"]) == job.config_tag

@@ -1,4 +1,4 @@
-"""The controller's job safety (controller/jobs.py, issue 8) on an in-memory switch
+"""The controller's job safety (controller/jobs.py) on an in-memory switch
 (controller/testing/memswitch.py), everywhere: the pool is reset before workers go live, live
 jobs are not changed unless forced, a restarted controller leaves running jobs alone, prune
 removes only what the cluster lacks, bad control input changes nothing.
@@ -11,7 +11,7 @@ from dataclasses import replace
 
 import pytest
 
-from thc.controller import counters, forwarding, jobs
+from thc.controller import counters, forwarding, installed, job_entries, jobs, program
 from thc.controller.switch import SwitchError
 from thc.controller.testing.memswitch import MemorySwitch
 from thc.wire import protocol as P
@@ -90,7 +90,7 @@ def test_workers_never_go_live_when_the_resets_are_lost(sw, monkeypatch):
     with pytest.raises(SwitchError, match="only 0 of 8 slot resets"):
         jobs.install_job(sw, make_job(1))
     assert ops(sw.device.log, "INSERT", "thc_worker") == []
-    assert not jobs._job_entries(sw, jobs.WORKER_TABLE, 1)
+    assert not installed.entries_of(sw, program.WORKER_TABLE, 1)
 
 
 # ---- live jobs ------------------------------------------------------------------------------
@@ -109,37 +109,37 @@ def test_live_job_is_not_reinstalled_or_removed_unless_forced(sw):
             jobs.install_cluster(sw, cluster(smaller))
         assert sw.device.log[mark:] == [] and sw.device.state() == before
         jobs.install_job(sw, smaller, force=True)
-    assert jobs.installed_jobs(sw)[1]["n_workers"] == 1
+    assert installed.installed_jobs(sw)[1]["n_workers"] == 1
     jobs.remove_job(sw, 1, live_window=IDLE)      # idle now: allowed without force
-    assert jobs.installed_jobs(sw) == {}
+    assert installed.installed_jobs(sw) == {}
 
 
 def test_only_the_jobs_to_change_are_watched_and_a_live_pruned_job_is_kept(sw):
     a, b = make_job(1), make_job(2, pool_base=4)
     jobs.install_cluster(sw, cluster(a, b))
-    b_state = {t: jobs._job_entries(sw, t, 2) for t in (jobs.JOB_TABLE, jobs.WORKER_TABLE)}
+    b_state = {t: installed.entries_of(sw, t, 2) for t in (program.JOB_TABLE, program.WORKER_TABLE)}
     resets = len(sw.device.slot_resets)
     with sw.device.sending(b):
         jobs.remove_job(sw, a.job_id, live_window=IDLE)   # b's traffic does not block a
         with pytest.raises(jobs.JobLive, match="job 2 is live.*changing or removing it"):
             jobs.install_cluster(sw, cluster(), prune=True)
-    assert set(jobs.installed_jobs(sw)) == {2}
-    assert {t: jobs._job_entries(sw, t, 2) for t in b_state} == b_state
+    assert set(installed.installed_jobs(sw)) == {2}
+    assert {t: installed.entries_of(sw, t, 2) for t in b_state} == b_state
     assert len(sw.device.slot_resets) == resets
 
 
 def test_prune_removes_the_jobs_the_cluster_lacks_and_leaves_the_rest(sw):
     a, b = make_job(1), make_job(2, pool_base=4)
     jobs.install_cluster(sw, cluster(a, b))
-    epoch = jobs.installed_jobs(sw)[1]["epoch"]
+    epoch = installed.installed_jobs(sw)[1]["epoch"]
     kept = jobs.install_cluster(sw, cluster(a), live_window=IDLE)
-    assert set(jobs.installed_jobs(sw)) == {1, 2}, "without prune, other jobs stay"
+    assert set(installed.installed_jobs(sw)) == {1, 2}, "without prune, other jobs stay"
     mark = len(sw.device.log)
     assert jobs.install_cluster(sw, cluster(a), prune=True, live_window=IDLE) == kept
-    assert set(jobs.installed_jobs(sw)) == {1}
-    assert jobs.installed_jobs(sw)[1]["epoch"] == epoch
+    assert set(installed.installed_jobs(sw)) == {1}
+    assert installed.installed_jobs(sw)[1]["epoch"] == epoch
     assert ops(sw.device.log[mark:], "PACKET_OUT") == []
-    assert 2 not in sw.multicast_groups() and not jobs._job_entries(sw, jobs.ADDR_TABLE, 2)
+    assert 2 not in sw.multicast_groups() and not installed.entries_of(sw, program.ADDR_TABLE, 2)
     assert all(b.workers[i].mac not in forwarding.routes(sw) for i in range(2))
 
 
@@ -149,19 +149,19 @@ def test_restarted_controller_leaves_a_running_job_alone(sw):
     job = make_job(1)
     placed = jobs.install_cluster(sw, cluster(job))
     sw.device.deliver(job, 0)                      # worker 0 is mid-round
-    epoch = jobs.installed_jobs(sw)[1]["epoch"]
+    epoch = installed.installed_jobs(sw)[1]["epoch"]
     sw.close()
     restarted = MemorySwitch(device=sw.device).connect(program=None)
-    agg = jobs.AggAddress()
-    assert jobs.unchanged(restarted, job, agg)
-    assert not jobs.unchanged(restarted, replace(job, table=tuple(reversed(job.table))), agg)
-    assert not jobs.unchanged(restarted, replace(job, workers=job.workers[:1]), agg)
-    assert not jobs.unchanged(restarted, replace(job, mcast_grp=99), agg)
+    agg = job_entries.AggAddress()
+    assert installed.unchanged(restarted, job, agg)
+    assert not installed.unchanged(restarted, replace(job, table=tuple(reversed(job.table))), agg)
+    assert not installed.unchanged(restarted, replace(job, workers=job.workers[:1]), agg)
+    assert not installed.unchanged(restarted, replace(job, mcast_grp=99), agg)
     mark = len(sw.device.log)
     with sw.device.sending(job):                  # and it keeps running: no force needed
         assert jobs.install_cluster(restarted, cluster(job)) == placed
     assert sw.device.log[mark:] == [], "no write, no reset"
-    assert jobs.installed_jobs(restarted)[1]["epoch"] == epoch
+    assert installed.installed_jobs(restarted)[1]["epoch"] == epoch
     assert counters.job_counters(restarted, placed[1])["packets"] == 1, "no counter clear"
 
 
@@ -260,8 +260,8 @@ def counting(sw) -> dict[int, tuple[range, int]]:
     """{job_id: (slots, multicast group)} of the jobs whose packets count: every worker
     entry in place."""
     return {jid: (range(c["pool_base"], c["pool_base"] + c["pool_size"]), c["mcast_grp"])
-            for jid, c in jobs.installed_jobs(sw).items()
-            if len(jobs.worker_entries_of(sw, jid)) == c["n_workers"]}
+            for jid, c in installed.installed_jobs(sw).items()
+            if len(installed.worker_entries_of(sw, jid)) == c["n_workers"]}
 
 
 def assert_apart(live: dict[int, tuple[range, int]]) -> None:
@@ -315,11 +315,11 @@ def test_a_fresh_install_takes_a_leftover_jobs_worker_entries_off(sw):
     install: the old hosts counted as the new job's workers."""
     old = make_job(1)
     jobs.install_job(sw, old)
-    jobs._delete(sw, [sw.table_entry(jobs.JOB_TABLE, {"job_id": 1})])
-    assert 1 in jobs.leftovers(sw)
+    job_entries.delete(sw, [sw.table_entry(program.JOB_TABLE, {"job_id": 1})])
+    assert 1 in installed.leftovers(sw)
     new = make_job(1)
     jobs.install_cluster(sw, cluster(new), live_window=IDLE)
-    assert len(jobs.worker_entries_of(sw, 1)) == 2
+    assert len(installed.worker_entries_of(sw, 1)) == 2
     sw.device.deliver(old, 0)
     assert counters.drops(sw)["unknown_worker"] == 1
     assert counters.job_counters(sw, 0)["packets"] == 0

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from thc.controller import counters, jobs, p4rt
+from thc.controller import counters, installed, p4rt
 from thc.controller.frames import reset_frame, udp_frame
 from thc.controller.switch import SwitchError
 from thc.controller.testing.memswitch import MemorySwitch
@@ -78,7 +78,7 @@ def test_invalid_updates_are_refused_and_change_nothing(sw, case):
     entity, code, why = BAD_UPDATES[case]
     with pytest.raises(SwitchError, match=f"{code} .*{why}"):
         sw.write_entries("INSERT", [entity(sw)])
-    assert sw.device.log == [] and jobs.installed_jobs(sw) == {}
+    assert sw.device.log == [] and installed.installed_jobs(sw) == {}
 
 
 def test_inserts_modifies_and_deletes_follow_p4runtime(sw):
@@ -88,9 +88,9 @@ def test_inserts_modifies_and_deletes_follow_p4runtime(sw):
         sw.write_entries("INSERT", [again])
     assert sw.write_entries("INSERT", [again], ignore=["ALREADY_EXISTS"]) == [again]
     sw.write_entries("MODIFY", [again])
-    assert jobs.installed_jobs(sw)[1]["epoch"] == 7
+    assert installed.installed_jobs(sw)[1]["epoch"] == 7
     (read,) = sw.read_table("thc_job")
-    assert jobs._canonical(read) == again, "read back as written, canonical bytes"
+    assert installed.canonical(read) == again, "read back as written, canonical bytes"
     sw.write_entries("DELETE", [read])
     with pytest.raises(SwitchError, match="NOT_FOUND"):
         sw.write_entries("DELETE", [read])
@@ -120,9 +120,9 @@ def test_a_new_session_sees_the_device_and_a_push_clears_it(sw):
     sw.write_entries("INSERT", [raw_job_entry(sw, 1)])
     sw.set_multicast_group(1, [(0, 1)])
     again = MemorySwitch(device=sw.device).connect(program=None)
-    assert set(jobs.installed_jobs(again)) == {1} and again.multicast_groups() == {1: {(0, 1)}}
+    assert set(installed.installed_jobs(again)) == {1} and again.multicast_groups() == {1: {(0, 1)}}
     again.connect(program="thc")
-    assert jobs.installed_jobs(sw) == {} and sw.multicast_groups() == {}
+    assert installed.installed_jobs(sw) == {} and sw.multicast_groups() == {}
     with pytest.raises(SwitchError, match="no P4 program"):
         MemorySwitch().connect(program=None)
 

@@ -120,8 +120,7 @@ def check_ddp(ns: dict) -> None:
 def check_controller(ns: dict) -> None:
     job_id = ns["cluster"].jobs[0].job_id
     assert set(ns["index"]) == {job_id}
-    from thc.controller.jobs import installed_jobs
-    from thc.controller.switch import Switch
+    from thc.controller import Switch, installed_jobs
     with Switch(ns["switch_address"]).connect(program=None) as sw:
         assert job_id not in installed_jobs(sw)
 

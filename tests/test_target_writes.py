@@ -20,7 +20,7 @@ from google.protobuf import text_format
 from p4.config.v1 import p4info_pb2
 from p4.v1 import p4runtime_pb2
 
-from thc.controller import jobs, program, targets
+from thc.controller import installed, job_entries, jobs, program, targets
 from thc.controller.frames import parse_udp_frame, reset_frame
 from thc.controller.targets import tofino
 from thc.controller.testing.memswitch import MemoryDevice, MemorySwitch
@@ -276,17 +276,17 @@ def test_every_write_of_install_and_remove_fits_the_committed_p4info(name):
     assert sw.target is target and sw.lanes == P.LANES
     cluster = sample_cluster()
     jobs.install_cluster(sw, cluster)
-    assert sorted(jobs.installed_jobs(sw)) == sorted(j.job_id for j in cluster.jobs)
-    installed = check_everything(p4info, sw, cluster)
+    assert sorted(installed.installed_jobs(sw)) == sorted(j.job_id for j in cluster.jobs)
+    written = check_everything(p4info, sw, cluster)
 
-    luts = jobs._lut_tables(sw)
+    luts = installed.lut_tables(sw)
     assert len(luts) == {"bmv2": P.LANES // 2, "tofino": 64}[name]
     n_workers = sum(j.n_workers for j in cluster.jobs)
     shared = {program.JOB_TABLE: len(cluster.jobs), program.WORKER_TABLE: n_workers,
               program.ADDR_TABLE: n_workers, program.L2_TABLE: n_workers}
     full = {sw.tables.get(t, "table").preamble.name: n for t, n in shared.items()}
     counter = sw.counters.get(program.JOB_COUNTERS, "counter").preamble.name
-    assert installed == {**{t: 256 * len(cluster.jobs) for t in luts}, **full,
+    assert written == {**{t: 256 * len(cluster.jobs) for t in luts}, **full,
                          counter: len(cluster.jobs) * len(P.JOB_COUNTERS)}
     assert [op for op, *_ in sw.groups] == ["SET"] * len(cluster.jobs)
 
@@ -297,7 +297,7 @@ def test_every_write_of_install_and_remove_fits_the_committed_p4info(name):
         jobs.remove_job(sw, job.job_id, force=True)
     removed = check_everything(p4info, sw, Cluster(jobs=()))
     assert {op for op, _ in sw.writes} == {"DELETE"}
-    assert removed == {t: n for t, n in installed.items() if t != counter}, \
+    assert removed == {t: n for t, n in written.items() if t != counter}, \
         "every entry written is deleted"
     assert [op for op, *_ in sw.groups] == ["DELETE"] * len(cluster.jobs)
     assert all(not entries for entries in sw.device.entries.values())
@@ -317,7 +317,7 @@ def test_tofino_refuses_a_16_bit_vote_job_before_any_write():
         jobs.install_cluster(sw, wide_vote_cluster())
     assert sw.writes == [] and sw.groups == [] and sw.packets == [] and sw.device.log == []
     with pytest.raises(ConfigError, match=r"job 9 is a vote job with 16-bit sums"):
-        jobs.lut_entries(sw, wide_vote_cluster().job(9), 0)
+        job_entries.lut_entries(sw, wide_vote_cluster().job(9), 0)
 
 
 def test_tofino_holds_four_jobs_and_keys_their_lookups_on_the_job_index():
@@ -329,7 +329,7 @@ def test_tofino_holds_four_jobs_and_keys_their_lookups_on_the_job_index():
         job = Job(job_id=20 + k, workers=_workers(20 + k, 3), table=TABLE, granularity=30,
                   pool_base=8 * k, pool_size=8)
         assert jobs.install_job(sw, job) == k
-    entries = jobs.lut_entries(sw, Job(job_id=22, workers=_workers(22, 3), table=TABLE,
+    entries = job_entries.lut_entries(sw, Job(job_id=22, workers=_workers(22, 3), table=TABLE,
                                        granularity=30, pool_base=16, pool_size=8), 2)
     assert len(entries) == 64 * 256
     job_index = set()
@@ -428,7 +428,7 @@ def test_the_write_checks_catch_bad_writes():
     checker = WriteChecker(p4info)
     sw = recording_switch(targets.get("bmv2"))
     job = sample_cluster().job(5)
-    good = p4runtime_pb2.Entity(table_entry=jobs.job_entry(sw, job, 0, epoch=1))
+    good = p4runtime_pb2.Entity(table_entry=job_entries.job_entry(sw, job, 0, epoch=1))
     assert checker.problems("INSERT", good.SerializeToString()) == []
 
     def found(change, what: str) -> bool:

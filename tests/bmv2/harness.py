@@ -21,7 +21,7 @@ import queue
 from dataclasses import replace
 from pathlib import Path
 
-from thc.controller import toolchain
+from thc.controller import job_entries, toolchain
 from thc.controller.frames import udp_frame
 from thc.controller.testing.bmv2 import LocalBMv2
 from thc.wire import protocol as P
@@ -157,7 +157,7 @@ class BMv2Harness(Harness):
             job = replace(job, pool_base=self._alloc_pool(job.job_id, job.pool_size))
         # the suite re-installs only idle jobs: no liveness watch (test_switch_safety tests it)
         self._installed[job.job_id] = jobs.install_job(self.sw, job,
-                                                       jobs.AggAddress(AGG_IP, AGG_MAC),
+                                                       job_entries.AggAddress(AGG_IP, AGG_MAC),
                                                        force=True)
 
     def remove(self, job_id: int) -> None:

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from p4.v1 import p4runtime_pb2
 
-from thc.controller import job_checks, jobs, p4rt
+from thc.controller import job_checks, job_entries, jobs, p4rt
 from thc.controller.targets import bmv2 as bmv2_target
 from thc.controller.frames import parse_udp_frame, reset_frame, udp_frame
 from thc.controller.switch import Switch, SwitchError, encode_value
@@ -87,21 +87,21 @@ def test_job_entries_from_the_committed_p4info():
     sw = Switch.offline()
     assert sw.lanes == P.LANES
     job = _job().validate()
-    lut = jobs.lut_entries(sw, job, 3)
+    lut = job_entries.lut_entries(sw, job, 3)
     assert len(lut) == P.LANES // bmv2_target.GROUP_LANES * bmv2_target.GROUP_BYTES * 256
-    e = jobs.job_entry(sw, job, 3, epoch=0xDEADBEEF)
+    e = job_entries.job_entry(sw, job, 3, epoch=0xDEADBEEF)
     assert sw.param_values(e) == {"job_index": 3, "n_workers": 3, "pool_base": 0,
                                   "pool_size": job.pool_size, "full_bitmap": 7,
                                   "mcast_grp": 5, "sum_bits": 8, "epoch": 0xDEADBEEF,
                                   "aggregation": P.AGGREGATIONS["thc"]}
     vote = Job.vote(6, _job(6).workers).validate()
-    assert sw.param_values(jobs.job_entry(sw, vote, 4, epoch=1))["aggregation"] == \
+    assert sw.param_values(job_entries.job_entry(sw, vote, 4, epoch=1))["aggregation"] == \
         P.AGGREGATIONS["vote"]
     # the vote job's lookup entries count a sign bit: index 1 -> 1, every other -> 0
     values = bmv2_target.lut_values(vote)
     assert values[0][0x10] == 1 << 24 and values[0][0x22] == 0
     with pytest.raises(ConfigError, match="epoch"):
-        jobs.job_entry(sw, job, 3, epoch=0)
+        job_entries.job_entry(sw, job, 3, epoch=0)
     (w0,) = jobs.worker_entries(sw, job)[:1]
     assert sw.param_values(w0) == {"worker_bit": 1}
     with pytest.raises(SwitchError, match="no table"):

@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from thc.controller import counters, forwarding, jobs
+from thc.controller import counters, forwarding, installed, job_entries, jobs, program
 from thc.controller.switch import SwitchError
 from thc.controller.testing.memswitch import MemorySwitch
 from tests.bmv2.harness import AGG_IP, AGG_MAC
@@ -28,10 +28,10 @@ def mem():
 
 def job_state(sw, job) -> dict:
     """What ``job`` owns on a switch, as canonical bytes (the epoch left out)."""
-    luts = jobs._lut_tables(sw)
-    state = {t: sorted(map(jobs._canonical, jobs._job_entries(sw, t, job.job_id)))
-             for t in (jobs.WORKER_TABLE, jobs.ADDR_TABLE, luts[0], luts[-1])}
-    cfg = dict(jobs.installed_jobs(sw)[job.job_id])
+    luts = installed.lut_tables(sw)
+    state = {t: sorted(map(installed.canonical, installed.entries_of(sw, t, job.job_id)))
+             for t in (program.WORKER_TABLE, program.ADDR_TABLE, luts[0], luts[-1])}
+    cfg = dict(installed.installed_jobs(sw)[job.job_id])
     cfg.pop("epoch")
     routes = forwarding.routes(sw)
     return {**state, "job": cfg, "group": sw.multicast_groups()[job.mcast_grp],
@@ -41,7 +41,7 @@ def job_state(sw, job) -> dict:
 
 def test_an_install_leaves_the_same_state(bmv2, sw, mem):
     job = bmv2.make_job(next(_ids), 3, pool_size=4)
-    agg = jobs.AggAddress(AGG_IP, AGG_MAC)
+    agg = job_entries.AggAddress(AGG_IP, AGG_MAC)
     index = jobs.install_job(sw, job, agg, force=True)
     bmv2._installed[job.job_id] = index
     before = counters.resets(sw, index)
@@ -52,7 +52,7 @@ def test_an_install_leaves_the_same_state(bmv2, sw, mem):
     assert real.pop("resets") - before == 2 * job.pool_size
     assert fake.pop("resets") == 4 * job.pool_size
     assert real == fake
-    assert jobs.unchanged(sw, job, agg) and jobs.unchanged(mem, job, agg)
+    assert installed.unchanged(sw, job, agg) and installed.unchanged(mem, job, agg)
 
 
 def _code(error: SwitchError) -> str:

@@ -10,7 +10,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from thc.controller import counters, forwarding, jobs
+from thc.controller import counters, forwarding, installed, jobs, program
 from thc.controller.targets import bmv2 as bmv2_target
 from thc.controller.switch import SwitchError
 from thc.wire import protocol as P
@@ -31,7 +31,8 @@ def snapshot(sw) -> dict:
     state = {}
     for t in sw.p4info.tables:
         name = t.preamble.name
-        if name.rsplit(".", 1)[-1] == jobs.JOB_TABLE or (".thc_lut_" in name and name not in keep):
+        if name.rsplit(".", 1)[-1] == program.JOB_TABLE or (
+                ".thc_lut_" in name and name not in keep):
             continue
         entries = sw.read_table(t.preamble.name)
         state[t.preamble.name] = sorted(e.SerializeToString(deterministic=True)
@@ -42,16 +43,16 @@ def snapshot(sw) -> dict:
 def test_install_is_idempotent(bmv2, sw):
     job = bmv2.make_job(next(_ids), 3, pool_size=4)
     bmv2.install(job)
-    first, cfg = snapshot(sw), jobs.installed_jobs(sw)[job.job_id]
+    first, cfg = snapshot(sw), installed.installed_jobs(sw)[job.job_id]
     bmv2.install(job)
     assert snapshot(sw) == first
-    again = jobs.installed_jobs(sw)[job.job_id]
+    again = installed.installed_jobs(sw)[job.job_id]
     assert again.pop("epoch") not in (0, cfg.pop("epoch")), "every install draws a new epoch"
     assert again == cfg
     for group in (0, sw.lanes // bmv2_target.GROUP_LANES - 1):
         for b in range(bmv2_target.GROUP_BYTES):
             table = bmv2_target.LUT_TABLE.format(group, b)
-            assert len(jobs._job_entries(sw, table, job.job_id)) == 256
+            assert len(installed.entries_of(sw, table, job.job_id)) == 256
     # and it still aggregates, from reset slots
     check_round(bmv2, job, 0, np.random.default_rng(0))
 
@@ -61,11 +62,11 @@ def test_reinstall_with_fewer_workers_drops_their_entries(bmv2, sw):
     bmv2.install(job)
     smaller = replace(job, workers=job.workers[:2])
     bmv2.install(smaller)
-    workers = [e for e in jobs._job_entries(sw, jobs.WORKER_TABLE, job.job_id)]
-    addrs = [e for e in jobs._job_entries(sw, jobs.ADDR_TABLE, job.job_id)]
+    workers = [e for e in installed.entries_of(sw, program.WORKER_TABLE, job.job_id)]
+    addrs = [e for e in installed.entries_of(sw, program.ADDR_TABLE, job.job_id)]
     assert len(workers) == len(addrs) == 2
     assert job.workers[2].mac not in forwarding.routes(sw)
-    assert jobs.installed_jobs(sw)[job.job_id]["n_workers"] == 2
+    assert installed.installed_jobs(sw)[job.job_id]["n_workers"] == 2
     # worker 2 is now outside the job
     before = counters.drops(sw)["worker_outside_job"]
     bmv2.endpoint(job, 2).send(data(job, 2, 0, np.zeros(job.lanes, np.uint8)))
@@ -106,13 +107,13 @@ def test_counters_by_name(bmv2, sw):
     bmv2.endpoint(job, 0).recv_all()
     assert bmv2.job_counters(job) == {"packets": 5, "completions": 1, "retransmissions": 1,
                                       "pending": 1, "held": 0}
-    snap = counters.snapshot(sw, jobs.installed_jobs(sw))
+    snap = counters.snapshot(sw, installed.installed_jobs(sw))
     assert snap["jobs"][str(job.job_id)]["packets"] == 5
 
 
 def test_bad_config_is_rejected_before_touching_the_switch(bmv2, sw):
     job = bmv2.make_job(next(_ids), 2, pool_size=4)
-    before, installed = snapshot(sw), jobs.installed_jobs(sw)
+    before, held = snapshot(sw), installed.installed_jobs(sw)
     with pytest.raises(Exception, match="lanes"):
         jobs.install_job(sw, replace(job, lanes=job.lanes // 2))
     with pytest.raises(Exception, match="slots"):
@@ -124,7 +125,7 @@ def test_bad_config_is_rejected_before_touching_the_switch(bmv2, sw):
     with pytest.raises(jobs.JobNotInstalled, match=f"job {job.job_id} is not installed"):
         jobs.remove_job(sw, job.job_id)
     assert snapshot(sw) == before
-    assert jobs.installed_jobs(sw) == installed
+    assert installed.installed_jobs(sw) == held
 
 
 def test_second_session_in_one_process_is_refused(bmv2):

@@ -6,7 +6,7 @@ import itertools
 import numpy as np
 import pytest
 
-from thc.controller import counters, jobs
+from thc.controller import counters, installed
 from thc.wire import protocol as P
 from tests.bmv2.packets import check_result, data, random_indices
 
@@ -27,7 +27,7 @@ def test_replies_carry_the_job_epoch_and_each_install_draws_a_new_one(bmv2, sw):
     epochs = []
     for seq in range(2):
         bmv2.install(job)
-        epoch = jobs.installed_jobs(sw)[job.job_id]["epoch"]
+        epoch = installed.installed_jobs(sw)[job.job_id]["epoch"]
         assert epoch != 0
         idxs = [random_indices(rng, job) for _ in range(2)]
         got = send_round(bmv2, job, seq, idxs, run=7)

@@ -12,7 +12,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from thc.controller import jobs
+from thc.controller import installed, job_entries, jobs, program
 from thc.controller.switch import Switch
 from thc.wire.jobs import Cluster, ConfigError
 from tests.bmv2.harness import AGG_IP, AGG_MAC
@@ -63,7 +63,7 @@ def test_worker_entries_go_live_only_after_the_pool_reset(bmv2, sw, monkeypatch)
     monkeypatch.setattr(sw, "packet_out", spy_packet_out)
     bmv2.install(job)
     first_worker = next(i for i, (op, t) in enumerate(events)
-                        if op == "INSERT" and any(n.endswith(jobs.WORKER_TABLE) for n in t))
+                        if op == "INSERT" and any(n.endswith(program.WORKER_TABLE) for n in t))
     reset = events.index(("RESET", set()))
     assert reset < first_worker, events
 
@@ -75,14 +75,14 @@ def test_reinstall_clears_a_dirty_pool(bmv2, sw):
     stale = random_indices(rng, job)
     bmv2.endpoint(job, 0).send(data(job, 0, 0, stale))        # a round left half done
     bmv2.endpoint(job, 0).recv_all()
-    jobs.install_job(sw, job, jobs.AggAddress(AGG_IP, AGG_MAC), force=True)
+    jobs.install_job(sw, job, job_entries.AggAddress(AGG_IP, AGG_MAC), force=True)
     check_round(bmv2, job, 0, rng)
 
 
 def test_live_job_is_not_reinstalled_or_removed_unless_forced(bmv2, sw):
     job = bmv2.make_job(next(_ids), 2, pool_size=4)
     bmv2.install(job)
-    agg = jobs.AggAddress(AGG_IP, AGG_MAC)
+    agg = job_entries.AggAddress(AGG_IP, AGG_MAC)
     before = snapshot(sw)
     with Sender(bmv2, job):
         with pytest.raises(jobs.JobLive, match=rf"job {job.job_id} is live: \d+ packets"):
@@ -95,7 +95,7 @@ def test_live_job_is_not_reinstalled_or_removed_unless_forced(bmv2, sw):
             jobs.install_cluster(sw, cluster)
         assert snapshot(sw) == before
         jobs.install_job(sw, replace(job, workers=job.workers[:1]), agg, force=True)
-    assert jobs.installed_jobs(sw)[job.job_id]["n_workers"] == 1
+    assert installed.installed_jobs(sw)[job.job_id]["n_workers"] == 1
     jobs.remove_job(sw, job.job_id)           # idle now: allowed without force
     bmv2._installed.pop(job.job_id, None)
     bmv2._pools.pop(job.job_id, None)
@@ -115,10 +115,10 @@ def test_restarted_controller_leaves_a_running_job_alone(bmv2):
     bmv2.sw.close()
     restarted = Switch(bmv2.switch.grpc_addr, timeout=10.0).connect(program=None)
     bmv2.sw = bmv2.switch.sw = restarted
-    agg = jobs.AggAddress(AGG_IP, AGG_MAC)
-    assert jobs.unchanged(restarted, job, agg)
-    assert not jobs.unchanged(restarted, replace(job, table=tuple(reversed(job.table))), agg)
-    assert not jobs.unchanged(restarted, replace(job, workers=job.workers[:1]), agg)
+    agg = job_entries.AggAddress(AGG_IP, AGG_MAC)
+    assert installed.unchanged(restarted, job, agg)
+    assert not installed.unchanged(restarted, replace(job, table=tuple(reversed(job.table))), agg)
+    assert not installed.unchanged(restarted, replace(job, workers=job.workers[:1]), agg)
     before = snapshot(restarted)
     assert jobs.install_cluster(restarted, cluster) == placed
     assert snapshot(restarted) == before
@@ -132,9 +132,9 @@ def test_bad_control_input_changes_nothing(bmv2, sw):
     bmv2.install(job)
     # made before the snapshot, as making it may evict an old job
     other = bmv2.make_job(next(_ids), 2, pool_size=4)
-    agg = jobs.AggAddress(AGG_IP, AGG_MAC)
+    agg = job_entries.AggAddress(AGG_IP, AGG_MAC)
     before = snapshot(sw)
-    unknown = max(jobs.installed_jobs(sw)) + 1
+    unknown = max(installed.installed_jobs(sw)) + 1
     with pytest.raises(jobs.JobNotInstalled, match=f"job {unknown} is not installed"):
         jobs.remove_job(sw, unknown)
     w = job.workers[0]
@@ -154,7 +154,7 @@ def test_bad_control_input_changes_nothing(bmv2, sw):
     with pytest.raises(ConfigError, match="overflows"):
         jobs.install_job(sw, replace(other, granularity=40000), agg)
     assert snapshot(sw) == before
-    assert job.job_id in jobs.installed_jobs(sw)
+    assert job.job_id in installed.installed_jobs(sw)
 
 
 def test_removing_a_job_twice_is_refused_the_second_time(bmv2, sw):
@@ -177,7 +177,7 @@ def test_cli_refuses_a_live_job_and_names_it(bmv2, tmp_path):
                            text=True, timeout=60)
     assert r.returncode == 1
     assert f"job {job.job_id} is live" in r.stderr and "--force" in r.stderr
-    assert job.job_id in jobs.installed_jobs(bmv2.sw)
+    assert job.job_id in installed.installed_jobs(bmv2.sw)
 
 
 def test_a_failed_p4runtime_setup_is_an_error_not_an_exit(bmv2):

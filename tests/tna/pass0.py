@@ -25,7 +25,7 @@ from tests.tna.interp import Machine, Program
 from tests.tna.passes import passes
 from tests.tna.words import Words
 from tests.tna.p4text import Unsupported, mask, preprocess
-from thc.controller import jobs as controller_jobs
+from thc.controller import job_entries, jobs as controller_jobs
 from thc.controller import program as names
 from thc.controller.frames import reset_frame, udp_frame
 from thc.wire import protocol as P
@@ -82,7 +82,7 @@ class TnaEngine:
         self.jobs[job_index] = job
         self.addr.update({(job.job_id, w.id): (w.ip, w.port) for w in job.workers})
         self.ports.update({(w.ip, w.port): w.switch_port for w in job.workers})
-        self._write(controller_jobs.job_entry(rec, job, job_index, epoch))
+        self._write(job_entries.job_entry(rec, job, job_index, epoch))
         for slot in range(job.pool_size):
             for version in (0, 1):
                 before = self.counters[names.RESETS, job_index]
