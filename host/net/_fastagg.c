@@ -115,6 +115,7 @@ typedef struct {
     uint8_t *buf;
     size_t len;
     struct sockaddr_in dst;
+    uint32_t from; /* the source address to send from; 0: the route's (see dp_serve) */
 } Out;
 
 typedef struct {
@@ -143,6 +144,7 @@ static int drop(Datapath *dp, int reason) {
 
 static Out *out_header(Out *o, uint32_t ip, uint16_t port) {
     memset(&o->dst, 0, sizeof o->dst);
+    o->from = 0;
     o->dst.sin_family = AF_INET;
     o->dst.sin_addr.s_addr = ip;
     o->dst.sin_port = port;
@@ -711,14 +713,17 @@ static int gso_ok = 1;
 typedef struct {
     int head, tail, count;
     size_t len;
-    uint32_t ip;
+    uint32_t ip, from;
     uint16_t port;
 } Group;
+
+#define TX_CTL (CMSG_SPACE(sizeof(uint16_t)) + CMSG_SPACE(sizeof(struct in_pktinfo)))
 
 typedef struct {
     struct mmsghdr msgs[BATCH];
     struct iovec iov[OUT_CAP];
-    char cmsg[BATCH][CMSG_SPACE(sizeof(uint16_t))];
+    char cmsg[BATCH][TX_CTL];
+    int gso[BATCH]; /* whether msgs[k] is a GSO send */
     Group groups[OUT_CAP];
     int next[OUT_CAP];
     int emit[OUT_CAP];
@@ -742,7 +747,7 @@ static int gso_refused(int err) {
 #endif
 #define GRO_BATCH 16
 #define GRO_BYTES 65536
-#define GRO_CTL CMSG_SPACE(sizeof(int))
+#define GRO_CTL (CMSG_SPACE(sizeof(int)) + CMSG_SPACE(sizeof(struct in_pktinfo)))
 
 static void gro_set(int fd, int on) {
     (void)setsockopt(fd, SOL_UDP, UDP_GRO, &on, sizeof on); /* refused: plain datagrams */
@@ -760,6 +765,34 @@ static size_t gro_segment(struct msghdr *h, size_t *len, size_t plain_cap) {
             }
     if (*len > plain_cap) *len = plain_cap;
     return *len;
+}
+
+/* The address a received datagram was sent to (an IP_PKTINFO message's ipi_addr), or 0. */
+static uint32_t rx_destination(struct msghdr *h) {
+    if (h->msg_controllen)
+        for (struct cmsghdr *c = CMSG_FIRSTHDR(h); c; c = CMSG_NXTHDR(h, c))
+            if (c->cmsg_level == IPPROTO_IP && c->cmsg_type == IP_PKTINFO) {
+                struct in_pktinfo pi;
+                memcpy(&pi, CMSG_DATA(c), sizeof pi);
+                return pi.ipi_addr.s_addr;
+            }
+    return 0;
+}
+
+/* Append an IP_PKTINFO message that sends from ``from`` (where it is not 0) to h's control
+ * buffer ctl, after what h holds. */
+static void tx_from(struct msghdr *h, char *ctl, uint32_t from) {
+    if (!from) return;
+    h->msg_control = ctl;
+    struct cmsghdr *c = (struct cmsghdr *)(ctl + h->msg_controllen);
+    h->msg_controllen += CMSG_SPACE(sizeof(struct in_pktinfo));
+    c->cmsg_level = IPPROTO_IP;
+    c->cmsg_type = IP_PKTINFO;
+    c->cmsg_len = CMSG_LEN(sizeof(struct in_pktinfo));
+    struct in_pktinfo pi;
+    memset(&pi, 0, sizeof pi);
+    pi.ipi_spec_dst.s_addr = from;
+    memcpy(CMSG_DATA(c), &pi, sizeof pi);
 }
 
 /* Point msgs[0..n) at n receive buffers of bytes each, with room for a UDP_GRO message and,
@@ -816,6 +849,7 @@ static void send_groups(int fd, Out *out, SendSpace *sp, int ng, int use_gso,
                 c->cmsg_len = CMSG_LEN(sizeof(uint16_t));
                 uint16_t size = (uint16_t)gr->len;
                 memcpy(CMSG_DATA(c), &size, sizeof size);
+                sp->gso[m] = 1;
                 gi++;
             } else {
                 int e = si == 0 ? gr->head : sp->next[ci];
@@ -823,6 +857,7 @@ static void send_groups(int fd, Out *out, SendSpace *sp, int ng, int use_gso,
                 sp->iov[niov++].iov_len = out[e].len;
                 h->msg_iovlen = 1;
                 h->msg_name = &out[e].dst;
+                sp->gso[m] = 0;
                 ci = e;
                 if (++si == gr->count) {
                     gi++;
@@ -830,19 +865,20 @@ static void send_groups(int fd, Out *out, SendSpace *sp, int ng, int use_gso,
                     ci = -1;
                 }
             }
+            tx_from(h, sp->cmsg[m], gr->from);
             m++;
         }
         int sent = sendmmsg(fd, sp->msgs, (unsigned)m, 0);
         if (sent < 0) {
             int err = errno;
             if (err == EINTR) continue;
-            if (sp->msgs[0].msg_hdr.msg_controllen && gso_refused(err)) {
+            if (sp->gso[0] && gso_refused(err)) {
                 __atomic_store_n(&gso_ok, 0, __ATOMIC_RELAXED);
                 continue; /* the same datagrams again, one by one */
             }
             sent = 1; /* skip the refused message */
             Group *gr = &sp->groups[sp->emit[first_group[0]]];
-            *errors += sp->msgs[0].msg_hdr.msg_controllen ? (unsigned long long)gr->count : 1;
+            *errors += sp->gso[0] ? (unsigned long long)gr->count : 1;
         }
         /* resume after the messages sent */
         if (sent == m) {
@@ -862,11 +898,12 @@ static void flush(int fd, Out *out, int n, SendSpace *sp, int use_gso,
                   unsigned long long *errors) {
     int ng = 0, nemit = 0, nopen = 0;
     for (int k = 0; k < n; k++) {
-        uint32_t ip = out[k].dst.sin_addr.s_addr;
+        uint32_t ip = out[k].dst.sin_addr.s_addr, from = out[k].from;
         uint16_t port = out[k].dst.sin_port;
         sp->next[k] = -1;
         int o = 0;
-        while (o < nopen && (sp->groups[sp->open[o]].ip != ip || sp->groups[sp->open[o]].port != port))
+        while (o < nopen && (sp->groups[sp->open[o]].ip != ip || sp->groups[sp->open[o]].port != port
+                             || sp->groups[sp->open[o]].from != from))
             o++;
         if (o < nopen) {
             Group *gr = &sp->groups[sp->open[o]];
@@ -885,6 +922,7 @@ static void flush(int fd, Out *out, int n, SendSpace *sp, int use_gso,
         gr->count = 1;
         gr->len = out[k].len;
         gr->ip = ip;
+        gr->from = from;
         gr->port = port;
         sp->open[nopen++] = ng++;
     }
@@ -919,6 +957,14 @@ static PyObject *dp_serve(Datapath *dp, PyObject *args) {
     }
     for (int k = 0; k < OUT_CAP; k++) out[k].buf = obuf + (size_t)k * OUT_BYTES;
     if (dp->gso) gro_set(fd, 1);
+    /* A socket on the wildcard address answers each datagram from the address it was sent
+     * to, not from the route's (workers take replies only from the address they send to). */
+    struct sockaddr_in me;
+    socklen_t me_len = sizeof me;
+    int wildcard = getsockname(fd, (struct sockaddr *)&me, &me_len) == 0 &&
+                   me.sin_family == AF_INET && me.sin_addr.s_addr == htonl(INADDR_ANY);
+    int on = 1;
+    if (wildcard && setsockopt(fd, IPPROTO_IP, IP_PKTINFO, &on, sizeof on) != 0) wildcard = 0;
     Py_BEGIN_ALLOW_THREADS
     double end = duration < 0 ? -1 : now_s() + duration;
     unsigned long long send_errors = 0;
@@ -955,9 +1001,12 @@ static PyObject *dp_serve(Datapath *dp, PyObject *args) {
                         pthread_mutex_lock(&dp->mu);
                     }
                     size_t n = len - off < seg ? len - off : seg;
-                    nout += process_any(dp, rbuf + (size_t)k * rbytes + off, n,
-                                        src[k].sin_addr.s_addr, src[k].sin_port, out + nout,
-                                        now);
+                    int made = process_any(dp, rbuf + (size_t)k * rbytes + off, n,
+                                           src[k].sin_addr.s_addr, src[k].sin_port, out + nout,
+                                           now);
+                    uint32_t to = wildcard ? rx_destination(&rmsgs[k].msg_hdr) : 0;
+                    for (int j = 0; j < made; j++) out[nout + j].from = to;
+                    nout += made;
                 }
             }
             pthread_mutex_unlock(&dp->mu);

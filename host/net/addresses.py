@@ -1,5 +1,6 @@
 """Addresses as the command line and the compiled datapath write them: ``HOST:PORT`` text,
-and IPv4 literals as 32-bit integers."""
+and IPv4 literals as 32-bit integers; and replies that leave from the address a datagram was
+sent to, on a socket bound to the wildcard address."""
 from __future__ import annotations
 
 import socket
@@ -49,3 +50,39 @@ def peer_address(addr, family: int = socket.AF_INET) -> tuple:
     if family == socket.AF_INET6 and len(tuple(addr)) == 4:
         got = got[:2] + tuple(addr)[2:]   # flow info and scope as given
     return got
+
+
+IP_PKTINFO = getattr(socket, "IP_PKTINFO", 8)
+"""Linux's value: Python's socket module names IPV6_PKTINFO but not IP_PKTINFO."""
+_PKTINFO = struct.Struct("@i4s4s")
+"""struct in_pktinfo: interface index, the address to send from, the header's destination."""
+PKTINFO_SPACE = socket.CMSG_SPACE(_PKTINFO.size)
+
+
+def answer_from_destination(sock: socket.socket) -> bool:
+    """Whether ``sock`` is bound to the IPv4 wildcard address, and if so, have the kernel
+    report each datagram's destination (:func:`destination`). Such a socket's replies would
+    otherwise leave from the address of the route to the peer, which on a host with several
+    addresses is not always the one the peer sent to; workers take replies only from that."""
+    name = sock.getsockname()
+    if sock.family != socket.AF_INET or name[0] != "0.0.0.0":
+        return False
+    sock.setsockopt(socket.IPPROTO_IP, IP_PKTINFO, 1)
+    return True
+
+
+def destination(ancdata: list) -> bytes | None:
+    """The packed address a datagram was sent to, from ``recvmsg``'s ancillary data."""
+    for level, kind, data in ancdata:
+        if level == socket.IPPROTO_IP and kind == IP_PKTINFO and len(data) >= _PKTINFO.size:
+            return _PKTINFO.unpack_from(data)[2]
+    return None
+
+
+def send_from(sock: socket.socket, data, dst: tuple[str, int], source: bytes | None) -> None:
+    """``sock.sendto(data, dst)``, leaving from the packed address ``source`` if given."""
+    if source is None:
+        sock.sendto(data, dst)
+    else:
+        sock.sendmsg([data], [(socket.IPPROTO_IP, IP_PKTINFO,
+                               _PKTINFO.pack(0, source, bytes(4)))], 0, dst)

@@ -10,7 +10,6 @@ when it is built, saying which datapath runs in its first line.
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import json
 import math
 import os
@@ -24,7 +23,8 @@ from pathlib import Path
 from time import monotonic
 
 from thc.codec import settings
-from thc.net.addresses import parse_hostport
+from thc.net.addresses import (PKTINFO_SPACE, answer_from_destination, destination,
+                                parse_hostport, send_from)
 from thc.net.impair import Impairment
 from thc.net.server import UDPServer
 from thc.wire import protocol as P
@@ -99,9 +99,11 @@ class Aggregator(UDPServer):
         end = None if duration is None else time.monotonic() + duration
         impair = self.impair
 
-        def sendto(data, dst) -> None:
+        wildcard = answer_from_destination(sock)
+
+        def sendto(data, dst, source=None) -> None:
             try:
-                sock.sendto(data, dst)
+                send_from(sock, data, dst, source)
             except OSError:
                 self.send_errors += 1
 
@@ -118,14 +120,20 @@ class Aggregator(UDPServer):
                 continue
             while True:
                 try:
-                    nbytes, src = sock.recvfrom_into(buf, 2048, socket.MSG_DONTWAIT)
+                    if wildcard:
+                        nbytes, anc, _, src = sock.recvmsg_into([buf], PKTINFO_SPACE,
+                                                                socket.MSG_DONTWAIT)
+                        source = destination(anc)
+                    else:
+                        nbytes, src = sock.recvfrom_into(buf, 2048, socket.MSG_DONTWAIT)
+                        source = None
                 except BlockingIOError:
                     break
                 for data, dst in self.handle(view[:nbytes], src):
                     if impair.active:
-                        impair.send(sendto, data, dst)
+                        impair.send(sendto, data, dst, source)
                     else:
-                        sendto(data, dst)
+                        sendto(data, dst, source)
         impair.flush(sendto, everything=True)
 
     def _clear_stop(self) -> None:
@@ -253,11 +261,6 @@ def run(args: argparse.Namespace) -> int:
           f"datapath {datapath}",
           flush=True)
     print(f"thc aggregator: {chosen.describe()}", file=sys.stderr, flush=True)
-    if ipaddress.ip_address(addr[0]).is_unspecified:
-        print(f"thc aggregator: listening on {addr[0]}, replies leave from the address of the "
-              f"route to each worker, and workers take replies only from the address they "
-              f"send to: on a host with several addresses, --listen on that one",
-              file=sys.stderr, flush=True)
     end = None if args.duration is None else time.monotonic() + args.duration
     last_print = time.monotonic()
     _stop_on_signals()

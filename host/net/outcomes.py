@@ -169,5 +169,5 @@ class TransportStats:
     sample from the chunk's first send, which Karn's rule would have thrown away."""
     elsewhere: int = 0
     """Replies to this worker of its job from the port of the chunk's aggregator at another
-    IP: counted in ``ignored`` too. An aggregator listening on a wildcard address (0.0.0.0)
-    answers from its route's address, which is not always the one workers send to."""
+    IP: counted in ``ignored`` too. An aggregator (or a NAT before it) that answers from
+    another address than the one workers send to is never heard."""

@@ -227,10 +227,11 @@ def raise_timeout(end: Endpoint, rnd: Round, i: int, bitmap: int | None, silent:
         elsewhere = end.stats.elsewhere - rnd.elsewhere
         if elsewhere:
             hint += (f"; {elsewhere} replies to this worker this round came from the port of "
-                     f"an aggregator of the job at another IP and were ignored: an aggregator "
-                     f"listening on a wildcard address (0.0.0.0) answers from the address of "
-                     f"its route to the worker; let it listen on the address the workers send "
-                     f"to (thc aggregator --listen {ip}:{port})")
+                     f"an aggregator of the job at another IP and were ignored: the workers "
+                     f"take replies only from the address they send to, so an aggregator (or "
+                     f"a NAT before it) answering from another one is not heard; let it "
+                     f"listen on the address the workers send to (thc aggregator --listen "
+                     f"{ip}:{port})")
         raise AggregationTimeout(f"{at}; no answer from {who} at {ip}:{port}{hint}", None,
                                  shard)
     if quiet:
