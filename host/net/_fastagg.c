@@ -767,14 +767,16 @@ static size_t gro_segment(struct msghdr *h, size_t *len, size_t plain_cap) {
     return *len;
 }
 
-/* The address a received datagram was sent to (an IP_PKTINFO message's ipi_addr), or 0. */
+/* The local address a received datagram came in on (an IP_PKTINFO message's ipi_spec_dst:
+ * the header's destination, or for a broadcast or multicast one, the interface's address),
+ * or 0. */
 static uint32_t rx_destination(struct msghdr *h) {
     if (h->msg_controllen)
         for (struct cmsghdr *c = CMSG_FIRSTHDR(h); c; c = CMSG_NXTHDR(h, c))
             if (c->cmsg_level == IPPROTO_IP && c->cmsg_type == IP_PKTINFO) {
                 struct in_pktinfo pi;
                 memcpy(&pi, CMSG_DATA(c), sizeof pi);
-                return pi.ipi_addr.s_addr;
+                return pi.ipi_spec_dst.s_addr;
             }
     return 0;
 }

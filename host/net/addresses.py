@@ -72,10 +72,11 @@ def answer_from_destination(sock: socket.socket) -> bool:
 
 
 def destination(ancdata: list) -> bytes | None:
-    """The packed address a datagram was sent to, from ``recvmsg``'s ancillary data."""
+    """The packed local address a datagram came in on, from ``recvmsg``'s ancillary data:
+    the one it was sent to, or for a broadcast or multicast one, the interface's."""
     for level, kind, data in ancdata:
         if level == socket.IPPROTO_IP and kind == IP_PKTINFO and len(data) >= _PKTINFO.size:
-            return _PKTINFO.unpack_from(data)[2]
+            return _PKTINFO.unpack_from(data)[1]
     return None
 
 
