@@ -91,6 +91,7 @@ typedef struct {
     uint32_t ip[MAX_WORKERS]; /* network order */
     uint16_t port[MAX_WORKERS]; /* network order */
     uint8_t addr_ok[MAX_WORKERS]; /* 0: the configured address is no IPv4 literal */
+    uint32_t local[MAX_WORKERS]; /* the address of ours each worker last sent to; 0: none */
     uint32_t job_run, epoch;
     double run_seen; /* when a packet of job_run last passed the run check */
     uint32_t worker_run[MAX_WORKERS], worker_nonce[MAX_WORKERS]; /* one incarnation a run */
@@ -115,7 +116,7 @@ typedef struct {
     uint8_t *buf;
     size_t len;
     struct sockaddr_in dst;
-    uint32_t from; /* the source address to send from; 0: the route's (see dp_serve) */
+    uint32_t from; /* the source address to send from; 0: the datagram's (see dp_serve) */
 } Out;
 
 typedef struct {
@@ -246,11 +247,11 @@ static int refuse(Datapath *dp, Job *j, int reason, const uint8_t *d, uint32_t d
                         detail, j->epoch);
 }
 
-/* One datagram from (sip, sport) (network order) at time now; replies go to out[0..], which
- * has room for MAX_WORKERS. Returns the number of replies. The rules and their order are
- * host/wire/model.py's. */
+/* One datagram from (sip, sport) to our address to (network order; 0: not known) at time
+ * now; replies go to out[0..], which has room for MAX_WORKERS. Returns the number of
+ * replies. The rules and their order are host/wire/model.py's. */
 static int process(Datapath *dp, const uint8_t *d, size_t len, uint32_t sip, uint16_t sport,
-                   Out *out, double now) {
+                   uint32_t to, Out *out, double now) {
     if (len < HDR) return drop(dp, MALFORMED);
     uint8_t type = d[0], wid = d[1], version = d[6];
     uint16_t job_id = rd16(d + 2), slot = rd16(d + 4);
@@ -271,6 +272,7 @@ static int process(Datapath *dp, const uint8_t *d, size_t len, uint32_t sip, uin
     if (wid >= n) return drop(dp, WORKER_OUTSIDE_JOB);
     if (!j->addr_ok[wid] || j->ip[wid] != sip || j->port[wid] != sport)
         return drop(dp, UNKNOWN_WORKER);
+    if (to) j->local[wid] = to;
     if (slot >= pool) return drop(dp, SLOT_OUTSIDE_POOL);
     if (slot != seq % pool || version != ((seq / pool) & 1))
         return refuse(dp, j, WRONG_SLOT, d, 0, sip, sport, out);
@@ -356,6 +358,7 @@ static int process(Datapath *dp, const uint8_t *d, size_t len, uint32_t sip, uin
     size_t rlen = write_result(dp, j, out[0].buf, 0, slot, version);
     for (int w = 0; w < n; w++) {
         Out *o = out_header(&out[w], j->ip[w], j->port[w]);
+        o->from = j->local[w]; /* each worker hears from the address it sends to */
         if (w) {
             memcpy(o->buf, out[0].buf, rlen);
             o->buf[1] = (uint8_t)w;
@@ -656,9 +659,9 @@ done:
 }
 
 static int process_any(Datapath *dp, const uint8_t *d, size_t len, uint32_t sip,
-                       uint16_t sport, Out *out, double now) {
+                       uint16_t sport, uint32_t to, Out *out, double now) {
     return dp->echo ? process_echo(dp, d, len, sip, sport, out)
-                    : process(dp, d, len, sip, sport, out, now);
+                    : process(dp, d, len, sip, sport, to, out, now);
 }
 
 /* handle(datagram, ip, port[, now]) -> [(bytes, ip, port)]: one datagram through the same
@@ -680,8 +683,8 @@ static PyObject *dp_handle(Datapath *dp, PyObject *args) {
     for (int k = 0; k < MAX_WORKERS; k++) out[k].buf = space + (size_t)k * OUT_BYTES;
     lock(dp);
     size_t len = (size_t)buf.len > RECV_BYTES ? RECV_BYTES : (size_t)buf.len;
-    int nout = process_any(dp, buf.buf, len, htonl((uint32_t)ip), htons((uint16_t)port), out,
-                           now);
+    int nout = process_any(dp, buf.buf, len, htonl((uint32_t)ip), htons((uint16_t)port), 0,
+                           out, now);
     PyObject *res = PyList_New(nout);
     for (int k = 0; res && k < nout; k++) {
         PyObject *item = Py_BuildValue("(y#kH)", out[k].buf, (Py_ssize_t)out[k].len,
@@ -822,10 +825,10 @@ static void rx_arm(struct mmsghdr *msgs, struct iovec *iov, char (*ctl)[GRO_CTL]
 static void send_groups(int fd, Out *out, SendSpace *sp, int ng, int use_gso,
                         unsigned long long *errors) {
     int g = 0, seg = 0; /* next group, and next datagram within it when sent one by one */
-    int cursor = -1;
+    int cursor = -1, single = 0;
     while (g < ng) {
         int m = 0, niov = 0, first_group[BATCH], first_seg[BATCH], cur_entry[BATCH];
-        int gso = use_gso && __atomic_load_n(&gso_ok, __ATOMIC_RELAXED);
+        int gso = use_gso && !single && __atomic_load_n(&gso_ok, __ATOMIC_RELAXED);
         int gi = g, si = seg, ci = cursor;
         while (gi < ng && m < BATCH) {
             Group *gr = &sp->groups[sp->emit[gi]];
@@ -875,7 +878,12 @@ static void send_groups(int fd, Out *out, SendSpace *sp, int ng, int use_gso,
             int err = errno;
             if (err == EINTR) continue;
             if (sp->gso[0] && gso_refused(err)) {
-                __atomic_store_n(&gso_ok, 0, __ATOMIC_RELAXED);
+                /* EINVAL with a source address may be the address's (one the route cannot
+                 * send from), not GSO's: this flush alone goes one by one */
+                if (err == EINVAL && sp->groups[sp->emit[first_group[0]]].from)
+                    single = 1;
+                else
+                    __atomic_store_n(&gso_ok, 0, __ATOMIC_RELAXED);
                 continue; /* the same datagrams again, one by one */
             }
             sent = 1; /* skip the refused message */
@@ -895,7 +903,8 @@ static void send_groups(int fd, Out *out, SendSpace *sp, int ng, int use_gso,
     }
 }
 
-/* Send out[0..n): grouped by destination and length, order kept per destination. */
+/* Send out[0..n): grouped by destination, source and length, order kept per destination and
+ * source. */
 static void flush(int fd, Out *out, int n, SendSpace *sp, int use_gso,
                   unsigned long long *errors) {
     int ng = 0, nemit = 0, nopen = 0;
@@ -995,6 +1004,7 @@ static PyObject *dp_serve(Datapath *dp, PyObject *args) {
                 size_t len = rmsgs[k].msg_len;
                 size_t seg = gro_segment(&rmsgs[k].msg_hdr, &len, RECV_BYTES);
                 if (seg == 0) seg = 1; /* an empty datagram: looked at once */
+                uint32_t to = wildcard ? rx_destination(&rmsgs[k].msg_hdr) : 0;
                 for (size_t off = 0; off == 0 || off < len; off += seg) {
                     if (nout > OUT_CAP - MAX_WORKERS) {
                         pthread_mutex_unlock(&dp->mu);
@@ -1004,10 +1014,10 @@ static PyObject *dp_serve(Datapath *dp, PyObject *args) {
                     }
                     size_t n = len - off < seg ? len - off : seg;
                     int made = process_any(dp, rbuf + (size_t)k * rbytes + off, n,
-                                           src[k].sin_addr.s_addr, src[k].sin_port, out + nout,
-                                           now);
-                    uint32_t to = wildcard ? rx_destination(&rmsgs[k].msg_hdr) : 0;
-                    for (int j = 0; j < made; j++) out[nout + j].from = to;
+                                           src[k].sin_addr.s_addr, src[k].sin_port, to,
+                                           out + nout, now);
+                    for (int j = 0; j < made; j++)
+                        if (!out[nout + j].from) out[nout + j].from = to;
                     nout += made;
                 }
             }

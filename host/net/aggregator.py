@@ -32,6 +32,10 @@ from thc.wire.jobs import Cluster, ConfigError, Job
 from thc.wire.model import Model, Reply
 
 
+MAX_PEERS = 1 << 16
+"""Peers whose local address a wildcard socket remembers (see ``Aggregator.serve``)."""
+
+
 class Aggregator(UDPServer):
     """The reference model (``handle``) plus an optional UDP server loop around it."""
 
@@ -100,6 +104,10 @@ class Aggregator(UDPServer):
         impair = self.impair
 
         wildcard = answer_from_destination(sock)
+        local: dict[tuple[str, int], bytes] = {}
+        """On a wildcard socket: the address of ours each peer last sent to, which its
+        replies leave from, whichever peer's datagram caused them (a RESULT goes to every
+        worker of the chunk). Bounded: a flood of spoofed sources only clears it."""
 
         def sendto(data, dst, source=None) -> None:
             try:
@@ -123,13 +131,17 @@ class Aggregator(UDPServer):
                     if wildcard:
                         nbytes, anc, _, src = sock.recvmsg_into([buf], PKTINFO_SPACE,
                                                                 socket.MSG_DONTWAIT)
-                        source = destination(anc)
+                        if (to := destination(anc)) is not None:
+                            if len(local) >= MAX_PEERS:
+                                local.clear()
+                            local[src] = to
                     else:
                         nbytes, src = sock.recvfrom_into(buf, 2048, socket.MSG_DONTWAIT)
-                        source = None
+                        to = None
                 except BlockingIOError:
                     break
                 for data, dst in self.handle(view[:nbytes], src):
+                    source = local.get(dst, to) if wildcard else None
                     if impair.active:
                         impair.send(sendto, data, dst, source)
                     else:
