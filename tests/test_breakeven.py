@@ -119,25 +119,35 @@ def _sweep_cli(*argv: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=400)
 
 
-def test_a_sweep_the_links_cannot_be_fitted_to_is_refused_before_it_runs(tmp_path):
+def _sweep_here(*argv: str) -> int:
+    """``thc sweep`` in this process (its exit status), for the checks that run nothing."""
+    import argparse
+
+    from thc.emu import sweep
+    parser = argparse.ArgumentParser()
+    sweep.add_arguments(parser)
+    return sweep.run(parser.parse_args(list(argv)))
+
+
+def test_a_sweep_the_links_cannot_be_fitted_to_is_refused_before_it_runs(tmp_path, capsys):
     """One bandwidth, or no FP32, leaves the fit of the links nothing to fit: refused at once,
     not after every run."""
     for bw, modes in (("1000", "fp32,thc"), ("100,1000", "fp16,thc")):
-        out = _sweep_cli("--bw", bw, "--modes", modes, "--out", str(tmp_path))
-        assert out.returncode == 2 and "fp32 at two bandwidths" in out.stderr, out.stderr
+        assert _sweep_here("--bw", bw, "--modes", modes, "--out", str(tmp_path)) == 2
+        assert "fp32 at two bandwidths" in capsys.readouterr().err
         assert not (tmp_path / "sweep.json").exists()
 
 
-def test_a_sweep_that_cannot_be_analysed_keeps_its_runs_and_says_why(tmp_path):
+def test_a_sweep_that_cannot_be_analysed_keeps_its_runs_and_says_why(tmp_path, capsys):
     """A sweep whose analysis fails (here: FP32 measured at one bandwidth only) ends with the
     reason and exit status 1, its JSON untouched, not with a traceback."""
     one = _sweep(0.085)
     one["points"] = one["points"][:1]
     path = tmp_path / "sweep.json"
     path.write_text(json.dumps(one))
-    out = _sweep_cli("--report", str(path), "--out", str(tmp_path))
-    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
-    assert "no analysis" in out.stderr and "two bandwidths" in out.stderr
+    assert _sweep_here("--report", str(path), "--out", str(tmp_path)) == 1
+    err = capsys.readouterr().err
+    assert "no analysis" in err and "two bandwidths" in err
     assert json.loads(path.read_text()) == one
 
 

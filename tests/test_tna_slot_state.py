@@ -18,6 +18,9 @@ from tests.tna.interleave import SEED, fuzz, idle_scenarios
 from tests.tna.interp import Program
 from tests.tna.p4text import P4SRC, Unsupported, preprocess
 
+pytestmark = pytest.mark.xdist_group("tna_slot_state")
+"""One pytest-xdist process runs the module: its fuzz (``outcomes``) is computed once."""
+
 
 @pytest.fixture(scope="module")
 def program() -> Program:

@@ -3,6 +3,7 @@ and IPv4 literals as 32-bit integers; and replies that leave from the address a 
 sent to, on a socket bound to the wildcard address."""
 from __future__ import annotations
 
+import functools
 import socket
 import struct
 
@@ -80,10 +81,14 @@ def destination(ancdata: list) -> bytes | None:
     return None
 
 
+@functools.lru_cache(maxsize=256)
+def _from(source: bytes) -> list:
+    return [(socket.IPPROTO_IP, IP_PKTINFO, _PKTINFO.pack(0, source, bytes(4)))]
+
+
 def send_from(sock: socket.socket, data, dst: tuple[str, int], source: bytes | None) -> None:
     """``sock.sendto(data, dst)``, leaving from the packed address ``source`` if given."""
     if source is None:
         sock.sendto(data, dst)
     else:
-        sock.sendmsg([data], [(socket.IPPROTO_IP, IP_PKTINFO,
-                               _PKTINFO.pack(0, source, bytes(4)))], 0, dst)
+        sock.sendmsg([data], _from(source), 0, dst)
