@@ -16,15 +16,18 @@ def _fresh_settings():
 SYSTEM = ("tests/bmv2/", "tests/conformance/", "test_testbed.py", "test_mainjob.py",
           "test_breakeven.py", "test_faults.py", "test_dlcp_training.py", "test_shards.py",
           "test_priority_links.py", "test_p4_build.py", "test_target_writes.py",
-          "test_readme.py", "test_jobs_safety.py", "test_namespace.py", "test_perfmodel.py")
+          "test_readme.py", "test_jobs_safety.py", "test_namespace.py", "test_perfmodel.py",
+          "test_xdist_groups.py")
 """Files whose tests start Mininet, BMv2 or network namespaces (system-wide names and
 cleanups): one pytest-xdist process runs them all, one after another (``make test``), with
 every test marked ``bmv2`` or ``mininet``. A new test that starts one is marked so, or its
 file is listed here."""
 
 
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if (item.get_closest_marker("bmv2") or item.get_closest_marker("mininet")
                 or any(s in item.nodeid for s in SYSTEM)):
             item.add_marker(pytest.mark.xdist_group("system"))
+
