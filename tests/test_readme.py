@@ -173,9 +173,12 @@ def test_python_examples_that_need_hardware(name, tmp_path):
     if why:
         pytest.skip(f"README example {name!r} needs {HARDWARE[b.needs]}: {why}")
     from thc.controller.testing.bmv2 import LocalBMv2
-    from thc.testing.clusters import free_port_block, local_job
-    from thc.wire.jobs import Cluster
-    cluster = Cluster(jobs=(local_job(1, 2, free_port_block(2)),))
+    from thc.wire.jobs import SWITCH_AGG_IP, SWITCH_AGG_MAC, Cluster, Job
+    workers = [{"id": i, "ip": f"10.0.0.{i + 1}", "port": 50000 + i,
+                "mac": f"02:00:00:00:00:{i + 1:02x}", "switch_port": i} for i in range(2)]
+    cluster = Cluster(jobs=(Job.from_dict({"job_id": 1, "workers": workers, "p": 1 / 32,
+                                           "granularity": 30}),),
+                      agg_ip=SWITCH_AGG_IP, agg_mac=SWITCH_AGG_MAC)
     with LocalBMv2(2, connect=False, receive=False) as bm:
         code = b.code.replace(SWITCH_ADDRESS, bm.grpc_addr)
         assert code != b.code, f"the example names no switch at {SWITCH_ADDRESS}"
