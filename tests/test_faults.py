@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import time
 
 import numpy as np
 
@@ -69,6 +70,36 @@ def test_the_bitmap_reference_sums_only_the_counted_workers():
     np.testing.assert_array_equal(ref, np.concatenate([a[:4] + b[:4], b[4:8], [0, 0]]))
     assert bitmap_mismatches(ref, ref, [2, 1, 0], bitmaps, lanes) == 0
     assert bitmap_mismatches(ref, ref, [2, 2, 0], bitmaps, lanes) == lanes  # count != bits
+
+
+def test_halted_workers_wait_at_one_round_however_late_the_stop_is_named(tmp_path):
+    """The driver may be descheduled between reading the workers' progress and naming the
+    round to stop at (a count taken from progress read while they run was passed before it
+    was written, and one worker then waited 30 s for a round its peer never sent): halted
+    workers report one count (a worker that sent the next round first waits in it,
+    reporting nothing), make no progress while the driver is away, and stop together one
+    round later."""
+    from thc.emu.testbed import open_testbed
+
+    with open_testbed(2, prefer_mininet=False) as tb:
+        tb.start_aggregator()
+        until = tmp_path / "until"
+        until.mkdir()
+        procs = tb.start_workers(matrix.worker_argv(tb, tb.job.lanes * 4, rounds=1 << 30,
+                                                    deadline=30.0, until=str(until)))
+        time.sleep(1.0)
+        (until / "halt").touch()
+        end = time.monotonic() + 60
+        while not any(until.glob("done-*")) and time.monotonic() < end:
+            time.sleep(0.01)
+        time.sleep(1.0)   # the driver, away
+        counts = {f.read_text() for f in until.glob("done-*")}
+        assert len(counts) == 1, counts
+        halted = int(counts.pop())
+        (until / "stop").write_text(str(halted + 1))
+        results = matrix.wait_workers(procs, 60)
+    assert [r.get("error") for r in results] == [None, None], results
+    assert [r["rounds"] for r in results] == [halted + 1] * 2 and halted > 0
 
 
 def test_a_timed_stream_stops_every_worker_after_the_same_round():

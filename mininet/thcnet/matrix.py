@@ -153,8 +153,8 @@ def progress(tb, before: dict, chunks: int, timeout: float = 60.0) -> int:
 
 def stream_for(name: str, tb, numel: int, seconds: float, note: str, **kw) -> Row:
     """Workers aggregate the vector round after round for about ``seconds``; then the
-    driver names a round count none has reached (``smoke_worker --until``) and all stop
-    there, each having checked every round."""
+    driver halts them, names the round count after the one they halted at (``smoke_worker
+    --until``) and all stop there, each having checked every round."""
     until = tb.logdir / f"until-{time.monotonic_ns()}"
     until.mkdir()
     before = counters_of(tb)
@@ -163,8 +163,14 @@ def stream_for(name: str, tb, numel: int, seconds: float, note: str, **kw) -> Ro
                                    until=str(until), **kw))
     while time.perf_counter() - t0 < seconds and any(p.poll() is None for p in procs):
         time.sleep(0.2)
+    (until / "halt").touch()
+    end = time.monotonic() + 60
+    while not any(until.glob("done-*")) and any(p.poll() is None for p in procs):
+        if time.monotonic() > end:
+            raise TestbedError("no worker halted within 60 s of the request")
+        time.sleep(0.01)
     done = [int(f.read_text() or 0) for f in until.glob("done-*")]
-    stop = max(done, default=0) + 2
+    stop = max(done, default=0) + 1
     (until / "stop.tmp").write_text(str(stop))
     (until / "stop.tmp").rename(until / "stop")
     results = wait_workers(procs, 300)

@@ -108,15 +108,28 @@ def digest(sums: np.ndarray) -> str:
 
 
 def _stop_round(until: str) -> float:
-    """The round count after which every worker stops (DIR/stop), or infinity.
-
-    Whoever writes it must pick a count no worker has reached yet: a worker is at most one
-    round ahead of the slowest (a round needs everyone's chunks), so the highest done-RANK
-    plus two is safe, and every worker then runs the same number of rounds."""
+    """The round count after which every worker stops (DIR/stop), or infinity."""
     try:
         return int(Path(until, "stop").read_text())
     except (OSError, ValueError):
         return float("inf")
+
+
+def _halt(until: str, rank: int, rounds: int, wait: float) -> float:
+    """Once the driver asks for a halt (DIR/halt): report the rounds done (DIR/done-RANK) and
+    wait for the round count to stop at (DIR/stop, at most ``wait`` seconds: else this count).
+
+    Every worker halts at the same count c: halting at c means not sending round c + 1, so no
+    worker can finish it, and a worker that sent it before the halt waits in it. The driver
+    names c + 1, which those finish and the halted ones run, so all stop together. (A count
+    chosen from progress read while the workers run may be passed before it is written.)"""
+    tmp = Path(until, f"tmp-{rank}")
+    tmp.write_text(str(rounds))
+    tmp.rename(Path(until, f"done-{rank}"))   # renamed into place: never read empty
+    end = time.monotonic() + wait
+    while (stop := _stop_round(until)) == float("inf") and time.monotonic() < end:
+        time.sleep(0.01)
+    return rounds if stop == float("inf") else stop
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -128,9 +141,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="aggregate the vector this many times (each checked)")
     Impairment.add_arguments(ap, "chunks")
     ap.add_argument("--until", metavar="DIR", default=None,
-                    help="streams of a set duration: write DIR/done-RANK (rounds finished) "
-                         "after each round, and stop once DIR/stop holds a round count this "
-                         "worker reached (--rounds stays the upper bound)")
+                    help="streams of a set duration: once DIR/halt exists, write "
+                         "DIR/done-RANK (rounds finished), wait for DIR/stop and stop at the "
+                         "round count it holds (--rounds stays the upper bound)")
     ap.add_argument("--start-delay", type=float, default=0.0, metavar="SECONDS",
                     help="wait this long before the first chunk: a straggler (testing)")
     ap.add_argument("--out-of-step", type=float, default=0.0, metavar="P",
@@ -166,8 +179,11 @@ def main(argv: list[str] | None = None) -> int:
         time.sleep(args.start_delay)
         t0 = time.perf_counter()
         try:
+            stop = float("inf")
             for _ in range(args.rounds):
-                if args.until and rounds >= _stop_round(args.until):
+                if args.until and stop == float("inf") and Path(args.until, "halt").exists():
+                    stop = _halt(args.until, args.rank, rounds, args.deadline * 2)
+                if rounds >= stop:
                     break
                 last = client.reduce(packed)
                 sums = last.sums[: args.numel]
@@ -179,10 +195,6 @@ def main(argv: list[str] | None = None) -> int:
                 else:
                     mismatches += int(np.count_nonzero(sums != ref))
                 rounds += 1
-                if args.until:   # renamed into place: the driver never reads it empty
-                    tmp = Path(args.until, f"tmp-{args.rank}")
-                    tmp.write_text(str(rounds))
-                    tmp.rename(Path(args.until, f"done-{args.rank}"))
         except (AggregationTimeout, AggregatorRestarted, AggregationRefused) as e:
             line = {"rank": args.rank, "error": type(e).__name__, "message": str(e),
                     "missing": getattr(e, "missing", None), "rounds": rounds,
