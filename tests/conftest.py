@@ -30,4 +30,3 @@ def pytest_collection_modifyitems(config, items):
         if (item.get_closest_marker("bmv2") or item.get_closest_marker("mininet")
                 or any(s in item.nodeid for s in SYSTEM)):
             item.add_marker(pytest.mark.xdist_group("system"))
-

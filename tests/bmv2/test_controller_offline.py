@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from p4.v1 import p4runtime_pb2
 
-from thc.controller import job_checks, job_entries, jobs, p4rt
+from thc.controller import job_checks, job_entries, p4rt
 from thc.controller.targets import bmv2 as bmv2_target
 from thc.controller.frames import parse_udp_frame, reset_frame, udp_frame
 from thc.controller.switch import Switch, SwitchError, encode_value
@@ -102,7 +102,7 @@ def test_job_entries_from_the_committed_p4info():
     assert values[0][0x10] == 1 << 24 and values[0][0x22] == 0
     with pytest.raises(ConfigError, match="epoch"):
         job_entries.job_entry(sw, job, 3, epoch=0)
-    (w0,) = jobs.worker_entries(sw, job)[:1]
+    (w0,) = job_entries.worker_entries(sw, job)[:1]
     assert sw.param_values(w0) == {"worker_bit": 1}
     with pytest.raises(SwitchError, match="no table"):
         sw.table_entry("thc_nonexistent", {})
@@ -124,18 +124,18 @@ def test_workers_colliding_on_address_across_jobs_are_refused():
     clash_port = dataclasses.replace(clash_port, workers=(clash_port.workers[0],
         dataclasses.replace(clash_port.workers[1], ip=w.ip, port=w.port)))
     with pytest.raises(ConfigError, match=rf"{w.ip}:{w.port} is used by a worker of job 5"):
-        jobs.check_job(sw, clash_port, 1, _others((a, 0)))
+        job_checks.check_job(sw, clash_port, 1, _others((a, 0)))
     other_host = dataclasses.replace(_job(6, pool_base=8, pool_size=8), workers=(
         dataclasses.replace(_job(6).workers[0], mac=w.mac),))
     with pytest.raises(ConfigError, match=f"MAC {w.mac} belongs to {w.ip}"):
-        jobs.check_job(sw, other_host, 1, _others((a, 0)))
+        job_checks.check_job(sw, other_host, 1, _others((a, 0)))
     moved = dataclasses.replace(other_host, workers=(dataclasses.replace(
         other_host.workers[0], ip=w.ip, switch_port=w.switch_port + 1),))
     with pytest.raises(ConfigError, match="switch port"):
-        jobs.check_job(sw, moved, 1, _others((a, 0)))
+        job_checks.check_job(sw, moved, 1, _others((a, 0)))
     same_host = dataclasses.replace(moved, workers=(dataclasses.replace(
         moved.workers[0], switch_port=w.switch_port),))
-    jobs.check_job(sw, same_host, 1, _others((a, 0)))   # one host in two jobs: allowed
+    job_checks.check_job(sw, same_host, 1, _others((a, 0)))   # one host in two jobs: allowed
 
 
 def test_index_group_and_pool_collisions_are_refused():
@@ -143,11 +143,11 @@ def test_index_group_and_pool_collisions_are_refused():
     a = _job(5, pool_base=0, pool_size=8)
     b = _job(6, pool_base=4, pool_size=8)
     with pytest.raises(ConfigError, match="overlaps job 5"):
-        jobs.check_job(sw, b, 1, _others((a, 0)))
+        job_checks.check_job(sw, b, 1, _others((a, 0)))
     with pytest.raises(ConfigError, match="index 0 is taken by job 5"):
-        jobs.check_job(sw, dataclasses.replace(b, pool_base=8), 0, _others((a, 0)))
+        job_checks.check_job(sw, dataclasses.replace(b, pool_base=8), 0, _others((a, 0)))
     with pytest.raises(ConfigError, match="multicast group 5 is taken"):
-        jobs.check_job(sw, dataclasses.replace(b, pool_base=8, mcast_grp=5), 1,
+        job_checks.check_job(sw, dataclasses.replace(b, pool_base=8, mcast_grp=5), 1,
                        _others((a, 0)))
 
 
@@ -155,7 +155,7 @@ def test_table_value_above_granularity_is_refused():
     sw = Switch.offline()
     job = dataclasses.replace(_job(), table=tuple(range(15)) + (31,))
     with pytest.raises(ConfigError, match=r"table values must lie in 0\.\.30"):
-        jobs.check_job(sw, job, 0, {})
+        job_checks.check_job(sw, job, 0, {})
 
 
 def test_sums_that_overflow_even_16_bits_are_refused():
@@ -163,7 +163,7 @@ def test_sums_that_overflow_even_16_bits_are_refused():
     job = dataclasses.replace(_job(n=3), granularity=30000)
     assert job.n_workers * job.granularity > 0xFFFF
     with pytest.raises(ConfigError, match="overflows"):
-        jobs.check_job(sw, job, 0, {})
+        job_checks.check_job(sw, job, 0, {})
 
 
 @pytest.mark.parametrize("n_workers", [3, 32])

@@ -377,15 +377,14 @@ def idle_scenarios(prog: Program) -> str | None:
                 body = bytes(P.payload_bytes(T[kind])) if kind in ("DATA", "MAX") else b""
                 d = P.Header(T[kind], w, JOB_ID, 0, seq & 1, 0, seq, offset_of(seq), 0, run,
                              nonce_of(w, run, restarts)).pack() + body
+                at = f"{name} (clock from {start:g} s): {describe(d, addr(w))} at +{t} s"
                 want = normalize(model.handle(d, addr(w), start + t))
                 try:
                     got = normalize(tna.handle(d, addr(w), start + t))
                 except AssertionError as e:   # the TNA's own reply contradicts itself
-                    return (f"{name} (clock from {start:g} s): {describe(d, addr(w))} at +{t} "
-                            f"s\n  TNA: {e}")
+                    return f"{at}\n  TNA: {e}"
                 if want != got:
-                    return (f"{name} (clock from {start:g} s): {describe(d, addr(w))} at +{t} "
-                            f"s\n  model: {want}\n  TNA: {got}")
+                    return f"{at}\n  model: {want}\n  TNA: {got}"
             assert want[0] == last, f"{name}: the model's last answer is {want[0]}, not {last}"
     return None
 

@@ -25,7 +25,7 @@ from tests.tna.interp import Machine, Program
 from tests.tna.passes import passes
 from tests.tna.words import Words
 from tests.tna.p4text import Unsupported, mask, preprocess
-from thc.controller import job_entries, jobs as controller_jobs
+from thc.controller import job_entries
 from thc.controller import program as names
 from thc.controller.frames import reset_frame, udp_frame
 from thc.wire import protocol as P
@@ -92,7 +92,7 @@ class TnaEngine:
                     raise AssertionError(f"RESET of slot {slot} version {version}: {out}")
         for k in range(len(P.JOB_COUNTERS)):
             self.counters.pop((names.JOB_COUNTERS, job_index * len(P.JOB_COUNTERS) + k), None)
-        for entry in controller_jobs.worker_entries(rec, job):
+        for entry in job_entries.worker_entries(rec, job):
             self._write(entry)
 
     def _write(self, entry) -> None:
