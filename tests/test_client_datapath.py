@@ -28,6 +28,20 @@ N_CHUNKS = 20
 SHORT_SEQ = 3
 
 
+def _others(seq, lanes):
+    """Worker 1's table values in chunk ``seq`` (granularity 30)."""
+    return (np.arange(lanes) + 7 * seq) % 31
+
+
+def _want(job, packed, first_seq=0, short=None):
+    """The sums of the chunks of ``packed`` (worker 0's indices) from seq ``first_seq``: its
+    table values plus worker 1's; chunk ``short``'s its values alone."""
+    own = job.lane_values(packed).reshape(N_CHUNKS, job.lanes).astype(np.int64)
+    return np.concatenate([own[k] + (0 if first_seq + k == short else
+                                     _others(first_seq + k, job.lanes))
+                           for k in range(N_CHUNKS)])
+
+
 class ScriptedAggregator:
     """Answers each DATA chunk with a volley of hostile and impossible replies, a PENDING,
     then its RESULT (``mode="pending"``: the PENDING only, as if worker 1 never came;
@@ -49,10 +63,6 @@ class ScriptedAggregator:
         self._thread = threading.Thread(target=self._serve, daemon=True)
         self._thread.start()
 
-    @staticmethod
-    def values(seq, lanes, bound=60):
-        """Sums two workers can make at granularity 30 (at most ``bound``)."""
-        return (np.arange(lanes) + 7 * seq) % (bound + 1)
 
     def _serve(self):
         job, pack = self.job, P.HEADER_STRUCT.pack
@@ -65,16 +75,17 @@ class ScriptedAggregator:
             self.received.append(data)
             (_t, w, j, slot, version, _c, seq, offset, _b, run, _e) = \
                 P.HEADER_STRUCT.unpack_from(data)
+            own = job.lane_values(data[P.HEADER_BYTES:])
 
             def reply(t=P.PktType.RESULT, worker=w, job_id=j, count=job.n_workers,
                       bitmap=job.full_bitmap, run=run, payload=None, slot=slot,
                       version=version, offset=offset, sock=self.sock):
                 if payload is None:
-                    payload = self.values(seq, job.lanes).astype(dtype).tobytes()
+                    payload = (own + _others(seq, job.lanes)).astype(dtype).tobytes()
                 sock.sendto(pack(t, worker, job_id, slot, version, count, seq, offset,
                                  bitmap, run, self.epoch) + payload, src)
 
-            reply(t=P.PktType.PENDING, bitmap=0b01, payload=b"")
+            reply(t=P.PktType.PENDING, count=1, bitmap=0b01, payload=b"")
             if self.mode == "pending":
                 continue
             reply(sock=self.stranger)                                   # ignored: stranger
@@ -94,8 +105,7 @@ class ScriptedAggregator:
                 reply(count=1, bitmap=0b01, payload=np.full(job.lanes, 31).astype(
                     dtype).tobytes())                                   # ignored: > 1 x 30
                 if self.short:
-                    reply(count=1, bitmap=0b01, payload=self.values(seq, job.lanes, 30).astype(
-                        dtype).tobytes())                               # closed short
+                    reply(count=1, bitmap=0b01, payload=own.astype(dtype).tobytes())  # short
                     continue
             reply()
 
@@ -111,6 +121,12 @@ def job():
     return local_job(1, 2, free_port_block(2), pool_size=16)
 
 
+def _index_zero(job, chunks):
+    """Chunks of index 0 (table value 0): a RESULT of zeros counts them, for the tests that
+    time replies rather than check sums."""
+    return np.zeros(chunks * job.lanes // 2, np.uint8)
+
+
 def _packed(job, seed):
     idx = np.random.default_rng(seed).integers(0, 16, N_CHUNKS * job.lanes).astype(np.uint8)
     return pack_bits(idx, P.INDEX_BITS)
@@ -124,9 +140,7 @@ def test_hostile_replies_ignored_and_counted_short_chunks_and_restart(job, datap
             r = c.reduce(packed, offset_base=1000)
             sums = r.sums
             assert r.datapath == datapath
-            want = np.concatenate([ScriptedAggregator.values(s, job.lanes)
-                                   for s in range(N_CHUNKS)])
-            np.testing.assert_array_equal(sums, want)
+            np.testing.assert_array_equal(sums, _want(job, packed))
             s = c.stats
             assert s.retransmitted == 0 and s.sent == N_CHUNKS
             assert s.received == 14 * N_CHUNKS + 2
@@ -147,8 +161,7 @@ def test_hostile_replies_ignored_and_counted_short_chunks_and_restart(job, datap
                     1000 + seq * job.lanes, 0, 77, c.incarnation) + payload
             # a second round continues the sequence numbers; then the aggregator restarts
             sums = c.aggregate(_packed(job, 2))
-            np.testing.assert_array_equal(sums, np.concatenate(
-                [ScriptedAggregator.values(s, job.lanes) for s in range(N_CHUNKS, 2 * N_CHUNKS)]))
+            np.testing.assert_array_equal(sums, _want(job, _packed(job, 2), N_CHUNKS))
             agg.epoch = job.new_epoch(nonce=0x5678)
             with pytest.raises(AggregatorRestarted, match="the aggregator at 127.0.0.1") as e:
                 c.aggregate(_packed(job, 3))
@@ -174,18 +187,16 @@ def test_missing_worker_named_by_the_last_pending(job, datapath):
 def test_impairment_priorities_and_loss_bound_run_in_python(job):
     """What only the Python window does (impairments, a loss bound, DSCP marks) makes a
     compiled client run the round there, with the same sums; duplicated DATA is sent."""
-    want = np.concatenate([ScriptedAggregator.values(s, job.lanes) for s in range(N_CHUNKS)])
     agg = ScriptedAggregator(job)
     try:
         packed = _packed(job, 1)
+        want = _want(job, packed)
         for kw in ({"impair": Impairment(dup=0.2, seed=1)}, {"loss_bound": 0.1}):
             agg.short = "loss_bound" in kw   # a chunk may close short within a bound only
             with AggregationClient(job, 0, agg.addr, run=9, datapath="compiled", **kw) as c:
                 result = c.reduce(packed)
-                short = ScriptedAggregator.values(SHORT_SEQ, job.lanes, 30)
-                np.testing.assert_array_equal(result.sums, np.concatenate(
-                    [want[:SHORT_SEQ * job.lanes], short, want[(SHORT_SEQ + 1) * job.lanes:]])
-                    if agg.short else want)
+                np.testing.assert_array_equal(
+                    result.sums, _want(job, packed, short=SHORT_SEQ) if agg.short else want)
                 assert (result.counts[SHORT_SEQ] == 1) == agg.short
                 assert result.datapath == "python", kw
                 if "impair" in kw:
@@ -213,7 +224,6 @@ def test_datapath_choice(monkeypatch):
 def test_an_ipv6_socket_falls_back_from_the_compiled_window_with_the_same_sums(job):
     """The compiled window speaks IPv4 only: an IPv6 socket's rounds run in Python, with
     the sums and the hostile replies handled as on IPv4."""
-    want = np.concatenate([ScriptedAggregator.values(s, job.lanes) for s in range(N_CHUNKS)])
     agg = ScriptedAggregator(job, family=socket.AF_INET6)
     sock = socket.socket(socket.AF_INET6, socket.SOCK_DGRAM)
     sock.bind(("::1", 0))
@@ -221,7 +231,7 @@ def test_an_ipv6_socket_falls_back_from_the_compiled_window_with_the_same_sums(j
         with AggregationClient(job, 0, agg.addr, run=3, datapath="compiled",
                                sock=sock) as c:
             result = c.reduce(_packed(job, 1))
-            np.testing.assert_array_equal(result.sums, want)
+            np.testing.assert_array_equal(result.sums, _want(job, _packed(job, 1)))
             assert result.datapath == "python"
             # every chunk's volley of hostile replies ignored (more if a resent chunk drew
             # another)
@@ -263,8 +273,7 @@ def test_results_queued_before_a_round_are_not_taken_as_its_own(job, datapath):
                 pass
             r = c.reduce(_packed(job, 1))
             assert r.datapath == datapath and c.stats.drained == 1
-            np.testing.assert_array_equal(r.sums[: job.lanes], ScriptedAggregator.values(
-                0, job.lanes))
+            np.testing.assert_array_equal(r.sums, _want(job, _packed(job, 1)))
     finally:
         agg.close()
 
@@ -506,7 +515,7 @@ def test_a_chunk_later_ones_overtook_is_resent_within_the_fast_backoff_cap(job, 
     with scripted_aggregator(job, answer) as addr, \
             AggregationClient(job, 0, addr, run=4, deadline=5.0, window=n,
                               max_timeout=1.0) as c:
-        c.aggregate(_packed(job, 2)[: n * job.lanes // 2])
+        c.aggregate(_index_zero(job, n))
         assert c.stats.compiled_rounds == (datapath == "compiled")
     gaps = np.diff(sent[: lost + 1])
     assert len(sent) > lost and gaps.max() < 0.3, gaps
@@ -523,7 +532,7 @@ def test_a_round_trip_past_the_timeout_floor_is_learnt_from_spurious_timeouts(jo
     with scripted_aggregator(job, lambda t, seq: (P.PktType.RESULT, 2, 0b11, zeros),
                              delay=0.05) as addr, \
             AggregationClient(job, 0, addr, run=4, window=16) as c:
-        data = _packed(job, 3)[: n * job.lanes // 2]
+        data = _index_zero(job, n)
         c.aggregate(data)
         first = c.stats.retransmitted
         for _ in range(2):
@@ -552,7 +561,7 @@ def test_a_duplicated_answer_to_a_resend_is_no_spurious_timeout(job, datapath):
         return [r, r]
 
     with answering(reply) as addr, AggregationClient(job, 0, addr, run=4, window=16) as c:
-        data = _packed(job, 3)[: 16 * job.lanes // 2]
+        data = _index_zero(job, 16)
         for _ in range(8):
             c.aggregate(data)
         assert c.stats.compiled_rounds == (datapath == "compiled") * 8
@@ -585,7 +594,7 @@ def _srtt_while_peer_late(job, datapath, wait, delay, chunks, held=False, **kw):
     replies ``delay`` seconds late."""
     with scripted_aggregator(job, _peer_late(job, wait, held), delay=delay) as addr, \
             AggregationClient(job, 0, addr, run=4, window=chunks, **kw) as c:
-        c.aggregate(_packed(job, 4)[: chunks * job.lanes // 2])
+        c.aggregate(_index_zero(job, chunks))
         assert c.stats.compiled_rounds == (datapath == "compiled")
         assert c.stats.pending > 0 and c.stats.retransmitted >= chunks
     return c.rtt.srtt[0]
@@ -617,3 +626,67 @@ def test_pending_samples_are_never_shorter_than_the_round_trip(job, datapath):
     srtt = _srtt_while_peer_late(job, datapath, wait=0.6, delay=0.15, chunks=4,
                                  max_timeout=0.1)
     assert srtt is None or srtt > 0.14, srtt   # no sample, or none short
+
+
+@pytest.mark.parametrize("aggregation", ["thc", "vote"])
+def test_a_sum_without_the_workers_own_values_is_ignored(job, datapath, aggregation):
+    """An aggregator that counted this worker and lost its values answers the other
+    worker's alone, with count 2 and both bits: within count x granularity, so only the
+    worker's own table values (sign bits) show it. Each such RESULT is an impossible reply;
+    the honest one after it is taken."""
+    if aggregation == "vote":
+        job = Job.vote(job.job_id, job.workers, pool_size=job.pool_size)
+    lanes = job.lanes
+    dtype = P.sum_dtype(job.sum_bits)
+    rng, peers = np.random.default_rng(7), {}
+
+    def answer(data):
+        own = job.lane_values(data[P.HEADER_BYTES:]).astype(np.int64)
+        seq = P.HEADER_STRUCT.unpack_from(data)[6]
+        peer = peers.setdefault(seq, rng.integers(0, 2, lanes) if aggregation == "vote"
+                                else _others(seq, lanes))
+        head = _complete(data, P.PktType.RESULT, job)
+        return [head + peer.astype(dtype).tobytes(), head + (own + peer).astype(dtype).tobytes()]
+
+    per_chunk = lanes // (8 if aggregation == "vote" else 2)
+    packed = np.random.default_rng(3).integers(0, 256, 8 * per_chunk).astype(np.uint8)
+    with answering(answer) as addr:
+        with AggregationClient(job, 0, addr, run=2, timeout=2.0, max_timeout=2.0) as c:
+            r = c.reduce(packed)
+            assert c.stats.compiled_rounds == (datapath == "compiled")
+            assert c.stats.rejected == 8 and c.stats.retransmitted == 0
+    own = job.lane_values(packed).reshape(8, lanes).astype(np.int64)
+    np.testing.assert_array_equal(r.sums, np.concatenate([own[k] + peers[k] for k in range(8)]))
+
+
+def test_impossible_pendings_are_rejected_and_name_the_aggregator(job, datapath):
+    """PENDINGs no aggregator sends (a wait for a chunk every worker reached, one without
+    this worker's bit, a held one every worker acknowledged, bits beyond the job) are
+    rejected, not taken as a wait: the timeout names the aggregator, not a missing worker
+    (it named "missing worker(s) []" or a worker that was fine)."""
+    bad = [(2, 0b11), (1, 0b10), (0, 0b11), (1, 0b101)]
+    with answering(lambda data: [_reply(job, data, P.PktType.PENDING, count, bitmap)
+                                 for count, bitmap in bad]) as addr:
+        with AggregationClient(job, 0, addr, run=2, deadline=0.3) as c:
+            with pytest.raises(AggregationTimeout, match="impossible replies"):
+                c.aggregate(_packed(job, 1)[: job.lanes // 2])
+            assert c.stats.compiled_rounds == (datapath == "compiled")
+            assert c.stats.pending == 0 and c.stats.rejected == 4 * c.stats.sent
+
+
+def test_replies_of_another_run_are_named_in_the_timeout(job, datapath):
+    """An aggregator that answers every DATA, but with another run id, is not silent: the
+    timeout says so instead of "no answer" alone."""
+    def answer(data):
+        reply = bytearray(_complete(data, P.PktType.RESULT, job))
+        P.HEADER_STRUCT.pack_into(reply, 0, *(P.HEADER_STRUCT.unpack_from(reply)[:9]), 3,
+                                  epoch(job))
+        return [bytes(reply) + bytes(P.payload_bytes(P.PktType.RESULT, job.lanes))]
+
+    with answering(answer) as addr:
+        with AggregationClient(job, 0, addr, run=2, deadline=0.3) as c:
+            with pytest.raises(AggregationTimeout, match=r"no answer .* with another run id "
+                                                         r"than this round's \(2\)"):
+                c.aggregate(_index_zero(job, 1))
+            assert c.stats.compiled_rounds == (datapath == "compiled")
+            assert c.stats.other_run == c.stats.sent

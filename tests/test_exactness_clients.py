@@ -257,6 +257,14 @@ def test_a_refusal_names_what_the_aggregator_holds_or_leaves_it_out():
     for reason in ("stale_run", "stale", "wrong_use", "reused_run"):
         text = str(AggregationRefused(where, reason, 0))
         assert "(" + reason + ")" in text and "0)" not in text and "0x" not in text, text
+    assert "(shard 1 of 2)" in str(AggregationRefused(where, "wrong_shard", 2 << 16 | 1))
+    assert "shard 5 of 0" not in str(AggregationRefused(where, "wrong_shard", 5))
+    # a reason no refusal carries, or none at all: said so, not an empty hint
+    for reason in ("reason 99", "unknown_job"):
+        text = str(AggregationRefused(where, reason, 0))
+        assert text.endswith("does not define: the aggregator speaks another version of the "
+                             "protocol, or is broken"), text
+    assert "offsets below 2^31" in str(AggregationRefused(where, "malformed", 0))
 
 
 def _answers(job, complete):

@@ -1,6 +1,7 @@
 """Run ids and epochs on the host side: the helpers, the client's checks, agreement over Gloo."""
 from __future__ import annotations
 
+import datetime
 import socket
 import threading
 import time
@@ -110,28 +111,55 @@ def test_a_strangers_result_with_the_real_epoch_is_ignored(datapath):
         np.testing.assert_array_equal(out["s"], 5)
 
 
-def _agree(rank, world, port, q):
+def _agree(rank, world, port, q, env):
     import os
 
     import torch.distributed as dist
 
     from thc.collective.worker import agree_run
     os.environ.pop("THC_RUN", None)
+    if env.get(rank) is not None:
+        os.environ["THC_RUN"] = env[rank]
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world)
-    q.put((rank, agree_run()))
+                            world_size=world, timeout=datetime.timedelta(seconds=60))
+    try:
+        q.put((rank, agree_run()))
+    except ValueError as e:
+        q.put((rank, str(e)))
     dist.destroy_process_group()
 
 
-def test_workers_agree_on_rank_0s_run_over_gloo():
+def _agreed(env: dict) -> dict:
+    """Each of three gloo ranks' agree_run(), ``THC_RUN`` set per rank from ``env``: its run
+    id or its error's message."""
     ctx = tmp.get_context("spawn")
     q = ctx.Queue()
     port = free_port_block(1, tcp=True)
-    ps = [ctx.Process(target=_agree, args=(r, 3, port, q)) for r in range(3)]
+    ps = [ctx.Process(target=_agree, args=(r, 3, port, q, env)) for r in range(3)]
     [p.start() for p in ps]
-    runs = dict(q.get(timeout=120) for _ in ps)
-    [p.join(30) for p in ps]
+    try:
+        return dict(q.get(timeout=50) for _ in ps)
+    finally:
+        [p.join(30) for p in ps]
+
+
+def test_workers_agree_on_rank_0s_run_over_gloo():
+    runs = _agreed({})
     assert len(set(runs.values())) == 1 and runs[0] != 0
+    assert _agreed({0: "77", 1: "77", 2: "77"}) == {0: 77, 1: 77, 2: 77}
+
+
+def test_a_run_id_set_on_some_ranks_only_fails_on_every_rank_at_once():
+    """THC_RUN on rank 1 only: rank 1 took it without a collective and the others waited in
+    a broadcast it never joined, until the group's timeout (30 minutes by default), whose
+    error named neither THC_RUN nor the difference. Every rank now says which rank holds
+    which id, well within the group's timeout (60 s here)."""
+    start = time.monotonic()
+    out = _agreed({1: "12345"})
+    assert time.monotonic() - start < 45
+    for rank in range(3):
+        assert "rank 0: none, rank 1: 12345, rank 2: none" in out[rank], out
+        assert "THC_RUN" in out[rank]
 
 
 def test_torchrun_restarts_run_as_newer_runs():

@@ -71,25 +71,40 @@ def init_group(args: argparse.Namespace, timeout: float | None = None) -> None:
                             **extra)
 
 
-def agree_run(group=None, alone: bool = False) -> int:
+def live_dist():
+    """torch.distributed where a process group is up, else None. A group exists only where
+    torch.distributed was imported: looking it up in sys.modules keeps torch out of the
+    workers that have none."""
+    dist = sys.modules.get("torch.distributed")
+    return dist if dist is not None and dist.is_available() and dist.is_initialized() else None
+
+
+def agree_run(group=None, alone: bool = False, run: int | None = None) -> int:
     """One run id for every worker of this training run, chosen without asking the aggregator.
 
-    ``THC_RUN`` from the launcher wins; else rank 0's clock (:func:`P.run_from_clock`) is
-    broadcast over the torch.distributed process group. Without a group only a worker that is
-    ``alone`` in its job may draw its own: clocks of separate processes would disagree."""
-    run = P.run_from_env()
-    if run is not None:
-        return run
-    # A group exists only where torch.distributed was imported: looking it up in sys.modules
-    # keeps torch out of the workers that have none.
-    dist = sys.modules.get("torch.distributed")
-    if dist is not None and dist.is_available() and dist.is_initialized():
+    ``run`` (a client's own), else ``THC_RUN`` from the launcher, wins; else rank 0's clock
+    (:func:`P.run_from_clock`). With a torch.distributed process group every rank takes
+    part in one all-gather, whatever it holds, and ranks that hold different ids (``THC_RUN``
+    set on some ranks only) fail at once, each naming the difference, rather than wait in a
+    collective the others never join. Without a group only a worker that is ``alone`` in its
+    job may draw its own: clocks of separate processes would disagree."""
+    mine = P.run_from_env() if run is None else P.check_run(run)
+    dist = live_dist()
+    if dist is not None:
         import torch
-        t = torch.tensor([P.run_from_clock() if dist.get_rank(group) == 0 else 0],
+        rank0 = dist.get_rank(group) == 0
+        t = torch.tensor([-1 if mine is None else mine, P.run_from_clock() if rank0 else -1],
                          dtype=torch.int64)
-        src = dist.get_global_rank(group, 0) if group is not None else 0
-        dist.broadcast(t, src=src, group=group)
-        return P.check_run(int(t.item()))
+        every = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(every, t, group=group)
+        held = [int(x[0]) for x in every]
+        if len(set(held)) > 1:
+            ranks = ", ".join(f"rank {r}: {'none' if v < 0 else v}" for r, v in enumerate(held))
+            raise ValueError(f"the ranks hold different run ids ({ranks}): set {P.RUN_ENV} "
+                             f"(or pass run=) the same on every rank, or on none")
+        return P.check_run(held[0] if held[0] >= 0 else int(every[0][1]))
+    if mine is not None:
+        return mine
     if alone:
         return P.run_from_clock()
     raise ValueError(f"no run id: set {P.RUN_ENV} (the same on every worker), pass "
@@ -114,8 +129,8 @@ def worker_client(config: str | os.PathLike | Cluster, rank: int,
         address = (cluster.agg_ip, cluster.agg_port)
     else:
         address = parse_hostport(agg) if isinstance(agg, str) else tuple(agg)
-    if run is None:
-        run = agree_run(alone=job.n_workers == 1)
+    if run is None or live_dist() is not None:
+        run = agree_run(alone=job.n_workers == 1, run=run)
     return AggregationClient(job, rank, address, run=run, **options)
 
 

@@ -1316,7 +1316,7 @@ cleanup:
 
 #define CL_RECV_BYTES 4096 /* the Python loop's receive buffer */
 /* stream()'s arguments and timeout report: host/net/fastclient.py refuses another version */
-#define CL_WINDOW_VERSION 6
+#define CL_WINDOW_VERSION 7
 #define CL_OUT_BYTES 2048
 /* per chunk in the window: retransmitted (no RTT sample: Karn), overtaken by a later
  * chunk of its shard (a lost packet, not a missing worker: its timer does not back off),
@@ -1524,11 +1524,40 @@ static PyObject *list_of_doubles(const double *v, int n) {
     return l;
 }
 
+/* A RESULT of DATA that counts this worker: each lane (host order, `itemsize` bytes) holds
+ * the worker's own table value (a vote job's sign bit) and at most `span` more. One unsigned
+ * difference tests both: below its own value it wraps past any span. */
+static int cl_own_bad(const uint8_t *o, int itemsize, const uint8_t *own, int lanes,
+                      const uint32_t *lut, int vote, uint32_t span) {
+    uint32_t bad = 0;
+    if (vote) {
+        for (int l = 0; l < lanes; l++) {
+            uint32_t v = itemsize == 2 ? ((const uint16_t *)o)[l] : ((const uint32_t *)o)[l];
+            bad |= v - ((uint32_t)(own[l >> 3] >> (7 - (l & 7))) & 1u) > span;
+        }
+    } else if (itemsize == 2) {
+        const uint16_t *o16 = (const uint16_t *)o; /* numpy aligns its elements */
+        for (int k = 0; k < lanes / 2; k++) {
+            uint8_t b = own[k];
+            bad |= ((uint32_t)o16[2 * k] - lut[b >> 4] > span) |
+                   ((uint32_t)o16[2 * k + 1] - lut[b & 15] > span);
+        }
+    } else {
+        const uint32_t *o32 = (const uint32_t *)o;
+        for (int k = 0; k < lanes / 2; k++) {
+            uint8_t b = own[k];
+            bad |= (o32[2 * k] - lut[b >> 4] > span) | (o32[2 * k + 1] - lut[b & 15] > span);
+        }
+    }
+    return bad != 0;
+}
+
 /* stream(fd, header, chunks, chunk_bytes, aggs, epochs, window, timing, srtt, rttvar, out,
  *        out_itemsize, expect_payload, gso)
  *   header: (pkt_type, result_type, pending_type, other_result_type, is_data, worker, job_id,
  *            pool, run, base, offset_base, lanes, n_workers, refused_type, top,
- *            incarnation, (tag, tag_mask)); replies of the three types are this job's, a
+ *            incarnation, (tag, tag_mask), own_lut, vote): own_lut, 16 host-order uint32,
+ *            the job's table; vote: DATA lanes are sign bits. Replies of the three types are this job's, a
  *            result of the other type is counted as ignored; an epoch learnt must hold the
  *            job's configuration tag: epoch & tag_mask == tag (protocol.py's
  *            EPOCH_TAG_SHIFT)
@@ -1566,6 +1595,10 @@ static PyObject *fa_stream(PyObject *self, PyObject *args) {
         n_workers, refused_type, top;
     unsigned long incarnation, tag, tag_mask;
     unsigned long pool, run;
+    const char *lut_bytes;
+    Py_ssize_t lut_len;
+    int vote;
+    uint32_t lut[16];
     unsigned long long base, offset_base;
     long total = 0;
     uint8_t *done = NULL, *mark = NULL;
@@ -1589,11 +1622,12 @@ static PyObject *fa_stream(PyObject *self, PyObject *args) {
         PyErr_NoMemory();
         goto cleanup;
     }
-    if (!PyArg_ParseTuple(hdr, "iiiiiiikkKKiiiik(kk)", &pkt_type, &result_type, &pending_type,
-                          &other_result, &is_data, &worker, &job_id, &pool, &run, &base,
-                          &offset_base, &lanes, &n_workers, &refused_type, &top, &incarnation,
-                          &tag, &tag_mask))
+    if (!PyArg_ParseTuple(hdr, "iiiiiiikkKKiiiik(kk)y#p", &pkt_type, &result_type,
+                          &pending_type, &other_result, &is_data, &worker, &job_id, &pool, &run,
+                          &base, &offset_base, &lanes, &n_workers, &refused_type, &top,
+                          &incarnation, &tag, &tag_mask, &lut_bytes, &lut_len, &vote))
         goto cleanup;
+    if (lut_len == sizeof lut) memcpy(lut, lut_bytes, sizeof lut);
     int wire_bytes = lanes > 0 ? expect_payload / lanes : 0;
     if (chunk_bytes > 0) total = (long)(chunks.len / chunk_bytes);
     if (n_shards < 1 || PyList_GET_SIZE(epochs) != n_shards ||
@@ -1603,7 +1637,8 @@ static PyObject *fa_stream(PyObject *self, PyObject *args) {
         expect_payload % lanes || (wire_bytes != 1 && wire_bytes != 2 && wire_bytes != 4) ||
         (out_itemsize != 2 && out_itemsize != 4) || out_itemsize < wire_bytes ||
         n_workers < 1 || n_workers > MAX_WORKERS || worker < 0 || worker > 255 ||
-        silent_after < 1 || silent_after > 64 || recv_batch < 1 ||
+        silent_after < 1 || silent_after > 64 || recv_batch < 1 || lut_len != sizeof lut ||
+        (is_data && chunk_bytes * (vote ? 8 : 2) != lanes) ||
         out.len < (Py_ssize_t)total * lanes * out_itemsize) {
         PyErr_SetString(PyExc_ValueError, "stream: bad arguments");
         goto cleanup;
@@ -1810,6 +1845,21 @@ static PyObject *fa_stream(PyObject *self, PyObject *args) {
                         ev_bitmap = r_bitmap;
                         break;
                     }
+                    if (r_type == c->pending_type &&
+                        ((r_bitmap & ~full) ||
+                         (r_count == 0 ? r_bitmap == full
+                                       : r_count >= n_workers || c->worker >= 32 ||
+                                         !(r_bitmap >> c->worker & 1) ||
+                                         __builtin_popcount(r_bitmap) != r_count))) {
+                        /* a PENDING no aggregator sends: a held one that every worker
+                         * acknowledged, or a wait for a chunk that has every worker or lacks
+                         * ours (it only answers our retransmission) */
+                        c->st[S_IGNORED]++;
+                        c->st[S_REJECTED]++;
+                        c->rejected[shard]++;
+                        pend[r] = -1;
+                        continue;
+                    }
                     if (r_type == c->pending_type) {
                         c->st[S_PENDING]++;
                         /* bit 32: held (count 0: the previous use of the slot version
@@ -1832,7 +1882,9 @@ static PyObject *fa_stream(PyObject *self, PyObject *args) {
                     }
                     /* Copy the lanes out while checking them (the row is rewritten by the
                      * result that is taken): no sum above what the contributors can make, no
-                     * max below ours. No early exit: the common loop vectorizes. */
+                     * max below ours, and a sum that counts us holds our own value (a wrong
+                     * sum where the aggregator lost or overwrote it). No early exit: the
+                     * common loop vectorizes. */
                     const uint8_t *q = d + HDR, *own = c->chunks + (size_t)i * chunk_bytes;
                     uint8_t *o = outp + (size_t)i * lanes * out_itemsize;
                     /* DATA: what the contributors can sum to; MAX: the largest float's bits */
@@ -1859,6 +1911,9 @@ static PyObject *fa_stream(PyObject *self, PyObject *args) {
                             }
                         }
                     }
+                    if (is_data && !bad && c->worker < 32 && (r_bitmap >> c->worker & 1))
+                        bad = cl_own_bad(o, out_itemsize, own, lanes, lut, vote,
+                                         (uint32_t)(r_count - 1) * (uint32_t)top);
                     if (bad) {
                         c->st[S_IGNORED]++;
                         c->st[S_REJECTED]++;

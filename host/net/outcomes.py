@@ -95,14 +95,18 @@ class AggregationRefused(RuntimeError):
                       "launcher must set a fresh THC_RUN at every launch and restart)",
         "wrong_shard": "the shard{detail} does not own this chunk in its own shard map: the "
                        "workers and the shards were given different shard maps",
+        "malformed": "the packet broke a rule of the aggregator's own (a Tofino takes offsets "
+                     "below 2^31: the round's offsets passed that)",
     }
+    UNDEFINED = ("a refusal this protocol does not define: the aggregator speaks another "
+                 "version of the protocol, or is broken")
     SHOW = {"stale_run": " ({})", "stale": " (seq {})", "wrong_use": " (packet type {})",
             "reused_run": " (nonce {:#010x})"}
 
     def __init__(self, where: str, reason: str, detail: int):
         shown = self._shown(reason, detail)
-        hint = self.HINTS.get(reason, "").format(detail=shown, jump=P.RUN_JUMP,
-                                                 idle=P.RUN_IDLE_S)
+        hint = self.HINTS.get(reason, self.UNDEFINED).format(detail=shown, jump=P.RUN_JUMP,
+                                                             idle=P.RUN_IDLE_S)
         super().__init__(f"{where}: refused by the aggregator ({reason}): {hint}")
         self.reason = reason
         self.detail = detail
@@ -112,7 +116,8 @@ class AggregationRefused(RuntimeError):
         if not detail:
             return ""
         if reason == "wrong_shard":
-            return " (shard {} of {})".format(*P.shard_in_detail(detail))
+            shard, n_shards = P.shard_in_detail(detail)
+            return f" (shard {shard} of {n_shards})" if shard < n_shards else ""
         return cls.SHOW.get(reason, "").format(detail)
 
 

@@ -220,6 +220,18 @@ class PythonWindow:
                         epochs[shard] = r_epoch
                     if r_type == refused_type:
                         raise_refused(end, rnd, i, r_count, r_bitmap)
+                    if r_type == pending_type and (
+                            r_bitmap & ~full or (r_bitmap == full if r_count == 0 else
+                                                 r_count >= n_workers or not r_bitmap >> me & 1
+                                                 or bin(r_bitmap).count("1") != r_count)):
+                        # a PENDING no aggregator sends: a held one that every worker
+                        # acknowledged, or a wait for a chunk that has every worker or lacks
+                        # ours (it only answers our retransmission)
+                        end.stats.ignored += 1
+                        end.stats.rejected += 1
+                        rejected[shard] += 1
+                        pending_bitmap.pop(i, None)
+                        continue
                     if r_type == pending_type:
                         end.stats.pending += 1
                         # bit 32: held (count 0): the bitmap names who holds the previous
@@ -240,10 +252,16 @@ class PythonWindow:
                         pending_bitmap.pop(i, None)
                         continue
                     sums = np.frombuffer(buf, dtype=dtype, count=lanes, offset=header_bytes)
-                    if (sums.max() > r_count * top if is_data else
-                            (sums < chunks[i].view(">u4")).any() or sums.max() > top):
-                        # more than the contributors can sum to, a max below our own or
-                        # no float's
+                    if not is_data:
+                        bad = (sums < chunks[i].view(">u4")).any() or sums.max() > top
+                    elif r_bitmap >> me & 1:
+                        own = job.lane_values(chunks[i]).astype(np.int64)
+                        bad = (sums < own).any() or (sums > own + (r_count - 1) * top).any()
+                    else:
+                        bad = sums.max() > r_count * top
+                    if bad:
+                        # a max below our own or no float's; a sum without our own value, or
+                        # more than it and the other contributors' can make
                         end.stats.ignored += 1
                         end.stats.rejected += 1
                         rejected[shard] += 1

@@ -114,6 +114,8 @@ class Round:
     heard: list[bool]
     elsewhere: int = 0
     """The worker's ``stats.elsewhere`` when the round began."""
+    other_run: int = 0
+    """The worker's ``stats.other_run`` when the round began."""
 
     @property
     def is_data(self) -> bool:
@@ -232,6 +234,11 @@ def raise_timeout(end: Endpoint, rnd: Round, i: int, bitmap: int | None, silent:
                      f"a NAT before it) answering from another one is not heard; let it "
                      f"listen on the address the workers send to (thc aggregator --listen "
                      f"{ip}:{port})")
+        other_run = end.stats.other_run - rnd.other_run
+        if other_run:
+            hint += (f"; {other_run} replies to this worker this round came from {who} with "
+                     f"another run id than this round's ({rnd.run}) and were ignored: it "
+                     f"answers another run of this job, or writes the run field wrong")
         raise AggregationTimeout(f"{at}; no answer from {who} at {ip}:{port}{hint}", None,
                                  shard)
     if quiet:

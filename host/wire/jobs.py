@@ -17,6 +17,8 @@ import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import numpy as np
+
 from thc.codec.params import THCParams
 from thc.wire import protocol as P
 
@@ -207,6 +209,22 @@ class Job:
                 sorted(int(w.id) for w in self.workers)]
         digest = hashlib.blake2b(json.dumps(what).encode(), digest_size=2).digest()
         return int.from_bytes(digest, "big")
+
+    @functools.cached_property
+    def pair_values(self) -> np.ndarray:
+        """A packed index byte -> its two lanes' table values (high nibble first), in the
+        sums' dtype."""
+        lut = np.asarray(self.table, dtype=P.sum_dtype(self.sum_bits))
+        every = np.arange(256)
+        return np.stack([lut[every >> 4], lut[every & 0x0F]], axis=1)
+
+    def lane_values(self, payload) -> np.ndarray:
+        """What an aggregator adds for a DATA payload: each 4-bit index's table value (high
+        nibble first), or each sign bit of a vote job (first bit first)."""
+        raw = np.frombuffer(payload, dtype=np.uint8)
+        if self.aggregation == "vote":
+            return np.unpackbits(raw)
+        return self.pair_values[raw].reshape(-1)
 
     def new_epoch(self, previous: int | None = None, nonce: int | None = None) -> int:
         """An install's epoch: this job's tag, and ``nonce`` or a random one (an epoch unlike

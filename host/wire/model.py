@@ -53,7 +53,7 @@ drop_reasons), None when the packet was taken."""
 class JobState:
     """One job's registers, laid out as the switch's (slot x version)."""
 
-    __slots__ = ("job", "n_shards", "shard", "epoch", "pair_lut", "n", "pool", "full", "vote",
+    __slots__ = ("job", "n_shards", "shard", "epoch", "n", "pool", "full",
                  "data_bytes", "addr", "thc_job_run", "run_seen", "thc_worker_run",
                  "thc_worker_nonce", "thc_run", "thc_seq",
                  "thc_op", "thc_bitmap", "thc_count", "thc_closed", "thc_acked", "thc_offset",
@@ -63,11 +63,7 @@ class JobState:
         self.job = job.validate()
         self.n_shards, self.shard = job.aggregator_shard(shard)
         self.epoch = P.check_run(epoch)
-        lut = np.asarray(job.table, dtype=P.sum_dtype(job.sum_bits))
-        # One fancy-index maps a packed byte to its two lanes' table values.
-        self.pair_lut = np.stack([lut[np.arange(256) >> 4], lut[np.arange(256) & 0x0F]], axis=1)
         self.n, self.pool, self.full = job.n_workers, job.pool_size, job.full_bitmap
-        self.vote = job.aggregation == "vote"
         self.data_bytes = P.payload_bytes(P.PktType.DATA, job.lanes, aggregation=job.aggregation)
         self.addr = [(w.ip, w.port) for w in sorted(job.workers, key=lambda w: w.id)]
         self.thc_job_run = 0
@@ -238,14 +234,11 @@ class Model:
             else:
                 np.maximum(regs, vals, out=regs)
             return
-        raw = np.frombuffer(payload, dtype=np.uint8)
-        # a vote lane is one bit, counted as is (VOTE_TABLE maps b to b)
-        vals = np.unpackbits(raw) if st.vote else st.pair_lut[raw].reshape(-1)
         regs = st.thc_sum[i]
         if first:
-            regs[:] = vals
+            regs[:] = st.job.lane_values(payload)
         else:
-            regs += vals
+            regs += st.job.lane_values(payload)
 
     @staticmethod
     def _result(st: JobState, i: int, slot: int, version: int):
