@@ -22,11 +22,12 @@ $(STAMP): pyproject.toml constraints.txt setup.py host/net/_fastagg.c host/codec
 	@if [ -d $(DEBIAN_MININET) ]; then ln -sfn $(DEBIAN_MININET) "$(SITE)/mininet"; fi
 	touch $@
 
-# Debian's Mininet and Fashion-MNIST (root only; elsewhere: loopback testbed, digits data).
+# Debian's Mininet and Fashion-MNIST, and what the venv and the C extensions need (root only;
+# elsewhere: loopback testbed, digits data).
 system-deps:
 	@if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
 	  missing=""; \
-	  for p in mininet bridge-utils iputils-ping iproute2 ethtool iptables nftables dataset-fashion-mnist; do \
+	  for p in mininet bridge-utils iputils-ping iproute2 ethtool iptables nftables dataset-fashion-mnist python3-venv python3-dev gcc; do \
 	    dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; \
 	  done; \
 	  if [ -n "$$missing" ]; then \
@@ -112,7 +113,7 @@ mininet: system-deps setup
 
 # The fault matrix (Mininet when root, else loopback) into docs/faults.md.
 faults: system-deps setup
-	$(PY) -m thc.cli faults $(FAULTS_ARGS)
+	$(PY) -m thc.cli faults --out docs/faults.md $(FAULTS_ARGS)
 
 clean:
 	rm -rf out .pytest_cache

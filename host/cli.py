@@ -35,7 +35,8 @@ COMMANDS: dict[str, tuple[str | dict, str]] = {
     "aggregator": ("thc.net.aggregator", "run the software aggregator (THC's parameter server)"),
     "controller": ("thc.controller.cli", "program a BMv2 or Tofino switch over P4Runtime"),
     "model": ("thc.app.modelcmd", "iteration-time model: when does compression pay?"),
-    "run": ("thc.emu.mainjob", "the main job: train a model with FP32, THC and TopK, compare"),
+    "run": ("thc.emu.mainjob", "the main job: train a model with FP32, THC, TopK and Marsit, "
+                                "compare"),
     "sweep": ("thc.emu.sweep", "the main job at several link bandwidths: where THC stops "
                                "paying, measured and modelled"),
     "faults": ("thc.emu.faults", "the fault matrix: exact sums under loss, restarts, ... "

@@ -38,7 +38,8 @@ def test_each_scheme_decodes_as_its_definition_says(name):
     """Each scheme's decoded vector and payload size against what its definition gives,
     computed here in numpy: exact for the deterministic ones, the set of values a
     stochastic coordinate may take and the expected error for QSGD and TernGrad, the
-    independent reference figure for THC and UHC (DESIGN.md, Gaussian vectors)."""
+    independent reference figure for THC and UHC (an independent numpy implementation,
+    Gaussian vectors)."""
     x = np.random.default_rng(11).standard_normal(2 ** 14).astype(np.float32)
     d, ax = x.size, np.abs(x).astype(np.float64)
     s = make_scheme(name)
@@ -115,8 +116,9 @@ def test_unbiased_schemes_average_out(scheme):
 
 
 def test_accuracy_ordering_at_four_bits():
-    """THC's 4 bits beat QSGD's 4 bits on Gaussian vectors: about 4x at d = 2^18 (DESIGN.md),
-    less at smaller d, where the L-inf scale max|x| ~ sqrt(2 ln d) is smaller."""
+    """THC's 4 bits beat QSGD's 4 bits on Gaussian vectors: about 4x at d = 2^18 (the
+    reference figures), less at smaller d, where the L-inf scale max|x| ~ sqrt(2 ln d) is
+    smaller."""
     x = np.random.default_rng(4).standard_normal(2 ** 16).astype(np.float32)
     rng = np.random.default_rng(5)
     thc = nmse(x, THC().aggregate_mean([x], rng))

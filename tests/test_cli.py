@@ -4,11 +4,16 @@ from __future__ import annotations
 
 import ast
 import importlib.util
+import json
+import sys
 from pathlib import Path
 
 import pytest
 
 from thc import cli
+from thc.codec import settings
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def leaves(table: dict, prefix: str = "thc"):
@@ -91,3 +96,74 @@ def test_bad_settings_and_flags_are_usage_errors_before_any_work(argv, env, mess
     out = capsys.readouterr()
     assert message in out.out + out.err
     assert list(tmp_path.iterdir()) == [], "nothing was written"
+
+
+def _files(tmp: Path) -> None:
+    """The files the mistakes below name: a JSON of something else, a main job's report
+    without Marsit (what the README's tour runs), a CPU codec's report."""
+    (tmp / "other.json").write_text('{"x": 1}')
+    report = json.loads((ROOT / "docs/runs/mainjob-makerun-bmv2-bounded-quiet.json").read_text())
+    report["runs"] = [r for r in report["runs"] if not r["mode"].startswith("marsit")]
+    (tmp / "nomarsit.json").write_text(json.dumps(report))
+    (tmp / "cpu.json").write_text(json.dumps({"device": "cpu", "results": [
+        {"name": "THC encode+decode (compiled)", "elements": 1 << 22, "median_s": 0.05}]}))
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["model", "--calibrate", "{tmp}/missing.json"],
+     "thc model: cannot read a main job's report (out/mainjob.json of `thc run`) {tmp}/missing"),
+    (["model", "--calibrate", "{tmp}/other.json"],
+     "thc model: {tmp}/other.json is not a main job's report (out/mainjob.json of `thc run`): "
+     "it has no 'args', 'runs'"),
+    (["model", "--calibrate", "{tmp}/nomarsit.json"],
+     "thc model --calibrate: cannot fit alpha and efficiency without the ['marsit'] run(s)"),
+    (["model", "--gpu-codec", "{tmp}/cpu.json"], "was measured on the CPU: give a GPU's report"),
+    (["model", "--workers", "0"], "argument --workers: must be at least 1, not 0"),
+    (["model", "--bw", "1,-1"], "argument --bw: must be above 0, not -1"),
+    (["sweep", "--report", "{tmp}/other.json"],
+     "thc sweep: {tmp}/other.json is not a sweep's report"),
+    (["faults", "--only", "loss,bogus"], "thc faults: --only bogus names no row; the rows: "),
+    (["run", "--loopback", "--out", "/proc/thc-out"],
+     "thc run: cannot create --out /proc/thc-out"),
+    (["run", "--loopback", "--bw", "-5"], "argument --bw: must be above 0, not -5"),
+    (["run", "--loopback", "--congest", "0.5"],
+     "thc run: --congest needs the Mininet testbed: not with --loopback")])
+def test_user_mistakes_end_in_a_message_not_a_traceback(argv, message, tmp_path, capsys,
+                                                       monkeypatch):
+    """Each of these ended in a Python traceback (a missing or foreign JSON, a report the
+    fit cannot use, a zero count, an --out that cannot be made), ran nothing and said it had
+    succeeded (an --only key of no row), or read badly."""
+    from thc.emu import mainjob
+
+    def started(*a, **k):
+        raise AssertionError("a mode started")
+    monkeypatch.setattr(mainjob, "_run_mode", started)
+    _files(tmp_path)
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
+    try:
+        rc = cli.main(argv)
+    except SystemExit as e:
+        rc = e.code if isinstance(e.code, int) else (print(e.code, file=sys.stderr) or 2)
+    out = capsys.readouterr()
+    assert rc == 2, out
+    assert message.replace("{tmp}", str(tmp_path)) in out.out + out.err, out
+
+
+def test_a_run_that_can_run_no_mode_asked_for_fails(monkeypatch, capsys, tmp_path):
+    """Every mode asked for skipped (BMv2 absent) used to write an empty report and exit 0;
+    Fashion-MNIST named and absent used to train on digits."""
+    from thc.emu import mainjob
+
+    monkeypatch.setattr(mainjob, "bmv2_unavailable_reason", lambda: "no BMv2 here")
+    monkeypatch.setattr(mainjob, "_run_mode", lambda *a: pytest.fail("a mode started"))
+    assert cli.main(["run", "--loopback", "--modes", "thc-bmv2", "--out", str(tmp_path)]) == 2
+    assert "every mode asked for was skipped" in capsys.readouterr().err
+    monkeypatch.setenv("THC_FASHION_MNIST", str(tmp_path / "absent"))
+    settings.reset()
+    try:
+        assert cli.main(["run", "--loopback", "--data", "fashion-mnist", "--out",
+                         str(tmp_path)]) == 2
+    finally:
+        settings.reset()
+    assert "--data fashion-mnist: not found in" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []

@@ -48,7 +48,8 @@ def run_nmse(params, n, d, trials, backend="numpy", seed=0):
 @pytest.mark.parametrize("n,reference,trials", [(1, 0.0204, 3), (10, 0.0020, 1)])
 @pytest.mark.parametrize("backend", ["numpy", "torch"])
 def test_nmse_matches_reference(n, reference, trials, backend):
-    """d = 2^18 as in DESIGN.md; one trial's NMSE varies by about 1%, the check allows 5%."""
+    """d = 2^18 as the reference figures; one trial's NMSE varies by about 1%, the check
+    allows 5%."""
     got = run_nmse(P, n, 2 ** 18, trials, backend)
     model = expected_nmse(P.table, P.p, P.granularity) / n
     print(f"THC n={n} {backend}: NMSE {got:.5f} (reference {reference}, model {model:.5f})")

@@ -65,9 +65,13 @@ def test_missing_file_and_mismatched_counts(tmp_path):
 
 
 def test_fallback_to_digits_says_why(monkeypatch, tmp_path):
-    ds = D.load("fashion-mnist", settings=Settings(fashion_mnist=str(tmp_path / "absent")))
+    absent = Settings(fashion_mnist=str(tmp_path / "absent"))
+    ds = D.load("auto", settings=absent)
     assert ds.name == "digits" and "not found" in ds.note and ds.classes == 10
     assert len(ds.y_train) + len(ds.y_test) == 1797
+    # named, it must be there: no other data set than asked
+    with pytest.raises(D.DatasetError, match="not found in .*absent.*choose digits"):
+        D.load("fashion-mnist", settings=absent)
     with pytest.raises(D.DatasetError, match="unknown data set"):
         D.load("cifar")
 

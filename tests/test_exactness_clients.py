@@ -2,7 +2,8 @@
 window matters, both client windows: a reused run id, bounded loss with a straggler, a
 re-install within a run, a far-future run, a window that cannot hold a chunk.
 
-Each case returned a wrong sum or waited forever before (docs/protocol.md states the rules);
+Without its rule each case returns a wrong sum or waits forever (docs/protocol.md states the
+rules; docs/faults.md lists the cases);
 tests/conformance/test_exactness.py holds the packet-level cases for every aggregator.
 """
 from __future__ import annotations

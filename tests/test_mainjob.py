@@ -60,6 +60,12 @@ def test_time_to_accuracy_summary_names_the_winner():
     assert rows["thc"]["speedup"] == 30 / 8 and rows["topk"]["speedup"] is None
     assert s["verdict"].startswith("thc won") and "3.75x" in s["verdict"]
     assert rows["thc-bmv2"]["stopped"]          # a stopped run never wins
+    # FP32 the soonest: no mode beat it, not "fp32 won ... 1.00x sooner than FP32"
+    slow = _run_of("thc", [(25, 0.80), (40, 0.85)])
+    s = summarize([fp32, slow], 0.8)
+    assert s["verdict"] == ("no mode beat FP32: it reached 0.8400 (its final accuracy minus 1 "
+                            "point) in 30.0 s of training; the soonest other, thc, in 40.0 s "
+                            "(0.75x)"), s["verdict"]
     # FP32 stopped at the limit: its last accuracy is no target, and no speedup is claimed
     s = summarize([_run_of("fp32", [(10, 0.55)], stopped="stopped at the 10 s limit"), thc],
                   0.8)

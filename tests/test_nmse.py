@@ -40,7 +40,7 @@ def test_quick_run_json_and_table(tmp_path, capsys):
 
 DESIGN_REFERENCE = {"thc": {"1": 0.0204, "10": 0.0020}, "uhc": {"1": 0.0206, "10": 0.0021},
                     "qsgd": {"1": 0.079, "10": 0.0079}}
-"""DESIGN.md's figures from an independent numpy implementation (b=4, g=30, p=1/32, QSGD
+"""The reference figures, from an independent numpy implementation (b=4, g=30, p=1/32, QSGD
 s=7; Gaussian vectors, d = 2^18), written out here rather than taken from the bench."""
 
 
@@ -78,4 +78,4 @@ def test_best_p_prefers_smaller_p_for_more_bits():
 def test_bad_arguments(capsys):
     assert bench.run(parse(["--workers", "0"])) == 2
     assert bench.run(parse(["--schemes", "nope", "--quick"])) == 2
-    assert "unknown scheme" in capsys.readouterr().out
+    assert "unknown scheme" in capsys.readouterr().err

@@ -61,8 +61,8 @@ def test_dp_matches_exhaustive_search(bits, p):
 
 
 def test_model_matches_reference_figures():
-    """Analytic NMSE of one Gaussian worker vs DESIGN.md (0.0204 THC, 0.0206 UHC, 0.0196 at
-    p = 1/64)."""
+    """Analytic NMSE of one Gaussian worker vs the reference figures (0.0204 THC, 0.0206 UHC,
+    0.0196 at p = 1/64)."""
     thc = T.expected_nmse(T.optimal_table(4, 30, 1 / 32), 1 / 32, 30)
     uhc = T.expected_nmse(T.uniform_table(4, 30), 1 / 32, 30)
     opt64 = T.expected_nmse(T.optimal_table(4, 30, 1 / 64), 1 / 64, 30)

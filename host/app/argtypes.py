@@ -1,7 +1,10 @@
-"""argparse types shared by the training worker's and the main job's command lines."""
+"""argparse types shared by the commands: counts, rates and lists that must make sense, and
+the JSON reports commands read back."""
 from __future__ import annotations
 
 import argparse
+import json
+from pathlib import Path
 
 
 def positive_int(text: str) -> int:
@@ -14,3 +17,61 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
     return value
+
+
+def _number(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if value != value or value in (float("inf"), float("-inf")):
+        raise argparse.ArgumentTypeError(f"not a finite number: {text!r}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """A rate or size that must be above 0 (a link of -5 Mbit/s is no link)."""
+    value = _number(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be above 0, not {text}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    """A delay or length that may be 0 and not below."""
+    value = _number(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, not {text}")
+    return value
+
+
+def percent(text: str) -> float:
+    value = _number(text)
+    if not 0 <= value <= 100:
+        raise argparse.ArgumentTypeError(f"a percentage lies in 0..100, not {text}")
+    return value
+
+
+def positive_floats(text: str) -> list[float]:
+    """A comma-separated list of positive numbers (bandwidths)."""
+    values = [positive_float(part.strip()) for part in text.split(",") if part.strip()]
+    if not values:
+        raise argparse.ArgumentTypeError(f"no number in {text!r}")
+    return values
+
+
+def read_json(path, what: str, keys: tuple[str, ...] = (), prog: str = "thc") -> dict:
+    """The JSON object in ``path`` (a report a command reads back), or SystemExit naming the
+    file and what it lacks: a missing file or a report of another command is the user's
+    mistake, not a traceback."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except OSError as e:
+        raise SystemExit(f"{prog}: cannot read {what} {path}: {e.strerror or e}") from None
+    except ValueError as e:
+        raise SystemExit(f"{prog}: {path} is not JSON ({e}): give {what}") from None
+    lacking = [k for k in keys if not isinstance(data, dict) or k not in data]
+    if lacking:
+        raise SystemExit(f"{prog}: {path} is not {what}: it has no "
+                         f"{', '.join(map(repr, lacking))}")
+    return data

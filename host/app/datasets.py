@@ -118,23 +118,41 @@ def load_digits(seed: int = 0) -> Dataset:
 
 
 DATASETS = ("fashion-mnist", "digits")
+AUTO = "auto"
+"""The commands' default data set: Fashion-MNIST where its files are installed, else digits,
+saying why. Named explicitly, Fashion-MNIST must be there."""
 
 
-def load(name: str = "fashion-mnist", seed: int = 0, settings: Settings | None = None) -> Dataset:
-    """``name``, or digits with a note saying why when Fashion-MNIST's files are absent.
-
-    A Fashion-MNIST directory that exists but holds damaged files raises DatasetError: a
-    silent fallback would hide a broken installation.
-    """
-    if name == "digits":
-        return load_digits(seed)
-    if name != "fashion-mnist":
-        raise DatasetError(f"unknown data set {name!r}; choose from {', '.join(DATASETS)}")
+def resolve(name: str, settings: Settings | None = None) -> tuple[str, str]:
+    """(the data set ``name`` stands for, a note when :data:`AUTO` fell back to digits)."""
+    if name != AUTO:
+        return name, ""
     directory = fashion_dir(settings)
-    if not directory.is_dir():
-        note = (f"Fashion-MNIST not found in {directory} (Debian package "
-                f"dataset-fashion-mnist, installed by `make system-deps` as root): "
-                f"using scikit-learn's digits instead")
+    if directory.is_dir():
+        return "fashion-mnist", ""
+    return "digits", (f"Fashion-MNIST not found in {directory} (Debian package "
+                      f"dataset-fashion-mnist, installed by `make system-deps` as root): using "
+                      f"scikit-learn's digits instead")
+
+
+def load(name: str = AUTO, seed: int = 0, settings: Settings | None = None) -> Dataset:
+    """``name`` (:data:`AUTO`: digits with a note saying why when Fashion-MNIST's files are
+    absent).
+
+    Fashion-MNIST named but absent, or a directory that exists but holds damaged files,
+    raises DatasetError: a silent fallback would train on another data set than asked, or
+    hide a broken installation.
+    """
+    name, note = resolve(name, settings)
+    if name == "digits":
         d = load_digits(seed)
         return Dataset(d.name, d.x_train, d.y_train, d.x_test, d.y_test, note)
+    if name != "fashion-mnist":
+        raise DatasetError(f"unknown data set {name!r}; choose from {', '.join(DATASETS)} "
+                           f"or {AUTO}")
+    directory = fashion_dir(settings)
+    if not directory.is_dir():
+        raise DatasetError(f"Fashion-MNIST not found in {directory} (Debian package "
+                           f"dataset-fashion-mnist, `make system-deps` as root, or "
+                           f"THC_FASHION_MNIST): install it, or choose digits")
     return load_fashion_mnist(directory)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -89,7 +90,12 @@ def run(path: str, base: Setup) -> int:
     try:
         speeds = codec_speeds(json.loads(Path(path).read_text()))
     except (OSError, ValueError) as e:
-        print(f"thc model --gpu-codec: {path}: {e}")
+        print(f"thc model --gpu-codec: {path}: {e}", file=sys.stderr)
+        return 2
+    if speeds["device"] == "cpu":
+        print(f"thc model --gpu-codec: {path} was measured on the CPU: give a GPU's report "
+              f"(`make bench-gpu` writes out/gpu/hook.json); a CPU codec's speed goes in "
+              f"--codec-mbps", file=sys.stderr)
         return 2
     n = speeds["elements"]
     print(f"codec figures from {path}: {speeds['device_name']} ({speeds['device']}), "

@@ -39,11 +39,11 @@ bandwidth model missed (FP32 +20%, Marsit -78%).
 from __future__ import annotations
 
 import argparse
-import json
 import math
 from dataclasses import dataclass, replace
-from pathlib import Path
 
+from thc.app.argtypes import (non_negative_float, positive_float, positive_floats, positive_int,
+                              read_json)
 from thc.collective.agreement import TAG_LANES
 from thc.wire import protocol as P
 
@@ -254,8 +254,9 @@ def fit(report: dict, agg_pps: float = 86e3) -> tuple[float, float]:
     runs = {r["mode"]: r for r in report["runs"]}
     missing = [m for m in FIT_MODES if m not in runs]
     if missing:
-        raise ValueError(f"cannot fit alpha and efficiency without the {missing} run(s): "
-                         f"give --alpha-ms and --efficiency")
+        raise ValueError(f"cannot fit alpha and efficiency without the {missing} run(s) "
+                         f"(a main job run with --modes including fp32,marsit): give "
+                         f"--alpha-ms and --efficiency, or such a report")
     one = replace(base, latency_us=1e6)         # alpha = 1 s: the message term alone
     rows = []
     for mode in FIT_MODES:
@@ -330,12 +331,14 @@ def break_even_gbps(s: Setup, scheme: str = "thc_switch", lo: float = 1e-3,
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--params", type=float, default=25e6, help="gradient elements")
-    parser.add_argument("--workers", type=int, default=8)
-    parser.add_argument("--bw", default="1,10,25,100", help="link bandwidths, Gbit/s")
-    parser.add_argument("--latency-us", type=float, default=10.0)
-    parser.add_argument("--compute-ms", type=float, default=100.0, help="compute per iteration")
-    parser.add_argument("--overlap", type=float, default=1.05, help="lambda (1.04-1.1)")
-    parser.add_argument("--codec-mbps", type=float, default=270.0,
+    parser.add_argument("--workers", type=positive_int, default=8)
+    parser.add_argument("--bw", type=positive_floats, default="1,10,25,100",
+                        help="link bandwidths, Gbit/s")
+    parser.add_argument("--latency-us", type=non_negative_float, default=10.0)
+    parser.add_argument("--compute-ms", type=non_negative_float, default=100.0,
+                        help="compute per iteration")
+    parser.add_argument("--overlap", type=positive_float, default=1.05, help="lambda (1.04-1.1)")
+    parser.add_argument("--codec-mbps", type=positive_float, default=270.0,
                         help="THC encode+decode MB/s per worker (see thc bench codec)")
     parser.add_argument("--calibrate", metavar="MAINJOB_JSON", nargs="+",
                         help="compare the model with main jobs' measured step times "
@@ -352,18 +355,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.calibrate:
-        reports = [json.loads(Path(path).read_text()) for path in args.calibrate]
+        reports = [read_json(path, "a main job's report (out/mainjob.json of `thc run`)",
+                             ("args", "runs"), "thc model") for path in args.calibrate]
         alpha = None if args.alpha_ms is None else args.alpha_ms / 1e3
         eff = args.efficiency
         fitted_on = None
-        if alpha is None or eff is None:
-            alpha, eff = fit(reports[0], args.agg_pps)
-            fitted_on = args.calibrate[0]
-            print(f"fitted to the fp32 and marsit runs of {fitted_on}: alpha "
-                  f"{1e3 * alpha:.2f} ms, link efficiency {eff:.3f}")
-        rows = [row for path, rep in zip(args.calibrate, reports)
-                for row in calibrate(rep, alpha, eff, args.agg_pps,
-                                     fitted=path == fitted_on)]
+        try:
+            if alpha is None or eff is None:
+                alpha, eff = fit(reports[0], args.agg_pps)
+                fitted_on = args.calibrate[0]
+                print(f"fitted to the fp32 and marsit runs of {fitted_on}: alpha "
+                      f"{1e3 * alpha:.2f} ms, link efficiency {eff:.3f}")
+            rows = [row for path, rep in zip(args.calibrate, reports)
+                    for row in calibrate(rep, alpha, eff, args.agg_pps,
+                                         fitted=path == fitted_on)]
+        except (KeyError, TypeError, ValueError) as e:
+            raise SystemExit(f"thc model --calibrate: {e}") from None
         print(f"{'Mbit/s':>6} {'mode':<12} {'testbed':<8} {'scheme':<15} {'steps':>5} "
               f"{'measured ms':>11} {'predicted ms':>12} {'error':>6}  {'compute ms':>10} "
               f"{'codec ms':>8}")
@@ -385,7 +392,7 @@ def run(args: argparse.Namespace) -> int:
           f"{args.compute_ms:g} ms, overlap {args.overlap}, codec {args.codec_mbps:g} MB/s")
     print(f"{'Gbit/s':>7} {'FP32 ring ms':>13} {'THC switch ms':>14} {'THC allred ms':>14} "
           f"{'switch speedup':>15}")
-    for bw in (float(x) for x in args.bw.split(",")):
+    for bw in args.bw:
         t = iteration_s(Setup(**{**base.__dict__, "bandwidth_gbps": bw}))
         print(f"{bw:>7g} {1e3 * t['fp32_ring']:>13.1f} {1e3 * t['thc_switch']:>14.1f} "
               f"{1e3 * t['thc_allreduce']:>14.1f} {t['fp32_ring'] / t['thc_switch']:>14.2f}x")

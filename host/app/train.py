@@ -45,8 +45,10 @@ DEFAULT_OPTIMIZER = (0.05, 0.9)
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mode", choices=MODES, default="thc")
     worker.add_arguments(parser)
-    parser.add_argument("--data", choices=datasets.DATASETS, default="fashion-mnist",
-                        help="data set (fashion-mnist falls back to digits, saying so)")
+    parser.add_argument("--data", choices=(datasets.AUTO, *datasets.DATASETS),
+                        default=datasets.AUTO,
+                        help="data set (auto: fashion-mnist where installed, else digits, "
+                             "saying so)")
     parser.add_argument("--train-subset", type=positive_int, default=None, metavar="N",
                         help="train on the first N training images only (quick runs)")
     parser.add_argument("--epochs", type=positive_int, default=3)

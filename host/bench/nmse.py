@@ -2,7 +2,8 @@
 
 NMSE = ||mean - estimate||^2 / mean_i ||x_i||^2 for n workers with independent vectors, each
 scheme seeing the same vectors in a trial. THC's own figures are printed next to the
-independent reference in DESIGN.md and to the analytic model of thc.codec.table.
+figures of an independent numpy implementation (d = 2^18) and to the analytic model of
+thc.codec.table.
 ``--plot FILE`` draws NMSE against bits per coordinate (THC and UHC at b = 2..8 with p tuned
 per b by the analytic model, QSGD at several s, TopK at several ratios, TernGrad, sign, FP16).
 """
@@ -23,7 +24,8 @@ from thc.codec.table import expected_nmse, optimal_table, uniform_table
 DEFAULT_SCHEMES = "thc,uhc,qsgd,terngrad,topk,sign,fp16"
 REFERENCE = {"thc": {1: 0.0204, 10: 0.0020}, "uhc": {1: 0.0206, 10: 0.0021},
              "qsgd": {1: 0.079, 10: 0.0079}}
-"""DESIGN.md §1 (b=4, g=30, p=1/32, QSGD s=7; Gaussian vectors, d = 2^18)."""
+"""An independent numpy implementation's figures (b=4, g=30, p=1/32, QSGD s=7; Gaussian
+vectors, d = 2^18)."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -138,13 +140,13 @@ def _run(args: argparse.Namespace) -> int:
             raise ValueError("--workers needs positive integers")
         params = THCParams.from_args(args)
     except ValueError as e:
-        print(f"thc nmse: {e}")
+        print(f"thc nmse: {e}", file=sys.stderr)
         return 2
     dim, trials = args.dim, args.trials
     if args.quick:
         dim, trials = min(dim, 2 ** 14), min(trials, 2)
     if dim < 1 or trials < 1:
-        print("thc nmse: --dim and --trials must be >= 1")
+        print("thc nmse: --dim and --trials must be >= 1", file=sys.stderr)
         return 2
     thc_kw = {"bits": params.bits, "granularity": params.granularity, "p": params.p,
               "seed": params.seed}
@@ -157,7 +159,7 @@ def _run(args: argparse.Namespace) -> int:
         try:
             scheme = make_scheme(spec, **over)
         except ValueError as e:
-            print(f"thc nmse: {e}")
+            print(f"thc nmse: {e}", file=sys.stderr)
             return 2
         res = measure(scheme, workers, dim, args.dist, trials, params.seed)
         row = {"spec": spec, "scheme": scheme.describe(), "name": name,
@@ -180,20 +182,21 @@ def _run(args: argparse.Namespace) -> int:
               "results": rows}
 
     out = sys.stderr if args.json == "-" else sys.stdout
-    head = f"{'scheme':<34} {'bits':>6}" + "".join(f" {'n=' + str(n):>10}" for n in workers)
+    width = max([34] + [len(row["scheme"]) for row in rows])
+    head = f"{'scheme':<{width}} {'bits':>6}" + "".join(f" {'n=' + str(n):>10}" for n in workers)
     print(f"NMSE, {args.dist} vectors, d = {dim}, {trials} trial(s); "
           f"THC {params.describe()}", file=out)
     print(head, file=out)
     print("-" * len(head), file=out)
     for row in rows:
-        line = f"{row['scheme'][:34]:<34} {row['bits_per_coord']:>6.2f}"
+        line = f"{row['scheme']:<{width}} {row['bits_per_coord']:>6.2f}"
         line += "".join(f" {row['nmse'][str(n)]:>10.4g}" for n in workers)
         print(line, file=out)
-        for label in ("model", "reference"):
+        for label, shown in (("model", "model"), ("reference", "reference, d = 2^18")):
             if label in row:
                 vals = "".join(f" {row[label].get(str(n), float('nan')):>10.4g}"
                                for n in workers)
-                print(f"{'  ' + label:<34} {'':>6}{vals}", file=out)
+                print(f"{'  ' + shown:<{width}} {'':>6}{vals}", file=out)
 
     if args.plot:
         sweep = []

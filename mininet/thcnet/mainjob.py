@@ -31,7 +31,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from thc.app.argtypes import positive_int
-from thc.app.datasets import fashion_dir
+from thc.app.datasets import AUTO, DATASETS, fashion_dir, resolve
 from thc.codec import settings
 from thc.codec.params import THCParams
 from thc.wire import protocol as P
@@ -108,7 +108,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--modes", default=DEFAULT_MODES,
                         help=f"comma-separated, from {','.join(MODES)} (default: all but "
                              f"{', '.join(OPT_IN)})")
-    parser.add_argument("--data", default="fashion-mnist", choices=("fashion-mnist", "digits"))
+    parser.add_argument("--data", default=AUTO, choices=(AUTO, *DATASETS),
+                        help="data set (auto: fashion-mnist where installed, else digits, "
+                             "saying so)")
     parser.add_argument("--epochs", type=positive_int, default=2)
     parser.add_argument("--batch", type=positive_int, default=128, help="per-worker batch size")
     parser.add_argument("--width", type=int, default=None,
@@ -141,6 +143,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the limit for modes through BMv2 (default 3600 s; a lower limit "
                              "stops the mode where it got and still compares its losses with "
                              "THC's)")
+
+
+def data_unavailable(args: argparse.Namespace, prog: str) -> str | None:
+    """Why ``--data`` cannot be trained on (Fashion-MNIST named and not installed), else
+    None with ``args.data`` resolved (:data:`AUTO`'s fallback to digits printed)."""
+    name, note = resolve(args.data)
+    if name == "fashion-mnist" and not fashion_dir().is_dir():
+        return (f"{prog}: --data fashion-mnist: not found in {fashion_dir()} (Debian package "
+                f"dataset-fashion-mnist, `make system-deps` as root, or THC_FASHION_MNIST): "
+                f"install it, or choose --data digits")
+    if note:
+        print(f"{prog}: {note}", flush=True)
+    args.data = name
+    return None
 
 
 def check_args(args: argparse.Namespace, modes: list[str]) -> str | None:
@@ -365,14 +381,14 @@ def run(args: argparse.Namespace) -> int:
     if why := check_args(args, modes):
         print(f"thc run: {why}", file=sys.stderr)
         return 2
-    if args.data == "fashion-mnist" and not fashion_dir().is_dir():
-        print(f"thc run: Fashion-MNIST is not installed in {fashion_dir()} (Debian package "
-              f"dataset-fashion-mnist, `make system-deps` as root): training on digits instead",
-              flush=True)
-        args.data = "digits"
+    if why := data_unavailable(args, "thc run"):
+        print(why, file=sys.stderr)
+        return 2
     mininet_why = "--loopback" if args.loopback else mininet_unavailable_reason("software")
     if args.congest and mininet_why:
-        print(f"thc run: --congest needs the Mininet testbed ({mininet_why})", file=sys.stderr)
+        print("thc run: --congest needs the Mininet testbed: not with --loopback"
+              if args.loopback else f"thc run: --congest needs the Mininet testbed "
+              f"({mininet_why})", file=sys.stderr)
         return 2
     if (not mininet_why and (args.delay or args.loss)
             and (args.congest or any(MODES[m].loss_bound for m in modes))):
@@ -383,9 +399,17 @@ def run(args: argparse.Namespace) -> int:
         if why := bmv2_unavailable_reason():
             print(f"thc run: skipping {name}: {why}")
             modes.remove(name)
+    if not modes:
+        print("thc run: every mode asked for was skipped: nothing to run", file=sys.stderr)
+        return 2
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    print(f"thc run: {args.data}, {args.workers} workers at {args.bw:g} Mbit/s, "
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        print(f"thc run: cannot create --out {out}: {e.strerror or e}", file=sys.stderr)
+        return 2
+    links = ("loopback, links not shaped" if mininet_why else f"at {args.bw:g} Mbit/s")
+    print(f"thc run: {args.data}, {args.workers} workers {links}, "
           f"{args.epochs} epoch(s), modes {', '.join(modes)}"
           + (f", competing UDP flow {args.congest * args.bw:g} Mbit/s per worker"
              if args.congest else ""), flush=True)

@@ -47,8 +47,16 @@ def summarize(runs: list[dict], fixed: float) -> dict:
             row["accuracy_vs_fp32_pp"] = 100 * (row["final_accuracy"] - base["final_accuracy"])
         fair = [row for row in rows if row["tta_fp32_minus_1pt"] is not None
                 and row["accuracy_vs_fp32_pp"] >= -1.0 and not row["stopped"]]
-        if fair:
-            win = min(fair, key=lambda row: row["tta_fp32_minus_1pt"])
+        win = min(fair, key=lambda row: row["tta_fp32_minus_1pt"], default=None)
+        if win is not None and win["mode"] == "fp32":
+            rest = [row for row in fair if row["mode"] != "fp32"]
+            best = min(rest, key=lambda row: row["tta_fp32_minus_1pt"], default=None)
+            verdict = (f"no mode beat FP32: it reached {target:.4f} (its final accuracy minus "
+                       f"1 point) in {b:.1f} s of training"
+                       + (f"; the soonest other, {best['mode']}, in "
+                          f"{best['tta_fp32_minus_1pt']:.1f} s ({best['speedup']:.2f}x)"
+                          if best else ""))
+        elif win is not None:
             verdict = (f"{win['mode']} won: it reached {target:.4f} (FP32's final accuracy "
                        f"minus 1 point) in {win['tta_fp32_minus_1pt']:.1f} s of training, "
                        f"{win['speedup']:.2f}x sooner than FP32 ({b:.1f} s), and ended at "

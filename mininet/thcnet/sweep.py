@@ -32,9 +32,9 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from thc.app.argtypes import positive_int
+from thc.app.argtypes import positive_int, read_json
 from thc.app.breakeven import analyse
-from thc.app.datasets import fashion_dir
+from thc.app.datasets import AUTO, DATASETS
 from thc.emu import mainjob
 from thc.emu.mainreport import summarize, time_to
 from thc.emu.sweepreport import markdown, plot
@@ -57,7 +57,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--evals", type=positive_int, default=4,
                         help="evaluations a run (step time: first to last; at least 2)")
     parser.add_argument("--batch", type=positive_int, default=128, help="per-worker batch size")
-    parser.add_argument("--data", default="fashion-mnist", choices=("fashion-mnist", "digits"))
+    parser.add_argument("--data", default=AUTO, choices=(AUTO, *DATASETS),
+                        help="data set (auto: fashion-mnist where installed, else digits, "
+                             "saying so)")
     parser.add_argument("--width", type=int, default=None, help="model width (main job's)")
     parser.add_argument("--target", type=float, default=None,
                         help="accuracy of the time-to-accuracy figures (default: FP32's final "
@@ -189,7 +191,9 @@ def run(args: argparse.Namespace) -> int:
     json_path = Path(args.json) if args.json else out / "sweep.json"
     plot_path = Path(args.plot) if args.plot else out / "sweep.png"
     if args.report:
-        data = json.loads(Path(args.report).read_text())
+        data = read_json(args.report, "a sweep's report (sweep.json of `thc sweep`)",
+                         ("modes", "points"), "thc sweep")
+        data.setdefault("failed", [])
         data["analysed_by"] = "thc sweep " + " ".join(map(shlex.quote, sys.argv[2:]))
     else:
         try:
@@ -211,12 +215,15 @@ def run(args: argparse.Namespace) -> int:
             print(f"thc sweep: needs the Mininet testbed to shape links ({why})",
                   file=sys.stderr)
             return 2
-        if args.data == "fashion-mnist" and not fashion_dir().is_dir():
-            print(f"thc sweep: Fashion-MNIST is not installed in {fashion_dir()}: training "
-                  f"on digits instead", flush=True)
-            args.data = "digits"
-        out.mkdir(parents=True, exist_ok=True)
-        json_path.parent.mkdir(parents=True, exist_ok=True)
+        if why := mainjob.data_unavailable(args, "thc sweep"):
+            print(why, file=sys.stderr)
+            return 2
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+            json_path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            print(f"thc sweep: cannot create {e.filename}: {e.strerror or e}", file=sys.stderr)
+            return 2
         print(f"thc sweep: {args.data}, {args.workers} workers, {args.steps} steps a run, "
               f"modes {', '.join(modes)} at {', '.join(f'{b:g}' for b in bws)} Mbit/s "
               f"({len(bws) * len(modes)} runs)", flush=True)
@@ -225,14 +232,14 @@ def run(args: argparse.Namespace) -> int:
     if thc is None:
         print("thc sweep: no THC mode swept: no break-even to compute")
         return 1 if data["failed"] else 0
-    for p in data["points"]:
-        p["tta_s"] = _tta(p["runs"], args.target)
     data["tta_target"] = ("FP32's final accuracy minus one point" if args.target is None
                           else f"accuracy {args.target:g}")
     baselines = tuple(m for m in ("fp32", "fp16") if m in data["modes"])
     try:
+        for p in data["points"]:
+            p["tta_s"] = _tta(p["runs"], args.target)
         data["analysis"] = analyse(data, thc, baselines, args.agg_pps)
-    except ValueError as e:
+    except (KeyError, TypeError, ValueError) as e:
         print(f"thc sweep: no analysis of the runs in {json_path}: {e}", file=sys.stderr)
         return 1
     print()

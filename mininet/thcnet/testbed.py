@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import argparse
 
-from thc.app.argtypes import positive_int
+from thc.app.argtypes import non_negative_float, percent, positive_float, positive_int
 from thc.codec.params import THCParams
 from thc.testing.clusters import free_port_block
 from thc.wire.jobs import Cluster, Shard, Worker
@@ -148,12 +148,12 @@ def add_link_arguments(parser: argparse.ArgumentParser, *, bw: float | None) -> 
     """Every worker link's bandwidth (``bw``: its default, Mbit/s; None: unshaped), delay and
     loss, as :func:`open_testbed` takes them."""
     group = parser.add_argument_group("links")
-    group.add_argument("--bw", type=float, default=bw, metavar="MBIT",
+    group.add_argument("--bw", type=positive_float, default=bw, metavar="MBIT",
                        help="worker link bandwidth, Mbit/s (default: "
                             + ("unshaped)" if bw is None else f"{bw:g})"))
-    group.add_argument("--delay", type=float, default=0.0, metavar="MS",
+    group.add_argument("--delay", type=non_negative_float, default=0.0, metavar="MS",
                        help="per-link delay, ms (needs netem in the kernel)")
-    group.add_argument("--loss", type=float, default=0.0, metavar="PCT",
+    group.add_argument("--loss", type=percent, default=0.0, metavar="PCT",
                        help="per-link loss, percent")
 
 

@@ -3,8 +3,8 @@ offset, slot and version must match seq, a new use waits until every worker hold
 previous result, stale and out-of-step packets are answered with REFUSED, a far-future run
 cannot take a live job, and each install answers with a new epoch.
 
-Each case is one of the ways a client accepted a wrong sum or waited forever before these
-rules; docs/protocol.md states them.
+Without these rules each case is a way a client accepts a wrong sum or waits forever;
+docs/protocol.md states them, docs/faults.md lists the cases.
 """
 from __future__ import annotations
 
