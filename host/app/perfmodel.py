@@ -67,8 +67,10 @@ class Setup:
     """alpha: cost of one message (a ring hop, half an aggregator round trip)."""
     compute_s: float = 0.1
     overlap: float = 1.05
-    codec_mbps: float = 270.0
-    """THC encode + decode throughput per worker (MB of float32 per second; `thc bench codec`)."""
+    codec_mbps: float = 1000.0
+    """THC encode + decode throughput per worker (MB of float32 per second): the compiled CPU
+    codec on one core, 1.00-1.16 GB/s on the 2-core VM (`thc bench codec --sizes 24`, the
+    README's figure)."""
     fp16_mbps: float = float("inf")
     """FP16's cast down and back, MB of float32 per second (`thc bench codec`'s fp16 round
     trip); inf leaves it out."""
@@ -338,8 +340,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compute-ms", type=non_negative_float, default=100.0,
                         help="compute per iteration")
     parser.add_argument("--overlap", type=positive_float, default=1.05, help="lambda (1.04-1.1)")
-    parser.add_argument("--codec-mbps", type=positive_float, default=270.0,
-                        help="THC encode+decode MB/s per worker (see thc bench codec)")
+    parser.add_argument("--codec-mbps", type=positive_float, default=Setup.codec_mbps,
+                        help="THC encode+decode MB/s per worker (default: the compiled CPU "
+                             "codec on one core; `thc bench codec` measures this machine's)")
     parser.add_argument("--calibrate", metavar="MAINJOB_JSON", nargs="+",
                         help="compare the model with main jobs' measured step times "
                              "(out/mainjob.json, one or more)")
@@ -348,9 +351,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "to the first report's FP32 and Marsit runs)")
     parser.add_argument("--efficiency", type=float, default=None,
                         help="with --calibrate: link efficiency (default: fitted with alpha)")
-    parser.add_argument("--agg-pps", type=float, default=86e3,
-                        help="with --calibrate: software aggregator packets/s (thc bench "
-                             "aggregator, 4 workers)")
+    parser.add_argument("--agg-pps", type=positive_float, default=86e3,
+                        help="with --calibrate: the software aggregators' packets/s in the main "
+                             "job, where they share the worker hosts' cores with training "
+                             "(default: the rate docs/results.md's calibration took; `thc bench "
+                             "aggregator` measures one alone)")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -249,7 +249,7 @@ def train(args) -> list[dict]:
                 sent = hook.bytes_sent
             n = len(step_losses)
             row = {"mode": args.mode, "rank": args.rank, "epoch": epoch - 1 + s / steps,
-                   "accuracy": acc, "loss": float(loss), "seconds": trained,
+                   "accuracy": acc, "loss": step_losses[-1], "seconds": trained,
                    "bytes_sent": int(sent), "params": n_params, "steps_per_epoch": steps,
                    "steps": n, "comm_seconds": comm, "exposed_comm_seconds": exposed,
                    "codec_seconds": getattr(hook, "codec_seconds", None),
