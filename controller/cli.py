@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
+from thc.app.argtypes import positive_float
 from thc.controller import counters, dryrun, forwarding, installed, job_entries, jobs, targets
 from thc.controller.switch import DEFAULT_DEVICE_ID, DEFAULT_GRPC, Switch, SwitchError
 from thc.wire.jobs import Cluster, ConfigError
@@ -30,10 +32,13 @@ from thc.wire.jobs import Cluster, ConfigError
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--grpc-addr", default=DEFAULT_GRPC, metavar="HOST:PORT",
                         help=f"P4Runtime server (default {DEFAULT_GRPC})")
-    parser.add_argument("--device-id", type=int, default=DEFAULT_DEVICE_ID,
+    parser.add_argument("--device-id", type=_uint64, default=DEFAULT_DEVICE_ID,
                         help="P4Runtime device id (simple_switch_grpc --device-id; default 0)")
-    parser.add_argument("--election-id", default="1,0", metavar="HIGH,LOW")
-    parser.add_argument("--timeout", type=float, default=5.0,
+    parser.add_argument("--election-id", type=_election, default=None, metavar="HIGH,LOW",
+                        help=f"this session's election id (default {WRITER[0]},{WRITER[1]} for "
+                             f"the actions that write, 0,PID for jobs, counters and l2 list, "
+                             f"so that a reader never takes a writer's place)")
+    parser.add_argument("--timeout", type=positive_float, default=5.0,
                         help="seconds to wait for the P4Runtime server (default 5)")
     parser.add_argument("--target", default=targets.DEFAULT, choices=sorted(targets.TARGETS),
                         help=f"the switch's program: bmv2 (p4src/thc.p4) or tofino "
@@ -46,12 +51,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "holds no jobs, from the target's P4Info, without connecting")
     sub = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
 
-    p = sub.add_parser("push", help="load the compiled P4 program (clears all switch state)")
+    p = sub.add_parser("push", help="load the compiled P4 program (clears all switch state: "
+                                    "refused while a job's workers are sending)")
     p.add_argument("--program", default="thc", choices=["thc", "l2"])
+    p.add_argument("--force", action="store_true",
+                   help="push even while a job's workers are sending")
 
     p = sub.add_parser("install", help="install or update the jobs of a cluster config")
     p.add_argument("--config", required=True, help="cluster JSON (host/wire/jobs.py Cluster)")
-    p.add_argument("--push", action="store_true", help="push the program first")
+    p.add_argument("--push", action="store_true",
+                   help="push the program first, which removes every installed job (refused "
+                        "while one is live)")
     p.add_argument("--prune", action="store_true",
                    help="remove installed jobs that the config does not list")
     p.add_argument("--force", action="store_true",
@@ -73,12 +83,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("port", nargs="?", type=int)
 
 
-def _election(text: str) -> tuple[int, int]:
+WRITER = (1, 0)
+"""The default election id of the actions that write."""
+
+
+def _uint64(text: str) -> int:
     try:
-        hi, lo = (int(x) for x in text.split(","))
-        return hi, lo
+        value = int(text)
     except ValueError:
-        raise ValueError(f"--election-id must be HIGH,LOW, got {text!r}") from None
+        value = -1
+    if not 0 <= value < 1 << 64:
+        raise argparse.ArgumentTypeError(f"an integer in 0..2^64-1, not {text!r}")
+    return value
+
+
+def _election(text: str) -> tuple[int, int]:
+    parts = text.split(",")
+    if len(parts) != 2:
+        raise argparse.ArgumentTypeError(f"HIGH,LOW (two integers in 0..2^64-1), not {text!r}")
+    hi, lo = (_uint64(x) for x in parts)
+    if (hi, lo) == (0, 0):
+        raise argparse.ArgumentTypeError("0,0 is no election id (P4Runtime's ids start at 1)")
+    return hi, lo
 
 
 def _placed(cluster: Cluster, placed: dict[int, int], same: set[int], note: str = "") -> None:
@@ -101,6 +127,18 @@ def _dry_run(args: argparse.Namespace, target: targets.Target, cluster: Cluster)
     return 0
 
 
+def _refuse_live_before_push(args: argparse.Namespace, election: tuple[int, int]) -> None:
+    """A push removes every job: JobLive if one is live. A switch without a program (or one
+    that cannot be read) holds no job to protect."""
+    with Switch(args.grpc_addr, args.device_id, election, timeout=args.timeout,
+                require_primary=False) as sw:
+        try:
+            sw.connect(program=None)
+        except SwitchError:
+            return
+        jobs.refuse_live_jobs(sw, "pushing a program, which removes every job,")
+
+
 def _run(args: argparse.Namespace) -> int:
     target = targets.get(args.target)
     build_dir = args.build_dir or target.build_dir
@@ -118,13 +156,16 @@ def _run(args: argparse.Namespace) -> int:
         # the push wipes every job: check the cluster against the program first
         jobs.check_cluster(dryrun.DryRunSwitch(target, build_dir, out=lambda line: None),
                            cluster, prune=args.prune)
+    read_only = args.action in ("jobs", "counters") or (args.action == "l2" and args.op == "list")
+    election = args.election_id or ((0, os.getpid()) if read_only else WRITER)
+    if push and not args.force:
+        _refuse_live_before_push(args, election)
     if args.action == "l2" and args.op == "add" and (args.mac or "").lower() in \
             forwarding.UNROUTABLE:
         raise ValueError(f"l2 add: {args.mac} is the all-zero or broadcast MAC, which the "
                          f"controller keeps out of l2_forward; name one host's MAC")
-    read_only = args.action in ("jobs", "counters") or (args.action == "l2" and args.op == "list")
-    with Switch(args.grpc_addr, args.device_id, _election(args.election_id),
-                timeout=args.timeout, require_primary=not read_only) as sw:
+    with Switch(args.grpc_addr, args.device_id, election, timeout=args.timeout,
+                require_primary=not read_only) as sw:
         sw.connect(program=push, build_dir=build_dir)
         if args.action in ("install", "remove") and sw.target not in (None, target):
             raise ValueError(f"the switch at {args.grpc_addr} runs the {sw.target.name} "

@@ -28,12 +28,15 @@ from thc.controller.job_entries import (AggAddress, addr_entries, delete, job_en
                                         upsert, worker_entries)
 from thc.controller.program import ADDR_TABLE, JOB_TABLE, WORKER_TABLE
 from thc.controller.switch import Switch, SwitchError
+from thc.net.window import DEFAULT_MAX_TIMEOUT
 from thc.wire import protocol as P
 from thc.wire.jobs import Cluster, Job
 
-LIVE_WINDOW = 0.5
-"""Seconds the controller watches a job's packet counter before changing it: a job whose
-workers send at least one packet per round trip moves it well within that."""
+LIVE_WINDOW = 2 * DEFAULT_MAX_TIMEOUT + 0.2
+"""Seconds the controller watches a job's packet counter before changing it: more than two
+of the clients' longest default backoffs (a worker waiting for its peers resends at least
+that often), so a round in flight moves it. Between rounds (a training step's compute) a job
+sends nothing and reads idle: stop its workers before changing it."""
 
 
 class JobNotInstalled(SwitchError):
@@ -64,6 +67,15 @@ def live_jobs(sw: Switch, job_indices: dict[int, int],
         now = packets()
         moved = {jid: now[jid] - before[jid] for jid in now if now[jid] != before[jid]}
     return moved
+
+
+def refuse_live_jobs(sw: Switch, what: str, force: bool = False,
+                     window: float = LIVE_WINDOW) -> None:
+    """JobLive unless ``force`` when any job the switch holds is live (before a push, which
+    wipes them all)."""
+    if sw.has_table(JOB_TABLE):
+        _refuse_live(sw, {jid: cfg["job_index"] for jid, cfg in installed_jobs(sw).items()},
+                     what, force, window)
 
 
 def _refuse_live(sw: Switch, job_indices: dict[int, int], what: str, force: bool,

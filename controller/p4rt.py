@@ -90,25 +90,49 @@ def open_session(grpc_addr: str, device_id: int, election_id: tuple[int, int],
         raise SessionError(f"no P4Runtime server at {grpc_addr} (is simple_switch_grpc "
                            f"running with --grpc-server-addr {grpc_addr}?)")
     config = sh.FwdPipeConfig(*pipeline) if pipeline else None
+    said = _Said()
+    logging.getLogger().addHandler(said)
     try:
         # setup prints "You are not the primary client" on stdout, which belongs to the
         # caller (``thc controller counters --json``)
         with contextlib.redirect_stdout(io.StringIO()):
             sh.setup(device_id=device_id, grpc_addr=grpc_addr, election_id=election_id,
                      config=config, verbose=False)
-    except SystemExit:
+    except (SystemExit, Exception) as e:
+        # a failed setup leaves the client's stream threads running: the process would
+        # never exit
         if sh.client is not None:
             try:
                 sh.client.tear_down()
             except Exception:  # noqa: BLE001 - the session is already broken
                 logging.debug("tear_down after a failed setup", exc_info=True)
             sh.client = None
+        reason = "; ".join(said.messages) or ("" if isinstance(e, SystemExit) else str(e))
+        if "election id already exists" in reason.lower():
+            raise SessionError(
+                f"another controller session with election id {election_id} is open on "
+                f"{grpc_addr} (the server: {reason}); wait for it, or pass another "
+                f"--election-id") from None
         what = "pushing the pipeline" if pipeline else "reading the P4Info"
         raise SessionError(
             f"P4Runtime session with device {device_id} at {grpc_addr} failed (arbitration "
-            f"or {what}; does the switch run with --device-id {device_id}, and is the "
-            f"program valid?)") from None
+            f"or {what}" + (f": {reason}" if reason else "") + f"; does the switch run with "
+            f"--device-id {device_id}, and is the program valid?)") from None
+    finally:
+        logging.getLogger().removeHandler(said)
     return sh.client, sh.context.p4info, _is_primary(sh.client)
+
+
+class _Said(logging.Handler):
+    """The errors p4runtime-shell logged during setup: it logs the server's reason for a
+    failed arbitration or push, then exits without it."""
+
+    def __init__(self):
+        super().__init__(logging.ERROR)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
 
 
 def close_session(client) -> None:

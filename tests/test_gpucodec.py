@@ -72,4 +72,4 @@ def test_a_report_without_the_codec_row_is_refused(tmp_path, capsys):
     (tmp_path / "codec.json").write_text(json.dumps({"results": [
         {"name": "copy (x.clone())", "elements": N, "median_s": 1e-4}]}))
     assert main(["model", "--gpu-codec", str(tmp_path / "codec.json")]) == 2
-    assert "no 'THC encode+decode (...)' row" in capsys.readouterr().out
+    assert "no 'THC encode+decode (...)' row" in capsys.readouterr().err

@@ -61,6 +61,8 @@ class MemoryDevice:
         self.log: list[Event] = []
         self.cpu_port = True
         """False: a switch started without ``--cpu-port``; packet-outs are lost."""
+        self._senders: list[tuple] = []
+        """Workers that keep sending (:meth:`sending`), through pushes: they are hosts."""
         if program:
             self.push(program, build_dir)
 
@@ -75,7 +77,6 @@ class MemoryDevice:
         self.cells: dict[str, dict[int, int]] = {name: {} for name in self.counter_sizes}
         self.slot_resets: list[tuple[int, int, int]] = []
         """(job_id, slot, version) of every RESET the data plane applied, in order."""
-        self._senders: list[tuple] = []
 
     # -- control plane --------------------------------------------------------------------
     def write(self, op: str, entity: bytes) -> None:

@@ -20,6 +20,10 @@ from thc.wire.jobs import Job
 FAST_RETRANSMIT_AFTER = 3
 """Results of this many later chunks mean an earlier chunk (or its result) was lost."""
 
+DEFAULT_MAX_TIMEOUT = 0.5
+"""Seconds: a client's default cap on a chunk's backoff, the longest a waiting worker goes
+between retransmissions."""
+
 FAST_BACKOFF_CAP = 4
 """RTOs: the backoff cap of the window's head and of chunks found lost."""
 

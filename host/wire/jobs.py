@@ -423,9 +423,12 @@ class Cluster:
     @classmethod
     def load(cls, path: str | Path) -> "Cluster":
         try:
-            return cls.from_dict(json.loads(Path(path).read_text()))
+            data = json.loads(Path(path).read_text())
         except json.JSONDecodeError as e:
             raise ConfigError(f"{path}: not valid JSON: {e}") from None
+        except RecursionError:
+            raise ConfigError(f"{path}: nested too deeply for a cluster file") from None
+        return cls.from_dict(data)
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")

@@ -1,0 +1,97 @@
+"""``thc controller`` without a switch: its flags checked before any session, the election
+ids its actions take, and a push refused while a job is live, on the in-memory switch
+(controller/testing/memswitch.py) standing in for the P4Runtime server."""
+from __future__ import annotations
+
+import argparse
+import os
+
+import pytest
+
+from thc.controller import cli, jobs
+from thc.controller.testing.memswitch import MemoryDevice, MemorySwitch
+from thc.wire.jobs import SWITCH_AGG_IP, SWITCH_AGG_MAC, Cluster
+from tests.test_jobs_safety import make_job
+
+
+def _parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="thc controller")
+    cli.add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--election-id", "99999999999999999999999,0", "jobs"], "--election-id: an integer in"),
+    (["--election-id=-1", "jobs"], "--election-id: HIGH,LOW"),
+    (["--election-id", "0,0", "jobs"], "0,0 is no election id"),
+    (["--device-id=-1", "jobs"], "--device-id: an integer in 0..2^64-1"),
+    (["--timeout=-1", "jobs"], "--timeout: must be above 0")])
+def test_bad_session_flags_are_refused_before_any_session(argv, message, capsys):
+    """An election id protobuf cannot hold failed inside p4runtime-shell's setup, whose
+    stream threads then kept the process from exiting; a negative timeout read as no
+    server."""
+    with pytest.raises(SystemExit):
+        _parse(*argv)
+    assert message in capsys.readouterr().err
+
+
+class _Recorded(MemorySwitch):
+    """A MemorySwitch on one shared device that records the election id of each session."""
+
+    device_: MemoryDevice
+    elections: list
+
+    def __init__(self, grpc_addr, device_id, election_id, timeout=5.0, require_primary=True):
+        super().__init__(grpc_addr, device_id, election_id, timeout, require_primary,
+                         device=self.device_)
+        self.elections.append((election_id, require_primary))
+
+
+@pytest.fixture
+def recorded(monkeypatch):
+    device = MemoryDevice(program=None)
+    switch = type("Recorded", (_Recorded,), {"device_": device, "elections": []})
+    monkeypatch.setattr(cli, "Switch", switch)
+    MemorySwitch(device=device).connect()       # the thc program pushed
+    return switch
+
+
+def test_readers_never_take_a_writers_place(recorded):
+    """Reading actions took the writers' default id (1,0): one run while an install held it
+    failed ("Election id already exists"), and a reader given a higher id preempted the
+    install. Readers now default to (0, pid), below any writer."""
+    assert cli.run(_parse("jobs")) == 0
+    assert cli.run(_parse("counters")) == 0
+    assert cli.run(_parse("l2", "list")) == 0
+    assert recorded.elections == [((0, os.getpid()), False)] * 3
+    assert cli.run(_parse("--election-id", "3,4", "jobs")) == 0
+    assert recorded.elections[-1] == ((3, 4), False)
+
+
+def test_a_push_is_refused_while_a_job_is_live(recorded, tmp_path, capsys, monkeypatch):
+    """`install --push` (and `push`) removed every job, a live one included, where `install`
+    alone refused to touch it: a push now watches every installed job first."""
+    monkeypatch.setattr(jobs, "LIVE_WINDOW", 0.2)
+    live = make_job(9)
+    sw = MemorySwitch(device=recorded.device_).connect(program=None)
+    jobs.install_job(sw, live)
+    other = make_job(12, pool_base=8)
+    config = tmp_path / "other.json"
+    Cluster(jobs=(other,), agg_ip=SWITCH_AGG_IP, agg_mac=SWITCH_AGG_MAC).save(config)
+    before = recorded.device_.state()
+    with recorded.device_.sending(live):
+        for argv in (["install", "--config", str(config), "--push"], ["push"]):
+            assert cli.run(_parse(*argv)) == 1
+            err = capsys.readouterr().err
+            assert "job 9 is live" in err and "pushing a program, which removes every job" in err
+            assert recorded.device_.state() == before
+        assert cli.run(_parse("push", "--force")) == 0
+    assert jobs.installed_jobs(sw) == {}
+    assert cli.run(_parse("install", "--config", str(config), "--push")) == 0   # nothing live
+
+
+def test_a_cluster_file_nested_too_deeply_is_a_config_error(tmp_path, capsys):
+    deep = tmp_path / "deep.json"
+    deep.write_text("[" * 100000 + "]" * 100000)
+    assert cli.run(_parse("install", "--config", str(deep))) == 1
+    assert "nested too deeply for a cluster file" in capsys.readouterr().err
