@@ -109,6 +109,9 @@ class PythonWindow:
         full, incarnation = job.full_bitmap, end.incarnation
         top = job.granularity if pkt_type == P.PktType.DATA else P.MAX_LANE_TOP
         is_data = pkt_type == P.PktType.DATA
+        # this worker's table values in every lane, in the sums' width: a sum below its own
+        # value wraps past any bound on the rest (n x g fits the width)
+        own = job.lane_values(chunks).astype(dtype).reshape(total, lanes) if is_data else None
 
         def packet(i: int) -> bytes:
             slot, version = P.slot_of(base + i, pool)
@@ -255,8 +258,7 @@ class PythonWindow:
                     if not is_data:
                         bad = (sums < chunks[i].view(">u4")).any() or sums.max() > top
                     elif r_bitmap >> me & 1:
-                        own = job.lane_values(chunks[i]).astype(np.int64)
-                        bad = (sums < own).any() or (sums > own + (r_count - 1) * top).any()
+                        bad = (sums - own[i]).max() > (r_count - 1) * top
                     else:
                         bad = sums.max() > r_count * top
                     if bad:

@@ -219,9 +219,11 @@ class Job:
         return np.stack([lut[every >> 4], lut[every & 0x0F]], axis=1)
 
     def lane_values(self, payload) -> np.ndarray:
-        """What an aggregator adds for a DATA payload: each 4-bit index's table value (high
-        nibble first), or each sign bit of a vote job (first bit first)."""
-        raw = np.frombuffer(payload, dtype=np.uint8)
+        """What an aggregator adds for a DATA payload (bytes, or a uint8 array of payloads one
+        after another): each 4-bit index's table value (high nibble first), or each sign bit
+        of a vote job (first bit first)."""
+        raw = payload.reshape(-1) if isinstance(payload, np.ndarray) else \
+            np.frombuffer(payload, dtype=np.uint8)
         if self.aggregation == "vote":
             return np.unpackbits(raw)
         return self.pair_values[raw].reshape(-1)
