@@ -25,7 +25,7 @@ import sys
 
 from thc.app.argtypes import positive_float
 from thc.controller import counters, dryrun, forwarding, installed, job_entries, jobs, targets
-from thc.controller.switch import DEFAULT_DEVICE_ID, DEFAULT_GRPC, Switch, SwitchError
+from thc.controller.switch import DEFAULT_DEVICE_ID, DEFAULT_GRPC, NoProgram, Switch, SwitchError
 from thc.wire.jobs import Cluster, ConfigError
 
 
@@ -128,13 +128,13 @@ def _dry_run(args: argparse.Namespace, target: targets.Target, cluster: Cluster)
 
 
 def _refuse_live_before_push(args: argparse.Namespace, election: tuple[int, int]) -> None:
-    """A push removes every job: JobLive if one is live. A switch without a program (or one
-    that cannot be read) holds no job to protect."""
+    """A push removes every job: JobLive if one is live. A switch without a program holds no
+    job to protect; one that cannot be read is not pushed to."""
     with Switch(args.grpc_addr, args.device_id, election, timeout=args.timeout,
                 require_primary=False) as sw:
         try:
             sw.connect(program=None)
-        except SwitchError:
+        except NoProgram:
             return
         jobs.refuse_live_jobs(sw, "pushing a program, which removes every job,")
 

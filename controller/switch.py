@@ -37,6 +37,10 @@ class SwitchError(RuntimeError):
     """The switch could not be reached, programmed or queried; the message says why."""
 
 
+class NoProgram(SwitchError):
+    """The switch runs no P4 program yet (it holds no job)."""
+
+
 def program_files(program: str = "thc", build_dir: Path | str = BUILD_DIR) -> tuple[Path, Path]:
     """(P4Info text, BMv2 JSON) of a compiled program in ``build_dir``."""
     build_dir = Path(build_dir)
@@ -153,8 +157,8 @@ class Switch:
                 f"another controller is primary on {self.grpc_addr} (election id "
                 f"{self.election_id} is not the highest); this client cannot write")
         if not p4info.tables and files is None:
-            raise SwitchError(f"the switch at {self.grpc_addr} has no P4 program: push one "
-                              f"(`thc controller push`)")
+            raise NoProgram(f"the switch at {self.grpc_addr} has no P4 program: push one "
+                            f"(`thc controller push`)")
         self._load_p4info(p4info)
         self._writer = p4rt.BatchWriter(self.grpc_addr, self.device_id, self.election_id)
 

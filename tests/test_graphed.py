@@ -447,3 +447,19 @@ def test_a_graphed_and_an_eager_worker_on_gloo_refuse_each_other():
     in a sum its peer skipped (a Gloo abort, "collective mismatch")."""
     res = gloo_pair(_mixed_worker)
     assert all("how a refused round ends" in str(res[r]) for r in (0, 1)), res
+
+
+def test_a_hook_that_wants_priority_classes_refuses_a_graphed_reducer():
+    """A graphed round takes no DLCP classes; the hook asked for them raised at its first
+    round, outside the round's accounting, and its peers waited in their agreement. Its
+    reducer's build now fails, and the build's agreement fails every rank at once."""
+    from thc.collective.ddp import THCHook
+    _group()
+    try:
+        hook = THCHook(torch.nn.Linear(4, 4), lambda group: _graphed(
+            tagged(torch.zeros(4, device=DEV), 0), 5), priorities=True, overlap=False)
+        with pytest.raises(ValueError, match="priorities=True marks chunks with DLCP classes"):
+            hook.reduce("bucket", torch.ones(1024, device=DEV), [1024],
+                        position=torch.zeros(1024))
+    finally:
+        dist.destroy_process_group()

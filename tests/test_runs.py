@@ -149,6 +149,15 @@ def test_workers_agree_on_rank_0s_run_over_gloo():
     assert _agreed({0: "77", 1: "77", 2: "77"}) == {0: 77, 1: 77, 2: 77}
 
 
+def test_a_run_id_that_does_not_parse_on_one_rank_fails_on_every_rank_at_once():
+    """Rank 1 raised before the collective and its peers waited in it until the group's
+    timeout; every rank now names rank 1, and rank 1 says what is wrong."""
+    out = _agreed({1: "12x"})
+    assert "THC_RUN" in out[1] and "'12x'" in out[1], out
+    for rank in (0, 2):
+        assert out[rank] == "rank 1's THC_RUN is not a run id (that rank says why)", out
+
+
 def test_a_run_id_set_on_some_ranks_only_fails_on_every_rank_at_once():
     """THC_RUN on rank 1 only: rank 1 took it without a collective and the others waited in
     a broadcast it never joined, until the group's timeout (30 minutes by default), whose
@@ -211,3 +220,37 @@ def test_an_install_whose_epoch_lacks_the_jobs_tag_is_refused():
         Model().install(job, other.new_epoch(nonce=5))
     assert job.new_epoch(nonce=5) & P.NONCE_MASK == 5 and job.new_epoch(nonce=5) > 0
     assert len({job.new_epoch(previous=job.new_epoch(nonce=7)) for _ in range(50)}) > 40
+
+
+def test_a_client_given_its_run_joins_no_collective_and_an_agreed_one_agrees_once(monkeypatch):
+    """Jobs given their own run ids in one torch world (or a world whose other ranks are not
+    THC workers) must not meet in a collective; a client whose id came from THC_RUN agrees
+    it over the group once, however many transports (a hook's reducers) it serves."""
+    import torch.distributed as dist
+
+    from thc.collective.transports import AggregatorTransport
+    job = local_job(1, 2, free_port_block(2))
+    gathers = []
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port_block(1, tcp=True)}",
+                            rank=0, world_size=1)
+    try:
+        real = dist.all_gather
+        monkeypatch.setattr(dist, "all_gather",
+                            lambda *a, **k: gathers.append(1) or real(*a, **k))
+        with AggregationClient(job, 0, ("127.0.0.1", 9), run=5) as c:
+            AggregatorTransport(c)
+            AggregatorTransport(c)
+            assert gathers == [] and c.run == 5
+        monkeypatch.setenv("THC_RUN", "77")
+        with AggregationClient(job, 0, ("127.0.0.1", 9)) as c:
+            AggregatorTransport(c)
+            AggregatorTransport(c)
+            assert gathers == [1] and c.run == 77
+        monkeypatch.delenv("THC_RUN")
+        with AggregationClient(job, 0, ("127.0.0.1", 9)) as c:   # rank 0's clock, once
+            AggregatorTransport(c)
+            agreed = c.run
+            AggregatorTransport(c)
+            assert gathers == [1, 1] and c.run == agreed is not None
+    finally:
+        dist.destroy_process_group()

@@ -32,7 +32,7 @@ from google.rpc import code_pb2
 
 from thc.controller import counters, p4rt, targets
 from thc.controller.frames import parse_udp_frame
-from thc.controller.switch import BUILD_DIR, Switch, SwitchError, short_name
+from thc.controller.switch import BUILD_DIR, NoProgram, Switch, SwitchError, short_name
 from thc.controller.testing.entry_checks import EntryChecker, Refused
 from thc.wire import protocol as P
 
@@ -236,8 +236,8 @@ class MemorySwitch(Switch):
         if program:
             self.device.push(program, build_dir)
         if self.device.p4info is None:
-            raise SwitchError(f"the switch at {self.grpc_addr} has no P4 program: push one "
-                              f"(`thc controller push`)")
+            raise NoProgram(f"the switch at {self.grpc_addr} has no P4 program: push one "
+                            f"(`thc controller push`)")
         self._load_p4info(self.device.p4info)
         self.client, self.is_primary = self.device, True
         return self

@@ -119,7 +119,7 @@ def _hook(args, model, ddp):
         return THCHook(model, make, opts), None
     client = _client(args)
     make = lambda group: THCAllReduce.through_aggregator(  # noqa: E731
-        client, params, error_feedback=ef, generator=gen)
+        client, params, group, error_feedback=ef, generator=gen)
     return THCHook(model, make, opts, priorities=args.priorities), client
 
 

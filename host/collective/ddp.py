@@ -169,9 +169,15 @@ class _Hook:
         key = tuple(id(p) for p in params)
         with self._stats_lock:
             self._last_call = time.perf_counter()
-        if self._pool is None:
-            return _done(self._reduce_bucket(key, buf, spans))
         fut: torch.futures.Future = torch.futures.Future()
+        if self._pool is None:
+            # raised here, a refusal would leave DDP's reducer half-marked: every later step
+            # then fails inside torch
+            try:
+                fut.set_result(self._reduce_bucket(key, buf, spans))
+            except Exception as e:  # noqa: BLE001 - handed to DDP, which raises it
+                fut.set_exception(e)
+            return fut
 
         def finish(done) -> None:
             error = done.exception()
@@ -280,6 +286,15 @@ class THCHook(_Hook):
         self.wants_positions = priorities
         self.reducers: dict[tuple, THCAllReduce | GraphedAllReduce] = {}
 
+    def _reducer(self, group) -> THCAllReduce | GraphedAllReduce:
+        """The factory's reducer; one that cannot carry the priority classes asked for is a
+        failure of this rank's build, which every rank then raises (:meth:`_build`)."""
+        ar = self.make_allreducer(group)
+        if self.wants_positions and isinstance(ar, GraphedAllReduce):
+            raise ValueError("priorities=True marks chunks with DLCP classes, which travel "
+                             "through an aggregator's transport: a graphed round uses none")
+        return ar
+
     @property
     def codec_seconds(self) -> float:
         """Encode, decode and error-feedback time of every bucket so far (the codec cost the
@@ -317,8 +332,7 @@ class THCHook(_Hook):
         ar = self.reducers.get(key)
         if ar is None:
             self.check()   # the reducers of buckets DDP rebuilt take no further rounds
-            ar = self.reducers[key] = self._build(self.make_allreducer, flat.numel(),
-                                                  flat.device)
+            ar = self.reducers[key] = self._build(self._reducer, flat.numel(), flat.device)
         before = ar.transport.bytes_sent
         out = ar(flat, position=position)
         self.bytes_sent += ar.transport.bytes_sent - before

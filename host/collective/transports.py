@@ -22,7 +22,7 @@ import torch
 from thc.codec.common import wire_sum_dtype
 from thc.codec.params import THCParams
 from thc.codec.thc import table_values
-from thc.collective.worker import agree_run, live_dist
+from thc.collective.worker import agree_run
 from thc.wire import protocol as P
 
 
@@ -54,15 +54,15 @@ class Short:
 class AggregatorTransport:
     """Sums through an aggregator: the indices travel packed, the table lives in the network.
 
-    A client without a run id gets one agreed over ``group`` (:func:`agree_run`); with a
-    process group up, every rank's id is checked against the others' there."""
+    A client not given a run id (none, or ``THC_RUN``'s) gets one agreed over ``group``
+    (:func:`agree_run`), every rank's checked against the others' there."""
 
     def __init__(self, client, group=None):
-        run = client.run
-        if run is None or live_dist() is not None:
-            run = agree_run(group, alone=client.job.n_workers == 1, run=run)
-        if run != client.run:
-            client.run = run
+        if not client.run_settled:
+            run = agree_run(group, alone=client.job.n_workers == 1)
+            if run != client.run:
+                client.run = run
+            client.run_settled = True
         self.client = client
         self.n_workers = client.job.n_workers
         self.rank = client.worker_id

@@ -79,29 +79,48 @@ def live_dist():
     return dist if dist is not None and dist.is_available() and dist.is_initialized() else None
 
 
-def agree_run(group=None, alone: bool = False, run: int | None = None) -> int:
+MALFORMED = -2
+"""What a rank whose own run id does not parse puts in :func:`agree_run`'s all-gather."""
+
+
+def agree_run(group=None, alone: bool = False) -> int:
     """One run id for every worker of this training run, chosen without asking the aggregator.
 
-    ``run`` (a client's own), else ``THC_RUN`` from the launcher, wins; else rank 0's clock
-    (:func:`P.run_from_clock`). With a torch.distributed process group every rank takes
-    part in one all-gather, whatever it holds, and ranks that hold different ids (``THC_RUN``
-    set on some ranks only) fail at once, each naming the difference, rather than wait in a
+    ``THC_RUN`` from the launcher wins; else rank 0's clock (:func:`P.run_from_clock`). With
+    a torch.distributed process group every rank of ``group`` takes part in one all-gather,
+    whatever it holds: ranks that hold different ids (``THC_RUN`` set on some ranks only) or
+    one that does not parse fail at once, each naming the difference, rather than wait in a
     collective the others never join. Without a group only a worker that is ``alone`` in its
-    job may draw its own: clocks of separate processes would disagree."""
-    mine = P.run_from_env() if run is None else P.check_run(run)
+    job may draw its own: clocks of separate processes would disagree. (A caller given a run
+    id explicitly needs none of this: each job's workers are given theirs.)"""
     dist = live_dist()
+    try:
+        mine, bad = P.run_from_env(), None
+    except ValueError as e:
+        if dist is None:
+            raise
+        mine, bad = None, e
     if dist is not None:
         import torch
         rank0 = dist.get_rank(group) == 0
-        t = torch.tensor([-1 if mine is None else mine, P.run_from_clock() if rank0 else -1],
-                         dtype=torch.int64)
+        # an NCCL group moves device tensors only
+        device = torch.device("cuda", torch.cuda.current_device()) \
+            if dist.get_backend(group) == "nccl" else torch.device("cpu")
+        t = torch.tensor([MALFORMED if bad else -1 if mine is None else mine,
+                          P.run_from_clock() if rank0 else -1], dtype=torch.int64,
+                         device=device)
         every = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(every, t, group=group)
+        dist.all_gather(every, t, group=group)   # every rank, whatever it holds
         held = [int(x[0]) for x in every]
+        if bad is not None:
+            raise bad
+        if MALFORMED in held:
+            raise ValueError(f"rank {held.index(MALFORMED)}'s {P.RUN_ENV} is not a run id "
+                             f"(that rank says why)")
         if len(set(held)) > 1:
             ranks = ", ".join(f"rank {r}: {'none' if v < 0 else v}" for r, v in enumerate(held))
             raise ValueError(f"the ranks hold different run ids ({ranks}): set {P.RUN_ENV} "
-                             f"(or pass run=) the same on every rank, or on none")
+                             f"the same on every rank, or on none")
         return P.check_run(held[0] if held[0] >= 0 else int(every[0][1]))
     if mine is not None:
         return mine
@@ -129,8 +148,8 @@ def worker_client(config: str | os.PathLike | Cluster, rank: int,
         address = (cluster.agg_ip, cluster.agg_port)
     else:
         address = parse_hostport(agg) if isinstance(agg, str) else tuple(agg)
-    if run is None or live_dist() is not None:
-        run = agree_run(alone=job.n_workers == 1, run=run)
+    if run is None:
+        run = agree_run(alone=job.n_workers == 1)
     return AggregationClient(job, rank, address, run=run, **options)
 
 

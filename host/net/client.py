@@ -171,6 +171,10 @@ class AggregationClient:
         """This client's nonce, sent in the epoch field of every packet: the aggregator
         refuses a second incarnation of a worker under one run id (``reused_run``)."""
         self._run = P.run_from_env() if run is None else P.check_run(run)
+        self.run_settled = run is not None
+        """Whether the run id is settled: given (``run=``, or set since) or agreed over the
+        process group; one read from ``THC_RUN`` alone is not. A transport agrees one over
+        its group where it is not."""
         self._failed: str | None = None
         self._busy = threading.Lock()
         """Why a round of this run failed (then the run takes no more rounds)."""
@@ -220,6 +224,7 @@ class AggregationClient:
             raise ValueError(f"run {run} is not newer than this client's run {self._run}: "
                              f"a new run needs a newer id (the same on every worker)")
         self._run = run
+        self.run_settled = True
         self.next_seq = 0
         self.epochs = [None] * len(self.aggregators)
         self._failed = None
