@@ -41,3 +41,17 @@ def test_bench_aggregator_figures_are_consistent(tmp_path):
         rate["python"] / rate["python_echo"])
     for name in SERVERS:
         assert f"{name.replace('_', ' '):>14} {rate[name]:>12,.0f}" in r.stdout
+
+
+def test_the_real_client_takes_every_servers_answers(tmp_path):
+    """``--load python`` plays the workers with AggregationClient, which refuses a reply of
+    another configuration's epoch or a sum without its own values: the echoes answered with
+    the worker's nonce for an epoch, and every run ended AggregatorMisconfigured."""
+    out = tmp_path / "bench.json"
+    r = subprocess.run([sys.executable, "-m", "thc.cli", "bench", "aggregator", "--load",
+                        "python", "--workers", "2", "--chunks", "128", "--repeat", "1",
+                        "--json", str(out)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    (row,) = json.loads(out.read_text())["rows"]
+    for name in SERVERS:
+        assert row[name]["packets_in"] >= 2 * 128, (name, row[name])

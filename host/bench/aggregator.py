@@ -47,7 +47,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 class PythonEcho(Aggregator):
-    """Answers each packet to its sender with a result-sized packet; adds nothing.
+    """Answers each packet to its sender with a result-sized RESULT of zeros under the job's
+    epoch (what a client of index-0 chunks takes); adds nothing.
 
     As lean per packet as the aggregator's own fast path (struct header, payload built
     once), so the ratio measures aggregation and not a slower ceiling."""
@@ -61,11 +62,11 @@ class PythonEcho(Aggregator):
 
     def handle(self, datagram, src):
         (_, worker, job_id, slot, version, _, seq, offset,
-         _, run, epoch) = P.HEADER_STRUCT.unpack_from(datagram)
+         _, run, _) = P.HEADER_STRUCT.unpack_from(datagram)
         n, bitmap = self.full[job_id]
         self.echoed += 1
         return [(P.HEADER_STRUCT.pack(P.PktType.RESULT, worker, job_id, slot, version, n,
-                                      seq, offset, bitmap, run, epoch)
+                                      seq, offset, bitmap, run, self.model.jobs[job_id].epoch)
                  + self.payload[job_id], src)]
 
 
@@ -94,7 +95,8 @@ def _payload(lanes: int, w: int, chunks: int) -> bytes:
 def _client(job, w, addr, chunks, window, start_ev, done_q):
     import numpy as np
 
-    packed = np.frombuffer(_payload(job.lanes, w, chunks), dtype=np.uint8)
+    # index 0 (table value 0): sums every server answers alike, the echoes' zeros included
+    packed = np.zeros(chunks * job.lanes // 2, dtype=np.uint8)
     with AggregationClient(job, w, addr, window=window, deadline=60, run=RUN) as c:
         start_ev.wait()
         t0 = time.perf_counter()

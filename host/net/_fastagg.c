@@ -368,7 +368,8 @@ static int process(Datapath *dp, const uint8_t *d, size_t len, uint32_t sip, uin
     return n;
 }
 
-/* The ceiling: answer every packet of an installed job at once with a result-sized RESULT. */
+/* The ceiling: answer every packet of an installed job at once with a result-sized RESULT of
+ * zeros, under the job's epoch (what a client of index-0 chunks takes). */
 static int process_echo(Datapath *dp, const uint8_t *d, size_t len, uint32_t sip,
                         uint16_t sport, Out *out) {
     if (len < HDR) return drop(dp, MALFORMED);
@@ -378,7 +379,7 @@ static int process_echo(Datapath *dp, const uint8_t *d, size_t len, uint32_t sip
     Out *o = out_header(out, sip, sport);
     uint32_t full = j->n == 32 ? 0xFFFFFFFFu : (1u << j->n) - 1;
     write_header(o->buf, dp->types[T_RESULT], d[1], rd16(d + 2), rd16(d + 4), d[6],
-                 (uint8_t)j->n, rd32(d + 8), rd32(d + 12), full, rd32(d + 20), rd32(d + 24));
+                 (uint8_t)j->n, rd32(d + 8), rd32(d + 12), full, rd32(d + 20), j->epoch);
     memset(o->buf + HDR, 0, j->result_bytes);
     o->len = HDR + (size_t)j->result_bytes;
     return 1;
