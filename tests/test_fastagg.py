@@ -512,8 +512,11 @@ def test_compiled_echo_answers_every_packet_with_a_result():
     [(reply, dst)] = echo.handle(d, addr(job, 1))
     hdr = P.Header.unpack(reply)
     assert dst == addr(job, 1) and hdr.pkt_type == P.PktType.RESULT
-    assert (hdr.worker_id, hdr.seq, hdr.run, hdr.epoch, hdr.count) == (1, 5, 9, 77, 3)
+    # the job's epoch, not the worker's nonce (77): a client takes only its job's epochs
+    assert (hdr.worker_id, hdr.seq, hdr.run, hdr.count) == (1, 5, 9, 3)
+    assert hdr.epoch == echo.counters()["epochs"][job.job_id] == job.new_epoch(nonce=NONCE)
     assert len(reply) == P.HEADER_BYTES + P.payload_bytes(P.PktType.RESULT, job.lanes)
+    assert reply[P.HEADER_BYTES:] == bytes(len(reply) - P.HEADER_BYTES)
     assert echo.handle(d[:10], addr(job, 1)) == []
     echo.counters()
     assert echo.echoed == 1
