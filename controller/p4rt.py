@@ -45,6 +45,10 @@ class SessionError(RuntimeError):
     """A P4Runtime session could not be opened, or a write was refused as a whole."""
 
 
+class NoPipeline(SessionError):
+    """The device has no forwarding pipeline (no P4 program pushed yet)."""
+
+
 class UpdateError(NamedTuple):
     index: int
     code: int
@@ -108,6 +112,9 @@ def open_session(grpc_addr: str, device_id: int, election_id: tuple[int, int],
                 logging.debug("tear_down after a failed setup", exc_info=True)
             sh.client = None
         reason = "; ".join(said.messages) or ("" if isinstance(e, SystemExit) else str(e))
+        if "no forwarding pipeline config" in reason.lower():
+            raise NoPipeline(f"the switch at {grpc_addr} has no P4 program (the server: "
+                             f"{reason}): push one (`thc controller push`)") from None
         if "election id already exists" in reason.lower():
             raise SessionError(
                 f"another controller session with election id {election_id} is open on "

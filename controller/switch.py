@@ -150,6 +150,8 @@ class Switch:
         try:
             self.client, p4info, self.is_primary = p4rt.open_session(
                 self.grpc_addr, self.device_id, self.election_id, pipeline, self.timeout)
+        except p4rt.NoPipeline as e:
+            raise NoProgram(str(e)) from None
         except p4rt.SessionError as e:
             raise SwitchError(str(e)) from None
         if not self.is_primary and (self.require_primary or files is not None):
