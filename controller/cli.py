@@ -35,9 +35,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device-id", type=_uint64, default=DEFAULT_DEVICE_ID,
                         help="P4Runtime device id (simple_switch_grpc --device-id; default 0)")
     parser.add_argument("--election-id", type=_election, default=None, metavar="HIGH,LOW",
-                        help=f"this session's election id (default {WRITER[0]},{WRITER[1]} for "
-                             f"the actions that write, 0,PID for jobs, counters and l2 list, "
-                             f"so that a reader never takes a writer's place)")
+                        help=f"the P4Runtime session's election id (default "
+                             f"{WRITER[0]},{WRITER[1]} for the actions that write, 0,PID for "
+                             f"jobs, counters and l2 list, so that a reader never takes a "
+                             f"writer's place)")
     parser.add_argument("--timeout", type=positive_float, default=5.0,
                         help="seconds to wait for the P4Runtime server (default 5)")
     parser.add_argument("--target", default=targets.DEFAULT, choices=sorted(targets.TARGETS),

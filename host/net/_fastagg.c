@@ -1525,6 +1525,15 @@ static PyObject *list_of_doubles(const double *v, int n) {
     return l;
 }
 
+/* A reply no aggregator of this job sends: counted, and newer than any PENDING of its chunk
+ * (the timeout names the impossible replies). */
+static void cl_impossible(Client *c, int shard, long long *pend, long r) {
+    c->st[S_IGNORED]++;
+    c->st[S_REJECTED]++;
+    c->rejected[shard]++;
+    pend[r] = -1;
+}
+
 /* A RESULT of DATA that counts this worker: each lane (host order, `itemsize` bytes) holds
  * the worker's own table value (a vote job's sign bit) and at most `span` more. One unsigned
  * difference tests both: below its own value it wraps past any span. */
@@ -1855,10 +1864,7 @@ static PyObject *fa_stream(PyObject *self, PyObject *args) {
                         /* a PENDING no aggregator sends: a held one that every worker
                          * acknowledged, or a wait for a chunk that has every worker or lacks
                          * ours (it only answers our retransmission) */
-                        c->st[S_IGNORED]++;
-                        c->st[S_REJECTED]++;
-                        c->rejected[shard]++;
-                        pend[r] = -1;
+                        cl_impossible(c, shard, pend, r);
                         continue;
                     }
                     if (r_type == c->pending_type) {
@@ -1875,10 +1881,7 @@ static PyObject *fa_stream(PyObject *self, PyObject *args) {
                     if (r_type != c->result_type || n - HDR != (size_t)expect_payload ||
                         (r_bitmap & ~full) || __builtin_popcount(r_bitmap) != r_count ||
                         (r_count != n_workers && !is_data)) {
-                        c->st[S_IGNORED]++;
-                        c->st[S_REJECTED]++;
-                        c->rejected[shard]++;
-                        pend[r] = -1; /* newer than any PENDING: the timeout names these */
+                        cl_impossible(c, shard, pend, r);
                         continue;
                     }
                     /* Copy the lanes out while checking them (the row is rewritten by the
@@ -1916,10 +1919,7 @@ static PyObject *fa_stream(PyObject *self, PyObject *args) {
                         bad = cl_own_bad(o, out_itemsize, own, lanes, lut, vote,
                                          (uint32_t)(r_count - 1) * (uint32_t)top);
                     if (bad) {
-                        c->st[S_IGNORED]++;
-                        c->st[S_REJECTED]++;
-                        c->rejected[shard]++;
-                        pend[r] = -1; /* newer than any PENDING: the timeout names these */
+                        cl_impossible(c, shard, pend, r);
                         continue;
                     }
                     if (r_count != n_workers) {

@@ -119,6 +119,14 @@ class PythonWindow:
                         (offset_base + i * lanes) % P.SEQ_MOD, 0, run,
                         incarnation) + chunks[i].tobytes()
 
+        def impossible(shard: int, i: int) -> None:
+            """A reply no aggregator of this job sends: counted, and newer than any PENDING
+            (the timeout names the impossible replies)."""
+            end.stats.ignored += 1
+            end.stats.rejected += 1
+            rejected[shard] += 1
+            pending_bitmap.pop(i, None)
+
         def shard_of(i: int) -> int:
             return ((base + i) % P.SEQ_MOD) % n_shards
 
@@ -230,10 +238,7 @@ class PythonWindow:
                         # a PENDING no aggregator sends: a held one that every worker
                         # acknowledged, or a wait for a chunk that has every worker or lacks
                         # ours (it only answers our retransmission)
-                        end.stats.ignored += 1
-                        end.stats.rejected += 1
-                        rejected[shard] += 1
-                        pending_bitmap.pop(i, None)
+                        impossible(shard, i)
                         continue
                     if r_type == pending_type:
                         end.stats.pending += 1
@@ -248,11 +253,7 @@ class PythonWindow:
                     if (r_type != result_type or nbytes - header_bytes != expect_payload
                             or r_bitmap & ~full or bin(r_bitmap).count("1") != r_count
                             or (r_count < n_workers and not is_data)):
-                        end.stats.ignored += 1
-                        end.stats.rejected += 1
-                        rejected[shard] += 1
-                        # newer than any PENDING: the timeout names the impossible replies
-                        pending_bitmap.pop(i, None)
+                        impossible(shard, i)
                         continue
                     sums = np.frombuffer(buf, dtype=dtype, count=lanes, offset=header_bytes)
                     if not is_data:
@@ -264,11 +265,7 @@ class PythonWindow:
                     if bad:
                         # a max below our own or no float's; a sum without our own value, or
                         # more than it and the other contributors' can make
-                        end.stats.ignored += 1
-                        end.stats.rejected += 1
-                        rejected[shard] += 1
-                        # newer than any PENDING: the timeout names the impossible replies
-                        pending_bitmap.pop(i, None)
+                        impossible(shard, i)
                         continue
                     if r_count != n_workers:
                         # closed short (FLUSH): count and bitmap say who was counted
