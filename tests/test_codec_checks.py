@@ -10,7 +10,7 @@ import torch
 
 from tests.test_codec_kernels import DEV, SKIP, kernels
 from thc.codec import rng, thc
-from thc.codec.common import NORM_MARK, norm_floor, norm_limit
+from thc.codec.common import NORM_MARK, OVERFLOW_MARK, norm_floor, norm_limit
 from thc.codec.thc import THCCodec, THCParams
 from thc.collective import agreement
 from thc.collective.allreduce import THCAllReduce
@@ -85,7 +85,7 @@ def _tagged(norms, rnd, p, backend="triton"):
 @kernels
 def test_a_bad_gradient_ends_every_workers_round_in_an_error():
     """On the deferred (GPU) path a NaN in one worker's gradient goes into the MAX round as
-    NORM_MARK: that worker and its peer both raise at the round's end; neither returns a
+    OVERFLOW_MARK: that worker and its peer both raise at the round's end; neither returns a
     mean, both stay in the same round, and the next round is clean."""
     p = THCParams(slice_size=256)
     good = torch.randn(1024, generator=torch.Generator().manual_seed(3)).to(DEV)
@@ -98,7 +98,7 @@ def test_a_bad_gradient_ends_every_workers_round_in_an_error():
         worker(bad)
     sent = worker.transport.sent[0]
     norms, _ = agreement.untag(sent)
-    assert norms[1] == NORM_MARK and (norms[[0, 2, 3]] < 1e6).all()
+    assert norms[1] == OVERFLOW_MARK and (norms[[0, 2, 3]] < 1e6).all()
     assert worker.transport.sums == 1          # it took part in the sum: no peer waits
     peer.transport.other = sent
     with pytest.raises(ValueError, match=r"max norms must be finite.*slice 1"):
@@ -137,7 +137,7 @@ def test_a_worker_that_stops_early_still_joins_a_stream_ordered_sum():
         worker(bad)
     sent = worker.transport.sent[0]
     norms, _ = agreement.untag(sent)
-    assert norms[2] == NORM_MARK and (norms[[0, 1, 3]] == 0).all()
+    assert norms[2] == OVERFLOW_MARK and (norms[[0, 1, 3]] == 0).all()
     assert worker.transport.sums == 1 and worker.round == 1
     peer = THCAllReduce(_TwoWorkers(sent), p, backend="reference")
     with pytest.raises(ValueError, match="slice 2's max norm is the mark"):

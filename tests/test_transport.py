@@ -279,7 +279,7 @@ def test_a_wildcard_aggregator_answers_from_the_address_it_was_sent_to(datapath,
     sums, errors, elsewhere = {}, {}, {}
 
     def work(w):
-        with AggregationClient(job, w, (f"127.0.0.{w + 1}", port), deadline=5.0, run=5) as c:
+        with AggregationClient(job, w, (f"127.0.0.{w + 1}", port), deadline=20.0, run=5) as c:
             try:
                 sums[w] = c.reduce(pack_bits(idx[w], P.INDEX_BITS)).sums
             except AggregationTimeout as e:

@@ -119,8 +119,8 @@ def norm_array(max_norms, n_slices: int, params: THCParams) -> np.ndarray:
         raise ValueError(f"expected {n_slices} max norms (one per slice), got {m.size}")
     if not np.all(np.isfinite(m)) or np.any(m < 0):
         raise ValueError(f"max norms must be finite and >= 0, got {m}")
-    if np.any(m >= NORM_MARK):
-        raise ValueError(f"slice {int(np.argmax(m >= NORM_MARK))}'s max norm is the mark of a "
+    if np.any(m >= OVERFLOW_MARK):
+        raise ValueError(f"slice {int(np.argmax(m >= OVERFLOW_MARK))}'s max norm is the mark of a "
                          f"worker whose input holds NaN or Inf there (or a slice norm THC "
                          f"cannot take) or was refused")
     limit = norm_limit(params)
@@ -177,8 +177,14 @@ def check_finite(rotated, grp) -> None:
 BAD_INPUT, BAD_NORMS, BAD_INDEX = 1, 2, 4
 """Flags of the kernels' status word."""
 NORM_MARK = float(np.finfo(np.float32).max)
-"""The slice norm a worker whose input holds NaN or Inf sends into the MAX round: above any
-real norm (a finite float32 norm is below 2^64), so every worker refuses that max norm."""
+"""The slice norm a worker that failed sends into the MAX round (every slice, whatever its
+input): above any real norm (a finite float32 norm is below 2^64), so every worker refuses
+that max norm."""
+OVERFLOW_MARK = float(np.nextafter(np.float32(NORM_MARK), np.float32(0)))
+"""The slice norm a worker sends for a slice whose input holds NaN or Inf (or a norm beyond
+:func:`norm_limit`): a mark too, one step below :data:`NORM_MARK`, so that a round's max
+norms tell an overflow alone (which a reducer may hand on as NaN, as an all-reduce of the
+floats would) from a failure, which dominates it."""
 INDEX_CAP = 1 << 30
 """The largest bad index the status word records as it is (larger ones as this)."""
 
@@ -238,11 +244,11 @@ could overflow float32; with error feedback, the input plus the residual)."""
 def wide_norms(norms, word, first: int, params: THCParams):
     """float32 slice norms of the float64 ones of a group of slices (a tensor) whose first
     is ``first``, without a wait: one that is not finite or beyond :func:`norm_limit` is
-    flagged as bad input and sent as the mark, so every worker refuses the round."""
+    flagged as bad input and sent as :data:`OVERFLOW_MARK`, so every worker refuses the round."""
     import torch
     bad = ~(norms.float() < norm_limit(params))   # as sent, and as check_norms compares
     flag(word, bad.any(), BAD_INPUT, first + 1 + bad.to(torch.int32).argmax())
-    return torch.where(bad, NORM_MARK, norms).float()
+    return torch.where(bad, OVERFLOW_MARK, norms).float()
 
 
 def raise_status(values, params: THCParams, max_norms=None) -> None:

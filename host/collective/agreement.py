@@ -3,7 +3,10 @@ sums, and how a worker that cannot go on lets its peers end the round with an er
 a wait.
 
 - A worker whose gradient holds NaN or Inf still sends its MAX round, its bad slices' norms
-  replaced by :data:`NORM_MARK` (above any real norm): every worker refuses those slices.
+  replaced by :data:`OVERFLOW_MARK` (above any real norm): every worker refuses those slices,
+  or, where its reducer hands overflows on (``nonfinite="propagate"``), returns NaN
+  (:func:`overflowed`). A worker that failed otherwise marks every slice with
+  :data:`NORM_MARK`, one step higher: the max norms then say failure, and every worker refuses.
 - The round number travels in the MAX round's first lanes as two parts below
   ``ROUND_SPAN``, each as a pair ``v`` and ``ROUND_SPAN - v``: their maxima give every worker
   the largest and the smallest part of the job, which differ only when some worker missed a
@@ -24,7 +27,7 @@ import hashlib
 import torch
 import torch.distributed as dist
 
-from thc.codec.common import BAD_INPUT_TEXT, NORM_MARK, norm_limit
+from thc.codec.common import BAD_INPUT_TEXT, NORM_MARK, OVERFLOW_MARK, norm_limit
 from thc.collective.transports import DistTransport, ring_bytes
 
 ROUND_SPAN = 1 << 20
@@ -38,16 +41,26 @@ TAG_LANES = 2 * len(SPANS)
 """The lanes before the norms: the round number's pairs, then the fingerprint's."""
 
 
-def fingerprint(params, *cut: int, backend: str = "", steps: str = "") -> int:
+NONFINITE = ("raise", "propagate")
+"""What a reducer does with a round in which some worker's input holds NaN or Inf: refuse it
+(raise), or hand it on as NaN on every worker, as an all-reduce of the floats would, so that
+``torch.amp.GradScaler`` skips the step."""
+
+
+def fingerprint(params, *cut: int, backend: str = "", steps: str = "",
+                nonfinite: str = "raise") -> int:
     """What the workers' rounds must share for their sums to mean one thing, as a 48-bit
     value (:func:`key_of`): the codec's parameters (rotation seed, slice size, table), ``cut``, the
     numbers that cut the tensor (its length, the pipeline's piece length), the codec
     backend that decodes (the backends' estimates differ in their last bits, and workers must
     all return the same one), and ``steps``: whether a refused round still sums ("sum": a
     stream-ordered or graphed round) or stops after its MAX round ("check"), so that a
-    worker of one kind never waits in a sum its peer of the other skips."""
+    worker of one kind never waits in a sum its peer of the other skips; and ``nonfinite``
+    (:data:`NONFINITE`), so that none raises where a peer hands on NaN and goes on."""
     key = (params.bits, params.granularity, float(params.p), params.seed, params.slice_size,
            tuple(int(t) for t in params.table)) + tuple(int(c) for c in cut) + (backend, steps)
+    if nonfinite != "raise":
+        key += (nonfinite,)
     return key_of(*key)
 
 
@@ -58,8 +71,8 @@ def key_of(*parts) -> int:
 
 def tagged(norms: torch.Tensor, rnd, key: int) -> torch.Tensor:
     """The MAX round's vector: the round's four lanes, the fingerprint's four, then the slice
-    norms (non-finite ones marked). ``rnd``: an int, or an int64 tensor on the device (a
-    graphed round's); ``key``: :func:`fingerprint`."""
+    norms (non-finite ones marked as overflows). ``rnd``: an int, or an int64 tensor on the
+    device (a graphed round's); ``key``: :func:`fingerprint`."""
     key %= KEY_SPAN * KEY_SPAN
     # filled on the device: a copy from the host would wait for it
     parts = [torch.full((1,), float(v), dtype=torch.float32, device=norms.device)
@@ -71,7 +84,7 @@ def tagged(norms: torch.Tensor, rnd, key: int) -> torch.Tensor:
         parts[:0] = [torch.full((1,), float(v), dtype=torch.float32, device=norms.device)
                      for v in (rnd % ROUND_SPAN, rnd // ROUND_SPAN % ROUND_SPAN)]
     tags = [lane for v, span in zip(parts, SPANS) for lane in (v, span - v)]
-    marked = torch.nan_to_num(norms.float(), nan=NORM_MARK, posinf=NORM_MARK)
+    marked = torch.nan_to_num(norms.float(), nan=OVERFLOW_MARK, posinf=OVERFLOW_MARK)
     return torch.cat(tags + [marked])
 
 
@@ -90,6 +103,25 @@ def in_step(tags: torch.Tensor) -> torch.Tensor:
 def agreed(tags) -> bool:
     """Whether the tag lanes (read on the host) say: one round, one fingerprint."""
     return all(tags[2 * i] + tags[2 * i + 1] == span for i, span in enumerate(SPANS))
+
+
+def overflowed(max_norms: torch.Tensor, tags, limit: float) -> bool:
+    """Whether every worker sees a round refused for overflow alone, read on the host: the
+    workers in step and alike, some max norm at or beyond ``limit`` (:func:`norm_limit`; a
+    worker's :data:`OVERFLOW_MARK`, or a norm too large for THC), and none a failure's
+    :data:`NORM_MARK` (or NaN). The same on every worker: it reads only what they share."""
+    tags = tags.tolist() if isinstance(tags, torch.Tensor) else list(tags)
+    if not agreed(tags) or not max_norms.numel():
+        return False
+    top = float(max_norms.max())
+    return limit <= top < NORM_MARK
+
+
+def overflowed_on_device(max_norms: torch.Tensor, tags: torch.Tensor,
+                         limit: float) -> torch.Tensor:
+    """:func:`overflowed` as a boolean on the device, read nowhere (a graphed round's)."""
+    top = max_norms.max() if max_norms.numel() else max_norms.new_zeros(())
+    return in_step(tags) & (top >= limit) & (top < NORM_MARK)
 
 
 def refused(max_norms: torch.Tensor, tags: torch.Tensor) -> bool:
@@ -155,10 +187,11 @@ def together(group, rnd: int, key: int, device, failure: Exception | None = None
 
 
 def marks(y: torch.Tensor, pieces, layout_of, limit: float) -> torch.Tensor:
-    """The norms a worker that could not compute its own sends: :data:`NORM_MARK` for each
-    slice holding NaN or Inf or whose norm (as float32) is not below ``limit``
-    (``norm_limit``), 0 (no say) elsewhere; every slice marked where none is (the worker
-    failed for another reason, so no slice of its may be summed) or even this fails."""
+    """The norms a worker that could not compute its own sends: :data:`OVERFLOW_MARK` for
+    each slice holding NaN or Inf or whose norm (as float32) is not below ``limit``
+    (``norm_limit``), 0 (no say) elsewhere; every slice marked :data:`NORM_MARK` where none
+    is (the worker failed for another reason, so no slice of its may be summed) or even this
+    fails."""
     n = sum(layout_of(b - a).n_slices for a, b in pieces)
     try:
         out = []
@@ -169,8 +202,8 @@ def marks(y: torch.Tensor, pieces, layout_of, limit: float) -> torch.Tensor:
                 # NaN or Inf in the slice makes its norm NaN or Inf: not below the limit
                 norm = torch.linalg.vector_norm(seg, dtype=torch.float64).float()
                 bad = not bool(norm < limit)
-                out.append(NORM_MARK if bad else 0.0)
-        if NORM_MARK in out:
+                out.append(OVERFLOW_MARK if bad else 0.0)
+        if OVERFLOW_MARK in out:
             return torch.tensor(out, dtype=torch.float32).to(y.device)
     except Exception:  # noqa: BLE001, S110 - a worker out of memory still owes its peers
         pass
@@ -178,20 +211,32 @@ def marks(y: torch.Tensor, pieces, layout_of, limit: float) -> torch.Tensor:
 
 
 def first_marked(values: torch.Tensor) -> int | None:
-    """The first slice whose value is a mark (or NaN), if any (reads the device)."""
-    hit = (~(values < NORM_MARK)).nonzero()
+    """The first slice whose value is a mark (either) or NaN, if any (reads the device)."""
+    hit = (~(values < OVERFLOW_MARK)).nonzero()
     return int(hit[0]) if hit.numel() else None
 
 
-def refuse_marked(norms: torch.Tensor, max_norms: torch.Tensor, params) -> None:
+def refuse_marked(norms: torch.Tensor, max_norms: torch.Tensor, params,
+                  hint: bool = True) -> None:
     """Raise, on the host, if this worker's or any worker's slice is marked: this worker's
-    own input first."""
+    own input first. ``hint``: name the way to hand an overflow on (:data:`PROPAGATE_HINT`)."""
+    more = PROPAGATE_HINT if hint else ""
     own = first_marked(norms)
     if own is not None:
-        raise ValueError(BAD_INPUT_TEXT.format(limit=norm_limit(params)) + f", in slice {own}")
+        raise ValueError(BAD_INPUT_TEXT.format(limit=norm_limit(params)) + f", in slice {own}"
+                         + more)
     other = first_marked(max_norms)
     if other is not None:
-        raise ValueError(f"slice {other}'s max norm is the mark of a worker whose input holds "
-                         f"NaN or Inf there (or a slice norm beyond {norm_limit(params):.3g}) "
-                         f"or was refused (a wrong dtype or layer positions): the round is "
-                         f"refused")
+        if float(max_norms[other]) == OVERFLOW_MARK:
+            raise ValueError(f"slice {other}'s max norm is the mark of a worker whose input "
+                             f"holds NaN or Inf there (or a slice norm beyond "
+                             f"{norm_limit(params):.3g}): the round is refused" + more)
+        raise ValueError(f"slice {other}'s max norm is the mark of a worker that failed "
+                         f"before its sums (a wrong dtype or layer positions, or an error "
+                         f"of its own, which it raises): the round is refused")
+
+
+PROPAGATE_HINT = ("; with torch.amp.GradScaler, build every worker's reducer with "
+                  "nonfinite='propagate': such a round then gives NaN, and the scaler skips "
+                  "the step")
+"""What a refusal for NaN or Inf input adds: the way to hand it on instead."""

@@ -38,6 +38,9 @@ def _inline(fn, *args) -> Future:
 class RoundStats:
     calls: int = 0
     elements: int = 0
+    overflows: int = 0
+    """Rounds handed on as NaN (``nonfinite="propagate"``): some worker's input held NaN or
+    Inf."""
     seconds: dict = field(default_factory=lambda: {"norms": 0.0, "encode": 0.0, "sum": 0.0,
                                                    "decode": 0.0, "feedback": 0.0})
 
@@ -62,10 +65,21 @@ class THCAllReduce:
     graphed reducer's, not by torch's global generator: training scripts seed that alike on
     every rank, and workers drawing alike would leave the mean's rounding error as large as
     one worker's.
+
+    ``nonfinite``: a round in which some worker's input holds NaN or Inf (or a slice norm
+    beyond :func:`norm_limit`) is refused on every worker ("raise"), or returns NaN in every
+    element on every worker ("propagate"), the residual kept as it was: what an all-reduce of
+    the floats gives, and what ``torch.amp.GradScaler`` needs to skip the step on every rank.
+    Every worker of a job sets it alike (its rounds' fingerprint holds it).
     """
 
     def __init__(self, transport, params: THCParams | None = None, error_feedback: bool = True,
-                 generator=None, pipeline_elements: int = 1 << 21, backend: str = "auto"):
+                 generator=None, pipeline_elements: int = 1 << 21, backend: str = "auto",
+                 nonfinite: str = "raise"):
+        if nonfinite not in agreement.NONFINITE:
+            raise ValueError(f"nonfinite must be one of {agreement.NONFINITE}, got "
+                             f"{nonfinite!r}")
+        self.nonfinite = nonfinite
         self.params = params or THCParams()
         if generator is None:
             rank = getattr(transport, "rank", None)
@@ -180,7 +194,7 @@ class THCAllReduce:
             backend = "unresolved"
         steps = "sum" if getattr(self.transport, "stream_ordered", False) else "check"
         return agreement.fingerprint(self.params, flat.numel(), pieces[0][1] - pieces[0][0],
-                                     backend=backend, steps=steps)
+                                     backend=backend, steps=steps, nonfinite=self.nonfinite)
 
     def _agree_size(self, flat, pieces, rnd: int) -> None:
         """:func:`agreement.agree` before the first round of a tensor size, and before every
@@ -197,6 +211,11 @@ class THCAllReduce:
             raise
         self._sizes.add(flat.numel())
 
+    def _overflowed(self, max_norms, tags) -> bool:
+        """Whether this round is handed on as NaN (``nonfinite="propagate"``)."""
+        return self.nonfinite == "propagate" and agreement.overflowed(
+            max_norms, tags, norm_limit(self.params))
+
     def _max_round(self, flat, pieces, rnd: int, whole: bool, refusal=None):
         """Each piece's prepare, and the MAX round of their slice norms with the round number
         (:mod:`thc.collective.agreement`). A worker whose prepare fails still sends its MAX
@@ -204,7 +223,8 @@ class THCAllReduce:
         raises. Where the max norms reach the host, every worker refuses a marked round or
         one out of step here, before any sum; on a stream-ordered transport the kernels flag
         a mark and the rounds are compared at the round's end (:meth:`_round`).
-        ``refusal``: this worker's input was refused; its round goes out, every slice marked."""
+        ``refusal``: this worker's input was refused; its round goes out, every slice marked.
+        A round handed on as NaN (:meth:`_overflowed`) returns None for its preps."""
         layout_of = self.codec.layout
         key = self._key(flat, pieces)
         y = flat
@@ -216,29 +236,43 @@ class THCAllReduce:
         except Exception as e:
             bad = agreement.marks(y, pieces, layout_of, norm_limit(self.params))
             self._open = whole   # on a stream-ordered transport a sum follows the MAX round
-            self.transport.max(agreement.tagged(bad, rnd, key))
+            max_norms, tags = agreement.untag(
+                self.transport.max(agreement.tagged(bad, rnd, key)))
             if whole:
                 self._join_sum(y, pieces)
             self._open = False
             if refusal is not None:
                 raise
+            if self._overflowed(max_norms, tags):
+                return y, None, max_norms, tags
             slice_ = agreement.first_marked(bad)
             # every slice is marked where none holds NaN or Inf: the prepare's own error says
             if isinstance(e, ValueError) and slice_ is not None \
                     and not bool(torch.isfinite(y).all()):
-                raise ValueError(f"input contains NaN or Inf in slice {slice_}") from e
+                hint = agreement.PROPAGATE_HINT if self.nonfinite == "raise" else ""
+                raise ValueError(f"input contains NaN or Inf in slice {slice_}{hint}") from e
             raise
         norms = preps[0].norms if len(preps) == 1 else torch.cat([p.norms for p in preps])
         vector = agreement.tagged(norms, rnd, key)
         self._open = True   # from here the MAX round may have left: peers may wait in a sum
         max_norms, tags = agreement.untag(self.transport.max(vector))
         if not whole:
+            if self._overflowed(max_norms, tags):
+                self._open = False   # every worker hands it on here: no sum is pending
+                return y, None, max_norms, tags
             if agreement.refused(max_norms, tags):
                 self._open = False   # every worker refuses here: no sum is pending
-                agreement.refuse_marked(norms, max_norms, self.params)
+                agreement.refuse_marked(norms, max_norms, self.params,
+                                        hint=self.nonfinite == "raise")
                 agreement.check_rounds(tags)
             self.codec.check()
         return y, preps, max_norms, tags
+
+    def _overflow(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A round handed on as NaN: no sum of it is used, the residual keeps its value."""
+        self.codec.discard_checks()
+        self.stats.overflows += 1
+        return torch.full_like(tensor, float("nan"))
 
     def _join_sum(self, y, pieces) -> None:
         """Zeros into a stream-ordered sum that every worker will refuse: its peers do not
@@ -278,6 +312,8 @@ class THCAllReduce:
             self._agree_size(flat, pieces, rnd)
         # the fused encode: each piece's norms now, its wire form from them after the MAX round
         y, preps, max_norms, tags = self._max_round(flat, pieces, rnd, whole, refusal)
+        if preps is None:
+            return self._overflow(tensor)
         self._open = True   # until every sum of the round is issued
         secs["norms"] += time.perf_counter() - t0
         slice_cls = (None if position is None or self.transport.lanes is None else
@@ -327,6 +363,8 @@ class THCAllReduce:
                 if whole and agreement.first_marked(max_norms) is not None:
                     self._join_sum(y, pieces)   # every peer refuses this round: let them end
                     self._open = False
+                    if self._overflowed(max_norms, tags):
+                        return self._overflow(tensor)
                 raise
             if k + 1 < len(pieces):
                 next_wire = submit(encode, k + 1)
@@ -343,9 +381,17 @@ class THCAllReduce:
         self._open = False
         for f in decodes:
             f.result()
-        self.codec.check()
-        if whole:
-            agreement.check_rounds(tags)
+        try:
+            self.codec.check()
+            if whole:
+                agreement.check_rounds(tags)
+        except ValueError as e:
+            # read only now: a stream-ordered round's max norms reach the host at its end
+            if not agreement.overflowed(max_norms, tags, norm_limit(self.params)):
+                raise
+            if self.nonfinite == "propagate":
+                return self._overflow(tensor)
+            raise ValueError(f"{e}{agreement.PROPAGATE_HINT}") from e
         if self.feedback:
             self.feedback.keep(y, own)
         self.stats.calls += 1

@@ -275,7 +275,9 @@ class THCHook(_Hook):
     :class:`GraphedAllReduce`, whose rounds replay from a CUDA graph, through
     torch.distributed on ``group`` (the hook's process group: see the module docstring) or
     through an aggregator. ``priorities``: mark every chunk with its DLCP class (an
-    aggregator transport's packets carry it in DSCP)."""
+    aggregator transport's packets carry it in DSCP). Under ``torch.amp.GradScaler`` the
+    factory's reducers take ``nonfinite="propagate"``: an overflowed step's bucket then comes
+    back NaN on every rank, and the scaler skips the step there."""
 
     def __init__(self, model,
                  make_allreducer: Callable[[object], THCAllReduce | GraphedAllReduce],

@@ -57,7 +57,7 @@ from dataclasses import dataclass
 import torch
 
 from thc.codec.backends import kernels_for
-from thc.codec.common import NORM_MARK, WHOLE, check_float, check_key, raise_status
+from thc.codec.common import NORM_MARK, WHOLE, check_float, check_key, norm_limit, raise_status
 from thc.codec.params import THCParams
 from thc.codec.thc import THCCodec
 from thc.collective import agreement, replay
@@ -66,6 +66,8 @@ from thc.collective.transports import DistTransport
 
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 """Input types the kernels read as they are."""
+REPORT_LANES = 4 + agreement.TAG_LANES + 1
+"""What a round reports to the host: its status word, its tag lanes, whether it overflowed."""
 
 
 @dataclass
@@ -77,9 +79,12 @@ class _Buffers:
     out: torch.Tensor
     round: torch.Tensor
     report: torch.Tensor
-    """float64: the status word's four ints, then the two round lanes."""
+    """float64: the status word's four ints, the tag lanes, then 1 where the round
+    overflowed (:func:`agreement.overflowed_on_device`), else 0."""
     clean: torch.Tensor
     """Whether the round is clean (a bool on the device)."""
+    overflow: torch.Tensor
+    """Whether the round was refused for overflow alone (a bool on the device)."""
     host: torch.Tensor
     """The report copied to the host (pinned memory on CUDA) for deferred checks."""
 
@@ -92,12 +97,17 @@ class GraphedAllReduce:
     give each worker its own (``base + rank``, as for :class:`THCAllReduce`): workers that
     share one round alike, and the mean gets noisier. ``deferred_checks``: return without
     waiting for the round, raise its refusal later (module docstring); every worker of a job
-    sets it alike."""
+    sets it alike. ``nonfinite``: as :class:`THCAllReduce`'s; a round handed on gives NaN,
+    deferred or not, and raises nothing later."""
 
     def __init__(self, transport, params: THCParams | None = None, error_feedback: bool = True,
                  generator: int | None = None, capture: bool | None = None,
                  timeout: float = 600.0,
-                 deferred_checks: bool = False):
+                 deferred_checks: bool = False, nonfinite: str = "raise"):
+        if nonfinite not in agreement.NONFINITE:
+            raise ValueError(f"nonfinite must be one of {agreement.NONFINITE}, got "
+                             f"{nonfinite!r}")
+        self.nonfinite = nonfinite
         if generator is None:
             generator = transport.rank
         if isinstance(generator, bool) or not isinstance(generator, int):
@@ -166,10 +176,10 @@ class GraphedAllReduce:
                 torch.zeros(n, device=dev) if self.error_feedback else None,
                 torch.empty(n, device=dev),
                 torch.full((1,), self.round - 1, dtype=torch.int64, device=dev),
-                torch.zeros(4 + agreement.TAG_LANES, dtype=torch.float64, device=dev),
+                torch.zeros(REPORT_LANES, dtype=torch.float64, device=dev),
                 torch.zeros((), dtype=torch.bool, device=dev),
-                torch.zeros(4 + agreement.TAG_LANES, dtype=torch.float64,
-                            pin_memory=dev.type == "cuda"))
+                torch.zeros((), dtype=torch.bool, device=dev),
+                torch.zeros(REPORT_LANES, dtype=torch.float64, pin_memory=dev.type == "cuda"))
         elif (b.numel, b.x.dtype, b.x.device) != (flat.numel(), flat.dtype, flat.device):
             raise ValueError(f"a graphed all-reduce serves one tensor: {b.numel} {b.x.dtype} "
                              f"on {b.x.device}, got {flat.numel()} {flat.dtype} on "
@@ -195,10 +205,13 @@ class GraphedAllReduce:
         own = c.decode_own(wire, max_norms, n, b.round) if b.residual is not None else None
         clean = (word[0] == 0) & agreement.in_step(tags)   # read after every kernel flagged
         b.clean.copy_(clean)
+        b.overflow.copy_(agreement.overflowed_on_device(max_norms, tags,
+                                                        norm_limit(self.params)))
         if own is not None:
             torch.where(clean, y - own, b.residual, out=b.residual)
         b.report[:4].copy_(word)
-        b.report[4:].copy_(tags)
+        b.report[4:-1].copy_(tags)
+        b.report[-1:].copy_(b.overflow)
         b.round.add_(1)
 
     def _round_on_device(self) -> None:
@@ -215,7 +228,8 @@ class GraphedAllReduce:
             summed = self._padded(numel, like)
         except Exception:  # noqa: BLE001 - raised again once the round went out, refused
             backend, summed = "unresolved", numel
-        return agreement.fingerprint(self.params, numel, summed, backend=backend, steps="sum")
+        return agreement.fingerprint(self.params, numel, summed, backend=backend, steps="sum",
+                                     nonfinite=self.nonfinite)
 
     def _agree_size(self, tensor: torch.Tensor, rnd: int) -> None:
         """:func:`agreement.agree` in round ``rnd`` before the first round, and before every
@@ -292,10 +306,23 @@ class GraphedAllReduce:
         self._pending = None
         self._raise_report(self._bufs.host.tolist())
 
-    def _raise_report(self, values: list[float]) -> None:
-        if values[0] or not agreement.agreed(values[4:]):
+    def _raise_report(self, values: list[float]) -> bool:
+        """Raise what refused the round of the report ``values``, if anything; whether the
+        round was handed on as NaN instead (``nonfinite="propagate"``)."""
+        tags = values[4:-1]
+        if not values[0] and agreement.agreed(tags):
+            return False
+        if values[-1] and self.nonfinite == "propagate":
+            self.stats.overflows += 1
+            return True
+        try:
             raise_status([int(v) for v in values[:4]], self.params)
-            agreement.check_rounds(values[4:])
+        except ValueError as e:
+            if values[-1]:
+                raise ValueError(f"{e}{agreement.PROPAGATE_HINT}") from e
+            raise
+        agreement.check_rounds(tags)
+        return False
 
     def _check_usable(self) -> None:
         check = getattr(self.transport, "usable", None)
@@ -396,8 +423,11 @@ class GraphedAllReduce:
             raise
         if self.deferred_checks:
             try:
-                # zeros where the round was refused: its refusal is raised by the next call
-                out = torch.where(b.clean, b.out[:b.numel], 0.0).to(tensor.dtype)
+                # zeros where the round was refused: its refusal is raised by the next call;
+                # NaN where it overflowed and is handed on
+                refused = torch.where(b.overflow, float("nan"), 0.0) \
+                    if self.nonfinite == "propagate" else 0.0
+                out = torch.where(b.clean, b.out[:b.numel], refused).to(tensor.dtype)
                 # after the reads of the buffers: its event covers them
                 self._pending = replay.defer(b.report, b.host, self.round - 1, self.timeout)
             except BaseException as e:
@@ -406,8 +436,9 @@ class GraphedAllReduce:
                     self.transport.abandon(f"round {self.round - 1}: its checks could not be "
                                            f"deferred ({type(e).__name__}: {e})")
                 raise
+        elif self._raise_report(b.report.tolist()):
+            out = torch.full_like(tensor, float("nan"))
         else:
-            self._raise_report(b.report.tolist())
             # a copy: the next round overwrites the buffer
             out = b.out[:b.numel].to(tensor.dtype, copy=True)
         self.stats.calls += 1

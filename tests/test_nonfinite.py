@@ -1,0 +1,313 @@
+"""A round in which some worker's input holds NaN or Inf, handed on as NaN on every worker
+(``nonfinite="propagate"``) instead of refused: what ``torch.amp.GradScaler`` needs to skip
+an overflowed step on every rank. Through torch.distributed (Gloo), the software aggregator,
+a stream-ordered transport and a graphed round, and under DDP with a real GradScaler."""
+from __future__ import annotations
+
+import functools
+import threading
+from datetime import timedelta
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.test_codec_checks import _TwoWorkers
+from tests.test_codec_kernels import DEV, kernels
+from tests.test_ddp import _data, _model
+from tests.test_graphed import gloo_pair
+from thc.codec.common import NORM_MARK, OVERFLOW_MARK, norm_limit
+from thc.codec.params import THCParams
+from thc.collective import agreement
+from thc.collective.allreduce import THCAllReduce
+from thc.collective.graphed import GraphedAllReduce
+from thc.net.aggregator import Aggregator
+from thc.net.client import AggregationClient
+from thc.testing.clusters import free_port_block, local_job
+
+P = THCParams(seed=7, slice_size=256)
+
+
+def _inputs(rank, bad_call, bad_rank=0, calls=3, numel=1024):
+    """Each call's tensor on ``rank``: ``bad_rank``'s call ``bad_call`` holds an Inf."""
+    g = torch.Generator().manual_seed(rank)
+    for call in range(calls):
+        x = torch.randn(numel, generator=g)
+        if rank == bad_rank and call == bad_call:
+            x[300] = float("inf")
+        yield x
+
+
+def _outcome(ar, x):
+    try:
+        return ar(x)
+    except (ValueError, RuntimeError, TypeError) as e:
+        return e
+
+
+def _marks(tag_lanes_agree=True, top=OVERFLOW_MARK):
+    tags = agreement.tagged(torch.zeros(0), 3, 99)
+    if not tag_lanes_agree:
+        tags[0] += 1
+    return torch.tensor([1.0, top, 2.0]), tags
+
+
+def test_overflowed_reads_only_what_every_worker_shares():
+    limit = norm_limit(P)
+    assert NORM_MARK > OVERFLOW_MARK >= limit
+    assert agreement.overflowed(*_marks(), limit)
+    assert agreement.overflowed(*_marks(top=limit * 1.5), limit)   # a finite norm THC refuses
+    assert not agreement.overflowed(*_marks(top=NORM_MARK), limit)   # a failure dominates
+    assert not agreement.overflowed(*_marks(top=float("nan")), limit)
+    assert not agreement.overflowed(*_marks(top=3.0), limit)
+    assert not agreement.overflowed(*_marks(tag_lanes_agree=False), limit)
+    for args in (_marks(), _marks(top=NORM_MARK), _marks(tag_lanes_agree=False)):
+        assert bool(agreement.overflowed_on_device(*args, limit)) == \
+            agreement.overflowed(*args, limit)
+
+
+def test_a_worker_marks_its_bad_slices_as_overflows_and_a_failure_everywhere():
+    y = torch.randn(1024)
+    y[600] = float("nan")
+    bad = agreement.marks(y, [(0, 1024)], THCAllReduce(_TwoWorkers(None), P).codec.layout,
+                          norm_limit(P))
+    assert bad.tolist() == [0.0, 0.0, OVERFLOW_MARK, 0.0]
+    ok = agreement.marks(torch.randn(1024), [(0, 1024)],
+                         THCAllReduce(_TwoWorkers(None), P).codec.layout, norm_limit(P))
+    assert (ok == NORM_MARK).all()
+
+
+def test_nonfinite_must_be_raise_or_propagate():
+    with pytest.raises(ValueError, match="nonfinite must be one of"):
+        THCAllReduce(_TwoWorkers(None), P, nonfinite="skip")
+
+
+CASES = {"propagate": (("propagate", "propagate"), 1), "raise": (("raise", "raise"), 1),
+         "unlike": (("propagate", "raise"), None)}
+"""Each case's modes on the two workers, and the call at which worker 0's input holds Inf."""
+
+
+def _gloo_worker(rank, port, q):
+    """Every case on one of two Gloo workers, a reducer each: three calls through
+    torch.distributed. Per case: each call's result (an array or an error) and the residual
+    after it, and the rounds handed on."""
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2, timeout=timedelta(seconds=30))
+    got = {}
+    for case, (modes, bad_call) in CASES.items():
+        ar = THCAllReduce.through_torch_distributed(params=P, nonfinite=modes[rank])
+        out = []
+        for x in _inputs(rank, bad_call):
+            y = _outcome(ar, x)
+            res = None if ar.feedback.residual is None else ar.feedback.residual.numpy().copy()
+            # arrays, not tensors: a queued tensor is read from its process, which may be gone
+            out.append((y.numpy() if isinstance(y, torch.Tensor) else str(y), res))
+        got[case] = (out, ar.stats.overflows)
+    got["failed"] = _failing_peer(rank)
+    q.put((rank, got))
+    dist.destroy_process_group()
+
+
+@functools.lru_cache(maxsize=None)
+def _gloo_cases():
+    return gloo_pair(_gloo_worker)
+
+
+def _gloo(case):
+    return {rank: got[case] for rank, got in _gloo_cases().items()}
+
+
+def test_an_inf_on_one_worker_gives_every_worker_nan_and_keeps_the_residual():
+    res = _gloo("propagate")
+    for rank in (0, 1):
+        (first, r0), (second, r1), (third, _), = res[rank][0]
+        assert np.isfinite(first).all() and np.isnan(second).all(), rank
+        np.testing.assert_array_equal(r1, r0)   # the round left no residual
+        assert np.isfinite(third).all() and res[rank][1] == 1
+    for call in (0, 2):
+        np.testing.assert_array_equal(res[0][0][call][0], res[1][0][call][0])
+
+
+def test_refused_without_propagate_the_error_names_the_option():
+    res = _gloo("raise")
+    for rank in (0, 1):
+        msg = res[rank][0][1][0]
+        assert isinstance(msg, str) and "NaN or Inf" in msg, msg
+        assert "nonfinite='propagate'" in msg, msg
+        assert np.isfinite(res[rank][0][2][0]).all()
+
+
+def test_workers_that_differ_in_it_refuse_their_first_round():
+    res = _gloo("unlike")
+    for rank in (0, 1):
+        msg = res[rank][0][0][0]
+        assert isinstance(msg, str) and "differ in" in msg, msg
+
+
+def _failing_peer(rank):
+    """Worker 0's input holds NaN, worker 1's is refused (an integer tensor): a failure
+    dominates the overflow, so both raise."""
+    ar = THCAllReduce.through_torch_distributed(params=P, nonfinite="propagate")
+    ar(torch.randn(1024))
+    x = torch.randn(1024)
+    x[5] = float("nan")
+    got = _outcome(ar, x if rank == 0 else torch.ones(1024, dtype=torch.int32))
+    return str(got) if not isinstance(got, torch.Tensor) else "returned"
+
+
+def test_a_worker_that_failed_otherwise_makes_every_worker_raise():
+    res = _gloo("failed")
+    assert "NaN or Inf" in res[0] and "propagate" not in res[0], res
+    assert "floating-point" in res[1], res
+
+
+def test_through_the_aggregator():
+    """MAX packets carry the overflow mark (float bits below the failure's) through the
+    software aggregator: all three workers get NaN, then a clean round."""
+    n = 3
+    job = local_job(1, n, free_port_block(n), pool_size=32, granularity=P.granularity,
+                    table=P.table)
+    got: dict = {}
+    with Aggregator([job]) as agg:
+        addr = agg.start()
+
+        def work(w):
+            with AggregationClient(job, w, addr, run=1) as c:
+                ar = THCAllReduce.through_aggregator(c, P, nonfinite="propagate")
+                got[w] = [_outcome(ar, x) for x in _inputs(w, 1, bad_rank=2, numel=5000)]
+
+        ts = [threading.Thread(target=work, args=(w,)) for w in range(n)]
+        [t.start() for t in ts]
+        [t.join(120) for t in ts]
+    assert not any(t.is_alive() for t in ts)
+    for w in range(n):
+        first, second, third = got[w]
+        assert torch.isnan(second).all(), (w, second)
+        assert torch.isfinite(first).all() and torch.isfinite(third).all(), w
+        torch.testing.assert_close(third, got[0][2], rtol=0, atol=0)
+
+
+@kernels
+@pytest.mark.parametrize("mode", ["raise", "propagate"])
+def test_a_stream_ordered_round_reads_the_overflow_at_its_end(mode):
+    """On the kernels' deferred path the marked round still sums, and every worker reads its
+    max norms at the round's end."""
+    good = torch.randn(1024, generator=torch.Generator().manual_seed(3)).to(DEV)
+    bad = good.clone()
+    bad[300] = float("inf")
+    peer = THCAllReduce(_TwoWorkers(None), P, backend="triton", nonfinite=mode)
+    key = agreement.fingerprint(P, 1024, 1024, backend="triton", steps="sum", nonfinite=mode)
+    worker = THCAllReduce(_TwoWorkers(agreement.tagged(peer.codec.norms(good), 0, key)),
+                          P, backend="triton", nonfinite=mode)
+    out = _outcome(worker, bad)
+    peer.transport.other = worker.transport.sent[0]
+    peer_out = _outcome(peer, good)
+    assert worker.transport.sums == peer.transport.sums == 1
+    if mode == "raise":
+        assert "nonfinite='propagate'" in str(out) and "nonfinite='propagate'" in str(peer_out)
+        return
+    assert torch.isnan(out).all() and torch.isnan(peer_out).all()
+    assert worker.feedback.residual is None and peer.feedback.residual is None
+    peer.transport.other = agreement.tagged(worker.codec.norms(good), 1, key)
+    assert torch.isfinite(peer(good)).all() and peer.round == 2
+
+
+def _graphed_worker(rank, port, q):
+    """Three graphed rounds, with checks deferred and not; worker 0's second holds an Inf."""
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2, timeout=timedelta(seconds=60))
+    got = {}
+    for deferred in (False, True):
+        ar = GraphedAllReduce.through_torch_distributed(params=P, generator=rank,
+                                                        deferred_checks=deferred,
+                                                        nonfinite="propagate")
+        out = [_outcome(ar, x.to(DEV)) for x in _inputs(rank, 1, calls=3)]
+        ar.check()
+        got[deferred] = ([o.cpu().numpy() if isinstance(o, torch.Tensor) else str(o)
+                          for o in out], ar.stats.overflows)
+    q.put((rank, got))
+    dist.destroy_process_group()
+
+
+@functools.lru_cache(maxsize=None)
+def _graphed_cases():
+    return gloo_pair(_graphed_worker)
+
+
+@kernels
+@pytest.mark.parametrize("deferred", [False, True])
+def test_a_graphed_round_hands_an_overflow_on_and_raises_nothing_later(deferred):
+    res = {rank: got[deferred] for rank, got in _graphed_cases().items()}
+    for rank in (0, 1):
+        (first, second, third), overflows = res[rank]
+        assert isinstance(second, np.ndarray) and np.isnan(second).all(), (rank, second)
+        assert np.isfinite(first).all() and np.isfinite(third).all(), rank
+        assert overflows == 1
+    np.testing.assert_array_equal(res[0][0][2], res[1][0][2])
+
+
+SKIPPED = (0, 4)
+"""The steps at which rank 0's batch holds an Inf."""
+
+
+def _scaler_worker(rank, port, q):
+    """:func:`_scaler_steps` without propagate, then with it."""
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2, timeout=timedelta(seconds=30))
+    torch.set_num_threads(1)
+    q.put((rank, {mode: _scaler_steps(mode, rank) for mode in ("raise", "propagate")}))
+    dist.destroy_process_group()
+
+
+def _scaler_steps(mode, rank):
+    """Eight DDP steps under THCHook and a GradScaler; rank 0's batch holds an Inf at the
+    SKIPPED steps. Per step: the scale, whether the parameters moved, and the loss; an error
+    ends the list."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from thc.collective.ddp import HookOptions, THCHook
+    model = _model()
+    ddp = DDP(model)
+    hook = THCHook(model, lambda group: THCAllReduce.through_torch_distributed(
+        group, params=THCParams(seed=3), nonfinite=mode), HookOptions(uncompressed=("bias",)))
+    hook.register(ddp)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=1000)
+    x, y = _data(rank)
+    log = []
+    try:
+        for step in range(8):
+            xb = x.clone()
+            if rank == 0 and step in SKIPPED:
+                xb[0, 0] = float("inf")
+            before = [p.detach().clone() for p in model.parameters()]
+            loss = torch.nn.functional.cross_entropy(ddp(xb), y)
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad(set_to_none=True)
+            moved = any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
+            log.append((scaler.get_scale(), moved, float(loss)))
+    except (ValueError, RuntimeError) as e:
+        log.append(str(e))
+    return log, [p.detach().numpy().copy() for p in model.parameters()]
+
+
+def test_a_grad_scaler_skips_the_overflowed_steps_on_every_rank():
+    """Without propagate the first overflow ends training with the refusal; with it every
+    rank skips exactly the overflowed steps, halves its scale, and learns on the others."""
+    both = gloo_pair(_scaler_worker)
+    for rank in (0, 1):
+        log = both[rank]["raise"][0]
+        assert len(log) == 1 and "nonfinite='propagate'" in log[0], log
+    res = {rank: both[rank]["propagate"] for rank in both}
+    for rank in (0, 1):
+        log = res[rank][0]
+        assert len(log) == 8 and all(isinstance(e, tuple) for e in log), log
+        assert [not moved for _, moved, _ in log] == [s in SKIPPED for s in range(8)], log
+        assert [scale for scale, _, _ in log] == [2.0 ** 9] * 4 + [2.0 ** 8] * 4, log
+    for a, b in zip(res[0][1], res[1][1]):
+        np.testing.assert_array_equal(a, b)
+    losses = [loss for _, _, loss in res[1][0]]
+    assert losses[-1] < losses[0], losses
