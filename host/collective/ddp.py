@@ -57,10 +57,12 @@ def layer_positions(model: torch.nn.Module) -> dict[int, float]:
     return {id(p): i / last for i, m in enumerate(layers) for p in m.parameters(recurse=False)}
 
 
-def _done(t: torch.Tensor) -> torch.futures.Future:
-    fut: torch.futures.Future = torch.futures.Future()
-    fut.set_result(t)
-    return fut
+def _raising(fut: torch.futures.Future) -> torch.futures.Future:
+    """``fut`` as DDP reads it: torch's ``set_exception`` stores the error as the future's value,
+    which DDP's C++ side then fails to cast ("Unable to cast ... to Tensor"); a callback that
+    raises fails the chained future itself, so DDP raises the error under its own type's
+    name."""
+    return fut.then(lambda done: done.wait())
 
 
 @dataclass
@@ -177,7 +179,7 @@ class _Hook:
                 fut.set_result(self._reduce_bucket(key, buf, spans))
             except Exception as e:  # noqa: BLE001 - handed to DDP, which raises it
                 fut.set_exception(e)
-            return fut
+            return _raising(fut)
 
         def finish(done) -> None:
             error = done.exception()
@@ -186,8 +188,9 @@ class _Hook:
             else:
                 fut.set_result(done.result())
 
+        chained = _raising(fut)
         self._pool.submit(self._reduce_bucket, key, buf, spans).add_done_callback(finish)
-        return fut
+        return chained
 
     def _agree_bucket(self, bucket, spans, device) -> None:
         """Before a bucket's first reduction, every rank checks that the others split it
