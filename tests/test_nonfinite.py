@@ -5,6 +5,7 @@ a stream-ordered transport and a graphed round, and under DDP with a real GradSc
 from __future__ import annotations
 
 import functools
+import re
 import threading
 from datetime import timedelta
 
@@ -19,6 +20,7 @@ from tests.test_ddp import _data, _model
 from tests.test_graphed import gloo_pair
 from thc.codec.common import NORM_MARK, OVERFLOW_MARK, norm_limit
 from thc.codec.params import THCParams
+from thc.codec.thc import table_values
 from thc.collective import agreement
 from thc.collective.allreduce import THCAllReduce
 from thc.collective.graphed import GraphedAllReduce
@@ -76,6 +78,77 @@ def test_a_worker_marks_its_bad_slices_as_overflows_and_a_failure_everywhere():
     ok = agreement.marks(torch.randn(1024), [(0, 1024)],
                          THCAllReduce(_TwoWorkers(None), P).codec.layout, norm_limit(P))
     assert (ok == NORM_MARK).all()
+
+
+class _Alone:
+    """One worker's transport in this process: its MAX is its own vector, its sum its own
+    table values."""
+    stream_ordered, packed, lanes, short_chunks, n_workers = False, False, None, None, 1
+
+    def __init__(self):
+        self.sent, self.bytes_sent = [], 0
+
+    def check(self, params):
+        pass
+
+    def max(self, vector):
+        self.sent.append(vector.clone())
+        return vector
+
+    def sum(self, indices, count, params, classes=None):
+        return table_values(indices, params).to(torch.int32), None
+
+
+def test_a_worker_that_fails_otherwise_is_no_overflow_whatever_its_input(monkeypatch):
+    """Out of memory with a NaN in the input: the failure marks every slice, and the worker
+    raises its own error instead of handing the round on."""
+    ar = THCAllReduce(_Alone(), P, nonfinite="propagate")
+    monkeypatch.setattr(ar.codec, "prepare", lambda *a: (_ for _ in ()).throw(
+        MemoryError("no room")))
+    x = torch.randn(1024)
+    x[5] = float("nan")
+    with pytest.raises(MemoryError, match="no room"):
+        ar(x)
+    assert (agreement.untag(ar.transport.sent[-1])[0] == NORM_MARK).all()
+
+
+def test_a_nan_max_norm_is_named_as_no_workers():
+    tags = agreement.tagged(torch.zeros(0), 0, 1)
+    with pytest.raises(ValueError, match="max norm is NaN, which no worker sends"):
+        agreement.refuse_marked(torch.zeros(2), torch.tensor([1.0, float("nan")]), P)
+    assert not agreement.overflowed(torch.tensor([OVERFLOW_MARK, float("nan")]), tags,
+                                    norm_limit(P))
+
+
+def _bias(rescale: bool) -> float:
+    """One worker's 20 rounds of gradients sent at a loss scale S that halves after an
+    overflowed round (handed on): how far what it delivered (each estimate / S) is from the
+    gradients less the residual, relative to the gradients. Error feedback makes it ~0 while
+    the residual stays in the scale's units."""
+    ar = THCAllReduce(_Alone(), P, nonfinite="propagate", generator=0)
+    gen = torch.Generator().manual_seed(1)
+    scale, delivered, true = 1024.0, torch.zeros(4096, dtype=torch.float64), 0.0
+    for step in range(20):
+        g = torch.randn(4096, generator=gen)
+        if step == 10:
+            x = g * scale
+            x[0] = float("inf")
+            assert torch.isnan(ar(x)).all()
+            scale /= 2
+            if rescale:
+                ar.rescale_residual(0.5)
+            continue
+        delivered += ar(g * scale).double() / scale
+        true = true + g.double()
+    left = ar.feedback.residual.double() / scale
+    return float((delivered - (true - left)).norm() / true.norm())
+
+
+def test_the_residual_follows_the_loss_scale():
+    assert _bias(rescale=True) < 1e-5
+    assert _bias(rescale=False) > 1e-3   # kept in the old scale's units, it weighs double
+    with pytest.raises(ValueError, match="finite number > 0"):
+        THCAllReduce(_Alone(), P).rescale_residual(0.0)
 
 
 def test_nonfinite_must_be_raise_or_propagate():
@@ -256,8 +329,38 @@ def _scaler_worker(rank, port, q):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=2, timeout=timedelta(seconds=30))
     torch.set_num_threads(1)
-    q.put((rank, {mode: _scaler_steps(mode, rank) for mode in ("raise", "propagate")}))
+    got = {mode: _scaler_steps(mode, rank) for mode in ("raise", "propagate")}
+    got["halved"] = _halved_residuals(rank)
+    q.put((rank, got))
     dist.destroy_process_group()
+
+
+def _residuals(hook) -> list[torch.Tensor]:
+    if hasattr(hook, "scheme"):
+        return list(hook.scheme.residuals.values())
+    return [ar.feedback.residual if hasattr(ar, "feedback") else ar.residual
+            for ar in hook.reducers.values()]
+
+
+def _halved_residuals(rank) -> dict:
+    """Per hook kind with residuals: whether ``rescale_residuals(0.5)`` halved every one."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from thc.collective.ddp import MarsitHook, THCHook, TopKHook
+    hooks = {"thc": lambda m: THCHook(m, lambda g: THCAllReduce.through_torch_distributed(g)),
+             "topk": lambda m: TopKHook(m), "marsit": lambda m: MarsitHook(m)}
+    out = {}
+    for kind, make in hooks.items():
+        model = _model()
+        ddp = DDP(model)
+        hook = make(model).register(ddp)
+        x, y = _data(rank)
+        torch.nn.functional.cross_entropy(ddp(x), y).backward()
+        before = [r.clone() for r in _residuals(hook)]
+        hook.rescale_residuals(0.5)
+        after = _residuals(hook)
+        out[kind] = bool(before) and all(torch.equal(a, b * 0.5) for a, b in zip(after, before))
+    return out
 
 
 def _scaler_steps(mode, rank):
@@ -285,7 +388,9 @@ def _scaler_steps(mode, rank):
             loss = torch.nn.functional.cross_entropy(ddp(xb), y)
             scaler.scale(loss).backward()
             scaler.step(opt)
+            old = scaler.get_scale()
             scaler.update()
+            hook.rescale_residuals(scaler.get_scale() / old)
             opt.zero_grad(set_to_none=True)
             moved = any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
             log.append((scaler.get_scale(), moved, float(loss)))
@@ -302,8 +407,11 @@ def test_a_grad_scaler_skips_the_overflowed_steps_on_every_rank():
         log = both[rank]["raise"][0]
         assert len(log) == 1 and "nonfinite='propagate'" in log[0], log
         # DDP names the refusal's type; it could not cast a future's stored error to a tensor
-        assert "ValueError: " in log[0] and "Unable to cast" not in log[0], log
+        assert re.search(r"(ValueError|NonFiniteInput): ", log[0]), log
+        assert "Unable to cast" not in log[0], log
     res = {rank: both[rank]["propagate"] for rank in both}
+    assert both[0]["halved"] == both[1]["halved"] == {"thc": True, "topk": True,
+                                                      "marsit": True}, both
     for rank in (0, 1):
         log = res[rank][0]
         assert len(log) == 8 and all(isinstance(e, tuple) for e in log), log

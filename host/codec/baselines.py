@@ -27,6 +27,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from thc.codec.common import scale_factor
 from thc.codec.hadamard import is_torch
 from thc.codec.packing import pack_bits, unpack_bits
 from thc.codec.params import THCParams
@@ -165,6 +166,12 @@ class Scheme:
 
     def reset(self) -> None:
         self.residuals.clear()
+
+    def rescale(self, factor: float) -> None:
+        """Multiply every residual by ``factor`` (see :meth:`ErrorFeedback.rescale`)."""
+        factor = scale_factor(factor)
+        for key, e in self.residuals.items():
+            self.residuals[key] = e * factor
 
     def _compress(self, flat, gen) -> Payload:
         raise NotImplementedError

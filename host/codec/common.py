@@ -159,6 +159,21 @@ def view(flat, group):
     return flat[group.start: group.start + n].reshape(group.count, group.length)
 
 
+def scale_factor(factor) -> float:
+    """A loss scale's change (new scale / old), checked: the factor a residual kept in the old
+    scale's units is multiplied by, so that it adds to gradients in the new one's."""
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) \
+            or not math.isfinite(factor) or factor <= 0:
+        raise ValueError(f"a scale factor must be a finite number > 0, got {factor!r}")
+    return float(factor)
+
+
+class NonFiniteInput(ValueError):
+    """The input holds NaN or Inf, or a slice norm beyond :func:`norm_limit`: an overflow,
+    which a reducer may hand on (``nonfinite="propagate"``), where any other error is a
+    failure."""
+
+
 def check_finite(rotated, grp) -> None:
     """Every rotated coordinate must be finite: a NaN or Inf of the input reaches them all,
     and one that the transform makes (values too large for the max norms given) stays in
@@ -169,7 +184,7 @@ def check_finite(rotated, grp) -> None:
     else:
         ok = bool(np.all(np.isfinite(rotated)))
     if not ok:
-        raise ValueError(f"input contains NaN or Inf (or values so large for the max norms "
+        raise NonFiniteInput(f"input contains NaN or Inf (or values so large for the max norms "
                          f"given that the rotation overflows float32) in slices "
                          f"{grp.first}..{grp.first + grp.count - 1}")
 
@@ -255,7 +270,7 @@ def raise_status(values, params: THCParams, max_norms=None) -> None:
     """Raise the error a status word's ``values`` (a list of four ints) name, if any."""
     flags = values[0]
     if flags & BAD_INPUT:
-        raise ValueError(BAD_INPUT_TEXT.format(limit=norm_limit(params))
+        raise NonFiniteInput(BAD_INPUT_TEXT.format(limit=norm_limit(params))
                          + f", in slice {values[1] - 1}")
     if flags & BAD_NORMS:
         got = f", got {max_norms.detach().cpu().numpy()}" if max_norms is not None else ""
@@ -316,7 +331,7 @@ def check_norms(norms, params: THCParams) -> None:
     bad = ~(norms < limit)
     if bool(bad.any()):
         first = int(bad.nonzero()[0][0]) if is_torch(bad) else int(np.argmax(bad))
-        raise ValueError(BAD_INPUT_TEXT.format(limit=limit) + f", in slice {first}")
+        raise NonFiniteInput(BAD_INPUT_TEXT.format(limit=limit) + f", in slice {first}")
 
 
 @dataclass

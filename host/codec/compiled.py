@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 
 from thc.codec import fastcodec, reference
-from thc.codec.common import (Prepared, check_norms, decode_live, encode_coef, norm_array,
-                              rounding_key)
+from thc.codec.common import (NonFiniteInput, Prepared, check_norms, decode_live, encode_coef,
+                              norm_array, rounding_key)
 from thc.codec.hadamard import is_torch
 from thc.codec.packing import pack_bits
 from thc.codec.params import THCParams
@@ -47,7 +47,7 @@ def encode(flat, lay, max_norms, params: THCParams, round: int, generator, pack:
                                   params.seed, round, key, params.table, packed, check)
     bad = np.flatnonzero(~np.isfinite(first))
     if bad.size:
-        raise ValueError(f"input contains NaN or Inf (or values so large for the max norms "
+        raise NonFiniteInput(f"input contains NaN or Inf (or values so large for the max norms "
                          f"given that the rotation overflows float32) in slices "
                          f"{bad[0]}..{bad[-1]}")
     if pack and not packed:

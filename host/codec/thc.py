@@ -44,7 +44,8 @@ import numpy as np
 from thc.codec import backends, settings
 from thc.codec.backends import BACKENDS, Choice, kernels_for
 from thc.codec.common import (Prepared, accumulator_dtype, check_indices, flat as _flat, layout,
-                               raise_status, same_device, status_word, torch_table)
+                               raise_status, same_device, scale_factor, status_word,
+                               torch_table)
 from thc.codec.hadamard import SliceLayout, is_torch
 from thc.codec.packing import pack_bits, unpack_bits
 from thc.codec.params import THCParams
@@ -333,6 +334,13 @@ class ErrorFeedback:
 
     def reset(self) -> None:
         self.residual = None
+
+    def rescale(self, factor: float) -> None:
+        """Multiply the residual by ``factor``: the gradients' scale changed (a loss scaler's
+        step), and the residual must add in the new one's units."""
+        factor = scale_factor(factor)
+        if self.residual is not None:
+            self.residual = self.residual * factor
 
 
 class THCCodec:

@@ -186,14 +186,18 @@ def together(group, rnd: int, key: int, device, failure: Exception | None = None
     return ring_bytes(out, dist.get_world_size(group))
 
 
-def marks(y: torch.Tensor, pieces, layout_of, limit: float) -> torch.Tensor:
-    """The norms a worker that could not compute its own sends: :data:`OVERFLOW_MARK` for
-    each slice holding NaN or Inf or whose norm (as float32) is not below ``limit``
-    (``norm_limit``), 0 (no say) elsewhere; every slice marked :data:`NORM_MARK` where none
-    is (the worker failed for another reason, so no slice of its may be summed) or even this
-    fails."""
+def marks(y: torch.Tensor, pieces, layout_of, limit: float,
+          overflow: bool = True) -> torch.Tensor:
+    """The norms a worker that could not compute its own sends. Where its error was the
+    input's overflow (``overflow``): :data:`OVERFLOW_MARK` for each slice holding NaN or Inf
+    or whose norm (as float32) is not below ``limit`` (``norm_limit``), 0 (no say)
+    elsewhere. Every slice is marked :data:`NORM_MARK` where the worker failed for another
+    reason (so no slice of its may be summed, and its error is not mistaken for an overflow
+    however its input looks), where no slice is bad, or where even this fails."""
     n = sum(layout_of(b - a).n_slices for a, b in pieces)
     try:
+        if not overflow:
+            raise ValueError("failed otherwise")
         out = []
         for a, b in pieces:
             lay = layout_of(b - a)
@@ -227,6 +231,9 @@ def refuse_marked(norms: torch.Tensor, max_norms: torch.Tensor, params,
                          + more)
     other = first_marked(max_norms)
     if other is not None:
+        if bool(torch.isnan(max_norms[other])):
+            raise ValueError(f"slice {other}'s max norm is NaN, which no worker sends: a peer "
+                             f"or the aggregator is broken, and the round is refused")
         if float(max_norms[other]) == OVERFLOW_MARK:
             raise ValueError(f"slice {other}'s max norm is the mark of a worker whose input "
                              f"holds NaN or Inf there (or a slice norm beyond "

@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from thc.codec.common import check_float, check_generator, check_key, norm_limit
+from thc.codec.common import (NonFiniteInput, check_float, check_generator, check_key,
+                              norm_limit)
 from thc.codec.params import THCParams
 from thc.codec.thc import ErrorFeedback, THCCodec, table_values
 from thc.collective import agreement
@@ -113,6 +114,12 @@ class THCAllReduce:
     @property
     def n_workers(self) -> int:
         return self.transport.n_workers
+
+    def rescale_residual(self, factor: float) -> None:
+        """The gradients' scale changed by ``factor`` (new / old: a loss scaler's update):
+        the error-feedback residual follows it. Call between rounds."""
+        if self.feedback is not None:
+            self.feedback.rescale(factor)
 
     def priority_classes(self, position, max_norms: torch.Tensor, numel: int) -> np.ndarray:
         """DLCP class of each slice: its earliest layer position and its agreed RMS magnitude.
@@ -216,6 +223,11 @@ class THCAllReduce:
         return self.nonfinite == "propagate" and agreement.overflowed(
             max_norms, tags, norm_limit(self.params))
 
+    def _hint(self, max_norms, tags) -> str:
+        """What a refusal adds: the way to hand the round on, where that would."""
+        return agreement.PROPAGATE_HINT if self.nonfinite == "raise" and agreement.overflowed(
+            max_norms, tags, norm_limit(self.params)) else ""
+
     def _max_round(self, flat, pieces, rnd: int, whole: bool, refusal=None):
         """Each piece's prepare, and the MAX round of their slice norms with the round number
         (:mod:`thc.collective.agreement`). A worker whose prepare fails still sends its MAX
@@ -234,7 +246,8 @@ class THCAllReduce:
             y = self.feedback.compensate(flat) if self.feedback else flat
             preps = [self.codec.prepare(y[a:b], rnd) for a, b in pieces]
         except Exception as e:
-            bad = agreement.marks(y, pieces, layout_of, norm_limit(self.params))
+            overflow = refusal is None and isinstance(e, NonFiniteInput)
+            bad = agreement.marks(y, pieces, layout_of, norm_limit(self.params), overflow)
             self._open = whole   # on a stream-ordered transport a sum follows the MAX round
             max_norms, tags = agreement.untag(
                 self.transport.max(agreement.tagged(bad, rnd, key)))
@@ -245,12 +258,13 @@ class THCAllReduce:
                 raise
             if self._overflowed(max_norms, tags):
                 return y, None, max_norms, tags
-            slice_ = agreement.first_marked(bad)
-            # every slice is marked where none holds NaN or Inf: the prepare's own error says
-            if isinstance(e, ValueError) and slice_ is not None \
-                    and not bool(torch.isfinite(y).all()):
-                hint = agreement.PROPAGATE_HINT if self.nonfinite == "raise" else ""
-                raise ValueError(f"input contains NaN or Inf in slice {slice_}{hint}") from e
+            if overflow:
+                hint = self._hint(max_norms, tags)
+                if not bool(torch.isfinite(y).all()):
+                    raise NonFiniteInput(f"input contains NaN or Inf in slice "
+                                         f"{agreement.first_marked(bad)}{hint}") from e
+                if hint:
+                    raise NonFiniteInput(f"{e}{hint}") from e
             raise
         norms = preps[0].norms if len(preps) == 1 else torch.cat([p.norms for p in preps])
         vector = agreement.tagged(norms, rnd, key)
@@ -263,7 +277,7 @@ class THCAllReduce:
             if agreement.refused(max_norms, tags):
                 self._open = False   # every worker refuses here: no sum is pending
                 agreement.refuse_marked(norms, max_norms, self.params,
-                                        hint=self.nonfinite == "raise")
+                                        hint=bool(self._hint(max_norms, tags)))
                 agreement.check_rounds(tags)
             self.codec.check()
         return y, preps, max_norms, tags
@@ -272,6 +286,8 @@ class THCAllReduce:
         """A round handed on as NaN: no sum of it is used, the residual keeps its value."""
         self.codec.discard_checks()
         self.stats.overflows += 1
+        self.stats.calls += 1
+        self.stats.elements += tensor.numel()
         return torch.full_like(tensor, float("nan"))
 
     def _join_sum(self, y, pieces) -> None:
@@ -360,10 +376,11 @@ class THCAllReduce:
             try:
                 wire = next_wire.result()
             except Exception:
-                if whole and agreement.first_marked(max_norms) is not None:
+                over = whole and self._overflowed(max_norms, tags)
+                if whole and (over or agreement.first_marked(max_norms) is not None):
                     self._join_sum(y, pieces)   # every peer refuses this round: let them end
                     self._open = False
-                    if self._overflowed(max_norms, tags):
+                    if over:
                         return self._overflow(tensor)
                 raise
             if k + 1 < len(pieces):
@@ -391,7 +408,7 @@ class THCAllReduce:
                 raise
             if self.nonfinite == "propagate":
                 return self._overflow(tensor)
-            raise ValueError(f"{e}{agreement.PROPAGATE_HINT}") from e
+            raise type(e)(f"{e}{agreement.PROPAGATE_HINT}") from e
         if self.feedback:
             self.feedback.keep(y, own)
         self.stats.calls += 1

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from thc.codec.baselines import TopK
+from thc.codec.common import scale_factor
 from thc.collective import agreement
 from thc.collective.allreduce import THCAllReduce
 from thc.collective.transports import DistTransport, ring_bytes
@@ -251,6 +252,13 @@ class _Hook:
             self._last_done = end
         return buf
 
+    def rescale_residuals(self, factor: float) -> None:
+        """The gradients' scale changed by ``factor`` (new scale / old): every residual the
+        hook keeps follows it, so that it adds in the new scale's units. Under
+        ``torch.amp.GradScaler`` call it after each ``scaler.update()`` with the new scale over
+        the old (a skipped step halves it). A hook without residuals (FP32) has none to scale."""
+        scale_factor(factor)
+
     def reduce(self, bucket, flat: torch.Tensor, sizes: list[int],
                position: torch.Tensor | None = None) -> torch.Tensor:
         """The workers' mean of ``flat``, the bucket's compressed parameters (of ``sizes``);
@@ -278,9 +286,10 @@ class THCHook(_Hook):
     :class:`GraphedAllReduce`, whose rounds replay from a CUDA graph, through
     torch.distributed on ``group`` (the hook's process group: see the module docstring) or
     through an aggregator. ``priorities``: mark every chunk with its DLCP class (an
-    aggregator transport's packets carry it in DSCP). Under ``torch.amp.GradScaler`` the
-    factory's reducers take ``nonfinite="propagate"``: an overflowed step's bucket then comes
-    back NaN on every rank, and the scaler skips the step there."""
+    aggregator transport's packets carry it in DSCP). Under ``torch.amp.GradScaler`` build the
+    factory's reducers with ``nonfinite="propagate"``: an overflowed step's bucket then comes
+    back NaN on every rank, and the scaler skips the step there (and call
+    :meth:`rescale_residuals` after each ``scaler.update()``)."""
 
     def __init__(self, model,
                  make_allreducer: Callable[[object], THCAllReduce | GraphedAllReduce],
@@ -299,6 +308,10 @@ class THCHook(_Hook):
             raise ValueError("priorities=True marks chunks with DLCP classes, which travel "
                              "through an aggregator's transport: a graphed round uses none")
         return ar
+
+    def rescale_residuals(self, factor: float) -> None:
+        for ar in self.reducers.values():
+            ar.rescale_residual(factor)
 
     @property
     def codec_seconds(self) -> float:
@@ -355,6 +368,9 @@ class TopKHook(_Hook):
         self.scheme = TopK(ratio=ratio, error_feedback=True)
         self._calls = 0
 
+    def rescale_residuals(self, factor: float) -> None:
+        self.scheme.rescale(factor)
+
     def reduce(self, bucket, flat: torch.Tensor, sizes: list[int],
                position: torch.Tensor | None = None) -> torch.Tensor:
         key = (bucket, flat.numel())
@@ -402,6 +418,10 @@ class MarsitHook(_Hook):
         self.make_allreducer = make_allreducer or (
             lambda on: MarsitAllReduce(on, generator))
         self.reducers: dict[tuple, MarsitAllReduce] = {}
+
+    def rescale_residuals(self, factor: float) -> None:
+        for ar in self.reducers.values():
+            ar.rescale_residual(factor)
 
     def reduce(self, bucket, flat: torch.Tensor, sizes: list[int],
                position: torch.Tensor | None = None) -> torch.Tensor:

@@ -57,7 +57,8 @@ from dataclasses import dataclass
 import torch
 
 from thc.codec.backends import kernels_for
-from thc.codec.common import NORM_MARK, WHOLE, check_float, check_key, norm_limit, raise_status
+from thc.codec.common import (NORM_MARK, WHOLE, check_float, check_key, norm_limit,
+                              raise_status, scale_factor)
 from thc.codec.params import THCParams
 from thc.codec.thc import THCCodec
 from thc.collective import agreement, replay
@@ -153,6 +154,15 @@ class GraphedAllReduce:
     @property
     def n_workers(self) -> int:
         return self.transport.n_workers
+
+    def rescale_residual(self, factor: float) -> None:
+        """As :meth:`THCAllReduce.rescale_residual`: in place, queued on the device after
+        every round launched so far (the graph reads the buffer at its address)."""
+        factor = scale_factor(factor)
+        b = self._bufs
+        if b is not None and b.residual is not None:
+            with torch.cuda.device(b.x.device) if b.x.is_cuda else _nothing():
+                b.residual.mul_(factor)
 
     def _padded(self, numel: int, like: torch.Tensor) -> int:
         """The length of an input of ``numel`` elements on ``like``'s device, padded so that
@@ -319,7 +329,7 @@ class GraphedAllReduce:
             raise_status([int(v) for v in values[:4]], self.params)
         except ValueError as e:
             if values[-1]:
-                raise ValueError(f"{e}{agreement.PROPAGATE_HINT}") from e
+                raise type(e)(f"{e}{agreement.PROPAGATE_HINT}") from e
             raise
         agreement.check_rounds(tags)
         return False

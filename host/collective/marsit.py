@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from thc.codec.common import scale_factor
 from thc.codec.packing import pack_bits, unpack_bits
 from thc.collective import agreement
 from thc.collective.transports import ring_bytes
@@ -76,6 +77,13 @@ class _SignAllReduce:
         """From this worker's bits (bool, True = +1) to the shared estimate of the workers'
         mean sign (the same tensor on every worker)."""
         raise NotImplementedError
+
+    def rescale_residual(self, factor: float) -> None:
+        """The gradients' scale changed by ``factor`` (new / old): the compensation residual
+        follows it. Call between rounds."""
+        factor = scale_factor(factor)
+        if self.residual is not None:
+            self.residual = self.residual * factor
 
     def __call__(self, grad: torch.Tensor, sizes: list[int] | None = None) -> torch.Tensor:
         """The estimate of the workers' mean of ``grad``; ``sizes`` splits it into segments
