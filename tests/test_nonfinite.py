@@ -17,7 +17,7 @@ import torch.distributed as dist
 from tests.test_codec_checks import _TwoWorkers
 from tests.test_codec_kernels import DEV, kernels
 from tests.test_ddp import _data, _model
-from tests.test_graphed import gloo_pair
+from tests.test_graphed import _Peer, gloo_pair
 from thc.codec.common import NORM_MARK, OVERFLOW_MARK, norm_limit
 from thc.codec.params import THCParams
 from thc.codec.thc import table_values
@@ -286,38 +286,35 @@ def test_a_stream_ordered_round_reads_the_overflow_at_its_end(mode):
     assert torch.isfinite(peer(good)).all() and peer.round == 2
 
 
-def _graphed_worker(rank, port, q):
-    """Three graphed rounds, with checks deferred and not; worker 0's second holds an Inf."""
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=2, timeout=timedelta(seconds=60))
-    got = {}
-    for deferred in (False, True):
-        ar = GraphedAllReduce.through_torch_distributed(params=P, generator=rank,
-                                                        deferred_checks=deferred,
-                                                        nonfinite="propagate")
-        out = [_outcome(ar, x.to(DEV)) for x in _inputs(rank, 1, calls=3)]
-        ar.check()
-        got[deferred] = ([o.cpu().numpy() if isinstance(o, torch.Tensor) else str(o)
-                          for o in out], ar.stats.overflows)
-    q.put((rank, got))
-    dist.destroy_process_group()
-
-
-@functools.lru_cache(maxsize=None)
-def _graphed_cases():
-    return gloo_pair(_graphed_worker)
+def _graphed_pair(deferred):
+    """A worker whose input holds an Inf and its peer, graphed, each with the other's MAX
+    vector (tests.test_graphed._Peer)."""
+    key = agreement.fingerprint(P, 1024, 1024, backend="triton", steps="sum",
+                                nonfinite="propagate")
+    make = lambda gen: GraphedAllReduce(  # noqa: E731
+        _Peer(agreement.tagged(torch.zeros(4, device=DEV), 0, key)), P, generator=gen,
+        capture=False, deferred_checks=deferred, nonfinite="propagate")
+    return make(5), make(5), key   # one key: _Peer sums a worker's own indices twice
 
 
 @kernels
 @pytest.mark.parametrize("deferred", [False, True])
 def test_a_graphed_round_hands_an_overflow_on_and_raises_nothing_later(deferred):
-    res = {rank: got[deferred] for rank, got in _graphed_cases().items()}
-    for rank in (0, 1):
-        (first, second, third), overflows = res[rank]
-        assert isinstance(second, np.ndarray) and np.isnan(second).all(), (rank, second)
-        assert np.isfinite(first).all() and np.isfinite(third).all(), rank
-        assert overflows == 1
-    np.testing.assert_array_equal(res[0][0][2], res[1][0][2])
+    x = torch.randn(1024, generator=torch.Generator().manual_seed(4)).to(DEV)
+    bad = x.clone()
+    bad[300] = float("inf")                                          # slice 1
+    worker, peer, key = _graphed_pair(deferred)
+    assert torch.isnan(worker(bad)).all()
+    peer.transport.other = worker.transport.sent[0]
+    assert torch.isnan(peer(x)).all()
+    assert not peer._bufs.residual.any() and not worker._bufs.residual.any()   # kept
+    for ar in (worker, peer):
+        ar.transport.other = agreement.tagged(torch.zeros(4, device=DEV), 1, key)
+    outs = [ar(x) for ar in (worker, peer)]
+    worker.check()
+    peer.check()
+    assert torch.isfinite(outs[0]).all() and torch.equal(outs[0], outs[1])
+    assert worker.stats.overflows == peer.stats.overflows == 1
 
 
 SKIPPED = (0, 4)
