@@ -69,6 +69,7 @@ def dispatch(prog: str, table: dict, argv: list[str]) -> int:
     module = importlib.import_module(target)
     parser = argparse.ArgumentParser(prog=f"{prog} {name}", description=help_)
     module.add_arguments(parser)
+    parser.set_defaults(command=parser.prog)   # one module may serve two commands
     return int(module.run(parser.parse_args(argv[1:])) or 0)
 
 

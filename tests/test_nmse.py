@@ -79,3 +79,10 @@ def test_bad_arguments(capsys):
     assert bench.run(parse(["--workers", "0"])) == 2
     assert bench.run(parse(["--schemes", "nope", "--quick"])) == 2
     assert "unknown scheme" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["nmse"], ["bench", "nmse"]])
+def test_errors_name_the_command_as_typed(argv, capsys):
+    from thc.cli import main
+    assert main(argv + ["--workers", "0"]) == 2
+    assert capsys.readouterr().err.startswith(" ".join(["thc"] + argv) + ": --workers")

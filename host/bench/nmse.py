@@ -134,19 +134,20 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    prog = getattr(args, "command", "thc nmse")
     try:
         workers = [int(w) for w in str(args.workers).split(",") if w.strip()]
         if not workers or min(workers) < 1:
             raise ValueError("--workers needs positive integers")
         params = THCParams.from_args(args)
     except ValueError as e:
-        print(f"thc nmse: {e}", file=sys.stderr)
+        print(f"{prog}: {e}", file=sys.stderr)
         return 2
     dim, trials = args.dim, args.trials
     if args.quick:
         dim, trials = min(dim, 2 ** 14), min(trials, 2)
     if dim < 1 or trials < 1:
-        print("thc nmse: --dim and --trials must be >= 1", file=sys.stderr)
+        print(f"{prog}: --dim and --trials must be >= 1", file=sys.stderr)
         return 2
     thc_kw = {"bits": params.bits, "granularity": params.granularity, "p": params.p,
               "seed": params.seed}
@@ -159,7 +160,7 @@ def _run(args: argparse.Namespace) -> int:
         try:
             scheme = make_scheme(spec, **over)
         except ValueError as e:
-            print(f"thc nmse: {e}", file=sys.stderr)
+            print(f"{prog}: {e}", file=sys.stderr)
             return 2
         res = measure(scheme, workers, dim, args.dist, trials, params.seed)
         row = {"spec": spec, "scheme": scheme.describe(), "name": name,
