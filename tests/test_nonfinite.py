@@ -149,6 +149,8 @@ def test_the_residual_follows_the_loss_scale():
     assert _bias(rescale=False) > 1e-3   # kept in the old scale's units, it weighs double
     with pytest.raises(ValueError, match="finite number > 0"):
         THCAllReduce(_Alone(), P).rescale_residual(0.0)
+    for factor in (np.float32(0.5), np.int64(2), torch.tensor(0.5), 3):
+        THCAllReduce(_Alone(), P).rescale_residual(factor)
 
 
 def test_nonfinite_must_be_raise_or_propagate():
@@ -175,7 +177,8 @@ def _gloo_worker(rank, port, q):
             y = _outcome(ar, x)
             res = None if ar.feedback.residual is None else ar.feedback.residual.numpy().copy()
             # arrays, not tensors: a queued tensor is read from its process, which may be gone
-            out.append((y.numpy() if isinstance(y, torch.Tensor) else str(y), res))
+            out.append((y.numpy() if isinstance(y, torch.Tensor) else
+                        f"{type(y).__name__}: {y}", res))
         got[case] = (out, ar.stats.overflows)
     got["failed"] = _failing_peer(rank)
     q.put((rank, got))
@@ -206,7 +209,9 @@ def test_refused_without_propagate_the_error_names_the_option():
     res = _gloo("raise")
     for rank in (0, 1):
         msg = res[rank][0][1][0]
-        assert isinstance(msg, str) and "NaN or Inf" in msg, msg
+        # one type on every rank, whether its own input or a peer's overflowed
+        assert isinstance(msg, str) and msg.startswith("NonFiniteInput: "), msg
+        assert "NaN or Inf" in msg, msg
         assert "nonfinite='propagate'" in msg, msg
         assert np.isfinite(res[rank][0][2][0]).all()
 

@@ -125,8 +125,14 @@ def check_controller(ns: dict) -> None:
         assert job_id not in installed_jobs(sw)
 
 
+def check_amp(ns: dict) -> None:
+    # a finite step: taken (a skipped one halves the scale), so the residuals keep their units
+    assert ns["old"] == ns["scaler"].get_scale() == 2.0 ** 16
+    assert all(p.grad is not None for p in ns["model"].parameters())
+
+
 CHECKS = {"codec": check_codec, "allreduce": check_allreduce, "ddp": check_ddp,
-          "controller": check_controller}
+          "amp": check_amp, "controller": check_controller}
 
 
 def test_every_python_block_is_labelled_and_checked():
@@ -161,7 +167,7 @@ def test_python_examples_run(tmp_path, monkeypatch):
                     ran.append(b.name)
         finally:
             dist.destroy_process_group()
-    assert ran == ["codec", "allreduce", "ddp"]
+    assert ran == ["codec", "allreduce", "ddp", "amp"]
 
 
 @pytest.mark.bmv2

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -162,7 +163,9 @@ def view(flat, group):
 def scale_factor(factor) -> float:
     """A loss scale's change (new scale / old), checked: the factor a residual kept in the old
     scale's units is multiplied by, so that it adds to gradients in the new one's."""
-    if isinstance(factor, bool) or not isinstance(factor, (int, float)) \
+    if hasattr(factor, "numel") and factor.numel() == 1:
+        factor = factor.item()   # a one-element tensor
+    if isinstance(factor, bool) or not isinstance(factor, numbers.Real) \
             or not math.isfinite(factor) or factor <= 0:
         raise ValueError(f"a scale factor must be a finite number > 0, got {factor!r}")
     return float(factor)

@@ -27,7 +27,8 @@ import hashlib
 import torch
 import torch.distributed as dist
 
-from thc.codec.common import BAD_INPUT_TEXT, NORM_MARK, OVERFLOW_MARK, norm_limit
+from thc.codec.common import (BAD_INPUT_TEXT, NORM_MARK, OVERFLOW_MARK, NonFiniteInput,
+                              norm_limit)
 from thc.collective.transports import DistTransport, ring_bytes
 
 ROUND_SPAN = 1 << 20
@@ -227,7 +228,7 @@ def refuse_marked(norms: torch.Tensor, max_norms: torch.Tensor, params,
     more = PROPAGATE_HINT if hint else ""
     own = first_marked(norms)
     if own is not None:
-        raise ValueError(BAD_INPUT_TEXT.format(limit=norm_limit(params)) + f", in slice {own}"
+        raise NonFiniteInput(BAD_INPUT_TEXT.format(limit=norm_limit(params)) + f", in slice {own}"
                          + more)
     other = first_marked(max_norms)
     if other is not None:
@@ -235,7 +236,7 @@ def refuse_marked(norms: torch.Tensor, max_norms: torch.Tensor, params,
             raise ValueError(f"slice {other}'s max norm is NaN, which no worker sends: a peer "
                              f"or the aggregator is broken, and the round is refused")
         if float(max_norms[other]) == OVERFLOW_MARK:
-            raise ValueError(f"slice {other}'s max norm is the mark of a worker whose input "
+            raise NonFiniteInput(f"slice {other}'s max norm is the mark of a worker whose input "
                              f"holds NaN or Inf there (or a slice norm beyond "
                              f"{norm_limit(params):.3g}): the round is refused" + more)
         raise ValueError(f"slice {other}'s max norm is the mark of a worker that failed "

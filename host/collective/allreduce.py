@@ -408,7 +408,7 @@ class THCAllReduce:
                 raise
             if self.nonfinite == "propagate":
                 return self._overflow(tensor)
-            raise type(e)(f"{e}{agreement.PROPAGATE_HINT}") from e
+            raise NonFiniteInput(f"{e}{agreement.PROPAGATE_HINT}") from e
         if self.feedback:
             self.feedback.keep(y, own)
         self.stats.calls += 1

@@ -137,6 +137,10 @@ class _Hook:
         self._agreed: set = set()
         """Buckets whose split every rank checked (:meth:`_agree_bucket`)."""
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="ddp-comm") if overlap else None
+        self._backwards = 0
+        """Backward passes whose buckets were handed to the hook (DDP's last bucket ends one)."""
+        self._failed_step: int | None = None
+        """The backward pass of the last bucket that failed (:meth:`_reduce_in_step`)."""
         self._stats_lock = threading.Lock()
         self._comm = 0.0
         self._last_call = self._last_done = 0.0
@@ -172,26 +176,47 @@ class _Hook:
         key = tuple(id(p) for p in params)
         with self._stats_lock:
             self._last_call = time.perf_counter()
+        step = self._backwards
+        if bucket.is_last():
+            self._backwards += 1
         fut: torch.futures.Future = torch.futures.Future()
         if self._pool is None:
             # raised here, a refusal would leave DDP's reducer half-marked: every later step
             # then fails inside torch
             try:
-                fut.set_result(self._reduce_bucket(key, buf, spans))
+                fut.set_result(self._reduce_in_step(step, key, buf, spans))
             except Exception as e:  # noqa: BLE001 - handed to DDP, which raises it
                 fut.set_exception(e)
             return _raising(fut)
 
         def finish(done) -> None:
-            error = done.exception()
-            if error is not None:
-                fut.set_exception(error)
-            else:
+            try:
+                error = done.exception()
+            except BaseException as e:  # noqa: BLE001 - a cancelled task: fail, never hang
+                error = e
+            if error is None:
                 fut.set_result(done.result())
+            else:   # torch's futures take an Exception only: anything else would hang DDP
+                fut.set_exception(error if isinstance(error, Exception) else
+                                  RuntimeError(f"the bucket's reduction ended in {error!r}"))
 
         chained = _raising(fut)
-        self._pool.submit(self._reduce_bucket, key, buf, spans).add_done_callback(finish)
+        self._pool.submit(self._reduce_in_step, step, key, buf, spans).add_done_callback(finish)
         return chained
+
+    def _reduce_in_step(self, step: int, bucket, buf: torch.Tensor, spans) -> torch.Tensor:
+        """:meth:`_reduce_bucket` in backward ``step``, unless a bucket of that step failed:
+        DDP raises then, and the buffers of the step's later buckets are the next step's
+        before their reductions could run (they would read and overwrite its gradients).
+        Every rank refuses a bucket alike, so every rank skips the same later ones."""
+        if step == self._failed_step:
+            raise RuntimeError(f"not reduced: an earlier bucket of backward {step} failed, "
+                               f"so DDP raised and its later buckets are left alone")
+        try:
+            return self._reduce_bucket(bucket, buf, spans)
+        except BaseException:
+            self._failed_step = step
+            raise
 
     def _agree_bucket(self, bucket, spans, device) -> None:
         """Before a bucket's first reduction, every rank checks that the others split it

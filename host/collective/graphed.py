@@ -57,8 +57,8 @@ from dataclasses import dataclass
 import torch
 
 from thc.codec.backends import kernels_for
-from thc.codec.common import (NORM_MARK, WHOLE, check_float, check_key, norm_limit,
-                              raise_status, scale_factor)
+from thc.codec.common import (NORM_MARK, WHOLE, NonFiniteInput, check_float, check_key,
+                              norm_limit, raise_status, scale_factor)
 from thc.codec.params import THCParams
 from thc.codec.thc import THCCodec
 from thc.collective import agreement, replay
@@ -156,8 +156,10 @@ class GraphedAllReduce:
         return self.transport.n_workers
 
     def rescale_residual(self, factor: float) -> None:
-        """As :meth:`THCAllReduce.rescale_residual`: in place, queued on the device after
-        every round launched so far (the graph reads the buffer at its address)."""
+        """As :meth:`THCAllReduce.rescale_residual`: in place (the graph reads the buffer at
+        its address), queued on the current CUDA stream: call it on the stream the rounds
+        run on (the default one, unless the caller chose another), so that it follows every
+        round launched so far."""
         factor = scale_factor(factor)
         b = self._bufs
         if b is not None and b.residual is not None:
@@ -329,7 +331,7 @@ class GraphedAllReduce:
             raise_status([int(v) for v in values[:4]], self.params)
         except ValueError as e:
             if values[-1]:
-                raise type(e)(f"{e}{agreement.PROPAGATE_HINT}") from e
+                raise NonFiniteInput(f"{e}{agreement.PROPAGATE_HINT}") from e
             raise
         agreement.check_rounds(tags)
         return False
