@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import threading
 import time
 from datetime import timedelta
 
@@ -522,3 +523,39 @@ def test_the_buckets_left_after_a_refusal_never_touch_the_next_step():
             assert all(isinstance(g, np.ndarray) for g in (log[0], log[2], log[3])), log
         for step in (2, 3):
             np.testing.assert_array_equal(res[rank][True][step], res[rank][False][step])
+
+
+def test_a_reduction_ending_in_no_exception_still_fails_ddp():
+    """torch's futures take an Exception only: a SystemExit in the hook's thread left the
+    future open, and DDP waited for it forever."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from thc.collective.ddp import FP32Hook
+    from thc.testing.clusters import free_tcp_port
+
+    class Exiting(FP32Hook):
+        def _reduce_bucket(self, *args):
+            raise SystemExit(3)
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_tcp_port()}",
+                            rank=0, world_size=1)
+    try:
+        model = _model()
+        ddp = DDP(model)
+        Exiting(model).register(ddp)
+        x, y = _data(0)
+        got: list = []
+
+        def backward():
+            try:
+                torch.nn.functional.cross_entropy(ddp(x), y).backward()
+                got.append("returned")
+            except RuntimeError as e:
+                got.append(str(e))
+        t = threading.Thread(target=backward, daemon=True)
+        t.start()
+        t.join(60)
+        assert not t.is_alive(), "DDP still waits for the bucket's future"
+        assert "SystemExit(3)" in got[0], got
+    finally:
+        dist.destroy_process_group()
