@@ -54,29 +54,36 @@ def _through_aggregator(xs, rounds=1, error_feedback=True):
     return out
 
 
-def test_a_nan_on_one_worker_fails_every_worker_and_none_waits():
-    """The worker with NaN in its gradient still sends its MAX packets, marked: its peers
-    refuse the round too, at once, and nobody is left waiting for a sum."""
-    xs = _vectors(3, 5000, seed=4)
-    xs[1][123] = float("nan")
-    job = local_job(1, 3, free_port_block(3), pool_size=32, granularity=PARAMS.granularity,
-                    table=PARAMS.table)
+def workers_through_aggregator(n: int, params, each, **kw) -> dict:
+    """``each(w, ar)`` on n workers in threads, each with a THCAllReduce (``kw``) through one
+    software aggregator: {worker: what it returned, or the ValueError it raised}. No worker
+    may be left waiting."""
+    job = local_job(1, n, free_port_block(n), pool_size=32, granularity=params.granularity,
+                    table=params.table)
     got: dict = {}
     with Aggregator([job]) as agg:
         addr = agg.start()
 
         def work(w):
             with AggregationClient(job, w, addr, run=1) as c:
-                ar = THCAllReduce.through_aggregator(c, PARAMS)
                 try:
-                    got[w] = ar(xs[w])
+                    got[w] = each(w, THCAllReduce.through_aggregator(c, params, **kw))
                 except ValueError as e:
                     got[w] = e
 
-        ts = [threading.Thread(target=work, args=(w,)) for w in range(3)]
+        ts = [threading.Thread(target=work, args=(w,)) for w in range(n)]
         [t.start() for t in ts]
-        [t.join(60) for t in ts]
+        [t.join(120) for t in ts]
     assert not any(t.is_alive() for t in ts)
+    return got
+
+
+def test_a_nan_on_one_worker_fails_every_worker_and_none_waits():
+    """The worker with NaN in its gradient still sends its MAX packets, marked: its peers
+    refuse the round too, at once, and nobody is left waiting for a sum."""
+    xs = _vectors(3, 5000, seed=4)
+    xs[1][123] = float("nan")
+    got = workers_through_aggregator(3, PARAMS, lambda w, ar: ar(xs[w]))
     assert "NaN or Inf" in str(got[1])
     for w in (0, 2):
         assert isinstance(got[w], ValueError) and "mark of a worker" in str(got[w]), got[w]

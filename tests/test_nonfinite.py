@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import functools
 import re
-import threading
 from datetime import timedelta
 
 import numpy as np
@@ -14,6 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from tests.test_allreduce import workers_through_aggregator
 from tests.test_codec_checks import _TwoWorkers
 from tests.test_codec_kernels import DEV, kernels
 from tests.test_ddp import _data, _model
@@ -24,9 +24,6 @@ from thc.codec.thc import table_values
 from thc.collective import agreement
 from thc.collective.allreduce import THCAllReduce
 from thc.collective.graphed import GraphedAllReduce
-from thc.net.aggregator import Aggregator
-from thc.net.client import AggregationClient
-from thc.testing.clusters import free_port_block, local_job
 
 P = THCParams(seed=7, slice_size=256)
 
@@ -244,21 +241,9 @@ def test_through_the_aggregator():
     """MAX packets carry the overflow mark (float bits below the failure's) through the
     software aggregator: all three workers get NaN, then a clean round."""
     n = 3
-    job = local_job(1, n, free_port_block(n), pool_size=32, granularity=P.granularity,
-                    table=P.table)
-    got: dict = {}
-    with Aggregator([job]) as agg:
-        addr = agg.start()
-
-        def work(w):
-            with AggregationClient(job, w, addr, run=1) as c:
-                ar = THCAllReduce.through_aggregator(c, P, nonfinite="propagate")
-                got[w] = [_outcome(ar, x) for x in _inputs(w, 1, bad_rank=2, numel=5000)]
-
-        ts = [threading.Thread(target=work, args=(w,)) for w in range(n)]
-        [t.start() for t in ts]
-        [t.join(120) for t in ts]
-    assert not any(t.is_alive() for t in ts)
+    got = workers_through_aggregator(
+        n, P, lambda w, ar: [_outcome(ar, x) for x in _inputs(w, 1, bad_rank=2, numel=5000)],
+        nonfinite="propagate")
     for w in range(n):
         first, second, third = got[w]
         assert torch.isnan(second).all(), (w, second)
