@@ -188,8 +188,8 @@ def check_finite(rotated, grp) -> None:
         ok = bool(np.all(np.isfinite(rotated)))
     if not ok:
         raise NonFiniteInput(f"input contains NaN or Inf (or values so large for the max norms "
-                         f"given that the rotation overflows float32) in slices "
-                         f"{grp.first}..{grp.first + grp.count - 1}")
+                             f"given that the rotation overflows float32) in slices "
+                             f"{grp.first}..{grp.first + grp.count - 1}")
 
 
 BAD_INPUT, BAD_NORMS, BAD_INDEX = 1, 2, 4
@@ -201,8 +201,8 @@ that max norm."""
 OVERFLOW_MARK = float(np.nextafter(np.float32(NORM_MARK), np.float32(0)))
 """The slice norm a worker sends for a slice whose input holds NaN or Inf (or a norm beyond
 :func:`norm_limit`): a mark too, one step below :data:`NORM_MARK`, so that a round's max
-norms tell an overflow alone (which a reducer may hand on as NaN, as an all-reduce of the
-floats would) from a failure, which dominates it."""
+norms tell an overflow alone (which a reducer may hand on as NaN, non-finite as an
+all-reduce of the floats would be) from a failure, which dominates it."""
 INDEX_CAP = 1 << 30
 """The largest bad index the status word records as it is (larger ones as this)."""
 
@@ -274,7 +274,7 @@ def raise_status(values, params: THCParams, max_norms=None) -> None:
     flags = values[0]
     if flags & BAD_INPUT:
         raise NonFiniteInput(BAD_INPUT_TEXT.format(limit=norm_limit(params))
-                         + f", in slice {values[1] - 1}")
+                             + f", in slice {values[1] - 1}")
     if flags & BAD_NORMS:
         got = f", got {max_norms.detach().cpu().numpy()}" if max_norms is not None else ""
         raise ValueError(f"max norms must be finite, >= 0 and below {norm_limit(params):.3g} "

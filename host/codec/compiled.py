@@ -48,8 +48,8 @@ def encode(flat, lay, max_norms, params: THCParams, round: int, generator, pack:
     bad = np.flatnonzero(~np.isfinite(first))
     if bad.size:
         raise NonFiniteInput(f"input contains NaN or Inf (or values so large for the max norms "
-                         f"given that the rotation overflows float32) in slices "
-                         f"{bad[0]}..{bad[-1]}")
+                             f"given that the rotation overflows float32) in slices "
+                             f"{bad[0]}..{bad[-1]}")
     if pack and not packed:
         out = pack_bits(out, params.bits)
     if is_torch(flat):

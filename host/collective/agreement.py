@@ -44,8 +44,8 @@ TAG_LANES = 2 * len(SPANS)
 
 NONFINITE = ("raise", "propagate")
 """What a reducer does with a round in which some worker's input holds NaN or Inf: refuse it
-(raise), or hand it on as NaN on every worker, as an all-reduce of the floats would, so that
-``torch.amp.GradScaler`` skips the step."""
+(raise), or hand it on as NaN on every worker (non-finite, as an all-reduce of the floats
+would be), so that ``torch.amp.GradScaler`` skips the step."""
 
 
 def fingerprint(params, *cut: int, backend: str = "", steps: str = "",
@@ -229,7 +229,7 @@ def refuse_marked(norms: torch.Tensor, max_norms: torch.Tensor, params,
     own = first_marked(norms)
     if own is not None:
         raise NonFiniteInput(BAD_INPUT_TEXT.format(limit=norm_limit(params)) + f", in slice {own}"
-                         + more)
+                             + more)
     other = first_marked(max_norms)
     if other is not None:
         if bool(torch.isnan(max_norms[other])):
@@ -237,8 +237,8 @@ def refuse_marked(norms: torch.Tensor, max_norms: torch.Tensor, params,
                              f"or the aggregator is broken, and the round is refused")
         if float(max_norms[other]) == OVERFLOW_MARK:
             raise NonFiniteInput(f"slice {other}'s max norm is the mark of a worker whose input "
-                             f"holds NaN or Inf there (or a slice norm beyond "
-                             f"{norm_limit(params):.3g}): the round is refused" + more)
+                                 f"holds NaN or Inf there (or a slice norm beyond "
+                                 f"{norm_limit(params):.3g}): the round is refused" + more)
         raise ValueError(f"slice {other}'s max norm is the mark of a worker that failed "
                          f"before its sums (a wrong dtype or layer positions, or an error "
                          f"of its own, which it raises): the round is refused")

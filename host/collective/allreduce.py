@@ -69,8 +69,9 @@ class THCAllReduce:
 
     ``nonfinite``: a round in which some worker's input holds NaN or Inf (or a slice norm
     beyond :func:`norm_limit`) is refused on every worker ("raise"), or returns NaN in every
-    element on every worker ("propagate"), the residual kept as it was: what an all-reduce of
-    the floats gives, and what ``torch.amp.GradScaler`` needs to skip the step on every rank.
+    element on every worker ("propagate"), the residual kept as it was: non-finite, as an
+    all-reduce of the floats would be, which ``torch.amp.GradScaler`` needs to skip the step
+    on every rank.
     Every worker of a job sets it alike (its rounds' fingerprint holds it).
     """
 
