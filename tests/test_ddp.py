@@ -73,6 +73,11 @@ def _worker(rank, port, q):
     dist.destroy_process_group()
 
 
+SHARED = pytest.mark.xdist_group("ddp_all_kinds")
+"""The tests that read :func:`_run_all`'s one pair of spawned processes: one pytest-xdist
+process runs them, so the pair is spawned once."""
+
+
 @functools.lru_cache(maxsize=None)
 def _run_all():
     """Every hook kind in one pair of spawned processes (one Gloo group, a DDP model each)."""
@@ -93,6 +98,7 @@ def _run(kind):
     return {r: out[r][kind] for r in out}, mean
 
 
+@SHARED
 @pytest.mark.parametrize("kind", KINDS)
 def test_hook_gives_every_rank_the_same_gradient(kind):
     out, mean = _run(kind)
@@ -108,6 +114,7 @@ def test_hook_gives_every_rank_the_same_gradient(kind):
     assert 0 < comm <= backward and 0 <= exposed <= backward, (comm, exposed, backward)
 
 
+@SHARED
 def test_thc_hook_gradient_close_to_the_mean():
     out, mean = _run("thc")
     num = sum(float(((out[0][0][k] - mean[k]) ** 2).sum()) for k in mean)

@@ -187,10 +187,16 @@ def _gloo_cases():
     return gloo_pair(_gloo_worker)
 
 
+SHARED = pytest.mark.xdist_group("nonfinite_gloo")
+"""The tests that read one pair of spawned workers' cases: one pytest-xdist process runs them,
+so the pair is spawned once."""
+
+
 def _gloo(case):
     return {rank: got[case] for rank, got in _gloo_cases().items()}
 
 
+@SHARED
 def test_an_inf_on_one_worker_gives_every_worker_nan_and_keeps_the_residual():
     res = _gloo("propagate")
     for rank in (0, 1):
@@ -202,6 +208,7 @@ def test_an_inf_on_one_worker_gives_every_worker_nan_and_keeps_the_residual():
         np.testing.assert_array_equal(res[0][0][call][0], res[1][0][call][0])
 
 
+@SHARED
 def test_refused_without_propagate_the_error_names_the_option():
     res = _gloo("raise")
     for rank in (0, 1):
@@ -213,6 +220,7 @@ def test_refused_without_propagate_the_error_names_the_option():
         assert np.isfinite(res[rank][0][2][0]).all()
 
 
+@SHARED
 def test_workers_that_differ_in_it_refuse_their_first_round():
     res = _gloo("unlike")
     for rank in (0, 1):
@@ -231,6 +239,7 @@ def _failing_peer(rank):
     return str(got) if not isinstance(got, torch.Tensor) else "returned"
 
 
+@SHARED
 def test_a_worker_that_failed_otherwise_makes_every_worker_raise():
     res = _gloo("failed")
     assert "NaN or Inf" in res[0] and "propagate" not in res[0], res
