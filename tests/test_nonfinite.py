@@ -67,13 +67,14 @@ def test_overflowed_reads_only_what_every_worker_shares():
 
 
 def test_a_worker_marks_its_bad_slices_as_overflows_and_a_failure_everywhere():
+    layout = THCAllReduce(_TwoWorkers(None), P).codec.layout
     y = torch.randn(1024)
     y[600] = float("nan")
-    bad = agreement.marks(y, [(0, 1024)], THCAllReduce(_TwoWorkers(None), P).codec.layout,
-                          norm_limit(P))
+    bad = agreement.marks(y, [(0, 1024)], layout, norm_limit(P))
     assert bad.tolist() == [0.0, 0.0, OVERFLOW_MARK, 0.0]
-    ok = agreement.marks(torch.randn(1024), [(0, 1024)],
-                         THCAllReduce(_TwoWorkers(None), P).codec.layout, norm_limit(P))
+    assert (agreement.marks(y, [(0, 1024)], layout, norm_limit(P), overflow=False)
+            == NORM_MARK).all()   # failed otherwise: whatever its input holds
+    ok = agreement.marks(torch.randn(1024), [(0, 1024)], layout, norm_limit(P))
     assert (ok == NORM_MARK).all()
 
 

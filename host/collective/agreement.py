@@ -196,9 +196,10 @@ def marks(y: torch.Tensor, pieces, layout_of, limit: float,
     reason (so no slice of its may be summed, and its error is not mistaken for an overflow
     however its input looks), where no slice is bad, or where even this fails."""
     n = sum(layout_of(b - a).n_slices for a, b in pieces)
+    failure = torch.full((n,), NORM_MARK, dtype=torch.float32, device=y.device)
+    if not overflow:
+        return failure
     try:
-        if not overflow:
-            raise ValueError("failed otherwise")
         out = []
         for a, b in pieces:
             lay = layout_of(b - a)
@@ -212,7 +213,7 @@ def marks(y: torch.Tensor, pieces, layout_of, limit: float,
             return torch.tensor(out, dtype=torch.float32).to(y.device)
     except Exception:  # noqa: BLE001, S110 - a worker out of memory still owes its peers
         pass
-    return torch.full((n,), NORM_MARK, dtype=torch.float32, device=y.device)
+    return failure
 
 
 def first_marked(values: torch.Tensor) -> int | None:

@@ -137,6 +137,8 @@ class _Hook:
         self._agreed: set = set()
         """Buckets whose split every rank checked (:meth:`_agree_bucket`)."""
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="ddp-comm") if overlap else None
+        self.reducers: dict = {}
+        """Per bucket, the reducer that keeps its residual (hooks that build one each)."""
         self._backwards = 0
         """Backward passes whose buckets were handed to the hook (DDP's last bucket ends one)."""
         self._failed_step: int | None = None
@@ -283,6 +285,8 @@ class _Hook:
         ``torch.amp.GradScaler`` call it after each ``scaler.update()`` with the new scale over
         the old (a skipped step halves it). A hook without residuals (FP32) has none to scale."""
         scale_factor(factor)
+        for ar in self.reducers.values():
+            ar.rescale_residual(factor)
 
     def reduce(self, bucket, flat: torch.Tensor, sizes: list[int],
                position: torch.Tensor | None = None) -> torch.Tensor:
@@ -333,10 +337,6 @@ class THCHook(_Hook):
             raise ValueError("priorities=True marks chunks with DLCP classes, which travel "
                              "through an aggregator's transport: a graphed round uses none")
         return ar
-
-    def rescale_residuals(self, factor: float) -> None:
-        for ar in self.reducers.values():
-            ar.rescale_residual(factor)
 
     @property
     def codec_seconds(self) -> float:
@@ -443,10 +443,6 @@ class MarsitHook(_Hook):
         self.make_allreducer = make_allreducer or (
             lambda on: MarsitAllReduce(on, generator))
         self.reducers: dict[tuple, MarsitAllReduce] = {}
-
-    def rescale_residuals(self, factor: float) -> None:
-        for ar in self.reducers.values():
-            ar.rescale_residual(factor)
 
     def reduce(self, bucket, flat: torch.Tensor, sizes: list[int],
                position: torch.Tensor | None = None) -> torch.Tensor:
