@@ -260,8 +260,9 @@ def test_uncompressed_spans_count_the_bytes_of_their_dtype():
     res = gloo_pair(_half_worker)
     for rank in (0, 1):
         sent, elements = res[rank]
-        # and the bucket's agreement: nine float32 lanes, as a ring all-reduce sends them
-        assert elements == 72 and sent == 2 * (2 - 1) * 72 * 2 // 2 + 36, res[rank]
+        # and two agreements, the hook's settings and the bucket's split: nine float32 lanes
+        # each, as a ring all-reduce sends them
+        assert elements == 72 and sent == 2 * (2 - 1) * 72 * 2 // 2 + 2 * 36, res[rank]
 
 
 def _fp16_sum_worker(rank, port, q):
@@ -566,3 +567,94 @@ def test_a_reduction_ending_in_no_exception_still_fails_ddp():
         assert "SystemExit(3)" in got[0], got
     finally:
         dist.destroy_process_group()
+
+
+def test_a_factory_must_build_a_new_reducer_on_the_group_it_is_given():
+    """A factory that handed every bucket one reducer mixed the buckets' residuals (each took
+    the other's rounding error: first.weight's gradient off by 10^3-10^5 in NMSE), and one
+    that ignored its group ran the rounds beside backward's own collectives (Gloo aborted a
+    process); neither was refused."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from thc.codec.params import THCParams
+    from thc.collective.allreduce import THCAllReduce
+    from thc.collective.ddp import MarsitHook, THCHook
+    from thc.collective.marsit import MarsitAllReduce
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port_block(1)}",
+                            rank=0, world_size=1)
+    try:
+        params = THCParams(slice_size=1024)
+        made: list = []
+
+        def one_for_all(group):
+            if not made:
+                made.append(THCAllReduce.through_torch_distributed(group, params=params))
+            return made[0]
+        model = _Crossed()
+        cap = 64 * 65 * 4 / 2 ** 20
+        ddp = DDP(model, bucket_cap_mb_list=[cap, cap])
+        THCHook(model, one_for_all, overlap=False).register(ddp)
+        with pytest.raises(RuntimeError, match="another bucket uses"):
+            ddp(torch.randn(16, 64)).backward()
+        for hook in (lambda m: THCHook(m, lambda group: THCAllReduce.through_torch_distributed(
+                         params=params)),
+                     lambda m: MarsitHook(m, make_allreducer=lambda group: MarsitAllReduce())):
+            model = _model()
+            ddp = DDP(model)
+            hook(model).register(ddp)
+            x, y = _data(0)
+            with pytest.raises(RuntimeError, match="another process group"):
+                torch.nn.functional.cross_entropy(ddp(x), y).backward()
+    finally:
+        dist.destroy_process_group()
+
+
+def _unlike_settings_worker(base, rank, port, q):
+    """Ranks unlike in a hook's overlap, then in their clients' run ids (rank 0's given,
+    rank 1's to agree): per case, what each rank raised and how long it took."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from thc.codec.params import THCParams
+    from thc.collective.allreduce import THCAllReduce
+    from thc.collective.ddp import THCHook
+    from thc.net.client import AggregationClient
+    from thc.testing.clusters import local_job
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2, timeout=timedelta(seconds=30))
+    params = THCParams(slice_size=256)
+    job = local_job(1, 2, base, granularity=params.granularity, table=params.table)
+    # no round reaches the aggregator: any address will do
+    client = AggregationClient(job, rank, ("127.0.0.1", base + 2), run=7 if rank == 0 else None)
+    cases = {"overlap": lambda m: THCHook(m, lambda group: THCAllReduce.through_torch_distributed(
+                 group, params=params), overlap=rank == 0),
+             "run": lambda m: THCHook(m, lambda group: THCAllReduce.through_aggregator(
+                 client, params, group))}
+    out = {}
+    for case, hook in cases.items():
+        start = time.monotonic()
+        try:
+            model = torch.nn.Linear(32, 32)
+            ddp = DDP(model)
+            hook(model).register(ddp)
+            ddp(torch.randn(4, 32)).sum().backward()
+            got = "returned"
+        except Exception as e:  # noqa: BLE001 - the test reads what each rank raised
+            got = str(e)
+        out[case] = (got, time.monotonic() - start)
+    q.put((rank, out))
+    time.sleep(1)
+    dist.destroy_process_group()
+
+
+def test_ranks_unlike_in_a_hooks_settings_or_their_run_ids_all_raise_at_once():
+    """A hook that overlaps on one rank only made its group there alone (a wait in new_group
+    until the store's timeout, 30 minutes by default); a run id given to one rank's client
+    only left the other rank alone in the run's agreement until the group's timeout, and
+    neither error named the cause."""
+    from tests.test_graphed import gloo_pair
+    res = gloo_pair(functools.partial(_unlike_settings_worker, free_port_block(3)))
+    for rank in (0, 1):
+        got, seconds = res[rank]["overlap"]
+        assert "differ in the hook's overlap or comm_group" in got and seconds < 15, res
+        got, seconds = res[rank]["run"]
+        assert "different run ids (rank 0: 7, rank 1: none)" in got and seconds < 15, res

@@ -116,6 +116,30 @@ def test_reset_runs_as_the_program_runs_it(sw):
                                  P.UDP_PORT, P.UDP_PORT, bytes(P.HEADER_BYTES))])
 
 
+def bad_resets(job_id: int, other_job: int, mac: str, ip: str) -> list[bytes]:
+    """RESETs that p4src/thc.p4 drops: with a payload (for ``job_id``, then for
+    ``other_job``, not installed), a header cut short, a slot version beyond 1."""
+    def frame(payload: bytes) -> bytes:
+        return udp_frame(mac, mac, ip, ip, P.UDP_PORT, P.UDP_PORT, payload)
+    hdr = P.Header(P.PktType.RESET, 0, job_id, 1, 0, 0, 0, 0, 0).pack()
+    return [frame(hdr + bytes(2)),
+            frame(P.Header(P.PktType.RESET, 0, other_job, 1, 0, 0, 0, 0, 0).pack() + bytes(2)),
+            frame(hdr[:20]),
+            frame(P.Header(P.PktType.RESET, 0, job_id, 1, 2, 0, 0, 0, 0).pack())]
+
+
+BAD_RESET_DROPS = {"bad_lanes": 1, "unknown_job": 1, "malformed": 2}
+"""What :func:`bad_resets` leaves in the drop counters, in the program's order of checks:
+the header, the job, the payload's length."""
+
+
+def test_bad_resets_are_dropped_where_the_program_drops_them(sw):
+    sw.write_entries("INSERT", [raw_job_entry(sw, 5, job_index=3, pool_size=4)])
+    sw.packet_out(bad_resets(5, 6, SWITCH_AGG_MAC, SWITCH_AGG_IP))
+    assert sw.device.slot_resets == []
+    assert {k: v for k, v in counters.drops(sw).items() if v} == BAD_RESET_DROPS
+
+
 def test_a_new_session_sees_the_device_and_a_push_clears_it(sw):
     sw.write_entries("INSERT", [raw_job_entry(sw, 1)])
     sw.set_multicast_group(1, [(0, 1)])

@@ -18,7 +18,7 @@ from tests.test_codec_checks import _TwoWorkers
 from tests.test_codec_kernels import DEV, kernels
 from tests.test_ddp import _data, _model
 from tests.test_graphed import _Peer, gloo_pair
-from thc.codec.common import NORM_MARK, OVERFLOW_MARK, norm_limit
+from thc.codec.common import NORM_MARK, OVERFLOW_MARK, NonFiniteInput, norm_limit
 from thc.codec.params import THCParams
 from thc.codec.thc import table_values
 from thc.collective import agreement
@@ -116,6 +116,39 @@ def test_a_nan_max_norm_is_named_as_no_workers():
         agreement.refuse_marked(torch.zeros(2), torch.tensor([1.0, float("nan")]), P)
     assert not agreement.overflowed(torch.tensor([OVERFLOW_MARK, float("nan")]), tags,
                                     norm_limit(P))
+
+
+def _together(monkeypatch, mine, peer, peer_rnd=3):
+    """``agreement.together`` on this worker (its ``failure``: ``mine``) beside one peer, whose
+    MAX all-reduce lanes come from ``peer`` (None: no failure, an overflow, or another
+    failure), played by a patched all-reduce. What it raises (its type and text), or 'ok'."""
+    def with_peer(out, op=None, group=None):
+        sent = NORM_MARK if peer == "failure" else OVERFLOW_MARK if peer == "overflow" else 0.0
+        out.copy_(torch.maximum(out, agreement.tagged(torch.tensor([sent]), peer_rnd, 9)))
+    monkeypatch.setattr(agreement.dist, "all_reduce", with_peer)
+    monkeypatch.setattr(agreement.dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(agreement.DistTransport, "check_group", lambda group: None)
+    try:
+        agreement.together(None, 3, 9, torch.device("cpu"), mine)
+    except Exception as e:  # noqa: BLE001 - what it raised is the result
+        return type(e).__name__, str(e)
+    return "ok"
+
+
+def test_together_hands_on_an_overflow_only_where_every_worker_sees_one(monkeypatch):
+    """The schemes without tag lanes of their own (TopK, Marsit) decide from the MAX lanes
+    alone: an overflow is a NonFiniteInput on both workers, whoever overflowed; a failure or
+    workers out of step dominate it, so that no worker hands NaN on while its peer raises."""
+    nan = NonFiniteInput("input contains NaN or Inf")
+    oom = MemoryError("out of memory")
+    assert _together(monkeypatch, None, None) == "ok"
+    assert _together(monkeypatch, nan, None) == ("NonFiniteInput", str(nan))
+    kind, text = _together(monkeypatch, None, "overflow")
+    assert kind == "NonFiniteInput" and "nonfinite='propagate'" in text
+    assert _together(monkeypatch, oom, "overflow") == ("MemoryError", str(oom))
+    assert _together(monkeypatch, nan, "failure")[0] == "RuntimeError"
+    assert _together(monkeypatch, nan, None, peer_rnd=4)[0] == "RuntimeError"
+    assert _together(monkeypatch, None, "overflow", peer_rnd=4)[0] == "RuntimeError"
 
 
 def _bias(rescale: bool) -> float:
@@ -321,12 +354,16 @@ SKIPPED = (0, 4)
 """The steps at which rank 0's batch holds an Inf."""
 
 
+HOOKS = ("thc", "topk", "marsit")
+
+
 def _scaler_worker(rank, port, q):
-    """:func:`_scaler_steps` without propagate, then with it."""
+    """:func:`_scaler_steps` per hook kind, without propagate, then with it."""
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=2, timeout=timedelta(seconds=30))
     torch.set_num_threads(1)
-    got = {mode: _scaler_steps(mode, rank) for mode in ("raise", "propagate")}
+    got = {(kind, mode): _scaler_steps(kind, mode, rank) for kind in HOOKS
+           for mode in ("raise", "propagate")}
     got["halved"] = _halved_residuals(rank)
     q.put((rank, got))
     dist.destroy_process_group()
@@ -360,17 +397,24 @@ def _halved_residuals(rank) -> dict:
     return out
 
 
-def _scaler_steps(mode, rank):
-    """Eight DDP steps under THCHook and a GradScaler; rank 0's batch holds an Inf at the
-    SKIPPED steps. Per step: the scale, whether the parameters moved, and the loss; an error
-    ends the list."""
+def _scaler_steps(kind, mode, rank):
+    """Eight DDP steps under a hook of ``kind`` and a GradScaler; rank 0's batch holds an Inf
+    at the SKIPPED steps. Per step: the scale, whether the parameters moved, and the loss; an
+    error ends the list."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from thc.collective.ddp import HookOptions, THCHook
+    from thc.collective.ddp import HookOptions, MarsitHook, THCHook, TopKHook
     model = _model()
     ddp = DDP(model)
-    hook = THCHook(model, lambda group: THCAllReduce.through_torch_distributed(
-        group, params=THCParams(seed=3), nonfinite=mode), HookOptions(uncompressed=("bias",)))
+    options = HookOptions(uncompressed=("bias",))
+    if kind == "thc":
+        hook = THCHook(model, lambda group: THCAllReduce.through_torch_distributed(
+            group, params=THCParams(seed=3), nonfinite=mode), options)
+    elif kind == "topk":
+        hook = TopKHook(model, 0.25, options, nonfinite=mode)
+    else:
+        hook = MarsitHook(model, options, generator=torch.Generator().manual_seed(rank),
+                          nonfinite=mode)
     hook.register(ddp)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=1000)
@@ -396,19 +440,25 @@ def _scaler_steps(mode, rank):
     return log, [p.detach().numpy().copy() for p in model.parameters()]
 
 
-def test_a_grad_scaler_skips_the_overflowed_steps_on_every_rank():
+@functools.lru_cache(maxsize=None)
+def _scaler_runs():
+    return gloo_pair(_scaler_worker)
+
+
+@pytest.mark.xdist_group("nonfinite_scaler")
+@pytest.mark.parametrize("kind", HOOKS)
+def test_a_grad_scaler_skips_the_overflowed_steps_on_every_rank(kind):
     """Without propagate the first overflow ends training with the refusal; with it every
     rank skips exactly the overflowed steps, halves its scale, and learns on the others."""
-    both = gloo_pair(_scaler_worker)
+    both = _scaler_runs()
     for rank in (0, 1):
-        log = both[rank]["raise"][0]
+        log = both[rank][kind, "raise"][0]
         assert len(log) == 1 and "nonfinite='propagate'" in log[0], log
         # DDP names the refusal's type; it could not cast a future's stored error to a tensor
         assert re.search(r"(ValueError|NonFiniteInput): ", log[0]), log
         assert "Unable to cast" not in log[0], log
-    res = {rank: both[rank]["propagate"] for rank in both}
-    assert both[0]["halved"] == both[1]["halved"] == {"thc": True, "topk": True,
-                                                      "marsit": True}, both
+    res = {rank: both[rank][kind, "propagate"] for rank in both}
+    assert both[0]["halved"][kind] and both[1]["halved"][kind], both
     for rank in (0, 1):
         log = res[rank][0]
         assert len(log) == 8 and all(isinstance(e, tuple) for e in log), log

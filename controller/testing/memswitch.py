@@ -171,14 +171,20 @@ class MemoryDevice:
             return
         parsed = parse_udp_frame(frame)
         payload = parsed[6] if parsed and parsed[5] == P.UDP_PORT else None
-        if payload is None or len(payload) < P.HEADER_BYTES or payload[0] != P.PktType.RESET:
+        if not payload or payload[0] != P.PktType.RESET:
             raise NotImplementedError("the in-memory switch runs RESET packet-outs only")
+        if len(payload) < P.HEADER_BYTES:
+            self._drop("malformed")
+            return
         hdr = P.Header.unpack(payload)
         job = self._params("thc_job", {"job_id": hdr.job_id})
-        if len(payload) != P.HEADER_BYTES or hdr.version > 1:
+        # p4src/thc.p4's order: the header, the job, the payload's length, the slot
+        if hdr.version > 1:
             self._drop("malformed")
         elif job is None:
             self._drop("unknown_job")
+        elif len(payload) != P.HEADER_BYTES:
+            self._drop("bad_lanes")
         elif hdr.slot >= job["pool_size"]:
             self._drop("slot_outside_pool")
         else:

@@ -27,7 +27,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from thc.codec.common import scale_factor
+from thc.codec.common import NonFiniteInput, scale_factor
 from thc.codec.hadamard import is_torch
 from thc.codec.packing import pack_bits, unpack_bits
 from thc.codec.params import THCParams
@@ -70,7 +70,7 @@ def _torch_generator(rng, device):
 def _check_finite(flat, what: str = "input") -> None:
     torch = _torch()
     if flat.numel() and not bool(torch.isfinite(flat).all()):
-        raise ValueError(f"{what} contains NaN or Inf")
+        raise NonFiniteInput(f"{what} contains NaN or Inf")
 
 
 @dataclass

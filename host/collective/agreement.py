@@ -48,6 +48,13 @@ NONFINITE = ("raise", "propagate")
 would be), so that ``torch.amp.GradScaler`` skips the step."""
 
 
+def nonfinite_mode(value: str) -> str:
+    """``value`` if it is one of :data:`NONFINITE`, else a ValueError naming them."""
+    if value not in NONFINITE:
+        raise ValueError(f"nonfinite must be one of {NONFINITE}, got {value!r}")
+    return value
+
+
 def fingerprint(params, *cut: int, backend: str = "", steps: str = "",
                 nonfinite: str = "raise") -> int:
     """What the workers' rounds must share for their sums to mean one thing, as a 48-bit
@@ -172,18 +179,35 @@ def together(group, rnd: int, key: int, device, failure: Exception | None = None
     and ring): the tag lanes and a mark lane in one fixed-length MAX all-reduce before
     them. A worker that failed first (``failure``), is out of step or unlike makes every
     worker raise here, instead of leaving its peers waiting in a collective or pairing theirs
-    with its next call's. Returns the bytes a ring all-reduce sends for it."""
-    DistTransport.check_group(group)   # a round left its peers mid-round: no collective here
-    mark = torch.full((1,), NORM_MARK if failure is not None else 0.0, device=device)
-    out = tagged(mark, rnd, key)
+    with its next call's. A ``failure`` that is the input's overflow (:class:`NonFiniteInput`)
+    sends :data:`OVERFLOW_MARK`: then, and only when no worker failed otherwise and all are
+    in step, every worker raises :class:`NonFiniteInput`, which a scheme that hands
+    overflows on turns into NaN. Returns the bytes a ring all-reduce sends for it."""
+    try:
+        DistTransport.check_group(group)   # a round left its peers mid-round: no collective
+    except RuntimeError as e:
+        raise e from failure   # this worker's own error stays in the chain
+    overflow = isinstance(failure, NonFiniteInput)
+    mark = OVERFLOW_MARK if overflow else NORM_MARK if failure is not None else 0.0
+    out = tagged(torch.full((1,), mark, device=device), rnd, key)
     dist.all_reduce(out, op=dist.ReduceOp.MAX, group=group)
-    if failure is not None:
-        raise failure
     marked, tags = untag(out)
-    if first_marked(marked) is not None:
+    top = float(marked[0])
+    # decided from what every worker shares alone, so that all decide alike
+    if not top < NORM_MARK:
+        if failure is not None and not overflow:
+            raise failure
         raise RuntimeError("a worker failed before this round's collectives (its own error "
-                           "says why): the round is refused on every worker")
-    check_rounds(tags, alike)
+                           "says why): the round is refused on every worker") from failure
+    try:
+        check_rounds(tags, alike)
+    except RuntimeError as e:
+        raise e from failure
+    if top == OVERFLOW_MARK:
+        if failure is not None:
+            raise failure
+        raise NonFiniteInput("a worker's input holds NaN or Inf: the round is refused on "
+                             "every worker" + PROPAGATE_HINT)
     return ring_bytes(out, dist.get_world_size(group))
 
 

@@ -61,7 +61,10 @@ class THCAllReduce:
     """Callable that returns the THC estimate of the mean of a tensor across workers.
 
     Every worker must call it on same-shaped tensors in the same order: the round number
-    (part of the shared rotation seed) advances with each call. ``generator``: this worker's
+    (part of the shared rotation seed) advances with each call. With ``error_feedback`` a
+    reducer serves one gradient (one parameter or bucket, step after step): its residual,
+    the last call's rounding error, joins the next call's input, so two tensors through one
+    reducer would each take the other's (make one reducer per tensor). ``generator``: this worker's
     rounding draws (see :func:`thc.codec.thc.encode`); by default keyed by its rank, as a
     graphed reducer's, not by torch's global generator: training scripts seed that alike on
     every rank, and workers drawing alike would leave the mean's rounding error as large as
@@ -78,10 +81,7 @@ class THCAllReduce:
     def __init__(self, transport, params: THCParams | None = None, error_feedback: bool = True,
                  generator=None, pipeline_elements: int = 1 << 21, backend: str = "auto",
                  nonfinite: str = "raise"):
-        if nonfinite not in agreement.NONFINITE:
-            raise ValueError(f"nonfinite must be one of {agreement.NONFINITE}, got "
-                             f"{nonfinite!r}")
-        self.nonfinite = nonfinite
+        self.nonfinite = agreement.nonfinite_mode(nonfinite)
         self.params = params or THCParams()
         if generator is None:
             rank = getattr(transport, "rank", None)

@@ -32,10 +32,11 @@ import torch
 import torch.distributed as dist
 
 from thc.codec.baselines import TopK
-from thc.codec.common import scale_factor
+from thc.codec.common import NonFiniteInput, scale_factor
 from thc.collective import agreement
 from thc.collective.allreduce import THCAllReduce
 from thc.collective.transports import DistTransport, ring_bytes
+from thc.collective.worker import device_of
 from thc.collective.graphed import GraphedAllReduce
 from thc.collective.marsit import MarsitAllReduce, MarsitVoteAllReduce
 
@@ -115,6 +116,11 @@ class _Hook:
         if comm_group is not None and dist.get_world_size(comm_group) != self.world:
             raise ValueError(f"comm_group holds {dist.get_world_size(comm_group)} ranks, the "
                              f"hook's group {self.world}")
+        # ranks unlike here would make the hook's group on some ranks only: a wait in
+        # new_group, or collectives on different groups, until the timeout
+        sent = agreement.together(group, 0, agreement.key_of("hook", overlap,
+                                                             comm_group is not None),
+                                  device_of(group), alike="the hook's overlap or comm_group")
         if overlap and comm_group is not None:
             owner = _OWNERS.get(comm_group)
             if owner is not None and owner() is not None:
@@ -132,7 +138,7 @@ class _Hook:
         self._positions = layer_positions(model)
         self.wants_positions = False
         """Subclasses set it to get each bucket's per-element layer positions in reduce."""
-        self.bytes_sent = 0
+        self.bytes_sent = sent
         self.fp32_elements = 0
         self._agreed: set = set()
         """Buckets whose split every rank checked (:meth:`_agree_bucket`)."""
@@ -237,6 +243,7 @@ class _Hook:
         failure, reducer = None, None
         try:
             reducer = make(self.group)
+            self._check_reducer(reducer)
         except Exception as e:  # noqa: BLE001 - raised on this rank by together
             failure = e
         rnd, self._built = self._built, self._built + 1
@@ -244,6 +251,26 @@ class _Hook:
             self.group, rnd, agreement.key_of("reducer", type(self).__name__, numel), device,
             failure, alike="the hook or the bucket")
         return reducer
+
+    def _check_reducer(self, reducer) -> None:
+        """A factory's reducer must be new, as its error-feedback residual is one bucket's
+        (one reducer for two buckets adds each one's rounding error to the other), and its
+        collectives must run on the group the factory was given, the hook's (on another they
+        would pair with backward's own collectives: an abort, or a wrong sum where the lengths
+        match)."""
+        if any(reducer is r for r in self.reducers.values()):
+            raise ValueError("the hook's factory returned a reducer that another bucket "
+                             "uses: each bucket keeps its own error-feedback residual, so "
+                             "make_allreducer(group) must build a new reducer at every call")
+        carrier = getattr(reducer, "transport", reducer)   # Marsit's reducers carry the group
+        if not hasattr(carrier, "group"):   # an aggregator's rounds: no collectives
+            return
+        def resolved(group):
+            return dist.group.WORLD if group is None else group
+        if resolved(carrier.group) is not resolved(self.group):
+            raise ValueError("the hook's factory returned a reducer whose collectives run on "
+                             "another process group than the one it was given: "
+                             "make_allreducer(group) must build its reducer on that group")
 
     def _reduce_bucket(self, bucket, buf: torch.Tensor, spans) -> torch.Tensor:
         start = time.perf_counter()
@@ -384,12 +411,17 @@ class THCHook(_Hook):
 
 class TopKHook(_Hook):
     """TopK sparsification (default 10%) with error feedback (:class:`thc.codec.baselines.TopK`),
-    exchanged by all-gather: k values and indices per worker."""
+    exchanged by all-gather: k values and indices per worker. ``nonfinite``
+    (:data:`thc.collective.agreement.NONFINITE`): a bucket in which some worker's gradient
+    holds NaN or Inf is refused on every worker ("raise"), or comes back NaN on every worker
+    ("propagate", for ``torch.amp.GradScaler``); either way the residuals stay as they were."""
 
     def __init__(self, model, ratio: float = 0.1, options: HookOptions = HookOptions(),
-                 group=None, overlap: bool = True, comm_group=None):
+                 group=None, overlap: bool = True, comm_group=None, nonfinite: str = "raise"):
+        agreement.nonfinite_mode(nonfinite)
         super().__init__(model, options, group, overlap, comm_group)
         self.ratio = ratio
+        self.nonfinite = nonfinite
         self.scheme = TopK(ratio=ratio, error_feedback=True)
         self._calls = 0
 
@@ -409,14 +441,20 @@ class TopKHook(_Hook):
         try:
             # the gathers are as long as k: agree on it first
             self.bytes_sent += agreement.together(
-                self.group, rnd, agreement.key_of("topk", self.ratio, flat.numel()),
+                self.group, rnd, agreement.key_of("topk", self.ratio, flat.numel(),
+                                                  self.nonfinite),
                 flat.device, failure)
-        except Exception:
+        except Exception as e:
             if failure is None:   # a refused round leaves the residual as it was
                 if before is None:
                     self.scheme.residuals.pop(key, None)
                 else:
                     self.scheme.residuals[key] = before
+            if isinstance(e, NonFiniteInput):
+                if self.nonfinite == "propagate":
+                    return torch.full_like(flat, float("nan"))
+                if agreement.PROPAGATE_HINT not in str(e):
+                    raise NonFiniteInput(f"{e}{agreement.PROPAGATE_HINT}") from e
             raise
         idx = payload.indices.to(torch.int32 if flat.numel() <= 1 << 31 else torch.int64)
         vals = payload.values.float()
@@ -433,15 +471,17 @@ class MarsitHook(_Hook):
     """Marsit: one sign bit per coordinate through a merging ring all-reduce, with global
     compensation and a scale per parameter tensor (:class:`thc.collective.marsit.
     MarsitAllReduce`, one per bucket). ``make_allreducer(group)`` builds another sign
-    all-reduce per bucket instead (the vote: :class:`MarsitVoteHook`), on the hook's group."""
+    all-reduce per bucket instead (the vote: :class:`MarsitVoteHook`), on the hook's group.
+    ``nonfinite``: the default reducers' (:class:`thc.collective.marsit.MarsitAllReduce`)."""
 
     def __init__(self, model, options: HookOptions = HookOptions(), group=None,
                  generator: torch.Generator | None = None, overlap: bool = True,
                  make_allreducer: Callable[[object], MarsitAllReduce] | None = None,
-                 comm_group=None):
+                 comm_group=None, nonfinite: str = "raise"):
+        agreement.nonfinite_mode(nonfinite)
         super().__init__(model, options, group, overlap, comm_group)
         self.make_allreducer = make_allreducer or (
-            lambda on: MarsitAllReduce(on, generator))
+            lambda on: MarsitAllReduce(on, generator, nonfinite=nonfinite))
         self.reducers: dict[tuple, MarsitAllReduce] = {}
 
     def reduce(self, bucket, flat: torch.Tensor, sizes: list[int],
@@ -462,8 +502,9 @@ class MarsitVoteHook(MarsitHook):
     of ``client`` (switch or software aggregator), one compensation residual per bucket."""
 
     def __init__(self, model, client, options: HookOptions = HookOptions(), group=None,
-                 overlap: bool = True, majority: bool = False, comm_group=None):
+                 overlap: bool = True, majority: bool = False, comm_group=None,
+                 nonfinite: str = "raise"):
         super().__init__(model, options, group, overlap=overlap,
-                         make_allreducer=lambda on: MarsitVoteAllReduce(client, on,
-                                                                        majority=majority),
-                         comm_group=comm_group)
+                         make_allreducer=lambda on: MarsitVoteAllReduce(
+                             client, on, majority=majority, nonfinite=nonfinite),
+                         comm_group=comm_group, nonfinite=nonfinite)

@@ -105,10 +105,7 @@ class GraphedAllReduce:
                  generator: int | None = None, capture: bool | None = None,
                  timeout: float = 600.0,
                  deferred_checks: bool = False, nonfinite: str = "raise"):
-        if nonfinite not in agreement.NONFINITE:
-            raise ValueError(f"nonfinite must be one of {agreement.NONFINITE}, got "
-                             f"{nonfinite!r}")
-        self.nonfinite = nonfinite
+        self.nonfinite = agreement.nonfinite_mode(nonfinite)
         if generator is None:
             generator = transport.rank
         if isinstance(generator, bool) or not isinstance(generator, int):

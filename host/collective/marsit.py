@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from thc.codec.common import scale_factor
+from thc.codec.common import NonFiniteInput, scale_factor
 from thc.codec.packing import pack_bits, unpack_bits
 from thc.collective import agreement
 from thc.collective.transports import ring_bytes
@@ -62,7 +62,13 @@ class _SignAllReduce:
     """What the agreement key names besides the layout: ranks running unlike reducers (the
     ring and the vote, a mean and a majority) refuse the round together."""
 
-    def __init__(self, group=None, compensation: bool = True):
+    def __init__(self, group=None, compensation: bool = True, nonfinite: str = "raise"):
+        """``nonfinite``: what a round in which some worker's gradient (with its
+        compensation) holds NaN or Inf gives (:data:`thc.collective.agreement.NONFINITE`):
+        a refusal on every worker, which forgets the compensation ("raise"), or NaN on every
+        worker, the compensation kept ("propagate": ``torch.amp.GradScaler`` then skips the
+        step)."""
+        self.nonfinite = agreement.nonfinite_mode(nonfinite)
         self.group = group
         self.world = dist.get_world_size(group)
         self.compensation = compensation
@@ -104,7 +110,8 @@ class _SignAllReduce:
             failure = e
         # the scales' all-reduce is as long as the segments: agree on them first
         rnd, self.round = self.round, self.round + 1
-        key = agreement.key_of("marsit", *self.kind, flat.numel(), tuple(sizes))
+        key = agreement.key_of("marsit", *self.kind, flat.numel(), tuple(sizes),
+                               self.nonfinite)
         self.bytes_sent += agreement.together(self.group, rnd, key, flat.device, failure)
         if flat.numel() == 0:      # every rank agreed on it: nothing to send
             return grad.clone()
@@ -119,10 +126,13 @@ class _SignAllReduce:
         dist.all_reduce(scale, group=self.group)
         self.bytes_sent += ring_bytes(scale, self.world)
         if not ok or not bool(torch.isfinite(scale).all()):
+            if self.nonfinite == "propagate":   # every worker sees the NaN sum alike
+                return torch.full_like(grad, float("nan"))
             self.residual = None   # every worker refuses the round and compensates anew
-            raise ValueError("Marsit: the gradient (with its compensation) holds NaN or Inf"
-                             if not ok else "Marsit: a worker's gradient (with its "
-                             "compensation) holds NaN or Inf: the round is refused")
+            raise NonFiniteInput(("Marsit: the gradient (with its compensation) holds NaN or Inf"
+                                  if not ok else "Marsit: a worker's gradient (with its "
+                                  "compensation) holds NaN or Inf: the round is refused")
+                                 + agreement.PROPAGATE_HINT)
         scale /= self.world
         per_coord = scale.float().repeat_interleave(torch.tensor(sizes, device=flat.device))
         estimate = self.mean_sign(self._signs(flat)) * per_coord
@@ -147,8 +157,8 @@ class MarsitAllReduce(_SignAllReduce):
     kind = ("ring",)
 
     def __init__(self, group=None, generator: torch.Generator | None = None,
-                 compensation: bool = True):
-        super().__init__(group, compensation)
+                 compensation: bool = True, nonfinite: str = "raise"):
+        super().__init__(group, compensation, nonfinite)
         self.rank = dist.get_rank(group)
         self.generator = generator
 
@@ -206,11 +216,12 @@ class MarsitVoteAllReduce(_SignAllReduce):
     aggregator) adds the +1 bits of every coordinate, the client turns counts into the mean
     sign (or the majority's, ``majority``). The scales go over ``group`` (Gloo)."""
 
-    def __init__(self, client, group=None, compensation: bool = True, majority: bool = False):
+    def __init__(self, client, group=None, compensation: bool = True, majority: bool = False,
+                 nonfinite: str = "raise"):
         if client.job.aggregation != "vote":
             raise ValueError(f"job {client.job.job_id} aggregates {client.job.aggregation!r}; "
                              f"Marsit's vote needs a vote job (Job.vote)")
-        super().__init__(group, compensation)
+        super().__init__(group, compensation, nonfinite)
         self.kind = ("vote", bool(majority))
         if client.job.n_workers != self.world:
             raise ValueError(f"vote job of {client.job.n_workers} workers, process group of "

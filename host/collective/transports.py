@@ -22,7 +22,7 @@ import torch
 from thc.codec.common import wire_sum_dtype
 from thc.codec.params import THCParams
 from thc.codec.thc import table_values
-from thc.collective.worker import agree_run
+from thc.collective.worker import agree_run, live_dist
 from thc.wire import protocol as P
 
 
@@ -55,11 +55,18 @@ class AggregatorTransport:
     """Sums through an aggregator: the indices travel packed, the table lives in the network.
 
     A client not given a run id (none, or ``THC_RUN``'s) gets one agreed over ``group``
-    (:func:`agree_run`), every rank's checked against the others' there."""
+    (:func:`agree_run`), every rank's checked against the others' there; where ``group`` is
+    the job's workers, a run id given to the client is checked there too, so that ranks given
+    ids on some ranks only, or different ones, all raise at once instead of one waiting in
+    the agreement its peers skip."""
 
     def __init__(self, client, group=None):
-        if not client.run_settled:
-            run = agree_run(group, alone=client.job.n_workers == 1)
+        dist = live_dist()
+        workers = client.job.n_workers
+        if not client.run_settled or (dist is not None and workers > 1
+                                      and dist.get_world_size(group) == workers):
+            run = agree_run(group, alone=workers == 1,
+                            given=client.run if client.run_settled else None)
             if run != client.run:
                 client.run = run
             client.run_settled = True

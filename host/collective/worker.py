@@ -79,11 +79,20 @@ def live_dist():
     return dist if dist is not None and dist.is_available() and dist.is_initialized() else None
 
 
+def device_of(group):
+    """Where ``group``'s collectives take their tensors: NCCL moves device tensors only."""
+    import torch
+    import torch.distributed as dist
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 MALFORMED = -2
 """What a rank whose own run id does not parse puts in :func:`agree_run`'s all-gather."""
 
 
-def agree_run(group=None, alone: bool = False) -> int:
+def agree_run(group=None, alone: bool = False, given: int | None = None) -> int:
     """One run id for every worker of this training run, chosen without asking the aggregator.
 
     ``THC_RUN`` from the launcher wins; else rank 0's clock (:func:`P.run_from_clock`). With
@@ -92,10 +101,11 @@ def agree_run(group=None, alone: bool = False) -> int:
     one that does not parse fail at once, each naming the difference, rather than wait in a
     collective the others never join. Without a group only a worker that is ``alone`` in its
     job may draw its own: clocks of separate processes would disagree. (A caller given a run
-    id explicitly needs none of this: each job's workers are given theirs.)"""
+    id explicitly needs none of this: each job's workers are given theirs; with a group,
+    ``given`` is checked against the other ranks' there all the same.)"""
     dist = live_dist()
     try:
-        mine, bad = P.run_from_env(), None
+        mine, bad = (P.run_from_env() if given is None else given), None
     except ValueError as e:
         if dist is None:
             raise
@@ -103,9 +113,7 @@ def agree_run(group=None, alone: bool = False) -> int:
     if dist is not None:
         import torch
         rank0 = dist.get_rank(group) == 0
-        # an NCCL group moves device tensors only
-        device = torch.device("cuda", torch.cuda.current_device()) \
-            if dist.get_backend(group) == "nccl" else torch.device("cpu")
+        device = device_of(group)
         t = torch.tensor([MALFORMED if bad else -1 if mine is None else mine,
                           P.run_from_clock() if rank0 else -1], dtype=torch.int64,
                          device=device)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import re
+import time
 
 import pytest
 
@@ -13,7 +14,7 @@ from thc.controller import counters, forwarding, installed, job_entries, jobs, p
 from thc.controller.switch import SwitchError
 from thc.controller.testing.memswitch import MemorySwitch
 from tests.bmv2.harness import AGG_IP, AGG_MAC
-from tests.test_memswitch import BAD_UPDATES, raw_job_entry
+from tests.test_memswitch import BAD_RESET_DROPS, BAD_UPDATES, bad_resets, raw_job_entry
 
 pytestmark = pytest.mark.bmv2
 _ids = itertools.count(800)
@@ -87,3 +88,23 @@ def test_exists_and_not_found_answer_alike(sw, mem):
             s.write_entries("DELETE", [entry], ignore=["NOT_FOUND"])
         codes.append([_code(e.value) for e in (twice, gone, modify)])
     assert codes[0] == codes[1] == ["ALREADY_EXISTS", "NOT_FOUND", "NOT_FOUND"]
+
+
+def test_bad_resets_are_counted_alike(bmv2, sw, mem):
+    job = bmv2.make_job(next(_ids), 2, pool_size=4)
+    agg = job_entries.AggAddress(AGG_IP, AGG_MAC)
+    bmv2._installed[job.job_id] = jobs.install_job(sw, job, agg, force=True)
+    jobs.install_job(mem, job, agg, force=True)
+    got = []
+    for s in (sw, mem):
+        before = counters.drops(s)
+        s.packet_out(bad_resets(job.job_id, job.job_id + 1, AGG_MAC, AGG_IP))
+        deadline = time.monotonic() + 10   # BMv2 runs packet-outs after the write returns
+        while True:
+            after = counters.drops(s)
+            delta = {k: after[k] - before[k] for k in after if after[k] != before[k]}
+            if sum(delta.values()) >= 4 or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        got.append(delta)
+    assert got == [BAD_RESET_DROPS, BAD_RESET_DROPS]
