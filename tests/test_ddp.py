@@ -610,25 +610,39 @@ def test_a_factory_must_build_a_new_reducer_on_the_group_it_is_given():
 
 
 def _unlike_settings_worker(base, rank, port, q):
-    """Ranks unlike in a hook's overlap, then in their clients' run ids (rank 0's given,
-    rank 1's to agree): per case, what each rank raised and how long it took."""
+    """Ranks unlike in a hook's settings (overlap; comm_group on a smaller group; a mode one
+    rank cannot take), then in their clients' run ids (rank 0's given, rank 1's to agree),
+    through the hook and through worker_client: per case, what each rank raised and how long
+    it took."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from thc.codec.params import THCParams
     from thc.collective.allreduce import THCAllReduce
-    from thc.collective.ddp import THCHook
+    from thc.collective.ddp import THCHook, TopKHook
+    from thc.collective.worker import worker_client
     from thc.net.client import AggregationClient
     from thc.testing.clusters import local_job
+    from thc.wire.jobs import Cluster
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=2, timeout=timedelta(seconds=30))
     params = THCParams(slice_size=256)
     job = local_job(1, 2, base, granularity=params.granularity, table=params.table)
     # no round reaches the aggregator: any address will do
     client = AggregationClient(job, rank, ("127.0.0.1", base + 2), run=7 if rank == 0 else None)
-    cases = {"overlap": lambda m: THCHook(m, lambda group: THCAllReduce.through_torch_distributed(
-                 group, params=params), overlap=rank == 0),
+    both = dist.new_group([0, 1])
+    mine = dist.new_group([0, 1])
+
+    def reducer(group):
+        return THCAllReduce.through_torch_distributed(group, params=params)
+    cases = {"overlap": lambda m: THCHook(m, reducer, overlap=rank == 0),
+             "comm_group": lambda m: THCHook(m, reducer, group=both,
+                                             comm_group=mine if rank == 0 else None),
+             "nonfinite": lambda m: TopKHook(m, nonfinite="propagate" if rank else "hand on"),
              "run": lambda m: THCHook(m, lambda group: THCAllReduce.through_aggregator(
-                 client, params, group))}
+                 client, params, group)),
+             "worker_client": lambda m: worker_client(
+                 Cluster((job,)), rank, ("127.0.0.1", base + 2), run=7 if rank == 0 else None,
+                 sock=client.sock)}
     out = {}
     for case, hook in cases.items():
         start = time.monotonic()
@@ -648,13 +662,19 @@ def _unlike_settings_worker(base, rank, port, q):
 
 def test_ranks_unlike_in_a_hooks_settings_or_their_run_ids_all_raise_at_once():
     """A hook that overlaps on one rank only made its group there alone (a wait in new_group
-    until the store's timeout, 30 minutes by default); a run id given to one rank's client
-    only left the other rank alone in the run's agreement until the group's timeout, and
-    neither error named the cause."""
+    until the store's timeout, 30 minutes by default); one rank's settings refused on that
+    rank alone left the others in the hook's next collective; a run id given to one rank's
+    client only left the other rank alone in the run's agreement until the group's timeout,
+    and no error named the cause."""
     from tests.test_graphed import gloo_pair
     res = gloo_pair(functools.partial(_unlike_settings_worker, free_port_block(3)))
-    for rank in (0, 1):
-        got, seconds = res[rank]["overlap"]
-        assert "differ in the hook's overlap or comm_group" in got and seconds < 15, res
-        got, seconds = res[rank]["run"]
-        assert "different run ids (rank 0: 7, rank 1: none)" in got and seconds < 15, res
+    refused = "failed before this round's collectives"
+    expected = {"overlap": ("differ in the hook's overlap", "differ in the hook's overlap"),
+                "comm_group": (refused, "overlaps backward runs its collectives on a group"),
+                "nonfinite": ("nonfinite must be one of", refused),
+                "run": ("different run ids (rank 0: 7, rank 1: none)",) * 2,
+                "worker_client": ("different run ids (rank 0: 7, rank 1: none)",) * 2}
+    for case, texts in expected.items():
+        for rank in (0, 1):
+            got, seconds = res[rank][case]
+            assert texts[rank] in got and seconds < 15, (case, rank, res[rank][case])

@@ -171,7 +171,7 @@ class MemoryDevice:
             return
         parsed = parse_udp_frame(frame)
         payload = parsed[6] if parsed and parsed[5] == P.UDP_PORT else None
-        if not payload or payload[0] != P.PktType.RESET:
+        if payload is None or (payload and payload[0] != P.PktType.RESET):
             raise NotImplementedError("the in-memory switch runs RESET packet-outs only")
         if len(payload) < P.HEADER_BYTES:
             self._drop("malformed")

@@ -208,7 +208,12 @@ def together(group, rnd: int, key: int, device, failure: Exception | None = None
             raise failure
         raise NonFiniteInput("a worker's input holds NaN or Inf: the round is refused on "
                              "every worker" + PROPAGATE_HINT)
-    return ring_bytes(out, dist.get_world_size(group))
+    return together_bytes(dist.get_world_size(group))
+
+
+def together_bytes(world: int) -> int:
+    """What one :func:`together` sends, as a ring all-reduce of its lanes among ``world``."""
+    return ring_bytes(torch.zeros(TAG_LANES + 1), world)
 
 
 def marks(y: torch.Tensor, pieces, layout_of, limit: float,

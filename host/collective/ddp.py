@@ -99,34 +99,29 @@ class _Hook:
     """Splits a bucket into compressed and FP32 spans; subclasses compress the former."""
 
     def __init__(self, model: torch.nn.Module, options: HookOptions = HookOptions(),
-                 group=None, overlap: bool = True, comm_group=None):
+                 group=None, overlap: bool = True, comm_group=None,
+                 nonfinite: str | None = None):
         """``group``: the workers (default: the whole world). ``comm_group``: the process
         group of the hook's collectives, of the same ranks. With ``overlap`` it must be the
         hook's own (see the module docstring): for the whole world one is made here, as
         every rank of the world constructs its hooks in the same order (torch makes a group
         only where every rank of the world joins); for a smaller group, pass one made so
-        (``dist.new_group(ranks)`` on every rank), or ``overlap=False``."""
+        (``dist.new_group(ranks)`` on every rank), or ``overlap=False``. ``nonfinite``: the
+        hook's own mode (:data:`thc.collective.agreement.NONFINITE`), where it has one. Every
+        rank checks these settings, and that the others' are alike, in one agreement: a rank
+        whose settings fail makes every rank raise."""
         self.options = options
         self.world = dist.get_world_size(group)
-        if comm_group is None and overlap and group is not None:
-            raise ValueError("a hook that overlaps backward runs its collectives on a group "
-                             "of its own, which every rank of the world must make alike: "
-                             "pass comm_group=dist.new_group(ranks) made on every rank, or "
-                             "overlap=False")
-        if comm_group is not None and dist.get_world_size(comm_group) != self.world:
-            raise ValueError(f"comm_group holds {dist.get_world_size(comm_group)} ranks, the "
-                             f"hook's group {self.world}")
+        failure = None
+        try:
+            self._check_settings(overlap, comm_group, group, nonfinite)
+        except ValueError as e:   # raised on this rank by together, and a refusal on the others
+            failure = e
         # ranks unlike here would make the hook's group on some ranks only: a wait in
         # new_group, or collectives on different groups, until the timeout
-        sent = agreement.together(group, 0, agreement.key_of("hook", overlap,
-                                                             comm_group is not None),
-                                  device_of(group), alike="the hook's overlap or comm_group")
-        if overlap and comm_group is not None:
-            owner = _OWNERS.get(comm_group)
-            if owner is not None and owner() is not None:
-                raise ValueError("comm_group carries another hook's collectives: each hook "
-                                 "that overlaps backward needs a group of its own "
-                                 "(dist.new_group(ranks) made on every rank)")
+        sent = agreement.together(
+            group, 0, agreement.key_of("hook", overlap, comm_group is not None, nonfinite),
+            device_of(group, model), failure, alike="the hook's overlap, comm_group or nonfinite")
         self.group = comm_group if comm_group is not None else \
             dist.new_group(timeout=_timeout_of(group)) if overlap else group
         """The process group of the hook's collectives."""
@@ -152,6 +147,25 @@ class _Hook:
         self._stats_lock = threading.Lock()
         self._comm = 0.0
         self._last_call = self._last_done = 0.0
+
+    def _check_settings(self, overlap: bool, comm_group, group, nonfinite) -> None:
+        """Raise on this rank if its hook's settings cannot work (see :meth:`__init__`)."""
+        if nonfinite is not None:
+            agreement.nonfinite_mode(nonfinite)
+        if comm_group is None and overlap and group is not None:
+            raise ValueError("a hook that overlaps backward runs its collectives on a group "
+                             "of its own, which every rank of the world must make alike: "
+                             "pass comm_group=dist.new_group(ranks) made on every rank, or "
+                             "overlap=False")
+        if comm_group is not None and dist.get_world_size(comm_group) != self.world:
+            raise ValueError(f"comm_group holds {dist.get_world_size(comm_group)} ranks, the "
+                             f"hook's group {self.world}")
+        if overlap and comm_group is not None:
+            owner = _OWNERS.get(comm_group)
+            if owner is not None and owner() is not None:
+                raise ValueError("comm_group carries another hook's collectives: each hook "
+                                 "that overlaps backward needs a group of its own "
+                                 "(dist.new_group(ranks) made on every rank)")
 
     def step_breakdown(self) -> StepBreakdown:
         """The communication of the buckets reduced since the last call (call once a step)."""
@@ -418,8 +432,7 @@ class TopKHook(_Hook):
 
     def __init__(self, model, ratio: float = 0.1, options: HookOptions = HookOptions(),
                  group=None, overlap: bool = True, comm_group=None, nonfinite: str = "raise"):
-        agreement.nonfinite_mode(nonfinite)
-        super().__init__(model, options, group, overlap, comm_group)
+        super().__init__(model, options, group, overlap, comm_group, nonfinite)
         self.ratio = ratio
         self.nonfinite = nonfinite
         self.scheme = TopK(ratio=ratio, error_feedback=True)
@@ -435,7 +448,7 @@ class TopKHook(_Hook):
         failure = None
         try:
             payload = self.scheme.compress(flat, key=key)
-        except ValueError as e:   # NaN or Inf: every worker refuses, none waits in a gather
+        except Exception as e:  # noqa: BLE001 - every worker refuses, none waits in a gather
             failure = e
         rnd, self._calls = self._calls, self._calls + 1
         try:
@@ -451,7 +464,8 @@ class TopKHook(_Hook):
                 else:
                     self.scheme.residuals[key] = before
             if isinstance(e, NonFiniteInput):
-                if self.nonfinite == "propagate":
+                if self.nonfinite == "propagate":   # a step like another: its bytes count
+                    self.bytes_sent += agreement.together_bytes(self.world)
                     return torch.full_like(flat, float("nan"))
                 if agreement.PROPAGATE_HINT not in str(e):
                     raise NonFiniteInput(f"{e}{agreement.PROPAGATE_HINT}") from e
@@ -478,8 +492,7 @@ class MarsitHook(_Hook):
                  generator: torch.Generator | None = None, overlap: bool = True,
                  make_allreducer: Callable[[object], MarsitAllReduce] | None = None,
                  comm_group=None, nonfinite: str = "raise"):
-        agreement.nonfinite_mode(nonfinite)
-        super().__init__(model, options, group, overlap, comm_group)
+        super().__init__(model, options, group, overlap, comm_group, nonfinite)
         self.make_allreducer = make_allreducer or (
             lambda on: MarsitAllReduce(on, generator, nonfinite=nonfinite))
         self.reducers: dict[tuple, MarsitAllReduce] = {}

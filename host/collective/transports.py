@@ -22,7 +22,7 @@ import torch
 from thc.codec.common import wire_sum_dtype
 from thc.codec.params import THCParams
 from thc.codec.thc import table_values
-from thc.collective.worker import agree_run, live_dist
+from thc.collective.worker import agree_run, checks_given_run
 from thc.wire import protocol as P
 
 
@@ -61,10 +61,8 @@ class AggregatorTransport:
     the agreement its peers skip."""
 
     def __init__(self, client, group=None):
-        dist = live_dist()
         workers = client.job.n_workers
-        if not client.run_settled or (dist is not None and workers > 1
-                                      and dist.get_world_size(group) == workers):
+        if not client.run_settled or checks_given_run(group, workers):
             run = agree_run(group, alone=workers == 1,
                             given=client.run if client.run_settled else None)
             if run != client.run:

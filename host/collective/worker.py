@@ -79,13 +79,24 @@ def live_dist():
     return dist if dist is not None and dist.is_available() and dist.is_initialized() else None
 
 
-def device_of(group):
-    """Where ``group``'s collectives take their tensors: NCCL moves device tensors only."""
+def checks_given_run(group, n_workers: int) -> bool:
+    """Whether a run id given to a client is still checked over ``group``
+    (:func:`agree_run`): where a process group is up and holds as many ranks as the job has
+    workers, so that an id given on some ranks only fails at once instead of leaving the
+    other ranks alone in the agreement."""
+    dist = live_dist()
+    return dist is not None and n_workers > 1 and dist.get_world_size(group) == n_workers
+
+
+def device_of(group, model=None):
+    """Where ``group``'s collectives take their tensors: NCCL moves device tensors only, on
+    ``model``'s GPU where it has one, else the current one."""
     import torch
     import torch.distributed as dist
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    if dist.get_backend(group) != "nccl":
+        return torch.device("cpu")
+    on = next((p.device for p in model.parameters() if p.is_cuda), None) if model else None
+    return on or torch.device("cuda", torch.cuda.current_device())
 
 
 MALFORMED = -2
@@ -156,8 +167,8 @@ def worker_client(config: str | os.PathLike | Cluster, rank: int,
         address = (cluster.agg_ip, cluster.agg_port)
     else:
         address = parse_hostport(agg) if isinstance(agg, str) else tuple(agg)
-    if run is None:
-        run = agree_run(alone=job.n_workers == 1)
+    if run is None or checks_given_run(None, job.n_workers):
+        run = agree_run(alone=job.n_workers == 1, given=run)
     return AggregationClient(job, rank, address, run=run, **options)
 
 
