@@ -93,10 +93,17 @@ def check_job(sw: Switch, job: Job, job_index: int, others: dict[int, dict]) -> 
         _check_addresses(job, jid, cfg.get("addresses", ()))
 
 
-def check_agg(agg_ip: str, agg_mac: str) -> None:
+def check_agg(agg_ip: str, agg_mac: str, agg_port: int = P.UDP_PORT) -> None:
     """ConfigError when results from the switch could not reach a worker: they leave with
     ``agg_ip``/``agg_mac`` as their source, and a worker's stack drops a loopback or
-    unspecified source (127.0.0.1 is what a cluster without ``agg_ip`` gets)."""
+    unspecified source (127.0.0.1 is what a cluster without ``agg_ip`` gets); or when the
+    workers' packets would never reach the program: it takes THC's UDP port only, and
+    workers send to ``agg_port``."""
+    if agg_port != P.UDP_PORT:
+        raise ConfigError(f"the cluster's agg_port {agg_port} is not the switch's: the switch "
+                          f"program aggregates packets to UDP port {P.UDP_PORT} only, and "
+                          f"forwards others as plain traffic; leave agg_port out of the "
+                          f"cluster or give {P.UDP_PORT}")
     ip = ipaddress.IPv4Address(agg_ip)
     if ip.is_loopback or ip.is_unspecified or ip.is_multicast:
         raise ConfigError(f"the cluster's agg_ip {agg_ip} (127.0.0.1 when the cluster gives "

@@ -91,6 +91,18 @@ def _refuse_live(sw: Switch, job_indices: dict[int, int], what: str, force: bool
                       f"pass force=True (--force)")
 
 
+def _check_unchanged(sw: Switch, seen: dict[int, dict]) -> None:
+    """Raise if the switch's jobs differ from ``seen`` (:func:`installed_configs`, read when
+    the plan was made): another controller (another election id) wrote them during the live
+    watch, and writing the plan now could hand its job's slots to one of ours."""
+    now = installed_configs(sw)
+    if now != seen:
+        moved = sorted(j for j in set(now) | set(seen) if now.get(j) != seen.get(j))
+        raise SwitchError(f"jobs {moved} changed on the switch while this controller watched "
+                          f"for live workers (another controller wrote them): nothing was "
+                          f"written; run the command again")
+
+
 def _delete_stale(sw: Switch, table: str, job_id: int, keep: list) -> None:
     wanted = {tuple(sorted(sw.match_values(e).items())) for e in keep}
     delete(sw, [e for e in entries_of(sw, table, job_id)
@@ -126,7 +138,8 @@ def install_job(sw: Switch, job: Job, agg: AggAddress = AggAddress(),
 
     Refuses (JobLive) to re-install a job whose workers are sending, unless ``force``. The
     worker entries go live only after the pool was reset and the counters zeroed."""
-    installed = installed_configs(sw)
+    seen = installed_configs(sw)
+    installed = dict(seen)
     previous = installed.pop(job.job_id, None)
     if job_index is None:
         job_index = previous["job_index"] if previous is not None else \
@@ -136,6 +149,12 @@ def install_job(sw: Switch, job: Job, agg: AggAddress = AggAddress(),
     if previous is not None:
         _refuse_live(sw, {job.job_id: previous["job_index"]}, "re-installing it", force,
                      live_window)
+        _check_unchanged(sw, seen)
+        if previous["job_index"] != job_index:
+            # a Tofino's lookup entries are keyed on the index: the old ones would stay,
+            # filling the tables, unless the job leaves its old index whole (as a cluster's)
+            _remove(sw, job.job_id, previous)
+            previous = None
     _write_job(sw, job, job_index, agg, previous,
                {cfg["mcast_grp"] for cfg in installed.values()})
     return job_index
@@ -205,7 +224,9 @@ def remove_job(sw: Switch, job_id: int, force: bool = False,
                                   f"(installed: {sorted(installed) or 'none'})")
         _remove(sw, job_id, None)
         return False
+    seen = installed_configs(sw)
     _refuse_live(sw, {job_id: cfg["job_index"]}, "removing it", force, live_window)
+    _check_unchanged(sw, seen)
     _remove(sw, job_id, cfg)
     return True
 
@@ -244,7 +265,7 @@ def check_cluster(sw: Switch, cluster: Cluster, prune: bool = False) -> dict[int
 
 def _plan(sw: Switch, cluster: Cluster, installed: dict[int, dict], prune: bool) -> dict:
     cluster.validate(total_slots=P.SWITCH_SLOTS)
-    check_agg(cluster.agg_ip, cluster.agg_mac)
+    check_agg(cluster.agg_ip, cluster.agg_mac, cluster.agg_port)
     wanted = {j.job_id for j in cluster.jobs}
     staying = {jid: cfg for jid, cfg in installed.items() if jid not in wanted and not prune}
     index = {jid: installed[jid]["job_index"] for jid in wanted if jid in installed}
@@ -283,6 +304,7 @@ def install_cluster(sw: Switch, cluster: Cluster, prune: bool = False, force: bo
     changed = {jid: cfg["job_index"] for jid, cfg in installed.items()
                if jid in pruned or (jid in wanted and jid not in keep)}
     _refuse_live(sw, changed, "changing or removing it", force, live_window)
+    _check_unchanged(sw, installed)
 
     for jid, cfg in pruned.items():
         _remove(sw, jid, cfg)

@@ -20,12 +20,18 @@ Everything else goes through p4runtime-shell's public API (``shell.setup``/``tea
   p4runtime descriptors; tests/bmv2/test_controller_offline.py checks it byte for byte
   against protobuf for every table and action), and :class:`BatchWriter` frames serialized
   entities into WriteRequests the same way.
+* p4runtime-shell's reads and writes take no deadline: a switch that stops answering
+  mid-operation would hold the controller forever. :func:`open_session` gives the client a
+  stub on the same channel through an interceptor (:class:`_Deadline`) that bounds every
+  read and write by :data:`RPC_DEADLINE` (the arbitration stream keeps none), and
+  :class:`BatchWriter` passes it to its own writes.
 * ``shell.PacketOut`` requires a ``packet_out`` controller header in the P4Info; the THC
   program has none (a RESET is a plain frame injected at the CPU port), so
   :func:`send_raw_packets` queues raw PacketOut messages on the client's stream.
 
-Nothing here patches p4runtime-shell: ``shell.setup`` itself sets its ``client`` and
-``context``, as it does for its interactive users.
+Nothing here patches p4runtime-shell's code: ``shell.setup`` itself sets its ``client`` and
+``context``, as it does for its interactive users, and the client's ``stub`` is its public
+attribute.
 """
 from __future__ import annotations
 
@@ -39,6 +45,37 @@ GRPC_OPTIONS = [("grpc.max_metadata_size", 64 << 20),
                 ("grpc.absolute_max_metadata_size", 64 << 20),
                 ("grpc.max_receive_message_length", 64 << 20)]
 """Large enough for one p4.v1.Error per update of a batch of thousands."""
+
+
+RPC_DEADLINE = 30.0
+"""Seconds one P4Runtime read or write may take before it fails (DEADLINE_EXCEEDED)."""
+
+
+def _deadline_interceptor(seconds: float):
+    """A gRPC interceptor that gives every unary call (and every read's stream) ``seconds``
+    where the caller set no timeout."""
+    import collections
+
+    import grpc
+
+    class Details(collections.namedtuple("Details", ("method", "timeout", "metadata",
+                                                     "credentials", "wait_for_ready",
+                                                     "compression")),
+                  grpc.ClientCallDetails):
+        pass
+
+    class Deadline(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
+        def _bounded(self, d):
+            return Details(d.method, seconds if d.timeout is None else d.timeout, d.metadata,
+                           d.credentials, getattr(d, "wait_for_ready", None),
+                           getattr(d, "compression", None))
+
+        def intercept_unary_unary(self, continuation, details, request):
+            return continuation(self._bounded(details), request)
+
+        def intercept_unary_stream(self, continuation, details, request):
+            return continuation(self._bounded(details), request)
+    return Deadline()
 
 
 class SessionError(RuntimeError):
@@ -118,8 +155,10 @@ def open_session(grpc_addr: str, device_id: int, election_id: tuple[int, int],
         if "election id already exists" in reason.lower():
             raise SessionError(
                 f"another controller session with election id {election_id} is open on "
-                f"{grpc_addr} (the server: {reason}); wait for it, or pass another "
-                f"--election-id") from None
+                f"{grpc_addr} (the server: {reason}); wait for it to finish (a command "
+                f"that only reads, such as jobs or counters, may pass another "
+                f"--election-id: two that write at once can interleave their changes)"
+                ) from None
         what = "pushing the pipeline" if pipeline else "reading the P4Info"
         raise SessionError(
             f"P4Runtime session with device {device_id} at {grpc_addr} failed (arbitration "
@@ -127,6 +166,10 @@ def open_session(grpc_addr: str, device_id: int, election_id: tuple[int, int],
             f"--device-id {device_id}, and is the program valid?)") from None
     finally:
         logging.getLogger().removeHandler(said)
+    import grpc
+    from p4.v1 import p4runtime_pb2_grpc
+    sh.client.stub = p4runtime_pb2_grpc.P4RuntimeStub(
+        grpc.intercept_channel(sh.client.channel, _deadline_interceptor(RPC_DEADLINE)))
     return sh.client, sh.context.p4info, _is_primary(sh.client)
 
 
@@ -296,8 +339,13 @@ class BatchWriter:
             body = b"".join(_field(t["request.updates"], kind + _field(t["update.entity"], e))
                             for e in entities[start:start + batch])
             try:
-                self._write(head + body)
+                self._write(head + body, timeout=RPC_DEADLINE)
             except grpc.RpcError as e:
+                if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                    raise SessionError(f"the switch answered no P4Runtime write within "
+                                       f"{RPC_DEADLINE:g} s; the updates before this batch "
+                                       f"stand: run the command again once it answers"
+                                       ) from None
                 errors = update_errors(e)
                 if errors is None:
                     raise SessionError(f"P4Runtime write failed: {e.code().name}: "

@@ -55,7 +55,8 @@ def test_a_worker_without_a_mac_is_refused_on_a_switch(sw, mac):
 @pytest.mark.parametrize("top,why", [
     ({"agg_ip": "127.0.0.1"}, "agg_ip 127.0.0.1"),
     ({"agg_ip": "0.0.0.0"}, "ip 0.0.0.0 is not one host's address"),
-    ({"agg_mac": "ff:ff:ff:ff:ff:ff"}, "agg_mac ff")])
+    ({"agg_mac": "ff:ff:ff:ff:ff:ff"}, "agg_mac ff"),
+    ({"agg_port": 9999}, "agg_port 9999 is not the switch's")])
 def test_an_aggregator_address_no_worker_accepts_is_refused(sw, monkeypatch, capsys, tmp_path,
                                                            top, why):
     config = _save(tmp_path, cluster(make_job(1)), **top)

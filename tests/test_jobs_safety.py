@@ -323,3 +323,56 @@ def test_a_fresh_install_takes_a_leftover_jobs_worker_entries_off(sw):
     sw.device.deliver(old, 0)
     assert counters.drops(sw)["unknown_worker"] == 1
     assert counters.job_counters(sw, 0)["packets"] == 0
+
+
+def test_a_job_moved_to_another_index_leaves_its_old_one_whole_on_a_tofino():
+    """A Tofino keys its lookup entries on the job's index: moving a job left its old
+    entries, and with the tables full (four jobs) the move, the retry the error advised and
+    the cluster's install all failed part-way."""
+    from thc.controller.switch import BUILD_DIR
+    from thc.controller.testing.memswitch import MemoryDevice
+    sw = MemorySwitch(device=MemoryDevice(program="thc_tna", build_dir=BUILD_DIR / "tofino")
+                      ).connect(program=None)
+    try:
+        js = [replace(make_job(i + 1, pool_base=8 * i),
+                      workers=tuple(replace(w, switch_port=256 + w.id)
+                                    for w in make_job(i + 1).workers)) for i in range(4)]
+        assert [jobs.install_job(sw, j, live_window=IDLE) for j in js] == [0, 1, 2, 3]
+        tables = installed.lut_tables(sw)
+        full = {t: len(installed.lut_entries_of(sw, t, 1, 0)) for t in tables[:1]}
+        assert jobs.install_job(sw, js[0], job_index=5, live_window=IDLE) == 5
+        assert {t: len(installed.lut_entries_of(sw, t, 1, 0)) for t in tables[:1]} == \
+            dict.fromkeys(full, 0)
+        assert {t: len(installed.lut_entries_of(sw, t, 1, 5)) for t in tables[:1]} == full
+        assert installed.unchanged(sw, js[0], jobs.AggAddress.of(cluster(*js)))
+        assert jobs.install_cluster(sw, cluster(*js), live_window=IDLE)[1] == 5
+    finally:
+        sw.close()
+
+
+@pytest.mark.parametrize("how", ["cluster", "job", "remove"])
+def test_a_plan_is_refused_when_another_controller_wrote_during_the_live_watch(sw, monkeypatch,
+                                                                              how):
+    """A controller of another election id installed job 2 on slots 8..11 while this one
+    watched job 1 for live workers; this one then wrote its plan, read before the watch
+    (job 1 grown to slots 0..15), and reset job 2's slots: two jobs on the same slots."""
+    one = make_job(1, pool_size=4)
+    jobs.install_job(sw, one, live_window=IDLE)
+    grown = replace(one, pool_size=16).validate()
+    other = make_job(2, pool_size=4, pool_base=8)
+    real = jobs.live_jobs
+
+    def watch_while_another_writes(*args):
+        jobs.install_job(sw, other)
+        return real(*args)
+    monkeypatch.setattr(jobs, "live_jobs", watch_while_another_writes)
+    with pytest.raises(SwitchError, match=r"jobs \[2\] changed on the switch while this "
+                                          r"controller watched"):
+        if how == "cluster":
+            jobs.install_cluster(sw, cluster(grown), live_window=IDLE)
+        elif how == "job":
+            jobs.install_job(sw, grown, live_window=IDLE)
+        else:
+            jobs.remove_job(sw, 1, live_window=IDLE)
+    assert installed.installed_jobs(sw)[1]["pool_size"] == 4
+    assert installed.installed_jobs(sw)[2]["pool_base"] == 8

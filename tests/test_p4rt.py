@@ -6,6 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -18,15 +19,25 @@ from p4.v1 import p4runtime_pb2, p4runtime_pb2_grpc  # noqa: E402
 from thc.controller import p4rt  # noqa: E402
 
 SERVER = textwrap.dedent('''
+    import threading
     import grpc
     from concurrent import futures
     from google.protobuf import any_pb2
     from google.rpc import code_pb2, status_pb2
     from p4.v1 import p4runtime_pb2, p4runtime_pb2_grpc
 
+    STUCK = threading.Event()
+
     class Server(p4runtime_pb2_grpc.P4RuntimeServicer):
-        """Rejects every update whose table entry has priority 13 with ALREADY_EXISTS."""
+        """Rejects every update whose table entry has priority 13 with ALREADY_EXISTS; a
+        write of priority 99, and every read, get no answer (until STUCK is set)."""
+        def Read(self, request, context):
+            STUCK.wait(60)
+            return iter(())
+
         def Write(self, request, context):
+            if any(u.entity.table_entry.priority == 99 for u in request.updates):
+                STUCK.wait(60)
             errors = []
             for u in request.updates:
                 bad = u.entity.table_entry.priority == 13
@@ -68,6 +79,7 @@ def server_addr():
     exec(SERVER, scope)
     server, addr = scope["start"]()
     yield addr
+    scope["STUCK"].set()
     server.stop(None)
 
 
@@ -100,6 +112,34 @@ def test_batch_writer_holds_the_statuses_of_thousands_of_updates(server_addr):
         assert p4rt.update_errors(e.value) is None, "the default channel loses the details"
     finally:
         channel.close()
+
+
+def test_a_switch_that_stops_answering_fails_the_write_or_read_at_the_deadline(
+        server_addr, monkeypatch):
+    """p4runtime-shell's reads and writes took no deadline: a switch stopped mid-operation
+    held the controller forever."""
+    monkeypatch.setattr(p4rt, "RPC_DEADLINE", 0.5)
+    writer = p4rt.BatchWriter(server_addr, 0, (1, 0))
+    start = time.monotonic()
+    try:
+        with pytest.raises(p4rt.SessionError, match="answered no P4Runtime write within 0.5 s"):
+            writer.write(INSERT, _entries([1, 99]), batch=1)
+    finally:
+        writer.close()
+    channel = grpc.insecure_channel(server_addr)
+    try:   # the stub open_session gives the shell's client
+        stub = p4runtime_pb2_grpc.P4RuntimeStub(
+            grpc.intercept_channel(channel, p4rt._deadline_interceptor(0.5)))
+        for call in (lambda: list(stub.Read(p4runtime_pb2.ReadRequest())),
+                     lambda: stub.Write(p4runtime_pb2.WriteRequest(updates=[p4runtime_pb2.Update(
+                         type=INSERT, entity=p4runtime_pb2.Entity.FromString(e))
+                         for e in _entries([99])]))):
+            with pytest.raises(grpc.RpcError) as e:
+                call()
+            assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    finally:
+        channel.close()
+    assert time.monotonic() - start < 10
 
 
 def test_p4runtime_shell_error_iterator_loops_forever_on_an_ok_status():
