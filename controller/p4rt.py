@@ -150,8 +150,10 @@ def open_session(grpc_addr: str, device_id: int, election_id: tuple[int, int],
             sh.client = None
         reason = "; ".join(said.messages) or ("" if isinstance(e, SystemExit) else str(e))
         if "no forwarding pipeline config" in reason.lower():
-            raise NoPipeline(f"the switch at {grpc_addr} has no P4 program (the server: "
-                             f"{reason}): push one (`thc controller push`)") from None
+            raise NoPipeline(f"the switch at {grpc_addr} has no P4 program for device "
+                             f"{device_id} (the server: {reason}): push one (`thc controller "
+                             f"push`), or give the device id the switch runs (--device-id)"
+                             ) from None
         if "election id already exists" in reason.lower():
             raise SessionError(
                 f"another controller session with election id {election_id} is open on "
