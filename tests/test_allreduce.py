@@ -347,19 +347,21 @@ def test_workers_decoding_on_different_backends_refuse():
 
 
 def _refusing_worker(rank, port, q):
-    """Worker 1 hands in bad layer positions, then a bool tensor; worker 0 good input."""
+    """Worker 1 hands in bad layer positions, then a bool tensor, then positions torch
+    cannot read (a RuntimeError); worker 0 good input."""
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=2)
     ar = THCAllReduce.through_torch_distributed(params=THCParams(slice_size=256),
                                                 generator=rank)
     x = torch.ones(1024)
     calls = [(x, torch.full((1024,), 2.0) if rank else None),
-             (x.bool() if rank else x, None), (x, None)]
+             (x.bool() if rank else x, None), (x, [object()] * 1024 if rank else None),
+             (x, None)]
     out = []
     for tensor, position in calls:
         try:
             out.append(float(ar(tensor, position).mean()))
-        except (TypeError, ValueError) as e:
+        except (TypeError, ValueError, RuntimeError) as e:
             out.append(str(e))
     q.put((rank, (out, ar.round)))
     dist.destroy_process_group()
@@ -370,13 +372,14 @@ def test_a_worker_refusing_its_input_ends_its_peers_round_too():
     silently) used to leave the peer waiting in a collective: now the refusing worker's round
     goes out marked, every worker refuses it, and the next round is good on both."""
     res = gloo_pair(_refusing_worker)
-    (bad_pos, bad_dtype, good), rounds = res[1]
+    (bad_pos, bad_dtype, unreadable, good), rounds = res[1]
     assert "layer positions must lie in [0, 1]" in bad_pos
     assert "floating-point tensors, got torch.bool" in bad_dtype
+    assert "Could not infer dtype" in unreadable
     peer, rounds0 = res[0]
-    assert all("mark of a worker" in r for r in peer[:2]), peer
-    assert good == pytest.approx(1.0, abs=0.1) and peer[2] == pytest.approx(1.0, abs=0.1)
-    assert rounds == rounds0 == 3
+    assert all("mark of a worker" in r for r in peer[:3]), peer
+    assert good == pytest.approx(1.0, abs=0.1) and peer[3] == pytest.approx(1.0, abs=0.1)
+    assert rounds == rounds0 == 4
 
 
 @pytest.mark.parametrize("generator, error", [(-1, ValueError), (1 << 64, ValueError),

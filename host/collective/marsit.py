@@ -106,7 +106,7 @@ class _SignAllReduce:
             if sum(sizes) != flat.numel() or any(n < 0 for n in sizes):
                 raise ValueError(f"Marsit: segments {sizes} do not split {flat.numel()} "
                                  f"elements")
-        except ValueError as e:
+        except Exception as e:  # noqa: BLE001 - every worker raises it in the agreement
             failure = e
         # the scales' all-reduce is as long as the segments: agree on them first
         rnd, self.round = self.round, self.round + 1
