@@ -150,24 +150,28 @@ def install_job(sw: Switch, job: Job, agg: AggAddress = AggAddress(),
         _refuse_live(sw, {job.job_id: previous["job_index"]}, "re-installing it", force,
                      live_window)
         _check_unchanged(sw, seen)
-        if previous["job_index"] != job_index:
-            # a Tofino's lookup entries are keyed on the index: the old ones would stay,
-            # filling the tables, unless the job leaves its old index whole (as a cluster's)
-            _remove(sw, job.job_id, previous)
-            previous = None
+    last_epoch = previous["epoch"] if previous is not None else None
+    if previous is not None and previous["job_index"] != job_index:
+        # a Tofino's lookup entries are keyed on the index: the old ones would stay,
+        # filling the tables, unless the job leaves its old index whole (as a cluster's)
+        _remove(sw, job.job_id, previous)
+        previous = None
     _write_job(sw, job, job_index, agg, previous,
-               {cfg["mcast_grp"] for cfg in installed.values()})
+               {cfg["mcast_grp"] for cfg in installed.values()}, last_epoch)
     return job_index
 
 
 def _write_job(sw: Switch, job: Job, job_index: int, agg: AggAddress,
-               previous: dict | None, groups_in_use: set[int] = frozenset()) -> None:
+               previous: dict | None, groups_in_use: set[int] = frozenset(),
+               last_epoch: int | None = None) -> None:
     """``groups_in_use``: multicast groups other jobs hold or are given in the same
-    install: the previous group of this job is deleted only when none of them is it. A
+    install: the previous group of this job is deleted only when none of them is it.
+    ``last_epoch``: the job's epoch before, which the new one must differ from (also where
+    the job left its old index, so ``previous`` is None). A
     write that fails leaves the job without all its worker entries (they go in last), so no
     chunk of it completes; the error says so and how to finish."""
     try:
-        _write_entries(sw, job, job_index, agg, previous, groups_in_use)
+        _write_entries(sw, job, job_index, agg, previous, groups_in_use, last_epoch)
     except SwitchError as e:
         raise SwitchError(f"job {job.job_id}: the install stopped part-way ({e}). What it "
                           f"wrote stays on the switch without all the job's worker entries, "
@@ -176,7 +180,7 @@ def _write_job(sw: Switch, job: Job, job_index: int, agg: AggAddress,
 
 
 def _write_entries(sw: Switch, job: Job, job_index: int, agg: AggAddress,
-                   previous: dict | None, groups_in_use) -> None:
+                   previous: dict | None, groups_in_use, last_epoch: int | None) -> None:
     # no worker of an old version may add to a slot from here on; a job id without a job
     # entry (see leftovers) may hold worker entries too
     delete(sw, entries_of(sw, WORKER_TABLE, job.job_id))
@@ -188,7 +192,7 @@ def _write_entries(sw: Switch, job: Job, job_index: int, agg: AggAddress,
     again = previous is not None
     # the job entry first: an install cut short leaves a job that `jobs` lists as not
     # serving and `remove` deletes (without worker entries none of its packets count)
-    epoch = job.new_epoch(previous.get("epoch") if previous else None)
+    epoch = job.new_epoch(previous.get("epoch") if previous else last_epoch)
     upsert(sw, [job_entry(sw, job, job_index, epoch)],
             again and previous["job_index"] == job_index)
     addrs = addr_entries(sw, job, agg)
@@ -216,15 +220,14 @@ def remove_job(sw: Switch, job_id: int, force: bool = False,
     """Delete everything ``install_job`` created for ``job_id``; refuses (JobLive) while its
     workers are sending, unless ``force``. A job id with entries but no thc_job entry (see
     :func:`leftovers`) has them deleted; returns False then, True for an installed job."""
-    installed = installed_jobs(sw)
-    cfg = installed.get(job_id)
+    seen = installed_configs(sw)
+    cfg = seen.get(job_id)
     if cfg is None:
         if job_id not in leftovers(sw):
             raise JobNotInstalled(f"job {job_id} is not installed on the switch "
-                                  f"(installed: {sorted(installed) or 'none'})")
+                                  f"(installed: {sorted(seen) or 'none'})")
         _remove(sw, job_id, None)
         return False
-    seen = installed_configs(sw)
     _refuse_live(sw, {job_id: cfg["job_index"]}, "removing it", force, live_window)
     _check_unchanged(sw, seen)
     _remove(sw, job_id, cfg)
@@ -321,6 +324,7 @@ def install_cluster(sw: Switch, cluster: Cluster, prune: bool = False, force: bo
         raise SwitchError(f"taking the worker entries of jobs {[j.job_id for j in changing]} "
                           f"off failed ({e}); some of them count no packet until the cluster "
                           f"is installed again") from e
+    epochs = {jid: cfg["epoch"] for jid, cfg in installed.items()}
     for job in changing:
         if job.job_id in installed and installed[job.job_id]["job_index"] != index[job.job_id]:
             _remove(sw, job.job_id, installed.pop(job.job_id))   # so that indices can swap
@@ -328,7 +332,7 @@ def install_cluster(sw: Switch, cluster: Cluster, prune: bool = False, force: bo
     for k, job in enumerate(changing):
         try:
             _write_job(sw, job, index[job.job_id], agg, installed.get(job.job_id),
-                       groups - {job.mcast_grp})
+                       groups - {job.mcast_grp}, epochs.get(job.job_id))
         except SwitchError as e:
             rest = [j.job_id for j in changing[k + 1:]]
             if not rest:

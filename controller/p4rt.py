@@ -172,7 +172,12 @@ def open_session(grpc_addr: str, device_id: int, election_id: tuple[int, int],
     from p4.v1 import p4runtime_pb2_grpc
     sh.client.stub = p4runtime_pb2_grpc.P4RuntimeStub(
         grpc.intercept_channel(sh.client.channel, _deadline_interceptor(RPC_DEADLINE)))
-    return sh.client, sh.context.p4info, _is_primary(sh.client)
+    try:
+        primary = _is_primary(sh.client)
+    except Exception:
+        close_session(sh.client)   # its stream's thread would keep the process alive
+        raise
+    return sh.client, sh.context.p4info, primary
 
 
 class _Said(logging.Handler):
@@ -187,11 +192,28 @@ class _Said(logging.Handler):
         self.messages.append(record.getMessage())
 
 
+CLOSE_WAIT = 5.0
+"""Seconds a closing session waits for the switch to end its stream before cancelling it."""
+
+
 def close_session(client) -> None:
-    """``shell.teardown`` for the session :func:`open_session` opened."""
+    """``shell.teardown`` for the session :func:`open_session` opened, bounded: teardown
+    waits for the switch to end the session's stream, which a switch that stopped answering
+    never does (and the stream's thread would keep the process alive), so after
+    :data:`CLOSE_WAIT` the stream is cancelled."""
     from p4runtime_sh import shell as sh
-    if sh.client is client and client is not None:
-        sh.teardown()
+    if sh.client is not client or client is None:
+        return
+    client.stream_out_q.put(None)
+    client.stream_recv_thread.join(CLOSE_WAIT)
+    if client.stream_recv_thread.is_alive():
+        logging.disable(logging.CRITICAL)   # the shell logs the cancelled stream as an error
+        try:
+            client.stream.cancel()
+            client.stream_recv_thread.join(CLOSE_WAIT)
+        finally:
+            logging.disable(logging.NOTSET)
+    sh.teardown()
 
 
 def _varint(n: int) -> bytes:
@@ -345,9 +367,9 @@ class BatchWriter:
             except grpc.RpcError as e:
                 if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                     raise SessionError(f"the switch answered no P4Runtime write within "
-                                       f"{RPC_DEADLINE:g} s; the updates before this batch "
-                                       f"stand: run the command again once it answers"
-                                       ) from None
+                                       f"{RPC_DEADLINE:g} s; what it applied stands (this "
+                                       f"batch's updates may or may not be among it): run "
+                                       f"the command again once it answers") from None
                 errors = update_errors(e)
                 if errors is None:
                     raise SessionError(f"P4Runtime write failed: {e.code().name}: "

@@ -33,6 +33,13 @@ _active_lock = threading.Lock()
 _active: "Switch | None" = None
 
 
+
+def _why(error) -> str:
+    """A P4Runtime error in one line: a gRPC error's code and details (a deadline's too)."""
+    if callable(getattr(error, "code", None)) and callable(getattr(error, "details", None)):
+        return f"{error.code().name}: {error.details()}"
+    return str(error)
+
 class SwitchError(RuntimeError):
     """The switch could not be reached, programmed or queried; the message says why."""
 
@@ -412,6 +419,7 @@ class Switch:
 
     def set_multicast_group(self, group: int, replicas: Iterable[tuple[int, int]]) -> None:
         """Create or replace a multicast group (``shell.MulticastGroupEntry``)."""
+        import grpc
         from p4runtime_sh import shell as sh
         from p4runtime_sh.p4runtime import P4RuntimeWriteException
         self._require()
@@ -423,19 +431,20 @@ class Switch:
                 entry.modify()
             else:
                 entry.insert()
-        except P4RuntimeWriteException as e:
-            raise SwitchError(f"multicast group {group}: {e}") from None
+        except (P4RuntimeWriteException, grpc.RpcError) as e:   # the latter: the deadline
+            raise SwitchError(f"multicast group {group}: {_why(e)}") from None
 
     def delete_multicast_group(self, group: int) -> bool:
         """Delete a multicast group; False when it did not exist."""
+        import grpc
         from p4runtime_sh import shell as sh
         from p4runtime_sh.p4runtime import P4RuntimeWriteException
         if group not in self.multicast_groups():
             return False
         try:
             sh.MulticastGroupEntry(group).delete()
-        except P4RuntimeWriteException as e:
-            raise SwitchError(f"deleting multicast group {group}: {e}") from None
+        except (P4RuntimeWriteException, grpc.RpcError) as e:
+            raise SwitchError(f"deleting multicast group {group}: {_why(e)}") from None
         return True
 
     # -- packet I/O ---------------------------------------------------------------------

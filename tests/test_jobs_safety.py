@@ -325,7 +325,7 @@ def test_a_fresh_install_takes_a_leftover_jobs_worker_entries_off(sw):
     assert counters.job_counters(sw, 0)["packets"] == 0
 
 
-def test_a_job_moved_to_another_index_leaves_its_old_one_whole_on_a_tofino():
+def test_a_job_moved_to_another_index_leaves_its_old_one_whole_on_a_tofino(monkeypatch):
     """A Tofino keys its lookup entries on the job's index: moving a job left its old
     entries, and with the tables full (four jobs) the move, the retry the error advised and
     the cluster's install all failed part-way."""
@@ -346,6 +346,12 @@ def test_a_job_moved_to_another_index_leaves_its_old_one_whole_on_a_tofino():
         assert {t: len(installed.lut_entries_of(sw, t, 1, 5)) for t in tables[:1]} == full
         assert installed.unchanged(sw, js[0], jobs.AggAddress.of(cluster(*js)))
         assert jobs.install_cluster(sw, cluster(*js), live_window=IDLE)[1] == 5
+        # the move keeps the job's last epoch to differ from, whatever the draw
+        last = installed.installed_jobs(sw)[1]["epoch"]
+        draws = iter([(last & P.NONCE_MASK) - 1, 6])
+        monkeypatch.setattr(P.secrets, "randbelow", lambda n: next(draws))
+        jobs.install_job(sw, js[0], job_index=6, live_window=IDLE)
+        assert installed.installed_jobs(sw)[1]["epoch"] != last
     finally:
         sw.close()
 

@@ -189,3 +189,38 @@ def test_a_failed_p4runtime_setup_is_an_error_not_an_exit(bmv2):
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 1
     assert "device 5" in r.stderr and "--device-id" in r.stderr, r.stderr
+
+
+def test_a_switch_that_stops_answering_ends_the_command_and_its_session(monkeypatch):
+    """p4runtime-shell's calls took no deadline, and its teardown waited for the switch to
+    end the session's stream: a stopped switch held the controller (and its process) for as
+    long as it stayed stopped."""
+    import os
+    import signal
+    import time
+
+    from thc.controller import p4rt
+    from thc.controller.installed import installed_jobs
+    from thc.controller.switch import SwitchError
+    from thc.controller.testing.bmv2 import LocalBMv2
+    monkeypatch.setattr(p4rt, "RPC_DEADLINE", 2.0)
+    monkeypatch.setattr(p4rt, "CLOSE_WAIT", 1.0)
+    switch = LocalBMv2(1, receive=False, tag="stp")
+    try:
+        sw = switch.sw
+        assert installed_jobs(sw) == {}
+        os.kill(switch.proc.pid, signal.SIGSTOP)
+        start = time.monotonic()
+        with pytest.raises(SwitchError, match="Deadline Exceeded"):
+            installed_jobs(sw)
+        with pytest.raises(SwitchError, match="reading multicast groups"):
+            sw.set_multicast_group(7, [(0, 1)])
+        monkeypatch.setattr(sw, "multicast_groups", dict)   # to reach the write
+        with pytest.raises(SwitchError, match="multicast group 7: .*DEADLINE_EXCEEDED"):
+            sw.set_multicast_group(7, [(0, 1)])
+        sw.close()
+        switch.sw = None
+        assert time.monotonic() - start < 15
+    finally:
+        os.kill(switch.proc.pid, signal.SIGCONT)
+        switch.close()
