@@ -12,7 +12,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from thc.controller import installed, job_entries, jobs, program
+from thc.controller import installed, job_entries, jobs, program, toolchain
 from thc.controller.switch import Switch
 from thc.wire.jobs import Cluster, ConfigError
 from tests.bmv2.harness import AGG_IP, AGG_MAC
@@ -226,6 +226,7 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.skipif(toolchain.bmv2_missing() is not None, reason=f"{toolchain.bmv2_missing()}")
 def test_a_switch_that_stops_answering_ends_the_command_and_its_session():
     """p4runtime-shell's calls took no deadline, and its teardown waited for the switch to
     end the session's stream: a stopped switch held the controller (and its process) for as
