@@ -233,9 +233,9 @@ def test_an_ipv6_socket_falls_back_from_the_compiled_window_with_the_same_sums(j
             result = c.reduce(_packed(job, 1))
             np.testing.assert_array_equal(result.sums, _want(job, _packed(job, 1)))
             assert result.datapath == "python"
-            # every chunk's volley of hostile replies ignored (more if a resent chunk drew
-            # another)
-            assert c.stats.ignored >= 11 * N_CHUNKS and c.stats.short == 0
+            # the chunks' volleys of hostile replies ignored (more if a resent chunk drew
+            # another; on a loaded machine the socket's buffer may drop a few of them)
+            assert c.stats.ignored >= 10 * N_CHUNKS and c.stats.short == 0
     finally:
         agg.close()
 
