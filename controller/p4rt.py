@@ -24,8 +24,7 @@ Everything else goes through p4runtime-shell's public API (``shell.setup``/``tea
   mid-operation would hold the controller forever. :func:`open_session` gives the client a
   stub on the same channel through an interceptor (:func:`_deadline_interceptor`) that
   bounds every read and write by :data:`RPC_DEADLINE` (the arbitration stream keeps none),
-  and
-  :class:`BatchWriter` passes it to its own writes.
+  and :class:`BatchWriter` passes it to its own writes.
 * ``shell.PacketOut`` requires a ``packet_out`` controller header in the P4Info; the THC
   program has none (a RESET is a plain frame injected at the CPU port), so
   :func:`send_raw_packets` queues raw PacketOut messages on the client's stream.
