@@ -298,6 +298,47 @@ def test_a_wildcard_aggregator_answers_from_the_address_it_was_sent_to(datapath,
         np.testing.assert_array_equal(sums[w], sum(np.asarray(job.table)[i] for i in idx))
 
 
+@pytest.mark.parametrize("engine", ["python", "compiled"])
+def test_datagrams_queued_before_the_server_runs_are_answered_from_their_address(engine):
+    """A datagram that reached a wildcard socket before its serving thread asked for each
+    datagram's destination carried 0.0.0.0 as that destination: the worker's replies left
+    from the route's address (127.0.0.1), though it sent to 127.0.0.2, and it ignored them
+    until a resend. The socket asks before it is bound, so no datagram comes without it."""
+    from thc.net.aggregator import Aggregator
+    from thc.net.fastagg import FastAggregator, available
+    if engine == "compiled" and not available():
+        pytest.skip("the compiled aggregator is not built")
+    job = local_job(1, 2, free_port_block(2), pool_size=8, lanes=16)
+    agg = Aggregator([job]) if engine == "python" else FastAggregator([job])
+    _, port = agg.bind("0.0.0.0", 0)
+    payload = pack_bits(np.full(job.lanes, 3, np.uint8), P.INDEX_BITS).tobytes()
+    socks = []
+    for w in range(2):
+        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        s.bind((job.worker(w).ip, job.worker(w).port))
+        s.settimeout(5.0)
+        socks.append(s)
+
+    def send(w):
+        head = P.Header(P.PktType.DATA, w, job.job_id, 0, 0, 0, 0, 0, 0, 5, 77).pack()
+        socks[w].sendto(head + payload, (f"127.0.0.{w + 1}", port))
+    send(1)
+    time.sleep(0.05)
+    thread = threading.Thread(target=agg.serve, daemon=True)
+    thread.start()
+    try:
+        time.sleep(0.1)
+        send(0)
+        sources = [s.recvfrom(4096)[1] for s in socks]
+    finally:
+        agg._set_stop()
+        thread.join(5)
+        agg.stop()
+        for s in socks:
+            s.close()
+    assert sources == [("127.0.0.1", port), ("127.0.0.2", port)]
+
+
 def test_replies_from_another_address_are_named_in_the_timeout(datapath):
     """Replies from the port of the job's aggregator at another IP (an aggregator or a NAT
     that answers from another address) are ignored, and the timeout counts them and names the

@@ -74,10 +74,12 @@ def answer_from_destination(sock: socket.socket) -> bool:
 
 def destination(ancdata: list) -> bytes | None:
     """The packed local address a datagram came in on, from ``recvmsg``'s ancillary data:
-    the one it was sent to, or for a broadcast or multicast one, the interface's."""
+    the one it was sent to, or for a broadcast or multicast one, the interface's. None for
+    a datagram queued before the socket asked for it (all zeros), as in the compiled one."""
     for level, kind, data in ancdata:
         if level == socket.IPPROTO_IP and kind == IP_PKTINFO and len(data) >= _PKTINFO.size:
-            return _PKTINFO.unpack_from(data)[1]
+            local = _PKTINFO.unpack_from(data)[1]
+            return local if local != bytes(4) else None
     return None
 
 
