@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import pytest
@@ -203,3 +204,34 @@ def test_a_bug_in_the_serving_thread_is_kept_as_its_error():
         while agg.error is None and time.monotonic() < deadline:
             time.sleep(0.01)
         assert isinstance(agg.error, RuntimeError) and "a bug in the model" in str(agg.error)
+
+
+def test_a_flood_does_not_keep_the_aggregator_past_its_duration():
+    """The serving loop read until the socket was empty, so a sender faster than the
+    aggregator kept it past ``--duration`` and ``stop()`` for as long as the flood lasted.
+    Here each datagram takes 1 ms to handle and a thread sends without pause for 10 s."""
+    from thc.net.aggregator import Aggregator
+    job = local_job(1, 2, free_port_block(2))
+    agg = Aggregator([job])
+    agg._handle = lambda datagram, src, now: time.sleep(0.001) or ([],)
+    addr = agg.bind()
+    flooding = threading.Event()
+    flooding.set()
+
+    def flood():
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            end = time.monotonic() + 10
+            while flooding.is_set() and time.monotonic() < end:
+                s.sendto(b"\x00" * 40, addr)
+    sender = threading.Thread(target=flood, daemon=True)
+    sender.start()
+    try:
+        time.sleep(0.1)
+        start = time.monotonic()
+        agg.serve(duration=0.2)
+        took = time.monotonic() - start
+    finally:
+        flooding.clear()
+        sender.join()
+        agg.stop()
+    assert took < 4, f"serve(duration=0.2) returned after {took:.1f} s"

@@ -34,6 +34,8 @@ from thc.wire.model import Model, Reply
 
 MAX_PEERS = 1 << 16
 """Peers whose local address a wildcard socket remembers (see ``Aggregator.serve``)."""
+DRAIN = 1024
+"""Datagrams read between looks at the stop flag: a flood never empties the socket."""
 
 
 class Aggregator(UDPServer):
@@ -126,7 +128,7 @@ class Aggregator(UDPServer):
             if not ready:
                 impair.flush(sendto)
                 continue
-            while True:
+            for _ in range(DRAIN):  # then stop, the duration and jitter's releases are due
                 try:
                     if wildcard:
                         nbytes, anc, _, src = sock.recvmsg_into([buf], PKTINFO_SPACE,
