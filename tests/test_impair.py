@@ -50,10 +50,22 @@ def test_flush_releases_only_due_packets_unless_shutting_down():
     out = []
     for i in range(20):
         imp.send(out.append, i)
-    imp.flush(out.append)
+    imp.flush()
     assert len(out) < 20
-    imp.flush(out.append, everything=True)
+    imp.flush(everything=True)
     assert sorted(out) == list(range(20)) and imp.next_release() is None
+
+
+def test_a_reordered_packet_leaves_through_the_sender_it_was_given():
+    """A held packet went out through whichever sender passed it later (and through the
+    plain socket at a flush), so a DLCP-marked packet could leave with another's mark."""
+    imp = Impairment(reorder=0.5, seed=3)
+    out = []
+    for i in range(40):
+        imp.send(lambda x, mark=i % 2: out.append((mark, x)), i)
+    imp.flush()
+    assert imp.stats["reordered"] > 0 and sorted(x for _, x in out) == list(range(40))
+    assert all(mark == x % 2 for mark, x in out)
 
 
 def test_jitter_bounds_are_checked():

@@ -126,7 +126,7 @@ class Aggregator(UDPServer):
             if impair.jitter:
                 impair.release_due()
             if not ready:
-                impair.flush(sendto)
+                impair.flush()
                 continue
             for _ in range(DRAIN):  # then stop, the duration and jitter's releases are due
                 try:
@@ -148,7 +148,7 @@ class Aggregator(UDPServer):
                         impair.send(sendto, data, dst, source)
                     else:
                         sendto(data, dst, source)
-        impair.flush(sendto, everything=True)
+        impair.flush(everything=True)
 
     def _clear_stop(self) -> None:
         self._stop.clear()

@@ -82,19 +82,19 @@ class Impairment:
         for held in self._held:
             held[0] -= 1
         while self._held and self._held[0][0] <= 0:
-            due.append(self._held.pop(0)[1])
+            due.append(self._held.pop(0)[1:])
         if rng.random() < self.loss:
             self.stats["lost"] += 1
         elif rng.random() < self.reorder:
             self.stats["reordered"] += 1
-            self._held.append([self.reorder_gap, args])
+            self._held.append([self.reorder_gap, deliver, args])
         else:
             self._out(deliver, args)
             if rng.random() < self.dup:
                 self.stats["duplicated"] += 1
                 self._out(deliver, args)
-        for held_args in due:
-            self._out(deliver, held_args)
+        for held_deliver, held_args in due:  # each through its own (a DSCP mark rides it)
+            self._out(held_deliver, held_args)
 
     def next_release(self) -> float | None:
         """Seconds until the next delayed packet is due (0 if one is late), None if none waits."""
@@ -109,11 +109,11 @@ class Impairment:
             _, _, deliver, args = heapq.heappop(delayed)
             deliver(*args)
 
-    def flush(self, deliver: Callable[..., None], everything: bool = False) -> None:
+    def flush(self, everything: bool = False) -> None:
         """Release held packets (a reordered packet is late, never lost) and the delayed
         packets that are due; with ``everything``, every delayed packet too (at shutdown)."""
         held, self._held = self._held, []
-        for _, args in held:
+        for _, deliver, args in held:
             self._out(deliver, args)
         self.release_due()
         if everything:

@@ -305,7 +305,7 @@ class PythonWindow:
                         _fast_retransmit(end, i, due, backoff, later, overtaken, resend,
                                               shard_of, tos)
             else:
-                end.impair.flush(end.sock.sendto)
+                end.impair.flush()
             now = time.monotonic()
             if now < next_due:
                 continue
