@@ -247,10 +247,12 @@ def _remove(sw: Switch, job_id: int, cfg: dict | None) -> None:
     if cfg is not None or lut_tables(sw, by_job_id=True):
         sw.write_entries("DELETE", lut_entries(sw, keys_of, cfg["job_index"] if cfg else 0,
                                                with_action=False), ignore=["NOT_FOUND"])
-    if cfg is not None:
-        sw.delete_multicast_group(cfg["mcast_grp"])
-    elif job_id not in {c["mcast_grp"] for c in installed_jobs(sw).values()}:
-        sw.delete_multicast_group(job_id)
+    # a group another job names stays: after a swap cut short, this job's stale entry may
+    # name the group a complete job now serves from
+    others = {c["mcast_grp"] for j, c in installed_jobs(sw).items() if j != job_id}
+    group = cfg["mcast_grp"] if cfg is not None else job_id
+    if group not in others:
+        sw.delete_multicast_group(group)
     if macs:
         forwarding.remove(sw, macs)
     delete(sw, entries_of(sw, ADDR_TABLE, job_id))

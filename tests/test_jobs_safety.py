@@ -310,6 +310,38 @@ def test_jobs_that_swap_pools_never_count_on_the_same_slots(sw, monkeypatch, fai
         assert_apart(live)
 
 
+@pytest.mark.parametrize("then", ["prune", "remove", "again"])
+def test_a_swap_cut_short_then_undone_keeps_the_live_jobs_group(sw, monkeypatch, then):
+    """A swap of two jobs' pools and groups cut short after the first write leaves job 1
+    live on group 2 and job 2's stale entry naming group 2 too. Removing job 2 (pruned,
+    removed, or rewritten by the install the error advises) deleted group 2: job 1's
+    results went nowhere while the install reported it unchanged."""
+    a, b = make_job(1, pool_base=0), make_job(2, pool_base=4)
+    jobs.install_cluster(sw, cluster(a, b))
+    write_job = jobs._write_job
+
+    def cut_before_the_second(sw_, job, *args):
+        if job.job_id == 2:
+            raise SwitchError("UNAVAILABLE: controller killed")
+        write_job(sw_, job, *args)
+    monkeypatch.setattr(jobs, "_write_job", cut_before_the_second)
+    a2, b2 = replace(a, pool_base=4, mcast_grp=2), replace(b, pool_base=0, mcast_grp=1)
+    with pytest.raises(SwitchError, match="controller killed"):
+        jobs.install_cluster(sw, cluster(a2, b2), live_window=IDLE)
+    monkeypatch.setattr(jobs, "_write_job", write_job)
+    assert {c["mcast_grp"] for c in installed.installed_jobs(sw).values()} == {2}
+    if then == "prune":
+        jobs.install_cluster(sw, cluster(a2), prune=True, live_window=IDLE)
+    elif then == "remove":
+        jobs.remove_job(sw, 2, live_window=IDLE)
+    else:
+        jobs.install_cluster(sw, cluster(a2, b2), live_window=IDLE)
+    assert 2 in sw.multicast_groups(), "job 1's results are multicast to a deleted group"
+    assert installed.unchanged(sw, a2, jobs.AggAddress.of(cluster(a2)))
+    assert counting(sw) == ({1: (range(4, 8), 2), 2: (range(0, 4), 1)} if then == "again"
+                            else {1: (range(4, 8), 2)})
+
+
 def test_a_fresh_install_takes_a_leftover_jobs_worker_entries_off(sw):
     """A job id left without its job entry kept its thc_worker entries through a fresh
     install: the old hosts counted as the new job's workers."""
