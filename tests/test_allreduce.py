@@ -1,6 +1,7 @@
 """Whole THC all-reduces through the software aggregator and through torch.distributed."""
 from __future__ import annotations
 
+import functools
 import threading
 import time
 
@@ -380,6 +381,39 @@ def test_a_worker_refusing_its_input_ends_its_peers_round_too():
     assert all("mark of a worker" in r for r in peer[:3]), peer
     assert good == pytest.approx(1.0, abs=0.1) and peer[3] == pytest.approx(1.0, abs=0.1)
     assert rounds == rounds0 == 4
+
+
+def _skipping_worker(rank, port, q, kind):
+    """Two like-sized reducers, A and B, called in turn; worker 1 skipped A's first call, so
+    each of its calls meets the other reducer's on worker 0."""
+    from thc.collective.marsit import MarsitAllReduce
+    join_gloo(rank, port)
+    if kind == "thc":
+        a, b = (THCAllReduce.through_torch_distributed(params=THCParams(slice_size=256),
+                                                       generator=rank) for _ in "ab")
+    else:
+        a, b = (MarsitAllReduce(None, compensation=False) for _ in "ab")
+    calls = [(a, torch.full((256,), 1.0 + rank)), (b, torch.full((256,), -100.0 - rank))] * 3
+    if rank == 1:
+        calls = calls[1:] + calls[:1]
+    out = []
+    for reducer, x in calls:
+        try:
+            out.append(float(reducer(x).mean()))
+        except RuntimeError as e:
+            out.append(str(e))
+    q.put((rank, out))
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("kind", ["thc", "marsit"])
+def test_a_round_of_one_reducer_never_pairs_with_anothers(kind):
+    """Round numbers count per reducer: A's call k on one worker and B's call k on another
+    carried the same tags, and every worker took the sum of the two (THC's means near -48
+    for true means 1.5 and -100.5). Each reducer's build order is now in its fingerprint."""
+    res = gloo_pair(functools.partial(_skipping_worker, kind=kind))
+    for rank in (0, 1):
+        assert all(isinstance(r, str) and "which reducer it is" in r for r in res[rank]), res
 
 
 @pytest.mark.parametrize("generator, error", [(-1, ValueError), (1 << 64, ValueError),

@@ -23,6 +23,8 @@ a wait.
 from __future__ import annotations
 
 import hashlib
+import threading
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -55,8 +57,25 @@ def nonfinite_mode(value: str) -> str:
     return value
 
 
+_built: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_built_lock = threading.Lock()
+
+
+def ordinal(domain) -> int:
+    """How many reducers this process built on ``domain`` (the process group or client their
+    rounds pair on) before this one. Round numbers count per reducer, so a worker that skips
+    one call of two like-sized reducers would pair one's rounds with the other's for good,
+    each a valid-looking sum; with the ordinal in every round's fingerprint they are refused.
+    Every worker builds its reducers in the same order (a hook builds one per bucket). A
+    transport names its domain (``domain``); a transport that names none pairs on itself."""
+    with _built_lock:
+        n = _built.get(domain, 0)
+        _built[domain] = n + 1
+    return n
+
+
 def fingerprint(params, *cut: int, backend: str = "", steps: str = "",
-                nonfinite: str = "raise") -> int:
+                nonfinite: str = "raise", reducer: int = 0) -> int:
     """What the workers' rounds must share for their sums to mean one thing, as a 48-bit
     value (:func:`key_of`): the codec's parameters (rotation seed, slice size, table), ``cut``, the
     numbers that cut the tensor (its length, the pipeline's piece length), the codec
@@ -64,11 +83,14 @@ def fingerprint(params, *cut: int, backend: str = "", steps: str = "",
     all return the same one), and ``steps``: whether a refused round still sums ("sum": a
     stream-ordered or graphed round) or stops after its MAX round ("check"), so that a
     worker of one kind never waits in a sum its peer of the other skips; and ``nonfinite``
-    (:data:`NONFINITE`), so that none raises where a peer hands on NaN and goes on."""
+    (:data:`NONFINITE`), so that none raises where a peer hands on NaN and goes on;
+    ``reducer``: the reducer's :func:`ordinal`."""
     key = (params.bits, params.granularity, float(params.p), params.seed, params.slice_size,
            tuple(int(t) for t in params.table)) + tuple(int(c) for c in cut) + (backend, steps)
     if nonfinite != "raise":
         key += (nonfinite,)
+    if reducer:
+        key += ("reducer", reducer)
     return key_of(*key)
 
 
@@ -140,8 +162,9 @@ def refused(max_norms: torch.Tensor, tags: torch.Tensor) -> bool:
 
 
 THC_ALIKE = ("their THC parameters (bits, granularity, p, seed, slice size, table), the "
-             "tensor's length or piece length, their codec backend, or how a refused round "
-             "ends (a graphed or stream-ordered round still sums, an eager one on Gloo stops)")
+             "tensor's length or piece length, their codec backend, how a refused round "
+             "ends (a graphed or stream-ordered round still sums, an eager one on Gloo stops), "
+             "or which reducer it is (the order the reducers were built in)")
 """What a THC round's fingerprint covers, as :func:`check_rounds` names it."""
 
 
@@ -174,7 +197,8 @@ def agree(transport, rnd: int, key: int, device) -> None:
 
 
 def together(group, rnd: int, key: int, device, failure: Exception | None = None,
-             alike: str = "the scheme's settings or the tensor's length or segments") -> int:
+             alike: str = "the scheme's settings, the tensor's length or segments, or "
+                          "which reducer it is") -> int:
     """For schemes whose collectives carry no tag lanes (TopK's all-gathers, Marsit's scales
     and ring): the tag lanes and a mark lane in one fixed-length MAX all-reduce before
     them. A worker that failed first (``failure``), is out of step or unlike makes every

@@ -95,6 +95,7 @@ class THCAllReduce:
         self._pool: ThreadPoolExecutor | None = None
         self.transport = transport
         transport.check(self.params)
+        self.ordinal = agreement.ordinal(getattr(transport, "domain", transport))
         # on a GPU nothing in a round waits for the device until its end (see __call__)
         self.codec = THCCodec(self.params, backend=backend, deferred_checks=True)
         self.feedback = ErrorFeedback(self.params) if error_feedback else None
@@ -178,7 +179,8 @@ class THCAllReduce:
         if tensor.numel() == 0:
             # a round of the agreement alone: a peer whose tensor is not empty refuses it
             rnd, self.round = self.round, self.round + 1
-            agreement.agree(self.transport, rnd, agreement.fingerprint(self.params, 0, 0),
+            agreement.agree(self.transport, rnd,
+                            agreement.fingerprint(self.params, 0, 0, reducer=self.ordinal),
                             tensor.device)
             return tensor.clone()
         self._open = False
@@ -202,7 +204,8 @@ class THCAllReduce:
             backend = "unresolved"
         steps = "sum" if getattr(self.transport, "stream_ordered", False) else "check"
         return agreement.fingerprint(self.params, flat.numel(), pieces[0][1] - pieces[0][0],
-                                     backend=backend, steps=steps, nonfinite=self.nonfinite)
+                                     backend=backend, steps=steps, nonfinite=self.nonfinite,
+                                     reducer=self.ordinal)
 
     def _agree_size(self, flat, pieces, rnd: int) -> None:
         """:func:`agreement.agree` before the first round of a tensor size, and before every

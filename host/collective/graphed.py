@@ -118,6 +118,7 @@ class GraphedAllReduce:
         self.params = params or THCParams()
         self.transport = transport
         transport.check(self.params)
+        self.ordinal = agreement.ordinal(getattr(transport, "domain", transport))
         self.key = generator
         self.error_feedback = error_feedback
         self.capture = capture
@@ -238,7 +239,7 @@ class GraphedAllReduce:
         except Exception:  # noqa: BLE001 - raised again once the round went out, refused
             backend, summed = "unresolved", numel
         return agreement.fingerprint(self.params, numel, summed, backend=backend, steps="sum",
-                                     nonfinite=self.nonfinite)
+                                     nonfinite=self.nonfinite, reducer=self.ordinal)
 
     def _agree_size(self, tensor: torch.Tensor, rnd: int) -> None:
         """:func:`agreement.agree` in round ``rnd`` before the first round, and before every
@@ -401,8 +402,8 @@ class GraphedAllReduce:
         if empty or not self._agreed or getattr(self.transport, "agree_each_round", False):
             try:
                 if empty:   # a round of the agreement alone: a peer with a tensor refuses it
-                    agreement.agree(self.transport, rnd, agreement.fingerprint(self.params, 0, 0),
-                                    tensor.device)
+                    agreement.agree(self.transport, rnd, agreement.fingerprint(
+                        self.params, 0, 0, reducer=self.ordinal), tensor.device)
                 else:
                     self._agree_size(tensor, rnd)
             except BaseException:

@@ -71,6 +71,7 @@ class _SignAllReduce:
         self.nonfinite = agreement.nonfinite_mode(nonfinite)
         self.group = group
         self.world = dist.get_world_size(group)
+        self.ordinal = agreement.ordinal(group if group is not None else dist.group.WORLD)
         self.compensation = compensation
         self._coin = torch.Generator().manual_seed(0x4D415253 + dist.get_rank(group))
         """Fair coins for exact zeros: private to the worker, not drawn alike on every rank."""
@@ -111,7 +112,7 @@ class _SignAllReduce:
         # the scales' all-reduce is as long as the segments: agree on them first
         rnd, self.round = self.round, self.round + 1
         key = agreement.key_of("marsit", *self.kind, flat.numel(), tuple(sizes),
-                               self.nonfinite)
+                               self.nonfinite, self.ordinal)
         self.bytes_sent += agreement.together(self.group, rnd, key, flat.device, failure)
         if flat.numel() == 0:      # every rank agreed on it: nothing to send
             return grad.clone()

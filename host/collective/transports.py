@@ -69,6 +69,8 @@ class AggregatorTransport:
                 client.run = run
             client.run_settled = True
         self.client = client
+        self.domain = client
+        """What this transport's rounds pair on: the client's (see agreement.ordinal)."""
         self.n_workers = client.job.n_workers
         self.rank = client.worker_id
         self.bytes_sent = 0
@@ -136,6 +138,8 @@ class DistTransport:
         self.group = group
         self.n_workers = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
+        self.domain = self._group()
+        """What this transport's rounds pair on: the process group (see agreement.ordinal)."""
         self.bytes_sent = 0
         """Bytes this worker sends in its all-reduces, counted as a ring all-reduce sends them
         (2 (p-1)/p of the tensor), as the FP32 and FP16 hooks count theirs."""
