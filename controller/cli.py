@@ -161,8 +161,9 @@ def _run(args: argparse.Namespace) -> int:
     election = args.election_id or ((0, os.getpid()) if read_only else WRITER)
     if push and not args.force:
         _refuse_live_before_push(args, election)
-    if args.action == "l2" and args.op == "add" and (args.mac or "").lower() in \
-            forwarding.UNROUTABLE:
+    if args.action == "l2" and args.mac is not None:
+        args.mac = forwarding.check_mac(args.mac, f"l2 {args.op}")
+    if args.action == "l2" and args.op == "add" and args.mac in forwarding.UNROUTABLE:
         raise ValueError(f"l2 add: {args.mac} is the all-zero or broadcast MAC, which the "
                          f"controller keeps out of l2_forward; name one host's MAC")
     with Switch(args.grpc_addr, args.device_id, election, timeout=args.timeout,

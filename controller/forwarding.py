@@ -5,12 +5,23 @@ worker MAC (the worker's ``switch_port``); anything else can be added by hand.
 """
 from __future__ import annotations
 
+import re
+
 from thc.controller.frames import mac_str
 from thc.controller.program import L2_SET_PORT, L2_TABLE
 from thc.controller.switch import Switch
 
 UNROUTABLE = {"00:00:00:00:00:00", "ff:ff:ff:ff:ff:ff"}
 """MACs never installed (the default worker MAC and broadcast)."""
+
+
+def check_mac(mac, where: str = "l2_forward") -> str:
+    """``mac`` as six lower-case hex pairs; a ValueError naming ``where`` for anything else.
+    The switch API also reads integers and bare hex, in which the all-zero and broadcast
+    MACs would pass for hosts'."""
+    if not isinstance(mac, str) or not re.fullmatch(r"[0-9A-Fa-f]{2}(:[0-9A-Fa-f]{2}){5}", mac):
+        raise ValueError(f"{where}: MAC {mac!r} is not six hex bytes (aa:bb:cc:dd:ee:ff)")
+    return mac.lower()
 
 
 def entry(sw: Switch, mac: str, port: int | None = None):
@@ -21,8 +32,8 @@ def entry(sw: Switch, mac: str, port: int | None = None):
 
 def install(sw: Switch, routes: dict[str, int]) -> None:
     """Add or update MAC -> port entries (idempotent)."""
-    entries = [entry(sw, mac, port) for mac, port in routes.items()
-               if mac.lower() not in UNROUTABLE]
+    entries = [entry(sw, mac, port) for mac, port in
+               ((check_mac(m), port) for m, port in routes.items()) if mac not in UNROUTABLE]
     existing = sw.write_entries("INSERT", entries, ignore=["ALREADY_EXISTS"])
     if existing:
         sw.write_entries("MODIFY", existing)
@@ -30,7 +41,7 @@ def install(sw: Switch, routes: dict[str, int]) -> None:
 
 def remove(sw: Switch, macs) -> int:
     """Delete entries; returns how many existed."""
-    macs = [m for m in macs if m.lower() not in UNROUTABLE]
+    macs = [m for m in map(check_mac, macs) if m not in UNROUTABLE]
     missing = sw.write_entries("DELETE", [entry(sw, m) for m in macs], ignore=["NOT_FOUND"])
     return len(macs) - len(missing)
 

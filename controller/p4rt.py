@@ -24,7 +24,10 @@ Everything else goes through p4runtime-shell's public API (``shell.setup``/``tea
   mid-operation would hold the controller forever. :func:`open_session` gives the client a
   stub on the same channel through an interceptor (:func:`_deadline_interceptor`) that
   bounds every read and write by :data:`RPC_DEADLINE` (the arbitration stream keeps none),
-  and :class:`BatchWriter` passes it to its own writes.
+  and :class:`BatchWriter` passes it to its own writes. ``shell.setup``'s own calls (the
+  arbitration, reading or pushing the pipeline) come before that stub: :func:`open_session`
+  runs it in a daemon thread, waited for a bounded time, so that its stream thread is one
+  too and a switch that never answers neither holds the command nor keeps its process.
 * ``shell.PacketOut`` requires a ``packet_out`` controller header in the P4Info; the THC
   program has none (a RESET is a plain frame injected at the CPU port), so
   :func:`send_raw_packets` queues raw PacketOut messages on the client's stream.
@@ -38,6 +41,7 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
+import threading
 from functools import lru_cache
 from typing import Iterable, NamedTuple
 
@@ -137,8 +141,14 @@ def open_session(grpc_addr: str, device_id: int, election_id: tuple[int, int],
         # setup prints "You are not the primary client" on stdout, which belongs to the
         # caller (``thc controller counters --json``)
         with contextlib.redirect_stdout(io.StringIO()):
-            sh.setup(device_id=device_id, grpc_addr=grpc_addr, election_id=election_id,
-                     config=config, verbose=False)
+            _bounded(lambda: sh.setup(device_id=device_id, grpc_addr=grpc_addr,
+                                      election_id=election_id, config=config, verbose=False),
+                     timeout + RPC_DEADLINE, grpc_addr)
+    except _SetupOverran:
+        raise SessionError(f"the switch at {grpc_addr} took its session's setup (arbitration, "
+                           f"{'pushing' if pipeline else 'reading'} the pipeline) past "
+                           f"{timeout + RPC_DEADLINE:g} s; is it overloaded or stopped?"
+                           ) from None
     except (SystemExit, Exception) as e:
         # a failed setup leaves the client's stream threads running: the process would
         # never exit
@@ -178,6 +188,29 @@ def open_session(grpc_addr: str, device_id: int, election_id: tuple[int, int],
         close_session(sh.client)   # its stream's thread would keep the process alive
         raise
     return sh.client, sh.context.p4info, primary
+
+
+class _SetupOverran(Exception):
+    pass
+
+
+def _bounded(call, seconds: float, grpc_addr: str) -> None:
+    """``call()`` in a daemon thread, waited for at most ``seconds`` (_SetupOverran); what it
+    raised, SystemExit included, is raised here."""
+    outcome: list[BaseException] = []
+
+    def run():
+        try:
+            call()
+        except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
+            outcome.append(e)
+    thread = threading.Thread(target=run, name=f"p4runtime-setup {grpc_addr}", daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if thread.is_alive():
+        raise _SetupOverran()
+    if outcome:
+        raise outcome[0]
 
 
 class _Said(logging.Handler):

@@ -130,3 +130,16 @@ def test_l2_add_of_broadcast_is_refused(sw, monkeypatch, capsys, mac):
     assert f"thc controller: l2 add: {mac} is the all-zero or broadcast MAC" \
         in capsys.readouterr().err
     assert sw.device.log == []
+
+
+@pytest.mark.parametrize("mac", ["0", "0xffffffffffff", "281474976710655", "zz", "aa:bb:cc"])
+def test_l2_takes_a_mac_in_one_spelling_only(sw, monkeypatch, capsys, mac):
+    """The switch API also reads integers and bare hex, in which the broadcast and all-zero
+    MACs went into l2_forward; a malformed MAC failed as "invalid literal for int()"."""
+    for op in (("add", mac, "3"), ("del", mac)):
+        assert thc_controller(sw.device, monkeypatch, "l2", *op) == 1
+        assert f"thc controller: l2 {op[0]}: MAC '{mac}' is not six hex bytes" \
+            in capsys.readouterr().err
+    assert sw.device.log == []
+    with pytest.raises(ValueError, match="not six hex bytes"):
+        forwarding.install(sw, {mac: 3})

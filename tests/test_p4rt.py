@@ -182,3 +182,72 @@ def test_no_server_is_a_clear_error_and_frees_the_session():
     for _ in range(2):   # the second try is not refused as "already open"
         with pytest.raises(SwitchError, match=f"no P4Runtime server at {addr}"):
             Switch(addr, timeout=0.5).connect(program=None)
+
+
+WEDGED = textwrap.dedent('''
+    import time
+    from concurrent import futures
+
+    import grpc
+    from google.rpc import code_pb2
+    from p4.v1 import p4runtime_pb2, p4runtime_pb2_grpc
+
+    class Wedged(p4runtime_pb2_grpc.P4RuntimeServicer):
+        """Answers the arbitration (mode "pipeline") or not ("silent"); never answers a
+        read of the pipeline."""
+        def __init__(self, mode):
+            self.mode = mode
+
+        def StreamChannel(self, requests, context):
+            for request in requests:
+                if request.HasField("arbitration") and self.mode == "pipeline":
+                    reply = p4runtime_pb2.StreamMessageResponse()
+                    reply.arbitration.CopyFrom(request.arbitration)
+                    reply.arbitration.status.code = code_pb2.OK
+                    yield reply
+
+        def GetForwardingPipelineConfig(self, request, context):
+            while context.is_active():
+                time.sleep(0.2)
+            return p4runtime_pb2.GetForwardingPipelineConfigResponse()
+
+    def start(mode):
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+        p4runtime_pb2_grpc.add_P4RuntimeServicer_to_server(Wedged(mode), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        server.start()
+        return server, f"127.0.0.1:{port}"
+''')
+
+OPEN = textwrap.dedent('''
+    import sys
+    from thc.controller import p4rt
+    p4rt.RPC_DEADLINE = 1.0
+    try:
+        p4rt.open_session(sys.argv[1], 0, (1, 0), None, timeout=2.0)
+    except p4rt.SessionError as e:
+        print(e)
+''')
+
+
+@pytest.mark.parametrize("mode", ["pipeline", "silent"])
+def test_a_switch_that_never_finishes_the_session_setup_ends_the_command(mode):
+    """shell.setup's own calls came before the deadline interceptor: a switch that answered
+    the arbitration but not the read of its pipeline held the command forever, and one that
+    never answered the arbitration left a stream thread that kept the process alive after
+    its error. The subprocess must print its error and exit."""
+    scope: dict = {}
+    exec(WEDGED, scope)
+    server, addr = scope["start"](mode)
+    start = time.monotonic()
+    try:
+        r = subprocess.run([sys.executable, "-c", OPEN, addr], capture_output=True, text=True,
+                           timeout=60)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"open_session against a {mode} switch held its process for 60 s")
+    finally:
+        server.stop(None)
+    assert r.returncode == 0, r.stderr
+    expect = "took its session's setup" if mode == "pipeline" else "session with device 0"
+    assert expect in r.stdout, r.stdout + r.stderr
+    assert time.monotonic() - start < 30
