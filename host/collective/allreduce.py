@@ -61,14 +61,16 @@ class THCAllReduce:
     """Callable that returns the THC estimate of the mean of a tensor across workers.
 
     Every worker must call it on same-shaped tensors in the same order: the round number
-    (part of the shared rotation seed) advances with each call. With ``error_feedback`` a
-    reducer serves one gradient (one parameter or bucket, step after step): its residual,
-    the last call's rounding error, joins the next call's input, so two tensors through one
-    reducer would each take the other's (make one reducer per tensor). ``generator``: this worker's
-    rounding draws (see :func:`thc.codec.thc.encode`); by default keyed by its rank, as a
-    graphed reducer's, not by torch's global generator: training scripts seed that alike on
-    every rank, and workers drawing alike would leave the mean's rounding error as large as
-    one worker's.
+    (part of the shared rotation seed) advances with each call. Every worker builds its
+    reducers on a group in the same order too: a round's fingerprint names the reducer by
+    that order, so a call one worker skipped is refused, not paired with another reducer's.
+    With ``error_feedback`` a reducer serves one gradient (one parameter or bucket, step
+    after step): its residual, the last call's rounding error, joins the next call's input,
+    so two tensors through one reducer would each take the other's (make one reducer per
+    tensor). ``generator``: this worker's rounding draws (see :func:`thc.codec.thc.encode`);
+    by default keyed by its rank, as a graphed reducer's, not by torch's global generator:
+    training scripts seed that alike on every rank, and workers drawing alike would leave
+    the mean's rounding error as large as one worker's.
 
     ``nonfinite``: a round in which some worker's input holds NaN or Inf (or a slice norm
     beyond :func:`norm_limit`) is refused on every worker ("raise"), or returns NaN in every
