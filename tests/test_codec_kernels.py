@@ -519,3 +519,23 @@ def test_encode_prepared_refuses_other_parameters():
         assert thc.encode_prepared(prep, prep.norms, p, 3).numel() == 256
         with pytest.raises(ValueError, match="prepared under other THC parameters"):
             thc.encode_prepared(prep, prep.norms, replace(p, seed=1), 3)
+
+
+@kernels
+def test_a_granularity_beyond_the_kernels_tables_is_refused_before_the_max_round():
+    """The kernels' per-step tables of g entries were built in encode, after the MAX round
+    (where a reducer that fails abandons its group), and at g = 2^30 took 8 GiB."""
+    from thc.codec.quantize import LUT_LIMIT
+    from thc.collective.graphed import GraphedAllReduce
+    p = THCParams(slice_size=256, granularity=LUT_LIMIT + 1, table_kind="uniform")
+    codec = THCCodec(p, backend="triton")
+    with pytest.raises(ValueError, match="Triton kernels take a granularity of at most"):
+        codec.prepare(torch.ones(256, device=DEV), round=0)
+
+    class Transport:
+        packed, lanes, stream_ordered, rank = False, None, True, 0
+
+        def check(self, params):
+            pass
+    with pytest.raises(ValueError, match="Triton kernels take a granularity of at most"):
+        GraphedAllReduce(Transport(), p)

@@ -115,3 +115,47 @@ def test_uniforms_sources():
     assert c.dtype == torch.float32 and 0 <= float(c.min()) and float(c.max()) < 1
     with pytest.raises(TypeError):
         uniforms((3,), np.zeros(1), None)
+
+
+def _grid_points(g: int, table, n: int = 4000):
+    """u on [0, g]: random, each table value, its neighbours one float32 step away, 0, g."""
+    rng = np.random.default_rng(g % 1000)
+    t = np.asarray(table, dtype=np.float64)
+    u = np.concatenate([rng.random(n) * g, t, np.nextafter(t.astype(np.float32), np.float32(0)),
+                        np.nextafter(t.astype(np.float32), np.float32(g)), [0.0, g]])
+    return np.clip(u, 0, g).astype(np.float32)
+
+
+def test_a_large_granularity_is_rounded_by_searching_the_table_with_the_same_result(
+        monkeypatch):
+    """Per-step tables of g entries took 8 GiB at g = 2^30 (the OOM killer ended the process
+    where the compiled codec takes a few MB): above LUT_LIMIT floor(u) is searched in the
+    table. Here both ways round the same u with the same draws, numpy and torch alike."""
+    from thc.codec import quantize as q
+    table = tuple(int(v) for v in optimal_table(4, 30, 1 / 32))
+    u = _grid_points(30, table)
+    rand = uniforms(u.shape, u, np.random.default_rng(5))
+    by_lut = stochastic_round(u.copy(), table, rand)
+    monkeypatch.setattr(q, "LUT_LIMIT", 16)
+    for like in (np.asarray, torch.from_numpy):
+        searched = stochastic_round(like(u.copy()), table, like(rand.copy()))
+        np.testing.assert_array_equal(np.asarray(searched), by_lut)
+    q.segments.cache_clear()
+    with pytest.raises(ValueError, match="per-step tables of g = 30"):
+        q.segments(table)
+    q.segments.cache_clear()
+
+
+@pytest.mark.parametrize("g", [(1 << 30), (1 << 31) - 1])
+def test_the_reference_codec_takes_a_large_uniform_table_as_the_compiled_one(g):
+    from thc.codec.fastcodec import available
+    from thc.codec.params import THCParams
+    from thc.codec.thc import THCCodec
+    if not available():
+        pytest.skip("the compiled codec is not built")
+    p = THCParams(slice_size=256, granularity=g, table_kind="uniform")
+    x = torch.randn(700, generator=torch.Generator().manual_seed(1))
+    ref, comp = THCCodec(p, backend="reference"), THCCodec(p, backend="compiled")
+    m = ref.norms(x)
+    a, b = ref.encode(x, m, round=3, generator=2), comp.encode(x, m, round=3, generator=2)
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

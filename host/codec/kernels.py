@@ -21,6 +21,7 @@ from thc.codec.common import (WHOLE, Prepared, check_generator, check_indices, e
 from thc.codec.hadamard import is_torch
 from thc.codec.packing import pack_bits
 from thc.codec.params import THCParams
+from thc.codec.quantize import LUT_LIMIT
 
 NAME = "triton"
 
@@ -62,10 +63,19 @@ def _settle(word, status, params: THCParams, max_norms=None) -> None:
         raise_status(word.tolist(), params, max_norms)
 
 
+def check_granularity(params: THCParams) -> None:
+    """The kernels round through per-step tables of g entries (quantize.segments): refused
+    before a round's MAX round where g is beyond them, not in its encode after it."""
+    if params.granularity > LUT_LIMIT:
+        raise ValueError(f"the Triton kernels take a granularity of at most {LUT_LIMIT} "
+                         f"(got {params.granularity}); the CPU codecs take any")
+
+
 def prepare(kern, flat, params: THCParams, lay, round: int, backend: str,
             status=None) -> Prepared:
     """Norms and encode pass 1 from one read of x."""
     import torch
+    check_granularity(params)
     flat = flat.contiguous()
     word = status if status is not None else status_word(flat.device)
     parts, scratch = [], {}

@@ -6,7 +6,9 @@ equal inputs and equal uniform draws give equal indices on both backends.
 Stochastic rounding: for u between neighbours T[j] <= u <= T[j+1] the index is j + 1 with
 probability (u - T[j]) / (T[j+1] - T[j]), else j, which makes E[T[index]] = u (unbiased).
 Table values are integers, so the neighbours are fixed on each [k, k+1) and are looked up by
-floor(u) in tables of g entries: no search per coordinate.
+floor(u) in tables of g entries: no search per coordinate. Above :data:`LUT_LIMIT` (a uniform
+table's g may reach 2^31 - 1) such tables would take gigabytes: floor(u) is then searched in
+the table itself (at most 256 values), which gives the same neighbours.
 """
 from __future__ import annotations
 
@@ -31,11 +33,17 @@ def _clamp_(x, lo: float, hi: float):
     return np.clip(x, lo, hi, out=x)
 
 
+LUT_LIMIT = 1 << 20
+"""The largest g whose per-unit-step tables (:func:`segments`, 9 bytes an entry) are built."""
+
+
 @lru_cache(maxsize=64)
 def segments(table: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """For u in [k, k+1), k = 0..g-1: lower index j, lower value T[j], width T[j+1] - T[j]."""
     t = np.asarray(table, dtype=np.int64)
     g = int(t[-1])
+    if g > LUT_LIMIT:
+        raise ValueError(f"per-step tables of g = {g} entries (at most {LUT_LIMIT})")
     k = np.arange(g)
     j = np.clip(np.searchsorted(t, k, side="right") - 1, 0, t.size - 2)
     return (j.astype(np.uint8), t[j].astype(np.float32),
@@ -104,6 +112,8 @@ def stochastic_round(u, table, rand, out=None):
     """
     t = check_table(table)
     g = t[-1]
+    if g > LUT_LIMIT:
+        return _searched_round(u, t, rand, out)
     lower, base, width = _lut(t, u)
     if is_torch(u):
         import torch
@@ -130,6 +140,35 @@ def stochastic_round(u, table, rand, out=None):
         np.take(lower, k, out=j)
     j += step
     return j
+
+
+def _searched_round(u, t: tuple[int, ...], rand, out):
+    """:func:`stochastic_round` for g above LUT_LIMIT: j = the last index with T[j] <=
+    floor(u) (at most len - 2), as :func:`segments` has it; the same float32 operations."""
+    g, last = t[-1], len(t) - 2
+    values = np.asarray(t, dtype=np.int64)
+    base, width = values.astype(np.float32), np.diff(values).astype(np.float32)
+    if is_torch(u):
+        import torch
+        k = u.to(torch.int64).clamp_(max=g - 1)
+        on = torch.from_numpy(values).to(u.device)
+        j = (torch.searchsorted(on, k, right=True) - 1).clamp_(0, last)
+        u.sub_(torch.from_numpy(base).to(u.device)[j])
+        u.div_(torch.from_numpy(width).to(u.device)[j])
+        j = j.to(torch.uint8).add_(torch.lt(rand, u).to(torch.uint8))
+        if out is None:
+            return j
+        out.copy_(j)
+        return out
+    k = np.minimum(u.astype(np.int64), g - 1)
+    j = np.clip(np.searchsorted(values, k, side="right") - 1, 0, last)
+    u -= np.take(base, j)
+    u /= np.take(width, j)
+    j = j.astype(np.uint8) + np.less(rand, u)
+    if out is None:
+        return j
+    out[...] = j
+    return out
 
 
 def quantize(z, table, t_p: float, granularity: int, generator=None):

@@ -56,6 +56,7 @@ from dataclasses import dataclass
 
 import torch
 
+from thc.codec import kernels
 from thc.codec.backends import kernels_for
 from thc.codec.common import (NORM_MARK, WHOLE, NonFiniteInput, check_float, check_key,
                               norm_limit, raise_status, scale_factor)
@@ -116,6 +117,7 @@ class GraphedAllReduce:
             raise ValueError("a graphed round sums through torch.distributed: the "
                              "aggregator's client runs on the host")
         self.params = params or THCParams()
+        kernels.check_granularity(self.params)
         self.transport = transport
         transport.check(self.params)
         self.ordinal = agreement.ordinal(getattr(transport, "domain", transport))
