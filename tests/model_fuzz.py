@@ -6,7 +6,12 @@ against an oracle that knows nothing of the model.
 The oracle: a worker's payload for chunk ``seq`` of run ``r`` is a fixed function of
 (worker, run, seq, kind), so the exact sum of a RESULT follows from its bitmap alone, and a
 MAX_RESULT's lanes are the max over its bitmap. Whatever order packets arrive in, whoever
-lies about slots, runs or offsets, a result that differs from that is a wrong sum.
+lies about slots, runs or offsets, a result that differs from that is a wrong sum. Across
+results (:class:`Uses`): every result of one use (epoch, run, seq) is the same (a closed use
+is frozen: every worker decodes one chunk), and a sum short of some worker comes only from
+a use a FLUSH the model took closed. A job idle for RUN_IDLE_S may be taken again by any
+run, its own included, which then uses its seqs afresh: the first results start over there
+(a closed use stays closed).
 
 ``python -m tests.model_fuzz --steps 1000000`` (``make fuzz``) runs the long version and
 prints steps, seeds and the first counterexample; tests/test_model_fuzz.py runs a short one.
@@ -171,6 +176,36 @@ def check_reply(reply: bytes, dst, epoch: int) -> None:
                         f"{hdr.seq} bitmap {hdr.bitmap:#b}: {got[:6]}... != {want[:6]}...")
 
 
+class Uses:
+    """What the oracle keeps across replies, per install: each use's first result, and the
+    uses a FLUSH closed."""
+
+    def __init__(self):
+        self.first: dict[tuple, tuple] = {}
+        self.flushed: set[tuple] = set()
+
+    def idle(self) -> None:
+        self.first.clear()
+
+    def flush(self, datagram: bytes, epoch: int) -> None:
+        hdr = P.Header.unpack(datagram)
+        self.flushed.add((epoch, hdr.run, hdr.seq))
+
+    def check(self, reply: bytes, epoch: int) -> None:
+        hdr, payload = P.decode(reply)
+        if hdr.pkt_type not in (P.PktType.RESULT, P.PktType.MAX_RESULT):
+            return
+        use = (epoch, hdr.run, hdr.seq)
+        if hdr.count < N_WORKERS and use not in self.flushed:
+            raise Violation(f"a sum of {hdr.count} of {N_WORKERS} workers for run {hdr.run} "
+                            f"seq {hdr.seq}, which no FLUSH closed")
+        seen = (hdr.pkt_type, hdr.bitmap, hdr.count, bytes(payload))
+        first = self.first.setdefault(use, seen)
+        if first != seen:
+            raise Violation(f"two results of run {hdr.run} seq {hdr.seq}: bitmaps "
+                            f"{first[1]:#b} and {hdr.bitmap:#b} (a closed use must be frozen)")
+
+
 class Engines:
     """The reference model (through the Python aggregator) and the engines under test."""
 
@@ -185,10 +220,13 @@ class Engines:
             self.others.append(("compiled", fastagg.FastAggregator(
                 [self.job], nonce=self.nonce, shard=shard)))
         self.now = 1000.0
+        self.uses = Uses()
 
     def apply(self, action) -> None:
         if action[0] == "time":
             self.now += action[1]
+            if action[1] >= P.RUN_IDLE_S:
+                self.uses.idle()
             return
         if action[0] == "install":
             self.nonce = action[1]
@@ -197,9 +235,14 @@ class Engines:
                 eng.install(self.job, self.nonce)
             return
         datagram, src = action
+        drops = sum(self.ref.model.drops.values())
         want, _ = self.ref.model.handle(datagram, src, self.now)
+        epoch = self.job.new_epoch(nonce=self.nonce)
+        if datagram[0] == P.PktType.FLUSH and sum(self.ref.model.drops.values()) == drops:
+            self.uses.flush(datagram, epoch)
         for reply, dst in want:
-            check_reply(reply, dst, self.job.new_epoch(nonce=self.nonce))
+            check_reply(reply, dst, epoch)
+            self.uses.check(reply, epoch)
         for name, eng in self.others:
             got = eng.handle(datagram, src, self.now)
             if got != want:

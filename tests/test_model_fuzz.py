@@ -71,6 +71,37 @@ def test_a_model_that_adds_onto_the_previous_use_is_caught(monkeypatch):
     assert "wrong RESULT" in _find_violation()
 
 
+def test_a_model_whose_closed_use_takes_a_late_worker_is_caught(monkeypatch):
+    """A FLUSH-closed use not frozen (a late DATA still added): each result matched its own
+    bitmap, so the oracle alone passed it, though workers of one chunk decoded different
+    sums."""
+    real = model.Model.handle
+
+    def unfrozen(self, datagram, src, now):
+        for job in self.jobs.values():
+            job.thc_closed[:] = [0] * len(job.thc_closed)
+        return real(self, datagram, src, now)
+    monkeypatch.setattr(model.Model, "handle", unfrozen)
+    assert "a closed use must be frozen" in _find_violation()
+
+
+def test_a_model_that_completes_a_sum_short_of_a_worker_is_caught(monkeypatch):
+    """A sum sent out at n - 1 workers with no FLUSH: a short sum taken for a full one."""
+    real = model.Model.handle
+
+    def early(self, datagram, src, now):
+        data = datagram[0] == model.DATA
+        for job in self.jobs.values():
+            job.n = F.N_WORKERS - 1 if data else F.N_WORKERS
+        try:
+            return real(self, datagram, src, now)
+        finally:
+            for job in self.jobs.values():
+                job.n = F.N_WORKERS
+    monkeypatch.setattr(model.Model, "handle", early)
+    assert "which no FLUSH closed" in _find_violation()
+
+
 @pytest.mark.skipif(not fastagg.available(), reason=f"compiled: {fastagg.UNAVAILABLE}")
 def test_the_comparison_sees_an_engine_that_differs(monkeypatch):
     """The compiled engine against a model with the idle-run rule flipped: caught."""
@@ -83,6 +114,6 @@ def test_the_comparison_sees_an_engine_that_differs(monkeypatch):
 
 def _engines_with_short_idle(self, compiled=True, sharded=False):
     from thc.net.aggregator import Aggregator
-    self.job, self.nonce, self.now = F.make_job(), 0x1000, 1000.0
+    self.job, self.nonce, self.now, self.uses = F.make_job(), 0x1000, 1000.0, F.Uses()
     self.ref = Aggregator([self.job], nonce=self.nonce, run_idle=0.0005)
     self.others = [("compiled", fastagg.FastAggregator([self.job], nonce=self.nonce))]
