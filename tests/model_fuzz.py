@@ -13,12 +13,15 @@ a use a FLUSH the model took closed. A job idle for RUN_IDLE_S may be taken agai
 run, its own included, which then uses its seqs afresh: the first results start over there
 (a closed use stays closed).
 
-``python -m tests.model_fuzz --steps 1000000`` (``make fuzz``) runs the long version and
-prints steps, seeds and the first counterexample; tests/test_model_fuzz.py runs a short one.
+Every fourth case of the long run takes the next of :data:`SHAPES` (a vote job, 16-bit sums,
+one worker, 32 workers). ``python -m tests.model_fuzz --steps 1000000`` (``make fuzz``) runs
+it and prints steps, seeds and the first counterexample; tests/test_model_fuzz.py runs a
+short one.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import random
 import sys
 import time
@@ -34,12 +37,35 @@ from thc.wire.jobs import Job
 N_WORKERS, POOL, LANES, JOB_ID = 3, 2, 16, 9
 BASE_PORT = 42000
 TABLE = (0, 1, 2, 4, 6, 8, 11, 14, 16, 19, 22, 24, 26, 28, 29, 30)
+GRANULARITY = 30
+AGGREGATION = "thc"
+SHAPES = {
+    "thc": {},
+    "vote": {"AGGREGATION": "vote"},
+    "wide": {"TABLE": tuple(round(200 * k / 15) for k in range(16)), "GRANULARITY": 200},
+    "alone": {"N_WORKERS": 1, "POOL": 1},
+    "many": {"N_WORKERS": 32, "POOL": 4, "LANES": 24},
+}
+"""Job shapes beside the default (3 workers, pool 2, 16 lanes, 8-bit sums): a sign-vote job,
+16-bit sums, one worker with a pool of one, and 32 workers (a full 32-bit bitmap)."""
 FIRST_RUN = 1000
 """The interleaving's first run; later ones are newer by a step or two, and RUN_FAR is far
 beyond the jump a live run allows."""
 RUN_FAR = (FIRST_RUN + (1 << 31) - 1) % P.SEQ_MOD
-SPAN = 4 * POOL
-"""Sequence numbers drawn from [base, base + SPAN): each slot version is used and reused."""
+SPAN_POOLS = 4
+"""Sequence numbers drawn from [base, base + SPAN_POOLS x POOL): each slot version is used
+and reused."""
+
+
+@contextlib.contextmanager
+def shaped(name: str):
+    """The module's job shape set to ``SHAPES[name]`` for the block."""
+    saved = {k: globals()[k] for k in SHAPES[name]}
+    globals().update(SHAPES[name])
+    try:
+        yield
+    finally:
+        globals().update(saved)
 
 
 SHARD = 1
@@ -48,8 +74,9 @@ SHARD = 1
 
 def make_job(sharded: bool = False) -> Job:
     shards = [{"ip": "127.0.0.1", "port": BASE_PORT + 50 + k} for k in range(3)]
-    return Job.from_dict({"job_id": JOB_ID, "pool_size": POOL, "lanes": LANES,
-                          "table": TABLE, "granularity": 30,
+    kind = {"aggregation": "vote"} if AGGREGATION == "vote" else \
+        {"table": TABLE, "granularity": GRANULARITY}
+    return Job.from_dict({"job_id": JOB_ID, "pool_size": POOL, "lanes": LANES, **kind,
                           "workers": [{"id": i, "ip": "127.0.0.1", "port": BASE_PORT + i}
                                       for i in range(N_WORKERS)],
                           **({"shards": shards} if sharded else {})})
@@ -62,10 +89,25 @@ def addr(w: int) -> tuple[str, int]:
 STRANGER = ("127.0.0.1", BASE_PORT + 99)
 
 
-def indices_of(w: int, run: int, seq: int) -> np.ndarray:
-    """What worker ``w`` sends for chunk ``seq`` of ``run``: the oracle recomputes it."""
+def _drawn(w: int, run: int, seq: int) -> np.ndarray:
+    """Worker ``w``'s lanes for chunk ``seq`` of ``run``: table indices, or sign bits."""
     rng = np.random.default_rng((w, run, seq))
-    return rng.integers(0, 16, LANES).astype(np.uint8)
+    return rng.integers(0, 2 if AGGREGATION == "vote" else 16, LANES).astype(np.uint8)
+
+
+def payload_of(w: int, run: int, seq: int) -> bytes:
+    """What worker ``w`` sends for chunk ``seq`` of ``run``: 4-bit indices, or a vote job's
+    bits, first lane first."""
+    lanes = _drawn(w, run, seq)
+    if AGGREGATION == "vote":
+        return np.packbits(lanes).tobytes()
+    return pack_bits(lanes, P.INDEX_BITS).tobytes()
+
+
+def values_of(w: int, run: int, seq: int) -> np.ndarray:
+    """What the oracle adds for that chunk, from the draw, not from a payload or a Job."""
+    lanes = _drawn(w, run, seq).astype(np.int64)
+    return lanes if AGGREGATION == "vote" else np.asarray(TABLE, np.int64)[lanes]
 
 
 def norms_of(w: int, run: int, seq: int) -> np.ndarray:
@@ -81,7 +123,7 @@ def packet(kind: str, w: int, run: int, seq: int, slot=None, version=None,
                    v if version is None else version, 0, seq,
                    (seq * lanes) % P.SEQ_MOD if offset is None else offset, 0, run, nonce)
     if kind == "DATA":
-        body = pack_bits(indices_of(w, run, seq), P.INDEX_BITS).tobytes()
+        body = payload_of(w, run, seq)
     elif kind == "MAX":
         body = norms_of(w, run, seq).astype(">u4").tobytes()
     else:
@@ -113,7 +155,7 @@ def decode(step: Step, ctx: Context):
     op = step.op % 12
     w = step.a % N_WORKERS
     kind = ("DATA", "DATA", "DATA", "MAX", "MAX", "FLUSH")[step.b % 6]
-    seq = (ctx.base + ctx.front + step.c % SPAN) % P.SEQ_MOD
+    seq = (ctx.base + ctx.front + step.c % (SPAN_POOLS * POOL)) % P.SEQ_MOD
     run = ctx.run if step.d % 5 else ctx.run - 1 - step.d % 2
     if op <= 6:
         return packet(kind, w, run, seq), addr(w)
@@ -147,7 +189,7 @@ class Violation(AssertionError):
     pass
 
 
-def check_reply(reply: bytes, dst, epoch: int) -> None:
+def check_reply(reply: bytes, dst, epoch: int, job: Job) -> None:
     """The oracle: a result's sums follow from its bitmap; its fields are possible."""
     hdr, payload = P.decode(reply)
     if dst != addr(hdr.worker_id):
@@ -164,8 +206,8 @@ def check_reply(reply: bytes, dst, epoch: int) -> None:
     if hdr.pkt_type == P.PktType.RESULT:
         want = np.zeros(LANES, np.int64)
         for w in members:
-            want += np.asarray(TABLE)[indices_of(w, hdr.run, hdr.seq)]
-        got = np.frombuffer(payload, P.sum_dtype(8)).astype(np.int64)
+            want += values_of(w, hdr.run, hdr.seq)
+        got = np.frombuffer(payload, P.sum_dtype(job.sum_bits)).astype(np.int64)
     else:
         if hdr.count != N_WORKERS:
             raise Violation(f"MAX_RESULT of seq {hdr.seq} closed short (count {hdr.count})")
@@ -241,7 +283,7 @@ class Engines:
         if datagram[0] == P.PktType.FLUSH and sum(self.ref.model.drops.values()) == drops:
             self.uses.flush(datagram, epoch)
         for reply, dst in want:
-            check_reply(reply, dst, epoch)
+            check_reply(reply, dst, epoch, self.job)
             self.uses.check(reply, epoch)
         for name, eng in self.others:
             got = eng.handle(datagram, src, self.now)
@@ -300,11 +342,13 @@ def main(argv=None) -> int:
         rng = random.Random(seed)
         steps = random_steps(rng, args.length)
         base, sharded = BASES[case % len(BASES)], case % 4 >= 2
+        shape = list(SHAPES)[case // 4 % len(SHAPES)]
         try:
-            run_steps(steps, base, sharded=sharded)
+            with shaped(shape):
+                run_steps(steps, base, sharded=sharded)
         except Violation as e:
-            print(f"counterexample: seed {seed}, base {base}, sharded {sharded}: {e}",
-                  flush=True)
+            print(f"counterexample: seed {seed}, base {base}, sharded {sharded}, shape "
+                  f"{shape}: {e}", flush=True)
             return 1
         done += len(steps)
         case += 1

@@ -30,6 +30,20 @@ def test_fifty_thousand_random_steps():
         F.run_steps(F.random_steps(rng, 200), F.BASES[case % 2], sharded=case % 4 >= 2)
 
 
+@pytest.mark.parametrize("shape", [s for s in F.SHAPES if s != "thc"])
+def test_other_job_shapes_agree_with_the_model(shape):
+    """A vote job, 16-bit sums, one worker, 32 workers: the compiled engine's answers and
+    every result, as for the default shape."""
+    rng = random.Random(len(shape))
+    with F.shaped(shape):
+        job = F.make_job()
+        for case in range(60):
+            F.run_steps(F.random_steps(rng, 200), F.BASES[case % 2], sharded=case % 4 >= 2)
+    assert (job.aggregation, job.sum_bits, job.n_workers) == {
+        "vote": ("vote", 8, 3), "wide": ("thc", 16, 3), "alone": ("thc", 8, 1),
+        "many": ("thc", 16, 32)}[shape]
+
+
 def test_the_fuzz_exercises_every_rule():
     """The interleavings reach every drop the fuzz aims at, held uses and completions."""
     rng = random.Random(5)
