@@ -298,8 +298,9 @@ def test_a_wildcard_aggregator_answers_from_the_address_it_was_sent_to(datapath,
         np.testing.assert_array_equal(sums[w], sum(np.asarray(job.table)[i] for i in idx))
 
 
+@pytest.mark.parametrize("host", ["0.0.0.0", "0"])
 @pytest.mark.parametrize("engine", ["python", "compiled"])
-def test_datagrams_queued_before_the_server_runs_are_answered_from_their_address(engine):
+def test_datagrams_queued_before_the_server_runs_are_answered_from_their_address(engine, host):
     """A datagram that reached a wildcard socket before its serving thread asked for each
     datagram's destination carried 0.0.0.0 as that destination: the worker's replies left
     from the route's address (127.0.0.1), though it sent to 127.0.0.2, and it ignored them
@@ -310,7 +311,7 @@ def test_datagrams_queued_before_the_server_runs_are_answered_from_their_address
         pytest.skip("the compiled aggregator is not built")
     job = local_job(1, 2, free_port_block(2), pool_size=8, lanes=16)
     agg = Aggregator([job]) if engine == "python" else FastAggregator([job])
-    _, port = agg.bind("0.0.0.0", 0)
+    _, port = agg.bind(host, 0)
     payload = pack_bits(np.full(job.lanes, 3, np.uint8), P.INDEX_BITS).tobytes()
     socks = []
     for w in range(2):

@@ -29,9 +29,9 @@ class UDPServer:
         sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 8 << 20)
-        if host in ("", "0.0.0.0"):
-            # before bind: a datagram queued without it carries no destination to answer from
-            sock.setsockopt(socket.IPPROTO_IP, IP_PKTINFO, 1)
+        # before bind, on any address (a wildcard may be spelled "0", "0.0.0.0" or ""): a
+        # datagram queued without it carries no destination for a wildcard socket to answer from
+        sock.setsockopt(socket.IPPROTO_IP, IP_PKTINFO, 1)
         sock.bind((host, port))
         self._sock = sock
         return sock.getsockname()
