@@ -131,6 +131,11 @@ def open_session(grpc_addr: str, device_id: int, election_id: tuple[int, int],
     """``shell.setup`` without ``sys.exit``: returns (client, P4Info, is_primary)."""
     from p4runtime_sh import shell as sh
 
+    late = _late_setup
+    if late is not None and late.is_alive():
+        raise SessionError(f"a session setup that overran ({late.name}) still runs in this "
+                           f"process, on p4runtime-shell's one client: wait for it to end, or "
+                           f"open the session from another process")
     if not _server_ready(grpc_addr, timeout):
         raise SessionError(f"no P4Runtime server at {grpc_addr} (is simple_switch_grpc "
                            f"running with --grpc-server-addr {grpc_addr}?)")
@@ -143,7 +148,7 @@ def open_session(grpc_addr: str, device_id: int, election_id: tuple[int, int],
         with contextlib.redirect_stdout(io.StringIO()):
             _bounded(lambda: sh.setup(device_id=device_id, grpc_addr=grpc_addr,
                                       election_id=election_id, config=config, verbose=False),
-                     timeout + RPC_DEADLINE, grpc_addr)
+                     timeout + RPC_DEADLINE, grpc_addr, lambda: close_session(sh.client))
     except _SetupOverran:
         raise SessionError(f"the switch at {grpc_addr} took its session's setup (arbitration, "
                            f"{'pushing' if pipeline else 'reading'} the pipeline) past "
@@ -194,20 +199,33 @@ class _SetupOverran(Exception):
     pass
 
 
-def _bounded(call, seconds: float, grpc_addr: str) -> None:
+_late_setup: threading.Thread | None = None
+"""A setup :func:`_bounded` gave up on: until it ends it may still set or tear down
+p4runtime-shell's module-wide client, so no other session opens in this process."""
+
+
+def _bounded(call, seconds: float, grpc_addr: str, undo) -> None:
     """``call()`` in a daemon thread, waited for at most ``seconds`` (_SetupOverran); what it
-    raised, SystemExit included, is raised here."""
+    raised, SystemExit included, is raised here. A call that succeeds after that is undone
+    (``undo()``) in its thread."""
+    global _late_setup
     outcome: list[BaseException] = []
+    gave_up = threading.Event()
 
     def run():
         try:
             call()
         except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
             outcome.append(e)
+            return
+        if gave_up.is_set():
+            undo()
     thread = threading.Thread(target=run, name=f"p4runtime-setup {grpc_addr}", daemon=True)
     thread.start()
     thread.join(seconds)
     if thread.is_alive():
+        gave_up.set()
+        _late_setup = thread
         raise _SetupOverran()
     if outcome:
         raise outcome[0]

@@ -251,3 +251,23 @@ def test_a_switch_that_never_finishes_the_session_setup_ends_the_command(mode):
     expect = "took its session's setup" if mode == "pipeline" else "session with device 0"
     assert expect in r.stdout, r.stdout + r.stderr
     assert time.monotonic() - start < 30
+
+
+def test_no_session_opens_while_a_setup_that_overran_still_runs():
+    """The setup that overran runs on in its thread, on p4runtime-shell's one module-wide
+    client: when its pipeline read failed later it tore down the session opened after it."""
+    scope: dict = {}
+    exec(WEDGED, scope)
+    stuck, stuck_addr = scope["start"]("pipeline")
+    try:
+        r = subprocess.run([sys.executable, "-c", OPEN + textwrap.dedent('''
+            try:
+                p4rt.open_session(sys.argv[1], 0, (1, 0), None, timeout=2.0)
+            except p4rt.SessionError as e:
+                print(e)
+        '''), stuck_addr], capture_output=True, text=True, timeout=60)
+    finally:
+        stuck.stop(None)
+    lines = r.stdout.splitlines()
+    assert "took its session's setup" in lines[0] and "still runs in this process" in lines[1], \
+        r.stdout + r.stderr
