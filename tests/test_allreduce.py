@@ -17,7 +17,7 @@ from thc.codec.thc import THCCodec, aggregate, decode, table_values
 from thc.collective.allreduce import THCAllReduce
 from thc.net.aggregator import Aggregator
 from thc.net.client import AggregationClient, AggregationTimeout
-from thc.testing.clusters import free_port_block, local_job
+from thc.testing.clusters import free_port_block, free_tcp_port, local_job
 from tests.test_graphed import gloo_pair, join_gloo
 
 PARAMS = THCParams(seed=7)
@@ -414,6 +414,40 @@ def test_a_round_of_one_reducer_never_pairs_with_anothers(kind):
     res = gloo_pair(functools.partial(_skipping_worker, kind=kind))
     for rank in (0, 1):
         assert all(isinstance(r, str) and "which reducer it is" in r for r in res[rank]), res
+
+
+def _named_worker(rank, port, q):
+    """Reducers named alike but built in another order on each rank, and one built before
+    the default group was made again."""
+    join_gloo(rank, port)
+    params = THCParams(slice_size=256)
+    stale = THCAllReduce.through_torch_distributed(params=params, generator=rank)
+    again = [free_tcp_port()]
+    dist.broadcast_object_list(again)
+    dist.destroy_process_group()
+    join_gloo(rank, again[0])
+    order = ["w1", "w2"] if rank == 0 else ["w2", "w1"]
+    named = {n: THCAllReduce.through_torch_distributed(params=params, generator=rank, name=n)
+             for n in order}
+    out = [float(named[n](torch.full((256,), 1.0 + rank)).mean()) for n in ("w1", "w2")]
+    try:
+        stale(torch.ones(256))
+        out.append("the stale reducer ran")
+    except RuntimeError as e:
+        out.append(str(e))
+    q.put((rank, out))
+    dist.destroy_process_group()
+
+
+def test_named_reducers_pair_by_name_and_a_replaced_group_is_refused():
+    """By build order alone, ranks that built their per-parameter reducers in another order
+    refused every round; and a reducer built before the default group was made again took
+    the same place in the order as the first one built after, and their rounds paired."""
+    res = gloo_pair(_named_worker)
+    for rank in (0, 1):
+        *means, stale = res[rank]
+        assert means == [pytest.approx(1.5, abs=0.1)] * 2, res
+        assert "the process group this reducer was built on was replaced" in stale, res
 
 
 @pytest.mark.parametrize("generator, error", [(-1, ValueError), (1 << 64, ValueError),

@@ -424,6 +424,50 @@ def test_a_reducer_that_fails_to_build_on_one_rank_fails_every_rank_at_once():
     assert "failed before this round's collectives" in res[0][0] and res[0][1] < 20, res
 
 
+def _once_failing_factory_worker(rank, port, q):
+    """THC's hook whose factory fails once on rank 1 (a transient error): each of four DDP
+    steps' outcome on this rank."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from thc.codec.params import THCParams
+    from thc.collective.allreduce import THCAllReduce
+    from thc.collective.ddp import THCHook
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2, timeout=timedelta(seconds=20))
+    model = _model()
+    ddp = DDP(model)
+    calls = []
+
+    def make(group):
+        calls.append(group)
+        if rank == 1 and len(calls) == 1:
+            raise RuntimeError("a transient failure building the reducer")
+        return THCAllReduce.through_torch_distributed(group, params=THCParams(slice_size=256),
+                                                      generator=rank)
+    THCHook(model, make, overlap=False).register(ddp)
+    out = []
+    for _ in range(4):
+        ddp.zero_grad()
+        x, y = _data(rank)
+        try:
+            torch.nn.functional.cross_entropy(ddp(x), y).backward()
+            out.append("ok")
+        except Exception as e:  # noqa: BLE001 - the test reads each step's outcome
+            out.append(str(e))
+    q.put((rank, out))
+    dist.destroy_process_group()
+
+
+def test_a_reducer_build_that_failed_once_on_one_rank_is_built_again_on_every_rank():
+    """The other rank's reducer had taken a place in the group's build order: when both
+    built again, their places differed and every later round was refused."""
+    from tests.test_graphed import gloo_pair
+    res = gloo_pair(_once_failing_factory_worker)
+    for rank in (0, 1):
+        assert "transient failure" in res[1][0] or "failed before" in res[rank][0], res
+        assert res[rank][1:] == ["ok"] * 3, res
+
+
 def _refused_then_on_worker(rank, port, q):
     """Three DDP steps with THC's hook, not overlapped; rank 0's first gradient holds an Inf:
     each step's outcome on this rank."""

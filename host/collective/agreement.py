@@ -63,15 +63,36 @@ _built_lock = threading.Lock()
 
 def ordinal(domain) -> int:
     """How many reducers this process built on ``domain`` (the process group or client their
-    rounds pair on) before this one. Round numbers count per reducer, so a worker that skips
-    one call of two like-sized reducers would pair one's rounds with the other's for good,
-    each a valid-looking sum; with the ordinal in every round's fingerprint they are refused.
-    Every worker builds its reducers in the same order (a hook builds one per bucket). A
-    transport names its domain (``domain``); a transport that names none pairs on itself."""
+    rounds pair on) before this one."""
     with _built_lock:
         n = _built.get(domain, 0)
         _built[domain] = n + 1
     return n
+
+
+def domain_of(transport):
+    """What ``transport``'s rounds pair on (its ``domain``: a process group, a client); a
+    transport that names none pairs on itself."""
+    return getattr(transport, "domain", transport)
+
+
+def identify(domain, name=None):
+    """A reducer's name: what tells its rounds from other reducers' on ``domain``, in every
+    round's fingerprint. Round numbers count per reducer, so a worker that skipped one call
+    of two like-sized reducers would pair one's rounds with the other's for good, each a
+    valid-looking sum; named apart, they are refused. ``name`` alike on every worker, or by
+    default the reducer's build order on ``domain``, which every worker then keeps alike (a
+    DDP hook names its reducers itself)."""
+    return ordinal(domain) if name is None else name
+
+
+def check_domain(built_on, now) -> None:
+    """Raise where a reducer's rounds would pair on another group than the one it was built
+    and named on (the default group replaced: destroy_process_group, then init again)."""
+    if now is not built_on:
+        raise RuntimeError("the process group this reducer was built on was replaced (the "
+                           "default group was destroyed and made again): build a new "
+                           "reducer, on every worker in the same order")
 
 
 def fingerprint(params, *cut: int, backend: str = "", steps: str = "",
@@ -84,12 +105,12 @@ def fingerprint(params, *cut: int, backend: str = "", steps: str = "",
     stream-ordered or graphed round) or stops after its MAX round ("check"), so that a
     worker of one kind never waits in a sum its peer of the other skips; and ``nonfinite``
     (:data:`NONFINITE`), so that none raises where a peer hands on NaN and goes on;
-    ``reducer``: the reducer's :func:`ordinal`."""
+    ``reducer``: the reducer's name (:func:`identify`)."""
     key = (params.bits, params.granularity, float(params.p), params.seed, params.slice_size,
            tuple(int(t) for t in params.table)) + tuple(int(c) for c in cut) + (backend, steps)
     if nonfinite != "raise":
         key += (nonfinite,)
-    if reducer:
+    if reducer != 0:
         key += ("reducer", reducer)
     return key_of(*key)
 

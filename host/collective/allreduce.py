@@ -78,11 +78,14 @@ class THCAllReduce:
     all-reduce of the floats would be, which ``torch.amp.GradScaler`` needs to skip the step
     on every rank.
     Every worker of a job sets it alike (its rounds' fingerprint holds it).
+
+    ``name``: what tells this reducer's rounds from other reducers' on its process group
+    (or client), alike on every worker; by default its build order there.
     """
 
     def __init__(self, transport, params: THCParams | None = None, error_feedback: bool = True,
                  generator=None, pipeline_elements: int = 1 << 21, backend: str = "auto",
-                 nonfinite: str = "raise"):
+                 nonfinite: str = "raise", name=None):
         self.nonfinite = agreement.nonfinite_mode(nonfinite)
         self.params = params or THCParams()
         if generator is None:
@@ -97,7 +100,6 @@ class THCAllReduce:
         self._pool: ThreadPoolExecutor | None = None
         self.transport = transport
         transport.check(self.params)
-        self.ordinal = agreement.ordinal(getattr(transport, "domain", transport))
         # on a GPU nothing in a round waits for the device until its end (see __call__)
         self.codec = THCCodec(self.params, backend=backend, deferred_checks=True)
         self.feedback = ErrorFeedback(self.params) if error_feedback else None
@@ -106,6 +108,9 @@ class THCAllReduce:
         self._sizes: set[int] = set()
         """Tensor sizes every worker's rounds have agreed on (:meth:`_agree_size`)."""
         self.stats = RoundStats()
+        self._domain = agreement.domain_of(transport)
+        self.name = agreement.identify(self._domain, name)
+        """What tells this reducer's rounds from other reducers' (:func:`agreement.identify`)."""
 
     @classmethod
     def through_aggregator(cls, client, params: THCParams | None = None, group=None, **kw):
@@ -178,11 +183,12 @@ class THCAllReduce:
         ``position``: per element, its layer's place in the next forward pass (0 first .. 1
         last); given, every chunk is marked with its DLCP priority class.
         """
+        agreement.check_domain(self._domain, agreement.domain_of(self.transport))
         if tensor.numel() == 0:
             # a round of the agreement alone: a peer whose tensor is not empty refuses it
             rnd, self.round = self.round, self.round + 1
             agreement.agree(self.transport, rnd,
-                            agreement.fingerprint(self.params, 0, 0, reducer=self.ordinal),
+                            agreement.fingerprint(self.params, 0, 0, reducer=self.name),
                             tensor.device)
             return tensor.clone()
         self._open = False
@@ -207,7 +213,7 @@ class THCAllReduce:
         steps = "sum" if getattr(self.transport, "stream_ordered", False) else "check"
         return agreement.fingerprint(self.params, flat.numel(), pieces[0][1] - pieces[0][0],
                                      backend=backend, steps=steps, nonfinite=self.nonfinite,
-                                     reducer=self.ordinal)
+                                     reducer=self.name)
 
     def _agree_size(self, flat, pieces, rnd: int) -> None:
         """:func:`agreement.agree` before the first round of a tensor size, and before every

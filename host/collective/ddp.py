@@ -264,6 +264,10 @@ class _Hook:
         self.bytes_sent += agreement.together(
             self.group, rnd, agreement.key_of("reducer", type(self).__name__, numel), device,
             failure, alike="the hook or the bucket")
+        if hasattr(reducer, "name"):
+            # named by the agreed build count: a build that failed on some rank took a place
+            # in the group's build order on the others
+            reducer.name = ("hook", rnd)
         return reducer
 
     def _check_reducer(self, reducer) -> None:

@@ -100,12 +100,12 @@ class GraphedAllReduce:
     share one round alike, and the mean gets noisier. ``deferred_checks``: return without
     waiting for the round, raise its refusal later (module docstring); every worker of a job
     sets it alike. ``nonfinite``: as :class:`THCAllReduce`'s; a round handed on gives NaN,
-    deferred or not, and raises nothing later."""
+    deferred or not, and raises nothing later. ``name``: as :class:`THCAllReduce`'s."""
 
     def __init__(self, transport, params: THCParams | None = None, error_feedback: bool = True,
                  generator: int | None = None, capture: bool | None = None,
                  timeout: float = 600.0,
-                 deferred_checks: bool = False, nonfinite: str = "raise"):
+                 deferred_checks: bool = False, nonfinite: str = "raise", name=None):
         self.nonfinite = agreement.nonfinite_mode(nonfinite)
         if generator is None:
             generator = transport.rank
@@ -120,7 +120,6 @@ class GraphedAllReduce:
         kernels.check_granularity(self.params)
         self.transport = transport
         transport.check(self.params)
-        self.ordinal = agreement.ordinal(getattr(transport, "domain", transport))
         self.key = generator
         self.error_feedback = error_feedback
         self.capture = capture
@@ -146,6 +145,9 @@ class GraphedAllReduce:
         self._sent = 0
         """How far this round got: 1 from when its MAX round may have left this worker, 2
         once its sum is done (left at 0 while capturing: a capture sends nothing)."""
+        self._domain = agreement.domain_of(transport)
+        self.name = agreement.identify(self._domain, name)
+        """What tells this reducer's rounds from other reducers' (:func:`agreement.identify`)."""
 
     @classmethod
     def through_torch_distributed(cls, group=None, params: THCParams | None = None, **kw):
@@ -241,7 +243,7 @@ class GraphedAllReduce:
         except Exception:  # noqa: BLE001 - raised again once the round went out, refused
             backend, summed = "unresolved", numel
         return agreement.fingerprint(self.params, numel, summed, backend=backend, steps="sum",
-                                     nonfinite=self.nonfinite, reducer=self.ordinal)
+                                     nonfinite=self.nonfinite, reducer=self.name)
 
     def _agree_size(self, tensor: torch.Tensor, rnd: int) -> None:
         """:func:`agreement.agree` in round ``rnd`` before the first round, and before every
@@ -394,6 +396,7 @@ class GraphedAllReduce:
         if position is not None:
             raise ValueError("DLCP priority classes travel through the aggregator's transport, "
                              "which a graphed round does not use")
+        agreement.check_domain(self._domain, agreement.domain_of(self.transport))
         self.check()   # the last round's refusal, before this one takes a round
         t0 = time.perf_counter()
         # every worker counts the round as taken, whatever happens in it (its agreement
@@ -405,7 +408,7 @@ class GraphedAllReduce:
             try:
                 if empty:   # a round of the agreement alone: a peer with a tensor refuses it
                     agreement.agree(self.transport, rnd, agreement.fingerprint(
-                        self.params, 0, 0, reducer=self.ordinal), tensor.device)
+                        self.params, 0, 0, reducer=self.name), tensor.device)
                 else:
                     self._agree_size(tensor, rnd)
             except BaseException:

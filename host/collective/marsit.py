@@ -62,16 +62,18 @@ class _SignAllReduce:
     """What the agreement key names besides the layout: ranks running unlike reducers (the
     ring and the vote, a mean and a majority) refuse the round together."""
 
-    def __init__(self, group=None, compensation: bool = True, nonfinite: str = "raise"):
+    def __init__(self, group=None, compensation: bool = True, nonfinite: str = "raise",
+                 name=None):
         """``nonfinite``: what a round in which some worker's gradient (with its
         compensation) holds NaN or Inf gives (:data:`thc.collective.agreement.NONFINITE`):
         a refusal on every worker, which forgets the compensation ("raise"), or NaN on every
         worker, the compensation kept ("propagate": ``torch.amp.GradScaler`` then skips the
-        step)."""
+        step). ``name``: as :class:`thc.collective.allreduce.THCAllReduce`'s."""
         self.nonfinite = agreement.nonfinite_mode(nonfinite)
         self.group = group
         self.world = dist.get_world_size(group)
-        self.ordinal = agreement.ordinal(group if group is not None else dist.group.WORLD)
+        self._domain = self._group_now()
+        self.name = agreement.identify(self._domain, name)
         self.compensation = compensation
         self._coin = torch.Generator().manual_seed(0x4D415253 + dist.get_rank(group))
         """Fair coins for exact zeros: private to the worker, not drawn alike on every rank."""
@@ -79,6 +81,9 @@ class _SignAllReduce:
         self.bytes_sent = 0
         self.round = 0
         """Calls so far, refused ones included: the agreement's round lanes."""
+
+    def _group_now(self):
+        return self.group if self.group is not None else dist.group.WORLD
 
     def mean_sign(self, own: torch.Tensor) -> torch.Tensor:
         """From this worker's bits (bool, True = +1) to the shared estimate of the workers'
@@ -95,6 +100,7 @@ class _SignAllReduce:
     def __call__(self, grad: torch.Tensor, sizes: list[int] | None = None) -> torch.Tensor:
         """The estimate of the workers' mean of ``grad``; ``sizes`` splits it into segments
         with a scale each (default: one)."""
+        agreement.check_domain(self._domain, self._group_now())
         flat = grad.reshape(-1).float()
         sizes = [flat.numel()] if sizes is None else list(sizes)
         failure = None
@@ -112,7 +118,7 @@ class _SignAllReduce:
         # the scales' all-reduce is as long as the segments: agree on them first
         rnd, self.round = self.round, self.round + 1
         key = agreement.key_of("marsit", *self.kind, flat.numel(), tuple(sizes),
-                               self.nonfinite, self.ordinal)
+                               self.nonfinite, self.name)
         self.bytes_sent += agreement.together(self.group, rnd, key, flat.device, failure)
         if flat.numel() == 0:      # every rank agreed on it: nothing to send
             return grad.clone()
@@ -158,8 +164,8 @@ class MarsitAllReduce(_SignAllReduce):
     kind = ("ring",)
 
     def __init__(self, group=None, generator: torch.Generator | None = None,
-                 compensation: bool = True, nonfinite: str = "raise"):
-        super().__init__(group, compensation, nonfinite)
+                 compensation: bool = True, nonfinite: str = "raise", name=None):
+        super().__init__(group, compensation, nonfinite, name)
         self.rank = dist.get_rank(group)
         self.generator = generator
 
@@ -218,11 +224,11 @@ class MarsitVoteAllReduce(_SignAllReduce):
     sign (or the majority's, ``majority``). The scales go over ``group`` (Gloo)."""
 
     def __init__(self, client, group=None, compensation: bool = True, majority: bool = False,
-                 nonfinite: str = "raise"):
+                 nonfinite: str = "raise", name=None):
         if client.job.aggregation != "vote":
             raise ValueError(f"job {client.job.job_id} aggregates {client.job.aggregation!r}; "
                              f"Marsit's vote needs a vote job (Job.vote)")
-        super().__init__(group, compensation, nonfinite)
+        super().__init__(group, compensation, nonfinite, name)
         self.kind = ("vote", bool(majority))
         if client.job.n_workers != self.world:
             raise ValueError(f"vote job of {client.job.n_workers} workers, process group of "

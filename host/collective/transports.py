@@ -70,7 +70,7 @@ class AggregatorTransport:
             client.run_settled = True
         self.client = client
         self.domain = client
-        """What this transport's rounds pair on: the client's (see agreement.ordinal)."""
+        """What this transport's rounds pair on: the client's (agreement.identify)."""
         self.n_workers = client.job.n_workers
         self.rank = client.worker_id
         self.bytes_sent = 0
@@ -138,8 +138,6 @@ class DistTransport:
         self.group = group
         self.n_workers = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
-        self.domain = self._group()
-        """What this transport's rounds pair on: the process group (see agreement.ordinal)."""
         self.bytes_sent = 0
         """Bytes this worker sends in its all-reduces, counted as a ring all-reduce sends them
         (2 (p-1)/p of the tensor), as the FP32 and FP16 hooks count theirs."""
@@ -157,6 +155,11 @@ class DistTransport:
         """The process group this transport's collectives use now (``group=None``: the
         default group of the moment, which a re-init replaces)."""
         return self.group if self.group is not None else self.dist.group.WORLD
+
+    @property
+    def domain(self):
+        """What this transport's rounds pair on: the process group (agreement.identify)."""
+        return self._group()
 
     def abandon(self, why: str) -> None:
         """This worker left a round between its collectives: any later collective of its on
