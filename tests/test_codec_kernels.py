@@ -524,10 +524,11 @@ def test_encode_prepared_refuses_other_parameters():
 @kernels
 def test_a_granularity_beyond_the_kernels_tables_is_refused_before_the_max_round():
     """The kernels' per-step tables of g entries were built in encode, after the MAX round
-    (where a reducer that fails abandons its group), and at g = 2^30 took 8 GiB."""
-    from thc.codec.quantize import LUT_LIMIT
+    (where a reducer that fails abandons its group), and at g = 2^30 took 8 GiB. Below the
+    limit, above the reference's own (2^20), they still run as the reference."""
+    from thc.codec.kernels import KERNEL_GRANULARITY
     from thc.collective.graphed import GraphedAllReduce
-    p = THCParams(slice_size=256, granularity=LUT_LIMIT + 1, table_kind="uniform")
+    p = THCParams(slice_size=256, granularity=KERNEL_GRANULARITY + 1, table_kind="uniform")
     codec = THCCodec(p, backend="triton")
     with pytest.raises(ValueError, match="Triton kernels take a granularity of at most"):
         codec.prepare(torch.ones(256, device=DEV), round=0)
@@ -539,3 +540,8 @@ def test_a_granularity_beyond_the_kernels_tables_is_refused_before_the_max_round
             pass
     with pytest.raises(ValueError, match="Triton kernels take a granularity of at most"):
         GraphedAllReduce(Transport(), p)
+    p = THCParams(slice_size=256, granularity=1 << 21, table_kind="uniform")
+    x = torch.randn(512, generator=torch.Generator().manual_seed(2)).to(DEV)
+    m = thc.slice_norms(x, p)
+    a = thc.encode(x, m, p, 5, 77, backend="triton")
+    assert (a.cpu() != thc.encode(x.cpu(), m.cpu(), p, 5, 77, backend="reference")).sum() <= 2

@@ -21,7 +21,6 @@ from thc.codec.common import (WHOLE, Prepared, check_generator, check_indices, e
 from thc.codec.hadamard import is_torch
 from thc.codec.packing import pack_bits
 from thc.codec.params import THCParams
-from thc.codec.quantize import LUT_LIMIT
 
 NAME = "triton"
 
@@ -63,12 +62,18 @@ def _settle(word, status, params: THCParams, max_norms=None) -> None:
         raise_status(word.tolist(), params, max_norms)
 
 
+KERNEL_GRANULARITY = 1 << 24
+"""The largest g the kernels take: they round through per-step tables of g entries on the
+device (quantize.segments, 12 bytes an entry there: 192 MiB at this g)."""
+
+
 def check_granularity(params: THCParams) -> None:
-    """The kernels round through per-step tables of g entries (quantize.segments): refused
-    before a round's MAX round where g is beyond them, not in its encode after it."""
-    if params.granularity > LUT_LIMIT:
-        raise ValueError(f"the Triton kernels take a granularity of at most {LUT_LIMIT} "
-                         f"(got {params.granularity}); the CPU codecs take any")
+    """Refuse a g beyond :data:`KERNEL_GRANULARITY` before a round's MAX round, not in its
+    encode after it (where tables of gigabytes would be built)."""
+    if params.granularity > KERNEL_GRANULARITY:
+        raise ValueError(f"the Triton kernels take a granularity of at most "
+                         f"{KERNEL_GRANULARITY} (got {params.granularity}); the CPU codecs "
+                         f"take any")
 
 
 def prepare(kern, flat, params: THCParams, lay, round: int, backend: str,

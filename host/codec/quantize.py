@@ -34,7 +34,8 @@ def _clamp_(x, lo: float, hi: float):
 
 
 LUT_LIMIT = 1 << 20
-"""The largest g whose per-unit-step tables (:func:`segments`, 9 bytes an entry) are built."""
+"""The largest g the rounding here looks up in per-unit-step tables (:func:`segments`, 9
+bytes an entry); above it, it searches the table."""
 
 
 @lru_cache(maxsize=64)
@@ -42,8 +43,6 @@ def segments(table: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray, np.ndarray
     """For u in [k, k+1), k = 0..g-1: lower index j, lower value T[j], width T[j+1] - T[j]."""
     t = np.asarray(table, dtype=np.int64)
     g = int(t[-1])
-    if g > LUT_LIMIT:
-        raise ValueError(f"per-step tables of g = {g} entries (at most {LUT_LIMIT})")
     k = np.arange(g)
     j = np.clip(np.searchsorted(t, k, side="right") - 1, 0, t.size - 2)
     return (j.astype(np.uint8), t[j].astype(np.float32),
