@@ -93,7 +93,8 @@ def test_deadline_stops_every_rank_after_the_same_step_and_evaluates():
 
 
 @pytest.mark.parametrize("argv", [["--max-steps", "0"], ["--epochs", "0"], ["--batch", "-1"],
-                                  ["--evals", "0"], ["--train-subset", "0"], ["--epochs", "x"]])
+                                  ["--evals", "0"], ["--train-subset", "0"], ["--epochs", "x"],
+                                  ["--width", "-3"]])
 def test_counts_below_one_are_usage_errors(argv, capsys):
     """A zero count used to start a job that trains nothing (``--max-steps 0`` looped idle)."""
     import argparse
@@ -161,3 +162,47 @@ def test_main_job_through_bmv2_has_the_software_losses_step_by_step(tmp_path, bo
         "steps_compared": compared, "identical_losses": True, "first_difference": None,
         "bmv2_step_bound": hw["step_bound"]}
     assert "identical losses" in out.stdout
+
+
+def _main_args(*argv):
+    import argparse
+    parser = argparse.ArgumentParser()
+    mainjob.add_arguments(parser)
+    return parser.parse_args(["--data", "digits", "--modes", "fp32", *argv])
+
+
+def test_a_mode_still_running_at_its_limit_failed_and_says_so(monkeypatch, tmp_path):
+    """The workers stop themselves STOP_MARGIN before the limit: one still running there has
+    hung (a stopped peer, a dead aggregator), yet the mode was reported as "stopped at the
+    limit", its rows in the table and the exit status 0."""
+    from thc.emu.procs import WorkerError, WorkerResult
+    from thc.emu.testbed import LoopbackTestbed
+
+    def hung(self, argv_for, env=None, timeout=None, on_line=None):
+        raise WorkerError("workers timed out after 60 s\n--- worker 1 (worker1-0) still "
+                          "stopped (SIGSTOP?) at the timeout, killed", [WorkerResult(
+                              r, -9, '{"epoch": 0.1, "accuracy": 0.5, "seconds": 1.0, '
+                              '"steps": 3, "bytes_sent": 10}\n', "", 60.0) for r in (0, 1)],
+                          timed_out=True)
+    monkeypatch.setattr(LoopbackTestbed, "run_workers", hung)
+    args = _main_args("--loopback", "--workers", "2", "--out", str(tmp_path))
+    assert mainjob.run(args) == 1
+    report = json.loads((tmp_path / "mainjob.json").read_text())
+    assert report["runs"] == [] and "SIGSTOP" in report["failed"][0]["error"]
+    assert "still running at the 600 s limit" in report["failed"][0]["error"]
+
+
+def test_ctrl_c_ends_the_main_job_with_a_line_not_a_traceback(monkeypatch, capsys, tmp_path):
+    def interrupted(name, args, progress):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(mainjob, "_run_mode", interrupted)
+    assert mainjob.run(_main_args("--loopback", "--out", str(tmp_path))) == 130
+    assert "interrupted during fp32" in capsys.readouterr().err
+
+
+def test_a_link_mininet_cannot_emulate_is_a_usage_error(capsys, tmp_path):
+    from thc.emu.testbed import mininet_unavailable_reason
+    if mininet_unavailable_reason("software"):
+        pytest.skip(f"needs Mininet: {mininet_unavailable_reason('software')}")
+    assert mainjob.run(_main_args("--loss", "100", "--out", str(tmp_path))) == 2
+    assert "--bw/--delay/--loss: loss must lie in [0, 100)" in capsys.readouterr().err

@@ -124,6 +124,66 @@ def test_a_timeout_kills_the_workers():
             tb.run_workers(lambda r: ["python", "-c", "import time; time.sleep(60)"], timeout=1)
 
 
+def test_a_timeout_names_a_stopped_worker_and_says_it_timed_out():
+    """A worker stopped by SIGSTOP and one blocked on it read alike: "timed out", no more."""
+    argv = lambda r: ["python", "-c", "import os, signal, time\n"  # noqa: E731
+                      + ("os.kill(os.getpid(), signal.SIGSTOP)" if r else "time.sleep(60)")]
+    with LoopbackTestbed(2, aggregator="none") as tb:
+        with pytest.raises(WorkerError) as e:
+            tb.run_workers(argv, timeout=3)
+    assert e.value.timed_out
+    assert re.search(r"worker 1 \(\S+\) still stopped \(SIGSTOP\?\) at the timeout", str(e.value))
+    assert re.search(r"worker 0 \(\S+\) still sleeping at the timeout", str(e.value))
+
+
+def test_an_aggregator_that_exits_ends_the_workers_wait_naming_it():
+    """The workers of a dead aggregator waited out their own deadline, or the mode's limit,
+    and the aggregator's exit was read only after that, if at all."""
+    with LoopbackTestbed(2, aggregator="software") as tb:
+        tb.start_aggregator()
+        tb._agg_proc.kill(grace=0)
+        t0 = time.monotonic()
+        with pytest.raises(WorkerError, match="the aggregator exited with code -9") as e:
+            tb.run_workers(lambda r: ["python", "-c", "import time; time.sleep(60)"],
+                           timeout=50)
+    assert time.monotonic() - t0 < 15 and not e.value.timed_out
+
+
+def test_the_stderr_tail_keeps_the_error_under_torchs_frames():
+    from thc.emu.procs import tail
+    err = "\n".join(["Traceback (most recent call last):", '  File "x.py", line 3, in f',
+                     "thc.net.outcomes.AggregationTimeout: job 1, worker 0: chunk seq 4212 not "
+                     "aggregated within 30.0s; missing worker(s) [1]", "At:"]
+                    + [f"[rank0]:   /usr/lib/python3.11/threading.py({n}): run"
+                       for n in range(40)] + ["Exception in thread X:", "last words"])
+    shown = tail(err, 5)
+    assert "missing worker(s) [1]" in shown and "threading.py" not in shown
+    assert shown.splitlines()[-1].strip() == "last words"
+
+
+def test_sigterm_tears_the_loopback_testbed_down_too():
+    """Its workers and aggregators run in sessions of their own: after a SIGTERM of the
+    orchestrator they ran on, and its log directory stayed."""
+    code = textwrap.dedent("""
+        from thc.emu.testbed import LoopbackTestbed
+        with LoopbackTestbed(2, aggregator="software") as tb:
+            tb.start_aggregator()
+            procs = tb.start_workers(lambda r: ["python", "-c", "import time; time.sleep(60)"])
+            print(tb.logdir, *[p.pid for p in procs], tb._agg_proc.pid, flush=True)
+            import time
+            time.sleep(60)
+    """)
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                         cwd=ROOT)
+    logdir, *pids = p.stdout.readline().split()
+    p.terminate()
+    assert p.wait(timeout=30) == 128 + 15
+    time.sleep(0.5)
+    alive = [pid for pid in map(int, pids) if os.path.exists(f"/proc/{pid}")
+             and " Z " not in open(f"/proc/{pid}/stat").read()]
+    assert alive == [] and not Path(logdir).exists()
+
+
 def test_bmv2_and_bad_arguments_are_refused_clearly():
     with pytest.raises(TestbedError, match="bmv2"):
         open_testbed(2, aggregator="bmv2", prefer_mininet=False)

@@ -61,7 +61,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--momentum", type=float, default=None,
                         help=f"SGD momentum (default {DEFAULT_OPTIMIZER[1]}; Marsit modes: "
                              f"{OPTIMIZER['marsit'][1]})")
-    parser.add_argument("--width", type=int, default=None,
+    parser.add_argument("--width", type=positive_int, default=None,
                         help="hidden width (default: 768 for 28x28 images, 64 for digits)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-steps", type=positive_int, default=None,
@@ -154,6 +154,15 @@ def _accuracy(model, x, y, batch: int = 4096) -> float:
     return right / len(y)
 
 
+def _group_timeout(deadline: float | None) -> float | None:
+    """Seconds a collective may wait (None: torch's 30 minutes). With a deadline, until 15 s
+    past it, the last step and evaluation included: a peer that stopped answering then
+    fails this rank with Gloo's error naming it, before the orchestrator's kill."""
+    if deadline is None:
+        return None
+    return min(1800.0, max(30.0, deadline - time.time() + 15.0))
+
+
 def _out_of_time(deadline: float | None) -> bool:
     """Whether any rank is past ``deadline``: they agree (one tiny all-reduce a step), so
     every rank stops after the same step and the collectives stay matched."""
@@ -179,7 +188,7 @@ def train(args) -> list[dict]:
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
-    worker.init_group(args)
+    worker.init_group(args, timeout=_group_timeout(args.stop_at))
     ds = datasets.load(args.data, args.seed, settings.current())
     xtr, ytr, xte, yte = _tensors(ds, args.train_subset)
     model = make_model(xtr.shape[-1], args.width, ds.classes)

@@ -248,17 +248,20 @@ class Testbed(AggregatorProcesses):
         """Run ``argv_for(rank)`` on every worker host at once (one run) and wait for all.
 
         Raises :class:`WorkerError` (with each failing worker's stderr tail) if any worker
-        exits non-zero or the timeout passes; the others are then killed.
+        exits non-zero, an aggregator process exits or the timeout passes; the others are
+        then killed.
         """
         procs = self.start_workers(argv_for, env)
+        watch = self._aggregator_procs()
         try:
-            return wait_all(procs, timeout, what="worker", on_line=on_line)
+            return wait_all(procs, timeout, what="worker", on_line=on_line, watch=watch)
         except WorkerError as e:
-            for name, proc in self._aggregator_procs():
-                if proc.poll() is not None:
+            for name, proc in watch:
+                if proc.poll() is not None and f"--- {name} exited" not in str(e):
                     raise WorkerError(f"{e}\n--- {name} exited with code "
                                       f"{proc.popen.returncode}; stderr tail:\n"
-                                      f"{proc.stderr()[-2000:]}", e.results) from None
+                                      f"{proc.stderr()[-2000:]}", e.results,
+                                      e.timed_out) from None
             raise
 
     def _check_open(self) -> None:

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -40,7 +39,7 @@ from thc.wire.protocol import MAX_SOFTWARE_LANES
 from thc.emu.base import MAX_TESTBED_WORKERS, worker_ip
 from thc.emu.mainreport import dlcp_ratios, plot, step_losses, summarize
 from thc.emu.procs import WorkerError
-from thc.emu import testbed
+from thc.emu import links, testbed
 from thc.emu.testbed import bmv2_unavailable_reason, mininet_unavailable_reason, open_testbed
 
 IPERF_PORT = 5201
@@ -102,8 +101,9 @@ FIXED_TARGET = {"fashion-mnist": 0.80, "digits": 0.95}
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     testbed.add_arguments(parser, timeout=600.0,
-                          timeout_help="per-mode limit, seconds: a mode stopped there reports "
-                                       "how far it got")
+                          timeout_help="per-mode limit, seconds: the workers stop training "
+                                       f"{STOP_MARGIN:g} s before it and report how far they "
+                                       "got; a mode still running at it failed")
     testbed.add_link_arguments(parser, bw=100.0)
     parser.add_argument("--modes", default=DEFAULT_MODES,
                         help=f"comma-separated, from {','.join(MODES)} (default: all but "
@@ -113,7 +113,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "saying so)")
     parser.add_argument("--epochs", type=positive_int, default=2)
     parser.add_argument("--batch", type=positive_int, default=128, help="per-worker batch size")
-    parser.add_argument("--width", type=int, default=None,
+    parser.add_argument("--width", type=positive_int, default=None,
                         help="model width (default: the worker's, 768 for Fashion-MNIST's MLP: "
                              "1.2M parameters)")
     parser.add_argument("--evals", type=positive_int, default=6, help="evaluations per epoch")
@@ -274,8 +274,7 @@ def _run_mode(name: str, args, progress) -> dict:
         if mode.loss_bound:
             job = replace(tb.job, loss_bound=args.loss_bound).validate()
             tb.cluster = replace(tb.cluster, jobs=(job,))
-        tmp = Path(tempfile.mkdtemp(prefix="thc-run-"))
-        cfg = tmp / "cluster.json"
+        cfg = tb.logdir / "cluster.json"   # the testbed's cluster_path, removed with it
         tb.cluster.save(cfg)
         if mode.aggregator != "none":
             tb.start_aggregator()
@@ -320,9 +319,12 @@ def _run_mode(name: str, args, progress) -> dict:
         try:
             results = tb.run_workers(argv, timeout=limit, on_line=on_line)
         except WorkerError as e:
-            if "timed out" not in str(e):
-                raise
-            results, stopped = e.results, f"stopped at the {limit:.0f} s limit"
+            if e.timed_out:   # the workers stop themselves STOP_MARGIN before the limit
+                raise WorkerError(f"still running at the {limit:.0f} s limit, "
+                                  f"{STOP_MARGIN:.0f} s after the workers were to stop and "
+                                  f"evaluate (--stop-at): something hung\n{e}", e.results,
+                                  True) from None
+            raise
         finally:
             for f in flows:
                 f.kill()
@@ -385,6 +387,12 @@ def run(args: argparse.Namespace) -> int:
         print(why, file=sys.stderr)
         return 2
     mininet_why = "--loopback" if args.loopback else mininet_unavailable_reason("software")
+    if not mininet_why:
+        try:
+            links.plan(args.bw, args.delay, args.loss)
+        except links.LinkError as e:
+            print(f"thc run: --bw/--delay/--loss: {e}", file=sys.stderr)
+            return 2
     if args.congest and mininet_why:
         print("thc run: --congest needs the Mininet testbed: not with --loopback"
               if args.loopback else f"thc run: --congest needs the Mininet testbed "
@@ -408,8 +416,8 @@ def run(args: argparse.Namespace) -> int:
     except OSError as e:
         print(f"thc run: cannot create --out {out}: {e.strerror or e}", file=sys.stderr)
         return 2
-    links = ("loopback, links not shaped" if mininet_why else f"at {args.bw:g} Mbit/s")
-    print(f"thc run: {args.data}, {args.workers} workers {links}, "
+    shaped = ("loopback, links not shaped" if mininet_why else f"at {args.bw:g} Mbit/s")
+    print(f"thc run: {args.data}, {args.workers} workers {shaped}, "
           f"{args.epochs} epoch(s), modes {', '.join(modes)}"
           + (f", competing UDP flow {args.congest * args.bw:g} Mbit/s per worker"
              if args.congest else ""), flush=True)
@@ -426,6 +434,10 @@ def run(args: argparse.Namespace) -> int:
         try:
             with tqdm(total=1, desc=name, unit="step", file=sys.stdout) as bar:
                 run_ = _run_mode(name, args, bar)
+        except KeyboardInterrupt:
+            print(f"\nthc run: interrupted during {name}; its testbed torn down, no report "
+                  f"written", file=sys.stderr)
+            return 130
         except Exception as e:  # one failed mode must not cost the others
             print(f"{name} FAILED: {e}", flush=True)
             failed.append({"mode": name, "error": str(e)})

@@ -6,6 +6,7 @@ full pipe while the testbed waits for another one.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import time
 from dataclasses import dataclass
@@ -28,16 +29,44 @@ class WorkerResult:
 
 
 class WorkerError(RuntimeError):
-    """Some worker failed or timed out; ``results`` holds every worker's outcome."""
+    """Some worker failed or timed out; ``results`` holds every worker's outcome,
+    ``timed_out`` whether the wait ran out (the workers that were still running killed)."""
 
-    def __init__(self, message: str, results: list[WorkerResult]):
+    def __init__(self, message: str, results: list[WorkerResult], timed_out: bool = False):
         super().__init__(message)
         self.results = results
+        self.timed_out = timed_out
+
+
+_FRAME = re.compile(r"^(\[rank\d+\]:)?\s+\S+\(\d+\): \S+$")
+"""A frame of the stack torch's C++ errors print after their message (``At:``)."""
+_CAUSE = re.compile(r"^(\[rank\d+\]:\s*)?[\w.]*(Error|Exception|Timeout|Refused|Restarted|"
+                    r"Exceeded|Failed|Interrupt|Terminated)\b.*:")
 
 
 def tail(text: str, lines: int = TAIL_LINES) -> str:
-    rows = text.rstrip().splitlines()
-    return "\n".join(("    " + r) for r in rows[-lines:]) if rows else "    (empty)"
+    """The last ``lines`` of ``text``, without the frames torch prints after an error's
+    message, and with the last line that names an exception kept where it would fall off."""
+    rows = [r for r in text.rstrip().splitlines() if not _FRAME.match(r)]
+    if not rows:
+        return "    (empty)"
+    shown = rows[-lines:]
+    cause = next((r for r in reversed(rows) if _CAUSE.match(r)), None)
+    if cause is not None and cause not in shown:
+        shown = [cause, "..."] + shown[2:]
+    return "\n".join("    " + r for r in shown)
+
+
+def state(pid: int) -> str:
+    """A still-running process's state, as /proc says: "stopped (SIGSTOP?)" for T, else
+    "running" or "sleeping" (waiting, as a worker blocked on a peer is)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            code = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "gone"
+    return {"T": "stopped (SIGSTOP?)", "t": "stopped by a debugger", "R": "running",
+            "D": "in uninterruptible sleep", "Z": "a zombie"}.get(code, "sleeping")
 
 
 class Proc:
@@ -117,16 +146,19 @@ class _LineFollower:
 
 
 def wait_all(procs: list[Proc], timeout: float | None, what: str = "worker",
-             on_line=None) -> list[WorkerResult]:
+             on_line=None, watch: list[tuple[str, Proc]] = ()) -> list[WorkerResult]:
     """Wait for every process; on a failure kill the others and raise :class:`WorkerError`.
 
     A failing process ends the wait early: the others (often blocked on it in a collective)
-    get FAIL_GRACE seconds to fail on their own and are then killed. ``on_line(index, line)``
-    sees stdout lines as they appear (progress bars).
+    get FAIL_GRACE seconds to fail on their own and are then killed; so does any of
+    ``watch`` (name, process: the aggregators the workers need) that exits. At the timeout
+    the message gives each process still running its state (one stopped by SIGSTOP says
+    so). ``on_line(index, line)`` sees stdout lines as they appear (progress bars).
     """
     end = None if timeout is None else time.monotonic() + timeout
     failed_at = None
     timed_out = False
+    gone: list[str] = []
     follower = _LineFollower(procs, on_line) if on_line else None
     while True:
         if follower:
@@ -135,7 +167,11 @@ def wait_all(procs: list[Proc], timeout: float | None, what: str = "worker",
         if all(c is not None for c in codes):
             break
         now = time.monotonic()
-        if failed_at is None and any(c not in (None, 0) for c in codes):
+        if not gone:
+            gone = [f"--- {name} exited with code {p.popen.returncode} while the {what}s "
+                    f"ran; stderr tail:\n{tail(p.stderr())}"
+                    for name, p in watch if p.poll() is not None]
+        if failed_at is None and (gone or any(c not in (None, 0) for c in codes)):
             failed_at = now
         if failed_at is not None and now - failed_at > FAIL_GRACE:
             break
@@ -143,8 +179,10 @@ def wait_all(procs: list[Proc], timeout: float | None, what: str = "worker",
             timed_out = True
             break
         time.sleep(0.02)
-    for p in procs:
+    states = {}
+    for i, p in enumerate(procs):
         if p.poll() is None:
+            states[i] = state(p.pid)
             p.kill()
     if follower:
         follower.poll()
@@ -153,15 +191,18 @@ def wait_all(procs: list[Proc], timeout: float | None, what: str = "worker",
                             p.seconds if p.seconds is not None else time.monotonic() - p.t0)
                for i, p in enumerate(procs)]
     bad = [r for r in results if r.returncode != 0]
-    if timed_out or bad:
+    if timed_out or bad or gone:
         head = (f"{what}s timed out after {timeout:.0f} s" if timed_out
-                else f"{len(bad)} of {len(results)} {what}s failed")
-        parts = [head]
+                else f"{len(bad)} of {len(results)} {what}s failed" if bad
+                else f"a process the {what}s need exited")
+        parts = [head] + gone
         for r, p in zip(results, procs):
             if r.returncode != 0 or timed_out:
-                parts.append(f"--- {what} {r.rank} ({p.name}) exit code {r.returncode} after "
-                             f"{r.seconds:.1f} s; stderr tail:\n{tail(r.stderr)}")
-        raise WorkerError("\n".join(parts), results)
+                how = (f"still {states[r.rank]} at the timeout, killed" if r.rank in states
+                       else f"exit code {r.returncode}")
+                parts.append(f"--- {what} {r.rank} ({p.name}) {how} after {r.seconds:.1f} s; "
+                             f"stderr tail:\n{tail(r.stderr)}")
+        raise WorkerError("\n".join(parts), results, timed_out)
     return results
 
 

@@ -26,6 +26,7 @@ binds the emulated link.
 from __future__ import annotations
 
 import argparse
+import atexit
 
 from thc.app.argtypes import non_negative_float, percent, positive_float, positive_int
 from thc.codec.params import THCParams
@@ -40,6 +41,7 @@ from thc.emu.base import (
     mininet_unavailable_reason,
     say_once,
 )
+from thc.emu.cleanup import signals_raise
 from thc.emu.errors import TestbedError, Unavailable
 from thc.emu.procs import WorkerError, WorkerResult
 
@@ -62,6 +64,11 @@ class LoopbackTestbed(Testbed):
         if aggregator == "bmv2":
             raise TestbedError("the bmv2 aggregator needs the Mininet testbed (root and Mininet)")
         super().__init__(n_workers, aggregator, params, lanes, pool_size, loss_bound)
+        # SIGTERM and SIGHUP unwind to close(), as for Mininet: its workers and aggregators
+        # run in sessions of their own, which the terminal's signals do not reach
+        self._signals = signals_raise()
+        self._signals.__enter__()
+        atexit.register(self.close)
         base = free_port_block(2 * n_workers + 2, tcp=True)
         workers = [Worker(id=r, ip="127.0.0.1", port=base + r) for r in range(n_workers)]
         self.master_addr = ("127.0.0.1", base + n_workers)
@@ -87,8 +94,12 @@ class LoopbackTestbed(Testbed):
         if self._closed:
             return
         self._closed = True
-        self._kill_procs()
-        self._remove_logdir()
+        try:
+            self._kill_procs()
+            self._remove_logdir()
+        finally:
+            self._signals.__exit__(None, None, None)
+            atexit.unregister(self.close)
 
 
 # -- factory --------------------------------------------------------------------------------
