@@ -285,6 +285,29 @@ def _worker(rank, port, q):
     dist.destroy_process_group()
 
 
+def _position_worker(rank, port, q):
+    join_gloo(rank, port)
+    ar = GraphedAllReduce.through_torch_distributed(params=P, generator=rank, timeout=30)
+    x = torch.ones(1024, device=DEV)
+    out = []
+    for position in ([0.5] * 1024 if rank == 0 else None, None):
+        try:
+            out.append(float(ar(x, position).mean()))
+        except ValueError as e:
+            out.append(str(e))
+    q.put((rank, out))
+    dist.destroy_process_group()
+
+
+@kernels
+def test_layer_positions_on_one_worker_are_refused_on_every_worker():
+    """The refusal was raised before the round, on the worker given positions alone: its
+    peer waited in the round's collectives until the group's timeout."""
+    res = gloo_pair(_position_worker)
+    assert "DLCP priority classes" in res[0][0] and "mark of a worker" in res[1][0], res
+    assert res[0][1] == res[1][1] == pytest.approx(1.0, abs=0.05), res
+
+
 @kernels
 def test_two_gloo_workers_agree_with_the_eager_allreduce():
     """Two processes: every round's estimate equals the eager all-reduce's and the peer's;

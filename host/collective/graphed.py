@@ -392,10 +392,8 @@ class GraphedAllReduce:
         """The THC estimate of the workers' mean of ``tensor``; raises, on every worker, what
         :class:`THCAllReduce` raises at a round's end (bad input anywhere, workers out of
         step); with deferred checks, zeros for that round and the error at the next call.
-        ``position`` (DLCP classes) needs the aggregator's transport: refused."""
-        if position is not None:
-            raise ValueError("DLCP priority classes travel through the aggregator's transport, "
-                             "which a graphed round does not use")
+        ``position`` (DLCP classes) needs the aggregator's transport: refused, on every
+        worker, as bad input is."""
         agreement.check_domain(self._domain, agreement.domain_of(self.transport))
         self.check()   # the last round's refusal, before this one takes a round
         t0 = time.perf_counter()
@@ -419,6 +417,9 @@ class GraphedAllReduce:
             return tensor.clone()
         self._sent = 0
         try:
+            if position is not None:
+                raise ValueError("DLCP priority classes travel through the aggregator's "
+                                 "transport, which a graphed round does not use")
             flat = tensor.detach().reshape(-1)
             check_float(flat)   # owed to the peers as a refused round, as bad values are
             if flat.dtype not in KERNEL_DTYPES:
