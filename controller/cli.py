@@ -217,6 +217,10 @@ def _run(args: argparse.Namespace) -> int:
             elif args.mac is None or (args.op == "add" and args.port is None):
                 need = " and a PORT" if args.op == "add" else ""
                 raise ValueError(f"l2 {args.op} needs a MAC{need}")
+            elif owners := _jobs_of_mac(sw, args.mac):
+                raise ValueError(f"l2 {args.op}: {args.mac} is a worker MAC of job(s) "
+                                 f"{owners}, whose install keeps its route: change the job's "
+                                 f"config and install it again")
             elif args.op == "add":
                 forwarding.install(sw, {args.mac: args.port})
                 print(f"l2_forward: {args.mac} -> port {args.port}")
@@ -225,6 +229,14 @@ def _run(args: argparse.Namespace) -> int:
             else:
                 print(f"l2_forward: deleted {args.mac}")
     return 0
+
+
+def _jobs_of_mac(sw: Switch, mac: str) -> list[int]:
+    """The installed jobs (on the THC program) with a worker of MAC ``mac``."""
+    if sw.target is None:
+        return []
+    return sorted(jid for jid, addrs in installed.installed_addresses(sw).items()
+                  if any(m == mac for _, _, m, _ in addrs))
 
 
 def run(args: argparse.Namespace) -> int:

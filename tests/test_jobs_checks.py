@@ -143,3 +143,18 @@ def test_l2_takes_a_mac_in_one_spelling_only(sw, monkeypatch, capsys, mac):
     assert sw.device.log == []
     with pytest.raises(ValueError, match="not six hex bytes"):
         forwarding.install(sw, {mac: 3})
+
+
+def test_l2_leaves_the_routes_of_installed_workers_alone(sw, monkeypatch, capsys):
+    """l2 del of a worker's MAC took its route from under a job the switch still served;
+    l2 add sent its frames out another port. The job's install owns that route."""
+    job = make_job(4)
+    jobs.install_cluster(sw, cluster(job))
+    mac = job.workers[1].mac
+    before = forwarding.routes(sw)
+    for op in (("add", mac, "9"), ("del", mac)):
+        assert thc_controller(sw.device, monkeypatch, "l2", *op) == 1
+        assert "is a worker MAC of job(s) [4], whose install keeps its route" \
+            in capsys.readouterr().err
+    assert forwarding.routes(sw) == before and before[mac] == job.workers[1].switch_port
+    assert thc_controller(sw.device, monkeypatch, "l2", "add", "02:aa:00:00:00:01", "9") == 0
