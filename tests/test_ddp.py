@@ -468,6 +468,48 @@ def test_a_reducer_build_that_failed_once_on_one_rank_is_built_again_on_every_ra
         assert res[rank][1:] == ["ok"] * 3, res
 
 
+def _two_hooks_worker(rank, port, q):
+    """Two models, each with THC's hook on the one group; in step 2 rank 1 runs B's backward
+    before A's: each step's outcome on this rank, and the hooks' indices."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from thc.codec.params import THCParams
+    from thc.collective.allreduce import THCAllReduce
+    from thc.collective.ddp import THCHook
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2, timeout=timedelta(seconds=20))
+    models = [_model(), _model()]
+    ddps = [DDP(m) for m in models]
+    hooks = [THCHook(m, lambda group: THCAllReduce.through_torch_distributed(
+        group, params=THCParams(slice_size=256), generator=rank), overlap=False).register(d)
+        for m, d in zip(models, ddps)]
+    out = []
+    for step in range(3):
+        x, y = _data(rank)
+        losses = [torch.nn.functional.cross_entropy(d(x), y) * scale
+                  for d, scale in zip(ddps, (1, 100))]
+        try:
+            for loss in (losses[::-1] if step == 2 and rank == 1 else losses):
+                loss.backward()
+            out.append("ok")
+        except RuntimeError as e:
+            out.append(str(e))
+    q.put((rank, (out, [h.index for h in hooks])))
+    dist.destroy_process_group()
+
+
+def test_two_hooks_on_one_group_never_pair_each_others_rounds():
+    """Each hook named its reducers by its own build count alone: ("hook", 0) on both, so a
+    rank that reduced the second model's bucket first paired it with the first model's (a
+    mean of gradients 100x apart, taken on every rank)."""
+    from tests.test_graphed import gloo_pair
+    res = gloo_pair(_two_hooks_worker)
+    for rank in (0, 1):
+        out, indices = res[rank]
+        assert out[:2] == ["ok", "ok"] and indices == [0, 1], res
+        assert "which reducer it is" in out[2], res
+
+
 def _refused_then_on_worker(rank, port, q):
     """Three DDP steps with THC's hook, not overlapped; rank 0's first gradient holds an Inf:
     each step's outcome on this rank."""

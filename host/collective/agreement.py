@@ -61,12 +61,12 @@ _built: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _built_lock = threading.Lock()
 
 
-def ordinal(domain) -> int:
-    """How many reducers this process built on ``domain`` (the process group or client their
-    rounds pair on) before this one."""
+def ordinal(domain, kind: str = "reducer") -> int:
+    """How many ``kind`` (reducers, hooks) this process built on ``domain`` (the process group
+    or client their rounds pair on) before this one."""
     with _built_lock:
-        n = _built.get(domain, 0)
-        _built[domain] = n + 1
+        counts = _built.setdefault(domain, {})
+        n = counts[kind] = counts.get(kind, -1) + 1
     return n
 
 

@@ -125,6 +125,10 @@ class _Hook:
         self.group = comm_group if comm_group is not None else \
             dist.new_group(timeout=_timeout_of(group)) if overlap else group
         """The process group of the hook's collectives."""
+        self.index = agreement.ordinal(dist.group.WORLD if group is None else group, "hook")
+        """This hook's place among the hooks built on its workers' group, in every name of
+        its reducers: two hooks' reducers may share a group or an aggregator client. Every
+        rank builds its hooks in the same order (the agreement above runs on that group)."""
         if overlap:
             _OWNERS[self.group] = weakref.ref(self)
         self._built = 0
@@ -267,7 +271,7 @@ class _Hook:
         if hasattr(reducer, "name"):
             # named by the agreed build count: a build that failed on some rank took a place
             # in the group's build order on the others
-            reducer.name = ("hook", rnd)
+            reducer.name = ("hook", self.index, rnd)
         return reducer
 
     def _check_reducer(self, reducer) -> None:
