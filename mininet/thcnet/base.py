@@ -261,7 +261,7 @@ class Testbed(AggregatorProcesses):
                     raise WorkerError(f"{e}\n--- {name} exited with code "
                                       f"{proc.popen.returncode}; stderr tail:\n"
                                       f"{proc.stderr()[-2000:]}", e.results,
-                                      e.timed_out) from None
+                                      e.timed_out, e.states) from None
             raise
 
     def _check_open(self) -> None:

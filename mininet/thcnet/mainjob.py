@@ -319,12 +319,21 @@ def _run_mode(name: str, args, progress) -> dict:
         try:
             results = tb.run_workers(argv, timeout=limit, on_line=on_line)
         except WorkerError as e:
-            if e.timed_out:   # the workers stop themselves STOP_MARGIN before the limit
+            # the workers stop themselves STOP_MARGIN before the limit, and a peer or an
+            # aggregator that stops answering fails them before it (Gloo's timeout, the
+            # aggregator watch): at the limit, a slow last step and evaluation, unless a
+            # worker was stopped (SIGSTOP) or none got to an evaluation
+            signalled = [r for r, st in e.states.items() if st.startswith("stopped")]
+            if not e.timed_out:
+                raise
+            if signalled or not _rows(e.results[0].stdout)[1]:
                 raise WorkerError(f"still running at the {limit:.0f} s limit, "
                                   f"{STOP_MARGIN:.0f} s after the workers were to stop and "
-                                  f"evaluate (--stop-at): something hung\n{e}", e.results,
-                                  True) from None
-            raise
+                                  f"evaluate (--stop-at)\n{e}", e.results, True,
+                                  e.states) from None
+            results, stopped = e.results, (f"stopped at the {limit:.0f} s limit (its last "
+                                           f"step and evaluation took more than "
+                                           f"{STOP_MARGIN:.0f} s)")
         finally:
             for f in flows:
                 f.kill()

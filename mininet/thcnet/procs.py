@@ -32,10 +32,13 @@ class WorkerError(RuntimeError):
     """Some worker failed or timed out; ``results`` holds every worker's outcome,
     ``timed_out`` whether the wait ran out (the workers that were still running killed)."""
 
-    def __init__(self, message: str, results: list[WorkerResult], timed_out: bool = False):
+    def __init__(self, message: str, results: list[WorkerResult], timed_out: bool = False,
+                 states: dict[int, str] | None = None):
         super().__init__(message)
         self.results = results
         self.timed_out = timed_out
+        self.states = states or {}
+        """At a timeout, each killed worker's state then (:func:`state`), by rank."""
 
 
 _FRAME = re.compile(r"^(\[rank\d+\]:)?\s+\S+\(\d+\): \S+$")
@@ -202,7 +205,7 @@ def wait_all(procs: list[Proc], timeout: float | None, what: str = "worker",
                        else f"exit code {r.returncode}")
                 parts.append(f"--- {what} {r.rank} ({p.name}) {how} after {r.seconds:.1f} s; "
                              f"stderr tail:\n{tail(r.stderr)}")
-        raise WorkerError("\n".join(parts), results, timed_out)
+        raise WorkerError("\n".join(parts), results, timed_out, states)
     return results
 
 
