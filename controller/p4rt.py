@@ -148,7 +148,8 @@ def open_session(grpc_addr: str, device_id: int, election_id: tuple[int, int],
         with contextlib.redirect_stdout(io.StringIO()):
             _bounded(lambda: sh.setup(device_id=device_id, grpc_addr=grpc_addr,
                                       election_id=election_id, config=config, verbose=False),
-                     timeout + RPC_DEADLINE, grpc_addr, lambda: close_session(sh.client))
+                     timeout + RPC_DEADLINE, grpc_addr, lambda: close_session(sh.client),
+                     lambda: _cut(sh))
     except _SetupOverran:
         raise SessionError(f"the switch at {grpc_addr} took its session's setup (arbitration, "
                            f"{'pushing' if pipeline else 'reading'} the pipeline) past "
@@ -204,31 +205,49 @@ _late_setup: threading.Thread | None = None
 p4runtime-shell's module-wide client, so no other session opens in this process."""
 
 
-def _bounded(call, seconds: float, grpc_addr: str, undo) -> None:
-    """``call()`` in a daemon thread, waited for at most ``seconds`` (_SetupOverran); what it
-    raised, SystemExit included, is raised here. A call that succeeds after that is undone
-    (``undo()``) in its thread."""
+def _bounded(call, seconds: float, grpc_addr: str, undo, cut) -> None:
+    """``call()`` in a daemon thread, waited for at most ``seconds`` (_SetupOverran, after
+    ``cut()``, which ends the call's wait on the switch); what it raised, SystemExit
+    included, is raised here. A call that succeeds after that is undone (``undo()``) in its
+    thread."""
     global _late_setup
     outcome: list[BaseException] = []
-    gave_up = threading.Event()
+    lock = threading.Lock()
+    state = {"done": False, "gave_up": False}
 
     def run():
         try:
             call()
         except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
             outcome.append(e)
-            return
-        if gave_up.is_set():
+        with lock:
+            state["done"] = True
+            late = state["gave_up"] and not outcome
+        if late:
             undo()
     thread = threading.Thread(target=run, name=f"p4runtime-setup {grpc_addr}", daemon=True)
     thread.start()
     thread.join(seconds)
-    if thread.is_alive():
-        gave_up.set()
+    with lock:
+        state["gave_up"] = not state["done"]
+    if state["gave_up"]:
         _late_setup = thread
+        cut()
         raise _SetupOverran()
+    thread.join()
     if outcome:
         raise outcome[0]
+
+
+def _cut(sh) -> None:
+    """Close the channel of a setup that overran, where its client exists: its pending call
+    fails at once, and the setup's thread ends instead of holding the process's client."""
+    client = sh.client
+    if client is not None:
+        try:
+            client.channel.close()
+        except Exception:  # noqa: BLE001 - the setup is abandoned either way
+            logging.debug("closing an abandoned setup's channel", exc_info=True)
 
 
 class _Said(logging.Handler):

@@ -253,21 +253,28 @@ def test_a_switch_that_never_finishes_the_session_setup_ends_the_command(mode):
     assert time.monotonic() - start < 30
 
 
-def test_no_session_opens_while_a_setup_that_overran_still_runs():
-    """The setup that overran runs on in its thread, on p4runtime-shell's one module-wide
-    client: when its pipeline read failed later it tore down the session opened after it."""
+def test_a_setup_that_overran_is_cut_off_and_none_opens_while_one_still_runs():
+    """The setup that overran ran on in its thread, on p4runtime-shell's one module-wide
+    client: when its pipeline read failed later it tore down the session opened after it.
+    Its channel is now closed, so it ends; one that cannot be ended blocks new sessions."""
     scope: dict = {}
     exec(WEDGED, scope)
     stuck, stuck_addr = scope["start"]("pipeline")
     try:
         r = subprocess.run([sys.executable, "-c", OPEN + textwrap.dedent('''
-            try:
-                p4rt.open_session(sys.argv[1], 0, (1, 0), None, timeout=2.0)
-            except p4rt.SessionError as e:
-                print(e)
+            late = p4rt._late_setup
+            late.join(10)
+            print("ended" if not late.is_alive() else "still alive")
+            p4rt._cut = lambda sh: None   # a setup that nothing ends
+            for _ in range(2):
+                try:
+                    p4rt.open_session(sys.argv[1], 0, (1, 0), None, timeout=2.0)
+                except p4rt.SessionError as e:
+                    print(e)
         '''), stuck_addr], capture_output=True, text=True, timeout=60)
     finally:
         stuck.stop(None)
     lines = r.stdout.splitlines()
-    assert "took its session's setup" in lines[0] and "still runs in this process" in lines[1], \
-        r.stdout + r.stderr
+    assert len(lines) == 4, r.stdout + r.stderr
+    assert "took its session's setup" in lines[0] and lines[1] == "ended"
+    assert "took its session's setup" in lines[2] and "still runs in this process" in lines[3]
