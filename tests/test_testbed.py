@@ -184,6 +184,14 @@ def test_sigterm_tears_the_loopback_testbed_down_too():
     assert alive == [] and not Path(logdir).exists()
 
 
+def test_a_loopback_testbed_that_fails_to_build_leaves_the_signal_handlers():
+    import signal
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(TestbedError):
+        LoopbackTestbed(2, aggregator="software", pool_size=10 ** 9)
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
 def test_bmv2_and_bad_arguments_are_refused_clearly():
     with pytest.raises(TestbedError, match="bmv2"):
         open_testbed(2, aggregator="bmv2", prefer_mininet=False)

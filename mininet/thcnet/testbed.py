@@ -64,11 +64,6 @@ class LoopbackTestbed(Testbed):
         if aggregator == "bmv2":
             raise TestbedError("the bmv2 aggregator needs the Mininet testbed (root and Mininet)")
         super().__init__(n_workers, aggregator, params, lanes, pool_size, loss_bound)
-        # SIGTERM and SIGHUP unwind to close(), as for Mininet: its workers and aggregators
-        # run in sessions of their own, which the terminal's signals do not reach
-        self._signals = signals_raise()
-        self._signals.__enter__()
-        atexit.register(self.close)
         base = free_port_block(2 * n_workers + 2, tcp=True)
         workers = [Worker(id=r, ip="127.0.0.1", port=base + r) for r in range(n_workers)]
         self.master_addr = ("127.0.0.1", base + n_workers)
@@ -81,6 +76,12 @@ class LoopbackTestbed(Testbed):
         self.cluster = Cluster(jobs=(make_job(workers, self.params, self.lanes, self.pool_size,
                                               shards=shards, loss_bound=self.loss_bound),),
                                agg_ip="127.0.0.1", agg_port=agg_port)
+        # last, once nothing here can fail: SIGTERM and SIGHUP unwind to close(), as for
+        # Mininet (its workers and aggregators run in sessions of their own, which the
+        # terminal's signals do not reach)
+        self._signals = signals_raise()
+        self._signals.__enter__()
+        atexit.register(self.close)
 
     def worker_intf(self, rank: int) -> str:
         return "lo"
