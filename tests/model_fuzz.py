@@ -151,12 +151,17 @@ class Context:
 
 def decode(step: Step, ctx: Context):
     """(datagram, source) to send, or ("time", seconds), or ("install", nonce): an install
-    whose epoch is the job's tag and that nonce."""
+    whose epoch is the job's tag and that nonce; in a job of more than three workers, also
+    ("burst", [(datagram, source), ...]): every worker's DATA or MAX for one seq, which
+    random single packets would seldom bring together."""
     op = step.op % 12
     w = step.a % N_WORKERS
     kind = ("DATA", "DATA", "DATA", "MAX", "MAX", "FLUSH")[step.b % 6]
     seq = (ctx.base + ctx.front + step.c % (SPAN_POOLS * POOL)) % P.SEQ_MOD
     run = ctx.run if step.d % 5 else ctx.run - 1 - step.d % 2
+    if op == 0 and N_WORKERS > 3:
+        kind = "MAX" if kind == "MAX" else "DATA"
+        return ("burst", [(packet(kind, v, run, seq), addr(v)) for v in range(N_WORKERS)])
     if op <= 6:
         return packet(kind, w, run, seq), addr(w)
     if op == 7:
@@ -270,6 +275,10 @@ class Engines:
             if action[1] >= P.RUN_IDLE_S:
                 self.uses.idle()
             return
+        if action[0] == "burst":
+            for one in action[1]:
+                self.apply(one)
+            return
         if action[0] == "install":
             self.nonce = action[1]
             self.ref.install(self.job, self.nonce)
@@ -315,6 +324,8 @@ def run_steps(steps: list[Step], base: int, compiled: bool = True,
 
 
 def describe(action) -> str:
+    if action[0] == "burst":
+        return f"burst of {len(action[1])}: " + describe(action[1][0])
     if action[0] in ("time", "install"):
         return f"{action[0]} {action[1]}"
     hdr = P.Header.unpack(action[0])
