@@ -173,8 +173,9 @@ def decode(step: Step, ctx: Context):
         if bad == 1:
             return packet(kind, w, run, seq, version=1 - P.slot_of(seq, POOL)[1]), addr(w)
         return packet(kind, w, run, seq, offset=step.c), addr(w)
-    if op == 8:
-        return ("time", 0.001 if step.d % 2 else P.RUN_IDLE_S + 1)
+    if op == 8:   # past, at, and just short of the idle time
+        idle = (P.RUN_IDLE_S + 1, P.RUN_IDLE_S, P.RUN_IDLE_S - 0.001)[step.c % 3]
+        return ("time", 0.001 if step.d % 2 else idle)
     if op == 9:
         if step.d % 3 == 0:
             ctx.nonces.append(0x1000 + len(ctx.nonces))
@@ -184,8 +185,9 @@ def decode(step: Step, ctx: Context):
         else:
             ctx.front = (ctx.front + POOL) % P.SEQ_MOD
         return ("time", 0.0)
-    if op == 10:
-        return packet(kind, w, RUN_FAR if step.d % 4 == 0 else run, seq), addr(w)
+    if op == 10:   # far beyond, at, and one past the jump a live run allows
+        far = (RUN_FAR, ctx.run + P.RUN_JUMP, ctx.run + P.RUN_JUMP + 1)[step.c % 3]
+        return packet(kind, w, far % P.SEQ_MOD if step.d % 4 == 0 else run, seq), addr(w)
     src = STRANGER if step.d % 2 else addr((w + 1) % N_WORKERS)
     return packet(kind, w, run, seq), src
 
@@ -230,9 +232,16 @@ class Uses:
     def __init__(self):
         self.first: dict[tuple, tuple] = {}
         self.flushed: set[tuple] = set()
+        self.quiet = 0.0
 
-    def idle(self) -> None:
-        self.first.clear()
+    def elapse(self, seconds: float) -> None:
+        """Time passes. Once RUN_IDLE_S went by since the record started over, the job may
+        have gone idle (gaps add up; a packet between may have kept it busy, which only
+        makes this start over early)."""
+        self.quiet += seconds
+        if self.quiet >= P.RUN_IDLE_S - 1e-6:
+            self.first.clear()
+            self.quiet = 0.0
 
     def flush(self, datagram: bytes, epoch: int) -> None:
         hdr = P.Header.unpack(datagram)
@@ -272,8 +281,7 @@ class Engines:
     def apply(self, action) -> None:
         if action[0] == "time":
             self.now += action[1]
-            if action[1] >= P.RUN_IDLE_S:
-                self.uses.idle()
+            self.uses.elapse(action[1])
             return
         if action[0] == "burst":
             for one in action[1]:
