@@ -171,13 +171,14 @@ def _main_args(*argv):
     return parser.parse_args(["--data", "digits", "--modes", "fp32", *argv])
 
 
-@pytest.mark.parametrize("states", [{0: "sleeping", 1: "stopped (SIGSTOP?)"},
-                                    {0: "running", 1: "sleeping"}])
-def test_a_mode_with_a_stopped_worker_at_its_limit_failed_and_says_so(monkeypatch, tmp_path,
-                                                                       states):
-    """A worker stopped by SIGSTOP (or a dead aggregator, which the wait now sees) was
-    reported as "stopped at the limit", its mode's rows in the table and the exit status 0.
-    Workers merely slow in their last step and evaluation still report how far they got."""
+@pytest.mark.parametrize("states, evaluating", [
+    ({0: "sleeping", 1: "stopped (SIGSTOP?)"}, True), ({0: "running", 1: "sleeping"}, False),
+    ({0: "running", 1: "sleeping"}, True)])
+def test_a_mode_hung_at_its_limit_failed_and_says_so(monkeypatch, tmp_path, states, evaluating):
+    """A worker stopped by SIGSTOP, or workers that never got to their final evaluation (a
+    stopped aggregator, a lost peer), were reported as "stopped at the limit", the mode's
+    rows in the table and the exit status 0. Workers slow in their final evaluation still
+    report how far they got."""
     from thc.emu.procs import WorkerError, WorkerResult
     from thc.emu.testbed import LoopbackTestbed
 
@@ -185,19 +186,22 @@ def test_a_mode_with_a_stopped_worker_at_its_limit_failed_and_says_so(monkeypatc
         raise WorkerError(f"workers timed out after 60 s\n--- worker 1 (worker1-0) still "
                           f"{states[1]} at the timeout, killed", [WorkerResult(
                               r, -9, '{"dataset": "digits", "params": 1000}\n{"epoch": 0.1, '
-                              '"accuracy": 0.5, "seconds": 1.0, "steps": 3, "bytes_sent": 10}\n',
+                              '"accuracy": 0.5, "seconds": 1.0, "steps": 3, "bytes_sent": 10}\n'
+                              + ('{"final_evaluation": 4}\n' if evaluating else ""),
                               "", 60.0) for r in (0, 1)], timed_out=True, states=states)
     monkeypatch.setattr(LoopbackTestbed, "run_workers", hung)
     args = _main_args("--loopback", "--workers", "2", "--out", str(tmp_path))
-    signalled = "SIGSTOP" in states[1]
-    assert mainjob.run(args) == (1 if signalled else 0)
+    hung = "SIGSTOP" in states[1] or not evaluating
+    assert mainjob.run(args) == (1 if hung else 0)
     report = json.loads((tmp_path / "mainjob.json").read_text())
-    if signalled:
-        assert report["runs"] == [] and "SIGSTOP" in report["failed"][0]["error"]
-        assert "still running at the 600 s limit" in report["failed"][0]["error"]
+    if hung:
+        assert report["runs"] == [] and "still running at the 600 s limit" in \
+            report["failed"][0]["error"]
+        assert ("SIGSTOP" if evaluating else "before its final evaluation") in \
+            report["failed"][0]["error"]
     else:
-        assert report["failed"] == [] and report["runs"][0]["stopped"].startswith(
-            "stopped at the 600 s limit (its last step and evaluation took more than 25 s)")
+        assert report["failed"] == [] and report["runs"][0]["stopped"] == \
+            "stopped at the 600 s limit (its final evaluation did not end within 25 s)"
 
 
 def test_ctrl_c_ends_the_main_job_with_a_line_not_a_traceback(monkeypatch, capsys, tmp_path):

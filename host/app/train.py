@@ -155,9 +155,10 @@ def _accuracy(model, x, y, batch: int = 4096) -> float:
 
 
 def _group_timeout(deadline: float | None) -> float | None:
-    """Seconds a collective may wait (None: torch's 30 minutes). With a deadline, until 15 s
-    past it, the last step and evaluation included: a peer that stopped answering then
-    fails this rank with Gloo's error naming it, before the orchestrator's kill."""
+    """Seconds one collective may wait (None: torch's 30 minutes). With a deadline, the time
+    from the start to 15 s past it: a peer that stops answering early in the run fails this
+    rank with Gloo's error naming it, before the orchestrator's kill (a collective begun
+    later may outlast the kill: thc run reads the final evaluation's mark instead)."""
     if deadline is None:
         return None
     return min(1800.0, max(30.0, deadline - time.time() + 15.0))
@@ -249,6 +250,8 @@ def train(args) -> list[dict]:
                                 "seconds": trained}), flush=True)
             if s not in eval_at and not last:
                 continue
+            if last:   # thc run takes a limit reached after this for a slow evaluation
+                say(json.dumps({"final_evaluation": len(step_losses)}), flush=True)
             ddp.eval()
             acc = _accuracy(model, xte, yte)
             if hook is None:  # DDP's ring all-reduce: 4 bytes a coordinate, 2 in fp16

@@ -319,20 +319,23 @@ def _run_mode(name: str, args, progress) -> dict:
         try:
             results = tb.run_workers(argv, timeout=limit, on_line=on_line)
         except WorkerError as e:
-            # the workers stop themselves STOP_MARGIN before the limit, and a peer or an
-            # aggregator that stops answering fails them before it (Gloo's timeout, the
-            # aggregator watch): at the limit, a slow last step and evaluation, unless a
-            # worker was stopped (SIGSTOP) or none got to an evaluation
-            signalled = [r for r, st in e.states.items() if st.startswith("stopped")]
+            # the workers stop themselves STOP_MARGIN before the limit: one still running
+            # there is slow in its final evaluation (rank 0 marked its start, it has rows)
+            # or hung (a stopped peer or aggregator, a lost one: even a step longer than the
+            # margin cannot be told from that), unless a worker was stopped by a signal
             if not e.timed_out:
                 raise
-            if signalled or not _rows(e.results[0].stdout)[1]:
+            signalled = [r for r, st in e.states.items() if st.startswith("stopped")]
+            evaluating = '"final_evaluation"' in e.results[0].stdout
+            if signalled or not evaluating or not _rows(e.results[0].stdout)[1]:
+                where = "in its final evaluation" if evaluating else \
+                    "before its final evaluation (a hang, or a step longer than that)"
                 raise WorkerError(f"still running at the {limit:.0f} s limit, "
                                   f"{STOP_MARGIN:.0f} s after the workers were to stop and "
-                                  f"evaluate (--stop-at)\n{e}", e.results, True,
+                                  f"evaluate (--stop-at), {where}\n{e}", e.results, True,
                                   e.states) from None
-            results, stopped = e.results, (f"stopped at the {limit:.0f} s limit (its last "
-                                           f"step and evaluation took more than "
+            results, stopped = e.results, (f"stopped at the {limit:.0f} s limit (its final "
+                                           f"evaluation did not end within "
                                            f"{STOP_MARGIN:.0f} s)")
         finally:
             for f in flows:
