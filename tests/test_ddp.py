@@ -506,7 +506,7 @@ def test_two_hooks_on_one_group_never_pair_each_others_rounds():
     res = gloo_pair(_two_hooks_worker)
     for rank in (0, 1):
         out, indices = res[rank]
-        assert out[:2] == ["ok", "ok"] and indices == [0, 1], res
+        assert out[:2] == ["ok", "ok"] and indices == [("0", 0), ("0", 1)], res
         assert "which reducer it is" in out[2], res
 
 
@@ -764,3 +764,18 @@ def test_ranks_unlike_in_a_hooks_settings_or_their_run_ids_all_raise_at_once():
         for rank in (0, 1):
             got, seconds = res[rank][case]
             assert texts[rank] in got and seconds < 15, (case, rank, res[rank][case])
+
+
+def test_hooks_on_two_groups_name_their_reducers_apart():
+    """A hook's place was counted per group only: hooks on two groups of the same ranks both
+    took place 0, and their reducers' names matched where they shared an aggregator client."""
+    from thc.collective.ddp import FP32Hook
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port_block(1)}",
+                            rank=0, world_size=1)
+    try:
+        model = torch.nn.Linear(2, 2)
+        first = FP32Hook(model, overlap=False)
+        second = FP32Hook(model, group=dist.new_group([0]), overlap=False)
+        assert first.index[1] == second.index[1] == 0 and first.index != second.index
+    finally:
+        dist.destroy_process_group()

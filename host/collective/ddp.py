@@ -125,10 +125,12 @@ class _Hook:
         self.group = comm_group if comm_group is not None else \
             dist.new_group(timeout=_timeout_of(group)) if overlap else group
         """The process group of the hook's collectives."""
-        self.index = agreement.ordinal(dist.group.WORLD if group is None else group, "hook")
-        """This hook's place among the hooks built on its workers' group, in every name of
-        its reducers: two hooks' reducers may share a group or an aggregator client. Every
-        rank builds its hooks in the same order (the agreement above runs on that group)."""
+        parent = dist.group.WORLD if group is None else group
+        self.index = (getattr(parent, "group_name", ""), agreement.ordinal(parent, "hook"))
+        """This hook's workers' group (torch names groups in the order they are made, alike
+        on every rank) and its place among the hooks built on it, in every name of its
+        reducers: two hooks' reducers may share a group or an aggregator client. Every rank
+        builds its hooks on a group in the same order (the agreement above runs on it)."""
         if overlap:
             _OWNERS[self.group] = weakref.ref(self)
         self._built = 0
@@ -271,7 +273,7 @@ class _Hook:
         if hasattr(reducer, "name"):
             # named by the agreed build count: a build that failed on some rank took a place
             # in the group's build order on the others
-            reducer.name = ("hook", self.index, rnd)
+            reducer.name = ("hook", *self.index, rnd)
         return reducer
 
     def _check_reducer(self, reducer) -> None:
