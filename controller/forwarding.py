@@ -5,22 +5,20 @@ worker MAC (the worker's ``switch_port``); anything else can be added by hand.
 """
 from __future__ import annotations
 
-import re
-
 from thc.controller.frames import mac_str
 from thc.controller.program import L2_SET_PORT, L2_TABLE
 from thc.controller.switch import Switch
+from thc.wire import jobs
 
 UNROUTABLE = {"00:00:00:00:00:00", "ff:ff:ff:ff:ff:ff"}
 """MACs never installed (the default worker MAC and broadcast)."""
 
 
 def check_mac(mac, where: str = "l2_forward") -> str:
-    """``mac`` as six lower-case hex pairs; a ValueError naming ``where`` for anything else.
-    The switch API also reads integers and bare hex, in which the all-zero and broadcast
-    MACs would pass for hosts'."""
-    if not isinstance(mac, str) or not re.fullmatch(r"[0-9A-Fa-f]{2}(:[0-9A-Fa-f]{2}){5}", mac):
-        raise ValueError(f"{where}: MAC {mac!r} is not six hex bytes (aa:bb:cc:dd:ee:ff)")
+    """``mac`` as six lower-case hex pairs; a ConfigError (a ValueError) naming ``where`` for
+    anything else, as a job's MACs. The switch API also reads integers and bare hex, in
+    which the all-zero and broadcast MACs would pass for hosts'."""
+    jobs.check_mac(where, mac)
     return mac.lower()
 
 

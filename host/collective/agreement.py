@@ -96,7 +96,7 @@ def check_domain(built_on, now) -> None:
 
 
 def fingerprint(params, *cut: int, backend: str = "", steps: str = "",
-                nonfinite: str = "raise", reducer: int = 0) -> int:
+                nonfinite: str = "raise", reducer=0) -> int:
     """What the workers' rounds must share for their sums to mean one thing, as a 48-bit
     value (:func:`key_of`): the codec's parameters (rotation seed, slice size, table), ``cut``, the
     numbers that cut the tensor (its length, the pipeline's piece length), the codec

@@ -70,7 +70,7 @@ def _check_address(where: str, ip, port) -> None:
         raise ConfigError(f"{where}: port {port!r} is not an integer in 1..65535")
 
 
-def _check_mac(where: str, mac) -> None:
+def check_mac(where: str, mac) -> None:
     """Six bytes as hex pairs: the switch writes it into frames and routes by it."""
     if not isinstance(mac, str) or not re.fullmatch(r"[0-9A-Fa-f]{2}(:[0-9A-Fa-f]{2}){5}", mac):
         raise ConfigError(f"{where}: MAC {mac!r} is not six hex bytes (aa:bb:cc:dd:ee:ff)")
@@ -269,7 +269,7 @@ class Job:
                 _check_address(f"job {self.job_id}: {kind} {getattr(node, 'id', i)}", node.ip,
                                node.port)
         for w in self.workers:
-            _check_mac(f"job {self.job_id}: worker {w.id}", w.mac)
+            check_mac(f"job {self.job_id}: worker {w.id}", w.mac)
         addrs = [(w.ip, w.port) for w in self.workers]
         if len(set(addrs)) != n:
             raise ConfigError(f"job {self.job_id}: two workers share an address")
@@ -387,7 +387,7 @@ class Cluster:
 
     def validate(self, total_slots: int | None = None) -> "Cluster":
         _check_address("the aggregator", self.agg_ip, self.agg_port)
-        _check_mac("the aggregator", self.agg_mac)
+        check_mac("the aggregator", self.agg_mac)
         ids = [j.job_id for j in self.jobs]
         if len(set(ids)) != len(ids):
             raise ConfigError(f"duplicate job ids in {ids}")

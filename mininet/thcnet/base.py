@@ -4,6 +4,7 @@ implement.
 """
 from __future__ import annotations
 
+import atexit
 import os
 import shutil
 import sys
@@ -16,6 +17,7 @@ from thc.codec.params import THCParams
 from thc.wire import protocol as P
 from thc.wire.jobs import Cluster, ConfigError, Job, Shard, Worker
 from thc.emu.aggprocs import AggregatorProcesses
+from thc.emu.cleanup import signals_raise
 from thc.emu.errors import TestbedError
 from thc.emu.procs import Proc, WorkerError, WorkerResult, merged_env, pythonize, wait_all
 
@@ -263,6 +265,18 @@ class Testbed(AggregatorProcesses):
                                       f"{proc.stderr()[-2000:]}", e.results,
                                       e.timed_out, e.states) from None
             raise
+
+    def _hold_signals(self) -> None:
+        """SIGTERM and SIGHUP unwind to :meth:`close` from here on (the workers and
+        aggregators run in sessions of their own, which the terminal's signals do not
+        reach), and so does the interpreter's exit."""
+        self._signals = signals_raise()
+        self._signals.__enter__()
+        atexit.register(self.close)
+
+    def _release_signals(self) -> None:
+        self._signals.__exit__(None, None, None)
+        atexit.unregister(self.close)
 
     def _check_open(self) -> None:
         if self._closed:

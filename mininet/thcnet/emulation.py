@@ -20,7 +20,6 @@ Everything created in the root namespace is named after the testbed's tag and re
 """
 from __future__ import annotations
 
-import atexit
 import json
 import subprocess
 from pathlib import Path
@@ -44,7 +43,7 @@ from thc.emu.base import (
     worker_mac,
 )
 from thc.emu.errors import TestbedError
-from thc.emu.cleanup import Registry, signals_deferred, signals_raise, switch_name, undo
+from thc.emu.cleanup import Registry, signals_deferred, switch_name, undo
 
 
 class MininetTestbed(Testbed):
@@ -105,9 +104,7 @@ class MininetTestbed(Testbed):
         self.net = None
         self.switch = None
         self.registry: Registry | None = None
-        self._signals = signals_raise()
-        self._signals.__enter__()
-        atexit.register(self.close)
+        self._hold_signals()
         try:
             self.registry = Registry.allocate()
             self.registry.add_path(self.logdir)
@@ -314,8 +311,7 @@ class MininetTestbed(Testbed):
                     self.registry.release()
                 self._remove_logdir()
         finally:
-            self._signals.__exit__(None, None, None)
-            atexit.unregister(self.close)
+            self._release_signals()
 
 
 def _write(path: str, text: str) -> None:

@@ -26,7 +26,6 @@ binds the emulated link.
 from __future__ import annotations
 
 import argparse
-import atexit
 
 from thc.app.argtypes import non_negative_float, percent, positive_float, positive_int
 from thc.codec.params import THCParams
@@ -41,7 +40,6 @@ from thc.emu.base import (
     mininet_unavailable_reason,
     say_once,
 )
-from thc.emu.cleanup import signals_raise
 from thc.emu.errors import TestbedError, Unavailable
 from thc.emu.procs import WorkerError, WorkerResult
 
@@ -76,12 +74,7 @@ class LoopbackTestbed(Testbed):
         self.cluster = Cluster(jobs=(make_job(workers, self.params, self.lanes, self.pool_size,
                                               shards=shards, loss_bound=self.loss_bound),),
                                agg_ip="127.0.0.1", agg_port=agg_port)
-        # last, once nothing here can fail: SIGTERM and SIGHUP unwind to close(), as for
-        # Mininet (its workers and aggregators run in sessions of their own, which the
-        # terminal's signals do not reach)
-        self._signals = signals_raise()
-        self._signals.__enter__()
-        atexit.register(self.close)
+        self._hold_signals()   # last, once nothing here can fail
 
     def worker_intf(self, rank: int) -> str:
         return "lo"
@@ -99,8 +92,7 @@ class LoopbackTestbed(Testbed):
             self._kill_procs()
             self._remove_logdir()
         finally:
-            self._signals.__exit__(None, None, None)
-            atexit.unregister(self.close)
+            self._release_signals()
 
 
 # -- factory --------------------------------------------------------------------------------
