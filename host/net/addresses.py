@@ -72,6 +72,10 @@ def answer_from_destination(sock: socket.socket) -> bool:
     return True
 
 
+_UNSPECIFIED = bytes(4)
+"""0.0.0.0 packed: the destination of a datagram queued before the socket asked for it."""
+
+
 def destination(ancdata: list) -> bytes | None:
     """The packed local address a datagram came in on, from ``recvmsg``'s ancillary data:
     the one it was sent to, or for a broadcast or multicast one, the interface's. None for
@@ -79,7 +83,7 @@ def destination(ancdata: list) -> bytes | None:
     for level, kind, data in ancdata:
         if level == socket.IPPROTO_IP and kind == IP_PKTINFO and len(data) >= _PKTINFO.size:
             local = _PKTINFO.unpack_from(data)[1]
-            return local if local != bytes(4) else None
+            return local if local != _UNSPECIFIED else None
     return None
 
 
