@@ -212,6 +212,74 @@ def test_reinstall_and_remove_follow_the_reference():
         c.remove(js[1].job_id)
 
 
+def test_a_given_clock_is_taken_whatever_its_origin():
+    """handle(..., now) reads now from any origin, as the model does; a negative now was
+    once taken for "none given" and replaced by the monotonic clock, so the run-idle rule
+    saw another time than the model."""
+    py, c = both()
+    job = jobs()[0]
+    src = ("127.0.0.1", BASE_PORT)
+    first = P.Header(P.PktType.DATA, 0, job.job_id, 0, 0, 0, 0, 0, 0, RUN, NONCE).pack()
+    far = P.Header(P.PktType.DATA, 0, job.job_id, 0, 0, 0, 0, 0, 0, RUN + (1 << 25),
+                   NONCE + 1).pack()
+    payload = bytes(P.payload_bytes(P.PktType.DATA, job.lanes))
+    for now, data in ((-100.0, first), (-100.0 + P.RUN_IDLE_S + 1, far)):
+        want, reason = py.model.handle(data + payload, src, now)
+        assert c.handle(data + payload, src, now) == want
+    assert reason is None, "the model refused a run that took an idle job over"
+
+
+@pytest.mark.parametrize("engine", ["python", "compiled"])
+def test_serve_with_a_spent_duration_returns_at_once(engine):
+    """serve(duration) with a duration already spent returns; only None serves until
+    stop() (the compiled loop once served forever on any negative duration)."""
+    import threading
+    agg = Aggregator() if engine == "python" else fastagg.FastAggregator()
+    agg.bind("127.0.0.1", 0)
+    t = threading.Thread(target=agg.serve, args=(-0.5,), daemon=True)
+    t.start()
+    t.join(2.0)
+    alive = t.is_alive()
+    agg.stop()
+    t.join(2.0)
+    assert not alive, "serve(-0.5) still serving after 2 s"
+
+
+@pytest.mark.parametrize("engine", ["python", "compiled"])
+def test_a_reinstall_keeps_the_address_each_worker_sends_to(engine):
+    """A wildcard-bound aggregator answers each worker from the address it sends to. After
+    a re-install, a worker silent since still hears the first result from its address (the
+    compiled engine once forgot them at install and sent from the other worker's)."""
+    base = free_port_block(2)
+    job = make_job(4, 2, 2, lanes=16, base=base)
+    agg = (Aggregator if engine == "python" else fastagg.FastAggregator)([job], nonce=NONCE)
+    port = agg.start("0.0.0.0", 0)[1]
+    socks = []
+    try:
+        for i in range(2):
+            s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+            s.bind(("127.0.0.1", base + i))
+            s.settimeout(2)
+            socks.append(s)
+        to = [("127.0.0.2", port), ("127.0.0.1", port)]
+        payload = bytes(P.payload_bytes(P.PktType.DATA, job.lanes))
+        for w in range(2):
+            socks[w].sendto(P.Header(P.PktType.DATA, w, 4, 0, 0, 0, 0, 0, 0, RUN,
+                                     NONCE + w).pack() + payload, to[w])
+        assert socks[0].recvfrom(4096)[1][0] == "127.0.0.2"
+        socks[1].recvfrom(4096)
+        agg.install(job, NONCE + 1)
+        socks[1].sendto(P.Header(P.PktType.FLUSH, 1, 4, 1, 0, 0, 1, 16, 0, RUN,
+                                 NONCE + 1).pack(), to[1])
+        data, src = socks[0].recvfrom(4096)
+        assert P.Header.unpack(data).pkt_type == P.PktType.RESULT
+        assert src[0] == "127.0.0.2", "worker 0 heard the result from another address"
+    finally:
+        agg.stop()
+        for s in socks:
+            s.close()
+
+
 @pytest.mark.parametrize("engine", ["python", "compiled"])
 def test_no_install_repeats_the_jobs_last_epoch(engine, monkeypatch):
     """install(job, nonce) with the installed nonce kept the epoch, and so did a random

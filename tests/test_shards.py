@@ -51,6 +51,11 @@ def test_shard_map_round_trips_and_bad_maps_are_refused():
         dataclasses.replace(job, shards=(Shard(w.ip, w.port),)).validate()
     with pytest.raises(ConfigError, match="bad job description"):
         Job.from_dict({**job.to_dict(), "shards": [{"address": "x"}]})
+    many = tuple(Shard(f"10.{k >> 8 & 255}.{k & 255}.1", 48879) for k in range(P.MAX_SHARDS))
+    dataclasses.replace(job, shards=many).validate()
+    # A wrong_shard refusal names the count in 16 bits: one more wrapped it to 0 shards.
+    with pytest.raises(ConfigError, match="at most 65535"):
+        dataclasses.replace(job, shards=many + (Shard("10.255.255.2", 48879),)).validate()
 
 
 def test_an_aggregator_must_know_which_shard_it_is():

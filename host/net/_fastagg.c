@@ -575,6 +575,13 @@ static PyObject *dp_install(Datapath *dp, PyObject *args) {
     }
     lock(dp);
     Job *old = dp->jobs[job_id];
+    /* A re-install keeps the address each worker sends to, as the Python engine's per-peer
+     * map does: a worker silent since then still hears the result from it. */
+    for (int w = 0; old && w < n; w++)
+        for (int v = 0; v < old->n; v++)
+            if (old->local[v] && j->addr_ok[w] && old->addr_ok[v] && old->ip[v] == j->ip[w] &&
+                old->port[v] == j->port[w])
+                j->local[w] = old->local[v];
     dp->jobs[job_id] = j;
     pthread_mutex_unlock(&dp->mu);
     job_free(old);
@@ -672,9 +679,9 @@ static PyObject *dp_handle(Datapath *dp, PyObject *args) {
     Py_buffer buf;
     unsigned long ip;
     int port;
-    double now = -1;
+    double now = NAN; /* the model's clock may have any origin: only NaN means "none given" */
     if (!ready(dp) || !PyArg_ParseTuple(args, "y*ki|d", &buf, &ip, &port, &now)) return NULL;
-    if (now < 0) now = now_s();
+    if (isnan(now)) now = now_s();
     uint8_t *space = malloc((size_t)MAX_WORKERS * OUT_BYTES);
     if (!space) {
         PyBuffer_Release(&buf);
@@ -942,7 +949,7 @@ static void flush(int fd, Out *out, int n, SendSpace *sp, int use_gso,
     send_groups(fd, out, sp, nemit, use_gso, errors);
 }
 
-/* serve(fd, duration): receive and answer until stop() or duration seconds (< 0: no limit).
+/* serve(fd, duration): receive and answer until stop() or duration seconds (+inf: no limit).
  * Runs without the GIL; the lock guards the registers against install/remove/counters. */
 static PyObject *dp_serve(Datapath *dp, PyObject *args) {
     int fd;
@@ -978,9 +985,9 @@ static PyObject *dp_serve(Datapath *dp, PyObject *args) {
     int on = 1;
     if (wildcard && setsockopt(fd, IPPROTO_IP, IP_PKTINFO, &on, sizeof on) != 0) wildcard = 0;
     Py_BEGIN_ALLOW_THREADS
-    double end = duration < 0 ? -1 : now_s() + duration;
+    double end = now_s() + duration; /* duration: +inf for no limit; negative: already over */
     unsigned long long send_errors = 0;
-    while (!__atomic_load_n(&dp->stop, __ATOMIC_SEQ_CST) && (end < 0 || now_s() < end)) {
+    while (!__atomic_load_n(&dp->stop, __ATOMIC_SEQ_CST) && now_s() < end) {
         struct pollfd pfd = {.fd = fd, .events = POLLIN};
         int r = poll(&pfd, 1, 50);
         if (r < 0) {

@@ -10,6 +10,7 @@ is missing, :data:`UNAVAILABLE` says why and callers use the Python aggregator.
 """
 from __future__ import annotations
 
+import math
 import threading
 
 from thc.net.addresses import ipv4_int, ipv4_str
@@ -129,7 +130,7 @@ class FastAggregator(UDPServer):
         """Receive and answer until ``stop()`` (or ``duration`` seconds), without the GIL."""
         if self._sock is None:
             raise RuntimeError("call bind() first")
-        self._dp.serve(self._sock.fileno(), -1.0 if duration is None else float(duration))
+        self._dp.serve(self._sock.fileno(), math.inf if duration is None else float(duration))
 
     def _clear_stop(self) -> None:
         self._dp.clear_stop()

@@ -308,6 +308,9 @@ class Job:
             P.check_lanes(self.lanes, sum_bits=self.sum_bits, aggregation=self.aggregation)
         except ValueError as e:
             raise ConfigError(f"job {self.job_id}: {e}") from None
+        if len(self.shards) > P.MAX_SHARDS:
+            raise ConfigError(f"job {self.job_id}: {len(self.shards)} shards; at most "
+                              f"{P.MAX_SHARDS} (a wrong_shard refusal names the count in 16 bits)")
         shard_addrs = [(s.ip, s.port) for s in self.shards]
         if len(set(shard_addrs)) != len(shard_addrs):
             raise ConfigError(f"job {self.job_id}: two shards share an address in the shard "

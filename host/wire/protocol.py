@@ -176,6 +176,9 @@ def slot_of(seq: int, pool_size: int) -> tuple[int, int]:
     return seq % pool_size, (seq // pool_size) % 2
 
 
+MAX_SHARDS = 0xFFFF  # a wrong_shard REFUSED names the shard count in 16 bits
+
+
 def shard_detail(shard: int, n_shards: int) -> int:
     """A ``wrong_shard`` REFUSED's detail: which shard of how many refused (never 0)."""
     return n_shards << 16 | shard
