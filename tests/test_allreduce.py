@@ -195,6 +195,15 @@ def test_workers_calling_known_sizes_in_different_orders_refuse_through_an_aggre
     assert isinstance(out[1][2], (RuntimeError, AggregationTimeout)), out
 
 
+@pytest.mark.parametrize("pipeline_elements", [0, -(1 << 20), 1.5 * (1 << 20)])
+def test_a_pipeline_length_that_cuts_nothing_is_refused_when_built(pipeline_elements):
+    """0 and negative multiples of the slice size passed the check, then failed the first
+    call with range()'s or an index error, before any collective: peers waited."""
+    with pytest.raises(ValueError, match="pipeline_elements .* positive multiple"):
+        THCAllReduce(object(), params=THCParams(slice_size=1 << 10),
+                     pipeline_elements=pipeline_elements)
+
+
 def test_mismatched_table_is_refused():
     job = local_job(1, 2, free_port_block(2), table=list(range(0, 32, 2)))
     with AggregationClient(job, 0, ("127.0.0.1", 9), run=1) as c:
@@ -357,7 +366,7 @@ def _refusing_worker(rank, port, q):
     x = torch.ones(1024)
     calls = [(x, torch.full((1024,), 2.0) if rank else None),
              (x.bool() if rank else x, None), (x, [object()] * 1024 if rank else None),
-             (x, None)]
+             (x.to_sparse() if rank else x, None), (x, None)]
     out = []
     for tensor, position in calls:
         try:
@@ -373,14 +382,17 @@ def test_a_worker_refusing_its_input_ends_its_peers_round_too():
     silently) used to leave the peer waiting in a collective: now the refusing worker's round
     goes out marked, every worker refuses it, and the next round is good on both."""
     res = gloo_pair(_refusing_worker)
-    (bad_pos, bad_dtype, unreadable, good), rounds = res[1]
+    (bad_pos, bad_dtype, unreadable, sparse, good), rounds = res[1]
     assert "layer positions must lie in [0, 1]" in bad_pos
     assert "floating-point tensors, got torch.bool" in bad_dtype
     assert "Could not infer dtype" in unreadable
+    # a sparse tensor has no flat view: that worker once raised before taking its round,
+    # and its next call was summed with its peer's current one
+    assert "sparse" in sparse.lower(), sparse
     peer, rounds0 = res[0]
-    assert all("mark of a worker" in r for r in peer[:3]), peer
-    assert good == pytest.approx(1.0, abs=0.1) and peer[3] == pytest.approx(1.0, abs=0.1)
-    assert rounds == rounds0 == 4
+    assert all("mark of a worker" in r for r in peer[:4]), peer
+    assert good == pytest.approx(1.0, abs=0.1) and peer[4] == pytest.approx(1.0, abs=0.1)
+    assert rounds == rounds0 == 5
 
 
 def _skipping_worker(rank, port, q, kind):

@@ -202,6 +202,40 @@ def test_wide_and_negative_indices_are_refused(backend):
 
 
 @pytest.mark.parametrize("backend", ["reference", "compiled", "triton"])
+def test_sums_no_n_workers_can_make_are_refused(backend):
+    """Four workers' sums decoded as two workers' gave a mean twice too large, silently; a
+    negative sum and a fractional worker count (4.7 was taken as 4) went through too. The
+    kernels flag it (a slice too short for them, 2^7, goes through the reference code on
+    the device and is flagged there alike); the CPU backends raise at once."""
+    if backend == "triton" and SKIP:
+        pytest.skip(SKIP)
+    p = THCParams(slice_size=256)
+    c = THCCodec(p, backend=backend, deferred_checks=backend == "triton")
+    numel = 512 + 128
+    dev = DEV if backend == "triton" else "cpu"
+    xs = [torch.randn(numel, generator=torch.Generator().manual_seed(w)).to(dev)
+          for w in range(4)]
+    m = torch.stack([c.norms(x) for x in xs]).amax(0)
+    sums = c.aggregate([c.encode(x, m, 0, w) for w, x in enumerate(xs)]).to(torch.int64)
+    good = c.decode(sums, 4, m, numel)
+    c.check()
+    top = int(sums.max())
+    assert top > 2 * p.granularity
+    short = sums.clone()
+    short[:512] = 0   # the slices the kernels take hold nothing beyond 2 g: the tail does
+    for wrong, n, what in ((sums, 2, f"sum {top}"), (short, 2, f"sum {int(short.max())}"),
+                           (sums - 200, 4, r"sum -\d+|a negative sum")):
+        with pytest.raises(ValueError, match=f"({what}) outside what the workers' table"):
+            c.decode(wrong, n, m, numel)
+            c.check()
+    with pytest.raises(ValueError, match="n_workers must be an integer"):
+        c.decode(sums, 4.7, m, numel)
+    again = c.decode(sums, 4, m, numel)
+    c.check()
+    assert torch.equal(again, good)
+
+
+@pytest.mark.parametrize("backend", ["reference", "compiled", "triton"])
 def test_a_max_norm_beyond_the_limit_is_refused_and_one_below_decodes_finite(backend):
     """No worker's slice norm reaches norm_limit, so a max norm at or beyond it (given
     directly) is refused, by encode and decode: under one of F32MAX / t_p or more, the

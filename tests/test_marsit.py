@@ -117,6 +117,11 @@ def test_counts_become_the_mean_or_the_majority_sign():
     assert marsit.counts_to_mean_sign(counts, 4, majority=True).tolist() == [-1, -1, 0, 1, 1]
     with pytest.raises(ValueError, match="more \\+1 votes than workers counted \\(5 among 4"):
         marsit.counts_to_mean_sign(torch.tensor([5]), 4)
+    # counts and voters no vote of four can make: once a mean sign of -2.5 or 1.25
+    with pytest.raises(ValueError, match="-3 \\+1 votes"):
+        marsit.counts_to_mean_sign(torch.tensor([-3]), 4)
+    with pytest.raises(ValueError, match="5 voters among 4 workers"):
+        marsit.counts_to_mean_sign(torch.tensor([5]), 4, voters=torch.tensor([5]))
     # one of four counted (a chunk closed short): the missing workers' votes count 0
     voters = torch.tensor([1, 1, 4])
     assert marsit.counts_to_mean_sign(torch.tensor([1, 0, 4]), 4, voters=voters).tolist() \
@@ -256,12 +261,16 @@ def _unlike_worker(rank, port, q):
              (x, [50, 50] if rank == 0 else [90, 10]),               # segments differ
              (torch.full((64,), 2.0), None),                         # alike: residuals of 64
              (torch.full((72 if rank == 0 else 64,), 2.0), None),    # worker 0's residual
+             (torch.full((64,), 3.0), None),                         # alike
+             (torch.full((64,), 2.0), 64 if rank == 0 else None),    # worker 0: not a list
+             (torch.ones(64, dtype=torch.complex64 if rank else torch.float32), None),
+             (torch.ones(64).to_sparse() if rank else torch.ones(64), None),
              (torch.full((64,), 3.0), None)]                         # alike
     out = []
     for t, sizes in calls:
         try:
             out.append(ar(t, sizes).tolist())
-        except (ValueError, RuntimeError) as e:
+        except (ValueError, RuntimeError, TypeError) as e:
             out.append(str(e))
     q.put((rank, out))
     dist.destroy_process_group()
@@ -279,6 +288,13 @@ def test_unlike_or_failed_calls_are_refused_by_every_worker():
         assert isinstance(out[4], list), out
     assert "use one instance per tensor" in res[0][3] and "refused" in res[1][3]
     assert res[0][4] == res[1][4]
+    # A call refused before the agreement (sizes not a list; a complex tensor, whose
+    # imaginary part was dropped; a sparse one) once took no round: the refusing worker's
+    # next call was paired with its peer's current one.
+    assert "not iterable" in res[0][5] and "refused" in res[1][5]
+    assert "floating-point tensors, got torch.complex64" in res[1][6] and "refused" in res[0][6]
+    assert "sparse" in res[1][7].lower() and "refused" in res[0][7]
+    assert isinstance(res[0][8], list) and res[0][8] == res[1][8]
 
 
 def _zeros_worker(rank, port, q):

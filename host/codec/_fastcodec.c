@@ -514,6 +514,8 @@ typedef struct {
     const float *table; /* S_INDEX: value of each index (256 entries) */
     int small_table;    /* S_INDEX with every entry past the 16th zero: */
     vf tlo, thi;        /* its first 16 entries, for the vector lookup */
+    vi vlo, vhi;        /* the least and largest sums converted so far, per lane and */
+    int64_t lo, hi;     /* overall (S_INDEX: untracked): decode refuses impossible sums */
 } sums_t;
 
 typedef uint8_t vb8 __attribute__((vector_size(8)));
@@ -521,9 +523,14 @@ typedef int8_t vsb8 __attribute__((vector_size(8)));
 typedef uint16_t vh8 __attribute__((vector_size(16)));
 typedef int16_t vsh8 __attribute__((vector_size(16)));
 
+INLINE void seen(sums_t *sm, int64_t v) {
+    if (v < sm->lo) sm->lo = v;
+    if (v > sm->hi) sm->hi = v;
+}
+
 /* dst[k] = (float(S[i0 + k]) - centre) * alpha for k < n, as the reference computes it
  * (int64 and uint32 sums convert through the scalar loop: float(int) rounds the same). */
-INLINE void convert(float *dst, const sums_t *sm, size_t i0, size_t n, float alpha) {
+INLINE void convert(float *dst, sums_t *sm, size_t i0, size_t n, float alpha) {
     const float centre = sm->centre;
     const vf c = splat(centre), a = splat(alpha);
     size_t k = 0;
@@ -533,16 +540,25 @@ INLINE void convert(float *dst, const sums_t *sm, size_t i0, size_t n, float alp
         for (; k + V <= n; k += V) {                                              \
             VT raw;                                                               \
             memcpy(&raw, p + k, sizeof raw);                                      \
-            vf f = __builtin_convertvector(__builtin_convertvector(raw, vi), vf); \
-            stf(dst + k, (f - c) * a);                                            \
+            vi iv = __builtin_convertvector(raw, vi);                             \
+            vi lt = iv < sm->vlo, gt = iv > sm->vhi;                              \
+            sm->vlo = (iv & lt) | (sm->vlo & ~lt);                                \
+            sm->vhi = (iv & gt) | (sm->vhi & ~gt);                                \
+            stf(dst + k, (__builtin_convertvector(iv, vf) - c) * a);              \
         }                                                                         \
-        for (; k < n; k++) dst[k] = ((float)p[k] - centre) * alpha;               \
+        for (; k < n; k++) {                                                      \
+            seen(sm, (int64_t)p[k]);                                              \
+            dst[k] = ((float)p[k] - centre) * alpha;                              \
+        }                                                                         \
     }                                                                             \
     break;
 #define CONVERT(T)                                                              \
     {                                                                           \
         const T *p = (const T *)sm->src + i0;                                   \
-        for (; k < n; k++) dst[k] = ((float)p[k] - centre) * alpha;             \
+        for (; k < n; k++) {                                                    \
+            seen(sm, (int64_t)p[k]); /* a uint64 past int64's range: negative */ \
+            dst[k] = ((float)p[k] - centre) * alpha;                            \
+        }                                                                       \
     }                                                                           \
     break;
     switch (sm->kind) {
@@ -594,7 +610,7 @@ INLINE void store_signed(float *out, const float *t, size_t i0, size_t n, size_t
 }
 
 /* One slice: sums at offset start of the padded vector, len outputs written to out. */
-INLINE void decode_slice(const sums_t *sm, size_t start, size_t len, size_t d, float alpha,
+INLINE void decode_slice(sums_t *sm, size_t start, size_t len, size_t d, float alpha,
                          rkey_t sk, float *out, float *scratch) {
     if (d < 32) {
         float t[32];
@@ -643,7 +659,7 @@ INLINE void decode_slice(const sums_t *sm, size_t start, size_t len, size_t d, f
     }
 }
 
-CLONES static void decode_all(const sums_t *sm, layout_t l, const float *alpha,
+CLONES static void decode_all(sums_t *sm, layout_t l, const float *alpha,
                               uint32_t sign_prefix, float *out, float *scratch) {
     for (size_t s = 0; s < l.n_slices; s++) {
         int full = s < l.full;
@@ -802,7 +818,8 @@ PyDoc_STRVAR(decode_doc,
 "decode(sums, kind, numel, slice_size, alpha, centre, sign_prefix, table, out)\n"
 "sums: integer buffer of the padded length, kind one of KINDS ('index': uint8 indices mapped\n"
 "through table, float32 of 256 entries; else table is ignored); alpha: float32 per slice;\n"
-"out: float32 buffer (numel).");
+"out: float32 buffer (numel). Returns (least, largest) of the sums converted (None for\n"
+"'index', or no sums); a uint64 sum past int64's range counts as negative.");
 
 static const char *KIND_NAMES[N_KINDS] = {"u1", "i1", "u2", "i2", "u4", "i4", "u8", "i8",
                                           "index"};
@@ -836,7 +853,10 @@ static PyObject *py_decode(PyObject *self, PyObject *args) {
         PyErr_NoMemory();
         goto done;
     }
-    sums_t sm = {sums.buf, kind, KIND_BYTES[kind], (float)centre, (const float *)table.buf, 0, {0}, {0}};
+    sums_t sm = {sums.buf, kind, KIND_BYTES[kind], (float)centre, (const float *)table.buf, 0,
+                 {0}, {0}, {0}, {0}, INT64_MAX, INT64_MIN};
+    sm.vlo += INT32_MAX;
+    sm.vhi += INT32_MIN;
     if (kind == S_INDEX) {
         sm.small_table = 1;
         for (int j = 16; j < 256; j++) sm.small_table &= sm.table[j] == 0.0f;
@@ -848,8 +868,15 @@ static PyObject *py_decode(PyObject *self, PyObject *args) {
     Py_BEGIN_ALLOW_THREADS
     decode_all(&sm, l, (const float *)alpha.buf, (uint32_t)sign_prefix, (float *)out.buf,
                scratch);
+    for (int k = 0; k < V; k++) {
+        if (sm.vlo[k] <= sm.vhi[k]) {
+            seen(&sm, sm.vlo[k]);
+            seen(&sm, sm.vhi[k]);
+        }
+    }
     Py_END_ALLOW_THREADS
-    ret = Py_NewRef(Py_None);
+    ret = sm.lo <= sm.hi ? Py_BuildValue("LL", (long long)sm.lo, (long long)sm.hi)
+                         : Py_NewRef(Py_None);
 done:
     free(scratch);
     PyBuffer_Release(&sums);

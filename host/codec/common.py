@@ -192,8 +192,10 @@ def check_finite(rotated, grp) -> None:
                              f"{grp.first}..{grp.first + grp.count - 1}")
 
 
-BAD_INPUT, BAD_NORMS, BAD_INDEX = 1, 2, 4
+BAD_INPUT, BAD_NORMS, BAD_INDEX, BAD_SUM = 1, 2, 4, 8
 """Flags of the kernels' status word."""
+STATUS_WORDS = 5
+"""Length of the status word: the flags, then one value per flag."""
 NORM_MARK = float(np.finfo(np.float32).max)
 """The slice norm a worker that failed sends into the MAX round (every slice, whatever its
 input): above any real norm (a finite float32 norm is below 2^64), so every worker refuses
@@ -210,9 +212,9 @@ INDEX_CAP = 1 << 30
 def status_word(device):
     """The kernels' status word on ``device``: flags, then the last slice with a NaN or Inf
     + 1, the last slice with a bad max norm + 1, the largest bad index + 2 (1: negative;
-    0: none)."""
+    0: none), the largest sum beyond n g + 2 (1: a negative sum; 0: none)."""
     import torch
-    return torch.zeros(4, dtype=torch.int32, device=device)
+    return torch.zeros(STATUS_WORDS, dtype=torch.int32, device=device)
 
 
 def flag(word, bad, which: int, value) -> None:
@@ -220,7 +222,7 @@ def flag(word, bad, which: int, value) -> None:
     holds, with ``value`` (an int, or an int tensor on the device) in the flag's word,
     without waiting for the device."""
     import torch
-    slot = {BAD_INPUT: 1, BAD_NORMS: 2, BAD_INDEX: 3}[which]
+    slot = {BAD_INPUT: 1, BAD_NORMS: 2, BAD_INDEX: 3, BAD_SUM: 4}[which]
     b = bad.to(torch.int32)
     word[0:1].bitwise_or_(b * which)
     value = value.to(torch.int32) if isinstance(value, torch.Tensor) else int(value)
@@ -270,7 +272,7 @@ def wide_norms(norms, word, first: int, params: THCParams):
 
 
 def raise_status(values, params: THCParams, max_norms=None) -> None:
-    """Raise the error a status word's ``values`` (a list of four ints) name, if any."""
+    """Raise the error a status word's ``values`` (a list of its ints) name, if any."""
     flags = values[0]
     if flags & BAD_INPUT:
         raise NonFiniteInput(BAD_INPUT_TEXT.format(limit=norm_limit(params))
@@ -285,6 +287,24 @@ def raise_status(values, params: THCParams, max_norms=None) -> None:
         what = "a negative index" if top < 0 else f"index {top}" + (
             " or larger" if top >= INDEX_CAP else "")
         raise ValueError(f"{what} outside the {params.levels}-entry table")
+    if flags & BAD_SUM:
+        top = values[4] - 2
+        raise ValueError(SUM_TEXT.format(what="a negative sum" if top < 0 else f"sum {top}" + (
+            " or larger" if top >= INDEX_CAP else "")))
+
+
+SUM_TEXT = ("{what} outside what the workers' table values add up to (0..n g for n workers): "
+            "decode with the number of workers whose values were summed")
+
+
+def check_sums(lo: int, hi: int, n: int, params: THCParams) -> None:
+    """Refuse sums (least ``lo``, largest ``hi``) that ``n`` workers' table values cannot
+    add up to: decoded with the wrong worker count they give a wrong mean, silently."""
+    if lo < 0:
+        raise ValueError(SUM_TEXT.format(what=f"sum {lo}"))
+    if hi > n * params.granularity:
+        raise ValueError(SUM_TEXT.format(what=f"sum {hi}") + f" ({n} workers here, g = "
+                         f"{params.granularity})")
 
 
 def check_indices(i, params: THCParams) -> None:

@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 
 from thc.codec import fastcodec, reference
-from thc.codec.common import (NonFiniteInput, Prepared, check_norms, decode_live, encode_coef,
-                              norm_array, rounding_key)
+from thc.codec.common import (NonFiniteInput, Prepared, check_norms, check_sums, decode_live,
+                              encode_coef, norm_array, rounding_key)
 from thc.codec.hadamard import is_torch
 from thc.codec.packing import pack_bits
 from thc.codec.params import THCParams
@@ -79,8 +79,10 @@ def decode(sums, n: int, max_norms, lay, params: THCParams, round: int, out,
         (not is_torch(out) or dst.ctypes.data == out.data_ptr())
     if not direct:
         dst = np.empty(lay.numel, np.float32)
-    fastcodec.decode(s, kind, lay.numel, params.slice_size, alpha, n * g / 2.0, params.seed,
-                     round, dst, params.table if indices else None)
+    seen = fastcodec.decode(s, kind, lay.numel, params.slice_size, alpha, n * g / 2.0,
+                            params.seed, round, dst, params.table if indices else None)
+    if seen is not None and not indices:
+        check_sums(*seen, n, params)
     if not direct:
         if is_torch(out):
             import torch

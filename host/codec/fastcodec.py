@@ -98,12 +98,13 @@ def sums_kind(sums: np.ndarray) -> tuple[np.ndarray, str]:
 
 
 def decode(sums: np.ndarray, kind: str, numel: int, slice_size: int, alpha: np.ndarray,
-           centre: float, seed: int, round_: int, out: np.ndarray, table=None) -> None:
+           centre: float, seed: int, round_: int, out: np.ndarray, table=None):
     """Writes the decode of ``sums`` (or, with kind ``index``, of indices mapped through
-    ``table``) into float32 ``out``; ``alpha``: per-slice float32 factor 2 t_p M / (g d n)."""
+    ``table``) into float32 ``out``; ``alpha``: per-slice float32 factor 2 t_p M / (g d n).
+    Returns (least, largest) of the sums read on the way (None for indices or no sums)."""
     tab = np.zeros(256, np.float32)
     if table is not None:
         tab[: len(table)] = np.asarray(table, np.float32)
-    _fastcodec.decode(sums, kind, int(numel), int(slice_size),
+    return _fastcodec.decode(sums, kind, int(numel), int(slice_size),
                       np.ascontiguousarray(alpha, np.float32), float(centre),
                       rng.key_prefix(seed, round_, rng.SIGN_STREAM), tab, out)

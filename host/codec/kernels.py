@@ -15,9 +15,9 @@ from __future__ import annotations
 import numpy as np
 
 from thc.codec import reference, rng
-from thc.codec.common import (WHOLE, Prepared, check_generator, check_indices, encode_coef,
-                               norm_array, raise_status, rounding_key, same_place, status_word,
-                               view, wide_norms)
+from thc.codec.common import (BAD_SUM, INDEX_CAP, WHOLE, Prepared, check_generator,
+                               check_indices, encode_coef, flag, norm_array, raise_status,
+                               rounding_key, same_place, status_word, view, wide_norms)
 from thc.codec.hadamard import is_torch
 from thc.codec.packing import pack_bits
 from thc.codec.params import THCParams
@@ -148,6 +148,16 @@ def _encode_short(flat, grp, m, params: THCParams, round: int, key: int, out, fu
                           dst.reshape(grp.count, grp.padded))
 
 
+def _flag_sums(word, s, top: int) -> None:
+    """Flag sums of a slice the kernels do not take that lie beyond 0..``top``, as the
+    kernels flag theirs (the largest, or a negative one), without a wait."""
+    import torch
+    w = s.to(torch.int64)
+    bad = (w < 0) | (w > top)
+    seen = torch.where(bad, w.clamp(-1, INDEX_CAP), -2).max()
+    flag(word, seen != -2, BAD_SUM, seen + 2)
+
+
 def decode(kern, sums, n: int, max_norms, lay, params: THCParams, round: int, out,
            own_table=None, status=None):
     sums = sums.contiguous()
@@ -169,6 +179,8 @@ def decode(kern, sums, n: int, max_norms, lay, params: THCParams, round: int, ou
         if kern.supports(grp.padded):
             kern.decode_group(s, grp, md, n, params, round, dst, word, own_table)
             continue
+        if own_table is None:
+            _flag_sums(word, s, n * params.granularity)
         alpha = reference.alphas(m, grp, params, n).astype(np.float32)
         reference.decode_group(s, grp, alpha, n * params.granularity / 2.0, params, round,
                                dst, own_table)

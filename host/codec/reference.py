@@ -9,7 +9,8 @@ import numpy as np
 
 from thc.codec import rng
 from thc.codec.common import (GROUP_ELEMENTS, WHOLE, Prepared, check_finite, check_generator,
-                               check_norms, decode_live, encode_coef, norm_array, view)
+                               check_norms, check_sums, decode_live, encode_coef, norm_array,
+                               view)
 from thc.codec.hadamard import fwht, is_torch, random_signs
 from thc.codec.packing import pack_bits
 from thc.codec.params import THCParams
@@ -159,6 +160,8 @@ def decode(sums, n: int, max_norms, lay, params: THCParams, round: int, out,
            own_table=None, status=None):
     m = norm_array(max_norms, lay.n_slices, params)
     centre = n * params.granularity / 2.0
+    if own_table is None and lay.total_padded:
+        check_sums(int(sums.min()), int(sums.max()), n, params)
     for grp in lay.groups(GROUP_ELEMENTS):
         s = sums[grp.padded_start: grp.padded_start + grp.count * grp.padded]
         dst = out[grp.start: grp.start + grp.count * grp.length]

@@ -36,6 +36,7 @@ coordinate at g/2 (stochastically between the two middle entries) and decodes to
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -240,8 +241,13 @@ def _decode(sums, n_workers, max_norms, numel, params, round, out, backend, own:
             status=None):
     """decode; with ``own`` the ``sums`` are one worker's indices, which the backend maps
     through the table itself."""
-    if int(n_workers) < 1:
-        raise ValueError(f"n_workers must be >= 1, got {n_workers}")
+    try:
+        count = operator.index(n_workers)   # 4.7 workers was taken as 4
+    except TypeError:
+        count = 0
+    if isinstance(n_workers, bool) or count < 1:
+        raise ValueError(f"n_workers must be an integer >= 1, got {n_workers!r}")
+    n_workers = count
     lay = layout(numel, params)
     if not is_torch(sums):
         sums = np.asarray(sums)   # a list as encode takes one

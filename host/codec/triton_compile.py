@@ -12,10 +12,12 @@ from thc.codec import triton_kernels as tk
 
 def compile_for(padded: int, arch: int = 90, device_round: bool = False,
                 form: str | None = None, tiles: int = 1) -> dict:
-    """Compile the four kernels for a slice of ``padded`` coordinates for CUDA compute
+    """Compile the four kernels (the decode's first pass twice: on sums and on one worker's
+    indices) for a slice of ``padded`` coordinates for CUDA compute
     capability ``arch`` (90: H100) at the module's settings (``device_round``: the variant
     that reads the round from device memory; ``form``: one of tk.FORMS, default tk.FORM;
-    ``tiles``: row tiles a program). Returns kernel name -> shared memory bytes."""
+    ``tiles``: row tiles a program). Returns kernel name (``_decode_rows_sums``: the pass on
+    sums) -> shared memory bytes."""
     sh = tk._Shape(padded)
     rows = dict(C=sh.C, C1=sh.C1, BM=sh.BM, PREC=tk.PRECISION, FORM=form or tk.FORM,
                 TILES=tiles)
@@ -31,7 +33,10 @@ def compile_for(padded: int, arch: int = 90, device_round: bool = False,
                                floor="fp32"),
          dict(cols, PACK=True, DEV_ROUND=device_round)),
         (tk._decode_rows, dict(S="*u8", TMP="*fp32", TABLE="*u8", STATUS="*i32", centre="fp32",
-                               d="i32", levels="i32"), dict(rows, LOOKUP=True)),
+                               d="i32", levels="i32", top="i32"), dict(rows, LOOKUP=True)),
+        (tk._decode_rows, dict(S="*i16", TMP="*fp32", TABLE="*i16", STATUS="*i32",
+                               centre="fp32", d="i32", levels="i32", top="i32"),
+         dict(rows, LOOKUP=False)),
         (tk._decode_cols, dict(TMP="*fp32", OUT="*fp32", MAXN="*fp32", STATUS="*i32", prefix="i32",
                                ROUND="*i64", first="i32", count="i32", length="i32", d="i32",
                                scale="fp32", limit="fp32", floor="fp32"),
@@ -43,5 +48,5 @@ def compile_for(padded: int, arch: int = 90, device_round: bool = False,
         warps = tk.NUM_WARPS_COLS if fn in (tk._encode_cols, tk._decode_cols) else tk.NUM_WARPS
         k = triton.compile(ASTSource(fn, sig, consts), target=GPUTarget("cuda", arch, 32),
                            options={"num_warps": warps})
-        out[fn.__name__] = k.metadata.shared
+        out[fn.__name__ + ("" if consts.get("LOOKUP", True) else "_sums")] = k.metadata.shared
     return out

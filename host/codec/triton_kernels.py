@@ -37,8 +37,8 @@ import triton
 import triton.language as tl
 
 from thc.codec import rng
-from thc.codec.common import (BAD_INDEX, BAD_INPUT, BAD_NORMS, INDEX_CAP, norm_floor,
-                              norm_limit)
+from thc.codec.common import (BAD_INDEX, BAD_INPUT, BAD_NORMS, BAD_SUM, INDEX_CAP,
+                              norm_floor, norm_limit)
 from thc.codec.triton_onchip import (block, flag, had_first, had_last, norm_bad,
                                      program_key, round_prefix, signed)
 
@@ -72,6 +72,7 @@ give the same values; sandwich, the default, is the faster on an H200 (`thc benc
 --configs ';FORM=transpose'`, docs/results.md)."""
 FORM = "sandwich"
 _INPUT, _NORMS, _INDEX = tl.constexpr(BAD_INPUT), tl.constexpr(BAD_NORMS), tl.constexpr(BAD_INDEX)
+_SUM = tl.constexpr(BAD_SUM)
 _INDEX_CAP = tl.constexpr(INDEX_CAP)
 
 
@@ -168,7 +169,7 @@ def _encode_cols(TMP, OUT, MAXN, STATUS, uprefix, ROUND, first, count, LOWER, BA
 
 
 @triton.jit
-def _decode_rows(S, TMP, TABLE, STATUS, centre, d, levels,
+def _decode_rows(S, TMP, TABLE, STATUS, centre, d, levels, top,
                  C: tl.constexpr, C1: tl.constexpr, BM: tl.constexpr, PREC: tl.constexpr,
                  FORM: tl.constexpr, LOOKUP: tl.constexpr, TILES: tl.constexpr):
     s = tl.program_id(0)
@@ -187,6 +188,13 @@ def _decode_rows(S, TMP, TABLE, STATUS, centre, d, levels,
                                  1), 0)
             flag(STATUS, seen != -2, _INDEX, 3, seen.to(tl.int32) + 2)
             v = tl.load(TABLE + tl.where(bad, 0, w).to(tl.int32))
+        else:
+            # a sum that n workers' table values cannot make (decoded with the wrong n)
+            w = v.to(tl.int64)
+            bad = (w < 0) | (w > top)
+            seen = tl.max(tl.max(tl.where(bad, tl.minimum(tl.maximum(w, -1), _INDEX_CAP), -2),
+                                 1), 0)
+            flag(STATUS, seen != -2, _SUM, 4, seen.to(tl.int32) + 2)
         tl.store(dst + i, had_last(v.to(tl.float32) - centre, BM, C, C1, PREC, FORM))
         if t + 1 < TILES:
             v, i = ahead, i + BM * C
@@ -291,15 +299,15 @@ def encode_cols(tmp, grp, max_norms, params, round_: int, uniform_seed: int, out
 
 def decode_rows(values, grp, n: int, params, st, table=None):
     """Decode pass 1 of one group: ``values`` are the group's sums of ``n`` workers (any
-    integer dtype) or, with ``table`` (on the device), one worker's indices, flagged in
-    ``st`` where outside it. Returns the float32 scratch."""
+    integer dtype), flagged in ``st`` beyond 0..n g, or, with ``table`` (on the device), one
+    worker's indices, flagged where outside it. Returns the float32 scratch."""
     sh, d = _Shape(grp.padded), grp.padded
     tmp = torch.empty(grp.count * d, dtype=torch.float32, device=values.device)
     lookup, rt = table is not None, sh.tiles(grp.count)
     _decode_rows[(grp.count, sh.R // sh.BM // rt)](
         values, tmp, table if lookup else values, st, n * params.granularity / 2.0, d,
-        params.levels, C=sh.C, C1=sh.C1, BM=sh.BM, PREC=PRECISION, FORM=FORM, LOOKUP=lookup,
-        TILES=rt, num_warps=NUM_WARPS)
+        params.levels, n * params.granularity, C=sh.C, C1=sh.C1, BM=sh.BM, PREC=PRECISION,
+        FORM=FORM, LOOKUP=lookup, TILES=rt, num_warps=NUM_WARPS)
     return tmp
 
 

@@ -93,9 +93,10 @@ class THCAllReduce:
             generator = rank if isinstance(rank, int) else secrets.randbits(62)
         check_key(generator)   # here, not in a round's encode, where peers would wait
         self.generator = generator
-        if pipeline_elements % self.params.slice_size:
-            raise ValueError(f"pipeline_elements ({pipeline_elements}) must be a multiple of "
-                             f"the slice size ({self.params.slice_size})")
+        if not isinstance(pipeline_elements, int) or pipeline_elements < 1 \
+                or pipeline_elements % self.params.slice_size:
+            raise ValueError(f"pipeline_elements ({pipeline_elements!r}) must be a positive "
+                             f"multiple of the slice size ({self.params.slice_size})")
         self.pipeline_elements = pipeline_elements
         self._pool: ThreadPoolExecutor | None = None
         self.transport = transport
@@ -312,16 +313,16 @@ class THCAllReduce:
     def _round(self, tensor: torch.Tensor, position) -> torch.Tensor:
         secs = self.stats.seconds
         t0 = time.perf_counter()
-        flat = tensor.detach().reshape(-1)
         refusal = None   # input refused: its round still goes out, marked, so peers refuse it
         try:
+            flat = tensor.detach().reshape(-1)   # a sparse tensor has no flat view
             check_float(flat)
             check_generator(self.generator, flat)   # in encode, after the MAX round: too late
             if position is not None:
                 position = check_positions(position, flat.numel())
         except Exception as e:  # noqa: BLE001 - torch.as_tensor raises RuntimeError too
             refusal = e
-            flat = torch.zeros(flat.shape, device=flat.device)
+            flat = torch.zeros(tensor.numel(), device=tensor.device)
         if flat.dtype not in (torch.float32, torch.float16, torch.bfloat16):
             flat = flat.float()   # half types reach the kernels as they are
         slice_size = self.params.slice_size

@@ -58,8 +58,8 @@ import torch
 
 from thc.codec import kernels
 from thc.codec.backends import kernels_for
-from thc.codec.common import (NORM_MARK, WHOLE, NonFiniteInput, check_float, check_key,
-                              norm_limit, raise_status, scale_factor)
+from thc.codec.common import (NORM_MARK, STATUS_WORDS, WHOLE, NonFiniteInput, check_float,
+                              check_key, norm_limit, raise_status, scale_factor)
 from thc.codec.params import THCParams
 from thc.codec.thc import THCCodec
 from thc.collective import agreement, replay
@@ -68,7 +68,7 @@ from thc.collective.transports import DistTransport
 
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 """Input types the kernels read as they are."""
-REPORT_LANES = 4 + agreement.TAG_LANES + 1
+REPORT_LANES = STATUS_WORDS + agreement.TAG_LANES + 1
 """What a round reports to the host: its status word, its tag lanes, whether it overflowed."""
 
 
@@ -81,7 +81,7 @@ class _Buffers:
     out: torch.Tensor
     round: torch.Tensor
     report: torch.Tensor
-    """float64: the status word's four ints, the tag lanes, then 1 where the round
+    """float64: the status word's ints, the tag lanes, then 1 where the round
     overflowed (:func:`agreement.overflowed_on_device`), else 0."""
     clean: torch.Tensor
     """Whether the round is clean (a bool on the device)."""
@@ -223,8 +223,8 @@ class GraphedAllReduce:
                                                         norm_limit(self.params)))
         if own is not None:
             torch.where(clean, y - own, b.residual, out=b.residual)
-        b.report[:4].copy_(word)
-        b.report[4:-1].copy_(tags)
+        b.report[:STATUS_WORDS].copy_(word)
+        b.report[STATUS_WORDS:-1].copy_(tags)
         b.report[-1:].copy_(b.overflow)
         b.round.add_(1)
 
@@ -323,14 +323,14 @@ class GraphedAllReduce:
     def _raise_report(self, values: list[float]) -> bool:
         """Raise what refused the round of the report ``values``, if anything; whether the
         round was handed on as NaN instead (``nonfinite="propagate"``)."""
-        tags = values[4:-1]
+        tags = values[STATUS_WORDS:-1]
         if not values[0] and agreement.agreed(tags):
             return False
         if values[-1] and self.nonfinite == "propagate":
             self.stats.overflows += 1
             return True
         try:
-            raise_status([int(v) for v in values[:4]], self.params)
+            raise_status([int(v) for v in values[:STATUS_WORDS]], self.params)
         except ValueError as e:
             if values[-1]:
                 raise NonFiniteInput(f"{e}{agreement.PROPAGATE_HINT}") from e

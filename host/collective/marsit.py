@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from thc.codec.common import NonFiniteInput, scale_factor
+from thc.codec.common import NonFiniteInput, check_float, scale_factor
 from thc.codec.packing import pack_bits, unpack_bits
 from thc.collective import agreement
 from thc.collective.transports import ring_bytes
@@ -101,10 +101,12 @@ class _SignAllReduce:
         """The estimate of the workers' mean of ``grad``; ``sizes`` splits it into segments
         with a scale each (default: one)."""
         agreement.check_domain(self._domain, self._group_now())
-        flat = grad.reshape(-1).float()
-        sizes = [flat.numel()] if sizes is None else list(sizes)
         failure = None
         try:
+            flat = grad.reshape(-1)   # a sparse tensor has no flat view
+            check_float(flat)         # the signs of a complex or integer tensor mean nothing
+            flat = flat.float()
+            sizes = [flat.numel()] if sizes is None else [int(n) for n in sizes]
             if self.compensation and self.residual is not None:
                 if self.residual.shape != flat.shape:
                     raise ValueError(f"Marsit: residual of {self.residual.numel()} elements, "
@@ -115,6 +117,8 @@ class _SignAllReduce:
                                  f"elements")
         except Exception as e:  # noqa: BLE001 - every worker raises it in the agreement
             failure = e
+            flat = torch.zeros(grad.numel(), device=grad.device)
+            sizes = [flat.numel()]
         # the scales' all-reduce is as long as the segments: agree on them first
         rnd, self.round = self.round, self.round + 1
         key = agreement.key_of("marsit", *self.kind, flat.numel(), tuple(sizes),
@@ -211,6 +215,11 @@ def counts_to_mean_sign(counts: torch.Tensor, n_workers: int,
     if n_workers < 1:
         raise ValueError(f"a vote needs at least one worker, got {n_workers}")
     k = torch.full_like(counts, n_workers) if voters is None else voters
+    if k.numel() and bool(((k < 0) | (k > n_workers)).any()):
+        bad = int(k.max()) if bool((k > n_workers).any()) else int(k.min())
+        raise ValueError(f"{bad} voters among {n_workers} workers")
+    if counts.numel() and bool((counts < 0).any()):
+        raise ValueError(f"{int(counts.min())} +1 votes: a count is never negative")
     if counts.numel() and bool((counts > k).any()):
         raise ValueError(f"more +1 votes than workers counted ({int(counts.max())} among "
                          f"{n_workers} workers)")
