@@ -84,6 +84,19 @@ def test_reinstall_takes_the_old_workers_off_first_then_resets_again(sw):
     assert counters.job_counters(sw, 0)["packets"] == 0, "counters zeroed on re-install"
 
 
+def test_a_reinstall_on_another_pool_resets_the_new_pools_cells(sw):
+    """The RESETs clear the cells of the pool the job entry names when they run: a
+    re-install onto another pool must write the job entry first, or it clears the old
+    pool's cells and its workers meet whatever the new pool's cells hold."""
+    job = make_job(1, pool_size=4)
+    jobs.install_job(sw, job)
+    moved = replace(job, pool_base=64).validate()
+    mark = len(sw.device.reset_cells)
+    jobs.install_job(sw, moved, live_window=IDLE)
+    assert sorted(sw.device.reset_cells[mark:]) == [(64 + s) * 2 + v for s in range(4)
+                                                    for v in (0, 1)]
+
+
 def test_workers_never_go_live_when_the_resets_are_lost(sw, monkeypatch):
     sw.device.cpu_port = False             # simple_switch_grpc without --cpu-port
     monkeypatch.setattr(jobs, "reset_pool", functools.partial(jobs.reset_pool, timeout=0.05))

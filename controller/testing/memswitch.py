@@ -12,7 +12,8 @@ packets, yet BMv2 is absent on most machines. :class:`MemorySwitch` is controlle
   per-update errors (ALREADY_EXISTS, NOT_FOUND, RESOURCE_EXHAUSTED for a full table);
 * ``log``: every write, counter reset and packet-out in order;
 * RESET packet-outs run as p4src/thc.p4 runs them: an installed job's slot inside its pool
-  is cleared (``slot_resets``) and ``thc_resets[job_index]`` counts, else a drop reason
+  is cleared (``slot_resets``; ``reset_cells``: the register cell, from the job entry's
+  pool_base when the RESET runs) and ``thc_resets[job_index]`` counts, else a drop reason
   (``cpu_port = False``: packet-outs are lost); any other packet raises NotImplementedError;
 * worker traffic counted where the program counts it (``deliver``; inside ``sending`` one
   packet before every counter read, a worker that keeps sending).
@@ -77,6 +78,9 @@ class MemoryDevice:
         self.cells: dict[str, dict[int, int]] = {name: {} for name in self.counter_sizes}
         self.slot_resets: list[tuple[int, int, int]] = []
         """(job_id, slot, version) of every RESET the data plane applied, in order."""
+        self.reset_cells: list[int] = []
+        """The slot registers' cell each of them cleared: (pool_base + slot) * 2 + version,
+        pool_base + slot in 16 bits, as thc.p4 indexes them."""
 
     # -- control plane --------------------------------------------------------------------
     def write(self, op: str, entity: bytes) -> None:
@@ -189,6 +193,7 @@ class MemoryDevice:
             self._drop("slot_outside_pool")
         else:
             self.slot_resets.append((hdr.job_id, hdr.slot, hdr.version))
+            self.reset_cells.append((job["pool_base"] + hdr.slot) % (1 << 16) * 2 + hdr.version)
             self._count(counters.RESETS, job["job_index"])
 
     def deliver(self, job, worker_id: int = 0, n: int = 1) -> None:
