@@ -18,7 +18,7 @@ from thc.collective.allreduce import THCAllReduce
 from thc.net.aggregator import Aggregator
 from thc.net.client import AggregationClient, AggregationTimeout
 from thc.testing.clusters import free_port_block, free_tcp_port, local_job
-from tests.test_graphed import gloo_pair, join_gloo
+from tests.test_graphed import _Peer, gloo_pair, join_gloo
 
 PARAMS = THCParams(seed=7)
 
@@ -202,6 +202,9 @@ def test_a_pipeline_length_that_cuts_nothing_is_refused_when_built(pipeline_elem
     with pytest.raises(ValueError, match="pipeline_elements .* positive multiple"):
         THCAllReduce(object(), params=THCParams(slice_size=1 << 10),
                      pipeline_elements=pipeline_elements)
+    ar = THCAllReduce(_Peer(None), params=THCParams(slice_size=1 << 10),
+                      pipeline_elements=np.int64(1 << 20))
+    assert ar.pipeline_elements == 1 << 20 and type(ar.pipeline_elements) is int
 
 
 def test_mismatched_table_is_refused():

@@ -537,15 +537,18 @@ INLINE void convert(float *dst, sums_t *sm, size_t i0, size_t n, float alpha) {
 #define CONVERT_V(VT, T)                                                          \
     {                                                                             \
         const T *p = (const T *)sm->src + i0;                                     \
+        vi lo = sm->vlo, hi = sm->vhi; /* in registers through the loop */        \
         for (; k + V <= n; k += V) {                                              \
             VT raw;                                                               \
             memcpy(&raw, p + k, sizeof raw);                                      \
             vi iv = __builtin_convertvector(raw, vi);                             \
-            vi lt = iv < sm->vlo, gt = iv > sm->vhi;                              \
-            sm->vlo = (iv & lt) | (sm->vlo & ~lt);                                \
-            sm->vhi = (iv & gt) | (sm->vhi & ~gt);                                \
+            vi lt = iv < lo, gt = iv > hi;                                        \
+            lo = (iv & lt) | (lo & ~lt);                                          \
+            hi = (iv & gt) | (hi & ~gt);                                          \
             stf(dst + k, (__builtin_convertvector(iv, vf) - c) * a);              \
         }                                                                         \
+        sm->vlo = lo;                                                             \
+        sm->vhi = hi;                                                             \
         for (; k < n; k++) {                                                      \
             seen(sm, (int64_t)p[k]);                                              \
             dst[k] = ((float)p[k] - centre) * alpha;                              \

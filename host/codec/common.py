@@ -300,10 +300,9 @@ SUM_TEXT = ("{what} outside what the workers' table values add up to (0..n g for
 def check_sums(lo: int, hi: int, n: int, params: THCParams) -> None:
     """Refuse sums (least ``lo``, largest ``hi``) that ``n`` workers' table values cannot
     add up to: decoded with the wrong worker count they give a wrong mean, silently."""
-    if lo < 0:
-        raise ValueError(SUM_TEXT.format(what=f"sum {lo}"))
-    if hi > n * params.granularity:
-        raise ValueError(SUM_TEXT.format(what=f"sum {hi}") + f" ({n} workers here, g = "
+    bad = lo if lo < 0 else hi if hi > n * params.granularity else None
+    if bad is not None:
+        raise ValueError(SUM_TEXT.format(what=f"sum {bad}") + f" ({n} workers here, g = "
                          f"{params.granularity})")
 
 

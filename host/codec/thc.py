@@ -231,7 +231,8 @@ def decode(sums, n_workers: int, max_norms, numel: int, params: THCParams, round
     """Estimate of the workers' mean vector (flat float32, ``numel`` long) from the sums.
 
     ``out``: optional flat float32 buffer of ``numel`` elements to write into (saves the
-    allocation and its page faults when decoding every round into the same buffer).
+    allocation and its page faults when decoding every round into the same buffer); what
+    it holds after a call that raises, or whose deferred checks flag, is undefined.
     ``backend``: see :func:`kernels_for`."""
     return _decode(sums, n_workers, max_norms, numel, params, round, out, backend, False,
                    status)

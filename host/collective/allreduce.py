@@ -8,6 +8,7 @@ this worker's lost part for the next round.
 """
 from __future__ import annotations
 
+import numbers
 import secrets
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -93,11 +94,12 @@ class THCAllReduce:
             generator = rank if isinstance(rank, int) else secrets.randbits(62)
         check_key(generator)   # here, not in a round's encode, where peers would wait
         self.generator = generator
-        if not isinstance(pipeline_elements, int) or pipeline_elements < 1 \
+        if not isinstance(pipeline_elements, numbers.Integral) \
+                or isinstance(pipeline_elements, bool) or pipeline_elements < 1 \
                 or pipeline_elements % self.params.slice_size:
             raise ValueError(f"pipeline_elements ({pipeline_elements!r}) must be a positive "
                              f"multiple of the slice size ({self.params.slice_size})")
-        self.pipeline_elements = pipeline_elements
+        self.pipeline_elements = int(pipeline_elements)
         self._pool: ThreadPoolExecutor | None = None
         self.transport = transport
         transport.check(self.params)

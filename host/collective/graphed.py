@@ -343,20 +343,21 @@ class GraphedAllReduce:
         if check is not None:
             check()
 
-    def _owe(self, flat: torch.Tensor) -> bool:
+    def _owe(self, tensor: torch.Tensor) -> bool:
         """What a worker that failed before its MAX round could leave owes its peers: that
         round with every slice marked and a sum of zeros (the peers' rounds sum without a
         host check between), so that every peer refuses the round instead of waiting.
-        Whether both went out."""
+        Whether both went out. ``tensor`` as given (a sparse one has no flat view)."""
         sent = False
         try:
             b = self._bufs
-            n = b.x.numel() if b is not None else self._padded(flat.numel(), flat)
+            numel = b.numel if b is not None else tensor.numel()
+            n = b.x.numel() if b is not None else self._padded(
+                numel, torch.empty(0, device=tensor.device))
             # the reducer's device, not the refused tensor's
-            lay, dev = self.codec.layout(n), (b.x.device if b is not None else flat.device)
+            lay, dev = self.codec.layout(n), (b.x.device if b is not None else tensor.device)
             marks = torch.full((lay.n_slices,), NORM_MARK, device=dev)
             zeros = torch.zeros(lay.total_padded, dtype=torch.uint8, device=dev)
-            numel = b.numel if b is not None else flat.numel()
             key = self._fingerprint(numel, marks)
             vector = agreement.tagged(marks, self.round - 1, key)
             sent = True
@@ -382,7 +383,7 @@ class GraphedAllReduce:
         worker)."""
         self._round_on_device()
         if self._sent == 0:
-            return self._owe(tensor.detach().reshape(-1))
+            return self._owe(tensor)
         if self._sent == 1 and hasattr(self.transport, "abandon"):
             self.transport.abandon(f"round {self.round - 1} failed between its MAX round "
                                    f"and its sum ({type(error).__name__}: {error})")

@@ -21,6 +21,8 @@ d / 8 up and d counts (8-bit) down through the vote; plus the scales.
 """
 from __future__ import annotations
 
+import operator
+
 import torch
 import torch.distributed as dist
 
@@ -106,7 +108,7 @@ class _SignAllReduce:
             flat = grad.reshape(-1)   # a sparse tensor has no flat view
             check_float(flat)         # the signs of a complex or integer tensor mean nothing
             flat = flat.float()
-            sizes = [flat.numel()] if sizes is None else [int(n) for n in sizes]
+            sizes = [flat.numel()] if sizes is None else [operator.index(n) for n in sizes]
             if self.compensation and self.residual is not None:
                 if self.residual.shape != flat.shape:
                     raise ValueError(f"Marsit: residual of {self.residual.numel()} elements, "

@@ -575,8 +575,10 @@ static PyObject *dp_install(Datapath *dp, PyObject *args) {
     }
     lock(dp);
     Job *old = dp->jobs[job_id];
-    /* A re-install keeps the address each worker sends to, as the Python engine's per-peer
-     * map does: a worker silent since then still hears the result from it. */
+    /* A re-install over the installed job keeps the address each worker sends to: a worker
+     * silent since then still hears the result from it. (The Python engine keeps it through
+     * a remove too; here a worker silent since a remove and install hears its first result
+     * from another local address, drops it, and retransmits.) */
     for (int w = 0; old && w < n; w++)
         for (int v = 0; v < old->n; v++)
             if (old->local[v] && j->addr_ok[w] && old->addr_ok[v] && old->ip[v] == j->ip[w] &&
