@@ -18,6 +18,7 @@ before the first write, so bad input changes nothing installed.
 from __future__ import annotations
 
 import time
+import warnings
 
 from thc.controller import counters, forwarding
 from thc.controller.frames import reset_frame
@@ -211,7 +212,10 @@ def _write_entries(sw: Switch, job: Job, job_index: int, agg: AggAddress,
         forwarding.remove(sw, gone)
 
     reset_pool(sw, job, job_index, agg)
-    counters.clear_job_counters(sw, job_index)
+    if not counters.clear_job_counters(sw, job_index):
+        warnings.warn(f"job {job.job_id}: the switch did not zero the counters of job index "
+                      f"{job_index}: they go on from what an earlier job there counted "
+                      f"(read differences)", RuntimeWarning, stacklevel=3)
     upsert(sw, worker_entries(sw, job))
 
 

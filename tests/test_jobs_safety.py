@@ -97,6 +97,19 @@ def test_a_reinstall_on_another_pool_resets_the_new_pools_cells(sw):
                                                     for v in (0, 1)]
 
 
+def test_counters_a_target_cannot_zero_are_named(sw):
+    """A target that refuses counter writes: the job is installed, and the install says its
+    counters go on from an earlier job's (they were silently left before)."""
+    job = make_job(1)
+    jobs.install_job(sw, job)
+    sw.device.deliver(job, 0, n=3)
+    sw.device.counter_writes = False
+    with pytest.warns(RuntimeWarning, match="did not zero the counters of job index 0"):
+        jobs.install_job(sw, job, live_window=IDLE)
+    assert counters.job_counters(sw, 0)["packets"] == 3
+    assert installed.installed_jobs(sw)[job.job_id]["job_index"] == 0
+
+
 def test_workers_never_go_live_when_the_resets_are_lost(sw, monkeypatch):
     sw.device.cpu_port = False             # simple_switch_grpc without --cpu-port
     monkeypatch.setattr(jobs, "reset_pool", functools.partial(jobs.reset_pool, timeout=0.05))

@@ -62,6 +62,8 @@ class MemoryDevice:
         self.log: list[Event] = []
         self.cpu_port = True
         """False: a switch started without ``--cpu-port``; packet-outs are lost."""
+        self.counter_writes = True
+        """False: a target that refuses counter writes (zeroing cells)."""
         self._senders: list[tuple] = []
         """Workers that keep sending (:meth:`sending`), through pushes: they are hosts."""
         if program:
@@ -144,6 +146,8 @@ class MemoryDevice:
         return {i: cells.get(i, 0) for i in range(self.counter_sizes[name])}
 
     def reset_counter(self, name: str, indices: Iterable[int]) -> None:
+        if not self.counter_writes:
+            raise SwitchError(f"counter {name}: this target does not write counters")
         indices = list(indices)
         if any(not 0 <= i < self.counter_sizes[name] for i in indices):
             raise SwitchError(f"counter {name}: index outside 0..{self.counter_sizes[name] - 1}")
@@ -296,7 +300,10 @@ class MemorySwitch(Switch):
         return self.device.read_counter(self._counter(name))
 
     def reset_counter(self, name: str, indices: Iterable[int]) -> bool:
-        self.device.reset_counter(self._counter(name), indices)
+        try:
+            self.device.reset_counter(self._counter(name), indices)
+        except SwitchError:   # as Switch.reset_counter answers a refused write
+            return False
         return True
 
     def multicast_groups(self) -> dict[int, set[tuple[int, int]]]:
