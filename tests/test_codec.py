@@ -403,13 +403,15 @@ def test_p_may_be_a_numpy_float():
     (dict(p=0.9999999999999999), r"finite, positive truncation threshold"),
     (dict(bits=2, granularity=2 ** 31 + 2, table_kind="uniform"), "at most 2\\^31 - 1"),
     (dict(granularity=5000), "optimal table's dynamic program"),
-    (dict(seed=2 ** 64), r"seed must be an integer in \[0, 2\^64\)")])
+    (dict(seed=2 ** 64), r"seed must be an integer in \[0, 2\^64\)"),
+    (dict(bits=1, granularity=True), "granularity must be an integer"),
+    (dict(slice_size=True), "slice_size must be a power of two")])
 def test_parameters_no_codec_can_run_are_refused_when_made(kw, why):
     """These were taken: p = 1e-17 failed at the first encode with the statistics module's
     "p must be in the range 0.0 < p < 1.0", p = 1 - 2^-53 divided by a t_p of 0, a
     granularity of 2^31 + 2 wrapped the table values to negative int32, an optimal table of
-    g = 5000 asked for gigabytes, and a seed of 2^64 was refused after the MAX round, leaving
-    the process group unusable."""
+    g = 5000 asked for gigabytes, a seed of 2^64 was refused after the MAX round, leaving
+    the process group unusable, and True was taken for a granularity or slice size of 1."""
     with pytest.raises(ValueError, match=why):
         THCParams(**kw)
 

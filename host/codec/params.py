@@ -63,7 +63,9 @@ class THCParams:
                 or not 1 <= self.bits <= 8:
             raise ValueError(f"bits must be an integer in 1..8, got {self.bits!r}")
         levels = (1 << int(self.bits)) - 1
-        if not isinstance(self.granularity, (int, np.integer)) or self.granularity < levels:
+        if isinstance(self.granularity, bool) or not isinstance(self.granularity,
+                                                                (int, np.integer)) \
+                or self.granularity < levels:
             raise ValueError(f"granularity must be an integer >= 2^bits - 1 = {levels} "
                              f"(the table needs 2^{self.bits} distinct values in 0..g), "
                              f"got {self.granularity!r}")
@@ -81,7 +83,7 @@ class THCParams:
                              f"0.7 GB there), got {self.granularity!r}; a larger g takes "
                              f"table_kind='uniform'")
         s = self.slice_size
-        if not isinstance(s, (int, np.integer)) or s < 1 or s & (s - 1):
+        if isinstance(s, bool) or not isinstance(s, (int, np.integer)) or s < 1 or s & (s - 1):
             raise ValueError(f"slice_size must be a power of two >= 1, got {s!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, (int, np.integer)) \
                 or not 0 <= self.seed < 1 << 64:
