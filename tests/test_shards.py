@@ -193,7 +193,9 @@ def test_shard_maps_that_differ_between_workers_and_shards_fail_at_once(datapath
     finally:
         for a in crossed:
             a.stop()
-    assert crossed[0].counters()["drops"]["wrong_shard"] >= 1
+    # the shard whose refusal the client raised counted it (the other may have been stopped
+    # before its chunk was read)
+    assert sum(a.counters()["drops"]["wrong_shard"] for a in crossed) >= 1
 
 
 def test_bench_ideal_bytes_per_layout():
