@@ -106,5 +106,5 @@ def decode(sums: np.ndarray, kind: str, numel: int, slice_size: int, alpha: np.n
     if table is not None:
         tab[: len(table)] = np.asarray(table, np.float32)
     return _fastcodec.decode(sums, kind, int(numel), int(slice_size),
-                      np.ascontiguousarray(alpha, np.float32), float(centre),
-                      rng.key_prefix(seed, round_, rng.SIGN_STREAM), tab, out)
+                             np.ascontiguousarray(alpha, np.float32), float(centre),
+                             rng.key_prefix(seed, round_, rng.SIGN_STREAM), tab, out)

@@ -216,10 +216,11 @@ def counts_to_mean_sign(counts: torch.Tensor, n_workers: int,
     vote as 0, as THC counts a missing worker's value."""
     if n_workers < 1:
         raise ValueError(f"a vote needs at least one worker, got {n_workers}")
-    k = torch.full_like(counts, n_workers) if voters is None else voters
-    if k.numel() and bool(((k < 0) | (k > n_workers)).any()):
-        bad = int(k.max()) if bool((k > n_workers).any()) else int(k.min())
+    if voters is not None and voters.numel() and \
+            bool(((voters < 0) | (voters > n_workers)).any()):
+        bad = int(voters.max()) if bool((voters > n_workers).any()) else int(voters.min())
         raise ValueError(f"{bad} voters among {n_workers} workers")
+    k = torch.full_like(counts, n_workers) if voters is None else voters
     if counts.numel() and bool((counts < 0).any()):
         raise ValueError(f"{int(counts.min())} +1 votes: a count is never negative")
     if counts.numel() and bool((counts > k).any()):
