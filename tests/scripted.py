@@ -19,10 +19,10 @@ def epoch(job) -> int:
 
 
 @contextmanager
-def answering(answer, delay: float = 0.0):
+def answering(answer, delay=0.0):
     """A UDP server on loopback sending each datagram's sender what ``answer(datagram)``
-    returns (a list of datagrams), ``delay`` seconds later (a long path, in order); yields
-    its address."""
+    returns (a list of datagrams), ``delay`` seconds later (a long path, in order; a
+    callable gives each reply's delay); yields its address."""
     srv = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     srv.bind(("127.0.0.1", 0))
     stop = threading.Event()
@@ -40,8 +40,9 @@ def answering(answer, delay: float = 0.0):
             except socket.timeout:
                 continue
             for out in answer(data):
-                if delay:
-                    later.append((time.monotonic() + delay, out, src))
+                wait = delay() if callable(delay) else delay
+                if wait:
+                    later.append((time.monotonic() + wait, out, src))
                 else:
                     srv.sendto(out, src)
 
@@ -55,7 +56,7 @@ def answering(answer, delay: float = 0.0):
         srv.close()
 
 
-def scripted_aggregator(job, answer, delay: float = 0.0):
+def scripted_aggregator(job, answer, delay=0.0):
     """:func:`answering` by header for ``job``: ``answer(pkt_type, seq)`` gives None (no
     reply) or (reply type, count, bitmap, payload), sent with the datagram's other header
     fields and the job's :func:`epoch`."""

@@ -45,8 +45,9 @@ def _want(job, packed, first_seq=0, short=None):
 class ScriptedAggregator:
     """Answers each DATA chunk with a volley of hostile and impossible replies, a PENDING,
     then its RESULT (``mode="pending"``: the PENDING only, as if worker 1 never came;
-    ``short``: chunk SHORT_SEQ's RESULT closed short, worker 1 missing). A stranger's socket
-    forges a RESULT with every field right, the epoch included."""
+    ``short``: chunk SHORT_SEQ's RESULT closed short, worker 1 missing); a FLUSH (a timeout
+    under a loss bound) is answered as its chunk's DATA was. A stranger's socket forges a
+    RESULT with every field right, the epoch included."""
 
     def __init__(self, job, nonce=0x1234, mode="answer", family=socket.AF_INET, short=False):
         self.job, self.epoch = job, job.new_epoch(nonce=nonce)
@@ -59,6 +60,7 @@ class ScriptedAggregator:
         self.stranger = socket.socket(family, socket.SOCK_DGRAM)
         self.stranger.bind((host, 0))
         self.received: list[bytes] = []
+        self._own: dict[int, np.ndarray] = {}
         self._stop = False
         self._thread = threading.Thread(target=self._serve, daemon=True)
         self._thread.start()
@@ -75,7 +77,12 @@ class ScriptedAggregator:
             self.received.append(data)
             (_t, w, j, slot, version, _c, seq, offset, _b, run, _e) = \
                 P.HEADER_STRUCT.unpack_from(data)
-            own = job.lane_values(data[P.HEADER_BYTES:])
+            if _t == P.PktType.FLUSH:   # closes the chunk with the DATA it holds
+                own = self._own.get(seq)
+                if own is None:
+                    continue
+            else:
+                own = self._own[seq] = job.lane_values(data[P.HEADER_BYTES:])
 
             def reply(t=P.PktType.RESULT, worker=w, job_id=j, count=job.n_workers,
                       bitmap=job.full_bitmap, run=run, payload=None, slot=slot,
@@ -545,6 +552,25 @@ def test_a_round_trip_past_the_timeout_floor_is_learnt_from_spurious_timeouts(jo
         assert c.stats.compiled_rounds == (datapath == "compiled") * 3
     assert c.stats.spurious > 0 and first > 0
     assert c.stats.retransmitted - first < n // 2, (first, c.stats.retransmitted)
+
+
+def test_a_steady_round_trip_keeps_the_timeout_as_margin(job, datapath):
+    """Steady 50 ms round trips take the estimator's variance to about zero. With an RTO of
+    ``srtt + 4 * rttvar`` alone, round trips 12 ms longer then time every chunk out and
+    the window is sent twice; the configured timeout (20 ms) is kept as the margin."""
+    zeros = np.zeros(job.lanes, P.sum_dtype(job.sum_bits)).tobytes()
+    n, path = 64, {"delay": 0.05}
+    with scripted_aggregator(job, lambda t, seq: (P.PktType.RESULT, 2, 0b11, zeros),
+                             delay=lambda: path["delay"]) as addr, \
+            AggregationClient(job, 0, addr, run=4, window=16, timeout=0.02) as c:
+        data = _index_zero(job, n)
+        for _ in range(3):
+            c.aggregate(data)
+        assert c.rto(0) >= c.rtt.srtt[0] + 0.02, (c.rto(0), c.rtt.srtt, c.rtt.rttvar)
+        before = c.stats.retransmitted
+        path["delay"] = 0.062
+        c.aggregate(data)
+    assert c.stats.retransmitted - before < n // 2, (before, c.stats.retransmitted)
 
 
 def test_a_duplicated_answer_to_a_resend_is_no_spurious_timeout(job, datapath):

@@ -1371,8 +1371,8 @@ static inline int cl_shard(Client *c, long i) {
 
 static double cl_rto(Client *c, int shard) {
     if (c->srtt[shard] < 0) return c->timeout;
-    double r = c->srtt[shard] + 4 * c->rttvar[shard];
-    if (r < c->timeout) r = c->timeout;
+    double margin = 4 * c->rttvar[shard];
+    double r = c->srtt[shard] + (margin > c->timeout ? margin : c->timeout);
     return r < c->max_timeout ? r : c->max_timeout;
 }
 

@@ -376,6 +376,6 @@ class AggregationClient:
                 return
 
     def rto(self, shard: int = 0) -> float:
-        """Retransmission timeout towards ``shard``: RFC 6298's estimator, never below the
-        configured timeout."""
+        """Retransmission timeout towards ``shard``: RFC 6298's estimator, at least the
+        configured timeout above the smoothed round trip (:class:`RttEstimator`)."""
         return self.rtt.rto(shard)

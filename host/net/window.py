@@ -39,7 +39,10 @@ worker's port must not hold its deadlines off."""
 
 class RttEstimator:
     """RFC 6298's round-trip estimator, one per shard (a co-located shard answers sooner
-    than a remote one); the timeout never goes below the configured one.
+    than a remote one). The RTO is ``srtt + max(timeout, 4 * rttvar)``: as in Linux, the
+    configured timeout is the least margin over the round trip, not only the least RTO.
+    Steady samples take rttvar to about zero, and an RTO of ``srtt`` alone resends a whole
+    window whenever a round trip comes a few milliseconds late.
 
     Both windows also sample a spurious timeout, which Karn's rule would drop: a chunk sent
     twice, the second time by its timer before any reply, that gets two RESULTs at least
@@ -65,7 +68,7 @@ class RttEstimator:
         srtt = self.srtt[shard]
         if srtt is None:
             return self.timeout
-        return min(self.max_timeout, max(self.timeout, srtt + 4 * self.rttvar[shard]))
+        return min(self.max_timeout, srtt + max(self.timeout, 4 * self.rttvar[shard]))
 
     def sample(self, shard: int, rtt: float) -> None:
         srtt = self.srtt[shard]
