@@ -721,3 +721,90 @@ def test_replies_of_another_run_are_named_in_the_timeout(job, datapath):
                 c.aggregate(_index_zero(job, 1))
             assert c.stats.compiled_rounds == (datapath == "compiled")
             assert c.stats.other_run == c.stats.sent
+
+
+def test_a_short_max_result_is_ignored(job, datapath):
+    """A MAX round never closes short (a FLUSH closes sums of DATA only): a MAX_RESULT
+    counting fewer than every worker is impossible, ignored and counted, and the complete
+    one after it is taken. Taken, it ended the round as a loss beyond the bound."""
+    def answer(data):
+        lanes = np.frombuffer(data, ">u4", offset=P.HEADER_BYTES)
+        payload = (lanes + 1).astype(">u4").tobytes()
+        return [_reply(job, data, P.PktType.MAX_RESULT, 1, 0b01) + payload,
+                _complete(data, P.PktType.MAX_RESULT, job) + payload]
+
+    values = np.arange(1, 5, dtype=np.float32)
+    with answering(answer) as addr:
+        with AggregationClient(job, 0, addr, run=2, timeout=2.0, max_timeout=2.0) as c:
+            got = c.max(values)
+            assert c.stats.compiled_rounds == (datapath == "compiled")
+            assert c.stats.ignored == 1 and c.stats.rejected == 1
+    np.testing.assert_array_equal(got.view(np.uint32), values.view(np.uint32) + 1)
+
+
+def test_a_max_below_the_workers_own_is_ignored(job, datapath):
+    """A MAX_RESULT with a lane below this worker's own value (a max that left it out) is
+    impossible, ignored and counted; the honest answer is taken. Taken, the agreed max norm
+    would lie below this worker's slice norm, and its encode would clip silently."""
+    def answer(data):
+        head = _complete(data, P.PktType.MAX_RESULT, job)
+        lanes = np.frombuffer(data, ">u4", offset=P.HEADER_BYTES)
+        low = np.where(np.arange(lanes.size) == 2, lanes - 1, lanes + 1)
+        return [head + low.astype(">u4").tobytes(), head + (lanes + 1).astype(">u4").tobytes()]
+
+    values = np.arange(1, 5, dtype=np.float32)
+    with answering(answer) as addr:
+        with AggregationClient(job, 0, addr, run=2, timeout=2.0, max_timeout=2.0) as c:
+            got = c.max(values)
+            assert c.stats.compiled_rounds == (datapath == "compiled")
+            assert c.stats.ignored == 1 and c.stats.rejected == 1
+    np.testing.assert_array_equal(got.view(np.uint32), values.view(np.uint32) + 1)
+
+
+def test_a_waiting_chunk_names_its_missing_worker_though_another_drew_impossible_replies(
+        job, datapath):
+    """Chunk 0 waits for worker 1 (a PENDING to every send); chunk 1 drew an impossible
+    RESULT (16-bit sums where the job has 8) before its true one. Chunk 0's own evidence is
+    its PENDING: its timeout names worker 1, not a misconfigured aggregator."""
+    dtype = P.sum_dtype(job.sum_bits)
+
+    def answer(data):
+        if P.HEADER_STRUCT.unpack_from(data)[6] == 0:
+            return [_reply(job, data, P.PktType.PENDING, 1, 0b01)]
+        own = job.lane_values(data[P.HEADER_BYTES:])
+        head = _complete(data, P.PktType.RESULT, job)
+        return [head + bytes(2 * job.lanes), head + (2 * own).astype(dtype).tobytes()]
+
+    with answering(answer) as addr:
+        with AggregationClient(job, 0, addr, run=2, deadline=0.5) as c:
+            with pytest.raises(AggregationTimeout, match=r"missing worker\(s\) \[1\]") as e:
+                c.aggregate(_packed(job, 1)[: job.lanes])
+            assert e.value.missing == [1] and c.stats.rejected == 1
+            assert c.stats.compiled_rounds == (datapath == "compiled")
+
+
+def test_a_deadline_ends_the_round_in_time_rather_than_hang(job, datapath):
+    """The deadline counts from a chunk's first send, not its latest resend: a worker that
+    waits for a peer that never comes raises within a bound time. Run in a thread joined
+    with a limit, so that a window whose deadline never comes fails in seconds, saying so
+    (the suite's per-test timeout would take minutes)."""
+    agg = ScriptedAggregator(job, mode="pending")
+    out = {}
+
+    def wait():
+        with AggregationClient(job, 0, agg.addr, run=5, deadline=0.3) as c:
+            try:
+                c.aggregate(_packed(job, 1)[: job.lanes // 2])
+            except AggregationTimeout as e:
+                out["error"] = e
+
+    try:
+        t0 = time.monotonic()
+        waiter = threading.Thread(target=wait, daemon=True)
+        waiter.start()
+        waiter.join(10)
+        assert "error" in out, f"no AggregationTimeout {time.monotonic() - t0:.0f} s into " \
+                               f"a round under a 0.3 s deadline"
+        assert out["error"].missing == [1]
+    finally:
+        agg.close()

@@ -340,3 +340,80 @@ def test_a_max_norm_under_the_floor_decodes_as_zeros_on_every_backend(backend):
         else:
             assert len(set(idx.cpu().tolist())) <= 2        # the two middle entries
             assert torch.equal(est, torch.zeros(256))
+
+
+class _Gathered(_TwoWorkers):
+    """:class:`_TwoWorkers` whose max norms reach the host before the sum (as on Gloo or
+    the aggregator): a marked round is refused right after its MAX round."""
+    stream_ordered = False
+
+
+@kernels
+def test_a_worker_whose_own_input_is_bad_is_told_so_first():
+    """Deferred checks, max norms read on the host: this worker's NaN (slice 2) and a peer's
+    overflow mark (slice 0) both refuse the round, and the worker is told of its own input
+    first (refuse_marked), not only of a peer's mark."""
+    p = THCParams(slice_size=256)
+    good = torch.randn(1024, generator=torch.Generator().manual_seed(3)).to(DEV)
+    bad = good.clone()
+    bad[600] = float("nan")                    # slice 2
+    other = THCAllReduce(_TwoWorkers(None), p, backend="triton").codec.norms(good).clone()
+    other[0] = OVERFLOW_MARK                   # the peer's slice 0
+    peer = agreement.tagged(other, 0, agreement.fingerprint(p, 1024, 1024, backend="triton",
+                                                            steps="check"))
+    worker = THCAllReduce(_Gathered(peer), p, backend="triton")
+    with pytest.raises(ValueError, match=r"input contains NaN or Inf .*, in slice 2"):
+        worker(bad)
+    assert worker.transport.sums == 0 and worker.round == 1
+
+
+@kernels
+def test_a_nan_in_a_tail_too_short_for_the_kernels_is_marked_and_flagged():
+    """A tail slice of 100 (padded to 128, below the kernels' shortest) has its norm taken by
+    torch on the device: a NaN there is sent as OVERFLOW_MARK and flagged, as in the slices
+    the kernels take."""
+    p = THCParams(slice_size=256)
+    c = THCCodec(p, backend="triton", deferred_checks=True)
+    x = torch.randn(512 + 100, generator=torch.Generator().manual_seed(2)).to(DEV)
+    x[550] = float("nan")                      # slice 2, the tail
+    prep = c.prepare(x, 0)
+    assert float(prep.norms[2]) == OVERFLOW_MARK and bool((prep.norms[:2] < 1e6).all())
+    with pytest.raises(ValueError, match="NaN or Inf .* in slice 2"):
+        c.check()
+
+
+@pytest.mark.parametrize("backend", ["reference", "compiled", "triton"])
+def test_the_sum_bound_is_exactly_n_times_g(backend):
+    """n g is the largest sum n workers' table values make: it decodes, and one more,
+    decoded as n workers' sums, is refused on every backend (a wrong worker count gives
+    such sums, and a wrong mean)."""
+    if backend == "triton" and SKIP:
+        pytest.skip(SKIP)
+    p = THCParams(slice_size=256)
+    c = THCCodec(p, backend=backend, deferred_checks=backend == "triton")
+    numel, g = 512 + 128, p.granularity
+    dev = DEV if backend == "triton" else "cpu"
+    m = c.norms(torch.randn(numel, generator=torch.Generator().manual_seed(1)).to(dev))
+    for lane in (7, 600):   # in a slice the kernels take, and in the tail
+        sums = torch.full((c.layout(numel).total_padded,), g, dtype=torch.int64, device=dev)
+        sums[lane] = 2 * g
+        c.decode(sums, 2, m, numel)
+        c.check()
+        sums[lane] = 2 * g + 1
+        with pytest.raises(ValueError, match=f"sum {2 * g + 1} outside what the workers"):
+            c.decode(sums, 2, m, numel)
+            c.check()
+
+
+@pytest.mark.parametrize("backend", ["reference", "compiled"])
+def test_a_max_norm_float32_rounds_up_to_the_limit_is_refused(backend):
+    """Max norms travel and are compared as float32 (norm_limit is a float32 value): a
+    float64 max norm just below the limit that float32 rounds up to it is refused, as the
+    limit itself is, not taken because it is below in float64."""
+    p = THCParams(slice_size=256)
+    limit = norm_limit(p)
+    m = np.array([1.0, np.nextafter(limit, 0.0)])
+    assert np.float32(m[1]) == np.float32(limit) and m[1] < limit
+    c = THCCodec(p, backend=backend)
+    with pytest.raises(ValueError, match="beyond"):
+        c.decode(np.full(512, 15, np.int64), 1, m, 512)

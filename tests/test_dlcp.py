@@ -11,14 +11,14 @@ import torch
 from thc.codec.params import THCParams
 from thc.collective.allreduce import THCAllReduce
 from thc.net.aggregator import Aggregator
-from thc.net.client import AggregationClient
+from thc.net.client import AggregationClient, AggregationTimeout
 from thc.net.impair import Impairment
 from thc.net.outcomes import LossBoundExceeded
 from thc.net.priority import N_CLASSES, magnitude_rank, priority_class, tos_of
 from thc.testing.clusters import free_port_block, local_job
 from thc.wire import protocol as P
 from thc.wire.jobs import ConfigError, Job
-from tests.scripted import scripted_aggregator
+from tests.scripted import answering, epoch, scripted_aggregator
 from tests.test_transport import datapath  # noqa: F401 (a fixture)
 
 
@@ -231,3 +231,51 @@ def test_short_chunks_beyond_n_times_the_bound_end_the_round():
         with AggregationClient(job, 0, addr, run=10, deadline=2.0, loss_bound=0.5) as c:
             with pytest.raises(ValueError, match="chunk 1 ended short.*reduce"):
                 c.aggregate(data)
+
+
+def test_a_short_result_without_this_worker_above_its_count_is_ignored():
+    """A chunk may end short without this worker (its FLUSH came first): a RESULT counting
+    worker 1 alone sums one worker's table values, so a lane above g is impossible (though
+    below n x g), ignored and counted; the complete RESULT after it is taken."""
+    job = local_job(4, 2, free_port_block(2), pool_size=8, lanes=16)
+    dtype = P.sum_dtype(job.sum_bits)
+    bogus = np.full(job.lanes, job.granularity + 1, dtype).tobytes()
+    zeros = np.zeros(job.lanes, dtype).tobytes()
+
+    def answer(data):
+        (_t, w, j, slot, ver, _c, seq, off, _b, run, _e) = P.HEADER_STRUCT.unpack_from(data)
+        head = [P.HEADER_STRUCT.pack(P.PktType.RESULT, w, j, slot, ver, count, seq, off,
+                                     bitmap, run, epoch(job))
+                for count, bitmap in ((1, 0b10), (2, 0b11))]
+        return [head[0] + bogus, head[1] + zeros]
+
+    with answering(answer) as addr:
+        with AggregationClient(job, 0, addr, run=9, timeout=2.0, max_timeout=2.0,
+                               loss_bound=0.5) as c:
+            r = c.reduce(np.zeros(4 * job.lanes // 2, np.uint8))
+    assert r.datapath == "python"
+    assert r.counts.tolist() == [2, 2, 2, 2] and c.stats.short == 0
+    assert c.stats.rejected == 4 and not r.sums.any()
+
+
+def test_a_worker_flushes_no_more_chunks_than_its_loss_bound():
+    """Loss bound 0.25 of 8 chunks: this worker may close 2 chunks short itself. Worker 1 is
+    gone for 3 chunks: two are FLUSHed and end short, the third is retransmitted to the
+    deadline, which names worker 1. A third FLUSH returned a round that lost more than the
+    bound (the round's n x bound cap let it through)."""
+    job = local_job(4, 2, free_port_block(2), pool_size=16, lanes=16)
+    zeros = np.zeros(job.lanes, P.sum_dtype(job.sum_bits)).tobytes()
+
+    def answer(t, seq):
+        if seq in (1, 3, 5):
+            if t == P.PktType.FLUSH:
+                return P.PktType.RESULT, 1, 0b01, zeros
+            return P.PktType.PENDING, 1, 0b01, b""
+        return P.PktType.RESULT, 2, 0b11, zeros
+
+    with scripted_aggregator(job, answer) as addr:
+        with AggregationClient(job, 0, addr, run=9, timeout=0.02, max_timeout=0.1,
+                               deadline=1.0, loss_bound=0.25, datapath="python") as c:
+            with pytest.raises(AggregationTimeout, match=r"missing worker\(s\) \[1\]"):
+                c.reduce(np.zeros(8 * job.lanes // 2, np.uint8))
+    assert c.stats.short == 2

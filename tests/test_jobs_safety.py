@@ -119,6 +119,19 @@ def test_workers_never_go_live_when_the_resets_are_lost(sw, monkeypatch):
     assert not installed.entries_of(sw, program.WORKER_TABLE, 1)
 
 
+def test_workers_never_go_live_when_some_resets_are_lost(sw, monkeypatch):
+    """Every other RESET lost: the slot versions they name keep what an earlier install
+    left there, so the workers must not go live on a count short of 2 x pool."""
+    sent, deliver = itertools.count(), sw.device.packet_out
+    monkeypatch.setattr(sw.device, "packet_out",
+                        lambda frame: None if next(sent) % 2 else deliver(frame))
+    monkeypatch.setattr(jobs, "reset_pool", functools.partial(jobs.reset_pool, timeout=0.05))
+    with pytest.raises(SwitchError, match="only 4 of 8 slot resets"):
+        jobs.install_job(sw, make_job(1))
+    assert ops(sw.device.log, "INSERT", "thc_worker") == []
+    assert not installed.entries_of(sw, program.WORKER_TABLE, 1)
+
+
 # ---- live jobs ------------------------------------------------------------------------------
 
 def test_live_job_is_not_reinstalled_or_removed_unless_forced(sw):
@@ -217,6 +230,10 @@ def bad_inputs(job: Job, other: Job) -> dict:
         "pool_outside_slots": (ConfigError, "slots",
                                install(replace(other, pool_base=P.SWITCH_SLOTS - 2))),
         "pool_overlap": (ConfigError, "overlaps job", install(replace(other, pool_base=2))),
+        "pool_overlap_of_one_slot": (ConfigError, "overlaps job", install(
+            replace(other, pool_base=job.pool_base + job.pool_size - 1))),
+        "pool_one_slot_outside_slots": (ConfigError, "slots", install(
+            replace(other, pool_base=P.SWITCH_SLOTS - other.pool_size + 1))),
         "mcast_group_taken": (ConfigError, "multicast group",
                               install(replace(other, mcast_grp=job.mcast_grp))),
         "job_index_taken": (ConfigError, "job index 0 is taken", install(other, job_index=0)),
@@ -440,3 +457,40 @@ def test_a_plan_is_refused_when_another_controller_wrote_during_the_live_watch(s
             jobs.remove_job(sw, 1, live_window=IDLE)
     assert installed.installed_jobs(sw)[1]["pool_size"] == 4
     assert installed.installed_jobs(sw)[2]["pool_base"] == 8
+
+
+def test_a_remove_takes_the_workers_off_before_anything_else(sw):
+    """A (forced) remove of a job whose workers are sending takes their worker entries off
+    first: from then on the job's packets drop, instead of adding what its lookups, group
+    and routes (deleted one by one, or left half-deleted by a remove cut short) no longer
+    give."""
+    job = make_job(1)
+    jobs.install_job(sw, job)
+    mark = len(sw.device.log)
+    with sw.device.sending(job):
+        jobs.remove_job(sw, job.job_id, force=True)
+    events = sw.device.log[mark:]
+    workers = ops(events, "DELETE", "thc_worker")
+    others = [i for i, e in enumerate(events)
+              if e.op in ("DELETE", "GROUP_DELETE") and i not in workers]
+    assert len(workers) == 2 and others and max(workers) < min(others)
+
+
+def test_a_job_whose_group_or_route_changed_on_the_switch_is_written_again(sw):
+    """unchanged() compares the multicast group's replicas and the workers' routes: a job
+    whose group lost a replica, or whose worker's route points at another port, is not left
+    alone by install_cluster (results would not reach that worker: it waits to its deadline
+    while the controller reports the job installed)."""
+    job = make_job(1)
+    jobs.install_cluster(sw, cluster(job))
+    agg, w = job_entries.AggAddress(), job.workers[1]
+    assert installed.unchanged(sw, job, agg)
+    sw.set_multicast_group(job.mcast_grp, [(job.workers[0].switch_port, 1)])
+    assert not installed.unchanged(sw, job, agg)
+    jobs.install_cluster(sw, cluster(job), live_window=IDLE)
+    assert sw.multicast_groups()[job.mcast_grp] == {(v.switch_port, v.id + 1)
+                                                    for v in job.workers}
+    forwarding.install(sw, {w.mac: w.switch_port + 5})
+    assert not installed.unchanged(sw, job, agg)
+    jobs.install_cluster(sw, cluster(job), live_window=IDLE)
+    assert forwarding.routes(sw)[w.mac.lower()] == w.switch_port

@@ -468,3 +468,16 @@ def test_a_grad_scaler_skips_the_overflowed_steps_on_every_rank(kind):
         np.testing.assert_array_equal(a, b)
     losses = [loss for _, _, loss in res[1][0]]
     assert losses[-1] < losses[0], losses
+
+
+def test_together_refuses_a_mark_lane_no_worker_sends(monkeypatch):
+    """A NaN in the mark lane (no worker sends one: tagged() marks a NaN as an overflow)
+    comes from a broken peer or collective: every worker refuses the round, none goes on
+    into its collectives as if every worker were fine."""
+    def with_nan(out, op=None, group=None):
+        out[agreement.TAG_LANES] = float("nan")
+    monkeypatch.setattr(agreement.dist, "all_reduce", with_nan)
+    monkeypatch.setattr(agreement.dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(agreement.DistTransport, "check_group", lambda group: None)
+    with pytest.raises(RuntimeError, match="a worker failed before this round's collectives"):
+        agreement.together(None, 3, 9, torch.device("cpu"))
