@@ -369,7 +369,8 @@ def _refusing_worker(rank, port, q):
     x = torch.ones(1024)
     calls = [(x, torch.full((1024,), 2.0) if rank else None),
              (x.bool() if rank else x, None), (x, [object()] * 1024 if rank else None),
-             (x.to_sparse() if rank else x, None), (x, None)]
+             (x.to_sparse() if rank else x, None), (x.numpy() if rank else x, None),
+             ([1.0, [2.0]] if rank else x, None), (x, None)]
     out = []
     for tensor, position in calls:
         try:
@@ -385,17 +386,21 @@ def test_a_worker_refusing_its_input_ends_its_peers_round_too():
     silently) used to leave the peer waiting in a collective: now the refusing worker's round
     goes out marked, every worker refuses it, and the next round is good on both."""
     res = gloo_pair(_refusing_worker)
-    (bad_pos, bad_dtype, unreadable, sparse, good), rounds = res[1]
+    (bad_pos, bad_dtype, unreadable, sparse, array, ragged, good), rounds = res[1]
     assert "layer positions must lie in [0, 1]" in bad_pos
     assert "floating-point tensors, got torch.bool" in bad_dtype
     assert "Could not infer dtype" in unreadable
     # a sparse tensor has no flat view: that worker once raised before taking its round,
     # and its next call was summed with its peer's current one
     assert "sparse" in sparse.lower(), sparse
+    # a numpy array, or a list without a size, raised before its round: the peer waited
+    assert "takes a torch.Tensor, got ndarray" in array, array
+    assert "takes a torch.Tensor, got list" in ragged, ragged
     peer, rounds0 = res[0]
-    assert all("mark of a worker" in r for r in peer[:4]), peer
-    assert good == pytest.approx(1.0, abs=0.1) and peer[4] == pytest.approx(1.0, abs=0.1)
-    assert rounds == rounds0 == 5
+    assert all("mark of a worker" in r for r in peer[:5]), peer
+    assert "differ" in peer[5], peer    # a list without a size stands in as empty: unlike
+    assert good == pytest.approx(1.0, abs=0.1) and peer[6] == pytest.approx(1.0, abs=0.1)
+    assert rounds == rounds0 == 7
 
 
 def _skipping_worker(rank, port, q, kind):

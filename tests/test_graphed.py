@@ -181,26 +181,27 @@ def test_a_round_that_fails_after_its_max_round_left_abandons_the_group(where):
 @kernels
 def test_a_worker_that_fails_before_its_max_round_still_lets_its_peers_refuse_it(monkeypatch):
     """Out of memory in its own steps or for its buffers (first call), a tensor of another
-    size, or a sparse one (no flat view: it once raised again while owing the round, which
-    never went out): the worker still sends its MAX round, every slice marked, and a sum of
-    zeros (its peers' rounds sum without a host check), counts the round, and the next
-    round is in step."""
+    size, a sparse one (no flat view: it once raised again while owing the round, which
+    never went out) or a numpy array (it raised before taking its round): the worker
+    still sends its MAX round, every slice marked, and a sum of zeros (its peers' rounds
+    sum without a host check), counts the round, and the next round is in step."""
     x = torch.randn(1024, generator=torch.Generator().manual_seed(7)).to(DEV)
     ar = _graphed(tagged(torch.zeros(4, device=DEV), 0), 2)
     ar(x)
     real = ar.codec.prepare
     ar.codec.prepare = lambda *a, **k: (_ for _ in ()).throw(MemoryError("out of memory"))
     assert ar.transport.abandoned is None
-    for bad_call in (lambda: ar(x), lambda: ar(x[:-1]), lambda: ar(x.to_sparse())):
+    for bad_call in (lambda: ar(x), lambda: ar(x[:-1]), lambda: ar(x.to_sparse()),
+                     lambda: ar(x.cpu().numpy())):
         n = len(ar.transport.sent)
-        with pytest.raises((MemoryError, ValueError, RuntimeError)):
+        with pytest.raises((MemoryError, ValueError, RuntimeError, TypeError)):
             bad_call()
         marks, zeros = ar.transport.sent[n], ar.transport.summed[-1]
         assert len(ar.transport.sent) == n + 1 and (marks[agreement.TAG_LANES:] == NORM_MARK).all()
         assert marks[0] == ar.round - 1 and zeros.numel() == 1024 and not zeros.any()
         ar.codec.prepare = real
-    ar.transport.other = tagged(torch.zeros(4, device=DEV), 4)
-    assert torch.isfinite(ar(x)).all() and ar.round == 5 and ar.transport.abandoned is None
+    ar.transport.other = tagged(torch.zeros(4, device=DEV), 5)
+    assert torch.isfinite(ar(x)).all() and ar.round == 6 and ar.transport.abandoned is None
     first = _graphed(tagged(torch.zeros(4, device=DEV), 1), 2)
     with monkeypatch.context() as m:        # out of memory for the buffers, first call
         m.setattr(graphed, "_Buffers", lambda *a: (_ for _ in ()).throw(MemoryError("oom")))

@@ -266,6 +266,7 @@ def _unlike_worker(rank, port, q):
              (torch.ones(64, dtype=torch.complex64 if rank else torch.float32), None),
              (torch.ones(64).to_sparse() if rank else torch.ones(64), None),
              (torch.full((64,), 2.0), [31.5, 32.5] if rank == 0 else None),
+             (torch.full((64,), 2.0).numpy() if rank else torch.full((64,), 2.0), None),
              (torch.full((64,), 3.0), None)]                         # alike
     out = []
     for t, sizes in calls:
@@ -297,7 +298,9 @@ def test_unlike_or_failed_calls_are_refused_by_every_worker():
     assert "sparse" in res[1][7].lower() and "refused" in res[0][7]
     # fractional segment lengths, not truncated to ones that happen to split the tensor
     assert "cannot be interpreted as an integer" in res[0][8] and "refused" in res[1][8]
-    assert isinstance(res[0][9], list) and res[0][9] == res[1][9]
+    # a numpy array raised before its round, and its peer waited to the group's timeout
+    assert "takes a torch.Tensor, got ndarray" in res[1][9] and "refused" in res[0][9]
+    assert isinstance(res[0][10], list) and res[0][10] == res[1][10]
 
 
 def _zeros_worker(rank, port, q):

@@ -26,6 +26,7 @@ import hashlib
 import threading
 import weakref
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -55,6 +56,20 @@ def nonfinite_mode(value: str) -> str:
     if value not in NONFINITE:
         raise ValueError(f"nonfinite must be one of {NONFINITE}, got {value!r}")
     return value
+
+
+def input_of(obj) -> tuple[torch.Tensor, Exception | None]:
+    """A reducer's input and its refusal. A non-tensor (a numpy array, a list) is refused,
+    but its round still goes out: zeros stand in for it, as many as its elements (none where
+    it has no size; a peer whose tensor is not empty refuses that round as unlike)."""
+    if isinstance(obj, torch.Tensor):
+        return obj, None
+    try:
+        n = int(np.size(obj))
+    except Exception:  # noqa: BLE001 - a ragged list has no size: it stands in as empty
+        n = 0
+    return torch.zeros(n), TypeError(f"a reducer takes a torch.Tensor, got "
+                                     f"{type(obj).__name__}")
 
 
 _built: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

@@ -187,16 +187,24 @@ class THCAllReduce:
         last); given, every chunk is marked with its DLCP priority class.
         """
         agreement.check_domain(self._domain, agreement.domain_of(self.transport))
+        tensor, refusal = agreement.input_of(tensor)
         if tensor.numel() == 0:
             # a round of the agreement alone: a peer whose tensor is not empty refuses it
             rnd, self.round = self.round, self.round + 1
-            agreement.agree(self.transport, rnd,
-                            agreement.fingerprint(self.params, 0, 0, reducer=self.name),
-                            tensor.device)
+            try:
+                agreement.agree(self.transport, rnd,
+                                agreement.fingerprint(self.params, 0, 0, reducer=self.name),
+                                tensor.device)
+            except Exception as e:
+                if refusal is not None:
+                    raise refusal from e   # this worker's own error, as a marked round's
+                raise
+            if refusal is not None:
+                raise refusal
             return tensor.clone()
         self._open = False
         try:
-            return self._round(tensor, position)
+            return self._round(tensor, position, refusal)
         except BaseException as e:
             self.codec.discard_checks()   # this round's flags are not the next one's
             if self._open and hasattr(self.transport, "abandon"):
@@ -312,11 +320,13 @@ class THCAllReduce:
         zeros = torch.zeros(count, dtype=torch.uint8, device=y.device)
         self.transport.sum(zeros, count, self.params)
 
-    def _round(self, tensor: torch.Tensor, position) -> torch.Tensor:
+    def _round(self, tensor: torch.Tensor, position, refusal=None) -> torch.Tensor:
+        """``refusal``: input refused; its round still goes out, marked, so peers refuse it."""
         secs = self.stats.seconds
         t0 = time.perf_counter()
-        refusal = None   # input refused: its round still goes out, marked, so peers refuse it
         try:
+            if refusal is not None:
+                raise refusal
             flat = tensor.detach().reshape(-1)   # a sparse tensor has no flat view
             check_float(flat)
             check_generator(self.generator, flat)   # in encode, after the MAX round: too late

@@ -397,6 +397,7 @@ class GraphedAllReduce:
         worker, as bad input is."""
         agreement.check_domain(self._domain, agreement.domain_of(self.transport))
         self.check()   # the last round's refusal, before this one takes a round
+        tensor, refusal = agreement.input_of(tensor)
         t0 = time.perf_counter()
         # every worker counts the round as taken, whatever happens in it (its agreement
         # included)
@@ -410,14 +411,20 @@ class GraphedAllReduce:
                         self.params, 0, 0, reducer=self.name), tensor.device)
                 else:
                     self._agree_size(tensor, rnd)
-            except BaseException:
+            except BaseException as e:
                 self._round_on_device()
+                if refusal is not None and isinstance(e, Exception):
+                    raise refusal from e   # this worker's own error, as a marked round's
                 raise
         if empty:
             self._round_on_device()
+            if refusal is not None:
+                raise refusal
             return tensor.clone()
         self._sent = 0
         try:
+            if refusal is not None:
+                raise refusal
             if position is not None:
                 raise ValueError("DLCP priority classes travel through the aggregator's "
                                  "transport, which a graphed round does not use")

@@ -103,8 +103,10 @@ class _SignAllReduce:
         """The estimate of the workers' mean of ``grad``; ``sizes`` splits it into segments
         with a scale each (default: one)."""
         agreement.check_domain(self._domain, self._group_now())
-        failure = None
+        grad, failure = agreement.input_of(grad)
         try:
+            if failure is not None:
+                raise failure
             flat = grad.reshape(-1)   # a sparse tensor has no flat view
             check_float(flat)         # the signs of a complex or integer tensor mean nothing
             flat = flat.float()
