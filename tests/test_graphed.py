@@ -4,6 +4,8 @@ through a refused round. On the CPU the rounds run their steps eagerly under Tri
 interpreter (see test_codec_kernels.py, imported first for that); tests/test_graphed_gpu.py
 captures and replays them on a GPU."""
 import multiprocessing as mp
+import queue
+import time
 
 import numpy as np
 import pytest
@@ -244,13 +246,28 @@ def test_what_a_graphed_round_refuses_up_front():
 
 def gloo_pair(target) -> dict:
     """Run ``target(rank, port, q)`` in two spawned processes of one Gloo group; each puts
-    (rank, result) on ``q``. Returns {rank: result}."""
+    (rank, result) on ``q``. Returns {rank: result}; a worker that exits without one (it
+    raised) fails the test at once, naming it, rather than leave the other waiting."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = free_tcp_port()
     ps = [ctx.Process(target=target, args=(r, port, q), daemon=True) for r in range(2)]
     [p.start() for p in ps]
-    res = dict(q.get(timeout=300) for _ in ps)
+    res, end = {}, time.monotonic() + 240
+    while len(res) < len(ps):
+        try:
+            rank, out = q.get(timeout=1)
+            res[rank] = out
+            continue
+        except queue.Empty:
+            pass
+        gone = [r for r, p in enumerate(ps) if r not in res and p.exitcode is not None]
+        if gone and q.empty():
+            raise AssertionError(f"worker {gone[0]} exited ({ps[gone[0]].exitcode}) without "
+                                 f"a result: its traceback is in the captured stderr")
+        if time.monotonic() > end:
+            raise AssertionError(f"no result from workers {sorted(set(range(2)) - set(res))} "
+                                 f"in 240 s")
     [p.join(30) for p in ps]
     return res
 

@@ -58,18 +58,28 @@ def nonfinite_mode(value: str) -> str:
     return value
 
 
-def input_of(obj) -> tuple[torch.Tensor, Exception | None]:
+def input_of(obj, device="cpu") -> tuple[torch.Tensor, Exception | None]:
     """A reducer's input and its refusal. A non-tensor (a numpy array, a list) is refused,
-    but its round still goes out: zeros stand in for it, as many as its elements (none where
-    it has no size; a peer whose tensor is not empty refuses that round as unlike)."""
+    but its round still goes out: zeros on ``device`` (where the reducer's collectives take
+    their tensors: NCCL moves device tensors only) stand in for it, as many as its elements;
+    none where it has no size, or one too large to hold (a peer whose tensor is not empty
+    refuses that round as unlike). A stand-in that failed to build would leave this worker
+    a round behind its peers, each later sum paired with their previous one."""
     if isinstance(obj, torch.Tensor):
         return obj, None
+    error = TypeError(f"a reducer takes a torch.Tensor, got {type(obj).__name__}")
     try:
-        n = int(np.size(obj))
-    except Exception:  # noqa: BLE001 - a ragged list has no size: it stands in as empty
-        n = 0
-    return torch.zeros(n), TypeError(f"a reducer takes a torch.Tensor, got "
-                                     f"{type(obj).__name__}")
+        return torch.zeros(int(np.size(obj)), device=device), error
+    except Exception:  # noqa: BLE001 - no size, a ragged or lying one: it stands in as empty
+        return torch.zeros(0, device=device), error
+
+
+def device_of(domain) -> torch.device:
+    """Where collectives on ``domain`` (:func:`domain_of`) take their tensors: the current
+    GPU on an NCCL process group, else the CPU (Gloo, the aggregator's client)."""
+    if isinstance(domain, dist.ProcessGroup) and dist.get_backend(domain) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 _built: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

@@ -187,7 +187,7 @@ class THCAllReduce:
         last); given, every chunk is marked with its DLCP priority class.
         """
         agreement.check_domain(self._domain, agreement.domain_of(self.transport))
-        tensor, refusal = agreement.input_of(tensor)
+        tensor, refusal = agreement.input_of(tensor, agreement.device_of(self._domain))
         if tensor.numel() == 0:
             # a round of the agreement alone: a peer whose tensor is not empty refuses it
             rnd, self.round = self.round, self.round + 1

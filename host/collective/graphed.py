@@ -397,7 +397,8 @@ class GraphedAllReduce:
         worker, as bad input is."""
         agreement.check_domain(self._domain, agreement.domain_of(self.transport))
         self.check()   # the last round's refusal, before this one takes a round
-        tensor, refusal = agreement.input_of(tensor)
+        tensor, refusal = agreement.input_of(tensor, self._bufs.x.device if self._bufs is not None
+                                             else agreement.device_of(self._domain))
         t0 = time.perf_counter()
         # every worker counts the round as taken, whatever happens in it (its agreement
         # included)

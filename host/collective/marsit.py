@@ -103,7 +103,7 @@ class _SignAllReduce:
         """The estimate of the workers' mean of ``grad``; ``sizes`` splits it into segments
         with a scale each (default: one)."""
         agreement.check_domain(self._domain, self._group_now())
-        grad, failure = agreement.input_of(grad)
+        grad, failure = agreement.input_of(grad, agreement.device_of(self._domain))
         try:
             if failure is not None:
                 raise failure

@@ -55,7 +55,8 @@ def add_arguments(parser: argparse.ArgumentParser, *, process_group: bool = True
     client.add_argument("--window", type=int, default=None,
                         help="chunks in flight (default: the client's, at most the job's pool)")
     client.add_argument("--rto", type=float, default=0.02,
-                        help="initial and minimum retransmission timeout, seconds")
+                        help="initial retransmission timeout, and the least margin over the "
+                             "smoothed round trip, seconds")
     client.add_argument("--loss-bound", type=loss_bound_arg, default=None, metavar="F",
                         help="fraction of a round's chunks, in [0, 1), that may close short "
                              "instead of being retransmitted (default: the job's)")
