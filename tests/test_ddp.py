@@ -468,21 +468,30 @@ def test_a_reducer_build_that_failed_once_on_one_rank_is_built_again_on_every_ra
         assert res[rank][1:] == ["ok"] * 3, res
 
 
-def _two_hooks_worker(rank, port, q):
-    """Two models, each with THC's hook on the one group; in step 2 rank 1 runs B's backward
-    before A's: each step's outcome on this rank, and the hooks' indices."""
+def _two_hooks_worker(rank, port, q, kind="thc", unlike=False):
+    """Two models, each with a hook of ``kind`` on the one group; in step 2 rank 1 runs B's
+    backward before A's: each step's outcome on this rank, and the hooks' indices.
+    ``unlike``: B has 8 outputs, A 4, and their biases stay FP32."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from thc.codec.params import THCParams
     from thc.collective.allreduce import THCAllReduce
-    from thc.collective.ddp import THCHook
+    from thc.collective.ddp import HookOptions, THCHook, TopKHook
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=2, timeout=timedelta(seconds=20))
     models = [_model(), _model()]
+    opts = HookOptions(uncompressed=("bias",) if unlike else ())
+    if unlike:
+        models[1][2] = torch.nn.Linear(128, 8)
     ddps = [DDP(m) for m in models]
-    hooks = [THCHook(m, lambda group: THCAllReduce.through_torch_distributed(
-        group, params=THCParams(slice_size=256), generator=rank), overlap=False).register(d)
-        for m, d in zip(models, ddps)]
+    if kind == "thc":
+        hooks = [THCHook(m, lambda group: THCAllReduce.through_torch_distributed(
+            group, params=THCParams(slice_size=256), generator=rank), opts, overlap=False)
+            for m in models]
+    else:
+        hooks = [TopKHook(m, ratio=0.25, options=opts, overlap=False) for m in models]
+    for hook, d in zip(hooks, ddps):
+        hook.register(d)
     out = []
     for step in range(3):
         x, y = _data(rank)
@@ -498,12 +507,15 @@ def _two_hooks_worker(rank, port, q):
     dist.destroy_process_group()
 
 
-def test_two_hooks_on_one_group_never_pair_each_others_rounds():
+@pytest.mark.parametrize("kind,unlike", [("thc", False), ("topk", False), ("thc", True)])
+def test_two_hooks_on_one_group_never_pair_each_others_rounds(kind, unlike):
     """Each hook named its reducers by its own build count alone: ("hook", 0) on both, so a
     rank that reduced the second model's bucket first paired it with the first model's (a
-    mean of gradients 100x apart, taken on every rank)."""
+    mean of gradients 100x apart, taken on every rank). TopK's check named no hook at all.
+    ``unlike``: the FP32 spans (biases of 4 and 8) went out before the checked round, and
+    Gloo aborted the process on their unlike lengths."""
     from tests.test_graphed import gloo_pair
-    res = gloo_pair(_two_hooks_worker)
+    res = gloo_pair(functools.partial(_two_hooks_worker, kind=kind, unlike=unlike))
     for rank in (0, 1):
         out, indices = res[rank]
         assert out[:2] == ["ok", "ok"] and indices == [("0", 0), ("0", 1)], res
@@ -779,3 +791,112 @@ def test_hooks_on_two_groups_name_their_reducers_apart():
         assert first.index[1] == second.index[1] == 0 and first.index != second.index
     finally:
         dist.destroy_process_group()
+
+
+class _Phase(torch.nn.Module):
+    """A complex parameter (DDP's bucket holds its real view, twice its numel) and a real one."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.z = torch.nn.Parameter(torch.randn(600, dtype=torch.cfloat))
+        self.w = torch.nn.Parameter(torch.randn(600))
+
+    def forward(self, x):
+        return ((self.z * x).abs() ** 2).sum() + (self.w * x.real).sum()
+
+
+def _phase_input(rank):
+    g = torch.Generator().manual_seed(10 + rank)
+    return torch.complex(torch.randn(600, generator=g), torch.randn(600, generator=g))
+
+
+def _complex_worker(rank, port, q):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from thc.codec.params import THCParams
+    from thc.collective.allreduce import THCAllReduce
+    from thc.collective.ddp import FP32Hook, MarsitHook, THCHook, TopKHook
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=WORLD)
+    out = {}
+    for kind in ("fp32", "thc", "topk", "marsit"):
+        model = _Phase()
+        ddp = DDP(model)
+        if kind == "fp32":
+            FP32Hook(model, overlap=False).register(ddp)
+        elif kind == "thc":
+            THCHook(model, lambda group: THCAllReduce.through_torch_distributed(
+                group, params=THCParams(slice_size=256), generator=rank),
+                overlap=False).register(ddp)
+        elif kind == "topk":
+            TopKHook(model, ratio=0.5, overlap=False).register(ddp)
+        else:
+            MarsitHook(model, generator=torch.Generator().manual_seed(rank),
+                       overlap=False).register(ddp)
+        ddp(_phase_input(rank)).backward()
+        out[kind] = {n: p.grad.numpy().copy() for n, p in model.named_parameters()}
+    q.put((rank, out))   # numpy: torch's queue hands tensors over in memory the worker frees
+    dist.destroy_process_group()
+
+
+def test_a_complex_parameter_is_reduced_whole_and_alike_on_every_rank():
+    """DDP's bucket holds a complex parameter as its real view: the hooks cut their spans by
+    numel, so half of the bucket was never reduced and each rank kept its own (FP32's mean
+    off on both ranks, and unlike). Every hook now gives every rank the same gradient, and
+    FP32's is the mean."""
+    from tests.test_graphed import gloo_pair
+    res = gloo_pair(_complex_worker)
+    grads = []
+    for rank in range(WORLD):
+        m = _Phase()
+        m(_phase_input(rank)).backward()
+        grads.append({n: p.grad for n, p in m.named_parameters()})
+    mean = {n: (grads[0][n] + grads[1][n]) / 2 for n in grads[0]}
+    for kind in ("fp32", "thc", "topk", "marsit"):
+        for n in mean:
+            np.testing.assert_array_equal(res[0][kind][n], res[1][kind][n], err_msg=kind)
+    for n in mean:
+        torch.testing.assert_close(torch.from_numpy(res[0]["fp32"][n]), mean[n])
+        thc = torch.from_numpy(res[0]["thc"][n])
+        err = (thc - mean[n]).abs().pow(2).sum() / mean[n].abs().pow(2).sum()
+        assert err < 0.1, (n, float(err))
+
+
+def _misfit_worker(rank, port, q):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from thc.collective.ddp import FP32Hook, TopKHook
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=WORLD)
+    out = []
+    alone = [dist.new_group([r]) for r in range(WORLD)]
+    model = _model()
+    try:   # replicas DDP keeps apart, each on a group of its own
+        FP32Hook(model, overlap=False).register(DDP(model, process_group=alone[rank]))
+        out.append("registered")
+    except ValueError as e:
+        out.append(str(e))
+    torch.manual_seed(0)
+    emb = torch.nn.Embedding(50, 8, sparse=True)
+    ddp = DDP(emb)
+    TopKHook(emb, overlap=False).register(ddp)
+    try:
+        ddp(torch.tensor([1, 2, 3 + rank])).sum().backward()
+        out.append("reduced")
+    except (ValueError, RuntimeError) as e:
+        out.append(str(e))
+    q.put((rank, out))
+    dist.destroy_process_group()
+
+
+def test_a_hook_refuses_a_ddp_group_of_other_ranks_and_sparse_gradients():
+    """A DDP model on a group of its own rank only, under a hook of the whole world: the
+    hook averaged the replicas DDP keeps apart. A sparse gradient failed deep in torch
+    (as_strided on SparseCPU); every rank now names it."""
+    from tests.test_graphed import gloo_pair
+    res = gloo_pair(_misfit_worker)
+    for rank in range(WORLD):
+        group, sparse = res[rank]
+        assert f"process group holds ranks [{rank}], the hook's workers [0, 1]" in group, group
+        assert "sparse gradient" in sparse, sparse

@@ -2,10 +2,13 @@
 (the baseline, on the same machinery), TopK, Marsit (sign bits merged along a ring, or
 counted by a vote job in the network).
 
-Install with ``hook.register(ddp_model)``. Gradients of parameters chosen
-to stay uncompressed (by name, or below a size) go through the process group's ordinary
-FP32 all-reduce; the rest of each bucket goes through the hook's compressor with per-bucket
-error feedback.
+Install with ``hook.register(ddp_model)``: the DDP model's process group must hold the
+hook's workers. Gradients of parameters chosen to stay uncompressed (by name, or below a
+size) go through the process group's ordinary FP32 all-reduce, after the rest of the bucket
+has gone through the hook's compressor (with per-bucket error feedback), whose checked round
+makes sure every rank is reducing the same bucket first. A complex parameter is reduced as
+its real view, as DDP holds it; sparse gradients are refused. :class:`FP32Hook` checks
+nothing, as DDP's own all-reduce does not.
 
 A hook returns at once with a future that one communication thread completes, so a bucket
 is reduced while backward computes the next ones, as DDP's own all-reduce overlaps. The one
@@ -126,6 +129,7 @@ class _Hook:
             dist.new_group(timeout=_timeout_of(group)) if overlap else group
         """The process group of the hook's collectives."""
         parent = dist.group.WORLD if group is None else group
+        self._parent = parent
         self.index = (getattr(parent, "group_name", ""), agreement.ordinal(parent, "hook"))
         """This hook's workers' group (torch names groups in the order they are made, alike
         on every rank) and its place among the hooks built on it, in every name of its
@@ -187,7 +191,14 @@ class _Hook:
 
     def register(self, ddp_model) -> "_Hook":
         """Install on a DistributedDataParallel model (DDP wants a function: the bound
-        method)."""
+        method). Its process group must hold the hook's workers: the hook averages over its
+        own group, and replicas DDP keeps apart would be averaged together."""
+        ranks = dist.get_process_group_ranks
+        ddp_group = getattr(ddp_model, "process_group", None)
+        if ddp_group is not None and ranks(ddp_group) != ranks(self._parent):
+            raise ValueError(f"the DDP model's process group holds ranks {ranks(ddp_group)}, "
+                             f"the hook's workers {ranks(self._parent)}: build the hook with "
+                             f"group= the DDP model's process group")
         ddp_model.register_comm_hook(None, self.hook)
         return self
 
@@ -196,9 +207,17 @@ class _Hook:
         spans, offset = [], 0
         params = bucket.parameters()
         for p in params:
-            spans.append((offset, offset + p.numel(), self._keep_fp32(p),
+            n = p.numel() * (2 if p.is_complex() else 1)   # DDP's bucket holds a real view
+            spans.append((offset, offset + n, self._keep_fp32(p),
                           self._positions.get(id(p), 1.0)))
-            offset += p.numel()
+            offset += n
+        if buf.layout != torch.strided:
+            spans = ValueError("the hook reduces dense gradients: a parameter with a sparse "
+                               "gradient (e.g. Embedding(sparse=True)) needs DDP's own "
+                               "all-reduce (no hook)")
+        elif offset != buf.numel():
+            spans = ValueError(f"the bucket holds {buf.numel()} elements, its parameters "
+                               f"{offset}: the hook cannot split it")
         # a bucket is its parameters, not its index: DDP rebuilds its buckets after the
         # first iteration, and an index may then hold others (a residual would move to them)
         key = tuple(id(p) for p in params)
@@ -249,11 +268,13 @@ class _Hook:
     def _agree_bucket(self, bucket, spans, device) -> None:
         """Before a bucket's first reduction, every rank checks that the others split it
         alike: ranks whose hooks or options differ would pair one's FP32 span with another's
-        compressed round (an abort, or a wrong sum where the lengths match)."""
-        layout = tuple((b - a, fp32) for a, b, fp32, _ in spans)
+        compressed round (an abort, or a wrong sum where the lengths match). ``spans``: an
+        exception where this rank cannot split the bucket: every rank raises."""
+        failure = spans if isinstance(spans, Exception) else None
+        layout = () if failure else tuple((b - a, fp32) for a, b, fp32, _ in spans)
         key = agreement.key_of(type(self).__name__, layout)
         self.bytes_sent += agreement.together(
-            self.group, len(self._agreed), key, device,
+            self.group, len(self._agreed), key, device, failure,
             alike="the hook (its kind, or the bucket's FP32 and compressed spans)")
         self._agreed.add(bucket)
 
@@ -299,20 +320,11 @@ class _Hook:
     def _reduce_bucket(self, bucket, buf: torch.Tensor, spans) -> torch.Tensor:
         start = time.perf_counter()
         if bucket not in self._agreed:
-            self._agree_bucket(bucket, spans, buf.device)
+            self._agree_bucket(bucket, spans, buf.device)   # raises where spans is an error
         comp = [buf[a:b] for a, b, fp32, _ in spans if not fp32]
         plain = [buf[a:b] for a, b, fp32, _ in spans if fp32]
-        if plain:
-            flat = torch.cat(plain)
-            DistTransport.check_group(self.group)   # a THC round left its peers mid-round
-            flat /= self.world   # before the sum, as DDP's own hook: a half sum overflows first
-            dist.all_reduce(flat, group=self.group)
-            self.fp32_elements += flat.numel()
-            self.bytes_sent += ring_bytes(flat, self.world)
-            i = 0
-            for view in plain:
-                view.copy_(flat[i: i + view.numel()])
-                i += view.numel()
+        # the compressed part first: its round checks that every rank is reducing this
+        # bucket; the FP32 spans' all-reduce checks nothing (unlike lengths abort Gloo)
         if comp:
             flat = comp[0] if len(comp) == 1 else torch.cat(comp)
             position = None
@@ -323,6 +335,17 @@ class _Hook:
             i = 0
             for view in comp:
                 view.copy_(out[i: i + view.numel()])
+                i += view.numel()
+        if plain:
+            flat = torch.cat(plain)
+            DistTransport.check_group(self.group)   # a THC round left its peers mid-round
+            flat /= self.world   # before the sum, as DDP's own hook: a half sum overflows first
+            dist.all_reduce(flat, group=self.group)
+            self.fp32_elements += flat.numel()
+            self.bytes_sent += ring_bytes(flat, self.world)
+            i = 0
+            for view in plain:
+                view.copy_(flat[i: i + view.numel()])
                 i += view.numel()
         end = time.perf_counter()
         with self._stats_lock:
@@ -465,7 +488,7 @@ class TopKHook(_Hook):
             # the gathers are as long as k: agree on it first
             self.bytes_sent += agreement.together(
                 self.group, rnd, agreement.key_of("topk", self.ratio, flat.numel(),
-                                                  self.nonfinite),
+                                                  self.nonfinite, self.index),
                 flat.device, failure)
         except Exception as e:
             if failure is None:   # a refused round leaves the residual as it was
