@@ -877,6 +877,12 @@ def _misfit_worker(rank, port, q):
         out.append("registered")
     except ValueError as e:
         out.append(str(e))
+    other = _model()
+    try:   # a hook built for one model, installed on another's DDP
+        FP32Hook(model, overlap=False).register(DDP(other))
+        out.append("registered")
+    except ValueError as e:
+        out.append(str(e))
     torch.manual_seed(0)
     emb = torch.nn.Embedding(50, 8, sparse=True)
     ddp = DDP(emb)
@@ -890,13 +896,15 @@ def _misfit_worker(rank, port, q):
     dist.destroy_process_group()
 
 
-def test_a_hook_refuses_a_ddp_group_of_other_ranks_and_sparse_gradients():
+def test_a_hook_refuses_a_ddp_group_of_other_ranks_another_model_and_sparse_gradients():
     """A DDP model on a group of its own rank only, under a hook of the whole world: the
-    hook averaged the replicas DDP keeps apart. A sparse gradient failed deep in torch
-    (as_strided on SparseCPU); every rank now names it."""
+    hook averaged the replicas DDP keeps apart. A hook built for another model compressed
+    what its options keep FP32 (they name that model's parameters). A sparse gradient
+    failed deep in torch (as_strided on SparseCPU); every rank now names it."""
     from tests.test_graphed import gloo_pair
     res = gloo_pair(_misfit_worker)
     for rank in range(WORLD):
-        group, sparse = res[rank]
+        group, model, sparse = res[rank]
         assert f"process group holds ranks [{rank}], the hook's workers [0, 1]" in group, group
+        assert "built for another model" in model, model
         assert "sparse gradient" in sparse, sparse

@@ -191,8 +191,14 @@ class _Hook:
 
     def register(self, ddp_model) -> "_Hook":
         """Install on a DistributedDataParallel model (DDP wants a function: the bound
-        method). Its process group must hold the hook's workers: the hook averages over its
-        own group, and replicas DDP keeps apart would be averaged together."""
+        method). It must wrap the model the hook was built for, and its process group must
+        hold the hook's workers: the hook averages over its own group, and replicas DDP keeps
+        apart would be averaged together."""
+        module = getattr(ddp_model, "module", None)
+        if module is not None and any(id(p) not in self._names for p in module.parameters()):
+            raise ValueError("the hook was built for another model (its options and layer "
+                             "positions name that model's parameters): build one hook per "
+                             "DDP model, from the model DDP wraps")
         ranks = dist.get_process_group_ranks
         ddp_group = getattr(ddp_model, "process_group", None)
         if ddp_group is not None and ranks(ddp_group) != ranks(self._parent):
