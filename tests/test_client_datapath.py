@@ -723,6 +723,19 @@ def test_replies_of_another_run_are_named_in_the_timeout(job, datapath):
             assert c.stats.other_run == c.stats.sent
 
 
+def _assert_one_impossible_max_ignored(job, datapath, answer):
+    """A MAX round of 1..4 against ``answer``, whose first reply is impossible and whose
+    second is the honest max (each value's bits plus one): the second is taken, the first
+    ignored and counted."""
+    values = np.arange(1, 5, dtype=np.float32)
+    with answering(answer) as addr:
+        with AggregationClient(job, 0, addr, run=2, timeout=2.0, max_timeout=2.0) as c:
+            got = c.max(values)
+            assert c.stats.compiled_rounds == (datapath == "compiled")
+            assert c.stats.ignored == 1 and c.stats.rejected == 1
+    np.testing.assert_array_equal(got.view(np.uint32), values.view(np.uint32) + 1)
+
+
 def test_a_short_max_result_is_ignored(job, datapath):
     """A MAX round never closes short (a FLUSH closes sums of DATA only): a MAX_RESULT
     counting fewer than every worker is impossible, ignored and counted, and the complete
@@ -733,13 +746,7 @@ def test_a_short_max_result_is_ignored(job, datapath):
         return [_reply(job, data, P.PktType.MAX_RESULT, 1, 0b01) + payload,
                 _complete(data, P.PktType.MAX_RESULT, job) + payload]
 
-    values = np.arange(1, 5, dtype=np.float32)
-    with answering(answer) as addr:
-        with AggregationClient(job, 0, addr, run=2, timeout=2.0, max_timeout=2.0) as c:
-            got = c.max(values)
-            assert c.stats.compiled_rounds == (datapath == "compiled")
-            assert c.stats.ignored == 1 and c.stats.rejected == 1
-    np.testing.assert_array_equal(got.view(np.uint32), values.view(np.uint32) + 1)
+    _assert_one_impossible_max_ignored(job, datapath, answer)
 
 
 def test_a_max_below_the_workers_own_is_ignored(job, datapath):
@@ -752,13 +759,7 @@ def test_a_max_below_the_workers_own_is_ignored(job, datapath):
         low = np.where(np.arange(lanes.size) == 2, lanes - 1, lanes + 1)
         return [head + low.astype(">u4").tobytes(), head + (lanes + 1).astype(">u4").tobytes()]
 
-    values = np.arange(1, 5, dtype=np.float32)
-    with answering(answer) as addr:
-        with AggregationClient(job, 0, addr, run=2, timeout=2.0, max_timeout=2.0) as c:
-            got = c.max(values)
-            assert c.stats.compiled_rounds == (datapath == "compiled")
-            assert c.stats.ignored == 1 and c.stats.rejected == 1
-    np.testing.assert_array_equal(got.view(np.uint32), values.view(np.uint32) + 1)
+    _assert_one_impossible_max_ignored(job, datapath, answer)
 
 
 def test_a_waiting_chunk_names_its_missing_worker_though_another_drew_impossible_replies(
