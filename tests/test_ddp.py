@@ -877,6 +877,12 @@ def _misfit_worker(rank, port, q):
         out.append("registered")
     except ValueError as e:
         out.append(str(e))
+    own = dist.new_group([0, 1])
+    try:   # an overlapping hook whose group DDP's own collectives use too
+        FP32Hook(model, comm_group=own).register(DDP(model, process_group=own))
+        out.append("registered")
+    except ValueError as e:
+        out.append(str(e))
     other = _model()
     try:   # a hook built for one model, installed on another's DDP
         FP32Hook(model, overlap=False).register(DDP(other))
@@ -898,13 +904,15 @@ def _misfit_worker(rank, port, q):
 
 def test_a_hook_refuses_a_ddp_group_of_other_ranks_another_model_and_sparse_gradients():
     """A DDP model on a group of its own rank only, under a hook of the whole world: the
-    hook averaged the replicas DDP keeps apart. A hook built for another model compressed
+    hook averaged the replicas DDP keeps apart. An overlapping hook's group that DDP uses
+    too paired DDP's collectives with the hook's. A hook built for another model compressed
     what its options keep FP32 (they name that model's parameters). A sparse gradient
     failed deep in torch (as_strided on SparseCPU); every rank now names it."""
     from tests.test_graphed import gloo_pair
     res = gloo_pair(_misfit_worker)
     for rank in range(WORLD):
-        group, model, sparse = res[rank]
+        group, shared, model, sparse = res[rank]
         assert f"process group holds ranks [{rank}], the hook's workers [0, 1]" in group, group
+        assert "process group is the hook's own" in shared, shared
         assert "built for another model" in model, model
         assert "sparse gradient" in sparse, sparse

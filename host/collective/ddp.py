@@ -7,8 +7,9 @@ hook's workers. Gradients of parameters chosen to stay uncompressed (by name, or
 size) go through the process group's ordinary FP32 all-reduce, after the rest of the bucket
 has gone through the hook's compressor (with per-bucket error feedback), whose checked round
 makes sure every rank is reducing the same bucket first. A complex parameter is reduced as
-its real view, as DDP holds it; sparse gradients are refused. :class:`FP32Hook` checks
-nothing, as DDP's own all-reduce does not.
+its real view, as DDP holds it (``HookOptions.min_numel`` counts its complex elements);
+sparse gradients are refused. :class:`FP32Hook` checks each bucket's split once and no round
+after, as DDP's own all-reduce checks none.
 
 A hook returns at once with a future that one communication thread completes, so a bucket
 is reduced while backward computes the next ones, as DDP's own all-reduce overlaps. The one
@@ -195,12 +196,19 @@ class _Hook:
         hold the hook's workers: the hook averages over its own group, and replicas DDP keeps
         apart would be averaged together."""
         module = getattr(ddp_model, "module", None)
-        if module is not None and any(id(p) not in self._names for p in module.parameters()):
-            raise ValueError("the hook was built for another model (its options and layer "
-                             "positions name that model's parameters): build one hook per "
-                             "DDP model, from the model DDP wraps")
+        unknown = [n for n, p in (module.named_parameters() if module is not None else ())
+                   if id(p) not in self._names]
+        if unknown:
+            raise ValueError(f"the hook was built for another model, or before parameter "
+                             f"{unknown[0]!r} was added (its options and layer positions name "
+                             f"the model's parameters): build one hook per DDP model, from "
+                             f"the model DDP wraps, once its parameters are final")
         ranks = dist.get_process_group_ranks
         ddp_group = getattr(ddp_model, "process_group", None)
+        if self._pool is not None and ddp_group is self.group:
+            raise ValueError("the DDP model's process group is the hook's own: a hook that "
+                             "overlaps backward needs a group DDP's own collectives do not "
+                             "use (see the module docstring)")
         if ddp_group is not None and ranks(ddp_group) != ranks(self._parent):
             raise ValueError(f"the DDP model's process group holds ranks {ranks(ddp_group)}, "
                              f"the hook's workers {ranks(self._parent)}: build the hook with "
