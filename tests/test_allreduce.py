@@ -834,3 +834,15 @@ def test_workers_without_a_generator_draw_unlike_roundings_though_seeded_alike()
     wires = [ar.transport.summed[0] for ar in reducers]
     assert (wires[0] != wires[1]).float().mean() > 0.05
     assert [ar.generator for ar in reducers] == [0, 1]
+
+
+def test_a_stand_in_is_built_where_the_domain_takes_tensors():
+    """A non-tensor's stand-in: on the CPU for a domain that is no process group (an
+    aggregator's client, which torch.distributed does not know), sized as the input, and
+    empty where zeros of its size cannot be had."""
+    from thc.collective import agreement
+    from thc.collective.worker import device_of
+    t, err = agreement.input_of(np.ones(5, np.float32), device_of(object()))
+    assert t.device.type == "cpu" and t.numel() == 5 and isinstance(err, TypeError)
+    t, err = agreement.input_of(np.broadcast_to(np.float32(0), (1 << 20, 1 << 20)))
+    assert t.numel() == 0 and "got ndarray" in str(err)

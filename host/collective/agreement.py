@@ -74,14 +74,6 @@ def input_of(obj, device="cpu") -> tuple[torch.Tensor, Exception | None]:
         return torch.zeros(0, device=device), error
 
 
-def device_of(domain) -> torch.device:
-    """Where collectives on ``domain`` (:func:`domain_of`) take their tensors: the current
-    GPU on an NCCL process group, else the CPU (Gloo, the aggregator's client)."""
-    if isinstance(domain, dist.ProcessGroup) and dist.get_backend(domain) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 _built: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _built_lock = threading.Lock()
 

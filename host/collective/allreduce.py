@@ -23,6 +23,7 @@ from thc.codec.params import THCParams
 from thc.codec.thc import ErrorFeedback, THCCodec, table_values
 from thc.collective import agreement
 from thc.collective.transports import AggregatorTransport, DistTransport, Short
+from thc.collective.worker import device_of
 from thc.net.priority import magnitude_rank, priority_class
 
 
@@ -187,7 +188,7 @@ class THCAllReduce:
         last); given, every chunk is marked with its DLCP priority class.
         """
         agreement.check_domain(self._domain, agreement.domain_of(self.transport))
-        tensor, refusal = agreement.input_of(tensor, agreement.device_of(self._domain))
+        tensor, refusal = agreement.input_of(tensor, device_of(self._domain))
         if tensor.numel() == 0:
             # a round of the agreement alone: a peer whose tensor is not empty refuses it
             rnd, self.round = self.round, self.round + 1

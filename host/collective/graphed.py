@@ -65,6 +65,7 @@ from thc.codec.thc import THCCodec
 from thc.collective import agreement, replay
 from thc.collective.allreduce import RoundStats
 from thc.collective.transports import DistTransport
+from thc.collective.worker import device_of
 
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 """Input types the kernels read as they are."""
@@ -397,8 +398,8 @@ class GraphedAllReduce:
         worker, as bad input is."""
         agreement.check_domain(self._domain, agreement.domain_of(self.transport))
         self.check()   # the last round's refusal, before this one takes a round
-        tensor, refusal = agreement.input_of(tensor, self._bufs.x.device if self._bufs is not None
-                                             else agreement.device_of(self._domain))
+        tensor, refusal = agreement.input_of(
+            tensor, self._bufs.x.device if self._bufs is not None else device_of(self._domain))
         t0 = time.perf_counter()
         # every worker counts the round as taken, whatever happens in it (its agreement
         # included)

@@ -30,6 +30,7 @@ from thc.codec.common import NonFiniteInput, check_float, scale_factor
 from thc.codec.packing import pack_bits, unpack_bits
 from thc.collective import agreement
 from thc.collective.transports import ring_bytes
+from thc.collective.worker import device_of
 
 
 def merge(incoming: torch.Tensor, own: torch.Tensor, merged: int,
@@ -103,7 +104,7 @@ class _SignAllReduce:
         """The estimate of the workers' mean of ``grad``; ``sizes`` splits it into segments
         with a scale each (default: one)."""
         agreement.check_domain(self._domain, self._group_now())
-        grad, failure = agreement.input_of(grad, agreement.device_of(self._domain))
+        grad, failure = agreement.input_of(grad, device_of(self._domain))
         try:
             if failure is not None:
                 raise failure

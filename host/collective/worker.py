@@ -91,10 +91,12 @@ def checks_given_run(group, n_workers: int) -> bool:
 
 def device_of(group, model=None):
     """Where ``group``'s collectives take their tensors: NCCL moves device tensors only, on
-    ``model``'s GPU where it has one, else the current one."""
+    ``model``'s GPU where it has one, else the current one. A reducer's domain that is no
+    process group (an aggregator's client) takes CPU tensors."""
     import torch
     import torch.distributed as dist
-    if dist.get_backend(group) != "nccl":
+    if not (group is None or isinstance(group, dist.ProcessGroup)) or \
+            dist.get_backend(group) != "nccl":
         return torch.device("cpu")
     on = next((p.device for p in model.parameters() if p.is_cuda), None) if model else None
     return on or torch.device("cuda", torch.cuda.current_device())
