@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as tmp
 
 from thc.codec.common import wire_sum_dtype
 from thc.codec.params import THCParams
@@ -18,7 +17,9 @@ from thc.collective.allreduce import THCAllReduce
 from thc.net.aggregator import Aggregator
 from thc.net.client import AggregationClient, AggregationTimeout
 from thc.testing.clusters import free_port_block, free_tcp_port, local_job
-from tests.test_graphed import _Peer, gloo_pair, join_gloo
+from tests import procs
+from tests.procs import gloo_pair
+from tests.test_graphed import _Peer, join_gloo
 
 PARAMS = THCParams(seed=7)
 
@@ -238,13 +239,7 @@ def _nan_worker(rank, port, q):
 
 
 def test_torch_distributed_a_bad_worker_fails_its_peer_too():
-    ctx = tmp.get_context("spawn")
-    q = ctx.Queue()
-    port = free_port_block(1)
-    ps = [ctx.Process(target=_nan_worker, args=(r, port, q)) for r in range(2)]
-    [p.start() for p in ps]
-    res = dict(q.get(timeout=60) for _ in ps)
-    [p.join(30) for p in ps]
+    res = gloo_pair(_nan_worker, port=free_port_block(1))
     assert "NaN or Inf" in res[0]
     assert "mark of a worker" in res[1]
 
@@ -527,11 +522,9 @@ def test_a_generator_on_another_device_fails_both_workers_at_once():
 def test_torch_distributed_transport_gloo():
     world = 3
     xs = _vectors(world, 20_000, seed=3)
-    ctx = tmp.get_context("spawn")
-    q = ctx.Queue()
+    q = procs.queue()
     port = free_port_block(1)
-    ps = [ctx.Process(target=_dist_worker, args=(r, world, port, xs, q)) for r in range(world)]
-    [p.start() for p in ps]
+    ps = [procs.start(_dist_worker, r, world, port, xs, q) for r in range(world)]
     res = dict((r, (t, b)) for r, t, b in (q.get(timeout=120) for _ in ps))
     [p.join(30) for p in ps]
     for r in range(1, world):

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as tmp
 
 from thc.testing.clusters import free_port_block
+from tests.procs import gloo_pair
 
 WORLD = 2
 
@@ -81,13 +81,7 @@ process runs them, so the pair is spawned once."""
 @functools.lru_cache(maxsize=None)
 def _run_all():
     """Every hook kind in one pair of spawned processes (one Gloo group, a DDP model each)."""
-    ctx = tmp.get_context("spawn")
-    q = ctx.Queue()
-    port = free_port_block(1)
-    ps = [ctx.Process(target=_worker, args=(r, port, q)) for r in range(WORLD)]
-    [p.start() for p in ps]
-    out = dict(q.get(timeout=180) for _ in ps)
-    [p.join(30) for p in ps]
+    out = gloo_pair(_worker, WORLD, free_port_block(1))
     ref = [_grads_without_ddp(r) for r in range(WORLD)]
     mean = {k: ((ref[0][k] + ref[1][k]) / 2).numpy() for k in ref[0]}
     return out, mean
@@ -228,7 +222,6 @@ def test_collectives_of_backward_and_ddp_never_pair_with_the_hooks(unused):
     another order on each rank, and Gloo paired them (an abort, or a wrong mean where the
     lengths matched; overlap was turned off for unused parameters). The hook's collectives
     now run on a group of its own: overlapped or not, the same gradients on both ranks."""
-    from tests.test_graphed import gloo_pair
     res = gloo_pair(functools.partial(_synced_worker, unused))
     for rank in (0, 1):
         for plain, overlapped in zip(res[rank][False], res[rank][True]):
@@ -256,7 +249,6 @@ def _half_worker(rank, port, q):
 def test_uncompressed_spans_count_the_bytes_of_their_dtype():
     """A bf16 model's uncompressed spans all-reduce 2 bytes an element: they were counted
     at 4 (an FP32 span's), doubling what the hook reports on the wire."""
-    from tests.test_graphed import gloo_pair
     res = gloo_pair(_half_worker)
     for rank in (0, 1):
         sent, elements = res[rank]
@@ -283,7 +275,6 @@ def _fp16_sum_worker(rank, port, q):
 def test_half_buckets_are_divided_before_their_sum():
     """Two workers' 40000 in fp16: the mean fits, the sum (80000) does not. The FP32 hook and
     the uncompressed spans summed first and divided after, and returned Inf."""
-    from tests.test_graphed import gloo_pair
     res = gloo_pair(_fp16_sum_worker)
     for rank in (0, 1):
         whole, spans = res[rank]
@@ -311,7 +302,6 @@ def _topk_nan_worker(rank, port, q):
 def test_topk_a_nan_on_one_worker_is_refused_by_both():
     """The NaN worker raised before its all-gathers: its peer waited in them until the group's
     timeout, and their later calls paired off by one (a wrong mean, no error)."""
-    from tests.test_graphed import gloo_pair
     res = gloo_pair(_topk_nan_worker)
     assert "NaN or Inf" in res[0][0] and "refused on every worker" in res[1][0], res
     assert res[0][1:] == res[1][1:] and all(isinstance(r, list) for r in res[0][1:]), res
@@ -370,7 +360,6 @@ def test_ranks_that_split_a_bucket_unlike_refuse_it():
     """Rank 0 keeps the bias in FP32, rank 1 does not: rank 0's FP32 span paired with rank
     1's reduction of the whole bucket (20 floats against 4: Gloo aborts; equal lengths sum
     unlike things). Every rank checks a bucket's split before its first reduction."""
-    from tests.test_graphed import gloo_pair
     res = gloo_pair(functools.partial(_one_backward, _unlike_options_hook))
     assert all("differ in the hook" in res[rank][0] for rank in (0, 1)), res
 
@@ -418,7 +407,6 @@ def test_a_reducer_that_fails_to_build_on_one_rank_fails_every_rank_at_once():
     """The factory ran after the bucket's split check with nothing told to the peers: rank 0
     waited in its reducer's first collective until the group's timeout, then read only
     "Connection closed by peer"."""
-    from tests.test_graphed import gloo_pair
     res = gloo_pair(functools.partial(_one_backward, _factory_hook))
     assert "pipeline_elements" in res[1][0], res
     assert "failed before this round's collectives" in res[0][0] and res[0][1] < 20, res
@@ -461,7 +449,6 @@ def _once_failing_factory_worker(rank, port, q):
 def test_a_reducer_build_that_failed_once_on_one_rank_is_built_again_on_every_rank():
     """The other rank's reducer had taken a place in the group's build order: when both
     built again, their places differed and every later round was refused."""
-    from tests.test_graphed import gloo_pair
     res = gloo_pair(_once_failing_factory_worker)
     for rank in (0, 1):
         assert "transient failure" in res[1][0] or "failed before" in res[rank][0], res
@@ -514,7 +501,6 @@ def test_two_hooks_on_one_group_never_pair_each_others_rounds(kind, unlike):
     mean of gradients 100x apart, taken on every rank). TopK's check named no hook at all.
     ``unlike``: the FP32 spans (biases of 4 and 8) went out before the checked round, and
     Gloo aborted the process on their unlike lengths."""
-    from tests.test_graphed import gloo_pair
     res = gloo_pair(functools.partial(_two_hooks_worker, kind=kind, unlike=unlike))
     for rank in (0, 1):
         out, indices = res[rank]
@@ -557,7 +543,6 @@ def test_a_refused_bucket_without_overlap_leaves_ddp_usable():
     """Raised inside DDP's hook call, a refusal left DDP's reducer half-marked: every later
     step failed in torch ("unmarked_param_indices ... please report a bug to PyTorch"). The
     hook now hands it to DDP in its future, as the overlapping hook does."""
-    from tests.test_graphed import gloo_pair
     res = gloo_pair(_refused_then_on_worker)
     for rank in (0, 1):
         assert "NaN or Inf" in res[rank][0] or "refused" in res[rank][0], res
@@ -620,7 +605,6 @@ def test_the_buckets_left_after_a_refusal_never_touch_the_next_step():
     buffers, and its gradients differed from the same run without overlap (here the first
     one starts late, so it always does). They are now left alone on every rank, so both
     runs give the same gradients."""
-    from tests.test_graphed import gloo_pair
     res = gloo_pair(_steps_after_a_refusal)
     for rank in (0, 1):
         for overlap in (True, False):
@@ -764,7 +748,6 @@ def test_ranks_unlike_in_a_hooks_settings_or_their_run_ids_all_raise_at_once():
     rank alone left the others in the hook's next collective; a run id given to one rank's
     client only left the other rank alone in the run's agreement until the group's timeout,
     and no error named the cause."""
-    from tests.test_graphed import gloo_pair
     res = gloo_pair(functools.partial(_unlike_settings_worker, free_port_block(3)))
     refused = "failed before this round's collectives"
     expected = {"overlap": ("differ in the hook's overlap", "differ in the hook's overlap"),
@@ -845,7 +828,6 @@ def test_a_complex_parameter_is_reduced_whole_and_alike_on_every_rank():
     numel, so half of the bucket was never reduced and each rank kept its own (FP32's mean
     off on both ranks, and unlike). Every hook now gives every rank the same gradient, and
     FP32's is the mean."""
-    from tests.test_graphed import gloo_pair
     res = gloo_pair(_complex_worker)
     grads = []
     for rank in range(WORLD):
@@ -908,7 +890,6 @@ def test_a_hook_refuses_a_ddp_group_of_other_ranks_another_model_and_sparse_grad
     too paired DDP's collectives with the hook's. A hook built for another model compressed
     what its options keep FP32 (they name that model's parameters). A sparse gradient
     failed deep in torch (as_strided on SparseCPU); every rank now names it."""
-    from tests.test_graphed import gloo_pair
     res = gloo_pair(_misfit_worker)
     for rank in range(WORLD):
         group, shared, model, sparse = res[rank]

@@ -3,15 +3,13 @@ the same estimates bit for bit with the same int key, the same refusals, the res
 through a refused round. On the CPU the rounds run their steps eagerly under Triton's
 interpreter (see test_codec_kernels.py, imported first for that); tests/test_graphed_gpu.py
 captures and replays them on a GPU."""
-import multiprocessing as mp
-import queue
-import time
 
 import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
 
+from tests.procs import gloo_pair
 from tests.test_codec_kernels import DEV, kernels
 from thc.codec import thc
 from thc.codec.thc import THCParams
@@ -242,34 +240,6 @@ def test_what_a_graphed_round_refuses_up_front():
     if DEV == "cpu":
         with pytest.raises(ValueError, match="CUDA graph captures a round of CUDA tensors"):
             ar(torch.zeros(256))
-
-
-def gloo_pair(target) -> dict:
-    """Run ``target(rank, port, q)`` in two spawned processes of one Gloo group; each puts
-    (rank, result) on ``q``. Returns {rank: result}; a worker that exits without one (it
-    raised) fails the test at once, naming it, rather than leave the other waiting."""
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    port = free_tcp_port()
-    ps = [ctx.Process(target=target, args=(r, port, q), daemon=True) for r in range(2)]
-    [p.start() for p in ps]
-    res, end = {}, time.monotonic() + 240
-    while len(res) < len(ps):
-        try:
-            rank, out = q.get(timeout=1)
-            res[rank] = out
-            continue
-        except queue.Empty:
-            pass
-        gone = [r for r, p in enumerate(ps) if r not in res and p.exitcode is not None]
-        if gone and q.empty():
-            raise AssertionError(f"worker {gone[0]} exited ({ps[gone[0]].exitcode}) without "
-                                 f"a result: its traceback is in the captured stderr")
-        if time.monotonic() > end:
-            raise AssertionError(f"no result from workers {sorted(set(range(2)) - set(res))} "
-                                 f"in 240 s")
-    [p.join(30) for p in ps]
-    return res
 
 
 def join_gloo(rank, port):

@@ -26,8 +26,6 @@ mode takes 4-6 s, the file about 60 s (the fork server's start-up, 5 s, included
 from __future__ import annotations
 
 import argparse
-import multiprocessing
-import multiprocessing.forkserver
 import os
 import statistics
 import subprocess
@@ -40,6 +38,7 @@ from thc.emu import mainjob
 from thc.emu.base import REPO_ROOT
 from thc.emu.procs import WorkerError
 from thc.emu.testbed import LoopbackTestbed
+from tests import procs
 
 pytestmark = pytest.mark.slow
 
@@ -134,10 +133,7 @@ class _Forked:
 @pytest.fixture(scope="module")
 def train_mode():
     """``train_mode(name, brk=None)``: the main job's run of mode ``name`` (cached)."""
-    ctx = multiprocessing.get_context("forkserver")
-    # torch._dynamo: DDP's constructor imports it, 2-5 s a process; sklearn.datasets: digits
-    ctx.set_forkserver_preload(["thc.app.train", "torch.nn.parallel", "torch._dynamo",
-                                "sklearn.datasets", __name__])
+    ctx = procs.context()
     real_launch = LoopbackTestbed._launch
     state = {"brk": None}
 
@@ -165,9 +161,6 @@ def train_mode():
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(LoopbackTestbed, "_launch", launch)
         yield run
-    stop = getattr(getattr(multiprocessing.forkserver, "_forkserver", None), "_stop", None)
-    if stop is not None:
-        stop()
 
 
 # -- the check -----------------------------------------------------------------------------------

@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as tmp
 
 from thc.collective import marsit
 from thc.testing.clusters import free_port_block
-from tests.test_graphed import gloo_pair
+from tests import procs
+from tests.procs import gloo_pair
 
 COORDS = 20000
 
@@ -81,15 +81,12 @@ def _worker(rank, world, port, q):
 
 def test_ring_allreduce_in_gloo_agrees_on_every_rank():
     world = 3
-    ctx = tmp.get_context("spawn")
-    q = ctx.Queue()
+    q = procs.queue()
     port = free_port_block(1, tcp=True)
-    procs = [ctx.Process(target=_worker, args=(r, world, port, q)) for r in range(world)]
-    for pr in procs:
-        pr.start()
-    out = sorted((q.get(timeout=120) for _ in procs), key=lambda t: t[0])
+    workers = [procs.start(_worker, r, world, port, q) for r in range(world)]
+    out = sorted((q.get(timeout=120) for _ in workers), key=lambda t: t[0])
     out = [(o[0], *(torch.from_numpy(a) for a in o[1:5]), *o[5:]) for o in out]
-    for pr in procs:
+    for pr in workers:
         pr.join(timeout=30)
         assert pr.exitcode == 0
     grads = [o[1] for o in out]
@@ -183,20 +180,17 @@ def _through_a_vote_job(target, world: int):
     job = Job.vote(1, local_job(1, world, base, lanes=64).workers, lanes=64,
                    pool_size=8).validate()
     assert job.sum_bits == 8 and job.aggregation == "vote"
-    ctx = tmp.get_context("spawn")
-    q = ctx.Queue()
+    q = procs.queue()
     with Aggregator([job]) as agg:
         addr = agg.start("127.0.0.1", 0)
-        procs = [ctx.Process(target=target, args=(r, world, base + world, job.to_dict(), addr, q))
-                 for r in range(world)]
-        for pr in procs:
-            pr.start()
-        got = [q.get(timeout=120) for _ in procs]
-        for pr in procs:
+        workers = [procs.start(target, r, world, base + world, job.to_dict(), addr, q)
+                   for r in range(world)]
+        got = [q.get(timeout=120) for _ in workers]
+        for pr in workers:
             pr.join(timeout=30)
         counters = agg.counters()
     return {t[0]: t[1] if len(t) == 2 else t[1:] for t in got}, counters, \
-        [pr.exitcode for pr in procs]
+        [pr.exitcode for pr in workers]
 
 
 def test_vote_allreduce_through_the_software_aggregator_is_the_exact_mean_sign():

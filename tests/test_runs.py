@@ -8,13 +8,13 @@ import time
 
 import numpy as np
 import pytest
-import torch.multiprocessing as tmp
 
 from thc.codec.packing import pack_bits
 from thc.net.aggregator import Aggregator
 from thc.net.client import AggregationClient, AggregatorRestarted
 from thc.testing.clusters import free_port_block, local_job
 from thc.wire import protocol as P
+from tests import procs
 from tests.test_transport import datapath  # noqa: F401 (a fixture)
 
 
@@ -132,11 +132,9 @@ def _agree(rank, world, port, q, env):
 def _agreed(env: dict) -> dict:
     """Each of three gloo ranks' agree_run(), ``THC_RUN`` set per rank from ``env``: its run
     id or its error's message."""
-    ctx = tmp.get_context("spawn")
-    q = ctx.Queue()
+    q = procs.queue()
     port = free_port_block(1, tcp=True)
-    ps = [ctx.Process(target=_agree, args=(r, 3, port, q, env)) for r in range(3)]
-    [p.start() for p in ps]
+    ps = [procs.start(_agree, r, 3, port, q, env) for r in range(3)]
     try:
         return dict(q.get(timeout=50) for _ in ps)
     finally:
