@@ -82,3 +82,19 @@ def test_installed_fashion_mnist():
     assert ds.name == "fashion-mnist" and ds.note == ""
     assert ds.x_train.shape == (60000, 1, 28, 28) and ds.x_test.shape == (10000, 1, 28, 28)
     assert np.bincount(ds.y_train).tolist() == [6000] * 10
+
+
+@pytest.mark.parametrize("found", [True, False])
+def test_digits_are_scikit_learns_whether_read_from_its_file_or_through_it(monkeypatch, found):
+    """Read from scikit-learn's file (no scikit-learn import) or, where it is not found,
+    through ``load_digits``: the same images and labels as scikit-learn's own loader."""
+    from sklearn.datasets import load_digits
+
+    assert D._digits_file() is not None, "scikit-learn's digits file moved: read it again"
+    if not found:
+        monkeypatch.setattr(D, "_digits_file", lambda: None)
+    images, labels = D.digits_arrays()
+    ref = load_digits()
+    np.testing.assert_array_equal(images, ref.images)
+    np.testing.assert_array_equal(labels, ref.target)
+    assert images.dtype == ref.images.dtype and labels.dtype == np.int64

@@ -10,6 +10,7 @@ the file and what is wrong with it, never a numpy exception from deep inside.
 from __future__ import annotations
 
 import gzip
+import importlib.util
 import struct
 import zlib
 from dataclasses import dataclass
@@ -105,13 +106,34 @@ def load_fashion_mnist(directory: Path | str | None = None) -> Dataset:
                    arrays["test_labels"].astype(np.int64))
 
 
+def _digits_file() -> Path | None:
+    """scikit-learn's copy of the digits (``sklearn/datasets/data/digits.csv.gz``: 64 pixels
+    and the label a row), found without importing scikit-learn, whose import (scipy's with
+    it) takes seconds of every worker's start; None where it is not there."""
+    spec = importlib.util.find_spec("sklearn")
+    if spec is None or spec.origin is None:
+        return None
+    path = Path(spec.origin).parent / "datasets" / "data" / "digits.csv.gz"
+    return path if path.is_file() else None
+
+
+def digits_arrays() -> tuple[np.ndarray, np.ndarray]:
+    """(images 1797x8x8 float64 in 0..16, labels int64): as ``sklearn.datasets.load_digits``
+    gives them, read from its file where it is found, else through it."""
+    path = _digits_file()
+    if path is not None:
+        rows = np.loadtxt(path, delimiter=",", dtype=np.float64)
+        if rows.ndim == 2 and rows.shape[1] == 65:
+            return rows[:, :64].reshape(-1, 8, 8), rows[:, 64].astype(np.int64)
+    from sklearn.datasets import load_digits as sk_digits
+    d = sk_digits()
+    return d.images, d.target.astype(np.int64)
+
+
 def load_digits(seed: int = 0) -> Dataset:
     """scikit-learn's digits (1,797 8x8 images), split 80/20 with a fixed seed."""
-    from sklearn.datasets import load_digits as sk_digits
-
-    d = sk_digits()
-    x = _standardize(d.images, 16.0)
-    y = d.target.astype(np.int64)
+    images, y = digits_arrays()
+    x = _standardize(images, 16.0)
     perm = np.random.default_rng(seed).permutation(len(y))
     cut = int(0.8 * len(y))
     return Dataset("digits", x[perm[:cut]], y[perm[:cut]], x[perm[cut:]], y[perm[cut:]])
