@@ -52,7 +52,7 @@ from thc.wire.jobs import Job
 from thc.wire.model import Model
 
 SEED = int(os.environ.get("THC_TNA_SEED", "1729"))
-CASES, STEPS = 60, 300
+CASES, STEPS = 20, 300
 ACKED = ("thc_acked0", "thc_acked1")
 """The acknowledgement registers (known difference 4)."""
 JOB_ID, FIRST_RUN, M = 9, 1000, P.SEQ_MOD
