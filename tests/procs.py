@@ -10,7 +10,7 @@ import queue as queues
 import time
 
 PRELOAD = ["torch", "torch.distributed", "torch.nn.parallel", "torch._dynamo",
-           "thc.collective.ddp", "thc.app.train", "sklearn.datasets"]
+           "thc.collective.ddp", "thc.app.train"]
 """What the server imports before it forks: the heavy imports the workers share."""
 
 
