@@ -13,11 +13,9 @@ def _fresh_settings():
     settings.reset()
 
 
-SYSTEM = ("tests/bmv2/", "tests/conformance/", "test_testbed.py", "test_mainjob.py",
-          "test_breakeven.py", "test_faults.py", "test_dlcp_training.py", "test_shards.py",
-          "test_priority_links.py", "test_p4_build.py", "test_target_writes.py",
-          "test_readme.py", "test_jobs_safety.py", "test_namespace.py", "test_perfmodel.py",
-          "test_xdist_groups.py")
+SYSTEM = ("tests/bmv2/", "tests/conformance/", "test_testbed.py", "test_faults.py",
+          "test_dlcp_training.py", "test_shards.py", "test_priority_links.py",
+          "test_namespace.py", "test_xdist_groups.py")
 """Files whose tests start Mininet, BMv2 or network namespaces (system-wide names and
 cleanups): one pytest-xdist process runs them all, one after another (``make test``), with
 every test marked ``bmv2`` or ``mininet``. A new test that starts one is marked so, or its

@@ -112,8 +112,6 @@ def test_measured_and_predicted_break_even_against_hand_figures():
     assert a["model"]["codec_s"] == pytest.approx(0.020)
 
 
-@pytest.mark.slow
-@pytest.mark.mininet
 def _sweep_cli(*argv: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "thc.cli", "sweep", *argv],
                           capture_output=True, text=True, timeout=400)
@@ -151,6 +149,8 @@ def test_a_sweep_that_cannot_be_analysed_keeps_its_runs_and_says_why(tmp_path, c
     assert json.loads(path.read_text()) == one
 
 
+@pytest.mark.slow
+@pytest.mark.mininet
 def test_sweep_command_runs_small_on_mininet(tmp_path):
     """Two bandwidths, FP32 and THC, 2 workers, 4 steps of the digits CNN: the JSON holds
     every run on shaped links (THC moving far fewer bytes) and the analysis of them, the plot
