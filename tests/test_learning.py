@@ -10,11 +10,14 @@ a server that imported torch once instead of exec'd, which saves the interpreter
 every rank of every mode (3-6 s each on 2 cores); it still runs ``thc.app.train.main`` with
 the argv the main job built, in a process of its own.
 
-A mode passes (:func:`learning_failures`) when its loss falls by most of its start and its
+A mode passes (:func:`learning_failures`) when its loss falls by most of its start, its
 accuracy at the end lies within :data:`TOLERANCE` of FP32's, trained the same way in the same
-session, and far above chance. The check is shown able to fail: THC with its sums zeroed,
-patched into the worker processes only, must fail it; THC with the sign of its decoded
-gradient flipped must either fail it or blow up (its workers refuse the non-finite gradient).
+pytest run, and far above chance, and its workers hold the same parameters at every
+evaluation (a synchronous exchange gives every worker the same update). The check is shown
+able to fail: THC with its sums zeroed, patched into the worker processes only, must fail it;
+THC without an exchange (each worker steps on its own gradient, which learns digits as well)
+must fail the replicas' check; THC with the sign of its decoded gradient flipped must either
+fail it or blow up (its workers refuse the non-finite gradient).
 
 Measured (2 workers, 176 steps, 2 cores shared with compiler builds): late accuracy (the best
 of the last epoch's evaluations) FP32 0.967, THC in each of its five modes 0.942, TopK 0.972,
@@ -83,7 +86,12 @@ def _zero_sums() -> None:
     AggregatorTransport.sum = zeroed
 
 
-BREAKS = {"sign-flipped": _flip_sign, "sums-zeroed": _zero_sums}
+def _no_exchange() -> None:
+    from thc.collective.allreduce import THCAllReduce
+    THCAllReduce.__call__ = lambda self, tensor, position=None: tensor.clone()
+
+
+BREAKS = {"sign-flipped": _flip_sign, "sums-zeroed": _zero_sums, "no-exchange": _no_exchange}
 
 
 # -- workers forked from a preloaded server ----------------------------------------------------
@@ -192,6 +200,10 @@ def learning_failures(run: dict, fp32: dict) -> dict[str, str]:
                                 f"(FP32's {late_accuracy(fp32):.4f} - {TOLERANCE:g})")
     if not run["final_accuracy"] >= FLOOR:
         out["final accuracy"] = f"{name}: final accuracy {run['final_accuracy']:.4f} < {FLOOR:g}"
+    unlike = [row["steps"] for row in run["history"] if row["replicas_agree"] is not True]
+    if unlike:
+        out["replicas"] = (f"{name}: the workers' parameters differed at the evaluations after "
+                           f"steps {unlike}")
     return out
 
 
@@ -227,6 +239,16 @@ def test_thc_with_zeroed_sums_fails_the_check(train_mode, fp32):
     assert run["stopped"] is None
     failures = learning_failures(run, fp32)
     assert set(failures) == {"loss", "late accuracy", "final accuracy"}, failures
+
+
+def test_thc_without_an_exchange_fails_the_check(train_mode, fp32):
+    """Each worker stepping on its own gradient learns digits about as well (measured: late
+    accuracy 0.964 against FP32's 0.986), but its parameters leave its peer's at the first
+    step: only the replicas' check sees that no gradient was exchanged."""
+    run = train_mode("thc", "no-exchange")
+    print(_summary(run))
+    assert run["replicas_diverged_at"] is not None
+    assert "replicas" in learning_failures(run, fp32)
 
 
 def test_thc_with_the_gradient_sign_flipped_cannot_pass(train_mode, fp32):

@@ -26,6 +26,8 @@ def test_main_job_runs_and_reports(tmp_path):
         assert len(r["history"]) == 2 and 0.0 <= r["final_accuracy"] <= 1.0
         assert r["wire_bytes"] > 0 and r["dataset"] == "digits" and r["testbed"] == "loopback"
         assert r["stopped"] is None and r["epochs_done"] == 1.0
+        assert r["replicas_diverged_at"] is None
+        assert all(row["replicas_agree"] is True for row in r["history"])
     # THC moves far fewer bytes than FP32 for the same steps (Marsit's modes: test_marsit).
     assert runs["fp32"]["wire_bytes"] > 4 * runs["thc"]["wire_bytes"]
     # the aggregator client's counters ride along (DDP's ring has none)
@@ -150,6 +152,7 @@ def test_main_job_through_bmv2_has_the_software_losses_step_by_step(tmp_path, bo
     assert runs["thc"]["stopped"] is None and runs["thc"]["epochs_done"] == 2.0
     assert len(mainjob.step_losses(runs["thc"])) == steps == runs["thc"]["history"][-1]["steps"]
     hw = runs["thc-bmv2"]
+    assert hw["replicas_diverged_at"] is None and runs["thc"]["replicas_diverged_at"] is None
     compared = steps if bound == "all" else int(bound)
     assert len(mainjob.step_losses(hw)) == compared == hw["history"][-1]["steps"]
     if bound == "all":

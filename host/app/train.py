@@ -15,7 +15,8 @@ epochs). Accuracy after one epoch of Fashion-MNIST, 4 workers on loopback: (0.05
 (one scale a bucket then; a scale a tensor since), (0.01, 0.9) 0.72, (0.003, 0.9) 0.72,
 (0.05, 0) 0.75, (0.1, 0) 0.80. Data comes from local files (thc.app.datasets): nothing is
 downloaded. Rank 0 prints JSON lines: ``{"dataset": ...}`` first, ``{"progress": ...}``
-every few steps, and one evaluation row ``{"epoch": ...}`` ``--evals`` times per epoch.
+every few steps, and one evaluation row ``{"epoch": ...}`` ``--evals`` times per epoch (with
+``replicas_agree``: whether every rank held the same parameters then).
 
 Run by ``thc run`` (the main job) inside emulated hosts, or by hand, e.g. under torchrun:
 ``torchrun --nproc-per-node 4 -m thc.app.train --mode thc-dist``.
@@ -23,6 +24,7 @@ Run by ``thc run`` (the main job) inside emulated hosts, or by hand, e.g. under 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import sys
 import time
@@ -154,6 +156,22 @@ def _accuracy(model, x, y, batch: int = 4096) -> float:
     return right / len(y)
 
 
+def replicas_agree(model, group=None) -> bool:
+    """Whether every rank of ``group`` holds the same parameters, bit for bit: a synchronous
+    data-parallel exchange gives every rank the same update, so replicas that differ mean
+    an exchange that did not reduce (or reduced unlike) somewhere. One all-gather of an
+    8-byte digest a rank."""
+    import torch
+    import torch.distributed as dist
+    h = hashlib.blake2b(digest_size=8)
+    for p in model.parameters():
+        h.update(p.detach().cpu().contiguous().numpy().tobytes())
+    mine = torch.tensor([int.from_bytes(h.digest(), "big", signed=True)], dtype=torch.int64)
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(every, mine, group=group)
+    return len({int(d) for d in every}) == 1
+
+
 def _group_timeout(deadline: float | None) -> float | None:
     """Seconds one collective may wait (None: torch's 30 minutes). With a deadline, the time
     from the start to 15 s past it: a peer that stops answering early in the run fails this
@@ -254,6 +272,7 @@ def train(args) -> list[dict]:
                 say(json.dumps({"final_evaluation": len(step_losses)}), flush=True)
             ddp.eval()
             acc = _accuracy(model, xte, yte)
+            alike = replicas_agree(model)
             if hook is None:  # DDP's ring all-reduce: 4 bytes a coordinate, 2 in fp16
                 width = 2 if args.mode == "fp16" else 4
                 sent = 2 * (args.world - 1) * n_params * width * len(step_losses) // args.world
@@ -263,7 +282,8 @@ def train(args) -> list[dict]:
             row = {"mode": args.mode, "rank": args.rank, "epoch": epoch - 1 + s / steps,
                    "accuracy": acc, "loss": step_losses[-1], "seconds": trained,
                    "bytes_sent": int(sent), "params": n_params, "steps_per_epoch": steps,
-                   "steps": n, "comm_seconds": comm, "exposed_comm_seconds": exposed,
+                   "steps": n, "replicas_agree": alike,
+                   "comm_seconds": comm, "exposed_comm_seconds": exposed,
                    "codec_seconds": getattr(hook, "codec_seconds", None),
                    "short_chunks": getattr(hook, "short_chunks", None),
                    # the aggregator client's counters: resends, spurious timeouts, ...

@@ -378,7 +378,9 @@ def _run_mode(name: str, args, progress) -> dict:
             "loss_bound": args.loss_bound if mode.loss_bound else 0.0,
             "priorities": mode.priorities, "congestion": congestion,
             "class_queued_links": queued and kind == "mininet",
-            "short_chunks": last.get("short_chunks")}
+            "short_chunks": last.get("short_chunks"),
+            "replicas_diverged_at": next((row["steps"] for row in history
+                                          if row.get("replicas_agree") is False), None)}
 
 
 def _agg_bytes(tb):
@@ -460,6 +462,10 @@ def run(args: argparse.Namespace) -> int:
         if run_["stopped"]:
             print(f"{name} {run_['stopped']}: it got to epoch {run_['epochs_done']:.2f} of "
                   f"{args.epochs} ({run_['history'][-1]['steps']} steps)")
+        if run_["replicas_diverged_at"] is not None:
+            print(f"{name}: the workers' parameters differed at the evaluation after step "
+                  f"{run_['replicas_diverged_at']}: the exchange did not give every worker the "
+                  f"same update")
         print(f"{'epoch':>6} {'accuracy':>9} {'train s':>8}")
         for row in run_["history"]:
             print(f"{row['epoch']:>6.2f} {row['accuracy']:>9.4f} {row['seconds']:>8.1f}")
