@@ -105,17 +105,41 @@ def test_a_run_id_that_is_not_newer_is_refused():
         assert c.run == 11 and c.next_seq == 0
 
 
+def _aggregate_all(clients, payloads) -> dict:
+    """Every client aggregates its payload in a thread of its own: {worker: sums}."""
+    results = {}
+    threads = [threading.Thread(target=lambda w=w: results.update(
+        {w: clients[w].aggregate(pack_bits(payloads[w], P.INDEX_BITS))}))
+        for w in range(len(clients))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    return results
+
+
 def test_the_same_run_id_cannot_repeat_a_round(aggregator_kind, datapath):
-    """Case 3 end to end: the second round must not be answered from the first's slots."""
+    """Case 3 end to end: the clients that ran a round under run 40 cannot go back to it
+    (their second round, the same incarnations at the same seqs, would read as
+    retransmissions of the first and be answered with its sums); under run 41 the same
+    clients get the new round's sums."""
     job = local_job(1, 2, free_port_block(2), table=list(range(16)))
-    payloads = {w: np.full(job.lanes, 1, np.uint8) for w in range(2)}
     with make(aggregator_kind, [job]) as agg:
         addr = agg.start()
-        out = run_workers(job, addr, payloads, run=40)
-        assert (out[0][0] == 2).all()
-        with AggregationClient(job, 0, addr, run=40) as c:
-            with pytest.raises(ValueError, match="not newer"):
-                c.run = 40
+        clients = [AggregationClient(job, w, addr, run=40, deadline=3.0) for w in range(2)]
+        try:
+            ones = {w: np.full(job.lanes, 1, np.uint8) for w in range(2)}
+            results = _aggregate_all(clients, ones)
+            assert (results[0] == 2).all() and (results[1] == 2).all()
+            for c in clients:
+                with pytest.raises(ValueError, match="not newer"):
+                    c.run = 40
+                c.run = 41
+            results = _aggregate_all(clients, {w: 2 * ones[w] for w in range(2)})
+            assert (results[0] == 4).all() and (results[1] == 4).all()
+        finally:
+            for c in clients:
+                c.close()
 
 
 def test_a_reinstall_within_a_run_fails_the_run_instead_of_a_wrong_sum(aggregator_kind,
@@ -128,14 +152,7 @@ def test_a_reinstall_within_a_run_fails_the_run_instead_of_a_wrong_sum(aggregato
         addr = agg.start()
         clients = [AggregationClient(job, w, addr, run=50, deadline=3.0) for w in range(2)]
         try:
-            results = {}
-            threads = [threading.Thread(target=lambda w=w: results.update(
-                {w: clients[w].aggregate(pack_bits(payloads[w], P.INDEX_BITS))}))
-                for w in range(2)]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join(20)
+            results = _aggregate_all(clients, payloads)
             assert (results[0] == 4).all() and (results[1] == 4).all()
             agg.install(local_job(1, 2, job.workers[0].port, table=[13] * 16))
             with pytest.raises(AggregatorRestarted, match="re-installed"):
@@ -350,8 +367,15 @@ def test_a_second_thread_on_a_busy_client_is_refused_at_once():
     with Aggregator([job]) as agg:
         addr = agg.start()
         with AggregationClient(job, 0, addr, run=5, deadline=1.5) as c:
-            first = threading.Thread(target=lambda: pytest.raises(AggregationTimeout,
-                                                                  c.aggregate, chunk))
+            ended = []
+
+            def first_round():
+                try:
+                    c.aggregate(chunk)
+                    ended.append("a result")
+                except Exception as e:  # noqa: BLE001 - checked below, in the test's thread
+                    ended.append(e)
+            first = threading.Thread(target=first_round)
             first.start()   # waits for worker 1, who never comes
             time.sleep(0.3)
             t0 = time.monotonic()
@@ -359,4 +383,5 @@ def test_a_second_thread_on_a_busy_client_is_refused_at_once():
                 c.aggregate(chunk)
             assert time.monotonic() - t0 < 0.5
             first.join()
+            assert len(ended) == 1 and isinstance(ended[0], AggregationTimeout), ended
             assert c.stats.sent - c.stats.retransmitted == 1   # the first round's chunk
