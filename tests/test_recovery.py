@@ -40,7 +40,7 @@ def test_restarted_runs_against_a_running_aggregator_sum_exactly(tmp_path, job, 
                for status, _, missing in failed.values()), failed
     ref = _reference(job)
     for results in (second, third):
-        for w, (status, sums, (_, ran)) in results.items():
+        for w, (status, sums, (_, ran, _)) in results.items():
             assert status == "ok", sums
             np.testing.assert_array_equal(sums, ref)
             assert ran == datapath

@@ -81,7 +81,7 @@ def _worker(job, w, addr, impair, q, deadline=20.0, run=1, n=N_ELEMENTS):
         with AggregationClient(job, w, addr, deadline=deadline, run=run,
                                impair=Impairment(**impair, seed=w) if impair else None) as c:
             r = c.reduce(pack_bits(idx, P.INDEX_BITS))
-            q.put((w, "ok", r.sums, (c.stats.retransmitted, r.datapath)))
+            q.put((w, "ok", r.sums, (c.stats.retransmitted, r.datapath, vars(c.stats))))
     except AggregationTimeout as e:
         q.put((w, "timeout", str(e), e.missing))
 
@@ -124,9 +124,9 @@ def datapath(request, monkeypatch):
     return request.param
 
 
-def _assert_exact_through_an_aggregator(tmp_path, job, datapath):
+def _assert_exact_through_an_aggregator(tmp_path, job, datapath) -> dict:
     """Every worker gets the exact sums of N_ELEMENTS, through ``datapath``; every chunk
-    completes once and nothing is dropped."""
+    completes once and nothing is dropped. Returns each worker's client stats."""
     agg = AggregatorProcess(tmp_path, [job])
     try:
         results = _run_workers(job, agg.addr)
@@ -134,13 +134,14 @@ def _assert_exact_through_an_aggregator(tmp_path, job, datapath):
     finally:
         agg.stop()
     ref = _reference(job)
-    for w, (status, sums, (_, ran)) in results.items():
+    for w, (status, sums, (_, ran, _)) in results.items():
         assert status == "ok", sums
         np.testing.assert_array_equal(sums, ref)
         assert ran == datapath
     chunks = N_ELEMENTS // job.lanes
     assert stats["jobs"]["1"]["completions"] == chunks
     assert sum(stats["drops"].values()) == 0
+    return {w: extra[2] for w, (_, _, extra) in results.items()}
 
 
 def test_four_workers_one_million_elements_bit_exact(tmp_path, job, datapath):
@@ -154,7 +155,19 @@ def test_compiled_client_with_gso_and_gro_sums_exactly(tmp_path, job, monkeypatc
         pytest.skip(fastclient.CLIENT_UNAVAILABLE)
     monkeypatch.setenv(DATAPATH_ENV, "compiled")
     monkeypatch.setenv(GSO_ENV, "1")
-    _assert_exact_through_an_aggregator(tmp_path, job, "compiled")
+    for w, stats in _assert_exact_through_an_aggregator(tmp_path, job, "compiled").items():
+        assert stats["gso_sends"] > 0 and stats["gro_bursts"] > 0, (w, stats)
+
+
+def test_without_gso_the_compiled_client_sends_and_takes_datagrams_one_by_one(
+        tmp_path, job, monkeypatch):
+    """The counters above count only what GSO and GRO did."""
+    if fastclient.CLIENT_UNAVAILABLE:
+        pytest.skip(fastclient.CLIENT_UNAVAILABLE)
+    monkeypatch.setenv(DATAPATH_ENV, "compiled")
+    monkeypatch.setenv(GSO_ENV, "0")
+    for w, stats in _assert_exact_through_an_aggregator(tmp_path, job, "compiled").items():
+        assert stats["gso_sends"] == 0 and stats["gro_bursts"] == 0, (w, stats)
 
 
 def test_gso_choice_follows_the_job_and_the_environment(job, monkeypatch):
@@ -199,7 +212,7 @@ def test_exactly_once_under_loss_duplication_and_reordering(tmp_path, job):
     finally:
         agg.stop()
     ref = _reference(job)
-    for w, (status, sums, (retransmitted, ran)) in results.items():
+    for w, (status, sums, (retransmitted, ran, _)) in results.items():
         assert status == "ok", sums
         np.testing.assert_array_equal(sums, ref)
         assert retransmitted > 0, "5% loss must have caused retransmissions"
@@ -225,7 +238,7 @@ def test_compiled_client_exactly_once_under_lossy_duplicating_reordering_replies
     finally:
         agg.stop()
     ref = _reference(job, n)
-    for w, (status, sums, (retransmitted, ran)) in results.items():
+    for w, (status, sums, (retransmitted, ran, _)) in results.items():
         assert status == "ok", sums
         assert ran == "compiled"
         np.testing.assert_array_equal(sums, ref)

@@ -1326,7 +1326,7 @@ cleanup:
 
 #define CL_RECV_BYTES 4096 /* the Python loop's receive buffer */
 /* stream()'s arguments and timeout report: host/net/fastclient.py refuses another version */
-#define CL_WINDOW_VERSION 7
+#define CL_WINDOW_VERSION 8
 #define CL_OUT_BYTES 2048
 /* per chunk in the window: retransmitted (no RTT sample: Karn), overtaken by a later
  * chunk of its shard (a lost packet, not a missing worker: its timer does not back off),
@@ -1337,7 +1337,8 @@ enum { M_RESENT = 1, M_OVERTAKEN = 2, M_LONE = 4, M_UNPAIRED = 8 };
 
 enum { EV_DONE, EV_RESTARTED, EV_TIMEOUT, EV_OSERROR, EV_REFUSED, EV_SHORT, EV_MISCONFIGURED };
 enum { S_SENT, S_RETRANSMITTED, S_RECEIVED, S_IGNORED, S_OTHER_RUN, S_PENDING, S_BYTES_SENT,
-       S_BYTES_RECEIVED, S_REJECTED, S_SPURIOUS, S_ELSEWHERE, N_CSTATS };
+       S_BYTES_RECEIVED, S_REJECTED, S_SPURIOUS, S_ELSEWHERE, S_GSO_SENDS, S_GRO_BURSTS,
+       N_CSTATS };
 
 typedef struct {
     int fd, n_shards, window, lanes, n_workers, is_data, chunk_bytes;
@@ -1433,6 +1434,8 @@ static int cl_flush_gso(Client *c) {
     while (done < ng) {
         int r = sendmmsg(c->fd, g + done, (unsigned)(ng - done), 0);
         if (r >= 0) {
+            for (int m = done; m < done + r; m++)
+                if (g[m].msg_hdr.msg_iovlen > 1) c->st[S_GSO_SENDS]++;
             done += r;
             continue;
         }
@@ -1788,6 +1791,7 @@ static PyObject *fa_stream(PyObject *self, PyObject *args) {
                 size_t len = rmsgs[k].msg_len;
                 size_t seg = gro_segment(&rmsgs[k].msg_hdr, &len, CL_RECV_BYTES);
                 if (seg == 0) seg = 1; /* an empty datagram: looked at once */
+                if (seg < len) c->st[S_GRO_BURSTS]++;
                 for (size_t off = 0; off == 0 || off < len; off += seg) {
                     const uint8_t *d = rbuf + (size_t)k * rbytes + off;
                     size_t n = len - off < seg ? len - off : seg;

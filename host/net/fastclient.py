@@ -18,7 +18,7 @@ from thc.net.window import (FAST_BACKOFF_CAP, FAST_RETRANSMIT_AFTER, RECV_BATCH,
                              raise_short, raise_timeout)
 from thc.wire import protocol as P
 
-CLIENT_WINDOW = 7
+CLIENT_WINDOW = 8
 """The version of ``_fastagg.stream``'s arguments and timeout report this module speaks."""
 
 CLIENT_UNAVAILABLE: str | None = UNAVAILABLE or (
@@ -51,6 +51,8 @@ class Streamed:
     rejected: int
     spurious: int
     elsewhere: int
+    gso_sends: int
+    gro_bursts: int
     srtt: list
     rttvar: list
 
@@ -94,7 +96,8 @@ class CompiledWindow:
         s.compiled_rounds += 1
         r = stream(end, rnd, np.ascontiguousarray(rnd.chunks, dtype=np.uint8))
         for name in ("sent", "retransmitted", "received", "ignored", "other_run", "pending",
-                     "bytes_sent", "bytes_received", "rejected", "spurious", "elsewhere"):
+                     "bytes_sent", "bytes_received", "rejected", "spurious", "elsewhere",
+                     "gso_sends", "gro_bursts"):
             setattr(s, name, getattr(s, name) + getattr(r, name))
         end.rtt.srtt, end.rtt.rttvar = r.srtt, r.rttvar
         if r.event == STREAM_RESTARTED:

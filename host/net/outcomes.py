@@ -176,3 +176,9 @@ class TransportStats:
     """Replies to this worker of its job from the port of the chunk's aggregator at another
     IP: counted in ``ignored`` too. An aggregator (or a NAT before it) that answers from
     another address than the one workers send to is never heard."""
+    gso_sends: int = 0
+    """UDP GSO sends of the compiled window, each several DATA datagrams in one trip down the
+    stack (``sent`` counts the datagrams)."""
+    gro_bursts: int = 0
+    """Receive buffers of the compiled window that held several replies (UDP GRO): one trip
+    up the stack for a burst (``received`` counts the datagrams)."""
