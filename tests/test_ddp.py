@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import math
 import threading
 import time
 from datetime import timedelta
@@ -115,6 +116,59 @@ def test_thc_hook_gradient_close_to_the_mean():
     den = sum(float((mean[k] ** 2).sum()) for k in mean)
     # Two workers' THC estimate of their mean: relative error well under 10%.
     assert num / den < 0.1, num / den
+
+
+COMPRESSED = ("0.weight", "0.bias", "2.weight")
+"""The parameters the shared run's hooks compress (2.bias stays FP32)."""
+
+
+@SHARED
+def test_topk_hook_gives_the_mean_of_every_ranks_largest_values():
+    """Each rank sends its k = ceil(0.25 n) largest-magnitude coordinates of the compressed
+    part (one bucket): every rank's gradient is their sum over the ranks, averaged. The
+    reference is built here from each rank's own gradient without DDP."""
+    out, _ = _run("topk")
+    local = [_grads_without_ddp(r) for r in range(WORLD)]
+    flats = [torch.cat([local[r][n].reshape(-1) for n in COMPRESSED]) for r in range(WORLD)]
+    k = math.ceil(0.25 * flats[0].numel())
+    want = torch.zeros_like(flats[0])
+    for f in flats:
+        top = torch.topk(f.abs(), k).indices
+        want[top] += f[top]
+    want /= WORLD
+    for rank in range(WORLD):
+        got = torch.cat([torch.from_numpy(out[rank][0][n]).reshape(-1) for n in COMPRESSED])
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-8)
+
+
+@SHARED
+def test_marsit_hook_gives_each_coordinate_a_ranks_sign_at_the_shared_scale():
+    """Marsit's estimate of a tensor is its ranks' mean absolute value with, per coordinate,
+    one rank's sign: where the two ranks' signs differ, either one's with probability 1/2 (the
+    merge is unbiased for the mean sign), in every block of 1024 coordinates (the ring merges
+    each rank's segment in turn: a hop that passed its bits on unmerged would give a block
+    one rank's signs only)."""
+    out, _ = _run("marsit")
+    local = [_grads_without_ddp(r) for r in range(WORLD)]
+    blocks = 0
+    for n in COMPRESSED:
+        got = torch.from_numpy(out[0][0][n]).reshape(-1)
+        signs = [torch.sign(local[r][n]).reshape(-1) for r in range(WORLD)]
+        scale = sum(float(local[r][n].abs().mean()) for r in range(WORLD)) / WORLD
+        torch.testing.assert_close(got.abs(), torch.full_like(got, scale), rtol=1e-5, atol=0)
+        mine = torch.sign(got)
+        assert bool(((mine == signs[0]) | (mine == signs[1]) | (signs[0] == 0)
+                     | (signs[1] == 0)).all()), n
+        for start in range(0, got.numel(), 1024):
+            part = slice(start, start + 1024)
+            unlike = signs[0][part] * signs[1][part] < 0
+            m = int(unlike.sum())
+            if m < 100:
+                continue
+            took = int((mine[part][unlike] == signs[0][part][unlike]).sum())
+            assert abs(took / m - 0.5) < 5 * 0.5 / math.sqrt(m), (n, start, took, m)
+            blocks += 1
+    assert blocks >= 8, blocks
 
 
 class _Crossed(torch.nn.Module):
