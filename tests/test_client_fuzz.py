@@ -27,7 +27,7 @@ CHUNKS, LANES, RUN = 12, 16, 77
 HOSTILE = ("length", "extra_worker", "count", "too_big", "below_own", "max_type", "other_run",
            "other_job", "other_worker", "pending_full", "pending_not_ours", "duplicate",
            "refused", "epoch")
-"""What may come before a chunk's true replies. The last two end the round (an error)."""
+"""What may come before a chunk's true replies. The last two may end the round (an error)."""
 
 
 def _peer_indices(seed: int, seq: int) -> np.ndarray:
@@ -49,6 +49,8 @@ class FuzzAggregator:
         self.sock.settimeout(0.05)
         self.addr = self.sock.getsockname()
         self.seen: set[int] = set()
+        self.ending: list[str] = []
+        """The round-ending replies sent (HOSTILE's last two), in order."""
         self._stop = False
         self._thread = threading.Thread(target=self._serve, daemon=True)
         self._thread.start()
@@ -114,7 +116,9 @@ class FuzzAggregator:
                 own = self.job.lane_values(data[P.HEADER_BYTES:]).astype(np.int64)
                 out += [self._hostile(k, hdr, own) for k in rng.sample(HOSTILE[:-2], 2)]
                 if rng.random() < 0.05:
-                    out.append(self._hostile(rng.choice(HOSTILE[-2:]), hdr, own))
+                    kind = rng.choice(HOSTILE[-2:])
+                    self.ending.append(kind)
+                    out.append(self._hostile(kind, hdr, own))
                 peer_first = rng.random() < 0.5
                 if peer_first:
                     self.model.handle(self._peer(hdr), self._worker(1), 0.0)
@@ -146,7 +150,8 @@ def _outcome(job, seed: int, datapath: str, own: np.ndarray):
             except Exception as e:  # noqa: BLE001 - the outcome compared
                 result = (type(e).__name__, None)
             s = c.stats
-            return result, (s.rejected, s.other_run, s.retransmitted), s.compiled_rounds
+            return (result, (s.rejected, s.other_run, s.retransmitted), s.compiled_rounds,
+                    agg.ending[:1])
     finally:
         agg.close()
 
@@ -165,6 +170,8 @@ def test_both_windows_end_alike_and_only_with_the_exact_sums(seed):
     assert compiled[2] == 1 and python[2] == 0, (python, compiled)
     assert python[:2] == compiled[:2], (python, compiled)
     (kind, sums), (rejected, other_run, retransmitted) = python[:2]
+    # without a reply that may end it (HOSTILE's last two), the round ends with its sums
+    assert kind == "sums" or python[3], (kind, python)
     if kind == "sums":
         want = job.lane_values(pack_bits(own, 4)).astype(np.int64) + np.concatenate(
             [job.lane_values(pack_bits(_peer_indices(seed, s), 4)) for s in range(CHUNKS)])

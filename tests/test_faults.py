@@ -9,13 +9,20 @@ import numpy as np
 from thc.emu import faults, matrix
 
 
-def test_a_wrong_sum_is_reported_and_fails_the_matrix():
-    rows = [faults.Row("ok", "loopback", "exact (4/4 workers)", 8, 0, 1.0, {}, "", True),
-            faults.Row("bad", "loopback", "WRONG: 3 sums differ", 8, 0, 1.0,
-                       {"stale": 2}, "", False)]
-    text = faults.render(rows, quick=True, elapsed=2.0)
+def test_a_wrong_sum_is_reported_and_fails_the_matrix(monkeypatch, capsys):
+    ok = faults.Row("ok", "loopback", "exact (4/4 workers)", 8, 0, 1.0, {}, "", True)
+    bad = faults.Row("bad", "loopback", "WRONG: 3 sums differ", 8, 0, 1.0, {"stale": 2}, "",
+                     False)
+    text = faults.render([ok, bad], quick=True, elapsed=2.0)
     assert "| bad | loopback | WRONG: 3 sums differ | 8 | 0 | 1.0 | stale 2 |" in text
     assert "Wrong sums: bad." in text
+    # the matrix's exit status: 1 where a row's sums were wrong (the loss rows stand in)
+    args = argparse.Namespace(quick=True, out="-", json=None, loopback=True, only="loss-")
+    monkeypatch.setattr(faults, "row_loss", lambda pct, numel, mininet: ok)
+    assert faults.run(args) == 0
+    monkeypatch.setattr(faults, "row_loss", lambda pct, numel, mininet: bad if pct == 5 else ok)
+    assert faults.run(args) == 1
+    assert "Wrong sums: bad." in capsys.readouterr().out
 
 
 def test_duplication_and_jitter_rows_on_loopback(tmp_path, capsys):
