@@ -516,25 +516,33 @@ def test_differential_fuzz_hostile_packets_are_counted_drops_in_both():
 
 @st.composite
 def mutated(draw, job):
-    """A packet of ``job`` (DATA, MAX, FLUSH or anything else) with random header fields,
-    length and sender: most are dropped, some accumulate or close a chunk; whatever happens
+    """A packet of ``job`` as a worker would send it (DATA, MAX or FLUSH, near the known
+    round), then up to three of its header fields, its length or its sender changed: many
+    are dropped, others accumulate, close a chunk or are answered from it; whatever happens
     must happen identically."""
-    fields = {name: draw(st.integers(0, (1 << width) - 1)) for name, width in P.HEADER_FIELDS}
-    for name, choices in (("pkt_type", [1, 2, 1, 1, 0, 3, 5, 6, 7, 255]),
-                          ("job_id", [job.job_id] * 4 + [0, 31, 65535]),
-                          ("worker_id", [0, 1, 0, 1, 2, 255]), ("slot", [0, 1, 0, 1, 2]),
-                          ("version", [0, 1, 0, 1, 2]), ("run", [RUN, RUN, RUN + 1, RUN - 1, 0]),
-                          ("seq", [KNOWN_SEQ, 5, 6, 7, KNOWN_SEQ - 2, 0, 2 ** 31 + 4])):
-        if draw(st.booleans()):
-            fields[name] = draw(st.sampled_from(choices))
-    size = (P.payload_bytes(P.PktType.MAX) if fields["pkt_type"] == P.PktType.MAX else
-            0 if fields["pkt_type"] == P.PktType.FLUSH else
+    seq = draw(st.sampled_from([KNOWN_SEQ, 5, 6, 7, KNOWN_SEQ - 2, 0, 2 ** 31 + 4]))
+    kind = draw(st.sampled_from([P.PktType.DATA, P.PktType.DATA, P.PktType.MAX,
+                                 P.PktType.FLUSH]))
+    w = draw(st.sampled_from([0, 1]))
+    slot, version = P.slot_of(seq, job.pool_size)
+    fields = {"pkt_type": int(kind), "worker_id": w, "job_id": job.job_id, "slot": slot,
+              "version": version, "count": 0, "seq": seq % P.SEQ_MOD,
+              "offset": seq * job.lanes % P.SEQ_MOD, "bitmap": 0,
+              "run": draw(st.sampled_from([RUN, RUN, RUN, RUN + 1, RUN - 1])), "epoch": 0}
+    widths = dict(P.HEADER_FIELDS)
+    for name in draw(st.lists(st.sampled_from(sorted(widths)), max_size=3)):
+        fields[name] = draw(st.one_of(st.integers(0, (1 << widths[name]) - 1),
+                                      st.integers(0, 2), st.just(job.job_id + 1)))
+    size = (P.payload_bytes(P.PktType.MAX) if kind == P.PktType.MAX else
+            0 if kind == P.PktType.FLUSH else
             P.payload_bytes(P.PktType.DATA, job.lanes, aggregation=job.aggregation))
     payload = draw(st.one_of(st.binary(min_size=size, max_size=size),
+                             st.binary(min_size=size, max_size=size),
                              st.binary(max_size=2 * size)))
-    cut = draw(st.one_of(st.none(), st.integers(0, P.HEADER_BYTES + len(payload))))
+    cut = draw(st.one_of(st.none(), st.none(), st.none(),
+                         st.integers(0, P.HEADER_BYTES + len(payload))))
     data = (P.HEADER_STRUCT.pack(*(fields[n] for n, _ in P.HEADER_FIELDS)) + payload)[:cut]
-    return data, draw(st.sampled_from(["w0", "w1", "w0", "w1", "stranger"]))
+    return data, draw(st.sampled_from([f"w{w}"] * 4 + ["w0", "w1", "stranger"]))
 
 
 @pytest.mark.parametrize("kind", ["thc", "vote", "sharded"])
@@ -553,8 +561,11 @@ def test_differential_fuzz_mutated_packets_behave_identically(kind):
             handle_both(py, c, data, senders[sender], clock[0])
         assert c.counters() == py.counters()
 
+    before = c.counters()
     fuzz()
-    assert sum(c.counters()["jobs"][job.job_id].values()) > 0
+    after = c.counters()   # the fuzz's packets reached the job and its drops, not only setup's
+    assert sum(after["jobs"][job.job_id].values()) > sum(before["jobs"][job.job_id].values())
+    assert sum(after["drops"].values()) > sum(before["drops"].values())
 
 
 def test_the_comparison_would_see_a_wrong_sum():

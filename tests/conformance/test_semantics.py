@@ -94,7 +94,9 @@ def test_reordered_chunks_and_interleaved_workers(harness):
         harness.endpoint(job, w).send(data(job, w, seq, chunks[seq][w]))
     for w in range(3):
         got = harness.endpoint(job, w).recv_all()
-        by_seq = {parse(d)[0].seq: [d] for d in got}
+        by_seq: dict[int, list] = {}
+        for d in got:
+            by_seq.setdefault(parse(d)[0].seq, []).append(d)   # a duplicate fails below
         assert sorted(by_seq) == [0, 1, 2, 3]
         for seq, d in by_seq.items():
             assert_result(d, job, seq, chunks[seq], w)
