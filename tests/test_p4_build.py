@@ -207,6 +207,30 @@ def test_bmv2_json_header_matches_protocol():
     assert [(f[0], f[1]) for f in types["thc_h"]["fields"]] == P.HEADER_FIELDS
 
 
+def test_bmv2_json_gives_each_dscp_its_class_priority():
+    """DLCP on the switch, read from the compiled program: DSCP 0 and every DSCP the protocol
+    does not name set priority 0 (best effort; a miss is counted), class i's DSCP priority
+    i + 1 (tests/bmv2/test_switch_dscp.py sends each through BMv2)."""
+    j = json.loads((BUILD / "thc.json").read_text())
+    table = next(t for pl in j["pipelines"] for t in pl["tables"]
+                 if t["name"].endswith(".thc_dscp"))
+    actions = {a["id"]: a for a in j["actions"]}
+
+    def sets_priority(action) -> list:
+        return [p["parameters"][1] for p in action["primitives"] if p["op"] == "assign"
+                and p["parameters"][0]["value"] == ["standard_metadata", "priority"]]
+    got = {}
+    for entry in table["entries"]:
+        action = actions[entry["action_entry"]["action_id"]]
+        assert sets_priority(action) == [{"type": "runtime_data", "value": 0}], action
+        got[int(entry["match_key"][0]["key"], 16)] = int(entry["action_entry"]["action_data"][0],
+                                                         16)
+    assert got == {0: 0, **{d: i + 1 for i, d in enumerate(P.PRIORITY_DSCP)}}
+    miss = actions[table["default_entry"]["action_id"]]
+    assert sets_priority(miss) == [{"type": "hexstr", "value": "0x00"}], miss
+    assert len(P.PRIORITY_DSCP) + 1 == P.PRIORITY_QUEUES
+
+
 def test_l2_program_shares_the_forwarding_table():
     thc = _by_short_name(_p4info("thc").tables)["l2_forward"]
     l2 = _by_short_name(_p4info("l2").tables)["l2_forward"]

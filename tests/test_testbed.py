@@ -40,6 +40,9 @@ def smoke(tb, numel=1 << 16, seed=5):
                    str(seed)] + agg, timeout=60)
     rows = [json.loads(r.stdout.strip().splitlines()[-1]) for r in results]
     job = tb.job
+    for row in rows:   # each worker ran its round: every chunk answered
+        assert row["rounds"] == 1 and row["mismatches"] == 0, row
+        assert row["stats"]["received"] >= -(-numel // job.lanes), row
     return rows, digest(reference_sums(job.table, job.n_workers, seed, numel))
 
 

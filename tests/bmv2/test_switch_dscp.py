@@ -1,4 +1,6 @@
-"""DLCP on the switch: DSCP picks the egress queue priority; an unknown DSCP is best effort."""
+"""DLCP on the switch: a packet of every class aggregates (each priority has its queue) and
+an unknown DSCP is counted. Which priority each DSCP sets is read from the compiled program
+(tests/test_p4_build.py): BMv2 does not say which queue a packet took."""
 from __future__ import annotations
 
 import itertools
