@@ -47,6 +47,7 @@ def test_l2_forwarding_of_non_thc_traffic(bmv2, sw):
         assert time.monotonic() < deadline, "the switch never counted the miss"
         time.sleep(0.01)
     assert counters.l2_misses(sw) == misses + 1
+    bmv2.sync()   # anything the miss put out has come out by now
     assert all(q.empty() for q in raw)
     assert forwarding.remove(sw, [dst]) == 1
     assert dst not in forwarding.routes(sw)
