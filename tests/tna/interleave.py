@@ -124,6 +124,8 @@ class Interleaving:
 
     def __init__(self, prog: Program, rng: random.Random, stats: Counter, delay: int = 0):
         self.rng, self.stats, self.delay = rng, stats, delay
+        self.answered: set[tuple[int, int]] = set()
+        """(run, seq) of the chunks a RESULT answered (late passes)."""
         self.n, self.pool = rng.randint(1, 5), rng.choice((1, 2, 4))
         self.base, self.loss = rng.choice((0, M - 3)), rng.choice((0.0, 0.2, 0.5))
         self.weights = [1.0] * self.n
@@ -264,23 +266,29 @@ class Interleaving:
                 and w[1][0][0][5] == self.n):
             label = "FLUSH at a complete use"
         self.history.append(f"{describe(d, src)} at {self.now:.3f}: {label}")
-        if self.delay:   # the workers follow the model; the TNA's sums must be right
+        if self.delay:   # the TNA's replies may differ from the model's; its sums must be right
             for reply, _ in got[0]:
                 if reply[0] in (T["RESULT"], T["MAX_RESULT"]):
                     self.stats[f"late passes: {P.PktType(reply[0]).name} sums checked"] += 1
+                    hdr = P.Header.unpack(reply)
+                    self.stats["late passes: chunks with a result"] += (
+                        (hdr.run, hdr.seq) not in self.answered)
+                    self.answered.add((hdr.run, hdr.seq))
             wrong = wrong_sum(self.job, got[0], lanes_of)
             if wrong:
                 last = "\n    ".join(self.history[-12:])
                 raise Difference(f"packet {len(self.history)}: {wrong}\n  last packets:\n"
                                  f"    {last}")
-            return
-        if w != g:
-            last = "\n    ".join(self.history[-12:])
-            raise Difference(f"packet {len(self.history)}: {describe(d, src)} at {self.now:.3f}"
-                             f"\n  model: {w}\n  TNA:   {g}\n  last packets:\n    {last}")
-        self.stats[label] += 1
-        if before and st.thc_job_run != before:
-            self.stats["run taken: " + ("idle job" if idle else "newer, in the jump")] += 1
+        else:
+            if w != g:
+                last = "\n    ".join(self.history[-12:])
+                raise Difference(f"packet {len(self.history)}: {describe(d, src)} at "
+                                 f"{self.now:.3f}\n  model: {w}\n  TNA:   {g}\n  last "
+                                 f"packets:\n    {last}")
+            self.stats[label] += 1
+            if before and st.thc_job_run != before:
+                self.stats["run taken: " + ("idle job" if idle else "newer, in the jump")] += 1
+        # the workers follow the model: a run that took the job, their windows
         if st.thc_job_run:
             self.owned.add(st.thc_job_run)
             if st.thc_job_run != self.run:
