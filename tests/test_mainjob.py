@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from thc.emu import mainjob
+from tests.procs import gloo_pair
 
 
 @pytest.mark.slow
@@ -221,3 +222,25 @@ def test_a_link_mininet_cannot_emulate_is_a_usage_error(capsys, tmp_path):
         pytest.skip(f"needs Mininet: {mininet_unavailable_reason('software')}")
     assert mainjob.run(_main_args("--loss", "100", "--out", str(tmp_path))) == 2
     assert "--bw/--delay/--loss: loss must lie in [0, 100)" in capsys.readouterr().err
+
+
+def _replicas_worker(rank, port, q):
+    import torch
+    import torch.distributed as dist
+
+    from thc.app.train import replicas_agree
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 3).to(torch.bfloat16)
+    alike = replicas_agree(model)
+    if rank == 1:
+        with torch.no_grad():
+            model.bias[2] += 1
+    q.put((rank, (alike, replicas_agree(model))))
+    dist.destroy_process_group()
+
+
+def test_replicas_agree_until_one_ranks_parameter_differs():
+    """Every rank learns whether all hold the same parameters (bfloat16 ones too)."""
+    assert gloo_pair(_replicas_worker) == {0: (True, False), 1: (True, False)}

@@ -164,8 +164,8 @@ def replicas_agree(model, group=None) -> bool:
     import torch
     import torch.distributed as dist
     h = hashlib.blake2b(digest_size=8)
-    for p in model.parameters():
-        h.update(p.detach().cpu().contiguous().numpy().tobytes())
+    for p in model.parameters():   # as bytes: numpy has no bfloat16
+        h.update(p.detach().cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
     mine = torch.tensor([int.from_bytes(h.digest(), "big", signed=True)], dtype=torch.int64)
     every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(every, mine, group=group)
