@@ -5,6 +5,7 @@ environment of the test that started it, as a spawned one would, not the server'
 from __future__ import annotations
 
 import multiprocessing
+import multiprocessing.forkserver as forkserver
 import os
 import queue as queues
 import time
@@ -19,6 +20,16 @@ def context():
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)
     return ctx
+
+
+def fresh_server() -> None:
+    """Stop the fork server if one runs, so the next process starts a new one from this
+    process's state: a test that wants its workers apart from the ones earlier tests forked
+    (multiprocessing has no public call for it; the server otherwise lives as long as this
+    process)."""
+    stop = getattr(getattr(forkserver, "_forkserver", None), "_stop", None)
+    if stop is not None:
+        stop()
 
 
 def _with_env(env: dict, target, *args) -> None:

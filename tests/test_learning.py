@@ -46,10 +46,12 @@ from tests import procs
 pytestmark = pytest.mark.slow
 
 MAIN_JOB_ARGS = ["--loopback", "--workers", "2", "--data", "digits", "--width", "32",
-                 "--batch", "16", "--epochs", "4", "--evals", "4", "--timeout", "300"]
+                 "--batch", "16", "--epochs", "4", "--evals", "4", "--timeout", "240"]
 """2 workers x 16 images: 44 steps an epoch of digits' 1,437 training images, 176 in all
 (Marsit's signs need about that many to come within a few points of FP32; at 44 steps they
-lag it by 25 points), 4 evaluations an epoch on the 360 test images."""
+lag it by 25 points), 4 evaluations an epoch on the 360 test images. ``--timeout 240``: below
+pytest-timeout's 300 s, so a mode that stalls fails with the testbed's account of its
+workers, not the test's stack alone."""
 MODES = [m for m, spec in mainjob.MODES.items() if spec.aggregator != "bmv2"]
 COMPRESSED = [m for m in MODES if m != "fp32"]
 WINDOW = 10
@@ -141,6 +143,7 @@ class _Forked:
 @pytest.fixture(scope="module")
 def train_mode():
     """``train_mode(name, brk=None)``: the main job's run of mode ``name`` (cached)."""
+    procs.fresh_server()   # its workers fork from a server of their own, as a job's would
     ctx = procs.context()
     real_launch = LoopbackTestbed._launch
     state = {"brk": None}
@@ -169,6 +172,7 @@ def train_mode():
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(LoopbackTestbed, "_launch", launch)
         yield run
+    procs.fresh_server()
 
 
 # -- the check -----------------------------------------------------------------------------------
