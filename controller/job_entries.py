@@ -17,7 +17,8 @@ besides its multicast group and routes (controller/jobs.py writes those).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import OrderedDict
+from dataclasses import dataclass, fields
 
 from thc.controller.job_checks import target_of
 from thc.controller.program import (ADDR_TABLE, JOB_TABLE, SET_JOB, SET_WORKER, SET_WORKER_ADDR,
@@ -64,9 +65,38 @@ def addr_entries(sw: Switch, job: Job, agg: AggAddress) -> list:
             for w in job.workers]
 
 
+LUT_KEPT = 4
+"""Jobs' lookup entry lists kept (a few MB each): one command writes, compares and deletes
+the same job's tens of thousands of entries several times (install, verify, re-install)."""
+_luts: OrderedDict = OrderedDict()
+
+
 def lut_entries(sw: Switch, job: Job, job_index: int, with_action: bool = True) -> list:
     """The job's lookup entries for the switch's target (serialized: see Switch.entry_bytes);
-    without action: their keys. BMv2 keys them on the job id, Tofino on the job's index."""
+    without action: their keys. BMv2 keys them on the job id, Tofino on the job's index.
+    Built once for a program, job (its workers aside: the target checks them every time)
+    and index, then taken from the last :data:`LUT_KEPT`."""
+    target = target_of(sw)
+    target.check_job(job)
+    key = (sw.program_digest(), job_index, with_action,
+           tuple(getattr(job, f.name) for f in fields(job) if f.name != "workers"))
+    got = _luts.get(key)
+    if got is None:
+        got = _luts[key] = tuple(build_lut_entries(sw, job, job_index, with_action))
+        while len(_luts) > LUT_KEPT:
+            _luts.popitem(last=False)
+    else:
+        _luts.move_to_end(key)
+    return list(got)
+
+
+def forget_lut_entries() -> None:
+    """Drop the kept lists: a benchmark times each command as a new controller process."""
+    _luts.clear()
+
+
+def build_lut_entries(sw: Switch, job: Job, job_index: int, with_action: bool = True) -> list:
+    """:func:`lut_entries` built afresh (what a new controller process pays)."""
     return target_of(sw).lut_entries(sw, job, job_index, with_action)
 
 

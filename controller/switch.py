@@ -16,6 +16,7 @@ every failure becomes a :class:`SwitchError` with the reason.
 from __future__ import annotations
 
 import functools
+import hashlib
 import threading
 from pathlib import Path
 from typing import Iterable, Iterator
@@ -213,6 +214,15 @@ class Switch:
     # -- P4Info -------------------------------------------------------------------------
     def has_table(self, name: str) -> bool:
         return name in self.tables
+
+    def program_digest(self) -> bytes:
+        """A digest of the loaded P4Info: what serialized entries depend on besides their
+        values (ids, widths, lanes), so that entries built for one switch serve another."""
+        got = self._cache.get("digest")
+        if got is None:
+            got = self._cache["digest"] = hashlib.blake2b(
+                self.p4info.SerializeToString(deterministic=True), digest_size=16).digest()
+        return got
 
     @property
     def lanes(self) -> int:

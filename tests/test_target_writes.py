@@ -388,6 +388,28 @@ def test_tofino_keeps_a_job_in_the_cpu_ports_pipe():
     assert sw.writes == []
 
 
+def test_kept_lookup_entries_are_those_of_the_program_job_and_index_asked_for():
+    """The controller keeps the lookup entries it built: each call still gives what a fresh
+    build gives for that program, job and index, and the Tofino's pipe check still runs for
+    a job whose entries are kept."""
+    job_entries.forget_lut_entries()
+    bm, tf = recording_switch(targets.get("bmv2")), recording_switch(targets.get("tofino"))
+    job = Job(job_id=9, workers=_workers(9, 2), table=TABLE, granularity=30, pool_size=8)
+    asks = [(job, 0, True), (job, 1, True), (job, 0, False),
+            (replace(job, table=tuple(range(16))), 0, True), (replace(job, job_id=10), 0, True),
+            (Job(job_id=9, workers=_workers(9, 12), table=TABLE, granularity=30, pool_size=8),
+             0, True)]
+    assert asks[-1][0].sum_bits == 16 != job.sum_bits
+    for sw in (bm, tf):
+        for ask in asks:
+            assert job_entries.lut_entries(sw, *ask) == job_entries.lut_entries(sw, *ask) \
+                == job_entries.build_lut_entries(sw, *ask)
+    assert job_entries.lut_entries(bm, job, 0) != job_entries.lut_entries(tf, job, 0)
+    away = replace(job, workers=(*job.workers[:1], replace(job.workers[1], switch_port=384)))
+    with pytest.raises(ConfigError, match="pipe 3"):
+        job_entries.lut_entries(tf, away, 0)
+
+
 @pytest.mark.parametrize("name", sorted(targets.TARGETS))
 def test_a_cluster_installed_again_is_left_alone(name):
     """A restarted controller compares what is installed with the cluster: on Tofino it read
