@@ -23,7 +23,8 @@ def _bench(tmp_path, *argv) -> dict:
 
 
 def test_bench_switch_figures_are_consistent(tmp_path):
-    res = _bench(tmp_path, "switch", "--quick", "--sum-bits", "8", "--workers", "2")
+    res = _bench(tmp_path, "switch", "--quick", "--duration", "0.4", "--sum-bits", "8",
+                 "--workers", "2")
     thc, l2 = res["thc"], res["l2"]
     assert res["thc_by_sum_bits"]["8"] == thc
     assert (thc["workers"], thc["sum_bits"], thc["lanes"]) == (2, 8, 256)
