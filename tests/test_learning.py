@@ -24,7 +24,9 @@ of the last epoch's evaluations) FP32 0.967, THC in each of its five modes 0.942
 Marsit 0.944, Marsit's vote 0.942; the mean loss of 10 steps falls from 2.30 to 0.06 (FP32),
 0.18 (THC), 0.09 (TopK), 0.25 and 0.20 (Marsit); THC with zeroed sums ends at 0.103, its loss
 rising to 3.7; THC with the sign flipped stops on a non-finite gradient within a second. Each
-mode takes 4-6 s, the file about 60 s (the fork server's start-up, 5 s, included).
+mode takes 4-8 s, the file 72 s alone on an idle 2-core VM (2026-11-30, ``pytest
+tests/test_learning.py``; the fork server's start-up included) and about twice that beside
+the rest of ``make test``.
 """
 from __future__ import annotations
 
