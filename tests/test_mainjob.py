@@ -15,8 +15,8 @@ from tests.procs import gloo_pair
 def test_main_job_runs_and_reports(tmp_path):
     out = subprocess.run(
         [sys.executable, "-m", "thc.cli", "run", "--loopback", "--epochs", "1",
-         "--data", "digits", "--batch", "32", "--evals", "2", "--workers", "2",
-         "--modes", "fp32,thc", "--out", str(tmp_path)],
+         "--data", "digits", "--train-subset", "512", "--batch", "32", "--evals", "2",
+         "--workers", "2", "--modes", "fp32,thc", "--out", str(tmp_path)],
         capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "loopback" in out.stdout + out.stderr, "the fallback must say so"
