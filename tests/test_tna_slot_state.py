@@ -17,6 +17,7 @@ if shutil.which("cpp") is None:
 from tests.tna.interleave import SEED, fuzz, idle_scenarios
 from tests.tna.interp import Program
 from tests.tna.p4text import P4SRC, Unsupported, preprocess
+from tests.tna.words import check_branch, round_statements
 
 pytestmark = pytest.mark.xdist_group("tna_slot_state")
 """One pytest-xdist process runs the module: its fuzz (``outcomes``) is computed once."""
@@ -115,7 +116,36 @@ BROKEN = {
     "the words before their lookups": (
         r'(#include "generated/thc_tna_luts_apply\.p4"\n)'
         r'(#include "generated/thc_tna_words_apply\.p4"\n)', r"\2\1"),
+    "the bridge header never made valid": (r"^        meta\.bridge\.setValid\(\);\n", ""),
+    "pass 0's port not bridged (replies to port 0)": (
+        r"^            meta\.bridge\.in_port = ig_intr_md\.ingress_port;\n", ""),
+    "replies' IPv4 length 8 bytes long": (
+        r"hdr\.ipv4\.totalLen = udp_len \+ 20;", "hdr.ipv4.totalLen = udp_len + 28;"),
+    "a drop on drop_ctl's bit 1, which TNA ignores": (
+        r"(thc_drops\.count\(\(bit<32>\)meta\.drop_reason\);\n\s*ig_dprsr_md\.drop_ctl = )1;",
+        r"\g<1>2;"),
 }
+"""Broken copies the comparison must catch: the program against the model, and what the
+reading itself requires of every pass (the bridge header valid, replies' lengths, the port
+pass 0 bridges, TNA's drop bit)."""
+UNREAD = {
+    "a statement in the adding passes' branch": (
+        r"(            thc_ack1_new\.apply\(\);\n)", r"\1            meta.p1.hdr_only = 1;\n"),
+    "a pass round that keeps the bridge header": (
+        r"(action thc_go_round_again\(.*\n(?:.*\n){2})        meta\.bridge\.setInvalid\(\);\n",
+        r"\1"),
+    "a pass round without the recirculation port": (
+        r"(action thc_go_round_again\(.*\n)        ig_tm_md\.ucast_egress_port = .*\n", r"\1"),
+    "the ingress deparser without the next pass's bridge": (
+        r"^        pkt\.emit\(meta\.p1\);.*\n", ""),
+    "metadata without @pa_auto_init_metadata": (r"^@pa_auto_init_metadata\n", ""),
+    "a replica's worker id its rid": (
+        r"\(bit<8>\)\(eg_intr_md\.egress_rid - 1\)", "(bit<8>)eg_intr_md.egress_rid"),
+    "egress keeping the bridge header on the wire": (
+        r"^            hdr\.bridge\.setInvalid\(\);\n", ""),
+}
+"""Broken copies whose difference lies where no reading here runs (the adding passes'
+other statements, the deparsers, egress): the reading refuses their text."""
 
 
 @pytest.mark.parametrize("name", sorted(BROKEN))
@@ -129,6 +159,16 @@ def test_the_check_catches_a_broken_program(name, outcomes):
     difference = idle_scenarios(broken) or fuzz(broken, SEED)[1]
     assert difference is not None and difference != outcomes[1], f"{name}: not caught"
     print(f"{name}: {difference}")
+
+
+@pytest.mark.parametrize("name", sorted(UNREAD))
+def test_the_reading_refuses_a_program_it_would_not_run_as_a_tofino_does(name):
+    pattern, repl = UNREAD[name]
+    text, k = re.subn(pattern, repl, (P4SRC / "thc_tna.p4").read_text(), flags=re.M)
+    assert k == 1, f"{name}: the pattern no longer matches the program"
+    with pytest.raises(AssertionError):
+        check_branch(text)
+        round_statements(text)
 
 
 def test_no_word_register_for_a_header_only_pass():

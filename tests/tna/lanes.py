@@ -84,6 +84,46 @@ def program_text(text: str | None = None) -> str:
     return text or (P4SRC / "thc_tna.p4").read_text()
 
 
+DEPARSE = ("pkt.emit(meta.bridge);", "pkt.emit(meta.p1);", "pkt.emit(hdr);")
+"""ThcIngressDeparser, all of it: pass 0's and the last pass's bridge header for egress, the
+next pass's, then the packet's headers in tna_headers_t's order."""
+HEADERS = ("ethernet", "ipv4", "udp", "thc", *EMIT)
+
+
+@lru_cache(maxsize=None)
+def check_deparser(text: str | None = None) -> None:
+    """The ingress deparser and the header struct as :data:`DEPARSE` and :data:`EMIT` read
+    them; and the annotation behind the interpreter's zeroed metadata."""
+    src = re.sub(r"//[^\n]*", "", program_text(text))
+    body = re.search(r"control ThcIngressDeparser\(.*?\) \{\s*apply \{(.*?)\}\s*\}", src, re.S)
+    assert body and body[1].split() == list(DEPARSE), \
+        f"ThcIngressDeparser changed: {body and body[1].split()}"
+    struct = re.search(r"struct tna_headers_t \{(.*?)\}", src, re.S)[1]
+    names = [line.split()[-1].rstrip(";") for line in struct.strip().splitlines()]
+    assert names == list(HEADERS), f"tna_headers_t's order changed: {names}"
+    assert re.search(r"^@pa_auto_init_metadata\s+struct metadata_t \{", src, re.M), \
+        "metadata_t lost @pa_auto_init_metadata: the interpreter starts its fields at 0"
+
+
+EGRESS_APPLY = ("if (hdr.dd[0].isValid()) { thc_dup_0(); thc_dup_1(); thc_dup_2(); } "
+                "if (hdr.bridge.recirc == 0) { if (hdr.bridge.is_reply == 1) { "
+                "if (eg_intr_md.egress_rid != 0) { "
+                "hdr.thc.worker_id = (bit<8>)(eg_intr_md.egress_rid - 1); } "
+                "thc_worker_addr.apply(); } hdr.bridge.setInvalid(); }")
+"""ThcEgress's apply block, which no reading here runs: tests/tna/pass0.py answers as it
+does (a replica's worker id its rid - 1, the worker's address from thc_worker_addr, the
+bridge header off the wire) and passes.py doubles as its thc_dup actions do; a change to
+it must change them too."""
+
+
+@lru_cache(maxsize=None)
+def check_egress(text: str | None = None) -> None:
+    src = re.sub(r"//[^\n]*", "", program_text(text))
+    body = src.split("control ThcEgress(", 1)[1].split("control ThcEgressDeparser(", 1)[0]
+    body = body.split("apply {", 1)[1].rsplit("}", 2)[0]
+    assert " ".join(body.split()) == EGRESS_APPLY, f"ThcEgress's apply changed: {body!r}"
+
+
 @lru_cache(maxsize=None)
 def constant(name: str) -> int:
     text = "".join((GEN / f).read_text() for f in ("thc_constants.p4", "thc_tna_constants.p4"))

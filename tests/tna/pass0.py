@@ -24,13 +24,15 @@ import numpy as np
 from tests.tna.interp import Machine, Program
 from tests.tna.passes import passes
 from tests.tna.words import Words
-from tests.tna.p4text import Unsupported, mask, preprocess
+from tests.tna.p4text import mask, preprocess
 from thc.controller import job_entries
 from thc.controller import program as names
 from thc.controller.frames import reset_frame, udp_frame
+from thc.controller.targets.tofino import PIPE_SHIFT
 from thc.wire import protocol as P
 
 UDP_HEADER_BYTES = 8
+IPV4_HEADER_BYTES = 20
 FRAME_HEADERS = 14 + 20 + UDP_HEADER_BYTES + P.HEADER_BYTES
 """Ethernet, IPv4, UDP and THC headers: where a frame's lanes start."""
 
@@ -136,23 +138,45 @@ class TnaEngine:
         f = self._pass(fields, port, tstamp)
         code = f.get("meta.drop_reason", 0)
         reason = P.DropReason(code).name if code else None
-        if f.get("ig_dprsr_md.drop_ctl", 0):
+        if f.get("ig_dprsr_md.drop_ctl", 0) & 1:   # TNA drops on bit 0 alone
             return [], reason, None
+        if "meta.bridge" not in f["valid"]:
+            raise AssertionError("pass 0 left its bridge header invalid: egress and the next "
+                                 "pass would read the packet's first bytes as it")
         if f.get("meta.bridge.recirc", 0):
+            self._to_recirculation(f, port)
             if f.get("meta.bridge.hdr_only", 0):
                 self._header_only(f)
-            return [], reason, lambda: self._round(f, frame, tstamp)
+            return [], reason, lambda: self._round(f, frame, tstamp, port)
         if f.get("meta.bridge.is_reply", 0):
+            if (f.get("ig_tm_md.ucast_egress_port", 0), f.get("ig_tm_md.mcast_grp_a", 0)) \
+                    != (port, 0):
+                raise AssertionError("pass 0 answers to another port than the sender's")
             return self._replies(f, [0], b""), reason, None
-        raise Unsupported("pass 0 neither dropped the packet, answered it nor sent it round")
+        raise AssertionError("pass 0 neither dropped the packet (drop_ctl's bit 0), answered "
+                             "it nor sent it round")
 
-    def _round(self, f: dict, frame: bytes, tstamp: int) -> list:
+    def _to_recirculation(self, f: dict, port: int) -> None:
+        """A pass going round leaves by its pipe's recirculation port, in queue 0."""
+        want = port & ~mask(PIPE_SHIFT) | self.p.consts["THC_TNA_RECIRC_PORT"][0]
+        got = (f.get("ig_tm_md.ucast_egress_port", 0), f.get("ig_tm_md.qid", 0),
+               f.get("ig_tm_md.mcast_grp_a", 0))
+        if got != (want, 0, 0):
+            raise AssertionError(f"a pass going round leaves by (port, queue, group) {got}, "
+                                 f"not ({want}, 0, 0)")
+
+    def _round(self, f: dict, frame: bytes, tstamp: int, port: int) -> list:
         """The passes after pass 0 (pass 1: the same headers, pass 0's bridge header as
         meta.p1), then the last pass's replies."""
         again = {k: v for k, v in f.items() if k.startswith("hdr.")}
         again.update({"meta.p1" + k[len("meta.bridge"):]: v for k, v in f.items()
                       if k.startswith("meta.bridge.")})
         f1 = self._pass(again, f["ig_tm_md.ucast_egress_port"], tstamp)
+        if "meta.bridge" not in f1["valid"]:
+            raise AssertionError("pass 1 left its bridge header invalid")
+        if f.get("meta.bridge.in_port", 0) != port:
+            raise AssertionError(f"pass 0 bridged in_port {f.get('meta.bridge.in_port', 0)}, "
+                                 f"the packet came in at {port}: a reply would go there")
         sent = b"" if f.get("meta.bridge.hdr_only", 0) else self._lanes(f, frame)
         if not f.get("meta.bridge.reply", 0):
             return []
@@ -172,9 +196,13 @@ class TnaEngine:
                 value = value << w | thc[name]
             if dest is not None:
                 reply = value.to_bytes(P.HEADER_BYTES, "big") + sent
-                if len(reply) != f.get("hdr.udp.length", 0) - UDP_HEADER_BYTES:
+                udp = f.get("hdr.udp.length", 0)
+                if len(reply) != udp - UDP_HEADER_BYTES:
                     raise AssertionError(f"a reply of {len(reply)} bytes in a UDP length of "
-                                         f"{f.get('hdr.udp.length', 0)}")
+                                         f"{udp}")
+                if f.get("hdr.ipv4.totalLen", 0) != udp + IPV4_HEADER_BYTES:
+                    raise AssertionError(f"a reply's IPv4 length {f.get('hdr.ipv4.totalLen')}"
+                                         f" around a UDP length of {udp}")
                 replies.append((reply, dest))
         return replies
 
@@ -194,6 +222,7 @@ class TnaEngine:
                               "ig_intr_md.ingress_mac_tstamp": tstamp})
         m.parse()
         m.run(self.p.apply)
+        m.f["valid"] = frozenset(m.valid)
         return m.f
 
     def _header_only(self, f: dict) -> None:

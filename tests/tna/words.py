@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from functools import lru_cache
 
-from tests.tna.lanes import GEN, program_text
+from tests.tna.lanes import GEN, check_deparser, check_egress, constant, program_text
 
 WORD_RAS = {
     "thc_sum_ra": ("if (op == THC_OP_WRITE) { value = r.w; } else { value = value + r.w; } "
@@ -20,7 +20,14 @@ WORD_RAS = {
     "thc_max": "if (op == THC_OP_WRITE || r.w > value) { value = r.w; } rv = value;",
 }
 """What each RegisterAction of a word does, as THC_WORD writes it."""
-BRANCH = (r'#include "generated/thc_tna_luts_apply\.p4"',
+SLOT_STATE = (r"thc_job_heard_op\.apply\(\);", r"thc_ack_slot\(\);", r"thc_detail_index\(\);",
+              r"thc_nonce_detail_op\.apply\(\);", r"thc_seq_detail_op\.apply\(\);",
+              r"thc_op_detail_op\.apply\(\);", r"thc_ack0_new\.apply\(\);",
+              r"thc_ack1_new\.apply\(\);")
+"""The adding passes' slot-state statements (p4text.PASS1, which tests/tna/interp.py runs),
+in the program's order."""
+BRANCH = (*SLOT_STATE,
+          r'#include "generated/thc_tna_luts_apply\.p4"',
           r'#include "generated/thc_tna_words_apply\.p4"',
           r"if \(meta\.p1\.payload != THC_PAY_MAX && meta\.p1\.hdr_only == 0\) \{\s*"
           r'#include "generated/thc_tna_res_valid\.p4"\s*\}',
@@ -29,27 +36,57 @@ BRANCH = (r'#include "generated/thc_tna_luts_apply\.p4"',
           r"else if \(meta\.p1\.reply == 1\) \{\s*thc_dscp_last\.apply\(\);\s*"
           r"meta\.bridge\.is_reply = 1;\s*if \(meta\.p1\.mcast_grp != 0\) \{\s*"
           r"ig_tm_md\.mcast_grp_a = meta\.p1\.mcast_grp;\s*\} else \{\s*"
-          r"ig_tm_md\.ucast_egress_port = meta\.p1\.in_port;\s*\}",
+          r"ig_tm_md\.ucast_egress_port = meta\.p1\.in_port;\s*\}\s*"
+          r"meta\.p1\.setInvalid\(\);\s*\}",
           r"else \{\s*meta\.p1\.setInvalid\(\);\s*ig_dprsr_md\.drop_ctl = 1;\s*\}")
-"""The adding passes' branch, in this order: lookups, words, this pass's sums made valid
-where it has sums, its indices dropped, the pass round; the last pass sends to pass 0's
-multicast group, or to the port pass 0 heard the packet on, or drops it (consumed).
-passes.passes and pass0.TnaEngine run it so."""
+"""The adding passes' branch, all of it, in this order: the slot state, lookups, words,
+this pass's sums made valid where it has sums, its indices dropped, the pass round; the
+last pass sends to pass 0's multicast group, or to the port pass 0 heard the packet on, or
+drops it (consumed). passes.passes and pass0.TnaEngine run it so; a statement anywhere
+else in it would run on a Tofino and not here, so the check refuses one."""
+INCLUDED = {
+    "thc_tna_luts_apply.p4": lambda words, octs: [f"thc_w{w:02d}_lut_{h}.apply();"
+                                                 for w in range(words) for h in (0, 1)],
+    "thc_tna_res_valid.p4": lambda words, octs: [f"hdr.res[{w}].setValid();"
+                                                for w in range(words)],
+    "thc_tna_cur_invalid.p4": lambda words, octs: [f"hdr.cur[{o}].setInvalid();"
+                                                  for o in range(octs)],
+}
+"""The generated files the branch includes, line by line (the words' applies: Words)."""
 
 
 def _flat(text: str) -> str:
     return re.sub(r"\s+", " ", text.replace("\\\n", "\n"))
 
 
+def uncommented(text: str) -> str:
+    return re.sub(r"//[^\n]*", "", text)
+
+
+def statements(name: str) -> list[str]:
+    """A generated file's lines, its comments and blank lines left out."""
+    return [line.strip() for line in uncommented((GEN / name).read_text()).splitlines()
+            if line.strip()]
+
+
 @lru_cache(maxsize=None)
 def check_branch(text: str | None = None) -> None:
-    body = program_text(text).split("if (meta.p1.isValid()) {", 1)[1]
+    body = uncommented(program_text(text)).split("if (meta.p1.isValid()) {", 1)[1]
     body = body.split("} else if (hdr.udp.isValid()", 1)[0]
     at = 0
     for part in BRANCH:
-        m = re.compile(part).search(body, at)
-        assert m, f"the adding passes' branch changed: {part!r} not after the step before"
+        at = re.compile(r"\s*").match(body, at).end()
+        m = re.compile(part).match(body, at)
+        assert m, (f"the adding passes' branch changed: {part!r} does not follow the step "
+                   f"before; there: {body[at:at + 120]!r}")
         at = m.end()
+    assert not body[at:].strip(), f"the adding passes' branch goes on: {body[at:at + 120]!r}"
+    words, octs = constant("THC_TNA_WORDS"), constant("THC_TNA_OCTS")
+    for name, want in INCLUDED.items():
+        assert sorted(statements(name)) == sorted(want(words, octs)), \
+            f"generated/{name} is not one statement a word or index block"
+    check_deparser(text)
+    check_egress(text)
 
 
 class Words:
@@ -65,10 +102,13 @@ class Words:
             assert got and got[1] == _flat(body), f"THC_WORD's {ra}: {got and got[1]}"
         sig = re.search(r"control NAME\((.*?)\) \{", flat)[1]
         params = [p.split()[-1] for p in sig.split(",")]
-        calls = re.findall(r"thc_w(\d+)\.apply\((.*?)\);",
-                           (GEN / "thc_tna_words_apply.p4").read_text())
+        calls = [re.fullmatch(r"thc_w(\d+)\.apply\((.*?)\);", line)
+                 for line in statements("thc_tna_words_apply.p4")]
+        assert all(calls), "generated/thc_tna_words_apply.p4 holds more than the words' applies"
+        assert sorted(int(c[1]) for c in calls) == list(range(constant("THC_TNA_WORDS"))), \
+            "every word applied once"
         self.args = {}
-        for j, args in calls:
+        for j, args in (c.groups() for c in calls):
             bound = dict(zip(params, [a.strip() for a in args.split(",")], strict=True))
             assert bound.pop("r") == f"hdr.res[{int(j)}]", "word NN adds result word NN"
             self.args[int(j)] = bound
@@ -120,20 +160,29 @@ class Words:
         return value
 
 
+ROUND_FIXED = ("ig_tm_md.ucast_egress_port = ig_intr_md.ingress_port[8:7] ++ THC_TNA_RECIRC_PORT;",
+               "ig_tm_md.qid = 0;", "meta.bridge.setInvalid();")
+"""What thc_go_round_again does besides the bridge fields: to its pipe's recirculation port,
+in queue 0, and only meta.p1 (the next pass's bridge) deparsed."""
+
+
 @lru_cache(maxsize=None)
 def round_statements(text: str | None = None) -> tuple[tuple, ...]:
     """thc_go_round_again's writes to the bridge: (field, hi, lo, source), source a
     parameter name, a number or a constant's name."""
     body = re.search(r"action thc_go_round_again\((.*?)\) \{(.*?)\n    \}", program_text(text),
                      re.S)
-    out = []
-    for line in body[2].strip().splitlines():
+    out, fixed = [], set()
+    for line in uncommented(body[2]).strip().splitlines():
         line = line.strip()
-        if line.startswith("ig_tm_md.") or line == "meta.bridge.setInvalid();":
+        if line in ROUND_FIXED:
+            assert line not in fixed, f"thc_go_round_again: {line!r} twice"
+            fixed.add(line)
             continue
         m = re.fullmatch(r"meta\.p1\.(\w+)(?:\[(\d+):(\d+)\])? = (\w+);", line)
         assert m, f"thc_go_round_again: {line!r}"
         out.append((m[1], m[2] and int(m[2]), m[3] and int(m[3]), m[4]))
+    assert fixed == set(ROUND_FIXED), f"thc_go_round_again lacks {set(ROUND_FIXED) - fixed}"
     return tuple(out)
 
 
