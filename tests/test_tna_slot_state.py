@@ -180,6 +180,21 @@ def test_no_word_register_for_a_header_only_pass():
     assert ops and "_" not in ops and "THC_OP_NONE" not in ops, ops
 
 
+@pytest.mark.parametrize("old,new", [
+    ("if (hdr.ipv4.isValid() && !meta.p1.isValid())", "if (hdr.ipv4.isValid() && meta.wide)"),
+    ("if (hdr.ipv4.isValid() && !meta.p1.isValid())", "if (hdr.ipv4.isValid() && !meta.wide)"),
+    ("meta.room8 = meta.n_workers |-| hdr.thc.worker_id;", "meta.room8 = meta.pool_size;"),
+    ("meta.jc1 = meta.job_index;", "meta.jc1 = meta.pool_size[23:16];"),
+])
+def test_what_p4c_refuses_is_refused(old, new):
+    """Types as p4c checks them (a Tofino compile comes after): a bit<1> is no bool, a wider
+    value needs a cast, a slice stays within its field; read loosely, each would run here."""
+    text = (P4SRC / "thc_tna.p4").read_text()
+    assert old in text
+    with pytest.raises(Unsupported):
+        idle_scenarios(Program(preprocess(text.replace(old, new, 1)), raw=text))
+
+
 def test_an_unknown_construct_is_named():
     text = (P4SRC / "thc_tna.p4").read_text().replace(
         "thc_count_op.apply();", "switch (thc_count_op.apply().action_run) { default: {} }", 1)

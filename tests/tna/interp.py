@@ -191,14 +191,17 @@ class Machine:
         if kind == "path":
             return self.read(e[1])
         if kind == "slice":
-            return (self.eval(e[1])[0] >> e[3] & mask(e[2] - e[3] + 1), e[2] - e[3] + 1, False)
+            v = self.eval(e[1])
+            if isinstance(v, bool) or v[1] is None or not v[1] > e[2] >= e[3] >= 0:
+                raise Unsupported(f"slice [{e[2]}:{e[3]}] of {v!r}")
+            return (v[0] >> e[3] & mask(e[2] - e[3] + 1), e[2] - e[3] + 1, False)
         if kind == "cast":
             (width, sign), v = self.p.resolve(e[1]), self.eval(e[2])
             return ((int(v) if isinstance(v, bool) else v[0]) & mask(width), width, sign)
         if kind == "un":
             v = self.eval(e[2])
             if e[1] == "!":
-                return not v
+                return not self.boolean(v, "!")
             if v[1] is None:
                 raise Unsupported(f"{e[1]} of an unsized literal")
             return ((~v[0] if e[1] == "~" else -v[0]) & mask(v[1]), v[1], v[2])
@@ -213,8 +216,9 @@ class Machine:
 
     def binary(self, op: str, a, b):
         if op in ("&&", "||"):
-            x = self.eval(a)
-            return (x and self.eval(b)) if op == "&&" else (x or self.eval(b))
+            x = self.boolean(self.eval(a), op)
+            return (x and self.boolean(self.eval(b), op)) if op == "&&" else \
+                (x or self.boolean(self.eval(b), op))
         x, y = self.eval(a), self.eval(b)
         if isinstance(x, bool) or isinstance(y, bool):
             raise Unsupported(f"{op} of a bool")
@@ -233,6 +237,13 @@ class Machine:
             return COMPARE[op](signed(xv, w), signed(yv, w)) if sign else COMPARE[op](xv, yv)
         v = ARITH[op](xv, yv)
         return (v & mask(w) if w else v, w, sign)
+
+    @staticmethod
+    def boolean(v, op: str) -> bool:
+        """P4 has no truthiness: p4c refuses a bit<n> where a bool goes."""
+        if not isinstance(v, bool):
+            raise Unsupported(f"{op} of {v!r}, not a bool")
+        return v
 
     def slot(self, path: str):
         """(container, key, width, signed) of a field, a local, or a local struct's field."""
@@ -255,6 +266,9 @@ class Machine:
         if lhs[0] != "path":
             raise Unsupported(f"assignment to {lhs!r}")
         c, k, w, _ = self.slot(lhs[1])
+        if not isinstance(value, bool) and value[1] is not None and \
+                value[1] != (w if hi is None else hi - lo + 1):
+            raise Unsupported(f"{lhs[1]} = a bit<{value[1]}> value: p4c wants a cast")
         v = int(value) if isinstance(value, bool) else value[0]
         if hi is not None:
             m = mask(hi - lo + 1) << lo
