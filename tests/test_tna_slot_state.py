@@ -143,6 +143,16 @@ UNREAD = {
         r"\(bit<8>\)\(eg_intr_md\.egress_rid - 1\)", "(bit<8>)eg_intr_md.egress_rid"),
     "egress keeping the bridge header on the wire": (
         r"^            hdr\.bridge\.setInvalid\(\);\n", ""),
+    "a header-only pass clearing the words (thc_word_op's default)": (
+        r"const default_action = NoAction;( +\\\n +size = 16;)",
+        r"const default_action = thc_word_clear;\1"),
+    "a word applied only when not blank": (
+        r"^        thc_word_op\.apply\(\);", "        if (blank == 0) { thc_word_op.apply(); }"),
+    "the doubling's halves swapped": (r"    bit<16> hi;\n    bit<16> lo;\n",
+                                      "    bit<16> lo;\n    bit<16> hi;\n"),
+    "a pass round in its packet's queue": (
+        r"(action thc_recirculate\(\) \{\n.*\n)        ig_tm_md\.qid = 0;\n", r"\1"),
+    "no retransmission entry for worker 12 (the fuzz runs 5)": (r"THC_DUP\(12\) ", ""),
 }
 """Broken copies whose difference lies where no reading here runs (the adding passes'
 other statements, the deparsers, egress): the reading refuses their text."""

@@ -11,6 +11,7 @@ import re
 from functools import lru_cache
 
 from tests.tna.lanes import GEN, check_deparser, check_egress, constant, program_text
+from thc.controller.targets import tofino
 
 WORD_RAS = {
     "thc_sum_ra": ("if (op == THC_OP_WRITE) { value = r.w; } else { value = value + r.w; } "
@@ -87,6 +88,48 @@ def check_branch(text: str | None = None) -> None:
             f"generated/{name} is not one statement a word or index block"
     check_deparser(text)
     check_egress(text)
+    check_unread(text)
+
+
+def check_unread(text: str | None = None) -> None:
+    """The parts the reading takes as given, held to their text: each word's operation table
+    does nothing by default and is all its control applies; the adding passes' parser state
+    is picked by (payload, width, step) of the pass's own bridge; the lane headers' fields
+    as lanes.FIELDS places them; every lookup keyed on the job's lookup index (NO_LUT for a
+    MAX); a pass round in queue 0; one entry a worker count, worker and pool size in the
+    slot state's tables (the fuzz runs at most 5 workers and pools up to 4); and the ports
+    the controller names (CPU, recirculation)."""
+    src = uncommented(program_text(text))
+    macro = _flat(src.split("#define THC_WORD(", 1)[1].split("#undef THC_WORD", 1)[0])
+    word_op = re.search(r"table thc_word_op \{(.*?) const entries", macro)[1]
+    tail = macro.split("table thc_word_op", 1)[1].split("const entries", 1)[1]
+    assert "default_action" not in word_op and re.match(
+        r" = \{[^}]*\} const default_action = NoAction; size = \d+; \}", tail), \
+        "thc_word_op's default action is no longer NoAction"
+    assert re.search(r"apply \{ thc_word_op\.apply\(\); \} \}", macro), \
+        "THC_WORD's apply is more than thc_word_op"
+    parse = uncommented((GEN / "thc_tna_parse.p4").read_text())
+    assert "state parse_lanes {\n        transition select(meta.p1.payload, meta.p1.wide, " \
+        "meta.p1.step) {" in parse, "parse_lanes' keys changed"
+    for header, fields in (("thc_oct_h", "bit<32> idx;"), ("thc_word_h", "bit<32> w;"),
+                           ("thc_dup_h", "bit<16> hi; bit<16> lo;")):
+        body = re.search(rf"header {header} \{{(.*?)\}}", src, re.S)[1]
+        assert " ".join(body.split()) == fields, f"{header} changed: {body!r}"
+    keys = re.findall(r"key = \{ (\S+): exact", (GEN / "thc_tna_luts.p4").read_text())
+    assert keys and set(keys) == {"meta.p1.lut_job"}, f"lookup keys {set(keys)}"
+    for action in ("thc_recirculate", "thc_answer_round"):
+        body = re.search(rf"action {action}\(\) \{{(.*?)\}}", src, re.S)[1]
+        assert "ig_tm_md.qid = 0;" in body and "++ THC_TNA_RECIRC_PORT;" in body, \
+            f"{action} no longer sends the pass round in queue 0"
+    for macro_name, want in (("THC_FULL", range(1, tofino.CLOSED_BIT + 1)),
+                             ("THC_DUP", range(tofino.CLOSED_BIT)),
+                             ("THC_POOL", [1 << k for k in range(10)])):
+        got = sorted(int(n) for n in re.findall(rf"\b{macro_name}\((\d+)\)", src))
+        assert got == list(want), f"{macro_name} entries for {got}"
+    ports = {m[1]: int(m[2]) for m in re.finditer(
+        r"const bit<\d+> THC_TNA_(\w+)_PORT = (\d+);", (GEN / "thc_tna_constants.p4").read_text())}
+    assert (ports["CPU"], ports["RECIRC"] >> 3 << 3) == (tofino.CPU_PORT, tofino.FRONT_PANEL), \
+        f"the program's ports {ports} are not the controller's (CPU port, 64-71)"
 
 
 class Words:
