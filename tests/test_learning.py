@@ -31,10 +31,12 @@ the rest of ``make test``.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import os
 import statistics
 import subprocess
 import sys
+import traceback
 import types
 
 import pytest
@@ -110,16 +112,24 @@ def _rank_main(argv: list[str], env: dict, out: str, err: str, brk: str | None) 
         f = os.open(path, os.O_WRONLY | os.O_APPEND)
         os.dup2(f, fd)
         os.close(f)
+    # a worker still alive 200 s on (the main job kills it at 240 s) writes every thread's
+    # stack to its stderr, which the main job's error quotes
+    faulthandler.dump_traceback_later(200, exit=False)
     if brk is not None:
         BREAKS[brk]()
     from thc.app import train
     try:
         rc = train.main(argv)
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-    if rc:
-        raise SystemExit(rc)
+    except SystemExit as e:
+        rc = e.code if isinstance(e.code, int) else 1
+    except BaseException:
+        traceback.print_exc()
+        rc = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # done: leave without the interpreter's exit (joining threads libraries started), as the
+    # exec'd worker's process ends once its rows are written
+    os._exit(rc)
 
 
 class _Forked:
