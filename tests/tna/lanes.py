@@ -84,6 +84,11 @@ def program_text(text: str | None = None) -> str:
     return text or (P4SRC / "thc_tna.p4").read_text()
 
 
+def uncommented(text: str) -> str:
+    """P4 text without its // comments."""
+    return re.sub(r"//[^\n]*", "", text)
+
+
 DEPARSE = ("pkt.emit(meta.bridge);", "pkt.emit(meta.p1);", "pkt.emit(hdr);")
 """ThcIngressDeparser, all of it: pass 0's and the last pass's bridge header for egress, the
 next pass's, then the packet's headers in tna_headers_t's order."""
@@ -94,7 +99,7 @@ HEADERS = ("ethernet", "ipv4", "udp", "thc", *EMIT)
 def check_deparser(text: str | None = None) -> None:
     """The ingress deparser and the header struct as :data:`DEPARSE` and :data:`EMIT` read
     them; and the annotation behind the interpreter's zeroed metadata."""
-    src = re.sub(r"//[^\n]*", "", program_text(text))
+    src = uncommented(program_text(text))
     body = re.search(r"control ThcIngressDeparser\(.*?\) \{\s*apply \{(.*?)\}\s*\}", src, re.S)
     assert body and body[1].split() == list(DEPARSE), \
         f"ThcIngressDeparser changed: {body and body[1].split()}"
@@ -118,7 +123,7 @@ it must change them too."""
 
 @lru_cache(maxsize=None)
 def check_egress(text: str | None = None) -> None:
-    src = re.sub(r"//[^\n]*", "", program_text(text))
+    src = uncommented(program_text(text))
     body = src.split("control ThcEgress(", 1)[1].split("control ThcEgressDeparser(", 1)[0]
     body = body.split("apply {", 1)[1].rsplit("}", 2)[0]
     assert " ".join(body.split()) == EGRESS_APPLY, f"ThcEgress's apply changed: {body!r}"

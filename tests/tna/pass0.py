@@ -33,7 +33,7 @@ from thc.wire import protocol as P
 
 UDP_HEADER_BYTES = 8
 IPV4_HEADER_BYTES = 20
-FRAME_HEADERS = 14 + 20 + UDP_HEADER_BYTES + P.HEADER_BYTES
+FRAME_HEADERS = 14 + IPV4_HEADER_BYTES + UDP_HEADER_BYTES + P.HEADER_BYTES
 """Ethernet, IPv4, UDP and THC headers: where a frame's lanes start."""
 
 AGG_MAC, AGG_IP = "02:00:00:00:00:fe", "10.0.0.254"

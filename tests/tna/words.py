@@ -10,7 +10,9 @@ from __future__ import annotations
 import re
 from functools import lru_cache
 
-from tests.tna.lanes import GEN, check_deparser, check_egress, constant, program_text
+from tests.tna.lanes import (GEN, check_deparser, check_egress, constant, program_text,
+                             uncommented)
+from tests.tna.p4text import PASS1
 from thc.controller.targets import tofino
 
 WORD_RAS = {
@@ -21,10 +23,11 @@ WORD_RAS = {
     "thc_max": "if (op == THC_OP_WRITE || r.w > value) { value = r.w; } rv = value;",
 }
 """What each RegisterAction of a word does, as THC_WORD writes it."""
-SLOT_STATE = (r"thc_job_heard_op\.apply\(\);", r"thc_ack_slot\(\);", r"thc_detail_index\(\);",
-              r"thc_nonce_detail_op\.apply\(\);", r"thc_seq_detail_op\.apply\(\);",
-              r"thc_op_detail_op\.apply\(\);", r"thc_ack0_new\.apply\(\);",
-              r"thc_ack1_new\.apply\(\);")
+SLOT_ORDER = ("thc_job_heard_op.apply();", "thc_ack_slot();", "thc_detail_index();",
+              "thc_nonce_detail_op.apply();", "thc_seq_detail_op.apply();",
+              "thc_op_detail_op.apply();", "thc_ack0_new.apply();", "thc_ack1_new.apply();")
+assert {s.split("(")[0].removesuffix(".apply") for s in SLOT_ORDER} == set(PASS1)
+SLOT_STATE = tuple(re.escape(s) for s in SLOT_ORDER)
 """The adding passes' slot-state statements (p4text.PASS1, which tests/tna/interp.py runs),
 in the program's order."""
 BRANCH = (*SLOT_STATE,
@@ -58,10 +61,6 @@ INCLUDED = {
 
 def _flat(text: str) -> str:
     return re.sub(r"\s+", " ", text.replace("\\\n", "\n"))
-
-
-def uncommented(text: str) -> str:
-    return re.sub(r"//[^\n]*", "", text)
 
 
 def statements(name: str) -> list[str]:
