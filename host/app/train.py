@@ -197,17 +197,37 @@ def _out_of_time(deadline: float | None) -> bool:
 def train(args) -> list[dict]:
     """Train, evaluating ``args.evals`` times per epoch; rank 0 prints JSON lines.
 
+    The process group outlives the model's DDP wrapper: DDP's reducer holds the group from
+    C++ and frees it with the GIL held, and Gloo's destructor joins worker threads that may
+    need the GIL to drop the Python objects of their last work, a deadlock at the end of the
+    run. With the wrapper gone first, the group's last reference is the registry's, which
+    :func:`torch.distributed.destroy_process_group` drops with the GIL released.
+    """
+    import gc
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    worker.init_group(args, timeout=_group_timeout(args.stop_at))
+    history = _train_model(args)
+    gc.collect()   # a cycle through a hook would keep the wrapper, and its reducer, alive
+    dist.barrier()
+    dist.destroy_process_group()
+    return history
+
+
+def _train_model(args) -> list[dict]:
+    """The training loop of :func:`train`, whose DDP wrapper ends with it.
+
     ``seconds`` in a row is training time: evaluation time is left out, so time-to-accuracy
     compares the gradient exchanges, not how often the test set was scored.
     """
     import numpy as np
     import torch
-    import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    torch.set_num_threads(args.threads)
-    torch.manual_seed(args.seed)
-    worker.init_group(args, timeout=_group_timeout(args.stop_at))
     ds = datasets.load(args.data, args.seed, settings.current())
     xtr, ytr, xte, yte = _tensors(ds, args.train_subset)
     model = make_model(xtr.shape[-1], args.width, ds.classes)
@@ -296,8 +316,6 @@ def train(args) -> list[dict]:
                 break
         if last:
             break
-    dist.barrier()
-    dist.destroy_process_group()
     return history
 
 

@@ -1,0 +1,34 @@
+"""The training worker's end: no DDP wrapper is left when the process group is destroyed.
+
+DDP's reducer holds the group from C++ and frees it with the GIL held; Gloo's destructor then
+joins worker threads that may need the GIL, and the worker hangs after its last row (seen
+as a rank that trained every step and never exited). A structural check, since the race
+itself strikes a run in dozens."""
+from __future__ import annotations
+
+import gc
+
+import pytest
+
+
+@pytest.mark.parametrize("mode", ["fp16", "thc-dist"])
+def test_no_ddp_wrapper_outlives_the_training_loop(mode, monkeypatch):
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from thc.app import train
+    from thc.testing.clusters import free_tcp_port
+
+    alive = []
+    destroy = dist.destroy_process_group
+
+    def checked(*a, **k):
+        alive.append(sum(isinstance(o, DDP) for o in gc.get_objects()))
+        return destroy(*a, **k)
+
+    monkeypatch.setattr(dist, "destroy_process_group", checked)
+    rc = train.main(["--mode", mode, "--rank", "0", "--world", "1",
+                     "--master", f"127.0.0.1:{free_tcp_port()}", "--data", "digits",
+                     "--train-subset", "64", "--batch", "32", "--epochs", "1", "--evals", "1"])
+    assert rc == 0 and alive == [0]
+    assert not dist.is_initialized()
