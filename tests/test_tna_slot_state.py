@@ -124,6 +124,14 @@ BROKEN = {
     "a drop on drop_ctl's bit 1, which TNA ignores": (
         r"(thc_drops\.count\(\(bit<32>\)meta\.drop_reason\);\n\s*ig_dprsr_md\.drop_ctl = )1;",
         r"\g<1>2;"),
+    "a use told by its offset's low 24 bits": (
+        r"meta\.use_key = hdr\.thc\.offset;", "meta.use_key = 8w0 ++ hdr.thc.offset[23:0];"),
+    "per-worker registers indexed by the worker id's low 4 bits": (
+        r"(thc_worker_hash\.get\(\{meta\.job_index\[3:0\], )hdr\.thc\.worker_id\[4:0\]",
+        r"\g<1>1w0 ++ hdr.thc.worker_id[3:0]"),
+    "slot registers indexed by the slot's low 8 bits": (
+        r"thc_reg_hash\.get\(\{meta\.slot_idx\[9:0\]",
+        "thc_reg_hash.get({2w0 ++ meta.slot_idx[7:0]"),
 }
 """Broken copies the comparison must catch: the program against the model, and what the
 reading itself requires of every pass (the bridge header valid, replies' lengths, the port

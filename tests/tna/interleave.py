@@ -3,7 +3,8 @@
 
 tests/tna/pass0.py executes the Tofino program's text (its pass 0, and pass 1's slot-state
 tables); here seeded random interleavings drive it and host/wire/model.py side by side:
-1-5 workers, pools of 1, 2 and 4, honest workers with a window of the pool (one of them
+1-5 workers, pools of 1, 2 and 4 (every tenth interleaving wide: 17-31 workers, or a pool of
+256 or 512 slots), honest workers with a window of the pool (one of them
 often a straggler, results lost at random), FLUSHes that close chunks short (so that new
 uses are held), duplicates, wrong offsets and ops, seqs far ahead and stale, restarted
 workers under the same run, run changes within the jump bound, stale and far runs, idle
@@ -122,16 +123,22 @@ def normalize(outcome) -> tuple:
 class Interleaving:
     """One random job and packet sequence on a fresh model and a fresh TNA engine."""
 
-    def __init__(self, prog: Program, rng: random.Random, stats: Counter, delay: int = 0):
+    def __init__(self, prog: Program, rng: random.Random, stats: Counter, delay: int = 0,
+                 wide: str | None = None):
         self.rng, self.stats, self.delay = rng, stats, delay
         self.answered: set[tuple[int, int]] = set()
         """(run, seq) of the chunks a RESULT answered (late passes)."""
         self.n, self.pool = rng.randint(1, 5), rng.choice((1, 2, 4))
+        if wide == "workers":   # worker ids past 4 bits in the per-worker registers' index
+            self.n = rng.randint(17, P.MAX_WORKERS - 1)
         self.base, self.loss = rng.choice((0, M - 3)), rng.choice((0.0, 0.2, 0.5))
         self.weights = [1.0] * self.n
         if self.n > 1 and rng.random() < 0.7:
             self.weights[rng.randrange(self.n)] = 0.15   # a straggler
         pool_base = rng.choice((0, 8, 64))
+        if wide == "slots":     # slot indices past 8 bits, 256 apart in a pool of 512
+            self.pool = rng.choice((P.SWITCH_SLOTS // 2, P.SWITCH_SLOTS))
+            pool_base = P.SWITCH_SLOTS - self.pool
         sum_bits = rng.choice((0, 16))             # 0: the narrowest, 8 bits here
         self.config = (f"{self.n} workers, pool {self.pool} at {pool_base}, base {self.base}, "
                        f"loss {self.loss}, weights {self.weights}, sum_bits {sum_bits}")
@@ -187,7 +194,8 @@ class Interleaving:
         rng, pool, run = self.rng, self.pool, self.run
         what = rng.randrange(11)
         if what == 0:
-            self.send(kind, w, seq, offset=(offset_of(seq) + P.LANES) % (1 << 31))
+            wrong = P.LANES if seq % 2 else 1 << 24   # the next chunk's, or past 24 bits
+            self.send(kind, w, seq, offset=(offset_of(seq) + wrong) % (1 << 31))
         elif what == 1:
             self.send(rng.choice(["FLUSH", "MAX"] if kind == "DATA" else ["DATA", "FLUSH"]), w, seq)
         elif what == 2:
@@ -327,6 +335,14 @@ class Interleaving:
             raise Difference(f"job counters: model {jobs}, TNA {got} (cells {tna})")
 
 
+def wide_case(case: int) -> str | None:
+    """Every tenth interleaving is wide: 17 or more workers, or a pool of 256 or 512 slots,
+    in turn (the others' workers, pools and pool bases fit in 5, 4 and 64)."""
+    if case % 10 != 9:
+        return None
+    return ("workers", "slots")[case // 10 % 2]
+
+
 def fuzz(prog: Program, seed: int, cases: int = CASES, steps: int = STEPS, first: int = 0,
          stats: Counter | None = None, delay: int = 0):
     """(outcome counts, the first difference or None) over interleavings ``first`` to
@@ -334,7 +350,8 @@ def fuzz(prog: Program, seed: int, cases: int = CASES, steps: int = STEPS, first
     that many later packets' pass 0, and only its sums are checked (oracle.py)."""
     stats = Counter() if stats is None else stats
     for case in range(first, first + cases):
-        il = Interleaving(prog, random.Random(seed * 1_000_003 + case), stats, delay)
+        il = Interleaving(prog, random.Random(seed * 1_000_003 + case), stats, delay,
+                          wide_case(case))
         try:
             for _ in range(steps):
                 il.step()
