@@ -47,7 +47,8 @@ from thc.emu.procs import WorkerError
 from thc.emu.testbed import LoopbackTestbed
 from tests import procs
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("learning")]
+"""One process runs the file: the FP32 baseline every mode is held to is trained once."""
 
 MAIN_JOB_ARGS = ["--loopback", "--workers", "2", "--data", "digits", "--width", "32",
                  "--batch", "16", "--epochs", "4", "--evals", "4", "--timeout", "240"]

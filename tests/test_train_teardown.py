@@ -6,29 +6,36 @@ as a rank that trained every step and never exited). A structural check, since t
 itself strikes a run in dozens."""
 from __future__ import annotations
 
-import gc
+import weakref
 
 import pytest
 
 
 @pytest.mark.parametrize("mode", ["fp16", "thc-dist"])
 def test_no_ddp_wrapper_outlives_the_training_loop(mode, monkeypatch):
+    """The wrappers counted are the run's own: other tests in the process may leave theirs."""
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from thc.app import train
     from thc.testing.clusters import free_tcp_port
 
-    alive = []
-    destroy = dist.destroy_process_group
+    made, built, alive = weakref.WeakSet(), [], []
+    init, destroy = DDP.__init__, dist.destroy_process_group
+
+    def recorded(self, *a, **k):
+        made.add(self)
+        built.append(type(self).__name__)
+        init(self, *a, **k)
 
     def checked(*a, **k):
-        alive.append(sum(isinstance(o, DDP) for o in gc.get_objects()))
+        alive.append(len(made))
         return destroy(*a, **k)
 
+    monkeypatch.setattr(DDP, "__init__", recorded)
     monkeypatch.setattr(dist, "destroy_process_group", checked)
     rc = train.main(["--mode", mode, "--rank", "0", "--world", "1",
                      "--master", f"127.0.0.1:{free_tcp_port()}", "--data", "digits",
                      "--train-subset", "64", "--batch", "32", "--epochs", "1", "--evals", "1"])
-    assert rc == 0 and alive == [0]
+    assert rc == 0 and built == ["DistributedDataParallel"] and alive == [0]
     assert not dist.is_initialized()
