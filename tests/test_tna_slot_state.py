@@ -14,7 +14,7 @@ if shutil.which("cpp") is None:
     pytest.skip("cpp (the C preprocessor) is not installed: reading thc_tna.p4 needs it for "
                 "its #includes and macros", allow_module_level=True)
 
-from tests.tna.interleave import SEED, fuzz, idle_scenarios
+from tests.tna.interleave import SEED, fuzz, idle_scenarios, payload_scenarios
 from tests.tna.interp import Program
 from tests.tna.p4text import P4SRC, Unsupported, preprocess
 from tests.tna.words import check_branch, round_statements
@@ -30,6 +30,11 @@ def program() -> Program:
 
 def test_the_idle_clock_as_the_model(program):
     difference = idle_scenarios(program)
+    assert difference is None, difference
+
+
+def test_every_payload_size_to_every_kind_of_job_as_the_model(program):
+    difference = payload_scenarios(program)
     assert difference is None, difference
 
 
@@ -124,6 +129,8 @@ BROKEN = {
     "a drop on drop_ctl's bit 1, which TNA ignores": (
         r"(thc_drops\.count\(\(bit<32>\)meta\.drop_reason\);\n\s*ig_dprsr_md\.drop_ctl = )1;",
         r"\g<1>2;"),
+    "a vote job's DATA taking a THC job's indices": (
+        r"^ *\(0, 1, THC_DATA, 1, THC_IN_IDX, .*\n.*\n", ""),
     "a use told by its offset's low 24 bits": (
         r"meta\.use_key = hdr\.thc\.offset;", "meta.use_key = 8w0 ++ hdr.thc.offset[23:0];"),
     "per-worker registers indexed by the worker id's low 4 bits": (
@@ -174,7 +181,8 @@ def test_the_check_catches_a_broken_program(name, outcomes):
     text, k = re.subn(pattern, repl, (P4SRC / "thc_tna.p4").read_text(), flags=re.M)
     assert k == 1, f"{name}: the pattern no longer matches the program"
     broken = Program(preprocess(text), raw=text)
-    difference = idle_scenarios(broken) or fuzz(broken, SEED)[1]
+    difference = (idle_scenarios(broken) or payload_scenarios(broken)
+                  or fuzz(broken, SEED)[1])
     assert difference is not None and difference != outcomes[1], f"{name}: not caught"
     print(f"{name}: {difference}")
 

@@ -33,7 +33,7 @@ docs/switch.md describes are not exercised by the comparison; with ``--delay`` t
 later and an oracle checks the sums alone (tests/tna/oracle.py).
 Also not generated: offsets of 2^31 or more (the TNA takes 31-bit offsets, bit 31 tells a
 MAX use, and refuses larger ones as malformed), shards, truncated headers, vote jobs (their
-lanes: tests/test_tna_vote.py).
+payload sizes: :func:`payload_scenarios`; their lanes: tests/test_tna_vote.py).
 """
 from __future__ import annotations
 
@@ -414,6 +414,36 @@ def idle_scenarios(prog: Program) -> str | None:
     return None
 
 
+def payload_scenarios(prog: Program) -> str | None:
+    """The first packet that the program answers unlike the model, or None, of DATA, MAX and
+    FLUSH packets carrying every payload size a packet type has (none, a vote job's signs,
+    a THC job's indices, MAX lanes) to a THC job of 8- and of 16-bit sums and to a vote
+    job: the interleavings send a vote job's payload only to THC jobs."""
+    sizes = sorted({0, P.payload_bytes(T["MAX"])} | {
+        P.payload_bytes(T["DATA"], aggregation=a) for a in P.AGGREGATIONS})
+    workers = make_job(2, 4).workers
+    for job in (make_job(2, 4), make_job(2, 4, sum_bits=16),
+                Job.vote(JOB_ID, workers, pool_size=4).validate()):
+        model, tna, seq = Model(), TnaEngine(prog), 0
+        model.install(job, job.new_epoch(nonce=5))
+        tna.install(job, job.new_epoch(nonce=5), now=1000.0)
+        for kind in ("DATA", "MAX", "FLUSH"):
+            for size in sizes:
+                s, v = P.slot_of(seq, job.pool_size)
+                d = P.Header(T[kind], 0, JOB_ID, s, v, 0, seq, offset_of(seq), 0, FIRST_RUN,
+                             nonce_of(0, FIRST_RUN)).pack() + bytes(size)
+                at = f"{job.aggregation} job of {job.sum_bits}-bit sums: {describe(d, addr(0))}"
+                want = normalize(model.handle(d, addr(0), 1000.0))
+                try:
+                    got = normalize(tna.handle(d, addr(0), 1000.0))
+                except AssertionError as e:   # the TNA's own reply contradicts itself
+                    return f"{at}\n  TNA: {e}"
+                if want != got:
+                    return f"{at}\n  model: {want}\n  TNA: {got}"
+                seq += 1
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     """``python -m tests.tna.interleave`` (``make fuzz``): a long run, its outcome counts and
     the first difference."""
@@ -426,7 +456,7 @@ def main(argv: list[str] | None = None) -> int:
                          "check only the sums")
     args = ap.parse_args(argv)
     prog, stats = Program(preprocess()), Counter()
-    difference = None if args.delay else idle_scenarios(prog)
+    difference = None if args.delay else idle_scenarios(prog) or payload_scenarios(prog)
     for first in range(0, args.cases, 100):
         if difference:
             break
