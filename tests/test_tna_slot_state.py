@@ -131,6 +131,11 @@ BROKEN = {
         r"\g<1>2;"),
     "a vote job's DATA taking a THC job's indices": (
         r"^ *\(0, 1, THC_DATA, 1, THC_IN_IDX, .*\n.*\n", ""),
+    "pass 1's parser without the UDP header": (
+        r"(    state parse_pass \{\n(?:.*\n){3})        pkt\.extract\(hdr\.udp\);\n", r"\1"),
+    "pass 1's parser reading its bridge header after Ethernet": (
+        r"        pkt\.extract\(meta\.p1\);\n        pkt\.extract\(hdr\.ethernet\);\n",
+        "        pkt.extract(hdr.ethernet);\n        pkt.extract(meta.p1);\n"),
     "a use told by its offset's low 24 bits": (
         r"meta\.use_key = hdr\.thc\.offset;", "meta.use_key = 8w0 ++ hdr.thc.offset[23:0];"),
     "per-worker registers indexed by the worker id's low 4 bits": (

@@ -159,6 +159,18 @@ class Program:
             return (self.typedefs[typ], False)
         raise Unsupported(f"type {typ}")
 
+    def layout(self, path: str) -> list[tuple[str, int]]:
+        """The fields of the header at ``path`` (``hdr.udp``, ``meta.p1``) with their widths,
+        in packet order."""
+        parts = path.split(".")
+        typ = self.roots.get(parts[0])
+        for part in parts[1:]:
+            typ = self.structs.get(typ, {}).get(part)
+        fields = self.structs.get(typ) if isinstance(typ, str) else None
+        if not fields or not all(isinstance(w, int) for w in fields.values()):
+            raise Unsupported(f"{path} is not a header")
+        return [(f"{path}.{k}", w) for k, w in fields.items()]
+
     def width(self, path: str) -> int:
         if path not in self.widths:
             parts = re.sub(r"\[\d+\]", "", path).split(".")
@@ -181,6 +193,10 @@ class Machine:
         self.p, self.regs, self.counters, self.installed = prog, regs, counters, installed
         self.f: dict[str, int] = {}
         self.valid: set[str] = set()
+        self.packet: bytes | None = None
+        """The bytes the parser extracts headers from (the intrinsic metadata and the lane
+        stacks aside), and how many bits of them it has read."""
+        self.at = 0
         self.locals: dict[str, list] = {}
 
     def eval(self, e):
@@ -282,6 +298,7 @@ class Machine:
         if target == "pkt":   # the parser: extract marks a header valid, advance skips
             if method == "extract":
                 self.valid.add(args[0][1])
+                self.take(args[0][1])
         elif method == "isValid":
             return target in self.valid
         elif method in ("setValid", "setInvalid"):
@@ -372,8 +389,26 @@ class Machine:
         else:
             self.call(s[1])
 
+    def take(self, path: str) -> None:
+        """Extract the header at ``path`` from :attr:`packet`: its fields from the next bits.
+        The intrinsic metadata is the engine's (it sets those fields, and the port metadata
+        ``advance`` skips is not in the packet), and the lane stacks' contents are read by
+        tests/tna/passes.py: neither reads bits here."""
+        if self.packet is None or "[" in path or path.split(".")[0] in INTRINSIC:
+            return
+        layout = self.p.layout(path)
+        end = self.at + sum(w for _, w in layout)
+        if end > 8 * len(self.packet):
+            raise AssertionError(f"the parser extracts {path} past the packet's "
+                                 f"{len(self.packet)} bytes")
+        value = int.from_bytes(self.packet, "big") >> (8 * len(self.packet) - end)
+        for name, w in reversed(layout):
+            self.f[name] = value & mask(w)
+            value >>= w
+        self.at = end
+
     def parse(self) -> None:
-        """The ingress parser from ``start`` (fields are set from the frame beforehand)."""
+        """The ingress parser from ``start``, its headers extracted from :attr:`packet`."""
         state = "start"
         for _ in range(32):
             if state == "accept":

@@ -117,10 +117,6 @@ class TnaEngine:
             replies = replies + self.going_round.popleft()()
         return replies, reason
 
-    def _layout(self, *headers: str) -> list[tuple[str, int]]:
-        """Field names and widths of the headers (hdr.<name>, struct <name>_h), in order."""
-        return [(f"hdr.{h}.{k}", w) for h in headers for k, w in self.p.structs[f"{h}_h"].items()]
-
     def _frame(self, frame: bytes, port: int, now: float):
         replies, reason, later = self._pass0(frame, port, now)
         return (replies if later is None else later()), reason
@@ -128,14 +124,8 @@ class TnaEngine:
     def _pass0(self, frame: bytes, port: int, now: float):
         """(replies, drop reason, the passes after pass 0 or None): pass 0 at once; what
         it sends round runs when the returned function is called (its replies)."""
-        layout, fields = self._layout("ethernet", "ipv4", "udp", "thc"), {}
-        bits = sum(w for _, w in layout)
-        value = int.from_bytes(frame[:bits // 8], "big")
-        for name, w in layout:
-            bits -= w
-            fields[name] = value >> bits & mask(w)
         tstamp = int(now * 1e9) & mask(48)
-        f = self._pass(fields, port, tstamp)
+        f = self._pass(frame, port, tstamp)
         code = f.get("meta.drop_reason", 0)
         reason = P.DropReason(code).name if code else None
         if f.get("ig_dprsr_md.drop_ctl", 0) & 1:   # TNA drops on bit 0 alone
@@ -166,12 +156,9 @@ class TnaEngine:
                                  f"not ({want}, 0, 0)")
 
     def _round(self, f: dict, frame: bytes, tstamp: int, port: int) -> list:
-        """The passes after pass 0 (pass 1: the same headers, pass 0's bridge header as
-        meta.p1), then the last pass's replies."""
-        again = {k: v for k, v in f.items() if k.startswith("hdr.")}
-        again.update({"meta.p1" + k[len("meta.bridge"):]: v for k, v in f.items()
-                      if k.startswith("meta.bridge.")})
-        f1 = self._pass(again, f["ig_tm_md.ucast_egress_port"], tstamp)
+        """The passes after pass 0 (pass 1 parses what pass 0's deparser emitted: its bridge
+        header, then its valid headers), then the last pass's replies."""
+        f1 = self._pass(self._deparsed(f), f["ig_tm_md.ucast_egress_port"], tstamp)
         if "meta.bridge" not in f1["valid"]:
             raise AssertionError("pass 1 left its bridge header invalid")
         if f.get("meta.bridge.in_port", 0) != port:
@@ -186,7 +173,7 @@ class TnaEngine:
         return self._replies(f, self.mcast.get(grp, []) if grp else [0], sent)
 
     def _replies(self, f: dict, rids: list[int], sent: bytes) -> list:
-        replies, layout = [], self._layout("thc")
+        replies, layout = [], self.p.layout("hdr.thc")
         for rid in rids:   # egress: a replica's worker_id is its rid - 1 (thc_worker_addr)
             thc = {name: f.get(name, 0) for name, _ in layout}
             if rid:
@@ -216,10 +203,20 @@ class TnaEngine:
             assert p1["lut_job"] == f["meta.job_index"], "a lookup of another job's entries"
         return passes(job, p1, frame[FRAME_HEADERS:], self.rng, self.words).payload
 
-    def _pass(self, fields: dict, port: int, tstamp: int) -> dict:
+    def _deparsed(self, f: dict) -> bytes:
+        """The headers a pass's ingress deparser emits (tests/tna/lanes.py's DEPARSE order;
+        the lanes aside), the valid ones, as bytes."""
+        value, bits = 0, 0
+        for path in ("meta.bridge", "meta.p1", "hdr.ethernet", "hdr.ipv4", "hdr.udp", "hdr.thc"):
+            if path in f["valid"]:
+                for name, w in self.p.layout(path):
+                    value, bits = value << w | f.get(name, 0), bits + w
+        return value.to_bytes(bits // 8, "big")
+
+    def _pass(self, packet: bytes, port: int, tstamp: int) -> dict:
         m = Machine(self.p, self.regs, self.counters, self.installed)
-        m.f = dict(fields, **{"ig_intr_md.ingress_port": port,
-                              "ig_intr_md.ingress_mac_tstamp": tstamp})
+        m.packet = packet
+        m.f = {"ig_intr_md.ingress_port": port, "ig_intr_md.ingress_mac_tstamp": tstamp}
         m.parse()
         m.run(self.p.apply)
         m.f["valid"] = frozenset(m.valid)
