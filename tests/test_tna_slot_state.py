@@ -172,7 +172,7 @@ UNREAD = {
                                       "    bit<16> lo;\n    bit<16> hi;\n"),
     "a pass round in its packet's queue": (
         r"(action thc_recirculate\(\) \{\n.*\n)        ig_tm_md\.qid = 0;\n", r"\1"),
-    "no retransmission entry for worker 12 (the fuzz runs 5)": (r"THC_DUP\(12\) ", ""),
+    "no retransmission entry for worker 12": (r"THC_DUP\(12\) ", ""),
 }
 """Broken copies whose difference lies where no reading here runs (the adding passes'
 other statements, the deparsers, egress): the reading refuses their text."""

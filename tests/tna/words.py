@@ -96,8 +96,8 @@ def check_unread(text: str | None = None) -> None:
     is picked by (payload, width, step) of the pass's own bridge; the lane headers' fields
     as lanes.FIELDS places them; every lookup keyed on the job's lookup index (NO_LUT for a
     MAX); a pass round in queue 0; one entry a worker count, worker and pool size in the
-    slot state's tables (the fuzz runs at most 5 workers and pools up to 4); and the ports
-    the controller names (CPU, recirculation)."""
+    slot state's tables (most of the fuzz's interleavings run at most 5 workers and pools
+    up to 4); and the ports the controller names (CPU, recirculation)."""
     src = uncommented(program_text(text))
     macro = _flat(src.split("#define THC_WORD(", 1)[1].split("#undef THC_WORD", 1)[0])
     word_op = re.search(r"table thc_word_op \{(.*?) const entries", macro)[1]
