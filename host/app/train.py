@@ -204,8 +204,6 @@ def train(args) -> list[dict]:
     run. With the wrapper gone first, the group's last reference is the registry's, which
     :func:`torch.distributed.destroy_process_group` drops with the GIL released.
     """
-    import gc
-
     import torch
     import torch.distributed as dist
 
@@ -213,7 +211,6 @@ def train(args) -> list[dict]:
     torch.manual_seed(args.seed)
     worker.init_group(args, timeout=_group_timeout(args.stop_at))
     history = _train_model(args)
-    gc.collect()   # a cycle through a hook would keep the wrapper, and its reducer, alive
     dist.barrier()
     dist.destroy_process_group()
     return history

@@ -185,6 +185,11 @@ class Program:
         return self.widths[path]
 
 
+PORT_METADATA = "PORT_METADATA_SIZE"
+"""tna.p4's size of the port metadata the ingress parser skips after the intrinsic
+metadata."""
+
+
 class Machine:
     """One pass of one packet: its fields (metadata starts at zero, @pa_auto_init_metadata),
     header validity and the interpreter; registers, counters and entries are the engine's."""
@@ -197,6 +202,8 @@ class Machine:
         """The bytes the parser extracts headers from (the intrinsic metadata and the lane
         stacks aside), and how many bits of them it has read."""
         self.at = 0
+        self.skipped = False
+        """Whether the parser skipped the port metadata after the intrinsic metadata."""
         self.locals: dict[str, list] = {}
 
     def eval(self, e):
@@ -295,10 +302,17 @@ class Machine:
         _, target, method, args = e
         if target is None:
             return self.action(method, [self.eval(a) for a in args])
-        if target == "pkt":   # the parser: extract marks a header valid, advance skips
+        if target == "pkt":   # the parser: extract marks a header valid and reads it
             if method == "extract":
                 self.valid.add(args[0][1])
                 self.take(args[0][1])
+            elif method == "advance" and args[0] == ("path", PORT_METADATA) \
+                    and "ig_intr_md" in self.valid and not self.skipped:
+                self.skipped = True   # the port metadata: not in :attr:`packet`
+            elif method == "advance":
+                self.at += self.eval(args[0])[0]
+            else:
+                raise Unsupported(f"pkt.{method}")
         elif method == "isValid":
             return target in self.valid
         elif method in ("setValid", "setInvalid"):
@@ -392,10 +406,14 @@ class Machine:
     def take(self, path: str) -> None:
         """Extract the header at ``path`` from :attr:`packet`: its fields from the next bits.
         The intrinsic metadata is the engine's (it sets those fields, and the port metadata
-        ``advance`` skips is not in the packet), and the lane stacks' contents are read by
-        tests/tna/passes.py: neither reads bits here."""
+        that ``advance`` skips, once, is not in the packet; any other ``advance`` skips its
+        bits), and the lane stacks' contents are read by tests/tna/passes.py: neither reads
+        bits here."""
         if self.packet is None or "[" in path or path.split(".")[0] in INTRINSIC:
             return
+        if not self.skipped:
+            raise AssertionError(f"the parser extracts {path} from the port metadata (no "
+                                 f"advance({PORT_METADATA}) after the intrinsic metadata)")
         layout = self.p.layout(path)
         end = self.at + sum(w for _, w in layout)
         if end > 8 * len(self.packet):
