@@ -98,12 +98,8 @@ p4-tofino: setup
 	@command -v $(P4C) >/dev/null || { echo "make p4-tofino: '$(P4C)' not found on PATH."; exit 2; }
 	@command -v p4c-barefoot >/dev/null || { echo "make p4-tofino: the Tofino back end (p4c-barefoot) is not installed: install a p4c package or image from p4lang that includes it."; exit 2; }
 	$(PY) $(P4SRC)/gen_p4.py
-	rm -rf $(P4TOFINO_OUT) && mkdir -p $(P4TOFINO_OUT)/out
-	$(P4C) --target tofino --arch tna --verbose 1 -o $(P4TOFINO_OUT)/out \
-	  --p4runtime-files $(P4TOFINO_OUT)/out/thc_tna.p4info.txt --p4runtime-force-std-externs \
-	  $(P4SRC)/thc_tna.p4 \
-	  > $(P4TOFINO_OUT)/compile.log 2>&1; echo $$? > $(P4TOFINO_OUT)/out/rc
-	P4C=$(P4C) $(PY) $(P4SRC)/gen_p4.py --record-tofino $(P4TOFINO_OUT)/out
+	rm -rf $(P4TOFINO_OUT)
+	P4C=$(P4C) $(PY) $(P4SRC)/gen_p4.py --compile-tofino $(P4TOFINO_OUT)/out
 
 p4-check: setup
 	$(PY) $(P4SRC)/gen_p4.py --check

@@ -27,9 +27,10 @@ def tofino_missing() -> str | None:
     why = p4c_missing()
     if why:
         return why
-    if shutil.which("p4c-barefoot") is None:
-        return ("p4c's Tofino back end (p4c-barefoot) is not installed: install a p4c "
-                "package or image from p4lang that includes it (its ENABLE_TOFINO option)")
+    for binary in ("p4c-barefoot", "bfas"):
+        if shutil.which(binary) is None:
+            return (f"p4c's Tofino back end ({binary}) is not installed: install a p4c "
+                    "package or image from p4lang that includes it (its ENABLE_TOFINO option)")
     return None
 
 

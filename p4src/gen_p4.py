@@ -27,10 +27,12 @@ Usage:
                                  missing or older than l2.p4's recorded hash
   gen_p4.py --check              exit 1 naming the stale file when sources or generated files
                                  differ from the record (works without p4c)
-  gen_p4.py --record-tofino OUT  after `p4c --target tofino --arch tna -o OUT thc_tna.p4`
-                                 (make p4-tofino): copy the compiler's resource summary and
-                                 P4Info into p4src/build/tofino/ with REPORT.json (compiler
-                                 version as printed, command, source hashes)
+  gen_p4.py --compile-tofino OUT  compile thc_tna.p4 with p4c's Tofino back end into OUT
+                                 (make p4-tofino: tofino_report.compile_tofino), then record
+  gen_p4.py --record-tofino OUT  after a Tofino compile into OUT: copy the compiler's
+                                 resource summary and P4Info into p4src/build/tofino/ with
+                                 REPORT.json (compiler version as printed, command, source
+                                 hashes, exit status)
   gen_p4.py --check-tofino       exit 1 when that report is missing or older than its sources
   gen_p4.py --variant-dir D --lanes N
                                  a self-contained copy (thc.p4 + generated/) with other
@@ -52,7 +54,8 @@ import gen_tna  # noqa: E402
 import tofino_report  # noqa: E402
 from p4files import (BUILD_DIR, COMMON_P4, GEN_DIR, PROTOCOL_JSON, ROOT, TNA_P4,  # noqa: E402
                      load_spec, p4c_binary, p4c_version, rel, sha256)
-from tofino_report import TOFINO_REPORT, check_tofino, record_tofino, tofino_sources  # noqa
+from tofino_report import (TOFINO_REPORT, check_tofino, compile_tofino,  # noqa: E402
+                           record_tofino, tofino_sources)
 SOURCES_JSON = BUILD_DIR / "SOURCES.json"
 MAIN_P4 = P4SRC / "thc.p4"
 L2_P4 = P4SRC / "l2.p4"
@@ -337,6 +340,8 @@ def main(argv: list[str] | None = None) -> int:
                       help="after compiling: record source/output hashes in build/SOURCES.json")
     mode.add_argument("--check", action="store_true",
                       help="exit 1 if the committed build is stale")
+    mode.add_argument("--compile-tofino", type=Path, metavar="OUT",
+                      help="compile the TNA program into OUT, then record its report")
     mode.add_argument("--record-tofino", type=Path, metavar="OUT",
                       help="after a Tofino compile into OUT: record its resource summary")
     mode.add_argument("--check-tofino", action="store_true",
@@ -363,6 +368,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.record:
         record()
         return 0
+    if args.compile_tofino:
+        rc = compile_tofino(args.compile_tofino)
+        record_tofino(args.compile_tofino)
+        return rc
     if args.record_tofino:
         record_tofino(args.record_tofino)
         return 0

@@ -259,6 +259,23 @@ def test_committed_tofino_report_is_not_stale():
     assert not problems, "p4src/build/tofino is stale:\n" + "\n".join(problems)
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(toolchain.tofino_missing() is not None,
+                    reason=f"{toolchain.tofino_missing()}")
+def test_tofino_program_compiles_as_recorded(tmp_path):
+    """p4c's Tofino back end compiles and assembles today's TNA program (``tofino.bin``) into
+    the stages, tables, memories and PHV the committed report records, with its P4Info."""
+    out = tmp_path / "out"
+    rc = gen.tofino_report.compile_tofino(out)
+    assert rc == 0, (tmp_path / "compile.log").read_text()[-4000:]
+    assert (out / "pipe" / "tofino.bin").stat().st_size > 0
+    rec = json.loads(gen.TOFINO_REPORT.read_text())
+    assert rec["compiled"] is True and rec["lanes"] == P.LANES
+    assert gen.tofino_report.tofino_summary(out) == rec["summary"]
+    committed = (BUILD / "tofino" / "thc_tna.p4info.txt").read_text()
+    assert (out / "thc_tna.p4info.txt").read_text() == committed
+
+
 def test_tofino_check_names_the_changed_source(tmp_path, monkeypatch):
     """check_tofino reports a missing report, and a source changed after the record."""
     monkeypatch.setattr(gen.tofino_report, "TOFINO_REPORT", tmp_path / "REPORT.json")
