@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import re
 import shutil
+import subprocess
 
 import pytest
 
@@ -18,6 +19,7 @@ from tests.tna.interleave import SEED, fuzz, idle_scenarios, payload_scenarios
 from tests.tna.interp import Program
 from tests.tna.p4text import P4SRC, Unsupported, preprocess
 from tests.tna.words import check_branch, round_statements
+from thc.controller import toolchain
 
 pytestmark = pytest.mark.xdist_group("tna_slot_state")
 """One pytest-xdist process runs the module: its fuzz (``outcomes``) is computed once."""
@@ -219,19 +221,39 @@ def test_no_word_register_for_a_header_only_pass():
     assert ops and "_" not in ops and "THC_OP_NONE" not in ops, ops
 
 
-@pytest.mark.parametrize("old,new", [
+REFUSED_BY_P4C = [
     ("if (hdr.ipv4.isValid() && !meta.p1.isValid())", "if (hdr.ipv4.isValid() && meta.wide)"),
     ("if (hdr.ipv4.isValid() && !meta.p1.isValid())", "if (hdr.ipv4.isValid() && !meta.wide)"),
     ("meta.room8 = meta.n_workers |-| hdr.thc.worker_id;", "meta.room8 = meta.pool_size;"),
     ("meta.jc1 = meta.job_index;", "meta.jc1 = meta.pool_size[23:16];"),
-])
+]
+"""Copies with a type error: a bit<1> is no bool, a wider value needs a cast, a slice stays
+within its field."""
+
+
+@pytest.mark.parametrize("old,new", REFUSED_BY_P4C)
 def test_what_p4c_refuses_is_refused(old, new):
-    """Types as p4c checks them (a Tofino compile comes after): a bit<1> is no bool, a wider
-    value needs a cast, a slice stays within its field; read loosely, each would run here."""
+    """Types as p4c checks them (a Tofino compile comes after); read loosely, each copy would
+    run here."""
     text = (P4SRC / "thc_tna.p4").read_text()
     assert old in text
     with pytest.raises(Unsupported):
         idle_scenarios(Program(preprocess(text.replace(old, new, 1)), raw=text))
+
+
+@pytest.mark.skipif(toolchain.tofino_missing() is not None,
+                    reason=f"{toolchain.tofino_missing()}")
+@pytest.mark.parametrize("old,new", REFUSED_BY_P4C)
+def test_p4c_refuses_them_too(old, new, tmp_path):
+    """The same copies through p4c's Tofino front end: each stops with a type error (the
+    program as it is compiles: test_p4_build.py)."""
+    text = (P4SRC / "thc_tna.p4").read_text()
+    (tmp_path / "copy.p4").write_text(text.replace(old, new, 1))
+    r = subprocess.run(["p4c", "-S", "--target", "tofino", "--arch", "tna", "-I", str(P4SRC),
+                        "-o", str(tmp_path / "out"), str(tmp_path / "copy.p4")],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "error" in r.stderr + r.stdout, r.stderr[-2000:]
+    assert "copy.p4" in r.stderr + r.stdout, r.stderr[-2000:]
 
 
 def test_an_unknown_construct_is_named():
