@@ -15,12 +15,20 @@ from thc.controller import program as names
 FIELD = re.compile(r"(?:(?:bit|int)\s*<\s*(\d+)\s*>|(\w+))\s*(?:\[[^\]]*\])?\s+(\w+)\s*;")
 
 
-class Program:
-    """What the program declares: types, constants, the ingress parser's states, and
-    ThcIngress's registers, RegisterActions, hashes, counters, actions, tables and apply."""
+PIPES = {"ingress": ("ThcIngressParser", "ThcIngress", None, "tna_headers_t", "metadata_t"),
+         "egress": ("ThcEgressParser", "ThcEgress", "ThcEgressDeparser", "eg_headers_t",
+                    "eg_metadata_t")}
+"""Each half of the pipe the reading runs: its parser, control, deparser (the ingress
+deparser's order is held to its text, tests/tna/lanes.py) and header and metadata types."""
 
-    def __init__(self, text: str, raw: str | None = None):
-        self.raw = raw
+
+class Program:
+    """What the program declares: types, constants, a parser's states, and a control's
+    registers, RegisterActions, hashes, counters, actions, tables and apply (ThcIngress; or
+    ThcEgress, with its deparser's checksums and apply: :attr:`egress`)."""
+
+    def __init__(self, text: str, raw: str | None = None, pipe: str = "ingress"):
+        self.text, self.raw, self.pipe = text, raw, pipe
         """The program's text before cpp, where it differs from the file's (a broken copy):
         tests/tna/words.py reads its THC_WORD macro from it."""
         self.typedefs = dict(TNA_TYPES, **{m[2]: int(m[1]) for m in re.finditer(
@@ -29,24 +37,38 @@ class Program:
         for m in re.finditer(r"\b(?:header|struct)\s+(\w+)\s*\{([^{}]*)\}", text):
             self.structs[m[1]] = {f[3]: int(f[1]) if f[1] else self.typedefs.get(f[2], f[2])
                                   for f in FIELD.finditer(m[2])}
-        self.roots = {"meta": "metadata_t", "hdr": "tna_headers_t", **{k: k for k in INTRINSIC}}
+        parser, control, deparser, headers, metadata = PIPES[pipe]
+        self.roots = {"meta": metadata, "hdr": headers, **{k: k for k in INTRINSIC}}
         self.consts, self.widths = {}, {}
         for m in re.finditer(r"\bconst\s+(bit|int)\s*<\s*(\d+)\s*>\s*(\w+)\s*=\s*([^;]+);", text):
             w = int(m[2])
             self.consts[m[3]] = (self.const(Parser(tokenize(m[4])).expr())[0] & mask(w), w,
                                  m[1] == "int")
         toks = tokenize(text)
-        self.states, body = {}, find_body(toks, "parser", "ThcIngressParser")
+        self.states, body = {}, find_body(toks, "parser", parser)
         while body.accept("state"):
             name = body.next()
             self.states[name] = self.state(body.group())
         self.registers, self.ras, self.hashes, self.counters = {}, {}, {}, set()
-        self.actions, self.tables, self.apply = {}, {}, None
-        self.declarations(find_body(toks, "control", "ThcIngress"))
+        self.checksums: set[str] = set()
+        self.actions, self.tables, self.apply, self.deparse = {}, {}, None, None
+        if deparser:
+            self.declarations(find_body(toks, "control", deparser))
+            self.deparse, self.apply = self.apply, None
+        self.declarations(find_body(toks, "control", control))
         missing = [t for t in PASS1 + (names.JOB_TABLE, names.WORKER_TABLE)
-                   if t not in self.tables and t not in self.actions]
+                   if t not in self.tables and t not in self.actions] if pipe == "ingress" \
+            else [t for t in (names.ADDR_TABLE,) if t not in self.tables]
         if missing or self.apply is None:
-            raise Unsupported(f"ThcIngress has no {missing or 'apply block'}")
+            raise Unsupported(f"{control} has no {missing or 'apply block'}")
+        self._egress: Program | None = None
+
+    @property
+    def egress(self) -> "Program":
+        """The egress half of the same text, read once."""
+        if self._egress is None:
+            self._egress = Program(self.text, self.raw, "egress")
+        return self._egress
 
     def const(self, e) -> tuple:
         v = Machine(self, {}, Counter(), {}).eval(e)
@@ -78,6 +100,10 @@ class Program:
             if tok == "@":
                 p.next()
                 p.group()
+            elif tok == "Checksum":   # Checksum() name;
+                p.group()
+                self.checksums.add(p.next())
+                p.expect(";")
             elif tok in ("Register", "RegisterAction", "Hash", "Counter"):
                 g = p.group()
                 types, args, name = g.items(g.type_), p.group().t, p.next()
@@ -202,9 +228,12 @@ class Machine:
         """The bytes the parser extracts headers from (the intrinsic metadata and the lane
         stacks aside), and how many bits of them it has read."""
         self.at = 0
-        self.skipped = False
-        """Whether the parser skipped the port metadata after the intrinsic metadata."""
+        self.skipped = prog.pipe == "egress"
+        """Whether the parser skipped the port metadata after the intrinsic metadata (an
+        egress parser reads none)."""
         self.locals: dict[str, list] = {}
+        self.out, self.out_bits = 0, 0
+        """What the deparser emitted, as one number of so many bits."""
 
     def eval(self, e):
         """A bool, or (value, width or None for an unsized literal, signed)."""
@@ -311,6 +340,8 @@ class Machine:
                 self.skipped = True   # the port metadata: not in :attr:`packet`
             elif method == "advance":
                 self.at += self.eval(args[0])[0]
+            elif method == "emit":
+                self.emit(args[0][1])
             else:
                 raise Unsupported(f"pkt.{method}")
         elif method == "isValid":
@@ -324,6 +355,14 @@ class Machine:
         elif method == "get" and target in self.p.hashes:   # IDENTITY
             width = self.p.hashes[target]
             return (self.eval(args[0])[0] & mask(width), width, False)
+        elif method == "update" and target in self.p.checksums:   # the IPv4 header's sum
+            value, width, _ = self.eval(args[0])
+            if width % 16:
+                raise Unsupported(f"{target}.update of {width} bits")
+            total = sum(value >> s & 0xFFFF for s in range(0, width, 16))
+            while total >> 16:
+                total = (total & 0xFFFF) + (total >> 16)
+            return (~total & 0xFFFF, 16, False)
         elif method == "count" and target in self.p.counters:
             self.counters[target, self.eval(args[0])[0]] += 1
         elif target == "this" and method == "predicate":
@@ -425,8 +464,36 @@ class Machine:
             value >>= w
         self.at = end
 
+    def emit(self, path: str) -> None:
+        """``pkt.emit``: a header if valid, or a struct's valid headers in declaration order
+        (a header stack's elements are not read here: Unsupported)."""
+        parts = path.split(".")
+        typ = self.p.roots.get(parts[0])
+        for part in parts[1:]:
+            typ = self.p.structs.get(typ, {}).get(part)
+        fields = self.p.structs.get(typ) if isinstance(typ, str) else None
+        if fields is None:
+            raise Unsupported(f"pkt.emit({path})")
+        if all(isinstance(w, int) for w in fields.values()):   # a header
+            if path in self.valid:
+                for name, w in self.p.layout(path):
+                    self.out = self.out << w | self.f.get(name, 0)
+                    self.out_bits += w
+            return
+        for member in fields:
+            sub = f"{path}.{member}"
+            if any(v.startswith(sub + "[") for v in self.valid):
+                raise Unsupported(f"pkt.emit of the header stack {sub}")
+            if sub not in self.valid and fields[member] in self.p.structs and \
+                    all(isinstance(w, int) for w in self.p.structs[fields[member]].values()):
+                continue
+            self.emit(sub)
+
+    def emitted(self) -> bytes:
+        return self.out.to_bytes(self.out_bits // 8, "big")
+
     def parse(self) -> None:
-        """The ingress parser from ``start``, its headers extracted from :attr:`packet`."""
+        """The parser from ``start``, its headers extracted from :attr:`packet`."""
         state = "start"
         for _ in range(32):
             if state == "accept":

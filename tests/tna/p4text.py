@@ -19,8 +19,11 @@ SKIP = ("thc_spread_",)
 INTRINSIC = {"ig_intr_md": {"ingress_port": 9, "ingress_mac_tstamp": 48},
              "ig_prsr_md": {"parser_err": 16},
              "ig_tm_md": {"ucast_egress_port": 9, "mcast_grp_a": 16, "qid": 7},
-             "ig_dprsr_md": {"drop_ctl": 3}}
-"""tna.p4's intrinsic metadata that ThcIngress uses (tna.p4 is not on this machine)."""
+             "ig_dprsr_md": {"drop_ctl": 3},
+             "eg_intr_md": {"egress_rid": 16, "egress_port": 9},
+             "eg_dprsr_md": {"drop_ctl": 3}}
+"""tna.p4's intrinsic metadata that ThcIngress and ThcEgress use (the reading runs without
+p4c's include files)."""
 TNA_TYPES = {"PortId_t": 9, "QueueId_t": 7, "MulticastGroupId_t": 16}
 TOKEN = re.compile(r'\s*(?:(\d+[ws]\d+|0[xX][0-9a-fA-F]+|\d+|[A-Za-z_]\w*|"[^"]*"|&&&|\|-\||'
                    r'\+\+|&&|\|\||[=!<>]=|<<|>>|[-+*/%?&|^~!<>=(){}\[\]:;,.@])|(\S))')

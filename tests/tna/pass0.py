@@ -11,8 +11,9 @@ words' registers and thc_word_op's entries, deparse order) run in tests/tna/pass
 and the vote spread is a no-op here (SKIP). A construct this reading does not know raises
 Unsupported, naming it, so that a change of the program fails loudly instead of being
 read wrong. ``TnaEngine.handle(datagram, src, now)`` answers like
-``thc.wire.model.Model.handle``: (replies, drop reason), a reply being the THC header the
-program wrote, the payload the last pass sends, and its destination.
+``thc.wire.model.Model.handle``: (replies, drop reason), a reply being the UDP payload of
+the frame egress made (the egress parser, ``control ThcEgress`` and its deparser, run on the
+bytes the ingress deparser emitted) and the destination its headers name.
 """
 from __future__ import annotations
 
@@ -48,6 +49,9 @@ class _Recorder:
 
 
 def _key(value) -> int:
+    """An entry's value: an IPv4 address, a MAC or a number."""
+    if isinstance(value, str) and ":" in value:
+        return int(value.replace(":", ""), 16)
     return int(ipaddress.IPv4Address(value)) if isinstance(value, str) else int(value)
 
 
@@ -64,7 +68,7 @@ class TnaEngine:
         """Packets whose pass 0 runs before a packet's passes after pass 0 (0: at once)."""
         self.going_round: deque = deque()
         self.regs, self.counters, self.installed = {}, Counter(), {}
-        self.addr: dict[tuple[int, int], tuple[str, int]] = {}
+        self.macs: dict[tuple[str, int], int] = {}
         self.ports: dict[tuple[str, int], int] = {}
         self.mcast: dict[int, list[int]] = {}
         self.jobs: dict[int, object] = {}
@@ -82,7 +86,7 @@ class TnaEngine:
                                               if e[0][job_key][0] != job.job_id]
         self.mcast[job.mcast_grp] = [w.id + 1 for w in job.workers]
         self.jobs[job_index] = job
-        self.addr.update({(job.job_id, w.id): (w.ip, w.port) for w in job.workers})
+        self.macs.update({(w.ip, w.port): _key(w.mac) for w in job.workers})
         self.ports.update({(w.ip, w.port): w.switch_port for w in job.workers})
         self._write(job_entries.job_entry(rec, job, job_index, epoch))
         for slot in range(job.pool_size):
@@ -94,13 +98,15 @@ class TnaEngine:
                     raise AssertionError(f"RESET of slot {slot} version {version}: {out}")
         for k in range(len(P.JOB_COUNTERS)):
             self.counters.pop((names.JOB_COUNTERS, job_index * len(P.JOB_COUNTERS) + k), None)
-        for entry in job_entries.worker_entries(rec, job):
+        for entry in job_entries.worker_entries(rec, job) + job_entries.addr_entries(
+                rec, job, job_entries.AggAddress(AGG_IP, AGG_MAC)):
             self._write(entry)
 
     def _write(self, entry) -> None:
         table, match, action, params = entry
-        cells = [(_key(match[k]), -1) for k in self.p.tables[table]["key_names"]]
-        args = [(_key(params[name]), None, False) for name, _ in self.p.actions[action][0]]
+        prog = self.p if table in self.p.tables else self.p.egress
+        cells = [(_key(match[k]), -1) for k in prog.tables[table]["key_names"]]
+        args = [(_key(params[name]), None, False) for name, _ in prog.actions[action][0]]
         rows = [e for e in self.installed.get(table, []) if e[0] != cells]
         self.installed[table] = rows + [(cells, action, args)]
 
@@ -170,28 +176,52 @@ class TnaEngine:
         if f.get("meta.bridge.hdr_only", 0):   # pass 1 sends it, its header as it left
             f = dict(f, **{k: v for k, v in f1.items() if k.startswith("hdr.thc.")})
         grp = f.get("meta.bridge.mcast_grp", 0)
-        return self._replies(f, self.mcast.get(grp, []) if grp else [0], sent)
+        # the last pass's bridge header: new (zeros), is_reply set (its branch is held to its
+        # text: tests/tna/words.py); its packet's headers are those pass 0 emitted
+        last = {k: v for k, v in f.items() if not k.startswith(("meta.bridge.", "meta.p1."))}
+        last["meta.bridge.is_reply"] = 1
+        last["valid"] = f["valid"] - {"meta.p1"} | {"meta.bridge"}
+        return self._replies(last, self.mcast.get(grp, []) if grp else [0], sent)
 
     def _replies(self, f: dict, rids: list[int], sent: bytes) -> list:
-        replies, layout = [], self.p.layout("hdr.thc")
-        for rid in rids:   # egress: a replica's worker_id is its rid - 1 (thc_worker_addr)
-            thc = {name: f.get(name, 0) for name, _ in layout}
-            if rid:
-                thc["hdr.thc.worker_id"] = rid - 1
-            dest, value = self.addr.get((thc["hdr.thc.job_id"], thc["hdr.thc.worker_id"])), 0
-            for name, w in layout:
-                value = value << w | thc[name]
-            if dest is not None:
-                reply = value.to_bytes(P.HEADER_BYTES, "big") + sent
-                udp = f.get("hdr.udp.length", 0)
-                if len(reply) != udp - UDP_HEADER_BYTES:
-                    raise AssertionError(f"a reply of {len(reply)} bytes in a UDP length of "
-                                         f"{udp}")
-                if f.get("hdr.ipv4.totalLen", 0) != udp + IPV4_HEADER_BYTES:
-                    raise AssertionError(f"a reply's IPv4 length {f.get('hdr.ipv4.totalLen')}"
-                                         f" around a UDP length of {udp}")
-                replies.append((reply, dest))
+        """What egress makes of a reply the ingress deparser emitted with the fields ``f``
+        (and the lanes ``sent``), once a replica: its parser, ThcEgress with the controller's
+        thc_worker_addr entries (a replica's rid, 0 for a unicast), its deparser. Each frame
+        goes where its IPv4 and UDP headers say, and must be one a worker's stack takes."""
+        replies, packet = [], self._deparsed(f) + sent
+        for rid in rids:
+            m = Machine(self.p.egress, {}, self.counters, self.installed)
+            m.packet, m.f = packet, {"eg_intr_md.egress_rid": rid}
+            m.parse()
+            m.run(self.p.egress.apply)
+            if m.f.get("eg_dprsr_md.drop_ctl", 0) & 1:
+                continue
+            m.run(self.p.egress.deparse)
+            replies.append(self._delivered(m.emitted() + packet[m.at // 8:]))
         return replies
+
+    def _delivered(self, frame: bytes) -> tuple[bytes, tuple[str, int]]:
+        """(UDP payload, destination) of a reply frame, after the checks a worker's NIC and
+        kernel make: its MAC, IPv4 version, length and checksum, UDP and its length."""
+        ip, udp = frame[14:14 + IPV4_HEADER_BYTES], frame[14 + IPV4_HEADER_BYTES:]
+        dest = (str(ipaddress.IPv4Address(ip[16:20])), int.from_bytes(udp[2:4], "big"))
+        total = sum(int.from_bytes(ip[i:i + 2], "big") for i in range(0, len(ip), 2))
+        while total >> 16:
+            total = (total & 0xFFFF) + (total >> 16)
+        problems = [what for what, bad in (
+            ("a frame shorter than its headers", len(frame) < FRAME_HEADERS),
+            ("not to the worker's MAC", int.from_bytes(frame[:6], "big") != self.macs.get(dest)),
+            ("not IPv4", frame[12:14] != b"\x08\x00" or ip[0] != 0x45 or ip[9] != 17),
+            ("a bad IPv4 checksum", total != 0xFFFF),
+            ("an IPv4 length that is not the frame's",
+             int.from_bytes(ip[2:4], "big") != len(frame) - 14),
+            ("a UDP length that is not the frame's",
+             int.from_bytes(udp[4:6], "big") != len(udp)),
+            ("not from the THC port", int.from_bytes(udp[0:2], "big") != P.UDP_PORT)) if bad]
+        if problems:
+            raise AssertionError(f"a reply to {dest} with {', '.join(problems)}: "
+                                 f"{frame[:FRAME_HEADERS].hex()}")
+        return udp[UDP_HEADER_BYTES:], dest
 
     def _lanes(self, f: dict, frame: bytes) -> bytes:
         """The adding passes of a packet pass 0 sent round (tests/tna/passes.py), from the
