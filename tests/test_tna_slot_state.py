@@ -86,6 +86,8 @@ BROKEN = {
         r"\(bit<8>\)\(eg_intr_md\.egress_rid - 1\)", "(bit<8>)eg_intr_md.egress_rid"),
     "egress keeping the bridge header on the wire": (
         r"^            hdr\.bridge\.setInvalid\(\);\n", ""),
+    "the doubling's egress parser without UDP": (
+        r"(state parse_dup \{\n(?:.*\n){2})        pkt\.extract\(hdr\.udp\);\n", r"\1"),
     "a reply's egress parser without UDP": (
         r"(state parse_reply \{\n(?:.*\n){2})        pkt\.extract\(hdr\.udp\);\n", r"\1"),
     "the IPv4 checksum without the source address": (

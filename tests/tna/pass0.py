@@ -164,6 +164,7 @@ class TnaEngine:
     def _round(self, f: dict, frame: bytes, tstamp: int, port: int) -> list:
         """The passes after pass 0 (pass 1 parses what pass 0's deparser emitted: its bridge
         header, then its valid headers), then the last pass's replies."""
+        self._egress_reads(f)
         f1 = self._pass(self._deparsed(f), f["ig_tm_md.ucast_egress_port"], tstamp)
         if "meta.bridge" not in f1["valid"]:
             raise AssertionError("pass 1 left its bridge header invalid")
@@ -182,6 +183,19 @@ class TnaEngine:
         last["meta.bridge.is_reply"] = 1
         last["valid"] = f["valid"] - {"meta.p1"} | {"meta.bridge"}
         return self._replies(last, self.mcast.get(grp, []) if grp else [0], sent)
+
+    def _egress_reads(self, f: dict) -> None:
+        """The egress parser of a pass going round (a 16-bit job's doubling reads its
+        headers to reach the next block) reads the bridge header and headers pass 0's
+        ingress deparser emitted, field for field."""
+        m = Machine(self.p.egress, {}, self.counters, self.installed)
+        m.packet, m.f = self._deparsed(f), {}
+        m.parse()
+        wrong = [k for k, v in m.f.items() if k.startswith("hdr.") and
+                 v != f.get(k.replace("hdr.bridge.", "meta.bridge.", 1), 0)]
+        if wrong:
+            raise AssertionError(f"egress read {', '.join(wrong[:4])} of a pass going round "
+                                 f"otherwise than pass 0 wrote them")
 
     def _replies(self, f: dict, rids: list[int], sent: bytes) -> list:
         """What egress makes of a reply the ingress deparser emitted with the fields ``f``
