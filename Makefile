@@ -97,6 +97,7 @@ P4TOFINO_OUT ?= out/p4-tofino
 p4-tofino: setup
 	@command -v $(P4C) >/dev/null || { echo "make p4-tofino: '$(P4C)' not found on PATH."; exit 2; }
 	@command -v p4c-barefoot >/dev/null || { echo "make p4-tofino: the Tofino back end (p4c-barefoot) is not installed: install a p4c package or image from p4lang that includes it."; exit 2; }
+	@command -v bfas >/dev/null || { echo "make p4-tofino: the Tofino assembler (bfas) is not installed: install a p4c package or image from p4lang that includes the Tofino back end."; exit 2; }
 	$(PY) $(P4SRC)/gen_p4.py
 	rm -rf $(P4TOFINO_OUT)
 	P4C=$(P4C) $(PY) $(P4SRC)/gen_p4.py --compile-tofino $(P4TOFINO_OUT)/out
