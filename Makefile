@@ -52,6 +52,7 @@ fuzz: setup
 	$(PY) -m tests.model_fuzz --steps $(FUZZ_STEPS)
 	$(PY) -m tests.tna.interleave --cases $(TNA_FUZZ_CASES)
 	$(PY) -m tests.tna.interleave --cases $$(( $(TNA_FUZZ_CASES) / 4 )) --delay 3
+	$(PY) -m tests.tna.interleave --cases $$(( $(TNA_FUZZ_CASES) / 4 )) --delay 4 --lose 0.2
 
 # The main job; a mode through BMv2 trains a bounded number of steps (--bmv2-steps).
 run: system-deps setup

@@ -9,6 +9,8 @@
   l2_misses          index 0: non-THC frames without an l2_forward entry
   thc_dscp_unknown   index 0: IPv4 packets whose DSCP is neither 0 nor a priority class
                      (protocol.json ``priority_dscp``): forwarded best effort
+  thc_lost_passes    index 0 (Tofino): copies of a RESULT that egress withheld because a
+                     pass of its use was lost on the recirculation port
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from thc.controller.switch import Switch
 from thc.wire import protocol as P
 
 DSCP_UNKNOWN = "thc_dscp_unknown"
+LOST_PASSES = "thc_lost_passes"
 
 
 def drops(sw: Switch) -> dict[str, int]:
@@ -72,5 +75,7 @@ def snapshot(sw: Switch, installed: dict[int, dict] | None = None) -> dict:
         out["drops"] = drops(sw)
         if DSCP_UNKNOWN in sw.counters:
             out["dscp_unknown"] = dscp_unknown(sw)
+        if LOST_PASSES in sw.counters:
+            out["lost_passes"] = sw.read_counter(LOST_PASSES).get(0, 0)
         out["jobs"] = {str(k): v for k, v in all_job_counters(sw, installed or {}).items()}
     return out

@@ -77,7 +77,8 @@ header thc_word_h {
 
 // Ingress -> egress on every packet, and each pass -> the next around the recirculation.
 header thc_pass_h {
-    bit<7>  pad0;
+    bit<7>  passes;       // the last pass to egress: its use's count of last passes plus
+                          // one, 0 for another run's (thc_passes)
     bit<9>  in_port;      // where a unicast reply of the last pass goes
     bit<16> mcast_grp;    // the last pass: 0 = unicast to in_port
     bit<1>  recirc;       // go round: egress passes the packet through unchanged
@@ -125,6 +126,11 @@ struct thc_bitmap_seq_t {
 struct thc_ack_t {
     bit<32> seq;
     bit<32> acked;
+}
+// a use's last passes: its run, and the workers whose lanes the words hold
+struct thc_passes_t {
+    bit<32> run;
+    bit<32> n;
 }
 
 struct tna_headers_t {
@@ -351,6 +357,7 @@ control ThcIngress(inout tna_headers_t hdr, inout metadata_t meta,
     Register<thc_incarnation_t, bit<16>>(THC_MAX_JOBS * THC_MAX_WORKERS) thc_worker_run;
     Register<thc_ack_t, bit<16>>(THC_REG_SIZE / 2) thc_acked0;
     Register<thc_ack_t, bit<16>>(THC_REG_SIZE / 2) thc_acked1;
+    Register<thc_passes_t, thc_index_t>(THC_REG_SIZE) thc_passes;
 
     // When the job last accepted a packet (a pass after pass 0 writes it: pass 0 cannot know
     // yet whether a later check refuses the packet), 0 for a job without a run (RESET). A
@@ -570,6 +577,48 @@ control ThcIngress(inout tna_headers_t hdr, inout metadata_t meta,
     };
     RegisterAction<bit<8>, thc_index_t, bit<8>>(thc_count) thc_count_read = {
         void apply(inout bit<8> value, out bit<8> count) { count = value; }
+    };
+    // Pass 0 counts a worker before the passes after it add its lanes, and a pass lost on
+    // the recirculation port never comes back. A packet's last pass comes round only after
+    // all its passes before it, and passes keep their order (queue 0): pass 0 of the packet
+    // that opens a use restarts its slot version's cell, the last pass of every packet that
+    // writes the use's words counts there, and egress withholds a RESULT whose count is not
+    // that (it lacks a worker's lanes, or holds the use before's sums beneath them). The
+    // cell holds the count plus one, so that a last pass that finds another run's use there
+    // (it went round when the cell restarted) bridges 0: it counts nothing and its own
+    // RESULT is withheld; so does a late pass of another use of the same run
+    // (thc_current_op).
+    RegisterAction<thc_passes_t, thc_index_t, bit<7>>(thc_passes) thc_passes_new = {
+        void apply(inout thc_passes_t value) {
+            value.run = hdr.thc.run;
+            value.n = 1;
+        }
+    };
+    // a FLUSH that opens a use clears its words: its last pass counts that
+    RegisterAction<thc_passes_t, thc_index_t, bit<7>>(thc_passes) thc_passes_new_blank = {
+        void apply(inout thc_passes_t value) {
+            value.run = hdr.thc.run;
+            value.n = 0;
+        }
+    };
+    RegisterAction<thc_passes_t, thc_index_t, bit<7>>(thc_passes) thc_passes_add = {
+        void apply(inout thc_passes_t value, out bit<7> n) {
+            if (value.run == hdr.thc.run) {
+                value.n = value.n + 1;
+                n = (bit<7>)value.n;
+            } else {
+                n = 0;
+            }
+        }
+    };
+    RegisterAction<thc_passes_t, thc_index_t, bit<7>>(thc_passes) thc_passes_read = {
+        void apply(inout thc_passes_t value, out bit<7> n) {
+            if (value.run == hdr.thc.run) {
+                n = (bit<7>)value.n;
+            } else {
+                n = 0;
+            }
+        }
     };
 
     // ---- configuration tables (controller/jobs.py), thc.p4's names ----
@@ -1167,6 +1216,62 @@ control ThcIngress(inout tna_headers_t hdr, inout metadata_t meta,
         meta.p1.word_index[11:10] = step;
         meta.p1.new_use = 0;
     }
+    // The last pass of a packet of the slot version's current use (its seq the bitmap
+    // register's, through pass 1's address fields): a late pass of a use before it, of any
+    // run, finds 0 and counts nothing.
+    @stage(8)
+    table thc_current_op {
+        key = { meta.p1.last: exact; }
+        actions = { thc_bitmap_look; NoAction; }
+        const entries = { 1: thc_bitmap_look(); }
+        const default_action = NoAction;
+        size = 1;
+    }
+    // pass 0 of a packet that opens a use (its lanes written, or cleared by a FLUSH)
+    action thc_passes_start() { thc_passes_new.execute(meta.reg_index); }
+    action thc_passes_start_blank() { thc_passes_new_blank.execute(meta.reg_index); }
+    @stage(11)
+    table thc_passes_new_op {
+        key = { meta.bridge.new_use: exact; meta.bridge.blank: exact; }
+        actions = { thc_passes_start; thc_passes_start_blank; NoAction; }
+        const entries = {
+            (1, 0): thc_passes_start();
+            (1, 1): thc_passes_start_blank();
+        }
+        const default_action = NoAction;
+        size = 2;
+    }
+    // the last pass of a packet that writes (or clears) lanes, or reads the sums
+    action thc_passes_join() {
+        meta.bridge.passes = thc_passes_add.execute((thc_index_t)meta.p1.word_index[9:0]);
+    }
+    action thc_passes_look() {
+        meta.bridge.passes = thc_passes_read.execute((thc_index_t)meta.p1.word_index[9:0]);
+    }
+    @stage(11)
+    table thc_passes_op {
+        key = {
+            meta.p1.last: exact;
+            meta.p1.lane_op: exact;
+            meta.p1.blank: exact;
+            meta.old_bitmap: ternary;
+        }
+        actions = { thc_passes_join; thc_passes_look; NoAction; }
+        const entries = {
+            (1, THC_OP_WRITE, 0, 0): NoAction();
+            (1, THC_OP_WRITE, 1, 0): NoAction();
+            (1, THC_OP_ADD, 0, 0): NoAction();
+            (1, THC_OP_READ, 0, 0): NoAction();
+            (1, THC_OP_READ, 1, 0): NoAction();
+            (1, THC_OP_WRITE, 0, _): thc_passes_join();
+            (1, THC_OP_WRITE, 1, _): thc_passes_join();
+            (1, THC_OP_ADD, 0, _): thc_passes_join();
+            (1, THC_OP_READ, 0, _): thc_passes_look();
+            (1, THC_OP_READ, 1, _): thc_passes_look();
+        }
+        const default_action = NoAction;
+        size = 16;
+    }
     // the last adding pass is pass 2, or pass 4 of a 16-bit job
     table thc_next {
         key = { meta.p1.wide: exact; meta.p1.step: exact; }
@@ -1369,6 +1474,8 @@ control ThcIngress(inout tna_headers_t hdr, inout metadata_t meta,
             thc_op_detail_op.apply();
             thc_ack0_new.apply();
             thc_ack1_new.apply();
+            thc_current_op.apply();
+            thc_passes_op.apply();
 #include "generated/thc_tna_luts_apply.p4"
 #include "generated/thc_tna_words_apply.p4"
             if (meta.p1.payload != THC_PAY_MAX && meta.p1.hdr_only == 0) {
@@ -1437,6 +1544,7 @@ control ThcIngress(inout tna_headers_t hdr, inout metadata_t meta,
             thc_use_op.apply();
             thc_bitmap_op.apply();
             thc_count_op.apply();
+            thc_passes_new_op.apply();
             if (meta.drop_reason != 0) {
                 thc_drop_op.apply();
             } else if (meta.use_step == THC_STEP_SEQ && meta.hold == 1) {
@@ -1490,6 +1598,8 @@ struct eg_headers_t {
 }
 
 struct eg_metadata_t {
+    bit<8> passes;      // hdr.bridge.passes, aligned as hdr.thc.count for the comparison
+    bit<8> want;        // a RESULT's count plus one: what its use's cell holds (thc_passes)
 }
 
 parser ThcEgressParser(packet_in pkt, out eg_headers_t hdr, out eg_metadata_t meta,
@@ -1539,6 +1649,31 @@ control ThcEgress(inout eg_headers_t hdr, inout eg_metadata_t meta,
     action thc_addr_miss() {
         eg_dprsr_md.drop_ctl = 1;
     }
+    // A RESULT whose use's last passes are not its count (thc_passes): one of them was lost
+    // on the recirculation port. Dropped, each copy counted.
+    Counter<bit<32>, bit<32>>(1, CounterType_t.PACKETS) thc_lost_passes;
+    action thc_withhold() {
+        thc_lost_passes.count(0);
+        eg_dprsr_md.drop_ctl = 1;
+    }
+    table thc_withhold_op {
+        actions = { thc_withhold; }
+        const default_action = thc_withhold();
+        size = 1;
+    }
+    // what the cell of a RESULT's use holds: its count plus one; any other reply passes
+    action thc_want_result() { meta.want = hdr.thc.count + 1; }
+    action thc_want_any() { meta.want = meta.passes; }
+    table thc_want_op {
+        key = { hdr.thc.pkt_type: exact; }
+        actions = { thc_want_result; thc_want_any; }
+        const entries = {
+            THC_RESULT: thc_want_result();
+            THC_MAX_RESULT: thc_want_result();
+        }
+        const default_action = thc_want_any();
+        size = 2;
+    }
     table thc_worker_addr {
         key = {
             hdr.thc.job_id: exact @name("job_id");
@@ -1562,7 +1697,13 @@ control ThcEgress(inout eg_headers_t hdr, inout eg_metadata_t meta,
                 if (eg_intr_md.egress_rid != 0) {
                     hdr.thc.worker_id = (bit<8>)(eg_intr_md.egress_rid - 1);
                 }
-                thc_worker_addr.apply();
+                meta.passes = (bit<8>)hdr.bridge.passes;
+                thc_want_op.apply();
+                if (meta.passes != meta.want) {
+                    thc_withhold_op.apply();
+                } else {
+                    thc_worker_addr.apply();
+                }
             }
             hdr.bridge.setInvalid();
         }

@@ -8,6 +8,7 @@ import pytest
 from thc.controller import counters, installed, p4rt
 from thc.controller.frames import reset_frame, udp_frame
 from thc.controller.switch import SwitchError
+from thc.controller.targets import tofino
 from thc.controller.testing.memswitch import MemorySwitch
 from thc.wire import protocol as P
 from thc.wire.jobs import SWITCH_AGG_IP, SWITCH_AGG_MAC
@@ -155,3 +156,13 @@ def test_a_closed_session_cannot_write(sw):
     sw.close()
     with pytest.raises(SwitchError, match="not connected"):
         sw.write_entries("INSERT", [raw_job_entry(sw, 1)])
+
+
+def test_counters_report_the_results_a_tofino_withheld():
+    """thc_lost_passes (the Tofino program's egress: RESULT copies withheld for a lost pass)
+    is in the snapshot where the program has it, and not for BMv2's."""
+    sw = MemorySwitch().connect("thc_tna", tofino.TARGET.build_dir)
+    assert counters.snapshot(sw)["lost_passes"] == 0
+    sw.device._count(counters.LOST_PASSES, 0, 3)
+    assert counters.snapshot(sw)["lost_passes"] == 3
+    assert "lost_passes" not in counters.snapshot(MemorySwitch().connect())

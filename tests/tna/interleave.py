@@ -124,7 +124,7 @@ class Interleaving:
     """One random job and packet sequence on a fresh model and a fresh TNA engine."""
 
     def __init__(self, prog: Program, rng: random.Random, stats: Counter, delay: int = 0,
-                 wide: str | None = None):
+                 wide: str | None = None, lose: float = 0.0):
         self.rng, self.stats, self.delay = rng, stats, delay
         self.answered: set[tuple[int, int]] = set()
         """(run, seq) of the chunks a RESULT answered (late passes)."""
@@ -144,7 +144,8 @@ class Interleaving:
         self.job_index = rng.randrange(P.MAX_JOBS)   # registers and lookups per job index
         self.config += f", job index {self.job_index}"
         self.job = make_job(self.n, self.pool, pool_base, sum_bits)
-        self.model, self.tna = Model(), TnaEngine(prog, delay)
+        self.model = Model()
+        self.tna = TnaEngine(prog, delay, lose, seed=rng.randrange(1 << 30))
         self.now, self.top, self.history = 1000.0, FIRST_RUN - 1, []
         self.install()
 
@@ -295,12 +296,13 @@ class Interleaving:
             self.stats[label] += 1
             if before and st.thc_job_run != before:
                 self.stats["run taken: " + ("idle job" if idle else "newer, in the jump")] += 1
-        # the workers follow the model: a run that took the job, their windows
+        # the workers follow the model: a run that took the job, their windows (with late
+        # passes, the results the TNA sent: a worker moves on only with a result in hand)
         if st.thc_job_run:
             self.owned.add(st.thc_job_run)
             if st.thc_job_run != self.run:
                 self.new_run(st.thc_job_run)   # a run took the job: its workers go on
-        for (fields, _size, _dst) in w[1]:
+        for (fields, _size, _dst) in (g if self.delay else w)[1]:
             if fields[0] in ("RESULT", "MAX_RESULT") and fields[9] == self.run \
                     and self.rng.random() >= self.loss:
                 v = fields[1]
@@ -343,14 +345,16 @@ def wide_case(case: int) -> str | None:
 
 
 def fuzz(prog: Program, seed: int, cases: int = CASES, steps: int = STEPS, first: int = 0,
-         stats: Counter | None = None, delay: int = 0):
+         stats: Counter | None = None, delay: int = 0, lose: float = 0.0):
     """(outcome counts, the first difference or None) over interleavings ``first`` to
     ``first + cases - 1`` of ``seed``. ``delay``: the TNA's passes after pass 0 run after
-    that many later packets' pass 0, and only its sums are checked (oracle.py)."""
+    that many later packets' pass 0, and only its sums are checked (oracle.py); ``lose``:
+    the chance that one of a packet's passes after pass 0 is lost, the passes after it with
+    it (with ``delay``)."""
     stats = Counter() if stats is None else stats
     for case in range(first, first + cases):
         il = Interleaving(prog, random.Random(seed * 1_000_003 + case), stats, delay,
-                          wide_case(case))
+                          wide_case(case), lose)
         try:
             for _ in range(steps):
                 il.step()
@@ -358,6 +362,9 @@ def fuzz(prog: Program, seed: int, cases: int = CASES, steps: int = STEPS, first
                 il.check_counters()
         except Difference as e:
             return stats, f"seed {seed} case {case} ({il.config}): {e}"
+        finally:
+            stats["late passes: passes lost"] += il.tna.lost
+            stats["late passes: RESULT copies withheld"] += il.tna.withheld()
     return stats, None
 
 
@@ -454,14 +461,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--delay", type=int, default=0,
                     help="run a packet's passes after pass 0 this many packets later, and "
                          "check only the sums")
+    ap.add_argument("--lose", type=float, default=0.0,
+                    help="with --delay: the chance that one of a packet's passes after pass 0 "
+                         "is lost on the recirculation port")
     args = ap.parse_args(argv)
+    if args.lose and not args.delay:
+        ap.error("--lose needs --delay: the model loses no pass, so only the sums are checked")
     prog, stats = Program(preprocess()), Counter()
     difference = None if args.delay else idle_scenarios(prog) or payload_scenarios(prog)
     for first in range(0, args.cases, 100):
         if difference:
             break
         _, difference = fuzz(prog, args.seed, min(100, args.cases - first), args.steps, first,
-                             stats, args.delay)
+                             stats, args.delay, args.lose)
         print(f"seed {args.seed}: {min(first + 100, args.cases)} of {args.cases} interleavings",
               flush=True)
     for label, n in sorted(stats.items()):

@@ -114,7 +114,9 @@ EGRESS_APPLY = ("if (hdr.dd[0].isValid()) { thc_dup_0(); thc_dup_1(); thc_dup_2(
                 "if (hdr.bridge.recirc == 0) { if (hdr.bridge.is_reply == 1) { "
                 "if (eg_intr_md.egress_rid != 0) { "
                 "hdr.thc.worker_id = (bit<8>)(eg_intr_md.egress_rid - 1); } "
-                "thc_worker_addr.apply(); } hdr.bridge.setInvalid(); }")
+                "meta.passes = (bit<8>)hdr.bridge.passes; thc_want_op.apply(); "
+                "if (meta.passes != meta.want) { thc_withhold_op.apply(); } "
+                "else { thc_worker_addr.apply(); } } hdr.bridge.setInvalid(); }")
 """ThcEgress's apply block. Replies run all of it from their bytes (tests/tna/pass0.py); a
 packet going round does not (passes.py doubles as its thc_dup actions do), so the block is
 also held to its text: a change to it must change passes.py too."""

@@ -18,6 +18,7 @@ bytes the ingress deparser emitted) and the destination its headers name.
 from __future__ import annotations
 
 import ipaddress
+import random
 from collections import Counter, deque
 
 import numpy as np
@@ -62,10 +63,16 @@ class TnaEngine:
     STRANGER_PORT = 300
     """The ingress port of a datagram from no worker's address (in the CPU port's pipe)."""
 
-    def __init__(self, program: Program | None = None, delay: int = 0):
+    def __init__(self, program: Program | None = None, delay: int = 0, lose: float = 0.0,
+                 seed: int = 0):
         self.p = program or Program(preprocess())
         self.delay = delay
         """Packets whose pass 0 runs before a packet's passes after pass 0 (0: at once)."""
+        self.lose, self.loss_rng = lose, random.Random(seed)
+        """The chance that one of a packet's passes after pass 0 is lost on the recirculation
+        port (with ``delay``): the passes before it come round, the rest never do."""
+        self.lost = 0
+        """Passes lost (one a packet at most)."""
         self.going_round: deque = deque()
         self.regs, self.counters, self.installed = {}, Counter(), {}
         self.macs: dict[tuple[str, int], int] = {}
@@ -120,7 +127,8 @@ class TnaEngine:
         if later is not None:
             self.going_round.append(later)
         while len(self.going_round) > self.delay:
-            replies = replies + self.going_round.popleft()()
+            lost = self.loss_rng.random() < self.lose
+            replies = replies + self.going_round.popleft()(lost)
         return replies, reason
 
     def _frame(self, frame: bytes, port: int, now: float):
@@ -143,7 +151,7 @@ class TnaEngine:
             self._to_recirculation(f, port)
             if f.get("meta.bridge.hdr_only", 0):
                 self._header_only(f)
-            return [], reason, lambda: self._round(f, frame, tstamp, port)
+            return [], reason, lambda lost=False: self._round(f, frame, tstamp, port, lost)
         if f.get("meta.bridge.is_reply", 0):
             if (f.get("ig_tm_md.ucast_egress_port", 0), f.get("ig_tm_md.mcast_grp_a", 0)) \
                     != (port, 0):
@@ -161,9 +169,19 @@ class TnaEngine:
             raise AssertionError(f"a pass going round leaves by (port, queue, group) {got}, "
                                  f"not ({want}, 0, 0)")
 
-    def _round(self, f: dict, frame: bytes, tstamp: int, port: int) -> list:
+    def _round(self, f: dict, frame: bytes, tstamp: int, port: int, lost: bool = False) -> list:
         """The passes after pass 0 (pass 1 parses what pass 0's deparser emitted: its bridge
-        header, then its valid headers), then the last pass's replies."""
+        header, then its valid headers), then the last pass's replies. ``lost``: one of
+        them, picked at random, is lost and the passes after it never run."""
+        hdr_only = f.get("meta.bridge.hdr_only", 0)
+        until = None
+        if lost:
+            total = 1 if hdr_only or f.get("meta.bridge.is_max", 0) else \
+                4 if f.get("meta.bridge.wide", 0) else 2
+            until = self.loss_rng.randrange(total)
+            self.lost += 1
+            if until == 0:
+                return []
         self._egress_reads(f)
         f1 = self._pass(self._deparsed(f), f["ig_tm_md.ucast_egress_port"], tstamp)
         if "meta.bridge" not in f1["valid"]:
@@ -171,16 +189,22 @@ class TnaEngine:
         if f.get("meta.bridge.in_port", 0) != port:
             raise AssertionError(f"pass 0 bridged in_port {f.get('meta.bridge.in_port', 0)}, "
                                  f"the packet came in at {port}: a reply would go there")
-        sent = b"" if f.get("meta.bridge.hdr_only", 0) else self._lanes(f, frame)
+        sent, passes = b"", 0
+        if not hdr_only:
+            walk = self._lanes(f, frame, until)
+            if walk.last is None:
+                return []
+            sent, passes = walk.payload, self._last_pass(f, walk.last)
         if not f.get("meta.bridge.reply", 0):
             return []
-        if f.get("meta.bridge.hdr_only", 0):   # pass 1 sends it, its header as it left
+        if hdr_only:   # pass 1 sends it, its header as it left
             f = dict(f, **{k: v for k, v in f1.items() if k.startswith("hdr.thc.")})
         grp = f.get("meta.bridge.mcast_grp", 0)
-        # the last pass's bridge header: new (zeros), is_reply set (its branch is held to its
-        # text: tests/tna/words.py); its packet's headers are those pass 0 emitted
+        # the last pass's bridge header: new (zeros), is_reply set and its use's last passes
+        # (its branch is held to its text: tests/tna/words.py); its packet's headers are
+        # those pass 0 emitted
         last = {k: v for k, v in f.items() if not k.startswith(("meta.bridge.", "meta.p1."))}
-        last["meta.bridge.is_reply"] = 1
+        last["meta.bridge.is_reply"], last["meta.bridge.passes"] = 1, passes
         last["valid"] = f["valid"] - {"meta.p1"} | {"meta.bridge"}
         return self._replies(last, self.mcast.get(grp, []) if grp else [0], sent)
 
@@ -237,15 +261,28 @@ class TnaEngine:
                                  f"{frame[:FRAME_HEADERS].hex()}")
         return udp[UDP_HEADER_BYTES:], dest
 
-    def _lanes(self, f: dict, frame: bytes) -> bytes:
+    def _lanes(self, f: dict, frame: bytes, until: int | None = None):
         """The adding passes of a packet pass 0 sent round (tests/tna/passes.py), from the
-        bridge header it wrote, with the words' registers: the payload the last pass
-        sends."""
+        bridge header it wrote, with the words' registers (``until``: the passes that come
+        round before one is lost)."""
         p1 = {k[len("meta.bridge."):]: v for k, v in f.items() if k.startswith("meta.bridge.")}
         job = self.jobs[f["meta.job_index"]]
         if p1.get("lut_job", 0) != self.p.consts["THC_TNA_NO_LUT"][0]:
             assert p1["lut_job"] == f["meta.job_index"], "a lookup of another job's entries"
-        return passes(job, p1, frame[FRAME_HEADERS:], self.rng, self.words).payload
+        return passes(job, p1, frame[FRAME_HEADERS:], self.rng, self.words, until=until)
+
+    def _last_pass(self, f: dict, p1: dict) -> int:
+        """The last pass's count of its use's last passes (thc_current_op through pass 1's
+        address fields, thc_passes_op; on the bridge header it read and the headers pass 0
+        emitted), which it bridges to egress."""
+        m = Machine(self.p, self.regs, self.counters, self.installed)
+        m.f = {k: v for k, v in f.items() if k.startswith("hdr.")}
+        m.f.update({"meta.p1." + k: v for k, v in p1.items()})
+        m.valid = set(f["valid"]) | {"meta.p1", "meta.bridge"}
+        m.action("thc_detail_index", [])
+        m.apply_table("thc_current_op")
+        m.apply_table("thc_passes_op")
+        return m.f.get("meta.bridge.passes", 0)
 
     def _deparsed(self, f: dict) -> bytes:
         """The headers a pass's ingress deparser emits (tests/tna/lanes.py's DEPARSE order;
@@ -277,6 +314,10 @@ class TnaEngine:
             got = f.get("meta.bridge." + name, 0)
             if got != value:
                 raise AssertionError(f"a header-only pass 1 with bridge {name} {got}, not {value}")
+
+    def withheld(self) -> int:
+        """RESULT copies egress withheld (thc_lost_passes): a pass of their use was lost."""
+        return self.counters["thc_lost_passes", 0]
 
     def drops(self) -> Counter:
         """thc_drops by reason name, as the model's ``drops``."""

@@ -24,18 +24,22 @@ from thc.controller.targets import tofino
 @dataclass
 class Walk:
     """A packet through the adding passes: each pass's parser state and quarter, and the
-    payload the last pass sends (without registers: one worker's lookup values)."""
+    payload the last pass sends (without registers: one worker's lookup values) and the
+    bridge header it read (None where a pass was lost before it)."""
     passes: list[str] = field(default_factory=list)      # the parser state of each pass
     quarters: list[int] = field(default_factory=list)
     payload: bytes = b""
+    last: dict | None = None
 
 
-def passes(job, p1: dict, data: bytes, rng, words=None, parallel: bool = True) -> Walk:
+def passes(job, p1: dict, data: bytes, rng, words=None, parallel: bool = True,
+           until: int | None = None) -> Walk:
     """A packet of ``job`` through pass 0's parser (and a vote DATA's spread), the egress
     between passes and every adding pass, from the bridge header ``p1`` pass 0 wrote, with
     the words' registers if given (tests/tna/words.py) and the pass round the program
     writes; undefined bits start random. ``data``: the DATA's indices or sign bits, a MAX's
-    lanes, or none."""
+    lanes, or none. ``until``: the passes that come round before one is lost (the words
+    hold what they added; no last pass)."""
     text = words.text if words is not None else None
     shift, next_keys, next_entries, size = pass_rules(text)
     c = consts(text)
@@ -94,7 +98,9 @@ def passes(job, p1: dict, data: bytes, rng, words=None, parallel: bool = True) -
         valid -= {("cur", i) for i in range(constant("THC_TNA_OCTS"))}
         packet = emit(phv, valid, order) + behind
         if p1.get("last", 0):
-            out.payload = packet
+            out.payload, out.last = packet, p1
+            return out
+        if until is not None and len(out.passes) >= until:
             return out
         key = tuple(p1.get(k, 0) for k in next_keys)
         args = next((a for cells, a in next_entries if cells == key), None)

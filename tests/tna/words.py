@@ -31,6 +31,8 @@ SLOT_STATE = tuple(re.escape(s) for s in SLOT_ORDER)
 """The adding passes' slot-state statements (p4text.PASS1, which tests/tna/interp.py runs),
 in the program's order."""
 BRANCH = (*SLOT_STATE,
+          r"thc_current_op\.apply\(\);",
+          r"thc_passes_op\.apply\(\);",
           r'#include "generated/thc_tna_luts_apply\.p4"',
           r'#include "generated/thc_tna_words_apply\.p4"',
           r"if \(meta\.p1\.payload != THC_PAY_MAX && meta\.p1\.hdr_only == 0\) \{\s*"
@@ -43,11 +45,13 @@ BRANCH = (*SLOT_STATE,
           r"ig_tm_md\.ucast_egress_port = meta\.p1\.in_port;\s*\}\s*"
           r"meta\.p1\.setInvalid\(\);\s*\}",
           r"else \{\s*meta\.p1\.setInvalid\(\);\s*ig_dprsr_md\.drop_ctl = 1;\s*\}")
-"""The adding passes' branch, all of it, in this order: the slot state, lookups, words,
-this pass's sums made valid where it has sums, its indices dropped, the pass round; the
-last pass sends to pass 0's multicast group, or to the port pass 0 heard the packet on, or
-drops it (consumed). passes.passes and pass0.TnaEngine run it so; a statement anywhere
-else in it would run on a Tofino and not here, so the check refuses one."""
+"""The adding passes' branch, all of it, in this order: the slot state, the last pass's check
+that its use is the current one and its count of the use's last passes
+(pass0.TnaEngine._last_pass), lookups, words, this pass's sums made valid where it has sums,
+its indices dropped, the pass round; the last pass sends to pass 0's multicast group, or to
+the port pass 0 heard the packet on, or drops it (consumed). passes.passes and
+pass0.TnaEngine run it so; a statement anywhere else in it would run on a Tofino and not
+here, so the check refuses one."""
 INCLUDED = {
     "thc_tna_luts_apply.p4": lambda words, octs: [f"thc_w{w:02d}_lut_{h}.apply();"
                                                  for w in range(words) for h in (0, 1)],
