@@ -9,8 +9,9 @@
   l2_misses          index 0: non-THC frames without an l2_forward entry
   thc_dscp_unknown   index 0: IPv4 packets whose DSCP is neither 0 nor a priority class
                      (protocol.json ``priority_dscp``): forwarded best effort
-  thc_lost_passes    index 0 (Tofino): copies of a RESULT that egress withheld because a
-                     pass of its use was lost on the recirculation port
+  thc_lost_passes    index 0 (Tofino): copies of a RESULT that egress withheld: a pass of
+                     its use was lost on the recirculation port, or the RESULT is a late
+                     pass's of a use that another opening replaced
 """
 from __future__ import annotations
 

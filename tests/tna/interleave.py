@@ -282,7 +282,14 @@ class Interleaving:
                     self.stats["late passes: chunks with a result"] += (
                         (hdr.run, hdr.seq) not in self.answered)
                     self.answered.add((hdr.run, hdr.seq))
-            wrong = wrong_sum(self.job, got[0], lanes_of)
+            # a use opened again while its passes went round (docs/switch.md: an idle job
+            # taken by another run and back within one recirculation) is not checked
+            checked = [(r, d) for r, d in got[0]
+                       if (P.Header.unpack(r[:P.HEADER_BYTES]).run,
+                           P.Header.unpack(r[:P.HEADER_BYTES]).seq) not in self.tna.reopened]
+            self.stats["late passes: replies of a use opened again, not checked"] += (
+                len(got[0]) - len(checked))
+            wrong = wrong_sum(self.job, checked, lanes_of)
             if wrong:
                 last = "\n    ".join(self.history[-12:])
                 raise Difference(f"packet {len(self.history)}: {wrong}\n  last packets:\n"
@@ -363,8 +370,12 @@ def fuzz(prog: Program, seed: int, cases: int = CASES, steps: int = STEPS, first
         except Difference as e:
             return stats, f"seed {seed} case {case} ({il.config}): {e}"
         finally:
-            stats["late passes: passes lost"] += il.tna.lost
-            stats["late passes: RESULT copies withheld"] += il.tna.withheld()
+            tna = il.tna
+            stats["late passes: passes lost"] += tna.lost
+            lost = sum(n for use, n in tna.withheld_uses.items() if use in tna.lost_uses)
+            stats["late passes: RESULT copies withheld, a pass of their use lost"] += lost
+            stats["late passes: RESULT copies withheld, a late pass of a use moved on"] += (
+                tna.withheld() - lost)
     return stats, None
 
 

@@ -73,7 +73,16 @@ class TnaEngine:
         port (with ``delay``): the passes before it come round, the rest never do."""
         self.lost = 0
         """Passes lost (one a packet at most)."""
+        self.lost_uses: set[tuple[int, int]] = set()
+        """(run, seq) of the uses a packet of which lost a pass."""
+        self.reopened: set[tuple[int, int]] = set()
+        """(run, seq) of the uses opened again while a pass of theirs went round: an idle
+        job taken by another run and back within one recirculation (docs/switch.md)."""
         self.going_round: deque = deque()
+        """((slot version, run, seq), the passes after pass 0) of each packet going round."""
+        self.clock, self.pending = None, []
+        self.withheld_uses: Counter = Counter()
+        """RESULT copies egress withheld, by (run, seq)."""
         self.regs, self.counters, self.installed = {}, Counter(), {}
         self.macs: dict[tuple[str, int], int] = {}
         self.ports: dict[tuple[str, int], int] = {}
@@ -88,6 +97,7 @@ class TnaEngine:
         counted in thc_resets, which reset_pool waits for), its counters cleared, then the
         worker entries."""
         rec, cpu_port = _Recorder(), self.p.consts["THC_TNA_CPU_PORT"][0]
+        self.pending += self.settle()   # milliseconds of writes: every pass is back
         job_key = self.p.tables[names.WORKER_TABLE]["key_names"].index("job_id")
         self.installed[names.WORKER_TABLE] = [e for e in self.installed.get(names.WORKER_TABLE, [])
                                               if e[0][job_key][0] != job.job_id]
@@ -123,13 +133,34 @@ class TnaEngine:
         port = self.ports.get(tuple(src), self.STRANGER_PORT)
         if not self.delay:
             return self._frame(frame, port, now)
-        replies, reason, later = self._pass0(frame, port, now)
+        # a pass takes microseconds: when time moves on, every pass going round is back
+        replies = self.settle() if now != self.clock else []
+        replies, self.pending, self.clock = self.pending + replies, [], now
+        sent, reason, later = self._pass0(frame, port, now)
         if later is not None:
-            self.going_round.append(later)
+            f = later.f
+            use = (f.get("meta.reg_index", 0), f.get("hdr.thc.run", 0), f.get("hdr.thc.seq", 0))
+            if f.get("meta.bridge.new_use", 0) and any(k == use for k, _ in self.going_round):
+                self.reopened.add(use[1:])
+            self.going_round.append((use, later))
+        replies += sent
         while len(self.going_round) > self.delay:
-            lost = self.loss_rng.random() < self.lose
-            replies = replies + self.going_round.popleft()(lost)
+            replies += self._come_round()
         return replies, reason
+
+    def settle(self) -> list:
+        """Every pass going round comes round (or is lost): their replies."""
+        replies = []
+        while self.going_round:
+            replies += self._come_round()
+        return replies
+
+    def _come_round(self) -> list:
+        use, later = self.going_round.popleft()
+        lost = self.loss_rng.random() < self.lose
+        if lost:
+            self.lost_uses.add(use[1:])
+        return later(lost)
 
     def _frame(self, frame: bytes, port: int, now: float):
         replies, reason, later = self._pass0(frame, port, now)
@@ -151,7 +182,10 @@ class TnaEngine:
             self._to_recirculation(f, port)
             if f.get("meta.bridge.hdr_only", 0):
                 self._header_only(f)
-            return [], reason, lambda lost=False: self._round(f, frame, tstamp, port, lost)
+            def later(lost: bool = False) -> list:
+                return self._round(f, frame, tstamp, port, lost)
+            later.f = f
+            return [], reason, later
         if f.get("meta.bridge.is_reply", 0):
             if (f.get("ig_tm_md.ucast_egress_port", 0), f.get("ig_tm_md.mcast_grp_a", 0)) \
                     != (port, 0):
@@ -227,6 +261,7 @@ class TnaEngine:
         thc_worker_addr entries (a replica's rid, 0 for a unicast), its deparser. Each frame
         goes where its IPv4 and UDP headers say, and must be one a worker's stack takes."""
         replies, packet = [], self._deparsed(f) + sent
+        before = self.withheld()
         for rid in rids:
             m = Machine(self.p.egress, {}, self.counters, self.installed)
             m.packet, m.f = packet, {"eg_intr_md.egress_rid": rid}
@@ -236,6 +271,8 @@ class TnaEngine:
                 continue
             m.run(self.p.egress.deparse)
             replies.append(self._delivered(m.emitted() + packet[m.at // 8:]))
+        use = (f.get("hdr.thc.run", 0), f.get("hdr.thc.seq", 0))
+        self.withheld_uses[use] += self.withheld() - before
         return replies
 
     def _delivered(self, frame: bytes) -> tuple[bytes, tuple[str, int]]:
