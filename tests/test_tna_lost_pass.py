@@ -3,8 +3,10 @@ the program's own text (tests/tna/) counts the worker in pass 0 and never adds i
 real clients on loopback get what it sends. Its last passes are counted (thc_passes), and
 egress withholds the RESULT whose count that is not, and every copy answering a
 retransmission (thc_lost_passes): neither worker takes a sum that lacks the other's values,
-and both rounds end in a timeout. tests/tna/interleave.py's ``--lose`` loses passes
-at random against the oracle."""
+and both rounds end in a timeout. Then out-of-step workers that open a use while the passes of
+the one before still go round, one pass lost: the guards that keep those passes from
+counting, each shown failing. tests/tna/interleave.py's ``--lose`` loses passes at random
+against the oracle."""
 from __future__ import annotations
 
 import shutil
@@ -19,7 +21,11 @@ if shutil.which("cpp") is None:
     pytest.skip("cpp (the C preprocessor) is not installed: reading thc_tna.p4 needs it for "
                 "its #includes and macros", allow_module_level=True)
 
-from tests.tna.interleave import TABLE
+from tests.tna.interleave import (FIRST_RUN, JOB_ID, TABLE, T, addr, lanes_of, make_job,
+                                  nonce_of)
+from tests.tna.interp import Program
+from tests.tna.oracle import wrong_sum
+from tests.tna.p4text import P4SRC, preprocess
 from tests.tna.pass0 import TnaEngine
 from thc.codec.packing import pack_bits
 from thc.net.client import AggregationClient, AggregationTimeout
@@ -95,3 +101,50 @@ def test_a_lost_pass_withholds_the_sum(datapath):
         assert isinstance(out[w], AggregationTimeout), out[w]
         assert out[w, "rejected"] == 0
     assert engine.withheld() >= 2 + 2, engine.withheld()   # the multicast, a retransmission each
+
+
+OUT_OF_STEP = {
+    "the program": None,
+    "a late ADD of the use before counted": (
+        "(1, THC_OP_ADD, 0, 0): NoAction();", "(1, THC_OP_ADD, 0, 0): thc_passes_join();"),
+    "a late opener's WRITE of the use before counted": (
+        "(1, THC_OP_WRITE, 0, 0): NoAction();", "(1, THC_OP_WRITE, 0, 0): thc_passes_join();"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(OUT_OF_STEP))
+def test_a_use_opened_under_the_passes_of_the_one_before(name):
+    """Out of step: right after an install (every use acknowledged) both workers send seq 0
+    and then seq 2, the same slot version, while seq 0's passes still go round, and the pass
+    of the packet that opened seq 2 is lost. The last passes of seq 0 must not count for
+    seq 2 (thc_current_op): the program withholds seq 2's RESULT; a copy that counts either
+    of them (thc_passes_op's entries for another use) sends a sum that lacks worker 0's
+    lanes."""
+    text = (P4SRC / "thc_tna.p4").read_text()
+    if OUT_OF_STEP[name]:
+        old, new = OUT_OF_STEP[name]
+        assert text.count(old) == 1, f"{name}: the entry is no longer in the program"
+        text = text.replace(old, new)
+    engine = TnaEngine(Program(preprocess(text), raw=text), delay=100)
+    job = make_job(2, 1)
+    engine.install(job, job.new_epoch(nonce=5), now=1000.0)
+    replies = []
+    for seq in (0, 2):
+        for w in (0, 1):
+            d = P.Header(T["DATA"], w, JOB_ID, 0, seq % 2, 0, seq, seq * P.LANES, 0,
+                         FIRST_RUN, nonce_of(w, FIRST_RUN)).pack() + lanes_of(
+                "DATA", w, FIRST_RUN, seq)
+            got, reason = engine.handle(d, addr(w), 1000.0)
+            assert reason is None, (seq, w, reason)
+            replies += got
+    opener = next(i for i, (use, _) in enumerate(engine.going_round) if use[2] == 2)
+    del engine.going_round[opener]   # seq 2's opener: its pass lost on the recirculation port
+    replies += engine.settle()
+    wrong = wrong_sum(job, replies, lanes_of)
+    results = {P.Header.unpack(r).seq for r, _ in replies if r[0] == T["RESULT"]}
+    if OUT_OF_STEP[name] is None:
+        assert wrong is None, wrong
+        # seq 0's too: its last passes come round after the workers moved past its use
+        assert results == set() and engine.withheld() == 4, (results, engine.withheld())
+    else:
+        assert wrong is not None and "seq 2 " in wrong, (name, results, wrong)
