@@ -284,9 +284,9 @@ class Interleaving:
                     self.answered.add((hdr.run, hdr.seq))
             # a use opened again while its passes went round (docs/switch.md: an idle job
             # taken by another run and back within one recirculation) is not checked
-            checked = [(r, d) for r, d in got[0]
-                       if (P.Header.unpack(r[:P.HEADER_BYTES]).run,
-                           P.Header.unpack(r[:P.HEADER_BYTES]).seq) not in self.tna.reopened]
+            uses = [P.Header.unpack(r[:P.HEADER_BYTES]) for r, _ in got[0]]
+            checked = [reply for reply, h in zip(got[0], uses)
+                       if (h.run, h.seq) not in self.tna.reopened]
             self.stats["late passes: replies of a use opened again, not checked"] += (
                 len(got[0]) - len(checked))
             wrong = wrong_sum(self.job, checked, lanes_of)

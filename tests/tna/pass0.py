@@ -353,7 +353,8 @@ class TnaEngine:
                 raise AssertionError(f"a header-only pass 1 with bridge {name} {got}, not {value}")
 
     def withheld(self) -> int:
-        """RESULT copies egress withheld (thc_lost_passes): a pass of their use was lost."""
+        """RESULT copies egress withheld (thc_lost_passes): a pass of their use was lost, or
+        they come from a late pass of a use another opening replaced."""
         return self.counters["thc_lost_passes", 0]
 
     def drops(self) -> Counter:
