@@ -99,6 +99,7 @@ def test_a_lost_pass_withholds_the_sum(datapath):
     # retransmissions of both workers, each counted
     for w in (0, 1):
         assert isinstance(out[w], AggregationTimeout), out[w]
+        assert "withholding the chunk's result" in str(out[w]), out[w]   # named as a cause
         assert out[w, "rejected"] == 0
     assert engine.withheld() >= 2 + 2, engine.withheld()   # the multicast, a retransmission each
 

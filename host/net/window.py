@@ -186,6 +186,12 @@ def raise_short(end: Endpoint, rnd: Round, i: int, count: int, bitmap: int):
                             end.loss_bound, rnd.short_cap(end), len(rnd.chunks))
 
 
+WITHHELD = ("a switch withholding the chunk's result because one of its recirculated passes "
+            "was lost (`thc controller counters`: lost_passes)")
+"""A Tofino answers nothing for such a chunk, neither the result nor its retransmissions':
+to a worker that looks like silence (docs/switch.md, "What recirculation adds")."""
+
+
 def raise_timeout(end: Endpoint, rnd: Round, i: int, bitmap: int | None, silent: float = 0.0,
                   rejected: int = 0, unanswered: int = 0, taken: int = 0):
     """Name the cause of chunk ``i``'s timeout from the evidence of its own shard (one
@@ -231,6 +237,7 @@ def raise_timeout(end: Endpoint, rnd: Round, i: int, bitmap: int | None, silent:
         if end.epochs[shard] is None:
             causes.append(f"not serving job {job.job_id} with this worker's address{lanes} "
                           f"and pool {job.pool_size}")
+        causes.append(WITHHELD)
         hint = (f" ({', '.join(causes[:-1])}, or {causes[-1]})" if len(causes) > 2 else
                 f" ({' or '.join(causes)})")
         elsewhere = end.stats.elsewhere - rnd.elsewhere
@@ -250,9 +257,9 @@ def raise_timeout(end: Endpoint, rnd: Round, i: int, bitmap: int | None, silent:
                                  shard)
     if quiet:
         raise AggregationTimeout(f"{at}; {who} at {ip}:{port} stopped answering "
-                                 f"{silent:.1f}s ago (down, unreachable, or restarted and "
-                                 f"not yet serving this job): start a new run once it is "
-                                 f"back", None, shard)
+                                 f"{silent:.1f}s ago (down, unreachable, restarted and "
+                                 f"not yet serving this job, or {WITHHELD}): start a new run "
+                                 f"once it is back", None, shard)
     held, bitmap = bitmap >> 32, bitmap & 0xFFFFFFFF
     missing = [w for w in range(job.n_workers) if not bitmap >> w & 1]
     got = [w for w in range(job.n_workers) if bitmap >> w & 1]
