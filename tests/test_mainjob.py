@@ -75,6 +75,12 @@ def test_time_to_accuracy_summary_names_the_winner():
     assert s["verdict"].startswith("FP32 stopped at the time limit")
     assert s["target_fp32_minus_1pt"] is None
     assert all(r["speedup"] is None for r in s["rows"])
+    # FP32 at chance (two steps of a quick run): a mode "sooner" to chance wins nothing
+    s = summarize([_run_of("fp32", [(10, 0.1056)]), _run_of("thc", [(7, 0.1056)])], 0.8)
+    assert s["verdict"].startswith("FP32 ended at 0.1056, below twice chance (0.2): it did "
+                                   "not learn in 1 steps"), s["verdict"]
+    assert s["target_fp32_minus_1pt"] is None
+    assert all(r["speedup"] is None for r in s["rows"])
 
 
 def test_deadline_stops_every_rank_after_the_same_step_and_evaluates():

@@ -4,7 +4,7 @@ Every fenced block of README.md is checked. A ``python`` block carries a label i
 above it (``<!-- example: NAME -->``, or ``<!-- example: NAME, needs: bmv2 -->`` for one
 that needs a switch) and has a check here: the blocks run in order in one namespace, each
 followed by its check; the test provides only what the prose assumes (a running central
-aggregator and its cluster.json, a gradient ``grad``, a model in a one-process DDP group, a
+aggregator and its central.json, a gradient ``grad``, a model in a one-process DDP group, a
 BMv2 switch at the address the prose names). A ``json`` block is a cluster file and must
 load. In an ``sh`` block every ``thc``, ``python -m`` and ``torchrun`` line must parse with
 the command's own parser (``thc table`` and ``--help`` lines also run), every ``make``
@@ -152,7 +152,7 @@ def test_python_examples_run(tmp_path, monkeypatch):
     ran = []
     with Aggregator([job]) as agg:
         host, port = agg.start()
-        Cluster(jobs=(job,), agg_ip=host, agg_port=port).save(tmp_path / "cluster.json")
+        Cluster(jobs=(job,), agg_ip=host, agg_port=port).save(tmp_path / "central.json")
         monkeypatch.chdir(tmp_path)
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_tcp_port()}",
                                 rank=0, world_size=1)

@@ -45,3 +45,10 @@ def test_every_flag_names_its_variable_in_its_help():
     settings.add_arguments(parser, *settings.FLAGS)
     text = parser.format_help()
     assert all(settings.ENV[name] in text for name in settings.FLAGS)
+
+
+def test_the_described_data_folder_says_when_it_is_absent(tmp_path):
+    there = settings.from_args(argparse.Namespace(), {"THC_FASHION_MNIST": str(tmp_path)})
+    assert there.describe().endswith(f"Fashion-MNIST {tmp_path}")
+    gone = settings.from_args(argparse.Namespace(), {"THC_FASHION_MNIST": str(tmp_path / "x")})
+    assert gone.describe().endswith(f"Fashion-MNIST {tmp_path / 'x'} (absent)")

@@ -13,8 +13,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpu-codec", metavar="CODEC_JSON", default=None,
                         help="break-even bandwidths of 25M-, 100M- and 350M-parameter models "
                              "at the codec speed measured in this `thc bench codec --device "
-                             "cuda --json` report (with --workers, --latency-us, --compute-ms, "
-                             "--overlap)")
+                             "cuda --json` or `thc bench hook --json` report (with --workers, "
+                             "--latency-us, --compute-ms, --overlap)")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -81,7 +81,8 @@ class Settings:
         gso = "auto" if self.client_gso is None else ("on" if self.client_gso else "off")
         parts = [f"client datapath {self.client_datapath}", f"client GSO {gso}",
                  f"aggregator datapath {self.aggregator_datapath}",
-                 f"codec CPU {self.codec_cpu}", f"Fashion-MNIST {self.fashion_mnist}"]
+                 f"codec CPU {self.codec_cpu}", f"Fashion-MNIST {self.fashion_mnist}"
+                 + ("" if os.path.isdir(self.fashion_mnist) else " (absent)")]
         return "settings: " + ", ".join(parts)
 
 
