@@ -35,7 +35,11 @@ def test_main_job_runs_and_reports(tmp_path):
     sent = runs["thc"]["history"][-1]["transport"]["sent"]
     assert sent > 0 and runs["fp32"]["history"][-1]["transport"] is None
     summary = report["summary"]
-    assert summary["target_fp32_minus_1pt"] == runs["fp32"]["final_accuracy"] - 0.01
+    if runs["fp32"]["final_accuracy"] >= 0.2:
+        assert summary["target_fp32_minus_1pt"] == runs["fp32"]["final_accuracy"] - 0.01
+    else:   # 8 steps may leave it near chance: then no target, and it says why
+        assert summary["target_fp32_minus_1pt"] is None
+        assert summary["verdict"].startswith("FP32 ended at"), summary["verdict"]
     assert {row["mode"] for row in summary["rows"]} == set(runs)
     assert summary["verdict"] in out.stdout
     assert (tmp_path / "mainjob.png").stat().st_size > 10_000
