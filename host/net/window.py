@@ -237,7 +237,8 @@ def raise_timeout(end: Endpoint, rnd: Round, i: int, bitmap: int | None, silent:
         if end.epochs[shard] is None:
             causes.append(f"not serving job {job.job_id} with this worker's address{lanes} "
                           f"and pool {job.pool_size}")
-        causes.append(WITHHELD)
+        if not job.shards:      # shards are software aggregators
+            causes.append(WITHHELD)
         hint = (f" ({', '.join(causes[:-1])}, or {causes[-1]})" if len(causes) > 2 else
                 f" ({' or '.join(causes)})")
         elsewhere = end.stats.elsewhere - rnd.elsewhere
@@ -257,9 +258,11 @@ def raise_timeout(end: Endpoint, rnd: Round, i: int, bitmap: int | None, silent:
                                  shard)
     if quiet:
         raise AggregationTimeout(f"{at}; {who} at {ip}:{port} stopped answering "
-                                 f"{silent:.1f}s ago (down, unreachable, restarted and "
-                                 f"not yet serving this job, or {WITHHELD}): start a new run "
-                                 f"once it is back", None, shard)
+                                 f"{silent:.1f}s ago (down, unreachable"
+                                 + (", or restarted and not yet serving this job" if job.shards
+                                    else f", restarted and not yet serving this job, or "
+                                    f"{WITHHELD}") + "): start a new run once it is back",
+                                 None, shard)
     held, bitmap = bitmap >> 32, bitmap & 0xFFFFFFFF
     missing = [w for w in range(job.n_workers) if not bitmap >> w & 1]
     got = [w for w in range(job.n_workers) if bitmap >> w & 1]
