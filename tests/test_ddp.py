@@ -510,15 +510,15 @@ def test_a_reducer_build_that_failed_once_on_one_rank_is_built_again_on_every_ra
         assert res[rank][1:] == ["ok"] * 3, res
 
 
-def _two_hooks_worker(rank, port, q, kind="thc", unlike=False):
-    """Two models, each with a hook of ``kind`` on the one group; in step 2 rank 1 runs B's
-    backward before A's: each step's outcome on this rank, and the hooks' indices.
+def _two_hooks_worker(rank, port, q, kind="thc", unlike=False, swap_at=2):
+    """Two models, each with a hook of ``kind`` on the one group; in step ``swap_at`` rank 1
+    runs B's backward before A's: each step's outcome on this rank, and the hooks' indices.
     ``unlike``: B has 8 outputs, A 4, and their biases stay FP32."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from thc.codec.params import THCParams
     from thc.collective.allreduce import THCAllReduce
-    from thc.collective.ddp import HookOptions, THCHook, TopKHook
+    from thc.collective.ddp import FP32Hook, HookOptions, THCHook, TopKHook
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=2, timeout=timedelta(seconds=20))
     models = [_model(), _model()]
@@ -530,6 +530,8 @@ def _two_hooks_worker(rank, port, q, kind="thc", unlike=False):
         hooks = [THCHook(m, lambda group: THCAllReduce.through_torch_distributed(
             group, params=THCParams(slice_size=256), generator=rank), opts, overlap=False)
             for m in models]
+    elif kind == "fp32":
+        hooks = [FP32Hook(m, opts, overlap=False) for m in models]
     else:
         hooks = [TopKHook(m, ratio=0.25, options=opts, overlap=False) for m in models]
     for hook, d in zip(hooks, ddps):
@@ -539,12 +541,13 @@ def _two_hooks_worker(rank, port, q, kind="thc", unlike=False):
         x, y = _data(rank)
         losses = [torch.nn.functional.cross_entropy(d(x), y) * scale
                   for d, scale in zip(ddps, (1, 100))]
-        try:
-            for loss in (losses[::-1] if step == 2 and rank == 1 else losses):
+        errors = []
+        for loss in (losses[::-1] if step == swap_at and rank == 1 else losses):
+            try:   # both backwards on every rank: DDP's next forward needs both
                 loss.backward()
-            out.append("ok")
-        except RuntimeError as e:
-            out.append(str(e))
+            except RuntimeError as e:
+                errors.append(str(e))
+        out.append(" | ".join(errors) or "ok")
     q.put((rank, (out, [h.index for h in hooks])))
     dist.destroy_process_group()
 
@@ -561,6 +564,17 @@ def test_two_hooks_on_one_group_never_pair_each_others_rounds(kind, unlike):
         out, indices = res[rank]
         assert out[:2] == ["ok", "ok"] and indices == [("0", 0), ("0", 1)], res
         assert "which reducer it is" in out[2], res
+
+
+def test_two_fp32_hooks_on_one_group_never_pair_each_others_first_buckets():
+    """A bucket's check named the hook's kind and spans, not which hook: two models of one
+    layout whose backwards ran in another order on rank 1 paired A's gradient with B's, a
+    mean taken on every rank. (FP32Hook checks a bucket's first reduction only, as DDP's own
+    all-reduce checks none.)"""
+    res = gloo_pair(functools.partial(_two_hooks_worker, kind="fp32", swap_at=0))
+    for rank in (0, 1):
+        out, _ = res[rank]
+        assert "which of the hooks built on the group it is" in out[0], res
 
 
 def _refused_then_on_worker(rank, port, q):
@@ -805,7 +819,7 @@ def test_ranks_unlike_in_a_hooks_settings_or_their_run_ids_all_raise_at_once():
     and no error named the cause."""
     res = gloo_pair(functools.partial(_unlike_settings_worker, free_port_block(3)))
     refused = "failed before this round's collectives"
-    expected = {"overlap": ("differ in the hook's overlap", "differ in the hook's overlap"),
+    expected = {"overlap": ("overlap, comm_group or nonfinite",) * 2,
                 "comm_group": (refused, "overlaps backward runs its collectives on a group"),
                 "nonfinite": ("nonfinite must be one of", refused),
                 "run": ("different run ids (rank 0: 7, rank 1: none)",) * 2,
@@ -952,3 +966,64 @@ def test_a_hook_refuses_a_ddp_group_of_other_ranks_another_model_and_sparse_grad
         assert "process group is the hook's own" in shared, shared
         assert "built for another model" in model, model
         assert "sparse gradient" in sparse, sparse
+
+
+def _out_of_step_worker(rank, port, q, kind, alone):
+    """Four DDP steps with ``kind``'s hook; in step 1 rank 0 runs under ``no_sync`` (``alone``)
+    or both ranks do (gradient accumulation): each step's outcome on this rank, and each
+    synced step's gradient of the first weight."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from thc.codec.params import THCParams
+    from thc.collective.allreduce import THCAllReduce
+    from thc.collective.ddp import MarsitHook, THCHook, TopKHook
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2, timeout=timedelta(seconds=20))
+    model = _model()
+    ddp = DDP(model)
+    gen = torch.Generator().manual_seed(rank)
+    if kind == "thc":
+        THCHook(model, lambda group: THCAllReduce.through_torch_distributed(
+            group, params=THCParams(seed=3), generator=gen), overlap=False).register(ddp)
+    elif kind == "topk":
+        TopKHook(model, overlap=False).register(ddp)
+    else:
+        MarsitHook(model, overlap=False, generator=gen).register(ddp)
+    out = []
+    for step in range(4 if rank == 0 or not alone else 3):
+        x, y = _data(rank * 10 + step)
+        try:
+            if step == 1 and (rank == 0 or not alone):
+                with ddp.no_sync():
+                    torch.nn.functional.cross_entropy(ddp(x), y).backward()
+                out.append("accumulated")
+                continue
+            torch.nn.functional.cross_entropy(ddp(x), y).backward()
+            out.append("ok")
+        except (ValueError, RuntimeError) as e:
+            out.append(str(e))
+        model.zero_grad(set_to_none=True)
+    q.put((rank, out))
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_rank_a_whole_step_out_of_step_is_refused_by_every_rank(kind):
+    """Each reducer counted its own rounds: rank 0 running step 1 under no_sync alone kept
+    every reducer in step with its peer's while pairing rank 0's steps 1+2 with rank 1's
+    step 1, and every later step with the step before, each taken as a sum. Rounds now count
+    the DDP model's training forwards (``_Hook._forwards``): every later step is refused on
+    both ranks, naming the cause."""
+    res = gloo_pair(functools.partial(_out_of_step_worker, kind=kind, alone=True))
+    assert res[0][:2] == ["ok", "accumulated"], res
+    assert res[1][:1] == ["ok"], res
+    for rank, steps in ((0, res[0][2:4]), (1, res[1][1:3])):
+        for text in steps:
+            assert "no_sync alone" in text or "the step" in text, (rank, text)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_gradient_accumulation_on_every_rank_stays_in_step(kind):
+    """no_sync on every rank (the forwards jump alike): every synced step is reduced."""
+    res = gloo_pair(functools.partial(_out_of_step_worker, kind=kind, alone=False))
+    assert res[0] == res[1] == ["ok", "accumulated", "ok", "ok"], res

@@ -214,13 +214,16 @@ def check_rounds(tags, alike: str = THC_ALIKE) -> None:
     # per part: (smallest, largest) over the workers
     lo, hi, klo, khi = [(span - tags[2 * i + 1], tags[2 * i]) for i, span in enumerate(SPANS)]
     if lo[0] != lo[1] or hi[0] != hi[1]:
-        raise RuntimeError(f"the workers are in different rounds (low 20 bits {lo[0]:g} to "
-                           f"{lo[1]:g}, high {hi[0]:g} to {hi[1]:g}): a worker missed a round, "
-                           f"so their rotations differ and no sum of this round is used")
+        raise RuntimeError(f"the workers are in different rounds (low 20 bits {lo[0]:.0f} "
+                           f"to {lo[1]:.0f}, high {hi[0]:.0f} to {hi[1]:.0f}): a worker missed "
+                           f"a round (under a DDP hook, whose rounds count the model's "
+                           f"training forwards: a rank ran a step under no_sync alone, skipped "
+                           f"one, or went on after an error in backward), so their rotations "
+                           f"differ and no sum of this round is used")
     if klo[0] != klo[1] or khi[0] != khi[1]:
         raise RuntimeError(f"the workers' rounds differ in {alike} (fingerprints "
-                           f"{klo[0]:g}..{klo[1]:g}, {khi[0]:g}..{khi[1]:g}): what they send "
-                           f"means different things, so no sum of this round is used")
+                           f"{klo[0]:.0f}..{klo[1]:.0f}, {khi[0]:.0f}..{khi[1]:.0f}): what they "
+                           f"send means different things, so no sum of this round is used")
 
 
 def agree(transport, rnd: int, key: int, device) -> None:

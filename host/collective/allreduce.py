@@ -116,6 +116,13 @@ class THCAllReduce:
         self.name = agreement.identify(self._domain, name)
         """What tells this reducer's rounds from other reducers' (:func:`agreement.identify`)."""
 
+    def skip_to(self, rnd: int) -> None:
+        """Make the next call's round ``rnd`` where that is ahead of it (rounds never go
+        back: each draws its own rotation and rounding). A DDP hook numbers a bucket's rounds
+        by its model's training forwards, so that a rank a whole step out of step is in
+        another round, which every worker's round check refuses."""
+        self.round = max(self.round, int(rnd))
+
     @classmethod
     def through_aggregator(cls, client, params: THCParams | None = None, group=None, **kw):
         return cls(AggregatorTransport(client, group), params, **kw)

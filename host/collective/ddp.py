@@ -8,8 +8,12 @@ size) go through the process group's ordinary FP32 all-reduce, after the rest of
 has gone through the hook's compressor (with per-bucket error feedback), whose checked round
 makes sure every rank is reducing the same bucket first. A complex parameter is reduced as
 its real view, as DDP holds it (``HookOptions.min_numel`` counts its complex elements);
-sparse gradients are refused. :class:`FP32Hook` checks each bucket's split once and no round
-after, as DDP's own all-reduce checks none.
+sparse gradients are refused. A bucket's rounds are numbered by the DDP model's training
+forwards, so a rank a whole step out of step (``no_sync`` on it alone, an error in backward
+it went on from) is refused on every rank from then on, while gradient accumulation
+(``no_sync`` on every rank) is not; a rank that skips a step without its forward cannot be
+told apart. :class:`FP32Hook` checks each bucket's split once and no round after, as DDP's
+own all-reduce checks none.
 
 A hook returns at once with a future that one communication thread completes, so a bucket
 is reduced while backward computes the next ones, as DDP's own all-reduce overlaps. The one
@@ -124,8 +128,10 @@ class _Hook:
         # ranks unlike here would make the hook's group on some ranks only: a wait in
         # new_group, or collectives on different groups, until the timeout
         sent = agreement.together(
-            group, 0, agreement.key_of("hook", overlap, comm_group is not None, nonfinite),
-            device_of(group, model), failure, alike="the hook's overlap, comm_group or nonfinite")
+            group, 0, agreement.key_of("hook", type(self).__name__, overlap,
+                                       comm_group is not None, nonfinite),
+            device_of(group, model), failure,
+            alike="the hook's kind (THCHook, FP32Hook, ...), overlap, comm_group or nonfinite")
         self.group = comm_group if comm_group is not None else \
             dist.new_group(timeout=_timeout_of(group)) if overlap else group
         """The process group of the hook's collectives."""
@@ -153,6 +159,12 @@ class _Hook:
         """Per bucket, the reducer that keeps its residual (hooks that build one each)."""
         self._backwards = 0
         """Backward passes whose buckets were handed to the hook (DDP's last bucket ends one)."""
+        self._forwards = 0
+        """The DDP model's training forwards (in train mode, with autograd on) since
+        :meth:`register`: what numbers a bucket's rounds (:meth:`reduce`'s ``forwards``). A
+        rank a whole step out of step (``no_sync`` on it alone, an error in backward it went
+        on from) keeps every reducer's own round count in step with its
+        peers' while pairing their sums with another step's gradients; its forwards tell."""
         self._failed_step: int | None = None
         """The backward pass of the last bucket that failed (:meth:`_reduce_in_step`)."""
         self._stats_lock = threading.Lock()
@@ -214,7 +226,12 @@ class _Hook:
                              f"the hook's workers {ranks(self._parent)}: build the hook with "
                              f"group= the DDP model's process group")
         ddp_model.register_comm_hook(None, self.hook)
+        ddp_model.register_forward_pre_hook(self._count_forward)
         return self
+
+    def _count_forward(self, module, args) -> None:
+        if module.training and torch.is_grad_enabled():
+            self._forwards += 1
 
     def hook(self, state, bucket):  # unannotated: DDP rejects string annotations
         buf = bucket.buffer()
@@ -237,7 +254,7 @@ class _Hook:
         key = tuple(id(p) for p in params)
         with self._stats_lock:
             self._last_call = time.perf_counter()
-        step = self._backwards
+        step, forwards = self._backwards, self._forwards
         if bucket.is_last():
             self._backwards += 1
         fut: torch.futures.Future = torch.futures.Future()
@@ -245,7 +262,7 @@ class _Hook:
             # raised here, a refusal would leave DDP's reducer half-marked: every later step
             # then fails inside torch
             try:
-                fut.set_result(self._reduce_in_step(step, key, buf, spans))
+                fut.set_result(self._reduce_in_step(step, forwards, key, buf, spans))
             except Exception as e:  # noqa: BLE001 - handed to DDP, which raises it
                 fut.set_exception(e)
             return _raising(fut)
@@ -262,10 +279,12 @@ class _Hook:
                                   RuntimeError(f"the bucket's reduction ended in {error!r}"))
 
         chained = _raising(fut)
-        self._pool.submit(self._reduce_in_step, step, key, buf, spans).add_done_callback(finish)
+        self._pool.submit(self._reduce_in_step, step, forwards, key, buf,
+                          spans).add_done_callback(finish)
         return chained
 
-    def _reduce_in_step(self, step: int, bucket, buf: torch.Tensor, spans) -> torch.Tensor:
+    def _reduce_in_step(self, step: int, forwards: int, bucket, buf: torch.Tensor,
+                        spans) -> torch.Tensor:
         """:meth:`_reduce_bucket` in backward ``step``, unless a bucket of that step failed:
         DDP raises then, and the buffers of the step's later buckets are the next step's
         before their reductions could run (they would read and overwrite its gradients).
@@ -274,22 +293,23 @@ class _Hook:
             raise RuntimeError(f"not reduced: an earlier bucket of backward {step} failed, "
                                f"so DDP raised and its later buckets are left alone")
         try:
-            return self._reduce_bucket(bucket, buf, spans)
+            return self._reduce_bucket(bucket, buf, spans, forwards)
         except BaseException:
             self._failed_step = step
             raise
 
-    def _agree_bucket(self, bucket, spans, device) -> None:
+    def _agree_bucket(self, bucket, spans, device, buf_dtype) -> None:
         """Before a bucket's first reduction, every rank checks that the others split it
         alike: ranks whose hooks or options differ would pair one's FP32 span with another's
         compressed round (an abort, or a wrong sum where the lengths match). ``spans``: an
         exception where this rank cannot split the bucket: every rank raises."""
         failure = spans if isinstance(spans, Exception) else None
         layout = () if failure else tuple((b - a, fp32) for a, b, fp32, _ in spans)
-        key = agreement.key_of(type(self).__name__, layout)
+        key = agreement.key_of(type(self).__name__, self.index, str(buf_dtype), layout)
         self.bytes_sent += agreement.together(
             self.group, len(self._agreed), key, device, failure,
-            alike="the hook (its kind, or the bucket's FP32 and compressed spans)")
+            alike="the hook (its kind, which of the hooks built on the group it is, or the "
+                  "bucket's dtype, FP32 and compressed spans)")
         self._agreed.add(bucket)
 
     def _build(self, make: Callable, numel: int, device):
@@ -331,10 +351,10 @@ class _Hook:
                              "another process group than the one it was given: "
                              "make_allreducer(group) must build its reducer on that group")
 
-    def _reduce_bucket(self, bucket, buf: torch.Tensor, spans) -> torch.Tensor:
+    def _reduce_bucket(self, bucket, buf: torch.Tensor, spans, forwards: int = 0) -> torch.Tensor:
         start = time.perf_counter()
         if bucket not in self._agreed:
-            self._agree_bucket(bucket, spans, buf.device)   # raises where spans is an error
+            self._agree_bucket(bucket, spans, buf.device, buf.dtype)   # raises on an error
         comp = [buf[a:b] for a, b, fp32, _ in spans if not fp32]
         plain = [buf[a:b] for a, b, fp32, _ in spans if fp32]
         # the compressed part first: its round checks that every rank is reducing this
@@ -345,7 +365,7 @@ class _Hook:
             if self.wants_positions:
                 position = torch.cat([torch.full((b - a,), pos) for a, b, fp32, pos in spans
                                       if not fp32])
-            out = self.reduce(bucket, flat, [v.numel() for v in comp], position)
+            out = self.reduce(bucket, flat, [v.numel() for v in comp], position, forwards)
             i = 0
             for view in comp:
                 view.copy_(out[i: i + view.numel()])
@@ -377,11 +397,12 @@ class _Hook:
             ar.rescale_residual(factor)
 
     def reduce(self, bucket, flat: torch.Tensor, sizes: list[int],
-               position: torch.Tensor | None = None) -> torch.Tensor:
+               position: torch.Tensor | None = None, forwards: int = 0) -> torch.Tensor:
         """The workers' mean of ``flat``, the bucket's compressed parameters (of ``sizes``);
         ``bucket``: the bucket's identity (hashable; the hook's: its parameters' ids, in
         order), which keys residuals; ``position``: each element's layer place (only when
-        :attr:`wants_positions`)."""
+        :attr:`wants_positions`); ``forwards``: the model's training forwards when its
+        backward reached the bucket, which numbers the bucket's round (``skip_to``)."""
         raise NotImplementedError
 
 
@@ -390,7 +411,7 @@ class FP32Hook(_Hook):
     the baseline that leaves only their codec's cost as the difference."""
 
     def reduce(self, bucket, flat: torch.Tensor, sizes: list[int],
-               position: torch.Tensor | None = None) -> torch.Tensor:
+               position: torch.Tensor | None = None, forwards: int = 0) -> torch.Tensor:
         out = flat / self.world   # before the sum, as DDP's own hook: a half sum overflows first
         dist.all_reduce(out, group=self.group)
         self.bytes_sent += ring_bytes(out, self.world)
@@ -458,13 +479,14 @@ class THCHook(_Hook):
             raise errors[0]
 
     def reduce(self, bucket, flat: torch.Tensor, sizes: list[int],
-               position: torch.Tensor | None = None) -> torch.Tensor:
+               position: torch.Tensor | None = None, forwards: int = 0) -> torch.Tensor:
         key = (bucket, flat.numel())
         ar = self.reducers.get(key)
         if ar is None:
             self.check()   # the reducers of buckets DDP rebuilt take no further rounds
             ar = self.reducers[key] = self._build(self._reducer, flat.numel(), flat.device)
         before = ar.transport.bytes_sent
+        ar.skip_to(forwards)
         out = ar(flat, position=position)
         self.bytes_sent += ar.transport.bytes_sent - before
         return out
@@ -489,7 +511,7 @@ class TopKHook(_Hook):
         self.scheme.rescale(factor)
 
     def reduce(self, bucket, flat: torch.Tensor, sizes: list[int],
-               position: torch.Tensor | None = None) -> torch.Tensor:
+               position: torch.Tensor | None = None, forwards: int = 0) -> torch.Tensor:
         key = (bucket, flat.numel())
         before = self.scheme.residuals.get(key)
         failure = None
@@ -502,8 +524,10 @@ class TopKHook(_Hook):
             # the gathers are as long as k: agree on it first
             self.bytes_sent += agreement.together(
                 self.group, rnd, agreement.key_of("topk", self.ratio, flat.numel(),
-                                                  self.nonfinite, self.index),
-                flat.device, failure)
+                                                  self.nonfinite, self.index, forwards),
+                flat.device, failure, alike="the hook's ratio or nonfinite, the bucket's "
+                "length, which reducer it is (the hook), or the step (a rank out of step: "
+                "the DDP model's training forwards)")
         except Exception as e:
             if failure is None:   # a refused round leaves the residual as it was
                 if before is None:
@@ -545,13 +569,14 @@ class MarsitHook(_Hook):
         self.reducers: dict[tuple, MarsitAllReduce] = {}
 
     def reduce(self, bucket, flat: torch.Tensor, sizes: list[int],
-               position: torch.Tensor | None = None) -> torch.Tensor:
+               position: torch.Tensor | None = None, forwards: int = 0) -> torch.Tensor:
         key = (bucket, flat.numel())
         ar = self.reducers.get(key)
         if ar is None:
             ar = self.reducers[key] = self._build(self.make_allreducer, flat.numel(),
                                                   flat.device)
         before = ar.bytes_sent
+        ar.skip_to(forwards)
         out = ar(flat, sizes)
         self.bytes_sent += ar.bytes_sent - before
         return out

@@ -229,6 +229,15 @@ class GraphedAllReduce:
         b.report[-1:].copy_(b.overflow)
         b.round.add_(1)
 
+    def skip_to(self, rnd: int) -> None:
+        """Make the next call's round ``rnd`` where that is ahead of it (rounds never go
+        back: each draws its own rotation and rounding). A DDP hook numbers a bucket's rounds
+        by its model's training forwards, so that a rank a whole step out of step is in
+        another round, which every worker's round check refuses."""
+        if rnd > self.round:
+            self.round = int(rnd)
+            self._round_on_device()
+
     def _round_on_device(self) -> None:
         """A round that ended without its step: the device's number stays the host's."""
         if self._bufs is not None:

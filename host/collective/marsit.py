@@ -85,6 +85,13 @@ class _SignAllReduce:
         self.round = 0
         """Calls so far, refused ones included: the agreement's round lanes."""
 
+    def skip_to(self, rnd: int) -> None:
+        """Make the next call's round ``rnd`` where that is ahead of it (rounds never go
+        back: each draws its own rotation and rounding). A DDP hook numbers a bucket's rounds
+        by its model's training forwards, so that a rank a whole step out of step is in
+        another round, which every worker's round check refuses."""
+        self.round = max(self.round, int(rnd))
+
     def _group_now(self):
         return self.group if self.group is not None else dist.group.WORLD
 
