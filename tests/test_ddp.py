@@ -1027,3 +1027,38 @@ def test_gradient_accumulation_on_every_rank_stays_in_step(kind):
     """no_sync on every rank (the forwards jump alike): every synced step is reduced."""
     res = gloo_pair(functools.partial(_out_of_step_worker, kind=kind, alone=False))
     assert res[0] == res[1] == ["ok", "accumulated", "ok", "ok"], res
+
+
+def _peer_absent_worker(rank, port, q):
+    """Rank 0 runs a DDP step with THC's hook; rank 1 runs its forward and never its backward
+    (it raised in between, say), then waits out rank 0's timeout."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from thc.codec.params import THCParams
+    from thc.collective.allreduce import THCAllReduce
+    from thc.collective.ddp import THCHook
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2, timeout=timedelta(seconds=3))
+    model = _model()
+    ddp = DDP(model)
+    THCHook(model, lambda group: THCAllReduce.through_torch_distributed(
+        group, params=THCParams(seed=3), generator=rank), overlap=False).register(ddp)
+    x, y = _data(rank)
+    loss = torch.nn.functional.cross_entropy(ddp(x), y)
+    out = "ok"
+    if rank == 0:
+        try:
+            loss.backward()
+        except RuntimeError as e:
+            out = str(e)
+    else:
+        time.sleep(6)
+    q.put((rank, out))
+
+
+def test_a_peer_that_never_reaches_the_bucket_is_named_in_the_timeout():
+    """Gloo's own words ("Timed out waiting 3000ms for recv operation") named no rank, step
+    or cause."""
+    res = gloo_pair(_peer_absent_worker)
+    assert "timed out: a peer rank did not reach this bucket's reduction" in res[0], res
+    assert "backward 0 (training forward 1)" in res[0] and "Timed out" in res[0], res

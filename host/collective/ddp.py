@@ -75,6 +75,24 @@ def _raising(fut: torch.futures.Future) -> torch.futures.Future:
     return fut.then(lambda done: done.wait())
 
 
+PEER_GONE = {"Timed out": "timed out: a peer rank did not reach this bucket's reduction",
+             "Connection closed by peer": "lost a peer rank, whose process ended"}
+"""What the words of a Gloo collective's error say of the peers: the hook names it beside
+the step (the peer's own error, in its log, says why it stopped or is elsewhere)."""
+
+
+def _peer_gone(e: BaseException, step: int, forwards: int) -> BaseException:
+    """``e`` or, where it is a Gloo collective's timeout or lost connection, an error that
+    says what that means for the bucket."""
+    text = str(e)
+    said = next((v for k, v in PEER_GONE.items() if k in text), None)
+    if said is None or not isinstance(e, RuntimeError):
+        return e
+    return RuntimeError(f"the hook's collective of backward {step} (training forward "
+                        f"{forwards}) {said} (it failed in backward or before, runs another "
+                        f"step, or stopped: its own error says why): {text.splitlines()[0]}")
+
+
 @dataclass
 class StepBreakdown:
     """Where one step's communication went (seconds)."""
@@ -294,9 +312,12 @@ class _Hook:
                                f"so DDP raised and its later buckets are left alone")
         try:
             return self._reduce_bucket(bucket, buf, spans, forwards)
-        except BaseException:
+        except BaseException as e:
             self._failed_step = step
-            raise
+            named = _peer_gone(e, step, forwards)
+            if named is e:
+                raise
+            raise named from e
 
     def _agree_bucket(self, bucket, spans, device, buf_dtype) -> None:
         """Before a bucket's first reduction, every rank checks that the others split it
