@@ -76,7 +76,8 @@ def _raising(fut: torch.futures.Future) -> torch.futures.Future:
 
 
 PEER_GONE = {"Timed out": "timed out: a peer rank did not reach this bucket's reduction",
-             "Connection closed by peer": "lost a peer rank, whose process ended"}
+             "Connection closed by peer": "lost its connection to a peer rank, whose process "
+                                          "ended or whose own collective timed out first"}
 """What the words of a Gloo collective's error say of the peers: the hook names it beside
 the step (the peer's own error, in its log, says why it stopped or is elsewhere)."""
 
