@@ -216,11 +216,10 @@ def check_rounds(tags, alike: str = THC_ALIKE) -> None:
     if lo[0] != lo[1] or hi[0] != hi[1]:
         raise RuntimeError(f"the workers are in different rounds (low 20 bits {lo[0]:.0f} "
                            f"to {lo[1]:.0f}, high {hi[0]:.0f} to {hi[1]:.0f}): a worker missed "
-                           f"a round (under a DDP hook, whose rounds count the model's "
-                           f"training forwards, in train mode with autograd on: a rank ran a "
-                           f"step under no_sync alone, a forward more than the others, or went "
-                           f"on after an error in backward), so their rotations differ and no "
-                           f"sum of this round is used")
+                           f"a round (under a DDP hook, whose rounds also count the model's "
+                           f"stretches under no_sync: a rank accumulated a step under no_sync "
+                           f"alone), so their rotations differ and no sum of this round is "
+                           f"used")
     if klo[0] != klo[1] or khi[0] != khi[1]:
         raise RuntimeError(f"the workers' rounds differ in {alike} (fingerprints "
                            f"{klo[0]:.0f}..{klo[1]:.0f}, {khi[0]:.0f}..{khi[1]:.0f}): what they "

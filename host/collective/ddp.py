@@ -8,12 +8,12 @@ size) go through the process group's ordinary FP32 all-reduce, after the rest of
 has gone through the hook's compressor (with per-bucket error feedback), whose checked round
 makes sure every rank is reducing the same bucket first. A complex parameter is reduced as
 its real view, as DDP holds it (``HookOptions.min_numel`` counts its complex elements);
-sparse gradients are refused. A bucket's rounds are numbered by the DDP model's training
-forwards, so a rank a whole step out of step (``no_sync`` on it alone, an error in backward
-it went on from) is refused on every rank from then on, while gradient accumulation
-(``no_sync`` on every rank) is not; a rank that skips a step without its forward cannot be
-told apart. :class:`FP32Hook` checks each bucket's split once and no round after, as DDP's
-own all-reduce checks none.
+sparse gradients are refused. A bucket's rounds also count the DDP model's stretches of
+forwards under ``no_sync``, so a rank that accumulated a step alone (``no_sync`` on it only)
+is refused on every rank from then on, while gradient accumulation (``no_sync`` on every
+rank) is not; a rank whose loop skipped a batch (an error it went on from) contributes its
+next gradient as its peers do theirs, and cannot be told apart. :class:`FP32Hook` checks
+each bucket's split once and no round after, as DDP's own all-reduce checks none.
 
 A hook returns at once with a future that one communication thread completes, so a bucket
 is reduced while backward computes the next ones, as DDP's own all-reduce overlaps. The one
@@ -75,6 +75,9 @@ def _raising(fut: torch.futures.Future) -> torch.futures.Future:
     return fut.then(lambda done: done.wait())
 
 
+STRETCH_ROUNDS = agreement.ROUND_SPAN
+"""What a ``no_sync`` stretch adds to a bucket's round number: one in the high part."""
+
 PEER_GONE = {"Timed out": "timed out: a peer rank did not reach this bucket's reduction",
              "Connection closed by peer": "lost its connection to a peer rank, whose process "
                                           "ended or whose own collective timed out first"}
@@ -82,16 +85,16 @@ PEER_GONE = {"Timed out": "timed out: a peer rank did not reach this bucket's re
 the step (the peer's own error, in its log, says why it stopped or is elsewhere)."""
 
 
-def _peer_gone(e: BaseException, step: int, forwards: int) -> BaseException:
+def _peer_gone(e: BaseException, step: int) -> BaseException:
     """``e`` or, where it is a Gloo collective's timeout or lost connection, an error that
     says what that means for the bucket."""
     text = str(e)
     said = next((v for k, v in PEER_GONE.items() if k in text), None)
     if said is None or not isinstance(e, RuntimeError):
         return e
-    return RuntimeError(f"the hook's collective of backward {step} (training forward "
-                        f"{forwards}) {said} (it failed in backward or before, runs another "
-                        f"step, or stopped: its own error says why): {text.splitlines()[0]}")
+    return RuntimeError(f"the hook's collective of backward {step} {said} (it failed in "
+                        f"backward or before, runs another step, or stopped: its own error "
+                        f"says why): {text.splitlines()[0]}")
 
 
 @dataclass
@@ -178,12 +181,17 @@ class _Hook:
         """Per bucket, the reducer that keeps its residual (hooks that build one each)."""
         self._backwards = 0
         """Backward passes whose buckets were handed to the hook (DDP's last bucket ends one)."""
-        self._forwards = 0
-        """The DDP model's training forwards (in train mode, with autograd on) since
-        :meth:`register`: what numbers a bucket's rounds (:meth:`reduce`'s ``forwards``). A
-        rank a whole step out of step (``no_sync`` on it alone, an error in backward it went
-        on from) keeps every reducer's own round count in step with its
-        peers' while pairing their sums with another step's gradients; its forwards tell."""
+        self._stretches = 0
+        """The DDP model's stretches of forwards under ``no_sync`` (autograd on) since
+        :meth:`register`, which a bucket's rounds count (:meth:`reduce`'s ``stretches``). A
+        rank that accumulated a step under ``no_sync`` alone keeps every reducer's own round
+        count in step with its peers' while its sums hold two steps' gradients and theirs
+        one; its stretches tell. Not its forwards: ranks may run unlike numbers of them
+        before a backward (rollouts of unlike length, a probe loss), and DDP sums that."""
+        self._synced = True
+        """Whether the last forward with autograd on would sync its backward."""
+        self._stretches_of: dict[int, int] = {}
+        """Per reducer (by id; the hook keeps them alive), the stretches its rounds count."""
         self._failed_step: int | None = None
         """The backward pass of the last bucket that failed (:meth:`_reduce_in_step`)."""
         self._stats_lock = threading.Lock()
@@ -245,12 +253,17 @@ class _Hook:
                              f"the hook's workers {ranks(self._parent)}: build the hook with "
                              f"group= the DDP model's process group")
         ddp_model.register_comm_hook(None, self.hook)
-        ddp_model.register_forward_pre_hook(self._count_forward)
+        ddp_model.register_forward_pre_hook(self._count_stretch)
         return self
 
-    def _count_forward(self, module, args) -> None:
-        if module.training and torch.is_grad_enabled():
-            self._forwards += 1
+    def _count_stretch(self, module, args) -> None:
+        """A forward pre-hook: DDP sets ``require_backward_grad_sync`` false inside
+        ``no_sync`` (no public call says whether a forward is in one)."""
+        if torch.is_grad_enabled():
+            synced = getattr(module, "require_backward_grad_sync", True)
+            if self._synced and not synced:
+                self._stretches += 1
+            self._synced = synced
 
     def hook(self, state, bucket):  # unannotated: DDP rejects string annotations
         buf = bucket.buffer()
@@ -273,7 +286,7 @@ class _Hook:
         key = tuple(id(p) for p in params)
         with self._stats_lock:
             self._last_call = time.perf_counter()
-        step, forwards = self._backwards, self._forwards
+        step, stretches = self._backwards, self._stretches
         if bucket.is_last():
             self._backwards += 1
         fut: torch.futures.Future = torch.futures.Future()
@@ -281,7 +294,7 @@ class _Hook:
             # raised here, a refusal would leave DDP's reducer half-marked: every later step
             # then fails inside torch
             try:
-                fut.set_result(self._reduce_in_step(step, forwards, key, buf, spans))
+                fut.set_result(self._reduce_in_step(step, stretches, key, buf, spans))
             except Exception as e:  # noqa: BLE001 - handed to DDP, which raises it
                 fut.set_exception(e)
             return _raising(fut)
@@ -298,11 +311,11 @@ class _Hook:
                                   RuntimeError(f"the bucket's reduction ended in {error!r}"))
 
         chained = _raising(fut)
-        self._pool.submit(self._reduce_in_step, step, forwards, key, buf,
+        self._pool.submit(self._reduce_in_step, step, stretches, key, buf,
                           spans).add_done_callback(finish)
         return chained
 
-    def _reduce_in_step(self, step: int, forwards: int, bucket, buf: torch.Tensor,
+    def _reduce_in_step(self, step: int, stretches: int, bucket, buf: torch.Tensor,
                         spans) -> torch.Tensor:
         """:meth:`_reduce_bucket` in backward ``step``, unless a bucket of that step failed:
         DDP raises then, and the buffers of the step's later buckets are the next step's
@@ -312,10 +325,10 @@ class _Hook:
             raise RuntimeError(f"not reduced: an earlier bucket of backward {step} failed, "
                                f"so DDP raised and its later buckets are left alone")
         try:
-            return self._reduce_bucket(bucket, buf, spans, forwards)
+            return self._reduce_bucket(bucket, buf, spans, stretches)
         except BaseException as e:
             self._failed_step = step
-            named = _peer_gone(e, step, forwards)
+            named = _peer_gone(e, step)
             if named is e:
                 raise
             raise named from e
@@ -363,6 +376,11 @@ class _Hook:
             raise ValueError("the hook's factory returned a reducer that another bucket "
                              "uses: each bucket keeps its own error-feedback residual, so "
                              "make_allreducer(group) must build a new reducer at every call")
+        if not callable(getattr(reducer, "skip_to", None)):
+            raise ValueError(f"the hook's factory returned a {type(reducer).__name__}, which "
+                             f"has no skip_to(round): the hook moves a bucket's rounds ahead "
+                             f"for each no_sync stretch (THCAllReduce, GraphedAllReduce and "
+                             f"Marsit's reducers have it)")
         carrier = getattr(reducer, "transport", reducer)   # Marsit's reducers carry the group
         if not hasattr(carrier, "group"):   # an aggregator's rounds: no collectives
             return
@@ -373,7 +391,8 @@ class _Hook:
                              "another process group than the one it was given: "
                              "make_allreducer(group) must build its reducer on that group")
 
-    def _reduce_bucket(self, bucket, buf: torch.Tensor, spans, forwards: int = 0) -> torch.Tensor:
+    def _reduce_bucket(self, bucket, buf: torch.Tensor, spans,
+                       stretches: int = 0) -> torch.Tensor:
         start = time.perf_counter()
         if bucket not in self._agreed:
             self._agree_bucket(bucket, spans, buf.device, buf.dtype)   # raises on an error
@@ -387,7 +406,7 @@ class _Hook:
             if self.wants_positions:
                 position = torch.cat([torch.full((b - a,), pos) for a, b, fp32, pos in spans
                                       if not fp32])
-            out = self.reduce(bucket, flat, [v.numel() for v in comp], position, forwards)
+            out = self.reduce(bucket, flat, [v.numel() for v in comp], position, stretches)
             i = 0
             for view in comp:
                 view.copy_(out[i: i + view.numel()])
@@ -409,6 +428,16 @@ class _Hook:
             self._last_done = end
         return buf
 
+    def _count_round(self, reducer, stretches: int) -> None:
+        """Move ``reducer``'s next round :data:`STRETCH_ROUNDS` ahead for each ``no_sync``
+        stretch since its last: its round number is then its calls plus that many times the
+        stretches, alike on ranks in step, apart in the high part (the round lanes carry it
+        apart from the low) on one that accumulated alone."""
+        seen = self._stretches_of.get(id(reducer), 0)
+        if stretches != seen:
+            reducer.skip_to(reducer.round + (stretches - seen) * STRETCH_ROUNDS)
+            self._stretches_of[id(reducer)] = stretches
+
     def rescale_residuals(self, factor: float) -> None:
         """The gradients' scale changed by ``factor`` (new scale / old): every residual the
         hook keeps follows it, so that it adds in the new scale's units. Under
@@ -419,12 +448,12 @@ class _Hook:
             ar.rescale_residual(factor)
 
     def reduce(self, bucket, flat: torch.Tensor, sizes: list[int],
-               position: torch.Tensor | None = None, forwards: int = 0) -> torch.Tensor:
+               position: torch.Tensor | None = None, stretches: int = 0) -> torch.Tensor:
         """The workers' mean of ``flat``, the bucket's compressed parameters (of ``sizes``);
         ``bucket``: the bucket's identity (hashable; the hook's: its parameters' ids, in
         order), which keys residuals; ``position``: each element's layer place (only when
-        :attr:`wants_positions`); ``forwards``: the model's training forwards when its
-        backward reached the bucket, which numbers the bucket's round (``skip_to``)."""
+        :attr:`wants_positions`); ``stretches``: the model's ``no_sync`` stretches when its
+        backward reached the bucket, which its round counts (:meth:`_count_round`)."""
         raise NotImplementedError
 
 
@@ -433,7 +462,7 @@ class FP32Hook(_Hook):
     the baseline that leaves only their codec's cost as the difference."""
 
     def reduce(self, bucket, flat: torch.Tensor, sizes: list[int],
-               position: torch.Tensor | None = None, forwards: int = 0) -> torch.Tensor:
+               position: torch.Tensor | None = None, stretches: int = 0) -> torch.Tensor:
         out = flat / self.world   # before the sum, as DDP's own hook: a half sum overflows first
         dist.all_reduce(out, group=self.group)
         self.bytes_sent += ring_bytes(out, self.world)
@@ -501,14 +530,14 @@ class THCHook(_Hook):
             raise errors[0]
 
     def reduce(self, bucket, flat: torch.Tensor, sizes: list[int],
-               position: torch.Tensor | None = None, forwards: int = 0) -> torch.Tensor:
+               position: torch.Tensor | None = None, stretches: int = 0) -> torch.Tensor:
         key = (bucket, flat.numel())
         ar = self.reducers.get(key)
         if ar is None:
             self.check()   # the reducers of buckets DDP rebuilt take no further rounds
             ar = self.reducers[key] = self._build(self._reducer, flat.numel(), flat.device)
         before = ar.transport.bytes_sent
-        ar.skip_to(forwards)
+        self._count_round(ar, stretches)
         out = ar(flat, position=position)
         self.bytes_sent += ar.transport.bytes_sent - before
         return out
@@ -533,7 +562,7 @@ class TopKHook(_Hook):
         self.scheme.rescale(factor)
 
     def reduce(self, bucket, flat: torch.Tensor, sizes: list[int],
-               position: torch.Tensor | None = None, forwards: int = 0) -> torch.Tensor:
+               position: torch.Tensor | None = None, stretches: int = 0) -> torch.Tensor:
         key = (bucket, flat.numel())
         before = self.scheme.residuals.get(key)
         failure = None
@@ -546,10 +575,10 @@ class TopKHook(_Hook):
             # the gathers are as long as k: agree on it first
             self.bytes_sent += agreement.together(
                 self.group, rnd, agreement.key_of("topk", self.ratio, flat.numel(),
-                                                  self.nonfinite, self.index, forwards),
+                                                  self.nonfinite, self.index, stretches),
                 flat.device, failure, alike="the hook's ratio or nonfinite, the bucket's "
-                "length, which reducer it is (the hook), or the step (a rank out of step: "
-                "the DDP model's training forwards)")
+                "length, which reducer it is (the hook), or the steps accumulated (a rank "
+                "that ran one under no_sync alone)")
         except Exception as e:
             if failure is None:   # a refused round leaves the residual as it was
                 if before is None:
@@ -591,14 +620,14 @@ class MarsitHook(_Hook):
         self.reducers: dict[tuple, MarsitAllReduce] = {}
 
     def reduce(self, bucket, flat: torch.Tensor, sizes: list[int],
-               position: torch.Tensor | None = None, forwards: int = 0) -> torch.Tensor:
+               position: torch.Tensor | None = None, stretches: int = 0) -> torch.Tensor:
         key = (bucket, flat.numel())
         ar = self.reducers.get(key)
         if ar is None:
             ar = self.reducers[key] = self._build(self.make_allreducer, flat.numel(),
                                                   flat.device)
         before = ar.bytes_sent
-        ar.skip_to(forwards)
+        self._count_round(ar, stretches)
         out = ar(flat, sizes)
         self.bytes_sent += ar.bytes_sent - before
         return out

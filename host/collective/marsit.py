@@ -87,9 +87,9 @@ class _SignAllReduce:
 
     def skip_to(self, rnd: int) -> None:
         """Make the next call's round ``rnd`` where that is ahead of it (rounds never go
-        back: each draws its own rotation and rounding). A DDP hook numbers a bucket's rounds
-        by its model's training forwards, so that a rank a whole step out of step is in
-        another round, which every worker's round check refuses."""
+        back: each draws its own rotation and rounding). A DDP hook moves a bucket's rounds
+        ahead for each of its model's stretches under ``no_sync``, so that a rank that
+        accumulated a step alone is in another round, which every worker's check refuses."""
         self.round = max(self.round, int(rnd))
 
     def _group_now(self):
