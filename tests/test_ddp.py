@@ -968,10 +968,8 @@ def test_a_hook_refuses_a_ddp_group_of_other_ranks_another_model_and_sparse_grad
         assert "sparse gradient" in sparse, sparse
 
 
-def _out_of_step_worker(rank, port, q, kind, alone):
-    """Four DDP steps with ``kind``'s hook; in step 1 rank 0 runs under ``no_sync`` (``alone``)
-    or both ranks do (gradient accumulation): each step's outcome on this rank, and each
-    synced step's gradient of the first weight."""
+def _hooked(rank, port, kind):
+    """A two-rank Gloo group and a DDP model with ``kind``'s hook, not overlapped."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from thc.codec.params import THCParams
@@ -989,19 +987,31 @@ def _out_of_step_worker(rank, port, q, kind, alone):
         TopKHook(model, overlap=False).register(ddp)
     else:
         MarsitHook(model, overlap=False, generator=gen).register(ddp)
+    return model, ddp
+
+
+def _outcome(ddp, x, y, forwards=1) -> str:
+    """One backward of the summed loss of ``forwards`` forwards: "ok", or what it raised."""
+    try:
+        sum(torch.nn.functional.cross_entropy(ddp(x), y) for _ in range(forwards)).backward()
+        return "ok"
+    except (ValueError, RuntimeError) as e:
+        return str(e)
+
+
+def _out_of_step_worker(rank, port, q, kind, alone):
+    """Four DDP steps with ``kind``'s hook; in step 1 rank 0 runs under ``no_sync`` (``alone``)
+    or both ranks do (gradient accumulation): each step's outcome on this rank."""
+    model, ddp = _hooked(rank, port, kind)
     out = []
     for step in range(4 if rank == 0 or not alone else 3):
         x, y = _data(rank * 10 + step)
-        try:
-            if step == 1 and (rank == 0 or not alone):
-                with ddp.no_sync():
-                    torch.nn.functional.cross_entropy(ddp(x), y).backward()
-                out.append("accumulated")
-                continue
-            torch.nn.functional.cross_entropy(ddp(x), y).backward()
-            out.append("ok")
-        except (ValueError, RuntimeError) as e:
-            out.append(str(e))
+        if step == 1 and (rank == 0 or not alone):
+            with ddp.no_sync():
+                done = _outcome(ddp, x, y)
+            out.append("accumulated" if done == "ok" else done)
+            continue
+        out.append(_outcome(ddp, x, y))
         model.zero_grad(set_to_none=True)
     q.put((rank, out))
     dist.destroy_process_group()
@@ -1068,42 +1078,15 @@ def _unlike_forwards_worker(rank, port, q, kind):
     """Three DDP steps with ``kind``'s hook in which rank 0 runs one forward more than rank 1
     before each backward (a rollout one longer, a probe loss), DDP's sum of the losses; then
     rank 0 has one batch more than rank 1 under ``ddp.join()`` (whose shadow steps call the
-    hook without a forward): each step's outcome, and the first weight's gradient."""
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    from thc.codec.params import THCParams
-    from thc.collective.allreduce import THCAllReduce
-    from thc.collective.ddp import MarsitHook, THCHook, TopKHook
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=2, timeout=timedelta(seconds=20))
-    model = _model()
-    ddp = DDP(model)
-    gen = torch.Generator().manual_seed(rank)
-    if kind == "thc":
-        THCHook(model, lambda group: THCAllReduce.through_torch_distributed(
-            group, params=THCParams(seed=3), generator=gen), overlap=False).register(ddp)
-    elif kind == "topk":
-        TopKHook(model, overlap=False).register(ddp)
-    else:
-        MarsitHook(model, overlap=False, generator=gen).register(ddp)
+    hook without a forward): each step's outcome on this rank."""
+    model, ddp = _hooked(rank, port, kind)
     out = []
     for step in range(3):
-        x, y = _data(rank * 10 + step)
-        try:
-            loss = sum(torch.nn.functional.cross_entropy(ddp(x), y) for _ in range(2 - rank))
-            loss.backward()
-            out.append("ok")
-        except (ValueError, RuntimeError) as e:
-            out.append(str(e))
+        out.append(_outcome(ddp, *_data(rank * 10 + step), forwards=2 - rank))
         model.zero_grad(set_to_none=True)
     with ddp.join():
         for step in range(3 - rank):
-            x, y = _data(rank * 10 + step)
-            try:
-                torch.nn.functional.cross_entropy(ddp(x), y).backward()
-                out.append("ok")
-            except (ValueError, RuntimeError) as e:
-                out.append(str(e))
+            out.append(_outcome(ddp, *_data(rank * 10 + step)))
             model.zero_grad(set_to_none=True)
     q.put((rank, out))
     dist.destroy_process_group()
