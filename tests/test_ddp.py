@@ -1076,12 +1076,16 @@ def test_a_peer_that_never_reaches_the_bucket_is_named_in_the_timeout():
 
 def _unlike_forwards_worker(rank, port, q, kind):
     """Three DDP steps with ``kind``'s hook in which rank 0 runs one forward more than rank 1
-    before each backward (a rollout one longer, a probe loss), DDP's sum of the losses; then
+    before each backward (a rollout one longer, a probe loss), DDP's sum of the losses, and
+    before that a forward alone under ``no_sync`` (an evaluation wrapped in it); then
     rank 0 has one batch more than rank 1 under ``ddp.join()`` (whose shadow steps call the
     hook without a forward): each step's outcome on this rank."""
     model, ddp = _hooked(rank, port, kind)
     out = []
     for step in range(3):
+        if rank == 0:
+            with ddp.no_sync():
+                ddp(_data(99)[0])
         out.append(_outcome(ddp, *_data(rank * 10 + step), forwards=2 - rank))
         model.zero_grad(set_to_none=True)
     with ddp.join():
@@ -1096,6 +1100,7 @@ def _unlike_forwards_worker(rank, port, q, kind):
 def test_ranks_with_unlike_forwards_or_batches_under_join_are_reduced(kind):
     """Rounds counted the model's forwards for a while: ranks running unlike numbers of them
     before one backward (DDP sums that) were refused at every step, and TopK's shadow steps
-    under join too."""
+    under join too. Then stretches under no_sync counted without a backward in them: one
+    rank's evaluation under no_sync was refused at every later step."""
     res = gloo_pair(functools.partial(_unlike_forwards_worker, kind=kind))
     assert res[0] == ["ok"] * 6 and res[1] == ["ok"] * 5, res

@@ -9,10 +9,13 @@ has gone through the hook's compressor (with per-bucket error feedback), whose c
 makes sure every rank is reducing the same bucket first. A complex parameter is reduced as
 its real view, as DDP holds it (``HookOptions.min_numel`` counts its complex elements);
 sparse gradients are refused. A bucket's rounds also count the DDP model's stretches of
-forwards under ``no_sync``, so a rank that accumulated a step alone (``no_sync`` on it only)
-is refused on every rank from then on, while gradient accumulation (``no_sync`` on every
-rank) is not; a rank whose loop skipped a batch (an error it went on from) contributes its
-next gradient as its peers do theirs, and cannot be told apart. :class:`FP32Hook` checks
+forwards under ``no_sync`` that a backward ran through, so a rank that accumulated a step
+alone (``no_sync`` on it only) is refused on every rank while the counts differ, while
+gradient accumulation (``no_sync`` on every rank) is not. Not told apart: a rank whose loop
+skipped a batch (it contributes its next gradient as its peers do theirs), unlike numbers
+of accumulated micro-batches where each rank has some (DDP sums those too); refused though
+legitimate: accumulation under ``join()`` once a rank has joined (its shadow steps see no
+stretch). :class:`FP32Hook` checks
 each bucket's split once and no round after, as DDP's own all-reduce checks none.
 
 A hook returns at once with a future that one communication thread completes, so a bucket
@@ -182,14 +185,20 @@ class _Hook:
         self._backwards = 0
         """Backward passes whose buckets were handed to the hook (DDP's last bucket ends one)."""
         self._stretches = 0
-        """The DDP model's stretches of forwards under ``no_sync`` (autograd on) since
-        :meth:`register`, which a bucket's rounds count (:meth:`reduce`'s ``stretches``). A
-        rank that accumulated a step under ``no_sync`` alone keeps every reducer's own round
-        count in step with its peers' while its sums hold two steps' gradients and theirs
-        one; its stretches tell. Not its forwards: ranks may run unlike numbers of them
-        before a backward (rollouts of unlike length, a probe loss), and DDP sums that."""
+        """The DDP model's stretches of forwards under ``no_sync`` (autograd on) that a
+        backward ran through, since :meth:`register`, which a bucket's rounds count
+        (:meth:`reduce`'s ``stretches``). A rank that accumulated a step under ``no_sync``
+        alone keeps every reducer's own round count in step with its peers' while its sums
+        hold two steps' gradients and theirs one; its stretches tell. Not its forwards: ranks
+        may run unlike numbers of them before a backward (rollouts of unlike length, a probe
+        loss), and DDP sums that; nor a stretch of forwards alone (an evaluation under
+        ``no_sync``), which adds no gradient."""
         self._synced = True
         """Whether the last forward with autograd on would sync its backward."""
+        self._open = False
+        """Whether a stretch began (a forward under ``no_sync`` after a synced one) and no
+        backward has run in it yet."""
+        self._stretch_lock = threading.Lock()
         self._stretches_of: dict[int, int] = {}
         """Per reducer (by id; the hook keeps them alive), the stretches its rounds count."""
         self._failed_step: int | None = None
@@ -253,17 +262,28 @@ class _Hook:
                              f"the hook's workers {ranks(self._parent)}: build the hook with "
                              f"group= the DDP model's process group")
         ddp_model.register_comm_hook(None, self.hook)
-        ddp_model.register_forward_pre_hook(self._count_stretch)
+        ddp_model.register_forward_pre_hook(self._see_forward)
+        for p in module.parameters():
+            if p.requires_grad:
+                p.register_post_accumulate_grad_hook(self._see_gradient)
         return self
 
-    def _count_stretch(self, module, args) -> None:
+    def _see_forward(self, module, args) -> None:
         """A forward pre-hook: DDP sets ``require_backward_grad_sync`` false inside
         ``no_sync`` (no public call says whether a forward is in one)."""
         if torch.is_grad_enabled():
             synced = getattr(module, "require_backward_grad_sync", True)
-            if self._synced and not synced:
-                self._stretches += 1
-            self._synced = synced
+            with self._stretch_lock:
+                self._open = not synced and (self._open or self._synced)
+                self._synced = synced
+
+    def _see_gradient(self, param) -> None:
+        """A gradient accumulated (autograd's threads): the open stretch counts, once."""
+        if self._open:
+            with self._stretch_lock:
+                if self._open and not self._synced:
+                    self._stretches += 1
+                    self._open = False
 
     def hook(self, state, bucket):  # unannotated: DDP rejects string annotations
         buf = bucket.buffer()
