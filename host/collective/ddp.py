@@ -263,7 +263,7 @@ class _Hook:
                              f"group= the DDP model's process group")
         ddp_model.register_comm_hook(None, self.hook)
         ddp_model.register_forward_pre_hook(self._see_forward)
-        for p in module.parameters():
+        for p in module.parameters() if module is not None else ():
             if p.requires_grad:
                 p.register_post_accumulate_grad_hook(self._see_gradient)
         return self
