@@ -15,8 +15,8 @@ gradient accumulation (``no_sync`` on every rank) is not. Not told apart: a rank
 skipped a batch (it contributes its next gradient as its peers do theirs), unlike numbers
 of accumulated micro-batches where each rank has some (DDP sums those too); refused though
 legitimate: accumulation under ``join()`` once a rank has joined (its shadow steps see no
-stretch). :class:`FP32Hook` checks
-each bucket's split once and no round after, as DDP's own all-reduce checks none.
+stretch). :class:`FP32Hook` checks each bucket's split once and no round after, as DDP's
+own all-reduce checks none.
 
 A hook returns at once with a future that one communication thread completes, so a bucket
 is reduced while backward computes the next ones, as DDP's own all-reduce overlaps. The one

@@ -86,10 +86,8 @@ class _SignAllReduce:
         """Calls so far, refused ones included: the agreement's round lanes."""
 
     def skip_to(self, rnd: int) -> None:
-        """Make the next call's round ``rnd`` where that is ahead of it (rounds never go
-        back: each draws its own rotation and rounding). A DDP hook moves a bucket's rounds
-        ahead for each of its model's stretches under ``no_sync``, so that a rank that
-        accumulated a step alone is in another round, which every worker's check refuses."""
+        """Take round ``rnd`` next where it is ahead (rounds never go back: each draws its
+        own rotation and rounding); a DDP hook's ``no_sync`` count (``_Hook._count_round``)."""
         self.round = max(self.round, int(rnd))
 
     def _group_now(self):

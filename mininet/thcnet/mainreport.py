@@ -35,7 +35,7 @@ def summarize(runs: list[dict], fixed: float, chance: float = 0.1) -> dict:
     verdict = "no FP32 run: no comparison"
     unlearnt = base is not None and base["final_accuracy"] < 2 * chance
     if base and (base["stopped"] or unlearnt):
-        # its final accuracy is where it stopped, not where it ends: no target, no speedup
+        # its final accuracy is where it stopped, or near chance: no target, no speedup
         verdict = (f"FP32 stopped at the time limit (epoch {base['epochs_done']}): no "
                    f"speedup against it is claimed" if base["stopped"] else
                    f"FP32 ended at {base['final_accuracy']:.4f}, below twice chance "
