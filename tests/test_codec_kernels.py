@@ -545,3 +545,62 @@ def test_a_granularity_beyond_the_kernels_tables_is_refused_before_the_max_round
     m = thc.slice_norms(x, p)
     a = thc.encode(x, m, p, 5, 77, backend="triton")
     assert (a.cpu() != thc.encode(x.cpu(), m.cpu(), p, 5, 77, backend="reference")).sum() <= 2
+
+
+LAUNCHED = ("_encode_rows", "_finish_norms", "_encode_cols", "_decode_rows", "_decode_cols")
+NO_LAUNCH = {"empty", "empty_strided", "new_empty", "view", "_unsafe_view", "slice", "alias",
+             "detach", "reshape", "as_strided"}
+
+
+@kernels
+def test_a_buckets_round_on_the_kernels_launches_the_kernels_alone(monkeypatch):
+    """A small bucket's time is mostly launches (docs/results.md): the prepare, encode and
+    decode of a one-slice bucket launch their kernels and no small torch operation between
+    them (the slice norms' finish after pass 1 took eighteen)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from thc.codec import triton_kernels as tk
+    seen, inside = [], []
+
+    class Launch:
+        def __init__(self, kernel, name):
+            self.kernel, self.name = kernel, name
+
+        def __getitem__(self, grid):
+            def run(*args, **kw):
+                seen.append(self.name)
+                inside.append(1)
+                try:
+                    return self.kernel[grid](*args, **kw)
+                finally:
+                    inside.pop()
+            return run
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if not inside and func.__name__.split(".")[0] not in NO_LAUNCH:
+                seen.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    for name in LAUNCHED:
+        monkeypatch.setattr(tk, name, Launch(getattr(tk, name), name))
+    n = 1 << 12
+    p = THCParams(slice_size=n)
+    x = torch.randn(n, generator=torch.Generator().manual_seed(3)).to(DEV)
+    codec = THCCodec(p, backend="triton", deferred_checks=True)
+    m = codec.norms(x)
+    sums = codec.aggregate([codec.encode(x, m, 0, 5)] * 4).to(torch.int16)
+    out = torch.empty(n, device=DEV)
+    steps = {}
+    with Ops():
+        for step, run in (("prepare", lambda: codec.prepare(x, 1)),
+                          ("encode", lambda: codec.encode_prepared(prep, m, 5)),
+                          ("decode", lambda: codec.decode(sums, 4, m, n, 1, out=out))):
+            seen.clear()
+            got = run()
+            if step == "prepare":
+                prep = got
+            steps[step] = list(seen)
+    assert steps == {"prepare": ["_encode_rows", "_finish_norms"], "encode": ["_encode_cols"],
+                     "decode": ["_decode_rows", "_decode_cols"]}
+    codec.check()
+    torch.testing.assert_close(prep.norms.cpu(), thc.slice_norms(x.cpu(), p), rtol=1e-6, atol=0)

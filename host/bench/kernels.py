@@ -4,7 +4,8 @@ and its share of the device's copy bandwidth, for each way of running the Hadama
 
 Per size (whole slices of ``--slice-size``) and precision it times, with
 ``triton.testing.do_bench`` (CUDA events, L2 cleared before every run, the median):
-encode pass 1 on float32 and on bfloat16 input, encode pass 2 (packed indices), decode
+encode pass 1 on float32 and on bfloat16 input, the slice norms from its parts, encode
+pass 2 (packed indices), decode
 pass 1 on 8-bit and on 32-bit sums, decode pass 2, and a device copy (``x.clone()``) as the
 yardstick. Bytes are the fewest the kernel can move (each input read once, each output
 written once); GB/s count reads plus writes, as the copy's do (8 bytes an element).
@@ -97,7 +98,9 @@ def _kernel_rows(tk, n: int, params: THCParams, device, timer) -> list[dict]:
     xb = x.to(torch.bfloat16)
     grp = next(layout(n, params).groups(WHOLE))
     word = status_word(device)
-    tmp, norms = tk.encode_rows(x, grp, params.seed, 0, word)
+    tmp, part = tk.encode_rows(x, grp, params.seed, 0, word)
+    norms = torch.empty(grp.count, dtype=torch.float32, device=device)
+    tk.finish_norms(part, grp, params, word, norms)
     packed = torch.empty(n // 2, dtype=torch.uint8, device=device)
     idx = torch.empty(n, dtype=torch.uint8, device=device)
     tk.encode_cols(tmp, grp, norms, params, 0, 5, idx, False, word)
@@ -111,6 +114,8 @@ def _kernel_rows(tk, n: int, params: THCParams, device, timer) -> list[dict]:
             lambda: tk.encode_rows(x, grp, params.seed, 0, word)),
            ("encode pass 1, bfloat16 x", 6 * n,
             lambda: tk.encode_rows(xb, grp, params.seed, 0, word)),
+           ("encode: slice norms from pass 1's parts", 8 * part.numel() + 4 * grp.count,
+            lambda: tk.finish_norms(part, grp, params, word, norms)),
            ("encode pass 2, packed", 4 * n + n // 2,
             lambda: tk.encode_cols(tmp, grp, norms, params, 0, 5, packed, True, word)),
            ("decode pass 1, 8-bit sums", 5 * n,

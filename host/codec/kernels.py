@@ -83,18 +83,18 @@ def prepare(kern, flat, params: THCParams, lay, round: int, backend: str,
     check_granularity(params)
     flat = flat.contiguous()
     word = status if status is not None else status_word(flat.device)
-    parts, scratch = [], {}
+    scratch = {}
     groups = list(lay.groups(WHOLE))
     _device_round(kern, groups, round)
+    norms = torch.empty(lay.n_slices, dtype=torch.float32, device=flat.device)
     for grp in groups:
+        mine = norms[grp.first: grp.first + grp.count]
         if kern.supports(grp.padded):
-            scratch[grp.first], nrm = kern.encode_rows(flat, grp, params.seed, round, word)
+            scratch[grp.first], part = kern.encode_rows(flat, grp, params.seed, round, word)
+            kern.finish_norms(part, grp, params, word, mine)
         else:
             nrm = torch.linalg.vector_norm(view(flat, grp), dim=1, dtype=torch.float64)
-        nrm = wide_norms(nrm, word, grp.first, params)
-        parts.append(nrm)
-    norms = (parts[0] if len(parts) == 1 else torch.cat(parts)) if parts else \
-        flat.new_zeros(0, dtype=torch.float32)
+            mine.copy_(wide_norms(nrm, word, grp.first, params))
     _settle(word, status, params)
     return Prepared(flat, round, norms, scratch, backend, params)
 

@@ -12,21 +12,24 @@ from thc.codec import triton_kernels as tk
 
 def compile_for(padded: int, arch: int = 90, device_round: bool = False,
                 form: str | None = None, tiles: int = 1) -> dict:
-    """Compile the four kernels (the decode's first pass twice: on sums and on one worker's
-    indices) for a slice of ``padded`` coordinates for CUDA compute
-    capability ``arch`` (90: H100) at the module's settings (``device_round``: the variant
-    that reads the round from device memory; ``form``: one of tk.FORMS, default tk.FORM;
-    ``tiles``: row tiles a program). Returns kernel name (``_decode_rows_sums``: the pass on
-    sums) -> shared memory bytes."""
+    """Compile the kernels (the decode's first pass twice: on sums and on one worker's
+    indices; the norms' finish after encode pass 1) for a slice of ``padded`` coordinates
+    for CUDA compute capability ``arch`` (90: H100) at the module's settings
+    (``device_round``: the variant that reads the round from device memory; ``form``: one of
+    tk.FORMS, default tk.FORM; ``tiles``: row tiles a program). Returns kernel name
+    (``_decode_rows_sums``: the pass on sums) -> shared memory bytes."""
     sh = tk._Shape(padded)
     rows = dict(C=sh.C, C1=sh.C1, BM=sh.BM, PREC=tk.PRECISION, FORM=form or tk.FORM,
                 TILES=tiles)
     cols = dict(R=sh.R, C=sh.C, R1=sh.R1, BN=sh.BN, PREC=tk.PRECISION, FORM=form or tk.FORM,
                 FIRST=tk.COLS_FIRST)
     jobs = [
-        (tk._encode_rows, dict(X="*bf16", TMP="*fp32", PART="*fp32", STATUS="*i32", prefix="i32",
+        (tk._encode_rows, dict(X="*bf16", TMP="*fp32", PART="*fp64", STATUS="*i32", prefix="i32",
                                ROUND="*i64", first="i32", length="i32", d="i32"),
          dict(rows, DEV_ROUND=device_round)),
+        (tk._finish_norms, dict(PART="*fp64", NORMS="*fp32", STATUS="*i32", first="i32",
+                                parts="i32", limit="fp32", mark="fp32"),
+         dict(P=triton.next_power_of_2(sh.R // sh.BM // tiles))),
         (tk._encode_cols, dict(TMP="*fp32", OUT="*u8", MAXN="*fp32", STATUS="*i32", uprefix="i32",
                                ROUND="*i64", first="i32", count="i32", LOWER="*i32", BASE="*fp32",
                                WIDTH="*fp32", d="i32", g="i32", scale="fp32", limit="fp32",

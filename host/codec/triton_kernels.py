@@ -9,7 +9,8 @@ applied in two passes, each on chip:
   (the slice norms of the MAX round come from this read; a NaN or Inf is flagged), apply the
   rotation signs (host/codec/rng.py, from the slice's key), transform rows with H_C, store
   float32 scratch. Only pass 2 needs the agreed max norm, so pass 1 can run before the MAX
-  round. A program runs several row tiles, loading the next while it transforms one.
+  round. A program runs several row tiles, loading the next while it transforms one. A
+  small kernel then finishes each slice's norm from its programs' parts.
 - encode pass 2 (columns): transform whole columns with H_R, scale by g / (2 t_p M) (M, the
   agreed max norm, read here), shift by g/2, truncate to [0, g], round stochastically onto
   the table (uniforms from the counter-based generator), store indices (two a byte at b = 4).
@@ -38,7 +39,7 @@ import triton.language as tl
 
 from thc.codec import rng
 from thc.codec.common import (BAD_INDEX, BAD_INPUT, BAD_NORMS, BAD_SUM, INDEX_CAP,
-                              norm_floor, norm_limit)
+                              OVERFLOW_MARK, norm_floor, norm_limit)
 from thc.codec.triton_onchip import (block, flag, had_first, had_last, norm_bad,
                                      program_key, round_prefix, signed)
 
@@ -123,6 +124,17 @@ def _encode_rows(X, TMP, PART, STATUS, prefix, ROUND, first, length, d,
     # neither overflow nor underflow it), added up after; inf - inf and NaN are not 0
     tl.store(PART + s * tl.num_programs(1) + tl.program_id(1), ssq)
     flag(STATUS, (ssq - ssq) != 0.0, _INPUT, 1, first + s + 1)
+
+
+@triton.jit
+def _finish_norms(PART, NORMS, STATUS, first, parts, limit, mark, P: tl.constexpr):
+    s = tl.program_id(0)
+    j = tl.arange(0, P)
+    ssq = tl.sum(tl.load(PART + s * parts + j, mask=j < parts, other=0.0), 0)
+    nrm = tl.sqrt(ssq).to(tl.float32)
+    bad = ~(nrm < limit)
+    flag(STATUS, bad, _INPUT, 1, first + s + 1)
+    tl.store(NORMS + s, tl.where(bad, mark, nrm))
 
 
 @triton.jit
@@ -266,8 +278,9 @@ def _luts(table: tuple[int, ...], device):
 
 def encode_rows(flat, grp, seed: int, round_: int, st):
     """Encode pass 1 of one group of equal slices of ``flat`` (contiguous; float32, float16
-    or bfloat16): the signed, row-transformed scratch and the slices' L2 norms (float64, from
-    the same read of x, as the reference's); a NaN or Inf is flagged in ``st``."""
+    or bfloat16): the signed, row-transformed scratch and each program's part of its slice's
+    sum of squares (float64, from the same read of x; see :func:`finish_norms`); a NaN or
+    Inf is flagged in ``st``."""
     sh, dev, d = _Shape(grp.padded), flat.device, grp.padded
     x = flat[grp.start: grp.start + grp.count * grp.length]
     tmp = torch.empty(grp.count * d, dtype=torch.float32, device=dev)
@@ -277,7 +290,17 @@ def encode_rows(flat, grp, seed: int, round_: int, st):
     _encode_rows[part.shape](x, tmp, part, st, pfx, rnd, grp.first, grp.length, d, C=sh.C,
                              C1=sh.C1, BM=sh.BM, PREC=PRECISION, FORM=FORM, DEV_ROUND=on_dev,
                              TILES=rt, num_warps=NUM_WARPS)
-    return tmp, part.sum(dim=1).sqrt()
+    return tmp, part
+
+
+def finish_norms(part, grp, params, st, out):
+    """The group's slice norms from :func:`encode_rows`'s parts into ``out`` (float32), as
+    common.wide_norms makes them (one not finite or beyond common.norm_limit flagged in
+    ``st`` and sent as common.OVERFLOW_MARK), in one launch where small torch operations
+    took a dozen: a small bucket's time is mostly launches (docs/results.md)."""
+    parts = part.shape[1]
+    _finish_norms[(grp.count,)](part, out, st, grp.first, parts, norm_limit(params),
+                                OVERFLOW_MARK, P=triton.next_power_of_2(parts))
 
 
 def encode_cols(tmp, grp, max_norms, params, round_: int, uniform_seed: int, out, pack: bool,
