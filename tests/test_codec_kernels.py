@@ -547,9 +547,63 @@ def test_a_granularity_beyond_the_kernels_tables_is_refused_before_the_max_round
     assert (a.cpu() != thc.encode(x.cpu(), m.cpu(), p, 5, 77, backend="reference")).sum() <= 2
 
 
-LAUNCHED = ("_encode_rows", "_finish_norms", "_encode_cols", "_decode_rows", "_decode_cols")
+
 NO_LAUNCH = {"empty", "empty_strided", "new_empty", "view", "_unsafe_view", "slice", "alias",
              "detach", "reshape", "as_strided"}
+
+
+class Launches:
+    """What a block puts on the device, in order: the Triton kernels named (``kernels``:
+    (module, name) pairs, recorded by name) and every torch operation outside them and
+    outside the ``quiet`` methods ((object, name) pairs: a test's transport), allocations and
+    views aside (they launch nothing). Under the interpreter a kernel's own copies are inside
+    it."""
+
+    def __init__(self, monkeypatch, kernels=(), quiet=()):
+        from torch.utils._python_dispatch import TorchDispatchMode
+        self.seen, inside = [], []
+
+        def wrap(fn, name):
+            def run(*args, **kw):
+                if name:
+                    self.seen.append(name)
+                inside.append(1)
+                try:
+                    return fn(*args, **kw)
+                finally:
+                    inside.pop()
+            return run
+
+        class Kernel:
+            def __init__(self, kernel, name):
+                self.kernel, self.name = kernel, name
+
+            def __getitem__(self, grid):
+                return wrap(self.kernel[grid], self.name)
+
+        class Ops(TorchDispatchMode):
+            def __torch_dispatch__(mode, func, types, args=(), kwargs=None):
+                name = func.__name__.split(".")[0]
+                if not inside and name not in NO_LAUNCH:
+                    self.seen.append(name)
+                return func(*args, **(kwargs or {}))
+
+        for module, name in kernels:
+            monkeypatch.setattr(module, name, Kernel(getattr(module, name), name))
+        for obj, name in quiet:
+            monkeypatch.setattr(obj, name, wrap(getattr(obj, name), None))
+        self.mode = Ops()
+
+    def of(self, run):
+        """(what ``run()`` put on the device, its result)."""
+        self.seen.clear()
+        with self.mode:
+            got = run()
+        return list(self.seen), got
+
+
+CODEC_KERNELS = ("_encode_rows", "_finish_norms", "_encode_cols", "_decode_rows",
+                 "_decode_cols")
 
 
 @kernels
@@ -557,32 +611,8 @@ def test_a_buckets_round_on_the_kernels_launches_the_kernels_alone(monkeypatch):
     """A small bucket's time is mostly launches (docs/results.md): the prepare, encode and
     decode of a one-slice bucket launch their kernels and no small torch operation between
     them (the slice norms' finish after pass 1 took eighteen)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
     from thc.codec import triton_kernels as tk
-    seen, inside = [], []
-
-    class Launch:
-        def __init__(self, kernel, name):
-            self.kernel, self.name = kernel, name
-
-        def __getitem__(self, grid):
-            def run(*args, **kw):
-                seen.append(self.name)
-                inside.append(1)
-                try:
-                    return self.kernel[grid](*args, **kw)
-                finally:
-                    inside.pop()
-            return run
-
-    class Ops(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if not inside and func.__name__.split(".")[0] not in NO_LAUNCH:
-                seen.append(func.__name__)
-            return func(*args, **(kwargs or {}))
-
-    for name in LAUNCHED:
-        monkeypatch.setattr(tk, name, Launch(getattr(tk, name), name))
+    seen = Launches(monkeypatch, [(tk, name) for name in CODEC_KERNELS])
     n = 1 << 12
     p = THCParams(slice_size=n)
     x = torch.randn(n, generator=torch.Generator().manual_seed(3)).to(DEV)
@@ -591,15 +621,9 @@ def test_a_buckets_round_on_the_kernels_launches_the_kernels_alone(monkeypatch):
     sums = codec.aggregate([codec.encode(x, m, 0, 5)] * 4).to(torch.int16)
     out = torch.empty(n, device=DEV)
     steps = {}
-    with Ops():
-        for step, run in (("prepare", lambda: codec.prepare(x, 1)),
-                          ("encode", lambda: codec.encode_prepared(prep, m, 5)),
-                          ("decode", lambda: codec.decode(sums, 4, m, n, 1, out=out))):
-            seen.clear()
-            got = run()
-            if step == "prepare":
-                prep = got
-            steps[step] = list(seen)
+    steps["prepare"], prep = seen.of(lambda: codec.prepare(x, 1))
+    steps["encode"], _ = seen.of(lambda: codec.encode_prepared(prep, m, 5))
+    steps["decode"], _ = seen.of(lambda: codec.decode(sums, 4, m, n, 1, out=out))
     assert steps == {"prepare": ["_encode_rows", "_finish_norms"], "encode": ["_encode_cols"],
                      "decode": ["_decode_rows", "_decode_cols"]}
     codec.check()

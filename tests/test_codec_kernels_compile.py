@@ -1,6 +1,7 @@
-"""The codec's Triton kernels compile for an H100 (sm_90) ahead of time, without a GPU
-(the variant that reads the round from device memory at 2^8, the other at 2^20, in both
-forms of the products and with several row tiles a program).
+"""The codec's Triton kernels, and a graphed round's own (thc.collective.round_kernels),
+compile for an H100 (sm_90) ahead of time, without a GPU (the codec's: the variant that reads
+the round from device memory at 2^8, the other at 2^20, in both forms of the products and
+with several row tiles a program).
 
 The interpreter tests (test_codec_kernels.py) check what the kernels compute; this checks that
 the same source also builds for the device, where the compiler is stricter (tile shapes of the
@@ -20,6 +21,17 @@ for log, device_round, form, tiles in ((8, True, None, 1), (20, False, None, tk.
                                        (20, False, "transpose", 1)):
     print(log, form, tiles, triton_compile.compile_for(1 << log, 90, device_round, form, tiles),
           flush=True)
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from thc.collective import round_kernels as rk
+for fn, sig in ((rk._tagged, dict(NORMS="*fp32", ROUND="*i64", OUT="*fp32", n="i32",
+                                  key_lo="i32", key_hi="i32", BLOCK="constexpr")),
+                (rk._settle, dict(WORD="*i32", MAXIMA="*fp32", n="i32", CLEAN="*u8",
+                                  OVERFLOW="*u8", REPORT="*fp64", ROUND="*i64", limit="fp32",
+                                  BLOCK="constexpr"))):
+    triton.compile(ASTSource(fn, sig, dict(BLOCK=rk.BLOCK)), target=GPUTarget("cuda", 90, 32))
+    print("round", fn.__name__, flush=True)
 """
 
 
@@ -43,3 +55,4 @@ def test_kernels_compile_for_sm90():
         line = next(li for li in lines if li.startswith(log + " "))
         assert all(k in line for k in ("_encode_rows", "_finish_norms", "_encode_cols",
                                        "_decode_rows'", "_decode_rows_sums", "_decode_cols"))
+    assert "round _tagged" in lines and "round _settle" in lines

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from tests.procs import gloo_pair
-from tests.test_codec_kernels import DEV, kernels
+from tests.test_codec_kernels import CODEC_KERNELS, DEV, Launches, kernels
 from thc.codec import thc
 from thc.codec.thc import THCParams
 from thc.codec.common import NORM_MARK
@@ -224,6 +224,31 @@ def test_round_lanes_are_compared_as_exactly_on_the_device_as_on_the_host():
     with pytest.raises(RuntimeError, match="different rounds"):
         ar(x)
     assert not ar._bufs.residual.any()
+
+
+@kernels
+@pytest.mark.parametrize("error_feedback", [False, True])
+def test_a_graphed_round_launches_its_kernels_and_little_else(monkeypatch, error_feedback):
+    """What a replay runs besides the transport's collectives: the status word's clearing,
+    the codec's kernels, the round's own two (thc.collective.round_kernels) and, with error
+    feedback, the residual's three steps. Its small torch operations around the MAX round
+    were some thirty launches, each a graph node whose latency is a small bucket's time."""
+    from thc.codec import triton_kernels as tk
+    from thc.collective import round_kernels as rk
+    x = torch.randn(1024, generator=torch.Generator().manual_seed(8)).to(DEV)
+    m = thc.slice_norms(x, P)
+    peer = _Peer(tagged(m, 0))
+    red = GraphedAllReduce(peer, P, generator=1, capture=False, error_feedback=error_feedback)
+    red(x)
+    peer.other = tagged(m, 1)
+    seen = Launches(monkeypatch, [(tk, name) for name in CODEC_KERNELS]
+                    + [(rk, "_tagged"), (rk, "_settle")], [(peer, "max"), (peer, "sum")])
+    got, _ = seen.of(lambda: red._step(red._bufs))
+    own = ["_decode_rows", "_decode_cols"] if error_feedback else []
+    assert got == ["add"] * error_feedback + [
+        "zero_", "_encode_rows", "_finish_norms", "_tagged", "_encode_cols", "_decode_rows",
+        "_decode_cols"] + own + ["_settle"] + ["sub", "where"] * error_feedback
+    assert int(red._bufs.round) == 2 and bool(red._bufs.clean)
 
 
 @kernels

@@ -203,31 +203,27 @@ class GraphedAllReduce:
 
     def _step(self, b: _Buffers) -> None:
         """One round on the buffers, nothing read on the host: what the graph captures."""
+        from thc.collective import round_kernels   # needs triton, as the codec's kernels do
         c, n = self.codec, b.x.numel()
         y = b.x + b.residual if b.residual is not None else b.x
         word = c.status(y)
         word.zero_()   # each round's flags are its own, cleared in its stream order
         prep = c.prepare(y, b.round)
-        vector = agreement.tagged(prep.norms, b.round,
-                                  self._fingerprint(b.numel, b.x))
+        vector = round_kernels.tagged(prep.norms, b.round, self._fingerprint(b.numel, b.x))
         self._check_usable()
         self._sent = 0 if self._capturing else 1   # from here the MAX round may have left
-        max_norms, tags = agreement.untag(self.transport.max(vector))
+        maxima = self.transport.max(vector).contiguous()
+        max_norms = agreement.untag(maxima)[0]
         wire = c.encode_prepared(prep, max_norms, self.key, pack=False)
         sums, _ = self.transport.sum(wire, wire.numel(), self.params)
         self._sent = 0 if self._capturing else 2
         c.decode(sums, self.n_workers, max_norms, n, b.round, out=b.out)
         own = c.decode_own(wire, max_norms, n, b.round) if b.residual is not None else None
-        clean = (word[0] == 0) & agreement.in_step(tags)   # read after every kernel flagged
-        b.clean.copy_(clean)
-        b.overflow.copy_(agreement.overflowed_on_device(max_norms, tags,
-                                                        norm_limit(self.params)))
+        # after every kernel flagged; moves the device's round on
+        round_kernels.settle(word, maxima, b.clean, b.overflow, b.report, b.round,
+                             norm_limit(self.params))
         if own is not None:
-            torch.where(clean, y - own, b.residual, out=b.residual)
-        b.report[:STATUS_WORDS].copy_(word)
-        b.report[STATUS_WORDS:-1].copy_(tags)
-        b.report[-1:].copy_(b.overflow)
-        b.round.add_(1)
+            torch.where(b.clean, y - own, b.residual, out=b.residual)
 
     def skip_to(self, rnd: int) -> None:
         """Take round ``rnd`` next where it is ahead (rounds never go back: each draws its
