@@ -232,7 +232,7 @@ def test_a_graphed_round_launches_its_kernels_and_little_else(monkeypatch, error
     """What a replay runs besides the transport's collectives: the status word's clearing,
     the codec's kernels, the round's own two (thc.collective.round_kernels) and, with error
     feedback, the residual's three steps. Its small torch operations around the MAX round
-    were some thirty launches, each a graph node whose latency is a small bucket's time."""
+    were thirty-four launches, each a graph node whose latency is a small bucket's time."""
     from thc.codec import triton_kernels as tk
     from thc.collective import round_kernels as rk
     x = torch.randn(1024, generator=torch.Generator().manual_seed(8)).to(DEV)

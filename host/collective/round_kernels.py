@@ -1,6 +1,6 @@
 """A graphed round's own steps on the device (thc.collective.graphed), as two Triton kernels:
 the MAX round's vector before it, and the round's verdict after the decode. Why: as small
-torch operations they were some thirty launches a round, each a node of the graph whose
+torch operations they were thirty-four launches a round, each a node of the graph whose
 latency, not bytes, is a small bucket's time (docs/results.md). Each kernel computes what
 its torch counterpart in thc.collective.agreement computes, bit for bit: a graphed worker
 and an eager one may be peers.
