@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import os
 import math
 import threading
 import time
@@ -1039,9 +1040,10 @@ def test_gradient_accumulation_on_every_rank_stays_in_step(kind):
     assert res[0] == res[1] == ["ok", "accumulated", "ok", "ok"], res
 
 
-def _peer_absent_worker(rank, port, q):
+def _peer_absent_worker(rank, port, q, exits=False):
     """Rank 0 runs a DDP step with THC's hook; rank 1 runs its forward and never its backward
-    (it raised in between, say), then waits out rank 0's timeout."""
+    (it raised in between, say), then waits out rank 0's timeout or (``exits``) its process
+    ends while rank 0 waits."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from thc.codec.params import THCParams
@@ -1061,6 +1063,12 @@ def _peer_absent_worker(rank, port, q):
             loss.backward()
         except RuntimeError as e:
             out = str(e)
+    elif exits:
+        q.put((rank, out))
+        q.close()
+        q.join_thread()
+        time.sleep(1)
+        os._exit(0)
     else:
         time.sleep(6)
     q.put((rank, out))
@@ -1072,6 +1080,13 @@ def test_a_peer_that_never_reaches_the_bucket_is_named_in_the_timeout():
     res = gloo_pair(_peer_absent_worker)
     assert "timed out: a peer rank did not reach this bucket's reduction" in res[0], res
     assert "backward 0 " in res[0] and "Timed out" in res[0], res
+
+
+def test_a_peer_whose_process_ended_is_named_in_the_lost_connection():
+    """Gloo's "Connection closed by peer" named no step or cause either."""
+    res = gloo_pair(functools.partial(_peer_absent_worker, exits=True))
+    assert "lost its connection to a peer rank, whose process ended" in res[0], res
+    assert "backward 0 " in res[0] and "Connection closed by peer" in res[0], res
 
 
 def _unlike_forwards_worker(rank, port, q, kind):
