@@ -98,3 +98,25 @@ def test_small_vectors(n):
     norms = torch.full((n,), 2.5, device=DEV)
     got = round_kernels.tagged(norms, torch.tensor([7], device=DEV), 9)
     assert torch.equal(got, agreement.tagged(norms, 7, 9))
+
+
+@kernels
+def test_the_verdict_reads_max_norms_past_the_first_block():
+    """A bucket of more slices than one block of the kernel: the overflow and the NaN that
+    vetoes it sit past it."""
+    from thc.collective import round_kernels
+    for nan, want in ((False, True), (True, False)):
+        norms = torch.full((1500,), 2.0, device=DEV)
+        norms[1300] = OVERFLOW_MARK
+        maxima = agreement.tagged(norms, 5, 6)
+        if nan:
+            maxima[agreement.TAG_LANES + 1400] = float("nan")
+        word = torch.zeros(STATUS_WORDS, dtype=torch.int32, device=DEV)
+        clean = torch.zeros((), dtype=torch.bool, device=DEV)
+        over = torch.zeros((), dtype=torch.bool, device=DEV)
+        report = torch.zeros(STATUS_WORDS + agreement.TAG_LANES + 1, dtype=torch.float64,
+                             device=DEV)
+        round_kernels.settle(word, maxima, clean, over, report, torch.tensor([5], device=DEV),
+                             LIMIT)
+        assert bool(over) is want is bool(agreement.overflowed_on_device(
+            *agreement.untag(maxima), LIMIT))

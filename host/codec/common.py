@@ -211,7 +211,8 @@ INDEX_CAP = 1 << 30
 
 def status_word(device):
     """The kernels' status word on ``device``: flags, then the last slice with a NaN or Inf
-    + 1, the last slice with a bad max norm + 1, the largest bad index + 2 (1: negative;
+    or a norm beyond :func:`norm_limit` + 1 (the reference path names the first), the last
+    slice with a bad max norm + 1, the largest bad index + 2 (1: negative;
     0: none), the largest sum beyond n g + 2 (1: a negative sum; 0: none)."""
     import torch
     return torch.zeros(STATUS_WORDS, dtype=torch.int32, device=device)
