@@ -29,7 +29,9 @@ for fn, sig in ((rk._tagged, dict(NORMS="*fp32", ROUND="*i64", OUT="*fp32", n="i
                                   key_lo="i32", key_hi="i32", BLOCK="constexpr")),
                 (rk._settle, dict(WORD="*i32", MAXIMA="*fp32", n="i32", CLEAN="*u8",
                                   OVERFLOW="*u8", REPORT="*fp64", ROUND="*i64", limit="fp32",
-                                  BLOCK="constexpr"))):
+                                  BLOCK="constexpr")),
+                (rk._keep, dict(Y="*fp32", OWN="*fp32", CLEAN="*u8", RES="*fp32", n="i32",
+                                BLOCK="constexpr"))):
     triton.compile(ASTSource(fn, sig, dict(BLOCK=rk.BLOCK)), target=GPUTarget("cuda", 90, 32))
     print("round", fn.__name__, flush=True)
 """
@@ -55,4 +57,4 @@ def test_kernels_compile_for_sm90():
         line = next(li for li in lines if li.startswith(log + " "))
         assert all(k in line for k in ("_encode_rows", "_finish_norms", "_encode_cols",
                                        "_decode_rows'", "_decode_rows_sums", "_decode_cols"))
-    assert "round _tagged" in lines and "round _settle" in lines
+    assert all(f"round {k}" in lines for k in ("_tagged", "_settle", "_keep"))

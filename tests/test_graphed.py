@@ -230,9 +230,11 @@ def test_round_lanes_are_compared_as_exactly_on_the_device_as_on_the_host():
 @pytest.mark.parametrize("error_feedback", [False, True])
 def test_a_graphed_round_launches_its_kernels_and_little_else(monkeypatch, error_feedback):
     """What a replay runs besides the transport's collectives: the status word's clearing,
-    the codec's kernels, the round's own two (thc.collective.round_kernels) and, with error
-    feedback, the residual's three steps. Its small torch operations around the MAX round
-    were thirty-four launches, each a graph node whose latency is a small bucket's time."""
+    the codec's kernels and the round's own (thc.collective.round_kernels; with error
+    feedback, the decode of its own indices and the residual kept). Its small torch
+    operations were thirty-four launches (three more with error feedback), each a graph
+    node whose latency is a small bucket's time; the input plus the residual is added by
+    the call, in the launch that copies the tensor in."""
     from thc.codec import triton_kernels as tk
     from thc.collective import round_kernels as rk
     x = torch.randn(1024, generator=torch.Generator().manual_seed(8)).to(DEV)
@@ -242,12 +244,12 @@ def test_a_graphed_round_launches_its_kernels_and_little_else(monkeypatch, error
     red(x)
     peer.other = tagged(m, 1)
     seen = Launches(monkeypatch, [(tk, name) for name in CODEC_KERNELS]
-                    + [(rk, "_tagged"), (rk, "_settle")], [(peer, "max"), (peer, "sum")])
+                    + [(rk, "_tagged"), (rk, "_settle"), (rk, "_keep")],
+                    [(peer, "max"), (peer, "sum")])
     got, _ = seen.of(lambda: red._step(red._bufs))
     own = ["_decode_rows", "_decode_cols"] if error_feedback else []
-    assert got == ["add"] * error_feedback + [
-        "zero_", "_encode_rows", "_finish_norms", "_tagged", "_encode_cols", "_decode_rows",
-        "_decode_cols"] + own + ["_settle"] + ["sub", "where"] * error_feedback
+    assert got == ["zero_", "_encode_rows", "_finish_norms", "_tagged", "_encode_cols",
+                   "_decode_rows", "_decode_cols"] + own + ["_settle"] + ["_keep"] * error_feedback
     assert int(red._bufs.round) == 2 and bool(red._bufs.clean)
 
 

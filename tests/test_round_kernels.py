@@ -120,3 +120,18 @@ def test_the_verdict_reads_max_norms_past_the_first_block():
                              LIMIT)
         assert bool(over) is want is bool(agreement.overflowed_on_device(
             *agreement.untag(maxima), LIMIT))
+
+
+@kernels
+def test_the_residual_is_torchs_where():
+    from thc.collective import round_kernels
+    rng = np.random.default_rng(3)
+    for n in (256, 1024, 5000):
+        y = _norms(rng, n) * torch.from_numpy(rng.choice([-1.0, 1.0], n).astype(np.float32)).to(DEV)
+        own = _norms(rng, n)
+        for clean in (True, False):
+            c = torch.tensor(clean, device=DEV)
+            res = _norms(rng, n)
+            want = torch.where(c, y - own, res)
+            round_kernels.keep_residual(y, own, c, res)
+            assert torch.equal(_bits(res), _bits(want)), (n, clean)

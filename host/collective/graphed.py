@@ -4,8 +4,9 @@ Why: called from Python, a round costs the host about a millisecond (argument ch
 twenty launches), more than its kernels at DDP's bucket sizes (docs/results.md). Captured
 once, a round is one replay. A graph fixes everything but the contents of memory, so:
 
-- the reducer owns its buffers: a call copies the tensor into its input (padded with zeros
-  where a tail slice is too short for the kernels) and the estimate out of its output;
+- the reducer owns its buffers: a call copies the tensor into its input (with error
+  feedback, the tensor plus the residual; padded where a tail slice is too short for the
+  kernels) and the estimate out of its output;
 - the round number lives on the device: the kernels derive the rotation and rounding keys
   from it, the MAX round's two round lanes come from it, and each round adds one to it;
 - nothing inside a round waits for the device: the codec flags bad input into its status word
@@ -77,7 +78,11 @@ REPORT_LANES = STATUS_WORDS + agreement.TAG_LANES + 1
 class _Buffers:
     """What a captured round reads and writes: fixed addresses for the graph's life."""
     numel: int
+    dtype: torch.dtype
+    """The tensor's type, which the reducer serves."""
     x: torch.Tensor
+    """The round's input, padded: the tensor or, with error feedback, the tensor plus the
+    residual (float32), both written by the call before the replay."""
     residual: torch.Tensor | None
     out: torch.Tensor
     round: torch.Tensor
@@ -186,26 +191,38 @@ class GraphedAllReduce:
         b = self._bufs
         if b is None:
             n, dev = self._padded(flat.numel(), flat), flat.device
+            ef = self.error_feedback
             b = self._bufs = _Buffers(
-                flat.numel(), torch.zeros(n, dtype=flat.dtype, device=dev),
-                torch.zeros(n, device=dev) if self.error_feedback else None,
+                flat.numel(), flat.dtype,
+                torch.zeros(n, dtype=torch.float32 if ef else flat.dtype, device=dev),
+                torch.zeros(n, device=dev) if ef else None,
                 torch.empty(n, device=dev),
                 torch.full((1,), self.round - 1, dtype=torch.int64, device=dev),
                 torch.zeros(REPORT_LANES, dtype=torch.float64, device=dev),
                 torch.zeros((), dtype=torch.bool, device=dev),
                 torch.zeros((), dtype=torch.bool, device=dev),
                 torch.zeros(REPORT_LANES, dtype=torch.float64, pin_memory=dev.type == "cuda"))
-        elif (b.numel, b.x.dtype, b.x.device) != (flat.numel(), flat.dtype, flat.device):
-            raise ValueError(f"a graphed all-reduce serves one tensor: {b.numel} {b.x.dtype} "
+        elif (b.numel, b.dtype, b.x.device) != (flat.numel(), flat.dtype, flat.device):
+            raise ValueError(f"a graphed all-reduce serves one tensor: {b.numel} {b.dtype} "
                              f"on {b.x.device}, got {flat.numel()} {flat.dtype} on "
                              f"{flat.device}")
         return b
 
+    @staticmethod
+    def _take(b: _Buffers, flat: torch.Tensor) -> None:
+        """The round's input into ``b.x``, in the launch that copied the tensor there: with
+        error feedback, the tensor plus the residual (its padding, the residual's)."""
+        if b.residual is None:
+            b.x[:b.numel].copy_(flat)
+            return
+        torch.add(flat, b.residual[:b.numel], out=b.x[:b.numel])
+        if b.numel < b.x.numel():
+            b.x[b.numel:].copy_(b.residual[b.numel:])
+
     def _step(self, b: _Buffers) -> None:
         """One round on the buffers, nothing read on the host: what the graph captures."""
         from thc.collective import round_kernels   # needs triton, as the codec's kernels do
-        c, n = self.codec, b.x.numel()
-        y = b.x + b.residual if b.residual is not None else b.x
+        c, n, y = self.codec, b.x.numel(), b.x
         word = c.status(y)
         word.zero_()   # each round's flags are its own, cleared in its stream order
         prep = c.prepare(y, b.round)
@@ -223,7 +240,7 @@ class GraphedAllReduce:
         round_kernels.settle(word, maxima, b.clean, b.overflow, b.report, b.round,
                              norm_limit(self.params))
         if own is not None:
-            torch.where(b.clean, y - own, b.residual, out=b.residual)
+            round_kernels.keep_residual(y, own, b.clean, b.residual)
 
     def skip_to(self, rnd: int) -> None:
         """Take round ``rnd`` next where it is ahead (rounds never go back: each draws its
@@ -439,7 +456,7 @@ class GraphedAllReduce:
                 flat = flat.float()
             b = self._buffers(flat)
             with torch.cuda.device(b.x.device) if b.x.is_cuda else _nothing():
-                b.x[:b.numel].copy_(flat)
+                self._take(b, flat)
                 self._run(b, flat)
         except Exception as e:
             if self._settle(tensor, e) and self.deferred_checks:

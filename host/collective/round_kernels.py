@@ -1,9 +1,10 @@
-"""A graphed round's own steps on the device (thc.collective.graphed), as two Triton kernels:
-the MAX round's vector before it, and the round's verdict after the decode. Why: as small
-torch operations they were thirty-four launches a round, each a node of the graph whose
+"""A graphed round's own steps on the device (thc.collective.graphed), as Triton kernels: the
+MAX round's vector before it, the round's verdict after the decode, and the error-feedback
+residual kept where the round was clean. Why: as small torch operations they were
+thirty-four launches a round (two more with error feedback), each a node of the graph whose
 latency, not bytes, is a small bucket's time (docs/results.md). Each kernel computes what
-its torch counterpart in thc.collective.agreement computes, bit for bit: a graphed worker
-and an eager one may be peers.
+the torch steps it stands for compute (thc.collective.agreement's, a ``torch.where``), bit
+for bit: a graphed worker and an eager one may be peers.
 """
 from __future__ import annotations
 
@@ -72,6 +73,15 @@ def _settle(WORD, MAXIMA, n, CLEAN, OVERFLOW, REPORT, ROUND, limit, BLOCK: tl.co
     tl.store(ROUND, tl.load(ROUND) + 1)
 
 
+@triton.jit
+def _keep(Y, OWN, CLEAN, RES, n, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    keep = i < n * (tl.load(CLEAN) != 0).to(tl.int32)   # nothing where the round was not clean
+    y = tl.load(Y + i, mask=keep, other=0.0)
+    own = tl.load(OWN + i, mask=keep, other=0.0)
+    tl.store(RES + i, y - own, mask=keep)
+
+
 def tagged(norms: torch.Tensor, rnd: torch.Tensor, key: int) -> torch.Tensor:
     """agreement.tagged of float32 ``norms`` and the int64 round ``rnd`` on the device."""
     key %= KEY_SPAN * KEY_SPAN
@@ -90,3 +100,11 @@ def settle(word, maxima, clean, overflow, report, rnd, limit: float) -> None:
     bool tensors of one element."""
     _settle[(1,)](word, maxima, maxima.numel() - TAG_LANES, clean.view(torch.uint8),
                   overflow.view(torch.uint8), report, rnd, limit, BLOCK=BLOCK)
+
+
+def keep_residual(y, own, clean, residual) -> None:
+    """Error feedback's residual, ``y - own`` (float32: the round's input less this worker's
+    own decode), where the round was ``clean`` (a bool tensor of one element); else left as
+    it was: torch.where(clean, y - own, residual, out=residual) in one launch."""
+    n = y.numel()
+    _keep[(triton.cdiv(n, BLOCK),)](y, own, clean.view(torch.uint8), residual, n, BLOCK=BLOCK)
