@@ -92,6 +92,26 @@ def test_graphed_rounds_equal_the_eager_allreduce(dtype):
 
 
 @kernels
+def test_a_padded_tail_carries_its_residual_as_the_eager_round_of_the_padded_tensor():
+    """With error feedback the padding is part of the round's input: its residual is added
+    to it as to every coordinate, so three rounds equal, bit for bit, an eager reducer's on
+    the tensor padded with zeros."""
+    _group()
+    try:
+        graphed = GraphedAllReduce.through_torch_distributed(params=P, generator=4)
+        eager = THCAllReduce.through_torch_distributed(params=P, generator=4,
+                                                       backend="triton")
+        gen = torch.Generator().manual_seed(6)
+        for r in range(3):
+            x = torch.randn(2 * 256 + 40, generator=gen).to(DEV)
+            padded = torch.cat([x, torch.zeros(216, device=DEV)])
+            assert torch.equal(graphed(x), eager(padded)[:x.numel()]), r
+        assert graphed._bufs.residual[x.numel():].any()
+    finally:
+        dist.destroy_process_group()
+
+
+@kernels
 def test_a_short_tail_is_padded_into_the_kernels():
     """A tail slice under 2^8 coordinates is padded with zeros (the kernels take every slice);
     the estimate keeps its size and is as close to the input as the eager one's."""
