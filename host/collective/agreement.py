@@ -163,7 +163,8 @@ def untag(maxima: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def in_step(tags: torch.Tensor) -> torch.Tensor:
     """Whether the job's workers are all in the same round with the same fingerprint, as a
-    boolean on the device (as exact as check_rounds on the host)."""
+    boolean on the device (as exact as check_rounds on the host): what a graphed round's
+    kernel (thc.collective.round_kernels) is held to."""
     pairs = tags.double().reshape(len(SPANS), 2).sum(dim=1)
     return (pairs == torch.tensor(SPANS, dtype=torch.float64, device=tags.device)).all()
 
@@ -187,7 +188,8 @@ def overflowed(max_norms: torch.Tensor, tags, limit: float) -> bool:
 
 def overflowed_on_device(max_norms: torch.Tensor, tags: torch.Tensor,
                          limit: float) -> torch.Tensor:
-    """:func:`overflowed` as a boolean on the device, read nowhere (a graphed round's)."""
+    """:func:`overflowed` as a boolean on the device, read nowhere: what a graphed round's
+    kernel (thc.collective.round_kernels) is held to."""
     top = max_norms.max() if max_norms.numel() else max_norms.new_zeros(())
     return in_step(tags) & (top >= limit) & (top < NORM_MARK)
 
