@@ -210,14 +210,15 @@ class GraphedAllReduce:
 
     @staticmethod
     def _take(b: _Buffers, flat: torch.Tensor) -> None:
-        """The round's input into ``b.x``, in the launch that copied the tensor there: with
-        error feedback, the tensor plus the residual (its padding, the residual's)."""
+        """The round's input into ``b.x``, in the launch that copied the tensor there (one
+        more for a padded tail): with error feedback, the tensor plus the residual, and the
+        padding (zeros) plus its residual, -0.0 made 0.0 as that sum makes it."""
         if b.residual is None:
             b.x[:b.numel].copy_(flat)
             return
         torch.add(flat, b.residual[:b.numel], out=b.x[:b.numel])
         if b.numel < b.x.numel():
-            b.x[b.numel:].copy_(b.residual[b.numel:])
+            torch.add(b.residual[b.numel:], 0.0, out=b.x[b.numel:])
 
     def _step(self, b: _Buffers) -> None:
         """One round on the buffers, nothing read on the host: what the graph captures."""
