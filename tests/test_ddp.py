@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 import functools
-import os
 import math
+import os
 import threading
 import time
 from datetime import timedelta

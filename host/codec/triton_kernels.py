@@ -297,7 +297,7 @@ def finish_norms(part, grp, params, st, out):
     """The group's slice norms from :func:`encode_rows`'s parts into ``out`` (float32), as
     common.wide_norms makes them (one not finite or beyond common.norm_limit flagged in
     ``st`` and sent as common.OVERFLOW_MARK), in one launch where small torch operations
-    took a dozen: a small bucket's time is mostly launches (docs/results.md)."""
+    took seventeen: a small bucket's time is mostly launches (docs/results.md)."""
     parts = part.shape[1]
     _finish_norms[(grp.count,)](part, out, st, grp.first, parts, norm_limit(params),
                                 OVERFLOW_MARK, P=triton.next_power_of_2(parts))
