@@ -39,7 +39,7 @@ class Program:
                                   for f in FIELD.finditer(m[2])}
         parser, control, deparser, headers, metadata = PIPES[pipe]
         self.roots = {"meta": metadata, "hdr": headers, **{k: k for k in INTRINSIC}}
-        self.consts, self.widths = {}, {}
+        self.consts, self.widths, self.layouts = {}, {}, {}
         for m in re.finditer(r"\bconst\s+(bit|int)\s*<\s*(\d+)\s*>\s*(\w+)\s*=\s*([^;]+);", text):
             w = int(m[2])
             self.consts[m[3]] = (self.const(Parser(tokenize(m[4])).expr())[0] & mask(w), w,
@@ -141,7 +141,8 @@ class Program:
         return reg, params[0][2], out, self.resolve(out_type), ("block", g.group().stmts())
 
     def table(self, name: str, p: Parser) -> dict:
-        t = {"keys": [], "key_names": [], "entries": [], "default": ("NoAction", [])}
+        t = {"keys": [], "key_names": [], "entries": [], "default": ("NoAction", []),
+             "first": {}}   # by key: the index of the first const entry it matches, or None
         while p.peek() is not None:
             p.accept("const")
             prop = p.next()
@@ -188,6 +189,8 @@ class Program:
     def layout(self, path: str) -> list[tuple[str, int]]:
         """The fields of the header at ``path`` (``hdr.udp``, ``meta.p1``) with their widths,
         in packet order."""
+        if path in self.layouts:
+            return self.layouts[path]
         parts = path.split(".")
         typ = self.roots.get(parts[0])
         for part in parts[1:]:
@@ -195,7 +198,8 @@ class Program:
         fields = self.structs.get(typ) if isinstance(typ, str) else None
         if not fields or not all(isinstance(w, int) for w in fields.values()):
             raise Unsupported(f"{path} is not a header")
-        return [(f"{path}.{k}", w) for k, w in fields.items()]
+        layout = self.layouts[path] = [(f"{path}.{k}", w) for k, w in fields.items()]
+        return layout
 
     def width(self, path: str) -> int:
         if path not in self.widths:
@@ -238,10 +242,10 @@ class Machine:
     def eval(self, e):
         """A bool, or (value, width or None for an unsized literal, signed)."""
         kind = e[0]
-        if kind in ("num", "bool"):
-            return e[1] if kind == "bool" else e[1:]
         if kind == "path":
             return self.read(e[1])
+        if kind in ("num", "bool"):
+            return e[1] if kind == "bool" else e[1:]
         if kind == "slice":
             v = self.eval(e[1])
             if isinstance(v, bool) or v[1] is None or not v[1] > e[2] >= e[3] >= 0:
@@ -300,17 +304,22 @@ class Machine:
     def slot(self, path: str):
         """(container, key, width, signed) of a field, a local, or a local struct's field."""
         head, _, rest = path.partition(".")
-        if head not in self.locals:
-            return self.f, path, self.p.width(path), False
-        local = self.locals[head]
+        local = self.locals.get(head)
+        if local is None:
+            w = self.p.widths.get(path)
+            return self.f, path, self.p.width(path) if w is None else w, False
         return (local[0], rest, self.p.structs[local[1]][rest], False) if rest else \
             (local, 0, *local[1])
 
     def read(self, path: str):
-        if path in self.p.consts and path not in self.locals:
-            return self.p.consts[path]
-        c, k, w, sign = self.slot(path)
-        return (c.get(k, 0) if isinstance(c, dict) else c[k], w, sign)
+        if self.locals and path.partition(".")[0] in self.locals:
+            c, k, w, sign = self.slot(path)
+            return (c.get(k, 0) if isinstance(c, dict) else c[k], w, sign)
+        const = self.p.consts.get(path)
+        if const is not None:
+            return const
+        w = self.p.widths.get(path)
+        return (self.f.get(path, 0), self.p.width(path) if w is None else w, False)
 
     def assign(self, lhs, value) -> None:
         hi, lo = (lhs[2], lhs[3]) if lhs[0] == "slice" else (None, None)
@@ -412,10 +421,16 @@ class Machine:
         action, else the default action."""
         t = self.p.tables[name]
         keys = self.keys(t["keys"])
-        for cells, act, args in t["entries"] + self.installed.get(name, []):
-            if self.matches(cells, keys):
-                self.action(act, args)
-                return True
+        first = t["first"].get(tuple(keys), -1)   # the const entries never change
+        if first == -1:
+            first = t["first"][tuple(keys)] = next(
+                (i for i, (cells, _, _) in enumerate(t["entries"]) if self.matches(cells, keys)),
+                None)
+        hit = t["entries"][first] if first is not None else next(
+            (e for e in self.installed.get(name, []) if self.matches(e[0], keys)), None)
+        if hit is not None:
+            self.action(hit[1], hit[2])
+            return True
         self.action(*t["default"])
         return False
 
