@@ -6,6 +6,8 @@ Triton's interpreter on the CPU (tests/test_graphed_gpu.py replays them on a GPU
 import subprocess
 import sys
 import time
+import warnings
+import weakref
 
 import numpy as np
 import pytest
@@ -14,9 +16,10 @@ import torch.distributed as dist
 
 from tests.test_codec_kernels import DEV, kernels
 from tests.test_graphed import P, _Peer, gloo_inputs, gloo_pair, join_gloo, tagged
-from thc.collective import agreement, watchdog
+from thc.collective import agreement, graphed, watchdog
 from thc.collective.ddp import THCHook
 from thc.collective.graphed import GraphedAllReduce
+from thc.emu.base import REPO_ROOT
 from thc.testing.clusters import free_tcp_port
 
 
@@ -155,6 +158,52 @@ def test_a_deferred_round_past_its_deadline_raises_and_abandons():
     with pytest.raises(TimeoutError, match="round 0 replayed from a CUDA graph did not finish"):
         deferred(_x(4))
     assert "round 0" in deferred.transport.abandoned
+
+
+@kernels
+def test_a_round_nothing_read_is_told_when_the_process_ends(monkeypatch):
+    """The last step's round, with no check() after it: the reader at exit warns of its
+    refusal, and of a round not finished (without waiting for it); of a clean round, of one
+    already raised, and of a reducer that waits, nothing."""
+    monkeypatch.setattr(graphed, "_DEFERRING", weakref.WeakSet())
+    waited, deferred = _pair()
+    _peers_say((waited, deferred), 0)
+    waited(_x(0))
+    deferred(_x(0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        graphed._read_at_exit()
+    assert list(graphed._DEFERRING) == [deferred] and deferred._pending is None
+    _peers_say([deferred], 1, norms=3.4028234663852886e38)   # a worker's mark
+    assert not deferred(_x(1)).any()
+    with pytest.warns(RuntimeWarning, match=r"round 1 of graphed reducer \S+ was refused "
+                                            r"\(ValueError: max norms must be finite"):
+        graphed._read_at_exit()
+    assert deferred._pending is None
+
+    class Stuck:
+        def query(self):
+            return False
+    _peers_say([deferred], 2)
+    deferred(_x(2))
+    deferred._pending.done = Stuck()
+    start = time.monotonic()
+    with pytest.warns(RuntimeWarning, match="round 2 of graphed reducer \\S+ had not finished"):
+        graphed._read_at_exit()
+    assert time.monotonic() - start < 1
+
+
+@kernels
+def test_a_refusal_nothing_read_reaches_stderr_as_the_process_ends():
+    code = ("from tests.test_graphed_deferred import _pair, _peers_say, _x\n"
+            "_, deferred = _pair()\n"
+            "_peers_say([deferred], 0, norms=3.4028234663852886e38)\n"
+            "assert not deferred(_x(0)).any()\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, cwd=REPO_ROOT)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "RuntimeWarning: round 0 of graphed reducer 0 was refused (ValueError: max " \
+           "norms must be finite" in run.stderr, run.stderr[-2000:]
 
 
 @kernels

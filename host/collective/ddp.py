@@ -535,7 +535,8 @@ class THCHook(_Hook):
 
     def check(self) -> None:
         """Raise a refusal that reducers with deferred checks (``GraphedAllReduce(
-        deferred_checks=True)``) still hold: call it after the last step."""
+        deferred_checks=True)``) still hold: call it after the last step (else the process's
+        end only warns of it)."""
         errors = []
         for ar in list(self.reducers.values()):
             if isinstance(ar, GraphedAllReduce):

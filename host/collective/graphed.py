@@ -27,7 +27,9 @@ stream stays stuck; the loop may be waiting on it). A worker whose own call fail
 MAX round (an error, once that round is owed) returns zeros too, and its next call raises
 its error, as its peers raise the refusal: every worker skips the same step. (The type of
 the error differs: the peers' is the refusal's ``ValueError``, this worker's a
-``RuntimeError`` from its own.)
+``RuntimeError`` from its own.) A refusal that no call or ``check()`` raised by the time the
+process ends (the last step's, where nothing checked after it) is told then, as a
+``RuntimeWarning``, and so is a round not finished by then.
 
 The rounding draws are keyed by a fixed int (``generator``) and the round, so with the same
 int :class:`THCAllReduce` gives the same estimates, bit for bit, where no tail is padded and
@@ -51,7 +53,10 @@ process group: DDP's own (``find_unused_parameters=True``) would land in the gra
 """
 from __future__ import annotations
 
+import atexit
 import time
+import warnings
+import weakref
 from contextlib import nullcontext as _nothing
 from dataclasses import dataclass
 
@@ -72,6 +77,33 @@ KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 """Input types the kernels read as they are."""
 REPORT_LANES = STATUS_WORDS + agreement.TAG_LANES + 1
 """What a round reports to the host: its status word, its tag lanes, whether it overflowed."""
+
+
+_DEFERRING: weakref.WeakSet = weakref.WeakSet()
+"""The reducers with deferred checks: what they hold when the process ends is read then."""
+
+
+@atexit.register
+def _read_at_exit() -> None:
+    """Warn of each refusal a deferred round still holds (a round after which nothing was
+    called or checked), and of a round not finished: without it they would go unseen. A
+    round not finished is not waited for: the process is ending."""
+    for ar in list(_DEFERRING):
+        pending = ar._pending
+        if pending is None:
+            continue
+        try:
+            if pending.failure is None and pending.done is not None and not pending.done.query():
+                ar._pending = None
+                what = "had not finished"
+            else:
+                ar.check()
+                continue
+        except Exception as e:  # noqa: BLE001 - each reducer's round is told
+            what = f"was refused ({type(e).__name__}: {e})"
+        warnings.warn(f"round {pending.round} of graphed reducer {ar.name!r} {what} when the "
+                      f"process ended, and no check() after the last step read it",
+                      RuntimeWarning, stacklevel=1)
 
 
 @dataclass
@@ -135,6 +167,8 @@ class GraphedAllReduce:
         """Seconds a replayed round may take (NCCL's own default: 10 minutes)."""
         self.codec = THCCodec(self.params, backend="triton", deferred_checks=True)
         self.deferred_checks = deferred_checks
+        if deferred_checks:
+            _DEFERRING.add(self)
         self._pending: replay.Pending | None = None
         """A deferred round whose report is still to be read."""
         self.round = 0
