@@ -336,6 +336,32 @@ def test_half_buckets_are_divided_before_their_sum():
         assert whole == [40000.0] * 16 and spans == [40000.0] * 20, res[rank]
 
 
+def test_a_topk_step_that_fails_after_its_agreement_abandons_the_group(monkeypatch):
+    """A rank's own failure between its gathers or after them (here in combining them): its
+    peers wait in a gather or go on to their next collective (a hook's FP32 spans), which
+    would pair with this rank's next; so the group is abandoned, and its next step refuses,
+    naming the failure."""
+    from thc.collective.ddp import TopKHook
+    from thc.collective.transports import DistTransport
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port_block(1)}",
+                            rank=0, world_size=1)
+    try:
+        hook = TopKHook(torch.nn.Linear(8, 8), ratio=0.5, overlap=False)
+        assert int(hook.reduce("bucket", torch.ones(64), [64]).count_nonzero()) == 32
+        with monkeypatch.context() as m:
+            m.setattr(hook.scheme, "combine",
+                      lambda *a: (_ for _ in ()).throw(MemoryError("out of memory")))
+            with pytest.raises(MemoryError):
+                hook.reduce("bucket", torch.ones(64), [64])
+        with pytest.raises(RuntimeError, match=r"TopK step 1 failed after its agreement "
+                                               r"\(MemoryError: out of memory\)"):
+            hook.reduce("bucket", torch.ones(64), [64])
+        with pytest.raises(RuntimeError, match="TopK step 1 failed"):
+            DistTransport.check_group(hook.group)
+    finally:
+        dist.destroy_process_group()
+
+
 def _topk_nan_worker(rank, port, q):
     from thc.collective.ddp import TopKHook
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
@@ -1087,6 +1113,65 @@ def test_a_peer_whose_process_ended_is_named_in_the_lost_connection():
     res = gloo_pair(functools.partial(_peer_absent_worker, exits=True))
     assert "lost its connection to a peer rank, whose process ended" in res[0], res
     assert "backward 0 " in res[0] and "Connection closed by peer" in res[0], res
+
+
+def _fails_after_its_sum_worker(rank, port, q):
+    """Three DDP steps with THC's hook and an FP32 span (the last bias) in the bucket; at
+    step 1 rank 1's decode fails (out of memory, say) after its sum went out, and it goes
+    on to step 2: each step's outcome on this rank."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from thc.codec.params import THCParams
+    from thc.collective.allreduce import THCAllReduce
+    from thc.collective.ddp import HookOptions, THCHook
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2, timeout=timedelta(seconds=3))
+    torch.manual_seed(0)
+    # a last bias of 8, as long as a Gloo round's agreement: unlike lengths would abort Gloo
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(),
+                                torch.nn.Linear(128, 8))
+    ddp = DDP(model)
+    fail = []
+
+    def factory(group):
+        ar = THCAllReduce.through_torch_distributed(group, params=THCParams(seed=3),
+                                                    generator=rank)
+        real = ar.codec.decode
+
+        def decode(*a, **k):
+            if fail:
+                fail.clear()
+                raise MemoryError("out of memory in decode")
+            return real(*a, **k)
+        ar.codec.decode = decode
+        return ar
+    THCHook(model, factory, HookOptions(uncompressed=("2.bias",)), overlap=False).register(ddp)
+    out = []
+    for step in range(3):
+        if rank == 1 and step == 1:
+            fail.append(True)
+        x, y = _data(10 * step + rank)
+        try:
+            torch.nn.functional.cross_entropy(ddp(x), y).backward()
+            out.append("ok")
+        except Exception as e:  # noqa: BLE001 - each step's outcome is the result
+            out.append(f"{type(e).__name__}: {e}")
+        model.zero_grad(set_to_none=True)
+    q.put((rank, out))
+
+
+def test_a_rank_that_fails_after_its_sum_leaves_no_peer_a_wrong_fp32_span():
+    """Rank 1 fails after its sum; rank 0's round went well, and it goes on to the bucket's
+    FP32 span. That all-reduce paired with rank 1's next collective (step 2's agreement,
+    whose tag lanes rank 0 took as its bias gradient, "ok"). Rank 1 now abandons the group:
+    its later steps refuse, naming the failure, and rank 0's FP32 span ends in an error (the
+group's timeout, or the connection lost when rank 1's process ends)."""
+    res = gloo_pair(_fails_after_its_sum_worker)
+    assert res[0][0] == res[1][0] == "ok", res
+    assert "out of memory in decode" in res[1][1], res
+    assert "the hook's collective of backward 1 " in res[0][1], res   # timed out, or lost
+    assert "no THC round may use this process group any more" in res[1][2], res
+    assert "failed after its MAX round (MemoryError: out of memory in decode)" in res[1][2], res
 
 
 def _unlike_forwards_worker(rank, port, q, kind):

@@ -4,6 +4,8 @@ through a refused round. On the CPU the rounds run their steps eagerly under Tri
 interpreter (see test_codec_kernels.py, imported first for that); tests/test_graphed_gpu.py
 captures and replays them on a GPU."""
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -23,11 +25,12 @@ from thc.testing.clusters import free_tcp_port
 P = THCParams(slice_size=256)
 
 
-def tagged(norms, rnd):
+def tagged(norms, rnd, deferred=False):
     """A peer's MAX vector for a round of 1024 elements under P decoded on the kernels, its
-    fingerprint included."""
+    fingerprint included (a graphed reducer's with deferred checks where ``deferred``)."""
+    steps = "sum, raised later" if deferred else "sum"
     return agreement.tagged(norms, rnd, agreement.fingerprint(P, 1024, 1024, backend="triton",
-                                                                  steps="sum"))
+                                                                  steps=steps))
 
 
 class _Peer:
@@ -202,6 +205,61 @@ def test_a_round_that_fails_after_its_max_round_left_abandons_the_group(where):
     delattr(ar.transport, where)
     ar.transport.other = tagged(torch.zeros(4, device=DEV), 2)
     assert torch.isfinite(ar(x)).all() and ar.round == 3 and int(ar._bufs.round) == 3
+
+
+def _eager(other, key):
+    return THCAllReduce(_Peer(other), P, generator=key, backend="triton")
+
+
+@kernels
+@pytest.mark.parametrize("kind", ["graphed", "eager"])
+@pytest.mark.parametrize("where", ["decode", "residual"])
+def test_a_round_that_fails_after_its_sum_abandons_the_group(kind, where):
+    """An error of this worker's own after its sum went out (in its decode, or in keeping its
+    residual): its peers' round went well and they go on to their next collective (a DDP
+    hook's FP32 spans, the next round), which would pair with this worker's next; so the
+    transport is abandoned (a peer's FP32 span summed the next round's tag lanes)."""
+    x = torch.randn(1024, generator=torch.Generator().manual_seed(6)).to(DEV)
+    ar = (_graphed if kind == "graphed" else _eager)(tagged(torch.zeros(4, device=DEV), 0), 1)
+    ar(x)
+    ar.transport.other = tagged(torch.zeros(4, device=DEV), 1)
+    if where == "decode":
+        target, name = ar.codec, "decode"
+    elif kind == "graphed":
+        from thc.collective import round_kernels as target
+        name = "keep_residual"
+    else:
+        target, name = ar.feedback, "keep"
+    real = getattr(target, name)
+    setattr(target, name, lambda *a, **k: (_ for _ in ()).throw(MemoryError("oom")))
+    try:
+        with pytest.raises(MemoryError):
+            ar(x)
+    finally:
+        setattr(target, name, real)
+    assert len(ar.transport.summed) == 2
+    assert re.search(r"round 1 failed (after its sum|after its MAX round) \(MemoryError",
+                     ar.transport.abandoned), ar.transport.abandoned
+
+
+@kernels
+@pytest.mark.parametrize("kind", ["graphed", "eager"])
+def test_a_refusal_every_worker_reaches_after_the_sum_abandons_nothing(kind):
+    """Workers out of step, or a peer's mark, refuse the round on every worker alike after
+    their sums: nothing pairs wrongly, so the group stays usable and the next round in step
+    runs."""
+    x = torch.randn(1024, generator=torch.Generator().manual_seed(5)).to(DEV)
+    ar = (_graphed if kind == "graphed" else _eager)(tagged(torch.zeros(4, device=DEV), 1), 1)
+    with pytest.raises(RuntimeError, match="different rounds"):
+        ar(x)
+    marked = tagged(torch.zeros(4, device=DEV), 1)
+    marked[agreement.TAG_LANES + 1] = 3.4028234663852886e38
+    ar.transport.other = marked
+    with pytest.raises(ValueError, match="max norms must be finite"):
+        ar(x)
+    assert ar.transport.abandoned is None and len(ar.transport.summed) == 2
+    ar.transport.other = tagged(torch.zeros(4, device=DEV), 2)
+    assert torch.isfinite(ar(x)).all() and ar.round == 3
 
 
 @kernels

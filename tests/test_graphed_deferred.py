@@ -31,7 +31,8 @@ def _pair(key=5):
 
 def _peers_say(reducers, r, norms=0.0):
     for ar in reducers:
-        ar.transport.other = tagged(torch.full((4,), norms, device=DEV), r)
+        ar.transport.other = tagged(torch.full((4,), norms, device=DEV), r,
+                                    deferred=ar.deferred_checks)
 
 
 def _x(seed):
@@ -260,6 +261,26 @@ def test_two_gloo_workers_defer_a_refusal_alike():
     assert "NaN or Inf" in a[2] and "mark of a worker" in b[2]
     np.testing.assert_array_equal(a[3], b[3])
     assert a[3].any() and ra == rb == 3
+
+
+def _unlike_deferral_worker(rank, port, q):
+    join_gloo(rank, port)
+    ar = GraphedAllReduce.through_torch_distributed(params=P, generator=rank,
+                                                    deferred_checks=rank == 0)
+    try:
+        q.put((rank, float(ar(torch.ones(1024).to(DEV)).mean())))
+    except RuntimeError as e:
+        q.put((rank, str(e)))
+    dist.destroy_process_group()
+
+
+@kernels
+def test_a_deferring_worker_and_a_waiting_one_refuse_each_other():
+    """After a refused round a worker that defers raises at its next call, taking no round,
+    while one that waits goes on to the next: the two paired different steps (a clean sum of
+    one worker's step 2 and the other's step 3). Their fingerprints differ now."""
+    res = gloo_pair(_unlike_deferral_worker)
+    assert all("raises its refusal a call later" in str(res[r]) for r in (0, 1)), res
 
 
 def test_the_watchdog_expires_only_what_outlasts_its_deadline():

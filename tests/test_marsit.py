@@ -355,6 +355,35 @@ def _zeros_worker(rank, port, q):
     dist.destroy_process_group()
 
 
+def test_a_round_that_fails_after_its_agreement_abandons_the_group(monkeypatch):
+    """A worker's own failure once its scales' all-reduce may have left (here in its signs'
+    exchange): its peers wait in a collective or go on to their next, which would pair with
+    its next; so the group is abandoned, and its next round refuses, naming the failure. A
+    NaN's refusal, which every worker reaches alike, abandons nothing."""
+    from thc.collective.transports import DistTransport
+    from thc.testing.clusters import free_tcp_port
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_tcp_port()}",
+                            rank=0, world_size=1)
+    try:
+        ar = marsit.MarsitAllReduce(generator=torch.Generator().manual_seed(0))
+        bad = torch.ones(64)
+        bad[3] = float("nan")
+        with pytest.raises(ValueError, match="NaN or Inf"):
+            ar(bad)
+        assert torch.isfinite(ar(torch.ones(64))).all()
+        with monkeypatch.context() as m:
+            m.setattr(ar, "mean_sign", lambda own: (_ for _ in ()).throw(MemoryError("oom")))
+            with pytest.raises(MemoryError):
+                ar(torch.ones(64))
+        with pytest.raises(RuntimeError, match=r"Marsit round 2 failed after its agreement "
+                                               r"\(MemoryError: oom\)"):
+            ar(torch.ones(64))
+        with pytest.raises(RuntimeError, match="Marsit round 2 failed"):
+            DistTransport.check_group(None)
+    finally:
+        dist.destroy_process_group()
+
+
 def test_an_exact_zero_is_a_fair_coin_and_empty_segments_are_taken():
     """A zero was sent as +1 (every dead coordinate drifted up by the scale, without
     compensation), and a zero-element parameter made every step fail with "segments [0, 12,

@@ -322,7 +322,8 @@ def test_a_stream_ordered_round_reads_the_overflow_at_its_end(mode):
 def _graphed_pair(deferred):
     """A worker whose input holds an Inf and its peer, graphed, each with the other's MAX
     vector (tests.test_graphed._Peer)."""
-    key = agreement.fingerprint(P, 1024, 1024, backend="triton", steps="sum",
+    key = agreement.fingerprint(P, 1024, 1024, backend="triton",
+                                steps="sum, raised later" if deferred else "sum",
                                 nonfinite="propagate")
     make = lambda gen: GraphedAllReduce(  # noqa: E731
         _Peer(agreement.tagged(torch.zeros(4, device=DEV), 0, key)), P, generator=gen,

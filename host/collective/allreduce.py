@@ -184,8 +184,9 @@ class THCAllReduce:
 
         Bad input never becomes a sum a worker accepts, and no worker waits for one whose
         input was bad or that failed before its norms: see :meth:`_max_round`. One that fails
-        between its MAX round and its sums with nothing to mark abandons the process group
-        (:meth:`DistTransport.abandon`): its peers' collectives time out. On the GPU the
+        after its MAX round with nothing to mark abandons the process group
+        (:meth:`DistTransport.abandon`): its peers' collectives time out (after the sums, the
+        peers' round went well, and their next collective would pair with its). On the GPU the
         codec's checks are read once, at the round's end (on a stream-ordered transport) or
         after the MAX round (elsewhere).
 
@@ -214,10 +215,10 @@ class THCAllReduce:
         except BaseException as e:
             self.codec.discard_checks()   # this round's flags are not the next one's
             if self._open and hasattr(self.transport, "abandon"):
-                # peers wait in a sum this worker will not join: none of its later
-                # collectives may pair with theirs
-                self.transport.abandon(f"round {self.round - 1} failed between its MAX round "
-                                       f"and its sums ({type(e).__name__}: {e})")
+                # peers wait in a sum this worker will not join, or, after the sums, go on
+                # to their next collective: none of its later collectives may pair with theirs
+                self.transport.abandon(f"round {self.round - 1} failed after its MAX round "
+                                       f"({type(e).__name__}: {e})")
             raise
 
     def _key(self, flat, pieces) -> int:
@@ -361,7 +362,7 @@ class THCAllReduce:
         y, preps, max_norms, tags = self._max_round(flat, pieces, rnd, whole, refusal)
         if preps is None:
             return self._overflow(tensor)
-        self._open = True   # until every sum of the round is issued
+        self._open = True   # until the round's end, or a refusal every worker reaches
         secs["norms"] += time.perf_counter() - t0
         slice_cls = (None if position is None or self.transport.lanes is None else
                      self._classes(position, max_norms, flat.numel()))
@@ -426,9 +427,9 @@ class THCAllReduce:
             sums, short = self.transport.sum(wire, count, self.params, classes)
             secs["sum"] += time.perf_counter() - t
             decodes.append(submit(decode, a, b, sums, wire, short))
-        self._open = False
         for f in decodes:
-            f.result()
+            f.result()   # a failure here is this worker's alone: still open
+        self._open = False   # the checks' refusals: every worker reaches them alike
         try:
             self.codec.check()
             if whole:
@@ -441,7 +442,9 @@ class THCAllReduce:
                 return self._overflow(tensor)
             raise NonFiniteInput(f"{e}{agreement.PROPAGATE_HINT}") from e
         if self.feedback:
+            self._open = True   # a failure in its own residual is this worker's alone
             self.feedback.keep(y, own)
+            self._open = False
         self.stats.calls += 1
         self.stats.elements += flat.numel()
         return est.reshape(tensor.shape).to(tensor.dtype)

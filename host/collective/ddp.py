@@ -613,15 +613,22 @@ class TopKHook(_Hook):
                 if agreement.PROPAGATE_HINT not in str(e):
                     raise NonFiniteInput(f"{e}{agreement.PROPAGATE_HINT}") from e
             raise
-        idx = payload.indices.to(torch.int32 if flat.numel() <= 1 << 31 else torch.int64)
-        vals = payload.values.float()
-        all_idx = [torch.empty_like(idx) for _ in range(self.world)]
-        all_vals = [torch.empty_like(vals) for _ in range(self.world)]
-        dist.all_gather(all_idx, idx, group=self.group)
-        dist.all_gather(all_vals, vals, group=self.group)
-        self.bytes_sent += (self.world - 1) * idx.numel() * (idx.element_size()
-                                                             + vals.element_size())
-        return self.scheme.combine(all_vals, all_idx, flat.numel())
+        try:
+            idx = payload.indices.to(torch.int32 if flat.numel() <= 1 << 31 else torch.int64)
+            vals = payload.values.float()
+            all_idx = [torch.empty_like(idx) for _ in range(self.world)]
+            all_vals = [torch.empty_like(vals) for _ in range(self.world)]
+            dist.all_gather(all_idx, idx, group=self.group)
+            dist.all_gather(all_vals, vals, group=self.group)
+            self.bytes_sent += (self.world - 1) * idx.numel() * (idx.element_size()
+                                                                 + vals.element_size())
+            return self.scheme.combine(all_vals, all_idx, flat.numel())
+        except BaseException as e:
+            # this rank's own failure: its peers wait in a gather or go on to their next
+            # collective, which would pair with its next
+            DistTransport(self.group).abandon(f"TopK step {rnd} failed after its agreement "
+                                              f"({type(e).__name__}: {e})")
+            raise
 
 
 class MarsitHook(_Hook):

@@ -46,7 +46,8 @@ error in its own steps) still sends that round, every slice marked, and a sum of
 peers refuse the round instead of waiting. One that fails between its MAX round and its sum
 abandons the process group (``DistTransport.abandon``): none of its later rounds (a replay
 is checked before it is launched) may pair with a peer's pending one, and the peers' time
-out; so does one whose owed MAX round left without its zero sum. No NCCL watchdog watches a
+out; so does one whose owed MAX round left without its zero sum, and one that fails after
+its sum (its peers go on to their next collective). No NCCL watchdog watches a
 replayed collective, so a replay is waited for with a deadline (``timeout``). While a round
 is being captured (once per reducer), no other thread may issue collectives on the same
 process group: DDP's own (``find_unused_parameters=True``) would land in the graph.
@@ -137,8 +138,9 @@ class GraphedAllReduce:
     give each worker its own (``base + rank``, as for :class:`THCAllReduce`): workers that
     share one round alike, and the mean gets noisier. ``deferred_checks``: return without
     waiting for the round, raise its refusal later (module docstring); every worker of a job
-    sets it alike. ``nonfinite``: as :class:`THCAllReduce`'s; a round handed on gives NaN,
-    deferred or not, and raises nothing later. ``name``: as :class:`THCAllReduce`'s."""
+    sets it alike (its rounds' fingerprint holds it). ``nonfinite``: as :class:`THCAllReduce`'s;
+    a round handed on gives NaN, deferred or not, and raises nothing later. ``name``: as
+    :class:`THCAllReduce`'s."""
 
     def __init__(self, transport, params: THCParams | None = None, error_feedback: bool = True,
                  generator: int | None = None, capture: bool | None = None,
@@ -298,7 +300,9 @@ class GraphedAllReduce:
             summed = self._padded(numel, like)
         except Exception:  # noqa: BLE001 - raised again once the round went out, refused
             backend, summed = "unresolved", numel
-        return agreement.fingerprint(self.params, numel, summed, backend=backend, steps="sum",
+        # a deferred round's refusal is raised a call later: its peers must defer alike
+        steps = "sum, raised later" if self.deferred_checks else "sum"
+        return agreement.fingerprint(self.params, numel, summed, backend=backend, steps=steps,
                                      nonfinite=self.nonfinite, reducer=self.name)
 
     def _agree_size(self, tensor: torch.Tensor, rnd: int) -> None:
@@ -432,17 +436,19 @@ class GraphedAllReduce:
     def _settle(self, tensor: torch.Tensor, error: BaseException) -> bool:
         """A round this worker cannot finish: its round number still moves on, and its peers
         neither wait for it nor pair a later collective of its with one of theirs. Before
-        its MAX round could leave it owes that round (:meth:`_owe`); between its MAX round
-        and its sum nothing can be marked any more, so the transport is abandoned
-        (``DistTransport.abandon``): no collective of this worker follows on that process
-        group, and the peers' time out. Whether the round was owed (and so refused by every
-        worker)."""
+        its MAX round could leave it owes that round (:meth:`_owe`); once it has left nothing
+        can be marked any more, so the transport is abandoned (``DistTransport.abandon``):
+        no collective of this worker follows on that process group, and the peers' time
+        out. That holds after the sum too: the peers' round went well, and their next
+        collective (a DDP hook's FP32 spans, the next round) would pair with this worker's.
+        Whether the round was owed (and so refused by every worker)."""
         self._round_on_device()
         if self._sent == 0:
             return self._owe(tensor)
-        if self._sent == 1 and hasattr(self.transport, "abandon"):
-            self.transport.abandon(f"round {self.round - 1} failed between its MAX round "
-                                   f"and its sum ({type(error).__name__}: {error})")
+        if hasattr(self.transport, "abandon"):
+            where = "between its MAX round and its sum" if self._sent == 1 else "after its sum"
+            self.transport.abandon(f"round {self.round - 1} failed {where} "
+                                   f"({type(error).__name__}: {error})")
         return False
 
     def __call__(self, tensor: torch.Tensor, position=None) -> torch.Tensor:

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from thc.codec.common import NonFiniteInput, check_float, scale_factor
 from thc.codec.packing import pack_bits, unpack_bits
 from thc.collective import agreement
-from thc.collective.transports import ring_bytes
+from thc.collective.transports import DistTransport, ring_bytes
 from thc.collective.worker import device_of
 
 
@@ -136,6 +136,18 @@ class _SignAllReduce:
         self.bytes_sent += agreement.together(self.group, rnd, key, flat.device, failure)
         if flat.numel() == 0:      # every rank agreed on it: nothing to send
             return grad.clone()
+        try:
+            return self._round(grad, flat, sizes)
+        except NonFiniteInput:
+            raise   # every worker refuses the round alike
+        except BaseException as e:
+            # this worker's own failure: its peers wait in a collective or go on to their
+            # next, which would pair with its next
+            DistTransport(self.group).abandon(f"Marsit round {rnd} failed after its agreement "
+                                              f"({type(e).__name__}: {e})")
+            raise
+
+    def _round(self, grad: torch.Tensor, flat: torch.Tensor, sizes: list[int]) -> torch.Tensor:
         # A worker with NaN or Inf still joins the scales' all-reduce, with NaN scales: the
         # sum carries them to every worker, and all refuse the round (none waits). Scales in
         # float64: a float32 sum of huge values would overflow on every worker alike.

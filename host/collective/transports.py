@@ -162,11 +162,12 @@ class DistTransport:
         return self._group()
 
     def abandon(self, why: str) -> None:
-        """This worker left a round between its collectives: any later collective of its on
-        this process group would pair with a peer's pending one (NCCL does not check that
-        they match), so the project issues none (the first reason is kept); the peers' own
-        collectives time out. What does not pass through :meth:`max` and :meth:`sum` (a
-        replayed CUDA graph, a DDP hook's FP32 spans) calls :meth:`check_group` first."""
+        """This worker left a round between its collectives, or failed after them while its
+        peers went on: any later collective of its on this process group would pair with a
+        peer's pending one (NCCL does not check that they match), so the project issues none
+        (the first reason is kept); the peers' own collectives time out. What does not pass
+        through :meth:`max` and :meth:`sum` (a replayed CUDA graph, a DDP hook's FP32 spans)
+        calls :meth:`check_group` first."""
         group = self._group()
         if group is not None:   # None: no process group any more, nothing to pair with
             DistTransport._abandoned.setdefault(group, why)
