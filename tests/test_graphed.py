@@ -552,10 +552,15 @@ def test_a_graphed_peer_that_pads_a_tail_and_an_eager_one_refuse():
     assert all("differ in" in res[rank] for rank in (0, 1)), res
 
 
-def _mixed_worker(rank, port, q):
-    join_gloo(rank, port)
-    ar = GraphedAllReduce.through_torch_distributed(params=P, generator=rank) if rank == 0 \
+def _graphed_or_eager(rank):
+    return GraphedAllReduce.through_torch_distributed(params=P, generator=rank) if rank == 0 \
         else THCAllReduce.through_torch_distributed(params=P, generator=rank, backend="triton")
+
+
+def one_round_worker(rank, port, q, make=_graphed_or_eager):
+    """A round of ones through ``make(rank)``: its mean, or what it raised."""
+    join_gloo(rank, port)
+    ar = make(rank)
     try:
         q.put((rank, float(ar(torch.ones(1024).to(DEV)).mean())))
     except RuntimeError as e:
@@ -568,7 +573,7 @@ def test_a_graphed_and_an_eager_worker_on_gloo_refuse_each_other():
     """On Gloo a refused eager round stops after its MAX round while a graphed one goes on
     into its sum: the two shared a fingerprint, and a refused round left the graphed worker
     in a sum its peer skipped (a Gloo abort, "collective mismatch")."""
-    res = gloo_pair(_mixed_worker)
+    res = gloo_pair(one_round_worker)
     assert all("how a refused round ends" in str(res[r]) for r in (0, 1)), res
 
 

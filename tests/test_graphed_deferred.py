@@ -3,6 +3,7 @@ same estimates as rounds waited for; a refused round returns zeros, keeps the re
 raised by the next call (which takes no round) or by ``check()``; a round that outlasts its
 deadline is raised there too. The watchdog ends a process whose round outlasts it. Eager under
 Triton's interpreter on the CPU (tests/test_graphed_gpu.py replays them on a GPU)."""
+import functools
 import subprocess
 import sys
 import time
@@ -15,7 +16,8 @@ import torch
 import torch.distributed as dist
 
 from tests.test_codec_kernels import DEV, kernels
-from tests.test_graphed import P, _Peer, gloo_inputs, gloo_pair, join_gloo, tagged
+from tests.test_graphed import (P, _Peer, gloo_inputs, gloo_pair, join_gloo, one_round_worker,
+                                tagged)
 from thc.collective import agreement, graphed, watchdog
 from thc.collective.ddp import THCHook
 from thc.collective.graphed import GraphedAllReduce
@@ -263,15 +265,9 @@ def test_two_gloo_workers_defer_a_refusal_alike():
     assert a[3].any() and ra == rb == 3
 
 
-def _unlike_deferral_worker(rank, port, q):
-    join_gloo(rank, port)
-    ar = GraphedAllReduce.through_torch_distributed(params=P, generator=rank,
-                                                    deferred_checks=rank == 0)
-    try:
-        q.put((rank, float(ar(torch.ones(1024).to(DEV)).mean())))
-    except RuntimeError as e:
-        q.put((rank, str(e)))
-    dist.destroy_process_group()
+def _deferring_or_waiting(rank):
+    return GraphedAllReduce.through_torch_distributed(params=P, generator=rank,
+                                                      deferred_checks=rank == 0)
 
 
 @kernels
@@ -279,7 +275,7 @@ def test_a_deferring_worker_and_a_waiting_one_refuse_each_other():
     """After a refused round a worker that defers raises at its next call, taking no round,
     while one that waits goes on to the next: the two paired different steps (a clean sum of
     one worker's step 2 and the other's step 3). Their fingerprints differ now."""
-    res = gloo_pair(_unlike_deferral_worker)
+    res = gloo_pair(functools.partial(one_round_worker, make=_deferring_or_waiting))
     assert all("raises its refusal a call later" in str(res[r]) for r in (0, 1)), res
 
 
