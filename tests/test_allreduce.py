@@ -686,6 +686,33 @@ def test_a_round_left_between_its_collectives_abandons_the_process_group():
         dist.destroy_process_group()
 
 
+def test_sums_no_workers_make_are_refused_alike_and_the_next_round_runs():
+    """Decode on the CPU checks the sums it is given, which every worker holds alike: a sum
+    outside what the table's values add to is a refusal every worker reaches, so it leaves
+    the group usable and the next round runs."""
+    from thc.collective.transports import DistTransport
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_tcp_port()}",
+                            rank=0, world_size=1)
+    try:
+        ar = THCAllReduce.through_torch_distributed(params=PARAMS, generator=1)
+        x = torch.randn(5000, generator=torch.Generator().manual_seed(1))
+        real = ar.transport.sum
+
+        def outside(*a, **k):
+            sums, short = real(*a, **k)
+            sums = sums.clone()
+            sums[0] = max(PARAMS.table) + 1
+            return sums, short
+        ar.transport.sum = outside
+        with pytest.raises(ValueError, match="outside"):
+            ar(x)
+        del ar.transport.sum
+        DistTransport.check_group(None)
+        assert torch.isfinite(ar(x)).all()
+    finally:
+        dist.destroy_process_group()
+
+
 def test_a_failure_right_after_the_max_round_abandons_and_keeps_the_first_reason(monkeypatch):
     """The MAX all-reduce returned, then this worker failed before its sums (here untagging
     the result): its peers wait in a sum, so the group is abandoned; a later refusal keeps

@@ -362,6 +362,39 @@ def test_a_topk_step_that_fails_after_its_agreement_abandons_the_group(monkeypat
         dist.destroy_process_group()
 
 
+def test_a_bucket_that_fails_after_its_compressed_round_abandons_the_group(monkeypatch):
+    """A rank's own failure between the bucket's THC round and the end of its FP32 spans
+    (copying the estimate out, concatenating the spans: out of memory, say): its peers wait
+    in the spans' all-reduce or go on to their next collective, which would pair with this
+    rank's next; so the group is abandoned, named by the failure."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from thc.codec.params import THCParams
+    from thc.collective.allreduce import THCAllReduce
+    from thc.collective.ddp import HookOptions, THCHook
+    from thc.collective.transports import DistTransport
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port_block(1)}",
+                            rank=0, world_size=1)
+    try:
+        model = _model()
+        ddp = DDP(model)
+        hook = THCHook(model, lambda group: THCAllReduce.through_torch_distributed(
+            group, params=THCParams(seed=3)), HookOptions(uncompressed=("2.bias",)),
+            overlap=False).register(ddp)
+        x, y = _data(0)
+        torch.nn.functional.cross_entropy(ddp(x), y).backward()
+        DistTransport.check_group(hook.group)
+        monkeypatch.setattr(hook, "_reduce_fp32",
+                            lambda plain: (_ for _ in ()).throw(MemoryError("out of memory")))
+        with pytest.raises(RuntimeError, match="out of memory"):
+            torch.nn.functional.cross_entropy(ddp(x), y).backward()
+        with pytest.raises(RuntimeError, match=r"a bucket of backward failed after its "
+                                               r"compressed round \(MemoryError: out of"):
+            DistTransport.check_group(hook.group)
+    finally:
+        dist.destroy_process_group()
+
+
 def _topk_nan_worker(rank, port, q):
     from thc.collective.ddp import TopKHook
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,

@@ -242,6 +242,26 @@ def test_a_round_that_fails_after_its_sum_abandons_the_group(kind, where):
                      ar.transport.abandoned), ar.transport.abandoned
 
 
+class _Unreadable(torch.Tensor):
+    def tolist(self):
+        raise MemoryError("out of host memory")
+
+
+@kernels
+def test_a_graphed_round_whose_report_cannot_be_read_abandons_the_group():
+    """The read after the round (its report to the host) is this worker's own step after its
+    sum: where it fails the group is abandoned, as for a failure in the round."""
+    x = torch.randn(1024, generator=torch.Generator().manual_seed(6)).to(DEV)
+    ar = _graphed(tagged(torch.zeros(4, device=DEV), 0), 1)
+    ar(x)
+    ar.transport.other = tagged(torch.zeros(4, device=DEV), 1)
+    ar._bufs.report = ar._bufs.report.as_subclass(_Unreadable)
+    with pytest.raises(MemoryError):
+        ar(x)
+    assert "round 1 failed after its sum (MemoryError: out of host memory)" in \
+        ar.transport.abandoned
+
+
 @kernels
 @pytest.mark.parametrize("kind", ["graphed", "eager"])
 def test_a_refusal_every_worker_reaches_after_the_sum_abandons_nothing(kind):

@@ -197,6 +197,23 @@ def test_a_round_nothing_read_is_told_when_the_process_ends(monkeypatch):
 
 
 @kernels
+def test_the_reader_at_exit_tells_every_round_where_warnings_are_errors(monkeypatch, capsys):
+    """Under ``-W error`` a warning raises: the first reducer's stopped the reader, and the
+    second reducer's refusal went untold."""
+    monkeypatch.setattr(graphed, "_DEFERRING", weakref.WeakSet())
+    reducers = _pair(), _pair()
+    deferring = [pair[1] for pair in reducers]
+    _peers_say(deferring, 0, norms=3.4028234663852886e38)
+    for ar in deferring:
+        assert not ar(_x(0)).any()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        graphed._read_at_exit()
+    told = capsys.readouterr().err
+    assert told.count("RuntimeWarning: round 0 of graphed reducer") == 2, told
+
+
+@kernels
 def test_a_refusal_nothing_read_reaches_stderr_as_the_process_ends():
     code = ("from tests.test_graphed_deferred import _pair, _peers_say, _x\n"
             "_, deferred = _pair()\n"

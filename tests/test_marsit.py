@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import types
 
 import numpy as np
 import pytest
@@ -380,6 +381,46 @@ def test_a_round_that_fails_after_its_agreement_abandons_the_group(monkeypatch):
             ar(torch.ones(64))
         with pytest.raises(RuntimeError, match="Marsit round 2 failed"):
             DistTransport.check_group(None)
+    finally:
+        dist.destroy_process_group()
+
+
+class _VoteClient:
+    """A vote job's client of one worker whose aggregator returns ``sums`` for each lane,
+    or raises ``failure``."""
+    job = types.SimpleNamespace(aggregation="vote", n_workers=1, lanes=64, job_id=1)
+    stats = types.SimpleNamespace(bytes_sent=0)
+    sums, failure = 1, None
+
+    def reduce(self, packed):
+        if self.failure is not None:
+            raise self.failure
+        n = len(packed) * 8
+        return types.SimpleNamespace(sums=np.full(n, self.sums, dtype=np.int64),
+                                     counts=np.ones(n // 64, dtype=np.int64))
+
+
+def test_a_vote_refused_alike_or_its_aggregator_failing_abandons_nothing():
+    """Counts out of range (the same on every worker) are a refusal every worker reaches,
+    and the signs of a vote travel through the aggregator, not the group: neither leaves
+    the group abandoned, and the next round runs."""
+    from thc.collective.transports import DistTransport
+    from thc.testing.clusters import free_tcp_port
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_tcp_port()}",
+                            rank=0, world_size=1)
+    try:
+        client = _VoteClient()
+        ar = marsit.MarsitVoteAllReduce(client)
+        assert ar(torch.ones(64)).tolist() == [1.0] * 64
+        client.sums = 2                                       # two +1 votes of one worker
+        with pytest.raises(ValueError, match="more \\+1 votes than workers"):
+            ar(torch.ones(64))
+        client.sums, client.failure = 1, TimeoutError("the aggregator did not answer")
+        with pytest.raises(TimeoutError):
+            ar(torch.ones(64))
+        client.failure = None
+        DistTransport.check_group(None)
+        assert ar(torch.ones(64)).tolist() == [1.0] * 64
     finally:
         dist.destroy_process_group()
 

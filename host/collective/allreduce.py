@@ -223,7 +223,7 @@ class THCAllReduce:
 
     def _key(self, flat, pieces) -> int:
         # one piece of the whole tensor, as a graphed round's: on a stream-ordered
-        # transport (NCCL) the two may be peers
+        # transport (NCCL) the two may be peers (a graphed one that defers its checks not)
         try:
             backend = self.codec.choice(flat).name
         except Exception:  # noqa: BLE001 - raised again once the round went out, refused
@@ -427,8 +427,14 @@ class THCAllReduce:
             sums, short = self.transport.sum(wire, count, self.params, classes)
             secs["sum"] += time.perf_counter() - t
             decodes.append(submit(decode, a, b, sums, wire, short))
-        for f in decodes:
-            f.result()   # a failure here is this worker's alone: still open
+        try:
+            for f in decodes:
+                f.result()   # a failure here is this worker's alone: still open
+        except ValueError:
+            # the codec's checks of the sums, made in decode on the CPU: every worker holds
+            # the same sums and refuses them alike
+            self._open = False
+            raise
         self._open = False   # the checks' refusals: every worker reaches them alike
         try:
             self.codec.check()
@@ -441,10 +447,11 @@ class THCAllReduce:
             if self.nonfinite == "propagate":
                 return self._overflow(tensor)
             raise NonFiniteInput(f"{e}{agreement.PROPAGATE_HINT}") from e
+        self._open = True   # a failure from here on is this worker's alone
         if self.feedback:
-            self._open = True   # a failure in its own residual is this worker's alone
             self.feedback.keep(y, own)
-            self._open = False
+        out = est.reshape(tensor.shape).to(tensor.dtype)
+        self._open = False
         self.stats.calls += 1
         self.stats.elements += flat.numel()
-        return est.reshape(tensor.shape).to(tensor.dtype)
+        return out

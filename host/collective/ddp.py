@@ -427,26 +427,36 @@ class _Hook:
                 position = torch.cat([torch.full((b - a,), pos) for a, b, fp32, pos in spans
                                       if not fp32])
             out = self.reduce(bucket, flat, [v.numel() for v in comp], position, stretches)
+        try:
             i = 0
             for view in comp:
                 view.copy_(out[i: i + view.numel()])
                 i += view.numel()
-        if plain:
-            flat = torch.cat(plain)
-            DistTransport.check_group(self.group)   # a THC round left its peers mid-round
-            flat /= self.world   # before the sum, as DDP's own hook: a half sum overflows first
-            dist.all_reduce(flat, group=self.group)
-            self.fp32_elements += flat.numel()
-            self.bytes_sent += ring_bytes(flat, self.world)
-            i = 0
-            for view in plain:
-                view.copy_(flat[i: i + view.numel()])
-                i += view.numel()
+            if plain:
+                self._reduce_fp32(plain)
+        except BaseException as e:
+            # this rank's own failure: its peers wait in the FP32 spans' all-reduce, or go on
+            # to their next collective, either of which would pair with its next
+            DistTransport(self.group).abandon(f"a bucket of backward failed after its "
+                                              f"compressed round ({type(e).__name__}: {e})")
+            raise
         end = time.perf_counter()
         with self._stats_lock:
             self._comm += end - start
             self._last_done = end
         return buf
+
+    def _reduce_fp32(self, plain: list[torch.Tensor]) -> None:
+        flat = torch.cat(plain)
+        DistTransport.check_group(self.group)   # a THC round left its peers mid-round
+        flat /= self.world   # before the sum, as DDP's own hook: a half sum overflows first
+        dist.all_reduce(flat, group=self.group)
+        self.fp32_elements += flat.numel()
+        self.bytes_sent += ring_bytes(flat, self.world)
+        i = 0
+        for view in plain:
+            view.copy_(flat[i: i + view.numel()])
+            i += view.numel()
 
     def _count_round(self, reducer, stretches: int) -> None:
         """Move ``reducer``'s next round :data:`STRETCH_ROUNDS` ahead for each ``no_sync``

@@ -55,6 +55,7 @@ process group: DDP's own (``find_unused_parameters=True``) would land in the gra
 from __future__ import annotations
 
 import atexit
+import sys
 import time
 import warnings
 import weakref
@@ -102,9 +103,12 @@ def _read_at_exit() -> None:
                 continue
         except Exception as e:  # noqa: BLE001 - each reducer's round is told
             what = f"was refused ({type(e).__name__}: {e})"
-        warnings.warn(f"round {pending.round} of graphed reducer {ar.name!r} {what} when the "
-                      f"process ended, and no check() after the last step read it",
-                      RuntimeWarning, stacklevel=1)
+        told = (f"round {pending.round} of graphed reducer {ar.name!r} {what} when the "
+                f"process ended, and no check() after the last step read it")
+        try:
+            warnings.warn(told, RuntimeWarning, stacklevel=1)
+        except Warning:   # warnings made errors (-W error): told all the same
+            print(f"RuntimeWarning: {told}", file=sys.stderr)
 
 
 @dataclass
@@ -294,7 +298,8 @@ class GraphedAllReduce:
     def _fingerprint(self, numel: int, like: torch.Tensor) -> int:
         """A round's fingerprint, as an eager reducer's of the same tensor (one piece on a
         stream-ordered transport): the two may be peers, unless this one pads a short tail
-        slice (its sums are longer: the padded length stands for the piece's)."""
+        slice (its sums are longer: the padded length stands for the piece's) or defers its
+        checks (it raises a refusal a call later)."""
         try:
             backend = self.codec.choice(like).name
             summed = self._padded(numel, like)
@@ -451,6 +456,17 @@ class GraphedAllReduce:
                                    f"({type(error).__name__}: {error})")
         return False
 
+    def _after_sum(self, step):
+        """``step()``, a step of this worker's own after its sum: where it fails, the group
+        is abandoned, as :meth:`_settle` says why."""
+        try:
+            return step()
+        except BaseException as e:
+            if hasattr(self.transport, "abandon"):
+                self.transport.abandon(f"round {self.round - 1} failed after its sum "
+                                       f"({type(e).__name__}: {e})")
+            raise
+
     def __call__(self, tensor: torch.Tensor, position=None) -> torch.Tensor:
         """The THC estimate of the workers' mean of ``tensor``; raises, on every worker, what
         :class:`THCAllReduce` raises at a round's end (bad input anywhere, workers out of
@@ -523,11 +539,13 @@ class GraphedAllReduce:
                     self.transport.abandon(f"round {self.round - 1}: its checks could not be "
                                            f"deferred ({type(e).__name__}: {e})")
                 raise
-        elif self._raise_report(b.report.tolist()):
-            out = torch.full_like(tensor, float("nan"))
         else:
-            # a copy: the next round overwrites the buffer
-            out = b.out[:b.numel].to(tensor.dtype, copy=True)
+            report = self._after_sum(lambda: b.report.tolist())
+            if self._raise_report(report):   # a refusal every worker reaches alike
+                out = torch.full_like(tensor, float("nan"))
+            else:
+                # a copy: the next round overwrites the buffer
+                out = self._after_sum(lambda: b.out[:b.numel].to(tensor.dtype, copy=True))
         self.stats.calls += 1
         self.stats.elements += b.numel
         self.stats.seconds["graph"] += time.perf_counter() - t0

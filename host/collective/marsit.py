@@ -64,6 +64,9 @@ class _SignAllReduce:
     kind: tuple = ()
     """What the agreement key names besides the layout: ranks running unlike reducers (the
     ring and the vote, a mean and a majority) refuse the round together."""
+    signs_on_group = True
+    """Whether the sign bits travel over the process group: a worker that fails after its
+    agreement then abandons it (``DistTransport.abandon``)."""
 
     def __init__(self, group=None, compensation: bool = True, nonfinite: str = "raise",
                  name=None):
@@ -138,13 +141,15 @@ class _SignAllReduce:
             return grad.clone()
         try:
             return self._round(grad, flat, sizes)
-        except NonFiniteInput:
-            raise   # every worker refuses the round alike
+        except ValueError:
+            raise   # a NaN, counts out of range: every worker refuses the round alike
         except BaseException as e:
             # this worker's own failure: its peers wait in a collective or go on to their
-            # next, which would pair with its next
-            DistTransport(self.group).abandon(f"Marsit round {rnd} failed after its agreement "
-                                              f"({type(e).__name__}: {e})")
+            # next, which would pair with its next (signs summed by an aggregator: as THC's
+            # rounds there, the group's collectives are not the round's)
+            if self.signs_on_group:
+                DistTransport(self.group).abandon(f"Marsit round {rnd} failed after its "
+                                                  f"agreement ({type(e).__name__}: {e})")
             raise
 
     def _round(self, grad: torch.Tensor, flat: torch.Tensor, sizes: list[int]) -> torch.Tensor:
@@ -254,6 +259,8 @@ class MarsitVoteAllReduce(_SignAllReduce):
     """Sign bits counted in the network: a vote job of the THC protocol (switch or software
     aggregator) adds the +1 bits of every coordinate, the client turns counts into the mean
     sign (or the majority's, ``majority``). The scales go over ``group`` (Gloo)."""
+
+    signs_on_group = False
 
     def __init__(self, client, group=None, compensation: bool = True, majority: bool = False,
                  nonfinite: str = "raise", name=None):

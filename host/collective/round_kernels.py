@@ -4,7 +4,8 @@ residual kept where the round was clean. Why: as small torch operations they wer
 thirty-four launches a round (two more with error feedback), each a node of the graph whose
 latency, not bytes, is a small bucket's time (docs/results.md). Each kernel computes what
 the torch steps it stands for compute (thc.collective.agreement's, a ``torch.where``), bit
-for bit: a graphed worker and an eager one may be peers.
+for bit: a graphed worker and an eager one may be peers (unless the graphed one defers its
+checks).
 """
 from __future__ import annotations
 
