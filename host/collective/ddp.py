@@ -437,8 +437,8 @@ class _Hook:
         except BaseException as e:
             # this rank's own failure: its peers wait in the FP32 spans' all-reduce, or go on
             # to their next collective, either of which would pair with its next
-            DistTransport(self.group).abandon(f"a bucket of backward failed after its "
-                                              f"compressed round ({type(e).__name__}: {e})")
+            DistTransport.abandon_group(self.group, f"a bucket of backward failed after "
+                                        f"its compressed round ({type(e).__name__}: {e})")
             raise
         end = time.perf_counter()
         with self._stats_lock:
@@ -636,8 +636,8 @@ class TopKHook(_Hook):
         except BaseException as e:
             # this rank's own failure: its peers wait in a gather or go on to their next
             # collective, which would pair with its next
-            DistTransport(self.group).abandon(f"TopK step {rnd} failed after its agreement "
-                                              f"({type(e).__name__}: {e})")
+            DistTransport.abandon_group(self.group, f"TopK step {rnd} failed after its "
+                                        f"agreement ({type(e).__name__}: {e})")
             raise
 
 

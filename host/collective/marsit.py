@@ -148,8 +148,8 @@ class _SignAllReduce:
             # next, which would pair with its next (signs summed by an aggregator: as THC's
             # rounds there, the group's collectives are not the round's)
             if self.signs_on_group:
-                DistTransport(self.group).abandon(f"Marsit round {rnd} failed after its "
-                                                  f"agreement ({type(e).__name__}: {e})")
+                DistTransport.abandon_group(self.group, f"Marsit round {rnd} failed "
+                                            f"after its agreement ({type(e).__name__}: {e})")
             raise
 
     def _round(self, grad: torch.Tensor, flat: torch.Tensor, sizes: list[int]) -> torch.Tensor:

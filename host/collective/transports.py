@@ -168,7 +168,14 @@ class DistTransport:
         (the first reason is kept); the peers' own collectives time out. What does not pass
         through :meth:`max` and :meth:`sum` (a replayed CUDA graph, a DDP hook's FP32 spans)
         calls :meth:`check_group` first."""
-        group = self._group()
+        DistTransport.abandon_group(self.group, why)
+
+    @staticmethod
+    def abandon_group(group, why: str) -> None:
+        """:meth:`abandon` for ``group`` (None: the default group now), by a caller without a
+        transport: it asks nothing of the group, which may be failing."""
+        import torch.distributed as dist
+        group = group if group is not None else dist.group.WORLD
         if group is not None:   # None: no process group any more, nothing to pair with
             DistTransport._abandoned.setdefault(group, why)
 
