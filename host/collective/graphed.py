@@ -450,11 +450,14 @@ class GraphedAllReduce:
         self._round_on_device()
         if self._sent == 0:
             return self._owe(tensor)
+        self._abandon("between its MAX round and its sum" if self._sent == 1 else
+                      "after its sum", error)
+        return False
+
+    def _abandon(self, where: str, error: BaseException) -> None:
         if hasattr(self.transport, "abandon"):
-            where = "between its MAX round and its sum" if self._sent == 1 else "after its sum"
             self.transport.abandon(f"round {self.round - 1} failed {where} "
                                    f"({type(error).__name__}: {error})")
-        return False
 
     def _after_sum(self, step):
         """``step()``, a step of this worker's own after its sum: where it fails, the group
@@ -462,9 +465,7 @@ class GraphedAllReduce:
         try:
             return step()
         except BaseException as e:
-            if hasattr(self.transport, "abandon"):
-                self.transport.abandon(f"round {self.round - 1} failed after its sum "
-                                       f"({type(e).__name__}: {e})")
+            self._abandon("after its sum", e)
             raise
 
     def __call__(self, tensor: torch.Tensor, position=None) -> torch.Tensor:

@@ -202,7 +202,8 @@ class Program:
         return layout
 
     def width(self, path: str) -> int:
-        if path not in self.widths:
+        w = self.widths.get(path)
+        if w is None:
             parts = re.sub(r"\[\d+\]", "", path).split(".")
             typ = self.roots.get(parts[0])
             for part in parts[1:]:
@@ -211,8 +212,8 @@ class Program:
                 typ = self.structs[typ][part]
             if not isinstance(typ, int):
                 raise Unsupported(f"{path} is not a bit field")
-            self.widths[path] = typ
-        return self.widths[path]
+            w = self.widths[path] = typ
+        return w
 
 
 PORT_METADATA = "PORT_METADATA_SIZE"
@@ -306,8 +307,7 @@ class Machine:
         head, _, rest = path.partition(".")
         local = self.locals.get(head)
         if local is None:
-            w = self.p.widths.get(path)
-            return self.f, path, self.p.width(path) if w is None else w, False
+            return self.f, path, self.p.width(path), False
         return (local[0], rest, self.p.structs[local[1]][rest], False) if rest else \
             (local, 0, *local[1])
 
@@ -318,8 +318,7 @@ class Machine:
         const = self.p.consts.get(path)
         if const is not None:
             return const
-        w = self.p.widths.get(path)
-        return (self.f.get(path, 0), self.p.width(path) if w is None else w, False)
+        return (self.f.get(path, 0), self.p.width(path), False)
 
     def assign(self, lhs, value) -> None:
         hi, lo = (lhs[2], lhs[3]) if lhs[0] == "slice" else (None, None)
@@ -421,9 +420,10 @@ class Machine:
         action, else the default action."""
         t = self.p.tables[name]
         keys = self.keys(t["keys"])
-        first = t["first"].get(tuple(keys), -1)   # the const entries never change
+        key = tuple(keys)
+        first = t["first"].get(key, -1)   # the const entries never change
         if first == -1:
-            first = t["first"][tuple(keys)] = next(
+            first = t["first"][key] = next(
                 (i for i, (cells, _, _) in enumerate(t["entries"]) if self.matches(cells, keys)),
                 None)
         hit = t["entries"][first] if first is not None else next(
