@@ -301,15 +301,17 @@ def _half_worker(rank, port, q):
     dist.destroy_process_group()
 
 
-def test_uncompressed_spans_count_the_bytes_of_their_dtype():
-    """A bf16 model's uncompressed spans all-reduce 2 bytes an element: they were counted
-    at 4 (an FP32 span's), doubling what the hook reports on the wire."""
+def test_uncompressed_spans_count_the_bytes_they_travel_in():
+    """A bf16 model's uncompressed spans are summed in float32, with their tag lanes: 4 bytes
+    an element on the wire, as counted."""
+    from thc.collective.agreement import sum_tag_lanes
     res = gloo_pair(_half_worker)
     for rank in (0, 1):
         sent, elements = res[rank]
         # and two agreements, the hook's settings and the bucket's split: nine float32 lanes
         # each, as a ring all-reduce sends them
-        assert elements == 72 and sent == 2 * (2 - 1) * 72 * 2 // 2 + 2 * 36, res[rank]
+        spans = 2 * (2 - 1) * (72 + sum_tag_lanes(2)) * 4 // 2
+        assert elements == 72 and sent == spans + 2 * 36, res[rank]
 
 
 def _fp16_sum_worker(rank, port, q):
@@ -385,7 +387,7 @@ def test_a_bucket_that_fails_after_its_compressed_round_abandons_the_group(monke
         torch.nn.functional.cross_entropy(ddp(x), y).backward()
         DistTransport.check_group(hook.group)
         monkeypatch.setattr(hook, "_reduce_fp32",
-                            lambda plain: (_ for _ in ()).throw(MemoryError("out of memory")))
+                            lambda *a: (_ for _ in ()).throw(MemoryError("out of memory")))
         with pytest.raises(RuntimeError, match="out of memory"):
             torch.nn.functional.cross_entropy(ddp(x), y).backward()
         with pytest.raises(RuntimeError, match=r"a bucket of backward failed after its "
@@ -1034,15 +1036,17 @@ def _hooked(rank, port, kind):
 
     from thc.codec.params import THCParams
     from thc.collective.allreduce import THCAllReduce
-    from thc.collective.ddp import MarsitHook, THCHook, TopKHook
+    from thc.collective.ddp import HookOptions, MarsitHook, THCHook, TopKHook
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=2, timeout=timedelta(seconds=20))
     model = _model()
     ddp = DDP(model)
     gen = torch.Generator().manual_seed(rank)
     if kind == "thc":
+        # with an FP32 span, whose tag lanes hold the step: join()'s shadow steps count too
         THCHook(model, lambda group: THCAllReduce.through_torch_distributed(
-            group, params=THCParams(seed=3), generator=gen), overlap=False).register(ddp)
+            group, params=THCParams(seed=3), generator=gen),
+            HookOptions(uncompressed=("2.bias",)), overlap=False).register(ddp)
     elif kind == "topk":
         TopKHook(model, overlap=False).register(ddp)
     else:
@@ -1237,3 +1241,73 @@ def test_ranks_with_unlike_forwards_or_batches_under_join_are_reduced(kind):
     rank's evaluation under no_sync was refused at every later step."""
     res = gloo_pair(functools.partial(_unlike_forwards_worker, kind=kind))
     assert res[0] == ["ok"] * 6 and res[1] == ["ok"] * 5, res
+
+
+def _aggregator_fails_after_its_sums_worker(job, addr, rank, port, q):
+    """Four DDP steps with THC's hook through a software aggregator. Bucket 0 holds FP32
+    spans alone, bucket 1 a compressed span and FP32 spans as long as bucket 0's; at step 1
+    rank 1's decode fails (out of memory, say) after its aggregator sums went out, and it goes
+    on: each step's outcome on this rank."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from thc.codec.params import THCParams
+    from thc.collective.allreduce import THCAllReduce
+    from thc.collective.ddp import HookOptions, THCHook
+    from thc.net.client import AggregationClient
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2, timeout=timedelta(seconds=3))
+    torch.manual_seed(0)
+    # DDP's first bucket closes at 1 MiB: layer 4 (512 x 512 and its bias) fills it alone
+    model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.ReLU(),
+                                torch.nn.Linear(512, 512), torch.nn.ReLU(),
+                                torch.nn.Linear(512, 512))
+    ddp = DDP(model)
+    fail = []
+    client = AggregationClient(job, rank, addr, run=1, deadline=3.0)
+
+    def factory(group):
+        ar = THCAllReduce.through_aggregator(client, THCParams(seed=3, slice_size=256),
+                                             group, generator=rank)
+        real = ar.codec.decode
+
+        def decode(*a, **k):
+            if fail:
+                fail.clear()
+                raise MemoryError("out of memory in decode")
+            return real(*a, **k)
+        ar.codec.decode = decode
+        return ar
+    THCHook(model, factory, HookOptions(uncompressed=("2.", "4.")), overlap=False).register(ddp)
+    out = []
+    for step in range(4):
+        if rank == 1 and step == 1:
+            fail.append(True)
+        g = torch.Generator().manual_seed(10 * step + rank)
+        x = torch.randn(16, 512, generator=g)
+        try:
+            ddp(x).square().mean().backward()
+            out.append("ok")
+        except Exception as e:  # noqa: BLE001 - each step's outcome is the result
+            out.append(f"{type(e).__name__}: {e}")
+        model.zero_grad(set_to_none=True)
+    q.put((rank, out))
+
+
+def test_a_rank_that_fails_after_its_aggregator_sums_leaves_no_peer_a_wrong_fp32_span():
+    """Rank 1 fails after its aggregator sums (no collective of the hook's group in that
+    round); rank 0 goes on to the bucket's FP32 spans, which pair with rank 1's next step's
+    first bucket, as long: a sum of two different buckets of two different steps. The FP32
+    spans carry the bucket and the step: both ranks refuse it, and the group is abandoned."""
+    from thc.net.aggregator import Aggregator
+    from thc.testing.clusters import local_job
+    job = local_job(1, 2, free_port_block(2), pool_size=32)
+    with Aggregator([job]) as agg:
+        addr = agg.start()
+        res = gloo_pair(functools.partial(_aggregator_fails_after_its_sums_worker, job, addr))
+    refused = "the FP32 spans of backward {}'s bucket {} were summed with another collective"
+    assert res[0][0] == res[1][0] == "ok", res
+    assert "out of memory in decode" in res[1][1], res
+    assert refused.format(1, 1) in res[0][1], res   # it was "ok": a wrong sum
+    assert refused.format(2, 0) in res[1][2], res
+    for rank, step in ((0, 2), (0, 3), (1, 3)):
+        assert "no THC round may use this process group any more" in res[rank][step], res

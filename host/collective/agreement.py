@@ -137,6 +137,43 @@ def key_of(*parts) -> int:
     return int.from_bytes(hashlib.blake2b(repr(parts).encode(), digest_size=6).digest(), "big")
 
 
+SUM_TAG_BITS = 48
+"""The bits of a :func:`key_of` fingerprint that :func:`sum_tags` carries."""
+
+
+def _sum_tag_values(key: int, world: int) -> list[int]:
+    """:func:`sum_tags`'s lane values: the key cut into parts small enough that ``world`` of
+    them add up exactly in float32 (below 2^24)."""
+    bits = 24 - (world - 1).bit_length()
+    if bits < 1:
+        raise ValueError(f"{world} workers' sums of a tag lane do not fit in float32")
+    lanes = -(-SUM_TAG_BITS // bits)
+    key %= 1 << SUM_TAG_BITS
+    return [(key >> (bits * j)) & ((1 << bits) - 1) for j in range(lanes)]
+
+
+def sum_tags(key: int, world: int, like: torch.Tensor) -> torch.Tensor:
+    """Lanes to append to a SUM all-reduce whose values carry no tag of their own (a DDP
+    hook's FP32 spans): after it, :func:`sum_tags_agree` says whether every one of ``world``
+    workers sent them with the same ``key`` (:func:`key_of`), so that a worker whose sum
+    paired with another collective (a peer out of step, in another bucket or step) refuses
+    it. ``like``: the sum's dtype (float32 or wider: the lanes must add up exactly) and
+    device."""
+    return torch.tensor(_sum_tag_values(key, world), dtype=like.dtype, device=like.device)
+
+
+def sum_tags_agree(summed: torch.Tensor, key: int, world: int) -> bool:
+    """Whether the lanes of :func:`sum_tags` after the sum are ``world`` times this worker's
+    own (read on the host): workers with another key leave some lane off, but for a 2^-48
+    chance."""
+    return summed.tolist() == [world * v for v in _sum_tag_values(key, world)]
+
+
+def sum_tag_lanes(world: int) -> int:
+    """How many lanes :func:`sum_tags` appends among ``world`` workers."""
+    return len(_sum_tag_values(0, world))
+
+
 def tagged(norms: torch.Tensor, rnd, key: int) -> torch.Tensor:
     """The MAX round's vector: the round's four lanes, the fingerprint's four, then the slice
     norms (non-finite ones marked as overflows). ``rnd``: an int, or an int64 tensor on the

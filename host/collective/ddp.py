@@ -4,9 +4,10 @@ counted by a vote job in the network).
 
 Install with ``hook.register(ddp_model)``: the DDP model's process group must hold the
 hook's workers. Gradients of parameters chosen to stay uncompressed (by name, or below a
-size) go through the process group's ordinary FP32 all-reduce, after the rest of the bucket
-has gone through the hook's compressor (with per-bucket error feedback), whose checked round
-makes sure every rank is reducing the same bucket first. A complex parameter is reduced as
+size) go through a float32 all-reduce, after the rest of the bucket has gone through the
+hook's compressor (with per-bucket error feedback), whose checked round makes sure every rank
+is reducing the same bucket first; tag lanes after the spans make sure of it again where that
+round used no collective of the group (through an aggregator). A complex parameter is reduced as
 its real view, as DDP holds it (``HookOptions.min_numel`` counts its complex elements);
 sparse gradients are refused. A bucket's rounds also count the DDP model's stretches of
 forwards under ``no_sync`` that a backward ran through, so a rank that accumulated a step
@@ -307,6 +308,7 @@ class _Hook:
         with self._stats_lock:
             self._last_call = time.perf_counter()
         step, stretches = self._backwards, self._stretches
+        place = (step, bucket.index())
         if bucket.is_last():
             self._backwards += 1
         fut: torch.futures.Future = torch.futures.Future()
@@ -314,7 +316,7 @@ class _Hook:
             # raised here, a refusal would leave DDP's reducer half-marked: every later step
             # then fails inside torch
             try:
-                fut.set_result(self._reduce_in_step(step, stretches, key, buf, spans))
+                fut.set_result(self._reduce_in_step(place, stretches, key, buf, spans))
             except Exception as e:  # noqa: BLE001 - handed to DDP, which raises it
                 fut.set_exception(e)
             return _raising(fut)
@@ -331,21 +333,23 @@ class _Hook:
                                   RuntimeError(f"the bucket's reduction ended in {error!r}"))
 
         chained = _raising(fut)
-        self._pool.submit(self._reduce_in_step, step, stretches, key, buf,
+        self._pool.submit(self._reduce_in_step, place, stretches, key, buf,
                           spans).add_done_callback(finish)
         return chained
 
-    def _reduce_in_step(self, step: int, stretches: int, bucket, buf: torch.Tensor,
-                        spans) -> torch.Tensor:
-        """:meth:`_reduce_bucket` in backward ``step``, unless a bucket of that step failed:
+    def _reduce_in_step(self, place: tuple[int, int], stretches: int, bucket,
+                        buf: torch.Tensor, spans) -> torch.Tensor:
+        """:meth:`_reduce_bucket` in backward ``step`` (``place``: the step and DDP's index
+        of the bucket), unless a bucket of that step failed:
         DDP raises then, and the buffers of the step's later buckets are the next step's
         before their reductions could run (they would read and overwrite its gradients).
         Every rank refuses a bucket alike, so every rank skips the same later ones."""
+        step = place[0]
         if step == self._failed_step:
             raise RuntimeError(f"not reduced: an earlier bucket of backward {step} failed, "
                                f"so DDP raised and its later buckets are left alone")
         try:
-            return self._reduce_bucket(bucket, buf, spans, stretches)
+            return self._reduce_bucket(bucket, buf, spans, stretches, place)
         except BaseException as e:
             self._failed_step = step
             named = _peer_gone(e, step)
@@ -411,8 +415,8 @@ class _Hook:
                              "another process group than the one it was given: "
                              "make_allreducer(group) must build its reducer on that group")
 
-    def _reduce_bucket(self, bucket, buf: torch.Tensor, spans,
-                       stretches: int = 0) -> torch.Tensor:
+    def _reduce_bucket(self, bucket, buf: torch.Tensor, spans, stretches: int = 0,
+                       place: tuple[int, int] | None = None) -> torch.Tensor:
         start = time.perf_counter()
         if bucket not in self._agreed:
             self._agree_bucket(bucket, spans, buf.device, buf.dtype)   # raises on an error
@@ -433,7 +437,7 @@ class _Hook:
                 view.copy_(out[i: i + view.numel()])
                 i += view.numel()
             if plain:
-                self._reduce_fp32(plain)
+                self._reduce_fp32(plain, place)
         except BaseException as e:
             # this rank's own failure: its peers wait in the FP32 spans' all-reduce, or go on
             # to their next collective, either of which would pair with its next
@@ -446,16 +450,38 @@ class _Hook:
             self._last_done = end
         return buf
 
-    def _reduce_fp32(self, plain: list[torch.Tensor]) -> None:
-        flat = torch.cat(plain)
-        DistTransport.check_group(self.group)   # a THC round left its peers mid-round
-        flat /= self.world   # before the sum, as DDP's own hook: a half sum overflows first
-        dist.all_reduce(flat, group=self.group)
-        self.fp32_elements += flat.numel()
-        self.bytes_sent += ring_bytes(flat, self.world)
+    def _reduce_fp32(self, plain: list[torch.Tensor], place: tuple[int, int] | None) -> None:
+        """The mean of a bucket's FP32 spans, summed in float32 (float64 where the gradients
+        are) whatever the gradients' dtype. Lanes after them (:func:`agreement.sum_tags`)
+        carry the hook, the bucket's place (``place``: the backward step and DDP's index of
+        the bucket) and its length: where a rank's spans paired with another collective (a
+        peer failed after a round that used no collective of the group, through an
+        aggregator, and went on to its next bucket or step), every rank refuses the sum."""
+        n = sum(v.numel() for v in plain)
+        key = agreement.key_of("fp32 spans", self.index, place, n)
+        dtype = torch.promote_types(plain[0].dtype, torch.float32)
+        tags = agreement.sum_tags(key, self.world, torch.empty(0, dtype=dtype,
+                                                               device=plain[0].device))
+        out = torch.empty(n + tags.numel(), dtype=dtype, device=tags.device)
         i = 0
         for view in plain:
-            view.copy_(flat[i: i + view.numel()])
+            out[i: i + view.numel()].copy_(view)
+            i += view.numel()
+        out[:n] /= self.world   # before the sum, as DDP's own hook
+        out[n:] = tags
+        DistTransport.check_group(self.group)   # a THC round left its peers mid-round
+        dist.all_reduce(out, group=self.group)
+        self.fp32_elements += n
+        self.bytes_sent += ring_bytes(out, self.world)
+        if not agreement.sum_tags_agree(out[n:], key, self.world):
+            step, index = place if place is not None else ("?", "?")
+            raise RuntimeError(f"the FP32 spans of backward {step}'s bucket {index} were "
+                               f"summed with another collective of a peer rank (one that "
+                               f"failed after a round through an aggregator and went on, or "
+                               f"is in another step or bucket): no value of the sum is used")
+        i = 0
+        for view in plain:
+            view.copy_(out[i: i + view.numel()])
             i += view.numel()
 
     def _count_round(self, reducer, stretches: int) -> None:
