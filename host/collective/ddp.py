@@ -456,7 +456,8 @@ class _Hook:
         carry the hook, the bucket's place (``place``: the backward step and DDP's index of
         the bucket) and its length: where a rank's spans paired with another collective (a
         peer failed after a round that used no collective of the group, through an
-        aggregator, and went on to its next bucket or step), every rank refuses the sum."""
+        aggregator, and went on to its next bucket or step), every rank refuses the sum. The
+        lanes are read on the host: on a GPU the hook's thread waits for the spans' sum."""
         n = sum(v.numel() for v in plain)
         key = agreement.key_of("fp32 spans", self.index, place, n)
         dtype = torch.promote_types(plain[0].dtype, torch.float32)
