@@ -1152,6 +1152,20 @@ def test_a_peer_whose_process_ended_is_named_in_the_lost_connection():
     assert "backward 0 " in res[0] and "Connection closed by peer" in res[0], res
 
 
+def _failing_decode(ar, fail: list):
+    """``ar`` whose codec's next decode raises an out-of-memory error while ``fail`` holds
+    something."""
+    real = ar.codec.decode
+
+    def decode(*a, **k):
+        if fail:
+            fail.clear()
+            raise MemoryError("out of memory in decode")
+        return real(*a, **k)
+    ar.codec.decode = decode
+    return ar
+
+
 def _fails_after_its_sum_worker(rank, port, q):
     """Three DDP steps with THC's hook and an FP32 span (the last bias) in the bucket; at
     step 1 rank 1's decode fails (out of memory, say) after its sum went out, and it goes
@@ -1164,24 +1178,16 @@ def _fails_after_its_sum_worker(rank, port, q):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=2, timeout=timedelta(seconds=3))
     torch.manual_seed(0)
-    # a last bias of 8, as long as a Gloo round's agreement: unlike lengths would abort Gloo
+    # a last bias of 5, its span and tag lanes as long as a Gloo round's agreement: unlike
+    # lengths would abort Gloo
     model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(),
-                                torch.nn.Linear(128, 8))
+                                torch.nn.Linear(128, 5))
     ddp = DDP(model)
     fail = []
 
     def factory(group):
-        ar = THCAllReduce.through_torch_distributed(group, params=THCParams(seed=3),
-                                                    generator=rank)
-        real = ar.codec.decode
-
-        def decode(*a, **k):
-            if fail:
-                fail.clear()
-                raise MemoryError("out of memory in decode")
-            return real(*a, **k)
-        ar.codec.decode = decode
-        return ar
+        return _failing_decode(THCAllReduce.through_torch_distributed(
+            group, params=THCParams(seed=3), generator=rank), fail)
     THCHook(model, factory, HookOptions(uncompressed=("2.bias",)), overlap=False).register(ddp)
     out = []
     for step in range(3):
@@ -1266,17 +1272,8 @@ def _aggregator_fails_after_its_sums_worker(job, addr, rank, port, q):
     client = AggregationClient(job, rank, addr, run=1, deadline=3.0)
 
     def factory(group):
-        ar = THCAllReduce.through_aggregator(client, THCParams(seed=3, slice_size=256),
-                                             group, generator=rank)
-        real = ar.codec.decode
-
-        def decode(*a, **k):
-            if fail:
-                fail.clear()
-                raise MemoryError("out of memory in decode")
-            return real(*a, **k)
-        ar.codec.decode = decode
-        return ar
+        return _failing_decode(THCAllReduce.through_aggregator(
+            client, THCParams(seed=3, slice_size=256), group, generator=rank), fail)
     THCHook(model, factory, HookOptions(uncompressed=("2.", "4.")), overlap=False).register(ddp)
     out = []
     for step in range(4):
