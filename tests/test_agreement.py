@@ -8,6 +8,10 @@ import torch
 from thc.collective import agreement
 
 
+def _tags(key: int, world: int) -> torch.Tensor:
+    return agreement.sum_tags(key, world, torch.empty(agreement.sum_tag_lanes(world)))
+
+
 def _summed(lanes: list[torch.Tensor]) -> torch.Tensor:
     """The workers' lanes added one by one in float32, as a ring all-reduce adds them."""
     out = torch.zeros_like(lanes[0])
@@ -19,10 +23,8 @@ def _summed(lanes: list[torch.Tensor]) -> torch.Tensor:
 @pytest.mark.parametrize("world", [1, 2, 3, 16, 17, 1000, 1 << 20])
 def test_workers_with_one_key_agree_exactly_at_any_world(world):
     """The largest lanes a key can hold, summed by every worker in float32, come out exact."""
-    like = torch.empty(0)
     top = (1 << agreement.SUM_TAG_BITS) - 1   # every lane at its largest value
-    lanes = agreement.sum_tags(top, world, like)
-    assert len(lanes) == agreement.sum_tag_lanes(world)
+    lanes = _tags(top, world)
     assert float(lanes.max()) * world < 1 << 24
     assert agreement.sum_tags_agree(lanes * world, top, world)
     if world <= 17:
@@ -32,9 +34,8 @@ def test_workers_with_one_key_agree_exactly_at_any_world(world):
 @pytest.mark.parametrize("bit", range(agreement.SUM_TAG_BITS))
 def test_a_peer_with_a_key_one_bit_apart_is_told(bit):
     key = agreement.key_of("fp32 spans", 3)
-    like = torch.empty(0)
     other = key ^ (1 << bit)
-    summed = _summed([agreement.sum_tags(key, 2, like), agreement.sum_tags(other, 2, like)])
+    summed = _summed([_tags(key, 2), _tags(other, 2)])
     assert not agreement.sum_tags_agree(summed, key, 2)
     assert not agreement.sum_tags_agree(summed, other, 2)
 
@@ -42,12 +43,11 @@ def test_a_peer_with_a_key_one_bit_apart_is_told(bit):
 def test_a_peer_whose_collective_holds_other_values_is_told():
     """A peer's gradient values, or another collective's lanes, where this worker's tags are."""
     key = agreement.key_of("fp32 spans", 0)
-    like = torch.empty(0)
-    mine = agreement.sum_tags(key, 2, like)
+    mine = _tags(key, 2)
     for theirs in (torch.randn(len(mine)), torch.zeros(len(mine)), mine + 0.5):
         assert not agreement.sum_tags_agree(mine + theirs, key, 2)
 
 
 def test_a_world_whose_sums_cannot_be_exact_is_refused():
     with pytest.raises(ValueError, match="do not fit in float32"):
-        agreement.sum_tags(1, (1 << 23) + 1, torch.empty(0))
+        _tags(1, (1 << 23) + 1)

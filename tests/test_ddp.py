@@ -1047,6 +1047,10 @@ def _hooked(rank, port, kind):
         THCHook(model, lambda group: THCAllReduce.through_torch_distributed(
             group, params=THCParams(seed=3), generator=gen),
             HookOptions(uncompressed=("2.bias",)), overlap=False).register(ddp)
+    elif kind == "spans":   # FP32 spans alone: their tag lanes are the only check
+        THCHook(model, lambda group: THCAllReduce.through_torch_distributed(
+            group, params=THCParams(seed=3), generator=gen),
+            HookOptions(min_numel=1 << 30), overlap=False).register(ddp)
     elif kind == "topk":
         TopKHook(model, overlap=False).register(ddp)
     else:
@@ -1081,13 +1085,14 @@ def _out_of_step_worker(rank, port, q, kind, alone):
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", KINDS + ("spans",))
 def test_a_rank_a_whole_step_out_of_step_is_refused_by_every_rank(kind):
     """Each reducer counted its own rounds: rank 0 running step 1 under no_sync alone kept
     every reducer in step with its peer's while pairing rank 0's steps 1+2 with rank 1's
     step 1, and every later step with the step before, each taken as a sum. Rounds now also
     count the DDP model's no_sync stretches (``_Hook._stretches``): every later step is
-    refused on both ranks, naming the cause."""
+    refused on both ranks, naming the cause. So do the tag lanes of a hook's FP32 spans,
+    where every span is one (they held the step and bucket alone, and took those sums)."""
     res = gloo_pair(functools.partial(_out_of_step_worker, kind=kind, alone=True))
     assert res[0][:2] == ["ok", "accumulated"], res
     assert res[1][:1] == ["ok"], res
@@ -1096,7 +1101,7 @@ def test_a_rank_a_whole_step_out_of_step_is_refused_by_every_rank(kind):
             assert "no_sync alone" in text, (rank, text)
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", KINDS + ("spans",))
 def test_gradient_accumulation_on_every_rank_stays_in_step(kind):
     """no_sync on every rank (the forwards jump alike): every synced step is reduced."""
     res = gloo_pair(functools.partial(_out_of_step_worker, kind=kind, alone=False))

@@ -152,14 +152,16 @@ def _sum_tag_values(key: int, world: int) -> list[int]:
     return [(key >> (bits * j)) & ((1 << bits) - 1) for j in range(lanes)]
 
 
-def sum_tags(key: int, world: int, like: torch.Tensor) -> torch.Tensor:
-    """Lanes to append to a SUM all-reduce whose values carry no tag of their own (a DDP
-    hook's FP32 spans): after it, :func:`sum_tags_agree` says whether every one of ``world``
-    workers sent them with the same ``key`` (:func:`key_of`), so that a worker whose sum
-    paired with another collective (a peer out of step, in another bucket or step) refuses
-    it. ``like``: the sum's dtype (float32 or wider: the lanes must add up exactly) and
-    device."""
-    return torch.tensor(_sum_tag_values(key, world), dtype=like.dtype, device=like.device)
+def sum_tags(key: int, world: int, out: torch.Tensor) -> torch.Tensor:
+    """Fill ``out`` (:func:`sum_tag_lanes` lanes, float32 or wider: they must add up
+    exactly) with lanes to append to a SUM all-reduce whose values carry no tag of their own
+    (a DDP hook's FP32 spans): after it, :func:`sum_tags_agree` says whether every one of
+    ``world`` workers sent them with the same ``key`` (:func:`key_of`), so that a worker
+    whose sum paired with another collective (a peer out of step, in another bucket or step)
+    refuses it. Filled on the device: a copy from the host would wait for it."""
+    for lane, v in zip(out, _sum_tag_values(key, world), strict=True):
+        lane.fill_(v)
+    return out
 
 
 def sum_tags_agree(summed: torch.Tensor, key: int, world: int) -> bool:

@@ -437,7 +437,7 @@ class _Hook:
                 view.copy_(out[i: i + view.numel()])
                 i += view.numel()
             if plain:
-                self._reduce_fp32(plain, place)
+                self._reduce_fp32(plain, place, stretches)
         except BaseException as e:
             # this rank's own failure: its peers wait in the FP32 spans' all-reduce, or go on
             # to their next collective, either of which would pair with its next
@@ -450,26 +450,27 @@ class _Hook:
             self._last_done = end
         return buf
 
-    def _reduce_fp32(self, plain: list[torch.Tensor], place: tuple[int, int] | None) -> None:
+    def _reduce_fp32(self, plain: list[torch.Tensor], place: tuple[int, int] | None,
+                     stretches: int = 0) -> None:
         """The mean of a bucket's FP32 spans, summed in float32 (float64 where the gradients
         are) whatever the gradients' dtype. Lanes after them (:func:`agreement.sum_tags`)
         carry the hook, the bucket's place (``place``: the backward step and DDP's index of
-        the bucket) and its length: where a rank's spans paired with another collective (a
-        peer failed after a round that used no collective of the group, through an
-        aggregator, and went on to its next bucket or step), every rank refuses the sum. The
-        lanes are read on the host: on a GPU the hook's thread waits for the spans' sum."""
+        the bucket), the model's ``no_sync`` stretches (:meth:`reduce`) and the spans'
+        length: where a rank's spans paired with another collective (a peer failed after a
+        round that used no collective of the group, through an aggregator, and went on to its
+        next bucket or step) or with another step's (a rank accumulated a step alone, in a
+        bucket with no compressed round to refuse it), every rank refuses the sum. The lanes
+        are read on the host: on a GPU the hook's thread waits for the spans' sum."""
         n = sum(v.numel() for v in plain)
-        key = agreement.key_of("fp32 spans", self.index, place, n)
-        dtype = torch.promote_types(plain[0].dtype, torch.float32)
-        tags = agreement.sum_tags(key, self.world, torch.empty(0, dtype=dtype,
-                                                               device=plain[0].device))
-        out = torch.empty(n + tags.numel(), dtype=dtype, device=tags.device)
+        key = agreement.key_of("fp32 spans", self.index, place, stretches, n)
+        out = torch.empty(n + agreement.sum_tag_lanes(self.world), device=plain[0].device,
+                          dtype=torch.promote_types(plain[0].dtype, torch.float32))
         i = 0
         for view in plain:
             out[i: i + view.numel()].copy_(view)
             i += view.numel()
         out[:n] /= self.world   # before the sum, as DDP's own hook
-        out[n:] = tags
+        agreement.sum_tags(key, self.world, out[n:])
         DistTransport.check_group(self.group)   # a THC round left its peers mid-round
         dist.all_reduce(out, group=self.group)
         self.fp32_elements += n
@@ -478,8 +479,9 @@ class _Hook:
             step, index = place if place is not None else ("?", "?")
             raise RuntimeError(f"the FP32 spans of backward {step}'s bucket {index} were "
                                f"summed with another collective of a peer rank (one that "
-                               f"failed after a round through an aggregator and went on, or "
-                               f"is in another step or bucket): no value of the sum is used")
+                               f"failed after a round through an aggregator and went on, is "
+                               f"in another step or bucket, or accumulated a step under "
+                               f"no_sync alone): no value of the sum is used")
         i = 0
         for view in plain:
             view.copy_(out[i: i + view.numel()])
