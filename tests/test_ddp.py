@@ -1171,10 +1171,12 @@ def _failing_decode(ar, fail: list):
     return ar
 
 
-def _fails_after_its_sum_worker(rank, port, q):
+def _fails_after_its_sum_worker(rank, port, q, where="decode"):
     """Three DDP steps with THC's hook and an FP32 span (the last bias) in the bucket; at
-    step 1 rank 1's decode fails (out of memory, say) after its sum went out, and it goes
-    on to step 2: each step's outcome on this rank."""
+    step 1 rank 1 fails after its sum went out, and it goes on to step 2: each step's outcome
+    on this rank. ``where``: its decode fails (out of memory, say), or its hook's ``reduce``
+    once its reducer returned (no code of the project fails there: the spans' tags are then
+    the only check)."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from thc.codec.params import THCParams
@@ -1192,8 +1194,19 @@ def _fails_after_its_sum_worker(rank, port, q):
 
     def factory(group):
         return _failing_decode(THCAllReduce.through_torch_distributed(
-            group, params=THCParams(seed=3), generator=rank), fail)
-    THCHook(model, factory, HookOptions(uncompressed=("2.bias",)), overlap=False).register(ddp)
+            group, params=THCParams(seed=3), generator=rank), fail if where == "decode" else [])
+    hook = THCHook(model, factory, HookOptions(uncompressed=("2.bias",)), overlap=False)
+    hook.register(ddp)
+    if where == "reduce":
+        real = hook.reduce
+
+        def reduce(*a, **k):
+            out = real(*a, **k)
+            if fail:
+                fail.clear()
+                raise MemoryError("out of memory after the round")
+            return out
+        hook.reduce = reduce
     out = []
     for step in range(3):
         if rank == 1 and step == 1:
@@ -1220,6 +1233,18 @@ group's timeout, or the connection lost when rank 1's process ends)."""
     assert "the hook's collective of backward 1 " in res[0][1], res   # timed out, or lost
     assert "no THC round may use this process group any more" in res[1][2], res
     assert "failed after its MAX round (MemoryError: out of memory in decode)" in res[1][2], res
+
+
+def test_a_rank_that_fails_after_its_reducer_returned_leaves_no_peer_a_wrong_fp32_span():
+    """Rank 1's hook fails once its reducer returned, and no one abandons the group: rank 0's
+    FP32 span pairs with rank 1's step 2 agreement, as long. It took its lanes as its bias
+    gradient ("ok"); the span's tags now refuse it, and the group is abandoned."""
+    res = gloo_pair(functools.partial(_fails_after_its_sum_worker, where="reduce"))
+    assert res[0][0] == res[1][0] == "ok", res
+    assert "out of memory after the round" in res[1][1], res
+    assert "the FP32 spans of backward 1's bucket 0 were summed with another" in res[0][1], res
+    assert "no THC round may use this process group any more" in res[0][2], res
+    assert res[1][2] != "ok", res
 
 
 def _unlike_forwards_worker(rank, port, q, kind):
