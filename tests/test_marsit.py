@@ -425,6 +425,33 @@ def test_a_vote_refused_alike_or_its_aggregator_failing_abandons_nothing():
         dist.destroy_process_group()
 
 
+@pytest.mark.parametrize("kind", ["ring", "vote"])
+def test_a_round_that_fails_before_its_scales_are_summed_abandons_the_group(monkeypatch, kind):
+    """A worker's own failure between its agreement and the scales' all-reduce (out of memory,
+    say): its peers wait in that all-reduce, which would pair with its next collective. A
+    vote's did not abandon the group (its signs travel through the aggregator), nor did a
+    ValueError there; both do now."""
+    from thc.collective.transports import DistTransport
+    from thc.testing.clusters import free_tcp_port
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_tcp_port()}",
+                            rank=0, world_size=1)
+    try:
+        ar = marsit.MarsitVoteAllReduce(_VoteClient()) if kind == "vote" else \
+            marsit.MarsitAllReduce(generator=torch.Generator().manual_seed(0))
+        assert torch.isfinite(ar(torch.ones(64))).all()
+        with monkeypatch.context() as m:
+            m.setattr(ar, "_scales", lambda *a: (_ for _ in ()).throw(ValueError("no memory")))
+            with pytest.raises(ValueError, match="no memory"):
+                ar(torch.ones(64))
+        with pytest.raises(RuntimeError, match=r"Marsit round 1 failed after its agreement "
+                                               r"\(ValueError: no memory\)"):
+            ar(torch.ones(64))
+        with pytest.raises(RuntimeError, match="Marsit round 1 failed"):
+            DistTransport.check_group(None)
+    finally:
+        dist.destroy_process_group()
+
+
 def test_an_exact_zero_is_a_fair_coin_and_empty_segments_are_taken():
     """A zero was sent as +1 (every dead coordinate drifted up by the scale, without
     compensation), and a zero-element parameter made every step fail with "segments [0, 12,

@@ -66,7 +66,8 @@ class _SignAllReduce:
     ring and the vote, a mean and a majority) refuse the round together."""
     signs_on_group = True
     """Whether the sign bits travel over the process group: a worker that fails after its
-    agreement then abandons it (``DistTransport.abandon``)."""
+    scales' all-reduce then abandons it (``DistTransport.abandon``), as one of any kind
+    that fails between its agreement and that all-reduce does."""
 
     def __init__(self, group=None, compensation: bool = True, nonfinite: str = "raise",
                  name=None):
@@ -87,6 +88,8 @@ class _SignAllReduce:
         self.bytes_sent = 0
         self.round = 0
         """Calls so far, refused ones included: the agreement's round lanes."""
+        self._scaled = False
+        """Whether this call's scales were summed (:meth:`__call__`)."""
 
     def skip_to(self, rnd: int) -> None:
         """Take round ``rnd`` next where it is ahead (rounds never go back: each draws its
@@ -139,15 +142,16 @@ class _SignAllReduce:
         self.bytes_sent += agreement.together(self.group, rnd, key, flat.device, failure)
         if flat.numel() == 0:      # every rank agreed on it: nothing to send
             return grad.clone()
+        self._scaled = False
         try:
             return self._round(grad, flat, sizes)
-        except ValueError:
-            raise   # a NaN, counts out of range: every worker refuses the round alike
         except BaseException as e:
             # this worker's own failure: its peers wait in a collective or go on to their
-            # next, which would pair with its next (signs summed by an aggregator: as THC's
-            # rounds there, the group's collectives are not the round's)
-            if self.signs_on_group:
+            # next, which would pair with its next. Once the scales are summed, not so for a
+            # ValueError (a NaN, counts out of range: every worker refuses the round alike),
+            # nor for a vote, whose signs an aggregator sums (as THC's rounds there, they
+            # are no collective of the group)
+            if not self._scaled or (self.signs_on_group and not isinstance(e, ValueError)):
                 DistTransport.abandon_group(self.group, f"Marsit round {rnd} failed "
                                             f"after its agreement ({type(e).__name__}: {e})")
             raise
@@ -156,12 +160,9 @@ class _SignAllReduce:
         # A worker with NaN or Inf still joins the scales' all-reduce, with NaN scales: the
         # sum carries them to every worker, and all refuse the round (none waits). Scales in
         # float64: a float32 sum of huge values would overflow on every worker alike.
-        ok = bool(torch.isfinite(flat).all())
-        scale = torch.stack([part.abs().double().sum() / max(1, part.numel())
-                             for part in flat.split(sizes)]) \
-            if ok else torch.full((len(sizes),), float("nan"), dtype=torch.float64,
-                                  device=flat.device)
+        ok, scale = self._scales(flat, sizes)
         dist.all_reduce(scale, group=self.group)
+        self._scaled = True
         self.bytes_sent += ring_bytes(scale, self.world)
         if not ok or not bool(torch.isfinite(scale).all()):
             if self.nonfinite == "propagate":   # every worker sees the NaN sum alike
@@ -177,6 +178,15 @@ class _SignAllReduce:
         if self.compensation:
             self.residual = flat - estimate
         return estimate.reshape(grad.shape).to(grad.dtype)
+
+    def _scales(self, flat: torch.Tensor, sizes: list[int]) -> tuple[bool, torch.Tensor]:
+        """Whether ``flat`` is finite, and this worker's mean magnitude of each segment
+        (NaN where it is not)."""
+        if not bool(torch.isfinite(flat).all()):
+            return False, torch.full((len(sizes),), float("nan"), dtype=torch.float64,
+                                     device=flat.device)
+        return True, torch.stack([part.abs().double().sum() / max(1, part.numel())
+                                  for part in flat.split(sizes)])
 
     def _signs(self, flat: torch.Tensor) -> torch.Tensor:
         """This worker's bits (True = +1); an exact zero's bit is a fair coin."""
