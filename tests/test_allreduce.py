@@ -866,3 +866,64 @@ def test_a_stand_in_is_built_where_the_domain_takes_tensors():
     assert t.device.type == "cpu" and t.numel() == 5 and isinstance(err, TypeError)
     t, err = agreement.input_of(np.broadcast_to(np.float32(0), (1 << 20, 1 << 20)))
     assert t.numel() == 0 and "got ndarray" in str(err)
+
+
+def test_two_threads_reducers_on_one_client_never_take_each_others_sums():
+    """Two reducers share one client on each of two workers, each driven by a thread of its
+    own (two hooks' threads, say). The client took one exchange at a time, so a round's
+    exchanges could interleave with the other reducer's: here both workers' size agreements
+    and MAX rounds ran A's then B's, then worker 0 sent A's DATA first and worker 1 B's, and
+    each took a sum of A's tensor and B's that passed every check. A reducer now holds the
+    client for its whole round: the schedule asked for cannot happen (each step of it waits
+    a moment, then goes), and every sum returned is its own reducer's."""
+    job = local_job(1, 2, free_port_block(2), pool_size=32)
+    params = THCParams(seed=3, slice_size=256)
+    order = {0: ["A max", "A max", "B max", "B max", "A sum", "B sum"],
+             1: ["A max", "A max", "B max", "B max", "B sum", "A sum"]}
+    turn = threading.Condition()
+    done = {0: 0, 1: 0}
+
+    def gated(w, step, call):
+        def run(*a, **k):
+            with turn:   # its turn in the schedule, or on after a moment
+                turn.wait_for(lambda: order[w][done[w]:done[w] + 1] == [step], timeout=1.0)
+            try:
+                return call(*a, **k)
+            finally:
+                with turn:
+                    done[w] = min(done[w] + 1, len(order[w]) - 1)
+                    turn.notify_all()
+        return run
+
+    g = torch.Generator().manual_seed(0)
+    xs = {(w, n): torch.randn(1024, generator=g) * (1 if n == "A" else 100)
+          for w in (0, 1) for n in "AB"}
+    out: dict = {}
+    with Aggregator([job]) as agg:
+        addr = agg.start()
+        clients = [AggregationClient(job, w, addr, run=5, deadline=10.0) for w in (0, 1)]
+        reducers = {}
+        for w in (0, 1):
+            for n in "AB":
+                ar = THCAllReduce.through_aggregator(clients[w], params, generator=w,
+                                                     error_feedback=False)
+                ar.transport.max = gated(w, f"{n} max", ar.transport.max)
+                ar.transport.sum = gated(w, f"{n} sum", ar.transport.sum)
+                reducers[w, n] = ar
+
+        def work(key):
+            try:
+                out[key] = reducers[key](xs[key])
+            except Exception as e:  # noqa: BLE001 - a refusal is an outcome, a wrong sum not
+                out[key] = e
+        ts = [threading.Thread(target=work, args=(k,)) for k in reducers]
+        [t.start() for t in ts]
+        [t.join(60) for t in ts]
+        [c.close() for c in clients]
+    assert not any(t.is_alive() for t in ts)
+    for (w, n), got in out.items():
+        if isinstance(got, Exception):
+            assert "different" in str(got), got   # rounds paired unlike: refused
+            continue
+        mean = (xs[0, n] + xs[1, n]) / 2
+        assert float((got - mean).norm() / mean.norm()) < 0.3, (w, n)

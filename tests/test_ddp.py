@@ -1338,3 +1338,40 @@ def test_a_rank_that_fails_after_its_aggregator_sums_leaves_no_peer_a_wrong_fp32
     assert refused.format(2, 0) in res[1][2], res
     for rank, step in ((0, 2), (0, 3), (1, 3)):
         assert "no THC round may use this process group any more" in res[rank][step], res
+
+
+@pytest.mark.parametrize("overlaps", [(True, True), (False, True), (True, False), (False, False)])
+def test_hooks_sharing_an_aggregator_client_may_not_overlap(overlaps):
+    """Two hooks whose reducers share a client, one of them on a thread of its own: their
+    rounds met in unlike orders on each rank, refused (each reducer now holds the client for
+    its whole round) or, before that, summed with each other. The second hook's build is
+    refused on every rank, naming the way out; two hooks that do not overlap share it."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from thc.codec.params import THCParams
+    from thc.collective.allreduce import THCAllReduce
+    from thc.collective.ddp import THCHook
+    from thc.net.aggregator import Aggregator
+    from thc.net.client import AggregationClient
+    from thc.testing.clusters import free_tcp_port, local_job
+    job = local_job(1, 1, free_port_block(1), pool_size=32)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_tcp_port()}",
+                            rank=0, world_size=1)
+    try:
+        with Aggregator([job]) as agg, AggregationClient(job, 0, agg.start(), run=1) as client:
+            models = [torch.nn.Linear(64, 64) for _ in overlaps]
+            ddps = [DDP(m) for m in models]
+            for m, ddp, overlap in zip(models, ddps, overlaps):
+                THCHook(m, lambda group: THCAllReduce.through_aggregator(
+                    client, THCParams(seed=3, slice_size=256), group),
+                    overlap=overlap).register(ddp)
+            x = torch.randn(4, 64)
+            ddps[0](x).sum().backward()
+            if any(overlaps):
+                with pytest.raises(RuntimeError, match="another hook's reducers use"):
+                    ddps[1](x).sum().backward()
+            else:
+                ddps[1](x).sum().backward()
+                assert all(m.weight.grad is not None for m in models)
+    finally:
+        dist.destroy_process_group()

@@ -8,6 +8,7 @@ this worker's lost part for the next round.
 """
 from __future__ import annotations
 
+import contextlib
 import numbers
 import secrets
 import time
@@ -195,6 +196,12 @@ class THCAllReduce:
         """
         agreement.check_domain(self._domain, agreement.domain_of(self.transport))
         tensor, refusal = agreement.input_of(tensor, device_of(self._domain))
+        one_round = getattr(self.transport, "one_round", None)   # a client's reducers' lock
+        with one_round() if one_round is not None else contextlib.nullcontext():
+            return self._call(tensor, position, refusal)
+
+    def _call(self, tensor: torch.Tensor, position, refusal) -> torch.Tensor:
+        """:meth:`__call__` of a checked input (``refusal``: why it is refused)."""
         if tensor.numel() == 0:
             # a round of the agreement alone: a peer whose tensor is not empty refuses it
             rnd, self.round = self.round, self.round + 1

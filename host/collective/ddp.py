@@ -119,6 +119,11 @@ _OWNERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 on one group would interleave their collectives differently on each rank."""
 
 
+_CLIENTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""Aggregator client -> the hook whose reducers' rounds go through it (:meth:`_Hook.
+_check_client`)."""
+
+
 def _timeout_of(group):
     """The timeout ``group`` (None: the default group) was made with, or None. torch keeps it
     on the backend's options only; a group the hook makes gets it, not torch's 30 minutes."""
@@ -166,7 +171,8 @@ class _Hook:
         self.index = (getattr(parent, "group_name", ""), agreement.ordinal(parent, "hook"))
         """This hook's workers' group (torch names groups in the order they are made, alike
         on every rank) and its place among the hooks built on it, in every name of its
-        reducers: two hooks' reducers may share a group or an aggregator client. Every rank
+        reducers: two hooks' reducers may share a group, or (neither overlapping) an aggregator
+        client. Every rank
         builds its hooks on a group in the same order (the agreement above runs on it)."""
         if overlap:
             _OWNERS[self.group] = weakref.ref(self)
@@ -390,6 +396,22 @@ class _Hook:
             reducer.name = ("hook", *self.index, rnd)
         return reducer
 
+    def _check_client(self, client) -> None:
+        """A reducer's aggregator client may serve another hook's reducers only where neither
+        hook runs its rounds on a thread of its own (``overlap``): two threads' rounds on one
+        client run in unlike orders on each rank, and each such pair is refused
+        (:meth:`thc.collective.transports.AggregatorTransport.one_round`)."""
+        owner = _CLIENTS.get(client)
+        other = owner() if owner is not None else None
+        if other is not None and other is not self and (self._pool or other._pool):
+            raise ValueError("the hook's factory returned a reducer whose rounds go through an "
+                             "aggregator client that another hook's reducers use, and a hook "
+                             "that overlaps backward runs its rounds on a thread of its own: "
+                             "the two threads' rounds would meet in unlike orders on each "
+                             "rank, refused; give each hook a client of its own (one job "
+                             "each), or build both with overlap=False")
+        _CLIENTS[client] = weakref.ref(self)
+
     def _check_reducer(self, reducer) -> None:
         """A factory's reducer must be new, as its error-feedback residual is one bucket's
         (one reducer for two buckets adds each one's rounding error to the other), and its
@@ -406,6 +428,9 @@ class _Hook:
                              f"for each no_sync stretch (THCAllReduce, GraphedAllReduce and "
                              f"Marsit's reducers have it)")
         carrier = getattr(reducer, "transport", reducer)   # Marsit's reducers carry the group
+        client = getattr(carrier, "client", None)
+        if client is not None:
+            self._check_client(client)
         if not hasattr(carrier, "group"):   # an aggregator's rounds: no collectives
             return
         def resolved(group):

@@ -13,6 +13,7 @@ was among them.
 """
 from __future__ import annotations
 
+import threading
 import weakref
 from dataclasses import dataclass
 
@@ -89,6 +90,20 @@ class AggregatorTransport:
             raise ValueError(f"job {job.job_id}'s lookup table {list(job.table)} differs from "
                              f"the codec's {list(params.table)}: install the job with the "
                              f"same bits/granularity/p")
+
+    _rounds: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+    _rounds_lock = threading.Lock()
+
+    def one_round(self) -> threading.Lock:
+        """The client's round lock, which a reducer holds from the first exchange of a round
+        to its last. The client takes one exchange at a time, but a round is several (the
+        size agreement, MAX, DATA per piece): two threads' reducers on one client would
+        otherwise interleave their rounds' exchanges in unlike orders on each worker, one's
+        DATA taking the sequence numbers a peer gave the other's, a sum of two tensors that
+        passed every check. Held, the rounds keep their exchanges together, and rounds that
+        two workers run in unlike orders meet at their MAX rounds' tag lanes, refused."""
+        with AggregatorTransport._rounds_lock:
+            return AggregatorTransport._rounds.setdefault(self.client, threading.Lock())
 
     def max(self, norms: torch.Tensor) -> torch.Tensor:
         before = self.client.stats.bytes_sent
