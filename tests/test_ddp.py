@@ -1375,3 +1375,48 @@ def test_hooks_sharing_an_aggregator_client_may_not_overlap(overlaps):
                 assert all(m.weight.grad is not None for m in models)
     finally:
         dist.destroy_process_group()
+
+
+def _factory_fails_worker(job, addr, rank, port, q):
+    """One DDP step with THC's hook through an aggregator, whose factory fails on rank 1
+    before it builds its transport: what each rank raised, and how long it took."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from thc.codec.params import THCParams
+    from thc.collective.allreduce import THCAllReduce
+    from thc.collective.ddp import THCHook
+    from thc.net.client import AggregationClient
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2, timeout=timedelta(seconds=20))
+    client = AggregationClient(job, rank, addr, run=1, deadline=3.0)
+    model = _model()
+    ddp = DDP(model)
+
+    def factory(group):
+        if rank == 1:
+            raise ValueError("rank 1's factory: bad config")
+        return THCAllReduce.through_aggregator(client, THCParams(seed=3), group)
+    THCHook(model, factory, overlap=False).register(ddp)
+    start = time.monotonic()
+    try:
+        torch.nn.functional.cross_entropy(ddp(_data(rank)[0]), _data(rank)[1]).backward()
+        got = "ok"
+    except RuntimeError as e:
+        got = str(e)
+    q.put((rank, (got, time.monotonic() - start)))
+
+
+def test_a_factory_that_fails_before_its_transport_makes_every_rank_raise_at_once():
+    """The transport agreed the client's run over the hook's group as it was built, inside
+    the factory: a rank whose factory failed before it joined the hook's agreement of the
+    build while its peers waited in the run's, and both waited out the group's timeout,
+    neither naming the failure. The run is agreed at the transport's first exchange now."""
+    from thc.net.aggregator import Aggregator
+    from thc.testing.clusters import local_job
+    job = local_job(1, 2, free_port_block(2))
+    with Aggregator([job]) as agg:
+        addr = agg.start()
+        res = gloo_pair(functools.partial(_factory_fails_worker, job, addr))
+    assert "bad config" in res[1][0], res
+    assert "a worker failed before this round's collectives" in res[0][0], res
+    assert max(res[0][1], res[1][1]) < 10, res

@@ -59,16 +59,14 @@ class AggregatorTransport:
     (:func:`agree_run`), every rank's checked against the others' there; where ``group`` is
     the job's workers, a run id given to the client is checked there too, so that ranks given
     ids on some ranks only, or different ones, all raise at once instead of one waiting in
-    the agreement its peers skip."""
+    the agreement its peers skip. That agreement is the transport's first round's first
+    step, not its build's: a DDP hook builds a bucket's reducer on every rank, then agrees
+    that every build went well, and a rank whose factory failed before this transport would
+    join that agreement while its peers waited here."""
 
     def __init__(self, client, group=None):
-        workers = client.job.n_workers
-        if not client.run_settled or checks_given_run(group, workers):
-            run = agree_run(group, alone=workers == 1,
-                            given=client.run if client.run_settled else None)
-            if run != client.run:
-                client.run = run
-            client.run_settled = True
+        self._group = group
+        self._run_agreed = False
         self.client = client
         self.domain = client
         """What this transport's rounds pair on: the client's (agreement.identify)."""
@@ -105,7 +103,22 @@ class AggregatorTransport:
         with AggregatorTransport._rounds_lock:
             return AggregatorTransport._rounds.setdefault(self.client, threading.Lock())
 
+    def _agree_run(self) -> None:
+        """The client's run id agreed over the group, or checked there (the class's
+        docstring), before this transport's first exchange."""
+        if self._run_agreed:
+            return
+        client, workers = self.client, self.client.job.n_workers
+        if not client.run_settled or checks_given_run(self._group, workers):
+            run = agree_run(self._group, alone=workers == 1,
+                            given=client.run if client.run_settled else None)
+            if run != client.run:
+                client.run = run
+            client.run_settled = True
+        self._run_agreed = True
+
     def max(self, norms: torch.Tensor) -> torch.Tensor:
+        self._agree_run()
         before = self.client.stats.bytes_sent
         out = self.client.max(norms.detach().cpu().numpy())
         self.bytes_sent += self.client.stats.bytes_sent - before
@@ -122,6 +135,7 @@ class AggregatorTransport:
     def sum(self, packed: torch.Tensor, count: int, params: THCParams, classes=None):
         """(sums of ``count`` coordinates, None or :class:`Short`); ``packed``: their 4-bit
         indices in wire form; ``classes``: a priority class per chunk of lanes."""
+        self._agree_run()
         client = self.client
         lanes = client.job.lanes
         wire = packed.cpu().numpy() if isinstance(packed, torch.Tensor) else packed
