@@ -927,3 +927,47 @@ def test_two_threads_reducers_on_one_client_never_take_each_others_sums():
             continue
         mean = (xs[0, n] + xs[1, n]) / 2
         assert float((got - mean).norm() / mean.norm()) < 0.3, (w, n)
+
+
+def _threads_on_one_client_worker(job, addr, rank, port, q):
+    """Two threads on each of two ranks, each with a reducer on a process group of its own,
+    all sharing one client; rank 0 starts A's round first, rank 1 B's: how long each thread's
+    round took, and how it ended."""
+    from datetime import timedelta
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2, timeout=timedelta(seconds=20))
+    groups = {n: dist.new_group() for n in "AB"}
+    client = AggregationClient(job, rank, addr, run=7, deadline=5.0)
+    ars = {n: THCAllReduce.through_aggregator(client, THCParams(seed=3, slice_size=256),
+                                              groups[n], generator=rank) for n in "AB"}
+    out = {}
+
+    def work(n):
+        start = time.monotonic()
+        try:
+            ars[n](torch.ones(1024))
+            got = "ok"
+        except RuntimeError as e:
+            got = str(e)
+        out[n] = (time.monotonic() - start, got)
+    first, second = ("A", "B") if rank == 0 else ("B", "A")
+    ts = [threading.Thread(target=work, args=(n,)) for n in (first, second)]
+    ts[0].start()
+    time.sleep(0.5)
+    ts[1].start()
+    [t.join() for t in ts]
+    q.put((rank, out))
+
+
+def test_rounds_on_one_client_in_unlike_orders_are_refused_at_once():
+    """Each rank holds its client for a round's whole length, and its transport agreed the
+    run over its group when it was built: rounds that the ranks start in unlike orders meet
+    at their MAX rounds and are refused at once. (Agreed inside the round instead, each
+    rank's first round held the client in an all-gather whose peer waited for its own
+    client: both waited out the group's timeout, naming nothing.)"""
+    job = local_job(1, 2, free_port_block(2), pool_size=32)
+    with Aggregator([job]) as agg:
+        res = gloo_pair(functools.partial(_threads_on_one_client_worker, job, agg.start()))
+    for rank in (0, 1):
+        for took, got in res[rank].values():
+            assert took < 10 and "the workers' rounds differ" in got, res

@@ -1420,3 +1420,37 @@ def test_a_factory_that_fails_before_its_transport_makes_every_rank_raise_at_onc
     assert "bad config" in res[1][0], res
     assert "a worker failed before this round's collectives" in res[0][0], res
     assert max(res[0][1], res[1][1]) < 10, res
+
+
+def test_a_model_wrapped_anew_keeps_its_aggregator_client():
+    """A model wrapped in a new DDP with a new overlapping hook on its client (layers
+    unfrozen, say): the old hook lives on in the parameters' gradient hooks, and the new
+    one's build was refused as sharing its client. Only a hook whose DDP model lives counts."""
+    import gc
+
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from thc.codec.params import THCParams
+    from thc.collective.allreduce import THCAllReduce
+    from thc.collective.ddp import THCHook
+    from thc.net.aggregator import Aggregator
+    from thc.net.client import AggregationClient
+    from thc.testing.clusters import free_tcp_port, local_job
+    job = local_job(1, 1, free_port_block(1), pool_size=32)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_tcp_port()}",
+                            rank=0, world_size=1)
+    try:
+        with Aggregator([job]) as agg, AggregationClient(job, 0, agg.start(), run=1) as client:
+            model = torch.nn.Linear(64, 64)
+            x = torch.randn(4, 64)
+            for _ in range(2):
+                ddp = DDP(model)
+                THCHook(model, lambda group: THCAllReduce.through_aggregator(
+                    client, THCParams(seed=3, slice_size=256), group)).register(ddp)
+                ddp(x).sum().backward()
+                assert model.weight.grad is not None
+                model.zero_grad(set_to_none=True)
+                del ddp
+                gc.collect()
+    finally:
+        dist.destroy_process_group()

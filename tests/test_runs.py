@@ -220,17 +220,10 @@ def test_an_install_whose_epoch_lacks_the_jobs_tag_is_refused():
     assert len({job.new_epoch(previous=job.new_epoch(nonce=7)) for _ in range(50)}) > 40
 
 
-def _run_checked(transport):
-    """What ``transport``'s first exchange does first: its client's run agreed or checked."""
-    transport._agree_run()
-    return transport
-
-
 def test_a_client_given_its_run_joins_no_collective_and_an_agreed_one_agrees_once(monkeypatch):
     """Jobs given their own run ids in one torch world (or a world whose other ranks are not
     THC workers) must not meet in a collective; a client whose id came from THC_RUN agrees
-    it over the group once, however many transports (a hook's reducers) it serves, each at its
-    first exchange."""
+    it over the group once, however many transports (a hook's reducers) it serves."""
     import torch.distributed as dist
 
     from thc.collective.transports import AggregatorTransport
@@ -243,19 +236,19 @@ def test_a_client_given_its_run_joins_no_collective_and_an_agreed_one_agrees_onc
         monkeypatch.setattr(dist, "all_gather",
                             lambda *a, **k: gathers.append(1) or real(*a, **k))
         with AggregationClient(job, 0, ("127.0.0.1", 9), run=5) as c:
-            _run_checked(AggregatorTransport(c))
-            _run_checked(AggregatorTransport(c))
+            AggregatorTransport(c)
+            AggregatorTransport(c)
             assert gathers == [] and c.run == 5
         monkeypatch.setenv("THC_RUN", "77")
         with AggregationClient(job, 0, ("127.0.0.1", 9)) as c:
-            _run_checked(AggregatorTransport(c))
-            _run_checked(AggregatorTransport(c))
+            AggregatorTransport(c)
+            AggregatorTransport(c)
             assert gathers == [1] and c.run == 77
         monkeypatch.delenv("THC_RUN")
         with AggregationClient(job, 0, ("127.0.0.1", 9)) as c:   # rank 0's clock, once
-            _run_checked(AggregatorTransport(c))
+            AggregatorTransport(c)
             agreed = c.run
-            _run_checked(AggregatorTransport(c))
+            AggregatorTransport(c)
             assert gathers == [1, 1] and c.run == agreed is not None
     finally:
         dist.destroy_process_group()

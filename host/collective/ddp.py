@@ -47,7 +47,7 @@ from thc.codec.baselines import TopK
 from thc.codec.common import NonFiniteInput, scale_factor
 from thc.collective import agreement
 from thc.collective.allreduce import THCAllReduce
-from thc.collective.transports import DistTransport, ring_bytes
+from thc.collective.transports import DistTransport, ring_bytes, run_agreement_deferred
 from thc.collective.worker import device_of
 from thc.collective.graphed import GraphedAllReduce
 from thc.collective.marsit import MarsitAllReduce, MarsitVoteAllReduce
@@ -211,6 +211,8 @@ class _Hook:
         self._failed_step: int | None = None
         """The backward pass of the last bucket that failed (:meth:`_reduce_in_step`)."""
         self._stats_lock = threading.Lock()
+        self._ddp = lambda: None
+        """The DDP model the hook is registered on, while it lives (:meth:`register`)."""
         self._comm = 0.0
         self._last_call = self._last_done = 0.0
 
@@ -269,6 +271,7 @@ class _Hook:
                              f"the hook's workers {ranks(self._parent)}: build the hook with "
                              f"group= the DDP model's process group")
         ddp_model.register_comm_hook(None, self.hook)
+        self._ddp = weakref.ref(ddp_model)
         ddp_model.register_forward_pre_hook(self._see_forward)
         for p in module.parameters() if module is not None else ():
             if p.requires_grad:
@@ -382,7 +385,8 @@ class _Hook:
         factory failed makes every rank raise, none waits in the reducer's first round."""
         failure, reducer = None, None
         try:
-            reducer = make(self.group)
+            with run_agreement_deferred():   # an aggregator's run: agreed below, in step
+                reducer = make(self.group)
             self._check_reducer(reducer)
         except Exception as e:  # noqa: BLE001 - raised on this rank by together
             failure = e
@@ -390,6 +394,9 @@ class _Hook:
         self.bytes_sent += agreement.together(
             self.group, rnd, agreement.key_of("reducer", type(self).__name__, numel), device,
             failure, alike="the hook or the bucket")
+        transport = getattr(reducer, "transport", None)
+        if callable(getattr(transport, "agree_run", None)):
+            transport.agree_run()
         if hasattr(reducer, "name"):
             # named by the agreed build count: a build that failed on some rank took a place
             # in the group's build order on the others
@@ -403,6 +410,8 @@ class _Hook:
         (:meth:`thc.collective.transports.AggregatorTransport.one_round`)."""
         owner = _CLIENTS.get(client)
         other = owner() if owner is not None else None
+        if other is not None and other._ddp() is None:
+            other = None   # its DDP model is gone (wrapped anew, say): it runs no more rounds
         if other is not None and other is not self and (self._pool or other._pool):
             raise ValueError("the hook's factory returned a reducer whose rounds go through an "
                              "aggregator client that another hook's reducers use, and a hook "

@@ -13,6 +13,7 @@ was among them.
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 import weakref
 from dataclasses import dataclass
@@ -52,6 +53,24 @@ class Short:
     mine: np.ndarray
 
 
+_deferring = threading.local()
+
+
+@contextlib.contextmanager
+def run_agreement_deferred():
+    """Aggregator transports built inside (on this thread) agree their client's run only when
+    :meth:`AggregatorTransport.agree_run` is called. A DDP hook builds a bucket's reducer so,
+    agrees that every rank's build went well, then has the run agreed: a rank whose factory
+    failed before its transport would otherwise join the hook's agreement while its peers
+    waited in the run's."""
+    before = getattr(_deferring, "on", False)
+    _deferring.on = True
+    try:
+        yield
+    finally:
+        _deferring.on = before
+
+
 class AggregatorTransport:
     """Sums through an aggregator: the indices travel packed, the table lives in the network.
 
@@ -59,15 +78,15 @@ class AggregatorTransport:
     (:func:`agree_run`), every rank's checked against the others' there; where ``group`` is
     the job's workers, a run id given to the client is checked there too, so that ranks given
     ids on some ranks only, or different ones, all raise at once instead of one waiting in
-    the agreement its peers skip. That agreement is the transport's first round's first
-    step, not its build's: a DDP hook builds a bucket's reducer on every rank, then agrees
-    that every build went well, and a rank whose factory failed before this transport would
-    join that agreement while its peers waited here."""
+    the agreement its peers skip. Built under :func:`run_agreement_deferred` (a DDP hook's
+    factory), it agrees when :meth:`agree_run` is called instead."""
 
     def __init__(self, client, group=None):
         self._group = group
         self._run_agreed = False
         self.client = client
+        if not getattr(_deferring, "on", False):
+            self.agree_run()
         self.domain = client
         """What this transport's rounds pair on: the client's (agreement.identify)."""
         self.n_workers = client.job.n_workers
@@ -103,13 +122,14 @@ class AggregatorTransport:
         with AggregatorTransport._rounds_lock:
             return AggregatorTransport._rounds.setdefault(self.client, threading.Lock())
 
-    def _agree_run(self) -> None:
+    def agree_run(self) -> None:
         """The client's run id agreed over the group, or checked there (the class's
-        docstring), before this transport's first exchange."""
+        docstring); once."""
         if self._run_agreed:
             return
         client, workers = self.client, self.client.job.n_workers
         if not client.run_settled or checks_given_run(self._group, workers):
+            DistTransport.check_group(self._group)   # a round left its peers mid-round
             run = agree_run(self._group, alone=workers == 1,
                             given=client.run if client.run_settled else None)
             if run != client.run:
@@ -118,7 +138,6 @@ class AggregatorTransport:
         self._run_agreed = True
 
     def max(self, norms: torch.Tensor) -> torch.Tensor:
-        self._agree_run()
         before = self.client.stats.bytes_sent
         out = self.client.max(norms.detach().cpu().numpy())
         self.bytes_sent += self.client.stats.bytes_sent - before
@@ -135,7 +154,6 @@ class AggregatorTransport:
     def sum(self, packed: torch.Tensor, count: int, params: THCParams, classes=None):
         """(sums of ``count`` coordinates, None or :class:`Short`); ``packed``: their 4-bit
         indices in wire form; ``classes``: a priority class per chunk of lanes."""
-        self._agree_run()
         client = self.client
         lanes = client.job.lanes
         wire = packed.cpu().numpy() if isinstance(packed, torch.Tensor) else packed
