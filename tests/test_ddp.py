@@ -1340,12 +1340,15 @@ def test_a_rank_that_fails_after_its_aggregator_sums_leaves_no_peer_a_wrong_fp32
         assert "no THC round may use this process group any more" in res[rank][step], res
 
 
-@pytest.mark.parametrize("overlaps", [(True, True), (False, True), (True, False), (False, False)])
-def test_hooks_sharing_an_aggregator_client_may_not_overlap(overlaps):
+@pytest.mark.parametrize("overlaps,by_hand", [((True, True), False), ((False, True), False),
+                                              ((True, False), False), ((False, False), False),
+                                              ((True, True), True)])
+def test_hooks_sharing_an_aggregator_client_may_not_overlap(overlaps, by_hand):
     """Two hooks whose reducers share a client, one of them on a thread of its own: their
     rounds met in unlike orders on each rank, refused (each reducer now holds the client for
     its whole round) or, before that, summed with each other. The second hook's build is
-    refused on every rank, naming the way out; two hooks that do not overlap share it."""
+    refused on every rank, naming the way out; two hooks that do not overlap share it. So
+    are hooks installed by hand (``register_comm_hook(None, hook.hook)``)."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from thc.codec.params import THCParams
@@ -1362,9 +1365,12 @@ def test_hooks_sharing_an_aggregator_client_may_not_overlap(overlaps):
             models = [torch.nn.Linear(64, 64) for _ in overlaps]
             ddps = [DDP(m) for m in models]
             for m, ddp, overlap in zip(models, ddps, overlaps):
-                THCHook(m, lambda group: THCAllReduce.through_aggregator(
-                    client, THCParams(seed=3, slice_size=256), group),
-                    overlap=overlap).register(ddp)
+                hook = THCHook(m, lambda group: THCAllReduce.through_aggregator(
+                    client, THCParams(seed=3, slice_size=256), group), overlap=overlap)
+                if by_hand:
+                    ddp.register_comm_hook(None, hook.hook)
+                else:
+                    hook.register(ddp)
             x = torch.randn(4, 64)
             ddps[0](x).sum().backward()
             if any(overlaps):

@@ -211,8 +211,9 @@ class _Hook:
         self._failed_step: int | None = None
         """The backward pass of the last bucket that failed (:meth:`_reduce_in_step`)."""
         self._stats_lock = threading.Lock()
-        self._ddp = lambda: None
-        """The DDP model the hook is registered on, while it lives (:meth:`register`)."""
+        self._ddp: weakref.ref | None = None
+        """The DDP model :meth:`register` installed the hook on (a hook installed by hand
+        has none, and counts as live)."""
         self._comm = 0.0
         self._last_call = self._last_done = 0.0
 
@@ -410,7 +411,7 @@ class _Hook:
         (:meth:`thc.collective.transports.AggregatorTransport.one_round`)."""
         owner = _CLIENTS.get(client)
         other = owner() if owner is not None else None
-        if other is not None and other._ddp() is None:
+        if other is not None and other._ddp is not None and other._ddp() is None:
             other = None   # its DDP model is gone (wrapped anew, say): it runs no more rounds
         if other is not None and other is not self and (self._pool or other._pool):
             raise ValueError("the hook's factory returned a reducer whose rounds go through an "
