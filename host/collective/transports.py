@@ -79,7 +79,9 @@ class AggregatorTransport:
     the job's workers, a run id given to the client is checked there too, so that ranks given
     ids on some ranks only, or different ones, all raise at once instead of one waiting in
     the agreement its peers skip. Built under :func:`run_agreement_deferred` (a DDP hook's
-    factory), it agrees when :meth:`agree_run` is called instead."""
+    factory), it agrees when :meth:`agree_run` is called instead. Build a client's
+    transports on one thread, in the same order on every rank: builds on several threads
+    at once agree in unlike orders, and are refused."""
 
     def __init__(self, client, group=None):
         self._group = group
