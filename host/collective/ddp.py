@@ -7,8 +7,8 @@ hook's workers. Gradients of parameters chosen to stay uncompressed (by name, or
 size) go through a float32 all-reduce, after the rest of the bucket has gone through the
 hook's compressor (with per-bucket error feedback), whose checked round makes sure every rank
 is reducing the same bucket first; tag lanes after the spans make sure of it again where that
-round used no collective of the group (through an aggregator). A complex parameter is reduced as
-its real view, as DDP holds it (``HookOptions.min_numel`` counts its complex elements);
+round used no collective of the group (through an aggregator). A complex parameter is reduced
+as its real view, as DDP holds it (``HookOptions.min_numel`` counts its complex elements);
 sparse gradients are refused. A bucket's rounds also count the DDP model's stretches of
 forwards under ``no_sync`` that a backward ran through, so a rank that accumulated a step
 alone (``no_sync`` on it only) is refused on every rank while the counts differ, while
@@ -171,9 +171,9 @@ class _Hook:
         self.index = (getattr(parent, "group_name", ""), agreement.ordinal(parent, "hook"))
         """This hook's workers' group (torch names groups in the order they are made, alike
         on every rank) and its place among the hooks built on it, in every name of its
-        reducers: two hooks' reducers may share a group, or (neither overlapping) an aggregator
-        client. Every rank
-        builds its hooks on a group in the same order (the agreement above runs on it)."""
+        reducers: two hooks' reducers may share a group, or (neither overlapping) an
+        aggregator client. Every rank builds its hooks on a group in the same order (the
+        agreement above runs on it)."""
         if overlap:
             _OWNERS[self.group] = weakref.ref(self)
         self._built = 0
