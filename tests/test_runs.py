@@ -252,3 +252,21 @@ def test_a_client_given_its_run_joins_no_collective_and_an_agreed_one_agrees_onc
             assert gathers == [1, 1] and c.run == agreed is not None
     finally:
         dist.destroy_process_group()
+
+
+def test_a_transport_whose_deferred_run_agreement_was_never_made_refuses_its_rounds():
+    """Built under run_agreement_deferred() (a DDP hook's factory), a transport agrees its
+    client's run when agree_run() is called; one never called would run its rounds with the
+    run unchecked. Its rounds are refused, naming the call, until it is made."""
+    import torch
+
+    from thc.collective.transports import AggregatorTransport, run_agreement_deferred
+    job = local_job(1, 1, free_port_block(1))
+    with AggregationClient(job, 0, ("127.0.0.1", 9), run=5) as c:
+        with run_agreement_deferred():
+            t = AggregatorTransport(c)
+        for call in (lambda: t.max(torch.zeros(4)), lambda: t.sum(torch.zeros(2), 4, None)):
+            with pytest.raises(RuntimeError, match="call agree_run"):
+                call()
+        t.agree_run()   # given, and no group: nothing to agree, the rounds may go
+        assert c.run == 5 and c.run_settled

@@ -139,7 +139,15 @@ class AggregatorTransport:
             client.run_settled = True
         self._run_agreed = True
 
+    def _check_agreed(self) -> None:
+        """Raise where a deferred run agreement was never made: the run would go unchecked."""
+        if not self._run_agreed:
+            raise RuntimeError("this transport was built under run_agreement_deferred() and "
+                               "its client's run was never agreed: call agree_run() on every "
+                               "worker before its first round")
+
     def max(self, norms: torch.Tensor) -> torch.Tensor:
+        self._check_agreed()
         before = self.client.stats.bytes_sent
         out = self.client.max(norms.detach().cpu().numpy())
         self.bytes_sent += self.client.stats.bytes_sent - before
@@ -156,6 +164,7 @@ class AggregatorTransport:
     def sum(self, packed: torch.Tensor, count: int, params: THCParams, classes=None):
         """(sums of ``count`` coordinates, None or :class:`Short`); ``packed``: their 4-bit
         indices in wire form; ``classes``: a priority class per chunk of lanes."""
+        self._check_agreed()
         client = self.client
         lanes = client.job.lanes
         wire = packed.cpu().numpy() if isinstance(packed, torch.Tensor) else packed
