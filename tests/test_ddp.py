@@ -1171,6 +1171,22 @@ def _failing_decode(ar, fail: list):
     return ar
 
 
+def _steps_failing_once(model, rank: int, fail: list, steps: int, loss) -> list[str]:
+    """``steps`` backwards of ``loss(step)``; at step 1 rank 1 sets ``fail`` (its next
+    failing call raises): each step's outcome on this rank, "ok" or the error."""
+    out = []
+    for step in range(steps):
+        if rank == 1 and step == 1:
+            fail.append(True)
+        try:
+            loss(step).backward()
+            out.append("ok")
+        except Exception as e:  # noqa: BLE001 - each step's outcome is the result
+            out.append(f"{type(e).__name__}: {e}")
+        model.zero_grad(set_to_none=True)
+    return out
+
+
 def _fails_after_its_sum_worker(rank, port, q, where="decode"):
     """Three DDP steps with THC's hook and an FP32 span (the last bias) in the bucket; at
     step 1 rank 1 fails after its sum went out, and it goes on to step 2: each step's outcome
@@ -1207,18 +1223,9 @@ def _fails_after_its_sum_worker(rank, port, q, where="decode"):
                 raise MemoryError("out of memory after the round")
             return out
         hook.reduce = reduce
-    out = []
-    for step in range(3):
-        if rank == 1 and step == 1:
-            fail.append(True)
-        x, y = _data(10 * step + rank)
-        try:
-            torch.nn.functional.cross_entropy(ddp(x), y).backward()
-            out.append("ok")
-        except Exception as e:  # noqa: BLE001 - each step's outcome is the result
-            out.append(f"{type(e).__name__}: {e}")
-        model.zero_grad(set_to_none=True)
-    q.put((rank, out))
+    q.put((rank, _steps_failing_once(model, rank, fail, 3, lambda step: (
+        torch.nn.functional.cross_entropy(ddp(_data(10 * step + rank)[0]),
+                                          _data(10 * step + rank)[1])))))
 
 
 def test_a_rank_that_fails_after_its_sum_leaves_no_peer_a_wrong_fp32_span():
@@ -1305,19 +1312,8 @@ def _aggregator_fails_after_its_sums_worker(job, addr, rank, port, q):
         return _failing_decode(THCAllReduce.through_aggregator(
             client, THCParams(seed=3, slice_size=256), group, generator=rank), fail)
     THCHook(model, factory, HookOptions(uncompressed=("2.", "4.")), overlap=False).register(ddp)
-    out = []
-    for step in range(4):
-        if rank == 1 and step == 1:
-            fail.append(True)
-        g = torch.Generator().manual_seed(10 * step + rank)
-        x = torch.randn(16, 512, generator=g)
-        try:
-            ddp(x).square().mean().backward()
-            out.append("ok")
-        except Exception as e:  # noqa: BLE001 - each step's outcome is the result
-            out.append(f"{type(e).__name__}: {e}")
-        model.zero_grad(set_to_none=True)
-    q.put((rank, out))
+    q.put((rank, _steps_failing_once(model, rank, fail, 4, lambda step: ddp(torch.randn(
+        16, 512, generator=torch.Generator().manual_seed(10 * step + rank))).square().mean())))
 
 
 def test_a_rank_that_fails_after_its_aggregator_sums_leaves_no_peer_a_wrong_fp32_span():
@@ -1460,3 +1456,4 @@ def test_a_model_wrapped_anew_keeps_its_aggregator_client():
                 gc.collect()
     finally:
         dist.destroy_process_group()
+

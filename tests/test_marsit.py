@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import re
 import types
 
 import numpy as np
@@ -356,12 +357,27 @@ def _zeros_worker(rank, port, q):
     dist.destroy_process_group()
 
 
+def _fails_then_refuses(monkeypatch, ar, method: str, error: Exception, rnd: int) -> None:
+    """``ar``'s ``method`` raises ``error`` once: round ``rnd`` raises it, then the next round
+    and the group are refused, naming it."""
+    from thc.collective.transports import DistTransport
+    with monkeypatch.context() as m:
+        m.setattr(ar, method, lambda *a: (_ for _ in ()).throw(error))
+        with pytest.raises(type(error), match=re.escape(str(error))):
+            ar(torch.ones(64))
+    named = re.escape(f"Marsit round {rnd} failed after its agreement "
+                      f"({type(error).__name__}: {error})")
+    with pytest.raises(RuntimeError, match=named):
+        ar(torch.ones(64))
+    with pytest.raises(RuntimeError, match=named):
+        DistTransport.check_group(None)
+
+
 def test_a_round_that_fails_after_its_agreement_abandons_the_group(monkeypatch):
     """A worker's own failure once its scales' all-reduce may have left (here in its signs'
     exchange): its peers wait in a collective or go on to their next, which would pair with
     its next; so the group is abandoned, and its next round refuses, naming the failure. A
     NaN's refusal, which every worker reaches alike, abandons nothing."""
-    from thc.collective.transports import DistTransport
     from thc.testing.clusters import free_tcp_port
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_tcp_port()}",
                             rank=0, world_size=1)
@@ -372,15 +388,7 @@ def test_a_round_that_fails_after_its_agreement_abandons_the_group(monkeypatch):
         with pytest.raises(ValueError, match="NaN or Inf"):
             ar(bad)
         assert torch.isfinite(ar(torch.ones(64))).all()
-        with monkeypatch.context() as m:
-            m.setattr(ar, "mean_sign", lambda own: (_ for _ in ()).throw(MemoryError("oom")))
-            with pytest.raises(MemoryError):
-                ar(torch.ones(64))
-        with pytest.raises(RuntimeError, match=r"Marsit round 2 failed after its agreement "
-                                               r"\(MemoryError: oom\)"):
-            ar(torch.ones(64))
-        with pytest.raises(RuntimeError, match="Marsit round 2 failed"):
-            DistTransport.check_group(None)
+        _fails_then_refuses(monkeypatch, ar, "mean_sign", MemoryError("oom"), 2)
     finally:
         dist.destroy_process_group()
 
@@ -431,7 +439,6 @@ def test_a_round_that_fails_before_its_scales_are_summed_abandons_the_group(monk
     say): its peers wait in that all-reduce, which would pair with its next collective. A
     vote's did not abandon the group (its signs travel through the aggregator), nor did a
     ValueError there; both do now."""
-    from thc.collective.transports import DistTransport
     from thc.testing.clusters import free_tcp_port
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_tcp_port()}",
                             rank=0, world_size=1)
@@ -439,15 +446,7 @@ def test_a_round_that_fails_before_its_scales_are_summed_abandons_the_group(monk
         ar = marsit.MarsitVoteAllReduce(_VoteClient()) if kind == "vote" else \
             marsit.MarsitAllReduce(generator=torch.Generator().manual_seed(0))
         assert torch.isfinite(ar(torch.ones(64))).all()
-        with monkeypatch.context() as m:
-            m.setattr(ar, "_scales", lambda *a: (_ for _ in ()).throw(ValueError("no memory")))
-            with pytest.raises(ValueError, match="no memory"):
-                ar(torch.ones(64))
-        with pytest.raises(RuntimeError, match=r"Marsit round 1 failed after its agreement "
-                                               r"\(ValueError: no memory\)"):
-            ar(torch.ones(64))
-        with pytest.raises(RuntimeError, match="Marsit round 1 failed"):
-            DistTransport.check_group(None)
+        _fails_then_refuses(monkeypatch, ar, "_scales", ValueError("no memory"), 1)
     finally:
         dist.destroy_process_group()
 
