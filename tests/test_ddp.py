@@ -1457,3 +1457,13 @@ def test_a_model_wrapped_anew_keeps_its_aggregator_client():
     finally:
         dist.destroy_process_group()
 
+
+@pytest.mark.parametrize("gloo", ["Connection closed by peer [127.0.0.1]:26830",
+                                  "Read error [127.0.0.1]:26830: Connection reset by peer"])
+def test_a_peer_whose_process_ended_is_named_however_gloo_words_it(gloo):
+    """Gloo says a peer's process ended as a closed connection or, where the socket is read
+    when it goes, a reset one; the second was passed on unnamed."""
+    from thc.collective.ddp import _peer_gone
+    named = _peer_gone(RuntimeError(f"[gloo/transport/tcp/pair.cc:537] {gloo}."), 1)
+    assert "the hook's collective of backward 1 lost its connection to a peer rank" in str(named)
+    assert gloo in str(named)

@@ -82,9 +82,10 @@ def _raising(fut: torch.futures.Future) -> torch.futures.Future:
 STRETCH_ROUNDS = agreement.ROUND_SPAN
 """What a ``no_sync`` stretch adds to a bucket's round number: one in the high part."""
 
+_LOST = ("lost its connection to a peer rank, whose process ended or whose own collective "
+         "timed out first")
 PEER_GONE = {"Timed out": "timed out: a peer rank did not reach this bucket's reduction",
-             "Connection closed by peer": "lost its connection to a peer rank, whose process "
-                                          "ended or whose own collective timed out first"}
+             "Connection closed by peer": _LOST, "Connection reset by peer": _LOST}
 """What the words of a Gloo collective's error say of the peers: the hook names it beside
 the step (the peer's own error, in its log, says why it stopped or is elsewhere)."""
 
