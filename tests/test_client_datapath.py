@@ -705,6 +705,30 @@ def test_impossible_pendings_are_rejected_and_name_the_aggregator(job, datapath)
             assert c.stats.pending == 0 and c.stats.rejected == 4 * c.stats.sent
 
 
+def test_a_peers_max_lane_above_every_float_is_named_in_the_timeout(job, datapath):
+    """A sender at worker 1's address puts a NaN's bits in its MAX chunk; the aggregator
+    takes it into the maxima, so each MAX_RESULT is impossible for worker 0. Its timeout
+    names the peer's value, not the aggregator's configuration."""
+    agg = Aggregator([job])
+    addr = agg.start("127.0.0.1", 0)
+    peer = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        peer.bind((job.workers[1].ip, job.workers[1].port))
+        lanes = np.zeros(P.MAX_LANES, dtype=">u4")
+        lanes[3] = 0x7FC00000
+        head = P.Header(P.PktType.MAX, 1, job.job_id, 0, 0, 0, 0, 0, 0, 2, 0x1234)
+        threading.Timer(0.05, peer.sendto, (P.encode(head, lanes.tobytes()), addr)).start()
+        with AggregationClient(job, 0, addr, run=2, deadline=0.5) as c:
+            with pytest.raises(AggregationTimeout, match=r"MAX_RESULTs holding a lane above "
+                                                         r"the largest finite float's bits"):
+                c.max(np.ones(P.MAX_LANES, dtype=np.float32))
+            assert c.stats.compiled_rounds == (datapath == "compiled")
+            assert c.stats.rejected > 0
+    finally:
+        peer.close()
+        agg.stop()
+
+
 def test_replies_of_another_run_are_named_in_the_timeout(job, datapath):
     """An aggregator that answers every DATA, but with another run id, is not silent: the
     timeout says so instead of "no answer" alone."""

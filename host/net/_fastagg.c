@@ -1363,6 +1363,7 @@ typedef struct {
     double *last_reply, *asked;
     int *nasked;
     unsigned long long *rejected, *taken; /* per shard: impossible replies, chunks it ended */
+    unsigned long long *not_float; /* per shard: of them, MAX_RESULTs with a lane no float has */
     int silent_after;
 } Client;
 
@@ -1672,6 +1673,7 @@ static PyObject *fa_stream(PyObject *self, PyObject *args) {
     c->asked = calloc((size_t)n_shards * (size_t)silent_after, sizeof(double));
     c->nasked = calloc((size_t)n_shards, sizeof(int));
     c->rejected = calloc((size_t)n_shards, sizeof(unsigned long long));
+    c->not_float = calloc((size_t)n_shards, sizeof(unsigned long long));
     c->taken = calloc((size_t)n_shards, sizeof(unsigned long long));
     c->silent_after = silent_after;
     epoch = calloc((size_t)n_shards, sizeof(long long));
@@ -1694,7 +1696,7 @@ static PyObject *fa_stream(PyObject *self, PyObject *args) {
     rctl = calloc(BATCH, GRO_CTL);
     rsrc = calloc(BATCH, sizeof(struct sockaddr_in));
     if (!rsrc || !c->aggs || !c->srtt || !c->rttvar || !c->last_reply || !c->asked ||
-        !c->nasked || !c->rejected || !c->taken || !epoch || !c->sbuf || !done || !mark ||
+        !c->nasked || !c->rejected || !c->not_float || !c->taken || !epoch || !c->sbuf || !done || !mark ||
         !due || !backoff || !started || !later || !pend || !rbuf || !rmsgs || !riov ||
         !rctl || !answered || !earliest || !resent_at) {
         PyErr_NoMemory();
@@ -1744,7 +1746,7 @@ static PyObject *fa_stream(PyObject *self, PyObject *args) {
     long long ev_old = 0, ev_new = 0, ev_bitmap = -1, ev_code = 0;
     int ev_shard = 0, ev_unanswered = 0;
     double ev_silent = 0;
-    unsigned long long ev_rejected = 0, ev_taken = 0;
+    unsigned long long ev_rejected = 0, ev_taken = 0, ev_not_float = 0;
 
     Py_BEGIN_ALLOW_THREADS
     long lo = 0, hi = 0;
@@ -1906,7 +1908,7 @@ static PyObject *fa_stream(PyObject *self, PyObject *args) {
                     uint8_t *o = outp + (size_t)i * lanes * out_itemsize;
                     /* DATA: what the contributors can sum to; MAX: the largest float's bits */
                     uint32_t bound = is_data ? (uint32_t)r_count * (uint32_t)top : (uint32_t)top;
-                    int bad = 0;
+                    int bad = 0, above = 0;
                     if (wire_bytes == 1 && out_itemsize == 2) { /* 8-bit sums: the common case */
                         uint16_t *o16 = (uint16_t *)o; /* numpy aligns its elements */
                         uint8_t top8 = 0;
@@ -1919,6 +1921,7 @@ static PyObject *fa_stream(PyObject *self, PyObject *args) {
                         for (int l = 0; l < lanes; l++) {
                             uint32_t v = wire_bytes == 1 ? q[l]
                                          : wire_bytes == 2 ? rd16(q + 2 * l) : rd32(q + 4 * l);
+                            above |= !is_data && v > bound;
                             bad |= v > bound || (!is_data && v < rd32(own + 4 * l));
                             if (out_itemsize == 2) {
                                 uint16_t v16 = (uint16_t)v;
@@ -1933,6 +1936,7 @@ static PyObject *fa_stream(PyObject *self, PyObject *args) {
                                          (uint32_t)(r_count - 1) * (uint32_t)top);
                     if (bad) {
                         cl_impossible(c, shard, pend, r);
+                        c->not_float[shard] += (unsigned long long)above;
                         continue;
                     }
                     if (r_count != n_workers) {
@@ -2011,6 +2015,7 @@ static PyObject *fa_stream(PyObject *self, PyObject *args) {
                 ev_silent = now - c->last_reply[s];
                 ev_unanswered = cl_unanswered(c, s, now);
                 ev_rejected = c->rejected[s];
+                ev_not_float = c->not_float[s];
                 ev_taken = c->taken[s];
                 break;
             }
@@ -2054,10 +2059,12 @@ static PyObject *fa_stream(PyObject *self, PyObject *args) {
     else if (event == EV_MISCONFIGURED)
         info = Py_BuildValue("(iL)", ev_shard, ev_new);
     else if (event == EV_TIMEOUT)
-        info = ev_bitmap < 0 ? Py_BuildValue("(lOdiKK)", ev_chunk, Py_None, ev_silent,
-                                             ev_unanswered, ev_rejected, ev_taken)
-                             : Py_BuildValue("(lLdiKK)", ev_chunk, ev_bitmap, ev_silent,
-                                             ev_unanswered, ev_rejected, ev_taken);
+        info = ev_bitmap < 0 ? Py_BuildValue("(lOdiKKK)", ev_chunk, Py_None, ev_silent,
+                                             ev_unanswered, ev_rejected, ev_taken,
+                                             ev_not_float)
+                             : Py_BuildValue("(lLdiKKK)", ev_chunk, ev_bitmap, ev_silent,
+                                             ev_unanswered, ev_rejected, ev_taken,
+                                             ev_not_float);
     else if (event == EV_OSERROR)
         info = PyLong_FromLong(c->err);
     else if (event == EV_REFUSED || event == EV_SHORT)
@@ -2075,7 +2082,7 @@ static PyObject *fa_stream(PyObject *self, PyObject *args) {
 cleanup:
     if (c) {
         free(c->aggs); free(c->srtt); free(c->rttvar); free(c->sbuf);
-        free(c->last_reply); free(c->asked); free(c->nasked); free(c->rejected);
+        free(c->last_reply); free(c->asked); free(c->nasked); free(c->rejected); free(c->not_float);
         free(c->taken); free(c);
     }
     free(epoch); free(done); free(answered); free(earliest); free(resent_at); free(mark);

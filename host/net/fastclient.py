@@ -107,8 +107,8 @@ class CompiledWindow:
         if r.event == STREAM_MISCONFIGURED:
             raise_misconfigured(end, *r.info)
         if r.event == STREAM_TIMEOUT:
-            i, bitmap, silent, unanswered, rejected, taken = r.info  # of the chunk's shard
-            raise_timeout(end, rnd, i, bitmap, silent, rejected, unanswered, taken)
+            i, bitmap, silent, unanswered, rejected, taken, not_float = r.info  # its shard's
+            raise_timeout(end, rnd, i, bitmap, silent, rejected, unanswered, taken, not_float)
         if r.event == STREAM_OSERROR:
             raise OSError(r.info, os.strerror(r.info))
         if r.event == STREAM_REFUSED:

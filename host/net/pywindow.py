@@ -98,6 +98,7 @@ class PythonWindow:
         # its impossible replies, the first SILENT_AFTER resends to it since it answered
         last_reply = [now] * n_shards
         rejected = [0] * n_shards
+        not_float = [0] * n_shards  # of them, MAX_RESULTs with a lane no float has
         taken = [0] * n_shards      # chunks each shard ended this round
         asked: list[list[float]] = [[] for _ in range(n_shards)]
 
@@ -257,7 +258,9 @@ class PythonWindow:
                         continue
                     sums = np.frombuffer(buf, dtype=dtype, count=lanes, offset=header_bytes)
                     if not is_data:
-                        bad = (sums < chunks[i].view(">u4")).any() or sums.max() > top
+                        above = sums.max() > top
+                        not_float[shard] += int(above)
+                        bad = above or (sums < chunks[i].view(">u4")).any()
                     elif r_bitmap >> me & 1:
                         bad = (sums - own[i]).max() > (r_count - 1) * top
                     else:
@@ -316,7 +319,7 @@ class PythonWindow:
                     s, rto = shard_of(i), end.rtt.rto(shard_of(i))
                     raise_timeout(end, rnd, i, pending_bitmap.get(i), now - last_reply[s],
                                   rejected[s], sum(now - at >= rto for at in asked[s]),
-                                  taken[s])
+                                  taken[s], not_float[s])
                 first = i not in resent and i not in pending_bitmap
                 resend(i)
                 if first and i not in short:   # a DATA, not a FLUSH

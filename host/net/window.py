@@ -193,7 +193,7 @@ to a worker that looks like silence (docs/switch.md, "What recirculation adds").
 
 
 def raise_timeout(end: Endpoint, rnd: Round, i: int, bitmap: int | None, silent: float = 0.0,
-                  rejected: int = 0, unanswered: int = 0, taken: int = 0):
+                  rejected: int = 0, unanswered: int = 0, taken: int = 0, not_float: int = 0):
     """Name the cause of chunk ``i``'s timeout from the evidence of its own shard (one
     shard's replies say nothing about another's).
 
@@ -203,7 +203,10 @@ def raise_timeout(end: Endpoint, rnd: Round, i: int, bitmap: int | None, silent:
     named as misconfigured, not as silent nor as waiting for a worker. ``silent``: seconds
     since the shard last answered anything of this round; ``unanswered``: the
     retransmissions to it since then that had an RTO to be answered (counted up to
-    :data:`SILENT_AFTER`); ``taken``: the chunks it ended this round. A live aggregator
+    :data:`SILENT_AFTER`); ``taken``: the chunks it ended this round; ``not_float``: of the
+    impossible replies, MAX_RESULTs with a lane above :data:`P.MAX_LANE_TOP`, a max the
+    aggregator took from a sender that is no client of this project (they refuse to send
+    a negative, infinite or NaN value): the peer is named, not the aggregator. A live aggregator
     answers every retransmission of a chunk it holds (PENDING): silent for half the
     deadline through SILENT_AFTER of them, the cause is the aggregator (gone, unreachable,
     or restarted without a program yet), not a missing worker: an old PENDING's bitmap
@@ -219,6 +222,15 @@ def raise_timeout(end: Endpoint, rnd: Round, i: int, bitmap: int | None, silent:
     ip, port = end.aggregators[shard]
     who = f"aggregator shard {shard}" if job.shards else "the aggregator"
     quiet = silent >= end.deadline / 2 and unanswered >= SILENT_AFTER
+    if bitmap is None and not_float:
+        raise AggregationTimeout(
+            f"{at}; {who} at {ip}:{port} answered with {not_float} MAX_RESULTs holding a "
+            f"lane above the largest finite float's bits ({rejected} impossible replies in "
+            f"all): a sender at a worker's address put a negative, infinite or NaN value in "
+            f"its MAX chunk, and the aggregator took it into the maxima. This project's "
+            f"clients refuse to send one (a worker's norms are checked before its MAX "
+            f"round): look for a foreign or broken process on a worker's address", None,
+            shard)
     if bitmap is None and rejected:
         raise AggregationTimeout(
             f"{at}; {who} at {ip}:{port} answered with {rejected} impossible replies this "
