@@ -25,7 +25,8 @@ import sys
 
 from thc.app.argtypes import positive_float
 from thc.controller import counters, dryrun, forwarding, installed, job_entries, jobs, targets
-from thc.controller.switch import DEFAULT_DEVICE_ID, DEFAULT_GRPC, NoProgram, Switch, SwitchError
+from thc.controller.switch import (DEFAULT_DEVICE_ID, DEFAULT_GRPC, NoProgram, Switch,
+                                   SwitchError, writer_election_id)
 from thc.wire.jobs import Cluster, ConfigError
 
 
@@ -35,10 +36,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device-id", type=_uint64, default=DEFAULT_DEVICE_ID,
                         help="P4Runtime device id (simple_switch_grpc --device-id; default 0)")
     parser.add_argument("--election-id", type=_election, default=None, metavar="HIGH,LOW",
-                        help=f"the P4Runtime session's election id (default "
-                             f"{WRITER[0]},{WRITER[1]} for the actions that write, 0,PID for "
-                             f"jobs, counters and l2 list, so that a reader never takes a "
-                             f"writer's place)")
+                        help="the P4Runtime session's election id (default: for the actions "
+                             "that write, one of the session's own, lower than any earlier "
+                             "writer's; 0,PID for jobs, counters and l2 list, so that a "
+                             "reader never takes a writer's place)")
     parser.add_argument("--timeout", type=positive_float, default=5.0,
                         help="seconds to wait for the P4Runtime server (default 5)")
     parser.add_argument("--target", default=targets.DEFAULT, choices=sorted(targets.TARGETS),
@@ -82,10 +83,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("op", choices=["add", "del", "list"])
     p.add_argument("mac", nargs="?")
     p.add_argument("port", nargs="?", type=int)
-
-
-WRITER = (1, 0)
-"""The default election id of the actions that write."""
 
 
 def _uint64(text: str) -> int:
@@ -158,7 +155,7 @@ def _run(args: argparse.Namespace) -> int:
         jobs.check_cluster(dryrun.DryRunSwitch(target, build_dir, out=lambda line: None),
                            cluster, prune=args.prune)
     read_only = args.action in ("jobs", "counters") or (args.action == "l2" and args.op == "list")
-    election = args.election_id or ((0, os.getpid()) if read_only else WRITER)
+    election = args.election_id or ((0, os.getpid()) if read_only else writer_election_id())
     if push and not args.force:
         _refuse_live_before_push(args, election)
     if args.action == "l2" and args.mac is not None:

@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import os
 import threading
+import time
 from pathlib import Path
 from typing import Iterable, Iterator
 
@@ -29,6 +31,19 @@ DEFAULT_GRPC = "127.0.0.1:9559"
 DEFAULT_DEVICE_ID = 0
 WRITE_BATCH = 2000
 """Updates per WriteRequest: a job's thousands of lookup entries go in a few requests."""
+
+WRITER_TOP = 1 << 62
+
+
+def writer_election_id() -> tuple[int, int]:
+    """A writing session's election id: its own (the microsecond it was made, and the
+    process), lower than every earlier writer's and above the readers' (0, pid). Its own,
+    so that a session whose switch restarted under it has its writes refused there by the
+    session that holds the switch now (with one id shared by every writer they were taken);
+    lower, so that a second writer finds the first primary and is refused instead of taking
+    its place mid-change."""
+    return WRITER_TOP - time.time_ns() // 1000, os.getpid()
+
 
 _active_lock = threading.Lock()
 _active: "Switch | None" = None
@@ -123,13 +138,14 @@ class Switch:
     """One P4Runtime session with a switch (use as a context manager)."""
 
     def __init__(self, grpc_addr: str = DEFAULT_GRPC, device_id: int = DEFAULT_DEVICE_ID,
-                 election_id: tuple[int, int] = (1, 0), timeout: float = 5.0,
+                 election_id: tuple[int, int] | None = None, timeout: float = 5.0,
                  require_primary: bool = True):
+        """``election_id``: :func:`writer_election_id`'s unless given."""
         self.require_primary = require_primary
         self.is_primary = False
         self.grpc_addr = grpc_addr
         self.device_id = device_id
-        self.election_id = election_id
+        self.election_id = election_id or writer_election_id()
         self.timeout = timeout
         self.client = None
         self.p4info = None
@@ -165,7 +181,9 @@ class Switch:
         if not self.is_primary and (self.require_primary or files is not None):
             raise SwitchError(
                 f"another controller is primary on {self.grpc_addr} (election id "
-                f"{self.election_id} is not the highest); this client cannot write")
+                f"{self.election_id} is not the highest: a writer that started earlier, or "
+                f"one given a higher --election-id, holds the switch); this client cannot "
+                f"write: wait for it to finish")
         if not p4info.tables and files is None:
             raise NoProgram(f"the switch at {self.grpc_addr} has no P4 program: push one "
                             f"(`thc controller push`)")
@@ -209,6 +227,13 @@ class Switch:
     def _require(self):
         if self.client is None:
             raise SwitchError("not connected: call Switch.connect() first")
+        stream = getattr(self.client, "stream_recv_thread", None)
+        if stream is not None and not stream.is_alive():
+            raise SwitchError(
+                f"the switch at {self.grpc_addr} ended this session's P4Runtime stream (it "
+                f"restarted, or closed the session): the session no longer holds the switch, "
+                f"and what it read before may not be what the switch holds now; nothing more "
+                f"goes through it. Run the command again")
         return self.client
 
     # -- P4Info -------------------------------------------------------------------------

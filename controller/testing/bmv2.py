@@ -179,6 +179,13 @@ class LocalBMv2:
                     else:
                         self.raw[index[s.fileno()]].put(frame)
 
+    def restart(self) -> None:
+        """Kill the switch and start another on the same ports and address, without a
+        program: a crash and its restart, under whatever sessions were open."""
+        self.proc.kill()
+        self.proc.wait(timeout=5)
+        self._start_switch(None)
+
     # -- teardown -------------------------------------------------------------------------
     def close(self) -> None:
         self._stop.set()

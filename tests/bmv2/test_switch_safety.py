@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from thc.controller import installed, job_entries, jobs, program, toolchain
-from thc.controller.switch import Switch
+from thc.controller.switch import WRITER_TOP, Switch
 from thc.wire.jobs import Cluster, ConfigError
 from tests.bmv2.harness import AGG_IP, AGG_MAC
 from tests.bmv2.packets import check_result, check_round, data, random_indices, round_trip
@@ -171,7 +171,7 @@ def test_cli_refuses_a_live_job_and_names_it(bmv2, tmp_path):
     job = bmv2.make_job(next(_ids), 2, pool_size=4)
     bmv2.install(job)
     base = [sys.executable, "-m", "thc.cli", "controller", "--grpc-addr",
-            bmv2.switch.grpc_addr, "--election-id", "2,0"]   # primary while it runs
+            bmv2.switch.grpc_addr, "--election-id", f"{WRITER_TOP},0"]   # above any writer's
     with Sender(bmv2, job):
         r = subprocess.run(base + ["remove", "--job", str(job.job_id)], capture_output=True,
                            text=True, timeout=60)
@@ -246,3 +246,66 @@ def test_a_switch_that_stops_answering_ends_the_command_and_its_session():
     assert "reading multicast groups" in out["group read"], out
     assert out["group write"].startswith("multicast group 7: DEADLINE_EXCEEDED"), out
     assert out["seconds"] < 15, out
+
+
+_HOLDER = """
+import sys
+from thc.controller.switch import Switch
+with Switch(sys.argv[1], timeout=10.0).connect(program="thc") as sw:
+    print("ready", flush=True)
+    sys.stdin.readline()
+    print(sorted(sw.multicast_groups()), flush=True)
+"""
+
+_RESTARTED_UNDER_A_SESSION = """
+import json, subprocess, sys
+from thc.controller.switch import Switch, SwitchError
+from thc.controller.testing.bmv2 import LocalBMv2
+switch = LocalBMv2(1, receive=False, tag="rst")
+out = {}
+try:
+    old = switch.sw
+    switch.restart()
+    holder = subprocess.Popen([sys.executable, "-c", sys.argv[1], switch.grpc_addr],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    out["holder"] = holder.stdout.readline().strip()
+    try:
+        old.set_multicast_group(7, [(0, 1)])
+    except SwitchError as e:
+        out["write"] = str(e)
+    stream, old.client.stream_recv_thread = old.client.stream_recv_thread, None
+    try:   # past the session's own check: the switch's
+        old.set_multicast_group(7, [(0, 1)])
+    except SwitchError as e:
+        out["fenced"] = str(e)
+    old.client.stream_recv_thread = stream
+    old.close()
+    switch.sw = None
+    try:
+        Switch(switch.grpc_addr, timeout=10.0).connect(program=None).close()
+    except SwitchError as e:
+        out["second"] = str(e)
+    out["groups"] = holder.communicate("\\n", timeout=30)[0].strip()
+finally:
+    switch.close()
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.skipif(toolchain.bmv2_missing() is not None, reason=f"{toolchain.bmv2_missing()}")
+def test_a_session_whose_switch_restarted_writes_nothing_into_the_new_one():
+    """The switch restarts under a writer's session and another writer pushes and holds it:
+    the old session refuses to go on, naming the restart, and past that check the switch
+    refuses its writes (its own election id is not the holder's), so the holder's switch
+    gets nothing of it; a writer that comes after the holder is refused while it holds. One
+    P4Runtime session a process: the holder runs in its own."""
+    import json
+    r = subprocess.run([sys.executable, "-c", _RESTARTED_UNDER_A_SESSION, _HOLDER],
+                       capture_output=True, text=True, timeout=180)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["holder"] == "ready", out
+    assert "ended this session's P4Runtime stream" in out.get("write", ""), out
+    assert "PERMISSION_DENIED" in out.get("fenced", ""), out
+    assert out["groups"] == "[]", out
+    assert "another controller is primary" in out.get("second", ""), out
