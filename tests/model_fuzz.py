@@ -1,7 +1,7 @@
 """Model-based fuzzing of the aggregators: random interleavings of every packet a worker,
-a buggy or hostile peer, a re-install or the clock can produce, each engine's replies and
-counters compared with the reference model's packet for packet, and every result checked
-against an oracle that knows nothing of the model.
+a buggy or hostile peer (malformed ones too), a re-install or the clock can produce, each
+engine's replies and counters compared with the reference model's packet for packet, and
+every result checked against an oracle that knows nothing of the model.
 
 The oracle: a worker's payload for chunk ``seq`` of run ``r`` is a fixed function of
 (worker, run, seq, kind), so the exact sum of a RESULT follows from its bitmap alone, and a
@@ -154,7 +154,7 @@ def decode(step: Step, ctx: Context):
     whose epoch is the job's tag and that nonce; in a job of more than three workers, also
     ("burst", [(datagram, source), ...]): every worker's DATA or MAX for one seq, which
     random single packets would seldom bring together."""
-    op = step.op % 12
+    op = step.op % 13
     w = step.a % N_WORKERS
     kind = ("DATA", "DATA", "DATA", "MAX", "MAX", "FLUSH")[step.b % 6]
     seq = (ctx.base + ctx.front + step.c % (SPAN_POOLS * POOL)) % P.SEQ_MOD
@@ -188,8 +188,38 @@ def decode(step: Step, ctx: Context):
     if op == 10:   # far beyond, at, and one past the jump a live run allows
         far = (RUN_FAR, ctx.run + P.RUN_JUMP, ctx.run + P.RUN_JUMP + 1)[step.c % 3]
         return packet(kind, w, far % P.SEQ_MOD if step.d % 4 == 0 else run, seq), addr(w)
+    if op == 11:
+        return malformed(packet(kind, w, run, seq), step), addr(w)
     src = STRANGER if step.d % 2 else addr((w + 1) % N_WORKERS)
     return packet(kind, w, run, seq), src
+
+
+OTHER_JOB = 65000
+"""A job id no engine serves."""
+
+
+def malformed(datagram: bytes, step: Step) -> bytes:
+    """A worker's packet made one a buggy peer sends: a header cut short, a payload a byte
+    short or long or longer, another aggregation's or another type's payload length, a
+    worker id outside the job, or another job's id."""
+    head, body = datagram[:P.HEADER_BYTES], datagram[P.HEADER_BYTES:]
+    bad = step.d % 7
+    if bad == 0:
+        return datagram[:step.c % P.HEADER_BYTES]
+    if bad == 1:
+        return datagram[:-1] if body else datagram + b"\0"
+    if bad == 2:
+        return datagram + bytes((1, 4, 32, 96)[step.c % 4])
+    if bad == 3:   # a vote job's DATA length to a THC job, a THC job's to a vote job
+        return head + bytes(LANES // 8 if AGGREGATION == "thc" else LANES // 2)
+    if bad == 4:
+        return head + bytes(P.MAX_LANES * 4 if head[0] == P.PktType.DATA else LANES // 2)
+    fields = list(P.HEADER_STRUCT.unpack(head))
+    if bad == 5:
+        fields[1] = N_WORKERS + step.c % 3
+    else:
+        fields[2] = OTHER_JOB
+    return P.HEADER_STRUCT.pack(*fields) + body
 
 
 class Violation(AssertionError):
@@ -297,7 +327,7 @@ class Engines:
         drops = sum(self.ref.model.drops.values())
         want, _ = self.ref.model.handle(datagram, src, self.now)
         epoch = self.job.new_epoch(nonce=self.nonce)
-        if datagram[0] == P.PktType.FLUSH and sum(self.ref.model.drops.values()) == drops:
+        if datagram[:1] == bytes([P.PktType.FLUSH]) and sum(self.ref.model.drops.values()) == drops:
             self.uses.flush(datagram, epoch)
         for reply, dst in want:
             check_reply(reply, dst, epoch, self.job)
@@ -336,6 +366,8 @@ def describe(action) -> str:
         return f"burst of {len(action[1])}: " + describe(action[1][0])
     if action[0] in ("time", "install"):
         return f"{action[0]} {action[1]}"
+    if len(action[0]) < P.HEADER_BYTES:
+        return f"{len(action[0])} bytes from {action[1]}"
     hdr = P.Header.unpack(action[0])
     return (f"{P.PktType(hdr.pkt_type).name} w{hdr.worker_id} run {hdr.run} seq {hdr.seq} "
             f"slot {hdr.slot}/{hdr.version} offset {hdr.offset} from {action[1]}")

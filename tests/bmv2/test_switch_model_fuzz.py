@@ -1,7 +1,8 @@
-"""The model-based fuzz (tests/model_fuzz.py) through BMv2: random interleavings of honest,
-out-of-step, replaying, spoofing, far-future and second-incarnation packets go to the switch
-and to the reference model; every worker must receive the model's datagrams, in order, and
-the switch's drop and job counters must move as the model's.
+"""The model-based fuzz (tests/model_fuzz.py) through BMv2, for each of its job shapes:
+random interleavings of honest, out-of-step, replaying, spoofing, far-future,
+second-incarnation and malformed packets go to the switch and to the reference model;
+every worker must receive the model's datagrams, in order, and the switch's drop and job
+counters must move as the model's.
 
 The clock and re-installs are left out (the switch's clock runs on; a re-install takes a
 controller round trip): tests/model_fuzz.py covers them against the software engines."""
@@ -21,14 +22,23 @@ pytestmark = pytest.mark.bmv2
 _ids = itertools.count(760)
 
 
-@pytest.mark.parametrize("seed", [1, 2])
-def test_switch_answers_every_interleaving_as_the_model(bmv2, monkeypatch, seed):
+@pytest.mark.parametrize("shape,seed", [("thc", 1), ("thc", 2), ("vote", 3), ("wide", 4),
+                                        ("alone", 5), ("many", 6)])
+def test_switch_answers_every_interleaving_as_the_model(bmv2, monkeypatch, shape, seed):
+    """Each of the fuzz's job shapes: the default, a vote job, 16-bit sums, one worker, 32
+    workers."""
+    with F.shaped(shape):
+        _fuzz(bmv2, monkeypatch, seed)
+
+
+def _fuzz(bmv2, monkeypatch, seed):
     monkeypatch.setattr(F, "LANES", bmv2.lanes())
     job_id = next(_ids)
     monkeypatch.setattr(F, "JOB_ID", job_id)
     # one switch port for every worker: BMv2 then handles the packets in send order
     job = bmv2.make_job(job_id, F.N_WORKERS, pool_size=F.POOL, ports=[0] * F.N_WORKERS,
-                        table=list(F.TABLE))
+                        table=list(F.TABLE), granularity=F.GRANULARITY,
+                        aggregation=F.AGGREGATION)
     bmv2.install(job)
     model = Model()
     model.install(job, job.new_epoch(nonce=1))   # replies are compared without their epoch
@@ -44,16 +54,16 @@ def test_switch_answers_every_interleaving_as_the_model(bmv2, monkeypatch, seed)
         action = F.decode(step, ctx)
         if action[0] in ("time", "install"):
             continue
-        datagram, src = action
-        if src == F.STRANGER:
-            ep, model_src = stranger, (stranger.ip, stranger.udp_port)
-        else:
-            w = int(src[1]) - F.BASE_PORT
-            ep, model_src = eps[w], addr_of[w]
-        replies, _ = model.handle(datagram, model_src, 0.0)
-        for reply, dst in replies:
-            want[worker_of[dst]].append(without_epoch(reply))
-        steps.append((ep, datagram, [worker_of[dst] for _, dst in replies]))
+        for datagram, src in (action[1] if action[0] == "burst" else [action]):
+            if src == F.STRANGER:
+                ep, model_src = stranger, (stranger.ip, stranger.udp_port)
+            else:
+                w = int(src[1]) - F.BASE_PORT
+                ep, model_src = eps[w], addr_of[w]
+            replies, _ = model.handle(datagram, model_src, 0.0)
+            for reply, dst in replies:
+                want[worker_of[dst]].append(without_epoch(reply))
+            steps.append((ep, datagram, [worker_of[dst] for _, dst in replies]))
     got = {w: [without_epoch(d) for d in ds] for w, ds in exchange(bmv2, steps, eps).items()}
     sent = len(steps)
     assert sent > 200 and sum(map(len, want.values())) > 20
