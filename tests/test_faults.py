@@ -114,7 +114,10 @@ def test_a_timed_stream_stops_every_worker_after_the_same_round():
 
     with open_testbed(2, prefer_mininet=False) as tb:
         tb.start_aggregator()
-        row = matrix.stream_for("timed", tb, tb.job.lanes * 4, 1.0, "test")
+        for seconds in (1.0, 4.0):   # a loaded machine may fit one vector in the first
+            row = matrix.stream_for("timed", tb, tb.job.lanes * 4, seconds, "test")
+            vectors = int(row.note.split(" vectors")[0])
+            if vectors >= 2:
+                break
     assert row.exact is True and row.sums == "exact (2/2 workers)"
-    vectors = int(row.note.split(" vectors")[0])
     assert vectors >= 2 and row.rounds == vectors * 4
