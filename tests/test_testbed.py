@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import textwrap
@@ -468,3 +469,44 @@ def test_smoke_allreduce_through_bmv2_is_bit_exact():
     with open_testbed(3, bw_mbit=100, aggregator="bmv2") as tb:
         rows, ref = smoke(tb, numel=1 << 14)
     assert [r["sha256"] for r in rows] == [ref] * 3
+
+
+@needs_mininet
+def test_a_host_whose_shell_died_is_named_instead_of_holding_the_run():
+    """Reading a link's shaper through a host whose shell was killed (`mn -c` elsewhere
+    kills every Mininet shell) waited on that shell for good; it now raises, naming the
+    host, and the testbed still tears down."""
+    with open_testbed(2, bw_mbit=100, aggregator="none") as tb:
+        name, pids = tb.switch_name, [p for p, _, _ in tb.registry.pids]
+        shell = tb.host(1).shell
+        shell.kill()
+        shell.wait(timeout=10)
+        start = time.monotonic()
+        with pytest.raises(TestbedError, match=f"the shell of Mininet node "
+                                               f"{tb.host(1).name} has exited"):
+            tb.wire_bytes()
+        assert time.monotonic() - start < 5
+    assert not [n for n in cleanup.root_interfaces() if n.startswith(name)]
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and [p for p in pids if cleanup.start_time(p) is not None
+                                           and not cleanup._is_zombie(p)]:
+        time.sleep(0.05)
+    assert not [p for p in pids if cleanup.start_time(p) is not None
+                and not cleanup._is_zombie(p)]
+
+
+@needs_mininet
+@pytest.mark.bmv2
+def test_a_bmv2_switch_that_exits_ends_the_workers_wait_naming_it():
+    """The workers of a dead switch waited out their deadline and were told of no answer
+    from the aggregator's address, as if packets were lost; the switch's exit is named."""
+    if why := bmv2_unavailable_reason():
+        pytest.skip(f"BMv2 not available: {why}")
+    with open_testbed(2, aggregator="bmv2") as tb:
+        os.killpg(tb.switch.proc.pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        with pytest.raises(WorkerError, match=r"the BMv2 switch \(simple_switch_grpc\) exited "
+                                              r"with code -9") as e:
+            tb.run_workers(lambda r: ["python", "-c", "import time; time.sleep(60)"],
+                           timeout=50)
+    assert time.monotonic() - t0 < 15 and not e.value.timed_out

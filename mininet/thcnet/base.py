@@ -254,7 +254,7 @@ class Testbed(AggregatorProcesses):
         then killed.
         """
         procs = self.start_workers(argv_for, env)
-        watch = self._aggregator_procs()
+        watch = self._watched_procs()
         try:
             return wait_all(procs, timeout, what="worker", on_line=on_line, watch=watch)
         except WorkerError as e:
@@ -265,6 +265,11 @@ class Testbed(AggregatorProcesses):
                                       f"{proc.stderr()[-2000:]}", e.results,
                                       e.timed_out, e.states) from None
             raise
+
+    def _watched_procs(self) -> list:
+        """(name, process) of what the workers need besides each other: its exit ends
+        their run, named."""
+        return self._aggregator_procs()
 
     def _hold_signals(self) -> None:
         """SIGTERM and SIGHUP unwind to :meth:`close` from here on (the workers and

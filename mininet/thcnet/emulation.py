@@ -43,6 +43,8 @@ from thc.emu.base import (
     worker_mac,
 )
 from thc.emu.errors import TestbedError
+from thc.emu.nodeshell import node_run
+from thc.emu.procs import Proc
 from thc.emu.cleanup import Registry, signals_deferred, switch_name, undo
 
 
@@ -299,7 +301,12 @@ class MininetTestbed(Testbed):
         try:
             with signals_deferred():
                 self._kill_procs()
-                if self.net is not None:
+                lost = self._lost_shells()
+                if lost:
+                    say_once(f"the shell of Mininet node(s) {', '.join(lost)} exited (killed, "
+                             f"or `mn -c` run on this machine); removing the testbed by hand "
+                             f"(Mininet's stop would wait on that shell for good)")
+                elif self.net is not None:
                     try:
                         self.net.stop()
                     except Exception as e:  # noqa: BLE001 - the registry undo still runs
@@ -314,6 +321,26 @@ class MininetTestbed(Testbed):
             self._release_signals()
 
 
+    def _watched_procs(self) -> list:
+        """The aggregators, and a BMv2 switch: it runs outside every host."""
+        watch = self._aggregator_procs()
+        popen = getattr(self.switch, "proc", None) if self.aggregator == "bmv2" else None
+        if popen is not None:
+            known = getattr(self, "_switch_watch", None)
+            if known is None or known.popen is not popen:   # a fault restarts the switch
+                log = self.switch.log_path
+                self._switch_watch = Proc("bmv2", popen, log, log, group=True)
+            watch.append(("the BMv2 switch (simple_switch_grpc)", self._switch_watch))
+        return watch
+
+    def _lost_shells(self) -> list[str]:
+        """The Mininet nodes whose shell has exited."""
+        if self.net is None:
+            return []
+        return [n.name for n in self.net.values()
+                if getattr(n, "shell", None) is None or n.shell.poll() is not None]
+
+
 def _write(path: str, text: str) -> None:
     try:
         Path(path).write_text(text)
@@ -324,7 +351,7 @@ def _write(path: str, text: str) -> None:
 def _shaper_sent(node, intf: str) -> int:
     """Bytes the root qdisc of ``intf`` on ``node`` sent: it counts a GSO burst as its
     packets, each with its headers (the kernel's qdisc_pkt_len)."""
-    out = node.cmd(f"tc -s -j qdisc show dev {intf}")
+    out = node_run(node, f"tc -s -j qdisc show dev {intf}")
     try:
         roots = [q for q in json.loads(out) if q.get("root")]
         return int(roots[0]["bytes"])

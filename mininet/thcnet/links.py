@@ -23,6 +23,7 @@ import subprocess
 from mininet.link import TCIntf, TCLink
 
 from thc.wire import protocol as P
+from thc.emu.nodeshell import node_run
 
 
 class LinkError(RuntimeError):
@@ -179,8 +180,8 @@ def add_ingress_loss(host, intf: str, probability: float) -> None:
     """Drop IPv4 packets arriving on ``intf`` at random, inside ``host``'s namespace."""
     if probability <= 0:
         return
-    out = host.cmd(f"iptables -t raw -A PREROUTING -i {intf} -m statistic --mode random "
-                   f"--probability {probability:.6f} -j DROP 2>&1")
+    out = node_run(host, f"iptables -t raw -A PREROUTING -i {intf} -m statistic --mode "
+                         f"random --probability {probability:.6f} -j DROP 2>&1")
     if out.strip():
         raise LinkError(f"{host.name}: iptables failed: {out.strip()}")
 
@@ -196,15 +197,16 @@ def set_link_loss(host, intf: str, loss_pct: float) -> None:
     no error), packets arriving on it by the iptables ingress rule. Both live in the host's
     namespace, which goes away with the testbed. 0 removes both.
     """
-    host.cmd(f"iptables -t raw -F PREROUTING; nft delete table netdev {EGRESS_TABLE} "
-             f"2>/dev/null")
+    node_run(host, f"iptables -t raw -F PREROUTING; nft delete table netdev {EGRESS_TABLE} "
+                   f"2>/dev/null")
     if loss_pct <= 0:
         return
     if not 0 < loss_pct < 100:
         raise LinkError(f"loss must lie in [0, 100) percent, got {loss_pct}")
     add_ingress_loss(host, intf, loss_pct / 100)
     per_mille = round(loss_pct * 10)
-    out = host.cmd(
+    out = node_run(
+        host,
         f"nft add table netdev {EGRESS_TABLE} && nft add chain netdev {EGRESS_TABLE} eg "
         f"'{{ type filter hook egress device {intf} priority 0; }}' && nft add rule netdev "
         f"{EGRESS_TABLE} eg meta protocol ip numgen random mod 1000 '<' {per_mille} "
@@ -217,10 +219,11 @@ def link_drops(host) -> int:
     """Packets dropped so far by :func:`set_link_loss`'s rules in ``host``'s namespace."""
     import re
     total = 0
-    for line in host.cmd("iptables -t raw -L PREROUTING -v -x -n 2>/dev/null").splitlines():
+    listed = node_run(host, "iptables -t raw -L PREROUTING -v -x -n 2>/dev/null")
+    for line in listed.splitlines():
         f = line.split()
         if len(f) > 2 and f[2] == "DROP" and f[0].isdigit():
             total += int(f[0])
-    nft = host.cmd(f"nft list table netdev {EGRESS_TABLE} 2>/dev/null")
+    nft = node_run(host, f"nft list table netdev {EGRESS_TABLE} 2>/dev/null")
     total += sum(int(n) for n in re.findall(r"counter packets (\d+)", nft))
     return total
