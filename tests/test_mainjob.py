@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -223,6 +225,47 @@ def test_a_mode_hung_at_its_limit_failed_and_says_so(monkeypatch, tmp_path, stat
     else:
         assert report["failed"] == [] and report["runs"][0]["stopped"] == \
             "stopped at the 600 s limit (its final evaluation did not end within 25 s)"
+
+
+def test_an_out_dir_that_takes_no_file_is_refused_before_any_mode(monkeypatch, capsys,
+                                                                 tmp_path):
+    """A full or read-only --out was found only when the report was written, after every
+    mode had trained (a raw traceback and an empty mainjob.json)."""
+    import errno
+
+    def full(self, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(Path, "write_bytes", full)
+    monkeypatch.setattr(mainjob, "_run_mode", lambda *a: pytest.fail("a mode ran"))
+    assert mainjob.run(_main_args("--loopback", "--out", str(tmp_path))) == 2
+    assert f"cannot write to --out {tmp_path}: No space left on device" in \
+        capsys.readouterr().err
+
+
+def test_a_report_the_out_dir_cannot_take_is_kept_elsewhere(monkeypatch, capsys, tmp_path):
+    """The disk filled while the modes trained: the report goes to a temporary directory,
+    named, instead of a traceback that loses it."""
+    import errno
+    from thc.emu.procs import WorkerResult
+    from thc.emu.testbed import LoopbackTestbed
+
+    def ran(self, argv_for, env=None, timeout=None, on_line=None):
+        return [WorkerResult(r, 0, '{"dataset": "digits", "params": 1000}\n{"epoch": 1.0, '
+                             '"accuracy": 0.5, "seconds": 1.0, "steps": 3, "bytes_sent": 10}\n'
+                             '{"final_evaluation": 4}\n', "", 1.0) for r in (0, 1)]
+
+    def full(path, text):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(LoopbackTestbed, "run_workers", ran)
+    monkeypatch.setattr(mainjob, "_write_whole", full)
+    assert mainjob.run(_main_args("--loopback", "--workers", "2", "--modes", "fp32", "--out",
+                                  str(tmp_path))) == 2
+    err = capsys.readouterr().err
+    assert f"cannot write to --out {tmp_path} (No space left on device)" in err
+    kept = Path(err.split("is kept in ")[1].split()[0])
+    assert json.loads(kept.read_text())["runs"][0]["mode"] == "fp32"
+    shutil.rmtree(kept.parent)
+    assert not (tmp_path / "mainjob.json").exists()
 
 
 def test_ctrl_c_ends_the_main_job_with_a_line_not_a_traceback(monkeypatch, capsys, tmp_path):

@@ -24,7 +24,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -427,8 +429,11 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     try:
         out.mkdir(parents=True, exist_ok=True)
+        trial = out / f".thc-run-{os.getpid()}"
+        trial.write_bytes(bytes(4096))   # not a directory modes train for, then cannot fill
+        trial.unlink()
     except OSError as e:
-        print(f"thc run: cannot create --out {out}: {e.strerror or e}", file=sys.stderr)
+        print(f"thc run: cannot write to --out {out}: {e.strerror or e}", file=sys.stderr)
         return 2
     shaped = ("loopback, links not shaped" if mininet_why else f"at {args.bw:g} Mbit/s")
     print(f"thc run: {args.data}, {args.workers} workers {shaped}, "
@@ -516,9 +521,26 @@ def run(args: argparse.Namespace) -> int:
     report = {"runs": runs, "failed": failed, "summary": summary, "args": vars(args),
               "bmv2_probe": probe,
               "testbed": sorted({r["testbed"] for r in runs})}
-    (out / "mainjob.json").write_text(json.dumps(report, indent=2))
     title = (f"{dataset}, {args.workers} workers at {args.bw:g} Mbit/s "
              f"({runs[0]['params'] / 1e6:.1f}M parameters)" if runs else dataset)
-    plot(runs, out / "mainjob.png", title)
+    try:
+        _write_whole(out / "mainjob.json", json.dumps(report, indent=2))
+        plot(runs, out / "mainjob.png", title)
+    except OSError as e:
+        kept = Path(tempfile.mkdtemp(prefix="thc-run-")) / "mainjob.json"
+        kept.write_text(json.dumps(report, indent=2))
+        print(f"thc run: cannot write to --out {out} ({e.strerror or e}); the report of "
+              f"the runs is kept in {kept}", file=sys.stderr)
+        return 2
     print(f"\nwrote {out / 'mainjob.json'} and {out / 'mainjob.png'}")
     return 1 if failed else 0
+
+
+def _write_whole(path: Path, text: str) -> None:
+    """``text`` into ``path`` whole or not at all (a full disk left an empty report)."""
+    part = path.with_name(f".{path.name}.{os.getpid()}")
+    try:
+        part.write_text(text)
+        os.replace(part, path)
+    finally:
+        part.unlink(missing_ok=True)
