@@ -276,6 +276,16 @@ def test_ctrl_c_ends_the_main_job_with_a_line_not_a_traceback(monkeypatch, capsy
     assert "interrupted during fp32" in capsys.readouterr().err
 
 
+def test_sigterm_ends_the_main_job_with_a_line(monkeypatch, capsys, tmp_path):
+    from thc.emu.cleanup import Terminated
+
+    def terminated(name, args, progress):
+        raise Terminated(143)
+    monkeypatch.setattr(mainjob, "_run_mode", terminated)
+    assert mainjob.run(_main_args("--loopback", "--out", str(tmp_path))) == 143
+    assert "terminated (SIGTERM) during fp32" in capsys.readouterr().err
+
+
 def test_a_link_mininet_cannot_emulate_is_a_usage_error(capsys, tmp_path):
     from thc.emu.testbed import mininet_unavailable_reason
     if mininet_unavailable_reason("software"):

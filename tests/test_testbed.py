@@ -151,6 +151,8 @@ def test_an_aggregator_that_exits_ends_the_workers_wait_naming_it():
             tb.run_workers(lambda r: ["python", "-c", "import time; time.sleep(60)"],
                            timeout=50)
     assert time.monotonic() - t0 < 15 and not e.value.timed_out
+    assert re.search(r"worker 0 \(\S+\) still sleeping 3 s after a failure, not failing on "
+                     r"its own, killed", str(e.value)), str(e.value)
 
 
 def test_the_stderr_tail_keeps_the_error_under_torchs_frames():
@@ -310,6 +312,32 @@ def test_cleanup_leaves_nothing_behind_after_an_exception():
             raise Boom
     assert not [n for n in cleanup.root_interfaces() if n.startswith(name)]
     assert not state_file.exists()
+    def alive():
+        return [p for p in pids if cleanup.start_time(p) is not None
+                and not cleanup._is_zombie(p)]
+    deadline = time.monotonic() + 10
+    while alive() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not alive()
+
+
+def test_a_loopback_testbed_killed_takes_its_aggregators_with_it():
+    """Killed with SIGKILL (no handler runs), a loopback testbed left its aggregator
+    shards serving for good: they are started to end with it."""
+    code = textwrap.dedent("""
+        import os, signal
+        from thc.emu.testbed import LoopbackTestbed
+        tb = LoopbackTestbed(2, aggregator="sharded")
+        tb.start_aggregator()
+        print(*[p.pid for _, p in tb._aggregator_procs()], flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+    """)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                       cwd=ROOT)
+    assert r.returncode == -9, r.stderr
+    pids = [int(p) for p in r.stdout.split()]
+    assert len(pids) == 2
+
     def alive():
         return [p for p in pids if cleanup.start_time(p) is not None
                 and not cleanup._is_zombie(p)]

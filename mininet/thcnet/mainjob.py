@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -39,6 +40,7 @@ from thc.wire import protocol as P
 from thc.wire.jobs import loss_bound_arg
 from thc.wire.protocol import MAX_SOFTWARE_LANES
 from thc.emu.base import MAX_TESTBED_WORKERS, worker_ip
+from thc.emu.cleanup import Terminated
 from thc.emu.mainreport import dlcp_ratios, plot, step_losses, summarize
 from thc.emu.procs import WorkerError
 from thc.emu import links, testbed
@@ -457,6 +459,12 @@ def run(args: argparse.Namespace) -> int:
             print(f"\nthc run: interrupted during {name}; its testbed torn down, no report "
                   f"written", file=sys.stderr)
             return 130
+        except Terminated as e:
+            how = {128 + signal.SIGTERM: "SIGTERM", 128 + signal.SIGHUP: "SIGHUP"}.get(
+                e.code, f"status {e.code}")
+            print(f"\nthc run: terminated ({how}) during {name}; its testbed torn down, no "
+                  f"report written", file=sys.stderr)
+            return e.code
         except Exception as e:  # one failed mode must not cost the others
             print(f"{name} FAILED: {e}", flush=True)
             failed.append({"mode": name, "error": str(e)})

@@ -5,9 +5,12 @@ full pipe while the testbed waits for another one.
 """
 from __future__ import annotations
 
+import ctypes
 import os
 import re
+import signal
 import subprocess
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -70,6 +73,26 @@ def state(pid: int) -> str:
         return "gone"
     return {"T": "stopped (SIGSTOP?)", "t": "stopped by a debugger", "R": "running",
             "D": "in uninterruptible sleep", "Z": "a zombie"}.get(code, "sleeping")
+
+
+PR_SET_PDEATHSIG = 1
+
+
+def with_parent():
+    """A ``preexec_fn`` that has the child sent SIGTERM when this process ends, SIGKILL
+    included (Linux's parent-death signal), which no handler here can pass on: a testbed
+    killed so would leave its aggregators serving for good. None off the main thread: the
+    signal follows the thread that started the child, and another thread may end first."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    parent = os.getpid()
+
+    def arm() -> None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != parent:   # ended before the signal was armed
+            os.kill(os.getpid(), signal.SIGTERM)
+    return arm
 
 
 class Proc:
@@ -201,7 +224,9 @@ def wait_all(procs: list[Proc], timeout: float | None, what: str = "worker",
         parts = [head] + gone
         for r, p in zip(results, procs):
             if r.returncode != 0 or timed_out:
-                how = (f"still {states[r.rank]} at the timeout, killed" if r.rank in states
+                when = ("at the timeout" if timed_out else
+                        f"{FAIL_GRACE:g} s after a failure, not failing on its own")
+                how = (f"still {states[r.rank]} {when}, killed" if r.rank in states
                        else f"exit code {r.returncode}")
                 parts.append(f"--- {what} {r.rank} ({p.name}) {how} after {r.seconds:.1f} s; "
                              f"stderr tail:\n{tail(r.stderr)}")

@@ -41,7 +41,7 @@ from thc.emu.base import (
     say_once,
 )
 from thc.emu.errors import TestbedError, Unavailable
-from thc.emu.procs import WorkerError, WorkerResult
+from thc.emu.procs import WorkerError, WorkerResult, with_parent
 
 __all__ = ["open_testbed", "add_arguments", "add_link_arguments", "add_job_arguments",
            "Testbed", "LoopbackTestbed", "WorkerResult", "WorkerError", "TestbedError",
@@ -82,7 +82,8 @@ class LoopbackTestbed(Testbed):
     def _launch(self, node, argv, env, stdout, stderr):
         import subprocess
         return subprocess.Popen(argv, env=env, cwd=str(REPO_ROOT), stdout=stdout, stderr=stderr,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
+                                stdin=subprocess.DEVNULL, start_new_session=True,
+                                preexec_fn=with_parent())
 
     def close(self) -> None:
         if self._closed:
