@@ -5,6 +5,7 @@ import json
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -234,12 +235,14 @@ def test_an_out_dir_that_takes_no_file_is_refused_before_any_mode(monkeypatch, c
     import errno
 
     def full(self, data):
+        self.touch()   # made, then not filled
         raise OSError(errno.ENOSPC, "No space left on device")
     monkeypatch.setattr(Path, "write_bytes", full)
     monkeypatch.setattr(mainjob, "_run_mode", lambda *a: pytest.fail("a mode ran"))
     assert mainjob.run(_main_args("--loopback", "--out", str(tmp_path))) == 2
     assert f"cannot write to --out {tmp_path}: No space left on device" in \
         capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_a_report_the_out_dir_cannot_take_is_kept_elsewhere(monkeypatch, capsys, tmp_path):
@@ -254,18 +257,28 @@ def test_a_report_the_out_dir_cannot_take_is_kept_elsewhere(monkeypatch, capsys,
                              '"accuracy": 0.5, "seconds": 1.0, "steps": 3, "bytes_sent": 10}\n'
                              '{"final_evaluation": 4}\n', "", 1.0) for r in (0, 1)]
 
-    def full(path, text):
-        raise OSError(errno.ENOSPC, "No space left on device")
+    write = mainjob._write_whole
+    full = {tmp_path}
+
+    def filling(path, text):
+        if full & {path, *path.parents}:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        write(path, text)
     monkeypatch.setattr(LoopbackTestbed, "run_workers", ran)
-    monkeypatch.setattr(mainjob, "_write_whole", full)
-    assert mainjob.run(_main_args("--loopback", "--workers", "2", "--modes", "fp32", "--out",
-                                  str(tmp_path))) == 2
+    monkeypatch.setattr(mainjob, "_write_whole", filling)
+    args = ("--loopback", "--workers", "2", "--modes", "fp32", "--out", str(tmp_path))
+    assert mainjob.run(_main_args(*args)) == 2
     err = capsys.readouterr().err
     assert f"cannot write to --out {tmp_path} (No space left on device)" in err
     kept = Path(err.split("is kept in ")[1].split()[0])
     assert json.loads(kept.read_text())["runs"][0]["mode"] == "fp32"
     shutil.rmtree(kept.parent)
     assert not (tmp_path / "mainjob.json").exists()
+    full.add(Path(tempfile.gettempdir()))   # one disk: the temporary directory is full too
+    assert mainjob.run(_main_args(*args)) == 2
+    out, err = capsys.readouterr()
+    assert "the report of the runs is on standard output" in err
+    assert json.loads(out[out.index("{\n"):])["runs"][0]["mode"] == "fp32"
 
 
 def test_ctrl_c_ends_the_main_job_with_a_line_not_a_traceback(monkeypatch, capsys, tmp_path):

@@ -538,3 +538,14 @@ def test_a_bmv2_switch_that_exits_ends_the_workers_wait_naming_it():
             tb.run_workers(lambda r: ["python", "-c", "import time; time.sleep(60)"],
                            timeout=50)
     assert time.monotonic() - t0 < 15 and not e.value.timed_out
+
+
+@needs_mininet
+def test_a_shell_line_past_its_deadline_in_a_node_ends_with_its_forks():
+    from thc.emu.nodeshell import node_run
+    with open_testbed(1, aggregator="none") as tb:
+        start = time.monotonic()
+        with pytest.raises(TestbedError, match="did not end within 1 s"):
+            node_run(tb.host(0), "sleep 20; echo done", timeout=1)
+        assert time.monotonic() - start < 5
+        assert node_run(tb.host(0), "echo a; echo b") == "a\nb\n"

@@ -432,8 +432,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         out.mkdir(parents=True, exist_ok=True)
         trial = out / f".thc-run-{os.getpid()}"
-        trial.write_bytes(bytes(4096))   # not a directory modes train for, then cannot fill
-        trial.unlink()
+        try:
+            trial.write_bytes(bytes(4096))   # not a directory modes train for, then cannot fill
+        finally:
+            trial.unlink(missing_ok=True)
     except OSError as e:
         print(f"thc run: cannot write to --out {out}: {e.strerror or e}", file=sys.stderr)
         return 2
@@ -531,17 +533,35 @@ def run(args: argparse.Namespace) -> int:
               "testbed": sorted({r["testbed"] for r in runs})}
     title = (f"{dataset}, {args.workers} workers at {args.bw:g} Mbit/s "
              f"({runs[0]['params'] / 1e6:.1f}M parameters)" if runs else dataset)
+    text = json.dumps(report, indent=2)
     try:
-        _write_whole(out / "mainjob.json", json.dumps(report, indent=2))
+        _write_whole(out / "mainjob.json", text)
+    except OSError as e:
+        print(f"thc run: cannot write to --out {out} ({e.strerror or e}); "
+              f"{_keep_elsewhere(text)}", file=sys.stderr)
+        return 2
+    try:
         plot(runs, out / "mainjob.png", title)
     except OSError as e:
-        kept = Path(tempfile.mkdtemp(prefix="thc-run-")) / "mainjob.json"
-        kept.write_text(json.dumps(report, indent=2))
-        print(f"thc run: cannot write to --out {out} ({e.strerror or e}); the report of "
-              f"the runs is kept in {kept}", file=sys.stderr)
+        (out / "mainjob.png").unlink(missing_ok=True)
+        print(f"thc run: wrote {out / 'mainjob.json'} but not its plot ({e.strerror or e})",
+              file=sys.stderr)
         return 2
     print(f"\nwrote {out / 'mainjob.json'} and {out / 'mainjob.png'}")
     return 1 if failed else 0
+
+
+def _keep_elsewhere(text: str) -> str:
+    """Where the report went instead: a temporary directory, or, where that cannot take it
+    either (one full disk), standard output."""
+    try:
+        kept = Path(tempfile.mkdtemp(prefix="thc-run-")) / "mainjob.json"
+        _write_whole(kept, text)
+        return f"the report of the runs is kept in {kept}"
+    except OSError as e:
+        print(text)
+        return (f"nor in a temporary directory ({e.strerror or e}): the report of the runs "
+                f"is on standard output")
 
 
 def _write_whole(path: Path, text: str) -> None:

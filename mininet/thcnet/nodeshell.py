@@ -4,6 +4,8 @@ Not through ``node.cmd``: it writes to the node's shell and waits on it for good
 that died (killed, or `mn -c` run elsewhere on the machine) would hold the run forever."""
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 
 from thc.emu.errors import TestbedError
@@ -26,7 +28,7 @@ def node_run(node, line: str, timeout: float = NODE_CMD_S) -> str:
     try:
         return proc.communicate(timeout=timeout)[0]
     except subprocess.TimeoutExpired:
-        proc.kill()
+        os.killpg(proc.pid, signal.SIGKILL)   # mnexec -d: the line's session, forks and all
         proc.communicate()
         raise TestbedError(f"`{line}` in Mininet node {node.name} did not end within "
                            f"{timeout:g} s") from None

@@ -86,10 +86,10 @@ def with_parent():
     if threading.current_thread() is not threading.main_thread():
         return None
     parent = os.getpid()
+    prctl = ctypes.CDLL(None, use_errno=True).prctl   # looked up here: no dlopen in the child
 
     def arm() -> None:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
         if os.getppid() != parent:   # ended before the signal was armed
             os.kill(os.getpid(), signal.SIGTERM)
     return arm
