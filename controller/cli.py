@@ -25,8 +25,7 @@ import sys
 
 from thc.app.argtypes import positive_float
 from thc.controller import counters, dryrun, forwarding, installed, job_entries, jobs, targets
-from thc.controller.switch import (DEFAULT_DEVICE_ID, DEFAULT_GRPC, NoProgram, Switch,
-                                   SwitchError, writer_election_id)
+from thc.controller.switch import DEFAULT_DEVICE_ID, DEFAULT_GRPC, NoProgram, Switch, SwitchError
 from thc.wire.jobs import Cluster, ConfigError
 
 
@@ -155,9 +154,9 @@ def _run(args: argparse.Namespace) -> int:
         jobs.check_cluster(dryrun.DryRunSwitch(target, build_dir, out=lambda line: None),
                            cluster, prune=args.prune)
     read_only = args.action in ("jobs", "counters") or (args.action == "l2" and args.op == "list")
-    election = args.election_id or ((0, os.getpid()) if read_only else writer_election_id())
-    if push and not args.force:
-        _refuse_live_before_push(args, election)
+    election = args.election_id or ((0, os.getpid()) if read_only else None)
+    if push and not args.force:   # it only reads
+        _refuse_live_before_push(args, args.election_id or (0, os.getpid()))
     if args.action == "l2" and args.mac is not None:
         args.mac = forwarding.check_mac(args.mac, f"l2 {args.op}")
     if args.action == "l2" and args.op == "add" and args.mac in forwarding.UNROUTABLE:

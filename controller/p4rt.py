@@ -41,7 +41,9 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
+import os
 import threading
+import time
 from functools import lru_cache
 from typing import Iterable, NamedTuple
 
@@ -96,6 +98,20 @@ class UpdateError(NamedTuple):
     message: str
 
 
+WRITER_TOP = 1 << 62
+
+
+def writer_election_id() -> tuple[int, int]:
+    """A writing session's election id, taken as it opens: its own (the microsecond, and the
+    process), lower than every earlier writer's and above the readers' (0, pid). Its own,
+    so that a session whose switch restarted under it has its writes refused there by the
+    session that holds the switch now (with one id shared by every writer they were taken);
+    lower, so that a second writer finds the first primary and is refused instead of taking
+    its place mid-change. Ids come from each host's clock: writers on hosts whose clocks
+    disagree, or across a step of the clock back, may order otherwise."""
+    return WRITER_TOP - time.time_ns() // 1000, os.getpid()
+
+
 def _server_ready(grpc_addr: str, timeout: float) -> bool:
     import grpc
     probe = grpc.insecure_channel(grpc_addr)
@@ -126,9 +142,11 @@ def _is_primary(client) -> bool:
     return True
 
 
-def open_session(grpc_addr: str, device_id: int, election_id: tuple[int, int],
+def open_session(grpc_addr: str, device_id: int, election_id: tuple[int, int] | None,
                  pipeline: tuple[str, str] | None, timeout: float):
-    """``shell.setup`` without ``sys.exit``: returns (client, P4Info, is_primary)."""
+    """``shell.setup`` without ``sys.exit``: returns (client, P4Info, is_primary); the
+    client's ``election_id`` is ``election_id``, or a writer's of its own
+    (:func:`writer_election_id`) taken once the server answers."""
     from p4runtime_sh import shell as sh
 
     late = _late_setup
@@ -139,6 +157,7 @@ def open_session(grpc_addr: str, device_id: int, election_id: tuple[int, int],
     if not _server_ready(grpc_addr, timeout):
         raise SessionError(f"no P4Runtime server at {grpc_addr} (is simple_switch_grpc "
                            f"running with --grpc-server-addr {grpc_addr}?)")
+    election_id = election_id or writer_election_id()
     config = sh.FwdPipeConfig(*pipeline) if pipeline else None
     said = _Said()
     logging.getLogger().addHandler(said)

@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import os
 import threading
-import time
 from pathlib import Path
 from typing import Iterable, Iterator
 
@@ -31,19 +29,6 @@ DEFAULT_GRPC = "127.0.0.1:9559"
 DEFAULT_DEVICE_ID = 0
 WRITE_BATCH = 2000
 """Updates per WriteRequest: a job's thousands of lookup entries go in a few requests."""
-
-WRITER_TOP = 1 << 62
-
-
-def writer_election_id() -> tuple[int, int]:
-    """A writing session's election id: its own (the microsecond it was made, and the
-    process), lower than every earlier writer's and above the readers' (0, pid). Its own,
-    so that a session whose switch restarted under it has its writes refused there by the
-    session that holds the switch now (with one id shared by every writer they were taken);
-    lower, so that a second writer finds the first primary and is refused instead of taking
-    its place mid-change."""
-    return WRITER_TOP - time.time_ns() // 1000, os.getpid()
-
 
 _active_lock = threading.Lock()
 _active: "Switch | None" = None
@@ -140,12 +125,13 @@ class Switch:
     def __init__(self, grpc_addr: str = DEFAULT_GRPC, device_id: int = DEFAULT_DEVICE_ID,
                  election_id: tuple[int, int] | None = None, timeout: float = 5.0,
                  require_primary: bool = True):
-        """``election_id``: :func:`writer_election_id`'s unless given."""
+        """``election_id``: a writer's of its own (:func:`p4rt.writer_election_id`, taken as
+        the session opens) unless given."""
         self.require_primary = require_primary
         self.is_primary = False
         self.grpc_addr = grpc_addr
         self.device_id = device_id
-        self.election_id = election_id or writer_election_id()
+        self.election_id = election_id
         self.timeout = timeout
         self.client = None
         self.p4info = None
@@ -174,6 +160,7 @@ class Switch:
         try:
             self.client, p4info, self.is_primary = p4rt.open_session(
                 self.grpc_addr, self.device_id, self.election_id, pipeline, self.timeout)
+            self.election_id = tuple(self.client.election_id)
         except p4rt.NoPipeline as e:
             raise NoProgram(str(e)) from None
         except p4rt.SessionError as e:

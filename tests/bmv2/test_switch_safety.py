@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from thc.controller import installed, job_entries, jobs, program, toolchain
-from thc.controller.switch import WRITER_TOP, Switch
+from thc.controller.p4rt import WRITER_TOP
+from thc.controller.switch import Switch
 from thc.wire.jobs import Cluster, ConfigError
 from tests.bmv2.harness import AGG_IP, AGG_MAC
 from tests.bmv2.packets import check_result, check_round, data, random_indices, round_trip
