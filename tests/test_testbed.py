@@ -312,6 +312,11 @@ def test_cleanup_leaves_nothing_behind_after_an_exception():
             raise Boom
     assert not [n for n in cleanup.root_interfaces() if n.startswith(name)]
     assert not state_file.exists()
+    _all_end(pids)
+
+
+def _all_end(pids: list[int]) -> None:
+    """Every process of ``pids`` ends (or is a zombie) within 10 s."""
     def alive():
         return [p for p in pids if cleanup.start_time(p) is not None
                 and not cleanup._is_zombie(p)]
@@ -337,14 +342,7 @@ def test_a_loopback_testbed_killed_takes_its_aggregators_with_it():
     assert r.returncode == -9, r.stderr
     pids = [int(p) for p in r.stdout.split()]
     assert len(pids) == 2
-
-    def alive():
-        return [p for p in pids if cleanup.start_time(p) is not None
-                and not cleanup._is_zombie(p)]
-    deadline = time.monotonic() + 10
-    while alive() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not alive()
+    _all_end(pids)
 
 
 @needs_mininet
@@ -515,12 +513,7 @@ def test_a_host_whose_shell_died_is_named_instead_of_holding_the_run():
             tb.wire_bytes()
         assert time.monotonic() - start < 5
     assert not [n for n in cleanup.root_interfaces() if n.startswith(name)]
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and [p for p in pids if cleanup.start_time(p) is not None
-                                           and not cleanup._is_zombie(p)]:
-        time.sleep(0.05)
-    assert not [p for p in pids if cleanup.start_time(p) is not None
-                and not cleanup._is_zombie(p)]
+    _all_end(pids)
 
 
 @needs_mininet
