@@ -431,6 +431,10 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     try:
         out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        print(f"thc run: cannot create --out {out}: {e.strerror or e}", file=sys.stderr)
+        return 2
+    try:
         trial = out / f".thc-run-{os.getpid()}"
         try:
             trial.write_bytes(bytes(4096))   # not a directory modes train for, then cannot fill
