@@ -217,7 +217,7 @@ class Switch:
         stream = getattr(self.client, "stream_recv_thread", None)
         if stream is not None and not stream.is_alive():
             raise SwitchError(
-                f"the switch at {self.grpc_addr} ended this session's P4Runtime stream (it "
+                f"the switch at {self.grpc_addr} ended this controller's P4Runtime stream (it "
                 f"restarted, or closed the session): the session no longer holds the switch, "
                 f"and what it read before may not be what the switch holds now; nothing more "
                 f"goes through it. Run the command again")

@@ -1696,9 +1696,9 @@ static PyObject *fa_stream(PyObject *self, PyObject *args) {
     rctl = calloc(BATCH, GRO_CTL);
     rsrc = calloc(BATCH, sizeof(struct sockaddr_in));
     if (!rsrc || !c->aggs || !c->srtt || !c->rttvar || !c->last_reply || !c->asked ||
-        !c->nasked || !c->rejected || !c->not_float || !c->taken || !epoch || !c->sbuf || !done || !mark ||
-        !due || !backoff || !started || !later || !pend || !rbuf || !rmsgs || !riov ||
-        !rctl || !answered || !earliest || !resent_at) {
+        !c->nasked || !c->rejected || !c->not_float || !c->taken || !epoch || !c->sbuf ||
+        !done || !mark || !due || !backoff || !started || !later || !pend || !rbuf || !rmsgs ||
+        !riov || !rctl || !answered || !earliest || !resent_at) {
         PyErr_NoMemory();
         goto cleanup;
     }
@@ -2082,8 +2082,8 @@ static PyObject *fa_stream(PyObject *self, PyObject *args) {
 cleanup:
     if (c) {
         free(c->aggs); free(c->srtt); free(c->rttvar); free(c->sbuf);
-        free(c->last_reply); free(c->asked); free(c->nasked); free(c->rejected); free(c->not_float);
-        free(c->taken); free(c);
+        free(c->last_reply); free(c->asked); free(c->nasked); free(c->rejected);
+        free(c->not_float); free(c->taken); free(c);
     }
     free(epoch); free(done); free(answered); free(earliest); free(resent_at); free(mark);
     free(due); free(backoff); free(started); free(later);

@@ -320,7 +320,6 @@ class MininetTestbed(Testbed):
         finally:
             self._release_signals()
 
-
     def _watched_procs(self) -> list:
         """The aggregators, and a BMv2 switch: it runs outside every host."""
         watch = self._aggregator_procs()

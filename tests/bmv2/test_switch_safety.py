@@ -306,7 +306,7 @@ def test_a_session_whose_switch_restarted_writes_nothing_into_the_new_one():
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out["holder"] == "ready", out
-    assert "ended this session's P4Runtime stream" in out.get("write", ""), out
+    assert "ended this controller's P4Runtime stream" in out.get("write", ""), out
     assert "PERMISSION_DENIED" in out.get("fenced", ""), out
     assert out["groups"] == "[]", out
     assert "another controller is primary" in out.get("second", ""), out
