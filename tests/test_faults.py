@@ -79,6 +79,12 @@ def test_the_bitmap_reference_sums_only_the_counted_workers():
     assert bitmap_mismatches(ref, ref, [2, 2, 0], bitmaps, lanes) == lanes  # count != bits
 
 
+def _completions(tb) -> int:
+    """Chunks the testbed's aggregator completed, as its stats file last said."""
+    counters = tb.aggregator_counters() or {}
+    return sum(job.get("completions", 0) for job in counters.get("jobs", {}).values())
+
+
 def test_halted_workers_wait_at_one_round_however_late_the_stop_is_named(tmp_path):
     """The driver may be descheduled between reading the workers' progress and naming the
     round to stop at (a count taken from progress read while they run was passed before it
@@ -94,7 +100,9 @@ def test_halted_workers_wait_at_one_round_however_late_the_stop_is_named(tmp_pat
         until.mkdir()
         procs = tb.start_workers(matrix.worker_argv(tb, tb.job.lanes * 4, rounds=1 << 30,
                                                     deadline=30.0, until=str(until)))
-        time.sleep(1.0)
+        end = time.monotonic() + 60   # a loaded machine starts its workers late
+        while not _completions(tb) and time.monotonic() < end:
+            time.sleep(0.05)
         (until / "halt").touch()
         end = time.monotonic() + 60
         while not any(until.glob("done-*")) and time.monotonic() < end:
