@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from thc.controller import forwarding, p4rt
 from thc.controller.frames import mac_str
-from thc.controller.job_entries import (AggAddress, addr_entries, job_entry, lut_entries,
-                                        worker_entries)
+from thc.controller.job_entries import (AggAddress, addr_entries, job_entry, worker_entries)
+from thc.controller.job_checks import target_of
 from thc.controller.program import ADDR_TABLE, JOB_TABLE, WORKER_TABLE
 from thc.controller.switch import Switch
 from thc.wire import protocol as P
@@ -103,11 +103,9 @@ def unchanged(sw: Switch, job: Job, agg: AggAddress, job_index: int | None = Non
         return False
     luts = lut_tables(sw)
     checked = [luts[0], luts[-1]] if luts else []
-    checked_ids = {sw.tables.get(t, "table").preamble.id for t in checked}
     wanted = [job_entry(sw, job, cfg["job_index"], cfg["epoch"]), *worker_entries(sw, job),
               *addr_entries(sw, job, agg),
-              *(e for e in lut_entries(sw, job, cfg["job_index"])
-                if p4rt.entity_table_id(e) in checked_ids)]
+              *target_of(sw).lut_entries(sw, job, cfg["job_index"], tables=checked)]
     have = [*(e for table in (JOB_TABLE, WORKER_TABLE, ADDR_TABLE)
               for e in entries_of(sw, table, job.job_id)),
             *(e for table in checked

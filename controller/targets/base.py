@@ -8,6 +8,7 @@ the lookup entries of a job.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Collection
 from pathlib import Path
 
 from thc.controller.toolchain import BUILD_DIR
@@ -60,8 +61,15 @@ class Target(ABC):
         """ConfigError when the program cannot run ``job`` (host/wire/jobs.py Job); by
         default a target runs every job that validates."""
 
+    @staticmethod
+    def wanted(sw, table: str, tables: Collection[str] | None) -> bool:
+        """Whether lookup table ``table`` is among ``tables`` (None: all of them)."""
+        return tables is None or sw.tables.get(table, "table").preamble.name in tables
+
     @abstractmethod
-    def lut_entries(self, sw, job, job_index: int, with_action: bool = True) -> list[bytes]:
+    def lut_entries(self, sw, job, job_index: int, with_action: bool = True,
+                    tables: Collection[str] | None = None) -> list[bytes]:
         """A job's lookup entries, serialized (controller/switch.py ``Switch.entries_bytes``);
-        without action: the keys, to delete them."""
+        without action: the keys, to delete them. ``tables``: only those of these lookup
+        tables (names as the P4Info gives them), as a comparison reads a few back."""
 

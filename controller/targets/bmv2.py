@@ -10,6 +10,8 @@ sit in the group's 32-bit sum words:
 """
 from __future__ import annotations
 
+from collections.abc import Collection
+
 from thc.controller.targets.base import Target
 from thc.controller.toolchain import BUILD_DIR
 from thc.wire import protocol as P
@@ -59,13 +61,16 @@ class Bmv2(Target):
     def lanes(self, p4info) -> int:
         return GROUP_LANES * self.groups(p4info)
 
-    def lut_entries(self, sw, job, job_index: int, with_action: bool = True) -> list[bytes]:
+    def lut_entries(self, sw, job, job_index: int, with_action: bool = True,
+                    tables: Collection[str] | None = None) -> list[bytes]:
         """256 x 4 lookup entries per lane group, keyed on the job id."""
         values = lut_values(job) if with_action else None
         out = []
         for group in range(sw.lanes // GROUP_LANES):
             for pos in range(GROUP_BYTES):
                 table = LUT_TABLE.format(group, pos)
+                if not self.wanted(sw, table, tables):
+                    continue
                 if with_action:
                     out += sw.entries_bytes(table, lut_action(group, pos, job.sum_bits), [
                         ({"job_id": job.job_id, "idx": byte}, {"value": values[pos][byte]})

@@ -27,6 +27,8 @@ counters become Tofino externs that P4Runtime's counter reads do not address).
 """
 from __future__ import annotations
 
+from collections.abc import Collection
+
 from thc.controller.targets.base import Target
 from thc.controller.toolchain import BUILD_DIR
 from thc.wire import protocol as P
@@ -113,13 +115,16 @@ class Tofino(Target):
                 f"most {CLOSED_BIT} (bit {CLOSED_BIT} of a slot's bitmap marks a use closed "
                 f"by a FLUSH)")
 
-    def lut_entries(self, sw, job, job_index: int, with_action: bool = True) -> list[bytes]:
+    def lut_entries(self, sw, job, job_index: int, with_action: bool = True,
+                    tables: Collection[str] | None = None) -> list[bytes]:
         """256 entries in each word's two index tables, keyed on the job's index (pass 0
         bridges it to the passes that look up)."""
         self.check_job(job)
         out = []
         for word in range(self.groups(sw.p4info)):
             for h in range(WORD_KEYS):
+                if not self.wanted(sw, LUT_TABLE.format(word, h), tables):
+                    continue
                 out += self._entries(sw, LUT_TABLE.format(word, h), LUT_ACTION.format(word, h),
                                      lut_values(job, h), job_index, with_action)
         return out
