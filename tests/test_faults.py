@@ -103,6 +103,7 @@ def test_halted_workers_wait_at_one_round_however_late_the_stop_is_named(tmp_pat
         end = time.monotonic() + 60   # a loaded machine starts its workers late
         while not _completions(tb) and time.monotonic() < end:
             time.sleep(0.05)
+        assert _completions(tb), "the workers completed no chunk in 60 s"
         (until / "halt").touch()
         end = time.monotonic() + 60
         while not any(until.glob("done-*")) and time.monotonic() < end:

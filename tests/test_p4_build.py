@@ -261,8 +261,9 @@ def test_bmv2_program_compiles_as_committed(tmp_path):
     if gen.p4c_version() != recorded:
         pytest.skip(f"p4c is {gen.p4c_version()!r}, the build was recorded with {recorded!r}")
     out = tmp_path / "build"
-    r = subprocess.run(["p4c", "--target", "bmv2", "--arch", "v1model", "-o", str(out),
-                        "--p4runtime-files", str(out / "thc.p4info.txt"), "p4src/thc.p4"],
+    r = subprocess.run([gen.p4c_binary(), "--target", "bmv2", "--arch", "v1model", "-o",
+                        str(out), "--p4runtime-files", str(out / "thc.p4info.txt"),
+                        "p4src/thc.p4"],
                        capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-3000:]
     assert (out / "thc.p4info.txt").read_text() == (BUILD / "thc.p4info.txt").read_text()

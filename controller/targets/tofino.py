@@ -123,9 +123,10 @@ class Tofino(Target):
         out = []
         for word in range(self.groups(sw.p4info)):
             for h in range(WORD_KEYS):
-                if not self.wanted(sw, LUT_TABLE.format(word, h), tables):
+                table = LUT_TABLE.format(word, h)
+                if not self.wanted(sw, table, tables):
                     continue
-                out += self._entries(sw, LUT_TABLE.format(word, h), LUT_ACTION.format(word, h),
+                out += self._entries(sw, table, LUT_ACTION.format(word, h),
                                      lut_values(job, h), job_index, with_action)
         return out
 
