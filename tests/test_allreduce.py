@@ -971,3 +971,21 @@ def test_rounds_on_one_client_in_unlike_orders_are_refused_at_once():
     for rank in (0, 1):
         for took, got in res[rank].values():
             assert took < 10 and "the workers' rounds differ" in got, res
+
+
+def test_a_float16_estimate_past_its_range_comes_back_finite():
+    """Finite float16 inputs (+-60000): the estimate of a coordinate may pass 65504 (t_p times
+    the slice's max norm), where the cast alone gave Inf on every worker. It is held to
+    +-65504, which only moves it towards the mean; the rest equals the float32 round's."""
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_tcp_port()}",
+                            rank=0, world_size=1)
+    try:
+        sign = torch.randint(0, 2, (4096,), generator=torch.Generator().manual_seed(2)) * 2 - 1
+        x = (sign * 60000.0).half()
+        wide = THCAllReduce.through_torch_distributed(params=PARAMS, generator=3)(x.float())
+        got = THCAllReduce.through_torch_distributed(params=PARAMS, generator=3)(x)
+    finally:
+        dist.destroy_process_group()
+    assert (wide.abs() > 65504).any(), "no estimate past float16's range: nothing is tested"
+    assert got.dtype == torch.float16 and torch.isfinite(got).all()
+    assert torch.equal(got, wide.clamp(-65504, 65504).half())

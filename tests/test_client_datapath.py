@@ -833,3 +833,48 @@ def test_a_deadline_ends_the_round_in_time_rather_than_hang(job, datapath):
         assert out["error"].missing == [1]
     finally:
         agg.close()
+
+
+@pytest.mark.parametrize("kw", [{"timeout": 4.0, "max_timeout": 4.0, "deadline": 0.5},
+                                {"max_timeout": 8.0, "deadline": 3.0, "tos": True}],
+                         ids=["deadline-below-timeout", "priority-classes-backoff"])
+def test_no_resend_timer_waits_past_the_deadline(job, datapath, kw):
+    """A chunk's resend timer is cut at its deadline: a deadline below the timeout, or a
+    chunk of a priority class backed off towards max_timeout, raises at the deadline (they
+    raised after 4 s for a 0.5 s deadline, 5.1 s for 3 s)."""
+    kw = dict(kw)
+    tos = kw.pop("tos", False)
+    with answering(lambda data: [_reply(job, data, P.PktType.PENDING, 1, 0b01)]) as addr:
+        with AggregationClient(job, 0, addr, run=5, **kw) as c:
+            packed = _packed(job, 1)[: job.lanes]
+            t0 = time.monotonic()
+            with pytest.raises(AggregationTimeout, match=r"missing worker\(s\) \[1\]"):
+                c.aggregate(packed, classes=np.zeros(2, int) if tos else None)
+            waited = time.monotonic() - t0
+            assert c.stats.compiled_rounds == (datapath == "compiled" and not tos)
+    assert kw["deadline"] <= waited < kw["deadline"] + 0.4, waited
+
+
+@pytest.mark.parametrize("answer", ["another-worker", "another-job", "echo"])
+def test_an_aggregator_answering_with_other_ids_is_not_called_silent(job, datapath, answer):
+    """Replies from the aggregator's address that are no reply to this worker's chunks (its
+    egress writes another worker's or job's id, or an echo on its port) are ignored, and the
+    timeout counts them instead of naming a silent aggregator alone."""
+    def reply(data):
+        out = bytearray(_complete(data, P.PktType.RESULT, job))
+        fields = list(P.HEADER_STRUCT.unpack_from(out))
+        if answer == "echo":
+            return [data]
+        fields[1 if answer == "another-worker" else 2] += 1
+        P.HEADER_STRUCT.pack_into(out, 0, *fields)
+        return [bytes(out) + bytes(P.payload_bytes(P.PktType.RESULT, job.lanes))]
+
+    with answering(reply) as addr:
+        with AggregationClient(job, 0, addr, run=2, deadline=0.3) as c:
+            with pytest.raises(AggregationTimeout, match=r"no answer .*; \d+ datagrams from "
+                                                         r"the aggregator's address this "
+                                                         r"round answered no chunk") as e:
+                c.aggregate(_index_zero(job, 1))
+            assert c.stats.compiled_rounds == (datapath == "compiled")
+    assert c.stats.strays == c.stats.ignored == c.stats.received > 0
+    assert f"; {c.stats.strays} datagrams" in str(e.value)

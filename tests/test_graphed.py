@@ -95,6 +95,27 @@ def test_graphed_rounds_equal_the_eager_allreduce(dtype):
 
 
 @kernels
+@pytest.mark.parametrize("deferred", [False, True], ids=["waited", "deferred"])
+def test_a_float16_estimate_past_its_range_is_held_to_it_as_the_eager_rounds(deferred):
+    """Finite float16 inputs (+-60000) whose estimate passes 65504: waited for or deferred,
+    the graphed round returns the eager round's finite float16 values, not Inf."""
+    _group()
+    try:
+        eager = THCAllReduce.through_torch_distributed(params=P, generator=5,
+                                                       backend="triton")
+        graphed = GraphedAllReduce.through_torch_distributed(params=P, generator=5,
+                                                             deferred_checks=deferred)
+        sign = torch.randint(0, 2, (3 * 256,), generator=torch.Generator().manual_seed(4))
+        x = ((sign * 2 - 1) * 60000.0).to(DEV, torch.float16)
+        a, b = eager(x), graphed(x)
+        assert b.dtype == torch.float16 and torch.isfinite(b).all()
+        assert (a.abs() == 65504).any(), "no estimate held to float16's range"
+        assert torch.equal(a, b)
+    finally:
+        dist.destroy_process_group()
+
+
+@kernels
 def test_a_padded_tail_carries_its_residual_as_the_eager_round_of_the_padded_tensor():
     """With error feedback the padding is part of the round's input: its residual is added
     to it as to every coordinate, so three rounds equal, bit for bit, an eager reducer's on

@@ -171,6 +171,20 @@ def scale_factor(factor) -> float:
     return float(factor)
 
 
+def cast_estimate(est, dtype, copy: bool = False):
+    """An estimate of a mean of ``dtype`` values (a float32 torch tensor) as ``dtype``, held to
+    its finite range where that is narrower (float16): the mean of finite values lies in
+    that range, so this only moves a coordinate towards it. The cast alone made an estimate
+    past 65504 (it reaches t_p times its slice's max norm) an Inf from finite inputs. NaN
+    stays NaN; ``copy``: a new tensor even where the dtype is the estimate's."""
+    import torch
+    out = est.to(dtype, copy=copy)
+    if out.dtype.is_floating_point and torch.finfo(out.dtype).max < torch.finfo(est.dtype).max:
+        top = torch.finfo(out.dtype).max
+        out.nan_to_num_(nan=float("nan"), posinf=top, neginf=-top)
+    return out
+
+
 class NonFiniteInput(ValueError):
     """The input holds NaN or Inf, or a slice norm beyond :func:`norm_limit`: an overflow,
     which a reducer may hand on (``nonfinite="propagate"``), where any other error is a

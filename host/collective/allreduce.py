@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from thc.codec.common import (NonFiniteInput, check_float, check_generator, check_key,
-                              norm_limit)
+from thc.codec.common import (NonFiniteInput, cast_estimate, check_float, check_generator,
+                              check_key, norm_limit)
 from thc.codec.params import THCParams
 from thc.codec.thc import ErrorFeedback, THCCodec, table_values
 from thc.collective import agreement
@@ -457,7 +457,7 @@ class THCAllReduce:
         self._open = True   # a failure from here on is this worker's alone
         if self.feedback:
             self.feedback.keep(y, own)
-        out = est.reshape(tensor.shape).to(tensor.dtype)
+        out = cast_estimate(est.reshape(tensor.shape), tensor.dtype)
         self._open = False
         self.stats.calls += 1
         self.stats.elements += flat.numel()

@@ -66,8 +66,8 @@ import torch
 
 from thc.codec import kernels
 from thc.codec.backends import kernels_for
-from thc.codec.common import (NORM_MARK, STATUS_WORDS, WHOLE, NonFiniteInput, check_float,
-                              check_key, norm_limit, raise_status, scale_factor)
+from thc.codec.common import (NORM_MARK, STATUS_WORDS, WHOLE, NonFiniteInput, cast_estimate,
+                              check_float, check_key, norm_limit, raise_status, scale_factor)
 from thc.codec.params import THCParams
 from thc.codec.thc import THCCodec
 from thc.collective import agreement, replay
@@ -531,7 +531,8 @@ class GraphedAllReduce:
                 # NaN where it overflowed and is handed on
                 refused = torch.where(b.overflow, float("nan"), 0.0) \
                     if self.nonfinite == "propagate" else 0.0
-                out = torch.where(b.clean, b.out[:b.numel], refused).to(tensor.dtype)
+                out = cast_estimate(torch.where(b.clean, b.out[:b.numel], refused),
+                                    tensor.dtype)
                 # after the reads of the buffers: its event covers them
                 self._pending = replay.defer(b.report, b.host, self.round - 1, self.timeout)
             except BaseException as e:
@@ -546,7 +547,8 @@ class GraphedAllReduce:
                 out = torch.full_like(tensor, float("nan"))
             else:
                 # a copy: the next round overwrites the buffer
-                out = self._after_sum(lambda: b.out[:b.numel].to(tensor.dtype, copy=True))
+                out = self._after_sum(lambda: cast_estimate(b.out[:b.numel], tensor.dtype,
+                                                            copy=True))
         self.stats.calls += 1
         self.stats.elements += b.numel
         self.stats.seconds["graph"] += time.perf_counter() - t0

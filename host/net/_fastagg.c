@@ -1338,7 +1338,7 @@ enum { M_RESENT = 1, M_OVERTAKEN = 2, M_LONE = 4, M_UNPAIRED = 8 };
 enum { EV_DONE, EV_RESTARTED, EV_TIMEOUT, EV_OSERROR, EV_REFUSED, EV_SHORT, EV_MISCONFIGURED };
 enum { S_SENT, S_RETRANSMITTED, S_RECEIVED, S_IGNORED, S_OTHER_RUN, S_PENDING, S_BYTES_SENT,
        S_BYTES_RECEIVED, S_REJECTED, S_SPURIOUS, S_ELSEWHERE, S_GSO_SENDS, S_GRO_BURSTS,
-       N_CSTATS };
+       S_STRAYS, N_CSTATS };
 
 typedef struct {
     int fd, n_shards, window, lanes, n_workers, is_data, chunk_bytes;
@@ -1757,6 +1757,7 @@ static PyObject *fa_stream(PyObject *self, PyObject *args) {
             long r = hi % window;
             cl_send(c, hi);
             due[r] = now + cl_rto(c, cl_shard(c, hi));
+            if (due[r] > now + deadline) due[r] = now + deadline;
             backoff[r] = timeout;
             started[r] = now;
             later[r] = 0;
@@ -1813,6 +1814,10 @@ static PyObject *fa_stream(PyObject *self, PyObject *args) {
                         (r_type != c->pending_type && r_type != c->result_type &&
                          r_type != (uint8_t)other_result && r_type != (uint8_t)refused_type)) {
                         c->st[S_IGNORED]++;
+                        if (rsrc[k].sin_family == AF_INET &&
+                            rsrc[k].sin_addr.s_addr == c->aggs[shard].sin_addr.s_addr &&
+                            rsrc[k].sin_port == c->aggs[shard].sin_port)
+                            c->st[S_STRAYS]++;   /* from the aggregator, for no chunk here */
                         continue;
                     }
                     if (rsrc[k].sin_family != AF_INET ||
@@ -1835,6 +1840,7 @@ static PyObject *fa_stream(PyObject *self, PyObject *args) {
                                rd32(d + 12) == (uint32_t)(c->offset_base + (uint64_t)i * lanes);
                     if (!ours || done[i]) {
                         c->st[S_IGNORED]++;
+                        if (!ours) c->st[S_STRAYS]++;
                         if (ours && answered[i] >= 0 && r_type == c->result_type &&
                             n - HDR == (size_t)expect_payload && !(r_bitmap & ~full) &&
                             __builtin_popcount(r_bitmap) == r_count && now >= earliest[i]) {
@@ -1981,6 +1987,8 @@ static PyObject *fa_stream(PyObject *self, PyObject *args) {
                                                      M_OVERTAKEN);
                                 backoff[rj] = rto;
                                 due[rj] = now + rto;
+                                if (due[rj] > started[rj] + deadline)
+                                    due[rj] = started[rj] + deadline;
                                 later[rj] = -4 * fast_after;
                             }
                         }
@@ -2007,7 +2015,7 @@ static PyObject *fa_stream(PyObject *self, PyObject *args) {
         for (long i = lo; i < hi && event == EV_DONE; i++) {
             long r = i % window;
             if (done[i] || due[r] > now) continue;
-            if (now - started[r] > deadline) {
+            if (now - started[r] >= deadline) {
                 event = EV_TIMEOUT;
                 ev_chunk = i;
                 ev_bitmap = pend[r];
@@ -2041,6 +2049,8 @@ static PyObject *fa_stream(PyObject *self, PyObject *args) {
             }
             backoff[r] = b;
             due[r] = now + b;
+            /* a backoff never waits past the deadline: the chunk's timeout is raised then */
+            if (due[r] > started[r] + deadline) due[r] = started[r] + deadline;
         }
         cl_flush(c);
         if (event == EV_DONE && c->err) event = EV_OSERROR;

@@ -346,7 +346,7 @@ class AggregationClient:
                             f"(client.run = a newer id, the same on every worker)")
         rnd = Round(pkt_type, chunks, out, offset_base, lanes, dtype, tos, self.next_seq,
                     self._run, counts, bitmaps, [e is not None for e in self.epochs],
-                    self.stats.elsewhere, self.stats.other_run)
+                    self.stats.elsewhere, self.stats.other_run, self.stats.strays)
         window = next(w for w in self._windows if w.fits(self, rnd))
         self._drain()
         try:

@@ -53,6 +53,7 @@ class Streamed:
     elsewhere: int
     gso_sends: int
     gro_bursts: int
+    strays: int
     srtt: list
     rttvar: list
 
@@ -97,7 +98,7 @@ class CompiledWindow:
         r = stream(end, rnd, np.ascontiguousarray(rnd.chunks, dtype=np.uint8))
         for name in ("sent", "retransmitted", "received", "ignored", "other_run", "pending",
                      "bytes_sent", "bytes_received", "rejected", "spurious", "elsewhere",
-                     "gso_sends", "gro_bursts"):
+                     "gso_sends", "gro_bursts", "strays"):
             setattr(s, name, getattr(s, name) + getattr(r, name))
         end.rtt.srtt, end.rtt.rttvar = r.srtt, r.rttvar
         if r.event == STREAM_RESTARTED:

@@ -176,6 +176,11 @@ class TransportStats:
     """Replies to this worker of its job from the port of the chunk's aggregator at another
     IP: counted in ``ignored`` too. An aggregator (or a NAT before it) that answers from
     another address than the one workers send to is never heard."""
+    strays: int = 0
+    """Replies from the chunk's aggregator's address that answer no chunk of this worker in
+    flight (another worker id, job id or packet type, or another offset, slot or version):
+    counted in ``ignored`` too. An aggregator that answers every send with these is not
+    silent: it writes another job's or worker's ids, or rewrites those fields."""
     gso_sends: int = 0
     """UDP GSO sends of the compiled window, each several DATA datagrams in one trip down the
     stack (``sent`` counts the datagrams)."""

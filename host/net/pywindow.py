@@ -171,7 +171,7 @@ class PythonWindow:
                 packets[hi] = packet(hi)
                 send(packets[hi], dst(hi), tos[hi] if tos else 0)
                 now = time.monotonic()
-                due[hi] = now + end.rtt.rto(shard_of(hi))
+                due[hi] = min(now + end.rtt.rto(shard_of(hi)), now + end.deadline)
                 backoff[hi], started[hi] = end.timeout, now
                 hi += 1
             next_due = min(due.values()) if due else now + end.timeout
@@ -199,6 +199,8 @@ class PythonWindow:
                     shard = r_seq % n_shards
                     if r_job != job_id or r_worker != me or r_type not in reply_types:
                         end.stats.ignored += 1
+                        if src == aggs[shard]:
+                            end.stats.strays += 1
                         continue
                     if src != aggs[shard]:
                         end.stats.ignored += 1
@@ -213,6 +215,7 @@ class PythonWindow:
                             and r_offset == (offset_base + i * lanes) % P.SEQ_MOD)
                     if not ours or done[i]:
                         end.stats.ignored += 1
+                        end.stats.strays += not ours
                         if (ours and i in answered and r_type == result_type
                                 and nbytes - header_bytes == expect_payload
                                 and not r_bitmap & ~full
@@ -305,8 +308,8 @@ class PythonWindow:
                             backoff[lo] = min(backoff[lo], rto)
                             due[lo] = min(due[lo], time.monotonic() + rto)
                     if i > lo:
-                        _fast_retransmit(end, i, due, backoff, later, overtaken, resend,
-                                              shard_of, tos)
+                        _fast_retransmit(end, i, due, started, backoff, later, overtaken,
+                                         resend, shard_of, tos)
             else:
                 end.impair.flush()
             now = time.monotonic()
@@ -315,7 +318,7 @@ class PythonWindow:
             for i, t in list(due.items()):
                 if t > now:
                     continue
-                if now - started[i] > end.deadline:
+                if now - started[i] >= end.deadline:
                     s, rto = shard_of(i), end.rtt.rto(shard_of(i))
                     raise_timeout(end, rnd, i, pending_bitmap.get(i), now - last_reply[s],
                                   rejected[s], sum(now - at >= rto for at in asked[s]),
@@ -335,11 +338,12 @@ class PythonWindow:
                 cap = (FAST_BACKOFF_CAP * rto if i in overtaken or (i == lo and tos is None)
                        or pending_bitmap.get(i, 0) >> 32 else end.max_timeout)
                 backoff[i] = min(max(backoff[i], rto) * 2, cap, end.max_timeout)
-                due[i] = now + backoff[i]
+                due[i] = min(now + backoff[i], started[i] + end.deadline)   # then it raises
 
 
-def _fast_retransmit(end: Endpoint, j: int, due: dict, backoff: dict, later: dict,
-                     overtaken: set, resend, shard_of, tos: list[int] | None) -> None:
+def _fast_retransmit(end: Endpoint, j: int, due: dict, started: dict, backoff: dict,
+                     later: dict, overtaken: set, resend, shard_of,
+                     tos: list[int] | None) -> None:
     """Chunk ``j`` overtook outstanding chunks of the same shard (chunks of different
     shards complete in no particular order): every worker's chunks get through, so these
     or their results were lost. Resend them after a few such overtakes (TCP's dupack
@@ -356,7 +360,7 @@ def _fast_retransmit(end: Endpoint, j: int, due: dict, backoff: dict, later: dic
         later[i] = later.get(i, 0) + 1
         if later[i] == FAST_RETRANSMIT_AFTER:
             resend(i, may_flush=False)
-            due[i] = now + rto
+            due[i] = min(now + rto, started[i] + end.deadline)
             later[i] = -4 * FAST_RETRANSMIT_AFTER
             if tos is None or tos[i] == tos[j]:
                 overtaken.add(i)

@@ -123,6 +123,8 @@ class Round:
     """The worker's ``stats.elsewhere`` when the round began."""
     other_run: int = 0
     """The worker's ``stats.other_run`` when the round began."""
+    strays: int = 0
+    """The worker's ``stats.strays`` when the round began."""
 
     @property
     def is_data(self) -> bool:
@@ -266,6 +268,12 @@ def raise_timeout(end: Endpoint, rnd: Round, i: int, bitmap: int | None, silent:
             hint += (f"; {other_run} replies to this worker this round came from {who} with "
                      f"another run id than this round's ({rnd.run}) and were ignored: it "
                      f"answers another run of this job, or writes the run field wrong")
+        strays = end.stats.strays - rnd.strays
+        if strays:
+            hint += (f"; {strays} datagrams from {who}'s address this round answered no chunk "
+                     f"of this worker in flight (another worker id, job id or packet type, or "
+                     f"another offset, slot or version) and were ignored: it answers with "
+                     f"another job's or worker's ids, or rewrites those fields")
         raise AggregationTimeout(f"{at}; no answer from {who} at {ip}:{port}{hint}", None,
                                  shard)
     if quiet:
