@@ -367,7 +367,7 @@ def _refusing_worker(rank, port, q):
              (x.to_sparse() if rank else x, None), (x.numpy() if rank else x, None),
              ([1.0, [2.0]] if rank else x, None),
              (np.broadcast_to(np.float32(0), (1 << 20, 1 << 20)) if rank else x, None),
-             (x, None)]
+             (torch.empty(1024, device="meta") if rank else x, None), (x, None)]
     out = []
     for tensor, position in calls:
         try:
@@ -383,7 +383,7 @@ def test_a_worker_refusing_its_input_ends_its_peers_round_too():
     silently) used to leave the peer waiting in a collective: now the refusing worker's round
     goes out marked, every worker refuses it, and the next round is good on both."""
     res = gloo_pair(_refusing_worker)
-    (bad_pos, bad_dtype, unreadable, sparse, array, ragged, huge, good), rounds = res[1]
+    (bad_pos, bad_dtype, unreadable, sparse, array, ragged, huge, meta, good), rounds = res[1]
     assert "layer positions must lie in [0, 1]" in bad_pos
     assert "floating-point tensors, got torch.bool" in bad_dtype
     assert "Could not infer dtype" in unreadable
@@ -399,8 +399,11 @@ def test_a_worker_refusing_its_input_ends_its_peers_round_too():
     # 2^40 elements in a few bytes: zeros of its size cannot be had, so it stands in as
     # empty; once its stand-in failed before the round, and every later sum was a step off
     assert "takes a torch.Tensor, got ndarray" in huge and "differ" in peer[6], (huge, peer)
-    assert good == pytest.approx(1.0, abs=0.1) and peer[7] == pytest.approx(1.0, abs=0.1)
-    assert rounds == rounds0 == 8
+    # a meta tensor has no values: Gloo "summed" it without sending, the peer was told the
+    # workers were in different rounds, and every later round was refused
+    assert "on the meta device" in meta and "mark of a worker" in peer[7], (meta, peer)
+    assert good == pytest.approx(1.0, abs=0.1) and peer[8] == pytest.approx(1.0, abs=0.1)
+    assert rounds == rounds0 == 9
 
 
 def _skipping_worker(rank, port, q, kind):

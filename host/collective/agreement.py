@@ -64,12 +64,17 @@ def input_of(obj, device="cpu") -> tuple[torch.Tensor, Exception | None]:
     their tensors: NCCL moves device tensors only) stand in for it, as many as its elements;
     none where it has no size, or one too large to hold (a peer whose tensor is not empty
     refuses that round as unlike). A stand-in that failed to build would leave this worker
-    a round behind its peers, each later sum paired with their previous one."""
-    if isinstance(obj, torch.Tensor):
+    a round behind its peers, each later sum paired with their previous one. A meta tensor,
+    which has a size but no values (and which Gloo "sums" without sending), is refused and
+    stood in for alike."""
+    if isinstance(obj, torch.Tensor) and not obj.is_meta:
         return obj, None
-    error = TypeError(f"a reducer takes a torch.Tensor, got {type(obj).__name__}")
+    error = (ValueError("a reducer takes a tensor with values, got one on the meta device")
+             if isinstance(obj, torch.Tensor) else
+             TypeError(f"a reducer takes a torch.Tensor, got {type(obj).__name__}"))
     try:
-        return torch.zeros(int(np.size(obj)), device=device), error
+        n = obj.numel() if isinstance(obj, torch.Tensor) else int(np.size(obj))
+        return torch.zeros(n, device=device), error
     except Exception:  # noqa: BLE001 - no size, a ragged or lying one: it stands in as empty
         return torch.zeros(0, device=device), error
 
