@@ -91,8 +91,9 @@ def unchanged(sw: Switch, job: Job, agg: AggAddress, job_index: int | None = Non
     again would only reset slots that its workers may be using.
 
     Of the lookup tables, the first and the last are compared: every lookup table derives
-    from the job's table and is written in one step before the job entry, and an install cut
-    short leaves the worker entries missing, which the comparison sees."""
+    from the job's table and is written in one step, before the worker entries (the last
+    write), so an install cut short leaves the worker entries missing, which the comparison
+    sees."""
     installed = installed_jobs(sw)
     cfg = installed.get(job.job_id)
     if cfg is None or (job_index is not None and cfg["job_index"] != job_index):

@@ -285,6 +285,27 @@ CLOSE_WAIT = 5.0
 """Seconds a closing session waits for the switch to end its stream before cancelling it."""
 
 
+def primary_taken(client) -> tuple[int, int] | None:
+    """The election id of another controller that became primary since the session's setup,
+    from the arbitration updates its stream received (the server sends every session one
+    whenever the primary changes; the shell queues them, unread, after its handshake), or
+    None. Once taken, a switch returns to this session when that controller closes, and
+    its writes are accepted again: only the updates tell that another one held it."""
+    import queue
+    own = tuple(client.election_id)
+    updates = client.stream_in_q["arbitration"]
+    while True:
+        try:
+            msg = updates.get_nowait()
+        except queue.Empty:
+            return None
+        if msg is None:   # the stream ended: the session's other check names it
+            return None
+        other = (msg.arbitration.election_id.high, msg.arbitration.election_id.low)
+        if other != own:
+            return other
+
+
 def close_session(client) -> None:
     """``shell.teardown`` for the session :func:`open_session` opened, bounded: teardown
     waits for the switch to end the session's stream, which a switch that stopped answering

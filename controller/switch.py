@@ -136,6 +136,7 @@ class Switch:
         self.client = None
         self.p4info = None
         self._writer: p4rt.BatchWriter | None = None
+        self._taken_by: tuple[int, int] | None = None
 
     # -- session ------------------------------------------------------------------------
     def connect(self, program: str | None = "thc", build_dir: Path | str = BUILD_DIR) -> "Switch":
@@ -221,6 +222,16 @@ class Switch:
                 f"restarted, or closed the session): the session no longer holds the switch, "
                 f"and what it read before may not be what the switch holds now; nothing more "
                 f"goes through it. Run the command again")
+        if self.is_primary and self._taken_by is None and hasattr(self.client, "stream_in_q"):
+            self._taken_by = p4rt.primary_taken(self.client)
+        if self._taken_by is not None:
+            raise SwitchError(
+                f"another controller (election id {self._taken_by}) became primary on "
+                f"{self.grpc_addr} during this session: it may have changed the switch since "
+                f"this session read it (installed a job in a slot pool or index this one "
+                f"planned to use), and the switch accepts this session's writes again once "
+                f"it closes, so nothing more goes through this one. Run the command again "
+                f"when that controller is done")
         return self.client
 
     # -- P4Info -------------------------------------------------------------------------

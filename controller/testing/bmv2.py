@@ -187,6 +187,15 @@ class LocalBMv2:
         self._start_switch(None)
 
     # -- teardown -------------------------------------------------------------------------
+    def reconnect(self) -> Switch:
+        """A new controller session on the running switch, its program and entries kept: a
+        session another controller displaced refuses everything (controller/switch.py)."""
+        if self.sw is not None:
+            self.sw.close()
+        self.sw = None
+        self.sw = Switch(self.grpc_addr, device_id=0, timeout=10.0).connect(program=None)
+        return self.sw
+
     def close(self) -> None:
         self._stop.set()
         if self._thread is not None:

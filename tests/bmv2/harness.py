@@ -199,6 +199,10 @@ class BMv2Harness(Harness):
     def lanes(self) -> int:
         return self.sw.lanes
 
+    def reconnect(self) -> None:
+        """A new session in place of one another controller displaced."""
+        self.sw = self.switch.reconnect()
+
     def close(self) -> None:
         self.switch.close()
 

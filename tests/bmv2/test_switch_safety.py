@@ -14,7 +14,7 @@ import pytest
 
 from thc.controller import installed, job_entries, jobs, program, toolchain
 from thc.controller.p4rt import WRITER_TOP
-from thc.controller.switch import Switch
+from thc.controller.switch import Switch, SwitchError
 from thc.wire.jobs import Cluster, ConfigError
 from tests.bmv2.harness import AGG_IP, AGG_MAC
 from tests.bmv2.packets import check_result, check_round, data, random_indices, round_trip
@@ -178,6 +178,13 @@ def test_cli_refuses_a_live_job_and_names_it(bmv2, tmp_path):
                            text=True, timeout=60)
     assert r.returncode == 1
     assert f"job {job.job_id} is live" in r.stderr and "--force" in r.stderr
+    # the command's session outranked the harness's, which the switch obeys again now that
+    # the command closed; but that command could have installed a job in a pool or index
+    # the displaced session had planned to use (it wrote one there, without an error)
+    with pytest.raises(SwitchError, match=rf"another controller \(election id \({WRITER_TOP}, "
+                                          r"0\)\) became primary .* during this session"):
+        jobs.remove_job(bmv2.sw, job.job_id, force=True)
+    bmv2.reconnect()
     assert job.job_id in installed.installed_jobs(bmv2.sw)
 
 
