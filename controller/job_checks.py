@@ -5,6 +5,7 @@ from __future__ import annotations
 import ipaddress
 
 from thc.controller import forwarding, targets
+from thc.controller.program import L2_TABLE
 from thc.controller.switch import Switch
 from thc.wire import protocol as P
 from thc.wire.jobs import ConfigError, Job
@@ -91,6 +92,19 @@ def check_job(sw: Switch, job: Job, job_index: int, others: dict[int, dict]) -> 
                               f"{job.pool_base + job.pool_size - 1} overlaps job {jid}'s "
                               f"{lo}..{hi - 1}")
         _check_addresses(job, jid, cfg.get("addresses", ()))
+
+
+def check_routes(sw: Switch, new_jobs) -> None:
+    """ConfigError when ``l2_forward`` lacks room for the routes of the jobs' worker MACs it
+    does not hold yet: routes added by hand share the table, and a full one stopped an
+    install part-way, after its job and lookup entries."""
+    have = set(forwarding.routes(sw))
+    new = {w.mac.lower() for j in new_jobs for w in j.workers} - have - forwarding.UNROUTABLE
+    size = sw.tables.get(L2_TABLE, "table").size
+    if new and len(have) + len(new) > size:
+        raise ConfigError(f"{L2_TABLE} holds {size} routes and has {len(have)}: the workers' "
+                          f"{len(new)} new MACs do not fit; remove routes added by hand "
+                          f"(thc controller l2 remove) or jobs no longer used")
 
 
 def check_agg(agg_ip: str, agg_mac: str, agg_port: int = P.UDP_PORT) -> None:

@@ -24,7 +24,8 @@ from thc.controller import counters, forwarding
 from thc.controller.frames import reset_frame
 from thc.controller.installed import (entries_of, installed_configs, installed_jobs, leftovers,
                                       lut_tables, unchanged, worker_macs)
-from thc.controller.job_checks import check_agg, check_job, config_of, free_index
+from thc.controller.job_checks import (check_agg, check_job, check_routes, config_of,
+                                       free_index)
 from thc.controller.job_entries import (AggAddress, addr_entries, delete, job_entry, lut_entries,
                                         upsert, worker_entries)
 from thc.controller.program import ADDR_TABLE, JOB_TABLE, WORKER_TABLE
@@ -147,6 +148,7 @@ def install_job(sw: Switch, job: Job, agg: AggAddress = AggAddress(),
             free_index({cfg["job_index"] for cfg in installed.values()})
     check_agg(agg.agg_ip, agg.agg_mac)
     check_job(sw, job, job_index, installed)
+    check_routes(sw, [job])
     if previous is not None:
         _refuse_live(sw, {job.job_id: previous["job_index"]}, "re-installing it", force,
                      live_window)
@@ -289,6 +291,7 @@ def _plan(sw: Switch, cluster: Cluster, installed: dict[int, dict], prune: bool)
         others = {**staying, **{j.job_id: config_of(j, index[j.job_id])
                                 for j in cluster.jobs if j.job_id != job.job_id}}
         check_job(sw, job, index[job.job_id], others)
+    check_routes(sw, cluster.jobs)
     return index
 
 

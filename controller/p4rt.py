@@ -28,6 +28,9 @@ Everything else goes through p4runtime-shell's public API (``shell.setup``/``tea
   arbitration, reading or pushing the pipeline) come before that stub: :func:`open_session`
   runs it in a daemon thread, waited for a bounded time, so that its stream thread is one
   too and a switch that never answers neither holds the command nor keeps its process.
+* the client queues the arbitration updates its stream receives after the handshake, and
+  nothing reads them: :func:`primary_taken` does, so that a session another controller
+  displaced knows it (the switch takes its writes again once the other closes).
 * ``shell.PacketOut`` requires a ``packet_out`` controller header in the P4Info; the THC
   program has none (a RESET is a plain frame injected at the CPU port), so
   :func:`send_raw_packets` queues raw PacketOut messages on the client's stream.

@@ -158,3 +158,25 @@ def test_l2_leaves_the_routes_of_installed_workers_alone(sw, monkeypatch, capsys
             in capsys.readouterr().err
     assert forwarding.routes(sw) == before and before[mac] == job.workers[1].switch_port
     assert thc_controller(sw.device, monkeypatch, "l2", "add", "02:aa:00:00:00:01", "9") == 0
+
+
+@pytest.mark.parametrize("via", ["install_job", "install_cluster"])
+def test_routes_that_do_not_fit_l2_forward_are_refused_before_any_write(sw, via):
+    """Routes added by hand share l2_forward with the workers': a table one short of the
+    workers' MACs stopped an install part-way, after its job, lookup entries and group."""
+    size = sw.tables.get(program.L2_TABLE, "table").size
+    job = make_job(1)
+    forwarding.install(sw, {f"02:aa:00:00:{i >> 8:02x}:{i & 0xff:02x}": 1
+                            for i in range(size - job.n_workers + 1)})
+    mark = len(sw.device.log)
+    with pytest.raises(ConfigError, match=rf"l2_forward holds {size} routes and has "
+                                          rf"{size - job.n_workers + 1}: the workers' "
+                                          rf"{job.n_workers} new MACs do not fit"):
+        if via == "install_job":
+            jobs.install_job(sw, job)
+        else:
+            jobs.install_cluster(sw, cluster(job))
+    assert sw.device.log[mark:] == [] and installed.installed_jobs(sw) == {}
+    forwarding.remove(sw, ["02:aa:00:00:00:00"])
+    jobs.install_job(sw, job)
+    assert len(forwarding.routes(sw)) == size
