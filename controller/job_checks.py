@@ -94,11 +94,12 @@ def check_job(sw: Switch, job: Job, job_index: int, others: dict[int, dict]) -> 
         _check_addresses(job, jid, cfg.get("addresses", ()))
 
 
-def check_routes(sw: Switch, new_jobs) -> None:
+def check_routes(sw: Switch, new_jobs, freed=frozenset()) -> None:
     """ConfigError when ``l2_forward`` lacks room for the routes of the jobs' worker MACs it
     does not hold yet: routes added by hand share the table, and a full one stopped an
-    install part-way, after its job and lookup entries."""
-    have = set(forwarding.routes(sw))
+    install part-way, after its job and lookup entries. ``freed``: routes the install takes
+    off before it adds any (those of the jobs it prunes)."""
+    have = set(forwarding.routes(sw)) - set(freed)
     new = {w.mac.lower() for j in new_jobs for w in j.workers} - have - forwarding.UNROUTABLE
     size = sw.tables.get(L2_TABLE, "table").size
     if new and len(have) + len(new) > size:

@@ -291,7 +291,11 @@ def _plan(sw: Switch, cluster: Cluster, installed: dict[int, dict], prune: bool)
         others = {**staying, **{j.job_id: config_of(j, index[j.job_id])
                                 for j in cluster.jobs if j.job_id != job.job_id}}
         check_job(sw, job, index[job.job_id], others)
-    check_routes(sw, cluster.jobs)
+    used = {w.mac.lower() for j in cluster.jobs for w in j.workers} | {
+        a[2].lower() for cfg in staying.values() for a in cfg.get("addresses", ())}
+    check_routes(sw, cluster.jobs, {a[2].lower() for jid, cfg in installed.items()
+                                    if jid not in wanted and prune
+                                    for a in cfg.get("addresses", ())} - used)
     return index
 
 

@@ -222,7 +222,8 @@ class Switch:
                 f"restarted, or closed the session): the session no longer holds the switch, "
                 f"and what it read before may not be what the switch holds now; nothing more "
                 f"goes through it. Run the command again")
-        if self.is_primary and self._taken_by is None and hasattr(self.client, "stream_in_q"):
+        if self.require_primary and self.is_primary and self._taken_by is None \
+                and hasattr(self.client, "stream_in_q"):
             self._taken_by = p4rt.primary_taken(self.client)
         if self._taken_by is not None:
             raise SwitchError(

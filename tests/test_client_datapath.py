@@ -878,3 +878,24 @@ def test_an_aggregator_answering_with_other_ids_is_not_called_silent(job, datapa
             assert c.stats.compiled_rounds == (datapath == "compiled")
     assert c.stats.strays == c.stats.ignored == c.stats.received > 0
     assert f"; {c.stats.strays} datagrams" in str(e.value)
+
+
+def test_late_replies_to_the_last_round_are_no_strays(job, datapath):
+    """Replies to the previous round's resends arrive after it ended; this round's aggregator
+    then falls silent: its timeout names no aggregator answering with other ids."""
+    silent = threading.Event()
+
+    def answer(data):
+        return [] if silent.is_set() else [
+            _complete(data, P.PktType.RESULT, job) + bytes(P.payload_bytes(P.PktType.RESULT,
+                                                                            job.lanes))]
+
+    with answering(answer, delay=0.15) as addr:
+        with AggregationClient(job, 0, addr, run=2, deadline=0.6) as c:
+            c.aggregate(_index_zero(job, 1))
+            assert c.stats.retransmitted > 0   # so late copies of their replies come
+            silent.set()
+            with pytest.raises(AggregationTimeout, match="no answer") as e:
+                c.aggregate(_index_zero(job, 1))
+            assert c.stats.compiled_rounds == 2 * (datapath == "compiled")
+    assert "answered no chunk" not in str(e.value) and c.stats.strays == 0

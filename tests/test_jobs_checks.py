@@ -180,3 +180,18 @@ def test_routes_that_do_not_fit_l2_forward_are_refused_before_any_write(sw, via)
     forwarding.remove(sw, ["02:aa:00:00:00:00"])
     jobs.install_job(sw, job)
     assert len(forwarding.routes(sw)) == size
+
+
+def test_routes_a_prune_frees_make_room_for_the_cluster(sw):
+    """A cluster that replaces job 1 by job 2 (prune) on a full l2_forward fits: job 1's
+    routes go before job 2's are added. Counted as staying, they refused it."""
+    size = sw.tables.get(program.L2_TABLE, "table").size
+    old = make_job(1)
+    jobs.install_job(sw, old)
+    forwarding.install(sw, {f"02:aa:00:00:{i >> 8:02x}:{i & 0xff:02x}": 1
+                            for i in range(size - old.n_workers)})
+    new = replace(make_job(2, pool_base=8), workers=tuple(
+        replace(w, mac=f"02:bb:00:00:00:{w.id + 1:02x}", ip=f"10.9.0.{w.id + 1}")
+        for w in make_job(2).workers))
+    jobs.install_cluster(sw, cluster(new), prune=True, force=True)
+    assert set(installed.installed_jobs(sw)) == {2} and len(forwarding.routes(sw)) == size

@@ -278,3 +278,29 @@ def test_a_setup_that_overran_is_cut_off_and_none_opens_while_one_still_runs():
     assert len(lines) == 4, r.stdout + r.stderr
     assert "took its session's setup" in lines[0] and lines[1] == "ended"
     assert "took its session's setup" in lines[2] and "still runs in this process" in lines[3]
+
+
+@pytest.mark.parametrize("writer", [True, False], ids=["writer", "reader"])
+def test_only_a_writer_refuses_once_another_controller_took_the_switch(writer):
+    """The server tells every session when the primary changes (tests/bmv2's
+    test_cli_refuses_a_live_job_and_names_it: a real one). A writer that hears of another
+    election id refuses from then on; a reader, primary while alone on the switch, reads on
+    (it refused reads once a writer had come and gone). The client here is a stand-in
+    holding only the queue the update lands in."""
+    import queue
+    from types import SimpleNamespace
+
+    from thc.controller.switch import Switch, SwitchError
+    update = p4runtime_pb2.StreamMessageResponse()
+    update.arbitration.election_id.high = 9
+    updates = queue.Queue()
+    updates.put(update)
+    sw = Switch("127.0.0.1:1", election_id=(0, 5), require_primary=writer)
+    sw.client = SimpleNamespace(stream_in_q={"arbitration": updates}, election_id=(0, 5))
+    sw.is_primary = True
+    if writer:
+        for _ in range(2):
+            with pytest.raises(SwitchError, match=r"another controller \(election id \(9, 0\)"):
+                sw._require()
+    else:
+        assert sw._require() is sw.client

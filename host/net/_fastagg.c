@@ -1326,7 +1326,7 @@ cleanup:
 
 #define CL_RECV_BYTES 4096 /* the Python loop's receive buffer */
 /* stream()'s arguments and timeout report: host/net/fastclient.py refuses another version */
-#define CL_WINDOW_VERSION 8
+#define CL_WINDOW_VERSION 9
 #define CL_OUT_BYTES 2048
 /* per chunk in the window: retransmitted (no RTT sample: Karn), overtaken by a later
  * chunk of its shard (a lost packet, not a missing worker: its timer does not back off),
@@ -1840,7 +1840,7 @@ static PyObject *fa_stream(PyObject *self, PyObject *args) {
                                rd32(d + 12) == (uint32_t)(c->offset_base + (uint64_t)i * lanes);
                     if (!ours || done[i]) {
                         c->st[S_IGNORED]++;
-                        if (!ours) c->st[S_STRAYS]++;
+                        if (!ours && i < hi) c->st[S_STRAYS]++;   /* of this round */
                         if (ours && answered[i] >= 0 && r_type == c->result_type &&
                             n - HDR == (size_t)expect_payload && !(r_bitmap & ~full) &&
                             __builtin_popcount(r_bitmap) == r_count && now >= earliest[i]) {

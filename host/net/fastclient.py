@@ -18,7 +18,7 @@ from thc.net.window import (FAST_BACKOFF_CAP, FAST_RETRANSMIT_AFTER, RECV_BATCH,
                              raise_short, raise_timeout)
 from thc.wire import protocol as P
 
-CLIENT_WINDOW = 8
+CLIENT_WINDOW = 9
 """The version of ``_fastagg.stream``'s arguments and timeout report this module speaks."""
 
 CLIENT_UNAVAILABLE: str | None = UNAVAILABLE or (

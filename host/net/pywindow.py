@@ -215,7 +215,7 @@ class PythonWindow:
                             and r_offset == (offset_base + i * lanes) % P.SEQ_MOD)
                     if not ours or done[i]:
                         end.stats.ignored += 1
-                        end.stats.strays += not ours
+                        end.stats.strays += not ours and i < hi   # of this round
                         if (ours and i in answered and r_type == result_type
                                 and nbytes - header_bytes == expect_payload
                                 and not r_bitmap & ~full
