@@ -292,8 +292,8 @@ def primary_taken(client) -> tuple[int, int] | None:
     """The election id of another controller that became primary since the session's setup,
     from the arbitration updates its stream received (the server sends every session one
     whenever the primary changes; the shell queues them, unread, after its handshake), or
-    None. Once taken, a switch returns to this session when that controller closes, and
-    its writes are accepted again: only the updates tell that another one held it."""
+    None. Once taken, a switch returns to the session when that controller closes, and its
+    writes are accepted again: only the updates tell that another one held it."""
     import queue
     own = tuple(client.election_id)
     updates = client.stream_in_q["arbitration"]

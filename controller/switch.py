@@ -228,11 +228,11 @@ class Switch:
         if self._taken_by is not None:
             raise SwitchError(
                 f"another controller (election id {self._taken_by}) became primary on "
-                f"{self.grpc_addr} during this session: it may have changed the switch since "
-                f"this session read it (installed a job in a slot pool or index this one "
-                f"planned to use), and the switch accepts this session's writes again once "
-                f"it closes, so nothing more goes through this one. Run the command again "
-                f"when that controller is done")
+                f"{self.grpc_addr} while this P4Runtime session was open: it may have changed "
+                f"the switch since this controller read it (installed a job in a slot pool or "
+                f"index this one planned to use), and the switch accepts this controller's "
+                f"writes again once it closes, so nothing more goes through this P4Runtime "
+                f"session. Run the command again when that controller is done")
         return self.client
 
     # -- P4Info -------------------------------------------------------------------------

@@ -186,7 +186,6 @@ class LocalBMv2:
         self.proc.wait(timeout=5)
         self._start_switch(None)
 
-    # -- teardown -------------------------------------------------------------------------
     def reconnect(self) -> Switch:
         """A new controller session on the running switch, its program and entries kept: a
         session another controller displaced refuses everything (controller/switch.py)."""
@@ -196,6 +195,7 @@ class LocalBMv2:
         self.sw = Switch(self.grpc_addr, device_id=0, timeout=10.0).connect(program=None)
         return self.sw
 
+    # -- teardown -------------------------------------------------------------------------
     def close(self) -> None:
         self._stop.set()
         if self._thread is not None:

@@ -172,15 +172,16 @@ def scale_factor(factor) -> float:
 
 
 def cast_estimate(est, dtype, copy: bool = False):
-    """An estimate of a mean of ``dtype`` values (a float32 torch tensor) as ``dtype``, held to
-    its finite range where that is narrower (float16): the mean of finite values lies in
-    that range, so this only moves a coordinate towards it. The cast alone made an estimate
-    past 65504 (it reaches t_p times its slice's max norm) an Inf from finite inputs. NaN
-    stays NaN; ``copy``: a new tensor even where the dtype is the estimate's."""
+    """An estimate of a mean of ``dtype`` values (a float32 torch tensor) as ``dtype``; as
+    float16, held to its finite range: the mean of finite values lies in that range, so this
+    only moves a coordinate towards it. The cast alone made an estimate past 65504 (it
+    reaches t_p times its slice's max norm) an Inf from finite inputs. bfloat16 keeps
+    float32's exponent, which the norm limit keeps estimates within. NaN stays NaN;
+    ``copy``: a new tensor even where the dtype is the estimate's."""
     import torch
     out = est.to(dtype, copy=copy)
-    if out.dtype.is_floating_point and torch.finfo(out.dtype).max < torch.finfo(est.dtype).max:
-        top = torch.finfo(out.dtype).max
+    if out.dtype == torch.float16:
+        top = torch.finfo(torch.float16).max
         out.nan_to_num_(nan=float("nan"), posinf=top, neginf=-top)
     return out
 

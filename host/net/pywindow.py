@@ -171,7 +171,7 @@ class PythonWindow:
                 packets[hi] = packet(hi)
                 send(packets[hi], dst(hi), tos[hi] if tos else 0)
                 now = time.monotonic()
-                due[hi] = min(now + end.rtt.rto(shard_of(hi)), now + end.deadline)
+                due[hi] = now + min(end.rtt.rto(shard_of(hi)), end.deadline)
                 backoff[hi], started[hi] = end.timeout, now
                 hi += 1
             next_due = min(due.values()) if due else now + end.timeout

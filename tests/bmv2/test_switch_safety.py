@@ -182,7 +182,8 @@ def test_cli_refuses_a_live_job_and_names_it(bmv2, tmp_path):
     # the command closed; but that command could have installed a job in a pool or index
     # the displaced session had planned to use (it wrote one there, without an error)
     with pytest.raises(SwitchError, match=rf"another controller \(election id \({WRITER_TOP}, "
-                                          r"0\)\) became primary .* during this session"):
+                                          r"0\)\) became primary .* while this P4Runtime "
+                                          r"session was open"):
         jobs.remove_job(bmv2.sw, job.job_id, force=True)
     bmv2.reconnect()
     assert job.job_id in installed.installed_jobs(bmv2.sw)
