@@ -807,6 +807,24 @@ def test_a_finite_input_whose_norm_overflows_is_not_called_nan():
         dist.destroy_process_group()
 
 
+def test_a_float64_input_beyond_float32s_range_is_not_called_nan():
+    """THC rounds in float32: a finite float64 value beyond its range was refused as "NaN or
+    Inf", which the input does not hold. The next round, in range, is summed."""
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port_block(1)}",
+                            rank=0, world_size=1)
+    try:
+        ar = THCAllReduce.through_torch_distributed(params=PARAMS)
+        x = torch.zeros(4096, dtype=torch.float64)
+        x[7] = 1e300
+        with pytest.raises(ValueError, match="beyond float32's range") as err:
+            ar(x)
+        assert "NaN or Inf" not in str(err.value)
+        got = ar(torch.ones(4096, dtype=torch.float64))
+        assert got.dtype == torch.float64 and torch.isfinite(got).all()
+    finally:
+        dist.destroy_process_group()
+
+
 @pytest.mark.parametrize("other", [(5 + (1 << 20), 77), (5 + (1 << 39), 77),
                                    (5, 77 + (1 << 24)), (5, 77 + (1 << 47))])
 def test_rounds_or_fingerprints_that_differ_only_in_high_bits_are_refused(other):

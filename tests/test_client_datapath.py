@@ -4,6 +4,7 @@ short within a loss bound, an epoch change, a missing worker named, and the case
 back to Python."""
 from __future__ import annotations
 
+import errno
 import os
 import select
 import socket
@@ -14,8 +15,8 @@ import numpy as np
 import pytest
 
 from thc.codec.packing import pack_bits, unpack_bits
-from thc.net.client import (AggregationClient, AggregationTimeout, AggregatorRestarted,
-                             resolve_datapath)
+from thc.net.client import (DATAPATH_ENV, AggregationClient, AggregationTimeout,
+                             AggregatorRestarted, resolve_datapath)
 from thc.net.aggregator import Aggregator
 from thc.net.impair import Impairment
 from thc.testing.clusters import free_port_block, local_job
@@ -261,6 +262,40 @@ def test_a_refused_send_is_an_oserror_on_both_datapaths(job, datapath):
         with pytest.raises(PermissionError):
             c.aggregate(_packed(job, 1))
         assert c.datapath == datapath
+
+
+class _FullQueue:
+    """A socket whose first ``n`` sends fail as a full queue (``err``), then send."""
+
+    def __init__(self, sock, n: int, err: int):
+        self.sock, self.left, self.err, self.refused = sock, n, err, 0
+
+    def __getattr__(self, name):
+        return getattr(self.sock, name)
+
+    def sendto(self, data, dst):
+        if self.left:
+            self.left -= 1
+            self.refused += 1
+            raise OSError(self.err, os.strerror(self.err))
+        return self.sock.sendto(data, dst)
+
+
+@pytest.mark.parametrize("err", [errno.ENOBUFS, errno.EAGAIN])
+def test_a_full_send_queue_is_a_loss_the_python_window_resends(job, monkeypatch, err):
+    """A send refused for a full queue loses its datagram, as the compiled window takes it:
+    the chunk's timer resends it and the sums are exact. The Python window ended the round
+    with the OSError."""
+    monkeypatch.setenv(DATAPATH_ENV, "python")
+    agg = ScriptedAggregator(job)
+    try:
+        with AggregationClient(job, 0, agg.addr, run=77, timeout=0.05, deadline=10.0) as c:
+            c.sock = full = _FullQueue(c.sock, 5, err)
+            packed = _packed(job, 1)
+            np.testing.assert_array_equal(c.aggregate(packed), _want(job, packed))
+            assert full.refused == 5 and c.stats.retransmitted >= 5
+    finally:
+        agg.close()
 
 
 def test_results_queued_before_a_round_are_not_taken_as_its_own(job, datapath):

@@ -101,6 +101,17 @@ def check_float(flat) -> None:
         raise TypeError(f"THC averages floating-point tensors, got {flat.dtype}")
 
 
+def as_float32(flat):
+    """A float64 input in float32, where THC rounds it: a finite value beyond float32's range
+    would become Inf there and be refused as "NaN or Inf", which the input does not hold."""
+    import torch
+    out = flat.float()
+    if not bool(torch.isfinite(out).all()) and bool(torch.isfinite(flat).all()):
+        raise ValueError(f"input holds finite values beyond float32's range (largest "
+                         f"magnitude {float(flat.abs().max()):.3g}): THC rounds in float32")
+    return out
+
+
 def check_generator(generator, flat) -> None:
     """A torch generator must live where the input does."""
     import torch

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from thc.codec.common import (NonFiniteInput, cast_estimate, check_float, check_generator,
-                              check_key, norm_limit)
+from thc.codec.common import (NonFiniteInput, as_float32, cast_estimate, check_float,
+                              check_generator, check_key, norm_limit)
 from thc.codec.params import THCParams
 from thc.codec.thc import ErrorFeedback, THCCodec, table_values
 from thc.collective import agreement
@@ -343,14 +343,14 @@ class THCAllReduce:
                 raise refusal
             flat = tensor.detach().reshape(-1)   # a sparse tensor has no flat view
             check_float(flat)
+            if flat.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+                flat = as_float32(flat)   # half types reach the kernels as they are
             check_generator(self.generator, flat)   # in encode, after the MAX round: too late
             if position is not None:
                 position = check_positions(position, flat.numel())
         except Exception as e:  # noqa: BLE001 - torch.as_tensor raises RuntimeError too
             refusal = e
             flat = torch.zeros(tensor.numel(), device=tensor.device)
-        if flat.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-            flat = flat.float()   # half types reach the kernels as they are
         slice_size = self.params.slice_size
         # a GPU tensor whose sums the transport adds in stream order gains nothing from
         # pieces: every step queues on the device anyway, and each piece costs host time

@@ -3,6 +3,7 @@ only one for impairments, DLCP's bounded loss and DSCP marks (see host/net/clien
 the rules it follows)."""
 from __future__ import annotations
 
+import errno
 import math
 import select
 import socket
@@ -19,12 +20,29 @@ from thc.net.window import (FAST_BACKOFF_CAP, FAST_RETRANSMIT_AFTER, RECV_BATCH,
 from thc.wire import protocol as P
 
 _TOS_CMSG: dict[int, list] = {}
+QUEUE_FULL = frozenset({errno.EAGAIN, errno.EWOULDBLOCK, errno.ENOBUFS, errno.ENOMEM})
+"""Send errors of a full queue: the datagram is lost, as the network may lose it, and the
+chunk's timer resends it (the compiled window's rule); any other refusal ends the round."""
 
 
 def _sender(end: Endpoint):
     """send(data, dst, tos): counted, marked with ``tos`` in an IP_TOS control message (as
     cheap as a plain sendto), through the impairment when one is active."""
     stats, sock, impair = end.stats, end.sock, end.impair
+
+    def sendto(d, a):
+        try:
+            sock.sendto(d, a)
+        except OSError as e:
+            if e.errno not in QUEUE_FULL:
+                raise
+
+    def sendmsg(d, a, cmsg):
+        try:
+            sock.sendmsg([d], cmsg, 0, a)
+        except OSError as e:
+            if e.errno not in QUEUE_FULL:
+                raise
 
     def send(data: bytes, dst: tuple[str, int], tos: int = 0) -> None:
         stats.sent += 1
@@ -34,9 +52,9 @@ def _sender(end: Endpoint):
             if cmsg is None:
                 cmsg = _TOS_CMSG[tos] = [(socket.IPPROTO_IP, socket.IP_TOS,
                                           struct.pack("i", tos))]
-            out = lambda d, a: sock.sendmsg([d], cmsg, 0, a)  # noqa: E731
+            out = lambda d, a: sendmsg(d, a, cmsg)  # noqa: E731
         else:
-            out = sock.sendto
+            out = sendto
         if impair.active:
             impair.send(out, data, dst)
         else:
