@@ -689,6 +689,25 @@ def test_a_round_left_between_its_collectives_abandons_the_process_group():
         dist.destroy_process_group()
 
 
+def test_a_round_left_after_its_max_round_fails_the_aggregator_clients_run():
+    """Through an aggregator, a worker that fails after its MAX round leaves its peers' DATA
+    in the slots its next round would take: its client's run takes no more rounds, naming
+    the failure (its next MAX round had been refused by the aggregator as another use)."""
+    from thc.net.client import RunFailed
+    job = local_job(1, 1, free_port_block(1), pool_size=32, table=PARAMS.table)
+    with Aggregator([job]) as agg, AggregationClient(job, 0, agg.start(), run=1) as c:
+        ar = THCAllReduce.through_aggregator(c, PARAMS, generator=1)
+        x = torch.randn(5000, generator=torch.Generator().manual_seed(1))
+        ar(x)
+        ar.codec.encode_prepared = lambda *a, **k: (_ for _ in ()).throw(MemoryError("oom"))
+        with pytest.raises(MemoryError):
+            ar(x)
+        del ar.codec.encode_prepared
+        with pytest.raises(RunFailed, match=r"round 1 failed after its MAX round "
+                                            r"\(MemoryError: oom"):
+            ar(x)
+
+
 def test_sums_no_workers_make_are_refused_alike_and_the_next_round_runs():
     """Decode on the CPU checks the sums it is given, which every worker holds alike: a sum
     outside what the table's values add to is a refusal every worker reaches, so it leaves

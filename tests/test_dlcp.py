@@ -213,6 +213,12 @@ def test_a_short_result_without_a_loss_bound_ends_the_round_with_the_cause(datap
                                                         r"loss bound"):
                 c.reduce(np.zeros(4 * job.lanes // 2, np.uint8))
     assert c.stats.short == 0
+    with scripted_aggregator(job, _short_answers({2})) as addr:
+        with AggregationClient(job, 0, addr, run=9, deadline=2.0, loss_bound=0.2) as c:
+            with pytest.raises(LossBoundExceeded, match=r"its loss bound 0.2 lets 0 of the "
+                                                        r"round's 4 chunks") as err:
+                c.reduce(np.zeros(4 * job.lanes // 2, np.uint8))
+    assert "no loss bound" not in str(err.value)   # it was said of a bound that lets none
 
 
 def test_short_chunks_beyond_n_times_the_bound_end_the_round():

@@ -399,6 +399,10 @@ class _VoteClient:
     job = types.SimpleNamespace(aggregation="vote", n_workers=1, lanes=64, job_id=1)
     stats = types.SimpleNamespace(bytes_sent=0)
     sums, failure = 1, None
+    failed = None
+
+    def fail_run(self, why):
+        self.failed = why
 
     def reduce(self, packed):
         if self.failure is not None:
@@ -426,11 +430,52 @@ def test_a_vote_refused_alike_or_its_aggregator_failing_abandons_nothing():
         client.sums, client.failure = 1, TimeoutError("the aggregator did not answer")
         with pytest.raises(TimeoutError):
             ar(torch.ones(64))
+        assert "TimeoutError: the aggregator did not answer" in client.failed
         client.failure = None
         DistTransport.check_group(None)
         assert ar(torch.ones(64)).tolist() == [1.0] * 64
     finally:
         dist.destroy_process_group()
+
+
+def _leaves_a_vote_worker(rank, world, port, job_dict, agg, q):
+    """Round 0: rank 0 votes +1 and fails before its signs leave, rank 1 votes -1. Round 1:
+    both vote +1."""
+    from thc.net.client import AggregationClient
+    from thc.wire.jobs import Job
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
+    out = []
+    with AggregationClient(Job.from_dict(job_dict), rank, agg, run=7, deadline=2.0) as client:
+        ar = marsit.MarsitVoteAllReduce(client, compensation=False)
+        if rank == 0:
+            def fail_once(flat):
+                del ar._signs   # the next round's are the class's
+                raise MemoryError("out of memory")
+            ar._signs = fail_once
+        for vote in (1.0 if rank == 0 else -1.0, 1.0):
+            try:
+                out.append(ar(torch.full((64,), vote)).tolist())
+            except Exception as e:  # noqa: BLE001 - the test reads what each round raised
+                out.append(f"{type(e).__name__}: {e}")
+    q.put((rank, out))
+    dist.destroy_process_group()
+
+
+def test_a_vote_worker_that_failed_after_its_scales_takes_no_later_round():
+    """Its peer's signs of the round it left stay in the aggregator's slots, and its next
+    round takes their sequence numbers, with the same offsets: its +1 votes were added to
+    the peer's -1 and it returned 0.0 for a mean sign of +1, without an error. Its client's
+    run is now failed: no later round of it is sent, and both workers raise."""
+    results, counters, exits = _through_a_vote_job(_leaves_a_vote_worker, 2)
+    assert exits == [0, 0]
+    assert results[0][0] == "MemoryError: out of memory"
+    assert results[0][1].startswith("RunFailed") and "Marsit round 0 failed" in results[0][1]
+    assert results[1][0].startswith("AggregationTimeout") and "missing worker(s) [0]" in \
+        results[1][0]
+    assert results[1][1].startswith("RunFailed")
+    assert counters["jobs"][1]["completions"] == 0
 
 
 @pytest.mark.parametrize("kind", ["ring", "vote"])

@@ -64,10 +64,6 @@ class _SignAllReduce:
     kind: tuple = ()
     """What the agreement key names besides the layout: ranks running unlike reducers (the
     ring and the vote, a mean and a majority) refuse the round together."""
-    signs_on_group = True
-    """Whether the sign bits travel over the process group: a worker that fails after its
-    scales' all-reduce then abandons it (``DistTransport.abandon``), as one of any kind
-    that fails between its agreement and that all-reduce does."""
 
     def __init__(self, group=None, compensation: bool = True, nonfinite: str = "raise",
                  name=None):
@@ -148,13 +144,19 @@ class _SignAllReduce:
         except BaseException as e:
             # this worker's own failure: its peers wait in a collective or go on to their
             # next, which would pair with its next. Once the scales are summed, not so for a
-            # ValueError (a NaN, counts out of range: every worker refuses the round alike),
-            # nor for a vote, whose signs an aggregator sums (as THC's rounds there, they
-            # are no collective of the group)
-            if not self._scaled or (self.signs_on_group and not isinstance(e, ValueError)):
-                DistTransport.abandon_group(self.group, f"Marsit round {rnd} failed "
-                                            f"after its agreement ({type(e).__name__}: {e})")
+            # ValueError (a NaN, counts out of range: every worker refuses the round alike);
+            # a vote's peers send their signs to the aggregator instead (:meth:`_left`)
+            why = f"Marsit round {rnd} failed after its agreement ({type(e).__name__}: {e})"
+            if not self._scaled:
+                DistTransport.abandon_group(self.group, why)
+            elif not isinstance(e, ValueError):
+                self._left(why)
             raise
+
+    def _left(self, why: str) -> None:
+        """This worker failed after the scales' all-reduce, its peers going on to the ring,
+        whose collectives its next would pair with: it abandons the process group."""
+        DistTransport.abandon_group(self.group, why)
 
     def _round(self, grad: torch.Tensor, flat: torch.Tensor, sizes: list[int]) -> torch.Tensor:
         # A worker with NaN or Inf still joins the scales' all-reduce, with NaN scales: the
@@ -270,8 +272,6 @@ class MarsitVoteAllReduce(_SignAllReduce):
     aggregator) adds the +1 bits of every coordinate, the client turns counts into the mean
     sign (or the majority's, ``majority``). The scales go over ``group`` (Gloo)."""
 
-    signs_on_group = False
-
     def __init__(self, client, group=None, compensation: bool = True, majority: bool = False,
                  nonfinite: str = "raise", name=None):
         if client.job.aggregation != "vote":
@@ -284,6 +284,12 @@ class MarsitVoteAllReduce(_SignAllReduce):
                              f"{self.world}")
         self.client = client
         self.majority = majority
+
+    def _left(self, why: str) -> None:
+        """The peers' signs went to the aggregator, not a collective: this worker's next vote
+        would take their round's sequence numbers and add into its counts (a vote's offsets
+        are every round's), so its client's run takes no more rounds."""
+        self.client.fail_run(why)
 
     def mean_sign(self, own: torch.Tensor) -> torch.Tensor:
         d, lanes = own.numel(), self.client.job.lanes

@@ -100,6 +100,11 @@ class AggregatorTransport:
         self.short_chunks = 0
         """Chunks of this transport's rounds that ended short (DLCP's bounded loss)."""
 
+    def abandon(self, why: str) -> None:
+        """This worker failed after its MAX round while its peers send: its client's run
+        takes no more rounds (:meth:`thc.net.client.AggregationClient.fail_run`)."""
+        self.client.fail_run(why)
+
     def check(self, params: THCParams) -> None:
         job = self.client.job
         if params.bits != P.INDEX_BITS:

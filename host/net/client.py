@@ -244,6 +244,14 @@ class AggregationClient:
         self.close()
 
     # -- public API ------------------------------------------------------------------
+    def fail_run(self, why: str) -> None:
+        """This worker left a round its peers send (it failed between their agreement and
+        its send): its next round would take the sequence numbers whose slots hold their
+        sums, and one of unchecked offsets (a vote's) would add into them. The run takes no
+        more rounds (:class:`RunFailed`, naming ``why``); the first reason is kept."""
+        if self._failed is None:
+            self._failed = why
+
     def reduce(self, packed: np.ndarray, offset_base: int = 0,
                classes: np.ndarray | None = None) -> AggregationResult:
         """Sum of all workers' table values for ``packed`` 4-bit indices (lanes/2 bytes a chunk)

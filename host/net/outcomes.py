@@ -131,7 +131,7 @@ class LossBoundExceeded(RuntimeError):
                  loss_bound: float, cap: int, chunks: int):
         allowed = (f"its loss bound {loss_bound:g} lets {cap} of the round's {chunks} chunks "
                    f"end short (n x floor(bound x chunks): each worker counts its own)"
-                   if cap else "it has no loss bound (0), so no chunk may end short")
+                   if loss_bound else "it has no loss bound (0), so no chunk may end short")
         super().__init__(f"{where}: closed short, counting {count} of {n_workers} workers "
                          f"(workers {missing} missing), beyond this worker's loss bound: "
                          f"{allowed}. Every worker of a job must run with the job's "
