@@ -248,16 +248,19 @@ def _unlike_worker(rank, port, q):
     """Rounds whose workers differ in one thing each, then one where they agree."""
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=2)
-    cases = [(THCParams(slice_size=256, seed=rank), 1024),               # the rotation
-             (THCParams(slice_size=256, granularity=30 + 30 * rank), 1024),  # the table
-             (THCParams(slice_size=256), 1000 + 24 * rank),              # the length
-             (THCParams(slice_size=256), 1024 + 1024 * rank),            # slice count
-             (THCParams(slice_size=256), 1024)]                          # alike
+    f32, half = torch.float32, (torch.float16, torch.bfloat16)
+    cases = [(THCParams(slice_size=256, seed=rank), 1024, f32),                # the rotation
+             (THCParams(slice_size=256, granularity=30 + 30 * rank), 1024, f32),  # the table
+             (THCParams(slice_size=256), 1000 + 24 * rank, f32),               # the length
+             (THCParams(slice_size=256), 1024 + 1024 * rank, f32),             # slice count
+             (THCParams(slice_size=256), 1024, half[0] if rank else f32),      # the dtype: a
+             (THCParams(slice_size=256), 1024, half[1] if rank else f32),      # cast apart
+             (THCParams(slice_size=256), 1024, f32)]                           # alike
     out = []
-    for params, numel in cases:
+    for params, numel, dtype in cases:
         ar = THCAllReduce.through_torch_distributed(params=params, generator=rank)
         try:
-            out.append(float(ar(torch.ones(numel)).mean()))
+            out.append(float(ar(torch.ones(numel, dtype=dtype)).mean()))
         except RuntimeError as e:
             out.append(str(e))
     q.put((rank, out))
@@ -267,7 +270,9 @@ def _unlike_worker(rank, port, q):
 def test_torch_distributed_workers_with_unlike_rounds_all_refuse():
     """Two workers that differ in seed, granularity or tensor length used to decode each
     other's indices as their own: a wrong mean, different on each worker, and no error; with
-    different slice counts Gloo aborted a process on MAX rounds of different lengths."""
+    different slice counts Gloo aborted a process on MAX rounds of different lengths. Workers
+    whose tensors differ in dtype cast the same estimate apart (float16 held to 65504,
+    bfloat16 rounded), so their gradients differed without an error."""
     res = gloo_pair(_unlike_worker)
     for rank in (0, 1):
         *refused, alike = res[rank]

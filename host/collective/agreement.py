@@ -118,7 +118,7 @@ def check_domain(built_on, now) -> None:
 
 
 def fingerprint(params, *cut: int, backend: str = "", steps: str = "",
-                nonfinite: str = "raise", reducer=0) -> int:
+                nonfinite: str = "raise", reducer=0, dtype=None) -> int:
     """What the workers' rounds must share for their sums to mean one thing, as a 48-bit
     value (:func:`key_of`): the codec's parameters (rotation seed, slice size, table), ``cut``, the
     numbers that cut the tensor (its length, the pipeline's piece length), the codec
@@ -127,13 +127,17 @@ def fingerprint(params, *cut: int, backend: str = "", steps: str = "",
     stream-ordered or graphed round) or stops after its MAX round ("check"), so that a
     worker of one kind never waits in a sum its peer of the other skips; and ``nonfinite``
     (:data:`NONFINITE`), so that none raises where a peer hands on NaN and goes on;
-    ``reducer``: the reducer's name (:func:`identify`)."""
+    ``reducer``: the reducer's name (:func:`identify`); ``dtype``: the input's, which the
+    estimate is cast to: a half type's cast gives other values (float16's held to its range,
+    bfloat16's rounded), float32's and float64's the same, so only the half types count."""
     key = (params.bits, params.granularity, float(params.p), params.seed, params.slice_size,
            tuple(int(t) for t in params.table)) + tuple(int(c) for c in cut) + (backend, steps)
     if nonfinite != "raise":
         key += (nonfinite,)
     if reducer != 0:
         key += ("reducer", reducer)
+    if dtype in (torch.float16, torch.bfloat16):
+        key += ("dtype", str(dtype))
     return key_of(*key)
 
 
@@ -246,7 +250,7 @@ def refused(max_norms: torch.Tensor, tags: torch.Tensor) -> bool:
 
 
 THC_ALIKE = ("their THC parameters (bits, granularity, p, seed, slice size, table), the "
-             "tensor's length or piece length, their codec backend, how a refused round "
+             "tensor's length, dtype or piece length, their codec backend, how a refused round "
              "ends (a graphed or stream-ordered round still sums, an eager one on Gloo stops; "
              "a graphed one with deferred checks raises its refusal a call later), "
              "or which reducer it is (the order the reducers were built in)")

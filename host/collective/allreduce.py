@@ -228,7 +228,7 @@ class THCAllReduce:
                                        f"({type(e).__name__}: {e})")
             raise
 
-    def _key(self, flat, pieces) -> int:
+    def _key(self, flat, pieces, dtype) -> int:
         # one piece of the whole tensor, as a graphed round's: on a stream-ordered
         # transport (NCCL) the two may be peers (a graphed one that defers its checks not)
         try:
@@ -238,9 +238,9 @@ class THCAllReduce:
         steps = "sum" if getattr(self.transport, "stream_ordered", False) else "check"
         return agreement.fingerprint(self.params, flat.numel(), pieces[0][1] - pieces[0][0],
                                      backend=backend, steps=steps, nonfinite=self.nonfinite,
-                                     reducer=self.name)
+                                     reducer=self.name, dtype=dtype)
 
-    def _agree_size(self, flat, pieces, rnd: int) -> None:
+    def _agree_size(self, flat, pieces, rnd: int, dtype) -> None:
         """:func:`agreement.agree` before the first round of a tensor size, and before every
         round on a transport that asks for it (Gloo: a size new to one worker but known to
         another would pair unlike lengths). Sizes are added only once agreed, so every worker
@@ -249,7 +249,7 @@ class THCAllReduce:
         differ in fingerprint: every worker refuses them. It is part of round ``rnd``, which
         every worker counts however it ends."""
         try:
-            agreement.agree(self.transport, rnd, self._key(flat, pieces), flat.device)
+            agreement.agree(self.transport, rnd, self._key(flat, pieces, dtype), flat.device)
         except RuntimeError:
             self.codec.choice(flat)   # a backend this worker lacks: its own error, not "unlike"
             raise
@@ -265,7 +265,7 @@ class THCAllReduce:
         return agreement.PROPAGATE_HINT if self.nonfinite == "raise" and agreement.overflowed(
             max_norms, tags, norm_limit(self.params)) else ""
 
-    def _max_round(self, flat, pieces, rnd: int, whole: bool, refusal=None):
+    def _max_round(self, flat, pieces, rnd: int, whole: bool, dtype, refusal=None):
         """Each piece's prepare, and the MAX round of their slice norms with the round number
         (:mod:`thc.collective.agreement`). A worker whose prepare fails still sends its MAX
         round, its bad slices marked (and on a stream-ordered transport joins the sum), then
@@ -275,7 +275,7 @@ class THCAllReduce:
         ``refusal``: this worker's input was refused; its round goes out, every slice marked.
         A round handed on as NaN (:meth:`_overflowed`) returns None for its preps."""
         layout_of = self.codec.layout
-        key = self._key(flat, pieces)
+        key = self._key(flat, pieces, dtype)
         y = flat
         try:
             if refusal is not None:
@@ -364,9 +364,15 @@ class THCAllReduce:
         self.round += 1
         if getattr(self.transport, "agree_each_round", False) or \
                 flat.numel() not in self._sizes:
-            self._agree_size(flat, pieces, rnd)
+            try:
+                self._agree_size(flat, pieces, rnd, tensor.dtype)
+            except RuntimeError as e:
+                if refusal is not None:
+                    raise refusal from e   # this worker's own error, as a marked round's
+                raise
         # the fused encode: each piece's norms now, its wire form from them after the MAX round
-        y, preps, max_norms, tags = self._max_round(flat, pieces, rnd, whole, refusal)
+        y, preps, max_norms, tags = self._max_round(flat, pieces, rnd, whole, tensor.dtype,
+                                                    refusal)
         if preps is None:
             return self._overflow(tensor)
         self._open = True   # until the round's end, or a refusal every worker reaches

@@ -267,7 +267,8 @@ class GraphedAllReduce:
         word = c.status(y)
         word.zero_()   # each round's flags are its own, cleared in its stream order
         prep = c.prepare(y, b.round)
-        vector = round_kernels.tagged(prep.norms, b.round, self._fingerprint(b.numel, b.x))
+        vector = round_kernels.tagged(prep.norms, b.round,
+                                      self._fingerprint(b.numel, b.x, b.dtype))
         self._check_usable()
         self._sent = 0 if self._capturing else 1   # from here the MAX round may have left
         maxima = self.transport.max(vector).contiguous()
@@ -295,7 +296,7 @@ class GraphedAllReduce:
         if self._bufs is not None:
             self._bufs.round.fill_(self.round)
 
-    def _fingerprint(self, numel: int, like: torch.Tensor) -> int:
+    def _fingerprint(self, numel: int, like: torch.Tensor, dtype) -> int:
         """A round's fingerprint, as an eager reducer's of the same tensor (one piece on a
         stream-ordered transport): the two may be peers, unless this one pads a short tail
         slice (its sums are longer: the padded length stands for the piece's) or defers its
@@ -308,7 +309,7 @@ class GraphedAllReduce:
         # a deferred round's refusal is raised a call later: its peers must defer alike
         steps = "sum, raised later" if self.deferred_checks else "sum"
         return agreement.fingerprint(self.params, numel, summed, backend=backend, steps=steps,
-                                     nonfinite=self.nonfinite, reducer=self.name)
+                                     nonfinite=self.nonfinite, reducer=self.name, dtype=dtype)
 
     def _agree_size(self, tensor: torch.Tensor, rnd: int) -> None:
         """:func:`agreement.agree` in round ``rnd`` before the first round, and before every
@@ -316,7 +317,8 @@ class GraphedAllReduce:
         still went out (owed). Every worker counts the round however the agreement ends."""
         n = tensor.numel()
         try:
-            agreement.agree(self.transport, rnd, self._fingerprint(n, tensor), tensor.device)
+            agreement.agree(self.transport, rnd, self._fingerprint(n, tensor, tensor.dtype),
+                            tensor.device)
         except RuntimeError:
             self.codec.choice(tensor)   # a backend this worker lacks: its own error
             raise
@@ -423,7 +425,7 @@ class GraphedAllReduce:
             lay, dev = self.codec.layout(n), (b.x.device if b is not None else tensor.device)
             marks = torch.full((lay.n_slices,), NORM_MARK, device=dev)
             zeros = torch.zeros(lay.total_padded, dtype=torch.uint8, device=dev)
-            key = self._fingerprint(numel, marks)
+            key = self._fingerprint(numel, marks, b.dtype if b is not None else tensor.dtype)
             vector = agreement.tagged(marks, self.round - 1, key)
             sent = True
             self.transport.max(vector)
