@@ -128,17 +128,24 @@ def fingerprint(params, *cut: int, backend: str = "", steps: str = "",
     worker of one kind never waits in a sum its peer of the other skips; and ``nonfinite``
     (:data:`NONFINITE`), so that none raises where a peer hands on NaN and goes on;
     ``reducer``: the reducer's name (:func:`identify`); ``dtype``: the input's, which the
-    estimate is cast to: a half type's cast gives other values (float16's held to its range,
-    bfloat16's rounded), float32's and float64's the same, so only the half types count."""
+    estimate is cast to (:func:`half_type`)."""
     key = (params.bits, params.granularity, float(params.p), params.seed, params.slice_size,
            tuple(int(t) for t in params.table)) + tuple(int(c) for c in cut) + (backend, steps)
     if nonfinite != "raise":
         key += (nonfinite,)
     if reducer != 0:
         key += ("reducer", reducer)
-    if dtype in (torch.float16, torch.bfloat16):
-        key += ("dtype", str(dtype))
+    cast = half_type(dtype)
+    if cast:
+        key += ("dtype", cast)
     return key_of(*key)
+
+
+def half_type(dtype) -> str:
+    """The name of ``dtype`` where an estimate's cast to it gives other values than its cast
+    to float32 (float16's held to its range, bfloat16's rounded), else "": what a round's
+    key holds of its input's dtype (float32 and float64 results are the same numbers)."""
+    return str(dtype) if dtype in (torch.float16, torch.bfloat16) else ""
 
 
 def key_of(*parts) -> int:

@@ -134,7 +134,7 @@ class _SignAllReduce:
         # the scales' all-reduce is as long as the segments: agree on them first
         rnd, self.round = self.round, self.round + 1
         key = agreement.key_of("marsit", *self.kind, flat.numel(), tuple(sizes),
-                               self.nonfinite, self.name)
+                               self.nonfinite, self.name, agreement.half_type(grad.dtype))
         self.bytes_sent += agreement.together(self.group, rnd, key, flat.device, failure)
         if flat.numel() == 0:      # every rank agreed on it: nothing to send
             return grad.clone()
