@@ -381,6 +381,29 @@ def test_indices_too_wide_are_refused_not_wrapped():
         assert pack_bits(torch.tensor([1, 1], dtype=dtype), 4).tolist() == [0x11]
 
 
+def test_packed_bytes_and_table_indices_are_refused_not_wrapped_or_truncated():
+    """unpack_bits cast wider integers to bytes (0x1234 read as 0x34, -1 as 0xFF) and floats
+    by truncation; table_values read a float index 3.7 as 3. Each is refused now."""
+    from thc.codec.packing import unpack_bits
+    from thc.codec.thc import aggregate, table_values
+    p = THCParams()
+    for bad in ([0x1234, 0x56], [-1, 2]):
+        for packed in (np.array(bad), torch.tensor(bad)):
+            with pytest.raises(ValueError, match="are not bytes"):
+                unpack_bits(packed, 4, 4)
+    for packed in (np.array([18.9, 2.2]), torch.tensor([18.9, 2.2])):
+        with pytest.raises(TypeError, match="packed indices are bytes"):
+            unpack_bits(packed, 4, 4)
+    assert unpack_bits(np.array([0x12, 0xF0], np.int64), 4, 4).tolist() == [1, 2, 15, 0]
+    assert unpack_bits(torch.tensor([0x12, 0xF0]), 4, 4).tolist() == [1, 2, 15, 0]
+    for idx in (torch.tensor([3.7, 15.9]), np.array([3.7, 15.9])):
+        with pytest.raises(TypeError, match="table indices are integers"):
+            table_values(idx, p)
+        with pytest.raises(TypeError, match="table indices are integers"):
+            aggregate([idx, idx], p)
+    assert table_values(torch.tensor([3, 15]), p).tolist() == [p.table[3], p.table[15]]
+
+
 def test_decode_takes_a_list_as_encode_does():
     """It read ``.shape`` before converting: an AttributeError instead of the estimate."""
     from thc.codec import thc

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from scapy.layers.inet import IP, UDP
 from scapy.layers.l2 import Ether
 from scapy.packet import Raw
@@ -39,7 +40,28 @@ def test_crafted_result_matches_encoder():
 
 
 def test_max_values_round_trip():
-    vals = np.array([0.0, 1.5, 3e38], dtype=np.float32)
+    vals = np.zeros(P.MAX_LANES, dtype=np.float32)
+    vals[:3] = [0.0, 1.5, 3e38]
     pkt = THC(pkt_type=P.PktType.MAX) / THCMax(
         data=P.floats_to_ordered_u32(vals).astype(">u4").tobytes())
     np.testing.assert_array_equal(THC(bytes(pkt))[THCMax].values(), vals)
+
+
+def test_payloads_of_the_wrong_length_or_no_workers_values_are_refused():
+    """The accessors read whatever the payload held: 3 sums of a 3-byte RESULT, 10 indices of
+    a 5-byte DATA, NaN and -1.0 from a MAX_RESULT (lanes the client refuses)."""
+    short = [(THCSums(data=bytes(3)), "sums", "RESULT payload of 3 bytes"),
+             (THCIndices(data=bytes(5)), "indices", "DATA payload of 5 bytes"),
+             (THCMax(data=bytes(12)), "values", "MAX payload of 12 bytes")]
+    for layer, read, match in short:
+        with pytest.raises(P.ProtocolError, match=match):
+            getattr(layer, read)()
+    bad = np.zeros(P.MAX_LANES, ">u4")
+    bad[1] = np.array([-1.0], np.float32).view(np.uint32)[0]
+    with pytest.raises(P.ProtocolError, match="MAX lane 1 holds"):
+        THCMax(data=bad.tobytes()).values()
+    wide = np.arange(P.LANES, dtype=P.sum_dtype(16))
+    np.testing.assert_array_equal(THCSums(data=wide.tobytes()).sums(16), np.arange(P.LANES))
+    signs = np.random.default_rng(1).integers(0, 2, 64).astype(np.uint8)
+    got = THCIndices(data=pack_bits(signs, 1).tobytes()).indices(64, "vote")
+    np.testing.assert_array_equal(got, signs)

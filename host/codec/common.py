@@ -334,6 +334,12 @@ def check_sums(lo: int, hi: int, n: int, params: THCParams) -> None:
 
 
 def check_indices(i, params: THCParams) -> None:
+    """Indices into the table: integers (a float one would be truncated: 3.7 read T[3]) in
+    its range."""
+    kind = ("f" if i.is_floating_point() or i.is_complex() else "i") if is_torch(i) else \
+        i.dtype.kind
+    if kind in "fc":
+        raise TypeError(f"table indices are integers, got {i.dtype}")
     if i.numel() if is_torch(i) else i.size:
         if int(i.max()) >= params.levels:
             raise ValueError(f"index {int(i.max())} outside the {params.levels}-entry table")

@@ -70,6 +70,18 @@ def pack_bits(idx, bits: int):
     return (bitv << weights).sum(dim=1, dtype=torch.int32).to(torch.uint8)
 
 
+def _as_bytes(p, not_integers: bool):
+    """Packed bytes given in a wider integer type, checked: a cast would wrap 300 to 44."""
+    if not_integers:
+        raise TypeError(f"packed indices are bytes, got {p.dtype}")
+    if p.shape[0] and (int(p.min()) < 0 or int(p.max()) > 255):
+        raise ValueError(f"packed bytes {int(p.min())}..{int(p.max())} are not bytes")
+    if is_torch(p):
+        import torch
+        return p.to(torch.uint8)
+    return p.astype(np.uint8)
+
+
 def unpack_bits(packed, bits: int, count: int):
     """Inverse of :func:`pack_bits`: ``count`` indices (uint8) from the packed bytes."""
     b = _check_bits(bits)
@@ -77,9 +89,13 @@ def unpack_bits(packed, bits: int, count: int):
     torch_in = is_torch(packed)
     if torch_in:
         import torch
-        p = packed.reshape(-1).to(torch.uint8)
+        p = packed.reshape(-1)
+        if p.dtype != torch.uint8:
+            p = _as_bytes(p, p.is_floating_point() or p.is_complex() or p.dtype == torch.bool)
     else:
-        p = np.asarray(packed, dtype=np.uint8).reshape(-1)
+        p = np.asarray(packed).reshape(-1)
+        if p.dtype != np.uint8:
+            p = _as_bytes(p, p.dtype.kind not in "ui")
     if p.shape[0] != packed_size(count, b):
         raise ValueError(f"{count} indices of {b} bits need {packed_size(count, b)} bytes, "
                          f"got {p.shape[0]}")

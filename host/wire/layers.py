@@ -43,15 +43,25 @@ class THC(Packet):
 class _Payload(Packet):
     fields_desc = [StrField("data", b"")]
 
+    def _checked(self, pkt_type: int, want: int) -> bytes:
+        """The payload, refused unless it is the ``want`` bytes its packet carries: a
+        truncated or padded one reads as fewer or more lanes than the job's."""
+        if len(self.data) != want:
+            raise P.ProtocolError(f"{P.PktType(pkt_type).name} payload of {len(self.data)} "
+                                  f"bytes, {want} expected")
+        return self.data
+
 
 class THCIndices(_Payload):
     """Packed 4-bit table indices (uplink)."""
 
     name = "THC indices"
 
-    def indices(self) -> np.ndarray:
-        packed = np.frombuffer(self.data, np.uint8)
-        return unpack_bits(packed, P.INDEX_BITS, packed.size * 8 // P.INDEX_BITS)
+    def indices(self, lanes: int = P.LANES, aggregation: str = "thc") -> np.ndarray:
+        """The ``lanes`` indices (a vote job's: sign bits) of the job's DATA."""
+        data = self._checked(P.PktType.DATA, P.payload_bytes(P.PktType.DATA, lanes,
+                                                              aggregation=aggregation))
+        return unpack_bits(np.frombuffer(data, np.uint8), P.LANE_BITS[aggregation], lanes)
 
 
 class THCSums(_Payload):
@@ -59,9 +69,11 @@ class THCSums(_Payload):
 
     name = "THC sums"
 
-    def sums(self, sum_bits: int = P.SUM_WIDTHS[0]) -> np.ndarray:
-        """The sums, read as ``sum_bits``-wide big-endian integers (the job's width)."""
-        return np.frombuffer(self.data, P.sum_dtype(sum_bits)).astype(np.int64)
+    def sums(self, sum_bits: int = P.SUM_WIDTHS[0], lanes: int = P.LANES) -> np.ndarray:
+        """The ``lanes`` sums, read as ``sum_bits``-wide big-endian integers (the job's)."""
+        data = self._checked(P.PktType.RESULT, P.payload_bytes(P.PktType.RESULT, lanes,
+                                                                sum_bits))
+        return np.frombuffer(data, P.sum_dtype(sum_bits)).astype(np.int64)
 
 
 class THCMax(_Payload):
@@ -70,7 +82,14 @@ class THCMax(_Payload):
     name = "THC max"
 
     def values(self) -> np.ndarray:
-        return P.ordered_u32_to_floats(np.frombuffer(self.data, ">u4").astype(np.uint32))
+        """The lanes as floats; a lane no worker sends (above the largest finite float's
+        bits: a negative, infinite or NaN pattern) is refused, as the client refuses it."""
+        data = self._checked(P.PktType.MAX, P.payload_bytes(P.PktType.MAX))
+        u = np.frombuffer(data, ">u4").astype(np.uint32)
+        if u.size and int(u.max()) > P.MAX_LANE_TOP:
+            raise P.ProtocolError(f"MAX lane {int(np.argmax(u))} holds {int(u.max()):#x}, "
+                                  f"no non-negative finite float")
+        return P.ordered_u32_to_floats(u)
 
 
 bind_layers(UDP, THC, dport=P.UDP_PORT)
