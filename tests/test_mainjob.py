@@ -112,6 +112,56 @@ def test_deadline_stops_every_rank_after_the_same_step_and_evaluates():
     assert "Grad strides" not in outs[0][1] + outs[1][1]
 
 
+@pytest.mark.parametrize("unlike", [["--epochs", "1", "2"], ["--max-steps", "2", "6"],
+                                    ["--width", "16", "32"], ["--stop-at", "1e12", None]])
+def test_ranks_given_unlike_settings_both_stop_at_once_naming_them(unlike):
+    """Each rank decides from its flags alone when it steps, evaluates and stops: ranks given
+    another --epochs or --max-steps waited in unlike collectives, silent, for torch's 30
+    minutes (with --stop-at on one rank only, its flag's all-reduce paired with the other's
+    step); another --width failed in DDP's constructor without naming it."""
+    from thc.testing.clusters import free_tcp_port
+    port = free_tcp_port()
+    flag, *values = unlike
+    procs = [subprocess.Popen(
+        [sys.executable, "-m", "thc.app.train", "--mode", "fp32", "--rank", str(rank),
+         "--world", "2", "--master", f"127.0.0.1:{port}", "--data", "digits", "--batch", "32",
+         "--evals", "1"] + ([flag, values[rank]] if values[rank] is not None else []),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
+    try:
+        outs = [p.communicate(timeout=60) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    name = flag[2:].replace("-", "_")
+    name = "stop_at given" if name == "stop_at" else name
+    for p, (_, err) in zip(procs, outs):
+        assert p.returncode != 0 and "the ranks were given unlike settings" in err, err[-2000:]
+        assert f"{name}: rank 0 " in err, err[-2000:]
+        assert "accuracy" not in outs[0][0]
+
+
+@pytest.mark.parametrize("mode, argv", [
+    ("topk", ["--no-error-feedback"]), ("fp32", ["--topk-ratio", "0.9"]),
+    ("fp16", ["--uncompressed", "bias"]), ("marsit", ["--bits", "2"]),
+    ("marsit", ["--slice-size", "7"]), ("topk", ["--granularity", "3"]),
+    ("fp32", ["--p", "1/8"])])
+def test_train_refuses_flags_its_mode_would_ignore(mode, argv, capsys):
+    """Each ran to its end with the flag unread (TopK keeps its error feedback whatever is
+    asked; a slice size of 7 was not even checked)."""
+    from thc.app import train
+    with pytest.raises(SystemExit) as e:
+        train.main(["--mode", mode, *argv])
+    assert e.value.code == 2
+    assert f"--mode {mode} would ignore it" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, epochs", [([], 2), (["--quick"], 1),
+                                           (["--quick", "--epochs", "3"], 3)])
+def test_quick_takes_one_epoch_unless_epochs_are_given(argv, epochs):
+    """--quick replaced --epochs 3 with 1 without a word (its --train-subset gives way)."""
+    assert mainjob.epochs_of(_main_args(*argv)) == epochs
+
+
 @pytest.mark.parametrize("argv", [["--max-steps", "0"], ["--epochs", "0"], ["--batch", "-1"],
                                   ["--evals", "0"], ["--train-subset", "0"], ["--epochs", "x"],
                                   ["--width", "-3"]])

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -190,12 +191,28 @@ def test_sigterm_tears_the_loopback_testbed_down_too():
     assert alive == [] and not Path(logdir).exists()
 
 
-def test_a_loopback_testbed_that_fails_to_build_leaves_the_signal_handlers():
+def test_a_loopback_testbed_that_fails_to_build_leaves_the_signal_handlers(tmp_path, monkeypatch):
+    """... and no log directory (each such failure left an empty one in /tmp)."""
     import signal
+    import tempfile
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     before = signal.getsignal(signal.SIGTERM)
-    with pytest.raises(TestbedError):
-        LoopbackTestbed(2, aggregator="software", pool_size=10 ** 9)
+    for pool_size in (10 ** 9, -5):
+        with pytest.raises(TestbedError):
+            LoopbackTestbed(2, aggregator="software", pool_size=pool_size)
     assert signal.getsignal(signal.SIGTERM) is before
+    assert list(tmp_path.iterdir()) == []
+
+
+@needs_mininet
+def test_a_mininet_testbed_refused_for_its_links_leaves_no_log_directory(tmp_path, monkeypatch):
+    import tempfile
+
+    from thc.emu.emulation import MininetTestbed
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    with pytest.raises(TestbedError, match="priority queueing needs a bandwidth limit"):
+        MininetTestbed(2, bw_mbit=None, priorities=True)
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_bmv2_and_bad_arguments_are_refused_clearly():
@@ -334,15 +351,16 @@ def test_a_loopback_testbed_killed_takes_its_aggregators_with_it():
         from thc.emu.testbed import LoopbackTestbed
         tb = LoopbackTestbed(2, aggregator="sharded")
         tb.start_aggregator()
-        print(*[p.pid for _, p in tb._aggregator_procs()], flush=True)
+        print(tb.logdir, *[p.pid for _, p in tb._aggregator_procs()], flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
     """)
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                        cwd=ROOT)
     assert r.returncode == -9, r.stderr
-    pids = [int(p) for p in r.stdout.split()]
+    logdir, *pids = r.stdout.split()
     assert len(pids) == 2
-    _all_end(pids)
+    _all_end([int(p) for p in pids])
+    shutil.rmtree(logdir)   # its logs outlive a killed testbed, for its user to read
 
 
 @needs_mininet

@@ -45,6 +45,13 @@ OPTIMIZER = {"marsit": (0.1, 0.0), "marsit-vote": (0.1, 0.0)}
 DEFAULT_OPTIMIZER = (0.05, 0.9)
 
 
+_THC = ("thc", "thc-dist")
+READ_BY = {"topk_ratio": ("topk",), "no_error_feedback": _THC, "slice_size": _THC,
+           "bits": _THC, "granularity": _THC, "p": _THC,
+           "uncompressed": ("thc", "thc-dist", "topk", "marsit", "marsit-vote")}
+"""The flags only some modes read: given to another, they are refused, not ignored."""
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mode", choices=MODES, default="thc")
     worker.add_arguments(parser)
@@ -195,6 +202,33 @@ def _out_of_time(deadline: float | None) -> bool:
     return bool(flag.item())
 
 
+AGREED = ("mode", "data", "train_subset", "epochs", "evals", "batch", "width", "seed",
+          "max_steps", "lr", "momentum", "topk_ratio", "slice_size",
+          "no_error_feedback", "uncompressed", "priorities", "loss_bound", "bits",
+          "granularity", "p")
+"""Flags every rank must be given alike: each rank decides from them alone when it steps,
+evaluates and stops, so ranks given unlike ones would wait in unlike collectives (a hang
+until the group's timeout, torch's 30 minutes without ``--stop-at``). ``--stop-at`` may
+differ (the ranks agree each step whether any is past its own), but not whether it is
+given."""
+
+
+def check_flags_agree(args, facts: dict) -> None:
+    """Raise on every rank, naming the flag and each rank's value, unless the ranks were
+    given the same :data:`AGREED` flags and came to the same ``facts`` (the data set
+    ``auto`` chose, its size, the model's)."""
+    import torch.distributed as dist
+    mine = {**{k: getattr(args, k, None) for k in AGREED}, **facts}
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    unlike = [k for k in mine if any(e.get(k) != mine[k] for e in every)]
+    if unlike:
+        shown = "; ".join(f"{k}: " + ", ".join(f"rank {r} {e.get(k)!r}"
+                                              for r, e in enumerate(every)) for k in unlike)
+        raise SystemExit(f"the ranks were given unlike settings ({shown}): every rank must "
+                         f"train alike, or they wait in unlike collectives")
+
+
 def train(args) -> list[dict]:
     """Train, evaluating ``args.evals`` times per epoch; rank 0 prints JSON lines.
 
@@ -229,6 +263,9 @@ def _train_model(args) -> list[dict]:
     ds = datasets.load(args.data, args.seed, settings.current())
     xtr, ytr, xte, yte = _tensors(ds, args.train_subset)
     model = make_model(xtr.shape[-1], args.width, ds.classes)
+    n_params = sum(p.numel() for p in model.parameters())
+    check_flags_agree(args, {"stop_at given": args.stop_at is not None, "dataset": ds.name,
+                             "train_images": len(ytr), "params": n_params})
     # the digits CNN's first weight has one input channel: its gradient's strides differ
     # from the parameter's only along that size-1 dimension (the same layout in memory);
     # DDP's warning about it would fill the stderr tail a failing run's error quotes
@@ -243,7 +280,6 @@ def _train_model(args) -> list[dict]:
     elif args.mode != "fp32":
         hook, client = _hook(args, model, ddp)
         hook.register(ddp)
-    n_params = sum(p.numel() for p in model.parameters())
     say = print if args.rank == 0 else (lambda *a, **k: None)
     lr, momentum = optimizer_settings(args)
     say(json.dumps({"dataset": ds.name, "note": ds.note, "train_images": len(ytr),
@@ -336,6 +372,10 @@ def main(argv=None) -> int:
         parser.error(f"--mode {args.mode} needs --config (the aggregator's cluster JSON)")
     if args.mode != "thc" and (args.loss_bound is not None or args.priorities):
         parser.error("--loss-bound and --priorities apply to --mode thc (through an aggregator)")
+    for name, modes in READ_BY.items():
+        if args.mode not in modes and getattr(args, name) != parser.get_default(name):
+            parser.error(f"--{name.replace('_', '-')} applies to --mode {' and '.join(modes)}: "
+                         f"--mode {args.mode} would ignore it")
     train(args)
     return 0
 

@@ -90,6 +90,9 @@ class MininetTestbed(Testbed):
             if pool_size and pool_size > P.SWITCH_SLOTS:
                 raise TestbedError(f"pool_size {pool_size} exceeds the switch's "
                                    f"{P.SWITCH_SLOTS} slots")
+        if priorities and (bw_mbit is None or "delay" in plan["link"] or "loss" in plan["link"]):
+            raise TestbedError("priority queueing needs a bandwidth limit and no netem "
+                               "delay/loss on the links")
         super().__init__(n_workers, aggregator, params, lanes, pool_size, loss_bound)
         self.bw_mbit = bw_mbit
         self.delay_ms = delay_ms
@@ -97,9 +100,6 @@ class MininetTestbed(Testbed):
         self.agg_bw_factor = float(agg_bw_factor or 1.0)
         self.link_plan = plan
         self.priorities = priorities
-        if priorities and (bw_mbit is None or "delay" in plan["link"] or "loss" in plan["link"]):
-            raise TestbedError("priority queueing needs a bandwidth limit and no netem "
-                               "delay/loss on the links")
         self.notes = list(plan["notes"])
         for note in self.notes:
             say_once(note)

@@ -115,14 +115,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data", default=AUTO, choices=(AUTO, *DATASETS),
                         help="data set (auto: fashion-mnist where installed, else digits, "
                              "saying so)")
-    parser.add_argument("--epochs", type=positive_int, default=2)
+    parser.add_argument("--epochs", type=positive_int, default=None,
+                        help="epochs to train (default 2; 1 with --quick)")
     parser.add_argument("--batch", type=positive_int, default=128, help="per-worker batch size")
     parser.add_argument("--width", type=positive_int, default=None,
                         help="model width (default: the worker's, 768 for Fashion-MNIST's MLP: "
                              "1.2M parameters)")
     parser.add_argument("--evals", type=positive_int, default=6, help="evaluations per epoch")
     parser.add_argument("--quick", action="store_true",
-                        help="about two minutes: 8192 training images, one epoch")
+                        help="about two minutes: 8192 training images (--train-subset given "
+                             "wins), one epoch (--epochs given wins)")
     parser.add_argument("--train-subset", type=positive_int, default=None, metavar="N",
                         help="train on the first N images (step-time measurements: more "
                              "steps than --quick, less than an epoch)")
@@ -284,6 +286,12 @@ def _run_mode(name: str, args, progress) -> dict:
             tb.start_aggregator()
         master = f"{tb.master_addr[0]}:{tb.master_addr[1]}"
 
+        # the workers stop themselves in time to evaluate where they got to (the deadline
+        # counts from here, start-up included, and is one time for every rank); the kill at
+        # the limit stays as the backstop
+        stop_in = max(10.0, limit - STOP_MARGIN)
+        stop_at = time.time() + stop_in
+
         def argv(rank: int) -> list[str]:
             a = [sys.executable, "-m", "thc.app.train", "--mode", mode.train_mode,
                  "--rank", str(rank), "--world", str(args.workers), "--master", master,
@@ -299,11 +307,7 @@ def _run_mode(name: str, args, progress) -> dict:
                 a.append("--priorities")
             if bound:
                 a += ["--max-steps", str(bound)]
-            # the workers stop themselves in time to evaluate where they got to (the
-            # deadline counts from here, start-up included); the kill at the limit stays
-            # as the backstop
-            a += ["--stop-at", f"{time.time() + max(10.0, limit - STOP_MARGIN):.3f}"]
-            return a
+            return a + ["--stop-at", f"{stop_at:.3f}"]
 
         def on_line(rank: int, line: str) -> None:
             if rank != 0 or not line.startswith("{"):
@@ -334,13 +338,15 @@ def _run_mode(name: str, args, progress) -> dict:
             if signalled or not evaluating or not _rows(e.results[0].stdout)[1]:
                 where = "in its final evaluation" if evaluating else \
                     "before its final evaluation (a hang, or a step longer than that)"
-                raise WorkerError(f"still running at the {limit:.0f} s limit, "
-                                  f"{STOP_MARGIN:.0f} s after the workers were to stop and "
-                                  f"evaluate (--stop-at), {where}\n{e}", e.results, True,
-                                  e.states) from None
+                when = (f"{limit - stop_in:.0f} s after the workers were to stop and evaluate "
+                        f"(--stop-at), {where}" if stop_in < limit else
+                        f"before the workers' stop time ({stop_in:.0f} s after the launch: "
+                        f"--timeout is too short to start and train)")
+                raise WorkerError(f"still running at the {limit:.0f} s limit, {when}\n{e}",
+                                  e.results, True, e.states) from None
             results, stopped = e.results, (f"stopped at the {limit:.0f} s limit (its final "
                                            f"evaluation did not end within "
-                                           f"{STOP_MARGIN:.0f} s)")
+                                           f"{limit - stop_in:.0f} s)")
         finally:
             for f in flows:
                 f.kill()
@@ -352,8 +358,8 @@ def _run_mode(name: str, args, progress) -> dict:
         if bound and history[-1]["steps"] >= bound:
             stopped = f"bounded to {bound} steps (--bmv2-steps)"
         else:
-            stopped = (f"stopped itself {STOP_MARGIN:.0f} s before the {limit:.0f} s limit "
-                       f"(--stop-at)")
+            stopped = (f"stopped itself {limit - stop_in:.0f} s before the {limit:.0f} s "
+                       f"limit (--stop-at)")
     if not history:
         raise RuntimeError(f"mode {name}: no evaluation row from rank 0 "
                            f"({stopped or 'it exited without one'})")
@@ -392,11 +398,18 @@ def _agg_bytes(tb):
     return fn() if fn else None
 
 
+def epochs_of(args: argparse.Namespace) -> int:
+    """--epochs where given (--quick once replaced it, and the report recorded the
+    replacement), else 1 with --quick, else 2."""
+    if args.epochs is not None:
+        return args.epochs
+    return 1 if args.quick else 2
+
+
 def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    if args.quick:
-        args.epochs = 1
+    args.epochs = epochs_of(args)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if why := check_args(args, modes):
         print(f"thc run: {why}", file=sys.stderr)

@@ -26,6 +26,7 @@ binds the emulated link.
 from __future__ import annotations
 
 import argparse
+import shutil
 
 from thc.app.argtypes import non_negative_float, percent, positive_float, positive_int
 from thc.codec.params import THCParams
@@ -62,6 +63,15 @@ class LoopbackTestbed(Testbed):
         if aggregator == "bmv2":
             raise TestbedError("the bmv2 aggregator needs the Mininet testbed (root and Mininet)")
         super().__init__(n_workers, aggregator, params, lanes, pool_size, loss_bound)
+        try:
+            self._plan(n_workers, aggregator)
+        except BaseException:
+            shutil.rmtree(self.logdir, ignore_errors=True)   # nothing else was started
+            raise
+        self._hold_signals()   # last, once nothing here can fail
+
+    def _plan(self, n_workers: int, aggregator: str) -> None:
+        """Ports and the cluster: a job the settings cannot make raises here."""
         base = free_port_block(2 * n_workers + 2, tcp=True)
         workers = [Worker(id=r, ip="127.0.0.1", port=base + r) for r in range(n_workers)]
         self.master_addr = ("127.0.0.1", base + n_workers)
@@ -74,7 +84,6 @@ class LoopbackTestbed(Testbed):
         self.cluster = Cluster(jobs=(make_job(workers, self.params, self.lanes, self.pool_size,
                                               shards=shards, loss_bound=self.loss_bound),),
                                agg_ip="127.0.0.1", agg_port=agg_port)
-        self._hold_signals()   # last, once nothing here can fail
 
     def worker_intf(self, rank: int) -> str:
         return "lo"
