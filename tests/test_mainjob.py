@@ -278,6 +278,28 @@ def test_a_mode_hung_at_its_limit_failed_and_says_so(monkeypatch, tmp_path, stat
             "stopped at the 600 s limit (its final evaluation did not end within 25 s)"
 
 
+@pytest.mark.parametrize("limit, said", [
+    (30, "still running at the 30 s limit, 20 s after the workers were to stop"),
+    (8, "still running at the 8 s limit, before the workers' stop time (10 s after the launch: "
+        "--timeout is too short")])
+def test_a_short_limit_names_the_margin_the_workers_had(monkeypatch, tmp_path, limit, said):
+    """The timeout said "25 s after the workers were to stop" whatever the limit: with 8 s
+    the workers were told to stop at 10 s, after it, and nothing had hung."""
+    from thc.emu.procs import WorkerError, WorkerResult
+    from thc.emu.testbed import LoopbackTestbed
+
+    def late(self, argv_for, env=None, timeout=None, on_line=None):
+        raise WorkerError("workers timed out", [WorkerResult(r, -9, "", "", 8.0)
+                                                for r in (0, 1)], timed_out=True,
+                          states={0: "running", 1: "running"})
+    monkeypatch.setattr(LoopbackTestbed, "run_workers", late)
+    args = _main_args("--loopback", "--workers", "2", "--timeout", str(limit),
+                      "--out", str(tmp_path))
+    assert mainjob.run(args) == 1
+    report = json.loads((tmp_path / "mainjob.json").read_text())
+    assert said in report["failed"][0]["error"], report["failed"][0]["error"]
+
+
 def test_an_out_dir_that_takes_no_file_is_refused_before_any_mode(monkeypatch, capsys,
                                                                  tmp_path):
     """A full or read-only --out was found only when the report was written, after every
