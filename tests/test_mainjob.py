@@ -112,13 +112,12 @@ def test_deadline_stops_every_rank_after_the_same_step_and_evaluates():
     assert "Grad strides" not in outs[0][1] + outs[1][1]
 
 
-@pytest.mark.parametrize("unlike", [["--epochs", "1", "2"], ["--max-steps", "2", "6"],
-                                    ["--width", "16", "32"], ["--stop-at", "1e12", None]])
+@pytest.mark.parametrize("unlike", [["--epochs", "1", "2"], ["--stop-at", "1e12", None]])
 def test_ranks_given_unlike_settings_both_stop_at_once_naming_them(unlike):
     """Each rank decides from its flags alone when it steps, evaluates and stops: ranks given
     another --epochs or --max-steps waited in unlike collectives, silent, for torch's 30
     minutes (with --stop-at on one rank only, its flag's all-reduce paired with the other's
-    step); another --width failed in DDP's constructor without naming it."""
+    step). The width, step bound and the rest are compared alike."""
     from thc.testing.clusters import free_tcp_port
     port = free_tcp_port()
     flag, *values = unlike
