@@ -68,9 +68,10 @@ def _worker(rank, port, q):
         start = time.perf_counter()
         loss.backward()
         backward = time.perf_counter() - start
-        br = hook.step_breakdown()
+        br, idle = hook.step_breakdown(), hook.step_breakdown()
         results[kind] = ({n: p.grad.numpy().copy() for n, p in model.named_parameters()},
-                         hook.fp32_elements, hook.bytes_sent, (br.comm, br.exposed, backward))
+                         hook.fp32_elements, hook.bytes_sent, (br.comm, br.exposed, backward),
+                         (idle.comm, idle.exposed))
     q.put((rank, results))
     dist.destroy_process_group()
 
@@ -108,6 +109,8 @@ def test_hook_gives_every_rank_the_same_gradient(kind):
     # thread, within backward(): neither figure can exceed the backward pass they split.
     comm, exposed, backward = out[0][3]
     assert 0 < comm <= backward and 0 <= exposed <= backward, (comm, exposed, backward)
+    # a step that reduced nothing (a no_sync micro-step) gave the last one's exposed again
+    assert out[0][4] == (0.0, 0.0)
 
 
 @SHARED
@@ -391,6 +394,44 @@ def test_a_bucket_that_fails_after_its_compressed_round_abandons_the_group(monke
         with pytest.raises(RuntimeError, match="out of memory"):
             torch.nn.functional.cross_entropy(ddp(x), y).backward()
         with pytest.raises(RuntimeError, match=r"a bucket of backward failed after its "
+                                               r"compressed round \(MemoryError: out of"):
+            DistTransport.check_group(hook.group)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_bucket_that_fails_before_its_compressed_round_abandons_the_group(monkeypatch):
+    """A rank's own failure in the hook before the bucket's round went out (joining the
+    compressed spans: out of memory, say) told its peers nothing: they waited in the round,
+    and the rank's next step, if it went on, paired with it (a peer then took its next
+    step's gradient as this one's). The group is now abandoned, named by the failure."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import thc.collective.ddp as ddp_module
+    from thc.codec.params import THCParams
+    from thc.collective.allreduce import THCAllReduce
+    from thc.collective.ddp import THCHook
+    from thc.collective.transports import DistTransport
+
+    class NoMemory:
+        def __getattr__(self, name):
+            return getattr(torch, name)
+
+        def cat(self, *a, **k):
+            raise MemoryError("out of memory")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port_block(1)}",
+                            rank=0, world_size=1)
+    try:
+        model = _model()
+        ddp = DDP(model)
+        hook = THCHook(model, lambda group: THCAllReduce.through_torch_distributed(
+            group, params=THCParams(seed=3)), overlap=False).register(ddp)
+        x, y = _data(0)
+        torch.nn.functional.cross_entropy(ddp(x), y).backward()
+        monkeypatch.setattr(ddp_module, "torch", NoMemory())
+        with pytest.raises(RuntimeError, match="out of memory"):
+            torch.nn.functional.cross_entropy(ddp(x), y).backward()
+        with pytest.raises(RuntimeError, match=r"a bucket of backward failed before its "
                                                r"compressed round \(MemoryError: out of"):
             DistTransport.check_group(hook.group)
     finally:

@@ -242,6 +242,7 @@ class _Hook:
         with self._stats_lock:
             out = StepBreakdown(self._comm, max(0.0, self._last_done - self._last_call))
             self._comm = 0.0
+            self._last_call = self._last_done = 0.0   # a step that reduces nothing waits none
         return out
 
     def _keep_fp32(self, p: torch.Tensor) -> bool:
@@ -461,11 +462,18 @@ class _Hook:
         # the compressed part first: its round checks that every rank is reducing this
         # bucket; the FP32 spans' all-reduce checks nothing (unlike lengths abort Gloo)
         if comp:
-            flat = comp[0] if len(comp) == 1 else torch.cat(comp)
-            position = None
-            if self.wants_positions:
-                position = torch.cat([torch.full((b - a,), pos) for a, b, fp32, pos in spans
-                                      if not fp32])
+            try:
+                flat = comp[0] if len(comp) == 1 else torch.cat(comp)
+                position = None
+                if self.wants_positions:
+                    position = torch.cat([torch.full((b - a,), pos)
+                                          for a, b, fp32, pos in spans if not fp32])
+            except BaseException as e:
+                # this rank's own failure before its round went out: its peers wait in that
+                # round, which its next (a step later, if it goes on) would pair with
+                DistTransport.abandon_group(self.group, f"a bucket of backward failed before "
+                                            f"its compressed round ({type(e).__name__}: {e})")
+                raise
             out = self.reduce(bucket, flat, [v.numel() for v in comp], position, stretches)
         try:
             i = 0
