@@ -697,7 +697,8 @@ def test_a_round_left_between_its_collectives_abandons_the_process_group():
 def test_a_round_left_after_its_max_round_fails_the_aggregator_clients_run():
     """Through an aggregator, a worker that fails after its MAX round leaves its peers' DATA
     in the slots its next round would take: its client's run takes no more rounds, naming
-    the failure (its next MAX round had been refused by the aggregator as another use)."""
+    the failure (its next MAX round had been refused by the aggregator as another use). One
+    that fails after its sums came back (keeping its residual) goes on."""
     from thc.net.client import RunFailed
     job = local_job(1, 1, free_port_block(1), pool_size=32, table=PARAMS.table)
     with Aggregator([job]) as agg, AggregationClient(job, 0, agg.start(), run=1) as c:
@@ -711,6 +712,14 @@ def test_a_round_left_after_its_max_round_fails_the_aggregator_clients_run():
         with pytest.raises(RunFailed, match=r"round 1 failed after its MAX round "
                                             r"\(MemoryError: oom"):
             ar(x)
+    # failed once its sums all came back, its sequence numbers are in step: the run goes on
+    with Aggregator([job]) as agg, AggregationClient(job, 0, agg.start(), run=1) as c:
+        ar = THCAllReduce.through_aggregator(c, PARAMS, generator=1)
+        ar.feedback.keep = lambda *a: (_ for _ in ()).throw(MemoryError("oom"))
+        with pytest.raises(MemoryError):
+            ar(x)
+        del ar.feedback.keep
+        assert torch.isfinite(ar(x)).all()
 
 
 def test_sums_no_workers_make_are_refused_alike_and_the_next_round_runs():

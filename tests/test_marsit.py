@@ -482,6 +482,31 @@ def test_a_vote_worker_that_failed_after_its_scales_takes_no_later_round():
     assert counters["jobs"][1]["completions"] == 0
 
 
+def test_a_vote_fails_its_run_only_where_its_signs_did_not_come_back(monkeypatch):
+    """Failed before its signs left, a vote's client takes no more rounds (its peers' signs
+    hold the slots its next would take); failed after they came back, its sequence numbers
+    are in step and its run goes on."""
+    from thc.testing.clusters import free_tcp_port
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_tcp_port()}",
+                            rank=0, world_size=1)
+    try:
+        client = _VoteClient()
+        ar = marsit.MarsitVoteAllReduce(client)
+        with monkeypatch.context() as m:
+            m.setattr(marsit, "counts_to_mean_sign",
+                      lambda *a: (_ for _ in ()).throw(MemoryError("after")))
+            with pytest.raises(MemoryError):
+                ar(torch.ones(64))
+        assert client.failed is None
+        with monkeypatch.context() as m:
+            m.setattr(ar, "_signs", lambda *a: (_ for _ in ()).throw(MemoryError("before")))
+            with pytest.raises(MemoryError):
+                ar(torch.ones(64))
+        assert "MemoryError: before" in client.failed
+    finally:
+        dist.destroy_process_group()
+
+
 @pytest.mark.parametrize("kind", ["ring", "vote"])
 def test_a_round_that_fails_before_its_scales_are_summed_abandons_the_group(monkeypatch, kind):
     """A worker's own failure between its agreement and the scales' all-reduce (out of memory,

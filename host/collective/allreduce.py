@@ -109,7 +109,7 @@ class THCAllReduce:
         self.codec = THCCodec(self.params, backend=backend, deferred_checks=True)
         self.feedback = ErrorFeedback(self.params) if error_feedback else None
         self.round = 0
-        self._open = False
+        self._open = self._summed = False
         self._sizes: set[int] = set()
         """Tensor sizes every worker's rounds have agreed on (:meth:`_agree_size`)."""
         self.stats = RoundStats()
@@ -216,7 +216,7 @@ class THCAllReduce:
             if refusal is not None:
                 raise refusal
             return tensor.clone()
-        self._open = False
+        self._open = self._summed = False
         try:
             return self._round(tensor, position, refusal)
         except BaseException as e:
@@ -225,7 +225,7 @@ class THCAllReduce:
                 # peers wait in a sum this worker will not join, or, after the sums, go on
                 # to their next collective: none of its later collectives may pair with theirs
                 self.transport.abandon(f"round {self.round - 1} failed after its MAX round "
-                                       f"({type(e).__name__}: {e})")
+                                       f"({type(e).__name__}: {e})", self._summed)
             raise
 
     def _key(self, flat, pieces, dtype) -> int:
@@ -440,6 +440,7 @@ class THCAllReduce:
             sums, short = self.transport.sum(wire, count, self.params, classes)
             secs["sum"] += time.perf_counter() - t
             decodes.append(submit(decode, a, b, sums, wire, short))
+        self._summed = True   # every sum of this worker's went out and came back
         try:
             for f in decodes:
                 f.result()   # a failure here is this worker's alone: still open

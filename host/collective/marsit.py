@@ -86,6 +86,8 @@ class _SignAllReduce:
         """Calls so far, refused ones included: the agreement's round lanes."""
         self._scaled = False
         """Whether this call's scales were summed (:meth:`__call__`)."""
+        self._voted = False
+        """Whether this call's signs came back from an aggregator (a vote's)."""
 
     def skip_to(self, rnd: int) -> None:
         """Take round ``rnd`` next where it is ahead (rounds never go back: each draws its
@@ -138,7 +140,7 @@ class _SignAllReduce:
         self.bytes_sent += agreement.together(self.group, rnd, key, flat.device, failure)
         if flat.numel() == 0:      # every rank agreed on it: nothing to send
             return grad.clone()
-        self._scaled = False
+        self._scaled = self._voted = False
         try:
             return self._round(grad, flat, sizes)
         except BaseException as e:
@@ -286,10 +288,12 @@ class MarsitVoteAllReduce(_SignAllReduce):
         self.majority = majority
 
     def _left(self, why: str) -> None:
-        """The peers' signs went to the aggregator, not a collective: this worker's next vote
-        would take their round's sequence numbers and add into its counts (a vote's offsets
-        are every round's), so its client's run takes no more rounds."""
-        self.client.fail_run(why)
+        """The peers' signs went to the aggregator, not a collective: unless this worker's
+        came back (its sequence numbers in step), its next vote would take their round's and
+        add into its counts (a vote's offsets are every round's), so its client's run takes
+        no more rounds."""
+        if not self._voted:
+            self.client.fail_run(why)
 
     def mean_sign(self, own: torch.Tensor) -> torch.Tensor:
         d, lanes = own.numel(), self.client.job.lanes
@@ -297,6 +301,7 @@ class MarsitVoteAllReduce(_SignAllReduce):
         padded[:d] = own.cpu()
         before = self.client.stats.bytes_sent
         r = self.client.reduce(pack_bits(padded, 1).numpy())
+        self._voted = True
         self.bytes_sent += self.client.stats.bytes_sent - before
         # a chunk closed short (bounded loss) counts only the workers in its bitmap
         voters = torch.from_numpy(r.counts.astype("int64")).repeat_interleave(lanes)[:d]

@@ -100,10 +100,13 @@ class AggregatorTransport:
         self.short_chunks = 0
         """Chunks of this transport's rounds that ended short (DLCP's bounded loss)."""
 
-    def abandon(self, why: str) -> None:
-        """This worker failed after its MAX round while its peers send: its client's run
-        takes no more rounds (:meth:`thc.net.client.AggregationClient.fail_run`)."""
-        self.client.fail_run(why)
+    def abandon(self, why: str, summed: bool = False) -> None:
+        """This worker failed after its MAX round: unless its sums all came back
+        (``summed``: its sequence numbers are in step with its peers'), its peers' DATA holds
+        the slots its next round would take, so its client's run takes no more rounds
+        (:meth:`thc.net.client.AggregationClient.fail_run`)."""
+        if not summed:
+            self.client.fail_run(why)
 
     def check(self, params: THCParams) -> None:
         job = self.client.job
@@ -224,9 +227,9 @@ class DistTransport:
         """What this transport's rounds pair on: the process group (agreement.identify)."""
         return self._group()
 
-    def abandon(self, why: str) -> None:
-        """This worker left a round between its collectives, or failed after them while its
-        peers went on: any later collective of its on this process group would pair with a
+    def abandon(self, why: str, summed: bool = False) -> None:
+        """This worker left a round between its collectives, or failed after them (``summed``
+        or not) while its peers went on: any later collective of its on this process group would pair with a
         peer's pending one (NCCL does not check that they match), so the project issues none
         (the first reason is kept); the peers' own collectives time out. What does not pass
         through :meth:`max` and :meth:`sum` (a replayed CUDA graph, a DDP hook's FP32 spans)
