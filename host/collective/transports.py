@@ -229,11 +229,11 @@ class DistTransport:
 
     def abandon(self, why: str, summed: bool = False) -> None:
         """This worker left a round between its collectives, or failed after them (``summed``
-        or not) while its peers went on: any later collective of its on this process group would pair with a
-        peer's pending one (NCCL does not check that they match), so the project issues none
-        (the first reason is kept); the peers' own collectives time out. What does not pass
-        through :meth:`max` and :meth:`sum` (a replayed CUDA graph, a DDP hook's FP32 spans)
-        calls :meth:`check_group` first."""
+        or not) while its peers went on: any later collective of its on this process group
+        would pair with a peer's pending one (NCCL does not check that they match), so the
+        project issues none (the first reason is kept); the peers' own collectives time out.
+        What does not pass through :meth:`max` and :meth:`sum` (a replayed CUDA graph, a DDP
+        hook's FP32 spans) calls :meth:`check_group` first."""
         DistTransport.abandon_group(self.group, why)
 
     @staticmethod
