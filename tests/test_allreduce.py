@@ -372,7 +372,10 @@ def _refusing_worker(rank, port, q):
              (x.to_sparse() if rank else x, None), (x.numpy() if rank else x, None),
              ([1.0, [2.0]] if rank else x, None),
              (np.broadcast_to(np.float32(0), (1 << 20, 1 << 20)) if rank else x, None),
-             (torch.empty(1024, device="meta") if rank else x, None), (x, None)]
+             (torch.empty(1024, device="meta") if rank else x, None),
+             (x.half().numpy() if rank else x.half(), None),
+             (torch.empty(1024, device="meta", dtype=torch.bfloat16) if rank else
+              x.bfloat16(), None), (x, None)]
     out = []
     for tensor, position in calls:
         try:
@@ -388,7 +391,8 @@ def test_a_worker_refusing_its_input_ends_its_peers_round_too():
     silently) used to leave the peer waiting in a collective: now the refusing worker's round
     goes out marked, every worker refuses it, and the next round is good on both."""
     res = gloo_pair(_refusing_worker)
-    (bad_pos, bad_dtype, unreadable, sparse, array, ragged, huge, meta, good), rounds = res[1]
+    (bad_pos, bad_dtype, unreadable, sparse, array, ragged, huge, meta, half_array, half_meta,
+     good), rounds = res[1]
     assert "layer positions must lie in [0, 1]" in bad_pos
     assert "floating-point tensors, got torch.bool" in bad_dtype
     assert "Could not infer dtype" in unreadable
@@ -407,8 +411,12 @@ def test_a_worker_refusing_its_input_ends_its_peers_round_too():
     # a meta tensor has no values: Gloo "summed" it without sending, the peer was told the
     # workers were in different rounds, and every later round was refused
     assert "on the meta device" in meta and "mark of a worker" in peer[7], (meta, peer)
-    assert good == pytest.approx(1.0, abs=0.1) and peer[8] == pytest.approx(1.0, abs=0.1)
-    assert rounds == rounds0 == 9
+    # half-type peers: a float32 stand-in's key left out the dtype theirs hold, and they
+    # were told the workers' settings differ instead of the refusal
+    assert "got ndarray" in half_array and "on the meta device" in half_meta
+    assert all("mark of a worker" in r for r in peer[8:10]), peer
+    assert good == pytest.approx(1.0, abs=0.1) and peer[10] == pytest.approx(1.0, abs=0.1)
+    assert rounds == rounds0 == 11
 
 
 def _skipping_worker(rank, port, q, kind):

@@ -79,6 +79,16 @@ def test_each_scheme_decodes_as_its_definition_says(name):
         assert d // 2 <= payload.nbytes <= d // 2 + 64   # 4 bits a coordinate, a few scalars
 
 
+def test_a_float64_input_beyond_float32s_range_is_refused_as_such():
+    """It was cast to float32 first and refused as "NaN or Inf", which it does not hold."""
+    for x in (torch.tensor([1.0, 1e300], dtype=torch.float64), np.array([1.0, 1e300])):
+        with pytest.raises(ValueError, match="beyond float32's range") as err:
+            TopK(0.5).compress(x)
+        assert "NaN" not in str(err.value)
+    np.testing.assert_array_equal(TopK(0.5).decompress(TopK(0.5).compress(
+        np.array([1.0, 3.0]))), [0.0, 3.0])
+
+
 def test_bits_per_coord():
     d = 2 ** 18
     assert THC().bits_per_coord(d) == pytest.approx(4.0, abs=0.01)

@@ -46,7 +46,7 @@ class _Peer:
     def check(self, params):
         pass
 
-    def abandon(self, why):
+    def abandon(self, why, summed=False):
         self.abandoned = self.abandoned or why
 
     def max(self, vector):
@@ -90,6 +90,21 @@ def test_graphed_rounds_equal_the_eager_allreduce(dtype):
         assert graphed.round == 3 and int(graphed._bufs.round) == 3
         # a ring all-reduce of one worker sends nothing (2 (p - 1) / p of each tensor)
         assert graphed.transport.bytes_sent == eager.transport.bytes_sent == 0
+    finally:
+        dist.destroy_process_group()
+
+
+@kernels
+def test_a_float64_input_beyond_float32s_range_is_refused_as_such():
+    """Cast to float32 first, it was refused as "NaN or Inf", which it does not hold."""
+    _group()
+    try:
+        graphed = GraphedAllReduce.through_torch_distributed(params=P, generator=11)
+        x = torch.ones(3 * 256, dtype=torch.float64, device=DEV)
+        x[7] = 1e300
+        with pytest.raises(ValueError, match="beyond float32's range") as err:
+            graphed(x)
+        assert "NaN" not in str(err.value)
     finally:
         dist.destroy_process_group()
 

@@ -482,6 +482,25 @@ def test_a_vote_worker_that_failed_after_its_scales_takes_no_later_round():
     assert counters["jobs"][1]["completions"] == 0
 
 
+@pytest.mark.parametrize("nonfinite", ["raise", "propagate"])
+def test_a_float64_input_beyond_float32s_range_is_refused_as_such(nonfinite):
+    """Cast to float32 it became Inf: refused as "NaN or Inf", and under "propagate" every
+    rank got NaN for a finite gradient (a scaler then skipped the step as an overflow)."""
+    from thc.testing.clusters import free_tcp_port
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_tcp_port()}",
+                            rank=0, world_size=1)
+    try:
+        ar = marsit.MarsitAllReduce(generator=torch.Generator().manual_seed(0),
+                                    nonfinite=nonfinite)
+        x = torch.ones(64, dtype=torch.float64)
+        x[5] = 1e300
+        with pytest.raises(ValueError, match="beyond float32's range"):
+            ar(x)
+        assert torch.isfinite(ar(torch.ones(64, dtype=torch.float64))).all()
+    finally:
+        dist.destroy_process_group()
+
+
 def test_a_vote_fails_its_run_only_where_its_signs_did_not_come_back(monkeypatch):
     """Failed before its signs left, a vote's client takes no more rounds (its peers' signs
     hold the slots its next would take); failed after they came back, its sequence numbers

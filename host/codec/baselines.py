@@ -27,7 +27,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from thc.codec.common import NonFiniteInput, scale_factor
+from thc.codec.common import NonFiniteInput, as_float32, scale_factor
 from thc.codec.hadamard import is_torch
 from thc.codec.packing import pack_bits, unpack_bits
 from thc.codec.params import THCParams
@@ -47,9 +47,11 @@ def _as_torch(x):
     torch = _torch()
     if is_torch(x):
         shape = tuple(x.shape)
-        flat = x.detach().reshape(-1).float()
+        flat = as_float32(x.detach().reshape(-1))
         return flat, lambda t: t.reshape(shape)
-    a = np.asarray(x, dtype=np.float32)
+    a = np.asarray(x)
+    a = as_float32(torch.from_numpy(np.ascontiguousarray(a))).numpy() if \
+        a.dtype == np.float64 else np.asarray(a, dtype=np.float32)
     shape = a.shape
     return torch.from_numpy(np.ascontiguousarray(a).reshape(-1)), \
         lambda t: t.reshape(shape).cpu().numpy()

@@ -102,13 +102,16 @@ def check_float(flat) -> None:
 
 
 def as_float32(flat):
-    """A float64 input in float32, where THC rounds it: a finite value beyond float32's range
-    would become Inf there and be refused as "NaN or Inf", which the input does not hold."""
+    """A float input in float32, where the codecs round it: a float64 one's finite value
+    beyond float32's range would become Inf there and be refused as "NaN or Inf", which the
+    input does not hold (narrower types fit: no check)."""
     import torch
     out = flat.float()
-    if not bool(torch.isfinite(out).all()) and bool(torch.isfinite(flat).all()):
+    if flat.dtype == torch.float64 and not bool(torch.isfinite(out).all()) and \
+            bool(torch.isfinite(flat).all()):
         raise ValueError(f"input holds finite values beyond float32's range (largest "
-                         f"magnitude {float(flat.abs().max()):.3g}): THC rounds in float32")
+                         f"magnitude {float(flat.abs().max()):.3g}), in which the gradient "
+                         f"exchange computes")
     return out
 
 

@@ -72,11 +72,16 @@ def input_of(obj, device="cpu") -> tuple[torch.Tensor, Exception | None]:
     error = (ValueError("a reducer takes a tensor with values, got one on the meta device")
              if isinstance(obj, torch.Tensor) else
              TypeError(f"a reducer takes a torch.Tensor, got {type(obj).__name__}"))
+    # of the input's half type, which a round's key holds (:func:`half_type`): its peers
+    # then see its refusal, not unlike keys
+    dtype = getattr(obj, "dtype", None)
+    dtype = torch.float16 if dtype == np.float16 else dtype
+    dtype = dtype if half_type(dtype) else torch.float32
     try:
         n = obj.numel() if isinstance(obj, torch.Tensor) else int(np.size(obj))
-        return torch.zeros(n, device=device), error
+        return torch.zeros(n, device=device, dtype=dtype), error
     except Exception:  # noqa: BLE001 - no size, a ragged or lying one: it stands in as empty
-        return torch.zeros(0, device=device), error
+        return torch.zeros(0, device=device, dtype=dtype), error
 
 
 _built: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

@@ -66,8 +66,9 @@ import torch
 
 from thc.codec import kernels
 from thc.codec.backends import kernels_for
-from thc.codec.common import (NORM_MARK, STATUS_WORDS, WHOLE, NonFiniteInput, cast_estimate,
-                              check_float, check_key, norm_limit, raise_status, scale_factor)
+from thc.codec.common import (NORM_MARK, STATUS_WORDS, WHOLE, NonFiniteInput, as_float32,
+                              cast_estimate, check_float, check_key, norm_limit, raise_status,
+                              scale_factor)
 from thc.codec.params import THCParams
 from thc.codec.thc import THCCodec
 from thc.collective import agreement, replay
@@ -513,7 +514,7 @@ class GraphedAllReduce:
             flat = tensor.detach().reshape(-1)
             check_float(flat)   # owed to the peers as a refused round, as bad values are
             if flat.dtype not in KERNEL_DTYPES:
-                flat = flat.float()
+                flat = as_float32(flat)
             b = self._buffers(flat)
             with torch.cuda.device(b.x.device) if b.x.is_cuda else _nothing():
                 self._take(b, flat)

@@ -26,7 +26,7 @@ import operator
 import torch
 import torch.distributed as dist
 
-from thc.codec.common import NonFiniteInput, check_float, scale_factor
+from thc.codec.common import NonFiniteInput, as_float32, check_float, scale_factor
 from thc.codec.packing import pack_bits, unpack_bits
 from thc.collective import agreement
 from thc.collective.transports import DistTransport, ring_bytes
@@ -119,7 +119,7 @@ class _SignAllReduce:
                 raise failure
             flat = grad.reshape(-1)   # a sparse tensor has no flat view
             check_float(flat)         # the signs of a complex or integer tensor mean nothing
-            flat = flat.float()
+            flat = as_float32(flat)
             sizes = [flat.numel()] if sizes is None else [operator.index(n) for n in sizes]
             if self.compensation and self.residual is not None:
                 if self.residual.shape != flat.shape:
