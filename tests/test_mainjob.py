@@ -1,6 +1,7 @@
 """The main job end to end on the loopback testbed (short: digits, one epoch, two modes)."""
 from __future__ import annotations
 
+import argparse
 import json
 import shutil
 import subprocess
@@ -137,6 +138,29 @@ def test_ranks_given_unlike_settings_both_stop_at_once_naming_them(unlike):
         assert p.returncode != 0 and "the ranks were given unlike settings" in err, err[-2000:]
         assert f"{name}: rank 0 " in err, err[-2000:]
         assert "accuracy" not in outs[0][0]
+
+
+def test_ranks_given_flags_that_resolve_alike_train(monkeypatch):
+    """--width 64 on one rank and none on the other (the digits model's default), or --lr
+    0.05 and the default: the same training, once refused as unlike settings."""
+    from thc.app import train
+    seen = []
+    monkeypatch.setattr("torch.distributed.get_world_size", lambda *a: 2)
+
+    def gather(out, mine):
+        out[:] = [mine, seen[0] if seen else mine]
+    monkeypatch.setattr("torch.distributed.all_gather_object", gather)
+    parser = argparse.ArgumentParser()
+    train.add_arguments(parser)
+    plain = parser.parse_args(["--mode", "fp32"])
+    given = parser.parse_args(["--mode", "fp32", "--width", "64", "--lr", "0.05"])
+    facts = {"params": 1000}
+    seen.append({**{k: getattr(plain, k) for k in train.AGREED}, **facts,
+                 "optimizer": train.optimizer_settings(plain)})
+    train.check_flags_agree(given, {**facts, "optimizer": train.optimizer_settings(given)})
+    with pytest.raises(SystemExit, match=r"epochs: rank 0 5, rank 1 3"):
+        train.check_flags_agree(parser.parse_args(["--mode", "fp32", "--epochs", "5"]),
+                                {**facts, "optimizer": train.optimizer_settings(plain)})
 
 
 @pytest.mark.parametrize("mode, argv", [

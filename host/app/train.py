@@ -202,15 +202,15 @@ def _out_of_time(deadline: float | None) -> bool:
     return bool(flag.item())
 
 
-AGREED = ("mode", "data", "train_subset", "epochs", "evals", "batch", "width", "seed",
-          "max_steps", "lr", "momentum", "topk_ratio", "slice_size",
-          "no_error_feedback", "uncompressed", "priorities", "loss_bound", "bits",
-          "granularity", "p")
+AGREED = ("mode", "train_subset", "epochs", "evals", "batch", "seed", "max_steps",
+          "topk_ratio", "slice_size", "no_error_feedback", "uncompressed", "priorities",
+          "loss_bound", "bits", "granularity", "p")
 """Flags every rank must be given alike: each rank decides from them alone when it steps,
 evaluates and stops, so ranks given unlike ones would wait in unlike collectives (a hang
 until the group's timeout, torch's 30 minutes without ``--stop-at``). ``--stop-at`` may
 differ (the ranks agree each step whether any is past its own), but not whether it is
-given."""
+given. What a flag resolves to is compared where a default resolves it (the data set,
+the model's size for its width, the optimizer's settings), not the flag."""
 
 
 def check_flags_agree(args, facts: dict) -> None:
@@ -265,7 +265,8 @@ def _train_model(args) -> list[dict]:
     model = make_model(xtr.shape[-1], args.width, ds.classes)
     n_params = sum(p.numel() for p in model.parameters())
     check_flags_agree(args, {"stop_at given": args.stop_at is not None, "dataset": ds.name,
-                             "train_images": len(ytr), "params": n_params})
+                             "train_images": len(ytr), "params": n_params,
+                             "optimizer": optimizer_settings(args)})
     # the digits CNN's first weight has one input channel: its gradient's strides differ
     # from the parameter's only along that size-1 dimension (the same layout in memory);
     # DDP's warning about it would fill the stderr tail a failing run's error quotes
