@@ -49,9 +49,7 @@ def _as_torch(x):
         shape = tuple(x.shape)
         flat = as_float32(x.detach().reshape(-1))
         return flat, lambda t: t.reshape(shape)
-    a = np.asarray(x)
-    a = as_float32(torch.from_numpy(np.ascontiguousarray(a))).numpy() if \
-        a.dtype == np.float64 else np.asarray(a, dtype=np.float32)
+    a = as_float32(np.asarray(x))
     shape = a.shape
     return torch.from_numpy(np.ascontiguousarray(a).reshape(-1)), \
         lambda t: t.reshape(shape).cpu().numpy()

@@ -102,15 +102,19 @@ def check_float(flat) -> None:
 
 
 def as_float32(flat):
-    """A float input in float32, where the codecs round it: a float64 one's finite value
-    beyond float32's range would become Inf there and be refused as "NaN or Inf", which the
-    input does not hold (narrower types fit: no check)."""
-    import torch
-    out = flat.float()
-    if flat.dtype == torch.float64 and not bool(torch.isfinite(out).all()) and \
-            bool(torch.isfinite(flat).all()):
+    """A float input (tensor or array) in float32, where the codecs round it: a float64 one's
+    finite value beyond float32's range would become Inf there and be refused as "NaN or
+    Inf", which the input does not hold (narrower types fit: no check)."""
+    if is_torch(flat):
+        import torch
+        out, wide, finite = flat.float(), flat.dtype == torch.float64, torch.isfinite
+    else:
+        with np.errstate(over="ignore"):
+            out = np.asarray(flat, dtype=np.float32)
+        wide, finite = np.asarray(flat).dtype == np.float64, np.isfinite
+    if wide and not bool(finite(out).all()) and bool(finite(flat).all()):
         raise ValueError(f"input holds finite values beyond float32's range (largest "
-                         f"magnitude {float(flat.abs().max()):.3g}), in which the gradient "
+                         f"magnitude {float(abs(flat).max()):.3g}), in which the gradient "
                          f"exchange computes")
     return out
 

@@ -72,11 +72,15 @@ def input_of(obj, device="cpu") -> tuple[torch.Tensor, Exception | None]:
     error = (ValueError("a reducer takes a tensor with values, got one on the meta device")
              if isinstance(obj, torch.Tensor) else
              TypeError(f"a reducer takes a torch.Tensor, got {type(obj).__name__}"))
-    # of the input's half type, which a round's key holds (:func:`half_type`): its peers
-    # then see its refusal, not unlike keys
-    dtype = getattr(obj, "dtype", None)
-    dtype = torch.float16 if dtype == np.float16 else dtype
-    dtype = dtype if half_type(dtype) else torch.float32
+    try:
+        # of the input's half type, which a round's key holds (:func:`half_type`): its peers
+        # then see its refusal, not unlike keys
+        dtype = getattr(obj, "dtype", None)
+        dtype = torch.float16 if isinstance(dtype, np.dtype) and dtype.kind == "f" and \
+            dtype.itemsize == 2 else dtype
+        dtype = dtype if half_type(dtype) else torch.float32
+    except Exception:  # noqa: BLE001 - a dtype that cannot be read or compared: float32
+        dtype = torch.float32
     try:
         n = obj.numel() if isinstance(obj, torch.Tensor) else int(np.size(obj))
         return torch.zeros(n, device=device, dtype=dtype), error
