@@ -51,3 +51,26 @@ def test_a_peer_whose_collective_holds_other_values_is_told():
 def test_a_world_whose_sums_cannot_be_exact_is_refused():
     with pytest.raises(ValueError, match="do not fit in float32"):
         _tags(1, (1 << 23) + 1)
+
+
+def test_a_refused_input_stands_in_with_its_half_type_and_never_raises():
+    """A stand-in of the input's half type keeps the round's key its half-type peers hold;
+    a dtype that cannot be read made input_of raise, and that worker sent no round."""
+    import numpy as np
+
+    class Unreadable:
+        @property
+        def dtype(self):
+            raise RuntimeError("no dtype")
+
+        def __len__(self):
+            return 4
+    cases = [(np.zeros(4, np.float16), torch.float16),
+             (np.zeros(4, ">f2"), torch.float16),
+             (torch.empty(4, device="meta", dtype=torch.bfloat16), torch.bfloat16),
+             (np.zeros(4), torch.float32), ([1.0, 2.0], torch.float32),
+             (Unreadable(), torch.float32)]
+    for obj, dtype in cases:
+        stand_in, error = agreement.input_of(obj)
+        assert error is not None and stand_in.dtype == dtype, (obj, stand_in.dtype)
+        assert not stand_in.any()
