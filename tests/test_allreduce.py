@@ -672,6 +672,18 @@ def test_training_runs_the_fused_encode_to_wire_path(monkeypatch):
     torch.testing.assert_close(out[0][0], ref, rtol=0, atol=0)
 
 
+def _a_round_then_one_failing_in_encode(ar) -> torch.Tensor:
+    """A good round of ``ar``, then one whose encode runs out of memory (after its MAX
+    round); returns the input."""
+    x = torch.randn(5000, generator=torch.Generator().manual_seed(1))
+    ar(x)
+    ar.codec.encode_prepared = lambda *a, **k: (_ for _ in ()).throw(MemoryError("oom"))
+    with pytest.raises(MemoryError):
+        ar(x)
+    del ar.codec.encode_prepared
+    return x
+
+
 def test_a_round_left_between_its_collectives_abandons_the_process_group():
     """A worker that fails after its MAX round and before its sums (here in encode) would
     pair its next collective with a peer's pending sum: its transport refuses every later
@@ -681,12 +693,7 @@ def test_a_round_left_between_its_collectives_abandons_the_process_group():
                             rank=0, world_size=1)
     try:
         ar = THCAllReduce.through_torch_distributed(params=PARAMS, generator=1)
-        x = torch.randn(5000, generator=torch.Generator().manual_seed(1))
-        ar(x)
-        ar.codec.encode_prepared = lambda *a, **k: (_ for _ in ()).throw(MemoryError("oom"))
-        with pytest.raises(MemoryError):
-            ar(x)
-        del ar.codec.encode_prepared
+        x = _a_round_then_one_failing_in_encode(ar)
         other = THCAllReduce.through_torch_distributed(params=PARAMS, generator=2)
         for reducer in (ar, other):
             with pytest.raises(RuntimeError, match="round 1 failed after its MAX round "
@@ -711,12 +718,7 @@ def test_a_round_left_after_its_max_round_fails_the_aggregator_clients_run():
     job = local_job(1, 1, free_port_block(1), pool_size=32, table=PARAMS.table)
     with Aggregator([job]) as agg, AggregationClient(job, 0, agg.start(), run=1) as c:
         ar = THCAllReduce.through_aggregator(c, PARAMS, generator=1)
-        x = torch.randn(5000, generator=torch.Generator().manual_seed(1))
-        ar(x)
-        ar.codec.encode_prepared = lambda *a, **k: (_ for _ in ()).throw(MemoryError("oom"))
-        with pytest.raises(MemoryError):
-            ar(x)
-        del ar.codec.encode_prepared
+        x = _a_round_then_one_failing_in_encode(ar)
         with pytest.raises(RunFailed, match=r"round 1 failed after its MAX round "
                                             r"\(MemoryError: oom"):
             ar(x)

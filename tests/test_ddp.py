@@ -367,50 +367,20 @@ def test_a_topk_step_that_fails_after_its_agreement_abandons_the_group(monkeypat
         dist.destroy_process_group()
 
 
-def test_a_bucket_that_fails_after_its_compressed_round_abandons_the_group(monkeypatch):
-    """A rank's own failure between the bucket's THC round and the end of its FP32 spans
-    (copying the estimate out, concatenating the spans: out of memory, say): its peers wait
-    in the spans' all-reduce or go on to their next collective, which would pair with this
-    rank's next; so the group is abandoned, named by the failure."""
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    from thc.codec.params import THCParams
-    from thc.collective.allreduce import THCAllReduce
-    from thc.collective.ddp import HookOptions, THCHook
-    from thc.collective.transports import DistTransport
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port_block(1)}",
-                            rank=0, world_size=1)
-    try:
-        model = _model()
-        ddp = DDP(model)
-        hook = THCHook(model, lambda group: THCAllReduce.through_torch_distributed(
-            group, params=THCParams(seed=3)), HookOptions(uncompressed=("2.bias",)),
-            overlap=False).register(ddp)
-        x, y = _data(0)
-        torch.nn.functional.cross_entropy(ddp(x), y).backward()
-        DistTransport.check_group(hook.group)
-        monkeypatch.setattr(hook, "_reduce_fp32",
-                            lambda *a: (_ for _ in ()).throw(MemoryError("out of memory")))
-        with pytest.raises(RuntimeError, match="out of memory"):
-            torch.nn.functional.cross_entropy(ddp(x), y).backward()
-        with pytest.raises(RuntimeError, match=r"a bucket of backward failed after its "
-                                               r"compressed round \(MemoryError: out of"):
-            DistTransport.check_group(hook.group)
-    finally:
-        dist.destroy_process_group()
-
-
-def test_a_bucket_that_fails_before_its_compressed_round_abandons_the_group(monkeypatch):
-    """A rank's own failure in the hook before the bucket's round went out (joining the
-    compressed spans: out of memory, say) told its peers nothing: they waited in the round,
-    and the rank's next step, if it went on, paired with it (a peer then took its next
-    step's gradient as this one's). The group is now abandoned, named by the failure."""
+@pytest.mark.parametrize("where", ["before", "after"])
+def test_a_bucket_that_fails_around_its_compressed_round_abandons_the_group(monkeypatch, where):
+    """A rank's own failure in the hook between the bucket's THC round and the end of its FP32
+    spans (copying the estimate out, concatenating the spans: out of memory, say): its peers
+    wait in the spans' all-reduce or go on to their next collective, which would pair with
+    this rank's next; so the group is abandoned, named by the failure. So it is for one
+    before the round went out (joining the compressed spans), which told its peers nothing:
+    they waited in the round, and the rank's next step, if it went on, paired with it."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import thc.collective.ddp as ddp_module
     from thc.codec.params import THCParams
     from thc.collective.allreduce import THCAllReduce
-    from thc.collective.ddp import THCHook
+    from thc.collective.ddp import HookOptions, THCHook
     from thc.collective.transports import DistTransport
 
     class NoMemory:
@@ -425,13 +395,19 @@ def test_a_bucket_that_fails_before_its_compressed_round_abandons_the_group(monk
         model = _model()
         ddp = DDP(model)
         hook = THCHook(model, lambda group: THCAllReduce.through_torch_distributed(
-            group, params=THCParams(seed=3)), overlap=False).register(ddp)
+            group, params=THCParams(seed=3)), HookOptions(uncompressed=("2.bias",)),
+            overlap=False).register(ddp)
         x, y = _data(0)
         torch.nn.functional.cross_entropy(ddp(x), y).backward()
-        monkeypatch.setattr(ddp_module, "torch", NoMemory())
+        DistTransport.check_group(hook.group)
+        if where == "after":
+            monkeypatch.setattr(hook, "_reduce_fp32",
+                                lambda *a: (_ for _ in ()).throw(MemoryError("out of memory")))
+        else:
+            monkeypatch.setattr(ddp_module, "torch", NoMemory())
         with pytest.raises(RuntimeError, match="out of memory"):
             torch.nn.functional.cross_entropy(ddp(x), y).backward()
-        with pytest.raises(RuntimeError, match=r"a bucket of backward failed before its "
+        with pytest.raises(RuntimeError, match=f"a bucket of backward failed {where} its "
                                                r"compressed round \(MemoryError: out of"):
             DistTransport.check_group(hook.group)
     finally:
