@@ -285,8 +285,8 @@ def check_rounds(tags, alike: str = THC_ALIKE) -> None:
                            f"to {lo[1]:.0f}, high {hi[0]:.0f} to {hi[1]:.0f}): a worker missed "
                            f"a round (under a DDP hook, whose rounds also count the model's "
                            f"stretches under no_sync: a rank accumulated a step under no_sync "
-                           f"alone), so their rotations differ and no sum of this round is "
-                           f"used")
+                           f"alone, or split a stretch with a forward outside it), so their "
+                           f"rotations differ and no sum of this round is used")
     if klo[0] != klo[1] or khi[0] != khi[1]:
         raise RuntimeError(f"the workers' rounds differ in {alike} (fingerprints "
                            f"{klo[0]:.0f}..{klo[1]:.0f}, {khi[0]:.0f}..{khi[1]:.0f}): what they "

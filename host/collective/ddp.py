@@ -525,7 +525,8 @@ class _Hook:
                                f"summed with another collective of a peer rank (one that "
                                f"failed after a round through an aggregator and went on, is "
                                f"in another step or bucket, or accumulated a step under "
-                               f"no_sync alone): no value of the sum is used")
+                               f"no_sync alone or split a stretch with a forward outside "
+                               f"it): no value of the sum is used")
         i = 0
         for view in plain:
             view.copy_(out[i: i + view.numel()])
@@ -682,7 +683,8 @@ class TopKHook(_Hook):
                                                   self.nonfinite, self.index, stretches),
                 flat.device, failure, alike="the hook's ratio or nonfinite, the bucket's "
                 "length, which reducer it is (the hook), or the steps accumulated (a rank "
-                "that ran one under no_sync alone)")
+                "that ran one under no_sync alone, or split a stretch with a forward outside "
+                "it)")
         except Exception as e:
             if failure is None:   # a refused round leaves the residual as it was
                 if before is None:
