@@ -48,7 +48,7 @@ DEFAULT_OPTIMIZER = (0.05, 0.9)
 _THC = ("thc", "thc-dist")
 READ_BY = {"topk_ratio": ("topk",), "no_error_feedback": _THC, "slice_size": _THC,
            "bits": _THC, "granularity": _THC, "p": _THC,
-           "uncompressed": ("thc", "thc-dist", "topk", "marsit", "marsit-vote")}
+           "uncompressed": tuple(m for m in MODES if m not in ("fp32", "fp16"))}
 """The flags only some modes read: given to another, they are refused, not ignored."""
 
 

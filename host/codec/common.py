@@ -109,9 +109,10 @@ def as_float32(flat):
         import torch
         out, wide, finite = flat.float(), flat.dtype == torch.float64, torch.isfinite
     else:
+        flat = np.asarray(flat)
         with np.errstate(over="ignore"):
-            out = np.asarray(flat, dtype=np.float32)
-        wide, finite = np.asarray(flat).dtype == np.float64, np.isfinite
+            out = flat.astype(np.float32, copy=False)
+        wide, finite = flat.dtype == np.float64, np.isfinite
     if wide and not bool(finite(out).all()) and bool(finite(flat).all()):
         raise ValueError(f"input holds finite values beyond float32's range (largest "
                          f"magnitude {float(abs(flat).max()):.3g}), in which the gradient "

@@ -25,24 +25,22 @@ QUEUE_FULL = frozenset({errno.EAGAIN, errno.EWOULDBLOCK, errno.ENOBUFS, errno.EN
 chunk's timer resends it (the compiled window's rule); any other refusal ends the round."""
 
 
+def _lost_if_full(send_one, *args) -> None:
+    """``send_one(*args)``, a full queue's refusal taken as the datagram's loss."""
+    try:
+        send_one(*args)
+    except OSError as e:
+        if e.errno not in QUEUE_FULL:
+            raise
+
+
 def _sender(end: Endpoint):
     """send(data, dst, tos): counted, marked with ``tos`` in an IP_TOS control message (as
     cheap as a plain sendto), through the impairment when one is active."""
     stats, sock, impair = end.stats, end.sock, end.impair
 
     def sendto(d, a):
-        try:
-            sock.sendto(d, a)
-        except OSError as e:
-            if e.errno not in QUEUE_FULL:
-                raise
-
-    def sendmsg(d, a, cmsg):
-        try:
-            sock.sendmsg([d], cmsg, 0, a)
-        except OSError as e:
-            if e.errno not in QUEUE_FULL:
-                raise
+        _lost_if_full(sock.sendto, d, a)
 
     def send(data: bytes, dst: tuple[str, int], tos: int = 0) -> None:
         stats.sent += 1
@@ -52,7 +50,7 @@ def _sender(end: Endpoint):
             if cmsg is None:
                 cmsg = _TOS_CMSG[tos] = [(socket.IPPROTO_IP, socket.IP_TOS,
                                           struct.pack("i", tos))]
-            out = lambda d, a: sendmsg(d, a, cmsg)  # noqa: E731
+            out = lambda d, a: _lost_if_full(sock.sendmsg, [d], cmsg, 0, a)  # noqa: E731
         else:
             out = sendto
         if impair.active:
