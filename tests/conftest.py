@@ -13,18 +13,26 @@ def _fresh_settings():
     settings.reset()
 
 
-SYSTEM = ("tests/bmv2/", "tests/conformance/", "test_testbed.py", "test_faults.py",
+SYSTEM = ("tests/bmv2/", "test_testbed.py", "test_faults.py",
           "test_dlcp_training.py", "test_shards.py", "test_priority_links.py",
           "test_namespace.py", "test_xdist_groups.py")
 """Files whose tests start Mininet, BMv2 or network namespaces (system-wide names and
 cleanups): one pytest-xdist process runs them all, one after another (``make test``), with
-every test marked ``bmv2`` or ``mininet``. A new test that starts one is marked so, or its
-file is listed here."""
+every test marked ``bmv2`` or ``mininet``, and the conformance tests run against BMv2. A new
+test that starts one is marked so, or its file is listed here."""
+
+
+def _starts_system(item) -> bool:
+    if item.get_closest_marker("bmv2") or item.get_closest_marker("mininet"):
+        return True
+    if "tests/conformance/" in item.nodeid:
+        callspec = getattr(item, "callspec", None)
+        return callspec is not None and callspec.params.get("harness") == "bmv2"
+    return any(s in item.nodeid for s in SYSTEM)
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        if (item.get_closest_marker("bmv2") or item.get_closest_marker("mininet")
-                or any(s in item.nodeid for s in SYSTEM)):
+        if _starts_system(item):
             item.add_marker(pytest.mark.xdist_group("system"))

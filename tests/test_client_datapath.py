@@ -7,7 +7,10 @@ from __future__ import annotations
 import errno
 import os
 import select
+import shutil
 import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -296,6 +299,41 @@ def test_a_full_send_queue_is_a_loss_the_python_window_resends(job, monkeypatch,
             assert full.refused == 5 and c.stats.retransmitted >= 5
     finally:
         agg.close()
+
+
+FULL_QUEUE_WORKER = """
+import os, socket
+import numpy as np
+from thc.net.client import AggregationClient, AggregationTimeout
+from thc.testing.clusters import local_job
+job = local_job(1, 2, 47000, pool_size=16)
+with AggregationClient(job, 0, ("127.0.0.1", 47010), run=1, timeout=0.05, deadline=1.5) as c:
+    c.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    os.set_blocking(c.sock.fileno(), False)
+    try:
+        c.reduce(np.zeros(20 * job.lanes // 2, np.uint8))
+    except AggregationTimeout as e:
+        print(c.stats.compiled_rounds, c.stats.queue_full, e)
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare") or not shutil.which("tc"),
+                    reason="needs root, unshare and tc (a namespace of its own whose loopback "
+                           "queue is slow)")
+def test_a_send_queue_that_stays_full_is_named_in_the_timeout(datapath):
+    """A worker whose own send queue stays full (the kernel's EAGAIN, in a namespace of its
+    own whose loopback a token bucket drains at 1 kB/s) loses every datagram it sends: the
+    round times out, and the error counts the refused datagrams and names them as the cause,
+    which the aggregator alone would take for a missing worker."""
+    r = subprocess.run(
+        ["unshare", "-n", "sh", "-c", "ip link set lo up && tc qdisc add dev lo root tbf "
+         "rate 8kbit burst 1600 limit 1000000 && exec \"$0\" -c \"$1\"", sys.executable,
+         FULL_QUEUE_WORKER], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr[-3000:]
+    compiled, refused, message = r.stdout.split(" ", 2)
+    assert int(compiled) == (datapath == "compiled") and int(refused) > 10, r.stdout
+    assert f"; {refused} datagrams of this round were refused by this worker's own send " \
+        f"queue" in message, message
 
 
 def test_results_queued_before_a_round_are_not_taken_as_its_own(job, datapath):

@@ -1326,7 +1326,7 @@ cleanup:
 
 #define CL_RECV_BYTES 4096 /* the Python loop's receive buffer */
 /* stream()'s arguments and timeout report: host/net/fastclient.py refuses another version */
-#define CL_WINDOW_VERSION 9
+#define CL_WINDOW_VERSION 10
 #define CL_OUT_BYTES 2048
 /* per chunk in the window: retransmitted (no RTT sample: Karn), overtaken by a later
  * chunk of its shard (a lost packet, not a missing worker: its timer does not back off),
@@ -1338,7 +1338,7 @@ enum { M_RESENT = 1, M_OVERTAKEN = 2, M_LONE = 4, M_UNPAIRED = 8 };
 enum { EV_DONE, EV_RESTARTED, EV_TIMEOUT, EV_OSERROR, EV_REFUSED, EV_SHORT, EV_MISCONFIGURED };
 enum { S_SENT, S_RETRANSMITTED, S_RECEIVED, S_IGNORED, S_OTHER_RUN, S_PENDING, S_BYTES_SENT,
        S_BYTES_RECEIVED, S_REJECTED, S_SPURIOUS, S_ELSEWHERE, S_GSO_SENDS, S_GRO_BURSTS,
-       S_STRAYS, N_CSTATS };
+       S_STRAYS, S_QUEUE_FULL, N_CSTATS };
 
 typedef struct {
     int fd, n_shards, window, lanes, n_workers, is_data, chunk_bytes;
@@ -1388,10 +1388,11 @@ static void cl_sample_rtt(Client *c, int shard, double rtt) {
     }
 }
 
-/* A send the kernel refused for good is remembered; a full queue loses the datagram, as the
- * network may: the timer resends it. */
-static void cl_refused(Client *c, int e) {
-    if (e != EAGAIN && e != EWOULDBLOCK && e != ENOBUFS && e != ENOMEM && !c->err) c->err = e;
+/* A send the kernel refused for good is remembered; a full queue loses the n datagrams, as
+ * the network may (counted: a round that times out names them): the timer resends them. */
+static void cl_refused(Client *c, int e, size_t n) {
+    if (e == EAGAIN || e == EWOULDBLOCK || e == ENOBUFS || e == ENOMEM) c->st[S_QUEUE_FULL] += n;
+    else if (!c->err) c->err = e;
 }
 
 /* The queue as one GSO send per shard (order kept per shard); 0 where GSO is off or was
@@ -1461,7 +1462,7 @@ static int cl_flush_gso(Client *c) {
             c->nq = nq;
             return 0;
         }
-        cl_refused(c, e);
+        cl_refused(c, e, g[done].msg_hdr.msg_iovlen);
         done++;
     }
     c->nq = 0;
@@ -1479,7 +1480,7 @@ static void cl_flush(Client *c) {
         }
         int e = errno;
         if (e == EINTR) continue;
-        cl_refused(c, e);
+        cl_refused(c, e, 1);
         done++;
     }
     c->nq = 0;

@@ -354,7 +354,8 @@ class AggregationClient:
                             f"(client.run = a newer id, the same on every worker)")
         rnd = Round(pkt_type, chunks, out, offset_base, lanes, dtype, tos, self.next_seq,
                     self._run, counts, bitmaps, [e is not None for e in self.epochs],
-                    self.stats.elsewhere, self.stats.other_run, self.stats.strays)
+                    self.stats.elsewhere, self.stats.other_run, self.stats.strays,
+                    self.stats.queue_full)
         window = next(w for w in self._windows if w.fits(self, rnd))
         self._drain()
         try:

@@ -18,7 +18,7 @@ from thc.net.window import (FAST_BACKOFF_CAP, FAST_RETRANSMIT_AFTER, RECV_BATCH,
                              raise_short, raise_timeout)
 from thc.wire import protocol as P
 
-CLIENT_WINDOW = 9
+CLIENT_WINDOW = 10
 """The version of ``_fastagg.stream``'s arguments and timeout report this module speaks."""
 
 CLIENT_UNAVAILABLE: str | None = UNAVAILABLE or (
@@ -54,6 +54,7 @@ class Streamed:
     gso_sends: int
     gro_bursts: int
     strays: int
+    queue_full: int
     srtt: list
     rttvar: list
 
@@ -98,7 +99,7 @@ class CompiledWindow:
         r = stream(end, rnd, np.ascontiguousarray(rnd.chunks, dtype=np.uint8))
         for name in ("sent", "retransmitted", "received", "ignored", "other_run", "pending",
                      "bytes_sent", "bytes_received", "rejected", "spurious", "elsewhere",
-                     "gso_sends", "gro_bursts", "strays"):
+                     "gso_sends", "gro_bursts", "strays", "queue_full"):
             setattr(s, name, getattr(s, name) + getattr(r, name))
         end.rtt.srtt, end.rtt.rttvar = r.srtt, r.rttvar
         if r.event == STREAM_RESTARTED:

@@ -181,6 +181,11 @@ class TransportStats:
     flight (another worker id, job id or packet type, or another offset, slot or version):
     counted in ``ignored`` too. An aggregator that answers every send with these is not
     silent: it writes another job's or worker's ids, or rewrites those fields."""
+    queue_full: int = 0
+    """Datagrams this worker's own send queue refused (ENOBUFS, EAGAIN, ENOMEM): lost before
+    the wire, as the network may lose them, and resent on their timers. A round that times
+    out says how many of its own were refused: a queue that stays full looks, from the
+    aggregator, like a missing worker."""
     gso_sends: int = 0
     """UDP GSO sends of the compiled window, each several DATA datagrams in one trip down the
     stack (``sent`` counts the datagrams)."""

@@ -25,13 +25,14 @@ QUEUE_FULL = frozenset({errno.EAGAIN, errno.EWOULDBLOCK, errno.ENOBUFS, errno.EN
 chunk's timer resends it (the compiled window's rule); any other refusal ends the round."""
 
 
-def _lost_if_full(send_one, *args) -> None:
-    """``send_one(*args)``, a full queue's refusal taken as the datagram's loss."""
+def _lost_if_full(stats, send_one, *args) -> None:
+    """``send_one(*args)``, a full queue's refusal taken as the datagram's loss (counted)."""
     try:
         send_one(*args)
     except OSError as e:
         if e.errno not in QUEUE_FULL:
             raise
+        stats.queue_full += 1
 
 
 def _sender(end: Endpoint):
@@ -40,7 +41,7 @@ def _sender(end: Endpoint):
     stats, sock, impair = end.stats, end.sock, end.impair
 
     def sendto(d, a):
-        _lost_if_full(sock.sendto, d, a)
+        _lost_if_full(stats, sock.sendto, d, a)
 
     def send(data: bytes, dst: tuple[str, int], tos: int = 0) -> None:
         stats.sent += 1
@@ -50,7 +51,7 @@ def _sender(end: Endpoint):
             if cmsg is None:
                 cmsg = _TOS_CMSG[tos] = [(socket.IPPROTO_IP, socket.IP_TOS,
                                           struct.pack("i", tos))]
-            out = lambda d, a: _lost_if_full(sock.sendmsg, [d], cmsg, 0, a)  # noqa: E731
+            out = lambda d, a: _lost_if_full(stats, sock.sendmsg, [d], cmsg, 0, a)  # noqa: E731
         else:
             out = sendto
         if impair.active:

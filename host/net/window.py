@@ -125,6 +125,8 @@ class Round:
     """The worker's ``stats.other_run`` when the round began."""
     strays: int = 0
     """The worker's ``stats.strays`` when the round began."""
+    queue_full: int = 0
+    """The worker's ``stats.queue_full`` when the round began."""
 
     @property
     def is_data(self) -> bool:
@@ -194,10 +196,11 @@ WITHHELD = ("a switch withholding the chunk's result because one of its recircul
 to a worker that looks like silence (docs/switch.md, "What recirculation adds")."""
 
 
-def raise_timeout(end: Endpoint, rnd: Round, i: int, bitmap: int | None, silent: float = 0.0,
-                  rejected: int = 0, unanswered: int = 0, taken: int = 0, not_float: int = 0):
-    """Name the cause of chunk ``i``'s timeout from the evidence of its own shard (one
-    shard's replies say nothing about another's).
+def timeout_of(end: Endpoint, rnd: Round, i: int, bitmap: int | None, silent: float = 0.0,
+               rejected: int = 0, unanswered: int = 0, taken: int = 0,
+               not_float: int = 0) -> AggregationTimeout:
+    """The error naming the cause of chunk ``i``'s timeout from the evidence of its own shard
+    (one shard's replies say nothing about another's).
 
     ``bitmap``: the chunk's latest PENDING (bit 32: held), None when there is none or an
     impossible RESULT for it came since. ``rejected``: the shard's impossible replies this
@@ -225,7 +228,7 @@ def raise_timeout(end: Endpoint, rnd: Round, i: int, bitmap: int | None, silent:
     who = f"aggregator shard {shard}" if job.shards else "the aggregator"
     quiet = silent >= end.deadline / 2 and unanswered >= SILENT_AFTER
     if bitmap is None and not_float:
-        raise AggregationTimeout(
+        return AggregationTimeout(
             f"{at}; {who} at {ip}:{port} answered with {not_float} MAX_RESULTs holding a "
             f"lane above the largest finite float's bits ({rejected} impossible replies in "
             f"all): a sender at a worker's address put a negative, infinite or NaN value in "
@@ -234,7 +237,7 @@ def raise_timeout(end: Endpoint, rnd: Round, i: int, bitmap: int | None, silent:
             f"round): look for a foreign or broken process on a worker's address", None,
             shard)
     if bitmap is None and rejected:
-        raise AggregationTimeout(
+        return AggregationTimeout(
             f"{at}; {who} at {ip}:{port} answered with {rejected} impossible replies this "
             f"round (the wrong type or size, or sums, counts or bitmaps this job cannot "
             f"make): is it configured with this job (lanes, sum width, workers)?", None, shard)
@@ -274,10 +277,10 @@ def raise_timeout(end: Endpoint, rnd: Round, i: int, bitmap: int | None, silent:
                      f"of this worker in flight (another worker id, job id or packet type, or "
                      f"another offset, slot or version) and were ignored: it answers with "
                      f"another job's or worker's ids, or rewrites those fields")
-        raise AggregationTimeout(f"{at}; no answer from {who} at {ip}:{port}{hint}", None,
+        return AggregationTimeout(f"{at}; no answer from {who} at {ip}:{port}{hint}", None,
                                  shard)
     if quiet:
-        raise AggregationTimeout(f"{at}; {who} at {ip}:{port} stopped answering "
+        return AggregationTimeout(f"{at}; {who} at {ip}:{port} stopped answering "
                                  f"{silent:.1f}s ago (down, unreachable"
                                  + (", or restarted and not yet serving this job" if job.shards
                                     else f", restarted and not yet serving this job, or "
@@ -287,12 +290,28 @@ def raise_timeout(end: Endpoint, rnd: Round, i: int, bitmap: int | None, silent:
     missing = [w for w in range(job.n_workers) if not bitmap >> w & 1]
     got = [w for w in range(job.n_workers) if bitmap >> w & 1]
     if held:
-        raise AggregationTimeout(
+        return AggregationTimeout(
             f"{at}; held: worker(s) {missing} have not moved past the previous use of "
             f"its slot version, so they may still need its result (straggling or gone; "
             f"moved past it: {got})", missing, shard)
     unseen = ("" if rnd.heard[shard] else "; or the aggregator restarted before this worker's "
               "first reply of the run, losing the round (its peers then raised "
               "AggregatorRestarted)")
-    raise AggregationTimeout(f"{at}; missing worker(s) {missing} "
+    return AggregationTimeout(f"{at}; missing worker(s) {missing} "
                              f"(contributed: {got}){unseen}", missing, shard)
+
+
+def raise_timeout(end: Endpoint, rnd: Round, *evidence) -> None:
+    """Raise :func:`timeout_of`'s error; where this worker's own send queue refused datagrams
+    this round, it says how many: their chunks never reached the aggregator, which then
+    names this worker as missing to its peers."""
+    e = timeout_of(end, rnd, *evidence)
+    full = end.stats.queue_full - rnd.queue_full
+    if full:
+        e = AggregationTimeout(
+            f"{e}; {full} datagrams of this round were refused by this worker's own send "
+            f"queue (ENOBUFS, EAGAIN or ENOMEM) and lost before the wire: a queue that stays "
+            f"full starves the aggregator of this worker's chunks (fewer chunks in flight: "
+            f"the client's window; or a larger send buffer: net.core.wmem_max)", e.missing,
+            e.shard)
+    raise e
