@@ -328,13 +328,18 @@ INLINE void emit16(const round_t *rt, const float *y, uint32_t i0, uint8_t *out,
     }
 }
 
-/* emit16, returning the 16 values added in pairs, lane by lane: a slice's sum of these is
- * finite unless a value is not (inf + -inf is NaN; finite rotated values, at most
- * g sqrt(d) / (2 t_p) each, cannot add up to float32's range). An overflow of the transform
- * stays in the coordinates it reaches, not always the first. */
+/* y - y: 0 for a finite y, NaN for an infinite or NaN one (exact in IEEE arithmetic, which
+ * the build keeps: no fast-math). A sum of these is 0 or NaN; a sum of the values themselves
+ * could overflow where the max norm is far below the slice's own. */
+INLINE vf finite0(vf y) {
+    return y - y;
+}
+
+/* emit16, returning 0 per lane where the 16 values are finite, else NaN. An overflow of the
+ * transform stays in the coordinates it reaches, not always the first. */
 INLINE vf emit16_sum(const round_t *rt, const float *y, uint32_t i0, uint8_t *out, int packed) {
     emit16(rt, y, i0, out, packed);
-    return ldf(y) + ldf(y + V);
+    return finite0(ldf(y)) + finite0(ldf(y + V));
 }
 
 /* ---- encode ---- */
@@ -401,11 +406,11 @@ INLINE void load_block(float *dst, const float *x, size_t i0, size_t n, size_t l
     if (n > 64) levels(dst, n, 64, n / 2);
 }
 
-/* 0 when the lanes of v add up to a finite value, else NaN. */
+/* 0 when every lane of v (emit16_sum's) is 0, else NaN. */
 INLINE float nonfinite(vf v) {
     float s = 0.0f;
     for (int l = 0; l < V; l++) s += v[l];
-    return s - s;
+    return s;
 }
 
 /* One slice: x (len valid coordinates, zero-padded to d), indices to out (the slice's own
@@ -420,14 +425,14 @@ INLINE float encode_slice(const float *x, size_t len, size_t d, float c, rkey_t 
             t[i] = signed1((i < len ? x[i] : 0.0f) * c, block1(i >> 5, sk), i & 31);
         fwht_small(t, d);
         float nan = 0.0f;
-        for (uint32_t i = 0; i < d; i++) nan += t[i];
+        for (uint32_t i = 0; i < d; i++) nan += t[i] - t[i];
         for (uint32_t i = 0; i < d; i++) {
             uint8_t v = round1(rt, t[i], i);
             if (!packed) out[i] = v;
             else if (i & 1) out[i / 2] |= v;
             else out[i / 2] = (uint8_t)(v << 4);
         }
-        return t[0] + (nan - nan);
+        return t[0] + nan;
     }
     shape_t s = shape_of(d);
     if (s.rows == 1) {
@@ -710,7 +715,9 @@ static float *scratch_for(layout_t l) {
 }
 
 static int check_layout(Py_ssize_t numel, Py_ssize_t ss, layout_t *l) {
-    if (numel < 0 || ss < 1 || (ss & (ss - 1))) {
+    /* numel bounded so that every buffer size below (at most 16 bytes per element, padding
+     * included) is computed without overflow */
+    if (numel < 0 || numel > PY_SSIZE_T_MAX / 16 || ss < 1 || (ss & (ss - 1))) {
         PyErr_Format(PyExc_ValueError, "bad layout: numel %zd, slice size %zd", numel, ss);
         return -1;
     }

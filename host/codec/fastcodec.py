@@ -12,7 +12,8 @@ What is identical and what is not, for the same arguments:
   differ by float rounding (as numpy's and torch's GEMMs already differ from each other);
 - hence indices: identical except where a rounding draw lies within that rounding of its
   threshold (about one coordinate in 10^6); decoded values: within a few float32 ulps of
-  the slice's scale;
+  the slice's scale M / sqrt(d), and one ulp of M more where the norm sits in a few
+  coordinates (both transforms then add values of size M);
 - the draws for an explicit generator object (numpy or torch) or None: like the Triton
   kernels, the compiled path draws one 64-bit key from it and uses the counter-based draws
   of that key (an int generator uses the int itself); the reference path draws every

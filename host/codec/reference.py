@@ -156,12 +156,20 @@ def alphas(m, grp, params: THCParams, n: int):
     return 2.0 * params.t_p * m * decode_live(m, params) / (params.granularity * grp.padded * n)
 
 
+def _extremes(sums) -> tuple[int, int]:
+    """The least and largest sum; torch has no min or max of its unsigned types wider than
+    8 bits, which numpy reads as they are."""
+    if is_torch(sums) and str(sums.dtype) in ("torch.uint16", "torch.uint32", "torch.uint64"):
+        sums = sums.cpu().numpy()
+    return int(sums.min()), int(sums.max())
+
+
 def decode(sums, n: int, max_norms, lay, params: THCParams, round: int, out,
            own_table=None, status=None):
     m = norm_array(max_norms, lay.n_slices, params)
     centre = n * params.granularity / 2.0
     if own_table is None and lay.total_padded:
-        check_sums(int(sums.min()), int(sums.max()), n, params)
+        check_sums(*_extremes(sums), n, params)
     for grp in lay.groups(GROUP_ELEMENTS):
         s = sums[grp.padded_start: grp.padded_start + grp.count * grp.padded]
         dst = out[grp.start: grp.start + grp.count * grp.length]
