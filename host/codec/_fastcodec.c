@@ -930,12 +930,18 @@ static struct PyModuleDef module = {
     "THC's CPU codec: fused encode and decode of float32 vectors (see host/codec/fastcodec.py).",
     -1, methods};
 
+#ifndef SOURCE_SHA256
+#define SOURCE_SHA256 "" /* setup.py defines it: thc.built compares it with this file's */
+#endif
+
 PyMODINIT_FUNC PyInit__fastcodec(void) {
     PyObject *m = PyModule_Create(&module);
     if (!m) return NULL;
     PyObject *kinds = PyTuple_New(N_KINDS);
     if (!kinds) return NULL;
     for (int k = 0; k < N_KINDS; k++) PyTuple_SET_ITEM(kinds, k, PyUnicode_FromString(KIND_NAMES[k]));
-    if (PyModule_AddObject(m, "KINDS", kinds) < 0) return NULL;
+    if (PyModule_AddObject(m, "KINDS", kinds) < 0 ||
+        PyModule_AddStringConstant(m, "SOURCE_SHA256", SOURCE_SHA256) < 0)
+        return NULL;
     return m;
 }

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from thc.built import stale
 from thc.codec import rng
 from thc.codec.hadamard import is_torch
 
@@ -41,7 +42,7 @@ except ImportError as e:
     UNAVAILABLE: str | None = (f"the compiled CPU codec is not built ({e}); `pip install -e .` "
                                f"with a C compiler builds it")
 else:
-    UNAVAILABLE = None
+    UNAVAILABLE = stale(_fastcodec, "compiled CPU codec")
 
 _KINDS = {np.dtype(k) for k in ("u1", "i1", "u2", "i2", "u4", "i4", "u8", "i8")}
 

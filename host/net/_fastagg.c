@@ -495,7 +495,7 @@ static PyObject *dp_install(Datapath *dp, PyObject *args) {
         return NULL;
     if (job_id < 0 || job_id >= N_JOB_IDS || n < 1 || n > MAX_WORKERS || pool < 1 ||
         lanes < 2 || lanes % (vote ? 8 : 2) || (sum_bits != 8 && sum_bits != 16) ||
-        HDR + lanes * sum_bits / 8 > OUT_BYTES || n_shards < 1 || shard < 0 ||
+        lanes > (OUT_BYTES - HDR) * 8 / sum_bits || n_shards < 1 || shard < 0 ||
         shard >= n_shards) {
         PyErr_SetString(PyExc_ValueError, "job outside what the compiled datapath holds");
         return NULL;
@@ -683,6 +683,11 @@ static PyObject *dp_handle(Datapath *dp, PyObject *args) {
     int port;
     double now = NAN; /* the model's clock may have any origin: only NaN means "none given" */
     if (!ready(dp) || !PyArg_ParseTuple(args, "y*ki|d", &buf, &ip, &port, &now)) return NULL;
+    if (ip > 0xFFFFFFFFul || port < 0 || port > 65535) {
+        PyBuffer_Release(&buf);
+        PyErr_SetString(PyExc_ValueError, "handle: the source is an IPv4 address and a port");
+        return NULL;
+    }
     if (isnan(now)) now = now_s();
     uint8_t *space = malloc((size_t)MAX_WORKERS * OUT_BYTES);
     if (!space) {
@@ -1184,7 +1189,8 @@ static PyObject *fa_drive(PyObject *self, PyObject *args) {
     }
     int bad = PySequence_Fast_GET_SIZE(tseq) != N_TYPES || n < 1 || n > MAX_WORKERS ||
               window < 1 || window > pool || chunks < 1 || lanes < 2 || lanes % 2 ||
-              HDR + data_bytes > OUT_BYTES || PySequence_Size(payloads) != n;
+              HDR + data_bytes > OUT_BYTES || PySequence_Size(payloads) != n ||
+              !(rto > 0 && rto < INFINITY) || !(deadline > 0 && deadline < INFINITY);
     for (int t = 0; !bad && t < N_TYPES; t++)
         tcodes[t] = PyLong_AsLong(PySequence_Fast_GET_ITEM(tseq, t));
     Py_DECREF(tseq);
@@ -1239,7 +1245,8 @@ static PyObject *fa_drive(PyObject *self, PyObject *args) {
     agg.sin_port = htons((uint16_t)agg_port);
     long results = 0, sent = 0, retransmitted = 0;
     int complete = 0;
-    double t0 = 0, t1 = 0;
+    double t0 = 0, t1 = 0, last_check = 0;
+    int interrupted = 0;
     Py_BEGIN_ALLOW_THREADS
     t0 = now_s();
     for (int w = 0; w < n; w++) {
@@ -1248,9 +1255,17 @@ static PyObject *fa_drive(PyObject *self, PyObject *args) {
         pfds[w].events = POLLIN;
     }
     uint8_t result_type = (uint8_t)tcodes[T_RESULT];
+    last_check = t0;
     for (;;) {
         int finished = 0;
         double now = now_s();
+        if (now - last_check > 0.05) {
+            last_check = now;
+            Py_BLOCK_THREADS
+            interrupted = PyErr_CheckSignals() < 0;
+            Py_UNBLOCK_THREADS
+            if (interrupted) break;
+        }
         for (int w = 0; w < n; w++) {
             Lane *l = &ls[w];
             if (l->base >= chunks) {
@@ -1308,8 +1323,9 @@ static PyObject *fa_drive(PyObject *self, PyObject *args) {
     }
     t1 = now_s();
     Py_END_ALLOW_THREADS
-    res = Py_BuildValue("(dlllO)", t1 - t0, results, sent, retransmitted,
-                        complete ? Py_True : Py_False);
+    if (!interrupted)
+        res = Py_BuildValue("(dlllO)", t1 - t0, results, sent, retransmitted,
+                            complete ? Py_True : Py_False);
 cleanup:
     for (int w = 0; ls && w < n; w++) free(ls[w].done);
     for (int w = 0; w < nbufs; w++) PyBuffer_Release(&bufs[w]);
@@ -1656,13 +1672,14 @@ static PyObject *fa_stream(PyObject *self, PyObject *args) {
     if (chunk_bytes > 0) total = (long)(chunks.len / chunk_bytes);
     if (n_shards < 1 || PyList_GET_SIZE(epochs) != n_shards ||
         PyList_GET_SIZE(srtt_o) != n_shards || PyList_GET_SIZE(rttvar_o) != n_shards ||
-        window < 1 || pool < 1 || (unsigned long)window > pool || chunk_bytes < 1 ||
+        window < 1 || pool < 1 || pool > 65536 || (pool & (pool - 1)) ||
+        (unsigned long)window > pool || chunk_bytes < 1 ||
         chunks.len % chunk_bytes || HDR + chunk_bytes > CL_OUT_BYTES || lanes < 1 ||
         expect_payload % lanes || (wire_bytes != 1 && wire_bytes != 2 && wire_bytes != 4) ||
         (out_itemsize != 2 && out_itemsize != 4) || out_itemsize < wire_bytes ||
         n_workers < 1 || n_workers > MAX_WORKERS || worker < 0 || worker > 255 ||
         silent_after < 1 || silent_after > 64 || recv_batch < 1 || lut_len != sizeof lut ||
-        (is_data && chunk_bytes * (vote ? 8 : 2) != lanes) ||
+        (is_data ? chunk_bytes * (vote ? 8 : 2) != lanes : chunk_bytes != 4 * lanes) ||
         out.len < (Py_ssize_t)total * lanes * out_itemsize) {
         PyErr_SetString(PyExc_ValueError, "stream: bad arguments");
         goto cleanup;
@@ -2125,6 +2142,10 @@ static struct PyModuleDef module = {
     module_methods,
 };
 
+#ifndef SOURCE_SHA256
+#define SOURCE_SHA256 "" /* setup.py defines it: thc.built compares it with this file's */
+#endif
+
 PyMODINIT_FUNC PyInit__fastagg(void) {
     if (PyType_Ready(&DatapathType) < 0) return NULL;
     PyObject *m = PyModule_Create(&module);
@@ -2147,7 +2168,8 @@ PyMODINIT_FUNC PyInit__fastagg(void) {
         PyModule_AddIntConstant(m, "MAX_WORKERS", MAX_WORKERS) < 0 ||
         PyModule_AddIntConstant(m, "BATCH", BATCH) < 0 ||
         PyModule_AddIntConstant(m, "CLIENT_MAX_DATAGRAM", CL_OUT_BYTES) < 0 ||
-        PyModule_AddIntConstant(m, "CLIENT_WINDOW", CL_WINDOW_VERSION) < 0) {
+        PyModule_AddIntConstant(m, "CLIENT_WINDOW", CL_WINDOW_VERSION) < 0 ||
+        PyModule_AddStringConstant(m, "SOURCE_SHA256", SOURCE_SHA256) < 0) {
         Py_DECREF(m);
         return NULL;
     }

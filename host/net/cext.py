@@ -4,6 +4,7 @@ cannot run here (None when it can). The aggregator, the client window and the lo
 wrap it."""
 from __future__ import annotations
 
+from thc.built import stale
 from thc.wire import protocol as P
 
 try:
@@ -13,7 +14,9 @@ except ImportError as e:
     UNAVAILABLE: str | None = (f"the compiled datapath is not built ({e}); "
                                f"`pip install -e .` with a C compiler builds it")
 else:
-    if tuple(tuple(f) for f in _fastagg.HEADER_LAYOUT) != tuple(map(tuple, P.HEADER_FIELDS)):
+    if why := stale(_fastagg, "compiled datapath"):
+        UNAVAILABLE = why
+    elif tuple(tuple(f) for f in _fastagg.HEADER_LAYOUT) != tuple(map(tuple, P.HEADER_FIELDS)):
         UNAVAILABLE = "the compiled datapath was built for another header layout: rebuild it"
     elif (set(_fastagg.REASONS) != set(P.DropReason.__members__)
           or set(_fastagg.COUNTERS) != set(P.JOB_COUNTERS)):

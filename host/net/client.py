@@ -132,7 +132,7 @@ class AggregationClient:
 
         ``settings``: where ``datapath`` and ``gso`` are not given (default: the
         environment's, read now)."""
-        self.job = job
+        self.job = job.validate()   # a Job built by hand too (pool 0: a window of nothing)
         self.worker_id = worker_id
         if job.shards:
             if aggregator is not None:

@@ -118,8 +118,8 @@ class FastAggregator(UDPServer):
         datagrams to send and where (as :meth:`Aggregator.handle`). ``now``: the time in
         seconds the run rules see (default: the monotonic clock, as the serving loop)."""
         ip = ipv4_int(src[0])
-        if ip is None:
-            raise ValueError(f"the compiled datapath takes IPv4 sources, got {src[0]!r}")
+        if ip is None or not 0 <= src[1] <= 0xFFFF:
+            raise ValueError(f"the compiled datapath takes IPv4 sources and ports, got {src!r}")
         args = (bytes(datagram), ip, src[1]) + (() if now is None else (float(now),))
         return [(data, (ipv4_str(dip), dport)) for data, dip, dport in self._dp.handle(*args)]
 

@@ -1,0 +1,144 @@
+"""The C extensions' own argument checks. Their Python wrappers never pass such arguments; a
+direct caller gets a ValueError, not a read or write past a buffer, a division by zero, or a
+loop that neither ends nor hears Ctrl-C. And a build that is not of the source beside it is
+not used (setup.py, thc.built)."""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import signal
+import socket
+import time
+import types
+
+import numpy as np
+import pytest
+
+from thc.built import stale
+from thc.net import cext
+from thc.net.client import AggregationClient
+from thc.testing.clusters import free_port_block, local_job
+from thc.wire import protocol as P
+from thc.wire.jobs import ConfigError
+
+pytestmark = pytest.mark.skipif(cext.UNAVAILABLE is not None, reason=f"{cext.UNAVAILABLE}")
+LOOPBACK = 0x7F000001
+TABLE = np.arange(16, dtype=np.uint32).tobytes()
+TIMING = (0.02, 0.05, 0.3, 3, 4, 3, 256)
+
+
+def _datapath():
+    return cext._fastagg.Datapath(cext.TYPE_CODES,
+                                  [int(P.DropReason[r]) for r in cext._fastagg.REASONS],
+                                  P.MAX_LANES, P.SEQ_RESET, P.RUN_JUMP, 60.0, False, False)
+
+
+def _udp():
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    s.bind(("127.0.0.1", 0))
+    return s
+
+
+def test_a_lane_count_whose_result_size_wraps_is_refused():
+    """2^27 lanes of 16-bit sums: lanes * 16 wraps a 32-bit int to a negative size."""
+    dp = _datapath()
+    with pytest.raises(ValueError, match="outside what the compiled datapath holds"):
+        dp.install(7, 1, 1, 1 << 27, 16, list(range(16)), [(LOOPBACK, 40000)], False, 1, 0, 1)
+    dp.install(7, 1, 1, P.LANES, 16, list(range(16)), [(LOOPBACK, 40000)], False, 1, 0, 1)
+
+
+def test_a_source_port_or_address_beyond_its_field_is_refused_not_cut():
+    dp = _datapath()
+    for ip, port in ((LOOPBACK, 40000 + 65536), (LOOPBACK, -1), (LOOPBACK + (1 << 32), 40000)):
+        with pytest.raises(ValueError, match="an IPv4 address and a port"):
+            dp.handle(bytes(P.HEADER_BYTES), ip, port, 0.0)
+
+
+def _stream(pool: int, is_data: bool, chunk: bytes, lanes: int):
+    cl, ag = _udp(), _udp()
+    try:
+        kind = (P.PktType.DATA, P.PktType.RESULT) if is_data else (P.PktType.MAX,
+                                                                    P.PktType.MAX_RESULT)
+        header = (int(kind[0]), int(kind[1]), int(P.PktType.PENDING), 0, int(is_data), 0, 9,
+                  pool, 77, 0, 0, lanes, 2, int(P.PktType.REFUSED), P.MAX_LANE_TOP, 0x1234,
+                  (0, 0xFFFF0000), TABLE, False)
+        out = np.zeros((1, lanes), np.uint32)
+        return cext._fastagg.stream(cl.fileno(), header, np.frombuffer(chunk, np.uint8),
+                                    len(chunk), [(LOOPBACK, ag.getsockname()[1])], [None], 1,
+                                    TIMING, [None], [0.0], out, 4, 4 * lanes, False)
+    finally:
+        cl.close()
+        ag.close()
+
+
+@pytest.mark.parametrize("pool", [1 << 32, 1 << 17, 3])
+def test_a_pool_beyond_the_slot_field_or_not_a_power_of_two_is_refused(pool):
+    """2^32 was cut to 0 and divided by."""
+    with pytest.raises(ValueError, match="stream: bad arguments"):
+        _stream(pool, True, bytes(8), 16)
+
+
+def test_a_max_round_whose_lanes_overrun_its_chunks_is_refused():
+    """A 4-byte MAX chunk said to hold 64 lanes: its own values were read past the chunk."""
+    with pytest.raises(ValueError, match="stream: bad arguments"):
+        _stream(4, False, bytes(4), 64)
+
+
+@pytest.mark.parametrize("rto,deadline", [(0.5, float("nan")), (float("nan"), 1.0),
+                                          (0.5, float("inf")), (0.0, 1.0)])
+def test_the_load_generator_refuses_a_time_that_never_comes(rto, deadline):
+    w, sink = _udp(), _udp()
+    try:
+        with pytest.raises(ValueError, match="drive: bad arguments"):
+            cext._fastagg.drive([(w.fileno(), 0)], LOOPBACK, sink.getsockname()[1], 3, 4, 16,
+                                77, 4, 4, [bytes(32)], cext.TYPE_CODES, rto, deadline)
+    finally:
+        w.close()
+        sink.close()
+
+
+class _Alarm(Exception):
+    pass
+
+
+def test_the_load_generator_hears_a_signal_before_its_deadline():
+    """A silent aggregator and a 30 s deadline: a signal's handler runs within a poll."""
+    w, sink = _udp(), _udp()
+
+    def ring(signum, frame):
+        raise _Alarm
+
+    old = signal.signal(signal.SIGALRM, ring)
+    signal.setitimer(signal.ITIMER_REAL, 0.3)
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(_Alarm):
+            cext._fastagg.drive([(w.fileno(), 0)], LOOPBACK, sink.getsockname()[1], 3, 4, 16,
+                                77, 4, 4, [bytes(32)], cext.TYPE_CODES, 0.5, 30.0)
+        assert time.monotonic() - t0 < 5
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+        w.close()
+        sink.close()
+
+
+def test_a_job_built_by_hand_is_checked_by_the_client():
+    """pool 0 made a window of no chunks: the Python window waited past its deadline."""
+    job = dataclasses.replace(local_job(3, 2, free_port_block(2)), pool_size=0)
+    with pytest.raises(ConfigError, match="power-of-two pool_size"):
+        AggregationClient(job, 0, ("127.0.0.1", 9), run=1)
+
+
+def test_a_build_of_another_source_is_named_stale(tmp_path):
+    source = tmp_path / "_ext.c"
+    source.write_text("int x;\n")
+    module = types.ModuleType("pkg._ext")
+    module.__file__ = str(tmp_path / "_ext.cpython-311-x86_64-linux-gnu.so")
+    module.SOURCE_SHA256 = hashlib.sha256(b"int x;\n").hexdigest()
+    assert stale(module, "thing") is None
+    source.write_text("int x, y;\n")
+    assert "the thing was built from another version of _ext.c" in stale(module, "thing")
+    source.unlink()
+    assert stale(module, "thing") is None, "an installed wheel has no source to compare"
+    assert stale(cext._fastagg, "compiled datapath") is None
