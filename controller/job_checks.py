@@ -8,7 +8,7 @@ from thc.controller import forwarding, targets
 from thc.controller.program import L2_TABLE
 from thc.controller.switch import Switch
 from thc.wire import protocol as P
-from thc.wire.jobs import ConfigError, Job
+from thc.wire.jobs import ConfigError, Job, check_address, check_mac
 
 
 def target_of(sw: Switch) -> targets.Target:
@@ -39,10 +39,12 @@ def check_program(sw: Switch) -> None:
                               f"compile the program again and push it (`make p4`)")
 
 
-def check_job(sw: Switch, job: Job, job_index: int, others: dict[int, dict]) -> None:
+def check_job(sw: Switch, job: Job, job_index: int, others: dict[int, dict],
+              held: frozenset[int] = frozenset()) -> None:
     """Why ``job`` cannot go on the switch at ``job_index`` (ConfigError), checked before any
     write. ``others``: {job_id: set_job parameters plus ``addresses`` as installed_addresses
-    gives them} of the jobs that stay on the switch beside ``job``."""
+    gives them} of the jobs that stay on the switch beside ``job``; ``held``: ids of jobs
+    without a job entry whose lookup entries stay (leftovers: they take room too)."""
     job.validate()
     if job.shards:
         raise ConfigError(f"job {job.job_id} is spread over {len(job.shards)} software "
@@ -64,10 +66,14 @@ def check_job(sw: Switch, job: Job, job_index: int, others: dict[int, dict]) -> 
     if not 0 <= job_index < P.MAX_JOBS:
         raise ConfigError(f"job index {job_index} outside 0..{P.MAX_JOBS - 1}")
     room = target_of(sw).max_jobs(sw.p4info)
-    if len(others) >= room:
+    held = set(held) - set(others) - {job.job_id}
+    if len(others) + len(held) >= room:
+        left = f" and {len(held)} removed jobs' lookup entries stay ({sorted(held)}: " \
+               f"leftovers, `thc controller remove --job N` takes them off)" if held else ""
         raise ConfigError(f"job {job.job_id}: the {target_of(sw).name} program's lookup tables "
                           f"hold {room} jobs at once, and {len(others)} stay installed "
-                          f"({', '.join(str(j) for j in sorted(others))}); remove one first")
+                          f"({', '.join(str(j) for j in sorted(others))}){left}; remove one "
+                          f"first")
     if job.pool_base + job.pool_size > P.SWITCH_SLOTS:
         last = job.pool_base + job.pool_size - 1
         raise ConfigError(f"job {job.job_id}: pool {job.pool_base}..{last}"
@@ -119,6 +125,8 @@ def check_agg(agg_ip: str, agg_mac: str, agg_port: int = P.UDP_PORT) -> None:
                           f"program aggregates packets to UDP port {P.UDP_PORT} only, and "
                           f"forwards others as plain traffic; leave agg_port out of the "
                           f"cluster or give {P.UDP_PORT}")
+    check_address("the aggregator (the switch)", agg_ip, agg_port)
+    check_mac("the aggregator (the switch)", agg_mac)
     ip = ipaddress.IPv4Address(agg_ip)
     if ip.is_loopback or ip.is_unspecified or ip.is_multicast:
         raise ConfigError(f"the cluster's agg_ip {agg_ip} (127.0.0.1 when the cluster gives "
@@ -127,6 +135,16 @@ def check_agg(agg_ip: str, agg_mac: str, agg_port: int = P.UDP_PORT) -> None:
     if agg_mac.lower() in forwarding.UNROUTABLE:
         raise ConfigError(f"the cluster's agg_mac {agg_mac} cannot be a switch's address; "
                           f"give the cluster the switch's agg_mac (e.g. 02:00:00:00:00:fe)")
+
+
+def check_beside_agg(job: Job, agg_ip: str, agg_mac: str) -> None:
+    """ConfigError for a worker at the switch's own address: its packets to the switch would
+    stay in its own host, and frames to the switch's MAC would be routed to its port."""
+    for w in job.workers:
+        if w.ip == agg_ip or w.mac.lower() == agg_mac.lower():
+            raise ConfigError(f"job {job.job_id} worker {w.id}: ip {w.ip} / mac {w.mac} is the "
+                              f"switch's own (agg_ip {agg_ip}, agg_mac {agg_mac}); give the "
+                              f"worker its host's address")
 
 
 def _check_own_macs(job: Job) -> None:

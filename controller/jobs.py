@@ -24,8 +24,8 @@ from thc.controller import counters, forwarding
 from thc.controller.frames import reset_frame
 from thc.controller.installed import (entries_of, installed_configs, installed_jobs, leftovers,
                                       lut_tables, unchanged, worker_macs)
-from thc.controller.job_checks import (check_agg, check_job, check_routes, config_of,
-                                       free_index)
+from thc.controller.job_checks import (check_agg, check_beside_agg, check_job, check_routes,
+                                       config_of, free_index)
 from thc.controller.job_entries import (AggAddress, addr_entries, delete, job_entry, lut_entries,
                                         upsert, worker_entries)
 from thc.controller.program import ADDR_TABLE, JOB_TABLE, WORKER_TABLE
@@ -147,7 +147,8 @@ def install_job(sw: Switch, job: Job, agg: AggAddress = AggAddress(),
         job_index = previous["job_index"] if previous is not None else \
             free_index({cfg["job_index"] for cfg in installed.values()})
     check_agg(agg.agg_ip, agg.agg_mac)
-    check_job(sw, job, job_index, installed)
+    check_job(sw, job, job_index, installed, _lookups_left(sw))
+    check_beside_agg(job, agg.agg_ip, agg.agg_mac)
     check_routes(sw, [job])
     if previous is not None:
         _refuse_live(sw, {job.job_id: previous["job_index"]}, "re-installing it", force,
@@ -274,6 +275,11 @@ def check_cluster(sw: Switch, cluster: Cluster, prune: bool = False) -> dict[int
     return _plan(sw, cluster, installed_configs(sw), prune)
 
 
+def _lookups_left(sw: Switch) -> frozenset[int]:
+    """Ids of the jobs whose lookup entries stay without a job entry (see leftovers)."""
+    return frozenset(jid for jid, kinds in leftovers(sw).items() if "lookup tables" in kinds)
+
+
 def _plan(sw: Switch, cluster: Cluster, installed: dict[int, dict], prune: bool) -> dict:
     cluster.validate(total_slots=P.SWITCH_SLOTS)
     check_agg(cluster.agg_ip, cluster.agg_mac, cluster.agg_port)
@@ -287,10 +293,12 @@ def _plan(sw: Switch, cluster: Cluster, installed: dict[int, dict], prune: bool)
         if job.job_id not in index:
             index[job.job_id] = free_index(taken | set(index.values()))
         taken.add(index[job.job_id])
+    held = frozenset() if prune else _lookups_left(sw) - wanted
     for job in cluster.jobs:
         others = {**staying, **{j.job_id: config_of(j, index[j.job_id])
                                 for j in cluster.jobs if j.job_id != job.job_id}}
-        check_job(sw, job, index[job.job_id], others)
+        check_job(sw, job, index[job.job_id], others, held)
+        check_beside_agg(job, cluster.agg_ip, cluster.agg_mac)
     used = {w.mac.lower() for j in cluster.jobs for w in j.workers} | {
         a[2].lower() for cfg in staying.values() for a in cfg.get("addresses", ())}
     check_routes(sw, cluster.jobs, {a[2].lower() for jid, cfg in installed.items()

@@ -6,11 +6,12 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 
+import numpy as np
 import pytest
 
-from thc.controller import forwarding, installed, job_entries, jobs, program
+from thc.controller import forwarding, installed, job_entries, jobs, program, targets
 from thc.controller.testing.memswitch import MemorySwitch
-from thc.wire.jobs import ConfigError, Worker
+from thc.wire.jobs import SWITCH_AGG_IP, SWITCH_AGG_MAC, ConfigError, Job, Worker
 from tests.test_jobs_install import thc_controller
 from tests.test_jobs_safety import IDLE, cluster, make_job
 
@@ -195,3 +196,61 @@ def test_routes_a_prune_frees_make_room_for_the_cluster(sw):
         for w in make_job(2).workers))
     jobs.install_cluster(sw, cluster(new), prune=True, force=True)
     assert set(installed.installed_jobs(sw)) == {2} and len(forwarding.routes(sw)) == size
+
+
+@pytest.mark.parametrize("kind", [list, np.array])
+def test_a_table_given_as_a_list_or_an_array_installs(sw, kind):
+    """The lookup entries' cache keys on the job: an unhashable table failed the install
+    after its job and address entries (a TypeError, not the part-way message)."""
+    job = make_job(3)
+    given = Job(job_id=3, workers=list(job.workers), table=kind(job.table), granularity=30,
+                pool_size=4, lanes=256).validate()
+    assert given == job
+    jobs.install_job(sw, given)
+    assert installed.unchanged(sw, job, job_entries.AggAddress())
+
+
+def test_leftover_lookup_entries_count_against_the_jobs_the_tables_hold(sw, monkeypatch):
+    """A leftover's lookup entries fill the tables as a job's do: the install of one job
+    too many failed part-way, and so did the retry its error advised."""
+    monkeypatch.setattr(type(targets.get("bmv2")), "max_jobs", lambda self, p4info: 2)
+    jobs.install_job(sw, make_job(1))
+    left = make_job(3, pool_base=8)
+    job_entries.upsert(sw, job_entries.lut_entries(sw, left, 0))
+    before = sw.device.state()
+    with pytest.raises(ConfigError, match=r"1 removed jobs' lookup entries stay \(\[3\]: "
+                                          r"leftovers, `thc controller remove --job N`"):
+        jobs.install_job(sw, make_job(5, pool_base=16))
+    with pytest.raises(ConfigError, match="removed jobs' lookup entries stay"):
+        jobs.install_cluster(sw, cluster(make_job(1), make_job(5, pool_base=16)))
+    assert sw.device.state() == before
+    jobs.install_cluster(sw, cluster(make_job(5, pool_base=16)), prune=True)
+    assert sorted(installed.installed_jobs(sw)) == [5] and installed.leftovers(sw) == {}
+
+
+@pytest.mark.parametrize("same", ["ip", "mac"])
+def test_a_worker_at_the_switchs_own_address_is_refused(sw, same):
+    """Its packets to the switch's IP would stay in its own host; frames to the switch's MAC
+    would be routed to its port."""
+    job = make_job(2)
+    w = job.workers[0]
+    w = replace(w, ip=SWITCH_AGG_IP) if same == "ip" else replace(w, mac=SWITCH_AGG_MAC)
+    job = replace(job, workers=(w, *job.workers[1:])).validate()
+    empty = sw.device.state()
+    for install in (lambda: jobs.install_job(sw, job),
+                    lambda: jobs.install_cluster(sw, cluster(job))):
+        with pytest.raises(ConfigError, match="is the switch's own"):
+            install()
+    assert sw.device.state() == empty
+
+
+@pytest.mark.parametrize("agg,why", [
+    (job_entries.AggAddress(agg_mac="02:00:00:00:00"), "not six hex bytes"),
+    (job_entries.AggAddress(agg_ip="255.255.255.255"), "not one host's address"),
+    (job_entries.AggAddress(agg_ip="10.0.0"), "not an IPv4 address")])
+def test_install_job_checks_the_switchs_address_as_a_cluster_does(sw, agg, why):
+    """A malformed agg_mac failed after the job entry; a broadcast agg_ip was installed."""
+    empty = sw.device.state()
+    with pytest.raises(ConfigError, match=why):
+        jobs.install_job(sw, make_job(1), agg)
+    assert sw.device.state() == empty

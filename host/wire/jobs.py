@@ -52,7 +52,7 @@ def _is_int(value) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
-def _check_address(where: str, ip, port) -> None:
+def check_address(where: str, ip, port) -> None:
     """An IPv4 literal and a port in 1..65535: the switch keys on them, the compiled
     datapaths take nothing else, and a bad one would leave the node's packets dropped."""
     try:
@@ -159,6 +159,8 @@ class Job:
     granularity 1, so 8-bit counts up to 255 workers)."""
 
     def __post_init__(self):
+        for name in ("workers", "table", "shards"):   # a list or an array given: hashable
+            object.__setattr__(self, name, tuple(getattr(self, name)))
         if self.mcast_grp == 0:
             object.__setattr__(self, "mcast_grp", self.job_id)
         if self.sum_bits == 0:
@@ -266,7 +268,7 @@ class Job:
                               f"got {sorted(w.id for w in self.workers)}")
         for kind, nodes in (("worker", self.workers), ("shard", self.shards)):
             for i, node in enumerate(nodes):
-                _check_address(f"job {self.job_id}: {kind} {getattr(node, 'id', i)}", node.ip,
+                check_address(f"job {self.job_id}: {kind} {getattr(node, 'id', i)}", node.ip,
                                node.port)
         for w in self.workers:
             check_mac(f"job {self.job_id}: worker {w.id}", w.mac)
@@ -389,7 +391,7 @@ class Cluster:
         raise KeyError(job_id)
 
     def validate(self, total_slots: int | None = None) -> "Cluster":
-        _check_address("the aggregator", self.agg_ip, self.agg_port)
+        check_address("the aggregator", self.agg_ip, self.agg_port)
         check_mac("the aggregator", self.agg_mac)
         ids = [j.job_id for j in self.jobs]
         if len(set(ids)) != len(ids):
