@@ -191,7 +191,16 @@ def _write_entries(sw: Switch, job: Job, job_index: int, agg: AggAddress,
     if previous is not None:
         if previous["job_index"] != job_index:
             delete(sw, [sw.table_entry(JOB_TABLE, {"job_id": job.job_id})])
+    # what the new version no longer uses goes while the old job entry still names it (a
+    # retry after a failure further on would read the new group and MACs as the previous;
+    # with the worker entries gone nothing of the job is multicast or routed)
     old_macs = {a[2] for a in previous["addresses"]} if previous is not None else set()
+    if previous is not None and previous["mcast_grp"] != job.mcast_grp \
+            and previous["mcast_grp"] not in groups_in_use:
+        sw.delete_multicast_group(previous["mcast_grp"])
+    gone = old_macs - {w.mac.lower() for w in job.workers} - worker_macs(sw, exclude=job.job_id)
+    if gone:
+        forwarding.remove(sw, gone)
 
     again = previous is not None
     # the job entry first: an install cut short leaves a job that `jobs` lists as not
@@ -207,12 +216,6 @@ def _write_entries(sw: Switch, job: Job, job_index: int, agg: AggAddress,
 
     # leftovers of an earlier version of this job
     _delete_stale(sw, ADDR_TABLE, job.job_id, addrs)
-    if previous is not None and previous["mcast_grp"] != job.mcast_grp \
-            and previous["mcast_grp"] not in groups_in_use:
-        sw.delete_multicast_group(previous["mcast_grp"])
-    gone = old_macs - {w.mac.lower() for w in job.workers} - worker_macs(sw, exclude=job.job_id)
-    if gone:
-        forwarding.remove(sw, gone)
 
     reset_pool(sw, job, job_index, agg)
     if not counters.clear_job_counters(sw, job_index):

@@ -494,3 +494,38 @@ def test_a_job_whose_group_or_route_changed_on_the_switch_is_written_again(sw):
     assert not installed.unchanged(sw, job, agg)
     jobs.install_cluster(sw, cluster(job), live_window=IDLE)
     assert forwarding.routes(sw)[w.mac.lower()] == w.switch_port
+
+
+@pytest.mark.parametrize("at", [0.5, 0.9999])
+def test_a_reinstall_cut_short_and_retried_keeps_no_old_group_or_route(sw, monkeypatch, at):
+    """A re-install that moves the job's group and a worker's MAC, its writes failing after
+    ``at`` of them: the old group and route were deleted only after every write, and the
+    retry, reading the new ones back as the previous, never deleted them."""
+    old = make_job(1, n_workers=3)
+    new = replace(old, mcast_grp=9, workers=(replace(old.workers[0], mac="02:aa:00:00:00:01"),
+                                              old.workers[1])).validate()
+    jobs.install_job(sw, old)
+    real, made = sw.device.write, [0]
+
+    def counted(*a):
+        made[0] += 1
+        return real(*a)
+    monkeypatch.setattr(sw.device, "write", counted)
+    jobs.install_job(sw, new, live_window=IDLE)
+    jobs.install_job(sw, old, live_window=IDLE)
+    budget = [int(made[0] / 2 * at)]
+
+    def failing(*a):
+        budget[0] -= 1
+        if budget[0] < 0:
+            raise SwitchError("UNAVAILABLE: connection reset")
+        return real(*a)
+    monkeypatch.setattr(sw.device, "write", failing)
+    with pytest.raises(SwitchError, match="the install stopped part-way"):
+        jobs.install_job(sw, new, live_window=IDLE)
+    monkeypatch.setattr(sw.device, "write", real)
+    jobs.install_job(sw, new, live_window=IDLE)
+    assert sorted(sw.multicast_groups()) == [9]
+    assert sorted(forwarding.routes(sw)) == sorted(w.mac for w in new.workers)
+    jobs.remove_job(sw, 1, live_window=IDLE)
+    assert sw.multicast_groups() == {} and forwarding.routes(sw) == {}
