@@ -79,6 +79,17 @@ static double now_s(void) {
     return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
 }
 
+/* For loops run without the GIL: every 50 ms, whether a signal's handler raised (Ctrl-C);
+ * the exception is set then. */
+static int signalled(double now, double *last_check) {
+    if (now - *last_check <= 0.05) return 0;
+    *last_check = now;
+    PyGILState_STATE g = PyGILState_Ensure();
+    int raised = PyErr_CheckSignals() < 0;
+    PyGILState_Release(g);
+    return raised;
+}
+
 /* ---------------------------------------------------------------------------------------- */
 /* Register state of one job, laid out as the switch's registers (slot x version).          */
 
@@ -1259,13 +1270,7 @@ static PyObject *fa_drive(PyObject *self, PyObject *args) {
     for (;;) {
         int finished = 0;
         double now = now_s();
-        if (now - last_check > 0.05) {
-            last_check = now;
-            Py_BLOCK_THREADS
-            interrupted = PyErr_CheckSignals() < 0;
-            Py_UNBLOCK_THREADS
-            if (interrupted) break;
-        }
+        if ((interrupted = signalled(now, &last_check))) break;
         for (int w = 0; w < n; w++) {
             Lane *l = &ls[w];
             if (l->base >= chunks) {
@@ -2022,13 +2027,7 @@ static PyObject *fa_stream(PyObject *self, PyObject *args) {
             break;
         }
         now = now_s();
-        if (now - last_check > 0.05) {
-            last_check = now;
-            Py_BLOCK_THREADS
-            interrupted = PyErr_CheckSignals() < 0;
-            Py_UNBLOCK_THREADS
-            if (interrupted) break;
-        }
+        if ((interrupted = signalled(now, &last_check))) break;
         if (now < next_due) continue;
         for (long i = lo; i < hi && event == EV_DONE; i++) {
             long r = i % window;
