@@ -16,7 +16,7 @@ import pytest
 
 from thc.built import stale
 from thc.net import cext
-from thc.net.client import AggregationClient
+from thc.net.client import DATAPATH_ENV, AggregationClient
 from thc.testing.clusters import free_port_block, local_job
 from thc.wire import protocol as P
 from thc.wire.jobs import ConfigError
@@ -101,10 +101,8 @@ class _Alarm(Exception):
     pass
 
 
-def test_the_load_generator_hears_a_signal_before_its_deadline():
-    """A silent aggregator and a 30 s deadline: a signal's handler runs within a poll."""
-    w, sink = _udp(), _udp()
-
+def _rings(call) -> None:
+    """``call`` raises what a SIGALRM handler raises 0.3 s in, within seconds."""
     def ring(signum, frame):
         raise _Alarm
 
@@ -113,13 +111,34 @@ def test_the_load_generator_hears_a_signal_before_its_deadline():
     t0 = time.monotonic()
     try:
         with pytest.raises(_Alarm):
-            cext._fastagg.drive([(w.fileno(), 0)], LOOPBACK, sink.getsockname()[1], 3, 4, 16,
-                                77, 4, 4, [bytes(32)], cext.TYPE_CODES, 0.5, 30.0)
+            call()
         assert time.monotonic() - t0 < 5
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, old)
+
+
+def test_the_load_generator_hears_a_signal_before_its_deadline():
+    """A silent aggregator and a 30 s deadline: a signal's handler runs within a poll."""
+    w, sink = _udp(), _udp()
+    try:
+        _rings(lambda: cext._fastagg.drive([(w.fileno(), 0)], LOOPBACK, sink.getsockname()[1],
+                                           3, 4, 16, 77, 4, 4, [bytes(32)], cext.TYPE_CODES,
+                                           0.5, 30.0))
+    finally:
         w.close()
+        sink.close()
+
+
+def test_the_compiled_window_hears_a_signal_before_its_deadline(monkeypatch):
+    monkeypatch.setenv(DATAPATH_ENV, "compiled")
+    sink = _udp()
+    job = local_job(3, 2, free_port_block(2))
+    try:
+        with AggregationClient(job, 0, sink.getsockname(), run=1, deadline=30.0) as c:
+            _rings(lambda: c.reduce(np.zeros(4 * job.lanes // 2, np.uint8)))
+            assert c.stats.compiled_rounds == 1
+    finally:
         sink.close()
 
 
