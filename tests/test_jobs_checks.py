@@ -205,7 +205,7 @@ def test_a_table_given_as_a_list_or_an_array_installs(sw, kind):
     job = make_job(3)
     given = Job(job_id=3, workers=list(job.workers), table=kind(job.table), granularity=30,
                 pool_size=4, lanes=256).validate()
-    assert given == job
+    assert given == job and json.loads(json.dumps(given.to_dict())) == job.to_dict()
     jobs.install_job(sw, given)
     assert installed.unchanged(sw, job, job_entries.AggAddress())
 

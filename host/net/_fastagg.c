@@ -79,6 +79,15 @@ static double now_s(void) {
     return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
 }
 
+/* PyArg_ParseTuple's "O&" converter to an unsigned long: an OverflowError beyond its range
+ * (or for a negative int), where "k" would mask the value into range. */
+static int as_ulong(PyObject *o, void *out) {
+    unsigned long v = PyLong_AsUnsignedLong(o);
+    if (v == (unsigned long)-1 && PyErr_Occurred()) return 0;
+    *(unsigned long *)out = v;
+    return 1;
+}
+
 /* For loops run without the GIL: every 50 ms, whether a signal's handler raised (Ctrl-C);
  * the exception is set then. */
 static int signalled(double now, double *last_check) {
@@ -693,7 +702,8 @@ static PyObject *dp_handle(Datapath *dp, PyObject *args) {
     unsigned long ip;
     int port;
     double now = NAN; /* the model's clock may have any origin: only NaN means "none given" */
-    if (!ready(dp) || !PyArg_ParseTuple(args, "y*ki|d", &buf, &ip, &port, &now)) return NULL;
+    if (!ready(dp) || !PyArg_ParseTuple(args, "y*O&i|d", &buf, as_ulong, &ip, &port, &now))
+        return NULL;
     if (ip > 0xFFFFFFFFul || port < 0 || port > 65535) {
         PyBuffer_Release(&buf);
         PyErr_SetString(PyExc_ValueError, "handle: the source is an IPv4 address and a port");
@@ -1667,8 +1677,9 @@ static PyObject *fa_stream(PyObject *self, PyObject *args) {
         PyErr_NoMemory();
         goto cleanup;
     }
-    if (!PyArg_ParseTuple(hdr, "iiiiiiikkKKiiiik(kk)y#p", &pkt_type, &result_type,
-                          &pending_type, &other_result, &is_data, &worker, &job_id, &pool, &run,
+    if (!PyArg_ParseTuple(hdr, "iiiiiiiO&kKKiiiik(kk)y#p", &pkt_type, &result_type,
+                          &pending_type, &other_result, &is_data, &worker, &job_id, as_ulong,
+                          &pool, &run,
                           &base, &offset_base, &lanes, &n_workers, &refused_type, &top,
                           &incarnation, &tag, &tag_mask, &lut_bytes, &lut_len, &vote))
         goto cleanup;

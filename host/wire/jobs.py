@@ -159,8 +159,11 @@ class Job:
     granularity 1, so 8-bit counts up to 255 workers)."""
 
     def __post_init__(self):
-        for name in ("workers", "table", "shards"):   # a list or an array given: hashable
-            object.__setattr__(self, name, tuple(getattr(self, name)))
+        # a list or an array given: a tuple (hashable), of plain numbers (JSON's)
+        object.__setattr__(self, "workers", tuple(self.workers))
+        object.__setattr__(self, "shards", tuple(self.shards))
+        object.__setattr__(self, "table", tuple(getattr(v, "item", lambda v=v: v)()
+                                                for v in self.table))
         if self.mcast_grp == 0:
             object.__setattr__(self, "mcast_grp", self.job_id)
         if self.sum_bits == 0:
