@@ -1,0 +1,18 @@
+"""Where a C compiler exists, both C extensions are built, each from the source beside it.
+Their build is optional (setup.py): without this check a compile error would only skip the
+tests of the compiled paths."""
+import shutil
+import sysconfig
+
+import pytest
+
+from thc.codec import fastcodec
+from thc.net import cext
+
+
+def test_the_c_extensions_are_built_where_a_compiler_exists():
+    cc = (sysconfig.get_config_var("CC") or "cc").split()[0]
+    if shutil.which(cc) is None:
+        pytest.skip(f"no C compiler ({cc}): the compiled paths are optional")
+    assert cext.UNAVAILABLE is None, cext.UNAVAILABLE
+    assert fastcodec.UNAVAILABLE is None, fastcodec.UNAVAILABLE
