@@ -401,6 +401,9 @@ def test_an_aggregator_named_by_host_name_answers(job, datapath):
     ({"deadline": 0.0}, "deadline 0.0"),
     ({"timeout": 0.0}, "0 < timeout"),
     ({"timeout": 1.0, "max_timeout": 0.5}, "timeout <= max_timeout"),
+    # a chunk resent past the run idle time could reopen its slot under its old run after
+    # another run took the job and went quiet: its workers would hold different sums
+    ({"deadline": P.RUN_IDLE_S}, "below the aggregators' run idle time"),
 ])
 def test_timeouts_are_checked(job, kw, match):
     with pytest.raises(ValueError, match=match):

@@ -97,7 +97,7 @@ def _client(job, w, addr, chunks, window, start_ev, done_q):
 
     # index 0 (table value 0): sums every server answers alike, the echoes' zeros included
     packed = np.zeros(chunks * job.lanes // 2, dtype=np.uint8)
-    with AggregationClient(job, w, addr, window=window, deadline=60, run=RUN) as c:
+    with AggregationClient(job, w, addr, window=window, deadline=50, run=RUN) as c:
         start_ev.wait()
         t0 = time.perf_counter()
         c.aggregate(packed)

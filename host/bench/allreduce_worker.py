@@ -53,7 +53,7 @@ def intf_counters(intf: str | None) -> tuple[int, int] | None:
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--mode", choices=MODES, required=True)
-    worker.add_arguments(ap, deadline=60.0)
+    worker.add_arguments(ap, deadline=50.0)
     ap.add_argument("--numel", type=int, default=25_000_000)
     ap.add_argument("--repeat", type=int, default=3, help="timed rounds")
     ap.add_argument("--warmup", type=int, default=1, help="untimed rounds first")

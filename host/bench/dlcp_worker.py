@@ -35,7 +35,7 @@ def gradient(numel: int, layers: int, rnd: int, worker: int, seed: int):
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
-    worker.add_arguments(ap, deadline=60.0)
+    worker.add_arguments(ap, deadline=50.0)
     ap.add_argument("--numel", type=int, default=1 << 18)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=30)

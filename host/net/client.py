@@ -154,6 +154,12 @@ class AggregationClient:
             raise ValueError(f"timeouts must be finite seconds with 0 < timeout <= max_timeout "
                              f"and deadline > 0, got timeout {timeout!r}, max_timeout "
                              f"{max_timeout!r}, deadline {deadline!r}")
+        if deadline >= P.RUN_IDLE_S:
+            raise ValueError(f"deadline {deadline!r} s: it must be below the aggregators' run "
+                             f"idle time ({P.RUN_IDLE_S:g} s); a chunk still resent after "
+                             f"that could reopen its slot for its run after another run took "
+                             f"the job and went quiet, and its workers would decode different "
+                             f"sums (docs/protocol.md, Runs)")
         self.timeout = timeout
         self.max_timeout = max_timeout
         self.deadline = deadline
