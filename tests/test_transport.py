@@ -84,6 +84,8 @@ def _worker(job, w, addr, impair, q, deadline=20.0, run=1, n=N_ELEMENTS):
             q.put((w, "ok", r.sums, (c.stats.retransmitted, r.datapath, vars(c.stats))))
     except AggregationTimeout as e:
         q.put((w, "timeout", str(e), e.missing))
+    except Exception as e:   # told at once, not by the parent's wait running out
+        q.put((w, "error", repr(e), None))
 
 
 def _run_workers(job, addr, impair=None, workers=None, deadline=20.0, run=1, n=N_ELEMENTS):
@@ -190,7 +192,7 @@ def test_sixteen_workers_get_exact_16_bit_sums(tmp_path):
     n = 1 << 16
     agg = AggregatorProcess(tmp_path, [job])
     try:
-        results = _run_workers(job, agg.addr, n=n, deadline=60.0)
+        results = _run_workers(job, agg.addr, n=n, deadline=50.0)
         stats = agg.stop()
     finally:
         agg.stop()
