@@ -125,10 +125,9 @@ def check_agg(agg_ip: str, agg_mac: str, agg_port: int = P.UDP_PORT) -> None:
                           f"program aggregates packets to UDP port {P.UDP_PORT} only, and "
                           f"forwards others as plain traffic; leave agg_port out of the "
                           f"cluster or give {P.UDP_PORT}")
-    check_address("the aggregator (the switch)", agg_ip, agg_port)
+    check_address("the aggregator (the switch)", agg_ip, agg_port)   # unspecified, multicast
     check_mac("the aggregator (the switch)", agg_mac)
-    ip = ipaddress.IPv4Address(agg_ip)
-    if ip.is_loopback or ip.is_unspecified or ip.is_multicast:
+    if ipaddress.IPv4Address(agg_ip).is_loopback:
         raise ConfigError(f"the cluster's agg_ip {agg_ip} (127.0.0.1 when the cluster gives "
                           f"none) cannot be a switch's address: workers drop results from "
                           f"it; give the cluster the switch's agg_ip (e.g. 10.0.0.254)")

@@ -278,14 +278,14 @@ def timeout_of(end: Endpoint, rnd: Round, i: int, bitmap: int | None, silent: fl
                      f"another offset, slot or version) and were ignored: it answers with "
                      f"another job's or worker's ids, or rewrites those fields")
         return AggregationTimeout(f"{at}; no answer from {who} at {ip}:{port}{hint}", None,
-                                 shard)
+                                  shard)
     if quiet:
         return AggregationTimeout(f"{at}; {who} at {ip}:{port} stopped answering "
-                                 f"{silent:.1f}s ago (down, unreachable"
-                                 + (", or restarted and not yet serving this job" if job.shards
-                                    else f", restarted and not yet serving this job, or "
-                                    f"{WITHHELD}") + "): start a new run once it is back",
-                                 None, shard)
+                                  f"{silent:.1f}s ago (down, unreachable"
+                                  + (", or restarted and not yet serving this job" if job.shards
+                                     else f", restarted and not yet serving this job, or "
+                                     f"{WITHHELD}") + "): start a new run once it is back",
+                                  None, shard)
     held, bitmap = bitmap >> 32, bitmap & 0xFFFFFFFF
     missing = [w for w in range(job.n_workers) if not bitmap >> w & 1]
     got = [w for w in range(job.n_workers) if bitmap >> w & 1]
@@ -298,7 +298,7 @@ def timeout_of(end: Endpoint, rnd: Round, i: int, bitmap: int | None, silent: fl
               "first reply of the run, losing the round (its peers then raised "
               "AggregatorRestarted)")
     return AggregationTimeout(f"{at}; missing worker(s) {missing} "
-                             f"(contributed: {got}){unseen}", missing, shard)
+                              f"(contributed: {got}){unseen}", missing, shard)
 
 
 def raise_timeout(end: Endpoint, rnd: Round, *evidence) -> None:

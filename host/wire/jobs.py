@@ -162,7 +162,7 @@ class Job:
         # a list or an array given: a tuple (hashable), of plain numbers (JSON's)
         object.__setattr__(self, "workers", tuple(self.workers))
         object.__setattr__(self, "shards", tuple(self.shards))
-        object.__setattr__(self, "table", tuple(getattr(v, "item", lambda v=v: v)()
+        object.__setattr__(self, "table", tuple(v.item() if hasattr(v, "item") else v
                                                 for v in self.table))
         if self.mcast_grp == 0:
             object.__setattr__(self, "mcast_grp", self.job_id)
