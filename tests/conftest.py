@@ -36,3 +36,26 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if _starts_system(item):
             item.add_marker(pytest.mark.xdist_group("system"))
+
+
+def pytest_addoption(parser):
+    parser.addoption("--recompile", action="store_true",
+                     help="run the checks tests/verified.py remembers even where the same "
+                          "inputs passed them before (the Tofino compile)")
+
+
+_REMEMBERED: list[str] = []
+
+
+def pytest_runtest_logreport(report):
+    from tests.verified import PROPERTY
+    if report.when == "call":
+        _REMEMBERED.extend(v for k, v in report.user_properties if k == PROPERTY)
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _REMEMBERED:
+        terminalreporter.section("passed on a check remembered for the same inputs "
+                                 "(tests/verified.py; --recompile runs it)")
+        for line in _REMEMBERED:
+            terminalreporter.write_line(line)

@@ -9,12 +9,15 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from thc.controller import toolchain
 from thc.wire import protocol as P
+
+from tests import verified
 
 ROOT = Path(__file__).resolve().parent.parent
 P4SRC = ROOT / "p4src"
@@ -281,13 +284,32 @@ def test_committed_tofino_report_is_not_stale():
     assert not problems, "p4src/build/tofino is stale:\n" + "\n".join(problems)
 
 
+def _tofino_inputs() -> list[Path]:
+    """Everything a Tofino compile's verdict here depends on (tests/verified.py)."""
+    rec = json.loads(gen.TOFINO_REPORT.read_text())
+    return (gen.tofino_sources() + [gen.TOFINO_REPORT]
+            + [ROOT / name for name in sorted(rec.get("outputs", {}))]
+            + [Path(__file__).resolve(), Path(verified.__file__).resolve()]
+            + verified.toolchain_files(gen.p4c_binary(), "p4c-barefoot", "bfas"))
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(1200)   # 240 s alone on a 2-core VM; more beside the rest of the suite
 @pytest.mark.skipif(toolchain.tofino_missing() is not None,
                     reason=f"{toolchain.tofino_missing()}")
-def test_tofino_program_compiles_as_recorded(tmp_path):
+def test_tofino_program_compiles_as_recorded(tmp_path, request, record_property):
     """p4c's Tofino back end compiles and assembles today's TNA program (``tofino.bin``) into
-    the stages, tables, memories and PHV the committed report records, with its P4Info."""
+    the stages, tables, memories and PHV the committed report records, with its P4Info.
+    Passed once, it is remembered for the same inputs (tests/verified.py)."""
+    digest = verified.key(_tofino_inputs())
+    earlier = verified.recall("tofino-compile", digest)
+    if earlier is not None and not request.config.getoption("--recompile"):
+        record_property(verified.PROPERTY,
+                        f"{request.node.nodeid}: the compile of {earlier['passed']} "
+                        f"({earlier['seconds']:.0f} s, {earlier['compiler']}) with the same "
+                        f"inputs, key {digest[:12]}")
+        return
+    start = time.monotonic()
     out = tmp_path / "out"
     rc = gen.tofino_report.compile_tofino(out)
     assert rc == 0, (tmp_path / "compile.log").read_text()[-4000:]
@@ -297,6 +319,8 @@ def test_tofino_program_compiles_as_recorded(tmp_path):
     assert gen.tofino_report.tofino_summary(out) == rec["summary"]
     committed = (BUILD / "tofino" / "thc_tna.p4info.txt").read_text()
     assert (out / "thc_tna.p4info.txt").read_text() == committed
+    verified.remember("tofino-compile", digest, compiler=rec["compiler"],
+                      seconds=time.monotonic() - start)
 
 
 def test_tofino_check_names_the_changed_source(tmp_path, monkeypatch):
