@@ -287,7 +287,8 @@ def test_committed_tofino_report_is_not_stale():
 def _tofino_inputs() -> list[Path]:
     """Everything a Tofino compile's verdict here depends on (tests/verified.py)."""
     rec = json.loads(gen.TOFINO_REPORT.read_text())
-    return (gen.tofino_sources() + [gen.TOFINO_REPORT]
+    return (gen.tofino_sources() + sorted((P4SRC / "generated").glob("*.p4"))
+            + [gen.TOFINO_REPORT]
             + [ROOT / name for name in sorted(rec.get("outputs", {}))]
             + [Path(__file__).resolve(), Path(verified.__file__).resolve()]
             + verified.toolchain_files(gen.p4c_binary(), "p4c-barefoot", "bfas"))
