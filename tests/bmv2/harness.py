@@ -97,10 +97,16 @@ class BMv2Harness(Harness):
 
     # -- jobs -----------------------------------------------------------------------------
     def _new_address(self, port: int) -> tuple[str, str, int]:
-        k = next(self._addr)
-        mac = f"02:00:00:{port:02x}:{(k >> 8) & 0xFF:02x}:{k & 0xFF:02x}"
-        ip = f"10.{1 + port}.{(k >> 8) & 0xFF}.{k & 0xFF}"
-        return mac, ip, 20000 + k
+        """A worker address no other worker and not the switch has (the controller refuses a
+        worker at the switch's MAC or IP)."""
+        while True:
+            k = next(self._addr)
+            if 20000 + k > 0xFFFF:
+                raise RuntimeError("the harness has handed out every worker address it has")
+            mac = f"02:00:00:{port:02x}:{(k >> 8) & 0xFF:02x}:{k & 0xFF:02x}"
+            ip = f"10.{1 + port}.{(k >> 8) & 0xFF}.{k & 0xFF}"
+            if mac.lower() != AGG_MAC.lower() and ip != AGG_IP:
+                return mac, ip, 20000 + k
 
     def _alloc_pool(self, job_id: int, size: int) -> int:
         if job_id in self._pools and self._pools[job_id][1] == size:
