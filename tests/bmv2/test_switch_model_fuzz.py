@@ -2,10 +2,12 @@
 random interleavings of honest, out-of-step, replaying, spoofing, far-future,
 second-incarnation and malformed packets go to the switch and to the reference model;
 every worker must receive the model's datagrams, in order, and the switch's drop and job
-counters must move as the model's.
+counters must move as the model's. Pools of one, two and four slots; sequence numbers from 0
+or just before the 2^32 wrap; up to two re-installs a case, the model given the epoch the
+switch drew.
 
-The clock and re-installs are left out (the switch's clock runs on; a re-install takes a
-controller round trip): tests/model_fuzz.py covers them against the software engines."""
+The clock is left out (the switch's runs on): tests/model_fuzz.py covers it against the
+software engines."""
 from __future__ import annotations
 
 import itertools
@@ -13,6 +15,7 @@ import random
 
 import pytest
 
+from thc.controller import installed
 from thc.wire.model import Model
 from tests import model_fuzz as F
 from tests.bmv2.packets import exchange
@@ -22,13 +25,15 @@ pytestmark = pytest.mark.bmv2
 _ids = itertools.count(760)
 
 
-@pytest.mark.parametrize("shape,seed", [("thc", 1), ("thc", 2), ("vote", 3), ("wide", 4),
-                                        ("alone", 5), ("many", 6)])
-def test_switch_answers_every_interleaving_as_the_model(bmv2, monkeypatch, shape, seed):
+@pytest.mark.parametrize("shape,seed,pool", [("thc", 1, 2), ("thc", 2, 2), ("vote", 3, 2),
+                                             ("wide", 4, 2), ("alone", 5, 2), ("many", 6, 2),
+                                             ("thc", 7, 1), ("wide", 8, 4)])
+def test_switch_answers_every_interleaving_as_the_model(bmv2, monkeypatch, shape, seed, pool):
     """Each of the fuzz's job shapes: the default, a vote job, 16-bit sums, one worker, 32
     workers."""
     with F.shaped(shape):
-        _fuzz(bmv2, monkeypatch, seed)
+        monkeypatch.setattr(F, "POOL", pool)
+        assert _fuzz(bmv2, monkeypatch, seed) >= 1, "no re-install in the case"
 
 
 def _fuzz(bmv2, monkeypatch, seed):
@@ -39,20 +44,34 @@ def _fuzz(bmv2, monkeypatch, seed):
     job = bmv2.make_job(job_id, F.N_WORKERS, pool_size=F.POOL, ports=[0] * F.N_WORKERS,
                         table=list(F.TABLE), granularity=F.GRANULARITY,
                         aggregation=F.AGGREGATION)
-    bmv2.install(job)
     model = Model()
-    model.install(job, job.new_epoch(nonce=1))   # replies are compared without their epoch
+
+    def install():
+        bmv2.install(job)
+        model.install(job, installed.installed_jobs(bmv2.sw)[job.job_id]["epoch"])
+    install()
     eps = {w: bmv2.endpoint(job, w) for w in range(F.N_WORKERS)}
     stranger = bmv2.stranger()
     addr_of = {w: (job.worker(w).ip, job.worker(w).port) for w in range(F.N_WORKERS)}
     worker_of = {a: w for w, a in addr_of.items()}
-    ctx = F.Context(0, 1)
+    ctx = F.Context(F.BASES[seed % 2], 1)
     want = {w: [] for w in range(F.N_WORKERS)}
+    got = {w: [] for w in range(F.N_WORKERS)}
     before = bmv2.drops()
-    steps = []
+    steps, sent, installs = [], 0, 0
+
+    def send():
+        for w, ds in exchange(bmv2, steps, eps).items():
+            got[w] += [without_epoch(d) for d in ds]
+        steps.clear()
     for step in F.random_steps(random.Random(seed), 300):
         action = F.decode(step, ctx)
-        if action[0] in ("time", "install"):
+        if action[0] == "time" or (action[0] == "install" and installs == 2):
+            continue
+        if action[0] == "install":
+            send()
+            install()
+            installs += 1
             continue
         for datagram, src in (action[1] if action[0] == "burst" else [action]):
             if src == F.STRANGER:
@@ -64,11 +83,12 @@ def _fuzz(bmv2, monkeypatch, seed):
             for reply, dst in replies:
                 want[worker_of[dst]].append(without_epoch(reply))
             steps.append((ep, datagram, [worker_of[dst] for _, dst in replies]))
-    got = {w: [without_epoch(d) for d in ds] for w, ds in exchange(bmv2, steps, eps).items()}
-    sent = len(steps)
+            sent += 1
+    send()
     assert sent > 200 and sum(map(len, want.values())) > 20
     for w in eps:
         assert got[w] == want[w], f"worker {w}: the switch's replies differ from the model's"
     after = bmv2.drops()
     assert {k: after[k] - before[k] for k in after} == dict(model.drops)
     assert bmv2.job_counters(job) == dict(model.jobs[job.job_id].counters)
+    return installs
