@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+import time
 
 import numpy as np
 import pytest
@@ -61,6 +62,33 @@ def test_a_new_run_starts_clean_and_an_older_one_is_stale(bmv2, sw):
     hdr = P.Header.unpack(refused)
     assert (hdr.pkt_type, hdr.count, hdr.bitmap, hdr.run) == (
         P.PktType.REFUSED, P.DropReason.stale_run, 6, 5)
+    assert counters.drops(sw)["stale_run"] == before + 1
+
+
+@pytest.mark.slow
+def test_an_older_run_takes_the_job_only_after_the_run_idle_time(bmv2, sw):
+    """The switch's clock against protocol.json's run_idle_s: run 7 (older than the job's run
+    500) is refused 1.5 s before the job has been idle that long, and takes the job 1 s
+    after (a clock in other units, or another threshold, fails one side). 61 s of waiting."""
+    job = bmv2.make_job(next(_ids), 2, pool_size=4)
+    bmv2.install(job)
+    rng = np.random.default_rng(3)
+    start = time.monotonic()
+    assert not any(send_round(bmv2, job, 0, [random_indices(rng, job)] * 2, run=500,
+                              workers=[0]).values())
+    idxs = [random_indices(rng, job) for _ in range(2)]
+    time.sleep(max(0.0, start + P.RUN_IDLE_S - 1.5 - time.monotonic()))
+    before = counters.drops(sw)["stale_run"]
+    [refused] = send_round(bmv2, job, 1, idxs, run=7, workers=[1])[1]
+    hdr = P.Header.unpack(refused)
+    assert (hdr.pkt_type, hdr.count, hdr.bitmap) == (
+        P.PktType.REFUSED, P.DropReason.stale_run, 500)
+    assert counters.drops(sw)["stale_run"] == before + 1
+    time.sleep(max(0.0, start + P.RUN_IDLE_S + 1.0 - time.monotonic()))
+    got = send_round(bmv2, job, 1, idxs, run=7)
+    for w in range(2):
+        check_result(got[w], job, 1, idxs, w)
+        assert P.Header.unpack(got[w][0]).run == 7
     assert counters.drops(sw)["stale_run"] == before + 1
 
 
