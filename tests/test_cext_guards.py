@@ -57,7 +57,7 @@ def test_a_source_port_or_address_beyond_its_field_is_refused_not_cut():
             dp.handle(bytes(P.HEADER_BYTES), ip, 40000, 0.0)
 
 
-def _stream(pool: int, is_data: bool, chunk: bytes, lanes: int):
+def _stream(pool: int, is_data: bool, chunk: bytes, lanes: int, agg=None):
     cl, ag = _udp(), _udp()
     try:
         kind = (P.PktType.DATA, P.PktType.RESULT) if is_data else (P.PktType.MAX,
@@ -67,7 +67,7 @@ def _stream(pool: int, is_data: bool, chunk: bytes, lanes: int):
                   (0, 0xFFFF0000), TABLE, False)
         out = np.zeros((1, lanes), np.uint32)
         return cext._fastagg.stream(cl.fileno(), header, np.frombuffer(chunk, np.uint8),
-                                    len(chunk), [(LOOPBACK, ag.getsockname()[1])], [None], 1,
+                                    len(chunk), [agg or (LOOPBACK, ag.getsockname()[1])], [None], 1,
                                     TIMING, [None], [0.0], out, 4, 4 * lanes, False)
     finally:
         cl.close()
@@ -79,6 +79,15 @@ def test_a_pool_beyond_the_slot_field_or_not_a_power_of_two_is_refused(pool):
     """2^32 was cut to 0 and divided by."""
     with pytest.raises((ValueError, OverflowError), match="stream: bad arguments|too large"):
         _stream(pool, True, bytes(8), 16)
+
+
+@pytest.mark.parametrize("agg", [(LOOPBACK + (1 << 32), 9), (LOOPBACK, 70000), (LOOPBACK, -1),
+                                 (LOOPBACK + (1 << 64), 9), (-1, 9)])
+def test_an_aggregator_address_out_of_its_fields_is_refused(agg):
+    """Cut down to 32 and 16 bits, these were sent to another host or port."""
+    with pytest.raises((ValueError, OverflowError),
+                       match="aggregator is an IPv4|too large|negative value"):
+        _stream(4, True, bytes(8), 16, agg)
 
 
 def test_a_max_round_whose_lanes_overrun_its_chunks_is_refused():

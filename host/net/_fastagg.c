@@ -1739,7 +1739,13 @@ static PyObject *fa_stream(PyObject *self, PyObject *args) {
     for (int s = 0; s < n_shards; s++) {
         unsigned long ip;
         int port;
-        if (!PyArg_ParseTuple(PyList_GET_ITEM(aggs_o, s), "ki", &ip, &port)) goto cleanup;
+        if (!PyArg_ParseTuple(PyList_GET_ITEM(aggs_o, s), "O&i", as_ulong, &ip, &port))
+            goto cleanup;
+        if (ip > 0xFFFFFFFFul || port < 0 || port > 65535) {
+            PyErr_SetString(PyExc_ValueError,
+                            "stream: an aggregator is an IPv4 address and a port");
+            goto cleanup;
+        }
         c->aggs[s].sin_family = AF_INET;
         c->aggs[s].sin_addr.s_addr = htonl((uint32_t)ip);
         c->aggs[s].sin_port = htons((uint16_t)port);
