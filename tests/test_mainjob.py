@@ -268,6 +268,7 @@ def _main_args(*argv):
     return parser.parse_args(["--data", "digits", "--modes", "fp32", *argv])
 
 
+@pytest.mark.filterwarnings("error")   # a report with no mode finished plots cleanly
 @pytest.mark.parametrize("states, evaluating", [
     ({0: "sleeping", 1: "stopped (SIGSTOP?)"}, True), ({0: "running", 1: "sleeping"}, False),
     ({0: "running", 1: "sleeping"}, True)])
@@ -301,6 +302,7 @@ def test_a_mode_hung_at_its_limit_failed_and_says_so(monkeypatch, tmp_path, stat
             "stopped at the 600 s limit (its final evaluation did not end within 25 s)"
 
 
+@pytest.mark.filterwarnings("error")   # a report with no mode finished plots cleanly
 @pytest.mark.parametrize("limit, said", [
     (30, "still running at the 30 s limit, 20 s after the workers were to stop"),
     (8, "still running at the 8 s limit, before the workers' stop time (10 s after the launch: "

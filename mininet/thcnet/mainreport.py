@@ -132,7 +132,10 @@ def plot(runs: list[dict], path: Path, title: str) -> None:
     for ax in (ax_t, ax_b):
         ax.set_ylabel("test accuracy")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        if runs:
+            ax.legend(fontsize=8)
+        else:
+            ax.text(0.5, 0.5, "no mode finished", ha="center", transform=ax.transAxes)
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
