@@ -38,9 +38,8 @@ system-deps:
 	fi
 	@if [ -d $(DEBIAN_MININET) ] && [ -x $(PY) ]; then ln -sfn $(DEBIAN_MININET) "$(SITE)/mininet"; fi
 
-# Three pytest processes, the tests that start Mininet, BMv2 or namespaces in one of them: on
-# two cores a third keeps both busy while tests wait on sockets and timers (README: figures).
-TEST_PROCESSES ?= 3
+# Two pytest processes; the tests that start Mininet, BMv2 or namespaces run in one of them.
+TEST_PROCESSES ?= 2
 test: system-deps setup
 	$(PY) -m pytest -q -n $(TEST_PROCESSES) --dist loadgroup
 
