@@ -90,6 +90,23 @@ def test_links_fitted_to_the_fp32_points():
     assert alpha == pytest.approx(0.005, rel=1e-6) and eff == pytest.approx(0.8, rel=1e-6)
 
 
+def test_noisy_points_get_the_nearest_fit_within_the_bounds():
+    """Step times that fall as the link slows (noise in a few steps), or that a free line
+    fits with a negative alpha, get a fit with alpha >= 0 and efficiency <= 1: the sweep
+    keeps its analysis."""
+    falling = _sweep(0.085)
+    for p, t in zip(falling["points"], (0.30, 0.29, 0.28, 0.27, 0.26)):
+        p["runs"][0] = _run("fp32", t)
+    alpha, eff = fit_links(falling, 86e3)
+    assert alpha > 0 and eff == 1.0
+    assert analyse(falling, "thc", ("fp32",))["model"]["efficiency"] == 1.0
+    steep = _sweep(0.085)
+    for p in steep["points"]:
+        p["runs"][0] = _run("fp32", 14 / p["bw_mbit"] - 0.004)
+    alpha, eff = fit_links(steep, 86e3)
+    assert alpha == 0.0 and 0 < eff <= 1
+
+
 def test_measured_and_predicted_break_even_against_hand_figures():
     """Measured: THC's 85 ms against 30 + 12000/bw ms meet at 12/bw = 0.055, 218.2 Mbit/s.
     Predicted: through the software aggregator a step of 200k parameters is 139 packets of

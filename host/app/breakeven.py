@@ -83,7 +83,10 @@ def fit_links(sweep: dict, agg_pps: float) -> tuple[float, float]:
     step = alpha x messages + wire bytes / (efficiency x BW), the two terms as the model
     counts them at each point's bandwidth. Residuals are relative (weights 1/step^2): the
     step times span an order of magnitude, and absolute ones would let the slowest link
-    settle alpha, which the fast links, where the break-even lies, depend on."""
+    settle alpha, which the fast links, where the break-even lies, depend on. The fit is
+    bounded, alpha >= 0 and efficiency <= 1 (a link delivers at most its nominal rate): a few
+    noisy steps a point can put the free line outside them, and the nearest fit within them
+    is then taken (the optimum lies on a bound's edge: each edge is a one-term fit)."""
     rows = []
     for point in sweep["points"]:
         fp32 = next((r for r in point["runs"] if r["mode"] == "fp32"), None)
@@ -103,10 +106,13 @@ def fit_links(sweep: dict, agg_pps: float) -> tuple[float, float]:
     sat = sum(wi * a * t for wi, (a, _, t) in zip(w, rows))
     sbt = sum(wi * b * t for wi, (_, b, t) in zip(w, rows))
     det = saa * sbb - sab * sab
-    alpha = (sat * sbb - sbt * sab) / det
-    inv_eff = (saa * sbt - sab * sat) / det
-    if alpha < 0 or inv_eff <= 0:
-        raise ValueError(f"fit out of range (alpha {alpha:.4g} s, 1/efficiency {inv_eff:.4g})")
+    free = ((sat * sbb - sbt * sab) / det, (saa * sbt - sab * sat) / det)
+    fits = [free] if free[0] >= 0 and free[1] >= 1 else []
+    fits += [(0.0, max(1.0, sbt / sbb)), (max(0.0, (sat - sab) / saa), 1.0)]
+
+    def cost(fit: tuple[float, float]) -> float:
+        return sum(wi * (fit[0] * a + fit[1] * b - t) ** 2 for wi, (a, b, t) in zip(w, rows))
+    alpha, inv_eff = min(fits, key=cost)
     return alpha, 1.0 / inv_eff
 
 
