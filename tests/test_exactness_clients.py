@@ -270,6 +270,8 @@ def test_a_refusal_names_what_the_aggregator_holds_or_leaves_it_out():
     and the message must not name run 0 or seq 0 as what the aggregator holds."""
     where = "job 3 run 9 seq 12"
     assert "another run (7) that is active" in str(AggregationRefused(where, "stale_run", 7))
+    assert "39 hours" not in str(AggregationRefused(where, "stale_run", 7))
+    assert "silent for 39 to 78 hours" in str(AggregationRefused(where, "stale_run", 0))
     assert "newer chunk (seq 40) of" in str(AggregationRefused(where, "stale", 40))
     assert "(nonce 0x0000abcd)" in str(AggregationRefused(where, "reused_run", 0xABCD))
     for reason in ("stale_run", "stale", "wrong_use", "reused_run"):

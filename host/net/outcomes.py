@@ -102,11 +102,17 @@ class AggregationRefused(RuntimeError):
                  "version of the protocol, or is broken")
     SHOW = {"stale_run": " ({})", "stale": " (seq {})", "wrong_use": " (packet type {})",
             "reused_run": " (nonce {:#010x})"}
+    UNREPORTED = {"stale_run": "; a Tofino, which does not name the job's run, also holds a "
+                               "job silent for 39 to 78 hours as active (its clock wraps at "
+                               "78): install the job again"}
+    """Added where the aggregator sent no detail."""
 
     def __init__(self, where: str, reason: str, detail: int):
         shown = self._shown(reason, detail)
         hint = self.HINTS.get(reason, self.UNDEFINED).format(detail=shown, jump=P.RUN_JUMP,
                                                              idle=P.RUN_IDLE_S)
+        if not detail:
+            hint += self.UNREPORTED.get(reason, "")
         super().__init__(f"{where}: refused by the aggregator ({reason}): {hint}")
         self.reason = reason
         self.detail = detail
