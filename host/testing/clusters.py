@@ -1,6 +1,7 @@
 """Local clusters for tests, benchmarks and single-machine runs: jobs on loopback ports."""
 from __future__ import annotations
 
+import os
 import random
 import socket
 
@@ -24,14 +25,29 @@ def _below_ephemeral() -> int:
         return 32768
 
 
+def _block_range(n: int) -> tuple[int, int]:
+    """Where a block of ``n`` ports may start: below the ephemeral range, and within this
+    process's share of it when pytest-xdist runs several (``gwK`` of N): a block found free
+    is closed again before its workers bind it, and another process's block must not take
+    its ports in between."""
+    lo, hi = 10000, _below_ephemeral()
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)
+    if count > 1 and worker.startswith("gw") and worker[2:].isdigit():
+        width = (hi - lo) // count
+        lo += int(worker[2:]) % count * width
+        hi = lo + width
+    return lo, hi - n
+
+
 def free_port_block(n: int, host: str = "127.0.0.1", tcp: bool = False) -> int:
     """A base port with ``n`` free consecutive UDP ports (workers of a local job); with ``tcp``,
     free for TCP too (a rendezvous port among them). Below the ephemeral range: a socket
     bound to port 0 later (a test's aggregator) cannot be handed one of them."""
-    top = _below_ephemeral() - n
+    low, top = _block_range(n)
     rng = random.Random()
     for _ in range(200):
-        base = rng.randrange(10000, top) if top > 10000 else None
+        base = rng.randrange(low, top) if top > low else None
         if base is None:
             with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
                 s.bind((host, 0))

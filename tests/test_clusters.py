@@ -1,0 +1,30 @@
+"""Port blocks of local jobs: pytest-xdist's processes draw from disjoint shares of the ports
+below the ephemeral range, so a block one process found free and closed again cannot be
+taken by another's block before its workers bind it."""
+from __future__ import annotations
+
+import pytest
+
+from thc.testing.clusters import _below_ephemeral, free_port_block
+
+
+def _blocks(n: int = 16, draws: int = 60) -> set[int]:
+    return {free_port_block(n) for _ in range(draws)}
+
+
+@pytest.mark.parametrize("count", [2, 3])
+def test_each_process_draws_from_its_own_share(monkeypatch, count):
+    monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", str(count))
+    shares = []
+    for k in range(count):
+        monkeypatch.setenv("PYTEST_XDIST_WORKER", f"gw{k}")
+        shares.append(_blocks())
+    for lower, upper in zip(shares, shares[1:]):
+        assert max(lower) + 16 <= min(upper), (max(lower), min(upper))
+
+
+def test_one_process_draws_below_the_ephemeral_range(monkeypatch):
+    monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)
+    monkeypatch.delenv("PYTEST_XDIST_WORKER_COUNT", raising=False)
+    blocks = _blocks()
+    assert min(blocks) >= 10000 and max(blocks) + 16 <= _below_ephemeral()
