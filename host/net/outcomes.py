@@ -103,8 +103,8 @@ class AggregationRefused(RuntimeError):
     SHOW = {"stale_run": " ({})", "stale": " (seq {})", "wrong_use": " (packet type {})",
             "reused_run": " (nonce {:#010x})"}
     UNREPORTED = {"stale_run": "; a Tofino, which does not name the job's run, also holds a "
-                               "job silent for 39 to 78 hours as active (its clock wraps at "
-                               "78): install the job again"}
+                               "job silent for 39 to 78 hours as active (its clock wraps every "
+                               "78 hours): install the job again"}
     """Added where the aggregator sent no detail."""
 
     def __init__(self, where: str, reason: str, detail: int):
