@@ -163,8 +163,8 @@ def build_kind(l2_pps: float) -> str:
     lib = toolchain.bmv2_logging_macros()
     if lib:
         return (f"slow: {lib} carries BMv2's per-packet log messages (configured without "
-                f"--disable-logging-macros, about 5x slower on thc.p4; rebuild BMv2 with "
-                f"--disable-logging-macros); l2.p4 forwards {l2_pps:.0f} packets/s")
+                f"--disable-logging-macros: a per-lane THC program ran 3x slower; rebuild "
+                f"BMv2 with --disable-logging-macros); l2.p4 forwards {l2_pps:.0f} packets/s")
     busy = (f" (below the {FAST_BUILD_L2_PPS} a free core gives: the CPU is busy)"
             if l2_pps < FAST_BUILD_L2_PPS else "")
     return (f"fast: no per-packet log messages in BMv2's libraries (--disable-logging-macros); "

@@ -73,8 +73,9 @@ with --disable-logging-macros compiles every such message out."""
 
 def bmv2_logging_macros() -> str | None:
     """Where the running BMv2's libraries still carry the per-packet log messages (a build
-    without --disable-logging-macros, which formats them for every table it applies, about
-    5x slower on the THC program), or None when none of them does (or BMv2 is absent)."""
+    without --disable-logging-macros, which formats them for every table it applies: about
+    3x slower on the per-lane program, docs/switch.md), or None when none of them does (or
+    BMv2 is absent)."""
     import subprocess
     binary = shutil.which("simple_switch_grpc")
     if binary is None:

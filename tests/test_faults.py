@@ -16,6 +16,7 @@ def test_a_wrong_sum_is_reported_and_fails_the_matrix(monkeypatch, capsys):
     text = faults.render([ok, bad], quick=True, elapsed=2.0)
     assert "| bad | loopback | WRONG: 3 sums differ | 8 | 0 | 1.0 | stale 2 |" in text
     assert "Wrong sums: bad." in text
+    assert f" on {time.strftime('%Y-%m-%d', time.gmtime())} (UTC), " in text   # its date
     # the matrix's exit status: 1 where a row's sums were wrong (the loss rows stand in)
     args = argparse.Namespace(quick=True, out="-", json=None, loopback=True, only="loss-")
     monkeypatch.setattr(faults, "row_loss", lambda pct, numel, mininet: ok)

@@ -82,7 +82,7 @@ class Setup:
     """Chunks a client keeps in flight (AggregationClient.DEFAULT_WINDOW)."""
     agg_pps: float = float("inf")
     """Packets/s the aggregator handles (all workers together); inf for a switch at line
-    rate. The software aggregator: 86e3 at 4 workers (`thc bench aggregator`)."""
+    rate. The software aggregators in the main job: 86e3 at 4 workers (``--agg-pps``)."""
     efficiency: float = 1.0
     """Fraction of the nominal bandwidth the payload gets (headers, shaping)."""
     agg_bw_factor: float = float("inf")

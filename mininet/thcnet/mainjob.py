@@ -231,7 +231,7 @@ def probe_bmv2(seconds: float = 1.0) -> dict:
     """The BMv2 build's speed, measured before a mode through it starts: l2.p4 forwarding
     frames of a DATA packet's size, offered faster than it forwards, for ``seconds`` (the
     measurement of ``thc bench switch``, without its rate search). A build with logging
-    macros forwards about 5x fewer, and the verdict says how to rebuild it."""
+    macros forwards fewer, and the verdict says how to rebuild it."""
     import itertools
 
     from thc.controller import forwarding
