@@ -273,6 +273,9 @@ def test_a_refusal_names_what_the_aggregator_holds_or_leaves_it_out():
     assert "39 hours" not in str(AggregationRefused(where, "stale_run", 7))
     assert "silent for 39 to 78 hours" in str(AggregationRefused(where, "stale_run", 0))
     assert "newer chunk (seq 40) of" in str(AggregationRefused(where, "stale", 40))
+    # a forged packet from a worker's address that took a slot ahead reads the same
+    assert "another process sends from a worker's address" in str(
+        AggregationRefused(where, "stale", 40))
     assert "(nonce 0x0000abcd)" in str(AggregationRefused(where, "reused_run", 0xABCD))
     for reason in ("stale_run", "stale", "wrong_use", "reused_run"):
         text = str(AggregationRefused(where, reason, 0))

@@ -86,7 +86,8 @@ class AggregationRefused(RuntimeError):
                      "default clock id of a later launch), any run once the job has been "
                      "idle for {idle} s; restarted workers need a new run id",
         "stale": "the slot already holds a newer chunk{detail} of this run: a worker "
-                 "of the run is out of step (restarted with the same run id?)",
+                 "of the run is out of step (restarted with the same run id?), or another "
+                 "process sends from a worker's address",
         "wrong_use": "the chunk's slot is in use by another kind of round or another offset"
                      "{detail}: the workers of this run are out of step",
         "wrong_slot": "the packet named a slot or version that is not its sequence number's",
