@@ -280,7 +280,7 @@ def check_everything(p4info, sw: Recording, cluster: Cluster) -> dict[str, int]:
     """Every recorded write (those the controller serialized itself: one in LOOKUP_STRIDE),
     group and packet-out; {table or counter name: writes}."""
     checker = WriteChecker(p4info)
-    problems, written = [], {}
+    problems, written, decoded = [], {}, set()
     for i, (op, blob) in enumerate(sw.writes):
         if i in sw.serialized and i % LOOKUP_STRIDE:
             info = checker.tables.get(table_id(blob))
@@ -288,7 +288,9 @@ def check_everything(p4info, sw: Recording, cluster: Cluster) -> dict[str, int]:
         else:
             name, wrong = checker.check(op, blob)
             problems += wrong
+            decoded.add(name)
         written[name] = written.get(name, 0) + 1
+    assert set(written) <= decoded, f"no write decoded for {sorted(set(written) - decoded)}"
     for op, group, replicas in sw.groups:
         if op == "SET":
             job = next(j for j in cluster.jobs if j.mcast_grp == group)
