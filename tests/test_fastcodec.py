@@ -6,7 +6,9 @@ differ by float rounding, and an index differs only where its draw lies within t
 of the threshold (at most 1e-5 of the coordinates here, about 1e-6 measured), by one step.
 Where every partial sum is exact (small integers, a power-of-two scale) indices and decode
 are bit for bit the reference's. Decoded values agree within 32 float32 ulps of the slice's
-scale M / sqrt(d). The statistical checks (NMSE 0.0204, unbiasedness) run in
+scale M / sqrt(d); a sparse gradient's, whose sums are coherent, within the worst-case
+rounding bound of both paths (the reference's summation order is its BLAS kernel's, which
+differs by CPU). The statistical checks (NMSE 0.0204, unbiasedness) run in
 tests/test_codec.py, on both paths.
 """
 from __future__ import annotations
