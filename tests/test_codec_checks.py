@@ -230,6 +230,9 @@ def test_sums_no_n_workers_can_make_are_refused(backend):
             c.check()
     with pytest.raises(ValueError, match="n_workers must be an integer"):
         c.decode(sums, 4.7, m, numel)
+    for count in (numel + 0.9, str(numel), True):   # 640.9 elements were cut to 640
+        with pytest.raises(ValueError, match="numel must be an integer"):
+            c.decode(sums, 4, m, count)
     if backend != "triton":   # uint64 sums past int64's range: named as they are
         wide = sums.numpy().astype(np.uint64)
         wide[3] = 2 ** 64 - 1

@@ -272,16 +272,52 @@ def _bad_worker(rank, port, q):
 def test_a_nan_or_an_overflow_is_refused_by_every_worker():
     """A NaN on one worker used to raise there alone (its peer waited in the scales'
     all-reduce); values near float32's top made the scales overflow on every worker and the
-    estimate NaN, with no error."""
+    estimate NaN, with no error. With compensation they are refused by name (the next
+    test: their residual would overflow)."""
     res = gloo_pair(_bad_worker)
     assert res[1][0].startswith("Marsit: the gradient (with its compensation) holds NaN or Inf")
     assert "nonfinite='propagate'" in res[1][0]
     assert "a worker's gradient" in res[0][0] and "refused" in res[0][0]
     for rank in (0, 1):
-        huge, compensated, good = res[rank][1:]
-        assert huge is True                           # finite scales, finite estimate
-        assert compensated is True or "NaN or Inf" in compensated
+        huge, again, good = res[rank][1:]
+        for refused in (huge, again):
+            assert "magnitude of 3e+38, over 1.7e+38" in refused, refused
         assert good is True
+
+
+def _opposite_worker(rank, port, q):
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2)
+    out = {}
+    for mode in ("raise", "propagate"):
+        ar = marsit.MarsitAllReduce(generator=torch.Generator().manual_seed(rank),
+                                    nonfinite=mode)
+        steps = []
+        for top in (3e38, 1.0, 1.6e38):
+            try:
+                est = ar(torch.full((64,), top if rank == 0 else -top))
+                steps.append((bool(torch.isfinite(est).all()), ar.residual is None
+                              or bool(torch.isfinite(ar.residual).all())))
+            except ValueError as e:
+                steps.append(str(e))
+        out[mode] = steps
+    q.put((rank, out))
+    dist.destroy_process_group()
+
+
+def test_a_gradient_whose_residual_would_overflow_is_refused_and_later_rounds_go_on():
+    """3e38 on one worker and -3e38 on the other: the estimate came back finite, the
+    residual x - estimate Inf, and every later round was refused ("raise") or NaN on every
+    worker for good ("propagate": a scaler then skipped every step). Now such a round is
+    refused, or NaN, on both; just under the limit (1.6e38 against -1.6e38) the residual
+    stays finite."""
+    res = gloo_pair(_opposite_worker)
+    for rank in (0, 1):
+        raised, propagated = res[rank]["raise"], res[rank]["propagate"]
+        assert "over 1.7e+38" in raised[0] and "compensation residual" in raised[0], raised
+        assert propagated[0] == (False, True), propagated      # NaN, the residual kept
+        for steps in (raised, propagated):
+            assert steps[1:] == [(True, True)] * 2, steps
 
 
 def _unlike_worker(rank, port, q):

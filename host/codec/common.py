@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import math
 import numbers
+import operator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -21,7 +22,15 @@ WHOLE = 1 << 62
 
 
 def layout(numel: int, params: THCParams) -> SliceLayout:
-    return SliceLayout(int(numel), params.slice_size)
+    """The slices of ``numel`` elements; a count that is no integer is refused (a decode of
+    1000.9 elements was cut to 1000)."""
+    try:
+        n = operator.index(numel)
+    except TypeError:
+        n = -1
+    if isinstance(numel, bool) or n < 0:
+        raise ValueError(f"numel must be an integer >= 0, got {numel!r}")
+    return SliceLayout(n, params.slice_size)
 
 
 def flat(x, what: str = "x", keep_half: bool = False):

@@ -21,6 +21,7 @@ d / 8 up and d counts (8-bit) down through the vote; plus the scales.
 """
 from __future__ import annotations
 
+import math
 import operator
 
 import torch
@@ -31,6 +32,11 @@ from thc.codec.packing import pack_bits, unpack_bits
 from thc.collective import agreement
 from thc.collective.transports import DistTransport, ring_bytes
 from thc.collective.worker import device_of
+
+COMPENSATED_LIMIT = float(torch.finfo(torch.float32).max) / 2
+"""With compensation, the largest magnitude a round takes: the estimate is no larger than the
+largest input, so the residual x - estimate stays finite in float32 (one of 3e38 against an
+estimate of -3e38 made it Inf, and every later round NaN)."""
 
 
 def merge(incoming: torch.Tensor, own: torch.Tensor, merged: int,
@@ -68,7 +74,8 @@ class _SignAllReduce:
     def __init__(self, group=None, compensation: bool = True, nonfinite: str = "raise",
                  name=None):
         """``nonfinite``: what a round in which some worker's gradient (with its
-        compensation) holds NaN or Inf gives (:data:`thc.collective.agreement.NONFINITE`):
+        compensation) holds NaN or Inf, or with compensation a magnitude over
+        :data:`COMPENSATED_LIMIT`, gives (:data:`thc.collective.agreement.NONFINITE`):
         a refusal on every worker, which forgets the compensation ("raise"), or NaN on every
         worker, the compensation kept ("propagate": ``torch.amp.GradScaler`` then skips the
         step). ``name``: as :class:`thc.collective.allreduce.THCAllReduce`'s."""
@@ -164,18 +171,18 @@ class _SignAllReduce:
         # A worker with NaN or Inf still joins the scales' all-reduce, with NaN scales: the
         # sum carries them to every worker, and all refuse the round (none waits). Scales in
         # float64: a float32 sum of huge values would overflow on every worker alike.
-        ok, scale = self._scales(flat, sizes)
+        why, scale = self._scales(flat, sizes)
         dist.all_reduce(scale, group=self.group)
         self._scaled = True
         self.bytes_sent += ring_bytes(scale, self.world)
-        if not ok or not bool(torch.isfinite(scale).all()):
+        if why or not bool(torch.isfinite(scale).all()):
             if self.nonfinite == "propagate":   # every worker sees the NaN sum alike
                 return torch.full_like(grad, float("nan"))
             self.residual = None   # every worker refuses the round and compensates anew
-            raise NonFiniteInput(("Marsit: the gradient (with its compensation) holds NaN or Inf"
-                                  if not ok else "Marsit: a worker's gradient (with its "
-                                  "compensation) holds NaN or Inf: the round is refused")
-                                 + agreement.PROPAGATE_HINT)
+            raise NonFiniteInput((f"Marsit: the gradient (with its compensation) {why}" if why
+                                  else "Marsit: a worker's gradient (with its compensation) "
+                                  "holds NaN or Inf, or a magnitude beyond the compensation's "
+                                  "limit: the round is refused") + agreement.PROPAGATE_HINT)
         scale /= self.world
         per_coord = scale.float().repeat_interleave(torch.tensor(sizes, device=flat.device))
         estimate = self.mean_sign(self._signs(flat)) * per_coord
@@ -183,14 +190,19 @@ class _SignAllReduce:
             self.residual = flat - estimate
         return estimate.reshape(grad.shape).to(grad.dtype)
 
-    def _scales(self, flat: torch.Tensor, sizes: list[int]) -> tuple[bool, torch.Tensor]:
-        """Whether ``flat`` is finite, and this worker's mean magnitude of each segment
-        (NaN where it is not)."""
-        if not bool(torch.isfinite(flat).all()):
-            return False, torch.full((len(sizes),), float("nan"), dtype=torch.float64,
-                                     device=flat.device)
-        return True, torch.stack([part.abs().double().sum() / max(1, part.numel())
-                                  for part in flat.split(sizes)])
+    def _scales(self, flat: torch.Tensor, sizes: list[int]) -> tuple[str, torch.Tensor]:
+        """Why the round cannot take ``flat`` ("" where it can), and this worker's mean
+        magnitude of each segment (NaN where it cannot)."""
+        top = float(flat.abs().max())   # NaN where flat holds one
+        why = ("holds NaN or Inf" if not math.isfinite(top) else
+               f"holds a magnitude of {top:.3g}, over {COMPENSATED_LIMIT:.3g} (half of "
+               f"float32's largest), where its compensation residual would overflow"
+               if self.compensation and top > COMPENSATED_LIMIT else "")
+        if why:
+            return why, torch.full((len(sizes),), float("nan"), dtype=torch.float64,
+                                   device=flat.device)
+        return why, torch.stack([part.abs().double().sum() / max(1, part.numel())
+                                 for part in flat.split(sizes)])
 
     def _signs(self, flat: torch.Tensor) -> torch.Tensor:
         """This worker's bits (True = +1); an exact zero's bit is a fair coin."""
