@@ -679,7 +679,8 @@ def test_a_duplicated_answer_to_a_resend_is_no_spurious_timeout(job, datapath):
 def _peer_late(job, wait: float, held: bool = False):
     """A scripted aggregator's answers while the other worker is ``wait`` seconds late with
     each chunk: nothing to a chunk's first DATA, then PENDINGs (held ones, count 0, to every
-    DATA with ``held``), then its RESULT."""
+    DATA with ``held``: this worker, whose DATA acknowledges the slot's previous use, is the
+    only one past it), then its RESULT."""
     zeros = np.zeros(job.lanes, P.sum_dtype(job.sum_bits)).tobytes()
     first: dict[int, float] = {}
 
@@ -690,7 +691,7 @@ def _peer_late(job, wait: float, held: bool = False):
             if not held:
                 return None
         if now < first[seq] + wait:
-            return (P.PktType.PENDING, 0, 0b10, b"") if held else \
+            return (P.PktType.PENDING, 0, 0b01, b"") if held else \
                 (P.PktType.PENDING, 1, 0b01, b"")
         return (P.PktType.RESULT, 2, 0b11, zeros)
     return answer
@@ -768,17 +769,18 @@ def test_a_sum_without_the_workers_own_values_is_ignored(job, datapath, aggregat
 
 def test_impossible_pendings_are_rejected_and_name_the_aggregator(job, datapath):
     """PENDINGs no aggregator sends (a wait for a chunk every worker reached, one without
-    this worker's bit, a held one every worker acknowledged, bits beyond the job) are
-    rejected, not taken as a wait: the timeout names the aggregator, not a missing worker
-    (it named "missing worker(s) []" or a worker that was fine)."""
-    bad = [(2, 0b11), (1, 0b10), (0, 0b11), (1, 0b101)]
+    this worker's bit, a held one every worker acknowledged, a held one without this
+    worker's bit, bits beyond the job) are rejected, not taken as a wait: the timeout names
+    the aggregator, not a missing worker (it named "missing worker(s) []", a worker that
+    was fine, or this worker itself as not past the slot's previous use)."""
+    bad = [(2, 0b11), (1, 0b10), (0, 0b11), (0, 0b10), (1, 0b101)]
     with answering(lambda data: [_reply(job, data, P.PktType.PENDING, count, bitmap)
                                  for count, bitmap in bad]) as addr:
         with AggregationClient(job, 0, addr, run=2, deadline=0.3) as c:
             with pytest.raises(AggregationTimeout, match="impossible replies"):
                 c.aggregate(_packed(job, 1)[: job.lanes // 2])
             assert c.stats.compiled_rounds == (datapath == "compiled")
-            assert c.stats.pending == 0 and c.stats.rejected == 4 * c.stats.sent
+            assert c.stats.pending == 0 and c.stats.rejected == 5 * c.stats.sent
 
 
 def test_a_peers_max_lane_above_every_float_is_named_in_the_timeout(job, datapath):

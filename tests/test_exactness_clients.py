@@ -366,7 +366,8 @@ def test_an_aggregator_installed_with_another_configuration_is_refused(datapath,
 
 def test_a_second_thread_on_a_busy_client_is_refused_at_once():
     """Two threads' rounds on one client took the same sequence numbers: the second's DATA
-    counted as a retransmission of the first's, and either could take the other's sums."""
+    counted as a retransmission of the first's, and either could take the other's sums. A
+    new run set while a round is in flight is refused alike."""
     job = local_job(1, 2, free_port_block(2), table=TABLE)
     chunk = pack_bits(np.full(job.lanes, 3, np.uint8), P.INDEX_BITS)
     with Aggregator([job]) as agg:
@@ -387,6 +388,13 @@ def test_a_second_thread_on_a_busy_client_is_refused_at_once():
             with pytest.raises(RuntimeError, match="another thread's round is running"):
                 c.aggregate(chunk)
             assert time.monotonic() - t0 < 0.5
+            # a new run then: the round's end wrote its seq over the new run's 0, and its
+            # failure made the new run's first round raise RunFailed
+            with pytest.raises(RuntimeError, match="a round is in flight on this client"):
+                c.run = 6
             first.join()
             assert len(ended) == 1 and isinstance(ended[0], AggregationTimeout), ended
             assert c.stats.sent - c.stats.retransmitted == 1   # the first round's chunk
+            assert c.run == 5
+            c.run = 6
+            assert (c.run, c.next_seq) == (6, 0)

@@ -1917,14 +1917,15 @@ static PyObject *fa_stream(PyObject *self, PyObject *args) {
                         break;
                     }
                     if (r_type == c->pending_type &&
-                        ((r_bitmap & ~full) ||
+                        ((r_bitmap & ~full) || c->worker >= 32 ||
+                         !(r_bitmap >> c->worker & 1) ||
                          (r_count == 0 ? r_bitmap == full
-                                       : r_count >= n_workers || c->worker >= 32 ||
-                                         !(r_bitmap >> c->worker & 1) ||
+                                       : r_count >= n_workers ||
                                          __builtin_popcount(r_bitmap) != r_count))) {
-                        /* a PENDING no aggregator sends: a held one that every worker
-                         * acknowledged, or a wait for a chunk that has every worker or lacks
-                         * ours (it only answers our retransmission) */
+                        /* a PENDING no aggregator sends: one without our bit (it answers our
+                         * packet, which acknowledged the use before and joined this one), a
+                         * held one that every worker acknowledged, or a wait for a chunk that
+                         * has every worker */
                         cl_impossible(c, shard, pend, r);
                         continue;
                     }

@@ -182,8 +182,9 @@ class AggregationClient:
         process group; one read from ``THC_RUN`` alone is not. A transport agrees one over
         its group where it is not."""
         self._failed: str | None = None
-        self._busy = threading.Lock()
         """Why a round of this run failed (then the run takes no more rounds)."""
+        self._busy = threading.Lock()
+        """Held by the round in flight, and by a change of run."""
         self.rtt = RttEstimator(len(self.aggregators), timeout, max_timeout)
         """The round-trip estimate per shard, kept across rounds."""
         self._windows = [CompiledWindow(), PythonWindow()] if self.datapath == "compiled" \
@@ -229,11 +230,18 @@ class AggregationClient:
         if self._run is not None and not P.seq_newer(run, self._run):
             raise ValueError(f"run {run} is not newer than this client's run {self._run}: "
                              f"a new run needs a newer id (the same on every worker)")
-        self._run = run
-        self.run_settled = True
-        self.next_seq = 0
-        self.epochs = [None] * len(self.aggregators)
-        self._failed = None
+        if not self._busy.acquire(blocking=False):   # its end would write the old run's seq
+            raise RuntimeError(f"job {self.job.job_id}, worker {self.worker_id}: a round is "
+                               f"in flight on this client (another thread's); start run {run} "
+                               f"after it ends")
+        try:
+            self._run = run
+            self.run_settled = True
+            self.next_seq = 0
+            self.epochs = [None] * len(self.aggregators)
+            self._failed = None
+        finally:
+            self._busy.release()
 
     @property
     def epoch(self) -> int | None:

@@ -253,12 +253,13 @@ class PythonWindow:
                     if r_type == refused_type:
                         raise_refused(end, rnd, i, r_count, r_bitmap)
                     if r_type == pending_type and (
-                            r_bitmap & ~full or (r_bitmap == full if r_count == 0 else
-                                                 r_count >= n_workers or not r_bitmap >> me & 1
-                                                 or bin(r_bitmap).count("1") != r_count)):
-                        # a PENDING no aggregator sends: a held one that every worker
-                        # acknowledged, or a wait for a chunk that has every worker or lacks
-                        # ours (it only answers our retransmission)
+                            r_bitmap & ~full or not r_bitmap >> me & 1
+                            or (r_bitmap == full if r_count == 0 else
+                                r_count >= n_workers or bin(r_bitmap).count("1") != r_count)):
+                        # a PENDING no aggregator sends: one without our bit (it answers our
+                        # packet, which acknowledged the use before and joined this one), a
+                        # held one that every worker acknowledged, or a wait for a chunk
+                        # that has every worker
                         impossible(shard, i)
                         continue
                     if r_type == pending_type:
