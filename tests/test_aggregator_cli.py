@@ -235,3 +235,30 @@ def test_a_flood_does_not_keep_the_aggregator_past_its_duration():
         sender.join()
         agg.stop()
     assert took < 4, f"serve(duration=0.2) returned after {took:.1f} s"
+
+
+def test_a_receive_queue_smaller_than_asked_is_named_at_startup(tmp_path, monkeypatch, capsys):
+    """The kernel caps the receive queue at net.core.rmem_max without a word, and bursts
+    beyond it are lost: `thc aggregator` says what it got. Here it asks four times the cap."""
+    import argparse
+    from pathlib import Path
+
+    from thc.net import aggregator, server
+    cap = Path("/proc/sys/net/core/rmem_max")
+    if not cap.exists():
+        pytest.skip("no /proc/sys/net/core/rmem_max: not Linux")
+    rmem_max = int(cap.read_text())
+    for module in (server, aggregator):
+        monkeypatch.setattr(module, "RECEIVE_BUFFER", 4 * rmem_max)
+    monkeypatch.setattr(aggregator, "_stop_on_signals", lambda: None)   # pytest's own
+    cfg = tmp_path / "cluster.json"
+    Cluster(jobs=(local_job(1, 2, free_port_block(2)),)).save(cfg)
+    parser = argparse.ArgumentParser()
+    aggregator.add_arguments(parser)
+    args = parser.parse_args(["--config", str(cfg), "--listen", "127.0.0.1:0",
+                              "--duration", "0.2", "--stats-interval", "0"])
+    assert aggregator.run(args) == 0
+    out = capsys.readouterr()
+    assert (f"the kernel granted {rmem_max >> 10} KiB of receive queue of the "
+            f"{4 * rmem_max >> 10} KiB asked (sysctl net.core.rmem_max)") in out.err, out.err
+    assert '"queue_overflow": 0' in out.out, out.out

@@ -26,7 +26,7 @@ from thc.codec import settings
 from thc.net.addresses import (PKTINFO_SPACE, answer_from_destination, destination,
                                 parse_hostport, send_from)
 from thc.net.impair import Impairment
-from thc.net.server import UDPServer
+from thc.net.server import RECEIVE_BUFFER, UDPServer
 from thc.wire import protocol as P
 from thc.wire.jobs import Cluster, ConfigError, Job
 from thc.wire.model import Model, Reply
@@ -83,6 +83,7 @@ class Aggregator(UDPServer):
             jobs = self.model.jobs
             return {"drops": dict(self.model.drops),
                     "send_errors": self.send_errors,
+                    "queue_overflow": self.queue_overflow(),
                     "epochs": {jid: s.epoch for jid, s in jobs.items()},
                     "jobs": {jid: dict(s.counters) for jid, s in jobs.items()}}
 
@@ -275,6 +276,11 @@ def run(args: argparse.Namespace) -> int:
           f"datapath {datapath}",
           flush=True)
     print(f"thc aggregator: {chosen.describe()}", file=sys.stderr, flush=True)
+    if agg.receive_buffer < RECEIVE_BUFFER:
+        print(f"thc aggregator: the kernel granted {agg.receive_buffer >> 10} KiB of receive "
+              f"queue of the {RECEIVE_BUFFER >> 10} KiB asked (sysctl net.core.rmem_max): "
+              f"bursts beyond it are dropped, counted as queue_overflow", file=sys.stderr,
+              flush=True)
     end = None if args.duration is None else time.monotonic() + args.duration
     last_print = time.monotonic()
     _stop_on_signals()

@@ -107,6 +107,7 @@ class FastAggregator(UDPServer):
         by_reason = dict(zip(_fastagg.REASONS, drops))
         return {"drops": {name: by_reason[name] for name in P.DropReason.__members__},
                 "send_errors": self.send_errors,
+                "queue_overflow": self.queue_overflow(),
                 "epochs": {jid: self._last_epoch[jid] for jid in ids},
                 "jobs": {jid: {name: c for name, c in zip(_fastagg.COUNTERS, jobs[jid])}
                          for jid in ids}}

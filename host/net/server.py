@@ -2,6 +2,7 @@
 thread, stop. The datapath supplies ``serve`` and how to ask it to stop."""
 from __future__ import annotations
 
+import os
 import socket
 import threading
 
@@ -9,11 +10,34 @@ from thc.net.addresses import IP_PKTINFO
 from thc.wire import protocol as P
 
 
+RECEIVE_BUFFER = 8 << 20
+"""Bytes of receive queue asked for; the kernel grants at most net.core.rmem_max."""
+
+
+def queue_overflow(sock: socket.socket) -> int | None:
+    """Datagrams the kernel dropped at ``sock``, its receive queue full: the drops column of
+    /proc/self/net/udp (this network namespace's sockets) at the socket's inode. Neither
+    datapath sees them; workers retransmit them as any lost packet. None off Linux."""
+    inode = str(os.fstat(sock.fileno()).st_ino)
+    try:
+        with open("/proc/self/net/udp") as f:
+            for line in f:
+                cols = line.split()
+                if len(cols) > 12 and cols[9] == inode:
+                    return int(cols[-1])
+    except OSError:
+        pass
+    return None
+
+
 class UDPServer:
     thread_name = "thc-aggregator"
     _sock: socket.socket | None = None
     _thread: threading.Thread | None = None
     _error: OSError | None = None
+    _overflow: int | None = None
+    receive_buffer = 0
+    """Bytes of receive queue the kernel granted (Linux reports twice that, socket(7))."""
 
     def serve(self, duration: float | None = None) -> None:
         """Receive and answer until :meth:`stop` (or ``duration`` seconds)."""
@@ -27,7 +51,8 @@ class UDPServer:
 
     def bind(self, host: str = "127.0.0.1", port: int = P.UDP_PORT) -> tuple[str, int]:
         sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, RECEIVE_BUFFER)
+        self.receive_buffer = sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF) // 2
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 8 << 20)
         # before bind, on any address (a wildcard may be spelled "0", "0.0.0.0" or ""): a
         # datagram queued without it carries no destination for a wildcard socket to answer from
@@ -64,12 +89,19 @@ class UDPServer:
         self._thread.start()
         return addr
 
+    def queue_overflow(self) -> int | None:
+        """:func:`queue_overflow` of the socket; after :meth:`stop`, its last count."""
+        if self._sock is not None:
+            self._overflow = queue_overflow(self._sock)
+        return self._overflow
+
     def stop(self) -> None:
         self._set_stop()
         if self._thread is not None:
             self._thread.join(timeout=5)
             self._thread = None
         if self._sock is not None:
+            self.queue_overflow()
             self._sock.close()
             self._sock = None
 

@@ -166,17 +166,19 @@ class AggregatorProcesses:
 
 
 def sum_shard_counters(shards: list[dict]) -> dict:
-    """The counters of a sharded aggregator: drops, failed reply sends and job counters summed
-    over its shards, each shard's own under ``"shards"``."""
+    """The counters of a sharded aggregator: drops, failed reply sends, receive-queue
+    overflows and job counters summed over its shards, each shard's own under ``"shards"``."""
     drops: dict[str, int] = {}
     jobs: dict[str, dict[str, int]] = {}
-    send_errors = 0
+    send_errors = overflow = 0
     for c in shards:
         send_errors += c.get("send_errors", 0)
+        overflow += c.get("queue_overflow") or 0
         for k, v in c.get("drops", {}).items():
             drops[k] = drops.get(k, 0) + v
         for jid, counters in c.get("jobs", {}).items():
             acc = jobs.setdefault(str(jid), {})
             for k, v in counters.items():
                 acc[k] = acc.get(k, 0) + v
-    return {"drops": drops, "send_errors": send_errors, "jobs": jobs, "shards": shards}
+    return {"drops": drops, "send_errors": send_errors, "queue_overflow": overflow,
+            "jobs": jobs, "shards": shards}
