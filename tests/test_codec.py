@@ -383,7 +383,8 @@ def test_indices_too_wide_are_refused_not_wrapped():
 
 def test_packed_bytes_and_table_indices_are_refused_not_wrapped_or_truncated():
     """unpack_bits cast wider integers to bytes (0x1234 read as 0x34, -1 as 0xFF) and floats
-    by truncation; table_values read a float index 3.7 as 3. Each is refused now."""
+    by truncation, and took a count of 7.9 as 7 and -1 as none; table_values read a float
+    index 3.7 as 3. Each is refused now."""
     from thc.codec.packing import unpack_bits
     from thc.codec.thc import aggregate, table_values
     p = THCParams()
@@ -396,6 +397,9 @@ def test_packed_bytes_and_table_indices_are_refused_not_wrapped_or_truncated():
             unpack_bits(packed, 4, 4)
     assert unpack_bits(np.array([0x12, 0xF0], np.int64), 4, 4).tolist() == [1, 2, 15, 0]
     assert unpack_bits(torch.tensor([0x12, 0xF0]), 4, 4).tolist() == [1, 2, 15, 0]
+    for count in (3.9, -1, True, "4"):
+        with pytest.raises(ValueError, match="count must be an integer >= 0"):
+            unpack_bits(np.array([0x12, 0xF0], np.uint8), 4, count)
     for idx in (torch.tensor([3.7, 15.9]), np.array([3.7, 15.9])):
         with pytest.raises(TypeError, match="table indices are integers"):
             table_values(idx, p)
@@ -428,13 +432,15 @@ def test_p_may_be_a_numpy_float():
     (dict(granularity=5000), "optimal table's dynamic program"),
     (dict(seed=2 ** 64), r"seed must be an integer in \[0, 2\^64\)"),
     (dict(bits=1, granularity=True), "granularity must be an integer"),
-    (dict(slice_size=True), "slice_size must be a power of two")])
+    (dict(slice_size=True), "slice_size must be a power of two"),
+    (dict(slice_size=2 ** 33), r"slice_size must be a power of two in \[1, 2\^32\]")])
 def test_parameters_no_codec_can_run_are_refused_when_made(kw, why):
     """These were taken: p = 1e-17 failed at the first encode with the statistics module's
     "p must be in the range 0.0 < p < 1.0", p = 1 - 2^-53 divided by a t_p of 0, a
     granularity of 2^31 + 2 wrapped the table values to negative int32, an optimal table of
     g = 5000 asked for gigabytes, a seed of 2^64 was refused after the MAX round, leaving
-    the process group unusable, and True was taken for a granularity or slice size of 1."""
+    the process group unusable, True was taken for a granularity or slice size of 1, and a
+    slice over 2^32 coordinates would wrap the compiled codec's 32-bit index within it."""
     with pytest.raises(ValueError, match=why):
         THCParams(**kw)
 

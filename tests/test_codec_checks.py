@@ -233,6 +233,8 @@ def test_sums_no_n_workers_can_make_are_refused(backend):
     for count in (numel + 0.9, str(numel), True):   # 640.9 elements were cut to 640
         with pytest.raises(ValueError, match="numel must be an integer"):
             c.decode(sums, 4, m, count)
+    with pytest.raises(ValueError, match="is 2\\^64 or more"):   # all NaN: the centre overflowed
+        c.decode(sums, 10 ** 38, m, numel)
     if backend != "triton":   # uint64 sums past int64's range: named as they are
         wide = sums.numpy().astype(np.uint64)
         wide[3] = 2 ** 64 - 1

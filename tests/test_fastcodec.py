@@ -113,6 +113,27 @@ def test_a_sparse_gradient_decodes_within_the_tolerance(log):
     assert np.abs(got[[7, 12345 % x.size]] - [-1.0, 3.0]).max() < 0.05
 
 
+def test_misaligned_arrays_reach_the_c_code_aligned():
+    """Arrays over another buffer at an odd offset went to the C code as they were, read and
+    written through float and int32 pointers (undefined behaviour); they are copied to
+    aligned ones, and decode writes a misaligned ``out`` through one."""
+    p = THCParams(slice_size=2 ** 12)
+    n = 3 * 2 ** 12 + 5
+    x = np.ndarray(n, np.float32, buffer=bytearray(4 * n + 1), offset=1)
+    x[...] = data(n, 3)
+    assert not x.flags.aligned and fastcodec.as_numpy(x).flags.aligned
+    m = codec.slice_norms(x, p)
+    idx = codec.encode(x, m, p, 1, 5, "compiled")
+    assert np.array_equal(idx, codec.encode(x.copy(), m, p, 1, 5, "compiled"))
+    sums = codec.aggregate([idx, idx], p).astype(np.int32)
+    odd = np.ndarray(sums.size, np.int32, buffer=bytearray(4 * sums.size + 2), offset=2)
+    odd[...] = sums
+    assert fastcodec.sums_kind(odd)[0].flags.aligned
+    out = np.ndarray(n, np.float32, buffer=bytearray(4 * n + 3), offset=3)
+    codec.decode(odd, 2, m, n, p, 1, out=out, backend="compiled")
+    assert np.array_equal(out, codec.decode(sums, 2, m, n, p, 1, backend="compiled"))
+
+
 def test_exact_inputs_are_bit_identical():
     """Small integers and a power-of-two scale: every partial sum of either transform is
     exact, so indices, wire bytes and decode equal the reference's bit for bit."""

@@ -717,7 +717,9 @@ static float *scratch_for(layout_t l) {
 static int check_layout(Py_ssize_t numel, Py_ssize_t ss, layout_t *l) {
     /* numel bounded so that every buffer size below (at most 16 bytes per element, padding
      * included) is computed without overflow */
-    if (numel < 0 || numel > PY_SSIZE_T_MAX / 16 || ss < 1 || (ss & (ss - 1))) {
+    /* ss at most 2^32: a coordinate's index within its slice is a uint32_t */
+    if (numel < 0 || numel > PY_SSIZE_T_MAX / 16 || ss < 1 || (ss & (ss - 1)) ||
+        (size_t)ss > ((size_t)1 << 32)) {
         PyErr_Format(PyExc_ValueError, "bad layout: numel %zd, slice size %zd", numel, ss);
         return -1;
     }
@@ -762,7 +764,7 @@ static int fill_table(round_t *rt, Py_buffer *table) {
     }
     for (int m = 0; m < 14; m++)
         rt->inner[m] = splat(m + 1 <= rt->levels - 2 ? rt->t[m + 1] : __builtin_inff());
-    for (int k = 0, j = 0; k < 32; k++) {
+    for (int k = 0, j = 0; rt->g < 32 && k < 32; k++) { /* read only where g < 32 */
         while (j + 1 <= rt->levels - 2 && rt->t[j + 1] <= (float)k) j++;
         rt->seg[k / V][k % V] = j | (int)rt->t[j] << 8 | (int)rt->width[j] << 16;
     }

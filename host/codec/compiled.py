@@ -19,7 +19,7 @@ def norms(flat, params: THCParams, lay):
     """numpy arrays: sums of squares in C (in float64, as the reference's)."""
     if is_torch(flat):
         return reference.norms(flat, params, lay)
-    out = np.sqrt(fastcodec.sumsq(np.ascontiguousarray(flat), params.slice_size)) \
+    out = np.sqrt(fastcodec.sumsq(fastcodec.as_numpy(flat), params.slice_size)) \
         .astype(np.float32)
     check_norms(out, params)
     return out
@@ -71,11 +71,11 @@ def decode(sums, n: int, max_norms, lay, params: THCParams, round: int, out,
     alpha = (2.0 * t * m * decode_live(m, params) / (g * d * n)).astype(np.float32)
     s = fastcodec.as_numpy(sums)
     if indices:
-        s, kind = np.ascontiguousarray(s, np.uint8), "index"
+        s, kind = np.require(s, np.uint8, "CA"), "index"
     else:
         s, kind = fastcodec.sums_kind(s)
     dst = fastcodec.as_numpy(out) if is_torch(out) else out
-    direct = dst.flags.c_contiguous and dst.flags.writeable and \
+    direct = dst.flags.c_contiguous and dst.flags.writeable and dst.flags.aligned and \
         (not is_torch(out) or dst.ctypes.data == out.data_ptr())
     if not direct:
         dst = np.empty(lay.numel, np.float32)

@@ -12,8 +12,9 @@ What is identical and what is not, for the same arguments:
   differ by float rounding (as numpy's and torch's GEMMs already differ from each other);
 - hence indices: identical except where a rounding draw lies within that rounding of its
   threshold (about one coordinate in 10^6); decoded values: within a few float32 ulps of
-  the slice's scale M / sqrt(d), and one ulp of M more where the norm sits in a few
-  coordinates (both transforms then add values of size M);
+  the slice's scale M / sqrt(d); where the norm sits in a few coordinates both transforms
+  add values of size M, within the worst-case rounding of their summation orders (the
+  reference's is its BLAS kernel's, tests/test_fastcodec.py);
 - the draws for an explicit generator object (numpy or torch) or None: like the Triton
   kernels, the compiled path draws one 64-bit key from it and uses the counter-based draws
   of that key (an int generator uses the int itself); the reference path draws every
@@ -57,10 +58,12 @@ def on_cpu(x) -> bool:
 
 
 def as_numpy(x) -> np.ndarray:
-    """A C-contiguous numpy view of a CPU tensor or array (a copy only when not contiguous)."""
+    """A C-contiguous, aligned numpy view of a CPU tensor or array (a copy only when not
+    contiguous or, for an array over another buffer, not aligned to its type: the C code
+    reads through typed pointers)."""
     if is_torch(x):
         return x.detach().contiguous().numpy()
-    return np.ascontiguousarray(x)
+    return np.require(x, requirements="CA")
 
 
 def sumsq(flat: np.ndarray, slice_size: int) -> np.ndarray:
@@ -96,7 +99,7 @@ def sums_kind(sums: np.ndarray) -> tuple[np.ndarray, str]:
         sums = sums.astype(sums.dtype.newbyteorder("="))
     if sums.dtype not in _KINDS:
         sums = sums.astype(np.int64)
-    return np.ascontiguousarray(sums), sums.dtype.str[1:]
+    return np.require(sums, requirements="CA"), sums.dtype.str[1:]
 
 
 def decode(sums: np.ndarray, kind: str, numel: int, slice_size: int, alpha: np.ndarray,

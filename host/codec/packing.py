@@ -6,6 +6,8 @@ order in which the P4 parser reads them.
 """
 from __future__ import annotations
 
+import operator
+
 import numpy as np
 
 from thc.codec.hadamard import is_torch
@@ -85,7 +87,13 @@ def _as_bytes(p, not_integers: bool):
 def unpack_bits(packed, bits: int, count: int):
     """Inverse of :func:`pack_bits`: ``count`` indices (uint8) from the packed bytes."""
     b = _check_bits(bits)
-    count = int(count)
+    try:
+        n = operator.index(count)   # 7.9 indices were cut to 7
+    except TypeError:
+        n = -1
+    if isinstance(count, bool) or n < 0:
+        raise ValueError(f"count must be an integer >= 0, got {count!r}")
+    count = n
     torch_in = is_torch(packed)
     if torch_in:
         import torch

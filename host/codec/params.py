@@ -19,6 +19,9 @@ TABLE_KINDS = ("optimal", "uniform")
 MAX_GRANULARITY = (1 << 31) - 1
 MAX_OPTIMAL_GRANULARITY = 4096
 
+MAX_SLICE_SIZE = 1 << 32
+"""The compiled codec numbers a coordinate within its slice in 32 bits."""
+
 
 def _threshold_of(p: float) -> float | None:
     """t_p, or None where float64 makes it infinite or zero (p below about 1e-16, where
@@ -83,8 +86,9 @@ class THCParams:
                              f"0.7 GB there), got {self.granularity!r}; a larger g takes "
                              f"table_kind='uniform'")
         s = self.slice_size
-        if isinstance(s, bool) or not isinstance(s, (int, np.integer)) or s < 1 or s & (s - 1):
-            raise ValueError(f"slice_size must be a power of two >= 1, got {s!r}")
+        if isinstance(s, bool) or not isinstance(s, (int, np.integer)) or s < 1 or s & (s - 1) \
+                or s > MAX_SLICE_SIZE:
+            raise ValueError(f"slice_size must be a power of two in [1, 2^32], got {s!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, (int, np.integer)) \
                 or not 0 <= self.seed < 1 << 64:
             raise ValueError(f"seed must be an integer in [0, 2^64), got {self.seed!r}")

@@ -248,6 +248,9 @@ def _decode(sums, n_workers, max_norms, numel, params, round, out, backend, own:
         count = 0
     if isinstance(n_workers, bool) or count < 1:
         raise ValueError(f"n_workers must be an integer >= 1, got {n_workers!r}")
+    if count * params.granularity >= 1 << 64:   # its centre and scale overflowed: all NaN
+        raise ValueError(f"n_workers {count} x granularity {params.granularity} is 2^64 or "
+                         f"more: no sums the codec takes hold that")
     n_workers = count
     lay = layout(numel, params)
     if not is_torch(sums):
