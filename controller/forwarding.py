@@ -14,6 +14,12 @@ UNROUTABLE = {"00:00:00:00:00:00", "ff:ff:ff:ff:ff:ff"}
 """MACs never installed (the default worker MAC and broadcast)."""
 
 
+def is_group(mac: str) -> bool:
+    """A multicast (group) MAC: no one host's, so neither a worker's nor the switch's (a NIC
+    that has not joined the group drops frames to it, and no frame comes from it)."""
+    return bool(int(mac[:2], 16) & 1)
+
+
 def check_mac(mac, where: str = "l2_forward") -> str:
     """``mac`` as six lower-case hex pairs; a ConfigError (a ValueError) naming ``where`` for
     anything else, as a job's MACs. The switch API also reads integers and bare hex, in

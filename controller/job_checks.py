@@ -46,6 +46,11 @@ def check_job(sw: Switch, job: Job, job_index: int, others: dict[int, dict],
     gives them} of the jobs that stay on the switch beside ``job``; ``held``: ids of jobs
     without a job entry whose lookup entries stay (leftovers: they take room too)."""
     job.validate()
+    portless = [w.id for w in job.workers if w.switch_port is None]
+    if portless:   # it was taken as port 0, where every result went
+        raise ConfigError(f"job {job.job_id}: worker(s) {portless} give no switch_port; the "
+                          f"switch sends each result out of its workers' ports: give every "
+                          f"worker its `switch_port`")
     if job.shards:
         raise ConfigError(f"job {job.job_id} is spread over {len(job.shards)} software "
                           f"aggregator shards (its shard map): the switch aggregates every "
@@ -86,6 +91,10 @@ def check_job(sw: Switch, job: Job, job_index: int, others: dict[int, dict],
             raise ConfigError(f"job {job.job_id} worker {w.id}: mac {w.mac} (the default when "
                               f"a worker gives none) cannot be answered: the switch sends "
                               f"results to the worker's MAC; give the worker its `mac`")
+        if forwarding.is_group(w.mac):
+            raise ConfigError(f"job {job.job_id} worker {w.id}: mac {w.mac} is a multicast "
+                              f"(group) address, no one host's: the switch sends results to "
+                              f"the worker's MAC; give the worker its own")
     _check_own_macs(job)
     for jid, cfg in others.items():
         if cfg["job_index"] == job_index:
@@ -131,8 +140,9 @@ def check_agg(agg_ip: str, agg_mac: str, agg_port: int = P.UDP_PORT) -> None:
         raise ConfigError(f"the cluster's agg_ip {agg_ip} (127.0.0.1 when the cluster gives "
                           f"none) cannot be a switch's address: workers drop results from "
                           f"it; give the cluster the switch's agg_ip (e.g. 10.0.0.254)")
-    if agg_mac.lower() in forwarding.UNROUTABLE:
-        raise ConfigError(f"the cluster's agg_mac {agg_mac} cannot be a switch's address; "
+    if agg_mac.lower() in forwarding.UNROUTABLE or forwarding.is_group(agg_mac):
+        raise ConfigError(f"the cluster's agg_mac {agg_mac} cannot be a switch's address (no "
+                          f"frame comes from the all-zero, broadcast or a group address); "
                           f"give the cluster the switch's agg_mac (e.g. 02:00:00:00:00:fe)")
 
 

@@ -113,13 +113,29 @@ def _delete_stale(sw: Switch, table: str, job_id: int, keep: list) -> None:
 
 # ---- slot reset ---------------------------------------------------------------------------
 
+RESETS_QUIET = 0.02
+"""Seconds the job index's reset counter must hold still before a reset counts from it."""
+
+
+def _quiet_resets(sw: Switch, job_index: int, deadline: float) -> int:
+    """The index's reset count once it holds still: RESETs of an earlier install that timed
+    out may still be queued, and counted as this one's they let the worker entries in
+    before this install's own RESETs cleared the slots."""
+    now = counters.resets(sw, job_index)
+    while True:
+        time.sleep(RESETS_QUIET)
+        then, now = now, counters.resets(sw, job_index)
+        if now == then or time.monotonic() >= deadline:
+            return now
+
+
 def reset_pool(sw: Switch, job: Job, job_index: int, agg: AggAddress,
                timeout: float = 10.0) -> None:
     """Clear every slot of the job (RESET packet-outs) and wait until the switch applied them."""
-    before = counters.resets(sw, job_index)
+    deadline = time.monotonic() + timeout
+    before = _quiet_resets(sw, job_index, deadline)
     sw.packet_out(reset_frame(job.job_id, slot, agg.agg_mac, agg.agg_ip, version)
                   for slot in range(job.pool_size) for version in (0, 1))
-    deadline = time.monotonic() + timeout
     done = 0
     while time.monotonic() < deadline:
         done = counters.resets(sw, job_index) - before
@@ -127,8 +143,9 @@ def reset_pool(sw: Switch, job: Job, job_index: int, agg: AggAddress,
             return
         time.sleep(0.01)
     raise SwitchError(f"job {job.job_id}: only {done} of {2 * job.pool_size} slot resets reached "
-                      f"the data plane within {timeout:.0f}s (is the switch started with "
-                      f"--cpu-port {P.CPU_PORT}?)")
+                      f"the data plane within {timeout:g}s (is the switch started with "
+                      f"--cpu-port {P.CPU_PORT}?); the rest may still be queued, and the next "
+                      f"install waits until the job index's reset count holds still")
 
 
 # ---- install / remove ---------------------------------------------------------------------
@@ -246,7 +263,19 @@ def remove_job(sw: Switch, job_id: int, force: bool = False,
 
 def _remove(sw: Switch, job_id: int, cfg: dict | None) -> None:
     """``cfg`` None: a job id without a thc_job entry; its group is taken to be the default
-    (the job id) when no installed job uses that group."""
+    (the job id) when no installed job uses that group. A write that fails leaves the job
+    half-removed; the error says so and how to finish."""
+    try:
+        _delete_job(sw, job_id, cfg)
+    except SwitchError as e:
+        raise SwitchError(f"job {job_id}: the removal stopped part-way ({e}). The job no "
+                          f"longer serves (its worker entries go first) and `thc controller "
+                          f"jobs` lists what is left: `thc controller remove --job {job_id}` "
+                          f"or an install of the job finishes it once the cause is "
+                          f"fixed") from e
+
+
+def _delete_job(sw: Switch, job_id: int, cfg: dict | None) -> None:
     macs = worker_macs(sw, job_id) - worker_macs(sw, exclude=job_id)
     # workers first: from here on the job's packets drop. The job entry goes last, so that
     # a remove cut short leaves a job that `jobs` lists and `remove` finishes

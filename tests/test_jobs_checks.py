@@ -53,10 +53,31 @@ def test_a_worker_without_a_mac_is_refused_on_a_switch(sw, mac):
     assert sw.device.log == []
 
 
+def test_a_worker_with_a_group_mac_or_no_switch_port_is_refused_on_a_switch(sw):
+    """A worker's multicast MAC was installed (a NIC that has not joined the group drops the
+    results), and a worker without a switch_port was put on port 0 (the results of every
+    worker but port 0's went out there, each chunk then waiting for its resend)."""
+    job = make_job(1)
+    group = replace(job, workers=(job.workers[0], replace(job.workers[1],
+                                                          mac="01:00:5e:00:00:01")))
+    with pytest.raises(ConfigError, match="job 1 worker 1: mac 01:00:5e:00:00:01 is a "
+                                          "multicast"):
+        jobs.install_cluster(sw, cluster(group))
+    d = job.to_dict()
+    del d["workers"][1]["switch_port"]
+    portless = Job.from_dict(d)
+    assert portless.workers[1].switch_port is None and "switch_port" not in \
+        portless.to_dict()["workers"][1]   # a software aggregator takes it as it is
+    with pytest.raises(ConfigError, match=r"job 1: worker\(s\) \[1\] give no switch_port"):
+        jobs.install_cluster(sw, cluster(portless))
+    assert sw.device.log == []
+
+
 @pytest.mark.parametrize("top,why", [
     ({"agg_ip": "127.0.0.1"}, "agg_ip 127.0.0.1"),
     ({"agg_ip": "0.0.0.0"}, "ip 0.0.0.0 is not one host's address"),
     ({"agg_mac": "ff:ff:ff:ff:ff:ff"}, "agg_mac ff"),
+    ({"agg_mac": "01:80:c2:00:00:0e"}, "agg_mac 01:80:c2:00:00:0e cannot be a switch's"),
     ({"agg_port": 9999}, "agg_port 9999 is not the switch's")])
 def test_an_aggregator_address_no_worker_accepts_is_refused(sw, monkeypatch, capsys, tmp_path,
                                                            top, why):
@@ -79,6 +100,7 @@ def test_one_mac_names_one_host_within_a_job_too(sw):
 
 
 def test_a_remove_cut_short_is_finished_by_the_next(sw, monkeypatch, capsys):
+    """Its error was the bare write error, with no word of the job left half-removed."""
     job = make_job(1)
     jobs.install_job(sw, job)
     groups = sw.device.groups.copy()
@@ -87,7 +109,9 @@ def test_a_remove_cut_short_is_finished_by_the_next(sw, monkeypatch, capsys):
     def lost(group):
         raise jobs.SwitchError("connection reset")
     monkeypatch.setattr(sw.device, "delete_group", lost)
-    with pytest.raises(jobs.SwitchError):
+    with pytest.raises(jobs.SwitchError, match=r"job 1: the removal stopped part-way "
+                                               r"\(.*connection reset\)\. The job no longer "
+                                               r"serves.*remove --job 1"):
         jobs.remove_job(sw, 1, live_window=IDLE)
     monkeypatch.setattr(sw.device, "delete_group", real)
     assert sw.device.groups == groups

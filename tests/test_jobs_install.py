@@ -204,6 +204,32 @@ def test_jobs_lists_a_half_installed_job_as_not_serving(sw, monkeypatch, capsys)
     assert "NOT serving" not in capsys.readouterr().out
 
 
+def test_resets_of_an_install_that_timed_out_do_not_count_for_the_next(sw, monkeypatch):
+    """The switch's packet-out path stalls through an install, whose resets time out; then
+    it catches up one RESET a counter read. The next install counted the stalled ones as its
+    own and let the workers in while 7 of its RESETs were still to clear their slots."""
+    dev, queued, stalled = sw.device, [], [True]
+    packet_out, read_counter = dev.packet_out, dev.read_counter
+
+    def late(name):
+        if not stalled[0] and queued:
+            packet_out(queued.pop(0))
+        return read_counter(name)
+    monkeypatch.setattr(dev, "packet_out", queued.append)
+    monkeypatch.setattr(dev, "read_counter", late)
+    monkeypatch.setattr(jobs.reset_pool, "__defaults__", (0.2,))
+    job = make_job(1, 2)
+    with pytest.raises(SwitchError, match=r"only 0 of 8 slot resets .* within 0.2s.*may still "
+                                          r"be queued"):
+        jobs.install_job(sw, job)
+    stalled[0] = False
+    monkeypatch.setattr(jobs.reset_pool, "__defaults__", (5.0,))
+    jobs.install_job(sw, job, live_window=IDLE, force=True)
+    live = max(i for i, e in enumerate(dev.log)
+               if e.op == "INSERT" and e.target.endswith(program.WORKER_TABLE.split(".")[-1]))
+    assert not queued and not [e for e in dev.log[live:] if e.op == "PACKET_OUT"]
+
+
 @pytest.mark.parametrize("change", [{"granularity": 31}, {"granularity": 100}])
 def test_a_change_the_entries_do_not_hold_installs_an_epoch_of_the_new_tag(sw, change):
     """The switch entries hold no granularity: install_cluster kept the job as it was, with

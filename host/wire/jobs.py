@@ -43,8 +43,9 @@ class Worker:
     ip: str
     port: int
     mac: str = "00:00:00:00:00:00"
-    switch_port: int = 0
-    """Switch port the worker hangs off (BMv2 only)."""
+    switch_port: int | None = None
+    """Switch port the worker hangs off: a switch sends its results out of it (the controller
+    refuses a worker without one); the software aggregator does not use it."""
 
 
 def _is_int(value) -> bool:
@@ -255,7 +256,7 @@ class Job:
                    "sum_bits": self.sum_bits, "mcast_grp": self.mcast_grp}
         numbers.update({f"worker {i}'s id": w.id for i, w in enumerate(self.workers)})
         numbers.update({f"worker {i}'s switch_port": w.switch_port
-                        for i, w in enumerate(self.workers)})
+                        for i, w in enumerate(self.workers) if w.switch_port is not None})
         numbers.update({f"table entry {i}": t for i, t in enumerate(self.table)})
         for name, value in numbers.items():
             if not _is_int(value):
@@ -328,7 +329,8 @@ class Job:
 
     def to_dict(self) -> dict:
         d = asdict(self)
-        d["workers"] = [asdict(w) for w in self.workers]
+        d["workers"] = [{k: v for k, v in asdict(w).items()
+                         if not (k == "switch_port" and v is None)} for w in self.workers]
         d["table"] = list(self.table)
         if self.shards:
             d["shards"] = [asdict(s) for s in self.shards]
