@@ -94,6 +94,8 @@ def unchanged(sw: Switch, job: Job, agg: AggAddress, job_index: int | None = Non
     from the job's table and is written in one step, before the worker entries (the last
     write), so an install cut short leaves the worker entries missing, which the comparison
     sees."""
+    if any(w.switch_port is None for w in job.workers):
+        return False   # not a job a switch takes: the install refuses it, naming why
     installed = installed_jobs(sw)
     cfg = installed.get(job.job_id)
     if cfg is None or (job_index is not None and cfg["job_index"] != job_index):

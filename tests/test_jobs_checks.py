@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from thc.controller import forwarding, installed, job_entries, jobs, program, targets
-from thc.controller.testing.memswitch import MemorySwitch
+from thc.controller.testing.memswitch import MemoryDevice, MemorySwitch
 from thc.wire.jobs import SWITCH_AGG_IP, SWITCH_AGG_MAC, ConfigError, Job, Worker
 from tests.test_jobs_install import thc_controller
 from tests.test_jobs_safety import IDLE, cluster, make_job
@@ -71,6 +71,23 @@ def test_a_worker_with_a_group_mac_or_no_switch_port_is_refused_on_a_switch(sw):
     with pytest.raises(ConfigError, match=r"job 1: worker\(s\) \[1\] give no switch_port"):
         jobs.install_cluster(sw, cluster(portless))
     assert sw.device.log == []
+
+
+def test_an_installed_job_given_again_without_a_switch_port_is_refused_on_a_tofino():
+    """`thc controller install` first asks whether the switch holds the job as it is; on a
+    Tofino that read the worker's pipe from its port (TypeError for None)."""
+    from thc.controller.switch import BUILD_DIR
+    tna = MemorySwitch(device=MemoryDevice(program="thc_tna", build_dir=BUILD_DIR / "tofino"))
+    sw = tna.connect(program=None)
+    job = make_job(1)
+    job = replace(job, workers=tuple(replace(w, switch_port=256 + w.id) for w in job.workers))
+    jobs.install_job(sw, job, live_window=IDLE)
+    d = job.to_dict()
+    del d["workers"][1]["switch_port"]
+    portless = Job.from_dict(d)
+    assert not installed.unchanged(sw, portless, jobs.AggAddress.of(cluster(portless)))
+    with pytest.raises(ConfigError, match="give no switch_port"):
+        jobs.install_cluster(sw, cluster(portless), live_window=IDLE)
 
 
 @pytest.mark.parametrize("top,why", [

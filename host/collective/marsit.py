@@ -35,8 +35,12 @@ from thc.collective.worker import device_of
 
 COMPENSATED_LIMIT = float(torch.finfo(torch.float32).max) / 2
 """With compensation, the largest magnitude a round takes: the estimate is no larger than the
-largest input, so the residual x - estimate stays finite in float32 (one of 3e38 against an
-estimate of -3e38 made it Inf, and every later round NaN)."""
+largest input of any worker, so the residual x - estimate stays finite in float32 (one of
+3e38 against an estimate of -3e38 made it Inf, and every later round NaN)."""
+
+RESIDUAL_LIMIT = COMPENSATED_LIMIT / 2
+"""The residual kept is clamped to it: a residual over the limit would have every later round
+refused (NaN for good under "propagate"); now only a gradient over half the limit itself is."""
 
 
 def merge(incoming: torch.Tensor, own: torch.Tensor, merged: int,
@@ -187,7 +191,7 @@ class _SignAllReduce:
         per_coord = scale.float().repeat_interleave(torch.tensor(sizes, device=flat.device))
         estimate = self.mean_sign(self._signs(flat)) * per_coord
         if self.compensation:
-            self.residual = flat - estimate
+            self.residual = (flat - estimate).clamp_(-RESIDUAL_LIMIT, RESIDUAL_LIMIT)
         return estimate.reshape(grad.shape).to(grad.dtype)
 
     def _scales(self, flat: torch.Tensor, sizes: list[int]) -> tuple[str, torch.Tensor]:

@@ -18,8 +18,8 @@ def queue_overflow(sock: socket.socket) -> int | None:
     """Datagrams the kernel dropped at ``sock``, its receive queue full: the drops column of
     /proc/self/net/udp (this network namespace's sockets) at the socket's inode. Neither
     datapath sees them; workers retransmit them as any lost packet. None off Linux."""
-    inode = str(os.fstat(sock.fileno()).st_ino)
     try:
+        inode = str(os.fstat(sock.fileno()).st_ino)   # EBADF: closed by a stop meanwhile
         with open("/proc/self/net/udp") as f:
             for line in f:
                 cols = line.split()
@@ -91,8 +91,9 @@ class UDPServer:
 
     def queue_overflow(self) -> int | None:
         """:func:`queue_overflow` of the socket; after :meth:`stop`, its last count."""
-        if self._sock is not None:
-            self._overflow = queue_overflow(self._sock)
+        sock = self._sock
+        if sock is not None:
+            self._overflow = queue_overflow(sock) if sock.fileno() >= 0 else self._overflow
         return self._overflow
 
     def stop(self) -> None:
