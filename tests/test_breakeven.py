@@ -41,6 +41,10 @@ def test_crossing_at_the_edges():
     # a tie at the lowest point is not a win: below the swept range
     low = crossing([(50, 1.0, 1.0), (100, 1.0, 0.9), (200, 1.0, 0.8)])
     assert low["relation"] == "below"
+    # slower at the lowest point, faster above: it was "below 50 (slower at every point)"
+    rises = crossing([(50, 700, 600), (100, 200, 700), (200, 150, 360)])
+    assert rises["relation"] == "from" and rises["bracket"] == [50, 100]
+    assert describe(rises).startswith("none: slower below ")
     # in the last bracket: gain +0.1 at 1/500, -0.1 at 1/1000 -> 1/x = 1.5/1000
     last = crossing([(200, 1.0, 1.5), (500, 1.0, 1.1), (1000, 1.0, 0.9)])
     assert last["bracket"] == [500, 1000] and last["at"] == pytest.approx(1000 / 1.5)
@@ -191,7 +195,8 @@ def test_sweep_command_runs_small_on_mininet(tmp_path):
     # the analysis reads the runs it was given: THC's gain over FP32 at each bandwidth
     gain = [step_seconds(runs["fp32"]) - step_seconds(runs["thc"])
             for runs in ({r["mode"]: r for r in p["runs"]} for p in data["points"])]
-    want = "between" if gain[0] > 0 >= gain[1] else "above" if gain[0] > 0 else "below"
+    want = ("between" if gain[0] > 0 >= gain[1] else "above" if gain[0] > 0 else
+            "from" if gain[1] > 0 else "below")
     assert be["measured"]["relation"] == want, (gain, be["measured"])
     assert "| FP32 |" in out.stdout and data["fp16_cast_s"] > 0
     assert (tmp_path / "sweep.png").stat().st_size > 10_000

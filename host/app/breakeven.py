@@ -36,9 +36,11 @@ def crossing(points: list[tuple[float, float, float]]) -> dict:
     Returns ``relation`` "between" with the interpolated ``at`` (the first crossing from
     beating to not beating, going up in bandwidth; a tie counts as not beating) and its
     ``bracket``; "above" (the mode beats the baseline at every point: the break-even lies
-    above the highest, ``bracket`` [highest, None]); or "below" (it beats it nowhere:
-    [None, lowest]). ``crossings`` lists every crossing, more than one where the measured
-    gain changes sign more than once.
+    above the highest, ``bracket`` [highest, None]); "below" (it beats it nowhere:
+    [None, lowest]); or "from" (it loses at the lowest points and beats the baseline from the
+    interpolated ``at`` up: the other way round). ``crossings`` lists every crossing from
+    beating to not beating, more than one where the measured gain changes sign more than
+    once.
     """
     pts = sorted(points)
     if len(pts) < 1:
@@ -46,14 +48,16 @@ def crossing(points: list[tuple[float, float, float]]) -> dict:
     if len({bw for bw, _, _ in pts}) != len(pts):
         raise ValueError("two points at the same bandwidth")
     gains = [(bw, base - mode) for bw, mode, base in pts]
-    found = []
+    found, rising = [], []
     for (b0, g0), (b1, g1) in zip(gains, gains[1:]):
-        if g0 > 0 >= g1:
+        if (g0 > 0) != (g1 > 0):
             x0, x1 = 1.0 / b0, 1.0 / b1
             x = x0 + g0 / (g0 - g1) * (x1 - x0)
-            found.append({"at": 1.0 / x, "bracket": [b0, b1]})
+            (found if g0 > 0 else rising).append({"at": 1.0 / x, "bracket": [b0, b1]})
     if found:
         return {"relation": "between", **found[0], "crossings": [c["at"] for c in found]}
+    if rising:   # slower at the lowest points, faster from the last rise up
+        return {"relation": "from", **rising[-1], "crossings": []}
     if gains[0][1] > 0:
         return {"relation": "above", "at": None, "bracket": [gains[-1][0], None],
                 "crossings": []}
@@ -69,6 +73,10 @@ def describe(result: dict, unit: str = "Mbit/s") -> str:
         return f"{result['at']:.0f} {unit} (between {lo:g} and {hi:g}{more})"
     if result["relation"] == "above":
         return f"above {result['bracket'][0]:g} {unit} (faster at every point)"
+    if result["relation"] == "from":
+        lo, hi = result["bracket"]
+        return (f"none: slower below {result['at']:.0f} {unit}, faster from there up "
+                f"(between {lo:g} and {hi:g})")
     return f"below {result['bracket'][1]:g} {unit} (slower at every point)"
 
 

@@ -285,6 +285,8 @@ def calibrate(report: dict, alpha_s: float | None = None, efficiency: float | No
     alpha and efficiency as given, else fitted to this report (:func:`fit`), and then its
     FP32 and Marsit rows say ``fitted``.
     """
+    if (alpha_s is None) != (efficiency is None):
+        raise ValueError("alpha and efficiency are given together or fitted together")
     base = report_setup(report, agg_pps)
     if alpha_s is None or efficiency is None:
         alpha_s, efficiency = fit(report, agg_pps)
@@ -332,7 +334,7 @@ def break_even_gbps(s: Setup, scheme: str = "thc_switch", lo: float = 1e-3,
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--params", type=float, default=25e6, help="gradient elements")
+    parser.add_argument("--params", type=positive_float, default=25e6, help="gradient elements")
     parser.add_argument("--workers", type=positive_int, default=8)
     parser.add_argument("--bw", type=positive_floats, default="1,10,25,100",
                         help="link bandwidths, Gbit/s")
@@ -346,10 +348,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--calibrate", metavar="MAINJOB_JSON", nargs="+",
                         help="compare the model with main jobs' measured step times "
                              "(out/mainjob.json, one or more)")
-    parser.add_argument("--alpha-ms", type=float, default=None,
+    parser.add_argument("--alpha-ms", type=non_negative_float, default=None,
                         help="with --calibrate: per-message cost alpha (default: fitted "
                              "to the first report's FP32 and Marsit runs)")
-    parser.add_argument("--efficiency", type=float, default=None,
+    parser.add_argument("--efficiency", type=positive_float, default=None,
                         help="with --calibrate: link efficiency (default: fitted with alpha)")
     parser.add_argument("--agg-pps", type=positive_float, default=86e3,
                         help="with --calibrate: the software aggregators' packets/s in the main "
@@ -364,6 +366,9 @@ def run(args: argparse.Namespace) -> int:
                              ("args", "runs"), "thc model") for path in args.calibrate]
         alpha = None if args.alpha_ms is None else args.alpha_ms / 1e3
         eff = args.efficiency
+        if (alpha is None) != (eff is None):   # the one given was dropped for the fit
+            raise SystemExit("thc model --calibrate: give both --alpha-ms and --efficiency, "
+                             "or neither (both are then fitted)")
         fitted_on = None
         try:
             if alpha is None or eff is None:
@@ -374,7 +379,7 @@ def run(args: argparse.Namespace) -> int:
             rows = [row for path, rep in zip(args.calibrate, reports)
                     for row in calibrate(rep, alpha, eff, args.agg_pps,
                                          fitted=path == fitted_on)]
-        except (KeyError, TypeError, ValueError) as e:
+        except (KeyError, TypeError, ValueError, ZeroDivisionError) as e:
             raise SystemExit(f"thc model --calibrate: {e}") from None
         print(f"{'Mbit/s':>6} {'mode':<12} {'testbed':<8} {'scheme':<15} {'steps':>5} "
               f"{'measured ms':>11} {'predicted ms':>12} {'error':>6}  {'compute ms':>10} "
@@ -392,7 +397,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     base = Setup(params=args.params, workers=args.workers, latency_us=args.latency_us,
                  compute_s=args.compute_ms / 1e3, overlap=args.overlap,
-                 codec_mbps=args.codec_mbps)
+                 codec_mbps=args.codec_mbps, buckets=ddp_buckets(args.params))
     print(f"{args.params / 1e6:g}M parameters, {args.workers} workers, compute "
           f"{args.compute_ms:g} ms, overlap {args.overlap}, codec {args.codec_mbps:g} MB/s")
     print(f"{'Gbit/s':>7} {'FP32 ring ms':>13} {'THC switch ms':>14} {'THC allred ms':>14} "
