@@ -71,6 +71,11 @@ def test_time_to_accuracy_summary_names_the_winner():
     assert rows["thc"]["speedup"] == 30 / 8 and rows["topk"]["speedup"] is None
     assert s["verdict"].startswith("thc won") and "3.75x" in s["verdict"]
     assert rows["thc-bmv2"]["stopped"]          # a stopped run never wins
+    # nor one whose workers' replicas differed (it won, only warned of)
+    split = {**thc, "replicas_diverged_at": 2}
+    s = summarize([fp32, split, topk], 0.8)
+    assert s["verdict"].startswith("no mode beat FP32"), s["verdict"]
+    assert {r["mode"]: r for r in s["rows"]}["thc"]["diverged_at"] == 2
     # FP32 the soonest: no mode beat it, not "fp32 won ... 1.00x sooner than FP32"
     slow = _run_of("thc", [(25, 0.80), (40, 0.85)])
     s = summarize([fp32, slow], 0.8)

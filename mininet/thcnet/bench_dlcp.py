@@ -54,7 +54,8 @@ def _run_mode(tb, name: str, loss_bound: float, marks: bool, args, rounds: int) 
     agg = f"{tb.agg_addr[0]}:{tb.agg_addr[1]}"
     rate = args.competing * args.bw
     flows = [tb.popen(r, ["iperf", "-u", "-c", tb.agg_addr[0], "-p", str(IPERF_PORT),
-                          "-b", f"{rate:g}M", "-l", "1400", "-t", "3600"], name=f"iperf{r}")
+                          "-b", f"{rate * 1e6:.0f}", "-l", "1400", "-t", "3600"],
+                         name=f"iperf{r}")   # bits/s: iperf 2's "M" is 2^20
              for r in range(tb.n_workers)] if rate > 0 else []
 
     def argv(r):

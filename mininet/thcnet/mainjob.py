@@ -221,7 +221,8 @@ def _congest(tb, fraction: float, bw: float) -> tuple[list, dict]:
     procs += [tb.popen(node, ["iperf", "-s", "-u", "-p", str(IPERF_PORT)],
                        name=f"iperf-server-{node}") for node in sinks]
     procs += [tb.popen(r, ["iperf", "-u", "-c", sinks[dest[r]], "-p", str(IPERF_PORT),
-                           "-b", f"{rate:g}M", "-l", "1400", "-t", "3600"], name=f"iperf{r}")
+                           "-b", f"{rate * 1e6:.0f}", "-l", "1400", "-t", "3600"],
+                          name=f"iperf{r}")   # bits/s: iperf 2's "M" is 2^20
               for r in range(tb.n_workers)]
     return procs, {"fraction": fraction, "mbit_per_worker": rate,
                    "sink": "aggregator host" if "agg" in sinks else "next worker"}

@@ -28,6 +28,7 @@ def summarize(runs: list[dict], fixed: float, chance: float = 0.1) -> dict:
         row = {"mode": r["mode"], "final_accuracy": r["final_accuracy"],
                "train_seconds": r["train_seconds"], "wire_mb": r["wire_bytes"] / 1e6,
                "epochs_done": r["epochs_done"], "stopped": r["stopped"],
+               "diverged_at": r.get("replicas_diverged_at"),
                "tta_fixed": time_to(r["history"], fixed)}
         if base:
             row["tta_fp32_minus_1pt"] = time_to(r["history"], target)
@@ -52,8 +53,10 @@ def summarize(runs: list[dict], fixed: float, chance: float = 0.1) -> dict:
             t = row["tta_fp32_minus_1pt"]
             row["speedup"] = (b / t) if (b and t) else None
             row["accuracy_vs_fp32_pp"] = 100 * (row["final_accuracy"] - base["final_accuracy"])
+        # a mode whose workers' replicas differed trained no one model: it wins nothing
         fair = [row for row in rows if row["tta_fp32_minus_1pt"] is not None
-                and row["accuracy_vs_fp32_pp"] >= -1.0 and not row["stopped"]]
+                and row["accuracy_vs_fp32_pp"] >= -1.0 and not row["stopped"]
+                and row["diverged_at"] is None]
         win = min(fair, key=lambda row: row["tta_fp32_minus_1pt"], default=None)
         if win is not None and win["mode"] == "fp32":
             rest = [row for row in fair if row["mode"] != "fp32"]
