@@ -308,6 +308,28 @@ def test_a_mode_hung_at_its_limit_failed_and_says_so(monkeypatch, tmp_path, stat
 
 
 @pytest.mark.filterwarnings("error")   # a report with no mode finished plots cleanly
+def test_a_worker_that_failed_just_before_the_limit_fails_the_mode(monkeypatch, tmp_path):
+    """Worker 1 exited with an error seconds before the limit, rank 0 in its final
+    evaluation: the mode was "stopped at the limit", its rows kept, the crash unreported."""
+    from thc.emu.procs import WorkerError, WorkerResult
+    from thc.emu.testbed import LoopbackTestbed
+    rows = ('{"dataset": "digits", "params": 1000}\n{"epoch": 0.1, "accuracy": 0.5, '
+            '"seconds": 1.0, "steps": 3, "bytes_sent": 10}\n{"final_evaluation": 4}\n')
+
+    def crashed(self, argv_for, env=None, timeout=None, on_line=None):
+        raise WorkerError("workers timed out after 60 s\n--- worker 1 exit code 1",
+                          [WorkerResult(0, -9, rows, "", 60.0),
+                           WorkerResult(1, 1, "", "RuntimeError: Gloo connection reset", 57.0)],
+                          timed_out=True, states={0: "sleeping"})
+    monkeypatch.setattr(LoopbackTestbed, "run_workers", crashed)
+    args = _main_args("--loopback", "--workers", "2", "--out", str(tmp_path))
+    assert mainjob.run(args) == 1
+    report = json.loads((tmp_path / "mainjob.json").read_text())
+    assert report["runs"] == [] and "worker(s) [1] failed just before the 600 s limit" in \
+        report["failed"][0]["error"]
+
+
+@pytest.mark.filterwarnings("error")   # a report with no mode finished plots cleanly
 @pytest.mark.parametrize("limit, said", [
     (30, "still running at the 30 s limit, 20 s after the workers were to stop"),
     (8, "still running at the 8 s limit, before the workers' stop time (10 s after the launch: "

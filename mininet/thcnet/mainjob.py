@@ -334,6 +334,12 @@ def _run_mode(name: str, args, progress) -> dict:
             # margin cannot be told from that), unless a worker was stopped by a signal
             if not e.timed_out:
                 raise
+            # a worker that failed on its own within the seconds before the limit, which
+            # the wait gives the others to exit, is a failure, not a stop
+            failed = [r.rank for r in e.results if r.rank not in e.states and r.returncode]
+            if failed:
+                raise WorkerError(f"worker(s) {failed} failed just before the {limit:.0f} s "
+                                  f"limit\n{e}", e.results, True, e.states) from None
             signalled = [r for r, st in e.states.items() if st.startswith("stopped")]
             evaluating = '"final_evaluation"' in e.results[0].stdout
             if signalled or not evaluating or not _rows(e.results[0].stdout)[1]:
