@@ -32,6 +32,16 @@ needs_mininet = pytest.mark.skipif(MININET_REASON is not None,
                                    reason=f"Mininet testbed unavailable: {MININET_REASON}")
 
 
+def test_loss_through_bmv2_without_netem_is_refused(monkeypatch):
+    """The fallback for a kernel without netem drops at every host's ingress as two links
+    in series; through BMv2 a worker's packets up met no loss and its results twice it."""
+    from thc.emu import emulation, links
+    monkeypatch.setattr(links, "plan", lambda bw, delay, loss: {
+        "link": {}, "iptables_loss": links.path_loss(loss), "notes": []})
+    with pytest.raises(TestbedError, match="loss through BMv2 needs netem"):
+        emulation.MininetTestbed(2, loss_pct=1.0, aggregator="bmv2")
+
+
 def smoke(tb, numel=1 << 16, seed=5):
     """Run the smoke all-reduce on ``tb``; return (worker JSON rows, reference digest)."""
     tb.start_aggregator()

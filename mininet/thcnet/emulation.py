@@ -80,6 +80,11 @@ class MininetTestbed(Testbed):
             plan = links.plan(bw_mbit, delay_ms, loss_pct)
         except links.LinkError as e:
             raise TestbedError(str(e)) from None
+        if aggregator == "bmv2" and plan["iptables_loss"]:
+            raise TestbedError("loss through BMv2 needs netem, which this kernel lacks: its "
+                               "fallback drops at the hosts' ingress for two links a path, "
+                               "but a worker's path to the switch crosses one (no loss up, "
+                               "twice the loss down)")
         if aggregator == "bmv2":
             why = bmv2_unavailable_reason()
             if why:
