@@ -42,3 +42,24 @@ def test_ring_names_are_checked():
     assert _rings("") == []
     with pytest.raises(Exception, match="ring modes"):
         _rings("fp8")
+
+
+def test_a_run_that_failed_part_way_says_so_in_its_json(monkeypatch, tmp_path):
+    """Its --json looked like a whole run with fewer points."""
+    import argparse
+    import json
+
+    from thc.emu import bench_allreduce
+    from thc.emu.testbed import TestbedError
+
+    def broken(*a, **k):
+        raise TestbedError("no room for another testbed")
+    monkeypatch.setattr(bench_allreduce, "open_testbed", broken)
+    parser = argparse.ArgumentParser()
+    bench_allreduce.add_arguments(parser)
+    out = tmp_path / "allreduce.json"
+    args = parser.parse_args(["--quick", "--aggregator", "central", "--json", str(out)])
+    assert bench_allreduce.run(args) == 1
+    result = json.loads(out.read_text())
+    assert result["complete"] is False and result["error"] == "no room for another testbed"
+    assert result["points"] == []

@@ -279,7 +279,7 @@ def run(args: argparse.Namespace) -> int:
             result["points"].append(point)
     except (TestbedError, WorkerError) as e:
         print(f"thc bench allreduce: {e}", file=sys.stderr)
-        emit_json(args, result)
+        emit_json(args, {**result, "complete": False, "error": str(e)})   # the points before
         return 1
     except KeyboardInterrupt:
         print("\nthc bench allreduce: interrupted; testbed torn down", file=sys.stderr)

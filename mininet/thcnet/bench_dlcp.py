@@ -116,7 +116,7 @@ def run(args: argparse.Namespace) -> int:
             result["aggregator_counters"] = tb.stop_aggregator()
     except (TestbedError, WorkerError) as e:
         print(f"thc bench dlcp: {e}", file=sys.stderr)
-        emit_json(args, result)
+        emit_json(args, {**result, "complete": False, "error": str(e)})   # the modes before
         return 1
     except KeyboardInterrupt:
         print("\nthc bench dlcp: interrupted; testbed torn down", file=sys.stderr)
