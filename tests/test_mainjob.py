@@ -118,6 +118,27 @@ def test_deadline_stops_every_rank_after_the_same_step_and_evaluates():
     assert "Grad strides" not in outs[0][1] + outs[1][1]
 
 
+def test_a_step_longer_than_the_margin_is_not_begun_before_the_deadline():
+    """Workers stopped after the step during which the deadline passed: a step longer than
+    the margin after it (a BMv2 step, a slow link) ran past the mode's limit, which then
+    failed the mode instead of stopping it. They stop where their next step, as long as
+    their longest, would end past it."""
+    import time
+
+    import torch.distributed as dist
+
+    from thc.app.train import _out_of_time
+    from thc.testing.clusters import free_tcp_port
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_tcp_port()}",
+                            rank=0, world_size=1)
+    try:
+        soon = time.time() + 20
+        assert not _out_of_time(soon, step_s=1.0) and not _out_of_time(None, step_s=1e9)
+        assert _out_of_time(soon, step_s=30.0) and _out_of_time(time.time() - 1)
+    finally:
+        dist.destroy_process_group()
+
+
 @pytest.mark.parametrize("unlike", [["--epochs", "1", "2"], ["--stop-at", "1e12", None]])
 def test_ranks_given_unlike_settings_both_stop_at_once_naming_them(unlike):
     """Each rank decides from its flags alone when it steps, evaluates and stops: ranks given

@@ -77,8 +77,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-steps", type=positive_int, default=None,
                         help="stop after this many optimizer steps (evaluating then)")
     parser.add_argument("--stop-at", type=float, default=None, metavar="UNIX_TIME",
-                        help="stop training once this wall-clock time has passed (every "
-                             "rank after the same step), evaluating then")
+                        help="stop training, and evaluate, after the last step that ends by "
+                             "this wall-clock time as foreseen from the longest step so far "
+                             "(every rank after the same step)")
     parser.add_argument("--threads", type=positive_int, default=1, help="torch intra-op threads")
     parser.add_argument("--topk-ratio", type=float, default=0.1)
     parser.add_argument("--slice-size", type=int, default=1 << 16,
@@ -190,14 +191,17 @@ def _group_timeout(deadline: float | None) -> float | None:
     return min(1800.0, max(30.0, deadline - time.time() + 15.0))
 
 
-def _out_of_time(deadline: float | None) -> bool:
-    """Whether any rank is past ``deadline``: they agree (one tiny all-reduce a step), so
-    every rank stops after the same step and the collectives stay matched."""
+def _out_of_time(deadline: float | None, step_s: float = 0.0) -> bool:
+    """Whether any rank's next step, as long as ``step_s`` (its longest yet), would end past
+    ``deadline``: they agree (one tiny all-reduce a step), so every rank stops after the
+    same step and the collectives stay matched. Foreseen, not found past: a step longer
+    than the margin a caller leaves after the deadline (a BMv2 step, a slow link) would
+    otherwise run past it, and the caller's limit with it."""
     if deadline is None:
         return False
     import torch
     import torch.distributed as dist
-    flag = torch.tensor([int(time.time() >= deadline)])
+    flag = torch.tensor([int(time.time() + step_s >= deadline)])
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     return bool(flag.item())
 
@@ -301,7 +305,7 @@ def _train_model(args) -> list[dict]:
     reported = 0  # each evaluation row carries the losses of the steps since the one before
     trained = 0.0
     last = False
-    comm = exposed = 0.0
+    comm = exposed = longest = 0.0
     for epoch in range(1, args.epochs + 1):
         perm = torch.from_numpy(np.random.default_rng([args.seed, epoch]).permutation(len(ytr)))
         for s in range(1, steps + 1):
@@ -315,13 +319,15 @@ def _train_model(args) -> list[dict]:
             loss = loss_fn(ddp(xtr[idx]), ytr[idx])
             loss.backward()
             opt.step()
-            trained += time.perf_counter() - t0
+            took = time.perf_counter() - t0
+            trained += took
+            longest = max(longest, took)
             step_losses.append(loss.item())
             if hook is not None:
                 br = hook.step_breakdown()
                 comm, exposed = comm + br.comm, exposed + br.exposed
             last = ((args.max_steps is not None and len(step_losses) >= args.max_steps)
-                    or _out_of_time(args.stop_at))
+                    or _out_of_time(args.stop_at, longest))
             if s % progress_every == 0:
                 say(json.dumps({"progress": len(step_losses), "of": steps * args.epochs,
                                 "seconds": trained}), flush=True)

@@ -95,9 +95,9 @@ the switch are compared with ``thc``'s, and the whole main job stays within 12 m
 cores (a step takes about 9 s through a BMv2 built without logging macros, about 36 s with
 them on a loaded machine)."""
 STOP_MARGIN = 25.0
-"""Seconds before a mode's limit at which its workers stop training and evaluate: the step
-under way (a BMv2 step takes 9-17 s through a build without logging macros) and the last
-evaluation fit in it."""
+"""Seconds before a mode's limit by which its workers stop training and evaluate: the last
+evaluation fits in it (each worker stops after the last step it foresees, from its longest
+step, to end before then: a step longer than the margin does not run past the limit)."""
 
 FIXED_TARGET = {"fashion-mnist": 0.80, "digits": 0.95}
 """The fixed accuracy target of the time-to-accuracy table, per data set."""
