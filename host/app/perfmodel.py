@@ -244,6 +244,19 @@ def report_setup(report: dict, agg_pps: float) -> Setup:
                  loss_bound=float(args.get("loss_bound") or 0.0))
 
 
+BMV2_THC_OF_L2 = 0.048
+"""BMv2's rate of THC packets (256 lanes, 8-bit sums) as a share of its own L2 forwarding,
+the two measured in one run (`thc bench switch`, README "Measured"). A main job's report
+carries the L2 rate of its BMv2 (``bmv2_probe``), which differs by build and machine."""
+
+
+def bmv2_pps(report: dict) -> float | None:
+    """The packets/s a report's BMv2 modes are modelled at: :data:`BMV2_THC_OF_L2` of its
+    probe's L2 rate; None without a probe."""
+    l2 = (report.get("bmv2_probe") or {}).get("l2_pps")
+    return BMV2_THC_OF_L2 * float(l2) if l2 else None
+
+
 FIT_MODES = ("fp32", "marsit")
 """The runs alpha and the link efficiency are fitted to: one bandwidth-bound, one
 latency-bound."""
@@ -302,7 +315,7 @@ def calibrate(report: dict, alpha_s: float | None = None, efficiency: float | No
         bmv2 = r["mode"].endswith("bmv2")
         s = replace(base, lanes=P.LANES if bmv2 else base.lanes,
                     codec_mbps=(4 * base.params / codec_s / 1e6) if codec_s else 1e12,
-                    agg_pps=float("inf") if bmv2 else base.agg_pps,
+                    agg_pps=(bmv2_pps(report) or float("inf")) if bmv2 else base.agg_pps,
                     agg_bw_factor=(float("inf") if bmv2 else 1.0 if r["mode"] in CENTRAL_MODES
                                    else base.agg_bw_factor))
         measured, predicted = step_seconds(r), iteration_s(s)[scheme]
