@@ -13,6 +13,8 @@ bucket (``buckets``: DDP's 1 MB first bucket, then 25 MB ones). Schemes:
   receives the sums once, full duplex; the round takes the slowest of the worker's link, the
   aggregator's link (p x the bytes, ``agg_bw_factor`` x BW), its packet rate (``agg_pps``)
   and the client's window (``window`` chunks a round trip of 2 alpha), plus the MAX round.
+  Shards on the worker hosts (``colocated``) share the workers' links: each carries, each
+  way, (p - 1) / p of a worker's bytes up plus down.
 - Marsit's ring: the agreement, an all-reduce of the scales and 2(p-1) hops of d/8 bytes.
 - Marsit's vote: the agreement and the scales' all-reduce, then d/8 bytes of signs up and d
   8-bit counts down
@@ -89,6 +91,9 @@ class Setup:
     """The aggregator's link as a multiple of a worker's: inf for a switch, the workers for
     shards on every worker host (their links share the load), 1 for one central software
     aggregator on a link like the workers' (the Mininet testbed's default)."""
+    colocated: bool = False
+    """Shards on the worker hosts: a worker's link carries, each way, its chunks to the other
+    shards and its shard's results to the other workers, (p - 1) / p of up plus down."""
     topk_ratio: float = 0.1
     loss: float = 0.0
     """Packet loss rate on the way to and from the aggregator (DLCP)."""
@@ -151,8 +156,9 @@ def aggregator_s(up: float, down: float, packets: float, s: Setup) -> float:
     p = s.workers
     per_bucket = packets / s.buckets
     windowed = s.buckets * math.ceil(per_bucket / s.window) * 2 * s.alpha
-    return max(max(up, down) / s.bw, p * max(up, down) / (s.agg_bw_factor * s.bw),
-               p * packets / s.agg_pps, windowed)
+    links = ((p - 1) / p * (up + down) / s.bw if s.colocated else
+             max(max(up, down) / s.bw, p * max(up, down) / (s.agg_bw_factor * s.bw)))
+    return max(links, p * packets / s.agg_pps, windowed)
 
 
 def lossy_s(wire_s: float, packets: float, s: Setup, bound: float) -> float:
@@ -239,7 +245,7 @@ def report_setup(report: dict, agg_pps: float) -> Setup:
     return Setup(params=params, workers=workers, bandwidth_gbps=float(args["bw"]) / 1e3,
                  latency_us=0.0, compute_s=sum(computes) / len(computes), overlap=1.0,
                  lanes=lanes, buckets=ddp_buckets(params), agg_pps=agg_pps,
-                 agg_bw_factor=workers, codec_mbps=1e12,
+                 agg_bw_factor=workers, colocated=True, codec_mbps=1e12,
                  loss=float(args.get("loss") or 0.0) / 100,
                  loss_bound=float(args.get("loss_bound") or 0.0))
 
@@ -317,7 +323,8 @@ def calibrate(report: dict, alpha_s: float | None = None, efficiency: float | No
                     codec_mbps=(4 * base.params / codec_s / 1e6) if codec_s else 1e12,
                     agg_pps=(bmv2_pps(report) or float("inf")) if bmv2 else base.agg_pps,
                     agg_bw_factor=(float("inf") if bmv2 else 1.0 if r["mode"] in CENTRAL_MODES
-                                   else base.agg_bw_factor))
+                                   else base.agg_bw_factor),
+                    colocated=base.colocated and not bmv2 and r["mode"] not in CENTRAL_MODES)
         measured, predicted = step_seconds(r), iteration_s(s)[scheme]
         rows.append({"mode": r["mode"], "scheme": scheme, "measured_s": measured,
                      "predicted_s": predicted, "error": predicted / measured - 1,
