@@ -73,3 +73,14 @@ def test_a_report_without_the_codec_row_is_refused(tmp_path, capsys):
         {"name": "copy (x.clone())", "elements": N, "median_s": 1e-4}]}))
     assert main(["model", "--gpu-codec", str(tmp_path / "codec.json")]) == 2
     assert "no 'THC encode+decode (...)' row" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("row", [
+    {"elements": 0, "median_s": 1e-3},          # was "math domain error"
+    {"elements": N, "median_s": "0.001"},       # was a TypeError traceback
+    {"elements": N, "median_s": float("nan")}])
+def test_a_row_without_positive_numbers_is_refused_by_name(tmp_path, capsys, row):
+    (tmp_path / "codec.json").write_text(json.dumps({"results": [
+        {"name": "THC encode+decode (triton)", **row}]}))
+    assert main(["model", "--gpu-codec", str(tmp_path / "codec.json")]) == 2
+    assert "a row needs a name, elements > 0 and median_s > 0" in capsys.readouterr().err

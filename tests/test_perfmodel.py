@@ -201,3 +201,13 @@ def test_a_central_aggregator_is_modelled_on_a_link_like_a_workers():
     report = json.loads((RUNS / "mainjob-mininet-100mbit-40steps.json").read_text())
     rows = {r["mode"]: r for r in calibrate(report, alpha, eff)}
     assert abs(rows["marsit-vote"]["error"]) < 0.25, rows["marsit-vote"]
+
+
+def test_the_plain_model_says_where_thc_pays_everywhere_and_refuses_what_no_sums_hold(capsys):
+    """It printed "pays below 1e+04 Gbit/s" for a scheme that pays at every bandwidth it
+    searched, and a traceback for more workers than 16-bit sums hold."""
+    from thc.cli import main
+    assert main(["model", "--latency-us", "0", "--compute-ms", "0", "--codec-mbps", "1e12"]) == 0
+    assert "thc_switch pays at every bandwidth up to 10000 Gbit/s" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="overflows even 16-bit sums"):
+        main(["model", "--workers", "3000"])

@@ -39,6 +39,11 @@ def _mbps(row: dict) -> float:
     return 4 * row["elements"] / row["median_s"] / 1e6
 
 
+def _positive(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) \
+        and x > 0
+
+
 def codec_speeds(report: dict) -> dict:
     """The codec's and the FP16 cast's speed from a ``thc bench codec`` report (see the
     module docstring for the rows it takes)."""
@@ -46,8 +51,11 @@ def codec_speeds(report: dict) -> dict:
     if not isinstance(rows, list):
         raise ValueError("no 'results' list: not a `thc bench codec --json` report")
     for r in rows:
-        if not {"name", "elements", "median_s"} <= set(r) or r["median_s"] <= 0:
-            raise ValueError(f"a row needs name, elements and median_s > 0: {r}")
+        if not (isinstance(r, dict) and {"name", "elements", "median_s"} <= set(r)
+                and isinstance(r["name"], str) and _positive(r["elements"])
+                and _positive(r["median_s"])):
+            raise ValueError(f"a row needs a name, elements > 0 and median_s > 0 (numbers): "
+                             f"{r}")
     codec = [r for r in rows if r["name"].startswith(CODEC_ROW)]
     if not codec:
         raise ValueError(f"no '{CODEC_ROW}...)' row in the report")

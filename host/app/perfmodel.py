@@ -422,11 +422,17 @@ def run(args: argparse.Namespace) -> int:
           f"{args.compute_ms:g} ms, overlap {args.overlap}, codec {args.codec_mbps:g} MB/s")
     print(f"{'Gbit/s':>7} {'FP32 ring ms':>13} {'THC switch ms':>14} {'THC allred ms':>14} "
           f"{'switch speedup':>15}")
-    for bw in args.bw:
-        t = iteration_s(Setup(**{**base.__dict__, "bandwidth_gbps": bw}))
-        print(f"{bw:>7g} {1e3 * t['fp32_ring']:>13.1f} {1e3 * t['thc_switch']:>14.1f} "
-              f"{1e3 * t['thc_allreduce']:>14.1f} {t['fp32_ring'] / t['thc_switch']:>14.2f}x")
-    for scheme in ("thc_switch", "thc_allreduce"):
-        be = break_even_gbps(base, scheme)
-        print(f"{scheme} pays below {be:.3g} Gbit/s" if be else f"{scheme} never pays here")
+    try:
+        for bw in args.bw:
+            t = iteration_s(Setup(**{**base.__dict__, "bandwidth_gbps": bw}))
+            print(f"{bw:>7g} {1e3 * t['fp32_ring']:>13.1f} {1e3 * t['thc_switch']:>14.1f} "
+                  f"{1e3 * t['thc_allreduce']:>14.1f} "
+                  f"{t['fp32_ring'] / t['thc_switch']:>14.2f}x")
+        for scheme in ("thc_switch", "thc_allreduce"):
+            be, top = break_even_gbps(base, scheme), 1e4
+            print(f"{scheme} never pays here" if be is None else
+                  f"{scheme} pays at every bandwidth up to {top:g} Gbit/s" if be >= top else
+                  f"{scheme} pays below {be:.3g} Gbit/s")
+    except ValueError as e:   # sums no width holds: more workers than a job takes
+        raise SystemExit(f"thc model: {e}") from None
     return 0
