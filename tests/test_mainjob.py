@@ -472,3 +472,32 @@ def _replicas_worker(rank, port, q):
 def test_replicas_agree_until_one_ranks_parameter_differs():
     """Every rank learns whether all hold the same parameters (bfloat16 ones too)."""
     assert gloo_pair(_replicas_worker) == {0: (True, False), 1: (True, False)}
+
+
+def test_a_timeout_reads_every_state_before_it_kills_any(tmp_path):
+    """A worker waiting on a peer exits on its own once that peer is being killed (Gloo:
+    connection closed): read and killed one by one, the later ones read as workers that
+    failed before the timeout, which `thc run` takes for a crash. Here worker 0 marks the
+    SIGTERM it is sent, and worker 1 exits with an error when it sees the mark."""
+    import subprocess
+
+    from thc.emu.procs import Proc, wait_all, with_parent
+
+    def launch(argv, stdout, stderr):
+        return subprocess.Popen(argv, stdout=stdout, stderr=stderr, stdin=subprocess.DEVNULL,
+                                start_new_session=True, preexec_fn=with_parent())
+    mark = tmp_path / "terminated"
+    first = Proc.start("w0", [sys.executable, "-c",
+                              "import pathlib, signal, time\n"
+                              f"signal.signal(signal.SIGTERM, lambda *a: "
+                              f"pathlib.Path({str(mark)!r}).touch())\n"
+                              "time.sleep(60)\n"], tmp_path, launch)
+    second = Proc.start("w1", [sys.executable, "-c",
+                               "import os, sys, time\n"
+                               f"while not os.path.exists({str(mark)!r}):\n"
+                               "    time.sleep(0.005)\n"
+                               "sys.exit(1)\n"], tmp_path, launch)
+    with pytest.raises(mainjob.WorkerError) as e:
+        wait_all([first, second], timeout=1.0)
+    assert mark.exists() and e.value.results[1].returncode == 1
+    assert e.value.timed_out and set(e.value.states) == {0, 1}, e.value.states

@@ -88,9 +88,9 @@ class Setup:
     efficiency: float = 1.0
     """Fraction of the nominal bandwidth the payload gets (headers, shaping)."""
     agg_bw_factor: float = float("inf")
-    """The aggregator's link as a multiple of a worker's: inf for a switch, the workers for
-    shards on every worker host (their links share the load), 1 for one central software
-    aggregator on a link like the workers' (the Mininet testbed's default)."""
+    """The aggregator's link as a multiple of a worker's: inf for a switch, 1 for one central
+    software aggregator on a link like the workers' (the Mininet testbed's default); shards
+    on every worker host are ``colocated`` instead."""
     colocated: bool = False
     """Shards on the worker hosts: a worker's link carries, each way, its chunks to the other
     shards and its shard's results to the other workers, (p - 1) / p of up plus down."""

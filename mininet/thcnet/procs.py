@@ -205,11 +205,11 @@ def wait_all(procs: list[Proc], timeout: float | None, what: str = "worker",
             timed_out = True
             break
         time.sleep(0.02)
-    states = {}
-    for i, p in enumerate(procs):
-        if p.poll() is None:
-            states[i] = state(p.pid)
-            p.kill()
+    # every state first, then the kills: a worker waiting on one just killed exits on its
+    # own within a second, and would read as one that failed before the end
+    states = {i: state(p.pid) for i, p in enumerate(procs) if p.poll() is None}
+    for i in states:
+        procs[i].kill()
     if follower:
         follower.poll()
     results = [WorkerResult(i, p.popen.returncode if p.popen.returncode is not None else -9,
