@@ -131,3 +131,25 @@ def test_a_timed_stream_stops_every_worker_after_the_same_round():
                 break
     assert row.exact is True and row.sums == "exact (2/2 workers)"
     assert vectors >= 2 and row.rounds == vectors * 4
+
+
+def test_a_worker_that_fails_after_a_clean_result_line_counts_as_crashed(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    from thc.emu.procs import Proc, with_parent
+
+    def launch(argv, stdout, stderr):
+        return subprocess.Popen(argv, stdout=stdout, stderr=stderr, stdin=subprocess.DEVNULL,
+                                start_new_session=True, preexec_fn=with_parent())
+    line = json.dumps({"rank": 0, "mismatches": 0, "rounds": 1, "stats": {}})
+    procs = [Proc.start(f"w{rc}", [sys.executable, "-c",
+                                   f"import sys; print({line!r}, flush=True); "
+                                   f"sys.stderr.write('torn down'); sys.exit({rc})"],
+                        tmp_path, launch) for rc in (0, 134)]
+    results = matrix.wait_workers(procs, 30)
+    assert "error" not in results[0], results
+    assert results[1]["error"] == "crashed" and "exited 134" in results[1]["message"]
+    assert "torn down" in results[1]["message"]
+    assert matrix.check_sums(results)[0].startswith("exact where returned (1/2 finished")

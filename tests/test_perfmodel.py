@@ -215,3 +215,18 @@ def test_the_plain_model_says_where_thc_pays_everywhere_and_refuses_what_no_sums
     assert "thc_switch pays at every bandwidth up to 10000 Gbit/s" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="overflows even 16-bit sums"):
         main(["model", "--workers", "3000"])
+
+
+def test_the_model_refuses_an_efficiency_above_one_and_labels_workers_a_switch_cannot_take(
+        capsys):
+    """An efficiency of 1.5 (a link delivering more than its rate) was taken and printed a
+    fit; a THC switch column for 64 workers said nothing of the 32 a job here takes."""
+    from thc.cli import main
+    with pytest.raises(SystemExit):
+        main(["model", "--calibrate", str(RUNS / "mainjob-mininet-100mbit.json"),
+              "--alpha-ms", "1", "--efficiency", "1.5"])
+    assert "a fraction lies in (0, 1], not 1.5" in capsys.readouterr().err
+    assert main(["model", "--workers", "64"]) == 0
+    assert "takes at most 32 workers" in capsys.readouterr().out
+    assert main(["model", "--workers", "32"]) == 0
+    assert "takes at most" not in capsys.readouterr().out

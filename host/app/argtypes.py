@@ -45,6 +45,15 @@ def non_negative_float(text: str) -> float:
     return value
 
 
+def fraction(text: str) -> float:
+    """A share of something that cannot exceed the whole: above 0, at most 1 (a link that
+    delivers 1.5 times its nominal rate is a mistyped figure)."""
+    value = _number(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"a fraction lies in (0, 1], not {text}")
+    return value
+
+
 def percent(text: str) -> float:
     value = _number(text)
     if not 0 <= value <= 100:

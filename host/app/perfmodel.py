@@ -44,8 +44,8 @@ import argparse
 import math
 from dataclasses import dataclass, replace
 
-from thc.app.argtypes import (non_negative_float, positive_float, positive_floats, positive_int,
-                              read_json)
+from thc.app.argtypes import (fraction, non_negative_float, positive_float, positive_floats,
+                              positive_int, read_json)
 from thc.collective.agreement import TAG_LANES
 from thc.wire import protocol as P
 
@@ -376,7 +376,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--alpha-ms", type=non_negative_float, default=None,
                         help="with --calibrate: per-message cost alpha (default: fitted "
                              "to the first report's FP32 and Marsit runs)")
-    parser.add_argument("--efficiency", type=positive_float, default=None,
+    parser.add_argument("--efficiency", type=fraction, default=None,
                         help="with --calibrate: link efficiency (default: fitted with alpha)")
     parser.add_argument("--agg-pps", type=positive_float, default=86e3,
                         help="with --calibrate: the software aggregators' packets/s in the main "
@@ -427,6 +427,9 @@ def run(args: argparse.Namespace) -> int:
                  codec_mbps=args.codec_mbps, buckets=ddp_buckets(args.params))
     print(f"{args.params / 1e6:g}M parameters, {args.workers} workers, compute "
           f"{args.compute_ms:g} ms, overlap {args.overlap}, codec {args.codec_mbps:g} MB/s")
+    if args.workers > P.MAX_WORKERS:
+        print(f"(a model: a job through this project's switch takes at most {P.MAX_WORKERS} "
+              f"workers; the THC switch column is a switch that takes {args.workers})")
     print(f"{'Gbit/s':>7} {'FP32 ring ms':>13} {'THC switch ms':>14} {'THC allred ms':>14} "
           f"{'switch speedup':>15}")
     try:

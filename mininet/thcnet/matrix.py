@@ -59,7 +59,9 @@ def worker_argv(tb, numel: int, rounds: int = 1, deadline: float = 10.0,
 
 
 def wait_workers(procs: list[Proc], timeout: float) -> list[dict]:
-    """Each worker's JSON line (or a crash record); kills what is left after ``timeout``."""
+    """Each worker's JSON line (or a crash record); kills what is left after ``timeout``.
+    A worker whose line says it succeeded but which exited with an error counts as crashed:
+    what failed after the line may have been part of its result."""
     end = time.monotonic() + timeout
     while any(p.poll() is None for p in procs) and time.monotonic() < end:
         time.sleep(0.1)
@@ -74,8 +76,12 @@ def wait_workers(procs: list[Proc], timeout: float) -> list[dict]:
         if not lines:
             out.append({"rank": rank, "error": "crashed", "message": p.stderr()[-400:],
                         "stats": {}})
-        else:
-            out.append(json.loads(lines[-1]))
+            continue
+        line = json.loads(lines[-1])
+        if p.poll() and "error" not in line and not line.get("mismatches"):
+            line = {**line, "error": "crashed", "message": f"exited {p.poll()} after its "
+                    f"result line: {p.stderr()[-300:]}"}
+        out.append(line)
     return out
 
 
