@@ -1484,3 +1484,82 @@ def test_a_peer_whose_process_ended_is_named_however_gloo_words_it(gloo):
     named = _peer_gone(RuntimeError(f"[gloo/transport/tcp/pair.cc:537] {gloo}."), 1)
     assert "the hook's collective of backward 1 lost its connection to a peer rank" in str(named)
     assert gloo in str(named)
+
+
+def test_a_gloo_pair_closed_by_an_earlier_timeout_is_named():
+    """After a Gloo timeout the next collective on the pair fails with "Application timeout
+    caused pair closure", which was passed on without the hook's words."""
+    from thc.collective.ddp import _peer_gone
+    gloo = "Application timeout caused pair closure"
+    named = _peer_gone(RuntimeError(f"[gloo/transport/tcp/pair.cc:446] {gloo}"), 3)
+    assert "backward 3 found its connection to a peer rank closed by an earlier timeout" \
+        in str(named) and gloo in str(named)
+
+
+def test_an_fp32_hook_issues_nothing_on_a_group_a_failed_bucket_left(monkeypatch):
+    """A rank whose bucket failed before its all-reduce abandons the group (its peers wait in
+    that all-reduce); the FP32 hook's next all-reduce went out regardless and paired with
+    the peers' pending one, every later step then summing gradients of two steps."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import thc.collective.ddp as ddp_module
+    from thc.collective.ddp import FP32Hook
+
+    class NoMemory:
+        def __getattr__(self, name):
+            return getattr(torch, name)
+
+        def cat(self, *a, **k):
+            raise MemoryError("out of memory")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port_block(1)}",
+                            rank=0, world_size=1)
+    try:
+        model = _model()
+        ddp = DDP(model)
+        FP32Hook(model, overlap=False).register(ddp)
+        x, y = _data(0)
+        torch.nn.functional.cross_entropy(ddp(x), y).backward()
+        with monkeypatch.context() as m:
+            m.setattr(ddp_module, "torch", NoMemory())
+            with pytest.raises(RuntimeError, match="out of memory"):
+                torch.nn.functional.cross_entropy(ddp(x), y).backward()
+        with pytest.raises(RuntimeError, match="may use this process group any more: a "
+                                               "bucket of backward failed before"):
+            torch.nn.functional.cross_entropy(ddp(x), y).backward()
+    finally:
+        dist.destroy_process_group()
+
+
+def _own_job_worker(jobs, addr, rank, port, q):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from thc.codec.params import THCParams
+    from thc.collective.allreduce import THCAllReduce
+    from thc.collective.ddp import THCHook
+    from thc.net.client import AggregationClient
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2, timeout=timedelta(seconds=20))
+    model = _model()
+    ddp = DDP(model)
+    client = AggregationClient(jobs[rank], 0, addr, run=1, deadline=3.0)
+    THCHook(model, lambda group: THCAllReduce.through_aggregator(
+        client, THCParams(seed=3), group), overlap=False).register(ddp)
+    try:
+        torch.nn.functional.cross_entropy(ddp(_data(rank)[0]), _data(rank)[1]).backward()
+        q.put((rank, "ok"))
+    except RuntimeError as e:
+        q.put((rank, str(e)))
+
+
+def test_a_job_of_fewer_workers_than_the_group_is_refused_on_every_rank():
+    """Each rank the only worker of a job of its own: every round was whole, and each rank
+    averaged its own gradient, the replicas parting without an error."""
+    from thc.net.aggregator import Aggregator
+    from thc.testing.clusters import local_job
+    base = free_port_block(4)
+    jobs = [local_job(1, 1, base), local_job(2, 1, base + 2)]
+    with Aggregator(jobs) as agg:
+        addr = agg.start()
+        res = gloo_pair(functools.partial(_own_job_worker, jobs, addr))
+    for rank in (0, 1):
+        assert "rounds sum 1 workers' gradients, in a process group of 2 ranks" in res[rank], res

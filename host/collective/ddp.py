@@ -85,7 +85,10 @@ STRETCH_ROUNDS = agreement.ROUND_SPAN
 _LOST = ("lost its connection to a peer rank, whose process ended or whose own collective "
          "timed out first")
 PEER_GONE = {"Timed out": "timed out: a peer rank did not reach this bucket's reduction",
-             "Connection closed by peer": _LOST, "Connection reset by peer": _LOST}
+             "Connection closed by peer": _LOST, "Connection reset by peer": _LOST,
+             "Application timeout caused pair closure":
+                 "found its connection to a peer rank closed by an earlier timeout (Gloo "
+                 "keeps a pair that timed out closed: the group carries no more collectives)"}
 """What the words of a Gloo collective's error say of the peers: the hook names it beside
 the step (the peer's own error, in its log, says why it stopped or is elsewhere)."""
 
@@ -429,7 +432,8 @@ class _Hook:
         (one reducer for two buckets adds each one's rounding error to the other), and its
         collectives must run on the group the factory was given, the hook's (on another they
         would pair with backward's own collectives: an abort, or a wrong sum where the lengths
-        match)."""
+        match), and they must sum as many workers as the group has ranks (fewer: each rank
+        averages another set; more: a round waits for workers no rank is)."""
         if any(reducer is r for r in self.reducers.values()):
             raise ValueError("the hook's factory returned a reducer that another bucket "
                              "uses: each bucket keeps its own error-feedback residual, so "
@@ -443,6 +447,12 @@ class _Hook:
         client = getattr(carrier, "client", None)
         if client is not None:
             self._check_client(client)
+        workers = getattr(carrier, "n_workers", self.world)
+        if workers != self.world:
+            raise ValueError(f"the hook's factory returned a reducer whose rounds sum "
+                             f"{workers} workers' gradients, in a process group of "
+                             f"{self.world} ranks: each rank would average another set "
+                             f"(give every rank its place in one job of {self.world} workers)")
         if not hasattr(carrier, "group"):   # an aggregator's rounds: no collectives
             return
         def resolved(group):
@@ -568,6 +578,7 @@ class FP32Hook(_Hook):
     def reduce(self, bucket, flat: torch.Tensor, sizes: list[int],
                position: torch.Tensor | None = None, stretches: int = 0) -> torch.Tensor:
         out = flat / self.world   # before the sum, as DDP's own hook: a half sum overflows first
+        DistTransport.check_group(self.group)   # a failed bucket left its peers mid-round
         dist.all_reduce(out, group=self.group)
         self.bytes_sent += ring_bytes(out, self.world)
         return out
