@@ -65,3 +65,13 @@ def test_payloads_of_the_wrong_length_or_no_workers_values_are_refused():
     signs = np.random.default_rng(1).integers(0, 2, 64).astype(np.uint8)
     got = THCIndices(data=pack_bits(signs, 1).tobytes()).indices(64, "vote")
     np.testing.assert_array_equal(got, signs)
+
+
+def test_a_udp_layer_built_over_thc_goes_to_and_from_the_protocol_port():
+    """Bound for dissection from either port, the layer built with the last binding's fields
+    only: ``UDP()/THC()`` went to port 53 (UDP's default), from the protocol's port."""
+    pkt = UDP(bytes(UDP() / THC(run=3)))
+    assert (pkt.sport, pkt.dport) == (P.UDP_PORT, P.UDP_PORT) and pkt.haslayer(THC)
+    for sport, dport in ((P.UDP_PORT, 5555), (5555, P.UDP_PORT)):
+        assert IP(bytes(IP() / UDP(sport=sport, dport=dport) / THC(run=3))).haslayer(THC)
+    assert not IP(bytes(IP() / UDP(sport=5555, dport=6666) / THC(run=3))).haslayer(THC)

@@ -36,9 +36,13 @@ def test_clock_run_ids_skip_zero_and_grow_in_serial_order():
 def test_run_from_env():
     assert P.run_from_env({}) is None
     assert P.run_from_env({"THC_RUN": "0x10"}) == 16
-    for bad in ("0", "abc", str(P.SEQ_MOD)):
+    assert P.run_from_env({"THC_RUN": "08"}) == 8   # a zero-padded decimal, not octal
+    for bad in ("0", "00", "abc", str(P.SEQ_MOD)):
         with pytest.raises(ValueError, match="THC_RUN"):
             P.run_from_env({"THC_RUN": bad})
+    assert P.run_from_env({"THC_RUN": "7", "TORCHELASTIC_RESTART_COUNT": "2"}) == 9
+    with pytest.raises(ValueError, match="TORCHELASTIC_RESTART_COUNT='²' is not a count"):
+        P.run_from_env({"THC_RUN": "7", "TORCHELASTIC_RESTART_COUNT": "²"})
 
 
 def test_epochs_are_nonzero_and_fresh():

@@ -157,7 +157,7 @@ class Job:
     aggregation: str = "thc"
     """What DATA lanes carry (protocol.json's ``aggregations``): ``thc`` 4-bit table indices,
     ``vote`` one sign bit each, counted (a vote job: :meth:`Job.vote`, table ``VOTE_TABLE``,
-    granularity 1, so 8-bit counts up to 255 workers)."""
+    granularity 1, so 8-bit counts for any job's at most 32 workers)."""
 
     def __post_init__(self):
         # a list or an array given: a tuple (hashable), of plain numbers (JSON's)

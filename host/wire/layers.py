@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 from scapy.fields import ByteEnumField, ByteField, IntField, ShortField, StrField, XIntField
 from scapy.layers.inet import UDP
-from scapy.packet import Packet, bind_layers
+from scapy.packet import Packet, bind_bottom_up, bind_top_down
 
 from thc.codec.packing import unpack_bits
 from thc.wire import protocol as P
@@ -92,5 +92,6 @@ class THCMax(_Payload):
         return P.ordered_u32_to_floats(u)
 
 
-bind_layers(UDP, THC, dport=P.UDP_PORT)
-bind_layers(UDP, THC, sport=P.UDP_PORT)
+bind_bottom_up(UDP, THC, dport=P.UDP_PORT)   # dissected from either port, as replies come
+bind_bottom_up(UDP, THC, sport=P.UDP_PORT)   # from it; UDP()/THC() builds to and from it
+bind_top_down(UDP, THC, sport=P.UDP_PORT, dport=P.UDP_PORT)

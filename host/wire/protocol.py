@@ -221,18 +221,20 @@ def run_from_env(environ=None) -> int | None:
     The launcher must give a fresh id to every launch and restart of the workers: a reused
     id would let a new incarnation's seq 0 meet its predecessor's slot uses. torchrun keeps
     the environment across the restarts it makes, so its ``TORCHELASTIC_RESTART_COUNT`` is
-    added: each restart runs as a newer run."""
+    added: each restart runs as a newer run (so launches given ids one apart, 7 then 8,
+    meet where the first restarted: give launches ids further apart than their restarts,
+    as the default, the wall clock in 100 ms, does)."""
     env = os.environ if environ is None else environ
     text = env.get(RUN_ENV)
     if text is None or text == "":
         return None
     try:
-        base = check_run(int(text, 0))
+        base = check_run(int(text, 10) if text.isdecimal() else int(text, 0))
     except ValueError:
         raise ValueError(f"{RUN_ENV}={text!r} is not a run id (an integer in "
                          f"1..{SEQ_MOD - 1})") from None
     restarts = env.get("TORCHELASTIC_RESTART_COUNT", "0") or "0"
-    if not restarts.isdigit():
+    if not restarts.isdecimal():
         raise ValueError(f"TORCHELASTIC_RESTART_COUNT={restarts!r} is not a count")
     run = (base + int(restarts)) % SEQ_MOD
     return run or 1
