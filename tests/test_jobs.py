@@ -58,6 +58,10 @@ def test_switch_lanes_come_in_groups_of_eight_and_grow_at_most_512_bytes():
         P.check_lanes(260, switch=True)
     with pytest.raises(ValueError, match="512"):
         P.check_lanes(456, switch=True, sum_bits=16)
+    # a FLUSH (no payload) grows into a whole RESULT: 264 lanes passed a DATA-based bound
+    with pytest.raises(ValueError, match="grow a FLUSH by 528 bytes"):
+        P.check_lanes(264, switch=True, sum_bits=16)
+    assert P.check_lanes(512, switch=True, sum_bits=8) == 512
 
 
 def test_a_vote_job_counts_one_bit_lanes_in_8_bit_sums():

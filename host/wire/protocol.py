@@ -160,11 +160,10 @@ def check_lanes(lanes: int, switch: bool = False, sum_bits: int = SUM_WIDTHS[0],
                          f"bits: a multiple of 8 lanes)")
     if switch and lanes % 8:
         raise ValueError(f"{lanes} lanes: the switch takes lanes in groups of 8")
-    growth = (payload_bytes(PktType.RESULT, lanes, sum_bits)
-              - payload_bytes(PktType.DATA, lanes, aggregation=aggregation))
+    growth = payload_bytes(PktType.RESULT, lanes, sum_bits)   # a header-only FLUSH's
     if switch and growth > 512:
-        raise ValueError(f"{lanes} lanes of {sum_bits}-bit sums grow a packet by {growth} "
-                         f"bytes (> 512, BMv2's limit)")
+        raise ValueError(f"{lanes} lanes of {sum_bits}-bit sums grow a FLUSH by {growth} "
+                         f"bytes into its RESULT (> 512, BMv2's limit)")
     if ETH_IP_UDP_BYTES + HEADER_BYTES + payload_bytes(PktType.RESULT, lanes, sum_bits) > 1514:
         raise ValueError(f"{lanes} lanes of {sum_bits}-bit sums do not fit a 1500-byte MTU "
                          f"(at most {max_software_lanes(sum_bits)})")
