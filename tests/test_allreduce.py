@@ -124,8 +124,10 @@ def test_aggregator_sums_equal_the_codec_reference():
         ts = [threading.Thread(target=work, args=(w,)) for w in range(3)]
         [t.start() for t in ts]
         [t.join() for t in ts]
-    np.testing.assert_array_equal(sums[0], aggregate(idx, PARAMS))
-    np.testing.assert_array_equal(decode(sums[1], 3, m, 3000, PARAMS), ref)
+    for w in range(3):   # every worker's (a thread that raised leaves None)
+        assert sums[w] is not None, f"worker {w} got no sums"
+        np.testing.assert_array_equal(sums[w], aggregate(idx, PARAMS))
+        np.testing.assert_array_equal(decode(sums[w], 3, m, 3000, PARAMS), ref)
 
 
 def test_error_feedback_makes_repeated_rounds_converge():

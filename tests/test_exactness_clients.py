@@ -91,6 +91,10 @@ def test_bounded_loss_with_a_straggler_finishes_exact(aggregator_kind):
             np.testing.assert_array_equal(sums[i], want, err_msg=f"worker {w} chunk {i}")
     for i in range(chunks):  # every worker decoded the same chunk
         assert len({int(out[w][2][i]) for w in range(3)}) == 1
+    # the slots wait for the straggler once both versions are used: later chunks count it
+    # (an aggregator that closed every chunk at its first DATA passed the checks above)
+    counts = out[0][1]
+    assert int(counts.max()) == 3, f"no chunk counted all three workers: {counts.tolist()}"
 
 
 def test_a_run_id_that_is_not_newer_is_refused():
