@@ -532,6 +532,12 @@ def test_a_granularity_beyond_the_kernels_tables_is_refused_before_the_max_round
     codec = THCCodec(p, backend="triton")
     with pytest.raises(ValueError, match="Triton kernels take a granularity of at most"):
         codec.prepare(torch.ones(256, device=DEV), round=0)
+    ones = torch.ones(256, device=DEV)   # called on their own, encode and decode refuse it too
+    with pytest.raises(ValueError, match="Triton kernels take a granularity of at most"):
+        codec.encode(ones, torch.ones(1, device=DEV), round=0)
+    with pytest.raises(ValueError, match="Triton kernels take a granularity of at most"):
+        codec.decode(torch.zeros(256, dtype=torch.int32, device=DEV), 2,
+                     torch.ones(1, device=DEV), 256, round=0)
 
     class Transport:
         packed, lanes, stream_ordered, rank = False, None, True, 0

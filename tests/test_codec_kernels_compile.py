@@ -21,6 +21,9 @@ for log, device_round, form, tiles in ((8, True, None, 1), (20, False, None, tk.
                                        (20, False, "transpose", 1)):
     print(log, form, tiles, triton_compile.compile_for(1 << log, 90, device_round, form, tiles),
           flush=True)
+for name, arg in tk.KEYED.items():
+    param = next(p for p in getattr(tk, name).params if p.name == arg)
+    print("keyed", name, arg, param.do_not_specialize, flush=True)
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -58,3 +61,6 @@ def test_kernels_compile_for_sm90():
         assert all(k in line for k in ("_encode_rows", "_finish_norms", "_encode_cols",
                                        "_decode_rows'", "_decode_rows_sums", "_decode_cols"))
     assert all(f"round {k}" in lines for k in ("_tagged", "_settle", "_keep"))
+    # a key prefix of 1 made a constant by the launcher did not compile (once in 2^32 keys)
+    keyed = [li for li in lines if li.startswith("keyed ")]
+    assert len(keyed) == 3 and all(li.endswith(" True") for li in keyed), keyed

@@ -69,7 +69,8 @@ device (quantize.segments, 12 bytes an entry there: 192 MiB at this g)."""
 
 def check_granularity(params: THCParams) -> None:
     """Refuse a g beyond :data:`KERNEL_GRANULARITY` before a round's MAX round, not in its
-    encode after it (where tables of gigabytes would be built)."""
+    encode after it (where tables of gigabytes would be built); encode and decode called
+    on their own refuse it too."""
     if params.granularity > KERNEL_GRANULARITY:
         raise ValueError(f"the Triton kernels take a granularity of at most "
                          f"{KERNEL_GRANULARITY} (got {params.granularity}); the CPU codecs "
@@ -102,6 +103,7 @@ def prepare(kern, flat, params: THCParams, lay, round: int, backend: str,
 def encode(kern, flat, lay, max_norms, params: THCParams, round: int, generator, pack: bool,
            scratch=None, status=None, norms=None):
     import torch
+    check_granularity(params)
     flat = flat.contiguous()
     check_generator(generator, flat)
     word = status if status is not None else status_word(flat.device)
@@ -160,6 +162,7 @@ def _flag_sums(word, s, top: int) -> None:
 
 def decode(kern, sums, n: int, max_norms, lay, params: THCParams, round: int, out,
            own_table=None, status=None):
+    check_granularity(params)
     sums = sums.contiguous()
     if not out.is_contiguous():
         raise ValueError("out must be contiguous")

@@ -98,7 +98,13 @@ def _split(log: int) -> tuple[int, int]:
     raise ValueError(f"no R x C split for a slice of 2^{log}")
 
 
-@triton.jit
+KEYED = {"_encode_rows": "prefix", "_encode_cols": "uprefix", "_decode_cols": "prefix"}
+"""Each kernel's key prefix, a 32-bit hash: a launch on a GPU makes an int argument equal to
+1 a compile-time constant, which the key schedule cannot bitcast (a compile error once in
+2^32 keys), so these are never specialized."""
+
+
+@triton.jit(do_not_specialize=[KEYED["_encode_rows"]])
 def _encode_rows(X, TMP, PART, STATUS, prefix, ROUND, first, length, d,
                  C: tl.constexpr, C1: tl.constexpr, BM: tl.constexpr, PREC: tl.constexpr,
                  FORM: tl.constexpr, DEV_ROUND: tl.constexpr, TILES: tl.constexpr):
@@ -146,7 +152,7 @@ def _col_block(count, NB: tl.constexpr, FIRST: tl.constexpr):
     return pid % count, pid // count
 
 
-@triton.jit
+@triton.jit(do_not_specialize=[KEYED["_encode_cols"]])
 def _encode_cols(TMP, OUT, MAXN, STATUS, uprefix, ROUND, first, count, LOWER, BASE, WIDTH, d,
                  g, scale, limit, floor, R: tl.constexpr, C: tl.constexpr, R1: tl.constexpr,
                  BN: tl.constexpr, PREC: tl.constexpr, FORM: tl.constexpr,
@@ -212,7 +218,7 @@ def _decode_rows(S, TMP, TABLE, STATUS, centre, d, levels, top,
             v, i = ahead, i + BM * C
 
 
-@triton.jit
+@triton.jit(do_not_specialize=[KEYED["_decode_cols"]])
 def _decode_cols(TMP, OUT, MAXN, STATUS, prefix, ROUND, first, count, length, d, scale, limit,
                  floor, R: tl.constexpr, C: tl.constexpr, R1: tl.constexpr, BN: tl.constexpr,
                  PREC: tl.constexpr, FORM: tl.constexpr, FIRST: tl.constexpr,
