@@ -482,3 +482,17 @@ def test_together_refuses_a_mark_lane_no_worker_sends(monkeypatch):
     monkeypatch.setattr(agreement.DistTransport, "check_group", lambda group: None)
     with pytest.raises(RuntimeError, match="a worker failed before this round's collectives"):
         agreement.together(None, 3, 9, torch.device("cpu"))
+
+
+def test_a_float64_input_beyond_float32s_range_is_named_as_such():
+    """A finite float64 value past float32's largest becomes Inf where the codec computes;
+    the refusal said only "NaN or Inf", which the input does not hold."""
+    import torch
+
+    from thc.codec.params import THCParams
+    from thc.codec.thc import THCCodec
+    codec = THCCodec(THCParams(slice_size=256))
+    x = torch.zeros(256, dtype=torch.float64)
+    x[3] = 1e39
+    with pytest.raises(ValueError, match="beyond float32's range"):
+        codec.encode(x, codec.norms(x), round=0)

@@ -230,7 +230,8 @@ def check_finite(rotated, grp) -> None:
     else:
         ok = bool(np.all(np.isfinite(rotated)))
     if not ok:
-        raise NonFiniteInput(f"input contains NaN or Inf (or values so large for the max norms "
+        raise NonFiniteInput(f"input contains NaN or Inf (or values beyond float32's range, "
+                             f"which the codec computes in, or so large for the max norms "
                              f"given that the rotation overflows float32) in slices "
                              f"{grp.first}..{grp.first + grp.count - 1}")
 
@@ -299,8 +300,9 @@ def norm_floor(params: THCParams) -> float:
     return float(m)
 
 
-BAD_INPUT_TEXT = ("input contains NaN or Inf (or a slice norm beyond {limit:.3g}, or values so "
-                  "large for the max norms given that the rotation overflows float32)")
+BAD_INPUT_TEXT = ("input contains NaN or Inf (or values beyond float32's range, which the "
+                  "codec computes in, or a slice norm beyond {limit:.3g}, or values so large "
+                  "for the max norms given that the rotation overflows float32)")
 """What a refused input holds (a norm beyond :func:`norm_limit`: its estimate or residual
 could overflow float32; with error feedback, the input plus the residual)."""
 
