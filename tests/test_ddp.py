@@ -367,6 +367,39 @@ def test_a_topk_step_that_fails_after_its_agreement_abandons_the_group(monkeypat
         dist.destroy_process_group()
 
 
+class _NoRoomToDivide:
+    """A world size whose division runs out of memory, as ``flat / world`` can on a GPU."""
+
+    def __rtruediv__(self, other):
+        raise MemoryError("out of memory")
+
+
+def test_an_fp32_hook_that_fails_before_its_all_reduce_abandons_the_group():
+    """The FP32 hook's division (a bucket-sized tensor) ran outside the failures that abandon
+    the group: the peers waited in that step's all-reduce, and this rank's next paired with
+    it, summing gradients of two steps."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from thc.collective.ddp import FP32Hook
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port_block(1)}",
+                            rank=0, world_size=1)
+    try:
+        model = _model()
+        ddp = DDP(model)
+        hook = FP32Hook(model, overlap=False).register(ddp)
+        x, y = _data(0)
+        torch.nn.functional.cross_entropy(ddp(x), y).backward()
+        hook.world = _NoRoomToDivide()
+        with pytest.raises(RuntimeError, match="out of memory"):
+            torch.nn.functional.cross_entropy(ddp(x), y).backward()
+        hook.world = 1
+        with pytest.raises(RuntimeError, match="may use this process group any more: a "
+                                               "bucket of backward failed before its all-r"):
+            torch.nn.functional.cross_entropy(ddp(x), y).backward()
+    finally:
+        dist.destroy_process_group()
+
+
 @pytest.mark.parametrize("where", ["before", "after"])
 def test_a_bucket_that_fails_around_its_compressed_round_abandons_the_group(monkeypatch, where):
     """A rank's own failure in the hook between the bucket's THC round and the end of its FP32

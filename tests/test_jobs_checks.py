@@ -295,3 +295,15 @@ def test_install_job_checks_the_switchs_address_as_a_cluster_does(sw, agg, why):
     with pytest.raises(ConfigError, match=why):
         jobs.install_job(sw, make_job(1), agg)
     assert sw.device.state() == empty
+
+
+def test_bmv2_refuses_a_job_whose_flush_would_grow_past_512_bytes():
+    """A header-only FLUSH comes back as a whole RESULT: 264 lanes of 16-bit sums grow it by
+    528 bytes, past what BMv2 allots a packet (a program generated for 264 lanes took such a
+    job); 8-bit sums of 264 lanes and 16-bit of 256 fit."""
+    from thc.controller.targets.bmv2 import Bmv2
+    job = make_job(3)
+    for lanes, bits in ((264, 8), (256, 16)):
+        Bmv2().check_job(replace(job, lanes=lanes, sum_bits=bits))
+    with pytest.raises(ConfigError, match="job 3: 264 lanes of 16-bit sums grow a FLUSH by 528"):
+        Bmv2().check_job(replace(job, lanes=264, sum_bits=16))

@@ -71,6 +71,12 @@ def test_time_to_accuracy_summary_names_the_winner():
     assert rows["thc"]["speedup"] == 30 / 8 and rows["topk"]["speedup"] is None
     assert s["verdict"].startswith("thc won") and "3.75x" in s["verdict"]
     assert rows["thc-bmv2"]["stopped"]          # a stopped run never wins
+    assert rows["thc-bmv2"]["speedup"] is None  # nor has a speedup printed beside the others
+    # exactly one point below FP32 reaches the target, and may win (1 - 0.01 is not -1.0 pp)
+    fp32_1 = _run_of("fp32", [(10, 0.70), (20, 0.8438)])
+    low = _run_of("thc", [(4, 0.72), (8, 0.8338)])
+    s = summarize([fp32_1, low], 0.8)
+    assert s["verdict"].startswith("thc won"), s["verdict"]
     # nor one whose workers' replicas differed (it won, only warned of)
     split = {**thc, "replicas_diverged_at": 2}
     s = summarize([fp32, split, topk], 0.8)

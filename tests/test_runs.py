@@ -37,6 +37,7 @@ def test_run_from_env():
     assert P.run_from_env({}) is None
     assert P.run_from_env({"THC_RUN": "0x10"}) == 16
     assert P.run_from_env({"THC_RUN": "08"}) == 8   # a zero-padded decimal, not octal
+    assert P.run_from_env({"THC_RUN": " 08\n"}) == P.run_from_env({"THC_RUN": "8\n"}) == 8
     for bad in ("0", "00", "abc", str(P.SEQ_MOD)):
         with pytest.raises(ValueError, match="THC_RUN"):
             P.run_from_env({"THC_RUN": bad})

@@ -15,6 +15,7 @@ from collections.abc import Collection
 from thc.controller.targets.base import Target
 from thc.controller.toolchain import BUILD_DIR
 from thc.wire import protocol as P
+from thc.wire.jobs import ConfigError
 
 GROUP = "ThcIngress.thc_g{}"
 LUT_TABLE = GROUP + ".thc_lut_{}"
@@ -60,6 +61,15 @@ class Bmv2(Target):
 
     def lanes(self, p4info) -> int:
         return GROUP_LANES * self.groups(p4info)
+
+    def check_job(self, job) -> None:
+        """BMv2 grows a packet by at most 512 bytes: a header-only FLUSH comes back as a whole
+        RESULT, so a program generated for more lanes than that allows runs no such job."""
+        try:
+            P.check_lanes(job.lanes, switch=True, sum_bits=job.sum_bits,
+                          aggregation=job.aggregation)
+        except ValueError as e:
+            raise ConfigError(f"job {job.job_id}: {e}") from None
 
     def lut_entries(self, sw, job, job_index: int, with_action: bool = True,
                     tables: Collection[str] | None = None) -> list[bytes]:

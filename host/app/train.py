@@ -320,15 +320,17 @@ def _train_model(args) -> list[dict]:
             loss = loss_fn(ddp(xtr[idx]), ytr[idx])
             loss.backward()
             opt.step()
+            step_losses.append(loss.item())
+            # the stop's agreement waits for the slowest rank: timed with the step, as the
+            # wait it takes over from the next step's collectives would have been
+            last = ((args.max_steps is not None and len(step_losses) >= args.max_steps)
+                    or _out_of_time(args.stop_at, max(longest, time.perf_counter() - t0)))
             took = time.perf_counter() - t0
             trained += took
             longest = max(longest, took)
-            step_losses.append(loss.item())
             if hook is not None:
                 br = hook.step_breakdown()
                 comm, exposed = comm + br.comm, exposed + br.exposed
-            last = ((args.max_steps is not None and len(step_losses) >= args.max_steps)
-                    or _out_of_time(args.stop_at, longest))
             if s % progress_every == 0:
                 say(json.dumps({"progress": len(step_losses), "of": steps * args.epochs,
                                 "seconds": trained}), flush=True)

@@ -577,8 +577,14 @@ class FP32Hook(_Hook):
 
     def reduce(self, bucket, flat: torch.Tensor, sizes: list[int],
                position: torch.Tensor | None = None, stretches: int = 0) -> torch.Tensor:
-        out = flat / self.world   # before the sum, as DDP's own hook: a half sum overflows first
         DistTransport.check_group(self.group)   # a failed bucket left its peers mid-round
+        try:
+            out = flat / self.world   # before the sum, as DDP's hook: a half sum overflows first
+        except BaseException as e:
+            # before its all-reduce went out (out of memory): the peers wait in theirs
+            DistTransport.abandon_group(self.group, f"a bucket of backward failed before its "
+                                        f"all-reduce ({type(e).__name__}: {e})")
+            raise
         dist.all_reduce(out, group=self.group)
         self.bytes_sent += ring_bytes(out, self.world)
         return out

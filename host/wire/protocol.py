@@ -225,8 +225,9 @@ def run_from_env(environ=None) -> int | None:
     as the default, the wall clock in 100 ms, does)."""
     env = os.environ if environ is None else environ
     text = env.get(RUN_ENV)
-    if text is None or text == "":
+    if text is None or text.strip() == "":
         return None
+    text = text.strip()
     try:
         base = check_run(int(text, 10) if text.isdecimal() else int(text, 0))
     except ValueError:

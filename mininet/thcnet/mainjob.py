@@ -379,7 +379,8 @@ def _run_mode(name: str, args, progress) -> dict:
     else:
         last_rows = (_rows(r.stdout)[1] for r in results)
         wire = sum(rows[-1]["bytes_sent"] for rows in last_rows if rows)
-        wire_source = "bytes sent only (transport counters: the loopback has no links)"
+        wire_source = ("bytes rank 0 sent, not received (its transport's counters; FP32 and "
+                       "FP16: the ring's formula): the loopback has no links to count")
     agg = None if agg_after is None else (agg_after[0] - agg_before[0]
                                           + agg_after[1] - agg_before[1])
     last = history[-1]
@@ -555,7 +556,9 @@ def run(args: argparse.Namespace) -> int:
     report = {"runs": runs, "failed": failed, "summary": summary, "args": vars(args),
               "bmv2_probe": probe,
               "testbed": sorted({r["testbed"] for r in runs})}
-    title = (f"{dataset}, {args.workers} workers at {args.bw:g} Mbit/s "
+    shaped = (f"at {args.bw:g} Mbit/s" if runs and runs[0]["testbed"] != "loopback" else
+              "on the loopback, unshaped")
+    title = (f"{dataset}, {args.workers} workers {shaped} "
              f"({runs[0]['params'] / 1e6:.1f}M parameters)" if runs else dataset)
     text = json.dumps(report, indent=2)
     try:

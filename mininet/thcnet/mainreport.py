@@ -51,11 +51,13 @@ def summarize(runs: list[dict], fixed: float, chance: float = 0.1) -> dict:
         b = time_to(base["history"], target)
         for row in rows:
             t = row["tta_fp32_minus_1pt"]
-            row["speedup"] = (b / t) if (b and t) else None
             row["accuracy_vs_fp32_pp"] = 100 * (row["final_accuracy"] - base["final_accuracy"])
-        # a mode whose workers' replicas differed trained no one model: it wins nothing
+            # a mode whose workers' replicas differed trained no one model, and a stopped
+            # one no whole run: neither wins, nor has a speedup to print
+            whole = not row["stopped"] and row["diverged_at"] is None
+            row["speedup"] = (b / t) if (b and t and whole) else None
         fair = [row for row in rows if row["tta_fp32_minus_1pt"] is not None
-                and row["accuracy_vs_fp32_pp"] >= -1.0 and not row["stopped"]
+                and row["final_accuracy"] >= target and not row["stopped"]
                 and row["diverged_at"] is None]
         win = min(fair, key=lambda row: row["tta_fp32_minus_1pt"], default=None)
         if win is not None and win["mode"] == "fp32":
@@ -130,7 +132,9 @@ def plot(runs: list[dict], path: Path, title: str) -> None:
     times = [x["seconds"] for r in runs for x in r["history"] if x["seconds"] > 0]
     if times and max(times) > 10 * min(times):
         ax_t.set_xscale("log")  # BMv2's modes take tens of times longer than the others
-    ax_b.set_xlabel("MB on worker links, both directions")
+    ax_b.set_xlabel("MB on worker links, both directions" if not runs or
+                    runs[0]["wire_source"].startswith("worker links") else
+                    "MB rank 0 sent (the loopback has no links)")
     ax_b.set_xscale("log")
     for ax in (ax_t, ax_b):
         ax.set_ylabel("test accuracy")
