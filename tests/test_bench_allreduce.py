@@ -63,3 +63,22 @@ def test_a_run_that_failed_part_way_says_so_in_its_json(monkeypatch, tmp_path):
     result = json.loads(out.read_text())
     assert result["complete"] is False and result["error"] == "no room for another testbed"
     assert result["points"] == []
+
+
+def test_a_finished_run_of_differing_or_wrong_results_is_no_measurement():
+    """Workers that ended with different results were only noted in the table, and an
+    estimate no better than zeros (an aggregator summing wrong) timed as any other: the run
+    exited 0 with a whole JSON."""
+    from thc.emu.bench_allreduce import failed_checks
+
+    def run(**thc):
+        mode = {"identical_results": True, "nmse": 0.004, "nmse_of_zeros": 0.25, **thc}
+        return {"points": [{"bw_mbit": 100.0, "modes": {
+            "fp32": {"identical_results": True, "nmse": 0.0, "nmse_of_zeros": 0.25},
+            "thc": mode}}]}
+    assert failed_checks(run()) == []
+    assert failed_checks(run(nmse=None, nmse_of_zeros=None)) == []   # not checked: no claim
+    assert failed_checks(run(identical_results=False)) == [
+        "thc at 100.0 Mbit/s: the workers' results differ"]
+    wrong = failed_checks(run(nmse=0.2))
+    assert len(wrong) == 1 and "NMSE 0.2, no better than half an all-zero" in wrong[0]

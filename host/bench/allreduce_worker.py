@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
             phases.append({k: v - before_ph[k] for k, v in ar.stats.seconds.items()})
 
     digest = hashlib.sha256(out.numpy().tobytes()).hexdigest()
-    nmse = None
+    nmse = nmse_zero = None
     if args.check_elems:
         # Every rank's input is regenerated here from its seed rather than all-reduced: the
         # check then puts no bytes on the links whose counters measure the rounds.
@@ -142,9 +142,10 @@ def main(argv: list[str] | None = None) -> int:
             del xr
         exact /= args.world
         nmse = float(((first[:k] - exact) ** 2).sum() / (sq / args.world))
+        nmse_zero = float((exact ** 2).sum() / (sq / args.world))   # an all-zero estimate's
     result = {"rank": args.rank, "mode": args.mode, "numel": args.numel, "times": times,
-              "cpu_seconds": cpu,
-              "wire": wire, "phases": phases, "sha256": digest, "nmse": nmse}
+              "cpu_seconds": cpu, "wire": wire, "phases": phases, "sha256": digest,
+              "nmse": nmse, "nmse_of_zeros": nmse_zero}
     if client is not None:
         result["transport"] = vars(client.stats)
         result["client_datapath"] = ar.transport.datapath

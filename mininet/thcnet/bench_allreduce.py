@@ -145,7 +145,8 @@ def _run_mode(tb, mode: str, args, numel: int, repeat: int, window: int | None =
     out = {"mode": mode, "numel": numel, "seconds": statistics.median(rounds), "rounds": rounds,
            "per_worker_seconds": [statistics.median(row["times"]) for row in rows],
            "identical_results": len({row["sha256"] for row in rows}) == 1,
-           "nmse": rows[0]["nmse"], "wall_seconds": wall,
+           "nmse": rows[0]["nmse"], "nmse_of_zeros": rows[0].get("nmse_of_zeros"),
+           "wall_seconds": wall,
            "loadavg_1min_before": load, "cores": os.cpu_count()}
     if all(row.get("cpu_seconds") for row in rows):
         # CPU the workers spent inside timed rounds (summed over workers, median round), and
@@ -286,10 +287,30 @@ def run(args: argparse.Namespace) -> int:
         return 130
 
     _print_table(result)
-    emit_json(args, result)
+    wrong = failed_checks(result)
+    if wrong:
+        print(f"thc bench allreduce: {'; '.join(wrong)}", file=sys.stderr)
+    emit_json(args, {**result, "complete": False, "error": "; ".join(wrong)} if wrong else
+              result)
     if args.plot:
         _plot(result, args.plot)
-    return 0
+    return 1 if wrong else 0
+
+
+def failed_checks(result: dict) -> list[str]:
+    """What makes a finished run no measurement: workers that ended with different results,
+    or an estimate no closer to the mean than zeros (a timing of wrong sums)."""
+    wrong = []
+    for point in result["points"]:
+        for name, m in point["modes"].items():
+            at = f"{name} at {point['bw_mbit'] or 'loopback'} Mbit/s"
+            if not m.get("identical_results", True):
+                wrong.append(f"{at}: the workers' results differ")
+            zeros, nmse = m.get("nmse_of_zeros"), m.get("nmse")
+            if zeros and nmse is not None and not nmse < zeros / 2:
+                wrong.append(f"{at}: NMSE {nmse:.3g}, no better than half an all-zero "
+                             f"estimate's {zeros:.3g}")
+    return wrong
 
 
 def _progress(m: dict) -> None:

@@ -122,6 +122,15 @@ def run(args: argparse.Namespace) -> int:
         print("\nthc bench dlcp: interrupted; testbed torn down", file=sys.stderr)
         return 130
     _print_table(result)
+    wrong = [f"{name}: the workers' estimates differ" for name, m in result["modes"].items()
+             if not m["identical_results"]]
+    wrong += [f"{name}: NMSE {m['nmse_mean']:.3g} a round, no better than half an all-zero "
+              f"estimate's 1" for name, m in result["modes"].items()
+              if not m["nmse_mean"] < 0.5]
+    if wrong:
+        print(f"thc bench dlcp: {'; '.join(wrong)}", file=sys.stderr)
+        emit_json(args, {**result, "complete": False, "error": "; ".join(wrong)})
+        return 1
     emit_json(args, result)
     return 0
 
