@@ -285,3 +285,34 @@ def test_a_worker_flushes_no_more_chunks_than_its_loss_bound():
             with pytest.raises(AggregationTimeout, match=r"missing worker\(s\) \[1\]"):
                 c.reduce(np.zeros(8 * job.lanes // 2, np.uint8))
     assert c.stats.short == 2
+
+
+def test_the_dlcp_bench_worker_times_its_rounds_after_an_untimed_one(tmp_path):
+    """`thc bench dlcp`'s worker, two ranks through a real software aggregator on the
+    loopback: the rounds asked for are timed, the workers' estimates agree and are close to
+    the mean (the bench fails a run where they are not), and one round ran before them."""
+    import json
+    import subprocess
+    import sys
+
+    from thc.testing.clusters import free_tcp_port
+    from thc.wire.jobs import Cluster
+    job = local_job(1, 2, free_port_block(2))
+    cfg = tmp_path / "cluster.json"
+    with Aggregator([job]) as agg:
+        host, port = agg.start()
+        Cluster(jobs=(job,), agg_ip=host, agg_port=port).save(cfg)
+        master = f"127.0.0.1:{free_tcp_port()}"
+        procs = [subprocess.Popen(
+            [sys.executable, "-m", "thc.bench.dlcp_worker", "--rank", str(r), "--world", "2",
+             "--master", master, "--config", str(cfg), "--run", "7", "--numel", "4096",
+             "--layers", "4", "--rounds", "3", "--loss-bound", "0.1", "--priorities"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+        outs = [p.communicate(timeout=120) for p in procs]
+        completions = agg.counters()["jobs"][job.job_id]["completions"]
+    assert [p.returncode for p in procs] == [0, 0], [o[1][-2000:] for o in outs]
+    rows = [json.loads(o[0].strip().splitlines()[-1]) for o in outs]
+    assert [len(r["times"]) for r in rows] == [3, 3]
+    assert rows[0]["nmse"] == rows[1]["nmse"] and max(rows[0]["nmse"]) < 0.5
+    # four rounds reached the aggregator, each a MAX chunk and its THC chunks: three timed
+    assert completions >= 4 * (rows[0]["chunks_per_round"] + 1), completions

@@ -144,7 +144,8 @@ def _print_table(result: dict) -> None:
               f"{m['p99_s']:>8.3f} {base['p99_s'] / m['p99_s']:>5.2f}x {m['nmse_mean']:>11.4f} "
               f"{m['cumulative_nmse']:>9.5f} {m['short_chunks_per_round']:>7.1f}/"
               f"{m['chunks_per_round']}")
-    print("x: speedup over retransmit (same run, same competing flow)")
+    print(f"x: speedup over retransmit (same run, same competing flow, one untimed round "
+          f"first); p99 of {len(base['round_seconds'])} rounds: about the slowest")
     for name, m in result["modes"].items():
         if not m["identical_results"]:
             print(f"WARNING: {name}: the workers' estimates differ (replicas diverged)")
