@@ -55,3 +55,20 @@ def test_the_real_client_takes_every_servers_answers(tmp_path):
     (row,) = json.loads(out.read_text())["rows"]
     for name in SERVERS:
         assert row[name]["packets_in"] >= 2 * 128, (name, row[name])
+
+
+def test_a_benchmarks_json_says_when_how_and_where_it_was_made(tmp_path):
+    """A figure carries its machine, date and command: the reports carried none, so a JSON
+    under docs/runs could not be traced to its run."""
+    import argparse
+    import json
+
+    from thc.bench import emit_json
+    out = tmp_path / "r.json"
+    emit_json(argparse.Namespace(json=str(out)), {"x": 1})
+    rec = json.loads(out.read_text())["recorded"]
+    assert rec["utc"].startswith("20") and rec["cores"] >= 1 and rec["command"]
+    assert set(rec) >= {"utc", "command", "commit", "cpu", "cores"}
+    again = tmp_path / "again.json"   # a report read back and written again keeps its own
+    emit_json(argparse.Namespace(json=str(again)), {**json.loads(out.read_text()), "y": 2})
+    assert json.loads(again.read_text())["recorded"] == rec

@@ -7,7 +7,10 @@ commands that write JSON or a plot take the same output flags from here.
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -26,10 +29,37 @@ def add_common(parser: argparse.ArgumentParser, *, quick: bool = True,
                            help=f"draw the plot into FILE (default {plot})")
 
 
+def provenance() -> dict:
+    """When, by which command, from which commit and on what machine a report was made: a
+    figure carries them, and a report read back later has them beside its numbers."""
+    cpu = ""
+    try:
+        cpu = next((line.split(":", 1)[1].strip() for line in
+                    Path("/proc/cpuinfo").read_text().splitlines()
+                    if line.startswith("model name")), "")
+    except OSError:
+        pass
+    try:
+        commit = subprocess.run(["git", "describe", "--always", "--dirty"],
+                                cwd=Path(__file__).resolve().parent, capture_output=True,
+                                text=True, timeout=10).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        commit = None
+    out = {"utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "command": " ".join(["thc"] + sys.argv[1:]) if Path(sys.argv[0]).name == "thc"
+           else " ".join(sys.argv), "commit": commit, "cpu": cpu, "cores": os.cpu_count()}
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available():
+        out["gpu"] = torch.cuda.get_device_name()
+    return out
+
+
 def emit_json(args: argparse.Namespace, result: dict) -> None:
-    """Write ``result`` where ``--json`` asked for it."""
+    """Write ``result`` where ``--json`` asked for it, with its :func:`provenance` (a report
+    read back and written again keeps the one it had)."""
     if args.json is None:
         return
+    result = {**result, "recorded": result.get("recorded") or provenance()}
     text = json.dumps(result, indent=2, sort_keys=True)
     if args.json == "-":
         sys.stdout.write(text + "\n")
