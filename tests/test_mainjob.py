@@ -27,6 +27,7 @@ def test_main_job_runs_and_reports(tmp_path):
     report = json.loads((tmp_path / "mainjob.json").read_text())
     runs = {r["mode"]: r for r in report["runs"]}
     assert set(runs) == {"fp32", "thc"}
+    assert report["recorded"]["command"].endswith(f"--out {tmp_path}")   # and when, where
     for r in runs.values():
         assert len(r["history"]) == 2 and 0.0 <= r["final_accuracy"] <= 1.0
         assert r["wire_bytes"] > 0 and r["dataset"] == "digits" and r["testbed"] == "loopback"

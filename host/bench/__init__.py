@@ -46,7 +46,8 @@ def provenance() -> dict:
     except (OSError, subprocess.SubprocessError):
         commit = None
     out = {"utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "command": " ".join(["thc"] + sys.argv[1:]) if Path(sys.argv[0]).name == "thc"
+           "command": " ".join(["thc"] + sys.argv[1:])
+           if Path(sys.argv[0]).name in ("thc", "cli.py")
            else " ".join(sys.argv), "commit": commit, "cpu": cpu, "cores": os.cpu_count()}
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_available():

@@ -34,6 +34,7 @@ from pathlib import Path
 
 from thc.app.argtypes import positive_int
 from thc.app.datasets import AUTO, DATASETS, fashion_dir, resolve
+from thc.bench import provenance
 from thc.codec import settings
 from thc.codec.params import THCParams
 from thc.wire import protocol as P
@@ -555,7 +556,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"{f['mode']} FAILED (not in the table): {f['error']}")
     report = {"runs": runs, "failed": failed, "summary": summary, "args": vars(args),
               "bmv2_probe": probe,
-              "testbed": sorted({r["testbed"] for r in runs})}
+              "testbed": sorted({r["testbed"] for r in runs}), "recorded": provenance()}
     shaped = (f"at {args.bw:g} Mbit/s" if runs and runs[0]["testbed"] != "loopback" else
               "on the loopback, unshaped")
     title = (f"{dataset}, {args.workers} workers {shaped} "
