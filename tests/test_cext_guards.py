@@ -173,3 +173,18 @@ def test_a_build_of_another_source_is_named_stale(tmp_path):
     source.unlink()
     assert stale(module, "thing") is None, "an installed wheel has no source to compare"
     assert stale(cext._fastagg, "compiled datapath") is None
+
+
+def test_an_extension_built_for_another_worker_limit_is_not_used(monkeypatch):
+    """The header layout, drop reasons and counters were compared with protocol.json, the
+    workers a job takes (the C code's bitmaps and arrays) were not."""
+    import importlib
+    monkeypatch.setattr(P, "MAX_WORKERS", cext._fastagg.MAX_WORKERS // 2)
+    try:
+        importlib.reload(cext)
+        assert cext.UNAVAILABLE == (f"the compiled datapath takes {cext._fastagg.MAX_WORKERS} "
+                                    f"workers a job, protocol.json {P.MAX_WORKERS}: rebuild it")
+    finally:
+        monkeypatch.undo()
+        importlib.reload(cext)
+    assert cext.UNAVAILABLE is None

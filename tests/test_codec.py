@@ -351,7 +351,7 @@ def test_codec_bench_quick(tmp_path, capsys):
     args = parser.parse_args(["--device", "tpu"])
     assert bench.run(args) == 2
     args = parser.parse_args(["--device", "cuda", "--backend", "compiled"])
-    assert bench.run(args) == 2 and "compiled is the CPU codec" in capsys.readouterr().out
+    assert bench.run(args) == 2 and "compiled is the CPU codec" in capsys.readouterr().err
 
 
 def test_numpy_sums_of_a_table_wider_than_a_byte():

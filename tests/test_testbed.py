@@ -570,3 +570,16 @@ def test_a_shell_line_past_its_deadline_in_a_node_ends_with_its_forks():
             node_run(tb.host(0), "sleep 20; echo done", timeout=1)
         assert time.monotonic() - start < 5
         assert node_run(tb.host(0), "echo a; echo b") == "a\nb\n"
+
+
+@pytest.mark.parametrize("value,kept", [("", False), ("0", False), ("1", True), ("yes", True)])
+def test_thcnet_keep_logs_0_removes_them(monkeypatch, tmp_path, value, kept):
+    """Any value kept the logs, 0 included."""
+    from thc.emu.base import Testbed
+    logdir = tmp_path / "logs"
+    logdir.mkdir()
+    tb = Testbed.__new__(Testbed)
+    tb.logdir = logdir
+    monkeypatch.setenv("THCNET_KEEP_LOGS", value)
+    tb._remove_logdir()
+    assert logdir.exists() == kept

@@ -240,10 +240,10 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--device must be cpu or cuda, got {args.device}")
         chosen = settings.current()         # ValueError: a bad THC_* variable
     except (ValueError, RuntimeError) as e:
-        print(f"thc bench codec: {e}")
+        print(f"thc bench codec: {e}", file=sys.stderr)
         return 2
     if min(sizes) < 1:
-        print("thc bench codec: sizes must be >= 1")
+        print("thc bench codec: sizes must be >= 1", file=sys.stderr)
         return 2
     print(f"thc bench codec: {chosen.describe()}", file=sys.stderr)
     repeat = max(1, min(args.repeat, 2) if args.quick else args.repeat)

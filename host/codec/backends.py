@@ -14,9 +14,9 @@ from typing import Callable
 from thc.codec import compiled, fastcodec, kernels, reference
 from thc.codec.common import torch_table
 from thc.codec.hadamard import is_torch
+from thc.codec.settings import CODEC_CPU as CPU_CHOICES
 
 BACKENDS = ("auto", "reference", "compiled", "triton")
-CPU_CHOICES = ("compiled", "reference")
 _KERNELS_MISSING: list = []
 _COMPILED_MISSING: list = []
 

@@ -22,6 +22,9 @@ else:
           or set(_fastagg.COUNTERS) != set(P.JOB_COUNTERS)):
         UNAVAILABLE = ("the compiled datapath names other drop reasons or counters than "
                        "protocol.json: rebuild it")
+    elif _fastagg.MAX_WORKERS != P.MAX_WORKERS:
+        UNAVAILABLE = (f"the compiled datapath takes {_fastagg.MAX_WORKERS} workers a job, "
+                       f"protocol.json {P.MAX_WORKERS}: rebuild it")
     else:
         UNAVAILABLE = None
 

@@ -298,7 +298,7 @@ class Testbed(AggregatorProcesses):
         raise NotImplementedError
 
     def _remove_logdir(self) -> None:
-        if os.environ.get("THCNET_KEEP_LOGS"):
+        if os.environ.get("THCNET_KEEP_LOGS", "") not in ("", "0"):
             say_once(f"logs kept in {self.logdir}")
         else:
             shutil.rmtree(self.logdir, ignore_errors=True)
