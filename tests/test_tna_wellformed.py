@@ -119,3 +119,10 @@ def test_a_wrong_entry_order_is_caught():
     k = next(i for i, (_, reason) in enumerate(table) if reason == "NOT_FROM_CPU")
     moved = [table[k]] + table[:k] + table[k + 1:]
     assert any(tcam(moved, p) != chain(p) for p in itertools.islice(packets(50_000, 2), 50_000))
+
+
+def test_the_controller_and_the_generator_share_the_tofino_programs_shape():
+    """The controller keeps copies of the generator's constants (it cannot import p4src):
+    the lanes a word adds and the CPU port must be the generator's."""
+    from thc.controller.targets import tofino
+    assert (tofino.WORD_LANES, tofino.CPU_PORT) == (gen_tna.WORD_LANES, gen_tna.CPU_PORT)
