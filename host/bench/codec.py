@@ -196,8 +196,12 @@ def graph_rows(n: int, x, params, repeat: int) -> list[dict]:
     return rows
 
 
+REPLAYS = 25
+
+
 def _replay(fn, repeat: int) -> float:
-    """Median seconds of one replay of a CUDA graph of ``fn``."""
+    """Median seconds of one replay of a CUDA graph of ``fn``, over at least :data:`REPLAYS`
+    (a replay takes about a millisecond: a median of five was as wide as a headline's margin)."""
     import torch
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -211,7 +215,7 @@ def _replay(fn, repeat: int) -> float:
     graph.replay()
     torch.cuda.synchronize()
     runs = []
-    for _ in range(max(repeat, 5)):
+    for _ in range(max(repeat, REPLAYS)):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         graph.replay()
