@@ -10,6 +10,7 @@ import argparse
 import datetime
 import json
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -30,8 +31,9 @@ def add_common(parser: argparse.ArgumentParser, *, quick: bool = True,
 
 
 def provenance() -> dict:
-    """When, by which command, from which commit and on what machine a report was made: a
-    figure carries them, and a report read back later has them beside its numbers."""
+    """When (written, at the end of the run), by which command, from which commit and on what
+    machine a report was made: a figure carries them, and a report read back later has them
+    beside its numbers (``gpu_present``: the machine's GPU, whether or not the run used it)."""
     cpu = ""
     try:
         cpu = next((line.split(":", 1)[1].strip() for line in
@@ -40,18 +42,20 @@ def provenance() -> dict:
     except OSError:
         pass
     try:
-        commit = subprocess.run(["git", "describe", "--always", "--dirty"],
+        commit = subprocess.run(["git", "--no-optional-locks", "describe", "--always",
+                                 "--dirty"],
                                 cwd=Path(__file__).resolve().parent, capture_output=True,
                                 text=True, timeout=10).stdout.strip() or None
     except (OSError, subprocess.SubprocessError):
         commit = None
+    argv = sys.argv or [""]
+    if Path(argv[0]).name in ("thc", "cli.py"):
+        argv = ["thc"] + argv[1:]
     out = {"utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "command": " ".join(["thc"] + sys.argv[1:])
-           if Path(sys.argv[0]).name in ("thc", "cli.py")
-           else " ".join(sys.argv), "commit": commit, "cpu": cpu, "cores": os.cpu_count()}
+           "command": shlex.join(argv), "commit": commit, "cpu": cpu, "cores": os.cpu_count()}
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_available():
-        out["gpu"] = torch.cuda.get_device_name()
+        out["gpu_present"] = torch.cuda.get_device_name()
     return out
 
 

@@ -303,7 +303,8 @@ def failed_checks(result: dict) -> list[str]:
     wrong = []
     for point in result["points"]:
         for name, m in point["modes"].items():
-            at = f"{name} at {point['bw_mbit'] or 'loopback'} Mbit/s"
+            at = (f"{name} at {point['bw_mbit']} Mbit/s" if point["bw_mbit"] else
+                  f"{name} on the loopback")
             if not m.get("identical_results", True):
                 wrong.append(f"{at}: the workers' results differ")
             zeros, nmse = m.get("nmse_of_zeros"), m.get("nmse")
