@@ -367,6 +367,16 @@ def test_a_topk_step_that_fails_after_its_agreement_abandons_the_group(monkeypat
         dist.destroy_process_group()
 
 
+class _NoMemory:
+    """torch, but joining tensors runs out of memory (as a bucket's join can on a GPU)."""
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    def cat(self, *a, **k):
+        raise MemoryError("out of memory")
+
+
 class _NoRoomToDivide:
     """A world size whose division runs out of memory, as ``flat / world`` can on a GPU."""
 
@@ -416,12 +426,6 @@ def test_a_bucket_that_fails_around_its_compressed_round_abandons_the_group(monk
     from thc.collective.ddp import HookOptions, THCHook
     from thc.collective.transports import DistTransport
 
-    class NoMemory:
-        def __getattr__(self, name):
-            return getattr(torch, name)
-
-        def cat(self, *a, **k):
-            raise MemoryError("out of memory")
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port_block(1)}",
                             rank=0, world_size=1)
     try:
@@ -437,7 +441,7 @@ def test_a_bucket_that_fails_around_its_compressed_round_abandons_the_group(monk
             monkeypatch.setattr(hook, "_reduce_fp32",
                                 lambda *a: (_ for _ in ()).throw(MemoryError("out of memory")))
         else:
-            monkeypatch.setattr(ddp_module, "torch", NoMemory())
+            monkeypatch.setattr(ddp_module, "torch", _NoMemory())
         with pytest.raises(RuntimeError, match="out of memory"):
             torch.nn.functional.cross_entropy(ddp(x), y).backward()
         with pytest.raises(RuntimeError, match=f"a bucket of backward failed {where} its "
@@ -1538,12 +1542,6 @@ def test_an_fp32_hook_issues_nothing_on_a_group_a_failed_bucket_left(monkeypatch
     import thc.collective.ddp as ddp_module
     from thc.collective.ddp import FP32Hook
 
-    class NoMemory:
-        def __getattr__(self, name):
-            return getattr(torch, name)
-
-        def cat(self, *a, **k):
-            raise MemoryError("out of memory")
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port_block(1)}",
                             rank=0, world_size=1)
     try:
@@ -1553,7 +1551,7 @@ def test_an_fp32_hook_issues_nothing_on_a_group_a_failed_bucket_left(monkeypatch
         x, y = _data(0)
         torch.nn.functional.cross_entropy(ddp(x), y).backward()
         with monkeypatch.context() as m:
-            m.setattr(ddp_module, "torch", NoMemory())
+            m.setattr(ddp_module, "torch", _NoMemory())
             with pytest.raises(RuntimeError, match="out of memory"):
                 torch.nn.functional.cross_entropy(ddp(x), y).backward()
         with pytest.raises(RuntimeError, match="may use this process group any more: a "

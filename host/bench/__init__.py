@@ -30,17 +30,20 @@ def add_common(parser: argparse.ArgumentParser, *, quick: bool = True,
                            help=f"draw the plot into FILE (default {plot})")
 
 
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo), "" where it does not say."""
+    try:
+        return next((line.split(":", 1)[1].strip() for line in
+                     Path("/proc/cpuinfo").read_text().splitlines()
+                     if line.startswith("model name")), "")
+    except OSError:
+        return ""
+
+
 def provenance() -> dict:
     """When (written, at the end of the run), by which command, from which commit and on what
     machine a report was made: a figure carries them, and a report read back later has them
     beside its numbers (``gpu_present``: the machine's GPU, whether or not the run used it)."""
-    cpu = ""
-    try:
-        cpu = next((line.split(":", 1)[1].strip() for line in
-                    Path("/proc/cpuinfo").read_text().splitlines()
-                    if line.startswith("model name")), "")
-    except OSError:
-        pass
     try:
         commit = subprocess.run(["git", "--no-optional-locks", "describe", "--always",
                                  "--dirty"],
@@ -52,7 +55,8 @@ def provenance() -> dict:
     if Path(argv[0]).name in ("thc", "cli.py"):
         argv = ["thc"] + argv[1:]
     out = {"utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "command": shlex.join(argv), "commit": commit, "cpu": cpu, "cores": os.cpu_count()}
+           "command": shlex.join(argv), "commit": commit, "cpu": cpu_model(),
+           "cores": os.cpu_count()}
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_available():
         out["gpu_present"] = torch.cuda.get_device_name()

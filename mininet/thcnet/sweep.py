@@ -35,6 +35,7 @@ from pathlib import Path
 from thc.app.argtypes import positive_int, read_json
 from thc.app.breakeven import analyse
 from thc.app.datasets import AUTO, DATASETS
+from thc.bench import cpu_model
 from thc.emu import mainjob
 from thc.emu.mainreport import summarize, time_to
 from thc.emu.sweepreport import markdown, plot
@@ -77,13 +78,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def machine() -> dict:
     """What the figures were measured on."""
-    cpu = ""
-    try:
-        cpu = next((line.split(":", 1)[1].strip() for line in
-                    Path("/proc/cpuinfo").read_text().splitlines()
-                    if line.startswith("model name")), "")
-    except OSError:
-        pass
     mem = None
     try:
         kb = next(int(line.split()[1]) for line in Path("/proc/meminfo").read_text().splitlines()
@@ -91,7 +85,7 @@ def machine() -> dict:
         mem = round(kb / 2 ** 20, 1)
     except (OSError, StopIteration):
         pass
-    return {"cpus": os.cpu_count(), "cpu": cpu, "memory_gib": mem,
+    return {"cpus": os.cpu_count(), "cpu": cpu_model(), "memory_gib": mem,
             "kernel": platform.release(), "python": platform.python_version()}
 
 
