@@ -35,9 +35,14 @@ Everything else goes through p4runtime-shell's public API (``shell.setup``/``tea
   program has none (a RESET is a plain frame injected at the CPU port), so
   :func:`send_raw_packets` queues raw PacketOut messages on the client's stream.
 
+* nothing says whether the session's stream still runs (a switch that restarted ended it):
+  :func:`stream_ended` reads the client's receiving thread.
+* values given as text (an IPv4 or MAC address, a number) go through the shell's own parser,
+  which is not exported: :func:`parse_value` calls it and names a value that does not fit.
+
 Nothing here patches p4runtime-shell's code: ``shell.setup`` itself sets its ``client`` and
-``context``, as it does for its interactive users, and the client's ``stub`` is its public
-attribute.
+``context``, as it does for its interactive users; the one attribute replaced is the
+client's ``stub``, on the same channel.
 """
 from __future__ import annotations
 
@@ -286,6 +291,29 @@ class _Said(logging.Handler):
 
 CLOSE_WAIT = 5.0
 """Seconds a closing session waits for the switch to end its stream before cancelling it."""
+
+
+def stream_ended(client) -> bool:
+    """Whether the session's stream has ended (its receiving thread stopped); False where
+    the client has none to tell (a test's stand-in)."""
+    stream = getattr(client, "stream_recv_thread", None)
+    return stream is not None and not stream.is_alive()
+
+
+def can_see_arbitration(client) -> bool:
+    """Whether the client queues the arbitration updates :func:`primary_taken` reads."""
+    return hasattr(client, "stream_in_q")
+
+
+def parse_value(text: str, bitwidth: int) -> bytes:
+    """``text`` (a number, IPv4 or MAC address) as p4runtime-shell parses it for a field of
+    ``bitwidth`` bits; ValueError where it does not fit."""
+    from p4runtime_sh.bytes_utils import parse_value as shell_parse
+    from p4runtime_sh.utils import UserError
+    try:
+        return shell_parse(text, bitwidth)
+    except UserError as e:
+        raise ValueError(str(e)) from None
 
 
 def primary_taken(client) -> tuple[int, int] | None:

@@ -76,11 +76,9 @@ def encode_value(value, bitwidth: int) -> bytes:
     """An integer, IPv4 address or MAC address as a canonical P4Runtime byte string
     (strings through p4runtime-shell's parser, plus the exact bit-width check it leaves out)."""
     if isinstance(value, str):
-        from p4runtime_sh.bytes_utils import parse_value
-        from p4runtime_sh.utils import UserError
         try:
-            num = int.from_bytes(parse_value(value, bitwidth), "big")
-        except UserError as e:
+            num = int.from_bytes(p4rt.parse_value(value, bitwidth), "big")
+        except ValueError as e:
             raise SwitchError(f"value {value!r} does not fit {bitwidth} bits: {e}") from None
     else:
         num = int.from_bytes(value, "big") if isinstance(value, bytes) else int(value)
@@ -215,15 +213,14 @@ class Switch:
     def _require(self):
         if self.client is None:
             raise SwitchError("not connected: call Switch.connect() first")
-        stream = getattr(self.client, "stream_recv_thread", None)
-        if stream is not None and not stream.is_alive():
+        if p4rt.stream_ended(self.client):
             raise SwitchError(
                 f"the switch at {self.grpc_addr} ended this controller's P4Runtime stream (it "
                 f"restarted, or closed the session): the session no longer holds the switch, "
                 f"and what it read before may not be what the switch holds now; nothing more "
                 f"goes through it. Run the command again")
         if self.require_primary and self.is_primary and self._taken_by is None \
-                and hasattr(self.client, "stream_in_q"):
+                and p4rt.can_see_arbitration(self.client):
             self._taken_by = p4rt.primary_taken(self.client)
         if self._taken_by is not None:
             raise SwitchError(

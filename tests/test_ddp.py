@@ -541,7 +541,8 @@ def test_a_hooks_group_is_its_own_keeps_the_timeout_and_refuses_after_an_abandon
     all-reduce on a group a failed round had left mid-round (it paired with the peer's
     pending sum: a wrong mean)."""
     from thc.collective import agreement
-    from thc.collective.ddp import FP32Hook, _timeout_of
+    from thc.collective.ddp import FP32Hook
+    from thc.collective.torchgaps import group_timeout
     from thc.collective.transports import DistTransport
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port_block(1)}",
                             rank=0, world_size=1, timeout=timedelta(seconds=7))
@@ -552,7 +553,7 @@ def test_a_hooks_group_is_its_own_keeps_the_timeout_and_refuses_after_an_abandon
         with pytest.raises(ValueError, match="carries another hook's collectives"):
             FP32Hook(model, comm_group=shared)
         assert FP32Hook(model, comm_group=shared, overlap=False).group is shared
-        assert _timeout_of(FP32Hook(model).group) == timedelta(seconds=7)
+        assert group_timeout(FP32Hook(model).group) == timedelta(seconds=7)
         DistTransport(first.group).abandon("round 3 failed between its MAX round and its sums")
         with pytest.raises(RuntimeError, match="no THC round may use this process group"):
             agreement.together(first.group, 0, 1, torch.device("cpu"))

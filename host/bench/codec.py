@@ -115,7 +115,11 @@ def powersgd_steps(x, rank: int, seed: int = 0):
     """(compress, decompress) closures doing one PowerSGD step on x viewed as a matrix,
     with warm-started Q and error feedback, as the DDP hook does per bucket."""
     import torch
-    from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import _orthogonalize
+    try:   # torch's own step, private: what its hook runs
+        from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import _orthogonalize
+    except ImportError:   # renamed: the QR it does for float32
+        def _orthogonalize(m):
+            m.copy_(torch.linalg.qr(m).Q)
     n, m = _matrix_shape(x.numel())
     r = min(rank, n, m)
     grad = x.reshape(1, n, m)

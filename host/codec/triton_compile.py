@@ -1,6 +1,11 @@
 """The codec's Triton kernels compiled ahead of time for a GPU that is not here: the check
 that what the interpreter runs (tests/test_codec_kernels.py) also builds for the device, whose
-compiler is stricter (tile shapes of the matrix products, static branches, return types)."""
+compiler is stricter (tile shapes of the matrix products, static branches, return types).
+
+Triton documents no way to compile for a device that is absent: ``ASTSource``, ``GPUTarget``
+and the compiled kernel's ``metadata`` are its internals, as of triton 3.9 (the version this
+was written against); an upgrade that breaks this module fails the compile test, not the
+codec."""
 from __future__ import annotations
 
 import triton

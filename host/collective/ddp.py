@@ -49,6 +49,7 @@ from thc.collective import agreement
 from thc.collective.allreduce import THCAllReduce
 from thc.collective.transports import DistTransport, ring_bytes, run_agreement_deferred
 from thc.collective.worker import device_of
+from thc.collective.torchgaps import group_timeout
 from thc.collective.graphed import GraphedAllReduce
 from thc.collective.marsit import MarsitAllReduce, MarsitVoteAllReduce
 
@@ -128,16 +129,6 @@ _CLIENTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _check_client`)."""
 
 
-def _timeout_of(group):
-    """The timeout ``group`` (None: the default group) was made with, or None. torch keeps it
-    on the backend's options only; a group the hook makes gets it, not torch's 30 minutes."""
-    pg = group if group is not None else dist.group.WORLD
-    try:
-        return pg._get_backend(next(iter(pg._device_types))).options._timeout
-    except (AttributeError, RuntimeError, StopIteration):
-        return None
-
-
 class _Hook:
     """Splits a bucket into compressed and FP32 spans; subclasses compress the former."""
 
@@ -168,7 +159,7 @@ class _Hook:
             device_of(group, model), failure,
             alike="the hook's kind (THCHook, FP32Hook, ...), overlap, comm_group or nonfinite")
         self.group = comm_group if comm_group is not None else \
-            dist.new_group(timeout=_timeout_of(group)) if overlap else group
+            dist.new_group(timeout=group_timeout(group)) if overlap else group
         """The process group of the hook's collectives."""
         parent = dist.group.WORLD if group is None else group
         self._parent = parent

@@ -49,6 +49,8 @@ SLOT_MOD: int = 1 << dict(HEADER_FIELDS)["slot"]
 """Slots a header can name: a job's pool_base + pool_size stays within it."""
 
 PktType = IntEnum("PktType", SPEC["pkt_types"])
+PKT_TYPE_CODES = frozenset(int(t) for t in PktType)
+"""Every packet type's code, as it appears in a header."""
 DropReason = IntEnum("DropReason", SPEC["drop_reasons"])
 JOB_COUNTERS: dict[str, int] = SPEC["job_counters"]
 AGGREGATIONS: dict[str, int] = {name: a["code"] for name, a in SPEC["aggregations"].items()
@@ -292,7 +294,7 @@ def decode(datagram: bytes | memoryview) -> tuple[Header, memoryview]:
         raise ProtocolError(f"datagram of {len(datagram)} bytes is shorter than the "
                             f"{HEADER_BYTES}-byte THC header")
     hdr = Header.unpack(datagram)
-    if hdr.pkt_type not in PktType._value2member_map_:
+    if hdr.pkt_type not in PKT_TYPE_CODES:
         raise ProtocolError(f"unknown packet type {hdr.pkt_type}")
     return hdr, memoryview(datagram)[HEADER_BYTES:]
 
