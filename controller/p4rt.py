@@ -307,13 +307,15 @@ def can_see_arbitration(client) -> bool:
 
 def parse_value(text: str, bitwidth: int) -> bytes:
     """``text`` (a number, IPv4 or MAC address) as p4runtime-shell parses it for a field of
-    ``bitwidth`` bits; ValueError where it does not fit."""
+    ``bitwidth`` bits; ValueError saying which: it does not fit, or it is none of those."""
     from p4runtime_sh.bytes_utils import parse_value as shell_parse
     from p4runtime_sh.utils import UserError
     try:
         return shell_parse(text, bitwidth)
     except UserError as e:
-        raise ValueError(str(e)) from None
+        raise ValueError(f"does not fit {bitwidth} bits: {e}") from None
+    except ValueError as e:   # the shell's MAC parser raises it for a part that is no byte
+        raise ValueError(f"is not a number, an IPv4 or a MAC address ({e})") from None
 
 
 def primary_taken(client) -> tuple[int, int] | None:

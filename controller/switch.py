@@ -79,7 +79,7 @@ def encode_value(value, bitwidth: int) -> bytes:
         try:
             num = int.from_bytes(p4rt.parse_value(value, bitwidth), "big")
         except ValueError as e:
-            raise SwitchError(f"value {value!r} does not fit {bitwidth} bits: {e}") from None
+            raise SwitchError(f"value {value!r} {e}") from None
     else:
         num = int.from_bytes(value, "big") if isinstance(value, bytes) else int(value)
     if num < 0 or num >> bitwidth:

@@ -304,3 +304,12 @@ def test_only_a_writer_refuses_once_another_controller_took_the_switch(writer):
                 sw._require()
     else:
         assert sw._require() is sw.client
+
+
+def test_a_value_the_shell_cannot_read_is_named_as_such_not_as_too_wide():
+    from thc.controller.switch import SwitchError, encode_value
+    assert encode_value("00:00:00:00:00:01", 48) == b"\x01"
+    with pytest.raises(SwitchError, match="is not a number, an IPv4 or a MAC address"):
+        encode_value("gg:00:00:00:00:01", 48)
+    with pytest.raises(SwitchError, match="does not fit 16 bits"):
+        encode_value("0x1ffff", 16)

@@ -117,8 +117,8 @@ def powersgd_steps(x, rank: int, seed: int = 0):
     import torch
     try:   # torch's own step, private: what its hook runs
         from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import _orthogonalize
-    except ImportError:   # renamed: the QR it does for float32
-        def _orthogonalize(m):
+    except ImportError:   # renamed: QR (torch's uses Gram-Schmidt at rank 2 or less, so
+        def _orthogonalize(m):   # timings there would differ)
             m.copy_(torch.linalg.qr(m).Q)
     n, m = _matrix_shape(x.numel())
     r = min(rank, n, m)
