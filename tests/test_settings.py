@@ -38,6 +38,8 @@ def test_only_the_settings_asked_for_get_flags_and_their_choices_are_checked(cap
     assert "invalid choice" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         _parse(["--client-datapath", "python"], "codec_cpu")
+    # a flag takes any case, as its variable does (THC_CODEC_CPU=Reference is reference)
+    assert vars(_parse(["--codec-cpu", "Reference"], "codec_cpu")) == {"codec_cpu": "reference"}
 
 
 def test_every_flag_names_its_variable_in_its_help():

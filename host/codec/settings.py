@@ -103,7 +103,7 @@ def add_arguments(parser: argparse.ArgumentParser, *names: str) -> None:
                                                   "(docs/settings.md)")
     for name in names:
         flag, choices, what = FLAGS[name]
-        group.add_argument(flag, dest=name, choices=choices, default=None,
+        group.add_argument(flag, dest=name, choices=choices, default=None, type=str.lower,
                            help=f"{what} (default: {ENV[name]}, else "
                                 f"{getattr(Settings, name)})")
 
