@@ -153,3 +153,45 @@ def test_a_worker_that_fails_after_a_clean_result_line_counts_as_crashed(tmp_pat
     assert results[1]["error"] == "crashed" and "exited 134" in results[1]["message"]
     assert "torn down" in results[1]["message"]
     assert matrix.check_sums(results)[0].startswith("exact where returned (1/2 finished")
+
+
+def test_a_worker_that_took_a_wrong_sum_and_then_failed_reports_it(tmp_path, monkeypatch,
+                                                                    capsys):
+    """Only three kinds of failure printed a line: a worker that took a wrong sum and then
+    failed any other way (its loss bound exceeded, say) printed none, and its row read
+    "exact where returned"."""
+    import json
+    import types
+
+    from thc.emu import smoke_worker
+    from thc.net.outcomes import LossBoundExceeded
+    from thc.testing.clusters import free_port_block, local_job
+    from thc.wire.jobs import Cluster
+    job = local_job(1, 2, free_port_block(2))
+    cfg = tmp_path / "cluster.json"
+    Cluster(jobs=(job,)).save(cfg)
+    numel = job.lanes * 2
+    right = smoke_worker.reference_sums(job.table, job.n_workers, 7, numel)
+
+    class Client:
+        loss_bound, stats, calls = 0.0, types.SimpleNamespace(sent=2), 0
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def reduce(self, packed):
+            Client.calls += 1
+            if Client.calls == 2:
+                raise LossBoundExceeded("chunk 1", 1, 2, [1], 0.0, 0, 2)
+            return types.SimpleNamespace(sums=right + 1)   # every element off by one
+    Client.job = job
+    monkeypatch.setattr(smoke_worker.worker, "client_from_args", lambda *a, **k: Client())
+    rc = smoke_worker.main(["--rank", "0", "--config", str(cfg), "--numel", str(numel),
+                            "--seed", "7", "--rounds", "3"])
+    line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert rc == 3 and line["error"] == "LossBoundExceeded"
+    assert line["mismatches"] == numel and line["rounds"] == 1
+    assert matrix.check_sums([line])[1] is False
