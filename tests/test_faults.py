@@ -195,3 +195,42 @@ def test_a_worker_that_took_a_wrong_sum_and_then_failed_reports_it(tmp_path, mon
     assert rc == 3 and line["error"] == "LossBoundExceeded"
     assert line["mismatches"] == numel and line["rounds"] == 1
     assert matrix.check_sums([line])[1] is False
+
+
+def test_a_result_replayed_from_an_earlier_round_is_a_wrong_sum(tmp_path, monkeypatch, capsys):
+    """Every round sent the same vector, so a client that returned round 1's sums again in
+    round 2 (exactness case 3) matched the reference: each round now rolls every worker's
+    indices by its own shift."""
+    import json
+    import types
+
+    from thc.emu import smoke_worker
+    from thc.testing.clusters import free_port_block, local_job
+    from thc.wire.jobs import Cluster
+    job = local_job(1, 2, free_port_block(2))
+    cfg = tmp_path / "cluster.json"
+    Cluster(jobs=(job,)).save(cfg)
+    numel = job.lanes * 2
+    right = smoke_worker.reference_sums(job.table, job.n_workers, 7, numel)
+
+    class Client:
+        loss_bound, stats, results = 0.0, types.SimpleNamespace(sent=2), []
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def reduce(self, packed):
+            rnd = len(Client.results)
+            fresh = np.roll(right, smoke_worker.round_shift(rnd, numel))
+            Client.results.append(fresh if rnd != 2 else Client.results[1])   # a replay
+            return types.SimpleNamespace(sums=Client.results[-1])
+    Client.job = job
+    monkeypatch.setattr(smoke_worker.worker, "client_from_args", lambda *a, **k: Client())
+    rc = smoke_worker.main(["--rank", "0", "--config", str(cfg), "--numel", str(numel),
+                            "--seed", "7", "--rounds", "4"])
+    line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert rc == 1 and line["rounds"] == 4 and line["mismatches"] > numel // 2, line
+    assert line["sha256"] == smoke_worker.digest(right)   # the last round, in reference order

@@ -3,11 +3,13 @@
 ``python -m thc.emu.smoke_worker --rank R --config cluster.json --agg IP:PORT --numel N --seed S``
 
 Worker r draws its indices from seed S + r, so anyone can recompute every worker's vector and
-the exact integer sums (:func:`reference_sums`). Prints one JSON line: rank, seconds, the
-SHA-256 of the sums, how many differ from the reference, rounds done, transport stats; a
-failure of the aggregation (timeout, aggregator restarted, refused) is a JSON line with its
-cause (and for a refusal its ``reason``) and exit code 3, so a fault experiment can tell a
-clear failure from a crash.
+the exact integer sums (:func:`reference_sums`); round k rolls every worker's vector by
+:func:`round_shift` (a result replayed from another round is then wrong), and its sums are
+checked rolled alike. Prints one JSON line: rank, seconds, the SHA-256 of the last sums (in
+the reference's order), how many differ from the reference, rounds done, transport stats; a
+failure (timeout, aggregator restarted, refused, any other) is a JSON line with its cause
+(for a refusal its ``reason``), the mismatches found before it, and exit code 3, so a fault
+experiment can tell a clear failure from a crash.
 
 Fault experiments (docs/faults.md) also use: ``--loss-bound F`` (DLCP: chunks may be closed
 short; each chunk is then checked against the workers its bitmap names, not all of them; the
@@ -54,16 +56,25 @@ def reference_sums(table, n_workers: int, seed: int, numel: int) -> np.ndarray:
     return total
 
 
+def round_shift(rnd: int, numel: int) -> int:
+    """How far every worker rolls its indices in round ``rnd``: each round sends another
+    vector, so a result replayed from an earlier round (up to ``numel`` rounds back) differs
+    from the round's reference."""
+    return rnd * 7919 % numel if numel else 0
+
+
 def bitmap_reference(table, n_workers: int, seed: int, numel: int, lanes: int,
-                     bitmaps: np.ndarray) -> np.ndarray:
+                     bitmaps: np.ndarray, shift: int = 0) -> np.ndarray:
     """The exact sums when chunk i holds only the workers in ``bitmaps[i]`` (a chunk closed
-    short by a FLUSH): per chunk, the table values of those workers' indices."""
+    short by a FLUSH): per chunk, the table values of those workers' indices (rolled by
+    ``shift``, as the round sent them)."""
     lut = np.asarray(table, dtype=np.uint16)
     member = np.repeat(np.asarray(bitmaps, dtype=np.uint32), lanes)[:numel]
     total = np.zeros(numel, dtype=np.uint16)
     for r in range(n_workers):
         counted = (member >> r) & 1 == 1
-        total += np.where(counted, lut[indices(seed, r, numel)], 0).astype(np.uint16)
+        total += np.where(counted, lut[np.roll(indices(seed, r, numel), shift)],
+                          0).astype(np.uint16)
     return total
 
 
@@ -159,8 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     cluster = Cluster.load(args.config)
     job = cluster.jobs[0]
     idx = np.zeros(padded(args.numel, job.lanes), dtype=np.uint8)
-    idx[: args.numel] = indices(args.seed, args.rank, args.numel)
-    packed = pack_bits(idx, P.INDEX_BITS)
+    mine = indices(args.seed, args.rank, args.numel)
     impair = Impairment.from_args(args, seed=args.rank)
     ref = reference_sums(job.table, job.n_workers, args.seed, args.numel)
     mismatches, rounds, sums = 0, 0, np.zeros(0, ref.dtype)   # no round: no reference digest
@@ -185,15 +195,18 @@ def main(argv: list[str] | None = None) -> int:
                     stop = _halt(args.until, args.rank, rounds, args.deadline * 2)
                 if rounds >= stop:
                     break
-                last = client.reduce(packed)
-                sums = last.sums[: args.numel]
+                shift = round_shift(rounds, args.numel)
+                idx[: args.numel] = np.roll(mine, shift)
+                last = client.reduce(pack_bits(idx, P.INDEX_BITS))
+                got = last.sums[: args.numel]
                 if bounded:
                     counts, bitmaps = last.counts, last.bitmaps
                     want = bitmap_reference(job.table, job.n_workers, args.seed, args.numel,
-                                            job.lanes, bitmaps)
-                    mismatches += bitmap_mismatches(sums, want, counts, bitmaps, job.lanes)
+                                            job.lanes, bitmaps, shift)
+                    mismatches += bitmap_mismatches(got, want, counts, bitmaps, job.lanes)
                 else:
-                    mismatches += int(np.count_nonzero(sums != ref))
+                    mismatches += int(np.count_nonzero(got != np.roll(ref, shift)))
+                sums = np.roll(got, -shift)   # the reference's order: digests compare
                 rounds += 1
         except Exception as e:  # noqa: BLE001 - any failure reports the mismatches found so far
             # (a worker that took a wrong sum and then failed otherwise printed no line, and
