@@ -155,16 +155,14 @@ def test_a_worker_that_fails_after_a_clean_result_line_counts_as_crashed(tmp_pat
     assert matrix.check_sums(results)[0].startswith("exact where returned (1/2 finished")
 
 
-def test_a_worker_that_took_a_wrong_sum_and_then_failed_reports_it(tmp_path, monkeypatch,
-                                                                    capsys):
-    """Only three kinds of failure printed a line: a worker that took a wrong sum and then
-    failed any other way (its loss bound exceeded, say) printed none, and its row read
-    "exact where returned"."""
+
+def _worker_over(tmp_path, monkeypatch, capsys, answer, rounds: int):
+    """smoke_worker (rank 0 of a 2-worker job, seed 7) through a client stand-in whose round
+    ``k`` returns ``answer(k, right_sums_of_round_k)`` (or raises): (exit code, JSON line)."""
     import json
     import types
 
     from thc.emu import smoke_worker
-    from thc.net.outcomes import LossBoundExceeded
     from thc.testing.clusters import free_port_block, local_job
     from thc.wire.jobs import Cluster
     job = local_job(1, 2, free_port_block(2))
@@ -174,7 +172,7 @@ def test_a_worker_that_took_a_wrong_sum_and_then_failed_reports_it(tmp_path, mon
     right = smoke_worker.reference_sums(job.table, job.n_workers, 7, numel)
 
     class Client:
-        loss_bound, stats, calls = 0.0, types.SimpleNamespace(sent=2), 0
+        loss_bound, stats, done = 0.0, types.SimpleNamespace(sent=2), 0
 
         def __enter__(self):
             return self
@@ -183,17 +181,30 @@ def test_a_worker_that_took_a_wrong_sum_and_then_failed_reports_it(tmp_path, mon
             return False
 
         def reduce(self, packed):
-            Client.calls += 1
-            if Client.calls == 2:
-                raise LossBoundExceeded("chunk 1", 1, 2, [1], 0.0, 0, 2)
-            return types.SimpleNamespace(sums=right + 1)   # every element off by one
+            k, Client.done = Client.done, Client.done + 1
+            fresh = np.roll(right, smoke_worker.round_shift(k, numel))
+            return types.SimpleNamespace(sums=answer(k, fresh))
     Client.job = job
     monkeypatch.setattr(smoke_worker.worker, "client_from_args", lambda *a, **k: Client())
     rc = smoke_worker.main(["--rank", "0", "--config", str(cfg), "--numel", str(numel),
-                            "--seed", "7", "--rounds", "3"])
-    line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+                            "--seed", "7", "--rounds", str(rounds)])
+    return rc, json.loads(capsys.readouterr().out.strip().splitlines()[-1]), right
+
+
+def test_a_worker_that_took_a_wrong_sum_and_then_failed_reports_it(tmp_path, monkeypatch,
+                                                                    capsys):
+    """Only three kinds of failure printed a line: a worker that took a wrong sum and then
+    failed any other way (its loss bound exceeded, say) printed none, and its row read
+    "exact where returned"."""
+    from thc.net.outcomes import LossBoundExceeded
+
+    def answer(k, fresh):
+        if k == 1:
+            raise LossBoundExceeded("chunk 1", 1, 2, [1], 0.0, 0, 2)
+        return fresh + 1   # every element off by one
+    rc, line, right = _worker_over(tmp_path, monkeypatch, capsys, answer, 3)
     assert rc == 3 and line["error"] == "LossBoundExceeded"
-    assert line["mismatches"] == numel and line["rounds"] == 1
+    assert line["mismatches"] == right.size and line["rounds"] == 1
     assert matrix.check_sums([line])[1] is False
 
 
@@ -201,36 +212,12 @@ def test_a_result_replayed_from_an_earlier_round_is_a_wrong_sum(tmp_path, monkey
     """Every round sent the same vector, so a client that returned round 1's sums again in
     round 2 (exactness case 3) matched the reference: each round now rolls every worker's
     indices by its own shift."""
-    import json
-    import types
+    results = []
 
+    def answer(k, fresh):
+        results.append(fresh if k != 2 else results[1])   # round 2 replays round 1's
+        return results[-1]
+    rc, line, right = _worker_over(tmp_path, monkeypatch, capsys, answer, 4)
+    assert rc == 1 and line["rounds"] == 4 and line["mismatches"] > right.size // 2, line
     from thc.emu import smoke_worker
-    from thc.testing.clusters import free_port_block, local_job
-    from thc.wire.jobs import Cluster
-    job = local_job(1, 2, free_port_block(2))
-    cfg = tmp_path / "cluster.json"
-    Cluster(jobs=(job,)).save(cfg)
-    numel = job.lanes * 2
-    right = smoke_worker.reference_sums(job.table, job.n_workers, 7, numel)
-
-    class Client:
-        loss_bound, stats, results = 0.0, types.SimpleNamespace(sent=2), []
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            return False
-
-        def reduce(self, packed):
-            rnd = len(Client.results)
-            fresh = np.roll(right, smoke_worker.round_shift(rnd, numel))
-            Client.results.append(fresh if rnd != 2 else Client.results[1])   # a replay
-            return types.SimpleNamespace(sums=Client.results[-1])
-    Client.job = job
-    monkeypatch.setattr(smoke_worker.worker, "client_from_args", lambda *a, **k: Client())
-    rc = smoke_worker.main(["--rank", "0", "--config", str(cfg), "--numel", str(numel),
-                            "--seed", "7", "--rounds", "4"])
-    line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert rc == 1 and line["rounds"] == 4 and line["mismatches"] > numel // 2, line
     assert line["sha256"] == smoke_worker.digest(right)   # the last round, in reference order
