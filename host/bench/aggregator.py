@@ -222,17 +222,17 @@ def run(args: argparse.Namespace) -> int:
             for kind in SERVERS:
                 runs[kind].append(run_point(kind, n, chunks, lanes, args.window, args.load,
                                             payloads, args.load_procs, args.gso))
-        best = {}
+        median = {}
         for kind in SERVERS:
             ordered = sorted(runs[kind], key=lambda r: r["packets_in_per_s"])
-            best[kind] = b = {**ordered[len(ordered) // 2],
+            median[kind] = b = {**ordered[len(ordered) // 2],
                               "packets_in_per_s_runs": [r["packets_in_per_s"]
                                                         for r in runs[kind]]}
             print(f"{n:>7} {kind:>14} {b['packets_in_per_s']:>12,.0f} {b['coords_per_s']:>14,.0f} "
                   f"{b['seconds']:>8.3f} {b['retransmitted']:>7}  (median of {repeat}: "
                   f"{min(b['packets_in_per_s_runs']):,.0f}-{max(b['packets_in_per_s_runs']):,.0f})",
                   flush=True)
-        rate = {k: v["packets_in_per_s"] for k, v in best.items()}
+        rate = {k: v["packets_in_per_s"] for k, v in median.items()}
         ratios = {"compiled_vs_python": rate["compiled"] / rate["python"],
                   "compiled_vs_compiled_echo": rate["compiled"] / rate["compiled echo"],
                   "python_vs_python_echo": rate["python"] / rate["python echo"],
@@ -242,7 +242,7 @@ def run(args: argparse.Namespace) -> int:
               f"python/python echo {ratios['python_vs_python_echo']:.2f}, "
               f"compiled echo/python echo {ratios['compiled_echo_vs_python_echo']:.2f}x",
               flush=True)
-        rows.append({"workers": n, **{k.replace(" ", "_"): v for k, v in best.items()},
+        rows.append({"workers": n, **{k.replace(" ", "_"): v for k, v in median.items()},
                      "ratios": ratios})
     emit_json(args, {"benchmark": "aggregator", "lanes": lanes, "load": args.load,
                      "client_datapath": resolve_datapath(None, settings) if args.load == "python"
