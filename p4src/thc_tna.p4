@@ -359,12 +359,16 @@ control ThcIngress(inout tna_headers_t hdr, inout metadata_t meta,
     Register<thc_ack_t, bit<16>>(THC_REG_SIZE / 2) thc_acked1;
     Register<thc_passes_t, thc_index_t>(THC_REG_SIZE) thc_passes;
 
-    // When the job last accepted a packet (a pass after pass 0 writes it: pass 0 cannot know
-    // yet whether a later check refuses the packet), 0 for a job without a run (RESET). A
-    // job without a run, or idle for THC_TNA_IDLE, goes to any run.
+    // When the job last accepted a packet, 0 for a job without a run (RESET). A job without
+    // a run, or idle for THC_TNA_IDLE, goes to any run. Pass 0 reaches it only with a packet
+    // that passes every check before the job's run (thc_job_seen_op), which takes an idle
+    // job: it marks the job taken at once, so that no packet of another run a recirculation
+    // later finds it idle too. A live job's clock is refreshed by the passes after pass 0,
+    // which only packets that passed the run check take.
     RegisterAction<bit<32>, bit<32>, bit<1>>(thc_job_seen) thc_job_seen_ra = {
         void apply(inout bit<32> value, out bit<1> idle) {
             if (value == 0 || (int<32>)(meta.idle_since - value) >= 0) {
+                value = meta.now;
                 idle = 1;
             } else {
                 idle = 0;
@@ -782,22 +786,50 @@ control ThcIngress(inout tna_headers_t hdr, inout metadata_t meta,
         const default_action = NoAction;
         size = 1;
     }
+    // The checks of thc_check before the job's run, as its entries make them (a known
+    // worker is one of the job's: the controller's thc_worker entries; a slot within the
+    // pool has no bit of the pool's mask clear), so that only a packet that thc_check
+    // leaves to the run check reads (and takes) an idle job.
+#define THC_SEEN_POOL(P) \
+            (0, 1, _, _, _, _, P, 0 &&& (P - 1), 0 &&& P, 0, 1, 0 &&& (0xffff - (P - 1)), 0): \
+                thc_job_seen_check(); \
+            (0, 1, _, _, _, _, P, 0 &&& (P - 1), P &&& P, 1, 1, 0 &&& (0xffff - (P - 1)), 0): \
+                thc_job_seen_check();
     @stage(1)
     table thc_job_seen_op {
         key = {
             meta.drop_reason: ternary;
             meta.job_hit: ternary;
-            meta.worker_hit: ternary;
             hdr.thc.pkt_type: ternary;
+            meta.vote: ternary;
+            meta.lanes_in: ternary;
+            meta.wide: ternary;
+            meta.pool_size: ternary;
+            meta.slotx: ternary;
+            hdr.thc.seq[15:0]: ternary @name("seq16");
+            hdr.thc.version: ternary;
+            meta.worker_hit: ternary;
+            hdr.thc.slot: ternary @name("slot");
+            hdr.thc.offset[31:31]: ternary @name("offset31");
         }
         actions = { thc_job_seen_check; thc_job_seen_clear; NoAction; }
         const entries = {
-            (0, 1, _, THC_RESET): thc_job_seen_clear();
-            (0, 1, 1, _): thc_job_seen_check();
+            (0, 1, THC_RESET, _, _, _, _, _, _, _, _, _, _): thc_job_seen_clear();
+            (0, 1, _, 1, _, 1, _, _, _, _, _, _, _): NoAction();
+            (0, 1, THC_DATA, 0, THC_IN_NONE, _, _, _, _, _, _, _, _): NoAction();
+            (0, 1, THC_DATA, 0, THC_IN_SIGNS, _, _, _, _, _, _, _, _): NoAction();
+            (0, 1, THC_DATA, 1, THC_IN_NONE, _, _, _, _, _, _, _, _): NoAction();
+            (0, 1, THC_DATA, 1, THC_IN_IDX, _, _, _, _, _, _, _, _): NoAction();
+            (0, 1, THC_MAX, _, THC_IN_NONE, _, _, _, _, _, _, _, _): NoAction();
+            (0, 1, THC_FLUSH, _, THC_IN_NONE, _, _, _, _, _, _, _, _): NoAction();
+            THC_SEEN_POOL(1) THC_SEEN_POOL(2) THC_SEEN_POOL(4) THC_SEEN_POOL(8)
+            THC_SEEN_POOL(16) THC_SEEN_POOL(32) THC_SEEN_POOL(64) THC_SEEN_POOL(128)
+            THC_SEEN_POOL(256) THC_SEEN_POOL(512)
         }
         const default_action = NoAction;
-        size = 4;
+        size = 32;
     }
+#undef THC_SEEN_POOL
     action thc_job_run_clear() {
         thc_job_run_reset.execute((bit<32>)meta.job_index);
     }
@@ -1514,6 +1546,7 @@ control ThcIngress(inout tna_headers_t hdr, inout metadata_t meta,
             thc_worker.apply();
             meta.idle_since = ig_intr_md.ingress_mac_tstamp[47:16] - THC_TNA_IDLE;
             meta.run_far = hdr.thc.run - THC_RUN_JUMP;
+            meta.slotx = hdr.thc.seq[15:0] ^ hdr.thc.slot;
             thc_job_seen_op.apply();
             meta.use_key = hdr.thc.offset;
             if (hdr.thc.pkt_type == THC_MAX) {
@@ -1531,7 +1564,6 @@ control ThcIngress(inout tna_headers_t hdr, inout metadata_t meta,
             } else if (meta.lanes_in != THC_IN_NONE) {
                 meta.bridge.payload = THC_PAY_IDX;
             }
-            meta.slotx = hdr.thc.seq[15:0] ^ hdr.thc.slot;
             thc_slot();
             thc_index();
             thc_jc();

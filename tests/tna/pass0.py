@@ -76,8 +76,9 @@ class TnaEngine:
         self.lost_uses: set[tuple[int, int]] = set()
         """(run, seq) of the uses a packet of which lost a pass."""
         self.reopened: set[tuple[int, int]] = set()
-        """(run, seq) of the uses opened again while a pass of theirs went round: an idle
-        job taken by another run and back within one recirculation (docs/switch.md)."""
+        """(run, seq) of the uses opened again while the pass of the packet that opened them
+        went round (an idle job taken by another run and back within one recirculation,
+        where pass 1 alone marked an idle job taken: tests/test_tna_window.py)."""
         self.going_round: deque = deque()
         """((slot version, run, seq), the passes after pass 0) of each packet going round."""
         self.clock, self.pending = None, []
@@ -140,7 +141,8 @@ class TnaEngine:
         if later is not None:
             f = later.f
             use = (f.get("meta.reg_index", 0), f.get("hdr.thc.run", 0), f.get("hdr.thc.seq", 0))
-            if f.get("meta.bridge.new_use", 0) and any(k == use for k, _ in self.going_round):
+            if f.get("meta.bridge.new_use", 0) and any(
+                    k == use and g.f.get("meta.bridge.new_use", 0) for k, g in self.going_round):
                 self.reopened.add(use[1:])
             self.going_round.append((use, later))
         replies += sent
