@@ -221,3 +221,36 @@ def test_a_result_replayed_from_an_earlier_round_is_a_wrong_sum(tmp_path, monkey
     assert rc == 1 and line["rounds"] == 4 and line["mismatches"] > right.size // 2, line
     from thc.emu import smoke_worker
     assert line["sha256"] == smoke_worker.digest(right)   # the last round, in reference order
+
+
+def test_each_launch_of_workers_draws_its_own_seed(tmp_path):
+    """Every launch used seed 4242, so a result replayed across a restart or to a relaunched
+    run matched the new launch's reference: each worker_argv (one launch) now draws a seed
+    of its own, and a relaunch under the same run calls it again."""
+    import types
+
+    tb = types.SimpleNamespace(cluster_path=tmp_path / "cluster.json", agg_addr=("10.0.0.9", 9))
+
+    def seed_of(argv):
+        a = argv(0)
+        return int(a[a.index("--seed") + 1])
+    seeds = [seed_of(matrix.worker_argv(tb, 256)) for _ in range(3)]
+    assert len(set(seeds)) == 3, seeds
+    # ranks draw seed + r: no two launches of up to 100 workers share a worker's vector
+    assert min(abs(a - b) for a in seeds for b in seeds if a != b) >= 100
+
+
+def test_a_row_whose_fault_did_not_happen_is_not_exact(capsys):
+    """A spoofed row whose forgeries reached no worker, or a straggler row with no chunk
+    closed short, read "exact" and passed: the row now says its fault did not happen, is not
+    counted exact, and the matrix lists it."""
+    row = faults.Row("spoofed replies", "loopback", "exact (4/4 workers)", 8, 0, 1.0, {}, "",
+                     True).not_fired("no forged reply reached a worker")
+    assert row.exact is None
+    assert row.sums == "fault not shown (no forged reply reached a worker): exact (4/4 workers)"
+    text = faults.render([row], quick=True, elapsed=1.0)
+    assert ("Faults that did not happen (their rows show nothing about them): spoofed replies "
+            "(no forged reply reached a worker).") in text
+    assert "Wrong sums: none in any row." in text
+    wrong = faults.Row("w", "loopback", "WRONG: 1 sums differ", 8, 0, 1.0, {}, "", False)
+    assert wrong.not_fired("x").exact is False   # a wrong sum stays one

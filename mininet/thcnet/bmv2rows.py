@@ -8,8 +8,8 @@ import time
 
 from thc.emu.base import bmv2_unavailable_reason
 from thc.emu.faultrows import JITTER_S, row_switch_restarted, row_worker_killed
-from thc.emu.matrix import (N_WORKERS, SEED, check_sums, controller_cmd, p4_build_stale, Row,
-                           stream_row, wait_workers)
+from thc.emu.matrix import (N_WORKERS, check_sums, controller_cmd, launch_seed, p4_build_stale,
+                           Row, stream_row, wait_workers)
 from thc.emu.protorows import row_out_of_step, row_reused_run, row_spoofed, straggler_testbed_row
 from thc.emu.testbed import TestbedError, open_testbed
 
@@ -133,9 +133,10 @@ def bmv2_rows(numel: int, prefer_mininet: bool) -> list[Row]:
         agg = f"{tb.agg_addr[0]}:{tb.agg_addr[1]}"
 
         def argv(cfg, first):
+            seed = launch_seed()
             return lambda r: ["python", "-m", "thc.emu.smoke_worker", "--rank", str(r - first),
                               "--config", str(cfg), "--agg", agg, "--numel", str(numel),
-                              "--seed", str(SEED), "--deadline", "30"]
+                              "--seed", str(seed), "--deadline", "30"]
 
         for name, action in ((names[0], ("install", "--config", str(paths["both"]))),
                              (names[1], ("install", "--config", str(paths["b"])))):

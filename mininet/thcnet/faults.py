@@ -99,7 +99,9 @@ def render(rows: list[Row], quick: bool, elapsed: float) -> str:
              f"{N_WORKERS} workers unless said) through the software aggregator (`thc "
              "aggregator`) unless marked BMv2, and every worker checks its sums bit for bit "
              "against a reference computed from the indices all workers sent "
-             "(`thc.emu.smoke_worker`).", "",
+             "(`thc.emu.smoke_worker`); each launch draws its own seed and each round rolls "
+             "every worker's indices, so a result replayed from another round or launch "
+             "differs from the reference.", "",
              "Columns: *sums*: the check; *rounds*: chunks completed by the aggregator (all "
              "workers' contributions summed); *retx*: retransmissions by the workers; *time*: "
              "wall seconds of the row; *drops*: the aggregator's drop counters by reason during "
@@ -121,8 +123,12 @@ def render(rows: list[Row], quick: bool, elapsed: float) -> str:
         lines.append(f"| {r.name} | {r.testbed} | {r.sums} | {r.rounds} | "
                      f"{r.retransmissions} | {secs} | {drops} | {r.note} |")
     wrong = [r.name for r in rows if r.exact is False]
-    lines += ["", "Wrong sums: " + (", ".join(wrong) if wrong else "none in any row") + ".", "",
-              EXACTNESS_CASES]
+    unfired = [f"{r.name} ({r.unfired})" for r in rows if r.unfired]
+    lines += ["", "Wrong sums: " + (", ".join(wrong) if wrong else "none in any row") + "."]
+    if unfired:
+        lines += ["", "Faults that did not happen (their rows show nothing about them): "
+                  + ", ".join(unfired) + "."]
+    lines += ["", EXACTNESS_CASES]
     return "\n".join(lines)
 
 

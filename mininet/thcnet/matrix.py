@@ -3,6 +3,7 @@
 before and after; and the helpers the rows share (the controller, the P4 build's state)."""
 from __future__ import annotations
 
+import itertools
 import json
 import subprocess
 import sys
@@ -17,6 +18,14 @@ from thc.emu.testbed import TestbedError
 
 N_WORKERS = 4
 SEED = 4242
+_launches = itertools.count()
+
+
+def launch_seed() -> int:
+    """A seed of its own for each launch of workers (SEED, SEED + 100, ...; worker r draws
+    from seed + r): a result replayed from an earlier launch, after a restart or to a
+    relaunched run, does not match this launch's reference."""
+    return SEED + 100 * next(_launches)
 
 
 @dataclass
@@ -33,6 +42,17 @@ class Row:
     """True: every sum checked was exact; False: a wrong sum (the matrix then fails)."""
     stream_seconds: float = 0.0
     """The slowest worker's time inside aggregate() (no process start, no reference)."""
+    unfired: str = ""
+    """Why the row's fault did not happen (its sums then show nothing about the fault)."""
+
+    def not_fired(self, why: str) -> "Row":
+        """The row ran but its fault did not happen as planned: exact sums prove nothing
+        about it, so the row is not counted as exact."""
+        self.unfired = why
+        self.sums = f"fault not shown ({why}): {self.sums}"
+        if self.exact:
+            self.exact = None
+        return self
 
 
 # -- running workers --------------------------------------------------------------------------
@@ -44,13 +64,15 @@ client is (the compiled window finishes one quick-mode vector in well under a se
 
 def worker_argv(tb, numel: int, rounds: int = 1, deadline: float = 10.0,
           per_rank: dict[int, dict] | None = None, **impair):
-    """smoke_worker's command line for each rank: ``impair`` options for all (``out_of_step``
-    becomes ``--out-of-step``), ``per_rank[rank]`` options for that rank only."""
+    """smoke_worker's command line for each rank of one launch (its own seed:
+    :func:`launch_seed`): ``impair`` options for all (``out_of_step`` becomes
+    ``--out-of-step``), ``per_rank[rank]`` options for that rank only."""
     cfg, agg = str(tb.cluster_path), f"{tb.agg_addr[0]}:{tb.agg_addr[1]}"
+    seed = launch_seed()
 
     def argv(rank: int) -> list[str]:
         a = ["python", "-m", "thc.emu.smoke_worker", "--rank", str(rank), "--config", cfg,
-             "--agg", agg, "--numel", str(numel), "--seed", str(SEED), "--rounds", str(rounds),
+             "--agg", agg, "--numel", str(numel), "--seed", str(seed), "--rounds", str(rounds),
              "--deadline", str(deadline)]
         for k, v in {**impair, **(per_rank or {}).get(rank, {})}.items():
             a += [f"--{k.replace('_', '-')}", str(v)]

@@ -51,8 +51,11 @@ def row_out_of_step(tb, numel: int, suffix: str = "", **kw) -> Row:
             + ("" if all_refused else f" (NOT every one: {injected} sent)")
             + f"; that worker's client ignored {ignored} replies (TransportStats.ignored), the "
               f"REFUSED among them: they name the MAX's offset, no DATA chunk's")
-    return Row(name, testbed_label(tb), sums, done, retx, seconds, drops, note, exact,
-               max(r.get("seconds", 0.0) for r in results))
+    row = Row(name, testbed_label(tb), sums, done, retx, seconds, drops, note, exact,
+              max(r.get("seconds", 0.0) for r in results))
+    if not injected:
+        return row.not_fired("no MAX injected")
+    return row if all_refused else row.not_fired("not every injected MAX refused")
 
 
 SPOOF_RATE = {"bmv2": 500.0}
@@ -165,8 +168,11 @@ def row_spoofed(tb, numel: int, suffix: str = "", **kw) -> Row:
             + (f", {other_run} of another run" if other_run else "")
             + (f"; {drained} more came between rounds and were dropped unread "
                f"(TransportStats.drained)" if drained else ""))
-    return Row(name, testbed_label(tb), sums, done, retx, seconds, drops, note, exact,
-               max(r.get("seconds", 0.0) for r in results))
+    row = Row(name, testbed_label(tb), sums, done, retx, seconds, drops, note, exact,
+              max(r.get("seconds", 0.0) for r in results))
+    if not forged.get("forged") or not ignored:
+        return row.not_fired("no forged reply reached a worker")
+    return row
 
 
 def row_reused_run(tb, numel: int, suffix: str = "", **kw) -> Row:
@@ -178,10 +184,11 @@ def row_reused_run(tb, numel: int, suffix: str = "", **kw) -> Row:
     before = counters_of(tb)
     t0 = time.perf_counter()
     run = tb.new_run()
-    argv = worker_argv(tb, numel, deadline=deadline, run=run, **kw)
-    first = wait_workers(tb.start_workers(argv), 120)
+    first = wait_workers(tb.start_workers(worker_argv(tb, numel, deadline=deadline, run=run,
+                                                      **kw)), 120)
     t1 = time.perf_counter()
-    second = wait_workers(tb.start_workers(argv), deadline + 60)
+    second = wait_workers(tb.start_workers(worker_argv(tb, numel, deadline=deadline, run=run,
+                                                       **kw)), deadline + 60)
     relaunch_s = time.perf_counter() - t1
     fresh = stream_row(name, tb, numel, deadline=deadline, **kw)
     done, drops = delta(before, counters_of(tb))
@@ -250,8 +257,9 @@ def row_straggler(tb, numel: int, suffix: str = "", **kw) -> Row:
               f"worker acknowledged the previous one)")
     if exact and (not same or len(ok) < len(results)):
         exact = None
-    return Row(name, testbed_label(tb), sums, done, retx, seconds, drops, note, exact,
-               max(r.get("seconds", 0.0) for r in results))
+    row = Row(name, testbed_label(tb), sums, done, retx, seconds, drops, note, exact,
+              max(r.get("seconds", 0.0) for r in results))
+    return row if max(short, default=0) else row.not_fired("no chunk closed short")
 
 
 def _contributors(by_bitmap: dict) -> str:
