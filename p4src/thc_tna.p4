@@ -378,8 +378,14 @@ control ThcIngress(inout tna_headers_t hdr, inout metadata_t meta,
     RegisterAction<bit<32>, bit<32>, bit<1>>(thc_job_seen) thc_job_seen_reset = {
         void apply(inout bit<32> value) { value = 0; }
     };
+    // A pass after pass 0 refreshes a job that has a run: pass 0 marked an idle take, so 0
+    // here is a RESET's since that packet's pass 0 (a new install: no run yet).
     RegisterAction<bit<32>, bit<32>, bit<1>>(thc_job_seen) thc_job_seen_touch = {
-        void apply(inout bit<32> value) { value = meta.now; }
+        void apply(inout bit<32> value) {
+            if (value != 0) {
+                value = meta.now;
+            }
+        }
     };
     // RFC 1982: the job's run, or a newer one within THC_RUN_JUMP, takes a live job (a far
     // future run id from one packet cannot lock the job's run out); any run an idle one.
