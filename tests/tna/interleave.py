@@ -3,8 +3,8 @@
 
 tests/tna/pass0.py executes the Tofino program's text (its pass 0, and pass 1's slot-state
 tables); here seeded random interleavings drive it and host/wire/model.py side by side:
-1-5 workers, pools of 1, 2 and 4 (every tenth interleaving wide: 17-31 workers, or a pool of
-all 512 slots), honest workers with a window of the pool (one of them
+1-5 workers, pools of 1, 2, 4 and 8 to 256 (every tenth interleaving wide: 17-31 workers,
+or a pool of all 512 slots), honest workers with a window of the pool (one of them
 often a straggler, results lost at random), FLUSHes that close chunks short (so that new
 uses are held), duplicates, wrong offsets and ops, seqs far ahead and stale, restarted
 workers under the same run, run changes within the jump bound, stale and far runs, idle
@@ -129,7 +129,7 @@ class Interleaving:
         self.rng, self.stats, self.delay = rng, stats, delay
         self.answered: set[tuple[int, int]] = set()
         """(run, seq) of the chunks a RESULT answered (late passes)."""
-        self.n, self.pool = rng.randint(1, 5), rng.choice((1, 2, 4))
+        self.n, self.pool = rng.randint(1, 5), rng.choice((1, 2, 4, 1 << rng.randint(3, 8)))
         if wide == "workers":   # worker ids past 4 bits in the per-worker registers' index
             self.n = rng.randint(17, P.MAX_WORKERS - 1)
         self.base, self.loss = rng.choice((0, M - 3)), rng.choice((0.0, 0.2, 0.5))

@@ -126,7 +126,8 @@ def check_unread(text: str | None = None) -> None:
             f"{action} no longer sends the pass round in queue 0"
     for macro_name, want in (("THC_FULL", range(1, tofino.CLOSED_BIT + 1)),
                              ("THC_DUP", range(tofino.CLOSED_BIT)),
-                             ("THC_POOL", [1 << k for k in range(10)])):
+                             ("THC_POOL", [1 << k for k in range(10)]),
+                             ("THC_SEEN_POOL", [1 << k for k in range(10)])):
         got = sorted(int(n) for n in re.findall(rf"\b{macro_name}\((\d+)\)", src))
         assert got == list(want), f"{macro_name} entries for {got}"
     ports = {m[1]: int(m[2]) for m in re.finditer(
