@@ -52,12 +52,23 @@ def test_bmv2_rows_say_why_they_did_not_run_on_loopback(tmp_path, capsys):
     assert all("not run:" in ln for ln in lines)
 
 
-def test_protocol_rows_on_loopback(tmp_path, capsys):
+def test_protocol_rows_on_loopback(tmp_path, capsys, monkeypatch):
     """An out-of-step worker, forged replies, a reused run id and a straggler under bounded
-    loss: every row exact, each fault doing what the protocol says."""
+    loss: every row exact, each fault doing what the protocol says, each launch of workers
+    (the reused run's relaunch included) with a seed of its own."""
+    from thc.emu.base import Testbed
+    seeds, start = [], Testbed.start_workers
+
+    def spy(self, argv_for, *a, **k):
+        argv = argv_for(0)
+        if "--seed" in argv:
+            seeds.append(argv[argv.index("--seed") + 1])
+        return start(self, argv_for, *a, **k)
+    monkeypatch.setattr(Testbed, "start_workers", spy)
     args = argparse.Namespace(quick=True, out=str(tmp_path / "f.md"), json=None, loopback=True,
                               only="out-of-step,spoofed,reused-run,straggler")
     assert faults.run(args) == 0
+    assert len(seeds) >= 6 and len(set(seeds)) == len(seeds), seeds
     out = capsys.readouterr().out
     for name in ("out-of-step worker", "spoofed replies", "reused run id",
                  "bounded loss with a straggler"):
@@ -254,3 +265,22 @@ def test_a_row_whose_fault_did_not_happen_is_not_exact(capsys):
     assert "Wrong sums: none in any row." in text
     wrong = faults.Row("w", "loopback", "WRONG: 1 sums differ", 8, 0, 1.0, {}, "", False)
     assert wrong.not_fired("x").exact is False   # a wrong sum stays one
+
+
+def test_a_forger_whose_replies_come_from_another_port_shows_nothing(monkeypatch):
+    """The spoofed row counts the forgeries a client ignored from the aggregator's port at
+    another address (TransportStats.elsewhere): replies ignored for other reasons (late
+    copies of the aggregator's own, forgeries from another port) do not make the fault
+    happen, and the row then says so instead of reading exact."""
+    from thc.emu import protorows
+    from thc.emu.testbed import open_testbed
+
+    def other_port(tb):
+        bind = f"{tb.agg_addr[0]}:{tb.agg_addr[1] + 1}"
+        return "agg", bind, f"the aggregator's host, another port ({bind})"
+    monkeypatch.setattr(protorows, "forger_address", other_port)
+    monkeypatch.setattr(protorows, "DEFAULT_SPOOF_CHUNKS", 16384)
+    with open_testbed(matrix.N_WORKERS, prefer_mininet=False) as tb:
+        tb.start_aggregator()
+        row = protorows.row_spoofed(tb, 1 << 17)
+    assert row.unfired == "no forged reply reached a worker" and row.exact is None, row

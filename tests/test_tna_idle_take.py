@@ -107,8 +107,8 @@ SEEN_BROKEN = {
         r"THC_SEEN_POOL\(8\)\n?\s*THC_SEEN_POOL\(16\) THC_SEEN_POOL\(32\) THC_SEEN_POOL\(64\)"
         r" THC_SEEN_POOL\(128\)\n\s*THC_SEEN_POOL\(256\) ", ""),
 }
-"""Broken copies of the seen table that the fuzz and the idle scenarios miss (their pools,
-lanes and offsets lie elsewhere)."""
+"""Broken copies of the seen table, most of which the fuzz and the idle scenarios miss (they
+send no such lanes or offsets to an idle job)."""
 
 
 @pytest.mark.parametrize("name", sorted(SEEN_BROKEN))

@@ -143,12 +143,13 @@ def bmv2_rows(numel: int, prefer_mininet: bool) -> list[Row]:
             t0 = time.perf_counter()
             procs = tb.start_workers(argv(paths["a"], 0), ranks=[0, 1])
             time.sleep(2.0)
+            refused = False
             try:
                 out = controller_cmd(tb, *action)
                 note = f"`thc controller {' '.join(action[:1])}` mid-stream: " + (
                     out.strip().splitlines() or ["ok"])[-1][:200]
             except TestbedError as e:
-                note = f"the controller refused: {e}"[:300]
+                note, refused = f"the controller refused: {e}"[:300], True
             streaming = all(p.poll() is None for p in procs)
             results = wait_workers(procs, 600)
             sums, exact, retx = check_sums(results)
@@ -156,7 +157,10 @@ def bmv2_rows(numel: int, prefer_mininet: bool) -> list[Row]:
             row = Row(name, "mininet+bmv2", sums, f"{rounds} vectors", retx,
                       time.perf_counter() - t0, _bmv2_drops(tb),
                       f"job 1 (workers 0-1) streams; {note}", exact)
-            rows.append(row if streaming else
-                        row.not_fired("a worker finished before the controller was done"))
+            if refused:
+                row = row.not_fired("the controller refused")
+            elif not streaming:
+                row = row.not_fired("a worker finished before the controller was done")
+            rows.append(row)
     return rows
 

@@ -342,7 +342,7 @@ class Interleaving:
 
 def wide_case(case: int) -> str | None:
     """Every tenth interleaving is wide: 17 or more workers, or a pool of all 512 slots,
-    in turn (the others' workers, pools and pool bases fit in 5, 4 and 64)."""
+    in turn (the others' workers, pools and pool bases fit in 5, 256 and 64)."""
     if case % 10 != 9:
         return None
     return ("workers", "slots")[case // 10 % 2]
