@@ -216,7 +216,7 @@ def test_a_worker_that_took_a_wrong_sum_and_then_failed_reports_it(tmp_path, mon
     rc, line, right = _worker_over(tmp_path, monkeypatch, capsys, answer, 3)
     assert rc == 3 and line["error"] == "LossBoundExceeded"
     assert line["mismatches"] == right.size and line["rounds"] == 1
-    assert matrix.check_sums([line])[1] is False
+    assert matrix.check_sums([line])[:2] == (f"WRONG: {right.size} sums differ (seed 7)", False)
 
 
 def test_a_result_replayed_from_an_earlier_round_is_a_wrong_sum(tmp_path, monkeypatch, capsys):

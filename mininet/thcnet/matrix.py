@@ -142,7 +142,9 @@ def check_sums(results: list[dict]) -> tuple[str, bool | None, int]:
     wrong = sum(r.get("mismatches", 0) for r in results)
     retx = sum(r.get("stats", {}).get("retransmitted", 0) for r in results)
     if wrong:
-        return f"WRONG: {wrong} sums differ", False, retx
+        seeds = sorted({r["seed"] for r in results if "seed" in r})
+        return (f"WRONG: {wrong} sums differ (seed {', '.join(map(str, seeds))})", False,
+                retx)
     if len(ok) == len(results):
         return f"exact ({len(ok)}/{len(results)} workers)", True, retx
     causes = sorted({r["error"] for r in results if "error" in r})

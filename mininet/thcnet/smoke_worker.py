@@ -5,7 +5,7 @@
 Worker r draws its indices from seed S + r, so anyone can recompute every worker's vector and
 the exact integer sums (:func:`reference_sums`); round k rolls every worker's vector by
 :func:`round_shift` (a result replayed from another round is then wrong), and its sums are
-checked rolled alike. Prints one JSON line: rank, seconds, the SHA-256 of the last sums (in
+checked rolled alike. Prints one JSON line: rank, seed, seconds, the SHA-256 of the last sums (in
 the reference's order), how many differ from the reference, rounds done, transport stats; a
 failure (timeout, aggregator restarted, refused, any other) is a JSON line with its cause
 (for a refusal its ``reason``), the mismatches found before it, and exit code 3, so a fault
@@ -212,7 +212,8 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as e:  # noqa: BLE001 - any failure reports the mismatches found so far
             # (a worker that took a wrong sum and then failed otherwise printed no line, and
             # its row read "exact where returned")
-            line = {"rank": args.rank, "error": type(e).__name__, "message": str(e),
+            line = {"rank": args.rank, "seed": args.seed, "error": type(e).__name__,
+                    "message": str(e),
                     "missing": getattr(e, "missing", None), "rounds": rounds,
                     "mismatches": mismatches, "seconds": time.perf_counter() - t0,
                     "stats": vars(client.stats)}
@@ -223,7 +224,8 @@ def main(argv: list[str] | None = None) -> int:
         seconds = time.perf_counter() - t0
         stats = vars(client.stats)
         extras = _extras(args, sock, client, last)
-    print(json.dumps({"rank": args.rank, "seconds": seconds, "sha256": digest(sums),
+    print(json.dumps({"rank": args.rank, "seed": args.seed, "seconds": seconds,
+                      "sha256": digest(sums),
                       "mismatches": mismatches, "numel": args.numel, "rounds": rounds,
                       "stats": stats, **extras}), flush=True)
     return 0 if mismatches == 0 else 1
