@@ -3,8 +3,10 @@ thc_job_seen_op (stage 1) copies thc_check's (stage 4) checks before the run, so
 packet thc_check hands to the run check reads the job's last-heard time, and takes an idle
 job there and then. The two tables' entries are matched here as a TCAM matches them (the
 first entry that matches wins) over a grid of every key's edges: pool sizes, slots at and past
-the pool, seqs of either version, every packet type, lane kind, vote and width, a known worker
-or not, offset bit 31. The entries are read from the program's text (tests/tna/interp.py)."""
+the pool, seqs of either version, every type a worker sends (DATA, MAX, FLUSH), lane kind,
+vote and width, a known worker or not, offset bit 31 (a RESET, from the CPU port, clears the
+time in the one table and the run in the other). The entries are read from the program's
+text (tests/tna/interp.py)."""
 from __future__ import annotations
 
 import itertools

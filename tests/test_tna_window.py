@@ -5,7 +5,8 @@ A straggler of the run before is refused (stale_run), the first run's use opens 
 lost pass gives a withheld result, never a wrong sum. Where pass 1 alone marked the job,
 the straggler took it, the first run took it back and opened its use a second time: a late
 pass of the first opening counted in the second (a wrong sum where a pass of the second was
-lost, a chunk withheld for good where none was)."""
+lost, a chunk withheld for good where none was). A pass going round across an install does
+not mark the new install heard."""
 from __future__ import annotations
 
 import re
@@ -34,17 +35,24 @@ def _packet(worker: int, run: int) -> bytes:
                     nonce_of(worker, run)).pack() + lanes_of("DATA", worker, run, 0)
 
 
-def _window(lose: int | None = None, idle: bool = False, text: str | None = None):
-    """A fresh job (or, with ``idle``, one idle since the run before): worker 0 of the new
-    run, worker 1's straggler of the old run, worker 1 of the new run, all three within one
-    recirculation (``lose``: the pass after pass 0 of the ``lose``-th packet going round is
-    lost); then worker 0 sends
-    its chunk again (``text``: another copy of the program). Returns the job, the engine,
-    the verdicts of the three packets beside the model's, and the replies."""
+def _installed(text: str | None):
+    """A TNA engine whose passes after pass 0 wait (until settled), a fresh job of two
+    workers and a pool of one installed on it, and that install's epoch."""
     engine = TnaEngine(Program(preprocess(text), raw=text), delay=100)
     job = make_job(2, 1)
     epoch = job.new_epoch(nonce=5)
     engine.install(job, epoch, now=1000.0)
+    return engine, job, epoch
+
+
+def _window(lose: int | None = None, idle: bool = False, text: str | None = None):
+    """A fresh job (or, with ``idle``, one idle since the run before): worker 0 of the new
+    run, worker 1's straggler of the old run, worker 1 of the new run, all three within one
+    recirculation (``lose``: the pass after pass 0 of the ``lose``-th packet going round is
+    lost); then worker 0 sends its chunk again (``text``: another copy of the program).
+    Returns the job, the engine, the verdicts of the three packets beside the model's, and
+    the replies."""
+    engine, job, epoch = _installed(text)
     model = Model()
     model.install(job, epoch)
     start = 1000.0
@@ -59,7 +67,7 @@ def _window(lose: int | None = None, idle: bool = False, text: str | None = None
         got.append(engine.handle(_packet(worker, run), addr(worker), start)[1])
         want.append(model.handle(_packet(worker, run), addr(worker), start)[1])
     if lose is not None:
-        engine.going_round.remove(engine.going_round[lose])
+        del engine.going_round[lose]
     replies = engine.settle()
     replies += engine.handle(_packet(0, NEW), addr(0), start + 0.001)[0] + engine.settle()
     return job, engine, (got, want), replies
@@ -107,9 +115,7 @@ def _late_pass_across_an_install(text: str | None = None):
     while that packet's pass after pass 0 goes round; the pass comes back after them. Then a
     packet of a clock-derived run id (far from 0): its verdict on the program and the
     model."""
-    engine = TnaEngine(Program(preprocess(text), raw=text), delay=100)
-    job = make_job(2, 1)
-    engine.install(job, job.new_epoch(nonce=5), now=1000.0)
+    engine, job, _ = _installed(text)
     engine.handle(_packet(0, OLD), addr(0), 1000.0)
     late = list(engine.going_round)
     engine.going_round.clear()

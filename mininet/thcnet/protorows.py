@@ -57,7 +57,8 @@ def row_out_of_step(tb, numel: int, suffix: str = "", **kw) -> Row:
         return row.not_fired("no MAX injected")
     if not all_refused:
         row.sums = f"NOT as expected ({refused} of {injected} MAX refused): {sums}"
-        row.exact = None if row.exact else row.exact
+        if row.exact:
+            row.exact = None
     return row
 
 
