@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -316,3 +317,29 @@ def test_the_dlcp_bench_worker_times_its_rounds_after_an_untimed_one(tmp_path):
     assert rows[0]["nmse"] == rows[1]["nmse"] and max(rows[0]["nmse"]) < 0.5
     # four rounds reached the aggregator, each a MAX chunk and its THC chunks: three timed
     assert completions >= 4 * (rows[0]["chunks_per_round"] + 1), completions
+
+
+@pytest.mark.parametrize("head_class, fast", [(0, False), (3, True)])
+def test_only_chunks_of_the_same_class_overtake_a_chunk_into_a_fast_retransmit(head_class,
+                                                                                fast):
+    """Chunk 0's DATA is lost; chunks 1-5, class 3, complete at once. Of its own class they
+    show it lost and it goes again within a round trip; of a higher class than its own they
+    may merely have passed it in the queues, and it waits for its timer (0.5 s)."""
+    job = local_job(13, 1, free_port_block(1))
+    agg = Aggregator([job])
+    src = (job.workers[0].ip, job.workers[0].port)
+    head_sends: list[float] = []
+
+    def answer(data):
+        if data[0] == P.PktType.DATA and P.HEADER_STRUCT.unpack_from(data)[6] == 0:
+            head_sends.append(time.monotonic())
+            if len(head_sends) == 1:
+                return []
+        return [out for out, _ in agg.handle(data, src)]
+
+    classes = np.array([head_class, 3, 3, 3, 3, 3], np.uint8)
+    with answering(answer) as addr:
+        with AggregationClient(job, 0, addr, run=5, timeout=0.5, max_timeout=1.0) as c:
+            c.aggregate(np.zeros(len(classes) * job.lanes // 2, np.uint8), classes=classes)
+    gap = head_sends[1] - head_sends[0]
+    assert (gap < 0.25) == fast, f"chunk 0 went again after {gap:.3f} s"

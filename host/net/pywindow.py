@@ -374,12 +374,12 @@ def _fast_retransmit(end: Endpoint, j: int, due: dict, started: dict, backoff: d
     now = time.monotonic()
     shard = shard_of(j)
     rto = end.rtt.rto(shard)
-    for i in [i for i in due if i < j and shard_of(i) == shard]:
+    for i in [i for i in due if i < j and shard_of(i) == shard
+              and (tos is None or tos[i] == tos[j])]:
         later[i] = later.get(i, 0) + 1
         if later[i] == FAST_RETRANSMIT_AFTER:
             resend(i, may_flush=False)
             due[i] = min(now + rto, started[i] + end.deadline)
             later[i] = -4 * FAST_RETRANSMIT_AFTER
-            if tos is None or tos[i] == tos[j]:
-                overtaken.add(i)
-                backoff[i] = rto
+            overtaken.add(i)
+            backoff[i] = rto
