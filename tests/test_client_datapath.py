@@ -17,6 +17,7 @@ import time
 import numpy as np
 import pytest
 
+from thc.codec import settings
 from thc.codec.packing import pack_bits, unpack_bits
 from thc.net.client import (DATAPATH_ENV, AggregationClient, AggregationTimeout,
                              AggregatorRestarted, resolve_datapath)
@@ -228,8 +229,13 @@ def test_datapath_choice(monkeypatch):
     with pytest.raises(ValueError, match="not one of auto, compiled, python"):
         resolve_datapath("fast")
     monkeypatch.setenv("THC_CLIENT_DATAPATH", "bogus")
+    assert resolve_datapath() == "python"      # the process's settings are read once
+    settings.reset()
     with pytest.raises(ValueError, match="THC_CLIENT_DATAPATH"):
         resolve_datapath()
+    settings.use(settings.Settings(client_datapath="python"))
+    with AggregationClient(local_job(3, 1, free_port_block(1)), 0, ("127.0.0.1", 9)) as c:
+        assert c.datapath == "python"          # a command's flag reaches a client it builds
 
 
 def test_an_ipv6_socket_falls_back_from_the_compiled_window_with_the_same_sums(job):

@@ -15,6 +15,7 @@ import time
 import numpy as np
 import pytest
 
+from thc.codec import settings
 from thc.codec.packing import pack_bits
 from thc.net import fastclient
 from thc.net.client import (DATAPATH_ENV, GSO_ENV, AggregationClient, AggregationTimeout,
@@ -178,8 +179,10 @@ def test_gso_choice_follows_the_job_and_the_environment(job, monkeypatch):
     assert resolve_gso(None, job) is False and resolve_gso(None, sharded) is True
     assert resolve_gso(True, job) is True and resolve_gso(False, sharded) is False
     monkeypatch.setenv(GSO_ENV, "0")
+    settings.reset()                    # the process's settings are read once
     assert resolve_gso(None, sharded) is False
     monkeypatch.setenv(GSO_ENV, "yes")
+    settings.reset()
     with pytest.raises(ValueError, match="THC_CLIENT_GSO"):
         resolve_gso(None, job)
 

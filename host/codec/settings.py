@@ -4,9 +4,8 @@ built once from command-line flags and the environment and passed down; commands
 
 It lives in the bottom layer because every layer reads some of it: the codec its CPU
 backend, the client its datapath and GSO, the aggregator command its datapath, training its
-data. The codec, built without one, takes :func:`current`: the one a command installed with
-:func:`use`, else one built from the environment on first use; a client built without one
-reads the environment when it is built."""
+data. The codec and the client, built without one, take :func:`current`: the one a command
+installed with :func:`use`, else one built from the environment on first use."""
 from __future__ import annotations
 
 import argparse

@@ -45,7 +45,7 @@ import time
 
 import numpy as np
 
-from thc.codec.settings import DATAPATHS, ENV, Settings
+from thc.codec.settings import DATAPATHS, ENV, Settings, current
 from thc.net import fastclient
 from thc.net.addresses import peer_address
 from thc.net.fastclient import CompiledWindow
@@ -67,11 +67,11 @@ GSO_ENV = ENV["client_gso"]
 
 
 def resolve_datapath(choice: str | None = None, settings: Settings | None = None) -> str:
-    """``choice`` (else the settings', else ``THC_CLIENT_DATAPATH``, else auto) -> "compiled"
+    """``choice`` (else the settings', else the process's) -> "compiled"
     or "python"; asking for the compiled one where it is not built is an error that says
     why."""
     if choice is None:
-        choice = (settings or Settings.from_env()).client_datapath
+        choice = (settings or current()).client_datapath
     choice = choice.lower()
     if choice not in DATAPATHS:
         raise ValueError(f"client datapath {choice!r} is not one of {', '.join(DATAPATHS)} "
@@ -85,11 +85,11 @@ def resolve_datapath(choice: str | None = None, settings: Settings | None = None
 
 
 def resolve_gso(choice: bool | None, job: Job, settings: Settings | None = None) -> bool:
-    """``choice`` (else the settings', else ``THC_CLIENT_GSO`` = 0/1, else whether the job is
-    sharded)."""
+    """``choice`` (else the settings', else the process's; where none says: whether the job
+    is sharded)."""
     if choice is not None:
         return bool(choice)
-    gso = (settings or Settings.from_env()).client_gso
+    gso = (settings or current()).client_gso
     return bool(job.shards) if gso is None else gso
 
 
@@ -130,8 +130,9 @@ class AggregationClient:
         off where a switch may be next: a software switch on veths would see a burst as one
         frame).
 
-        ``settings``: where ``datapath`` and ``gso`` are not given (default: the
-        environment's, read now)."""
+        ``settings``: where ``datapath`` and ``gso`` are not given (default: the process's,
+        :func:`thc.codec.settings.current`: those a command installed, else the
+        environment's)."""
         self.job = job.validate()   # a Job built by hand too (pool 0: a window of nothing)
         self.worker_id = worker_id
         if job.shards:
@@ -167,7 +168,7 @@ class AggregationClient:
                                            f"job {job.job_id}: ")
         self.impair = impair or Impairment()
         self.stats = TransportStats()
-        settings = settings or Settings.from_env()
+        settings = settings or current()
         self.datapath = resolve_datapath(datapath, settings)
         """The datapath rounds run in where they can ("compiled" or "python")."""
         self.gso = resolve_gso(gso, job, settings)
