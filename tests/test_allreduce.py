@@ -1055,3 +1055,52 @@ def test_a_float16_estimate_past_its_range_comes_back_finite():
     assert (wide.abs() > 65504).any(), "no estimate past float16's range: nothing is tested"
     assert got.dtype == torch.float16 and torch.isfinite(got).all()
     assert torch.equal(got, wide.clamp(-65504, 65504).half())
+
+
+def _threads_on_one_group_worker(rank, port, q):
+    """Two reducers on one Gloo group, each driven by a thread of its own; A's round starts
+    first on both ranks, and each sum waits a moment before it goes: rank 0 sends A's first,
+    rank 1 B's (A: means near 100; B: near -0.01). Each round's result, or its refusal."""
+    from datetime import timedelta
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2, timeout=timedelta(seconds=20))
+    ars = {n: THCAllReduce.through_torch_distributed(params=THCParams(slice_size=256),
+                                                     generator=rank, error_feedback=False)
+           for n in "AB"}
+    first = "A" if rank == 0 else "B"
+    for n, ar in ars.items():
+        real = ar.transport.sum
+
+        def late(*a, _real=real, _wait=1.0 if n == first else 1.6, **k):
+            time.sleep(_wait)
+            return _real(*a, **k)
+        ar.transport.sum = late
+    g = torch.Generator().manual_seed(7)
+    xs = {(w, n): torch.randn(4096, generator=g) + (100.0 if n == "A" else -0.01)
+          for w in (0, 1) for n in "AB"}
+    out = {}
+
+    def work(n, delay):
+        time.sleep(delay)
+        try:
+            got = ars[n](xs[rank, n])
+            mean = (xs[0, n] + xs[1, n]) / 2
+            out[n] = float((got - mean).norm() / mean.norm())
+        except RuntimeError as e:
+            out[n] = str(e)
+    ts = [threading.Thread(target=work, args=(n, d)) for n, d in (("A", 0.0), ("B", 0.3))]
+    [t.start() for t in ts]
+    [t.join(60) for t in ts]
+    q.put((rank, out))
+    dist.destroy_process_group()
+
+
+def test_two_threads_reducers_on_one_process_group_never_take_each_others_sums():
+    """The integer sums of a round over torch.distributed carry no tag: a reducer on another
+    thread whose all-reduce went first on one rank paired its sums with this reducer's on the
+    other, and both decoded a wrong mean (relative error about 1), unlike on each rank, with
+    no error. A reducer holds the group for its whole round, as it holds a client."""
+    res = gloo_pair(_threads_on_one_group_worker)
+    for rank in (0, 1):
+        for n, got in res[rank].items():
+            assert isinstance(got, str) and "differ" in got or got < 0.3, (rank, n, got)

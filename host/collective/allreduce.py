@@ -196,7 +196,7 @@ class THCAllReduce:
         """
         agreement.check_domain(self._domain, agreement.domain_of(self.transport))
         tensor, refusal = agreement.input_of(tensor, device_of(self._domain))
-        one_round = getattr(self.transport, "one_round", None)   # a client's reducers' lock
+        one_round = getattr(self.transport, "one_round", None)   # the domain's round lock
         with one_round() if one_round is not None else contextlib.nullcontext():
             return self._call(tensor, position, refusal)
 

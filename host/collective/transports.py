@@ -71,6 +71,23 @@ def run_agreement_deferred():
         _deferring.on = before
 
 
+_ROUNDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_ROUNDS_LOCK = threading.Lock()
+
+
+def round_lock(domain) -> threading.Lock:
+    """The lock a reducer holds from the first exchange of a round to its last, one per
+    domain its rounds pair on (an aggregator client, a process group). Two threads' reducers
+    on one domain would otherwise interleave their rounds' exchanges in unlike orders on each
+    worker: one's sums paired with the other's on a peer (a DATA taking the sequence number
+    a peer gave the other's, an all-reduce of integer sums meeting another tensor's), a sum
+    of two tensors that passed every check. Held, a round's exchanges stay together, and
+    rounds that two workers run in unlike orders meet at their MAX rounds' tag lanes,
+    refused."""
+    with _ROUNDS_LOCK:
+        return _ROUNDS.setdefault(domain, threading.Lock())
+
+
 class AggregatorTransport:
     """Sums through an aggregator: the indices travel packed, the table lives in the network.
 
@@ -118,19 +135,10 @@ class AggregatorTransport:
                              f"the codec's {list(params.table)}: install the job with the "
                              f"same bits/granularity/p")
 
-    _rounds: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-    _rounds_lock = threading.Lock()
-
     def one_round(self) -> threading.Lock:
-        """The client's round lock, which a reducer holds from the first exchange of a round
-        to its last. The client takes one exchange at a time, but a round is several (the
-        size agreement, MAX, DATA per piece): two threads' reducers on one client would
-        otherwise interleave their rounds' exchanges in unlike orders on each worker, one's
-        DATA taking the sequence numbers a peer gave the other's, a sum of two tensors that
-        passed every check. Held, the rounds keep their exchanges together, and rounds that
-        two workers run in unlike orders meet at their MAX rounds' tag lanes, refused."""
-        with AggregatorTransport._rounds_lock:
-            return AggregatorTransport._rounds.setdefault(self.client, threading.Lock())
+        """The client's round lock (:func:`round_lock`): a client takes one exchange at a
+        time, but a round is several (the size agreement, MAX, DATA per piece)."""
+        return round_lock(self.client)
 
     def agree_run(self) -> None:
         """The client's run id agreed over the group, or checked there (the class's
@@ -258,6 +266,11 @@ class DistTransport:
         if why is not None:
             raise RuntimeError(f"no THC round may use this process group any more: {why}; its "
                                f"workers' collectives are out of step (restart the job)")
+
+    def one_round(self) -> threading.Lock:
+        """The process group's round lock (:func:`round_lock`): its integer sums carry no
+        tag of their round."""
+        return round_lock(self._group())
 
     def max(self, norms: torch.Tensor) -> torch.Tensor:
         self.usable()
