@@ -1057,26 +1057,32 @@ def test_a_float16_estimate_past_its_range_comes_back_finite():
     assert torch.equal(got, wide.clamp(-65504, 65504).half())
 
 
-def _threads_on_one_group_worker(rank, port, q):
-    """Two reducers on one Gloo group, each driven by a thread of its own; A's round starts
-    first on both ranks, and each sum waits a moment before it goes: rank 0 sends A's first,
-    rank 1 B's (A: means near 100; B: near -0.01). Each round's result, or its refusal."""
+def _threads_on_one_group_worker(rank, port, q, kind="thc"):
+    """Two reducers of ``kind`` on one Gloo group, each driven by a thread of its own; A's
+    round starts first on both ranks, and each round's exchange after its agreement waits a
+    moment before it goes: rank 0 sends A's first, rank 1 B's (A: means near 100; B: near
+    -100). Each round's relative error, or its refusal."""
     from datetime import timedelta
+
+    from thc.collective.marsit import MarsitAllReduce
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=2, timeout=timedelta(seconds=20))
-    ars = {n: THCAllReduce.through_torch_distributed(params=THCParams(slice_size=256),
-                                                     generator=rank, error_feedback=False)
-           for n in "AB"}
+    if kind == "thc":
+        ars = {n: THCAllReduce.through_torch_distributed(params=THCParams(slice_size=256),
+                                                         generator=rank, error_feedback=False)
+               for n in "AB"}
+        held = {n: (ar.transport, "sum") for n, ar in ars.items()}
+    else:
+        ars = {n: MarsitAllReduce(compensation=False) for n in "AB"}
+        held = {n: (ar, "_round") for n, ar in ars.items()}
     first = "A" if rank == 0 else "B"
-    for n, ar in ars.items():
-        real = ar.transport.sum
-
-        def late(*a, _real=real, _wait=1.0 if n == first else 1.6, **k):
+    for n, (owner, name) in held.items():
+        def late(*a, _real=getattr(owner, name), _wait=1.0 if n == first else 1.6, **k):
             time.sleep(_wait)
             return _real(*a, **k)
-        ar.transport.sum = late
+        setattr(owner, name, late)
     g = torch.Generator().manual_seed(7)
-    xs = {(w, n): torch.randn(4096, generator=g) + (100.0 if n == "A" else -0.01)
+    xs = {(w, n): torch.randn(4096, generator=g) + (100.0 if n == "A" else -100.0)
           for w in (0, 1) for n in "AB"}
     out = {}
 
@@ -1095,12 +1101,14 @@ def _threads_on_one_group_worker(rank, port, q):
     dist.destroy_process_group()
 
 
-def test_two_threads_reducers_on_one_process_group_never_take_each_others_sums():
-    """The integer sums of a round over torch.distributed carry no tag: a reducer on another
-    thread whose all-reduce went first on one rank paired its sums with this reducer's on the
-    other, and both decoded a wrong mean (relative error about 1), unlike on each rank, with
-    no error. A reducer holds the group for its whole round, as it holds a client."""
-    res = gloo_pair(_threads_on_one_group_worker)
+@pytest.mark.parametrize("kind", ["thc", "marsit"])
+def test_two_threads_reducers_on_one_process_group_never_take_each_others_sums(kind):
+    """THC's integer sums and Marsit's scales and ring carry no tag of their round: a
+    reducer on another thread whose exchange went first on one rank paired its tensors with
+    this reducer's on the other, and both decoded a wrong mean (THC: relative error about 1),
+    unlike on each rank, with no error. A reducer holds the group for its whole round, as
+    one over an aggregator holds its client."""
+    res = gloo_pair(functools.partial(_threads_on_one_group_worker, kind=kind))
     for rank in (0, 1):
         for n, got in res[rank].items():
             assert isinstance(got, str) and "differ" in got or got < 0.3, (rank, n, got)

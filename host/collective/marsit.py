@@ -30,7 +30,7 @@ import torch.distributed as dist
 from thc.codec.common import NonFiniteInput, as_float32, check_float, scale_factor
 from thc.codec.packing import pack_bits, unpack_bits
 from thc.collective import agreement
-from thc.collective.transports import DistTransport, ring_bytes
+from thc.collective.transports import DistTransport, ring_bytes, round_lock
 from thc.collective.worker import device_of
 
 COMPENSATED_LIMIT = float(torch.finfo(torch.float32).max) / 2
@@ -144,27 +144,28 @@ class _SignAllReduce:
             failure = e
             flat = torch.zeros(grad.numel(), device=grad.device)
             sizes = [flat.numel()]
-        # the scales' all-reduce is as long as the segments: agree on them first
-        rnd, self.round = self.round, self.round + 1
-        key = agreement.key_of("marsit", *self.kind, flat.numel(), tuple(sizes),
-                               self.nonfinite, self.name, agreement.half_type(grad.dtype))
-        self.bytes_sent += agreement.together(self.group, rnd, key, flat.device, failure)
-        if flat.numel() == 0:      # every rank agreed on it: nothing to send
-            return grad.clone()
-        self._scaled = self._voted = False
-        try:
-            return self._round(grad, flat, sizes)
-        except BaseException as e:
-            # this worker's own failure: its peers wait in a collective or go on to their
-            # next, which would pair with its next. Once the scales are summed, not so for a
-            # ValueError (a NaN, counts out of range: every worker refuses the round alike);
-            # a vote's peers send their signs to the aggregator instead (:meth:`_left`)
-            why = f"Marsit round {rnd} failed after its agreement ({type(e).__name__}: {e})"
-            if not self._scaled:
-                DistTransport.abandon_group(self.group, why)
-            elif not isinstance(e, ValueError):
-                self._left(why)
-            raise
+        with round_lock(self._domain):   # the ring's and the scales' tensors carry no tag
+            # the scales' all-reduce is as long as the segments: agree on them first
+            rnd, self.round = self.round, self.round + 1
+            key = agreement.key_of("marsit", *self.kind, flat.numel(), tuple(sizes),
+                                   self.nonfinite, self.name, agreement.half_type(grad.dtype))
+            self.bytes_sent += agreement.together(self.group, rnd, key, flat.device, failure)
+            if flat.numel() == 0:      # every rank agreed on it: nothing to send
+                return grad.clone()
+            self._scaled = self._voted = False
+            try:
+                return self._round(grad, flat, sizes)
+            except BaseException as e:
+                # this worker's own failure: its peers wait in a collective or go on to their
+                # next, which would pair with its next. Once the scales are summed, not so for a
+                # ValueError (a NaN, counts out of range: every worker refuses the round alike);
+                # a vote's peers send their signs to the aggregator instead (:meth:`_left`)
+                why = f"Marsit round {rnd} failed after its agreement ({type(e).__name__}: {e})"
+                if not self._scaled:
+                    DistTransport.abandon_group(self.group, why)
+                elif not isinstance(e, ValueError):
+                    self._left(why)
+                raise
 
     def _left(self, why: str) -> None:
         """This worker failed after the scales' all-reduce, its peers going on to the ring,
