@@ -3,6 +3,7 @@ input changes nothing installed (controller/jobs.py runs them)."""
 from __future__ import annotations
 
 import ipaddress
+import numbers
 
 from thc.controller import forwarding, targets
 from thc.controller.program import L2_TABLE
@@ -68,6 +69,9 @@ def check_job(sw: Switch, job: Job, job_index: int, others: dict[int, dict],
     if job.lanes != sw.lanes:
         raise ConfigError(f"job {job.job_id} has {job.lanes} lanes; the switch program was "
                           f"compiled for {sw.lanes}")
+    if isinstance(job_index, bool) or not isinstance(job_index, numbers.Integral):
+        # written as int(job_index), a fraction would land on another job's index
+        raise ConfigError(f"job index {job_index!r} is not an integer")
     if not 0 <= job_index < P.MAX_JOBS:
         raise ConfigError(f"job index {job_index} outside 0..{P.MAX_JOBS - 1}")
     room = target_of(sw).max_jobs(sw.p4info)

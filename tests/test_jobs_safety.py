@@ -237,6 +237,11 @@ def bad_inputs(job: Job, other: Job) -> dict:
         "mcast_group_taken": (ConfigError, "multicast group",
                               install(replace(other, mcast_grp=job.mcast_grp))),
         "job_index_taken": (ConfigError, "job index 0 is taken", install(other, job_index=0)),
+        # int() wrote a fraction on job 1's index, its lookup entries under its workers
+        "job_index_fraction": (ConfigError, "job index 0.5 is not an integer",
+                               install(other, job_index=0.5)),
+        "job_index_bool": (ConfigError, "job index True is not an integer",
+                           install(other, job_index=True)),
         "cpu_port": (ConfigError, "not a front-panel port", install(worker0(
             switch_port=P.CPU_PORT))),
         "pool_overlap_cluster": (ConfigError, "overlap", lambda sw: jobs.install_cluster(
