@@ -1595,3 +1595,33 @@ def test_a_job_of_fewer_workers_than_the_group_is_refused_on_every_rank():
         res = gloo_pair(functools.partial(_own_job_worker, jobs, addr))
     for rank in (0, 1):
         assert "rounds sum 1 workers' gradients, in a process group of 2 ranks" in res[rank], res
+
+
+def test_a_hook_is_freed_with_its_ddp_model_when_the_model_is_wrapped_anew():
+    """The hook's parameter hooks held it, its thread and its residuals for as long as the
+    parameters lived: a model wrapped anew each epoch kept every earlier hook, each still
+    running on every gradient."""
+    import gc
+    import weakref
+
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from thc.collective.allreduce import THCAllReduce
+    from thc.collective.ddp import THCHook
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port_block(1)}",
+                            rank=0, world_size=1)
+    try:
+        model, x = torch.nn.Linear(64, 64), torch.randn(4, 64)
+        hooks = []
+        for _ in range(3):
+            ddp = DDP(model)
+            hook = THCHook(model, lambda group: THCAllReduce.through_torch_distributed(
+                group=group), overlap=True).register(ddp)
+            ddp(x).sum().backward()
+            hooks.append(weakref.ref(hook))
+            del ddp, hook
+            gc.collect()
+        assert all(h() is None for h in hooks), [h() for h in hooks]
+        model(x).sum().backward()      # no hook left on the parameters runs
+    finally:
+        dist.destroy_process_group()

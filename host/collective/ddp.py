@@ -129,6 +129,11 @@ _CLIENTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _check_client`)."""
 
 
+def _remove_all(handles) -> None:
+    for h in handles:
+        h.remove()
+
+
 class _Hook:
     """Splits a bucket into compressed and FP32 spans; subclasses compress the former."""
 
@@ -269,10 +274,13 @@ class _Hook:
                              f"group= the DDP model's process group")
         ddp_model.register_comm_hook(None, self.hook)
         self._ddp = weakref.ref(ddp_model)
-        ddp_model.register_forward_pre_hook(self._see_forward)
-        for p in module.parameters() if module is not None else ():
-            if p.requires_grad:
-                p.register_post_accumulate_grad_hook(self._see_gradient)
+        handles = [ddp_model.register_forward_pre_hook(self._see_forward)]
+        handles += [p.register_post_accumulate_grad_hook(self._see_gradient)
+                    for p in (module.parameters() if module is not None else ())
+                    if p.requires_grad]
+        # the parameters outlive their DDP model (a model wrapped anew): their hooks would
+        # keep this hook, its thread and its residuals alive, and run on every gradient
+        weakref.finalize(ddp_model, _remove_all, handles)
         return self
 
     def _see_forward(self, module, args) -> None:
