@@ -5,6 +5,7 @@ import argparse
 import time
 
 import numpy as np
+import pytest
 
 from thc.emu import faults, matrix
 
@@ -284,3 +285,17 @@ def test_a_forger_whose_replies_come_from_another_port_shows_nothing(monkeypatch
         tb.start_aggregator()
         row = protorows.row_spoofed(tb, 1 << 17)
     assert row.unfired == "no forged reply reached a worker" and row.exact is None, row
+
+
+@pytest.mark.bmv2
+def test_the_bmv2_controller_rows_change_the_switch_while_the_workers_stream():
+    """Each worker streamed one vector, and finished before the controller did: the rows
+    showed nothing of the install mid-stream. Now they stream until it is done."""
+    from thc.emu.bmv2rows import bmv2_rows
+    from thc.emu.testbed import bmv2_unavailable_reason, mininet_unavailable_reason
+
+    if why := mininet_unavailable_reason() or bmv2_unavailable_reason():
+        pytest.skip(f"Mininet with BMv2 not available: {why}")
+    rows = bmv2_rows(1 << 15, prefer_mininet=True)
+    assert [(r.unfired, r.exact) for r in rows] == [("", True), ("", True)], rows
+    assert all(int(r.rounds.split()[0]) >= 2 for r in rows), rows

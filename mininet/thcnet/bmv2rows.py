@@ -8,8 +8,8 @@ import time
 
 from thc.emu.base import bmv2_unavailable_reason
 from thc.emu.faultrows import JITTER_S, row_switch_restarted, row_worker_killed
-from thc.emu.matrix import (N_WORKERS, check_sums, controller_cmd, launch_seed, p4_build_stale,
-                           Row, stream_row, wait_workers)
+from thc.emu.matrix import (N_WORKERS, check_sums, controller_cmd, halt, launch_seed,
+                           p4_build_stale, Row, stream_row, wait_workers)
 from thc.emu.protorows import row_out_of_step, row_reused_run, row_spoofed, straggler_testbed_row
 from thc.emu.testbed import TestbedError, open_testbed
 
@@ -132,16 +132,20 @@ def bmv2_rows(numel: int, prefer_mininet: bool) -> list[Row]:
         controller_cmd(tb, "install", "--config", str(paths["both"]), "--prune")
         agg = f"{tb.agg_addr[0]}:{tb.agg_addr[1]}"
 
-        def argv(cfg, first):
+        def argv(cfg, first, until):
             seed = launch_seed()
             return lambda r: ["python", "-m", "thc.emu.smoke_worker", "--rank", str(r - first),
                               "--config", str(cfg), "--agg", agg, "--numel", str(numel),
-                              "--seed", str(seed), "--deadline", "30"]
+                              "--seed", str(seed), "--deadline", "30",
+                              "--rounds", str(1 << 30), "--until", str(until)]
 
         for name, action in ((names[0], ("install", "--config", str(paths["both"]))),
                              (names[1], ("install", "--config", str(paths["b"])))):
             t0 = time.perf_counter()
-            procs = tb.start_workers(argv(paths["a"], 0), ranks=[0, 1])
+            # the workers stream until the controller is done, then stop at one round
+            until = tb.logdir / f"until-{time.monotonic_ns()}"
+            until.mkdir()
+            procs = tb.start_workers(argv(paths["a"], 0, until), ranks=[0, 1])
             time.sleep(2.0)
             refused = False
             try:
@@ -151,6 +155,7 @@ def bmv2_rows(numel: int, prefer_mininet: bool) -> list[Row]:
             except TestbedError as e:
                 note, refused = f"the controller refused: {e}"[:300], True
             streaming = all(p.poll() is None for p in procs)
+            halt(until, procs)
             results = wait_workers(procs, 600)
             sums, exact, retx = check_sums(results)
             rounds = sum(r.get("rounds", 0) for r in results[:1])

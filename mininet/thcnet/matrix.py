@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from thc.controller.toolchain import BUILD_DIR
 from thc.emu.base import REPO_ROOT
@@ -193,6 +194,20 @@ def stream_for(name: str, tb, numel: int, seconds: float, note: str, **kw) -> Ro
                                    until=str(until), **kw))
     while time.perf_counter() - t0 < seconds and any(p.poll() is None for p in procs):
         time.sleep(0.2)
+    halt(until, procs)
+    results = wait_workers(procs, 300)
+    elapsed = time.perf_counter() - t0
+    rounds, drops = delta(before, counters_of(tb))
+    sums, exact, retx = check_sums(results)
+    vectors = sorted({r.get("rounds", 0) for r in results})
+    return Row(name, testbed_label(tb), sums, rounds, retx, elapsed, drops,
+               f"{'/'.join(map(str, vectors))} vectors of {numel} elements per worker, each "
+               f"checked; {note}", exact)
+
+
+def halt(until: Path, procs) -> None:
+    """Stop workers streaming with ``smoke_worker --until until``: ask them to halt, then
+    name the round count after the one the first halted at; all stop there."""
     (until / "halt").touch()
     end = time.monotonic() + 60
     while not any(until.glob("done-*")) and any(p.poll() is None for p in procs):
@@ -203,14 +218,6 @@ def stream_for(name: str, tb, numel: int, seconds: float, note: str, **kw) -> Ro
     stop = max(done, default=0) + 1
     (until / "stop.tmp").write_text(str(stop))
     (until / "stop.tmp").rename(until / "stop")
-    results = wait_workers(procs, 300)
-    elapsed = time.perf_counter() - t0
-    rounds, drops = delta(before, counters_of(tb))
-    sums, exact, retx = check_sums(results)
-    vectors = sorted({r.get("rounds", 0) for r in results})
-    return Row(name, testbed_label(tb), sums, rounds, retx, elapsed, drops,
-               f"{'/'.join(map(str, vectors))} vectors of {numel} elements per worker, each "
-               f"checked; {note}", exact)
 
 
 def p4_build_stale() -> str | None:
