@@ -16,7 +16,9 @@ gradient accumulation (``no_sync`` on every rank) is not. Not told apart: a rank
 skipped a batch (it contributes its next gradient as its peers do theirs), unlike numbers
 of accumulated micro-batches where each rank has some (DDP sums those too); refused though
 legitimate: accumulation under ``join()`` once a rank has joined (its shadow steps see no
-stretch). :class:`FP32Hook` checks each bucket's split once and no round after, as DDP's
+stretch), and a backward under ``no_sync`` on some ranks only whose gradient is zeroed before
+the next synced step (a probe); the counts stay apart, and so do the refusals, until the
+hook is built anew on every rank. :class:`FP32Hook` checks each bucket's split once and no round after, as DDP's
 own all-reduce checks none.
 
 A hook returns at once with a future that one communication thread completes, so a bucket
