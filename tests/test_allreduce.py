@@ -1067,9 +1067,12 @@ def _threads_on_one_group_worker(rank, port, q, kind="thc"):
     from thc.collective.marsit import MarsitAllReduce
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=2, timeout=timedelta(seconds=20))
-    if kind == "thc":
-        ars = {n: THCAllReduce.through_torch_distributed(params=THCParams(slice_size=256),
-                                                         generator=rank, error_feedback=False)
+    if kind in ("thc", "graphed"):   # graphed: A replays its rounds (eager off a GPU)
+        from thc.collective.graphed import GraphedAllReduce
+        make = {"A": GraphedAllReduce if kind == "graphed" else THCAllReduce,
+                "B": THCAllReduce}
+        ars = {n: make[n].through_torch_distributed(params=THCParams(slice_size=256),
+                                                    generator=rank, error_feedback=False)
                for n in "AB"}
         held = {n: (ar.transport, "sum") for n, ar in ars.items()}
     else:

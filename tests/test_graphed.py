@@ -647,3 +647,17 @@ def test_a_hook_that_wants_priority_classes_refuses_a_graphed_reducer():
                         position=torch.zeros(1024))
     finally:
         dist.destroy_process_group()
+
+
+@kernels
+def test_a_graphed_reducer_holds_its_group_for_its_round_as_an_eager_one_does():
+    """A graphed reducer beside an eager one on one group, each on a thread of its own
+    (tests/test_allreduce.py's schedule): it took no round lock, and each rank paired one's
+    sums with the other's (relative error about 1 on both, no error)."""
+    import functools
+
+    from tests.test_allreduce import _threads_on_one_group_worker
+    res = gloo_pair(functools.partial(_threads_on_one_group_worker, kind="graphed"))
+    for rank in (0, 1):
+        for n, got in res[rank].items():
+            assert isinstance(got, str) and "differ" in got or got < 0.3, (rank, n, got)

@@ -18,8 +18,8 @@ of accumulated micro-batches where each rank has some (DDP sums those too); refu
 legitimate: accumulation under ``join()`` once a rank has joined (its shadow steps see no
 stretch), and a backward under ``no_sync`` on some ranks only whose gradient is zeroed before
 the next synced step (a probe); the counts stay apart, and so do the refusals, until the
-hook is built anew on every rank. :class:`FP32Hook` checks each bucket's split once and no round after, as DDP's
-own all-reduce checks none.
+hook is built anew on every rank. :class:`FP32Hook` checks each bucket's split once and no
+round after, as DDP's own all-reduce checks none.
 
 A hook returns at once with a future that one communication thread completes, so a bucket
 is reduced while backward computes the next ones, as DDP's own all-reduce overlaps. The one

@@ -476,7 +476,14 @@ class GraphedAllReduce:
         :class:`THCAllReduce` raises at a round's end (bad input anywhere, workers out of
         step); with deferred checks, zeros for that round and the error at the next call.
         ``position`` (DLCP classes) needs the aggregator's transport: refused, on every
-        worker, as bad input is."""
+        worker, as bad input is. The round holds its process group
+        (:func:`thc.collective.transports.round_lock`): its sums carry no tag."""
+        one_round = getattr(self.transport, "one_round", None)   # a stand-in has none
+        with one_round() if one_round is not None else _nothing():
+            return self._call(tensor, position)
+
+    def _call(self, tensor: torch.Tensor, position) -> torch.Tensor:
+        """:meth:`__call__` under the group's round lock."""
         agreement.check_domain(self._domain, agreement.domain_of(self.transport))
         self.check()   # the last round's refusal, before this one takes a round
         tensor, refusal = agreement.input_of(
