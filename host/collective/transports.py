@@ -82,8 +82,9 @@ def round_lock(domain) -> threading.Lock:
     worker: one's sums paired with the other's on a peer (a DATA taking the sequence number
     a peer gave the other's, an all-reduce of integer sums meeting another tensor's), a sum
     of two tensors that passed every check. Held, a round's exchanges stay together, and
-    rounds that two workers run in unlike orders meet at their MAX rounds' tag lanes,
-    refused."""
+    rounds of one scheme that two workers run in unlike orders meet at their tag lanes,
+    refused (a THC round's agreement meeting a Marsit round's, one lane longer, is ended by
+    Gloo aborting a process)."""
     with _ROUNDS_LOCK:
         return _ROUNDS.setdefault(domain, threading.Lock())
 
