@@ -1111,7 +1111,13 @@ def test_two_threads_reducers_on_one_process_group_never_take_each_others_sums(k
     this reducer's on the other, and both decoded a wrong mean (THC: relative error about 1),
     unlike on each rank, with no error. A reducer holds the group for its whole round, as
     one over an aggregator holds its client."""
-    res = gloo_pair(functools.partial(_threads_on_one_group_worker, kind=kind))
+    assert_each_round_its_own(gloo_pair(functools.partial(_threads_on_one_group_worker,
+                                                          kind=kind)))
+
+
+def assert_each_round_its_own(res: dict) -> None:
+    """Every round of :func:`_threads_on_one_group_worker` close to its own mean, or refused
+    as unlike (never another reducer's sums)."""
     for rank in (0, 1):
         for n, got in res[rank].items():
             assert isinstance(got, str) and "differ" in got or got < 0.3, (rank, n, got)

@@ -8,7 +8,6 @@ this worker's lost part for the next round.
 """
 from __future__ import annotations
 
-import contextlib
 import numbers
 import secrets
 import time
@@ -23,7 +22,7 @@ from thc.codec.common import (NonFiniteInput, as_float32, cast_estimate, check_f
 from thc.codec.params import THCParams
 from thc.codec.thc import ErrorFeedback, THCCodec, table_values
 from thc.collective import agreement
-from thc.collective.transports import AggregatorTransport, DistTransport, Short
+from thc.collective.transports import AggregatorTransport, DistTransport, Short, holding
 from thc.collective.worker import device_of
 from thc.net.priority import magnitude_rank, priority_class
 
@@ -196,8 +195,7 @@ class THCAllReduce:
         """
         agreement.check_domain(self._domain, agreement.domain_of(self.transport))
         tensor, refusal = agreement.input_of(tensor, device_of(self._domain))
-        one_round = getattr(self.transport, "one_round", None)   # the domain's round lock
-        with one_round() if one_round is not None else contextlib.nullcontext():
+        with holding(self.transport):
             return self._call(tensor, position, refusal)
 
     def _call(self, tensor: torch.Tensor, position, refusal) -> torch.Tensor:

@@ -73,7 +73,7 @@ from thc.codec.params import THCParams
 from thc.codec.thc import THCCodec
 from thc.collective import agreement, replay
 from thc.collective.allreduce import RoundStats
-from thc.collective.transports import DistTransport
+from thc.collective.transports import DistTransport, holding
 from thc.collective.worker import device_of
 
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -478,8 +478,7 @@ class GraphedAllReduce:
         ``position`` (DLCP classes) needs the aggregator's transport: refused, on every
         worker, as bad input is. The round holds its process group
         (:func:`thc.collective.transports.round_lock`): its sums carry no tag."""
-        one_round = getattr(self.transport, "one_round", None)   # a stand-in has none
-        with one_round() if one_round is not None else _nothing():
+        with holding(self.transport):
             return self._call(tensor, position)
 
     def _call(self, tensor: torch.Tensor, position) -> torch.Tensor:

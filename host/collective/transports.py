@@ -89,6 +89,13 @@ def round_lock(domain) -> threading.Lock:
         return _ROUNDS.setdefault(domain, threading.Lock())
 
 
+def holding(transport):
+    """The transport's round lock (its ``one_round``), to hold for a round; a stand-in
+    transport without one (tests) holds nothing."""
+    one_round = getattr(transport, "one_round", None)
+    return one_round() if one_round is not None else contextlib.nullcontext()
+
+
 class AggregatorTransport:
     """Sums through an aggregator: the indices travel packed, the table lives in the network.
 

@@ -9,7 +9,7 @@ import time
 from thc.emu.base import bmv2_unavailable_reason
 from thc.emu.faultrows import JITTER_S, row_switch_restarted, row_worker_killed
 from thc.emu.matrix import (N_WORKERS, check_sums, controller_cmd, halt, launch_seed,
-                           p4_build_stale, Row, stream_row, wait_workers)
+                           p4_build_stale, Row, stream_row, until_dir, wait_workers)
 from thc.emu.protorows import row_out_of_step, row_reused_run, row_spoofed, straggler_testbed_row
 from thc.emu.testbed import TestbedError, open_testbed
 
@@ -143,8 +143,7 @@ def bmv2_rows(numel: int, prefer_mininet: bool) -> list[Row]:
                              (names[1], ("install", "--config", str(paths["b"])))):
             t0 = time.perf_counter()
             # the workers stream until the controller is done, then stop at one round
-            until = tb.logdir / f"until-{time.monotonic_ns()}"
-            until.mkdir()
+            until = until_dir(tb)
             procs = tb.start_workers(argv(paths["a"], 0, until), ranks=[0, 1])
             time.sleep(2.0)
             refused = False

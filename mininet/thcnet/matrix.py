@@ -186,8 +186,7 @@ def stream_for(name: str, tb, numel: int, seconds: float, note: str, **kw) -> Ro
     """Workers aggregate the vector round after round for about ``seconds``; then the
     driver halts them, names the round count after the one they halted at (``smoke_worker
     --until``) and all stop there, each having checked every round."""
-    until = tb.logdir / f"until-{time.monotonic_ns()}"
-    until.mkdir()
+    until = until_dir(tb)
     before = counters_of(tb)
     t0 = time.perf_counter()
     procs = tb.start_workers(worker_argv(tb, numel, rounds=1 << 30, deadline=30.0,
@@ -203,6 +202,13 @@ def stream_for(name: str, tb, numel: int, seconds: float, note: str, **kw) -> Ro
     return Row(name, testbed_label(tb), sums, rounds, retx, elapsed, drops,
                f"{'/'.join(map(str, vectors))} vectors of {numel} elements per worker, each "
                f"checked; {note}", exact)
+
+
+def until_dir(tb) -> Path:
+    """A fresh folder for ``smoke_worker --until`` (:func:`halt`)."""
+    until = tb.logdir / f"until-{time.monotonic_ns()}"
+    until.mkdir()
+    return until
 
 
 def halt(until: Path, procs) -> None:
