@@ -223,3 +223,33 @@ def test_the_summed_counters_of_a_sharded_aggregator_keep_its_failed_sends():
     a, b = Aggregator([job]), Aggregator([job])
     a.send_errors, b.send_errors = 3, 2
     assert sum_shard_counters([a.counters(), b.counters()])["send_errors"] == 5
+
+
+def test_a_worker_given_another_shard_map_is_named_as_a_possible_cause(datapath):
+    """Worker 1's map lists the shards the other way round: its chunks are refused as
+    wrong_shard, which only it hears; worker 0 times out, and its error says that a missing
+    worker may hold another shard map, not only that it is gone."""
+    job = _sharded(local_job(1, 2, free_port_block(2), table=list(range(16))), 2)
+    swapped = dataclasses.replace(job, shards=job.shards[::-1]).validate()
+    shards = [Aggregator([job], shard=i) for i in range(2)]
+    for a, s in zip(shards, job.shards):
+        a.start(s.ip, s.port)
+    errors: list = [None, None]
+
+    def work(w, j):
+        try:
+            with AggregationClient(j, w, run=3, deadline=1.0) as c:
+                c.aggregate(_chunks(j, [1, 2]))
+        except Exception as e:  # asserted below
+            errors[w] = e
+
+    try:
+        ts = [threading.Thread(target=work, args=(w, j)) for w, j in ((0, job), (1, swapped))]
+        [t.start() for t in ts]
+        [t.join() for t in ts]
+    finally:
+        for a in shards:
+            a.stop()
+    assert isinstance(errors[1], AggregationRefused) and "wrong_shard" in str(errors[1])
+    assert isinstance(errors[0], AggregationTimeout) and errors[0].missing == [1], errors[0]
+    assert "given another shard map than this worker's" in str(errors[0]), errors[0]

@@ -297,6 +297,11 @@ def timeout_of(end: Endpoint, rnd: Round, i: int, bitmap: int | None, silent: fl
     unseen = ("" if rnd.heard[shard] else "; or the aggregator restarted before this worker's "
               "first reply of the run, losing the round (its peers then raised "
               "AggregatorRestarted)")
+    if job.shards:
+        # a peer whose shard map differs sends this chunk to another shard; only the peer
+        # hears the refusal (wrong_shard), or nothing where that shard owns the chunk
+        unseen += (f"; or the missing worker(s) were given another shard map than this "
+                   f"worker's, sending this chunk to a shard other than {shard}")
     return AggregationTimeout(f"{at}; missing worker(s) {missing} "
                               f"(contributed: {got}){unseen}", missing, shard)
 
