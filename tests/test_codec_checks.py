@@ -422,3 +422,32 @@ def test_a_max_norm_float32_rounds_up_to_the_limit_is_refused(backend):
     c = THCCodec(p, backend=backend)
     with pytest.raises(ValueError, match="beyond"):
         c.decode(np.full(512, 15, np.int64), 1, m, 512)
+
+
+@pytest.mark.parametrize("backend", ["reference", "compiled", "triton"])
+def test_lax_arguments_are_refused_not_cast(backend):
+    """A bool generator ran as key 1; a complex max norm lost its imaginary part and a bool
+    one read as 1.0; pack_bits truncated float indices (3.7 packed as 3) and ran 4.5 or True
+    bits as 4 or 1. Each is refused now, on every backend."""
+    from thc.codec.packing import pack_bits
+    if backend == "triton" and SKIP:
+        pytest.skip(SKIP)
+    c = THCCodec(THCParams(slice_size=256), backend=backend)
+    x = torch.randn(512, generator=torch.Generator().manual_seed(3))
+    m = c.norms(x)
+    with pytest.raises(TypeError, match="got a bool"):
+        c.encode(x, m, 0, True)
+    for bad in (m + 5j, torch.ones(2, dtype=torch.bool), (m + 5j).numpy()):
+        with pytest.raises(TypeError, match="max norms are real numbers"):
+            c.encode(x, bad, 0, 1)
+        with pytest.raises(TypeError, match="max norms are real numbers"):
+            c.decode_own(c.encode(x, m, 0, 1), bad, 512)
+    idx = c.encode(x, m, 0, 1)
+    assert torch.equal(c.encode(x, m.double(), 0, 1), idx)   # any real dtype is fine
+    for floats in (torch.tensor([3.7, 15.9]), np.array([3.7, 15.9])):
+        with pytest.raises(TypeError, match="table indices are integers"):
+            pack_bits(floats, 4)
+    for bits in (4.5, True, "4"):
+        with pytest.raises(ValueError, match="bits must be an integer in 1..8"):
+            pack_bits(np.array([1, 2]), bits)
+    assert pack_bits(np.array([1, 2]), np.int64(4)).tolist() == [0x12]

@@ -138,11 +138,19 @@ def check_generator(generator, flat) -> None:
                          f"on {flat.device}: use a generator of the input's device")
 
 
+def check_norm_type(real: bool, dtype) -> None:
+    """Max norms are real numbers: a cast would drop a complex norm's imaginary part, or
+    read a bool as 1.0."""
+    if not real:
+        raise TypeError(f"max norms are real numbers, got {dtype}")
+
+
 def norm_array(max_norms, n_slices: int, params: THCParams) -> np.ndarray:
     """The agreed max norms on the host as float64, checked: a max norm at or beyond
     :func:`norm_limit` (the mark among them) is refused, as no worker's slice norm reaches
     it and a decode under it could overflow float32."""
     m = max_norms.detach().cpu().numpy() if is_torch(max_norms) else np.asarray(max_norms)
+    check_norm_type(m.dtype.kind in "fiu", m.dtype)
     m = np.asarray(m, dtype=np.float64).reshape(-1)
     if m.size != n_slices:
         raise ValueError(f"expected {n_slices} max norms (one per slice), got {m.size}")

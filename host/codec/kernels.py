@@ -16,8 +16,9 @@ import numpy as np
 
 from thc.codec import reference, rng
 from thc.codec.common import (BAD_SUM, INDEX_CAP, WHOLE, Prepared, check_generator,
-                               check_indices, encode_coef, flag, norm_array, raise_status,
-                               rounding_key, same_place, status_word, view, wide_norms)
+                               check_indices, check_norm_type, encode_coef, flag, norm_array,
+                               raise_status, rounding_key, same_place, status_word, view,
+                               wide_norms)
 from thc.codec.hadamard import is_torch
 from thc.codec.packing import pack_bits
 from thc.codec.params import THCParams
@@ -32,6 +33,7 @@ def device_norms(max_norms, n_slices: int, device, params: THCParams):
     import torch
     if is_torch(max_norms) and same_place(max_norms.device, device):
         m = max_norms.detach().reshape(-1)
+        check_norm_type(not (m.is_complex() or m.dtype == torch.bool), m.dtype)
         if m.numel() != n_slices:
             raise ValueError(f"expected {n_slices} max norms (one per slice), got {m.numel()}")
         return (m if m.is_floating_point() else m.float()).contiguous()

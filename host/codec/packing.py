@@ -18,9 +18,14 @@ def packed_size(count: int, bits: int) -> int:
 
 
 def _check_bits(bits: int) -> int:
-    if not 1 <= int(bits) <= 8:
-        raise ValueError(f"bits must be in 1..8, got {bits}")
-    return int(bits)
+    """An integer width: 4.5 or True would otherwise run as 4 or 1 bits."""
+    try:
+        b = None if isinstance(bits, bool) else operator.index(bits)
+    except TypeError:
+        b = None
+    if b is None or not 1 <= b <= 8:
+        raise ValueError(f"bits must be an integer in 1..8, got {bits!r}")
+    return b
 
 
 def pack_bits(idx, bits: int):
@@ -33,6 +38,9 @@ def pack_bits(idx, bits: int):
     if torch_in:
         import torch
         x = idx.reshape(-1)
+        if x.is_floating_point() or x.is_complex():
+            raise TypeError(f"table indices are integers, got {x.dtype}: a cast would read "
+                            f"3.7 as 3")
         if x.numel() and x.dtype != torch.bool:
             # one wait on a GPU; unsigned 16-64 bit tensors have no min/max on the CPU
             wide = x.to(torch.int64) if x.dtype in (torch.uint16, torch.uint32,
@@ -43,6 +51,9 @@ def pack_bits(idx, bits: int):
         x = x.to(torch.uint8)
     else:
         x = np.asarray(idx).reshape(-1)
+        if x.dtype.kind not in "biu":
+            raise TypeError(f"table indices are integers, got {x.dtype}: a cast would read "
+                            f"3.7 as 3")
         # one pass for the common unsigned input; a second for the lower bound otherwise
         if x.size and (int(x.max()) >> b or (x.dtype.kind not in "ub" and int(x.min()) < 0)):
             raise ValueError(f"indices {int(x.min())}..{int(x.max())} do not fit in {b} bits")

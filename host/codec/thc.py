@@ -44,9 +44,9 @@ import numpy as np
 
 from thc.codec import backends, settings
 from thc.codec.backends import BACKENDS, Choice, kernels_for
-from thc.codec.common import (Prepared, accumulator_dtype, check_indices, flat as _flat, layout,
-                               raise_status, same_device, scale_factor, status_word,
-                               torch_table)
+from thc.codec.common import (Prepared, accumulator_dtype, check_indices, check_key,
+                               flat as _flat, layout, raise_status, same_device, scale_factor,
+                               status_word, torch_table)
 from thc.codec.hadamard import SliceLayout, is_torch
 from thc.codec.packing import pack_bits, unpack_bits
 from thc.codec.params import THCParams
@@ -162,7 +162,9 @@ def _input(x, choice: Choice):
 
 def _round(round, impl, like):
     """A round is an int, or on the kernels an int64 tensor of one element on the input's
-    device: the kernels read it there (a CUDA graph replays with the round it holds then)."""
+    device: the kernels read it there (a CUDA graph replays with the round it holds then),
+    as an unsigned 64-bit number (-1 is round 2^64 - 1: unchecked, as a check would wait for
+    the device)."""
     if not is_torch(round):
         return
     import torch
@@ -177,6 +179,7 @@ def _round(round, impl, like):
 
 def _encode(x, max_norms, params, round, generator, backend, pack, scratch=None, status=None,
             norms=None):
+    check_key(generator)
     flat, impl = _input(x, _choice(backend))
     _round(round, impl, flat)
     return impl.encode(flat, layout(flat.shape[0], params), max_norms, params, round,
