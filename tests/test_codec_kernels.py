@@ -426,6 +426,41 @@ def test_kernels_read_half_types_as_they_are(dtype):
     assert torch.equal(thc.encode_packed(x, m, p, 4, 9, backend="triton"), want)
 
 
+def _interpreter_reads_bf16_subnormals_wrong() -> bool:
+    """Triton's interpreter (3.9) converts bfloat16 values below float32's smallest normal
+    wrongly (2.9e-39 reads as 0): a kernel run there cannot show what a GPU reads."""
+    if CUDA:
+        return False
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def widen(x, y, N: tl.constexpr):
+        o = tl.arange(0, N)
+        tl.store(y + o, tl.load(x + o).to(tl.float32))
+
+    x = torch.tensor([2.9e-39, 1e-38], dtype=torch.bfloat16)
+    y = torch.empty(2)
+    widen[(1,)](x, y, N=2)
+    return not torch.equal(y, x.float())
+
+
+@kernels
+def test_kernels_read_bf16_subnormals_as_their_float32_values():
+    """bfloat16 shares float32's exponent: values below its smallest normal are read exactly,
+    so the slice norms and indices are those of the float32 copy."""
+    if _interpreter_reads_bf16_subnormals_wrong():
+        pytest.skip("Triton's interpreter widens bfloat16 subnormals wrongly (2.9e-39 to 0): "
+                    "this runs on a GPU")
+    p = THCParams(slice_size=1 << 10)
+    x = (torch.randn(2048, generator=torch.Generator().manual_seed(6)) * 1e-38)
+    x = x.to(DEV).to(torch.bfloat16)
+    m = thc.slice_norms(x.float(), p)
+    prep = thc.prepare(x, p, 2, backend="triton")
+    assert torch.allclose(prep.norms, m, rtol=1e-5, atol=0)
+    want = thc.encode_packed(x.float(), m, p, 2, 9, backend="triton")
+    assert torch.equal(thc.encode_prepared(prep, m, p, 9), want)
+
 @kernels
 def test_a_round_held_on_the_device_gives_the_int_rounds_results():
     """The kernels read a round from an int64 tensor (what a CUDA graph replays) and finish
