@@ -29,36 +29,53 @@ from thc.controller.switch import DEFAULT_DEVICE_ID, DEFAULT_GRPC, NoProgram, Sw
 from thc.wire.jobs import Cluster, ConfigError
 
 
+def _switch_options(parser: argparse.ArgumentParser, defaults: bool = True) -> None:
+    """The options of every action; without ``defaults`` (an action's own copy) each is
+    set only where given, so they may stand before the action or after it."""
+    def opt(*names, default=None, **kw):
+        parser.add_argument(*names, **kw,
+                            default=default if defaults else argparse.SUPPRESS)
+
+    opt("--grpc-addr", default=DEFAULT_GRPC, metavar="HOST:PORT",
+        help=f"P4Runtime server (default {DEFAULT_GRPC})")
+    opt("--device-id", type=_uint64, default=DEFAULT_DEVICE_ID,
+        help="P4Runtime device id (simple_switch_grpc --device-id; default 0)")
+    opt("--election-id", type=_election, default=None, metavar="HIGH,LOW",
+        help="the P4Runtime session's election id (default: for the actions "
+             "that write, one of the session's own, lower than any earlier "
+             "writer's; 0,PID for jobs, counters and l2 list, so that a "
+             "reader never takes a writer's place)")
+    opt("--timeout", type=positive_float, default=5.0,
+        help="seconds to wait for the P4Runtime server (default 5)")
+    opt("--target", default=targets.DEFAULT, choices=sorted(targets.TARGETS),
+        help=f"the switch's program: bmv2 (p4src/thc.p4) or tofino "
+             f"(p4src/thc_tna.p4); default {targets.DEFAULT}")
+    opt("--build-dir", default=None,
+        help="where the compiled program is (default p4src/build for bmv2, "
+             "p4src/build/tofino for tofino)")
+    opt("--dry-run", action="store_true", default=False,
+        help="install only: print the writes it would make on a switch that "
+             "holds no jobs, from the target's P4Info, without connecting")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--grpc-addr", default=DEFAULT_GRPC, metavar="HOST:PORT",
-                        help=f"P4Runtime server (default {DEFAULT_GRPC})")
-    parser.add_argument("--device-id", type=_uint64, default=DEFAULT_DEVICE_ID,
-                        help="P4Runtime device id (simple_switch_grpc --device-id; default 0)")
-    parser.add_argument("--election-id", type=_election, default=None, metavar="HIGH,LOW",
-                        help="the P4Runtime session's election id (default: for the actions "
-                             "that write, one of the session's own, lower than any earlier "
-                             "writer's; 0,PID for jobs, counters and l2 list, so that a "
-                             "reader never takes a writer's place)")
-    parser.add_argument("--timeout", type=positive_float, default=5.0,
-                        help="seconds to wait for the P4Runtime server (default 5)")
-    parser.add_argument("--target", default=targets.DEFAULT, choices=sorted(targets.TARGETS),
-                        help=f"the switch's program: bmv2 (p4src/thc.p4) or tofino "
-                             f"(p4src/thc_tna.p4); default {targets.DEFAULT}")
-    parser.add_argument("--build-dir", default=None,
-                        help="where the compiled program is (default p4src/build for bmv2, "
-                             "p4src/build/tofino for tofino)")
-    parser.add_argument("--dry-run", action="store_true",
-                        help="install only: print the writes it would make on a switch that "
-                             "holds no jobs, from the target's P4Info, without connecting")
+    _switch_options(parser)
     sub = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
 
-    p = sub.add_parser("push", help="load the compiled P4 program (clears all switch state: "
-                                    "refused while a job's workers are sending)")
-    p.add_argument("--program", default="thc", choices=["thc", "l2"])
+    def action(name: str, **kw) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, **kw)
+        _switch_options(p, defaults=False)
+        return p
+
+    p = action("push", help="load the compiled P4 program (clears all switch state: refused "
+                             "while a job's workers are sending)")
+    p.add_argument("--program", default="thc", choices=["thc", "l2"],
+                   help="thc (default), or l2: plain L2 forwarding alone (the baseline of "
+                        "`thc bench switch`)")
     p.add_argument("--force", action="store_true",
                    help="push even while a job's workers are sending")
 
-    p = sub.add_parser("install", help="install or update the jobs of a cluster config")
+    p = action("install", help="install or update the jobs of a cluster config")
     p.add_argument("--config", required=True, help="cluster JSON (host/wire/jobs.py Cluster)")
     p.add_argument("--push", action="store_true",
                    help="push the program first, which removes every installed job (refused "
@@ -68,20 +85,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--force", action="store_true",
                    help="change or remove jobs even while their workers are sending")
 
-    p = sub.add_parser("remove", help="remove one job")
+    p = action("remove", help="remove one job")
     p.add_argument("--job", type=int, required=True, metavar="JOB_ID")
     p.add_argument("--force", action="store_true",
                    help="remove the job even while its workers are sending")
 
-    sub.add_parser("jobs", help="list installed jobs")
+    action("jobs", help="list installed jobs")
 
-    p = sub.add_parser("counters", help="drop and per-job counters")
+    p = action("counters", help="drop and per-job counters")
     p.add_argument("--json", action="store_true", help="print JSON")
 
-    p = sub.add_parser("l2", help="add or delete an l2_forward entry")
+    p = action("l2", help="add or delete an l2_forward entry")
     p.add_argument("op", choices=["add", "del", "list"])
-    p.add_argument("mac", nargs="?")
-    p.add_argument("port", nargs="?", type=int)
+    p.add_argument("mac", nargs="?", help="add, del: the destination MAC")
+    p.add_argument("port", nargs="?", type=int, help="add: the switch port to forward to")
 
 
 def _uint64(text: str) -> int:

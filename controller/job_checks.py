@@ -141,9 +141,10 @@ def check_agg(agg_ip: str, agg_mac: str, agg_port: int = P.UDP_PORT) -> None:
     check_address("the aggregator (the switch)", agg_ip, agg_port)   # unspecified, multicast
     check_mac("the aggregator (the switch)", agg_mac)
     if ipaddress.IPv4Address(agg_ip).is_loopback:
-        raise ConfigError(f"the cluster's agg_ip {agg_ip} (127.0.0.1 when the cluster gives "
-                          f"none) cannot be a switch's address: workers drop results from "
-                          f"it; give the cluster the switch's agg_ip (e.g. 10.0.0.254)")
+        raise ConfigError(f"the cluster's agg_ip {agg_ip} is a loopback address (127.0.0.1 "
+                          f"is the default where a cluster gives no agg_ip), which no switch "
+                          f"has: workers drop results from it; give the cluster the switch's "
+                          f"agg_ip (e.g. 10.0.0.254)")
     if agg_mac.lower() in forwarding.UNROUTABLE or forwarding.is_group(agg_mac):
         raise ConfigError(f"the cluster's agg_mac {agg_mac} cannot be a switch's address (no "
                           f"frame comes from the all-zero, broadcast or a group address); "

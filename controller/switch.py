@@ -114,7 +114,9 @@ class _Names:
         try:
             return self.by_name[name]
         except KeyError:
-            raise SwitchError(f"the switch's P4 program has no {kind} {name!r}") from None
+            raise SwitchError(f"the switch's P4 program has no {kind} {name!r}: it runs "
+                              f"another program; push THC's (`thc controller push`, or "
+                              f"`install --push`)") from None
 
 
 class Switch:

@@ -13,6 +13,8 @@ import argparse
 import importlib
 import sys
 
+from thc.app.argtypes import ShowDefaults
+
 BENCHES: dict[str, tuple[str, str]] = {
     "codec": ("thc.bench.codec", "THC encode/decode throughput vs FP16 cast and PowerSGD"),
     "kernels": ("thc.bench.kernels", "the codec's GPU kernels one by one: bytes, share of "
@@ -67,7 +69,8 @@ def dispatch(prog: str, table: dict, argv: list[str]) -> int:
     if isinstance(target, dict):
         return dispatch(f"{prog} {name}", target, argv[1:])
     module = importlib.import_module(target)
-    parser = argparse.ArgumentParser(prog=f"{prog} {name}", description=help_)
+    parser = argparse.ArgumentParser(prog=f"{prog} {name}", description=help_,
+                                     formatter_class=ShowDefaults)
     module.add_arguments(parser)
     parser.set_defaults(command=parser.prog)   # one module may serve two commands
     return int(module.run(parser.parse_args(argv[1:])) or 0)

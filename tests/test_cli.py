@@ -49,6 +49,24 @@ def test_a_command_runs_its_module(capsys):
     assert capsys.readouterr().out.strip()
 
 
+def test_help_shows_defaults_its_text_does_not_already_say(capsys):
+    """``thc model --workers`` (8) and the worker's ``--epochs`` (3, where the main job trains
+    2) had no word of their defaults in --help."""
+    import re
+
+    from thc.app import train
+    with pytest.raises(SystemExit):
+        cli.main(["model", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "--workers WORKERS default: 8" in out
+    assert "compute per iteration (default: 100.0)" in out
+    assert "measures this machine's) (default" not in out   # its text says it already
+    with pytest.raises(SystemExit):
+        train.main(["--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "--epochs EPOCHS default: 3" in out
+    assert not re.search(r"--no-error-feedback\s+\S*\s*default", out)   # a flag that is off
+
 def test_unknown_commands_are_refused(capsys):
     assert cli.main(["nonesuch"]) == 2
     assert cli.main(["bench", "nonesuch"]) == 2

@@ -35,6 +35,21 @@ def test_bad_session_flags_are_refused_before_any_session(argv, message, capsys)
     assert message in capsys.readouterr().err
 
 
+def test_the_switch_options_stand_before_the_action_or_after_it():
+    """``install --dry-run`` was an argparse error (unrecognized arguments) without a word
+    that the options go before the action."""
+    before = _parse("--target", "tofino", "--dry-run", "--grpc-addr", "10.1.1.1:9559",
+                    "install", "--config", "c.json")
+    after = _parse("install", "--config", "c.json", "--target", "tofino", "--dry-run",
+                   "--grpc-addr", "10.1.1.1:9559")
+    assert vars(before) == vars(after)
+    assert (after.target, after.dry_run, after.grpc_addr) == ("tofino", True, "10.1.1.1:9559")
+    plain = _parse("jobs")
+    assert (plain.target, plain.dry_run, plain.timeout) == ("bmv2", False, 5.0)
+    assert _parse("--timeout", "7", "jobs", "--target", "tofino").timeout == 7.0
+    with pytest.raises(SystemExit):
+        _parse("jobs", "--timeout=-1")
+
 class _Recorded(MemorySwitch):
     """A MemorySwitch on one shared device that records the election id of each session."""
 

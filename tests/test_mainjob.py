@@ -189,13 +189,42 @@ def test_ranks_given_flags_that_resolve_alike_train(monkeypatch):
     plain = parser.parse_args(["--mode", "fp32"])
     given = parser.parse_args(["--mode", "fp32", "--width", "64", "--lr", "0.05"])
     facts = {"params": 1000}
-    seen.append({**{k: getattr(plain, k) for k in train.AGREED}, **facts,
-                 "optimizer": train.optimizer_settings(plain)})
+    seen.append(({**{k: getattr(plain, k) for k in train.AGREED}, **facts,
+                  "optimizer": train.optimizer_settings(plain)}, None))
     train.check_flags_agree(given, {**facts, "optimizer": train.optimizer_settings(given)})
     with pytest.raises(SystemExit, match=r"epochs: rank 0 5, rank 1 3"):
         train.check_flags_agree(parser.parse_args(["--mode", "fp32", "--epochs", "5"]),
                                 {**facts, "optimizer": train.optimizer_settings(plain)})
 
+
+
+def test_a_job_made_with_other_thc_flags_is_told_on_every_rank_before_training(
+        monkeypatch, tmp_path):
+    """--granularity 20 against a job made with 30 failed at the first backward, inside
+    DDP's traceback; the ranks now stop at their start, each naming the job's table."""
+    from thc.app import train
+    from thc.testing.clusters import free_port_block, local_job
+    from thc.wire.jobs import Cluster
+    cfg = tmp_path / "cluster.json"
+    from thc.codec.params import THCParams
+    made = THCParams(granularity=30, p=1 / 32)
+    Cluster(jobs=(local_job(1, 2, free_port_block(2), granularity=30, table=made.table),)
+            ).save(cfg)
+    parser = argparse.ArgumentParser()
+    train.add_arguments(parser)
+    args = parser.parse_args(["--mode", "thc", "--config", str(cfg), "--granularity", "20"])
+    why = train.job_mismatch(args)
+    assert why and "job 1 has granularity 30" in why and "--granularity 20" in why, why
+    for fine in (["--mode", "thc", "--config", str(cfg)],
+                 ["--mode", "thc-dist", "--granularity", "20"]):
+        assert train.job_mismatch(parser.parse_args(fine)) is None
+    # rank 1 alone was given the flag: rank 0 stops too, naming rank 1's reason
+    monkeypatch.setattr("torch.distributed.get_world_size", lambda *a: 2)
+    monkeypatch.setattr("torch.distributed.all_gather_object",
+                        lambda out, mine: out.__setitem__(slice(None), [mine, (mine[0], why)]))
+    plain = parser.parse_args(["--mode", "thc", "--config", str(cfg)])
+    with pytest.raises(SystemExit, match="rank 1: .*job 1 has granularity 30"):
+        train.check_flags_agree(plain, {}, None)
 
 @pytest.mark.parametrize("mode, argv", [
     ("topk", ["--no-error-feedback"]), ("fp32", ["--topk-ratio", "0.9"]),

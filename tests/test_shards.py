@@ -253,3 +253,15 @@ def test_a_worker_given_another_shard_map_is_named_as_a_possible_cause(datapath)
     assert isinstance(errors[1], AggregationRefused) and "wrong_shard" in str(errors[1])
     assert isinstance(errors[0], AggregationTimeout) and errors[0].missing == [1], errors[0]
     assert "given another shard map than this worker's" in str(errors[0]), errors[0]
+
+
+def test_thc_aggregator_refuses_a_shard_index_where_no_job_is_sharded(tmp_path, capsys):
+    """The help says --shard is for sharded jobs: with a central cluster file it started as
+    'shard 0', a central aggregator under another name."""
+    cfg = tmp_path / "central.json"
+    Cluster(jobs=(local_job(1, 2, free_port_block(2)),)).save(cfg)
+    ns = argparse.ArgumentParser()
+    agg_cli.add_arguments(ns)
+    args = ns.parse_args(["--config", str(cfg), "--listen", "127.0.0.1:0", "--shard", "0"])
+    assert agg_cli.run(args) == 2
+    assert "--shard 0: no job of the cluster file has a shard map" in capsys.readouterr().err

@@ -3,8 +3,31 @@ the JSON reports commands read back."""
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 from pathlib import Path
+
+
+class ShowDefaults(argparse.RawDescriptionHelpFormatter):
+    """Help that shows each option's default where its text does not already say it, as
+    argparse's ArgumentDefaultsHelpFormatter does, and for options without a text too (a
+    flag that is off, or has no default, shows none)."""
+
+    @staticmethod
+    def _shows(action: argparse.Action) -> bool:
+        return action.default not in (None, False, argparse.SUPPRESS) \
+            and "default" not in (action.help or "").lower()
+
+    def _format_action(self, action: argparse.Action) -> str:
+        if action.help is None and self._shows(action):
+            action = copy.copy(action)
+            action.help = "default: %(default)s"
+        return super()._format_action(action)
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.help and self._shows(action) and "default: %(default)s" != action.help:
+            return f"{action.help} (default: %(default)s)"
+        return action.help
 
 
 def positive_int(text: str) -> int:

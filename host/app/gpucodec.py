@@ -49,7 +49,8 @@ def codec_speeds(report: dict) -> dict:
     module docstring for the rows it takes)."""
     rows = report.get("results")
     if not isinstance(rows, list):
-        raise ValueError("no 'results' list: not a `thc bench codec --json` report")
+        raise ValueError("no 'results' list: not a report of `thc bench codec --json` or `thc "
+                         "bench hook --json`")
     for r in rows:
         if not (isinstance(r, dict) and {"name", "elements", "median_s"} <= set(r)
                 and isinstance(r["name"], str) and _positive(r["elements"])

@@ -32,7 +32,7 @@ import time
 import warnings
 
 from thc.app import datasets
-from thc.app.argtypes import positive_int
+from thc.app.argtypes import ShowDefaults, positive_int
 from thc.codec import settings
 from thc.codec.params import THCParams
 from thc.collective import worker
@@ -218,14 +218,45 @@ given. What a flag resolves to is compared where a default resolves it (the data
 the model's size for its width, the optimizer's settings), not the flag."""
 
 
-def check_flags_agree(args, facts: dict) -> None:
+def job_mismatch(args) -> str | None:
+    """Why the cluster file's THC job cannot take this worker's codec (None where it can, or
+    where the mode runs no THC job): the job's lookup table comes from its own granularity
+    and p, the codec's from ``--bits``, ``--granularity`` and ``--p``; told before training,
+    not at the first backward."""
+    if args.mode in ("fp32", "fp16", "topk", "marsit", "marsit-vote", "thc-dist") \
+            or not args.config:
+        return None
+    from thc.wire.jobs import Cluster, ConfigError
+    try:
+        job = next((j for j in Cluster.load(args.config).jobs if j.aggregation == "thc"), None)
+    except (ConfigError, OSError, ValueError):
+        return None   # the client's build names it, on every rank
+    params = THCParams.from_args(args, seed=args.seed, slice_size=args.slice_size)
+    if job is None or tuple(int(v) for v in params.table) == tuple(job.table):
+        return None
+    return (f"{args.config}'s job {job.job_id} has granularity {job.granularity} and lookup "
+            f"table {list(job.table)}; --bits {params.bits} --granularity "
+            f"{params.granularity} --p {params.p:g} make {[int(v) for v in params.table]}: "
+            f"give every worker the flags the job was made with")
+
+
+def check_flags_agree(args, facts: dict, problem: str | None = None) -> None:
     """Raise on every rank, naming the flag and each rank's value, unless the ranks were
     given the same :data:`AGREED` flags and came to the same ``facts`` (the data set
-    ``auto`` chose, its size, the model's)."""
+    ``auto`` chose, its size, the model's), or where any rank has a ``problem``, naming
+    it."""
     import torch.distributed as dist
     mine = {**{k: getattr(args, k, None) for k in AGREED}, **facts}
     every: list = [None] * dist.get_world_size()
-    dist.all_gather_object(every, mine)
+    dist.all_gather_object(every, (mine, problem))
+    told: dict = {}
+    for r, (_, why) in enumerate(every):
+        if why:
+            told.setdefault(why, []).append(str(r))
+    if told:
+        raise SystemExit("; ".join(f"rank{'s' if len(rs) > 1 else ''} {', '.join(rs)}: {why}"
+                                   for why, rs in told.items()))
+    every = [e for e, _ in every]
     unlike = [k for k in mine if any(e.get(k) != mine[k] for e in every)]
     if unlike:
         shown = "; ".join(f"{k}: " + ", ".join(f"rank {r} {e.get(k)!r}"
@@ -271,7 +302,7 @@ def _train_model(args) -> list[dict]:
     n_params = sum(p.numel() for p in model.parameters())
     check_flags_agree(args, {"stop_at given": args.stop_at is not None, "dataset": ds.name,
                              "train_images": len(ytr), "params": n_params,
-                             "optimizer": optimizer_settings(args)})
+                             "optimizer": optimizer_settings(args)}, job_mismatch(args))
     # the digits CNN's first weight has one input channel: its gradient's strides differ
     # from the parameter's only along that size-1 dimension (the same layout in memory);
     # DDP's warning about it would fill the stderr tail a failing run's error quotes
@@ -369,7 +400,7 @@ def _train_model(args) -> list[dict]:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m thc.app.train", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+                                     formatter_class=ShowDefaults)
     add_arguments(parser)
     args = parser.parse_args(argv)
     try:

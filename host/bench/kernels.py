@@ -29,8 +29,13 @@ from thc.bench.codec import parse_sizes
 from thc.codec.params import THCParams
 
 
+ON_CPU = ("TRITON_INTERPRET=1 thc bench kernels --device cpu --quick checks the kernels "
+          "run, it does not time a GPU")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--device", default="cuda", help="cuda (default) or cpu (--quick)")
+    parser.add_argument("--device", default="cuda",
+                        help=f"cuda (default), or cpu under Triton's interpreter ({ON_CPU})")
     parser.add_argument("--sizes", default=None, help="log2 sizes (default 20,23,26)")
     parser.add_argument("--precisions", default="tf32x2,ieee",
                         help="comma-separated ways of the Hadamard products (default "
@@ -188,11 +193,11 @@ def run(args: argparse.Namespace) -> int:
     import torch
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
-        print("thc bench kernels: --device cuda but torch sees no CUDA device")
+        print(f"thc bench kernels: --device cuda but torch sees no CUDA device; {ON_CPU}")
         return 2
     if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        print("thc bench kernels: on the CPU the kernels run only under Triton's interpreter "
-              "(TRITON_INTERPRET=1)")
+        print(f"thc bench kernels: on the CPU the kernels run only under Triton's interpreter: "
+              f"{ON_CPU}")
         return 2
     from thc.codec import triton_kernels as tk
     params = THCParams.from_args(args)

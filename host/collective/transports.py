@@ -140,8 +140,8 @@ class AggregatorTransport:
                              f"THC bits={params.bits} needs the torch.distributed transport")
         if tuple(int(v) for v in params.table) != tuple(job.table):
             raise ValueError(f"job {job.job_id}'s lookup table {list(job.table)} differs from "
-                             f"the codec's {list(params.table)}: install the job with the "
-                             f"same bits/granularity/p")
+                             f"the codec's {[int(v) for v in params.table]}: install the job "
+                             f"with the same bits/granularity/p")
 
     def one_round(self) -> threading.Lock:
         """The client's round lock (:func:`round_lock`): a client takes one exchange at a

@@ -160,12 +160,15 @@ class Aggregator(UDPServer):
 
 # -- `thc aggregator` ---------------------------------------------------------------
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--listen", default=f"0.0.0.0:{P.UDP_PORT}", metavar="HOST:PORT")
+    parser.add_argument("--listen", default=f"0.0.0.0:{P.UDP_PORT}", metavar="HOST:PORT",
+                        help="UDP address to serve (default: %(default)s; a shard: its address "
+                             "in the shard map)")
     parser.add_argument("--config", required=True, help="cluster JSON (the controller's format)")
     parser.add_argument("--shard", type=int, default=None, metavar="INDEX",
                         help="run as this shard of the jobs' shard maps (sharded jobs only)")
     parser.add_argument("--stats-interval", type=float, default=5.0,
-                        help="print counters every N seconds (0: never)")
+                        help="print counters as a JSON line every N seconds (0: never; "
+                             "default: %(default)s)")
     parser.add_argument("--stats-file", help="rewrite counters as JSON to this file while running")
     parser.add_argument("--duration", type=float, help="exit after N seconds")
     settings.add_arguments(parser, "aggregator_datapath")
@@ -199,9 +202,15 @@ def choose(datapath: str, jobs, impair: Impairment, gso: bool = True,
 def check_shard_address(jobs, shard: int | None, host: str, port: int) -> None:
     """ConfigError unless ``host:port`` is the address every sharded job's map gives shard
     ``shard``: listening at another shard's address, it would refuse every chunk sent
-    there as wrong_shard, so no round could complete: better refused at its start."""
+    there as wrong_shard, so no round could complete: better refused at its start. A
+    ``shard`` where no job has a shard map is refused too: the workers send every chunk to
+    one central aggregator, which this is then, not a shard."""
     if shard is None:
         return
+    if not any(job.shards for job in jobs):
+        raise ConfigError(f"--shard {shard}: no job of the cluster file has a shard map, so "
+                          f"its workers send every chunk to one central aggregator at agg_ip; "
+                          f"run it without --shard")
     try:   # a name as the socket binds it
         ip = socket.getaddrinfo(host, port, socket.AF_INET)[0][4][0] if host else "0.0.0.0"
     except OSError:

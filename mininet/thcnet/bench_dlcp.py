@@ -42,11 +42,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bw", type=float, default=20.0, help="worker link Mbit/s")
     parser.add_argument("--competing", type=float, default=0.8,
                         help="competing UDP flow per worker, as a fraction of --bw")
-    parser.add_argument("--numel", type=int, default=1 << 18)
-    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--numel", type=int, default=1 << 18,
+                        help="gradient elements per round, split over --layers")
+    parser.add_argument("--layers", type=int, default=8,
+                        help="equal layers of the gradient, each with its own scale; with "
+                             "priorities, its DLCP class follows its position")
     parser.add_argument("--rounds", type=int, default=None, help="default 40; --quick: 10")
-    parser.add_argument("--loss-bound", type=float, default=0.05)
-    parser.add_argument("--pool-size", type=int, default=64)
+    parser.add_argument("--loss-bound", type=float, default=0.05,
+                        help="the job's loss_bound: the share of a round's chunks that may "
+                             "close short (docs/protocol.md, \"Bounded loss\")")
+    parser.add_argument("--pool-size", type=int, default=64,
+                        help="the job's slots: chunks a worker keeps in flight")
 
 
 def _run_mode(tb, name: str, loss_bound: float, marks: bool, args, rounds: int) -> dict:

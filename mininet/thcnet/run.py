@@ -18,13 +18,18 @@ from thc.emu import testbed
 from thc.emu.testbed import TestbedError, WorkerError, open_testbed
 
 
+CHOICES = {"sharded": "sharded", "central": "software", "bmv2": "bmv2"}
+"""--aggregator's names -> the testbed's."""
+
+
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     testbed.add_arguments(ap, timeout=300.0)
     testbed.add_link_arguments(ap, bw=None)
     testbed.add_job_arguments(ap, lanes=None, pool_size=None, window=None)
-    ap.add_argument("--aggregator", choices=["sharded", "software", "bmv2"], default="sharded",
-                    help="sharded: one shard per worker host; software: one central "
-                         "aggregator on its own host; bmv2: the switch")
+    ap.add_argument("--aggregator", choices=sorted(CHOICES), default="sharded",
+                    help="sharded: one shard per worker host; central: one central software "
+                         "aggregator on its own host (as `thc bench allreduce` names them); "
+                         "bmv2: the switch")
     ap.add_argument("--numel", type=int, default=1 << 20, help="elements per worker")
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--rto", type=float, default=0.02, help="minimum retransmission timeout (s)")
@@ -36,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.monotonic()
     try:
         with open_testbed(args.workers, bw_mbit=args.bw, delay_ms=args.delay,
-                          loss_pct=args.loss, aggregator=args.aggregator,
+                          loss_pct=args.loss, aggregator=CHOICES[args.aggregator],
                           prefer_mininet=not args.loopback, agg_bw_factor=args.agg_bw_factor,
                           lanes=args.lanes, pool_size=args.pool_size,
                           quiet=not args.verbose) as tb:
@@ -44,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
             if tb.kind == "mininet":
                 bw = f"{args.bw:g} Mbit/s" if args.bw else "unshaped"
                 agg_bw = (f", aggregator link {args.bw * tb.agg_bw_factor:g} Mbit/s"
-                          if args.bw and args.aggregator == "software" else "")
+                          if args.bw and args.aggregator == "central" else "")
                 print(f"links: {bw}{agg_bw}, delay {args.delay:g} ms, loss {args.loss:g}%")
             tb.start_aggregator()
             before = tb.wire_bytes()
@@ -88,6 +93,11 @@ def run(args: argparse.Namespace) -> int:
     if counters:
         shown = json.dumps(counters) if isinstance(counters, dict) else counters.strip()
         print(f"aggregator counters: {shown}")
+        print("(a worker's retx: chunks it sent again, its timer out; the aggregator's "
+              "retransmissions: results sent again for a chunk already finished, pending: "
+              "PENDING answers to a worker that sent again a chunk still waiting for others; "
+              "a retx whose first send was lost counts in neither; docs/protocol.md, "
+              "\"Drops\")")
     print(f"\nsmoke all-reduce {'OK: every worker got the exact sums' if ok else 'FAILED'} "
           f"({time.monotonic() - t0:.1f} s total, testbed torn down)")
     return 0 if ok else 1
