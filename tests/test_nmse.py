@@ -36,6 +36,8 @@ def test_quick_run_json_and_table(tmp_path, capsys):
     assert thc["nmse"]["4"] == pytest.approx(thc["model"]["4"], rel=0.1)
     assert rows["uhc:p=1/1024"]["nmse"]["1"] > thc["nmse"]["1"]
     assert rows["fp16"]["nmse"]["1"] < 1e-6
+    # QSGD's reference holds at d = 2^18 only (0.079 beside a measured 0.056 read as a gap)
+    assert "reference" in thc and "reference" not in rows["qsgd"]
 
 
 DESIGN_REFERENCE = {"thc": {"1": 0.0204, "10": 0.0020}, "uhc": {"1": 0.0206, "10": 0.0021},

@@ -73,7 +73,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", default=None, help="the JSON's path (default OUT/sweep.json)")
     parser.add_argument("--plot", default=None, help="the plot's path (default OUT/sweep.png)")
     parser.add_argument("--report", metavar="SWEEP_JSON", default=None,
-                        help="analyse a sweep already run: table, break-even, plot")
+                        help="analyse a sweep already run: print its table and break-even, "
+                             "write --json and --plot (default OUT/sweep.json, OUT/sweep.png)")
 
 
 def machine() -> dict:

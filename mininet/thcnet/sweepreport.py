@@ -68,8 +68,8 @@ def markdown(data: dict) -> str:
                      f"{be['predicted_relation'] if pred is None else f'{pred:.0f} Mbit/s'} | "
                      f"{'-' if ratio is None else f'{ratio:.2f}'} | "
                      f"{'-' if tta is None else describe(tta)} "
-                     f"({be['tta_points']} of {len(a['points'])} points: both reached "
-                     f"{data.get('tta_target', 'the target')}) |")
+                     f"(from the {be['tta_points']} of {len(a['points'])} bandwidths at "
+                     f"which both reached {data.get('tta_target', 'the target')}) |")
     return "\n".join(lines)
 
 
