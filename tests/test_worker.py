@@ -84,3 +84,23 @@ def test_a_worker_without_a_process_group_never_imports_torch(cluster_file):
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                        env={k: v for k, v in os.environ.items() if k != "THC_RUN"})
     assert r.returncode == 0, r.stderr[-2000:]
+
+
+def test_a_worker_alone_needs_no_rendezvous_and_a_group_without_one_is_told_so():
+    """``python -m thc.app.train`` by hand (world 1, no torchrun) failed in torch with
+    "MASTER_ADDR expected"; a group of two without --master failed the same way."""
+    code = ("import argparse, torch.distributed as dist\n"
+            "from thc.collective import worker\n"
+            "p = argparse.ArgumentParser(); worker.add_arguments(p)\n"
+            "import sys; worker.init_group(p.parse_args(sys.argv[1:]))\n"
+            "t = __import__('torch').ones(3); dist.all_reduce(t)\n"
+            "print(dist.get_world_size(), t.tolist()); dist.destroy_process_group()\n")
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK")}
+    alone = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           env=env, timeout=120)
+    assert alone.returncode == 0 and alone.stdout.split("\n")[0] == "1 [1.0, 1.0, 1.0]", \
+        alone.stderr[-2000:]
+    two = subprocess.run([sys.executable, "-c", code, "--world", "2"], capture_output=True,
+                         text=True, env=env, timeout=120)
+    assert two.returncode == 1 and "--world 2: give every worker --master IP:PORT" in two.stderr

@@ -66,8 +66,16 @@ def init_group(args: argparse.Namespace, timeout: float | None = None) -> None:
     """Join the Gloo process group the flags name (``timeout``: seconds a collective may
     wait, default torch's)."""
     import torch.distributed as dist
-    init = f"tcp://{args.master}" if args.master else "env://"
     extra = {} if timeout is None else {"timeout": timedelta(seconds=timeout)}
+    if not args.master and "MASTER_ADDR" not in os.environ:
+        if args.world != 1:
+            raise SystemExit(f"--world {args.world}: give every worker --master IP:PORT (rank "
+                             f"0's address and a free port), or start them with torchrun")
+        # one worker alone meets no one: an in-memory store stands in for a rendezvous
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=args.rank, world_size=1,
+                                **extra)
+        return
+    init = f"tcp://{args.master}" if args.master else "env://"
     dist.init_process_group("gloo", init_method=init, rank=args.rank, world_size=args.world,
                             **extra)
 
