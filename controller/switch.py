@@ -115,8 +115,9 @@ class _Names:
             return self.by_name[name]
         except KeyError:
             raise SwitchError(f"the switch's P4 program has no {kind} {name!r}: it runs "
-                              f"another program; push THC's (`thc controller push`, or "
-                              f"`install --push`)") from None
+                              f"another program (or the P4Info read is another build's); "
+                              f"push THC's (`thc controller push`, or `install --push`)"
+                              ) from None
 
 
 class Switch:

@@ -66,6 +66,11 @@ def test_help_shows_defaults_its_text_does_not_already_say(capsys):
     out = " ".join(capsys.readouterr().out.split())
     assert "--epochs EPOCHS default: 3" in out
     assert not re.search(r"--no-error-feedback\s+\S*\s*default", out)   # a flag that is off
+    assert "(default: )" not in out   # --uncompressed: nothing
+    with pytest.raises(SystemExit):
+        cli.main(["aggregator", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "(default: True)" not in out   # --no-gso's dest is on: the flag is not
 
 def test_unknown_commands_are_refused(capsys):
     assert cli.main(["nonesuch"]) == 2

@@ -451,3 +451,5 @@ def test_lax_arguments_are_refused_not_cast(backend):
         with pytest.raises(ValueError, match="bits must be an integer in 1..8"):
             pack_bits(np.array([1, 2]), bits)
     assert pack_bits(np.array([1, 2]), np.int64(4)).tolist() == [0x12]
+    assert pack_bits([], 4).tolist() == []   # np.asarray([]) is float64, and holds nothing
+    assert torch.equal(c.encode(x, np.array(m.tolist(), dtype=object), 0, 1), idx)

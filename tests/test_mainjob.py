@@ -216,8 +216,13 @@ def test_a_job_made_with_other_thc_flags_is_told_on_every_rank_before_training(
     why = train.job_mismatch(args)
     assert why and "job 1 has granularity 30" in why and "--granularity 20" in why, why
     for fine in (["--mode", "thc", "--config", str(cfg)],
-                 ["--mode", "thc-dist", "--granularity", "20"]):
+                 ["--mode", "thc-dist", "--granularity", "20"],
+                 ["--mode", "thc", "--config", str(cfg), "--slice-size", "1000"]):
+        # the last: a flag THC refuses is the flags' agreement's and the build's to name
         assert train.job_mismatch(parser.parse_args(fine)) is None
+    wide = train.job_mismatch(parser.parse_args(["--mode", "thc", "--config", str(cfg),
+                                                 "--bits", "2", "--granularity", "4"]))
+    assert wide and "--bits 2: the aggregation protocol carries 4-bit indices" in wide
     # rank 1 alone was given the flag: rank 0 stops too, naming rank 1's reason
     monkeypatch.setattr("torch.distributed.get_world_size", lambda *a: 2)
     monkeypatch.setattr("torch.distributed.all_gather_object",

@@ -15,7 +15,9 @@ class ShowDefaults(argparse.RawDescriptionHelpFormatter):
 
     @staticmethod
     def _shows(action: argparse.Action) -> bool:
-        return action.default not in (None, False, argparse.SUPPRESS) \
+        """Not for a flag (store_true, store_false: its dest's default would read as the
+        flag's), nor for a default of nothing."""
+        return action.nargs != 0 and action.default not in (None, False, "", argparse.SUPPRESS) \
             and "default" not in (action.help or "").lower()
 
     def _format_action(self, action: argparse.Action) -> str:

@@ -39,6 +39,7 @@ from thc.collective import worker
 from thc.collective.allreduce import THCAllReduce
 from thc.collective.ddp import HookOptions, MarsitHook, MarsitVoteHook, THCHook, TopKHook
 from thc.net.client import AggregationClient
+from thc.wire import protocol as P
 
 MODES = ("fp32", "fp16", "thc", "thc-dist", "topk", "marsit", "marsit-vote")
 OPTIMIZER = {"marsit": (0.1, 0.0), "marsit-vote": (0.1, 0.0)}
@@ -231,8 +232,16 @@ def job_mismatch(args) -> str | None:
         job = next((j for j in Cluster.load(args.config).jobs if j.aggregation == "thc"), None)
     except (ConfigError, OSError, ValueError):
         return None   # the client's build names it, on every rank
-    params = THCParams.from_args(args, seed=args.seed, slice_size=args.slice_size)
-    if job is None or tuple(int(v) for v in params.table) == tuple(job.table):
+    try:
+        params = THCParams.from_args(args, seed=args.seed, slice_size=args.slice_size)
+    except ValueError:
+        return None   # a flag THC refuses: compared across ranks, then refused by the build
+    if job is None:
+        return None
+    if params.bits != P.INDEX_BITS:
+        return (f"--bits {params.bits}: the aggregation protocol carries {P.INDEX_BITS}-bit "
+                f"indices; other widths need --mode thc-dist")
+    if tuple(int(v) for v in params.table) == tuple(job.table):
         return None
     return (f"{args.config}'s job {job.job_id} has granularity {job.granularity} and lookup "
             f"table {list(job.table)}; --bits {params.bits} --granularity "

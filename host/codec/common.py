@@ -150,7 +150,7 @@ def norm_array(max_norms, n_slices: int, params: THCParams) -> np.ndarray:
     :func:`norm_limit` (the mark among them) is refused, as no worker's slice norm reaches
     it and a decode under it could overflow float32."""
     m = max_norms.detach().cpu().numpy() if is_torch(max_norms) else np.asarray(max_norms)
-    check_norm_type(m.dtype.kind in "fiu", m.dtype)
+    check_norm_type(m.dtype.kind in "fiuO", m.dtype)   # objects: numbers, converted below
     m = np.asarray(m, dtype=np.float64).reshape(-1)
     if m.size != n_slices:
         raise ValueError(f"expected {n_slices} max norms (one per slice), got {m.size}")

@@ -51,7 +51,7 @@ def pack_bits(idx, bits: int):
         x = x.to(torch.uint8)
     else:
         x = np.asarray(idx).reshape(-1)
-        if x.dtype.kind not in "biu":
+        if x.dtype.kind not in "biu" and x.size:   # np.asarray([]) is float64
             raise TypeError(f"table indices are integers, got {x.dtype}: a cast would read "
                             f"3.7 as 3")
         # one pass for the common unsigned input; a second for the lower bound otherwise

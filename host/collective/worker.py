@@ -40,7 +40,8 @@ def add_arguments(parser: argparse.ArgumentParser, *, process_group: bool = True
         group.add_argument("--world", type=int, default=int(os.environ.get("WORLD_SIZE", 1)),
                            help="workers in the group (default: WORLD_SIZE, else 1)")
         group.add_argument("--master", default=None, metavar="IP:PORT",
-                           help="TCP rendezvous (default: env://, as torchrun sets it)")
+                           help="TCP rendezvous (default: env://, as torchrun sets it; a "
+                                "worker alone without it needs none)")
     client = parser.add_argument_group("aggregation client")
     client.add_argument("--config", help="cluster JSON: the job, its table, the aggregator")
     client.add_argument("--agg", metavar="IP:PORT",

@@ -300,8 +300,8 @@ def timeout_of(end: Endpoint, rnd: Round, i: int, bitmap: int | None, silent: fl
     if job.shards:
         # a peer whose shard map differs sends this chunk to another shard; only the peer
         # hears the refusal (wrong_shard), or nothing where that shard owns the chunk
-        unseen += (f"; or the missing worker(s) were given another shard map than this "
-                   f"worker's, sending this chunk to a shard other than {shard}")
+        unseen += (f"; a missing worker may also have been given another shard map than "
+                   f"this worker's, sending this chunk to a shard other than {shard}")
     return AggregationTimeout(f"{at}; missing worker(s) {missing} "
                               f"(contributed: {got}){unseen}", missing, shard)
 
