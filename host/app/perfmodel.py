@@ -15,7 +15,8 @@ bucket (``buckets``: DDP's 1 MB first bucket, then 25 MB ones). Schemes:
   and the client's window (``window`` chunks a round trip of 2 alpha), plus the MAX round.
   Shards on the worker hosts (``colocated``) share the workers' links: each carries, each
   way, (p - 1) / p of a worker's bytes up plus down.
-- Marsit's ring: the agreement, an all-reduce of the scales and 2(p-1) hops of d/8 bytes.
+- Marsit's ring: the agreement, an all-reduce of the scales and a ring of d/8 bytes of signs:
+  2(p-1) hops of d/(8p) bytes.
 - Marsit's vote: the agreement and the scales' all-reduce, then d/8 bytes of signs up and d
   8-bit counts down
   through the aggregator, as THC's chunks.
@@ -36,7 +37,7 @@ fitted to the first report's FP32 run (bandwidth-bound) and Marsit ring run (lat
 which are then labelled as fitted; every other row is a prediction. On Mininet with 2 cores
 for 4 workers, alpha is not the wire's latency (0 there) but the per-message cost of the
 software path under CPU contention (Gloo, Python, the Linux bridge): what the plain
-bandwidth model missed (FP32 +20%, Marsit -78%).
+bandwidth model missed (it put FP32's steps 18% and Marsit's 79% below the measured ones).
 """
 from __future__ import annotations
 
@@ -425,7 +426,12 @@ def run(args: argparse.Namespace) -> int:
     base = Setup(params=args.params, workers=args.workers, latency_us=args.latency_us,
                  compute_s=args.compute_ms / 1e3, overlap=args.overlap,
                  codec_mbps=args.codec_mbps, buckets=ddp_buckets(args.params))
-    print(f"{args.params / 1e6:g}M parameters, {args.workers} workers, compute "
+    try:   # sums no width holds (more workers than a job takes): said before any table
+        iteration_s(replace(base, bandwidth_gbps=1.0))
+    except ValueError as e:
+        raise SystemExit(f"thc model: {e}") from None
+    print(f"A model (estimates, not measurements): {args.params / 1e6:g}M parameters, "
+          f"{args.workers} workers, alpha {args.latency_us:g} us, compute "
           f"{args.compute_ms:g} ms, overlap {args.overlap}, codec {args.codec_mbps:g} MB/s")
     if args.workers > P.MAX_WORKERS:
         print(f"(a model: a job through this project's switch takes at most {P.MAX_WORKERS} "
@@ -443,6 +449,6 @@ def run(args: argparse.Namespace) -> int:
             print(f"{scheme} never pays here" if be is None else
                   f"{scheme} pays at every bandwidth up to {top:g} Gbit/s" if be >= top else
                   f"{scheme} pays below {be:.3g} Gbit/s")
-    except ValueError as e:   # sums no width holds: more workers than a job takes
+    except ValueError as e:
         raise SystemExit(f"thc model: {e}") from None
     return 0
