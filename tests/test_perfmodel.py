@@ -230,3 +230,30 @@ def test_the_model_refuses_an_efficiency_above_one_and_labels_workers_a_switch_c
     assert "takes at most 32 workers" in capsys.readouterr().out
     assert main(["model", "--workers", "32"]) == 0
     assert "takes at most" not in capsys.readouterr().out
+
+
+def test_the_calibration_table_in_results_md_is_what_the_command_prints(capsys):
+    """docs/results.md quotes `thc model --calibrate` on four committed runs; two of its
+    figures had drifted 0.1 ms from what the command printed."""
+    import argparse
+    import re
+
+    from thc.app import modelcmd
+    root = Path(__file__).resolve().parents[1]
+    text = (root / "docs" / "results.md").read_text()
+    command = re.search(r"Command: `(thc model --calibrate [^`]+)`", text)
+    assert command, "results.md names the calibration's command"
+    argv = command.group(1).split()[2:]
+    table = text[:command.start()].rsplit("| Mbit/s | mode | steps |", 1)[1]
+    quoted = [[c.strip() for c in line.strip("|").split("|")]
+              for line in table.splitlines()[2:] if line.startswith("| ")]
+    parser = argparse.ArgumentParser()
+    modelcmd.add_arguments(parser)
+    assert modelcmd.run(parser.parse_args(argv)) == 0
+    printed = [line.split() for line in capsys.readouterr().out.splitlines()
+               if re.match(r"\s+\d+ \S+\s+mininet", line)]
+    assert len(printed) == len(quoted) and len(quoted) > 10
+    # each row by bandwidth, mode, steps and measured time: its predicted time
+    got = sorted((g[0], g[1], g[4], g[5], g[6]) for g in printed)
+    want = sorted((w[0], w[1].split()[0], w[2], w[3], w[4]) for w in quoted)
+    assert got == want
