@@ -188,6 +188,12 @@ def test_dlcp_loss_bound_saves_the_retransmissions_and_the_timeout():
     assert lossy["thc_switch_dlcp"] == pytest.approx(clean["thc_switch"])
     tight = iteration_s(Setup(**{**s.__dict__, "loss": 0.02, "loss_bound": 0.01}))
     assert lossy["thc_switch_dlcp"] < tight["thc_switch_dlcp"] < lossy["thc_switch"]
+    # each bucket is a round of its own, each waiting out a timeout for its last lost chunk
+    for buckets in (1, 3):
+        b = Setup(**{**s.__dict__, "loss": 0.02, "buckets": buckets})
+        waits = iteration_s(b)["thc_switch"] - iteration_s(
+            Setup(**{**b.__dict__, "rto_s": 0.0}))["thc_switch"]
+        assert waits == pytest.approx(buckets * s.rto_s, rel=1e-3)
 
 
 def test_a_central_aggregator_is_modelled_on_a_link_like_a_workers():

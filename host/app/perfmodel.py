@@ -23,8 +23,9 @@ bucket (``buckets``: DDP's 1 MB first bucket, then 25 MB ones). Schemes:
 - TopK: the agreement, then two all-gathers (values and indices, 4 bytes each) of
   k = ratio x d per worker.
 - DLCP: under a packet loss rate q, retransmitting everything sends 1/(1-q) of the bytes
-  and waits a retransmission timeout for the round's last lost chunk; a loss bound b >= q
-  closes the round without either (a bound below q still resends q - b of the chunks).
+  and waits a retransmission timeout for each round's (bucket's) last lost chunk; a loss
+  bound b >= q closes the round without either (a bound below q still resends q - b of the
+  chunks).
 
 Compression pays only when the communication it saves is not hidden behind compute and
 exceeds its own encode/decode cost.
@@ -163,13 +164,14 @@ def aggregator_s(up: float, down: float, packets: float, s: Setup) -> float:
 
 
 def lossy_s(wire_s: float, packets: float, s: Setup, bound: float) -> float:
-    """A round of ``wire_s`` under loss ``s.loss`` with loss bound ``bound`` (DLCP; 0:
-    retransmit everything): resent bytes, plus one timeout while a chunk is still owed."""
+    """The rounds of a step (one a bucket), ``wire_s`` and ``packets`` in all, under loss
+    ``s.loss`` with loss bound ``bound`` (DLCP; 0: retransmit everything): resent bytes, plus
+    a timeout for each round that still owes a chunk."""
     q = s.loss
     if q <= 0:
         return wire_s
     resent = max(0.0, q - bound)
-    owed = 1 - (1 - resent) ** packets if resent else 0.0
+    owed = s.buckets * (1 - (1 - resent) ** (packets / s.buckets)) if resent else 0.0
     return wire_s * (1 + resent / (1 - q)) + owed * s.rto_s
 
 
