@@ -46,16 +46,31 @@ def test_a_sharded_job_sends_where_its_shard_map_says():
 def test_the_flags_reach_the_client(cluster_file):
     parser = argparse.ArgumentParser()
     worker.add_arguments(parser, process_group=False, deadline=12.0)
-    args = parser.parse_args(["--rank", "1", "--config", str(cluster_file), "--run", "0x10",
+    args = parser.parse_args(["--rank", "1", "--config", str(cluster_file), "--run-id", "0x10",
                               "--window", "3", "--rto", "0.05", "--loss-bound", "0.25"])
     with worker.client_from_args(args) as c:
         assert (c.worker_id, c.run, c.window, c.timeout, c.deadline, c.loss_bound) == \
             (1, 16, 3, 0.05, 12.0, 0.25)
     with worker.client_from_args(args, deadline=1.0, window=2) as c:
         assert (c.deadline, c.window) == (1.0, 2)
-    for bad in (["--run", "0"], ["--loss-bound", "1"]):
+    for bad in (["--run-id", "0"], ["--loss-bound", "1"]):
         with pytest.raises(SystemExit):
             parser.parse_args(bad)
+
+
+def test_a_run_id_given_as_a_flag_survives_torchruns_restarts(cluster_file, monkeypatch):
+    """torchrun restarts a group with the same argv: a fixed ``--run-id`` was refused at
+    once as a reused run. Its restart count is added, as to THC_RUN. (``--run`` was no name
+    for it: torchrun takes it as an abbreviation of its own ``--run-path``.)"""
+    parser = argparse.ArgumentParser()
+    worker.add_arguments(parser, process_group=False)
+    args = parser.parse_args(["--rank", "1", "--config", str(cluster_file), "--run-id", "16"])
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
+    with worker.client_from_args(args) as c:
+        assert c.run == 18
+    from torch.distributed.run import get_args_parser
+    torchrun = get_args_parser().parse_args(["-m", "thc.app.train", "--run-id", "5"])
+    assert torchrun.training_script_args == ["--run-id", "5"]
 
 
 def test_the_run_is_agreed_where_none_is_given(cluster_file, tmp_path, monkeypatch):

@@ -20,7 +20,7 @@ from thc.wire.jobs import Cluster, loss_bound_arg
 
 
 def run_arg(text: str) -> int:
-    """``--run`` as an argparse type: a run id, decimal or ``0x`` hexadecimal."""
+    """``--run-id`` as an argparse type: a run id, decimal or ``0x`` hexadecimal."""
     try:
         return P.check_run(int(text, 0))
     except ValueError as e:
@@ -47,9 +47,10 @@ def add_arguments(parser: argparse.ArgumentParser, *, process_group: bool = True
     client.add_argument("--agg", metavar="IP:PORT",
                         help="the aggregator (default: the cluster's; a sharded job's shard "
                              "map names its own)")
-    client.add_argument("--run", type=run_arg, default=None,
-                        help="run id, the same on every worker (default: THC_RUN, else rank "
-                             "0's clock broadcast over the process group)")
+    client.add_argument("--run-id", dest="run", type=run_arg, default=None,
+                        help="run id, the same on every worker, torchrun's restart count "
+                             "added as to THC_RUN (default: THC_RUN, else rank 0's clock "
+                             "broadcast over the process group)")
     client.add_argument("--deadline", type=float, default=deadline,
                         help=f"seconds a chunk may take before the round fails "
                              f"(default {deadline:g})")
@@ -150,8 +151,8 @@ def agree_run(group=None, alone: bool = False, given: int | None = None) -> int:
                              f"(that rank says why)")
         if len(set(held)) > 1:
             ranks = ", ".join(f"rank {r}: {'none' if v < 0 else v}" for r, v in enumerate(held))
-            raise ValueError(f"the ranks hold different run ids ({ranks}): set {P.RUN_ENV} "
-                             f"the same on every rank, or on none")
+            raise ValueError(f"the ranks hold different run ids ({ranks}): give the same "
+                             f"one ({P.RUN_ENV} or --run-id) to every rank, or to none")
         return P.check_run(held[0] if held[0] >= 0 else int(every[0][1]))
     if mine is not None:
         return mine
@@ -193,8 +194,9 @@ def client_from_args(args: argparse.Namespace, *, aggregation: str | None = None
         raise SystemExit("a mode through an aggregator needs --config (the cluster JSON)")
     kw = {"deadline": args.deadline, "window": args.window, "timeout": args.rto,
           "loss_bound": args.loss_bound, "settings": settings.current(), **options}
+    run = None if args.run is None else P.after_restarts(args.run)
     return worker_client(cluster or args.config, args.rank, args.agg,
-                         aggregation=aggregation, run=args.run, **kw)
+                         aggregation=aggregation, run=run, **kw)
 
 
 __all__ = ["add_arguments", "init_group", "agree_run", "worker_client", "client_from_args",

@@ -93,7 +93,8 @@ class AggregationRefused(RuntimeError):
         "wrong_slot": "the packet named a slot or version that is not its sequence number's",
         "reused_run": "another incarnation of this worker{detail} already sent "
                       "chunks under this run id: restarted workers need a new run id (a "
-                      "launcher must set a fresh THC_RUN at every launch and restart)",
+                      "launcher must give a fresh THC_RUN or --run-id at every launch; "
+                      "torchrun's restarts add their count to either)",
         "wrong_shard": "the shard{detail} does not own this chunk in its own shard map: the "
                        "workers and the shards were given different shard maps",
         "malformed": "the packet broke a rule of the aggregator's own (a Tofino takes offsets "

@@ -235,6 +235,13 @@ def run_from_env(environ=None) -> int | None:
     except ValueError:
         raise ValueError(f"{RUN_ENV}={text!r} is not a run id (an integer in "
                          f"1..{SEQ_MOD - 1})") from None
+    return after_restarts(base, env)
+
+
+def after_restarts(base: int, environ=None) -> int:
+    """A run id given to every launch alike (``THC_RUN``, a worker's ``--run-id``) as this
+    incarnation's: torchrun's ``TORCHELASTIC_RESTART_COUNT`` added (:func:`run_from_env`)."""
+    env = os.environ if environ is None else environ
     restarts = env.get("TORCHELASTIC_RESTART_COUNT", "0") or "0"
     if not restarts.isdecimal():
         raise ValueError(f"TORCHELASTIC_RESTART_COUNT={restarts!r} is not a count")

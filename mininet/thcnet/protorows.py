@@ -133,7 +133,7 @@ def row_spoofed(tb, numel: int, suffix: str = "", **kw) -> Row:
     node, bind, where = forger_address(tb)
     rate = SPOOF_RATE.get(tb.aggregator, DEFAULT_SPOOF_RATE)
     forger = tb.popen(node, ["python", "-m", "thc.emu.spoof", "--config", str(tb.cluster_path),
-                             "--bind", bind, "--run", str(run), "--epoch", str(epoch),
+                             "--bind", bind, "--run-id", str(run), "--epoch", str(epoch),
                              "--chunks", str(chunks), "--rounds", str(rounds),
                              "--progress", str(progress), "--stop", str(stop),
                              "--rate", str(rate)], name=f"forger-{tag}")
@@ -188,19 +188,19 @@ def row_spoofed(tb, numel: int, suffix: str = "", **kw) -> Row:
 
 
 def row_reused_run(tb, numel: int, suffix: str = "", **kw) -> Row:
-    """The workers run a round under ``--run R``; new processes started with the same ``--run
-    R`` must fail at once (a second incarnation: reused_run), not wait for their deadline
+    """The workers run a round under ``--run-id R``; new processes started with the same
+    ``--run-id R`` must fail at once (a second incarnation: reused_run), not wait for their deadline
     and never return a sum; then a launch with a new run id is exact."""
     deadline = 10.0
     name = "reused run id" + suffix
     before = counters_of(tb)
     t0 = time.perf_counter()
     run = tb.new_run()
-    first = wait_workers(tb.start_workers(worker_argv(tb, numel, deadline=deadline, run=run,
-                                                      **kw)), 120)
+    first = wait_workers(tb.start_workers(worker_argv(tb, numel, deadline=deadline,
+                                                      run_id=run, **kw)), 120)
     t1 = time.perf_counter()
-    second = wait_workers(tb.start_workers(worker_argv(tb, numel, deadline=deadline, run=run,
-                                                       **kw)), deadline + 60)
+    second = wait_workers(tb.start_workers(worker_argv(tb, numel, deadline=deadline,
+                                                       run_id=run, **kw)), deadline + 60)
     relaunch_s = time.perf_counter() - t1
     fresh = stream_row(name, tb, numel, deadline=deadline, **kw)
     done, drops = delta(before, counters_of(tb))
@@ -215,7 +215,7 @@ def row_reused_run(tb, numel: int, suffix: str = "", **kw) -> Row:
     fast = relaunch_s < deadline / 2
     ok = exact1 is True and len(refused) == len(second) and fast and fresh.exact is True
     note = (f"run {run}: {sums1}; the same {len(second)} workers relaunched as new processes "
-            f"with --run {run}: {len(refused)}/{len(second)} AggregationRefused (reused_run)"
+            f"with --run-id {run}: {len(refused)}/{len(second)} AggregationRefused (reused_run)"
             + (f", others: {', '.join(others)}" if others else "")
             + f", each at most {inside * 1e3:.0f} ms after its first chunk, all exited "
               f"{relaunch_s:.1f}s after the launch (process start included; deadline "

@@ -1,6 +1,6 @@
 """A forger of aggregator replies, for the fault matrix's "spoofed replies" row.
 
-``python -m thc.emu.spoof --config cluster.json --bind IP:PORT --run R --epoch E --chunks C
+``python -m thc.emu.spoof --config cluster.json --bind IP:PORT --run-id R --epoch E --chunks C
 --rounds K --stop FILE [--progress FILE] [--rate PPS]``
 
 Not the aggregator (another port on its host, or another host), it sends every worker forged
@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", required=True)
     ap.add_argument("--bind", required=True, metavar="IP:PORT", help="the forger's address")
-    ap.add_argument("--run", type=run_arg, required=True)
+    ap.add_argument("--run-id", dest="run", type=run_arg, required=True)
     ap.add_argument("--epoch", type=lambda t: int(t, 0), default=0,
                     help="the aggregator's epoch (0: unknown, guessed at random)")
     ap.add_argument("--chunks", type=int, required=True, help="chunks per vector")
