@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import time
 import json
 import shutil
 import subprocess
@@ -543,3 +544,11 @@ def test_a_timeout_reads_every_state_before_it_kills_any(tmp_path):
         wait_all([first, second], timeout=1.0)
     assert mark.exists() and e.value.results[1].returncode == 1
     assert e.value.timed_out and set(e.value.states) == {0, 1}, e.value.states
+
+
+def test_a_worker_without_stop_at_waits_minutes_for_a_peer_not_half_an_hour():
+    """torchrun's restart whose rendezvous never completed hung silently for torch's 30
+    minutes (init_group took no timeout without --stop-at)."""
+    from thc.app import train
+    assert train._group_timeout(None) == train.GROUP_TIMEOUT_S <= 600
+    assert 30 <= train._group_timeout(time.time() + 100) <= 116

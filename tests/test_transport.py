@@ -427,6 +427,15 @@ def test_a_worker_id_outside_the_job_is_refused_by_name(job):
         AggregationClient(job, 7, ("127.0.0.1", 1), run=1)
 
 
+def test_a_workers_address_already_held_is_named_with_its_job():
+    """A second launch while the first still ran failed with a bare "[Errno 98] Address
+    already in use", naming neither the address nor the job."""
+    job = local_job(3, 2, free_port_block(2))
+    with AggregationClient(job, 0, ("127.0.0.1", 9), run=1):
+        with pytest.raises(OSError, match=r"job 3, worker 0: cannot bind its address "
+                                          r"127\.0\.0\.1:\d+ .*another launch of this job"):
+            AggregationClient(job, 0, ("127.0.0.1", 9), run=1)
+
 def test_max_round_over_loopback(tmp_path, job, datapath):
     agg = AggregatorProcess(tmp_path, [job])
     out = {}

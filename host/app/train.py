@@ -183,13 +183,21 @@ def replicas_agree(model, group=None) -> bool:
     return len({int(d) for d in every}) == 1
 
 
-def _group_timeout(deadline: float | None) -> float | None:
-    """Seconds one collective may wait (None: torch's 30 minutes). With a deadline, the time
-    from the start to 15 s past it: a peer that stops answering early in the run fails this
-    rank with Gloo's error naming it, before the orchestrator's kill (a collective begun
-    later may outlast the kill: thc run reads the final evaluation's mark instead)."""
+GROUP_TIMEOUT_S = 600.0
+"""Seconds a collective (the group's rendezvous included) may wait without ``--stop-at``:
+no step or evaluation of this trainer keeps a peer waiting that long, so a peer gone (or a
+restart's rendezvous that never completes) ends in Gloo's error instead of torch's 30
+minutes of silence."""
+
+
+def _group_timeout(deadline: float | None) -> float:
+    """Seconds one collective may wait (:data:`GROUP_TIMEOUT_S` without a deadline). With a
+    deadline, the time from the start to 15 s past it: a peer that stops answering early in
+    the run fails this rank with Gloo's error naming it, before the orchestrator's kill (a
+    collective begun later may outlast the kill: thc run reads the final evaluation's mark
+    instead)."""
     if deadline is None:
-        return None
+        return GROUP_TIMEOUT_S
     return min(1800.0, max(30.0, deadline - time.time() + 15.0))
 
 

@@ -36,6 +36,7 @@ each round's :class:`AggregationResult` says which one ran it.
 """
 from __future__ import annotations
 
+import errno
 import math
 import numbers
 import select
@@ -203,7 +204,15 @@ class AggregationClient:
             sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 8 << 20)
-            sock.bind((me.ip, me.port))
+            try:
+                sock.bind((me.ip, me.port))
+            except OSError as e:
+                sock.close()
+                held = (": another process holds it (another launch of this job, or a "
+                        "client not closed)" if e.errno == errno.EADDRINUSE else "")
+                raise OSError(e.errno, f"job {job.job_id}, worker {worker_id}: cannot bind "
+                                       f"its address {me.ip}:{me.port} from the job's config "
+                                       f"({e.strerror}){held}") from None
         self.sock = sock
 
     @property
