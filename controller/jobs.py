@@ -142,10 +142,12 @@ def reset_pool(sw: Switch, job: Job, job_index: int, agg: AggAddress,
         if done >= 2 * job.pool_size:
             return
         time.sleep(0.01)
+    cpu = (f"started with --cpu-port {P.CPU_PORT}" if sw.target is None or
+           sw.target.cpu_port == P.CPU_PORT else f"one whose CPU port is {sw.target.cpu_port}")
     raise SwitchError(f"job {job.job_id}: only {done} of {2 * job.pool_size} slot resets reached "
-                      f"the data plane within {timeout:g}s (is the switch started with "
-                      f"--cpu-port {P.CPU_PORT}?); the rest may still be queued, and the next "
-                      f"install waits until the job index's reset count holds still")
+                      f"the data plane within {timeout:g}s (is the switch {cpu}?); the rest "
+                      f"may still be queued, and the next install waits until the job index's "
+                      f"reset count holds still")
 
 
 # ---- install / remove ---------------------------------------------------------------------

@@ -350,6 +350,21 @@ def wide_vote_cluster() -> Cluster:
     return Cluster(jobs=full.jobs + (vote,), agg_ip=full.agg_ip, agg_mac=full.agg_mac).validate()
 
 
+def test_tofino_refuses_a_job_of_32_workers_before_any_write():
+    """Bit 31 of a Tofino slot's bitmap marks a use closed by a FLUSH: a 32nd worker's bit
+    would read as a close. BMv2 takes 32 workers."""
+    big = Job(job_id=7, workers=_workers(7, 32), table=TABLE, granularity=30, pool_size=4)
+    cluster = Cluster(jobs=(big,), agg_ip=sample_cluster().agg_ip,
+                      agg_mac=sample_cluster().agg_mac).validate()
+    sw = recording_switch(targets.get("tofino"))
+    with pytest.raises(ConfigError, match=r"job 7 has 32 workers; the Tofino program takes at "
+                                          r"most 31"):
+        jobs.install_cluster(sw, cluster)
+    assert sw.writes == [] and sw.groups == [] and sw.packets == [] and sw.device.log == []
+    bmv2 = recording_switch(targets.get("bmv2"))
+    jobs.install_cluster(bmv2, cluster)
+    assert bmv2.writes
+
 def test_tofino_refuses_a_16_bit_vote_job_before_any_write():
     sw = recording_switch(targets.get("tofino"))
     with pytest.raises(ConfigError, match=r"job 9 is a vote job with 16-bit sums.*8-bit.*BMv2"):
