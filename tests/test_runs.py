@@ -44,6 +44,10 @@ def test_run_from_env():
     assert P.run_from_env({"THC_RUN": "7", "TORCHELASTIC_RESTART_COUNT": "2"}) == 9
     with pytest.raises(ValueError, match="TORCHELASTIC_RESTART_COUNT='²' is not a count"):
         P.run_from_env({"THC_RUN": "7", "TORCHELASTIC_RESTART_COUNT": "²"})
+    # restarts past 2^32 - 1 skip run 0 and stay distinct (two got run 1 before)
+    top = P.SEQ_MOD - 2
+    runs = [P.after_restarts(top, {"TORCHELASTIC_RESTART_COUNT": str(k)}) for k in range(5)]
+    assert runs == [P.SEQ_MOD - 2, P.SEQ_MOD - 1, 1, 2, 3]
 
 
 def test_epochs_are_nonzero_and_fresh():

@@ -221,7 +221,7 @@ AGREED = ("mode", "train_subset", "epochs", "evals", "batch", "seed", "max_steps
           "loss_bound", "bits", "granularity", "p")
 """Flags every rank must be given alike: each rank decides from them alone when it steps,
 evaluates and stops, so ranks given unlike ones would wait in unlike collectives (a hang
-until the group's timeout, torch's 30 minutes without ``--stop-at``). ``--stop-at`` may
+until the group's timeout, :data:`GROUP_TIMEOUT_S` without ``--stop-at``). ``--stop-at`` may
 differ (the ranks agree each step whether any is past its own), but not whether it is
 given. What a flag resolves to is compared where a default resolves it (the data set,
 the model's size for its width, the optimizer's settings), not the flag."""

@@ -245,8 +245,7 @@ def after_restarts(base: int, environ=None) -> int:
     restarts = env.get("TORCHELASTIC_RESTART_COUNT", "0") or "0"
     if not restarts.isdecimal():
         raise ValueError(f"TORCHELASTIC_RESTART_COUNT={restarts!r} is not a count")
-    run = (base + int(restarts)) % SEQ_MOD
-    return run or 1
+    return (base - 1 + int(restarts)) % (SEQ_MOD - 1) + 1   # 1..2^32-1: run 0 skipped
 
 
 def new_epoch(previous: int | None = None) -> int:
