@@ -28,3 +28,18 @@ def test_one_process_draws_below_the_ephemeral_range(monkeypatch):
     monkeypatch.delenv("PYTEST_XDIST_WORKER_COUNT", raising=False)
     blocks = _blocks()
     assert min(blocks) >= 10000 and max(blocks) + 16 <= _below_ephemeral()
+
+
+def test_a_block_handed_out_is_not_handed_out_again_while_it_may_be_unbound(monkeypatch):
+    """A job's 16 ports, then its aggregator's: the second block once fell inside the first
+    (closed again until the workers bind it), and a worker found its port taken. Drawn from
+    40 free ports, a single port lands in the 16 four times in ten."""
+    import collections
+
+    from thc.testing import clusters
+    low = clusters.free_port_block(40)
+    monkeypatch.setattr(clusters, "_GIVEN", collections.deque(maxlen=64))
+    monkeypatch.setattr(clusters, "_block_range", lambda n: (low, low + 40 - n))
+    first = clusters.free_port_block(16)
+    later = [clusters.free_port_block(1) for _ in range(20)]
+    assert not any(first <= p < first + 16 for p in later), (first, later)

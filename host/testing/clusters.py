@@ -1,6 +1,7 @@
 """Local clusters for tests, benchmarks and single-machine runs: jobs on loopback ports."""
 from __future__ import annotations
 
+import collections
 import os
 import random
 import socket
@@ -40,14 +41,22 @@ def _block_range(n: int) -> tuple[int, int]:
     return lo, hi - n
 
 
+_GIVEN: collections.deque = collections.deque(maxlen=64)
+"""The blocks this process handed out last, (base, end): free again until their workers
+bind them, and not to be handed out twice (a job's block, then its aggregator's port)."""
+
+
 def free_port_block(n: int, host: str = "127.0.0.1", tcp: bool = False) -> int:
     """A base port with ``n`` free consecutive UDP ports (workers of a local job); with ``tcp``,
     free for TCP too (a rendezvous port among them). Below the ephemeral range: a socket
-    bound to port 0 later (a test's aggregator) cannot be handed one of them."""
+    bound to port 0 later (a test's aggregator) cannot be handed one of them; and none of
+    the blocks this process handed out lately."""
     low, top = _block_range(n)
     rng = random.Random()
     for _ in range(200):
         base = rng.randrange(low, top) if top > low else None
+        if base is not None and any(base < end and b < base + n for b, end in _GIVEN):
+            continue
         if base is None:
             with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
                 s.bind((host, 0))
@@ -60,6 +69,7 @@ def free_port_block(n: int, host: str = "127.0.0.1", tcp: bool = False) -> int:
                 for kind in (socket.SOCK_DGRAM,) + ((socket.SOCK_STREAM,) if tcp else ()):
                     socks.append(socket.socket(socket.AF_INET, kind))
                     socks[-1].bind((host, base + i))
+            _GIVEN.append((base, base + n))
             return base
         except OSError:
             continue
