@@ -26,7 +26,7 @@ def test_data_packet_dissects_like_the_encoder_builds_it():
     thc = pkt[THC]
     assert (thc.pkt_type, thc.worker_id, thc.job_id, thc.slot, thc.version, thc.seq) == \
         (P.PktType.DATA, 3, 7, 5, 1, 123456)
-    np.testing.assert_array_equal(pkt[THCIndices].indices(), idx)
+    np.testing.assert_array_equal(pkt[THCIndices].indices(P.LANES, "thc"), idx)
 
 
 def test_crafted_result_matches_encoder():
@@ -36,7 +36,7 @@ def test_crafted_result_matches_encoder():
     hdr = P.Header(P.PktType.RESULT, 1, 2, 0, 0, 4, 9, 0, 0xF)
     assert bytes(crafted) == P.encode(hdr, sums.astype(P.sum_dtype(8)))
     again = UDP(bytes(UDP(sport=P.UDP_PORT, dport=4000) / crafted))
-    np.testing.assert_array_equal(again[THCSums].sums(), sums)
+    np.testing.assert_array_equal(again[THCSums].sums(8, P.LANES), sums)
 
 
 def test_max_values_round_trip():
@@ -50,18 +50,19 @@ def test_max_values_round_trip():
 def test_payloads_of_the_wrong_length_or_no_workers_values_are_refused():
     """The accessors read whatever the payload held: 3 sums of a 3-byte RESULT, 10 indices of
     a 5-byte DATA, NaN and -1.0 from a MAX_RESULT (lanes the client refuses)."""
-    short = [(THCSums(data=bytes(3)), "sums", "RESULT payload of 3 bytes"),
-             (THCIndices(data=bytes(5)), "indices", "DATA payload of 5 bytes"),
-             (THCMax(data=bytes(12)), "values", "MAX payload of 12 bytes")]
-    for layer, read, match in short:
+    short = [(THCSums(data=bytes(3)), "sums", (8, P.LANES), "RESULT payload of 3 bytes"),
+             (THCIndices(data=bytes(5)), "indices", (P.LANES, "thc"), "DATA payload of 5 bytes"),
+             (THCMax(data=bytes(12)), "values", (), "MAX payload of 12 bytes")]
+    for layer, read, args, match in short:
         with pytest.raises(P.ProtocolError, match=match):
-            getattr(layer, read)()
+            getattr(layer, read)(*args)
     bad = np.zeros(P.MAX_LANES, ">u4")
     bad[1] = np.array([-1.0], np.float32).view(np.uint32)[0]
     with pytest.raises(P.ProtocolError, match="MAX lane 1 holds"):
         THCMax(data=bad.tobytes()).values()
     wide = np.arange(P.LANES, dtype=P.sum_dtype(16))
-    np.testing.assert_array_equal(THCSums(data=wide.tobytes()).sums(16), np.arange(P.LANES))
+    np.testing.assert_array_equal(THCSums(data=wide.tobytes()).sums(16, P.LANES),
+                                  np.arange(P.LANES))
     signs = np.random.default_rng(1).integers(0, 2, 64).astype(np.uint8)
     got = THCIndices(data=pack_bits(signs, 1).tobytes()).indices(64, "vote")
     np.testing.assert_array_equal(got, signs)

@@ -57,8 +57,9 @@ class THCIndices(_Payload):
 
     name = "THC indices"
 
-    def indices(self, lanes: int = P.LANES, aggregation: str = "thc") -> np.ndarray:
-        """The ``lanes`` indices (a vote job's: sign bits) of the job's DATA."""
+    def indices(self, lanes: int, aggregation: str) -> np.ndarray:
+        """The ``lanes`` indices (a vote job's: sign bits) of the job's DATA. Both are the
+        job's, given: a 1024-lane vote DATA is as long as a 256-lane THC one."""
         data = self._checked(P.PktType.DATA, P.payload_bytes(P.PktType.DATA, lanes,
                                                               aggregation=aggregation))
         return unpack_bits(np.frombuffer(data, np.uint8), P.LANE_BITS[aggregation], lanes)
@@ -69,8 +70,9 @@ class THCSums(_Payload):
 
     name = "THC sums"
 
-    def sums(self, sum_bits: int = P.SUM_WIDTHS[0], lanes: int = P.LANES) -> np.ndarray:
-        """The ``lanes`` sums, read as ``sum_bits``-wide big-endian integers (the job's)."""
+    def sums(self, sum_bits: int, lanes: int) -> np.ndarray:
+        """The ``lanes`` sums, read as ``sum_bits``-wide big-endian integers. Both are the
+        job's, given: 128 16-bit sums are as long as 256 8-bit ones."""
         data = self._checked(P.PktType.RESULT, P.payload_bytes(P.PktType.RESULT, lanes,
                                                                 sum_bits))
         return np.frombuffer(data, P.sum_dtype(sum_bits)).astype(np.int64)
