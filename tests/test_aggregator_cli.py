@@ -262,3 +262,66 @@ def test_a_receive_queue_smaller_than_asked_is_named_at_startup(tmp_path, monkey
     assert (f"the kernel granted {rmem_max >> 10} KiB of receive queue of the "
             f"{4 * rmem_max >> 10} KiB asked (sysctl net.core.rmem_max)") in out.err, out.err
     assert '"queue_overflow": 0' in out.out, out.out
+
+
+def test_a_stats_file_or_reader_gone_never_stops_the_serving(tmp_path):
+    """Its folder removed mid-run, the stats file's write ended the aggregator with a
+    FileNotFoundError traceback; a reader of its lines gone (`| head -1`) with a
+    BrokenPipeError. Each is said once on stderr and serving goes on to --duration; a stats
+    file given as a link is written through it."""
+    cfg = tmp_path / "cluster.json"
+    Cluster(jobs=(local_job(1, 2, free_port_block(2)),)).save(cfg)
+    folder = tmp_path / "stats"
+    folder.mkdir()
+    real = tmp_path / "real.json"
+    real.write_text("{}")
+    link = tmp_path / "link.json"
+    link.symlink_to(real)
+    base = [sys.executable, "-m", "thc.cli", "aggregator", "--config", str(cfg), "--listen",
+            "127.0.0.1:0", "--duration", "3"]
+    p = subprocess.Popen(base + ["--stats-interval", "0", "--stats-file",
+                                 str(folder / "s.json")],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 30
+    while not (folder / "s.json").exists():
+        assert time.monotonic() < deadline and p.poll() is None, p.communicate()
+        time.sleep(0.05)
+    shutil.rmtree(folder)
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 0 and "--stats-file: cannot write it" in err, err
+    assert "Traceback" not in err and json.loads(out.splitlines()[-1])["jobs"]
+    # standard output closed after the first line: serving goes on to its duration
+    p = subprocess.Popen(base + ["--stats-interval", "0.5", "--stats-file", str(link)],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert "listening" in p.stdout.readline()
+    p.stdout.close()
+    t0 = time.monotonic()
+    err = p.stderr.read()
+    assert p.wait(timeout=60) == 0 and time.monotonic() - t0 > 1.5, err
+    assert "standard output closed" in err and "Traceback" not in err, err
+    assert link.is_symlink() and json.loads(real.read_text())["jobs"]
+
+
+@pytest.mark.parametrize("datapath", ["python", "compiled"])
+def test_stop_from_another_thread_ends_a_foreground_serve_and_a_second_start_is_refused(
+        datapath):
+    """serve() on a thread's foreground raised "Bad file descriptor" when another thread's
+    stop() closed its socket under it; a second start() left the first loop serving an
+    orphaned socket (compiled: a freed one)."""
+    from thc.net.aggregator import Aggregator
+    if datapath == "compiled" and not fastagg.available():
+        pytest.skip(fastagg.UNAVAILABLE)
+    make = Aggregator if datapath == "python" else fastagg.FastAggregator
+    agg = make([local_job(1, 2, free_port_block(2))])
+    agg.bind("127.0.0.1", 0)
+    timer = threading.Timer(0.3, agg.stop)
+    timer.start()
+    agg.serve()   # returns, as documented, once stop() is called
+    timer.join()
+    agg.start()
+    try:
+        with pytest.raises(RuntimeError, match="already bound"):
+            agg.start()
+    finally:
+        agg.stop()
+    assert agg.error is None

@@ -94,11 +94,8 @@ class Aggregator(UDPServer):
             return self._handle(datagram, src, monotonic())[0]
 
     # -- UDP server ------------------------------------------------------------------
-    def serve(self, duration: float | None = None) -> None:
-        """Receive and answer until ``stop()`` (or ``duration`` seconds)."""
+    def _serve(self, duration: float | None) -> None:
         sock = self._sock
-        if sock is None:
-            raise RuntimeError("call bind() first")
         buf = bytearray(2048)
         poller = select.poll()
         poller.register(sock, select.POLLIN)
@@ -292,6 +289,7 @@ def run(args: argparse.Namespace) -> int:
               flush=True)
     end = None if args.duration is None else time.monotonic() + args.duration
     last_print = time.monotonic()
+    report = _Report(args.stats_file)
     _stop_on_signals()
     try:
         while end is None or time.monotonic() < end:
@@ -301,17 +299,52 @@ def run(args: argparse.Namespace) -> int:
                       f"{agg.error}", file=sys.stderr)
                 return 1
             stats = agg.counters()
-            if args.stats_file:
-                # whole files only: readers poll it while it is rewritten
-                tmp = Path(args.stats_file + ".tmp")
-                tmp.write_text(json.dumps(stats, indent=2) + "\n")
-                os.replace(tmp, args.stats_file)
+            report.file(stats)
             if args.stats_interval and time.monotonic() - last_print >= args.stats_interval:
                 last_print = time.monotonic()
-                print(json.dumps(stats), flush=True)
+                report.line(stats)
     except KeyboardInterrupt:
         pass
     finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):   # a second signal: not mid-stop
+            signal.signal(sig, signal.SIG_IGN)
         agg.stop()
-    print(json.dumps(agg.counters()), flush=True)
+    report.line(agg.counters())
     return 0
+
+
+class _Report:
+    """Where the counters go while serving: the stats file and standard output. Neither may
+    end the serving: a file that cannot be written (its folder removed, a full disk) or a
+    reader of the lines gone is said once on standard error, and serving goes on."""
+
+    def __init__(self, stats_file: str | None):
+        # written through a link, to the file it names: a link stays a link
+        self.path = None if not stats_file else Path(stats_file).resolve()
+        self.failed: str | None = None
+        self.closed = False
+
+    def file(self, stats: dict) -> None:
+        if self.path is None:
+            return
+        try:   # whole files only: readers poll it while it is rewritten
+            tmp = self.path.with_name(self.path.name + ".tmp")
+            tmp.write_text(json.dumps(stats, indent=2) + "\n")
+            os.replace(tmp, self.path)
+            self.failed = None
+        except OSError as e:
+            if self.failed != str(e):
+                self.failed = str(e)
+                print(f"thc aggregator: --stats-file: cannot write it ({e}); serving goes on",
+                      file=sys.stderr, flush=True)
+
+    def line(self, stats: dict) -> None:
+        if self.closed:
+            return
+        try:
+            print(json.dumps(stats), flush=True)
+        except (BrokenPipeError, ValueError):   # the reader went away, or closed the stream
+            self.closed = True
+            sys.stdout = open(os.devnull, "w")   # noqa: SIM115 - for the rest of the process
+            print("thc aggregator: standard output closed: counters lines stop; serving goes "
+                  "on", file=sys.stderr, flush=True)

@@ -127,10 +127,8 @@ class FastAggregator(UDPServer):
     # -- UDP server ------------------------------------------------------------------
     thread_name = "thc-fastagg"
 
-    def serve(self, duration: float | None = None) -> None:
-        """Receive and answer until ``stop()`` (or ``duration`` seconds), without the GIL."""
-        if self._sock is None:
-            raise RuntimeError("call bind() first")
+    def _serve(self, duration: float | None) -> None:
+        """The compiled loop, without the GIL."""
         self._dp.serve(self._sock.fileno(), math.inf if duration is None else float(duration))
 
     def _clear_stop(self) -> None:

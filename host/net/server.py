@@ -40,7 +40,14 @@ class UDPServer:
     """Bytes of receive queue the kernel granted (Linux reports twice that, socket(7))."""
 
     def serve(self, duration: float | None = None) -> None:
-        """Receive and answer until :meth:`stop` (or ``duration`` seconds)."""
+        """Receive and answer until :meth:`stop` (or ``duration`` seconds); :meth:`stop`
+        from another thread waits for this loop to end before it closes the socket."""
+        if self._sock is None:
+            raise RuntimeError("call bind() first")
+        with self._serving:
+            self._serve(duration)
+
+    def _serve(self, duration: float | None) -> None:
         raise NotImplementedError
 
     def _clear_stop(self) -> None:
@@ -50,6 +57,9 @@ class UDPServer:
         raise NotImplementedError
 
     def bind(self, host: str = "127.0.0.1", port: int = P.UDP_PORT) -> tuple[str, int]:
+        if self._sock is not None:
+            raise RuntimeError(f"already bound to {self.address}: stop() first")
+        self._serving = threading.Lock()
         sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, RECEIVE_BUFFER)
         self.receive_buffer = sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF) // 2
@@ -102,9 +112,16 @@ class UDPServer:
             self._thread.join(timeout=5)
             self._thread = None
         if self._sock is not None:
-            self.queue_overflow()
-            self._sock.close()
-            self._sock = None
+            # a serve() on another thread's foreground still reads the socket: closed under it,
+            # its descriptor's number could be another file's by the loop's next read
+            ended = self._serving.acquire(timeout=5)
+            try:
+                self.queue_overflow()
+                self._sock.close()
+                self._sock = None
+            finally:
+                if ended:
+                    self._serving.release()
 
     def __enter__(self):
         return self
