@@ -59,7 +59,7 @@ class UDPServer:
     def bind(self, host: str = "127.0.0.1", port: int = P.UDP_PORT) -> tuple[str, int]:
         if self._sock is not None:
             raise RuntimeError(f"already bound to {self.address}: stop() first")
-        self._serving = threading.Lock()
+        self._serving = threading.RLock()   # a stop() by the serving thread's own signal handler
         sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, RECEIVE_BUFFER)
         self.receive_buffer = sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF) // 2
