@@ -325,3 +325,38 @@ def test_stop_from_another_thread_ends_a_foreground_serve_and_a_second_start_is_
     finally:
         agg.stop()
     assert agg.error is None
+
+
+@pytest.mark.parametrize("datapath", ["python", "compiled"])
+def test_a_foreground_serve_hears_its_threads_signals(datapath):
+    """The compiled loop never ran a signal's handler: a serve() on the main thread went on
+    past Ctrl-C and past a handler's stop() (60 s, until killed). The Python loop's socket
+    was closed under it by such a stop(): "Bad file descriptor"."""
+    from thc.net.aggregator import Aggregator
+    if datapath == "compiled" and not fastagg.available():
+        pytest.skip(fastagg.UNAVAILABLE)
+    make = Aggregator if datapath == "python" else fastagg.FastAggregator
+
+    def interrupt(agg):
+        raise KeyboardInterrupt   # as Ctrl-C's own handler does
+
+    old = signal.getsignal(signal.SIGALRM)
+    try:
+        for handler in (make.stop, interrupt):
+            agg = make([local_job(1, 2, free_port_block(2))])
+            agg.bind("127.0.0.1", 0)
+            signal.signal(signal.SIGALRM, lambda *a, agg=agg, handler=handler: handler(agg))
+            signal.setitimer(signal.ITIMER_REAL, 0.2)
+            t0 = time.monotonic()
+            if handler is interrupt:
+                with pytest.raises(KeyboardInterrupt):
+                    agg.serve(duration=20)
+            else:
+                agg.serve(duration=20)   # returns: the handler's stop() is heard
+            assert time.monotonic() - t0 < 5
+            agg.stop()
+            with pytest.raises(RuntimeError, match="not bound"):
+                agg.address
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)

@@ -997,7 +997,7 @@ static PyObject *dp_serve(Datapath *dp, PyObject *args) {
     struct iovec *riov = calloc(BATCH, sizeof(struct iovec));
     struct sockaddr_in *src = calloc(BATCH, sizeof(struct sockaddr_in));
     char (*rctl)[GRO_CTL] = calloc(BATCH, GRO_CTL);
-    int err = 0;
+    int err = 0, interrupted = 0;
     if (!rbuf || !obuf || !out || !rmsgs || !sp || !riov || !src || !rctl) {
         err = ENOMEM;
         goto cleanup;
@@ -1014,8 +1014,11 @@ static PyObject *dp_serve(Datapath *dp, PyObject *args) {
     if (wildcard && setsockopt(fd, IPPROTO_IP, IP_PKTINFO, &on, sizeof on) != 0) wildcard = 0;
     Py_BEGIN_ALLOW_THREADS
     double end = now_s() + duration; /* duration: +inf for no limit; negative: already over */
+    double last_check = now_s();
     unsigned long long send_errors = 0;
     while (!__atomic_load_n(&dp->stop, __ATOMIC_SEQ_CST) && now_s() < end) {
+        /* served on the main thread: Ctrl-C, or a handler's stop(), is heard */
+        if ((interrupted = signalled(now_s(), &last_check))) break;
         struct pollfd pfd = {.fd = fd, .events = POLLIN};
         int r = poll(&pfd, 1, 50);
         if (r < 0) {
@@ -1073,6 +1076,7 @@ cleanup:
     if (dp->gso) gro_set(fd, 0);
     free(rbuf); free(obuf); free(out); free(rmsgs); free(sp); free(riov); free(src); free(rctl);
     __atomic_store_n(&dp->serving, 0, __ATOMIC_SEQ_CST);
+    if (interrupted) return NULL; /* the handler's exception */
     if (err) {
         errno = err;
         return PyErr_SetFromErrno(PyExc_OSError);

@@ -45,7 +45,14 @@ class UDPServer:
         if self._sock is None:
             raise RuntimeError("call bind() first")
         with self._serving:
-            self._serve(duration)
+            self._serving_on = threading.get_ident()
+            try:
+                self._serve(duration)
+            finally:
+                self._serving_on = None
+                if self._close_pending:
+                    self._close_pending = False
+                    self._close()
 
     def _serve(self, duration: float | None) -> None:
         raise NotImplementedError
@@ -59,7 +66,10 @@ class UDPServer:
     def bind(self, host: str = "127.0.0.1", port: int = P.UDP_PORT) -> tuple[str, int]:
         if self._sock is not None:
             raise RuntimeError(f"already bound to {self.address}: stop() first")
-        self._serving = threading.RLock()   # a stop() by the serving thread's own signal handler
+        self._serving = threading.Lock()
+        self._serving_on: int | None = None
+        """The thread in serve(), whose own signal handler may call stop()."""
+        self._close_pending = False
         sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, RECEIVE_BUFFER)
         self.receive_buffer = sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF) // 2
@@ -111,17 +121,26 @@ class UDPServer:
         if self._thread is not None:
             self._thread.join(timeout=5)
             self._thread = None
+        if self._sock is None:
+            return
+        if self._serving_on == threading.get_ident():
+            # a signal handler on the serving thread: its loop closes the socket as it ends
+            self._close_pending = True
+            return
+        # a serve() on another thread's foreground still reads the socket: closed under it,
+        # its descriptor's number could be another file's by the loop's next read
+        ended = self._serving.acquire(timeout=5)
+        try:
+            self._close()
+        finally:
+            if ended:
+                self._serving.release()
+
+    def _close(self) -> None:
         if self._sock is not None:
-            # a serve() on another thread's foreground still reads the socket: closed under it,
-            # its descriptor's number could be another file's by the loop's next read
-            ended = self._serving.acquire(timeout=5)
-            try:
-                self.queue_overflow()
-                self._sock.close()
-                self._sock = None
-            finally:
-                if ended:
-                    self._serving.release()
+            self.queue_overflow()
+            self._sock.close()
+            self._sock = None
 
     def __enter__(self):
         return self
