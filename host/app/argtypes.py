@@ -27,7 +27,7 @@ class ShowDefaults(argparse.RawDescriptionHelpFormatter):
         return super()._format_action(action)
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
-        if action.help and self._shows(action) and "default: %(default)s" != action.help:
+        if action.help and self._shows(action):
             return f"{action.help} (default: %(default)s)"
         return action.help
 

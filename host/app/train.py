@@ -38,8 +38,8 @@ from thc.codec.params import THCParams
 from thc.collective import worker
 from thc.collective.allreduce import THCAllReduce
 from thc.collective.ddp import HookOptions, MarsitHook, MarsitVoteHook, THCHook, TopKHook
+from thc.collective.transports import codec_mismatch
 from thc.net.client import AggregationClient
-from thc.wire import protocol as P
 
 MODES = ("fp32", "fp16", "thc", "thc-dist", "topk", "marsit", "marsit-vote")
 OPTIMIZER = {"marsit": (0.1, 0.0), "marsit-vote": (0.1, 0.0)}
@@ -232,8 +232,7 @@ def job_mismatch(args) -> str | None:
     where the mode runs no THC job): the job's lookup table comes from its own granularity
     and p, the codec's from ``--bits``, ``--granularity`` and ``--p``; told before training,
     not at the first backward."""
-    if args.mode in ("fp32", "fp16", "topk", "marsit", "marsit-vote", "thc-dist") \
-            or not args.config:
+    if args.mode != "thc" or not args.config:   # the one mode whose THC job is in the file
         return None
     from thc.wire.jobs import Cluster, ConfigError
     try:
@@ -244,17 +243,10 @@ def job_mismatch(args) -> str | None:
         params = THCParams.from_args(args, seed=args.seed, slice_size=args.slice_size)
     except ValueError:
         return None   # a flag THC refuses: compared across ranks, then refused by the build
-    if job is None:
-        return None
-    if params.bits != P.INDEX_BITS:
-        return (f"--bits {params.bits}: the aggregation protocol carries {P.INDEX_BITS}-bit "
-                f"indices; other widths need --mode thc-dist")
-    if tuple(int(v) for v in params.table) == tuple(job.table):
-        return None
-    return (f"{args.config}'s job {job.job_id} has granularity {job.granularity} and lookup "
-            f"table {list(job.table)}; --bits {params.bits} --granularity "
-            f"{params.granularity} --p {params.p:g} make {[int(v) for v in params.table]}: "
-            f"give every worker the flags the job was made with")
+    why = None if job is None else codec_mismatch(job, params)
+    return why and (f"{args.config}, --bits {params.bits} --granularity {params.granularity} "
+                    f"--p {params.p:g}: {why}; give every worker the flags the job was made "
+                    f"with (--mode thc-dist takes other widths)")
 
 
 def check_flags_agree(args, facts: dict, problem: str | None = None) -> None:

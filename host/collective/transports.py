@@ -96,6 +96,18 @@ def holding(transport):
     return one_round() if one_round is not None else contextlib.nullcontext()
 
 
+def codec_mismatch(job, params: THCParams) -> str | None:
+    """Why ``job``'s aggregator cannot sum indices encoded under ``params`` (None where it
+    can): it carries 4-bit indices, and adds the job's own lookup table."""
+    if params.bits != P.INDEX_BITS:
+        return (f"the aggregation protocol carries {P.INDEX_BITS}-bit indices; THC "
+                f"bits={params.bits} needs the torch.distributed transport")
+    if tuple(int(v) for v in params.table) != tuple(job.table):
+        return (f"job {job.job_id} has granularity {job.granularity} and lookup table "
+                f"{list(job.table)}, the codec's is {[int(v) for v in params.table]}")
+    return None
+
+
 class AggregatorTransport:
     """Sums through an aggregator: the indices travel packed, the table lives in the network.
 
@@ -134,14 +146,9 @@ class AggregatorTransport:
             self.client.fail_run(why)
 
     def check(self, params: THCParams) -> None:
-        job = self.client.job
-        if params.bits != P.INDEX_BITS:
-            raise ValueError(f"the aggregation protocol carries {P.INDEX_BITS}-bit indices; "
-                             f"THC bits={params.bits} needs the torch.distributed transport")
-        if tuple(int(v) for v in params.table) != tuple(job.table):
-            raise ValueError(f"job {job.job_id}'s lookup table {list(job.table)} differs from "
-                             f"the codec's {[int(v) for v in params.table]}: install the job "
-                             f"with the same bits/granularity/p")
+        why = codec_mismatch(self.client.job, params)
+        if why:
+            raise ValueError(f"{why}: install the job with the same bits/granularity/p")
 
     def one_round(self) -> threading.Lock:
         """The client's round lock (:func:`round_lock`): a client takes one exchange at a
