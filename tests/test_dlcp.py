@@ -306,7 +306,7 @@ def test_the_dlcp_bench_worker_times_its_rounds_after_an_untimed_one(tmp_path):
         master = f"127.0.0.1:{free_tcp_port()}"
         procs = [subprocess.Popen(
             [sys.executable, "-m", "thc.bench.dlcp_worker", "--rank", str(r), "--world", "2",
-             "--master", master, "--config", str(cfg), "--run-id", "7", "--numel", "4096",
+             "--rendezvous", master, "--config", str(cfg), "--run-id", "7", "--numel", "4096",
              "--layers", "4", "--rounds", "3", "--loss-bound", "0.1", "--priorities"],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
         outs = [p.communicate(timeout=120) for p in procs]

@@ -113,7 +113,7 @@ def test_deadline_stops_every_rank_after_the_same_step_and_evaluates():
     port = free_tcp_port()
     procs = [subprocess.Popen(
         [sys.executable, "-m", "thc.app.train", "--mode", "fp32", "--rank", str(rank),
-         "--world", "2", "--master", f"127.0.0.1:{port}", "--data", "digits", "--epochs", "3",
+         "--world", "2", "--rendezvous", f"127.0.0.1:{port}", "--data", "digits", "--epochs", "3",
          "--batch", "32", "--evals", "1", "--stop-at", "0" if rank == 0 else "1e12"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
     outs = [p.communicate(timeout=120) for p in procs]
@@ -159,7 +159,7 @@ def test_ranks_given_unlike_settings_both_stop_at_once_naming_them(unlike):
     flag, *values = unlike
     procs = [subprocess.Popen(
         [sys.executable, "-m", "thc.app.train", "--mode", "fp32", "--rank", str(rank),
-         "--world", "2", "--master", f"127.0.0.1:{port}", "--data", "digits", "--batch", "32",
+         "--world", "2", "--rendezvous", f"127.0.0.1:{port}", "--data", "digits", "--batch", "32",
          "--evals", "1"] + ([flag, values[rank]] if values[rank] is not None else []),
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
     try:

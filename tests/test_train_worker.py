@@ -17,7 +17,7 @@ def _train(mode: str) -> int:
     from thc.app import train
     from thc.testing.clusters import free_tcp_port
     return train.main(["--mode", mode, "--rank", "0", "--world", "1",
-                       "--master", f"127.0.0.1:{free_tcp_port()}", "--data", "digits",
+                       "--rendezvous", f"127.0.0.1:{free_tcp_port()}", "--data", "digits",
                        "--train-subset", "64", "--batch", "32", "--epochs", "1",
                        "--evals", "1"])
 

@@ -68,9 +68,31 @@ def test_a_run_id_given_as_a_flag_survives_torchruns_restarts(cluster_file, monk
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
     with worker.client_from_args(args) as c:
         assert c.run == 18
+
+
+@pytest.mark.parametrize("program", ["thc.app.train", "thc.bench.dlcp_worker",
+                                     "thc.bench.allreduce_worker"])
+def test_torchrun_passes_every_worker_flag_on(program):
+    """torchrun parses the argv after ``-m program`` too, and takes a flag that abbreviates
+    its own (``--run`` for ``--run-path``, ``--master`` for ``--master-addr``) or fails on it
+    as ambiguous. Every flag of the worker programs must reach them untouched."""
+    import importlib
+
     from torch.distributed.run import get_args_parser
-    torchrun = get_args_parser().parse_args(["-m", "thc.app.train", "--run-id", "5"])
-    assert torchrun.training_script_args == ["--run-id", "5"]
+    parser = argparse.ArgumentParser()
+    importlib.import_module(program).add_arguments(parser)
+    torchrun = get_args_parser()
+    torchrun.exit_on_error = False
+    flags = [o for a in parser._actions for o in a.option_strings
+             if o.startswith("--") and o != "--help"]
+    assert "--run-id" in flags and "--rendezvous" in flags
+    for flag in flags:
+        argv = [flag, "1"]
+        try:
+            got = torchrun.parse_args(["-m", program, *argv]).training_script_args
+        except (argparse.ArgumentError, SystemExit) as e:
+            pytest.fail(f"torchrun refuses {program}'s {flag}: {e}")
+        assert got == argv, flag
 
 
 def test_the_run_is_agreed_where_none_is_given(cluster_file, tmp_path, monkeypatch):
@@ -118,4 +140,4 @@ def test_a_worker_alone_needs_no_rendezvous_and_a_group_without_one_is_told_so()
         alone.stderr[-2000:]
     two = subprocess.run([sys.executable, "-c", code, "--world", "2"], capture_output=True,
                          text=True, env=env, timeout=120)
-    assert two.returncode == 1 and "--world 2: give every worker --master IP:PORT" in two.stderr
+    assert two.returncode == 1 and "--world 2: give every worker --rendezvous IP:PORT" in two.stderr

@@ -1,7 +1,7 @@
 """One worker of ``thc bench allreduce``: time all-reduces of one float32 gradient.
 
 ``python -m thc.bench.allreduce_worker --mode fp32|fp16|thc|thc-dist --rank R --world N
---master IP:PORT [--config cluster.json [--agg IP:PORT]] --numel N --repeat K``
+--rendezvous IP:PORT [--config cluster.json [--agg IP:PORT]] --numel N --repeat K``
 
 - ``fp32``: ``torch.distributed.all_reduce`` (Gloo, ring) of the whole tensor;
 - ``fp16``: the same all-reduce of the tensor cast to float16 (cast and back included);

@@ -1,6 +1,6 @@
 """One worker of ``thc bench dlcp``: THC rounds of a layered gradient under congestion.
 
-``python -m thc.bench.dlcp_worker --rank R --world N --master IP:PORT --agg IP:PORT
+``python -m thc.bench.dlcp_worker --rank R --world N --rendezvous IP:PORT --agg IP:PORT
 --config cluster.json --numel N --layers L --rounds K [--loss-bound F] [--priorities]``
 
 Each round every worker all-reduces its gradient of round r: layer l (of L equal layers, l=0

@@ -39,7 +39,7 @@ def add_arguments(parser: argparse.ArgumentParser, *, process_group: bool = True
         group = parser.add_argument_group("process group (torch.distributed, Gloo)")
         group.add_argument("--world", type=int, default=int(os.environ.get("WORLD_SIZE", 1)),
                            help="workers in the group (default: WORLD_SIZE, else 1)")
-        group.add_argument("--master", default=None, metavar="IP:PORT",
+        group.add_argument("--rendezvous", default=None, metavar="IP:PORT",
                            help="TCP rendezvous (default: env://, as torchrun sets it; a "
                                 "worker alone without it needs none)")
     client = parser.add_argument_group("aggregation client")
@@ -69,15 +69,15 @@ def init_group(args: argparse.Namespace, timeout: float | None = None) -> None:
     wait, default torch's)."""
     import torch.distributed as dist
     extra = {} if timeout is None else {"timeout": timedelta(seconds=timeout)}
-    if not args.master and "MASTER_ADDR" not in os.environ:
+    if not args.rendezvous and "MASTER_ADDR" not in os.environ:
         if args.world != 1:
-            raise SystemExit(f"--world {args.world}: give every worker --master IP:PORT (rank "
+            raise SystemExit(f"--world {args.world}: give every worker --rendezvous IP:PORT (rank "
                              f"0's address and a free port), or start them with torchrun")
         # one worker alone meets no one: an in-memory store stands in for a rendezvous
         dist.init_process_group("gloo", store=dist.HashStore(), rank=args.rank, world_size=1,
                                 **extra)
         return
-    init = f"tcp://{args.master}" if args.master else "env://"
+    init = f"tcp://{args.rendezvous}" if args.rendezvous else "env://"
     dist.init_process_group("gloo", init_method=init, rank=args.rank, world_size=args.world,
                             **extra)
 

@@ -109,7 +109,7 @@ def _aggregators(text: str) -> list[str]:
 def _run_mode(tb, mode: str, args, numel: int, repeat: int, window: int | None = None,
               rto: float | None = None) -> dict:
     master = f"{tb.master_addr[0]}:{tb.master_addr[1]}"
-    common = ["--world", str(tb.n_workers), "--master", master, "--numel", str(numel),
+    common = ["--world", str(tb.n_workers), "--rendezvous", master, "--numel", str(numel),
               "--repeat", str(repeat), "--warmup", "1"]
     if mode in ("fp32",) + RINGS:
         extra = ["--mode", mode]

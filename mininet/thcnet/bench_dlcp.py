@@ -66,7 +66,7 @@ def _run_mode(tb, name: str, loss_bound: float, marks: bool, args, rounds: int) 
 
     def argv(r):
         a = ["python", "-m", "thc.bench.dlcp_worker", "--rank", str(r), "--world",
-             str(tb.n_workers), "--master", master, "--agg", agg, "--config",
+             str(tb.n_workers), "--rendezvous", master, "--agg", agg, "--config",
              str(tb.cluster_path), "--numel", str(args.numel), "--layers", str(args.layers),
              "--rounds", str(rounds), "--loss-bound", str(loss_bound)]
         return a + (["--priorities"] if marks else [])

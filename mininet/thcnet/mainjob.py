@@ -296,7 +296,7 @@ def _run_mode(name: str, args, progress) -> dict:
 
         def argv(rank: int) -> list[str]:
             a = [sys.executable, "-m", "thc.app.train", "--mode", mode.train_mode,
-                 "--rank", str(rank), "--world", str(args.workers), "--master", master,
+                 "--rank", str(rank), "--world", str(args.workers), "--rendezvous", master,
                  "--epochs", str(args.epochs), "--batch", str(args.batch),
                  "--evals", str(args.evals), "--data", args.data, "--config", str(cfg)]
             if args.width:
