@@ -9,7 +9,7 @@ from scapy.packet import Raw
 
 from thc.codec.packing import pack_bits
 from thc.wire import protocol as P
-from thc.wire.layers import THC, THCIndices, THCMax, THCSums
+from thc.wire.layers import THC, THCIndices, THCMax, THCSums, dissect_port
 
 
 def test_header_fields_follow_protocol_json():
@@ -76,3 +76,17 @@ def test_a_udp_layer_built_over_thc_goes_to_and_from_the_protocol_port():
     for sport, dport in ((P.UDP_PORT, 5555), (5555, P.UDP_PORT)):
         assert IP(bytes(IP() / UDP(sport=sport, dport=dport) / THC(run=3))).haslayer(THC)
     assert not IP(bytes(IP() / UDP(sport=5555, dport=6666) / THC(run=3))).haslayer(THC)
+
+
+def test_a_clusters_own_aggregation_port_is_dissected_once_named():
+    """A cluster may serve on another ``agg_port``: its captures read as raw UDP until the
+    port is named."""
+    def capture():
+        return IP(bytes(IP() / UDP(sport=40001, dport=40123) / THC(run=9, seq=4)))
+    assert not capture().haslayer(THC)
+    dissect_port(40123)
+    assert capture()[THC].run == 9 and capture()[THC].seq == 4
+    back = IP(bytes(IP() / UDP(sport=40123, dport=40002) / THC(run=9)))
+    assert back.haslayer(THC)
+    with pytest.raises(ValueError, match="not a UDP port"):
+        dissect_port(70000)

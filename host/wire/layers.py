@@ -1,7 +1,8 @@
 """Scapy layers for THC, generated from protocol.json: dissect captures, craft test packets.
 
 The fast path never uses scapy (plain sockets); these layers are for humans and tests:
-``rdpcap("x.pcap")[0][THC].show()`` works on any capture of the aggregation port.
+``rdpcap("x.pcap")[0][THC].show()`` works on any capture of the aggregation port
+(:func:`dissect_port` for a cluster's ``agg_port`` other than the protocol's).
 """
 from __future__ import annotations
 
@@ -97,3 +98,12 @@ class THCMax(_Payload):
 bind_bottom_up(UDP, THC, dport=P.UDP_PORT)   # dissected from either port, as replies come
 bind_bottom_up(UDP, THC, sport=P.UDP_PORT)   # from it; UDP()/THC() builds to and from it
 bind_top_down(UDP, THC, sport=P.UDP_PORT, dport=P.UDP_PORT)
+
+
+def dissect_port(port: int) -> None:
+    """Dissect THC to and from ``port`` too, as from the protocol's: a cluster's ``agg_port``
+    may be another. Scapy's bindings are process-wide, so this holds for every later read."""
+    if not 0 < port < 65536:
+        raise ValueError(f"port {port}: not a UDP port")
+    bind_bottom_up(UDP, THC, dport=port)
+    bind_bottom_up(UDP, THC, sport=port)
