@@ -113,6 +113,25 @@ def check_job(sw: Switch, job: Job, job_index: int, others: dict[int, dict],
         _check_addresses(job, jid, cfg.get("addresses", ()))
 
 
+def check_room(sw: Switch, cluster_jobs: list[int], staying: list[int],
+               held: frozenset[int]) -> None:
+    """ConfigError when a cluster's jobs, with the installed jobs it leaves and removed jobs'
+    lookup leftovers, outnumber the jobs the program's lookup tables hold: said of the
+    cluster as a whole, before :func:`check_job` would name one of its jobs as the one too
+    many and its others as installed."""
+    room = target_of(sw).max_jobs(sw.p4info)
+    if len(cluster_jobs) + len(staying) + len(held) <= room:
+        return
+    beside = f", and {len(staying)} installed jobs it does not name stay " \
+             f"({', '.join(str(j) for j in sorted(staying))}; --prune removes them)" \
+        if staying else ""
+    left = f", and {len(held)} removed jobs' lookup entries stay ({sorted(held)}: leftovers, " \
+           f"`thc controller remove --job N` takes them off)" if held else ""
+    raise ConfigError(f"the cluster has {len(cluster_jobs)} jobs "
+                      f"({', '.join(str(j) for j in cluster_jobs)}){beside}{left}; the "
+                      f"{target_of(sw).name} program's lookup tables hold {room} jobs at once")
+
+
 def check_routes(sw: Switch, new_jobs, freed=frozenset()) -> None:
     """ConfigError when ``l2_forward`` lacks room for the routes of the jobs' worker MACs it
     does not hold yet: routes added by hand share the table, and a full one stopped an

@@ -24,8 +24,8 @@ from thc.controller import counters, forwarding
 from thc.controller.frames import reset_frame
 from thc.controller.installed import (entries_of, installed_configs, installed_jobs, leftovers,
                                       lut_tables, unchanged, worker_macs)
-from thc.controller.job_checks import (check_agg, check_beside_agg, check_job, check_routes,
-                                       config_of, free_index)
+from thc.controller.job_checks import (check_agg, check_beside_agg, check_job, check_room,
+                                       check_routes, config_of, free_index)
 from thc.controller.job_entries import (AggAddress, addr_entries, delete, job_entry, lut_entries,
                                         upsert, worker_entries)
 from thc.controller.program import ADDR_TABLE, JOB_TABLE, WORKER_TABLE
@@ -328,6 +328,7 @@ def _plan(sw: Switch, cluster: Cluster, installed: dict[int, dict], prune: bool)
             index[job.job_id] = free_index(taken | set(index.values()))
         taken.add(index[job.job_id])
     held = frozenset() if prune else _lookups_left(sw) - wanted
+    check_room(sw, [j.job_id for j in cluster.jobs], list(staying), held)
     for job in cluster.jobs:
         others = {**staying, **{j.job_id: config_of(j, index[j.job_id])
                                 for j in cluster.jobs if j.job_id != job.job_id}}

@@ -402,6 +402,26 @@ def test_tofino_holds_four_jobs_and_keys_their_lookups_on_the_job_index():
     assert jobs.install_job(sw, fifth) == 1
 
 
+def test_a_cluster_of_more_jobs_than_a_tofino_holds_is_refused_as_a_cluster():
+    """Five jobs in one cluster: the refusal was job 5's, calling jobs 1-4 installed, on a
+    switch (or dry run) that held none of them."""
+    sw = recording_switch(targets.get("tofino"))
+    five = [Job(job_id=1 + k, workers=_workers(1 + k, 2), table=TABLE, granularity=30,
+                pool_base=8 * k, pool_size=8) for k in range(5)]
+    cluster = Cluster(jobs=tuple(five), agg_ip=SWITCH_AGG_IP, agg_mac=SWITCH_AGG_MAC)
+    with pytest.raises(ConfigError, match=r"^the cluster has 5 jobs \(1, 2, 3, 4, 5\); the "
+                                          r"tofino program's lookup tables hold 4 jobs at once$"):
+        jobs.install_cluster(sw, cluster)
+    assert not sw.writes
+    jobs.install_job(sw, Job(job_id=9, workers=_workers(9, 2), table=TABLE, granularity=30,
+                             pool_base=48, pool_size=8))
+    four = Cluster(jobs=tuple(five[:4]), agg_ip=SWITCH_AGG_IP, agg_mac=SWITCH_AGG_MAC)
+    with pytest.raises(ConfigError, match=r"has 4 jobs .*1 installed jobs it does not name stay "
+                                          r"\(9; --prune removes them\)"):
+        jobs.install_cluster(sw, four)
+    assert jobs.install_cluster(sw, four, prune=True) == {1: 0, 2: 1, 3: 2, 4: 3}
+
+
 def test_tofino_refuses_a_worker_at_its_cpu_port():
     """Packet-outs enter a Tofino at port 320 (BMv2: 255): no worker may sit there."""
     for name, port in (("tofino", tofino.CPU_PORT), ("bmv2", P.CPU_PORT)):
