@@ -465,3 +465,25 @@ def test_torch_norms_reach_as_far_as_numpy_norms(scale):
     got = THCCodec().norms(torch.from_numpy(x))
     assert want[0] > 0 and np.isfinite(want[0])
     np.testing.assert_allclose(got.numpy(), want, rtol=1e-6)
+
+
+def test_the_max_round_takes_each_slices_largest_norm():
+    """``agree_max`` is the MAX round of ``simulate`` and the baselines: a slice's norm from
+    the worker whose slice is largest, whichever worker that is."""
+    a, b = [1.0, 2.0, 0.0], [3.0, 0.5, 0.0]
+    for make in (lambda v: np.array(v, np.float32), torch.tensor):
+        got = codec.agree_max([make(a), make(b)])
+        assert [float(v) for v in got] == [3.0, 2.0, 0.0]
+
+
+@pytest.mark.parametrize("n,g", [(1, 255), (8, 32), (4, 64), (2, 128), (1, 256), (3, 10923),
+                                 (1, 32767), (2, 16384), (1, 1 << 20), (2048, 1 << 20)])
+def test_the_sums_wire_type_is_the_narrowest_that_holds_every_sum(n, g):
+    """Sums run 0..n x g: at n x g = 256 a uint8 sum of the top values wraps to 0, a valid
+    sum, so the mean would be wrong with no error."""
+    from thc.codec.common import wire_sum_dtype
+    dt = wire_sum_dtype(n, THCParams(granularity=g, table_kind="uniform"))
+    ladder = [torch.uint8, torch.int16, torch.int32, torch.int64]
+    assert torch.iinfo(dt).max >= n * g
+    narrower = ladder[:ladder.index(dt)]
+    assert not narrower or torch.iinfo(narrower[-1]).max < n * g

@@ -136,6 +136,29 @@ def test_kernels_match_reference(slice_log, extra):
 
 
 @kernels
+@pytest.mark.parametrize("kw", [dict(bits=2, granularity=3), dict(bits=4, granularity=31),
+                                dict(bits=6, granularity=200), dict(table_kind="uniform")])
+def test_kernels_match_reference_on_other_tables(kw):
+    """Tables other than the default's: an odd g puts the sums' centre at n x g / 2, half a
+    step off any integer, and a wider or uniform table takes other lookup steps."""
+    p = THCParams(slice_size=1 << 10, **kw)
+    n = 2 * (1 << 10) + 300
+    x = torch.randn(n, generator=torch.Generator().manual_seed(p.granularity)).to(DEV)
+    m = thc.slice_norms(x, p)
+    a = thc.encode(x, m, p, 4, 21, backend="triton")
+    b = thc.encode(x.cpu(), m.cpu(), p, 4, 21, backend="reference")
+    assert int((a.cpu() != b).sum()) <= 2, kw
+    assert torch.equal(thc.encode_packed(x, m, p, 4, 21, backend="triton").cpu(),
+                       thc.pack_bits(a.cpu(), p.bits))
+    sums = thc.aggregate([b, b, b], p)
+    db = thc.decode(sums, 3, m.cpu(), n, p, 4, backend="reference")
+    da = thc.decode(sums.to(DEV), 3, m, n, p, 4, backend="triton")
+    assert torch.allclose(da.cpu(), db, atol=1e-5), kw
+    own = thc.decode_indices(b.to(DEV), m, n, p, 4, backend="triton")
+    assert torch.allclose(own.cpu(), db, atol=1e-5), kw
+
+
+@kernels
 def test_kernels_pack_around_short_tail_slices():
     """Tails of 1 and 3 coordinates take the reference path inside a kernel encode; the
     packed bytes stay aligned (an odd padded length ends in half a byte)."""

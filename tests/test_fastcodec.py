@@ -248,6 +248,16 @@ def test_bad_input_gets_the_reference_errors():
     x[1500] = 3e38
     with pytest.raises(ValueError, match="overflows float32"):
         codec.encode(x, [1.0, 1.0, 1.0], params, backend="compiled")
+    # finite once scaled, two values whose rotation overflows where their signs agree: the
+    # first coordinate shows it only in some rounds, the scan of every coordinate in all
+    from thc.codec.common import encode_coef
+    big = np.zeros(1024, np.float32)
+    big[5] = big[700] = 2e38 / float(encode_coef(np.array([1.0]), params)[0])
+    for rnd in range(8):
+        for backend in ("reference", "compiled"):
+            with pytest.raises(ValueError, match="NaN or Inf"), \
+                    np.errstate(over="ignore", invalid="ignore"):
+                codec.encode(big, [1.0], params, rnd, 3, backend=backend)
     with pytest.raises(ValueError, match="outside the 16-entry table"):
         codec.decode_indices(np.full(3072, 16, np.uint8), [1.0] * 3, 3000, params,
                              backend="compiled")

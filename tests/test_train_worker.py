@@ -46,3 +46,21 @@ def test_no_ddp_wrapper_outlives_the_training_loop(mode, monkeypatch):
     assert rc == 0 and built == ["DistributedDataParallel"] and alive == [0]
     assert not dist.is_initialized()
 
+
+
+def test_the_ranks_train_on_disjoint_shares_that_cover_the_epoch():
+    """A rank's share computed without its rank trained every rank on rank 0's images: the
+    compressed modes still learned, and replicas agreed (identical data hid the
+    difference)."""
+    import numpy as np
+
+    from thc.app.train import rank_batch
+    perm = np.random.default_rng(3).permutation(1000)
+    world, batch = 4, 16
+    steps = len(perm) // (world * batch)
+    shares = [rank_batch(perm, s, r, batch, world) for s in range(1, steps + 1)
+              for r in range(world)]
+    assert all(len(x) == batch for x in shares)
+    taken = np.concatenate(shares)
+    assert len(set(taken.tolist())) == len(taken) == steps * world * batch
+    assert set(taken.tolist()) == set(perm[:steps * world * batch].tolist())

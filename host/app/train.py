@@ -295,6 +295,14 @@ def train(args) -> list[dict]:
     return history
 
 
+def rank_batch(perm, step: int, rank: int, batch: int, world: int):
+    """Rank ``rank``'s share of the epoch's global batch ``step`` (from 1) in ``perm``: the
+    ranks' shares are disjoint, and an epoch's steps take ``perm``'s first steps x world x
+    batch images each once."""
+    lo = ((step - 1) * world + rank) * batch
+    return perm[lo: lo + batch]
+
+
 def _train_model(args) -> list[dict]:
     """The training loop of :func:`train`, whose DDP wrapper ends with it.
 
@@ -354,8 +362,7 @@ def _train_model(args) -> list[dict]:
                 break
             t0 = time.perf_counter()
             ddp.train()
-            lo = (s - 1) * global_batch + args.rank * args.batch
-            idx = perm[lo: lo + args.batch]
+            idx = rank_batch(perm, s, args.rank, args.batch, args.world)
             opt.zero_grad(set_to_none=True)
             loss = loss_fn(ddp(xtr[idx]), ytr[idx])
             loss.backward()
