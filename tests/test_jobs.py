@@ -15,7 +15,8 @@ def job(n_workers: int, granularity: int = 30, **kw) -> Job:
     return Job(job_id=1, workers=workers, table=table, granularity=granularity, **kw)
 
 
-@pytest.mark.parametrize("n,g,bits", [(8, 30, 8), (1, 255, 8), (9, 30, 16), (32, 30, 16),
+@pytest.mark.parametrize("n,g,bits", [(8, 30, 8), (1, 255, 8), (17, 15, 8), (9, 30, 16),
+                                      (8, 32, 16), (1, 256, 16), (16, 16, 16), (32, 30, 16),
                                       (32, 2047, 16)])
 def test_sum_width_is_the_narrowest_that_holds_n_times_g(n, g, bits):
     j = job(n, g).validate()
@@ -34,6 +35,8 @@ def test_an_explicit_width_is_checked():
     assert job(4, sum_bits=16).validate().sum_bits == 16
     with pytest.raises(ConfigError, match="requested 8-bit sums.*choose 16"):
         job(32, sum_bits=8).validate()
+    with pytest.raises(ConfigError, match="= 256 overflows the requested 8-bit sums"):
+        job(8, 32, sum_bits=8).validate()     # 8 top values sum to 256: 0 in 8 bits
     with pytest.raises(ConfigError, match="sum_bits 12"):
         job(4, sum_bits=12).validate()
 

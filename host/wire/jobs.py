@@ -168,8 +168,10 @@ class Job:
         if self.mcast_grp == 0:
             object.__setattr__(self, "mcast_grp", self.job_id)
         if self.sum_bits == 0:
-            top = len(self.workers) * self.granularity
-            bits = next((b for b in P.SUM_WIDTHS if top <= (1 << b) - 1), P.SUM_WIDTHS[-1])
+            try:
+                bits = P.sum_bits_for(len(self.workers), self.granularity)
+            except (ValueError, TypeError):
+                bits = P.SUM_WIDTHS[-1]   # validate() names the overflow or the bad value
             object.__setattr__(self, "sum_bits", bits)
 
     @property
