@@ -122,3 +122,33 @@ def test_bad_flush_is_dropped_counted_and_harmless(harness, case):
     got = run_round(harness, job, 0, idxs, workers=[1])   # the chunk was not closed
     for w in range(2):
         assert_short(got[w], job, 0, idxs, [0, 1], w)
+
+
+def test_a_reused_slot_version_forgets_the_acknowledgements_of_its_older_use(harness):
+    """Each use of a slot version starts with no worker acknowledged: leftovers from an older
+    use would let a worker that runs ahead by FLUSHing overwrite a result a straggler has not
+    acknowledged, so the straggler's resend would be refused instead of answered."""
+    rng = np.random.default_rng(44)
+    job = new_job(harness, n_workers=2, pool_size=2)
+    idxs = {s: [indices(rng, job) for _ in range(2)] for s in (0, 2, 4, 6, 8)}
+    for seq in (0, 2):             # slot 0's two versions; seq 2 acknowledges seq 0 for both
+        run_round(harness, job, seq, idxs[seq])
+    ep0, ep1 = harness.endpoint(job, 0), harness.endpoint(job, 1)
+    for seq in (4, 6):             # worker 0 closes the version's next uses short, alone
+        ep0.send(data(job, 0, seq, idxs[seq][0]))
+        ep0.send(flush(job, 0, seq))
+        got = recv_everyone(harness, job)
+        for w in range(2):
+            assert_short(got[w], job, seq, idxs[seq], [0], w)
+        if seq == 4:               # worker 1's late seq 4 acknowledges seq 2; its reply is lost
+            ep1.send(data(job, 1, 4, idxs[4][1]))
+            assert_short(ep1.recv_all(), job, 4, idxs[4], [0], 1)
+    # worker 1 has not acknowledged seq 4 (it sent nothing past it): seq 8 is held
+    ep0.send(data(job, 0, 8, idxs[8][0]))
+    got = recv_everyone(harness, job)
+    assert got[1] == [] and len(got[0]) == 1, f"seq 8 was not held: {got}"
+    hdr, _ = parse(got[0][0])
+    assert (hdr.pkt_type, hdr.seq, hdr.count, hdr.bitmap) == (P.PktType.PENDING, 8, 0, 0b01)
+    # so worker 1's resend of seq 4 still gets seq 4's short result
+    ep1.send(data(job, 1, 4, idxs[4][1]))
+    assert_short(ep1.recv_all(), job, 4, idxs[4], [0], 1)

@@ -166,3 +166,21 @@ def test_a_chunk_sent_to_the_wrong_shard_is_refused_counted_and_harmless(harness
     for seq in (0, 1):
         assert_round(harness, job, seq, idxs)
     assert drops_delta(before, harness.drops()) == {"wrong_shard": 2}
+
+
+def test_a_newer_run_takes_a_live_job_within_the_run_jump_and_no_further(harness):
+    """A live job's run yields to a run newer by exactly ``run_jump``, but one newer by
+    ``run_jump + 1`` is refused as stale_run (the bound is inclusive on every aggregator)."""
+    rng = np.random.default_rng(32)
+    job = new_job(harness, n_workers=2)
+    assert_round(harness, job, 0, [indices(rng, job) for _ in range(2)])
+    ep0 = harness.endpoint(job, 0)
+    far = RUN + P.RUN_JUMP + 1
+    ep0.send(data(job, 0, 0, indices(rng, job), run=far))
+    assert_refused(ep0.recv_all(), job, "stale_run", RUN, 0, 0, run=far)
+    edge, fresh = RUN + P.RUN_JUMP, [indices(rng, job) for _ in range(2)]
+    got = run_round(harness, job, 0, fresh, run=edge)
+    kinds = [P.PktType(parse(d)[0].pkt_type).name for d in got[0]]
+    assert kinds == ["RESULT"], f"run + run_jump did not take the job: worker 0 got {kinds}"
+    for w in range(2):
+        assert_result(got[w], job, 0, fresh, w, run=edge)
