@@ -76,6 +76,35 @@ def test_a_route_shared_with_another_job_survives_its_removal(sw):
     assert routes[a.workers[0].mac] == 0 and a.workers[1].mac not in routes
 
 
+def test_a_route_shared_with_another_job_survives_a_reinstall_without_it(sw):
+    """Job 1 re-installed with worker 0 on another MAC takes the old MAC's route off only
+    where no other job's worker sits behind it: job 2's host shares it."""
+    a = make_job(1)
+    b = make_job(2, pool_base=4)
+    b = replace(b, workers=(replace(b.workers[0], mac=a.workers[0].mac, ip=a.workers[0].ip,
+                                    port=a.workers[0].port + 1), b.workers[1]))
+    jobs.install_cluster(sw, cluster(a, b))
+    moved = replace(a, workers=(replace(a.workers[0], mac="02:ab:00:00:00:01"), a.workers[1]))
+    jobs.install_job(sw, moved, live_window=IDLE)
+    routes = forwarding.routes(sw)
+    assert routes[a.workers[0].mac] == a.workers[0].switch_port
+    assert routes["02:ab:00:00:00:01"] == a.workers[0].switch_port
+    assert installed.unchanged(sw, b, jobs.AggAddress.of(cluster(b)))
+
+
+def test_results_leave_from_the_clusters_aggregator_mac(sw):
+    """Every worker's address entry carries the cluster's ``agg_mac``, the source of the
+    results it is sent: the default's hid an entry written with the default regardless."""
+    job = make_job(1)
+    own = replace(cluster(job), agg_mac="02:00:00:00:00:aa")
+    jobs.install_cluster(sw, own)
+    entries = installed.entries_of(sw, program.ADDR_TABLE, 1)
+    assert len(entries) == 2
+    assert [sw.param_values(e)["agg_mac"] for e in entries] == [0x0200000000AA] * 2
+    assert installed.unchanged(sw, job, jobs.AggAddress.of(own))
+    assert not installed.unchanged(sw, job, jobs.AggAddress.of(cluster(job)))
+
+
 def test_install_zeroes_the_job_counters_and_counters_read_by_name(sw):
     for name in P.JOB_COUNTERS:                     # left over from a job at index 0
         sw.device.cells[counters.JOB_COUNTERS][counters.job_counter_index(0, name)] = 7

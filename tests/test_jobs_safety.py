@@ -260,6 +260,8 @@ def bad_inputs(job: Job, other: Job) -> dict:
                                  install(replace(other, mcast_grp=-1))),
         "agg_mac": (ConfigError, "the aggregator: MAC 'not-a-mac'", lambda sw:
                     jobs.install_cluster(sw, replace(cluster(other), agg_mac="not-a-mac"))),
+        "switch_port_drop": (ConfigError, "switch_port 511 is not a front-panel port",
+                             install(worker0(switch_port=511))),
         "switch_port_text": (ConfigError, "switch_port '3' is not an integer",
                              install(worker0(switch_port="3"))),
         # the switch refuses no chunk as another shard's (the model's wrong_shard)
@@ -358,7 +360,7 @@ def test_jobs_that_swap_pools_never_count_on_the_same_slots(sw, monkeypatch, fai
         assert_apart(live)
 
 
-@pytest.mark.parametrize("then", ["prune", "remove", "again"])
+@pytest.mark.parametrize("then", ["prune", "remove", "again", "alone"])
 def test_a_swap_cut_short_then_undone_keeps_the_live_jobs_group(sw, monkeypatch, then):
     """A swap of two jobs' pools and groups cut short after the first write leaves job 1
     live on group 2 and job 2's stale entry naming group 2 too. Removing job 2 (pruned,
@@ -382,12 +384,14 @@ def test_a_swap_cut_short_then_undone_keeps_the_live_jobs_group(sw, monkeypatch,
         jobs.install_cluster(sw, cluster(a2), prune=True, live_window=IDLE)
     elif then == "remove":
         jobs.remove_job(sw, 2, live_window=IDLE)
+    elif then == "alone":          # job 1 stays, unnamed: its group is still in use
+        jobs.install_cluster(sw, cluster(b2), live_window=IDLE)
     else:
         jobs.install_cluster(sw, cluster(a2, b2), live_window=IDLE)
     assert 2 in sw.multicast_groups(), "job 1's results are multicast to a deleted group"
     assert installed.unchanged(sw, a2, jobs.AggAddress.of(cluster(a2)))
-    assert counting(sw) == ({1: (range(4, 8), 2), 2: (range(0, 4), 1)} if then == "again"
-                            else {1: (range(4, 8), 2)})
+    assert counting(sw) == ({1: (range(4, 8), 2), 2: (range(0, 4), 1)}
+                            if then in ("again", "alone") else {1: (range(4, 8), 2)})
 
 
 def test_a_fresh_install_takes_a_leftover_jobs_worker_entries_off(sw):
