@@ -32,7 +32,7 @@ from thc.controller.program import ADDR_TABLE, JOB_TABLE, WORKER_TABLE
 from thc.controller.switch import Switch, SwitchError
 from thc.net.window import DEFAULT_MAX_TIMEOUT
 from thc.wire import protocol as P
-from thc.wire.jobs import Cluster, Job
+from thc.wire.jobs import Cluster, ConfigError, Job
 
 LIVE_WINDOW = 2 * DEFAULT_MAX_TIMEOUT + 0.2
 """Seconds the controller watches a job's packet counter before changing it: more than two
@@ -321,9 +321,15 @@ def _plan(sw: Switch, cluster: Cluster, installed: dict[int, dict], prune: bool)
     staying = {jid: cfg for jid, cfg in installed.items() if jid not in wanted and not prune}
     index = {jid: installed[jid]["job_index"] for jid in wanted if jid in installed}
     taken = {cfg["job_index"] for cfg in staying.values()}
+    for jid, i in index.items():
+        # two jobs on one index share a Tofino's lookup entries and counters: no write gives
+        # either its own without taking the other's off
+        other = [o for o, cfg in installed.items() if cfg["job_index"] == i and o != jid]
+        if other:
+            raise ConfigError(f"job {jid} shares job index {i} with job {other[0]} on the "
+                              f"switch (entries another controller or a hand wrote): remove "
+                              f"one of them, then install the other again")
     for job in cluster.jobs:
-        if job.job_id in index and index[job.job_id] in taken:
-            del index[job.job_id]
         if job.job_id not in index:
             index[job.job_id] = free_index(taken | set(index.values()))
         taken.add(index[job.job_id])
@@ -381,9 +387,6 @@ def install_cluster(sw: Switch, cluster: Cluster, prune: bool = False, force: bo
                           f"off failed ({e}); some of them count no packet until the cluster "
                           f"is installed again") from e
     epochs = {jid: cfg["epoch"] for jid, cfg in installed.items()}
-    for job in changing:
-        if job.job_id in installed and installed[job.job_id]["job_index"] != index[job.job_id]:
-            _remove(sw, job.job_id, installed.pop(job.job_id))   # so that indices can swap
     groups = {j.mcast_grp for j in cluster.jobs} | {cfg["mcast_grp"] for cfg in staying.values()}
     for k, job in enumerate(changing):
         try:

@@ -538,3 +538,27 @@ def test_a_reinstall_cut_short_and_retried_keeps_no_old_group_or_route(sw, monke
     assert sorted(forwarding.routes(sw)) == sorted(w.mac for w in new.workers)
     jobs.remove_job(sw, 1, live_window=IDLE)
     assert sw.multicast_groups() == {} and forwarding.routes(sw) == {}
+
+
+def test_jobs_that_share_an_index_are_refused_before_any_write():
+    """Two job entries on one index (another controller's, or a hand's) share a Tofino's
+    lookup entries: an install that moved one took the other's lookups off with its own."""
+    from thc.controller.switch import BUILD_DIR
+    from thc.controller.testing.memswitch import MemoryDevice
+    sw = MemorySwitch(device=MemoryDevice(program="thc_tna", build_dir=BUILD_DIR / "tofino")
+                      ).connect(program=None)
+    try:
+        a, b = (replace(make_job(i + 1, pool_base=8 * i),
+                        workers=tuple(replace(w, switch_port=256 + 2 * i + w.id)
+                                      for w in make_job(i + 1).workers)) for i in range(2))
+        jobs.install_cluster(sw, cluster(a, b))
+        epoch = installed.installed_jobs(sw)[2]["epoch"]
+        job_entries.upsert(sw, [job_entries.job_entry(sw, b, 0, epoch)], True)
+        before, mark = sw.device.state(), len(sw.device.log)
+        for act in (lambda: jobs.install_cluster(sw, cluster(a), live_window=IDLE),
+                    lambda: jobs.install_cluster(sw, cluster(b), prune=True, live_window=IDLE)):
+            with pytest.raises(ConfigError, match=r"job [12] shares job index 0 with job [12]"):
+                act()
+        assert sw.device.log[mark:] == [] and sw.device.state() == before
+    finally:
+        sw.close()
