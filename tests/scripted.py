@@ -22,7 +22,8 @@ def epoch(job) -> int:
 def answering(answer, delay=0.0):
     """A UDP server on loopback sending each datagram's sender what ``answer(datagram)``
     returns (a list of datagrams), ``delay`` seconds later (a long path, in order; a
-    callable gives each reply's delay); yields its address."""
+    callable gives each reply's delay; a (datagram, seconds) pair its own); yields its
+    address."""
     srv = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     srv.bind(("127.0.0.1", 0))
     stop = threading.Event()
@@ -40,7 +41,10 @@ def answering(answer, delay=0.0):
             except socket.timeout:
                 continue
             for out in answer(data):
-                wait = delay() if callable(delay) else delay
+                if isinstance(out, tuple):
+                    out, wait = out
+                else:
+                    wait = delay() if callable(delay) else delay
                 if wait:
                     later.append((time.monotonic() + wait, out, src))
                 else:

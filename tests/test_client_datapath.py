@@ -572,6 +572,44 @@ def test_a_silent_shard_is_named_though_another_shard_answers(datapath):
             assert c.stats.compiled_rounds == (datapath == "compiled")
 
 
+def test_a_shard_forging_another_shards_results_is_ignored(datapath):
+    """Each of two shards, on every DATA it gets, at once sends a RESULT for the other
+    shard's neighbouring chunks with every field right (epoch included) but sums one too
+    high; the owning shard answers the truth 0.3 s later. Only the chunk's own shard answers
+    for it: the sums are exact and every forged reply is counted as ignored."""
+    base, n = free_port_block(2), 6
+
+    def others(seq, lanes):   # at most 29: one more is still a plausible sum
+        return (np.arange(lanes) + seq) % 30
+
+    def shard(data):
+        (_t, w, j, _s, _v, _c, seq, _o, _b, run, _e) = P.HEADER_STRUCT.unpack_from(data)
+
+        def result(x, extra):
+            slot, version = P.slot_of(x, job.pool_size)
+            truth = job.lane_values(packed[x * chunk:(x + 1) * chunk]) + others(x, job.lanes)
+            return P.HEADER_STRUCT.pack(P.PktType.RESULT, w, j, slot, version, 2, x,
+                                        x * job.lanes, 0b11, run, epoch(job)) + \
+                (truth + extra).astype(P.sum_dtype(job.sum_bits)).tobytes()
+        forged = [(result(x, 1), 0) for x in (seq - 1, seq + 1) if 0 <= x < n]
+        return forged + [(result(seq, 0), 0.3)]
+
+    with answering(shard) as a0, answering(shard) as a1:
+        job = Job.from_dict({"job_id": 1, "pool_size": 16, "lanes": P.LANES, "granularity": 30,
+                             "workers": [{"id": i, "ip": "127.0.0.1", "port": base + i}
+                                         for i in range(2)],
+                             "shards": [{"ip": a[0], "port": a[1]} for a in (a0, a1)]})
+        chunk = job.lanes // 2
+        packed = _packed(job, 1)[: n * chunk]
+        with AggregationClient(job, 0, run=2, window=n, timeout=1.0, max_timeout=1.0) as c:
+            r = c.reduce(packed)
+            assert r.datapath == datapath and c.stats.retransmitted == 0
+            want = job.lane_values(packed).reshape(n, job.lanes) + \
+                np.stack([others(x, job.lanes) for x in range(n)])
+            np.testing.assert_array_equal(r.sums, want.reshape(-1))
+            assert c.stats.ignored == 2 * (n - 1) and c.stats.rejected == 0
+
+
 def test_a_live_aggregator_quiet_between_long_backoffs_is_not_called_silent(job):
     """A DSCP-marked chunk backs off in full (0.32 s after the resend at 0.3 s), so with a
     0.5 s deadline the aggregator, answering every resend, was last heard more than half
@@ -920,12 +958,15 @@ def test_a_deadline_ends_the_round_in_time_rather_than_hang(job, datapath):
 
 
 @pytest.mark.parametrize("kw", [{"timeout": 4.0, "max_timeout": 4.0, "deadline": 0.5},
-                                {"max_timeout": 8.0, "deadline": 3.0, "tos": True}],
-                         ids=["deadline-below-timeout", "priority-classes-backoff"])
+                                {"max_timeout": 8.0, "deadline": 3.0, "tos": True},
+                                {"timeout": 1.5, "max_timeout": 8.0, "deadline": 3.0}],
+                         ids=["deadline-below-timeout", "priority-classes-backoff",
+                              "backoff-past-the-deadline"])
 def test_no_resend_timer_waits_past_the_deadline(job, datapath, kw):
-    """A chunk's resend timer is cut at its deadline: a deadline below the timeout, or a
-    chunk of a priority class backed off towards max_timeout, raises at the deadline (they
-    raised after 4 s for a 0.5 s deadline, 5.1 s for 3 s)."""
+    """A chunk's resend timer is cut at its deadline: a deadline below the timeout, a chunk
+    of a priority class backed off towards max_timeout, or a resend at 1.5 s backed off to
+    3 s more (past a 3 s deadline), raises at the deadline, not at the next resend (4 s for
+    a 0.5 s deadline, 5.1 s or 4.5 s for 3 s)."""
     kw = dict(kw)
     tos = kw.pop("tos", False)
     with answering(lambda data: [_reply(job, data, P.PktType.PENDING, 1, 0b01)]) as addr:
@@ -983,3 +1024,84 @@ def test_late_replies_to_the_last_round_are_no_strays(job, datapath):
                 c.aggregate(_index_zero(job, 1))
             assert c.stats.compiled_rounds == 2 * (datapath == "compiled")
     assert "answered no chunk" not in str(e.value) and c.stats.strays == 0
+
+
+def test_replies_for_chunks_not_yet_sent_are_ignored(job, datapath):
+    """With the window at 4 of 8 chunks, the aggregator answers chunk 0's DATA first with a
+    plausible short RESULT (count 1, worker 1 alone) for chunk 4, not yet sent, and chunk
+    7's with one for seq 8, the next round's first chunk: neither answers a chunk of this
+    round that was sent. Both are ignored; every chunk ends with its full sums."""
+    n, dtype = 8, P.sum_dtype(job.sum_bits)
+
+    def answer(data):
+        (_t, w, j, _s, _v, _c, seq, _o, _b, run, _e) = P.HEADER_STRUCT.unpack_from(data)
+        out = []
+        for x in {0: [4], n - 1: [n]}.get(seq, []):
+            slot, version = P.slot_of(x, job.pool_size)
+            out.append(P.HEADER_STRUCT.pack(P.PktType.RESULT, w, j, slot, version, 1, x,
+                                            x * job.lanes, 0b10, run, epoch(job))
+                       + _others(x, job.lanes).astype(dtype).tobytes())
+        own = job.lane_values(data[P.HEADER_BYTES:])
+        return out + [_complete(data, P.PktType.RESULT, job)
+                      + (own + _others(seq, job.lanes)).astype(dtype).tobytes()]
+
+    packed = _packed(job, 1)[: n * job.lanes // 2]
+    with answering(answer) as addr, AggregationClient(job, 0, addr, run=2, window=4,
+                                                      timeout=1.0, max_timeout=1.0) as c:
+        r = c.reduce(packed)
+        assert r.datapath == datapath and c.stats.retransmitted == 0
+    want = job.lane_values(packed).reshape(n, job.lanes) + \
+        np.stack([_others(x, job.lanes) for x in range(n)])
+    np.testing.assert_array_equal(r.sums, want.reshape(-1))
+    assert (r.counts == 2).all() and (r.bitmaps == 0b11).all()
+    assert c.stats.ignored == 2 and c.stats.short == 0 and c.stats.strays == 0
+
+
+def test_a_max_round_under_a_loss_bound_resends_rather_than_flushes(job, datapath):
+    """A loss bound is for DATA rounds (a MAX chunk closed short would be no maximum): the
+    MAX round's first datagram is lost, and its timer resends it, never a FLUSH, and the
+    maxima are exact."""
+    seen, lanes = [], {}
+
+    def answer(data):
+        (t, *_, seq, _o, _b, _r, _e) = P.HEADER_STRUCT.unpack_from(data)
+        seen.append(t)
+        lanes.setdefault(seq, data[P.HEADER_BYTES:])   # a FLUSH closes it with the lanes
+        if len(seen) == 1:
+            return []
+        return [_complete(data, P.PktType.MAX_RESULT, job) + lanes[seq]]
+
+    values = np.arange(2 * P.MAX_LANES, dtype=np.float32)
+    with answering(answer) as addr, AggregationClient(job, 0, addr, run=2, loss_bound=0.5,
+                                                      deadline=1.0) as c:
+        r = c.reduce_max(values)
+        assert c.stats.compiled_rounds == (datapath == "compiled")
+    assert P.PktType.FLUSH not in seen and c.stats.flushed == 0 and c.stats.retransmitted >= 1
+    np.testing.assert_array_equal(r.sums, values)
+
+
+def test_a_held_chunk_is_resent_within_the_fast_backoff_cap(job, datapath):
+    """Chunk 1 is held 1.3 s (PENDING count 0: a peer holds its slot's previous result) while
+    the head, chunk 0, waits for a peer: a held chunk goes on the moment the peer moves on,
+    so it is resent at least every FAST_BACKOFF_CAP RTOs (80 ms at the 20 ms floor), not
+    after a backoff grown towards max_timeout (1 s here)."""
+    sent = []
+    zeros = np.zeros(job.lanes, P.sum_dtype(job.sum_bits)).tobytes()
+    start = time.monotonic()
+
+    def answer(t, seq):
+        if time.monotonic() >= start + 1.3:
+            return (P.PktType.RESULT, 2, 0b11, zeros)
+        if seq == 1:
+            sent.append(time.monotonic())
+            return (P.PktType.PENDING, 0, 0b01, b"")
+        return (P.PktType.PENDING, 1, 0b01, b"")
+
+    with scripted_aggregator(job, answer) as addr, \
+            AggregationClient(job, 0, addr, run=4, deadline=5.0, window=2,
+                              max_timeout=1.0) as c:
+        start = time.monotonic()
+        c.aggregate(_index_zero(job, 2))
+        assert c.stats.compiled_rounds == (datapath == "compiled")
+    gaps = np.diff(sent)
+    assert len(sent) > 5 and gaps.max() < 0.45, gaps   # the doubling reached 0.64 s
