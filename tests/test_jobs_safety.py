@@ -134,12 +134,15 @@ def test_workers_never_go_live_when_some_resets_are_lost(sw, monkeypatch):
 
 # ---- live jobs ------------------------------------------------------------------------------
 
-def test_live_job_is_not_reinstalled_or_removed_unless_forced(sw):
+@pytest.mark.parametrize("cell", P.JOB_COUNTERS)
+def test_live_job_is_not_reinstalled_or_removed_unless_forced(sw, cell):
+    """Live whatever its packets do: the switch counts each in one cell, by what it did (a
+    job whose every packet completes a chunk moves its completions alone)."""
     job = make_job(1)
     jobs.install_job(sw, job)
     before, mark = sw.device.state(), len(sw.device.log)
     smaller = replace(job, workers=job.workers[:1])
-    with sw.device.sending(job):
+    with sw.device.sending(job, cell=cell):
         with pytest.raises(jobs.JobLive, match=r"job 1 is live: \d+ packets"):
             jobs.install_job(sw, smaller)
         with pytest.raises(jobs.JobLive, match=r"job 1 is live.*removing it"):

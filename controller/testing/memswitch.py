@@ -140,8 +140,8 @@ class MemoryDevice:
 
     def read_counter(self, name: str) -> dict[int, int]:
         """{index: packets} of every cell; each active sender first delivers a packet."""
-        for job, worker_id in list(self._senders):
-            self.deliver(job, worker_id)
+        for job, worker_id, cell in list(self._senders):
+            self.deliver(job, worker_id, cell=cell)
         cells = self.cells[name]
         return {i: cells.get(i, 0) for i in range(self.counter_sizes[name])}
 
@@ -200,9 +200,11 @@ class MemoryDevice:
             self.reset_cells.append((job["pool_base"] + hdr.slot) % (1 << 16) * 2 + hdr.version)
             self._count(counters.RESETS, job["job_index"])
 
-    def deliver(self, job, worker_id: int = 0, n: int = 1) -> None:
+    def deliver(self, job, worker_id: int = 0, n: int = 1, cell: str = "packets") -> None:
         """``n`` DATA packets of worker ``worker_id`` of ``job`` (host/wire/jobs.py Job),
-        counted where p4src/thc.p4 counts them (the job's cell: those without a reply)."""
+        counted where p4src/thc.p4 counts them: one of the job's cells, by what the packet
+        did (``packets``: no reply; ``completions``, ``retransmissions``, ``pending``,
+        ``held``)."""
         w = job.worker(worker_id)
         cfg = self._params("thc_job", {"job_id": job.job_id})
         ip = int(ipaddress.IPv4Address(w.ip))
@@ -215,16 +217,17 @@ class MemoryDevice:
             self._drop("unknown_worker")
         else:
             self._count(counters.JOB_COUNTERS,
-                        counters.job_counter_index(cfg["job_index"], "packets"), n)
+                        counters.job_counter_index(cfg["job_index"], cell), n)
 
     @contextlib.contextmanager
-    def sending(self, job, worker_id: int = 0):
-        """A worker that keeps sending: one packet before every counter read."""
-        self._senders.append((job, worker_id))
+    def sending(self, job, worker_id: int = 0, cell: str = "packets"):
+        """A worker that keeps sending: one packet before every counter read (counted in
+        ``cell``, as :meth:`deliver`)."""
+        self._senders.append((job, worker_id, cell))
         try:
             yield self
         finally:
-            self._senders.remove((job, worker_id))
+            self._senders.remove((job, worker_id, cell))
 
     # -- for assertions ---------------------------------------------------------------------
     def state(self, skip: Iterable[str] = ()) -> dict:
