@@ -314,6 +314,36 @@ def test_workers_out_of_step_in_their_sizes_all_refuse():
         assert out[4] == pytest.approx(5.0, abs=0.2), out
 
 
+def _new_sizes_worker(rank, port, q):
+    """As on NCCL (no agreement each round): call 1 is a size new to both workers, but not
+    the same size."""
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2)
+    ar = THCAllReduce.through_torch_distributed(params=THCParams(slice_size=256),
+                                                generator=rank, error_feedback=False)
+    ar.transport.agree_each_round = False
+    out = []
+    for k, numel in enumerate([1024, 2048 if rank == 0 else 4096, 1024]):
+        try:
+            out.append(float(ar(torch.full((numel,), k + 1.0)).mean()))
+        except RuntimeError as e:
+            out.append(str(e))
+    q.put((rank, out))
+    dist.destroy_process_group()
+
+
+def test_a_size_new_to_every_worker_is_agreed_where_rounds_are_not():
+    """Where rounds are not agreed each time (NCCL), a size new to a worker is: two sizes
+    new to both workers ran MAX rounds of unlike lengths (Gloo aborted a process; NCCL
+    hangs or sums garbage). Both refuse, and the next round runs."""
+    res = gloo_pair(_new_sizes_worker)
+    for rank in (0, 1):
+        out = res[rank]
+        assert out[0] == pytest.approx(1.0, abs=0.2), out
+        assert isinstance(out[1], str) and "differ in their THC parameters" in out[1], out
+        assert out[2] == pytest.approx(3.0, abs=0.2), out
+
+
 def _backend_worker(rank, port, q):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=2)

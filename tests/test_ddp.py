@@ -534,6 +534,45 @@ def test_ranks_that_split_a_bucket_unlike_refuse_it():
     assert all("differ in the hook" in res[rank][0] for rank in (0, 1)), res
 
 
+def _two_buckets_backward(name, rank, port, q):
+    """One backward of a model with a float32 and a float64 layer (a DDP bucket each), rank
+    0 alone keeping ``name`` in FP32."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from thc.collective.ddp import FP32Hook, HookOptions
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2, timeout=timedelta(seconds=30))
+    torch.manual_seed(0)
+
+    class Mixed(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = torch.nn.Linear(8, 4)
+            self.b = torch.nn.Linear(8, 4).double()
+
+        def forward(self, x):
+            return self.a(x).sum() + self.b(x.double()).sum()
+    model = Mixed()
+    ddp = DDP(model)
+    opts = HookOptions(uncompressed=(name,) if rank == 0 else ())
+    FP32Hook(model, options=opts, overlap=False).register(ddp)
+    try:
+        ddp(torch.ones(2, 8)).backward()
+        out = "returned"
+    except Exception as e:  # noqa: BLE001 - the test reads what each rank raised
+        out = str(e)
+    q.put((rank, out))
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("name", ["a.bias", "b.bias"])
+def test_every_bucket_is_checked_not_the_first_alone(name):
+    """DDP makes a bucket per dtype: a split unlike on the ranks in the bucket reduced second
+    must be refused as one in the first is."""
+    res = gloo_pair(functools.partial(_two_buckets_backward, name))
+    assert all("differ in the hook" in res[rank] for rank in (0, 1)), res
+
+
 def test_a_hooks_group_is_its_own_keeps_the_timeout_and_refuses_after_an_abandoned_round():
     """Two hooks given one comm_group interleaved their threads' collectives differently on
     each rank (both ranks' gradients wrong, swapped); the group a hook made waited torch's
@@ -833,6 +872,7 @@ def test_a_reduction_ending_in_no_exception_still_fails_ddp():
         t.join(60)
         assert not t.is_alive(), "DDP still waits for the bucket's future"
         assert "SystemExit(3)" in got[0], got
+        assert "Unable to cast" not in got[0], got   # the error under its own type's name
     finally:
         dist.destroy_process_group()
 

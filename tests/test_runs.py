@@ -156,25 +156,28 @@ def test_workers_agree_on_rank_0s_run_over_gloo():
     assert _agreed({0: "77", 1: "77", 2: "77"}) == {0: 77, 1: 77, 2: 77}
 
 
-def test_a_run_id_that_does_not_parse_on_one_rank_fails_on_every_rank_at_once():
+@pytest.mark.parametrize("bad", [1, 0])
+def test_a_run_id_that_does_not_parse_on_one_rank_fails_on_every_rank_at_once(bad):
     """Rank 1 raised before the collective and its peers waited in it until the group's
-    timeout; every rank now names rank 1, and rank 1 says what is wrong."""
-    out = _agreed({1: "12x"})
-    assert "THC_RUN" in out[1] and "'12x'" in out[1], out
-    for rank in (0, 2):
-        assert out[rank] == "rank 1's THC_RUN is not a run id (that rank says why)", out
+    timeout; every rank now names the rank, rank 0 too, and that rank says what is wrong."""
+    out = _agreed({bad: "12x"})
+    assert "THC_RUN" in out[bad] and "'12x'" in out[bad], out
+    for rank in {0, 1, 2} - {bad}:
+        assert out[rank] == f"rank {bad}'s THC_RUN is not a run id (that rank says why)", out
 
 
-def test_a_run_id_set_on_some_ranks_only_fails_on_every_rank_at_once():
+@pytest.mark.parametrize("given", [1, 2])
+def test_a_run_id_set_on_some_ranks_only_fails_on_every_rank_at_once(given):
     """THC_RUN on rank 1 only: rank 1 took it without a collective and the others waited in
     a broadcast it never joined, until the group's timeout (30 minutes by default), whose
     error named neither THC_RUN nor the difference. Every rank now says which rank holds
     which id, well within the group's timeout (60 s here)."""
     start = time.monotonic()
-    out = _agreed({1: "12345"})
+    out = _agreed({given: "12345"})
     assert time.monotonic() - start < 45
+    held = ", ".join(f"rank {r}: {'12345' if r == given else 'none'}" for r in range(3))
     for rank in range(3):
-        assert "rank 0: none, rank 1: 12345, rank 2: none" in out[rank], out
+        assert held in out[rank], out
         assert "THC_RUN" in out[rank]
 
 
