@@ -36,15 +36,47 @@ def ipv4_checksum(header: bytes) -> int:
     return ~s & 0xFFFF
 
 
+def udp_checksum(src_ip: bytes, dst_ip: bytes, segment: bytes) -> int:
+    """RFC 768's checksum of a UDP segment (its checksum field 0) under its pseudo-header."""
+    data = src_ip + dst_ip + struct.pack("!BBH", 0, 17, len(segment)) + segment
+    if len(data) % 2:
+        data += b"\0"
+    return ipv4_checksum(data) or 0xFFFF
+
+
 def udp_frame(src_mac: str, dst_mac: str, src_ip: str, dst_ip: str, sport: int, dport: int,
-              payload: bytes, ident: int = 0, tos: int = 0) -> bytes:
-    """An Ethernet/IPv4/UDP frame; UDP checksum 0 (as the switch sends them)."""
+              payload: bytes, ident: int = 0, tos: int = 0, checksum: bool = False) -> bytes:
+    """An Ethernet/IPv4/UDP frame; UDP checksum 0 (as the switch sends them), or computed
+    (``checksum``, as a host's kernel sends them)."""
     total = IPV4.size + UDP.size + len(payload)
     ip = IPV4.pack(0x45, tos, total, ident & 0xFFFF, 0x4000, 64, 17, 0,
                    ip_bytes(src_ip), ip_bytes(dst_ip))
     ip = ip[:10] + struct.pack("!H", ipv4_checksum(ip)) + ip[12:]
-    return (ETH.pack(mac_bytes(dst_mac), mac_bytes(src_mac), ETHERTYPE_IPV4) + ip
-            + UDP.pack(sport, dport, UDP.size + len(payload), 0) + payload)
+    udp = UDP.pack(sport, dport, UDP.size + len(payload), 0) + payload
+    if checksum:
+        udp = udp[:6] + struct.pack("!H", udp_checksum(ip[12:16], ip[16:20], udp)) + udp[8:]
+    return ETH.pack(mac_bytes(dst_mac), mac_bytes(src_mac), ETHERTYPE_IPV4) + ip + udp
+
+
+def frame_faults(frame: bytes) -> list[str]:
+    """Why a host's kernel would drop this IPv4/UDP frame (empty: it would not): the IPv4
+    checksum, lengths that are not the frame's (Ethernet pads a frame to 60 bytes), a UDP
+    checksum that is neither 0 nor right."""
+    if len(frame) < HEADERS:
+        return ["a frame shorter than its headers"]
+    ip = frame[ETH.size:ETH.size + IPV4.size]
+    total = struct.unpack_from("!H", ip, 2)[0]
+    faults = [what for what, bad in (
+        ("a bad IPv4 checksum", ipv4_checksum(ip) != 0),
+        ("an IPv4 length that is not the frame's",
+         total != len(frame) - ETH.size and not (len(frame) == 60 and total < 46))) if bad]
+    udp = frame[ETH.size + IPV4.size:ETH.size + total]
+    length, check = struct.unpack_from("!HH", udp, 4)
+    if length != len(udp):
+        faults.append("a UDP length that is not the IPv4 payload's")
+    elif check and udp_checksum(ip[12:16], ip[16:20], udp[:6] + b"\0\0" + udp[8:]) != check:
+        faults.append("a wrong UDP checksum")
+    return faults
 
 
 def parse_udp_frame(frame: bytes):

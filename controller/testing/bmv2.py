@@ -23,7 +23,7 @@ import threading
 import time
 from pathlib import Path
 
-from thc.controller.frames import parse_udp_frame
+from thc.controller.frames import frame_faults, parse_udp_frame
 from thc.controller.switch import BUILD_DIR, Switch
 from thc.testing.clusters import free_tcp_port
 from thc.wire import protocol as P
@@ -64,6 +64,9 @@ class LocalBMv2:
         self._handlers: dict[tuple[str, int], queue.Queue] = {}
         self.raw: list[queue.Queue] = [queue.Queue() for _ in range(n_ports)]
         """Frames each host-side port received that no registered queue claimed."""
+        self.faulty: list[str] = []
+        """Frames for a registered queue that a host's kernel would drop (frame_faults):
+        delivered all the same, for the harness to fail on."""
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         try:
@@ -175,6 +178,9 @@ class LocalBMv2:
                     parsed = parse_udp_frame(frame)
                     q = self._handlers.get((parsed[3], parsed[5])) if parsed else None
                     if q is not None:
+                        faults = frame_faults(frame)
+                        if faults:     # a worker's kernel would drop it
+                            self.faulty.append(f"{', '.join(faults)}: {frame[:42].hex()}")
                         q.put(parsed[6])
                     else:
                         self.raw[index[s.fileno()]].put(frame)

@@ -52,17 +52,25 @@ class FrameEndpoint(Endpoint):
         self._ident = itertools.count(1)
 
     def frame(self, datagram: bytes) -> bytes:
+        """As a worker's kernel sends it: a UDP checksum the switch's replies must not keep."""
         return udp_frame(self.mac, self.agg_mac, self.ip, self.agg_ip, self.udp_port,
-                         P.UDP_PORT, datagram, ident=next(self._ident))
+                         P.UDP_PORT, datagram, ident=next(self._ident), checksum=True)
+
+    def _sound(self) -> None:
+        if self.switch.faulty:
+            raise AssertionError(f"the switch sent frames a worker's kernel drops: "
+                                 f"{self.switch.faulty[:3]}")
 
     def send(self, datagram: bytes) -> None:
         self.switch.send(self.port, self.frame(datagram))
 
     def recv(self, timeout: float = 1.0) -> bytes | None:
         try:
-            return self.inbox.get(timeout=timeout)
+            got = self.inbox.get(timeout=timeout)
         except queue.Empty:
-            return None
+            got = None
+        self._sound()
+        return got
 
     def arrived(self) -> list[bytes]:
         out = []
@@ -70,6 +78,7 @@ class FrameEndpoint(Endpoint):
             try:
                 out.append(self.inbox.get_nowait())
             except queue.Empty:
+                self._sound()
                 return out
 
 
