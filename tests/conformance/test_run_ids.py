@@ -141,6 +141,29 @@ def test_a_reinstalled_job_knows_no_run(harness):
     assert_round(harness, job, 0, again, run=5)
 
 
+def test_a_reinstall_forgets_the_workers_incarnations_of_a_run(harness):
+    """A worker's run is a new incarnation where its nonce changes (``reused_run``), but
+    only within one install: after a re-install the same run id under a new nonce is a
+    fresh start (the switch's per-worker registers survive a RESET; the epoch tells)."""
+    rng = np.random.default_rng(41)
+    job = new_job(harness, n_workers=2)
+    first = [indices(rng, job) for _ in range(2)]
+    assert_round(harness, job, 0, first, run=1000)
+    harness.remove(job.job_id)
+    harness.install(job)
+    before = harness.drops()
+    again = [indices(rng, job) for _ in range(2)]
+    for w in range(2):
+        d = bytearray(data(job, w, 0, again[w], run=1000))
+        if w == 1:
+            d[P.HEADER_BYTES - 4:P.HEADER_BYTES] = (0x5EED).to_bytes(4, "big")   # its nonce
+        harness.endpoint(job, w).send(bytes(d))
+    got = harness.recv_each({w: harness.endpoint(job, w) for w in range(2)})
+    for w in range(2):
+        assert_result(got[w], job, 0, again, w, run=1000)
+    assert drops_delta(before, harness.drops()) == {}
+
+
 def test_a_chunk_sent_to_the_wrong_shard_is_refused_counted_and_harmless(harness):
     """A shard aggregates only the chunks it owns (``seq mod n_shards``): another shard's
     chunk, even one of a newer run, is refused (naming the shard, so shard maps that differ
