@@ -282,16 +282,16 @@ def test_torch_distributed_workers_with_unlike_rounds_all_refuse():
         assert alike == pytest.approx(1.0, abs=0.1)
 
 
-def _out_of_step_worker(rank, port, q):
-    """Call k's tensor is k + 1 everywhere (so is its mean), but worker 0 first hands in an
-    empty tensor, and later a size it knows where worker 1 calls one new to it."""
+def _sized_calls(sizes, rank, port, q, every_round=True):
+    """Call k's tensor is k + 1 everywhere (so is its mean), of ``sizes[rank][k]``
+    elements; ``every_round=False``: rounds not agreed each time, as on NCCL."""
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=2)
     ar = THCAllReduce.through_torch_distributed(params=THCParams(slice_size=256),
                                                 generator=rank, error_feedback=False)
-    sizes = [0 if rank == 0 else 1024, 1024, 2048, 1024 if rank == 0 else 4096, 1024]
+    ar.transport.agree_each_round = every_round
     out = []
-    for k, numel in enumerate(sizes):
+    for k, numel in enumerate(sizes[rank]):
         try:
             out.append(float(ar(torch.full((numel,), k + 1.0)).mean()))
         except RuntimeError as e:
@@ -304,7 +304,10 @@ def test_workers_out_of_step_in_their_sizes_all_refuse():
     """An empty tensor took no round: the peer's round then paired with the worker's next
     call, a mean of two calls' tensors and no error. A size new to one worker but known to
     the other paired the agreement round with a MAX round, and Gloo aborted a process."""
-    res = gloo_pair(_out_of_step_worker)
+    # worker 0 first hands in an empty tensor, and later a size it knows where worker 1
+    # calls one new to it
+    res = gloo_pair(functools.partial(_sized_calls, [[0, 1024, 2048, 1024, 1024],
+                                                     [1024, 1024, 2048, 4096, 1024]]))
     for rank in (0, 1):
         out = res[rank]
         assert isinstance(out[0], str) and "differ in their THC parameters" in out[0], out
@@ -314,29 +317,12 @@ def test_workers_out_of_step_in_their_sizes_all_refuse():
         assert out[4] == pytest.approx(5.0, abs=0.2), out
 
 
-def _new_sizes_worker(rank, port, q):
-    """As on NCCL (no agreement each round): call 1 is a size new to both workers, but not
-    the same size."""
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=2)
-    ar = THCAllReduce.through_torch_distributed(params=THCParams(slice_size=256),
-                                                generator=rank, error_feedback=False)
-    ar.transport.agree_each_round = False
-    out = []
-    for k, numel in enumerate([1024, 2048 if rank == 0 else 4096, 1024]):
-        try:
-            out.append(float(ar(torch.full((numel,), k + 1.0)).mean()))
-        except RuntimeError as e:
-            out.append(str(e))
-    q.put((rank, out))
-    dist.destroy_process_group()
-
-
 def test_a_size_new_to_every_worker_is_agreed_where_rounds_are_not():
     """Where rounds are not agreed each time (NCCL), a size new to a worker is: two sizes
     new to both workers ran MAX rounds of unlike lengths (Gloo aborted a process; NCCL
     hangs or sums garbage). Both refuse, and the next round runs."""
-    res = gloo_pair(_new_sizes_worker)
+    res = gloo_pair(functools.partial(_sized_calls, [[1024, 2048, 1024], [1024, 4096, 1024]],
+                                      every_round=False))
     for rank in (0, 1):
         out = res[rank]
         assert out[0] == pytest.approx(1.0, abs=0.2), out
