@@ -70,6 +70,8 @@ def frame_faults(frame: bytes) -> list[str]:
         ("a bad IPv4 checksum", ipv4_checksum(ip) != 0),
         ("an IPv4 length that is not the frame's",
          total != len(frame) - ETH.size and not (len(frame) == 60 and total < 46))) if bad]
+    if total < IPV4.size + UDP.size:
+        return faults
     udp = frame[ETH.size + IPV4.size:ETH.size + total]
     length, check = struct.unpack_from("!HH", udp, 4)
     if length != len(udp):

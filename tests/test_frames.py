@@ -42,3 +42,13 @@ def test_what_a_kernel_drops_is_named():
     assert frame_faults(frame()[:40]) == ["a frame shorter than its headers"]
     padded = frame(b"", checksum=False) + bytes(18)   # Ethernet's minimum: 60 bytes
     assert len(padded) == 60 and frame_faults(padded) == []
+
+
+def test_an_ipv4_length_shorter_than_the_headers_is_named_not_raised():
+    """The harness's receive thread runs this on every reply: a length field too small for
+    a UDP header must be a fault, not an exception that ends the thread."""
+    f = bytearray(frame(checksum=False))
+    f[16:18] = (20).to_bytes(2, "big")
+    f[24:26] = b"\0\0"
+    f[24:26] = ipv4_checksum(bytes(f[14:34])).to_bytes(2, "big")
+    assert frame_faults(bytes(f)) == ["an IPv4 length that is not the frame's"]

@@ -29,7 +29,7 @@ from tests.tna.words import Words
 from tests.tna.p4text import mask, preprocess
 from thc.controller import job_entries
 from thc.controller import program as names
-from thc.controller.frames import reset_frame, udp_frame
+from thc.controller.frames import frame_faults, reset_frame, udp_frame
 from thc.controller.targets.tofino import PIPE_SHIFT
 from thc.wire import protocol as P
 
@@ -279,22 +279,16 @@ class TnaEngine:
 
     def _delivered(self, frame: bytes) -> tuple[bytes, tuple[str, int]]:
         """(UDP payload, destination) of a reply frame, after the checks a worker's NIC and
-        kernel make: its MAC, IPv4 version, length and checksum, UDP and its length."""
+        kernel make: its MAC, IPv4, the THC port, and ``frame_faults``'s checksums and
+        lengths."""
         ip, udp = frame[14:14 + IPV4_HEADER_BYTES], frame[14 + IPV4_HEADER_BYTES:]
         dest = (str(ipaddress.IPv4Address(ip[16:20])), int.from_bytes(udp[2:4], "big"))
-        total = sum(int.from_bytes(ip[i:i + 2], "big") for i in range(0, len(ip), 2))
-        while total >> 16:
-            total = (total & 0xFFFF) + (total >> 16)
         problems = [what for what, bad in (
             ("a frame shorter than its headers", len(frame) < FRAME_HEADERS),
             ("not to the worker's MAC", int.from_bytes(frame[:6], "big") != self.macs.get(dest)),
             ("not IPv4", frame[12:14] != b"\x08\x00" or ip[0] != 0x45 or ip[9] != 17),
-            ("a bad IPv4 checksum", total != 0xFFFF),
-            ("an IPv4 length that is not the frame's",
-             int.from_bytes(ip[2:4], "big") != len(frame) - 14),
-            ("a UDP length that is not the frame's",
-             int.from_bytes(udp[4:6], "big") != len(udp)),
             ("not from the THC port", int.from_bytes(udp[0:2], "big") != P.UDP_PORT)) if bad]
+        problems += frame_faults(frame)   # checksums and lengths
         if problems:
             raise AssertionError(f"a reply to {dest} with {', '.join(problems)}: "
                                  f"{frame[:FRAME_HEADERS].hex()}")
