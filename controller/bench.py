@@ -32,6 +32,7 @@ from thc.controller import counters, forwarding, job_entries, jobs, toolchain
 from thc.controller.frames import udp_frame
 from thc.controller.switch import BUILD_DIR, SwitchError
 from thc.controller.testing.bmv2 import LocalBMv2
+from thc.controller.testing.variant import build_variant
 from thc.bench import add_common, emit_json
 from thc.codec.packing import pack_bits
 from thc.wire import protocol as P
@@ -249,23 +250,6 @@ def bench_l2(args, frame_bytes: int) -> dict:
         return res
 
 
-def _variant(lanes: int, tmp) -> "object":
-    import importlib.util
-    import subprocess
-    from pathlib import Path
-    root = Path(__file__).resolve().parents[2]
-    spec = importlib.util.spec_from_file_location("gen_p4", root / "p4src" / "gen_p4.py")
-    gen = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gen)
-    out = Path(tmp) / f"lanes{lanes}"
-    main = gen.write_variant(out / "src", lanes=lanes, slots=None)
-    t0 = time.perf_counter()
-    subprocess.run(["p4c", "--target", "bmv2", "--arch", "v1model", "-o", str(out),
-                    "--p4runtime-files", str(out / "thc.p4info.txt"), str(main)], check=True,
-                   capture_output=True)
-    return out, time.perf_counter() - t0
-
-
 def _us(v) -> str:
     return "n/a" if v is None else f"{v:.0f} us"
 
@@ -328,7 +312,8 @@ def run(args: argparse.Namespace) -> int:
                                       "us_per_packet": 1e6 / thc["pps"]}]
             with tempfile.TemporaryDirectory(prefix="thc-lanes-") as tmp:
                 for lanes in sweep:
-                    build, compile_s = _variant(lanes, tmp)
+                    build = Path(tmp) / f"lanes{lanes}"
+                    compile_s = build_variant(build, lanes=lanes)
                     r = bench_thc(args, build, f"thc.p4 variant, {lanes} lanes")
                     points.append((lanes, r["pps"]))
                     result["lanes_sweep"].append({"lanes": lanes, "pps": r["pps"],

@@ -34,7 +34,7 @@ Usage:
                                  REPORT.json (compiler version as printed, command, source
                                  hashes, exit status)
   gen_p4.py --check-tofino       exit 1 when that report is missing or older than its sources
-  gen_p4.py --variant-dir D --lanes N
+  gen_p4.py --variant-dir D [--lanes N] [--slots N] [--run-idle S]
                                  a self-contained copy (thc.p4 + generated/) with other
                                  parameters, for experiments (benchmarks); never committed
 """
@@ -324,12 +324,18 @@ def check() -> list[str]:
     return problems
 
 
-def write_variant(out: Path, lanes: int | None, slots: int | None) -> Path:
-    """thc.p4 + generated/ with other parameters in ``out``; returns the main program path."""
+def write_variant(out: Path, lanes: int | None, slots: int | None,
+                  run_idle_s: float | None = None) -> Path:
+    """thc.p4 + generated/ with other parameters in ``out``; returns the main program path.
+    ``run_idle_s``: the idle time after which any run takes a job (tests of the idle rule
+    run in seconds, not protocol.json's minute)."""
     out.mkdir(parents=True, exist_ok=True)
     shutil.copy(MAIN_P4, out / "thc.p4")
     shutil.copy(COMMON_P4, out / "thc_common.p4")
-    write_generated(generate(load_spec(), lanes=lanes, slots=slots), out / "generated")
+    spec = load_spec()
+    if run_idle_s is not None:
+        spec = {**spec, "run_idle_s": run_idle_s}
+    write_generated(generate(spec, lanes=lanes, slots=slots), out / "generated")
     return out / "thc.p4"
 
 
@@ -350,12 +356,14 @@ def main(argv: list[str] | None = None) -> int:
                     help="write thc.p4 + generated/ with other parameters here (experiments)")
     ap.add_argument("--lanes", type=int, help="lanes for --variant-dir")
     ap.add_argument("--slots", type=int, help="switch slots for --variant-dir")
+    ap.add_argument("--run-idle", type=float, metavar="S",
+                    help="seconds a job is idle before any run takes it, for --variant-dir")
     args = ap.parse_args(argv)
-    if (args.lanes or args.slots) and not args.variant_dir:
-        ap.error("--lanes/--slots only with --variant-dir (the committed program follows "
-                 "host/wire/protocol.json)")
+    if (args.lanes or args.slots or args.run_idle is not None) and not args.variant_dir:
+        ap.error("--lanes/--slots/--run-idle only with --variant-dir (the committed program "
+                 "follows host/wire/protocol.json)")
     if args.variant_dir:
-        path = write_variant(args.variant_dir, args.lanes, args.slots)
+        path = write_variant(args.variant_dir, args.lanes, args.slots, args.run_idle)
         print(f"gen_p4: wrote variant {path}")
         return 0
     if args.check:

@@ -48,10 +48,12 @@ def check_result(got: list[bytes], job: Job, seq: int, idxs, worker: int) -> Non
     np.testing.assert_array_equal(sums, expected(job, idxs))
 
 
-def round_trip(h, job: Job, seq: int, idxs, workers=None) -> dict[int, list[bytes]]:
+def round_trip(h, job: Job, seq: int, idxs, workers=None, **kw) -> dict[int, list[bytes]]:
+    """``workers`` (all by default) send ``idxs`` for ``seq`` (``kw``: :func:`datagram`'s);
+    every worker's replies."""
     workers = range(job.n_workers) if workers is None else workers
     for w in workers:
-        h.endpoint(job, w).send(data(job, w, seq, idxs[w]))
+        h.endpoint(job, w).send(data(job, w, seq, idxs[w], **kw))
     return h.recv_each({w: h.endpoint(job, w) for w in range(job.n_workers)})
 
 
