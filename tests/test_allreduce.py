@@ -270,11 +270,11 @@ def _unlike_worker(rank, port, q):
 
 
 def test_torch_distributed_workers_with_unlike_rounds_all_refuse():
-    """Two workers that differ in seed, granularity or tensor length used to decode each
-    other's indices as their own: a wrong mean, different on each worker, and no error; with
-    different slice counts Gloo aborted a process on MAX rounds of different lengths. Workers
-    whose tensors differ in dtype cast the same estimate apart (float16 held to 65504,
-    bfloat16 rounded), so their gradients differed without an error."""
+    """Two workers that differ in seed, granularity or tensor length, unchecked, would decode
+    each other's indices as their own: a wrong mean, different on each worker, and no error;
+    with different slice counts Gloo would abort a process on MAX rounds of different
+    lengths. Workers whose tensors differ in dtype would cast the same estimate apart
+    (float16 held to 65504, bfloat16 rounded): gradients that differ without an error."""
     res = gloo_pair(_unlike_worker)
     for rank in (0, 1):
         *refused, alike = res[rank]
@@ -406,7 +406,7 @@ def _refusing_worker(rank, port, q):
 
 def test_a_worker_refusing_its_input_ends_its_peers_round_too():
     """Bad layer positions (checked after the MAX round) or a dtype THC cannot average (cast
-    silently) used to leave the peer waiting in a collective: now the refusing worker's round
+    silently) must not leave the peer waiting in a collective: the refusing worker's round
     goes out marked, every worker refuses it, and the next round is good on both."""
     res = gloo_pair(_refusing_worker)
     (bad_pos, bad_dtype, unreadable, sparse, array, ragged, huge, meta, half_array, half_meta,
@@ -414,8 +414,8 @@ def test_a_worker_refusing_its_input_ends_its_peers_round_too():
     assert "layer positions must lie in [0, 1]" in bad_pos
     assert "floating-point tensors, got torch.bool" in bad_dtype
     assert "Could not infer dtype" in unreadable
-    # a sparse tensor has no flat view: that worker once raised before taking its round,
-    # and its next call was summed with its peer's current one
+    # a sparse tensor has no flat view: raising before taking its round, that worker's
+    # next call would be summed with its peer's current one
     assert "sparse" in sparse.lower(), sparse
     # a numpy array, or a list without a size, raised before its round: the peer waited
     assert "takes a torch.Tensor, got ndarray" in array, array

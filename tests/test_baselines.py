@@ -247,8 +247,9 @@ def test_error_feedback_telescopes(spec):
 
 
 def test_a_residual_that_overflows_the_input_is_refused_and_kept():
-    """The residual was added after the NaN/Inf check: a finite 2e38 plus its residual
-    2e38 went out as Inf (then NaN in every later residual), on every worker's model."""
+    """The residual is added before the NaN/Inf check: checked before it, a finite 2e38
+    plus its residual 2e38 would go out as Inf (then NaN in every later residual), on
+    every worker's model."""
     s = TopK(ratio=0.5)
     s.compress(torch.tensor([3e38, 2e38]), key="b")          # keeps 3e38, residual 2e38
     kept = s.residuals["b"].clone()

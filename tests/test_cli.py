@@ -173,8 +173,8 @@ def test_user_mistakes_end_in_a_message_not_a_traceback(argv, message, tmp_path,
 
 
 def test_a_run_that_can_run_no_mode_asked_for_fails(monkeypatch, capsys, tmp_path):
-    """Every mode asked for skipped (BMv2 absent) used to write an empty report and exit 0;
-    Fashion-MNIST named and absent used to train on digits."""
+    """Every mode asked for skipped (BMv2 absent) fails rather than writing an empty report
+    and exiting 0; Fashion-MNIST named and absent fails rather than training on digits."""
     from thc.emu import mainjob
 
     monkeypatch.setattr(mainjob, "bmv2_unavailable_reason", lambda: "no BMv2 here")

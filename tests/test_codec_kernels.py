@@ -288,9 +288,10 @@ def test_every_backend_refuses_the_same_norms_at_the_limit():
 
 @pytest.mark.parametrize("tiny", [1e-39, 1.1754944e-38, 1e-45])
 def test_a_slice_below_float32s_reach_encodes_as_zeros_on_every_backend(tiny):
-    """Its scale g / (2 t M) overflows float32: the CPU backends refused the input as NaN or
-    Inf (naming the healthy slice too) and the kernels encoded all-extreme indices (decoding
-    2e-39 for 1e-39). Now every backend encodes it as a zero slice, the same indices."""
+    """Its scale g / (2 t M) overflows float32: unguarded, the CPU backends would refuse the
+    input as NaN or Inf (naming the healthy slice too) and the kernels encode all-extreme
+    indices (decoding 2e-39 for 1e-39). Every backend encodes it as a zero slice, the same
+    indices."""
     p = THCParams(slice_size=256)
     x = torch.randn(512, generator=torch.Generator().manual_seed(3))
     x[256:] = 0.0

@@ -84,8 +84,8 @@ def test_readers_never_take_a_writers_place(recorded):
 
 
 def test_a_push_is_refused_while_a_job_is_live(recorded, tmp_path, capsys, monkeypatch):
-    """`install --push` (and `push`) removed every job, a live one included, where `install`
-    alone refused to touch it: a push now watches every installed job first."""
+    """`install --push` (and `push`) removes every job: a push watches every installed job
+    first, and refuses a live one as `install` alone does."""
     monkeypatch.setattr(jobs, "LIVE_WINDOW", 0.2)
     live = make_job(9)
     sw = MemorySwitch(device=recorded.device_).connect(program=None)

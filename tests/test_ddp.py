@@ -765,9 +765,9 @@ def _refused_then_on_worker(rank, port, q):
 
 
 def test_a_refused_bucket_without_overlap_leaves_ddp_usable():
-    """Raised inside DDP's hook call, a refusal left DDP's reducer half-marked: every later
-    step failed in torch ("unmarked_param_indices ... please report a bug to PyTorch"). The
-    hook now hands it to DDP in its future, as the overlapping hook does."""
+    """Raised inside DDP's hook call, a refusal would leave DDP's reducer half-marked: every
+    later step failing in torch ("unmarked_param_indices ... please report a bug to
+    PyTorch"). The hook hands it to DDP in its future, as the overlapping hook does."""
     res = gloo_pair(_refused_then_on_worker)
     for rank in (0, 1):
         assert "NaN or Inf" in res[rank][0] or "refused" in res[rank][0], res

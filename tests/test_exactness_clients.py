@@ -170,10 +170,10 @@ def test_a_reinstall_within_a_run_fails_the_run_instead_of_a_wrong_sum(aggregato
 
 def test_a_far_future_run_neither_locks_a_live_job_nor_an_idle_one(aggregator_kind,
                                                                    datapath):
-    """Case 7: one packet with a far-future run id locked the job until a re-install;
-    every later run from the clock timed out. Now it is refused while the job's run is
-    live; if it takes an idle job, a client learns at once why it is refused, and once
-    that run has been idle for the aggregator's run_idle, a new run takes the job."""
+    """Case 7: one packet with a far-future run id, taken, would lock the job until a
+    re-install, every later run from the clock timing out. It is refused while the job's
+    run is live; if it takes an idle job, a client learns at once why it is refused, and
+    once that run has been idle for the aggregator's run_idle, a new run takes the job."""
     job = local_job(1, 1, free_port_block(1), table=list(range(16)))
     one = pack_bits(np.full(job.lanes, 3, np.uint8), P.INDEX_BITS)
     with make(aggregator_kind, [job], run_idle=0.5) as agg:

@@ -292,8 +292,8 @@ def test_a_forger_whose_replies_come_from_another_port_shows_nothing(monkeypatch
 
 @pytest.mark.bmv2
 def test_the_bmv2_controller_rows_change_the_switch_while_the_workers_stream():
-    """Each worker streamed one vector, and finished before the controller did: the rows
-    showed nothing of the install mid-stream. Now they stream until it is done."""
+    """Workers that streamed one vector would finish before the controller did, and the
+    rows show nothing of the install mid-stream: they stream until it is done."""
     from thc.emu.bmv2rows import bmv2_rows
     from thc.emu.testbed import bmv2_unavailable_reason, mininet_unavailable_reason
 

@@ -321,8 +321,8 @@ def test_a_refusal_every_worker_reaches_after_the_sum_abandons_nothing(kind):
 @kernels
 def test_a_worker_that_fails_before_its_max_round_still_lets_its_peers_refuse_it(monkeypatch):
     """Out of memory in its own steps or for its buffers (first call), a tensor of another
-    size, a sparse one (no flat view: it once raised again while owing the round, which
-    never went out) or a numpy array (it raised before taking its round): the worker
+    size, a sparse one (no flat view: raising again while owing the round would leave the
+    round unsent) or a numpy array (raising before taking its round): the worker
     still sends its MAX round, every slice marked, and a sum of zeros (its peers' rounds
     sum without a host check), counts the round, and the next round is in step."""
     x = torch.randn(1024, generator=torch.Generator().manual_seed(7)).to(DEV)
@@ -602,8 +602,8 @@ def _padded_peer_worker(rank, port, q):
 @kernels
 def test_a_graphed_peer_that_pads_a_tail_and_an_eager_one_refuse():
     """A tail of 100 (below the kernels' shortest slice) is padded by the graphed reducer
-    alone: its sums are 1280 lanes, the eager one's 1152. Their fingerprints were equal, so
-    they paired sums of unlike lengths (Gloo aborted a process); now both refuse."""
+    alone: its sums are 1280 lanes, the eager one's 1152. Equal fingerprints would pair sums
+    of unlike lengths (Gloo aborts a process); both refuse."""
     res = gloo_pair(_padded_peer_worker)
     assert all("differ in" in res[rank] for rank in (0, 1)), res
 
@@ -634,9 +634,9 @@ def test_a_graphed_and_an_eager_worker_on_gloo_refuse_each_other():
 
 
 def test_a_hook_that_wants_priority_classes_refuses_a_graphed_reducer():
-    """A graphed round takes no DLCP classes; the hook asked for them raised at its first
-    round, outside the round's accounting, and its peers waited in their agreement. Its
-    reducer's build now fails, and the build's agreement fails every rank at once."""
+    """A graphed round takes no DLCP classes; a hook asked for them that raised at its first
+    round would do so outside the round's accounting, its peers waiting in their agreement.
+    Its reducer's build fails, and the build's agreement fails every rank at once."""
     from thc.collective.ddp import THCHook
     _group()
     try:

@@ -88,8 +88,8 @@ def test_a_vote_job_counts_one_bit_lanes_in_8_bit_sums():
     ("10.0.0.1", 70000, "not an integer in 1..65535"), ("10.0.0.1", 0, "1..65535"),
     ("10.0.0.1", True, "not an integer")])
 def test_worker_and_shard_addresses_are_checked(ip, port, why):
-    """A bad address used to pass: the aggregator then died with a traceback (a string port)
-    or dropped that node's packets as unknown forever (an impossible IP)."""
+    """A bad address passed on would kill the aggregator with a traceback (a string port) or
+    have it drop that node's packets as unknown forever (an impossible IP)."""
     from dataclasses import replace
 
     from thc.wire.jobs import Shard

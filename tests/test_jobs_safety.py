@@ -252,8 +252,8 @@ def bad_inputs(job: Job, other: Job) -> dict:
         "cluster_whose_last_job_clashes": (ConfigError, f"MAC {w.mac}", lambda sw:
                                            jobs.install_cluster(sw, cluster(
                                                other, make_job(3, pool_base=16, mac=w.mac)))),
-        # these used to fail part-way, after thousands of writes (or, re-installing, after
-        # the job's worker entries were taken off)
+        # unchecked, these would fail part-way, after thousands of writes (or, re-installing,
+        # after the job's worker entries were taken off)
         "malformed_mac_reinstall": (ConfigError, "MAC '02:00:00:00:00' is not six hex bytes",
                                     install(replace(job, workers=(
                                         replace(w, mac="02:00:00:00:00"), job.workers[1])))),

@@ -259,7 +259,7 @@ def test_quick_takes_one_epoch_unless_epochs_are_given(argv, epochs):
                                   ["--evals", "0"], ["--train-subset", "0"], ["--epochs", "x"],
                                   ["--width", "-3"]])
 def test_counts_below_one_are_usage_errors(argv, capsys):
-    """A zero count used to start a job that trains nothing (``--max-steps 0`` looped idle)."""
+    """A zero count would start a job that trains nothing (``--max-steps 0`` loops idle)."""
     import argparse
 
     from thc.app import train

@@ -270,10 +270,10 @@ def _bad_worker(rank, port, q):
 
 
 def test_a_nan_or_an_overflow_is_refused_by_every_worker():
-    """A NaN on one worker used to raise there alone (its peer waited in the scales'
-    all-reduce); values near float32's top made the scales overflow on every worker and the
-    estimate NaN, with no error. With compensation they are refused by name (the next
-    test: their residual would overflow)."""
+    """A NaN on one worker must not raise there alone (its peer would wait in the scales'
+    all-reduce); values near float32's top would overflow the scales on every worker and
+    make the estimate NaN, with no error. With compensation they are refused by name (the
+    next test: their residual would overflow)."""
     res = gloo_pair(_bad_worker)
     assert res[1][0].startswith("Marsit: the gradient (with its compensation) holds NaN or Inf")
     assert "nonfinite='propagate'" in res[1][0]
@@ -306,11 +306,11 @@ def _opposite_worker(rank, port, q):
 
 
 def test_a_gradient_whose_residual_would_overflow_is_refused_and_later_rounds_go_on():
-    """3e38 on one worker and -3e38 on the other: the estimate came back finite, the
-    residual x - estimate Inf, and every later round was refused ("raise") or NaN on every
-    worker for good ("propagate": a scaler then skipped every step). Now such a round is
-    refused, or NaN, on both; just under the limit (1.6e38 against -1.6e38) the residual
-    stays finite, and clamped it lets the next round of ones through."""
+    """3e38 on one worker and -3e38 on the other: the estimate comes back finite, and the
+    residual x - estimate would be Inf, every later round refused ("raise") or NaN on every
+    worker for good ("propagate": a scaler then skips every step). Such a round is refused,
+    or NaN, on both; just under the limit (1.6e38 against -1.6e38) the residual stays
+    finite, and clamped it lets the next round of ones through."""
     res = gloo_pair(_opposite_worker)
     for rank in (0, 1):
         raised, propagated = res[rank]["raise"], res[rank]["propagate"]
@@ -364,8 +364,8 @@ def test_unlike_or_failed_calls_are_refused_by_every_worker():
     assert "use one instance per tensor" in res[0][3] and "refused" in res[1][3]
     assert res[0][4] == res[1][4]
     # A call refused before the agreement (sizes not a list; a complex tensor, whose
-    # imaginary part was dropped; a sparse one) once took no round: the refusing worker's
-    # next call was paired with its peer's current one.
+    # imaginary part would be dropped; a sparse one) still takes its round: else the
+    # refusing worker's next call would be paired with its peer's current one.
     assert "not iterable" in res[0][5] and "refused" in res[1][5]
     assert "floating-point tensors, got torch.complex64" in res[1][6] and "refused" in res[0][6]
     assert "sparse" in res[1][7].lower() and "refused" in res[0][7]

@@ -194,8 +194,8 @@ def test_torchrun_restarts_run_as_newer_runs():
 @pytest.mark.parametrize("datapath", ["python", "compiled"])
 def test_a_failed_round_ends_the_run_so_a_retry_cannot_get_stale_sums(datapath):
     """A round that timed out leaves this worker's contributions (and completed chunks) in
-    the slots of its sequence numbers: a retry under the same run used to be answered from
-    them (a short or stale sum, no error). The client now refuses; a new run sums exactly."""
+    the slots of its sequence numbers: a retry under the same run would be answered from
+    them (a short or stale sum, no error). The client refuses; a new run sums exactly."""
     from thc.net import fastclient
     from thc.net.client import RunFailed
     if datapath == "compiled" and fastclient.CLIENT_UNAVAILABLE:

@@ -528,7 +528,7 @@ def test_smoke_allreduce_through_bmv2_is_bit_exact():
 @needs_mininet
 def test_a_host_whose_shell_died_is_named_instead_of_holding_the_run():
     """Reading a link's shaper through a host whose shell was killed (`mn -c` elsewhere
-    kills every Mininet shell) waited on that shell for good; it now raises, naming the
+    kills every Mininet shell) must not wait on that shell for good: it raises, naming the
     host, and the testbed still tears down."""
     with open_testbed(2, bw_mbit=100, aggregator="none") as tb:
         name, pids = tb.switch_name, [p for p, _, _ in tb.registry.pids]

@@ -34,7 +34,7 @@ class ShowDefaults(argparse.RawDescriptionHelpFormatter):
 
 def positive_int(text: str) -> int:
     """A count that must be at least 1: zero epochs, steps, workers or images would start a
-    job that trains nothing (``--max-steps 0`` used to walk every epoch idle)."""
+    job that trains nothing (``--max-steps 0`` would walk every epoch idle)."""
     try:
         value = int(text)
     except ValueError:

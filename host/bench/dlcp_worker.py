@@ -64,8 +64,8 @@ def main(argv: list[str] | None = None) -> int:
     position = (torch.repeat_interleave(torch.arange(args.layers, dtype=torch.float32),
                                         layer) / max(1, args.layers - 1))
     # one round untimed first, on an input and a reducer of its own (no residual carried into
-    # the rounds measured): the mode that runs first no longer meets the fresh aggregator and
-    # bridge alone; its packets are left out of the transport's counts below
+    # the rounds measured): so the mode that runs first does not meet the fresh aggregator
+    # and bridge alone; its packets are left out of the transport's counts below
     dist.barrier()
     warm = THCAllReduce.through_aggregator(client, params, error_feedback=False, name="warm-up")
     warm(gradient(args.numel, args.layers, args.rounds, args.rank, args.seed),

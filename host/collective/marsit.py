@@ -39,8 +39,9 @@ largest input of any worker, so the residual x - estimate stays finite in float3
 3e38 against an estimate of -3e38 made it Inf, and every later round NaN)."""
 
 RESIDUAL_LIMIT = COMPENSATED_LIMIT / 2
-"""The residual kept is clamped to it: a residual over the limit would have every later round
-refused (NaN for good under "propagate"); now only a gradient over half the limit itself is."""
+"""The residual kept is clamped to it, so that only a gradient over half the limit itself is
+refused: an unclamped residual over the limit would have every later round refused (NaN for
+good under "propagate")."""
 
 
 def merge(incoming: torch.Tensor, own: torch.Tensor, merged: int,

@@ -103,8 +103,8 @@ def test_a_slot_or_version_that_is_not_the_seqs_is_refused(harness):
 
 
 def test_a_far_newer_seq_waits_and_dead_ends_nothing(harness):
-    """Case 4: one packet at seq cur + 2^31 - 1 took the slot version for the rest of the
-    run. Now a new use of a slot version waits (held, a PENDING naming who holds the
+    """Case 4: one packet at seq cur + 2^31 - 1 must not take the slot version for the rest
+    of the run: a new use of a slot version waits (held, a PENDING naming who holds the
     previous result) until every worker has moved past the previous one."""
     rng = np.random.default_rng(44)
     pool = 2
