@@ -151,7 +151,7 @@ class Context:
 
 def decode(step: Step, ctx: Context):
     """(datagram, source) to send, or ("time", seconds), or ("install", nonce): an install
-    whose epoch is the job's tag and that nonce; in a job of more than three workers, also
+    whose epoch is the job's tag and that nonce; in a job of more than one worker, also
     ("burst", [(datagram, source), ...]): every worker's DATA or MAX for one seq, which
     random single packets would seldom bring together."""
     op = step.op % 13
@@ -159,9 +159,10 @@ def decode(step: Step, ctx: Context):
     kind = ("DATA", "DATA", "DATA", "MAX", "MAX", "FLUSH")[step.b % 6]
     seq = (ctx.base + ctx.front + step.c % (SPAN_POOLS * POOL)) % P.SEQ_MOD
     run = ctx.run if step.d % 5 else ctx.run - 1 - step.d % 2
-    if op == 0 and N_WORKERS > 3:
+    if op == 0 and N_WORKERS > 1:
         kind = "MAX" if kind == "MAX" else "DATA"
-        return ("burst", [(packet(kind, v, run, seq), addr(v)) for v in range(N_WORKERS)])
+        # the case's run: an older one's burst is only refused, a packet each
+        return ("burst", [(packet(kind, v, ctx.run, seq), addr(v)) for v in range(N_WORKERS)])
     if op <= 6:
         return packet(kind, w, run, seq), addr(w)
     if op == 7:

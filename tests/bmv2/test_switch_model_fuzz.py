@@ -25,6 +25,9 @@ from tests.bmv2.test_switch_trace import without_epoch
 
 pytestmark = pytest.mark.bmv2
 _ids = itertools.count(760)
+WHOLE_USES = 4
+"""Uses a case must complete with every worker's values (each replied to every worker): the
+fuzz's bursts bring them together, where random single packets seldom do."""
 
 
 @pytest.mark.parametrize("shape,seed,pool", [("thc", 1, 2), ("thc", 2, 2), ("vote", 3, 2),
@@ -97,6 +100,9 @@ def _fuzz(bmv2, monkeypatch, seed):
     stale_runs = sum(h.pkt_type == P.PktType.REFUSED and h.count == P.DropReason.stale_run
                      for h in replies)
     assert stale_runs < len(replies) / 4, f"{stale_runs} of {len(replies)} replies refuse a run"
+    whole = sum(h.pkt_type in (P.PktType.RESULT, P.PktType.MAX_RESULT)
+                and h.count == F.N_WORKERS for h in replies)
+    assert whole >= F.N_WORKERS * WHOLE_USES, f"{whole} replies carry every worker's values"
     for w in eps:
         assert got[w] == want[w], f"worker {w}: the switch's replies differ from the model's"
     after = bmv2.drops()
