@@ -30,51 +30,52 @@ def _until(t):
     time.sleep(max(0.0, t - time.monotonic()))
 
 
-def test_an_older_run_takes_the_job_only_after_the_run_idle_time(idle_switch):
-    """Run 7 (older than the job's run 500) is refused 1.5 s before the job has been idle
-    for the run idle time, and takes the job 1 s after (a clock in other units, or another
-    threshold, fails one side)."""
-    h = idle_switch
-    job = h.make_job(next(_ids), 2, pool_size=4)
-    h.install(job)
-    rng = np.random.default_rng(3)
-    start = time.monotonic()
-    assert not any(round_trip(h, job, 0, [random_indices(rng, job)] * 2, run=500,
+def _heard(h, job, rng, seq) -> float:
+    """Worker 0 of run 500 sends ``seq`` (its peer does not: no reply); when it was sent."""
+    sent = time.monotonic()
+    assert not any(round_trip(h, job, seq, [random_indices(rng, job)] * 2, run=500,
                               workers=[0]).values())
+    return sent
+
+
+def _older_run_refused_then_taking(h, job, rng, seq, heard):
+    """Run 7 is refused 1.5 s before the job has been idle for the run idle time since
+    ``heard``, and takes the job 1 s after: both workers get the exact sums."""
     idxs = [random_indices(rng, job) for _ in range(2)]
-    _until(start + IDLE_S - 1.5)
+    _until(heard + IDLE_S - 1.5)
     before = counters.drops(h.sw)["stale_run"]
-    _refused_by(round_trip(h, job, 1, idxs, run=7, workers=[1])[1], 500)
+    _refused_by(round_trip(h, job, seq, idxs, run=7, workers=[1])[1], 500)
     assert counters.drops(h.sw)["stale_run"] == before + 1
-    _until(start + IDLE_S + 1.0)
-    got = round_trip(h, job, 1, idxs, run=7)
+    _until(heard + IDLE_S + 1.0)
+    got = round_trip(h, job, seq, idxs, run=7)
     for w in range(2):
-        check_result(got[w], job, 1, idxs, w)
+        check_result(got[w], job, seq, idxs, w)
         assert P.Header.unpack(got[w][0]).run == 7
     assert counters.drops(h.sw)["stale_run"] == before + 1
+
+
+def _job(h):
+    job = h.make_job(next(_ids), 2, pool_size=4)
+    h.install(job)
+    return job
+
+
+def test_an_older_run_takes_the_job_only_after_the_run_idle_time(idle_switch):
+    """Run 7, older than the job's run 500, takes the job only once it has been idle for the
+    run idle time (a clock in other units, or another threshold, fails one side)."""
+    job, rng = _job(idle_switch), np.random.default_rng(3)
+    _older_run_refused_then_taking(idle_switch, job, rng, 1,
+                                   _heard(idle_switch, job, rng, 0))
 
 
 def test_every_packet_of_the_jobs_run_keeps_it_live(idle_switch):
     """The idle time counts from the job's run's last packet, not from when it took the job:
     a packet of run 500 part way keeps run 7 out past the idle time from the first."""
-    h = idle_switch
-    job = h.make_job(next(_ids), 2, pool_size=4)
-    h.install(job)
-    rng = np.random.default_rng(4)
-    start = time.monotonic()
-    assert not any(round_trip(h, job, 0, [random_indices(rng, job)] * 2, run=500,
-                              workers=[0]).values())
-    _until(start + IDLE_S - 1.5)
-    heard = time.monotonic()
-    assert not any(round_trip(h, job, 1, [random_indices(rng, job)] * 2, run=500,
-                              workers=[0]).values())
-    idxs = [random_indices(rng, job) for _ in range(2)]
-    _until(heard + IDLE_S - 1.5)
-    _refused_by(round_trip(h, job, 2, idxs, run=7, workers=[1])[1], 500)
-    _until(heard + IDLE_S + 1.0)
-    got = round_trip(h, job, 2, idxs, run=7)
-    for w in range(2):
-        check_result(got[w], job, 2, idxs, w)
+    job, rng = _job(idle_switch), np.random.default_rng(4)
+    first = _heard(idle_switch, job, rng, 0)
+    _until(first + IDLE_S - 1.5)
+    _older_run_refused_then_taking(idle_switch, job, rng, 2,
+                                   _heard(idle_switch, job, rng, 1))
 
 
 def test_a_run_back_in_the_job_finds_its_uses_acknowledged_by_its_own_workers_only(
@@ -86,9 +87,7 @@ def test_a_run_back_in_the_job_finds_its_uses_acknowledged_by_its_own_workers_on
     A switch that took run 5's packets as acknowledgements started seq 8 over seq 0's sums
     and refused worker 1's resend."""
     h = idle_switch
-    job = h.make_job(next(_ids), 2, pool_size=4)
-    h.install(job)
-    rng = np.random.default_rng(5)
+    job, rng = _job(h), np.random.default_rng(5)
     first = [random_indices(rng, job) for _ in range(2)]
     got = round_trip(h, job, 0, first, run=6)
     for w in range(2):
