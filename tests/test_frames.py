@@ -16,9 +16,10 @@ def frame(payload: bytes = bytes(range(28)), checksum: bool = True) -> bytes:
 
 
 def test_a_built_frame_is_sound_and_its_udp_checksum_is_scapys():
+    assert frame_faults(frame(checksum=False)) == []
     for n in (0, 27, 28, 1000):
-        f = frame(bytes(range(256))[:n] * 1)
-        assert frame_faults(f) == [] and frame_faults(frame(checksum=False)) == []
+        f = frame(bytes(i % 256 for i in range(n)))
+        assert frame_faults(f) == []
         p = Ether(f)
         got = p[UDP].chksum
         del p[UDP].chksum

@@ -2,7 +2,6 @@
 needed."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
@@ -15,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from thc.controller import toolchain
-from thc.controller.testing.variant import build_variant
+from thc.controller.testing.variant import build_variant, generator
 from thc.wire import protocol as P
 
 from tests import verified
@@ -25,14 +24,7 @@ P4SRC = ROOT / "p4src"
 BUILD = P4SRC / "build"
 
 
-def _load_gen():
-    spec = importlib.util.spec_from_file_location("gen_p4", P4SRC / "gen_p4.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-gen = _load_gen()
+gen = generator()
 
 
 def _p4info(name: str):

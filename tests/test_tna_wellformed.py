@@ -7,7 +7,6 @@ unknown_job, in thc_check, as in thc.p4 and the model.
 """
 from __future__ import annotations
 
-import importlib.util
 import itertools
 import random
 import re
@@ -15,13 +14,11 @@ from pathlib import Path
 
 import pytest
 
+from thc.controller.testing.variant import generator
 from thc.wire import protocol as P
 
 P4SRC = Path(__file__).resolve().parents[1] / "p4src"
-_spec = importlib.util.spec_from_file_location("gen_p4", P4SRC / "gen_p4.py")
-_gen = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(_gen)
-gen_tna = _gen.gen_tna
+gen_tna = generator().gen_tna
 
 T = {t.name: int(t) for t in P.PktType}
 TO_AGGREGATOR = {T["DATA"], T["MAX"], T["FLUSH"], T["RESET"]}
