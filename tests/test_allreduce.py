@@ -377,6 +377,56 @@ def test_workers_decoding_on_different_backends_refuse():
     assert all("their codec backend" in str(res[r]) for r in (0, 1)), res
 
 
+class _CatFailsOnce:
+    """torch, but the next join after :attr:`armed` is set runs out of memory."""
+
+    def __init__(self):
+        self.armed = False
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    def cat(self, *a, **k):
+        if self.armed:
+            self.armed = False
+            raise MemoryError("out of memory")
+        return torch.cat(*a, **k)
+
+
+def _norms_join_fails_worker(rank, port, q):
+    """Three rounds of four pieces over Gloo; in round 1 rank 1 runs out of memory joining
+    its pieces' norms, before its MAX round, and goes on."""
+    from datetime import timedelta
+
+    import thc.collective.allreduce as allreduce_module
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2, timeout=timedelta(seconds=10))
+    ar = THCAllReduce.through_torch_distributed(None, THCParams(seed=3, slice_size=256),
+                                                pipeline_elements=256, generator=rank)
+    stand_in = allreduce_module.torch = _CatFailsOnce()
+    out = []
+    for rnd in range(3):
+        stand_in.armed = rank == 1 and rnd == 1
+        try:
+            out.append(float(ar(torch.full((1024,), float(rnd + 1))).mean()))
+        except Exception as e:  # noqa: BLE001 - each round's outcome is the result
+            out.append(f"{type(e).__name__}: {e}")
+    q.put((rank, out))
+    dist.destroy_process_group()
+
+
+def test_a_worker_failing_between_its_prepare_and_its_max_round_still_sends_its_marks():
+    """Joining the pieces' norms ran outside the failures that send a marked MAX round: the
+    peer waited in that round, and the failed worker's next round began with the size
+    agreement, which paired with it (unlike lengths: Gloo aborted a process). Its marks go
+    out: both refuse the round, and the next one is summed."""
+    res = gloo_pair(_norms_join_fails_worker)
+    assert res[0][0] == pytest.approx(1.0, abs=0.1) and res[1][0] == res[0][0], res
+    assert "out of memory" in res[1][1], res
+    assert "the mark of a worker that failed before its sums" in res[0][1], res
+    assert res[0][2] == pytest.approx(3.0, abs=0.2) and res[1][2] == res[0][2], res
+
+
 def _refusing_worker(rank, port, q):
     """Worker 1 hands in bad layer positions, then a bool tensor, then positions torch
     cannot read (a RuntimeError); worker 0 good input."""

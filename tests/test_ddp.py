@@ -368,13 +368,21 @@ def test_a_topk_step_that_fails_after_its_agreement_abandons_the_group(monkeypat
 
 
 class _NoMemory:
-    """torch, but joining tensors runs out of memory (as a bucket's join can on a GPU)."""
+    """torch, but joining tensors runs out of memory (as a bucket's join can on a GPU);
+    given ``fail``, only once ``fail`` holds something, once."""
+
+    def __init__(self, fail: list | None = None):
+        self._fail = fail
 
     def __getattr__(self, name):
         return getattr(torch, name)
 
     def cat(self, *a, **k):
-        raise MemoryError("out of memory")
+        if self._fail is None or self._fail:
+            if self._fail:
+                self._fail.clear()
+            raise MemoryError("out of memory")
+        return torch.cat(*a, **k)
 
 
 class _NoRoomToDivide:
@@ -1266,12 +1274,13 @@ def _failing_decode(ar, fail: list):
     return ar
 
 
-def _steps_failing_once(model, rank: int, fail: list, steps: int, loss) -> list[str]:
-    """``steps`` backwards of ``loss(step)``; at step 1 rank 1 sets ``fail`` (its next
+def _steps_failing_once(model, rank: int, fail: list, steps: int, loss,
+                        at: int = 1) -> list[str]:
+    """``steps`` backwards of ``loss(step)``; at step ``at`` rank 1 sets ``fail`` (its next
     failing call raises): each step's outcome on this rank, "ok" or the error."""
     out = []
     for step in range(steps):
-        if rank == 1 and step == 1:
+        if rank == 1 and step == at:
             fail.append(True)
         try:
             loss(step).backward()
@@ -1429,6 +1438,55 @@ def test_a_rank_that_fails_after_its_aggregator_sums_leaves_no_peer_a_wrong_fp32
     assert refused.format(2, 0) in res[1][2], res
     for rank, step in ((0, 2), (0, 3), (1, 3)):
         assert "no THC round may use this process group any more" in res[rank][step], res
+
+
+def _aggregator_fails_before_its_round_worker(job, addr, rank, port, q):
+    """Five DDP steps with THC's hook through a software aggregator, no FP32 span; at step 2
+    (DDP rebuilt its buckets at step 1: every reducer is built) rank 1 fails joining the
+    bucket's compressed spans (out of memory), before its round went out, and it goes on:
+    each step's outcome on this rank."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import thc.collective.ddp as ddp_module
+    from thc.codec.params import THCParams
+    from thc.collective.allreduce import THCAllReduce
+    from thc.collective.ddp import THCHook
+    from thc.net.client import AggregationClient
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2, timeout=timedelta(seconds=3))
+    model = _model()
+    ddp = DDP(model)
+    fail = []
+    ddp_module.torch = _NoMemory(fail)
+    client = AggregationClient(job, rank, addr, run=1, deadline=3.0)
+    THCHook(model, lambda group: THCAllReduce.through_aggregator(
+        client, THCParams(seed=3, slice_size=256), group, generator=rank),
+        overlap=False).register(ddp)
+
+    def loss(step):
+        x, y = _data(10 * step + rank)
+        return torch.nn.functional.cross_entropy(ddp(x), y)
+    q.put((rank, _steps_failing_once(model, rank, fail, 5, loss, at=2)))
+
+
+def test_a_rank_that_fails_before_its_aggregator_round_stops_its_run():
+    """Rank 1 fails before its bucket's round through the aggregator went out, and goes on.
+    Abandoning the group stopped its collectives, but that round uses none: its next step's
+    round paired with rank 0's pending one (same reducer, same round number), and every later
+    step on both ranks was the sum of rank 0's step k and rank 1's step k+1, with no error.
+    Its client's run is failed too: rank 0's round times out naming worker 1, and every later
+    round on either rank is refused."""
+    from thc.net.aggregator import Aggregator
+    from thc.testing.clusters import local_job
+    job = local_job(1, 2, free_port_block(2), pool_size=32)
+    with Aggregator([job]) as agg:
+        addr = agg.start()
+        res = gloo_pair(functools.partial(_aggregator_fails_before_its_round_worker, job, addr))
+    assert res[0][:2] == res[1][:2] == ["ok", "ok"], res
+    assert "out of memory" in res[1][2], res
+    assert "missing worker(s) [1]" in res[0][2], res   # it was "ok": a sum of two steps
+    for rank, step in ((0, 3), (0, 4), (1, 3), (1, 4)):
+        assert "RunFailed" in res[rank][step], res
 
 
 @pytest.mark.parametrize("overlaps,by_hand", [((True, True), False), ((False, True), False),

@@ -280,12 +280,15 @@ class THCAllReduce:
                 raise refusal
             y = self.feedback.compensate(flat) if self.feedback else flat
             preps = [self.codec.prepare(y[a:b], rnd) for a, b in pieces]
+            norms = preps[0].norms if len(preps) == 1 else torch.cat([p.norms for p in preps])
+            vector = agreement.tagged(norms, rnd, key)
         except Exception as e:
             overflow = refusal is None and isinstance(e, NonFiniteInput)
+            self._open = True   # owed: until its marks go out, its peers wait in the round
             bad = agreement.marks(y, pieces, layout_of, norm_limit(self.params), overflow)
+            marked = agreement.tagged(bad, rnd, key)
             self._open = whole   # on a stream-ordered transport a sum follows the MAX round
-            max_norms, tags = agreement.untag(
-                self.transport.max(agreement.tagged(bad, rnd, key)))
+            max_norms, tags = agreement.untag(self.transport.max(marked))
             if whole:
                 self._join_sum(y, pieces)
             self._open = False
@@ -301,8 +304,6 @@ class THCAllReduce:
                 if hint:
                     raise NonFiniteInput(f"{e}{hint}") from e
             raise
-        norms = preps[0].norms if len(preps) == 1 else torch.cat([p.norms for p in preps])
-        vector = agreement.tagged(norms, rnd, key)
         self._open = True   # from here the MAX round may have left: peers may wait in a sum
         max_norms, tags = agreement.untag(self.transport.max(vector))
         if not whole:

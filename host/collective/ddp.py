@@ -463,6 +463,18 @@ class _Hook:
                              "another process group than the one it was given: "
                              "make_allreducer(group) must build its reducer on that group")
 
+    def _abandon(self, why: str) -> None:
+        """This rank failed in a bucket while its peers go on: none of its later rounds may
+        pair with theirs. The process group is abandoned, which stops its collectives; a
+        round through an aggregator uses none, so each reducer's transport is abandoned too
+        (an aggregator client's run takes no more rounds: the peers' round waiting for this
+        rank ends in a timeout that names it, not in a sum of two steps)."""
+        DistTransport.abandon_group(self.group, why)
+        for reducer in self.reducers.values():
+            transport = getattr(reducer, "transport", None)
+            if callable(getattr(transport, "abandon", None)):
+                transport.abandon(why)
+
     def _reduce_bucket(self, bucket, buf: torch.Tensor, spans, stretches: int = 0,
                        place: tuple[int, int] | None = None) -> torch.Tensor:
         start = time.perf_counter()
@@ -482,8 +494,8 @@ class _Hook:
             except BaseException as e:
                 # this rank's own failure before its round went out: its peers wait in that
                 # round, which its next (a step later, if it goes on) would pair with
-                DistTransport.abandon_group(self.group, f"a bucket of backward failed before "
-                                            f"its compressed round ({type(e).__name__}: {e})")
+                self._abandon(f"a bucket of backward failed before its compressed round "
+                              f"({type(e).__name__}: {e})")
                 raise
             out = self.reduce(bucket, flat, [v.numel() for v in comp], position, stretches)
         try:
@@ -495,9 +507,9 @@ class _Hook:
                 self._reduce_fp32(plain, place, stretches)
         except BaseException as e:
             # this rank's own failure: its peers wait in the FP32 spans' all-reduce, or go on
-            # to their next collective, either of which would pair with its next
-            DistTransport.abandon_group(self.group, f"a bucket of backward failed after "
-                                        f"its compressed round ({type(e).__name__}: {e})")
+            # to their next collective or round, either of which would pair with its next
+            self._abandon(f"a bucket of backward failed after its compressed round "
+                          f"({type(e).__name__}: {e})")
             raise
         end = time.perf_counter()
         with self._stats_lock:
