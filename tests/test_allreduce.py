@@ -852,6 +852,54 @@ def test_a_failure_right_after_the_max_round_abandons_and_keeps_the_first_reason
         dist.destroy_process_group()
 
 
+class _NoZeros:
+    """torch, but a tensor of zeros (a refused input's stand-in) runs out of memory."""
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    def zeros(self, *a, **k):
+        raise MemoryError("out of memory for the stand-in")
+
+
+@pytest.mark.parametrize("where", ["agreement", "stand-in", "together"])
+def test_a_failure_before_a_rounds_first_collective_abandons(monkeypatch, where):
+    """This worker's own failure once its round number was taken and before the round's first
+    collective went out (building the agreement's lanes, or a refused input's stand-in of
+    zeros: out of memory) abandoned nothing: its peers waited in that collective, and its next
+    round paired with theirs (a sum of two rounds where the round number had not moved; every
+    later round refused as out of step where it had). The process group is abandoned, named."""
+    import thc.collective.allreduce as allreduce_module
+    from thc.collective import agreement
+    from thc.testing.clusters import free_tcp_port
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_tcp_port()}",
+                            rank=0, world_size=1)
+    try:
+        ar = THCAllReduce.through_torch_distributed(params=PARAMS, generator=1)
+        x = torch.randn(5000, generator=torch.Generator().manual_seed(1))
+        with monkeypatch.context() as m:
+            if where == "stand-in":
+                m.setattr(allreduce_module, "as_float32",
+                          lambda t: (_ for _ in ()).throw(MemoryError("out of memory")))
+                m.setattr(allreduce_module, "torch", _NoZeros())
+                with pytest.raises(MemoryError, match="^out of memory$"):   # its own error
+                    ar(x.double())
+            else:
+                m.setattr(agreement, "tagged",
+                          lambda *a: (_ for _ in ()).throw(MemoryError("out of memory")))
+                with pytest.raises(MemoryError):
+                    if where == "together":
+                        agreement.together(None, 0, 1, "cpu")
+                    else:
+                        ar(x)
+        what = "marked round" if where == "stand-in" else "agreement"
+        with pytest.raises(RuntimeError, match=f"round 0 failed before its {what} went out "
+                                               r"\(MemoryError: out of memory"):
+            ar(x)
+    finally:
+        dist.destroy_process_group()
+
+
 def test_an_input_whose_estimate_could_overflow_is_refused_and_the_next_round_runs():
     """An estimate reaches t_p times the max norm: a finite 3e38 came back Inf, the residual
     became -Inf, and every later round was refused as "NaN or Inf" for finite input. Such a

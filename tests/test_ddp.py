@@ -368,21 +368,24 @@ def test_a_topk_step_that_fails_after_its_agreement_abandons_the_group(monkeypat
 
 
 class _NoMemory:
-    """torch, but joining tensors runs out of memory (as a bucket's join can on a GPU);
-    given ``fail``, only once ``fail`` holds something, once."""
+    """torch, but ``short`` (joining tensors: as a bucket's join can on a GPU) runs out of
+    memory; given ``fail``, only once ``fail`` holds something, once."""
 
-    def __init__(self, fail: list | None = None):
-        self._fail = fail
+    def __init__(self, fail: list | None = None, short: str = "cat"):
+        self._fail, self._short = fail, short
 
     def __getattr__(self, name):
-        return getattr(torch, name)
+        real = getattr(torch, name)
+        if name != self._short:
+            return real
 
-    def cat(self, *a, **k):
-        if self._fail is None or self._fail:
-            if self._fail:
-                self._fail.clear()
-            raise MemoryError("out of memory")
-        return torch.cat(*a, **k)
+        def out_of_memory(*a, **k):
+            if self._fail is None or self._fail:
+                if self._fail:
+                    self._fail.clear()
+                raise MemoryError("out of memory")
+            return real(*a, **k)
+        return out_of_memory
 
 
 class _NoRoomToDivide:
@@ -1467,6 +1470,43 @@ def _aggregator_fails_before_its_round_worker(job, addr, rank, port, q):
         x, y = _data(10 * step + rank)
         return torch.nn.functional.cross_entropy(ddp(x), y)
     q.put((rank, _steps_failing_once(model, rank, fail, 5, loss, at=2)))
+
+
+def _fails_in_its_bucket_agreement_worker(rank, port, q):
+    """Three DDP steps with THC's hook over Gloo; at step 1 (DDP rebuilt its buckets: each is
+    agreed again) rank 1 runs out of memory building its bucket agreement's lanes, and goes
+    on: each step's outcome on this rank."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import thc.collective.agreement as agreement_module
+    from thc.codec.params import THCParams
+    from thc.collective.allreduce import THCAllReduce
+    from thc.collective.ddp import THCHook
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2, timeout=timedelta(seconds=3))
+    model = _model()
+    ddp = DDP(model)
+    fail = []
+    agreement_module.torch = _NoMemory(fail, short="full")
+    THCHook(model, lambda group: THCAllReduce.through_torch_distributed(
+        group, THCParams(seed=3, slice_size=256), generator=rank), overlap=False).register(ddp)
+
+    def loss(step):
+        x, y = _data(10 * step + rank)
+        return torch.nn.functional.cross_entropy(ddp(x), y)
+    q.put((rank, _steps_failing_once(model, rank, fail, 3, loss)))
+
+
+def test_a_rank_that_fails_in_its_bucket_agreement_pairs_no_later_step():
+    """The bucket's agreement numbered its round by the buckets agreed so far, which a failure
+    before its collective left as it was: rank 1's next step's agreement paired with rank 0's
+    pending one, and from there every step of rank 0 summed with rank 1's next, with no error.
+    The group is abandoned, naming the failure; rank 0's steps end in errors."""
+    res = gloo_pair(_fails_in_its_bucket_agreement_worker)
+    assert res[0][0] == res[1][0] == "ok", res
+    assert "out of memory" in res[1][1], res
+    assert res[0][1] != "ok" and res[0][2] != "ok", res   # step 1 was "ok": a sum of two steps
+    assert "round 1 failed before its agreement went out (MemoryError" in res[1][2], res
 
 
 def test_a_rank_that_fails_before_its_aggregator_round_stops_its_run():

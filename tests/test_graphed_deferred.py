@@ -113,6 +113,22 @@ def test_a_failure_it_could_not_owe_is_raised_at_once_and_only_once():
     assert deferred(_x(9)).any()
 
 
+def test_an_owed_round_that_could_not_be_built_abandons_the_transport(monkeypatch):
+    """Its owed MAX round could not even be built (out of memory for the marks): its peers
+    waited in the round, and its next call's size agreement paired with it (Gloo aborted a
+    process: 12 lanes against 8). The transport is abandoned, naming the failure."""
+    _, deferred = _pair()
+    _peers_say([deferred], 0)
+    deferred(_x(9))
+    deferred.codec.prepare = lambda *a, **k: (_ for _ in ()).throw(MemoryError("oom"))
+    monkeypatch.setattr(agreement, "tagged",
+                        lambda *a: (_ for _ in ()).throw(MemoryError("no room for marks")))
+    with pytest.raises(MemoryError, match="oom"):
+        deferred(_x(9))
+    assert ("round 1 failed before its owed MAX round went out (MemoryError: no room for "
+            "marks)") in (deferred.transport.abandoned or ""), deferred.transport.abandoned
+
+
 @kernels
 def test_an_index_outside_the_table_refuses_the_round_on_the_device():
     """The worker's own indices, decoded for its residual, are read before the round's flags:

@@ -616,3 +616,37 @@ def test_ranks_with_unlike_vote_rules_refuse_the_round_together():
     out, _, _ = _through_a_vote_job(_vote_rules_worker, world)
     for rank in range(world):
         assert isinstance(out[rank], str) and "differ in the scheme's settings" in out[rank]
+
+
+class _NoZeros:
+    """torch, but a tensor of zeros (a refused input's stand-in) runs out of memory."""
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    def zeros(self, *a, **k):
+        raise MemoryError("out of memory for the stand-in")
+
+
+def test_a_refused_input_whose_stand_in_fails_abandons_the_group(monkeypatch):
+    """A refused input still sends its round, marked, from zeros of its size; where they could
+    not be made (out of memory, as the input's own conversion was) the error escaped before
+    the round number moved and before any collective: its peers waited in the agreement, and
+    its next call paired with it, a sum of two rounds. The process group is abandoned."""
+    from thc.testing.clusters import free_tcp_port
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_tcp_port()}",
+                            rank=0, world_size=1)
+    try:
+        ar = marsit.MarsitAllReduce(None, torch.Generator().manual_seed(0))
+        with monkeypatch.context() as m:
+            m.setattr(marsit, "as_float32",
+                      lambda t: (_ for _ in ()).throw(MemoryError("out of memory")))
+            m.setattr(marsit, "torch", _NoZeros())
+            with pytest.raises(MemoryError, match="^out of memory$"):   # its own error
+                ar(torch.ones(64, dtype=torch.float64))
+        with pytest.raises(RuntimeError, match=r"no THC round may use this process group any "
+                                               r"more: Marsit round 0: its refused input's "
+                                               r"stand-in could not be made \(MemoryError"):
+            ar(torch.ones(64))
+    finally:
+        dist.destroy_process_group()

@@ -299,9 +299,25 @@ def agree(transport, rnd: int, key: int, device) -> None:
     A reducer runs it in the round before its MAX round, for the first round of a size (on
     Gloo for every round), so that workers whose tensors differ in slice count do not pair
     MAX rounds of different lengths (Gloo ends that by aborting a process), and as the whole
-    round of an empty tensor, whose peers must not pass their round unpaired."""
-    tags = transport.max(tagged(torch.zeros(0, device=device), rnd, key))
-    check_rounds(tags)
+    round of an empty tensor, whose peers must not pass their round unpaired. A worker
+    that fails before its lanes went out abandons the transport (:func:`owed`)."""
+    try:
+        vector = tagged(torch.zeros(0, device=device), rnd, key)
+    except BaseException as e:
+        owed(transport, rnd, "agreement", e)
+        raise
+    check_rounds(transport.max(vector))
+
+
+def owed(transport, rnd: int, what: str, error: BaseException) -> None:
+    """This worker failed before round ``rnd``'s ``what`` went out, its peers waiting in it:
+    its next round would pair with theirs (round numbers a round apart, every later round
+    refused; or, where a round number was not yet taken, a sum of two rounds). The transport
+    is abandoned, so that none of its later rounds goes out, named by ``error``."""
+    abandon = getattr(transport, "abandon", None)
+    if callable(abandon):
+        abandon(f"round {rnd} failed before its {what} went out "
+                f"({type(error).__name__}: {error})")
 
 
 def together(group, rnd: int, key: int, device, failure: Exception | None = None,
@@ -321,7 +337,12 @@ def together(group, rnd: int, key: int, device, failure: Exception | None = None
         raise e from failure   # this worker's own error stays in the chain
     overflow = isinstance(failure, NonFiniteInput)
     mark = OVERFLOW_MARK if overflow else NORM_MARK if failure is not None else 0.0
-    out = tagged(torch.full((1,), mark, device=device), rnd, key)
+    try:
+        out = tagged(torch.full((1,), mark, device=device), rnd, key)
+    except BaseException as e:
+        DistTransport.abandon_group(group, f"round {rnd} failed before its agreement went "
+                                           f"out ({type(e).__name__}: {e})")
+        raise
     dist.all_reduce(out, op=dist.ReduceOp.MAX, group=group)
     marked, tags = untag(out)
     top = float(marked[0])

@@ -349,7 +349,11 @@ class THCAllReduce:
                 position = check_positions(position, flat.numel())
         except Exception as e:  # noqa: BLE001 - torch.as_tensor raises RuntimeError too
             refusal = e
-            flat = torch.zeros(tensor.numel(), device=tensor.device)
+            try:   # the stand-in of its marked round
+                flat = torch.zeros(tensor.numel(), device=tensor.device)
+            except BaseException as lost:
+                agreement.owed(self.transport, self.round, "marked round", lost)
+                raise refusal from lost
         slice_size = self.params.slice_size
         # a GPU tensor whose sums the transport adds in stream order gains nothing from
         # pieces: every step queues on the device anyway, and each piece costs host time

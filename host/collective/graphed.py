@@ -433,7 +433,9 @@ class GraphedAllReduce:
             self.transport.sum(zeros, lay.total_padded, self.params)
             return True
         except BaseException as e:  # noqa: BLE001 - the worker's own error is the one raised
-            if sent and hasattr(self.transport, "abandon"):
+            if not sent:   # its peers wait in the MAX round
+                agreement.owed(self.transport, self.round - 1, "owed MAX round", e)
+            elif hasattr(self.transport, "abandon"):
                 self.transport.abandon(f"round {self.round - 1}: a failed worker's owed MAX "
                                        f"round may have left without its sum "
                                        f"({type(e).__name__}: {e})")

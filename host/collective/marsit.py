@@ -143,7 +143,13 @@ class _SignAllReduce:
                                  f"elements")
         except Exception as e:  # noqa: BLE001 - every worker raises it in the agreement
             failure = e
-            flat = torch.zeros(grad.numel(), device=grad.device)
+            try:   # the stand-in of its marked round
+                flat = torch.zeros(grad.numel(), device=grad.device)
+            except BaseException as lost:
+                DistTransport.abandon_group(self.group, f"Marsit round {self.round}: its "
+                                            f"refused input's stand-in could not be made "
+                                            f"({type(lost).__name__}: {lost})")
+                raise failure from lost
             sizes = [flat.numel()]
         with round_lock(self._domain):   # the ring's and the scales' tensors carry no tag
             # the scales' all-reduce is as long as the segments: agree on them first
