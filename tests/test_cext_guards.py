@@ -8,6 +8,8 @@ import dataclasses
 import hashlib
 import signal
 import socket
+import subprocess
+import sys
 import time
 import types
 
@@ -15,7 +17,7 @@ import numpy as np
 import pytest
 
 from thc.built import stale
-from thc.net import cext
+from thc.net import cext, fastagg
 from thc.net.client import DATAPATH_ENV, AggregationClient
 from thc.testing.clusters import free_port_block, local_job
 from thc.wire import protocol as P
@@ -152,6 +154,28 @@ def test_the_compiled_window_hears_a_signal_before_its_deadline(monkeypatch):
             assert c.stats.compiled_rounds == 1
     finally:
         sink.close()
+
+
+EXIT_WHILE_SERVING = """
+import threading
+from thc.net.fastagg import FastAggregator
+from thc.testing.clusters import local_job
+for _ in range(48):
+    agg = FastAggregator([local_job(1, 2, 47000, pool_size=64)])
+    agg.bind("127.0.0.1", 0)
+    threading.Thread(target=agg.serve, daemon=True).start()
+"""
+
+
+@pytest.mark.skipif(not fastagg.available(), reason="the compiled datapath is not built")
+def test_a_process_exits_cleanly_while_daemon_threads_serve():
+    """Compiled aggregators serving on daemon threads (as ``start()`` runs them) when the
+    process exits: each loop took the GIL every 50 ms to check for signals, and one that did
+    while the interpreter finalized crashed the process (SIGSEGV in PyGILState_Ensure: most
+    of these exits did). Only a loop on the main thread checks, where handlers run."""
+    codes = [subprocess.run([sys.executable, "-c", EXIT_WHILE_SERVING], timeout=120).returncode
+             for _ in range(6)]
+    assert codes == [0] * 6
 
 
 def test_a_job_built_by_hand_is_checked_by_the_client():

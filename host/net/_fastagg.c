@@ -88,10 +88,28 @@ static int as_ulong(PyObject *o, void *out) {
     return 1;
 }
 
-/* For loops run without the GIL: every 50 ms, whether a signal's handler raised (Ctrl-C);
- * the exception is set then. */
-static int signalled(double now, double *last_check) {
-    if (now - *last_check <= 0.05) return 0;
+/* Whether the calling thread, holding the GIL, is the interpreter's main thread: the only
+ * one whose signal handlers run. A loop on another thread must not take the GIL back before it
+ * ends: a daemon thread that does so while the interpreter finalizes crashes the process. */
+static int on_main_thread(void) {
+    PyObject *threading = PyImport_ImportModule("threading");
+    PyObject *main = threading ? PyObject_CallMethod(threading, "main_thread", NULL) : NULL;
+    PyObject *ident = main ? PyObject_GetAttrString(main, "ident") : NULL;
+    unsigned long id = ident ? PyLong_AsUnsignedLong(ident) : 0;
+    Py_XDECREF(ident);
+    Py_XDECREF(main);
+    Py_XDECREF(threading);
+    if (PyErr_Occurred()) {
+        PyErr_Clear();
+        return 0;
+    }
+    return id == PyThread_get_thread_ident();
+}
+
+/* For loops run without the GIL: every 50 ms on the main thread (``main``: on_main_thread),
+ * whether a signal's handler raised (Ctrl-C); the exception is set then. */
+static int signalled(int main, double now, double *last_check) {
+    if (!main || now - *last_check <= 0.05) return 0;
     *last_check = now;
     PyGILState_STATE g = PyGILState_Ensure();
     int raised = PyErr_CheckSignals() < 0;
@@ -1012,13 +1030,14 @@ static PyObject *dp_serve(Datapath *dp, PyObject *args) {
                    me.sin_family == AF_INET && me.sin_addr.s_addr == htonl(INADDR_ANY);
     int on = 1;
     if (wildcard && setsockopt(fd, IPPROTO_IP, IP_PKTINFO, &on, sizeof on) != 0) wildcard = 0;
+    int main = on_main_thread();
     Py_BEGIN_ALLOW_THREADS
     double end = now_s() + duration; /* duration: +inf for no limit; negative: already over */
     double last_check = now_s();
     unsigned long long send_errors = 0;
     while (!__atomic_load_n(&dp->stop, __ATOMIC_SEQ_CST) && now_s() < end) {
         /* served on the main thread: Ctrl-C, or a handler's stop(), is heard */
-        if ((interrupted = signalled(now_s(), &last_check))) break;
+        if ((interrupted = signalled(main, now_s(), &last_check))) break;
         struct pollfd pfd = {.fd = fd, .events = POLLIN};
         int r = poll(&pfd, 1, 50);
         if (r < 0) {
@@ -1272,6 +1291,7 @@ static PyObject *fa_drive(PyObject *self, PyObject *args) {
     int complete = 0;
     double t0 = 0, t1 = 0, last_check = 0;
     int interrupted = 0;
+    int main = on_main_thread();
     Py_BEGIN_ALLOW_THREADS
     t0 = now_s();
     for (int w = 0; w < n; w++) {
@@ -1284,7 +1304,7 @@ static PyObject *fa_drive(PyObject *self, PyObject *args) {
     for (;;) {
         int finished = 0;
         double now = now_s();
-        if ((interrupted = signalled(now, &last_check))) break;
+        if ((interrupted = signalled(main, now, &last_check))) break;
         for (int w = 0; w < n; w++) {
             Lane *l = &ls[w];
             if (l->base >= chunks) {
@@ -1792,6 +1812,7 @@ static PyObject *fa_stream(PyObject *self, PyObject *args) {
     double ev_silent = 0;
     unsigned long long ev_rejected = 0, ev_taken = 0, ev_not_float = 0;
 
+    int main = on_main_thread();
     Py_BEGIN_ALLOW_THREADS
     long lo = 0, hi = 0;
     double now = now_s(), last_check = now;
@@ -2049,7 +2070,7 @@ static PyObject *fa_stream(PyObject *self, PyObject *args) {
             break;
         }
         now = now_s();
-        if ((interrupted = signalled(now, &last_check))) break;
+        if ((interrupted = signalled(main, now, &last_check))) break;
         if (now < next_due) continue;
         for (long i = lo; i < hi && event == EV_DONE; i++) {
             long r = i % window;
