@@ -64,7 +64,8 @@ class Bmv2(Target):
 
     def check_job(self, job) -> None:
         """BMv2 grows a packet by at most 512 bytes: a header-only FLUSH comes back as a whole
-        RESULT, so a program generated for more lanes than that allows runs no such job."""
+        RESULT, so a job whose RESULT is longer is refused (gen_p4.py generates no program for
+        one)."""
         try:
             P.check_lanes(job.lanes, switch=True, sum_bits=job.sum_bits,
                           aggregation=job.aggregation)
