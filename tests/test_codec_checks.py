@@ -444,6 +444,10 @@ def test_lax_arguments_are_refused_not_cast(backend):
             c.decode_own(c.encode(x, m, 0, 1), bad, 512)
     idx = c.encode(x, m, 0, 1)
     assert torch.equal(c.encode(x, m.double(), 0, 1), idx)   # any real dtype is fine
+    # bfloat16 too, which numpy has not: the CPU backends failed converting it
+    coarse = m.bfloat16()
+    assert torch.equal(c.encode(x, coarse, 0, 1), c.encode(x, coarse.float(), 0, 1))
+    assert torch.equal(c.decode_own(idx, coarse, 512), c.decode_own(idx, coarse.float(), 512))
     for floats in (torch.tensor([3.7, 15.9]), np.array([3.7, 15.9])):
         with pytest.raises(TypeError, match="table indices are integers"):
             pack_bits(floats, 4)

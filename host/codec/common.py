@@ -64,7 +64,8 @@ def same_device(what: str, t, x) -> None:
 def rounding_key(generator, flat) -> int:
     """The 64-bit counter key of the compiled codec's and the kernels' rounding draws: an int
     generator as given (the reference path's draws), else one draw from the generator (numpy's
-    or torch's, fresh entropy for None)."""
+    or torch's). None: fresh entropy for a numpy input, torch's global generator for a tensor
+    (so workers that seeded torch alike draw alike: give each worker its own key)."""
     if isinstance(generator, (int, np.integer)):
         return int(generator)
     if isinstance(generator, np.random.Generator):
@@ -149,7 +150,11 @@ def norm_array(max_norms, n_slices: int, params: THCParams) -> np.ndarray:
     """The agreed max norms on the host as float64, checked: a max norm at or beyond
     :func:`norm_limit` (the mark among them) is refused, as no worker's slice norm reaches
     it and a decode under it could overflow float32."""
-    m = max_norms.detach().cpu().numpy() if is_torch(max_norms) else np.asarray(max_norms)
+    if is_torch(max_norms):   # widened first: numpy has no bfloat16
+        t = max_norms.detach()
+        m = (t.double() if t.is_floating_point() else t).cpu().numpy()
+    else:
+        m = np.asarray(max_norms)
     check_norm_type(m.dtype.kind in "fiuO", m.dtype)   # objects: numbers, converted below
     m = np.asarray(m, dtype=np.float64).reshape(-1)
     if m.size != n_slices:
