@@ -827,29 +827,33 @@ def test_sums_no_workers_make_are_refused_alike_and_the_next_round_runs():
         dist.destroy_process_group()
 
 
-def test_a_failure_right_after_the_max_round_abandons_and_keeps_the_first_reason(monkeypatch):
+@pytest.fixture
+def alone():
+    """A Gloo process group of this process alone, for the test's length."""
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_tcp_port()}",
+                            rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_a_failure_right_after_the_max_round_abandons_and_keeps_the_first_reason(monkeypatch,
+                                                                               alone):
     """The MAX all-reduce returned, then this worker failed before its sums (here untagging
     the result): its peers wait in a sum, so the group is abandoned; a later refusal keeps
     the first reason, and so does the hook's FP32 span."""
     from thc.collective import agreement
     from thc.collective.transports import DistTransport
-    from thc.testing.clusters import free_tcp_port
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_tcp_port()}",
-                            rank=0, world_size=1)
-    try:
-        ar = THCAllReduce.through_torch_distributed(params=PARAMS, generator=1)
-        x = torch.randn(5000, generator=torch.Generator().manual_seed(1))
-        with monkeypatch.context() as m:
-            m.setattr(agreement, "untag", lambda v: (_ for _ in ()).throw(MemoryError("oom")))
-            with pytest.raises(MemoryError):
-                ar(x)
-        for _ in range(2):
-            with pytest.raises(RuntimeError, match=r"round 0 failed .*MemoryError: oom\); its"):
-                ar(x)
-        with pytest.raises(RuntimeError, match="round 0 failed"):
-            DistTransport.check_group(None)
-    finally:
-        dist.destroy_process_group()
+    ar = THCAllReduce.through_torch_distributed(params=PARAMS, generator=1)
+    x = torch.randn(5000, generator=torch.Generator().manual_seed(1))
+    with monkeypatch.context() as m:
+        m.setattr(agreement, "untag", lambda v: (_ for _ in ()).throw(MemoryError("oom")))
+        with pytest.raises(MemoryError):
+            ar(x)
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match=r"round 0 failed .*MemoryError: oom\); its"):
+            ar(x)
+    with pytest.raises(RuntimeError, match="round 0 failed"):
+        DistTransport.check_group(None)
 
 
 class _NoZeros:
@@ -863,7 +867,7 @@ class _NoZeros:
 
 
 @pytest.mark.parametrize("where", ["agreement", "stand-in", "together"])
-def test_a_failure_before_a_rounds_first_collective_abandons(monkeypatch, where):
+def test_a_failure_before_a_rounds_first_collective_abandons(monkeypatch, where, alone):
     """This worker's own failure once its round number was taken and before the round's first
     collective went out (building the agreement's lanes, or a refused input's stand-in of
     zeros: out of memory) abandoned nothing: its peers waited in that collective, and its next
@@ -871,33 +875,27 @@ def test_a_failure_before_a_rounds_first_collective_abandons(monkeypatch, where)
     later round refused as out of step where it had). The process group is abandoned, named."""
     import thc.collective.allreduce as allreduce_module
     from thc.collective import agreement
-    from thc.testing.clusters import free_tcp_port
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_tcp_port()}",
-                            rank=0, world_size=1)
-    try:
-        ar = THCAllReduce.through_torch_distributed(params=PARAMS, generator=1)
-        x = torch.randn(5000, generator=torch.Generator().manual_seed(1))
-        with monkeypatch.context() as m:
-            if where == "stand-in":
-                m.setattr(allreduce_module, "as_float32",
-                          lambda t: (_ for _ in ()).throw(MemoryError("out of memory")))
-                m.setattr(allreduce_module, "torch", _NoZeros())
-                with pytest.raises(MemoryError, match="^out of memory$"):   # its own error
-                    ar(x.double())
-            else:
-                m.setattr(agreement, "tagged",
-                          lambda *a: (_ for _ in ()).throw(MemoryError("out of memory")))
-                with pytest.raises(MemoryError):
-                    if where == "together":
-                        agreement.together(None, 0, 1, "cpu")
-                    else:
-                        ar(x)
-        what = "marked round" if where == "stand-in" else "agreement"
-        with pytest.raises(RuntimeError, match=f"round 0 failed before its {what} went out "
-                                               r"\(MemoryError: out of memory"):
-            ar(x)
-    finally:
-        dist.destroy_process_group()
+    ar = THCAllReduce.through_torch_distributed(params=PARAMS, generator=1)
+    x = torch.randn(5000, generator=torch.Generator().manual_seed(1))
+    with monkeypatch.context() as m:
+        if where == "stand-in":
+            m.setattr(allreduce_module, "as_float32",
+                      lambda t: (_ for _ in ()).throw(MemoryError("out of memory")))
+            m.setattr(allreduce_module, "torch", _NoZeros())
+            with pytest.raises(MemoryError, match="^out of memory$"):   # its own error
+                ar(x.double())
+        else:
+            m.setattr(agreement, "tagged",
+                      lambda *a: (_ for _ in ()).throw(MemoryError("out of memory")))
+            with pytest.raises(MemoryError):
+                if where == "together":
+                    agreement.together(None, 0, 1, "cpu")
+                else:
+                    ar(x)
+    what = "marked round" if where == "stand-in" else "agreement"
+    with pytest.raises(RuntimeError, match=f"round 0 failed before its {what} went out "
+                                           r"\(MemoryError: out of memory"):
+        ar(x)
 
 
 def test_an_input_whose_estimate_could_overflow_is_refused_and_the_next_round_runs():
