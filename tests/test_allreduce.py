@@ -857,45 +857,57 @@ def test_a_failure_right_after_the_max_round_abandons_and_keeps_the_first_reason
 
 
 class _NoZeros:
-    """torch, but a tensor of zeros (a refused input's stand-in) runs out of memory."""
+    """torch, but a tensor of zeros that holds any (a refused input's stand-in) runs out of
+    memory."""
 
     def __getattr__(self, name):
         return getattr(torch, name)
 
-    def zeros(self, *a, **k):
-        raise MemoryError("out of memory for the stand-in")
+    def zeros(self, n, *a, **k):
+        if n:
+            raise MemoryError("out of memory for the stand-in")
+        return torch.zeros(n, *a, **k)
 
 
-@pytest.mark.parametrize("where", ["agreement", "stand-in", "together"])
+@pytest.mark.parametrize("where", ["agreement", "together"])
 def test_a_failure_before_a_rounds_first_collective_abandons(monkeypatch, where, alone):
     """This worker's own failure once its round number was taken and before the round's first
-    collective went out (building the agreement's lanes, or a refused input's stand-in of
-    zeros: out of memory) abandoned nothing: its peers waited in that collective, and its next
-    round paired with theirs (a sum of two rounds where the round number had not moved; every
-    later round refused as out of step where it had). The process group is abandoned, named."""
-    import thc.collective.allreduce as allreduce_module
+    collective went out (building the agreement's lanes: out of memory) abandoned nothing: its
+    peers waited in that collective, and its next round paired with theirs (round numbers a
+    round apart: every later round refused as out of step). The group is abandoned, named."""
     from thc.collective import agreement
     ar = THCAllReduce.through_torch_distributed(params=PARAMS, generator=1)
     x = torch.randn(5000, generator=torch.Generator().manual_seed(1))
     with monkeypatch.context() as m:
-        if where == "stand-in":
-            m.setattr(allreduce_module, "as_float32",
-                      lambda t: (_ for _ in ()).throw(MemoryError("out of memory")))
-            m.setattr(allreduce_module, "torch", _NoZeros())
-            with pytest.raises(MemoryError, match="^out of memory$"):   # its own error
-                ar(x.double())
-        else:
-            m.setattr(agreement, "tagged",
-                      lambda *a: (_ for _ in ()).throw(MemoryError("out of memory")))
-            with pytest.raises(MemoryError):
-                if where == "together":
-                    agreement.together(None, 0, 1, "cpu")
-                else:
-                    ar(x)
-    what = "marked round" if where == "stand-in" else "agreement"
-    with pytest.raises(RuntimeError, match=f"round 0 failed before its {what} went out "
+        m.setattr(agreement, "tagged",
+                  lambda *a: (_ for _ in ()).throw(MemoryError("out of memory")))
+        with pytest.raises(MemoryError):
+            if where == "together":
+                agreement.together(None, 0, 1, "cpu")
+            else:
+                ar(x)
+    with pytest.raises(RuntimeError, match="round 0 failed before its agreement went out "
                                            r"\(MemoryError: out of memory"):
         ar(x)
+
+
+def test_a_refused_input_too_large_to_stand_in_for_takes_its_round(monkeypatch, alone):
+    """A refused input's round still goes out, from zeros of its size; where they could not be
+    made (out of memory, as its own conversion was) the error escaped before the round number
+    moved: its next call took the same round as its peers' next, paired with their pending
+    one, a sum of two rounds. It stands in as empty instead (peers with a tensor refuse it; a
+    failure alike on every worker is refused alike), its round taken, the next one summed."""
+    import thc.collective.allreduce as allreduce_module
+    ar = THCAllReduce.through_torch_distributed(params=PARAMS, generator=1)
+    x = torch.randn(5000, generator=torch.Generator().manual_seed(1))
+    with monkeypatch.context() as m:
+        m.setattr(allreduce_module, "as_float32",
+                  lambda t: (_ for _ in ()).throw(MemoryError("out of memory")))
+        m.setattr(allreduce_module, "torch", _NoZeros())
+        with pytest.raises(MemoryError, match="^out of memory$"):   # its own error
+            ar(x.double())
+    assert ar.round == 1
+    assert float(((ar(x) - x) ** 2).sum() / (x ** 2).sum()) < 0.05
 
 
 def test_an_input_whose_estimate_could_overflow_is_refused_and_the_next_round_runs():

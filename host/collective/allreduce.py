@@ -284,9 +284,12 @@ class THCAllReduce:
             vector = agreement.tagged(norms, rnd, key)
         except Exception as e:
             overflow = refusal is None and isinstance(e, NonFiniteInput)
-            self._open = True   # owed: until its marks go out, its peers wait in the round
-            bad = agreement.marks(y, pieces, layout_of, norm_limit(self.params), overflow)
-            marked = agreement.tagged(bad, rnd, key)
+            try:
+                bad = agreement.marks(y, pieces, layout_of, norm_limit(self.params), overflow)
+                marked = agreement.tagged(bad, rnd, key)
+            except BaseException as lost:   # owed: its peers wait in the round
+                agreement.owed(self.transport, rnd, "marked MAX round", lost)
+                raise
             self._open = whole   # on a stream-ordered transport a sum follows the MAX round
             max_norms, tags = agreement.untag(self.transport.max(marked))
             if whole:
@@ -351,9 +354,12 @@ class THCAllReduce:
             refusal = e
             try:   # the stand-in of its marked round
                 flat = torch.zeros(tensor.numel(), device=tensor.device)
-            except BaseException as lost:
+            except Exception:  # noqa: BLE001 - too large to hold, on every worker or this one
+                # it stands in as empty, as input_of's do: a peer with a tensor refuses it
+                return self._call(torch.zeros(0, device=tensor.device), position, refusal)
+            except BaseException as lost:   # Ctrl-C: its peers wait in the round
                 agreement.owed(self.transport, self.round, "marked round", lost)
-                raise refusal from lost
+                raise
         slice_size = self.params.slice_size
         # a GPU tensor whose sums the transport adds in stream order gains nothing from
         # pieces: every step queues on the device anyway, and each piece costs host time

@@ -145,11 +145,13 @@ class _SignAllReduce:
             failure = e
             try:   # the stand-in of its marked round
                 flat = torch.zeros(grad.numel(), device=grad.device)
-            except BaseException as lost:
+            except Exception:  # noqa: BLE001 - too large to hold: it stands in as empty, as
+                flat = torch.zeros(0, device=grad.device)   # input_of's do (peers refuse it)
+            except BaseException as lost:   # Ctrl-C: its peers wait in the agreement
                 DistTransport.abandon_group(self.group, f"Marsit round {self.round}: its "
                                             f"refused input's stand-in could not be made "
                                             f"({type(lost).__name__}: {lost})")
-                raise failure from lost
+                raise
             sizes = [flat.numel()]
         with round_lock(self._domain):   # the ring's and the scales' tensors carry no tag
             # the scales' all-reduce is as long as the segments: agree on them first

@@ -90,7 +90,8 @@ static int as_ulong(PyObject *o, void *out) {
 
 /* Whether the calling thread, holding the GIL, is the interpreter's main thread: the only
  * one whose signal handlers run. A loop on another thread must not take the GIL back before it
- * ends: a daemon thread that does so while the interpreter finalizes crashes the process. */
+ * ends: a daemon thread that does so while the interpreter finalizes crashes the process.
+ * -1, its exception set: a pending signal's handler raised in the calls it makes (Ctrl-C). */
 static int on_main_thread(void) {
     PyObject *threading = PyImport_ImportModule("threading");
     PyObject *main = threading ? PyObject_CallMethod(threading, "main_thread", NULL) : NULL;
@@ -99,16 +100,14 @@ static int on_main_thread(void) {
     Py_XDECREF(ident);
     Py_XDECREF(main);
     Py_XDECREF(threading);
-    if (PyErr_Occurred()) {
-        PyErr_Clear();
-        return 0;
-    }
+    if (PyErr_Occurred()) return -1;
     return id == PyThread_get_thread_ident();
 }
 
 /* For loops run without the GIL: every 50 ms on the main thread (``main``: on_main_thread),
  * whether a signal's handler raised (Ctrl-C); the exception is set then. */
 static int signalled(int main, double now, double *last_check) {
+    if (main < 0) return 1; /* raised in on_main_thread */
     if (!main || now - *last_check <= 0.05) return 0;
     *last_check = now;
     PyGILState_STATE g = PyGILState_Ensure();
