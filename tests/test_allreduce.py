@@ -18,6 +18,7 @@ from thc.net.aggregator import Aggregator
 from thc.net.client import AggregationClient, AggregationTimeout
 from thc.testing.clusters import free_port_block, free_tcp_port, local_job
 from tests import procs
+from tests.oom import NoMemory
 from tests.procs import gloo_pair
 from tests.test_graphed import _Peer, join_gloo
 
@@ -377,22 +378,6 @@ def test_workers_decoding_on_different_backends_refuse():
     assert all("their codec backend" in str(res[r]) for r in (0, 1)), res
 
 
-class _CatFailsOnce:
-    """torch, but the next join after :attr:`armed` is set runs out of memory."""
-
-    def __init__(self):
-        self.armed = False
-
-    def __getattr__(self, name):
-        return getattr(torch, name)
-
-    def cat(self, *a, **k):
-        if self.armed:
-            self.armed = False
-            raise MemoryError("out of memory")
-        return torch.cat(*a, **k)
-
-
 def _norms_join_fails_worker(rank, port, q):
     """Three rounds of four pieces over Gloo; in round 1 rank 1 runs out of memory joining
     its pieces' norms, before its MAX round, and goes on."""
@@ -403,10 +388,12 @@ def _norms_join_fails_worker(rank, port, q):
                             world_size=2, timeout=timedelta(seconds=10))
     ar = THCAllReduce.through_torch_distributed(None, THCParams(seed=3, slice_size=256),
                                                 pipeline_elements=256, generator=rank)
-    stand_in = allreduce_module.torch = _CatFailsOnce()
+    fail = []
+    allreduce_module.torch = NoMemory("cat", fail)
     out = []
     for rnd in range(3):
-        stand_in.armed = rank == 1 and rnd == 1
+        if rank == 1 and rnd == 1:
+            fail.append(True)
         try:
             out.append(float(ar(torch.full((1024,), float(rnd + 1))).mean()))
         except Exception as e:  # noqa: BLE001 - each round's outcome is the result
@@ -856,19 +843,6 @@ def test_a_failure_right_after_the_max_round_abandons_and_keeps_the_first_reason
         DistTransport.check_group(None)
 
 
-class _NoZeros:
-    """torch, but a tensor of zeros that holds any (a refused input's stand-in) runs out of
-    memory."""
-
-    def __getattr__(self, name):
-        return getattr(torch, name)
-
-    def zeros(self, n, *a, **k):
-        if n:
-            raise MemoryError("out of memory for the stand-in")
-        return torch.zeros(n, *a, **k)
-
-
 @pytest.mark.parametrize("where", ["agreement", "together"])
 def test_a_failure_before_a_rounds_first_collective_abandons(monkeypatch, where, alone):
     """This worker's own failure once its round number was taken and before the round's first
@@ -903,7 +877,7 @@ def test_a_refused_input_too_large_to_stand_in_for_takes_its_round(monkeypatch, 
     with monkeypatch.context() as m:
         m.setattr(allreduce_module, "as_float32",
                   lambda t: (_ for _ in ()).throw(MemoryError("out of memory")))
-        m.setattr(allreduce_module, "torch", _NoZeros())
+        m.setattr(allreduce_module, "torch", NoMemory("zeros", sized=True))
         with pytest.raises(MemoryError, match="^out of memory$"):   # its own error
             ar(x.double())
     assert ar.round == 1

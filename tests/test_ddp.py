@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from thc.testing.clusters import free_port_block
+from tests.oom import NoMemory
 from tests.procs import gloo_pair
 
 WORLD = 2
@@ -367,27 +368,6 @@ def test_a_topk_step_that_fails_after_its_agreement_abandons_the_group(monkeypat
         dist.destroy_process_group()
 
 
-class _NoMemory:
-    """torch, but ``short`` (joining tensors: as a bucket's join can on a GPU) runs out of
-    memory; given ``fail``, only once ``fail`` holds something, once."""
-
-    def __init__(self, fail: list | None = None, short: str = "cat"):
-        self._fail, self._short = fail, short
-
-    def __getattr__(self, name):
-        real = getattr(torch, name)
-        if name != self._short:
-            return real
-
-        def out_of_memory(*a, **k):
-            if self._fail is None or self._fail:
-                if self._fail:
-                    self._fail.clear()
-                raise MemoryError("out of memory")
-            return real(*a, **k)
-        return out_of_memory
-
-
 class _NoRoomToDivide:
     """A world size whose division runs out of memory, as ``flat / world`` can on a GPU."""
 
@@ -452,7 +432,7 @@ def test_a_bucket_that_fails_around_its_compressed_round_abandons_the_group(monk
             monkeypatch.setattr(hook, "_reduce_fp32",
                                 lambda *a: (_ for _ in ()).throw(MemoryError("out of memory")))
         else:
-            monkeypatch.setattr(ddp_module, "torch", _NoMemory())
+            monkeypatch.setattr(ddp_module, "torch", NoMemory())
         with pytest.raises(RuntimeError, match="out of memory"):
             torch.nn.functional.cross_entropy(ddp(x), y).backward()
         with pytest.raises(RuntimeError, match=f"a bucket of backward failed {where} its "
@@ -1443,13 +1423,15 @@ def test_a_rank_that_fails_after_its_aggregator_sums_leaves_no_peer_a_wrong_fp32
         assert "no THC round may use this process group any more" in res[rank][step], res
 
 
-def _aggregator_fails_before_its_round_worker(job, addr, rank, port, q):
-    """Five DDP steps with THC's hook through a software aggregator, no FP32 span; at step 2
-    (DDP rebuilt its buckets at step 1: every reducer is built) rank 1 fails joining the
-    bucket's compressed spans (out of memory), before its round went out, and it goes on:
-    each step's outcome on this rank."""
+def _fails_once_worker(job, addr, rank, port, q):
+    """DDP steps with THC's hook over Gloo (``job`` None) or through a software aggregator;
+    rank 1 runs out of memory once and goes on: each step's outcome on this rank. Over Gloo
+    it fails at step 1 (DDP rebuilt its buckets: each is agreed again) building its bucket
+    agreement's lanes, of 3 steps; through the aggregator at step 2 (every reducer built)
+    joining the bucket's compressed spans, before its round went out, of 5 steps."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
+    import thc.collective.agreement as agreement_module
     import thc.collective.ddp as ddp_module
     from thc.codec.params import THCParams
     from thc.collective.allreduce import THCAllReduce
@@ -1460,41 +1442,26 @@ def _aggregator_fails_before_its_round_worker(job, addr, rank, port, q):
     model = _model()
     ddp = DDP(model)
     fail = []
-    ddp_module.torch = _NoMemory(fail)
-    client = AggregationClient(job, rank, addr, run=1, deadline=3.0)
-    THCHook(model, lambda group: THCAllReduce.through_aggregator(
-        client, THCParams(seed=3, slice_size=256), group, generator=rank),
-        overlap=False).register(ddp)
+    params = THCParams(seed=3, slice_size=256)
+    if job is None:
+        agreement_module.torch = NoMemory("full", fail)
+        steps, at = 3, 1
+
+        def make(group):
+            return THCAllReduce.through_torch_distributed(group, params, generator=rank)
+    else:
+        ddp_module.torch = NoMemory("cat", fail)
+        client = AggregationClient(job, rank, addr, run=1, deadline=3.0)
+        steps, at = 5, 2
+
+        def make(group):
+            return THCAllReduce.through_aggregator(client, params, group, generator=rank)
+    THCHook(model, make, overlap=False).register(ddp)
 
     def loss(step):
         x, y = _data(10 * step + rank)
         return torch.nn.functional.cross_entropy(ddp(x), y)
-    q.put((rank, _steps_failing_once(model, rank, fail, 5, loss, at=2)))
-
-
-def _fails_in_its_bucket_agreement_worker(rank, port, q):
-    """Three DDP steps with THC's hook over Gloo; at step 1 (DDP rebuilt its buckets: each is
-    agreed again) rank 1 runs out of memory building its bucket agreement's lanes, and goes
-    on: each step's outcome on this rank."""
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    import thc.collective.agreement as agreement_module
-    from thc.codec.params import THCParams
-    from thc.collective.allreduce import THCAllReduce
-    from thc.collective.ddp import THCHook
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=2, timeout=timedelta(seconds=3))
-    model = _model()
-    ddp = DDP(model)
-    fail = []
-    agreement_module.torch = _NoMemory(fail, short="full")
-    THCHook(model, lambda group: THCAllReduce.through_torch_distributed(
-        group, THCParams(seed=3, slice_size=256), generator=rank), overlap=False).register(ddp)
-
-    def loss(step):
-        x, y = _data(10 * step + rank)
-        return torch.nn.functional.cross_entropy(ddp(x), y)
-    q.put((rank, _steps_failing_once(model, rank, fail, 3, loss)))
+    q.put((rank, _steps_failing_once(model, rank, fail, steps, loss, at)))
 
 
 def test_a_rank_that_fails_in_its_bucket_agreement_pairs_no_later_step():
@@ -1502,7 +1469,7 @@ def test_a_rank_that_fails_in_its_bucket_agreement_pairs_no_later_step():
     before its collective left as it was: rank 1's next step's agreement paired with rank 0's
     pending one, and from there every step of rank 0 summed with rank 1's next, with no error.
     The group is abandoned, naming the failure; rank 0's steps end in errors."""
-    res = gloo_pair(_fails_in_its_bucket_agreement_worker)
+    res = gloo_pair(functools.partial(_fails_once_worker, None, None))
     assert res[0][0] == res[1][0] == "ok", res
     assert "out of memory" in res[1][1], res
     assert res[0][1] != "ok" and res[0][2] != "ok", res   # step 1 was "ok": a sum of two steps
@@ -1521,7 +1488,7 @@ def test_a_rank_that_fails_before_its_aggregator_round_stops_its_run():
     job = local_job(1, 2, free_port_block(2), pool_size=32)
     with Aggregator([job]) as agg:
         addr = agg.start()
-        res = gloo_pair(functools.partial(_aggregator_fails_before_its_round_worker, job, addr))
+        res = gloo_pair(functools.partial(_fails_once_worker, job, addr))
     assert res[0][:2] == res[1][:2] == ["ok", "ok"], res
     assert "out of memory" in res[1][2], res
     assert "missing worker(s) [1]" in res[0][2], res   # it was "ok": a sum of two steps
@@ -1690,7 +1657,7 @@ def test_an_fp32_hook_issues_nothing_on_a_group_a_failed_bucket_left(monkeypatch
         x, y = _data(0)
         torch.nn.functional.cross_entropy(ddp(x), y).backward()
         with monkeypatch.context() as m:
-            m.setattr(ddp_module, "torch", _NoMemory())
+            m.setattr(ddp_module, "torch", NoMemory())
             with pytest.raises(RuntimeError, match="out of memory"):
                 torch.nn.functional.cross_entropy(ddp(x), y).backward()
         with pytest.raises(RuntimeError, match="may use this process group any more: a "

@@ -13,6 +13,7 @@ import torch.distributed as dist
 from thc.collective import marsit
 from thc.testing.clusters import free_port_block
 from tests import procs
+from tests.oom import NoMemory
 from tests.procs import gloo_pair
 
 COORDS = 20000
@@ -618,19 +619,6 @@ def test_ranks_with_unlike_vote_rules_refuse_the_round_together():
         assert isinstance(out[rank], str) and "differ in the scheme's settings" in out[rank]
 
 
-class _NoZeros:
-    """torch, but a tensor of zeros that holds any (a refused input's stand-in) runs out of
-    memory."""
-
-    def __getattr__(self, name):
-        return getattr(torch, name)
-
-    def zeros(self, n, *a, **k):
-        if n:
-            raise MemoryError("out of memory for the stand-in")
-        return torch.zeros(n, *a, **k)
-
-
 def test_a_refused_input_too_large_to_stand_in_for_takes_its_round(monkeypatch):
     """A refused input still sends its round, marked, from zeros of its size; where they could
     not be made (out of memory, as the input's own conversion was) the error escaped before
@@ -644,7 +632,7 @@ def test_a_refused_input_too_large_to_stand_in_for_takes_its_round(monkeypatch):
         with monkeypatch.context() as m:
             m.setattr(marsit, "as_float32",
                       lambda t: (_ for _ in ()).throw(MemoryError("out of memory")))
-            m.setattr(marsit, "torch", _NoZeros())
+            m.setattr(marsit, "torch", NoMemory("zeros", sized=True))
             with pytest.raises(MemoryError, match="^out of memory$"):   # its own error
                 ar(torch.ones(64, dtype=torch.float64))
         assert ar.round == 1
