@@ -61,12 +61,9 @@ def nonfinite_mode(value: str) -> str:
 def input_of(obj, device="cpu") -> tuple[torch.Tensor, Exception | None]:
     """A reducer's input and its refusal. A non-tensor (a numpy array, a list) is refused,
     but its round still goes out: zeros on ``device`` (where the reducer's collectives take
-    their tensors: NCCL moves device tensors only) stand in for it, as many as its elements;
-    none where it has no size, or one too large to hold (a peer whose tensor is not empty
-    refuses that round as unlike). A stand-in that failed to build would leave this worker
-    a round behind its peers, each later sum paired with their previous one. A meta tensor,
-    which has a size but no values (and which Gloo "sums" without sending), is refused and
-    stood in for alike."""
+    their tensors: NCCL moves device tensors only) stand in for it (:func:`stand_in`). A
+    meta tensor, which has a size but no values (and which Gloo "sums" without sending), is
+    refused and stood in for alike."""
     if isinstance(obj, torch.Tensor) and not obj.is_meta:
         return obj, None
     error = (ValueError("a reducer takes a tensor with values, got one on the meta device")
@@ -81,11 +78,21 @@ def input_of(obj, device="cpu") -> tuple[torch.Tensor, Exception | None]:
         dtype = dtype if half_type(dtype) else torch.float32
     except Exception:  # noqa: BLE001 - a dtype that cannot be read or compared: float32
         dtype = torch.float32
+    size = obj.numel if isinstance(obj, torch.Tensor) else lambda: int(np.size(obj))
+    return stand_in(size, device, dtype), error
+
+
+def stand_in(size, device="cpu", dtype=torch.float32) -> torch.Tensor:
+    """Zeros in place of a refused input, so that its round still goes out: ``size()`` of
+    them, or none where that count cannot be read (no size, a ragged or lying one) or held
+    (too large, on this worker or every one). A peer whose tensor is not empty refuses the
+    empty round as unlike; workers that all stand in as empty refuse it alike. Making the
+    stand-in must not fail: that would leave this worker a round behind its peers, each later
+    sum paired with their previous one. Ctrl-C propagates, for the caller to abandon."""
     try:
-        n = obj.numel() if isinstance(obj, torch.Tensor) else int(np.size(obj))
-        return torch.zeros(n, device=device, dtype=dtype), error
-    except Exception:  # noqa: BLE001 - no size, a ragged or lying one: it stands in as empty
-        return torch.zeros(0, device=device, dtype=dtype), error
+        return torch.zeros(size(), device=device, dtype=dtype)
+    except Exception:  # noqa: BLE001 - see above: it stands in as empty
+        return torch.zeros(0, device=device, dtype=dtype)
 
 
 _built: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

@@ -353,13 +353,12 @@ class THCAllReduce:
         except Exception as e:  # noqa: BLE001 - torch.as_tensor raises RuntimeError too
             refusal = e
             try:   # the stand-in of its marked round
-                flat = torch.zeros(tensor.numel(), device=tensor.device)
-            except Exception:  # noqa: BLE001 - too large to hold, on every worker or this one
-                # it stands in as empty, as input_of's do: a peer with a tensor refuses it
-                return self._call(torch.zeros(0, device=tensor.device), position, refusal)
+                flat = agreement.stand_in(tensor.numel, tensor.device)
             except BaseException as lost:   # Ctrl-C: its peers wait in the round
                 agreement.owed(self.transport, self.round, "marked round", lost)
                 raise
+            if flat.numel() == 0:   # too large to hold: the empty tensor's round
+                return self._call(flat, position, refusal)
         slice_size = self.params.slice_size
         # a GPU tensor whose sums the transport adds in stream order gains nothing from
         # pieces: every step queues on the device anyway, and each piece costs host time

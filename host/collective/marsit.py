@@ -144,9 +144,7 @@ class _SignAllReduce:
         except Exception as e:  # noqa: BLE001 - every worker raises it in the agreement
             failure = e
             try:   # the stand-in of its marked round
-                flat = torch.zeros(grad.numel(), device=grad.device)
-            except Exception:  # noqa: BLE001 - too large to hold: it stands in as empty, as
-                flat = torch.zeros(0, device=grad.device)   # input_of's do (peers refuse it)
+                flat = agreement.stand_in(grad.numel, grad.device)
             except BaseException as lost:   # Ctrl-C: its peers wait in the agreement
                 DistTransport.abandon_group(self.group, f"Marsit round {self.round}: its "
                                             f"refused input's stand-in could not be made "
