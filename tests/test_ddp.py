@@ -1194,6 +1194,47 @@ def test_gradient_accumulation_on_every_rank_stays_in_step(kind):
     assert res[0] == res[1] == ["ok", "accumulated", "ok", "ok"], res
 
 
+def _probe_worker(rank, port, q, kind, alone):
+    """Three DDP steps with ``kind``'s hook. In step 0 rank 1 runs a forward under
+    ``no_sync`` between its synced forward and that forward's backward (a probe, never
+    backpropagated), and (``alone``) rank 0 first accumulates a micro-batch under ``no_sync``
+    alone: each step's outcome on this rank."""
+    model, ddp = _hooked(rank, port, kind)
+    loss_of = torch.nn.functional.cross_entropy
+    out = []
+    for step in range(3):
+        x, y = _data(rank * 10 + step)
+        try:
+            if step == 0 and rank == 0 and alone:
+                with ddp.no_sync():
+                    loss_of(ddp(*_data(50)[:1]), _data(50)[1]).backward()
+            loss = loss_of(ddp(x), y)
+            if step == 0 and rank == 1:
+                with ddp.no_sync():
+                    ddp(x)
+            loss.backward()
+            out.append("ok")
+        except (ValueError, RuntimeError) as e:
+            out.append(str(e))
+        model.zero_grad(set_to_none=True)
+    q.put((rank, out))
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_probe_forward_under_no_sync_counts_no_stretch(kind):
+    """A stretch counted at the first gradient after a forward under no_sync, whatever that
+    backward ran through: rank 1's probe forward counted as one, so every later step was
+    refused ("a worker missed a round"), and beside rank 0's step accumulated alone it
+    stood in for rank 0's stretch: both ranks took the sum of rank 0's two micro-batches and
+    rank 1's one. A stretch now counts where a backward runs through its outputs."""
+    res = gloo_pair(functools.partial(_probe_worker, kind=kind, alone=False))
+    assert res[0] == res[1] == ["ok"] * 3, res
+    res = gloo_pair(functools.partial(_probe_worker, kind=kind, alone=True))
+    for rank in (0, 1):
+        assert all("no_sync alone" in text for text in res[rank]), (rank, res[rank])
+
+
 def _peer_absent_worker(rank, port, q, exits=False):
     """Rank 0 runs a DDP step with THC's hook; rank 1 runs its forward and never its backward
     (it raised in between, say), then waits out rank 0's timeout or (``exits``) its process

@@ -39,11 +39,12 @@ import threading
 import time
 import weakref
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, is_dataclass
 from typing import Callable
 
 import torch
 import torch.distributed as dist
+from torch.autograd.graph import register_multi_grad_hook
 
 from thc.codec.baselines import TopK
 from thc.codec.common import NonFiniteInput, scale_factor
@@ -131,6 +132,30 @@ _CLIENTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _check_client`)."""
 
 
+def _tensors_in(output) -> list[torch.Tensor] | None:
+    """The tensors of a forward's output (nested lists, tuples, dicts, dataclasses); None
+    where it holds an object of another kind, which may hold tensors unseen."""
+    if isinstance(output, torch.Tensor):
+        return [output]
+    if output is None or isinstance(output, (str, bytes, int, float, bool)):
+        return []
+    if isinstance(output, dict):
+        items = list(output.values())
+    elif isinstance(output, (list, tuple)):
+        items = list(output)
+    elif is_dataclass(output) and not isinstance(output, type):
+        items = [getattr(output, f.name) for f in fields(output)]
+    else:
+        return None
+    found: list[torch.Tensor] = []
+    for item in items:
+        inner = _tensors_in(item)
+        if inner is None:
+            return None
+        found += inner
+    return found
+
+
 def _remove_all(handles) -> None:
     for h in handles:
         h.remove()
@@ -204,9 +229,14 @@ class _Hook:
         ``no_sync``), which adds no gradient."""
         self._synced = True
         """Whether the last forward with autograd on would sync its backward."""
+        self._stretch = 0
+        """Stretches begun: forwards under ``no_sync`` after a synced one (or none) begin one."""
+        self._counted = 0
+        """The last begun stretch counted in :attr:`_stretches` (a backward ran through it)."""
         self._open = False
-        """Whether a stretch began (a forward under ``no_sync`` after a synced one) and no
-        backward has run in it yet."""
+        """Whether a forward of the current stretch returned what :func:`_tensors_in` cannot
+        see into: its stretch counts at the next gradient accumulated, as if a backward ran
+        through it."""
         self._stretch_lock = threading.Lock()
         self._stretches_of: dict[int, int] = {}
         """Per reducer (by id; the hook keeps them alive), the stretches its rounds count."""
@@ -276,7 +306,8 @@ class _Hook:
                              f"group= the DDP model's process group")
         ddp_model.register_comm_hook(None, self.hook)
         self._ddp = weakref.ref(ddp_model)
-        handles = [ddp_model.register_forward_pre_hook(self._see_forward)]
+        handles = [ddp_model.register_forward_pre_hook(self._see_forward),
+                   ddp_model.register_forward_hook(self._see_output)]
         handles += [p.register_post_accumulate_grad_hook(self._see_gradient)
                     for p in (module.parameters() if module is not None else ())
                     if p.requires_grad]
@@ -291,16 +322,45 @@ class _Hook:
         if torch.is_grad_enabled():
             synced = getattr(module, "require_backward_grad_sync", True)
             with self._stretch_lock:
-                self._open = not synced and (self._open or self._synced)
+                if not synced and self._synced:
+                    self._stretch += 1
+                    self._open = False
                 self._synced = synced
 
+    def _see_output(self, module, args, output) -> None:
+        """A forward hook: a backward through the outputs of a forward under ``no_sync``
+        counts its stretch, once. Not the forward itself: a forward whose output no backward
+        runs through (a probe, an evaluation with autograd on) adds no gradient, and DDP
+        syncs the next synced forward's backward as usual."""
+        if not torch.is_grad_enabled() or getattr(module, "require_backward_grad_sync", True):
+            return
+        tensors = _tensors_in(output)
+        with self._stretch_lock:
+            stretch = self._stretch
+            if tensors is None:
+                self._open = True
+                return
+        needs = [t for t in tensors if t.requires_grad]
+        if needs:
+            register_multi_grad_hook(needs, lambda _grad: self._ran_through(stretch),
+                                     mode="any")
+
+    def _ran_through(self, stretch: int) -> None:
+        with self._stretch_lock:
+            if self._counted < stretch:
+                self._counted = stretch
+                self._stretches += 1
+
     def _see_gradient(self, param) -> None:
-        """A gradient accumulated (autograd's threads): the open stretch counts, once."""
+        """A gradient accumulated (autograd's threads): a stretch whose outputs could not be
+        seen counts, once."""
         if self._open:
             with self._stretch_lock:
                 if self._open and not self._synced:
-                    self._stretches += 1
                     self._open = False
+                    if self._counted < self._stretch:
+                        self._counted = self._stretch
+                        self._stretches += 1
 
     def hook(self, state, bucket):  # unannotated: DDP rejects string annotations
         buf = bucket.buffer()
