@@ -331,6 +331,48 @@ def test_main_job_through_bmv2_has_the_software_losses_step_by_step(tmp_path):
     assert "identical losses" in out.stdout
 
 
+def _canned_run(name, losses, diverged_at=None):
+    """What ``mainjob._run_mode`` returns for a mode that trained three steps."""
+    acc, secs = (0.79, 2.0) if name == "fp32" else (0.8, 1.0)
+    hist = [{"epoch": 1.0, "accuracy": acc, "seconds": secs, "steps": 3, "bytes_sent": 100,
+             "step_losses": losses, "replicas_agree": diverged_at is None}]
+    bound = 3 if name == "thc-bmv2" else None
+    return {"mode": name, "description": "", "testbed": "loopback", "dataset": "digits",
+            "dataset_note": "", "params": 1000, "history": hist, "wall_seconds": 1,
+            "train_seconds": secs, "final_accuracy": acc, "epochs_done": 1.0,
+            "epochs_asked": 1, "stopped": bound and "bounded to 3 steps (--bmv2-steps)",
+            "step_bound": bound, "wire_bytes": 100, "wire_source": "counted",
+            "agg_link_bytes": None, "comm_seconds": None, "exposed_comm_seconds": None,
+            "loss_bound": 0.0, "priorities": False, "congestion": None,
+            "class_queued_links": False, "short_chunks": None,
+            "replicas_diverged_at": diverged_at}
+
+
+@pytest.mark.parametrize("case", ["agree", "losses", "diverged"])
+def test_a_failed_check_fails_the_main_job(monkeypatch, capsys, tmp_path, case):
+    """BMv2's losses unlike THC's through the software aggregators, or a mode whose workers'
+    parameters differed, were printed and the run exited 0 (``make run`` passed); the
+    difference was named by its 0-based index as a step."""
+    monkeypatch.setattr(mainjob, "bmv2_unavailable_reason", lambda: None)
+    monkeypatch.setattr(mainjob, "probe_bmv2", lambda: {"build": "canned"})
+    bmv2 = [2.3, 2.1, 1.9] if case == "losses" else [2.3, 2.0, 1.7]
+    monkeypatch.setattr(mainjob, "_run_mode", lambda name, args, bar: _canned_run(
+        name, bmv2 if name == "thc-bmv2" else [2.3, 2.0, 1.7],
+        3 if case == "diverged" and name == "thc" else None))
+    args = _main_args("--loopback", "--workers", "2", "--modes", "fp32,thc,thc-bmv2",
+                      "--out", str(tmp_path))
+    assert mainjob.run(args) == (0 if case == "agree" else 1)
+    out = capsys.readouterr().out
+    report = json.loads((tmp_path / "mainjob.json").read_text())
+    if case == "losses":
+        assert report["summary"]["bmv2_vs_thc"]["first_difference"] == 2
+        assert "CHECK FAILED: thc-bmv2's losses differ from thc's from step 2 of 3" in out
+    elif case == "diverged":
+        assert "CHECK FAILED: thc: the workers' parameters differed after step 3" in out
+    else:
+        assert "CHECK FAILED" not in out and "identical losses" in out
+
+
 def _main_args(*argv):
     import argparse
     parser = argparse.ArgumentParser()
