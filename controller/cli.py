@@ -23,7 +23,7 @@ import json
 import os
 import sys
 
-from thc.app.argtypes import positive_float
+from thc.argtypes import positive_float
 from thc.controller import counters, dryrun, forwarding, installed, job_entries, jobs, targets
 from thc.controller.switch import DEFAULT_DEVICE_ID, DEFAULT_GRPC, NoProgram, Switch, SwitchError
 from thc.wire.jobs import Cluster, ConfigError

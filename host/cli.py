@@ -13,7 +13,7 @@ import argparse
 import importlib
 import sys
 
-from thc.app.argtypes import ShowDefaults
+from thc.argtypes import ShowDefaults
 
 BENCHES: dict[str, tuple[str, str]] = {
     "codec": ("thc.bench.codec", "THC encode/decode throughput vs FP16 cast and PowerSGD"),

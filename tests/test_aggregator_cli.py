@@ -76,6 +76,31 @@ def test_an_impairment_out_of_range_is_refused(tmp_path, option, value, message)
     assert "listening" not in r.stdout
 
 
+@pytest.mark.parametrize("option,value", [
+    ("--duration", "-1"), ("--duration", "0"), ("--duration", "nan"), ("--duration", "inf"),
+    ("--duration", "soon"), ("--stats-interval", "nan"), ("--stats-interval", "-1")])
+def test_times_that_serve_nothing_or_print_wrong_are_usage_errors(tmp_path, capsys, option,
+                                                                  value):
+    """--duration -1, 0 or nan served nothing and exited 0; --stats-interval nan never
+    printed, -1 printed every half second."""
+    import argparse
+
+    from thc.net import aggregator
+    parser = argparse.ArgumentParser()
+    aggregator.add_arguments(parser)
+    base = ["--config", str(tmp_path / "cluster.json")]
+    with pytest.raises(SystemExit) as e:
+        parser.parse_args([*base, option, value])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {option}: " in err
+    assert any(said in err for said in ("must be above 0", "must be 0 or more",
+                                        "not a finite number", "not a number: 'soon'"))
+    args = parser.parse_args(base)   # no --duration: serve until interrupted
+    assert args.duration is None and args.stats_interval == 5.0
+    assert parser.parse_args([*base, "--stats-interval", "0"]).stats_interval == 0   # never
+
+
 NETNS_SCRIPT = textwrap.dedent("""
     import json, subprocess, socket, sys, threading, time
     from thc.net.aggregator import Aggregator

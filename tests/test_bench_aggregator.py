@@ -72,3 +72,63 @@ def test_a_benchmarks_json_says_when_how_and_where_it_was_made(tmp_path):
     again = tmp_path / "again.json"   # a report read back and written again keeps its own
     emit_json(argparse.Namespace(json=str(again)), {**json.loads(out.read_text()), "y": 2})
     assert json.loads(again.read_text())["recorded"] == rec
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--quick", "--window", "0"], "argument --window: must be at least 1, not 0"),
+    (["--quick", "--window", "-1", "--load", "python"], "argument --window: must be at least 1"),
+    (["--chunks", "0", "--repeat", "1"], "argument --chunks: must be at least 1, not 0"),
+    (["--repeat", "0"], "argument --repeat: must be at least 1, not 0"),
+    (["--workers", "0"], "argument --workers: must be at least 1, not 0"),
+    (["--workers", "2,,3"], "argument --workers: not an integer: ''"),
+    (["--workers", "33"], "argument --workers: a job takes 1..32 workers, not 33"),
+    (["--load-procs", "0"], "argument --load-procs: must be at least 1, not 0")])
+def test_counts_that_make_no_bench_are_usage_errors(argv, message, capsys):
+    """A window or chunk count of 0 failed in the load processes while the bench waited 300 s
+    for them; 0 workers divided by zero, '2,,3' was int()'s ValueError, 0 load processes
+    max() of nothing."""
+    from thc import cli
+    with pytest.raises(SystemExit) as e:
+        cli.main(["bench", "aggregator", *argv])
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_load_procs_is_refused_where_it_would_be_ignored(capsys):
+    """--load python runs one client process a worker: --load-procs was silently dropped."""
+    from thc import cli
+    assert cli.main(["bench", "aggregator", "--load", "python", "--load-procs", "3"]) == 2
+    assert "--load-procs applies to --load compiled" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("load", ["python", pytest.param("compiled", marks=pytest.mark.skipif(
+    not fastagg.available(), reason=f"{fastagg.UNAVAILABLE}"))])
+def test_a_load_process_that_fails_ends_the_run_at_once_with_its_error(load):
+    """The bench waited 300 s on its queue for a result a dead load process would never send,
+    then ended in queue.Empty, the child's error only on stderr."""
+    import time
+
+    from thc.bench import aggregator as bench
+    from thc.wire import protocol as P
+    payloads = {w: bench._payload(P.LANES, w, 64) for w in range(2)}
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"(client of worker \d|load generator 0 \(workers "
+                                           r"0,1\)) failed: ValueError: .*(window|bad arg)"):
+        bench.run_point("python", 2, 64, P.LANES, 0, load, payloads)   # window 0
+    assert time.monotonic() - t0 < 10
+
+
+def test_a_load_process_that_dies_without_a_word_is_named_with_its_exit_code(monkeypatch):
+    import os
+    import time
+
+    from thc.bench import aggregator as bench
+    from thc.wire import protocol as P
+
+    def dies(*args):
+        os._exit(3)
+    monkeypatch.setattr(bench, "_client", dies)    # the forked clients run it
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"the client of worker \d died with exit code 3"):
+        bench.run_point("python", 2, 64, P.LANES, 8, "python", {})
+    assert time.monotonic() - t0 < 10

@@ -82,3 +82,22 @@ def test_a_finished_run_of_differing_or_wrong_results_is_no_measurement():
         "thc at 100.0 Mbit/s: the workers' results differ"]
     wrong = failed_checks(run(nmse=0.2))
     assert len(wrong) == 1 and "NMSE 0.2, no better than half an all-zero" in wrong[0]
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--numel", "0"], "argument --numel: must be at least 1, not 0"),
+    (["--numel", "-5"], "argument --numel: must be at least 1, not -5"),
+    (["--repeat", "0"], "argument --repeat: must be at least 1, not 0"),
+    (["--bmv2-numel", "0"], "argument --bmv2-numel: must be at least 1, not 0")])
+def test_counts_that_measure_nothing_are_usage_errors(argv, message, capsys):
+    """--numel 0 became the default 2,000,000 or 25,000,000 (a truth test), -5 failed in every
+    worker after the testbed was up, --repeat 0 timed one round."""
+    import argparse
+
+    from thc.emu import bench_allreduce
+    parser = argparse.ArgumentParser()
+    bench_allreduce.add_arguments(parser)
+    with pytest.raises(SystemExit) as e:
+        parser.parse_args(argv)
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err

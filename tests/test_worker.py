@@ -141,3 +141,33 @@ def test_a_worker_alone_needs_no_rendezvous_and_a_group_without_one_is_told_so()
     two = subprocess.run([sys.executable, "-c", code, "--world", "2"], capture_output=True,
                          text=True, env=env, timeout=120)
     assert two.returncode == 1 and "--world 2: give every worker --rendezvous IP:PORT" in two.stderr
+
+
+def test_a_rank_outside_its_world_is_refused_before_the_rendezvous(capsys):
+    """``--rank 3 --world 2`` reached torch, which failed on that rank only while its
+    peers waited out their group's timeout (600 s) without a word."""
+    parser = argparse.ArgumentParser()
+    worker.add_arguments(parser)
+    args = parser.parse_args(["--rank", "3", "--world", "2", "--rendezvous", "127.0.0.1:9"])
+    with pytest.raises(SystemExit, match=r"--rank 3 is outside a world of 2 workers"):
+        worker.init_group(args)
+
+
+@pytest.mark.parametrize("env, argv, said", [
+    ({"RANK": "abc"}, [], "from RANK"), ({"WORLD_SIZE": "two"}, [], "from WORLD_SIZE"),
+    ({}, ["--world", "0"], "at least 1"), ({}, ["--rank", "-1"], "at least 0"),
+    ({}, ["--rto", "0"], "above 0"), ({}, ["--deadline", "nan"], "not a finite number"),
+    ({}, ["--window", "0"], "at least 1")])
+def test_worker_flags_and_their_environment_are_checked_as_flags(monkeypatch, capsys, env,
+                                                                 argv, said):
+    """RANK=abc raised a bare ValueError while the parser was built; --rto 0 and
+    --window 0 reached the client, which failed in every worker with a traceback."""
+    for name in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    parser = argparse.ArgumentParser()
+    worker.add_arguments(parser)
+    with pytest.raises(SystemExit) as e:
+        parser.parse_args(argv)
+    assert e.value.code == 2 and said in capsys.readouterr().err

@@ -46,7 +46,7 @@ import argparse
 import math
 from dataclasses import dataclass, replace
 
-from thc.app.argtypes import (fraction, non_negative_float, positive_float, positive_floats,
+from thc.argtypes import (fraction, non_negative_float, positive_float, positive_floats,
                               positive_int, read_json)
 from thc.collective.agreement import TAG_LANES
 from thc.wire import protocol as P

@@ -32,7 +32,7 @@ import time
 import warnings
 
 from thc.app import datasets
-from thc.app.argtypes import ShowDefaults, positive_int
+from thc.argtypes import ShowDefaults, positive_int
 from thc.codec import settings
 from thc.codec.params import THCParams
 from thc.collective import worker

@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
+import queue
 import sys
 import time
 
+from thc.argtypes import positive_int
 from thc.bench import add_common, emit_json
 from thc.codec.packing import pack_bits
 from thc.codec.settings import Settings
@@ -30,21 +32,45 @@ SERVERS = ("compiled", "python", "compiled echo", "python echo")
 RUN = 1
 
 
+def worker_counts(text: str) -> list[int]:
+    """Comma-separated worker counts, each one a job can have: 0 would divide the table's
+    granularity by zero, and an empty item is a typo, not a count."""
+    counts = []
+    for part in text.split(","):
+        n = positive_int(part.strip())
+        if n > P.MAX_WORKERS:
+            raise argparse.ArgumentTypeError(f"a job takes 1..{P.MAX_WORKERS} workers, not {n}")
+        counts.append(n)
+    return counts
+
+
+def window_size(text: str) -> int:
+    """Chunks in flight per worker: at least 1, and no more than the slot field can name."""
+    n = positive_int(text)
+    if n > P.SLOT_MOD:
+        raise argparse.ArgumentTypeError(f"at most {P.SLOT_MOD} chunks in flight, not {n}")
+    return n
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_common(parser)
-    parser.add_argument("--workers", default="4", help="comma-separated worker counts")
-    parser.add_argument("--chunks", type=int, default=32768, help="chunks per worker and run")
+    parser.add_argument("--workers", type=worker_counts, default="4",
+                        help="comma-separated worker counts")
+    parser.add_argument("--chunks", type=positive_int, default=32768,
+                        help="chunks per worker and run")
     parser.add_argument("--lanes", type=int, default=None, help="lanes per packet")
-    parser.add_argument("--window", type=int, default=64, help="chunks in flight per worker")
-    parser.add_argument("--repeat", type=int, default=5,
+    parser.add_argument("--window", type=window_size, default=64,
+                        help="chunks in flight per worker")
+    parser.add_argument("--repeat", type=positive_int, default=5,
                         help="runs per server, taken in turns (the median kept)")
     parser.add_argument("--load", choices=("compiled", "python"), default="compiled",
                         help="who plays the workers: the compiled load generator (default) or "
                              "the Python client, one process per worker")
     parser.add_argument("--no-gso", dest="gso", action="store_false",
                         help="compiled servers send every reply on its own (no UDP GSO)")
-    parser.add_argument("--load-procs", type=int, default=1,
-                        help="processes the compiled load generator spreads the workers over")
+    parser.add_argument("--load-procs", type=positive_int, default=None,
+                        help="processes the compiled load generator spreads the workers over "
+                             "(--load compiled only; default 1)")
 
 
 class PythonEcho(Aggregator):
@@ -93,6 +119,52 @@ def _payload(lanes: int, w: int, chunks: int) -> bytes:
                      P.INDEX_BITS).tobytes()
 
 
+def _child(label: str, target, args, done_q) -> None:
+    """Runs ``target(*args)`` in a load process; its exception goes to the parent through
+    ``done_q`` (and the traceback to stderr), so the parent names it at once."""
+    try:
+        target(*args)
+    except BaseException as e:
+        done_q.put(("failed", label, f"{type(e).__name__}: {e}"))
+        raise
+
+
+def _gather(done_q, procs: dict[str, mp.process.BaseProcess], timeout: float = 300.0) -> list:
+    """One result from each process of ``procs`` (label -> process). A process that fails
+    or dies ends the wait at once with a RuntimeError naming it and its exception or exit
+    code, the others stopped, instead of waiting out ``timeout`` for a result that cannot come."""
+    results, end = [], time.monotonic() + timeout
+    try:
+        while len(results) < len(procs):
+            try:
+                item = done_q.get(timeout=0.1)
+            except queue.Empty:
+                dead = {k: p.exitcode for k, p in procs.items() if p.exitcode not in (None, 0)}
+                if dead:
+                    try:    # its exception, sent just before it ended, says more than the code
+                        item = done_q.get(timeout=1.0)
+                    except queue.Empty:
+                        label, code = next(iter(dead.items()))
+                        raise RuntimeError(f"{label} died with exit code {code}") from None
+                elif time.monotonic() > end:
+                    raise RuntimeError(f"no result from {', '.join(procs)} in {timeout:g} s")
+                else:
+                    continue
+            if item[0] == "failed":
+                raise RuntimeError(f"{item[1]} failed: {item[2]}")
+            results.append(item[1])
+    except BaseException:
+        for p in procs.values():
+            if p.is_alive():
+                p.terminate()
+        for p in procs.values():
+            p.join(5)
+        raise
+    for p in procs.values():
+        p.join()
+    return results
+
+
 def _client(job, w, addr, chunks, window, start_ev, done_q):
     import numpy as np
 
@@ -102,20 +174,21 @@ def _client(job, w, addr, chunks, window, start_ev, done_q):
         start_ev.wait()
         t0 = time.perf_counter()
         c.aggregate(packed)
-        done_q.put((t0, time.perf_counter(), c.stats.retransmitted))
+        done_q.put(("done", (t0, time.perf_counter(), c.stats.retransmitted)))
 
 
 def _python_load(ctx, job, addr, chunks, window) -> tuple[float, int]:
     done_q, start_ev = ctx.Queue(), ctx.Event()
-    clients = [ctx.Process(target=_client, args=(job, w, addr, chunks, window, start_ev, done_q))
-               for w in range(job.n_workers)]
-    for c in clients:
+    clients = {}
+    for w in range(job.n_workers):
+        label = f"the client of worker {w}"
+        clients[label] = ctx.Process(name=label, target=_child, args=(label, _client, (
+            job, w, addr, chunks, window, start_ev, done_q), done_q))
+    for c in clients.values():
         c.start()
     time.sleep(0.3)
     start_ev.set()
-    spans = [done_q.get(timeout=300) for _ in clients]
-    for c in clients:
-        c.join()
+    spans = _gather(done_q, clients)
     return (max(e for _, e, _ in spans) - min(s for s, _, _ in spans),
             sum(r for _, _, r in spans))
 
@@ -135,7 +208,7 @@ def _drive_group(job, workers, addr, chunks, window, payloads, start_ev, done_q)
         start_ev.wait()
         t0 = time.perf_counter()
         out = fastload.drive(socks, addr, job, RUN, chunks, window, payloads)
-        done_q.put((t0, time.perf_counter(), out))
+        done_q.put(("done", (t0, time.perf_counter(), out)))
     finally:
         for s in socks.values():
             s.close()
@@ -145,15 +218,16 @@ def _compiled_load(ctx, job, addr, chunks, window, payloads, procs) -> tuple[flo
     """The workers split over ``procs`` load-generator processes, started together."""
     done_q, start_ev = ctx.Queue(), ctx.Event()
     groups = [list(range(job.n_workers))[i::procs] for i in range(procs)]
-    gens = [ctx.Process(target=_drive_group, args=(job, g, addr, chunks, window, payloads,
-                                                   start_ev, done_q)) for g in groups if g]
-    for g in gens:
+    gens = {}
+    for i, g in enumerate(x for x in groups if x):
+        label = f"load generator {i} (workers {','.join(map(str, g))})"
+        gens[label] = ctx.Process(name=label, target=_child, args=(label, _drive_group, (
+            job, g, addr, chunks, window, payloads, start_ev, done_q), done_q))
+    for g in gens.values():
         g.start()
     time.sleep(0.3)
     start_ev.set()
-    spans = [done_q.get(timeout=300) for _ in gens]
-    for g in gens:
-        g.join()
+    spans = _gather(done_q, gens)
     for _, _, out in spans:
         if not out["complete"]:
             raise RuntimeError(f"the load generator did not finish: {out}")
@@ -164,7 +238,8 @@ def _compiled_load(ctx, job, addr, chunks, window, payloads, procs) -> tuple[flo
 def run_point(kind: str, n: int, chunks: int, lanes: int, window: int, load: str,
               payloads: dict[int, bytes], procs: int = 1, gso: bool = True) -> dict:
     ctx = mp.get_context("fork")
-    job = local_job(1, n, free_port_block(n), pool_size=max(window, 64), lanes=lanes,
+    pool = 1 << (max(window, 64) - 1).bit_length()   # a power of two, as a job's pool is
+    job = local_job(1, n, free_port_block(n), pool_size=pool, lanes=lanes,
                     granularity=255 // n)
     port_q, count_q, stop_ev = ctx.Queue(), ctx.Queue(), ctx.Event()
     server = ctx.Process(target=_serve, args=(kind, [job], port_q, stop_ev, count_q, gso))
@@ -176,8 +251,13 @@ def run_point(kind: str, n: int, chunks: int, lanes: int, window: int, load: str
         else:
             elapsed, retransmitted = _compiled_load(ctx, job, addr, chunks, window, payloads,
                                                     procs)
-    finally:
+    except BaseException:
         stop_ev.set()
+        server.join(5)
+        if server.is_alive():
+            server.terminate()
+        raise
+    stop_ev.set()
     handled = count_q.get(timeout=30)
     server.join()
     return {"server": kind, "workers": n, "lanes": lanes, "chunks": chunks, "load": load,
@@ -194,8 +274,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         P.check_lanes(lanes)
         settings = Settings.from_env()      # ValueError: a bad THC_* variable
-        if args.repeat < 1:
-            raise ValueError(f"--repeat must be at least 1, not {args.repeat}")
+        if args.load == "python" and args.load_procs is not None:
+            raise ValueError("--load-procs applies to --load compiled; --load python runs one "
+                             "client process a worker")
     except ValueError as e:
         print(f"thc bench aggregator: {e}", file=sys.stderr)
         return 2
@@ -204,24 +285,29 @@ def run(args: argparse.Namespace) -> int:
         return 2
     chunks = 2048 if args.quick else args.chunks
     repeat = 1 if args.quick else args.repeat
+    procs = None if args.load == "python" else args.load_procs or 1
     rows = []
     print(f"aggregators vs UDP echoes, {lanes} lanes/packet, {chunks} chunks per worker, "
           f"window {args.window}, compiled servers {'with' if args.gso else 'without'} UDP GSO, "
           f"load: "
-          + (f"compiled load generator in {args.load_procs} process(es)"
+          + (f"compiled load generator in {procs} process(es)"
              if args.load == "compiled" else f"AggregationClient processes, one a worker, "
                                              f"client datapath {resolve_datapath(None, settings)} "
                                              f"(THC_CLIENT_DATAPATH)"))
     print(f"{'workers':>7} {'server':>14} {'pkts/s in':>12} {'coords/s':>14} {'seconds':>8} "
           f"{'resent':>7}")
-    for n in [int(x) for x in args.workers.split(",")]:
+    for n in args.workers:
         payloads = {} if args.load == "python" else {w: _payload(lanes, w, chunks)
                                                      for w in range(n)}
         runs = {kind: [] for kind in SERVERS}
-        for _ in range(repeat):   # in turns: a load that comes and goes meets every server
-            for kind in SERVERS:
-                runs[kind].append(run_point(kind, n, chunks, lanes, args.window, args.load,
-                                            payloads, args.load_procs, args.gso))
+        try:
+            for _ in range(repeat):   # in turns: a load that comes and goes meets every server
+                for kind in SERVERS:
+                    runs[kind].append(run_point(kind, n, chunks, lanes, args.window, args.load,
+                                                payloads, procs or 1, args.gso))
+        except RuntimeError as e:
+            print(f"thc bench aggregator: {e}", file=sys.stderr)
+            return 1
         median = {}
         for kind in SERVERS:
             ordered = sorted(runs[kind], key=lambda r: r["packets_in_per_s"])
@@ -247,6 +333,6 @@ def run(args: argparse.Namespace) -> int:
     emit_json(args, {"benchmark": "aggregator", "lanes": lanes, "load": args.load,
                      "client_datapath": resolve_datapath(None, settings) if args.load == "python"
                      else None,
-                     "load_procs": args.load_procs, "window": args.window, "gso": args.gso,
+                     "load_procs": procs, "window": args.window, "gso": args.gso,
                      "rows": rows})
     return 0

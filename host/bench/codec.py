@@ -39,11 +39,18 @@ import statistics
 import sys
 import time
 
+from thc.argtypes import positive_int
 from thc.bench import add_common, emit_json, figure, save_figure
 from thc.codec import settings
 from thc.codec.common import wire_sum_dtype
 from thc.codec.params import THCParams
 from thc.codec.thc import THCCodec
+
+
+def ranks(text: str) -> list[int]:
+    """Comma-separated PowerSGD ranks, each at least 1 (a rank-0 PowerSGD sends nothing and
+    is no baseline); '' for none."""
+    return [positive_int(r.strip()) for r in text.split(",") if r.strip()]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -56,10 +63,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also time the reference path (default: yes)")
     parser.add_argument("--sizes", default=None,
                         help="log2 sizes, e.g. 20-26 or 20,24 (default 20-26; 16 with --quick)")
-    parser.add_argument("--size", type=int, default=None, help="one size in elements")
-    parser.add_argument("--repeat", type=int, default=5, help="runs per figure (median)")
+    parser.add_argument("--size", type=positive_int, default=None, help="one size in elements")
+    parser.add_argument("--repeat", type=positive_int, default=5,
+                        help="runs per figure (median)")
     THCParams.add_arguments(parser, seed=False)
-    parser.add_argument("--ranks", default="1,4", help="PowerSGD ranks (default 1,4; '' none)")
+    parser.add_argument("--ranks", type=ranks, default="1,4",
+                        help="PowerSGD ranks (default 1,4; '' none)")
     add_common(parser, plot="out/bench_codec.png")
 
 
@@ -234,8 +243,7 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         params = THCParams.from_args(args)
-        ranks = [int(r) for r in args.ranks.split(",") if r.strip()]
-        if args.size:
+        if args.size is not None:
             sizes = [args.size]
         else:
             sizes = parse_sizes(args.sizes or ("16" if args.quick else "20-26"))
@@ -247,14 +255,12 @@ def run(args: argparse.Namespace) -> int:
         if device.type not in ("cpu", "cuda"):
             raise ValueError(f"--device must be cpu or cuda, got {args.device}")
         chosen = settings.current()         # ValueError: a bad THC_* variable
+        resolved(args.backend, torch.zeros(1, device=device))   # RuntimeError: cannot run here
     except (ValueError, RuntimeError) as e:
         print(f"thc bench codec: {e}", file=sys.stderr)
         return 2
-    if min(sizes) < 1:
-        print("thc bench codec: sizes must be >= 1", file=sys.stderr)
-        return 2
     print(f"thc bench codec: {chosen.describe()}", file=sys.stderr)
-    repeat = max(1, min(args.repeat, 2) if args.quick else args.repeat)
+    repeat = min(args.repeat, 2) if args.quick else args.repeat
     cuda = device.type == "cuda"
     reference = args.reference
     out = sys.stderr if args.json == "-" else sys.stdout
@@ -266,8 +272,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         with (_one_blas_thread() if not cuda else contextlib.nullcontext()):
             for n in sizes:
-                rows += _measure(n, device, args.backend, reference, ranks, params, repeat,
-                                 sync)
+                rows += _measure(n, device, args.backend, reference, args.ranks, params,
+                                 repeat, sync)
                 if cuda:
                     torch.cuda.empty_cache()
     finally:

@@ -12,6 +12,7 @@ import os
 import sys
 from datetime import timedelta
 
+from thc.argtypes import defaulted_from, non_negative_int, positive_float, positive_int
 from thc.codec import settings
 from thc.net.addresses import parse_hostport
 from thc.net.client import AggregationClient
@@ -31,13 +32,14 @@ def add_arguments(parser: argparse.ArgumentParser, *, process_group: bool = True
                   deadline: float = 30.0) -> None:
     """A worker's flags: its rank, the process group it joins (``process_group``), and its
     aggregation client (``--config`` onward; a mode without an aggregator ignores them)."""
-    env_rank = os.environ.get("RANK")
-    parser.add_argument("--rank", type=int, default=int(env_rank or 0),
+    parser.add_argument("--rank", type=defaulted_from(non_negative_int, "RANK"),
+                        default=os.environ.get("RANK", "0"),
                         help="this worker's rank, its worker id in the job (default: RANK, "
                              "else 0)")
     if process_group:
         group = parser.add_argument_group("process group (torch.distributed, Gloo)")
-        group.add_argument("--world", type=int, default=int(os.environ.get("WORLD_SIZE", 1)),
+        group.add_argument("--world", type=defaulted_from(positive_int, "WORLD_SIZE"),
+                           default=os.environ.get("WORLD_SIZE", "1"),
                            help="workers in the group (default: WORLD_SIZE, else 1)")
         group.add_argument("--rendezvous", default=None, metavar="IP:PORT",
                            help="TCP rendezvous (default: env://, as torchrun sets it; a "
@@ -51,12 +53,12 @@ def add_arguments(parser: argparse.ArgumentParser, *, process_group: bool = True
                         help="run id, the same on every worker, torchrun's restart count "
                              "added as to THC_RUN (default: THC_RUN, else rank 0's clock "
                              "broadcast over the process group)")
-    client.add_argument("--deadline", type=float, default=deadline,
+    client.add_argument("--deadline", type=positive_float, default=deadline,
                         help=f"seconds a chunk may take before the round fails "
                              f"(default {deadline:g})")
-    client.add_argument("--window", type=int, default=None,
+    client.add_argument("--window", type=positive_int, default=None,
                         help="chunks in flight (default: the client's, at most the job's pool)")
-    client.add_argument("--rto", type=float, default=0.02,
+    client.add_argument("--rto", type=positive_float, default=0.02,
                         help="initial retransmission timeout, and the least margin over the "
                              "smoothed round trip, seconds")
     client.add_argument("--loss-bound", type=loss_bound_arg, default=None, metavar="F",
@@ -69,6 +71,10 @@ def init_group(args: argparse.Namespace, timeout: float | None = None) -> None:
     wait, default torch's)."""
     import torch.distributed as dist
     extra = {} if timeout is None else {"timeout": timedelta(seconds=timeout)}
+    if not 0 <= args.rank < args.world:
+        # torch would fail on this rank only, and its peers wait out their group's timeout
+        raise SystemExit(f"--rank {args.rank} is outside a world of {args.world} workers "
+                         f"(ranks 0..{args.world - 1})")
     if not args.rendezvous and "MASTER_ADDR" not in os.environ:
         if args.world != 1:
             raise SystemExit(f"--world {args.world}: give every worker --rendezvous IP:PORT (rank "

@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 from time import monotonic
 
+from thc.argtypes import non_negative_float, positive_float
 from thc.codec import settings
 from thc.net.addresses import (PKTINFO_SPACE, answer_from_destination, destination,
                                 parse_hostport, send_from)
@@ -163,11 +164,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", required=True, help="cluster JSON (the controller's format)")
     parser.add_argument("--shard", type=int, default=None, metavar="INDEX",
                         help="run as this shard of the jobs' shard maps (sharded jobs only)")
-    parser.add_argument("--stats-interval", type=float, default=5.0,
+    parser.add_argument("--stats-interval", type=non_negative_float, default=5.0,
                         help="print counters as a JSON line every N seconds (0: never; "
                              "default: %(default)s)")
     parser.add_argument("--stats-file", help="rewrite counters as JSON to this file while running")
-    parser.add_argument("--duration", type=float, help="exit after N seconds")
+    parser.add_argument("--duration", type=positive_float,
+                        help="exit after N seconds (default: serve until interrupted)")
     settings.add_arguments(parser, "aggregator_datapath")
     parser.add_argument("--no-gso", dest="gso", action="store_false",
                         help="compiled datapath: send every reply on its own, never as one UDP "

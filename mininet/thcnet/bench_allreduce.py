@@ -37,6 +37,7 @@ import statistics
 import sys
 import time
 
+from thc.argtypes import positive_int
 from thc.bench import add_common, emit_json
 from thc.codec.params import THCParams
 from thc.wire import protocol as P
@@ -57,7 +58,7 @@ queue in the switch and, with a short timeout, turn into spurious retransmission
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_common(parser, plot="out/allreduce.png")
-    parser.add_argument("--numel", type=int, default=None,
+    parser.add_argument("--numel", type=positive_int, default=None,
                         help="gradient elements (default 25,000,000; --quick: 2,000,000)")
     testbed.add_arguments(parser, timeout=1800.0)
     parser.add_argument("--bw", default="100,1000", help="comma-separated link Mbit/s")
@@ -65,7 +66,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="THC through which aggregators, comma-separated from "
                              f"{','.join(LAYOUTS)} (default sharded,bmv2: BMv2 when available; "
                              "central: the single software aggregator on its own host)")
-    parser.add_argument("--repeat", type=int, default=None,
+    parser.add_argument("--repeat", type=positive_int, default=None,
                         help="timed rounds per mode (default 3; --quick: 1)")
     testbed.add_job_arguments(parser, lanes=0, pool_size=128, window=32)
     parser.add_argument("--error-feedback", action="store_true",
@@ -73,7 +74,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ring", default="fp16,thc-dist", type=_rings,
                         help="all-reduces through the Gloo ring beside FP32, comma-separated "
                              f"from {','.join(RINGS)} (default both; '' for none)")
-    parser.add_argument("--bmv2-numel", type=int, default=1 << 18,
+    parser.add_argument("--bmv2-numel", type=positive_int, default=1 << 18,
                         help="elements timed through BMv2 and, for its baseline, FP32 in the "
                              "same testbed (BMv2 adds a few thousand packets a second)")
 
@@ -197,8 +198,8 @@ def _fmt_bytes(b: float | None) -> str:
 
 def run(args: argparse.Namespace) -> int:
 
-    numel = args.numel or (2_000_000 if args.quick else 25_000_000)
-    repeat = args.repeat or (1 if args.quick else 3)
+    numel = args.numel if args.numel is not None else 2_000_000 if args.quick else 25_000_000
+    repeat = args.repeat if args.repeat is not None else 1 if args.quick else 3
     bws = [float(b) for b in args.bw.split(",") if b.strip()]
     p = args.workers
     if args.lanes == 0:

@@ -32,7 +32,7 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from thc.app.argtypes import positive_int
+from thc.argtypes import positive_int
 from thc.app.datasets import AUTO, DATASETS, fashion_dir, resolve
 from thc.bench import provenance
 from thc.codec import settings

@@ -13,6 +13,7 @@ import json
 import sys
 import time
 
+from thc.argtypes import positive_float
 from thc.emu.smoke_worker import digest, reference_sums
 from thc.emu import testbed
 from thc.emu.testbed import TestbedError, WorkerError, open_testbed
@@ -32,7 +33,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                          "bmv2: the switch")
     ap.add_argument("--numel", type=int, default=1 << 20, help="elements per worker")
     ap.add_argument("--seed", type=int, default=1234)
-    ap.add_argument("--rto", type=float, default=0.02, help="minimum retransmission timeout (s)")
+    ap.add_argument("--rto", type=positive_float, default=0.02,
+                    help="minimum retransmission timeout (s)")
     ap.add_argument("--verbose", action="store_true", help="show Mininet's own log")
 
 

@@ -32,7 +32,7 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from thc.app.argtypes import positive_int, read_json
+from thc.argtypes import positive_int, read_json
 from thc.app.breakeven import analyse
 from thc.app.datasets import AUTO, DATASETS
 from thc.bench import cpu_model

@@ -28,7 +28,7 @@ from __future__ import annotations
 import argparse
 import shutil
 
-from thc.app.argtypes import non_negative_float, percent, positive_float, positive_int
+from thc.argtypes import non_negative_float, percent, positive_float, positive_int
 from thc.codec.params import THCParams
 from thc.testing.clusters import free_port_block
 from thc.wire.jobs import Cluster, Shard, Worker

@@ -44,6 +44,28 @@ def positive_int(text: str) -> int:
     return value
 
 
+def non_negative_int(text: str) -> int:
+    """A count or index that may be 0 (a rank) and not below."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be at least 0, not {value}")
+    return value
+
+
+def defaulted_from(parse, env: str):
+    """``parse`` for a flag whose default is the environment variable ``env``'s text: its
+    error says where a bad value came from (RANK=abc, not a flag the user typed)."""
+    def parse_named(text: str):
+        try:
+            return parse(text)
+        except argparse.ArgumentTypeError as e:
+            raise argparse.ArgumentTypeError(f"{e} (the default comes from {env})") from None
+    return parse_named
+
+
 def _number(text: str) -> float:
     try:
         value = float(text)
