@@ -101,10 +101,12 @@ def fraction(text: str) -> float:
     return value
 
 
-def percent(text: str) -> float:
+def loss_percent(text: str) -> float:
+    """A link's loss, percent: 0 up to, not including, 100 (a link that loses every packet
+    carries no job; the round would end only at its deadline)."""
     value = _number(text)
-    if not 0 <= value <= 100:
-        raise argparse.ArgumentTypeError(f"a percentage lies in 0..100, not {text}")
+    if not 0 <= value < 100:
+        raise argparse.ArgumentTypeError(f"a loss lies in [0, 100) percent, not {text}")
     return value
 
 

@@ -97,8 +97,9 @@ def test_the_bench_list_in_the_usage_is_the_benches_table(capsys):
     (["run", "--loopback", "--software-lanes", "7"], {}, "thc run: --software-lanes 7"),
     (["run", "--loopback", "--workers", "33"], {}, "thc run: --workers 33: a job takes 1..32"),
     (["run", "--loopback", "--modes", ""], {}, "thc run: --modes names no mode"),
-    (["run", "--loopback", "--timeout", "-5"], {}, "thc run: --timeout -5: give a positive"),
-    (["run", "--loopback", "--bmv2-timeout", "nan"], {}, "thc run: --bmv2-timeout nan")])
+    (["run", "--loopback", "--timeout", "-5"], {}, "argument --timeout: must be above 0"),
+    (["run", "--loopback", "--bmv2-timeout", "nan"], {},
+     "argument --bmv2-timeout: not a finite number")])
 def test_bad_settings_and_flags_are_usage_errors_before_any_work(argv, env, message,
                                                                  monkeypatch, capsys, tmp_path):
     """A bad THC_* variable was a ValueError traceback; thc run's flags failed only once a
@@ -113,11 +114,13 @@ def test_bad_settings_and_flags_are_usage_errors_before_any_work(argv, env, mess
         monkeypatch.setenv(name, value)
     settings.reset()
     try:
-        assert cli.main([*argv, *(["--out", str(tmp_path)] if argv[0] == "run" else [])]) == 2
+        code = cli.main([*argv, *(["--out", str(tmp_path)] if argv[0] == "run" else [])])
+    except SystemExit as e:     # the parser's refusal
+        code = e.code
     finally:
         settings.reset()
     out = capsys.readouterr()
-    assert message in out.out + out.err
+    assert code == 2 and message in out.out + out.err
     assert list(tmp_path.iterdir()) == [], "nothing was written"
 
 
@@ -150,7 +153,16 @@ def _files(tmp: Path) -> None:
      "thc run: cannot create --out /proc/thc-out"),
     (["run", "--loopback", "--bw", "-5"], "argument --bw: must be above 0, not -5"),
     (["run", "--loopback", "--congest", "0.5"],
-     "thc run: --congest needs the Mininet testbed: not with --loopback")])
+     "thc run: --congest needs the Mininet testbed: not with --loopback"),
+    (["run", "--loopback", "--loss", "2"],
+     "thc run: --loss 2 need emulated links (Mininet): not with --loopback"),
+    (["run", "--loss", "100"], "argument --loss: a loss lies in [0, 100) percent, not 100"),
+    (["run", "--software-lanes", "-4"], "argument --software-lanes: must be at least 0"),
+    (["sweep", "--bw", "50,x"], "argument --bw: not a number: 'x'"),
+    (["sweep", "--target", "73"], "argument --target: a fraction lies in (0, 1], not 73"),
+    (["bench", "allreduce", "--bw", "100,nan"], "argument --bw: not a finite number: 'nan'"),
+    (["bench", "dlcp", "--loss-bound", "2"], "argument --loss-bound: "),
+    (["bench", "dlcp", "--layers", "0"], "argument --layers: must be at least 1, not 0")])
 def test_user_mistakes_end_in_a_message_not_a_traceback(argv, message, tmp_path, capsys,
                                                        monkeypatch):
     """Each of these ended in a Python traceback (a missing or foreign JSON, a report the

@@ -12,3 +12,21 @@ def test_a_retransmission_timeout_that_is_no_time_is_a_usage_error(value, capsys
         run.main(["--rto", value])
     assert e.value.code == 2
     assert "argument --rto: " in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["--loopback", "--delay", "5"], "--delay 5 need emulated links (Mininet): not with "
+                                     "--loopback"),
+    (["--loopback", "--loss", "1", "--delay", "2"], "--delay 2 and --loss 1 need emulated"),
+    (["--loss", "100"], "a loss lies in [0, 100) percent"),
+    (["--numel", "0"], "must be at least 1"), (["--window", "0"], "must be at least 1"),
+    (["--timeout", "nan"], "not a finite number"), (["--lanes", "-1"], "must be at least 0")])
+def test_links_and_shapes_no_testbed_can_give_are_refused(argv, said, capsys):
+    """--loopback --delay 5 ran unshaped, saying only that links were not emulated; a loss
+    of 100% was taken and the round ended at its deadline; --numel 0 reached the workers."""
+    from thc.emu import run
+    try:
+        code = run.main(argv)        # refused by run(), before its testbed
+    except SystemExit as e:
+        code = e.code                # refused by the parser
+    assert code == 2 and said in capsys.readouterr().err

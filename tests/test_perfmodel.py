@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -263,3 +264,23 @@ def test_the_calibration_table_in_results_md_is_what_the_command_prints(capsys):
     got = sorted((g[0], g[1], g[4], g[5], g[6]) for g in printed)
     want = sorted((w[0], w[1].split()[0], w[2], w[3], w[4]) for w in quoted)
     assert got == want
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["--alpha-ms", "1", "--efficiency", "0.9"], "without --calibrate would ignore --alpha-ms, "
+                                                 "--efficiency"),
+    (["--agg-pps", "5"], "without --calibrate would ignore --agg-pps"),
+    (["--calibrate", "a.json", "--workers", "4"], "--calibrate would ignore --workers"),
+    (["--gpu-codec", "a.json", "--calibrate", "b.json"], "--gpu-codec would ignore --calibrate"),
+    (["--gpu-codec", "a.json", "--params", "1e6", "--bw", "5"],
+     "--gpu-codec would ignore --params, --bw")])
+def test_thc_model_refuses_flags_its_way_of_running_would_ignore(argv, said):
+    """--alpha-ms without --calibrate printed the plain model's table unchanged, and
+    --gpu-codec with --calibrate printed the GPU table alone, each without a word."""
+    import argparse
+
+    from thc.app import modelcmd
+    parser = argparse.ArgumentParser()
+    modelcmd.add_arguments(parser)
+    with pytest.raises(SystemExit, match=re.escape(said)):
+        modelcmd.run(parser.parse_args(argv))

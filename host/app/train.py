@@ -32,7 +32,8 @@ import time
 import warnings
 
 from thc.app import datasets
-from thc.argtypes import ShowDefaults, positive_int
+from thc.argtypes import (ShowDefaults, fraction, non_negative_float, positive_float,
+                          positive_int)
 from thc.codec import settings
 from thc.codec.params import THCParams
 from thc.collective import worker
@@ -54,6 +55,16 @@ READ_BY = {"topk_ratio": ("topk",), "no_error_feedback": _THC, "slice_size": _TH
 """The flags only some modes read: given to another, they are refused, not ignored."""
 
 
+def momentum(text: str) -> float:
+    """SGD momentum, in [0, 1): at 1 or above the velocity never decays and training
+    diverges; NaN compared unequal to itself, so the ranks' flag check refused a NaN that
+    every rank was given alike."""
+    value = non_negative_float(text)
+    if value >= 1:
+        raise argparse.ArgumentTypeError(f"momentum lies in [0, 1), not {text}")
+    return value
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mode", choices=MODES, default="thc")
     worker.add_arguments(parser)
@@ -67,10 +78,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--evals", type=positive_int, default=4,
                         help="test-set evaluations per epoch")
     parser.add_argument("--batch", type=positive_int, default=64, help="per-worker batch size")
-    parser.add_argument("--lr", type=float, default=None,
+    parser.add_argument("--lr", type=positive_float, default=None,
                         help=f"learning rate (default {DEFAULT_OPTIMIZER[0]}; Marsit modes: "
                              f"{OPTIMIZER['marsit'][0]})")
-    parser.add_argument("--momentum", type=float, default=None,
+    parser.add_argument("--momentum", type=momentum, default=None,
                         help=f"SGD momentum (default {DEFAULT_OPTIMIZER[1]}; Marsit modes: "
                              f"{OPTIMIZER['marsit'][1]})")
     parser.add_argument("--width", type=positive_int, default=None,
@@ -78,12 +89,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-steps", type=positive_int, default=None,
                         help="stop after this many optimizer steps (evaluating then)")
-    parser.add_argument("--stop-at", type=float, default=None, metavar="UNIX_TIME",
+    parser.add_argument("--stop-at", type=non_negative_float, default=None, metavar="UNIX_TIME",
                         help="stop training, and evaluate, after the last step that ends by "
                              "this wall-clock time as foreseen from the longest step so far "
                              "(every rank after the same step)")
     parser.add_argument("--threads", type=positive_int, default=1, help="torch intra-op threads")
-    parser.add_argument("--topk-ratio", type=float, default=0.1)
+    parser.add_argument("--topk-ratio", type=fraction, default=0.1,
+                        help="share of each bucket's entries TopK sends")
     parser.add_argument("--slice-size", type=int, default=1 << 16,
                         help="THC rotation slice (power of two; small slices waste less padding)")
     parser.add_argument("--no-error-feedback", action="store_true")
@@ -433,6 +445,11 @@ def main(argv=None) -> int:
         if args.mode not in modes and getattr(args, name) != parser.get_default(name):
             parser.error(f"--{name.replace('_', '-')} applies to --mode {' and '.join(modes)}: "
                          f"--mode {args.mode} would ignore it")
+    if args.mode in _THC:
+        try:
+            THCParams.from_args(args, seed=args.seed, slice_size=args.slice_size)
+        except ValueError as e:
+            parser.error(str(e))   # here, not in every rank after its process group formed
     train(args)
     return 0
 

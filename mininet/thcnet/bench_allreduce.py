@@ -37,7 +37,7 @@ import statistics
 import sys
 import time
 
-from thc.argtypes import positive_int
+from thc.argtypes import positive_floats, positive_int
 from thc.bench import add_common, emit_json
 from thc.codec.params import THCParams
 from thc.wire import protocol as P
@@ -61,7 +61,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--numel", type=positive_int, default=None,
                         help="gradient elements (default 25,000,000; --quick: 2,000,000)")
     testbed.add_arguments(parser, timeout=1800.0)
-    parser.add_argument("--bw", default="100,1000", help="comma-separated link Mbit/s")
+    parser.add_argument("--bw", type=positive_floats, default="100,1000",
+                        help="comma-separated link Mbit/s")
     parser.add_argument("--aggregator", default="sharded,bmv2", type=_aggregators,
                         help="THC through which aggregators, comma-separated from "
                              f"{','.join(LAYOUTS)} (default sharded,bmv2: BMv2 when available; "
@@ -200,7 +201,7 @@ def run(args: argparse.Namespace) -> int:
 
     numel = args.numel if args.numel is not None else 2_000_000 if args.quick else 25_000_000
     repeat = args.repeat if args.repeat is not None else 1 if args.quick else 3
-    bws = [float(b) for b in args.bw.split(",") if b.strip()]
+    bws = args.bw
     p = args.workers
     if args.lanes == 0:
         args.lanes = P.max_software_lanes(P.sum_bits_for(p, THCParams().granularity))

@@ -24,9 +24,11 @@ import sys
 
 import numpy as np
 
+from thc.argtypes import non_negative_float, positive_float, positive_int
 from thc.bench import add_common, emit_json
 from thc.codec.params import THCParams
 from thc.wire import protocol as P
+from thc.wire.jobs import loss_bound_arg
 from thc.emu.base import worker_ip
 from thc.emu import testbed
 from thc.emu.testbed import TestbedError, WorkerError, mininet_unavailable_reason, open_testbed
@@ -39,19 +41,19 @@ MODES = {"retransmit": (0.0, False), "bound": (None, False), "bound+prio": (None
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_common(parser)
     testbed.add_arguments(parser, timeout=900.0, loopback=False)
-    parser.add_argument("--bw", type=float, default=20.0, help="worker link Mbit/s")
-    parser.add_argument("--competing", type=float, default=0.8,
+    parser.add_argument("--bw", type=positive_float, default=20.0, help="worker link Mbit/s")
+    parser.add_argument("--competing", type=non_negative_float, default=0.8,
                         help="competing UDP flow per worker, as a fraction of --bw")
-    parser.add_argument("--numel", type=int, default=1 << 18,
+    parser.add_argument("--numel", type=positive_int, default=1 << 18,
                         help="gradient elements per round, split over --layers")
-    parser.add_argument("--layers", type=int, default=8,
+    parser.add_argument("--layers", type=positive_int, default=8,
                         help="equal layers of the gradient, each with its own scale; with "
                              "priorities, its DLCP class follows its position")
-    parser.add_argument("--rounds", type=int, default=None, help="default 40; --quick: 10")
-    parser.add_argument("--loss-bound", type=float, default=0.05,
+    parser.add_argument("--rounds", type=positive_int, default=None, help="default 40; --quick: 10")
+    parser.add_argument("--loss-bound", type=loss_bound_arg, default=0.05,
                         help="the job's loss_bound: the share of a round's chunks that may "
                              "close short (docs/protocol.md, \"Bounded loss\")")
-    parser.add_argument("--pool-size", type=int, default=64,
+    parser.add_argument("--pool-size", type=positive_int, default=64,
                         help="the job's slots: chunks a worker keeps in flight")
 
 

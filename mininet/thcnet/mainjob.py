@@ -32,7 +32,7 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from thc.argtypes import positive_int
+from thc.argtypes import non_negative_float, non_negative_int, positive_float, positive_int
 from thc.app.datasets import AUTO, DATASETS, fashion_dir, resolve
 from thc.bench import provenance
 from thc.codec import settings
@@ -132,10 +132,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--loss-bound", type=loss_bound_arg, default=0.05, metavar="F",
                         help="thc-lossy/thc-dlcp: fraction of a round's chunks, in [0, 1), "
                              "that may close short instead of being retransmitted")
-    parser.add_argument("--congest", type=_fraction, default=0.0, metavar="F",
+    parser.add_argument("--congest", type=non_negative_float, default=0.0, metavar="F",
                         help="a competing UDP flow (iperf) from every worker at F x --bw, to "
                              "the aggregator's host (else the next worker); needs Mininet")
-    parser.add_argument("--software-lanes", type=int, default=0,
+    parser.add_argument("--software-lanes", type=non_negative_int, default=0,
                         help="lanes per packet for the software aggregator (default 0: the "
                              f"most that fit one MTU, {MAX_SOFTWARE_LANES} for 8-bit sums, "
                              "half for 16-bit)")
@@ -146,7 +146,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"through BMv2 on 2 cores); their losses are compared step by step "
                              f"with thc's. 'all' trains them for every epoch like the other "
                              f"modes (234 steps: 36 minutes or more; make run-bmv2)")
-    parser.add_argument("--bmv2-timeout", type=float, default=3600.0,
+    parser.add_argument("--bmv2-timeout", type=positive_float, default=3600.0,
                         help="the limit for modes through BMv2 (default 3600 s; a lower limit "
                              "stops the mode where it got and still compares its losses with "
                              "THC's)")
@@ -175,9 +175,6 @@ def check_args(args: argparse.Namespace, modes: list[str]) -> str | None:
                f"choose from {list(MODES)}"
     if not 1 <= args.workers <= MAX_TESTBED_WORKERS:
         return f"--workers {args.workers}: a job takes 1..{MAX_TESTBED_WORKERS} workers"
-    for flag, value in (("--timeout", args.timeout), ("--bmv2-timeout", args.bmv2_timeout)):
-        if not 0 < value < float("inf"):
-            return f"{flag} {value:g}: give a positive number of seconds"
     if args.software_lanes:
         sum_bits = P.sum_bits_for(args.workers, THCParams().granularity)
         try:
@@ -195,16 +192,6 @@ def check_args(args: argparse.Namespace, modes: list[str]) -> str | None:
 def _steps(text: str) -> int | None:
     """A step count of at least 1, or ``all`` (None: no bound)."""
     return None if text == "all" else positive_int(text)
-
-
-def _fraction(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not value >= 0.0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
-    return value
 
 
 def _congest(tb, fraction: float, bw: float) -> tuple[list, dict]:
@@ -425,6 +412,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if why := data_unavailable(args, "thc run"):
         print(why, file=sys.stderr)
+        return 2
+    if why := testbed.loopback_conflict(args):
+        print(f"thc run: {why}", file=sys.stderr)
         return 2
     mininet_why = "--loopback" if args.loopback else mininet_unavailable_reason("software")
     if not mininet_why:

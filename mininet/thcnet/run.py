@@ -13,7 +13,7 @@ import json
 import sys
 import time
 
-from thc.argtypes import positive_float
+from thc.argtypes import positive_float, positive_int
 from thc.emu.smoke_worker import digest, reference_sums
 from thc.emu import testbed
 from thc.emu.testbed import TestbedError, WorkerError, open_testbed
@@ -31,7 +31,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="sharded: one shard per worker host; central: one central software "
                          "aggregator on its own host (as `thc bench allreduce` names them); "
                          "bmv2: the switch")
-    ap.add_argument("--numel", type=int, default=1 << 20, help="elements per worker")
+    ap.add_argument("--numel", type=positive_int, default=1 << 20, help="elements per worker")
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--rto", type=positive_float, default=0.02,
                     help="minimum retransmission timeout (s)")
@@ -39,6 +39,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if why := testbed.loopback_conflict(args):
+        print(f"thc.emu.run: {why}", file=sys.stderr)
+        return 2
 
     t0 = time.monotonic()
     try:

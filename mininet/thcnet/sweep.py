@@ -32,7 +32,7 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from thc.argtypes import positive_int, read_json
+from thc.argtypes import fraction, positive_float, positive_floats, positive_int, read_json
 from thc.app.breakeven import analyse
 from thc.app.datasets import AUTO, DATASETS
 from thc.bench import cpu_model
@@ -46,7 +46,7 @@ DEFAULT_MODES = "fp32,fp16,thc"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--bw", default=DEFAULT_BW,
+    parser.add_argument("--bw", type=positive_floats, default=DEFAULT_BW,
                         help=f"link bandwidths, Mbit/s (default {DEFAULT_BW})")
     parser.add_argument("--modes", default=DEFAULT_MODES,
                         help=f"main-job modes (default {DEFAULT_MODES}); the first THC mode "
@@ -61,12 +61,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data", default=AUTO, choices=(AUTO, *DATASETS),
                         help="data set (auto: fashion-mnist where installed, else digits, "
                              "saying so)")
-    parser.add_argument("--width", type=int, default=None, help="model width (main job's)")
-    parser.add_argument("--target", type=float, default=None,
+    parser.add_argument("--width", type=positive_int, default=None, help="model width (main job's)")
+    parser.add_argument("--target", type=fraction, default=None,
                         help="accuracy of the time-to-accuracy figures (default: FP32's final "
                              "accuracy minus one point at each bandwidth, the main job's)")
-    parser.add_argument("--timeout", type=float, default=600.0, help="limit a run, seconds")
-    parser.add_argument("--agg-pps", type=float, default=86e3,
+    parser.add_argument("--timeout", type=positive_float, default=600.0,
+                        help="limit a run, seconds")
+    parser.add_argument("--agg-pps", type=positive_float, default=86e3,
                         help="software aggregator packets/s for the model (thc bench "
                              "aggregator, 4 workers)")
     parser.add_argument("--out", default="out", help="directory of sweep.json and sweep.png")
@@ -191,14 +192,10 @@ def run(args: argparse.Namespace) -> int:
         data.setdefault("failed", [])
         data["analysed_by"] = "thc sweep " + " ".join(map(shlex.quote, sys.argv[2:]))
     else:
-        try:
-            bws = sorted({float(x) for x in args.bw.split(",") if x.strip()})
-        except ValueError:
-            print(f"thc sweep: --bw must be numbers, got {args.bw!r}", file=sys.stderr)
-            return 2
+        bws = sorted(set(args.bw))
         modes = [m.strip() for m in args.modes.split(",") if m.strip()]
         unknown = [m for m in modes if m not in mainjob.MODES]
-        if unknown or not bws or min(bws) <= 0 or args.evals < 2:
+        if unknown or args.evals < 2:
             print(f"thc sweep: need bandwidths > 0, --evals >= 2 and modes from "
                   f"{','.join(mainjob.MODES)} (unknown: {unknown})", file=sys.stderr)
             return 2

@@ -28,7 +28,8 @@ from __future__ import annotations
 import argparse
 import shutil
 
-from thc.argtypes import non_negative_float, percent, positive_float, positive_int
+from thc.argtypes import (loss_percent, non_negative_float, non_negative_int, positive_float,
+                          positive_int)
 from thc.codec.params import THCParams
 from thc.testing.clusters import free_port_block
 from thc.wire.jobs import Cluster, Shard, Worker
@@ -45,6 +46,7 @@ from thc.emu.errors import TestbedError, Unavailable
 from thc.emu.procs import WorkerError, WorkerResult, with_parent
 
 __all__ = ["open_testbed", "add_arguments", "add_link_arguments", "add_job_arguments",
+           "loopback_conflict",
            "Testbed", "LoopbackTestbed", "WorkerResult", "WorkerError", "TestbedError",
            "Unavailable", "mininet_unavailable_reason", "bmv2_unavailable_reason",
            "AGGREGATORS"]
@@ -151,7 +153,7 @@ def add_arguments(parser: argparse.ArgumentParser, *, timeout: float, loopback: 
     (``loopback``, where the command can run without Mininet) the loopback testbed's."""
     group = parser.add_argument_group("testbed")
     group.add_argument("--workers", type=positive_int, default=4, help="worker hosts")
-    group.add_argument("--timeout", type=float, default=timeout, help=timeout_help)
+    group.add_argument("--timeout", type=positive_float, default=timeout, help=timeout_help)
     if loopback:
         group.add_argument("--loopback", action="store_true",
                            help="do not use Mininet even where it is available: processes on "
@@ -167,8 +169,18 @@ def add_link_arguments(parser: argparse.ArgumentParser, *, bw: float | None) -> 
                             + ("unshaped)" if bw is None else f"{bw:g})"))
     group.add_argument("--delay", type=non_negative_float, default=0.0, metavar="MS",
                        help="per-link delay, ms (needs netem in the kernel)")
-    group.add_argument("--loss", type=percent, default=0.0, metavar="PCT",
+    group.add_argument("--loss", type=loss_percent, default=0.0, metavar="PCT",
                        help="per-link loss, percent")
+
+
+def loopback_conflict(args: argparse.Namespace) -> str | None:
+    """Why ``--loopback`` cannot run with the links asked for (None: it can): the loopback
+    emulates no delay or loss, and a run that asked for them would measure neither."""
+    asked = [f"--{name} {getattr(args, name):g}" for name in ("delay", "loss")
+             if getattr(args, name, 0)]
+    if getattr(args, "loopback", False) and asked:
+        return f"{' and '.join(asked)} need emulated links (Mininet): not with --loopback"
+    return None
 
 
 def add_job_arguments(parser: argparse.ArgumentParser, *, lanes: int | None,
@@ -176,15 +188,15 @@ def add_job_arguments(parser: argparse.ArgumentParser, *, lanes: int | None,
     """The testbed job's shape and the workers' window (each argument: the flag's default;
     None leaves it to the testbed or the client), and the central aggregator's link."""
     group = parser.add_argument_group("job")
-    group.add_argument("--lanes", type=int, default=lanes,
+    group.add_argument("--lanes", type=non_negative_int, default=lanes,
                        help="lanes per packet of the software aggregators (0: the most that "
                             "fit one MTU at the job's sum width; BMv2 runs its compiled lanes)")
-    group.add_argument("--pool-size", type=int, default=pool_size,
+    group.add_argument("--pool-size", type=positive_int, default=pool_size,
                        help="slots of the job (at least --window; default "
                             + ("64)" if pool_size is None else f"{pool_size})"))
-    group.add_argument("--window", type=int, default=window,
+    group.add_argument("--window", type=positive_int, default=window,
                        help="chunks in flight per worker: more only queue in the aggregator "
                             "and invite spurious retransmissions")
-    group.add_argument("--agg-bw-factor", type=float, default=None,
+    group.add_argument("--agg-bw-factor", type=positive_float, default=None,
                        help="the central aggregator's link = factor x a worker's (default 1: "
                             "equal links)")
