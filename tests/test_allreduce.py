@@ -247,6 +247,27 @@ def test_torch_distributed_a_bad_worker_fails_its_peer_too():
     assert "mark of a worker" in res[1]
 
 
+def _outsider_worker(rank, port, q):
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=3)
+    group = dist.new_group([0, 2])
+    try:
+        ar = THCAllReduce.through_torch_distributed(group=group, params=PARAMS)
+        out = float(ar(torch.ones(1024)).mean())
+    except ValueError as e:
+        out = str(e)
+    q.put((rank, out))
+    dist.destroy_process_group()
+
+
+def test_a_reducer_built_outside_its_group_is_refused_naming_that():
+    """A process outside the group took torch's rank -1 and world size -1 there, and failed
+    on "Invalid process group specified", which did not say whose."""
+    res = gloo_pair(_outsider_worker, world=3)
+    assert res[0] == res[2] == pytest.approx(1.0, abs=0.05), res
+    assert "not a member of the process group" in res[1], res
+
+
 def _unlike_worker(rank, port, q):
     """Rounds whose workers differ in one thing each, then one where they agree."""
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,

@@ -639,3 +639,42 @@ def test_a_refused_input_too_large_to_stand_in_for_takes_its_round(monkeypatch):
         assert torch.allclose(ar(torch.ones(64)), torch.ones(64))
     finally:
         dist.destroy_process_group()
+
+
+def _grad_worker(rank, port, q):
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2)
+    ar = marsit.MarsitAllReduce(generator=torch.Generator().manual_seed(rank))
+    w = torch.randn(64, generator=torch.Generator().manual_seed(rank), requires_grad=True)
+    ests = [ar(w * 2) for _ in range(3)]
+    q.put((rank, ([e.requires_grad for e in ests], ar.residual.grad_fn is None)))
+    dist.destroy_process_group()
+
+
+def test_a_gradient_with_autograd_history_leaves_none_in_the_estimate_or_residual():
+    """A tensor that requires grad (a gradient made under autograd) was taken as it was: the
+    estimate carried a graph through the collectives, and the residual chained each round's
+    graph to the next, held for good."""
+    res = gloo_pair(_grad_worker)
+    for rank in (0, 1):
+        assert res[rank] == ([False] * 3, True), res
+
+
+def _outsider_worker(rank, port, q):
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=3)
+    group = dist.new_group([0, 2])
+    try:
+        out = float(marsit.MarsitAllReduce(group=group)(torch.ones(16)).mean())
+    except ValueError as e:
+        out = str(e)
+    q.put((rank, out))
+    dist.destroy_process_group()
+
+
+def test_a_reducer_built_outside_its_group_is_refused_naming_that():
+    """A process outside the group took torch's rank -1 there and failed with a TypeError
+    about weak references."""
+    res = gloo_pair(_outsider_worker, world=3)
+    assert res[0] == res[2] == pytest.approx(1.0), res
+    assert "not a member of the process group" in res[1], res

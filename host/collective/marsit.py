@@ -30,7 +30,7 @@ import torch.distributed as dist
 from thc.codec.common import NonFiniteInput, as_float32, check_float, scale_factor
 from thc.codec.packing import pack_bits, unpack_bits
 from thc.collective import agreement
-from thc.collective.transports import DistTransport, ring_bytes, round_lock
+from thc.collective.transports import DistTransport, rank_in, ring_bytes, round_lock
 from thc.collective.worker import device_of
 
 COMPENSATED_LIMIT = float(torch.finfo(torch.float32).max) / 2
@@ -86,6 +86,7 @@ class _SignAllReduce:
         step). ``name``: as :class:`thc.collective.allreduce.THCAllReduce`'s."""
         self.nonfinite = agreement.nonfinite_mode(nonfinite)
         self.group = group
+        rank_in(group)
         self.world = dist.get_world_size(group)
         self._domain = self._group_now()
         self.name = agreement.identify(self._domain, name)
@@ -129,7 +130,8 @@ class _SignAllReduce:
         try:
             if failure is not None:
                 raise failure
-            flat = grad.reshape(-1)   # a sparse tensor has no flat view
+            # no autograd history: the residual would chain every round's graph to the next
+            flat = grad.detach().reshape(-1)   # a sparse tensor has no flat view
             check_float(flat)         # the signs of a complex or integer tensor mean nothing
             flat = as_float32(flat)
             sizes = [flat.numel()] if sizes is None else [operator.index(n) for n in sizes]

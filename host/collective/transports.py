@@ -215,6 +215,18 @@ class AggregatorTransport:
         return torch.from_numpy(sums.astype(np.int32)).to(packed.device), short
 
 
+def rank_in(group) -> int:
+    """This process's rank in ``group`` (None: the default group). torch answers -1 for a
+    process outside the group, whose collectives there then fail with errors that do not say
+    so: it is refused here, when the reducer is built."""
+    import torch.distributed as dist
+    rank = dist.get_rank(group)
+    if rank < 0:
+        raise ValueError("this process is not a member of the process group it builds a "
+                         "reducer on: build it on the group's members only")
+    return rank
+
+
 class DistTransport:
     """Sums through ``torch.distributed.all_reduce`` of table values (narrowest exact dtype)."""
 
@@ -225,8 +237,8 @@ class DistTransport:
         import torch.distributed as dist
         self.dist = dist
         self.group = group
+        self.rank = rank_in(group)
         self.n_workers = dist.get_world_size(group)
-        self.rank = dist.get_rank(group)
         self.bytes_sent = 0
         """Bytes this worker sends in its all-reduces, counted as a ring all-reduce sends them
         (2 (p-1)/p of the tensor), as the FP32 and FP16 hooks count theirs."""
