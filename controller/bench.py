@@ -28,6 +28,7 @@ import sys
 import time
 from pathlib import Path
 
+from thc.argtypes import non_negative_float, positive_float, positive_int, positive_ints
 from thc.controller import counters, forwarding, job_entries, jobs, toolchain
 from thc.controller.frames import udp_frame
 from thc.controller.switch import BUILD_DIR, SwitchError
@@ -36,22 +37,39 @@ from thc.controller.testing.variant import build_variant
 from thc.bench import add_common, emit_json
 from thc.codec.packing import pack_bits
 from thc.wire import protocol as P
-from thc.wire.jobs import Job, Worker
+from thc.wire.jobs import ConfigError, Job, Worker
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_common(parser)
-    parser.add_argument("--workers", type=int, default=4, help="workers (= switch ports)")
-    parser.add_argument("--duration", type=float, default=5.0,
-                        help="seconds measured per program")
-    parser.add_argument("--pool", type=int, default=256, help="slots of the benchmark job")
-    parser.add_argument("--rate", type=float, default=0.0,
+    parser.add_argument("--workers", type=positive_int, default=4,
+                        help="workers (= switch ports)")
+    parser.add_argument("--duration", type=positive_float, default=None,
+                        help="seconds measured per program (default 5; 1 with --quick)")
+    parser.add_argument("--pool", type=positive_int, default=256,
+                        help="slots of the benchmark job")
+    parser.add_argument("--rate", type=non_negative_float, default=0.0,
                         help="offered packets/s (default: 1.3 x a probe of the switch)")
-    parser.add_argument("--sum-bits", default="8,16",
+    parser.add_argument("--sum-bits", type=positive_ints, default="8,16",
                         help="sum widths of the benchmark job, each measured (8 and/or 16)")
-    parser.add_argument("--lanes-sweep", default="",
+    parser.add_argument("--lanes-sweep", type=positive_ints, default=[],
                         help="comma-separated lane counts to compile and measure as well "
                              "(needs p4c), e.g. 16,64")
+
+
+def bench_job(workers: int, pool: int, lanes: int, sum_bits: int = 0) -> Job:
+    """The benchmark's job (``sum_bits`` 0: the narrowest that holds its sums): ConfigError
+    where ``--workers``, ``--pool`` or ``--sum-bits`` cannot make one (checked before the
+    switch starts, and again with its lanes)."""
+    job = Job(job_id=1, workers=tuple(
+                  Worker(i, f"10.0.1.{i + 1}", 30000 + i, f"02:00:00:00:01:{i + 1:02x}", i)
+                  for i in range(workers)),
+              table=tuple(range(0, 31, 2)), granularity=30, pool_size=pool, lanes=lanes,
+              sum_bits=sum_bits).validate()
+    if pool > P.SWITCH_SLOTS:
+        raise ConfigError(f"a pool of {pool} slots does not fit the switch's "
+                          f"{P.SWITCH_SLOTS}")
+    return job
 
 
 class Pacer:
@@ -128,7 +146,7 @@ def _rate(read, send, frames, args, pid: int) -> dict:
     """The switch's sustained rate: offer a bit more than it takes (probe, then raise the
     offered rate while the switch forwards more); and its CPU time per packet at half that
     rate, which other load on the machine hardly changes."""
-    duration = min(args.duration, 1.0) if args.quick else args.duration
+    duration = args.duration
     if args.rate:
         pps, offered, _, _ = measure(read, send, frames, args.rate, duration)
     else:
@@ -205,11 +223,7 @@ def bench_thc(args, build_dir, label: str, sum_bits: int = 8) -> dict:
                    tag="tb") as bm:
         sw = bm.sw
         lanes = sw.lanes
-        workers = tuple(Worker(i, f"10.0.1.{i + 1}", 30000 + i, f"02:00:00:00:01:{i + 1:02x}", i)
-                        for i in range(args.workers))
-        job = Job(job_id=1, workers=workers, table=tuple(range(0, 31, 2)),
-                  granularity=30, pool_size=args.pool, lanes=lanes,
-                  sum_bits=sum_bits).validate()
+        job = bench_job(args.workers, args.pool, lanes, sum_bits)
         t0 = time.perf_counter()
         idx = jobs.install_job(sw, job, agg)
         install_s = time.perf_counter() - t0
@@ -266,15 +280,30 @@ def run(args: argparse.Namespace) -> int:
         if reason:
             print(f"thc bench switch: {reason}", file=sys.stderr)
             return 2
-    sweep = [int(x) for x in args.lanes_sweep.split(",") if x.strip()]
+    if args.duration is None:
+        args.duration = 1.0 if args.quick else 5.0
+    sweep = args.lanes_sweep
     if sweep and (reason := toolchain.p4c_missing()):
         print(f"thc bench switch: --lanes-sweep needs p4c: {reason}", file=sys.stderr)
         return 2
-    widths = [int(x) for x in args.sum_bits.split(",") if x.strip()]
-    if not widths or any(w not in P.SUM_WIDTHS for w in widths):
+    widths = args.sum_bits
+    if any(w not in P.SUM_WIDTHS for w in widths):
         print(f"thc bench switch: --sum-bits takes widths from {list(P.SUM_WIDTHS)}",
               file=sys.stderr)
         return 2
+    for bits in widths:
+        try:
+            bench_job(args.workers, args.pool, P.LANES, bits)
+        except ConfigError as e:
+            print(f"thc bench switch: --workers {args.workers} --pool {args.pool} --sum-bits "
+                  f"{bits}: {e}", file=sys.stderr)
+            return 2
+    for lanes in sweep:
+        try:
+            P.check_lanes(lanes, switch=True)
+        except ValueError as e:
+            print(f"thc bench switch: --lanes-sweep {lanes}: {e}", file=sys.stderr)
+            return 2
     try:
         runs = [bench_thc(args, BUILD_DIR, "thc.p4", bits) for bits in widths]
         thc = runs[0]

@@ -12,18 +12,23 @@ import statistics
 import sys
 import time
 
+from thc.argtypes import positive_int
 from thc.controller import job_entries, jobs, toolchain
+from thc.controller.bench import bench_job
 from thc.controller.switch import SwitchError
 from thc.controller.testing.bmv2 import LocalBMv2
 from thc.bench import add_common, emit_json
-from thc.wire.jobs import Job, Worker
+from thc.wire import protocol as P
+from thc.wire.jobs import ConfigError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_common(parser)
-    parser.add_argument("--workers", type=int, default=4, help="workers (= switch ports)")
-    parser.add_argument("--pool", type=int, default=256, help="slots of the job")
-    parser.add_argument("--repeat", type=int, default=3, help="runs; medians are reported")
+    add_common(parser, quick=False)     # nothing to make smaller: --quick would be ignored
+    parser.add_argument("--workers", type=positive_int, default=4,
+                        help="workers (= switch ports)")
+    parser.add_argument("--pool", type=positive_int, default=256, help="slots of the job")
+    parser.add_argument("--repeat", type=positive_int, default=3,
+                        help="runs; medians are reported")
 
 
 def _as_messages(sw, blobs: list[bytes]) -> list[tuple]:
@@ -58,10 +63,7 @@ def bench(args) -> dict:
         "install", "reinstall", "remove", "lut_serialized", "lut_messages")}
     with LocalBMv2(args.workers, receive=False, tag="bi") as bm:
         sw = bm.sw
-        workers = tuple(Worker(i, f"10.0.1.{i + 1}", 30000 + i, f"02:00:00:00:01:{i + 1:02x}", i)
-                        for i in range(args.workers))
-        job = Job(job_id=1, workers=workers, table=tuple(range(0, 31, 2)), granularity=30,
-                  pool_size=args.pool, lanes=sw.lanes).validate()
+        job = bench_job(args.workers, args.pool, sw.lanes)
         specs = _as_messages(sw, job_entries.lut_entries(sw, job, 0))
         keys = job_entries.lut_entries(sw, job, 0, with_action=False)
         for _ in range(args.repeat):
@@ -84,6 +86,12 @@ def run(args: argparse.Namespace) -> int:
     reason = toolchain.bmv2_missing("thc")
     if reason:
         print(f"thc bench install: {reason}", file=sys.stderr)
+        return 2
+    try:
+        bench_job(args.workers, args.pool, P.LANES)
+    except ConfigError as e:
+        print(f"thc bench install: --workers {args.workers} --pool {args.pool}: {e}",
+              file=sys.stderr)
         return 2
     try:
         res = bench(args)

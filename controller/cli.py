@@ -23,7 +23,7 @@ import json
 import os
 import sys
 
-from thc.argtypes import positive_float
+from thc.argtypes import non_negative_int, positive_float, positive_int
 from thc.controller import counters, dryrun, forwarding, installed, job_entries, jobs, targets
 from thc.controller.switch import DEFAULT_DEVICE_ID, DEFAULT_GRPC, NoProgram, Switch, SwitchError
 from thc.wire.jobs import Cluster, ConfigError
@@ -86,7 +86,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="change or remove jobs even while their workers are sending")
 
     p = action("remove", help="remove one job")
-    p.add_argument("--job", type=int, required=True, metavar="JOB_ID")
+    p.add_argument("--job", type=positive_int, required=True, metavar="JOB_ID")
     p.add_argument("--force", action="store_true",
                    help="remove the job even while its workers are sending")
 
@@ -98,7 +98,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p = action("l2", help="add or delete an l2_forward entry")
     p.add_argument("op", choices=["add", "del", "list"])
     p.add_argument("mac", nargs="?", help="add, del: the destination MAC")
-    p.add_argument("port", nargs="?", type=int, help="add: the switch port to forward to")
+    p.add_argument("port", nargs="?", type=non_negative_int,
+                   help="add: the switch port to forward to")
 
 
 def _uint64(text: str) -> int:
@@ -174,6 +175,8 @@ def _run(args: argparse.Namespace) -> int:
     election = args.election_id or ((0, os.getpid()) if read_only else None)
     if push and not args.force:   # it only reads
         _refuse_live_before_push(args, args.election_id or (0, os.getpid()))
+    if args.action == "l2":
+        _check_l2(args)
     if args.action == "l2" and args.mac is not None:
         args.mac = forwarding.check_mac(args.mac, f"l2 {args.op}")
     if args.action == "l2" and args.op == "add" and args.mac in forwarding.UNROUTABLE:
@@ -227,9 +230,6 @@ def _run(args: argparse.Namespace) -> int:
             if args.op == "list":
                 for mac, port in sorted(forwarding.routes(sw).items()):
                     print(f"{mac} -> port {port}")
-            elif args.mac is None or (args.op == "add" and args.port is None):
-                need = " and a PORT" if args.op == "add" else ""
-                raise ValueError(f"l2 {args.op} needs a MAC{need}")
             elif owners := _jobs_of_mac(sw, args.mac):
                 raise ValueError(f"l2 {args.op}: {args.mac} is a worker MAC of job(s) "
                                  f"{owners}, whose install keeps its route: change the job's "
@@ -242,6 +242,17 @@ def _run(args: argparse.Namespace) -> int:
             else:
                 print(f"l2_forward: deleted {args.mac}")
     return 0
+
+
+def _check_l2(args: argparse.Namespace) -> None:
+    """``l2 OP`` given what it takes, before any session: a missing MAC was found only once
+    connected, and a MAC given to ``list`` or a PORT to ``del`` was ignored."""
+    takes = {"add": ("MAC", "PORT"), "del": ("MAC",), "list": ()}[args.op]
+    given = tuple(name for name, value in (("MAC", args.mac), ("PORT", args.port))
+                  if value is not None)
+    if given != takes:
+        raise ValueError(f"l2 {args.op} takes {' and '.join(takes) or 'no MAC or PORT'}, "
+                         f"given {' and '.join(given) or 'none'}")
 
 
 def _jobs_of_mac(sw: Switch, mac: str) -> list[int]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import tempfile
 from pathlib import Path
 
 
@@ -116,6 +117,39 @@ def positive_floats(text: str) -> list[float]:
     if not values:
         raise argparse.ArgumentTypeError(f"no number in {text!r}")
     return values
+
+
+def positive_ints(text: str) -> list[int]:
+    """A comma-separated list of counts, each at least 1 (bucket sizes, worker counts): an
+    empty list would run nothing and exit 0."""
+    values = [positive_int(part.strip()) for part in text.split(",") if part.strip()]
+    if not values:
+        raise argparse.ArgumentTypeError(f"no integer in {text!r}")
+    return values
+
+
+def torch_device(text: str) -> str:
+    """``cpu``, ``cuda`` or ``cuda:N``, the devices a benchmark runs on: torch read a typo
+    only once the run began, as a traceback."""
+    kind, colon, index = text.partition(":")
+    if kind not in ("cpu", "cuda") or (colon and not index.isdigit()):
+        raise argparse.ArgumentTypeError(f"cpu, cuda or cuda:N, not {text!r}")
+    return text
+
+
+def writable_path(text: str) -> str:
+    """A file a command writes once its work is done (``-``: stdout): its folder made and
+    written to now, so that a path that cannot be written fails before the work, not after
+    it."""
+    if text == "-":
+        return text
+    folder = Path(text).parent
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=folder).close()
+    except OSError as e:
+        raise argparse.ArgumentTypeError(f"cannot write {text}: {e.strerror or e}") from None
+    return text
 
 
 def read_json(path, what: str, keys: tuple[str, ...] = (), prog: str = "thc") -> dict:

@@ -48,3 +48,19 @@ def test_a_short_run_on_the_cpu_feeds_the_model(tmp_path):
     speeds = codec_speeds(report)
     assert speeds["row"] == "THC encode+decode (DDP hook, 25 MB buckets)"
     assert speeds["codec_mbps"] > 0
+
+
+def test_a_size_given_wins_over_quick(monkeypatch, capsys):
+    """``--quick --steps 10`` timed 2 steps (and ``--batch 0 --quick`` ran), silently."""
+    from thc.bench import hook
+    from thc.cli import main
+    seen = []
+    monkeypatch.setattr(hook, "_group", lambda device: None)
+    monkeypatch.setattr(hook, "_measure", lambda mb, args, *a: seen.append(
+        (mb, args.batch, args.image, args.steps, args.warmup)) or [])
+    assert main(["bench", "hook", "--device", "cpu", "--quick", "--buckets", "7",
+                 "--steps", "10", "--image", "64"]) == 0
+    assert seen == [(7, 2, 64, 10, 1)]
+    with pytest.raises(SystemExit):
+        main(["bench", "hook", "--device", "cpu", "--quick", "--batch", "0"])
+    assert "argument --batch: must be at least 1, not 0" in capsys.readouterr().err

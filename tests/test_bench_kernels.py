@@ -37,3 +37,33 @@ def test_runs_under_the_interpreter(tmp_path):
     assert rep["decode_rel_error"] < 1e-6 and rep["indices_differing"] < 1e-3
     names = [row["name"] for row in rep["rows"]]
     assert names.count("decode pass 2") == 2 and "copy in pass 2's tiles" in names
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--precisions", ","], "--precisions ',': unknown precision []"),
+    (["--sizes", "abc"], "sizes must be log2 values in 0..34, got 'abc'"),
+    (["--bits", "9"], "bits must be an integer in 1..8, got 9"),
+    (["--sizes", "20", "--error-size", "100"], "--error-size is a log2 value in 0..34")])
+def test_bad_flags_end_in_a_message_before_any_kernel(argv, message, monkeypatch, capsys):
+    """Each was a traceback (a size that is no number, bits THC cannot take, 2^100 elements
+    for the error check) or, for no precision, a run that timed nothing and exited 0."""
+    pytest.importorskip("triton")
+    from thc.bench import kernels
+    from thc.cli import main
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(kernels, "_kernel_rows", lambda *a: pytest.fail("a kernel ran"))
+    monkeypatch.setattr(kernels, "_errors", lambda *a: pytest.fail("a kernel ran"))
+    assert main(["bench", "kernels", "--device", "cpu", *argv]) == 2
+    assert f"thc bench kernels: {message}" in capsys.readouterr().out
+
+
+def test_quick_keeps_an_error_size_given(tmp_path):
+    """``--quick`` set the error check's 2^12 over the ``--error-size`` given, silently."""
+    pytest.importorskip("triton")
+    out = tmp_path / "k.json"
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    r = subprocess.run([sys.executable, "-m", "thc.cli", "bench", "kernels", "--device", "cpu",
+                        "--quick", "--precisions", "ieee", "--error-size", "11", "--json",
+                        str(out)], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "(2^11 elements)" in r.stdout

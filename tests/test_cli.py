@@ -99,7 +99,11 @@ def test_the_bench_list_in_the_usage_is_the_benches_table(capsys):
     (["run", "--loopback", "--modes", ""], {}, "thc run: --modes names no mode"),
     (["run", "--loopback", "--timeout", "-5"], {}, "argument --timeout: must be above 0"),
     (["run", "--loopback", "--bmv2-timeout", "nan"], {},
-     "argument --bmv2-timeout: not a finite number")])
+     "argument --bmv2-timeout: not a finite number"),
+    (["bench", "hook", "--device", "cpu", "--quick", "--buckets", "100"],
+     {"THC_CODEC_CPU": "bogus"}, "thc bench hook: codec cpu 'bogus'"),
+    (["faults", "--loopback", "--quick", "--only", "dup"], {"THC_CLIENT_GSO": "yes"},
+     "thc faults: THC_CLIENT_GSO='yes': use 0 or 1")])
 def test_bad_settings_and_flags_are_usage_errors_before_any_work(argv, env, message,
                                                                  monkeypatch, capsys, tmp_path):
     """A bad THC_* variable was a ValueError traceback; thc run's flags failed only once a
@@ -162,7 +166,28 @@ def _files(tmp: Path) -> None:
     (["sweep", "--target", "73"], "argument --target: a fraction lies in (0, 1], not 73"),
     (["bench", "allreduce", "--bw", "100,nan"], "argument --bw: not a finite number: 'nan'"),
     (["bench", "dlcp", "--loss-bound", "2"], "argument --loss-bound: "),
-    (["bench", "dlcp", "--layers", "0"], "argument --layers: must be at least 1, not 0")])
+    (["bench", "dlcp", "--layers", "0"], "argument --layers: must be at least 1, not 0"),
+    (["bench", "hook", "--device", "bogus"], "argument --device: cpu, cuda or cuda:N, not"),
+    (["bench", "hook", "--device", "cpu", "--buckets", ""],
+     "argument --buckets: no integer in ''"),
+    (["bench", "hook", "--device", "cpu", "--buckets", "5,x"],
+     "argument --buckets: not an integer: 'x'"),
+    (["bench", "hook", "--device", "cpu", "--steps", "0"],
+     "argument --steps: must be at least 1, not 0"),
+    (["bench", "hook", "--device", "cpu", "--bits", "9"], "thc bench hook: bits must be"),
+    (["bench", "kernels", "--device", "bogus"], "argument --device: cpu, cuda or cuda:N"),
+    (["bench", "kernels", "--error-size", "-1"], "argument --error-size: must be at least 0"),
+    (["bench", "install", "--quick"], "unrecognized arguments: --quick"),
+    (["bench", "install", "--repeat", "0"], "argument --repeat: must be at least 1, not 0"),
+    (["bench", "switch", "--duration", "nan"], "argument --duration: not a finite number"),
+    (["bench", "switch", "--lanes-sweep", "16,x"], "argument --lanes-sweep: not an integer"),
+    (["nmse", "--schemes", ","], "thc nmse: --schemes ',' names no scheme"),
+    (["nmse", "--workers", "1,a"], "thc nmse: --workers: not an integer: 'a'"),
+    (["table", "--json", "/proc/thc/table.json"],
+     "argument --json: cannot write /proc/thc/table.json"),
+    (["faults", "--only", ","], "thc faults: --only ',' names no row"),
+    (["faults", "--loopback", "--quick", "--only", "dup", "--json", "/proc/thc/f.json"],
+     "thc faults: --json: cannot write /proc/thc/f.json")])
 def test_user_mistakes_end_in_a_message_not_a_traceback(argv, message, tmp_path, capsys,
                                                        monkeypatch):
     """Each of these ended in a Python traceback (a missing or foreign JSON, a report the
@@ -182,6 +207,34 @@ def test_user_mistakes_end_in_a_message_not_a_traceback(argv, message, tmp_path,
     out = capsys.readouterr()
     assert rc == 2, out
     assert message.replace("{tmp}", str(tmp_path)) in out.out + out.err, out
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["switch", "--workers", "9"], "--workers 9 --pool 256 --sum-bits 8: job 1: 9 workers x "
+                                   "granularity 30 = 270 overflows"),
+    (["switch", "--pool", "1024"], "--pool 1024 --sum-bits 8: a pool of 1024 slots does not "
+                                   "fit the switch's 512"),
+    (["switch", "--lanes-sweep", "16,12"], "--lanes-sweep 12: 12 lanes: the switch takes lanes "
+                                           "in groups of 8"),
+    (["install", "--workers", "33"], "--workers 33 --pool 256: job 1: 33 workers"),
+    (["install", "--pool", "100"], "--workers 4 --pool 100: job 1: the pool needs a "
+                                   "power-of-two")])
+def test_switch_benches_check_their_job_before_the_switch_starts(argv, message, monkeypatch,
+                                                                  capsys):
+    """A job the flags cannot make was a ConfigError traceback once BMv2 had started (and,
+    for a lane count, once the first programs had been measured)."""
+    pytest.importorskip("p4runtime_sh")
+    from thc.controller import bench, bench_install, toolchain
+
+    def started(*a, **k):
+        raise AssertionError("the switch started")
+    monkeypatch.setattr(toolchain, "bmv2_missing", lambda program: None)
+    monkeypatch.setattr(toolchain, "p4c_missing", lambda: None)
+    monkeypatch.setattr(bench, "LocalBMv2", started)
+    monkeypatch.setattr(bench_install, "LocalBMv2", started)
+    assert cli.main(["bench", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"thc bench {argv[0]}: --") and message in err, err
 
 
 def test_a_run_that_can_run_no_mode_asked_for_fails(monkeypatch, capsys, tmp_path):

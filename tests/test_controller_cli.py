@@ -25,7 +25,9 @@ def _parse(*argv: str) -> argparse.Namespace:
     (["--election-id=-1", "jobs"], "--election-id: HIGH,LOW"),
     (["--election-id", "0,0", "jobs"], "0,0 is no election id"),
     (["--device-id=-1", "jobs"], "--device-id: an integer in 0..2^64-1"),
-    (["--timeout=-1", "jobs"], "--timeout: must be above 0")])
+    (["--timeout=-1", "jobs"], "--timeout: must be above 0"),
+    (["remove", "--job", "0"], "--job: must be at least 1, not 0"),
+    (["l2", "add", "02:00:00:00:00:05", "-5"], "argument port: must be at least 0, not -5")])
 def test_bad_session_flags_are_refused_before_any_session(argv, message, capsys):
     """An election id protobuf cannot hold failed inside p4runtime-shell's setup, whose
     stream threads then kept the process from exiting; a negative timeout read as no
@@ -33,6 +35,22 @@ def test_bad_session_flags_are_refused_before_any_session(argv, message, capsys)
     with pytest.raises(SystemExit):
         _parse(*argv)
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["l2", "add"], "l2 add takes MAC and PORT, given none"),
+    (["l2", "add", "02:00:00:00:00:05"], "l2 add takes MAC and PORT, given MAC"),
+    (["l2", "del"], "l2 del takes MAC, given none"),
+    (["l2", "del", "02:00:00:00:00:05", "7"], "l2 del takes MAC, given MAC and PORT"),
+    (["l2", "list", "02:00:00:00:00:05"], "l2 list takes no MAC or PORT, given MAC")])
+def test_l2_takes_what_its_op_reads_before_any_session(argv, message, monkeypatch, capsys):
+    """A missing MAC or PORT was found only once connected (without a switch: "no P4Runtime
+    server"), and a MAC given to ``list`` or a PORT to ``del`` was ignored."""
+    def connected(*a, **k):
+        raise AssertionError("a session started")
+    monkeypatch.setattr(cli, "Switch", connected)
+    assert cli.run(_parse(*argv)) == 1
+    assert f"thc controller: {message}" in capsys.readouterr().err
 
 
 def test_the_switch_options_stand_before_the_action_or_after_it():

@@ -83,6 +83,26 @@ def test_bad_arguments(capsys):
     assert "unknown scheme" in capsys.readouterr().err
 
 
+def test_every_scheme_is_checked_before_the_first_is_measured(monkeypatch, capsys):
+    """``--schemes thc,bogus`` measured THC (seconds at 2^18, more with --plot) before it
+    found the typo; ``--schemes ,`` measured nothing and exited 0."""
+    monkeypatch.setattr(bench, "measure", lambda *a: pytest.fail("a scheme was measured"))
+    assert bench.run(parse(["--schemes", "thc,bogus"])) == 2
+    assert "unknown scheme 'bogus'" in capsys.readouterr().err
+    assert bench.run(parse(["--schemes", ","])) == 2
+    assert "--schemes ',' names no scheme" in capsys.readouterr().err
+
+
+def test_a_size_given_wins_over_quick(tmp_path):
+    """``--quick --dim 2^16`` measured 2^14 coordinates and ``--trials 3`` two, silently."""
+    out = tmp_path / "nmse.json"
+    args = parse(["--quick", "--dim", str(2 ** 15), "--trials", "3", "--workers", "1",
+                  "--schemes", "fp16", "--json", str(out)])
+    assert bench.run(args) == 0
+    res = json.loads(out.read_text())
+    assert (res["dim"], res["trials"]) == (2 ** 15, 3)
+
+
 @pytest.mark.parametrize("argv", [["nmse"], ["bench", "nmse"]])
 def test_errors_name_the_command_as_typed(argv, capsys):
     from thc.cli import main

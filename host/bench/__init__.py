@@ -15,6 +15,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from thc.argtypes import writable_path
+
 
 def add_common(parser: argparse.ArgumentParser, *, quick: bool = True,
                plot: str | None = None) -> None:
@@ -22,11 +24,13 @@ def add_common(parser: argparse.ArgumentParser, *, quick: bool = True,
     small sizes, and ``--plot`` where it draws one (``plot``: its default file)."""
     group = parser.add_argument_group("output")
     group.add_argument("--json", nargs="?", const="-", default=None, metavar="FILE",
+                       type=writable_path,
                        help="write results as JSON to FILE (stdout when no FILE is given)")
     if quick:
         group.add_argument("--quick", action="store_true", help="small sizes, for smoke tests")
     if plot:
         group.add_argument("--plot", nargs="?", const=plot, default=None, metavar="FILE",
+                           type=writable_path,
                            help=f"draw the plot into FILE (default {plot})")
 
 

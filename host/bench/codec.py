@@ -80,7 +80,11 @@ def parse_sizes(text: str) -> list[int]:
         if not part:
             continue
         lo, _, hi = part.partition("-")
-        logs += list(range(int(lo), int(hi or lo) + 1))
+        try:
+            logs += list(range(int(lo), int(hi or lo) + 1))
+        except ValueError:
+            logs = []
+            break
     if not logs or any(not 0 <= v <= 34 for v in logs):
         raise ValueError(f"sizes must be log2 values in 0..34, got {text!r}")
     return [1 << v for v in logs]

@@ -30,12 +30,15 @@ import statistics
 import sys
 import time
 
+from thc.argtypes import non_negative_int, positive_int, positive_ints, torch_device
 from thc.bench import add_common, emit_json, figure, save_figure
 from thc.codec.params import THCParams
 
 MODES = ("ddp", "fp16", "fp32 hook", "thc hook", "thc graphed", "thc deferred")
 GRAPHED = ("thc graphed", "thc deferred")
 """The modes that need CUDA (the kernels, NCCL, graphs)."""
+SIZES = {"batch": (64, 2), "image": (224, 32), "steps": (20, 2), "warmup": (5, 1)}
+"""Each size flag's default, and its default with ``--quick`` (a size given wins)."""
 THC_ROWS = (("thc hook", "THC encode+decode (DDP hook, {} MB buckets)"),
             ("thc graphed", "THC encode+decode (DDP hook, CUDA graphs, {} MB buckets)"),
             ("thc deferred",
@@ -47,12 +50,18 @@ def modes(device) -> tuple[str, ...]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--device", default="cuda", help="cuda (default) or cpu")
-    parser.add_argument("--buckets", default="5,25,100", help="DDP bucket sizes, MB")
-    parser.add_argument("--batch", type=int, default=64, help="images a step (default 64)")
-    parser.add_argument("--image", type=int, default=224, help="image side (default 224)")
-    parser.add_argument("--steps", type=int, default=20, help="timed steps a mode")
-    parser.add_argument("--warmup", type=int, default=5, help="untimed steps a mode first")
+    parser.add_argument("--device", type=torch_device, default="cuda",
+                        help="cuda (default, or cuda:N) or cpu")
+    parser.add_argument("--buckets", type=positive_ints, default="5,25,100",
+                        help="DDP bucket sizes, MB")
+    parser.add_argument("--batch", type=positive_int, default=None,
+                        help="images a step (default 64; 2 with --quick)")
+    parser.add_argument("--image", type=positive_int, default=None,
+                        help="image side (default 224; 32 with --quick)")
+    parser.add_argument("--steps", type=positive_int, default=None,
+                        help="timed steps a mode (default 20; 2 with --quick)")
+    parser.add_argument("--warmup", type=non_negative_int, default=None,
+                        help="untimed steps a mode first (default 5; 1 with --quick)")
     THCParams.add_arguments(parser, seed=False)
     add_common(parser, plot="out/bench_hook.png")
 
@@ -185,14 +194,22 @@ def plot(rows: list[dict], path: str, title: str) -> None:
 
 def run(args: argparse.Namespace) -> int:
     import torch
+
+    from thc.codec import settings
     device = torch.device(args.device)
+    try:
+        params = THCParams.from_args(args)
+        settings.current()                  # ValueError: a bad THC_* variable
+    except ValueError as e:
+        print(f"thc bench hook: {e}", file=sys.stderr)
+        return 2
     if device.type == "cuda" and not torch.cuda.is_available():
         print("thc bench hook: --device cuda but torch sees no CUDA device")
         return 2
-    params = THCParams.from_args(args)
-    if args.quick:
-        args.batch, args.image, args.steps, args.warmup = 2, 32, 2, 1
-    buckets = [int(b) for b in args.buckets.split(",") if b]
+    for name, (full, quick) in SIZES.items():
+        if getattr(args, name) is None:
+            setattr(args, name, quick if args.quick else full)
+    buckets = args.buckets
     _group(device)
     from thc.bench.resnet import ResNet50
     n_params = sum(p.numel() for p in ResNet50().parameters())

@@ -24,6 +24,7 @@ import statistics
 import sys
 import time
 
+from thc.argtypes import non_negative_int, torch_device
 from thc.bench import add_common, emit_json
 from thc.bench.codec import parse_sizes
 from thc.codec.params import THCParams
@@ -34,7 +35,7 @@ ON_CPU = ("TRITON_INTERPRET=1 thc bench kernels --device cpu --quick checks the 
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--device", default="cuda",
+    parser.add_argument("--device", type=torch_device, default="cuda",
                         help=f"cuda (default), or cpu under Triton's interpreter ({ON_CPU})")
     parser.add_argument("--sizes", default=None, help="log2 sizes (default 20,23,26)")
     parser.add_argument("--precisions", default="tf32x2,ieee",
@@ -45,8 +46,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "'TILE_COLS=16384,NUM_WARPS_COLS=16,COLS_FIRST=1;FORM=transpose' "
                              "(names of triton_kernels' module settings; default: as they "
                              "are)")
-    parser.add_argument("--error-size", type=int, default=22,
-                        help="log2 elements of the error check (default 22)")
+    parser.add_argument("--error-size", type=non_negative_int, default=None,
+                        help="log2 elements of the error check (default 22; 12 with "
+                             "--quick)")
     THCParams.add_arguments(parser, seed=False)
     add_common(parser)
 
@@ -200,19 +202,26 @@ def run(args: argparse.Namespace) -> int:
               f"{ON_CPU}")
         return 2
     from thc.codec import triton_kernels as tk
-    params = THCParams.from_args(args)
     precisions = [p for p in args.precisions.split(",") if p]
     bad = [p for p in precisions if p not in tk.PRECISIONS]
-    if bad:
-        print(f"thc bench kernels: unknown precision {bad}; known: {tk.PRECISIONS}")
+    if bad or not precisions:
+        print(f"thc bench kernels: --precisions {args.precisions!r}: unknown precision "
+              f"{bad}; known: {tk.PRECISIONS}")
         return 2
-    sizes = parse_sizes(args.sizes or ("12" if args.quick else "20,23,26"))
-    err_n = 1 << (12 if args.quick else args.error_size)
-    if args.quick:
-        params = THCParams(bits=params.bits, granularity=params.granularity, p=params.p,
-                           slice_size=1 << 10)
+    try:
+        params = THCParams.from_args(args, **({"slice_size": 1 << 10} if args.quick else {}))
+        sizes = parse_sizes(args.sizes or ("12" if args.quick else "20,23,26"))
+        err_log = args.error_size if args.error_size is not None else \
+            12 if args.quick else 22
+        if err_log > 34:
+            raise ValueError(f"--error-size is a log2 value in 0..34, not {err_log}")
+        err_n = 1 << err_log
+    except ValueError as e:
+        print(f"thc bench kernels: {e}")
+        return 2
     if any(n % params.slice_size for n in sizes + [err_n]):
-        print(f"thc bench kernels: sizes must be whole slices of {params.slice_size}")
+        print(f"thc bench kernels: --sizes and --error-size must be whole slices of "
+              f"{params.slice_size}")
         return 2
     try:
         configs = parse_configs(args.configs, tk)

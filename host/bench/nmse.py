@@ -16,6 +16,7 @@ import time
 
 import numpy as np
 
+from thc.argtypes import positive_ints
 from thc.bench import add_common, emit_json, figure, save_figure
 from thc.codec.baselines import make_scheme
 from thc.codec.params import THCParams
@@ -30,11 +31,13 @@ vectors, d = 2^18)."""
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     THCParams.add_arguments(parser)
-    parser.add_argument("--dim", type=int, default=2 ** 18, help="vector length (default 2^18)")
+    parser.add_argument("--dim", type=int, default=None,
+                        help="vector length (default 2^18; 2^14 with --quick)")
     parser.add_argument("--workers", default="1,10",
                         help="comma-separated worker counts (default 1,10)")
     parser.add_argument("--dist", choices=("normal", "lognormal"), default="normal")
-    parser.add_argument("--trials", type=int, default=3, help="independent trials per point")
+    parser.add_argument("--trials", type=int, default=None,
+                        help="independent trials per point (default 3; 2 with --quick)")
     parser.add_argument("--schemes", default=DEFAULT_SCHEMES,
                         help="comma-separated scheme specs, e.g. thc,uhc:p=1/1024,qsgd:s=15 "
                              f"(default {DEFAULT_SCHEMES})")
@@ -136,32 +139,33 @@ def run(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     prog = getattr(args, "command", "thc nmse")
     try:
-        workers = [int(w) for w in str(args.workers).split(",") if w.strip()]
-        if not workers or min(workers) < 1:
-            raise ValueError("--workers needs positive integers")
-        params = THCParams.from_args(args)
-    except ValueError as e:
-        print(f"{prog}: {e}", file=sys.stderr)
+        workers = positive_ints(str(args.workers))
+    except argparse.ArgumentTypeError as e:
+        print(f"{prog}: --workers: {e}", file=sys.stderr)
         return 2
-    dim, trials = args.dim, args.trials
-    if args.quick:
-        dim, trials = min(dim, 2 ** 14), min(trials, 2)
+    dim = args.dim if args.dim is not None else 2 ** (14 if args.quick else 18)
+    trials = args.trials if args.trials is not None else 2 if args.quick else 3
     if dim < 1 or trials < 1:
         print(f"{prog}: --dim and --trials must be >= 1", file=sys.stderr)
         return 2
-    thc_kw = {"bits": params.bits, "granularity": params.granularity, "p": params.p,
-              "seed": params.seed}
+    specs = [s.strip() for s in args.schemes.split(",") if s.strip()]
+    try:
+        params = THCParams.from_args(args)
+        if not specs:
+            raise ValueError(f"--schemes {args.schemes!r} names no scheme")
+        thc_kw = {"bits": params.bits, "granularity": params.granularity, "p": params.p,
+                  "seed": params.seed}
+        schemes = [make_scheme(spec, **({k: v for k, v in thc_kw.items()
+                                         if f":{k}=" not in spec}
+                                        if spec.split(":")[0] in ("thc", "uhc") else {}))
+                   for spec in specs]     # every spec checked before the first is measured
+    except ValueError as e:
+        print(f"{prog}: {e}", file=sys.stderr)
+        return 2
     t0 = time.perf_counter()
     rows = []
-    for spec in [s.strip() for s in args.schemes.split(",") if s.strip()]:
+    for spec, scheme in zip(specs, schemes):
         name = spec.split(":")[0]
-        over = {k: v for k, v in thc_kw.items() if f":{k}=" not in spec} \
-            if name in ("thc", "uhc") else {}
-        try:
-            scheme = make_scheme(spec, **over)
-        except ValueError as e:
-            print(f"{prog}: {e}", file=sys.stderr)
-            return 2
         res = measure(scheme, workers, dim, args.dist, trials, params.seed)
         row = {"spec": spec, "scheme": scheme.describe(), "name": name,
                "bits_per_coord": scheme.bits_per_coord(dim),

@@ -21,6 +21,8 @@ import sys
 import time
 from pathlib import Path
 
+from thc.argtypes import writable_path
+from thc.codec.settings import Settings
 from thc.emu.bmv2rows import BMV2_MATRIX_KEYS, BMV2_WINDOW, bmv2_matrix, bmv2_rows
 from thc.emu.faultrows import (row_aggregator_restarted, row_impair, row_jitter, row_long_stream,
                               row_loss, row_worker_killed)
@@ -35,7 +37,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the table's markdown (`make faults`: docs/faults.md)")
     parser.add_argument("--json", default=None, help="also write the rows as JSON here")
     parser.add_argument("--loopback", action="store_true", help="do not use Mininet")
-    parser.add_argument("--only", default="",
+    parser.add_argument("--only", default=None,
                         help="comma-separated row keys or their prefixes: loss (loss-1, "
                              "loss-5, loss-20), dup, reorder, jitter, worker, aggregator, "
                              "out-of-step, spoofed, reused-run, straggler, stream, bmv2 "
@@ -137,12 +139,27 @@ def run(args: argparse.Namespace) -> int:
     numel = (1 << 17) if args.quick else (1 << 19)
     stream_s = 10.0 if args.quick else 60.0
     mininet = not args.loopback
-    only = [p.strip() for p in args.only.split(",") if p.strip()]
+    only = [p.strip() for p in (args.only or "").split(",") if p.strip()]
+    if args.only is not None and not only:
+        print(f"thc faults: --only {args.only!r} names no row; the rows: {', '.join(ROW_KEYS)}",
+              file=sys.stderr)
+        return 2
     unknown = [p for p in only if not any(key.startswith(p) for key in ROW_KEYS)]
     if unknown:
         print(f"thc faults: --only {','.join(unknown)} names no row; the rows: "
               f"{', '.join(ROW_KEYS)}", file=sys.stderr)
         return 2
+    try:
+        Settings.from_env()     # the aggregators and workers it starts read the THC_* ones
+    except ValueError as e:
+        print(f"thc faults: {e}", file=sys.stderr)
+        return 2
+    for flag, path in (("--out", None if only else args.out), ("--json", args.json)):
+        try:            # found at the end of the matrix, this lost its rows
+            path and writable_path(path)
+        except argparse.ArgumentTypeError as e:
+            print(f"thc faults: {flag}: {e}", file=sys.stderr)
+            return 2
     want = lambda key: not only or any(key.startswith(p) for p in only)  # noqa: E731
     rows: list[Row] = []
     t0 = time.perf_counter()
