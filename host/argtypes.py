@@ -33,27 +33,25 @@ class ShowDefaults(argparse.RawDescriptionHelpFormatter):
         return action.help
 
 
-def positive_int(text: str) -> int:
-    """A count that must be at least 1: zero epochs, steps, workers or images would start a
-    job that trains nothing (``--max-steps 0`` would walk every epoch idle)."""
+def _integer(text: str, least: int) -> int:
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
+    if value < least:
+        raise argparse.ArgumentTypeError(f"must be at least {least}, not {value}")
     return value
+
+
+def positive_int(text: str) -> int:
+    """A count that must be at least 1: zero epochs, steps, workers or images would start a
+    job that trains nothing (``--max-steps 0`` would walk every epoch idle)."""
+    return _integer(text, 1)
 
 
 def non_negative_int(text: str) -> int:
     """A count or index that may be 0 (a rank) and not below."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be at least 0, not {value}")
-    return value
+    return _integer(text, 0)
 
 
 def defaulted_from(parse, env: str):
