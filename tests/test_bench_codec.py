@@ -21,7 +21,8 @@ def _parser() -> argparse.ArgumentParser:
     (["--repeat", "0"], "argument --repeat: must be at least 1, not 0"),
     (["--repeat", "-5"], "argument --repeat: must be at least 1, not -5"),
     (["--ranks", "0"], "argument --ranks: must be at least 1, not 0"),
-    (["--ranks", "1,x"], "argument --ranks: not an integer: 'x'")])
+    (["--ranks", "1,x"], "argument --ranks: not an integer: 'x'"),
+    (["--device", "bogus"], "argument --device: cpu, cuda or cuda:N, not 'bogus'")])
 def test_counts_that_time_nothing_are_usage_errors(argv, message, capsys):
     """--size 0 ran the default sweep (a truth test), --repeat 0 or -5 ran once, --ranks 0
     timed a "PowerSGD rank 0"."""
