@@ -348,8 +348,10 @@ def test_codec_bench_quick(tmp_path, capsys):
     assert bench.parse_sizes("20-22,24") == [2 ** 20, 2 ** 21, 2 ** 22, 2 ** 24]
     with pytest.raises(ValueError):
         bench.parse_sizes("40")
-    args = parser.parse_args(["--device", "tpu"])
-    assert bench.run(args) == 2
+    with pytest.raises(SystemExit) as refused:     # a device no benchmark runs on
+        parser.parse_args(["--device", "tpu"])
+    assert refused.value.code == 2 and "cpu, cuda or cuda:N, not 'tpu'" in \
+        capsys.readouterr().err
     args = parser.parse_args(["--device", "cuda", "--backend", "compiled"])
     assert bench.run(args) == 2 and "compiled is the CPU codec" in capsys.readouterr().err
 
