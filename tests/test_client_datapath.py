@@ -757,9 +757,11 @@ def test_a_pending_gives_its_resends_round_trip_while_peers_are_late(job, datapa
     the first resend at 20 ms, before the second at 60): every chunk is resent, and the
     resends are answered with PENDINGs. Karn's rule, and the spurious-timeout rule (a
     PENDING came), take no sample: the estimator never learnt the 30 ms. A PENDING that is
-    not held answers a resend, so for a chunk resent once it is that resend's round trip."""
+    not held answers a resend, so for a chunk resent once it is that resend's round trip: at
+    least the replies' 30 ms, and far below the 0.2 s wait for the peer (the bound leaves
+    room for a loaded machine's scheduling)."""
     srtt = _srtt_while_peer_late(job, datapath, wait=0.2, delay=0.03, chunks=8)
-    assert srtt is not None and 0.028 < srtt < 0.06, srtt
+    assert srtt is not None and 0.028 < srtt < 0.1, srtt
 
 
 def test_a_held_pending_gives_no_round_trip(job, datapath):

@@ -83,6 +83,15 @@ def test_bad_arguments(capsys):
     assert "unknown scheme" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flag", ["--dim", "--trials"])
+def test_a_size_below_one_is_refused_by_the_parser(flag, capsys):
+    """``--dim 0`` and ``--trials 0`` were told apart from other errors only once run."""
+    with pytest.raises(SystemExit) as e:
+        parse([flag, "0"])
+    assert e.value.code == 2
+    assert f"argument {flag}: must be at least 1, not 0" in capsys.readouterr().err
+
+
 def test_every_scheme_is_checked_before_the_first_is_measured(monkeypatch, capsys):
     """``--schemes thc,bogus`` measured THC (seconds at 2^18, more with --plot) before it
     found the typo; ``--schemes ,`` measured nothing and exited 0."""

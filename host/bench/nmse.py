@@ -16,7 +16,7 @@ import time
 
 import numpy as np
 
-from thc.argtypes import positive_ints
+from thc.argtypes import positive_int, positive_ints
 from thc.bench import add_common, emit_json, figure, save_figure
 from thc.codec.baselines import make_scheme
 from thc.codec.params import THCParams
@@ -31,12 +31,12 @@ vectors, d = 2^18)."""
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     THCParams.add_arguments(parser)
-    parser.add_argument("--dim", type=int, default=None,
+    parser.add_argument("--dim", type=positive_int, default=None,
                         help="vector length (default 2^18; 2^14 with --quick)")
     parser.add_argument("--workers", default="1,10",
                         help="comma-separated worker counts (default 1,10)")
     parser.add_argument("--dist", choices=("normal", "lognormal"), default="normal")
-    parser.add_argument("--trials", type=int, default=None,
+    parser.add_argument("--trials", type=positive_int, default=None,
                         help="independent trials per point (default 3; 2 with --quick)")
     parser.add_argument("--schemes", default=DEFAULT_SCHEMES,
                         help="comma-separated scheme specs, e.g. thc,uhc:p=1/1024,qsgd:s=15 "
@@ -145,9 +145,6 @@ def _run(args: argparse.Namespace) -> int:
         return 2
     dim = args.dim if args.dim is not None else 2 ** (14 if args.quick else 18)
     trials = args.trials if args.trials is not None else 2 if args.quick else 3
-    if dim < 1 or trials < 1:
-        print(f"{prog}: --dim and --trials must be >= 1", file=sys.stderr)
-        return 2
     specs = [s.strip() for s in args.schemes.split(",") if s.strip()]
     try:
         params = THCParams.from_args(args)
