@@ -156,6 +156,20 @@ def test_round_closes_short_within_the_bound_and_feedback_keeps_what_was_lost():
                                                 f"of the input's energy for {share} of chunks"
 
 
+def _after_a_full_round(job, answer, chunks: int):
+    """``answer`` for the second round of a run whose first, of ``chunks`` chunks, ended full:
+    a worker closes a chunk short only at an aggregator it heard in an earlier round of the
+    run (one that restarted before this worker first heard it may have served its peers a
+    result this worker never saw). ``answer`` sees the second round's seqs from 0."""
+    zeros = np.zeros(job.lanes, P.sum_dtype(job.sum_bits)).tobytes()
+
+    def shifted(t, seq):
+        if seq < chunks:
+            return P.PktType.RESULT, job.n_workers, job.full_bitmap, zeros
+        return answer(t, seq - chunks)
+    return shifted
+
+
 def test_a_flushed_chunk_that_ends_full_gives_its_share_of_the_bound_back():
     """A scripted aggregator, loss bound 0.25 of 4 chunks (one may end short): chunk 0's
     FLUSH is answered with the full result (the straggler's DATA came first), chunk 1's
@@ -174,9 +188,10 @@ def test_a_flushed_chunk_that_ends_full_gives_its_share_of_the_bound_back():
             return P.PktType.RESULT, 1, 0b01, zeros
         return (P.PktType.PENDING, 1, 0b01, b"") if seq == 1 and again else None
 
-    with scripted_aggregator(job, answer) as addr:
+    with scripted_aggregator(job, _after_a_full_round(job, answer, 4)) as addr:
         with AggregationClient(job, 0, addr, run=9, timeout=0.02, max_timeout=0.1,
                                deadline=3.0, loss_bound=0.25, datapath="python") as c:
+            c.reduce(np.zeros(4 * job.lanes // 2, np.uint8))
             r = c.reduce(np.zeros(4 * job.lanes // 2, np.uint8))
     assert r.counts.tolist() == [2, 1, 2, 2]
     assert c.stats.short == 1 and c.stats.flushed >= 2
@@ -280,9 +295,10 @@ def test_a_worker_flushes_no_more_chunks_than_its_loss_bound():
             return P.PktType.PENDING, 1, 0b01, b""
         return P.PktType.RESULT, 2, 0b11, zeros
 
-    with scripted_aggregator(job, answer) as addr:
+    with scripted_aggregator(job, _after_a_full_round(job, answer, 8)) as addr:
         with AggregationClient(job, 0, addr, run=9, timeout=0.02, max_timeout=0.1,
                                deadline=1.0, loss_bound=0.25, datapath="python") as c:
+            c.reduce(np.zeros(8 * job.lanes // 2, np.uint8))
             with pytest.raises(AggregationTimeout, match=r"missing worker\(s\) \[1\]"):
                 c.reduce(np.zeros(8 * job.lanes // 2, np.uint8))
     assert c.stats.short == 2

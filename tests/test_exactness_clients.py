@@ -326,6 +326,55 @@ def test_a_missing_worker_in_the_first_round_a_worker_hears_may_be_a_restart(
     assert err.value.missing == [1]
 
 
+def test_a_shard_first_heard_in_the_round_closes_no_chunk_short():
+    """Two shards, a loss bound of one chunk in two. Shard 1's replies to worker 1 are lost
+    until shard 1 restarts, after worker 0 took both chunks full. Worker 1's FLUSH opened a
+    closed, empty use at the restarted shard, and it took count 0 where worker 0 took count
+    2: no error anywhere, two gradients. A worker closes a chunk short only at a shard it
+    heard in an earlier round of the run; here it resends to its deadline, and the timeout
+    names the restart."""
+    import dataclasses
+    from thc.wire.jobs import Shard
+    base = free_port_block(2)
+    job = dataclasses.replace(local_job(1, 2, free_port_block(2)), loss_bound=0.5,
+                              shards=(Shard("127.0.0.1", base), Shard("127.0.0.1", base + 1)))
+    job = job.validate()
+    lost_to = (job.workers[1].ip, job.workers[1].port)
+
+    class Lossy(Aggregator):
+        def handle(self, datagram, src):
+            return [(d, dst) for d, dst in super().handle(datagram, src) if dst != lost_to]
+
+    chunks = np.concatenate([pack_bits(np.full(job.lanes, v, np.uint8), P.INDEX_BITS)
+                             for v in (15, 3)])
+    got = {}
+
+    def worker(w: int, deadline: float) -> None:
+        with AggregationClient(job, w, run=7, deadline=deadline, datapath="python") as c:
+            try:
+                got[w] = c.reduce(chunks).counts.tolist()
+            except AggregationTimeout as e:
+                got[w] = e
+
+    shard0, shard1 = Aggregator([job], shard=0), Lossy([job], shard=1)
+    shard0.start("127.0.0.1", base)
+    shard1.start("127.0.0.1", base + 1)
+    late = threading.Thread(target=worker, args=(1, 1.5))
+    try:
+        late.start()
+        worker(0, 1.5)
+        assert got[0] == [2, 2]
+        shard1.stop()
+        shard1 = Aggregator([job], shard=1)
+        shard1.start("127.0.0.1", base + 1)
+        late.join(5)
+    finally:
+        shard0.stop()
+        shard1.stop()
+    assert isinstance(got[1], AggregationTimeout), got[1]
+    assert "aggregator restarted before this worker's first reply" in str(got[1])
+
+
 def test_the_restart_hint_is_the_timed_out_chunks_shard_alone(datapath):
     """Shard 0 was heard in round 1; in round 2 shard 1 is first heard (its chunk completes)
     while shard 0's chunk waits for a missing worker: no restart of shard 0 is hinted (the

@@ -168,8 +168,10 @@ def test_counts_become_the_mean_or_the_majority_sign():
 
 
 def test_a_vote_chunk_closed_short_counts_only_its_voters():
-    """A vote job with a loss bound: worker 1's chunk 0 never comes and worker 0 closes it
-    short. Its one +1 vote was decoded as if the missing worker had voted -1 (mean 0)."""
+    """A vote job with a loss bound: in the run's second round worker 1's chunk 0 never
+    comes and worker 0 closes it short (not in the first: a worker closes a chunk short only
+    at an aggregator it heard in an earlier round). Its one +1 vote was decoded as if the
+    missing worker had voted -1 (mean 0)."""
     import socket
 
     from thc.net.aggregator import Aggregator
@@ -179,17 +181,26 @@ def test_a_vote_chunk_closed_short_counts_only_its_voters():
     base = free_port_block(2)
     job = Job.vote(5, [Worker(i, "127.0.0.1", base + i) for i in range(2)], lanes=256,
                    loss_bound=0.5).validate()
+
+    def vote(sock, addr, seq: int, offset: int) -> None:   # worker 1's +1 on 256 lanes
+        slot, version = P.slot_of(seq, job.pool_size)
+        sock.sendto(P.HEADER_STRUCT.pack(P.PktType.DATA, 1, 5, slot, version, 0, seq, offset,
+                                         0, 9, 77) + b"\xff" * 32, addr)
+
     with Aggregator([job]) as agg, socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as w1:
         addr = agg.start()
-        w1.bind(("127.0.0.1", base + 1))   # worker 1 votes +1 on chunk 1 only
-        slot, version = P.slot_of(1, job.pool_size)
-        w1.sendto(P.HEADER_STRUCT.pack(P.PktType.DATA, 1, 5, slot, version, 0, 1, 256, 0, 9,
-                                       77) + b"\xff" * 32, addr)
+        w1.bind(("127.0.0.1", base + 1))
+        vote(w1, addr, 0, 0)
+        vote(w1, addr, 1, 256)      # round 1: both chunks
+        vote(w1, addr, 3, 256)      # round 2: chunk 1 only
         with AggregationClient(job, 0, addr, run=9, deadline=5.0) as client:
             ar = object.__new__(marsit.MarsitVoteAllReduce)   # mean_sign needs the client only
             ar.client, ar.majority, ar.bytes_sent = client, False, 0
+            first = ar.mean_sign(torch.ones(512, dtype=torch.bool))
+            assert client.stats.short == 0
             est = ar.mean_sign(torch.ones(512, dtype=torch.bool))
             assert client.stats.short == 1
+    assert set(first.tolist()) == {1.0}
     assert set(est[:256].tolist()) == {0.5} and set(est[256:].tolist()) == {1.0}
 
 

@@ -21,7 +21,9 @@ restarted shard is named by its index and address.
 DLCP's bounded loss: with a job ``loss_bound`` > 0, a DATA chunk that would be retransmitted
 is closed short instead (a ``FLUSH``: the aggregator freezes the chunk with the workers it
 has and sends that RESULT, with its count and bitmap, to every worker), as long as at most
-``loss_bound`` of the round's chunks end short. The :class:`AggregationResult` of
+``loss_bound`` of the round's chunks end short, and only at an aggregator heard in an
+earlier round of the run (one first heard in this round may have restarted after serving
+the peers this chunk's result). The :class:`AggregationResult` of
 :meth:`AggregationClient.reduce` says per chunk who was counted. Each DATA packet may carry a
 priority class in its IPv4 DSCP (:mod:`thc.net.priority`), set per packet with an ``IP_TOS`` control
 message (as cheap as a plain ``sendto``).

@@ -169,7 +169,8 @@ class PythonWindow:
                 # the same place and counts once the previous use is acknowledged
                 end.stats.retransmitted += 1
                 send(packet(i), dst(i), tos[i] if tos else 0)
-            elif bounded and (i in short or (may_flush and len(short) < budget)):
+            elif bounded and (i in short or (may_flush and len(short) < budget
+                                             and rnd.heard[shard_of(i)])):
                 if i not in short:
                     short.add(i)
                     slot, version = P.slot_of(base + i, pool)

@@ -58,7 +58,7 @@ ROW_KEYS = ("loss-1", "loss-5", "loss-20", "dup", "reorder", "jitter", "worker",
 EXACTNESS_CASES = """\
 ## The exactness cases
 
-Eleven ways a client would accept a wrong sum or wait without an error, and the rule of
+Twelve ways a client would accept a wrong sum or wait without an error, and the rule of
 docs/protocol.md that prevents each (a slot use's op and offset, slot and version checked
 against seq, acknowledgements, REFUSED replies, run jumps and idle runs, an epoch per
 install, one incarnation per run, the client's acceptance checks). Each is a test that runs
@@ -79,6 +79,7 @@ of them with real processes.
 | 9. an aggregator installed with another table, granularity or sum width | a client window takes its sums (794 of 1024 lanes not the workers' sum) | every epoch carries the job's configuration tag: the first reply raises AggregatorMisconfigured | `test_exactness_clients.py` (installed_with_another_configuration), `test_transport.py` (other_lanes_or_pool) |
 | 10. a peer's FLUSHes for a worker whose job has no loss bound | every chunk comes back closed short (count 0) and the round returns | a short RESULT beyond the worker's bound (any, without one) raises LossBoundExceeded; `aggregate()` refuses short chunks | `test_dlcp.py` (short_result_without_a_loss_bound, beyond_n_times_the_bound) |
 | 11. a software re-install with the installed nonce, or after a remove | the epoch stays: a client whose run spans it meets slots that forgot its chunk and blames a worker that had sent it (missing worker(s) [0]) | no install repeats the job's last epoch: a given nonce equal to it is refused, a drawn one differs, and the last epoch outlives a remove | `tests/test_fastagg.py` (no_install_repeats_the_jobs_last_epoch) |
+| 12. bounded loss over two shards; shard 1's replies to a worker lost until shard 1 restarts, after its peer took the chunk full | the worker's FLUSH opens a closed, empty use at the restarted shard: it takes count 0 where its peer took count 2, and neither raises | a worker closes a chunk short only at a shard it heard in an earlier round of the run: it resends, and its timeout names the restart | `test_exactness_clients.py` (shard_first_heard_in_the_round_closes_no_chunk_short); row *bounded loss with a straggler* (late to the second round) |
 
 `tests/model_fuzz.py` checks every engine against the reference model over random
 interleavings of all these packets (`make fuzz`: a million steps), with an oracle that knows

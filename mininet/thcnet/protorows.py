@@ -235,15 +235,16 @@ STRAGGLER_LOSS_BOUND = 0.75
 
 def row_straggler(tb, numel: int, suffix: str = "", **kw) -> Row:
     """DLCP's bounded loss with a straggler: a job loss_bound of 0.75 (its cluster config)
-    and one worker 0.5 s late. Every worker must finish, each chunk's sums equal to the exact
-    sum over the workers its bitmap names (smoke_worker checks it), the same on every worker
-    (a closed chunk is frozen)."""
+    and one worker 0.5 s late to the second of two rounds (in the first, no worker has heard
+    the aggregator before, and none closes a chunk short). Every worker must finish, each
+    chunk's sums equal to the exact sum over the workers its bitmap names (smoke_worker
+    checks it), the same on every worker (a closed chunk is frozen)."""
     deadline = 10.0
     name = "bounded loss with a straggler" + suffix
     before = counters_of(tb)
     t0 = time.perf_counter()
-    procs = tb.start_workers(worker_argv(tb, numel, deadline=deadline, per_rank={
-        STRAGGLER_RANK: {"start-delay": STRAGGLER_DELAY}}, **kw))
+    procs = tb.start_workers(worker_argv(tb, numel, rounds=2, deadline=deadline, per_rank={
+        STRAGGLER_RANK: {"start-delay": STRAGGLER_DELAY, "late-round": 1}}, **kw))
     results = wait_workers(procs, 300)
     seconds = time.perf_counter() - t0
     after = counters_of(tb)
@@ -258,11 +259,12 @@ def row_straggler(tb, numel: int, suffix: str = "", **kw) -> Row:
     by_bitmap = ok[0].get("bitmaps", {}) if ok else {}
     causes = sorted({r["error"] for r in results if "error" in r})
     note = (f"job loss_bound {tb.job.loss_bound:g} (the testbed's cluster config), worker "
-            f"{STRAGGLER_RANK} started {STRAGGLER_DELAY:g} s late, deadline {deadline:g} s: "
+            f"{STRAGGLER_RANK} {STRAGGLER_DELAY:g} s late to round 2 of 2, deadline "
+            f"{deadline:g} s: "
             f"{len(ok)}/{len(results)} finished"
             + (f" (others: {', '.join(causes)})" if causes else "")
             + f"; each chunk checked against the workers its bitmap names; "
-              f"{'/'.join(map(str, short))} of {chunks} chunks closed short"
+              f"{'/'.join(map(str, short))} of {chunks} chunks of the last round closed short"
             + (f" (chunks by contributors: {_contributors(by_bitmap)})" if by_bitmap else "")
             + f", {'the same on every worker' if same else 'DIFFERENT on the workers'}; "
               f"{flushed} FLUSH sent; {held} packets held (a new slot use waits until every "

@@ -14,9 +14,10 @@ experiment can tell a clear failure from a crash.
 Fault experiments (docs/faults.md) also use: ``--loss-bound F`` (DLCP: chunks may be closed
 short; each chunk is then checked against the workers its bitmap names, not all of them; the
 line adds ``loss_bound``, ``short_last_round`` and ``bitmaps``, chunks per contributors'
-bitmap), ``--start-delay S`` (a straggler) and ``--out-of-step P`` (this worker's process
-also sends MAX packets at the seqs of its DATA chunks, through its own socket; the line adds
-``out_of_step``, how many). Without them the line is as above.
+bitmap), ``--start-delay S`` before round ``--late-round`` (a straggler) and
+``--out-of-step P`` (this worker's process also sends MAX packets at the seqs of its DATA
+chunks, through its own socket; the line adds ``out_of_step``, how many). Without them the
+line is as above.
 """
 from __future__ import annotations
 
@@ -157,7 +158,11 @@ def main(argv: list[str] | None = None) -> int:
                          "DIR/done-RANK (rounds finished), wait for DIR/stop and stop at the "
                          "round count it holds (--rounds stays the upper bound)")
     ap.add_argument("--start-delay", type=float, default=0.0, metavar="SECONDS",
-                    help="wait this long before the first chunk: a straggler (testing)")
+                    help="wait this long before round --late-round's first chunk: a "
+                         "straggler (testing)")
+    ap.add_argument("--late-round", type=int, default=0, metavar="N",
+                    help="the round (from 0) that --start-delay comes before (default 0; a "
+                         "loss bound closes chunks short only from round 1 on)")
     ap.add_argument("--out-of-step", type=float, default=0.0, metavar="P",
                     help="after each DATA chunk sent, also send a MAX at its seq with this "
                          "probability, through this worker's socket: an out-of-step worker "
@@ -167,6 +172,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--out-of-step must lie in [0, 1]")
     if args.start_delay < 0:
         ap.error("--start-delay must not be negative")
+    if args.late_round < 0:
+        ap.error("--late-round must not be negative")
 
     cluster = Cluster.load(args.config)
     job = cluster.jobs[0]
@@ -187,7 +194,6 @@ def main(argv: list[str] | None = None) -> int:
                                  **extra) as client:
         bounded = client.loss_bound > 0
         last = None
-        time.sleep(args.start_delay)
         t0 = time.perf_counter()
         try:
             stop = float("inf")
@@ -196,6 +202,8 @@ def main(argv: list[str] | None = None) -> int:
                     stop = _halt(args.until, args.rank, rounds, args.deadline * 2)
                 if rounds >= stop:
                     break
+                if rounds == args.late_round:
+                    time.sleep(args.start_delay)
                 shift = round_shift(rounds, args.numel)
                 idx[: args.numel] = np.roll(mine, shift)
                 last = client.reduce(pack_bits(idx, P.INDEX_BITS))
