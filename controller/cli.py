@@ -228,8 +228,11 @@ def _run(args: argparse.Namespace) -> int:
                     print(f"job {jid}: " + ", ".join(f"{k}={v}" for k, v in c.items()))
         elif args.action == "l2":
             if args.op == "list":
-                for mac, port in sorted(forwarding.routes(sw).items()):
+                routes = forwarding.routes(sw)
+                for mac, port in sorted(routes.items()):
                     print(f"{mac} -> port {port}")
+                if not routes:
+                    print("l2_forward: no entries")
             elif owners := _jobs_of_mac(sw, args.mac):
                 raise ValueError(f"l2 {args.op}: {args.mac} is a worker MAC of job(s) "
                                  f"{owners}, whose install keeps its route: change the job's "

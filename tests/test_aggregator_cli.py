@@ -289,6 +289,33 @@ def test_a_receive_queue_smaller_than_asked_is_named_at_startup(tmp_path, monkey
     assert '"queue_overflow": 0' in out.out, out.out
 
 
+def test_without_listen_a_shard_serves_at_its_port_in_the_shard_map(tmp_path, monkeypatch,
+                                                                     capsys):
+    """``--listen``'s help said a shard's default was its address in the shard map; it was
+    THC's port, and a shard map giving another port refused the start. Without ``--shard``
+    the default stays THC's port."""
+    import argparse
+    import dataclasses
+
+    from thc.net import aggregator
+    from thc.wire import protocol as P
+    from thc.wire.jobs import Shard
+    monkeypatch.setattr(aggregator, "_stop_on_signals", lambda: None)   # pytest's own
+    port = free_port_block(2)
+    job = dataclasses.replace(local_job(1, 2, free_port_block(2)),
+                              shards=(Shard("127.0.0.1", port), Shard("127.0.0.1", port + 1)))
+    cfg = tmp_path / "cluster.json"
+    Cluster(jobs=(job.validate(),)).save(cfg)
+    assert aggregator.default_listen([job], None) == f"0.0.0.0:{P.UDP_PORT}"
+    parser = argparse.ArgumentParser()
+    aggregator.add_arguments(parser)
+    assert aggregator.run(parser.parse_args(["--config", str(cfg), "--shard", "1",
+                                             "--duration", "0.2",
+                                             "--stats-interval", "0"])) == 0
+    out = capsys.readouterr().out
+    assert f"listening on 0.0.0.0:{port + 1} as shard 1" in out, out
+
+
 def test_a_stats_file_or_reader_gone_never_stops_the_serving(tmp_path):
     """Its folder removed mid-run, the stats file's write ended the aggregator with a
     FileNotFoundError traceback; a reader of its lines gone (`| head -1`) with a

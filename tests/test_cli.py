@@ -103,7 +103,7 @@ def test_the_bench_list_in_the_usage_is_the_benches_table(capsys):
     (["bench", "hook", "--device", "cpu", "--quick", "--buckets", "100"],
      {"THC_CODEC_CPU": "bogus"}, "thc bench hook: codec cpu 'bogus'"),
     (["faults", "--loopback", "--quick", "--only", "dup"], {"THC_CLIENT_GSO": "yes"},
-     "thc faults: THC_CLIENT_GSO='yes': use 0 or 1")])
+     "thc faults: THC_CLIENT_GSO='yes': use auto, 0 or 1")])
 def test_bad_settings_and_flags_are_usage_errors_before_any_work(argv, env, message,
                                                                  monkeypatch, capsys, tmp_path):
     """A bad THC_* variable was a ValueError traceback; thc run's flags failed only once a

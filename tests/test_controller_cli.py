@@ -101,6 +101,12 @@ def test_readers_never_take_a_writers_place(recorded):
     assert recorded.elections[-1] == ((3, 4), False)
 
 
+def test_an_empty_forwarding_table_is_said_to_be_empty(recorded, capsys):
+    """``l2 list`` printed nothing at all, which reads like a command that did not run."""
+    assert cli.run(_parse("l2", "list")) == 0
+    assert capsys.readouterr().out.splitlines() == ["l2_forward: no entries"]
+
+
 def test_a_push_is_refused_while_a_job_is_live(recorded, tmp_path, capsys, monkeypatch):
     """`install --push` (and `push`) removes every job: a push watches every installed job
     first, and refuses a live one as `install` alone does."""

@@ -90,3 +90,28 @@ def test_a_clusters_own_aggregation_port_is_dissected_once_named():
     assert back.haslayer(THC)
     with pytest.raises(ValueError, match="not a UDP port"):
         dissect_port(70000)
+
+
+def _dissects_after(first: str) -> str:
+    """What a fresh process reads from a THC datagram to the protocol's port, with ``first``
+    imported before thc.wire.layers."""
+    import subprocess
+    import sys
+    code = (f"{first}\n"
+            "from scapy.layers.inet import IP, UDP\n"
+            "from thc.wire.layers import THC, dissect_port\n"
+            "from thc.wire import protocol as P\n"
+            "dissect_port(4789)\n"
+            "print(IP(bytes(IP() / UDP(sport=50000, dport=P.UDP_PORT) / THC(run=7)))[THC].run,"
+            " IP(bytes(IP() / UDP(sport=50000, dport=4789) / THC(run=8)))[THC].run)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return r.stdout.split()
+
+
+@pytest.mark.parametrize("first", ["from scapy.all import rdpcap", "import os"])
+def test_thc_takes_its_port_from_the_protocol_scapy_binds_it_to(first):
+    """Scapy binds UDP 48879 (THC's) and 4789 to VXLAN; with ``scapy.all`` imported first
+    a capture read as VXLAN (``[THC]``: "Layer [THC] not found"), whatever port was named."""
+    assert _dissects_after(first) == ["7", "8"]

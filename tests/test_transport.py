@@ -181,6 +181,9 @@ def test_gso_choice_follows_the_job_and_the_environment(job, monkeypatch):
     monkeypatch.setenv(GSO_ENV, "0")
     settings.reset()                    # the process's settings are read once
     assert resolve_gso(None, sharded) is False
+    monkeypatch.setenv(GSO_ENV, "auto")    # as unset: the settings line prints "auto"
+    settings.reset()
+    assert resolve_gso(None, job) is False and resolve_gso(None, sharded) is True
     monkeypatch.setenv(GSO_ENV, "yes")
     settings.reset()
     with pytest.raises(ValueError, match="THC_CLIENT_GSO"):

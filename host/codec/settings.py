@@ -58,9 +58,9 @@ class Settings:
             if text:
                 values[name] = text.lower()
         gso = env.get(ENV["client_gso"])
-        if gso:
+        if gso and gso != "auto":   # auto: as unset, the value describe() prints for it
             if gso not in ("0", "1"):
-                raise ValueError(f"{ENV['client_gso']}={gso!r}: use 0 or 1")
+                raise ValueError(f"{ENV['client_gso']}={gso!r}: use auto, 0 or 1")
             values["client_gso"] = gso == "1"
         if env.get(ENV["fashion_mnist"]):
             values["fashion_mnist"] = env[ENV["fashion_mnist"]]

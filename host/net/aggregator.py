@@ -158,9 +158,9 @@ class Aggregator(UDPServer):
 
 # -- `thc aggregator` ---------------------------------------------------------------
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--listen", default=f"0.0.0.0:{P.UDP_PORT}", metavar="HOST:PORT",
-                        help="UDP address to serve (default: %(default)s; a shard: its address "
-                             "in the shard map)")
+    parser.add_argument("--listen", default=None, metavar="HOST:PORT",
+                        help=f"UDP address to serve (default: 0.0.0.0:{P.UDP_PORT}; with "
+                             f"--shard, 0.0.0.0 at the port the shard map gives the shard)")
     parser.add_argument("--config", required=True, help="cluster JSON (the controller's format)")
     parser.add_argument("--shard", type=int, default=None, metavar="INDEX",
                         help="run as this shard of the jobs' shard maps (sharded jobs only)")
@@ -196,6 +196,16 @@ def choose(datapath: str, jobs, impair: Impairment, gso: bool = True,
     if datapath == "compiled":
         raise RuntimeError(f"--datapath compiled: {why_not}")
     return Aggregator(jobs, impair=impair, shard=shard), f"python ({why_not})"
+
+
+def default_listen(jobs, shard: int | None) -> str:
+    """Where ``thc aggregator`` serves without ``--listen``: THC's port on every address, or
+    a shard's port in its jobs' shard map (a map that gives another shard's port on this
+    host would otherwise have it refused at start)."""
+    for job in jobs:
+        if shard is not None and job.shards and 0 <= shard < job.n_shards:
+            return f"0.0.0.0:{job.shards[shard].port}"
+    return f"0.0.0.0:{P.UDP_PORT}"
 
 
 def check_shard_address(jobs, shard: int | None, host: str, port: int) -> None:
@@ -250,7 +260,8 @@ def _stop_on_signals() -> None:
 def run(args: argparse.Namespace) -> int:
     try:
         cluster = Cluster.load(args.config)
-        host, port = parse_hostport(args.listen)
+        listen = args.listen or default_listen(cluster.jobs, args.shard)
+        host, port = parse_hostport(listen)
     except (ConfigError, ValueError, OSError) as e:
         print(f"thc aggregator: {e}", file=sys.stderr)
         return 2
@@ -275,7 +286,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         addr = agg.start(host, port)
     except OSError as e:
-        print(f"thc aggregator: cannot listen on {args.listen}: {e}", file=sys.stderr)
+        print(f"thc aggregator: cannot listen on {listen}: {e}", file=sys.stderr)
         return 2
     role = "" if args.shard is None else f" as shard {args.shard}"
     print(f"thc aggregator listening on {addr[0]}:{addr[1]}{role} with jobs "

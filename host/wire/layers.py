@@ -9,7 +9,8 @@ from __future__ import annotations
 import numpy as np
 from scapy.fields import ByteEnumField, ByteField, IntField, ShortField, StrField, XIntField
 from scapy.layers.inet import UDP
-from scapy.packet import Packet, bind_bottom_up, bind_top_down
+from scapy.layers import vxlan  # noqa: F401 - its bindings exist before THC takes its port
+from scapy.packet import Packet, bind_bottom_up, bind_top_down, split_bottom_up
 
 from thc.codec.packing import unpack_bits
 from thc.wire import protocol as P
@@ -95,9 +96,19 @@ class THCMax(_Payload):
         return P.ordered_u32_to_floats(u)
 
 
-bind_bottom_up(UDP, THC, dport=P.UDP_PORT)   # dissected from either port, as replies come
-bind_bottom_up(UDP, THC, sport=P.UDP_PORT)   # from it; UDP()/THC() builds to and from it
-bind_top_down(UDP, THC, sport=P.UDP_PORT, dport=P.UDP_PORT)
+def _claim(port: int) -> None:
+    """Dissect UDP to and from ``port`` as THC, as replies come from it. Scapy binds some
+    ports to other protocols (THC's own, 48879, to VXLAN for Cisco ACI, in scapy.all's
+    import), and the first binding that matches wins: those on ``port`` are taken off."""
+    for fval, upper in list(UDP.payload_guess):
+        if upper is not THC and port in (fval.get("dport"), fval.get("sport")):
+            split_bottom_up(UDP, upper, **fval)
+    bind_bottom_up(UDP, THC, dport=port)
+    bind_bottom_up(UDP, THC, sport=port)
+
+
+_claim(P.UDP_PORT)
+bind_top_down(UDP, THC, sport=P.UDP_PORT, dport=P.UDP_PORT)   # UDP()/THC() builds to it
 
 
 def dissect_port(port: int) -> None:
@@ -105,5 +116,4 @@ def dissect_port(port: int) -> None:
     may be another. Scapy's bindings are process-wide, so this holds for every later read."""
     if not 0 < port < 65536:
         raise ValueError(f"port {port}: not a UDP port")
-    bind_bottom_up(UDP, THC, dport=port)
-    bind_bottom_up(UDP, THC, sport=port)
+    _claim(port)

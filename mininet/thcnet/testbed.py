@@ -129,7 +129,7 @@ def open_testbed(n_workers: int, bw_mbit: float | None = None, delay_ms: float =
     """
     if aggregator not in AGGREGATORS:
         raise TestbedError(f"aggregator must be one of {AGGREGATORS}, got {aggregator!r}")
-    reason = mininet_unavailable_reason(aggregator) if prefer_mininet else "prefer_mininet=False"
+    reason = mininet_unavailable_reason(aggregator) if prefer_mininet else "asked for: --loopback"
     if reason is None:
         from thc.emu.emulation import MininetTestbed
         return MininetTestbed(n_workers, bw_mbit=bw_mbit, delay_ms=delay_ms, loss_pct=loss_pct,
