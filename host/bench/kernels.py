@@ -96,6 +96,10 @@ def _timer(device):
     return cpu
 
 
+KERNEL_WIDTH = len("encode: slice norms from pass 1's parts")
+"""The table's kernel column: as wide as the longest row's name."""
+
+
 def _kernel_rows(tk, n: int, params: THCParams, device, timer) -> list[dict]:
     import torch
     from thc.codec.common import WHOLE, layout, status_word
@@ -256,14 +260,15 @@ def run(args: argparse.Namespace) -> int:
             setattr(tk, k, v)
     print(f"codec kernels on {where}, slices of {params.slice_size}; GB/s of bytes read plus "
           f"written; 'of copy': that rate over the copy's", file=out)
-    head = f"{'precision':<9} {'kernel':<28} {'elements':>8} {'us':>9} {'GB/s':>8} {'of copy':>8}"
+    head = (f"{'precision':<9} {'kernel':<{KERNEL_WIDTH}} {'elements':>8} {'us':>9} "
+            f"{'GB/s':>8} {'of copy':>8}")
     for prec, rep in report["precisions"].items():
         config = None
         for r in rep["rows"]:
             if r["config"] != config:
                 config = r["config"]
                 print(f"tiles: {config}\n{head}", file=out)
-            print(f"{prec:<9} {r['name']:<28} 2^{r['elements'].bit_length() - 1:<6} "
+            print(f"{prec:<9} {r['name']:<{KERNEL_WIDTH}} 2^{r['elements'].bit_length() - 1:<6} "
                   f"{r['median_s'] * 1e6:>9.1f} {r['gb_per_s']:>8.0f} {r['of_copy']:>8.2f}",
                   file=out)
         print(f"{prec:<9} decode error vs float64 {rep['decode_rel_error']:.2e}, indices "
