@@ -471,7 +471,7 @@ def run(args: argparse.Namespace) -> int:
     for name in modes:
         print(f"\n== {name}: {MODES[name].description}", flush=True)
         try:
-            with tqdm(total=1, desc=name, unit="step", file=sys.stdout) as bar:
+            with tqdm(total=None, desc=name, unit="step", file=sys.stdout) as bar:
                 run_ = _run_mode(name, args, bar)
         except KeyboardInterrupt:
             print(f"\nthc run: interrupted during {name}; its testbed torn down, no report "
