@@ -45,15 +45,19 @@ def indices(seed: int, chunks: int, job) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 16, chunks * job.lanes).astype(np.uint8)
 
 
-def run_workers(job, addr, payloads, delays=None, **client_kw):
+def run_workers(job, addr, payloads, delays=None, first_round=False, **client_kw):
     """Every worker aggregates its payload in a thread; returns {w: (sums, counts, bitmaps)}
-    or the exception it raised."""
+    or the exception it raised. ``delays``: seconds a worker waits before its round;
+    ``first_round``: each worker first runs a round of the same payload together (a loss
+    bound closes chunks short only at an aggregator heard in an earlier round)."""
     out = {}
 
     def work(w):
-        time.sleep((delays or {}).get(w, 0.0))
         try:
             with AggregationClient(job, w, addr, **client_kw) as c:
+                if first_round:
+                    c.reduce(pack_bits(payloads[w], P.INDEX_BITS))
+                time.sleep((delays or {}).get(w, 0.0))
                 r = c.reduce(pack_bits(payloads[w], P.INDEX_BITS))
                 out[w] = (r.sums, r.counts, r.bitmaps)
         except Exception as e:  # noqa: BLE001 (reported by the test)
@@ -68,16 +72,17 @@ def run_workers(job, addr, payloads, delays=None, **client_kw):
 
 
 def test_bounded_loss_with_a_straggler_finishes_exact(aggregator_kind):
-    """Case 5: 3 workers, pool 4, 16 chunks, loss bound 0.75, one worker 0.5 s late. All
-    three raised AggregationTimeout: chunks closed short let the others run more than two
-    pools ahead and reuse slot versions whose results the straggler still needed."""
+    """Case 5: 3 workers, pool 4, 16 chunks, loss bound 0.75, one worker 0.5 s late to the
+    run's second round. All three raised AggregationTimeout: chunks closed short let the
+    others run more than two pools ahead and reuse slot versions whose results the straggler
+    still needed."""
     job = local_job(1, 3, free_port_block(3), pool_size=4, table=TABLE)
     chunks = 16
     payloads = {w: indices(w, chunks, job) for w in range(3)}
     with make(aggregator_kind, [job]) as agg:
         addr = agg.start()
-        out = run_workers(job, addr, payloads, delays={2: 0.5}, run=3, loss_bound=0.75,
-                          deadline=10.0)
+        out = run_workers(job, addr, payloads, delays={2: 0.5}, first_round=True, run=3,
+                          loss_bound=0.75, deadline=10.0)
     table = np.asarray(TABLE)
     for w in range(3):
         assert not isinstance(out[w], Exception), f"worker {w}: {out[w]!r}"
@@ -95,6 +100,7 @@ def test_bounded_loss_with_a_straggler_finishes_exact(aggregator_kind):
     # (an aggregator that closed every chunk at its first DATA passed the checks above)
     counts = out[0][1]
     assert int(counts.max()) == 3, f"no chunk counted all three workers: {counts.tolist()}"
+    assert int(counts.min()) < 3, f"no chunk closed short: {counts.tolist()}"   # it fired
 
 
 def test_a_run_id_that_is_not_newer_is_refused():
@@ -373,6 +379,7 @@ def test_a_shard_first_heard_in_the_round_closes_no_chunk_short():
         shard1.stop()
     assert isinstance(got[1], AggregationTimeout), got[1]
     assert "aggregator restarted before this worker's first reply" in str(got[1])
+    assert "closes chunks short only at an aggregator heard in an earlier round" in str(got[1])
 
 
 def test_the_restart_hint_is_the_timed_out_chunks_shard_alone(datapath):

@@ -296,7 +296,9 @@ def timeout_of(end: Endpoint, rnd: Round, i: int, bitmap: int | None, silent: fl
             f"moved past it: {got})", missing, shard)
     unseen = ("" if rnd.heard[shard] else "; or the aggregator restarted before this worker's "
               "first reply of the run, losing the round (its peers then raised "
-              "AggregatorRestarted)")
+              "AggregatorRestarted, or returned where their part was done before it)"
+              + ("; the loss bound closes chunks short only at an aggregator heard in an "
+                 "earlier round of the run" if rnd.is_data and end.loss_bound > 0 else ""))
     if job.shards:
         # a peer whose shard map differs sends this chunk to another shard; only the peer
         # hears the refusal (wrong_shard), or nothing where that shard owns the chunk
