@@ -318,6 +318,38 @@ def test_values_too_large_for_the_max_norms_given_are_refused(backend):
             c.encode(x.to(dev), torch.tensor([m], device=dev), 0, 1)
 
 
+def _refused(codec, x, m: float) -> bool:
+    try:
+        codec.encode_prepared(codec.prepare(x, 0), torch.tensor([m], device=x.device), 1)
+    except ValueError as e:
+        assert "so large for the max norms given" in str(e)
+        return True
+    return False
+
+
+@pytest.mark.parametrize("backend", ["reference", "compiled", "triton"])
+def test_a_prepared_encode_refuses_an_overflow_exactly_where_the_reference_does(backend):
+    """The kernels' encode pass 2 skips its check of every coordinate where the slice's own
+    norm, from prepare, bounds them all (triton_kernels.REACH) after the scale: across the
+    max norm where the scale first makes a coordinate infinite, a prepared encode is refused
+    exactly where the reference's is (with a bound too small the kernels took them)."""
+    if backend == "triton" and SKIP:
+        pytest.skip(SKIP)
+    p = THCParams(slice_size=256)
+    x = torch.randn(256, generator=torch.Generator().manual_seed(1)) * 1e30
+    ref = THCCodec(p, backend="reference")
+    lo, hi = 1e-30, float(torch.linalg.vector_norm(x.double()))
+    assert _refused(ref, x, lo) and not _refused(ref, x, hi)
+    while hi / lo > 1 + 1e-5:   # the reference's boundary, by bisection in log scale
+        mid = (lo * hi) ** 0.5
+        lo, hi = (mid, hi) if _refused(ref, x, mid) else (lo, mid)
+    c = THCCodec(p, backend=backend)
+    xd = x.to(DEV if backend == "triton" else "cpu")
+    for factor in (1e-6, 0.5, 0.99, 0.999, 1.001, 1.01, 2.0, 1e3, 1e6):
+        m = hi * factor
+        assert _refused(c, xd, m) == _refused(ref, x, m) == (factor < 1), factor
+
+
 @pytest.mark.parametrize("backend", ["reference", "compiled", "triton"])
 def test_a_max_norm_under_the_floor_decodes_as_zeros_on_every_backend(backend):
     """A max norm whose encode scale overflows float32 encodes the slice as zeros; its
@@ -432,12 +464,13 @@ def test_lax_arguments_are_refused_not_cast(backend):
     from thc.codec.packing import pack_bits
     if backend == "triton" and SKIP:
         pytest.skip(SKIP)
+    dev = DEV if backend == "triton" else "cpu"
     c = THCCodec(THCParams(slice_size=256), backend=backend)
-    x = torch.randn(512, generator=torch.Generator().manual_seed(3))
+    x = torch.randn(512, generator=torch.Generator().manual_seed(3)).to(dev)
     m = c.norms(x)
     with pytest.raises(TypeError, match="got a bool"):
         c.encode(x, m, 0, True)
-    for bad in (m + 5j, torch.ones(2, dtype=torch.bool), (m + 5j).numpy()):
+    for bad in (m + 5j, torch.ones(2, dtype=torch.bool, device=dev), (m.cpu() + 5j).numpy()):
         with pytest.raises(TypeError, match="max norms are real numbers"):
             c.encode(x, bad, 0, 1)
         with pytest.raises(TypeError, match="max norms are real numbers"):

@@ -5,10 +5,11 @@ and its share of the device's copy bandwidth, for each way of running the Hadama
 Per size (whole slices of ``--slice-size``) and precision it times, with
 ``triton.testing.do_bench`` (CUDA events, L2 cleared before every run, the median):
 encode pass 1 on float32 and on bfloat16 input, the slice norms from its parts, encode
-pass 2 (packed indices), decode
-pass 1 on 8-bit and on 32-bit sums, decode pass 2, and a device copy (``x.clone()``) as the
-yardstick. Bytes are the fewest the kernel can move (each input read once, each output
-written once); GB/s count reads plus writes, as the copy's do (8 bytes an element).
+pass 2 (packed indices; with the slices' own norms, as a prepared encode runs it, and
+without, when it checks every coordinate for overflow), decode pass 1 on 8-bit and on
+32-bit sums, decode pass 2, and a device copy (``x.clone()``) as the yardstick. Bytes are
+the fewest the kernel can move (each input read once, each output written once); GB/s count
+reads plus writes, as the copy's do (8 bytes an element).
 
 Error, per precision: the decode of four workers' sums against the same decode in float64
 (relative L2 error), and the share of indices that differ from the reference path's
@@ -128,6 +129,8 @@ def _kernel_rows(tk, n: int, params: THCParams, device, timer) -> list[dict]:
            ("encode: slice norms from pass 1's parts", 8 * part.numel() + 4 * grp.count,
             lambda: tk.finish_norms(part, grp, params, word, norms)),
            ("encode pass 2, packed", 4 * n + n // 2,
+            lambda: tk.encode_cols(tmp, grp, norms, params, 0, 5, packed, True, word, norms)),
+           ("encode pass 2, packed, no own norms", 4 * n + n // 2,
             lambda: tk.encode_cols(tmp, grp, norms, params, 0, 5, packed, True, word)),
            ("decode pass 1, 8-bit sums", 5 * n,
             lambda: tk.decode_rows(s8, grp, 4, params, word)),

@@ -123,9 +123,11 @@ def encode(kern, flat, lay, max_norms, params: THCParams, round: int, generator,
             a, n = (grp.padded_start // 2, grp.count * grp.padded // 2) if fused else \
                 (grp.padded_start, grp.count * grp.padded)
             tmp = scratch.get(grp.first) if scratch else None
+            own = norms   # the norms prepare made from this scratch
             if tmp is None:
-                tmp, _ = kern.encode_rows(flat, grp, params.seed, round, word)
-            kern.encode_cols(tmp, grp, md, params, round, key, out[a: a + n], fused, word)
+                tmp, own = kern.encode_rows(flat, grp, params.seed, round, word)[0], None
+            kern.encode_cols(tmp, grp, md, params, round, key, out[a: a + n], fused, word,
+                             own)
             continue
         _encode_short(flat.float(), grp, m, params, round, key, out, fused)
     _settle(word, status, params, md)

@@ -32,6 +32,8 @@ index outside the table.
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 import triton
@@ -153,10 +155,11 @@ def _col_block(count, NB: tl.constexpr, FIRST: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=[KEYED["_encode_cols"]])
-def _encode_cols(TMP, OUT, MAXN, STATUS, uprefix, ROUND, first, count, LOWER, BASE, WIDTH, d,
-                 g, scale, limit, floor, R: tl.constexpr, C: tl.constexpr, R1: tl.constexpr,
-                 BN: tl.constexpr, PREC: tl.constexpr, FORM: tl.constexpr,
-                 PACK: tl.constexpr, FIRST: tl.constexpr, DEV_ROUND: tl.constexpr):
+def _encode_cols(TMP, OUT, MAXN, OWN, STATUS, uprefix, ROUND, first, count, LOWER, BASE, WIDTH,
+                 d, g, scale, limit, floor, reach, R: tl.constexpr, C: tl.constexpr,
+                 R1: tl.constexpr, BN: tl.constexpr, PREC: tl.constexpr, FORM: tl.constexpr,
+                 PACK: tl.constexpr, FIRST: tl.constexpr, DEV_ROUND: tl.constexpr,
+                 HAS_OWN: tl.constexpr):
     s, nb = _col_block(count, C // BN, FIRST)
     m = tl.load(MAXN + first + s).to(tl.float32)
     flag(STATUS, norm_bad(m, limit) & (nb == 0), _NORMS, 2, first + s + 1)
@@ -168,9 +171,16 @@ def _encode_cols(TMP, OUT, MAXN, STATUS, uprefix, ROUND, first, count, LOWER, BA
     i = rows[:, None] * C + (nb * BN + tl.arange(0, BN))[None, :]
     y = tl.load(TMP + s.to(tl.int64) * d + i)
     z = had_first(y, R, BN, R1, PREC, FORM) * coef + 0.5 * g
-    # a value the transform made too large for the max norm given: inf, or NaN past inf - inf
-    overflow = tl.max(tl.max(((z - z) != 0.0).to(tl.int32), 1), 0) > 0
-    flag(STATUS, overflow, _INPUT, 1, first + s + 1)
+    # a value the transform made too large for the max norm given: inf, or NaN past inf - inf.
+    # Every coordinate is at most ``reach`` times the slice's own norm (see encode_cols), so
+    # where that bound is finite after the scale no coordinate can overflow and the tile's
+    # reduction is skipped: always, for a max norm at least the slice's own
+    sure = False
+    if HAS_OWN:
+        sure = coef * (tl.load(OWN + first + s) * reach) + g < 3.0e38
+    if not sure:
+        overflow = tl.max(tl.max(((z - z) != 0.0).to(tl.int32), 1), 0) > 0
+        flag(STATUS, overflow, _INPUT, 1, first + s + 1)
     u = tl.minimum(tl.maximum(z, 0.0), g)
     k = tl.maximum(tl.minimum(u.to(tl.int32), g - 1), 0)
     lower = tl.load(LOWER + k).to(tl.int32)
@@ -309,21 +319,31 @@ def finish_norms(part, grp, params, st, out):
                                 OVERFLOW_MARK, P=triton.next_power_of_2(parts))
 
 
+REACH = 2.0
+"""A bound on a coordinate of the two passes' transform over sqrt(d) times the slice's norm:
+exactly it is at most the sum of |x|, so at most sqrt(d) |x| (Cauchy-Schwarz); the products'
+roundings (float32 sums of at most a few hundred terms, tf32x2's split) add under 0.1%."""
+
+
 def encode_cols(tmp, grp, max_norms, params, round_: int, uniform_seed: int, out, pack: bool,
-                st):
+                st, own=None):
     """Encode pass 2 of one group: column transform, scale by g / (2 t_p M) from the device
     tensor ``max_norms`` (all slices'), truncation, stochastic rounding into ``out`` (uint8
-    indices, or packed b = 4 bytes when ``pack``); bad max norms are flagged in ``st``."""
+    indices, or packed b = 4 bytes when ``pack``); bad max norms are flagged in ``st``, and
+    so is a coordinate the scale made infinite. ``own``: the slices' own norms (all slices',
+    as :func:`finish_norms` made them from the scratch ``tmp``), which spare that check its
+    reduction over every tile where the scale cannot overflow."""
     sh, dev, d = _Shape(grp.padded), tmp.device, grp.padded
     table = tuple(int(v) for v in params.table)
     upfx, rnd, on_dev = _prefix(uniform_seed, round_, rng.UNIFORM_STREAM, st)
     lower, base, width = _luts(table, dev)
     g = params.granularity
     _encode_cols[(grp.count * (sh.C // sh.BN),)](
-        tmp, out, max_norms, st, upfx, rnd, grp.first, grp.count, lower, base, width, d, g,
-        g / (2.0 * params.t_p), norm_limit(params), norm_floor(params), R=sh.R, C=sh.C,
-        R1=sh.R1, BN=sh.BN, PREC=PRECISION, FORM=FORM, PACK=pack, FIRST=COLS_FIRST,
-        DEV_ROUND=on_dev, num_warps=NUM_WARPS_COLS)
+        tmp, out, max_norms, max_norms if own is None else own, st, upfx, rnd, grp.first,
+        grp.count, lower, base, width, d, g, g / (2.0 * params.t_p), norm_limit(params),
+        norm_floor(params), REACH * math.sqrt(d), R=sh.R, C=sh.C, R1=sh.R1, BN=sh.BN,
+        PREC=PRECISION, FORM=FORM, PACK=pack, FIRST=COLS_FIRST, DEV_ROUND=on_dev,
+        HAS_OWN=own is not None, num_warps=NUM_WARPS_COLS)
 
 
 def decode_rows(values, grp, n: int, params, st, table=None):
