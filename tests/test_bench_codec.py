@@ -44,3 +44,47 @@ def test_a_backend_that_cannot_run_on_the_device_is_a_clear_error(monkeypatch, c
     args = _parser().parse_args(["--backend", "triton", "--quick", "--repeat", "1"])
     assert bench.run(args) == 2
     assert "thc bench codec: the triton backend" in capsys.readouterr().err
+
+
+def test_kernel_settings_are_for_the_gpu_and_named_as_bench_kernels_takes_them(capsys):
+    """--configs replays the CUDA-graph rows under other kernel settings: off a GPU it is a
+    usage error, a setting the kernels lack is refused by name, and the settings are put back
+    after each replay, also when it raises."""
+    import torch
+
+    from thc.bench.kernels import applied
+    from thc.codec import triton_kernels as tk
+    args = _parser().parse_args(["--configs", "COLS_LOG=0", "--quick", "--repeat", "1"])
+    assert bench.run(args) == 2
+    assert "--configs sets the CUDA kernels' settings" in capsys.readouterr().err
+    cuda = torch.device("cuda")
+    assert bench._configs("", cuda) == []
+    assert bench._configs(";COLS_LOG=0,TILE=1024;FORM=transpose", cuda) == [
+        {"COLS_LOG": 0, "TILE": 1024}, {"FORM": "transpose"}]
+    with pytest.raises(ValueError, match="use NAME=INTEGER"):
+        bench._configs("TILES=2", cuda)
+    tile = tk.TILE
+    with pytest.raises(RuntimeError, match="inside"):
+        with applied(tk, {"TILE": 1024}):
+            assert tk.TILE == 1024
+            raise RuntimeError("inside")
+    assert tk.TILE == tile
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(),
+                    reason="no CUDA device: the CUDA-graph rows replay on a GPU")
+def test_each_kernel_setting_gets_a_graph_row_of_its_own(tmp_path):
+    import json
+
+    from thc.codec import triton_kernels as tk
+    cols = tk.TILE_COLS
+    out = tmp_path / "codec.json"
+    args = _parser().parse_args(["--device", "cuda", "--sizes", "20", "--ranks", "",
+                                 "--no-reference", "--repeat", "1", "--json", str(out),
+                                 "--configs", "TILE_COLS=2048;NUM_WARPS_COLS=4"])
+    assert bench.run(args) == 0
+    rows = {r["name"]: r for r in json.loads(out.read_text())["results"]}
+    for label in ("TILE_COLS=2048", "NUM_WARPS_COLS=4"):
+        r = rows[f"THC encode+decode, CUDA graph (triton, {label})"]
+        assert r["median_s"] > 0 and 0 < r["speed_vs_copy"] < 1
+    assert "THC encode+decode, CUDA graph (triton)" in rows and tk.TILE_COLS == cols

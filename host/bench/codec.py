@@ -13,7 +13,9 @@ once after the timing) and decode gets the sums in the narrowest integer type (u
 workers at g = 30), as the torch.distributed transport delivers them. Two more rows per size
 replay the copy and THC encode+decode from CUDA graphs over distinct inputs (``..., CUDA
 graph``; their "of copy" is against the graph's copy): the device's time without launch or
-Python costs, what a small bucket costs a hook captured in a graph.
+Python costs, what a small bucket costs a hook captured in a graph. ``--configs`` replays
+them again under other settings of the kernels (``thc bench kernels --configs``' syntax):
+the figure to choose settings by at small sizes, where single kernels' times scatter.
 
 ``--device cpu`` (the default) runs on one core (torch.set_num_threads(1), BLAS limited to one
 thread; the compiled codec is single-threaded), torch and numpy, each through the compiled
@@ -67,6 +69,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeat", type=positive_int, default=5,
                         help="runs per figure (median)")
     THCParams.add_arguments(parser, seed=False)
+    parser.add_argument("--configs", default="",
+                        help="cuda only: kernel settings to replay the CUDA-graph rows under "
+                             "as well, ';' between them, e.g. 'COLS_LOG=0,TILE=1024;"
+                             "NUM_WARPS=8' (see thc bench kernels --configs)")
     parser.add_argument("--ranks", type=ranks, default="1,4",
                         help="PowerSGD ranks (default 1,4; '' none)")
     add_common(parser, plot="out/bench_codec.png")
@@ -256,6 +262,7 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError("--backend compiled is the CPU codec; on cuda use auto or triton")
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("--device cuda but torch sees no CUDA device")
+        configs = _configs(args.configs, device)
         chosen = settings.current()         # ValueError: a bad THC_* variable
         resolved(args.backend, torch.zeros(1, device=device))   # RuntimeError: cannot run here
     except (ValueError, RuntimeError) as e:
@@ -275,7 +282,7 @@ def run(args: argparse.Namespace) -> int:
         with (_one_blas_thread() if not cuda else contextlib.nullcontext()):
             for n in sizes:
                 rows += _measure(n, device, args.backend, reference, args.ranks, params,
-                                 repeat, sync)
+                                 repeat, sync, configs)
                 if cuda:
                     torch.cuda.empty_cache()
     finally:
@@ -327,7 +334,34 @@ def plot(rows: list[dict], path: str, title: str) -> None:
     save_figure(fig, path)
 
 
-def _measure(n, device, backend, reference, ranks, params, repeat, sync) -> list[dict]:
+def _configs(text: str, device) -> list[dict]:
+    """The kernel settings of ``--configs`` (none: [])."""
+    if not text:
+        return []
+    if device.type != "cuda":
+        raise ValueError("--configs sets the CUDA kernels' settings: use it with --device cuda")
+    from thc.bench.kernels import parse_configs
+    from thc.codec import triton_kernels
+    return [c for c in parse_configs(text, triton_kernels) if c]
+
+
+def _config_rows(n, x, params, repeat, configs) -> list[dict]:
+    """:func:`graph_rows` under each of ``configs``, its THC row named after the settings."""
+    from thc.bench.kernels import applied
+    from thc.codec import triton_kernels
+    rows = []
+    for config in configs:
+        label = ",".join(f"{k}={v}" for k, v in config.items())
+        with applied(triton_kernels, config):
+            copy, thc = graph_rows(n, x, params, repeat)
+        thc["name"] = f"THC encode+decode, CUDA graph (triton, {label})"
+        thc["speed_vs_copy"] = copy["median_s"] / thc["median_s"]
+        rows.append(thc)
+    return rows
+
+
+def _measure(n, device, backend, reference, ranks, params, repeat, sync,
+             configs=()) -> list[dict]:
     """All figures of one size, timed round-robin in one run."""
     import numpy as np
     import torch
@@ -369,7 +403,7 @@ def _measure(n, device, backend, reference, ranks, params, repeat, sync) -> list
         copy = graphs[0]["median_s"]
         for r in graphs:
             r["speed_vs_copy"] = copy / r["median_s"]
-        rows += graphs
+        rows += graphs + _config_rows(n, x, params, repeat, configs)
     for name, group, first, second in pairs:
         med = times[first]["median_s"] + times[second]["median_s"]
         best = times[first]["best_s"] + times[second]["best_s"]

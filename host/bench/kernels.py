@@ -20,6 +20,7 @@ Needs CUDA; ``--quick`` on the CPU runs it under Triton's interpreter as a check
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
@@ -78,6 +79,19 @@ def parse_configs(text: str, tk) -> list[dict]:
             config[name] = type(getattr(tk, name))(int(value))
         out.append(config)
     return out or [{}]
+
+
+@contextlib.contextmanager
+def applied(tk, config: dict):
+    """``tk``'s module settings changed to ``config`` for the block, then put back."""
+    saved = {k: getattr(tk, k) for k in config}
+    try:
+        for k, v in config.items():
+            setattr(tk, k, v)
+        yield
+    finally:
+        for k, v in saved.items():
+            setattr(tk, k, v)
 
 
 def _timer(device):
@@ -240,27 +254,18 @@ def run(args: argparse.Namespace) -> int:
     out = sys.stderr if args.json == "-" else sys.stdout
     report = {"device": str(device), "device_name": where, "slice_size": params.slice_size,
               "precisions": {}}
-    chosen = {k: getattr(tk, k) for k in TUNABLE}
-    try:
-        for prec in precisions:
-            tk.PRECISION = prec
+    for prec in precisions:
+        with applied(tk, {"PRECISION": prec}):
             rows = []
             for config in configs:
-                for k, v in {**chosen, **config}.items():
-                    setattr(tk, k, v)
                 label = ",".join(f"{k}={v}" for k, v in config.items()) or "as set"
-                for n in sizes:
-                    rows += [dict(r, config=label)
-                             for r in _kernel_rows(tk, n, params, device, timer)]
-                    print(f"  {prec} {label} 2^{n.bit_length() - 1} done", file=sys.stderr,
-                          flush=True)
-            for k, v in chosen.items():
-                setattr(tk, k, v)
-            tk.PRECISION = prec
+                with applied(tk, config):
+                    for n in sizes:
+                        rows += [dict(r, config=label)
+                                 for r in _kernel_rows(tk, n, params, device, timer)]
+                        print(f"  {prec} {label} 2^{n.bit_length() - 1} done",
+                              file=sys.stderr, flush=True)
             report["precisions"][prec] = {"rows": rows, **_errors(err_n, params, device)}
-    finally:
-        for k, v in chosen.items():
-            setattr(tk, k, v)
     print(f"codec kernels on {where}, slices of {params.slice_size}; GB/s of bytes read plus "
           f"written; 'of copy': that rate over the copy's", file=out)
     head = (f"{'precision':<9} {'kernel':<{KERNEL_WIDTH}} {'elements':>8} {'us':>9} "
