@@ -73,7 +73,7 @@ sweep: system-deps setup
 GPU_OUT ?= out/gpu
 bench-gpu:
 	$(PY) -m pytest -q tests/test_codec_gpu.py tests/test_graphed_gpu.py tests/test_graphed_deferred.py tests/test_round_kernels.py \
-		tests/test_codec_kernels.py tests/test_codec_checks.py tests/test_graphed.py
+		tests/test_codec_kernels.py tests/test_codec_checks.py tests/test_graphed.py tests/test_bench_codec.py
 	$(PY) -m thc.cli bench kernels --precisions tf32x2,ieee,tf32x3 --json $(GPU_OUT)/kernels.json
 	$(PY) -m thc.cli bench codec --device cuda --json $(GPU_OUT)/codec.json --plot $(GPU_OUT)/codec.png
 	$(PY) -m thc.cli bench hook --json $(GPU_OUT)/hook.json --plot $(GPU_OUT)/hook.png

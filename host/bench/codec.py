@@ -291,11 +291,12 @@ def run(args: argparse.Namespace) -> int:
     where = torch.cuda.get_device_name(device) if cuda else "one core"
     print(f"codec throughput on {device.type} ({where}), median of {repeat}; "
           f"THC {params.describe()}; GB/s of float32 input, speed relative to a copy", file=out)
-    head = f"{'operation':<48} {'elements':>9} {'ms':>9} {'GB/s':>8} {'of copy':>8}"
+    width = max([48] + [len(r["name"]) for r in rows])
+    head = f"{'operation':<{width}} {'elements':>9} {'ms':>9} {'GB/s':>8} {'of copy':>8}"
     print(head, file=out)
     print("-" * len(head), file=out)
     for r in rows:
-        print(f"{r['name']:<48} 2^{r['elements'].bit_length() - 1:<7} "
+        print(f"{r['name']:<{width}} 2^{r['elements'].bit_length() - 1:<7} "
               f"{r['median_s'] * 1e3:>9.3f} {r['gb_per_s']:>8.2f} {r['speed_vs_copy']:>8.3f}",
               file=out)
     if args.plot:
