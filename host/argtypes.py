@@ -127,11 +127,17 @@ def positive_ints(text: str) -> list[int]:
 
 
 def torch_device(text: str) -> str:
-    """``cpu``, ``cuda`` or ``cuda:N``, the devices a benchmark runs on: torch read a typo
-    only once the run began, as a traceback."""
+    """``cpu``, ``cuda`` or ``cuda:N``, the devices a benchmark runs on: torch read a typo,
+    or a GPU past the machine's last, only once the run began, as a traceback."""
     kind, colon, index = text.partition(":")
     if kind not in ("cpu", "cuda") or (colon and not index.isdigit()):
         raise argparse.ArgumentTypeError(f"cpu, cuda or cuda:N, not {text!r}")
+    if kind == "cuda" and colon:
+        import torch
+        count = torch.cuda.device_count()
+        if int(index) >= count:
+            raise argparse.ArgumentTypeError(
+                f"{text}: torch sees {count} CUDA device{'' if count == 1 else 's'} here")
     return text
 
 

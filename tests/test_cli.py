@@ -176,6 +176,7 @@ def _files(tmp: Path) -> None:
      "argument --steps: must be at least 1, not 0"),
     (["bench", "hook", "--device", "cpu", "--bits", "9"], "thc bench hook: bits must be"),
     (["bench", "kernels", "--device", "bogus"], "argument --device: cpu, cuda or cuda:N"),
+    (["bench", "codec", "--device", "cuda:99"], "argument --device: cuda:99: torch sees "),
     (["bench", "kernels", "--error-size", "-1"], "argument --error-size: must be at least 0"),
     (["bench", "install", "--quick"], "unrecognized arguments: --quick"),
     (["bench", "install", "--repeat", "0"], "argument --repeat: must be at least 1, not 0"),
