@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import os
 import tempfile
 from pathlib import Path
 
@@ -142,15 +143,21 @@ def torch_device(text: str) -> str:
 
 
 def writable_path(text: str) -> str:
-    """A file a command writes once its work is done (``-``: stdout): its folder made and
-    written to now, so that a path that cannot be written fails before the work, not after
-    it."""
+    """A file a command writes once its work is done (``-``: stdout), checked now, so that a
+    path that cannot be written fails before the work, not after it: its folder written to,
+    or, where the folder is still to be made (by the writer), a folder made and removed in
+    the nearest one that exists (a run refused later leaves no empty folders behind)."""
     if text == "-":
         return text
     folder = Path(text).parent
+    existing = next(p for p in (folder, *folder.parents) if p.exists())
     try:
-        folder.mkdir(parents=True, exist_ok=True)
-        tempfile.TemporaryFile(dir=folder).close()
+        if not existing.is_dir():
+            raise NotADirectoryError(f"{existing} is not a folder")
+        if existing == folder:
+            tempfile.TemporaryFile(dir=folder).close()
+        else:
+            os.rmdir(tempfile.mkdtemp(dir=existing))
     except OSError as e:
         raise argparse.ArgumentTypeError(f"cannot write {text}: {e.strerror or e}") from None
     return text

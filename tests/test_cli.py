@@ -256,3 +256,21 @@ def test_a_run_that_can_run_no_mode_asked_for_fails(monkeypatch, capsys, tmp_pat
         settings.reset()
     assert "--data fashion-mnist: not found in" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_an_output_path_is_checked_without_making_its_folders(tmp_path):
+    """--json and --plot made their folders when parsed, so a run refused after parsing left
+    empty folders behind; they are checked by making and removing one, and made when
+    written."""
+    import argparse
+
+    from thc.argtypes import writable_path
+    from thc.bench import emit_json
+    target = tmp_path / "a" / "b" / "report.json"
+    assert writable_path(str(target)) == str(target)
+    assert list(tmp_path.iterdir()) == []
+    (tmp_path / "file").write_text("")
+    with pytest.raises(argparse.ArgumentTypeError, match="is not a folder"):
+        writable_path(str(tmp_path / "file" / "x.json"))
+    emit_json(argparse.Namespace(json=str(target)), {"x": 1})
+    assert json.loads(target.read_text())["x"] == 1

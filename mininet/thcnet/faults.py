@@ -216,5 +216,6 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(text)
     if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps([r.__dict__ for r in rows], indent=2))
     return 1 if any(r.exact is False for r in rows) else 0
