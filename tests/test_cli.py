@@ -183,7 +183,7 @@ def _files(tmp: Path) -> None:
     (["bench", "switch", "--duration", "nan"], "argument --duration: not a finite number"),
     (["bench", "switch", "--lanes-sweep", "16,x"], "argument --lanes-sweep: not an integer"),
     (["nmse", "--schemes", ","], "thc nmse: --schemes ',' names no scheme"),
-    (["nmse", "--workers", "1,a"], "thc nmse: --workers: not an integer: 'a'"),
+    (["nmse", "--workers", "1,a"], "argument --workers: not an integer: 'a'"),
     (["table", "--json", "/proc/thc/table.json"],
      "argument --json: cannot write /proc/thc/table.json"),
     (["faults", "--only", ","], "thc faults: --only ',' names no row"),

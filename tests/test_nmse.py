@@ -78,14 +78,14 @@ def test_best_p_prefers_smaller_p_for_more_bits():
 
 
 def test_bad_arguments(capsys):
-    assert bench.run(parse(["--workers", "0"])) == 2
     assert bench.run(parse(["--schemes", "nope", "--quick"])) == 2
     assert "unknown scheme" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("flag", ["--dim", "--trials"])
+@pytest.mark.parametrize("flag", ["--dim", "--trials", "--workers"])
 def test_a_size_below_one_is_refused_by_the_parser(flag, capsys):
-    """``--dim 0`` and ``--trials 0`` were told apart from other errors only once run."""
+    """``--dim 0``, ``--trials 0`` and ``--workers 0`` were told apart from other errors only
+    once run."""
     with pytest.raises(SystemExit) as e:
         parse([flag, "0"])
     assert e.value.code == 2
@@ -115,5 +115,9 @@ def test_a_size_given_wins_over_quick(tmp_path):
 @pytest.mark.parametrize("argv", [["nmse"], ["bench", "nmse"]])
 def test_errors_name_the_command_as_typed(argv, capsys):
     from thc.cli import main
-    assert main(argv + ["--workers", "0"]) == 2
-    assert capsys.readouterr().err.startswith(" ".join(["thc"] + argv) + ": --workers")
+    assert main(argv + ["--schemes", ","]) == 2
+    assert capsys.readouterr().err.startswith(" ".join(["thc"] + argv) + ": --schemes")
+    with pytest.raises(SystemExit) as e:
+        main(argv + ["--workers", "0"])
+    assert e.value.code == 2
+    assert f"{' '.join(['thc'] + argv)}: error: argument --workers" in capsys.readouterr().err

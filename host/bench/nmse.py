@@ -33,7 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     THCParams.add_arguments(parser)
     parser.add_argument("--dim", type=positive_int, default=None,
                         help="vector length (default 2^18; 2^14 with --quick)")
-    parser.add_argument("--workers", default="1,10",
+    parser.add_argument("--workers", type=positive_ints, default="1,10",
                         help="comma-separated worker counts (default 1,10)")
     parser.add_argument("--dist", choices=("normal", "lognormal"), default="normal")
     parser.add_argument("--trials", type=positive_int, default=None,
@@ -138,11 +138,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     prog = getattr(args, "command", "thc nmse")
-    try:
-        workers = positive_ints(str(args.workers))
-    except argparse.ArgumentTypeError as e:
-        print(f"{prog}: --workers: {e}", file=sys.stderr)
-        return 2
+    workers = args.workers
     dim = args.dim if args.dim is not None else 2 ** (14 if args.quick else 18)
     trials = args.trials if args.trials is not None else 2 if args.quick else 3
     specs = [s.strip() for s in args.schemes.split(",") if s.strip()]
