@@ -389,6 +389,8 @@ def test_a_failed_check_fails_the_main_job(monkeypatch, capsys, tmp_path, case):
         assert "CHECK FAILED: thc: the workers' parameters differed after step 3" in out
     else:
         assert "CHECK FAILED" not in out and "identical losses" in out
+    # the loopback has no links: its bytes are what rank 0 sent, and the table says so
+    assert " MB sent " in out and "MB links" not in out
 
 
 def _main_args(*argv):

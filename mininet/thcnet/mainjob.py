@@ -502,7 +502,10 @@ def run(args: argparse.Namespace) -> int:
             print(f"{row['epoch']:>6.2f} {row['accuracy']:>9.4f} {row['seconds']:>8.1f}")
     dataset = runs[0]["dataset"] if runs else args.data
     summary = summarize(runs, FIXED_TARGET.get(dataset, 0.9))
-    print(f"\n{'mode':<16} {'testbed':<9} {'final acc':>9} {'train s':>8} {'MB links':>9} "
+    # links counted on Mininet; on the loopback, what rank 0 sent (see wire_source)
+    volume = "MB links" if all(r["wire_source"].startswith("worker links") for r in runs) \
+        else "MB sent"
+    print(f"\n{'mode':<16} {'testbed':<9} {'final acc':>9} {'train s':>8} {volume:>9} "
           f"{'t->fp32-1pt':>11} {'speedup':>8} {'t->' + format(summary['target_fixed'], 'g'):>8}")
     for r, row in zip(runs, summary["rows"]):
         tta = row.get("tta_fp32_minus_1pt")
