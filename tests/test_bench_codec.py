@@ -52,7 +52,7 @@ def test_kernel_settings_are_for_the_gpu_and_named_as_bench_kernels_takes_them(c
     after each replay, also when it raises."""
     import torch
 
-    from thc.bench.kernels import applied
+    from thc.bench.tiles import applied
     from thc.codec import triton_kernels as tk
     args = _parser().parse_args(["--configs", "COLS_LOG=0", "--quick", "--repeat", "1"])
     assert bench.run(args) == 2

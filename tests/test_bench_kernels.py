@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from thc.bench.kernels import TUNABLE, parse_configs
+from thc.bench.tiles import TUNABLE, parse_configs
 
 
 def test_configs_parse_and_refuse_what_is_not_a_setting():

@@ -43,6 +43,7 @@ import time
 
 from thc.argtypes import positive_int, torch_device
 from thc.bench import add_common, emit_json, figure, save_figure
+from thc.bench.tiles import applied, parse_configs
 from thc.codec import settings
 from thc.codec.common import wire_sum_dtype
 from thc.codec.params import THCParams
@@ -341,14 +342,12 @@ def _configs(text: str, device) -> list[dict]:
         return []
     if device.type != "cuda":
         raise ValueError("--configs sets the CUDA kernels' settings: use it with --device cuda")
-    from thc.bench.kernels import parse_configs
     from thc.codec import triton_kernels
     return [c for c in parse_configs(text, triton_kernels) if c]
 
 
 def _config_rows(n, x, params, repeat, configs) -> list[dict]:
     """:func:`graph_rows` under each of ``configs``, its THC row named after the settings."""
-    from thc.bench.kernels import applied
     from thc.codec import triton_kernels
     rows = []
     for config in configs:

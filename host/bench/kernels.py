@@ -20,7 +20,6 @@ Needs CUDA; ``--quick`` on the CPU runs it under Triton's interpreter as a check
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import statistics
 import sys
@@ -29,6 +28,7 @@ import time
 from thc.argtypes import non_negative_int, torch_device
 from thc.bench import add_common, emit_json
 from thc.bench.codec import parse_sizes
+from thc.bench.tiles import applied, parse_configs
 from thc.codec.params import THCParams
 
 
@@ -53,45 +53,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "--quick)")
     THCParams.add_arguments(parser, seed=False)
     add_common(parser)
-
-
-TUNABLE = ("PRECISION", "TILE", "TILE_COLS", "NUM_WARPS", "NUM_WARPS_COLS", "COLS_FIRST",
-           "COLS_LOG", "FORM", "ROW_TILES", "MIN_PROGRAMS")
-"""triton_kernels' module settings a run may change (and puts back): PRECISION by
-``--precisions``, the others by ``--configs`` (FORM by name, one of ``FORMS``)."""
-
-
-def parse_configs(text: str, tk) -> list[dict]:
-    """``A=1,B=2;A=3`` -> [{A: 1, B: 2}, {A: 3}] (one empty config for '')."""
-    out = []
-    for part in text.split(";"):
-        config = {}
-        for item in filter(None, (p.strip() for p in part.split(","))):
-            name, _, value = item.partition("=")
-            if name == "FORM" and value in tk.FORMS:
-                config[name] = value
-                continue
-            if name not in TUNABLE[1:] or name == "FORM" or not value.isdigit():
-                names = ', '.join(n for n in TUNABLE[1:] if n != 'FORM')
-                raise ValueError(f"config item {item!r}: use NAME=INTEGER with NAME one of "
-                                 f"{names}, or FORM= one of "
-                                 f"{', '.join(tk.FORMS)}")
-            config[name] = type(getattr(tk, name))(int(value))
-        out.append(config)
-    return out or [{}]
-
-
-@contextlib.contextmanager
-def applied(tk, config: dict):
-    """``tk``'s module settings changed to ``config`` for the block, then put back."""
-    saved = {k: getattr(tk, k) for k in config}
-    try:
-        for k, v in config.items():
-            setattr(tk, k, v)
-        yield
-    finally:
-        for k, v in saved.items():
-            setattr(tk, k, v)
 
 
 def _timer(device):
