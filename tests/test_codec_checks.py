@@ -318,9 +318,13 @@ def test_values_too_large_for_the_max_norms_given_are_refused(backend):
             c.encode(x.to(dev), torch.tensor([m], device=dev), 0, 1)
 
 
-def _refused(codec, x, m: float) -> bool:
+def _refused(codec, x, m: float, prepared: bool = True) -> bool:
+    mt = torch.tensor([m], device=x.device)
     try:
-        codec.encode_prepared(codec.prepare(x, 0), torch.tensor([m], device=x.device), 1)
+        if prepared:
+            codec.encode_prepared(codec.prepare(x, 0), mt, 1)
+        else:
+            codec.encode(x, mt, 0, 1)
     except ValueError as e:
         assert "so large for the max norms given" in str(e)
         return True
@@ -328,26 +332,30 @@ def _refused(codec, x, m: float) -> bool:
 
 
 @pytest.mark.parametrize("backend", ["reference", "compiled", "triton"])
-def test_a_prepared_encode_refuses_an_overflow_exactly_where_the_reference_does(backend):
+def test_a_prepared_encode_refuses_an_overflow_where_a_direct_one_does(backend):
     """The kernels' encode pass 2 skips its check of every coordinate where the slice's own
     norm, from prepare, bounds them all (triton_kernels.REACH) after the scale: across the
     max norm where the scale first makes a coordinate infinite, a prepared encode is refused
-    exactly where the reference's is (with a bound too small the kernels took them)."""
+    exactly where a direct one, which checks every coordinate, is (with a bound too small the
+    kernels took them), and as the reference is away from that line (the reference scales
+    before its transform, whose partial sums can overflow a few percent earlier)."""
     if backend == "triton" and SKIP:
         pytest.skip(SKIP)
     p = THCParams(slice_size=256)
     x = torch.randn(256, generator=torch.Generator().manual_seed(1)) * 1e30
-    ref = THCCodec(p, backend="reference")
-    lo, hi = 1e-30, float(torch.linalg.vector_norm(x.double()))
-    assert _refused(ref, x, lo) and not _refused(ref, x, hi)
-    while hi / lo > 1 + 1e-5:   # the reference's boundary, by bisection in log scale
-        mid = (lo * hi) ** 0.5
-        lo, hi = (mid, hi) if _refused(ref, x, mid) else (lo, mid)
     c = THCCodec(p, backend=backend)
     xd = x.to(DEV if backend == "triton" else "cpu")
+    lo, hi = 1e-30, float(torch.linalg.vector_norm(x.double()))
+    assert _refused(c, xd, lo, False) and not _refused(c, xd, hi, False)
+    while hi / lo > 1 + 1e-5:   # where a direct encode stops refusing, by bisection
+        mid = (lo * hi) ** 0.5
+        lo, hi = (mid, hi) if _refused(c, xd, mid, False) else (lo, mid)
+    ref = THCCodec(p, backend="reference")
     for factor in (1e-6, 0.5, 0.99, 0.999, 1.001, 1.01, 2.0, 1e3, 1e6):
         m = hi * factor
-        assert _refused(c, xd, m) == _refused(ref, x, m) == (factor < 1), factor
+        assert _refused(c, xd, m) == _refused(c, xd, m, False) == (factor < 1), factor
+        if not 0.9 < factor < 1.1:
+            assert _refused(ref, x, m) == (factor < 1), factor
 
 
 @pytest.mark.parametrize("backend", ["reference", "compiled", "triton"])
