@@ -14,6 +14,9 @@ applied in two passes, each on chip:
 - encode pass 2 (columns): transform whole columns with H_R, scale by g / (2 t_p M) (M, the
   agreed max norm, read here), shift by g/2, truncate to [0, g], round stochastically onto
   the table (uniforms from the counter-based generator), store indices (two a byte at b = 4).
+  A coordinate the scale made infinite is flagged; the tile is searched for one only where
+  the slice's own norm, from pass 1, does not rule it out (never, in a round: M is at least
+  that norm).
 - decode pass 1: load the sums (any integer width) or a worker's own indices (mapped through
   the table), subtract n g/2, transform rows; pass 2: transform columns, scale by
   2 t_p M / (g d n), apply the signs, store the unpadded float32 result.
