@@ -284,3 +284,30 @@ def test_thc_model_refuses_flags_its_way_of_running_would_ignore(argv, said):
     modelcmd.add_arguments(parser)
     with pytest.raises(SystemExit, match=re.escape(said)):
         modelcmd.run(parser.parse_args(argv))
+
+
+def test_the_gpu_codec_table_in_results_md_is_what_the_command_prints(capsys):
+    """docs/results.md quotes `thc model --gpu-codec` on a committed hook report, rounded to
+    three figures: a table copied by hand, or left behind when the report changed, drifts."""
+    import argparse
+
+    from thc.app import modelcmd
+    root = Path(__file__).resolve().parents[1]
+    text = (root / "docs" / "results.md").read_text()
+    command = re.search(r"`(thc model --gpu-codec docs/runs/[^`]+)`: the report of", text)
+    assert command, "results.md names the command its table is from"
+    table = text[command.end():].split("| parameters | DDP buckets |", 1)[1].split("\n\n")[0]
+    quoted = [[c.strip() for c in line.strip("|").split("|")]
+              for line in table.splitlines()[2:] if line.startswith("| ")]
+    parser = argparse.ArgumentParser()
+    modelcmd.add_arguments(parser)
+    argv = command.group(1).split()[2:]
+    argv[1] = str(root / argv[1])
+    assert modelcmd.run(parser.parse_args(argv)) == 0
+    printed = [line.split() for line in capsys.readouterr().out.splitlines()
+               if re.match(r"\s+\d+M\s+\d+\s", line)]
+    assert len(printed) == len(quoted) == 3
+    for got, want in zip(printed, quoted):
+        assert got[0] == want[0] and got[1] == want[1]
+        assert [float(f"{float(g):.3g}") for g in got[2:]] == [float(w) for w in want[2:]], \
+            (got, want)
