@@ -88,3 +88,41 @@ def test_each_kernel_setting_gets_a_graph_row_of_its_own(tmp_path):
         r = rows[f"THC encode+decode, CUDA graph (triton, {label})"]
         assert r["median_s"] > 0 and 0 < r["speed_vs_copy"] < 1
     assert "THC encode+decode, CUDA graph (triton)" in rows and tk.TILE_COLS == cols
+
+
+def test_the_readmes_gpu_headlines_are_their_committed_runs():
+    """The README's GPU rows quote docs/runs (its encode+decode row a CUDA graph's replay, its
+    hook row the step times): a figure left behind when a run is replaced, or copied by
+    hand, drifts from the report it names."""
+    import json
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    readme = (root / "README.md").read_text()
+    codec = next(li for li in readme.splitlines()
+                 if li.startswith("| encode + decode, 2^26 floats, fused Triton kernels |"))
+    hook = next(li for li in readme.splitlines() if li.startswith("| THC's DDP hook, ResNet-50"))
+    runs = root / "docs" / "runs"
+    rows = {(r["name"], r["elements"]): r for r in
+            json.loads((runs / "gpu-codec-h200-2026-12-04.json").read_text())["results"]}
+    thc = rows["THC encode+decode, CUDA graph (triton)", 1 << 26]
+    copy = rows["copy, CUDA graph", 1 << 26]
+    fp16 = rows["fp16 round trip (x.half().float())", 1 << 26]
+    want = (f"{thc['median_s'] * 1e3:.3f} ms replayed from a CUDA graph: "
+            f"{thc['gb_per_s']:.0f} GB/s of float32 input, {thc['speed_vs_copy']:.2f} of a "
+            f"device copy ({copy['gb_per_s']:.0f} GB/s); FP16's round trip "
+            f"{fp16['gb_per_s']:.0f} GB/s from Python")
+    assert want in codec, (want, codec)
+    steps = {(r["mode"], r["bucket_mb"]): r["median_s"] * 1e3 for r in
+             json.loads((runs / "gpu-hook-h200-2026-12-04.json").read_text())["rows"]}
+    ms = {k: f"{v:.2f}" for k, v in steps.items()}
+    cost = {m: f"{steps[m, 25] - steps['fp32 hook', 25]:+.2f}" for m in ("thc deferred",
+                                                                         "thc hook")}
+    want = (f"{cost['thc deferred']} ms on a {ms['fp32 hook', 25]} ms step against the "
+            f"project's FP32 hook, rounds replayed from CUDA graphs, checks deferred (the eager "
+            f"hook: {cost['thc hook']} ms). Against DDP's own all-reduce ({ms['ddp', 25]} ms): "
+            f"THC {steps['thc deferred', 25] - steps['ddp', 25]:+.2f} ms, torch's FP16 hook "
+            f"{steps['fp16', 25] - steps['ddp', 25]:+.2f} ms")
+    assert want in hook, (want, hook)
+    assert re.search(r"\| one H200, 2026-12-04 \|", codec) and "one H200, 2026-12-04" in hook
