@@ -72,10 +72,6 @@ def _timer(device):
     return cpu
 
 
-KERNEL_WIDTH = len("encode: slice norms from pass 1's parts")
-"""The table's kernel column: as wide as the longest row's name."""
-
-
 def _kernel_rows(tk, n: int, params: THCParams, device, timer) -> list[dict]:
     import torch
     from thc.codec.common import WHOLE, layout, status_word
@@ -229,7 +225,8 @@ def run(args: argparse.Namespace) -> int:
             report["precisions"][prec] = {"rows": rows, **_errors(err_n, params, device)}
     print(f"codec kernels on {where}, slices of {params.slice_size}; GB/s of bytes read plus "
           f"written; 'of copy': that rate over the copy's", file=out)
-    head = (f"{'precision':<9} {'kernel':<{KERNEL_WIDTH}} {'elements':>8} {'us':>9} "
+    width = max(len(r["name"]) for rep in report["precisions"].values() for r in rep["rows"])
+    head = (f"{'precision':<9} {'kernel':<{width}} {'elements':>8} {'us':>9} "
             f"{'GB/s':>8} {'of copy':>8}")
     for prec, rep in report["precisions"].items():
         config = None
@@ -237,7 +234,7 @@ def run(args: argparse.Namespace) -> int:
             if r["config"] != config:
                 config = r["config"]
                 print(f"tiles: {config}\n{head}", file=out)
-            print(f"{prec:<9} {r['name']:<{KERNEL_WIDTH}} 2^{r['elements'].bit_length() - 1:<6} "
+            print(f"{prec:<9} {r['name']:<{width}} 2^{r['elements'].bit_length() - 1:<6} "
                   f"{r['median_s'] * 1e6:>9.1f} {r['gb_per_s']:>8.0f} {r['of_copy']:>8.2f}",
                   file=out)
         print(f"{prec:<9} decode error vs float64 {rep['decode_rel_error']:.2e}, indices "
