@@ -102,8 +102,10 @@ def parse_udp_frame(frame: bytes):
             str(ipaddress.IPv4Address(dip)), sport, dport, payload)
 
 
-def reset_frame(job_id: int, slot: int, agg_mac: str, agg_ip: str, version: int = 0) -> bytes:
+def reset_frame(job_id: int, slot: int, agg_mac: str, agg_ip: str, version: int = 0,
+                epoch: int = 0) -> bytes:
     """The RESET packet-out that clears one version of one slot of a job (one register
-    access per register and packet, as a Tofino pipeline needs)."""
-    hdr = P.Header(P.PktType.RESET, 0, job_id, slot, version, 0, 0, 0, 0)
+    access per register and packet, as a Tofino pipeline needs). ``epoch``: the install's
+    (its thc_install entry): the switch drops a RESET of another install (stale_reset)."""
+    hdr = P.Header(P.PktType.RESET, 0, job_id, slot, version, 0, 0, 0, 0, 0, epoch)
     return udp_frame(agg_mac, agg_mac, agg_ip, agg_ip, P.UDP_PORT, P.UDP_PORT, hdr.pack())

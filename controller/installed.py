@@ -5,9 +5,10 @@ from __future__ import annotations
 
 from thc.controller import forwarding, p4rt
 from thc.controller.frames import mac_str
-from thc.controller.job_entries import (AggAddress, addr_entries, job_entry, worker_entries)
+from thc.controller.job_entries import (AggAddress, addr_entries, install_entry, job_entry,
+                                        worker_entries)
 from thc.controller.job_checks import target_of
-from thc.controller.program import ADDR_TABLE, JOB_TABLE, WORKER_TABLE
+from thc.controller.program import ADDR_TABLE, INSTALL_TABLE, JOB_TABLE, WORKER_TABLE
 from thc.controller.switch import Switch
 from thc.wire import protocol as P
 from thc.wire.jobs import Job
@@ -106,10 +107,11 @@ def unchanged(sw: Switch, job: Job, agg: AggAddress, job_index: int | None = Non
         return False
     luts = lut_tables(sw)
     checked = [luts[0], luts[-1]] if luts else []
-    wanted = [job_entry(sw, job, cfg["job_index"], cfg["epoch"]), *worker_entries(sw, job),
+    wanted = [job_entry(sw, job, cfg["job_index"], cfg["epoch"]),
+              install_entry(sw, job.job_id, cfg["epoch"]), *worker_entries(sw, job),
               *addr_entries(sw, job, agg),
               *target_of(sw).lut_entries(sw, job, cfg["job_index"], tables=checked)]
-    have = [*(e for table in (JOB_TABLE, WORKER_TABLE, ADDR_TABLE)
+    have = [*(e for table in (JOB_TABLE, INSTALL_TABLE, WORKER_TABLE, ADDR_TABLE)
               for e in entries_of(sw, table, job.job_id)),
             *(e for table in checked
               for e in lut_entries_of(sw, table, job.job_id, cfg["job_index"]))]
@@ -136,9 +138,9 @@ def leftovers(sw: Switch) -> dict[int, list[str]]:
     (BMv2); Tofino's are keyed on a job index and rewritten by the next job there."""
     installed = installed_jobs(sw)
     out: dict[int, list[str]] = {}
-    for table in (WORKER_TABLE, ADDR_TABLE, *lut_tables(sw, by_job_id=True)[:1]):
+    for table in (WORKER_TABLE, INSTALL_TABLE, ADDR_TABLE, *lut_tables(sw, by_job_id=True)[:1]):
         fid = sw.field_id(table, "job_id")
         for jid in sorted({sw.match_values(e)[fid] for e in sw.read_table(table)} - set(installed)):
             out.setdefault(jid, []).append("lookup tables" if table not in (
-                WORKER_TABLE, ADDR_TABLE) else table)
+                WORKER_TABLE, INSTALL_TABLE, ADDR_TABLE) else table)
     return out

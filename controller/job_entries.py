@@ -7,6 +7,8 @@ A job (host/wire/jobs.py ``Job``) becomes
                                      aggregation)
                    epoch: the job's configuration tag and a fresh nonce at every install,
                    returned in every reply (host/wire/protocol.py EPOCH_TAG_SHIFT)
+  thc_install      (job_id, epoch) -> set_install(): the install the job's slot RESETs
+                   carry, so that RESETs queued from an earlier install clear nothing
   thc_worker       (job_id, worker_id, src_ip, src_port) -> set_worker(worker_bit)
   thc_worker_addr  (job_id, worker_id) -> set_worker_addr(worker_mac, worker_ip,
                                                           worker_port, agg_mac, agg_ip)  [egress]
@@ -21,8 +23,8 @@ from collections import OrderedDict
 from dataclasses import dataclass, fields
 
 from thc.controller.job_checks import target_of
-from thc.controller.program import (ADDR_TABLE, JOB_TABLE, SET_JOB, SET_WORKER, SET_WORKER_ADDR,
-                                WORKER_TABLE)
+from thc.controller.program import (ADDR_TABLE, INSTALL_TABLE, JOB_TABLE, SET_INSTALL, SET_JOB,
+                                    SET_WORKER, SET_WORKER_ADDR, WORKER_TABLE)
 from thc.controller.switch import Switch
 from thc.wire import protocol as P
 from thc.wire.jobs import SWITCH_AGG_IP, SWITCH_AGG_MAC, Cluster, ConfigError, Job
@@ -48,6 +50,10 @@ def job_entry(sw: Switch, job: Job, job_index: int, epoch: int):
         "pool_size": job.pool_size, "full_bitmap": job.full_bitmap, "mcast_grp": job.mcast_grp,
         "sum_bits": job.sum_bits, "epoch": epoch,
         "aggregation": P.AGGREGATIONS[job.aggregation]})
+
+
+def install_entry(sw: Switch, job_id: int, epoch: int):
+    return sw.table_entry(INSTALL_TABLE, {"job_id": job_id, "epoch": epoch}, SET_INSTALL, {})
 
 
 def worker_entries(sw: Switch, job: Job) -> list:

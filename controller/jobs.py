@@ -5,7 +5,8 @@ A job becomes its table entries (controller/job_entries.py), and
   multicast group  job.mcast_grp: one replica per worker (its switch_port, instance worker_id + 1)
   l2_forward       worker MAC -> switch_port
   RESET x 2 x pool packet-outs that clear the job's slot versions in the data plane,
-                   because BMv2's P4Runtime server cannot write registers
+                   because BMv2's P4Runtime server cannot write registers; each carries
+                   the install's epoch, which the job's thc_install entry names
 
 Safety: the ``thc_worker`` entries are what let a worker's packets touch the slots, so they
 go in last, after the pool was reset, and come out first on a re-install. A job is *live*
@@ -26,9 +27,9 @@ from thc.controller.installed import (entries_of, installed_configs, installed_j
                                       lut_tables, unchanged, worker_macs)
 from thc.controller.job_checks import (check_agg, check_beside_agg, check_job, check_room,
                                        check_routes, config_of, free_index)
-from thc.controller.job_entries import (AggAddress, addr_entries, delete, job_entry, lut_entries,
-                                        upsert, worker_entries)
-from thc.controller.program import ADDR_TABLE, JOB_TABLE, WORKER_TABLE
+from thc.controller.job_entries import (AggAddress, addr_entries, delete, install_entry,
+                                        job_entry, lut_entries, upsert, worker_entries)
+from thc.controller.program import ADDR_TABLE, INSTALL_TABLE, JOB_TABLE, WORKER_TABLE
 from thc.controller.switch import Switch, SwitchError
 from thc.net.window import DEFAULT_MAX_TIMEOUT
 from thc.wire import protocol as P
@@ -113,28 +114,15 @@ def _delete_stale(sw: Switch, table: str, job_id: int, keep: list) -> None:
 
 # ---- slot reset ---------------------------------------------------------------------------
 
-RESETS_QUIET = 0.02
-"""Seconds the job index's reset counter must hold still before a reset counts from it."""
-
-
-def _quiet_resets(sw: Switch, job_index: int, deadline: float) -> int:
-    """The index's reset count once it holds still: RESETs of an earlier install that timed
-    out may still be queued, and counted as this one's they let the worker entries in
-    before this install's own RESETs cleared the slots."""
-    now = counters.resets(sw, job_index)
-    while True:
-        time.sleep(RESETS_QUIET)
-        then, now = now, counters.resets(sw, job_index)
-        if now == then or time.monotonic() >= deadline:
-            return now
-
-
-def reset_pool(sw: Switch, job: Job, job_index: int, agg: AggAddress,
+def reset_pool(sw: Switch, job: Job, job_index: int, agg: AggAddress, epoch: int,
                timeout: float = 10.0) -> None:
-    """Clear every slot of the job (RESET packet-outs) and wait until the switch applied them."""
+    """Clear every slot of the job (RESET packet-outs of the install ``epoch``, which the
+    job's thc_install entry already names) and wait until the switch applied them. The
+    switch counts only RESETs of that install: those still queued from an earlier one that
+    timed out are dropped (stale_reset), so the count from here is this install's."""
     deadline = time.monotonic() + timeout
-    before = _quiet_resets(sw, job_index, deadline)
-    sw.packet_out(reset_frame(job.job_id, slot, agg.agg_mac, agg.agg_ip, version)
+    before = counters.resets(sw, job_index)
+    sw.packet_out(reset_frame(job.job_id, slot, agg.agg_mac, agg.agg_ip, version, epoch)
                   for slot in range(job.pool_size) for version in (0, 1))
     done = 0
     while time.monotonic() < deadline:
@@ -146,8 +134,8 @@ def reset_pool(sw: Switch, job: Job, job_index: int, agg: AggAddress,
            sw.target.cpu_port == P.CPU_PORT else f"one whose CPU port is {sw.target.cpu_port}")
     raise SwitchError(f"job {job.job_id}: only {done} of {2 * job.pool_size} slot resets reached "
                       f"the data plane within {timeout:g}s (is the switch {cpu}?); the rest "
-                      f"may still be queued, and the next install waits until the job index's "
-                      f"reset count holds still")
+                      f"may still be queued, and the next install's epoch makes the switch "
+                      f"drop them (stale_reset)")
 
 
 # ---- install / remove ---------------------------------------------------------------------
@@ -227,6 +215,9 @@ def _write_entries(sw: Switch, job: Job, job_index: int, agg: AggAddress,
     epoch = job.new_epoch(previous.get("epoch") if previous else last_epoch)
     upsert(sw, [job_entry(sw, job, job_index, epoch)],
             again and previous["job_index"] == job_index)
+    # from here on only this install's RESETs clear the job's slots and count
+    delete(sw, entries_of(sw, INSTALL_TABLE, job.job_id))
+    upsert(sw, [install_entry(sw, job.job_id, epoch)])
     addrs = addr_entries(sw, job, agg)
     upsert(sw, addrs, again)
     upsert(sw, lut_entries(sw, job, job_index), again)
@@ -236,7 +227,7 @@ def _write_entries(sw: Switch, job: Job, job_index: int, agg: AggAddress,
     # leftovers of an earlier version of this job
     _delete_stale(sw, ADDR_TABLE, job.job_id, addrs)
 
-    reset_pool(sw, job, job_index, agg)
+    reset_pool(sw, job, job_index, agg, epoch)
     if not counters.clear_job_counters(sw, job_index):
         warnings.warn(f"job {job.job_id}: the switch did not zero the counters of job index "
                       f"{job_index}: they go on from what an earlier job there counted "
@@ -297,6 +288,7 @@ def _delete_job(sw: Switch, job_id: int, cfg: dict | None) -> None:
     if macs:
         forwarding.remove(sw, macs)
     delete(sw, entries_of(sw, ADDR_TABLE, job_id))
+    delete(sw, entries_of(sw, INSTALL_TABLE, job_id))
     if cfg is not None:
         delete(sw, [sw.table_entry(JOB_TABLE, {"job_id": job_id})])
 

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 JOB_TABLE = "thc_job"
 WORKER_TABLE = "thc_worker"
+INSTALL_TABLE = "thc_install"
 ADDR_TABLE = "thc_worker_addr"
 L2_TABLE = "l2_forward"
 DSCP_TABLE = "thc_dscp"
 
 SET_JOB = "set_job"
 SET_WORKER = "set_worker"
+SET_INSTALL = "set_install"
 SET_WORKER_ADDR = "set_worker_addr"
 L2_SET_PORT = "l2_set_port"
 L2_MISS = "l2_miss"
@@ -24,6 +26,7 @@ L2_MISS = "l2_miss"
 TABLE_ACTIONS = {
     JOB_TABLE: (SET_JOB,),
     WORKER_TABLE: (SET_WORKER,),
+    INSTALL_TABLE: (SET_INSTALL,),
     ADDR_TABLE: (SET_WORKER_ADDR,),
     L2_TABLE: (L2_SET_PORT, L2_MISS),
     DSCP_TABLE: ("thc_set_priority", "thc_dscp_miss"),

@@ -388,6 +388,20 @@ control ThcIngress(inout headers_t hdr, inout metadata_t meta, inout standard_me
         size = THC_MAX_JOBS;
     }
 
+    // The install a RESET belongs to: the controller writes (job_id, epoch) beside the job
+    // entry, so a RESET still queued from an earlier install of the job (another epoch)
+    // misses, clears nothing and is not counted in thc_resets (stale_reset).
+    action set_install() { }
+    table thc_install {
+        key = {
+            hdr.thc.job_id: exact @name("job_id");
+            hdr.thc.epoch: exact @name("epoch");
+        }
+        actions = { set_install; @defaultonly NoAction; }
+        default_action = NoAction();
+        size = THC_MAX_JOBS;
+    }
+
     action set_worker(bit<32> worker_bit) {
         meta.worker_bit = worker_bit;
         meta.ack_bit = worker_bit;
@@ -649,9 +663,13 @@ control ThcIngress(inout headers_t hdr, inout metadata_t meta, inout standard_me
             if (meta.drop_reason == 0) {
                 thc_index();
                 if (hdr.thc.pkt_type == THC_RESET) {
-                    thc_reset_ra();
-                    thc_resets.count((bit<32>)meta.job_index);
-                    mark_to_drop(sm);
+                    if (thc_install.apply().hit) {
+                        thc_reset_ra();
+                        thc_resets.count((bit<32>)meta.job_index);
+                        mark_to_drop(sm);
+                    } else {
+                        meta.drop_reason = THC_DROP_STALE_RESET;
+                    }
                 } else {
                     thc_job_run_ra();
                     if (meta.run_stale == 1) {

@@ -161,6 +161,8 @@ struct metadata_t {
     // from thc_worker
     bit<32> worker_bit;     // FLUSH: bit 31, the closed mark
     bit<1>  worker_hit;
+    // from thc_install: a RESET of the job's current install
+    bit<1>  install_hit;
     // addressing
     bit<16> slot_idx;
     bit<16> slotx;          // seq[15:0] ^ slot: the bits the pool mask must clear
@@ -673,6 +675,23 @@ control ThcIngress(inout tna_headers_t hdr, inout metadata_t meta,
         size = THC_MAX_JOBS * THC_MAX_WORKERS;
     }
 
+    // The install a RESET belongs to: the controller writes (job_id, epoch) beside the job
+    // entry, so a RESET still queued from an earlier install of the job (another epoch)
+    // misses, clears nothing and is not counted in thc_resets (stale_reset).
+    action set_install() {
+        meta.install_hit = 1;
+    }
+    @stage(0)
+    table thc_install {
+        key = {
+            hdr.thc.job_id: exact @name("job_id");
+            hdr.thc.epoch: exact @name("epoch");
+        }
+        actions = { set_install; @defaultonly NoAction; }
+        default_action = NoAction();
+        size = THC_MAX_JOBS;
+    }
+
     // DLCP: the DSCP of every IPv4 packet picks its egress queue
     action thc_set_priority(bit<3> priority) {
         ig_tm_md.qid = (QueueId_t)priority;
@@ -797,9 +816,9 @@ control ThcIngress(inout tna_headers_t hdr, inout metadata_t meta,
     // pool has no bit of the pool's mask clear), so that only a packet that thc_check
     // leaves to the run check reads (and takes) an idle job.
 #define THC_SEEN_POOL(P) \
-            (0, 1, _, _, _, _, P, 0 &&& (P - 1), 0 &&& P, 0, 1, 0 &&& (0xffff - (P - 1)), 0): \
+            (0, 1, _, _, _, _, P, 0 &&& (P - 1), 0 &&& P, 0, 1, 0 &&& (0xffff - (P - 1)), 0, _): \
                 thc_job_seen_check(); \
-            (0, 1, _, _, _, _, P, 0 &&& (P - 1), P &&& P, 1, 1, 0 &&& (0xffff - (P - 1)), 0): \
+            (0, 1, _, _, _, _, P, 0 &&& (P - 1), P &&& P, 1, 1, 0 &&& (0xffff - (P - 1)), 0, _): \
                 thc_job_seen_check();
     @stage(1)
     table thc_job_seen_op {
@@ -817,17 +836,18 @@ control ThcIngress(inout tna_headers_t hdr, inout metadata_t meta,
             meta.worker_hit: ternary;
             hdr.thc.slot: ternary @name("slot");
             hdr.thc.offset[31:31]: ternary @name("offset31");
+            meta.install_hit: ternary;
         }
         actions = { thc_job_seen_check; thc_job_seen_clear; NoAction; }
         const entries = {
-            (0, 1, THC_RESET, _, _, _, _, _, _, _, _, _, _): thc_job_seen_clear();
-            (0, 1, _, 1, _, 1, _, _, _, _, _, _, _): NoAction();
-            (0, 1, THC_DATA, 0, THC_IN_NONE, _, _, _, _, _, _, _, _): NoAction();
-            (0, 1, THC_DATA, 0, THC_IN_SIGNS, _, _, _, _, _, _, _, _): NoAction();
-            (0, 1, THC_DATA, 1, THC_IN_NONE, _, _, _, _, _, _, _, _): NoAction();
-            (0, 1, THC_DATA, 1, THC_IN_IDX, _, _, _, _, _, _, _, _): NoAction();
-            (0, 1, THC_MAX, _, THC_IN_NONE, _, _, _, _, _, _, _, _): NoAction();
-            (0, 1, THC_FLUSH, _, THC_IN_NONE, _, _, _, _, _, _, _, _): NoAction();
+            (0, 1, THC_RESET, _, _, _, _, _, _, _, _, _, _, 1): thc_job_seen_clear();
+            (0, 1, _, 1, _, 1, _, _, _, _, _, _, _, _): NoAction();
+            (0, 1, THC_DATA, 0, THC_IN_NONE, _, _, _, _, _, _, _, _, _): NoAction();
+            (0, 1, THC_DATA, 0, THC_IN_SIGNS, _, _, _, _, _, _, _, _, _): NoAction();
+            (0, 1, THC_DATA, 1, THC_IN_NONE, _, _, _, _, _, _, _, _, _): NoAction();
+            (0, 1, THC_DATA, 1, THC_IN_IDX, _, _, _, _, _, _, _, _, _): NoAction();
+            (0, 1, THC_MAX, _, THC_IN_NONE, _, _, _, _, _, _, _, _, _): NoAction();
+            (0, 1, THC_FLUSH, _, THC_IN_NONE, _, _, _, _, _, _, _, _, _): NoAction();
             THC_SEEN_POOL(1) THC_SEEN_POOL(2) THC_SEEN_POOL(4) THC_SEEN_POOL(8)
             THC_SEEN_POOL(16) THC_SEEN_POOL(32) THC_SEEN_POOL(64) THC_SEEN_POOL(128)
             THC_SEEN_POOL(256) THC_SEEN_POOL(512)
@@ -843,13 +863,13 @@ control ThcIngress(inout tna_headers_t hdr, inout metadata_t meta,
     // that are powers of two: slot == seq mod pool (slotx masked) and version == bit
     // log2(pool) of seq.
 #define THC_POOL(P) \
-            (0, 1, _, _, _, _, P, 0 &&& (P - 1), 0 &&& P, 0, _, _, _, _, 1): \
+            (0, 1, _, _, _, _, P, 0 &&& (P - 1), 0 &&& P, 0, _, _, _, _, 1, _): \
                 thc_job_run_idle(); \
-            (0, 1, _, _, _, _, P, 0 &&& (P - 1), 0 &&& P, 0, _, _, _, _, _): \
+            (0, 1, _, _, _, _, P, 0 &&& (P - 1), 0 &&& P, 0, _, _, _, _, _, _): \
                 thc_job_run_check(); \
-            (0, 1, _, _, _, _, P, 0 &&& (P - 1), P &&& P, 1, _, _, _, _, 1): \
+            (0, 1, _, _, _, _, P, 0 &&& (P - 1), P &&& P, 1, _, _, _, _, 1, _): \
                 thc_job_run_idle(); \
-            (0, 1, _, _, _, _, P, 0 &&& (P - 1), P &&& P, 1, _, _, _, _, _): \
+            (0, 1, _, _, _, _, P, 0 &&& (P - 1), P &&& P, 1, _, _, _, _, _, _): \
                 thc_job_run_check();
     @stage(4)
     table thc_check {
@@ -869,41 +889,45 @@ control ThcIngress(inout tna_headers_t hdr, inout metadata_t meta,
             meta.room16: ternary;
             hdr.thc.offset[31:31]: ternary @name("offset31");
             meta.idle: ternary;
+            meta.install_hit: ternary;
         }
         actions = {
             thc_set_drop; thc_refuse; thc_job_run_check; thc_job_run_idle; thc_job_run_clear;
             NoAction;
         }
         const entries = {
-            (0, 0, _, _, _, _, _, _, _, _, _, _, _, _, _): thc_set_drop(THC_DROP_UNKNOWN_JOB);
-            (0, 1, _, 1, _, 1, _, _, _, _, _, _, _, _, _): thc_set_drop(THC_DROP_BAD_LANES);
-            (0, 1, THC_DATA, 0, THC_IN_NONE, _, _, _, _, _, _, _, _, _, _):
+            (0, 0, _, _, _, _, _, _, _, _, _, _, _, _, _, _): thc_set_drop(THC_DROP_UNKNOWN_JOB);
+            (0, 1, _, 1, _, 1, _, _, _, _, _, _, _, _, _, _): thc_set_drop(THC_DROP_BAD_LANES);
+            (0, 1, THC_DATA, 0, THC_IN_NONE, _, _, _, _, _, _, _, _, _, _, _):
                 thc_set_drop(THC_DROP_BAD_LANES);
-            (0, 1, THC_DATA, 0, THC_IN_SIGNS, _, _, _, _, _, _, _, _, _, _):
+            (0, 1, THC_DATA, 0, THC_IN_SIGNS, _, _, _, _, _, _, _, _, _, _, _):
                 thc_set_drop(THC_DROP_BAD_LANES);
-            (0, 1, THC_DATA, 1, THC_IN_NONE, _, _, _, _, _, _, _, _, _, _):
+            (0, 1, THC_DATA, 1, THC_IN_NONE, _, _, _, _, _, _, _, _, _, _, _):
                 thc_set_drop(THC_DROP_BAD_LANES);
-            (0, 1, THC_DATA, 1, THC_IN_IDX, _, _, _, _, _, _, _, _, _, _):
+            (0, 1, THC_DATA, 1, THC_IN_IDX, _, _, _, _, _, _, _, _, _, _, _):
                 thc_set_drop(THC_DROP_BAD_LANES);
-            (0, 1, THC_MAX, _, THC_IN_NONE, _, _, _, _, _, _, _, _, _, _):
+            (0, 1, THC_MAX, _, THC_IN_NONE, _, _, _, _, _, _, _, _, _, _, _):
                 thc_set_drop(THC_DROP_BAD_LANES);
-            (0, 1, THC_FLUSH, _, THC_IN_NONE, _, _, _, _, _, _, _, _, _, _):
+            (0, 1, THC_FLUSH, _, THC_IN_NONE, _, _, _, _, _, _, _, _, _, _, _):
                 thc_set_drop(THC_DROP_BAD_LANES);
-            (0, 1, THC_RESET, _, THC_IN_NONE, _, _, _, _, _, _, _, _, _, _):
+            (0, 1, THC_RESET, _, THC_IN_NONE, _, _, _, _, _, _, _, _, _, _, _):
                 thc_set_drop(THC_DROP_BAD_LANES);
-            (0, 1, THC_RESET, _, _, _, _, _, _, _, _, _, 0, _, _):
+            (0, 1, THC_RESET, _, _, _, _, _, _, _, _, _, 0, _, _, _):
                 thc_set_drop(THC_DROP_SLOT_OUTSIDE_POOL);
-            (0, 1, THC_RESET, _, _, _, _, _, _, _, _, _, _, _, _): thc_job_run_clear();
-            (0, 1, _, _, _, _, _, _, _, _, 0, _, _, _, _):
+            (0, 1, THC_RESET, _, _, _, _, _, _, _, _, _, _, _, _, 0):
+                thc_set_drop(THC_DROP_STALE_RESET);
+            (0, 1, THC_RESET, _, _, _, _, _, _, _, _, _, _, _, _, _): thc_job_run_clear();
+            (0, 1, _, _, _, _, _, _, _, _, 0, _, _, _, _, _):
                 thc_set_drop(THC_DROP_WORKER_OUTSIDE_JOB);
-            (0, 1, _, _, _, _, _, _, _, _, _, 0, _, _, _): thc_set_drop(THC_DROP_UNKNOWN_WORKER);
-            (0, 1, _, _, _, _, _, _, _, _, _, _, 0, _, _):
+            (0, 1, _, _, _, _, _, _, _, _, _, 0, _, _, _, _):
+                thc_set_drop(THC_DROP_UNKNOWN_WORKER);
+            (0, 1, _, _, _, _, _, _, _, _, _, _, 0, _, _, _):
                 thc_set_drop(THC_DROP_SLOT_OUTSIDE_POOL);
-            (0, 1, _, _, _, _, _, _, _, _, _, _, _, 1, _):
+            (0, 1, _, _, _, _, _, _, _, _, _, _, _, 1, _, _):
                 thc_refuse(THC_DROP_MALFORMED);   // bit 31 tells a MAX use (thc_use)
             THC_POOL(1) THC_POOL(2) THC_POOL(4) THC_POOL(8) THC_POOL(16) THC_POOL(32)
             THC_POOL(64) THC_POOL(128) THC_POOL(256) THC_POOL(512)
-            (0, 1, _, _, _, _, _, _, _, _, _, _, _, _, _): thc_refuse(THC_DROP_WRONG_SLOT);
+            (0, 1, _, _, _, _, _, _, _, _, _, _, _, _, _, _): thc_refuse(THC_DROP_WRONG_SLOT);
         }
         const default_action = NoAction;
         size = 128;
@@ -1550,6 +1574,9 @@ control ThcIngress(inout tna_headers_t hdr, inout metadata_t meta,
             thc_wellformed.apply();
             thc_job.apply();
             thc_worker.apply();
+            if (hdr.thc.pkt_type == THC_RESET) {
+                thc_install.apply();
+            }
             meta.idle_since = ig_intr_md.ingress_mac_tstamp[47:16] - THC_TNA_IDLE;
             meta.run_far = hdr.thc.run - THC_RUN_JUMP;
             meta.slotx = hdr.thc.seq[15:0] ^ hdr.thc.slot;

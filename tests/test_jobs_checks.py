@@ -146,12 +146,14 @@ def test_leftovers_without_a_job_entry_are_listed_and_removed(sw, monkeypatch, c
     job = make_job(3)
     job_entries.upsert(sw, job_entries.addr_entries(sw, job, job_entries.AggAddress()))
     job_entries.upsert(sw, job_entries.lut_entries(sw, job, 0))
+    job_entries.upsert(sw, [job_entries.install_entry(sw, 3, 7)])
     sw.set_multicast_group(3, [(0, 1)])
     forwarding.install(sw, {w.mac: w.switch_port for w in job.workers})
-    assert installed.leftovers(sw) == {3: [program.ADDR_TABLE, "lookup tables"]}
+    assert installed.leftovers(sw) == {3: [program.INSTALL_TABLE, program.ADDR_TABLE,
+                                           "lookup tables"]}
     assert thc_controller(sw.device, monkeypatch, "jobs") == 0
-    assert "job 3: NOT installed, but entries of it remain in thc_worker_addr, lookup " \
-           "tables" in capsys.readouterr().out
+    assert "job 3: NOT installed, but entries of it remain in thc_install, thc_worker_addr, " \
+           "lookup tables" in capsys.readouterr().out
     assert thc_controller(sw.device, monkeypatch, "remove", "--job", "3") == 0
     assert "removed the leftover entries of job 3" in capsys.readouterr().out
     assert sw.device.state() == empty

@@ -29,10 +29,13 @@ def sw():
 def test_install_is_idempotent(sw):
     job = make_job(1, 3)
     jobs.install_job(sw, job)
-    first, cfg = sw.device.state(skip=["thc_job"]), installed.installed_jobs(sw)[1]
+    epochs = ["thc_job", program.INSTALL_TABLE]
+    first, cfg = sw.device.state(skip=epochs), installed.installed_jobs(sw)[1]
     jobs.install_job(sw, job, live_window=IDLE)
-    assert sw.device.state(skip=["thc_job"]) == first
+    assert sw.device.state(skip=epochs) == first
     again = installed.installed_jobs(sw)[1]
+    assert [sw.match_values(e)[sw.field_id(program.INSTALL_TABLE, "epoch")] for e in
+            installed.entries_of(sw, program.INSTALL_TABLE, 1)] == [again["epoch"]]
     assert again.pop("epoch") not in (0, cfg.pop("epoch")), "every install draws a new epoch"
     assert again == cfg
     for table in installed.lut_tables(sw):
@@ -234,29 +237,35 @@ def test_jobs_lists_a_half_installed_job_as_not_serving(sw, monkeypatch, capsys)
 
 
 def test_resets_of_an_install_that_timed_out_do_not_count_for_the_next(sw, monkeypatch):
-    """The switch's packet-out path stalls through an install, whose resets time out; then
-    it catches up one RESET a counter read. The next install counted the stalled ones as its
-    own and let the workers in while 7 of its RESETs were still to clear their slots."""
-    dev, queued, stalled = sw.device, [], [True]
+    """The switch's packet-out path stalls through an install, whose resets time out, and
+    catches up (one RESET a counter read) only once the next install has sent its own: the
+    stalled RESETs come first. Counted as the next install's, they let its workers in while
+    its own RESETs were still to clear their slots; they carry the earlier install's epoch
+    and are dropped (stale_reset)."""
+    dev, queued = sw.device, []
     packet_out, read_counter = dev.packet_out, dev.read_counter
+    job = make_job(1, 2)
+    first = 2 * job.pool_size
 
     def late(name):
-        if not stalled[0] and queued:
+        catching_up[0] |= len(queued) > first
+        if catching_up[0] and queued:
             packet_out(queued.pop(0))
         return read_counter(name)
+    catching_up = [False]
     monkeypatch.setattr(dev, "packet_out", queued.append)
     monkeypatch.setattr(dev, "read_counter", late)
     monkeypatch.setattr(jobs.reset_pool, "__defaults__", (0.2,))
-    job = make_job(1, 2)
     with pytest.raises(SwitchError, match=r"only 0 of 8 slot resets .* within 0.2s.*may still "
-                                          r"be queued"):
+                                          r"be queued.*stale_reset"):
         jobs.install_job(sw, job)
-    stalled[0] = False
     monkeypatch.setattr(jobs.reset_pool, "__defaults__", (5.0,))
     jobs.install_job(sw, job, live_window=IDLE, force=True)
     live = max(i for i, e in enumerate(dev.log)
                if e.op == "INSERT" and e.target.endswith(program.WORKER_TABLE.split(".")[-1]))
     assert not queued and not [e for e in dev.log[live:] if e.op == "PACKET_OUT"]
+    assert counters.drops(sw)["stale_reset"] == first
+    assert len(dev.slot_resets) == first
 
 
 @pytest.mark.parametrize("change", [{"granularity": 31}, {"granularity": 100}])

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from thc.controller import counters, installed, p4rt
+from thc.controller import counters, installed, job_entries, p4rt
 from thc.controller.frames import reset_frame, udp_frame
 from thc.controller.switch import SwitchError
 from thc.controller.targets import tofino
@@ -103,15 +103,17 @@ def test_inserts_modifies_and_deletes_follow_p4runtime(sw):
 
 
 def test_reset_runs_as_the_program_runs_it(sw):
-    sw.write_entries("INSERT", [raw_job_entry(sw, 5, job_index=3, pool_size=4)])
-    sw.packet_out([reset_frame(5, 3, SWITCH_AGG_MAC, SWITCH_AGG_IP, 1),
-                   reset_frame(5, 4, SWITCH_AGG_MAC, SWITCH_AGG_IP, 0),     # outside the pool
-                   reset_frame(6, 0, SWITCH_AGG_MAC, SWITCH_AGG_IP, 0)])    # no such job
+    sw.write_entries("INSERT", [raw_job_entry(sw, 5, job_index=3, pool_size=4, epoch=9),
+                                job_entries.install_entry(sw, 5, 9)])
+    sw.packet_out([reset_frame(5, 3, SWITCH_AGG_MAC, SWITCH_AGG_IP, 1, 9),
+                   reset_frame(5, 2, SWITCH_AGG_MAC, SWITCH_AGG_IP, 1, 8),  # another install's
+                   reset_frame(5, 4, SWITCH_AGG_MAC, SWITCH_AGG_IP, 0, 9),  # outside the pool
+                   reset_frame(6, 0, SWITCH_AGG_MAC, SWITCH_AGG_IP, 0, 9)])  # no such job
     assert sw.device.slot_resets == [(5, 3, 1)]
     assert counters.resets(sw, 3) == 1 and counters.resets(sw, 0) == 0
     drops = counters.drops(sw)
-    assert drops["slot_outside_pool"] == 1 and drops["unknown_job"] == 1
-    assert [e.op for e in sw.device.log] == ["INSERT"] + ["PACKET_OUT"] * 3
+    assert drops["slot_outside_pool"] == drops["unknown_job"] == drops["stale_reset"] == 1
+    assert [e.op for e in sw.device.log] == ["INSERT"] * 2 + ["PACKET_OUT"] * 4
     with pytest.raises(NotImplementedError, match="RESET packet-outs only"):
         sw.packet_out([udp_frame(SWITCH_AGG_MAC, SWITCH_AGG_MAC, SWITCH_AGG_IP, SWITCH_AGG_IP,
                                  P.UDP_PORT, P.UDP_PORT, bytes(P.HEADER_BYTES))])
@@ -119,19 +121,21 @@ def test_reset_runs_as_the_program_runs_it(sw):
 
 def bad_resets(job_id: int, other_job: int, mac: str, ip: str) -> list[bytes]:
     """RESETs that p4src/thc.p4 drops: with a payload (for ``job_id``, then for
-    ``other_job``, not installed), a header cut short, a slot version beyond 1."""
+    ``other_job``, not installed), a header cut short, a slot version beyond 1, and one of
+    no install of ``job_id`` (epoch 0: an install's epoch is never 0)."""
     def frame(payload: bytes) -> bytes:
         return udp_frame(mac, mac, ip, ip, P.UDP_PORT, P.UDP_PORT, payload)
     hdr = P.Header(P.PktType.RESET, 0, job_id, 1, 0, 0, 0, 0, 0).pack()
     return [frame(hdr + bytes(2)),
             frame(P.Header(P.PktType.RESET, 0, other_job, 1, 0, 0, 0, 0, 0).pack() + bytes(2)),
             frame(hdr[:20]),
-            frame(P.Header(P.PktType.RESET, 0, job_id, 1, 2, 0, 0, 0, 0).pack())]
+            frame(P.Header(P.PktType.RESET, 0, job_id, 1, 2, 0, 0, 0, 0).pack()),
+            frame(P.Header(P.PktType.RESET, 0, job_id, 1, 0, 0, 0, 0, 0).pack())]
 
 
-BAD_RESET_DROPS = {"bad_lanes": 1, "unknown_job": 1, "malformed": 2}
+BAD_RESET_DROPS = {"bad_lanes": 1, "unknown_job": 1, "malformed": 2, "stale_reset": 1}
 """What :func:`bad_resets` leaves in the drop counters, in the program's order of checks:
-the header, the job, the payload's length."""
+the header, the job, the payload's length, the install."""
 
 
 def test_bad_resets_are_dropped_where_the_program_drops_them(sw):

@@ -234,9 +234,9 @@ def group_problems(p4info, job: Job, group: int, replicas: set) -> list[str]:
     return out
 
 
-def reset_problems(p4info, job: Job, frames: list[bytes]) -> list[str]:
+def reset_problems(p4info, job: Job, frames: list[bytes], epoch: int) -> list[str]:
     """A job's RESET packet-outs: raw frames (the program defines no packet_out header), one
-    per slot of the pool and version, each a RESET of the job."""
+    per slot of the pool and version, each a RESET of the job's install ``epoch``."""
     out = [f"the program has a controller header {m.preamble.name}: raw packet-outs lack it"
            for m in p4info.controller_packet_metadata if m.preamble.name == "packet_out"]
     seen = []
@@ -246,8 +246,8 @@ def reset_problems(p4info, job: Job, frames: list[bytes]) -> list[str]:
             out.append("a packet-out that is no THC frame")
             continue
         hdr = P.Header.unpack(parsed[6])
-        if hdr.pkt_type != P.PktType.RESET or hdr.job_id != job.job_id:
-            out.append(f"packet-out {hdr.pkt_type} of job {hdr.job_id}")
+        if hdr.pkt_type != P.PktType.RESET or (hdr.job_id, hdr.epoch) != (job.job_id, epoch):
+            out.append(f"packet-out {hdr.pkt_type} of job {hdr.job_id}, epoch {hdr.epoch}")
         seen.append((hdr.slot, hdr.version))
     if sorted(seen) != [(s, v) for s in range(job.pool_size) for v in (0, 1)]:
         out.append(f"job {job.job_id}: resets of {sorted(seen)}, not every slot version")
@@ -299,7 +299,8 @@ def check_everything(p4info, sw: Recording, cluster: Cluster) -> dict[str, int]:
     for frame in sw.packets:
         by_job.setdefault(P.Header.unpack(parse_udp_frame(frame)[6]).job_id, []).append(frame)
     for job in cluster.jobs:
-        problems += reset_problems(p4info, job, by_job.get(job.job_id, []))
+        problems += reset_problems(p4info, job, by_job.get(job.job_id, []),
+                                   installed.installed_jobs(sw)[job.job_id]["epoch"])
     assert problems == [], problems[:10]
     return written
 
@@ -320,7 +321,8 @@ def test_every_write_of_install_and_remove_fits_the_committed_p4info(name):
     luts = installed.lut_tables(sw)
     assert len(luts) == {"bmv2": P.LANES // 2, "tofino": 64}[name]
     n_workers = sum(j.n_workers for j in cluster.jobs)
-    shared = {program.JOB_TABLE: len(cluster.jobs), program.WORKER_TABLE: n_workers,
+    shared = {program.JOB_TABLE: len(cluster.jobs), program.INSTALL_TABLE: len(cluster.jobs),
+              program.WORKER_TABLE: n_workers,
               program.ADDR_TABLE: n_workers, program.L2_TABLE: n_workers}
     full = {sw.tables.get(t, "table").preamble.name: n for t, n in shared.items()}
     counter = sw.counters.get(program.JOB_COUNTERS, "counter").preamble.name
@@ -552,12 +554,13 @@ def test_the_write_checks_catch_bad_writes():
 
     assert group_problems(p4info, job, 5, {(w.switch_port, w.id) for w in job.workers})
     assert group_problems(p4info, job, 5, {(600, 1)})
-    frames = [reset_frame(job.job_id, s, SWITCH_AGG_MAC, SWITCH_AGG_IP, v)
+    frames = [reset_frame(job.job_id, s, SWITCH_AGG_MAC, SWITCH_AGG_IP, v, 7)
               for s in range(job.pool_size) for v in (0, 1)]
-    assert reset_problems(p4info, job, frames) == []
-    assert reset_problems(p4info, job, frames[:-1])
+    assert reset_problems(p4info, job, frames, 7) == []
+    assert reset_problems(p4info, job, frames[:-1], 7)
+    assert reset_problems(p4info, job, frames, 8)
     other = Job(job_id=9, workers=job.workers, table=TABLE, granularity=30, pool_size=8)
-    assert reset_problems(p4info, other, frames)
+    assert reset_problems(p4info, other, frames, 7)
 
 
 # ---- what the Tofino lookups compute ----------------------------------------------------------

@@ -61,7 +61,8 @@ def _grid(prog: Program) -> dict[str, np.ndarray]:
             "pkt_type": pkt, "vote": vote, "wide": wide, "lanes_in": lane, "pool_size": pool,
             "slot": slot, "seq16": seq16, "version": version, "slotx": seq16 ^ slot,
             "worker_hit": hit, "room8": np.maximum(n - w, 0),
-            "room16": np.maximum(pool - slot, 0), "offset31": off31}
+            "room16": np.maximum(pool - slot, 0), "offset31": off31,
+            "install_hit": np.zeros_like(pkt)}   # thc_install is looked up for RESETs only
 
 
 def _keyed(prog: Program, table: str) -> dict:
@@ -101,7 +102,7 @@ SEEN_BROKEN = {
     "a THC job's DATA with signs taken": (
         r"^ *\(0, 1, THC_DATA, 0, THC_IN_SIGNS, [_, ]*\): NoAction\(\);\n", ""),
     "offset bit 31 not read": (
-        r"(0 &&& \(0xffff - \(P - 1\)\)), 0(\): \\\n.*\n.*0 &&& \(0xffff - \(P - 1\)\)), 0",
+        r"(0 &&& \(0xffff - \(P - 1\)\)), 0(, _\): \\\n.*\n.*0 &&& \(0xffff - \(P - 1\)\)), 0",
         r"\1, _\2, _"),
     "version 1's slots up to twice the pool": (
         r"(P &&& P, 1, 1, 0 &&& \(0xffff - )\(P - 1\)\)", r"\1(P + P - 1))"),

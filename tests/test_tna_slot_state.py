@@ -349,3 +349,41 @@ def test_an_unknown_construct_is_named():
         "thc_count_op.apply();", "switch (thc_count_op.apply().action_run) { default: {} }", 1)
     with pytest.raises(Unsupported, match="switch"):
         Program(preprocess(text))
+
+
+def test_a_reset_of_an_earlier_install_clears_nothing(program):
+    """A RESET still queued from an earlier install (its epoch) reaches pass 0 while worker
+    0's contribution waits in slot 0 and the job's run is live: it is dropped as
+    stale_reset, uncounted in thc_resets; the job keeps its run (another run is still
+    refused) and the round completes. A copy whose stage 1 clears the job's clock for any
+    RESET lets the other run take the live job."""
+    from tests.tna.interleave import FIRST_RUN, JOB_ID, T, addr, make_job, nonce_of
+    from thc.controller import program as names
+    from thc.controller.frames import reset_frame
+    from thc.wire import protocol as P
+
+    def run(engine):
+        job = make_job(2, 4)
+        earlier = job.new_epoch(nonce=5)
+        engine.install(job, earlier, now=1000.0)
+        engine.install(job, job.new_epoch(nonce=6), now=1000.0)
+        resets = engine.counters[names.RESETS, 0]
+
+        def data(w, run_id=FIRST_RUN):
+            return P.Header(T["DATA"], w, JOB_ID, 0, 0, 0, 0, 0, 0, run_id,
+                            nonce_of(w, run_id)).pack() + bytes(P.payload_bytes(T["DATA"]))
+        assert engine.handle(data(0), addr(0), 1000.0) == ([], None)
+        stale = engine._frame(reset_frame(JOB_ID, 0, "02:00:00:00:00:fe", "10.0.0.254", 0,
+                                          earlier), engine.p.consts["THC_TNA_CPU_PORT"][0],
+                              1000.0)
+        other = engine.handle(data(1, FIRST_RUN - 1), addr(1), 1000.0)[1]
+        replies, reason = engine.handle(data(1), addr(1), 1000.0)
+        done = [P.Header.unpack(r).count for r, _ in replies
+                if P.Header.unpack(r).pkt_type == T["RESULT"]]
+        return stale, engine.counters[names.RESETS, 0] - resets, other, reason, done
+
+    assert run(TnaEngine(program)) == (([], "stale_reset"), 0, "stale_run", None, [2, 2])
+    text, k = re.subn(r"(\(0, 1, THC_RESET(, _){10}), 1(\): thc_job_seen_clear)", r"\1, _\3",
+                      (P4SRC / "thc_tna.p4").read_text())
+    assert k == 1, "the pattern no longer matches the program"
+    assert run(TnaEngine(Program(preprocess(text))))[2] is None

@@ -11,10 +11,11 @@ packets, yet BMv2 is absent on most machines. :class:`MemorySwitch` is controlle
   as BMv2's P4Runtime server checks it (controller/testing/entry_checks.py), with its
   per-update errors (ALREADY_EXISTS, NOT_FOUND, RESOURCE_EXHAUSTED for a full table);
 * ``log``: every write, counter reset and packet-out in order;
-* RESET packet-outs run as p4src/thc.p4 runs them: an installed job's slot inside its pool
-  is cleared (``slot_resets``; ``reset_cells``: the register cell, from the job entry's
-  pool_base when the RESET runs) and ``thc_resets[job_index]`` counts, else a drop reason
-  (``cpu_port = False``: packet-outs are lost); any other packet raises NotImplementedError;
+* RESET packet-outs run as p4src/thc.p4 runs them: a RESET of the install the job's
+  thc_install entry names clears the job's slot inside its pool (``slot_resets``;
+  ``reset_cells``: the register cell, from the job entry's pool_base when the RESET runs)
+  and ``thc_resets[job_index]`` counts, else a drop reason (``cpu_port = False``:
+  packet-outs are lost); any other packet raises NotImplementedError;
 * worker traffic counted where the program counts it (``deliver``; inside ``sending`` one
   packet before every counter read, a worker that keeps sending).
 
@@ -195,6 +196,8 @@ class MemoryDevice:
             self._drop("bad_lanes")
         elif hdr.slot >= job["pool_size"]:
             self._drop("slot_outside_pool")
+        elif self._params("thc_install", {"job_id": hdr.job_id, "epoch": hdr.epoch}) is None:
+            self._drop("stale_reset")
         else:
             self.slot_resets.append((hdr.job_id, hdr.slot, hdr.version))
             self.reset_cells.append((job["pool_base"] + hdr.slot) % (1 << 16) * 2 + hdr.version)

@@ -40,11 +40,11 @@
 
 enum { MALFORMED, BAD_LANES, UNKNOWN_JOB, UNKNOWN_WORKER, WORKER_OUTSIDE_JOB,
        SLOT_OUTSIDE_POOL, STALE, NOT_FROM_CPU, WRONG_DIRECTION, STALE_RUN, WRONG_SHARD,
-       WRONG_USE, WRONG_SLOT, REUSED_RUN, N_REASONS };
+       WRONG_USE, WRONG_SLOT, REUSED_RUN, STALE_RESET, N_REASONS };
 static const char *REASON_NAMES[N_REASONS] = {
     "malformed", "bad_lanes", "unknown_job", "unknown_worker", "worker_outside_job",
     "slot_outside_pool", "stale", "not_from_cpu", "wrong_direction", "stale_run",
-    "wrong_shard", "wrong_use", "wrong_slot", "reused_run"};
+    "wrong_shard", "wrong_use", "wrong_slot", "reused_run", "stale_reset"};
 enum { C_PACKETS, C_COMPLETIONS, C_RETRANSMISSIONS, C_PENDING, C_HELD, N_COUNTERS };
 static const char *COUNTER_NAMES[N_COUNTERS] = {"packets", "completions", "retransmissions",
                                                 "pending", "held"};

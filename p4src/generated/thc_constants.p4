@@ -15,7 +15,7 @@
 #define THC_REG_SIZE 1024
 #define THC_LUT_SIZE 4096
 #define THC_N_JOB_COUNTERS 5
-#define THC_N_DROP_REASONS 15
+#define THC_N_DROP_REASONS 16
 
 // wire constants
 const bit<16> THC_UDP_PORT = 48879;
@@ -76,6 +76,7 @@ const bit<8> THC_DROP_WRONG_SHARD = 11;
 const bit<8> THC_DROP_WRONG_USE = 12;
 const bit<8> THC_DROP_WRONG_SLOT = 13;
 const bit<8> THC_DROP_REUSED_RUN = 14;
+const bit<8> THC_DROP_STALE_RESET = 15;
 
 // per-job counters: index job_index * THC_N_JOB_COUNTERS + JC_<name> into counter thc_job_counters
 const bit<32> THC_JC_PACKETS = 0;

@@ -22,16 +22,16 @@ _ids = itertools.count(500)
 
 
 def snapshot(sw) -> dict:
-    """Table entries as text: every table but thc_job (its epoch is new at every install) and
-    the lookup tables, of which those of the first and the last lane group (the installer
-    writes all groups alike)."""
+    """Table entries as text: every table but thc_job and thc_install (their epoch is new at
+    every install) and the lookup tables, of which those of the first and the last lane
+    group (the installer writes all groups alike)."""
     last = sw.lanes // bmv2_target.GROUP_LANES - 1
     keep = {bmv2_target.LUT_TABLE.format(g, b) for g in (0, last)
             for b in range(bmv2_target.GROUP_BYTES)}
     state = {}
     for t in sw.p4info.tables:
         name = t.preamble.name
-        if name.rsplit(".", 1)[-1] == program.JOB_TABLE or (
+        if name.rsplit(".", 1)[-1] in (program.JOB_TABLE, program.INSTALL_TABLE) or (
                 ".thc_lut_" in name and name not in keep):
             continue
         entries = sw.read_table(t.preamble.name)
@@ -47,6 +47,8 @@ def test_install_is_idempotent(bmv2, sw):
     bmv2.install(job)
     assert snapshot(sw) == first
     again = installed.installed_jobs(sw)[job.job_id]
+    assert [sw.match_values(e)[sw.field_id(program.INSTALL_TABLE, "epoch")] for e in
+            installed.entries_of(sw, program.INSTALL_TABLE, job.job_id)] == [again["epoch"]]
     assert again.pop("epoch") not in (0, cfg.pop("epoch")), "every install draws a new epoch"
     assert again == cfg
     for group in (0, sw.lanes // bmv2_target.GROUP_LANES - 1):

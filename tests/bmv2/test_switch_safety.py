@@ -7,12 +7,14 @@ import itertools
 import subprocess
 import sys
 import threading
+import time
 from dataclasses import replace
 
 import numpy as np
 import pytest
 
-from thc.controller import installed, job_entries, jobs, program, toolchain
+from thc.controller import counters, installed, job_entries, jobs, program, toolchain
+from thc.controller.frames import reset_frame
 from thc.controller.p4rt import WRITER_TOP
 from thc.controller.switch import Switch, SwitchError
 from thc.wire.jobs import Cluster, ConfigError
@@ -78,6 +80,38 @@ def test_reinstall_clears_a_dirty_pool(bmv2, sw):
     bmv2.endpoint(job, 0).recv_all()
     jobs.install_job(sw, job, job_entries.AggAddress(AGG_IP, AGG_MAC), force=True)
     check_round(bmv2, job, 0, rng)
+
+
+def _wait_for(done, timeout: float = 10.0) -> None:
+    """Until ``done()`` (BMv2 counts a packet, or runs a packet-out, after the call returns)."""
+    deadline = time.monotonic() + timeout
+    while not done():
+        assert time.monotonic() < deadline, "the switch did not count the packet within 10 s"
+        time.sleep(0.02)
+
+
+def test_a_reset_of_an_earlier_install_clears_nothing(bmv2, sw):
+    """A RESET still queued from an earlier install of the job (its epoch) reaches the switch
+    while worker 0's contribution waits in slot 0: it is dropped as stale_reset, uncounted
+    in thc_resets, and the round completes with both workers' sums."""
+    job = bmv2.make_job(next(_ids), 2, pool_size=4)
+    bmv2.install(job)
+    earlier = installed.installed_jobs(sw)[job.job_id]["epoch"]
+    index = jobs.install_job(sw, job, job_entries.AggAddress(AGG_IP, AGG_MAC), force=True)
+    assert installed.installed_jobs(sw)[job.job_id]["epoch"] != earlier
+    rng = np.random.default_rng(5)
+    idxs = [random_indices(rng, job) for _ in range(2)]
+    packets = counters.job_counters(sw, index)["packets"]
+    bmv2.endpoint(job, 0).send(data(job, 0, 0, idxs[0]))
+    _wait_for(lambda: counters.job_counters(sw, index)["packets"] > packets)
+    before = counters.drops(sw)["stale_reset"], counters.resets(sw, index)
+    sw.packet_out([reset_frame(job.job_id, 0, AGG_MAC, AGG_IP, 0, earlier)])
+    _wait_for(lambda: (counters.drops(sw)["stale_reset"], counters.resets(sw, index)) != before)
+    got = round_trip(bmv2, job, 0, idxs, workers=[1])
+    for w in range(2):
+        check_result(got[w], job, 0, idxs, w)
+    assert (counters.drops(sw)["stale_reset"], counters.resets(sw, index)) == \
+        (before[0] + 1, before[1])
 
 
 def test_live_job_is_not_reinstalled_or_removed_unless_forced(bmv2, sw):

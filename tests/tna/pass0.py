@@ -93,25 +93,25 @@ class TnaEngine:
         self.rng = np.random.default_rng(0)   # what a pass's containers held before
 
     def install(self, job, epoch: int, job_index: int = 0, now: float = 0.0) -> None:
-        """controller/jobs.py's _write_job: the job's worker entries out, its multicast group
-        and thc_job entry in, a RESET packet-out per slot version from the CPU port (each
-        counted in thc_resets, which reset_pool waits for), its counters cleared, then the
-        worker entries."""
+        """controller/jobs.py's _write_job: the job's worker entries out, its multicast group,
+        thc_job entry and thc_install entry (the install's ``epoch``) in, a RESET packet-out
+        of that install per slot version from the CPU port (each counted in thc_resets, which
+        reset_pool waits for), its counters cleared, then the worker entries."""
         rec, cpu_port = _Recorder(), self.p.consts["THC_TNA_CPU_PORT"][0]
         self.pending += self.settle()   # milliseconds of writes: every pass is back
-        job_key = self.p.tables[names.WORKER_TABLE]["key_names"].index("job_id")
-        self.installed[names.WORKER_TABLE] = [e for e in self.installed.get(names.WORKER_TABLE, [])
-                                              if e[0][job_key][0] != job.job_id]
+        self._delete_job_entries(names.WORKER_TABLE, job.job_id)
         self.mcast[job.mcast_grp] = [w.id + 1 for w in job.workers]
         self.jobs[job_index] = job
         self.macs.update({(w.ip, w.port): _key(w.mac) for w in job.workers})
         self.ports.update({(w.ip, w.port): w.switch_port for w in job.workers})
         self._write(job_entries.job_entry(rec, job, job_index, epoch))
+        self._delete_job_entries(names.INSTALL_TABLE, job.job_id)
+        self._write(job_entries.install_entry(rec, job.job_id, epoch))
         for slot in range(job.pool_size):
             for version in (0, 1):
                 before = self.counters[names.RESETS, job_index]
-                out = self._frame(reset_frame(job.job_id, slot, AGG_MAC, AGG_IP, version),
-                                  cpu_port, now)
+                out = self._frame(reset_frame(job.job_id, slot, AGG_MAC, AGG_IP, version,
+                                              epoch), cpu_port, now)
                 if out != ([], None) or self.counters[names.RESETS, job_index] != before + 1:
                     raise AssertionError(f"RESET of slot {slot} version {version}: {out}")
         for k in range(len(P.JOB_COUNTERS)):
@@ -119,6 +119,11 @@ class TnaEngine:
         for entry in job_entries.worker_entries(rec, job) + job_entries.addr_entries(
                 rec, job, job_entries.AggAddress(AGG_IP, AGG_MAC)):
             self._write(entry)
+
+    def _delete_job_entries(self, table: str, job_id: int) -> None:
+        key = self.p.tables[table]["key_names"].index("job_id")
+        self.installed[table] = [e for e in self.installed.get(table, [])
+                                 if e[0][key][0] != job_id]
 
     def _write(self, entry) -> None:
         table, match, action, params = entry
