@@ -12,7 +12,7 @@ from thc.bench.tiles import TUNABLE, parse_configs
 
 def test_configs_parse_and_refuse_what_is_not_a_setting():
     class Kernels:
-        TILE, COLS_FIRST, COLS_LOG = 4096, True, 12
+        TILE, COLS_FIRST, COLS_LOG, NUM_WARPS, ROW_TILES = 4096, True, 12, 4, 4
         FORM, FORMS = "transpose", ("transpose", "sandwich")
     assert parse_configs("", Kernels) == [{}]
     assert parse_configs("TILE=8192,COLS_FIRST=0;COLS_LOG=0;FORM=sandwich", Kernels) == [
@@ -21,6 +21,12 @@ def test_configs_parse_and_refuse_what_is_not_a_setting():
         with pytest.raises(ValueError, match="NAME=INTEGER") as err:
             parse_configs(bad, Kernels)
         assert all(name in str(err.value) for name in TUNABLE if name != "PRECISION")
+    for bad, message in (("TILE=3000", "TILE is a power of two in 16..65536"),
+                         ("NUM_WARPS=64", "NUM_WARPS is a power of two in 1..32"),
+                         ("COLS_FIRST=2", "COLS_FIRST is an integer in 0..1"),
+                         ("ROW_TILES=0", "ROW_TILES is a power of two in 1..64")):
+        with pytest.raises(ValueError, match=f"config item {bad}: {message}"):
+            parse_configs(bad, Kernels)
 
 
 def test_runs_under_the_interpreter(tmp_path):

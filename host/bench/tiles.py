@@ -11,8 +11,28 @@ TUNABLE = ("PRECISION", "TILE", "TILE_COLS", "NUM_WARPS", "NUM_WARPS_COLS", "COL
 ``--precisions``, the others by ``--configs`` (FORM by name, one of ``FORMS``)."""
 
 
+RANGES = {"TILE": (16, 1 << 16), "TILE_COLS": (16, 1 << 16), "NUM_WARPS": (1, 32),
+          "NUM_WARPS_COLS": (1, 32), "ROW_TILES": (1, 64), "COLS_FIRST": (0, 1),
+          "COLS_LOG": (0, 24), "MIN_PROGRAMS": (0, 1 << 20)}
+"""Each integer setting's least and greatest value; the first four and ROW_TILES are powers
+of two (Triton's block shapes and warp counts), so that a bad value is refused here rather
+than met as a compile error."""
+POWERS = ("TILE", "TILE_COLS", "NUM_WARPS", "NUM_WARPS_COLS", "ROW_TILES")
+
+
+def _value(name: str, text: str) -> int:
+    low, high = RANGES[name]
+    value = int(text)
+    power = name in POWERS
+    if not low <= value <= high or (power and value & (value - 1)):
+        raise ValueError(f"config item {name}={text}: {name} is "
+                         f"{'a power of two' if power else 'an integer'} in {low}..{high}")
+    return value
+
+
 def parse_configs(text: str, tk) -> list[dict]:
-    """``A=1,B=2;A=3`` -> [{A: 1, B: 2}, {A: 3}] (one empty config for '')."""
+    """``A=1,B=2;A=3`` -> [{A: 1, B: 2}, {A: 3}] (one empty config for ''); each value within
+    :data:`RANGES`."""
     out = []
     for part in text.split(";"):
         config = {}
@@ -26,7 +46,7 @@ def parse_configs(text: str, tk) -> list[dict]:
                 raise ValueError(f"config item {item!r}: use NAME=INTEGER with NAME one of "
                                  f"{names}, or FORM= one of "
                                  f"{', '.join(tk.FORMS)}")
-            config[name] = type(getattr(tk, name))(int(value))
+            config[name] = type(getattr(tk, name))(_value(name, value))
         out.append(config)
     return out or [{}]
 
