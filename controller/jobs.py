@@ -212,11 +212,15 @@ def _write_entries(sw: Switch, job: Job, job_index: int, agg: AggAddress,
     again = previous is not None
     # the job entry first: an install cut short leaves a job that `jobs` lists as not
     # serving and `remove` deletes (without worker entries none of its packets count)
-    epoch = job.new_epoch(previous.get("epoch") if previous else last_epoch)
+    # an epoch the switch still names (an install cut short before its thc_install entry
+    # was replaced) may have RESETs queued: a new install draws none of them
+    installs = entries_of(sw, INSTALL_TABLE, job.job_id)
+    epochs = {sw.match_values(e)[sw.field_id(INSTALL_TABLE, "epoch")] for e in installs}
+    epoch = job.new_epoch(previous.get("epoch") if previous else last_epoch, avoid=epochs)
     upsert(sw, [job_entry(sw, job, job_index, epoch)],
             again and previous["job_index"] == job_index)
     # from here on only this install's RESETs clear the job's slots and count
-    delete(sw, entries_of(sw, INSTALL_TABLE, job.job_id))
+    delete(sw, installs)
     upsert(sw, [install_entry(sw, job.job_id, epoch)])
     addrs = addr_entries(sw, job, agg)
     upsert(sw, addrs, again)

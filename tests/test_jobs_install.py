@@ -268,6 +268,21 @@ def test_resets_of_an_install_that_timed_out_do_not_count_for_the_next(sw, monke
     assert len(dev.slot_resets) == first
 
 
+def test_an_install_draws_no_epoch_the_switch_still_names(sw, monkeypatch):
+    """An install cut short between its job entry (epoch e2) and its thc_install entry left
+    the install before's (e1), whose RESETs may still be queued. The next install avoided
+    e2 alone: drawing e1 (1 in 65535), it counted those RESETs as its own."""
+    job = make_job(1, 2)
+    draws = iter([0x0101, 0x0101, 0x0202, 0x0303])   # e1, e1 again, e2, a fresh one
+    monkeypatch.setattr(P.secrets, "randbelow", lambda n: next(draws) - 1)
+    jobs.install_job(sw, job)
+    e1 = installed.installed_jobs(sw)[1]["epoch"]
+    job_entries.upsert(sw, [job_entries.job_entry(sw, job, 0, job.new_epoch(e1, 0x0202))],
+                       exists=True)
+    jobs.install_job(sw, job, live_window=IDLE, force=True)
+    assert installed.installed_jobs(sw)[1]["epoch"] == job.new_epoch(nonce=0x0303)
+
+
 @pytest.mark.parametrize("change", [{"granularity": 31}, {"granularity": 100}])
 def test_a_change_the_entries_do_not_hold_installs_an_epoch_of_the_new_tag(sw, change):
     """The switch entries hold no granularity: install_cluster kept the job as it was, with

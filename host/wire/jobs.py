@@ -14,6 +14,7 @@ import ipaddress
 import json
 import numbers
 import re
+from collections.abc import Collection
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -236,10 +237,11 @@ class Job:
             return np.unpackbits(raw)
         return self.pair_values[raw].reshape(-1)
 
-    def new_epoch(self, previous: int | None = None, nonce: int | None = None) -> int:
+    def new_epoch(self, previous: int | None = None, nonce: int | None = None,
+                  avoid: Collection[int] = ()) -> int:
         """An install's epoch: this job's tag, and ``nonce`` or a random one (an epoch unlike
-        ``previous``)."""
-        return P.job_epoch(self.config_tag, nonce, previous)
+        ``previous``, and a random one none of ``avoid``)."""
+        return P.job_epoch(self.config_tag, nonce, previous, avoid)
 
     def worker(self, worker_id: int) -> Worker:
         for w in self.workers:

@@ -10,6 +10,7 @@ import os
 import secrets
 import struct
 import time
+from collections.abc import Collection
 from dataclasses import dataclass
 from enum import IntEnum
 from pathlib import Path
@@ -269,10 +270,12 @@ def epoch_tag(epoch: int) -> int:
     return epoch >> EPOCH_TAG_SHIFT
 
 
-def job_epoch(tag: int, nonce: int | None = None, previous: int | None = None) -> int:
+def job_epoch(tag: int, nonce: int | None = None, previous: int | None = None,
+              avoid: Collection[int] = ()) -> int:
     """The epoch of an install of a job whose configuration tag is ``tag``: with ``nonce``
     (1..0xFFFF) or a random one, unlike ``previous`` (the job's last epoch there) either
-    way: a client whose run spans the install must see it."""
+    way: a client whose run spans the install must see it. A random one is also none of
+    ``avoid`` (a switch's earlier installs, whose RESETs may still be queued)."""
     if nonce is not None:
         if not 0 < nonce <= NONCE_MASK or isinstance(nonce, bool):
             raise ValueError(f"an install's nonce is 1..{NONCE_MASK:#x}, got {nonce!r}")
@@ -282,7 +285,7 @@ def job_epoch(tag: int, nonce: int | None = None, previous: int | None = None) -
         return tag << EPOCH_TAG_SHIFT | nonce
     while True:
         epoch = tag << EPOCH_TAG_SHIFT | secrets.randbelow(NONCE_MASK) + 1
-        if epoch != previous:
+        if epoch != previous and epoch not in avoid:
             return epoch
 
 
