@@ -284,17 +284,17 @@ def test_a_reinstall_keeps_the_address_each_worker_sends_to(engine):
 def test_no_install_repeats_the_jobs_last_epoch(engine, monkeypatch):
     """install(job, nonce) with the installed nonce kept the epoch, and so did a random
     nonce after a remove (the last epoch was forgotten): a client whose run spanned the
-    re-install met slots that forgot its chunks and blamed a worker that had sent."""
+    re-install met slots that forgot its chunks and blamed a worker that had sent. A random
+    nonce steps on from the last one kept through the remove (protocol.NONCE_STEP)."""
     import secrets
     job = jobs()[0]
     agg = (Aggregator if engine == "python" else fastagg.FastAggregator)([job], nonce=NONCE)
     with pytest.raises(ValueError, match="repeats the job's last epoch"):
         agg.install(job, NONCE)
-    draws = iter([NONCE - 1, NONCE - 1, 7])     # randbelow's draw is the nonce minus one
-    monkeypatch.setattr(secrets, "randbelow", lambda n: next(draws))
+    monkeypatch.setattr(secrets, "randbelow", lambda n: 7)
     agg.remove(job.job_id)
     agg.install(job)
-    assert agg.counters()["epochs"][job.job_id] == job.new_epoch(nonce=8)
+    assert agg.counters()["epochs"][job.job_id] == job.new_epoch(nonce=NONCE + 8)
 
 
 @pytest.mark.parametrize("engine", ["python", "compiled"])

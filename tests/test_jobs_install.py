@@ -273,14 +273,16 @@ def test_an_install_draws_no_epoch_the_switch_still_names(sw, monkeypatch):
     the install before's (e1), whose RESETs may still be queued. The next install avoided
     e2 alone: drawing e1 (1 in 65535), it counted those RESETs as its own."""
     job = make_job(1, 2)
-    draws = iter([0x0101, 0x0101, 0x0202, 0x0303])   # e1, e1 again, e2, a fresh one
-    monkeypatch.setattr(P.secrets, "randbelow", lambda n: next(draws) - 1)
+    # e1 = nonce 0x300; then, past e2 (0x202), a step onto e1, and one onto 0x203
+    draws = iter([0x2FF, 0x300 - 0x203, 0])
+    monkeypatch.setattr(P.secrets, "randbelow", lambda n: next(draws))
     jobs.install_job(sw, job)
     e1 = installed.installed_jobs(sw)[1]["epoch"]
-    job_entries.upsert(sw, [job_entries.job_entry(sw, job, 0, job.new_epoch(e1, 0x0202))],
+    assert e1 == job.new_epoch(nonce=0x300)
+    job_entries.upsert(sw, [job_entries.job_entry(sw, job, 0, job.new_epoch(e1, 0x202))],
                        exists=True)
     jobs.install_job(sw, job, live_window=IDLE, force=True)
-    assert installed.installed_jobs(sw)[1]["epoch"] == job.new_epoch(nonce=0x0303)
+    assert installed.installed_jobs(sw)[1]["epoch"] == job.new_epoch(nonce=0x203)
 
 
 @pytest.mark.parametrize("change", [{"granularity": 31}, {"granularity": 100}])

@@ -1,6 +1,7 @@
 """Run ids and epochs on the host side: the helpers, the client's checks, agreement over Gloo."""
 from __future__ import annotations
 
+import itertools
 import datetime
 import socket
 import threading
@@ -230,6 +231,21 @@ def test_an_install_whose_epoch_lacks_the_jobs_tag_is_refused():
         Model().install(job, other.new_epoch(nonce=5))
     assert job.new_epoch(nonce=5) & P.NONCE_MASK == 5 and job.new_epoch(nonce=5) > 0
     assert len({job.new_epoch(previous=job.new_epoch(nonce=7)) for _ in range(50)}) > 40
+
+
+def test_no_reinstall_draws_one_of_the_jobs_last_15_epochs_again(monkeypatch):
+    """A switch tells RESETs queued from an earlier install by its epoch (thc_install): a
+    nonce drawn anew at each install came back two installs later (here, draws that
+    alternate), and the RESETs of that install counted as the new one's."""
+    job = local_job(1, 1, free_port_block(1))
+    draws = itertools.cycle([5, 9, P.NONCE_STEP - 1])
+    monkeypatch.setattr(P.secrets, "randbelow", lambda n: next(draws) % n)
+    chain = [job.new_epoch(nonce=P.NONCE_MASK - 3)]
+    for _ in range(200):
+        chain.append(job.new_epoch(chain[-1]))
+    assert all(len(set(chain[i:i + 16])) == 16 for i in range(len(chain) - 15))
+    assert {P.epoch_tag(e) for e in chain} == {job.config_tag}
+    assert 0 not in {e & P.NONCE_MASK for e in chain}
 
 
 def test_a_client_given_its_run_joins_no_collective_and_an_agreed_one_agrees_once(monkeypatch):

@@ -264,6 +264,10 @@ high 16 bits, so that a client sees an aggregator installed with another table, 
 lanes, pool or workers than its own, and a nonce drawn at each install in the low 16 bits,
 so that it sees the job's slot state installed anew."""
 NONCE_MASK = (1 << EPOCH_TAG_SHIFT) - 1
+NONCE_STEP = 4096
+"""A re-install's random nonce lies 1..NONCE_STEP past the job's last epoch's (counting round
+the 65535 nonces), so none of the job's last 15 epochs comes back: a switch tells the RESETs
+still queued from any of those installs from the new one's (thc_install)."""
 
 
 def epoch_tag(epoch: int) -> int:
@@ -274,8 +278,9 @@ def job_epoch(tag: int, nonce: int | None = None, previous: int | None = None,
               avoid: Collection[int] = ()) -> int:
     """The epoch of an install of a job whose configuration tag is ``tag``: with ``nonce``
     (1..0xFFFF) or a random one, unlike ``previous`` (the job's last epoch there) either
-    way: a client whose run spans the install must see it. A random one is also none of
-    ``avoid`` (a switch's earlier installs, whose RESETs may still be queued)."""
+    way: a client whose run spans the install must see it. A random one steps forward from
+    ``previous`` (:data:`NONCE_STEP`) and is none of ``avoid`` (a switch's earlier installs,
+    whose RESETs may still be queued)."""
     if nonce is not None:
         if not 0 < nonce <= NONCE_MASK or isinstance(nonce, bool):
             raise ValueError(f"an install's nonce is 1..{NONCE_MASK:#x}, got {nonce!r}")
@@ -284,7 +289,11 @@ def job_epoch(tag: int, nonce: int | None = None, previous: int | None = None,
                              f"a client whose run spans the install would not see it")
         return tag << EPOCH_TAG_SHIFT | nonce
     while True:
-        epoch = tag << EPOCH_TAG_SHIFT | secrets.randbelow(NONCE_MASK) + 1
+        if previous is None:
+            fresh = secrets.randbelow(NONCE_MASK)
+        else:
+            fresh = ((previous & NONCE_MASK) + secrets.randbelow(NONCE_STEP)) % NONCE_MASK
+        epoch = tag << EPOCH_TAG_SHIFT | fresh + 1
         if epoch != previous and epoch not in avoid:
             return epoch
 
