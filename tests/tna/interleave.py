@@ -449,7 +449,8 @@ def idle_scenarios(prog: Program) -> str | None:
 def payload_scenarios(prog: Program) -> str | None:
     """The first packet that the program answers unlike the model, or None, of DATA, MAX and
     FLUSH packets carrying every payload size a packet type has (none, a vote job's signs,
-    a THC job's indices, MAX lanes) to a THC job of 8- and of 16-bit sums and to a vote
+    a THC job's indices, MAX lanes; random bytes, so that a vote job's spread of a MAX's or
+    a FLUSH's body would show) to a THC job of 8- and of 16-bit sums and to a vote
     job, of one worker and of two: the interleavings send a vote job's payload only to THC
     jobs."""
     sizes = sorted({0, P.payload_bytes(T["MAX"])} | {
@@ -464,7 +465,7 @@ def payload_scenarios(prog: Program) -> str | None:
             for size in sizes:
                 s, v = P.slot_of(seq, job.pool_size)
                 d = P.Header(T[kind], 0, JOB_ID, s, v, 0, seq, offset_of(seq), 0, FIRST_RUN,
-                             nonce_of(0, FIRST_RUN)).pack() + bytes(size)
+                             nonce_of(0, FIRST_RUN)).pack() + random.Random(seq).randbytes(size)
                 at = f"{job.aggregation} job of {job.sum_bits}-bit sums: {describe(d, addr(0))}"
                 want = normalize(model.handle(d, addr(0), 1000.0))
                 try:
