@@ -273,16 +273,16 @@ def test_an_install_draws_no_epoch_the_switch_still_names(sw, monkeypatch):
     the install before's (e1), whose RESETs may still be queued. The next install avoided
     e2 alone: drawing e1 (1 in 65535), it counted those RESETs as its own."""
     job = make_job(1, 2)
-    # e1 = nonce 0x300; then, past e2 (0x202), a step onto e1, and one onto 0x203
-    draws = iter([0x2FF, 0x300 - 0x203, 0])
+    # e1 at place 0x300; e2 at 0x200; then, past e2, a step onto e1 and one onto 0x201
+    e1, e2 = P.nonce_at(0x300), P.nonce_at(0x200)
+    draws = iter([e1 - 1, 0xFF, 0])
     monkeypatch.setattr(P.secrets, "randbelow", lambda n: next(draws))
     jobs.install_job(sw, job)
-    e1 = installed.installed_jobs(sw)[1]["epoch"]
-    assert e1 == job.new_epoch(nonce=0x300)
-    job_entries.upsert(sw, [job_entries.job_entry(sw, job, 0, job.new_epoch(e1, 0x202))],
+    assert installed.installed_jobs(sw)[1]["epoch"] == job.new_epoch(nonce=e1)
+    job_entries.upsert(sw, [job_entries.job_entry(sw, job, 0, job.new_epoch(nonce=e2))],
                        exists=True)
     jobs.install_job(sw, job, live_window=IDLE, force=True)
-    assert installed.installed_jobs(sw)[1]["epoch"] == job.new_epoch(nonce=0x203)
+    assert installed.installed_jobs(sw)[1]["epoch"] == job.new_epoch(nonce=P.nonce_at(0x201))
 
 
 @pytest.mark.parametrize("change", [{"granularity": 31}, {"granularity": 100}])

@@ -236,7 +236,8 @@ def test_an_install_whose_epoch_lacks_the_jobs_tag_is_refused():
 def test_no_reinstall_draws_one_of_the_jobs_last_15_epochs_again(monkeypatch):
     """A switch tells RESETs queued from an earlier install by its epoch (thc_install): a
     nonce drawn anew at each install came back two installs later (here, draws that
-    alternate), and the RESETs of that install counted as the new one's."""
+    alternate), and the RESETs of that install counted as the new one's. Stepped without
+    the mix, neighbouring epochs differed in low bits only."""
     job = local_job(1, 1, free_port_block(1))
     draws = itertools.cycle([5, 9, P.NONCE_STEP - 1])
     monkeypatch.setattr(P.secrets, "randbelow", lambda n: next(draws) % n)
@@ -246,6 +247,9 @@ def test_no_reinstall_draws_one_of_the_jobs_last_15_epochs_again(monkeypatch):
     assert all(len(set(chain[i:i + 16])) == 16 for i in range(len(chain) - 15))
     assert {P.epoch_tag(e) for e in chain} == {job.config_tag}
     assert 0 not in {e & P.NONCE_MASK for e in chain}
+    # a Tofino keys a worker's record on run ^ epoch: epochs close in the chain must not
+    # differ in low bits alone, as two runs' ids often do (run 1004 then 1007)
+    assert min(a ^ b for i, a in enumerate(chain) for b in chain[i + 1:i + 16]) >= 1 << 8
 
 
 def test_a_client_given_its_run_joins_no_collective_and_an_agreed_one_agrees_once(monkeypatch):

@@ -265,9 +265,25 @@ lanes, pool or workers than its own, and a nonce drawn at each install in the lo
 so that it sees the job's slot state installed anew."""
 NONCE_MASK = (1 << EPOCH_TAG_SHIFT) - 1
 NONCE_STEP = 4096
-"""A re-install's random nonce lies 1..NONCE_STEP past the job's last epoch's (counting round
-the 65535 nonces), so none of the job's last 15 epochs comes back: a switch tells the RESETs
-still queued from any of those installs from the new one's (thc_install)."""
+"""A re-install's random nonce lies 1..NONCE_STEP places past the job's last epoch's in the
+order :func:`nonce_at` puts the 65535 nonces in, so none of the job's last 15 epochs comes
+back: a switch tells the RESETs still queued from any of those installs from the new one's
+(thc_install)."""
+NONCE_MIX = 40507
+"""A multiplier prime to 65535 that scatters neighbouring places over the nonces: a Tofino
+keys a worker's record on run xor epoch, and two runs' ids often differ in low bits only,
+which epochs a few places apart would then match."""
+_UNMIX = pow(NONCE_MIX, -1, NONCE_MASK)
+
+
+def nonce_at(place: int) -> int:
+    """The nonce at ``place`` (any integer, taken mod 65535) of the order re-installs step in."""
+    return place * NONCE_MIX % NONCE_MASK + 1
+
+
+def nonce_place(nonce: int) -> int:
+    """Where ``nonce`` (1..0xFFFF; a legacy 0 as 0xFFFF) is in that order."""
+    return (nonce - 1) * _UNMIX % NONCE_MASK
 
 
 def epoch_tag(epoch: int) -> int:
@@ -278,7 +294,7 @@ def job_epoch(tag: int, nonce: int | None = None, previous: int | None = None,
               avoid: Collection[int] = ()) -> int:
     """The epoch of an install of a job whose configuration tag is ``tag``: with ``nonce``
     (1..0xFFFF) or a random one, unlike ``previous`` (the job's last epoch there) either
-    way: a client whose run spans the install must see it. A random one steps forward from
+    way: a client whose run spans the install must see it. A random one steps on from
     ``previous`` (:data:`NONCE_STEP`) and is none of ``avoid`` (a switch's earlier installs,
     whose RESETs may still be queued)."""
     if nonce is not None:
@@ -290,10 +306,11 @@ def job_epoch(tag: int, nonce: int | None = None, previous: int | None = None,
         return tag << EPOCH_TAG_SHIFT | nonce
     while True:
         if previous is None:
-            fresh = secrets.randbelow(NONCE_MASK)
+            fresh = secrets.randbelow(NONCE_MASK) + 1
         else:
-            fresh = ((previous & NONCE_MASK) + secrets.randbelow(NONCE_STEP)) % NONCE_MASK
-        epoch = tag << EPOCH_TAG_SHIFT | fresh + 1
+            fresh = nonce_at(nonce_place(previous & NONCE_MASK) + 1
+                             + secrets.randbelow(NONCE_STEP))
+        epoch = tag << EPOCH_TAG_SHIFT | fresh
         if epoch != previous and epoch not in avoid:
             return epoch
 
