@@ -27,7 +27,12 @@ Known differences between thc_tna.p4 and the model (docs/switch.md, "Tofino"), e
     incarnation's check): its changes to thc_acked0/1 are undone after it;
  5. a use exactly 2^31 - pool seqs ahead of a packet in the other version is acknowledged by
     the model (RFC 1982 reads it as behind), not by the TNA ("older than seq"): no packet is
-    sent that far from the window.
+    sent that far from the window;
+ 6. a worker's record of an earlier install matching a new run through run xor epoch (a
+    chance of 2^-16 an install and run): the TNA refuses the run as reused_run, the model
+    starts each install with no records. A case's run ids have bits 12..15 clear, and each
+    install's nonce differs from the case's earlier ones in one of those bits
+    (:data:`RUN_BITS`), so no two of its runs xor as two of its epochs.
 A packet's adding passes run right after its pass 0, so the one-recirculation windows
 docs/switch.md describes are not exercised by the comparison; with ``--delay`` they run
 later, an oracle checks the sums alone (tests/tna/oracle.py), and no use may open a second
@@ -58,6 +63,9 @@ CASES, STEPS = 20, 300
 ACKED = ("thc_acked0", "thc_acked1")
 """The acknowledgement registers (known difference 4)."""
 JOB_ID, FIRST_RUN, M = 9, 1000, P.SEQ_MOD
+RUN_BITS = 12
+"""A case's run ids have bits RUN_BITS..15 clear (difference 6): they start at FIRST_RUN and
+grow by a few, or jump by RUN_JUMP (2^24)."""
 T = {t.name: int(t) for t in P.PktType}
 TABLE = (0, 1, 2, 4, 6, 8, 11, 14, 16, 19, 22, 24, 26, 28, 29, 30)
 STRANGER = ("10.0.0.200", 42999)
@@ -147,17 +155,23 @@ class Interleaving:
         self.job = make_job(self.n, self.pool, pool_base, sum_bits)
         self.model = Model()
         self.tna = TnaEngine(prog, delay, lose, seed=rng.randrange(1 << 30))
-        self.now, self.top, self.history = 1000.0, FIRST_RUN - 1, []
+        self.now, self.top, self.history, self.nonces = 1000.0, FIRST_RUN - 1, [], []
         self.install()
 
     def install(self) -> None:
-        epoch = self.job.new_epoch(nonce=self.rng.randrange(1, P.NONCE_MASK + 1))
+        while True:   # difference 6
+            nonce = self.rng.randrange(1, P.NONCE_MASK + 1)
+            if all((nonce ^ old) >> RUN_BITS for old in self.nonces):
+                break
+        self.nonces.append(nonce)
+        epoch = self.job.new_epoch(nonce=nonce)
         self.model.install(self.job, epoch)
         self.tna.install(self.job, epoch, self.job_index, now=self.now)
         self.seen, self.owned = float("-inf"), set()
         self.new_run(self.top + 1)
 
     def new_run(self, run: int) -> None:
+        assert not run >> RUN_BITS & 0xF, "a run id with bits 12..15 set (difference 6)"
         self.run, self.top = run, max(self.top, run)
         self.front = [self.base] * self.n
         self.done = [set() for _ in range(self.n)]
