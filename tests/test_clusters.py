@@ -43,3 +43,33 @@ def test_a_block_handed_out_is_not_handed_out_again_while_it_may_be_unbound(monk
     first = clusters.free_port_block(16)
     later = [clusters.free_port_block(1) for _ in range(20)]
     assert not any(first <= p < first + 16 for p in later), (first, later)
+
+
+def test_a_tcp_port_handed_out_is_not_handed_out_again(monkeypatch):
+    """A switch's gRPC and Thrift ports, two probes in a row: the kernel gave the second the
+    port the first had just closed, and simple_switch_grpc could not bind its Thrift server
+    (a Mininet testbed of the suite, once). Here the kernel answers 40221 twice."""
+    import collections
+    import socket
+
+    from thc.testing import clusters
+    answers = iter([40221, 40221, 40222])
+
+    class Probe:
+        def __init__(self, *args):
+            self.port = None
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def bind(self, address):
+            self.port = next(answers)
+
+        def getsockname(self):
+            return ("127.0.0.1", self.port)
+    monkeypatch.setattr(clusters, "_GIVEN_TCP", collections.deque(maxlen=256))
+    monkeypatch.setattr(socket, "socket", Probe)
+    assert [clusters.free_tcp_port(), clusters.free_tcp_port()] == [40221, 40222]

@@ -11,10 +11,20 @@ from thc.wire.jobs import Job
 
 
 def free_tcp_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free right now (P4Runtime and Thrift servers of local switches)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    """A TCP port free right now (P4Runtime and Thrift servers of local switches), and none
+    this process handed out lately: the kernel may hand the same port to the next bind to
+    port 0 once the probe closes, and a switch given it for gRPC and Thrift fails to start."""
+    for _ in range(100):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+        if port not in _GIVEN_TCP:
+            _GIVEN_TCP.append(port)
+            return port
+    raise RuntimeError(f"no TCP port on {host} that this process has not handed out lately")
+
+
+_GIVEN_TCP: collections.deque = collections.deque(maxlen=256)
 
 
 def _below_ephemeral() -> int:
