@@ -1,8 +1,8 @@
 """Run ids and epochs on the host side: the helpers, the client's checks, agreement over Gloo."""
 from __future__ import annotations
 
-import itertools
 import datetime
+import itertools
 import socket
 import threading
 import time
@@ -248,7 +248,7 @@ def test_no_reinstall_draws_one_of_the_jobs_last_15_epochs_again(monkeypatch):
     assert {P.epoch_tag(e) for e in chain} == {job.config_tag}
     assert 0 not in {e & P.NONCE_MASK for e in chain}
     # a Tofino keys a worker's record on run ^ epoch: epochs close in the chain must not
-    # differ in low bits alone, as two runs' ids often do (run 1004 then 1007)
+    # differ in low bits alone, as two runs' ids often do (runs 1001 and 1007 xor to 6)
     assert min(a ^ b for i, a in enumerate(chain) for b in chain[i + 1:i + 16]) >= 1 << 8
 
 

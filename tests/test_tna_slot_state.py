@@ -358,6 +358,7 @@ def test_a_reset_of_an_earlier_install_clears_nothing(program):
     refused) and the round completes. A copy whose stage 1 clears the job's clock for any
     RESET lets the other run take the live job."""
     from tests.tna.interleave import FIRST_RUN, JOB_ID, T, addr, make_job, nonce_of
+    from tests.tna.pass0 import AGG_IP, AGG_MAC
     from thc.controller import program as names
     from thc.controller.frames import reset_frame
     from thc.wire import protocol as P
@@ -373,9 +374,8 @@ def test_a_reset_of_an_earlier_install_clears_nothing(program):
             return P.Header(T["DATA"], w, JOB_ID, 0, 0, 0, 0, 0, 0, run_id,
                             nonce_of(w, run_id)).pack() + bytes(P.payload_bytes(T["DATA"]))
         assert engine.handle(data(0), addr(0), 1000.0) == ([], None)
-        stale = engine._frame(reset_frame(JOB_ID, 0, "02:00:00:00:00:fe", "10.0.0.254", 0,
-                                          earlier), engine.p.consts["THC_TNA_CPU_PORT"][0],
-                              1000.0)
+        stale = engine._frame(reset_frame(JOB_ID, 0, AGG_MAC, AGG_IP, 0, earlier),
+                              engine.p.consts["THC_TNA_CPU_PORT"][0], 1000.0)
         other = engine.handle(data(1, FIRST_RUN - 1), addr(1), 1000.0)[1]
         replies, reason = engine.handle(data(1), addr(1), 1000.0)
         done = [P.Header.unpack(r).count for r, _ in replies
