@@ -86,7 +86,7 @@ def _wait_for(done, timeout: float = 10.0) -> None:
     """Until ``done()`` (BMv2 counts a packet, or runs a packet-out, after the call returns)."""
     deadline = time.monotonic() + timeout
     while not done():
-        assert time.monotonic() < deadline, "the switch did not count the packet within 10 s"
+        assert time.monotonic() < deadline, f"the switch did not count it within {timeout:g} s"
         time.sleep(0.02)
 
 
