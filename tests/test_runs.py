@@ -236,8 +236,8 @@ def test_an_install_whose_epoch_lacks_the_jobs_tag_is_refused():
 def test_no_reinstall_draws_one_of_the_jobs_last_15_epochs_again(monkeypatch):
     """A switch tells RESETs queued from an earlier install by its epoch (thc_install): a
     nonce drawn anew at each install came back two installs later (here, draws that
-    alternate), and the RESETs of that install counted as the new one's. Stepped without
-    the mix, neighbouring epochs differed in low bits only."""
+    alternate), and the RESETs of that install counted as the new one's. Stepped in plain
+    order, epochs a few places apart differed in low bits only."""
     job = local_job(1, 1, free_port_block(1))
     draws = itertools.cycle([5, 9, P.NONCE_STEP - 1])
     monkeypatch.setattr(P.secrets, "randbelow", lambda n: next(draws) % n)
@@ -247,9 +247,21 @@ def test_no_reinstall_draws_one_of_the_jobs_last_15_epochs_again(monkeypatch):
     assert all(len(set(chain[i:i + 16])) == 16 for i in range(len(chain) - 15))
     assert {P.epoch_tag(e) for e in chain} == {job.config_tag}
     assert 0 not in {e & P.NONCE_MASK for e in chain}
-    # a Tofino keys a worker's record on run ^ epoch: epochs close in the chain must not
-    # differ in low bits alone, as two runs' ids often do (runs 1001 and 1007 xor to 6)
+    # a Tofino keys a worker's record on run ^ epoch: steps of a few places (these draws)
+    # must not give epochs that differ in low bits alone, as two runs' ids often do (runs
+    # 1001 and 1007 xor to 6); random steps do so no more often than random epochs
     assert min(a ^ b for i, a in enumerate(chain) for b in chain[i + 1:i + 16]) >= 1 << 8
+
+
+def test_an_install_with_no_epoch_left_to_draw_is_refused():
+    """Every epoch a re-install can step to is one to avoid: an error, not an endless draw."""
+    job = local_job(1, 1, free_port_block(1))
+    last = job.new_epoch(nonce=9)
+    place = P.nonce_place(9)
+    reachable = {job.new_epoch(nonce=P.nonce_at(place + k)) for k in range(1, P.NONCE_STEP + 1)}
+    with pytest.raises(ValueError, match="no epoch of tag .* left to draw"):
+        job.new_epoch(last, avoid=reachable)
+    assert job.new_epoch(last, avoid=reachable - {max(reachable)}) == max(reachable)
 
 
 def test_a_client_given_its_run_joins_no_collective_and_an_agreed_one_agrees_once(monkeypatch):

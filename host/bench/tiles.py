@@ -14,9 +14,9 @@ TUNABLE = ("PRECISION", "TILE", "TILE_COLS", "NUM_WARPS", "NUM_WARPS_COLS", "COL
 RANGES = {"TILE": (16, 1 << 16), "TILE_COLS": (16, 1 << 16), "NUM_WARPS": (1, 32),
           "NUM_WARPS_COLS": (1, 32), "ROW_TILES": (1, 64), "COLS_FIRST": (0, 1),
           "COLS_LOG": (0, 24), "MIN_PROGRAMS": (0, 1 << 20)}
-"""Each integer setting's least and greatest value; the first four and ROW_TILES are powers
-of two (Triton's block shapes and warp counts), so that a bad value is refused here rather
-than met as a compile error."""
+"""Each integer setting's least and greatest value; the first four are powers of two
+(Triton's block shapes and warp counts), so that a bad value is refused here rather than met
+as a compile error, and so is ROW_TILES (the kernels would round it down)."""
 POWERS = ("TILE", "TILE_COLS", "NUM_WARPS", "NUM_WARPS_COLS", "ROW_TILES")
 
 

@@ -272,7 +272,8 @@ back: a switch tells the RESETs still queued from any of those installs from the
 NONCE_MIX = 40507
 """A multiplier prime to 65535 that scatters neighbouring places over the nonces: a Tofino
 keys a worker's record on run xor epoch, and two runs' ids often differ in low bits only,
-which epochs a few places apart would then match."""
+as epochs a few places apart would in plain order (with the mix, no more often than any
+two random epochs)."""
 _UNMIX = pow(NONCE_MIX, -1, NONCE_MASK)
 
 
@@ -304,7 +305,7 @@ def job_epoch(tag: int, nonce: int | None = None, previous: int | None = None,
             raise ValueError(f"nonce {nonce:#x} repeats the job's last epoch {previous:#010x}: "
                              f"a client whose run spans the install would not see it")
         return tag << EPOCH_TAG_SHIFT | nonce
-    while True:
+    for _ in range(1 << 16):
         if previous is None:
             fresh = secrets.randbelow(NONCE_MASK) + 1
         else:
@@ -313,6 +314,8 @@ def job_epoch(tag: int, nonce: int | None = None, previous: int | None = None,
         epoch = tag << EPOCH_TAG_SHIFT | fresh
         if epoch != previous and epoch not in avoid:
             return epoch
+    raise ValueError(f"no epoch of tag {tag:#06x} left to draw past {previous!r} that is "
+                     f"none of the {len(avoid)} to avoid")
 
 
 def encode(hdr: Header, payload: bytes | np.ndarray = b"") -> bytes:
