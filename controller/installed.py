@@ -25,6 +25,12 @@ def worker_entries_of(sw: Switch, job_id: int) -> list:
     return entries_of(sw, WORKER_TABLE, job_id)
 
 
+def install_epochs(sw: Switch, job_id: int) -> list[int]:
+    """The epochs of the job's thc_install entries: one once an install finished."""
+    fid = sw.field_id(INSTALL_TABLE, "epoch")
+    return [sw.match_values(e)[fid] for e in entries_of(sw, INSTALL_TABLE, job_id)]
+
+
 def entries_of(sw: Switch, table: str, job_id: int, field: str = "job_id") -> list:
     """The entries of ``table`` whose ``field`` (the job id, or a job index) is ``job_id``."""
     fid = sw.field_id(table, field)

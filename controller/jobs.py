@@ -23,8 +23,9 @@ import warnings
 
 from thc.controller import counters, forwarding
 from thc.controller.frames import reset_frame
-from thc.controller.installed import (entries_of, installed_configs, installed_jobs, leftovers,
-                                      lut_tables, unchanged, worker_macs)
+from thc.controller.installed import (entries_of, install_epochs, installed_configs,
+                                      installed_jobs, leftovers, lut_tables, unchanged,
+                                      worker_macs)
 from thc.controller.job_checks import (check_agg, check_beside_agg, check_job, check_room,
                                        check_routes, config_of, free_index)
 from thc.controller.job_entries import (AggAddress, addr_entries, delete, install_entry,
@@ -214,13 +215,12 @@ def _write_entries(sw: Switch, job: Job, job_index: int, agg: AggAddress,
     # serving and `remove` deletes (without worker entries none of its packets count)
     # an epoch the switch still names (an install cut short before its thc_install entry
     # was replaced) may have RESETs queued: a new install draws none of them
-    installs = entries_of(sw, INSTALL_TABLE, job.job_id)
-    epochs = {sw.match_values(e)[sw.field_id(INSTALL_TABLE, "epoch")] for e in installs}
-    epoch = job.new_epoch(previous.get("epoch") if previous else last_epoch, avoid=epochs)
+    epoch = job.new_epoch(previous.get("epoch") if previous else last_epoch,
+                          avoid=set(install_epochs(sw, job.job_id)))
     upsert(sw, [job_entry(sw, job, job_index, epoch)],
             again and previous["job_index"] == job_index)
     # from here on only this install's RESETs clear the job's slots and count
-    delete(sw, installs)
+    delete(sw, entries_of(sw, INSTALL_TABLE, job.job_id))
     upsert(sw, [install_entry(sw, job.job_id, epoch)])
     addrs = addr_entries(sw, job, agg)
     upsert(sw, addrs, again)
