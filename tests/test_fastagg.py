@@ -666,3 +666,31 @@ def test_thc_aggregator_picks_the_compiled_datapath_and_says_so(tmp_path):
     assert "listening" in first and "datapath compiled" in first and "UDP GSO" in first
     agg, name = choose("auto", js, Impairment(), gso=False, shard=SHARD)
     assert not agg.gso and "no GSO" in name
+
+
+@pytest.mark.parametrize("engine", ["python", "compiled"])
+def test_installs_from_two_threads_draw_one_after_the_other(engine, monkeypatch):
+    """The compiled aggregator drew an install's epoch before taking its lock: two installs
+    of one job at once both stepped on from the same last epoch and could draw the same one,
+    and a client whose run spanned the second would not see its slots wiped."""
+    import threading
+    job = jobs()[0]
+    agg = (Aggregator if engine == "python" else fastagg.FastAggregator)([job], nonce=NONCE)
+    draw, seen, drawn = P.job_epoch, [], []
+    first = job.new_epoch(nonce=NONCE)
+
+    def slow_draw(tag, nonce=None, previous=None, avoid=()):
+        seen.append(previous)
+        time.sleep(0.05)
+        drawn.append(draw(tag, nonce, previous, avoid))
+        return drawn[-1]
+
+    monkeypatch.setattr(P, "job_epoch", slow_draw)
+    threads = [threading.Thread(target=agg.install, args=(job,)) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(seen) == 2 and seen[0] == first and seen[1] not in (first, None), \
+        f"the installs stepped on from {seen}: the second did not see the first's epoch"
+    assert drawn[0] != drawn[1] and agg.counters()["epochs"][job.job_id] == drawn[1]

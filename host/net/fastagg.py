@@ -77,12 +77,12 @@ class FastAggregator(UDPServer):
         """Install or re-install a job: its slots reset, no run, a new epoch (the job's tag
         and ``nonce`` or a fresh random one), as the controller installs a job on a switch."""
         job.validate()
-        epoch = job.new_epoch(self._last_epoch.get(job.job_id), nonce)
         if (why := unsupported([job])) is not None:
             raise RuntimeError(why)
         n_shards, shard = job.aggregator_shard(self.shard)
         addrs = [(ipv4_int(w.ip), w.port) for w in sorted(job.workers, key=lambda w: w.id)]
         with self._lock:
+            epoch = job.new_epoch(self._last_epoch.get(job.job_id), nonce)
             self._dp.install(job.job_id, job.n_workers, job.pool_size, job.lanes, job.sum_bits,
                              list(job.table), addrs, job.aggregation == "vote", n_shards,
                              shard, epoch)
