@@ -38,8 +38,9 @@ system-deps:
 	fi
 	@if [ -d $(DEBIAN_MININET) ] && [ -x $(PY) ]; then ln -sfn $(DEBIAN_MININET) "$(SITE)/mininet"; fi
 
-# Two pytest processes; the tests that start Mininet, BMv2 or namespaces run in one of them.
-TEST_PROCESSES ?= 2
+# Three pytest processes (on two cores: many tests wait on sockets, timers and child
+# processes); the tests that start Mininet, BMv2 or namespaces run in one of them.
+TEST_PROCESSES ?= 3
 test: system-deps setup
 	$(PY) -m pytest -q -n $(TEST_PROCESSES) --dist loadgroup
 

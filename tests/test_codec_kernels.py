@@ -521,7 +521,7 @@ def test_both_forms_of_the_products_give_the_reference(monkeypatch, slice_log, c
     from thc.codec import triton_kernels as tk
     monkeypatch.setattr(tk, "COLS_LOG", cols_log)
     p = THCParams(slice_size=1 << slice_log)
-    n = 2 * (1 << slice_log) + 700
+    n = (1 << slice_log) + 700
     x = torch.randn(n, generator=torch.Generator().manual_seed(slice_log)).to(DEV)
     m = thc.slice_norms(x, p)
     ref = thc.encode(x.cpu(), m.cpu(), p, 5, 77, backend="reference")

@@ -246,13 +246,25 @@ def test_small_variant_compiles(tmp_path):
 
 
 @pytest.mark.skipif(toolchain.p4c_missing() is not None, reason=f"{toolchain.p4c_missing()}")
-def test_bmv2_program_compiles_as_committed(tmp_path):
+def test_bmv2_program_compiles_as_committed(tmp_path, request, record_property):
     """p4c compiles today's thc.p4 into the committed JSON and P4Info, byte for byte but the
     JSON's own output path: the committed build is what its sources give (p4c only; another
-    p4c version than the recorded one may write them otherwise)."""
+    p4c version than the recorded one may write them otherwise). Passed once, it is
+    remembered for the same inputs (tests/verified.py)."""
     recorded = json.loads((BUILD / "SOURCES.json").read_text())["p4c"]
     if gen.p4c_version() != recorded:
         pytest.skip(f"p4c is {gen.p4c_version()!r}, the build was recorded with {recorded!r}")
+    digest = verified.key([*gen.source_files(), BUILD / "thc.json", BUILD / "thc.p4info.txt",
+                           Path(__file__).resolve(), Path(verified.__file__).resolve(),
+                           *verified.toolchain_files(gen.p4c_binary(), "p4c-bm2-ss")])
+    earlier = verified.recall("bmv2-compile", digest)
+    if earlier is not None and not request.config.getoption("--recompile"):
+        record_property(verified.PROPERTY,
+                        f"{request.node.nodeid}: the compile of {earlier['passed']} "
+                        f"({earlier['seconds']:.0f} s, {earlier['compiler']}) with the same "
+                        f"inputs, key {digest[:12]}")
+        return
+    start = time.monotonic()
     out = tmp_path / "build"
     r = subprocess.run([gen.p4c_binary(), "--target", "bmv2", "--arch", "v1model", "-o",
                         str(out), "--p4runtime-files", str(out / "thc.p4info.txt"),
@@ -265,6 +277,8 @@ def test_bmv2_program_compiles_as_committed(tmp_path):
     assert built.pop("program") == str(out / "thc.p4i")
     assert committed.pop("program") == "p4src/build/thc.p4i"
     assert built == committed, "p4src/build/thc.json is not what p4c makes of thc.p4"
+    verified.remember("bmv2-compile", digest, compiler=recorded,
+                      seconds=time.monotonic() - start)
 
 
 def test_committed_tofino_report_is_not_stale():
