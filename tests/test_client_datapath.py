@@ -52,11 +52,14 @@ class ScriptedAggregator:
     then its RESULT (``mode="pending"``: the PENDING only, as if worker 1 never came;
     ``short``: chunk SHORT_SEQ's RESULT closed short, worker 1 missing); a FLUSH (a timeout
     under a loss bound) is answered as its chunk's DATA was. A stranger's socket forges a
-    RESULT with every field right, the epoch included."""
+    RESULT with every field right, the epoch included. ``stray_epoch``: the first chunk's volley
+    opens with two impossible replies of that epoch (a PENDING without our bit, a RESULT
+    above 2 x 30)."""
 
-    def __init__(self, job, nonce=0x1234, mode="answer", family=socket.AF_INET, short=False):
+    def __init__(self, job, nonce=0x1234, mode="answer", family=socket.AF_INET, short=False,
+                 stray_epoch=None):
         self.job, self.epoch = job, job.new_epoch(nonce=nonce)
-        self.mode, self.short = mode, short
+        self.mode, self.short, self.stray_epoch = mode, short, stray_epoch
         host = "::1" if family == socket.AF_INET6 else "127.0.0.1"
         self.sock = socket.socket(family, socket.SOCK_DGRAM)
         self.sock.bind((host, 0))
@@ -91,12 +94,17 @@ class ScriptedAggregator:
 
             def reply(t=P.PktType.RESULT, worker=w, job_id=j, count=job.n_workers,
                       bitmap=job.full_bitmap, run=run, payload=None, slot=slot,
-                      version=version, offset=offset, sock=self.sock):
+                      version=version, offset=offset, sock=self.sock, epoch=self.epoch):
                 if payload is None:
                     payload = (own + _others(seq, job.lanes)).astype(dtype).tobytes()
                 sock.sendto(pack(t, worker, job_id, slot, version, count, seq, offset,
-                                 bitmap, run, self.epoch) + payload, src)
+                                 bitmap, run, epoch) + payload, src)
 
+            if self.stray_epoch is not None and seq == 0:
+                reply(t=P.PktType.PENDING, count=1, bitmap=0b10, payload=b"",
+                      epoch=self.stray_epoch)                            # rejected: not ours
+                reply(payload=np.full(job.lanes, 61).astype(dtype).tobytes(),
+                      epoch=self.stray_epoch)                            # rejected: > 2 x 30
             reply(t=P.PktType.PENDING, count=1, bitmap=0b01, payload=b"")
             if self.mode == "pending":
                 continue
@@ -179,6 +187,21 @@ def test_hostile_replies_ignored_and_counted_short_chunks_and_restart(job, datap
                 c.aggregate(_packed(job, 3))
             assert (e.value.old_epoch & P.NONCE_MASK, e.value.new_epoch & P.NONCE_MASK,
                     e.value.run) == (0x1234, 0x5678, 77)
+    finally:
+        agg.close()
+
+
+def test_an_impossible_reply_teaches_the_client_no_epoch(job, datapath):
+    """The epoch was learnt from the first reply for a chunk in flight before that reply's
+    checks: an impossible reply of another epoch, first, made every true reply after it an
+    AggregatorRestarted naming a restart that never was."""
+    agg = ScriptedAggregator(job, stray_epoch=job.new_epoch(nonce=0x4321))
+    try:
+        with AggregationClient(job, 0, agg.addr, run=77, timeout=2.0, max_timeout=2.0) as c:
+            packed = _packed(job, 1)
+            np.testing.assert_array_equal(c.reduce(packed).sums, _want(job, packed))
+            assert c.epoch == job.new_epoch(nonce=0x1234)
+            assert c.stats.rejected == 4 * N_CHUNKS + 4 and c.stats.retransmitted == 0
     finally:
         agg.close()
 

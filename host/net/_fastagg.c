@@ -1916,6 +1916,7 @@ static PyObject *fa_stream(PyObject *self, PyObject *args) {
                     }
                     c->last_reply[shard] = now;
                     c->nasked[shard] = 0;
+                    int learn = 0; /* the shard's first epoch, taken from a reply that passes */
                     if ((long long)r_epoch != epoch[shard]) {
                         if (epoch[shard] >= 0) {
                             event = EV_RESTARTED;
@@ -1930,10 +1931,11 @@ static PyObject *fa_stream(PyObject *self, PyObject *args) {
                             ev_new = r_epoch;
                             break;
                         }
-                        epoch[shard] = r_epoch;
+                        learn = 1;
                     }
                     long r = i % window;
                     if (r_type == (uint8_t)refused_type) {
+                        if (learn) epoch[shard] = r_epoch;
                         event = EV_REFUSED;
                         ev_chunk = i;
                         ev_code = r_count;
@@ -1954,6 +1956,7 @@ static PyObject *fa_stream(PyObject *self, PyObject *args) {
                         continue;
                     }
                     if (r_type == c->pending_type) {
+                        if (learn) epoch[shard] = r_epoch;
                         c->st[S_PENDING]++;
                         /* bit 32: held (count 0: the previous use of the slot version
                          * is not yet acknowledged by the workers outside the bitmap) */
@@ -2010,6 +2013,7 @@ static PyObject *fa_stream(PyObject *self, PyObject *args) {
                         c->not_float[shard] += (unsigned long long)above;
                         continue;
                     }
+                    if (learn) epoch[shard] = r_epoch;
                     if (r_count != n_workers) {
                         /* closed short (a peer's FLUSH): no chunk of this round may be */
                         event = EV_SHORT;

@@ -249,9 +249,11 @@ class PythonWindow:
                         if epochs[shard] is not None:
                             raise AggregatorRestarted(aggs[shard], run, epochs[shard], r_epoch,
                                                       shard if n_shards > 1 else None)
+                        # another configuration's is refused at once; the first of this
+                        # one's is learnt from a reply that passes its checks
                         check_epoch(end, shard, r_epoch)
-                        epochs[shard] = r_epoch
                     if r_type == refused_type:
+                        epochs[shard] = r_epoch
                         raise_refused(end, rnd, i, r_count, r_bitmap)
                     if r_type == pending_type and (
                             r_bitmap & ~full or not r_bitmap >> me & 1
@@ -264,6 +266,7 @@ class PythonWindow:
                         impossible(shard, i)
                         continue
                     if r_type == pending_type:
+                        epochs[shard] = r_epoch
                         end.stats.pending += 1
                         # bit 32: held (count 0): the bitmap names who holds the previous
                         # use's result, and a FLUSH could only close the chunk empty
@@ -292,6 +295,7 @@ class PythonWindow:
                         # more than it and the other contributors' can make
                         impossible(shard, i)
                         continue
+                    epochs[shard] = r_epoch
                     if r_count != n_workers:
                         # closed short (FLUSH): count and bitmap say who was counted
                         if ended_short >= short_cap:
