@@ -1,6 +1,6 @@
 """Each test starts from the environment's settings: a test that sets THC_* variables sees
 them, whatever an earlier test in the process installed. Under pytest-xdist (``make test``)
-the tests that use system-wide resources share one process."""
+the tests that start switches, testbeds or namespaces run in two processes (SYSTEM)."""
 import pytest
 
 from thc.codec import settings
@@ -13,29 +13,37 @@ def _fresh_settings():
     settings.reset()
 
 
-SYSTEM = ("tests/bmv2/", "test_testbed.py", "test_faults.py",
+SYSTEM = ("tests/bmv2/", "tests/bmv2_idle/", "test_testbed.py", "test_faults.py",
           "test_dlcp_training.py", "test_shards.py", "test_priority_links.py",
           "test_namespace.py", "test_xdist_groups.py")
-"""Files whose tests start Mininet, BMv2 or network namespaces (system-wide names and
-cleanups): one pytest-xdist process runs them all, one after another (``make test``), with
-every test marked ``bmv2`` or ``mininet``, and the conformance tests run against BMv2. A new
-test that starts one is marked so, or its file is listed here."""
+"""Files whose tests start Mininet, BMv2 or network namespaces: with every test marked
+``bmv2`` or ``mininet`` and the conformance tests run against BMv2, they run one after
+another in two pytest-xdist processes (``make test``): the BMv2 switches of tests/bmv2,
+tests/bmv2_idle and the conformance suite in one (a P4Runtime session a process, and the
+switches' timing), the Mininet testbeds and namespaces in the other. Each names what it
+creates after a tag of its own (thc.emu.cleanup, controller.testing.bmv2), so the two never
+touch each other's. A new test that starts one is marked so, or its file is listed here."""
+
+SWITCH_ALONE = ("tests/bmv2/", "tests/bmv2_idle/", "tests/conformance/")
+"""Where a system test runs in the BMv2 switches' process rather than the testbeds'."""
 
 
-def _starts_system(item) -> bool:
-    if item.get_closest_marker("bmv2") or item.get_closest_marker("mininet"):
-        return True
+def _system_group(item) -> str | None:
     if "tests/conformance/" in item.nodeid:
         callspec = getattr(item, "callspec", None)
-        return callspec is not None and callspec.params.get("harness") == "bmv2"
-    return any(s in item.nodeid for s in SYSTEM)
+        return "bmv2" if callspec is not None and callspec.params.get("harness") == "bmv2" \
+            else None
+    if not (item.get_closest_marker("bmv2") or item.get_closest_marker("mininet")
+            or any(s in item.nodeid for s in SYSTEM)):
+        return None
+    return "bmv2" if item.nodeid.startswith(SWITCH_ALONE) else "system"
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        if _starts_system(item):
-            item.add_marker(pytest.mark.xdist_group("system"))
+        if (group := _system_group(item)) is not None:
+            item.add_marker(pytest.mark.xdist_group(group))
 
 
 def pytest_addoption(parser):
