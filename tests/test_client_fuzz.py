@@ -27,7 +27,9 @@ CHUNKS, LANES, RUN = 12, 16, 77
 HOSTILE = ("length", "extra_worker", "count", "too_big", "below_own", "max_type", "other_run",
            "other_job", "other_worker", "pending_full", "pending_not_ours", "duplicate",
            "refused", "epoch")
-"""What may come before a chunk's true replies. The last two may end the round (an error)."""
+"""What may come before a chunk's true replies. The last two may end the round (an error),
+as may one of the others sent with another epoch of the job's configuration (a stray: an
+impossible one teaches no epoch, any one after the epoch was learnt is a restart)."""
 
 
 def _peer_indices(seed: int, seq: int) -> np.ndarray:
@@ -60,12 +62,13 @@ class FuzzAggregator:
                         hdr.offset, 0, hdr.run, 5).pack() + pack_bits(
             _peer_indices(self.seed, hdr.seq), P.INDEX_BITS).tobytes()
 
-    def _hostile(self, kind: str, hdr, own: np.ndarray) -> bytes:
+    def _hostile(self, kind: str, hdr, own: np.ndarray, stray: bool = False) -> bytes:
         job, dtype = self.job, P.sum_dtype(self.job.sum_bits)
         true = own + job.lane_values(pack_bits(_peer_indices(self.seed, hdr.seq), 4))
         fields = dict(pkt_type=P.PktType.RESULT, worker_id=0, job_id=hdr.job_id,
                       slot=hdr.slot, version=hdr.version, count=2, seq=hdr.seq,
-                      offset=hdr.offset, bitmap=0b11, run=hdr.run, epoch=self.epoch)
+                      offset=hdr.offset, bitmap=0b11, run=hdr.run,
+                      epoch=self.job.new_epoch(nonce=0x79) if stray else self.epoch)
         payload = true.astype(dtype).tobytes()
         if kind == "length":
             payload = payload[:-2]
@@ -114,7 +117,14 @@ class FuzzAggregator:
                 self.seen.add(hdr.seq)
                 rng = random.Random(self.seed * 7919 + hdr.seq)
                 own = self.job.lane_values(data[P.HEADER_BYTES:]).astype(np.int64)
-                out += [self._hostile(k, hdr, own) for k in rng.sample(HOSTILE[:-2], 2)]
+                stray = rng.random() < 0.03
+                if stray:
+                    self.ending.append("stray")
+                # a duplicate last: the replies after it are ignored as the chunk's, and
+                # an other_run one read or not as the round ends would count by timing
+                kinds = sorted(rng.sample(HOSTILE[:-2], 2), key=lambda k: k == "duplicate")
+                out += [self._hostile(k, hdr, own, stray and j == 0)
+                        for j, k in enumerate(kinds)]
                 if rng.random() < 0.05:
                     kind = rng.choice(HOSTILE[-2:])
                     self.ending.append(kind)
@@ -186,7 +196,7 @@ def test_the_oracle_sees_a_plausible_wrong_sum(monkeypatch):
     both windows take it, and the oracle, not the comparison, must fail."""
     real = FuzzAggregator._hostile
 
-    def forged(self, kind, hdr, own):
+    def forged(self, kind, hdr, own, stray=False):
         datagram = real(self, "duplicate", hdr, own)
         sums = np.frombuffer(datagram[P.HEADER_BYTES:], P.sum_dtype(self.job.sum_bits))
         return datagram[:P.HEADER_BYTES] + (sums + 1).astype(sums.dtype).tobytes()
