@@ -257,12 +257,7 @@ def test_bmv2_program_compiles_as_committed(tmp_path, request, record_property):
     digest = verified.key([*gen.source_files(), BUILD / "thc.json", BUILD / "thc.p4info.txt",
                            Path(__file__).resolve(), Path(verified.__file__).resolve(),
                            *verified.toolchain_files(gen.p4c_binary(), "p4c-bm2-ss")])
-    earlier = verified.recall("bmv2-compile", digest)
-    if earlier is not None and not request.config.getoption("--recompile"):
-        record_property(verified.PROPERTY,
-                        f"{request.node.nodeid}: the compile of {earlier['passed']} "
-                        f"({earlier['seconds']:.0f} s, {earlier['compiler']}) with the same "
-                        f"inputs, key {digest[:12]}")
+    if verified.passed_before("bmv2-compile", digest, request, record_property):
         return
     start = time.monotonic()
     out = tmp_path / "build"
@@ -307,12 +302,7 @@ def test_tofino_program_compiles_as_recorded(tmp_path, request, record_property)
     the stages, tables, memories and PHV the committed report records, with its P4Info.
     Passed once, it is remembered for the same inputs (tests/verified.py)."""
     digest = verified.key(_tofino_inputs())
-    earlier = verified.recall("tofino-compile", digest)
-    if earlier is not None and not request.config.getoption("--recompile"):
-        record_property(verified.PROPERTY,
-                        f"{request.node.nodeid}: the compile of {earlier['passed']} "
-                        f"({earlier['seconds']:.0f} s, {earlier['compiler']}) with the same "
-                        f"inputs, key {digest[:12]}")
+    if verified.passed_before("tofino-compile", digest, request, record_property):
         return
     start = time.monotonic()
     out = tmp_path / "out"

@@ -62,6 +62,18 @@ def recall(name: str, digest: str) -> dict | None:
     return rec if rec.get("key") == digest and rec.get("name") == name else None
 
 
+def passed_before(name: str, digest: str, request, record_property) -> bool:
+    """Whether check ``name`` passed with inputs ``digest`` and the run does not insist
+    (``--recompile``); if so the test's report names the earlier pass."""
+    earlier = recall(name, digest)
+    if earlier is None or request.config.getoption("--recompile"):
+        return False
+    record_property(PROPERTY, f"{request.node.nodeid}: the compile of {earlier['passed']} "
+                              f"({earlier['seconds']:.0f} s, {earlier['compiler']}) with the "
+                              f"same inputs, key {digest[:12]}")
+    return True
+
+
 def remember(name: str, digest: str, **facts) -> None:
     """Record that check ``name`` passed with inputs ``digest`` (written whole, then renamed,
     so a reader never sees half of it)."""
