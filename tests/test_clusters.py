@@ -45,31 +45,22 @@ def test_a_block_handed_out_is_not_handed_out_again_while_it_may_be_unbound(monk
     assert not any(first <= p < first + 16 for p in later), (first, later)
 
 
-def test_a_tcp_port_handed_out_is_not_handed_out_again(monkeypatch):
+def test_tcp_ports_are_never_handed_out_twice_nor_by_two_processes(monkeypatch):
     """A switch's gRPC and Thrift ports, two probes in a row: the kernel gave the second the
     port the first had just closed, and simple_switch_grpc could not bind its Thrift server
-    (a Mininet testbed of the suite, once). Here the kernel answers 40221 twice."""
-    import collections
+    (a Mininet testbed of the suite, once); another process's probe may draw it too. TCP
+    ports now come from the process's share, as blocks do, each free for TCP when drawn."""
     import socket
 
-    from thc.testing import clusters
-    answers = iter([40221, 40221, 40222])
-
-    class Probe:
-        def __init__(self, *args):
-            self.port = None
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            return False
-
-        def bind(self, address):
-            self.port = next(answers)
-
-        def getsockname(self):
-            return ("127.0.0.1", self.port)
-    monkeypatch.setattr(clusters, "_GIVEN_TCP", collections.deque(maxlen=256))
-    monkeypatch.setattr(socket, "socket", Probe)
-    assert [clusters.free_tcp_port(), clusters.free_tcp_port()] == [40221, 40222]
+    from thc.testing.clusters import free_tcp_port
+    monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", "3")
+    shares = []
+    for k in range(3):
+        monkeypatch.setenv("PYTEST_XDIST_WORKER", f"gw{k}")
+        shares.append([free_tcp_port() for _ in range(40)])
+    for ports in shares:
+        assert len(set(ports)) == len(ports), ports
+    for lower, upper in zip(shares, shares[1:]):
+        assert max(lower) < min(upper), (max(lower), min(upper))
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", shares[0][-1]))

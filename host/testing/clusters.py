@@ -11,20 +11,12 @@ from thc.wire.jobs import Job
 
 
 def free_tcp_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free right now (P4Runtime and Thrift servers of local switches), and none
-    this process handed out lately: the kernel may hand the same port to the next bind to
-    port 0 once the probe closes, and a switch given it for gRPC and Thrift fails to start."""
-    for _ in range(100):
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind((host, 0))
-            port = s.getsockname()[1]
-        if port not in _GIVEN_TCP:
-            _GIVEN_TCP.append(port)
-            return port
-    raise RuntimeError(f"no TCP port on {host} that this process has not handed out lately")
-
-
-_GIVEN_TCP: collections.deque = collections.deque(maxlen=256)
+    """A TCP port free right now (P4Runtime and Thrift servers of local switches, rendezvous
+    of process groups): a block of one (:func:`free_port_block`), so never one this process
+    handed out lately, nor one another pytest-xdist process may hand out. The kernel's own
+    choice for a bind to port 0 was neither: it gave a switch's gRPC and Thrift servers the
+    same port, and any two processes may draw the same."""
+    return free_port_block(1, host, tcp=True)
 
 
 def _below_ephemeral() -> int:
