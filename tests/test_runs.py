@@ -1,6 +1,7 @@
 """Run ids and epochs on the host side: the helpers, the client's checks, agreement over Gloo."""
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import itertools
 import socket
@@ -15,6 +16,7 @@ from thc.net.aggregator import Aggregator
 from thc.net.client import AggregationClient, AggregatorRestarted
 from thc.testing.clusters import free_port_block, local_job
 from thc.wire import protocol as P
+from thc.wire.jobs import Shard
 from tests import procs
 from tests.test_transport import datapath  # noqa: F401 (a fixture)
 
@@ -121,7 +123,7 @@ def test_a_strangers_result_with_the_real_epoch_is_ignored(datapath):
         np.testing.assert_array_equal(out["s"], 5)
 
 
-def _agree(rank, world, port, q, env):
+def _agree(rank, world, port, q, env, seats):
     import os
 
     import torch.distributed as dist
@@ -133,18 +135,18 @@ def _agree(rank, world, port, q, env):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world, timeout=datetime.timedelta(seconds=60))
     try:
-        q.put((rank, agree_run()))
+        q.put((rank, agree_run(seat=seats[rank] if seats else None)))
     except ValueError as e:
         q.put((rank, str(e)))
     dist.destroy_process_group()
 
 
-def _agreed(env: dict) -> dict:
-    """Each of three gloo ranks' agree_run(), ``THC_RUN`` set per rank from ``env``: its run
-    id or its error's message."""
+def _agreed(env: dict, seats: list | None = None) -> dict:
+    """Each of three gloo ranks' agree_run(), ``THC_RUN`` set per rank from ``env`` (and its
+    ``seats``, where given): its run id or its error's message."""
     q = procs.queue()
     port = free_port_block(1, tcp=True)
-    ps = [procs.start(_agree, r, 3, port, q, env) for r in range(3)]
+    ps = [procs.start(_agree, r, 3, port, q, env, seats) for r in range(3)]
     try:
         return dict(q.get(timeout=50) for _ in ps)
     finally:
@@ -180,6 +182,34 @@ def test_a_run_id_set_on_some_ranks_only_fails_on_every_rank_at_once(given):
     for rank in range(3):
         assert held in out[rank], out
         assert "THC_RUN" in out[rank]
+
+
+def _seats(jobs, ids=(0, 1, 2)):
+    from thc.collective.worker import job_seat
+    return [job_seat(w, job) if job is not None else None for w, job in zip(ids, jobs)]
+
+
+def test_ranks_that_are_one_worker_or_hold_unlike_jobs_fail_at_once():
+    """Two ranks given one worker id, or a rank given another cluster file (another table,
+    or a shard map where the others send to one aggregator), streamed until their deadline,
+    and the timeout named as missing a worker that ran as another or sent its chunks
+    elsewhere. Every rank now names the ranks at the run's agreement."""
+    job = local_job(1, 3, free_port_block(3))
+    other = dataclasses.replace(job, table=tuple(2 * v for v in range(16))).validate()
+    sharded = dataclasses.replace(job, shards=(Shard("127.0.0.1", 1), Shard("127.0.0.1", 2)))
+    ok = _agreed({0: "77", 1: "77", 2: "77"}, _seats([job] * 3))
+    assert ok == {0: 77, 1: 77, 2: 77}
+    out = _agreed({}, _seats([job] * 3, ids=(0, 1, 0)))
+    assert set(out.values()) == {"ranks 0, 2 are all worker 0 of the job: give each rank a "
+                                 "worker id of its own (worker r is rank r)"}, out
+    for jobs, named in [([job, other, job], f"rank 1: job 1, configuration tag "
+                         f"{other.config_tag:#06x}, 1 aggregator;"),
+                        ([job, job, sharded], "rank 2: job 1, configuration tag "
+                         f"{job.config_tag:#06x}, 2 aggregators)"),
+                        ([job, None, job], "rank 1: a job of another number of workers")]:
+        out = _agreed({}, _seats(jobs))
+        for rank in range(3):
+            assert "the ranks hold unlike jobs" in out[rank] and named in out[rank], out
 
 
 def test_torchrun_restarts_run_as_newer_runs():

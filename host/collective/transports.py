@@ -24,7 +24,7 @@ import torch
 from thc.codec.common import wire_sum_dtype
 from thc.codec.params import THCParams
 from thc.codec.thc import table_values
-from thc.collective.worker import agree_run, checks_given_run
+from thc.collective.worker import agree_run, checks_given_run, job_seat
 from thc.wire import protocol as P
 
 
@@ -164,7 +164,9 @@ class AggregatorTransport:
         if not client.run_settled or checks_given_run(self._group, workers):
             DistTransport.check_group(self._group)   # a round left its peers mid-round
             run = agree_run(self._group, alone=workers == 1,
-                            given=client.run if client.run_settled else None)
+                            given=client.run if client.run_settled else None,
+                            seat=job_seat(client.worker_id, client.job)
+                            if checks_given_run(self._group, workers) else None)
             if run != client.run:
                 client.run = run
             client.run_settled = True

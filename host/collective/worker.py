@@ -122,7 +122,32 @@ MALFORMED = -2
 """What a rank whose own run id does not parse puts in :func:`agree_run`'s all-gather."""
 
 
-def agree_run(group=None, alone: bool = False, given: int | None = None) -> int:
+def job_seat(worker_id: int, job) -> tuple[int, int, int, int]:
+    """What :func:`agree_run` compares across a job's workers: this worker's id, and its job's
+    id, configuration tag and number of aggregators (shards, or one)."""
+    return worker_id, job.job_id, job.config_tag, max(1, len(job.shards))
+
+
+def _seat_errors(seats: list[tuple[int, ...]]) -> str | None:
+    """Why ranks holding ``seats`` are not one job's workers, each rank its own."""
+    ids = [s[0] for s in seats]
+    for w in sorted(set(ids) - {-1}):
+        ranks = [r for r, i in enumerate(ids) if i == w]
+        if len(ranks) > 1:
+            return (f"ranks {', '.join(map(str, ranks))} are all worker {w} of the job: give "
+                    f"each rank a worker id of its own (worker r is rank r)")
+    if len({s[1:] for s in seats}) > 1:
+        jobs = "; ".join(
+            f"rank {r}: " + (f"job {s[1]}, configuration tag {s[2]:#06x}, {s[3]} aggregator"
+                             f"{'s' if s[3] > 1 else ''}" if s[0] >= 0 else
+                             "a job of another number of workers")
+            for r, s in enumerate(seats))
+        return (f"the ranks hold unlike jobs ({jobs}): give every rank the same cluster file")
+    return None
+
+
+def agree_run(group=None, alone: bool = False, given: int | None = None,
+              seat: tuple[int, int, int, int] | None = None) -> int:
     """One run id for every worker of this training run, chosen without asking the aggregator.
 
     ``THC_RUN`` from the launcher wins; else rank 0's clock (:func:`P.run_from_clock`). With
@@ -132,7 +157,10 @@ def agree_run(group=None, alone: bool = False, given: int | None = None) -> int:
     collective the others never join. Without a group only a worker that is ``alone`` in its
     job may draw its own: clocks of separate processes would disagree. (A caller given a run
     id explicitly needs none of this: each job's workers are given theirs; with a group,
-    ``given`` is checked against the other ranks' there all the same.)"""
+    ``given`` is checked against the other ranks' there all the same.) ``seat``
+    (:func:`job_seat`, given on every rank of a group that holds the job's workers): ranks that
+    are one worker, or hold unlike jobs, fail there too, each naming them, rather than time
+    out naming as missing a worker that runs as another or sends elsewhere."""
     dist = live_dist()
     try:
         mine, bad = (P.run_from_env() if given is None else given), None
@@ -145,7 +173,8 @@ def agree_run(group=None, alone: bool = False, given: int | None = None) -> int:
         rank0 = dist.get_rank(group) == 0
         device = device_of(group)
         t = torch.tensor([MALFORMED if bad else -1 if mine is None else mine,
-                          P.run_from_clock() if rank0 else -1], dtype=torch.int64,
+                          P.run_from_clock() if rank0 else -1,
+                          *(seat if seat is not None else (-1,) * 4)], dtype=torch.int64,
                          device=device)
         every = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
         dist.all_gather(every, t, group=group)   # every rank, whatever it holds
@@ -159,6 +188,9 @@ def agree_run(group=None, alone: bool = False, given: int | None = None) -> int:
             ranks = ", ".join(f"rank {r}: {'none' if v < 0 else v}" for r, v in enumerate(held))
             raise ValueError(f"the ranks hold different run ids ({ranks}): give the same "
                              f"one ({P.RUN_ENV} or --run-id) to every rank, or to none")
+        seats = [tuple(int(v) for v in x[2:]) for x in every]
+        if any(s[0] >= 0 for s in seats) and (why := _seat_errors(seats)):
+            raise ValueError(why)
         return P.check_run(held[0] if held[0] >= 0 else int(every[0][1]))
     if mine is not None:
         return mine
@@ -187,7 +219,8 @@ def worker_client(config: str | os.PathLike | Cluster, rank: int,
     else:
         address = parse_hostport(agg) if isinstance(agg, str) else tuple(agg)
     if run is None or checks_given_run(None, job.n_workers):
-        run = agree_run(alone=job.n_workers == 1, given=run)
+        run = agree_run(alone=job.n_workers == 1, given=run,
+                        seat=job_seat(rank, job) if checks_given_run(None, job.n_workers) else None)
     return AggregationClient(job, rank, address, run=run, **options)
 
 
