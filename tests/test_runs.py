@@ -200,8 +200,8 @@ def test_ranks_that_are_one_worker_or_hold_unlike_jobs_fail_at_once():
     ok = _agreed({0: "77", 1: "77", 2: "77"}, _seats([job] * 3))
     assert ok == {0: 77, 1: 77, 2: 77}
     out = _agreed({}, _seats([job] * 3, ids=(0, 1, 0)))
-    assert set(out.values()) == {"ranks 0, 2 are all worker 0 of the job: give each rank a "
-                                 "worker id of its own (worker r is rank r)"}, out
+    assert set(out.values()) == {"ranks 0, 2 are all worker 0 of job 1: give each rank a "
+                                 "worker id of its own"}, out
     for jobs, named in [([job, other, job], f"rank 1: job 1, configuration tag "
                          f"{other.config_tag:#06x}, 1 aggregator;"),
                         ([job, job, sharded], "rank 2: job 1, configuration tag "
@@ -210,6 +210,43 @@ def test_ranks_that_are_one_worker_or_hold_unlike_jobs_fail_at_once():
         out = _agreed({}, _seats(jobs))
         for rank in range(3):
             assert "the ranks hold unlike jobs" in out[rank] and named in out[rank], out
+
+
+def _client_of(rank, port, q, clusters):
+    import os
+
+    import torch.distributed as dist
+
+    from thc.collective.worker import worker_client
+    os.environ.pop("THC_RUN", None)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=3, timeout=datetime.timedelta(seconds=60))
+    try:
+        with worker_client(clusters[rank], rank) as c:
+            q.put((rank, c.run))
+    except ValueError as e:
+        q.put((rank, str(e)))
+    dist.destroy_process_group()
+
+
+def test_worker_clients_of_unlike_cluster_files_fail_at_once():
+    """A rank given a shard map its peers lack sent its chunks to other aggregators: every
+    rank timed out, naming as missing a worker that was sending. worker_client agrees the
+    run with every rank's seat, and every rank names the one that differs."""
+    from thc.wire.jobs import Cluster
+    job = local_job(1, 3, free_port_block(3))
+    sharded = dataclasses.replace(job, shards=(Shard("127.0.0.1", 1), Shard("127.0.0.1", 2)))
+    clusters = [Cluster((job,)), Cluster((job,)), Cluster((sharded,))]
+    q = procs.queue()
+    port = free_port_block(1, tcp=True)
+    ps = [procs.start(_client_of, r, port, q, clusters) for r in range(3)]
+    try:
+        out = dict(q.get(timeout=50) for _ in ps)
+    finally:
+        [p.join(30) for p in ps]
+    for rank in range(3):
+        assert "the ranks hold unlike jobs" in str(out[rank]) and \
+            "rank 2: job 1, configuration tag" in str(out[rank]), out
 
 
 def test_torchrun_restarts_run_as_newer_runs():

@@ -130,12 +130,6 @@ def job_seat(worker_id: int, job) -> tuple[int, int, int, int]:
 
 def _seat_errors(seats: list[tuple[int, ...]]) -> str | None:
     """Why ranks holding ``seats`` are not one job's workers, each rank its own."""
-    ids = [s[0] for s in seats]
-    for w in sorted(set(ids) - {-1}):
-        ranks = [r for r, i in enumerate(ids) if i == w]
-        if len(ranks) > 1:
-            return (f"ranks {', '.join(map(str, ranks))} are all worker {w} of the job: give "
-                    f"each rank a worker id of its own (worker r is rank r)")
     if len({s[1:] for s in seats}) > 1:
         jobs = "; ".join(
             f"rank {r}: " + (f"job {s[1]}, configuration tag {s[2]:#06x}, {s[3]} aggregator"
@@ -143,6 +137,12 @@ def _seat_errors(seats: list[tuple[int, ...]]) -> str | None:
                              "a job of another number of workers")
             for r, s in enumerate(seats))
         return (f"the ranks hold unlike jobs ({jobs}): give every rank the same cluster file")
+    ids = [s[0] for s in seats]
+    for w in sorted(set(ids)):
+        ranks = [r for r, i in enumerate(ids) if i == w]
+        if len(ranks) > 1:
+            return (f"ranks {', '.join(map(str, ranks))} are all worker {w} of job "
+                    f"{seats[0][1]}: give each rank a worker id of its own")
     return None
 
 
