@@ -158,9 +158,9 @@ def agree_run(group=None, alone: bool = False, given: int | None = None,
     job may draw its own: clocks of separate processes would disagree. (A caller given a run
     id explicitly needs none of this: each job's workers are given theirs; with a group,
     ``given`` is checked against the other ranks' there all the same.) ``seat``
-    (:func:`job_seat`, given on every rank of a group that holds the job's workers): ranks that
-    are one worker, or hold unlike jobs, fail there too, each naming them, rather than time
-    out naming as missing a worker that runs as another or sends elsewhere."""
+    (:func:`job_seat`, given on every rank of a group of the job's size): ranks that hold
+    unlike jobs, or one worker id, fail there too, each naming them (with unlike shard maps
+    the rounds would time out naming as missing a worker that sends elsewhere)."""
     dist = live_dist()
     try:
         mine, bad = (P.run_from_env() if given is None else given), None
