@@ -191,9 +191,10 @@ def _seats(jobs, ids=(0, 1, 2)):
 
 def test_ranks_that_are_one_worker_or_hold_unlike_jobs_fail_at_once():
     """Two ranks given one worker id, or a rank given another cluster file (another table,
-    or a shard map where the others send to one aggregator), streamed until their deadline,
-    and the timeout named as missing a worker that ran as another or sent its chunks
-    elsewhere. Every rank now names the ranks at the run's agreement."""
+    or a shard map where the others send to one aggregator), went on to their rounds: with
+    unlike shard maps the chunks go to unlike aggregators, and every round times out naming
+    as missing a worker that is sending. Every rank now names the ranks at the run's
+    agreement."""
     job = local_job(1, 3, free_port_block(3))
     other = dataclasses.replace(job, table=tuple(2 * v for v in range(16))).validate()
     sharded = dataclasses.replace(job, shards=(Shard("127.0.0.1", 1), Shard("127.0.0.1", 2)))
@@ -230,9 +231,9 @@ def _client_of(rank, port, q, clusters):
 
 
 def test_worker_clients_of_unlike_cluster_files_fail_at_once():
-    """A rank given a shard map its peers lack sent its chunks to other aggregators: every
-    rank timed out, naming as missing a worker that was sending. worker_client agrees the
-    run with every rank's seat, and every rank names the one that differs."""
+    """A rank given a shard map its peers lack sends its chunks to other aggregators, and
+    every round times out naming as missing a worker that is sending. worker_client agrees
+    the run with every rank's seat, and every rank names the one that differs."""
     from thc.wire.jobs import Cluster
     job = local_job(1, 3, free_port_block(3))
     sharded = dataclasses.replace(job, shards=(Shard("127.0.0.1", 1), Shard("127.0.0.1", 2)))
