@@ -161,12 +161,12 @@ class AggregatorTransport:
         if self._run_agreed:
             return
         client, workers = self.client, self.client.job.n_workers
-        if not client.run_settled or checks_given_run(self._group, workers):
+        job_sized = checks_given_run(self._group, workers)
+        if not client.run_settled or job_sized:
             DistTransport.check_group(self._group)   # a round left its peers mid-round
             run = agree_run(self._group, alone=workers == 1,
                             given=client.run if client.run_settled else None,
-                            seat=job_seat(client.worker_id, client.job)
-                            if checks_given_run(self._group, workers) else None)
+                            seat=job_seat(client.worker_id, client.job) if job_sized else None)
             if run != client.run:
                 client.run = run
             client.run_settled = True

@@ -218,9 +218,10 @@ def worker_client(config: str | os.PathLike | Cluster, rank: int,
         address = (cluster.agg_ip, cluster.agg_port)
     else:
         address = parse_hostport(agg) if isinstance(agg, str) else tuple(agg)
-    if run is None or checks_given_run(None, job.n_workers):
+    job_sized = checks_given_run(None, job.n_workers)
+    if run is None or job_sized:
         run = agree_run(alone=job.n_workers == 1, given=run,
-                        seat=job_seat(rank, job) if checks_given_run(None, job.n_workers) else None)
+                        seat=job_seat(rank, job) if job_sized else None)
     return AggregationClient(job, rank, address, run=run, **options)
 
 

@@ -13,9 +13,8 @@ from thc.wire.jobs import Job
 def free_tcp_port(host: str = "127.0.0.1") -> int:
     """A TCP port free right now (P4Runtime and Thrift servers of local switches, rendezvous
     of process groups): a block of one (:func:`free_port_block`), so never one this process
-    handed out lately, nor one another pytest-xdist process may hand out. The kernel's own
-    choice for a bind to port 0 was neither: it gave a switch's gRPC and Thrift servers the
-    same port, and any two processes may draw the same."""
+    handed out lately, nor one another pytest-xdist process may hand out, where the kernel's
+    choice for a bind to port 0 may repeat in either."""
     return free_port_block(1, host, tcp=True)
 
 
