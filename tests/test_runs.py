@@ -213,7 +213,7 @@ def test_ranks_that_are_one_worker_or_hold_unlike_jobs_fail_at_once():
             assert "the ranks hold unlike jobs" in out[rank] and named in out[rank], out
 
 
-def _client_of(rank, port, q, clusters):
+def _client_of(rank, port, q, clusters, run=None):
     import os
 
     import torch.distributed as dist
@@ -221,13 +221,24 @@ def _client_of(rank, port, q, clusters):
     from thc.collective.worker import worker_client
     os.environ.pop("THC_RUN", None)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=3, timeout=datetime.timedelta(seconds=60))
+                            world_size=len(clusters), timeout=datetime.timedelta(seconds=60))
     try:
-        with worker_client(clusters[rank], rank) as c:
+        with worker_client(clusters[rank], rank, run=run) as c:
             q.put((rank, c.run))
-    except ValueError as e:
+    except (ValueError, RuntimeError) as e:
         q.put((rank, str(e)))
     dist.destroy_process_group()
+
+
+def _clients_of(clusters, run=None) -> dict:
+    """Each rank's worker_client of ``clusters[rank]`` over gloo: its run or its error."""
+    q = procs.queue()
+    port = free_port_block(1, tcp=True)
+    ps = [procs.start(_client_of, r, port, q, clusters, run) for r in range(len(clusters))]
+    try:
+        return dict(q.get(timeout=50) for _ in ps)
+    finally:
+        [p.join(30) for p in ps]
 
 
 def test_worker_clients_of_unlike_cluster_files_fail_at_once():
@@ -237,17 +248,24 @@ def test_worker_clients_of_unlike_cluster_files_fail_at_once():
     from thc.wire.jobs import Cluster
     job = local_job(1, 3, free_port_block(3))
     sharded = dataclasses.replace(job, shards=(Shard("127.0.0.1", 1), Shard("127.0.0.1", 2)))
-    clusters = [Cluster((job,)), Cluster((job,)), Cluster((sharded,))]
-    q = procs.queue()
-    port = free_port_block(1, tcp=True)
-    ps = [procs.start(_client_of, r, port, q, clusters) for r in range(3)]
-    try:
-        out = dict(q.get(timeout=50) for _ in ps)
-    finally:
-        [p.join(30) for p in ps]
+    out = _clients_of([Cluster((job,)), Cluster((job,)), Cluster((sharded,))])
     for rank in range(3):
         assert "the ranks hold unlike jobs" in str(out[rank]) and \
             "rank 2: job 1, configuration tag" in str(out[rank]), out
+
+
+def test_a_rank_left_alone_in_the_run_agreement_names_the_likely_cause():
+    """Given its run id, a rank whose job has another number of workers than the group has
+    ranks cannot tell that its peers agree runs over the group, and skips the agreement;
+    a peer whose job is of the group's size waits there until that rank stops. Its error
+    says what torch's cannot: which ranks skip the agreement, and what to give them."""
+    from thc.wire.jobs import Cluster
+    base = free_port_block(3)
+    out = _clients_of([Cluster((local_job(1, 2, base),)), Cluster((local_job(1, 3, base),))],
+                      run=5)
+    assert out[1] == 5, out
+    assert "the run agreement over the process group's 2 ranks failed" in out[0] and \
+        "another number of workers than the group has ranks" in out[0], out
 
 
 def test_torchrun_restarts_run_as_newer_runs():

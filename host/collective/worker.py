@@ -176,8 +176,17 @@ def agree_run(group=None, alone: bool = False, given: int | None = None,
                           P.run_from_clock() if rank0 else -1,
                           *(seat if seat is not None else (-1,) * 4)], dtype=torch.int64,
                          device=device)
-        every = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(every, t, group=group)   # every rank, whatever it holds
+        world = dist.get_world_size(group)
+        every = [torch.empty_like(t) for _ in range(world)]
+        try:
+            dist.all_gather(every, t, group=group)   # every rank, whatever it holds
+        except RuntimeError as e:
+            raise RuntimeError(
+                f"the run agreement over the process group's {world} ranks failed ({e}); "
+                f"every rank joins it but one given its run id whose job has another number "
+                f"of workers than the group has ranks (a cluster file unlike this rank's: "
+                f"give every rank the same one), or one that stopped before it (its own "
+                f"error says why)") from e
         held = [int(x[0]) for x in every]
         if bad is not None:
             raise bad
