@@ -411,7 +411,7 @@ def test_a_bucket_that_fails_around_its_compressed_round_abandons_the_group(monk
     they waited in the round, and the rank's next step, if it went on, paired with it."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    import thc.collective.ddp as ddp_module
+    import thc.collective.ddp_base as ddp_module
     from thc.codec.params import THCParams
     from thc.collective.allreduce import THCAllReduce
     from thc.collective.ddp import HookOptions, THCHook
@@ -1176,7 +1176,7 @@ def test_a_rank_a_whole_step_out_of_step_is_refused_by_every_rank(kind):
     """Each reducer counted its own rounds: rank 0 running step 1 under no_sync alone kept
     every reducer in step with its peer's while pairing rank 0's steps 1+2 with rank 1's
     step 1, and every later step with the step before, each taken as a sum. Rounds now also
-    count the DDP model's no_sync stretches (``_Hook._stretches``): every later step is
+    count the DDP model's no_sync stretches (``BaseHook._stretches``): every later step is
     refused on both ranks, naming the cause. So do the tag lanes of a hook's FP32 spans,
     where every span is one (they held the step and bucket alone, and took those sums)."""
     res = gloo_pair(functools.partial(_out_of_step_worker, kind=kind, alone=True))
@@ -1473,7 +1473,7 @@ def _fails_once_worker(job, addr, rank, port, q):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import thc.collective.agreement as agreement_module
-    import thc.collective.ddp as ddp_module
+    import thc.collective.ddp_base as ddp_module
     from thc.codec.params import THCParams
     from thc.collective.allreduce import THCAllReduce
     from thc.collective.ddp import THCHook
@@ -1664,7 +1664,7 @@ def test_a_model_wrapped_anew_keeps_its_aggregator_client():
 def test_a_peer_whose_process_ended_is_named_however_gloo_words_it(gloo):
     """Gloo says a peer's process ended as a closed connection or, where the socket is read
     when it goes, a reset one; the second was passed on unnamed."""
-    from thc.collective.ddp import _peer_gone
+    from thc.collective.ddp_base import _peer_gone
     named = _peer_gone(RuntimeError(f"[gloo/transport/tcp/pair.cc:537] {gloo}."), 1)
     assert "the hook's collective of backward 1 lost its connection to a peer rank" in str(named)
     assert gloo in str(named)
@@ -1673,7 +1673,7 @@ def test_a_peer_whose_process_ended_is_named_however_gloo_words_it(gloo):
 def test_a_gloo_pair_closed_by_an_earlier_timeout_is_named():
     """After a Gloo timeout the next collective on the pair fails with "Application timeout
     caused pair closure", which was passed on without the hook's words."""
-    from thc.collective.ddp import _peer_gone
+    from thc.collective.ddp_base import _peer_gone
     gloo = "Application timeout caused pair closure"
     named = _peer_gone(RuntimeError(f"[gloo/transport/tcp/pair.cc:446] {gloo}"), 3)
     assert "backward 3 found its connection to a peer rank closed by an earlier timeout" \
@@ -1686,7 +1686,7 @@ def test_an_fp32_hook_issues_nothing_on_a_group_a_failed_bucket_left(monkeypatch
     the peers' pending one, every later step then summing gradients of two steps."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    import thc.collective.ddp as ddp_module
+    import thc.collective.ddp_base as ddp_module
     from thc.collective.ddp import FP32Hook
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port_block(1)}",

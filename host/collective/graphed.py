@@ -287,7 +287,7 @@ class GraphedAllReduce:
 
     def skip_to(self, rnd: int) -> None:
         """Take round ``rnd`` next where it is ahead (rounds never go back: each draws its
-        own rotation and rounding); a DDP hook's ``no_sync`` count (``_Hook._count_round``)."""
+        own rotation and rounding); a DDP hook's ``no_sync`` count (``BaseHook._count_round``)."""
         if rnd > self.round:
             self.round = int(rnd)
             self._round_on_device()

@@ -104,7 +104,7 @@ class _SignAllReduce:
 
     def skip_to(self, rnd: int) -> None:
         """Take round ``rnd`` next where it is ahead (rounds never go back: each draws its
-        own rotation and rounding); a DDP hook's ``no_sync`` count (``_Hook._count_round``)."""
+        own rotation and rounding); a DDP hook's ``no_sync`` count (``BaseHook._count_round``)."""
         self.round = max(self.round, int(rnd))
 
     def _group_now(self):
