@@ -595,6 +595,38 @@ def test_a_silent_shard_is_named_though_another_shard_answers(datapath):
             assert c.stats.compiled_rounds == (datapath == "compiled")
 
 
+def test_a_shard_that_dies_mid_round_is_named_as_stopped_not_as_losing_packets(datapath):
+    """Shard 1 takes the round's first chunk of its own, then falls silent; its next chunk
+    never had a PENDING. The resends it left unanswered for half the deadline name it as
+    stopped (down or unreachable), not the chunk's packets as lost: it took a chunk, but
+    that was before it went quiet."""
+    def result(data):
+        own = unpack_bits(np.frombuffer(data, np.uint8, offset=P.HEADER_BYTES),
+                          P.INDEX_BITS, job.lanes)
+        return _complete(data, P.PktType.RESULT, job) + \
+            np.asarray(job.table)[own].astype(np.uint8).tobytes()
+
+    answered = set()
+
+    def shard1(data):
+        seq = P.HEADER_STRUCT.unpack_from(data)[6]
+        if not answered or seq in answered:
+            answered.add(seq)
+            return [result(data)]
+        return []
+
+    with answering(lambda data: [result(data)]) as a0, answering(shard1) as a1:
+        job = Job.from_dict({"job_id": 1, "pool_size": 16, "lanes": P.LANES, "granularity": 30,
+                             "workers": [{"id": 0, "ip": "127.0.0.1",
+                                          "port": free_port_block(1)}],
+                             "shards": [{"ip": a[0], "port": a[1]} for a in (a0, a1)]})
+        with AggregationClient(job, 0, run=2, deadline=1.2, max_timeout=0.1, window=4) as c:
+            with pytest.raises(AggregationTimeout, match=r"aggregator shard 1 at .* stopped "
+                                                         r"answering .*\(down, unreachable"):
+                c.aggregate(_packed(job, 1)[: 6 * job.lanes // 2])
+            assert answered == {1}
+
+
 def test_a_shard_forging_another_shards_results_is_ignored(datapath):
     """Each of two shards, on every DATA it gets, at once sends a RESULT for the other
     shard's neighbouring chunks with every field right (epoch included) but sums one too

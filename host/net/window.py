@@ -241,7 +241,7 @@ def timeout_of(end: Endpoint, rnd: Round, i: int, bitmap: int | None, silent: fl
             f"{at}; {who} at {ip}:{port} answered with {rejected} impossible replies this "
             f"round (the wrong type or size, or sums, counts or bitmaps this job cannot "
             f"make): is it configured with this job (lanes, sum width, workers)?", None, shard)
-    if bitmap is None:
+    if bitmap is None and not (quiet and taken):
         # Dropped unanswered: every chunk at an aggregator without this job, this worker's
         # address or its lanes (DATA), or with another pool (once it answered, its epoch
         # names another configuration: AggregatorMisconfigured). A shard at another address
@@ -279,7 +279,7 @@ def timeout_of(end: Endpoint, rnd: Round, i: int, bitmap: int | None, silent: fl
                      f"another job's or worker's ids, or rewrites those fields")
         return AggregationTimeout(f"{at}; no answer from {who} at {ip}:{port}{hint}", None,
                                   shard)
-    if quiet:
+    if quiet:   # it answered this round (a PENDING, or chunks it took), then fell silent
         return AggregationTimeout(f"{at}; {who} at {ip}:{port} stopped answering "
                                   f"{silent:.1f}s ago (down, unreachable"
                                   + (", or restarted and not yet serving this job" if job.shards
