@@ -937,6 +937,10 @@ def _unlike_settings_worker(base, rank, port, q):
              "comm_group": lambda m: THCHook(m, reducer, group=both,
                                              comm_group=mine if rank == 0 else None),
              "nonfinite": lambda m: TopKHook(m, nonfinite="propagate" if rank else "hand on"),
+             "ratio": lambda m: TopKHook(m, ratio=0.0 if rank else 0.5),
+             "factory_group": lambda m: THCHook(m, lambda group: THCAllReduce.through_aggregator(
+                 AggregationClient(job, rank, ("127.0.0.1", base + 2), run=9,
+                                   sock=client.sock), params)),
              "run": lambda m: THCHook(m, lambda group: THCAllReduce.through_aggregator(
                  client, params, group)),
              "worker_client": lambda m: worker_client(
@@ -964,12 +968,16 @@ def test_ranks_unlike_in_a_hooks_settings_or_their_run_ids_all_raise_at_once():
     until the store's timeout, 30 minutes by default); one rank's settings refused on that
     rank alone left the others in the hook's next collective; a run id given to one rank's
     client only left the other rank alone in the run's agreement until the group's timeout,
-    and no error named the cause."""
+    and no error named the cause. So did a TopK ratio refused on one rank (checked after the
+    agreement). An aggregator reducer built on another group than the one its factory was
+    given would agree its run there, from the hook's thread, beside backward's collectives."""
     res = gloo_pair(functools.partial(_unlike_settings_worker, free_port_block(3)))
     refused = "failed before this round's collectives"
     expected = {"overlap": ("overlap, comm_group or nonfinite",) * 2,
                 "comm_group": (refused, "overlaps backward runs its collectives on a group"),
                 "nonfinite": ("nonfinite must be one of", refused),
+                "ratio": (refused, "TopK ratio must be in (0, 1]"),
+                "factory_group": ("collectives run on another process group",) * 2,
                 "run": ("different run ids (rank 0: 7, rank 1: none)",) * 2,
                 "worker_client": ("different run ids (rank 0: 7, rank 1: none)",) * 2}
     for case, texts in expected.items():

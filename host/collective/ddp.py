@@ -132,11 +132,15 @@ class TopKHook(BaseHook):
 
     def __init__(self, model, ratio: float = 0.1, options: HookOptions = HookOptions(),
                  group=None, overlap: bool = True, comm_group=None, nonfinite: str = "raise"):
-        super().__init__(model, options, group, overlap, comm_group, nonfinite)
         self.ratio = ratio
+        super().__init__(model, options, group, overlap, comm_group, nonfinite)
         self.nonfinite = nonfinite
         self.scheme = TopK(ratio=ratio, error_feedback=True)
         self._calls = 0
+
+    def _check_settings(self, overlap: bool, comm_group, group, nonfinite) -> None:
+        super()._check_settings(overlap, comm_group, group, nonfinite)
+        TopK(ratio=self.ratio)   # a ratio it refuses fails the build on every rank
 
     def rescale_residuals(self, factor: float) -> None:
         self.scheme.rescale(factor)

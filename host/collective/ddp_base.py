@@ -171,7 +171,7 @@ class BaseHook:
         failure = None
         try:
             self._check_settings(overlap, comm_group, group, nonfinite)
-        except ValueError as e:   # raised on this rank by together, and a refusal on the others
+        except (ValueError, TypeError) as e:   # raised here by together, refused elsewhere
             failure = e
         # ranks unlike here would make the hook's group on some ranks only: a wait in
         # new_group, or collectives on different groups, until the timeout
@@ -481,7 +481,8 @@ class BaseHook:
     def _check_reducer(self, reducer) -> None:
         """A factory's reducer must be new, as its error-feedback residual is one bucket's
         (one reducer for two buckets adds each one's rounding error to the other), and its
-        collectives must run on the group the factory was given, the hook's (on another they
+        collectives (an aggregator's: its run agreement) must run on the group the factory
+        was given, the hook's (on another they
         would pair with backward's own collectives: an abort, or a wrong sum where the lengths
         match), and they must sum as many workers as the group has ranks (fewer: each rank
         averages another set; more: a round waits for workers no rank is)."""
@@ -504,11 +505,11 @@ class BaseHook:
                              f"{workers} workers' gradients, in a process group of "
                              f"{self.world} ranks: each rank would average another set "
                              f"(give every rank its place in one job of {self.world} workers)")
-        if not hasattr(carrier, "group"):   # an aggregator's rounds: no collectives
-            return
+        # an aggregator's rounds take no collectives, but its run agreement does
+        on = getattr(carrier, "group", getattr(carrier, "run_group", self.group))
         def resolved(group):
             return dist.group.WORLD if group is None else group
-        if resolved(carrier.group) is not resolved(self.group):
+        if resolved(on) is not resolved(self.group):
             raise ValueError("the hook's factory returned a reducer whose collectives run on "
                              "another process group than the one it was given: "
                              "make_allreducer(group) must build its reducer on that group")

@@ -137,6 +137,11 @@ class AggregatorTransport:
         self.short_chunks = 0
         """Chunks of this transport's rounds that ended short (DLCP's bounded loss)."""
 
+    @property
+    def run_group(self):
+        """The process group the run agreement takes (:meth:`agree_run`): its one collective."""
+        return self._group
+
     def abandon(self, why: str, summed: bool = False) -> None:
         """This worker failed after its MAX round: unless its sums all came back
         (``summed``: its sequence numbers are in step with its peers'), its peers' DATA holds
