@@ -211,6 +211,24 @@ def test_a_pipeline_length_that_cuts_nothing_is_refused_when_built(pipeline_elem
     assert ar.pipeline_elements == 1 << 20 and type(ar.pipeline_elements) is int
 
 
+@pytest.mark.parametrize("kind", ["eager", "graphed"])
+def test_a_table_that_cannot_be_made_fails_the_reducers_build_not_a_round(monkeypatch, kind):
+    """A codec's lookup table is made on first use: on a transport that compares none, in
+    round 0's fingerprint, before its MAX round. A failure there (out of memory) left the
+    worker's peers waiting in a round it owed them, and its next call paired with theirs:
+    every later round refused as out of step, the failure unnamed. Made when the reducer
+    is built, it fails there, before any round."""
+    import thc.codec.params as params_module
+    from thc.collective.graphed import GraphedAllReduce
+
+    def no_memory(*args):
+        raise MemoryError("out of memory making the table")
+    monkeypatch.setattr(params_module, "optimal_table", no_memory)
+    build = THCAllReduce if kind == "eager" else GraphedAllReduce
+    with pytest.raises(MemoryError, match="making the table"):
+        build(_Peer(None), params=THCParams(slice_size=1 << 10))
+
+
 def test_mismatched_table_is_refused():
     job = local_job(1, 2, free_port_block(2), table=list(range(0, 32, 2)))
     with AggregationClient(job, 0, ("127.0.0.1", 9), run=1) as c:

@@ -4,6 +4,7 @@ raised by the next call (which takes no round) or by ``check()``; a round that o
 deadline is raised there too. The watchdog ends a process whose round outlasts it. Eager under
 Triton's interpreter on the CPU (tests/test_graphed_gpu.py replays them on a GPU)."""
 import functools
+import gc
 import subprocess
 import sys
 import time
@@ -210,6 +211,28 @@ def test_a_round_nothing_read_is_told_when_the_process_ends(monkeypatch):
     with pytest.warns(RuntimeWarning, match="round 2 of graphed reducer \\S+ had not finished"):
         graphed._read_at_exit()
     assert time.monotonic() - start < 1
+
+
+@kernels
+def test_a_refusal_nothing_read_is_told_when_its_reducer_is_dropped(monkeypatch):
+    """A reducer dropped before the process ends (its hook freed, the model wrapped anew)
+    left the reader at exit nothing to read: its last round's refusal went untold."""
+    monkeypatch.setattr(graphed, "_DEFERRING", weakref.WeakSet())
+    _, deferred = _pair()
+    _peers_say([deferred], 0, norms=3.4028234663852886e38)   # a worker's mark
+    assert not deferred(_x(0)).any() and deferred._pending is not None
+    with pytest.warns(RuntimeWarning, match=r"round 0 of graphed reducer \S+ was refused "
+                                            r"\(ValueError: max norms must be finite.* when "
+                                            r"its reducer was dropped"):
+        del deferred
+        gc.collect()
+    _, clean = _pair()
+    _peers_say([clean], 0)
+    clean(_x(0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        del clean
+        gc.collect()
 
 
 @kernels

@@ -104,6 +104,9 @@ class THCAllReduce:
         self._pool: ThreadPoolExecutor | None = None
         self.transport = transport
         transport.check(self.params)
+        # the table every round's fingerprint holds is made on first use: here, where a
+        # failure (out of memory) is this worker's alone, not in a round its peers wait in
+        agreement.fingerprint(self.params)
         # on a GPU nothing in a round waits for the device until its end (see __call__)
         self.codec = THCCodec(self.params, backend=backend, deferred_checks=True)
         self.feedback = ErrorFeedback(self.params) if error_feedback else None
@@ -242,9 +245,11 @@ class THCAllReduce:
         """:func:`agreement.agree` before the first round of a tensor size, and before every
         round on a transport that asks for it (Gloo: a size new to one worker but known to
         another would pair unlike lengths). Sizes are added only once agreed, so every worker
-        keeps the same set. Elsewhere, workers that call sizes they all know in different
-        orders pair MAX rounds of unlike lengths, whose tag lanes (first in every MAX round)
-        differ in fingerprint: every worker refuses them. It is part of round ``rnd``, which
+        keeps the same set. Through an aggregator, workers that call sizes they all know in
+        different orders pair MAX rounds of unlike lengths, whose tag lanes (first in every
+        MAX round) differ in fingerprint: every worker refuses them. On NCCL their sums of
+        unlike lengths go out before that check, and wait until the group's timeout (NCCL
+        checks no lengths). It is part of round ``rnd``, which
         every worker counts however it ends."""
         try:
             agreement.agree(self.transport, rnd, self._key(flat, pieces, dtype), flat.device)

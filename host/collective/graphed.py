@@ -28,8 +28,8 @@ MAX round (an error, once that round is owed) returns zeros too, and its next ca
 its error, as its peers raise the refusal: every worker skips the same step. (The type of
 the error differs: the peers' is the refusal's ``ValueError``, this worker's a
 ``RuntimeError`` from its own.) A refusal that no call or ``check()`` raised by the time the
-process ends (the last step's, where nothing checked after it) is told then, as a
-``RuntimeWarning``, and so is a round not finished by then.
+process ends (the last step's, where nothing checked after it), or by the time its reducer
+is dropped, is told then, as a ``RuntimeWarning``, and so is a round not finished by then.
 
 The rounding draws are keyed by a fixed int (``generator``) and the round, so with the same
 int :class:`THCAllReduce` gives the same estimates, bit for bit, where no tail is padded and
@@ -86,30 +86,35 @@ _DEFERRING: weakref.WeakSet = weakref.WeakSet()
 """The reducers with deferred checks: what they hold when the process ends is read then."""
 
 
+def _tell_unread(ar: "GraphedAllReduce", when: str) -> None:
+    """Warn of the refusal ``ar``'s deferred round still holds (a round after which nothing
+    was called or checked), or that it had not finished, ``when`` nothing can read it any
+    more: without this it would go unseen. A round not finished is not waited for."""
+    pending = ar._pending
+    if pending is None:
+        return
+    try:
+        if pending.failure is None and pending.done is not None and not pending.done.query():
+            ar._pending = None
+            what = "had not finished"
+        else:
+            ar.check()
+            return
+    except Exception as e:  # noqa: BLE001 - each reducer's round is told
+        what = f"was refused ({type(e).__name__}: {e})"
+    told = (f"round {pending.round} of graphed reducer {ar.name!r} {what} when {when}, and "
+            f"no check() after the last step read it")
+    try:
+        warnings.warn(told, RuntimeWarning, stacklevel=1)
+    except Warning:   # warnings made errors (-W error): told all the same
+        print(f"RuntimeWarning: {told}", file=sys.stderr)
+
+
 @atexit.register
 def _read_at_exit() -> None:
-    """Warn of each refusal a deferred round still holds (a round after which nothing was
-    called or checked), and of a round not finished: without it they would go unseen. A
-    round not finished is not waited for: the process is ending."""
+    """Tell each deferred round nothing read (:func:`_tell_unread`) as the process ends."""
     for ar in list(_DEFERRING):
-        pending = ar._pending
-        if pending is None:
-            continue
-        try:
-            if pending.failure is None and pending.done is not None and not pending.done.query():
-                ar._pending = None
-                what = "had not finished"
-            else:
-                ar.check()
-                continue
-        except Exception as e:  # noqa: BLE001 - each reducer's round is told
-            what = f"was refused ({type(e).__name__}: {e})"
-        told = (f"round {pending.round} of graphed reducer {ar.name!r} {what} when the "
-                f"process ended, and no check() after the last step read it")
-        try:
-            warnings.warn(told, RuntimeWarning, stacklevel=1)
-        except Warning:   # warnings made errors (-W error): told all the same
-            print(f"RuntimeWarning: {told}", file=sys.stderr)
+        _tell_unread(ar, "the process ended")
 
 
 @dataclass
@@ -165,6 +170,7 @@ class GraphedAllReduce:
         kernels.check_granularity(self.params)
         self.transport = transport
         transport.check(self.params)
+        agreement.fingerprint(self.params)   # its table made here, as THCAllReduce's
         self.key = generator
         self.error_feedback = error_feedback
         self.capture = capture
@@ -364,6 +370,12 @@ class GraphedAllReduce:
             self.transport.bytes_sent = before   # capture sends nothing
         self.graph = graph
         self._run(b, flat)
+
+    def __del__(self):
+        """A reducer dropped (its hook freed, a model wrapped anew) tells what its last
+        deferred round still holds, as the process's end would have."""
+        if getattr(self, "_pending", None) is not None:
+            _tell_unread(self, "its reducer was dropped")
 
     def check(self) -> None:
         """Raise what refused the last round whose checks were deferred, once it has run
