@@ -86,7 +86,8 @@ def stand_in(size, device="cpu", dtype=torch.float32) -> torch.Tensor:
     """Zeros in place of a refused input, so that its round still goes out: ``size()`` of
     them, or none where that count cannot be read (no size, a ragged or lying one) or held
     (too large, on this worker or every one). A peer whose tensor is not empty refuses the
-    empty round as unlike; workers that all stand in as empty refuse it alike. Making the
+    empty round as unlike (on NCCL, which checks no lengths, it waits in its sum until the
+    group's timeout instead); workers that all stand in as empty refuse it alike. Making the
     stand-in must not fail: that would leave this worker a round behind its peers, each later
     sum paired with their previous one. Ctrl-C propagates, for the caller to abandon."""
     try:
