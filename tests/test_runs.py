@@ -105,7 +105,8 @@ def test_a_strangers_result_with_the_real_epoch_is_ignored(datapath):
     with Aggregator([job], nonce=0x77) as agg:
         addr = agg.start()
         out = {}
-        with AggregationClient(job, 0, addr, run=5) as c:
+        # no retransmission within the round (a late one's RESULT would be ignored too)
+        with AggregationClient(job, 0, addr, run=5, timeout=5.0, max_timeout=5.0) as c:
             t = threading.Thread(target=lambda: out.update(s=c.aggregate(_chunk(job, 2))))
             t.start()
             rogue = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
