@@ -47,7 +47,7 @@ _API = {
     "TopKHook": "thc.collective.ddp",
     "MarsitHook": "thc.collective.ddp",
     "MarsitVoteHook": "thc.collective.ddp",
-    "HookOptions": "thc.collective.ddp",
+    "HookOptions": "thc.collective.ddp_base",
 }
 """Public name -> the module that defines it."""
 
