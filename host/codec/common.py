@@ -357,8 +357,10 @@ SUM_TEXT = ("{what} outside what the workers' table values add up to (0..n g for
 
 
 def check_sums(lo: int, hi: int, n: int, params: THCParams) -> None:
-    """Refuse sums (least ``lo``, largest ``hi``) that ``n`` workers' table values cannot
-    add up to: decoded with the wrong worker count they give a wrong mean, silently."""
+    """Refuse sums (least ``lo``, largest ``hi``) outside 0..n g, which ``n`` workers'
+    table values cannot add up to: decoded with the wrong worker count they give a wrong
+    mean, silently. A sum inside the range that no ``n`` table values make (1 or 2 with the
+    default table) is not refused: the check is one comparison a lane."""
     bad = lo if lo < 0 else hi if hi > n * params.granularity else None
     if bad is not None:
         raise ValueError(SUM_TEXT.format(what=f"sum {bad}") + f" ({n} workers here, g = "

@@ -108,6 +108,12 @@ def encode(x, max_norms, params: THCParams, round: int = 0, generator=None,
            backend="auto", status=None):
     """THC indices (uint8, one per padded coordinate) of x under the agreed max norms.
 
+    ``max_norms``: each slice's max over the workers, so at least x's own slice norm. A
+    smaller one is not refused unless the rotation overflows: the slice's coordinates are
+    clipped to the table's range, and its estimate is wrong (the backends may then differ
+    too: the kernels transform before they scale). The rounds never give one: a max over
+    the workers holds each one's own, and a client refuses a ``MAX_RESULT`` lane below its
+    own value.
     ``generator``: np.random.Generator, torch.Generator, int seed or None (see
     :func:`thc.codec.quantize.resolve_generator`); an int keys the counter-based rounding
     uniforms (host/codec/rng.py) by (int, round, slice, index), so numpy, torch, the compiled
