@@ -376,12 +376,15 @@ def install_cluster(sw: Switch, cluster: Cluster, prune: bool = False, force: bo
     try:
         for job in changing:
             # every job to be written stops counting before any is rewritten: a job's new pool
-            # or group may be another's that is rewritten later (or never, if a write fails)
+            # or group may be another's that is rewritten later (or never, if a write fails);
+            # without its install entry the RESETs still queued from its last install (one
+            # whose resets timed out) are dropped, not run on slots another job takes now
             delete(sw, entries_of(sw, WORKER_TABLE, job.job_id))
+            delete(sw, entries_of(sw, INSTALL_TABLE, job.job_id))
     except SwitchError as e:
-        raise SwitchError(f"taking the worker entries of jobs {[j.job_id for j in changing]} "
-                          f"off failed ({e}); some of them count no packet until the cluster "
-                          f"is installed again") from e
+        raise SwitchError(f"taking the worker and install entries of jobs "
+                          f"{[j.job_id for j in changing]} off failed ({e}); some of them count "
+                          f"no packet until the cluster is installed again") from e
     epochs = {jid: cfg["epoch"] for jid, cfg in installed.items()}
     groups = {j.mcast_grp for j in cluster.jobs} | {cfg["mcast_grp"] for cfg in staying.values()}
     for k, job in enumerate(changing):

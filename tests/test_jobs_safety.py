@@ -132,6 +132,40 @@ def test_workers_never_go_live_when_some_resets_are_lost(sw, monkeypatch):
     assert not installed.entries_of(sw, program.WORKER_TABLE, 1)
 
 
+def test_resets_still_queued_from_a_job_never_clear_the_job_that_takes_its_pool(sw,
+                                                                                 monkeypatch):
+    """Job 2's re-install timed out with its RESETs queued on the CPU path (its thc_install
+    entry still naming that install). A cluster install then moved job 1 onto job 2's old
+    pool and job 2 elsewhere, job 1 written first: the queued RESETs, arriving while job 2
+    was rewritten, ran under job 2's old entries and cleared job 1's live slots."""
+    one, two = make_job(1, pool_base=0), make_job(2, pool_base=4)
+    jobs.install_cluster(sw, cluster(one, two))
+    queued, deliver = [], sw.device.packet_out
+    monkeypatch.setattr(sw.device, "packet_out", queued.append)
+    with monkeypatch.context() as m:
+        m.setattr(jobs, "reset_pool", functools.partial(jobs.reset_pool, timeout=0.05))
+        with pytest.raises(SwitchError, match="slot resets"):
+            jobs.install_job(sw, replace(two, table=TABLE[::-1]).validate(), live_window=IDLE)
+    stale = len(queued)
+    monkeypatch.setattr(sw.device, "packet_out", deliver)
+    write = jobs._write_job
+
+    def catching_up(switch, job, *args):
+        if job.job_id == 2:     # the CPU path catches up while job 2 is rewritten
+            for frame in queued:
+                deliver(frame)
+        write(switch, job, *args)
+    monkeypatch.setattr(jobs, "_write_job", catching_up)
+    drops, mark = counters.drops(sw)["stale_reset"], len(sw.device.reset_cells)
+    jobs.install_cluster(sw, cluster(replace(one, pool_base=4).validate(),
+                                     replace(two, pool_base=8).validate()), live_window=IDLE)
+    ones = {(4 + slot) * 2 + version for slot in range(4) for version in (0, 1)}
+    cleared = [cell for (job_id, _s, _v), cell in zip(sw.device.slot_resets[mark:],
+                                                      sw.device.reset_cells[mark:])
+               if job_id == 2 and cell in ones]
+    assert cleared == [] and counters.drops(sw)["stale_reset"] - drops == stale == 8, cleared
+
+
 # ---- live jobs ------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("cell", P.JOB_COUNTERS)
