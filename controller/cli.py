@@ -211,11 +211,14 @@ def _run(args: argparse.Namespace) -> int:
                 print(f"job {jid}: NOT installed, but entries of it remain in "
                       f"{', '.join(tables)} (an install or remove stopped part-way); "
                       f"`remove --job {jid}` deletes them")
+            wrong = installed.conflicts(sw)
             for jid, cfg in sorted(held.items()):
                 live = len(installed.worker_entries_of(sw, jid))
                 state = "" if live == cfg["n_workers"] else \
                     f" (NOT serving: {live} of {cfg['n_workers']} worker entries; install it again)"
                 print(f"job {jid}: " + ", ".join(f"{k}={v}" for k, v in cfg.items()) + state)
+                for why in wrong.get(jid, ()):
+                    print(f"job {jid}: NOT consistent: {why}; install the cluster again")
         elif args.action == "counters":
             snap = counters.snapshot(sw, installed.installed_jobs(sw))
             if args.json:

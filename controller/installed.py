@@ -137,6 +137,36 @@ def installed_configs(sw: Switch) -> dict[int, dict]:
     return {jid: {**cfg, "addresses": addresses.get(jid, [])} for jid, cfg in installed.items()}
 
 
+def conflicts(sw: Switch) -> dict[int, list[str]]:
+    """{job_id: what is wrong} of jobs whose entries disagree, as an install or remove cut
+    short can leave them: a job whose workers' packets count (it has thc_worker entries)
+    without one thc_install entry of its own epoch (the RESETs of its install are dropped,
+    or another install's run), and jobs whose pools overlap (one's packets or queued RESETs
+    reach the other's slots) or that share a multicast group (one's results reach the other's
+    workers). An install of the cluster mends them."""
+    held = installed_jobs(sw)
+    counting = {jid for jid in held if worker_entries_of(sw, jid)}
+    out: dict[int, list[str]] = {}
+    for jid, cfg in sorted(held.items()):
+        epochs = install_epochs(sw, jid)
+        if jid in counting and epochs != [cfg["epoch"]]:
+            out.setdefault(jid, []).append(
+                f"its packets count, but its thc_install entries name epochs "
+                f"{[hex(e) for e in epochs]}, not its job entry's {cfg['epoch']:#x}")
+        lo, hi = cfg["pool_base"], cfg["pool_base"] + cfg["pool_size"]
+        for other, o in sorted(held.items()):
+            if other == jid:
+                continue
+            if lo < o["pool_base"] + o["pool_size"] and o["pool_base"] < hi:
+                out.setdefault(jid, []).append(
+                    f"its slots {lo}..{hi - 1} overlap job {other}'s "
+                    f"{o['pool_base']}..{o['pool_base'] + o['pool_size'] - 1}")
+            if cfg["mcast_grp"] == o["mcast_grp"]:
+                out.setdefault(jid, []).append(
+                    f"it shares multicast group {cfg['mcast_grp']} with job {other}")
+    return out
+
+
 def leftovers(sw: Switch) -> dict[int, list[str]]:
     """{job_id: short names of the tables holding its entries} of job ids without a thc_job
     entry: what an install or a remove cut short left (a controller older than the job entry

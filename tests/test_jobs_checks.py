@@ -160,6 +160,32 @@ def test_leftovers_without_a_job_entry_are_listed_and_removed(sw, monkeypatch, c
     assert thc_controller(sw.device, monkeypatch, "remove", "--job", "3") == 1
 
 
+def test_jobs_names_entries_that_disagree(sw, monkeypatch, capsys):
+    """An install or remove cut short can leave jobs whose entries disagree: a counting job
+    without its install entry, pools that overlap, a shared multicast group. `jobs` listed
+    them with their parameters and said nothing was wrong."""
+    one, two = make_job(1, pool_base=0), make_job(2, pool_base=4)
+    jobs.install_cluster(sw, cluster(one, two))
+    assert installed.conflicts(sw) == {}
+    job_entries.delete(sw, installed.entries_of(sw, program.INSTALL_TABLE, 1))
+    cfg = installed.installed_jobs(sw)[2]
+    moved = replace(two, pool_base=2, mcast_grp=one.mcast_grp).validate()
+    job_entries.upsert(sw, [job_entries.job_entry(sw, moved, cfg["job_index"], cfg["epoch"])])
+    wrong = installed.conflicts(sw)
+    assert wrong[1][0].startswith("its packets count, but its thc_install entries name "
+                                  "epochs [], not its job entry's"), wrong
+    assert wrong[1][1:] == ["its slots 0..3 overlap job 2's 2..5",
+                            f"it shares multicast group {one.mcast_grp} with job 2"], wrong
+    assert wrong[2] == ["its slots 2..5 overlap job 1's 0..3",
+                        f"it shares multicast group {one.mcast_grp} with job 1"], wrong
+    assert thc_controller(sw.device, monkeypatch, "jobs") == 0
+    out = capsys.readouterr().out
+    assert "job 2: NOT consistent: its slots 2..5 overlap job 1's 0..3; install the cluster " \
+           "again" in out, out
+    jobs.install_cluster(sw, cluster(one, two), force=True, live_window=IDLE)
+    assert installed.conflicts(sw) == {}
+
+
 def test_prune_removes_leftovers_the_cluster_lacks(sw):
     job = make_job(3)
     job_entries.upsert(sw, job_entries.addr_entries(sw, job, job_entries.AggAddress()))
