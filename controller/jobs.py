@@ -175,15 +175,16 @@ def install_job(sw: Switch, job: Job, agg: AggAddress = AggAddress(),
 
 def _write_job(sw: Switch, job: Job, job_index: int, agg: AggAddress,
                previous: dict | None, groups_in_use: set[int] = frozenset(),
-               last_epoch: int | None = None) -> None:
+               last_epoch: int | None = None, held: tuple[int, ...] = ()) -> None:
     """``groups_in_use``: multicast groups other jobs hold or are given in the same
     install: the previous group of this job is deleted only when none of them is it.
     ``last_epoch``: the job's epoch before, which the new one must differ from (also where
-    the job left its old index, so ``previous`` is None). A
+    the job left its old index, so ``previous`` is None). ``held``: epochs of install
+    entries already taken off (RESETs of theirs may still be queued), drawn by none. A
     write that fails leaves the job without all its worker entries (they go in last), so no
     chunk of it completes; the error says so and how to finish."""
     try:
-        _write_entries(sw, job, job_index, agg, previous, groups_in_use, last_epoch)
+        _write_entries(sw, job, job_index, agg, previous, groups_in_use, last_epoch, held)
     except SwitchError as e:
         raise SwitchError(f"job {job.job_id}: the install stopped part-way ({e}). What it "
                           f"wrote stays on the switch without all the job's worker entries, "
@@ -192,7 +193,8 @@ def _write_job(sw: Switch, job: Job, job_index: int, agg: AggAddress,
 
 
 def _write_entries(sw: Switch, job: Job, job_index: int, agg: AggAddress,
-                   previous: dict | None, groups_in_use, last_epoch: int | None) -> None:
+                   previous: dict | None, groups_in_use, last_epoch: int | None,
+                   held: tuple[int, ...] = ()) -> None:
     # no worker of an old version may add to a slot from here on; a job id without a job
     # entry (see leftovers) may hold worker entries too
     delete(sw, entries_of(sw, WORKER_TABLE, job.job_id))
@@ -216,7 +218,7 @@ def _write_entries(sw: Switch, job: Job, job_index: int, agg: AggAddress,
     # an epoch the switch still names (an install cut short before its thc_install entry
     # was replaced) may have RESETs queued: a new install draws none of them
     epoch = job.new_epoch(previous.get("epoch") if previous else last_epoch,
-                          avoid=set(install_epochs(sw, job.job_id)))
+                          avoid=set(install_epochs(sw, job.job_id)) | set(held))
     upsert(sw, [job_entry(sw, job, job_index, epoch)],
             again and previous["job_index"] == job_index)
     # from here on only this install's RESETs clear the job's slots and count
@@ -373,6 +375,7 @@ def install_cluster(sw: Switch, cluster: Cluster, prune: bool = False, force: bo
         if jid not in wanted:
             _remove(sw, jid, None)
     changing = [j for j in cluster.jobs if j.job_id not in keep]
+    held = {j.job_id: tuple(install_epochs(sw, j.job_id)) for j in changing}
     try:
         for job in changing:
             # every job to be written stops counting before any is rewritten: a job's new pool
@@ -390,7 +393,7 @@ def install_cluster(sw: Switch, cluster: Cluster, prune: bool = False, force: bo
     for k, job in enumerate(changing):
         try:
             _write_job(sw, job, index[job.job_id], agg, installed.get(job.job_id),
-                       groups - {job.mcast_grp}, epochs.get(job.job_id))
+                       groups - {job.mcast_grp}, epochs.get(job.job_id), held[job.job_id])
         except SwitchError as e:
             rest = [j.job_id for j in changing[k + 1:]]
             if not rest:

@@ -267,10 +267,12 @@ def test_resets_of_an_install_that_timed_out_do_not_count_for_the_next(sw, monke
     assert len(dev.slot_resets) == first
 
 
-def test_an_install_draws_no_epoch_the_switch_still_names(sw, monkeypatch):
+@pytest.mark.parametrize("again", ["install_job", "install_cluster"])
+def test_an_install_draws_no_epoch_the_switch_still_names(sw, monkeypatch, again):
     """An install cut short between its job entry (epoch e2) and its thc_install entry left
     the install before's (e1), whose RESETs may still be queued. The next install avoided
-    e2 alone: drawing e1 (1 in 65535), it counted those RESETs as its own."""
+    e2 alone: drawing e1 (1 in 65535), it counted those RESETs as its own. A cluster install
+    takes the install entries off before it writes any job, and avoids them all the same."""
     job = make_job(1, 2)
     # e1 at place 0x300; e2 at 0x200; then, past e2, a step onto e1 and one onto 0x201
     e1, e2 = P.nonce_at(0x300), P.nonce_at(0x200)
@@ -280,7 +282,10 @@ def test_an_install_draws_no_epoch_the_switch_still_names(sw, monkeypatch):
     assert installed.installed_jobs(sw)[1]["epoch"] == job.new_epoch(nonce=e1)
     job_entries.upsert(sw, [job_entries.job_entry(sw, job, 0, job.new_epoch(nonce=e2))],
                        exists=True)
-    jobs.install_job(sw, job, live_window=IDLE, force=True)
+    if again == "install_job":
+        jobs.install_job(sw, job, live_window=IDLE, force=True)
+    else:
+        jobs.install_cluster(sw, cluster(job), live_window=IDLE, force=True)
     assert installed.installed_jobs(sw)[1]["epoch"] == job.new_epoch(nonce=P.nonce_at(0x201))
 
 
