@@ -595,11 +595,14 @@ def test_a_silent_shard_is_named_though_another_shard_answers(datapath):
             assert c.stats.compiled_rounds == (datapath == "compiled")
 
 
-def test_a_shard_that_dies_mid_round_is_named_as_stopped_not_as_losing_packets(datapath):
+@pytest.mark.parametrize("then", ["silent", "strays"])
+def test_a_shard_that_dies_mid_round_is_named_as_stopped_not_as_losing_packets(datapath,
+                                                                                then):
     """Shard 1 takes the round's first chunk of its own, then falls silent; its next chunk
     never had a PENDING. The resends it left unanswered for half the deadline name it as
     stopped (down or unreachable), not the chunk's packets as lost: it took a chunk, but
-    that was before it went quiet."""
+    that was before it went quiet. One that goes on answering with another worker's id is
+    up, and its strays are named."""
     def result(data):
         own = unpack_bits(np.frombuffer(data, np.uint8, offset=P.HEADER_BYTES),
                           P.INDEX_BITS, job.lanes)
@@ -613,6 +616,10 @@ def test_a_shard_that_dies_mid_round_is_named_as_stopped_not_as_losing_packets(d
         if not answered or seq in answered:
             answered.add(seq)
             return [result(data)]
+        if then == "strays":
+            stray = bytearray(_reply(job, data, P.PktType.PENDING, 0, 0))
+            stray[1] = 7    # another worker's id
+            return [bytes(stray)]
         return []
 
     with answering(lambda data: [result(data)]) as a0, answering(shard1) as a1:
@@ -621,8 +628,10 @@ def test_a_shard_that_dies_mid_round_is_named_as_stopped_not_as_losing_packets(d
                                           "port": free_port_block(1)}],
                              "shards": [{"ip": a[0], "port": a[1]} for a in (a0, a1)]})
         with AggregationClient(job, 0, run=2, deadline=1.2, max_timeout=0.1, window=4) as c:
-            with pytest.raises(AggregationTimeout, match=r"aggregator shard 1 at .* stopped "
-                                                         r"answering .*\(down, unreachable"):
+            named = (r"aggregator shard 1 at .* stopped answering .*\(down, unreachable"
+                     if then == "silent" else r"no answer from aggregator shard 1 .* datagrams "
+                     r"from aggregator shard 1's address this round answered no chunk")
+            with pytest.raises(AggregationTimeout, match=named):
                 c.aggregate(_packed(job, 1)[: 6 * job.lanes // 2])
             assert answered == {1}
 

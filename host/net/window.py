@@ -241,7 +241,11 @@ def timeout_of(end: Endpoint, rnd: Round, i: int, bitmap: int | None, silent: fl
             f"{at}; {who} at {ip}:{port} answered with {rejected} impossible replies this "
             f"round (the wrong type or size, or sums, counts or bitmaps this job cannot "
             f"make): is it configured with this job (lanes, sum width, workers)?", None, shard)
-    if bitmap is None and not (quiet and taken):
+    # datagrams from the shard's address this round that answered nothing of this worker's:
+    # it is up, answering wrongly, and the hints below say how
+    wrong = (end.stats.elsewhere - rnd.elsewhere) + (end.stats.other_run - rnd.other_run) \
+        + (end.stats.strays - rnd.strays)
+    if bitmap is None and not (quiet and taken and not wrong):
         # Dropped unanswered: every chunk at an aggregator without this job, this worker's
         # address or its lanes (DATA), or with another pool (once it answered, its epoch
         # names another configuration: AggregatorMisconfigured). A shard at another address
