@@ -236,6 +236,28 @@ def test_a_refusal_nothing_read_is_told_when_its_reducer_is_dropped(monkeypatch)
 
 
 @kernels
+def test_a_round_whose_event_cannot_be_read_is_told_once(monkeypatch):
+    """An event whose query fails (a device error) was told at exit and again when its
+    reducer was dropped."""
+    monkeypatch.setattr(graphed, "_DEFERRING", weakref.WeakSet())
+    _, deferred = _pair()
+    _peers_say([deferred], 0)
+    deferred(_x(0))
+
+    class Broken:
+        def query(self):
+            raise RuntimeError("device error")
+    deferred._pending.done = Broken()
+    with pytest.warns(RuntimeWarning, match=r"round 0 .* was refused \(RuntimeError: device"):
+        graphed._read_at_exit()
+    with warnings.catch_warnings(record=True) as told:
+        warnings.simplefilter("always")
+        del deferred
+        gc.collect()
+    assert not told, [str(w.message) for w in told]
+
+
+@kernels
 def test_the_reader_at_exit_tells_every_round_where_warnings_are_errors(monkeypatch, capsys):
     """Under ``-W error`` a warning raises: the first reducer's stopped the reader, and the
     second reducer's refusal went untold."""

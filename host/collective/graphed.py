@@ -101,6 +101,7 @@ def _tell_unread(ar: "GraphedAllReduce", when: str) -> None:
             ar.check()
             return
     except Exception as e:  # noqa: BLE001 - each reducer's round is told
+        ar._pending = None   # once: a query that failed here would fail again at the drop
         what = f"was refused ({type(e).__name__}: {e})"
     told = (f"round {pending.round} of graphed reducer {ar.name!r} {what} when {when}, and "
             f"no check() after the last step read it")
