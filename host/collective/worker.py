@@ -180,6 +180,7 @@ def agree_run(group=None, alone: bool = False, given: int | None = None,
         every = [torch.empty_like(t) for _ in range(world)]
         try:
             dist.all_gather(every, t, group=group)   # every rank, whatever it holds
+            every = [x.tolist() for x in every]      # NCCL's waits here
         except RuntimeError as e:
             raise RuntimeError(
                 f"the run agreement over the process group's {world} ranks failed ({e}); "
@@ -187,7 +188,7 @@ def agree_run(group=None, alone: bool = False, given: int | None = None,
                 f"of workers than the group has ranks (a cluster file unlike this rank's: "
                 f"give every rank the same one), or one that stopped before it (its own "
                 f"error says why)") from e
-        held = [int(x[0]) for x in every]
+        held = [x[0] for x in every]
         if bad is not None:
             raise bad
         if MALFORMED in held:
@@ -197,10 +198,10 @@ def agree_run(group=None, alone: bool = False, given: int | None = None,
             ranks = ", ".join(f"rank {r}: {'none' if v < 0 else v}" for r, v in enumerate(held))
             raise ValueError(f"the ranks hold different run ids ({ranks}): give the same "
                              f"one ({P.RUN_ENV} or --run-id) to every rank, or to none")
-        seats = [tuple(int(v) for v in x[2:]) for x in every]
+        seats = [tuple(x[2:]) for x in every]
         if any(s[0] >= 0 for s in seats) and (why := _seat_errors(seats)):
             raise ValueError(why)
-        return P.check_run(held[0] if held[0] >= 0 else int(every[0][1]))
+        return P.check_run(held[0] if held[0] >= 0 else every[0][1])
     if mine is not None:
         return mine
     if alone:
