@@ -346,6 +346,25 @@ def _plan(sw: Switch, cluster: Cluster, installed: dict[int, dict], prune: bool)
     return index
 
 
+def _overtaken(changing: list[Job], installed: dict[int, dict]) -> set[int]:
+    """Jobs of ``changing`` whose installed pool a job written before them takes: their
+    install entries go before any job is written, so that RESETs still queued from their
+    last install (one whose resets timed out) are dropped, not run on the slots of a job
+    already live there. Elsewhere the entries stay until the job's own rewrite, where they
+    keep their epochs from the next draw (after a write that failed, too)."""
+    order = {j.job_id: k for k, j in enumerate(changing)}
+    out = set()
+    for y in changing:
+        cfg = installed.get(y.job_id)
+        if cfg is None:
+            continue
+        lo, hi = cfg["pool_base"], cfg["pool_base"] + cfg["pool_size"]
+        if any(order[x.job_id] < order[y.job_id] and x.pool_base < hi
+               and lo < x.pool_base + x.pool_size for x in changing):
+            out.add(y.job_id)
+    return out
+
+
 def install_cluster(sw: Switch, cluster: Cluster, prune: bool = False, force: bool = False,
                     live_window: float = LIVE_WINDOW) -> dict[int, int]:
     """Make the switch hold every job of ``cluster``; returns {job_id: job_index}.
@@ -375,15 +394,16 @@ def install_cluster(sw: Switch, cluster: Cluster, prune: bool = False, force: bo
         if jid not in wanted:
             _remove(sw, jid, None)
     changing = [j for j in cluster.jobs if j.job_id not in keep]
-    held = {j.job_id: tuple(install_epochs(sw, j.job_id)) for j in changing}
+    overtaken = _overtaken(changing, installed)
+    held = {j.job_id: tuple(install_epochs(sw, j.job_id)) if j.job_id in overtaken else ()
+            for j in changing}
     try:
         for job in changing:
             # every job to be written stops counting before any is rewritten: a job's new pool
-            # or group may be another's that is rewritten later (or never, if a write fails);
-            # without its install entry the RESETs still queued from its last install (one
-            # whose resets timed out) are dropped, not run on slots another job takes now
+            # or group may be another's that is rewritten later (or never, if a write fails)
             delete(sw, entries_of(sw, WORKER_TABLE, job.job_id))
-            delete(sw, entries_of(sw, INSTALL_TABLE, job.job_id))
+            if job.job_id in overtaken:
+                delete(sw, entries_of(sw, INSTALL_TABLE, job.job_id))
     except SwitchError as e:
         raise SwitchError(f"taking the worker and install entries of jobs "
                           f"{[j.job_id for j in changing]} off failed ({e}); some of them count "

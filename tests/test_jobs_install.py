@@ -289,6 +289,32 @@ def test_an_install_draws_no_epoch_the_switch_still_names(sw, monkeypatch, again
     assert installed.installed_jobs(sw)[1]["epoch"] == job.new_epoch(nonce=P.nonce_at(0x201))
 
 
+def test_a_cluster_install_retried_after_a_failure_draws_no_epoch_the_switch_named(
+        sw, monkeypatch):
+    """Job 1 cut short between its job entry (e2) and its thc_install entry (e1, RESETs
+    queued). A cluster install that failed writing another job first had taken job 1's
+    install entry off already: the retry drew e1."""
+    job, other = make_job(1, 2), make_job(3, 2, pool_base=8)
+    e1, e2 = P.nonce_at(0x300), P.nonce_at(0x200)
+    draws = iter([e1 - 1, 5, 0xFF, 0])
+    monkeypatch.setattr(P.secrets, "randbelow", lambda n: next(draws))
+    jobs.install_job(sw, job)
+    job_entries.upsert(sw, [job_entries.job_entry(sw, job, 0, job.new_epoch(nonce=e2))],
+                       exists=True)
+    write = jobs._write_job
+
+    def failing(switch, j, *args):
+        if j.job_id == 3:
+            raise SwitchError("write failed")
+        write(switch, j, *args)
+    with monkeypatch.context() as m:
+        m.setattr(jobs, "_write_job", failing)
+        with pytest.raises(SwitchError, match="write failed"):
+            jobs.install_cluster(sw, cluster(other, job), live_window=IDLE, force=True)
+    jobs.install_cluster(sw, cluster(other, job), live_window=IDLE, force=True)
+    assert installed.installed_jobs(sw)[1]["epoch"] == job.new_epoch(nonce=P.nonce_at(0x201))
+
+
 @pytest.mark.parametrize("change", [{"granularity": 31}, {"granularity": 100}])
 def test_a_change_the_entries_do_not_hold_installs_an_epoch_of_the_new_tag(sw, change):
     """The switch entries hold no granularity: install_cluster kept the job as it was, with
