@@ -180,7 +180,7 @@ def agree_run(group=None, alone: bool = False, given: int | None = None,
         every = [torch.empty_like(t) for _ in range(world)]
         try:
             dist.all_gather(every, t, group=group)   # every rank, whatever it holds
-            every = [x.tolist() for x in every]      # NCCL's waits here
+            every = [x.tolist() for x in every]      # an NCCL all-gather is waited for here
         except RuntimeError as e:
             raise RuntimeError(
                 f"the run agreement over the process group's {world} ranks failed ({e}); "

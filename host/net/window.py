@@ -241,8 +241,8 @@ def timeout_of(end: Endpoint, rnd: Round, i: int, bitmap: int | None, silent: fl
             f"{at}; {who} at {ip}:{port} answered with {rejected} impossible replies this "
             f"round (the wrong type or size, or sums, counts or bitmaps this job cannot "
             f"make): is it configured with this job (lanes, sum width, workers)?", None, shard)
-    # datagrams from the shard's address this round that answered nothing of this worker's:
-    # it is up, answering wrongly, and the hints below say how
+    # datagrams this round from the shard (or from its port at another IP) that answered
+    # nothing of this worker's: it is up, answering wrongly, and the hints below say how
     wrong = (end.stats.elsewhere - rnd.elsewhere) + (end.stats.other_run - rnd.other_run) \
         + (end.stats.strays - rnd.strays)
     if bitmap is None and not (quiet and taken and not wrong):
