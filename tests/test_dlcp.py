@@ -55,7 +55,7 @@ class TosRecordingAggregator:
         self.sock.setsockopt(socket.IPPROTO_IP, socket.IP_RECVTOS, 1)
         self.sock.bind(("127.0.0.1", 0))
         self.sock.settimeout(0.2)
-        self.tos: list[tuple[int, int]] = []     # (pkt_type, tos)
+        self.tos: list[tuple[int, int, int]] = []     # (pkt_type, seq, tos)
         self.stop = False
         self.thread = threading.Thread(target=self.serve, daemon=True)
         self.thread.start()
@@ -67,7 +67,7 @@ class TosRecordingAggregator:
             except socket.timeout:
                 continue
             tos = next((c[2][0] for c in anc if c[1] == socket.IP_TOS), 0)
-            self.tos.append((data[0], tos))
+            self.tos.append((data[0], P.HEADER_STRUCT.unpack_from(data)[6], tos))
             for out, dst in self.agg.handle(data, src):
                 self.sock.sendto(out, dst)
 
@@ -88,8 +88,9 @@ def test_each_data_packet_carries_its_chunks_class_in_dscp():
             c.aggregate(packed[: job.lanes // 2])          # no classes: best effort
     finally:
         agg.close()
-    data = [tos for t, tos in agg.tos if t == P.PktType.DATA]
-    assert data[:6] == [tos_of(k) for k in classes] and data[6] == 0
+    # each seq's class, in every send of it (a late retransmission comes after the next round)
+    data = {(seq, tos) for t, seq, tos in agg.tos if t == P.PktType.DATA}
+    assert data == {(i, tos_of(k)) for i, k in enumerate(classes)} | {(len(classes), 0)}, data
     assert [tos_of(k) >> 2 for k in range(N_CLASSES)] == list(P.PRIORITY_DSCP)
 
 
