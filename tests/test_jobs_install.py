@@ -271,8 +271,8 @@ def test_resets_of_an_install_that_timed_out_do_not_count_for_the_next(sw, monke
 def test_an_install_draws_no_epoch_the_switch_still_names(sw, monkeypatch, again):
     """An install cut short between its job entry (epoch e2) and its thc_install entry left
     the install before's (e1), whose RESETs may still be queued. The next install avoided
-    e2 alone: drawing e1 (1 in 65535), it counted those RESETs as its own. A cluster install
-    takes the install entries off before it writes any job, and avoids them all the same."""
+    e2 alone: drawing e1 (1 in 65535), it counted those RESETs as its own. So does a
+    cluster install."""
     job = make_job(1, 2)
     # e1 at place 0x300; e2 at 0x200; then, past e2, a step onto e1 and one onto 0x201
     e1, e2 = P.nonce_at(0x300), P.nonce_at(0x200)
