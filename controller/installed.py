@@ -7,7 +7,7 @@ from thc.controller import forwarding, p4rt
 from thc.controller.frames import mac_str
 from thc.controller.job_entries import (AggAddress, addr_entries, install_entry, job_entry,
                                         worker_entries)
-from thc.controller.job_checks import target_of
+from thc.controller.job_checks import pools_overlap, target_of
 from thc.controller.program import ADDR_TABLE, INSTALL_TABLE, JOB_TABLE, WORKER_TABLE
 from thc.controller.switch import Switch
 from thc.wire import protocol as P
@@ -157,7 +157,7 @@ def conflicts(sw: Switch) -> dict[int, list[str]]:
         for other, o in sorted(held.items()):
             if other == jid:
                 continue
-            if lo < o["pool_base"] + o["pool_size"] and o["pool_base"] < hi:
+            if pools_overlap(lo, cfg["pool_size"], o["pool_base"], o["pool_size"]):
                 out.setdefault(jid, []).append(
                     f"its slots {lo}..{hi - 1} overlap job {other}'s "
                     f"{o['pool_base']}..{o['pool_base'] + o['pool_size'] - 1}")

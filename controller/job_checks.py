@@ -27,6 +27,11 @@ REGISTER_SIZES = {"thc_run": 2 * P.SWITCH_SLOTS, "thc_job_run": P.MAX_JOBS,
 """Registers whose sizes protocol.json fixes (slot versions, jobs, workers of every job)."""
 
 
+def pools_overlap(base: int, size: int, other_base: int, other_size: int) -> bool:
+    """Whether two slot pools share a slot."""
+    return base < other_base + other_size and other_base < base + size
+
+
 def check_program(sw: Switch) -> None:
     """ConfigError when the switch's program was compiled for other slots, jobs or workers
     than protocol.json gives: it would take jobs whose slots it does not have, and leave
@@ -106,7 +111,7 @@ def check_job(sw: Switch, job: Job, job_index: int, others: dict[int, dict],
         if cfg["mcast_grp"] == job.mcast_grp:
             raise ConfigError(f"multicast group {job.mcast_grp} is taken by job {jid}")
         lo, hi = cfg["pool_base"], cfg["pool_base"] + cfg["pool_size"]
-        if job.pool_base < hi and lo < job.pool_base + job.pool_size:
+        if pools_overlap(job.pool_base, job.pool_size, lo, cfg["pool_size"]):
             raise ConfigError(f"job {job.job_id}'s slot pool {job.pool_base}.."
                               f"{job.pool_base + job.pool_size - 1} overlaps job {jid}'s "
                               f"{lo}..{hi - 1}")

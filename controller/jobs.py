@@ -27,7 +27,7 @@ from thc.controller.installed import (entries_of, install_epochs, installed_conf
                                       installed_jobs, leftovers, lut_tables, unchanged,
                                       worker_macs)
 from thc.controller.job_checks import (check_agg, check_beside_agg, check_job, check_room,
-                                       check_routes, config_of, free_index)
+                                       check_routes, config_of, free_index, pools_overlap)
 from thc.controller.job_entries import (AggAddress, addr_entries, delete, install_entry,
                                         job_entry, lut_entries, upsert, worker_entries)
 from thc.controller.program import ADDR_TABLE, INSTALL_TABLE, JOB_TABLE, WORKER_TABLE
@@ -358,9 +358,8 @@ def _overtaken(changing: list[Job], installed: dict[int, dict]) -> set[int]:
         cfg = installed.get(y.job_id)
         if cfg is None:
             continue
-        lo, hi = cfg["pool_base"], cfg["pool_base"] + cfg["pool_size"]
-        if any(order[x.job_id] < order[y.job_id] and x.pool_base < hi
-               and lo < x.pool_base + x.pool_size for x in changing):
+        if any(order[x.job_id] < order[y.job_id] and pools_overlap(
+                x.pool_base, x.pool_size, cfg["pool_base"], cfg["pool_size"]) for x in changing):
             out.add(y.job_id)
     return out
 
