@@ -212,7 +212,7 @@ def _thc_frames(job, agg, rng, lanes):
         for w in job.workers:
             yield w.switch_port, prefix[w.id] + pack(
                 P.PktType.DATA, w.id, job.job_id, slot, version, 0, seq & 0xFFFFFFFF,
-                (seq * lanes) & 0xFFFFFFFF, 0, RUN, 0) + payloads[(seq + w.id) % 16]
+                (seq * lanes) & 0xFFFFFFFF, job.config_tag, RUN, 0) + payloads[(seq + w.id) % 16]
 
 
 def bench_thc(args, build_dir, label: str, sum_bits: int = 8) -> dict:

@@ -639,12 +639,15 @@ control ThcIngress(inout headers_t hdr, inout metadata_t meta, inout standard_me
             if (meta.drop_reason == 0 && hdr.thc.pkt_type == THC_DATA && meta.vote == 1) {
 #include "generated/thc_vote_apply.p4"
             }
-            // 4., 5. worker (RESET comes from the controller, not from a worker)
+            // 4., 5. worker and its configuration tag (RESET comes from the controller)
             if (meta.drop_reason == 0 && hdr.thc.pkt_type != THC_RESET) {
                 if (hdr.thc.worker_id >= meta.n_workers) {
                     meta.drop_reason = THC_DROP_WORKER_OUTSIDE_JOB;
                 } else if (!thc_worker.apply().hit) {
                     meta.drop_reason = THC_DROP_UNKNOWN_WORKER;
+                } else if (hdr.thc.bitmap[15:0] != meta.epoch[31:16]) {
+                    // the sender's configuration tag is not this install's
+                    thc_refuse(THC_DROP_WRONG_CONFIG, 0);
                 } else if (hdr.thc.pkt_type == THC_FLUSH) {
                     meta.flush = 1;
                     meta.worker_bit = 0;

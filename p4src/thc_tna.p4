@@ -157,6 +157,7 @@ struct metadata_t {
     bit<1>  vote;           // a vote job: DATA carries sign bits, the sums count the +1s
     bit<3>  lanes_in;       // THC_IN_*: what pass 0's parser found after the THC header
     bit<32> epoch;
+    bit<16> cfg_diff;       // the packet's configuration tag (bitmap[15:0]) ^ the install's
     bit<1>  job_hit;
     // from thc_worker
     bit<32> worker_bit;     // FLUSH: bit 31, the closed mark
@@ -647,6 +648,7 @@ control ThcIngress(inout tna_headers_t hdr, inout metadata_t meta,
         meta.wide = (bit<1>)(sum_bits >> 4);
         meta.vote = aggregation[0:0];
         meta.epoch = epoch;
+        meta.cfg_diff = hdr.thc.bitmap[15:0] ^ epoch[31:16];
         meta.job_hit = 1;
     }
     @stage(0)
@@ -813,13 +815,13 @@ control ThcIngress(inout tna_headers_t hdr, inout metadata_t meta,
     }
     // The checks of thc_check before the job's run, as its entries make them (a known
     // worker is one of the job's: the controller's thc_worker entries; a slot within the
-    // pool has no bit of the pool's mask clear), so that only a packet that thc_check
-    // leaves to the run check reads (and takes) an idle job.
+    // pool has no bit of the pool's mask clear; the configuration tag is the install's), so
+    // that only a packet that thc_check leaves to the run check reads (and takes) an idle job.
 #define THC_SEEN_POOL(P) \
-            (0, 1, _, _, _, _, P, 0 &&& (P - 1), 0 &&& P, 0, 1, 0 &&& (0xffff - (P - 1)), 0, _): \
-                thc_job_seen_check(); \
-            (0, 1, _, _, _, _, P, 0 &&& (P - 1), P &&& P, 1, 1, 0 &&& (0xffff - (P - 1)), 0, _): \
-                thc_job_seen_check();
+            (0, 1, _, _, _, _, P, 0 &&& (P - 1), 0 &&& P, 0, 1, 0 &&& (0xffff - (P - 1)), 0, \
+             _, 0): thc_job_seen_check(); \
+            (0, 1, _, _, _, _, P, 0 &&& (P - 1), P &&& P, 1, 1, 0 &&& (0xffff - (P - 1)), 0, \
+             _, 0): thc_job_seen_check();
     @stage(1)
     table thc_job_seen_op {
         key = {
@@ -837,17 +839,18 @@ control ThcIngress(inout tna_headers_t hdr, inout metadata_t meta,
             hdr.thc.slot: ternary @name("slot");
             hdr.thc.offset[31:31]: ternary @name("offset31");
             meta.install_hit: ternary;
+            meta.cfg_diff: ternary;
         }
         actions = { thc_job_seen_check; thc_job_seen_clear; NoAction; }
         const entries = {
-            (0, 1, THC_RESET, _, _, _, _, _, _, _, _, _, _, 1): thc_job_seen_clear();
-            (0, 1, _, 1, _, 1, _, _, _, _, _, _, _, _): NoAction();
-            (0, 1, THC_DATA, 0, THC_IN_NONE, _, _, _, _, _, _, _, _, _): NoAction();
-            (0, 1, THC_DATA, 0, THC_IN_SIGNS, _, _, _, _, _, _, _, _, _): NoAction();
-            (0, 1, THC_DATA, 1, THC_IN_NONE, _, _, _, _, _, _, _, _, _): NoAction();
-            (0, 1, THC_DATA, 1, THC_IN_IDX, _, _, _, _, _, _, _, _, _): NoAction();
-            (0, 1, THC_MAX, _, THC_IN_NONE, _, _, _, _, _, _, _, _, _): NoAction();
-            (0, 1, THC_FLUSH, _, THC_IN_NONE, _, _, _, _, _, _, _, _, _): NoAction();
+            (0, 1, THC_RESET, _, _, _, _, _, _, _, _, _, _, 1, _): thc_job_seen_clear();
+            (0, 1, _, 1, _, 1, _, _, _, _, _, _, _, _, _): NoAction();
+            (0, 1, THC_DATA, 0, THC_IN_NONE, _, _, _, _, _, _, _, _, _, _): NoAction();
+            (0, 1, THC_DATA, 0, THC_IN_SIGNS, _, _, _, _, _, _, _, _, _, _): NoAction();
+            (0, 1, THC_DATA, 1, THC_IN_NONE, _, _, _, _, _, _, _, _, _, _): NoAction();
+            (0, 1, THC_DATA, 1, THC_IN_IDX, _, _, _, _, _, _, _, _, _, _): NoAction();
+            (0, 1, THC_MAX, _, THC_IN_NONE, _, _, _, _, _, _, _, _, _, _): NoAction();
+            (0, 1, THC_FLUSH, _, THC_IN_NONE, _, _, _, _, _, _, _, _, _, _): NoAction();
             THC_SEEN_POOL(1) THC_SEEN_POOL(2) THC_SEEN_POOL(4) THC_SEEN_POOL(8)
             THC_SEEN_POOL(16) THC_SEEN_POOL(32) THC_SEEN_POOL(64) THC_SEEN_POOL(128)
             THC_SEEN_POOL(256) THC_SEEN_POOL(512)
@@ -863,14 +866,18 @@ control ThcIngress(inout tna_headers_t hdr, inout metadata_t meta,
     // that are powers of two: slot == seq mod pool (slotx masked) and version == bit
     // log2(pool) of seq.
 #define THC_POOL(P) \
-            (0, 1, _, _, _, _, P, 0 &&& (P - 1), 0 &&& P, 0, _, _, _, _, 1, _): \
+            (0, 1, _, _, _, _, P, 0 &&& (P - 1), 0 &&& P, 0, _, _, _, _, 1, _, _): \
                 thc_job_run_idle(); \
-            (0, 1, _, _, _, _, P, 0 &&& (P - 1), 0 &&& P, 0, _, _, _, _, _, _): \
+            (0, 1, _, _, _, _, P, 0 &&& (P - 1), 0 &&& P, 0, _, _, _, _, _, _, _): \
                 thc_job_run_check(); \
-            (0, 1, _, _, _, _, P, 0 &&& (P - 1), P &&& P, 1, _, _, _, _, 1, _): \
+            (0, 1, _, _, _, _, P, 0 &&& (P - 1), P &&& P, 1, _, _, _, _, 1, _, _): \
                 thc_job_run_idle(); \
-            (0, 1, _, _, _, _, P, 0 &&& (P - 1), P &&& P, 1, _, _, _, _, _, _): \
+            (0, 1, _, _, _, _, P, 0 &&& (P - 1), P &&& P, 1, _, _, _, _, _, _, _): \
                 thc_job_run_check();
+    // a configuration tag unlike the install's: some bit of cfg_diff set
+#define THC_CONFIG(B) \
+            (0, 1, _, _, _, _, _, _, _, _, _, _, _, _, _, _, (1 << B) &&& (1 << B)): \
+                thc_refuse(THC_DROP_WRONG_CONFIG);
     @stage(4)
     table thc_check {
         key = {
@@ -890,49 +897,54 @@ control ThcIngress(inout tna_headers_t hdr, inout metadata_t meta,
             hdr.thc.offset[31:31]: ternary @name("offset31");
             meta.idle: ternary;
             meta.install_hit: ternary;
+            meta.cfg_diff: ternary;
         }
         actions = {
             thc_set_drop; thc_refuse; thc_job_run_check; thc_job_run_idle; thc_job_run_clear;
             NoAction;
         }
         const entries = {
-            (0, 0, _, _, _, _, _, _, _, _, _, _, _, _, _, _): thc_set_drop(THC_DROP_UNKNOWN_JOB);
-            (0, 1, _, 1, _, 1, _, _, _, _, _, _, _, _, _, _): thc_set_drop(THC_DROP_BAD_LANES);
-            (0, 1, THC_DATA, 0, THC_IN_NONE, _, _, _, _, _, _, _, _, _, _, _):
+            (0, 0, _, _, _, _, _, _, _, _, _, _, _, _, _, _, _): thc_set_drop(THC_DROP_UNKNOWN_JOB);
+            (0, 1, _, 1, _, 1, _, _, _, _, _, _, _, _, _, _, _): thc_set_drop(THC_DROP_BAD_LANES);
+            (0, 1, THC_DATA, 0, THC_IN_NONE, _, _, _, _, _, _, _, _, _, _, _, _):
                 thc_set_drop(THC_DROP_BAD_LANES);
-            (0, 1, THC_DATA, 0, THC_IN_SIGNS, _, _, _, _, _, _, _, _, _, _, _):
+            (0, 1, THC_DATA, 0, THC_IN_SIGNS, _, _, _, _, _, _, _, _, _, _, _, _):
                 thc_set_drop(THC_DROP_BAD_LANES);
-            (0, 1, THC_DATA, 1, THC_IN_NONE, _, _, _, _, _, _, _, _, _, _, _):
+            (0, 1, THC_DATA, 1, THC_IN_NONE, _, _, _, _, _, _, _, _, _, _, _, _):
                 thc_set_drop(THC_DROP_BAD_LANES);
-            (0, 1, THC_DATA, 1, THC_IN_IDX, _, _, _, _, _, _, _, _, _, _, _):
+            (0, 1, THC_DATA, 1, THC_IN_IDX, _, _, _, _, _, _, _, _, _, _, _, _):
                 thc_set_drop(THC_DROP_BAD_LANES);
-            (0, 1, THC_MAX, _, THC_IN_NONE, _, _, _, _, _, _, _, _, _, _, _):
+            (0, 1, THC_MAX, _, THC_IN_NONE, _, _, _, _, _, _, _, _, _, _, _, _):
                 thc_set_drop(THC_DROP_BAD_LANES);
-            (0, 1, THC_FLUSH, _, THC_IN_NONE, _, _, _, _, _, _, _, _, _, _, _):
+            (0, 1, THC_FLUSH, _, THC_IN_NONE, _, _, _, _, _, _, _, _, _, _, _, _):
                 thc_set_drop(THC_DROP_BAD_LANES);
-            (0, 1, THC_RESET, _, THC_IN_NONE, _, _, _, _, _, _, _, _, _, _, _):
+            (0, 1, THC_RESET, _, THC_IN_NONE, _, _, _, _, _, _, _, _, _, _, _, _):
                 thc_set_drop(THC_DROP_BAD_LANES);
-            (0, 1, THC_RESET, _, _, _, _, _, _, _, _, _, 0, _, _, _):
+            (0, 1, THC_RESET, _, _, _, _, _, _, _, _, _, 0, _, _, _, _):
                 thc_set_drop(THC_DROP_SLOT_OUTSIDE_POOL);
-            (0, 1, THC_RESET, _, _, _, _, _, _, _, _, _, _, _, _, 0):
+            (0, 1, THC_RESET, _, _, _, _, _, _, _, _, _, _, _, _, 0, _):
                 thc_set_drop(THC_DROP_STALE_RESET);
-            (0, 1, THC_RESET, _, _, _, _, _, _, _, _, _, _, _, _, _): thc_job_run_clear();
-            (0, 1, _, _, _, _, _, _, _, _, 0, _, _, _, _, _):
+            (0, 1, THC_RESET, _, _, _, _, _, _, _, _, _, _, _, _, _, _): thc_job_run_clear();
+            (0, 1, _, _, _, _, _, _, _, _, 0, _, _, _, _, _, _):
                 thc_set_drop(THC_DROP_WORKER_OUTSIDE_JOB);
-            (0, 1, _, _, _, _, _, _, _, _, _, 0, _, _, _, _):
+            (0, 1, _, _, _, _, _, _, _, _, _, 0, _, _, _, _, _):
                 thc_set_drop(THC_DROP_UNKNOWN_WORKER);
-            (0, 1, _, _, _, _, _, _, _, _, _, _, 0, _, _, _):
+            THC_CONFIG(0) THC_CONFIG(1) THC_CONFIG(2) THC_CONFIG(3) THC_CONFIG(4) THC_CONFIG(5)
+            THC_CONFIG(6) THC_CONFIG(7) THC_CONFIG(8) THC_CONFIG(9) THC_CONFIG(10) THC_CONFIG(11)
+            THC_CONFIG(12) THC_CONFIG(13) THC_CONFIG(14) THC_CONFIG(15)
+            (0, 1, _, _, _, _, _, _, _, _, _, _, 0, _, _, _, _):
                 thc_set_drop(THC_DROP_SLOT_OUTSIDE_POOL);
-            (0, 1, _, _, _, _, _, _, _, _, _, _, _, 1, _, _):
+            (0, 1, _, _, _, _, _, _, _, _, _, _, _, 1, _, _, _):
                 thc_refuse(THC_DROP_MALFORMED);   // bit 31 tells a MAX use (thc_use)
             THC_POOL(1) THC_POOL(2) THC_POOL(4) THC_POOL(8) THC_POOL(16) THC_POOL(32)
             THC_POOL(64) THC_POOL(128) THC_POOL(256) THC_POOL(512)
-            (0, 1, _, _, _, _, _, _, _, _, _, _, _, _, _, _): thc_refuse(THC_DROP_WRONG_SLOT);
+            (0, 1, _, _, _, _, _, _, _, _, _, _, _, _, _, _, _): thc_refuse(THC_DROP_WRONG_SLOT);
         }
         const default_action = NoAction;
         size = 128;
     }
 #undef THC_POOL
+#undef THC_CONFIG
 
     action thc_incarnation_check() {
         meta.reused = thc_incarnation_ra.execute(meta.worker_index);

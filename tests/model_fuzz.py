@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import random
 import sys
 import time
@@ -82,6 +83,16 @@ def make_job(sharded: bool = False) -> Job:
                           **({"shards": shards} if sharded else {})})
 
 
+@functools.lru_cache(maxsize=None)
+def _tag_of(shape: tuple) -> int:
+    return make_job().config_tag
+
+
+def config_tag() -> int:
+    """The job's configuration tag, which every worker's packet carries in ``bitmap``."""
+    return _tag_of((AGGREGATION, N_WORKERS, POOL, LANES, TABLE, GRANULARITY))
+
+
 def addr(w: int) -> tuple[str, int]:
     return ("127.0.0.1", BASE_PORT + w)
 
@@ -116,12 +127,13 @@ def norms_of(w: int, run: int, seq: int) -> np.ndarray:
 
 
 def packet(kind: str, w: int, run: int, seq: int, slot=None, version=None,
-           offset=None, nonce: int = 0) -> bytes:
+           offset=None, nonce: int = 0, tag: int | None = None) -> bytes:
     s, v = P.slot_of(seq, POOL)
     lanes = P.MAX_LANES if kind == "MAX" else LANES
     hdr = P.Header(int(P.PktType[kind]), w, JOB_ID, s if slot is None else slot,
                    v if version is None else version, 0, seq,
-                   (seq * lanes) % P.SEQ_MOD if offset is None else offset, 0, run, nonce)
+                   (seq * lanes) % P.SEQ_MOD if offset is None else offset,
+                   config_tag() if tag is None else tag, run, nonce)
     if kind == "DATA":
         body = payload_of(w, run, seq)
     elif kind == "MAX":
@@ -166,7 +178,10 @@ def decode(step: Step, ctx: Context):
     if op <= 6:
         return packet(kind, w, run, seq), addr(w)
     if op == 7:
-        bad = step.d % 4
+        bad = step.d % 5
+        if bad == 4:  # a worker configured otherwise: another tag; high bits are not read
+            tag = (config_tag() ^ (1 << step.c % 16), config_tag() | 1 << 16 + step.c % 16)
+            return packet(kind, w, run, seq, tag=tag[step.c // 16 % 2]), addr(w)
         if bad == 3:  # a second incarnation of the worker under the same run
             return packet(kind, w, run, seq, nonce=1 + step.c % 2), addr(w)
         if bad == 0:

@@ -125,7 +125,7 @@ NETNS_SCRIPT = textwrap.dedent("""
             for w, s in enumerate(workers):
                 slot, version = P.slot_of(seq, job.pool_size)
                 s.sendto(P.Header(P.PktType.DATA, w, 1, slot, version, 0, seq,
-                                  seq * job.lanes, 0, 1, 0).pack() + payload, addr)
+                                  seq * job.lanes, job.config_tag, 1, 0).pack() + payload, addr)
         threading.Thread(target=agg.serve, args=(60.0,), daemon=True).start()
         got = []
         for w, s in enumerate(workers):

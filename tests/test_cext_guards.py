@@ -69,7 +69,7 @@ def _stream(pool: int, is_data: bool, chunk: bytes, lanes: int, agg=None):
                                                                     P.PktType.MAX_RESULT)
         header = (int(kind[0]), int(kind[1]), int(P.PktType.PENDING), 0, int(is_data), 0, 9,
                   pool, 77, 0, 0, lanes, 2, int(P.PktType.REFUSED), P.MAX_LANE_TOP, 0x1234,
-                  (0, 0xFFFF0000), TABLE, False)
+                  (0, 0xFFFF0000, 0), TABLE, False)
         out = np.zeros((1, lanes), np.uint32)
         return cext._fastagg.stream(cl.fileno(), header, np.frombuffer(chunk, np.uint8),
                                     len(chunk), [agg or (LOOPBACK, ag.getsockname()[1])], [None], 1,
@@ -108,7 +108,7 @@ def test_the_load_generator_refuses_a_time_that_never_comes(rto, deadline):
     try:
         with pytest.raises(ValueError, match="drive: bad arguments"):
             cext._fastagg.drive([(w.fileno(), 0)], LOOPBACK, sink.getsockname()[1], 3, 4, 16,
-                                77, 4, 4, [bytes(32)], cext.TYPE_CODES, rto, deadline)
+                                77, 0, 4, 4, [bytes(32)], cext.TYPE_CODES, rto, deadline)
     finally:
         w.close()
         sink.close()
@@ -140,7 +140,7 @@ def test_the_load_generator_hears_a_signal_before_its_deadline():
     w, sink = _udp(), _udp()
     try:
         _rings(lambda: cext._fastagg.drive([(w.fileno(), 0)], LOOPBACK, sink.getsockname()[1],
-                                           3, 4, 16, 77, 4, 4, [bytes(32)], cext.TYPE_CODES,
+                                           3, 4, 16, 77, 0, 4, 4, [bytes(32)], cext.TYPE_CODES,
                                            0.5, 30.0))
     finally:
         w.close()
@@ -153,7 +153,7 @@ def test_a_signal_pending_as_a_loop_starts_is_raised():
     deadline hearing no signal."""
     w, sink = _udp(), _udp()
     drive = functools.partial(cext._fastagg.drive, [(w.fileno(), 0)], LOOPBACK,
-                              sink.getsockname()[1], 3, 4, 16, 77, 4, 4, [bytes(32)],
+                              sink.getsockname()[1], 3, 4, 16, 77, 0, 4, 4, [bytes(32)],
                               cext.TYPE_CODES, 0.5, 30.0)
     old = signal.signal(signal.SIGINT, signal.default_int_handler)   # xdist's ignores it
     t0 = time.monotonic()

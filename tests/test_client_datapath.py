@@ -178,7 +178,7 @@ def test_hostile_replies_ignored_and_counted_short_chunks_and_restart(job, datap
                 payload = packed[seq * chunk:(seq + 1) * chunk].tobytes()
                 assert data == P.HEADER_STRUCT.pack(
                     P.PktType.DATA, 0, job.job_id, slot, version, 0, seq,
-                    1000 + seq * job.lanes, 0, 77, c.incarnation) + payload
+                    1000 + seq * job.lanes, job.config_tag, 77, c.incarnation) + payload
             # a second round continues the sequence numbers; then the aggregator restarts
             sums = c.aggregate(_packed(job, 2))
             np.testing.assert_array_equal(sums, _want(job, _packed(job, 2), N_CHUNKS))
@@ -904,7 +904,7 @@ def test_a_peers_max_lane_above_every_float_is_named_in_the_timeout(job, datapat
         peer.bind((job.workers[1].ip, job.workers[1].port))
         lanes = np.zeros(P.MAX_LANES, dtype=">u4")
         lanes[3] = 0x7FC00000
-        head = P.Header(P.PktType.MAX, 1, job.job_id, 0, 0, 0, 0, 0, 0, 2, 0x1234)
+        head = P.Header(P.PktType.MAX, 1, job.job_id, 0, 0, 0, 0, 0, job.config_tag, 2, 0x1234)
         threading.Timer(0.05, peer.sendto, (P.encode(head, lanes.tobytes()), addr)).start()
         with AggregationClient(job, 0, addr, run=2, deadline=0.5) as c:
             with pytest.raises(AggregationTimeout, match=r"MAX_RESULTs holding a lane above "

@@ -59,7 +59,7 @@ class FuzzAggregator:
 
     def _peer(self, hdr) -> bytes:
         return P.Header(P.PktType.DATA, 1, hdr.job_id, hdr.slot, hdr.version, 0, hdr.seq,
-                        hdr.offset, 0, hdr.run, 5).pack() + pack_bits(
+                        hdr.offset, self.job.config_tag, hdr.run, 5).pack() + pack_bits(
             _peer_indices(self.seed, hdr.seq), P.INDEX_BITS).tobytes()
 
     def _hostile(self, kind: str, hdr, own: np.ndarray, stray: bool = False) -> bytes:

@@ -22,6 +22,7 @@ from thc.net.client import (AggregationClient, AggregationRefused, AggregationTi
 from thc.net.outcomes import AggregatorMisconfigured
 from thc.testing.clusters import free_port_block, local_job
 from thc.wire import protocol as P
+from thc.wire.jobs import Job
 from tests.scripted import scripted_aggregator
 from tests.test_transport import datapath  # noqa: F401 (a fixture)
 
@@ -187,13 +188,14 @@ def test_a_far_future_run_neither_locks_a_live_job_nor_an_idle_one(aggregator_ki
         with AggregationClient(job, 0, addr, run=1000) as c:
             assert (c.aggregate(one) == 3).all()
             far = (1000 + (1 << 31) - 1) % P.SEQ_MOD
-            c.sock.sendto(P.Header(P.PktType.DATA, 0, 1, 1, 0, 0, 1, 256, 0, far, 0).pack()
+            tag = job.config_tag
+            c.sock.sendto(P.Header(P.PktType.DATA, 0, 1, 1, 0, 0, 1, 256, tag, far, 0).pack()
                           + bytes(one[: job.lanes // 2]), addr)
             reply = c.sock.recv(4096)
             assert P.Header.unpack(reply).pkt_type == P.PktType.REFUSED
             assert (c.aggregate(one) == 3).all()
             time.sleep(0.6)  # the run goes idle: now the far-future id may take the job
-            c.sock.sendto(P.Header(P.PktType.DATA, 0, 1, 0, 0, 0, 0, 0, 0, far, 0).pack()
+            c.sock.sendto(P.Header(P.PktType.DATA, 0, 1, 0, 0, 0, 0, 0, tag, far, 0).pack()
                           + bytes(one[: job.lanes // 2]), addr)
             assert P.PktType(P.Header.unpack(c.sock.recv(4096)).pkt_type) == P.PktType.RESULT
             c.run = 1001
@@ -422,6 +424,46 @@ def test_an_aggregator_installed_with_another_configuration_is_refused(datapath,
                                    rf"configuration .*tag {theirs.config_tag:#06x}"):
                     c.aggregate(pack_bits(np.full(job.lanes, 3, np.uint8), P.INDEX_BITS))
                 assert c.stats.compiled_rounds == (datapath == "compiled")
+
+
+@pytest.mark.parametrize("other", ["table", "vote"])
+def test_a_worker_configured_with_another_job_is_never_summed_into_its_peers_round(
+        datapath, other):
+    """A worker whose job differs from the aggregator's but whose payload has the same size
+    (another table; a vote job of 1024 lanes sends the 128 bytes a THC job of 256 does) was
+    summed: it raised AggregatorMisconfigured at the reply, but its peer took a sum holding
+    its indices. Its packets now carry its job's configuration tag, refused as
+    wrong_config: the peer's chunk never completes, and its timeout names the worker."""
+    import dataclasses
+    job = local_job(1, 2, free_port_block(2), table=TABLE)
+    if other == "table":
+        theirs = dataclasses.replace(job, table=tuple(2 * v for v in range(16))).validate()
+    else:
+        theirs = Job.vote(1, job.workers, lanes=4 * job.lanes).validate()
+    payloads = [pack_bits(np.full(job.lanes, 3, np.uint8), P.INDEX_BITS),
+                np.packbits(np.ones(theirs.lanes, np.uint8)) if other == "vote" else
+                pack_bits(np.full(job.lanes, 5, np.uint8), P.INDEX_BITS)]
+    assert len(payloads[0]) == len(payloads[1]) and theirs.config_tag != job.config_tag
+    out: dict[int, object] = {}
+    with Aggregator([job]) as agg:
+        addr = agg.start()
+
+        def worker(w: int, mine) -> None:
+            with AggregationClient(mine, w, addr, run=5, deadline=1.5,
+                                   datapath=datapath) as c:
+                try:
+                    out[w] = c.aggregate(payloads[w])
+                except Exception as e:   # noqa: BLE001 - the outcome is the test's
+                    out[w] = e
+        threads = [threading.Thread(target=worker, args=(w, mine))
+                   for w, mine in enumerate((job, theirs))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert isinstance(out[1], AggregatorMisconfigured), out[1]
+        assert isinstance(out[0], AggregationTimeout) and out[0].missing == [1], out[0]
+        assert agg.drops["wrong_config"] >= 1
 
 
 def test_a_second_thread_on_a_busy_client_is_refused_at_once():

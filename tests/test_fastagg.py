@@ -98,7 +98,8 @@ def dgram(job: Job, w: int, seq: int, run: int = 1, pkt_type=P.PktType.DATA,
     slot, version = P.slot_of(seq, job.pool_size)
     hdr = {"pkt_type": int(pkt_type), "worker_id": w, "job_id": job.job_id, "slot": slot,
            "version": version, "count": 0, "seq": seq % P.SEQ_MOD,
-           "offset": (seq * job.lanes) % P.SEQ_MOD, "bitmap": 0, "run": run, "epoch": 0}
+           "offset": (seq * job.lanes) % P.SEQ_MOD, "bitmap": job.config_tag, "run": run,
+           "epoch": 0}
     hdr.update(fields)
     if payload is None:
         if pkt_type == P.PktType.FLUSH:
@@ -219,8 +220,9 @@ def test_a_given_clock_is_taken_whatever_its_origin():
     py, c = both()
     job = jobs()[0]
     src = ("127.0.0.1", BASE_PORT)
-    first = P.Header(P.PktType.DATA, 0, job.job_id, 0, 0, 0, 0, 0, 0, RUN, NONCE).pack()
-    far = P.Header(P.PktType.DATA, 0, job.job_id, 0, 0, 0, 0, 0, 0, RUN + (1 << 25),
+    tag = job.config_tag
+    first = P.Header(P.PktType.DATA, 0, job.job_id, 0, 0, 0, 0, 0, tag, RUN, NONCE).pack()
+    far = P.Header(P.PktType.DATA, 0, job.job_id, 0, 0, 0, 0, 0, tag, RUN + (1 << 25),
                    NONCE + 1).pack()
     payload = bytes(P.payload_bytes(P.PktType.DATA, job.lanes))
     for now, data in ((-100.0, first), (-100.0 + P.RUN_IDLE_S + 1, far)):
@@ -264,12 +266,12 @@ def test_a_reinstall_keeps_the_address_each_worker_sends_to(engine):
         to = [("127.0.0.2", port), ("127.0.0.1", port)]
         payload = bytes(P.payload_bytes(P.PktType.DATA, job.lanes))
         for w in range(2):
-            socks[w].sendto(P.Header(P.PktType.DATA, w, 4, 0, 0, 0, 0, 0, 0, RUN,
-                                     NONCE + w).pack() + payload, to[w])
+            socks[w].sendto(P.Header(P.PktType.DATA, w, 4, 0, 0, 0, 0, 0, job.config_tag,
+                                     RUN, NONCE + w).pack() + payload, to[w])
         assert socks[0].recvfrom(4096)[1][0] == "127.0.0.2"
         socks[1].recvfrom(4096)
         agg.install(job, NONCE + 1)
-        socks[1].sendto(P.Header(P.PktType.FLUSH, 1, 4, 1, 0, 0, 1, 16, 0, RUN,
+        socks[1].sendto(P.Header(P.PktType.FLUSH, 1, 4, 1, 0, 0, 1, 16, job.config_tag, RUN,
                                  NONCE + 1).pack(), to[1])
         data, src = socks[0].recvfrom(4096)
         assert P.Header.unpack(data).pkt_type == P.PktType.RESULT
@@ -313,7 +315,8 @@ def test_replies_that_fail_to_send_are_counted_in_the_counters(engine):
     s.bind(("127.0.0.1", BASE_PORT))
     s.settimeout(5)
     try:
-        s.sendto(P.Header(P.PktType.FLUSH, 0, 1, 0, 0, 0, 0, 0, 0, 7, 1).pack(), addr)
+        s.sendto(P.Header(P.PktType.FLUSH, 0, 1, 0, 0, 0, 0, 0, job.config_tag, 7, 1).pack(),
+                 addr)
         s.recv(4096)                    # worker 0's copy of the RESULT
         deadline = time.monotonic() + 5
         while agg.counters()["send_errors"] == 0 and time.monotonic() < deadline:
@@ -559,7 +562,7 @@ def mutated(draw, job):
     slot, version = P.slot_of(seq, job.pool_size)
     fields = {"pkt_type": int(kind), "worker_id": w, "job_id": job.job_id, "slot": slot,
               "version": version, "count": 0, "seq": seq % P.SEQ_MOD,
-              "offset": seq * job.lanes % P.SEQ_MOD, "bitmap": 0,
+              "offset": seq * job.lanes % P.SEQ_MOD, "bitmap": job.config_tag,
               "run": draw(st.sampled_from([RUN, RUN, RUN, RUN + 1, RUN - 1])), "epoch": 0}
     widths = dict(P.HEADER_FIELDS)
     for name in draw(st.lists(st.sampled_from(sorted(widths)), max_size=3)):

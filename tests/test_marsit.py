@@ -185,7 +185,7 @@ def test_a_vote_chunk_closed_short_counts_only_its_voters():
     def vote(sock, addr, seq: int, offset: int) -> None:   # worker 1's +1 on 256 lanes
         slot, version = P.slot_of(seq, job.pool_size)
         sock.sendto(P.HEADER_STRUCT.pack(P.PktType.DATA, 1, 5, slot, version, 0, seq, offset,
-                                         0, 9, 77) + b"\xff" * 32, addr)
+                                         job.config_tag, 9, 77) + b"\xff" * 32, addr)
 
     with Aggregator([job]) as agg, socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as w1:
         addr = agg.start()

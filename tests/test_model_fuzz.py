@@ -60,7 +60,8 @@ def test_the_fuzz_exercises_every_rule():
         for k, v in counters["jobs"][F.JOB_ID].items():
             jobs[k] = jobs.get(k, 0) + v
     for reason in ("stale_run", "stale", "wrong_use", "wrong_slot", "unknown_worker",
-                   "reused_run", "malformed", "bad_lanes", "worker_outside_job", "unknown_job"):
+                   "reused_run", "malformed", "bad_lanes", "worker_outside_job", "unknown_job",
+                   "wrong_config"):
         assert drops[reason] > 0, reason
     for counter in ("completions", "held", "retransmissions", "pending"):
         assert jobs[counter] > 0, counter

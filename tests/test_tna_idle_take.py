@@ -4,7 +4,8 @@ packet thc_check hands to the run check reads the job's last-heard time, and tak
 job there and then. The two tables' entries are matched here as a TCAM matches them (the
 first entry that matches wins) over a grid of every key's edges: pool sizes, slots at and past
 the pool, seqs of either version, every type a worker sends (DATA, MAX, FLUSH), lane kind,
-vote and width, a known worker or not, offset bit 31 (a RESET, from the CPU port, clears the
+vote and width, a known worker or not, offset bit 31, the configuration tag's or another's
+(a RESET, from the CPU port, clears the
 time in the one table and the run in the other). The entries are read from the program's
 text (tests/tna/interp.py)."""
 from __future__ import annotations
@@ -50,18 +51,18 @@ def _grid(prog: Program) -> dict[str, np.ndarray]:
     for pool in (0, 3) + tuple(1 << b for b in range(10)):
         for slot in sorted({0, max(pool - 1, 0), pool, 2 * pool - 1 if pool else 1, 0xffff}):
             for seq in {slot, slot + pool, slot + 1, slot + 2 * pool}:
-                for pkt, vote, wide, lane, version, known, off31 in itertools.product(
+                for pkt, vote, wide, lane, version, known, off31, cfg in itertools.product(
                         types, (0, 1), (0, 1), lanes, (0, 1), ((1, 4, 1), (0, 4, 1), (0, 4, 4)),
-                        (0, 1)):
+                        (0, 1), (0, 1, 0x8000)):
                     rows.append((pkt, vote, wide, lane, pool, slot, seq & 0xffff, version,
-                                 *known, off31))
+                                 *known, off31, cfg))
     a = np.array(rows, dtype=np.int64).T
-    pkt, vote, wide, lane, pool, slot, seq16, version, hit, n, w, off31 = a
+    pkt, vote, wide, lane, pool, slot, seq16, version, hit, n, w, off31, cfg = a
     return {"drop_reason": np.zeros_like(pkt), "job_hit": np.ones_like(pkt),
             "pkt_type": pkt, "vote": vote, "wide": wide, "lanes_in": lane, "pool_size": pool,
             "slot": slot, "seq16": seq16, "version": version, "slotx": seq16 ^ slot,
             "worker_hit": hit, "room8": np.maximum(n - w, 0),
-            "room16": np.maximum(pool - slot, 0), "offset31": off31,
+            "room16": np.maximum(pool - slot, 0), "offset31": off31, "cfg_diff": cfg,
             "install_hit": np.zeros_like(pkt)}   # thc_install is looked up for RESETs only
 
 
@@ -102,8 +103,10 @@ SEEN_BROKEN = {
     "a THC job's DATA with signs taken": (
         r"^ *\(0, 1, THC_DATA, 0, THC_IN_SIGNS, [_, ]*\): NoAction\(\);\n", ""),
     "offset bit 31 not read": (
-        r"(0 &&& \(0xffff - \(P - 1\)\)), 0(, _\): \\\n.*\n.*0 &&& \(0xffff - \(P - 1\)\)), 0",
-        r"\1, _\2, _"),
+        r"(0 &&& \(0xffff - \(P - 1\)\)), 0(, \\\n.*\n.*0 &&& \(0xffff - \(P - 1\)\)), 0,",
+        r"\1, _\2, _,"),
+    "the configuration tag not read": (
+        r"(0 &&& P, 0, 1, 0 &&& \(0xffff - \(P - 1\)\), 0, \\\n\s+_), 0\)", r"\1, _)"),
     "version 1's slots up to twice the pool": (
         r"(P &&& P, 1, 1, 0 &&& \(0xffff - )\(P - 1\)\)", r"\1(P + P - 1))"),
     "pools 8 to 256 left out": (

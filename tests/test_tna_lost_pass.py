@@ -132,8 +132,8 @@ def test_a_use_opened_under_the_passes_of_the_one_before(name):
     replies = []
     for seq in (0, 2):
         for w in (0, 1):
-            d = P.Header(T["DATA"], w, JOB_ID, 0, seq % 2, 0, seq, seq * P.LANES, 0,
-                         FIRST_RUN, nonce_of(w, FIRST_RUN)).pack() + lanes_of(
+            d = P.Header(T["DATA"], w, JOB_ID, 0, seq % 2, 0, seq, seq * P.LANES,
+                         job.config_tag, FIRST_RUN, nonce_of(w, FIRST_RUN)).pack() + lanes_of(
                 "DATA", w, FIRST_RUN, seq)
             got, reason = engine.handle(d, addr(w), 1000.0)
             assert reason is None, (seq, w, reason)
@@ -152,8 +152,9 @@ def test_a_use_opened_under_the_passes_of_the_one_before(name):
 
 
 def _packet(kind: str, seq: int, w: int) -> bytes:
-    return P.Header(T[kind], w, JOB_ID, 0, seq % 2, 0, seq, seq * P.LANES, 0, FIRST_RUN,
-                    nonce_of(w, FIRST_RUN)).pack() + (
+    """Worker ``w``'s packet of ``seq`` to the job of two workers and a pool of one."""
+    return P.Header(T[kind], w, JOB_ID, 0, seq % 2, 0, seq, seq * P.LANES,
+                    make_job(2, 1).config_tag, FIRST_RUN, nonce_of(w, FIRST_RUN)).pack() + (
         lanes_of("DATA", w, FIRST_RUN, seq) if kind == "DATA" else b"")
 
 

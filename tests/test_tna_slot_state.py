@@ -51,7 +51,7 @@ def test_an_offset_of_2_to_the_31_is_refused_as_malformed(program):
     job = make_job(2, 4)
     engine.install(job, job.new_epoch(nonce=5), now=1000.0)
     for offset in (1 << 31, (1 << 32) - 1):
-        d = P.Header(T["DATA"], 0, JOB_ID, 0, 0, 0, 0, offset, 0, FIRST_RUN,
+        d = P.Header(T["DATA"], 0, JOB_ID, 0, 0, 0, 0, offset, job.config_tag, FIRST_RUN,
                      nonce_of(0, FIRST_RUN)).pack() + bytes(P.payload_bytes(T["DATA"]))
         replies, reason = engine.handle(d, addr(0), 1000.0)
         assert reason == "malformed" and len(replies) == 1, (offset, reason, replies)
@@ -134,7 +134,8 @@ def test_the_fuzz_reaches_every_outcome(outcomes):
                   "MAX_RESULT to the sender", "FLUSH at a complete use",
                   "run taken: idle job", "run taken: newer, in the jump"):
         assert stats[label] > 0, label
-    for reason in ("stale", "wrong_use", "wrong_slot", "stale_run", "reused_run"):
+    for reason in ("stale", "wrong_use", "wrong_slot", "stale_run", "reused_run",
+                   "wrong_config"):
         assert stats[f"REFUSED {reason}"] > 0, reason
     for reason in ("malformed", "wrong_direction", "not_from_cpu", "bad_lanes", "unknown_job",
                    "worker_outside_job", "unknown_worker", "slot_outside_pool"):
@@ -239,6 +240,10 @@ BROKEN = {
     "slot registers indexed by the slot's low 8 bits": (
         r"thc_reg_hash\.get\(\{meta\.slot_idx\[9:0\]",
         "thc_reg_hash.get({2w0 ++ meta.slot_idx[7:0]"),
+    "the configuration tag never compared": (r"^        meta\.cfg_diff = .*;\n", ""),
+    "bit 15 of the configuration tag unread": (r"THC_CONFIG\(15\)", ""),
+    "the tag's high 16 bits compared": (r"hdr\.thc\.bitmap\[15:0\] \^ epoch\[31:16\]",
+                                        "hdr.thc.bitmap[31:16] ^ epoch[31:16]"),
 }
 """Broken copies the comparison must catch: the program against the model, and what the
 reading itself requires of every pass (the bridge header valid, replies' lengths, the port
@@ -371,7 +376,7 @@ def test_a_reset_of_an_earlier_install_clears_nothing(program):
         resets = engine.counters[names.RESETS, 0]
 
         def data(w, run_id=FIRST_RUN):
-            return P.Header(T["DATA"], w, JOB_ID, 0, 0, 0, 0, 0, 0, run_id,
+            return P.Header(T["DATA"], w, JOB_ID, 0, 0, 0, 0, 0, job.config_tag, run_id,
                             nonce_of(w, run_id)).pack() + bytes(P.payload_bytes(T["DATA"]))
         assert engine.handle(data(0), addr(0), 1000.0) == ([], None)
         stale = engine._frame(reset_frame(JOB_ID, 0, AGG_MAC, AGG_IP, 0, earlier),
@@ -383,7 +388,7 @@ def test_a_reset_of_an_earlier_install_clears_nothing(program):
         return stale, engine.counters[names.RESETS, 0] - resets, other, reason, done
 
     assert run(TnaEngine(program)) == (([], "stale_reset"), 0, "stale_run", None, [2, 2])
-    text, k = re.subn(r"(\(0, 1, THC_RESET(, _){10}), 1(\): thc_job_seen_clear)", r"\1, _\3",
+    text, k = re.subn(r"(\(0, 1, THC_RESET(, _){10}), 1(, _\): thc_job_seen_clear)", r"\1, _\3",
                       (P4SRC / "thc_tna.p4").read_text())
     assert k == 1, "the pattern no longer matches the program"
     assert run(TnaEngine(Program(preprocess(text))))[2] is None

@@ -31,7 +31,8 @@ NEW, OLD = 1003, 1000
 
 
 def _packet(worker: int, run: int) -> bytes:
-    return P.Header(T["DATA"], worker, JOB_ID, 0, 0, 0, 0, 0, 0, run,
+    """Worker ``worker``'s DATA of seq 0 to the job of two workers and a pool of one."""
+    return P.Header(T["DATA"], worker, JOB_ID, 0, 0, 0, 0, 0, make_job(2, 1).config_tag, run,
                     nonce_of(worker, run)).pack() + lanes_of("DATA", worker, run, 0)
 
 

@@ -40,11 +40,11 @@
 
 enum { MALFORMED, BAD_LANES, UNKNOWN_JOB, UNKNOWN_WORKER, WORKER_OUTSIDE_JOB,
        SLOT_OUTSIDE_POOL, STALE, NOT_FROM_CPU, WRONG_DIRECTION, STALE_RUN, WRONG_SHARD,
-       WRONG_USE, WRONG_SLOT, REUSED_RUN, STALE_RESET, N_REASONS };
+       WRONG_USE, WRONG_SLOT, REUSED_RUN, STALE_RESET, WRONG_CONFIG, N_REASONS };
 static const char *REASON_NAMES[N_REASONS] = {
     "malformed", "bad_lanes", "unknown_job", "unknown_worker", "worker_outside_job",
     "slot_outside_pool", "stale", "not_from_cpu", "wrong_direction", "stale_run",
-    "wrong_shard", "wrong_use", "wrong_slot", "reused_run", "stale_reset"};
+    "wrong_shard", "wrong_use", "wrong_slot", "reused_run", "stale_reset", "wrong_config"};
 enum { C_PACKETS, C_COMPLETIONS, C_RETRANSMISSIONS, C_PENDING, C_HELD, N_COUNTERS };
 static const char *COUNTER_NAMES[N_COUNTERS] = {"packets", "completions", "retransmissions",
                                                 "pending", "held"};
@@ -309,6 +309,9 @@ static int process(Datapath *dp, const uint8_t *d, size_t len, uint32_t sip, uin
     if (wid >= n) return drop(dp, WORKER_OUTSIDE_JOB);
     if (!j->addr_ok[wid] || j->ip[wid] != sip || j->port[wid] != sport)
         return drop(dp, UNKNOWN_WORKER);
+    /* the sender's configuration tag (protocol.py's upstream_tag) against the install's */
+    if ((rd32(d + 16) & 0xFFFF) != j->epoch >> 16)
+        return refuse(dp, j, WRONG_CONFIG, d, 0, sip, sport, out);
     if (to) j->local[wid] = to;
     if (slot >= pool) return drop(dp, SLOT_OUTSIDE_POOL);
     if (slot != seq % pool || version != ((seq / pool) & 1))
@@ -1152,7 +1155,8 @@ typedef struct {
 } Lane;
 
 static void send_chunks(Lane *l, long *seqs, int m, struct sockaddr_in *agg,
-                        int job_id, int pool, int lanes, uint32_t run, uint8_t data_type,
+                        int job_id, int pool, int lanes, uint32_t run, uint32_t tag,
+                        uint8_t data_type,
                         int data_bytes, uint8_t *sbuf, struct mmsghdr *msgs,
                         struct iovec *iov, long *sent) {
     int done = 0;
@@ -1162,7 +1166,7 @@ static void send_chunks(Lane *l, long *seqs, int m, struct sockaddr_in *agg,
             long s = seqs[done + k];
             uint8_t *p = sbuf + (size_t)k * OUT_BYTES;
             write_header(p, data_type, (uint8_t)l->wid, (uint16_t)job_id, (uint16_t)(s % pool),
-                         (uint8_t)((s / pool) % 2), 0, (uint32_t)s, (uint32_t)(s * lanes), 0,
+                         (uint8_t)((s / pool) % 2), 0, (uint32_t)s, (uint32_t)(s * lanes), tag,
                          run, 0);
             memcpy(p + HDR, l->data + (size_t)s * data_bytes, data_bytes);
             iov[k].iov_base = p;
@@ -1209,16 +1213,17 @@ static void send_chunks(Lane *l, long *seqs, int m, struct sockaddr_in *agg,
     }
 }
 
-/* drive(workers, agg_ip, agg_port, job_id, pool, lanes, run, chunks, window, payloads, types,
- *       rto, deadline) -> (seconds, results, sent, retransmitted, complete) */
+/* drive(workers, agg_ip, agg_port, job_id, pool, lanes, run, tag, chunks, window, payloads,
+ *       types, rto, deadline) -> (seconds, results, sent, retransmitted, complete); tag: the
+ *       job's configuration tag, sent in the bitmap field */
 static PyObject *fa_drive(PyObject *self, PyObject *args) {
     PyObject *fds, *payloads, *types;
-    unsigned long agg_ip, run;
+    unsigned long agg_ip, run, tag;
     int agg_port, job_id, pool, lanes, window;
     long chunks;
     double rto, deadline;
-    if (!PyArg_ParseTuple(args, "OkiiiikliOOdd", &fds, &agg_ip, &agg_port, &job_id, &pool,
-                          &lanes, &run, &chunks, &window, &payloads, &types, &rto, &deadline))
+    if (!PyArg_ParseTuple(args, "OkiiiikkliOOdd", &fds, &agg_ip, &agg_port, &job_id, &pool,
+                          &lanes, &run, &tag, &chunks, &window, &payloads, &types, &rto, &deadline))
         return NULL;
     PyObject *fseq = PySequence_Fast(fds, "workers must be a sequence of (fd, worker_id)");
     if (!fseq) return NULL;
@@ -1313,14 +1318,14 @@ static PyObject *fa_drive(PyObject *self, PyObject *args) {
             int m = 0;
             while (l->hi < chunks && l->hi < l->base + window) seqs[m++] = l->hi++;
             if (m)
-                send_chunks(l, seqs, m, &agg, job_id, pool, lanes, (uint32_t)run,
+                send_chunks(l, seqs, m, &agg, job_id, pool, lanes, (uint32_t)run, (uint32_t)tag,
                             (uint8_t)tcodes[T_DATA], data_bytes, sbuf, msgs, iov, &sent);
             if (now - l->last > rto) {
                 m = 0;
                 for (long s = l->base; s < l->hi; s++)
                     if (!l->done[s]) seqs[m++] = s;
                 retransmitted += m;
-                send_chunks(l, seqs, m, &agg, job_id, pool, lanes, (uint32_t)run,
+                send_chunks(l, seqs, m, &agg, job_id, pool, lanes, (uint32_t)run, (uint32_t)tag,
                             (uint8_t)tcodes[T_DATA], data_bytes, sbuf, msgs, iov, &sent);
                 l->last = now;
             }
@@ -1380,7 +1385,7 @@ cleanup:
 
 #define CL_RECV_BYTES 4096 /* the Python loop's receive buffer */
 /* stream()'s arguments and timeout report: host/net/fastclient.py refuses another version */
-#define CL_WINDOW_VERSION 10
+#define CL_WINDOW_VERSION 11
 #define CL_OUT_BYTES 2048
 /* per chunk in the window: retransmitted (no RTT sample: Karn), overtaken by a later
  * chunk of its shard (a lost packet, not a missing worker: its timer does not back off),
@@ -1399,6 +1404,7 @@ typedef struct {
     uint8_t pkt_type, result_type, pending_type, worker;
     uint16_t job_id;
     uint32_t pool, run, incarnation; /* incarnation: sent in the epoch field upstream */
+    uint32_t up_tag;                 /* the configuration tag, sent in the bitmap field */
     uint64_t base, offset_base;
     const uint8_t *chunks;
     struct sockaddr_in *aggs;
@@ -1547,8 +1553,8 @@ static void cl_send(Client *c, long i) {
     uint8_t *p = c->sbuf + (size_t)c->nq * CL_OUT_BYTES;
     write_header(p, c->pkt_type, c->worker, c->job_id, (uint16_t)(s % c->pool),
                  (uint8_t)((s / c->pool) % 2), 0, (uint32_t)s,
-                 (uint32_t)(c->offset_base + (uint64_t)i * (uint64_t)c->lanes), 0, c->run,
-                 c->incarnation);
+                 (uint32_t)(c->offset_base + (uint64_t)i * (uint64_t)c->lanes), c->up_tag,
+                 c->run, c->incarnation);
     memcpy(p + HDR, c->chunks + (size_t)i * c->chunk_bytes, (size_t)c->chunk_bytes);
     c->iov[c->nq].iov_base = p;
     c->iov[c->nq].iov_len = HDR + (size_t)c->chunk_bytes;
@@ -1634,11 +1640,12 @@ static int cl_own_bad(const uint8_t *o, int itemsize, const uint8_t *own, int la
  *        out_itemsize, expect_payload, gso)
  *   header: (pkt_type, result_type, pending_type, other_result_type, is_data, worker, job_id,
  *            pool, run, base, offset_base, lanes, n_workers, refused_type, top,
- *            incarnation, (tag, tag_mask), own_lut, vote): own_lut, 16 host-order uint32,
- *            the job's table; vote: DATA lanes are sign bits. Replies of the three types are this job's, a
- *            result of the other type is counted as ignored; an epoch learnt must hold the
- *            job's configuration tag: epoch & tag_mask == tag (protocol.py's
- *            EPOCH_TAG_SHIFT)
+ *            incarnation, (tag, tag_mask, up_tag), own_lut, vote): own_lut, 16 host-order
+ *            uint32, the job's table; vote: DATA lanes are sign bits. Replies of the three
+ *            types are this job's, a result of the other type is counted as ignored; an epoch
+ *            learnt must hold the job's configuration tag: epoch & tag_mask == tag
+ *            (protocol.py's EPOCH_TAG_SHIFT); up_tag: that tag as every packet sent carries it
+ *            in its bitmap field (protocol.py's upstream_tag)
  *   aggs: [(ipv4 as int, port)] per shard; epochs: [int or None] per shard (updated in place)
  *   timing: (timeout, max_timeout, deadline, fast_retransmit_after, fast_backoff_cap,
  *           silent_after, recv_batch), the last four host/net/window.py's rules (results of
@@ -1671,7 +1678,7 @@ static PyObject *fa_stream(PyObject *self, PyObject *args) {
     int n_shards = (int)PyList_GET_SIZE(aggs_o);
     int pkt_type, result_type, pending_type, other_result, is_data, worker, job_id, lanes,
         n_workers, refused_type, top;
-    unsigned long incarnation, tag, tag_mask;
+    unsigned long incarnation, tag, tag_mask, up_tag;
     unsigned long pool, run;
     const char *lut_bytes;
     Py_ssize_t lut_len;
@@ -1700,11 +1707,11 @@ static PyObject *fa_stream(PyObject *self, PyObject *args) {
         PyErr_NoMemory();
         goto cleanup;
     }
-    if (!PyArg_ParseTuple(hdr, "iiiiiiiO&kKKiiiik(kk)y#p", &pkt_type, &result_type,
+    if (!PyArg_ParseTuple(hdr, "iiiiiiiO&kKKiiiik(kkk)y#p", &pkt_type, &result_type,
                           &pending_type, &other_result, &is_data, &worker, &job_id, as_ulong,
                           &pool, &run,
                           &base, &offset_base, &lanes, &n_workers, &refused_type, &top,
-                          &incarnation, &tag, &tag_mask, &lut_bytes, &lut_len, &vote))
+                          &incarnation, &tag, &tag_mask, &up_tag, &lut_bytes, &lut_len, &vote))
         goto cleanup;
     if (lut_len == sizeof lut) memcpy(lut, lut_bytes, sizeof lut);
     int wire_bytes = lanes > 0 ? expect_payload / lanes : 0;
@@ -1796,6 +1803,7 @@ static PyObject *fa_stream(PyObject *self, PyObject *args) {
     c->pool = (uint32_t)pool;
     c->run = (uint32_t)run;
     c->incarnation = (uint32_t)incarnation;
+    c->up_tag = (uint32_t)up_tag;
     c->base = base;
     c->offset_base = offset_base;
     c->chunks = chunks.buf;

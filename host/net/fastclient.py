@@ -18,7 +18,7 @@ from thc.net.window import (FAST_BACKOFF_CAP, FAST_RETRANSMIT_AFTER, RECV_BATCH,
                              raise_short, raise_timeout)
 from thc.wire import protocol as P
 
-CLIENT_WINDOW = 10
+CLIENT_WINDOW = 11
 """The version of ``_fastagg.stream``'s arguments and timeout report this module speaks."""
 
 CLIENT_UNAVAILABLE: str | None = UNAVAILABLE or (
@@ -67,7 +67,8 @@ def stream(end: Endpoint, rnd: Round, chunks: np.ndarray) -> Streamed:
               int(rnd.is_data), end.worker_id, job.job_id, job.pool_size, rnd.run, rnd.base,
               rnd.offset_base % P.SEQ_MOD, rnd.lanes, job.n_workers, int(P.PktType.REFUSED),
               job.granularity if rnd.is_data else P.MAX_LANE_TOP, end.incarnation,
-              (job.config_tag << P.EPOCH_TAG_SHIFT, P.SEQ_MOD - 1 - P.NONCE_MASK),
+              (job.config_tag << P.EPOCH_TAG_SHIFT, P.SEQ_MOD - 1 - P.NONCE_MASK,
+               job.config_tag),
               np.asarray(job.table, dtype=np.uint32).tobytes(), job.aggregation == "vote")
     aggs = [(ipv4_int(ip), port) for ip, port in end.aggregators]
     timing = (end.timeout, end.max_timeout, end.deadline, FAST_RETRANSMIT_AFTER,

@@ -22,7 +22,7 @@ def drive(socks: dict[int, socket.socket], aggregator: tuple[str, int], job: Job
         raise ValueError(f"the load generator takes an IPv4 aggregator, got {aggregator[0]!r}")
     seconds, results, sent, retransmitted, complete = _fastagg.drive(
         [(s.fileno(), w) for w, s in socks.items()], ip, aggregator[1], job.job_id,
-        job.pool_size, job.lanes, run, chunks, window, [payloads[w] for w in socks],
+        job.pool_size, job.lanes, run, job.config_tag, chunks, window, [payloads[w] for w in socks],
         TYPE_CODES, rto, deadline)
     return {"seconds": seconds, "results": results, "sent": sent,
             "retransmitted": retransmitted, "complete": complete}

@@ -99,6 +99,9 @@ class AggregationRefused(RuntimeError):
                        "workers and the shards were given different shard maps",
         "malformed": "the packet broke a rule of the aggregator's own (a Tofino takes offsets "
                      "below 2^31: the round's offsets passed that)",
+        "wrong_config": "the packet's configuration tag is not the one the aggregator's "
+                        "install of the job carries, though the reply's epoch names this "
+                        "worker's: the worker sends another tag than its job's (a bug)",
     }
     UNDEFINED = ("a refusal this protocol does not define: the aggregator speaks another "
                  "version of the protocol, or is broken")

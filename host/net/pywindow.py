@@ -124,7 +124,7 @@ class PythonWindow:
         pending_type, refused_type = int(P.PktType.PENDING), int(P.PktType.REFUSED)
         reply_types = (pending_type, refused_type, int(P.PktType.RESULT),
                        int(P.PktType.MAX_RESULT))
-        full, incarnation = job.full_bitmap, end.incarnation
+        full, incarnation, tag = job.full_bitmap, end.incarnation, job.config_tag
         top = job.granularity if pkt_type == P.PktType.DATA else P.MAX_LANE_TOP
         is_data = pkt_type == P.PktType.DATA
         # this worker's table values in every lane, in the sums' width: a sum below its own
@@ -134,7 +134,7 @@ class PythonWindow:
         def packet(i: int) -> bytes:
             slot, version = P.slot_of(base + i, pool)
             return pack(pkt_type, me, job_id, slot, version, 0, (base + i) % P.SEQ_MOD,
-                        (offset_base + i * lanes) % P.SEQ_MOD, 0, run,
+                        (offset_base + i * lanes) % P.SEQ_MOD, tag, run,
                         incarnation) + chunks[i].tobytes()
 
         def impossible(shard: int, i: int) -> None:
@@ -176,7 +176,7 @@ class PythonWindow:
                     slot, version = P.slot_of(base + i, pool)
                     packets[i] = pack(flush_type, me, job_id, slot, version, 0,
                                       (base + i) % P.SEQ_MOD,
-                                      (offset_base + i * lanes) % P.SEQ_MOD, 0, run,
+                                      (offset_base + i * lanes) % P.SEQ_MOD, tag, run,
                                       incarnation)
                 end.stats.flushed += 1
                 send(packets[i], dst(i), flush_tos)

@@ -14,7 +14,8 @@ State per job follows the switch's registers, one entry per slot and version:
 short, ``thc_acked`` the workers known to hold its result, and the lane values. Per job:
 the run that owns it (``thc_job_run``), when that run was last heard (``run_seen``), the
 incarnation each worker's packets of a run carry (``thc_worker_nonce``, sent in the ``epoch``
-field upstream) and the epoch of its install.
+field upstream) and the epoch of its install, whose configuration tag every upstream packet
+must carry in ``bitmap`` (``wrong_config``).
 """
 from __future__ import annotations
 
@@ -53,7 +54,7 @@ drop_reasons), None when the packet was taken."""
 class JobState:
     """One job's registers, laid out as the switch's (slot x version)."""
 
-    __slots__ = ("job", "n_shards", "shard", "epoch", "n", "pool", "full",
+    __slots__ = ("job", "n_shards", "shard", "epoch", "tag", "n", "pool", "full",
                  "data_bytes", "addr", "thc_job_run", "run_seen", "thc_worker_run",
                  "thc_worker_nonce", "thc_run", "thc_seq",
                  "thc_op", "thc_bitmap", "thc_count", "thc_closed", "thc_acked", "thc_offset",
@@ -63,6 +64,7 @@ class JobState:
         self.job = job.validate()
         self.n_shards, self.shard = job.aggregator_shard(shard)
         self.epoch = P.check_run(epoch)
+        self.tag = P.epoch_tag(epoch)
         self.n, self.pool, self.full = job.n_workers, job.pool_size, job.full_bitmap
         self.data_bytes = P.payload_bytes(P.PktType.DATA, job.lanes, aggregation=job.aggregation)
         self.addr = [(w.ip, w.port) for w in sorted(job.workers, key=lambda w: w.id)]
@@ -125,7 +127,7 @@ class Model:
         """One datagram from ``src`` at time ``now`` (seconds, any fixed origin)."""
         if len(datagram) < HEADER_BYTES:
             return self._drop("malformed")
-        (pkt_type, w, job_id, slot, version, _count, seq, offset, _bitmap, run,
+        (pkt_type, w, job_id, slot, version, _count, seq, offset, tag, run,
          nonce) = unpack_header(datagram)
         if pkt_type not in KNOWN_TYPES or version > 1 or (run == 0 and pkt_type in UP_TYPES):
             return self._drop("malformed")
@@ -145,6 +147,8 @@ class Model:
             return self._drop("worker_outside_job")
         if st.addr[w] != src:
             return self._drop("unknown_worker")
+        if P.upstream_tag(tag) != st.tag:
+            return self._refuse("wrong_config", 0, st, src, datagram)
         if slot >= pool:
             return self._drop("slot_outside_pool")
         if slot != seq & (pool - 1) or version != (seq & pool != 0):  # pool: a power of 2

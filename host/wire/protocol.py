@@ -291,6 +291,15 @@ def epoch_tag(epoch: int) -> int:
     return epoch >> EPOCH_TAG_SHIFT
 
 
+def upstream_tag(bitmap: int) -> int:
+    """The configuration tag an upstream packet (DATA, MAX, FLUSH) carries in its ``bitmap``
+    field: the sender's ``Job.config_tag`` in the low 16 bits (the high 16 are sent as 0 and
+    not read). An aggregator refuses a packet whose tag is not its install's (``wrong_config``),
+    so a worker configured with another table, width, lanes, pool or workers is never summed
+    into its peers' rounds, even where its payload has the job's size."""
+    return bitmap & NONCE_MASK
+
+
 def job_epoch(tag: int, nonce: int | None = None, previous: int | None = None,
               avoid: Collection[int] = ()) -> int:
     """The epoch of an install of a job whose configuration tag is ``tag``: with ``nonce``

@@ -110,7 +110,8 @@ class OutOfStepSocket(socket.socket):
             offset = hdr.offset // self.lanes * P.MAX_LANES
             if offset != hdr.offset:
                 mx = P.Header(int(P.PktType.MAX), hdr.worker_id, hdr.job_id, hdr.slot,
-                              hdr.version, 0, hdr.seq, offset, 0, hdr.run, hdr.epoch)
+                              hdr.version, 0, hdr.seq, offset, hdr.bitmap, hdr.run,
+                              hdr.epoch)
                 super().sendto(mx.pack() + self._payload, *args)
                 self.injected += 1
         return n

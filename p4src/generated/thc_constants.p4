@@ -15,7 +15,7 @@
 #define THC_REG_SIZE 1024
 #define THC_LUT_SIZE 4096
 #define THC_N_JOB_COUNTERS 5
-#define THC_N_DROP_REASONS 16
+#define THC_N_DROP_REASONS 17
 
 // wire constants
 const bit<16> THC_UDP_PORT = 48879;
@@ -77,6 +77,7 @@ const bit<8> THC_DROP_WRONG_USE = 12;
 const bit<8> THC_DROP_WRONG_SLOT = 13;
 const bit<8> THC_DROP_REUSED_RUN = 14;
 const bit<8> THC_DROP_STALE_RESET = 15;
+const bit<8> THC_DROP_WRONG_CONFIG = 16;
 
 // per-job counters: index job_index * THC_N_JOB_COUNTERS + JC_<name> into counter thc_job_counters
 const bit<32> THC_JC_PACKETS = 0;

@@ -12,11 +12,13 @@ RUN = 1
 
 
 def datagram(job: Job, worker: int, seq: int, payload: bytes, pkt_type=P.PktType.DATA,
-             job_id: int | None = None, slot: int | None = None, run: int = RUN) -> bytes:
+             job_id: int | None = None, slot: int | None = None, run: int = RUN,
+             tag: int | None = None) -> bytes:
+    """The job's configuration tag in ``bitmap`` unless ``tag`` is given."""
     s, v = P.slot_of(seq, job.pool_size)
     hdr = P.Header(pkt_type, worker, job.job_id if job_id is None else job_id,
-                   s if slot is None else slot, v, 0, seq, (seq * job.lanes) % P.SEQ_MOD, 0,
-                   run)
+                   s if slot is None else slot, v, 0, seq, (seq * job.lanes) % P.SEQ_MOD,
+                   job.config_tag if tag is None else tag, run)
     return hdr.pack() + payload
 
 

@@ -23,11 +23,13 @@ RUN = 1
 
 
 def datagram(job, worker, seq, payload, pkt_type=P.PktType.DATA, offset=None, slot=None,
-             version=None, job_id=None, run=RUN):
+             version=None, job_id=None, run=RUN, tag=None):
+    """The job's configuration tag in ``bitmap`` unless ``tag`` is given."""
     s, v = P.slot_of(seq, job.pool_size)
     hdr = P.Header(pkt_type, worker, job.job_id if job_id is None else job_id,
                    s if slot is None else slot, v if version is None else version, 0, seq,
-                   (seq * job.lanes) % P.SEQ_MOD if offset is None else offset, 0, run, 0)
+                   (seq * job.lanes) % P.SEQ_MOD if offset is None else offset,
+                   job.config_tag if tag is None else tag, run, 0)
     return hdr.pack() + bytes(payload)
 
 

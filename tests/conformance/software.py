@@ -77,7 +77,7 @@ class Barrier:
             seq, self.seq = self.seq, self.seq + 1
             slot, version = P.slot_of(seq, self.job.pool_size)
             hdr = P.Header(P.PktType.DATA, 0, SYNC_JOB_ID, slot, version, 0, seq,
-                           (seq * self.job.lanes) % P.SEQ_MOD, 0, 1, 0)
+                           (seq * self.job.lanes) % P.SEQ_MOD, self.job.config_tag, 1, 0)
             self.sock.sendto(hdr.pack() + self.payload, self.address)
             end = time.monotonic() + SYNC_TIMEOUT
             while True:

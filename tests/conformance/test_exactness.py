@@ -48,6 +48,32 @@ def test_a_max_at_a_sums_seq_is_refused_and_adds_nothing(harness):
     assert_round(harness, job, 0, idxs, workers=[1])
 
 
+def test_a_packet_of_another_configuration_is_refused_and_adds_nothing(harness):
+    """A worker configured with another job whose payload has this job's size: its DATA,
+    MAX and FLUSH carry another configuration tag and are refused (wrong_config), so the
+    chunk completes with its peers' and its own right packets only. The high 16 bits of
+    the field are not read."""
+    rng = np.random.default_rng(45)
+    job = new_job(harness, n_workers=2)
+    idxs = [indices(rng, job) for _ in range(2)]
+    w0, w1 = harness.endpoint(job, 0), harness.endpoint(job, 1)
+    w0.send(data(job, 0, 0, idxs[0]))
+    settle(harness)  # workers on different switch ports: keep the order
+    before = harness.drops()
+    other = job.config_tag ^ 0x8001
+    for packet in (data(job, 1, 0, indices(rng, job), tag=other),
+                   max_packet(job, 1, 0, tag=other),
+                   datagram(job, 1, 0, b"", pkt_type=P.PktType.FLUSH, tag=other)):
+        w1.send(packet)
+        hdr = refused(w1.recv_all(), "wrong_config", 0, 0)
+        assert P.epoch_tag(hdr.epoch) == job.config_tag
+    settle(harness)
+    assert drops_delta(before, harness.drops()) == {"wrong_config": 3}
+    w1.send(data(job, 1, 0, idxs[1], tag=job.config_tag | 0xABCD << 16))
+    for w, ep in enumerate((w0, w1)):
+        assert_result(ep.recv_all(), job, 0, idxs, w)
+
+
 def test_data_after_a_max_use_is_refused_and_the_next_use_starts_clean(harness):
     """Case 1: a MAX first, then DATA at the same seq; FLUSH of a MAX use; a retransmission
     of the other kind is refused, not answered with the use's lanes as its own kind."""

@@ -28,6 +28,7 @@ from tests.conformance.rounds import (
     run_round,
     settle,
 )
+from tests.conformance.software import SYNC_JOB_ID
 
 RUN = 50
 """The fuzzed job's run; older runs are stale_run."""
@@ -38,16 +39,17 @@ the slot version and seq 4 took it without being held."""
 UPSTREAM = (int(P.PktType.DATA), int(P.PktType.MAX))
 DOWNSTREAM = (int(P.PktType.RESULT), int(P.PktType.MAX_RESULT), int(P.PktType.PENDING),
               int(P.PktType.REFUSED))
-REFUSED_REASONS = ("stale", "stale_run", "wrong_slot")
+REFUSED_REASONS = ("stale", "stale_run", "wrong_slot", "wrong_config")
 """The drops answered with a REFUSED to the sender (the hostile kinds that reach them)."""
 
 
 def refused_fields(reason: str, dgram: bytes) -> tuple:
     """The REFUSED the aggregator owes for hostile ``dgram`` (of a reason in REFUSED_REASONS),
     as (worker, job, slot, version, reason code, seq, offset, detail, run); the detail is the
-    seq the known slot version holds (stale), the job's run (stale_run), or 0 (wrong_slot)."""
+    seq the known slot version holds (stale), the job's run (stale_run), or 0 (wrong_slot,
+    wrong_config)."""
     h = P.Header.unpack(dgram)
-    detail = {"stale": KNOWN_SEQ, "stale_run": RUN, "wrong_slot": 0}[reason]
+    detail = {"stale": KNOWN_SEQ, "stale_run": RUN, "wrong_slot": 0, "wrong_config": 0}[reason]
     return (h.worker_id, h.job_id, h.slot, h.version, int(P.DropReason[reason]), h.seq,
             h.offset, detail, h.run)
 
@@ -67,9 +69,11 @@ def split_refused(got: list[bytes]) -> tuple[list[tuple], list[bytes]]:
 
 
 def packet(job, **fields) -> THC:
-    """A valid DATA header of ``job`` (worker 0, slot 1, run RUN) with ``fields`` changed."""
+    """A valid DATA header of ``job`` (worker 0, slot 1, run RUN, the job's configuration tag)
+    with ``fields`` changed."""
     base = dict(pkt_type=int(P.PktType.DATA), worker_id=0, job_id=job.job_id, slot=1,
-                version=0, count=0, seq=5, offset=5 * job.lanes, bitmap=0, run=RUN, epoch=0)
+                version=0, count=0, seq=5, offset=5 * job.lanes, bitmap=job.config_tag,
+                run=RUN, epoch=0)
     base.update(fields)
     return THC(**base)
 
@@ -81,9 +85,10 @@ def payload_for(job, pkt_type: int, content: bytes) -> bytes:
 
 
 u8, u16, u32 = (st.integers(0, (1 << b) - 1) for b in (8, 16, 32))
-noise = st.fixed_dictionaries({"count": u8, "bitmap": u32, "offset": u32})
+noise = st.fixed_dictionaries({"count": u8, "offset": u32})
 """Fields an upstream packet's checks ignore (the epoch field upstream is the worker's
-incarnation, checked: the reused_run cases have tests of their own)."""
+incarnation, checked: the reused_run cases have tests of their own), besides the high 16
+bits of ``bitmap`` (its low 16 are the configuration tag)."""
 
 
 @st.composite
@@ -95,12 +100,12 @@ def hostile(draw, job, other_job):
         "truncated_header", "unknown_type", "bad_version", "run_zero", "wrong_direction",
         "reset", "unknown_job", "truncated_payload", "oversized_payload",
         "worker_outside_job", "spoofed_stranger", "spoofed_peer", "cross_job",
-        "slot_outside_pool", "replayed", "cross_run", "wrong_slot"]))
+        "slot_outside_pool", "replayed", "cross_run", "wrong_slot", "wrong_config"]))
     extra = draw(noise)
     ptype = draw(st.sampled_from(UPSTREAM))
     content = draw(st.binary(min_size=1, max_size=8))
     body = payload_for(job, ptype, content)
-    hdr = dict(extra, pkt_type=ptype)
+    hdr = dict(extra, pkt_type=ptype, bitmap=draw(u16) << 16 | job.config_tag)
     if kind == "truncated_header":
         cut = draw(st.integers(0, P.HEADER_BYTES - 1))
         return "malformed", bytes(packet(job, **hdr))[:cut], "w0"
@@ -115,7 +120,8 @@ def hostile(draw, job, other_job):
     elif kind == "reset":
         hdr["pkt_type"], body = int(P.PktType.RESET), b""
     elif kind == "unknown_job":
-        hdr["job_id"] = draw(u16.filter(lambda j: j not in (job.job_id, other_job.job_id)))
+        hdr["job_id"] = draw(u16.filter(lambda j: j not in (job.job_id, other_job.job_id,
+                                                            SYNC_JOB_ID)))
     elif kind == "truncated_payload":
         body = body[: draw(st.integers(0, len(body) - 1))]
     elif kind == "oversized_payload":
@@ -148,6 +154,8 @@ def hostile(draw, job, other_job):
         wrong = draw(st.sampled_from([(s, v) for s in range(job.pool_size) for v in (0, 1)
                                       if (s, v) != right]))
         hdr.update(seq=seq, slot=wrong[0], version=wrong[1])
+    elif kind == "wrong_config":
+        hdr["bitmap"] ^= draw(st.integers(1, 0xFFFF))
     reason = {"truncated_header": "malformed", "unknown_type": "malformed",
               "bad_version": "malformed", "run_zero": "malformed",
               "wrong_direction": "wrong_direction", "reset": "not_from_cpu",
@@ -155,7 +163,8 @@ def hostile(draw, job, other_job):
               "oversized_payload": "bad_lanes", "worker_outside_job": "worker_outside_job",
               "spoofed_stranger": "unknown_worker", "spoofed_peer": "unknown_worker",
               "cross_job": "unknown_worker", "slot_outside_pool": "slot_outside_pool",
-              "replayed": "stale", "cross_run": "stale_run", "wrong_slot": "wrong_slot"}[kind]
+              "replayed": "stale", "cross_run": "stale_run", "wrong_slot": "wrong_slot",
+              "wrong_config": "wrong_config"}[kind]
     sender = {"spoofed_stranger": "stranger", "spoofed_peer": "w1"}.get(kind, "w0")
     if kind == "cross_job":
         hdr["job_id"] = other_job.job_id
@@ -170,7 +179,9 @@ def refused_batch(job) -> list[tuple[str, bytes, str]]:
     return [("stale", bytes(packet(job, slot=0, version=0, seq=seq, offset=seq * job.lanes)
                             / Raw(load=body)), "w0"),
             ("stale_run", bytes(packet(job, run=RUN + P.RUN_JUMP + 1) / Raw(load=body)), "w0"),
-            ("wrong_slot", bytes(packet(job, version=1) / Raw(load=body)), "w0")]
+            ("wrong_slot", bytes(packet(job, version=1) / Raw(load=body)), "w0"),
+            ("wrong_config", bytes(packet(job, bitmap=job.config_tag ^ 1) / Raw(load=body)),
+             "w0")]
 
 
 def test_hostile_packets_are_dropped_counted_and_change_no_aggregate(harness):

@@ -209,7 +209,7 @@ class Interleaving:
 
     def perturbed(self, w: int, seq: int, kind: str) -> None:
         rng, pool, run = self.rng, self.pool, self.run
-        what = rng.randrange(11)
+        what = rng.randrange(12)
         if what == 0:
             wrong = P.LANES if seq % 2 else 1 << 24   # the next chunk's, or past 24 bits
             self.send(kind, w, seq, offset=(offset_of(seq) + wrong) % (1 << 31))
@@ -235,6 +235,10 @@ class Interleaving:
             self.send(kind, w, seq, run=run + P.RUN_JUMP + rng.randint(0, 2))
         elif what == 9:
             self.send(kind, w, seq, src=STRANGER if rng.random() < 0.5 else addr((w + 1) % self.n))
+        elif what == 10:   # a worker configured otherwise (wrong_config); high bits unread
+            tag = self.job.config_tag
+            self.send(kind, w, seq, tag=tag ^ 1 << rng.randrange(16) if rng.random() < 0.7
+                      else tag | rng.randrange(1, 1 << 16) << 16)
         else:
             self.send(kind, w, seq, run=run + rng.randint(1, 2))
 
@@ -253,7 +257,8 @@ class Interleaving:
         self.send(kind, w, seq, **kw)
 
     def send(self, kind: str, w: int, seq: int, run: int | None = None, src=None, slot=None,
-             version=None, offset=None, nonce=None, body=None, job_id=JOB_ID, w_id=None) -> None:
+             version=None, offset=None, nonce=None, body=None, job_id=JOB_ID, w_id=None,
+             tag=None) -> None:
         if abs(self.now - self.seen - P.RUN_IDLE_S) < 0.5:
             self.now += 1.0   # no gap at the idle threshold (difference 2)
         st = self.model.jobs[JOB_ID]
@@ -267,7 +272,8 @@ class Interleaving:
             body = lanes_of(kind, w, run, seq)
         d = P.Header(T[kind], w if w_id is None else w_id, job_id, s if slot is None else slot,
                      v if version is None else version, 0, seq,
-                     offset_of(seq) if offset is None else offset, 0, run,
+                     offset_of(seq) if offset is None else offset,
+                     self.job.config_tag if tag is None else tag, run,
                      nonce_of(w, run, self.restarts[w]) if nonce is None else nonce).pack() + body
         self.compare(d, src or addr(w))
 
@@ -422,6 +428,9 @@ IDLE = {
     "a slot outside the pool does not take an idle job": (
         [(0, 0, "DATA", 0, FIRST_RUN, 0), (70, 0, "DATA", 0, FIRST_RUN, 0, {"slot": 1}),
          (70, 1, "DATA", 0, FAR, 0)], None),
+    "a wrong_config refusal does not take an idle job": (
+        [(0, 0, "DATA", 0, FIRST_RUN, 0), (70, 0, "DATA", 0, FIRST_RUN, 0, {"tag_xor": 0x8000}),
+         (70, 1, "DATA", 0, FAR, 0)], None),
     "a DATA without lanes does not take an idle job": (
         [(0, 0, "DATA", 0, FIRST_RUN, 0), (70, 0, "DATA", 0, FIRST_RUN, 0, {"body": b""}),
          (70, 1, "DATA", 0, FAR, 0)], None),
@@ -448,7 +457,7 @@ def idle_scenarios(prog: Program) -> str | None:
                 body = odd.get("body", bytes(P.payload_bytes(T[kind])) if kind in ("DATA", "MAX")
                                else b"")
                 d = P.Header(T[kind], w, JOB_ID, odd.get("slot", 0), odd.get("version", seq & 1),
-                             0, seq, offset_of(seq), 0, run,
+                             0, seq, offset_of(seq), job.config_tag ^ odd.get("tag_xor", 0), run,
                              nonce_of(w, run, restarts)).pack() + body
                 at = f"{name} (clock from {start:g} s): {describe(d, addr(w))} at +{t} s"
                 want = normalize(model.handle(d, addr(w), start + t))
@@ -480,8 +489,9 @@ def payload_scenarios(prog: Program) -> str | None:
         for kind in ("DATA", "MAX", "FLUSH"):
             for size in sizes:
                 s, v = P.slot_of(seq, job.pool_size)
-                d = P.Header(T[kind], 0, JOB_ID, s, v, 0, seq, offset_of(seq), 0, FIRST_RUN,
-                             nonce_of(0, FIRST_RUN)).pack() + random.Random(seq).randbytes(size)
+                d = P.Header(T[kind], 0, JOB_ID, s, v, 0, seq, offset_of(seq), job.config_tag,
+                             FIRST_RUN, nonce_of(0, FIRST_RUN)).pack() + random.Random(
+                                 seq).randbytes(size)
                 at = f"{job.aggregation} job of {job.sum_bits}-bit sums: {describe(d, addr(0))}"
                 want = normalize(model.handle(d, addr(0), 1000.0))
                 try:
