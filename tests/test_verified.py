@@ -1,6 +1,12 @@
 """tests/verified.py: a remembered check is found only under the inputs it passed with."""
 from __future__ import annotations
 
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
 from tests import verified
 
 
@@ -40,3 +46,28 @@ def test_recall_finds_only_what_was_remembered(tmp_path, monkeypatch):
     (tmp_path / "cache" / "compile-k4.json").write_text("{half")
     assert verified.recall("compile", "k4") is None
     assert [p.name for p in (tmp_path / "cache").iterdir() if p.name.startswith(".")] == []
+
+
+def test_the_include_path_p4c_is_pointed_at_makes_another_key(tmp_path, monkeypatch):
+    """p4c reads the include files P4C_16_INCLUDE_PATH names instead of its installation's:
+    a compile remembered under one path said nothing of a program built with another."""
+    a = tmp_path / "a"
+    a.write_bytes(b"program")
+    monkeypatch.delenv("P4C_16_INCLUDE_PATH", raising=False)
+    before = verified.key([a])
+    monkeypatch.setenv("P4C_16_INCLUDE_PATH", str(tmp_path / "other-includes"))
+    assert verified.key([a]) != before
+
+
+def test_the_preprocessor_p4c_runs_is_an_input(tmp_path, monkeypatch):
+    """p4c runs cpp over every program (its #includes and macros): another cpp, another
+    key."""
+    if shutil.which("cpp") is None:
+        pytest.skip("cpp (the C preprocessor) is not installed")
+    tool = tmp_path / "bin" / "p4c"
+    tool.parent.mkdir()
+    tool.write_text("#!/bin/sh\n")
+    tool.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tool.parent}{os.pathsep}{os.environ['PATH']}")
+    files = verified.toolchain_files("p4c")
+    assert Path(shutil.which("cpp")).resolve() in files

@@ -5,7 +5,9 @@ the same program and compiler. A compile that matched the committed record is re
 a key hashing every input: the sources, the committed record, the compiler's binaries and its
 shared files, and the test that ran the check. A later run with the same key passes on that
 record, and says so at the end of the run (tests/conftest.py); any changed input makes a new
-key and compiles again, and ``--recompile`` (a pytest option) compiles whatever the key.
+key and compiles again, and ``--recompile`` (a pytest option) compiles whatever the key. The
+inputs include the C preprocessor p4c runs and the environment that points p4c at other
+include files (:data:`COMPILE_ENV`).
 """
 from __future__ import annotations
 
@@ -18,15 +20,18 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "thc" / "verified"
+COMPILE_ENV = ("P4C_16_INCLUDE_PATH", "P4C_14_INCLUDE_PATH")
+"""Variables under which p4c reads other P4 include files than its installation's."""
 PROPERTY = "verified-earlier"
 """The name under which a test's report carries the remembered check it passed on."""
 
 
 def toolchain_files(*binaries: str) -> list[Path]:
-    """The binaries on PATH (symlinks followed) and every file under the installation's
-    ``share/p4c`` (the driver's configuration and the P4 include files)."""
+    """The binaries on PATH (symlinks followed), with ``cpp``, which p4c runs on every program,
+    and every file under the first binary's installation's ``share/p4c`` (the driver's
+    configuration and the P4 include files)."""
     files = []
-    for name in binaries:
+    for name in (*binaries, "cpp"):
         found = shutil.which(name)
         if found is None:
             raise FileNotFoundError(f"{name} is not on PATH")
@@ -39,8 +44,10 @@ def toolchain_files(*binaries: str) -> list[Path]:
 
 def key(files: list[Path]) -> str:
     """One digest over the files' names (the repository's relative to its root, so that every
-    clone of one commit has one key) and contents."""
+    clone of one commit has one key) and contents, and the :data:`COMPILE_ENV` variables."""
     h = hashlib.sha256()
+    for name in COMPILE_ENV:
+        h.update(f"{name}={os.environ.get(name, '')}".encode() + b"\0")
     for path in files:
         path = Path(path).resolve()
         name = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
