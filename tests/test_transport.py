@@ -342,7 +342,8 @@ def test_datagrams_queued_before_the_server_runs_are_answered_from_their_address
         socks.append(s)
 
     def send(w):
-        head = P.Header(P.PktType.DATA, w, job.job_id, 0, 0, 0, 0, 0, 0, 5, 77).pack()
+        head = P.Header(P.PktType.DATA, w, job.job_id, 0, 0, 0, 0, 0, job.config_tag, 5,
+                        77).pack()
         socks[w].sendto(head + payload, (f"127.0.0.{w + 1}", port))
     send(1)
     time.sleep(0.05)
@@ -351,14 +352,15 @@ def test_datagrams_queued_before_the_server_runs_are_answered_from_their_address
     try:
         time.sleep(0.1)
         send(0)
-        sources = [s.recvfrom(4096)[1] for s in socks]
+        replies = [s.recvfrom(4096) for s in socks]
     finally:
         agg._set_stop()
         thread.join(5)
         agg.stop()
         for s in socks:
             s.close()
-    assert sources == [("127.0.0.1", port), ("127.0.0.2", port)]
+    assert [src for _, src in replies] == [("127.0.0.1", port), ("127.0.0.2", port)]
+    assert all(P.Header.unpack(d).pkt_type == P.PktType.RESULT for d, _ in replies)
 
 
 def test_replies_from_another_address_are_named_in_the_timeout(datapath):

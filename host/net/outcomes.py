@@ -59,7 +59,9 @@ class AggregatorMisconfigured(RuntimeError):
         super().__init__(f"{_who(aggregator, shard)} serves job {job_id} with another "
                          f"configuration than this worker's (tag {theirs:#06x}, this worker's "
                          f"{ours:#06x}): its table, granularity, sum width, lanes, pool or "
-                         f"workers differ. Install it from the workers' cluster file")
+                         f"workers differ. Install it from the workers' cluster file, or, where "
+                         f"this worker's peers run with it as installed, give this worker "
+                         f"their cluster file")
         self.aggregator, self.shard, self.theirs, self.ours = aggregator, shard, theirs, ours
 
 
