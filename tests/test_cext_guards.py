@@ -147,20 +147,32 @@ def test_the_load_generator_hears_a_signal_before_its_deadline():
         sink.close()
 
 
-def test_a_signal_pending_as_a_loop_starts_is_raised():
-    """A Ctrl-C whose handler had yet to run when the load generator started: it ran in the
-    loop's check for the main thread, whose error was cleared, and the loop ran to its
-    deadline hearing no signal."""
+@pytest.mark.parametrize("loop", ["drive", "serve", "stream"])
+def test_a_signal_pending_as_a_loop_starts_is_raised(loop):
+    """A Ctrl-C whose handler had yet to run when a loop started: it ran in the loop's check
+    for the main thread. The load generator cleared its error and ran to its deadline hearing
+    no signal; a serve whose time was spent and a stream of no chunks, which never look
+    again, returned with it still set (a SystemError)."""
     w, sink = _udp(), _udp()
-    drive = functools.partial(cext._fastagg.drive, [(w.fileno(), 0)], LOOPBACK,
-                              sink.getsockname()[1], 3, 4, 16, 77, 0, 4, 4, [bytes(32)],
-                              cext.TYPE_CODES, 0.5, 30.0)
+    if loop == "drive":
+        call = functools.partial(cext._fastagg.drive, [(w.fileno(), 0)], LOOPBACK,
+                                 sink.getsockname()[1], 3, 4, 16, 77, 0, 4, 4, [bytes(32)],
+                                 cext.TYPE_CODES, 0.5, 30.0)
+    elif loop == "serve":
+        call = functools.partial(_datapath().serve, w.fileno(), 0.0)
+    else:
+        header = (1, 3, 5, 4, 1, 0, 9, 4, 77, 0, 0, 16, 2, 8, 30, 1, (0, 0xFFFF0000, 0),
+                  TABLE, False)
+        call = functools.partial(cext._fastagg.stream, w.fileno(), header,
+                                 np.zeros(0, np.uint8), 8, [(LOOPBACK, sink.getsockname()[1])],
+                                 [None], 1, TIMING, [None], [0.0], np.zeros(0, np.uint16), 2,
+                                 16, False)
     old = signal.signal(signal.SIGINT, signal.default_int_handler)   # xdist's ignores it
     t0 = time.monotonic()
     try:
         with pytest.raises(KeyboardInterrupt):
             # what SIGINT's handler does, then the loop with no bytecode between: still pending
-            list(map(operator.call, (ctypes.pythonapi.PyErr_SetInterrupt, drive)))
+            list(map(operator.call, (ctypes.pythonapi.PyErr_SetInterrupt, call)))
         assert time.monotonic() - t0 < 5
     finally:
         signal.signal(signal.SIGINT, old)
@@ -237,3 +249,77 @@ def test_an_extension_built_for_another_worker_limit_is_not_used(monkeypatch):
         monkeypatch.undo()
         importlib.reload(cext)
     assert cext.UNAVAILABLE is None
+
+
+_MUTATING = """
+import sys
+import numpy as np
+from thc.net import cext
+from thc.wire import protocol as P
+
+LOOP = 0x7F000001
+
+
+class Clears:
+    '''An item whose conversion empties the list it is in.'''
+
+    def __init__(self, victim, value):
+        self.victim, self.value = victim, value
+
+    def __index__(self):
+        self.victim.clear()
+        return self.value
+
+    def __hash__(self):
+        return 1
+
+
+def dp(types=cext.TYPE_CODES):
+    return cext._fastagg.Datapath(types, [int(P.DropReason[r]) for r in cext._fastagg.REASONS],
+                                  P.MAX_LANES, P.SEQ_RESET, P.RUN_JUMP, 60.0, False, False)
+
+
+case = sys.argv[1]
+try:
+    if case == "counters":
+        d = dp()
+        d.install(7, 1, 1, 16, 8, list(range(16)), [(LOOP, 40000)], False, 1, 0, 1 << 16)
+        ids = [0, 7, 7, 7]
+        ids[0] = Clears(ids, 0)
+        d.counters(ids)
+    elif case == "table":
+        table = list(range(16))
+        table[0] = Clears(table, 0)
+        dp().install(7, 1, 1, 16, 8, table, [(LOOP, 40000)], False, 1, 0, 1 << 16)
+    elif case == "addrs":
+        addrs = [None, (LOOP, 40001)]
+        addrs[0] = (LOOP + 1000, Clears(addrs, 40000))
+        dp().install(7, 2, 1, 16, 8, list(range(16)), addrs, False, 1, 0, 1 << 16)
+    elif case == "types":
+        types = list(cext.TYPE_CODES)
+        types[0] = Clears(types, types[0])
+        dp(types)
+    else:
+        import socket
+        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        s.bind(("127.0.0.1", 0))
+        epochs = [None]
+        header = (1, 3, 5, 4, 1, 0, 9, 4, 77, 0, 0, 16, 2, 8, 30, 1, (0, 0xFFFF0000, 0),
+                  np.arange(16, dtype=np.uint32).tobytes(), False)
+        cext._fastagg.stream(s.fileno(), header, np.zeros(8, np.uint8), 8,
+                             [(LOOP, Clears(epochs, 9))], epochs, 1,
+                             (0.02, 0.05, 0.1, 3, 4, 3, 256), [None], [0.0],
+                             np.zeros((1, 16), np.uint16), 2, 16, False)
+except Exception as e:   # an error is an answer; a crash is not
+    print(type(e).__name__, e)
+"""
+
+
+@pytest.mark.parametrize("case", ["counters", "table", "addrs", "types", "stream"])
+def test_a_list_emptied_while_its_items_are_read_is_no_crash(case):
+    """The extension read a list's items in place (borrowed) while converting them ran the
+    caller's code: an __index__ that empties the list left it reading freed or missing
+    items (SIGSEGV). It reads a copy, so the call ends in a result or a Python error."""
+    r = subprocess.run([sys.executable, "-c", _MUTATING, case], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0, (r.returncode, r.stderr[-2000:])

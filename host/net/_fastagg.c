@@ -104,6 +104,15 @@ static int on_main_thread(void) {
     return id == PyThread_get_thread_ident();
 }
 
+/* A tuple of o's items (TypeError naming ``what`` where o has none): a list's items read
+ * one by one could be taken out of it by the calls that convert them (an __index__), and
+ * counters() reads them again after it let go of the GIL. */
+static PyObject *items_of(PyObject *o, const char *what) {
+    PyObject *t = PySequence_Tuple(o);
+    if (!t && PyErr_ExceptionMatches(PyExc_TypeError)) PyErr_SetString(PyExc_TypeError, what);
+    return t;
+}
+
 /* For loops run without the GIL: every 50 ms on the main thread (``main``: on_main_thread),
  * whether a signal's handler raised (Ctrl-C); the exception is set then. */
 static int signalled(int main, double now, double *last_check) {
@@ -442,7 +451,7 @@ static int dp_init(Datapath *dp, PyObject *args, PyObject *kw) {
         PyErr_SetString(PyExc_RuntimeError, "a datapath is initialised once");
         return -1;
     }
-    PyObject *seq = PySequence_Fast(types, "types must be a sequence");
+    PyObject *seq = items_of(types, "types must be a sequence");
     if (!seq) return -1;
     if (PySequence_Fast_GET_SIZE(seq) != N_TYPES) {
         Py_DECREF(seq);
@@ -462,7 +471,7 @@ static int dp_init(Datapath *dp, PyObject *args, PyObject *kw) {
         dp->is_type[v] = 1;
     }
     Py_DECREF(seq);
-    seq = PySequence_Fast(codes, "reason_codes must be a sequence");
+    seq = items_of(codes, "reason_codes must be a sequence");
     if (!seq) return -1;
     if (PySequence_Fast_GET_SIZE(seq) != N_REASONS) {
         Py_DECREF(seq);
@@ -540,9 +549,9 @@ static PyObject *dp_install(Datapath *dp, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "job outside what the compiled datapath holds");
         return NULL;
     }
-    PyObject *tab = PySequence_Fast(table, "table must be a sequence");
+    PyObject *tab = items_of(table, "table must be a sequence");
     if (!tab) return NULL;
-    PyObject *ad = PySequence_Fast(addrs, "addrs must be a sequence");
+    PyObject *ad = items_of(addrs, "addrs must be a sequence");
     if (!ad) {
         Py_DECREF(tab);
         return NULL;
@@ -654,7 +663,7 @@ static PyObject *dp_remove(Datapath *dp, PyObject *args) {
 static PyObject *dp_counters(Datapath *dp, PyObject *args) {
     PyObject *ids;
     if (!ready(dp) || !PyArg_ParseTuple(args, "O", &ids)) return NULL;
-    PyObject *seq = PySequence_Fast(ids, "job ids must be a sequence");
+    PyObject *seq = items_of(ids, "job ids must be a sequence");
     if (!seq) return NULL;
     Py_ssize_t nj = PySequence_Fast_GET_SIZE(seq);
     unsigned long long drops[N_REASONS], send_errors, echoed;
@@ -1033,6 +1042,10 @@ static PyObject *dp_serve(Datapath *dp, PyObject *args) {
     int on = 1;
     if (wildcard && setsockopt(fd, IPPROTO_IP, IP_PKTINFO, &on, sizeof on) != 0) wildcard = 0;
     int main = on_main_thread();
+    if (main < 0) { /* a pending signal's handler raised: a loop that never looks would hide it */
+        interrupted = 1;
+        goto cleanup;
+    }
     Py_BEGIN_ALLOW_THREADS
     double end = now_s() + duration; /* duration: +inf for no limit; negative: already over */
     double last_check = now_s();
@@ -1225,12 +1238,12 @@ static PyObject *fa_drive(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "OkiiiikkliOOdd", &fds, &agg_ip, &agg_port, &job_id, &pool,
                           &lanes, &run, &tag, &chunks, &window, &payloads, &types, &rto, &deadline))
         return NULL;
-    PyObject *fseq = PySequence_Fast(fds, "workers must be a sequence of (fd, worker_id)");
+    PyObject *fseq = items_of(fds, "workers must be a sequence of (fd, worker_id)");
     if (!fseq) return NULL;
     int n = (int)PySequence_Fast_GET_SIZE(fseq);
     int data_bytes = lanes / 2;
     long tcodes[N_TYPES];
-    PyObject *tseq = PySequence_Fast(types, "types must be a sequence");
+    PyObject *tseq = items_of(types, "types must be a sequence");
     if (!tseq) {
         Py_DECREF(fseq);
         return NULL;
@@ -1296,6 +1309,7 @@ static PyObject *fa_drive(PyObject *self, PyObject *args) {
     double t0 = 0, t1 = 0, last_check = 0;
     int interrupted = 0;
     int main = on_main_thread();
+    if (main < 0) goto cleanup; /* a pending signal's handler raised */
     Py_BEGIN_ALLOW_THREADS
     t0 = now_s();
     for (int w = 0; w < n; w++) {
@@ -1698,6 +1712,7 @@ static PyObject *fa_stream(PyObject *self, PyObject *args) {
     int *later = NULL;
     long long *pend = NULL;
     long long *epoch = NULL;
+    PyObject *aggs_t = NULL, *epochs_t = NULL, *srtt_t = NULL, *rttvar_t = NULL;
     uint8_t *rbuf = NULL;
     struct mmsghdr *rmsgs = NULL;
     struct iovec *riov = NULL;
@@ -1766,10 +1781,16 @@ static PyObject *fa_stream(PyObject *self, PyObject *args) {
         PyErr_NoMemory();
         goto cleanup;
     }
+    /* copies: converting an item may run code that changes the caller's lists */
+    aggs_t = PySequence_Tuple(aggs_o);
+    epochs_t = PySequence_Tuple(epochs);
+    srtt_t = PySequence_Tuple(srtt_o);
+    rttvar_t = PySequence_Tuple(rttvar_o);
+    if (!aggs_t || !epochs_t || !srtt_t || !rttvar_t) goto cleanup;
     for (int s = 0; s < n_shards; s++) {
         unsigned long ip;
         int port;
-        if (!PyArg_ParseTuple(PyList_GET_ITEM(aggs_o, s), "O&i", as_ulong, &ip, &port))
+        if (!PyArg_ParseTuple(PyTuple_GET_ITEM(aggs_t, s), "O&i", as_ulong, &ip, &port))
             goto cleanup;
         if (ip > 0xFFFFFFFFul || port < 0 || port > 65535) {
             PyErr_SetString(PyExc_ValueError,
@@ -1779,10 +1800,10 @@ static PyObject *fa_stream(PyObject *self, PyObject *args) {
         c->aggs[s].sin_family = AF_INET;
         c->aggs[s].sin_addr.s_addr = htonl((uint32_t)ip);
         c->aggs[s].sin_port = htons((uint16_t)port);
-        PyObject *e = PyList_GET_ITEM(epochs, s), *r = PyList_GET_ITEM(srtt_o, s);
+        PyObject *e = PyTuple_GET_ITEM(epochs_t, s), *r = PyTuple_GET_ITEM(srtt_t, s);
         epoch[s] = e == Py_None ? -1 : (long long)PyLong_AsUnsignedLong(e);
         c->srtt[s] = r == Py_None ? -1.0 : PyFloat_AsDouble(r);
-        c->rttvar[s] = PyFloat_AsDouble(PyList_GET_ITEM(rttvar_o, s));
+        c->rttvar[s] = PyFloat_AsDouble(PyTuple_GET_ITEM(rttvar_t, s));
         if (PyErr_Occurred()) goto cleanup;
     }
     for (long i = 0; i <= total; i++) answered[i] = -1;
@@ -1820,6 +1841,7 @@ static PyObject *fa_stream(PyObject *self, PyObject *args) {
     unsigned long long ev_rejected = 0, ev_taken = 0, ev_not_float = 0;
 
     int main = on_main_thread();
+    if (main < 0) goto cleanup; /* a pending signal's handler raised */
     Py_BEGIN_ALLOW_THREADS
     long lo = 0, hi = 0;
     double now = now_s(), last_check = now;
@@ -2131,8 +2153,7 @@ static PyObject *fa_stream(PyObject *self, PyObject *args) {
     for (int s = 0; s < n_shards; s++) {
         PyObject *e = epoch[s] < 0 ? (Py_INCREF(Py_None), Py_None)
                                    : PyLong_FromLongLong(epoch[s]);
-        if (!e) goto cleanup;
-        PyList_SetItem(epochs, s, e);
+        if (!e || PyList_SetItem(epochs, s, e) < 0) goto cleanup; /* a list cut meanwhile */
     }
     PyObject *info;
     if (event == EV_RESTARTED)
@@ -2170,6 +2191,7 @@ cleanup:
     free(due); free(backoff); free(started); free(later);
     if (gso) gro_set(fd, 0);
     free(pend); free(rbuf); free(rmsgs); free(riov); free(rctl); free(rsrc);
+    Py_XDECREF(aggs_t); Py_XDECREF(epochs_t); Py_XDECREF(srtt_t); Py_XDECREF(rttvar_t);
     PyBuffer_Release(&chunks);
     if (out.obj) PyBuffer_Release(&out);
     return res;
@@ -2177,8 +2199,8 @@ cleanup:
 
 static PyMethodDef module_methods[] = {
     {"drive", fa_drive, METH_VARARGS,
-     "drive(workers, agg_ip, agg_port, job_id, pool, lanes, run, chunks, window, payloads, types, "
-     "rto, deadline) -> (seconds, results, sent, retransmitted, complete): the workers, "
+     "drive(workers, agg_ip, agg_port, job_id, pool, lanes, run, tag, chunks, window, payloads, "
+     "types, rto, deadline) -> (seconds, results, sent, retransmitted, complete): the workers, "
      "(fd, worker_id) pairs, stream "
      "`chunks` DATA chunks each with a window, resending after `rto` seconds without progress"},
     {"stream", fa_stream, METH_VARARGS,
