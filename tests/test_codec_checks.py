@@ -179,6 +179,20 @@ def test_a_call_that_raises_leaves_no_flag_behind():
         c.check()
 
 
+@pytest.mark.parametrize("kind", ["numpy", "torch"])
+def test_bool_indices_are_indices_0_and_1_not_a_mask(kind):
+    """numpy read a bool index vector as a mask: [True, False] into the table [0, 1] gave
+    [0] and two workers' sums [0, 0], where torch gave [1, 0] and [2, 0]."""
+    from thc.codec.quantize import dequantize
+    p = THCParams(bits=1, granularity=1, table_kind="uniform", slice_size=2)
+    i = np.array([True, False, True])
+    if kind == "torch":
+        i = torch.from_numpy(i)
+    assert np.asarray(thc.table_values(i, p)).tolist() == [1, 0, 1]
+    assert np.asarray(thc.aggregate([i, i], p)).tolist() == [2, 0, 2]
+    assert np.asarray(dequantize(i, p.table, 1.0, 1)).tolist() == [1.0, -1.0, 1.0]
+
+
 @pytest.mark.parametrize("backend", ["reference", "triton"])
 def test_wide_and_negative_indices_are_refused(backend):
     """An index is compared at its own width: 2^32 + 5 does not wrap to 5, -1 is no entry."""

@@ -184,4 +184,5 @@ def dequantize(idx, table, t_p: float, granularity: int):
     if is_torch(idx):
         import torch
         return torch.from_numpy(zval).to(idx.device)[idx.long()]
-    return zval[np.asarray(idx)]
+    i = np.asarray(idx)
+    return zval[i.astype(np.uint8) if i.dtype == bool else i]   # indices 0/1, not a mask

@@ -203,6 +203,8 @@ def table_values(indices, params: THCParams, checked: bool = True):
             check_indices(i, params)
         return torch_table(params, indices.device).index_select(0, i.to(torch.int32))
     i = np.asarray(indices).reshape(-1)
+    if i.dtype == bool:   # numpy would read it as a mask, not as indices 0 and 1 (as torch)
+        i = i.astype(np.uint8)
     check_indices(i, params)
     dt = np.uint8 if params.granularity <= 255 else np.int32
     return params.table.astype(dt)[i]
