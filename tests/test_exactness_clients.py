@@ -463,6 +463,7 @@ def test_a_worker_configured_with_another_job_is_never_summed_into_its_peers_rou
             t.join()
         assert isinstance(out[1], AggregatorMisconfigured), out[1]
         assert isinstance(out[0], AggregationTimeout) and out[0].missing == [1], out[0]
+        assert "wrong_config" in str(out[0])
         assert agg.drops["wrong_config"] >= 1
 
 

@@ -309,7 +309,10 @@ def timeout_of(end: Endpoint, rnd: Round, i: int, bitmap: int | None, silent: fl
         unseen += (f"; a missing worker may also have been given another shard map than "
                    f"this worker's, sending this chunk to a shard other than {shard}")
     return AggregationTimeout(f"{at}; missing worker(s) {missing} "
-                              f"(contributed: {got}){unseen}", missing, shard)
+                              f"(contributed: {got}){unseen}; a worker given another job "
+                              f"configuration (cluster file) than the aggregator's is missing "
+                              f"too: its packets are refused (the aggregator's wrong_config "
+                              f"drops)", missing, shard)
 
 
 def raise_timeout(end: Endpoint, rnd: Round, *evidence) -> None:
