@@ -193,6 +193,21 @@ def test_bool_indices_are_indices_0_and_1_not_a_mask(kind):
     assert np.asarray(dequantize(i, p.table, 1.0, 1)).tolist() == [1.0, -1.0, 1.0]
 
 
+@pytest.mark.parametrize("dtype", [torch.uint16, torch.uint32])
+def test_wide_unsigned_torch_indices_and_bytes_are_read_and_checked(dtype):
+    """torch has no min or max of uint16 or uint32 tensors: table_values and unpack_bits
+    failed on them with torch's NotImplementedError, where pack_bits widened them."""
+    from thc.codec.packing import unpack_bits
+    p = THCParams(slice_size=256)
+    assert thc.table_values(torch.tensor([1, 2]).to(dtype), p).tolist() == \
+        thc.table_values(torch.tensor([1, 2]), p).tolist()
+    assert unpack_bits(torch.tensor([0x12, 0x34]).to(dtype), 4, 4).tolist() == [1, 2, 3, 4]
+    with pytest.raises(ValueError, match="index 20 outside the 16-entry table"):
+        thc.table_values(torch.tensor([1, 20]).to(dtype), p)
+    with pytest.raises(ValueError, match="packed bytes 1..300 are not bytes"):
+        unpack_bits(torch.tensor([1, 300]).to(dtype), 4, 4)
+
+
 @pytest.mark.parametrize("backend", ["reference", "triton"])
 def test_wide_and_negative_indices_are_refused(backend):
     """An index is compared at its own width: 2^32 + 5 does not wrap to 5, -1 is no entry."""

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from thc.codec.hadamard import SliceLayout, is_torch
+from thc.codec.packing import comparable
 from thc.codec.params import THCParams
 
 GROUP_ELEMENTS = 1 << 20
@@ -374,6 +375,8 @@ def check_indices(i, params: THCParams) -> None:
         i.dtype.kind
     if kind in "fc":
         raise TypeError(f"table indices are integers, got {i.dtype}")
+    if is_torch(i):
+        i = comparable(i)
     if i.numel() if is_torch(i) else i.size:
         if int(i.max()) >= params.levels:
             raise ValueError(f"index {int(i.max())} outside the {params.levels}-entry table")

@@ -13,6 +13,14 @@ import numpy as np
 from thc.codec.hadamard import is_torch
 
 
+def comparable(t):
+    """A torch integer tensor whose min and max can be taken: unsigned 16- to 64-bit ones
+    have none, so they are widened to int64 (2^63 and more then read as negative, which
+    every range check refuses)."""
+    import torch
+    return t.to(torch.int64) if t.dtype in (torch.uint16, torch.uint32, torch.uint64) else t
+
+
 def packed_size(count: int, bits: int) -> int:
     return (int(count) * int(bits) + 7) // 8
 
@@ -42,10 +50,8 @@ def pack_bits(idx, bits: int):
             raise TypeError(f"table indices are integers, got {x.dtype}: a cast would read "
                             f"3.7 as 3")
         if x.numel() and x.dtype != torch.bool:
-            # one wait on a GPU; unsigned 16-64 bit tensors have no min/max on the CPU
-            wide = x.to(torch.int64) if x.dtype in (torch.uint16, torch.uint32,
-                                                     torch.uint64) else x
-            lo, hi = (int(v) for v in torch.stack(torch.aminmax(wide)).tolist())
+            # one wait on a GPU
+            lo, hi = (int(v) for v in torch.stack(torch.aminmax(comparable(x))).tolist())
             if hi >> b or lo < 0:
                 raise ValueError(f"indices {lo}..{hi} do not fit in {b} bits")
         x = x.to(torch.uint8)
@@ -87,8 +93,9 @@ def _as_bytes(p, not_integers: bool):
     """Packed bytes given in a wider integer type, checked: a cast would wrap 300 to 44."""
     if not_integers:
         raise TypeError(f"packed indices are bytes, got {p.dtype}")
-    if p.shape[0] and (int(p.min()) < 0 or int(p.max()) > 255):
-        raise ValueError(f"packed bytes {int(p.min())}..{int(p.max())} are not bytes")
+    q = comparable(p) if is_torch(p) else p
+    if p.shape[0] and (int(q.min()) < 0 or int(q.max()) > 255):
+        raise ValueError(f"packed bytes {int(q.min())}..{int(q.max())} are not bytes")
     if is_torch(p):
         import torch
         return p.to(torch.uint8)
