@@ -85,6 +85,7 @@ def make_job(sharded: bool = False) -> Job:
 
 @functools.lru_cache(maxsize=None)
 def _tag_of(shape: tuple) -> int:
+    """make_job()'s tag, cached by the shape globals it reads (``shape``)."""
     return make_job().config_tag
 
 
