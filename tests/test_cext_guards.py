@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import types
 
@@ -323,3 +324,35 @@ def test_a_list_emptied_while_its_items_are_read_is_no_crash(case):
     r = subprocess.run([sys.executable, "-c", _MUTATING, case], capture_output=True,
                        text=True, timeout=60)
     assert r.returncode == 0, (r.returncode, r.stderr[-2000:])
+
+
+def test_the_load_generator_counts_only_its_aggregators_results():
+    """drive() counted any datagram of the RESULT type with a seq it waits for: a forger on
+    the host (or a reply of another job, worker or run) completed a benchmark that the
+    aggregator never answered."""
+    w, sink, forger = _udp(), _udp(), _udp()
+    job_id, run, chunks = 3, 77, 4
+    forged = [P.Header(P.PktType.RESULT, 0, job_id, s % 4, 0, 1, s, s * 16, 1, run, 5).pack()
+              + bytes(16) for s in range(chunks)]
+    from_aggregator = [P.Header(P.PktType.RESULT, wid, job, s % 4, 0, 1, s, s * 16, 1, r,
+                                5).pack() + bytes(16)
+                       for s in range(chunks) for wid, job, r in ((1, job_id, run),
+                                                                  (0, job_id + 1, run),
+                                                                  (0, job_id, run + 1))]
+
+    def forge():
+        for d in forged:
+            forger.sendto(d, w.getsockname())
+        for d in from_aggregator:
+            sink.sendto(d, w.getsockname())
+    timer = threading.Timer(0.05, forge)
+    timer.start()
+    try:
+        seconds, results, sent, _, complete = cext._fastagg.drive(
+            [(w.fileno(), 0)], LOOPBACK, sink.getsockname()[1], job_id, 4, 16, run, 0,
+            chunks, 4, [bytes(8 * chunks)], cext.TYPE_CODES, 0.2, 1.0)
+    finally:
+        timer.join()
+        for s in (w, sink, forger):
+            s.close()
+    assert (results, complete) == (0, False) and sent >= chunks

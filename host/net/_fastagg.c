@@ -1304,6 +1304,7 @@ static PyObject *fa_drive(PyObject *self, PyObject *args) {
     struct sockaddr_in agg = {.sin_family = AF_INET};
     agg.sin_addr.s_addr = htonl((uint32_t)agg_ip);
     agg.sin_port = htons((uint16_t)agg_port);
+    struct sockaddr_in from[BATCH];
     long results = 0, sent = 0, retransmitted = 0;
     int complete = 0;
     double t0 = 0, t1 = 0, last_check = 0;
@@ -1361,12 +1362,20 @@ static PyObject *fa_drive(PyObject *self, PyObject *args) {
                     memset(&msgs[k].msg_hdr, 0, sizeof msgs[k].msg_hdr);
                     msgs[k].msg_hdr.msg_iov = &iov[k];
                     msgs[k].msg_hdr.msg_iovlen = 1;
+                    msgs[k].msg_hdr.msg_name = &from[k];
+                    msgs[k].msg_hdr.msg_namelen = sizeof from[k];
                 }
                 int got = recvmmsg(l->fd, msgs, BATCH, MSG_DONTWAIT, NULL);
                 if (got <= 0) break;
                 for (int k = 0; k < got; k++) {
                     const uint8_t *d = rbuf + (size_t)k * RECV_BYTES;
-                    if (msgs[k].msg_len < HDR || d[0] != result_type) continue;
+                    /* the aggregator's RESULT of this lane's chunk: its address, this job,
+                     * worker and run (another sender's datagram counts nothing) */
+                    if (msgs[k].msg_len < HDR || d[0] != result_type || d[1] != l->wid ||
+                        rd16(d + 2) != (uint16_t)job_id || rd32(d + 20) != (uint32_t)run ||
+                        from[k].sin_addr.s_addr != agg.sin_addr.s_addr ||
+                        from[k].sin_port != agg.sin_port)
+                        continue;
                     uint32_t s = rd32(d + 8);
                     if ((long)s >= chunks || l->done[s]) continue;
                     l->done[s] = 1;
