@@ -63,6 +63,19 @@ def test_a_source_port_or_address_beyond_its_field_is_refused_not_cut():
             dp.handle(bytes(P.HEADER_BYTES), ip, 40000, 0.0)
 
 
+def test_an_installed_address_or_epoch_beyond_its_field_is_refused_not_cut():
+    """install() cut a worker's address above 2^32 and an epoch above 2^32 to 32 bits: the
+    address 127.0.0.1 + 2^32 was installed, and answered, as 127.0.0.1."""
+    dp = _datapath()
+    args = (7, 1, 1, 16, 8, list(range(16)))
+    with pytest.raises(ValueError, match="IPv4 address as an int below 2"):
+        dp.install(*args, [(LOOPBACK + (1 << 32), 40000)], False, 1, 0, 1 << 16)
+    for epoch in (0, (1 << 32) + 5):
+        with pytest.raises(ValueError, match="nonzero 32-bit"):
+            dp.install(*args, [(LOOPBACK, 40000)], False, 1, 0, epoch)
+    dp.install(*args, [(LOOPBACK, 40000)], False, 1, 0, 1 << 16)
+
+
 def _stream(pool: int, is_data: bool, chunk: bytes, lanes: int, agg=None):
     cl, ag = _udp(), _udp()
     try:

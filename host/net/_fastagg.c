@@ -539,9 +539,13 @@ static PyObject *dp_install(Datapath *dp, PyObject *args) {
     unsigned long epoch;
     PyObject *table, *addrs;
     if (!ready(dp)) return NULL;
-    if (!PyArg_ParseTuple(args, "iiiiiOOpiik", &job_id, &n, &pool, &lanes, &sum_bits, &table,
-                          &addrs, &vote, &n_shards, &shard, &epoch))
+    if (!PyArg_ParseTuple(args, "iiiiiOOpiiO&", &job_id, &n, &pool, &lanes, &sum_bits, &table,
+                          &addrs, &vote, &n_shards, &shard, as_ulong, &epoch))
         return NULL;
+    if (epoch < 1 || epoch > 0xFFFFFFFFul) { /* "k" would cut it to 32 bits */
+        PyErr_SetString(PyExc_ValueError, "an epoch is a nonzero 32-bit value");
+        return NULL;
+    }
     if (job_id < 0 || job_id >= N_JOB_IDS || n < 1 || n > MAX_WORKERS || pool < 1 ||
         lanes < 2 || lanes % (vote ? 8 : 2) || (sum_bits != 8 && sum_bits != 16) ||
         lanes > (OUT_BYTES - HDR) * 8 / sum_bits || n_shards < 1 || shard < 0 ||
@@ -612,6 +616,10 @@ static PyObject *dp_install(Datapath *dp, PyObject *args) {
         if (ip == Py_None) continue;
         unsigned long v = PyLong_AsUnsignedLong(ip);
         if (PyErr_Occurred()) break;
+        if (v > 0xFFFFFFFFul) { /* handle() refuses such a source; it is no IPv4 address */
+            err = "an address is an IPv4 address as an int below 2^32";
+            break;
+        }
         j->ip[w] = htonl((uint32_t)v);
         j->addr_ok[w] = 1;
     }
