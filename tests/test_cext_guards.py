@@ -249,6 +249,23 @@ def test_a_build_of_another_source_is_named_stale(tmp_path):
     assert stale(cext._fastagg, "compiled datapath") is None
 
 
+def test_a_build_of_several_sources_is_stale_when_any_of_them_changed(tmp_path):
+    """The datapath is built from several files; a header edited alone changes no .c file."""
+    files = {"_ext.c": b"#include \"_ext.h\"\n", "_ext_part.c": b"int y;\n", "_ext.h": b"int x;\n"}
+    for name, text in files.items():
+        (tmp_path / name).write_bytes(text)
+    module = types.ModuleType("pkg._ext")
+    module.__file__ = str(tmp_path / "_ext.cpython-311-x86_64-linux-gnu.so")
+    module.SOURCE_FILES = " ".join(files)
+    module.SOURCE_SHA256 = hashlib.sha256(b"".join(files.values())).hexdigest()
+    assert stale(module, "thing") is None
+    (tmp_path / "_ext.h").write_bytes(b"int x, z;\n")
+    assert "another version of _ext.c, _ext_part.c, _ext.h" in stale(module, "thing")
+    del module.SOURCE_FILES  # a build older than the list: its one source, _ext.c, changed
+    module.SOURCE_SHA256 = hashlib.sha256(b"int x;\n").hexdigest()
+    assert "another version of _ext.c" in stale(module, "thing")
+
+
 def test_an_extension_built_for_another_worker_limit_is_not_used(monkeypatch):
     """The header layout, drop reasons and counters were compared with protocol.json, the
     workers a job takes (the C code's bitmaps and arrays) were not."""

@@ -933,7 +933,8 @@ static struct PyModuleDef module = {
     -1, methods};
 
 #ifndef SOURCE_SHA256
-#define SOURCE_SHA256 "" /* setup.py defines it: thc.built compares it with this file's */
+#define SOURCE_SHA256 "" /* setup.py defines both: thc.built compares the file's hash with it */
+#define SOURCE_FILES ""
 #endif
 
 PyMODINIT_FUNC PyInit__fastcodec(void) {
@@ -943,7 +944,8 @@ PyMODINIT_FUNC PyInit__fastcodec(void) {
     if (!kinds) return NULL;
     for (int k = 0; k < N_KINDS; k++) PyTuple_SET_ITEM(kinds, k, PyUnicode_FromString(KIND_NAMES[k]));
     if (PyModule_AddObject(m, "KINDS", kinds) < 0 ||
-        PyModule_AddStringConstant(m, "SOURCE_SHA256", SOURCE_SHA256) < 0)
+        PyModule_AddStringConstant(m, "SOURCE_SHA256", SOURCE_SHA256) < 0 ||
+        PyModule_AddStringConstant(m, "SOURCE_FILES", SOURCE_FILES) < 0)
         return NULL;
     return m;
 }

@@ -25,7 +25,7 @@ else:
     elif _fastagg.MAX_WORKERS != P.MAX_WORKERS:
         UNAVAILABLE = (f"the compiled datapath takes {_fastagg.MAX_WORKERS} workers a job, "
                        f"protocol.json {P.MAX_WORKERS}: rebuild it, after setting MAX_WORKERS "
-                       f"in _fastagg.c where protocol.json changed")
+                       f"in _fastagg.h where protocol.json changed")
     else:
         UNAVAILABLE = None
 

@@ -33,7 +33,7 @@ AGGREGATIONS = frozenset(("thc", "vote"))
 
 def unsupported(jobs) -> str | None:
     """What of these jobs the compiled datapath does not implement (an aggregation type added
-    to protocol.json but not to _fastagg.c); None when it runs them all. The Python
+    to protocol.json but not to _fastagg_rules.c); None when it runs them all. The Python
     aggregator runs everything."""
     for job in jobs:
         if job.aggregation not in AGGREGATIONS:
