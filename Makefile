@@ -15,7 +15,7 @@ WORKERS ?= 4
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml constraints.txt setup.py $(wildcard host/net/_fastagg*) host/codec/_fastcodec.c
+$(STAMP): pyproject.toml constraints.txt setup.py $(wildcard host/net/_fastagg*.[ch]) host/codec/_fastcodec.c
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[test]' -c constraints.txt

@@ -17,13 +17,15 @@ from setuptools import Extension, setup
 
 def extension(name: str, sources: list[str], *flags: str) -> Extension:
     """sources: the C files, then the headers they include; the build carries their names and
-    the SHA-256 of their contents in that order (thc.built)."""
+    the SHA-256 of their contents, each after its length, in that order (thc.built)."""
     here = Path(__file__).parent
-    sha = hashlib.sha256(b"".join((here / s).read_bytes() for s in sources)).hexdigest()
+    sha = hashlib.sha256()
+    for text in ((here / s).read_bytes() for s in sources):   # as thc.built reads them
+        sha.update(len(text).to_bytes(8, "big") + text)
     names = " ".join(Path(s).name for s in sources)
     return Extension(name, [s for s in sources if s.endswith(".c")],
                      depends=[s for s in sources if not s.endswith(".c")],
-                     define_macros=[("SOURCE_SHA256", f'"{sha}"'),
+                     define_macros=[("SOURCE_SHA256", f'"{sha.hexdigest()}"'),
                                     ("SOURCE_FILES", f'"{names}"')],
                      extra_compile_args=["-std=gnu11", "-fvisibility=hidden", *flags],
                      optional=True)

@@ -20,7 +20,7 @@ import types
 import numpy as np
 import pytest
 
-from thc.built import stale
+from thc.built import source_hash, stale
 from thc.net import cext, fastagg
 from thc.net.client import DATAPATH_ENV, AggregationClient
 from thc.testing.clusters import free_port_block, local_job
@@ -240,7 +240,7 @@ def test_a_build_of_another_source_is_named_stale(tmp_path):
     source.write_text("int x;\n")
     module = types.ModuleType("pkg._ext")
     module.__file__ = str(tmp_path / "_ext.cpython-311-x86_64-linux-gnu.so")
-    module.SOURCE_SHA256 = hashlib.sha256(b"int x;\n").hexdigest()
+    module.SOURCE_SHA256 = source_hash([b"int x;\n"])
     assert stale(module, "thing") is None
     source.write_text("int x, y;\n")
     assert "the thing was built from another version of _ext.c" in stale(module, "thing")
@@ -257,10 +257,17 @@ def test_a_build_of_several_sources_is_stale_when_any_of_them_changed(tmp_path):
     module = types.ModuleType("pkg._ext")
     module.__file__ = str(tmp_path / "_ext.cpython-311-x86_64-linux-gnu.so")
     module.SOURCE_FILES = " ".join(files)
-    module.SOURCE_SHA256 = hashlib.sha256(b"".join(files.values())).hexdigest()
+    module.SOURCE_SHA256 = source_hash(files.values())
     assert stale(module, "thing") is None
     (tmp_path / "_ext.h").write_bytes(b"int x, z;\n")
     assert "another version of _ext.c, _ext_part.c, _ext.h" in stale(module, "thing")
+    (tmp_path / "_ext.h").write_bytes(files["_ext.h"])
+    (tmp_path / "_ext_part.c").rename(tmp_path / "_ext_other.c")   # a part renamed
+    assert "(_ext_part.c no longer there)" in stale(module, "thing")
+    (tmp_path / "_ext_other.c").rename(tmp_path / "_ext_part.c")
+    (tmp_path / "_ext.c").write_bytes(files["_ext.c"] + b"int y;")   # text moved between
+    (tmp_path / "_ext_part.c").write_bytes(b"\n")                   # files, the same bytes
+    assert stale(module, "thing") is not None
     del module.SOURCE_FILES  # a build older than the list: its one source, _ext.c, changed
     module.SOURCE_SHA256 = hashlib.sha256(b"int x;\n").hexdigest()
     assert "another version of _ext.c" in stale(module, "thing")
@@ -305,6 +312,14 @@ class Clears:
         return 1
 
 
+class Cuts(Clears):
+    '''An item whose conversion leaves only the first item of the list it names.'''
+
+    def __index__(self):
+        del self.victim[1:]
+        return self.value
+
+
 def dp(types=cext.TYPE_CODES):
     return cext._fastagg.Datapath(types, [int(P.DropReason[r]) for r in cext._fastagg.REASONS],
                                   P.MAX_LANES, P.SEQ_RESET, P.RUN_JUMP, 60.0, False, False)
@@ -330,6 +345,19 @@ try:
         types = list(cext.TYPE_CODES)
         types[0] = Clears(types, types[0])
         dp(types)
+    elif case.startswith("header-"):   # the header read after the lists' lengths
+        import socket
+        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        s.bind(("127.0.0.1", 0))
+        lists = {"aggs": [(LOOP, 9), (LOOP, 10)], "epochs": [None, None],
+                 "srtt": [None, None], "rttvar": [0.0, 0.0]}
+        header = (1, 3, 5, 4, 1, Cuts(lists[case[7:]], 0), 9, 4, 77, 0, 0, 16, 2, 8, 30, 1,
+                  (0, 0xFFFF0000, 0), np.arange(16, dtype=np.uint32).tobytes(), False)
+        print(cext._fastagg.stream(s.fileno(), header, np.zeros(16, np.uint8), 8,
+                                   lists["aggs"], lists["epochs"], 2,
+                                   (0.02, 0.05, 0.1, 3, 4, 3, 256), lists["srtt"],
+                                   lists["rttvar"], np.zeros((2, 16), np.uint16), 2, 16,
+                                   False)[0])
     else:
         import socket
         s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
@@ -346,14 +374,22 @@ except Exception as e:   # an error is an answer; a crash is not
 """
 
 
-@pytest.mark.parametrize("case", ["counters", "table", "addrs", "types", "stream"])
+@pytest.mark.parametrize("case", ["counters", "table", "addrs", "types", "stream",
+                                  "header-aggs", "header-epochs", "header-srtt",
+                                  "header-rttvar"])
 def test_a_list_emptied_while_its_items_are_read_is_no_crash(case):
     """The extension read a list's items in place (borrowed) while converting them ran the
     caller's code: an __index__ that empties the list left it reading freed or missing
-    items (SIGSEGV). It reads a copy, so the call ends in a result or a Python error."""
+    items (SIGSEGV). It reads a copy, so the call ends in a result or a Python error.
+    ``header-*``: stream() took a shard list's length, then read the header, whose item
+    cut the list: the length checked was no longer the copy's, and the copy was read past
+    its end."""
     r = subprocess.run([sys.executable, "-c", _MUTATING, case], capture_output=True,
                        text=True, timeout=60)
     assert r.returncode == 0, (r.returncode, r.stderr[-2000:])
+    if case.startswith("header-"):   # a timeout (2); the epochs learnt have no list to go to
+        assert r.stdout.split()[0] == ("IndexError" if case == "header-epochs" else "2"), \
+            r.stdout
 
 
 def test_the_load_generator_counts_only_its_aggregators_results():

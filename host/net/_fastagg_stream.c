@@ -744,13 +744,11 @@ static int cl_alloc(Client *c) {
     return 0;
 }
 
-/* Each shard's address, epoch and RTT estimate, read from copies: converting an item may run
- * code that changes the caller's lists. */
-static int cl_shards(Client *c, PyObject *aggs_o, PyObject *epochs, PyObject *srtt_o,
-                     PyObject *rttvar_o) {
-    PyObject *aggs_t = PySequence_Tuple(aggs_o), *epochs_t = PySequence_Tuple(epochs),
-             *srtt_t = PySequence_Tuple(srtt_o), *rttvar_t = PySequence_Tuple(rttvar_o);
-    int ok = aggs_t && epochs_t && srtt_t && rttvar_t;
+/* Each shard's address, epoch and RTT estimate, from copies of the caller's lists (tuples of
+ * n_shards items each, checked by cl_configure). */
+static int cl_shards(Client *c, PyObject *aggs_t, PyObject *epochs_t, PyObject *srtt_t,
+                     PyObject *rttvar_t) {
+    int ok = 1;
     for (int s = 0; ok && s < c->n_shards; s++) {
         unsigned long ip;
         int port;
@@ -773,7 +771,6 @@ static int cl_shards(Client *c, PyObject *aggs_o, PyObject *epochs, PyObject *sr
         c->rttvar[s] = PyFloat_AsDouble(PyTuple_GET_ITEM(rttvar_t, s));
         if (PyErr_Occurred()) ok = 0;
     }
-    Py_XDECREF(aggs_t); Py_XDECREF(epochs_t); Py_XDECREF(srtt_t); Py_XDECREF(rttvar_t);
     return ok ? 0 : -1;
 }
 
@@ -861,14 +858,19 @@ PyObject *fa_stream(PyObject *self, PyObject *args) {
                           &gso))
         return NULL;
     PyObject *res = NULL;
+    /* copies, taken before any of the caller's code runs (converting the header's items or a
+     * shard's may change the lists): their lengths are checked, their items read */
+    PyObject *aggs_t = PySequence_Tuple(aggs_o), *epochs_t = PySequence_Tuple(epochs),
+             *srtt_t = PySequence_Tuple(srtt_o), *rttvar_t = PySequence_Tuple(rttvar_o);
     Client *c = calloc(1, sizeof(Client));
+    if (!aggs_t || !epochs_t || !srtt_t || !rttvar_t) goto cleanup;
     if (!c) {
         PyErr_NoMemory();
         goto cleanup;
     }
     c->fd = fd;
     c->gso = gso;
-    c->n_shards = (int)PyList_GET_SIZE(aggs_o);
+    c->n_shards = (int)PyTuple_GET_SIZE(aggs_t);
     c->window = window;
     c->chunk_bytes = chunk_bytes;
     c->chunks = chunks.buf;
@@ -883,9 +885,9 @@ PyObject *fa_stream(PyObject *self, PyObject *args) {
     c->silent_after = silent_after;
     c->recv_batch = recv_batch;
     c->ev.bitmap = -1;
-    if (cl_configure(c, hdr, chunks.len, out.len, PyList_GET_SIZE(epochs),
-                     PyList_GET_SIZE(srtt_o), PyList_GET_SIZE(rttvar_o)) < 0 ||
-        cl_alloc(c) < 0 || cl_shards(c, aggs_o, epochs, srtt_o, rttvar_o) < 0)
+    if (cl_configure(c, hdr, chunks.len, out.len, PyTuple_GET_SIZE(epochs_t),
+                     PyTuple_GET_SIZE(srtt_t), PyTuple_GET_SIZE(rttvar_t)) < 0 ||
+        cl_alloc(c) < 0 || cl_shards(c, aggs_t, epochs_t, srtt_t, rttvar_t) < 0)
         goto cleanup;
     if (gso) gro_set(fd, 1);
     int main = on_main_thread();
@@ -897,6 +899,7 @@ PyObject *fa_stream(PyObject *self, PyObject *args) {
     if (!interrupted) res = cl_report(c, epochs);
 cleanup:
     if (c) cl_free(c);
+    Py_XDECREF(aggs_t); Py_XDECREF(epochs_t); Py_XDECREF(srtt_t); Py_XDECREF(rttvar_t);
     if (gso) gro_set(fd, 0);
     PyBuffer_Release(&chunks);
     if (out.obj) PyBuffer_Release(&out);
