@@ -42,6 +42,7 @@ import types
 import pytest
 
 from thc.emu import mainjob
+from thc.emu.mainreport import step_losses
 from thc.emu.base import REPO_ROOT
 from thc.emu.procs import WorkerError
 from thc.emu.testbed import LoopbackTestbed
@@ -201,7 +202,7 @@ def late_accuracy(run: dict) -> float:
 
 def learning_failures(run: dict, fp32: dict) -> dict[str, str]:
     """What ``run`` failed of the check against ``fp32`` (criterion: why); empty: it learnt."""
-    losses = mainjob.step_losses(run)
+    losses = step_losses(run)
     name = run["mode"]
     if len(losses) < 4 * WINDOW:
         return {"steps": f"{name}: only {len(losses)} training steps"}
@@ -225,7 +226,7 @@ def learning_failures(run: dict, fp32: dict) -> dict[str, str]:
 
 
 def _summary(run: dict) -> str:
-    losses = mainjob.step_losses(run)
+    losses = step_losses(run)
     return (f"{run['mode']}: late accuracy {late_accuracy(run):.4f}, final "
             f"{run['final_accuracy']:.4f}, loss {statistics.mean(losses[:WINDOW]):.3f} -> "
             f"{statistics.mean(losses[-WINDOW:]):.3f} over {len(losses)} steps, "

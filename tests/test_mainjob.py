@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from thc.emu import mainjob
+from thc.emu.mainreport import step_losses
 from tests.procs import gloo_pair
 
 
@@ -336,10 +337,10 @@ def test_main_job_through_bmv2_has_the_software_losses_step_by_step(tmp_path):
     assert steps // 2 < bound < steps
     assert runs["thc"]["stopped"] is None and runs["thc"]["epochs_done"] == 2.0
     assert runs["thc"]["step_bound"] is None
-    assert len(mainjob.step_losses(runs["thc"])) == steps == runs["thc"]["history"][-1]["steps"]
+    assert len(step_losses(runs["thc"])) == steps == runs["thc"]["history"][-1]["steps"]
     hw = runs["thc-bmv2"]
     assert hw["replicas_diverged_at"] is None and runs["thc"]["replicas_diverged_at"] is None
-    assert len(mainjob.step_losses(hw)) == bound == hw["history"][-1]["steps"]
+    assert len(step_losses(hw)) == bound == hw["history"][-1]["steps"]
     assert hw["stopped"] == f"bounded to {bound} steps (--bmv2-steps)"
     assert hw["step_bound"] == bound and 1.0 < hw["epochs_done"] < 2.0
     assert f"thc-bmv2 (bounded to {bound} steps) vs thc" in out.stdout

@@ -42,7 +42,7 @@ from thc.wire.jobs import loss_bound_arg
 from thc.wire.protocol import MAX_SOFTWARE_LANES
 from thc.emu.base import MAX_TESTBED_WORKERS, worker_ip
 from thc.emu.cleanup import Terminated
-from thc.emu.mainreport import dlcp_ratios, plot, step_losses, summarize
+from thc.emu.mainreport import compare_bmv2, dlcp_ratios, plot, print_table, summarize
 from thc.emu.procs import WorkerError
 from thc.emu import links, testbed
 from thc.emu.testbed import bmv2_unavailable_reason, mininet_unavailable_reason, open_testbed
@@ -403,57 +403,21 @@ def epochs_of(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    """The main job: every mode trained in turn, then the table, the checks and the report
+    (out/mainjob.json and its plot). 0 when every mode trained and every check held, 1 when
+    one did not, 2 for arguments refused before any work."""
     from tqdm import tqdm
 
     args.epochs = epochs_of(args)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    if why := check_args(args, modes):
-        print(f"thc run: {why}", file=sys.stderr)
-        return 2
-    if why := data_unavailable(args, "thc run"):
-        print(why, file=sys.stderr)
-        return 2
-    if why := testbed.loopback_conflict(args):
-        print(f"thc run: {why}", file=sys.stderr)
-        return 2
     mininet_why = "--loopback" if args.loopback else mininet_unavailable_reason("software")
-    if not mininet_why:
-        try:
-            links.plan(args.bw, args.delay, args.loss)
-        except links.LinkError as e:
-            print(f"thc run: --bw/--delay/--loss: {e}", file=sys.stderr)
-            return 2
-    if args.congest and mininet_why:
-        print("thc run: --congest needs the Mininet testbed: not with --loopback"
-              if args.loopback else f"thc run: --congest needs the Mininet testbed "
-              f"({mininet_why})", file=sys.stderr)
-        return 2
-    if (not mininet_why and (args.delay or args.loss)
-            and (args.congest or any(MODES[m].loss_bound for m in modes))):
-        print("thc run: --congest, thc-lossy and thc-dlcp queue links by DLCP class, which "
-              "needs links without --delay/--loss (no netem)", file=sys.stderr)
-        return 2
-    for name in [m for m in modes if MODES[m].aggregator == "bmv2"]:
-        if why := bmv2_unavailable_reason():
-            print(f"thc run: skipping {name}: {why}")
-            modes.remove(name)
-    if not modes:
-        print("thc run: every mode asked for was skipped: nothing to run", file=sys.stderr)
-        return 2
     out = Path(args.out)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        print(f"thc run: cannot create --out {out}: {e.strerror or e}", file=sys.stderr)
-        return 2
-    try:
-        trial = out / f".thc-run-{os.getpid()}"
-        try:
-            trial.write_bytes(bytes(4096))   # not a directory modes train for, then cannot fill
-        finally:
-            trial.unlink(missing_ok=True)
-    except OSError as e:
-        print(f"thc run: cannot write to --out {out}: {e.strerror or e}", file=sys.stderr)
+    why = _refusal(args, modes, mininet_why)
+    if why is None:
+        _skip_unavailable(modes)
+        why = None if modes else "thc run: every mode asked for was skipped: nothing to run"
+    if why := why or _out_refusal(out):
+        print(why, file=sys.stderr)
         return 2
     shaped = ("loopback, links not shaped" if mininet_why else f"at {args.bw:g} Mbit/s")
     print(f"thc run: {args.data}, {args.workers} workers {shaped}, "
@@ -488,64 +452,13 @@ def run(args: argparse.Namespace) -> int:
             failed.append({"mode": name, "error": str(e)})
             continue
         runs.append(run_)
-        if run_["dataset_note"]:
-            print(f"note: {run_['dataset_note']}")
-        if run_["stopped"]:
-            print(f"{name} {run_['stopped']}: it got to epoch {run_['epochs_done']:.2f} of "
-                  f"{args.epochs} ({run_['history'][-1]['steps']} steps)")
-        if run_["replicas_diverged_at"] is not None:
-            print(f"{name}: the workers' parameters differed at the evaluation after step "
-                  f"{run_['replicas_diverged_at']}: the exchange did not give every worker the "
-                  f"same update")
-        print(f"{'epoch':>6} {'accuracy':>9} {'train s':>8}")
-        for row in run_["history"]:
-            print(f"{row['epoch']:>6.2f} {row['accuracy']:>9.4f} {row['seconds']:>8.1f}")
+        _print_mode(run_, args.epochs)
     dataset = runs[0]["dataset"] if runs else args.data
     summary = summarize(runs, FIXED_TARGET.get(dataset, 0.9))
-    # links counted on Mininet; on the loopback, what rank 0 sent (see wire_source)
-    volume = "MB links" if all(r["wire_source"].startswith("worker links") for r in runs) \
-        else "MB sent"
-    print(f"\n{'mode':<16} {'testbed':<9} {'final acc':>9} {'train s':>8} {volume:>9} "
-          f"{'t->fp32-1pt':>11} {'speedup':>8} {'t->' + format(summary['target_fixed'], 'g'):>8}")
-    for r, row in zip(runs, summary["rows"]):
-        tta = row.get("tta_fp32_minus_1pt")
-        fixed = row["tta_fixed"]
-        speed = row.get("speedup")
-        print(f"{r['mode']:<16} {r['testbed']:<9} {r['final_accuracy']:>9.4f} "
-              f"{r['train_seconds']:>8.1f} {r['wire_bytes'] / 1e6:>9.1f} "
-              f"{(f'{tta:.1f}' if tta is not None else '-'):>11} "
-              f"{(f'{speed:.2f}x' if speed else '-'):>8} "
-              f"{(f'{fixed:.1f}' if fixed is not None else '-'):>8}")
-    print(f"bytes: {runs[0]['wire_source'] if runs else '-'}")
-    for r in runs:
-        if r["stopped"]:
-            print(f"{r['mode']}: {r['stopped']} after {r['history'][-1]['steps']} steps, not "
-                  f"a finished run (it never wins)")
     summary["dlcp"] = dlcp_ratios(runs)
-    for row, r in zip(summary["dlcp"], [r for r in runs if r["loss_bound"]]):
-        at = (f"; at step {row['at_step']} accuracy {row['accuracy']:.4f} against "
-              f"{row['baseline_accuracy']:.4f}" if "at_step" in row else "")
-        print(f"{r['mode']}: loss bound {r['loss_bound']:g}, {row['short_chunks'] or 0} chunks "
-              f"closed short (rank 0); {row['step_seconds']:.2f} s a step, "
-              f"{row['speedup']:.2f}x {row['baseline']}'s {row['baseline_step_seconds']:.2f} s "
-              f"(same run){at}")
-    print(summary["verdict"])
-    sw = next((r for r in runs if r["mode"] == "thc"), None)
-    hw = next((r for r in runs if r["mode"] == "thc-bmv2"), None)
-    if sw and hw:
-        a, b = step_losses(sw), step_losses(hw)
-        k = min(len(a), len(b))
-        same = k > 0 and a[:k] == b[:k]
-        summary["bmv2_vs_thc"] = {"steps_compared": k, "identical_losses": same,
-                                  "first_difference": None if same else next(
-                                      (i + 1 for i in range(k) if a[i] != b[i]), None),
-                                  "bmv2_step_bound": hw["step_bound"]}
-        bounded = f" (bounded to {hw['step_bound']} steps)" if hw["step_bound"] else ""
-        print(f"thc-bmv2{bounded} vs thc, first {k} training steps: "
-              + ("identical losses (the switch's sums are bit-identical to the software "
-                 "aggregator's)" if same else
-                 f"DIFFERENT losses from step {summary['bmv2_vs_thc']['first_difference']}"
-                 if k else "no step to compare"))
+    print_table(runs, summary)
+    if compared := compare_bmv2(runs):
+        summary["bmv2_vs_thc"] = compared
     for f in failed:
         print(f"{f['mode']} FAILED (not in the table): {f['error']}")
     unchecked = failed_checks(runs, summary)
@@ -554,9 +467,84 @@ def run(args: argparse.Namespace) -> int:
     report = {"runs": runs, "failed": failed, "summary": summary, "args": vars(args),
               "bmv2_probe": probe,
               "testbed": sorted({r["testbed"] for r in runs}), "recorded": provenance()}
-    shaped = (f"at {args.bw:g} Mbit/s" if runs and runs[0]["testbed"] != "loopback" else
+    if (code := _write_report(out, report, dataset)) is not None:
+        return code
+    return 1 if failed or unchecked else 0
+
+
+def _refusal(args: argparse.Namespace, modes: list[str],
+             mininet_why: str | None) -> str | None:
+    """Why these arguments cannot run (said before any work), or None. ``mininet_why``: why
+    the workers run on the loopback, None on Mininet."""
+    if why := check_args(args, modes):
+        return f"thc run: {why}"
+    if why := data_unavailable(args, "thc run"):
+        return why
+    if why := testbed.loopback_conflict(args):
+        return f"thc run: {why}"
+    if not mininet_why:
+        try:
+            links.plan(args.bw, args.delay, args.loss)
+        except links.LinkError as e:
+            return f"thc run: --bw/--delay/--loss: {e}"
+    if args.congest and mininet_why:
+        return ("thc run: --congest needs the Mininet testbed: not with --loopback"
+                if args.loopback else
+                f"thc run: --congest needs the Mininet testbed ({mininet_why})")
+    if (not mininet_why and (args.delay or args.loss)
+            and (args.congest or any(MODES[m].loss_bound for m in modes))):
+        return ("thc run: --congest, thc-lossy and thc-dlcp queue links by DLCP class, which "
+                "needs links without --delay/--loss (no netem)")
+    return None
+
+
+def _skip_unavailable(modes: list[str]) -> None:
+    """The BMv2 modes left out of ``modes`` where BMv2 cannot run, each said."""
+    for name in [m for m in modes if MODES[m].aggregator == "bmv2"]:
+        if why := bmv2_unavailable_reason():
+            print(f"thc run: skipping {name}: {why}")
+            modes.remove(name)
+
+
+def _out_refusal(out: Path) -> str | None:
+    """Why the report cannot be written to ``out`` (checked before the modes train)."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        return f"thc run: cannot create --out {out}: {e.strerror or e}"
+    try:
+        trial = out / f".thc-run-{os.getpid()}"
+        try:
+            trial.write_bytes(bytes(4096))   # not a directory modes train for, then cannot fill
+        finally:
+            trial.unlink(missing_ok=True)
+    except OSError as e:
+        return f"thc run: cannot write to --out {out}: {e.strerror or e}"
+    return None
+
+
+def _print_mode(run_: dict, epochs: int) -> None:
+    """A trained mode's notes and its accuracy by epoch."""
+    if run_["dataset_note"]:
+        print(f"note: {run_['dataset_note']}")
+    if run_["stopped"]:
+        print(f"{run_['mode']} {run_['stopped']}: it got to epoch {run_['epochs_done']:.2f} of "
+              f"{epochs} ({run_['history'][-1]['steps']} steps)")
+    if run_["replicas_diverged_at"] is not None:
+        print(f"{run_['mode']}: the workers' parameters differed at the evaluation after step "
+              f"{run_['replicas_diverged_at']}: the exchange did not give every worker the "
+              f"same update")
+    print(f"{'epoch':>6} {'accuracy':>9} {'train s':>8}")
+    for row in run_["history"]:
+        print(f"{row['epoch']:>6.2f} {row['accuracy']:>9.4f} {row['seconds']:>8.1f}")
+
+
+def _write_report(out: Path, report: dict, dataset: str) -> int | None:
+    """out/mainjob.json and its plot; the exit status where either cannot be written."""
+    runs, args = report["runs"], report["args"]
+    shaped = (f"at {args['bw']:g} Mbit/s" if runs and runs[0]["testbed"] != "loopback" else
               "on the loopback, unshaped")
-    title = (f"{dataset}, {args.workers} workers {shaped} "
+    title = (f"{dataset}, {args['workers']} workers {shaped} "
              f"({runs[0]['params'] / 1e6:.1f}M parameters)" if runs else dataset)
     text = json.dumps(report, indent=2)
     try:
@@ -573,7 +561,7 @@ def run(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     print(f"\nwrote {out / 'mainjob.json'} and {out / 'mainjob.png'}")
-    return 1 if failed or unchecked else 0
+    return None
 
 
 def failed_checks(runs: list[dict], summary: dict) -> list[str]:

@@ -1,6 +1,6 @@
 """What the main job's runs show: the time to a target accuracy against FP32 and the verdict,
-DLCP's step time against its baseline, every step's loss, and the plot of accuracy against
-training time and bytes."""
+DLCP's step time against its baseline, every step's loss, THC through BMv2 against THC in
+software, the table printed and the plot of accuracy against training time and bytes."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -112,6 +112,62 @@ def dlcp_ratios(runs: list[dict]) -> list[dict]:
                        baseline_accuracy=steps[h["steps"]]["accuracy"])
         out.append(row)
     return out
+
+
+def print_table(runs: list[dict], summary: dict) -> None:
+    """The modes' table (final accuracy, training time, bytes, time to the targets and the
+    speedup over FP32), the DLCP modes' step times against their baseline, and the verdict."""
+    # links counted on Mininet; on the loopback, what rank 0 sent (see wire_source)
+    volume = "MB links" if all(r["wire_source"].startswith("worker links") for r in runs) \
+        else "MB sent"
+    print(f"\n{'mode':<16} {'testbed':<9} {'final acc':>9} {'train s':>8} {volume:>9} "
+          f"{'t->fp32-1pt':>11} {'speedup':>8} {'t->' + format(summary['target_fixed'], 'g'):>8}")
+    for r, row in zip(runs, summary["rows"]):
+        tta = row.get("tta_fp32_minus_1pt")
+        fixed = row["tta_fixed"]
+        speed = row.get("speedup")
+        print(f"{r['mode']:<16} {r['testbed']:<9} {r['final_accuracy']:>9.4f} "
+              f"{r['train_seconds']:>8.1f} {r['wire_bytes'] / 1e6:>9.1f} "
+              f"{(f'{tta:.1f}' if tta is not None else '-'):>11} "
+              f"{(f'{speed:.2f}x' if speed else '-'):>8} "
+              f"{(f'{fixed:.1f}' if fixed is not None else '-'):>8}")
+    print(f"bytes: {runs[0]['wire_source'] if runs else '-'}")
+    for r in runs:
+        if r["stopped"]:
+            print(f"{r['mode']}: {r['stopped']} after {r['history'][-1]['steps']} steps, not "
+                  f"a finished run (it never wins)")
+    for row, r in zip(summary["dlcp"], [r for r in runs if r["loss_bound"]]):
+        at = (f"; at step {row['at_step']} accuracy {row['accuracy']:.4f} against "
+              f"{row['baseline_accuracy']:.4f}" if "at_step" in row else "")
+        print(f"{r['mode']}: loss bound {r['loss_bound']:g}, {row['short_chunks'] or 0} chunks "
+              f"closed short (rank 0); {row['step_seconds']:.2f} s a step, "
+              f"{row['speedup']:.2f}x {row['baseline']}'s {row['baseline_step_seconds']:.2f} s "
+              f"(same run){at}")
+    print(summary["verdict"])
+
+
+def compare_bmv2(runs: list[dict]) -> dict | None:
+    """THC through BMv2 against THC through the software aggregators, step by step (their
+    losses are equal where the switch's sums are the software's), printed; None without
+    both modes."""
+    sw = next((r for r in runs if r["mode"] == "thc"), None)
+    hw = next((r for r in runs if r["mode"] == "thc-bmv2"), None)
+    if not (sw and hw):
+        return None
+    a, b = step_losses(sw), step_losses(hw)
+    k = min(len(a), len(b))
+    same = k > 0 and a[:k] == b[:k]
+    compared = {"steps_compared": k, "identical_losses": same,
+                "first_difference": None if same else next(
+                    (i + 1 for i in range(k) if a[i] != b[i]), None),
+                "bmv2_step_bound": hw["step_bound"]}
+    bounded = f" (bounded to {hw['step_bound']} steps)" if hw["step_bound"] else ""
+    print(f"thc-bmv2{bounded} vs thc, first {k} training steps: "
+          + ("identical losses (the switch's sums are bit-identical to the software "
+             "aggregator's)" if same else
+             f"DIFFERENT losses from step {compared['first_difference']}"
+             if k else "no step to compare"))
+    return compared
 
 
 def plot(runs: list[dict], path: Path, title: str) -> None:
