@@ -45,6 +45,7 @@ import json
 import shutil
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 P4SRC = Path(__file__).resolve().parent
@@ -82,6 +83,7 @@ MAX_APPLY = "thc_m{i}.apply(hdr.thc_max[{i}], meta.reg_index, meta.lane_op);\n"
 
 TO_AGGREGATOR = ("DATA", "MAX", "FLUSH", "RESET")
 """Packet types a worker (or the controller, for RESET) sends to the aggregator."""
+UDP_HDR = 8
 
 
 GROUP_LANES = load_spec()["group_lanes"]
@@ -96,13 +98,24 @@ def _each(template: str, n: int) -> str:
     return "".join(template.format(i=i) for i in range(n))
 
 
-def generate(spec: dict, lanes: int | None = None, slots: int | None = None,
-             max_lanes: int | None = None) -> dict[str, str]:
-    """File name -> text of every generated file."""
-    lanes = spec["lanes"] if lanes is None else lanes
-    slots = spec["switch_slots"] if slots is None else slots
+@dataclass(frozen=True)
+class Sizes:
+    """A program's lane counts and payload sizes, from protocol.json and its parameters."""
+    lanes: int
+    slots: int
+    max_lanes: int
+    groups: int
+    hdr_fields: list[tuple[str, int]]
+    hdr_bytes: int
+    data_bytes: int
+    vote_bytes: int
+    result_bytes: dict[int, int]   # by sum width
+    max_bytes: int
+
+
+def sizes_of(spec: dict, lanes: int, slots: int, max_lanes: int) -> Sizes:
+    """The sizes, every one checked against what the programs can hold."""
     index_bits = spec["index_bits"]
-    max_lanes = spec["max_lanes"] if max_lanes is None else max_lanes
     widths = sorted(spec["sum_bits"])
     if index_bits != 4 or widths != [8, 16]:
         raise SystemExit("gen_p4: the lane groups take 4-bit indices and 8- or 16-bit sums")
@@ -113,32 +126,36 @@ def generate(spec: dict, lanes: int | None = None, slots: int | None = None,
     hdr_bits = sum(w for _, w in hdr_fields)
     if hdr_bits % 8:
         raise SystemExit("gen_p4: the THC header is not a whole number of bytes")
-    hdr_bytes = hdr_bits // 8
-    types = spec["pkt_types"]
-    reasons = spec["drop_reasons"]
-    jc = spec["job_counters"]
-    groups = lanes // GROUP_LANES
-    data_bytes = lanes * index_bits // 8
-    aggs = {n: a for n, a in spec["aggregations"].items() if n != "comment"}
+    aggs = _aggregations(spec)
     if aggs["vote"]["lane_bits"] != 1 or aggs["thc"]["lane_bits"] != index_bits:
         raise SystemExit("gen_p4: vote lanes are one bit, thc lanes one index")
-    vote_bytes = lanes // 8
     result_bytes = {w: lanes * w // 8 for w in widths}
     if result_bytes[16] > 512:   # a header-only FLUSH comes back as a whole RESULT
         raise SystemExit(f"gen_p4: {lanes} lanes grow a FLUSH into a 16-bit result by "
                          f"{result_bytes[16]} bytes; BMv2 allows 512")
-    max_bytes = max_lanes * 4
-    udp_hdr = 8
+    return Sizes(lanes=lanes, slots=slots, max_lanes=max_lanes, groups=lanes // GROUP_LANES,
+                 hdr_fields=hdr_fields, hdr_bytes=hdr_bits // 8,
+                 data_bytes=lanes * index_bits // 8, vote_bytes=lanes // 8,
+                 result_bytes=result_bytes, max_bytes=max_lanes * 4)
 
+
+def _aggregations(spec: dict) -> dict[str, dict]:
+    return {n: a for n, a in spec["aggregations"].items() if n != "comment"}
+
+
+def constants(spec: dict, z: Sizes) -> str:
+    """thc_constants.p4: sizes, wire constants, packet types, DLCP classes, aggregation
+    types, drop reasons and the per-job counters' layout."""
+    types, reasons, jc = spec["pkt_types"], spec["drop_reasons"], spec["job_counters"]
     c = [HEADER, "#ifndef THC_CONSTANTS_P4\n#define THC_CONSTANTS_P4\n\n"]
     c.append("// sizes (compile-time parameters)\n")
-    for name, value in [("THC_LANES", lanes), ("THC_GROUP_LANES", GROUP_LANES),
-                        ("THC_GROUPS", groups), ("THC_MAX_LANES", max_lanes),
-                        ("THC_INDEX_BITS", index_bits),
+    for name, value in [("THC_LANES", z.lanes), ("THC_GROUP_LANES", GROUP_LANES),
+                        ("THC_GROUPS", z.groups), ("THC_MAX_LANES", z.max_lanes),
+                        ("THC_INDEX_BITS", spec["index_bits"]),
                         ("THC_MAX_WORKERS", spec["max_workers"]),
                         ("THC_MAX_JOBS", spec["max_jobs"]),
-                        ("THC_SWITCH_SLOTS", slots),
-                        ("THC_REG_SIZE", 2 * slots),
+                        ("THC_SWITCH_SLOTS", z.slots),
+                        ("THC_REG_SIZE", 2 * z.slots),
                         ("THC_LUT_SIZE", 256 * spec["max_jobs"]),
                         ("THC_N_JOB_COUNTERS", len(jc)),
                         ("THC_N_DROP_REASONS", max(reasons.values()) + 1)]:
@@ -151,14 +168,14 @@ def generate(spec: dict, lanes: int | None = None, slots: int | None = None,
              f"job within this jump\n")
     c.append(f"const bit<48> THC_RUN_IDLE_US = {int(spec['run_idle_s'] * 1_000_000)};  // any "
              f"run takes a job idle this long\n")
-    c.append(f"const bit<16> THC_HDR_BYTES = {hdr_bytes};\n")
+    c.append(f"const bit<16> THC_HDR_BYTES = {z.hdr_bytes};\n")
     for label, nbytes, what in [("HDR", 0, "header-only (PENDING, REFUSED, RESET)"),
-                                ("DATA", data_bytes, "DATA"),
-                                ("VOTE", vote_bytes, "DATA of a vote job"),
-                                ("RESULT8", result_bytes[8], "RESULT of an 8-bit job"),
-                                ("RESULT16", result_bytes[16], "RESULT of a 16-bit job"),
-                                ("MAX", max_bytes, "MAX / MAX_RESULT")]:
-        c.append(f"const bit<16> THC_UDP_LEN_{label} = {udp_hdr + hdr_bytes + nbytes};"
+                                ("DATA", z.data_bytes, "DATA"),
+                                ("VOTE", z.vote_bytes, "DATA of a vote job"),
+                                ("RESULT8", z.result_bytes[8], "RESULT of an 8-bit job"),
+                                ("RESULT16", z.result_bytes[16], "RESULT of a 16-bit job"),
+                                ("MAX", z.max_bytes, "MAX / MAX_RESULT")]:
+        c.append(f"const bit<16> THC_UDP_LEN_{label} = {UDP_HDR + z.hdr_bytes + nbytes};"
                  f"  // UDP length of a {what} packet\n")
     c.append("\n// lane word operations (meta.lane_op)\n")
     for name, code in OPS.items():
@@ -170,18 +187,9 @@ def generate(spec: dict, lanes: int | None = None, slots: int | None = None,
     c.append(f"#define THC_KNOWN_TYPE(t) ({known})\n")
     replies = " || ".join(f"(t) == {types[n]}" for n in types if n not in TO_AGGREGATOR)
     c.append(f"#define THC_REPLY_TYPE(t) ({replies})\n")
-    dscps = [int(d) for d in spec["priority_dscp"]]
-    if len(set(dscps)) != len(dscps) or not all(0 < d < 64 for d in dscps) or len(dscps) > 7:
-        raise SystemExit("gen_p4: priority_dscp must be at most 7 distinct DSCPs in 1..63")
-    c.append("\n// DLCP priority classes: DSCP of class k -> queue priority k + 1; DSCP 0 and any "
-             "other DSCP: 0 (best effort)\n")
-    for k, d in enumerate(dscps):
-        c.append(f"const bit<6> THC_DSCP_CLASS_{k} = {d};\n")
-    c.append(f"#define THC_PRIORITY_QUEUES {len(dscps) + 1}  // simple_switch --priority-queues\n")
-    entries = " ".join(f"{d}: thc_set_priority({k + 1});" for k, d in enumerate(dscps))
-    c.append(f"#define THC_DSCP_ENTRIES 0: thc_set_priority(0); {entries}\n")
+    c.append(_priority_classes(spec))
     c.append("\n// aggregation types (set_job's aggregation)\n")
-    for name, a in aggs.items():
+    for name, a in _aggregations(spec).items():
         c.append(f"const bit<8> THC_AGG_{ident(name)} = {a['code']};\n")
     c.append("\n// drop reasons: index into counter thc_drops\n")
     for name, code in reasons.items():
@@ -191,41 +199,75 @@ def generate(spec: dict, lanes: int | None = None, slots: int | None = None,
     for name, idx in jc.items():
         c.append(f"const bit<32> THC_JC_{ident(name)} = {idx};\n")
     c.append("\n#endif\n")
+    return "".join(c)
 
+
+def _priority_classes(spec: dict) -> str:
+    """DLCP's classes: their DSCPs, the queue count and the DSCP table's entries."""
+    dscps = [int(d) for d in spec["priority_dscp"]]
+    if len(set(dscps)) != len(dscps) or not all(0 < d < 64 for d in dscps) or len(dscps) > 7:
+        raise SystemExit("gen_p4: priority_dscp must be at most 7 distinct DSCPs in 1..63")
+    c = ["\n// DLCP priority classes: DSCP of class k -> queue priority k + 1; DSCP 0 and any "
+         "other DSCP: 0 (best effort)\n"]
+    for k, d in enumerate(dscps):
+        c.append(f"const bit<6> THC_DSCP_CLASS_{k} = {d};\n")
+    c.append(f"#define THC_PRIORITY_QUEUES {len(dscps) + 1}  // simple_switch --priority-queues\n")
+    entries = " ".join(f"{d}: thc_set_priority({k + 1});" for k, d in enumerate(dscps))
+    c.append(f"#define THC_DSCP_ENTRIES 0: thc_set_priority(0); {entries}\n")
+    return "".join(c)
+
+
+def headers(z: Sizes) -> str:
+    """thc_headers.p4: the THC header, its fields in protocol.json order."""
     h = [HEADER, "#ifndef THC_HEADERS_P4\n#define THC_HEADERS_P4\n\n"]
     h.append("// THC header, fields in protocol.json order\nheader thc_h {\n")
-    h += [f"    bit<{w}> {n};\n" for n, w in hdr_fields]
+    h += [f"    bit<{w}> {n};\n" for n, w in z.hdr_fields]
     h.append("}\n")
     h.append("\n#endif\n")
+    return "".join(h)
 
-    decl = [HEADER, "// Declarations inside the ingress control (included by thc.p4 and thc_tna.p4).\n",
-            _each(GROUP_DECL, groups), _each(MAX_DECL, max_lanes)]
-    group_apply = [HEADER, "// Statements of the ingress apply block: every lane group of a DATA packet.\n",
-                   _each(GROUP_APPLY, groups)]
-    vote_decl = [HEADER, "// Declarations inside the ingress control (thc.p4 only).\n",
-                 _each(VOTE_DECL, groups)]
-    vote_apply = [HEADER, "// Statements of the ingress apply block: every vote group of a "
-                          "vote job's DATA packet.\n", _each(VOTE_APPLY, groups)]
-    max_apply = [HEADER, "// Statements of the ingress apply block: every max lane of a MAX packet.\n",
-                 _each(MAX_APPLY, max_lanes)]
-    parse = {stack: [HEADER, f"// Statements of the parser state that extracts {what}.\n",
-                     "".join(PARSE_EXTRACT.format(stack=stack, i=i) for i in range(n))]
-             for stack, n, what in [("thc_data", groups, "a DATA payload"),
-                                    ("thc_vote", groups, "a vote job's DATA payload"),
-                                    ("thc_max", max_lanes, "a MAX payload")]}
-    tna = lanes == spec["lanes"] and max_lanes == spec["max_lanes"]
+
+def instances(z: Sizes) -> dict[str, str]:
+    """The lane groups', vote groups' and max lanes' instantiations, their apply calls and
+    the parser statements that extract their headers."""
+    groups, max_lanes = z.groups, z.max_lanes
+    files = {
+        "thc_groups.p4": [HEADER, "// Declarations inside the ingress control (included by "
+                                  "thc.p4 and thc_tna.p4).\n",
+                          _each(GROUP_DECL, groups), _each(MAX_DECL, max_lanes)],
+        "thc_groups_apply.p4": [HEADER, "// Statements of the ingress apply block: every lane "
+                                        "group of a DATA packet.\n",
+                                _each(GROUP_APPLY, groups)],
+        "thc_max_apply.p4": [HEADER, "// Statements of the ingress apply block: every max lane "
+                                     "of a MAX packet.\n", _each(MAX_APPLY, max_lanes)],
+    }
+    for stack, n, what in [("thc_data", groups, "a DATA payload"),
+                           ("thc_vote", groups, "a vote job's DATA payload"),
+                           ("thc_max", max_lanes, "a MAX payload")]:
+        files[f"thc_parse_{stack[4:]}.p4"] = [
+            HEADER, f"// Statements of the parser state that extracts {what}.\n",
+            "".join(PARSE_EXTRACT.format(stack=stack, i=i) for i in range(n))]
+    files["thc_vote.p4"] = [HEADER, "// Declarations inside the ingress control (thc.p4 "
+                                    "only).\n", _each(VOTE_DECL, groups)]
+    files["thc_vote_apply.p4"] = [HEADER, "// Statements of the ingress apply block: every "
+                                          "vote group of a vote job's DATA packet.\n",
+                                  _each(VOTE_APPLY, groups)]
+    return {name: "".join(parts) for name, parts in files.items()}
+
+
+def generate(spec: dict, lanes: int | None = None, slots: int | None = None,
+             max_lanes: int | None = None) -> dict[str, str]:
+    """File name -> text of every generated file (the Tofino program's at protocol.json's
+    sizes only)."""
+    z = sizes_of(spec, spec["lanes"] if lanes is None else lanes,
+                 spec["switch_slots"] if slots is None else slots,
+                 spec["max_lanes"] if max_lanes is None else max_lanes)
+    tna = z.lanes == spec["lanes"] and z.max_lanes == spec["max_lanes"]
     return {
-        "thc_constants.p4": "".join(c),
-        "thc_headers.p4": "".join(h),
-        "thc_groups.p4": "".join(decl),
-        "thc_groups_apply.p4": "".join(group_apply),
-        "thc_max_apply.p4": "".join(max_apply),
-        "thc_parse_data.p4": "".join(parse["thc_data"]),
-        "thc_parse_vote.p4": "".join(parse["thc_vote"]),
-        "thc_parse_max.p4": "".join(parse["thc_max"]),
-        "thc_vote.p4": "".join(vote_decl),
-        "thc_vote_apply.p4": "".join(vote_apply),
-        **(gen_tna.files(spec, HEADER, TO_AGGREGATOR, udp_hdr + hdr_bytes) if tna else {}),
+        "thc_constants.p4": constants(spec, z),
+        "thc_headers.p4": headers(z),
+        **instances(z),
+        **(gen_tna.files(spec, HEADER, TO_AGGREGATOR, UDP_HDR + z.hdr_bytes) if tna else {}),
     }
 
 
