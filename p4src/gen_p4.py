@@ -45,8 +45,8 @@ import json
 import shutil
 import subprocess
 import sys
-from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 P4SRC = Path(__file__).resolve().parent
 sys.path.insert(0, str(P4SRC))
@@ -98,8 +98,7 @@ def _each(template: str, n: int) -> str:
     return "".join(template.format(i=i) for i in range(n))
 
 
-@dataclass(frozen=True)
-class Sizes:
+class Sizes(NamedTuple):
     """A program's lane counts and payload sizes, from protocol.json and its parameters."""
     lanes: int
     slots: int
