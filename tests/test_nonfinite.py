@@ -16,7 +16,7 @@ import torch.distributed as dist
 from tests.test_allreduce import workers_through_aggregator
 from tests.test_codec_checks import _TwoWorkers
 from tests.test_codec_kernels import DEV, kernels
-from tests.test_ddp import _data, _model
+from tests.ddp_common import _data, _model
 from tests.test_graphed import _Peer, gloo_pair
 from thc.codec.common import NORM_MARK, OVERFLOW_MARK, NonFiniteInput, norm_limit
 from thc.codec.params import THCParams

@@ -1,0 +1,532 @@
+"""DDP hooks and their process groups: the groups, factories, settings and steps every rank
+must agree on, and a hook's life beside its model."""
+from __future__ import annotations
+
+import functools
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from thc.testing.clusters import free_port_block
+from tests.ddp_common import (KINDS, WORLD, _Crossed, _data, _model, _one_backward,
+                              _out_of_step_worker)
+from tests.procs import gloo_pair
+
+
+def test_a_hook_on_a_smaller_group_that_overlaps_needs_a_group_made_by_every_rank():
+    """The hook made its collectives' group from its own ranks alone: torch names groups by
+    a per-process count, so ranks outside it fell one behind and the next group the whole
+    world made got two names (a hang), and hooks of disjoint replica groups shared one name
+    (ranks of both paired). Only the world's group is made inside the hook now."""
+    from thc.collective.ddp import FP32Hook
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port_block(1)}",
+                            rank=0, world_size=1)
+    try:
+        replicas, own = dist.new_group([0]), dist.new_group([0])
+        model = torch.nn.Linear(2, 2)
+        with pytest.raises(ValueError, match="comm_group=dist.new_group"):
+            FP32Hook(model, group=replicas)
+        assert FP32Hook(model, group=replicas, overlap=False).group is replicas
+        assert FP32Hook(model, group=replicas, comm_group=own).group is own
+        world = FP32Hook(model).group
+        assert world is not None and world is not dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
+
+
+def _unlike_options_hook(model, rank):
+    from thc.collective.ddp import FP32Hook, HookOptions
+    opts = HookOptions(uncompressed=("bias",) if rank == 0 else ())
+    return FP32Hook(model, options=opts, overlap=False)
+
+
+def test_ranks_that_split_a_bucket_unlike_refuse_it():
+    """Rank 0 keeps the bias in FP32, rank 1 does not: rank 0's FP32 span paired with rank
+    1's reduction of the whole bucket (20 floats against 4: Gloo aborts; equal lengths sum
+    unlike things). Every rank checks a bucket's split before its first reduction."""
+    res = gloo_pair(functools.partial(_one_backward, _unlike_options_hook))
+    assert all("differ in the hook" in res[rank][0] for rank in (0, 1)), res
+
+
+def _two_buckets_backward(name, rank, port, q):
+    """One backward of a model with a float32 and a float64 layer (a DDP bucket each), rank
+    0 alone keeping ``name`` in FP32."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from thc.collective.ddp import FP32Hook, HookOptions
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2, timeout=timedelta(seconds=30))
+    torch.manual_seed(0)
+
+    class Mixed(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = torch.nn.Linear(8, 4)
+            self.b = torch.nn.Linear(8, 4).double()
+
+        def forward(self, x):
+            return self.a(x).sum() + self.b(x.double()).sum()
+    model = Mixed()
+    ddp = DDP(model)
+    opts = HookOptions(uncompressed=(name,) if rank == 0 else ())
+    FP32Hook(model, options=opts, overlap=False).register(ddp)
+    try:
+        ddp(torch.ones(2, 8)).backward()
+        out = "returned"
+    except Exception as e:  # noqa: BLE001 - the test reads what each rank raised
+        out = str(e)
+    q.put((rank, out))
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("name", ["a.bias", "b.bias"])
+def test_every_bucket_is_checked_not_the_first_alone(name):
+    """DDP makes a bucket per dtype: a split unlike on the ranks in the bucket reduced second
+    must be refused as one in the first is."""
+    res = gloo_pair(functools.partial(_two_buckets_backward, name))
+    assert all("differ in the hook" in res[rank] for rank in (0, 1)), res
+
+
+def test_a_hooks_group_is_its_own_keeps_the_timeout_and_refuses_after_an_abandoned_round():
+    """Two hooks given one comm_group interleaved their threads' collectives differently on
+    each rank (both ranks' gradients wrong, swapped); the group a hook made waited torch's
+    30 minutes, not the job's timeout; and a bucket's split check still issued its
+    all-reduce on a group a failed round had left mid-round (it paired with the peer's
+    pending sum: a wrong mean)."""
+    from thc.collective import agreement
+    from thc.collective.ddp import FP32Hook
+    from thc.collective.torchgaps import group_timeout
+    from thc.collective.transports import DistTransport
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port_block(1)}",
+                            rank=0, world_size=1, timeout=timedelta(seconds=7))
+    try:
+        shared = dist.new_group()
+        model = torch.nn.Linear(2, 2)
+        first = FP32Hook(model, comm_group=shared)
+        with pytest.raises(ValueError, match="carries another hook's collectives"):
+            FP32Hook(model, comm_group=shared)
+        assert FP32Hook(model, comm_group=shared, overlap=False).group is shared
+        assert group_timeout(FP32Hook(model).group) == timedelta(seconds=7)
+        DistTransport(first.group).abandon("round 3 failed between its MAX round and its sums")
+        with pytest.raises(RuntimeError, match="no THC round may use this process group"):
+            agreement.together(first.group, 0, 1, torch.device("cpu"))
+    finally:
+        dist.destroy_process_group()
+
+
+def _two_hooks_worker(rank, port, q, kind="thc", unlike=False, swap_at=2):
+    """Two models, each with a hook of ``kind`` on the one group; in step ``swap_at`` rank 1
+    runs B's backward before A's: each step's outcome on this rank, and the hooks' indices.
+    ``unlike``: B has 8 outputs, A 4, and their biases stay FP32."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from thc.codec.params import THCParams
+    from thc.collective.allreduce import THCAllReduce
+    from thc.collective.ddp import FP32Hook, HookOptions, THCHook, TopKHook
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2, timeout=timedelta(seconds=20))
+    models = [_model(), _model()]
+    opts = HookOptions(uncompressed=("bias",) if unlike else ())
+    if unlike:
+        models[1][2] = torch.nn.Linear(128, 8)
+    ddps = [DDP(m) for m in models]
+    if kind == "thc":
+        hooks = [THCHook(m, lambda group: THCAllReduce.through_torch_distributed(
+            group, params=THCParams(slice_size=256), generator=rank), opts, overlap=False)
+            for m in models]
+    elif kind == "fp32":
+        hooks = [FP32Hook(m, opts, overlap=False) for m in models]
+    else:
+        hooks = [TopKHook(m, ratio=0.25, options=opts, overlap=False) for m in models]
+    for hook, d in zip(hooks, ddps):
+        hook.register(d)
+    out = []
+    for step in range(3):
+        x, y = _data(rank)
+        losses = [torch.nn.functional.cross_entropy(d(x), y) * scale
+                  for d, scale in zip(ddps, (1, 100))]
+        errors = []
+        for loss in (losses[::-1] if step == swap_at and rank == 1 else losses):
+            try:   # both backwards on every rank: DDP's next forward needs both
+                loss.backward()
+            except RuntimeError as e:
+                errors.append(str(e))
+        out.append(" | ".join(errors) or "ok")
+    q.put((rank, (out, [h.index for h in hooks])))
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("kind,unlike", [("thc", False), ("topk", False), ("thc", True)])
+def test_two_hooks_on_one_group_never_pair_each_others_rounds(kind, unlike):
+    """Each hook named its reducers by its own build count alone: ("hook", 0) on both, so a
+    rank that reduced the second model's bucket first paired it with the first model's (a
+    mean of gradients 100x apart, taken on every rank). TopK's check named no hook at all.
+    ``unlike``: the FP32 spans (biases of 4 and 8) went out before the checked round, and
+    Gloo aborted the process on their unlike lengths."""
+    res = gloo_pair(functools.partial(_two_hooks_worker, kind=kind, unlike=unlike))
+    for rank in (0, 1):
+        out, indices = res[rank]
+        assert out[:2] == ["ok", "ok"] and indices == [("0", 0), ("0", 1)], res
+        assert "which reducer it is" in out[2], res
+
+
+def test_two_fp32_hooks_on_one_group_never_pair_each_others_first_buckets():
+    """A bucket's check named the hook's kind and spans, not which hook: two models of one
+    layout whose backwards ran in another order on rank 1 paired A's gradient with B's, a
+    mean taken on every rank. (FP32Hook checks a bucket's first reduction only, as DDP's own
+    all-reduce checks none.)"""
+    res = gloo_pair(functools.partial(_two_hooks_worker, kind="fp32", swap_at=0))
+    for rank in (0, 1):
+        out, _ = res[rank]
+        assert "which of the hooks built on the group it is" in out[0], res
+
+
+def test_a_factory_must_build_a_new_reducer_on_the_group_it_is_given():
+    """A factory that handed every bucket one reducer mixed the buckets' residuals (each took
+    the other's rounding error: first.weight's gradient off by 10^3-10^5 in NMSE), and one
+    that ignored its group ran the rounds beside backward's own collectives (Gloo aborted a
+    process); neither was refused."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from thc.codec.params import THCParams
+    from thc.collective.allreduce import THCAllReduce
+    from thc.collective.ddp import MarsitHook, THCHook
+    from thc.collective.marsit import MarsitAllReduce
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port_block(1)}",
+                            rank=0, world_size=1)
+    try:
+        params = THCParams(slice_size=1024)
+        made: list = []
+
+        def one_for_all(group):
+            if not made:
+                made.append(THCAllReduce.through_torch_distributed(group, params=params))
+            return made[0]
+        model = _Crossed()
+        cap = 64 * 65 * 4 / 2 ** 20
+        ddp = DDP(model, bucket_cap_mb_list=[cap, cap])
+        THCHook(model, one_for_all, overlap=False).register(ddp)
+        with pytest.raises(RuntimeError, match="another bucket uses"):
+            ddp(torch.randn(16, 64)).backward()
+        for hook in (lambda m: THCHook(m, lambda group: THCAllReduce.through_torch_distributed(
+                         params=params)),
+                     lambda m: MarsitHook(m, make_allreducer=lambda group: MarsitAllReduce())):
+            model = _model()
+            ddp = DDP(model)
+            hook(model).register(ddp)
+            x, y = _data(0)
+            with pytest.raises(RuntimeError, match="another process group"):
+                torch.nn.functional.cross_entropy(ddp(x), y).backward()
+    finally:
+        dist.destroy_process_group()
+
+
+def _unlike_settings_worker(base, rank, port, q):
+    """Ranks unlike in a hook's settings (overlap; comm_group on a smaller group; a mode one
+    rank cannot take), then in their clients' run ids (rank 0's given, rank 1's to agree),
+    through the hook and through worker_client: per case, what each rank raised and how long
+    it took."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from thc.codec.params import THCParams
+    from thc.collective.allreduce import THCAllReduce
+    from thc.collective.ddp import THCHook, TopKHook
+    from thc.collective.worker import worker_client
+    from thc.net.client import AggregationClient
+    from thc.testing.clusters import local_job
+    from thc.wire.jobs import Cluster
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2, timeout=timedelta(seconds=30))
+    params = THCParams(slice_size=256)
+    job = local_job(1, 2, base, granularity=params.granularity, table=params.table)
+    # no round reaches the aggregator: any address will do
+    client = AggregationClient(job, rank, ("127.0.0.1", base + 2), run=7 if rank == 0 else None)
+    both = dist.new_group([0, 1])
+    mine = dist.new_group([0, 1])
+
+    def reducer(group):
+        return THCAllReduce.through_torch_distributed(group, params=params)
+    cases = {"overlap": lambda m: THCHook(m, reducer, overlap=rank == 0),
+             "comm_group": lambda m: THCHook(m, reducer, group=both,
+                                             comm_group=mine if rank == 0 else None),
+             "nonfinite": lambda m: TopKHook(m, nonfinite="propagate" if rank else "hand on"),
+             "ratio": lambda m: TopKHook(m, ratio=0.0 if rank else 0.5),
+             "factory_group": lambda m: THCHook(m, lambda group: THCAllReduce.through_aggregator(
+                 AggregationClient(job, rank, ("127.0.0.1", base + 2), run=9,
+                                   sock=client.sock), params)),
+             "run": lambda m: THCHook(m, lambda group: THCAllReduce.through_aggregator(
+                 client, params, group)),
+             "worker_client": lambda m: worker_client(
+                 Cluster((job,)), rank, ("127.0.0.1", base + 2), run=7 if rank == 0 else None,
+                 sock=client.sock)}
+    out = {}
+    for case, hook in cases.items():
+        start = time.monotonic()
+        try:
+            model = torch.nn.Linear(32, 32)
+            ddp = DDP(model)
+            hook(model).register(ddp)
+            ddp(torch.randn(4, 32)).sum().backward()
+            got = "returned"
+        except Exception as e:  # noqa: BLE001 - the test reads what each rank raised
+            got = str(e)
+        out[case] = (got, time.monotonic() - start)
+    q.put((rank, out))
+    time.sleep(1)
+    dist.destroy_process_group()
+
+
+def test_ranks_unlike_in_a_hooks_settings_or_their_run_ids_all_raise_at_once():
+    """A hook that overlaps on one rank only made its group there alone (a wait in new_group
+    until the store's timeout, 30 minutes by default); one rank's settings refused on that
+    rank alone left the others in the hook's next collective; a run id given to one rank's
+    client only left the other rank alone in the run's agreement until the group's timeout,
+    and no error named the cause. So did a TopK ratio refused on one rank (checked after the
+    agreement). An aggregator reducer built on another group than the one its factory was
+    given would agree its run there, from the hook's thread, beside backward's collectives."""
+    res = gloo_pair(functools.partial(_unlike_settings_worker, free_port_block(3)))
+    refused = "failed before this round's collectives"
+    expected = {"overlap": ("overlap, comm_group or nonfinite",) * 2,
+                "comm_group": (refused, "overlaps backward runs its collectives on a group"),
+                "nonfinite": ("nonfinite must be one of", refused),
+                "ratio": (refused, "TopK ratio must be in (0, 1]"),
+                "factory_group": ("collectives run on another process group",) * 2,
+                "run": ("different run ids (rank 0: 7, rank 1: none)",) * 2,
+                "worker_client": ("different run ids (rank 0: 7, rank 1: none)",) * 2}
+    for case, texts in expected.items():
+        for rank in (0, 1):
+            got, seconds = res[rank][case]
+            assert texts[rank] in got and seconds < 15, (case, rank, res[rank][case])
+
+
+def test_hooks_on_two_groups_name_their_reducers_apart():
+    """A hook's place was counted per group only: hooks on two groups of the same ranks both
+    took place 0, and their reducers' names matched where they shared an aggregator client."""
+    from thc.collective.ddp import FP32Hook
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port_block(1)}",
+                            rank=0, world_size=1)
+    try:
+        model = torch.nn.Linear(2, 2)
+        first = FP32Hook(model, overlap=False)
+        second = FP32Hook(model, group=dist.new_group([0]), overlap=False)
+        assert first.index[1] == second.index[1] == 0 and first.index != second.index
+    finally:
+        dist.destroy_process_group()
+
+
+def _misfit_worker(rank, port, q):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from thc.collective.ddp import FP32Hook, TopKHook
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=WORLD)
+    out = []
+    alone = [dist.new_group([r]) for r in range(WORLD)]
+    model = _model()
+    try:   # replicas DDP keeps apart, each on a group of its own
+        FP32Hook(model, overlap=False).register(DDP(model, process_group=alone[rank]))
+        out.append("registered")
+    except ValueError as e:
+        out.append(str(e))
+    own = dist.new_group([0, 1])
+    try:   # an overlapping hook whose group DDP's own collectives use too
+        FP32Hook(model, comm_group=own).register(DDP(model, process_group=own))
+        out.append("registered")
+    except ValueError as e:
+        out.append(str(e))
+    other = _model()
+    try:   # a hook built for one model, installed on another's DDP
+        FP32Hook(model, overlap=False).register(DDP(other))
+        out.append("registered")
+    except ValueError as e:
+        out.append(str(e))
+    torch.manual_seed(0)
+    emb = torch.nn.Embedding(50, 8, sparse=True)
+    ddp = DDP(emb)
+    TopKHook(emb, overlap=False).register(ddp)
+    try:
+        ddp(torch.tensor([1, 2, 3 + rank])).sum().backward()
+        out.append("reduced")
+    except (ValueError, RuntimeError) as e:
+        out.append(str(e))
+    q.put((rank, out))
+    dist.destroy_process_group()
+
+
+def test_a_hook_refuses_a_ddp_group_of_other_ranks_another_model_and_sparse_gradients():
+    """A DDP model on a group of its own rank only, under a hook of the whole world: the
+    hook averaged the replicas DDP keeps apart. An overlapping hook's group that DDP uses
+    too paired DDP's collectives with the hook's. A hook built for another model compressed
+    what its options keep FP32 (they name that model's parameters). A sparse gradient
+    failed deep in torch (as_strided on SparseCPU); every rank now names it."""
+    res = gloo_pair(_misfit_worker)
+    for rank in range(WORLD):
+        group, shared, model, sparse = res[rank]
+        assert f"process group holds ranks [{rank}], the hook's workers [0, 1]" in group, group
+        assert "process group is the hook's own" in shared, shared
+        assert "built for another model" in model, model
+        assert "sparse gradient" in sparse, sparse
+
+
+@pytest.mark.parametrize("kind", KINDS + ("spans",))
+def test_a_rank_a_whole_step_out_of_step_is_refused_by_every_rank(kind):
+    """Each reducer counted its own rounds: rank 0 running step 1 under no_sync alone kept
+    every reducer in step with its peer's while pairing rank 0's steps 1+2 with rank 1's
+    step 1, and every later step with the step before, each taken as a sum. Rounds now also
+    count the DDP model's no_sync stretches (``BaseHook._stretches``): every later step is
+    refused on both ranks, naming the cause. So do the tag lanes of a hook's FP32 spans,
+    where every span is one (they held the step and bucket alone, and took those sums)."""
+    res = gloo_pair(functools.partial(_out_of_step_worker, kind=kind, alone=True))
+    assert res[0][:2] == ["ok", "accumulated"], res
+    assert res[1][:1] == ["ok"], res
+    for rank, steps in ((0, res[0][2:4]), (1, res[1][1:3])):
+        for text in steps:
+            assert "no_sync alone" in text, (rank, text)
+
+
+@pytest.mark.parametrize("overlaps,by_hand", [((True, True), False), ((False, True), False),
+                                              ((True, False), False), ((False, False), False),
+                                              ((True, True), True)])
+def test_hooks_sharing_an_aggregator_client_may_not_overlap(overlaps, by_hand):
+    """Two hooks whose reducers share a client, one of them on a thread of its own: their
+    rounds met in unlike orders on each rank, refused (each reducer now holds the client for
+    its whole round) or, before that, summed with each other. The second hook's build is
+    refused on every rank, naming the way out; two hooks that do not overlap share it. So
+    are hooks installed by hand (``register_comm_hook(None, hook.hook)``)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from thc.codec.params import THCParams
+    from thc.collective.allreduce import THCAllReduce
+    from thc.collective.ddp import THCHook
+    from thc.net.aggregator import Aggregator
+    from thc.net.client import AggregationClient
+    from thc.testing.clusters import free_tcp_port, local_job
+    job = local_job(1, 1, free_port_block(1), pool_size=32)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_tcp_port()}",
+                            rank=0, world_size=1)
+    try:
+        with Aggregator([job]) as agg, AggregationClient(job, 0, agg.start(), run=1) as client:
+            models = [torch.nn.Linear(64, 64) for _ in overlaps]
+            ddps = [DDP(m) for m in models]
+            for m, ddp, overlap in zip(models, ddps, overlaps):
+                hook = THCHook(m, lambda group: THCAllReduce.through_aggregator(
+                    client, THCParams(seed=3, slice_size=256), group), overlap=overlap)
+                if by_hand:
+                    ddp.register_comm_hook(None, hook.hook)
+                else:
+                    hook.register(ddp)
+            x = torch.randn(4, 64)
+            ddps[0](x).sum().backward()
+            if any(overlaps):
+                with pytest.raises(RuntimeError, match="another hook's reducers use"):
+                    ddps[1](x).sum().backward()
+            else:
+                ddps[1](x).sum().backward()
+                assert all(m.weight.grad is not None for m in models)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_model_wrapped_anew_keeps_its_aggregator_client():
+    """A model wrapped in a new DDP with a new overlapping hook on its client (layers
+    unfrozen, say): the old hook lives on in the parameters' gradient hooks, and the new
+    one's build was refused as sharing its client. Only a hook whose DDP model lives counts."""
+    import gc
+
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from thc.codec.params import THCParams
+    from thc.collective.allreduce import THCAllReduce
+    from thc.collective.ddp import THCHook
+    from thc.net.aggregator import Aggregator
+    from thc.net.client import AggregationClient
+    from thc.testing.clusters import free_tcp_port, local_job
+    job = local_job(1, 1, free_port_block(1), pool_size=32)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_tcp_port()}",
+                            rank=0, world_size=1)
+    try:
+        with Aggregator([job]) as agg, AggregationClient(job, 0, agg.start(), run=1) as client:
+            model = torch.nn.Linear(64, 64)
+            x = torch.randn(4, 64)
+            for _ in range(2):
+                ddp = DDP(model)
+                THCHook(model, lambda group: THCAllReduce.through_aggregator(
+                    client, THCParams(seed=3, slice_size=256), group)).register(ddp)
+                ddp(x).sum().backward()
+                assert model.weight.grad is not None
+                model.zero_grad(set_to_none=True)
+                del ddp
+                gc.collect()
+    finally:
+        dist.destroy_process_group()
+
+
+def _own_job_worker(jobs, addr, rank, port, q):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from thc.codec.params import THCParams
+    from thc.collective.allreduce import THCAllReduce
+    from thc.collective.ddp import THCHook
+    from thc.net.client import AggregationClient
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2, timeout=timedelta(seconds=20))
+    model = _model()
+    ddp = DDP(model)
+    client = AggregationClient(jobs[rank], 0, addr, run=1, deadline=3.0)
+    THCHook(model, lambda group: THCAllReduce.through_aggregator(
+        client, THCParams(seed=3), group), overlap=False).register(ddp)
+    try:
+        torch.nn.functional.cross_entropy(ddp(_data(rank)[0]), _data(rank)[1]).backward()
+        q.put((rank, "ok"))
+    except RuntimeError as e:
+        q.put((rank, str(e)))
+
+
+def test_a_job_of_fewer_workers_than_the_group_is_refused_on_every_rank():
+    """Each rank the only worker of a job of its own: every round was whole, and each rank
+    averaged its own gradient, the replicas parting without an error."""
+    from thc.net.aggregator import Aggregator
+    from thc.testing.clusters import local_job
+    base = free_port_block(4)
+    jobs = [local_job(1, 1, base), local_job(2, 1, base + 2)]
+    with Aggregator(jobs) as agg:
+        addr = agg.start()
+        res = gloo_pair(functools.partial(_own_job_worker, jobs, addr))
+    for rank in (0, 1):
+        assert "rounds sum 1 workers' gradients, in a process group of 2 ranks" in res[rank], res
+
+
+def test_a_hook_is_freed_with_its_ddp_model_when_the_model_is_wrapped_anew():
+    """The hook's parameter hooks held it, its thread and its residuals for as long as the
+    parameters lived: a model wrapped anew each epoch kept every earlier hook, each still
+    running on every gradient."""
+    import gc
+    import weakref
+
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from thc.collective.allreduce import THCAllReduce
+    from thc.collective.ddp import THCHook
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port_block(1)}",
+                            rank=0, world_size=1)
+    try:
+        model, x = torch.nn.Linear(64, 64), torch.randn(4, 64)
+        hooks = []
+        for _ in range(3):
+            ddp = DDP(model)
+            hook = THCHook(model, lambda group: THCAllReduce.through_torch_distributed(
+                group=group), overlap=True).register(ddp)
+            ddp(x).sum().backward()
+            hooks.append(weakref.ref(hook))
+            del ddp, hook
+        end = time.monotonic() + 10   # the comm thread lets its last work item go after
+        while any(h() is not None for h in hooks) and time.monotonic() < end:   # the result
+            gc.collect()
+            time.sleep(0.05)
+        assert all(h() is None for h in hooks), [h() for h in hooks]
+        model(x).sum().backward()      # no hook left on the parameters runs
+    finally:
+        dist.destroy_process_group()
