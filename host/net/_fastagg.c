@@ -1,4 +1,4 @@
-/* The compiled datapath, one extension of four parts, each behind a Python module:
+/* The compiled datapath: one extension whose parts each sit behind a Python module:
  *   _fastagg_rules.c, _fastagg_serve.c  the software aggregator: the reference model's
  *                                       per-packet rules behind a recvmmsg/sendmmsg loop
  *                                       that runs without the GIL (host/net/fastagg.py)

@@ -58,10 +58,11 @@ ROW_KEYS = ("loss-1", "loss-5", "loss-20", "dup", "reorder", "jitter", "worker",
 EXACTNESS_CASES = """\
 ## The exactness cases
 
-Twelve ways a client would accept a wrong sum or wait without an error, and the rule of
+Thirteen ways a client would accept a wrong sum or wait without an error, and the rule of
 docs/protocol.md that prevents each (a slot use's op and offset, slot and version checked
 against seq, acknowledgements, REFUSED replies, run jumps and idle runs, an epoch per
-install, one incarnation per run, the client's acceptance checks). Each is a test that runs
+install, one incarnation per run, the job's configuration tag upstream, the client's
+acceptance checks). Each is a test that runs
 on every aggregator (Python, compiled, both sharded, BMv2 where present) and, where a client
 is involved, both client windows, and fails without its rule, except where the case needs
 one: bounded loss (cases 5, 10 and 12) runs on the Python client window alone, and case 12's
