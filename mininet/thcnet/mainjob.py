@@ -411,12 +411,14 @@ def run(args: argparse.Namespace) -> int:
     args.epochs = epochs_of(args)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     mininet_why = "--loopback" if args.loopback else mininet_unavailable_reason("software")
-    out = Path(args.out)
     why = _refusal(args, modes, mininet_why)
     if why is None:
         _skip_unavailable(modes)
         why = None if modes else "thc run: every mode asked for was skipped: nothing to run"
-    if why := why or _out_refusal(out):
+    if why is None:
+        out = Path(args.out)
+        why = _out_refusal(out)
+    if why:
         print(why, file=sys.stderr)
         return 2
     shaped = ("loopback, links not shaped" if mininet_why else f"at {args.bw:g} Mbit/s")
