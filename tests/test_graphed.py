@@ -652,12 +652,12 @@ def test_a_hook_that_wants_priority_classes_refuses_a_graphed_reducer():
 @kernels
 def test_a_graphed_reducer_holds_its_group_for_its_round_as_an_eager_one_does(monkeypatch):
     """A graphed reducer beside an eager one on one group, each on a thread of its own
-    (tests/test_allreduce.py's schedule): it took no round lock, and each rank paired one's
+    (tests/allreduce_cases.py's schedule): it took no round lock, and each rank paired one's
     sums with the other's (relative error about 1 on both, no error). The schedule's
     tensors are on the CPU, where the kernels run under the interpreter, also on a GPU host."""
     import functools
     monkeypatch.setenv("TRITON_INTERPRET", "1")
 
-    from tests.test_allreduce import _threads_on_one_group_worker, assert_each_round_its_own
+    from tests.allreduce_cases import _threads_on_one_group_worker, assert_each_round_its_own
     assert_each_round_its_own(gloo_pair(functools.partial(_threads_on_one_group_worker,
                                                           kind="graphed")))

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.test_allreduce import workers_through_aggregator
+from tests.allreduce_cases import workers_through_aggregator
 from tests.test_codec_checks import _TwoWorkers
 from tests.test_codec_kernels import DEV, kernels
 from tests.ddp_common import _data, _model
