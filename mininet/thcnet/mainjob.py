@@ -413,7 +413,7 @@ def run(args: argparse.Namespace) -> int:
     mininet_why = "--loopback" if args.loopback else mininet_unavailable_reason("software")
     why = _refusal(args, modes, mininet_why)
     if why is None:
-        _skip_unavailable(modes)
+        _skip_unavailable(modes, mininet_why)
         why = None if modes else "thc run: every mode asked for was skipped: nothing to run"
     if why is None:
         out = Path(args.out)
@@ -500,10 +500,13 @@ def _refusal(args: argparse.Namespace, modes: list[str],
     return None
 
 
-def _skip_unavailable(modes: list[str]) -> None:
-    """The BMv2 modes left out of ``modes`` where BMv2 cannot run, each said."""
+def _skip_unavailable(modes: list[str], mininet_why: str | None) -> None:
+    """The BMv2 modes left out of ``modes`` where BMv2 cannot run, each said: its switch
+    sits between Mininet hosts, so a run on the loopback has none."""
     for name in [m for m in modes if MODES[m].aggregator == "bmv2"]:
-        if why := bmv2_unavailable_reason():
+        why = (f"the BMv2 switch needs the Mininet testbed ({mininet_why})" if mininet_why
+               else bmv2_unavailable_reason())
+        if why:
             print(f"thc run: skipping {name}: {why}")
             modes.remove(name)
 
