@@ -4,7 +4,9 @@ from __future__ import annotations
 import argparse
 import time
 import json
+import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -569,6 +571,37 @@ def test_sigterm_ends_the_main_job_with_a_line(monkeypatch, capsys, tmp_path):
     monkeypatch.setattr(mainjob, "_run_mode", terminated)
     assert mainjob.run(_main_args("--loopback", "--out", str(tmp_path))) == 143
     assert "terminated (SIGTERM) during fp32" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("how, code, said", [
+    ("ctrl-c", 130, "interrupted while measuring BMv2's forwarding rate"),
+    ("sigterm", 143, "terminated (SIGTERM) while measuring BMv2's forwarding rate")])
+def test_a_signal_while_bmv2_is_measured_ends_the_run_with_a_line(monkeypatch, capsys,
+                                                                  tmp_path, how, code, said):
+    """The probe's switch ran before any testbed had turned SIGTERM into an exception: a
+    SIGTERM then left the switch and its veths behind for good, and Ctrl-C a traceback."""
+    import threading
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("signal handlers are installed from the main thread only")
+
+    def probe():
+        if how == "ctrl-c":
+            raise KeyboardInterrupt
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(2)
+        pytest.fail("SIGTERM did not reach the probe as an exception")
+    monkeypatch.setattr(mainjob, "bmv2_unavailable_reason", lambda: None)
+    monkeypatch.setattr(mainjob, "mininet_unavailable_reason", lambda *a: None)
+    monkeypatch.setattr(mainjob, "probe_bmv2", probe)
+    monkeypatch.setattr(mainjob, "_run_mode", lambda *a: pytest.fail("a mode ran"))
+    before = signal.signal(signal.SIGTERM, lambda *a: None)   # not this test process's end
+    try:
+        got = mainjob.run(_main_args("--modes", "fp32,thc-bmv2", "--out", str(tmp_path)))
+    except KeyboardInterrupt:
+        pytest.fail("Ctrl-C came out of thc run as a traceback")
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    assert got == code and said in capsys.readouterr().err
 
 
 def _replicas_worker(rank, port, q):

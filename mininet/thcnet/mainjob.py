@@ -41,9 +41,9 @@ from thc.wire import protocol as P
 from thc.wire.jobs import loss_bound_arg
 from thc.wire.protocol import MAX_SOFTWARE_LANES
 from thc.emu.base import MAX_TESTBED_WORKERS, worker_ip
-from thc.emu.cleanup import Terminated
+from thc.emu.cleanup import Terminated, signals_raise
 from thc.emu.mainreport import compare_bmv2, dlcp_ratios, plot, print_table, summarize
-from thc.emu.procs import WorkerError
+from thc.emu.procs import WorkerError, with_parent
 from thc.emu import links, testbed
 from thc.emu.testbed import bmv2_unavailable_reason, mininet_unavailable_reason, open_testbed
 
@@ -229,7 +229,7 @@ def probe_bmv2(seconds: float = 1.0) -> dict:
     from thc.controller.testing.bmv2 import LocalBMv2
     from thc.wire import protocol as P
     size = 42 + P.HEADER_BYTES + P.payload_bytes(P.PktType.DATA)
-    with LocalBMv2(2, program="l2", receive=False) as bm:
+    with LocalBMv2(2, program="l2", receive=False, preexec_fn=with_parent()) as bm:
         dst = "02:00:00:00:02:02"
         forwarding.install(bm.sw, {dst: 1})
         frame = udp_frame("02:00:00:00:02:01", dst, "10.0.2.1", "10.0.2.2", 1000, 2000,
@@ -429,8 +429,11 @@ def run(args: argparse.Namespace) -> int:
     probe = None
     if any(MODES[m].aggregator == "bmv2" for m in modes):
         try:
-            probe = probe_bmv2()
+            with signals_raise():
+                probe = probe_bmv2()
             print(f"BMv2: {probe['build']}", flush=True)
+        except (KeyboardInterrupt, Terminated) as e:
+            return _stopped(e, "while measuring BMv2's forwarding rate; its switch stopped")
         except Exception as e:  # the probe is advisory
             print(f"BMv2: could not measure its forwarding rate ({e})", flush=True)
     runs, failed = [], []
@@ -439,16 +442,8 @@ def run(args: argparse.Namespace) -> int:
         try:
             with tqdm(total=None, desc=name, unit="step", file=sys.stdout) as bar:
                 run_ = _run_mode(name, args, bar)
-        except KeyboardInterrupt:
-            print(f"\nthc run: interrupted during {name}; its testbed torn down, no report "
-                  f"written", file=sys.stderr)
-            return 130
-        except Terminated as e:
-            how = {128 + signal.SIGTERM: "SIGTERM", 128 + signal.SIGHUP: "SIGHUP"}.get(
-                e.code, f"status {e.code}")
-            print(f"\nthc run: terminated ({how}) during {name}; its testbed torn down, no "
-                  f"report written", file=sys.stderr)
-            return e.code
+        except (KeyboardInterrupt, Terminated) as e:
+            return _stopped(e, f"during {name}; its testbed torn down")
         except Exception as e:  # one failed mode must not cost the others
             print(f"{name} FAILED: {e}", flush=True)
             failed.append({"mode": name, "error": str(e)})
@@ -472,6 +467,17 @@ def run(args: argparse.Namespace) -> int:
     if (code := _write_report(out, report, dataset)) is not None:
         return code
     return 1 if failed or unchecked else 0
+
+
+def _stopped(e: KeyboardInterrupt | Terminated, when: str) -> int:
+    """The line and exit status of a run ended by Ctrl-C, SIGTERM or SIGHUP ``when``."""
+    if isinstance(e, KeyboardInterrupt):
+        print(f"\nthc run: interrupted {when}, no report written", file=sys.stderr)
+        return 130
+    how = {128 + signal.SIGTERM: "SIGTERM", 128 + signal.SIGHUP: "SIGHUP"}.get(
+        e.code, f"status {e.code}")
+    print(f"\nthc run: terminated ({how}) {when}, no report written", file=sys.stderr)
+    return e.code
 
 
 def _refusal(args: argparse.Namespace, modes: list[str],
