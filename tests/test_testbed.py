@@ -546,6 +546,27 @@ def test_a_host_whose_shell_died_is_named_instead_of_holding_the_run():
 
 
 @needs_mininet
+@pytest.mark.parametrize("continued", [True, False])
+def test_a_stopped_shell_does_not_hold_the_teardown(monkeypatch, continued):
+    """Mininet's stop reads every node's shell with no deadline, and the teardown holds
+    Ctrl-C: a SIGSTOPped shell held it for good. Stopped shells are continued; a shell that
+    does not answer all the same is killed after STOP_S."""
+    from thc.emu import emulation, procs
+    if not continued:
+        monkeypatch.setattr(emulation, "STOP_S", 2.0)
+        monkeypatch.setattr(emulation, "state", lambda pid: "sleeping")
+    with open_testbed(2, bw_mbit=100, aggregator="none") as tb:
+        name, pids = tb.switch_name, [p for p, _, _ in tb.registry.pids]
+        os.kill(tb.host(1).shell.pid, signal.SIGSTOP)
+        while not procs.state(tb.host(1).shell.pid).startswith("stopped"):
+            time.sleep(0.01)
+        start = time.monotonic()
+    assert time.monotonic() - start < 30
+    assert not [n for n in cleanup.root_interfaces() if n.startswith(name)]
+    _all_end(pids)
+
+
+@needs_mininet
 @pytest.mark.bmv2
 def test_a_bmv2_switch_that_exits_ends_the_workers_wait_naming_it():
     """The workers of a dead switch waited out their deadline and were told of no answer

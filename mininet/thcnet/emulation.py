@@ -20,8 +20,12 @@ Everything created in the root namespace is named after the testbed's tag and re
 """
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
 import subprocess
+import threading
 from pathlib import Path
 
 from thc.codec.params import THCParams
@@ -44,8 +48,12 @@ from thc.emu.base import (
 )
 from thc.emu.errors import TestbedError
 from thc.emu.nodeshell import node_run
-from thc.emu.procs import Proc
+from thc.emu.procs import Proc, state
 from thc.emu.cleanup import Registry, signals_deferred, switch_name, undo
+
+STOP_S = 60.0
+"""How long Mininet's stop may take (a few seconds on a 2-core VM) before its nodes' shells
+are killed: the teardown holds Ctrl-C, so a wait there could not be ended."""
 
 
 class MininetTestbed(Testbed):
@@ -313,7 +321,7 @@ class MininetTestbed(Testbed):
                              f"(Mininet's stop would wait on that shell for good)")
                 elif self.net is not None:
                     try:
-                        self.net.stop()
+                        self._stop_net()
                     except Exception as e:  # noqa: BLE001 - the registry undo still runs
                         say_once(f"Mininet stop failed ({e}); removing leftovers by hand")
                 if self.registry is not None:
@@ -336,6 +344,41 @@ class MininetTestbed(Testbed):
                 self._switch_watch = Proc("bmv2", popen, log, log, group=True)
             watch.append(("the BMv2 switch (simple_switch_grpc)", self._switch_watch))
         return watch
+
+    def _stop_net(self) -> None:
+        """Mininet's stop, which runs commands through every node's shell and reads their
+        output with no deadline: stopped shells are continued first, and past STOP_S the
+        shells are killed, so the reads fail and the registry's undo removes the rest."""
+        for n in self.net.values():
+            shell = getattr(n, "shell", None)
+            if shell is not None and state(shell.pid).startswith("stopped"):
+                say_once(f"the shell of Mininet node {n.name} was {state(shell.pid)}: "
+                         f"continued for the teardown")
+                with contextlib.suppress(OSError):
+                    os.kill(shell.pid, signal.SIGCONT)
+        timer = threading.Timer(STOP_S, self._kill_shells)
+        timer.daemon = True
+        timer.start()
+        try:
+            self.net.stop()
+        finally:
+            timer.cancel()
+
+    def _kill_shells(self) -> None:
+        """Kill every node's shell and hang up its terminal: Mininet holds the terminal's
+        other end open, so only the hang-up ends a read of it (with EIO). /dev/null takes
+        the end's descriptor number, which Mininet closes later."""
+        say_once(f"Mininet's stop took over {STOP_S:g} s (a node's shell does not answer): "
+                 f"killing the nodes' shells and removing the testbed by hand")
+        null = os.open(os.devnull, os.O_RDWR)
+        try:
+            for n in self.net.values():
+                with contextlib.suppress(OSError, AttributeError):
+                    n.shell.kill()
+                with contextlib.suppress(OSError, AttributeError, TypeError):
+                    os.dup2(null, n.slave)
+        finally:
+            os.close(null)
 
     def _lost_shells(self) -> list[str]:
         """The Mininet nodes whose shell has exited."""
