@@ -7,6 +7,7 @@ from __future__ import annotations
 import threading
 
 import numpy as np
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -257,19 +258,22 @@ def test_a_stand_in_is_built_where_the_domain_takes_tensors():
     assert t.numel() == 0 and "got ndarray" in str(err)
 
 
-def test_a_float16_estimate_past_its_range_comes_back_finite():
-    """Finite float16 inputs (+-60000): the estimate of a coordinate may pass 65504 (t_p times
-    the slice's max norm), where the cast alone gave Inf on every worker. It is held to
-    +-65504, which only moves it towards the mean; the rest equals the float32 round's."""
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float8_e5m2, torch.float8_e4m3fn])
+def test_an_estimate_past_its_narrow_types_range_comes_back_finite(dtype):
+    """Finite inputs at a narrow type's edge (float16's +-60000): the estimate of a
+    coordinate may pass its largest value (t_p times the slice's max norm), where the cast
+    alone gave Inf (float8_e4m3fn: NaN) on every worker. It is held to that value, which
+    only moves it towards the mean; the rest equals the float32 round's."""
+    top = torch.finfo(dtype).max
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_tcp_port()}",
                             rank=0, world_size=1)
     try:
         sign = torch.randint(0, 2, (4096,), generator=torch.Generator().manual_seed(2)) * 2 - 1
-        x = (sign * 60000.0).half()
+        x = (sign * min(60000.0, top)).to(dtype)
         wide = THCAllReduce.through_torch_distributed(params=PARAMS, generator=3)(x.float())
         got = THCAllReduce.through_torch_distributed(params=PARAMS, generator=3)(x)
     finally:
         dist.destroy_process_group()
-    assert (wide.abs() > 65504).any(), "no estimate past float16's range: nothing is tested"
-    assert got.dtype == torch.float16 and torch.isfinite(got).all()
-    assert torch.equal(got, wide.clamp(-65504, 65504).half())
+    assert (wide.abs() > top).any(), "no estimate past the type's range: nothing is tested"
+    assert got.dtype == dtype and torch.isfinite(got.float()).all()
+    assert torch.equal(got.float(), wide.clamp(-top, top).to(dtype).float())

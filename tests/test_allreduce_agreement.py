@@ -150,6 +150,7 @@ def _unlike_worker(rank, port, q):
              (THCParams(slice_size=256), 1024 + 1024 * rank, f32),             # slice count
              (THCParams(slice_size=256), 1024, half[0] if rank else f32),      # the dtype: a
              (THCParams(slice_size=256), 1024, half[1] if rank else f32),      # cast apart
+             (THCParams(slice_size=256), 1024, torch.float8_e4m3fn if rank else f32),
              (THCParams(slice_size=256), 1024, f32)]                           # alike
     out = []
     for params, numel, dtype in cases:
@@ -167,7 +168,8 @@ def test_torch_distributed_workers_with_unlike_rounds_all_refuse():
     each other's indices as their own: a wrong mean, different on each worker, and no error;
     with different slice counts Gloo would abort a process on MAX rounds of different
     lengths. Workers whose tensors differ in dtype would cast the same estimate apart
-    (float16 held to 65504, bfloat16 rounded): gradients that differ without an error."""
+    (float16 held to 65504, bfloat16 rounded, float8 both): gradients that differ without an
+    error."""
     res = gloo_pair(_unlike_worker)
     for rank in (0, 1):
         *refused, alike = res[rank]

@@ -238,6 +238,20 @@ def test_shapes_dtypes_and_noncontiguous_input():
     assert codec.encode(xi, codec.slice_norms(xi, P), P).dtype == np.uint8
 
 
+@pytest.mark.parametrize("view", ["neg", "conj-imag"])
+def test_a_lazily_negated_view_encodes_as_its_values(view):
+    """A float tensor may carry torch's negative bit (``z.conj().imag`` of a small complex
+    tensor, ``_neg_view``): numpy() refuses it, and the compiled codec failed on it after
+    the MAX round, where a reducer's worker must abandon its group."""
+    z = torch.complex(torch.randn(1), torch.randn(1))
+    t = torch.randn(1000)._neg_view() if view == "neg" else z.conj().imag
+    assert t.is_neg()
+    plain = t.resolve_neg()
+    m = codec.slice_norms(t, P)
+    assert torch.equal(m, codec.slice_norms(plain, P))
+    assert torch.equal(codec.encode(t, m, P, 0, 4), codec.encode(plain, m, P, 0, 4))
+
+
 def test_argument_errors():
     x = np.ones(3000, np.float32)
     m = codec.slice_norms(x, P)

@@ -42,7 +42,7 @@ def flat(x, what: str = "x", keep_half: bool = False):
         if not (x.is_floating_point() or x.dtype in (torch.int8, torch.int16, torch.int32,
                                                       torch.int64, torch.uint8)):
             raise TypeError(f"{what} must be a real tensor, got {x.dtype}")
-        f = x.detach().reshape(-1)
+        f = x.detach().resolve_neg().reshape(-1)   # a lazily negated view has no numpy()
         keep = (torch.float32, torch.float16, torch.bfloat16) if keep_half else (torch.float32,)
         return f if f.dtype in keep else f.float()
     a = np.asarray(x)
@@ -215,17 +215,19 @@ def scale_factor(factor) -> float:
 
 def cast_estimate(est, dtype, copy: bool = False):
     """An estimate of a mean of ``dtype`` values (a float32 torch tensor) as ``dtype``; as
-    float16, held to its finite range: the mean of finite values lies in that range, so this
-    only moves a coordinate towards it. The cast alone made an estimate past 65504 (it
-    reaches t_p times its slice's max norm) an Inf from finite inputs. bfloat16 keeps
-    float32's exponent, which the norm limit keeps estimates within. NaN stays NaN;
-    ``copy``: a new tensor even where the dtype is the estimate's."""
+    a type narrower than float32 (float16, bfloat16, the float8 types), held to its finite
+    range: the mean of finite values lies in that range, so this only moves a coordinate
+    towards it. The cast alone made an estimate past 65504 (it reaches t_p times its slice's
+    max norm) an Inf from finite inputs. An estimate is never Inf otherwise (non-finite
+    input is refused, or NaN under ``nonfinite="propagate"``). NaN stays NaN; ``copy``: a
+    new tensor even where the dtype is the estimate's."""
     import torch
-    out = est.to(dtype, copy=copy)
-    if out.dtype == torch.float16:
-        top = torch.finfo(torch.float16).max
-        out.nan_to_num_(nan=float("nan"), posinf=top, neginf=-top)
-    return out
+    if dtype in (torch.float32, torch.float64):
+        return est.to(dtype, copy=copy)
+    top = torch.finfo(dtype).max
+    if dtype not in (torch.float16, torch.bfloat16):   # float8: no nan_to_num, and an
+        return est.clamp(-top, top).to(dtype)         # e4m3fn overflow is NaN
+    return est.to(dtype, copy=copy).nan_to_num_(nan=float("nan"), posinf=top, neginf=-top)
 
 
 class NonFiniteInput(ValueError):

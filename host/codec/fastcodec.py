@@ -62,7 +62,7 @@ def as_numpy(x) -> np.ndarray:
     contiguous or, for an array over another buffer, not aligned to its type: the C code
     reads through typed pointers)."""
     if is_torch(x):
-        return x.detach().contiguous().numpy()
+        return x.detach().resolve_neg().contiguous().numpy()
     return np.require(x, requirements="CA")
 
 
