@@ -111,6 +111,15 @@ def test_a_table_that_cannot_be_made_fails_the_reducers_build_not_a_round(monkey
         build(_Peer(None), params=THCParams(slice_size=1 << 10))
 
 
+def test_a_reducer_whose_error_feedback_would_diverge_is_refused_when_built():
+    from thc.collective.graphed import GraphedAllReduce
+    params = THCParams(bits=1, slice_size=1 << 10)
+    for build in (THCAllReduce, GraphedAllReduce):
+        with pytest.raises(ValueError, match="error_feedback=False"):
+            build(_Peer(None), params=params)
+        assert build(_Peer(None), params=params, error_feedback=False).params.bits == 1
+
+
 def test_mismatched_table_is_refused():
     job = local_job(1, 2, free_port_block(2), table=list(range(0, 32, 2)))
     with AggregationClient(job, 0, ("127.0.0.1", 9), run=1) as c:

@@ -252,6 +252,27 @@ def test_a_lazily_negated_view_encodes_as_its_values(view):
     assert torch.equal(codec.encode(t, m, P, 0, 4), codec.encode(plain, m, P, 0, 4))
 
 
+@pytest.mark.parametrize("bits, p, diverges", [(1, 1 / 32, True), (1, 0.2, True),
+                                               (1, 0.3, False), (2, 1 / 32, False)])
+def test_error_feedback_is_refused_where_its_residual_grows(bits, p, diverges):
+    """A 1-bit table at p = 1/32 loses 3.7 times the input's energy a round: the residual
+    of a worker fed the same gradient doubled each round, the estimate 67 times the input's
+    by the fifth, until its norms overflowed and every round was refused."""
+    params = THCParams(bits=bits, p=p, slice_size=1 << 10)
+    x = torch.full((1 << 10,), 0.01)
+    if diverges:
+        with pytest.raises(ValueError, match="error feedback diverges with this table"):
+            ErrorFeedback(params)
+        return
+    c, ef, norms = THCCodec(params), ErrorFeedback(params), []
+    for r in range(30):
+        y = ef.compensate(x)
+        m = c.norms(y)
+        ef.update(y, c.encode(y, m, round=r, generator=r), m, r)
+        norms.append(float(ef.residual.norm() / x.norm()))
+    assert max(norms) < 10, norms
+
+
 def test_argument_errors():
     x = np.ones(3000, np.float32)
     m = codec.slice_norms(x, P)

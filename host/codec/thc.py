@@ -35,6 +35,7 @@ coordinate at g/2 (stochastically between the two middle entries) and decodes to
 """
 from __future__ import annotations
 
+import functools
 import math
 import operator
 from dataclasses import dataclass, field
@@ -51,6 +52,7 @@ from thc.codec.hadamard import SliceLayout, is_torch
 from thc.codec.packing import pack_bits, unpack_bits
 from thc.codec.params import THCParams
 from thc.codec.quantize import resolve_generator
+from thc.codec.table import expected_nmse
 
 __all__ = ["SliceLayout", "THCParams", "THCCodec", "ErrorFeedback", "layout", "slice_norms",
            "agree_max", "encode", "encode_packed", "prepare", "encode_prepared", "Prepared",
@@ -316,6 +318,28 @@ def decode_indices(indices, max_norms, numel: int, params: THCParams, round: int
                   backend=backend)
 
 
+@functools.lru_cache(maxsize=64)
+def feedback_gain(params: THCParams) -> float:
+    """E|C(y) - y|^2 / |y|^2 for the worker that holds a slice's max norm (rotated
+    coordinates near N(0, 1)): one worker's expected NMSE under the table. Error feedback
+    keeps e <- y - C(y) and sends y = x + e next, so its residual grows without bound where
+    this is 1 or more."""
+    return expected_nmse(params.table, params.p, params.granularity)
+
+
+def check_feedback(params: THCParams) -> None:
+    """Refuse error feedback on a table whose rounding loses more than it keeps (a 1-bit
+    table at p = 1/32 loses 3.7 times the input's energy: the residual doubled each round
+    until its norms overflowed and every round was refused)."""
+    gain = feedback_gain(params)
+    if gain >= 1:
+        raise ValueError(
+            f"error feedback diverges with this table: one worker's rounding error is "
+            f"{gain:.2f} times its input's energy (bits={params.bits}, p={params.p:g}, "
+            f"granularity={params.granularity}), so the residual grows every round; build "
+            f"the reducer with error_feedback=False, or take more bits or a larger p")
+
+
 @dataclass
 class ErrorFeedback:
     """A worker's residual e, kept in the un-rotated domain.
@@ -327,6 +351,9 @@ class ErrorFeedback:
 
     params: THCParams = field(default_factory=THCParams)
     residual: object = None
+
+    def __post_init__(self):
+        check_feedback(self.params)
 
     def compensate(self, x):
         if self.residual is None:

@@ -70,7 +70,7 @@ from thc.codec.common import (NORM_MARK, STATUS_WORDS, WHOLE, NonFiniteInput, as
                               cast_estimate, check_float, check_key, norm_limit, raise_status,
                               scale_factor)
 from thc.codec.params import THCParams
-from thc.codec.thc import THCCodec
+from thc.codec.thc import THCCodec, check_feedback
 from thc.collective import agreement, replay
 from thc.collective.allreduce import RoundStats
 from thc.collective.transports import DistTransport, holding
@@ -173,6 +173,8 @@ class GraphedAllReduce:
         transport.check(self.params)
         agreement.fingerprint(self.params)   # its table made here, as THCAllReduce's
         self.key = generator
+        if error_feedback:
+            check_feedback(self.params)
         self.error_feedback = error_feedback
         self.capture = capture
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
