@@ -90,10 +90,28 @@ def figure(width: float = 7.5, height: float = 4.5, cols: int = 1):
     return plt.subplots(1, cols, figsize=(width, height), squeeze=False)
 
 
-def save_figure(fig, path: str) -> None:
-    """Lay out, write (the folder made if needed) and close ``fig``."""
+def footer(recorded: dict) -> str:
+    """A figure's last lines: the command, commit, machine and time its numbers came from
+    (a report's :func:`provenance`)."""
+    cores = recorded.get("cores")
+    machine = ", ".join(x for x in (recorded.get("cpu"), cores and f"{cores} cores",
+                                    recorded.get("gpu_present")) if x)
+    commit = recorded.get("commit")
+    return " | ".join(x for x in (recorded.get("command"), commit and f"commit {commit}",
+                                  machine, recorded.get("utc")) if x)
+
+
+def save_figure(fig, path, recorded: dict | None = None) -> None:
+    """Lay out, sign with :func:`footer` (``recorded``: the report's provenance, where the
+    figure is drawn from one read back; else this run's), write (the folder made if
+    needed) and close ``fig``."""
+    import textwrap
+
     import matplotlib.pyplot as plt
-    fig.tight_layout()
+    width, height = fig.get_size_inches()
+    lines = textwrap.wrap(footer(recorded or provenance()), int(width * 19)) or [""]
+    fig.tight_layout(rect=(0, (8 * len(lines) + 4) / (72 * height), 1, 1))
+    fig.text(0.005, 0.005, "\n".join(lines), fontsize=6, color="0.4", va="bottom")
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -316,7 +316,7 @@ PLOTTED = ("copy", "fp16 round trip", "THC encode+decode")
 """Rows whose names start so are drawn: the yardsticks and the codec's round trip."""
 
 
-def plot(rows: list[dict], path: str, title: str) -> None:
+def plot(rows: list[dict], path: str, title: str, recorded: dict | None = None) -> None:
     """GB/s of float32 input against the size, one line per operation of :data:`PLOTTED`."""
     fig, axes = figure()
     ax = axes[0][0]
@@ -333,7 +333,7 @@ def plot(rows: list[dict], path: str, title: str) -> None:
     ax.set_title(title, fontsize=9)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7)
-    save_figure(fig, path)
+    save_figure(fig, path, recorded)
 
 
 def _configs(text: str, device) -> list[dict]:

@@ -171,7 +171,7 @@ def costs(rows: list[dict], n_params: int) -> list[dict]:
     return out
 
 
-def plot(rows: list[dict], path: str, title: str) -> None:
+def plot(rows: list[dict], path: str, title: str, recorded: dict | None = None) -> None:
     """Median step time of each mode, grouped by bucket size."""
     fig, axes = figure(7.5, 4.2)
     ax = axes[0][0]
@@ -189,7 +189,7 @@ def plot(rows: list[dict], path: str, title: str) -> None:
     ax.grid(True, axis="y", alpha=0.3)
     ax.set_ylim(0, 1.3 * max(r["median_s"] for r in rows) * 1e3)   # room for the legend
     ax.legend(fontsize=8, ncol=3, loc="upper center")
-    save_figure(fig, path)
+    save_figure(fig, path, recorded)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -38,7 +38,7 @@ import sys
 import time
 
 from thc.argtypes import positive_floats, positive_int
-from thc.bench import add_common, emit_json
+from thc.bench import add_common, emit_json, figure, save_figure
 from thc.codec.params import THCParams
 from thc.wire import protocol as P
 from thc.emu import testbed
@@ -362,16 +362,11 @@ def _print_table(result: dict) -> None:
 
 
 def _plot(result: dict, path: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    from pathlib import Path
-
-    import matplotlib.pyplot as plt
-
     if not any(pt["bw_mbit"] for pt in result["points"]):
         print("no emulated bandwidth points to plot (loopback testbed)")
         return
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, axes = figure(6, 4)
+    ax = axes[0][0]
     modes = sorted({m for pt in result["points"] for m in pt["modes"]})
     for mode in modes:
         pts = [(pt["bw_mbit"], pt["modes"][mode]["seconds"]) for pt in result["points"]
@@ -388,7 +383,5 @@ def _plot(result: dict, path: str) -> None:
     ax.set_title(f"all-reduce of {result['numel']:,} float32, {result['workers']} workers")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path)
     print(f"wrote {path}")

@@ -565,7 +565,7 @@ def _write_report(out: Path, report: dict, dataset: str) -> int | None:
               f"{_keep_elsewhere(text)}", file=sys.stderr)
         return 2
     try:
-        plot(runs, out / "mainjob.png", title)
+        plot(runs, out / "mainjob.png", title, report["recorded"])
     except OSError as e:
         (out / "mainjob.png").unlink(missing_ok=True)
         print(f"thc run: wrote {out / 'mainjob.json'} but not its plot ({e.strerror or e})",

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from thc.bench import figure, save_figure
+
 
 def step_losses(run: dict) -> list[float]:
     """Every training step's loss of a mode, from its evaluation rows (each row carries the
@@ -170,12 +172,9 @@ def compare_bmv2(runs: list[dict]) -> dict | None:
     return compared
 
 
-def plot(runs: list[dict], path: Path, title: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax_t, ax_b) = plt.subplots(1, 2, figsize=(12, 4.5))
+def plot(runs: list[dict], path: Path, title: str, recorded: dict | None = None) -> None:
+    fig, axes = figure(12, 4.5, 2)
+    ax_t, ax_b = axes[0]
     for r in runs:
         h = r["history"]
         if r.get("step_bound") and r["stopped"]:
@@ -205,5 +204,4 @@ def plot(runs: list[dict], path: Path, title: str) -> None:
         else:
             ax.text(0.5, 0.5, "no mode finished", ha="center", transform=ax.transAxes)
     fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, recorded)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from thc.app.breakeven import describe
+from thc.bench import figure, save_figure
 
 LABEL = {"fp32": "FP32", "fp16": "FP16", "thc": "THC", "thc-dist": "THC (Gloo)",
          "thc-central": "THC (central)"}
@@ -97,13 +98,11 @@ def _split(data: dict, mode: str) -> list[str]:
 def plot(data: dict, path: Path) -> None:
     """Step time against bandwidth: a solid line per mode (measured), its model dashed in the
     same colour, the measured break-evens as dotted verticals."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     from matplotlib.ticker import NullFormatter, ScalarFormatter
 
     a = data["analysis"]
-    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    fig, axes = figure(7.5, 4.8)
+    ax = axes[0][0]
     colours = {}
     for mode in data["modes"]:
         pts = [(row["bw_mbit"], row["measured_s"][mode]) for row in a["points"]
@@ -134,6 +133,6 @@ def plot(data: dict, path: Path) -> None:
     ax.set_title(f"{first['dataset']}, {first['params'] / 1e6:.1f}M parameters, "
                  f"{data['args']['workers']} workers (Mininet, {data['machine']['cpus']} cores)",
                  fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    m = data.get("machine", {})
+    save_figure(fig, path, {"command": data.get("command"), "utc": data.get("date"),
+                            "cpu": m.get("cpu"), "cores": m.get("cpus")})
