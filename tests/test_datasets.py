@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from thc.app import datasets as D
+from thc.codec import settings
 from thc.codec.settings import Settings
 
 
@@ -74,6 +75,29 @@ def test_fallback_to_digits_says_why(monkeypatch, tmp_path):
         D.load("fashion-mnist", settings=absent)
     with pytest.raises(D.DatasetError, match="unknown data set"):
         D.load("cifar")
+
+
+def test_a_folder_without_the_files_is_no_fashion_mnist(tmp_path, monkeypatch):
+    """A folder that exists but lacks the files passed as installed: ``auto`` took
+    Fashion-MNIST instead of digits, and every mode's workers failed on the missing file."""
+    import argparse
+
+    from thc.emu.mainjob import data_unavailable
+    write_set(tmp_path)
+    (tmp_path / D.FASHION_FILES["test_labels"]).unlink()
+    partial = Settings(fashion_mnist=str(tmp_path))
+    ds = D.load("auto", settings=partial)
+    assert ds.name == "digits" and "lacks Fashion-MNIST's t10k-labels-idx1-ubyte.gz" in ds.note
+    with pytest.raises(D.DatasetError, match="lacks Fashion-MNIST's t10k-labels"):
+        D.load("fashion-mnist", settings=partial)
+    monkeypatch.setenv("THC_FASHION_MNIST", str(tmp_path))
+    settings.reset()
+    try:
+        said = data_unavailable(argparse.Namespace(data="fashion-mnist"), "thc run")
+    finally:
+        monkeypatch.undo()
+        settings.reset()
+    assert said and "lacks Fashion-MNIST's t10k-labels-idx1-ubyte.gz" in said
 
 
 @pytest.mark.skipif(not D.fashion_dir().is_dir(), reason=f"{D.fashion_dir()} not installed")

@@ -258,7 +258,8 @@ def test_train_refuses_flags_its_mode_would_ignore(mode, argv, capsys):
     (["--mode", "topk", "--topk-ratio", "nan"], "not a finite number"),
     (["--mode", "topk", "--topk-ratio", "0"], "a fraction lies in (0, 1]"),
     (["--mode", "thc-dist", "--slice-size", "3"], "slice_size must be a power of two"),
-    (["--mode", "thc-dist", "--bits", "9"], "bits must be an integer in 1..8")])
+    (["--mode", "thc-dist", "--bits", "9"], "bits must be an integer in 1..8"),
+    (["--mode", "thc-dist", "--bits", "1"], "error feedback diverges with this table")])
 def test_train_refuses_settings_no_rank_could_train_with(argv, said, capsys):
     """A NaN momentum, compared unequal to itself, failed the ranks' flag agreement with
     every rank given the same; a slice size of 3 raised in every rank after its process

@@ -87,6 +87,18 @@ def fashion_dir(settings: Settings | None = None) -> Path:
     return Path((settings or current()).fashion_mnist)
 
 
+def fashion_missing(settings: Settings | None = None) -> str | None:
+    """Why Fashion-MNIST cannot be read where :func:`fashion_dir` says (no folder, or a
+    folder without some of its four files), else None."""
+    directory = fashion_dir(settings)
+    if not directory.is_dir():
+        return f"Fashion-MNIST not found in {directory}"
+    absent = [name for name in FASHION_FILES.values() if not (directory / name).is_file()]
+    if absent:
+        return f"{directory} lacks Fashion-MNIST's {', '.join(absent)}"
+    return None
+
+
 def load_fashion_mnist(directory: Path | str | None = None) -> Dataset:
     """The 60,000/10,000 split of the IDX files in ``directory`` (default: :func:`fashion_dir`)."""
     directory = fashion_dir() if directory is None else Path(directory)
@@ -149,12 +161,11 @@ def resolve(name: str, settings: Settings | None = None) -> tuple[str, str]:
     """(the data set ``name`` stands for, a note when :data:`AUTO` fell back to digits)."""
     if name != AUTO:
         return name, ""
-    directory = fashion_dir(settings)
-    if directory.is_dir():
+    why = fashion_missing(settings)
+    if why is None:
         return "fashion-mnist", ""
-    return "digits", (f"Fashion-MNIST not found in {directory} (Debian package "
-                      f"dataset-fashion-mnist, installed by `make system-deps` as root): using "
-                      f"scikit-learn's digits instead")
+    return "digits", (f"{why} (Debian package dataset-fashion-mnist, installed by `make "
+                      f"system-deps` as root): using scikit-learn's digits instead")
 
 
 def load(name: str = AUTO, seed: int = 0, settings: Settings | None = None) -> Dataset:
@@ -172,9 +183,7 @@ def load(name: str = AUTO, seed: int = 0, settings: Settings | None = None) -> D
     if name != "fashion-mnist":
         raise DatasetError(f"unknown data set {name!r}; choose from {', '.join(DATASETS)} "
                            f"or {AUTO}")
-    directory = fashion_dir(settings)
-    if not directory.is_dir():
-        raise DatasetError(f"Fashion-MNIST not found in {directory} (Debian package "
-                           f"dataset-fashion-mnist, `make system-deps` as root, or "
-                           f"THC_FASHION_MNIST): install it, or choose digits")
-    return load_fashion_mnist(directory)
+    if why := fashion_missing(settings):
+        raise DatasetError(f"{why} (Debian package dataset-fashion-mnist, `make system-deps` "
+                           f"as root, or THC_FASHION_MNIST): install it, or choose digits")
+    return load_fashion_mnist(fashion_dir(settings))

@@ -32,10 +32,12 @@ import time
 import warnings
 
 from thc.app import datasets
+from thc.app.datasets import DatasetError
 from thc.argtypes import (ShowDefaults, fraction, non_negative_float, positive_float,
                           positive_int)
 from thc.codec import settings
 from thc.codec.params import THCParams
+from thc.codec.thc import check_feedback
 from thc.collective import worker
 from thc.collective.allreduce import THCAllReduce
 from thc.collective.ddp import HookOptions, MarsitHook, MarsitVoteHook, THCHook, TopKHook
@@ -447,10 +449,16 @@ def main(argv=None) -> int:
                          f"--mode {args.mode} would ignore it")
     if args.mode in _THC:
         try:
-            THCParams.from_args(args, seed=args.seed, slice_size=args.slice_size)
+            params = THCParams.from_args(args, seed=args.seed, slice_size=args.slice_size)
+            if not args.no_error_feedback:
+                check_feedback(params)
         except ValueError as e:
             parser.error(str(e))   # here, not in every rank after its process group formed
-    train(args)
+    try:
+        train(args)
+    except DatasetError as e:
+        print(f"train: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -33,7 +33,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from thc.argtypes import non_negative_float, non_negative_int, positive_float, positive_int
-from thc.app.datasets import AUTO, DATASETS, fashion_dir, resolve
+from thc.app.datasets import AUTO, DATASETS, fashion_missing, resolve
 from thc.bench import provenance
 from thc.codec import settings
 from thc.codec.params import THCParams
@@ -156,10 +156,10 @@ def data_unavailable(args: argparse.Namespace, prog: str) -> str | None:
     """Why ``--data`` cannot be trained on (Fashion-MNIST named and not installed), else
     None with ``args.data`` resolved (:data:`AUTO`'s fallback to digits printed)."""
     name, note = resolve(args.data)
-    if name == "fashion-mnist" and not fashion_dir().is_dir():
-        return (f"{prog}: --data fashion-mnist: not found in {fashion_dir()} (Debian package "
-                f"dataset-fashion-mnist, `make system-deps` as root, or THC_FASHION_MNIST): "
-                f"install it, or choose --data digits")
+    if name == "fashion-mnist" and (why := fashion_missing()):
+        return (f"{prog}: --data fashion-mnist: {why} (Debian package dataset-fashion-mnist, "
+                f"`make system-deps` as root, or THC_FASHION_MNIST): install it, or choose "
+                f"--data digits")
     if note:
         print(f"{prog}: {note}", flush=True)
     args.data = name
