@@ -149,6 +149,8 @@ def writable_path(text: str) -> str:
     the nearest one that exists (a run refused later leaves no empty folders behind)."""
     if text == "-":
         return text
+    if Path(text).is_dir():
+        raise argparse.ArgumentTypeError(f"cannot write {text}: it is a folder")
     folder = Path(text).parent
     existing = next(p for p in (folder, *folder.parents) if p.exists())
     try:
@@ -161,6 +163,18 @@ def writable_path(text: str) -> str:
     except OSError as e:
         raise argparse.ArgumentTypeError(f"cannot write {text}: {e.strerror or e}") from None
     return text
+
+
+FIGURE_SUFFIXES = (".png", ".pdf", ".svg", ".jpg", ".jpeg", ".eps", ".ps", ".tif", ".tiff")
+"""What matplotlib draws by the file's name (without a suffix it writes a .png beside it)."""
+
+
+def figure_path(text: str) -> str:
+    """A :func:`writable_path` for a figure: its suffix says the format matplotlib writes."""
+    if Path(text).suffix.lower() not in FIGURE_SUFFIXES:
+        raise argparse.ArgumentTypeError(f"cannot draw {text}: a figure's file name ends in "
+                                         f"{', '.join(FIGURE_SUFFIXES)}")
+    return writable_path(text)
 
 
 def read_json(path, what: str, keys: tuple[str, ...] = (), prog: str = "thc") -> dict:

@@ -6,10 +6,14 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from thc.app.breakeven import analyse, crossing, describe, fit_links, step_seconds
+
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _pts(bws, mode, base):
@@ -155,6 +159,39 @@ def test_a_sweep_the_links_cannot_be_fitted_to_is_refused_before_it_runs(tmp_pat
         assert _sweep_here("--bw", bw, "--modes", modes, "--out", str(tmp_path)) == 2
         assert "fp32 at two bandwidths" in capsys.readouterr().err
         assert not (tmp_path / "sweep.json").exists()
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["--modes", "fp32,fp16"], "names no THC mode"),
+    (["--evals", "1"], "--evals must be at least 2"),
+    (["--workers", "40"], "--workers 40: a job takes"),
+    (["--plot", "sweep.txt"], "a figure's file name ends in"),
+    (["--json", "."], "cannot write .: it is a folder")])
+def test_a_sweep_that_could_not_end_well_is_refused_before_it_runs(tmp_path, capsys,
+                                                                   argv, said):
+    """Each ran every run first: a sweep without a THC mode then found no break-even, a
+    --json naming a folder or a --plot matplotlib cannot draw failed with a traceback, and
+    --workers past a job's limit failed in every run."""
+    assert _sweep_here("--bw", "100,1000", "--modes", "fp32,thc", *argv,
+                       "--out", str(tmp_path)) == 2
+    assert said in capsys.readouterr().err
+    assert not (tmp_path / "sweep.json").exists()
+
+
+def test_a_run_whose_workers_diverged_is_left_out_of_the_analysis(tmp_path, capsys):
+    """Its step time went into the break-even, and the sweep exited 0."""
+    data = json.loads((ROOT / "docs" / "runs" / "sweep-bandwidth.json").read_text())
+    point = next(p for p in data["points"] if p["bw_mbit"] == 200)
+    next(r for r in point["runs"] if r["mode"] == "thc")["replicas_diverged_at"] = 8
+    path = tmp_path / "sweep.json"
+    path.write_text(json.dumps(data))
+    assert _sweep_here("--report", str(path), "--out", str(tmp_path)) == 1
+    out = capsys.readouterr().out
+    assert "thc at 200 Mbit/s FAILED (not in the table): the workers' parameters differed " \
+           "after step 8" in out
+    analysed = json.loads(path.read_text())
+    point = next(p for p in analysed["points"] if p["bw_mbit"] == 200)
+    assert "thc" not in [r["mode"] for r in point["runs"]] and analysed["analysis"]
 
 
 def test_a_sweep_that_cannot_be_analysed_keeps_its_runs_and_says_why(tmp_path, capsys):

@@ -254,7 +254,7 @@ def test_a_run_that_can_run_no_mode_asked_for_fails(monkeypatch, capsys, tmp_pat
                          str(tmp_path)]) == 2
     finally:
         settings.reset()
-    assert "--data fashion-mnist: not found in" in capsys.readouterr().err
+    assert "--data fashion-mnist: Fashion-MNIST not found in" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
 
 

@@ -100,9 +100,9 @@ def fit_links(sweep: dict, agg_pps: float) -> tuple[float, float]:
         fp32 = next((r for r in point["runs"] if r["mode"] == "fp32"), None)
         if fp32 is None:
             continue
-        base = report_setup(_point_report(point, sweep["args"]), agg_pps)
-        wire = iteration_s(replace(base, compute_s=0.0, latency_us=0.0))["fp32_ring"]
-        msgs = iteration_s(replace(base, compute_s=0.0, latency_us=1e6,
+        base = report_setup(_point_report(point, sweep["args"]), agg_pps, links_only=True)
+        wire = iteration_s(replace(base, latency_us=0.0))["fp32_ring"]
+        msgs = iteration_s(replace(base, latency_us=1e6,
                                    bandwidth_gbps=1e12))["fp32_ring"]
         rows.append((msgs, wire, step_seconds(fp32)))
     if len({round(w, 12) for _, w, _ in rows}) < 2:

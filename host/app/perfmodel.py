@@ -228,10 +228,12 @@ def step_seconds(run: dict) -> float:
     return run["train_seconds"] / h[-1]["steps"]
 
 
-def report_setup(report: dict, agg_pps: float) -> Setup:
+def report_setup(report: dict, agg_pps: float, links_only: bool = False) -> Setup:
     """The main job's setup: compute per step from the runs whose hook reports how much
     communication backward waited for (step time minus exposed communication, averaged),
-    bandwidth and workers from its arguments, DDP's buckets from the model size."""
+    bandwidth and workers from its arguments, DDP's buckets from the model size.
+    ``links_only``: no compute (0), for what the links cost alone: a report whose hooked
+    runs failed still has that."""
     args, runs = report["args"], report["runs"]
     computes = []
     for r in runs:
@@ -239,6 +241,8 @@ def report_setup(report: dict, agg_pps: float) -> Setup:
         if last.get("exposed_comm_seconds") is not None and r["mode"] not in NO_HOOK:
             computes.append((r["train_seconds"] - last["exposed_comm_seconds"])
                             / last["steps"])
+    if links_only:
+        computes = [0.0]
     if not computes:
         raise ValueError("the report has no run with a communication breakdown")
     params = float(runs[0]["params"])

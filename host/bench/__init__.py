@@ -15,7 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from thc.argtypes import writable_path
+from thc.argtypes import figure_path, writable_path
 
 
 def add_common(parser: argparse.ArgumentParser, *, quick: bool = True,
@@ -30,7 +30,7 @@ def add_common(parser: argparse.ArgumentParser, *, quick: bool = True,
         group.add_argument("--quick", action="store_true", help="small sizes, for smoke tests")
     if plot:
         group.add_argument("--plot", nargs="?", const=plot, default=None, metavar="FILE",
-                           type=writable_path,
+                           type=figure_path,
                            help=f"draw the plot into FILE (default {plot})")
 
 

@@ -32,7 +32,8 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from thc.argtypes import fraction, positive_float, positive_floats, positive_int, read_json
+from thc.argtypes import (figure_path, fraction, positive_float, positive_floats, positive_int,
+                          read_json, writable_path)
 from thc.app.breakeven import analyse
 from thc.app.datasets import AUTO, DATASETS
 from thc.bench import cpu_model
@@ -182,10 +183,34 @@ def _thc_mode(modes: list[str]) -> str | None:
     return next((m for m in modes if mainjob.MODES[m].train_mode.startswith("thc")), None)
 
 
+def _drop_diverged(data: dict) -> None:
+    """Runs whose workers' parameters differed (a check the main job fails on) out of the
+    points and into ``failed``: their step times are not a data-parallel training's."""
+    for point in data["points"]:
+        bad = [r for r in point["runs"] if r.get("replicas_diverged_at") is not None]
+        point["runs"] = [r for r in point["runs"] if r not in bad]
+        data["failed"] += [{"bw_mbit": point["bw_mbit"], "mode": r["mode"],
+                            "error": f"the workers' parameters differed after step "
+                                     f"{r['replicas_diverged_at']}"} for r in bad]
+
+
+def _paths_refusal(json_path: Path, plot_path: Path) -> str | None:
+    """Why the report or the plot cannot be written (checked before any run)."""
+    try:
+        writable_path(str(json_path))
+        figure_path(str(plot_path))
+    except argparse.ArgumentTypeError as e:
+        return f"thc sweep: {e}"
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     json_path = Path(args.json) if args.json else out / "sweep.json"
     plot_path = Path(args.plot) if args.plot else out / "sweep.png"
+    if why := _paths_refusal(json_path, plot_path):
+        print(why, file=sys.stderr)
+        return 2
     if args.report:
         data = read_json(args.report, "a sweep's report (sweep.json of `thc sweep`)",
                          ("modes", "points"), "thc sweep")
@@ -194,12 +219,18 @@ def run(args: argparse.Namespace) -> int:
     else:
         bws = sorted(set(args.bw))
         modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-        unknown = [m for m in modes if m not in mainjob.MODES]
-        if unknown or args.evals < 2:
-            print(f"thc sweep: need bandwidths > 0, --evals >= 2 and modes from "
-                  f"{','.join(mainjob.MODES)} (unknown: {unknown})", file=sys.stderr)
+        if why := mainjob.check_args(_job_args(args, bws[0]), modes):
+            print(f"thc sweep: {why}", file=sys.stderr)
             return 2
-        if _thc_mode(modes) and ("fp32" not in modes or len(bws) < 2):
+        if args.evals < 2:
+            print("thc sweep: --evals must be at least 2: a run's step time is read from its "
+                  "first evaluation to its last", file=sys.stderr)
+            return 2
+        if not _thc_mode(modes):
+            print("thc sweep: --modes names no THC mode: there is no break-even to find",
+                  file=sys.stderr)
+            return 2
+        if "fp32" not in modes or len(bws) < 2:
             print("thc sweep: the break-even fits the links to FP32's step times: sweep fp32 "
                   "at two bandwidths or more", file=sys.stderr)
             return 2
@@ -220,6 +251,7 @@ def run(args: argparse.Namespace) -> int:
               f"modes {', '.join(modes)} at {', '.join(f'{b:g}' for b in bws)} Mbit/s "
               f"({len(bws) * len(modes)} runs)", flush=True)
         data = sweep(args, bws, modes, json_path)
+    _drop_diverged(data)
     thc = _thc_mode(data["modes"])
     if thc is None:
         print("thc sweep: no THC mode swept: no break-even to compute")
