@@ -6,6 +6,7 @@ import argparse
 import copy
 import json
 import os
+import sys
 import tempfile
 from pathlib import Path
 
@@ -177,18 +178,29 @@ def figure_path(text: str) -> str:
     return writable_path(text)
 
 
+def refusal(message: str) -> SystemExit:
+    """``message`` said on stderr, and the SystemExit to raise: status 2, as argparse exits
+    for a refused argument (``SystemExit(message)`` would exit 1, as for a failure)."""
+    print(message, file=sys.stderr)
+    return SystemExit(2)
+
+
 def read_json(path, what: str, keys: tuple[str, ...] = (), prog: str = "thc") -> dict:
-    """The JSON object in ``path`` (a report a command reads back), or SystemExit naming the
-    file and what it lacks: a missing file or a report of another command is the user's
-    mistake, not a traceback."""
+    """The JSON object in ``path`` (a report a command reads back), or a line naming the
+    file and what it lacks and SystemExit(2), as for any refused argument: a missing file or
+    a report of another command is the user's mistake, not a traceback."""
+    def refuse(why: str) -> SystemExit:
+        return refusal(f"{prog}: {why}")
     try:
         data = json.loads(Path(path).read_text())
     except OSError as e:
-        raise SystemExit(f"{prog}: cannot read {what} {path}: {e.strerror or e}") from None
+        raise refuse(f"cannot read {what} {path}: {e.strerror or e}") from None
     except ValueError as e:
-        raise SystemExit(f"{prog}: {path} is not JSON ({e}): give {what}") from None
-    lacking = [k for k in keys if not isinstance(data, dict) or k not in data]
+        raise refuse(f"{path} is not JSON ({e}): give {what}") from None
+    if not isinstance(data, dict):
+        raise refuse(f"{path} is not {what}: it holds a JSON {type(data).__name__}, not an "
+                     f"object")
+    lacking = [k for k in keys if k not in data]
     if lacking:
-        raise SystemExit(f"{prog}: {path} is not {what}: it has no "
-                         f"{', '.join(map(repr, lacking))}")
+        raise refuse(f"{path} is not {what}: it has no {', '.join(map(repr, lacking))}")
     return data

@@ -132,6 +132,7 @@ def _files(tmp: Path) -> None:
     """The files the mistakes below name: a JSON of something else, a main job's report
     without Marsit (what the README's tour runs), a CPU codec's report."""
     (tmp / "other.json").write_text('{"x": 1}')
+    (tmp / "list.json").write_text('[1]')
     report = json.loads((ROOT / "docs/runs/mainjob-makerun-bmv2-bounded-quiet.json").read_text())
     report["runs"] = [r for r in report["runs"] if not r["mode"].startswith("marsit")]
     (tmp / "nomarsit.json").write_text(json.dumps(report))
@@ -148,6 +149,9 @@ def _files(tmp: Path) -> None:
     (["model", "--calibrate", "{tmp}/nomarsit.json"],
      "thc model --calibrate: cannot fit alpha and efficiency without the ['marsit'] run(s)"),
     (["model", "--gpu-codec", "{tmp}/cpu.json"], "was measured on the CPU: give a GPU's report"),
+    (["model", "--gpu-codec", "{tmp}/list.json"], "{tmp}/list.json: no 'results' list"),
+    (["model", "--calibrate", "{tmp}/list.json"], "it holds a JSON list, not an object"),
+    (["sweep", "--report", "{tmp}/missing.json"], "thc sweep: cannot read a sweep's report"),
     (["model", "--workers", "0"], "argument --workers: must be at least 1, not 0"),
     (["model", "--bw", "1,-1"], "argument --bw: must be above 0, not -1"),
     (["sweep", "--report", "{tmp}/other.json"],
@@ -204,7 +208,7 @@ def test_user_mistakes_end_in_a_message_not_a_traceback(argv, message, tmp_path,
     try:
         rc = cli.main(argv)
     except SystemExit as e:
-        rc = e.code if isinstance(e.code, int) else (print(e.code, file=sys.stderr) or 2)
+        rc = e.code if isinstance(e.code, int) else (print(e.code, file=sys.stderr) or 1)
     out = capsys.readouterr()
     assert rc == 2, out
     assert message.replace("{tmp}", str(tmp_path)) in out.out + out.err, out

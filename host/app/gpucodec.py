@@ -47,7 +47,7 @@ def _positive(x) -> bool:
 def codec_speeds(report: dict) -> dict:
     """The codec's and the FP16 cast's speed from a ``thc bench codec`` report (see the
     module docstring for the rows it takes)."""
-    rows = report.get("results")
+    rows = report.get("results") if isinstance(report, dict) else None
     if not isinstance(rows, list):
         raise ValueError("no 'results' list: not a report of `thc bench codec --json` or `thc "
                          "bench hook --json`")

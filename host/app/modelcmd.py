@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 
 from thc.app import gpucodec, perfmodel
+from thc.argtypes import refusal
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -40,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
     way, ignored = _ignored(args)
     if ignored:
         said = f"--{way.replace('_', '-')}" if way else "without --calibrate"
-        raise SystemExit(f"thc model {said} would ignore {', '.join(ignored)}")
+        raise refusal(f"thc model {said} would ignore {', '.join(ignored)}")
     if args.gpu_codec:
         base = perfmodel.Setup(workers=args.workers, latency_us=args.latency_us,
                                compute_s=args.compute_ms / 1e3, overlap=args.overlap)

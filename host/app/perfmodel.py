@@ -47,7 +47,7 @@ import math
 from dataclasses import dataclass, replace
 
 from thc.argtypes import (fraction, non_negative_float, positive_float, positive_floats,
-                              positive_int, read_json)
+                          positive_int, read_json, refusal)
 from thc.collective.agreement import TAG_LANES
 from thc.wire import protocol as P
 
@@ -399,7 +399,7 @@ def run(args: argparse.Namespace) -> int:
         alpha = None if args.alpha_ms is None else args.alpha_ms / 1e3
         eff = args.efficiency
         if (alpha is None) != (eff is None):   # the one given was dropped for the fit
-            raise SystemExit("thc model --calibrate: give both --alpha-ms and --efficiency, "
+            raise refusal("thc model --calibrate: give both --alpha-ms and --efficiency, "
                              "or neither (both are then fitted)")
         fitted_on = None
         try:
@@ -412,7 +412,7 @@ def run(args: argparse.Namespace) -> int:
                     for row in calibrate(rep, alpha, eff, args.agg_pps,
                                          fitted=path == fitted_on)]
         except (KeyError, TypeError, ValueError, ZeroDivisionError) as e:
-            raise SystemExit(f"thc model --calibrate: {e}") from None
+            raise refusal(f"thc model --calibrate: {e}") from None
         print(f"{'Mbit/s':>6} {'mode':<12} {'testbed':<8} {'scheme':<15} {'steps':>5} "
               f"{'measured ms':>11} {'predicted ms':>12} {'error':>6}  {'compute ms':>10} "
               f"{'codec ms':>8}")
@@ -435,7 +435,7 @@ def run(args: argparse.Namespace) -> int:
     try:   # sums no width holds (more workers than a job takes): said before any table
         iteration_s(replace(base, bandwidth_gbps=1.0))
     except ValueError as e:
-        raise SystemExit(f"thc model: {e}") from None
+        raise refusal(f"thc model: {e}") from None
     print(f"A model (estimates, not measurements): {args.params / 1e6:g}M parameters, "
           f"{args.workers} workers, alpha {args.latency_us:g} us, compute "
           f"{args.compute_ms:g} ms, overlap {args.overlap}, codec {args.codec_mbps:g} MB/s")
@@ -456,5 +456,5 @@ def run(args: argparse.Namespace) -> int:
                   f"{scheme} pays at every bandwidth up to {top:g} Gbit/s" if be >= top else
                   f"{scheme} pays below {be:.3g} Gbit/s")
     except ValueError as e:
-        raise SystemExit(f"thc model: {e}") from None
+        raise refusal(f"thc model: {e}") from None
     return 0
