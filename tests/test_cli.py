@@ -182,6 +182,8 @@ def _files(tmp: Path) -> None:
     (["bench", "kernels", "--device", "bogus"], "argument --device: cpu, cuda or cuda:N"),
     (["bench", "codec", "--device", "cuda:99"], "argument --device: cuda:99: torch sees "),
     (["bench", "kernels", "--error-size", "-1"], "argument --error-size: must be at least 0"),
+    (["bench", "codec", "--sizes", ""], "thc bench codec: sizes must be log2 values"),
+    (["bench", "codec", "--size", "64", "--sizes", "10"], "--size and --sizes: give one"),
     (["bench", "install", "--quick"], "unrecognized arguments: --quick"),
     (["bench", "install", "--repeat", "0"], "argument --repeat: must be at least 1, not 0"),
     (["bench", "switch", "--duration", "nan"], "argument --duration: not a finite number"),

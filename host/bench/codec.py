@@ -254,10 +254,13 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         params = THCParams.from_args(args)
+        if args.size is not None and args.sizes is not None:
+            raise ValueError("--size and --sizes: give one of them")
         if args.size is not None:
             sizes = [args.size]
         else:
-            sizes = parse_sizes(args.sizes or ("16" if args.quick else "20-26"))
+            sizes = parse_sizes(("16" if args.quick else "20-26") if args.sizes is None
+                                else args.sizes)
         device = torch.device(args.device)
         if device.type == "cuda" and args.backend == "compiled":
             raise ValueError("--backend compiled is the CPU codec; on cuda use auto or triton")
