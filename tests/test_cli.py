@@ -179,6 +179,8 @@ def _files(tmp: Path) -> None:
     (["bench", "hook", "--device", "cpu", "--steps", "0"],
      "argument --steps: must be at least 1, not 0"),
     (["bench", "hook", "--device", "cpu", "--bits", "9"], "thc bench hook: bits must be"),
+    (["bench", "hook", "--device", "cpu", "--batch", "1"], "not --batch 1 --image 224"),
+    (["bench", "hook", "--device", "cpu", "--quick", "--image", "16"], "not --batch 2 --image 16"),
     (["bench", "kernels", "--device", "bogus"], "argument --device: cpu, cuda or cuda:N"),
     (["bench", "codec", "--device", "cuda:99"], "argument --device: cuda:99: torch sees "),
     (["bench", "kernels", "--error-size", "-1"], "argument --error-size: must be at least 0"),

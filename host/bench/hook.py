@@ -209,6 +209,11 @@ def run(args: argparse.Namespace) -> int:
     for name, (full, quick) in SIZES.items():
         if getattr(args, name) is None:
             setattr(args, name, quick if args.quick else full)
+    if args.batch < 2 or args.image < 32:
+        print(f"thc bench hook: ResNet-50 trains on a batch of 2 images or more (batch norm) "
+              f"of 32 pixels a side or more (its five halvings), not --batch {args.batch} "
+              f"--image {args.image}", file=sys.stderr)
+        return 2
     buckets = args.buckets
     _group(device)
     from thc.bench.resnet import ResNet50
