@@ -627,6 +627,26 @@ def test_replicas_agree_until_one_ranks_parameter_differs():
     assert gloo_pair(_replicas_worker) == {0: (True, False), 1: (True, False)}
 
 
+def test_a_worker_that_quit_early_without_an_error_is_named(tmp_path):
+    """A worker that exited 0 mid-run left its peers to fail (Gloo: connection reset), and
+    only the peers' errors were shown."""
+    import subprocess
+
+    from thc.emu.procs import Proc, wait_all
+
+    def launch(argv, stdout, stderr):
+        return subprocess.Popen(argv, stdout=stdout, stderr=stderr, stdin=subprocess.DEVNULL,
+                                start_new_session=True)
+    quit_ = Proc.start("w0", [sys.executable, "-c", "pass"], tmp_path, launch)
+    failed = Proc.start("w1", [sys.executable, "-c",
+                               "import sys, time\ntime.sleep(1)\nsys.exit('peer gone')"],
+                        tmp_path, launch)
+    with pytest.raises(mainjob.WorkerError) as e:
+        wait_all([quit_, failed], timeout=30)
+    said = str(e.value)
+    assert "1 of 2 workers failed" in said and "worker 0 (w0) exited 0 after" in said, said
+
+
 def test_a_timeout_reads_every_state_before_it_kills_any(tmp_path):
     """A worker waiting on a peer exits on its own once that peer is being killed (Gloo:
     connection closed): read and killed one by one, the later ones read as workers that

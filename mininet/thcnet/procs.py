@@ -222,7 +222,12 @@ def wait_all(procs: list[Proc], timeout: float | None, what: str = "worker",
                 else f"{len(bad)} of {len(results)} {what}s failed" if bad
                 else f"a process the {what}s need exited")
         parts = [head] + gone
+        first_bad = min((r.seconds for r in bad), default=None)
         for r, p in zip(results, procs):
+            if r.returncode == 0 and not timed_out and first_bad is not None \
+                    and r.seconds < first_bad:
+                parts.append(f"--- {what} {r.rank} ({p.name}) exited 0 after {r.seconds:.1f} s, "
+                             f"before the failure: its peers may have waited on it")
             if r.returncode != 0 or timed_out:
                 when = ("at the timeout" if timed_out else
                         f"{FAIL_GRACE:g} s after a failure, not failing on its own")
