@@ -173,8 +173,10 @@ def check_args(args: argparse.Namespace, modes: list[str]) -> str | None:
     if unknown or not modes:
         return f"{'unknown mode(s) ' + str(unknown) if unknown else '--modes names no mode'}; " \
                f"choose from {list(MODES)}"
-    if not 1 <= args.workers <= MAX_TESTBED_WORKERS:
-        return f"--workers {args.workers}: a job takes 1..{MAX_TESTBED_WORKERS} workers"
+    if not 2 <= args.workers <= MAX_TESTBED_WORKERS:
+        return (f"--workers {args.workers}: the modes compare gradient exchanges, which take "
+                f"2..{MAX_TESTBED_WORKERS} workers (one exchanges nothing: its times and "
+                f"winner would be noise)")
     if args.software_lanes:
         sum_bits = P.sum_bits_for(args.workers, THCParams().granularity)
         try:
