@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 import numpy as np
 
@@ -36,7 +37,7 @@ def run(args: argparse.Namespace) -> int:
         params = THCParams(bits=args.bits, granularity=args.granularity, p=args.p)
         table = optimal_table(params.bits, params.granularity, params.p)
     except ValueError as e:
-        print(f"thc table: {e}")
+        print(f"thc table: {e}", file=sys.stderr)
         return 2
     g, p = params.granularity, params.p
     result = {"bits": params.bits, "granularity": g, "p": p, "t_p": params.t_p,
