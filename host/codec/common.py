@@ -215,18 +215,19 @@ def scale_factor(factor) -> float:
 
 def cast_estimate(est, dtype, copy: bool = False):
     """An estimate of a mean of ``dtype`` values (a float32 torch tensor) as ``dtype``; as
-    a type narrower than float32 (float16, bfloat16, the float8 types), held to its finite
-    range: the mean of finite values lies in that range, so this only moves a coordinate
-    towards it. The cast alone made an estimate past 65504 (it reaches t_p times its slice's
-    max norm) an Inf from finite inputs. An estimate is never Inf otherwise (non-finite
-    input is refused, or NaN under ``nonfinite="propagate"``). NaN stays NaN; ``copy``: a
-    new tensor even where the dtype is the estimate's."""
+    float16 or a float8 type, held to its finite range: the mean of finite values lies in
+    that range, so this only moves a coordinate towards it. The cast alone made an estimate
+    past 65504 (it reaches t_p times its slice's max norm) an Inf from finite inputs. An
+    estimate is never Inf otherwise (non-finite input is refused, or NaN under
+    ``nonfinite="propagate"``). bfloat16 keeps float32's exponent, which the norm limit
+    keeps estimates within. NaN stays NaN; ``copy``: a new tensor even where the dtype is
+    the estimate's."""
     import torch
-    if dtype in (torch.float32, torch.float64):
+    if dtype in (torch.float32, torch.float64, torch.bfloat16):
         return est.to(dtype, copy=copy)
     top = torch.finfo(dtype).max
-    if dtype not in (torch.float16, torch.bfloat16):   # float8: no nan_to_num, and an
-        return est.clamp(-top, top).to(dtype)         # e4m3fn overflow is NaN
+    if dtype != torch.float16:                  # float8: no nan_to_num, and an e4m3fn
+        return est.clamp(-top, top).to(dtype)   # overflow is NaN
     return est.to(dtype, copy=copy).nan_to_num_(nan=float("nan"), posinf=top, neginf=-top)
 
 
