@@ -47,27 +47,32 @@ COMMANDS: dict[str, tuple[str | dict, str]] = {
 """Subcommand -> (module, or a table of its own subcommands; one line of help)."""
 
 
-def usage(prog: str, table: dict) -> str:
+def usage(prog: str, table: dict, about: str = "THC in-network aggregation.") -> str:
     width = max(map(len, table))
-    lines = [f"usage: {prog} <command> [options]", "", "THC in-network aggregation.", "",
-             "commands:"]
+    lines = [f"usage: {prog} <command> [options]", "", about, "", "commands:"]
     lines += [f"  {name:<{width}}  {help_}" for name, (_, help_) in table.items()]
     lines += ["", f"Run '{prog} <command> --help' for a command's options."]
     return "\n".join(lines)
 
 
-def dispatch(prog: str, table: dict, argv: list[str]) -> int:
+def dispatch(prog: str, table: dict, argv: list[str],
+             about: str = "THC in-network aggregation.") -> int:
     """Run the subcommand ``argv[0]`` of ``table`` with the rest of ``argv``."""
     if not argv or argv[0] in ("-h", "--help"):
-        print(usage(prog, table))
+        print(usage(prog, table, about))
+        return 0
+    if argv[0] == "--version" and table is COMMANDS:
+        from importlib.metadata import version
+        print(f"{prog} {version('thc-ina')}")
         return 0
     name = argv[0]
     if name not in table:
-        print(f"{prog}: unknown command {name!r}\n\n{usage(prog, table)}", file=sys.stderr)
+        print(f"{prog}: unknown command {name!r}\n\n{usage(prog, table, about)}",
+              file=sys.stderr)
         return 2
     target, help_ = table[name]
     if isinstance(target, dict):
-        return dispatch(f"{prog} {name}", target, argv[1:])
+        return dispatch(f"{prog} {name}", target, argv[1:], help_[0].upper() + help_[1:] + ".")
     module = importlib.import_module(target)
     parser = argparse.ArgumentParser(prog=f"{prog} {name}", description=help_,
                                      formatter_class=ShowDefaults)

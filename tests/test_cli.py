@@ -95,7 +95,8 @@ def test_the_bench_list_in_the_usage_is_the_benches_table(capsys):
     (["run", "--loopback"], {"THC_CLIENT_DATAPATH": "bogus"},
      "thc run: client datapath 'bogus'"),
     (["run", "--loopback", "--software-lanes", "7"], {}, "thc run: --software-lanes 7"),
-    (["run", "--loopback", "--workers", "33"], {}, "thc run: --workers 33: the modes compare gradient exchanges, which take 2..32"),
+    (["run", "--loopback", "--workers", "33"], {},
+     "thc run: --workers 33: the modes compare gradient exchanges, which take 2..32"),
     (["run", "--loopback", "--modes", ""], {}, "thc run: --modes names no mode"),
     (["run", "--loopback", "--timeout", "-5"], {}, "argument --timeout: must be above 0"),
     (["run", "--loopback", "--bmv2-timeout", "nan"], {},
@@ -284,3 +285,13 @@ def test_an_output_path_is_checked_without_making_its_folders(tmp_path):
         writable_path(str(tmp_path / "file" / "x.json"))
     emit_json(argparse.Namespace(json=str(target)), {"x": 1})
     assert json.loads(target.read_text())["x"] == 1
+
+
+def test_the_version_and_the_bench_tables_help_say_what_they_are(capsys):
+    """`thc --version` was an unknown command, and `thc bench --help` said only "THC
+    in-network aggregation."."""
+    from importlib.metadata import version
+    assert cli.main(["--version"]) == 0
+    assert capsys.readouterr().out == f"thc {version('thc-ina')}\n"
+    assert cli.main(["bench", "--help"]) == 0
+    assert "\nBenchmarks: codec, kernels, hook" in capsys.readouterr().out

@@ -165,8 +165,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shard", type=int, default=None, metavar="INDEX",
                         help="run as this shard of the jobs' shard maps (sharded jobs only)")
     parser.add_argument("--stats-interval", type=non_negative_float, default=5.0,
-                        help="print counters as a JSON line every N seconds (0: never; "
-                             "default: %(default)s)")
+                        help="print counters as a JSON line every N seconds, read every "
+                             "0.5 s, and once at the end (0: at the end only; default: "
+                             "%(default)s)")
     parser.add_argument("--stats-file", help="rewrite counters as JSON to this file while running")
     parser.add_argument("--duration", type=positive_float,
                         help="exit after N seconds (default: serve until interrupted)")

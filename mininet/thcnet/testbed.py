@@ -192,7 +192,7 @@ def add_job_arguments(parser: argparse.ArgumentParser, *, lanes: int | None,
                        help="lanes per packet of the software aggregators (0: the most that "
                             "fit one MTU at the job's sum width; BMv2 runs its compiled lanes)")
     group.add_argument("--pool-size", type=positive_int, default=pool_size,
-                       help="slots of the job (at least --window; default "
+                       help="slots of the job (a --window beyond it is cut to it; default "
                             + ("64)" if pool_size is None else f"{pool_size})"))
     group.add_argument("--window", type=positive_int, default=window,
                        help="chunks in flight per worker: more only queue in the aggregator "
