@@ -171,6 +171,10 @@ def _files(tmp: Path) -> None:
     (["sweep", "--bw", "50,x"], "argument --bw: not a number: 'x'"),
     (["sweep", "--target", "73"], "argument --target: a fraction lies in (0, 1], not 73"),
     (["bench", "allreduce", "--bw", "100,nan"], "argument --bw: not a finite number: 'nan'"),
+    (["bench", "allreduce", "--loopback", "--lanes", "3", "--json", "{tmp}/a.json"],
+     "--lanes 3 (4 workers, 8-bit sums): lanes must be a positive even number"),
+    (["bench", "allreduce", "--loopback", "--aggregator", "bmv2", "--json", "{tmp}/a.json"],
+     "thc-bmv2 skipped: not available: --loopback"),
     (["bench", "dlcp", "--loss-bound", "2"], "argument --loss-bound: "),
     (["bench", "dlcp", "--layers", "0"], "argument --layers: must be at least 1, not 0"),
     (["bench", "hook", "--device", "bogus"], "argument --device: cpu, cuda or cuda:N, not"),
@@ -219,6 +223,7 @@ def test_user_mistakes_end_in_a_message_not_a_traceback(argv, message, tmp_path,
     out = capsys.readouterr()
     assert rc == 2, out
     assert message.replace("{tmp}", str(tmp_path)) in out.err, out   # not the output's
+    assert not (tmp_path / "a.json").exists()   # refused: no report
 
 
 @pytest.mark.parametrize("argv,message", [

@@ -203,8 +203,15 @@ def run(args: argparse.Namespace) -> int:
     repeat = args.repeat if args.repeat is not None else 1 if args.quick else 3
     bws = args.bw
     p = args.workers
+    sum_bits = P.sum_bits_for(p, THCParams().granularity)
     if args.lanes == 0:
-        args.lanes = P.max_software_lanes(P.sum_bits_for(p, THCParams().granularity))
+        args.lanes = P.max_software_lanes(sum_bits)
+    try:
+        P.check_lanes(args.lanes, sum_bits=sum_bits)
+    except ValueError as e:   # before a testbed starts, not in its aggregators
+        print(f"thc bench allreduce: --lanes {args.lanes} ({p} workers, {sum_bits}-bit sums): "
+              f"{e}", file=sys.stderr)
+        return 2
     want_bmv2 = "bmv2" in args.aggregator
     soft = [a for a in args.aggregator if a != "bmv2"]
     agg_bw_factor = args.agg_bw_factor or 1.0
@@ -223,8 +230,7 @@ def run(args: argparse.Namespace) -> int:
             note = f"thc-bmv2 skipped: not available: {bmv2_reason}"
             result["notes"].append(note)
             print(note, file=sys.stderr)
-            if not soft:
-                emit_json(args, result)
+            if not soft:   # refused before any work: no report
                 return 2
 
     print(f"all-reduce of {numel:,} float32 elements, {p} workers, "
