@@ -31,7 +31,7 @@ from thc.codec.common import NonFiniteInput, as_float32, scale_factor
 from thc.codec.hadamard import is_torch
 from thc.codec.packing import pack_bits, unpack_bits
 from thc.codec.params import THCParams
-from thc.codec.thc import THCCodec
+from thc.codec.thc import THCCodec, check_feedback
 
 __all__ = ["Scheme", "THC", "UHC", "QSGD", "TernGrad", "TopK", "SignSGD", "FP16", "FP32",
            "SparsePayload", "SCHEMES", "make_scheme", "scheme_names"]
@@ -195,6 +195,8 @@ class THC(Scheme):
         super().__init__(error_feedback)
         self.params = params or THCParams(bits=bits, granularity=granularity, p=p, seed=seed,
                                           slice_size=slice_size, table_kind=table_kind)
+        if error_feedback:
+            check_feedback(self.params)
         self.codec = THCCodec(self.params)
         self.round = 0
 

@@ -320,11 +320,15 @@ def decode_indices(indices, max_norms, numel: int, params: THCParams, round: int
 
 @functools.lru_cache(maxsize=64)
 def feedback_gain(params: THCParams) -> float:
-    """E|C(y) - y|^2 / |y|^2 for the worker that holds a slice's max norm (rotated
-    coordinates near N(0, 1)): one worker's expected NMSE under the table. Error feedback
-    keeps e <- y - C(y) and sends y = x + e next, so its residual grows without bound where
-    this is 1 or more."""
-    return expected_nmse(params.table, params.p, params.granularity)
+    """How far error feedback's residual (e <- y - C(y), sent in y = x + e next) can grow a
+    round, in the energy of the slice's max norm M: the larger of one worker's expected NMSE
+    under the table when it holds M (rotated coordinates near N(0, 1)), and the rounding
+    variance of a coordinate in the table's widest gap (a worker whose own norm is small
+    next to M keeps about that much of M^2 a coordinate). At 1 or more the residual grows
+    round after round."""
+    table = np.asarray(params.table, dtype=np.float64)
+    widest = float(np.max(np.diff(table))) * params.t_p / params.granularity
+    return max(expected_nmse(table, params.p, params.granularity), widest * widest)
 
 
 def check_feedback(params: THCParams) -> None:
@@ -334,10 +338,11 @@ def check_feedback(params: THCParams) -> None:
     gain = feedback_gain(params)
     if gain >= 1:
         raise ValueError(
-            f"error feedback diverges with this table: one worker's rounding error is "
-            f"{gain:.2f} times its input's energy (bits={params.bits}, p={params.p:g}, "
-            f"granularity={params.granularity}), so the residual grows every round; build "
-            f"the reducer with error_feedback=False, or take more bits or a larger p")
+            f"error feedback diverges with this table: a worker's rounding error reaches "
+            f"{gain:.2f} times the slice's max norm squared (bits={params.bits}, "
+            f"p={params.p:g}, granularity={params.granularity}), so the residual grows every "
+            f"round; build the reducer with error_feedback=False, or take more bits or a "
+            f"larger p")
 
 
 @dataclass

@@ -347,8 +347,10 @@ class MininetTestbed(Testbed):
 
     def _stop_net(self) -> None:
         """Mininet's stop, which runs commands through every node's shell and reads their
-        output with no deadline: stopped shells are continued first, and past STOP_S the
-        shells are killed, so the reads fail and the registry's undo removes the rest."""
+        output with no deadline, while the teardown holds Ctrl-C: stopped shells are
+        continued first, and past STOP_S the shells are killed and the read is interrupted
+        (SIGUSR2 to the main thread, whose handler raises), so that the registry's undo
+        removes the rest. Off the main thread no handler can be set: no deadline."""
         for n in self.net.values():
             shell = getattr(n, "shell", None)
             if shell is not None and state(shell.pid).startswith("stopped"):
@@ -356,29 +358,34 @@ class MininetTestbed(Testbed):
                          f"continued for the teardown")
                 with contextlib.suppress(OSError):
                     os.kill(shell.pid, signal.SIGCONT)
-        timer = threading.Timer(STOP_S, self._kill_shells)
+        if threading.current_thread() is not threading.main_thread():
+            self.net.stop()
+            return
+
+        def stuck(_signum, _frame):
+            raise TestbedError(f"Mininet's stop took over {STOP_S:g} s (a node's shell does "
+                               f"not answer): its shells killed")
+        done = threading.Event()
+        main = threading.main_thread().ident
+
+        def wake() -> None:
+            if done.is_set():
+                return
+            for n in list(self.net.values()):
+                with contextlib.suppress(OSError, AttributeError):
+                    n.shell.kill()
+            signal.pthread_kill(main, signal.SIGUSR2)
+        old = signal.signal(signal.SIGUSR2, stuck)
+        timer = threading.Timer(STOP_S, wake)
         timer.daemon = True
         timer.start()
         try:
             self.net.stop()
         finally:
+            done.set()
             timer.cancel()
-
-    def _kill_shells(self) -> None:
-        """Kill every node's shell and hang up its terminal: Mininet holds the terminal's
-        other end open, so only the hang-up ends a read of it (with EIO). /dev/null takes
-        the end's descriptor number, which Mininet closes later."""
-        say_once(f"Mininet's stop took over {STOP_S:g} s (a node's shell does not answer): "
-                 f"killing the nodes' shells and removing the testbed by hand")
-        null = os.open(os.devnull, os.O_RDWR)
-        try:
-            for n in self.net.values():
-                with contextlib.suppress(OSError, AttributeError):
-                    n.shell.kill()
-                with contextlib.suppress(OSError, AttributeError, TypeError):
-                    os.dup2(null, n.slave)
-        finally:
-            os.close(null)
+            timer.join()   # a signal it sent is delivered before the handler goes
+            signal.signal(signal.SIGUSR2, old)
 
     def _lost_shells(self) -> list[str]:
         """The Mininet nodes whose shell has exited."""
