@@ -192,6 +192,15 @@ def test_a_run_whose_workers_diverged_is_left_out_of_the_analysis(tmp_path, caps
     analysed = json.loads(path.read_text())
     point = next(p for p in analysed["points"] if p["bw_mbit"] == 200)
     assert "thc" not in [r["mode"] for r in point["runs"]] and analysed["analysis"]
+    kept = next(f for f in analysed["failed"] if f["mode"] == "thc")
+    assert kept["run"]["replicas_diverged_at"] == 8   # its measurements kept, not analysed
+
+
+def test_a_malformed_sweep_report_is_a_line_not_a_traceback(tmp_path, capsys):
+    path = tmp_path / "sweep.json"
+    path.write_text(json.dumps({"modes": ["fp32", "thc"], "points": [{"bw_mbit": 100}]}))
+    assert _sweep_here("--report", str(path), "--out", str(tmp_path)) == 1
+    assert "thc sweep: no analysis of the runs" in capsys.readouterr().err
 
 
 def test_a_sweep_that_cannot_be_analysed_keeps_its_runs_and_says_why(tmp_path, capsys):

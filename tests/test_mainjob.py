@@ -639,12 +639,20 @@ def test_a_worker_that_quit_early_without_an_error_is_named(tmp_path):
                                 start_new_session=True)
     quit_ = Proc.start("w0", [sys.executable, "-c", "pass"], tmp_path, launch)
     failed = Proc.start("w1", [sys.executable, "-c",
-                               "import sys, time\ntime.sleep(1)\nsys.exit('peer gone')"],
+                               "import sys, time\ntime.sleep(3)\nsys.exit('peer gone')"],
                         tmp_path, launch)
     with pytest.raises(mainjob.WorkerError) as e:
         wait_all([quit_, failed], timeout=30)
     said = str(e.value)
     assert "1 of 2 workers failed" in said and "worker 0 (w0) exited 0 after" in said, said
+    # one that ended with the run, as a peer failed on its way out, is not named
+    done = Proc.start("w0", [sys.executable, "-c", "import time\ntime.sleep(1)"], tmp_path,
+                      launch)
+    late = Proc.start("w1", [sys.executable, "-c", "import sys, time\ntime.sleep(1.2)\n"
+                             "sys.exit('failed in teardown')"], tmp_path, launch)
+    with pytest.raises(mainjob.WorkerError) as e:
+        wait_all([done, late], timeout=30)
+    assert "exited 0" not in str(e.value), str(e.value)
 
 
 def test_a_timeout_reads_every_state_before_it_kills_any(tmp_path):

@@ -209,10 +209,11 @@ def run(args: argparse.Namespace) -> int:
     for name, (full, quick) in SIZES.items():
         if getattr(args, name) is None:
             setattr(args, name, quick if args.quick else full)
-    if args.batch < 2 or args.image < 32:
-        print(f"thc bench hook: ResNet-50 trains on a batch of 2 images or more (batch norm) "
-              f"of 32 pixels a side or more (its five halvings), not --batch {args.batch} "
-              f"--image {args.image}", file=sys.stderr)
+    side = -(-args.image // 32)   # the last stage's side, after five halvings
+    if args.batch * side * side < 2:
+        print(f"thc bench hook: ResNet-50's last batch norm needs 2 values a channel or more: "
+              f"--batch {args.batch} of --image {args.image} leaves it {side}x{side} a "
+              f"channel and image (take --batch 2, or --image 33 or more)", file=sys.stderr)
         return 2
     buckets = args.buckets
     _group(device)

@@ -171,6 +171,11 @@ class _LineFollower:
                 self.on_line(i, line.decode("utf-8", "replace"))
 
 
+EARLY_S = 1.0
+"""How long before a peer's failure a worker must have exited 0 to be named beside it: one
+that ended with the run (past its last barrier) as a peer failed on the way out is not."""
+
+
 def wait_all(procs: list[Proc], timeout: float | None, what: str = "worker",
              on_line=None, watch: list[tuple[str, Proc]] = ()) -> list[WorkerResult]:
     """Wait for every process; on a failure kill the others and raise :class:`WorkerError`.
@@ -222,10 +227,11 @@ def wait_all(procs: list[Proc], timeout: float | None, what: str = "worker",
                 else f"{len(bad)} of {len(results)} {what}s failed" if bad
                 else f"a process the {what}s need exited")
         parts = [head] + gone
-        first_bad = min((r.seconds for r in bad), default=None)
+        ends = {r.rank: p.t0 + r.seconds for r, p in zip(results, procs)}
+        first_bad = min((ends[r.rank] for r in bad), default=None)
         for r, p in zip(results, procs):
             if r.returncode == 0 and not timed_out and first_bad is not None \
-                    and r.seconds < first_bad:
+                    and ends[r.rank] < first_bad - EARLY_S:
                 parts.append(f"--- {what} {r.rank} ({p.name}) exited 0 after {r.seconds:.1f} s, "
                              f"before the failure: its peers may have waited on it")
             if r.returncode != 0 or timed_out:

@@ -36,7 +36,7 @@ from thc.argtypes import (figure_path, fraction, positive_float, positive_floats
                           read_json, writable_path)
 from thc.app.breakeven import analyse
 from thc.app.datasets import AUTO, DATASETS
-from thc.bench import cpu_model
+from thc.bench import cpu_model, provenance
 from thc.emu import mainjob
 from thc.emu.mainreport import summarize, time_to
 from thc.emu.sweepreport import markdown, plot
@@ -175,6 +175,7 @@ def sweep(args: argparse.Namespace, bws: list[float], modes: list[str], path: Pa
     if params:
         data["fp16_cast_s"] = fp16_cast_s(int(params))
     data["wall_seconds"] = time.monotonic() - t_start
+    data["recorded"] = provenance()
     return data
 
 
@@ -185,13 +186,14 @@ def _thc_mode(modes: list[str]) -> str | None:
 
 def _drop_diverged(data: dict) -> None:
     """Runs whose workers' parameters differed (a check the main job fails on) out of the
-    points and into ``failed``: their step times are not a data-parallel training's."""
+    points and into ``failed``, each kept whole there: their step times are not a
+    data-parallel training's."""
     for point in data["points"]:
         bad = [r for r in point["runs"] if r.get("replicas_diverged_at") is not None]
         point["runs"] = [r for r in point["runs"] if r not in bad]
         data["failed"] += [{"bw_mbit": point["bw_mbit"], "mode": r["mode"],
                             "error": f"the workers' parameters differed after step "
-                                     f"{r['replicas_diverged_at']}"} for r in bad]
+                                     f"{r['replicas_diverged_at']}", "run": r} for r in bad]
 
 
 def _paths_refusal(json_path: Path, plot_path: Path) -> str | None:
@@ -251,7 +253,6 @@ def run(args: argparse.Namespace) -> int:
               f"modes {', '.join(modes)} at {', '.join(f'{b:g}' for b in bws)} Mbit/s "
               f"({len(bws) * len(modes)} runs)", flush=True)
         data = sweep(args, bws, modes, json_path)
-    _drop_diverged(data)
     thc = _thc_mode(data["modes"])
     if thc is None:
         print("thc sweep: no THC mode swept: no break-even to compute")
@@ -260,6 +261,7 @@ def run(args: argparse.Namespace) -> int:
                           else f"accuracy {args.target:g}")
     baselines = tuple(m for m in ("fp32", "fp16") if m in data["modes"])
     try:
+        _drop_diverged(data)
         for p in data["points"]:
             p["tta_s"] = _tta(p["runs"], args.target)
         data["analysis"] = analyse(data, thc, baselines, args.agg_pps)

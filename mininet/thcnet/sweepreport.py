@@ -134,5 +134,6 @@ def plot(data: dict, path: Path) -> None:
                  f"{data['args']['workers']} workers (Mininet, {data['machine']['cpus']} cores)",
                  fontsize=10)
     m = data.get("machine", {})
-    save_figure(fig, path, {"command": data.get("command"), "utc": data.get("date"),
-                            "cpu": m.get("cpu"), "cores": m.get("cpus")})
+    save_figure(fig, path, data.get("recorded") or {
+        "command": data.get("command"), "utc": data.get("date"), "cpu": m.get("cpu"),
+        "cores": m.get("cpus")})   # a report written before sweeps recorded their commit
