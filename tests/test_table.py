@@ -130,4 +130,4 @@ def test_cli_prints_table(capsys):
     assert " ".join(map(str, T.optimal_table(4, 30, 1 / 32))) in out
     assert "t_p = 2.1539" in out and "uniform table" in out
     assert table_cmd.run(parser.parse_args(["--bits", "8", "--granularity", "30"])) == 2
-    assert "granularity" in capsys.readouterr().out
+    assert "granularity" in capsys.readouterr().err
