@@ -196,6 +196,13 @@ def test_a_run_whose_workers_diverged_is_left_out_of_the_analysis(tmp_path, caps
     assert kept["run"]["replicas_diverged_at"] == 8   # its measurements kept, not analysed
 
 
+def test_run_flags_beside_a_report_are_refused(tmp_path, capsys):
+    """--report analyses runs already made: --bw and the other run flags were ignored."""
+    assert _sweep_here("--report", "x.json", "--bw", "5", "--workers", "8",
+                       "--out", str(tmp_path)) == 2
+    assert "it would ignore --bw, --workers" in capsys.readouterr().err
+
+
 def test_a_malformed_sweep_report_is_a_line_not_a_traceback(tmp_path, capsys):
     path = tmp_path / "sweep.json"
     path.write_text(json.dumps({"modes": ["fp32", "thc"], "points": [{"bw_mbit": 100}]}))

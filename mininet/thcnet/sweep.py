@@ -206,7 +206,25 @@ def _paths_refusal(json_path: Path, plot_path: Path) -> str | None:
     return None
 
 
+REPORT_READS = ("target", "agg_pps", "out", "json", "plot", "report", "command")
+"""What ``--report`` reads of the flags: the analysis's and the outputs'; the runs' flags
+were the sweep's own."""
+
+
+def _ignored_by_report(args: argparse.Namespace) -> list[str]:
+    """The run flags given beside ``--report``, which has no runs to give them to."""
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    defaults = vars(parser.parse_args([]))   # as parsed: a default string through its type
+    return [f"--{name.replace('_', '-')}" for name, value in vars(args).items()
+            if name not in REPORT_READS and value != defaults.get(name)]
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.report and (ignored := _ignored_by_report(args)):
+        print(f"thc sweep --report analyses runs already made: it would ignore "
+              f"{', '.join(ignored)}", file=sys.stderr)
+        return 2
     out = Path(args.out)
     json_path = Path(args.json) if args.json else out / "sweep.json"
     plot_path = Path(args.plot) if args.plot else out / "sweep.png"
