@@ -63,7 +63,10 @@ class THCAllReduce:
     """Callable that returns the THC estimate of the mean of a tensor across workers.
 
     Every worker must call it on same-shaped tensors in the same order: the round number
-    (part of the shared rotation seed) advances with each call. Every worker builds its
+    (part of the shared rotation seed) advances with each call. Drive a reducer from one
+    thread: its lock keeps a call's exchanges together, but not the order in which threads
+    reach it, which may differ between workers (each worker's call then pairs with its
+    peers' other tensor, shapes alike). Every worker builds its
     reducers on a group in the same order too: a round's fingerprint names the reducer by
     that order, so a call one worker skipped is refused, not paired with another reducer's.
     With ``error_feedback`` a reducer serves one gradient (one parameter or bucket, step
