@@ -258,6 +258,28 @@ def test_a_stand_in_is_built_where_the_domain_takes_tensors():
     assert t.numel() == 0 and "got ndarray" in str(err)
 
 
+def test_a_reducers_error_feedback_telescopes():
+    """One worker's estimates plus its last residual add up to its inputs: what a round's
+    rounding drops is sent in the next. A residual kept from the round's input alone (not
+    the input plus the last residual) dropped the earlier rounds' errors, and the rounds'
+    outputs still looked right one by one."""
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_tcp_port()}",
+                            rank=0, world_size=1)
+    try:
+        ar = THCAllReduce.through_torch_distributed(params=PARAMS, generator=5)
+        gen = torch.Generator().manual_seed(4)
+        sent = got = torch.zeros(3000, dtype=torch.float64)
+        for r in range(6):
+            x = torch.randn(3000, generator=gen) * (r + 1)
+            got = got + ar(x).double()
+            sent = sent + x.double()
+    finally:
+        dist.destroy_process_group()
+    left = ar.feedback.residual.double()
+    assert float(left.norm()) > 1e-3 * float(sent.norm())   # something was carried
+    torch.testing.assert_close(got + left, sent, rtol=0, atol=1e-3)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float8_e5m2, torch.float8_e4m3fn])
 def test_an_estimate_past_its_narrow_types_range_comes_back_finite(dtype):
     """Finite inputs at a narrow type's edge (float16's +-60000): the estimate of a
