@@ -366,3 +366,16 @@ def test_a_held_chunk_is_resent_within_the_fast_backoff_cap(job, datapath):
         assert c.stats.compiled_rounds == (datapath == "compiled")
     gaps = np.diff(sent)
     assert len(sent) > 5 and gaps.max() < 0.45, gaps   # the doubling reached 0.64 s
+
+
+def test_the_resend_timer_never_exceeds_its_cap():
+    """A reply after a long stall is a round-trip sample of seconds: uncapped, the next
+    resend would wait that long plus four deviations, far past --max-timeout."""
+    from thc.net.window import RttEstimator
+    est = RttEstimator(2, timeout=0.05, max_timeout=1.0)
+    assert est.rto(0) == 0.05
+    est.sample(0, 10.0)
+    assert est.rto(0) == 1.0 and est.rto(1) == 0.05
+    for _ in range(40):
+        est.sample(0, 0.01)
+    assert 0.05 < est.rto(0) < 1.0
