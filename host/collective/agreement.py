@@ -160,8 +160,9 @@ def fingerprint(params, *cut: int, backend: str = "", steps: str = "",
 
 def half_type(dtype) -> str:
     """The name of ``dtype`` where an estimate's cast to it gives other values than its cast
-    to float32 (narrower types: rounded, held to their range), else "": what a round's key
-    holds of its input's dtype (float32 and float64 results are the same numbers)."""
+    to float32 (narrower types: rounded, float16 and float8 held to their range), else "":
+    what a round's key holds of its input's dtype (float32 and float64 results are the same
+    numbers)."""
     narrow = (isinstance(dtype, torch.dtype) and dtype.is_floating_point
               and dtype not in (torch.float32, torch.float64))
     return str(dtype) if narrow else ""
