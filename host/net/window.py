@@ -196,6 +196,12 @@ WITHHELD = ("a switch withholding the chunk's result because one of its recircul
 to a worker that looks like silence (docs/switch.md, "What recirculation adds")."""
 
 
+def _shard_name(end: Endpoint, shard: int) -> tuple[str, str, int]:
+    """How a timeout names the chunk's shard, and its address."""
+    ip, port = end.aggregators[shard]
+    return (f"aggregator shard {shard}" if end.job.shards else "the aggregator"), ip, port
+
+
 def timeout_of(end: Endpoint, rnd: Round, i: int, bitmap: int | None, silent: float = 0.0,
                rejected: int = 0, unanswered: int = 0, taken: int = 0,
                not_float: int = 0) -> AggregationTimeout:
@@ -224,8 +230,7 @@ def timeout_of(end: Endpoint, rnd: Round, i: int, bitmap: int | None, silent: fl
     at = (f"job {job.job_id}, worker {end.worker_id}: chunk seq {seq} (slot {slot}, "
           f"version {version}) not aggregated within {end.deadline:.1f}s")
     shard = job.shard_of(seq)
-    ip, port = end.aggregators[shard]
-    who = f"aggregator shard {shard}" if job.shards else "the aggregator"
+    who, ip, port = _shard_name(end, shard)
     quiet = silent >= end.deadline / 2 and unanswered >= SILENT_AFTER
     if bitmap is None and not_float:
         return AggregationTimeout(
@@ -246,43 +251,7 @@ def timeout_of(end: Endpoint, rnd: Round, i: int, bitmap: int | None, silent: fl
     wrong = (end.stats.elsewhere - rnd.elsewhere) + (end.stats.other_run - rnd.other_run) \
         + (end.stats.strays - rnd.strays)
     if bitmap is None and not (quiet and taken and not wrong):
-        # Dropped unanswered: every chunk at an aggregator without this job, this worker's
-        # address or its lanes (DATA), or with another pool (once it answered, its epoch
-        # names another configuration: AggregatorMisconfigured). A shard at another address
-        # in the shards' own map never sees the chunk.
-        answering = taken > 0   # this round: alive, and it takes other chunks
-        causes = ["each send of it or its reply lost"] if answering else ["down", "unreachable"]
-        if job.shards:
-            causes.append("given another shard map than this worker's")
-        lanes = f", {job.lanes} lanes" if rnd.is_data else ""
-        if end.epochs[shard] is None:
-            causes.append(f"not serving job {job.job_id} with this worker's address{lanes} "
-                          f"and pool {job.pool_size}")
-        if not job.shards:      # shards are software aggregators
-            causes.append(WITHHELD)
-        hint = (f" ({', '.join(causes[:-1])}, or {causes[-1]})" if len(causes) > 2 else
-                f" ({' or '.join(causes)})")
-        elsewhere = end.stats.elsewhere - rnd.elsewhere
-        if elsewhere:
-            hint += (f"; {elsewhere} replies to this worker this round came from the port of "
-                     f"an aggregator of the job at another IP and were ignored: the workers "
-                     f"take replies only from the address they send to, so an aggregator (or "
-                     f"a NAT before it) answering from another one is not heard; let it "
-                     f"listen on the address the workers send to (thc aggregator --listen "
-                     f"{ip}:{port})")
-        other_run = end.stats.other_run - rnd.other_run
-        if other_run:
-            hint += (f"; {other_run} replies to this worker this round came from {who} with "
-                     f"another run id than this round's ({rnd.run}) and were ignored: it "
-                     f"answers another run of this job, or writes the run field wrong")
-        strays = end.stats.strays - rnd.strays
-        if strays:
-            hint += (f"; {strays} datagrams from {who}'s address this round answered no chunk "
-                     f"of this worker in flight (another worker id, job id or packet type, or "
-                     f"another offset, slot or version) and were ignored: it answers with "
-                     f"another job's or worker's ids, or rewrites those fields")
-        return AggregationTimeout(f"{at}; no answer from {who} at {ip}:{port}{hint}", None,
-                                  shard)
+        return _unanswered(end, rnd, at, shard, taken)
     if quiet:   # it answered this round (a PENDING, or chunks it took), then fell silent
         return AggregationTimeout(f"{at}; {who} at {ip}:{port} stopped answering "
                                   f"{silent:.1f}s ago (down, unreachable"
@@ -290,6 +259,59 @@ def timeout_of(end: Endpoint, rnd: Round, i: int, bitmap: int | None, silent: fl
                                      else f", restarted and not yet serving this job, or "
                                      f"{WITHHELD}") + "): start a new run once it is back",
                                   None, shard)
+    return _waiting(end, rnd, at, shard, bitmap)
+
+
+def _unanswered(end: Endpoint, rnd: Round, at: str, shard: int,
+                taken: int) -> AggregationTimeout:
+    """:func:`timeout_of`'s error for a chunk its shard never answered: the causes that
+    fit what the shard did answer this round, and the replies this worker ignored."""
+    job = end.job
+    who, ip, port = _shard_name(end, shard)
+    # Dropped unanswered: every chunk at an aggregator without this job, this worker's
+    # address or its lanes (DATA), or with another pool (once it answered, its epoch
+    # names another configuration: AggregatorMisconfigured). A shard at another address
+    # in the shards' own map never sees the chunk.
+    answering = taken > 0   # this round: alive, and it takes other chunks
+    causes = ["each send of it or its reply lost"] if answering else ["down", "unreachable"]
+    if job.shards:
+        causes.append("given another shard map than this worker's")
+    lanes = f", {job.lanes} lanes" if rnd.is_data else ""
+    if end.epochs[shard] is None:
+        causes.append(f"not serving job {job.job_id} with this worker's address{lanes} "
+                      f"and pool {job.pool_size}")
+    if not job.shards:      # shards are software aggregators
+        causes.append(WITHHELD)
+    hint = (f" ({', '.join(causes[:-1])}, or {causes[-1]})" if len(causes) > 2 else
+            f" ({' or '.join(causes)})")
+    elsewhere = end.stats.elsewhere - rnd.elsewhere
+    if elsewhere:
+        hint += (f"; {elsewhere} replies to this worker this round came from the port of "
+                 f"an aggregator of the job at another IP and were ignored: the workers "
+                 f"take replies only from the address they send to, so an aggregator (or "
+                 f"a NAT before it) answering from another one is not heard; let it "
+                 f"listen on the address the workers send to (thc aggregator --listen "
+                 f"{ip}:{port})")
+    other_run = end.stats.other_run - rnd.other_run
+    if other_run:
+        hint += (f"; {other_run} replies to this worker this round came from {who} with "
+                 f"another run id than this round's ({rnd.run}) and were ignored: it "
+                 f"answers another run of this job, or writes the run field wrong")
+    strays = end.stats.strays - rnd.strays
+    if strays:
+        hint += (f"; {strays} datagrams from {who}'s address this round answered no chunk "
+                 f"of this worker in flight (another worker id, job id or packet type, or "
+                 f"another offset, slot or version) and were ignored: it answers with "
+                 f"another job's or worker's ids, or rewrites those fields")
+    return AggregationTimeout(f"{at}; no answer from {who} at {ip}:{port}{hint}", None,
+                              shard)
+
+
+def _waiting(end: Endpoint, rnd: Round, at: str, shard: int,
+             bitmap: int) -> AggregationTimeout:
+    """:func:`timeout_of`'s error for a chunk its shard holds: the workers its latest
+    PENDING says are missing, or held back by the slot version's previous use."""
+    job = end.job
     held, bitmap = bitmap >> 32, bitmap & 0xFFFFFFFF
     missing = [w for w in range(job.n_workers) if not bitmap >> w & 1]
     got = [w for w in range(job.n_workers) if bitmap >> w & 1]
