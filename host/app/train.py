@@ -30,6 +30,7 @@ import os
 import sys
 import time
 import warnings
+from dataclasses import dataclass, field
 
 from thc.app import datasets
 from thc.app.datasets import DatasetError
@@ -317,23 +318,22 @@ def rank_batch(perm, step: int, rank: int, batch: int, world: int):
     return perm[lo: lo + batch]
 
 
-def _train_model(args) -> list[dict]:
-    """The training loop of :func:`train`, whose DDP wrapper ends with it.
+@dataclass
+class _Tally:
+    """What the loop has counted so far; each evaluation row reports it."""
 
-    ``seconds`` in a row is training time: evaluation time is left out, so time-to-accuracy
-    compares the gradient exchanges, not how often the test set was scored.
-    """
-    import numpy as np
-    import torch
+    step_losses: list = field(default_factory=list)
+    reported: int = 0   # each row carries the losses of the steps since the one before
+    trained: float = 0.0
+    comm: float = 0.0
+    exposed: float = 0.0
+    longest: float = 0.0
+
+
+def _wrap(args, model):
+    """(DDP wrapper, THC or baseline hook, aggregator client) of ``args.mode``."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    ds = datasets.load(args.data, args.seed, settings.current())
-    xtr, ytr, xte, yte = _tensors(ds, args.train_subset)
-    model = make_model(xtr.shape[-1], args.width, ds.classes)
-    n_params = sum(p.numel() for p in model.parameters())
-    check_flags_agree(args, {"stop_at given": args.stop_at is not None, "dataset": ds.name,
-                             "train_images": len(ytr), "params": n_params,
-                             "optimizer": optimizer_settings(args)}, job_mismatch(args))
     # the digits CNN's first weight has one input channel: its gradient's strides differ
     # from the parameter's only along that size-1 dimension (the same layout in memory);
     # DDP's warning about it would fill the stderr tail a failing run's error quotes
@@ -348,6 +348,49 @@ def _train_model(args) -> list[dict]:
     elif args.mode != "fp32":
         hook, client = _hook(args, model, ddp)
         hook.register(ddp)
+    return ddp, hook, client
+
+
+def _row(args, epoch: float, acc: float, alike: bool, tally: _Tally, hook, client,
+         n_params: int, steps: int) -> dict:
+    """One evaluation row; ``bytes_sent`` from the hook, or DDP's ring all-reduce's (4
+    bytes a coordinate, 2 in fp16)."""
+    n = len(tally.step_losses)
+    if hook is None:
+        width = 2 if args.mode == "fp16" else 4
+        sent = 2 * (args.world - 1) * n_params * width * n // args.world
+    else:
+        sent = hook.bytes_sent
+    row = {"mode": args.mode, "rank": args.rank, "epoch": epoch, "accuracy": acc,
+           "loss": tally.step_losses[-1], "seconds": tally.trained, "bytes_sent": int(sent),
+           "params": n_params, "steps_per_epoch": steps, "steps": n, "replicas_agree": alike,
+           "comm_seconds": tally.comm, "exposed_comm_seconds": tally.exposed,
+           "codec_seconds": getattr(hook, "codec_seconds", None),
+           "short_chunks": getattr(hook, "short_chunks", None),
+           # the aggregator client's counters: resends, spurious timeouts, ...
+           "transport": vars(client.stats).copy() if client else None,
+           "step_losses": tally.step_losses[tally.reported:]}
+    tally.reported = n
+    return row
+
+
+def _train_model(args) -> list[dict]:
+    """The training loop of :func:`train`, whose DDP wrapper ends with it.
+
+    ``seconds`` in a row is training time: evaluation time is left out, so time-to-accuracy
+    compares the gradient exchanges, not how often the test set was scored.
+    """
+    import numpy as np
+    import torch
+
+    ds = datasets.load(args.data, args.seed, settings.current())
+    xtr, ytr, xte, yte = _tensors(ds, args.train_subset)
+    model = make_model(xtr.shape[-1], args.width, ds.classes)
+    n_params = sum(p.numel() for p in model.parameters())
+    check_flags_agree(args, {"stop_at given": args.stop_at is not None, "dataset": ds.name,
+                             "train_images": len(ytr), "params": n_params,
+                             "optimizer": optimizer_settings(args)}, job_mismatch(args))
+    ddp, hook, client = _wrap(args, model)
     say = print if args.rank == 0 else (lambda *a, **k: None)
     lr, momentum = optimizer_settings(args)
     say(json.dumps({"dataset": ds.name, "note": ds.note, "train_images": len(ytr),
@@ -364,16 +407,13 @@ def _train_model(args) -> list[dict]:
     eval_at = {round(steps * (k + 1) / args.evals) for k in range(args.evals)}
     progress_every = max(1, steps // 50)
     history = []
-    step_losses: list[float] = []
-    reported = 0  # each evaluation row carries the losses of the steps since the one before
-    trained = 0.0
-    last = False
-    comm = exposed = longest = 0.0
+    tally = _Tally()
+    losses = tally.step_losses
     for epoch in range(1, args.epochs + 1):
         perm = torch.from_numpy(np.random.default_rng([args.seed, epoch]).permutation(len(ytr)))
         for s in range(1, steps + 1):
-            if args.max_steps is not None and len(step_losses) >= args.max_steps:
-                break
+            if args.max_steps is not None and len(losses) >= args.max_steps:
+                return history
             t0 = time.perf_counter()
             ddp.train()
             idx = rank_batch(perm, s, args.rank, args.batch, args.world)
@@ -381,50 +421,31 @@ def _train_model(args) -> list[dict]:
             loss = loss_fn(ddp(xtr[idx]), ytr[idx])
             loss.backward()
             opt.step()
-            step_losses.append(loss.item())
+            losses.append(loss.item())
             # the stop's agreement waits for the slowest rank: timed with the step, as the
             # wait it takes over from the next step's collectives would have been
-            last = ((args.max_steps is not None and len(step_losses) >= args.max_steps)
-                    or _out_of_time(args.stop_at, max(longest, time.perf_counter() - t0)))
+            last = ((args.max_steps is not None and len(losses) >= args.max_steps)
+                    or _out_of_time(args.stop_at, max(tally.longest, time.perf_counter() - t0)))
             took = time.perf_counter() - t0
-            trained += took
-            longest = max(longest, took)
+            tally.trained += took
+            tally.longest = max(tally.longest, took)
             if hook is not None:
                 br = hook.step_breakdown()
-                comm, exposed = comm + br.comm, exposed + br.exposed
+                tally.comm, tally.exposed = tally.comm + br.comm, tally.exposed + br.exposed
             if s % progress_every == 0:
-                say(json.dumps({"progress": len(step_losses), "of": steps * args.epochs,
-                                "seconds": trained}), flush=True)
+                say(json.dumps({"progress": len(losses), "of": steps * args.epochs,
+                                "seconds": tally.trained}), flush=True)
             if s not in eval_at and not last:
                 continue
             if last:   # thc run takes a limit reached after this for a slow evaluation
-                say(json.dumps({"final_evaluation": len(step_losses)}), flush=True)
+                say(json.dumps({"final_evaluation": len(losses)}), flush=True)
             ddp.eval()
-            acc = _accuracy(model, xte, yte)
-            alike = replicas_agree(model)
-            if hook is None:  # DDP's ring all-reduce: 4 bytes a coordinate, 2 in fp16
-                width = 2 if args.mode == "fp16" else 4
-                sent = 2 * (args.world - 1) * n_params * width * len(step_losses) // args.world
-            else:
-                sent = hook.bytes_sent
-            n = len(step_losses)
-            row = {"mode": args.mode, "rank": args.rank, "epoch": epoch - 1 + s / steps,
-                   "accuracy": acc, "loss": step_losses[-1], "seconds": trained,
-                   "bytes_sent": int(sent), "params": n_params, "steps_per_epoch": steps,
-                   "steps": n, "replicas_agree": alike,
-                   "comm_seconds": comm, "exposed_comm_seconds": exposed,
-                   "codec_seconds": getattr(hook, "codec_seconds", None),
-                   "short_chunks": getattr(hook, "short_chunks", None),
-                   # the aggregator client's counters: resends, spurious timeouts, ...
-                   "transport": vars(client.stats).copy() if client else None,
-                   "step_losses": step_losses[reported:]}
-            reported = n
+            row = _row(args, epoch - 1 + s / steps, _accuracy(model, xte, yte),
+                       replicas_agree(model), tally, hook, client, n_params, steps)
             history.append(row)
             say(json.dumps(row), flush=True)
             if last:
-                break
-        if last:
-            break
+                return history
     return history
 
 
