@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from thc.app.perfmodel import Setup, break_even_gbps, iteration_s, ring_allreduce_s
+from thc.app.perfmodel import (MODE_SCHEME, Setup, break_even_gbps, iteration_s,
+                               ring_allreduce_s)
 
 
 def test_ring_cost_formula():
@@ -180,15 +181,14 @@ def test_software_aggregator_rate_and_its_link_bound_a_round():
     assert iteration_s(thin)["thc_switch"] > 3 * iteration_s(fast)["thc_switch"]
 
 
-def test_dlcp_loss_bound_saves_the_retransmissions_and_the_timeout():
+def test_loss_costs_resent_bytes_and_a_timeout_a_round():
     s = Setup(params=1e6, workers=4, bandwidth_gbps=0.1, latency_us=0.0, compute_s=0.0)
     clean = iteration_s(s)
-    lossy = iteration_s(Setup(**{**s.__dict__, "loss": 0.02, "loss_bound": 0.05}))
-    assert clean["thc_switch_dlcp"] == pytest.approx(clean["thc_switch"])
-    assert lossy["thc_switch"] > lossy["thc_switch_dlcp"] + 0.9 * s.rto_s
-    assert lossy["thc_switch_dlcp"] == pytest.approx(clean["thc_switch"])
-    tight = iteration_s(Setup(**{**s.__dict__, "loss": 0.02, "loss_bound": 0.01}))
-    assert lossy["thc_switch_dlcp"] < tight["thc_switch_dlcp"] < lossy["thc_switch"]
+    lossy = iteration_s(Setup(**{**s.__dict__, "loss": 0.02}))
+    assert lossy["thc_switch"] > clean["thc_switch"] / 0.98 + 0.9 * s.rto_s
+    # a loss bound changes what a timed-out chunk sends, not when (host/net/pywindow.py):
+    # the main job's bound modes are charged as THC is
+    assert MODE_SCHEME["thc-lossy"] == MODE_SCHEME["thc-dlcp"] == "thc_switch"
     # each bucket is a round of its own, each waiting out a timeout for its last lost chunk
     for buckets in (1, 3):
         b = Setup(**{**s.__dict__, "loss": 0.02, "buckets": buckets})

@@ -37,6 +37,10 @@ def _inline(fn, *args) -> Future:
     return fut
 
 
+class _HandedOn(Exception):
+    """A round whose failed encode every worker hands on as NaN (``nonfinite="propagate"``)."""
+
+
 @dataclass
 class RoundStats:
     calls: int = 0
@@ -344,10 +348,9 @@ class THCAllReduce:
         zeros = torch.zeros(count, dtype=torch.uint8, device=y.device)
         self.transport.sum(zeros, count, self.params)
 
-    def _round(self, tensor: torch.Tensor, position, refusal=None) -> torch.Tensor:
-        """``refusal``: input refused; its round still goes out, marked, so peers refuse it."""
-        secs = self.stats.seconds
-        t0 = time.perf_counter()
+    def _checked(self, tensor: torch.Tensor, position, refusal=None):
+        """(flat input, checked positions, refusal): a refused input's round still goes out,
+        from a stand-in of its length, marked, so that its peers refuse it too."""
         try:
             if refusal is not None:
                 raise refusal
@@ -358,16 +361,20 @@ class THCAllReduce:
             check_generator(self.generator, flat)   # in encode, after the MAX round: too late
             if position is not None:
                 position = check_positions(position, flat.numel())
+            return flat, position, None
         except Exception as e:  # noqa: BLE001 - torch.as_tensor raises RuntimeError too
-            refusal = e
             try:   # the stand-in of its marked round
-                flat = agreement.stand_in(tensor.numel, tensor.device)
+                return agreement.stand_in(tensor.numel, tensor.device), position, e
             except BaseException as lost:   # Ctrl-C: its peers wait in the round
                 agreement.owed(self.transport, self.round, "marked round", lost)
                 raise
-            if flat.numel() == 0:   # too large to hold: the empty tensor's round
-                return self._call(flat, position, refusal)
-        slice_size = self.params.slice_size
+
+    def _round(self, tensor: torch.Tensor, position, refusal=None) -> torch.Tensor:
+        """``refusal``: input refused; its round still goes out, marked, so peers refuse it."""
+        t0 = time.perf_counter()
+        flat, position, refusal = self._checked(tensor, position, refusal)
+        if refusal is not None and flat.numel() == 0:   # too large to hold: the empty round
+            return self._call(flat, position, refusal)
         # a GPU tensor whose sums the transport adds in stream order gains nothing from
         # pieces: every step queues on the device anyway, and each piece costs host time
         whole = getattr(self.transport, "stream_ordered", False)
@@ -392,44 +399,64 @@ class THCAllReduce:
         if preps is None:
             return self._overflow(tensor)
         self._open = True   # until the round's end, or a refusal every worker reaches
-        secs["norms"] += time.perf_counter() - t0
+        self.stats.seconds["norms"] += time.perf_counter() - t0
         slice_cls = (None if position is None or self.transport.lanes is None else
                      self._classes(position, max_norms, flat.numel()))
+        try:
+            est, own = self._exchange(flat, pieces, preps, max_norms, tags, rnd, whole,
+                                      slice_cls)
+        except _HandedOn:
+            return self._overflow(tensor)
+        return self._finish(tensor, flat, y, est, own, max_norms, tags, whole)
+
+    def _encode_piece(self, prep, norms) -> torch.Tensor:
+        """One piece's wire form, from its prepare and its slices' max norms."""
+        t = time.perf_counter()
+        wire = self.codec.encode_prepared(prep, norms, self.generator, self.transport.packed)
+        self.stats.seconds["encode"] += time.perf_counter() - t
+        return wire
+
+    def _decode_piece(self, est, own, a: int, b: int, sums, wire, short, norms,
+                      rnd: int) -> None:
+        """Elements ``a:b`` of the estimate (and of this worker's own decode, for the
+        residual) from one piece's sums; ``short``: the chunks a loss bound closed short."""
+        secs = self.stats.seconds
+        t = time.perf_counter()
+        idx = wire
+        if self.transport.packed and own is not None:
+            idx = self.codec.unpack(wire, self.codec.layout(b - a).total_padded)
+        if short is not None:
+            est[a:b], own_ab = self._short_decode(sums, short, idx, norms, b - a, rnd)
+            if own is not None:
+                own[a:b] = own_ab
+            secs["decode"] += time.perf_counter() - t
+            return
+        est[a:b] = self.codec.decode(sums, self.n_workers, norms, b - a, rnd)
+        secs["decode"] += time.perf_counter() - t
+        if own is not None:
+            t = time.perf_counter()
+            own[a:b] = self.codec.decode_own(idx, norms, b - a, rnd)
+            secs["feedback"] += time.perf_counter() - t
+
+    def _exchange(self, flat, pieces, preps, max_norms, tags, rnd: int, whole: bool,
+                  slice_cls):
+        """(estimate, own decode or None): each piece encoded, summed and decoded, the next
+        piece's encode and the last one's decode on the codec thread while a sum is out.
+        Raises :class:`_HandedOn` where a failed encode's round is handed on as NaN."""
+        slice_size = self.params.slice_size
         norms_of = lambda a, b: max_norms[a // slice_size: -(-b // slice_size)]  # noqa: E731
         est = torch.empty_like(flat, dtype=torch.float32)
         own = torch.empty_like(flat, dtype=torch.float32) if self.feedback else None
-        packed = self.transport.packed
         lanes = self.transport.lanes
         if self._pool is None and len(pieces) > 1:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="thc-codec")
         submit = self._pool.submit if len(pieces) > 1 else _inline
 
         def encode(k):
-            t = time.perf_counter()
             a, b = pieces[k]
-            wire = self.codec.encode_prepared(preps[k], norms_of(a, b), self.generator, packed)
+            wire = self._encode_piece(preps[k], norms_of(a, b))
             preps[k] = None
-            secs["encode"] += time.perf_counter() - t
             return wire
-
-        def decode(a, b, sums, wire, short):
-            t = time.perf_counter()
-            idx = wire
-            if packed and own is not None:
-                idx = self.codec.unpack(wire, self.codec.layout(b - a).total_padded)
-            if short is not None:
-                est[a:b], own_ab = self._short_decode(sums, short, idx, norms_of(a, b), b - a,
-                                                      rnd)
-                if own is not None:
-                    own[a:b] = own_ab
-                secs["decode"] += time.perf_counter() - t
-                return
-            est[a:b] = self.codec.decode(sums, self.n_workers, norms_of(a, b), b - a, rnd)
-            secs["decode"] += time.perf_counter() - t
-            if own is not None:
-                t = time.perf_counter()
-                own[a:b] = self.codec.decode_own(idx, norms_of(a, b), b - a, rnd)
-                secs["feedback"] += time.perf_counter() - t
 
         next_wire = submit(encode, 0)
         decodes = []
@@ -439,10 +466,10 @@ class THCAllReduce:
             except Exception:
                 over = whole and self._overflowed(max_norms, tags)
                 if whole and (over or agreement.first_marked(max_norms) is not None):
-                    self._join_sum(y, pieces)   # every peer refuses this round: let them end
+                    self._join_sum(flat, pieces)   # every peer refuses this round: let them end
                     self._open = False
                     if over:
-                        return self._overflow(tensor)
+                        raise _HandedOn from None
                 raise
             if k + 1 < len(pieces):
                 next_wire = submit(encode, k + 1)
@@ -454,8 +481,9 @@ class THCAllReduce:
                 classes = slice_cls[lane_slice]
             t = time.perf_counter()
             sums, short = self.transport.sum(wire, count, self.params, classes)
-            secs["sum"] += time.perf_counter() - t
-            decodes.append(submit(decode, a, b, sums, wire, short))
+            self.stats.seconds["sum"] += time.perf_counter() - t
+            decodes.append(submit(self._decode_piece, est, own, a, b, sums, wire, short,
+                                  norms_of(a, b), rnd))
         self._summed = True   # every sum of this worker's went out and came back
         try:
             for f in decodes:
@@ -465,7 +493,12 @@ class THCAllReduce:
             # the same sums and refuses them alike
             self._open = False
             raise
-        self._open = False   # the checks' refusals: every worker reaches them alike
+        return est, own
+
+    def _finish(self, tensor, flat, y, est, own, max_norms, tags, whole: bool):
+        """The round's deferred checks (every worker reaches their refusals alike), then the
+        residual and the estimate in the input's dtype."""
+        self._open = False
         try:
             self.codec.check()
             if whole:
