@@ -452,7 +452,12 @@ class Switch:
                               f"{e}") from None
 
     def set_multicast_group(self, group: int, replicas: Iterable[tuple[int, int]]) -> None:
-        """Create or replace a multicast group (``shell.MulticastGroupEntry``)."""
+        """Create or replace a multicast group (``shell.MulticastGroupEntry``).
+
+        A group P4Runtime does not know is first inserted empty and deleted: BMv2 keeps a
+        group's replicas across a pipeline push, where P4Runtime forgets the group, and an
+        insert then adds to the replicas it kept (the results of a job re-installed after a
+        push went out of its old workers' ports too)."""
         import grpc
         from p4runtime_sh import shell as sh
         from p4runtime_sh.p4runtime import P4RuntimeWriteException
@@ -464,6 +469,8 @@ class Switch:
             if group in self.multicast_groups():
                 entry.modify()
             else:
+                sh.MulticastGroupEntry(group).insert()
+                sh.MulticastGroupEntry(group).delete()
                 entry.insert()
         except (P4RuntimeWriteException, grpc.RpcError) as e:   # the latter: the deadline
             raise SwitchError(f"multicast group {group}: {_why(e)}") from None

@@ -352,3 +352,57 @@ def test_a_session_whose_switch_restarted_writes_nothing_into_the_new_one():
     assert "PERMISSION_DENIED" in out.get("fenced", ""), out
     assert out["groups"] == "[]", out
     assert "another controller is primary" in out.get("second", ""), out
+
+
+_PUSHED_UNDER_A_GROUP = """
+import json, time
+import numpy as np
+from thc.controller import jobs
+from thc.controller.frames import udp_frame
+from thc.controller.switch import Switch
+from thc.controller.testing.bmv2 import LocalBMv2
+from thc.wire import protocol as P
+from thc.wire.jobs import SWITCH_AGG_IP, SWITCH_AGG_MAC, Cluster, Job, Worker
+from tests.bmv2.packets import data
+
+def job(ports):
+    ws = tuple(Worker(i, f"10.0.1.{i + 1}", 20000 + i, f"02:00:00:00:01:{i + 1:02x}", p)
+               for i, p in enumerate(ports))
+    return Job(job_id=1, workers=ws, table=tuple(range(0, 31, 2)), granularity=30,
+               pool_size=4, lanes=256).validate()
+
+def cluster(j):
+    return Cluster(jobs=(j,), agg_ip=SWITCH_AGG_IP, agg_mac=SWITCH_AGG_MAC)
+
+with LocalBMv2(4, tag="tpm") as lb:
+    jobs.install_cluster(lb.sw, cluster(job([0, 1])))
+    lb.sw.close()
+    lb.sw = Switch(lb.grpc_addr, timeout=10.0).connect(program="thc")
+    moved = job([2, 3])
+    jobs.install_cluster(lb.sw, cluster(moved))
+    before = [lb.rx_packets(p) for p in range(4)]
+    for seq in range(20):
+        for w in moved.workers:
+            lb.send(w.switch_port, udp_frame(
+                w.mac, SWITCH_AGG_MAC, w.ip, SWITCH_AGG_IP, w.port, P.UDP_PORT,
+                data(moved, w.id, seq, np.zeros(moved.lanes, np.uint8)), checksum=True))
+    end = time.monotonic() + 20
+    while time.monotonic() < end and min(lb.rx_packets(p) - before[p] for p in (2, 3)) < 20:
+        time.sleep(0.05)
+    time.sleep(0.3)
+    print(json.dumps([lb.rx_packets(p) - before[p] for p in range(4)]))
+"""
+
+
+@pytest.mark.skipif(toolchain.bmv2_missing() is not None, reason=f"{toolchain.bmv2_missing()}")
+def test_a_job_installed_after_a_push_multicasts_to_its_own_workers_only():
+    """BMv2 keeps a multicast group's replicas across a push, where P4Runtime forgets the
+    group: a job re-installed after it, its workers on other ports, must not have its
+    results go out of its old workers' ports too. One P4Runtime session a process: the
+    switch runs in its own."""
+    import json
+    r = subprocess.run([sys.executable, "-c", _PUSHED_UNDER_A_GROUP],
+                       capture_output=True, text=True, timeout=180)
+    assert r.returncode == 0, r.stderr
+    frames = json.loads(r.stdout.strip().splitlines()[-1])
+    assert frames[2] == frames[3] == 20 and frames[0] == frames[1] == 0, frames
