@@ -204,6 +204,10 @@ def open_session(grpc_addr: str, device_id: int, election_id: tuple[int, int] | 
                 f"that only reads, such as jobs or counters, may pass another "
                 f"--election-id: two that write at once can interleave their changes)"
                 ) from None
+        if pipeline and "not primary" in reason.lower():
+            raise SessionError(
+                f"another controller is primary on {grpc_addr}, so this one cannot push a "
+                f"program (the server: {reason}); wait for it to finish") from None
         what = "pushing the pipeline" if pipeline else "reading the P4Info"
         raise SessionError(
             f"P4Runtime session with device {device_id} at {grpc_addr} failed (arbitration "

@@ -22,7 +22,9 @@ FAST_RETRANSMIT_AFTER = 3
 
 DEFAULT_MAX_TIMEOUT = 0.5
 """Seconds: a client's default cap on a chunk's backoff, the longest a waiting worker goes
-between retransmissions."""
+between retransmissions. The controller's live check watches a job for two of these and a
+margin (controller/jobs.py, ``LIVE_WINDOW``): a worker given a longer cap may look idle to it
+while it waits, and its job be changed under it without ``--force``."""
 
 FAST_BACKOFF_CAP = 4
 """RTOs: the backoff cap of the window's head and of chunks found lost."""

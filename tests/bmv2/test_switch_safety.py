@@ -406,3 +406,40 @@ def test_a_job_installed_after_a_push_multicasts_to_its_own_workers_only():
     assert r.returncode == 0, r.stderr
     frames = json.loads(r.stdout.strip().splitlines()[-1])
     assert frames[2] == frames[3] == 20 and frames[0] == frames[1] == 0, frames
+
+
+_L2_COUNTERS = """
+import json, subprocess, sys
+from thc.controller.testing.bmv2 import LocalBMv2
+
+with LocalBMv2(2, program="l2", tag="tlc") as lb:
+    r = subprocess.run([sys.executable, "-m", "thc.cli", "controller", "--grpc-addr",
+                        lb.grpc_addr, "counters", "--json"], capture_output=True, text=True,
+                       timeout=60)
+    print(json.dumps([r.returncode, r.stdout, r.stderr]))
+"""
+
+
+@pytest.mark.skipif(toolchain.bmv2_missing("l2") is not None,
+                    reason=f"{toolchain.bmv2_missing('l2')}")
+def test_counters_read_the_l2_program():
+    """`thc bench switch`'s baseline runs the l2 program, whose one counter is l2_misses:
+    `counters` reads it there, with no THC table to list jobs from."""
+    import json
+    r = subprocess.run([sys.executable, "-c", _L2_COUNTERS], capture_output=True, text=True,
+                       timeout=180)
+    assert r.returncode == 0, r.stderr
+    code, out, err = json.loads(r.stdout.strip().splitlines()[-1])
+    assert code == 0, err
+    assert json.loads(out) == {"l2_misses": 0}
+
+
+def test_a_push_while_another_controller_writes_names_it(bmv2):
+    """The harness's session is a writer that opened first, so it stays primary: a push
+    from another process is refused by the switch, and says so."""
+    r = subprocess.run([sys.executable, "-m", "thc.cli", "controller", "--grpc-addr",
+                        bmv2.switch.grpc_addr, "push", "--force"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1
+    assert "another controller is primary" in r.stderr, r.stderr
+    assert installed.installed_jobs(bmv2.sw) is not None   # the harness's session goes on
