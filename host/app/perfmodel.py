@@ -31,7 +31,9 @@ bucket (``buckets``: DDP's 1 MB first bucket, then 25 MB ones). Schemes:
   priority queues under congestion (docs/results.md), which the model leaves out.
 
 Compression pays only when the communication it saves is not hidden behind compute and
-exceeds its own encode/decode cost.
+exceeds its own encode/decode cost. Only THC's and FP16's rows carry that cost: TopK's
+selection and Marsit's sign packing are left out, so their rows are lower bounds (and a
+Marsit run that fits alpha carries its own CPU time into it).
 
 ``thc model --calibrate A.json [B.json ...]`` feeds the model what main jobs measured (their
 compute per step, the codec seconds the hooks really spent, the link bandwidth) and two
@@ -77,7 +79,8 @@ class Setup:
     codec_mbps: float = 1000.0
     """THC encode + decode throughput per worker (MB of float32 per second): the compiled CPU
     codec on one core, 1.00-1.16 GB/s on the 2-core VM (`thc bench codec --sizes 24`, the
-    README's figure)."""
+    README's figure). Error feedback's decode of the worker's own indices (training's
+    default) is not in it: calibrated from a main job, the hooks' own codec seconds are."""
     fp16_mbps: float = float("inf")
     """FP16's cast down and back, MB of float32 per second (`thc bench codec`'s fp16 round
     trip); inf leaves it out."""
