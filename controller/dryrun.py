@@ -89,7 +89,7 @@ class DryRunSwitch(Switch):
 
     def set_multicast_group(self, group: int, replicas: Iterable[tuple[int, int]]) -> None:
         """One line: the empty insert and delete that :meth:`Switch.set_multicast_group`
-        puts before a new group's insert change nothing on a fresh switch."""
+        puts before a new group's insert on BMv2 change nothing on a fresh switch."""
         shown = " ".join(f"(port {p}, instance {i})" for p, i in sorted(replicas))
         self._emit(f"INSERT multicast group {group}: {shown}")
 

@@ -454,10 +454,12 @@ class Switch:
     def set_multicast_group(self, group: int, replicas: Iterable[tuple[int, int]]) -> None:
         """Create or replace a multicast group (``shell.MulticastGroupEntry``).
 
-        A group P4Runtime does not know is first inserted empty and deleted: BMv2 keeps a
-        group's replicas across a pipeline push, where P4Runtime forgets the group, and an
-        insert then adds to the replicas it kept (the results of a job re-installed after a
-        push went out of its old workers' ports too)."""
+        On a target that keeps a group's replicas across a pipeline push, where P4Runtime
+        forgets the group (BMv2: an insert then adds to the replicas it kept, and a job
+        re-installed after a push had its results go out of its old workers' ports too), a
+        group P4Runtime does not know is first inserted empty and deleted, which clears
+        them. A group P4Runtime holds empty is such a clearing cut short: deleted, then
+        cleared the same way (a modify would keep what the engine kept)."""
         import grpc
         from p4runtime_sh import shell as sh
         from p4runtime_sh.p4runtime import P4RuntimeWriteException
@@ -465,13 +467,18 @@ class Switch:
         entry = sh.MulticastGroupEntry(group)
         for port, instance in replicas:
             entry.add(port, instance)
+        clear = self.target is not None and self.target.keeps_groups_across_push
         try:
-            if group in self.multicast_groups():
+            held = self.multicast_groups()
+            if held.get(group) or (group in held and not clear):
                 entry.modify()
-            else:
+                return
+            if clear:
+                if group in held:
+                    sh.MulticastGroupEntry(group).delete()
                 sh.MulticastGroupEntry(group).insert()
                 sh.MulticastGroupEntry(group).delete()
-                entry.insert()
+            entry.insert()
         except (P4RuntimeWriteException, grpc.RpcError) as e:   # the latter: the deadline
             raise SwitchError(f"multicast group {group}: {_why(e)}") from None
 

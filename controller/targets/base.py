@@ -29,6 +29,9 @@ class Target(ABC):
     """The port packet-outs enter by: no worker sits there."""
     max_mcast_group = (1 << 16) - 1
     """The largest multicast group id the target's replication engine takes."""
+    keeps_groups_across_push = False
+    """Whether the replication engine keeps a multicast group's replicas across a pipeline
+    push, where P4Runtime forgets the group (controller/switch.py ``set_multicast_group``)."""
 
     @property
     def p4info_file(self) -> Path:

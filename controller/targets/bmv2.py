@@ -55,6 +55,7 @@ class Bmv2(Target):
     name = "bmv2"
     max_mcast_group = (1 << 15) - 1
     """BMv2's pre refuses ids from 32768 ("Group id value is too high")."""
+    keeps_groups_across_push = True
     program = "thc"
     build_dir = BUILD_DIR
     lut_table = LUT_TABLE

@@ -357,6 +357,7 @@ def test_a_session_whose_switch_restarted_writes_nothing_into_the_new_one():
 _PUSHED_UNDER_A_GROUP = """
 import json, time
 import numpy as np
+from p4runtime_sh import shell as sh
 from thc.controller import jobs
 from thc.controller.frames import udp_frame
 from thc.controller.switch import Switch
@@ -371,26 +372,36 @@ def job(ports):
     return Job(job_id=1, workers=ws, table=tuple(range(0, 31, 2)), granularity=30,
                pool_size=4, lanes=256).validate()
 
-def cluster(j):
-    return Cluster(jobs=(j,), agg_ip=SWITCH_AGG_IP, agg_mac=SWITCH_AGG_MAC)
+def install(lb, j, push, cut_short=False):
+    if push:
+        lb.sw.close()
+        lb.sw = Switch(lb.grpc_addr, timeout=10.0).connect(program="thc")
+        if cut_short:   # a clearing whose process died after its empty insert
+            sh.MulticastGroupEntry(1).insert()
+    jobs.install_cluster(lb.sw, Cluster(jobs=(j,), agg_ip=SWITCH_AGG_IP,
+                                        agg_mac=SWITCH_AGG_MAC))
 
-with LocalBMv2(4, tag="tpm") as lb:
-    jobs.install_cluster(lb.sw, cluster(job([0, 1])))
-    lb.sw.close()
-    lb.sw = Switch(lb.grpc_addr, timeout=10.0).connect(program="thc")
-    moved = job([2, 3])
-    jobs.install_cluster(lb.sw, cluster(moved))
+def frames_out(lb, j, base):
     before = [lb.rx_packets(p) for p in range(4)]
-    for seq in range(20):
-        for w in moved.workers:
+    for seq in range(base, base + 20):
+        for w in j.workers:
             lb.send(w.switch_port, udp_frame(
                 w.mac, SWITCH_AGG_MAC, w.ip, SWITCH_AGG_IP, w.port, P.UDP_PORT,
-                data(moved, w.id, seq, np.zeros(moved.lanes, np.uint8)), checksum=True))
+                data(j, w.id, seq, np.zeros(j.lanes, np.uint8)), checksum=True))
+    ports = [w.switch_port for w in j.workers]
     end = time.monotonic() + 20
-    while time.monotonic() < end and min(lb.rx_packets(p) - before[p] for p in (2, 3)) < 20:
+    while time.monotonic() < end and min(lb.rx_packets(p) - before[p] for p in ports) < 20:
         time.sleep(0.05)
     time.sleep(0.3)
-    print(json.dumps([lb.rx_packets(p) - before[p] for p in range(4)]))
+    return [lb.rx_packets(p) - before[p] for p in range(4)]
+
+out = {}
+with LocalBMv2(4, tag="tpm") as lb:
+    for case, cut_short in (("push", False), ("cut short", True)):
+        install(lb, job([0, 1]), push=True)
+        install(lb, job([2, 3]), push=True, cut_short=cut_short)
+        out[case] = frames_out(lb, job([2, 3]), 0)
+print(json.dumps(out))
 """
 
 
@@ -398,14 +409,15 @@ with LocalBMv2(4, tag="tpm") as lb:
 def test_a_job_installed_after_a_push_multicasts_to_its_own_workers_only():
     """BMv2 keeps a multicast group's replicas across a push, where P4Runtime forgets the
     group: a job re-installed after it, its workers on other ports, must not have its
-    results go out of its old workers' ports too. One P4Runtime session a process: the
-    switch runs in its own."""
+    results go out of its old workers' ports too, nor after a clearing of the group that
+    stopped after its empty insert. One P4Runtime session a process: the switch runs in its
+    own."""
     import json
     r = subprocess.run([sys.executable, "-c", _PUSHED_UNDER_A_GROUP],
                        capture_output=True, text=True, timeout=180)
     assert r.returncode == 0, r.stderr
     frames = json.loads(r.stdout.strip().splitlines()[-1])
-    assert frames[2] == frames[3] == 20 and frames[0] == frames[1] == 0, frames
+    assert frames == {"push": [0, 0, 20, 20], "cut short": [0, 0, 20, 20]}, frames
 
 
 _L2_COUNTERS = """
@@ -434,12 +446,36 @@ def test_counters_read_the_l2_program():
     assert json.loads(out) == {"l2_misses": 0}
 
 
-def test_a_push_while_another_controller_writes_names_it(bmv2):
-    """The harness's session is a writer that opened first, so it stays primary: a push
-    from another process is refused by the switch, and says so."""
+_PUSH_UNDER_A_WRITER = """
+import json, subprocess, sys
+from thc.controller import installed, jobs
+from thc.controller.testing.bmv2 import LocalBMv2
+from thc.wire.jobs import SWITCH_AGG_IP, SWITCH_AGG_MAC, Cluster, Job, Worker
+
+ws = tuple(Worker(i, f"10.0.1.{i + 1}", 20000 + i, f"02:00:00:00:01:{i + 1:02x}", i)
+           for i in range(2))
+job = Job(job_id=3, workers=ws, table=tuple(range(0, 31, 2)), granularity=30, pool_size=4,
+          lanes=256).validate()
+with LocalBMv2(2, tag="tpw") as lb:
+    jobs.install_cluster(lb.sw, Cluster(jobs=(job,), agg_ip=SWITCH_AGG_IP,
+                                        agg_mac=SWITCH_AGG_MAC))
+    before = installed.installed_jobs(lb.sw)
     r = subprocess.run([sys.executable, "-m", "thc.cli", "controller", "--grpc-addr",
-                        bmv2.switch.grpc_addr, "push", "--force"],
-                       capture_output=True, text=True, timeout=60)
-    assert r.returncode == 1
-    assert "another controller is primary" in r.stderr, r.stderr
-    assert installed.installed_jobs(bmv2.sw) is not None   # the harness's session goes on
+                        lb.grpc_addr, "push", "--force"], capture_output=True, text=True,
+                       timeout=60)
+    print(json.dumps([r.returncode, r.stderr, installed.installed_jobs(lb.sw) == before,
+                      sorted(before)]))
+"""
+
+
+@pytest.mark.skipif(toolchain.bmv2_missing() is not None, reason=f"{toolchain.bmv2_missing()}")
+def test_a_push_while_another_controller_writes_names_it():
+    """A writer that opened first stays primary: a push from another process is refused
+    by the switch, says so, and leaves the writer's job as it was."""
+    import json
+    r = subprocess.run([sys.executable, "-c", _PUSH_UNDER_A_WRITER], capture_output=True,
+                       text=True, timeout=180)
+    assert r.returncode == 0, r.stderr
+    code, err, unchanged, held = json.loads(r.stdout.strip().splitlines()[-1])
+    assert code == 1 and "another controller is primary" in err, err
+    assert unchanged and held == [3], (unchanged, held)
