@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from thc.app.perfmodel import (MODE_SCHEME, Setup, break_even_gbps, iteration_s,
+from thc.app.perfmodel import (Setup, break_even_gbps, iteration_s, report_setup,
                                ring_allreduce_s)
 
 
@@ -187,8 +187,16 @@ def test_loss_costs_resent_bytes_and_a_timeout_a_round():
     lossy = iteration_s(Setup(**{**s.__dict__, "loss": 0.02}))
     assert lossy["thc_switch"] > clean["thc_switch"] / 0.98 + 0.9 * s.rto_s
     # a loss bound changes what a timed-out chunk sends, not when (host/net/pywindow.py):
-    # the main job's bound modes are charged as THC is
-    assert MODE_SCHEME["thc-lossy"] == MODE_SCHEME["thc-dlcp"] == "thc_switch"
+    # a main job run with one pays the timeouts as THC does
+    from thc.app.breakeven import predicted_s
+    report = json.loads((RUNS / "mainjob-mininet-100mbit-40steps.json").read_text())
+    clean = report_setup(report, 86e3)
+    report["args"].update(loss=2.0, loss_bound=0.05)
+    lossy_setup = report_setup(report, 86e3)
+    for mode in ("thc-lossy", "thc-dlcp"):
+        waits = predicted_s(lossy_setup, mode, 100) - predicted_s(clean, mode, 100)
+        assert waits > 0.9 * clean.buckets * clean.rto_s
+        assert predicted_s(lossy_setup, mode, 100) == predicted_s(lossy_setup, "thc-central", 100)
     # each bucket is a round of its own, each waiting out a timeout for its last lost chunk
     for buckets in (1, 3):
         b = Setup(**{**s.__dict__, "loss": 0.02, "buckets": buckets})
