@@ -256,6 +256,84 @@ def _rows(stdout: str) -> tuple[dict, list[dict]]:
     return info, rows
 
 
+def _argv(args, mode: Mode, tb, cfg, bound, stop_at: float, rank: int) -> list[str]:
+    """A worker's command line (thc.app.train)."""
+    a = [sys.executable, "-m", "thc.app.train", "--mode", mode.train_mode,
+         "--rank", str(rank), "--world", str(args.workers),
+         "--rendezvous", f"{tb.master_addr[0]}:{tb.master_addr[1]}",
+         "--epochs", str(args.epochs), "--batch", str(args.batch),
+         "--evals", str(args.evals), "--data", args.data, "--config", str(cfg)]
+    if args.width:
+        a += ["--width", str(args.width)]
+    if args.train_subset or args.quick:
+        a += ["--train-subset", str(args.train_subset or 8192)]
+    if tb.agg_addr is not None:
+        a += ["--agg", f"{tb.agg_addr[0]}:{tb.agg_addr[1]}"]
+    if mode.priorities:
+        a.append("--priorities")
+    if bound:
+        a += ["--max-steps", str(bound)]
+    return a + ["--stop-at", f"{stop_at:.3f}"]
+
+
+def _show_progress(progress):
+    """The workers' line handler: rank 0's progress and accuracy rows on the bar."""
+    def on_line(rank: int, line: str) -> None:
+        if rank != 0 or not line.startswith("{"):
+            return
+        row = json.loads(line)
+        if "progress" in row:
+            progress.total = row["of"]
+            progress.n = row["progress"]
+            progress.refresh()
+        elif "accuracy" in row:
+            progress.set_postfix(acc=f"{row['accuracy']:.3f}", t=f"{row['seconds']:.0f}s")
+    return on_line
+
+
+def _at_the_limit(e: WorkerError, limit: float, stop_in: float):
+    """(results, why stopped) of workers still running at the limit, where rank 0 was in
+    its final evaluation with rows to show; else the WorkerError that says what happened.
+
+    The workers stop themselves STOP_MARGIN before the limit: one still running there is
+    slow in its final evaluation (rank 0 marked its start, it has rows) or hung (a stopped
+    peer or aggregator, a lost one: even a step longer than the margin cannot be told from
+    that), unless a worker was stopped by a signal."""
+    # a worker that failed on its own within the seconds before the limit, which the wait
+    # gives the others to exit, is a failure, not a stop
+    failed = [r.rank for r in e.results if r.rank not in e.states and r.returncode]
+    if failed:
+        raise WorkerError(f"worker(s) {failed} failed just before the {limit:.0f} s "
+                          f"limit\n{e}", e.results, True, e.states) from None
+    signalled = [r for r, st in e.states.items() if st.startswith("stopped")]
+    evaluating = '"final_evaluation"' in e.results[0].stdout
+    if signalled or not evaluating or not _rows(e.results[0].stdout)[1]:
+        where = "in its final evaluation" if evaluating else \
+            "before its final evaluation (a hang, or a step longer than that)"
+        when = (f"{limit - stop_in:.0f} s after the workers were to stop and evaluate "
+                f"(--stop-at), {where}" if stop_in < limit else
+                f"before the workers' stop time ({stop_in:.0f} s after the launch: "
+                f"--timeout is too short to start and train)")
+        raise WorkerError(f"still running at the {limit:.0f} s limit, {when}\n{e}",
+                          e.results, True, e.states) from None
+    return e.results, (f"stopped at the {limit:.0f} s limit (its final evaluation did not "
+                       f"end within {limit - stop_in:.0f} s)")
+
+
+def _wire(tb, before, after, results, congestion) -> tuple[float, str]:
+    """(bytes on the worker links, what counted them)."""
+    if after:
+        wire = sum(after[w][0] - before[w][0] + after[w][1] - before[w][1] for w in after)
+        counters = ("shaper counters: every TCP segment and UDP datagram with its headers"
+                    if getattr(tb, "bw_mbit", None) is not None else "interface counters")
+        return wire, f"worker links, transmit + receive ({counters})" + (
+            ", the competing flow included" if congestion else "")
+    last_rows = (_rows(r.stdout)[1] for r in results)
+    return (sum(rows[-1]["bytes_sent"] for rows in last_rows if rows),
+            "bytes rank 0 sent, not received (its transport's counters; FP32 and FP16: the "
+            "ring's formula): the loopback has no links to count")
+
+
 def _run_mode(name: str, args, progress) -> dict:
     mode = MODES[name]
     lanes = args.software_lanes if mode.aggregator in ("software", "sharded") else None
@@ -275,75 +353,23 @@ def _run_mode(name: str, args, progress) -> dict:
         tb.cluster.save(cfg)
         if mode.aggregator != "none":
             tb.start_aggregator()
-        master = f"{tb.master_addr[0]}:{tb.master_addr[1]}"
-
         # the workers stop themselves in time to evaluate where they got to (the deadline
         # counts from here, start-up included, and is one time for every rank); the kill at
         # the limit stays as the backstop
         stop_in = max(10.0, limit - STOP_MARGIN)
         stop_at = time.time() + stop_in
-
-        def argv(rank: int) -> list[str]:
-            a = [sys.executable, "-m", "thc.app.train", "--mode", mode.train_mode,
-                 "--rank", str(rank), "--world", str(args.workers), "--rendezvous", master,
-                 "--epochs", str(args.epochs), "--batch", str(args.batch),
-                 "--evals", str(args.evals), "--data", args.data, "--config", str(cfg)]
-            if args.width:
-                a += ["--width", str(args.width)]
-            if args.train_subset or args.quick:
-                a += ["--train-subset", str(args.train_subset or 8192)]
-            if tb.agg_addr is not None:
-                a += ["--agg", f"{tb.agg_addr[0]}:{tb.agg_addr[1]}"]
-            if mode.priorities:
-                a.append("--priorities")
-            if bound:
-                a += ["--max-steps", str(bound)]
-            return a + ["--stop-at", f"{stop_at:.3f}"]
-
-        def on_line(rank: int, line: str) -> None:
-            if rank != 0 or not line.startswith("{"):
-                return
-            row = json.loads(line)
-            if "progress" in row:
-                progress.total = row["of"]
-                progress.n = row["progress"]
-                progress.refresh()
-            elif "accuracy" in row:
-                progress.set_postfix(acc=f"{row['accuracy']:.3f}", t=f"{row['seconds']:.0f}s")
-
         flows, congestion = _congest(tb, args.congest, args.bw) if args.congest else ([], None)
         before, agg_before = tb.wire_bytes(), _agg_bytes(tb)
         t0 = time.perf_counter()
         stopped = None
         try:
-            results = tb.run_workers(argv, timeout=limit, on_line=on_line)
+            results = tb.run_workers(
+                lambda rank: _argv(args, mode, tb, cfg, bound, stop_at, rank),
+                timeout=limit, on_line=_show_progress(progress))
         except WorkerError as e:
-            # the workers stop themselves STOP_MARGIN before the limit: one still running
-            # there is slow in its final evaluation (rank 0 marked its start, it has rows)
-            # or hung (a stopped peer or aggregator, a lost one: even a step longer than the
-            # margin cannot be told from that), unless a worker was stopped by a signal
             if not e.timed_out:
                 raise
-            # a worker that failed on its own within the seconds before the limit, which
-            # the wait gives the others to exit, is a failure, not a stop
-            failed = [r.rank for r in e.results if r.rank not in e.states and r.returncode]
-            if failed:
-                raise WorkerError(f"worker(s) {failed} failed just before the {limit:.0f} s "
-                                  f"limit\n{e}", e.results, True, e.states) from None
-            signalled = [r for r, st in e.states.items() if st.startswith("stopped")]
-            evaluating = '"final_evaluation"' in e.results[0].stdout
-            if signalled or not evaluating or not _rows(e.results[0].stdout)[1]:
-                where = "in its final evaluation" if evaluating else \
-                    "before its final evaluation (a hang, or a step longer than that)"
-                when = (f"{limit - stop_in:.0f} s after the workers were to stop and evaluate "
-                        f"(--stop-at), {where}" if stop_in < limit else
-                        f"before the workers' stop time ({stop_in:.0f} s after the launch: "
-                        f"--timeout is too short to start and train)")
-                raise WorkerError(f"still running at the {limit:.0f} s limit, {when}\n{e}",
-                                  e.results, True, e.states) from None
-            results, stopped = e.results, (f"stopped at the {limit:.0f} s limit (its final "
-                                           f"evaluation did not end within "
-                                           f"{limit - stop_in:.0f} s)")
+            results, stopped = _at_the_limit(e, limit, stop_in)
         finally:
             for f in flows:
                 f.kill()
@@ -360,17 +386,7 @@ def _run_mode(name: str, args, progress) -> dict:
     if not history:
         raise RuntimeError(f"mode {name}: no evaluation row from rank 0 "
                            f"({stopped or 'it exited without one'})")
-    if after:
-        wire = sum(after[w][0] - before[w][0] + after[w][1] - before[w][1] for w in after)
-        counters = ("shaper counters: every TCP segment and UDP datagram with its headers"
-                    if getattr(tb, "bw_mbit", None) is not None else "interface counters")
-        wire_source = f"worker links, transmit + receive ({counters})" + (
-            ", the competing flow included" if congestion else "")
-    else:
-        last_rows = (_rows(r.stdout)[1] for r in results)
-        wire = sum(rows[-1]["bytes_sent"] for rows in last_rows if rows)
-        wire_source = ("bytes rank 0 sent, not received (its transport's counters; FP32 and "
-                       "FP16: the ring's formula): the loopback has no links to count")
+    wire, wire_source = _wire(tb, before, after, results, congestion)
     agg = None if agg_after is None else (agg_after[0] - agg_before[0]
                                           + agg_after[1] - agg_before[1])
     last = history[-1]
