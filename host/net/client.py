@@ -138,32 +138,12 @@ class AggregationClient:
         environment's)."""
         self.job = job.validate()   # a Job built by hand too (pool 0: a window of nothing)
         self.worker_id = worker_id
-        if job.shards:
-            if aggregator is not None:
-                raise ValueError(f"job {job.job_id} is sharded over {job.n_shards} aggregators "
-                                 f"(its shard map names them); pass no aggregator address")
-            self.aggregators = [(s.ip, s.port) for s in job.shards]
-        elif aggregator is None:
-            raise ValueError(f"job {job.job_id} has no shard map: pass the aggregator's address")
-        else:
-            family = sock.family if sock is not None else socket.AF_INET
-            self.aggregators = [peer_address(aggregator, family)]
+        self.aggregators = _aggregators(job, aggregator, sock)
         self.aggregator = self.aggregators[0]
         """The aggregator (the first shard's address for a sharded job)."""
         self.epochs: list[int | None] = [None] * len(self.aggregators)
         self.window = self.DEFAULT_WINDOW if window is None else window
-        if not all(isinstance(t, numbers.Real) and not isinstance(t, bool) and math.isfinite(t)
-                   for t in (timeout, max_timeout, deadline)) or not 0 < timeout <= max_timeout \
-                or deadline <= 0:
-            raise ValueError(f"timeouts must be finite seconds with 0 < timeout <= max_timeout "
-                             f"and deadline > 0, got timeout {timeout!r}, max_timeout "
-                             f"{max_timeout!r}, deadline {deadline!r}")
-        if deadline >= P.RUN_IDLE_S:
-            raise ValueError(f"deadline {deadline!r} s: it must be below the aggregators' run "
-                             f"idle time ({P.RUN_IDLE_S:g} s); a chunk still resent after "
-                             f"that could reopen its slot for its run after another run took "
-                             f"the job and went quiet, and its workers would decode different "
-                             f"sums (docs/protocol.md, Runs)")
+        _check_timeouts(timeout, max_timeout, deadline)
         self.timeout = timeout
         self.max_timeout = max_timeout
         self.deadline = deadline
@@ -198,24 +178,7 @@ class AggregationClient:
         except KeyError:
             raise ValueError(f"job {job.job_id} has no worker {worker_id!r} (its workers: "
                              f"{sorted(w.id for w in job.workers)})") from None
-        if sock is not None and sock.gettimeout() is not None:
-            raise ValueError(f"the socket has a timeout ({sock.gettimeout()!r} s): the client "
-                             f"waits by poll and reads without blocking, which such a socket "
-                             f"turns into waits; pass it with settimeout(None)")
-        if sock is None:
-            sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 8 << 20)
-            try:
-                sock.bind((me.ip, me.port))
-            except OSError as e:
-                sock.close()
-                held = (": another process holds it (another launch of this job, or a "
-                        "client not closed)" if e.errno == errno.EADDRINUSE else "")
-                raise OSError(e.errno, f"job {job.job_id}, worker {worker_id}: cannot bind "
-                                       f"its address {me.ip}:{me.port} from the job's config "
-                                       f"({e.strerror}){held}") from None
-        self.sock = sock
+        self.sock = _socket(job, me, sock)
 
     @property
     def window(self) -> int:
@@ -414,3 +377,55 @@ class AggregationClient:
         """Retransmission timeout towards ``shard``: RFC 6298's estimator, at least the
         configured timeout above the smoothed round trip (:class:`RttEstimator`)."""
         return self.rtt.rto(shard)
+
+
+def _aggregators(job: Job, aggregator, sock) -> list[tuple[str, int]]:
+    """The addresses chunks go to: the shard map's, or the one aggregator given."""
+    if job.shards:
+        if aggregator is not None:
+            raise ValueError(f"job {job.job_id} is sharded over {job.n_shards} aggregators "
+                             f"(its shard map names them); pass no aggregator address")
+        return [(s.ip, s.port) for s in job.shards]
+    if aggregator is None:
+        raise ValueError(f"job {job.job_id} has no shard map: pass the aggregator's address")
+    family = sock.family if sock is not None else socket.AF_INET
+    return [peer_address(aggregator, family)]
+
+
+def _check_timeouts(timeout, max_timeout, deadline) -> None:
+    if not all(isinstance(t, numbers.Real) and not isinstance(t, bool) and math.isfinite(t)
+               for t in (timeout, max_timeout, deadline)) or not 0 < timeout <= max_timeout \
+            or deadline <= 0:
+        raise ValueError(f"timeouts must be finite seconds with 0 < timeout <= max_timeout "
+                         f"and deadline > 0, got timeout {timeout!r}, max_timeout "
+                         f"{max_timeout!r}, deadline {deadline!r}")
+    if deadline >= P.RUN_IDLE_S:
+        raise ValueError(f"deadline {deadline!r} s: it must be below the aggregators' run "
+                         f"idle time ({P.RUN_IDLE_S:g} s); a chunk still resent after "
+                         f"that could reopen its slot for its run after another run took "
+                         f"the job and went quiet, and its workers would decode different "
+                         f"sums (docs/protocol.md, Runs)")
+
+
+def _socket(job: Job, me, sock: socket.socket | None) -> socket.socket:
+    """``sock`` (checked: the client polls, so no timeout), or a UDP socket bound to the
+    worker's address from the job's config."""
+    if sock is not None:
+        if sock.gettimeout() is not None:
+            raise ValueError(f"the socket has a timeout ({sock.gettimeout()!r} s): the client "
+                             f"waits by poll and reads without blocking, which such a socket "
+                             f"turns into waits; pass it with settimeout(None)")
+        return sock
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 8 << 20)
+    try:
+        sock.bind((me.ip, me.port))
+    except OSError as e:
+        sock.close()
+        held = (": another process holds it (another launch of this job, or a client not "
+                "closed)" if e.errno == errno.EADDRINUSE else "")
+        raise OSError(e.errno, f"job {job.job_id}, worker {me.id}: cannot bind its address "
+                               f"{me.ip}:{me.port} from the job's config ({e.strerror}){held}"
+                      ) from None
+    return sock
