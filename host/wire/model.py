@@ -127,8 +127,20 @@ class Model:
         """One datagram from ``src`` at time ``now`` (seconds, any fixed origin)."""
         if len(datagram) < HEADER_BYTES:
             return self._drop("malformed")
-        (pkt_type, w, job_id, slot, version, _count, seq, offset, tag, run,
-         nonce) = unpack_header(datagram)
+        fields = unpack_header(datagram)
+        admitted = self._admit(fields, datagram, src)
+        if not isinstance(admitted, JobState):
+            return admitted
+        w, run, nonce = fields[1], fields[9], fields[10]
+        taken = self._take_run(admitted, w, run, nonce, now, src, datagram)
+        if taken is not None:
+            return taken
+        return self._use(admitted, fields, datagram, src)
+
+    def _admit(self, fields, datagram, src: tuple[str, int]) -> "JobState | Outcome":
+        """The job's state, for a datagram that passes the checks before the run's; else
+        its drop or refusal (docs/protocol.md, "Drops", in this order)."""
+        (pkt_type, w, job_id, slot, version, _count, seq, _offset, tag, run, _nonce) = fields
         if pkt_type not in KNOWN_TYPES or version > 1 or (run == 0 and pkt_type in UP_TYPES):
             return self._drop("malformed")
         if pkt_type == RESET:
@@ -138,12 +150,11 @@ class Model:
         st = self.jobs.get(job_id)
         if st is None:
             return self._drop("unknown_job")
-        payload = memoryview(datagram)[HEADER_BYTES:]
-        if len(payload) != (st.data_bytes if pkt_type == DATA else
-                            MAX_BYTES if pkt_type == MAX else 0):
+        if len(datagram) - HEADER_BYTES != (st.data_bytes if pkt_type == DATA else
+                                            MAX_BYTES if pkt_type == MAX else 0):
             return self._drop("bad_lanes")
-        n, pool = st.n, st.pool
-        if w >= n:
+        pool = st.pool
+        if w >= st.n:
             return self._drop("worker_outside_job")
         if st.addr[w] != src:
             return self._drop("unknown_worker")
@@ -156,6 +167,11 @@ class Model:
         if st.n_shards > 1 and seq % st.n_shards != st.shard:
             return self._refuse("wrong_shard", P.shard_detail(st.shard, st.n_shards), st, src,
                                 datagram)
+        return st
+
+    def _take_run(self, st: JobState, w: int, run: int, nonce: int, now: float, src,
+                  datagram) -> "Outcome | None":
+        """The job's run rule and the worker's one incarnation a run: a refusal, or None."""
         job_run = st.thc_job_run
         if run != job_run:
             if job_run and not ((newer(run, job_run) and (run - job_run) % SEQ_MOD <= P.RUN_JUMP)
@@ -169,7 +185,14 @@ class Model:
             st.thc_worker_run[w], st.thc_worker_nonce[w] = run, nonce
         elif st.thc_worker_nonce[w] != nonce:
             return self._refuse("reused_run", st.thc_worker_nonce[w], st, src, datagram)
+        return None
 
+    def _use(self, st: JobState, fields, datagram, src) -> Outcome:
+        """The packet's slot version: its acknowledgements, then a new use, the same use or
+        a refusal, and the replies."""
+        (pkt_type, w, job_id, slot, version, _count, seq, offset, _tag, run, _nonce) = fields
+        payload = memoryview(datagram)[HEADER_BYTES:]
+        n, pool = st.n, st.pool
         i = 2 * slot + version
         bit = 1 << w
         # This packet proves its worker holds the result of every seq <= seq - pool of the
