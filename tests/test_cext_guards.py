@@ -128,6 +128,21 @@ def test_the_load_generator_refuses_a_time_that_never_comes(rto, deadline):
         sink.close()
 
 
+@pytest.mark.parametrize("chunks,types", [(2 ** 62, None), (4, "not a number")])
+def test_the_load_generator_refuses_chunks_past_its_payloads_and_bad_type_codes(chunks, types):
+    """chunks x bytes a chunk once wrapped past 2^63 and passed the payloads' length check;
+    a type code that is no integer once went on with an error set."""
+    w, sink = _udp(), _udp()
+    codes = list(cext.TYPE_CODES) if types is None else [types] + list(cext.TYPE_CODES)[1:]
+    try:
+        with pytest.raises(ValueError, match="drive: (bad arguments|a payload is shorter)"):
+            cext._fastagg.drive([(w.fileno(), 0)], LOOPBACK, sink.getsockname()[1], 3, 4, 16,
+                                77, 0, chunks, 4, [bytes(32)], codes, 0.5, 1.0)
+    finally:
+        w.close()
+        sink.close()
+
+
 class _Alarm(Exception):
     pass
 

@@ -95,10 +95,13 @@ PyObject *fa_drive(PyObject *self, PyObject *args) {
               window < 1 || window > pool || chunks < 1 || lanes < 2 || lanes % 2 ||
               HDR + data_bytes > OUT_BYTES || PySequence_Size(payloads) != n ||
               !(rto > 0 && rto < INFINITY) || !(deadline > 0 && deadline < INFINITY);
-    for (int t = 0; !bad && t < N_TYPES; t++)
+    for (int t = 0; !bad && t < N_TYPES; t++) {
         tcodes[t] = PyLong_AsLong(PySequence_Fast_GET_ITEM(tseq, t));
+        bad = tcodes[t] == -1 && PyErr_Occurred();
+    }
     Py_DECREF(tseq);
     if (bad) {
+        PyErr_Clear();
         Py_DECREF(fseq);
         PyErr_SetString(PyExc_ValueError, "drive: bad arguments");
         return NULL;
@@ -122,7 +125,7 @@ PyObject *fa_drive(PyObject *self, PyObject *args) {
         }
         Py_DECREF(p);
         nbufs++;
-        if (bufs[w].len < chunks * data_bytes) {
+        if (bufs[w].len / data_bytes < chunks) { /* no product: chunks may be near 2^63 */
             PyErr_SetString(PyExc_ValueError, "drive: a payload is shorter than chunks");
             break;
         }
