@@ -314,6 +314,11 @@ def test_without_listen_a_shard_serves_at_its_port_in_the_shard_map(tmp_path, mo
                                              "--stats-interval", "0"])) == 0
     out = capsys.readouterr().out
     assert f"listening on 0.0.0.0:{port + 1} as shard 1" in out, out
+    # a shard the map lacks is a usage error naming the map, not a traceback
+    r = subprocess.run([sys.executable, "-m", "thc.cli", "aggregator", "--config", str(cfg),
+                        "--shard", "5", "--duration", "0.2"], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 2 and "shard 5 is not in job 1's shard map" in r.stderr, r.stderr
 
 
 def test_a_stats_file_or_reader_gone_never_stops_the_serving(tmp_path):

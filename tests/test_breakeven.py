@@ -137,6 +137,18 @@ def test_measured_and_predicted_break_even_against_hand_figures():
     assert a["model"]["codec_s"] == pytest.approx(0.020)
 
 
+@pytest.mark.parametrize("gbps,relation", [(None, "never pays"), (1e4, "pays everywhere"),
+                                           (0.24, "between")])
+def test_the_predicted_relation_follows_the_models_break_even(monkeypatch, gbps, relation):
+    """break_even_gbps gives the top of its range where THC pays everywhere in it: that is
+    no break-even at 10 Tbit/s."""
+    from thc.app import breakeven
+    monkeypatch.setattr(breakeven, "break_even_gbps", lambda *a, **k: gbps)
+    be = analyse(_sweep(0.085), "thc", ("fp32",))["break_even"]["fp32"]
+    assert be["predicted_relation"] == relation
+    assert be["predicted_mbit"] == (None if relation != "between" else pytest.approx(240.0))
+
+
 def _sweep_cli(*argv: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "thc.cli", "sweep", *argv],
                           capture_output=True, text=True, timeout=400)

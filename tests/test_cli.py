@@ -170,6 +170,7 @@ def _files(tmp: Path) -> None:
     (["run", "--loopback", "--workers", "1"], "--workers 1: the modes compare gradient"),
     (["sweep", "--bw", "50,x"], "argument --bw: not a number: 'x'"),
     (["sweep", "--target", "73"], "argument --target: a fraction lies in (0, 1], not 73"),
+    (["model", "--efficiency", "0"], "argument --efficiency: a fraction lies in (0, 1], not 0"),
     (["bench", "allreduce", "--bw", "100,nan"], "argument --bw: not a finite number: 'nan'"),
     (["bench", "allreduce", "--loopback", "--lanes", "3", "--json", "{tmp}/a.json"],
      "--lanes 3 (4 workers, 8-bit sums): lanes must be a positive even number"),

@@ -15,7 +15,7 @@ from thc.net.aggregator import Aggregator
 from thc.net.client import AggregationClient, AggregationTimeout
 from thc.net.impair import Impairment
 from thc.net.outcomes import LossBoundExceeded
-from thc.net.priority import N_CLASSES, magnitude_rank, priority_class, tos_of
+from thc.net.priority import FLUSH_CLASS, N_CLASSES, magnitude_rank, priority_class, tos_of
 from thc.testing.clusters import free_port_block, local_job
 from thc.wire import protocol as P
 from thc.wire.jobs import ConfigError, Job
@@ -92,6 +92,8 @@ def test_each_data_packet_carries_its_chunks_class_in_dscp():
     data = {(seq, tos) for t, seq, tos in agg.tos if t == P.PktType.DATA}
     assert data == {(i, tos_of(k)) for i, k in enumerate(classes)} | {(len(classes), 0)}, data
     assert [tos_of(k) >> 2 for k in range(N_CLASSES)] == list(P.PRIORITY_DSCP)
+    # a FLUSH ends a wait: it goes in the class of the chunks kept longest (docs/protocol.md)
+    assert FLUSH_CLASS == int(priority_class(0.0, 1.0)) == N_CLASSES - 1
 
 
 class Recording(AggregationClient):
@@ -281,11 +283,38 @@ def test_a_short_result_without_this_worker_above_its_count_is_ignored():
     assert c.stats.rejected == 4 and not r.sums.any()
 
 
-def test_a_worker_flushes_no_more_chunks_than_its_loss_bound():
-    """Loss bound 0.25 of 8 chunks: this worker may close 2 chunks short itself. Worker 1 is
-    gone for 3 chunks: two are FLUSHed and end short, the third is retransmitted to the
-    deadline, which names worker 1. A third FLUSH returned a round that lost more than the
-    bound (the round's n x bound cap let it through)."""
+def test_a_chunk_found_lost_by_later_results_is_resent_not_flushed():
+    """Under a loss bound, chunk 0's first DATA goes unanswered and later chunks' results
+    come back: the fast retransmit resends its DATA (it may merely wait in a lower class's
+    queue); only its timer, far off here, may close it short."""
+    job = local_job(4, 2, free_port_block(2), pool_size=16, lanes=16)
+    zeros = np.zeros(job.lanes, P.sum_dtype(job.sum_bits)).tobytes()
+    sends = []
+
+    def answer(t, seq):
+        if seq == 0:
+            sends.append(t)
+            if t == P.PktType.FLUSH:
+                return P.PktType.RESULT, 1, 0b01, zeros
+            if len(sends) == 1:
+                return None
+        return P.PktType.RESULT, 2, 0b11, zeros
+
+    with scripted_aggregator(job, _after_a_full_round(job, answer, 8)) as addr:
+        with AggregationClient(job, 0, addr, run=9, timeout=0.5, max_timeout=1.0,
+                               deadline=5.0, loss_bound=0.25, datapath="python") as c:
+            c.reduce(np.zeros(8 * job.lanes // 2, np.uint8))
+            r = c.reduce(np.zeros(8 * job.lanes // 2, np.uint8))
+    assert sends == [P.PktType.DATA, P.PktType.DATA], sends
+    assert c.stats.flushed == 0 and r.counts.min() == 2
+
+
+@pytest.mark.parametrize("bound", [0.25, 0.3])
+def test_a_worker_flushes_no_more_chunks_than_its_loss_bound(bound):
+    """Loss bound 0.25 (or 0.3: 2.4 chunks, rounded down) of 8 chunks: this worker may close
+    2 chunks short itself. Worker 1 is gone for 3 chunks: two are FLUSHed and end short, the
+    third is retransmitted to the deadline, which names worker 1. A third FLUSH returned a
+    round that lost more than the bound (the round's n x bound cap let it through)."""
     job = local_job(4, 2, free_port_block(2), pool_size=16, lanes=16)
     zeros = np.zeros(job.lanes, P.sum_dtype(job.sum_bits)).tobytes()
 
@@ -298,7 +327,7 @@ def test_a_worker_flushes_no_more_chunks_than_its_loss_bound():
 
     with scripted_aggregator(job, _after_a_full_round(job, answer, 8)) as addr:
         with AggregationClient(job, 0, addr, run=9, timeout=0.02, max_timeout=0.1,
-                               deadline=1.0, loss_bound=0.25, datapath="python") as c:
+                               deadline=1.0, loss_bound=bound, datapath="python") as c:
             c.reduce(np.zeros(8 * job.lanes // 2, np.uint8))
             with pytest.raises(AggregationTimeout, match=r"missing worker\(s\) \[1\]"):
                 c.reduce(np.zeros(8 * job.lanes // 2, np.uint8))

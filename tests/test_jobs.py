@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from thc.wire import protocol as P
-from thc.wire.jobs import ConfigError, Job, Worker
+from thc.wire.jobs import VOTE_TABLE, ConfigError, Job, Worker
 
 TABLE = tuple(range(0, 31, 2))
 
@@ -59,6 +59,9 @@ def test_switch_lanes_come_in_groups_of_eight_and_grow_at_most_512_bytes():
     assert P.check_lanes(256, switch=True, sum_bits=16) == 256
     with pytest.raises(ValueError, match="groups of 8"):
         P.check_lanes(260, switch=True)
+    for lanes in (0, -2, 3):   # no lanes divided the round into chunks of none
+        with pytest.raises(ValueError, match="positive even number"):
+            P.check_lanes(lanes)
     with pytest.raises(ValueError, match="512"):
         P.check_lanes(456, switch=True, sum_bits=16)
     # a FLUSH (no payload) grows into a whole RESULT: 264 lanes passed a DATA-based bound
@@ -73,9 +76,10 @@ def test_a_vote_job_counts_one_bit_lanes_in_8_bit_sums():
     assert vote.sum_bits == 8 and vote.granularity == 1
     assert P.payload_bytes(P.PktType.DATA, vote.lanes, aggregation="vote") == vote.lanes // 8
     assert Job.from_dict(vote.to_dict()) == vote
-    with pytest.raises(ConfigError, match="vote job counts sign bits"):
-        Job(job_id=1, workers=workers, table=TABLE, granularity=30,
-            aggregation="vote").validate()
+    for table, g in ((TABLE, 30), (VOTE_TABLE, 30)):
+        with pytest.raises(ConfigError, match="vote job counts sign bits"):
+            Job(job_id=1, workers=workers, table=table, granularity=g,
+                aggregation="vote").validate()
     with pytest.raises(ConfigError, match="whole bytes"):
         Job.vote(1, workers, lanes=20).validate()
     with pytest.raises(ConfigError, match="aggregation 'sum' unknown"):

@@ -49,10 +49,13 @@ def test_max_values_round_trip():
 
 def test_payloads_of_the_wrong_length_or_no_workers_values_are_refused():
     """The accessors read whatever the payload held: 3 sums of a 3-byte RESULT, 10 indices of
-    a 5-byte DATA, NaN and -1.0 from a MAX_RESULT (lanes the client refuses)."""
+    a 5-byte DATA, more lanes than the job's from a padded one, NaN and -1.0 from a
+    MAX_RESULT (lanes the client refuses)."""
     short = [(THCSums(data=bytes(3)), "sums", (8, P.LANES), "RESULT payload of 3 bytes"),
              (THCIndices(data=bytes(5)), "indices", (P.LANES, "thc"), "DATA payload of 5 bytes"),
-             (THCMax(data=bytes(12)), "values", (), "MAX payload of 12 bytes")]
+             (THCMax(data=bytes(12)), "values", (), "MAX payload of 12 bytes"),
+             (THCSums(data=bytes(P.LANES + 2)), "sums", (8, P.LANES),   # padded: 2 more
+              f"RESULT payload of {P.LANES + 2} bytes")]
     for layer, read, args, match in short:
         with pytest.raises(P.ProtocolError, match=match):
             getattr(layer, read)(*args)

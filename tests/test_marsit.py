@@ -689,3 +689,34 @@ def test_a_reducer_built_outside_its_group_is_refused_naming_that():
     res = gloo_pair(_outsider_worker, world=3)
     assert res[0] == res[2] == pytest.approx(1.0), res
     assert "not a member of the process group" in res[1], res
+
+
+def test_a_vote_job_of_another_size_than_the_group_is_refused_when_built():
+    """A 2-worker vote job in a 1-rank group was taken, and its first round waited to the
+    deadline for worker 1."""
+    from thc.testing.clusters import free_tcp_port
+    client = _VoteClient()
+    client.job = types.SimpleNamespace(**{**vars(_VoteClient.job), "n_workers": 2})
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_tcp_port()}",
+                            rank=0, world_size=1)
+    try:
+        with pytest.raises(ValueError, match="vote job of 2 workers, process group of 1"):
+            marsit.MarsitVoteAllReduce(client)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_only_a_compensated_reducer_refuses_magnitudes_past_half_of_float32():
+    """The limit keeps the compensation residual finite; without one a magnitude of 2e38 is
+    a sign like any other."""
+    from thc.testing.clusters import free_tcp_port
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_tcp_port()}",
+                            rank=0, world_size=1)
+    try:
+        big = torch.full((64,), 2e38)
+        out = marsit.MarsitVoteAllReduce(_VoteClient(), compensation=False)(big)
+        assert torch.isfinite(out).all() and bool((out > 0).all())
+        with pytest.raises(ValueError, match="half of float32's largest"):
+            marsit.MarsitVoteAllReduce(_VoteClient())(big)
+    finally:
+        dist.destroy_process_group()

@@ -203,6 +203,11 @@ def test_loss_costs_resent_bytes_and_a_timeout_a_round():
         waits = iteration_s(b)["thc_switch"] - iteration_s(
             Setup(**{**b.__dict__, "rto_s": 0.0}))["thc_switch"]
         assert waits == pytest.approx(buckets * s.rto_s, rel=1e-3)
+    # a round of 10 chunks owes one with probability 1 - 0.98^10, each of three rounds
+    few = Setup(**{**s.__dict__, "params": 30 * 256, "lanes": 256, "buckets": 3, "loss": 0.02})
+    waits = iteration_s(few)["thc_switch"] - iteration_s(
+        Setup(**{**few.__dict__, "rto_s": 0.0}))["thc_switch"]
+    assert waits == pytest.approx(3 * (1 - 0.98 ** 10) * s.rto_s, rel=1e-9)
 
 
 def test_a_central_aggregator_is_modelled_on_a_link_like_a_workers():
