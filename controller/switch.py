@@ -136,6 +136,7 @@ class Switch:
         self.timeout = timeout
         self.client = None
         self.p4info = None
+        self.target = None
         self._writer: p4rt.BatchWriter | None = None
         self._taken_by: tuple[int, int] | None = None
 

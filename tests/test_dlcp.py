@@ -96,6 +96,31 @@ def test_each_data_packet_carries_its_chunks_class_in_dscp():
     assert FLUSH_CLASS == int(priority_class(0.0, 1.0)) == N_CLASSES - 1
 
 
+def test_a_flush_goes_in_the_top_class_of_a_round_with_classes():
+    """A bounded round with classes: the chunk worker 0 closes short (worker 1 is gone after
+    a full round) goes out as a FLUSH marked with the top class, whatever its DATA's."""
+    job = local_job(7, 2, free_port_block(2), pool_size=16)
+    agg = TosRecordingAggregator(job)
+    classes = np.array([0, 1, 0, 1], np.uint8)
+    packed = np.zeros(len(classes) * job.lanes // 2, np.uint8)
+    clients = [AggregationClient(job, w, agg.sock.getsockname(), run=5, timeout=0.02,
+                                 max_timeout=0.1, deadline=1.0, loss_bound=0.25)
+               for w in range(2)]
+    try:
+        ts = [threading.Thread(target=c.aggregate, args=(packed,), kwargs={"classes": classes})
+              for c in clients]
+        [t.start() for t in ts]
+        [t.join() for t in ts]
+        with pytest.raises(AggregationTimeout):
+            clients[0].aggregate(packed, classes=classes)
+    finally:
+        for c in clients:
+            c.close()
+        agg.close()
+    flushes = {tos for t, _seq, tos in agg.tos if t == P.PktType.FLUSH}
+    assert flushes == {tos_of(N_CLASSES - 1)}, flushes
+
+
 class Recording(AggregationClient):
     """A client that keeps its last DATA round's result for the checks."""
     last = None
@@ -301,8 +326,8 @@ def test_a_chunk_found_lost_by_later_results_is_resent_not_flushed():
         return P.PktType.RESULT, 2, 0b11, zeros
 
     with scripted_aggregator(job, _after_a_full_round(job, answer, 8)) as addr:
-        with AggregationClient(job, 0, addr, run=9, timeout=0.5, max_timeout=1.0,
-                               deadline=5.0, loss_bound=0.25, datapath="python") as c:
+        with AggregationClient(job, 0, addr, run=9, timeout=2.0, max_timeout=4.0,
+                               deadline=10.0, loss_bound=0.25, datapath="python") as c:
             c.reduce(np.zeros(8 * job.lanes // 2, np.uint8))
             r = c.reduce(np.zeros(8 * job.lanes // 2, np.uint8))
     assert sends == [P.PktType.DATA, P.PktType.DATA], sends

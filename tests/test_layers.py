@@ -48,9 +48,9 @@ def test_max_values_round_trip():
 
 
 def test_payloads_of_the_wrong_length_or_no_workers_values_are_refused():
-    """The accessors read whatever the payload held: 3 sums of a 3-byte RESULT, 10 indices of
-    a 5-byte DATA, more lanes than the job's from a padded one, NaN and -1.0 from a
-    MAX_RESULT (lanes the client refuses)."""
+    """The accessors once read whatever the payload held: 3 sums of a 3-byte RESULT, 10
+    indices of a 5-byte DATA, more lanes than the job's from a padded one, NaN and -1.0 from
+    a MAX_RESULT (lanes the client refuses)."""
     short = [(THCSums(data=bytes(3)), "sums", (8, P.LANES), "RESULT payload of 3 bytes"),
              (THCIndices(data=bytes(5)), "indices", (P.LANES, "thc"), "DATA payload of 5 bytes"),
              (THCMax(data=bytes(12)), "values", (), "MAX payload of 12 bytes"),

@@ -97,11 +97,15 @@ PyObject *fa_drive(PyObject *self, PyObject *args) {
               !(rto > 0 && rto < INFINITY) || !(deadline > 0 && deadline < INFINITY);
     for (int t = 0; !bad && t < N_TYPES; t++) {
         tcodes[t] = PyLong_AsLong(PySequence_Fast_GET_ITEM(tseq, t));
-        bad = tcodes[t] == -1 && PyErr_Occurred();
+        if (tcodes[t] == -1 && PyErr_Occurred()) {   /* not an integer: its own error */
+            Py_DECREF(tseq);
+            Py_DECREF(fseq);
+            return NULL;
+        }
+        bad = tcodes[t] < 0 || tcodes[t] > 255;
     }
     Py_DECREF(tseq);
     if (bad) {
-        PyErr_Clear();
         Py_DECREF(fseq);
         PyErr_SetString(PyExc_ValueError, "drive: bad arguments");
         return NULL;

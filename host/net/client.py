@@ -178,7 +178,7 @@ class AggregationClient:
         except KeyError:
             raise ValueError(f"job {job.job_id} has no worker {worker_id!r} (its workers: "
                              f"{sorted(w.id for w in job.workers)})") from None
-        self.sock = _socket(job, me, sock)
+        self.sock = _socket(job, worker_id, me, sock)
 
     @property
     def window(self) -> int:
@@ -407,7 +407,7 @@ def _check_timeouts(timeout, max_timeout, deadline) -> None:
                          f"sums (docs/protocol.md, Runs)")
 
 
-def _socket(job: Job, me, sock: socket.socket | None) -> socket.socket:
+def _socket(job: Job, worker_id, me, sock: socket.socket | None) -> socket.socket:
     """``sock`` (checked: the client polls, so no timeout), or a UDP socket bound to the
     worker's address from the job's config."""
     if sock is not None:
@@ -425,7 +425,7 @@ def _socket(job: Job, me, sock: socket.socket | None) -> socket.socket:
         sock.close()
         held = (": another process holds it (another launch of this job, or a client not "
                 "closed)" if e.errno == errno.EADDRINUSE else "")
-        raise OSError(e.errno, f"job {job.job_id}, worker {me.id}: cannot bind its address "
+        raise OSError(e.errno, f"job {job.job_id}, worker {worker_id}: cannot bind its address "
                                f"{me.ip}:{me.port} from the job's config ({e.strerror}){held}"
                       ) from None
     return sock

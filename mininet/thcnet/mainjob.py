@@ -293,7 +293,8 @@ def _show_progress(progress):
 
 def _at_the_limit(e: WorkerError, limit: float, stop_in: float):
     """(results, why stopped) of workers still running at the limit, where rank 0 was in
-    its final evaluation with rows to show; else the WorkerError that says what happened.
+    its final evaluation with rows to show; else raises the WorkerError that says what
+    happened.
 
     The workers stop themselves STOP_MARGIN before the limit: one still running there is
     slow in its final evaluation (rank 0 marked its start, it has rows) or hung (a stopped
