@@ -456,11 +456,11 @@ class Switch:
         """Create or replace a multicast group (``shell.MulticastGroupEntry``).
 
         On a target that keeps a group's replicas across a pipeline push, where P4Runtime
-        forgets the group (BMv2: an insert then adds to the replicas it kept, and a job
-        re-installed after a push had its results go out of its old workers' ports too), a
-        group P4Runtime does not know is first inserted empty and deleted, which clears
-        them. A group P4Runtime holds empty is such a clearing cut short: deleted, then
-        cleared the same way (a modify would keep what the engine kept)."""
+        forgets the group (BMv2: an insert then adds to the replicas it kept, so a job's
+        results would also go out of ports its workers left), a group P4Runtime does not
+        know is first inserted empty and deleted, which clears them. A group P4Runtime
+        holds empty is such a clearing cut short: deleted, then cleared the same way (a
+        modify would keep what the engine kept)."""
         import grpc
         from p4runtime_sh import shell as sh
         from p4runtime_sh.p4runtime import P4RuntimeWriteException
