@@ -178,90 +178,34 @@ def _run(args: argparse.Namespace) -> int:
         _refuse_live_before_push(args, args.election_id or (0, os.getpid()))
     if args.action == "l2":
         _check_l2(args)
-    if args.action == "l2" and args.mac is not None:
-        args.mac = forwarding.check_mac(args.mac, f"l2 {args.op}")
-    if args.action == "l2" and args.op == "add" and args.mac in forwarding.UNROUTABLE:
-        raise ValueError(f"l2 add: {args.mac} is the all-zero or broadcast MAC, which the "
-                         f"controller keeps out of l2_forward; name one host's MAC")
     with Switch(args.grpc_addr, args.device_id, election, timeout=args.timeout,
                 require_primary=not read_only) as sw:
         sw.connect(program=push, build_dir=build_dir)
         if args.action in ("install", "remove") and sw.target not in (None, target):
             raise ValueError(f"the switch at {args.grpc_addr} runs the {sw.target.name} "
                              f"program, not {target.name}: pass --target {sw.target.name}")
-        if args.action == "push":
-            print(f"pushed {args.program} ({sw.lanes} lanes) to {args.grpc_addr}"
-                  if args.program == "thc" else f"pushed {args.program} to {args.grpc_addr}")
-        elif args.action == "install":
-            agg = job_entries.AggAddress.of(cluster)
-            same = {j.job_id for j in cluster.jobs if installed.unchanged(sw, j, agg)}
-            placed = jobs.install_cluster(sw, cluster, prune=args.prune, force=args.force)
-            _placed(cluster, placed, same)
-        elif args.action == "remove":
-            if jobs.remove_job(sw, args.job, force=args.force):
-                print(f"removed job {args.job}")
-            else:
-                print(f"removed the leftover entries of job {args.job} (it had no thc_job "
-                      f"entry)")
-        elif args.action == "jobs":
-            held = installed.installed_jobs(sw)
-            left = installed.leftovers(sw)
-            if not held:
-                print("no jobs installed")
-            for jid, tables in sorted(left.items()):
-                print(f"job {jid}: NOT installed, but entries of it remain in "
-                      f"{', '.join(tables)} (an install or remove stopped part-way); "
-                      f"`remove --job {jid}` deletes them")
-            wrong = installed.conflicts(sw)
-            for jid, cfg in sorted(held.items()):
-                live = len(installed.worker_entries_of(sw, jid))
-                state = "" if live == cfg["n_workers"] else \
-                    f" (NOT serving: {live} of {cfg['n_workers']} worker entries; install it again)"
-                print(f"job {jid}: " + ", ".join(f"{k}={v}" for k, v in cfg.items()) + state)
-                for why in wrong.get(jid, ()):
-                    print(f"job {jid}: NOT consistent: {why}; install the cluster again")
-        elif args.action == "counters":
-            # the l2 program (`thc bench switch`'s baseline) has l2_misses alone
-            held = installed.installed_jobs(sw) if sw.has_table(program.JOB_TABLE) else {}
-            snap = counters.snapshot(sw, held)
-            if args.json:
-                print(json.dumps(snap, indent=2, sort_keys=True))
-            else:
-                if "drops" in snap:
-                    print("drops: " + ", ".join(f"{k}={v}" for k, v in snap["drops"].items()))
-                print(f"l2 misses: {snap['l2_misses']}")
-                for jid, c in snap.get("jobs", {}).items():
-                    print(f"job {jid}: " + ", ".join(f"{k}={v}" for k, v in c.items()))
-        elif args.action == "l2":
-            if args.op == "list":
-                routes = forwarding.routes(sw)
-                for mac, port in sorted(routes.items()):
-                    print(f"{mac} -> port {port}")
-                if not routes:
-                    print("l2_forward: no entries")
-            elif owners := _jobs_of_mac(sw, args.mac):
-                raise ValueError(f"l2 {args.op}: {args.mac} is a worker MAC of job(s) "
-                                 f"{owners}, whose install keeps its route: change the job's "
-                                 f"config and install it again")
-            elif args.op == "add":
-                forwarding.install(sw, {args.mac: args.port})
-                print(f"l2_forward: {args.mac} -> port {args.port}")
-            elif not forwarding.remove(sw, [args.mac]):
-                raise ValueError(f"no l2_forward entry for {args.mac}")
-            else:
-                print(f"l2_forward: deleted {args.mac}")
+        if args.action == "install":
+            _install(sw, args, cluster)
+        else:
+            ACTIONS[args.action](sw, args)
     return 0
 
 
 def _check_l2(args: argparse.Namespace) -> None:
-    """``l2 OP`` given what it takes, before any session: a missing MAC was found only once
-    connected, and a MAC given to ``list`` or a PORT to ``del`` was ignored."""
+    """``l2 OP`` given what it takes, before any session (a missing MAC was found only once
+    connected, and a MAC given to ``list`` or a PORT to ``del`` was ignored), its MAC in
+    canonical form and routable."""
     takes = {"add": ("MAC", "PORT"), "del": ("MAC",), "list": ()}[args.op]
     given = tuple(name for name, value in (("MAC", args.mac), ("PORT", args.port))
                   if value is not None)
     if given != takes:
         raise ValueError(f"l2 {args.op} takes {' and '.join(takes) or 'no MAC or PORT'}, "
                          f"given {' and '.join(given) or 'none'}")
+    if args.mac is not None:
+        args.mac = forwarding.check_mac(args.mac, f"l2 {args.op}")
+    if args.op == "add" and args.mac in forwarding.UNROUTABLE:
+        raise ValueError(f"l2 add: {args.mac} is the all-zero or broadcast MAC, which the "
+                         f"controller keeps out of l2_forward; name one host's MAC")
 
 
 def _jobs_of_mac(sw: Switch, mac: str) -> list[int]:
@@ -278,3 +222,78 @@ def run(args: argparse.Namespace) -> int:
     except (SwitchError, ConfigError, ValueError, OSError) as e:
         print(f"thc controller: {e}", file=sys.stderr)
         return 1
+
+
+def _push(sw: Switch, args: argparse.Namespace) -> None:
+    print(f"pushed {args.program} ({sw.lanes} lanes) to {args.grpc_addr}"
+          if args.program == "thc" else f"pushed {args.program} to {args.grpc_addr}")
+
+
+def _install(sw: Switch, args: argparse.Namespace, cluster: Cluster) -> None:
+    agg = job_entries.AggAddress.of(cluster)
+    same = {j.job_id for j in cluster.jobs if installed.unchanged(sw, j, agg)}
+    placed = jobs.install_cluster(sw, cluster, prune=args.prune, force=args.force)
+    _placed(cluster, placed, same)
+
+
+def _remove(sw: Switch, args: argparse.Namespace) -> None:
+    if jobs.remove_job(sw, args.job, force=args.force):
+        print(f"removed job {args.job}")
+    else:
+        print(f"removed the leftover entries of job {args.job} (it had no thc_job entry)")
+
+
+def _jobs(sw: Switch, args: argparse.Namespace) -> None:
+    held = installed.installed_jobs(sw)
+    left = installed.leftovers(sw)
+    if not held:
+        print("no jobs installed")
+    for jid, tables in sorted(left.items()):
+        print(f"job {jid}: NOT installed, but entries of it remain in {', '.join(tables)} "
+              f"(an install or remove stopped part-way); `remove --job {jid}` deletes them")
+    wrong = installed.conflicts(sw)
+    for jid, cfg in sorted(held.items()):
+        live = len(installed.worker_entries_of(sw, jid))
+        state = "" if live == cfg["n_workers"] else \
+            f" (NOT serving: {live} of {cfg['n_workers']} worker entries; install it again)"
+        print(f"job {jid}: " + ", ".join(f"{k}={v}" for k, v in cfg.items()) + state)
+        for why in wrong.get(jid, ()):
+            print(f"job {jid}: NOT consistent: {why}; install the cluster again")
+
+
+def _counters(sw: Switch, args: argparse.Namespace) -> None:
+    # the l2 program (`thc bench switch`'s baseline) has l2_misses alone
+    held = installed.installed_jobs(sw) if sw.has_table(program.JOB_TABLE) else {}
+    snap = counters.snapshot(sw, held)
+    if args.json:
+        print(json.dumps(snap, indent=2, sort_keys=True))
+        return
+    if "drops" in snap:
+        print("drops: " + ", ".join(f"{k}={v}" for k, v in snap["drops"].items()))
+    print(f"l2 misses: {snap['l2_misses']}")
+    for jid, c in snap.get("jobs", {}).items():
+        print(f"job {jid}: " + ", ".join(f"{k}={v}" for k, v in c.items()))
+
+
+def _l2(sw: Switch, args: argparse.Namespace) -> None:
+    if args.op == "list":
+        routes = forwarding.routes(sw)
+        for mac, port in sorted(routes.items()):
+            print(f"{mac} -> port {port}")
+        if not routes:
+            print("l2_forward: no entries")
+    elif owners := _jobs_of_mac(sw, args.mac):
+        raise ValueError(f"l2 {args.op}: {args.mac} is a worker MAC of job(s) {owners}, "
+                         f"whose install keeps its route: change the job's config and "
+                         f"install it again")
+    elif args.op == "add":
+        forwarding.install(sw, {args.mac: args.port})
+        print(f"l2_forward: {args.mac} -> port {args.port}")
+    elif not forwarding.remove(sw, [args.mac]):
+        raise ValueError(f"no l2_forward entry for {args.mac}")
+    else:
+        print(f"l2_forward: deleted {args.mac}")
+
+
+ACTIONS = {"push": _push, "remove": _remove, "jobs": _jobs, "counters": _counters, "l2": _l2}
+"""What each action does with the open session (install takes its cluster too)."""
