@@ -574,6 +574,7 @@ def test_a_bmv2_switch_that_exits_ends_the_workers_wait_naming_it():
     if why := bmv2_unavailable_reason():
         pytest.skip(f"BMv2 not available: {why}")
     with open_testbed(2, aggregator="bmv2") as tb:
+        tb.start_aggregator()
         os.killpg(tb.switch.proc.pid, signal.SIGKILL)
         t0 = time.monotonic()
         with pytest.raises(WorkerError, match=r"the BMv2 switch \(simple_switch_grpc\) exited "
@@ -581,6 +582,20 @@ def test_a_bmv2_switch_that_exits_ends_the_workers_wait_naming_it():
             tb.run_workers(lambda r: ["python", "-c", "import time; time.sleep(60)"],
                            timeout=50)
     assert time.monotonic() - t0 < 15 and not e.value.timed_out
+
+
+@needs_mininet
+def test_workers_are_not_started_before_the_switch_forwards():
+    """A BMv2 switch forwards nothing before its program is pushed: `thc bench allreduce`
+    ran its FP32 baseline there and the workers waited for their rendezvous until the
+    30-minute limit."""
+    if why := bmv2_unavailable_reason():
+        pytest.skip(f"BMv2 not available: {why}")
+    with open_testbed(2, aggregator="bmv2") as tb:
+        with pytest.raises(TestbedError, match="BMv2 switch has no program yet"):
+            tb.run_workers(lambda r: ["true"], timeout=30)
+        tb.start_aggregator()
+        assert [r.returncode for r in tb.run_workers(lambda r: ["true"], timeout=30)] == [0, 0]
 
 
 @needs_mininet

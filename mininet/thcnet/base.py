@@ -239,11 +239,16 @@ class Testbed(AggregatorProcesses):
                       ranks=None) -> list[Proc]:
         """Start ``argv_for(rank)`` on the worker hosts as one run: they share a fresh
         ``THC_RUN`` (unless ``env`` gives one), so nothing of an earlier run counts in this one."""
+        self._check_forwarding()
         env = dict(env or {})
         env.setdefault(P.RUN_ENV, str(self.new_run()))
         ranks = range(self.n_workers) if ranks is None else ranks
         return [self.popen(r, argv_for(r), env, name=f"worker{r}-{len(self._procs)}")
                 for r in ranks]
+
+    def _check_forwarding(self) -> None:
+        """TestbedError where the hosts cannot reach each other yet (a testbed whose links
+        are always up has nothing to check)."""
 
     def run_workers(self, argv_for: Callable[[int], list[str]], env: dict | None = None,
                     timeout: float | None = None, on_line=None) -> list[WorkerResult]:

@@ -197,6 +197,56 @@ def _fmt_bytes(b: float | None) -> str:
     return "-" if b is None else f"{b / 1e6:,.1f}"
 
 
+def _software_modes(args, bw: float, layout: str | None, point: dict, result: dict,
+                    numel: int, repeat: int, agg_bw_factor: float) -> None:
+    """One testbed of ``point``: FP32 and the rings in the first, then THC through the
+    software ``layout`` (each layout a testbed of its own)."""
+    p = args.workers
+    with open_testbed(p, bw_mbit=bw, aggregator=LAYOUTS[layout] if layout else "none",
+                      prefer_mininet=not args.loopback, agg_bw_factor=agg_bw_factor,
+                      lanes=args.lanes, pool_size=args.pool_size) as tb:
+        print(f"\n[{bw:g} Mbit/s] {tb.describe()}", flush=True)
+        if "fp32" not in point["modes"]:
+            point["testbed"] = tb.kind
+            if tb.kind == "loopback":
+                point["bw_mbit"] = None
+                result["notes"].append("loopback testbed: links not emulated, times are "
+                                       "CPU-bound plumbing checks, not bandwidth results")
+            for mode in ["fp32"] + args.ring:
+                point["modes"][mode] = _run_mode(tb, mode, args, numel, repeat)
+                _progress(point["modes"][mode])
+        if layout:
+            tb.start_aggregator()
+            m = _run_mode(tb, f"thc-{layout}", args, numel, repeat)
+            m["aggregator_counters"] = tb.stop_aggregator()
+            point["modes"][f"thc-{layout}"] = m
+            _progress(m)
+
+
+def _bmv2_modes(args, bw: float, point: dict, numel: int, repeat: int) -> None:
+    """THC through BMv2 on at most ``--bmv2-numel`` elements, with FP32 on as many beside it
+    where that is fewer than the others'."""
+    with open_testbed(args.workers, bw_mbit=bw, aggregator="bmv2",
+                      pool_size=min(args.pool_size, P.SWITCH_SLOTS)) as tb:
+        tb.start_aggregator()   # the switch forwards nothing, FP32's TCP included, before
+        small = min(numel, args.bmv2_numel)
+        if small < numel:  # its own baseline: FP32 on the same elements
+            base = _run_mode(tb, "fp32", args, small, repeat)
+            point["modes"]["fp32-bmv2-size"] = base
+            _progress(base)
+        m = _run_mode(tb, "thc-bmv2", args, small, repeat, window=BMV2_WINDOW, rto=BMV2_RTO)
+        if small < numel:
+            m["baseline"] = "fp32-bmv2-size"
+            print(f"  thc-bmv2 measured on {small:,} elements, not {numel:,} "
+                  "(--bmv2-numel); compared with FP32 on the same elements", flush=True)
+        try:
+            m["switch_counters"] = json.loads(tb.switch.counters())
+        except ValueError:
+            pass
+        point["modes"]["thc-bmv2"] = m
+        _progress(m)
+
+
 def run(args: argparse.Namespace) -> int:
 
     numel = args.numel if args.numel is not None else 2_000_000 if args.quick else 25_000_000
@@ -240,50 +290,10 @@ def run(args: argparse.Namespace) -> int:
             point = {"bw_mbit": bw, "modes": {}}
             if result["points"] and result["points"][-1]["testbed"] == "loopback":
                 break  # no link emulation: one point says everything
-            # FP32 runs in the first testbed; each software layout gets its own testbed.
             for layout in soft or [None]:
-                with open_testbed(p, bw_mbit=bw, aggregator=LAYOUTS[layout] if layout else "none",
-                                  prefer_mininet=not args.loopback, agg_bw_factor=agg_bw_factor,
-                                  lanes=args.lanes, pool_size=args.pool_size) as tb:
-                    print(f"\n[{bw:g} Mbit/s] {tb.describe()}", flush=True)
-                    if "fp32" not in point["modes"]:
-                        point["testbed"] = tb.kind
-                        if tb.kind == "loopback":
-                            point["bw_mbit"] = None
-                            result["notes"].append(
-                                "loopback testbed: links not emulated, times are CPU-bound "
-                                "plumbing checks, not bandwidth results")
-                        for mode in ["fp32"] + args.ring:
-                            point["modes"][mode] = _run_mode(tb, mode, args, numel, repeat)
-                            _progress(point["modes"][mode])
-                    if layout:
-                        tb.start_aggregator()
-                        m = _run_mode(tb, f"thc-{layout}", args, numel, repeat)
-                        m["aggregator_counters"] = tb.stop_aggregator()
-                        point["modes"][f"thc-{layout}"] = m
-                        _progress(m)
+                _software_modes(args, bw, layout, point, result, numel, repeat, agg_bw_factor)
             if want_bmv2 and not bmv2_reason:
-                with open_testbed(p, bw_mbit=bw, aggregator="bmv2",
-                                  pool_size=min(args.pool_size, P.SWITCH_SLOTS)) as tb:
-                    small = min(numel, args.bmv2_numel)
-                    if small < numel:  # its own baseline: FP32 on the same elements
-                        base = _run_mode(tb, "fp32", args, small, repeat)
-                        point["modes"]["fp32-bmv2-size"] = base
-                        _progress(base)
-                    tb.start_aggregator()
-                    m = _run_mode(tb, "thc-bmv2", args, small, repeat, window=BMV2_WINDOW,
-                                  rto=BMV2_RTO)
-                    if small < numel:
-                        m["baseline"] = "fp32-bmv2-size"
-                        print(f"  thc-bmv2 measured on {small:,} elements, not {numel:,} "
-                              "(--bmv2-numel); compared with FP32 on the same elements",
-                              flush=True)
-                    try:
-                        m["switch_counters"] = json.loads(tb.switch.counters())
-                    except ValueError:
-                        pass
-                    point["modes"]["thc-bmv2"] = m
-                    _progress(m)
+                _bmv2_modes(args, bw, point, numel, repeat)
             annotate(point, p, args.lanes, agg_bw_factor)
             result["points"].append(point)
     except (TestbedError, WorkerError) as e:

@@ -333,6 +333,15 @@ class MininetTestbed(Testbed):
         finally:
             self._release_signals()
 
+    def _check_forwarding(self) -> None:
+        """A BMv2 switch forwards nothing, TCP between the hosts included, until its
+        program is pushed: workers started before that waited for their rendezvous until
+        their timeout."""
+        if self.aggregator == "bmv2" and not getattr(self, "_programmed", False):
+            raise TestbedError("the BMv2 switch has no program yet, so it forwards nothing "
+                               "between the hosts: start_aggregator() pushes it and "
+                               "installs the job")
+
     def _watched_procs(self) -> list:
         """The aggregators, and a BMv2 switch: it runs outside every host."""
         watch = self._aggregator_procs()
