@@ -335,8 +335,8 @@ class MininetTestbed(Testbed):
 
     def _check_forwarding(self) -> None:
         """A BMv2 switch forwards nothing, TCP between the hosts included, until its
-        program is pushed: workers started before that waited for their rendezvous until
-        their timeout."""
+        program is pushed: workers started before that would wait for their rendezvous
+        until their timeout."""
         if self.aggregator == "bmv2" and not getattr(self, "_programmed", False):
             raise TestbedError("the BMv2 switch has no program yet, so it forwards nothing "
                                "between the hosts: start_aggregator() pushes it and "
