@@ -275,6 +275,50 @@ def test_bad_input_gets_the_reference_errors():
                                    np.zeros(1, np.float64))
 
 
+def _odd(a: np.ndarray, offset: int = 1) -> np.ndarray:
+    """``a``'s values in an array over another buffer, ``offset`` bytes off its alignment."""
+    out = np.ndarray(a.shape, a.dtype, buffer=bytearray(a.nbytes + offset), offset=offset)
+    out[...] = a
+    return out
+
+
+def test_the_c_code_refuses_misaligned_buffers_itself():
+    """A direct caller's misaligned buffer is a ValueError, not a read through a float pointer
+    that the buffer does not align (the wrappers copy such arrays, above)."""
+    n, ss, table = 100, 64, np.asarray(P.table, np.int32)
+    args = [data(n), n, ss, np.ones(2, np.float32), 0, 0, table, np.empty(128, np.uint8),
+            False, np.empty(2, np.float32), True]
+    fastcodec._fastcodec.encode(*args)
+    for at, name in ((0, "x"), (3, "coef"), (6, "table"), (9, "first")):
+        bad = list(args)
+        bad[at] = _odd(args[at])
+        with pytest.raises(ValueError, match=f"{name} is not aligned to 4 bytes"):
+            fastcodec._fastcodec.encode(*bad)
+    sums, alpha, out = np.zeros(128, np.int16), np.ones(2, np.float32), np.empty(n, np.float32)
+    fastcodec._fastcodec.decode(sums, "i2", n, ss, alpha, 0.0, 0, table, out)
+    with pytest.raises(ValueError, match="sums is not aligned to 2 bytes"):
+        fastcodec._fastcodec.decode(_odd(sums), "i2", n, ss, alpha, 0.0, 0, table, out)
+    with pytest.raises(ValueError, match="out is not aligned to 4 bytes"):
+        fastcodec._fastcodec.decode(sums, "i2", n, ss, alpha, 0.0, 0, table, _odd(out, 2))
+    with pytest.raises(ValueError, match="out is not aligned to 8 bytes"):
+        fastcodec._fastcodec.sumsq(data(n), n, ss, _odd(np.zeros(2, np.float64), 4))
+
+
+def test_the_c_lookup_of_an_index_past_a_16_entry_table_reads_its_zero_entries():
+    """Indices of 16 and up map through the 256-entry table's zeros in the vector loop as in
+    its scalar tail (the public path refuses them before)."""
+    n, ss = 64, 64
+    table = np.zeros(256, np.float32)
+    table[:16] = np.arange(1, 17)
+    idx = np.arange(n, dtype=np.uint8) * 7
+    out = np.empty(n, np.float32)
+    fastcodec._fastcodec.decode(idx, "index", n, ss, np.ones(1, np.float32), 0.0, 0, table, out)
+    want = np.empty(n, np.float32)
+    fastcodec._fastcodec.decode(table[idx].astype(np.int32), "i4", n, ss,
+                                np.ones(1, np.float32), 0.0, 0, table, want)
+    assert (idx >= 16).sum() > 40 and np.array_equal(out, want)
+
+
 @pytest.mark.parametrize("ss,max_norm", [(16, 1e-37), (1024, 1e-36), (1 << 14, 1e-34)])
 def test_a_max_norm_far_below_the_slices_own_encodes_as_the_reference(ss, max_norm):
     """Finite rotated values that add up beyond float32's range (a max norm 1e37 below the

@@ -584,7 +584,9 @@ INLINE void convert(float *dst, sums_t *sm, size_t i0, size_t n, float alpha) {
                 for (; k + V <= n; k += V) {
                     vb8 raw;
                     memcpy(&raw, p + k, sizeof raw);
-                    vf f = lut16(sm->tlo, sm->thi, __builtin_convertvector(raw, vi));
+                    vi j = __builtin_convertvector(raw, vi);
+                    /* entries past the 16th are zero: the shuffle alone would wrap j */
+                    vf f = (vf)((vi)lut16(sm->tlo, sm->thi, j) & (j < 16));
                     stf(dst + k, (f - c) * a);
                 }
             }
@@ -731,15 +733,22 @@ static int check_layout(Py_ssize_t numel, Py_ssize_t ss, layout_t *l) {
     return 0;
 }
 
-static int need(Py_buffer *b, Py_ssize_t bytes, const char *what) {
+/* A buffer of at least `bytes`, aligned to its elements' size (`align`): the loops read
+ * and write elements through typed pointers. */
+static int need(Py_buffer *b, Py_ssize_t bytes, const char *what, size_t align) {
     if (b->len < bytes) {
         PyErr_Format(PyExc_ValueError, "%s holds %zd bytes, needs %zd", what, b->len, bytes);
+        return -1;
+    }
+    if ((uintptr_t)b->buf % align) {
+        PyErr_Format(PyExc_ValueError, "%s is not aligned to %zu bytes", what, align);
         return -1;
     }
     return 0;
 }
 
 static int fill_table(round_t *rt, Py_buffer *table) {
+    if (need(table, 0, "table", 4)) return -1;
     Py_ssize_t n = table->len / (Py_ssize_t)sizeof(int32_t);
     const int32_t *t = (const int32_t *)table->buf;
     if (n < 2 || n > 256 || t[0] != 0) {
@@ -802,9 +811,9 @@ static PyObject *py_encode(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "packing needs 4-bit indices and even slices");
         goto done;
     }
-    if (need(&x, numel * 4, "x") || need(&coef, (Py_ssize_t)l.n_slices * 4, "coef") ||
-        need(&out, (Py_ssize_t)(packed ? (padded + 1) / 2 : padded), "out") ||
-        need(&first, (Py_ssize_t)l.n_slices * 4, "first"))
+    if (need(&x, numel * 4, "x", 4) || need(&coef, (Py_ssize_t)l.n_slices * 4, "coef", 4) ||
+        need(&out, (Py_ssize_t)(packed ? (padded + 1) / 2 : padded), "out", 1) ||
+        need(&first, (Py_ssize_t)l.n_slices * 4, "first", 4))
         goto done;
     if (!(scratch = scratch_for(l))) {
         PyErr_NoMemory();
@@ -857,9 +866,9 @@ static PyObject *py_decode(PyObject *self, PyObject *args) {
     }
     if (check_layout(numel, ss, &l)) goto done;
     size_t padded = l.full * l.ss + l.tail_padded;
-    if (need(&sums, (Py_ssize_t)padded * KIND_BYTES[kind], "sums") ||
-        need(&alpha, (Py_ssize_t)l.n_slices * 4, "alpha") ||
-        (kind == S_INDEX && need(&table, 256 * 4, "table")) || need(&out, numel * 4, "out"))
+    if (need(&sums, (Py_ssize_t)padded * KIND_BYTES[kind], "sums", (size_t)KIND_BYTES[kind]) ||
+        need(&alpha, (Py_ssize_t)l.n_slices * 4, "alpha", 4) ||
+        (kind == S_INDEX && need(&table, 256 * 4, "table", 4)) || need(&out, numel * 4, "out", 4))
         goto done;
     if (!(scratch = scratch_for(l))) {
         PyErr_NoMemory();
@@ -908,8 +917,8 @@ static PyObject *py_sumsq(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "y*nnw*", &x, &numel, &ss, &out)) return NULL;
     PyObject *ret = NULL;
     layout_t l;
-    if (check_layout(numel, ss, &l) || need(&x, numel * 4, "x") ||
-        need(&out, (Py_ssize_t)l.n_slices * 8, "out"))
+    if (check_layout(numel, ss, &l) || need(&x, numel * 4, "x", 4) ||
+        need(&out, (Py_ssize_t)l.n_slices * 8, "out", 8))
         goto done;
     Py_BEGIN_ALLOW_THREADS
     sumsq_all((const float *)x.buf, l, (double *)out.buf);
