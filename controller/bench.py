@@ -272,40 +272,81 @@ def _ratio(v) -> str:
     return "n/a" if v is None else f"{v:.3f}"
 
 
-def run(args: argparse.Namespace) -> int:
-    import tempfile
-
+def _refusal(args: argparse.Namespace) -> str | None:
+    """Why these arguments cannot run here (a missing tool or a job they cannot make)."""
     for program in ("thc", "l2"):
-        reason = toolchain.bmv2_missing(program)
-        if reason:
-            print(f"thc bench switch: {reason}", file=sys.stderr)
-            return 2
-    if args.duration is None:
-        args.duration = 1.0 if args.quick else 5.0
-    sweep = args.lanes_sweep
-    if sweep and (reason := toolchain.p4c_missing()):
-        print(f"thc bench switch: --lanes-sweep needs p4c: {reason}", file=sys.stderr)
-        return 2
-    widths = args.sum_bits
-    if any(w not in P.SUM_WIDTHS for w in widths):
-        print(f"thc bench switch: --sum-bits takes widths from {list(P.SUM_WIDTHS)}",
-              file=sys.stderr)
-        return 2
-    for bits in widths:
+        if reason := toolchain.bmv2_missing(program):
+            return reason
+    if args.lanes_sweep and (reason := toolchain.p4c_missing()):
+        return f"--lanes-sweep needs p4c: {reason}"
+    if any(w not in P.SUM_WIDTHS for w in args.sum_bits):
+        return f"--sum-bits takes widths from {list(P.SUM_WIDTHS)}"
+    for bits in args.sum_bits:
         try:
             bench_job(args.workers, args.pool, P.LANES, bits)
         except ConfigError as e:
-            print(f"thc bench switch: --workers {args.workers} --pool {args.pool} --sum-bits "
-                  f"{bits}: {e}", file=sys.stderr)
-            return 2
-    for lanes in sweep:
+            return f"--workers {args.workers} --pool {args.pool} --sum-bits {bits}: {e}"
+    for lanes in args.lanes_sweep:
         try:
             P.check_lanes(lanes, switch=True)
         except ValueError as e:
-            print(f"thc bench switch: --lanes-sweep {lanes}: {e}", file=sys.stderr)
-            return 2
+            return f"--lanes-sweep {lanes}: {e}"
+    return None
+
+
+def _show(runs: list[dict], l2: dict, bmv2_build: str) -> None:
+    for r in runs:
+        print(f"thc.p4 ({r['lanes']} lanes, {r['sum_bits']}-bit sums, {r['workers']} "
+              f"workers): {r['pps']:.0f} packets/s = {r['coords_per_s'] / 1e6:.2f} M "
+              f"coordinates/s (offered {r['offered_pps']:.0f}/s), RESULT payload "
+              f"{r['result_payload_bytes']} bytes; / l2.p4: {r['ratio_to_l2']:.3f}")
+        print(f"  switch CPU {_us(r['cpu_us_per_packet'])} per packet; l2.p4's / thc.p4's "
+              f"(the rate ratio on an idle core): {_ratio(r['cpu_ratio_to_l2'])}")
+        print(f"  busiest switch thread (BMv2 runs ingress on one): "
+              f"{_us(r['busiest_thread_us_per_packet'])} per packet")
+    print(f"l2.p4, same {l2['frame_bytes']}-byte frames: {l2['pps']:.0f} packets/s "
+          f"(offered {l2['offered_pps']:.0f}/s), switch CPU "
+          f"{_us(l2['cpu_us_per_packet'])} per packet, busiest thread "
+          f"{_us(l2['busiest_thread_us_per_packet'])}")
+    print(f"BMv2 build: {bmv2_build}")
+
+
+def _lanes_sweep(args: argparse.Namespace, thc: dict, l2: dict) -> dict:
+    """thc.p4 compiled for each of ``--lanes-sweep``'s lane counts and benched: the cost of a
+    lane and of a packet, fitted over them and the default build."""
+    import tempfile
+
+    import numpy as np
+
+    points = [(thc["lanes"], thc["pps"])]
+    sweep = [{"lanes": thc["lanes"], "pps": thc["pps"], "us_per_packet": 1e6 / thc["pps"]}]
+    with tempfile.TemporaryDirectory(prefix="thc-lanes-") as tmp:
+        for lanes in args.lanes_sweep:
+            build = Path(tmp) / f"lanes{lanes}"
+            compile_s = build_variant(build, lanes=lanes)
+            r = bench_thc(args, build, f"thc.p4 variant, {lanes} lanes")
+            points.append((lanes, r["pps"]))
+            sweep.append({"lanes": lanes, "pps": r["pps"], "us_per_packet": 1e6 / r["pps"],
+                          "compile_seconds": compile_s})
+            print(f"variant {lanes} lanes: {r['pps']:.0f} packets/s "
+                  f"({1e6 / r['pps']:.0f} us/packet)")
+    x = np.array([p[0] for p in points], float)
+    y = np.array([1e6 / p[1] for p in points])
+    slope, intercept = np.polyfit(x, y, 1)
+    print(f"per lane: {slope:.2f} us, fixed: {intercept:.0f} us per packet "
+          f"(l2.p4: {1e6 / l2['pps']:.0f} us per packet)")
+    return {"lanes_sweep": sweep, "us_per_lane": float(slope),
+            "us_fixed_per_packet": float(intercept), "us_per_packet_l2": 1e6 / l2["pps"]}
+
+
+def run(args: argparse.Namespace) -> int:
+    if reason := _refusal(args):
+        print(f"thc bench switch: {reason}", file=sys.stderr)
+        return 2
+    if args.duration is None:
+        args.duration = 1.0 if args.quick else 5.0
     try:
-        runs = [bench_thc(args, BUILD_DIR, "thc.p4", bits) for bits in widths]
+        runs = [bench_thc(args, BUILD_DIR, "thc.p4", bits) for bits in args.sum_bits]
         thc = runs[0]
         l2 = bench_l2(args, thc["frame_bytes"])
         for r in runs:
@@ -313,7 +354,6 @@ def run(args: argparse.Namespace) -> int:
             r["cpu_ratio_to_l2"] = (l2["cpu_us_per_packet"] / r["cpu_us_per_packet"]
                                     if r["cpu_us_per_packet"] and l2["cpu_us_per_packet"]
                                     else None)
-
         result = {
             "bench": "switch",
             "target": "BMv2 simple_switch_grpc --log-level off, veth ports, paced offered load",
@@ -321,44 +361,9 @@ def run(args: argparse.Namespace) -> int:
             "thc": thc, "thc_by_sum_bits": {str(r["sum_bits"]): r for r in runs}, "l2": l2,
             "ratio_to_l2": thc["ratio_to_l2"],
         }
-        for r in runs:
-            print(f"thc.p4 ({r['lanes']} lanes, {r['sum_bits']}-bit sums, {r['workers']} "
-                  f"workers): {r['pps']:.0f} packets/s = {r['coords_per_s'] / 1e6:.2f} M "
-                  f"coordinates/s (offered {r['offered_pps']:.0f}/s), RESULT payload "
-                  f"{r['result_payload_bytes']} bytes; / l2.p4: {r['ratio_to_l2']:.3f}")
-            print(f"  switch CPU {_us(r['cpu_us_per_packet'])} per packet; l2.p4's / thc.p4's "
-                  f"(the rate ratio on an idle core): {_ratio(r['cpu_ratio_to_l2'])}")
-            print(f"  busiest switch thread (BMv2 runs ingress on one): "
-                  f"{_us(r['busiest_thread_us_per_packet'])} per packet")
-        print(f"l2.p4, same {l2['frame_bytes']}-byte frames: {l2['pps']:.0f} packets/s "
-              f"(offered {l2['offered_pps']:.0f}/s), switch CPU "
-              f"{_us(l2['cpu_us_per_packet'])} per packet, busiest thread "
-              f"{_us(l2['busiest_thread_us_per_packet'])}")
-        print(f"BMv2 build: {result['bmv2_build']}")
-        if sweep:
-            points = [(thc["lanes"], thc["pps"])]
-            result["lanes_sweep"] = [{"lanes": thc["lanes"], "pps": thc["pps"],
-                                      "us_per_packet": 1e6 / thc["pps"]}]
-            with tempfile.TemporaryDirectory(prefix="thc-lanes-") as tmp:
-                for lanes in sweep:
-                    build = Path(tmp) / f"lanes{lanes}"
-                    compile_s = build_variant(build, lanes=lanes)
-                    r = bench_thc(args, build, f"thc.p4 variant, {lanes} lanes")
-                    points.append((lanes, r["pps"]))
-                    result["lanes_sweep"].append({"lanes": lanes, "pps": r["pps"],
-                                                  "us_per_packet": 1e6 / r["pps"],
-                                                  "compile_seconds": compile_s})
-                    print(f"variant {lanes} lanes: {r['pps']:.0f} packets/s "
-                          f"({1e6 / r['pps']:.0f} us/packet)")
-            import numpy as np
-            x = np.array([p[0] for p in points], float)
-            y = np.array([1e6 / p[1] for p in points])
-            slope, intercept = np.polyfit(x, y, 1)
-            result["us_per_lane"] = float(slope)
-            result["us_fixed_per_packet"] = float(intercept)
-            result["us_per_packet_l2"] = 1e6 / l2["pps"]
-            print(f"per lane: {slope:.2f} us, fixed: {intercept:.0f} us per packet "
-                  f"(l2.p4: {1e6 / l2['pps']:.0f} us per packet)")
+        _show(runs, l2, result["bmv2_build"])
+        if args.lanes_sweep:
+            result.update(_lanes_sweep(args, thc, l2))
     except (SwitchError, RuntimeError, OSError) as e:
         print(f"thc bench switch: {e}", file=sys.stderr)
         return 1

@@ -134,3 +134,22 @@ def test_a_cluster_file_nested_too_deeply_is_a_config_error(tmp_path, capsys):
     deep.write_text("[" * 100000 + "]" * 100000)
     assert cli.run(_parse("install", "--config", str(deep))) == 1
     assert "nested too deeply for a cluster file" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--sum-bits", "12"], "--sum-bits takes widths from"),
+    (["--workers", "40", "--sum-bits", "8"], "--workers 40 --pool 256 --sum-bits 8:"),
+    (["--lanes-sweep", "7"], "--lanes-sweep 7:"),
+])
+def test_bench_switch_refuses_what_it_cannot_run_before_any_switch(argv, message, monkeypatch,
+                                                                   capsys):
+    """Usage errors end at once with exit 2 and the flag named, BMv2 present or not."""
+    from thc.controller import bench, toolchain
+
+    monkeypatch.setattr(toolchain, "bmv2_missing", lambda program: None)
+    monkeypatch.setattr(toolchain, "p4c_missing", lambda: None)
+    monkeypatch.setattr(bench, "bench_thc", lambda *a: pytest.fail("a switch was started"))
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    assert bench.run(parser.parse_args(argv)) == 2
+    assert message in capsys.readouterr().err

@@ -146,7 +146,7 @@ def _halt(until: str, rank: int, rounds: int, wait: float) -> float:
     return rounds if stop == float("inf") else stop
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     worker.add_arguments(ap, process_group=False)
     ap.add_argument("--numel", type=int, default=1 << 20)
@@ -175,7 +175,37 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--start-delay must not be negative")
     if args.late_round < 0:
         ap.error("--late-round must not be negative")
+    return args
 
+
+def _out_of_step_socket(args, job) -> tuple[OutOfStepSocket | None, dict]:
+    """With --out-of-step, the worker's own socket that injects MAX packets, and the client
+    options it needs (the Python datapath sends through it); else none."""
+    if not args.out_of_step:
+        return None, {}
+    me = job.worker(args.rank)
+    sock = OutOfStepSocket(args.out_of_step, job.lanes, args.seed + args.rank)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 8 << 20)
+    sock.bind((me.ip, me.port))
+    return sock, {"datapath": "python"}
+
+
+def _mismatches(args, job, result, shift: int, ref: np.ndarray,
+                bounded: bool) -> tuple[int, np.ndarray]:
+    """A round's sums unlike the reference's (under a loss bound, the reference of the
+    workers each chunk's bitmap names), and its sums in the reference's order."""
+    got = result.sums[: args.numel]
+    sums = np.roll(got, -shift)   # the reference's order: digests compare
+    if not bounded:
+        return int(np.count_nonzero(sums != ref)), sums
+    want = bitmap_reference(job.table, job.n_workers, args.seed, args.numel, job.lanes,
+                            result.bitmaps, shift)
+    return bitmap_mismatches(got, want, result.counts, result.bitmaps, job.lanes), sums
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
     cluster = Cluster.load(args.config)
     job = cluster.jobs[0]
     idx = np.zeros(padded(args.numel, job.lanes), dtype=np.uint8)
@@ -183,14 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     impair = Impairment.from_args(args, seed=args.rank)
     ref = reference_sums(job.table, job.n_workers, args.seed, args.numel)
     mismatches, rounds, sums = 0, 0, np.zeros(0, ref.dtype)   # no round: no reference digest
-    sock, extra = None, {}
-    if args.out_of_step:
-        me = job.worker(args.rank)
-        sock = OutOfStepSocket(args.out_of_step, job.lanes, args.seed + args.rank)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 8 << 20)
-        sock.bind((me.ip, me.port))
-        extra["datapath"] = "python"
+    sock, extra = _out_of_step_socket(args, job)
     with worker.client_from_args(args, cluster=cluster, impair=impair, sock=sock,
                                  **extra) as client:
         bounded = client.loss_bound > 0
@@ -208,15 +231,8 @@ def main(argv: list[str] | None = None) -> int:
                 shift = round_shift(rounds, args.numel)
                 idx[: args.numel] = np.roll(mine, shift)
                 last = client.reduce(pack_bits(idx, P.INDEX_BITS))
-                got = last.sums[: args.numel]
-                sums = np.roll(got, -shift)   # the reference's order: digests compare
-                if bounded:
-                    counts, bitmaps = last.counts, last.bitmaps
-                    want = bitmap_reference(job.table, job.n_workers, args.seed, args.numel,
-                                            job.lanes, bitmaps, shift)
-                    mismatches += bitmap_mismatches(got, want, counts, bitmaps, job.lanes)
-                else:
-                    mismatches += int(np.count_nonzero(sums != ref))
+                wrong, sums = _mismatches(args, job, last, shift, ref, bounded)
+                mismatches += wrong
                 rounds += 1
         except Exception as e:  # noqa: BLE001 - any failure reports the mismatches found so far
             # (a worker that took a wrong sum and then failed otherwise printed no line, and
