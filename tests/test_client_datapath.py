@@ -700,3 +700,12 @@ def test_a_max_round_under_a_loss_bound_resends_rather_than_flushes(job, datapat
         assert c.stats.compiled_rounds == (datapath == "compiled")
     assert P.PktType.FLUSH not in seen and c.stats.flushed == 0 and c.stats.retransmitted >= 1
     np.testing.assert_array_equal(r.sums, values)
+
+
+def test_an_empty_round_sends_nothing_and_returns_empty_sums(job, datapath):
+    """reduce() and max() of nothing: no chunk, no wait, empty sums (max() raised numpy's
+    reshape error)."""
+    with AggregationClient(job, 0, ("127.0.0.1", 9), run=1) as c:
+        assert c.reduce(np.zeros(0, np.uint8)).sums.size == 0
+        assert c.max(np.zeros(0, np.float32)).size == 0
+        assert c.stats.sent == 0

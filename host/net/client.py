@@ -298,8 +298,8 @@ class AggregationClient:
         padded = np.zeros(n_chunks * P.MAX_LANES, dtype=">u4")
         padded[: u.size] = u
         out = np.zeros((n_chunks, P.MAX_LANES), dtype=np.uint32)
-        r = self._stream(P.PktType.MAX, padded.reshape(n_chunks, -1).view(np.uint8).reshape(
-            n_chunks, -1), out, 0, P.MAX_LANES, np.dtype(">u4"))
+        chunks = padded.view(np.uint8).reshape(n_chunks, P.MAX_LANES * 4)
+        r = self._stream(P.PktType.MAX, chunks, out, 0, P.MAX_LANES, np.dtype(">u4"))
         r.sums = P.ordered_u32_to_floats(out.reshape(-1)[: u.size].astype(np.uint32))
         return r
 
