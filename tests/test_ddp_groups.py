@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import time
+import warnings
 from datetime import timedelta
 
 import pytest
@@ -33,6 +34,38 @@ def test_a_hook_on_a_smaller_group_that_overlaps_needs_a_group_made_by_every_ran
         assert FP32Hook(model, group=replicas, comm_group=own).group is own
         world = FP32Hook(model).group
         assert world is not None and world is not dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
+
+
+def test_hook_options_are_checked_when_made():
+    """A bare string was read as its characters ("bias": every parameter whose name holds an
+    "i", a "s", ... stayed FP32, compressing nothing), a name of another type failed inside
+    DDP's backward, and a negative min_numel was taken."""
+    from thc.collective.ddp import HookOptions
+    assert HookOptions(uncompressed=["bias", "bn"]).uncompressed == ("bias", "bn")
+    for bad in ("bias", (1,), ("bias", ""), None):
+        with pytest.raises(TypeError, match="tuple of parameter-name substrings"):
+            HookOptions(uncompressed=bad)
+    for bad in (-5, 2.5, True):
+        with pytest.raises(ValueError, match="min_numel takes a count"):
+            HookOptions(min_numel=bad)
+
+
+def test_a_comm_group_that_waits_longer_than_the_hooks_group_is_warned_of():
+    """``dist.new_group(ranks)`` takes torch's default timeout (30 minutes), not the world's:
+    a stalled rank then held the hook's collectives that long."""
+    from thc.collective.ddp import FP32Hook
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port_block(1)}",
+                            rank=0, world_size=1, timeout=timedelta(seconds=30))
+    try:
+        model = torch.nn.Linear(2, 2)
+        with pytest.warns(RuntimeWarning, match="comm_group waits 0:30:00 for a peer, the "
+                                                "hook's group 0:00:30"):
+            FP32Hook(model, comm_group=dist.new_group([0]))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            FP32Hook(model, comm_group=dist.new_group([0], timeout=timedelta(seconds=30)))
     finally:
         dist.destroy_process_group()
 
@@ -246,12 +279,15 @@ def _unlike_settings_worker(base, rank, port, q):
     client = AggregationClient(job, rank, ("127.0.0.1", base + 2), run=7 if rank == 0 else None)
     both = dist.new_group([0, 1])
     mine = dist.new_group([0, 1])
+    first, second = dist.new_group([0, 1]), dist.new_group([0, 1])
 
     def reducer(group):
         return THCAllReduce.through_torch_distributed(group, params=params)
     cases = {"overlap": lambda m: THCHook(m, reducer, overlap=rank == 0),
              "comm_group": lambda m: THCHook(m, reducer, group=both,
                                              comm_group=mine if rank == 0 else None),
+             "which_comm_group": lambda m: THCHook(m, reducer, group=both,
+                                                   comm_group=first if rank == 0 else second),
              "nonfinite": lambda m: TopKHook(m, nonfinite="propagate" if rank else "hand on"),
              "ratio": lambda m: TopKHook(m, ratio=0.0 if rank else 0.5),
              "factory_group": lambda m: THCHook(m, lambda group: THCAllReduce.through_aggregator(
@@ -286,11 +322,15 @@ def test_ranks_unlike_in_a_hooks_settings_or_their_run_ids_all_raise_at_once():
     client only left the other rank alone in the run's agreement until the group's timeout,
     and no error named the cause. So did a TopK ratio refused on one rank (checked after the
     agreement). An aggregator reducer built on another group than the one its factory was
-    given would agree its run there, from the hook's thread, beside backward's collectives."""
+    given would agree its run there, from the hook's thread, beside backward's collectives.
+    Ranks that passed different groups as comm_group waited in their first bucket until the
+    group's timeout."""
     res = gloo_pair(functools.partial(_unlike_settings_worker, free_port_block(3)))
     refused = "failed before this round's collectives"
-    expected = {"overlap": ("overlap, comm_group or nonfinite",) * 2,
+    alike = "overlap, comm_group (which group) or nonfinite"
+    expected = {"overlap": (alike,) * 2,
                 "comm_group": (refused, "overlaps backward runs its collectives on a group"),
+                "which_comm_group": (alike,) * 2,
                 "nonfinite": ("nonfinite must be one of", refused),
                 "ratio": (refused, "TopK ratio must be in (0, 1]"),
                 "factory_group": ("collectives run on another process group",) * 2,

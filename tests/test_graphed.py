@@ -649,6 +649,21 @@ def test_a_hook_that_wants_priority_classes_refuses_a_graphed_reducer():
         dist.destroy_process_group()
 
 
+def test_a_hook_that_wants_priority_classes_refuses_a_reducer_over_torch_distributed():
+    """An eager reducer over torch.distributed has no chunks to mark: priorities=True did
+    nothing, unsaid."""
+    from thc.collective.allreduce import THCAllReduce
+    from thc.collective.ddp import THCHook
+    _group()
+    try:
+        hook = THCHook(torch.nn.Linear(4, 4), lambda group: THCAllReduce.through_torch_distributed(
+            group, params=P), priorities=True, overlap=False)
+        with pytest.raises(ValueError, match=r"this reducer's \(DistTransport\) carries none"):
+            hook.reduce("bucket", torch.ones(1024), [1024], position=torch.zeros(1024))
+    finally:
+        dist.destroy_process_group()
+
+
 @kernels
 def test_a_graphed_reducer_holds_its_group_for_its_round_as_an_eager_one_does(monkeypatch):
     """A graphed reducer beside an eager one on one group, each on a thread of its own

@@ -316,6 +316,33 @@ def test_the_hook_raises_a_refusal_its_reducers_hold():
         dist.destroy_process_group()
 
 
+@kernels
+def test_a_steps_refusal_is_raised_with_every_buckets_at_once():
+    """Every bucket of a step refused (a NaN reaches them all): the first bucket of the next
+    step raised its own refusal, DDP left that step's later buckets alone, and each raised
+    its own one step later: one bad step cost a step a bucket. The first now raises them
+    all, and the step after is clean."""
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_tcp_port()}",
+                            rank=0, world_size=1)
+    try:
+        hook = THCHook(torch.nn.Linear(4, 4), lambda group: _pair()[1], overlap=False)
+        buckets = [_pair()[1] for _ in range(3)]
+        for b, ar in enumerate(buckets):
+            hook.reducers[(b, 1024)] = ar
+            _peers_say([ar], 3)   # another round's tags: refused, the refusal deferred
+            ar(_x(5))
+        assert all(ar.owes_check for ar in buckets)
+        with pytest.raises(RuntimeError, match="3 buckets' rounds were refused"):
+            hook.reduce(0, _x(6), [1024])
+        assert not any(ar.owes_check for ar in buckets)
+        for b, ar in enumerate(buckets):
+            _peers_say([ar], ar.round)
+            assert hook.reduce(b, _x(7), [1024]).abs().sum() > 0
+        hook.check()
+    finally:
+        dist.destroy_process_group()
+
+
 def _gloo_worker(rank, port, q):
     join_gloo(rank, port)
     ar = GraphedAllReduce.through_torch_distributed(params=P, generator=rank,

@@ -75,6 +75,10 @@ class THCHook(BaseHook):
         if self.wants_positions and isinstance(ar, GraphedAllReduce):
             raise ValueError("priorities=True marks chunks with DLCP classes, which travel "
                              "through an aggregator's transport: a graphed round uses none")
+        if self.wants_positions and getattr(ar.transport, "lanes", None) is None:
+            raise ValueError("priorities=True marks chunks with DLCP classes, which travel "
+                             "through an aggregator's transport: this reducer's "
+                             f"({type(ar.transport).__name__}) carries none")
         return ar
 
     @property
@@ -92,11 +96,11 @@ class THCHook(BaseHook):
                   if ar.transport.short_chunks is not None]
         return sum(counts) if counts else None
 
-    def check(self) -> None:
+    def check(self, first: Exception | None = None) -> None:
         """Raise a refusal that reducers with deferred checks (``GraphedAllReduce(
         deferred_checks=True)``) still hold: call it after the last step (else the process's
-        end only warns of it)."""
-        errors = []
+        end only warns of it). ``first``: one already read, raised with the others."""
+        errors = [] if first is None else [first]
         for ar in list(self.reducers.values()):
             if isinstance(ar, GraphedAllReduce):
                 try:
@@ -118,6 +122,14 @@ class THCHook(BaseHook):
             ar = self.reducers[key] = self._build(self._reducer, flat.numel(), flat.device)
         before = ar.transport.bytes_sent
         self._count_round(ar, stretches)
+        if isinstance(ar, GraphedAllReduce) and ar.owes_check:
+            try:
+                ar.check()
+            except Exception as e:  # noqa: BLE001 - raised with the other buckets'
+                # the last step's refusal, read alike on every rank: its other buckets' are
+                # raised with it, as this step's later buckets are not reduced (each would
+                # raise its own a step later)
+                self.check(first=e)
         out = ar(flat, position=position)
         self.bytes_sent += ar.transport.bytes_sent - before
         return out

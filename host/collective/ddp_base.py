@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import threading
 import time
+import warnings
 import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, fields, is_dataclass
@@ -53,6 +54,20 @@ class HookOptions:
     """Parameter-name substrings whose gradients are all-reduced in FP32 (e.g. "bias", "bn")."""
     min_numel: int = 0
     """Parameters with fewer elements than this stay uncompressed."""
+
+    def __post_init__(self):
+        """Checked here, not at the first backward: a bare string would be read as its
+        characters ("bias": every name holding an "i" or an "s" left uncompressed)."""
+        names = self.uncompressed
+        if isinstance(names, (str, bytes)) or not isinstance(names, (tuple, list)) \
+                or not all(isinstance(n, str) and n for n in names):
+            raise TypeError(f"HookOptions.uncompressed takes a tuple of parameter-name "
+                            f"substrings, got {names!r} (one name: ({names!r},))")
+        object.__setattr__(self, "uncompressed", tuple(names))
+        if isinstance(self.min_numel, bool) or not isinstance(self.min_numel, int) \
+                or self.min_numel < 0:
+            raise ValueError(f"HookOptions.min_numel takes a count of elements (an int, 0 or "
+                             f"more), got {self.min_numel!r}")
 
 
 def layer_positions(model: torch.nn.Module) -> dict[int, float]:
@@ -122,6 +137,12 @@ _CLIENTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _check_client`)."""
 
 
+def _group_name(group) -> str | None:
+    """A process group's name, alike on every rank that made its groups in the same order:
+    ranks that pass different groups as ``comm_group`` are told apart (None: no group)."""
+    return None if group is None else getattr(group, "group_name", "")
+
+
 def _tensors_in(output) -> list[torch.Tensor] | None:
     """The tensors of a forward's output (nested lists, tuples, dicts, dataclasses); None
     where it holds an object of another kind, which may hold tensors unseen."""
@@ -162,7 +183,8 @@ class BaseHook:
         hook's own (see the module docstring): for the whole world one is made here, as
         every rank of the world constructs its hooks in the same order (torch makes a group
         only where every rank of the world joins); for a smaller group, pass one made so
-        (``dist.new_group(ranks)`` on every rank), or ``overlap=False``. ``nonfinite``: the
+        (``dist.new_group(ranks, timeout=...)`` on every rank, with the timeout of ``group``: a
+        timeout of its own is warned of), or ``overlap=False``. ``nonfinite``: the
         hook's own mode (:data:`thc.collective.agreement.NONFINITE`), where it has one. Every
         rank checks these settings, and that the others' are alike, in one agreement: a rank
         whose settings fail makes every rank raise."""
@@ -177,9 +199,10 @@ class BaseHook:
         # new_group, or collectives on different groups, until the timeout
         sent = agreement.together(
             group, 0, agreement.key_of("hook", type(self).__name__, overlap,
-                                       comm_group is not None, nonfinite),
+                                       _group_name(comm_group), nonfinite),
             device_of(group, model), failure,
-            alike="the hook's kind (THCHook, FP32Hook, ...), overlap, comm_group or nonfinite")
+            alike="the hook's kind (THCHook, FP32Hook, ...), overlap, comm_group (which group) or "
+                  "nonfinite")
         self.group = comm_group if comm_group is not None else \
             dist.new_group(timeout=group_timeout(group)) if overlap else group
         """The process group of the hook's collectives."""
@@ -246,17 +269,25 @@ class BaseHook:
         if comm_group is None and overlap and group is not None:
             raise ValueError("a hook that overlaps backward runs its collectives on a group "
                              "of its own, which every rank of the world must make alike: "
-                             "pass comm_group=dist.new_group(ranks) made on every rank, or "
+                             "pass comm_group=dist.new_group(ranks, timeout=...) made on every "
+                             "rank, or "
                              "overlap=False")
         if comm_group is not None and dist.get_world_size(comm_group) != self.world:
             raise ValueError(f"comm_group holds {dist.get_world_size(comm_group)} ranks, the "
                              f"hook's group {self.world}")
+        if comm_group is not None:
+            own, parent = group_timeout(comm_group), group_timeout(group)
+            if own is not None and parent is not None and own != parent:
+                warnings.warn(f"comm_group waits {own} for a peer, the hook's group {parent}: "
+                              f"a stalled rank ends the hook's collectives after {own} (make "
+                              f"it with dist.new_group(ranks, timeout=...))", RuntimeWarning,
+                              stacklevel=4)
         if overlap and comm_group is not None:
             owner = _OWNERS.get(comm_group)
             if owner is not None and owner() is not None:
                 raise ValueError("comm_group carries another hook's collectives: each hook "
                                  "that overlaps backward needs a group of its own "
-                                 "(dist.new_group(ranks) made on every rank)")
+                                 "(dist.new_group(ranks, timeout=...) made on every rank)")
 
     def step_breakdown(self) -> StepBreakdown:
         """The communication of the buckets reduced since the last call (call once a step)."""

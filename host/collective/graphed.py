@@ -380,6 +380,12 @@ class GraphedAllReduce:
         if getattr(self, "_pending", None) is not None:
             _tell_unread(self, "its reducer was dropped")
 
+    @property
+    def owes_check(self) -> bool:
+        """Whether a round's deferred checks are still to be read (by the next call or
+        :meth:`check`)."""
+        return self._pending is not None
+
     def check(self) -> None:
         """Raise what refused the last round whose checks were deferred, once it has run
         (waiting at most until its deadline); nothing to do otherwise."""
