@@ -21,7 +21,7 @@ from thc.codec.common import (NonFiniteInput, as_float32, cast_estimate, check_f
                               check_generator, check_key, norm_limit)
 from thc.codec.params import THCParams
 from thc.codec.thc import ErrorFeedback, THCCodec, table_values
-from thc.collective import agreement
+from thc.collective import agreement, checkpoint
 from thc.collective.transports import AggregatorTransport, DistTransport, Short, holding
 from thc.collective.worker import device_of
 from thc.net.priority import magnitude_rank, priority_class
@@ -130,6 +130,18 @@ class THCAllReduce:
         """Take round ``rnd`` next where it is ahead (rounds never go back: each draws its
         own rotation and rounding); a DDP hook's ``no_sync`` count (``BaseHook._count_round``)."""
         self.round = max(self.round, int(rnd))
+
+    def state_dict(self) -> dict:
+        """What a restarted worker needs to go on as this reducer would (:mod:`thc.collective.
+        checkpoint`): its next round and a copy of its error-feedback residual."""
+        return checkpoint.state(self.round, self.feedback.residual if self.feedback else None)
+
+    def load_state_dict(self, state: dict) -> None:
+        """Take :meth:`state_dict`'s state before the first round."""
+        self.round, residual = checkpoint.loaded(state, self.round, self.feedback is not None,
+                                                 type(self).__name__)
+        if self.feedback is not None:
+            self.feedback.residual = residual
 
     @classmethod
     def through_aggregator(cls, client, params: THCParams | None = None, group=None, **kw):

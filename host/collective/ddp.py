@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from thc.codec.baselines import TopK
 from thc.codec.common import NonFiniteInput
-from thc.collective import agreement
+from thc.collective import agreement, checkpoint
 from thc.collective.allreduce import THCAllReduce
 from thc.collective.ddp_base import BaseHook, HookOptions, layer_positions
 from thc.collective.graphed import GraphedAllReduce
@@ -120,6 +120,7 @@ class THCHook(BaseHook):
         if ar is None:
             self.check()   # the reducers of buckets DDP rebuilt take no further rounds
             ar = self.reducers[key] = self._build(self._reducer, flat.numel(), flat.device)
+            self._restore(key, ar)
         before = ar.transport.bytes_sent
         self._count_round(ar, stretches)
         if isinstance(ar, GraphedAllReduce) and ar.owes_check:
@@ -157,9 +158,29 @@ class TopKHook(BaseHook):
     def rescale_residuals(self, factor: float) -> None:
         self.scheme.rescale(factor)
 
+    def state_dict(self) -> dict:
+        """As :meth:`BaseHook.state_dict`: each bucket's residual, and the rounds so far."""
+        return {"hook": type(self).__name__, "calls": self._calls,
+                "buckets": {checkpoint.named(key, self._names): r.detach().clone()
+                            for key, r in self.scheme.residuals.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        calls = state.get("calls")
+        if isinstance(calls, bool) or not isinstance(calls, int) or calls < 0 or not all(
+                isinstance(r, torch.Tensor) for r in self._loaded.values()):
+            self._loaded = {}
+            raise ValueError("not a TopKHook's state: its rounds (an int) and a residual "
+                             "tensor a bucket")
+        self._calls = calls
+
     def reduce(self, bucket, flat: torch.Tensor, sizes: list[int],
                position: torch.Tensor | None = None, stretches: int = 0) -> torch.Tensor:
         key = (bucket, flat.numel())
+        if key not in self.scheme.residuals and self._loaded:
+            saved = self._loaded.pop(checkpoint.named(key, self._names), None)
+            if saved is not None:
+                self.scheme.residuals[key] = saved.to(flat.device)
         before = self.scheme.residuals.get(key)
         failure = None
         try:
@@ -230,6 +251,7 @@ class MarsitHook(BaseHook):
         if ar is None:
             ar = self.reducers[key] = self._build(self.make_allreducer, flat.numel(),
                                                   flat.device)
+            self._restore(key, ar)
         before = ar.bytes_sent
         self._count_round(ar, stretches)
         out = ar(flat, sizes)

@@ -42,7 +42,7 @@ import torch.distributed as dist
 from torch.autograd.graph import register_multi_grad_hook
 
 from thc.codec.common import scale_factor
-from thc.collective import agreement
+from thc.collective import agreement, checkpoint
 from thc.collective.transports import DistTransport, ring_bytes, run_agreement_deferred
 from thc.collective.worker import device_of
 from thc.collective.torchgaps import group_timeout
@@ -261,6 +261,9 @@ class BaseHook:
         has none, and counts as live)."""
         self._comm = 0.0
         self._last_call = self._last_done = 0.0
+        self._loaded: dict = {}
+        """Per bucket (:func:`checkpoint.named`), a state :meth:`load_state_dict` took, which
+        the bucket's reducer takes when it is built."""
 
     def _check_settings(self, overlap: bool, comm_group, group, nonfinite) -> None:
         """Raise on this rank if its hook's settings cannot work (see :meth:`__init__`)."""
@@ -288,6 +291,35 @@ class BaseHook:
                 raise ValueError("comm_group carries another hook's collectives: each hook "
                                  "that overlaps backward needs a group of its own "
                                  "(dist.new_group(ranks, timeout=...) made on every rank)")
+
+    def state_dict(self) -> dict:
+        """Every bucket's reducer state (:mod:`thc.collective.checkpoint`), by its parameters'
+        names: save it beside the model's on every rank (``torch.save``), once a step is
+        done, and give it to :meth:`load_state_dict` of the hook built anew."""
+        return {"hook": type(self).__name__,
+                "buckets": {checkpoint.named(key, self._names): ar.state_dict()
+                            for key, ar in self.reducers.items()
+                            if callable(getattr(ar, "state_dict", None))}}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Take :meth:`state_dict`'s states before the first step: each bucket's reducer
+        takes its own when it is built. A bucket whose parameters no saved bucket holds (DDP
+        buckets the first iteration apart from the later ones) starts afresh."""
+        if not isinstance(state, dict) or state.get("hook") != type(self).__name__:
+            raise ValueError(f"not a {type(self).__name__}'s state (its state_dict()), got "
+                             f"{state.get('hook') if isinstance(state, dict) else state!r:.60}")
+        if not isinstance(state.get("buckets"), dict):
+            raise ValueError(f"a {type(self).__name__}'s state holds its buckets' states (a "
+                             f"dict), got {type(state.get('buckets')).__name__}")
+        if self.reducers or self._backwards:
+            raise ValueError("a hook's state is loaded before its first step")
+        self._loaded = dict(state["buckets"])
+
+    def _restore(self, key: tuple, reducer) -> None:
+        """Give the reducer just built for bucket ``key`` its loaded state, if any."""
+        saved = self._loaded.pop(checkpoint.named(key, self._names), None)
+        if saved is not None:
+            reducer.load_state_dict(saved)
 
     def step_breakdown(self) -> StepBreakdown:
         """The communication of the buckets reduced since the last call (call once a step)."""

@@ -71,7 +71,7 @@ from thc.codec.common import (NORM_MARK, STATUS_WORDS, WHOLE, NonFiniteInput, as
                               scale_factor)
 from thc.codec.params import THCParams
 from thc.codec.thc import THCCodec, check_feedback
-from thc.collective import agreement, replay
+from thc.collective import agreement, checkpoint, replay
 from thc.collective.allreduce import RoundStats
 from thc.collective.transports import DistTransport, holding
 from thc.collective.worker import device_of
@@ -194,6 +194,8 @@ class GraphedAllReduce:
         self.graph = None
         self._warm = False
         self._bufs: _Buffers | None = None
+        self._loaded: torch.Tensor | None = None
+        """A residual loaded before the buffers were made (:meth:`load_state_dict`)."""
         self._agreed = False
         """Whether the workers agreed on this reducer's size (:meth:`_agree_size`)."""
         self._round_bytes = 0
@@ -212,6 +214,18 @@ class GraphedAllReduce:
     @property
     def n_workers(self) -> int:
         return self.transport.n_workers
+
+    def state_dict(self) -> dict:
+        """As :meth:`THCAllReduce.state_dict`; the residual as the rounds keep it, padded
+        (read once the rounds launched so far are done)."""
+        b = self._bufs
+        return checkpoint.state(self.round, b.residual if b is not None else self._loaded)
+
+    def load_state_dict(self, state: dict) -> None:
+        """As :meth:`THCAllReduce.load_state_dict`: the residual is copied into the rounds'
+        buffer when the first call makes it."""
+        self.round, self._loaded = checkpoint.loaded(state, self.round, self.error_feedback,
+                                                     type(self).__name__)
 
     def rescale_residual(self, factor: float) -> None:
         """As :meth:`THCAllReduce.rescale_residual`: in place (the graph reads the buffer at
@@ -242,16 +256,21 @@ class GraphedAllReduce:
         if b is None:
             n, dev = self._padded(flat.numel(), flat), flat.device
             ef = self.error_feedback
+            if self._loaded is not None and self._loaded.numel() != n:
+                raise ValueError(f"the loaded residual holds {self._loaded.numel()} elements, "
+                                 f"this tensor's rounds {n} (padded)")
             b = self._bufs = _Buffers(
                 flat.numel(), flat.dtype,
                 torch.zeros(n, dtype=torch.float32 if ef else flat.dtype, device=dev),
-                torch.zeros(n, device=dev) if ef else None,
+                (torch.zeros(n, device=dev) if self._loaded is None else
+                 self._loaded.to(dev, torch.float32)) if ef else None,
                 torch.empty(n, device=dev),
                 torch.full((1,), self.round - 1, dtype=torch.int64, device=dev),
                 torch.zeros(REPORT_LANES, dtype=torch.float64, device=dev),
                 torch.zeros((), dtype=torch.bool, device=dev),
                 torch.zeros((), dtype=torch.bool, device=dev),
                 torch.zeros(REPORT_LANES, dtype=torch.float64, pin_memory=dev.type == "cuda"))
+            self._loaded = None
         elif (b.numel, b.dtype, b.x.device) != (flat.numel(), flat.dtype, flat.device):
             raise ValueError(f"a graphed all-reduce serves one tensor: {b.numel} {b.dtype} "
                              f"on {b.x.device}, got {flat.numel()} {flat.dtype} on "

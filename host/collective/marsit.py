@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from thc.codec.common import NonFiniteInput, as_float32, check_float, scale_factor
 from thc.codec.packing import pack_bits, unpack_bits
-from thc.collective import agreement
+from thc.collective import agreement, checkpoint
 from thc.collective.transports import DistTransport, rank_in, ring_bytes, round_lock
 from thc.collective.worker import device_of
 
@@ -106,6 +106,16 @@ class _SignAllReduce:
         """Take round ``rnd`` next where it is ahead (rounds never go back: each draws its
         own rotation and rounding); a DDP hook's ``no_sync`` count (``BaseHook._count_round``)."""
         self.round = max(self.round, int(rnd))
+
+    def state_dict(self) -> dict:
+        """What a restarted worker needs to go on as this reducer would (:mod:`thc.collective.
+        checkpoint`): its next round and a copy of its compensation residual."""
+        return checkpoint.state(self.round, self.residual)
+
+    def load_state_dict(self, state: dict) -> None:
+        """Take :meth:`state_dict`'s state before the first round."""
+        self.round, self.residual = checkpoint.loaded(state, self.round, self.compensation,
+                                                      type(self).__name__)
 
     def _group_now(self):
         return self.group if self.group is not None else dist.group.WORLD

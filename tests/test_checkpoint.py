@@ -1,0 +1,170 @@
+"""A reducer's and a DDP hook's state saved and loaded (thc.collective.checkpoint): a job
+restarted from a checkpoint with it goes on bit for bit as the run it resumes; without it, its
+residuals and round counts start afresh and the sums differ."""
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from tests.test_codec_kernels import DEV, kernels
+from thc.codec.thc import THCParams
+from thc.collective import checkpoint
+from thc.collective.allreduce import THCAllReduce
+from thc.collective.ddp import MarsitHook, THCHook, TopKHook
+from thc.collective.graphed import GraphedAllReduce
+from thc.collective.marsit import MarsitAllReduce
+from thc.testing.clusters import free_tcp_port
+
+P = THCParams(slice_size=256)
+
+
+@pytest.fixture
+def world():
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_tcp_port()}",
+                            rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def _saved(state: dict) -> dict:
+    """``state`` through torch.save and torch.load, as a checkpoint carries it."""
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    buf.seek(0)
+    return torch.load(buf)
+
+
+def _inputs(rounds: int, n: int = 3 * 256 + 200, device="cpu"):
+    gen = torch.Generator().manual_seed(7)
+    return [torch.randn(n, generator=gen).to(device) for _ in range(rounds)]
+
+
+def _resumed(make, device="cpu") -> tuple[list, list, list]:
+    """Three rounds of a reducer, then two more; and the same two from a reducer built anew,
+    with the first one's saved state and without it."""
+    xs = _inputs(5, device=device)
+    first = make()
+    for x in xs[:3]:
+        first(x)
+    state = _saved(first.state_dict())
+    went_on = [first(x) for x in xs[3:]]
+    restored = make()
+    restored.load_state_dict(state)
+    fresh = make()
+    return went_on, [restored(x) for x in xs[3:]], [fresh(x) for x in xs[3:]]
+
+
+@pytest.mark.parametrize("make", [
+    lambda: THCAllReduce.through_torch_distributed(params=P, generator=11),
+    lambda: MarsitAllReduce(None, torch.Generator().manual_seed(3)),
+], ids=["thc", "marsit"])
+def test_a_reducer_restored_goes_on_as_the_one_saved(world, make):
+    went_on, restored, fresh = _resumed(make)
+    for a, b in zip(went_on, restored):
+        assert torch.equal(a, b)
+    assert not all(torch.equal(a, c) for a, c in zip(went_on, fresh))
+
+
+@kernels
+def test_a_graphed_reducer_restored_goes_on_as_the_one_saved(world):
+    """Its residual is loaded into the rounds' buffer when the first call makes it."""
+    went_on, restored, fresh = _resumed(
+        lambda: GraphedAllReduce.through_torch_distributed(params=P, generator=11,
+                                                          capture=False), DEV)
+    for a, b in zip(went_on, restored):
+        assert torch.equal(a, b)
+    assert not all(torch.equal(a, c) for a, c in zip(went_on, fresh))
+    short = GraphedAllReduce.through_torch_distributed(params=P, generator=11, capture=False)
+    short.load_state_dict(checkpoint.state(3, torch.zeros(5)))
+    with pytest.raises(ValueError, match="loaded residual holds 5 elements"):
+        short(_inputs(1, device=DEV)[0])
+
+
+def test_a_state_that_cannot_be_taken_is_refused(world):
+    ar = THCAllReduce.through_torch_distributed(params=P, generator=11)
+    for bad, message in (({"round": -1, "residual": None}, "round must be an int"),
+                         ({"round": 2}, "not a reducer's state"),
+                         ({"round": 2, "residual": torch.zeros(3, 3)}, "1-D floating-point"),
+                         ({"round": 2, "residual": [0.0]}, "1-D floating-point")):
+        with pytest.raises(ValueError, match=message):
+            ar.load_state_dict(bad)
+    plain = THCAllReduce.through_torch_distributed(params=P, error_feedback=False)
+    with pytest.raises(ValueError, match="keeps none"):
+        plain.load_state_dict(checkpoint.state(2, torch.zeros(4)))
+    ar(_inputs(1)[0])
+    with pytest.raises(ValueError, match="before the first round"):
+        ar.load_state_dict(checkpoint.state(0, None))
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(40, 300), torch.nn.ReLU(),
+                               torch.nn.Linear(300, 10))
+
+
+HOOKS = {
+    "thc": lambda m: THCHook(m, lambda group: THCAllReduce.through_torch_distributed(
+        group, params=P, generator=11), overlap=False),
+    "topk": lambda m: TopKHook(m, ratio=0.05, overlap=False),
+    "marsit": lambda m: MarsitHook(m, generator=torch.Generator().manual_seed(3),
+                                   overlap=False),
+}
+
+
+def _steps(ddp, model, xs) -> list[list[torch.Tensor]]:
+    grads = []
+    for x in xs:
+        model.zero_grad()
+        ddp(x).pow(2).mean().backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+    return grads
+
+
+@pytest.mark.parametrize("kind", sorted(HOOKS))
+def test_a_hook_restored_from_a_checkpoint_goes_on_as_the_run_it_resumes(world, kind):
+    """Four steps, a checkpoint, two more; then the model and hook built anew from the
+    checkpoint go on from it. The states follow the buckets' parameters: DDP buckets its
+    first iteration apart from the later ones, so the restored hook's first step takes the
+    states of the saved run's first-iteration buckets, and the steps after it those of its
+    later buckets."""
+    gen = torch.Generator().manual_seed(1)
+    xs = [torch.randn(16, 40, generator=gen) for _ in range(6)]
+    model = _model()
+    ddp = DDP(model, bucket_cap_mb=40 * 300 * 4 / 2 ** 20)
+    hook = HOOKS[kind](model).register(ddp)
+    _steps(ddp, model, xs[:4])
+    saved = _saved({"model": model.state_dict(), "hook": hook.state_dict()})
+    assert len(saved["hook"]["buckets"]) >= 2
+    went_on = _steps(ddp, model, xs[4:])
+
+    def resume(load: bool):
+        again = _model()
+        again.load_state_dict(saved["model"])
+        ddp_again = DDP(again, bucket_cap_mb=40 * 300 * 4 / 2 ** 20)
+        hook_again = HOOKS[kind](again)
+        if load:
+            hook_again.load_state_dict(saved["hook"])
+        hook_again.register(ddp_again)
+        _steps(ddp_again, again, xs[:1])     # DDP's first iteration buckets apart
+        return _steps(ddp_again, again, xs[4:])
+    for a, b in zip(went_on, resume(True)):
+        assert all(torch.equal(u, v) for u, v in zip(a, b))
+    assert not all(torch.equal(u, v) for a, b in zip(went_on, resume(False))
+                   for u, v in zip(a, b))
+
+
+def test_a_hooks_state_is_loaded_before_its_first_step_and_into_its_own_kind(world):
+    model = _model()
+    ddp = DDP(model)
+    hook = HOOKS["thc"](model).register(ddp)
+    with pytest.raises(ValueError, match="not a THCHook's state"):
+        hook.load_state_dict(HOOKS["topk"](model).state_dict())
+    with pytest.raises(ValueError, match="not a TopKHook's state"):
+        HOOKS["topk"](model).load_state_dict({"hook": "TopKHook", "calls": -1, "buckets": {}})
+    _steps(ddp, model, [torch.ones(2, 40)])
+    with pytest.raises(ValueError, match="before its first step"):
+        hook.load_state_dict(hook.state_dict())
