@@ -44,8 +44,12 @@ def test_hook_options_are_checked_when_made():
     DDP's backward, and a negative min_numel was taken."""
     from thc.collective.ddp import HookOptions
     assert HookOptions(uncompressed=["bias", "bn"]).uncompressed == ("bias", "bn")
-    for bad in ("bias", (1,), ("bias", ""), None):
-        with pytest.raises(TypeError, match="tuple of parameter-name substrings"):
+    assert HookOptions(uncompressed={"bias"}, min_numel=1e6) == HookOptions(
+        uncompressed=("bias",), min_numel=1_000_000)
+    with pytest.raises(TypeError, match=r"got 'bias' \(one name: \('bias',\)\)"):
+        HookOptions(uncompressed="bias")
+    for bad in ((1,), ("bias", ""), None):
+        with pytest.raises(TypeError, match="parameter-name substrings"):
             HookOptions(uncompressed=bad)
     for bad in (-5, 2.5, True):
         with pytest.raises(ValueError, match="min_numel takes a count"):

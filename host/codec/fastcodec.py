@@ -59,10 +59,10 @@ def on_cpu(x) -> bool:
 
 def as_numpy(x) -> np.ndarray:
     """A C-contiguous, aligned numpy view of a CPU tensor or array (a copy only when not
-    contiguous or, for an array over another buffer, not aligned to its type: the C code
-    reads through typed pointers)."""
-    if is_torch(x):
-        return x.detach().resolve_neg().contiguous().numpy()
+    contiguous or, over another buffer, not aligned to its type: the C code reads through
+    typed pointers, and refuses a misaligned buffer)."""
+    if is_torch(x):   # a tensor over another buffer may be misaligned too
+        return np.require(x.detach().resolve_neg().contiguous().numpy(), requirements="CA")
     return np.require(x, requirements="CA")
 
 

@@ -131,10 +131,15 @@ class THCAllReduce:
         own rotation and rounding); a DDP hook's ``no_sync`` count (``BaseHook._count_round``)."""
         self.round = max(self.round, int(rnd))
 
+    @property
+    def kept_residual(self) -> torch.Tensor | None:
+        """The error-feedback residual the next round adds (None: none yet, or no feedback)."""
+        return self.feedback.residual if self.feedback else None
+
     def state_dict(self) -> dict:
         """What a restarted worker needs to go on as this reducer would (:mod:`thc.collective.
         checkpoint`): its next round and a copy of its error-feedback residual."""
-        return checkpoint.state(self.round, self.feedback.residual if self.feedback else None)
+        return checkpoint.state(self.round, self.kept_residual)
 
     def load_state_dict(self, state: dict) -> None:
         """Take :meth:`state_dict`'s state before the first round."""

@@ -1,11 +1,18 @@
-"""What a reducer carries from one round to the next, saved and restored: its round count and
-its error-feedback residual. A training job restarted from a checkpoint without them starts
-every residual at zero and every round count at 0, and goes on unlike the run it resumes (the
-residual holds up to a few steps' rounding error); with them, it goes on as that run would.
+"""What a reducer carries from one round to the next, saved and restored. A training job
+restarted from a checkpoint without it starts every error-feedback residual at zero, and
+loses what they held (the error of the last rounds; for TopK, the coordinates not sent).
 
-Every worker saves and loads its own state. The round count is part of each round's
-agreement, so workers that loaded unlike states (one restored, one not) refuse their first
-round instead of summing different rounds' rotations.
+A reducer's state is its round count and its residual: a reducer restored from it goes on bit
+for bit as the one saved (given the same rounding key). Every worker saves and loads its own;
+the round count is part of each round's agreement, so workers that loaded unlike states (one
+restored, one not) refuse their first round instead of summing different rounds' rotations.
+
+A DDP hook's state is a residual per parameter, by name: DDP buckets its first iteration
+apart from the later ones, and a hook built anew (another bucket size, other uncompressed
+parameters) buckets them apart again. Each bucket's reducer, when built, takes its
+parameters' residuals (from the loaded state, or from the reducers of the buckets DDP rebuilt)
+and starts at round 0 on every rank, so a resumed run keeps the residuals' error but draws new
+rotations: statistically, not bitwise, the run it resumes.
 """
 from __future__ import annotations
 
@@ -26,7 +33,7 @@ def loaded(saved: dict, rnd: int, feedback: bool, what: str) -> tuple[int, torch
     if rnd != 0:
         raise ValueError(f"{what}: a state is loaded before the first round (this reducer "
                          f"has taken {rnd})")
-    if not isinstance(saved, dict) or set(saved) != {"round", "residual"}:
+    if not isinstance(saved, dict) or not {"round", "residual"} <= set(saved):
         raise ValueError(f"{what}: not a reducer's state (a dict of round and residual, as "
                          f"state_dict() gives), got {type(saved).__name__}")
     r, residual = saved["round"], saved["residual"]
@@ -44,8 +51,35 @@ def loaded(saved: dict, rnd: int, feedback: bool, what: str) -> tuple[int, torch
     return r, residual
 
 
-def named(key: tuple, names: dict[int, str]) -> tuple:
-    """A DDP hook's bucket key (its parameters' ids, its compressed length) as the
-    parameters' names: ids are this process's alone."""
-    ids, numel = key
-    return tuple(names.get(i, "?") for i in ids), numel
+def split(residual: torch.Tensor | None, layout: list[tuple[str, int]]) -> dict:
+    """A bucket's residual (its compressed parameters' coordinates in order, padding after
+    them) as each parameter's, by name."""
+    if residual is None:
+        return {}
+    out, at = {}, 0
+    for name, n in layout:
+        out[name] = residual[at:at + n]
+        at += n
+    return out
+
+
+def joined(residuals: dict, layout: list[tuple[str, int]], device) -> torch.Tensor | None:
+    """A bucket's residual from its parameters' (zeros for one that has none, or one of
+    another length); None where none of them has one."""
+    if not any(name in residuals for name, _ in layout):
+        return None
+    parts = [residuals[name].to(device, torch.float32)
+             if name in residuals and residuals[name].numel() == n else
+             torch.zeros(n, device=device) for name, n in layout]
+    return torch.cat(parts)
+
+
+def residuals_of(state: dict, what: str) -> dict:
+    """The per-parameter residuals of a DDP hook's state, checked."""
+    residuals = state.get("residuals") if isinstance(state, dict) else None
+    if not isinstance(residuals, dict) or not all(
+            isinstance(k, str) and isinstance(v, torch.Tensor) and v.dim() == 1
+            and v.is_floating_point() for k, v in residuals.items()):
+        raise ValueError(f"a {what}'s state holds a 1-D floating-point residual per "
+                         f"parameter name (its state_dict())")
+    return {k: v.detach().clone() for k, v in residuals.items()}

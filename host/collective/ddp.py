@@ -20,8 +20,8 @@ import torch
 import torch.distributed as dist
 
 from thc.codec.baselines import TopK
-from thc.codec.common import NonFiniteInput
-from thc.collective import agreement, checkpoint
+from thc.codec.common import NonFiniteInput, scale_factor
+from thc.collective import agreement
 from thc.collective.allreduce import THCAllReduce
 from thc.collective.ddp_base import BaseHook, HookOptions, layer_positions
 from thc.collective.graphed import GraphedAllReduce
@@ -119,8 +119,8 @@ class THCHook(BaseHook):
         ar = self.reducers.get(key)
         if ar is None:
             self.check()   # the reducers of buckets DDP rebuilt take no further rounds
-            ar = self.reducers[key] = self._build(self._reducer, flat.numel(), flat.device)
-            self._restore(key, ar)
+            ar = self.reducers[key] = self._build(self._reducer, flat.numel(), flat.device,
+                                                  bucket)
         before = ar.transport.bytes_sent
         self._count_round(ar, stretches)
         if isinstance(ar, GraphedAllReduce) and ar.owes_check:
@@ -157,34 +157,29 @@ class TopKHook(BaseHook):
 
     def rescale_residuals(self, factor: float) -> None:
         self.scheme.rescale(factor)
+        self._rescale_carried(scale_factor(factor))
 
-    def state_dict(self) -> dict:
-        """As :meth:`BaseHook.state_dict`: each bucket's residual, and the rounds so far."""
-        return {"hook": type(self).__name__, "calls": self._calls,
-                "buckets": {checkpoint.named(key, self._names): r.detach().clone()
-                            for key, r in self.scheme.residuals.items()}}
+    def _residual_keys(self) -> list:
+        return list(self.scheme.residuals)
 
-    def load_state_dict(self, state: dict) -> None:
-        super().load_state_dict(state)
-        calls = state.get("calls")
-        if isinstance(calls, bool) or not isinstance(calls, int) or calls < 0 or not all(
-                isinstance(r, torch.Tensor) for r in self._loaded.values()):
-            self._loaded = {}
-            raise ValueError("not a TopKHook's state: its rounds (an int) and a residual "
-                             "tensor a bucket")
-        self._calls = calls
+    def _residual_of(self, key: tuple) -> torch.Tensor | None:
+        return self.scheme.residuals.get(key)
 
     def reduce(self, bucket, flat: torch.Tensor, sizes: list[int],
                position: torch.Tensor | None = None, stretches: int = 0) -> torch.Tensor:
         key = (bucket, flat.numel())
-        if key not in self.scheme.residuals and self._loaded:
-            saved = self._loaded.pop(checkpoint.named(key, self._names), None)
-            if saved is not None:
-                self.scheme.residuals[key] = saved.to(flat.device)
-        before = self.scheme.residuals.get(key)
         failure = None
+        if key not in self.scheme.residuals:
+            try:   # a bucket new to the hook: its parameters' residuals, if any
+                seed = self._seed(bucket, flat.device)
+                if seed is not None:
+                    self.scheme.residuals[key] = seed
+            except Exception as e:  # noqa: BLE001 - every worker refuses, none waits
+                failure = e
+        before = self.scheme.residuals.get(key)
         try:
-            payload = self.scheme.compress(flat, key=key)
+            if failure is None:
+                payload = self.scheme.compress(flat, key=key)
         except Exception as e:  # noqa: BLE001 - every worker refuses, none waits in a gather
             failure = e
         rnd, self._calls = self._calls, self._calls + 1
@@ -250,8 +245,7 @@ class MarsitHook(BaseHook):
         ar = self.reducers.get(key)
         if ar is None:
             ar = self.reducers[key] = self._build(self.make_allreducer, flat.numel(),
-                                                  flat.device)
-            self._restore(key, ar)
+                                                  flat.device, bucket)
         before = ar.bytes_sent
         self._count_round(ar, stretches)
         out = ar(flat, sizes)

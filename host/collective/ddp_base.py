@@ -29,6 +29,7 @@ of the hook's (Gloo and NCCL pair a group's collectives by issue order).
 """
 from __future__ import annotations
 
+import operator
 import threading
 import time
 import warnings
@@ -59,15 +60,28 @@ class HookOptions:
         """Checked here, not at the first backward: a bare string would be read as its
         characters ("bias": every name holding an "i" or an "s" left uncompressed)."""
         names = self.uncompressed
-        if isinstance(names, (str, bytes)) or not isinstance(names, (tuple, list)) \
-                or not all(isinstance(n, str) and n for n in names):
-            raise TypeError(f"HookOptions.uncompressed takes a tuple of parameter-name "
-                            f"substrings, got {names!r} (one name: ({names!r},))")
-        object.__setattr__(self, "uncompressed", tuple(names))
-        if isinstance(self.min_numel, bool) or not isinstance(self.min_numel, int) \
-                or self.min_numel < 0:
+        hint = f" (one name: ({names!r},))" if isinstance(names, str) else ""
+        bad = isinstance(names, (str, bytes))
+        if not bad:
+            try:
+                names = tuple(names)
+            except TypeError:
+                bad = True
+        if bad or not all(isinstance(n, str) and n for n in names):
+            raise TypeError(f"HookOptions.uncompressed takes parameter-name substrings (a "
+                            f"tuple of strings), got {self.uncompressed!r}{hint}")
+        object.__setattr__(self, "uncompressed", names)
+        count = self.min_numel
+        if isinstance(count, float) and count.is_integer():
+            count = int(count)   # 1e6
+        try:
+            count = None if isinstance(count, bool) else operator.index(count)
+        except TypeError:
+            count = None
+        if count is None or count < 0:
             raise ValueError(f"HookOptions.min_numel takes a count of elements (an int, 0 or "
                              f"more), got {self.min_numel!r}")
+        object.__setattr__(self, "min_numel", count)
 
 
 def layer_positions(model: torch.nn.Module) -> dict[int, float]:
@@ -261,9 +275,14 @@ class BaseHook:
         has none, and counts as live)."""
         self._comm = 0.0
         self._last_call = self._last_done = 0.0
-        self._loaded: dict = {}
-        """Per bucket (:func:`checkpoint.named`), a state :meth:`load_state_dict` took, which
-        the bucket's reducer takes when it is built."""
+        self._carried: dict[str, torch.Tensor] = {}
+        """Per parameter name, a residual :meth:`load_state_dict` took that no bucket's
+        reducer has taken yet."""
+        self._layouts: dict[tuple, list[tuple[str, int]]] = {}
+        """Per bucket, its compressed parameters' names and lengths, in order."""
+        self._used: dict[tuple, int] = {}
+        """Per bucket, when it was last reduced (:attr:`_reductions` then)."""
+        self._reductions = 0
 
     def _check_settings(self, overlap: bool, comm_group, group, nonfinite) -> None:
         """Raise on this rank if its hook's settings cannot work (see :meth:`__init__`)."""
@@ -279,7 +298,7 @@ class BaseHook:
             raise ValueError(f"comm_group holds {dist.get_world_size(comm_group)} ranks, the "
                              f"hook's group {self.world}")
         if comm_group is not None:
-            own, parent = group_timeout(comm_group), group_timeout(group)
+            own, parent = group_timeout(comm_group, quiet=True), group_timeout(group, quiet=True)
             if own is not None and parent is not None and own != parent:
                 warnings.warn(f"comm_group waits {own} for a peer, the hook's group {parent}: "
                               f"a stalled rank ends the hook's collectives after {own} (make "
@@ -293,33 +312,53 @@ class BaseHook:
                                  "(dist.new_group(ranks, timeout=...) made on every rank)")
 
     def state_dict(self) -> dict:
-        """Every bucket's reducer state (:mod:`thc.collective.checkpoint`), by its parameters'
-        names: save it beside the model's on every rank (``torch.save``), once a step is
-        done, and give it to :meth:`load_state_dict` of the hook built anew."""
-        return {"hook": type(self).__name__,
-                "buckets": {checkpoint.named(key, self._names): ar.state_dict()
-                            for key, ar in self.reducers.items()
-                            if callable(getattr(ar, "state_dict", None))}}
+        """The hook's error-feedback residuals, one per compressed parameter by its name
+        (:mod:`thc.collective.checkpoint`): save it beside the model's on every rank
+        (``torch.save``) between steps, and give it to :meth:`load_state_dict` of the hook
+        built anew. Read on the hook's communication thread, between two reductions."""
+        def read() -> dict:
+            return {"hook": type(self).__name__, "residuals": {
+                name: r.detach().clone() for name, r in self._residuals().items()}}
+        return self._pool.submit(read).result() if self._pool is not None else read()
 
     def load_state_dict(self, state: dict) -> None:
-        """Take :meth:`state_dict`'s states before the first step: each bucket's reducer
-        takes its own when it is built. A bucket whose parameters no saved bucket holds (DDP
-        buckets the first iteration apart from the later ones) starts afresh."""
-        if not isinstance(state, dict) or state.get("hook") != type(self).__name__:
+        """Take :meth:`state_dict`'s residuals before the first step: each bucket's reducer
+        takes its parameters' when it is built (zeros for a parameter the state lacks)."""
+        kind = state.get("hook") if isinstance(state, dict) else None
+        if kind != type(self).__name__:
             raise ValueError(f"not a {type(self).__name__}'s state (its state_dict()), got "
-                             f"{state.get('hook') if isinstance(state, dict) else state!r:.60}")
-        if not isinstance(state.get("buckets"), dict):
-            raise ValueError(f"a {type(self).__name__}'s state holds its buckets' states (a "
-                             f"dict), got {type(state.get('buckets')).__name__}")
-        if self.reducers or self._backwards:
+                             f"{kind if kind is not None else type(state).__name__}")
+        residuals = checkpoint.residuals_of(state, kind)
+        if self._residual_keys() or self._backwards:
             raise ValueError("a hook's state is loaded before its first step")
-        self._loaded = dict(state["buckets"])
+        self._carried = residuals
 
-    def _restore(self, key: tuple, reducer) -> None:
-        """Give the reducer just built for bucket ``key`` its loaded state, if any."""
-        saved = self._loaded.pop(checkpoint.named(key, self._names), None)
-        if saved is not None:
-            reducer.load_state_dict(saved)
+    def _residual_keys(self) -> list:
+        """The (bucket, length) keys of the residuals the hook keeps."""
+        return list(self.reducers)
+
+    def _residual_of(self, key: tuple) -> torch.Tensor | None:
+        """The residual bucket ``key``'s reducer keeps (not a copy)."""
+        return getattr(self.reducers[key], "kept_residual", None)
+
+    def _residuals(self) -> dict[str, torch.Tensor]:
+        """Each compressed parameter's residual: from the bucket that last reduced it (DDP
+        rebuilds its buckets after the first iteration), or still carried from a load."""
+        out = dict(self._carried)
+        for key in sorted(self._residual_keys(), key=lambda k: self._used.get(k[0], -1)):
+            out.update(checkpoint.split(self._residual_of(key), self._layouts.get(key[0], [])))
+        return out
+
+    def _seed(self, bucket, device) -> torch.Tensor | None:
+        """The residual bucket ``bucket``'s new reducer starts from: its parameters' (see
+        :meth:`_residuals`), None where none has one."""
+        layout = self._layouts.get(bucket)
+        if layout is None:   # a bucket reduced by hand, not through DDP
+            return None
+        seed = checkpoint.joined(self._residuals(), layout, device)
+        for name, _ in layout:
+            self._carried.pop(name, None)
+        return seed
 
     def step_breakdown(self) -> StepBreakdown:
         """The communication of the buckets reduced since the last call (call once a step)."""
@@ -500,14 +539,18 @@ class BaseHook:
                   "bucket's dtype, FP32 and compressed spans)")
         self._agreed.add(bucket)
 
-    def _build(self, make: Callable, numel: int, device):
+    def _build(self, make: Callable, numel: int, device, bucket=None):
         """A bucket's reducer from ``make(self.group)``, then one agreement: a rank whose
-        factory failed makes every rank raise, none waits in the reducer's first round."""
+        factory failed makes every rank raise, none waits in the reducer's first round. The
+        reducer takes bucket ``bucket``'s parameters' residuals (:meth:`_seed`) before it."""
         failure, reducer = None, None
         try:
             with run_agreement_deferred():   # an aggregator's run: agreed below, in step
                 reducer = make(self.group)
             self._check_reducer(reducer)
+            seed = None if bucket is None else self._seed(bucket, device)
+            if seed is not None:
+                reducer.load_state_dict(checkpoint.state(0, seed))
         except Exception as e:  # noqa: BLE001 - raised on this rank by together
             failure = e
         rnd, self._built = self._built, self._built + 1
@@ -596,6 +639,11 @@ class BaseHook:
             self._agree_bucket(bucket, spans, buf.device, buf.dtype)   # raises on an error
         comp = [buf[a:b] for a, b, fp32, _ in spans if not fp32]
         plain = [buf[a:b] for a, b, fp32, _ in spans if fp32]
+        if bucket not in self._layouts:
+            self._layouts[bucket] = [(self._names.get(i, "?"), b - a) for i, (a, b, fp32, _)
+                                     in zip(bucket, spans) if not fp32]
+        self._reductions += 1
+        self._used[bucket] = self._reductions
         # the compressed part first: its round checks that every rank is reducing this
         # bucket; the FP32 spans' all-reduce checks nothing (unlike lengths abort Gloo)
         if comp:
@@ -684,9 +732,13 @@ class BaseHook:
         hook keeps follows it, so that it adds in the new scale's units. Under
         ``torch.amp.GradScaler`` call it after each ``scaler.update()`` with the new scale over
         the old (a skipped step halves it). A hook without residuals (FP32) has none to scale."""
-        scale_factor(factor)
+        factor = scale_factor(factor)
         for ar in self.reducers.values():
             ar.rescale_residual(factor)
+        self._rescale_carried(factor)
+
+    def _rescale_carried(self, factor: float) -> None:
+        self._carried = {name: r * factor for name, r in self._carried.items()}
 
     def reduce(self, bucket, flat: torch.Tensor, sizes: list[int],
                position: torch.Tensor | None = None, stretches: int = 0) -> torch.Tensor:

@@ -215,11 +215,16 @@ class GraphedAllReduce:
     def n_workers(self) -> int:
         return self.transport.n_workers
 
+    @property
+    def kept_residual(self) -> torch.Tensor | None:
+        """As :attr:`THCAllReduce.kept_residual`: the rounds' buffer, padded."""
+        b = self._bufs
+        return b.residual if b is not None else self._loaded
+
     def state_dict(self) -> dict:
         """As :meth:`THCAllReduce.state_dict`; the residual as the rounds keep it, padded
         (read once the rounds launched so far are done)."""
-        b = self._bufs
-        return checkpoint.state(self.round, b.residual if b is not None else self._loaded)
+        return checkpoint.state(self.round, self.kept_residual)
 
     def load_state_dict(self, state: dict) -> None:
         """As :meth:`THCAllReduce.load_state_dict`: the residual is copied into the rounds'
@@ -256,14 +261,17 @@ class GraphedAllReduce:
         if b is None:
             n, dev = self._padded(flat.numel(), flat), flat.device
             ef = self.error_feedback
-            if self._loaded is not None and self._loaded.numel() != n:
-                raise ValueError(f"the loaded residual holds {self._loaded.numel()} elements, "
-                                 f"this tensor's rounds {n} (padded)")
+            loaded = self._loaded
+            if loaded is not None and loaded.numel() not in (flat.numel(), n):
+                raise ValueError(f"the loaded residual holds {loaded.numel()} elements, this "
+                                 f"tensor {flat.numel()} ({n} padded)")
+            residual = torch.zeros(n, device=dev) if ef else None
+            if loaded is not None:
+                residual[:loaded.numel()] = loaded.to(dev, torch.float32)
             b = self._bufs = _Buffers(
                 flat.numel(), flat.dtype,
                 torch.zeros(n, dtype=torch.float32 if ef else flat.dtype, device=dev),
-                (torch.zeros(n, device=dev) if self._loaded is None else
-                 self._loaded.to(dev, torch.float32)) if ef else None,
+                residual,
                 torch.empty(n, device=dev),
                 torch.full((1,), self.round - 1, dtype=torch.int64, device=dev),
                 torch.zeros(REPORT_LANES, dtype=torch.float64, device=dev),

@@ -107,15 +107,24 @@ class _SignAllReduce:
         own rotation and rounding); a DDP hook's ``no_sync`` count (``BaseHook._count_round``)."""
         self.round = max(self.round, int(rnd))
 
+    @property
+    def kept_residual(self) -> torch.Tensor | None:
+        """The compensation residual the next round adds (None: none yet, or none kept)."""
+        return self.residual
+
     def state_dict(self) -> dict:
         """What a restarted worker needs to go on as this reducer would (:mod:`thc.collective.
-        checkpoint`): its next round and a copy of its compensation residual."""
-        return checkpoint.state(self.round, self.residual)
+        checkpoint`): its next round, a copy of its compensation residual and its coins'
+        state."""
+        return {**checkpoint.state(self.round, self.residual), "coin": self._coin.get_state()}
 
     def load_state_dict(self, state: dict) -> None:
-        """Take :meth:`state_dict`'s state before the first round."""
+        """Take :meth:`state_dict`'s state before the first round (a ring's merge generator,
+        the caller's, is the caller's to restore)."""
         self.round, self.residual = checkpoint.loaded(state, self.round, self.compensation,
                                                       type(self).__name__)
+        if state.get("coin") is not None:
+            self._coin.set_state(state["coin"])
 
     def _group_now(self):
         return self.group if self.group is not None else dist.group.WORLD
