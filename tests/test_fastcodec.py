@@ -132,6 +132,11 @@ def test_misaligned_arrays_reach_the_c_code_aligned():
     out = np.ndarray(n, np.float32, buffer=bytearray(4 * n + 3), offset=3)
     codec.decode(odd, 2, m, n, p, 1, out=out, backend="compiled")
     assert np.array_equal(out, codec.decode(sums, 2, m, n, p, 1, backend="compiled"))
+    # a CPU tensor over a misaligned buffer too (the C code refuses one as it is)
+    t = torch.frombuffer(bytearray(b"\0" + x.tobytes()), dtype=torch.float32, offset=1,
+                         count=n)
+    assert torch.equal(t, torch.from_numpy(x.copy()))
+    assert np.array_equal(codec.encode(t, m, p, 1, 5, "compiled"), idx)
 
 
 def test_exact_inputs_are_bit_identical():
