@@ -181,3 +181,57 @@ def test_a_hooks_state_is_loaded_before_its_first_step_and_into_its_own_kind(wor
         hook.load_state_dict(hook.state_dict())
     overlapping = THCHook(model, lambda group: None)   # read on its communication thread
     assert overlapping.state_dict() == {"hook": "THCHook", "residuals": {}}
+
+
+def test_a_parameter_whose_bucket_dropped_its_residual_has_none(world):
+    """A refused Marsit round drops its bucket's residual: the state named the residuals of
+    DDP's first-iteration buckets instead, handed on a step before (a second time on
+    resume)."""
+    model = _model()
+    ddp = DDP(model, bucket_cap_mb=40 * 300 * 4 / 2 ** 20)
+    hook = HOOKS["marsit"](model).register(ddp)
+    _steps(ddp, model, [torch.randn(16, 40) for _ in range(3)])
+    assert len(hook.state_dict()["residuals"]) == 4
+    with pytest.raises(RuntimeError, match="NaN"):
+        _steps(ddp, model, [torch.full((16, 40), float("nan"))])
+    owners = {hook._owner[n] for n in hook.state_dict()["residuals"]}
+    assert all(hook.reducers[(b, hook._offsets[b][next(iter(hook._layout_names[b]))][2])]
+               .kept_residual is not None for b in owners)
+    assert len(hook.state_dict()["residuals"]) < 4
+
+
+def test_loaded_residuals_outlive_a_build_every_rank_refused(world, monkeypatch):
+    """The build of a bucket's reducer refused by its agreement (a peer's factory failed):
+    the residuals it took from a load were gone on the ranks whose factory worked."""
+    from thc.collective import agreement
+    model = _model()
+    ddp = DDP(model)
+    hook = HOOKS["thc"](model).register(ddp)
+    state = {"hook": "THCHook", "residuals": {n: torch.full((p.numel(),), 0.5)
+                                              for n, p in model.named_parameters()}}
+    hook.load_state_dict(state)
+    together = agreement.together
+
+    def peer_failed(group, rnd, key, *a, **kw):
+        if kw.get("alike") == "the hook or the bucket":   # a reducer's build
+            raise RuntimeError("a peer's factory failed")
+        return together(group, rnd, key, *a, **kw)
+    monkeypatch.setattr(agreement, "together", peer_failed)
+    with pytest.raises(RuntimeError, match="a peer's factory failed"):
+        _steps(ddp, model, [torch.ones(2, 40)])
+    assert set(hook._carried) == set(state["residuals"])
+
+
+@kernels
+def test_a_graphed_reducers_loaded_residual_follows_the_scale(world):
+    ar = GraphedAllReduce.through_torch_distributed(params=P, generator=11, capture=False)
+    ar.load_state_dict(checkpoint.state(0, torch.ones(968)))
+    ar.rescale_residual(0.5)
+    assert torch.equal(ar.kept_residual, torch.full((968,), 0.5))
+
+
+def test_a_hook_serves_one_ddp_model(world):
+    model = _model()
+    hook = HOOKS["thc"](model).register(DDP(model))
+    with pytest.raises(ValueError, match="registered on a DDP model before"):
+        hook.register(DDP(model))

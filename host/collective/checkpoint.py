@@ -2,7 +2,8 @@
 restarted from a checkpoint without it starts every error-feedback residual at zero, and
 loses what they held (the error of the last rounds; for TopK, the coordinates not sent).
 
-A reducer's state is its round count and its residual: a reducer restored from it goes on bit
+A reducer's state is its round count and its residual (a Marsit reducer's, its coins' state
+too): a reducer restored from it goes on bit
 for bit as the one saved (given the same rounding key). Every worker saves and loads its own;
 the round count is part of each round's agreement, so workers that loaded unlike states (one
 restored, one not) refuse their first round instead of summing different rounds' rotations.
@@ -49,18 +50,6 @@ def loaded(saved: dict, rnd: int, feedback: bool, what: str) -> tuple[int, torch
                              f"tensor, got {type(residual).__name__}")
         residual = residual.clone()
     return r, residual
-
-
-def split(residual: torch.Tensor | None, layout: list[tuple[str, int]]) -> dict:
-    """A bucket's residual (its compressed parameters' coordinates in order, padding after
-    them) as each parameter's, by name."""
-    if residual is None:
-        return {}
-    out, at = {}, 0
-    for name, n in layout:
-        out[name] = residual[at:at + n]
-        at += n
-    return out
 
 
 def joined(residuals: dict, layout: list[tuple[str, int]], device) -> torch.Tensor | None:

@@ -173,7 +173,8 @@ class TopKHook(BaseHook):
             try:   # a bucket new to the hook: its parameters' residuals, if any
                 seed = self._seed(bucket, flat.device)
                 if seed is not None:
-                    self.scheme.residuals[key] = seed
+                    self.scheme.residuals[key] = seed   # kept, refused round or not
+                self._taken(bucket)
             except Exception as e:  # noqa: BLE001 - every worker refuses, none waits
                 failure = e
         before = self.scheme.residuals.get(key)

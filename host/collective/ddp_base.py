@@ -280,9 +280,14 @@ class BaseHook:
         reducer has taken yet."""
         self._layouts: dict[tuple, list[tuple[str, int]]] = {}
         """Per bucket, its compressed parameters' names and lengths, in order."""
-        self._used: dict[tuple, int] = {}
-        """Per bucket, when it was last reduced (:attr:`_reductions` then)."""
-        self._reductions = 0
+        self._layout_names: dict[tuple, frozenset] = {}
+        self._offsets: dict[tuple, dict[str, tuple[int, int, int]]] = {}
+        """Per bucket, each compressed parameter's offset and length in its residual, and the
+        residual's length."""
+        self._owner: dict[str, tuple] = {}
+        """Per compressed parameter, the bucket whose reducer keeps its residual."""
+        self._comm_thread: int | None = None
+        """The communication thread's ident, once it has reduced a bucket."""
 
     def _check_settings(self, overlap: bool, comm_group, group, nonfinite) -> None:
         """Raise on this rank if its hook's settings cannot work (see :meth:`__init__`)."""
@@ -319,7 +324,8 @@ class BaseHook:
         def read() -> dict:
             return {"hook": type(self).__name__, "residuals": {
                 name: r.detach().clone() for name, r in self._residuals().items()}}
-        return self._pool.submit(read).result() if self._pool is not None else read()
+        on_pool = self._pool is not None and threading.get_ident() != self._comm_thread
+        return self._pool.submit(read).result() if on_pool else read()
 
     def load_state_dict(self, state: dict) -> None:
         """Take :meth:`state_dict`'s residuals before the first step: each bucket's reducer
@@ -341,12 +347,23 @@ class BaseHook:
         """The residual bucket ``key``'s reducer keeps (not a copy)."""
         return getattr(self.reducers[key], "kept_residual", None)
 
-    def _residuals(self) -> dict[str, torch.Tensor]:
-        """Each compressed parameter's residual: from the bucket that last reduced it (DDP
-        rebuilds its buckets after the first iteration), or still carried from a load."""
-        out = dict(self._carried)
-        for key in sorted(self._residual_keys(), key=lambda k: self._used.get(k[0], -1)):
-            out.update(checkpoint.split(self._residual_of(key), self._layouts.get(key[0], [])))
+    def _residuals(self, wanted=None) -> dict[str, torch.Tensor]:
+        """Each compressed parameter's residual (of the names ``wanted`` alone, where given):
+        the one its bucket keeps, the bucket last built with it (DDP rebuilds its buckets
+        after the first iteration; none where that bucket's reducer keeps none: a refused
+        round may drop it), or one still carried from a load."""
+        names = set(self._owner) | set(self._carried) if wanted is None else wanted
+        out = {}
+        for name in names:
+            bucket = self._owner.get(name)
+            if bucket is None:
+                if name in self._carried:
+                    out[name] = self._carried[name]
+                continue
+            start, n, total = self._offsets[bucket][name]
+            residual = self._residual_of((bucket, total))
+            if residual is not None:
+                out[name] = residual[start:start + n]
         return out
 
     def _seed(self, bucket, device) -> torch.Tensor | None:
@@ -355,10 +372,14 @@ class BaseHook:
         layout = self._layouts.get(bucket)
         if layout is None:   # a bucket reduced by hand, not through DDP
             return None
-        seed = checkpoint.joined(self._residuals(), layout, device)
-        for name, _ in layout:
+        return checkpoint.joined(self._residuals(self._layout_names[bucket]), layout, device)
+
+    def _taken(self, bucket) -> None:
+        """Bucket ``bucket``'s new reducer is agreed on every rank: its parameters'
+        residuals, loaded or another bucket's, are its own now."""
+        for name, _ in self._layouts.get(bucket, ()):
             self._carried.pop(name, None)
-        return seed
+            self._owner[name] = bucket
 
     def step_breakdown(self) -> StepBreakdown:
         """The communication of the buckets reduced since the last call (call once a step)."""
@@ -396,6 +417,10 @@ class BaseHook:
             raise ValueError(f"the DDP model's process group holds ranks {ranks(ddp_group)}, "
                              f"the hook's workers {ranks(self._parent)}: build the hook with "
                              f"group= the DDP model's process group")
+        if self._ddp is not None:
+            raise ValueError("the hook was registered on a DDP model before: build one hook "
+                             "per DDP model (a hook built anew takes the old one's residuals "
+                             "through state_dict and load_state_dict)")
         ddp_model.register_comm_hook(None, self.hook)
         self._ddp = weakref.ref(ddp_model)
         handles = [ddp_model.register_forward_pre_hook(self._see_forward),
@@ -512,6 +537,7 @@ class BaseHook:
         DDP raises then, and the buffers of the step's later buckets are the next step's
         before their reductions could run (they would read and overwrite its gradients).
         Every rank refuses a bucket alike, so every rank skips the same later ones."""
+        self._comm_thread = threading.get_ident()
         step = place[0]
         if step == self._failed_step:
             raise RuntimeError(f"not reduced: an earlier bucket of backward {step} failed, "
@@ -557,6 +583,8 @@ class BaseHook:
         self.bytes_sent += agreement.together(
             self.group, rnd, agreement.key_of("reducer", type(self).__name__, numel), device,
             failure, alike="the hook or the bucket")
+        if bucket is not None:
+            self._taken(bucket)
         transport = getattr(reducer, "transport", None)
         if callable(getattr(transport, "agree_run", None)):
             transport.agree_run()
@@ -640,10 +668,16 @@ class BaseHook:
         comp = [buf[a:b] for a, b, fp32, _ in spans if not fp32]
         plain = [buf[a:b] for a, b, fp32, _ in spans if fp32]
         if bucket not in self._layouts:
-            self._layouts[bucket] = [(self._names.get(i, "?"), b - a) for i, (a, b, fp32, _)
+            # an id the model does not name cannot be a parameter of the hook's model
+            # (register refuses such a model): named apart all the same
+            self._layouts[bucket] = [(self._names.get(i, f"?{i}"), b - a) for i, (a, b, fp32, _)
                                      in zip(bucket, spans) if not fp32]
-        self._reductions += 1
-        self._used[bucket] = self._reductions
+            self._layout_names[bucket] = frozenset(n for n, _ in self._layouts[bucket])
+            total = sum(n for _, n in self._layouts[bucket])
+            at, self._offsets[bucket] = 0, {}
+            for name, n in self._layouts[bucket]:
+                self._offsets[bucket][name] = (at, n, total)
+                at += n
         # the compressed part first: its round checks that every rank is reducing this
         # bucket; the FP32 spans' all-reduce checks nothing (unlike lengths abort Gloo)
         if comp:

@@ -242,6 +242,8 @@ class GraphedAllReduce:
         if b is not None and b.residual is not None:
             with torch.cuda.device(b.x.device) if b.x.is_cuda else _nothing():
                 b.residual.mul_(factor)
+        elif self._loaded is not None:   # loaded, not yet in a buffer
+            self._loaded = self._loaded * factor
 
     def _padded(self, numel: int, like: torch.Tensor) -> int:
         """The length of an input of ``numel`` elements on ``like``'s device, padded so that
