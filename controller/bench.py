@@ -52,7 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="offered packets/s (default: 1.3 x a probe of the switch)")
     parser.add_argument("--sum-bits", type=positive_ints, default="8,16",
                         help="sum widths of the benchmark job, each measured (8 and/or 16)")
-    parser.add_argument("--lanes-sweep", type=positive_ints, default=[],
+    parser.add_argument("--lanes-sweep", type=positive_ints, default=(),
                         help="comma-separated lane counts to compile and measure as well "
                              "(needs p4c), e.g. 16,64")
 

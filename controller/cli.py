@@ -87,7 +87,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="change or remove jobs even while their workers are sending")
 
     p = action("remove", help="remove one job")
-    p.add_argument("--job", type=positive_int, required=True, metavar="JOB_ID")
+    p.add_argument("--job", type=positive_int, required=True, metavar="JOB_ID",
+                   help="the job's id in its cluster config (`jobs` lists them)")
     p.add_argument("--force", action="store_true",
                    help="remove the job even while its workers are sending")
 
@@ -96,8 +97,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p = action("counters", help="drop and per-job counters")
     p.add_argument("--json", action="store_true", help="print JSON")
 
-    p = action("l2", help="add or delete an l2_forward entry")
-    p.add_argument("op", choices=["add", "del", "list"])
+    p = action("l2", help="list, add or delete the switch's plain L2 forwarding entries "
+                          "(l2_forward: frames that are not THC's)")
+    p.add_argument("op", choices=["add", "del", "list"],
+                   help="add MAC PORT, del MAC, or list")
     p.add_argument("mac", nargs="?", help="add, del: the destination MAC")
     p.add_argument("port", nargs="?", type=non_negative_int,
                    help="add: the switch port to forward to")
@@ -270,7 +273,8 @@ def _counters(sw: Switch, args: argparse.Namespace) -> None:
         return
     if "drops" in snap:
         print("drops: " + ", ".join(f"{k}={v}" for k, v in snap["drops"].items()))
-    print(f"l2 misses: {snap['l2_misses']}")
+    print(f"l2 misses: {snap['l2_misses']}"
+          + (f", dscp unknown: {snap['dscp_unknown']}" if "dscp_unknown" in snap else ""))
     for jid, c in snap.get("jobs", {}).items():
         print(f"job {jid}: " + ", ".join(f"{k}={v}" for k, v in c.items()))
 

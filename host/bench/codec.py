@@ -265,7 +265,8 @@ def run(args: argparse.Namespace) -> int:
         if device.type == "cuda" and args.backend == "compiled":
             raise ValueError("--backend compiled is the CPU codec; on cuda use auto or triton")
         if device.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError("--device cuda but torch sees no CUDA device")
+            raise ValueError("--device cuda but torch sees no CUDA device (--device cpu runs "
+                             "the codec on this machine)")
         configs = _configs(args.configs, device)
         chosen = settings.current()         # ValueError: a bad THC_* variable
         resolved(args.backend, torch.zeros(1, device=device))   # RuntimeError: cannot run here

@@ -204,7 +204,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"thc bench hook: {e}", file=sys.stderr)
         return 2
     if device.type == "cuda" and not torch.cuda.is_available():
-        print("thc bench hook: --device cuda but torch sees no CUDA device")
+        print("thc bench hook: --device cuda but torch sees no CUDA device (--device cpu "
+              "--quick times the hook on this machine)")
         return 2
     for name, (full, quick) in SIZES.items():
         if getattr(args, name) is None:

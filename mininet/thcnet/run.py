@@ -24,7 +24,7 @@ CHOICES = {"sharded": "sharded", "central": "software", "bmv2": "bmv2"}
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
-    testbed.add_arguments(ap, timeout=300.0)
+    testbed.add_arguments(ap, timeout=300.0, timeout_help="limit of the run, seconds")
     testbed.add_link_arguments(ap, bw=None)
     testbed.add_job_arguments(ap, lanes=None, pool_size=None, window=None)
     ap.add_argument("--aggregator", choices=sorted(CHOICES), default="sharded",
@@ -109,7 +109,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m thc.emu.run", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m thc.emu.run", description=__doc__.splitlines()[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_arguments(ap)
     return run(ap.parse_args(argv))
 
