@@ -3,10 +3,10 @@ restarted from a checkpoint without it starts every error-feedback residual at z
 loses what they held (the error of the last rounds; for TopK, the coordinates not sent).
 
 A reducer's state is its round count and its residual (a Marsit reducer's, its coins' state
-too): a reducer restored from it goes on bit
-for bit as the one saved (given the same rounding key). Every worker saves and loads its own;
-the round count is part of each round's agreement, so workers that loaded unlike states (one
-restored, one not) refuse their first round instead of summing different rounds' rotations.
+too): a reducer restored from it goes on bit for bit as the one saved (given the same rounding
+key). Every worker saves and loads its own; the round count is part of each round's agreement,
+so workers that loaded unlike states (one restored, one not) refuse their first round instead
+of summing different rounds' rotations.
 
 A DDP hook's state is a residual per parameter, by name: DDP buckets its first iteration
 apart from the later ones, and a hook built anew (another bucket size, other uncompressed

@@ -297,8 +297,7 @@ class BaseHook:
             raise ValueError("a hook that overlaps backward runs its collectives on a group "
                              "of its own, which every rank of the world must make alike: "
                              "pass comm_group=dist.new_group(ranks, timeout=...) made on every "
-                             "rank, or "
-                             "overlap=False")
+                             "rank, or overlap=False")
         if comm_group is not None and dist.get_world_size(comm_group) != self.world:
             raise ValueError(f"comm_group holds {dist.get_world_size(comm_group)} ranks, the "
                              f"hook's group {self.world}")
