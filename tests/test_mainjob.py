@@ -574,6 +574,26 @@ def test_sigterm_ends_the_main_job_with_a_line(monkeypatch, capsys, tmp_path):
     assert "terminated (SIGTERM) during fp32" in capsys.readouterr().err
 
 
+def test_a_stopped_main_job_reports_the_modes_it_finished(monkeypatch, capsys, tmp_path):
+    """A SIGTERM during the third mode of a long run wrote no report: the first two modes'
+    training was lost."""
+    from thc.emu.cleanup import Terminated
+
+    def second_stops(name, args, bar):
+        if name == "topk":
+            raise Terminated(143)
+        return _canned_run(name, [2.3, 2.0, 1.7])
+    monkeypatch.setattr(mainjob, "_run_mode", second_stops)
+    args = _main_args("--loopback", "--modes", "fp32,thc,topk", "--out", str(tmp_path))
+    assert mainjob.run(args) == 143
+    assert "terminated (SIGTERM) during topk; its testbed torn down, the report of the modes " \
+           "done written" in capsys.readouterr().err
+    report = json.loads((tmp_path / "mainjob.json").read_text())
+    assert [r["mode"] for r in report["runs"]] == ["fp32", "thc"]
+    assert report["stopped"] == "during topk; its testbed torn down"
+    assert (tmp_path / "mainjob.png").exists()
+
+
 @pytest.mark.parametrize("how, code, said", [
     ("ctrl-c", 130, "interrupted while measuring BMv2's forwarding rate"),
     ("sigterm", 143, "terminated (SIGTERM) while measuring BMv2's forwarding rate")])

@@ -462,13 +462,25 @@ def run(args: argparse.Namespace) -> int:
             with tqdm(total=None, desc=name, unit="step", file=sys.stdout) as bar:
                 run_ = _run_mode(name, args, bar)
         except (KeyboardInterrupt, Terminated) as e:
-            return _stopped(e, f"during {name}; its testbed torn down")
+            when = f"during {name}; its testbed torn down"
+            if not runs:
+                return _stopped(e, when)
+            # the modes that finished are kept: a stop late in a long run cost them all
+            written = _report(args, runs, failed, probe, out, stopped=when) != 2
+            return _stopped(e, when, written)
         except Exception as e:  # one failed mode must not cost the others
             print(f"{name} FAILED: {e}", flush=True)
             failed.append({"mode": name, "error": str(e)})
             continue
         runs.append(run_)
         _print_mode(run_, args.epochs)
+    return _report(args, runs, failed, probe, out)
+
+
+def _report(args: argparse.Namespace, runs: list[dict], failed: list[dict], probe,
+            out: Path, stopped: str | None = None) -> int:
+    """The table, the checks and the report of the modes run (``stopped``: why the modes
+    after them were not); the exit status of a run that was not stopped."""
     dataset = runs[0]["dataset"] if runs else args.data
     summary = summarize(runs, FIXED_TARGET.get(dataset, 0.9))
     summary["dlcp"] = dlcp_ratios(runs)
@@ -481,21 +493,22 @@ def run(args: argparse.Namespace) -> int:
     for what in unchecked:
         print(f"CHECK FAILED: {what}")
     report = {"runs": runs, "failed": failed, "summary": summary, "args": vars(args),
-              "bmv2_probe": probe,
+              "bmv2_probe": probe, "stopped": stopped,
               "testbed": sorted({r["testbed"] for r in runs}), "recorded": provenance()}
     if (code := _write_report(out, report, dataset)) is not None:
         return code
     return 1 if failed or unchecked else 0
 
 
-def _stopped(e: KeyboardInterrupt | Terminated, when: str) -> int:
+def _stopped(e: KeyboardInterrupt | Terminated, when: str, written: bool = False) -> int:
     """The line and exit status of a run ended by Ctrl-C, SIGTERM or SIGHUP ``when``."""
+    said = "the report of the modes done written" if written else "no report written"
     if isinstance(e, KeyboardInterrupt):
-        print(f"\nthc run: interrupted {when}, no report written", file=sys.stderr)
+        print(f"\nthc run: interrupted {when}, {said}", file=sys.stderr)
         return 130
     how = {128 + signal.SIGTERM: "SIGTERM", 128 + signal.SIGHUP: "SIGHUP"}.get(
         e.code, f"status {e.code}")
-    print(f"\nthc run: terminated ({how}) {when}, no report written", file=sys.stderr)
+    print(f"\nthc run: terminated ({how}) {when}, {said}", file=sys.stderr)
     return e.code
 
 
