@@ -465,7 +465,7 @@ def run(args: argparse.Namespace) -> int:
             when = f"during {name}; its testbed torn down"
             if not runs:
                 return _stopped(e, when)
-            # the modes that finished are kept: a stop late in a long run cost them all
+            # the modes that finished are kept: a stop late in a long run would lose them all
             written = _report(args, runs, failed, probe, out, stopped=when) != 2
             return _stopped(e, when, written)
         except Exception as e:  # one failed mode must not cost the others
