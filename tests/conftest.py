@@ -6,6 +6,18 @@ import pytest
 from thc.codec import settings
 
 
+@pytest.fixture
+def alone():
+    """A Gloo process group of this process alone, for the test's length."""
+    import torch.distributed as dist
+
+    from thc.testing.clusters import free_tcp_port
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_tcp_port()}",
+                            rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
 @pytest.fixture(autouse=True)
 def _fresh_settings():
     settings.reset()

@@ -233,15 +233,6 @@ def test_sums_no_workers_make_are_refused_alike_and_the_next_round_runs():
         dist.destroy_process_group()
 
 
-@pytest.fixture
-def alone():
-    """A Gloo process group of this process alone, for the test's length."""
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_tcp_port()}",
-                            rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
 def test_a_failure_right_after_the_max_round_abandons_and_keeps_the_first_reason(monkeypatch,
                                                                                alone):
     """The MAX all-reduce returned, then this worker failed before its sums (here untagging

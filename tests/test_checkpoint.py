@@ -8,7 +8,6 @@ import io
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from tests.test_codec_kernels import DEV, kernels
@@ -18,17 +17,8 @@ from thc.collective.allreduce import THCAllReduce
 from thc.collective.ddp import MarsitHook, THCHook, TopKHook
 from thc.collective.graphed import GraphedAllReduce
 from thc.collective.marsit import MarsitAllReduce
-from thc.testing.clusters import free_tcp_port
 
 P = THCParams(slice_size=256)
-
-
-@pytest.fixture
-def world():
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_tcp_port()}",
-                            rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def _saved(state: dict) -> dict:
@@ -63,7 +53,7 @@ def _resumed(make, device="cpu") -> tuple[list, list, list]:
     lambda: THCAllReduce.through_torch_distributed(params=P, generator=11),
     lambda: MarsitAllReduce(None, torch.Generator().manual_seed(3)),
 ], ids=["thc", "marsit"])
-def test_a_reducer_restored_goes_on_as_the_one_saved(world, make):
+def test_a_reducer_restored_goes_on_as_the_one_saved(alone, make):
     went_on, restored, fresh = _resumed(make)
     for a, b in zip(went_on, restored):
         assert torch.equal(a, b)
@@ -71,7 +61,7 @@ def test_a_reducer_restored_goes_on_as_the_one_saved(world, make):
 
 
 @kernels
-def test_a_graphed_reducer_restored_goes_on_as_the_one_saved(world):
+def test_a_graphed_reducer_restored_goes_on_as_the_one_saved(alone):
     """Its residual is loaded into the rounds' buffer when the first call makes it."""
     went_on, restored, fresh = _resumed(
         lambda: GraphedAllReduce.through_torch_distributed(params=P, generator=11,
@@ -85,7 +75,7 @@ def test_a_graphed_reducer_restored_goes_on_as_the_one_saved(world):
         short(_inputs(1, device=DEV)[0])
 
 
-def test_a_state_that_cannot_be_taken_is_refused(world):
+def test_a_state_that_cannot_be_taken_is_refused(alone):
     ar = THCAllReduce.through_torch_distributed(params=P, generator=11)
     for bad, message in (({"round": -1, "residual": None}, "round must be an int"),
                          ({"round": 2}, "not a reducer's state"),
@@ -160,7 +150,7 @@ def _gap(kind: str, load: bool) -> float:
 
 
 @pytest.mark.parametrize("kind", sorted(HOOKS))
-def test_a_hook_restored_from_a_checkpoint_keeps_every_residual_on_its_parameter(world, kind):
+def test_a_hook_restored_from_a_checkpoint_keeps_every_residual_on_its_parameter(alone, kind):
     """Restored, each parameter's residual joins its own coordinates, whatever bucket holds
     them (the saved run's buckets, DDP's first-iteration ones, its rebuilt ones); without the
     restore the mass the residuals held is lost."""
@@ -168,7 +158,7 @@ def test_a_hook_restored_from_a_checkpoint_keeps_every_residual_on_its_parameter
     assert _gap(kind, load=False) > 1e-3
 
 
-def test_a_hooks_state_is_loaded_before_its_first_step_and_into_its_own_kind(world):
+def test_a_hooks_state_is_loaded_before_its_first_step_and_into_its_own_kind(alone):
     model = _model()
     ddp = DDP(model)
     hook = HOOKS["thc"](model).register(ddp)
@@ -183,7 +173,7 @@ def test_a_hooks_state_is_loaded_before_its_first_step_and_into_its_own_kind(wor
     assert overlapping.state_dict() == {"hook": "THCHook", "residuals": {}}
 
 
-def test_a_parameter_whose_bucket_dropped_its_residual_has_none(world):
+def test_a_parameter_whose_bucket_dropped_its_residual_has_none(alone):
     """A refused Marsit round drops its bucket's residual: the state named the residuals of
     DDP's first-iteration buckets instead, handed on a step before (a second time on
     resume)."""
@@ -200,7 +190,7 @@ def test_a_parameter_whose_bucket_dropped_its_residual_has_none(world):
     assert len(hook.state_dict()["residuals"]) < 4
 
 
-def test_loaded_residuals_outlive_a_build_every_rank_refused(world, monkeypatch):
+def test_loaded_residuals_outlive_a_build_every_rank_refused(alone, monkeypatch):
     """The build of a bucket's reducer refused by its agreement (a peer's factory failed):
     the residuals it took from a load were gone on the ranks whose factory worked."""
     from thc.collective import agreement
@@ -223,14 +213,14 @@ def test_loaded_residuals_outlive_a_build_every_rank_refused(world, monkeypatch)
 
 
 @kernels
-def test_a_graphed_reducers_loaded_residual_follows_the_scale(world):
+def test_a_graphed_reducers_loaded_residual_follows_the_scale(alone):
     ar = GraphedAllReduce.through_torch_distributed(params=P, generator=11, capture=False)
     ar.load_state_dict(checkpoint.state(0, torch.ones(968)))
     ar.rescale_residual(0.5)
     assert torch.equal(ar.kept_residual, torch.full((968,), 0.5))
 
 
-def test_a_hook_serves_one_ddp_model(world):
+def test_a_hook_serves_one_ddp_model(alone):
     model = _model()
     hook = HOOKS["thc"](model).register(DDP(model))
     with pytest.raises(ValueError, match="registered on a DDP model before"):
