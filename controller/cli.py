@@ -30,9 +30,11 @@ from thc.controller.switch import DEFAULT_DEVICE_ID, DEFAULT_GRPC, NoProgram, Sw
 from thc.wire.jobs import Cluster, ConfigError
 
 
-def _switch_options(parser: argparse.ArgumentParser, defaults: bool = True) -> None:
+def _switch_options(parser: argparse.ArgumentParser, defaults: bool = True,
+                    dry_run: bool = True) -> None:
     """The options of every action; without ``defaults`` (an action's own copy) each is
-    set only where given, so they may stand before the action or after it."""
+    set only where given, so they may stand before the action or after it. ``dry_run``:
+    whether ``--dry-run`` is among them (only install's copy has it)."""
     def opt(*names, default=None, **kw):
         parser.add_argument(*names, **kw,
                             default=default if defaults else argparse.SUPPRESS)
@@ -54,18 +56,19 @@ def _switch_options(parser: argparse.ArgumentParser, defaults: bool = True) -> N
     opt("--build-dir", default=None,
         help="where the compiled program is (default p4src/build for bmv2, "
              "p4src/build/tofino for tofino)")
-    opt("--dry-run", action="store_true", default=False,
-        help="install only: print the writes it would make on a switch that "
-             "holds no jobs, from the target's P4Info, without connecting")
+    if dry_run:
+        opt("--dry-run", action="store_true", default=False,
+            help="install only: print the writes it would make on a switch that "
+                 "holds no jobs, from the target's P4Info, without connecting")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     _switch_options(parser)
     sub = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
 
-    def action(name: str, **kw) -> argparse.ArgumentParser:
+    def action(name: str, dry_run: bool = False, **kw) -> argparse.ArgumentParser:
         p = sub.add_parser(name, **kw)
-        _switch_options(p, defaults=False)
+        _switch_options(p, defaults=False, dry_run=dry_run)
         return p
 
     p = action("push", help="load the compiled P4 program (clears all switch state: refused "
@@ -76,7 +79,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--force", action="store_true",
                    help="push even while a job's workers are sending")
 
-    p = action("install", help="install or update the jobs of a cluster config")
+    p = action("install", dry_run=True, help="install or update the jobs of a cluster config")
     p.add_argument("--config", required=True, help="cluster JSON (host/wire/jobs.py Cluster)")
     p.add_argument("--push", action="store_true",
                    help="push the program first, which removes every installed job (refused "

@@ -19,8 +19,11 @@ class ShowDefaults(argparse.RawDescriptionHelpFormatter):
     @staticmethod
     def _shows(action: argparse.Action) -> bool:
         """Not for a flag (store_true, store_false: its dest's default would read as the
-        flag's), nor for a default of nothing."""
-        return action.nargs != 0 and action.default not in (None, False, "", argparse.SUPPRESS) \
+        flag's), nor for a default of nothing (an empty list or tuple included)."""
+        default = action.default
+        nothing = default is None or default is False or default == argparse.SUPPRESS \
+            or (isinstance(default, (str, list, tuple)) and not default)
+        return action.nargs != 0 and not nothing \
             and "default" not in (action.help or "").lower()
 
     def _format_action(self, action: argparse.Action) -> str:

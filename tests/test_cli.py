@@ -71,6 +71,10 @@ def test_help_shows_defaults_its_text_does_not_already_say(capsys):
         cli.main(["aggregator", "--help"])
     out = " ".join(capsys.readouterr().out.split())
     assert "(default: True)" not in out   # --no-gso's dest is on: the flag is not
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "switch", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "(default: ())" not in out and "e.g. 16,64" in out   # --lanes-sweep: none
 
 def test_unknown_commands_are_refused(capsys):
     assert cli.main(["nonesuch"]) == 2

@@ -97,6 +97,18 @@ def test_dry_run_is_for_install_only(monkeypatch, capsys):
     assert "--dry-run" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("action", ["push", "remove", "jobs", "counters", "l2"])
+def test_only_installs_help_offers_dry_run(action, capsys):
+    """Every action's own copy of the switch options offered --dry-run, which only install
+    takes: the others' help listed it and refused it when given."""
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    for name, offered in ((action, False), ("install", True)):
+        with pytest.raises(SystemExit):
+            parser.parse_args([name, "--help"])
+        assert ("--dry-run" in capsys.readouterr().out) == offered
+
+
 def test_values_print_as_their_fields_are_written():
     assert dryrun.show("dst_mac", 48, bytes([2, 0, 0, 0, 0, 0xFE])) == "02:00:00:00:00:fe"
     assert dryrun.show("src_ip", 32, bytes([10, 0, 0, 1])) == "10.0.0.1"
