@@ -1,6 +1,7 @@
 """Marsit: the merged bit is unbiased for the mean sign; the ring all-reduce in real Gloo groups."""
 from __future__ import annotations
 
+import copy
 import math
 import re
 import types
@@ -94,6 +95,34 @@ def test_the_ring_in_gloo_gives_plus_one_as_often_as_the_workers_hold_it():
             want, got = bin(p).count("1") / 3, float((bits[p::8] > 0).mean())
             sigma = math.sqrt(want * (1 - want) / (n // 8))
             assert abs(got - want) <= 5 * sigma, (seg, p, got)
+
+
+def _own_coins_worker(rank, port, q):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=3)
+    torch.manual_seed(5)
+    global_before = torch.get_rng_state()
+    grads = [torch.randn(3001, generator=torch.Generator().manual_seed(10 * rank + i))
+             for i in range(3)]
+    ar = marsit.MarsitAllReduce()
+    ar(grads[0])
+    saved = copy.deepcopy(ar.state_dict())
+    went_on = ar(grads[1])
+    untouched = torch.equal(torch.get_rng_state(), global_before)
+    torch.manual_seed(99)      # a resumed job's training seeds the global generator anew
+    restored = marsit.MarsitAllReduce()
+    restored.load_state_dict(saved)
+    q.put((rank, (untouched, torch.equal(restored(grads[1]), went_on))))
+    dist.destroy_process_group()
+
+
+def test_the_rings_coins_are_its_own_and_restored_with_it():
+    """By default the ring drew its merge coins from torch's global generator, on the DDP
+    hook's communication thread while the training drew from it too (runs were not
+    repeatable), and a restored reducer could not go on as the one saved."""
+    res = gloo_pair(_own_coins_worker, world=3)
+    assert all(res[r] == (True, True) for r in range(3)), res
 
 
 def _worker(rank, world, port, q):

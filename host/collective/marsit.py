@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 import operator
+import zlib
 
 import torch
 import torch.distributed as dist
@@ -119,8 +120,7 @@ class _SignAllReduce:
         return {**checkpoint.state(self.round, self.residual), "coin": self._coin.get_state()}
 
     def load_state_dict(self, state: dict) -> None:
-        """Take :meth:`state_dict`'s state before the first round (a ring's merge generator,
-        the caller's, is the caller's to restore)."""
+        """Take :meth:`state_dict`'s state before the first round."""
         self.round, self.residual = checkpoint.loaded(state, self.round, self.compensation,
                                                       type(self).__name__)
         if state.get("coin") is not None:
@@ -255,9 +255,44 @@ class MarsitAllReduce(_SignAllReduce):
 
     def __init__(self, group=None, generator: torch.Generator | None = None,
                  compensation: bool = True, nonfinite: str = "raise", name=None):
+        """``generator``: the merges' coins; by default one of the reducer's own, keyed by
+        its rank and name and made on the gradients' device, not torch's global generator,
+        which the training draws from on another thread (and which a checkpoint would then
+        have to hold)."""
         super().__init__(group, compensation, nonfinite, name)
         self.rank = dist.get_rank(group)
         self.generator = generator
+        self._own_merges: torch.Generator | None = None
+        self._merges_state: tuple[str, torch.Tensor] | None = None
+        """A loaded state of the reducer's own merge coins, taken when they are made."""
+
+    def _merge_coins(self, device: torch.device) -> torch.Generator:
+        if self.generator is not None:
+            return self.generator
+        made = self._own_merges
+        if made is None or made.device.type != device.type:
+            seed = 0x4D455247 + self.rank + (zlib.crc32(str(self.name).encode()) << 20)
+            made = self._own_merges = torch.Generator(device=device).manual_seed(seed)
+            if self._merges_state is not None:
+                kind, state = self._merges_state
+                if kind != device.type:
+                    raise ValueError(f"{type(self).__name__}: the loaded merge coins are a "
+                                     f"{kind} generator's, the gradients are on {device.type}")
+                made.set_state(state)
+                self._merges_state = None
+        return made
+
+    def state_dict(self) -> dict:
+        """:meth:`_SignAllReduce.state_dict`'s, and the state of the reducer's own merge
+        coins (a caller's ``generator`` is the caller's to restore)."""
+        own = self._own_merges
+        merges = (own.device.type, own.get_state()) if own is not None else self._merges_state
+        return {**super().state_dict(), "merges": merges}
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        if state.get("merges") is not None and self.generator is None:
+            self._merges_state, self._own_merges = tuple(state["merges"]), None
 
     def _peer(self, offset: int) -> int:
         r = (self.rank + offset) % self.world
@@ -282,7 +317,8 @@ class MarsitAllReduce(_SignAllReduce):
             send_idx, recv_idx = (self.rank - step) % p, (self.rank - step - 1) % p
             self._exchange(pack_bits(acc[send_idx], 1), buf)
             incoming = unpack_bits(buf, 1, chunk).bool()
-            acc[recv_idx] = merge(incoming, mine[recv_idx], step + 1, self.generator)
+            acc[recv_idx] = merge(incoming, mine[recv_idx], step + 1,
+                                  self._merge_coins(own.device))
         done = (self.rank + 1) % p
         for step in range(p - 1):
             send_idx, recv_idx = (done - step) % p, (done - step - 1) % p
