@@ -94,8 +94,9 @@ def _threads_on_one_group_worker(rank, port, q, kind="thc"):
 
 
 def assert_each_round_its_own(res: dict) -> None:
-    """Every round of :func:`_threads_on_one_group_worker` close to its own mean, or refused
-    as unlike (never another reducer's sums)."""
+    """Every round of :func:`_threads_on_one_group_worker` close to its own mean (never
+    another reducer's sums): a reducer holds the group for its whole round, so the other
+    reducer's round waits for it, and neither is refused."""
     for rank in (0, 1):
         for n, got in res[rank].items():
-            assert isinstance(got, str) and "differ" in got or got < 0.3, (rank, n, got)
+            assert not isinstance(got, str) and got < 0.3, (rank, n, got)

@@ -495,7 +495,7 @@ def test_two_threads_reducers_on_one_client_never_take_each_others_sums():
         def work(key):
             try:
                 out[key] = reducers[key](xs[key])
-            except Exception as e:  # noqa: BLE001 - a refusal is an outcome, a wrong sum not
+            except Exception as e:  # noqa: BLE001 - named by the assertion below
                 out[key] = e
         ts = [threading.Thread(target=work, args=(k,)) for k in reducers]
         [t.start() for t in ts]
@@ -503,9 +503,7 @@ def test_two_threads_reducers_on_one_client_never_take_each_others_sums():
         [c.close() for c in clients]
     assert not any(t.is_alive() for t in ts)
     for (w, n), got in out.items():
-        if isinstance(got, Exception):
-            assert "different" in str(got), got   # rounds paired unlike: refused
-            continue
+        assert not isinstance(got, Exception), (w, n, got)   # each waits for the other
         mean = (xs[0, n] + xs[1, n]) / 2
         assert float((got - mean).norm() / mean.norm()) < 0.3, (w, n)
 

@@ -107,8 +107,9 @@ def test_thc_hook_gradient_close_to_the_mean():
     out, mean = _run("thc")
     num = sum(float(((out[0][0][k] - mean[k]) ** 2).sum()) for k in mean)
     den = sum(float((mean[k] ** 2).sum()) for k in mean)
-    # Two workers' THC estimate of their mean: relative error well under 10%.
-    assert num / den < 0.1, num / den
+    # Two workers' THC estimate of their mean: about 0.014 here; a bucket scaled 0.85x or
+    # 1.15x would already give about 0.04.
+    assert num / den < 0.03, num / den
 
 
 COMPRESSED = ("0.weight", "0.bias", "2.weight")

@@ -16,12 +16,21 @@ from thc.codec.hadamard import (
 )
 
 
+def _sylvester(n: int) -> np.ndarray:
+    """Sylvester's Hadamard matrix of order n, built here: the reference fwht and
+    hadamard_matrix (which fwht uses for its small factors) are both checked against."""
+    h = np.ones((1, 1))
+    while h.shape[0] < n:
+        h = np.kron(h, np.array([[1.0, 1.0], [1.0, -1.0]]))
+    return h
+
+
 @pytest.mark.parametrize("n", [1, 2, 4, 8, 32, 64, 512, 2048])
 def test_fwht_matches_dense_matrix(n):
     rng = np.random.default_rng(n)
     x = rng.standard_normal((3, n)).astype(np.float32)
-    dense = x.astype(np.float64) @ hadamard_matrix(int(math.log2(n))).astype(np.float64)
-    dense /= math.sqrt(n)
+    assert np.array_equal(hadamard_matrix(int(math.log2(n))), _sylvester(n))
+    dense = x.astype(np.float64) @ _sylvester(n) / math.sqrt(n)
     assert np.allclose(fwht(x), dense, atol=1e-4)
     assert np.allclose(fwht(torch.from_numpy(x)).numpy(), dense, atol=1e-4)
 

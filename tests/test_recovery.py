@@ -51,10 +51,14 @@ def _stream(job, w, addr, numel, run, q, rounds=25):
     """Aggregate the same vector ``rounds`` times: a fast datapath must still be mid-stream
     when the test kills the aggregator."""
     idx = np.random.default_rng(7000 + w).integers(0, 16, numel).astype(np.uint8)
+    want = _stream_reference(job, numel)
     try:
         with AggregationClient(job, w, addr, deadline=DEADLINE, run=run) as c:
-            for _ in range(rounds):
+            for r in range(rounds):
                 sums = c.aggregate(pack_bits(idx, P.INDEX_BITS))
+                if not np.array_equal(sums, want):   # every round's, not the last one's
+                    q.put((w, "wrong", f"round {r}'s sums differ from the reference"))
+                    return
             q.put((w, "ok", sums))
     except AggregatorRestarted as e:
         q.put((w, "restarted", str(e)))
@@ -98,6 +102,7 @@ def test_aggregator_restarted_mid_stream_fails_clearly_then_recovers(tmp_path, j
         agg.stop()
     ref = _stream_reference(job, numel)
     for w, (status, payload) in outcomes.items():
+        assert status in ("ok", "timeout", "restarted"), (w, status, payload)   # never wrong
         if status == "ok":  # finished before the kill: then its sums must be exact
             np.testing.assert_array_equal(payload, ref)
         elif status == "timeout":  # gave up at its deadline, blaming the aggregator
