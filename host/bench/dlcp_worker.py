@@ -10,7 +10,8 @@ mean. ``--priorities`` marks each chunk's DLCP class (layer position and agreed 
 ``--loss-bound`` lets a round close short. Rounds start after a Gloo barrier; the time of a
 round is from the barrier to the decoded estimate. Prints one JSON line: round times, the
 NMSE of each round's estimate, and the NMSE of the sum of all estimates against the sum of
-all exact means (what SGD accumulates: error feedback re-sends what a short round lost).
+all exact means (what SGD accumulates: error feedback re-sends what a short round lost);
+before it, one line a round (``{"round": r, "seconds": ..., "short": ...}``) as it ends.
 """
 from __future__ import annotations
 
@@ -83,6 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         est = ar(xs[args.rank], position=position if args.priorities else None)
         times.append(time.perf_counter() - t0)
         short.append(client.stats.short - before)
+        print(json.dumps({"round": r, "seconds": times[-1], "short": short[-1]}), flush=True)
         nmse.append(float(((est - mean) ** 2).sum() / (mean ** 2).sum()))
         sum_est += est
         sum_mean += mean

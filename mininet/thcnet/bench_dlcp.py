@@ -2,18 +2,22 @@
 
 One Mininet testbed (N workers, the software aggregator, every link queueing by DLCP class:
 ``links.PriorityTCIntf``) and a competing UDP flow (iperf, best effort) from every worker to
-the aggregator's host at ``--competing`` x the link rate, so the worker links are congested.
-In the same testbed and under the same flow, three modes run the same rounds
-(``thc.bench.dlcp_worker``):
+the aggregator's host at ``--competing`` x the link rate. The aggregator's link is N times a
+worker's (``--agg-bw-factor``), so it carries the workers' flows at the same share of its
+rate as each worker's link (at 1x, four workers' flows alone would offer it 3.2 times its
+rate). In the same testbed and under the same flow, the modes run the same rounds
+(``thc.bench.dlcp_worker``), all on the same client window (``--datapath``: the compiled
+one cannot close chunks short or mark them, so by default every mode runs Python's):
 
 - ``retransmit``: loss bound 0, no DSCP marks: every lost chunk is retransmitted;
 - ``bound``: ``--loss-bound``, no marks: a chunk that would be retransmitted closes short;
 - ``bound+prio``: the same bound, every chunk marked with its DLCP class, so the competing
   flow's packets (and the low classes) are the ones the link drops.
 
-Per mode: median and 99th percentile of the round time (the slowest worker's), the NMSE of
-each round's estimate and of the accumulated estimates (what SGD sums), and the chunks that
-closed short; ratios against ``retransmit`` from the same run.
+Each round's time shows as it ends (rank 0's). Per mode: median and 99th percentile of the
+round time (the slowest worker's), the NMSE of each round's estimate and of the accumulated
+estimates (what SGD sums), and the chunks that closed short; ratios against ``retransmit``
+from the same run.
 """
 from __future__ import annotations
 
@@ -28,6 +32,7 @@ from thc.argtypes import non_negative_float, positive_float, positive_int
 from thc.bench import add_common, emit_json
 from thc.codec.params import THCParams
 from thc.wire import protocol as P
+from thc.net.client import DATAPATH_ENV
 from thc.wire.jobs import loss_bound_arg
 from thc.emu.base import worker_ip
 from thc.emu import testbed
@@ -53,8 +58,35 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--loss-bound", type=loss_bound_arg, default=0.05,
                         help="the job's loss_bound: the share of a round's chunks that may "
                              "close short (docs/protocol.md, \"Bounded loss\")")
+    parser.add_argument("--agg-bw-factor", type=positive_float, default=None,
+                        help="the aggregator's link = factor x --bw (default: --workers)")
+    parser.add_argument("--modes", type=_modes, default=tuple(MODES),
+                        help=f"comma-separated, of {','.join(MODES)} (ratios against "
+                             f"retransmit where it runs)")
+    parser.add_argument("--datapath", choices=("python", "auto"), default="python",
+                        help="the workers' client window: python for every mode, or auto "
+                             "(the compiled window where a mode lets it run: retransmit "
+                             "only, so the modes then differ in their window too)")
     parser.add_argument("--pool-size", type=positive_int, default=64,
                         help="the job's slots: chunks a worker keeps in flight")
+
+
+def _modes(text: str) -> tuple[str, ...]:
+    names = tuple(dict.fromkeys(n.strip() for n in text.split(",") if n.strip()))
+    unknown = [n for n in names if n not in MODES]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"modes are {', '.join(MODES)}, not {text!r}")
+    return names
+
+
+def _progress(name: str, rounds: int):
+    """Rank 0's line handler: each round's time as it ends."""
+    def on_line(rank: int, line: str) -> None:
+        if rank == 0 and line.startswith('{"round"'):
+            row = json.loads(line)
+            print(f"    {name} round {row['round'] + 1}/{rounds}: {row['seconds']:.3f} s"
+                  f"{', %d chunks short' % row['short'] if row['short'] else ''}", flush=True)
+    return on_line
 
 
 def _run_mode(tb, name: str, loss_bound: float, marks: bool, args, rounds: int) -> dict:
@@ -74,7 +106,8 @@ def _run_mode(tb, name: str, loss_bound: float, marks: bool, args, rounds: int) 
         return a + (["--priorities"] if marks else [])
 
     try:
-        results = tb.run_workers(argv, timeout=args.timeout)
+        results = tb.run_workers(argv, env={DATAPATH_ENV: args.datapath},
+                                 timeout=args.timeout, on_line=_progress(name, rounds))
     finally:
         for f in flows:
             f.kill()
@@ -89,6 +122,7 @@ def _run_mode(tb, name: str, loss_bound: float, marks: bool, args, rounds: int) 
             "short_chunks_per_round": statistics.mean(rows[0]["short_chunks"]),
             "chunks_per_round": rows[0]["chunks_per_round"],
             "identical_results": len({json.dumps(r["nmse"]) for r in rows}) == 1,
+            "compiled_rounds": sum(row["transport"]["compiled_rounds"] for row in rows),
             "transport": [row["transport"] for row in rows]}
 
 
@@ -101,19 +135,25 @@ def run(args: argparse.Namespace) -> int:
         return 2
     result = {"workers": args.workers, "bw_mbit": args.bw, "competing_mbit": args.competing
               * args.bw, "numel": args.numel, "layers": args.layers, "rounds": rounds,
-              "loss_bound": args.loss_bound, "lanes": P.LANES, "modes": {}}
+              "loss_bound": args.loss_bound, "lanes": P.LANES,
+              "agg_bw_factor": args.agg_bw_factor or args.workers, "datapath": args.datapath,
+              "modes": {}}
     params = THCParams()
     try:
         with open_testbed(args.workers, bw_mbit=args.bw, aggregator="software", params=params,
-                          lanes=P.LANES, pool_size=args.pool_size, priorities=True) as tb:
-            print(f"{tb.describe()}; links {args.bw:g} Mbit/s queued by DLCP class; competing "
-                  f"UDP flow {args.competing * args.bw:g} Mbit/s per worker", flush=True)
+                          lanes=P.LANES, pool_size=args.pool_size, priorities=True,
+                          agg_bw_factor=result["agg_bw_factor"]) as tb:
+            print(f"{tb.describe()}; links {args.bw:g} Mbit/s (the aggregator's "
+                  f"{args.bw * tb.agg_bw_factor:g}) queued by DLCP class; competing UDP flow "
+                  f"{args.competing * args.bw:g} Mbit/s per worker; {args.datapath} client "
+                  f"window", flush=True)
             tb.popen("agg", ["iperf", "-s", "-u", "-p", str(IPERF_PORT)], name="iperf-server")
             # The flow's sink answers nothing: without traffic from it the bridge forgets its
             # MAC and floods the flow onto every worker link. A slow ping keeps it learnt.
             tb.popen("agg", ["ping", "-q", "-i", "0.5", worker_ip(0)], name="agg-ping")
             tb.start_aggregator()
-            for name, (bound, marks) in MODES.items():
+            for name in args.modes:
+                bound, marks = MODES[name]
                 m = _run_mode(tb, name, args.loss_bound if bound is None else bound, marks,
                               args, rounds)
                 result["modes"][name] = m
@@ -144,16 +184,25 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _print_table(result: dict) -> None:
-    base = result["modes"]["retransmit"]
+    base = result["modes"].get("retransmit")
+
+    def ratio(key: str, m: dict) -> str:
+        return f"{base[key] / m[key]:>5.2f}x" if base else f"{'-':>6}"
     print(f"\n{'mode':<11} {'median s':>9} {'x':>6} {'p99 s':>8} {'x':>6} {'NMSE/round':>11} "
           f"{'NMSE sum':>9} {'short/round':>12}")
     for name, m in result["modes"].items():
-        print(f"{name:<11} {m['median_s']:>9.3f} {base['median_s'] / m['median_s']:>5.2f}x "
-              f"{m['p99_s']:>8.3f} {base['p99_s'] / m['p99_s']:>5.2f}x {m['nmse_mean']:>11.4f} "
+        print(f"{name:<11} {m['median_s']:>9.3f} {ratio('median_s', m)} "
+              f"{m['p99_s']:>8.3f} {ratio('p99_s', m)} {m['nmse_mean']:>11.4f} "
               f"{m['cumulative_nmse']:>9.5f} {m['short_chunks_per_round']:>7.1f}/"
               f"{m['chunks_per_round']}")
     print(f"x: speedup over retransmit (same run, same competing flow, one untimed round "
-          f"first); p99 of {len(base['round_seconds'])} rounds: about the slowest")
+          f"first); p99 of {result['rounds']} rounds: about the slowest")
+    windows = {name: "compiled" if m["compiled_rounds"] else "python"
+               for name, m in result["modes"].items()}
+    if len(set(windows.values())) > 1:
+        print("WARNING: the modes ran unlike client windows ("
+              + ", ".join(f"{n}: {w}" for n, w in windows.items())
+              + "): their ratios hold the windows' difference too")
     for name, m in result["modes"].items():
         if not m["identical_results"]:
             print(f"WARNING: {name}: the workers' estimates differ (replicas diverged)")

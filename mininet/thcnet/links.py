@@ -47,9 +47,11 @@ class WideTCIntf(TCIntf):
         return cmds, " parent 5:1 "
 
 
-BAND_FIFO_PACKETS = 100
-"""Queue of each class band of a :class:`PriorityTCIntf` (tail drop beyond it): short
-enough that a congested link drops instead of queueing for seconds."""
+BAND_FIFO_BYTES = 100 * 1514
+"""Queue of each class band of a :class:`PriorityTCIntf` (tail drop beyond it), 100 full
+frames: short enough that a congested link drops instead of queueing for seconds. In bytes,
+as a switch's buffer counts: a UDP GSO burst (the compiled client's DATA) is one packet to a
+qdisc, and a queue of packets would hold up to 64 of its datagrams a place."""
 
 
 def band_of_dscp() -> dict[int, int]:
@@ -67,7 +69,7 @@ class PriorityTCIntf(WideTCIntf):
     band is guaranteed 1% of the rate and may borrow up to all of it, and spare bandwidth goes
     to the lowest ``prio`` first, so a band is served only while every higher one is empty.
     ``u32`` filters on the IPv4 DSCP pick the band; each band queues at most
-    ``BAND_FIFO_PACKETS`` (pfifo), so under congestion the lowest bands drop first."""
+    ``BAND_FIFO_BYTES`` (bfifo), so under congestion the lowest bands drop first."""
 
     def bwCmds(self, bw=None, speedup=0, use_hfsc=False, use_tbf=False, latency_ms=None,
                enable_ecn=False, enable_red=False):
@@ -86,7 +88,7 @@ class PriorityTCIntf(WideTCIntf):
                      f"rate {floor:f}Mbit ceil {bw:f}Mbit prio {b} burst {burst} "
                      f"cburst {burst} quantum 1514",
                      f"%s qdisc add dev %s parent 5:{0x10 + b:x} handle {0x20 + b:x}: "
-                     f"pfifo limit {BAND_FIFO_PACKETS}"]
+                     f"bfifo limit {BAND_FIFO_BYTES}"]
         for dscp, b in band_of_dscp().items():
             cmds.append(f"%s filter add dev %s parent 5:0 protocol ip prio 1 u32 match ip "
                         f"dsfield {dscp << 2:#04x} 0xfc flowid 5:{0x10 + b:x}")
