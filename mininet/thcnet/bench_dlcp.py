@@ -197,11 +197,10 @@ def _print_table(result: dict) -> None:
               f"{m['chunks_per_round']}")
     print(f"x: speedup over retransmit (same run, same competing flow, one untimed round "
           f"first); p99 of {result['rounds']} rounds: about the slowest")
-    windows = {name: "compiled" if m["compiled_rounds"] else "python"
-               for name, m in result["modes"].items()}
-    if len(set(windows.values())) > 1:
-        print("WARNING: the modes ran unlike client windows ("
-              + ", ".join(f"{n}: {w}" for n, w in windows.items())
+    compiled = {name: m["compiled_rounds"] for name, m in result["modes"].items()}
+    if len(set(compiled.values())) > 1:
+        print("WARNING: the modes ran unlike client windows (rounds on the compiled one, all "
+              "workers: " + ", ".join(f"{n} {c}" for n, c in compiled.items())
               + "): their ratios hold the windows' difference too")
     for name, m in result["modes"].items():
         if not m["identical_results"]:
