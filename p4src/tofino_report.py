@@ -89,6 +89,21 @@ def tofino_summary(out: Path) -> dict:
             "totals": totals, "stages": stages, "phv": phv}
 
 
+COMPILE_STAMPS = ("build_date", "run_id")
+"""Fields of the compiler's JSON logs that differ at every compile of the same program."""
+
+
+def _unstamped(data: bytes):
+    """A log's content without its compile stamps: a log that differs from the committed one
+    only in them is kept as committed, so recompiling an unchanged program changes no file."""
+    try:
+        doc = json.loads(data)
+    except ValueError:
+        return data
+    return {k: v for k, v in doc.items() if k not in COMPILE_STAMPS} \
+        if isinstance(doc, dict) else doc
+
+
 def record_tofino(out: Path) -> None:
     """Commit-ready resource summary and P4Info of the Tofino compile whose output is in
     ``out``."""
@@ -100,10 +115,13 @@ def record_tofino(out: Path) -> None:
         raise SystemExit(f"gen_p4 --record-tofino: none of {list(TOFINO_LOGS)} under {out}; "
                          f"did `p4c --target tofino --arch tna -o {out}` succeed?")
     TOFINO_DIR.mkdir(parents=True, exist_ok=True)
+    before = {p.name: p.read_bytes() for p in TOFINO_DIR.iterdir()}
     for stale in TOFINO_DIR.iterdir():
         stale.unlink()
     for name, path in found.items():
-        shutil.copy(path, TOFINO_DIR / name)
+        new = path.read_bytes()
+        keep = name in before and _unstamped(before[name]) == _unstamped(new)
+        (TOFINO_DIR / name).write_bytes(before[name] if keep else new)
     # the compiler's verdict (make p4-tofino writes its exit status and log beside <out>)
     rc_file, log_file = Path(out) / "rc", Path(out).parent / "compile.log"
     rc = int(rc_file.read_text()) if rc_file.exists() else None

@@ -318,6 +318,34 @@ def test_tofino_program_compiles_as_recorded(tmp_path, request, record_property)
                       seconds=time.monotonic() - start)
 
 
+def test_recording_an_unchanged_compile_changes_no_file(tmp_path, monkeypatch):
+    """`make p4-tofino` rewrote the committed resources.json at every compile: its build date
+    and run id differ each time. A log that differs only there is kept as committed; one
+    that differs anywhere else is replaced."""
+    report = gen.tofino_report
+    monkeypatch.setattr(report, "TOFINO_DIR", tmp_path / "tofino")
+    monkeypatch.setattr(report, "TOFINO_REPORT", tmp_path / "tofino" / "REPORT.json")
+    monkeypatch.setattr(report, "p4c_version", lambda: "p4c test")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "rc").write_text("0\n")
+
+    def compile_once(date: str, stages: list) -> bytes:
+        doc = {"build_date": date, "run_id": date[::-1], "program_name": "thc_tna.p4",
+               "resources": {"mau": {"mau_stages": stages}}}
+        (out / "resources.json").write_text(json.dumps(doc))
+        report.record_tofino(out)
+        return (tmp_path / "tofino" / "resources.json").read_bytes()
+
+    first = compile_once("Mon Dec  1", [])
+    assert compile_once("Tue Dec  2", []) == first
+    stage = {"stage_number": 0, "logical_tables": {"ids": [1]}, "meter_alus": {"meters": []},
+             "rams": {"srams": []}, "tcams": {"tcams": []}}
+    changed = compile_once("Wed Dec  3", [stage])
+    assert b"Wed Dec  3" in changed and b"stage_number" in changed
+    assert json.loads((tmp_path / "tofino" / "REPORT.json").read_text())["compiled"] is True
+
+
 def test_tofino_check_names_the_changed_source(tmp_path, monkeypatch):
     """check_tofino reports a missing report, and a source changed after the record."""
     monkeypatch.setattr(gen.tofino_report, "TOFINO_REPORT", tmp_path / "REPORT.json")
