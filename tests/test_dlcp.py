@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import socket
 import threading
 import time
@@ -364,7 +365,6 @@ def test_the_dlcp_bench_worker_times_its_rounds_after_an_untimed_one(tmp_path):
     """`thc bench dlcp`'s worker, two ranks through a real software aggregator on the
     loopback: the rounds asked for are timed, the workers' estimates agree and are close to
     the mean (the bench fails a run where they are not), and one round ran before them."""
-    import json
     import subprocess
     import sys
 
@@ -448,3 +448,34 @@ def test_the_dlcp_bench_reads_its_modes_shows_rounds_and_names_unlike_windows(ca
     bench_dlcp._print_table({"rounds": 2, "modes": {"bound": mode(1.0, 0)}})
     out = capsys.readouterr().out
     assert "x " not in out.split("\n")[2] and "unlike" not in out
+
+
+def test_a_stopped_dlcp_bench_names_where_and_keeps_the_modes_done(monkeypatch, tmp_path,
+                                                                   capsys):
+    """SIGTERM ended `thc bench dlcp` without a word (only Ctrl-C was caught), and either
+    lost the modes it had measured."""
+    import contextlib
+    import types
+
+    from thc.emu import bench_dlcp
+    from thc.emu.cleanup import Terminated
+    bed = types.SimpleNamespace(describe=lambda: "testbed", popen=lambda *a, **k: None,
+                                start_aggregator=lambda: None, agg_bw_factor=4.0)
+    monkeypatch.setattr(bench_dlcp, "mininet_unavailable_reason", lambda kind: None)
+    monkeypatch.setattr(bench_dlcp, "open_testbed",
+                        lambda *a, **k: contextlib.nullcontext(bed))
+
+    def run_mode(tb, name, *a):
+        if name == "bound":
+            raise Terminated(143)
+        return {"median_s": 1.0, "p99_s": 1.0, "nmse_mean": 0.02, "cumulative_nmse": 0.001,
+                "short_chunks_per_round": 0.0, "chunks_per_round": 8}
+    monkeypatch.setattr(bench_dlcp, "_run_mode", run_mode)
+    parser = argparse.ArgumentParser()
+    bench_dlcp.add_arguments(parser)
+    out = tmp_path / "dlcp.json"
+    assert bench_dlcp.run(parser.parse_args(["--quick", "--json", str(out)])) == 143
+    err = capsys.readouterr().err
+    assert "terminated (SIGTERM) in mode bound" in err and "modes done: retransmit" in err
+    saved = json.loads(out.read_text())
+    assert list(saved["modes"]) == ["retransmit"] and saved["complete"] is False

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import statistics
 import sys
 
@@ -36,6 +37,7 @@ from thc.net.client import DATAPATH_ENV
 from thc.wire.jobs import loss_bound_arg
 from thc.emu.base import worker_ip
 from thc.emu import testbed
+from thc.emu.cleanup import Terminated
 from thc.emu.testbed import TestbedError, WorkerError, mininet_unavailable_reason, open_testbed
 
 IPERF_PORT = 5201
@@ -139,6 +141,7 @@ def run(args: argparse.Namespace) -> int:
               "agg_bw_factor": args.agg_bw_factor or args.workers, "datapath": args.datapath,
               "modes": {}}
     params = THCParams()
+    running = "before the first mode"
     try:
         with open_testbed(args.workers, bw_mbit=args.bw, aggregator="software", params=params,
                           lanes=P.LANES, pool_size=args.pool_size, priorities=True,
@@ -153,6 +156,7 @@ def run(args: argparse.Namespace) -> int:
             tb.popen("agg", ["ping", "-q", "-i", "0.5", worker_ip(0)], name="agg-ping")
             tb.start_aggregator()
             for name in args.modes:
+                running = f"in mode {name}"
                 bound, marks = MODES[name]
                 m = _run_mode(tb, name, args.loss_bound if bound is None else bound, marks,
                               args, rounds)
@@ -161,14 +165,21 @@ def run(args: argparse.Namespace) -> int:
                       f"nmse {m['nmse_mean']:.4f}  cumulative {m['cumulative_nmse']:.5f}  "
                       f"short {m['short_chunks_per_round']:.1f}/{m['chunks_per_round']}",
                       flush=True)
+            running = "after the last mode"
             result["aggregator_counters"] = tb.stop_aggregator()
     except (TestbedError, WorkerError) as e:
         print(f"thc bench dlcp: {e}", file=sys.stderr)
         emit_json(args, {**result, "complete": False, "error": str(e)})   # the modes before
         return 1
-    except KeyboardInterrupt:
-        print("\nthc bench dlcp: interrupted; testbed torn down", file=sys.stderr)
-        return 130
+    except (KeyboardInterrupt, Terminated) as e:
+        how, code = ("interrupted", 130) if isinstance(e, KeyboardInterrupt) else (
+            f"terminated ({_signal_name(e.code)})", e.code)
+        done = ", ".join(result["modes"]) or "none"
+        print(f"\nthc bench dlcp: {how} {running}; testbed torn down; modes done: {done}"
+              + (f" (in {args.json})" if args.json and result["modes"] else ""),
+              file=sys.stderr)
+        emit_json(args, {**result, "complete": False, "error": f"{how} {running}"})
+        return code
     _print_table(result)
     wrong = [f"{name}: the workers' estimates differ" for name, m in result["modes"].items()
              if not m["identical_results"]]
@@ -181,6 +192,13 @@ def run(args: argparse.Namespace) -> int:
         return 1
     emit_json(args, result)
     return 0
+
+
+def _signal_name(code: int) -> str:
+    try:
+        return signal.Signals(code - 128).name
+    except ValueError:
+        return f"status {code}"
 
 
 def _print_table(result: dict) -> None:
