@@ -495,15 +495,17 @@ def test_two_threads_reducers_on_one_client_never_take_each_others_sums():
         def work(key):
             try:
                 out[key] = reducers[key](xs[key])
-            except Exception as e:  # noqa: BLE001 - named by the assertion below
+            except Exception as e:  # noqa: BLE001 - a refusal is an outcome, a wrong sum not
                 out[key] = e
         ts = [threading.Thread(target=work, args=(k,)) for k in reducers]
         [t.start() for t in ts]
         [t.join(60) for t in ts]
         [c.close() for c in clients]
-    assert not any(t.is_alive() for t in ts)
+    assert not any(t.is_alive() for t in ts) and set(out) == set(reducers), out
     for (w, n), got in out.items():
-        assert not isinstance(got, Exception), (w, n, got)   # each waits for the other
+        if isinstance(got, Exception):
+            assert "different" in str(got), got   # rounds paired unlike: refused
+            continue
         mean = (xs[0, n] + xs[1, n]) / 2
         assert float((got - mean).norm() / mean.norm()) < 0.3, (w, n)
 

@@ -125,6 +125,22 @@ def test_the_rings_coins_are_its_own_and_restored_with_it():
     assert all(res[r] == (True, True) for r in range(3)), res
 
 
+def test_merge_coins_of_another_device_are_refused_every_time(alone):
+    """A state saved on a GPU and loaded where the gradients are on the CPU: refused, and
+    refused again at the next round (the first refusal made the reducer's own coins anew,
+    which the next round then took, the loaded state left unused); a state of the wrong
+    form is refused when loaded."""
+    saved = marsit.MarsitAllReduce().state_dict()
+    assert saved["merges"] is None   # no merge yet: no coins made
+    ar = marsit.MarsitAllReduce()
+    ar.load_state_dict({**saved, "merges": ("cuda", torch.zeros(16, dtype=torch.uint8))})
+    for _ in range(2):
+        with pytest.raises(ValueError, match="a cuda generator's, the gradients are on cpu"):
+            ar._merge_coins(torch.device("cpu"))
+    with pytest.raises(ValueError, match="device type, a generator's uint8 state"):
+        ar.load_state_dict({**saved, "merges": ("cpu", [1, 2, 3])})
+
+
 def _worker(rank, world, port, q):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,

@@ -6,6 +6,7 @@ packets marked with each class leave through it and the band counters say where 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import textwrap
@@ -53,3 +54,27 @@ def test_each_dscp_class_is_queued_in_its_band_and_others_go_best_effort():
         want[f"5:{0x10 + bands.get(dscp, best):x}"] += n
     assert {k: sent[k] for k in want} == want
     assert bands[P.PRIORITY_DSCP[-1]] == 0, "the top class is served first"
+
+
+def test_a_band_holds_bytes_not_packets():
+    """A band's queue counted packets (100): a burst of small datagrams lost all but 100 of
+    them where a switch's buffer of the same bytes holds them all, and a UDP GSO burst of up
+    to 64 datagrams took one place. 1000 datagrams of 142 bytes on the wire, sent at once
+    into a 0.1 Mbit/s link, fit its 100 full frames' bytes."""
+    cmds, _ = links.PriorityTCIntf.bwCmds(None, bw=0.1)
+    tc = "\n".join(c % ("tc", "va") for c in cmds)
+    py = ("import socket; s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); "
+          "[s.sendto(b\"x\" * 100, (\"10.9.0.2\", 9)) for _ in range(1000)]")
+    script = ("set -e; sysctl -qw net.ipv6.conf.all.disable_ipv6=1 "
+              "net.ipv6.conf.default.disable_ipv6=1; ip link add va type veth peer name vb; "
+              "ip addr add 10.9.0.1/24 dev va; "
+              "ip link set va up; ip link set vb up; ip neigh add 10.9.0.2 lladdr "
+              "02:00:00:00:00:02 dev va\n" + tc + f"\npython3 -c '{py}'\ntc -s qdisc show dev va")
+    r = subprocess.run(["unshare", "-n", "sh", "-c", script], capture_output=True, text=True,
+                       timeout=30)
+    assert r.returncode == 0, r.stderr
+    best = f"{0x20 + len(P.PRIORITY_DSCP):x}:"
+    block = re.search(rf"qdisc \w+ {best}(.*?)(?=qdisc |\Z)", r.stdout, re.S).group(1)
+    assert "(dropped 0," in block, block
+    queued = int(block.split("backlog ")[1].split("b ")[1].split("p")[0])
+    assert int(block.split(" Sent ")[1].split()[2]) + queued == 1000 and queued > 100, block

@@ -271,15 +271,16 @@ class MarsitAllReduce(_SignAllReduce):
             return self.generator
         made = self._own_merges
         if made is None or made.device.type != device.type:
+            if self._merges_state is not None and self._merges_state[0] != device.type:
+                raise ValueError(f"{type(self).__name__}: the loaded merge coins are a "
+                                 f"{self._merges_state[0]} generator's, the gradients are "
+                                 f"on {device.type}")
             seed = 0x4D455247 + self.rank + (zlib.crc32(str(self.name).encode()) << 20)
-            made = self._own_merges = torch.Generator(device=device).manual_seed(seed)
+            made = torch.Generator(device=device).manual_seed(seed)
             if self._merges_state is not None:
-                kind, state = self._merges_state
-                if kind != device.type:
-                    raise ValueError(f"{type(self).__name__}: the loaded merge coins are a "
-                                     f"{kind} generator's, the gradients are on {device.type}")
-                made.set_state(state)
+                made.set_state(self._merges_state[1])
                 self._merges_state = None
+            self._own_merges = made
         return made
 
     def state_dict(self) -> dict:
@@ -291,8 +292,14 @@ class MarsitAllReduce(_SignAllReduce):
 
     def load_state_dict(self, state: dict) -> None:
         super().load_state_dict(state)
-        if state.get("merges") is not None and self.generator is None:
-            self._merges_state, self._own_merges = tuple(state["merges"]), None
+        merges = state.get("merges")
+        if merges is not None and self.generator is None:
+            kind, coins = merges
+            if kind not in ("cpu", "cuda") or not isinstance(coins, torch.Tensor) \
+                    or coins.dtype != torch.uint8:
+                raise ValueError(f"{type(self).__name__}: 'merges' holds (device type, a "
+                                 f"generator's uint8 state), not {merges!r:.80}")
+            self._merges_state, self._own_merges = (kind, coins.cpu()), None
 
     def _peer(self, offset: int) -> int:
         r = (self.rank + offset) % self.world
