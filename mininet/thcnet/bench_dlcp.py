@@ -62,13 +62,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "close short (docs/protocol.md, \"Bounded loss\")")
     parser.add_argument("--agg-bw-factor", type=positive_float, default=None,
                         help="the aggregator's link = factor x --bw (default: --workers)")
-    parser.add_argument("--modes", type=_modes, default=tuple(MODES),
+    parser.add_argument("--modes", type=_modes, default=",".join(MODES),
                         help=f"comma-separated, of {','.join(MODES)} (ratios against "
                              f"retransmit where it runs)")
     parser.add_argument("--datapath", choices=("python", "auto"), default="python",
                         help="the workers' client window: python for every mode, or auto "
-                             "(the compiled window where a mode lets it run: retransmit "
-                             "only, so the modes then differ in their window too)")
+                             "(the compiled window where a round lets it run: retransmit's "
+                             "rounds and the others' MAX rounds, so the modes then differ in "
+                             "their window too)")
     parser.add_argument("--pool-size", type=positive_int, default=64,
                         help="the job's slots: chunks a worker keeps in flight")
 

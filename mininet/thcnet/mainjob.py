@@ -12,7 +12,8 @@ that aggregator: ``thc-lossy`` (rounds may close short at the job's ``--loss-bou
 ``thc-dlcp`` (the same, every chunk marked with its DLCP class by layer position), both on links
 queued by DLCP class; ``thc``/``thc-central`` retransmit everything. ``--congest F`` adds a
 competing UDP flow (iperf) from every worker at F x the link rate, as ``thc bench dlcp`` does,
-and queues every mode's links by class (only the marks differ). Workers run in Mininet hosts
+and queues every mode's links by class (the links are alike; ``thc-central`` may run the
+compiled client window, the bound and the marks Python's). Workers run in Mininet hosts
 behind emulated links when possible, else as loopback processes (said so).
 
 For each mode it reports the time to reach a target accuracy (FP32's final accuracy minus
@@ -338,7 +339,7 @@ def _wire(tb, before, after, results, congestion) -> tuple[float, str]:
 def _run_mode(name: str, args, progress) -> dict:
     mode = MODES[name]
     lanes = args.software_lanes if mode.aggregator in ("software", "sharded") else None
-    # Under --congest every mode gets the same class-queued links: only the marks differ.
+    # Under --congest every mode gets the same class-queued links.
     queued = mode.loss_bound or bool(args.congest)
     limit = args.bmv2_timeout if mode.aggregator == "bmv2" else args.timeout
     bound = args.bmv2_steps if mode.aggregator == "bmv2" else None
