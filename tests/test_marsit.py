@@ -4,6 +4,7 @@ from __future__ import annotations
 import copy
 import math
 import re
+import time
 import types
 
 import numpy as np
@@ -139,6 +140,34 @@ def test_merge_coins_of_another_device_are_refused_every_time(alone):
             ar._merge_coins(torch.device("cpu"))
     with pytest.raises(ValueError, match="device type, a generator's uint8 state"):
         ar.load_state_dict({**saved, "merges": ("cpu", [1, 2, 3])})
+
+
+def _foreign_coins_worker(rank, port, q):
+    from datetime import timedelta
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2, timeout=timedelta(seconds=20))
+    ar = marsit.MarsitAllReduce()
+    saved = ar.state_dict()
+    if rank == 1:
+        ar.load_state_dict({**saved, "merges": ("cuda", torch.zeros(16, dtype=torch.uint8))})
+    out, start = [], time.monotonic()
+    try:
+        ar(torch.ones(64))
+        out.append("summed")
+    except (ValueError, RuntimeError) as e:
+        out.append(str(e))
+    out.append(time.monotonic() - start)
+    q.put((rank, out))
+    dist.destroy_process_group()
+
+
+def test_merge_coins_of_another_device_on_one_rank_are_refused_by_every_rank():
+    """Raised mid-ring (once the scales were summed), the refusal of one rank's coins left
+    its peer waiting on the ring's exchange until the group's timeout."""
+    res = gloo_pair(_foreign_coins_worker)
+    assert "a cuda generator's, the gradients are on cpu" in res[1][0], res
+    assert "refused on every worker" in res[0][0], res
+    assert max(res[r][1] for r in (0, 1)) < 10, res   # not the group's 20 s timeout
 
 
 def _worker(rank, world, port, q):

@@ -162,6 +162,7 @@ class _SignAllReduce:
             if sum(sizes) != flat.numel() or any(n < 0 for n in sizes):
                 raise ValueError(f"Marsit: segments {sizes} do not split {flat.numel()} "
                                  f"elements")
+            self._ready(flat.device)
         except Exception as e:  # noqa: BLE001 - every worker raises it in the agreement
             failure = e
             try:   # the stand-in of its marked round
@@ -194,6 +195,10 @@ class _SignAllReduce:
                 elif not isinstance(e, ValueError):
                     self._left(why)
                 raise
+
+    def _ready(self, device: torch.device) -> None:
+        """Raises where this worker cannot run a round on ``device``: before the agreement,
+        so that every worker refuses the round (mid-ring, its peers would wait on it)."""
 
     def _left(self, why: str) -> None:
         """This worker failed after the scales' all-reduce, its peers going on to the ring,
@@ -282,6 +287,9 @@ class MarsitAllReduce(_SignAllReduce):
                 self._merges_state = None
             self._own_merges = made
         return made
+
+    def _ready(self, device: torch.device) -> None:
+        self._merge_coins(device)
 
     def state_dict(self) -> dict:
         """:meth:`_SignAllReduce.state_dict`'s, and the state of the reducer's own merge
