@@ -89,6 +89,7 @@ bench: setup
 # Compile the P4 program (BMv2 JSON + P4Info) from the protocol constants.
 p4: setup
 	@command -v $(P4C) >/dev/null || { echo "make p4: '$(P4C)' not found on PATH. Install p4c (p4lang's packages or docker image) to rebuild; the committed build in $(P4OUT)/ still works."; exit 2; }
+	@command -v p4c-bm2-ss >/dev/null || { echo "make p4: p4c's BMv2 back end (p4c-bm2-ss) is not installed: install a p4c package or image from p4lang that includes it; the committed build in $(P4OUT)/ still works."; exit 2; }
 	$(PY) $(P4SRC)/gen_p4.py
 	mkdir -p $(P4OUT)
 	$(P4C) --target bmv2 --arch v1model -o $(P4OUT) --p4runtime-files $(P4OUT)/thc.p4info.txt $(P4SRC)/thc.p4

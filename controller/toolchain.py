@@ -15,16 +15,24 @@ ROOT = Path(__file__).resolve().parent.parent
 BUILD_DIR = ROOT / "p4src" / "build"
 
 
-def p4c_missing() -> str | None:
-    """Why ``make p4`` cannot compile here, or None."""
+def _driver_missing() -> str | None:
     if shutil.which("p4c") is None:
         return "p4c is not on PATH (install it from p4lang's packages or docker image)"
     return None
 
 
+def p4c_missing() -> str | None:
+    """Why ``make p4`` cannot compile here (the BMv2 program), or None."""
+    why = _driver_missing()
+    if why is None and shutil.which("p4c-bm2-ss") is None:
+        why = ("p4c's BMv2 back end (p4c-bm2-ss) is not installed: install a p4c package or "
+               "image from p4lang that includes it (its ENABLE_BMV2 option)")
+    return why
+
+
 def tofino_missing() -> str | None:
     """Why ``make p4-tofino`` cannot compile the TNA program here, or None."""
-    why = p4c_missing()
+    why = _driver_missing()
     if why:
         return why
     for binary in ("p4c-barefoot", "bfas"):

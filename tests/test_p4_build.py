@@ -238,6 +238,19 @@ def test_l2_program_shares_the_forwarding_table():
         assert [p.name for p in thc_actions[a].params] == [p.name for p in l2_actions[a].params]
 
 
+def test_a_p4c_with_one_back_end_compiles_only_for_it(monkeypatch):
+    """A p4c package built with the Tofino back end alone ran the BMv2 tests, which failed
+    on p4c's usage message instead of skipping."""
+    have = {"p4c", "p4c-barefoot", "bfas"}
+    monkeypatch.setattr(toolchain.shutil, "which", lambda b: f"/bin/{b}" if b in have else None)
+    assert "p4c-bm2-ss" in toolchain.p4c_missing() and toolchain.tofino_missing() is None
+    have = {"p4c", "p4c-bm2-ss"}
+    assert toolchain.p4c_missing() is None and "p4c-barefoot" in toolchain.tofino_missing()
+    have = set()
+    assert toolchain.p4c_missing() == toolchain.tofino_missing()
+    assert "p4c is not on PATH" in toolchain.tofino_missing()
+
+
 @pytest.mark.skipif(toolchain.p4c_missing() is not None, reason=f"{toolchain.p4c_missing()}")
 def test_small_variant_compiles(tmp_path):
     """The generator's output compiles for another lane count (p4c only)."""
