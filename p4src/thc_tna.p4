@@ -59,6 +59,15 @@ const bit<3> THC_IN_HDR = 4;     // the header alone (FLUSH, RESET)
 // starts a new use.
 const bit<4> THC_STEP_SAME = 1;
 const bit<4> THC_STEP_SEQ = 4;
+// thc_job_seen's verdict, one-hot over (heard before idle_since, no live read pending):
+// live (either column without the first), a take, or a wait at the idle edge.
+const bit<4> THC_SEEN_WAIT = 2;
+const bit<4> THC_SEEN_TAKE = 8;
+// Ticks (65.5 us) that a live read of a job holds off an idle take (16.8 ms; at least 254
+// ticks, as two ticks share one `now`): far longer than a pass takes to go round, even
+// through a recirculation queue that holds the whole packet buffer, so no pass of a packet
+// that read the job live is still going round when the job changes hands.
+const bit<32> THC_TNA_EDGE = 256;
 
 // A register index: a slot version (pool_base + slot) * 2 + version, and for the words the
 // pass's quarter above it (THC_REG_SIZE each).
@@ -127,6 +136,11 @@ struct thc_ack_t {
     bit<32> seq;
     bit<32> acked;
 }
+// when the job last accepted a packet, and until when a live read holds off an idle take
+struct thc_seen_t {
+    bit<32> heard;
+    bit<32> until;
+}
 // a use's last passes: its run, and the workers whose lanes the words hold
 struct thc_passes_t {
     bit<32> run;
@@ -182,7 +196,7 @@ struct metadata_t {
     bit<1>  run_stale;
     bit<32> now;            // ingress MAC timestamp in THC_TNA_IDLE's ticks, bit 0 set
     bit<32> idle_since;     // now - THC_TNA_IDLE: a job last heard before it is idle
-    bit<1>  idle;           // the job heard nothing for THC_TNA_IDLE (or was installed)
+    bit<4>  seen;           // THC_SEEN_*: what thc_job_seen found (0: not read)
     bit<32> run_far;        // run - THC_RUN_JUMP: a job's run below it is too far behind
     bit<32> run_key;        // hdr.thc.run ^ epoch: the run under this install
     bit<16> worker_index;   // job_index * THC_MAX_WORKERS + worker_id
@@ -352,7 +366,7 @@ control ThcIngress(inout tna_headers_t hdr, inout metadata_t meta,
 
     // ---- slot state: one register a stage ----
     Register<bit<32>, bit<32>>(THC_MAX_JOBS) thc_job_run;
-    Register<bit<32>, bit<32>>(THC_MAX_JOBS) thc_job_seen;
+    Register<thc_seen_t, bit<32>>(THC_MAX_JOBS) thc_job_seen;
     Register<thc_run_seq_t, thc_index_t>(THC_REG_SIZE) thc_run;
     Register<thc_bitmap_seq_t, thc_index_t>(THC_REG_SIZE) thc_bitmap;
     Register<bit<8>, thc_index_t>(THC_REG_SIZE) thc_count;
@@ -362,31 +376,43 @@ control ThcIngress(inout tna_headers_t hdr, inout metadata_t meta,
     Register<thc_ack_t, bit<16>>(THC_REG_SIZE / 2) thc_acked1;
     Register<thc_passes_t, thc_index_t>(THC_REG_SIZE) thc_passes;
 
-    // When the job last accepted a packet, 0 for a job without a run (RESET). A job without
-    // a run, or idle for THC_TNA_IDLE, goes to any run. Pass 0 reaches it only with a packet
-    // that passes every check before the job's run (thc_job_seen_op), which takes an idle
-    // job: it marks the job taken at once, so that no packet of another run a recirculation
-    // later finds it idle too. A live job's clock is refreshed by the passes after pass 0,
-    // which only packets that passed the run check take.
-    RegisterAction<bit<32>, bit<32>, bit<1>>(thc_job_seen) thc_job_seen_ra = {
-        void apply(inout bit<32> value, out bit<1> idle) {
-            if (value == 0 || (int<32>)(meta.idle_since - value) >= 0) {
-                value = meta.now;
-                idle = 1;
-            } else {
-                idle = 0;
+    // When the job last accepted a packet (heard), and until when a live read holds off an
+    // idle take (until). A job idle for THC_TNA_IDLE goes to any run. Pass 0 reaches it
+    // only with a packet that passes every check before the job's run (thc_job_seen_op):
+    // one that takes an idle job marks it heard at once, so that no packet of another run a
+    // recirculation later finds it idle too. A live job's heard is refreshed by the passes
+    // after pass 0, which only packets that passed the run check take; a packet that reads
+    // it live holds off a take for THC_TNA_EDGE ticks, so that its own passes come round
+    // (and refresh it) before any packet may take it. A packet that would take it before
+    // then waits (dropped, unanswered: its resend finds the job live or idle) and writes
+    // nothing, so a stream of them cannot hold it off longer.
+    RegisterAction<thc_seen_t, bit<32>, bit<4>>(thc_job_seen) thc_job_seen_ra = {
+        void apply(inout thc_seen_t value, out bit<4> seen) {
+            seen = this.predicate((int<32>)(meta.idle_since - value.heard) >= 0,
+                                  (int<32>)(meta.now - value.until) >= 0);
+            if ((int<32>)(meta.idle_since - value.heard) < 0) {
+                value.until = meta.now + THC_TNA_EDGE;
+            } else if ((int<32>)(meta.now - value.until) >= 0) {
+                value.heard = meta.now;
+                value.until = meta.now + THC_TNA_EDGE;
             }
         }
     };
-    RegisterAction<bit<32>, bit<32>, bit<1>>(thc_job_seen) thc_job_seen_reset = {
-        void apply(inout bit<32> value) { value = 0; }
+    // An install reads idle and not held off, both times at idle_since (until behind now:
+    // no pass after pass 0 refreshes it).
+    RegisterAction<thc_seen_t, bit<32>, bit<4>>(thc_job_seen) thc_job_seen_reset = {
+        void apply(inout thc_seen_t value) {
+            value.heard = meta.idle_since;
+            value.until = meta.idle_since;
+        }
     };
-    // A pass after pass 0 refreshes a job that has a run: pass 0 marked an idle take, so 0
-    // here is a RESET's since that packet's pass 0 (a new install: no run yet).
-    RegisterAction<bit<32>, bit<32>, bit<1>>(thc_job_seen) thc_job_seen_touch = {
-        void apply(inout bit<32> value) {
-            if (value != 0) {
-                value = meta.now;
+    // A pass after pass 0 refreshes a job whose hold-off its pass 0 set (a pass goes round
+    // in far less than THC_TNA_EDGE): a pass still going round when the controller's RESET
+    // installs the job anew leaves the new install idle.
+    RegisterAction<thc_seen_t, bit<32>, bit<4>>(thc_job_seen) thc_job_seen_touch = {
+        void apply(inout thc_seen_t value) {
+            if ((int<32>)(value.until - meta.now) > 0) {
+                value.heard = meta.now;
             }
         }
     };
@@ -797,7 +823,7 @@ control ThcIngress(inout tna_headers_t hdr, inout metadata_t meta,
         meta.run_checked = 1;
     }
     action thc_job_seen_check() {
-        meta.idle = thc_job_seen_ra.execute((bit<32>)meta.job_index);
+        meta.seen = thc_job_seen_ra.execute((bit<32>)meta.job_index);
     }
     action thc_job_seen_clear() {
         thc_job_seen_reset.execute((bit<32>)meta.job_index);
@@ -866,11 +892,11 @@ control ThcIngress(inout tna_headers_t hdr, inout metadata_t meta,
     // that are powers of two: slot == seq mod pool (slotx masked) and version == bit
     // log2(pool) of seq.
 #define THC_POOL(P) \
-            (0, 1, _, _, _, _, P, 0 &&& (P - 1), 0 &&& P, 0, _, _, _, _, 1, _, _): \
+            (0, 1, _, _, _, _, P, 0 &&& (P - 1), 0 &&& P, 0, _, _, _, _, THC_SEEN_TAKE, _, _): \
                 thc_job_run_idle(); \
             (0, 1, _, _, _, _, P, 0 &&& (P - 1), 0 &&& P, 0, _, _, _, _, _, _, _): \
                 thc_job_run_check(); \
-            (0, 1, _, _, _, _, P, 0 &&& (P - 1), P &&& P, 1, _, _, _, _, 1, _, _): \
+            (0, 1, _, _, _, _, P, 0 &&& (P - 1), P &&& P, 1, _, _, _, _, THC_SEEN_TAKE, _, _): \
                 thc_job_run_idle(); \
             (0, 1, _, _, _, _, P, 0 &&& (P - 1), P &&& P, 1, _, _, _, _, _, _, _): \
                 thc_job_run_check();
@@ -895,7 +921,7 @@ control ThcIngress(inout tna_headers_t hdr, inout metadata_t meta,
             meta.worker_hit: ternary;
             meta.room16: ternary;
             hdr.thc.offset[31:31]: ternary @name("offset31");
-            meta.idle: ternary;
+            meta.seen: ternary;
             meta.install_hit: ternary;
             meta.cfg_diff: ternary;
         }
@@ -936,6 +962,9 @@ control ThcIngress(inout tna_headers_t hdr, inout metadata_t meta,
                 thc_set_drop(THC_DROP_SLOT_OUTSIDE_POOL);
             (0, 1, _, _, _, _, _, _, _, _, _, _, _, 1, _, _, _):
                 thc_refuse(THC_DROP_MALFORMED);   // bit 31 tells a MAX use (thc_use)
+            // a packet at the idle edge within THC_TNA_EDGE of a live read: unanswered
+            (0, 1, _, _, _, _, _, _, _, _, _, _, _, _, THC_SEEN_WAIT, _, _):
+                thc_set_drop(THC_DROP_STALE_RUN);
             THC_POOL(1) THC_POOL(2) THC_POOL(4) THC_POOL(8) THC_POOL(16) THC_POOL(32)
             THC_POOL(64) THC_POOL(128) THC_POOL(256) THC_POOL(512)
             (0, 1, _, _, _, _, _, _, _, _, _, _, _, _, _, _, _): thc_refuse(THC_DROP_WRONG_SLOT);

@@ -81,11 +81,11 @@ def disagreements(text: str | None = None) -> list[str]:
     keys = _grid(prog)
     seen = _first(_keyed(prog, "thc_job_seen_op"), keys)
     ran = seen == "thc_job_seen_check"
-    keys["idle"] = np.zeros_like(keys["pkt_type"])
+    keys["seen"] = np.zeros_like(keys["pkt_type"])   # not read
     check = _first(_keyed(prog, "thc_check"), keys)
     reach = np.isin(check, RUN_ACTIONS)
     bad = np.flatnonzero(ran != reach)
-    return [", ".join(f"{k} {int(v[i])}" for k, v in keys.items() if k != "idle")
+    return [", ".join(f"{k} {int(v[i])}" for k, v in keys.items() if k != "seen")
             + f": seen table {seen[i]}, thc_check {check[i]}" for i in bad[:5]]
 
 

@@ -190,8 +190,9 @@ BROKEN = {
         "thc_job_seen_touch.execute(32w0)"),
     "the job counters at job index 0's cells": (
         r"meta\.jc_index = meta\.jc4 \+ meta\.jc1;", "meta.jc_index = meta.jc1;"),
-    "a fresh job idle by its last packet's age alone (no run-since-RESET arm)": (
-        r"if \(value == 0 \|\| \(int<32>\)", "if ((int<32>)"),
+    "an install held off (its RESET's until ahead of now)": (
+        r"(value\.heard = meta\.idle_since;\n\s*value\.until = )meta\.idle_since;",
+        r"\g<1>meta.now + THC_TNA_EDGE;"),
     "the words before their lookups": (
         r'(#include "generated/thc_tna_luts_apply\.p4"\n)'
         r'(#include "generated/thc_tna_words_apply\.p4"\n)', r"\2\1"),

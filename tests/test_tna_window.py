@@ -6,7 +6,8 @@ lost pass gives a withheld result, never a wrong sum. Where pass 1 alone marked 
 the straggler took it, the first run took it back and opened its use a second time: a late
 pass of the first opening counted in the second (a wrong sum where a pass of the second was
 lost, a chunk withheld for good where none was). A pass going round across an install does
-not mark the new install heard."""
+not mark the new install heard. At the idle edge, a live run's packet whose pass 0 comes a
+tick before the job would read idle holds off any take until its passes are back."""
 from __future__ import annotations
 
 import re
@@ -30,10 +31,10 @@ NEW, OLD = 1003, 1000
 """The job's new run, and a straggler of the run before it (older: the model refuses it)."""
 
 
-def _packet(worker: int, run: int) -> bytes:
-    """Worker ``worker``'s DATA of seq 0 to the job of two workers and a pool of one."""
-    return P.Header(T["DATA"], worker, JOB_ID, 0, 0, 0, 0, 0, make_job(2, 1).config_tag, run,
-                    nonce_of(worker, run)).pack() + lanes_of("DATA", worker, run, 0)
+def _packet(worker: int, run: int, seq: int = 0) -> bytes:
+    """Worker ``worker``'s DATA of ``seq`` to the job of two workers and a pool of one."""
+    return P.Header(T["DATA"], worker, JOB_ID, 0, seq & 1, 0, seq, 0, make_job(2, 1).config_tag,
+                    run, nonce_of(worker, run)).pack() + lanes_of("DATA", worker, run, seq)
 
 
 def _installed(text: str | None):
@@ -100,9 +101,11 @@ def test_a_lost_pass_in_the_window_gives_no_wrong_sum(lose):
 
 
 def test_the_window_is_open_where_pass_1_alone_marks_the_job():
-    """These tests can fail: on a copy whose pass 0 only reads the job's last-heard time,
-    the straggler takes the job, the use opens twice, and a lost pass gives a wrong sum."""
-    text, k = re.subn(r"^ *value = meta\.now;\n(\s*idle = 1;)", r"\1",
+    """These tests can fail: on a copy whose pass 0 only reads the job's clock where it
+    takes the job (pass 1 alone marks it heard and held off), the straggler takes the job,
+    the use opens twice, and a lost pass gives a wrong sum."""
+    text, k = re.subn(r"^ *value\.heard = meta\.now;\n\s*value\.until = meta\.now \+ "
+                      r"THC_TNA_EDGE;\n(\s*\})", r"\1",
                       (P4SRC / "thc_tna.p4").read_text(), flags=re.M)
     assert k == 1, "the pattern no longer matches the program"
     _, engine, (got, want), _ = _window(text=text)
@@ -133,10 +136,104 @@ def _late_pass_across_an_install(text: str | None = None):
 
 def test_a_pass_going_round_across_an_install_leaves_the_job_without_a_run():
     """The new install has no run: any run id takes it, as in the model. A copy whose
-    passes after pass 0 refresh the job's time whatever it holds marks the new install
-    heard, with run 0, and refuses clock-derived run ids (stale_run) for 60 s."""
+    passes after pass 0 refresh the job whatever pass 0 read marks the new install heard,
+    with run 0, and refuses clock-derived run ids (stale_run) for 60 s."""
     assert _late_pass_across_an_install() == (None, None)
-    text, k = re.subn(r"if \(value != 0\) \{\n\s*value = meta\.now;\n\s*\}",
-                      "value = meta.now;", (P4SRC / "thc_tna.p4").read_text())
+    text, k = re.subn(r"if \(\(int<32>\)\(value\.until - meta\.now\) > 0\) \{\n"
+                      r"\s*value\.heard = meta\.now;\n\s*\}", "value.heard = meta.now;",
+                      (P4SRC / "thc_tna.p4").read_text())
     assert k == 1, "the pattern no longer matches the program"
     assert _late_pass_across_an_install(text) == ("stale_run", None)
+
+
+TICK_S = 65536e-9
+"""The TNA clock's tick (ingress timestamp bits 47..16)."""
+
+
+def _edge(lose: int | None = None, text: str | None = None):
+    """The live run NEW completes seq 0; the job then hears nothing until one tick before it
+    would read idle, when worker 0 of NEW sends seq 1 (pass 0 reads it live, its passes go
+    round); within that recirculation, on the edge's tick, a straggler of OLD at worker 1's
+    address and worker 1 of NEW send seq 1 (``lose``: the pass of the ``lose``-th packet
+    going round is lost); then both workers resend seq 1. Returns the job, the engine, the
+    two edge packets' verdicts, and every reply."""
+    engine, job, _ = _installed(text)
+    for worker in (0, 1):
+        engine.handle(_packet(worker, NEW), addr(worker), 1000.0)
+    replies = engine.settle()
+    idle_ticks = engine.p.consts["THC_TNA_IDLE"][0]
+    edge = ((int(1000.0 * 1e9) >> 16) + idle_ticks) * TICK_S + TICK_S / 2
+    engine.clock = edge - TICK_S      # a pass takes microseconds: these stay going round
+    replies += engine.handle(_packet(0, NEW, 1), addr(0), edge - TICK_S)[0]
+    engine.clock = edge
+    verdicts = []
+    for worker, run in ((1, OLD), (1, NEW)):
+        sent, verdict = engine.handle(_packet(worker, run, 1), addr(worker), edge)
+        replies += sent
+        verdicts.append(verdict)
+    if lose is not None:
+        del engine.going_round[lose]
+    replies += engine.settle()
+    for k in (1, 2):
+        for worker in (0, 1):
+            replies += engine.handle(_packet(worker, NEW, 1), addr(worker), edge + 0.001 * k)[0]
+        replies += engine.settle()
+    return job, engine, verdicts, replies
+
+
+@pytest.mark.parametrize("lose", [None, 0], ids=["no pass lost", "the live packet's lost"])
+def test_at_the_idle_edge_a_live_read_holds_off_the_take(lose):
+    """Neither edge packet takes the job (each waits, unanswered, as stale_run: only the
+    live packet's passes go round), no use opens twice, and the chunk completes with the
+    right sum (withheld where the live packet's pass was lost, as any lost opening is)."""
+    job, engine, verdicts, replies = _edge(lose)
+    assert verdicts == ["stale_run", "stale_run"] and not engine.reopened
+    results = [r for r, _ in replies if r[0] == T["RESULT"] and P.Header.unpack(r).seq == 1]
+    assert wrong_sum(job, replies, lanes_of) is None
+    assert bool(results) == (lose is None)
+
+
+def test_the_idle_edge_is_open_where_a_live_read_holds_nothing_off():
+    """A copy whose live reads leave the hold-off as it was: the straggler takes the job,
+    NEW takes it back and opens its use a second time, and the loss of that opening's pass
+    gives a wrong sum (the straggler's lanes in NEW's result)."""
+    text, k = re.subn(r"(< 0\) \{\n)\s*value\.until = meta\.now \+ THC_TNA_EDGE;\n", r"\1",
+                      (P4SRC / "thc_tna.p4").read_text())
+    assert k == 1, "the pattern no longer matches the program"
+    _, engine, verdicts, _ = _edge(text=text)
+    assert verdicts == [None, None] and engine.reopened
+    job, _, _, replies = _edge(lose=2, text=text)
+    assert wrong_sum(job, replies, lanes_of) is not None
+
+
+def _after_silence(ticks: int, run: int | None) -> str | None:
+    """The verdict on worker 0's seq 1 of ``run`` (None: NEW) after NEW completed seq 0 and
+    the job then heard nothing for ``ticks`` (None: taken), and whether a refusal was
+    answered."""
+    engine, _, _ = _installed(None)
+    for worker in (0, 1):
+        engine.handle(_packet(worker, NEW), addr(worker), 1000.0)
+    engine.settle()
+    sent, verdict = engine.handle(_packet(0, NEW if run is None else run, 1), addr(0),
+                                  1000.0 + ticks * TICK_S)
+    answered = bool(sent + engine.settle())
+    return verdict if verdict is None or answered else f"{verdict}, unanswered"
+
+
+def test_past_half_the_clocks_wrap_a_silent_job_waits_then_reads_live():
+    """What docs/switch.md says of a job silent for 39 hours (the 32-bit clock's half wrap):
+    for 60 s its packets wait (its hold-off reads as the future), then it reads live, its own
+    run taking it and a run beyond the jump refused; before the half wrap it reads idle. An
+    install unused for as long reads live too, with no run."""
+    idle = _installed(None)[0].p.consts["THC_TNA_IDLE"][0]
+    far = NEW + P.RUN_JUMP + 5
+    assert [_after_silence(2**31 - 1000, run) for run in (None, far)] == [None, None]
+    assert [_after_silence(2**31 + idle // 2, run) for run in (None, far)] == [
+        "stale_run, unanswered"] * 2
+    assert [_after_silence(2**31 + idle + 1000, run) for run in (None, far)] == [
+        None, "stale_run"]
+    # an install unused as long reads live with no run: a run beyond the jump from 0 refused
+    engine, _, _ = _installed(None)
+    late = 1000.0 + (2**31 + idle + 1000) * TICK_S
+    assert engine.handle(_packet(0, far), addr(0), late)[1] == "stale_run"
+    assert _installed(None)[0].handle(_packet(0, far), addr(0), 1000.0 + 1000 * TICK_S)[1] is None

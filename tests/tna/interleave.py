@@ -33,7 +33,12 @@ Known differences between thc_tna.p4 and the model (docs/switch.md, "Tofino"), e
     starts each install with no records. A case's run ids have bits 12..15 clear, and each
     install's nonce differs from the case's earlier ones in one of those bits
     (:data:`RUN_BITS`; so a case installs 16 times at most), so no two of its runs xor as
-    two of its epochs.
+    two of its epochs;
+ 7. a packet that would take an idle job within THC_TNA_EDGE ticks (17 ms) of a packet that
+    read it live is dropped unanswered on the TNA (stale_run; its resend takes the job), so
+    that the live packet's passes refresh the job first; the model takes it at once. Like
+    difference 2, the gaps at the idle threshold that would reach it are stepped over
+    (tests/test_tna_window.py drives the edge).
 A packet's adding passes run right after its pass 0, so the one-recirculation windows
 docs/switch.md describes are not exercised by the comparison; with ``--delay`` they run
 later, an oracle checks the sums alone (tests/tna/oracle.py), and no use may open a second
@@ -445,8 +450,7 @@ differ])."""
 
 def idle_scenarios(prog: Program) -> str | None:
     """The first packet of IDLE that the program answers unlike the model, or None."""
-    # also 1 s after the switch's clock started: a fresh job then reads idle only by its
-    # "no run since RESET" mark, not by the age of its last packet
+    # also 1 s after the switch's clock started, when idle_since is before the clock's start
     for start in (1000.0, 1.0):
         for name, (steps, last) in IDLE.items():
             job, model, tna = make_job(2, 1), Model(), TnaEngine(prog)
