@@ -229,7 +229,9 @@ class MarsitHook(BaseHook):
     compensation and a scale per parameter tensor (:class:`thc.collective.marsit.
     MarsitAllReduce`, one per bucket). ``make_allreducer(group)`` builds another sign
     all-reduce per bucket instead (the vote: :class:`MarsitVoteHook`), on the hook's group.
-    ``nonfinite``: the default reducers' (:class:`thc.collective.marsit.MarsitAllReduce`)."""
+    ``generator`` and ``nonfinite``: the default reducers' (:class:`thc.collective.marsit.
+    MarsitAllReduce`; one generator shared by every bucket's merges, where given, instead of
+    each reducer's own)."""
 
     def __init__(self, model, options: HookOptions = HookOptions(), group=None,
                  generator: torch.Generator | None = None, overlap: bool = True,
