@@ -7,9 +7,12 @@ the straggler took it, the first run took it back and opened its use a second ti
 pass of the first opening counted in the second (a wrong sum where a pass of the second was
 lost, a chunk withheld for good where none was). A pass going round across an install does
 not mark the new install heard. At the idle edge, a live run's packet whose pass 0 comes a
-tick before the job would read idle holds off any take until its passes are back."""
+tick before the job would read idle holds off any take until its passes are back; seeded
+cases on the edge's ticks (which the interleavings step over) check it with passes late and
+lost."""
 from __future__ import annotations
 
+import random
 import re
 import shutil
 
@@ -237,3 +240,90 @@ def test_past_half_the_clocks_wrap_a_silent_job_waits_then_reads_live():
     late = 1000.0 + (2**31 + idle + 1000) * TICK_S
     assert engine.handle(_packet(0, far), addr(0), late)[1] == "stale_run"
     assert _installed(None)[0].handle(_packet(0, far), addr(0), 1000.0 + 1000 * TICK_S)[1] is None
+
+
+EDGE_CASES = 100
+
+
+def _edge_fuzz(seed: int, prog: Program, hold_ticks: int) -> str | None:
+    """One seeded case around the idle edge: NEW completes seq 0; 3-13 packets then come on
+    ticks from 4 before the edge to 40 after it, or closer (DATA, FLUSH, MAX of NEW, a newer run, an
+    older one and one beyond the jump, from either worker's address, seqs 1 and 2), each
+    one's passes after pass 0 coming round up to ``hold_ticks`` later and a pass lost at
+    random; then both workers of the newest run send seqs 1 to 3. What went wrong, or None."""
+    rng = random.Random(seed)
+    job = make_job(2, 1, sum_bits=rng.choice([0, 16]))
+    engine = TnaEngine(prog, delay=100)
+    engine.install(job, job.new_epoch(nonce=5), now=1000.0)
+
+    def data(worker, run, seq, kind="DATA"):
+        return (P.Header(T[kind], worker, JOB_ID, 0, seq & 1, 0, seq, 0, job.config_tag, run,
+                         nonce_of(worker, run)).pack() + lanes_of(kind, worker, run, seq))
+
+    replies = []
+    for worker in (0, 1):
+        replies += engine.handle(data(worker, NEW, 0), addr(worker), 1000.0)[0]
+    replies += engine.settle()
+    idle_ticks = prog.consts["THC_TNA_IDLE"][0]
+    edge = ((int(1000.0 * 1e9) >> 16) + idle_ticks) * TICK_S + TICK_S / 2
+    hold = rng.randrange(hold_ticks) * TICK_S
+    engine.lose, engine.loss_rng = rng.choice([0, 0.2, 0.5]), random.Random(seed)
+    sent_at, runs_taken = [], set()
+    lo, hi = rng.choice([(-4, 40), (-2, 4), (-2, 2), (-1, 18)])
+    for k in sorted(rng.randrange(lo, hi) for _ in range(rng.randrange(3, 14))):
+        t = edge + k * TICK_S
+        while sent_at and sent_at[0] <= t - hold - 1e-12:
+            sent_at.pop(0)
+            replies += engine.come_round()
+        run = rng.choice([NEW, NEW, OLD, OLD, NEW + 1, NEW + P.RUN_JUMP + 9])
+        kind = "DATA" if run == NEW + 1 else rng.choice(["DATA", "DATA", "DATA", "FLUSH", "MAX"])
+        before = len(engine.going_round)
+        engine.clock = t
+        worker = rng.randrange(2)
+        got, verdict = engine.handle(data(worker, run, rng.choice([1, 1, 2]), kind),
+                                     addr(worker), t)
+        replies += got
+        sent_at += [t] * (len(engine.going_round) - before)
+        if verdict is None:
+            runs_taken.add(run)
+    replies += engine.settle()
+    engine.lose = 0
+    last = max(r for r in runs_taken | {NEW} if r <= NEW + 1)
+    t = edge + 0.03     # past any hold-off
+    for seq in (1, 2, 3):
+        for _ in range(2):
+            for worker in (0, 1):
+                replies += engine.handle(data(worker, last, seq), addr(worker), t)[0]
+            replies += engine.settle()
+            t += 0.001
+    if engine.reopened:
+        return f"seed {seed}: uses opened twice {sorted(engine.reopened)}"
+    if wrong := wrong_sum(job, replies, lanes_of):
+        return f"seed {seed}: {wrong}"
+    done = any(P.Header.unpack(r).seq == 3 and P.Header.unpack(r).run == last
+               for r, _ in replies if r[0] == T["RESULT"])
+    if not done and max(runs_taken) <= NEW + 1:
+        return f"seed {seed}: run {last}'s seq 3 never completed"
+    return None
+
+
+@pytest.mark.parametrize("hold_ticks", [14, 250], ids=["passes back in 1 ms", "in 16 ms"])
+def test_around_the_idle_edge_no_sum_is_wrong_and_the_chunks_go_on(hold_ticks):
+    """Seeded cases on the edge's ticks (the interleavings step over them): no use opens
+    twice, no RESULT holds a wrong sum, and the newest run's chunks then complete, while
+    passes come round within the hold-off."""
+    assert not _edge_problems(None, hold_ticks)
+
+
+def test_the_edge_cases_catch_a_program_without_the_hold_off():
+    text, k = re.subn(r"(< 0\) \{\n)\s*value\.until = meta\.now \+ THC_TNA_EDGE;\n", r"\1",
+                      (P4SRC / "thc_tna.p4").read_text())
+    assert k == 1, "the pattern no longer matches the program"
+    problems = _edge_problems(text, 14)
+    assert any("opened twice" in p for p in problems), problems
+
+
+def _edge_problems(text: str | None, hold_ticks: int) -> list[str]:
+    prog = Program(preprocess(text), raw=text)
+    return [p for seed in range(EDGE_CASES)
+            if (p := _edge_fuzz(seed + 1000 * hold_ticks, prog, hold_ticks))]

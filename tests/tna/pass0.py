@@ -152,17 +152,18 @@ class TnaEngine:
             self.going_round.append((use, later))
         replies += sent
         while len(self.going_round) > self.delay:
-            replies += self._come_round()
+            replies += self.come_round()
         return replies, reason
 
     def settle(self) -> list:
         """Every pass going round comes round (or is lost): their replies."""
         replies = []
         while self.going_round:
-            replies += self._come_round()
+            replies += self.come_round()
         return replies
 
-    def _come_round(self) -> list:
+    def come_round(self) -> list:
+        """The pass going round longest comes round (or is lost): its replies."""
         use, later = self.going_round.popleft()
         lost = self.loss_rng.random() < self.lose
         if lost:
