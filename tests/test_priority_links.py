@@ -22,6 +22,20 @@ pytestmark = pytest.mark.skipif(
     reason="needs root, unshare and tc")
 
 
+def _through_the_link(tc: str, py: str, show: str) -> str:
+    """In a throw-away namespace: veth va (10.9.0.1, with the link's ``tc`` commands) to a
+    static neighbour 10.9.0.2, the Python ``py`` sending, then ``tc -s <show> show dev va``."""
+    script = ("set -e; sysctl -qw net.ipv6.conf.all.disable_ipv6=1 "
+              "net.ipv6.conf.default.disable_ipv6=1; ip link add va type veth peer name vb; "
+              "ip addr add 10.9.0.1/24 dev va; "
+              "ip link set va up; ip link set vb up; ip neigh add 10.9.0.2 lladdr "
+              f"02:00:00:00:00:02 dev va\n{tc}\npython3 -c '{py}'\ntc -s {show} show dev va")
+    r = subprocess.run(["unshare", "-n", "sh", "-c", script], capture_output=True, text=True,
+                       timeout=30)
+    assert r.returncode == 0, r.stderr
+    return r.stdout
+
+
 def test_each_dscp_class_is_queued_in_its_band_and_others_go_best_effort():
     cmds, _ = links.PriorityTCIntf.bwCmds(None, bw=10.0)
     tc = "\n".join(c % ("tc", "va") for c in cmds)
@@ -35,16 +49,8 @@ def test_each_dscp_class_is_queued_in_its_band_and_others_go_best_effort():
             for _ in range(n):
                 s.sendto(b"x" * 100, ("10.9.0.2", 9))
     """)
-    script = ("set -e; sysctl -qw net.ipv6.conf.all.disable_ipv6=1 "
-              "net.ipv6.conf.default.disable_ipv6=1; ip link add va type veth peer name vb; "
-              "ip addr add 10.9.0.1/24 dev va; "
-              "ip link set va up; ip link set vb up; ip neigh add 10.9.0.2 lladdr "
-              "02:00:00:00:00:02 dev va\n" + tc + f"\npython3 -c '{py}'\ntc -s class show dev va")
-    r = subprocess.run(["unshare", "-n", "sh", "-c", script], capture_output=True, text=True,
-                       timeout=30)
-    assert r.returncode == 0, r.stderr
     sent = {}
-    for block in r.stdout.split("class htb ")[1:]:
+    for block in _through_the_link(tc, py, "class").split("class htb ")[1:]:
         classid = block.split()[0]
         sent[classid] = int(block.split(" Sent ")[1].split()[2])
     bands = links.band_of_dscp()
@@ -65,16 +71,9 @@ def test_a_band_holds_bytes_not_packets():
     tc = "\n".join(c % ("tc", "va") for c in cmds)
     py = ("import socket; s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); "
           "[s.sendto(b\"x\" * 100, (\"10.9.0.2\", 9)) for _ in range(1000)]")
-    script = ("set -e; sysctl -qw net.ipv6.conf.all.disable_ipv6=1 "
-              "net.ipv6.conf.default.disable_ipv6=1; ip link add va type veth peer name vb; "
-              "ip addr add 10.9.0.1/24 dev va; "
-              "ip link set va up; ip link set vb up; ip neigh add 10.9.0.2 lladdr "
-              "02:00:00:00:00:02 dev va\n" + tc + f"\npython3 -c '{py}'\ntc -s qdisc show dev va")
-    r = subprocess.run(["unshare", "-n", "sh", "-c", script], capture_output=True, text=True,
-                       timeout=30)
-    assert r.returncode == 0, r.stderr
     best = f"{0x20 + len(P.PRIORITY_DSCP):x}:"
-    block = re.search(rf"qdisc \w+ {best}(.*?)(?=qdisc |\Z)", r.stdout, re.S).group(1)
+    block = re.search(rf"qdisc \w+ {best}(.*?)(?=qdisc |\Z)", _through_the_link(tc, py, "qdisc"),
+                      re.S).group(1)
     assert "(dropped 0," in block, block
     queued = int(block.split("backlog ")[1].split("b ")[1].split("p")[0])
     assert int(block.split(" Sent ")[1].split()[2]) + queued == 1000 and queued > 100, block

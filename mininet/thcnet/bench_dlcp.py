@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import signal
 import statistics
 import sys
 
@@ -37,7 +36,7 @@ from thc.net.client import DATAPATH_ENV
 from thc.wire.jobs import loss_bound_arg
 from thc.emu.base import worker_ip
 from thc.emu import testbed
-from thc.emu.cleanup import Terminated
+from thc.emu.cleanup import Terminated, stopped_by
 from thc.emu.testbed import TestbedError, WorkerError, mininet_unavailable_reason, open_testbed
 
 IPERF_PORT = 5201
@@ -173,8 +172,7 @@ def run(args: argparse.Namespace) -> int:
         emit_json(args, {**result, "complete": False, "error": str(e)})   # the modes before
         return 1
     except (KeyboardInterrupt, Terminated) as e:
-        how, code = ("interrupted", 130) if isinstance(e, KeyboardInterrupt) else (
-            f"terminated ({_signal_name(e.code)})", e.code)
+        how, code = stopped_by(e)
         done = ", ".join(result["modes"]) or "none"
         print(f"\nthc bench dlcp: {how} {running}; testbed torn down; modes done: {done}"
               + (f" (in {args.json})" if args.json and result["modes"] else ""),
@@ -193,13 +191,6 @@ def run(args: argparse.Namespace) -> int:
         return 1
     emit_json(args, result)
     return 0
-
-
-def _signal_name(code: int) -> str:
-    try:
-        return signal.Signals(code - 128).name
-    except ValueError:
-        return f"status {code}"
 
 
 def _print_table(result: dict) -> None:

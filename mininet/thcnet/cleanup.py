@@ -247,6 +247,18 @@ class Terminated(SystemExit):
     """Raised in the main thread when SIGTERM/SIGHUP arrives while a testbed is up."""
 
 
+def stopped_by(e: KeyboardInterrupt | Terminated) -> tuple[str, int]:
+    """How a run was stopped, in words ("interrupted", "terminated (SIGTERM)"), and the exit
+    status that says so (130 for Ctrl-C, else 128 + the signal's number)."""
+    if isinstance(e, KeyboardInterrupt):
+        return "interrupted", 130
+    try:
+        name = signal.Signals(e.code - 128).name
+    except ValueError:
+        name = f"status {e.code}"
+    return f"terminated ({name})", e.code
+
+
 @contextlib.contextmanager
 def signals_raise():
     """Turn SIGTERM and SIGHUP into an exception so ``with`` blocks unwind and clean up.

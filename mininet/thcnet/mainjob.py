@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import sys
 import tempfile
 import time
@@ -42,7 +41,7 @@ from thc.wire import protocol as P
 from thc.wire.jobs import loss_bound_arg
 from thc.wire.protocol import MAX_SOFTWARE_LANES
 from thc.emu.base import MAX_TESTBED_WORKERS, worker_ip
-from thc.emu.cleanup import Terminated, signals_raise
+from thc.emu.cleanup import Terminated, signals_raise, stopped_by
 from thc.emu.mainreport import compare_bmv2, dlcp_ratios, plot, print_table, summarize
 from thc.emu.procs import WorkerError, with_parent
 from thc.emu import links, testbed
@@ -504,13 +503,9 @@ def _report(args: argparse.Namespace, runs: list[dict], failed: list[dict], prob
 def _stopped(e: KeyboardInterrupt | Terminated, when: str, written: bool = False) -> int:
     """The line and exit status of a run ended by Ctrl-C, SIGTERM or SIGHUP ``when``."""
     said = "the report of the modes done written" if written else "no report written"
-    if isinstance(e, KeyboardInterrupt):
-        print(f"\nthc run: interrupted {when}, {said}", file=sys.stderr)
-        return 130
-    how = {128 + signal.SIGTERM: "SIGTERM", 128 + signal.SIGHUP: "SIGHUP"}.get(
-        e.code, f"status {e.code}")
-    print(f"\nthc run: terminated ({how}) {when}, {said}", file=sys.stderr)
-    return e.code
+    how, code = stopped_by(e)
+    print(f"\nthc run: {how} {when}, {said}", file=sys.stderr)
+    return code
 
 
 def _refusal(args: argparse.Namespace, modes: list[str],
