@@ -109,17 +109,24 @@ def test_the_bench_list_in_the_usage_is_the_benches_table(capsys):
     (["bench", "hook", "--device", "cpu", "--quick", "--buckets", "100"],
      {"THC_CODEC_CPU": "bogus"}, "thc bench hook: codec cpu 'bogus'"),
     (["faults", "--loopback", "--quick", "--only", "dup"], {"THC_CLIENT_GSO": "yes"},
-     "thc faults: THC_CLIENT_GSO='yes': use auto, 0 or 1")])
+     "thc faults: THC_CLIENT_GSO='yes': use auto, 0 or 1"),
+    (["bench", "allreduce", "--loopback", "--quick"], {"THC_CODEC_CPU": "bogus"},
+     "thc bench allreduce: codec cpu 'bogus'"),
+    (["bench", "dlcp", "--quick"], {"THC_CLIENT_DATAPATH": "bogus"},
+     "thc bench dlcp: client datapath 'bogus'"),
+    (["nmse", "--quick"], {"THC_CODEC_CPU": "bogus"}, "thc nmse: codec cpu 'bogus'")])
 def test_bad_settings_and_flags_are_usage_errors_before_any_work(argv, env, message,
                                                                  monkeypatch, capsys, tmp_path):
     """A bad THC_* variable was a ValueError traceback; thc run's flags failed only once a
     mode had started (after minutes of the modes before it)."""
     from thc.codec import settings
-    from thc.emu import mainjob
+    from thc.emu import bench_allreduce, bench_dlcp, mainjob
 
     def started(*a, **k):
-        raise AssertionError("a mode started")
+        raise AssertionError("a mode or testbed started")
     monkeypatch.setattr(mainjob, "_run_mode", started)
+    monkeypatch.setattr(bench_allreduce, "open_testbed", started)
+    monkeypatch.setattr(bench_dlcp, "open_testbed", started)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     settings.reset()

@@ -307,7 +307,7 @@ def _tofino_inputs() -> list[Path]:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(1200)   # 79 s alone on a 2-core VM (docs/switch.md), more in the suite
+@pytest.mark.timeout(1200)   # 89 s alone on a 2-core VM (docs/switch.md), more in the suite
 @pytest.mark.skipif(toolchain.tofino_missing() is not None,
                     reason=f"{toolchain.tofino_missing()}")
 def test_tofino_program_compiles_as_recorded(tmp_path, request, record_property):

@@ -39,6 +39,7 @@ import time
 
 from thc.argtypes import positive_floats, positive_int
 from thc.bench import add_common, emit_json, figure, save_figure
+from thc.codec import settings
 from thc.codec.params import THCParams
 from thc.wire import protocol as P
 from thc.emu import testbed
@@ -261,6 +262,11 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:   # before a testbed starts, not in its aggregators
         print(f"thc bench allreduce: --lanes {args.lanes} ({p} workers, {sum_bits}-bit sums): "
               f"{e}", file=sys.stderr)
+        return 2
+    try:
+        settings.current()                  # a bad THC_* variable
+    except ValueError as e:
+        print(f"thc bench allreduce: {e}", file=sys.stderr)
         return 2
     want_bmv2 = "bmv2" in args.aggregator
     soft = [a for a in args.aggregator if a != "bmv2"]

@@ -30,6 +30,7 @@ import numpy as np
 
 from thc.argtypes import non_negative_float, positive_float, positive_int
 from thc.bench import add_common, emit_json
+from thc.codec import settings
 from thc.codec.params import THCParams
 from thc.wire import protocol as P
 from thc.net.client import DATAPATH_ENV
@@ -130,6 +131,11 @@ def _run_mode(tb, name: str, loss_bound: float, marks: bool, args, rounds: int) 
 
 def run(args: argparse.Namespace) -> int:
     rounds = args.rounds or (10 if args.quick else 40)
+    try:
+        settings.current()                  # a bad THC_* variable, before a testbed starts
+    except ValueError as e:
+        print(f"thc bench dlcp: {e}", file=sys.stderr)
+        return 2
     why = mininet_unavailable_reason("software")
     if why:
         print(f"thc bench dlcp: needs Mininet (congested, class-queued links): {why}",
