@@ -275,6 +275,23 @@ def test_a_failure_before_a_rounds_first_collective_abandons(monkeypatch, where,
         ar(x)
 
 
+def test_an_interrupt_between_the_agreement_and_the_max_round_abandons(monkeypatch, alone):
+    """Ctrl-C in the encode, after the round's size agreement went out and before its MAX
+    round, abandoned nothing (only an Exception sent the MAX round marked): a caller that
+    went on paired its next agreement with its peers' pending MAX round, and Gloo aborted
+    both processes on their unlike lengths. The group is abandoned, named."""
+    ar = THCAllReduce.through_torch_distributed(params=PARAMS, generator=1)
+    x = torch.randn(5000, generator=torch.Generator().manual_seed(1))
+    with monkeypatch.context() as m:
+        m.setattr(ar.codec, "prepare",
+                  lambda *a: (_ for _ in ()).throw(KeyboardInterrupt()))
+        with pytest.raises(KeyboardInterrupt):
+            ar(x)
+    with pytest.raises(RuntimeError, match=r"round 0 failed before its MAX round went out "
+                                           r"\(KeyboardInterrupt"):
+        ar(x)
+
+
 def test_a_refused_input_too_large_to_stand_in_for_takes_its_round(monkeypatch, alone):
     """A refused input's round still goes out, from zeros of its size; where they could not be
     made (out of memory, as its own conversion was) the error escaped before the round number

@@ -78,6 +78,7 @@ def test_a_graphed_reducer_restored_goes_on_as_the_one_saved(alone):
 def test_a_state_that_cannot_be_taken_is_refused(alone):
     ar = THCAllReduce.through_torch_distributed(params=P, generator=11)
     for bad, message in (({"round": -1, "residual": None}, "round must be an int"),
+                         ({"round": 1 << 40, "residual": None}, "round must be an int"),
                          ({"round": 2}, "not a reducer's state"),
                          ({"round": 2, "residual": torch.zeros(3, 3)}, "1-D floating-point"),
                          ({"round": 2, "residual": [0.0]}, "1-D floating-point")):

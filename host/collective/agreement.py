@@ -36,6 +36,8 @@ from thc.collective.transports import DistTransport, ring_bytes
 
 ROUND_SPAN = 1 << 20
 """A round number travels as two parts below this (each exact in float32): 40 bits."""
+ROUNDS = ROUND_SPAN * ROUND_SPAN
+"""Round numbers the agreement tells apart; a loaded state's round is below it."""
 KEY_SPAN = 1 << 24
 """A fingerprint travels as two parts below this (float32 holds every integer up to it)."""
 SPANS = (ROUND_SPAN, ROUND_SPAN, KEY_SPAN, KEY_SPAN)

@@ -118,7 +118,7 @@ class THCAllReduce:
         self.codec = THCCodec(self.params, backend=backend, deferred_checks=True)
         self.feedback = ErrorFeedback(self.params) if error_feedback else None
         self.round = 0
-        self._open = self._summed = False
+        self._open = self._summed = self._taken = False
         self._sizes: set[int] = set()
         """Tensor sizes every worker's rounds have agreed on (:meth:`_agree_size`)."""
         self.stats = RoundStats()
@@ -241,7 +241,7 @@ class THCAllReduce:
             if refusal is not None:
                 raise refusal
             return tensor.clone()
-        self._open = self._summed = False
+        self._open = self._summed = self._taken = False
         try:
             return self._round(tensor, position, refusal)
         except BaseException as e:
@@ -251,6 +251,10 @@ class THCAllReduce:
                 # to their next collective: none of its later collectives may pair with theirs
                 self.transport.abandon(f"round {self.round - 1} failed after its MAX round "
                                        f"({type(e).__name__}: {e})", self._summed)
+            elif self._taken and not isinstance(e, Exception):
+                # Ctrl-C or an exit between the round's agreement and its MAX round (an
+                # Exception there sends the MAX round marked): its peers wait in that round
+                agreement.owed(self.transport, self.round - 1, "MAX round", e)
             raise
 
     def _key(self, flat, pieces, dtype) -> int:
@@ -402,6 +406,7 @@ class THCAllReduce:
         # the MAX round checks it)
         rnd = self.round
         self.round += 1
+        self._taken = True
         if getattr(self.transport, "agree_each_round", False) or \
                 flat.numel() not in self._sizes:
             try:

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import torch
 
+from thc.collective.agreement import ROUNDS
+
 
 def state(rnd: int, residual: torch.Tensor | None) -> dict:
     """A reducer's state: its next round and a copy of its residual (None: none yet, or no
@@ -38,8 +40,10 @@ def loaded(saved: dict, rnd: int, feedback: bool, what: str) -> tuple[int, torch
         raise ValueError(f"{what}: not a reducer's state (a dict of round and residual, as "
                          f"state_dict() gives), got {type(saved).__name__}")
     r, residual = saved["round"], saved["residual"]
-    if isinstance(r, bool) or not isinstance(r, int) or r < 0:
-        raise ValueError(f"{what}: the state's round must be an int, 0 or more, got {r!r}")
+    if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < ROUNDS:
+        # rounds 2^40 apart carry the same tag lanes and draw different rotations
+        raise ValueError(f"{what}: the state's round must be an int from 0 to 2^40 - 1, "
+                         f"got {r!r}")
     if residual is not None:
         if not feedback:
             raise ValueError(f"{what}: the state holds an error-feedback residual, and this "
