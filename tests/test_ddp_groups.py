@@ -129,7 +129,9 @@ def test_every_bucket_is_checked_not_the_first_alone(name):
 
 def test_a_hooks_group_is_its_own_keeps_the_timeout_and_refuses_after_an_abandoned_round():
     """Two hooks given one comm_group interleaved their threads' collectives differently on
-    each rank (both ranks' gradients wrong, swapped); the group a hook made waited torch's
+    each rank (both ranks' gradients wrong, swapped), as did an overlapping hook and one that
+    did not (a THC sum paired with an FP32 span of as many bytes: accepted on every rank,
+    unlike); the group a hook made waited torch's
     30 minutes, not the job's timeout; and a bucket's split check still issued its
     all-reduce on a group a failed round had left mid-round (it paired with the peer's
     pending sum: a wrong mean)."""
@@ -140,12 +142,19 @@ def test_a_hooks_group_is_its_own_keeps_the_timeout_and_refuses_after_an_abandon
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port_block(1)}",
                             rank=0, world_size=1, timeout=timedelta(seconds=7))
     try:
-        shared = dist.new_group()
+        shared = dist.new_group(timeout=timedelta(seconds=7))
         model = torch.nn.Linear(2, 2)
         first = FP32Hook(model, comm_group=shared)
         with pytest.raises(ValueError, match="carries another hook's collectives"):
             FP32Hook(model, comm_group=shared)
-        assert FP32Hook(model, comm_group=shared, overlap=False).group is shared
+        for given in ({"comm_group": shared}, {"group": shared}):
+            with pytest.raises(ValueError, match="overlaps backward, from a thread of its own"):
+                FP32Hook(model, overlap=False, **given)
+        other = dist.new_group(timeout=timedelta(seconds=7))
+        kept = [FP32Hook(model, comm_group=other, overlap=False) for _ in range(2)]
+        assert [h.group for h in kept] == [other, other]
+        with pytest.raises(ValueError, match="carries another hook's collectives"):
+            FP32Hook(model, comm_group=other)
         assert group_timeout(FP32Hook(model).group) == timedelta(seconds=7)
         DistTransport(first.group).abandon("round 3 failed between its MAX round and its sums")
         with pytest.raises(RuntimeError, match="no THC round may use this process group"):

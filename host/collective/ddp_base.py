@@ -141,9 +141,21 @@ class StepBreakdown:
         return max(0.0, self.comm - self.exposed)
 
 
-_OWNERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-"""Process group -> the overlapping hook whose collectives it carries: two hooks' threads
-on one group would interleave their collectives differently on each rank."""
+_USERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""Process group -> the hooks whose collectives it carries, each as (a weak reference, whether
+it overlaps backward). An overlapping hook issues its collectives from its own thread, whose
+order against any other hook's on that group differs from rank to rank (Gloo then pairs an
+FP32 span with a THC sum of as many bytes): such a group carries that hook's alone."""
+
+
+def _carrier(group):
+    """The group a hook's collectives go on, as :data:`_USERS` keys it (None: the world)."""
+    return group if group is not None else dist.group.WORLD
+
+
+def _users(group) -> list[bool]:
+    """Whether each live hook on ``group`` overlaps backward."""
+    return [overlaps for ref, overlaps in _USERS.get(_carrier(group), ()) if ref() is not None]
 
 
 _CLIENTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -228,8 +240,7 @@ class BaseHook:
         reducers: two hooks' reducers may share a group, or (neither overlapping) an
         aggregator client. Every rank builds its hooks on a group in the same order (the
         agreement above runs on it)."""
-        if overlap:
-            _OWNERS[self.group] = weakref.ref(self)
+        _USERS.setdefault(_carrier(self.group), []).append((weakref.ref(self), overlap))
         self._built = 0
         """Reducers built so far (:meth:`_build`): the round of their agreement."""
         self._names = {id(p): n for n, p in model.named_parameters()}
@@ -308,12 +319,16 @@ class BaseHook:
                               f"a stalled rank ends the hook's collectives after {own} (make "
                               f"it with dist.new_group(ranks, timeout=...))", RuntimeWarning,
                               stacklevel=4)
-        if overlap and comm_group is not None:
-            owner = _OWNERS.get(comm_group)
-            if owner is not None and owner() is not None:
-                raise ValueError("comm_group carries another hook's collectives: each hook "
-                                 "that overlaps backward needs a group of its own "
-                                 "(dist.new_group(ranks, timeout=...) made on every rank)")
+        if overlap and comm_group is not None and _users(comm_group):
+            raise ValueError("comm_group carries another hook's collectives: each hook "
+                             "that overlaps backward needs a group of its own "
+                             "(dist.new_group(ranks, timeout=...) made on every rank)")
+        if not overlap and any(_users(comm_group if comm_group is not None else group)):
+            raise ValueError("the hook's group carries the collectives of a hook that "
+                             "overlaps backward, from a thread of its own: their order "
+                             "against this hook's would differ from rank to rank; give this "
+                             "hook another group (comm_group=dist.new_group(ranks, "
+                             "timeout=...) made on every rank)")
 
     def state_dict(self) -> dict:
         """The hook's error-feedback residuals, one per compressed parameter by its name
