@@ -238,7 +238,7 @@ def test_a_flood_does_not_keep_the_aggregator_past_its_duration():
     from thc.net.aggregator import Aggregator
     job = local_job(1, 2, free_port_block(2))
     agg = Aggregator([job])
-    agg._handle = lambda datagram, src, now: time.sleep(0.001) or ([],)
+    agg._handle = lambda datagram, src, now: time.sleep(0.001) or ([], None)
     addr = agg.bind()
     flooding = threading.Event()
     flooding.set()

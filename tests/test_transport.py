@@ -319,6 +319,49 @@ def test_a_wildcard_aggregator_answers_from_the_address_it_was_sent_to(datapath,
         np.testing.assert_array_equal(sums[w], sum(np.asarray(job.table)[i] for i in idx))
 
 
+@pytest.mark.parametrize("stray", ["malformed", "older run"])
+@pytest.mark.parametrize("engine", ["python", "compiled"])
+def test_a_stray_datagram_sent_elsewhere_does_not_move_where_results_leave_from(engine, stray):
+    """A wildcard aggregator took the address of ours a worker last sent to from any datagram
+    (Python: even a malformed one; both: an older run's, refused): the worker's next RESULT
+    left from that address, the worker ignored it and waited for a resend. Only a datagram
+    that is taken moves it; a refusal leaves from where its datagram was sent."""
+    from thc.net.aggregator import Aggregator
+    from thc.net.fastagg import FastAggregator, available
+    if engine == "compiled" and not available():
+        pytest.skip("the compiled aggregator is not built")
+    job = local_job(1, 2, free_port_block(2), pool_size=4, lanes=16)
+    agg = Aggregator([job]) if engine == "python" else FastAggregator([job], gso=False)
+    _, port = agg.start("0.0.0.0", 0)
+    socks = []
+    for w in job.workers:
+        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        s.bind((w.ip, w.port))
+        s.settimeout(2.0)
+        socks.append(s)
+
+    def data(w: int, run: int) -> bytes:
+        return P.HEADER_STRUCT.pack(P.PktType.DATA, w, job.job_id, 0, 0, 0, 0, 0,
+                                    job.config_tag, run, 100 + w) + bytes(8)
+
+    try:
+        socks[1].sendto(data(1, 7), ("127.0.0.1", port))
+        time.sleep(0.1)
+        socks[1].sendto(data(1, 7)[:20] if stray == "malformed" else data(1, 6),
+                        ("127.0.0.2", port))
+        if stray == "older run":
+            refusal, src = socks[1].recvfrom(2048)
+            assert (P.PktType(refusal[0]), src[0]) == (P.PktType.REFUSED, "127.0.0.2")
+        time.sleep(0.1)
+        socks[0].sendto(data(0, 7), ("127.0.0.1", port))
+        got = [(P.PktType(d[0]), src[0]) for d, src in (s.recvfrom(2048) for s in socks)]
+    finally:
+        agg.stop()
+        for s in socks:
+            s.close()
+    assert got == [(P.PktType.RESULT, "127.0.0.1")] * 2
+
+
 @pytest.mark.parametrize("host", ["0.0.0.0", "0"])
 @pytest.mark.parametrize("engine", ["python", "compiled"])
 def test_datagrams_queued_before_the_server_runs_are_answered_from_their_address(engine, host):

@@ -157,7 +157,6 @@ static int process(Datapath *dp, const uint8_t *d, size_t len, uint32_t sip, uin
     /* the sender's configuration tag (protocol.py's upstream_tag) against the install's */
     if ((rd32(d + 16) & 0xFFFF) != j->epoch >> 16)
         return refuse(dp, j, WRONG_CONFIG, d, 0, sip, sport, out);
-    if (to) j->local[wid] = to;
     if (slot >= pool) return drop(dp, SLOT_OUTSIDE_POOL);
     if (slot != seq % pool || version != ((seq / pool) & 1))
         return refuse(dp, j, WRONG_SLOT, d, 0, sip, sport, out);
@@ -188,10 +187,12 @@ static int process(Datapath *dp, const uint8_t *d, size_t len, uint32_t sip, uin
     int same_run = j->run[i] == run;
     if (same_run && seq != cur && !newer(seq, cur))
         return refuse(dp, j, STALE, d, cur, sip, sport, out);
+    if (same_run && seq == cur && (j->op[i] != op || j->offset[i] != offset))
+        return refuse(dp, j, WRONG_USE, d, j->op[i], sip, sport, out);
+    /* taken: the worker's RESULTs leave from the address of ours it sent this to */
+    if (to) j->local[wid] = to;
     const uint8_t *payload = d + HDR;
     if (same_run && seq == cur) {
-        if (j->op[i] != op || j->offset[i] != offset)
-            return refuse(dp, j, WRONG_USE, d, j->op[i], sip, sport, out);
         j->counters[C_PACKETS]++;
         uint32_t count = j->count[i];
         if (count == (uint32_t)n || j->closed[i]) {

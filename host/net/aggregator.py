@@ -54,6 +54,8 @@ class Aggregator(UDPServer):
         self.shard = shard
         self.impair = impair or Impairment()
         self.send_errors = 0
+        self.last_drop: str | None = None
+        """The drop reason of the datagram :meth:`handle` took last (None: taken)."""
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._last_epoch: dict[int, int] = {}
@@ -92,7 +94,8 @@ class Aggregator(UDPServer):
     def handle(self, datagram: bytes | memoryview, src: tuple[str, int]) -> list[Reply]:
         """Process one datagram from ``src``; return the datagrams to send and where."""
         with self._lock:
-            return self._handle(datagram, src, monotonic())[0]
+            replies, self.last_drop = self._handle(datagram, src, monotonic())
+            return replies
 
     # -- UDP server ------------------------------------------------------------------
     def _serve(self, duration: float | None) -> None:
@@ -106,9 +109,10 @@ class Aggregator(UDPServer):
 
         wildcard = answer_from_destination(sock)
         local: dict[tuple[str, int], bytes] = {}
-        """On a wildcard socket: the address of ours each peer last sent to, which its
-        replies leave from, whichever peer's datagram caused them (a RESULT goes to every
-        worker of the chunk). Bounded: a flood of spoofed sources only clears it."""
+        """On a wildcard socket: the address of ours each worker last sent a datagram that
+        was taken to (not a drop or refusal: a stray or an older run's replay sent elsewhere
+        would move it), which the RESULTs to it leave from, whichever worker's datagram
+        completed the chunk. A reply to a datagram's sender leaves from where it was sent."""
 
         def sendto(data, dst, source=None) -> None:
             try:
@@ -132,17 +136,19 @@ class Aggregator(UDPServer):
                     if wildcard:
                         nbytes, anc, _, src = sock.recvmsg_into([buf], PKTINFO_SPACE,
                                                                 socket.MSG_DONTWAIT)
-                        if (to := destination(anc)) is not None:
-                            if len(local) >= MAX_PEERS:
-                                local.clear()
-                            local[src] = to
+                        to = destination(anc)
                     else:
                         nbytes, src = sock.recvfrom_into(buf, 2048, socket.MSG_DONTWAIT)
                         to = None
                 except BlockingIOError:
                     break
-                for data, dst in self.handle(view[:nbytes], src):
-                    source = local.get(dst, to) if wildcard else None
+                replies = self.handle(view[:nbytes], src)
+                if to is not None and self.last_drop is None:
+                    if len(local) >= MAX_PEERS:
+                        local.clear()
+                    local[src] = to
+                for data, dst in replies:
+                    source = (to if dst == src else local.get(dst, to)) if wildcard else None
                     if impair.active:
                         impair.send(sendto, data, dst, source)
                     else:
