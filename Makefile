@@ -38,10 +38,10 @@ system-deps:
 	fi
 	@if [ -d $(DEBIAN_MININET) ] && [ -x $(PY) ]; then ln -sfn $(DEBIAN_MININET) "$(SITE)/mininet"; fi
 
-# Three pytest processes (on two cores: many tests wait on sockets, timers and child
+# Four pytest processes (on two cores: many tests wait on sockets, timers and child
 # processes); the tests that start BMv2 switches run one after another in one of them, those
 # that start Mininet testbeds or namespaces in another (tests/conftest.py).
-TEST_PROCESSES ?= 3
+TEST_PROCESSES ?= 4
 test: system-deps setup
 	$(PY) -m pytest -q -n $(TEST_PROCESSES) --dist loadgroup
 
