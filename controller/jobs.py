@@ -31,7 +31,7 @@ from thc.controller.job_checks import (check_agg, check_beside_agg, check_job, c
 from thc.controller.job_entries import (AggAddress, addr_entries, delete, install_entry,
                                         job_entry, lut_entries, upsert, worker_entries)
 from thc.controller.program import ADDR_TABLE, INSTALL_TABLE, JOB_TABLE, WORKER_TABLE
-from thc.controller.switch import Switch, SwitchError
+from thc.controller.switch import Displaced, Switch, SwitchError
 from thc.net.window import DEFAULT_MAX_TIMEOUT
 from thc.wire import protocol as P
 from thc.wire.jobs import Cluster, ConfigError, Job
@@ -185,6 +185,13 @@ def _write_job(sw: Switch, job: Job, job_index: int, agg: AggAddress,
     chunk of it completes; the error says so and how to finish."""
     try:
         _write_entries(sw, job, job_index, agg, previous, groups_in_use, last_epoch, held)
+        sw.confirm_held()
+    except Displaced as e:
+        raise Displaced(f"job {job.job_id}: the install stopped part-way ({e}). Its last "
+                        f"write before the check may have landed after that controller's, on "
+                        f"a job it installed: install the cluster of the controller that "
+                        f"holds the job again once it is done (every entry is rewritten)"
+                        ) from e
     except SwitchError as e:
         raise SwitchError(f"job {job.job_id}: the install stopped part-way ({e}). What it "
                           f"wrote stays on the switch without all the job's worker entries, "
@@ -266,6 +273,12 @@ def _remove(sw: Switch, job_id: int, cfg: dict | None) -> None:
     half-removed; the error says so and how to finish."""
     try:
         _delete_job(sw, job_id, cfg)
+        sw.confirm_held()
+    except Displaced as e:
+        raise Displaced(f"job {job_id}: the removal stopped part-way ({e}). Its last delete "
+                        f"before the check may have taken entries of a job that controller "
+                        f"installed: install that controller's cluster again once it is "
+                        f"done") from e
     except SwitchError as e:
         raise SwitchError(f"job {job_id}: the removal stopped part-way ({e}). The job no "
                           f"longer serves (its worker entries go first) and `thc controller "

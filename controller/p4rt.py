@@ -53,7 +53,7 @@ import os
 import threading
 import time
 from functools import lru_cache
-from typing import Iterable, NamedTuple
+from typing import Callable, Iterable, NamedTuple
 
 GRPC_OPTIONS = [("grpc.max_metadata_size", 64 << 20),
                 ("grpc.absolute_max_metadata_size", 64 << 20),
@@ -495,9 +495,11 @@ class BatchWriter:
     def close(self) -> None:
         self.channel.close()
 
-    def write(self, update_type: int, entities: list[bytes], batch: int) -> list[UpdateError]:
+    def write(self, update_type: int, entities: list[bytes], batch: int,
+              before: Callable[[], object] = lambda: None) -> list[UpdateError]:
         """Send one update of ``update_type`` per serialized Entity, ``batch`` per
-        WriteRequest; return the failed ones by index into ``entities``."""
+        WriteRequest; return the failed ones by index into ``entities``. ``before`` runs
+        before each WriteRequest and raises to send no more of them."""
         import grpc
         from p4.v1 import p4runtime_pb2
         head = p4runtime_pb2.WriteRequest(device_id=self.device_id)
@@ -507,6 +509,7 @@ class BatchWriter:
         kind = t["update.type"] + _varint(update_type)
         failed = []
         for start in range(0, len(entities), batch):
+            before()
             body = b"".join(_field(t["request.updates"], kind + _field(t["update.entity"], e))
                             for e in entities[start:start + batch])
             try:

@@ -45,6 +45,11 @@ class SwitchError(RuntimeError):
     """The switch could not be reached, programmed or queried; the message says why."""
 
 
+class Displaced(SwitchError):
+    """Another controller became primary while this session was open: nothing more goes
+    through the session, and what it wrote after that controller's writes stands."""
+
+
 class NoProgram(SwitchError):
     """The switch runs no P4 program yet (it holds no job)."""
 
@@ -227,7 +232,7 @@ class Switch:
                 and p4rt.can_see_arbitration(self.client):
             self._taken_by = p4rt.primary_taken(self.client)
         if self._taken_by is not None:
-            raise SwitchError(
+            raise Displaced(
                 f"another controller (election id {self._taken_by}) became primary on "
                 f"{self.grpc_addr} while this P4Runtime session was open: it may have changed "
                 f"the switch since this controller read it (installed a job in a slot pool or "
@@ -235,6 +240,11 @@ class Switch:
                 f"writes again once it closes, so nothing more goes through this P4Runtime "
                 f"session. Run the command again when that controller is done")
         return self.client
+
+    def confirm_held(self) -> None:
+        """Raise :class:`Displaced` where another controller took the switch since the
+        session opened: run after a change's last write, which may stand on its changes."""
+        self._require()
 
     # -- P4Info -------------------------------------------------------------------------
     def has_table(self, name: str) -> bool:
@@ -368,7 +378,10 @@ class Switch:
             p4runtime_pb2.Entity(table_entry=e) if isinstance(e, p4runtime_pb2.TableEntry)
             else e).SerializeToString() for e in ents]
         try:
-            failed = self._writer.write(p4runtime_pb2.Update.Type.Value(op), blobs, WRITE_BATCH)
+            # a session another controller displaced is given the switch back when that one
+            # closes: checked before every WriteRequest, none lands on what it wrote after
+            failed = self._writer.write(p4runtime_pb2.Update.Type.Value(op), blobs, WRITE_BATCH,
+                                        before=self._require)
         except p4rt.SessionError as e:
             raise SwitchError(f"{op} on {self.grpc_addr}: {e}") from None
         ignore_codes = {code_pb2.Code.Value(c) for c in ignore}
@@ -472,14 +485,16 @@ class Switch:
         try:
             held = self.multicast_groups()
             if held.get(group) or (group in held and not clear):
+                self._require()
                 entry.modify()
                 return
+            steps = [sh.MulticastGroupEntry(group).delete] if clear and group in held else []
             if clear:
-                if group in held:
-                    sh.MulticastGroupEntry(group).delete()
-                sh.MulticastGroupEntry(group).insert()
-                sh.MulticastGroupEntry(group).delete()
-            entry.insert()
+                steps += [sh.MulticastGroupEntry(group).insert,
+                          sh.MulticastGroupEntry(group).delete]
+            for step in steps + [entry.insert]:
+                self._require()   # as before each WriteRequest of write_entries
+                step()
         except (P4RuntimeWriteException, grpc.RpcError) as e:   # the latter: the deadline
             raise SwitchError(f"multicast group {group}: {_why(e)}") from None
 

@@ -94,6 +94,23 @@ def test_batch_writer_reports_the_failed_updates_by_index(server_addr):
         writer.close()
 
 
+def test_batch_writer_checks_before_every_write_request(server_addr):
+    """A session that lost the switch part-way through a write sent the rest of it: the
+    check runs before every WriteRequest, and one that raises sends no more."""
+    writer, checks = p4rt.BatchWriter(server_addr, 0, (1, 0)), []
+
+    def before():
+        checks.append(1)
+        if len(checks) == 3:
+            raise p4rt.SessionError("displaced")
+    try:
+        with pytest.raises(p4rt.SessionError, match="displaced"):
+            writer.write(INSERT, _entries(range(1, 11)), batch=2, before=before)
+        assert len(checks) == 3
+    finally:
+        writer.close()
+
+
 def test_batch_writer_holds_the_statuses_of_thousands_of_updates(server_addr):
     """One status per update of 5000 exceeds gRPC's default metadata limit, which the
     client's channel in p4runtime-shell keeps."""

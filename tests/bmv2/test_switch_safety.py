@@ -223,6 +223,32 @@ def test_cli_refuses_a_live_job_and_names_it(bmv2, tmp_path):
     assert job.job_id in installed.installed_jobs(bmv2.sw)
 
 
+def test_a_session_displaced_mid_write_sends_no_more_of_it(bmv2, monkeypatch):
+    """A session checked that it held the switch once per write, not per WriteRequest: one
+    that another controller displaced during a job's lookup entries sent the rest of them
+    once that controller closed (the switch obeys the session again), on top of the job
+    that controller installed, and then blamed the job's missing worker entries. It checks
+    before every WriteRequest and says whose install to run again."""
+    job = bmv2.make_job(next(_ids), 2, pool_size=4)
+    base = [sys.executable, "-m", "thc.cli", "controller", "--grpc-addr",
+            bmv2.switch.grpc_addr, "--election-id", f"{WRITER_TOP},0"]   # above any writer's
+    writer = bmv2.sw._writer
+    real, sent = writer._write, []
+
+    def write(request, timeout):
+        sent.append(len(request))
+        if len(sent) == 2:   # another controller comes and goes before this one goes out
+            subprocess.run(base + ["jobs"], check=True, capture_output=True, timeout=60)
+        return real(request, timeout=timeout)
+    monkeypatch.setattr(writer, "_write", write)
+    with pytest.raises(SwitchError, match=r"install stopped part-way \(another controller "
+                                          r".* install the cluster of the controller that "
+                                          r"holds the job again"):
+        bmv2.install(job)
+    assert len(sent) == 2, f"{len(sent)} WriteRequests went out"
+    bmv2.reconnect()
+
+
 def test_a_failed_p4runtime_setup_is_an_error_not_an_exit(bmv2):
     """p4runtime-shell's setup calls sys.exit when the arbitration fails (here: a device id
     the switch does not have, which BMv2 answers as a device without a program); the
