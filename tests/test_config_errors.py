@@ -7,6 +7,7 @@ import re
 import numpy as np
 import pytest
 
+from thc.wire import protocol as P
 from thc.wire.jobs import Cluster, ConfigError, Job, check_loss_bound
 
 WORKERS = [{"id": 0, "ip": "10.0.0.1", "port": 50000}, {"id": 1, "ip": "10.0.0.2", "port": 50001}]
@@ -82,3 +83,18 @@ def test_a_loss_bound_may_be_a_numpy_number(value):
     assert check_loss_bound(value) == pytest.approx(float(value))
     with pytest.raises(ConfigError, match="loss_bound must be"):
         check_loss_bound(np.bool_(True) if value == 0 else value + 1)
+
+
+def test_too_many_jobs_are_refused_before_any_table_is_made(monkeypatch):
+    """The count was checked once every job was built: a file of many jobs at a large
+    granularity made each one's optimal table first (seconds and hundreds of MB each)."""
+    import thc.wire.jobs as jobs_module
+    made = []
+    real = jobs_module.Job.from_dict
+    monkeypatch.setattr(jobs_module.Job, "from_dict",
+                        classmethod(lambda cls, d: made.append(d) or real(d)))
+    one = one_job()["jobs"][0]
+    many = {"jobs": [{**one, "job_id": i} for i in range(P.MAX_JOBS + 1)]}
+    with pytest.raises(ConfigError, match=f"{P.MAX_JOBS + 1} jobs; at most {P.MAX_JOBS}"):
+        Cluster.from_dict(many)
+    assert made == []

@@ -434,6 +434,8 @@ class Cluster:
         if unknown:
             raise ConfigError(f"the cluster: unknown keys {unknown} (known: jobs, agg_ip, "
                               f"agg_port, agg_mac)")
+        if len(jobs) > P.MAX_JOBS:   # before each job's table is made (seconds each)
+            raise ConfigError(f"{len(jobs)} jobs; at most {P.MAX_JOBS}")
         return cls(jobs=tuple(Job.from_dict(j) for j in jobs), **d).validate()
 
     @classmethod
