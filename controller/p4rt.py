@@ -208,6 +208,12 @@ def open_session(grpc_addr: str, device_id: int, election_id: tuple[int, int] | 
             raise SessionError(
                 f"another controller is primary on {grpc_addr}, so this one cannot push a "
                 f"program (the server: {reason}); wait for it to finish") from None
+        if reason.lower() == "failed to establish session with server":
+            # the shell waits 2 s for the arbitration's answer, then says only this (a
+            # stream the server ended says why before it)
+            raise SessionError(
+                f"the switch at {grpc_addr} did not answer this session's arbitration in "
+                f"time (the server: {reason}); is it overloaded or stopped?") from None
         what = "pushing the pipeline" if pipeline else "reading the P4Info"
         raise SessionError(
             f"P4Runtime session with device {device_id} at {grpc_addr} failed (arbitration "

@@ -252,7 +252,8 @@ def test_a_switch_that_never_finishes_the_session_setup_ends_the_command(mode):
     """shell.setup's own calls came before the deadline interceptor: a switch that answered
     the arbitration but not the read of its pipeline held the command forever, and one that
     never answered the arbitration left a stream thread that kept the process alive after
-    its error. The subprocess must print its error and exit."""
+    its error, which asked about the device id and the program. The subprocess must print
+    its error, naming the arbitration, and exit."""
     scope: dict = {}
     exec(WEDGED, scope)
     server, addr = scope["start"](mode)
@@ -265,7 +266,8 @@ def test_a_switch_that_never_finishes_the_session_setup_ends_the_command(mode):
     finally:
         server.stop(None)
     assert r.returncode == 0, r.stderr
-    expect = "took its session's setup" if mode == "pipeline" else "session with device 0"
+    expect = "took its session's setup" if mode == "pipeline" else \
+        "did not answer this session's arbitration in time"
     assert expect in r.stdout, r.stdout + r.stderr
     assert time.monotonic() - start < 30
 
