@@ -187,11 +187,12 @@ def _write_job(sw: Switch, job: Job, job_index: int, agg: AggAddress,
         _write_entries(sw, job, job_index, agg, previous, groups_in_use, last_epoch, held)
         sw.confirm_held()
     except Displaced as e:
-        raise Displaced(f"job {job.job_id}: the install stopped part-way ({e}). Its last "
-                        f"write before the check may have landed after that controller's, on "
-                        f"a job it installed: install the cluster of the controller that "
-                        f"holds the job again once it is done (every entry is rewritten)"
-                        ) from e
+        raise Displaced(f"job {job.job_id}: another controller held the switch during this "
+                        f"install ({e}). This install's last write before that was seen may "
+                        f"stand on a job it installed, where a re-install that finds the job "
+                        f"unchanged would keep it: once that controller is done, remove the "
+                        f"job (`thc controller remove --job {job.job_id} --force`) and install "
+                        f"the cluster that should hold it") from e
     except SwitchError as e:
         raise SwitchError(f"job {job.job_id}: the install stopped part-way ({e}). What it "
                           f"wrote stays on the switch without all the job's worker entries, "
@@ -275,10 +276,11 @@ def _remove(sw: Switch, job_id: int, cfg: dict | None) -> None:
         _delete_job(sw, job_id, cfg)
         sw.confirm_held()
     except Displaced as e:
-        raise Displaced(f"job {job_id}: the removal stopped part-way ({e}). Its last delete "
-                        f"before the check may have taken entries of a job that controller "
-                        f"installed: install that controller's cluster again once it is "
-                        f"done") from e
+        raise Displaced(f"job {job_id}: another controller held the switch during this "
+                        f"removal ({e}). Its last delete before that was seen may have taken "
+                        f"entries of a job that controller installed: once it is done, remove "
+                        f"the job (`thc controller remove --job {job_id} --force`) and install "
+                        f"the cluster that should hold it") from e
     except SwitchError as e:
         raise SwitchError(f"job {job_id}: the removal stopped part-way ({e}). The job no "
                           f"longer serves (its worker entries go first) and `thc controller "
@@ -416,6 +418,8 @@ def install_cluster(sw: Switch, cluster: Cluster, prune: bool = False, force: bo
             delete(sw, entries_of(sw, WORKER_TABLE, job.job_id))
             if job.job_id in overtaken:
                 delete(sw, entries_of(sw, INSTALL_TABLE, job.job_id))
+    except Displaced:
+        raise
     except SwitchError as e:
         raise SwitchError(f"taking the worker and install entries of jobs "
                           f"{[j.job_id for j in changing]} off failed ({e}); some of them count "
@@ -428,7 +432,7 @@ def install_cluster(sw: Switch, cluster: Cluster, prune: bool = False, force: bo
                        groups - {job.mcast_grp}, epochs.get(job.job_id), held[job.job_id])
         except SwitchError as e:
             rest = [j.job_id for j in changing[k + 1:]]
-            if not rest:
+            if not rest or isinstance(e, Displaced):
                 raise
             raise SwitchError(f"{e}. Jobs {rest}, to be written after it, have no worker "
                               f"entries either: install the cluster again") from e

@@ -243,7 +243,7 @@ class Switch:
 
     def confirm_held(self) -> None:
         """Raise :class:`Displaced` where another controller took the switch since the
-        session opened: run after a change's last write, which may stand on its changes."""
+        session opened: run after a change's last write, which no later check would see."""
         self._require()
 
     # -- P4Info -------------------------------------------------------------------------
@@ -379,7 +379,7 @@ class Switch:
             else e).SerializeToString() for e in ents]
         try:
             # a session another controller displaced is given the switch back when that one
-            # closes: checked before every WriteRequest, none lands on what it wrote after
+            # closes: checked before every WriteRequest, at most the one in flight lands
             failed = self._writer.write(p4runtime_pb2.Update.Type.Value(op), blobs, WRITE_BATCH,
                                         before=self._require)
         except p4rt.SessionError as e:

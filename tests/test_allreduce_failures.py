@@ -292,6 +292,30 @@ def test_an_interrupt_between_the_agreement_and_the_max_round_abandons(monkeypat
         ar(x)
 
 
+def test_an_interrupt_as_a_marked_max_round_returns_leaves_the_group_usable(monkeypatch,
+                                                                           alone):
+    """A marked MAX round is refused by every worker: a Ctrl-C that surfaces as it returns
+    owes the peers nothing, and the next round is summed."""
+    ar = THCAllReduce.through_torch_distributed(params=PARAMS, generator=1)
+    x = torch.randn(5000, generator=torch.Generator().manual_seed(1))
+    ar(x)
+    real_max, calls = ar.transport.max, []
+
+    def max_then_interrupt(v):   # the size agreement's, then the marked MAX round's
+        out = real_max(v)
+        calls.append(len(v))
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return out
+    with monkeypatch.context() as m:
+        m.setattr(ar.codec, "prepare", lambda *a: (_ for _ in ()).throw(RuntimeError("bad")))
+        m.setattr(ar.transport, "max", max_then_interrupt)
+        with pytest.raises(KeyboardInterrupt):
+            ar(x)
+    assert len(calls) == 2
+    assert torch.isfinite(ar(x)).all()
+
+
 def test_a_refused_input_too_large_to_stand_in_for_takes_its_round(monkeypatch, alone):
     """A refused input's round still goes out, from zeros of its size; where they could not be
     made (out of memory, as its own conversion was) the error escaped before the round number

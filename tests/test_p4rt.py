@@ -97,16 +97,18 @@ def test_batch_writer_reports_the_failed_updates_by_index(server_addr):
 def test_batch_writer_checks_before_every_write_request(server_addr):
     """A session that lost the switch part-way through a write sent the rest of it: the
     check runs before every WriteRequest, and one that raises sends no more."""
-    writer, checks = p4rt.BatchWriter(server_addr, 0, (1, 0)), []
+    writer, checks, sent = p4rt.BatchWriter(server_addr, 0, (1, 0)), [], []
+    real = writer._write
 
     def before():
         checks.append(1)
         if len(checks) == 3:
             raise p4rt.SessionError("displaced")
+    writer._write = lambda request, timeout: sent.append(1) or real(request, timeout=timeout)
     try:
         with pytest.raises(p4rt.SessionError, match="displaced"):
             writer.write(INSERT, _entries(range(1, 11)), batch=2, before=before)
-        assert len(checks) == 3
+        assert (len(checks), len(sent)) == (3, 2)
     finally:
         writer.close()
 

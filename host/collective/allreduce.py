@@ -324,6 +324,9 @@ class THCAllReduce:
                 agreement.owed(self.transport, rnd, "marked MAX round", lost)
                 raise
             self._open = whole   # on a stream-ordered transport a sum follows the MAX round
+            # a Ctrl-C in the collective surfaces as it returns: the marked round went out,
+            # and every peer refuses it
+            self._taken = False
             max_norms, tags = agreement.untag(self.transport.max(marked))
             if whole:
                 self._join_sum(y, pieces)

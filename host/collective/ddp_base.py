@@ -29,6 +29,7 @@ of the hook's (Gloo and NCCL pair a group's collectives by issue order).
 """
 from __future__ import annotations
 
+import gc
 import operator
 import threading
 import time
@@ -153,9 +154,17 @@ def _carrier(group):
     return group if group is not None else dist.group.WORLD
 
 
-def _users(group) -> list[bool]:
-    """Whether each live hook on ``group`` overlaps backward."""
-    return [overlaps for ref, overlaps in _USERS.get(_carrier(group), ()) if ref() is not None]
+def _clashes(group, overlap: bool) -> bool:
+    """Whether a hook that overlaps backward (or not) would share ``group`` with a live hook
+    it may not share it with. A hook whose model was dropped may wait for the cycle
+    collector: it runs before a clash is reported."""
+    def clash() -> bool:
+        live = [o for ref, o in _USERS.get(_carrier(group), ()) if ref() is not None]
+        return bool(live) if overlap else any(live)
+    if not clash():
+        return False
+    gc.collect()
+    return clash()
 
 
 _CLIENTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -240,7 +249,9 @@ class BaseHook:
         reducers: two hooks' reducers may share a group, or (neither overlapping) an
         aggregator client. Every rank builds its hooks on a group in the same order (the
         agreement above runs on it)."""
-        _USERS.setdefault(_carrier(self.group), []).append((weakref.ref(self), overlap))
+        users = _USERS.setdefault(_carrier(self.group), [])
+        users[:] = [(ref, o) for ref, o in users if ref() is not None]
+        users.append((weakref.ref(self), overlap))
         self._built = 0
         """Reducers built so far (:meth:`_build`): the round of their agreement."""
         self._names = {id(p): n for n, p in model.named_parameters()}
@@ -319,11 +330,11 @@ class BaseHook:
                               f"a stalled rank ends the hook's collectives after {own} (make "
                               f"it with dist.new_group(ranks, timeout=...))", RuntimeWarning,
                               stacklevel=4)
-        if overlap and comm_group is not None and _users(comm_group):
+        if overlap and comm_group is not None and _clashes(comm_group, True):
             raise ValueError("comm_group carries another hook's collectives: each hook "
                              "that overlaps backward needs a group of its own "
                              "(dist.new_group(ranks, timeout=...) made on every rank)")
-        if not overlap and any(_users(comm_group if comm_group is not None else group)):
+        if not overlap and _clashes(comm_group if comm_group is not None else group, False):
             raise ValueError("the hook's group carries the collectives of a hook that "
                              "overlaps backward, from a thread of its own: their order "
                              "against this hook's would differ from rank to rank; give this "

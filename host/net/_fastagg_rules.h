@@ -25,7 +25,7 @@ typedef struct {
     uint32_t ip[MAX_WORKERS]; /* network order */
     uint16_t port[MAX_WORKERS]; /* network order */
     uint8_t addr_ok[MAX_WORKERS]; /* 0: the configured address is no IPv4 literal */
-    uint32_t local[MAX_WORKERS]; /* the address of ours each worker last sent to; 0: none */
+    uint32_t local[MAX_WORKERS]; /* ours, where each worker's last taken datagram went; 0: none */
     uint32_t job_run, epoch;
     double run_seen; /* when a packet of job_run last passed the run check */
     uint32_t worker_run[MAX_WORKERS], worker_nonce[MAX_WORKERS]; /* one incarnation a run */

@@ -54,7 +54,7 @@ class Aggregator(UDPServer):
         self.shard = shard
         self.impair = impair or Impairment()
         self.send_errors = 0
-        self.last_drop: str | None = None
+        self._last_drop: str | None = None
         """The drop reason of the datagram :meth:`handle` took last (None: taken)."""
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -94,7 +94,7 @@ class Aggregator(UDPServer):
     def handle(self, datagram: bytes | memoryview, src: tuple[str, int]) -> list[Reply]:
         """Process one datagram from ``src``; return the datagrams to send and where."""
         with self._lock:
-            replies, self.last_drop = self._handle(datagram, src, monotonic())
+            replies, self._last_drop = self._handle(datagram, src, monotonic())
             return replies
 
     # -- UDP server ------------------------------------------------------------------
@@ -143,7 +143,7 @@ class Aggregator(UDPServer):
                 except BlockingIOError:
                     break
                 replies = self.handle(view[:nbytes], src)
-                if to is not None and self.last_drop is None:
+                if to is not None and self._last_drop is None:
                     if len(local) >= MAX_PEERS:
                         local.clear()
                     local[src] = to
