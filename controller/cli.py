@@ -249,19 +249,31 @@ def _remove(sw: Switch, args: argparse.Namespace) -> None:
         print(f"removed the leftover entries of job {args.job} (it had no thc_job entry)")
 
 
-def _jobs(sw: Switch, args: argparse.Namespace) -> None:
+def _listing(sw: Switch) -> tuple[dict, dict, dict, dict]:
+    """The installed jobs, leftovers, conflicts and worker entries a job, read table by
+    table."""
     held = installed.installed_jobs(sw)
-    left = installed.leftovers(sw)
+    return (held, installed.leftovers(sw), installed.conflicts(sw),
+            {jid: len(installed.worker_entries_of(sw, jid)) for jid in held})
+
+
+def _jobs(sw: Switch, args: argparse.Namespace) -> None:
+    held, left, wrong, live = first = _listing(sw)
+    if left or wrong or any(live[j] != cfg["n_workers"] for j, cfg in held.items()):
+        # tables read while another controller writes disagree for a moment: read again
+        held, left, wrong, live = second = _listing(sw)
+        if second != first:
+            print("the switch changed while it was read (another controller is writing?): "
+                  "this is a second read, which may be mid-change too; run `jobs` again once "
+                  "that controller is done")
     if not held:
         print("no jobs installed")
     for jid, tables in sorted(left.items()):
         print(f"job {jid}: NOT installed, but entries of it remain in {', '.join(tables)} "
               f"(an install or remove stopped part-way); `remove --job {jid}` deletes them")
-    wrong = installed.conflicts(sw)
     for jid, cfg in sorted(held.items()):
-        live = len(installed.worker_entries_of(sw, jid))
-        state = "" if live == cfg["n_workers"] else \
-            f" (NOT serving: {live} of {cfg['n_workers']} worker entries; install it again)"
+        state = "" if live[jid] == cfg["n_workers"] else \
+            f" (NOT serving: {live[jid]} of {cfg['n_workers']} worker entries; install it again)"
         print(f"job {jid}: " + ", ".join(f"{k}={v}" for k, v in cfg.items()) + state)
         for why in wrong.get(jid, ()):
             print(f"job {jid}: NOT consistent: {why}; install the cluster again")

@@ -186,6 +186,25 @@ def test_jobs_names_entries_that_disagree(sw, monkeypatch, capsys):
     assert installed.conflicts(sw) == {}
 
 
+def test_jobs_read_while_another_controller_writes_reads_again(sw, monkeypatch, capsys):
+    """`jobs` reads the job, worker and install tables one after another: read while another
+    controller re-installed a job, they disagreed for a moment, and it advised installing the
+    cluster again. A listing that flags anything is read twice; where the reads differ it
+    says the switch is changing and shows the second."""
+    jobs.install_cluster(sw, cluster(make_job(1, pool_base=0)))
+    real, reads = installed.conflicts, []
+
+    def mid_change(switch):
+        reads.append(1)
+        return {1: ["its packets count, but its thc_install entries name epochs [...]"]} \
+            if len(reads) == 1 else real(switch)
+    monkeypatch.setattr(installed, "conflicts", mid_change)
+    assert thc_controller(sw.device, monkeypatch, "jobs") == 0
+    out = capsys.readouterr().out
+    assert len(reads) == 2 and "NOT consistent" not in out, out
+    assert "the switch changed while it was read" in out, out
+
+
 def test_prune_removes_leftovers_the_cluster_lacks(sw):
     job = make_job(3)
     job_entries.upsert(sw, job_entries.addr_entries(sw, job, job_entries.AggAddress()))
