@@ -212,8 +212,8 @@ def open_session(grpc_addr: str, device_id: int, election_id: tuple[int, int] | 
             # the shell waits 2 s for the arbitration's answer, then says only this (a
             # stream the server ended says why before it)
             raise SessionError(
-                f"the switch at {grpc_addr} did not answer this session's arbitration in "
-                f"time (the server: {reason}); is it overloaded or stopped?") from None
+                f"the switch at {grpc_addr} did not answer the P4Runtime session's arbitration "
+                f"in time (the server: {reason}); is it overloaded or stopped?") from None
         what = "pushing the pipeline" if pipeline else "reading the P4Info"
         raise SessionError(
             f"P4Runtime session with device {device_id} at {grpc_addr} failed (arbitration "

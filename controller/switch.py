@@ -46,8 +46,8 @@ class SwitchError(RuntimeError):
 
 
 class Displaced(SwitchError):
-    """Another controller became primary while this session was open: nothing more goes
-    through the session, and what it wrote after that controller's writes stands."""
+    """Another controller became primary while the P4Runtime session was open: nothing more
+    goes through the session, and what it wrote after that controller's writes stands."""
 
 
 class NoProgram(SwitchError):

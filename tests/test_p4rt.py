@@ -269,7 +269,7 @@ def test_a_switch_that_never_finishes_the_session_setup_ends_the_command(mode):
         server.stop(None)
     assert r.returncode == 0, r.stderr
     expect = "took its session's setup" if mode == "pipeline" else \
-        "did not answer this session's arbitration in time"
+        "did not answer the P4Runtime session's arbitration in time"
     assert expect in r.stdout, r.stdout + r.stderr
     assert time.monotonic() - start < 30
 
