@@ -316,6 +316,30 @@ def test_half_buckets_are_divided_before_their_sum():
         assert whole == [40000.0] * 16 and spans == [40000.0] * 20, res[rank]
 
 
+def _fp16_topk_worker(rank, port, q):
+    from thc.collective.ddp import HookOptions, TopKHook
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2)
+    hook = TopKHook(torch.nn.Linear(2, 2), ratio=0.5, options=HookOptions(min_numel=1),
+                    overlap=False)
+    outs = [hook._reduce_bucket("k", torch.full((4,), 60000.0, dtype=torch.float16),
+                                [(0, 4, False, 0.0)]).tolist() for _ in range(2)]
+    q.put((rank, outs))
+    dist.destroy_process_group()
+
+
+def test_a_compensated_half_mean_past_65504_is_held_to_float16s_range():
+    """TopK sends half of four 60000s; the other half waits in the residual and goes out
+    next step as 120000 on both workers, whose mean is past float16's largest. Copied into
+    the float16 bucket bare, it came back Inf from finite gradients; held to the range, it
+    is 65504."""
+    res = gloo_pair(_fp16_topk_worker)
+    for rank in (0, 1):
+        first, second = res[rank]
+        assert sorted(first) == [0.0, 0.0, 60000.0, 60000.0], res[rank]
+        assert sorted(second) == [0.0, 0.0, 65504.0, 65504.0], res[rank]
+
+
 class _Phase(torch.nn.Module):
     """A complex parameter (DDP's bucket holds its real view, twice its numel) and a real one."""
 

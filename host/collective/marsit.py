@@ -28,7 +28,8 @@ import zlib
 import torch
 import torch.distributed as dist
 
-from thc.codec.common import NonFiniteInput, as_float32, check_float, scale_factor
+from thc.codec.common import (NonFiniteInput, as_float32, cast_estimate, check_float,
+                              scale_factor)
 from thc.codec.packing import pack_bits, unpack_bits
 from thc.collective import agreement, checkpoint
 from thc.collective.transports import DistTransport, rank_in, ring_bytes, round_lock
@@ -226,7 +227,7 @@ class _SignAllReduce:
         estimate = self.mean_sign(self._signs(flat)) * per_coord
         if self.compensation:
             self.residual = (flat - estimate).clamp_(-RESIDUAL_LIMIT, RESIDUAL_LIMIT)
-        return estimate.reshape(grad.shape).to(grad.dtype)
+        return cast_estimate(estimate.reshape(grad.shape), grad.dtype)
 
     def _scales(self, flat: torch.Tensor, sizes: list[int]) -> tuple[str, torch.Tensor]:
         """Why the round cannot take ``flat`` ("" where it can), and this worker's mean
