@@ -81,7 +81,11 @@ def test_a_state_that_cannot_be_taken_is_refused(alone):
                          ({"round": 1 << 40, "residual": None}, "round must be an int"),
                          ({"round": 2}, "not a reducer's state"),
                          ({"round": 2, "residual": torch.zeros(3, 3)}, "1-D floating-point"),
-                         ({"round": 2, "residual": [0.0]}, "1-D floating-point")):
+                         ({"round": 2, "residual": [0.0]}, "1-D floating-point"),
+                         ({"round": 2, "residual": torch.tensor([0.0, float("inf")])},
+                          "holds NaN or Inf"),
+                         ({"round": 2, "residual": torch.tensor([float("nan")])},
+                          "holds NaN or Inf")):
         with pytest.raises(ValueError, match=message):
             ar.load_state_dict(bad)
     plain = THCAllReduce.through_torch_distributed(params=P, error_feedback=False)
@@ -167,6 +171,9 @@ def test_a_hooks_state_is_loaded_before_its_first_step_and_into_its_own_kind(alo
         hook.load_state_dict(HOOKS["topk"](model).state_dict())
     with pytest.raises(ValueError, match="residual per parameter name"):
         HOOKS["topk"](model).load_state_dict({"hook": "TopKHook", "residuals": {"0.weight": 1}})
+    with pytest.raises(ValueError, match="residual of 0.bias: the state's residual holds NaN"):
+        HOOKS["topk"](model).load_state_dict({"hook": "TopKHook", "residuals": {
+            "0.weight": torch.zeros(40 * 300), "0.bias": torch.full((300,), float("nan"))}})
     _steps(ddp, model, [torch.ones(2, 40)])
     with pytest.raises(ValueError, match="before its first step"):
         hook.load_state_dict(hook.state_dict())

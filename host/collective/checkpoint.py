@@ -52,6 +52,7 @@ def loaded(saved: dict, rnd: int, feedback: bool, what: str) -> tuple[int, torch
                 or not residual.is_floating_point():
             raise ValueError(f"{what}: the state's residual must be a 1-D floating-point "
                              f"tensor, got {type(residual).__name__}")
+        _finite(residual, what)
         residual = residual.clone()
     return r, residual
 
@@ -75,4 +76,14 @@ def residuals_of(state: dict, what: str) -> dict:
             and v.is_floating_point() for k, v in residuals.items()):
         raise ValueError(f"a {what}'s state holds a 1-D floating-point residual per "
                          f"parameter name (its state_dict())")
+    for name, residual in residuals.items():
+        _finite(residual, f"a {what}'s residual of {name}")
     return {k: v.detach().clone() for k, v in residuals.items()}
+
+
+def _finite(residual: torch.Tensor, what: str) -> None:
+    """A residual with NaN or Inf would make every later round of its reducer refused, or NaN
+    under ``nonfinite="propagate"`` (a scaler then skips every step), blamed on the input."""
+    if not bool(torch.isfinite(residual).all()):
+        raise ValueError(f"{what}: the state's residual holds NaN or Inf (a saved run's "
+                         f"overflow, or a damaged checkpoint): it is not loaded")
