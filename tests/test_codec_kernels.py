@@ -1,8 +1,8 @@
 """The codec's counter-based generator and its Triton kernels against the reference path.
 
 Without a GPU the kernels run under Triton's interpreter (TRITON_INTERPRET=1, set here before
-the kernel module is imported); where triton is missing or the interpreter cannot run them,
-the kernel tests are skipped with the reason.
+the kernel module is imported); only where triton is missing or the interpreter was not asked
+for are the kernel tests skipped, with the reason.
 """
 import os
 
@@ -27,13 +27,7 @@ def _kernel_skip_reason():
         return f"triton is not installed ({e}); pip install the test extra"
     if not CUDA and os.environ.get("TRITON_INTERPRET") != "1":
         return "no CUDA device and TRITON_INTERPRET is not 1 (the interpreter was not asked for)"
-    try:
-        p = THCParams(slice_size=256)
-        x = torch.ones(256, device=DEV)
-        thc.encode(x, thc.slice_norms(x, p), p, 0, 1, backend="triton")
-    except Exception as e:  # the reason is what the skip reports
-        return f"the Triton kernels cannot run here: {type(e).__name__}: {e}"
-    return None
+    return None   # a kernel that fails where triton runs fails its tests, never skips them
 
 
 SKIP = _kernel_skip_reason()
