@@ -41,8 +41,12 @@ def test_main_job_runs_and_reports(tmp_path):
     # THC moves far fewer bytes than FP32 for the same steps (Marsit's modes: test_marsit).
     assert runs["fp32"]["wire_bytes"] > 4 * runs["thc"]["wire_bytes"]
     # the aggregator client's counters ride along (DDP's ring has none)
-    sent = runs["thc"]["history"][-1]["transport"]["sent"]
-    assert sent > 0 and runs["fp32"]["history"][-1]["transport"] is None
+    transport = runs["thc"]["history"][-1]["transport"]
+    assert transport["sent"] > 0 and runs["fp32"]["history"][-1]["transport"] is None
+    # unimpaired, unbounded and unmarked, every round runs on the compiled window (built)
+    assert transport["compiled_rounds"] == transport["rounds"] > 0, transport
+    assert (f"rounds on the compiled client window, the rest on Python's (rank 0): thc "
+            f"{transport['rounds']} of {transport['rounds']}") in out.stdout
     summary = report["summary"]
     if runs["fp32"]["final_accuracy"] >= 0.2:
         assert summary["target_fp32_minus_1pt"] == runs["fp32"]["final_accuracy"] - 0.01

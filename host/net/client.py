@@ -346,6 +346,7 @@ class AggregationClient:
                     self.stats.elsewhere, self.stats.other_run, self.stats.strays,
                     self.stats.queue_full)
         window = next(w for w in self._windows if w.fits(self, rnd))
+        self.stats.rounds += 1
         self._drain()
         try:
             window.run(self, rnd)

@@ -173,8 +173,10 @@ class TransportStats:
     """FLUSH packets sent (chunks this worker asked to close short; repeats included)."""
     short: int = 0
     """Chunks that ended with fewer than all workers (whoever closed them)."""
+    rounds: int = 0
+    """Rounds (aggregate/max calls with chunks to send) this client began."""
     compiled_rounds: int = 0
-    """Rounds (aggregate/max calls) the compiled datapath ran; the others ran in Python."""
+    """Of ``rounds``, those the compiled datapath ran; the others ran in Python."""
     rejected: int = 0
     """Replies from the right address for a chunk in flight that were impossible (the wrong
     type or size, count and bitmap at odds, sums no contributors can make): counted in

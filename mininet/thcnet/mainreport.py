@@ -134,6 +134,11 @@ def print_table(runs: list[dict], summary: dict) -> None:
               f"{(f'{speed:.2f}x' if speed else '-'):>8} "
               f"{(f'{fixed:.1f}' if fixed is not None else '-'):>8}")
     print(f"bytes: {runs[0]['wire_source'] if runs else '-'}")
+    windows = [f"{r['mode']} {t['compiled_rounds']} of {t['rounds']}" for r in runs
+               if (t := r["history"][-1].get("transport")) and "rounds" in t]
+    if windows:   # impairment, a loss bound and DSCP marks run on Python's
+        print(f"rounds on the compiled client window, the rest on Python's (rank 0): "
+              f"{', '.join(windows)}")
     for r in runs:
         if r["stopped"]:
             print(f"{r['mode']}: {r['stopped']} after {r['history'][-1]['steps']} steps, not "
