@@ -48,6 +48,21 @@ def test_loss_bound_outside_unit_interval_is_a_clear_error(bad):
                           sock=socket.socket(socket.AF_INET, socket.SOCK_DGRAM))
 
 
+def test_the_flush_budget_is_the_bounds_floor_in_real_arithmetic():
+    """floor(loss_bound x chunks) as docs/protocol.md writes it: 0.29 x 100 is
+    28.999999999999996 in floating point, which gave 28."""
+    from thc.net.window import flush_budget
+    cases = {(0.29, 100): 29, (1 / 3, 3): 1, (0.57, 100): 57, (0.5, 3): 1, (0.1, 9): 0,
+             (0.99, 1999): 1979, (0.25, 4): 1}
+    assert {k: flush_budget(*k) for k in cases} == cases
+    # every bound of two decimals over up to 1999 chunks, against exact decimal arithmetic
+    import math
+    from fractions import Fraction
+    wrong = [(b, n) for b in range(1, 100) for n in range(1, 2000)
+             if flush_budget(b / 100, n) != math.floor(Fraction(b * n, 100))]
+    assert not wrong, wrong[:5]
+
+
 class TosRecordingAggregator:
     """The software aggregator behind a socket that records each datagram's TOS byte."""
 
@@ -96,6 +111,40 @@ def test_each_data_packet_carries_its_chunks_class_in_dscp():
     assert [tos_of(k) >> 2 for k in range(N_CLASSES)] == list(P.PRIORITY_DSCP)
     # a FLUSH ends a wait: it goes in the class of the chunks kept longest (docs/protocol.md)
     assert FLUSH_CLASS == int(priority_class(0.0, 1.0)) == N_CLASSES - 1
+
+
+def test_an_ipv6_socket_marks_its_classes_and_names_a_silent_aggregator():
+    """An IPv6 socket ignores an IP_TOS control message: every chunk went out best effort.
+    Its marks go in IPV6_TCLASS, and a round no one answers ends in the timeout that names
+    the aggregator (it ended in a ValueError, unpacking an IPv6 address as two values)."""
+    job = local_job(7, 1, free_port_block(1))
+    rx = socket.socket(socket.AF_INET6, socket.SOCK_DGRAM)
+    rx.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_RECVTCLASS, 1)
+    rx.bind(("::1", 0))
+    rx.settimeout(0.2)
+    sock = socket.socket(socket.AF_INET6, socket.SOCK_DGRAM)
+    sock.bind(("::1", 0))
+    classes = np.array([3, 1], np.uint8)
+    try:
+        with AggregationClient(job, 0, rx.getsockname(), run=5, sock=sock, timeout=0.05,
+                               deadline=0.5) as c:
+            with pytest.raises(AggregationTimeout,
+                               match=rf"no answer from the aggregator at \[::1\]:"
+                                     rf"{rx.getsockname()[1]} "):
+                c.aggregate(np.zeros(len(classes) * job.lanes // 2, np.uint8),
+                            classes=classes)
+        seen = set()
+        while True:
+            try:
+                data, anc, _, _ = rx.recvmsg(4096, 64)
+            except socket.timeout:
+                break
+            tclass = next(c[2][0] for c in anc if c[1] == socket.IPV6_TCLASS)
+            seen.add((data[0], P.HEADER_STRUCT.unpack_from(data)[6], tclass))
+    finally:
+        rx.close()
+    assert {(seq, tos) for t, seq, tos in seen if t == P.PktType.DATA} == {
+        (i, tos_of(k)) for i, k in enumerate(classes)}, seen
 
 
 def test_a_flush_goes_in_the_top_class_of_a_round_with_classes():

@@ -25,8 +25,8 @@ has and sends that RESULT, with its count and bitmap, to every worker), as long 
 earlier round of the run (one first heard in this round may have restarted after serving
 the peers this chunk's result). The :class:`AggregationResult` of
 :meth:`AggregationClient.reduce` says per chunk who was counted. Each DATA packet may carry a
-priority class in its IPv4 DSCP (:mod:`thc.net.priority`), set per packet with an ``IP_TOS`` control
-message (as cheap as a plain ``sendto``).
+priority class in its IPv4 DSCP (:mod:`thc.net.priority`; IPv6's traffic class), set per packet
+with an ``IP_TOS`` (``IPV6_TCLASS``) control message (as cheap as a plain ``sendto``).
 
 This module holds the run and its failure policy; two windows run a round's chunks, both
 behind host/net/window.py's interface: the Python loop of host/net/pywindow.py (the

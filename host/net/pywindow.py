@@ -15,11 +15,11 @@ import numpy as np
 from thc.net.outcomes import AggregatorRestarted
 from thc.net.priority import FLUSH_CLASS, tos_of
 from thc.net.window import (FAST_BACKOFF_CAP, FAST_RETRANSMIT_AFTER, RECV_BATCH, SILENT_AFTER,
-                             Endpoint, Round, check_epoch, raise_refused, raise_short,
-                             raise_timeout)
+                             Endpoint, Round, check_epoch, flush_budget, raise_refused,
+                             raise_short, raise_timeout)
 from thc.wire import protocol as P
 
-_TOS_CMSG: dict[int, list] = {}
+_TOS_CMSG: dict[tuple, list] = {}
 QUEUE_FULL = frozenset({errno.EAGAIN, errno.EWOULDBLOCK, errno.ENOBUFS, errno.ENOMEM})
 """Send errors of a full queue: the datagram is lost, as the network may lose it, and the
 chunk's timer resends it (the compiled window's rule); any other refusal ends the round."""
@@ -36,9 +36,12 @@ def _lost_if_full(stats, send_one, *args) -> None:
 
 
 def _sender(end: Endpoint):
-    """send(data, dst, tos): counted, marked with ``tos`` in an IP_TOS control message (as
-    cheap as a plain sendto), through the impairment when one is active."""
+    """send(data, dst, tos): counted, marked with ``tos`` in an IP_TOS control message (an
+    IPV6_TCLASS one on an IPv6 socket, which ignores IP_TOS; as cheap as a plain sendto),
+    through the impairment when one is active."""
     stats, sock, impair = end.stats, end.sock, end.impair
+    mark = ((socket.IPPROTO_IPV6, socket.IPV6_TCLASS) if sock.family == socket.AF_INET6
+            else (socket.IPPROTO_IP, socket.IP_TOS))
 
     def sendto(d, a):
         _lost_if_full(stats, sock.sendto, d, a)
@@ -47,10 +50,9 @@ def _sender(end: Endpoint):
         stats.sent += 1
         stats.bytes_sent += len(data)
         if tos:
-            cmsg = _TOS_CMSG.get(tos)
+            cmsg = _TOS_CMSG.get((mark, tos))
             if cmsg is None:
-                cmsg = _TOS_CMSG[tos] = [(socket.IPPROTO_IP, socket.IP_TOS,
-                                          struct.pack("i", tos))]
+                cmsg = _TOS_CMSG[mark, tos] = [(*mark, struct.pack("i", tos))]
             out = lambda d, a: _lost_if_full(stats, sock.sendmsg, [d], cmsg, 0, a)  # noqa: E731
         else:
             out = sendto
@@ -109,7 +111,7 @@ class _Stream:
         self.later: dict[int, int] = {}
         self.done = np.zeros(total, dtype=bool)
         self.bounded = rnd.is_data and end.loss_bound > 0
-        self.budget = math.floor(end.loss_bound * total) if self.bounded else 0
+        self.budget = flush_budget(end.loss_bound, total) if self.bounded else 0
         # chunks flushed by this worker (until they end full) or ended short: the loss
         # bound's count
         self.short: set[int] = set()

@@ -102,6 +102,13 @@ class Endpoint(Protocol):
     gso: bool
 
 
+def flush_budget(loss_bound: float, chunks: int) -> int:
+    """floor(loss_bound x chunks), the chunks one worker may close short in a round. The
+    product within 1e-9 of an integer counts as that integer: in floating point 0.29 x 100
+    is 28.999999999999996, and the round closed one chunk fewer than the bound says."""
+    return math.floor(loss_bound * chunks + 1e-9)
+
+
 @dataclass
 class Round:
     """One round: ``chunks`` (one row a chunk) of ``pkt_type`` from sequence number ``base``;
@@ -147,7 +154,7 @@ class Round:
         or without a loss bound. A short RESULT beyond it raises (:func:`raise_short`)."""
         if not self.is_data or end.loss_bound <= 0:
             return 0
-        return end.job.n_workers * math.floor(end.loss_bound * len(self.chunks))
+        return end.job.n_workers * flush_budget(end.loss_bound, len(self.chunks))
 
 
 class Window(Protocol):
@@ -199,9 +206,11 @@ to a worker that looks like silence (docs/switch.md, "What recirculation adds").
 
 
 def _shard_name(end: Endpoint, shard: int) -> tuple[str, str, int]:
-    """How a timeout names the chunk's shard, and its address."""
-    ip, port = end.aggregators[shard]
-    return (f"aggregator shard {shard}" if end.job.shards else "the aggregator"), ip, port
+    """How a timeout names the chunk's shard, and its address (an IPv6 one, a 4-tuple,
+    bracketed)."""
+    ip, port = end.aggregators[shard][:2]
+    return ((f"aggregator shard {shard}" if end.job.shards else "the aggregator"),
+            f"[{ip}]" if ":" in ip else ip, port)
 
 
 def timeout_of(end: Endpoint, rnd: Round, i: int, bitmap: int | None, silent: float = 0.0,
