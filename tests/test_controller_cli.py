@@ -53,7 +53,7 @@ def test_l2_takes_what_its_op_reads_before_any_session(argv, message, monkeypatc
     assert f"thc controller: {message}" in capsys.readouterr().err
 
 
-def test_the_switch_options_stand_before_the_action_or_after_it():
+def test_the_switch_options_stand_before_the_action_or_after_it(capsys):
     """``install --dry-run`` was an argparse error (unrecognized arguments) without a word
     that the options go before the action."""
     before = _parse("--target", "tofino", "--dry-run", "--grpc-addr", "10.1.1.1:9559",
@@ -65,8 +65,10 @@ def test_the_switch_options_stand_before_the_action_or_after_it():
     plain = _parse("jobs")
     assert (plain.target, plain.dry_run, plain.timeout) == ("bmv2", False, 5.0)
     assert _parse("--timeout", "7", "jobs", "--target", "tofino").timeout == 7.0
+    assert _parse("jobs", "--timeout", "7").timeout == 7.0
     with pytest.raises(SystemExit):
         _parse("jobs", "--timeout=-1")
+    assert "argument --timeout: must be above 0" in capsys.readouterr().err   # not unrecognized
 
 class _Recorded(MemorySwitch):
     """A MemorySwitch on one shared device that records the election id of each session."""

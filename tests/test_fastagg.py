@@ -8,6 +8,7 @@ differential fuzz sends the same hostile and mutated packets to both. The confor
 from __future__ import annotations
 
 import dataclasses
+import os
 import socket
 import struct
 import subprocess
@@ -342,9 +343,9 @@ def test_datagrams_the_kernel_drops_at_a_full_queue_are_counted(engine):
     agg._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1)   # the kernel's least
     s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     try:
-        if agg.counters()["queue_overflow"] is None:
+        if not os.path.exists("/proc/self/net/udp"):
             pytest.skip("no /proc/self/net/udp: not Linux")
-        assert agg.counters()["queue_overflow"] == 0
+        assert agg.counters()["queue_overflow"] == 0   # None: the socket's line not found
         datagram = bytes(1000)
         for _ in range(200):
             s.sendto(datagram, to)

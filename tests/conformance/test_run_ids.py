@@ -168,7 +168,7 @@ def test_a_chunk_sent_to_the_wrong_shard_is_refused_counted_and_harmless(harness
     """A shard aggregates only the chunks it owns (``seq mod n_shards``): another shard's
     chunk, even one of a newer run, is refused (naming the shard, so shard maps that differ
     between workers and shards fail at once) and changes no sum and no run."""
-    if not hasattr(harness, "send_to_shard"):
+    if not harness.name.startswith("sharded"):   # by name: a sharded harness's lost method fails
         pytest.skip(f"the {harness.name} aggregator is not sharded")
     rng = np.random.default_rng(31)
     job = new_job(harness, n_workers=2)
