@@ -3,9 +3,13 @@ baseline, measured and predicted.
 
 Measured: between the two swept bandwidths that bracket the change of sign of
 ``baseline - mode`` (seconds a step, or to an accuracy), interpolated linearly in
-1/bandwidth. A step's time is a + b/BW for every scheme of the performance model
-(host/app/perfmodel.py), so the difference of two modes is linear in 1/BW and two points
-fix its zero; interpolating in BW itself would bias it towards the higher bandwidth.
+1/bandwidth. Where its link term binds, a scheme of the performance model
+(host/app/perfmodel.py) takes a + b/BW a step, so the difference of two modes is linear in
+1/BW and two points fix its zero; interpolating in BW itself would bias it towards the
+higher bandwidth. Where another term binds in the bracket (THC's window, a step's compute:
+the model's THC is flat from 200 Mbit/s in docs/results.md's sweep) the step is piecewise
+in 1/BW and the interpolation an approximation. The predicted break-even is the model's own
+crossing, found on the model (``break_even_gbps``), not interpolated.
 
 Predicted: the performance model fed the sweep's own figures (its calibrated inputs):
 compute a step and THC's codec seconds a step as the THC runs' hooks measured them, the

@@ -92,7 +92,8 @@ class Setup:
     """Chunks a client keeps in flight (AggregationClient.DEFAULT_WINDOW)."""
     agg_pps: float = float("inf")
     """Packets/s the aggregator handles (all workers together); inf for a switch at line
-    rate. The software aggregators in the main job: 86e3 at 4 workers (``--agg-pps``)."""
+    rate. ``--agg-pps``'s default for the software aggregators in the main job, 86e3 at 4
+    workers, is an assumed figure (docs/results.md says why it binds no prediction there)."""
     efficiency: float = 1.0
     """Fraction of the nominal bandwidth the payload gets (headers, shaping)."""
     agg_bw_factor: float = float("inf")
@@ -386,8 +387,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--agg-pps", type=positive_float, default=86e3,
                         help="with --calibrate: the software aggregators' packets/s in the main "
                              "job, where they share the worker hosts' cores with training "
-                             "(default: the rate docs/results.md's calibration took; `thc bench "
-                             "aggregator` measures one alone)")
+                             "(default: an assumed rate, the one docs/results.md's calibration "
+                             "took; `thc bench aggregator` measures one alone)")
 
 
 def run(args: argparse.Namespace) -> int:

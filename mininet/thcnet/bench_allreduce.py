@@ -405,5 +405,5 @@ def _plot(result: dict, path: str) -> None:
     ax.set_title(f"all-reduce of {result['numel']:,} float32, {result['workers']} workers")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
-    save_figure(fig, path)
+    save_figure(fig, path, result.get("recorded"))   # a report read back: its own run
     print(f"wrote {path}")
