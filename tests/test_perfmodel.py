@@ -11,10 +11,14 @@ from thc.app.perfmodel import (Setup, break_even_gbps, iteration_s, report_setup
                                ring_allreduce_s)
 
 
+F = 1514 / 1448
+"""TCP's framing: a 1448-byte segment in a 1514-byte frame, what a Gloo byte takes on a link."""
+
+
 def test_ring_cost_formula():
     s = Setup(workers=4, bandwidth_gbps=8.0, latency_us=0.0)
-    # 2 b (p-1) / (p BW): 1 GB over 1 GB/s with p=4 -> 1.5 s.
-    assert ring_allreduce_s(1e9, s) == pytest.approx(1.5)
+    # 2 b F (p-1) / (p BW): 1 GB over 1 GB/s with p=4 -> 1.5 F s.
+    assert ring_allreduce_s(1e9, s) == pytest.approx(1.5 * F)
 
 
 def test_compression_does_not_pay_when_compute_hides_communication():
@@ -63,30 +67,30 @@ def test_each_agreement_all_reduce_pays_its_messages():
 
 def test_fp16_moves_two_bytes_a_coordinate_and_pays_its_cast():
     # 1M coordinates, 4 workers at 8 Gbit/s (1 GB/s), no latency, no compute: the ring moves
-    # 2 x 2 MB x 3/4 = 3 ms; the cast of 4 MB of float32 at 1000 MB/s adds 4 ms.
+    # 2 x 2 MB x F x 3/4 = 3 F ms; the cast of 4 MB of float32 at 1000 MB/s adds 4 ms.
     s = Setup(params=1e6, workers=4, bandwidth_gbps=8.0, latency_us=0.0, compute_s=0.0,
               fp16_mbps=1000.0)
     t = iteration_s(s)
-    assert t["fp16_ring"] == pytest.approx(0.003 + 0.004)
-    assert t["fp32_ring"] == pytest.approx(0.006)
+    assert t["fp16_ring"] == pytest.approx(0.003 * F + 0.004)
+    assert t["fp32_ring"] == pytest.approx(0.006 * F)
     # at a low enough bandwidth FP16 beats FP32, above it the cast costs more than it saves
-    assert break_even_gbps(s, "fp16_ring") == pytest.approx(8 * 3e6 / 4e-3 / 1e9, rel=1e-6)
+    assert break_even_gbps(s, "fp16_ring") == pytest.approx(8 * 3e6 * F / 4e-3 / 1e9, rel=1e-6)
 
 
 def test_calibration_fits_figures_computed_by_hand():
     """A report whose step times are worked out here from the ring formula (not by the
     model): 200k parameters (one DDP bucket), 4 workers, 100 Mbit/s at efficiency 0.8
-    (10 MB/s), alpha 5 ms, 10 ms of compute. FP32: 2a(p-1) + 2 x 4P (p-1) / (p BW) =
-    30 + 120 ms; Marsit's ring: three collectives (its agreement, scales and signs), 90 ms +
-    2 x (P/8 + 36) x 3 / 4 / BW = 93.7554 ms; THC over Gloo: three collectives (its
-    agreement, norms, 8-bit sums as 4 x 30 <= 255), 90 + 2 x (P + 32) x 3 / 4 / BW =
-    120.0048 ms, plus its measured codec seconds. The fit must find alpha and efficiency, and
-    the predictions must be these figures."""
+    (10 MB/s), alpha 5 ms, 10 ms of compute, TCP's framing F on every byte. FP32: 2a(p-1) +
+    2 x 4P F (p-1) / (p BW) = 30 + 120 F ms; Marsit's ring: three collectives (its
+    agreement, scales and signs), 90 ms + 2 x (P/8 + 36) F x 3 / 4 / BW = 90 + 3.7554 F ms;
+    THC over Gloo: three collectives (its agreement, norms, 8-bit sums as 4 x 30 <= 255),
+    90 + 2 x (P + 32) F x 3 / 4 / BW = 90 + 30.0048 F ms, plus its measured codec seconds.
+    The fit must find alpha and efficiency, and the predictions must be these figures."""
     from thc.app.perfmodel import FIT_MODES, calibrate, fit
 
     params, steps, compute, codec = 200_000, 100, 0.01, 0.02
-    hand = {"fp32": 0.030 + 0.120, "marsit": 0.090 + 0.0037554,
-            "thc-dist": 0.090 + 0.0300048 + codec}
+    hand = {"fp32": 0.030 + 0.120 * F, "marsit": 0.090 + 0.0037554 * F,
+            "thc-dist": 0.090 + 0.0300048 * F + codec}
     measured = {**hand, "thc-dist": 0.125}
 
     def run(mode, codec_s=None):

@@ -2,7 +2,8 @@
 
 T_iter = max(lambda * T_compute, T_comm) + T_encode + T_decode, with lambda ~ 1.04-1.1 (the
 slowdown of compute when communication overlaps it). A ring all-reduce of b bytes over p
-workers costs 2*alpha*(p-1) + 2*b*(p-1)/(p*BW), alpha paid once per message and per DDP
+workers costs 2*alpha*(p-1) + 2*f*b*(p-1)/(p*BW) (f: TCP's framing, 1514/1448; THC's
+datagrams count their own headers), alpha paid once per message and per DDP
 bucket (``buckets``: DDP's 1 MB first bucket, then 25 MB ones). Schemes:
 
 - FP32: one ring all-reduce of 4 bytes a coordinate.
@@ -38,12 +39,13 @@ Marsit run that fits alpha carries its own CPU time into it).
 ``thc model --calibrate A.json [B.json ...]`` feeds the model what main jobs measured (their
 compute per step, the codec seconds the hooks really spent, the link bandwidth) and two
 testbed figures: alpha and the link efficiency (the fraction of the nominal bandwidth a
-shaped Mininet link delivers to the payload). Given as ``--alpha-ms``/``--efficiency``, or
-fitted to the first report's FP32 run (bandwidth-bound) and Marsit ring run (latency-bound),
-which are then labelled as fitted; every other row is a prediction. On Mininet with 2 cores
-for 4 workers, alpha is not the wire's latency (0 there) but the per-message cost of the
-software path under CPU contention (Gloo, Python, the Linux bridge): what the plain
-bandwidth model missed (it put FP32's steps 18% and Marsit's 79% below the measured ones).
+shaped Mininet link delivers to the frames, headers counted). Given as
+``--alpha-ms``/``--efficiency``, or fitted to the first report's FP32 run (bandwidth-bound)
+and Marsit ring run (latency-bound), which are then labelled as fitted; every other row is a
+prediction. On Mininet with 2 cores for 4 workers, alpha is not the wire's latency (0 there)
+but the per-message cost of the software path under CPU contention (Gloo, Python, the Linux
+bridge): what the plain bandwidth model missed (it put FP32's steps 14% and Marsit's 79%
+below the measured ones).
 """
 from __future__ import annotations
 
@@ -56,6 +58,11 @@ from thc.argtypes import (fraction, non_negative_float, positive_float, positive
 from thc.collective.agreement import TAG_LANES
 from thc.wire import protocol as P
 
+TCP_FRAMING = (1448 + 66) / 1448
+"""Frame bytes a TCP payload byte takes on the wire: a 1448-byte segment (MSS at a 1500-byte
+MTU, with timestamps) in a 1514-byte Ethernet frame. Gloo's collectives are charged it as
+THC's datagrams are charged their headers, so a link efficiency fitted to an FP32 run
+(``--calibrate``) is the link's alone, not TCP's framing charged again to THC's headers."""
 FIRST_BUCKET_BYTES = 1 << 20
 BUCKET_BYTES = 25 << 20
 """DDP's default bucket sizes (its first bucket is smaller, so communication starts early)."""
@@ -95,7 +102,8 @@ class Setup:
     rate. ``--agg-pps``'s default for the software aggregators in the main job, 86e3 at 4
     workers, is an assumed figure (docs/results.md says why it binds no prediction there)."""
     efficiency: float = 1.0
-    """Fraction of the nominal bandwidth the payload gets (headers, shaping)."""
+    """Fraction of the nominal bandwidth the frames get (shaping): every scheme's bytes carry
+    their headers (:data:`TCP_FRAMING` for Gloo's, THC's and Marsit's own)."""
     agg_bw_factor: float = float("inf")
     """The aggregator's link as a multiple of a worker's: inf for a switch, 1 for one central
     software aggregator on a link like the workers' (the Mininet testbed's default); shards
@@ -134,7 +142,8 @@ AGREE_BYTES, TOGETHER_BYTES = 4 * TAG_LANES, 4 * (TAG_LANES + 1)
 def ring_allreduce_s(nbytes: float, s: Setup, collectives: int = 1) -> float:
     """``collectives`` ring all-reduces per bucket moving ``nbytes`` in all."""
     p = s.workers
-    return 2 * s.alpha * (p - 1) * collectives * s.buckets + 2 * nbytes * (p - 1) / (p * s.bw)
+    return (2 * s.alpha * (p - 1) * collectives * s.buckets
+            + 2 * nbytes * TCP_FRAMING * (p - 1) / (p * s.bw))
 
 
 def thc_wire_bytes(s: Setup) -> tuple[float, float]:
@@ -202,7 +211,7 @@ def iteration_s(s: Setup) -> dict[str, float]:
         "marsit_ring": max(compute, ring_allreduce_s(s.params / 8 + agree, s, 3)),
         "marsit_vote": max(compute, ring_allreduce_s(agree, s, 2) + vote),
         "topk_allgather": max(compute, ring_allreduce_s(agree, s) + 2 * s.alpha * (p - 1)
-                              * s.buckets + (p - 1) * k * 8 / s.bw),
+                              * s.buckets + (p - 1) * k * 8 * TCP_FRAMING / s.bw),
     }
 
 
