@@ -111,7 +111,8 @@ def test_the_readmes_gpu_headlines_are_their_committed_runs():
     fp16 = rows["fp16 round trip (x.half().float())", 1 << 26]
     want = (f"{thc['median_s'] * 1e3:.3f} ms replayed from a CUDA graph: "
             f"{thc['gb_per_s']:.0f} GB/s of float32 input, {thc['speed_vs_copy']:.2f} of a "
-            f"device copy ({copy['gb_per_s']:.0f} GB/s); FP16's round trip "
+            f"device copy ({copy['gb_per_s']:.0f} GB/s of float32 input, "
+            f"{2 * copy['gb_per_s'] / 1e3:.1f} TB/s read plus written); FP16's round trip "
             f"{fp16['gb_per_s']:.0f} GB/s from Python")
     assert want in codec, (want, codec)
     steps = {(r["mode"], r["bucket_mb"]): r["median_s"] * 1e3 for r in
