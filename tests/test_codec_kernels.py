@@ -34,6 +34,12 @@ SKIP = _kernel_skip_reason()
 kernels = pytest.mark.skipif(SKIP is not None, reason=SKIP or "")
 if SKIP:
     print(f"test_codec_kernels: kernel tests skipped: {SKIP}")
+elif not CUDA:
+    # Triton decides at a kernel's definition whether the interpreter runs it: defined now,
+    # under TRITON_INTERPRET=1, once for the process. Defined first under a test that unsets
+    # it (a refusal's test), they would be GPU kernels, and every later test's launch fail.
+    from thc.codec import triton_kernels  # noqa: F401,E402
+    from thc.collective import round_kernels  # noqa: F401,E402
 
 
 def nmse(x, est):
