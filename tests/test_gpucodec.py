@@ -46,11 +46,12 @@ def _printed(text: str) -> dict[float, list[float]]:
 
 def test_break_even_of_each_size_matches_the_ring_formula(tmp_path, capsys):
     """4 workers, no per-message cost, 100 ms of compute (x 1.05 overlap): FP32's step is
-    max(0.105, 6d / B) (a ring of 4 bytes a coordinate, 2 x 3/4 of it per worker), FP16's
-    max(0.105, 3d / B) + its cast, THC's 0.105 + its codec while its bytes (at most
-    1.2 bytes a coordinate: 4-bit indices up, 8-bit sums down, headers) take less than the
-    compute. So THC pays below B = 6d / (0.105 + codec) against FP32 and
-    3d / (0.105 + codec - cast) against FP16, d the parameters, B in bytes a second."""
+    max(0.105, 6dF / B) (a ring of 4 bytes a coordinate, 2 x 3/4 of it per worker, F TCP's
+    framing, 1514/1448), FP16's max(0.105, 3dF / B) + its cast, THC's 0.105 + its codec
+    while its bytes (at most 1.2 bytes a coordinate: 4-bit indices up, 8-bit sums down,
+    headers) take less than the compute. So THC pays below B = 6dF / (0.105 + codec) against
+    FP32 and 3dF / (0.105 + codec - cast) against FP16, d the parameters, B in bytes a
+    second."""
     _report(tmp_path / "codec.json")
     assert main(["model", "--gpu-codec", str(tmp_path / "codec.json"), "--workers", "4",
                  "--latency-us", "0", "--compute-ms", "100", "--overlap", "1.05"]) == 0
@@ -61,8 +62,9 @@ def test_break_even_of_each_size_matches_the_ring_formula(tmp_path, capsys):
     lam_c = 1.05 * 0.100
     for d, printed in rows.items():
         codec, cast = 4 * d / 93e9, 4 * d / 741e9
-        vs_fp32 = 6 * d / (lam_c + codec)
-        vs_fp16 = 3 * d / (lam_c + codec - cast)
+        framing = 1514 / 1448
+        vs_fp32 = 6 * d * framing / (lam_c + codec)
+        vs_fp16 = 3 * d * framing / (lam_c + codec - cast)
         assert 1.2 * d / vs_fp16 < lam_c        # THC's bytes hidden behind compute there
         assert printed[0] == pytest.approx(8 * vs_fp32 / 1e9, rel=1e-3)
         assert printed[1] == pytest.approx(8 * vs_fp16 / 1e9, rel=1e-3)
