@@ -244,15 +244,19 @@ def test_a_job_made_with_other_thc_flags_is_told_on_every_rank_before_training(
     ("topk", ["--no-error-feedback"]), ("fp32", ["--topk-ratio", "0.9"]),
     ("fp16", ["--uncompressed", "bias"]), ("marsit", ["--bits", "2"]),
     ("marsit", ["--slice-size", "7"]), ("topk", ["--granularity", "3"]),
-    ("fp32", ["--p", "1/8"])])
+    ("fp32", ["--p", "1/8"]), ("fp32", ["--config", "nonexistent.json"]),
+    ("thc-dist", ["--agg", "1.2.3.4:5"]), ("fp16", ["--window", "3"]),
+    ("topk", ["--deadline", "1"]), ("marsit", ["--rto", "5"]), ("fp32", ["--run-id", "7"])])
 def test_train_refuses_flags_its_mode_would_ignore(mode, argv, capsys):
     """Each ran to its end with the flag unread (TopK keeps its error feedback whatever is
-    asked; a slice size of 7 was not even checked)."""
+    asked; a slice size of 7 was not even checked; the aggregation client's flags, a cluster
+    file that does not exist included, where no round goes through an aggregator)."""
     from thc.app import train
     with pytest.raises(SystemExit) as e:
         train.main(["--mode", mode, *argv])
     assert e.value.code == 2
-    assert f"--mode {mode} would ignore it" in capsys.readouterr().err
+    said = capsys.readouterr().err
+    assert f"{argv[0]} applies to --mode" in said and f"--mode {mode} would ignore it" in said
 
 
 @pytest.mark.parametrize("argv, said", [
@@ -507,6 +511,42 @@ def test_a_short_limit_names_the_margin_the_workers_had(monkeypatch, tmp_path, l
     assert said in report["failed"][0]["error"], report["failed"][0]["error"]
 
 
+def test_a_line_of_rank_0_that_only_looks_like_json_is_not_a_row():
+    """A library's print starting with "{" failed the mode with a bare parser error."""
+    out = ('{garbage from a library\n{"dataset": "digits", "params": 10}\n[1, 2]\n{"x": [}\n'
+           '{"epoch": 1.0, "accuracy": 0.5, "seconds": 1.0, "steps": 3}\n"{"\n')
+    info, rows = mainjob._rows(out)
+    assert info == {"dataset": "digits", "params": 10} and [r["steps"] for r in rows] == [3]
+    seen = []
+
+    class Bar:
+        total = n = None
+
+        def refresh(self):
+            seen.append((self.n, self.total))
+
+        def set_postfix(self, **kw):
+            seen.append(kw)
+    on_line = mainjob._show_progress(Bar())
+    for line in ("{not json", '{"progress": 2, "of": 9}', '{"progress": 5, "of": 9}'):
+        on_line(0, line)
+    on_line(1, '{"progress": 7, "of": 9}')   # rank 0's alone
+    assert seen == [(2, 9), (5, 9)]
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["--modes", "fp32", "--loss-bound", "0.3"], "--loss-bound applies to thc-lossy, thc-dlcp"),
+    (["--modes", "fp32,thc", "--bmv2-steps", "all"], "--bmv2-steps and --bmv2-timeout apply"),
+    (["--modes", "fp32", "--bmv2-timeout", "60"], "--bmv2-steps and --bmv2-timeout apply"),
+    (["--modes", "fp32,thc,fp32"], "--modes names fp32 more than once")])
+def test_thc_run_refuses_flags_no_mode_reads_and_a_mode_twice(monkeypatch, capsys, tmp_path,
+                                                              argv, said):
+    """Each ran without a word: the bound or the BMv2 limits ignored, a mode trained twice."""
+    monkeypatch.setattr(mainjob, "_run_mode", lambda *a: pytest.fail("a mode ran"))
+    assert mainjob.run(_main_args("--loopback", "--out", str(tmp_path), *argv)) == 2
+    assert said in capsys.readouterr().err
+
+
 def test_an_out_dir_that_takes_no_file_is_refused_before_any_mode(monkeypatch, capsys,
                                                                  tmp_path):
     """A full or read-only --out was found only when the report was written, after every
@@ -677,6 +717,30 @@ def test_a_worker_that_quit_early_without_an_error_is_named(tmp_path):
     with pytest.raises(mainjob.WorkerError) as e:
         wait_all([done, late], timeout=30)
     assert "exited 0" not in str(e.value), str(e.value)
+
+
+def test_a_failed_workers_reason_on_stdout_is_shown_and_killed_ones_are_counted_apart(
+        tmp_path):
+    """The smoke worker reports why it failed (a timeout naming the missing worker, wrong
+    sums) as a JSON line on stdout, its stderr empty: the failure showed empty tails, and
+    counted the peer the wait killed as failed."""
+    import subprocess
+
+    from thc.emu.procs import Proc, wait_all
+
+    def launch(argv, stdout, stderr):
+        return subprocess.Popen(argv, stdout=stdout, stderr=stderr, stdin=subprocess.DEVNULL,
+                                start_new_session=True)
+    failed = Proc.start("w0", [sys.executable, "-c", "import sys\nprint('progress')\n"
+                               "print('{\"error\": \"3 sums differ\"}')\nsys.exit(1)"],
+                        tmp_path, launch)
+    waits = Proc.start("w1", [sys.executable, "-c", "import time\ntime.sleep(60)"], tmp_path,
+                       launch)
+    with pytest.raises(mainjob.WorkerError) as e:
+        wait_all([failed, waits], timeout=30)
+    said = str(e.value)
+    assert said.startswith("1 of 2 workers failed, 1 more killed 3 s later"), said
+    assert 'last stdout line: {"error": "3 sums differ"}' in said, said
 
 
 def test_a_timeout_reads_every_state_before_it_kills_any(tmp_path):

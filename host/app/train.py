@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 
 from thc.app import datasets
 from thc.app.datasets import DatasetError
+from thc.app.modes import AGGREGATED, MODES
 from thc.argtypes import (ShowDefaults, fraction, non_negative_float, positive_float,
                           positive_int)
 from thc.codec import settings
@@ -45,7 +46,6 @@ from thc.collective.ddp import HookOptions, MarsitHook, MarsitVoteHook, THCHook,
 from thc.collective.transports import codec_mismatch
 from thc.net.client import AggregationClient
 
-MODES = ("fp32", "fp16", "thc", "thc-dist", "topk", "marsit", "marsit-vote")
 OPTIMIZER = {"marsit": (0.1, 0.0), "marsit-vote": (0.1, 0.0)}
 """(learning rate, momentum) of the modes that do not train with the default (0.05, 0.9)."""
 DEFAULT_OPTIMIZER = (0.05, 0.9)
@@ -54,8 +54,13 @@ DEFAULT_OPTIMIZER = (0.05, 0.9)
 _THC = ("thc", "thc-dist")
 READ_BY = {"topk_ratio": ("topk",), "no_error_feedback": _THC, "slice_size": _THC,
            "bits": _THC, "granularity": _THC, "p": _THC,
-           "uncompressed": tuple(m for m in MODES if m not in ("fp32", "fp16"))}
-"""The flags only some modes read: given to another, they are refused, not ignored."""
+           "uncompressed": tuple(m for m in MODES if m not in ("fp32", "fp16")),
+           **{name: AGGREGATED for name in ("config", "agg", "run", "deadline", "window",
+                                            "rto")}}
+"""The flags (by dest) only some modes read: given to another, they are refused, not
+ignored."""
+FLAG_OF = {"run": "--run-id"}
+"""Flags whose dest is not their name."""
 
 
 def momentum(text: str) -> float:
@@ -460,13 +465,14 @@ def main(argv=None) -> int:
         parser.error(str(e))
     if args.rank == 0:
         print(f"train: {chosen.describe()}", file=sys.stderr, flush=True)
-    if args.mode in ("thc", "marsit-vote") and not args.config:
+    if args.mode in AGGREGATED and not args.config:
         parser.error(f"--mode {args.mode} needs --config (the aggregator's cluster JSON)")
     if args.mode != "thc" and (args.loss_bound is not None or args.priorities):
         parser.error("--loss-bound and --priorities apply to --mode thc (through an aggregator)")
     for name, modes in READ_BY.items():
         if args.mode not in modes and getattr(args, name) != parser.get_default(name):
-            parser.error(f"--{name.replace('_', '-')} applies to --mode {' and '.join(modes)}: "
+            flag = FLAG_OF.get(name, f"--{name.replace('_', '-')}")
+            parser.error(f"{flag} applies to --mode {' and '.join(modes)}: "
                          f"--mode {args.mode} would ignore it")
     if args.mode in _THC:
         try:

@@ -34,6 +34,7 @@ from pathlib import Path
 
 from thc.argtypes import non_negative_float, non_negative_int, positive_float, positive_int
 from thc.app.datasets import AUTO, DATASETS, fashion_missing, resolve
+from thc.app.modes import AGGREGATED
 from thc.bench import provenance
 from thc.codec import settings
 from thc.codec.params import THCParams
@@ -91,6 +92,8 @@ DEFAULT_MODES = ",".join(m for m in MODES if m not in OPT_IN)
 aggregator's (plain and DLCP: a comparison under ``--congest``) and the BMv2 vote: at BMv2's
 ~2k packets/s of 256 lanes a step of 1.2M signs takes about 10 s (estimated), an epoch 20 min."""
 BMV2_STEPS = 3
+BMV2_TIMEOUT = 3600.0
+LOSS_BOUND = 0.05
 """Steps a mode through BMv2 trains by default: its losses after two rounds of sums through
 the switch are compared with ``thc``'s, which keeps the whole main job in minutes on 2 cores
 (docs/results.md; a step takes about 9 s through a BMv2 built without logging macros, about
@@ -129,7 +132,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--train-subset", type=positive_int, default=None, metavar="N",
                         help="train on the first N images (step-time measurements: more "
                              "steps than --quick, less than an epoch)")
-    parser.add_argument("--loss-bound", type=loss_bound_arg, default=0.05, metavar="F",
+    parser.add_argument("--loss-bound", type=loss_bound_arg, default=LOSS_BOUND, metavar="F",
                         help="thc-lossy/thc-dlcp: fraction of a round's chunks, in [0, 1), "
                              "that may close short instead of being retransmitted")
     parser.add_argument("--congest", type=non_negative_float, default=0.0, metavar="F",
@@ -146,7 +149,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"through BMv2 on 2 cores); their losses are compared step by step "
                              f"with thc's. 'all' trains them for every epoch like the other "
                              f"modes (234 steps: 36 minutes or more; make run-bmv2)")
-    parser.add_argument("--bmv2-timeout", type=positive_float, default=3600.0,
+    parser.add_argument("--bmv2-timeout", type=positive_float, default=BMV2_TIMEOUT,
                         help="the limit for modes through BMv2 (default 3600 s; a lower limit "
                              "stops the mode where it got and still compares its losses with "
                              "THC's)")
@@ -173,6 +176,17 @@ def check_args(args: argparse.Namespace, modes: list[str]) -> str | None:
     if unknown or not modes:
         return f"{'unknown mode(s) ' + str(unknown) if unknown else '--modes names no mode'}; " \
                f"choose from {list(MODES)}"
+    if twice := sorted({m for m in modes if modes.count(m) > 1}):
+        return f"--modes names {', '.join(twice)} more than once (each mode trains once)"
+    # a flag no mode asked for reads is refused, not ignored
+    if args.loss_bound != LOSS_BOUND and not any(MODES[m].loss_bound for m in modes):
+        return (f"--loss-bound applies to {', '.join(m for m in MODES if MODES[m].loss_bound)}, "
+                f"which --modes does not name")
+    if (args.bmv2_steps != BMV2_STEPS or args.bmv2_timeout != BMV2_TIMEOUT) \
+            and not any(MODES[m].aggregator == "bmv2" for m in modes):
+        return (f"--bmv2-steps and --bmv2-timeout apply to "
+                f"{', '.join(m for m in MODES if MODES[m].aggregator == 'bmv2')}, which "
+                f"--modes does not name")
     if not 2 <= args.workers <= MAX_TESTBED_WORKERS:
         return (f"--workers {args.workers}: the modes compare gradient exchanges, which take "
                 f"2..{MAX_TESTBED_WORKERS} workers (one exchanges nothing: its times and "
@@ -243,12 +257,24 @@ def probe_bmv2(seconds: float = 1.0) -> dict:
             "frame_bytes": size, "build": build_kind(pps)}
 
 
+def _json_row(line: str) -> dict | None:
+    """A worker's JSON row, or None for any other line: a library's print may start with
+    "{" too, and failed the mode with a bare parser error."""
+    if not line.startswith("{"):
+        return None
+    try:
+        row = json.loads(line)
+    except ValueError:
+        return None
+    return row if isinstance(row, dict) else None
+
+
 def _rows(stdout: str) -> tuple[dict, list[dict]]:
     info, rows = {}, []
     for line in stdout.splitlines():
-        if not line.startswith("{"):
+        row = _json_row(line)
+        if row is None:
             continue
-        row = json.loads(line)
         if "dataset" in row:
             info = row
         elif "accuracy" in row:
@@ -262,13 +288,15 @@ def _argv(args, mode: Mode, tb, cfg, bound, stop_at: float, rank: int) -> list[s
          "--rank", str(rank), "--world", str(args.workers),
          "--rendezvous", f"{tb.master_addr[0]}:{tb.master_addr[1]}",
          "--epochs", str(args.epochs), "--batch", str(args.batch),
-         "--evals", str(args.evals), "--data", args.data, "--config", str(cfg)]
+         "--evals", str(args.evals), "--data", args.data]
+    if mode.train_mode in AGGREGATED:   # the others refuse the client's flags
+        a += ["--config", str(cfg)]
+        if tb.agg_addr is not None:
+            a += ["--agg", f"{tb.agg_addr[0]}:{tb.agg_addr[1]}"]
     if args.width:
         a += ["--width", str(args.width)]
     if args.train_subset or args.quick:
         a += ["--train-subset", str(args.train_subset or 8192)]
-    if tb.agg_addr is not None:
-        a += ["--agg", f"{tb.agg_addr[0]}:{tb.agg_addr[1]}"]
     if mode.priorities:
         a.append("--priorities")
     if bound:
@@ -279,9 +307,9 @@ def _argv(args, mode: Mode, tb, cfg, bound, stop_at: float, rank: int) -> list[s
 def _show_progress(progress):
     """The workers' line handler: rank 0's progress and accuracy rows on the bar."""
     def on_line(rank: int, line: str) -> None:
-        if rank != 0 or not line.startswith("{"):
+        row = _json_row(line) if rank == 0 else None
+        if row is None:
             return
-        row = json.loads(line)
         if "progress" in row:
             progress.total = row["of"]
             progress.n = row["progress"]
