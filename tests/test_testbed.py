@@ -107,6 +107,32 @@ def test_workers_get_the_venv_python_one_thread_and_the_repo_on_the_path():
         assert str(ROOT) in path.split(":")
 
 
+def test_a_ctrl_c_during_loopback_teardown_lets_it_finish(monkeypatch):
+    """A second Ctrl-C while the loopback testbed tore down cut it short and left its folder
+    of cluster file and logs: held, it is raised once the teardown is done."""
+    tb = LoopbackTestbed(2, aggregator="none")
+    kill = tb._kill_procs
+
+    def interrupted():
+        kill()
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.2)   # delivered here, in the middle of the teardown
+    monkeypatch.setattr(tb, "_kill_procs", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        tb.close()
+    assert not Path(tb.logdir).exists()
+
+
+def test_a_state_folder_that_cannot_be_made_names_its_variable(monkeypatch, tmp_path):
+    """It ended in a FileExistsError traceback naming only the path."""
+    a_file = tmp_path / "f"
+    a_file.write_text("")
+    monkeypatch.setenv("THCNET_STATE_DIR", str(a_file))
+    with pytest.raises(TestbedError, match=rf"state folder {a_file} \(THCNET_STATE_DIR\) "
+                                           rf"cannot be made: File exists"):
+        cleanup.state_dir()
+
+
 def test_each_launch_of_workers_is_one_new_run():
     """All workers of one launch share THC_RUN; the next launch gets a newer one."""
     code = "import os; print(os.environ['THC_RUN'])"

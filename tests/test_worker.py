@@ -171,3 +171,20 @@ def test_worker_flags_and_their_environment_are_checked_as_flags(monkeypatch, ca
     with pytest.raises(SystemExit) as e:
         parser.parse_args(argv)
     assert e.value.code == 2 and said in capsys.readouterr().err
+
+
+def test_a_rendezvous_no_one_answers_is_said_while_waiting_and_named_at_its_end():
+    """A worker whose rendezvous never answered printed nothing for its whole timeout, then
+    torch's traceback."""
+    code = ("import argparse, sys\n"
+            "from thc.collective import worker\n"
+            "p = argparse.ArgumentParser(); worker.add_arguments(p)\n"
+            "worker.init_group(p.parse_args(sys.argv[1:]), timeout=2)\n")
+    r = subprocess.run([sys.executable, "-c", code, "--world", "2", "--rank", "1",
+                        "--rendezvous", "127.0.0.1:1"], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 1, r.stderr[-2000:]
+    lines = r.stderr.strip().splitlines()
+    assert lines[0] == "rank 1 of 2: joining the process group at 127.0.0.1:1", lines[:3]
+    assert lines[-1].startswith("rank 1 of 2: no process group formed at 127.0.0.1:1 "
+                                "(DistNetworkError: "), lines[-1]

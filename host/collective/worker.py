@@ -84,8 +84,17 @@ def init_group(args: argparse.Namespace, timeout: float | None = None) -> None:
                                 **extra)
         return
     init = f"tcp://{args.rendezvous}" if args.rendezvous else "env://"
-    dist.init_process_group("gloo", init_method=init, rank=args.rank, world_size=args.world,
-                            **extra)
+    where = args.rendezvous or (f"{os.environ.get('MASTER_ADDR')}:"
+                                f"{os.environ.get('MASTER_PORT', '?')} (env://)")
+    print(f"rank {args.rank} of {args.world}: joining the process group at {where}",
+          file=sys.stderr, flush=True)   # a rendezvous no one answers waits its timeout
+    try:
+        dist.init_process_group("gloo", init_method=init, rank=args.rank,
+                                world_size=args.world, **extra)
+    except dist.DistError as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise SystemExit(f"rank {args.rank} of {args.world}: no process group formed at "
+                         f"{where} ({type(e).__name__}: {first})") from None
 
 
 def live_dist():

@@ -27,12 +27,16 @@ import threading
 import time
 from pathlib import Path
 
+from thc.emu.errors import TestbedError
+
 PREFIX = "thc"
 MAX_TAGS = 1000
 INTF_RE = re.compile(rf"^{PREFIX}(\d+)s(?:-eth\d+)?$")
 
 
 def state_dir() -> Path:
+    """The folder of the testbeds' records (``THCNET_STATE_DIR``, else /run/thcnet, else the
+    temporary folder's), made where it is missing."""
     env = os.environ.get("THCNET_STATE_DIR")
     if env:
         d = Path(env)
@@ -40,7 +44,12 @@ def state_dir() -> Path:
         d = Path("/run/thcnet")
     else:
         d = Path(tempfile.gettempdir()) / "thcnet"
-    d.mkdir(parents=True, exist_ok=True)
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise TestbedError(f"the testbeds' state folder {d} "
+                           f"({'THCNET_STATE_DIR' if env else 'THCNET_STATE_DIR unset'}) "
+                           f"cannot be made: {e.strerror or e}") from None
     return d
 
 

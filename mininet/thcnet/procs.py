@@ -223,9 +223,13 @@ def wait_all(procs: list[Proc], timeout: float | None, what: str = "worker",
                for i, p in enumerate(procs)]
     bad = [r for r in results if r.returncode != 0]
     if timed_out or bad or gone:
+        own = [r for r in bad if r.rank not in states]   # the rest were killed here
+        killed = (f", {len(bad) - len(own)} more killed {FAIL_GRACE:g} s later, not failing"
+                  if len(own) < len(bad) else "")
         head = (f"{what}s timed out after {timeout:.0f} s" if timed_out
-                else f"{len(bad)} of {len(results)} {what}s failed" if bad
-                else f"a process the {what}s need exited")
+                else f"{len(own)} of {len(results)} {what}s failed{killed}" if own
+                else f"a process the {what}s need exited" if gone
+                else f"{len(bad)} of {len(results)} {what}s killed")
         parts = [head] + gone
         ends = {r.rank: p.t0 + r.seconds for r, p in zip(results, procs)}
         first_bad = min((ends[r.rank] for r in bad), default=None)
@@ -240,9 +244,16 @@ def wait_all(procs: list[Proc], timeout: float | None, what: str = "worker",
                 how = (f"still {states[r.rank]} {when}, killed" if r.rank in states
                        else f"exit code {r.returncode}")
                 parts.append(f"--- {what} {r.rank} ({p.name}) {how} after {r.seconds:.1f} s; "
-                             f"stderr tail:\n{tail(r.stderr)}")
+                             f"stderr tail:\n{tail(r.stderr)}{_last_line(r.stdout)}")
         raise WorkerError("\n".join(parts), results, timed_out, states)
     return results
+
+
+def _last_line(stdout: str) -> str:
+    """A failed process's last line of stdout, where workers that report in JSON lines (the
+    smoke worker: its error, missing workers, wrong sums) say why they failed."""
+    rows = stdout.rstrip().splitlines()
+    return f"\n    last stdout line: {rows[-1][:500]}" if rows else ""
 
 
 def pythonize(argv: list[str], python: str) -> list[str]:

@@ -16,6 +16,7 @@ import time
 from thc.argtypes import positive_float, positive_int
 from thc.emu.smoke_worker import digest, reference_sums
 from thc.emu import testbed
+from thc.emu.cleanup import Terminated, stopped_by
 from thc.emu.testbed import TestbedError, WorkerError, open_testbed
 
 
@@ -77,9 +78,10 @@ def run(args: argparse.Namespace) -> int:
     except TestbedError as e:
         print(f"thc.emu.run: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("\nthcnet.run: interrupted; testbed torn down", file=sys.stderr)
-        return 130
+    except (KeyboardInterrupt, Terminated) as e:
+        how, code = stopped_by(e)
+        print(f"\nthc.emu.run: {how}; testbed torn down", file=sys.stderr)
+        return code
 
     ref = digest(reference_sums(job.table, job.n_workers, args.seed, args.numel))
     rows = [json.loads(r.stdout.strip().splitlines()[-1]) for r in results]

@@ -42,6 +42,7 @@ from thc.emu.base import (
     mininet_unavailable_reason,
     say_once,
 )
+from thc.emu.cleanup import signals_deferred
 from thc.emu.errors import TestbedError, Unavailable
 from thc.emu.procs import WorkerError, WorkerResult, with_parent
 
@@ -101,8 +102,9 @@ class LoopbackTestbed(Testbed):
             return
         self._closed = True
         try:
-            self._kill_procs()
-            self._remove_logdir()
+            with signals_deferred():   # a second Ctrl-C left the log folder behind
+                self._kill_procs()
+                self._remove_logdir()
         finally:
             self._release_signals()
 
