@@ -323,8 +323,9 @@ def _fp16_topk_worker(rank, port, q):
     hook = TopKHook(torch.nn.Linear(2, 2), ratio=0.5, options=HookOptions(min_numel=1),
                     overlap=False)
     outs = [hook._reduce_bucket("k", torch.full((4,), 60000.0, dtype=torch.float16),
-                                [(0, 4, False, 0.0)]).tolist() for _ in range(2)]
-    q.put((rank, outs))
+                                [(0, 4, False, 0.0)]).tolist() for _ in range(3)]
+    kept = sum(float(r.double().sum()) for r in hook.scheme.residuals.values())
+    q.put((rank, (outs, kept)))
     dist.destroy_process_group()
 
 
@@ -332,12 +333,15 @@ def test_a_compensated_half_mean_past_65504_is_held_to_float16s_range():
     """TopK sends half of four 60000s; the other half waits in the residual and goes out
     next step as 120000 on both workers, whose mean is past float16's largest. Copied into
     the float16 bucket bare, it came back Inf from finite gradients; held to the range, it
-    is 65504."""
+    is 65504, and what the hold cut off waits in the residuals as what is not sent does:
+    applied and kept add up to the gradients, three steps of four 60000s."""
     res = gloo_pair(_fp16_topk_worker)
     for rank in (0, 1):
-        first, second = res[rank]
+        (first, second, third), kept = res[rank]
         assert sorted(first) == [0.0, 0.0, 60000.0, 60000.0], res[rank]
         assert sorted(second) == [0.0, 0.0, 65504.0, 65504.0], res[rank]
+        assert all(v <= 65504.0 for v in third), res[rank]
+        assert sum(first + second + third) + kept == 3 * 4 * 60000.0, res[rank]
 
 
 class _Phase(torch.nn.Module):

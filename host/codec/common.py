@@ -216,9 +216,10 @@ def scale_factor(factor) -> float:
 def cast_estimate(est, dtype, copy: bool = False):
     """An estimate of a mean of ``dtype`` values (a float32 torch tensor) as ``dtype``; as
     float16 or a float8 type, held to its finite range: the mean of finite values lies in
-    that range, so this only moves a coordinate towards it. The cast alone made an estimate
-    past 65504 (THC's reaches t_p times its slice's max norm; Marsit's and TopK's carry their
-    compensation) an Inf from finite inputs. An
+    that range, so this only moves a coordinate towards it (Marsit's and TopK's estimates
+    carry their compensation past it: their residuals take back what the hold cuts off).
+    The cast alone made an estimate past 65504 (THC's reaches t_p times its slice's max
+    norm) an Inf from finite inputs. An
     estimate is never Inf otherwise (non-finite input is refused, or NaN under
     ``nonfinite="propagate"``). bfloat16 keeps float32's exponent, which the norm limit
     keeps estimates within. NaN stays NaN; ``copy``: a new tensor even where the dtype is

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from thc.codec.baselines import TopK
-from thc.codec.common import NonFiniteInput, scale_factor
+from thc.codec.common import NonFiniteInput, cast_estimate, scale_factor
 from thc.collective import agreement
 from thc.collective.allreduce import THCAllReduce
 from thc.collective.ddp_base import BaseHook, HookOptions, layer_positions
@@ -215,13 +215,26 @@ class TopKHook(BaseHook):
             dist.all_gather(all_vals, vals, group=self.group)
             self.bytes_sent += (self.world - 1) * idx.numel() * (idx.element_size()
                                                                  + vals.element_size())
-            return self.scheme.combine(all_vals, all_idx, flat.numel())
+            return self._held(key, self.scheme.combine(all_vals, all_idx, flat.numel()),
+                              flat.dtype)
         except BaseException as e:
             # this rank's own failure: its peers wait in a gather or go on to their next
             # collective, which would pair with its next
             DistTransport.abandon_group(self.group, f"TopK step {rnd} failed after its "
                                         f"agreement ({type(e).__name__}: {e})")
             raise
+
+
+    def _held(self, key: tuple, mean: torch.Tensor, dtype) -> torch.Tensor:
+        """``mean`` held to a half type's range (the residuals carry it past 65504); what the
+        hold cuts off joins every worker's residual, so that their next mean applies it."""
+        if dtype in (torch.float32, torch.float64, torch.bfloat16):
+            return mean   # float32's range: nothing to hold
+        out = cast_estimate(mean, dtype).float()
+        cut = mean - out
+        if key in self.scheme.residuals and bool(cut.any()):
+            self.scheme.residuals[key] += cut
+        return out
 
 
 class MarsitHook(BaseHook):

@@ -225,9 +225,11 @@ class _SignAllReduce:
         scale /= self.world
         per_coord = scale.float().repeat_interleave(torch.tensor(sizes, device=flat.device))
         estimate = self.mean_sign(self._signs(flat)) * per_coord
-        if self.compensation:
-            self.residual = (flat - estimate).clamp_(-RESIDUAL_LIMIT, RESIDUAL_LIMIT)
-        return cast_estimate(estimate.reshape(grad.shape), grad.dtype)
+        out = cast_estimate(estimate.reshape(grad.shape), grad.dtype)
+        if self.compensation:   # of what is applied: a float16 estimate held to its range
+            self.residual = (flat - out.reshape(-1).float()).clamp_(-RESIDUAL_LIMIT,
+                                                                    RESIDUAL_LIMIT)
+        return out
 
     def _scales(self, flat: torch.Tensor, sizes: list[int]) -> tuple[str, torch.Tensor]:
         """Why the round cannot take ``flat`` ("" where it can), and this worker's mean
