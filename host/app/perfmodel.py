@@ -58,7 +58,7 @@ from thc.argtypes import (fraction, non_negative_float, positive_float, positive
 from thc.collective.agreement import TAG_LANES
 from thc.wire import protocol as P
 
-TCP_FRAMING = (1448 + 66) / 1448
+TCP_FRAMING = P.TCP_FRAME / P.TCP_MSS
 """Frame bytes a TCP payload byte takes on the wire: a 1448-byte segment (MSS at a 1500-byte
 MTU, with timestamps) in a 1514-byte Ethernet frame. Gloo's collectives are charged it as
 THC's datagrams are charged their headers, so a link efficiency fitted to an FP32 run
@@ -103,7 +103,8 @@ class Setup:
     workers, is an assumed figure (docs/results.md says why it binds no prediction there)."""
     efficiency: float = 1.0
     """Fraction of the nominal bandwidth the frames get (shaping): every scheme's bytes carry
-    their headers (:data:`TCP_FRAMING` for Gloo's, THC's and Marsit's own)."""
+    their headers (:data:`TCP_FRAMING` on everything Gloo carries, Marsit's ring included;
+    THC's and the vote's datagrams their own)."""
     agg_bw_factor: float = float("inf")
     """The aggregator's link as a multiple of a worker's: inf for a switch, 1 for one central
     software aggregator on a link like the workers' (the Mininet testbed's default); shards

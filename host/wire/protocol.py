@@ -66,6 +66,9 @@ _FMT_CODES = {8: "B", 16: "H", 32: "I"}
 HEADER_STRUCT = struct.Struct("!" + "".join(_FMT_CODES[w] for _, w in HEADER_FIELDS))
 HEADER_BYTES = HEADER_STRUCT.size
 ETH_IP_UDP_BYTES = 14 + 20 + 8
+TCP_MSS, TCP_FRAME = 1448, 1514
+"""Linux TCP payload per full segment with timestamps at a 1500-byte MTU, and its Ethernet
+frame: what the baselines' Gloo rings put on a link."""
 SEQ_MOD = 1 << 32
 SEQ_RESET = SEQ_MOD - 1
 """Value a reset slot holds: every sequence number in [0, 2^31 - 1) counts as newer."""

@@ -9,14 +9,12 @@ from thc.codec.params import THCParams
 from thc.codec.thc import THCCodec
 from thc.wire import protocol as P
 
-TCP_MSS, TCP_FRAME = 1448, 1514
-"""Linux TCP payload per full segment with timestamps, and its Ethernet frame."""
 
 def fp32_wire_bytes(numel: int, p: int, elem_bytes: int = 4) -> dict:
     """Per worker and direction: ring all-reduce payload and its TCP frames (ACKs excluded)."""
     payload = 2 * (p - 1) / p * elem_bytes * numel
-    return {"payload": payload, "frames": payload / TCP_MSS * TCP_FRAME,
-            "up": payload / TCP_MSS * TCP_FRAME, "down": payload / TCP_MSS * TCP_FRAME}
+    return {"payload": payload, "frames": payload / P.TCP_MSS * P.TCP_FRAME,
+            "up": payload / P.TCP_MSS * P.TCP_FRAME, "down": payload / P.TCP_MSS * P.TCP_FRAME}
 
 
 def thc_wire_bytes(numel: int, lanes: int, params=None, sum_bits: int = P.SUM_WIDTHS[0],
