@@ -147,6 +147,37 @@ def test_an_ipv6_socket_marks_its_classes_and_names_a_silent_aggregator():
         (i, tos_of(k)) for i, k in enumerate(classes)}, seen
 
 
+def test_an_ipv4_mapped_destination_of_an_ipv6_socket_is_marked_in_ip_tos():
+    """A dual-stack socket sending to ::ffff:a.b.c.d sends IPv4, which takes IP_TOS and
+    ignores IPV6_TCLASS."""
+    job = local_job(7, 1, free_port_block(1))
+    rx = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    rx.setsockopt(socket.IPPROTO_IP, socket.IP_RECVTOS, 1)
+    rx.bind(("127.0.0.1", 0))
+    rx.settimeout(0.2)
+    sock = socket.socket(socket.AF_INET6, socket.SOCK_DGRAM)
+    sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+    sock.bind(("::", 0))
+    classes = np.array([3, 1], np.uint8)
+    try:
+        with AggregationClient(job, 0, ("::ffff:127.0.0.1", rx.getsockname()[1]), run=5,
+                               sock=sock, timeout=0.05, deadline=0.3) as c:
+            with pytest.raises(AggregationTimeout):
+                c.aggregate(np.zeros(len(classes) * job.lanes // 2, np.uint8),
+                            classes=classes)
+        seen = set()
+        while True:
+            try:
+                data, anc, _, _ = rx.recvmsg(4096, 64)
+            except socket.timeout:
+                break
+            seen.add((P.HEADER_STRUCT.unpack_from(data)[6],
+                      next(c[2][0] for c in anc if c[1] == socket.IP_TOS)))
+    finally:
+        rx.close()
+    assert seen == {(i, tos_of(k)) for i, k in enumerate(classes)}, seen
+
+
 def test_a_flush_goes_in_the_top_class_of_a_round_with_classes():
     """A bounded round with classes: the chunk worker 0 closes short (worker 1 is gone after
     a full round) goes out as a FLUSH marked with the top class, whatever its DATA's."""

@@ -25,9 +25,15 @@ class AggregationResult:
         return bool(self.counts.size) and int(self.counts.min()) < n_workers
 
 
-def _who(aggregator: tuple[str, int], shard: int | None) -> str:
+def host_port(addr: tuple) -> str:
+    """``ip:port`` of a socket address (an IPv6 one, a 4-tuple, as ``[ip]:port``)."""
+    ip, port = addr[0], addr[1]
+    return f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
+
+
+def _who(aggregator: tuple, shard: int | None) -> str:
     name = "the aggregator" if shard is None else f"aggregator shard {shard}"
-    return f"{name} at {aggregator[0]}:{aggregator[1]}"
+    return f"{name} at {host_port(aggregator)}"
 
 
 class AggregatorRestarted(ConnectionError):

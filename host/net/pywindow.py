@@ -37,11 +37,15 @@ def _lost_if_full(stats, send_one, *args) -> None:
 
 def _sender(end: Endpoint):
     """send(data, dst, tos): counted, marked with ``tos`` in an IP_TOS control message (an
-    IPV6_TCLASS one on an IPv6 socket, which ignores IP_TOS; as cheap as a plain sendto),
-    through the impairment when one is active."""
+    IPV6_TCLASS one to an IPv6 address, which ignores IP_TOS, as an IPv4-mapped one ignores
+    IPV6_TCLASS; as cheap as a plain sendto), through the impairment when one is active."""
     stats, sock, impair = end.stats, end.sock, end.impair
-    mark = ((socket.IPPROTO_IPV6, socket.IPV6_TCLASS) if sock.family == socket.AF_INET6
-            else (socket.IPPROTO_IP, socket.IP_TOS))
+    v6 = sock.family == socket.AF_INET6
+
+    def mark_of(ip: str) -> tuple[int, int]:
+        return ((socket.IPPROTO_IPV6, socket.IPV6_TCLASS)
+                if v6 and not (ip.startswith("::ffff:") and "." in ip)
+                else (socket.IPPROTO_IP, socket.IP_TOS))
 
     def sendto(d, a):
         _lost_if_full(stats, sock.sendto, d, a)
@@ -50,6 +54,7 @@ def _sender(end: Endpoint):
         stats.sent += 1
         stats.bytes_sent += len(data)
         if tos:
+            mark = mark_of(dst[0])
             cmsg = _TOS_CMSG.get((mark, tos))
             if cmsg is None:
                 cmsg = _TOS_CMSG[mark, tos] = [(*mark, struct.pack("i", tos))]

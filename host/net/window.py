@@ -13,7 +13,7 @@ import numpy as np
 
 from thc.net.impair import Impairment
 from thc.net.outcomes import (AggregationRefused, AggregationTimeout, AggregatorMisconfigured,
-                              LossBoundExceeded, TransportStats)
+                              LossBoundExceeded, TransportStats, host_port)
 from thc.wire import protocol as P
 from thc.wire.jobs import Job
 
@@ -205,12 +205,10 @@ WITHHELD = ("a switch withholding the chunk's result because one of its recircul
 to a worker that looks like silence (docs/switch.md, "What recirculation adds")."""
 
 
-def _shard_name(end: Endpoint, shard: int) -> tuple[str, str, int]:
-    """How a timeout names the chunk's shard, and its address (an IPv6 one, a 4-tuple,
-    bracketed)."""
-    ip, port = end.aggregators[shard][:2]
+def _shard_name(end: Endpoint, shard: int) -> tuple[str, str]:
+    """How a timeout names the chunk's shard, and its address."""
     return ((f"aggregator shard {shard}" if end.job.shards else "the aggregator"),
-            f"[{ip}]" if ":" in ip else ip, port)
+            host_port(end.aggregators[shard]))
 
 
 def timeout_of(end: Endpoint, rnd: Round, i: int, bitmap: int | None, silent: float = 0.0,
@@ -241,11 +239,11 @@ def timeout_of(end: Endpoint, rnd: Round, i: int, bitmap: int | None, silent: fl
     at = (f"job {job.job_id}, worker {end.worker_id}: chunk seq {seq} (slot {slot}, "
           f"version {version}) not aggregated within {end.deadline:.1f}s")
     shard = job.shard_of(seq)
-    who, ip, port = _shard_name(end, shard)
+    who, addr = _shard_name(end, shard)
     quiet = silent >= end.deadline / 2 and unanswered >= SILENT_AFTER
     if bitmap is None and not_float:
         return AggregationTimeout(
-            f"{at}; {who} at {ip}:{port} answered with {not_float} MAX_RESULTs holding a "
+            f"{at}; {who} at {addr} answered with {not_float} MAX_RESULTs holding a "
             f"lane above the largest finite float's bits ({rejected} impossible replies in "
             f"all): a sender at a worker's address put a negative, infinite or NaN value in "
             f"its MAX chunk, and the aggregator took it into the maxima. This project's "
@@ -254,7 +252,7 @@ def timeout_of(end: Endpoint, rnd: Round, i: int, bitmap: int | None, silent: fl
             shard)
     if bitmap is None and rejected:
         return AggregationTimeout(
-            f"{at}; {who} at {ip}:{port} answered with {rejected} impossible replies this "
+            f"{at}; {who} at {addr} answered with {rejected} impossible replies this "
             f"round (the wrong type or size, or sums, counts or bitmaps this job cannot "
             f"make): is it configured with this job (lanes, sum width, workers)?", None, shard)
     # datagrams this round from the shard (or from its port at another IP) that answered
@@ -264,7 +262,7 @@ def timeout_of(end: Endpoint, rnd: Round, i: int, bitmap: int | None, silent: fl
     if bitmap is None and not (quiet and taken and not wrong):
         return _unanswered(end, rnd, at, shard, taken)
     if quiet:   # it answered this round (a PENDING, or chunks it took), then fell silent
-        return AggregationTimeout(f"{at}; {who} at {ip}:{port} stopped answering "
+        return AggregationTimeout(f"{at}; {who} at {addr} stopped answering "
                                   f"{silent:.1f}s ago (down, unreachable"
                                   + (", or restarted and not yet serving this job" if job.shards
                                      else f", restarted and not yet serving this job, or "
@@ -278,7 +276,7 @@ def _unanswered(end: Endpoint, rnd: Round, at: str, shard: int,
     """:func:`timeout_of`'s error for a chunk its shard never answered: the causes that
     fit what the shard did answer this round, and the replies this worker ignored."""
     job = end.job
-    who, ip, port = _shard_name(end, shard)
+    who, addr = _shard_name(end, shard)
     # Dropped unanswered: every chunk at an aggregator without this job, this worker's
     # address or its lanes (DATA), or with another pool (once it answered, its epoch
     # names another configuration: AggregatorMisconfigured). A shard at another address
@@ -302,7 +300,7 @@ def _unanswered(end: Endpoint, rnd: Round, at: str, shard: int,
                  f"take replies only from the address they send to, so an aggregator (or "
                  f"a NAT before it) answering from another one is not heard; let it "
                  f"listen on the address the workers send to (thc aggregator --listen "
-                 f"{ip}:{port})")
+                 f"{addr})")
     other_run = end.stats.other_run - rnd.other_run
     if other_run:
         hint += (f"; {other_run} replies to this worker this round came from {who} with "
@@ -314,7 +312,7 @@ def _unanswered(end: Endpoint, rnd: Round, at: str, shard: int,
                  f"of this worker in flight (another worker id, job id or packet type, or "
                  f"another offset, slot or version) and were ignored: it answers with "
                  f"another job's or worker's ids, or rewrites those fields")
-    return AggregationTimeout(f"{at}; no answer from {who} at {ip}:{port}{hint}", None,
+    return AggregationTimeout(f"{at}; no answer from {who} at {addr}{hint}", None,
                               shard)
 
 
