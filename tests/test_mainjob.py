@@ -43,10 +43,15 @@ def test_main_job_runs_and_reports(tmp_path):
     # the aggregator client's counters ride along (DDP's ring has none)
     transport = runs["thc"]["history"][-1]["transport"]
     assert transport["sent"] > 0 and runs["fp32"]["history"][-1]["transport"] is None
-    # unimpaired, unbounded and unmarked, every round runs on the compiled window (built)
-    assert transport["compiled_rounds"] == transport["rounds"] > 0, transport
+    # unimpaired, unbounded and unmarked, every round runs on the compiled window where it
+    # is built and asked for (test_extensions_built: built wherever a compiler is)
+    from thc.net.fastclient import CLIENT_UNAVAILABLE
+    compiled = CLIENT_UNAVAILABLE is None and os.environ.get("THC_CLIENT_DATAPATH",
+                                                             "auto") != "python"
+    assert transport["rounds"] > 0, transport
+    assert transport["compiled_rounds"] == (transport["rounds"] if compiled else 0), transport
     assert (f"rounds on the compiled client window, the rest on Python's (rank 0): thc "
-            f"{transport['rounds']} of {transport['rounds']}") in out.stdout
+            f"{transport['compiled_rounds']} of {transport['rounds']}") in out.stdout
     summary = report["summary"]
     if runs["fp32"]["final_accuracy"] >= 0.2:
         assert summary["target_fp32_minus_1pt"] == runs["fp32"]["final_accuracy"] - 0.01

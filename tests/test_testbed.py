@@ -538,7 +538,8 @@ def test_bmv2_mode_is_offered_only_when_the_toolchain_is_there(monkeypatch):
     from thc.emu import emulation
     why = bmv2_unavailable_reason() or "simple_switch_grpc is not on PATH"
     monkeypatch.setattr(emulation, "bmv2_unavailable_reason", lambda: why)
-    with pytest.raises(TestbedError, match=f"the bmv2 aggregator is not available: {why}"):
+    with pytest.raises(TestbedError,
+                       match=re.escape(f"the bmv2 aggregator is not available: {why}")):
         open_testbed(2, aggregator="bmv2")
 
 

@@ -31,7 +31,7 @@ def run_arg(text: str) -> int:
 def add_arguments(parser: argparse.ArgumentParser, *, process_group: bool = True,
                   deadline: float = 30.0) -> None:
     """A worker's flags: its rank, the process group it joins (``process_group``), and its
-    aggregation client (``--config`` onward; a mode without an aggregator ignores them)."""
+    aggregation client (``--config`` onward; a mode without an aggregator refuses them)."""
     parser.add_argument("--rank", type=defaulted_from(non_negative_int, "RANK"),
                         default=os.environ.get("RANK", "0"),
                         help="this worker's rank, its worker id in the job (default: RANK, "

@@ -92,12 +92,14 @@ DEFAULT_MODES = ",".join(m for m in MODES if m not in OPT_IN)
 aggregator's (plain and DLCP: a comparison under ``--congest``) and the BMv2 vote: at BMv2's
 ~2k packets/s of 256 lanes a step of 1.2M signs takes about 10 s (estimated), an epoch 20 min."""
 BMV2_STEPS = 3
-BMV2_TIMEOUT = 3600.0
-LOSS_BOUND = 0.05
 """Steps a mode through BMv2 trains by default: its losses after two rounds of sums through
 the switch are compared with ``thc``'s, which keeps the whole main job in minutes on 2 cores
 (docs/results.md; a step takes about 9 s through a BMv2 built without logging macros, about
 36 s with them on a loaded machine)."""
+BMV2_TIMEOUT = 3600.0
+LOSS_BOUND = 0.05
+"""``--bmv2-timeout``'s and ``--loss-bound``'s defaults: a flag given with no mode that reads
+it is refused."""
 STOP_MARGIN = 25.0
 """Seconds before a mode's limit by which its workers stop training and evaluate: the last
 evaluation fits in it (each worker stops after the last step it foresees, from its longest
