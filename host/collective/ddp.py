@@ -224,7 +224,6 @@ class TopKHook(BaseHook):
                                         f"agreement ({type(e).__name__}: {e})")
             raise
 
-
     def _held(self, key: tuple, mean: torch.Tensor, dtype) -> torch.Tensor:
         """``mean`` held to a half type's range (the residuals carry it past 65504); what the
         hold cuts off joins every worker's residual, so that their next mean applies it."""
