@@ -8,13 +8,14 @@ by a short probe), so the sender does not starve the switch of CPU; the switch's
 read from its counters (THC: the job's ``packets`` counter) or from the kernel's receive
 count of the egress veth (L2).
 
-Reported: ``pps`` (DATA packets the switch aggregated per second), ``coords_per_s``
-(pps x lanes), ``completion_ratio`` (completions x workers / packets: 1.0 when no packet was
-lost on the way into the switch), the RESULT bytes per packet of the job's sum width, and the
-ratio of the THC rate to the L2 rate, for each sum width of ``--sum-bits`` (8: four lanes a
-32-bit register word, 16: two). The kind of BMv2 build: whether its libraries still carry
-the per-packet log messages (a build without --disable-logging-macros formats them for
-every table, about 5x slower on thc.p4), beside the measured l2.p4 rate.
+Reported: ``pps`` (DATA packets the switch aggregated per second), ``coords_per_s`` (pps x
+lanes / workers: coordinates of the job's vector summed a second, as ``thc bench
+aggregator`` counts them), ``completion_ratio`` (completions x workers / packets: 1.0 when
+no packet was lost on the way into the switch), the RESULT bytes per packet of the job's sum
+width, and the ratio of the THC rate to the L2 rate, for each sum width of ``--sum-bits``
+(8: four lanes a 32-bit register word, 16: two). The kind of BMv2 build: whether its
+libraries still carry the per-packet log messages (a build without --disable-logging-macros
+formats them for every table, about 5x slower on thc.p4), beside the measured l2.p4 rate.
 
 With ``--lanes-sweep 16,64`` (needs p4c), variants of the program with fewer lanes are
 generated and compiled into a temporary directory and measured too: the slope gives the cost
@@ -240,7 +241,7 @@ def bench_thc(args, build_dir, label: str, sum_bits: int = 8) -> dict:
             "program": label, "lanes": lanes, "workers": args.workers, "sum_bits": sum_bits,
             "result_payload_bytes": P.payload_bytes(P.PktType.RESULT, lanes, sum_bits),
             "frame_bytes": len(next(frames)[1]),
-            "coords_per_s": res["pps"] * lanes,
+            "coords_per_s": res["pps"] * lanes / args.workers,
             "completion_ratio": ((c1["completions"] - c0["completions"]) * args.workers
                                  / max(1, c1["packets"] - c0["packets"])),
             "install_seconds": install_s,

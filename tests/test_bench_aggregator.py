@@ -79,6 +79,7 @@ def test_a_benchmarks_json_says_when_how_and_where_it_was_made(tmp_path):
     (["--quick", "--window", "-1", "--load", "python"], "argument --window: must be at least 1"),
     (["--chunks", "0", "--repeat", "1"], "argument --chunks: must be at least 1, not 0"),
     (["--repeat", "0"], "argument --repeat: must be at least 1, not 0"),
+    (["--repeat", "2"], "argument --repeat: an odd count, so that the median is a run: not 2"),
     (["--workers", "0"], "argument --workers: must be at least 1, not 0"),
     (["--workers", "2,,3"], "argument --workers: not an integer: ''"),
     (["--workers", "33"], "argument --workers: a job takes 1..32 workers, not 33"),
@@ -86,7 +87,7 @@ def test_a_benchmarks_json_says_when_how_and_where_it_was_made(tmp_path):
 def test_counts_that_make_no_bench_are_usage_errors(argv, message, capsys):
     """A window or chunk count of 0 failed in the load processes while the bench waited 300 s
     for them; 0 workers divided by zero, '2,,3' was int()'s ValueError, 0 load processes
-    max() of nothing."""
+    max() of nothing; of 2 runs, the best was reported as their median."""
     from thc import cli
     with pytest.raises(SystemExit) as e:
         cli.main(["bench", "aggregator", *argv])

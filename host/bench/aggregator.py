@@ -32,6 +32,15 @@ SERVERS = ("compiled", "python", "compiled echo", "python echo")
 RUN = 1
 
 
+def odd_count(text: str) -> int:
+    """A run count whose median is one of its runs: of an even count, the upper middle one
+    was reported as the median (of 2, the best run)."""
+    n = positive_int(text)
+    if n % 2 == 0:
+        raise argparse.ArgumentTypeError(f"an odd count, so that the median is a run: not {n}")
+    return n
+
+
 def worker_counts(text: str) -> list[int]:
     """Comma-separated worker counts, each one a job can have: 0 would divide the table's
     granularity by zero, and an empty item is a typo, not a count."""
@@ -61,8 +70,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lanes", type=int, default=None, help="lanes per packet")
     parser.add_argument("--window", type=window_size, default=64,
                         help="chunks in flight per worker")
-    parser.add_argument("--repeat", type=positive_int, default=5,
-                        help="runs per server, taken in turns (the median kept)")
+    parser.add_argument("--repeat", type=odd_count, default=5,
+                        help="runs per server, taken in turns (the median run kept: an odd "
+                             "count)")
     parser.add_argument("--load", choices=("compiled", "python"), default="compiled",
                         help="who plays the workers: the compiled load generator (default) or "
                              "the Python client, one process per worker")

@@ -120,8 +120,13 @@ def _time_interleaved(ops: list[tuple[str, str, object]], repeat: int,
             fn()
             sync()
             runs[name].append(time.perf_counter() - t)
-    return {name: {"median_s": statistics.median(r), "best_s": min(r)}
+    return {name: {"median_s": statistics.median(r), "best_s": min(r), "runs_s": r}
             for name, r in runs.items()}
+
+
+def _stats(times: dict) -> dict:
+    """An op's row figures: its median and best, not the runs behind them."""
+    return {"median_s": times["median_s"], "best_s": times["best_s"]}
 
 
 def _matrix_shape(n: int) -> tuple[int, int]:
@@ -399,7 +404,7 @@ def _measure(n, device, backend, reference, ranks, params, repeat, sync,
         pairs.append((f"{name} compress+decompress", "powersgd",
                       f"{name} compress", f"{name} decompress"))
     times = _time_interleaved(ops, repeat, sync)
-    rows = [dict(name=name, group=group, **times[name]) for name, group, _ in ops]
+    rows = [dict(name=name, group=group, **_stats(times[name])) for name, group, _ in ops]
     for c in codecs:
         c.check()
     if device.type == "cuda":
@@ -409,10 +414,12 @@ def _measure(n, device, backend, reference, ranks, params, repeat, sync,
             r["speed_vs_copy"] = copy / r["median_s"]
         rows += graphs + _config_rows(n, x, params, repeat, configs)
     for name, group, first, second in pairs:
-        med = times[first]["median_s"] + times[second]["median_s"]
-        best = times[first]["best_s"] + times[second]["best_s"]
+        # a round trip's run is the sum of its halves timed in the same pass: the
+        # median and best of their sums (a sum of medians is no run's, nor of bests)
+        trips = [a + b for a, b in zip(times[first]["runs_s"], times[second]["runs_s"])]
         at = max(i for i, r in enumerate(rows) if r["name"] in (first, second)) + 1
-        rows.insert(at, {"name": name, "group": group, "median_s": med, "best_s": best})
+        rows.insert(at, {"name": name, "group": group, "median_s": statistics.median(trips),
+                         "best_s": min(trips)})
     copy = times["copy (x.clone())"]["median_s"]
     for r in rows:
         r["elements"] = n

@@ -182,13 +182,14 @@ def _run(args: argparse.Namespace) -> int:
 
     out = sys.stderr if args.json == "-" else sys.stdout
     width = max([34] + [len(row["scheme"]) for row in rows])
-    head = f"{'scheme':<{width}} {'bits':>6}" + "".join(f" {'n=' + str(n):>10}" for n in workers)
+    head = f"{'scheme':<{width}} {'bits up':>7}" + "".join(f" {'n=' + str(n):>10}"
+                                                         for n in workers)
     print(f"NMSE, {args.dist} vectors, d = {dim}, {trials} trial(s); "
-          f"THC {params.describe()}", file=out)
+          f"THC {params.describe()}; bits up: a coordinate's uplink, norms included", file=out)
     print(head, file=out)
     print("-" * len(head), file=out)
     for row in rows:
-        line = f"{row['scheme']:<{width}} {row['bits_per_coord']:>6.2f}"
+        line = f"{row['scheme']:<{width}} {row['bits_per_coord']:>7.2f}"
         line += "".join(f" {row['nmse'][str(n)]:>10.4g}" for n in workers)
         print(line, file=out)
         for label, shown in (("model", "model"), ("reference", "reference, d = 2^18")):
