@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd.graph import register_multi_grad_hook
 
-from thc.codec.common import cast_estimate, scale_factor
+from thc.codec.common import scale_factor
 from thc.collective import agreement, checkpoint
 from thc.collective.transports import DistTransport, ring_bytes, run_agreement_deferred
 from thc.collective.worker import device_of
@@ -722,8 +722,7 @@ class BaseHook:
         try:
             i = 0
             for view in comp:
-                part = out[i: i + view.numel()]   # a float32 mean held to a half's range
-                view.copy_(part if part.dtype == view.dtype else cast_estimate(part, view.dtype))
+                view.copy_(out[i: i + view.numel()])   # each reducer holds a half's range
                 i += view.numel()
             if plain:
                 self._reduce_fp32(plain, place, stretches)

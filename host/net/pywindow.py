@@ -19,7 +19,6 @@ from thc.net.window import (FAST_BACKOFF_CAP, FAST_RETRANSMIT_AFTER, RECV_BATCH,
                              raise_short, raise_timeout)
 from thc.wire import protocol as P
 
-_TOS_CMSG: dict[tuple, list] = {}
 QUEUE_FULL = frozenset({errno.EAGAIN, errno.EWOULDBLOCK, errno.ENOBUFS, errno.ENOMEM})
 """Send errors of a full queue: the datagram is lost, as the network may lose it, and the
 chunk's timer resends it (the compiled window's rule); any other refusal ends the round."""
@@ -41,11 +40,14 @@ def _sender(end: Endpoint):
     IPV6_TCLASS; as cheap as a plain sendto), through the impairment when one is active."""
     stats, sock, impair = end.stats, end.sock, end.impair
     v6 = sock.family == socket.AF_INET6
+    cmsgs: dict[tuple[str, int], list] = {}   # (destination ip, tos): one lookup a packet
 
-    def mark_of(ip: str) -> tuple[int, int]:
-        return ((socket.IPPROTO_IPV6, socket.IPV6_TCLASS)
+    def cmsg_of(ip: str, tos: int) -> list:
+        mark = ((socket.IPPROTO_IPV6, socket.IPV6_TCLASS)
                 if v6 and not (ip.startswith("::ffff:") and "." in ip)
                 else (socket.IPPROTO_IP, socket.IP_TOS))
+        cmsg = cmsgs[ip, tos] = [(*mark, struct.pack("i", tos))]
+        return cmsg
 
     def sendto(d, a):
         _lost_if_full(stats, sock.sendto, d, a)
@@ -54,10 +56,7 @@ def _sender(end: Endpoint):
         stats.sent += 1
         stats.bytes_sent += len(data)
         if tos:
-            mark = mark_of(dst[0])
-            cmsg = _TOS_CMSG.get((mark, tos))
-            if cmsg is None:
-                cmsg = _TOS_CMSG[mark, tos] = [(*mark, struct.pack("i", tos))]
+            cmsg = cmsgs.get((dst[0], tos)) or cmsg_of(dst[0], tos)
             out = lambda d, a: _lost_if_full(stats, sock.sendmsg, [d], cmsg, 0, a)  # noqa: E731
         else:
             out = sendto
