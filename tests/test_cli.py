@@ -31,6 +31,8 @@ def test_every_subcommand_names_a_module_with_the_contract():
         assert spec is not None and spec.origin, f"{command}: no module {module}"
         tree = ast.parse(Path(spec.origin).read_text())
         defined = {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}
+        defined |= {a.asname or a.name for n in tree.body if isinstance(n, ast.ImportFrom)
+                    for a in n.names}
         assert {"add_arguments", "run"} <= defined, f"{command}: {module} lacks them"
 
 

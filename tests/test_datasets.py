@@ -82,7 +82,7 @@ def test_a_folder_without_the_files_is_no_fashion_mnist(tmp_path, monkeypatch):
     Fashion-MNIST instead of digits, and every mode's workers failed on the missing file."""
     import argparse
 
-    from thc.emu.mainjob import data_unavailable
+    from thc.emu.mainargs import data_unavailable
     write_set(tmp_path)
     (tmp_path / D.FASHION_FILES["test_labels"]).unlink()
     partial = Settings(fashion_mnist=str(tmp_path))

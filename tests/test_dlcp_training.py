@@ -88,7 +88,7 @@ def test_thc_hook_hands_every_bucket_its_layer_positions(priorities):
 
 
 def test_main_job_has_the_dlcp_modes():
-    from thc.emu.mainjob import DEFAULT_MODES, MODES
+    from thc.emu.mainargs import DEFAULT_MODES, MODES
 
     dlcp, lossy = MODES["thc-dlcp"], MODES["thc-lossy"]
     assert (dlcp.train_mode, dlcp.aggregator, dlcp.loss_bound, dlcp.priorities) == (
@@ -151,7 +151,7 @@ def test_congest_without_mininet_is_refused(tmp_path, capsys):
 
 
 def test_dlcp_ratios_compare_with_the_retransmit_baseline_of_the_run():
-    from thc.emu.mainjob import dlcp_ratios
+    from thc.emu.mainreport import dlcp_ratios
 
     def run(mode, rows, bound=0.0):
         return {"mode": mode, "loss_bound": bound, "short_chunks": 3 if bound else None,

@@ -1,6 +1,6 @@
 """Training learns through every gradient exchange the main job runs without a switch.
 
-Every mode of ``thc run`` but the BMv2 ones (:data:`thc.emu.mainjob.MODES`: FP32, THC through
+Every mode of ``thc run`` but the BMv2 ones (:data:`thc.emu.mainargs.MODES`: FP32, THC through
 sharded or central software aggregators, with DLCP's loss bound and classes, over Gloo, TopK,
 Marsit along a ring and by vote) trains the main job's digits model for 176 steps on a fixed
 seed, through the main job's own per-mode runner (``thc.emu.mainjob._run_mode``, as
@@ -41,7 +41,7 @@ import types
 
 import pytest
 
-from thc.emu import mainjob
+from thc.emu import mainargs, mainjob
 from thc.emu.mainreport import step_losses
 from thc.emu.base import REPO_ROOT
 from thc.emu.procs import WorkerError
@@ -58,7 +58,7 @@ MAIN_JOB_ARGS = ["--loopback", "--workers", "2", "--data", "digits", "--width", 
 lag it by 25 points), 4 evaluations an epoch on the 360 test images. ``--timeout 240``: below
 pytest-timeout's 300 s, so a mode that stalls fails with the testbed's account of its
 workers, not the test's stack alone."""
-MODES = [m for m, spec in mainjob.MODES.items() if spec.aggregator != "bmv2"]
+MODES = [m for m, spec in mainargs.MODES.items() if spec.aggregator != "bmv2"]
 COMPRESSED = [m for m in MODES if m != "fp32"]
 WINDOW = 10
 """Steps whose losses are averaged at each end of a run."""

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from thc.emu import mainjob
+from thc.emu import mainargs, mainjob, mainreport
 from thc.emu.mainreport import step_losses
 from tests.procs import gloo_pair
 
@@ -287,7 +287,7 @@ def test_train_refuses_settings_no_rank_could_train_with(argv, said, capsys):
                                            (["--quick", "--epochs", "3"], 3)])
 def test_quick_takes_one_epoch_unless_epochs_are_given(argv, epochs):
     """--quick replaced --epochs 3 with 1 without a word (its --train-subset gives way)."""
-    assert mainjob.epochs_of(_main_args(*argv)) == epochs
+    assert mainargs.epochs_of(_main_args(*argv)) == epochs
 
 
 @pytest.mark.parametrize("argv", [["--max-steps", "0"], ["--epochs", "0"], ["--batch", "-1"],
@@ -316,7 +316,7 @@ def test_bmv2_steps_take_a_count_or_all():
     import argparse
     parser = argparse.ArgumentParser()
     mainjob.add_arguments(parser)
-    assert parser.parse_args([]).bmv2_steps == mainjob.BMV2_STEPS
+    assert parser.parse_args([]).bmv2_steps == mainargs.BMV2_STEPS
     assert parser.parse_args(["--bmv2-steps", "all"]).bmv2_steps is None
     assert parser.parse_args(["--bmv2-steps", "3"]).bmv2_steps == 3
     for bad in ("0", "some"):
@@ -581,7 +581,7 @@ def test_a_report_the_out_dir_cannot_take_is_kept_elsewhere(monkeypatch, capsys,
                              '"accuracy": 0.5, "seconds": 1.0, "steps": 3, "bytes_sent": 10}\n'
                              '{"final_evaluation": 4}\n', "", 1.0) for r in (0, 1)]
 
-    write = mainjob._write_whole
+    write = mainreport._write_whole
     full = {tmp_path}
 
     def filling(path, text):
@@ -589,7 +589,7 @@ def test_a_report_the_out_dir_cannot_take_is_kept_elsewhere(monkeypatch, capsys,
             raise OSError(errno.ENOSPC, "No space left on device")
         write(path, text)
     monkeypatch.setattr(LoopbackTestbed, "run_workers", ran)
-    monkeypatch.setattr(mainjob, "_write_whole", filling)
+    monkeypatch.setattr(mainreport, "_write_whole", filling)
     args = ("--loopback", "--workers", "2", "--modes", "fp32", "--out", str(tmp_path))
     assert mainjob.run(_main_args(*args)) == 2
     err = capsys.readouterr().err

@@ -221,7 +221,7 @@ def test_a_central_aggregator_is_modelled_on_a_link_like_a_workers():
     link, within 25% (modelled on a link four times as fast it was 31% short), and the
     central modes are the main job's own."""
     from thc.app.perfmodel import CENTRAL_MODES, calibrate, fit
-    from thc.emu.mainjob import MODES
+    from thc.emu.mainargs import MODES
 
     assert {m for m, mode in MODES.items() if mode.aggregator == "software"} == \
         set(CENTRAL_MODES)

@@ -3,9 +3,14 @@ DLCP's step time against its baseline, every step's loss, THC through BMv2 again
 software, the table printed and the plot of accuracy against training time and bytes."""
 from __future__ import annotations
 
+import argparse
+import json
+import os
+import sys
+import tempfile
 from pathlib import Path
 
-from thc.bench import figure, save_figure
+from thc.bench import figure, provenance, save_figure
 
 
 def step_losses(run: dict) -> list[float]:
@@ -210,3 +215,108 @@ def plot(runs: list[dict], path: Path, title: str, recorded: dict | None = None)
             ax.text(0.5, 0.5, "no mode finished", ha="center", transform=ax.transAxes)
     fig.suptitle(title)
     save_figure(fig, path, recorded)
+
+
+FIXED_TARGET = {"fashion-mnist": 0.80, "digits": 0.95}
+"""The fixed accuracy target of the time-to-accuracy table, per data set."""
+
+
+def conclude(args: argparse.Namespace, runs: list[dict], failed: list[dict], probe,
+            out: Path, stopped: str | None = None) -> int:
+    """The table, the checks and the report of the modes run (``stopped``: why the modes
+    after them were not); the exit status of a run that was not stopped."""
+    dataset = runs[0]["dataset"] if runs else args.data
+    summary = summarize(runs, FIXED_TARGET.get(dataset, 0.9))
+    summary["dlcp"] = dlcp_ratios(runs)
+    print_table(runs, summary)
+    if compared := compare_bmv2(runs):
+        summary["bmv2_vs_thc"] = compared
+    for f in failed:
+        print(f"{f['mode']} FAILED (not in the table): {f['error']}")
+    unchecked = failed_checks(runs, summary)
+    for what in unchecked:
+        print(f"CHECK FAILED: {what}")
+    report = {"runs": runs, "failed": failed, "summary": summary, "args": vars(args),
+              "bmv2_probe": probe, "stopped": stopped,
+              "testbed": sorted({r["testbed"] for r in runs}), "recorded": provenance()}
+    if (code := _write_report(out, report, dataset)) is not None:
+        return code
+    return 1 if failed or unchecked else 0
+
+
+def failed_checks(runs: list[dict], summary: dict) -> list[str]:
+    """The main job's checks that failed: a mode whose workers' parameters differed, the
+    BMv2 mode's losses unlike THC's through the software aggregators. A run that failed one
+    exits nonzero, as a mode that failed does, though every mode is in the table."""
+    out = [f"{r['mode']}: the workers' parameters differed after step "
+           f"{r['replicas_diverged_at']}" for r in runs if r["replicas_diverged_at"] is not None]
+    versus = summary.get("bmv2_vs_thc")
+    if versus and not versus["identical_losses"]:
+        out.append(f"thc-bmv2's losses differ from thc's from step "
+                   f"{versus['first_difference']} of {versus['steps_compared']} compared"
+                   if versus["steps_compared"] else "thc-bmv2 took no step to compare with thc")
+    return out
+
+
+def print_mode(run_: dict, epochs: int) -> None:
+    """A trained mode's notes and its accuracy by epoch."""
+    if run_["dataset_note"]:
+        print(f"note: {run_['dataset_note']}")
+    if run_["stopped"]:
+        print(f"{run_['mode']} {run_['stopped']}: it got to epoch {run_['epochs_done']:.2f} of "
+              f"{epochs} ({run_['history'][-1]['steps']} steps)")
+    if run_["replicas_diverged_at"] is not None:
+        print(f"{run_['mode']}: the workers' parameters differed at the evaluation after step "
+              f"{run_['replicas_diverged_at']}: the exchange did not give every worker the "
+              f"same update")
+    print(f"{'epoch':>6} {'accuracy':>9} {'train s':>8}")
+    for row in run_["history"]:
+        print(f"{row['epoch']:>6.2f} {row['accuracy']:>9.4f} {row['seconds']:>8.1f}")
+
+
+def _write_report(out: Path, report: dict, dataset: str) -> int | None:
+    """out/mainjob.json and its plot; the exit status where either cannot be written."""
+    runs, args = report["runs"], report["args"]
+    shaped = (f"at {args['bw']:g} Mbit/s" if runs and runs[0]["testbed"] != "loopback" else
+              "on the loopback, unshaped")
+    title = (f"{dataset}, {args['workers']} workers {shaped} "
+             f"({runs[0]['params'] / 1e6:.1f}M parameters)" if runs else dataset)
+    text = json.dumps(report, indent=2)
+    try:
+        _write_whole(out / "mainjob.json", text)
+    except OSError as e:
+        print(f"thc run: cannot write to --out {out} ({e.strerror or e}); "
+              f"{_keep_elsewhere(text)}", file=sys.stderr)
+        return 2
+    try:
+        plot(runs, out / "mainjob.png", title, report["recorded"])
+    except OSError as e:
+        (out / "mainjob.png").unlink(missing_ok=True)
+        print(f"thc run: wrote {out / 'mainjob.json'} but not its plot ({e.strerror or e})",
+              file=sys.stderr)
+        return 2
+    print(f"\nwrote {out / 'mainjob.json'} and {out / 'mainjob.png'}")
+    return None
+
+
+def _keep_elsewhere(text: str) -> str:
+    """Where the report went instead: a temporary directory, or, where that cannot take it
+    either (one full disk), standard output."""
+    try:
+        kept = Path(tempfile.mkdtemp(prefix="thc-run-")) / "mainjob.json"
+        _write_whole(kept, text)
+        return f"the report of the runs is kept in {kept}"
+    except OSError as e:
+        print(text)
+        return (f"nor in a temporary directory ({e.strerror or e}): the report of the runs "
+                f"is on standard output")
+
+
+def _write_whole(path: Path, text: str) -> None:
+    """``text`` into ``path`` whole or not at all (a full disk left an empty report)."""
+    part = path.with_name(f".{path.name}.{os.getpid()}")
+    try:
+        part.write_text(text)
+        os.replace(part, path)
+    finally:
+        part.unlink(missing_ok=True)

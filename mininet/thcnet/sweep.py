@@ -37,7 +37,7 @@ from thc.argtypes import (figure_path, fraction, positive_float, positive_floats
 from thc.app.breakeven import analyse
 from thc.app.datasets import AUTO, DATASETS
 from thc.bench import cpu_model, provenance
-from thc.emu import mainjob
+from thc.emu import mainargs, mainjob
 from thc.emu.mainreport import summarize, time_to
 from thc.emu.sweepreport import markdown, plot
 from thc.emu.testbed import mininet_unavailable_reason
@@ -114,7 +114,7 @@ def fp16_cast_s(params: int, repeat: int = 15) -> float:
 def _job_args(args: argparse.Namespace, bw: float) -> argparse.Namespace:
     """The main job's arguments for one run of the sweep."""
     parser = argparse.ArgumentParser()
-    mainjob.add_arguments(parser)
+    mainargs.add_arguments(parser)
     argv = ["--workers", str(args.workers), "--epochs", "1", "--batch", str(args.batch),
             "--evals", str(args.evals), "--data", args.data, "--bw", f"{bw:g}",
             "--train-subset", str(args.steps * args.workers * args.batch),
@@ -150,7 +150,7 @@ def sweep(args: argparse.Namespace, bws: list[float], modes: list[str], path: Pa
             load = os.getloadavg()
             point["load_before"][name] = list(load)
             took = time.monotonic() - t_start
-            print(f"\n[{k}/{total}] {bw:g} Mbit/s, {name}: {mainjob.MODES[name].description} "
+            print(f"\n[{k}/{total}] {bw:g} Mbit/s, {name}: {mainargs.MODES[name].description} "
                   f"(load {load[0]:.2f}; {took / 60:.1f} min so far)", flush=True)
             try:
                 with tqdm(total=args.steps, desc=f"{name}@{bw:g}", unit="step",
@@ -181,7 +181,7 @@ def sweep(args: argparse.Namespace, bws: list[float], modes: list[str], path: Pa
 
 def _thc_mode(modes: list[str]) -> str | None:
     """The swept mode whose break-even is computed: the first THC mode."""
-    return next((m for m in modes if mainjob.MODES[m].train_mode.startswith("thc")), None)
+    return next((m for m in modes if mainargs.MODES[m].train_mode.startswith("thc")), None)
 
 
 def _drop_diverged(data: dict) -> None:
@@ -239,7 +239,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         bws = sorted(set(args.bw))
         modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-        if why := mainjob.check_args(_job_args(args, bws[0]), modes):
+        if why := mainargs.check_args(_job_args(args, bws[0]), modes):
             print(f"thc sweep: {why}", file=sys.stderr)
             return 2
         if args.evals < 2:
@@ -258,7 +258,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"thc sweep: needs the Mininet testbed to shape links ({why})",
                   file=sys.stderr)
             return 2
-        if why := mainjob.data_unavailable(args, "thc sweep"):
+        if why := mainargs.data_unavailable(args, "thc sweep"):
             print(why, file=sys.stderr)
             return 2
         try:
