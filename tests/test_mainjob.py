@@ -251,7 +251,9 @@ def test_a_job_made_with_other_thc_flags_is_told_on_every_rank_before_training(
     ("marsit", ["--slice-size", "7"]), ("topk", ["--granularity", "3"]),
     ("fp32", ["--p", "1/8"]), ("fp32", ["--config", "nonexistent.json"]),
     ("thc-dist", ["--agg", "1.2.3.4:5"]), ("fp16", ["--window", "3"]),
-    ("topk", ["--deadline", "1"]), ("marsit", ["--rto", "5"]), ("fp32", ["--run-id", "7"])])
+    ("topk", ["--deadline", "1"]), ("marsit", ["--rto", "5"]), ("fp32", ["--run-id", "7"]),
+    ("fp32", ["--client-datapath", "python"]), ("thc-dist", ["--client-datapath", "compiled"]),
+    ("marsit", ["--codec-cpu", "reference"]), ("topk", ["--codec-cpu", "compiled"])])
 def test_train_refuses_flags_its_mode_would_ignore(mode, argv, capsys):
     """Each ran to its end with the flag unread (TopK keeps its error feedback whatever is
     asked; a slice size of 7 was not even checked; the aggregation client's flags, a cluster

@@ -55,8 +55,9 @@ _THC = ("thc", "thc-dist")
 READ_BY = {"topk_ratio": ("topk",), "no_error_feedback": _THC, "slice_size": _THC,
            "bits": _THC, "granularity": _THC, "p": _THC,
            "uncompressed": tuple(m for m in MODES if m not in ("fp32", "fp16")),
+           "codec_cpu": _THC,
            **{name: AGGREGATED for name in ("config", "agg", "run", "deadline", "window",
-                                            "rto")}}
+                                            "rto", "client_datapath")}}
 """The flags (by dest) only some modes read: given to another, they are refused, not
 ignored."""
 FLAG_OF = {"run": "--run-id"}
