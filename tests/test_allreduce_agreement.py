@@ -247,6 +247,25 @@ def _backend_worker(rank, port, q):
     dist.destroy_process_group()
 
 
+def _nonfinite_worker(rank, port, q):
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2)
+    ar = THCAllReduce.through_torch_distributed(params=THCParams(slice_size=256),
+                                                generator=rank,
+                                                nonfinite="propagate" if rank else "raise")
+    try:
+        q.put((rank, float(ar(torch.ones(1024)).mean())))
+    except RuntimeError as e:
+        q.put((rank, str(e)))
+    dist.destroy_process_group()
+
+
+def test_workers_unlike_in_their_nonfinite_mode_are_told_so():
+    """Their rounds' fingerprints differ: the refusal named every cause but that one."""
+    res = gloo_pair(_nonfinite_worker)
+    assert all("their nonfinite mode" in str(res[r]) for r in (0, 1)), res
+
+
 def _missing_backend_worker(rank, port, q):
     import os
     from datetime import timedelta

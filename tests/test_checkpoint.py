@@ -14,7 +14,7 @@ from tests.test_codec_kernels import DEV, kernels
 from thc.codec.thc import THCParams
 from thc.collective import checkpoint
 from thc.collective.allreduce import THCAllReduce
-from thc.collective.ddp import MarsitHook, THCHook, TopKHook
+from thc.collective.ddp import HookOptions, MarsitHook, THCHook, TopKHook
 from thc.collective.graphed import GraphedAllReduce
 from thc.collective.marsit import MarsitAllReduce
 
@@ -174,6 +174,19 @@ def test_a_hooks_state_is_loaded_before_its_first_step_and_into_its_own_kind(alo
     with pytest.raises(ValueError, match="residual of 0.bias: the state's residual holds NaN"):
         HOOKS["topk"](model).load_state_dict({"hook": "TopKHook", "residuals": {
             "0.weight": torch.zeros(40 * 300), "0.bias": torch.full((300,), float("nan"))}})
+    # a residual no parameter of the model would take, or of another length, was kept
+    # unapplied (and saved again), or replaced by zeros
+    wrapped = {"hook": "TopKHook", "residuals": {"module.0.bias": torch.zeros(300)}}
+    with pytest.raises(ValueError, match="residual of 'module.0.bias', but the hook "
+                                         "compresses no parameter of that name"):
+        HOOKS["topk"](model).load_state_dict(wrapped)
+    in_fp32 = TopKHook(model, options=HookOptions(uncompressed=("bias",)), overlap=False)
+    with pytest.raises(ValueError, match="compresses no parameter of that name"):
+        in_fp32.load_state_dict({"hook": "TopKHook", "residuals": {"0.bias": torch.zeros(300)}})
+    with pytest.raises(ValueError, match="residual of '2.bias' holds 11 elements, the "
+                                         "parameter 10"):
+        HOOKS["topk"](model).load_state_dict({"hook": "TopKHook",
+                                              "residuals": {"2.bias": torch.zeros(11)}})
     _steps(ddp, model, [torch.ones(2, 40)])
     with pytest.raises(ValueError, match="before its first step"):
         hook.load_state_dict(hook.state_dict())

@@ -279,10 +279,11 @@ def refused(max_norms: torch.Tensor, tags: torch.Tensor) -> bool:
 
 
 THC_ALIKE = ("their THC parameters (bits, granularity, p, seed, slice size, table), the "
-             "tensor's length, dtype or piece length, their codec backend, how a refused round "
-             "ends (a graphed or stream-ordered round still sums, an eager one on Gloo stops; "
-             "a graphed one with deferred checks raises its refusal a call later), "
-             "or which reducer it is (the order the reducers were built in)")
+             "tensor's length, dtype or piece length, their codec backend, their nonfinite "
+             "mode, how a refused round ends (a graphed or stream-ordered round still sums, "
+             "an eager one on Gloo stops; a graphed one with deferred checks raises its "
+             "refusal a call later), or which reducer it is (the order the reducers were "
+             "built in)")
 """What a THC round's fingerprint covers, as :func:`check_rounds` names it."""
 
 

@@ -255,6 +255,11 @@ class BaseHook:
         self._built = 0
         """Reducers built so far (:meth:`_build`): the round of their agreement."""
         self._names = {id(p): n for n, p in model.named_parameters()}
+        self._compressed = {n: p.numel() * (2 if p.is_complex() else 1)
+                            for n, p in model.named_parameters()
+                            if p.requires_grad and not self._keep_fp32(p)}
+        """The length of each parameter the hook compresses, by name: what a loaded residual
+        may be the residual of."""
         self._positions = layer_positions(model)
         self.wants_positions = False
         """Subclasses set it to get each bucket's per-element layer positions in reduce."""
@@ -298,6 +303,13 @@ class BaseHook:
         self._comm = 0.0
         self._last_call = self._last_done = 0.0
         self._carried: dict[str, torch.Tensor] = {}
+        self._unused_seen = False
+        """Whether DDP may leave a parameter unused (``find_unused_parameters`` or
+        ``static_graph``): then a bucket's parameters no rank used keep their residuals
+        (:meth:`_keep_unused`)."""
+        self._accumulated: set[int] = set()
+        """Ids of the parameters a gradient accumulated into since their bucket's last
+        reduction (:meth:`_see_gradient`, while :attr:`_unused_seen`)."""
         """Per parameter name, a residual :meth:`load_state_dict` took that no bucket's
         reducer has taken yet."""
         self._layouts: dict[tuple, list[tuple[str, int]]] = {}
@@ -362,6 +374,17 @@ class BaseHook:
         residuals = checkpoint.residuals_of(state, kind)
         if self._residual_keys() or self._backwards:
             raise ValueError("a hook's state is loaded before its first step")
+        for name, r in residuals.items():
+            if name not in self._compressed:
+                raise ValueError(
+                    f"the state holds a residual of {name!r}, but the hook compresses no "
+                    f"parameter of that name (it is kept in FP32 or frozen, or named otherwise: "
+                    f"a hook built on the DDP wrapper names them 'module.'...): it would never "
+                    f"be applied; drop it from the state to go on without it")
+            if r.numel() != self._compressed[name]:
+                raise ValueError(f"the residual of {name!r} holds {r.numel()} elements, the "
+                                 f"parameter {self._compressed[name]}: a state of another "
+                                 f"model; drop it from the state to go on without it")
         self._carried = residuals
 
     def _residual_keys(self) -> list:
@@ -448,6 +471,8 @@ class BaseHook:
                              "through state_dict and load_state_dict)")
         ddp_model.register_comm_hook(None, self.hook)
         self._ddp = weakref.ref(ddp_model)
+        self._unused_seen = bool(getattr(ddp_model, "find_unused_parameters", False)
+                                 or getattr(ddp_model, "static_graph", False))
         handles = [ddp_model.register_forward_pre_hook(self._see_forward),
                    ddp_model.register_forward_hook(self._see_output)]
         handles += [p.register_post_accumulate_grad_hook(self._see_gradient)
@@ -463,6 +488,8 @@ class BaseHook:
         ``no_sync`` (no public call says whether a forward is in one)."""
         if torch.is_grad_enabled():
             synced = getattr(module, "require_backward_grad_sync", True)
+            if synced and self._synced:
+                self._accumulated.clear()   # a failed step's buckets, never reduced
             with self._stretch_lock:
                 if not synced and self._synced:
                     self._stretch += 1
@@ -496,6 +523,8 @@ class BaseHook:
     def _see_gradient(self, param) -> None:
         """A gradient accumulated (autograd's threads): a stretch whose outputs could not be
         seen counts, once."""
+        if self._unused_seen:
+            self._accumulated.add(id(param))
         if self._open:
             with self._stretch_lock:
                 if self._open and not self._synced:
@@ -523,6 +552,10 @@ class BaseHook:
         # a bucket is its parameters, not its index: DDP rebuilds its buckets after the
         # first iteration, and an index may then hold others (a residual would move to them)
         key = tuple(id(p) for p in params)
+        idle = None
+        if self._unused_seen:
+            idle = tuple(i not in self._accumulated for i in key)
+            self._accumulated.difference_update(key)
         with self._stats_lock:
             self._last_call = time.perf_counter()
         step, stretches = self._backwards, self._stretches
@@ -534,7 +567,7 @@ class BaseHook:
             # raised here, a refusal would leave DDP's reducer half-marked: every later step
             # then fails inside torch
             try:
-                fut.set_result(self._reduce_in_step(place, stretches, key, buf, spans))
+                fut.set_result(self._reduce_in_step(place, stretches, key, buf, spans, idle))
             except Exception as e:  # noqa: BLE001 - handed to DDP, which raises it
                 fut.set_exception(e)
             return _raising(fut)
@@ -551,12 +584,12 @@ class BaseHook:
                                   RuntimeError(f"the bucket's reduction ended in {error!r}"))
 
         chained = _raising(fut)
-        self._pool.submit(self._reduce_in_step, place, stretches, key, buf,
-                          spans).add_done_callback(finish)
+        self._pool.submit(self._reduce_in_step, place, stretches, key, buf, spans,
+                          idle).add_done_callback(finish)
         return chained
 
     def _reduce_in_step(self, place: tuple[int, int], stretches: int, bucket,
-                        buf: torch.Tensor, spans) -> torch.Tensor:
+                        buf: torch.Tensor, spans, idle=None) -> torch.Tensor:
         """:meth:`_reduce_bucket` in backward ``step`` (``place``: the step and DDP's index
         of the bucket), unless a bucket of that step failed:
         DDP raises then, and the buffers of the step's later buckets are the next step's
@@ -568,7 +601,7 @@ class BaseHook:
             raise RuntimeError(f"not reduced: an earlier bucket of backward {step} failed, "
                                f"so DDP raised and its later buckets are left alone")
         try:
-            return self._reduce_bucket(bucket, buf, spans, stretches, place)
+            return self._reduce_bucket(bucket, buf, spans, stretches, place, idle)
         except BaseException as e:
             self._failed_step = step
             named = _peer_gone(e, step)
@@ -583,11 +616,13 @@ class BaseHook:
         exception where this rank cannot split the bucket: every rank raises."""
         failure = spans if isinstance(spans, Exception) else None
         layout = () if failure else tuple((b - a, fp32) for a, b, fp32, _ in spans)
-        key = agreement.key_of(type(self).__name__, self.index, str(buf_dtype), layout)
+        key = agreement.key_of(type(self).__name__, self.index, str(buf_dtype), layout,
+                               self._unused_seen)
         self.bytes_sent += agreement.together(
             self.group, len(self._agreed), key, device, failure,
-            alike="the hook (its kind, which of the hooks built on the group it is, or the "
-                  "bucket's dtype, FP32 and compressed spans)")
+            alike="the hook (its kind, which of the hooks built on the group it is, the "
+                  "bucket's dtype, FP32 and compressed spans, or whether DDP finds unused "
+                  "parameters)")
         self._agreed.add(bucket)
 
     def _build(self, make: Callable, numel: int, device, bucket=None):
@@ -686,7 +721,9 @@ class BaseHook:
                 transport.abandon(why)
 
     def _reduce_bucket(self, bucket, buf: torch.Tensor, spans, stretches: int = 0,
-                       place: tuple[int, int] | None = None) -> torch.Tensor:
+                       place: tuple[int, int] | None = None, idle=None) -> torch.Tensor:
+        """``idle``: per parameter, whether no gradient accumulated into it on this rank
+        (None: DDP uses every parameter)."""
         start = time.perf_counter()
         if bucket not in self._agreed:
             self._agree_bucket(bucket, spans, buf.device, buf.dtype)   # raises on an error
@@ -718,14 +755,19 @@ class BaseHook:
                 self._abandon(f"a bucket of backward failed before its compressed round "
                               f"({type(e).__name__}: {e})")
                 raise
+            kept = self._idle_residuals(bucket, spans, idle)
             out = self.reduce(bucket, flat, [v.numel() for v in comp], position, stretches)
         try:
             i = 0
             for view in comp:
                 view.copy_(out[i: i + view.numel()])   # each reducer holds a half's range
                 i += view.numel()
-            if plain:
-                self._reduce_fp32(plain, place, stretches)
+            if plain or idle is not None:
+                used = None if idle is None else \
+                    [not was for was, span in zip(idle, spans) if not span[2]]
+                used = self._reduce_fp32(plain, place, stretches, used, buf.device)
+                if comp and used is not None:
+                    self._keep_unused(bucket, kept, used)
         except BaseException as e:
             # this rank's own failure: its peers wait in the FP32 spans' all-reduce, or go on
             # to their next collective or round, either of which would pair with its next
@@ -738,10 +780,36 @@ class BaseHook:
             self._last_done = end
         return buf
 
+    def _idle_residuals(self, bucket, spans, idle) -> dict[str, torch.Tensor | None]:
+        """Copies of the residuals of the bucket's compressed parameters no gradient
+        accumulated into on this rank (None: none kept yet), taken before their round."""
+        if idle is None:
+            return {}
+        idle = [was for was, span in zip(idle, spans) if not span[2]]
+        names = {name for (name, _), was in zip(self._layouts[bucket], idle) if was}
+        have = self._residuals(names)
+        return {name: have[name].clone() if name in have else None for name in names}
+
+    def _keep_unused(self, bucket, kept: dict, used: list[bool]) -> None:
+        """DDP leaves a parameter that no rank used as it was: the round's mean is not
+        applied to it, so its residual stays what it was before the round (its own
+        estimate, counted as applied, would be lost and taken off it again)."""
+        for (name, _), is_used in zip(self._layouts[bucket], used):
+            if is_used or name not in kept:
+                continue
+            live = self._residuals({name}).get(name)
+            if live is not None and kept[name] is not None:
+                live.copy_(kept[name])
+            elif live is not None:
+                live.zero_()
+
     def _reduce_fp32(self, plain: list[torch.Tensor], place: tuple[int, int] | None,
-                     stretches: int = 0) -> None:
+                     stretches: int = 0, used: list[bool] | None = None,
+                     device=None) -> list[bool] | None:
         """The mean of a bucket's FP32 spans, summed in float32 (float64 where the gradients
-        are) whatever the gradients' dtype. Lanes after them (:func:`agreement.sum_tags`)
+        are) whatever the gradients' dtype. ``used``: per compressed parameter, whether a
+        gradient accumulated into it on this rank; given, one lane each is summed too, and
+        the result says which any rank used. Lanes after them (:func:`agreement.sum_tags`)
         carry the hook, the bucket's place (``place``: the backward step and DDP's index of
         the bucket), the model's ``no_sync`` stretches (:meth:`reduce`) and the spans'
         length: where a rank's spans paired with another collective (a peer failed after a
@@ -750,20 +818,25 @@ class BaseHook:
         bucket with no compressed round to refuse it), every rank refuses the sum. The lanes
         are read on the host: on a GPU the hook's thread waits for the spans' sum."""
         n = sum(v.numel() for v in plain)
-        key = agreement.key_of("fp32 spans", self.index, place, stretches, n)
-        out = torch.empty(n + agreement.sum_tag_lanes(self.world), device=plain[0].device,
-                          dtype=torch.promote_types(plain[0].dtype, torch.float32))
+        k = 0 if used is None else len(used)
+        key = agreement.key_of("fp32 spans", self.index, place, stretches, n, k)
+        out = torch.empty(n + k + agreement.sum_tag_lanes(self.world),
+                          device=plain[0].device if plain else device,
+                          dtype=torch.promote_types(plain[0].dtype if plain else torch.float32,
+                                                    torch.float32))
         i = 0
         for view in plain:
             out[i: i + view.numel()].copy_(view)
             i += view.numel()
         out[:n] /= self.world   # before the sum, as DDP's own hook
-        agreement.sum_tags(key, self.world, out[n:])
+        if k:
+            out[n:n + k] = torch.tensor(used, dtype=out.dtype)
+        agreement.sum_tags(key, self.world, out[n + k:])
         DistTransport.check_group(self.group)   # a THC round left its peers mid-round
         dist.all_reduce(out, group=self.group)
         self.fp32_elements += n
         self.bytes_sent += ring_bytes(out, self.world)
-        if not agreement.sum_tags_agree(out[n:], key, self.world):
+        if not agreement.sum_tags_agree(out[n + k:], key, self.world):
             step, index = place if place is not None else ("?", "?")
             raise RuntimeError(f"the FP32 spans of backward {step}'s bucket {index} were "
                                f"summed with another collective of a peer rank (one that "
@@ -775,6 +848,7 @@ class BaseHook:
         for view in plain:
             view.copy_(out[i: i + view.numel()])
             i += view.numel()
+        return None if used is None else (out[n:n + k] > 0).tolist()
 
     def _count_round(self, reducer, stretches: int) -> None:
         """Move ``reducer``'s next round :data:`STRETCH_ROUNDS` ahead for each ``no_sync``
