@@ -103,3 +103,16 @@ def test_counts_that_measure_nothing_are_usage_errors(argv, message, capsys):
         parser.parse_args(argv)
     assert e.value.code == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["--aggregator", "sharded"], ["--loopback"]])
+def test_an_aggregator_link_factor_that_shapes_nothing_is_refused(argv, capsys):
+    """Taken and written into the JSON with no central aggregator, or no link, to shape."""
+    import argparse
+
+    from thc.emu import bench_allreduce
+    parser = argparse.ArgumentParser()
+    bench_allreduce.add_arguments(parser)
+    args = parser.parse_args(["--agg-bw-factor", "4", *argv])
+    assert bench_allreduce.run(args) == 2
+    assert "--agg-bw-factor" in capsys.readouterr().err

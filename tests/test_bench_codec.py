@@ -37,6 +37,16 @@ def test_the_ranks_parse_to_a_list_and_none_is_allowed():
     assert _parser().parse_args(["--ranks", ""]).ranks == []
 
 
+def test_a_repeat_given_wins_over_quicks(tmp_path):
+    """--quick cut a --repeat given to 2 without a word (its help said 5)."""
+    import json
+    out = tmp_path / "codec.json"
+    args = _parser().parse_args(["--quick", "--repeat", "3", "--sizes", "10", "--ranks", "",
+                                 "--no-reference", "--json", str(out)])
+    assert bench.run(args) == 0
+    assert json.loads(out.read_text())["repeat"] == 3
+
+
 def test_a_backend_that_cannot_run_on_the_device_is_a_clear_error(monkeypatch, capsys):
     """--backend triton on the CPU without Triton's interpreter raised its RuntimeError from
     the first measurement, outside run()'s checks: a traceback."""

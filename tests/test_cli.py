@@ -116,7 +116,9 @@ def test_the_bench_list_in_the_usage_is_the_benches_table(capsys):
      "thc bench allreduce: codec cpu 'bogus'"),
     (["bench", "dlcp", "--quick"], {"THC_CLIENT_DATAPATH": "bogus"},
      "thc bench dlcp: client datapath 'bogus'"),
-    (["nmse", "--quick"], {"THC_CODEC_CPU": "bogus"}, "thc nmse: codec cpu 'bogus'")])
+    (["nmse", "--quick"], {"THC_CODEC_CPU": "bogus"}, "thc nmse: codec cpu 'bogus'"),
+    (["bench", "kernels", "--device", "cpu", "--quick"],
+     {"THC_CODEC_CPU": "bogus", "TRITON_INTERPRET": "1"}, "thc bench kernels: codec cpu 'bogus'")])
 def test_bad_settings_and_flags_are_usage_errors_before_any_work(argv, env, message,
                                                                  monkeypatch, capsys, tmp_path):
     """A bad THC_* variable was a ValueError traceback; thc run's flags failed only once a

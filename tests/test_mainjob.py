@@ -545,7 +545,9 @@ def test_a_line_of_rank_0_that_only_looks_like_json_is_not_a_row():
     (["--modes", "fp32", "--loss-bound", "0.3"], "--loss-bound applies to thc-lossy, thc-dlcp"),
     (["--modes", "fp32,thc", "--bmv2-steps", "all"], "--bmv2-steps and --bmv2-timeout apply"),
     (["--modes", "fp32", "--bmv2-timeout", "60"], "--bmv2-steps and --bmv2-timeout apply"),
-    (["--modes", "fp32,thc,fp32"], "--modes names fp32 more than once")])
+    (["--modes", "fp32,thc,fp32"], "--modes names fp32 more than once"),
+    (["--modes", "fp32,thc-dist", "--software-lanes", "512"],
+     "--software-lanes applies to thc, thc-central")])
 def test_thc_run_refuses_flags_no_mode_reads_and_a_mode_twice(monkeypatch, capsys, tmp_path,
                                                               argv, said):
     """Each ran without a word: the bound or the BMv2 limits ignored, a mode trained twice."""

@@ -65,14 +65,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_common(parser)
     parser.add_argument("--workers", type=worker_counts, default="4",
                         help="comma-separated worker counts")
-    parser.add_argument("--chunks", type=positive_int, default=32768,
-                        help="chunks per worker and run")
+    parser.add_argument("--chunks", type=positive_int, default=None,
+                        help="chunks per worker and run (default 32768; 2048 with --quick)")
     parser.add_argument("--lanes", type=int, default=None, help="lanes per packet")
     parser.add_argument("--window", type=window_size, default=64,
                         help="chunks in flight per worker")
-    parser.add_argument("--repeat", type=odd_count, default=5,
-                        help="runs per server, taken in turns (the median run kept: an odd "
-                             "count)")
+    parser.add_argument("--repeat", type=odd_count, default=None,
+                        help="runs per server, taken in turns, the median run kept: an odd "
+                             "count (default 5; 1 with --quick)")
     parser.add_argument("--load", choices=("compiled", "python"), default="compiled",
                         help="who plays the workers: the compiled load generator (default) or "
                              "the Python client, one process per worker")
@@ -293,8 +293,8 @@ def run(args: argparse.Namespace) -> int:
     if not fastagg.available():
         print(f"thc bench aggregator: {fastagg.UNAVAILABLE}")
         return 2
-    chunks = 2048 if args.quick else args.chunks
-    repeat = 1 if args.quick else args.repeat
+    chunks = args.chunks if args.chunks is not None else 2048 if args.quick else 32768
+    repeat = args.repeat if args.repeat is not None else 1 if args.quick else 5
     procs = None if args.load == "python" else args.load_procs or 1
     rows = []
     print(f"aggregators vs UDP echoes, {lanes} lanes/packet, {chunks} chunks per worker, "

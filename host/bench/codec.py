@@ -67,8 +67,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sizes", default=None,
                         help="log2 sizes, e.g. 20-26 or 20,24 (default 20-26; 16 with --quick)")
     parser.add_argument("--size", type=positive_int, default=None, help="one size in elements")
-    parser.add_argument("--repeat", type=positive_int, default=5,
-                        help="runs per figure (median)")
+    parser.add_argument("--repeat", type=positive_int, default=None,
+                        help="runs per figure, the median kept (default 5; 2 with --quick)")
     THCParams.add_arguments(parser, seed=False)
     parser.add_argument("--configs", default="",
                         help="cuda only: kernel settings to replay the CUDA-graph rows under "
@@ -279,7 +279,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"thc bench codec: {e}", file=sys.stderr)
         return 2
     print(f"thc bench codec: {chosen.describe()}", file=sys.stderr)
-    repeat = min(args.repeat, 2) if args.quick else args.repeat
+    repeat = args.repeat if args.repeat is not None else 2 if args.quick else 5
     cuda = device.type == "cuda"
     reference = args.reference
     out = sys.stderr if args.json == "-" else sys.stdout

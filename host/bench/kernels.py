@@ -29,6 +29,7 @@ from thc.argtypes import non_negative_int, torch_device
 from thc.bench import add_common, emit_json
 from thc.bench.codec import parse_sizes
 from thc.bench.tiles import applied, parse_configs
+from thc.codec import settings
 from thc.codec.params import THCParams
 
 
@@ -187,6 +188,7 @@ def run(args: argparse.Namespace) -> int:
               f"{bad}; known: {tk.PRECISIONS}")
         return 2
     try:
+        settings.current()                  # a bad THC_* variable, before any kernel runs
         params = THCParams.from_args(args, **({"slice_size": 1 << 10} if args.quick else {}))
         sizes = parse_sizes(args.sizes or ("12" if args.quick else "20,23,26"))
         err_log = args.error_size if args.error_size is not None else \

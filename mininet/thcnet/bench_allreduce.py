@@ -268,6 +268,9 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"thc bench allreduce: {e}", file=sys.stderr)
         return 2
+    if why := testbed.agg_bw_conflict(args, central="central" in args.aggregator):
+        print(f"thc bench allreduce: {why}", file=sys.stderr)
+        return 2
     want_bmv2 = "bmv2" in args.aggregator
     soft = [a for a in args.aggregator if a != "bmv2"]
     agg_bw_factor = args.agg_bw_factor or 1.0

@@ -290,9 +290,9 @@ class MininetTestbed(Testbed):
         return int(_read(f"{base}/rx_bytes")), int(_read(f"{base}/tx_bytes"))
 
     def wire_bytes(self) -> dict[int, tuple[int, int]]:
-        """Per worker (tx, rx) bytes on its link, read at the switch end of the veth pair
-        (the worker's transmit is the switch port's receive), so a packet dropped by the
-        worker's own queue is not counted: these are bytes that crossed the wire."""
+        """Per worker (tx, rx) bytes on its link, as :meth:`switch_port_counters` reads them
+        at the switch's port (the worker's transmit is the port's receive): the shapers'
+        counts on shaped links, else the port's veth counters."""
         out = {}
         for r in range(self.n_workers):
             rx, tx = self.switch_port_counters(r + 1)

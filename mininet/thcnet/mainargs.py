@@ -159,6 +159,11 @@ def check_args(args: argparse.Namespace, modes: list[str]) -> str | None:
         return (f"--bmv2-steps and --bmv2-timeout apply to "
                 f"{', '.join(m for m in MODES if MODES[m].aggregator == 'bmv2')}, which "
                 f"--modes does not name")
+    software = ("software", "sharded")
+    if args.software_lanes and not any(MODES[m].aggregator in software for m in modes):
+        return (f"--software-lanes applies to "
+                f"{', '.join(m for m in MODES if MODES[m].aggregator in software)}, which "
+                f"--modes does not name")
     if not 2 <= args.workers <= MAX_TESTBED_WORKERS:
         return (f"--workers {args.workers}: the modes compare gradient exchanges, which take "
                 f"2..{MAX_TESTBED_WORKERS} workers (one exchanges nothing: its times and "

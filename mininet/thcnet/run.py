@@ -40,7 +40,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if why := testbed.loopback_conflict(args):
+    why = testbed.loopback_conflict(args) or \
+        testbed.agg_bw_conflict(args, central=args.aggregator == "central")
+    if why:
         print(f"thc.emu.run: {why}", file=sys.stderr)
         return 2
 

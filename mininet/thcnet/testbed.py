@@ -185,6 +185,18 @@ def loopback_conflict(args: argparse.Namespace) -> str | None:
     return None
 
 
+def agg_bw_conflict(args: argparse.Namespace, central: bool) -> str | None:
+    """Why ``--agg-bw-factor`` would shape nothing (None: it shapes the central aggregator's
+    link): no central aggregator runs (``central`` false), or no link is shaped."""
+    if getattr(args, "agg_bw_factor", None) is None:
+        return None
+    if not central:
+        return "--agg-bw-factor shapes the central aggregator's link, and none runs here"
+    if getattr(args, "loopback", False) or not getattr(args, "bw", None):
+        return "--agg-bw-factor scales --bw on emulated links: give --bw, without --loopback"
+    return None
+
+
 def add_job_arguments(parser: argparse.ArgumentParser, *, lanes: int | None,
                       pool_size: int | None, window: int | None) -> None:
     """The testbed job's shape and the workers' window (each argument: the flag's default;
