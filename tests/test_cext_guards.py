@@ -33,10 +33,10 @@ TABLE = np.arange(16, dtype=np.uint32).tobytes()
 TIMING = (0.02, 0.05, 0.3, 3, 4, 3, 256)
 
 
-def _datapath():
+def _datapath(max_lanes: int = P.MAX_LANES):
     return cext._fastagg.Datapath(cext.TYPE_CODES,
                                   [int(P.DropReason[r]) for r in cext._fastagg.REASONS],
-                                  P.MAX_LANES, P.SEQ_RESET, P.RUN_JUMP, 60.0, False, False)
+                                  max_lanes, P.SEQ_RESET, P.RUN_JUMP, 60.0, False, False)
 
 
 def _udp():
@@ -51,6 +51,15 @@ def test_a_lane_count_whose_result_size_wraps_is_refused():
     with pytest.raises(ValueError, match="outside what the compiled datapath holds"):
         dp.install(7, 1, 1, 1 << 27, 16, list(range(16)), [(LOOPBACK, 40000)], False, 1, 0, 1)
     dp.install(7, 1, 1, P.LANES, 16, list(range(16)), [(LOOPBACK, 40000)], False, 1, 0, 1)
+
+
+@pytest.mark.parametrize("max_lanes", [0, (1 << 30) + 1, (1536 - 28) // 4 + 1])
+def test_a_max_lane_count_whose_reply_outgrows_its_buffer_is_refused(max_lanes):
+    """2^30 + 1 lanes: 4 x max_lanes wrapped in the range check, and a 4-byte MAX payload was
+    taken whole, read and answered 2^30 lanes past its buffers."""
+    with pytest.raises(ValueError, match="max_lanes out of range"):
+        _datapath(max_lanes)
+    _datapath((1536 - 28) // 4)
 
 
 def test_a_source_port_or_address_beyond_its_field_is_refused_not_cut():
@@ -76,7 +85,7 @@ def test_an_installed_address_or_epoch_beyond_its_field_is_refused_not_cut():
     dp.install(*args, [(LOOPBACK, 40000)], False, 1, 0, 1 << 16)
 
 
-def _stream(pool: int, is_data: bool, chunk: bytes, lanes: int, agg=None):
+def _stream(pool: int, is_data: bool, chunk: bytes, lanes: int, agg=None, out=None):
     cl, ag = _udp(), _udp()
     try:
         kind = (P.PktType.DATA, P.PktType.RESULT) if is_data else (P.PktType.MAX,
@@ -84,7 +93,7 @@ def _stream(pool: int, is_data: bool, chunk: bytes, lanes: int, agg=None):
         header = (int(kind[0]), int(kind[1]), int(P.PktType.PENDING), 0, int(is_data), 0, 9,
                   pool, 77, 0, 0, lanes, 2, int(P.PktType.REFUSED), P.MAX_LANE_TOP, 0x1234,
                   (0, 0xFFFF0000, 0), TABLE, False)
-        out = np.zeros((1, lanes), np.uint32)
+        out = np.zeros((1, lanes), np.uint32) if out is None else out
         return cext._fastagg.stream(cl.fileno(), header, np.frombuffer(chunk, np.uint8),
                                     len(chunk), [agg or (LOOPBACK, ag.getsockname()[1])], [None], 1,
                                     TIMING, [None], [0.0], out, 4, 4 * lanes, False)
@@ -113,6 +122,12 @@ def test_a_max_round_whose_lanes_overrun_its_chunks_is_refused():
     """A 4-byte MAX chunk said to hold 64 lanes: its own values were read past the chunk."""
     with pytest.raises(ValueError, match="stream: bad arguments"):
         _stream(4, False, bytes(4), 64)
+
+
+def test_sums_written_at_an_address_unlike_their_size_are_refused():
+    """The sums are written through 16- and 32-bit pointers: an odd address is undefined."""
+    with pytest.raises(ValueError, match="stream: bad arguments"):
+        _stream(4, True, bytes(8), 16, out=memoryview(bytearray(4 * 16 + 1))[1:])
 
 
 @pytest.mark.parametrize("rto,deadline", [(0.5, float("nan")), (float("nan"), 1.0),

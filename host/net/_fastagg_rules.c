@@ -147,7 +147,7 @@ static int process(Datapath *dp, const uint8_t *d, size_t len, uint32_t sip, uin
     if (!j) return drop(dp, UNKNOWN_JOB);
     int is_max = type == dp->types[T_MAX], is_flush = type == dp->types[T_FLUSH];
     size_t plen = len - HDR;
-    if (plen != (size_t)(is_max ? 4 * dp->max_lanes : is_flush ? 0 : j->data_bytes))
+    if (plen != (is_max ? 4 * (size_t)dp->max_lanes : is_flush ? 0 : (size_t)j->data_bytes))
         return drop(dp, BAD_LANES);
     int n = j->n;
     uint32_t pool = (uint32_t)j->pool;

@@ -59,7 +59,7 @@ static int dp_init(Datapath *dp, PyObject *args, PyObject *kw) {
         dp->reason_code[r] = (uint8_t)v;
     }
     Py_DECREF(seq);
-    if (max_lanes < 1 || HDR + 4 * max_lanes > OUT_BYTES) {
+    if (max_lanes < 1 || max_lanes > (OUT_BYTES - HDR) / 4) { /* no product that overflows */
         PyErr_SetString(PyExc_ValueError, "max_lanes out of range");
         return -1;
     }

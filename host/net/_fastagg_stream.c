@@ -669,6 +669,7 @@ static int cl_configure(Client *c, PyObject *hdr, Py_ssize_t chunks_len, Py_ssiz
         chunks_len % chunk_bytes || HDR + chunk_bytes > CL_OUT_BYTES || lanes < 1 ||
         expect_payload % lanes || (wire_bytes != 1 && wire_bytes != 2 && wire_bytes != 4) ||
         (out_itemsize != 2 && out_itemsize != 4) || out_itemsize < wire_bytes ||
+        (uintptr_t)c->out % (uintptr_t)out_itemsize || /* written through typed pointers */
         n_workers < 1 || n_workers > MAX_WORKERS || worker < 0 || worker > 255 ||
         c->silent_after < 1 || c->silent_after > 64 || c->recv_batch < 1 ||
         lut_len != sizeof c->lut ||
