@@ -249,25 +249,29 @@ def _remove(sw: Switch, args: argparse.Namespace) -> None:
         print(f"removed the leftover entries of job {args.job} (it had no thc_job entry)")
 
 
-def _listing(sw: Switch) -> tuple[dict, dict, dict, dict]:
-    """The installed jobs, leftovers, conflicts and worker entries a job, read table by
-    table."""
+def _listing(sw: Switch) -> tuple[dict, dict, dict, dict, list]:
+    """The installed jobs, leftovers, conflicts, worker entries a job and stray multicast
+    groups, read table by table."""
     held = installed.installed_jobs(sw)
     return (held, installed.leftovers(sw), installed.conflicts(sw),
-            {jid: len(installed.worker_entries_of(sw, jid)) for jid in held})
+            {jid: len(installed.worker_entries_of(sw, jid)) for jid in held},
+            installed.stray_groups(sw))
 
 
 def _jobs(sw: Switch, args: argparse.Namespace) -> None:
-    held, left, wrong, live = first = _listing(sw)
-    if left or wrong or any(live[j] != cfg["n_workers"] for j, cfg in held.items()):
+    held, left, wrong, live, stray = first = _listing(sw)
+    if left or wrong or stray or any(live[j] != cfg["n_workers"] for j, cfg in held.items()):
         # tables read while another controller writes disagree for a moment: read again
-        held, left, wrong, live = second = _listing(sw)
+        held, left, wrong, live, stray = second = _listing(sw)
         if second != first:
             print("the switch changed while it was read (another controller is writing?): "
                   "this is a second read, which may be mid-change too; run `jobs` again once "
                   "that controller is done")
     if not held:
         print("no jobs installed")
+    for group in stray:
+        print(f"multicast group {group}: named by no job (an install stopped part-way); the "
+              f"next install deletes it")
     for jid, tables in sorted(left.items()):
         print(f"job {jid}: NOT installed, but entries of it remain in {', '.join(tables)} "
               f"(an install or remove stopped part-way); `remove --job {jid}` deletes them")

@@ -167,6 +167,15 @@ def conflicts(sw: Switch) -> dict[int, list[str]]:
     return out
 
 
+def stray_groups(sw: Switch) -> list[int]:
+    """Multicast groups no job's entry names. A swap of two jobs' groups cut short keeps the
+    rewritten job's old group for the job about to take it; given another group later, that
+    job leaves it behind. Nothing is multicast through one (a job's entry names its group
+    before the group is written); the next install of a cluster deletes them."""
+    named = {cfg["mcast_grp"] for cfg in installed_jobs(sw).values()}
+    return sorted(set(sw.multicast_groups()) - named)
+
+
 def leftovers(sw: Switch) -> dict[int, list[str]]:
     """{job_id: short names of the tables holding its entries} of job ids without a thc_job
     entry: what an install or a remove cut short left (a controller older than the job entry

@@ -24,8 +24,8 @@ import warnings
 from thc.controller import counters, forwarding
 from thc.controller.frames import reset_frame
 from thc.controller.installed import (entries_of, install_epochs, installed_configs,
-                                      installed_jobs, leftovers, lut_tables, unchanged,
-                                      worker_macs)
+                                      installed_jobs, leftovers, lut_tables, stray_groups,
+                                      unchanged, worker_macs)
 from thc.controller.job_checks import (check_agg, check_beside_agg, check_job, check_room,
                                        check_routes, config_of, free_index, pools_overlap)
 from thc.controller.job_entries import (AggAddress, addr_entries, delete, install_entry,
@@ -436,4 +436,6 @@ def install_cluster(sw: Switch, cluster: Cluster, prune: bool = False, force: bo
                 raise
             raise SwitchError(f"{e}. Jobs {rest}, to be written after it, have no worker "
                               f"entries either: install the cluster again") from e
+    for group in stray_groups(sw):
+        sw.delete_multicast_group(group)
     return index

@@ -477,12 +477,13 @@ class Switch:
         import grpc
         from p4runtime_sh import shell as sh
         from p4runtime_sh.p4runtime import P4RuntimeWriteException
+        from p4runtime_sh.utils import UserError
         self._require()
-        entry = sh.MulticastGroupEntry(group)
-        for port, instance in replicas:
-            entry.add(port, instance)
         clear = self.target is not None and self.target.keeps_groups_across_push
         try:
+            entry = sh.MulticastGroupEntry(group)
+            for port, instance in replicas:
+                entry.add(port, instance)
             held = self.multicast_groups()
             if held.get(group) or (group in held and not clear):
                 self._require()
@@ -497,6 +498,8 @@ class Switch:
                 step()
         except (P4RuntimeWriteException, grpc.RpcError) as e:   # the latter: the deadline
             raise SwitchError(f"multicast group {group}: {_why(e)}") from None
+        except (UserError, ValueError) as e:   # the shell's own refusals (group 0, -1)
+            raise SwitchError(f"multicast group {group}: {e}") from None
 
     def delete_multicast_group(self, group: int) -> bool:
         """Delete a multicast group; False when it did not exist."""

@@ -193,6 +193,34 @@ def test_jobs_that_swap_multicast_groups_keep_both(sw):
     assert {1, 2, 7} <= set(sw.multicast_groups())
 
 
+def test_a_group_a_swap_cut_short_left_is_listed_and_deleted_by_the_next_install(
+        sw, monkeypatch, capsys):
+    """The swap stops after the first job is rewritten: its old group is kept for the second
+    job, about to take it. Given another group by the next install, the second job left that
+    group on the switch, named by no job and by no listing."""
+    a, b = make_job(1), make_job(2, pool_base=8)
+    jobs.install_cluster(sw, cluster(a, b))
+    a2, b2 = replace(a, mcast_grp=2), replace(b, mcast_grp=1)
+    write = jobs._write_job
+
+    def first_only(sw_, job, *args):
+        if job.job_id == 2:
+            raise SwitchError("the switch stopped answering")
+        return write(sw_, job, *args)
+    monkeypatch.setattr(jobs, "_write_job", first_only)
+    with pytest.raises(SwitchError, match="stopped answering"):
+        jobs.install_cluster(sw, cluster(a2, b2), live_window=IDLE)
+    monkeypatch.setattr(jobs, "_write_job", write)
+    assert sw.multicast_groups().keys() == {1, 2}
+    b3 = replace(b, mcast_grp=3)
+    jobs.install_job(sw, b3, job_entries.AggAddress.of(cluster(a2, b3)), live_window=IDLE)
+    assert installed.stray_groups(sw) == [1]
+    assert thc_controller(sw.device, monkeypatch, "jobs") == 0
+    assert "multicast group 1: named by no job" in capsys.readouterr().out
+    jobs.install_cluster(sw, cluster(a2, b3), live_window=IDLE)
+    assert installed.stray_groups(sw) == [] and sw.multicast_groups().keys() == {2, 3}
+
+
 def test_a_program_compiled_for_other_slots_is_refused(sw, monkeypatch):
     """A stale program with fewer slots took a job beyond its registers: that job's
     workers were never answered, and nothing was counted."""

@@ -9,7 +9,7 @@ packets, yet BMv2 is absent on most machines. :class:`MemorySwitch` is controlle
 
 * table entries, multicast groups and counter cells, each update checked against the P4Info
   as BMv2's P4Runtime server checks it (controller/testing/entry_checks.py), with its
-  per-update errors (ALREADY_EXISTS, NOT_FOUND, RESOURCE_EXHAUSTED for a full table);
+  per-update errors (ALREADY_EXISTS, NOT_FOUND, and for a full table BMv2's UNKNOWN);
 * ``log``: every write, counter reset and packet-out in order;
 * RESET packet-outs run as p4src/thc.p4 runs them: a RESET of the install the job's
   thc_install entry names clears the job's slot inside its pool (``slot_resets``;
@@ -97,7 +97,8 @@ class MemoryDevice:
         if op != "INSERT" and key not in table:
             raise Refused(code_pb2.NOT_FOUND, f"{name}: no entry {key}")
         if op == "INSERT" and len(table) >= self.checker.sizes[tid]:
-            raise Refused(code_pb2.RESOURCE_EXHAUSTED, f"{name} is full")
+            raise Refused(code_pb2.UNKNOWN, f"Error when adding match entry to target "
+                                            f"({name} is full)")
         if op == "DELETE":
             del table[key]
         else:
@@ -127,9 +128,14 @@ class MemoryDevice:
         # BMv2's pre refuses ids from 32768, Tofino's takes 16 bits
         target = targets.of_p4info(self.p4info) if self.p4info is not None else None
         top = (target or targets.TARGETS["bmv2"]).max_mcast_group
-        if not 0 < group <= top or any(not 0 <= port < 1 << 9 for port, _ in replicas):
-            raise SwitchError(f"multicast group {group}: INVALID_ARGUMENT (ids 1..{top}, "
-                              f"9-bit ports)")
+        if group <= 0:
+            raise SwitchError(f"multicast group {group}: {group} is not a valid group_id for "
+                              f"MulticastGroupEntry")
+        if group > top:
+            raise SwitchError(f"multicast group {group}: OUT_OF_RANGE 'Group id value is too "
+                              f"high' (ids 1..{top})")
+        if any(not 0 <= port < 1 << 9 for port, _ in replicas):
+            raise SwitchError(f"multicast group {group}: INVALID_ARGUMENT (9-bit ports)")
         self.groups[group] = replicas
         self.log.append(Event("GROUP_SET", group, frozenset(replicas)))
 

@@ -90,6 +90,31 @@ def test_exists_and_not_found_answer_alike(sw, mem):
     assert codes[0] == codes[1] == ["ALREADY_EXISTS", "NOT_FOUND", "NOT_FOUND"]
 
 
+def test_a_full_table_and_groups_out_of_range_are_refused_alike(sw, mem):
+    """The fake answered a full table RESOURCE_EXHAUSTED, BMv2 UNKNOWN; a group id past the
+    top INVALID_ARGUMENT, BMv2 OUT_OF_RANGE; and group 0 escaped the switch's errors (the
+    shell's own UserError) on BMv2 alone."""
+    from thc.wire import protocol as P
+    said = []
+    for s in (sw, mem):
+        held = set(installed.installed_jobs(s))
+        fill = [raw_job_entry(s, 5000 + j) for j in range(P.MAX_JOBS - len(held))]
+        s.write_entries("INSERT", fill)
+        try:
+            with pytest.raises(SwitchError) as full:
+                s.write_entries("INSERT", [raw_job_entry(s, 6000)])
+        finally:
+            s.write_entries("DELETE", fill, ignore=["NOT_FOUND"])
+        groups = []
+        for group in (40000, 0):
+            with pytest.raises(SwitchError) as e:
+                s.set_multicast_group(group, [(0, 1)])
+            groups.append(str(e.value))
+        said.append((_code(full.value), "OUT_OF_RANGE" in groups[0],
+                     "0 is not a valid group_id" in groups[1]))
+    assert said[0] == said[1] == ("UNKNOWN", True, True)
+
+
 def test_bad_resets_are_counted_alike(bmv2, sw, mem):
     job = bmv2.make_job(next(_ids), 2, pool_size=4)
     agg = job_entries.AggAddress(AGG_IP, AGG_MAC)
