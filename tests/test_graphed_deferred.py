@@ -430,6 +430,29 @@ def test_the_watchdog_outlives_a_failing_query_and_a_failing_action():
     assert expired[1:] == ["round 2"]
 
 
+def test_a_round_waited_for_past_its_deadline_is_watched(monkeypatch):
+    """Without deferred checks the wait raised TimeoutError and nothing watched the stuck
+    stream: a loop that caught the error went on to wait on it for ever. (The CUDA event
+    and stream stand in: this runs where no GPU is.)"""
+    from thc.collective import replay
+
+    class Stuck:
+        def record(self, stream):
+            pass
+
+        def query(self):
+            return False
+    monkeypatch.setattr(torch.cuda, "Event", Stuck)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device: None)
+    watched = []
+    monkeypatch.setattr(watchdog.SHARED, "watch", lambda *a: watched.append(a))
+    with pytest.raises(TimeoutError, match="round 4 replayed from a CUDA graph did not finish"):
+        replay.await_stream(torch.device("cuda"), 4, 0.01)
+    ((event, deadline, what),) = watched
+    assert isinstance(event, replay.OnDevice) and deadline > time.monotonic()
+    assert what == replay.late(4, 0.01)
+
+
 def test_the_watchdog_ends_the_process_with_the_rounds_name():
     code = ("import time\nfrom thc.collective import watchdog\n"
             "class E:\n    query = lambda self: False\n"

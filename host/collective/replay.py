@@ -56,10 +56,18 @@ def await_done(done, start: float, rnd: int, timeout: float) -> None:
 
 
 def await_stream(device: torch.device, rnd: int, timeout: float) -> None:
-    """Wait, with the deadline, for what the current stream of ``device`` has queued."""
+    """Wait, with the deadline, for what the current stream of ``device`` has queued. Past
+    it the stream is watched as a deferred round is: a loop that catches the TimeoutError
+    and goes on would otherwise wait on the stuck stream without a word."""
     done = torch.cuda.Event()
     done.record(torch.cuda.current_stream(device))
-    await_done(done, time.monotonic(), rnd, timeout)
+    start = time.monotonic()
+    try:
+        await_done(done, start, rnd, timeout)
+    except TimeoutError:
+        watchdog.SHARED.watch(OnDevice(done, device), start + timeout + watchdog.GRACE,
+                              late(rnd, timeout))
+        raise
 
 
 def defer(report: torch.Tensor, host: torch.Tensor, rnd: int, timeout: float) -> Pending:
