@@ -187,6 +187,10 @@ def test_a_hooks_state_is_loaded_before_its_first_step_and_into_its_own_kind(alo
                                          "parameter 10"):
         HOOKS["topk"](model).load_state_dict({"hook": "TopKHook",
                                               "residuals": {"2.bias": torch.zeros(11)}})
+    frozen = _model()
+    frozen[0].weight.requires_grad_(False)   # unfrozen before DDP wraps it: compressed then
+    HOOKS["topk"](frozen).load_state_dict({"hook": "TopKHook",
+                                           "residuals": {"0.weight": torch.zeros(40 * 300)}})
     _steps(ddp, model, [torch.ones(2, 40)])
     with pytest.raises(ValueError, match="before its first step"):
         hook.load_state_dict(hook.state_dict())

@@ -256,8 +256,7 @@ class BaseHook:
         """Reducers built so far (:meth:`_build`): the round of their agreement."""
         self._names = {id(p): n for n, p in model.named_parameters()}
         self._compressed = {n: p.numel() * (2 if p.is_complex() else 1)
-                            for n, p in model.named_parameters()
-                            if p.requires_grad and not self._keep_fp32(p)}
+                            for n, p in model.named_parameters() if not self._keep_fp32(p)}
         """The length of each parameter the hook compresses, by name: what a loaded residual
         may be the residual of."""
         self._positions = layer_positions(model)
@@ -378,7 +377,7 @@ class BaseHook:
             if name not in self._compressed:
                 raise ValueError(
                     f"the state holds a residual of {name!r}, but the hook compresses no "
-                    f"parameter of that name (it is kept in FP32 or frozen, or named otherwise: "
+                    f"parameter of that name (it is kept in FP32, or named otherwise: "
                     f"a hook built on the DDP wrapper names them 'module.'...): it would never "
                     f"be applied; drop it from the state to go on without it")
             if r.numel() != self._compressed[name]:
@@ -742,6 +741,7 @@ class BaseHook:
                 at += n
         # the compressed part first: its round checks that every rank is reducing this
         # bucket; the FP32 spans' all-reduce checks nothing (unlike lengths abort Gloo)
+        used = None
         if comp:
             try:
                 flat = comp[0] if len(comp) == 1 else torch.cat(comp)
@@ -749,25 +749,26 @@ class BaseHook:
                 if self.wants_positions:
                     position = torch.cat([torch.full((b - a,), pos)
                                           for a, b, fp32, pos in spans if not fp32])
+                if idle is not None:
+                    idle = [was for was, span in zip(idle, spans) if not span[2]]
+                    used = self._used_here(comp, idle)
             except BaseException as e:
                 # this rank's own failure before its round went out: its peers wait in that
                 # round, which its next (a step later, if it goes on) would pair with
                 self._abandon(f"a bucket of backward failed before its compressed round "
                               f"({type(e).__name__}: {e})")
                 raise
-            kept = self._idle_residuals(bucket, spans, idle)
+            kept = self._idle_residuals(bucket, idle)
             out = self.reduce(bucket, flat, [v.numel() for v in comp], position, stretches)
         try:
             i = 0
             for view in comp:
                 view.copy_(out[i: i + view.numel()])   # each reducer holds a half's range
                 i += view.numel()
-            if plain or idle is not None:
-                used = None if idle is None else \
-                    [not was for was, span in zip(idle, spans) if not span[2]]
-                used = self._reduce_fp32(plain, place, stretches, used, buf.device)
-                if comp and used is not None:
-                    self._keep_unused(bucket, kept, used)
+            if plain or used is not None:
+                anywhere = self._reduce_fp32(plain, place, stretches, used, buf.device)
+                if anywhere is not None:
+                    self._keep_unused(bucket, kept, anywhere, comp)
         except BaseException as e:
             # this rank's own failure: its peers wait in the FP32 spans' all-reduce, or go on
             # to their next collective or round, either of which would pair with its next
@@ -780,23 +781,33 @@ class BaseHook:
             self._last_done = end
         return buf
 
-    def _idle_residuals(self, bucket, spans, idle) -> dict[str, torch.Tensor | None]:
+    @staticmethod
+    def _used_here(comp: list[torch.Tensor], idle: list[bool]) -> torch.Tensor:
+        """Per compressed parameter, 1 where this rank used it: a gradient accumulated into
+        it, or its span holds one (DDP copies in what no hook of this step saw: a gradient of
+        ``no_sync`` steps, a joined rank's shadow); computed on the device."""
+        one = torch.ones((), dtype=torch.bool, device=comp[0].device)
+        return torch.stack([v.ne(0).any() if was else one for v, was in zip(comp, idle)])
+
+    def _idle_residuals(self, bucket, idle) -> dict[str, torch.Tensor | None]:
         """Copies of the residuals of the bucket's compressed parameters no gradient
         accumulated into on this rank (None: none kept yet), taken before their round."""
         if idle is None:
             return {}
-        idle = [was for was, span in zip(idle, spans) if not span[2]]
         names = {name for (name, _), was in zip(self._layouts[bucket], idle) if was}
         have = self._residuals(names)
         return {name: have[name].clone() if name in have else None for name in names}
 
-    def _keep_unused(self, bucket, kept: dict, used: list[bool]) -> None:
-        """DDP leaves a parameter that no rank used as it was: the round's mean is not
-        applied to it, so its residual stays what it was before the round (its own
-        estimate, counted as applied, would be lost and taken off it again)."""
-        for (name, _), is_used in zip(self._layouts[bucket], used):
+    def _keep_unused(self, bucket, kept: dict, used: list[bool], comp) -> None:
+        """A parameter no rank used had no gradient anywhere: its exact mean is 0, and DDP may
+        apply what the bucket holds (a joined rank's shadow step, a gradient that is the
+        bucket's view) or leave the parameter as it was. The bucket gets 0 and the residual
+        stays what it was before the round, so that either way no mass is lost or counted
+        twice (the estimate, counted as applied, had been taken off the residual)."""
+        for (name, _), is_used, view in zip(self._layouts[bucket], used, comp):
             if is_used or name not in kept:
                 continue
+            view.zero_()
             live = self._residuals({name}).get(name)
             if live is not None and kept[name] is not None:
                 live.copy_(kept[name])
@@ -804,12 +815,12 @@ class BaseHook:
                 live.zero_()
 
     def _reduce_fp32(self, plain: list[torch.Tensor], place: tuple[int, int] | None,
-                     stretches: int = 0, used: list[bool] | None = None,
+                     stretches: int = 0, used: torch.Tensor | None = None,
                      device=None) -> list[bool] | None:
         """The mean of a bucket's FP32 spans, summed in float32 (float64 where the gradients
-        are) whatever the gradients' dtype. ``used``: per compressed parameter, whether a
-        gradient accumulated into it on this rank; given, one lane each is summed too, and
-        the result says which any rank used. Lanes after them (:func:`agreement.sum_tags`)
+        are) whatever the gradients' dtype. ``used``: per compressed parameter, whether this
+        rank used it (:meth:`_used_here`); given, one lane each is summed too, and the
+        result says which any rank used. Lanes after them (:func:`agreement.sum_tags`)
         carry the hook, the bucket's place (``place``: the backward step and DDP's index of
         the bucket), the model's ``no_sync`` stretches (:meth:`reduce`) and the spans'
         length: where a rank's spans paired with another collective (a peer failed after a
@@ -818,7 +829,7 @@ class BaseHook:
         bucket with no compressed round to refuse it), every rank refuses the sum. The lanes
         are read on the host: on a GPU the hook's thread waits for the spans' sum."""
         n = sum(v.numel() for v in plain)
-        k = 0 if used is None else len(used)
+        k = 0 if used is None else used.numel()
         key = agreement.key_of("fp32 spans", self.index, place, stretches, n, k)
         out = torch.empty(n + k + agreement.sum_tag_lanes(self.world),
                           device=plain[0].device if plain else device,
@@ -830,7 +841,7 @@ class BaseHook:
             i += view.numel()
         out[:n] /= self.world   # before the sum, as DDP's own hook
         if k:
-            out[n:n + k] = torch.tensor(used, dtype=out.dtype)
+            out[n:n + k] = used
         agreement.sum_tags(key, self.world, out[n + k:])
         DistTransport.check_group(self.group)   # a THC round left its peers mid-round
         dist.all_reduce(out, group=self.group)
