@@ -234,25 +234,12 @@ def test_a_size_new_to_every_worker_is_agreed_where_rounds_are_not():
         assert out[2] == pytest.approx(3.0, abs=0.2), out
 
 
-def _backend_worker(rank, port, q):
+def _option_worker(option: str, values: tuple, rank, port, q):
+    """One round whose reducer takes ``option`` as ``values[rank]``: its mean, or the error."""
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=2)
     ar = THCAllReduce.through_torch_distributed(params=THCParams(slice_size=256),
-                                                generator=rank,
-                                                backend="reference" if rank else "compiled")
-    try:
-        q.put((rank, float(ar(torch.ones(1024)).mean())))
-    except RuntimeError as e:
-        q.put((rank, str(e)))
-    dist.destroy_process_group()
-
-
-def _nonfinite_worker(rank, port, q):
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=2)
-    ar = THCAllReduce.through_torch_distributed(params=THCParams(slice_size=256),
-                                                generator=rank,
-                                                nonfinite="propagate" if rank else "raise")
+                                                generator=rank, **{option: values[rank]})
     try:
         q.put((rank, float(ar(torch.ones(1024)).mean())))
     except RuntimeError as e:
@@ -262,7 +249,7 @@ def _nonfinite_worker(rank, port, q):
 
 def test_workers_unlike_in_their_nonfinite_mode_are_told_so():
     """Their rounds' fingerprints differ: the refusal named every cause but that one."""
-    res = gloo_pair(_nonfinite_worker)
+    res = gloo_pair(functools.partial(_option_worker, "nonfinite", ("raise", "propagate")))
     assert all("their nonfinite mode" in str(res[r]) for r in (0, 1)), res
 
 
@@ -296,7 +283,7 @@ def test_a_worker_whose_backend_cannot_run_fails_at_once_and_so_does_its_peer():
 def test_workers_decoding_on_different_backends_refuse():
     """The compiled and the reference decode differ in their last bits: workers on different
     backends returned different means of the same sums, and DDP's replicas drifted apart."""
-    res = gloo_pair(_backend_worker)
+    res = gloo_pair(functools.partial(_option_worker, "backend", ("compiled", "reference")))
     assert all("their codec backend" in str(res[r]) for r in (0, 1)), res
 
 
