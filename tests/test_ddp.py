@@ -288,6 +288,8 @@ SCHEDULES = {
     # rank 1 runs out of batches (join): its shadow steps reuse its last use of b
     "join": [[(False, (True, False), True)], [(False, (False, True), True)],
              [(False, (False, None), True)], [(False, (True, None), True)]],
+    # no zero_grad between synced steps: b keeps the gradient of step 1 in the next two
+    "stale": [[(False, u, True)] for u in ((True, True), (False, False), (False, False))],
 }
 """How head ``b`` is used, step by step; None: the rank has joined."""
 
@@ -321,8 +323,9 @@ def _unused_worker(kind, overlap, schedule, view, rank, port, q):
         for step in SCHEDULES[schedule]:
             if step[0][1][rank] is None:
                 break
-            model.zero_grad(set_to_none=not view)   # a gradient that is the bucket's view
-            plain.zero_grad()
+            if schedule != "stale":
+                model.zero_grad(set_to_none=not view)   # a gradient that is the bucket's view
+                plain.zero_grad()
             for alone, uses, backward in step:
                 x = torch.randn(32, 16, generator=gen)
                 with ddp.no_sync() if alone else contextlib.nullcontext():
@@ -332,10 +335,13 @@ def _unused_worker(kind, overlap, schedule, view, rank, port, q):
                         out.backward()
                     plain(x, uses[rank]).backward()   # no step is taken: the same parameters
             for n in names:
-                if (g := model.get_parameter(n).grad) is not None:
+                if (g := model.get_parameter(n).grad) is not None and schedule != "stale":
                     applied[n] += g
-                if (g := plain.get_parameter(n).grad) is not None:
+                if (g := plain.get_parameter(n).grad) is not None and schedule != "stale":
                     true[n] += g
+    if schedule == "stale":   # the gradients summed over the steps
+        applied = {n: model.get_parameter(n).grad for n in names}
+        true = {n: plain.get_parameter(n).grad for n in names}
     residuals = hook.state_dict()["residuals"]
     q.put((rank, {n: (applied[n], true[n], residuals[n].reshape(applied[n].shape))
                   for n in names}))
@@ -345,13 +351,15 @@ def _unused_worker(kind, overlap, schedule, view, rank, port, q):
 @pytest.mark.parametrize("kind, overlap, schedule, view", [
     ("thc", False, "mixed", False), ("topk", True, "mixed", False),
     ("marsit", False, "mixed", False), ("thc", False, "mixed", True),
-    ("thc", True, "probe", False), ("topk", False, "join", False)])
+    ("thc", True, "probe", False), ("topk", False, "join", False),
+    ("marsit", True, "stale", False), ("thc", False, "stale", True)])
 def test_a_parameter_no_rank_used_keeps_its_residual(kind, overlap, schedule, view):
     """Under find_unused_parameters DDP leaves a parameter that no rank used as it was, the
     hook's mean of its residuals unapplied; the hook counted that mean as applied, so the
     residual lost its mass (b's sum off by 3 to 19% in one step). Where the gradient is the
     bucket's view, or a joined rank's shadow step marks b used, DDP applies what the bucket
-    holds; a gradient of a no_sync micro-batch is in it too. What error feedback keeps, in
+    holds; a gradient of a no_sync micro-batch is in it too; a gradient left from an earlier
+    step (no zero_grad) is in it and not applied. What error feedback keeps, in
     each: the mean applied plus the ranks' mean residual is the ranks' mean gradient, summed
     over the steps (rank 0's applied where rank 1 joined early)."""
     res = gloo_pair(functools.partial(_unused_worker, kind, overlap, schedule, view))

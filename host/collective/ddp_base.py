@@ -302,6 +302,8 @@ class BaseHook:
         self._comm = 0.0
         self._last_call = self._last_done = 0.0
         self._carried: dict[str, torch.Tensor] = {}
+        """Per parameter name, a residual :meth:`load_state_dict` took that no bucket's
+        reducer has taken yet."""
         self._unused_seen = False
         """Whether DDP may leave a parameter unused (``find_unused_parameters`` or
         ``static_graph``): then a bucket's parameters no rank used keep their residuals
@@ -309,8 +311,6 @@ class BaseHook:
         self._accumulated: set[int] = set()
         """Ids of the parameters a gradient accumulated into since their bucket's last
         reduction (:meth:`_see_gradient`, while :attr:`_unused_seen`)."""
-        """Per parameter name, a residual :meth:`load_state_dict` took that no bucket's
-        reducer has taken yet."""
         self._layouts: dict[tuple, list[tuple[str, int]]] = {}
         """Per bucket, its compressed parameters' names and lengths, in order."""
         self._layout_names: dict[tuple, frozenset] = {}
@@ -487,8 +487,6 @@ class BaseHook:
         ``no_sync`` (no public call says whether a forward is in one)."""
         if torch.is_grad_enabled():
             synced = getattr(module, "require_backward_grad_sync", True)
-            if synced and self._synced:
-                self._accumulated.clear()   # a failed step's buckets, never reduced
             with self._stretch_lock:
                 if not synced and self._synced:
                     self._stretch += 1
@@ -751,14 +749,14 @@ class BaseHook:
                                           for a, b, fp32, pos in spans if not fp32])
                 if idle is not None:
                     idle = [was for was, span in zip(idle, spans) if not span[2]]
-                    used = self._used_here(comp, idle)
+                    used = torch.tensor([not was for was in idle], device=buf.device)
             except BaseException as e:
                 # this rank's own failure before its round went out: its peers wait in that
                 # round, which its next (a step later, if it goes on) would pair with
                 self._abandon(f"a bucket of backward failed before its compressed round "
                               f"({type(e).__name__}: {e})")
                 raise
-            kept = self._idle_residuals(bucket, idle)
+            kept = self._idle_state(bucket, idle, comp)
             out = self.reduce(bucket, flat, [v.numel() for v in comp], position, stretches)
         try:
             i = 0
@@ -781,36 +779,32 @@ class BaseHook:
             self._last_done = end
         return buf
 
-    @staticmethod
-    def _used_here(comp: list[torch.Tensor], idle: list[bool]) -> torch.Tensor:
-        """Per compressed parameter, 1 where this rank used it: a gradient accumulated into
-        it, or its span holds one (DDP copies in what no hook of this step saw: a gradient of
-        ``no_sync`` steps, a joined rank's shadow); computed on the device."""
-        one = torch.ones((), dtype=torch.bool, device=comp[0].device)
-        return torch.stack([v.ne(0).any() if was else one for v, was in zip(comp, idle)])
-
-    def _idle_residuals(self, bucket, idle) -> dict[str, torch.Tensor | None]:
-        """Copies of the residuals of the bucket's compressed parameters no gradient
-        accumulated into on this rank (None: none kept yet), taken before their round."""
+    def _idle_state(self, bucket, idle, comp) -> dict[str, tuple]:
+        """Of the bucket's compressed parameters no gradient accumulated into on this rank,
+        copies of their spans and residuals (None: none kept yet) before their round."""
         if idle is None:
             return {}
-        names = {name for (name, _), was in zip(self._layouts[bucket], idle) if was}
-        have = self._residuals(names)
-        return {name: have[name].clone() if name in have else None for name in names}
+        out = {}
+        for (name, _), was, view in zip(self._layouts[bucket], idle, comp):
+            if was:
+                have = self._residuals({name}).get(name)
+                out[name] = (view.clone(), None if have is None else have.clone())
+        return out
 
     def _keep_unused(self, bucket, kept: dict, used: list[bool], comp) -> None:
-        """A parameter no rank used had no gradient anywhere: its exact mean is 0, and DDP may
-        apply what the bucket holds (a joined rank's shadow step, a gradient that is the
-        bucket's view) or leave the parameter as it was. The bucket gets 0 and the residual
-        stays what it was before the round, so that either way no mass is lost or counted
-        twice (the estimate, counted as applied, had been taken off the residual)."""
+        """A parameter no rank used has no gradient of this step anywhere. DDP leaves it as it
+        was, or applies what the bucket holds (a joined rank's shadow step; a gradient that
+        is the bucket's view): the bucket's span and the residual go back to what they were
+        before the round, so that either way no mass is lost or counted twice (the
+        estimate, counted as applied, had been taken off the residual)."""
         for (name, _), is_used, view in zip(self._layouts[bucket], used, comp):
             if is_used or name not in kept:
                 continue
-            view.zero_()
+            span, residual = kept[name]
+            view.copy_(span)
             live = self._residuals({name}).get(name)
-            if live is not None and kept[name] is not None:
-                live.copy_(kept[name])
+            if live is not None and residual is not None:
+                live.copy_(residual)
             elif live is not None:
                 live.zero_()
 
@@ -819,8 +813,9 @@ class BaseHook:
                      device=None) -> list[bool] | None:
         """The mean of a bucket's FP32 spans, summed in float32 (float64 where the gradients
         are) whatever the gradients' dtype. ``used``: per compressed parameter, whether this
-        rank used it (:meth:`_used_here`); given, one lane each is summed too, and the
-        result says which any rank used. Lanes after them (:func:`agreement.sum_tags`)
+        rank used it (a gradient accumulated into it since the bucket's last reduction, as
+        DDP counts it); given, one lane each is summed too, and the result says which any
+        rank used. Lanes after them (:func:`agreement.sum_tags`)
         carry the hook, the bucket's place (``place``: the backward step and DDP's index of
         the bucket), the model's ``no_sync`` stretches (:meth:`reduce`) and the spans'
         length: where a rank's spans paired with another collective (a peer failed after a
