@@ -306,8 +306,8 @@ class BaseHook:
         reducer has taken yet."""
         self._unused_seen = False
         """Whether DDP may leave a parameter unused (``find_unused_parameters`` or
-        ``static_graph``): then a bucket's parameters no rank used keep their residuals
-        (:meth:`_keep_unused`)."""
+        ``static_graph``): then a bucket's parameters no rank used keep their spans and
+        residuals (:meth:`_keep_unused`)."""
         self._accumulated: set[int] = set()
         """Ids of the parameters a gradient accumulated into since their bucket's last
         reduction (:meth:`_see_gradient`, while :attr:`_unused_seen`)."""
