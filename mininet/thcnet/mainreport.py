@@ -1,6 +1,7 @@
 """What the main job's runs show: the time to a target accuracy against FP32 and the verdict,
 DLCP's step time against its baseline, every step's loss, THC through BMv2 against THC in
-software, the table printed and the plot of accuracy against training time and bytes."""
+software, the table printed, the plot of accuracy against training time and bytes, and the
+report (``out/mainjob.json``) written whole or kept elsewhere."""
 from __future__ import annotations
 
 import argparse
