@@ -203,12 +203,19 @@ def test_an_aggregator_started_with_sigint_ignored_stops_on_a_signal(tmp_path, s
     try:
         assert "listening" in proc.stdout.readline()
         fresh_stats([tmp_path / "stats.json"], alive=lambda: proc.poll() is None)
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            for _ in range(5):   # dropped as malformed, less than a file rewrite before the stop
+                s.sendto(b"junk", ("127.0.0.1", port))
+        time.sleep(0.05)
         proc.send_signal(sig)
         out, _ = proc.communicate(timeout=20)
     finally:
         proc.kill()
     assert proc.returncode == 0
-    assert "drops" in json.loads(out.strip().splitlines()[-1])
+    final = json.loads(out.strip().splitlines()[-1])
+    assert sum(final["drops"].values()) == 5
+    # the file was rewritten every 0.5 s while serving alone: it lagged the final line
+    assert json.loads((tmp_path / "stats.json").read_text()) == final
 
 
 def test_a_bug_in_the_serving_thread_is_kept_as_its_error():
@@ -306,7 +313,7 @@ def test_without_listen_a_shard_serves_at_its_port_in_the_shard_map(tmp_path, mo
                               shards=(Shard("127.0.0.1", port), Shard("127.0.0.1", port + 1)))
     cfg = tmp_path / "cluster.json"
     Cluster(jobs=(job.validate(),)).save(cfg)
-    assert aggregator.default_listen([job], None) == f"0.0.0.0:{P.UDP_PORT}"
+    assert aggregator.default_listen(Cluster(jobs=(job,)), None) == f"0.0.0.0:{P.UDP_PORT}"
     parser = argparse.ArgumentParser()
     aggregator.add_arguments(parser)
     assert aggregator.run(parser.parse_args(["--config", str(cfg), "--shard", "1",
@@ -319,6 +326,36 @@ def test_without_listen_a_shard_serves_at_its_port_in_the_shard_map(tmp_path, mo
                         "--shard", "5", "--duration", "0.2"], capture_output=True, text=True,
                        timeout=60)
     assert r.returncode == 2 and "shard 5 is not in job 1's shard map" in r.stderr, r.stderr
+
+
+def test_a_central_aggregator_serves_where_its_workers_send(tmp_path, monkeypatch, capsys):
+    """Without --listen it served THC's port whatever the cluster file's agg_port, where its
+    workers send: every round timed out, naming only an aggregator that did not answer. A
+    --listen elsewhere is said at the start; a cluster of central and sharded jobs, which no
+    aggregator can serve whole, is refused."""
+    import argparse
+    import dataclasses
+
+    from thc.net import aggregator
+    from thc.wire.jobs import ConfigError, Shard
+    monkeypatch.setattr(aggregator, "_stop_on_signals", lambda: None)   # pytest's own
+    port = free_port_block(2)
+    job = local_job(1, 2, free_port_block(2))
+    cfg = tmp_path / "cluster.json"
+    Cluster(jobs=(job,), agg_port=port).save(cfg)
+    parser = argparse.ArgumentParser()
+    aggregator.add_arguments(parser)
+    for listen, said in ([], None), (["--listen", f"127.0.0.1:{port + 1}"], port + 1):
+        assert aggregator.run(parser.parse_args(["--config", str(cfg), "--duration", "0.2",
+                                                 "--stats-interval", "0", *listen])) == 0
+        out = capsys.readouterr()
+        assert f"listening on {'127.0.0.1' if said else '0.0.0.0'}:{said or port}" in out.out
+        assert ("but the cluster file's workers send to 127.0.0.1:" f"{port}" in out.err) \
+            == bool(said), out.err
+    sharded = dataclasses.replace(local_job(2, 2, free_port_block(2)),
+                                  shards=(Shard("127.0.0.1", port), Shard("127.0.0.1", port + 1)))
+    with pytest.raises(ConfigError, match=r"jobs \[2\] have shard maps and jobs \[1\] none"):
+        Cluster(jobs=(job, sharded)).validate()
 
 
 def test_a_stats_file_or_reader_gone_never_stops_the_serving(tmp_path):

@@ -165,8 +165,9 @@ class Aggregator(UDPServer):
 # -- `thc aggregator` ---------------------------------------------------------------
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--listen", default=None, metavar="HOST:PORT",
-                        help=f"UDP address to serve (default: 0.0.0.0:{P.UDP_PORT}; with "
-                             f"--shard, 0.0.0.0 at the port the shard map gives the shard)")
+                        help="UDP address to serve (default: 0.0.0.0 at the cluster file's "
+                             "agg_port, where its workers send; with --shard, 0.0.0.0 at the "
+                             "port the shard map gives the shard)")
     parser.add_argument("--config", required=True, help="cluster JSON (the controller's format)")
     parser.add_argument("--shard", type=int, default=None, metavar="INDEX",
                         help="run as this shard of the jobs' shard maps (sharded jobs only)")
@@ -205,14 +206,33 @@ def choose(datapath: str, jobs, impair: Impairment, gso: bool = True,
     return Aggregator(jobs, impair=impair, shard=shard), f"python ({why_not})"
 
 
-def default_listen(jobs, shard: int | None) -> str:
-    """Where ``thc aggregator`` serves without ``--listen``: THC's port on every address, or
-    a shard's port in its jobs' shard map (a map that gives another shard's port on this
-    host would otherwise have it refused at start)."""
-    for job in jobs:
+def default_listen(cluster: Cluster, shard: int | None) -> str:
+    """Where ``thc aggregator`` serves without ``--listen``: the cluster's ``agg_port`` on
+    every address, where its workers send, or a shard's port in its jobs' shard map (a map
+    that gives another shard's port on this host would otherwise have it refused at
+    start)."""
+    for job in cluster.jobs:
         if shard is not None and job.shards and 0 <= shard < job.n_shards:
             return f"0.0.0.0:{job.shards[shard].port}"
-    return f"0.0.0.0:{P.UDP_PORT}"
+    return f"0.0.0.0:{cluster.agg_port}"
+
+
+def central_address_note(cluster: Cluster, host: str, port: int) -> str | None:
+    """What to say where a central aggregator listens elsewhere than the cluster's
+    ``agg_ip:agg_port``, where its workers send (None where it does not, or where the port
+    is drawn by the system: a test's, told to its workers): a warning, not a refusal, as a
+    forwarded port may bring the workers' packets to it."""
+    if port == 0 or any(job.shards for job in cluster.jobs):
+        return None
+    try:   # a name as the socket binds it
+        ip = socket.getaddrinfo(host, port, socket.AF_INET)[0][4][0] if host else "0.0.0.0"
+    except OSError:
+        return None   # not bindable either: the bind names the error
+    if port == cluster.agg_port and ip in (cluster.agg_ip, "0.0.0.0"):
+        return None
+    return (f"listening on {host}:{port}, but the cluster file's workers send to "
+            f"{cluster.agg_ip}:{cluster.agg_port} (agg_ip, agg_port): unless something "
+            f"forwards their packets here, their rounds time out")
 
 
 def check_shard_address(jobs, shard: int | None, host: str, port: int) -> None:
@@ -267,7 +287,7 @@ def _stop_on_signals() -> None:
 def run(args: argparse.Namespace) -> int:
     try:
         cluster = Cluster.load(args.config)
-        listen = args.listen or default_listen(cluster.jobs, args.shard)
+        listen = args.listen or default_listen(cluster, args.shard)
         host, port = parse_hostport(listen)
     except (ConfigError, ValueError, OSError) as e:
         print(f"thc aggregator: {e}", file=sys.stderr)
@@ -302,6 +322,8 @@ def run(args: argparse.Namespace) -> int:
           f"datapath {datapath}",
           flush=True)
     print(f"thc aggregator: {chosen.describe()}", file=sys.stderr, flush=True)
+    if note := central_address_note(cluster, host, port):
+        print(f"thc aggregator: {note}", file=sys.stderr, flush=True)
     if agg.receive_buffer < RECEIVE_BUFFER:
         print(f"thc aggregator: the kernel granted {agg.receive_buffer >> 10} KiB of receive "
               f"queue of the {RECEIVE_BUFFER >> 10} KiB asked (sysctl net.core.rmem_max): "
@@ -329,7 +351,9 @@ def run(args: argparse.Namespace) -> int:
         for sig in (signal.SIGINT, signal.SIGTERM):   # a second signal: not mid-stop
             signal.signal(sig, signal.SIG_IGN)
         agg.stop()
-    report.line(agg.counters())
+    final = agg.counters()
+    report.file(final)   # the file agrees with the last line
+    report.line(final)
     return 0
 
 
