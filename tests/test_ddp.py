@@ -291,6 +291,7 @@ SCHEDULES = {
     # no zero_grad between synced steps: b keeps the gradient of step 1 in the next two
     "stale": [[(False, u, True)] for u in ((True, True), (False, False), (False, False))],
 }
+SCHEDULES["frozen"] = SCHEDULES["mixed"]   # b frozen while the hook is registered
 """How head ``b`` is used, step by step; None: the rank has joined."""
 
 
@@ -315,7 +316,9 @@ def _unused_worker(kind, overlap, schedule, view, rank, port, q):
     else:
         hook = TopKHook(model, overlap=overlap) if kind == "topk" else \
             MarsitHook(model, overlap=overlap, generator=gen)
+    model.b.requires_grad_(schedule != "frozen")
     hook.register(ddp)
+    model.b.requires_grad_(True)
     names = ("b.weight", "c.weight")
     applied = {n: torch.zeros_like(model.get_parameter(n)) for n in names}
     true = {n: torch.zeros_like(model.get_parameter(n)) for n in names}
@@ -352,14 +355,17 @@ def _unused_worker(kind, overlap, schedule, view, rank, port, q):
     ("thc", False, "mixed", False), ("topk", True, "mixed", False),
     ("marsit", False, "mixed", False), ("thc", False, "mixed", True),
     ("thc", True, "probe", False), ("topk", False, "join", False),
-    ("marsit", True, "stale", False), ("thc", False, "stale", True)])
+    ("marsit", True, "stale", False), ("thc", False, "stale", True),
+    ("topk", True, "frozen", False)])
 def test_a_parameter_no_rank_used_keeps_its_residual(kind, overlap, schedule, view):
     """Under find_unused_parameters DDP leaves a parameter that no rank used as it was, the
     hook's mean of its residuals unapplied; the hook counted that mean as applied, so the
     residual lost its mass (b's sum off by 3 to 19% in one step). Where the gradient is the
     bucket's view, or a joined rank's shadow step marks b used, DDP applies what the bucket
     holds; a gradient of a no_sync micro-batch is in it too; a gradient left from an earlier
-    step (no zero_grad) is in it and not applied. What error feedback keeps, in
+    step (no zero_grad) is in it and not applied. A parameter frozen while the hook was
+    registered, unfrozen after, was never seen used: each rank got its own gradient back.
+    What error feedback keeps, in
     each: the mean applied plus the ranks' mean residual is the ranks' mean gradient, summed
     over the steps (rank 0's applied where rank 1 joined early)."""
     res = gloo_pair(functools.partial(_unused_worker, kind, overlap, schedule, view))

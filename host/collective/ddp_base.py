@@ -306,11 +306,18 @@ class BaseHook:
         reducer has taken yet."""
         self._unused_seen = False
         """Whether DDP may leave a parameter unused (``find_unused_parameters`` or
-        ``static_graph``): then a bucket's parameters no rank used keep their spans and
-        residuals (:meth:`_keep_unused`)."""
+        ``static_graph``, read at each bucket): then a bucket's parameters no rank used keep
+        their spans and residuals (:meth:`_keep_unused`)."""
         self._accumulated: set[int] = set()
         """Ids of the parameters a gradient accumulated into since their bucket's last
-        reduction (:meth:`_see_gradient`, while :attr:`_unused_seen`)."""
+        reduction (:meth:`_see_gradient`)."""
+        self._seen: set[int] = set()
+        """Ids of the parameters :meth:`_see_gradient` watches: one it does not (frozen when
+        the hook was registered, its hook not yet added) always counts as used."""
+        self._unwatched: list = []
+        """Weak references to the parameters frozen at :meth:`register`: each is watched
+        from the first forward after it needs a gradient (:meth:`_see_forward`)."""
+        self._handles: list = []
         self._layouts: dict[tuple, list[tuple[str, int]]] = {}
         """Per bucket, its compressed parameters' names and lengths, in order."""
         self._layout_names: dict[tuple, frozenset] = {}
@@ -470,21 +477,32 @@ class BaseHook:
                              "through state_dict and load_state_dict)")
         ddp_model.register_comm_hook(None, self.hook)
         self._ddp = weakref.ref(ddp_model)
-        self._unused_seen = bool(getattr(ddp_model, "find_unused_parameters", False)
-                                 or getattr(ddp_model, "static_graph", False))
-        handles = [ddp_model.register_forward_pre_hook(self._see_forward),
-                   ddp_model.register_forward_hook(self._see_output)]
-        handles += [p.register_post_accumulate_grad_hook(self._see_gradient)
-                    for p in (module.parameters() if module is not None else ())
-                    if p.requires_grad]
+        handles = self._handles
+        handles += [ddp_model.register_forward_pre_hook(self._see_forward),
+                    ddp_model.register_forward_hook(self._see_output)]
+        for p in module.parameters() if module is not None else ():
+            if p.requires_grad:
+                self._watch(p)
+            else:
+                self._unwatched.append(weakref.ref(p))
         # the parameters outlive their DDP model (a model wrapped anew): their hooks would
         # keep this hook, its thread and its residuals alive, and run on every gradient
         weakref.finalize(ddp_model, _remove_all, handles)
         return self
 
+    def _watch(self, p: torch.Tensor) -> None:
+        self._handles.append(p.register_post_accumulate_grad_hook(self._see_gradient))
+        self._seen.add(id(p))
+
     def _see_forward(self, module, args) -> None:
         """A forward pre-hook: DDP sets ``require_backward_grad_sync`` false inside
         ``no_sync`` (no public call says whether a forward is in one)."""
+        if self._unwatched:
+            for ref in list(self._unwatched):
+                if (p := ref()) is None or p.requires_grad:
+                    self._unwatched.remove(ref)
+                    if p is not None:
+                        self._watch(p)
         if torch.is_grad_enabled():
             synced = getattr(module, "require_backward_grad_sync", True)
             with self._stretch_lock:
@@ -520,8 +538,7 @@ class BaseHook:
     def _see_gradient(self, param) -> None:
         """A gradient accumulated (autograd's threads): a stretch whose outputs could not be
         seen counts, once."""
-        if self._unused_seen:
-            self._accumulated.add(id(param))
+        self._accumulated.add(id(param))
         if self._open:
             with self._stretch_lock:
                 if self._open and not self._synced:
@@ -549,10 +566,12 @@ class BaseHook:
         # a bucket is its parameters, not its index: DDP rebuilds its buckets after the
         # first iteration, and an index may then hold others (a residual would move to them)
         key = tuple(id(p) for p in params)
-        idle = None
-        if self._unused_seen:
-            idle = tuple(i not in self._accumulated for i in key)
-            self._accumulated.difference_update(key)
+        ddp = self._ddp() if self._ddp is not None else None
+        self._unused_seen = ddp is not None and bool(
+            getattr(ddp, "find_unused_parameters", False) or getattr(ddp, "static_graph", False))
+        idle = tuple(i in self._seen and i not in self._accumulated for i in key) \
+            if self._unused_seen else None
+        self._accumulated.difference_update(key)
         with self._stats_lock:
             self._last_call = time.perf_counter()
         step, stretches = self._backwards, self._stretches
