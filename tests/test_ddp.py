@@ -263,8 +263,21 @@ def test_collectives_of_backward_and_ddp_never_pair_with_the_hooks(unused):
         np.testing.assert_array_equal(g0, g1)
 
 
+class _Cut(torch.autograd.Function):
+    """Identity forward; no gradient back (a stop-gradient)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        return None
+
+
 class _Heads(torch.nn.Module):
-    """A trunk and two heads; ``b`` runs only where asked (a mixture-of-experts' expert)."""
+    """A trunk and two heads; ``b`` runs only where asked (a mixture-of-experts' expert), or
+    (``"cut"``) behind a stop-gradient: its parameters get no gradient."""
 
     def __init__(self):
         super().__init__()
@@ -272,9 +285,11 @@ class _Heads(torch.nn.Module):
         self.a, self.b, self.c = (torch.nn.Linear(16, 64), torch.nn.Linear(64, 8),
                                   torch.nn.Linear(64, 8))
 
-    def forward(self, x, use_b: bool):
+    def forward(self, x, use_b: bool | str):
         h = torch.relu(self.a(x))
         out = self.c(h).square().mean()
+        if use_b == "cut":
+            return out + _Cut.apply(self.b(h)).square().mean()
         return out + self.b(h).square().mean() if use_b else out
 
 
@@ -292,6 +307,11 @@ SCHEDULES = {
     "stale": [[(False, u, True)] for u in ((True, True), (False, False), (False, False))],
 }
 SCHEDULES["frozen"] = SCHEDULES["mixed"]   # b frozen while the hook is registered
+# b's first gradient from a backward outside DDP's forward (frozen at register, then not)
+SCHEDULES["frozen-module"] = [[("module", (True, True), True), (False, (False, False), True)],
+                              [(False, (True, True), True)]]
+# b behind a stop-gradient: its gradient hooks fire, with no gradient (DDP: unused)
+SCHEDULES["cut"] = [[(False, u, True)] for u in ((True, True), ("cut", "cut"), ("cut", "cut"))]
 """How head ``b`` is used, step by step; None: the rank has joined."""
 
 
@@ -316,7 +336,7 @@ def _unused_worker(kind, overlap, schedule, view, rank, port, q):
     else:
         hook = TopKHook(model, overlap=overlap) if kind == "topk" else \
             MarsitHook(model, overlap=overlap, generator=gen)
-    model.b.requires_grad_(schedule != "frozen")
+    model.b.requires_grad_(not schedule.startswith("frozen"))
     hook.register(ddp)
     model.b.requires_grad_(True)
     names = ("b.weight", "c.weight")
@@ -331,10 +351,10 @@ def _unused_worker(kind, overlap, schedule, view, rank, port, q):
                 plain.zero_grad()
             for alone, uses, backward in step:
                 x = torch.randn(32, 16, generator=gen)
-                with ddp.no_sync() if alone else contextlib.nullcontext():
-                    out = ddp(x, uses[rank])
+                with ddp.no_sync() if alone is True else contextlib.nullcontext():
+                    out = ddp.module(x, uses[rank]) if alone == "module" else ddp(x, uses[rank])
                 if backward:
-                    with ddp.no_sync() if alone else contextlib.nullcontext():
+                    with ddp.no_sync() if alone is True else contextlib.nullcontext():
                         out.backward()
                     plain(x, uses[rank]).backward()   # no step is taken: the same parameters
             for n in names:
@@ -356,7 +376,8 @@ def _unused_worker(kind, overlap, schedule, view, rank, port, q):
     ("marsit", False, "mixed", False), ("thc", False, "mixed", True),
     ("thc", True, "probe", False), ("topk", False, "join", False),
     ("marsit", True, "stale", False), ("thc", False, "stale", True),
-    ("topk", True, "frozen", False)])
+    ("topk", True, "frozen", False), ("thc", False, "frozen-module", False),
+    ("topk", False, "cut", False)])
 def test_a_parameter_no_rank_used_keeps_its_residual(kind, overlap, schedule, view):
     """Under find_unused_parameters DDP leaves a parameter that no rank used as it was, the
     hook's mean of its residuals unapplied; the hook counted that mean as applied, so the
@@ -364,7 +385,9 @@ def test_a_parameter_no_rank_used_keeps_its_residual(kind, overlap, schedule, vi
     bucket's view, or a joined rank's shadow step marks b used, DDP applies what the bucket
     holds; a gradient of a no_sync micro-batch is in it too; a gradient left from an earlier
     step (no zero_grad) is in it and not applied. A parameter frozen while the hook was
-    registered, unfrozen after, was never seen used: each rank got its own gradient back.
+    registered, unfrozen after, was never seen used: each rank got its own gradient back
+    (also where its first gradient came from a backward outside DDP's forward); behind a
+    stop-gradient, its hooks fire with no gradient, which DDP does not count as a use.
     What error feedback keeps, in
     each: the mean applied plus the ranks' mean residual is the ranks' mean gradient, summed
     over the steps (rank 0's applied where rank 1 joined early)."""

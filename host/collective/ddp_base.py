@@ -491,8 +491,12 @@ class BaseHook:
         return self
 
     def _watch(self, p: torch.Tensor) -> None:
+        """Record ``p``'s gradients from here on; one it holds already (a backward outside
+        DDP's forward, which DDP counts) counts as accumulated."""
         self._handles.append(p.register_post_accumulate_grad_hook(self._see_gradient))
         self._seen.add(id(p))
+        if p.grad is not None:
+            self._accumulated.add(id(p))
 
     def _see_forward(self, module, args) -> None:
         """A forward pre-hook: DDP sets ``require_backward_grad_sync`` false inside
@@ -536,9 +540,11 @@ class BaseHook:
                 self._stretches += 1
 
     def _see_gradient(self, param) -> None:
-        """A gradient accumulated (autograd's threads): a stretch whose outputs could not be
-        seen counts, once."""
-        self._accumulated.add(id(param))
+        """A gradient accumulated (autograd's threads): recorded where the parameter holds
+        one (the hook fires for an undefined gradient too, and DDP counts a parameter used
+        only where it has one); a stretch whose outputs could not be seen counts, once."""
+        if param.grad is not None:
+            self._accumulated.add(id(param))
         if self._open:
             with self._stretch_lock:
                 if self._open and not self._synced:
