@@ -263,6 +263,13 @@ def test_collectives_of_backward_and_ddp_never_pair_with_the_hooks(unused):
         np.testing.assert_array_equal(g0, g1)
 
 
+class _Forgetful(set):
+    """A set that takes nothing in: the hook's count of gradients, missing every one."""
+
+    def add(self, item):
+        pass
+
+
 class _Cut(torch.autograd.Function):
     """Identity forward; no gradient back (a stop-gradient)."""
 
@@ -310,6 +317,8 @@ SCHEDULES["frozen"] = SCHEDULES["mixed"]   # b frozen while the hook is register
 # b's first gradient from a backward outside DDP's forward (frozen at register, then not)
 SCHEDULES["frozen-module"] = [[("module", (True, True), True), (False, (False, False), True)],
                               [(False, (True, True), True)]]
+# the hook's count of gradients misses every one: the spans alone keep the replicas alike
+SCHEDULES["missed"] = SCHEDULES["mixed"]
 # b behind a stop-gradient: its gradient hooks fire, with no gradient (DDP: unused)
 SCHEDULES["cut"] = [[(False, u, True)] for u in ((True, True), ("cut", "cut"), ("cut", "cut"))]
 """How head ``b`` is used, step by step; None: the rank has joined."""
@@ -337,6 +346,8 @@ def _unused_worker(kind, overlap, schedule, view, rank, port, q):
         hook = TopKHook(model, overlap=overlap) if kind == "topk" else \
             MarsitHook(model, overlap=overlap, generator=gen)
     model.b.requires_grad_(not schedule.startswith("frozen"))
+    if schedule == "missed":
+        hook._accumulated = _Forgetful()
     hook.register(ddp)
     model.b.requires_grad_(True)
     names = ("b.weight", "c.weight")
@@ -375,7 +386,7 @@ def _unused_worker(kind, overlap, schedule, view, rank, port, q):
     ("thc", False, "mixed", False), ("topk", True, "mixed", False),
     ("marsit", False, "mixed", False), ("thc", False, "mixed", True),
     ("thc", True, "probe", False), ("topk", False, "join", False),
-    ("marsit", True, "stale", False), ("thc", False, "stale", True),
+    ("marsit", True, "missed", False), ("thc", False, "stale", True),
     ("topk", True, "frozen", False), ("thc", False, "frozen-module", False),
     ("topk", False, "cut", False)])
 def test_a_parameter_no_rank_used_keeps_its_residual(kind, overlap, schedule, view):
@@ -383,14 +394,15 @@ def test_a_parameter_no_rank_used_keeps_its_residual(kind, overlap, schedule, vi
     hook's mean of its residuals unapplied; the hook counted that mean as applied, so the
     residual lost its mass (b's sum off by 3 to 19% in one step). Where the gradient is the
     bucket's view, or a joined rank's shadow step marks b used, DDP applies what the bucket
-    holds; a gradient of a no_sync micro-batch is in it too; a gradient left from an earlier
-    step (no zero_grad) is in it and not applied. A parameter frozen while the hook was
+    holds; a gradient of a no_sync micro-batch is in it too, and one left from an earlier
+    step (no zero_grad) where it is the bucket's view. A parameter frozen while the hook was
     registered, unfrozen after, was never seen used: each rank got its own gradient back
     (also where its first gradient came from a backward outside DDP's forward); behind a
-    stop-gradient, its hooks fire with no gradient, which DDP does not count as a use.
-    What error feedback keeps, in
-    each: the mean applied plus the ranks' mean residual is the ranks' mean gradient, summed
-    over the steps (rank 0's applied where rank 1 joined early)."""
+    stop-gradient, its hooks fire with no gradient, which DDP does not count as a use. And
+    where the hook's count of gradients misses one, the span's own test keeps the replicas
+    alike (where it missed b's, each rank got its own gradient back). What error feedback
+    keeps, in each: the mean applied plus the ranks' mean residual is the ranks' mean
+    gradient, summed over the steps (rank 0's applied where rank 1 joined early)."""
     res = gloo_pair(functools.partial(_unused_worker, kind, overlap, schedule, view))
     for n in ("b.weight", "c.weight"):
         (applied, true0, res0), (applied1, true1, res1) = res[0][n], res[1][n]

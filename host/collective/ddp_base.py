@@ -774,7 +774,7 @@ class BaseHook:
                                           for a, b, fp32, pos in spans if not fp32])
                 if idle is not None:
                     idle = [was for was, span in zip(idle, spans) if not span[2]]
-                    used = torch.tensor([not was for was in idle], device=buf.device)
+                    used = self._used_here(comp, idle)
             except BaseException as e:
                 # this rank's own failure before its round went out: its peers wait in that
                 # round, which its next (a step later, if it goes on) would pair with
@@ -803,6 +803,17 @@ class BaseHook:
             self._comm += end - start
             self._last_done = end
         return buf
+
+    @staticmethod
+    def _used_here(comp: list[torch.Tensor], idle: list[bool]) -> torch.Tensor:
+        """Per compressed parameter, 1 where a gradient accumulated into it here or its span
+        of the bucket is not all zeros, on the device. The span's test keeps the replicas
+        alike whatever the hook's count of gradients misses: a parameter no rank used gets
+        its span back (:meth:`_keep_unused`), which is then zeros on every rank. What it
+        costs: a gradient left from an earlier synced step (no ``zero_grad``) counts as a
+        use, and loses its estimate's mass from the residual where DDP applies nothing."""
+        one = torch.ones((), dtype=torch.bool, device=comp[0].device)
+        return torch.stack([v.ne(0).any() if was else one for v, was in zip(comp, idle)])
 
     def _idle_state(self, bucket, idle, comp) -> dict[str, tuple]:
         """Of the bucket's compressed parameters no gradient accumulated into on this rank,
