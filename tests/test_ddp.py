@@ -347,7 +347,7 @@ def _unused_worker(kind, overlap, schedule, view, rank, port, q):
             MarsitHook(model, overlap=overlap, generator=gen)
     model.b.requires_grad_(not schedule.startswith("frozen"))
     if schedule == "missed":
-        hook._accumulated = _Forgetful()
+        hook._uses._accumulated = _Forgetful()
     hook.register(ddp)
     model.b.requires_grad_(True)
     names = ("b.weight", "c.weight")
@@ -377,8 +377,9 @@ def _unused_worker(kind, overlap, schedule, view, rank, port, q):
         applied = {n: model.get_parameter(n).grad for n in names}
         true = {n: plain.get_parameter(n).grad for n in names}
     residuals = hook.state_dict()["residuals"]
-    q.put((rank, {n: (applied[n], true[n], residuals[n].reshape(applied[n].shape))
-                  for n in names}))
+    # arrays, not tensors: a tensor travels by shared memory, which goes with the worker
+    q.put((rank, {n: (applied[n].numpy(), true[n].numpy(),
+                      residuals[n].reshape(applied[n].shape).numpy()) for n in names}))
     dist.destroy_process_group()
 
 
@@ -405,7 +406,8 @@ def test_a_parameter_no_rank_used_keeps_its_residual(kind, overlap, schedule, vi
     gradient, summed over the steps (rank 0's applied where rank 1 joined early)."""
     res = gloo_pair(functools.partial(_unused_worker, kind, overlap, schedule, view))
     for n in ("b.weight", "c.weight"):
-        (applied, true0, res0), (applied1, true1, res1) = res[0][n], res[1][n]
+        (applied, true0, res0), (applied1, true1, res1) = (
+            [torch.from_numpy(t) for t in res[r][n]] for r in (0, 1))
         if schedule != "join":
             torch.testing.assert_close(applied, applied1, rtol=0, atol=0)
         kept = applied + (res0 + res1) / 2

@@ -44,7 +44,7 @@ import torch.distributed as dist
 from torch.autograd.graph import register_multi_grad_hook
 
 from thc.codec.common import scale_factor
-from thc.collective import agreement, checkpoint
+from thc.collective import agreement, checkpoint, unused
 from thc.collective.transports import DistTransport, ring_bytes, run_agreement_deferred
 from thc.collective.worker import device_of
 from thc.collective.torchgaps import group_timeout
@@ -307,17 +307,8 @@ class BaseHook:
         self._unused_seen = False
         """Whether DDP may leave a parameter unused (``find_unused_parameters`` or
         ``static_graph``, read at each bucket): then a bucket's parameters no rank used keep
-        their spans and residuals (:meth:`_keep_unused`)."""
-        self._accumulated: set[int] = set()
-        """Ids of the parameters a gradient accumulated into since their bucket's last
-        reduction (:meth:`_see_gradient`)."""
-        self._seen: set[int] = set()
-        """Ids of the parameters :meth:`_see_gradient` watches: one it does not (frozen when
-        the hook was registered, its hook not yet added) always counts as used."""
-        self._unwatched: list = []
-        """Weak references to the parameters frozen at :meth:`register`: each is watched
-        from the first forward after it needs a gradient (:meth:`_see_forward`)."""
-        self._handles: list = []
+        their spans and residuals (:mod:`thc.collective.unused`)."""
+        self._uses = unused.UseCount(self._see_gradient)
         self._layouts: dict[tuple, list[tuple[str, int]]] = {}
         """Per bucket, its compressed parameters' names and lengths, in order."""
         self._layout_names: dict[tuple, frozenset] = {}
@@ -477,36 +468,19 @@ class BaseHook:
                              "through state_dict and load_state_dict)")
         ddp_model.register_comm_hook(None, self.hook)
         self._ddp = weakref.ref(ddp_model)
-        handles = self._handles
+        handles = self._uses.handles
         handles += [ddp_model.register_forward_pre_hook(self._see_forward),
                     ddp_model.register_forward_hook(self._see_output)]
-        for p in module.parameters() if module is not None else ():
-            if p.requires_grad:
-                self._watch(p)
-            else:
-                self._unwatched.append(weakref.ref(p))
+        self._uses.watch_all(module.parameters() if module is not None else ())
         # the parameters outlive their DDP model (a model wrapped anew): their hooks would
         # keep this hook, its thread and its residuals alive, and run on every gradient
         weakref.finalize(ddp_model, _remove_all, handles)
         return self
 
-    def _watch(self, p: torch.Tensor) -> None:
-        """Record ``p``'s gradients from here on; one it holds already (a backward outside
-        DDP's forward, which DDP counts) counts as accumulated."""
-        self._handles.append(p.register_post_accumulate_grad_hook(self._see_gradient))
-        self._seen.add(id(p))
-        if p.grad is not None:
-            self._accumulated.add(id(p))
-
     def _see_forward(self, module, args) -> None:
         """A forward pre-hook: DDP sets ``require_backward_grad_sync`` false inside
         ``no_sync`` (no public call says whether a forward is in one)."""
-        if self._unwatched:
-            for ref in list(self._unwatched):
-                if (p := ref()) is None or p.requires_grad:
-                    self._unwatched.remove(ref)
-                    if p is not None:
-                        self._watch(p)
+        self._uses.watch_unfrozen()
         if torch.is_grad_enabled():
             synced = getattr(module, "require_backward_grad_sync", True)
             with self._stretch_lock:
@@ -540,11 +514,9 @@ class BaseHook:
                 self._stretches += 1
 
     def _see_gradient(self, param) -> None:
-        """A gradient accumulated (autograd's threads): recorded where the parameter holds
-        one (the hook fires for an undefined gradient too, and DDP counts a parameter used
-        only where it has one); a stretch whose outputs could not be seen counts, once."""
-        if param.grad is not None:
-            self._accumulated.add(id(param))
+        """A gradient accumulated (autograd's threads): counted as a use
+        (:class:`unused.UseCount`); a stretch whose outputs could not be seen counts, once."""
+        self._uses.saw(param)
         if self._open:
             with self._stretch_lock:
                 if self._open and not self._synced:
@@ -575,9 +547,7 @@ class BaseHook:
         ddp = self._ddp() if self._ddp is not None else None
         self._unused_seen = ddp is not None and bool(
             getattr(ddp, "find_unused_parameters", False) or getattr(ddp, "static_graph", False))
-        idle = tuple(i in self._seen and i not in self._accumulated for i in key) \
-            if self._unused_seen else None
-        self._accumulated.difference_update(key)
+        idle = self._uses.take(key, self._unused_seen)
         with self._stats_lock:
             self._last_call = time.perf_counter()
         step, stretches = self._backwards, self._stretches
@@ -774,14 +744,15 @@ class BaseHook:
                                           for a, b, fp32, pos in spans if not fp32])
                 if idle is not None:
                     idle = [was for was, span in zip(idle, spans) if not span[2]]
-                    used = self._used_here(comp, idle)
+                    used = unused.used_here(comp, idle)
             except BaseException as e:
                 # this rank's own failure before its round went out: its peers wait in that
                 # round, which its next (a step later, if it goes on) would pair with
                 self._abandon(f"a bucket of backward failed before its compressed round "
                               f"({type(e).__name__}: {e})")
                 raise
-            kept = self._idle_state(bucket, idle, comp)
+            names = [name for name, _ in self._layouts[bucket]]
+            kept = {} if idle is None else unused.keep(names, idle, comp, self._residual_named)
             out = self.reduce(bucket, flat, [v.numel() for v in comp], position, stretches)
         try:
             i = 0
@@ -791,7 +762,7 @@ class BaseHook:
             if plain or used is not None:
                 anywhere = self._reduce_fp32(plain, place, stretches, used, buf.device)
                 if anywhere is not None:
-                    self._keep_unused(bucket, kept, anywhere, comp)
+                    unused.give_back(names, kept, anywhere, comp, self._residual_named)
         except BaseException as e:
             # this rank's own failure: its peers wait in the FP32 spans' all-reduce, or go on
             # to their next collective or round, either of which would pair with its next
@@ -804,55 +775,18 @@ class BaseHook:
             self._last_done = end
         return buf
 
-    @staticmethod
-    def _used_here(comp: list[torch.Tensor], idle: list[bool]) -> torch.Tensor:
-        """Per compressed parameter, 1 where a gradient accumulated into it here or its span
-        of the bucket is not all zeros, on the device. The span's test keeps the replicas
-        alike whatever the hook's count of gradients misses: a parameter no rank used gets
-        its span back (:meth:`_keep_unused`), which is then zeros on every rank. What it
-        costs: a gradient left from an earlier synced step (no ``zero_grad``) counts as a
-        use, and loses its estimate's mass from the residual where DDP applies nothing."""
-        one = torch.ones((), dtype=torch.bool, device=comp[0].device)
-        return torch.stack([v.ne(0).any() if was else one for v, was in zip(comp, idle)])
-
-    def _idle_state(self, bucket, idle, comp) -> dict[str, tuple]:
-        """Of the bucket's compressed parameters no gradient accumulated into on this rank,
-        copies of their spans and residuals (None: none kept yet) before their round."""
-        if idle is None:
-            return {}
-        out = {}
-        for (name, _), was, view in zip(self._layouts[bucket], idle, comp):
-            if was:
-                have = self._residuals({name}).get(name)
-                out[name] = (view.clone(), None if have is None else have.clone())
-        return out
-
-    def _keep_unused(self, bucket, kept: dict, used: list[bool], comp) -> None:
-        """A parameter no rank used has no gradient of this step anywhere. DDP leaves it as it
-        was, or applies what the bucket holds (a joined rank's shadow step; a gradient that
-        is the bucket's view): the bucket's span and the residual go back to what they were
-        before the round, so that either way no mass is lost or counted twice (the
-        estimate, counted as applied, had been taken off the residual)."""
-        for (name, _), is_used, view in zip(self._layouts[bucket], used, comp):
-            if is_used or name not in kept:
-                continue
-            span, residual = kept[name]
-            view.copy_(span)
-            live = self._residuals({name}).get(name)
-            if live is not None and residual is not None:
-                live.copy_(residual)
-            elif live is not None:
-                live.zero_()
+    def _residual_named(self, name: str) -> torch.Tensor | None:
+        """The residual the hook keeps for parameter ``name`` (not a copy), or None."""
+        return self._residuals({name}).get(name)
 
     def _reduce_fp32(self, plain: list[torch.Tensor], place: tuple[int, int] | None,
                      stretches: int = 0, used: torch.Tensor | None = None,
                      device=None) -> list[bool] | None:
         """The mean of a bucket's FP32 spans, summed in float32 (float64 where the gradients
         are) whatever the gradients' dtype. ``used``: per compressed parameter, whether this
-        rank used it (a gradient accumulated into it since the bucket's last reduction, as
-        DDP counts it); given, one lane each is summed too, and the result says which any
-        rank used. Lanes after them (:func:`agreement.sum_tags`)
-        carry the hook, the bucket's place (``place``: the backward step and DDP's index of
+        rank used it (:func:`unused.used_here`); given, one lane each is summed too, and the
+        result says which any rank used. Lanes after them (:func:`agreement.sum_tags`) carry
+        the hook, the bucket's place (``place``: the backward step and DDP's index of
         the bucket), the model's ``no_sync`` stretches (:meth:`reduce`) and the spans'
         length: where a rank's spans paired with another collective (a peer failed after a
         round that used no collective of the group, through an aggregator, and went on to its
