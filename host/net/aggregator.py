@@ -218,11 +218,13 @@ def default_listen(cluster: Cluster, shard: int | None) -> str:
 
 
 def central_address_note(cluster: Cluster, host: str, port: int) -> str | None:
-    """What to say where a central aggregator listens elsewhere than the cluster's
-    ``agg_ip:agg_port``, where its workers send (None where it does not, or where the port
-    is drawn by the system: a test's, told to its workers): a warning, not a refusal, as a
-    forwarded port may bring the workers' packets to it."""
-    if port == 0 or any(job.shards for job in cluster.jobs):
+    """What to say where the jobs without a shard map are served elsewhere than the
+    cluster's ``agg_ip:agg_port``, where their workers send (None where they are not, or
+    where the port is drawn by the system: a test's, told to its workers): a warning, not a
+    refusal, as a forwarded port may bring the workers' packets here. A shard serves them
+    too, at its own address."""
+    central = [job.job_id for job in cluster.jobs if not job.shards]
+    if port == 0 or not central:
         return None
     try:   # a name as the socket binds it
         ip = socket.getaddrinfo(host, port, socket.AF_INET)[0][4][0] if host else "0.0.0.0"
@@ -230,9 +232,11 @@ def central_address_note(cluster: Cluster, host: str, port: int) -> str | None:
         return None   # not bindable either: the bind names the error
     if port == cluster.agg_port and ip in (cluster.agg_ip, "0.0.0.0"):
         return None
-    return (f"listening on {host}:{port}, but the cluster file's workers send to "
-            f"{cluster.agg_ip}:{cluster.agg_port} (agg_ip, agg_port): unless something "
-            f"forwards their packets here, their rounds time out")
+    which = "the cluster file's workers" if len(central) == len(cluster.jobs) else \
+        f"the workers of jobs {central} (no shard map)"
+    return (f"listening on {host}:{port}, but {which} send to {cluster.agg_ip}:"
+            f"{cluster.agg_port} (agg_ip, agg_port): unless something forwards their packets "
+            f"here, their rounds time out")
 
 
 def check_shard_address(jobs, shard: int | None, host: str, port: int) -> None:

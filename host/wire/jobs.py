@@ -407,13 +407,6 @@ class Cluster:
             raise ConfigError(f"duplicate job ids in {ids}")
         if len(self.jobs) > P.MAX_JOBS:
             raise ConfigError(f"{len(self.jobs)} jobs; at most {P.MAX_JOBS}")
-        sharded = sorted(j.job_id for j in self.jobs if j.shards)
-        if sharded and len(sharded) < len(self.jobs):
-            raise ConfigError(f"jobs {sharded} have shard maps and jobs "
-                              f"{sorted(set(ids) - set(sharded))} none: a central aggregator "
-                              f"serves no sharded job and a shard no central one, so the "
-                              f"latter's workers would never be answered; give them cluster "
-                              f"files of their own")
         if total_slots is not None:
             ranges = sorted((j.pool_base, j.pool_base + j.pool_size, j.job_id) for j in self.jobs)
             for (_, end, a), (start, _, b) in zip(ranges, ranges[1:]):
