@@ -751,8 +751,10 @@ class BaseHook:
                 self._abandon(f"a bucket of backward failed before its compressed round "
                               f"({type(e).__name__}: {e})")
                 raise
-            names = [name for name, _ in self._layouts[bucket]]
-            kept = {} if idle is None else unused.keep(names, idle, comp, self._residual_named)
+            names, kept = [], {}
+            if idle is not None:
+                names = [name for name, _ in self._layouts[bucket]]
+                kept = unused.keep(names, idle, comp, self._residual_named)
             out = self.reduce(bucket, flat, [v.numel() for v in comp], position, stretches)
         try:
             i = 0

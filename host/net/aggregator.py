@@ -226,17 +226,22 @@ def central_address_note(cluster: Cluster, host: str, port: int) -> str | None:
     central = [job.job_id for job in cluster.jobs if not job.shards]
     if port == 0 or not central:
         return None
-    try:   # a name as the socket binds it
-        ip = socket.getaddrinfo(host, port, socket.AF_INET)[0][4][0] if host else "0.0.0.0"
-    except OSError:
-        return None   # not bindable either: the bind names the error
-    if port == cluster.agg_port and ip in (cluster.agg_ip, "0.0.0.0"):
+    if port == cluster.agg_port and _bound_ip(host, port) in (cluster.agg_ip, "0.0.0.0"):
         return None
     which = "the cluster file's workers" if len(central) == len(cluster.jobs) else \
         f"the workers of jobs {central} (no shard map)"
     return (f"listening on {host}:{port}, but {which} send to {cluster.agg_ip}:"
             f"{cluster.agg_port} (agg_ip, agg_port): unless something forwards their packets "
             f"here, their rounds time out")
+
+
+def _bound_ip(host: str, port: int) -> str:
+    """``host`` as the socket binds it (a name resolved; itself where it resolves to
+    nothing: the bind names that error)."""
+    try:
+        return socket.getaddrinfo(host, port, socket.AF_INET)[0][4][0] if host else "0.0.0.0"
+    except OSError:
+        return host
 
 
 def check_shard_address(jobs, shard: int | None, host: str, port: int) -> None:
@@ -251,10 +256,7 @@ def check_shard_address(jobs, shard: int | None, host: str, port: int) -> None:
         raise ConfigError(f"--shard {shard}: no job of the cluster file has a shard map, so "
                           f"its workers send every chunk to one central aggregator at agg_ip; "
                           f"run it without --shard")
-    try:   # a name as the socket binds it
-        ip = socket.getaddrinfo(host, port, socket.AF_INET)[0][4][0] if host else "0.0.0.0"
-    except OSError:
-        ip = host   # not bindable either: the bind names the error
+    ip = _bound_ip(host, port)
     for job in jobs:
         if not job.shards or not 0 <= shard < job.n_shards:
             continue
