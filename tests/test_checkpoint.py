@@ -209,8 +209,9 @@ def test_a_parameter_whose_bucket_dropped_its_residual_has_none(alone):
     assert len(hook.state_dict()["residuals"]) == 4
     with pytest.raises(RuntimeError, match="NaN"):
         _steps(ddp, model, [torch.full((16, 40), float("nan"))])
-    owners = {hook._owner[n] for n in hook.state_dict()["residuals"]}
-    assert all(hook.reducers[(b, hook._offsets[b][next(iter(hook._layout_names[b]))][2])]
+    held = hook._per_param
+    owners = {held.owner[n] for n in hook.state_dict()["residuals"]}
+    assert all(hook.reducers[(b, held.offsets[b][next(iter(held.layout_names[b]))][2])]
                .kept_residual is not None for b in owners)
     assert len(hook.state_dict()["residuals"]) < 4
 
@@ -234,7 +235,7 @@ def test_loaded_residuals_outlive_a_build_every_rank_refused(alone, monkeypatch)
     monkeypatch.setattr(agreement, "together", peer_failed)
     with pytest.raises(RuntimeError, match="a peer's factory failed"):
         _steps(ddp, model, [torch.ones(2, 40)])
-    assert set(hook._carried) == set(state["residuals"])
+    assert set(hook._per_param.carried) == set(state["residuals"])
 
 
 @kernels

@@ -429,7 +429,7 @@ def test_a_rank_a_whole_step_out_of_step_is_refused_by_every_rank(kind):
     """Each reducer counted its own rounds: rank 0 running step 1 under no_sync alone kept
     every reducer in step with its peer's while pairing rank 0's steps 1+2 with rank 1's
     step 1, and every later step with the step before, each taken as a sum. Rounds now also
-    count the DDP model's no_sync stretches (``BaseHook._stretches``): every later step is
+    count the DDP model's no_sync stretches (``BaseHook._stretches.count``): every later step is
     refused on both ranks, naming the cause. So do the tag lanes of a hook's FP32 spans,
     where every span is one (they held the step and bucket alone, and took those sums)."""
     res = gloo_pair(functools.partial(_out_of_step_worker, kind=kind, alone=True))

@@ -157,7 +157,7 @@ class TopKHook(BaseHook):
 
     def rescale_residuals(self, factor: float) -> None:
         self.scheme.rescale(factor)
-        self._rescale_carried(scale_factor(factor))
+        self._per_param.rescale_carried(scale_factor(factor))
 
     def _residual_keys(self) -> list:
         return list(self.scheme.residuals)
@@ -171,10 +171,10 @@ class TopKHook(BaseHook):
         failure = None
         if key not in self.scheme.residuals:
             try:   # a bucket new to the hook: its parameters' residuals, if any
-                seed = self._seed(bucket, flat.device)
+                seed = self._per_param.seed(bucket, flat.device)
                 if seed is not None:
                     self.scheme.residuals[key] = seed   # kept, refused round or not
-                self._taken(bucket)
+                self._per_param.taken(bucket)
             except Exception as e:  # noqa: BLE001 - every worker refuses, none waits
                 failure = e
         before = self.scheme.residuals.get(key)

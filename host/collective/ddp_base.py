@@ -36,15 +36,16 @@ import time
 import warnings
 import weakref
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, fields, is_dataclass
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 import torch.distributed as dist
-from torch.autograd.graph import register_multi_grad_hook
 
 from thc.codec.common import scale_factor
 from thc.collective import agreement, checkpoint, unused
+from thc.collective.paramresiduals import ParamResiduals
+from thc.collective.stretches import StretchCount
 from thc.collective.transports import DistTransport, ring_bytes, run_agreement_deferred
 from thc.collective.worker import device_of
 from thc.collective.torchgaps import group_timeout
@@ -178,30 +179,6 @@ def _group_name(group) -> str | None:
     return None if group is None else getattr(group, "group_name", "")
 
 
-def _tensors_in(output) -> list[torch.Tensor] | None:
-    """The tensors of a forward's output (nested lists, tuples, dicts, dataclasses); None
-    where it holds an object of another kind, which may hold tensors unseen."""
-    if isinstance(output, torch.Tensor):
-        return [output]
-    if output is None or isinstance(output, (str, bytes, int, float, bool)):
-        return []
-    if isinstance(output, dict):
-        items = list(output.values())
-    elif isinstance(output, (list, tuple)):
-        items = list(output)
-    elif is_dataclass(output) and not isinstance(output, type):
-        items = [getattr(output, f.name) for f in fields(output)]
-    else:
-        return None
-    found: list[torch.Tensor] = []
-    for item in items:
-        inner = _tensors_in(item)
-        if inner is None:
-            return None
-        found += inner
-    return found
-
-
 def _remove_all(handles) -> None:
     for h in handles:
         h.remove()
@@ -255,10 +232,10 @@ class BaseHook:
         self._built = 0
         """Reducers built so far (:meth:`_build`): the round of their agreement."""
         self._names = {id(p): n for n, p in model.named_parameters()}
-        self._compressed = {n: p.numel() * (2 if p.is_complex() else 1)
-                            for n, p in model.named_parameters() if not self._keep_fp32(p)}
-        """The length of each parameter the hook compresses, by name: what a loaded residual
-        may be the residual of."""
+        self._per_param = ParamResiduals(
+            {n: p.numel() * (2 if p.is_complex() else 1)
+             for n, p in model.named_parameters() if not self._keep_fp32(p)},
+            lambda key: self._residual_of(key))
         self._positions = layer_positions(model)
         self.wants_positions = False
         """Subclasses set it to get each bucket's per-element layer positions in reduce."""
@@ -271,26 +248,9 @@ class BaseHook:
         """Per bucket, the reducer that keeps its residual (hooks that build one each)."""
         self._backwards = 0
         """Backward passes whose buckets were handed to the hook (DDP's last bucket ends one)."""
-        self._stretches = 0
-        """The DDP model's stretches of forwards under ``no_sync`` (autograd on) that a
-        backward ran through, since :meth:`register`, which a bucket's rounds count
-        (:meth:`reduce`'s ``stretches``). A rank that accumulated a step under ``no_sync``
-        alone keeps every reducer's own round count in step with its peers' while its sums
-        hold two steps' gradients and theirs one; its stretches tell. Not its forwards: ranks
-        may run unlike numbers of them before a backward (rollouts of unlike length, a probe
-        loss), and DDP sums that; nor a stretch of forwards alone (an evaluation under
-        ``no_sync``), which adds no gradient."""
-        self._synced = True
-        """Whether the last forward with autograd on would sync its backward."""
-        self._stretch = 0
-        """Stretches begun: forwards under ``no_sync`` after a synced one (or none) begin one."""
-        self._counted = 0
-        """The last begun stretch counted in :attr:`_stretches` (a backward ran through it)."""
-        self._open = False
-        """Whether a forward of the current stretch returned what :func:`_tensors_in` cannot
-        see into: its stretch counts at the next gradient accumulated, as if a backward ran
-        through it."""
-        self._stretch_lock = threading.Lock()
+        self._stretches = StretchCount()
+        """The DDP model's ``no_sync`` stretches a backward ran through, since
+        :meth:`register`, which a bucket's rounds count (:meth:`reduce`'s ``stretches``)."""
         self._stretches_of: dict[int, int] = {}
         """Per reducer (by id; the hook keeps them alive), the stretches its rounds count."""
         self._failed_step: int | None = None
@@ -301,22 +261,11 @@ class BaseHook:
         has none, and counts as live)."""
         self._comm = 0.0
         self._last_call = self._last_done = 0.0
-        self._carried: dict[str, torch.Tensor] = {}
-        """Per parameter name, a residual :meth:`load_state_dict` took that no bucket's
-        reducer has taken yet."""
         self._unused_seen = False
         """Whether DDP may leave a parameter unused (``find_unused_parameters`` or
         ``static_graph``, read at each bucket): then a bucket's parameters no rank used keep
         their spans and residuals (:mod:`thc.collective.unused`)."""
         self._uses = unused.UseCount(self._see_gradient)
-        self._layouts: dict[tuple, list[tuple[str, int]]] = {}
-        """Per bucket, its compressed parameters' names and lengths, in order."""
-        self._layout_names: dict[tuple, frozenset] = {}
-        self._offsets: dict[tuple, dict[str, tuple[int, int, int]]] = {}
-        """Per bucket, each compressed parameter's offset and length in its residual, and the
-        residual's length."""
-        self._owner: dict[str, tuple] = {}
-        """Per compressed parameter, the bucket whose reducer keeps its residual."""
         self._comm_thread: int | None = None
         """The communication thread's ident, once it has reduced a bucket."""
 
@@ -357,7 +306,7 @@ class BaseHook:
         built anew. Read on the hook's communication thread, between two reductions."""
         def read() -> dict:
             return {"hook": type(self).__name__, "residuals": {
-                name: r.detach().clone() for name, r in self._residuals().items()}}
+                name: r.detach().clone() for name, r in self._per_param.named().items()}}
         on_pool = self._pool is not None and threading.get_ident() != self._comm_thread
         return self._pool.submit(read).result() if on_pool else read()
 
@@ -371,18 +320,7 @@ class BaseHook:
         residuals = checkpoint.residuals_of(state, kind)
         if self._residual_keys() or self._backwards:
             raise ValueError("a hook's state is loaded before its first step")
-        for name, r in residuals.items():
-            if name not in self._compressed:
-                raise ValueError(
-                    f"the state holds a residual of {name!r}, but the hook compresses no "
-                    f"parameter of that name (it is kept in FP32, or named otherwise: "
-                    f"a hook built on the DDP wrapper names them 'module.'...): it would never "
-                    f"be applied; drop it from the state to go on without it")
-            if r.numel() != self._compressed[name]:
-                raise ValueError(f"the residual of {name!r} holds {r.numel()} elements, the "
-                                 f"parameter {self._compressed[name]}: a state of another "
-                                 f"model; drop it from the state to go on without it")
-        self._carried = residuals
+        self._per_param.load(residuals)
 
     def _residual_keys(self) -> list:
         """The (bucket, length) keys of the residuals the hook keeps."""
@@ -391,40 +329,6 @@ class BaseHook:
     def _residual_of(self, key: tuple) -> torch.Tensor | None:
         """The residual bucket ``key``'s reducer keeps (not a copy)."""
         return getattr(self.reducers[key], "kept_residual", None)
-
-    def _residuals(self, wanted=None) -> dict[str, torch.Tensor]:
-        """Each compressed parameter's residual (of the names ``wanted`` alone, where given):
-        the one its bucket keeps, the bucket last built with it (DDP rebuilds its buckets
-        after the first iteration; none where that bucket's reducer keeps none: a refused
-        round may drop it), or one still carried from a load."""
-        names = set(self._owner) | set(self._carried) if wanted is None else wanted
-        out = {}
-        for name in names:
-            bucket = self._owner.get(name)
-            if bucket is None:
-                if name in self._carried:
-                    out[name] = self._carried[name]
-                continue
-            start, n, total = self._offsets[bucket][name]
-            residual = self._residual_of((bucket, total))
-            if residual is not None:
-                out[name] = residual[start:start + n]
-        return out
-
-    def _seed(self, bucket, device) -> torch.Tensor | None:
-        """The residual bucket ``bucket``'s new reducer starts from: its parameters' (see
-        :meth:`_residuals`), None where none has one."""
-        layout = self._layouts.get(bucket)
-        if layout is None:   # a bucket reduced by hand, not through DDP
-            return None
-        return checkpoint.joined(self._residuals(self._layout_names[bucket]), layout, device)
-
-    def _taken(self, bucket) -> None:
-        """Bucket ``bucket``'s new reducer is agreed on every rank: its parameters'
-        residuals, loaded or another bucket's, are its own now."""
-        for name, _ in self._layouts.get(bucket, ()):
-            self._carried.pop(name, None)
-            self._owner[name] = bucket
 
     def step_breakdown(self) -> StepBreakdown:
         """The communication of the buckets reduced since the last call (call once a step)."""
@@ -478,52 +382,16 @@ class BaseHook:
         return self
 
     def _see_forward(self, module, args) -> None:
-        """A forward pre-hook: DDP sets ``require_backward_grad_sync`` false inside
-        ``no_sync`` (no public call says whether a forward is in one)."""
         self._uses.watch_unfrozen()
-        if torch.is_grad_enabled():
-            synced = getattr(module, "require_backward_grad_sync", True)
-            with self._stretch_lock:
-                if not synced and self._synced:
-                    self._stretch += 1
-                    self._open = False
-                self._synced = synced
+        self._stretches.forward(module)
 
     def _see_output(self, module, args, output) -> None:
-        """A forward hook: a backward through the outputs of a forward under ``no_sync``
-        counts its stretch, once. Not the forward itself: a forward whose output no backward
-        runs through (a probe, an evaluation with autograd on) adds no gradient, and DDP
-        syncs the next synced forward's backward as usual."""
-        if not torch.is_grad_enabled() or getattr(module, "require_backward_grad_sync", True):
-            return
-        tensors = _tensors_in(output)
-        with self._stretch_lock:
-            stretch = self._stretch
-            if tensors is None:
-                self._open = True
-                return
-        needs = [t for t in tensors if t.requires_grad]
-        if needs:
-            register_multi_grad_hook(needs, lambda _grad: self._ran_through(stretch),
-                                     mode="any")
-
-    def _ran_through(self, stretch: int) -> None:
-        with self._stretch_lock:
-            if self._counted < stretch:
-                self._counted = stretch
-                self._stretches += 1
+        self._stretches.output(module, output)
 
     def _see_gradient(self, param) -> None:
-        """A gradient accumulated (autograd's threads): counted as a use
-        (:class:`unused.UseCount`); a stretch whose outputs could not be seen counts, once."""
+        """A gradient accumulated (autograd's threads)."""
         self._uses.saw(param)
-        if self._open:
-            with self._stretch_lock:
-                if self._open and not self._synced:
-                    self._open = False
-                    if self._counted < self._stretch:
-                        self._counted = self._stretch
-                        self._stretches += 1
+        self._stretches.gradient()
 
     def hook(self, state, bucket):  # unannotated: DDP rejects string annotations
         buf = bucket.buffer()
@@ -550,7 +418,7 @@ class BaseHook:
         idle = self._uses.take(key, self._unused_seen)
         with self._stats_lock:
             self._last_call = time.perf_counter()
-        step, stretches = self._backwards, self._stretches
+        step, stretches = self._backwards, self._stretches.count
         place = (step, bucket.index())
         if bucket.is_last():
             self._backwards += 1
@@ -626,7 +494,7 @@ class BaseHook:
             with run_agreement_deferred():   # an aggregator's run: agreed below, in step
                 reducer = make(self.group)
             self._check_reducer(reducer)
-            seed = None if bucket is None else self._seed(bucket, device)
+            seed = None if bucket is None else self._per_param.seed(bucket, device)
             if seed is not None:
                 reducer.load_state_dict(checkpoint.state(0, seed))
         except Exception as e:  # noqa: BLE001 - raised on this rank by together
@@ -636,7 +504,7 @@ class BaseHook:
             self.group, rnd, agreement.key_of("reducer", type(self).__name__, numel), device,
             failure, alike="the hook or the bucket")
         if bucket is not None:
-            self._taken(bucket)
+            self._per_param.taken(bucket)
         transport = getattr(reducer, "transport", None)
         if callable(getattr(transport, "agree_run", None)):
             transport.agree_run()
@@ -721,17 +589,12 @@ class BaseHook:
             self._agree_bucket(bucket, spans, buf.device, buf.dtype)   # raises on an error
         comp = [buf[a:b] for a, b, fp32, _ in spans if not fp32]
         plain = [buf[a:b] for a, b, fp32, _ in spans if fp32]
-        if bucket not in self._layouts:
-            # an id the model does not name cannot be a parameter of the hook's model
-            # (register refuses such a model): named apart all the same
-            self._layouts[bucket] = [(self._names.get(i, f"?{i}"), b - a) for i, (a, b, fp32, _)
-                                     in zip(bucket, spans) if not fp32]
-            self._layout_names[bucket] = frozenset(n for n, _ in self._layouts[bucket])
-            total = sum(n for _, n in self._layouts[bucket])
-            at, self._offsets[bucket] = 0, {}
-            for name, n in self._layouts[bucket]:
-                self._offsets[bucket][name] = (at, n, total)
-                at += n
+        # an id the model does not name cannot be a parameter of the hook's model
+        # (register refuses such a model): named apart all the same
+        if bucket not in self._per_param.layouts:
+            self._per_param.lay_out(bucket, [(self._names.get(i, f"?{i}"), b - a)
+                                             for i, (a, b, fp32, _) in zip(bucket, spans)
+                                             if not fp32])
         # the compressed part first: its round checks that every rank is reducing this
         # bucket; the FP32 spans' all-reduce checks nothing (unlike lengths abort Gloo)
         used = None
@@ -753,8 +616,8 @@ class BaseHook:
                 raise
             names, kept = [], {}
             if idle is not None:
-                names = [name for name, _ in self._layouts[bucket]]
-                kept = unused.keep(names, idle, comp, self._residual_named)
+                names = self._per_param.names(bucket)
+                kept = unused.keep(names, idle, comp, self._per_param.one)
             out = self.reduce(bucket, flat, [v.numel() for v in comp], position, stretches)
         try:
             i = 0
@@ -764,7 +627,7 @@ class BaseHook:
             if plain or used is not None:
                 anywhere = self._reduce_fp32(plain, place, stretches, used, buf.device)
                 if anywhere is not None:
-                    unused.give_back(names, kept, anywhere, comp, self._residual_named)
+                    unused.give_back(names, kept, anywhere, comp, self._per_param.one)
         except BaseException as e:
             # this rank's own failure: its peers wait in the FP32 spans' all-reduce, or go on
             # to their next collective or round, either of which would pair with its next
@@ -776,10 +639,6 @@ class BaseHook:
             self._comm += end - start
             self._last_done = end
         return buf
-
-    def _residual_named(self, name: str) -> torch.Tensor | None:
-        """The residual the hook keeps for parameter ``name`` (not a copy), or None."""
-        return self._residuals({name}).get(name)
 
     def _reduce_fp32(self, plain: list[torch.Tensor], place: tuple[int, int] | None,
                      stretches: int = 0, used: torch.Tensor | None = None,
@@ -846,10 +705,7 @@ class BaseHook:
         factor = scale_factor(factor)
         for ar in self.reducers.values():
             ar.rescale_residual(factor)
-        self._rescale_carried(factor)
-
-    def _rescale_carried(self, factor: float) -> None:
-        self._carried = {name: r * factor for name, r in self._carried.items()}
+        self._per_param.rescale_carried(factor)
 
     def reduce(self, bucket, flat: torch.Tensor, sizes: list[int],
                position: torch.Tensor | None = None, stretches: int = 0) -> torch.Tensor:
