@@ -96,6 +96,27 @@ def test_a_state_that_cannot_be_taken_is_refused(alone):
         ar.load_state_dict(checkpoint.state(0, None))
 
 
+@pytest.mark.parametrize("kind", ["thc", "marsit", pytest.param("graphed", marks=kernels)])
+def test_a_residual_past_what_a_round_keeps_is_refused(alone, kind):
+    """Finite, yet past the codec's slice-norm limit (THC) or the clamp (Marsit): every
+    later round would be refused, or NaN under "propagate", blamed on the input. A residual
+    just inside is taken."""
+    make = {"thc": lambda: THCAllReduce.through_torch_distributed(params=P, generator=11),
+            "marsit": lambda: MarsitAllReduce(None, torch.Generator().manual_seed(3)),
+            "graphed": lambda: GraphedAllReduce.through_torch_distributed(
+                params=P, generator=11, capture=False)}[kind]
+    from thc.codec.common import norm_limit
+    from thc.collective.marsit import RESIDUAL_LIMIT
+    top = norm_limit(P) / 16 if kind != "marsit" else RESIDUAL_LIMIT   # 16 = sqrt(256)
+    inside = torch.zeros(1000)
+    inside[:256] = top * 0.99
+    make().load_state_dict(checkpoint.state(0, inside))
+    past = torch.zeros(1000)
+    past[256:512] = top * 1.01 if kind != "marsit" else top * 1.5
+    with pytest.raises(ValueError, match="past the"):
+        make().load_state_dict(checkpoint.state(0, past))
+
+
 def _model():
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Linear(40, 300), torch.nn.ReLU(),

@@ -143,8 +143,10 @@ class THCAllReduce:
 
     def load_state_dict(self, state: dict) -> None:
         """Take :meth:`state_dict`'s state before the first round."""
-        self.round, residual = checkpoint.loaded(state, self.round, self.feedback is not None,
-                                                 type(self).__name__)
+        rnd, residual = checkpoint.loaded(state, self.round, self.feedback is not None,
+                                          type(self).__name__)
+        checkpoint.within_codec(residual, self.params, type(self).__name__)
+        self.round = rnd
         if self.feedback is not None:
             self.feedback.residual = residual
 

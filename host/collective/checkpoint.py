@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import torch
 
+from thc.codec.common import norm_limit
+from thc.codec.params import THCParams
 from thc.collective.agreement import ROUNDS
 
 
@@ -87,3 +89,28 @@ def _finite(residual: torch.Tensor, what: str) -> None:
     if not bool(torch.isfinite(residual).all()):
         raise ValueError(f"{what}: the state's residual holds NaN or Inf (a saved run's "
                          f"overflow, or a damaged checkpoint): it is not loaded")
+
+
+def within_codec(residual: torch.Tensor | None, params: THCParams, what: str) -> None:
+    """A THC residual whose slice norm is past the codec's limit would make every later round
+    of its reducer refused, or NaN under "propagate", blamed on the input: no round keeps
+    one, so the state is damaged or another codec's."""
+    if residual is None or not residual.numel():
+        return
+    limit = norm_limit(params)
+    r = residual.detach().double().flatten()
+    r = torch.nn.functional.pad(r, (0, -r.numel() % params.slice_size))
+    top = float(torch.linalg.vector_norm(r.view(-1, params.slice_size), dim=1).max())
+    if not top < limit:
+        raise ValueError(f"{what}: the state's residual holds a slice norm of {top:.3g}, past "
+                         f"the codec's limit of {limit:.3g} (a damaged checkpoint, or one of "
+                         f"other codec settings): it is not loaded")
+
+
+def within(residual: torch.Tensor | None, limit: float, what: str) -> None:
+    """A residual with a magnitude past ``limit``, which no round keeps (see
+    :func:`within_codec`)."""
+    if residual is not None and residual.numel() and float(residual.abs().max()) > limit:
+        raise ValueError(f"{what}: the state's residual holds a magnitude of "
+                         f"{float(residual.abs().max()):.3g}, past the {limit:.3g} a round "
+                         f"keeps (a damaged checkpoint): it is not loaded")

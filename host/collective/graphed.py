@@ -229,8 +229,10 @@ class GraphedAllReduce:
     def load_state_dict(self, state: dict) -> None:
         """As :meth:`THCAllReduce.load_state_dict`: the residual is copied into the rounds'
         buffer when the first call makes it."""
-        self.round, self._loaded = checkpoint.loaded(state, self.round, self.error_feedback,
-                                                     type(self).__name__)
+        rnd, loaded = checkpoint.loaded(state, self.round, self.error_feedback,
+                                        type(self).__name__)
+        checkpoint.within_codec(loaded, self.params, type(self).__name__)
+        self.round, self._loaded = rnd, loaded
 
     def rescale_residual(self, factor: float) -> None:
         """As :meth:`THCAllReduce.rescale_residual`: in place (the graph reads the buffer at

@@ -122,8 +122,10 @@ class _SignAllReduce:
 
     def load_state_dict(self, state: dict) -> None:
         """Take :meth:`state_dict`'s state before the first round."""
-        self.round, self.residual = checkpoint.loaded(state, self.round, self.compensation,
-                                                      type(self).__name__)
+        rnd, residual = checkpoint.loaded(state, self.round, self.compensation,
+                                          type(self).__name__)
+        checkpoint.within(residual, RESIDUAL_LIMIT, type(self).__name__)
+        self.round, self.residual = rnd, residual
         if state.get("coin") is not None:
             self._coin.set_state(state["coin"])
 
