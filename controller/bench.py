@@ -196,24 +196,24 @@ RUN = 1
 
 
 def _thc_frames(job, agg, rng, lanes):
-    """Endless (port, frame) DATA packets: every worker sends chunk 0, 1, 2, ... in turn."""
+    """Endless (port, frame) DATA packets: every worker sends chunk 0, 1, 2, ... in turn,
+    with its UDP checksum, as a worker's kernel sends them (the switch verifies it)."""
     import itertools
 
     import numpy as np
 
     payloads = [pack_bits(rng.integers(0, 16, lanes).astype(np.uint8), P.INDEX_BITS).tobytes()
                 for _ in range(16)]
-    plen = P.HEADER_BYTES + len(payloads[0])
-    prefix = [udp_frame(w.mac, agg.agg_mac, w.ip, agg.agg_ip, w.port, P.UDP_PORT, bytes(plen))[:42]
-              for w in job.workers]
     pack = P.HEADER_STRUCT.pack
     pool = job.pool_size
     for seq in itertools.count():
         slot, version = seq % pool, (seq // pool) % 2
         for w in job.workers:
-            yield w.switch_port, prefix[w.id] + pack(
-                P.PktType.DATA, w.id, job.job_id, slot, version, 0, seq & 0xFFFFFFFF,
-                (seq * lanes) & 0xFFFFFFFF, job.config_tag, RUN, 0) + payloads[(seq + w.id) % 16]
+            yield w.switch_port, udp_frame(
+                w.mac, agg.agg_mac, w.ip, agg.agg_ip, w.port, P.UDP_PORT,
+                pack(P.PktType.DATA, w.id, job.job_id, slot, version, 0, seq & 0xFFFFFFFF,
+                     (seq * lanes) & 0xFFFFFFFF, job.config_tag, RUN, 0)
+                + payloads[(seq + w.id) % 16], ident=seq, checksum=True)
 
 
 def bench_thc(args, build_dir, label: str, sum_bits: int = 8) -> dict:

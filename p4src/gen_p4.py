@@ -246,6 +246,13 @@ def instances(z: Sizes) -> dict[str, str]:
         files[f"thc_parse_{stack[4:]}.p4"] = [
             HEADER, f"// Statements of the parser state that extracts {what}.\n",
             "".join(PARSE_EXTRACT.format(stack=stack, i=i) for i in range(n))]
+    files["thc_udp_sum.p4"] = [
+        HEADER, "// The UDP checksum's data after its pseudo-header and the UDP header: the THC "
+                "header and every payload header,\n// of which a frame holds one kind (a "
+                "calculation skips invalid headers).\n",
+        "hdr.thc", "".join(f",\nhdr.{stack}[{i}]" for stack, n in
+                           [("thc_data", groups), ("thc_vote", groups), ("thc_max", max_lanes)]
+                           for i in range(n)), "\n"]
     files["thc_vote.p4"] = [HEADER, "// Declarations inside the ingress control (thc.p4 "
                                     "only).\n", _each(VOTE_DECL, groups)]
     files["thc_vote_apply.p4"] = [HEADER, "// Statements of the ingress apply block: every "

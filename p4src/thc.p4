@@ -153,8 +153,30 @@ parser ThcParser(packet_in packet, out headers_t hdr, inout metadata_t meta,
     }
 }
 
+/*
+ * A THC frame a host's network stack would drop (damaged after its checksums were computed)
+ * is dropped as bad_checksum before any field of it is read. The UDP checksum is checked
+ * where the sender set one (not 0) and the parser took the whole datagram (any other is
+ * malformed or of the wrong length, and dropped as such). BMv2 compares the computed
+ * checksum with the field, and a sender writes a computed 0 as 0xFFFF (RFC 768): a frame
+ * carrying 0xFFFF is taken unchecked.
+ */
 control ThcVerifyChecksum(inout headers_t hdr, inout metadata_t meta) {
-    apply { }
+    apply {
+        verify_checksum(hdr.thc.isValid(), {
+            hdr.ipv4.version, hdr.ipv4.ihl, hdr.ipv4.diffserv, hdr.ipv4.totalLen,
+            hdr.ipv4.identification, hdr.ipv4.flags, hdr.ipv4.fragOffset, hdr.ipv4.ttl,
+            hdr.ipv4.protocol, hdr.ipv4.srcAddr, hdr.ipv4.dstAddr },
+            hdr.ipv4.hdrChecksum, HashAlgorithm.csum16);
+        verify_checksum(hdr.udp.checksum != 0 && hdr.udp.checksum != 0xFFFF
+                && (hdr.thc_data[0].isValid() || hdr.thc_vote[0].isValid()
+                    || hdr.thc_max[0].isValid()
+                    || (hdr.thc.isValid() && hdr.udp.length == THC_UDP_LEN_HDR)), {
+            hdr.ipv4.srcAddr, hdr.ipv4.dstAddr, 8w0, hdr.ipv4.protocol, hdr.udp.length,
+            hdr.udp.srcPort, hdr.udp.dstPort, hdr.udp.length,
+#include "generated/thc_udp_sum.p4"
+            }, hdr.udp.checksum, HashAlgorithm.csum16);
+    }
 }
 
 /*
@@ -604,8 +626,10 @@ control ThcIngress(inout headers_t hdr, inout metadata_t meta, inout standard_me
     apply {
         bit<32> jc_event = THC_JC_PACKETS;
         if (hdr.udp.isValid() && hdr.udp.dstPort == THC_UDP_PORT) {
-            // 1. well-formed, right direction
-            if (!hdr.thc.isValid() || sm.parser_error != error.NoError
+            // 1. intact (ThcVerifyChecksum), well-formed, right direction
+            if (sm.checksum_error == 1) {
+                meta.drop_reason = THC_DROP_BAD_CHECKSUM;
+            } else if (!hdr.thc.isValid() || sm.parser_error != error.NoError
                     || hdr.udp.length < THC_UDP_LEN_HDR) {
                 meta.drop_reason = THC_DROP_MALFORMED;
             } else if (!(THC_KNOWN_TYPE(hdr.thc.pkt_type)) || hdr.thc.version > 1) {

@@ -9,7 +9,8 @@
 const char *REASON_NAMES[N_REASONS] = {
     "malformed", "bad_lanes", "unknown_job", "unknown_worker", "worker_outside_job",
     "slot_outside_pool", "stale", "not_from_cpu", "wrong_direction", "stale_run",
-    "wrong_shard", "wrong_use", "wrong_slot", "reused_run", "stale_reset", "wrong_config"};
+    "wrong_shard", "wrong_use", "wrong_slot", "reused_run", "stale_reset", "wrong_config",
+    "bad_checksum"};
 const char *COUNTER_NAMES[N_COUNTERS] = {"packets", "completions", "retransmissions",
                                          "pending", "held"};
 

@@ -15,7 +15,7 @@
 #define THC_REG_SIZE 1024
 #define THC_LUT_SIZE 4096
 #define THC_N_JOB_COUNTERS 5
-#define THC_N_DROP_REASONS 17
+#define THC_N_DROP_REASONS 18
 
 // wire constants
 const bit<16> THC_UDP_PORT = 48879;
@@ -78,6 +78,7 @@ const bit<8> THC_DROP_WRONG_SLOT = 13;
 const bit<8> THC_DROP_REUSED_RUN = 14;
 const bit<8> THC_DROP_STALE_RESET = 15;
 const bit<8> THC_DROP_WRONG_CONFIG = 16;
+const bit<8> THC_DROP_BAD_CHECKSUM = 17;
 
 // per-job counters: index job_index * THC_N_JOB_COUNTERS + JC_<name> into counter thc_job_counters
 const bit<32> THC_JC_PACKETS = 0;
