@@ -82,7 +82,13 @@ def dispatch(prog: str, table: dict, argv: list[str],
 
 
 def main(argv: list[str] | None = None) -> int:
-    return dispatch("thc", COMMANDS, list(sys.argv[1:] if argv is None else argv))
+    """Ctrl-C ends any command with status 130 and one line, not a traceback (each command's
+    own cleanup has run on the way out)."""
+    try:
+        return dispatch("thc", COMMANDS, list(sys.argv[1:] if argv is None else argv))
+    except KeyboardInterrupt:
+        print("thc: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -317,3 +317,12 @@ def test_the_version_and_the_bench_tables_help_say_what_they_are(capsys):
     assert capsys.readouterr().out == f"thc {version('thc-ina')}\n"
     assert cli.main(["bench", "--help"]) == 0
     assert "\nBenchmarks: codec, kernels, hook" in capsys.readouterr().out
+
+
+def test_ctrl_c_ends_a_command_in_one_line_and_status_130(monkeypatch, capsys):
+    """Wherever Ctrl-C lands (a command's start, before its own handler), no traceback."""
+    def interrupted(*_args):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(cli.importlib, "import_module", interrupted)
+    assert cli.main(["aggregator", "--help"]) == 130
+    assert capsys.readouterr().err == "thc: interrupted\n"

@@ -321,6 +321,14 @@ def run(args: argparse.Namespace) -> int:
     except OSError as e:
         print(f"thc aggregator: cannot listen on {listen}: {e}", file=sys.stderr)
         return 2
+    try:
+        return _serve(args, agg, addr, datapath, chosen, cluster, host, port)
+    finally:
+        agg.stop()
+
+
+def _serve(args, agg, addr, datapath: str, chosen, cluster, host: str, port: int) -> int:
+    """Serve until the duration ends or a signal comes, then print the final counters."""
     role = "" if args.shard is None else f" as shard {args.shard}"
     print(f"thc aggregator listening on {addr[0]}:{addr[1]}{role} with jobs "
           f"{[j.job_id for j in cluster.jobs]}, epochs "
