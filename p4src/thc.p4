@@ -101,6 +101,7 @@ struct metadata_t {
     bit<32> keep;           // lane words keep their sums (ADD: all ones) or not (WRITE: 0)
     // outcome
     bit<8>  drop_reason;
+    bit<16> zero16;         // never written: what a checksum over its own field must give
     bit<1>  is_reply;       // egress rewrites addresses for the destination worker
     bit<8>  dest_worker;    // destination of a unicast reply (multicast: egress_rid - 1)
 }
@@ -157,25 +158,21 @@ parser ThcParser(packet_in packet, out headers_t hdr, inout metadata_t meta,
  * A THC frame a host's network stack would drop (damaged after its checksums were computed)
  * is dropped as bad_checksum before any field of it is read. The UDP checksum is checked
  * where the sender set one (not 0) and the parser took the whole datagram (any other is
- * malformed or of the wrong length, and dropped as such). BMv2 compares the computed
- * checksum with the field, and a sender writes a computed 0 as 0xFFFF (RFC 768): a frame
- * carrying 0xFFFF is taken unchecked.
+ * malformed or of the wrong length, and dropped as such). Each sum takes its checksum field
+ * in and must come to zero, as a kernel checks it: a computed 0 holds whether the sender
+ * wrote it 0x0000 or 0xFFFF (RFC 768 writes a UDP one so).
  */
 control ThcVerifyChecksum(inout headers_t hdr, inout metadata_t meta) {
     apply {
-        verify_checksum(hdr.thc.isValid(), {
-            hdr.ipv4.version, hdr.ipv4.ihl, hdr.ipv4.diffserv, hdr.ipv4.totalLen,
-            hdr.ipv4.identification, hdr.ipv4.flags, hdr.ipv4.fragOffset, hdr.ipv4.ttl,
-            hdr.ipv4.protocol, hdr.ipv4.srcAddr, hdr.ipv4.dstAddr },
-            hdr.ipv4.hdrChecksum, HashAlgorithm.csum16);
-        verify_checksum(hdr.udp.checksum != 0 && hdr.udp.checksum != 0xFFFF
-                && (hdr.thc_data[0].isValid() || hdr.thc_vote[0].isValid()
-                    || hdr.thc_max[0].isValid()
-                    || (hdr.thc.isValid() && hdr.udp.length == THC_UDP_LEN_HDR)), {
+        verify_checksum(hdr.thc.isValid(), { hdr.ipv4 }, meta.zero16, HashAlgorithm.csum16);
+        verify_checksum((hdr.thc_data[0].isValid() || hdr.thc_vote[0].isValid()
+                         || hdr.thc_max[0].isValid()
+                         || (hdr.thc.isValid() && hdr.udp.length == THC_UDP_LEN_HDR))
+                        && hdr.udp.checksum != 0, {
             hdr.ipv4.srcAddr, hdr.ipv4.dstAddr, 8w0, hdr.ipv4.protocol, hdr.udp.length,
-            hdr.udp.srcPort, hdr.udp.dstPort, hdr.udp.length,
+            hdr.udp,
 #include "generated/thc_udp_sum.p4"
-            }, hdr.udp.checksum, HashAlgorithm.csum16);
+            }, meta.zero16, HashAlgorithm.csum16);
     }
 }
 
