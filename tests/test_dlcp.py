@@ -51,10 +51,12 @@ def test_loss_bound_outside_unit_interval_is_a_clear_error(bad):
 
 def test_the_flush_budget_is_the_bounds_floor_in_real_arithmetic():
     """floor(loss_bound x chunks) as docs/protocol.md writes it: 0.29 x 100 is
-    28.999999999999996 in floating point, which gave 28."""
+    28.999999999999996 in floating point, which gave 28; a bound just below an integer
+    product (0.9999999999 of one chunk) is not rounded up to it."""
     from thc.net.window import flush_budget
     cases = {(0.29, 100): 29, (1 / 3, 3): 1, (0.57, 100): 57, (0.5, 3): 1, (0.1, 9): 0,
-             (0.99, 1999): 1979, (0.25, 4): 1}
+             (0.99, 1999): 1979, (0.25, 4): 1,
+             (0.9999999999, 1): 0, (0.2999999999, 10): 2, (0.4999999995, 2): 0}
     assert {k: flush_budget(*k) for k in cases} == cases
     # every bound of two decimals over up to 1999 chunks, against exact decimal arithmetic
     import math

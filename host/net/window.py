@@ -103,10 +103,15 @@ class Endpoint(Protocol):
 
 
 def flush_budget(loss_bound: float, chunks: int) -> int:
-    """floor(loss_bound x chunks), the chunks one worker may close short in a round. The
-    product within 1e-9 of an integer counts as that integer: in floating point 0.29 x 100
-    is 28.999999999999996, and the round closed one chunk fewer than the bound says."""
-    return math.floor(loss_bound * chunks + 1e-9)
+    """floor(loss_bound x chunks), the chunks one worker may close short in a round. A
+    product within floating point's own error of an integer (a few units in its last place)
+    counts as that integer: 0.29 x 100 is 28.999999999999996, and the round closed one chunk
+    fewer than the bound says. A bound just below, such as 0.9999999999, is not rounded up."""
+    product = loss_bound * chunks
+    near = round(product)
+    if abs(product - near) <= 4 * math.ulp(max(near, 1)):
+        return int(near)
+    return math.floor(product)
 
 
 @dataclass
