@@ -193,6 +193,25 @@ def test_bool_indices_are_indices_0_and_1_not_a_mask(kind):
     assert np.asarray(dequantize(i, p.table, 1.0, 1)).tolist() == [1.0, -1.0, 1.0]
 
 
+@pytest.mark.parametrize("kind", ["numpy", "torch"])
+def test_a_workers_own_decode_of_bool_indices_is_alike_on_every_backend(kind):
+    """Indices 0 and 1, as table_values reads them: the reference decoded them, the compiled
+    path and the kernels refused them as sums."""
+    p = THCParams(slice_size=256)
+    x = torch.randn(512, generator=torch.Generator().manual_seed(4))
+    m = THCCodec(p, backend="reference").norms(x)
+    i = (torch.arange(512) % 3 == 0).numpy()
+    i = torch.from_numpy(i) if kind == "torch" else i
+    want = thc.decode_indices(i.astype(np.uint8) if kind == "numpy" else i.byte(), m, 512, p,
+                              backend="reference")
+    backends = ["reference", "compiled"] + ([] if SKIP or kind == "numpy" else ["triton"])
+    for backend in backends:
+        got = thc.decode_indices(i if backend != "triton" else i.to(DEV), m if backend !=
+                                 "triton" else m.to(DEV), 512, p, backend=backend)
+        assert np.allclose(np.asarray(torch.as_tensor(got).cpu()), np.asarray(want),
+                           rtol=1e-5, atol=1e-5), backend
+
+
 @pytest.mark.parametrize("dtype", [torch.uint16, torch.uint32])
 def test_wide_unsigned_torch_indices_and_bytes_are_read_and_checked(dtype):
     """torch has no min or max of uint16 or uint32 tensors: table_values and unpack_bits
@@ -262,8 +281,9 @@ def test_sums_no_n_workers_can_make_are_refused(backend):
     for count in (numel + 0.9, str(numel), True):   # 640.9 elements were cut to 640
         with pytest.raises(ValueError, match="numel must be an integer"):
             c.decode(sums, 4, m, count)
-    with pytest.raises(ValueError, match="is 2\\^64 or more"):   # all NaN: the centre overflowed
-        c.decode(sums, 10 ** 38, m, numel)
+    for n in (10 ** 38, (1 << 63) // p.granularity + 1):   # past what 64-bit signed sums hold
+        with pytest.raises(ValueError, match="is 2\\^63 or more"):
+            c.decode(sums, n, m, numel)
     if backend != "triton":   # uint64 sums past int64's range: named as they are
         wide = sums.numpy().astype(np.uint64)
         wide[3] = 2 ** 64 - 1

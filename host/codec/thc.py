@@ -261,9 +261,9 @@ def _decode(sums, n_workers, max_norms, numel, params, round, out, backend, own:
         count = 0
     if isinstance(n_workers, bool) or count < 1:
         raise ValueError(f"n_workers must be an integer >= 1, got {n_workers!r}")
-    if count * params.granularity >= 1 << 64:   # its centre and scale overflowed: all NaN
-        raise ValueError(f"n_workers {count} x granularity {params.granularity} is 2^64 or "
-                         f"more: no sums the codec takes hold that")
+    if count * params.granularity >= 1 << 63:   # the kernels read sums as int64
+        raise ValueError(f"n_workers {count} x granularity {params.granularity} is 2^63 or "
+                         f"more: no sums the codec takes hold that (64-bit signed sums)")
     n_workers = count
     lay = layout(numel, params)
     if not is_torch(sums):
@@ -308,6 +308,14 @@ def decode_indices(indices, max_norms, numel: int, params: THCParams, round: int
     """One worker's own reconstruction (decode with n = 1): what error feedback subtracts.
     The kernels and the compiled path map indices through the table themselves (no
     table-value pass; the kernels check the indices on the device)."""
+    if is_torch(indices):
+        import torch
+        if indices.dtype == torch.bool:
+            indices = indices.byte()   # indices 0 and 1, as table_values reads them
+    else:
+        indices = np.asarray(indices)
+        if indices.dtype == bool:
+            indices = indices.astype(np.uint8)
     impl = _choice(backend)(indices)
     if impl.own_table is not None:
         i = indices.reshape(-1)
