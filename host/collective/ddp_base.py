@@ -1,6 +1,7 @@
 """What every DDP communication hook of :mod:`thc.collective.ddp` shares (:class:`BaseHook`):
 registering on a DDP model, splitting each bucket into its compressed and its FP32 parts,
-counting ``no_sync`` stretches, and the one communication thread.
+the ``no_sync`` stretches its rounds count (:mod:`thc.collective.stretches`), the residuals
+kept per parameter (:mod:`thc.collective.paramresiduals`), and the one communication thread.
 
 Gradients of parameters chosen to stay uncompressed (by name, or below a size) go through a
 float32 all-reduce, after the rest of the bucket has gone through the hook's compressor
@@ -488,7 +489,8 @@ class BaseHook:
     def _build(self, make: Callable, numel: int, device, bucket=None):
         """A bucket's reducer from ``make(self.group)``, then one agreement: a rank whose
         factory failed makes every rank raise, none waits in the reducer's first round. The
-        reducer takes bucket ``bucket``'s parameters' residuals (:meth:`_seed`) before it."""
+        reducer takes bucket ``bucket``'s parameters' residuals
+        (:meth:`ParamResiduals.seed`) before it."""
         failure, reducer = None, None
         try:
             with run_agreement_deferred():   # an aggregator's run: agreed below, in step
