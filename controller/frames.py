@@ -60,16 +60,17 @@ def udp_frame(src_mac: str, dst_mac: str, src_ip: str, dst_ip: str, sport: int, 
 
 def frame_faults(frame: bytes) -> list[str]:
     """Why a host's kernel would drop this IPv4/UDP frame (empty: it would not): the IPv4
-    checksum, lengths that are not the frame's (Ethernet pads a frame to 60 bytes), a UDP
-    checksum that is neither 0 nor right."""
+    checksum, an IPv4 length past the frame's end (bytes after it, Ethernet's padding or
+    any other, the kernel trims), a UDP length that is not the IPv4 payload's, a UDP checksum
+    that is neither 0 nor right."""
     if len(frame) < HEADERS:
         return ["a frame shorter than its headers"]
     ip = frame[ETH.size:ETH.size + IPV4.size]
     total = struct.unpack_from("!H", ip, 2)[0]
     faults = [what for what, bad in (
         ("a bad IPv4 checksum", ipv4_checksum(ip) != 0),
-        ("an IPv4 length that is not the frame's",
-         total != len(frame) - ETH.size and not (len(frame) == 60 and total < 46))) if bad]
+        ("an IPv4 length past the frame's end", total > len(frame) - ETH.size),
+        ("an IPv4 length too short for a UDP header", total < IPV4.size + UDP.size)) if bad]
     if total < IPV4.size + UDP.size:
         return faults
     udp = frame[ETH.size + IPV4.size:ETH.size + total]

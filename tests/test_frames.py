@@ -36,13 +36,15 @@ def test_what_a_kernel_drops_is_named():
     f = bytearray(frame(checksum=False))
     f[16:18] = struct.pack("!H", struct.unpack("!H", f[16:18])[0] + 8)   # IPv4 length + 8
     assert frame_faults(bytes(f)) == ["a bad IPv4 checksum",
-                                      "an IPv4 length that is not the frame's"]
+                                      "an IPv4 length past the frame's end"]
     f[24:26] = b"\0\0"
     f[24:26] = struct.pack("!H", ipv4_checksum(bytes(f[14:34])))       # recomputed
-    assert frame_faults(bytes(f)) == ["an IPv4 length that is not the frame's"]
+    assert frame_faults(bytes(f)) == ["an IPv4 length past the frame's end"]
     assert frame_faults(frame()[:40]) == ["a frame shorter than its headers"]
     padded = frame(b"", checksum=False) + bytes(18)   # Ethernet's minimum: 60 bytes
     assert len(padded) == 60 and frame_faults(padded) == []
+    trailer = frame() + bytes(range(7))   # bytes past the IPv4 length: the kernel trims them
+    assert frame_faults(trailer) == []
 
 
 def test_an_ipv4_length_shorter_than_the_headers_is_named_not_raised():
@@ -52,4 +54,4 @@ def test_an_ipv4_length_shorter_than_the_headers_is_named_not_raised():
     f[16:18] = (20).to_bytes(2, "big")
     f[24:26] = b"\0\0"
     f[24:26] = ipv4_checksum(bytes(f[14:34])).to_bytes(2, "big")
-    assert frame_faults(bytes(f)) == ["an IPv4 length that is not the frame's"]
+    assert frame_faults(bytes(f)) == ["an IPv4 length too short for a UDP header"]
