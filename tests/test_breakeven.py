@@ -267,3 +267,20 @@ def test_sweep_command_runs_small_on_mininet(tmp_path):
     assert be["measured"]["relation"] == want, (gain, be["measured"])
     assert "| FP32 |" in out.stdout and data["fp16_cast_s"] > 0
     assert (tmp_path / "sweep.png").stat().st_size > 10_000
+
+
+@pytest.mark.parametrize("modes", [["fp32", "thc-bmv2"], ["fp32", "thc"]])
+def test_every_mode_of_a_sweep_trains_its_steps_under_its_limit(modes):
+    """A BMv2 mode trained the main job's 3 steps under its 3600 s limit, whatever --steps
+    and --timeout said, beside FP32's --steps: its time to accuracy compared unlike runs."""
+    import argparse
+
+    from thc.emu import mainargs, sweep
+    parser = argparse.ArgumentParser()
+    sweep.add_arguments(parser)
+    args = parser.parse_args(["--steps", "8", "--timeout", "100", "--workers", "2"])
+    job = sweep._job_args(args, 50.0, modes)
+    assert mainargs.check_args(job, modes) is None
+    assert job.timeout == 100
+    if "thc-bmv2" in modes:
+        assert (job.bmv2_steps, job.bmv2_timeout) == (None, 100)   # None: every step

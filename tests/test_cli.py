@@ -183,6 +183,8 @@ def _files(tmp: Path) -> None:
      "thc run: --loss 2 need emulated links (Mininet): not with --loopback"),
     (["run", "--loss", "100"], "argument --loss: a loss lies in [0, 100) percent, not 100"),
     (["run", "--software-lanes", "-4"], "argument --software-lanes: must be at least 0"),
+    (["run", "--loopback", "--modes", "fp32,marsit-vote", "--software-lanes", "4"],
+     "--software-lanes 4 (marsit-vote's job): 4 lanes of vote do not fill whole bytes"),
     (["run", "--loopback", "--workers", "1"], "--workers 1: the modes compare gradient"),
     (["sweep", "--bw", "50,x"], "argument --bw: not a number: 'x'"),
     (["sweep", "--target", "73"], "argument --target: a fraction lies in (0, 1], not 73"),

@@ -34,3 +34,27 @@ def test_links_and_shapes_no_testbed_can_give_are_refused(argv, said, capsys):
     except SystemExit as e:
         code = e.code                # refused by the parser
     assert code == 2 and said in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("entry", ["thc run", "thc.emu.run"])
+def test_delay_or_loss_where_mininet_cannot_run_is_refused_naming_why(entry, monkeypatch,
+                                                                      capsys):
+    """Without --loopback, a machine where Mininet cannot run sent the run to the loopback
+    and took --delay and --loss unemulated, said only inside a progress line."""
+    from thc import cli
+    from thc.emu import mainjob, run, testbed
+    why = "'brctl' is not on PATH (apt-get install bridge-utils)"
+    monkeypatch.setattr(mainjob, "mininet_unavailable_reason", lambda *a: why)
+    monkeypatch.setattr(testbed, "mininet_unavailable_reason", lambda *a: why)
+
+    def started(*a, **k):
+        raise AssertionError("a run started")
+    monkeypatch.setattr(mainjob, "_run_mode", started)
+    monkeypatch.setattr(run, "open_testbed", started)
+    if entry == "thc run":
+        code = cli.main(["run", "--delay", "10", "--loss", "1", "--modes", "fp32,thc"])
+    else:
+        code = run.main(["--delay", "10"])
+    err = capsys.readouterr().err
+    assert code == 2 and "need emulated links (Mininet), which cannot run here" in err \
+        and why in err, err

@@ -175,6 +175,13 @@ def check_args(args: argparse.Namespace, modes: list[str]) -> str | None:
         except ValueError as e:
             return f"--software-lanes {args.software_lanes} ({args.workers} workers, " \
                    f"{sum_bits}-bit sums): {e}"
+        if any(MODES[m].train_mode == "marsit-vote" and MODES[m].aggregator in software
+               for m in modes):
+            try:   # the vote job's lanes are sign bits: whole bytes of them
+                P.check_lanes(args.software_lanes, sum_bits=P.sum_bits_for(args.workers, 1),
+                              aggregation="vote")
+            except ValueError as e:
+                return f"--software-lanes {args.software_lanes} (marsit-vote's job): {e}"
     try:
         settings.current()                  # a bad THC_* variable
     except ValueError as e:
@@ -198,7 +205,7 @@ def refusal(args: argparse.Namespace, modes: list[str],
         return f"thc run: {why}"
     if why := data_unavailable(args, "thc run"):
         return why
-    if why := testbed.loopback_conflict(args):
+    if why := testbed.loopback_conflict(args, mininet_why):
         return f"thc run: {why}"
     if not mininet_why:
         try:

@@ -40,7 +40,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    why = testbed.loopback_conflict(args) or \
+    unavailable = None if args.loopback else \
+        testbed.mininet_unavailable_reason(CHOICES[args.aggregator])
+    why = testbed.loopback_conflict(args, unavailable) or \
         testbed.agg_bw_conflict(args, central=args.aggregator == "central")
     if why:
         print(f"thc.emu.run: {why}", file=sys.stderr)

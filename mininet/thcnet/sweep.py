@@ -111,8 +111,9 @@ def fp16_cast_s(params: int, repeat: int = 15) -> float:
     return statistics.median(times)
 
 
-def _job_args(args: argparse.Namespace, bw: float) -> argparse.Namespace:
-    """The main job's arguments for one run of the sweep."""
+def _job_args(args: argparse.Namespace, bw: float, modes: list[str]) -> argparse.Namespace:
+    """The main job's arguments for one run of the sweep: every mode, BMv2's too, trains the
+    sweep's steps under its limit."""
     parser = argparse.ArgumentParser()
     mainargs.add_arguments(parser)
     argv = ["--workers", str(args.workers), "--epochs", "1", "--batch", str(args.batch),
@@ -121,6 +122,8 @@ def _job_args(args: argparse.Namespace, bw: float) -> argparse.Namespace:
             "--timeout", f"{args.timeout:g}", "--out", args.out]
     if args.width:
         argv += ["--width", str(args.width)]
+    if any(mainargs.MODES[m].aggregator == "bmv2" for m in modes if m in mainargs.MODES):
+        argv += ["--bmv2-steps", "all", "--bmv2-timeout", f"{args.timeout:g}"]
     return parser.parse_args(argv)
 
 
@@ -140,10 +143,10 @@ def sweep(args: argparse.Namespace, bws: list[float], modes: list[str], path: Pa
             "command": "thc sweep " + " ".join(shlex.quote(a) for a in sys.argv[2:])
             if sys.argv[1:2] == ["sweep"] else " ".join(map(shlex.quote, sys.argv)),
             "machine": machine(), "modes": modes, "steps": args.steps,
-            "args": vars(_job_args(args, bws[0])), "points": [], "failed": []}
+            "args": vars(_job_args(args, bws[0], modes)), "points": [], "failed": []}
     total, k, t_start = len(bws) * len(modes), 0, time.monotonic()
     for bw in bws:
-        job = _job_args(args, bw)
+        job = _job_args(args, bw, modes)
         point = {"bw_mbit": bw, "runs": [], "load_before": {}}
         for name in modes:
             k += 1
@@ -239,7 +242,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         bws = sorted(set(args.bw))
         modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-        if why := mainargs.check_args(_job_args(args, bws[0]), modes):
+        if why := mainargs.check_args(_job_args(args, bws[0], modes), modes):
             print(f"thc sweep: {why}", file=sys.stderr)
             return 2
         if args.evals < 2:

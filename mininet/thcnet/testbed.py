@@ -175,13 +175,19 @@ def add_link_arguments(parser: argparse.ArgumentParser, *, bw: float | None) -> 
                        help="per-link loss, percent")
 
 
-def loopback_conflict(args: argparse.Namespace) -> str | None:
-    """Why ``--loopback`` cannot run with the links asked for (None: it can): the loopback
-    emulates no delay or loss, and a run that asked for them would measure neither."""
+def loopback_conflict(args: argparse.Namespace, unavailable: str | None = None) -> str | None:
+    """Why the loopback cannot run with the links asked for (None: it can): it emulates no
+    delay or loss, and a run that asked for them would measure neither. The run goes to the
+    loopback with ``--loopback``, or where Mininet cannot run it (``unavailable``: why)."""
     asked = [f"--{name} {getattr(args, name):g}" for name in ("delay", "loss")
              if getattr(args, name, 0)]
-    if getattr(args, "loopback", False) and asked:
-        return f"{' and '.join(asked)} need emulated links (Mininet): not with --loopback"
+    if not asked:
+        return None
+    need = f"{' and '.join(asked)} need emulated links (Mininet)"
+    if getattr(args, "loopback", False):
+        return f"{need}: not with --loopback"
+    if unavailable:
+        return f"{need}, which cannot run here ({unavailable})"
     return None
 
 
