@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import torch
 
-from thc.codec.common import norm_limit
+from thc.codec.common import NonFiniteInput, norm_limit
 from thc.codec.params import THCParams
+from thc.codec.thc import slice_norms
 from thc.collective.agreement import ROUNDS
 
 
@@ -97,14 +98,12 @@ def within_codec(residual: torch.Tensor | None, params: THCParams, what: str) ->
     one, so the state is damaged or another codec's."""
     if residual is None or not residual.numel():
         return
-    limit = norm_limit(params)
-    r = residual.detach().double().flatten()
-    r = torch.nn.functional.pad(r, (0, -r.numel() % params.slice_size))
-    top = float(torch.linalg.vector_norm(r.view(-1, params.slice_size), dim=1).max())
-    if not top < limit:
-        raise ValueError(f"{what}: the state's residual holds a slice norm of {top:.3g}, past "
-                         f"the codec's limit of {limit:.3g} (a damaged checkpoint, or one of "
-                         f"other codec settings): it is not loaded")
+    try:
+        slice_norms(residual.detach(), params, "reference")   # the codec's own check
+    except NonFiniteInput:
+        raise ValueError(f"{what}: the state's residual holds a slice norm past the codec's "
+                         f"limit of {norm_limit(params):.3g} (a damaged checkpoint, or one of "
+                         f"other codec settings): it is not loaded") from None
 
 
 def within(residual: torch.Tensor | None, limit: float, what: str) -> None:
