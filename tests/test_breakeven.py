@@ -139,6 +139,52 @@ def test_measured_and_predicted_break_even_against_hand_figures():
     assert a["model"]["codec_s"] == pytest.approx(0.020)
 
 
+def _renamed(sweep, mode):
+    for p in sweep["points"]:
+        for r in p["runs"]:
+            r["mode"] = mode if r["mode"] == "thc" else r["mode"]
+        p["tta_s"][mode] = p["tta_s"].pop("thc")
+    sweep["modes"] = ["fp32", mode]
+    return sweep
+
+
+def test_each_mode_is_predicted_through_the_aggregator_it_ran_through():
+    """Every THC mode of a sweep was modelled as shards on the worker hosts. Through one
+    central aggregator its link carries every worker's RESULTs: at 100 Mbit/s x 0.8, 4 x 138.5
+    packets of 1514 bytes take 83.9 ms, after the MAX round's 2 alpha (10 ms), above the
+    windows, plus the codec's 20 ms."""
+    a = analyse(_renamed(_sweep(0.085), "thc-central"), "thc-central", ("fp32",))
+    link = 4 * PARAMS / 1444 * 1514 / (0.8 * 100e6 / 8)
+    # shards on the worker hosts: 80 ms (the hand figures above); where the windows bind
+    # (at 500 Mbit/s the central link takes 16.8 ms) the two are one
+    sharded = analyse(_sweep(0.085), "thc", ("fp32",))
+    for bw, central in ((100, 0.010 + link + 0.020), (500, 0.080)):
+        assert next(r for r in a["points"] if r["bw_mbit"] == bw)[
+            "predicted_s"]["thc-central"] == pytest.approx(central, rel=1e-6)
+        assert next(r for r in sharded["points"] if r["bw_mbit"] == bw)[
+            "predicted_s"]["thc"] == pytest.approx(0.080, rel=1e-6)
+
+
+def test_a_bmv2_mode_without_its_rate_is_not_modelled():
+    """A sweep keeps no BMv2 probe: its BMv2 modes were predicted at line rate."""
+    a = analyse(_renamed(_sweep(0.085), "thc-bmv2"), "thc-bmv2", ("fp32",))
+    assert all("thc-bmv2" not in r["predicted_s"] for r in a["points"])
+    assert "thc-bmv2" not in a["curve"] and "fp32" in a["curve"]
+    be = a["break_even"]["fp32"]
+    assert be["predicted_mbit"] is None and be["predicted_relation"].startswith("not modelled")
+    assert be["measured"]["at"] == pytest.approx(12 * F / 0.055, rel=1e-9)
+
+
+def test_each_mode_takes_its_own_hooks_codec_seconds():
+    """The codec seconds of every hooked run were averaged: a Marsit run's sign packing
+    set THC's codec."""
+    sweep = _sweep(0.085)
+    for p in sweep["points"]:
+        p["runs"].append(_run("marsit", 0.2, 0.010, 0.200))
+    sweep["modes"].append("marsit")
+    assert analyse(sweep, "thc", ("fp32",))["model"]["codec_s"] == pytest.approx(0.020)
+
+
 @pytest.mark.parametrize("gbps,relation", [(None, "never pays"), (1e4, "pays everywhere"),
                                            (0.24, "between")])
 def test_the_predicted_relation_follows_the_models_break_even(monkeypatch, gbps, relation):

@@ -12,7 +12,8 @@ in 1/BW and the interpolation an approximation. The predicted break-even is the 
 crossing, found on the model (``break_even_gbps``), not interpolated.
 
 Predicted: the performance model fed the sweep's own figures (its calibrated inputs):
-compute a step and THC's codec seconds a step as the THC runs' hooks measured them, the
+compute a step as the hooked runs measured it, each mode's codec seconds a step as its own
+hook measured them, the aggregator each mode ran through (``perfmodel.mode_setup``), the
 FP16 cast as timed beside the sweep, and alpha (per-message cost) and the link efficiency
 fitted to the FP32 points alone (a least-squares line of step time against 1/BW, relative
 residuals). FP16's
@@ -27,7 +28,10 @@ from thc.app.perfmodel import (
     NO_HOOK,
     Setup,
     break_even_gbps,
+    fit_terms,
     iteration_s,
+    mode_setup,
+    modelled,
     report_setup,
     step_seconds,
 )
@@ -105,10 +109,8 @@ def fit_links(sweep: dict, agg_pps: float) -> tuple[float, float]:
         if fp32 is None:
             continue
         base = report_setup(_point_report(point, sweep["args"]), agg_pps, links_only=True)
-        wire = iteration_s(replace(base, latency_us=0.0))["fp32_ring"]
-        msgs = iteration_s(replace(base, latency_us=1e6,
-                                   bandwidth_gbps=1e12))["fp32_ring"]
-        rows.append((msgs, wire, step_seconds(fp32)))
+        msgs, wire, delay = fit_terms(base, "fp32_ring")
+        rows.append((msgs, wire, step_seconds(fp32) - delay))
     if len({round(w, 12) for _, w, _ in rows}) < 2:
         raise ValueError("the fit needs FP32 at two bandwidths or more")
     w = [1.0 / (t * t) for _, _, t in rows]
@@ -128,24 +130,38 @@ def fit_links(sweep: dict, agg_pps: float) -> tuple[float, float]:
     return alpha, 1.0 / inv_eff
 
 
-def calibrated(sweep: dict, agg_pps: float) -> Setup:
-    """The model's setup for the sweep: its testbed and model size, compute and THC codec
-    seconds averaged over the points, the FP16 cast, alpha and efficiency from
+def codec_mbps(sweep: dict, mode: str, params: float) -> float | None:
+    """``mode``'s codec speed as its hook measured it, averaged over the points (MB of
+    float32 a second); None where no run of it reports codec seconds."""
+    secs = [r["history"][-1]["codec_seconds"] / r["history"][-1]["steps"]
+            for p in sweep["points"] for r in p["runs"]
+            if r["mode"] == mode and r["history"][-1].get("codec_seconds")]
+    return 4 * params / (sum(secs) / len(secs)) / 1e6 if secs else None
+
+
+def calibrated(sweep: dict, agg_pps: float, mode: str = "thc") -> Setup:
+    """The model's setup for the sweep: its testbed and model size, compute averaged over
+    the points, ``mode``'s codec seconds, the FP16 cast, alpha and efficiency from
     :func:`fit_links`."""
     bases = [report_setup(_point_report(p, sweep["args"]), agg_pps) for p in sweep["points"]
              if any(r["mode"] not in NO_HOOK for r in p["runs"])]
     if not bases:
         raise ValueError("no point has a run with a hook (THC) to measure compute and codec")
-    codec = [r["history"][-1]["codec_seconds"] / r["history"][-1]["steps"]
-             for p in sweep["points"] for r in p["runs"]
-             if r["history"][-1].get("codec_seconds")]
     alpha, eff = fit_links(sweep, agg_pps)
     params = bases[0].params
     cast = sweep.get("fp16_cast_s")
     return replace(bases[0], compute_s=sum(b.compute_s for b in bases) / len(bases),
-                   codec_mbps=4 * params / (sum(codec) / len(codec)) / 1e6 if codec else 1e12,
+                   codec_mbps=codec_mbps(sweep, mode, params) or 1e12,
                    fp16_mbps=4 * params / cast / 1e6 if cast else float("inf"),
                    latency_us=alpha * 1e6, efficiency=eff)
+
+
+def mode_setups(sweep: dict, setup: Setup, modes) -> dict[str, Setup]:
+    """Each of ``modes`` the model knows (:func:`perfmodel.modelled`) as it ran: through its
+    own aggregator, at its own hook's codec speed where it has one."""
+    return {m: replace(mode_setup(setup, m, sweep),
+                       codec_mbps=codec_mbps(sweep, m, setup.params) or setup.codec_mbps)
+            for m in modes if modelled(m, sweep)}
 
 
 MODEL_RANGE_GBPS = (1e-3, 1e4)
@@ -155,7 +171,8 @@ CURVE_POINTS = 41
 
 
 def predicted_s(setup: Setup, mode: str, bw_mbit: float) -> float:
-    """The model's seconds a step of a main-job mode at ``bw_mbit``."""
+    """The model's seconds a step of a main-job mode at ``bw_mbit``, ``setup`` that mode's
+    (:func:`mode_setups`)."""
     return iteration_s(replace(setup, bandwidth_gbps=bw_mbit / 1e3))[MODE_SCHEME[mode]]
 
 
@@ -164,29 +181,33 @@ def analyse(sweep: dict, mode: str = "thc", baselines: tuple[str, ...] = ("fp32"
     """Measured step times, the model's predictions and both break-evens of ``mode``
     against each baseline; with ``tta`` in the points, the break-even in time to accuracy
     too (measured only: the model has no accuracy)."""
-    setup = calibrated(sweep, agg_pps)
+    setup = calibrated(sweep, agg_pps, mode)
+    modes = sorted({r["mode"] for p in sweep["points"] for r in p["runs"]})
+    setups = mode_setups(sweep, setup, modes)
+    ran = setups.get(mode, setup)
     out = {"mode": mode, "model": {"alpha_s": setup.alpha, "efficiency": setup.efficiency,
                                    "compute_s": setup.compute_s,
                                    "codec_s": 4 * setup.params / (setup.codec_mbps * 1e6),
                                    "fp16_cast_s": sweep.get("fp16_cast_s"),
                                    "params": setup.params, "workers": setup.workers,
-                                   "buckets": setup.buckets, "lanes": setup.lanes,
-                                   "agg_pps": setup.agg_pps,
+                                   "buckets": setup.buckets, "lanes": ran.lanes,
+                                   "agg_pps": ran.agg_pps,
                                    "fitted": "alpha and efficiency, to the FP32 points"},
            "points": [], "break_even": {}}
     for p in sweep["points"]:
         row = {"bw_mbit": p["bw_mbit"], "measured_s": {}, "predicted_s": {}, "tta_s": {}}
         for r in p["runs"]:
             row["measured_s"][r["mode"]] = step_seconds(r)
-            row["predicted_s"][r["mode"]] = predicted_s(setup, r["mode"], p["bw_mbit"])
+            if r["mode"] in setups:
+                row["predicted_s"][r["mode"]] = predicted_s(setups[r["mode"]], r["mode"],
+                                                            p["bw_mbit"])
         row["tta_s"] = dict(p.get("tta_s") or {})
         out["points"].append(row)
     bws = [p["bw_mbit"] for p in sweep["points"]]
-    modes = sorted({r["mode"] for p in sweep["points"] for r in p["runs"]})
     grid = [min(bws) * (max(bws) / min(bws)) ** (i / (CURVE_POINTS - 1))
             for i in range(CURVE_POINTS)] if len(bws) > 1 else bws
     out["curve"] = {"bw_mbit": grid,
-                    **{m: [predicted_s(setup, m, bw) for bw in grid] for m in modes}}
+                    **{m: [predicted_s(s, m, bw) for bw in grid] for m, s in setups.items()}}
     for base in baselines:
         have = [row for row in out["points"]
                 if mode in row["measured_s"] and base in row["measured_s"]]
@@ -195,12 +216,17 @@ def analyse(sweep: dict, mode: str = "thc", baselines: tuple[str, ...] = ("fp32"
         measured = crossing([(row["bw_mbit"], row["measured_s"][mode],
                               row["measured_s"][base]) for row in have])
         lo, hi = min(r["bw_mbit"] for r in have), max(r["bw_mbit"] for r in have)
-        gbps = break_even_gbps(setup, MODE_SCHEME[mode], lo=MODEL_RANGE_GBPS[0],
-                               hi=MODEL_RANGE_GBPS[1], baseline=MODE_SCHEME[base])
-        model = None if gbps is None or gbps >= MODEL_RANGE_GBPS[1] else 1e3 * gbps
-        entry = {"measured": measured, "predicted_mbit": model, "swept": [lo, hi],
-                 "predicted_relation": ("never pays" if gbps is None else "pays everywhere"
-                                        if model is None else "between")}
+        entry = {"measured": measured, "predicted_mbit": None, "swept": [lo, hi],
+                 "predicted_relation": "not modelled (BMv2's rate is known from a main "
+                                       "job's probe only)"}
+        if mode in setups:
+            gbps = break_even_gbps(setups[mode], MODE_SCHEME[mode], lo=MODEL_RANGE_GBPS[0],
+                                   hi=MODEL_RANGE_GBPS[1], baseline=MODE_SCHEME[base])
+            model = None if gbps is None or gbps >= MODEL_RANGE_GBPS[1] else 1e3 * gbps
+            entry.update(predicted_mbit=model, predicted_relation=(
+                "never pays" if gbps is None else "pays everywhere" if model is None
+                else "between"))
+        model = entry["predicted_mbit"]
         if measured["at"] is not None and model is not None:
             entry["predicted_over_measured"] = model / measured["at"]
         tta = [(row["bw_mbit"], row["tta_s"].get(mode), row["tta_s"].get(base))

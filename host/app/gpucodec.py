@@ -106,6 +106,11 @@ def run(path: str, base: Setup) -> int:
               f"(`make bench-gpu` writes out/gpu/hook.json); a CPU codec's speed goes in "
               f"--codec-mbps", file=sys.stderr)
         return 2
+    try:   # sums no width holds (more workers than a job takes): said before any table
+        rows = break_evens(speeds, base)
+    except ValueError as e:
+        print(f"thc model --gpu-codec: {e}", file=sys.stderr)
+        return 2
     n = speeds["elements"]
     print(f"codec figures from {path}: {speeds['device_name']} ({speeds['device']}), "
           f"{speeds['row']} at {n} elements (2^{math.log2(n):.1f}): "
@@ -120,7 +125,7 @@ def run(path: str, base: Setup) -> int:
     head = f"{'params':>7} {'buckets':>7}" + "".join(
         f" {a.split('_')[1] + ' vs ' + b.split('_')[0].upper():>18}" for a, b in COLUMNS)
     print(head)
-    for row in break_evens(speeds, base):
+    for row in rows:
         print(f"{row['params'] / 1e6:>6g}M {row['buckets']:>7}" + "".join(
             f" {_gbps(row[f'{a}/{b}']):>18}" for a, b in COLUMNS))
     return 0

@@ -23,8 +23,11 @@ bucket (``buckets``: DDP's 1 MB first bucket, then 25 MB ones). Schemes:
   through the aggregator, as THC's chunks.
 - TopK: the agreement, then two all-gathers (values and indices, 4 bytes each) of
   k = ratio x d per worker.
-- Loss: under a packet loss rate q, a round sends 1/(1-q) of the bytes and waits a
-  retransmission timeout for each round's (bucket's) last lost chunk. DLCP's loss bound is
+- Loss: under a loss rate q a link, a packet to or from the aggregator is lost with
+  q' = 1 - (1-q)^links (``agg_links``: one to a switch, two to a host behind it); a chunk
+  whose DATA or RESULT is lost is sent again, so a round sends 1/(1-q')^2 of the bytes, and
+  it waits a retransmission timeout when any of its chunks, any worker's, was lost: the step
+  waits for its slowest worker. DLCP's loss bound is
   charged alike: the client resends a chunk found lost by later results (fast retransmit)
   as it would without one, and closes one short only where its timer expired, with a
   ``FLUSH`` in place of the resent ``DATA`` (host/net/pywindow.py), so the wait is the
@@ -45,7 +48,9 @@ and Marsit ring run (latency-bound), which are then labelled as fitted; every ot
 prediction. On Mininet with 2 cores for 4 workers, alpha is not the wire's latency (0 there)
 but the per-message cost of the software path under CPU contention (Gloo, Python, the Linux
 bridge): what the plain bandwidth model missed (it put FP32's steps 14% and Marsit's 79%
-below the measured ones).
+below the measured ones). A report's link delay (``--delay``) is added to alpha where a
+message crosses the links (``link_delay_s``), not fitted into it, so alpha carries over to
+reports with another delay.
 """
 from __future__ import annotations
 
@@ -80,7 +85,8 @@ class Setup:
     workers: int = 8
     bandwidth_gbps: float = 10.0
     latency_us: float = 10.0
-    """alpha: cost of one message (a ring hop, half an aggregator round trip)."""
+    """alpha: cost of one message (a ring hop, half an aggregator round trip), beyond the
+    links' delay (``link_delay_s``)."""
     compute_s: float = 0.1
     overlap: float = 1.05
     codec_mbps: float = 1000.0
@@ -114,7 +120,16 @@ class Setup:
     shards and its shard's results to the other workers, (p - 1) / p of up plus down."""
     topk_ratio: float = 0.1
     loss: float = 0.0
-    """Packet loss rate on the way to and from the aggregator (DLCP)."""
+    """Packet loss rate of a link (the testbed's ``--loss``), on the way to and from the
+    aggregator (DLCP)."""
+    link_delay_s: float = 0.0
+    """One way delay of a link (the testbed's ``--delay``): a message between two worker
+    hosts crosses two links (worker, switch, worker), a packet to the aggregator
+    ``agg_links``."""
+    agg_links: int = 1
+    """Links a packet crosses each way between a worker and its aggregator: 1 to a switch,
+    2 to a software aggregator on a host behind the testbed's switch (a shard's own
+    worker's chunks cross none, and are counted as crossing)."""
     rto_s: float = 0.02
     """Retransmission timeout (the client's initial one)."""
     agree_each_round: bool = True
@@ -134,6 +149,16 @@ class Setup:
     def alpha(self) -> float:
         return self.latency_us * 1e-6
 
+    @property
+    def hop_s(self) -> float:
+        """One message between two worker hosts: alpha and two links' delay."""
+        return self.alpha + 2 * self.link_delay_s
+
+    @property
+    def agg_hop_s(self) -> float:
+        """One packet between a worker and its aggregator."""
+        return self.alpha + self.agg_links * self.link_delay_s
+
 
 AGREE_BYTES, TOGETHER_BYTES = 4 * TAG_LANES, 4 * (TAG_LANES + 1)
 """One agreement all-reduce (thc.collective.agreement, float32 lanes): THC's tag lanes
@@ -143,7 +168,7 @@ AGREE_BYTES, TOGETHER_BYTES = 4 * TAG_LANES, 4 * (TAG_LANES + 1)
 def ring_allreduce_s(nbytes: float, s: Setup, collectives: int = 1) -> float:
     """``collectives`` ring all-reduces per bucket moving ``nbytes`` in all."""
     p = s.workers
-    return (2 * s.alpha * (p - 1) * collectives * s.buckets
+    return (2 * s.hop_s * (p - 1) * collectives * s.buckets
             + 2 * nbytes * TCP_FRAMING * (p - 1) / (p * s.bw))
 
 
@@ -172,20 +197,22 @@ def aggregator_s(up: float, down: float, packets: float, s: Setup) -> float:
     client's window (``window`` chunks a round trip, per bucket)."""
     p = s.workers
     per_bucket = packets / s.buckets
-    windowed = s.buckets * math.ceil(per_bucket / s.window) * 2 * s.alpha
+    windowed = s.buckets * math.ceil(per_bucket / s.window) * 2 * s.agg_hop_s
     links = ((p - 1) / p * (up + down) / s.bw if s.colocated else
              max(max(up, down) / s.bw, p * max(up, down) / (s.agg_bw_factor * s.bw)))
     return max(links, p * packets / s.agg_pps, windowed)
 
 
 def lossy_s(wire_s: float, packets: float, s: Setup) -> float:
-    """The rounds of a step (one a bucket), ``wire_s`` and ``packets`` in all, under loss
-    ``s.loss``: resent bytes, plus a timeout for each round that still owes a chunk."""
-    q = s.loss
-    if q <= 0:
+    """The rounds of a step (one a bucket), ``wire_s`` and a worker's ``packets`` in all,
+    under loss ``s.loss`` a link: resent bytes, plus a timeout for each round in which a
+    DATA or a RESULT of any worker's chunk was lost."""
+    if s.loss <= 0:
         return wire_s
-    owed = s.buckets * (1 - (1 - q) ** (packets / s.buckets))
-    return wire_s / (1 - q) + owed * s.rto_s
+    kept = (1 - s.loss) ** s.agg_links   # one way
+    sent = 2 * s.workers * packets / s.buckets   # a round's DATA and RESULT, every worker's
+    owed = s.buckets * (1 - kept ** sent)
+    return wire_s / kept ** 2 + owed * s.rto_s
 
 
 def iteration_s(s: Setup) -> dict[str, float]:
@@ -195,7 +222,7 @@ def iteration_s(s: Setup) -> dict[str, float]:
     p = s.workers
     up, down = thc_wire_bytes(s)
     packets = s.params / s.lanes
-    max_round = s.buckets * 2 * s.alpha
+    max_round = s.buckets * 2 * s.agg_hop_s
     thc_agg = aggregator_s(up, down, packets, s)
     vup, vdown = vote_wire_bytes(s)
     vote = aggregator_s(vup, vdown, s.params / (s.lanes // 8 * 8), s)
@@ -211,7 +238,7 @@ def iteration_s(s: Setup) -> dict[str, float]:
             s.params * s.sum_bits / 8 + thc_agree, s, 3 if thc_agree else 2)) + codec,
         "marsit_ring": max(compute, ring_allreduce_s(s.params / 8 + agree, s, 3)),
         "marsit_vote": max(compute, ring_allreduce_s(agree, s, 2) + vote),
-        "topk_allgather": max(compute, ring_allreduce_s(agree, s) + 2 * s.alpha * (p - 1)
+        "topk_allgather": max(compute, ring_allreduce_s(agree, s) + 2 * s.hop_s * (p - 1)
                               * s.buckets + (p - 1) * k * 8 * TCP_FRAMING / s.bw),
     }
 
@@ -262,8 +289,19 @@ def report_setup(report: dict, agg_pps: float, links_only: bool = False) -> Setu
     return Setup(params=params, workers=workers, bandwidth_gbps=float(args["bw"]) / 1e3,
                  latency_us=0.0, compute_s=sum(computes) / len(computes), overlap=1.0,
                  lanes=lanes, buckets=ddp_buckets(params), agg_pps=agg_pps,
-                 agg_bw_factor=workers, colocated=True, codec_mbps=1e12,
-                 loss=float(args.get("loss") or 0.0) / 100)
+                 agg_bw_factor=workers, colocated=True, agg_links=2, codec_mbps=1e12,
+                 loss=float(args.get("loss") or 0.0) / 100,
+                 link_delay_s=float(args.get("delay") or 0.0) / 1e3)
+
+
+def fit_terms(base: Setup, scheme: str) -> tuple[float, float, float]:
+    """A scheme's seconds a step without compute, in the parts the fits solve for: its
+    messages (seconds per second of alpha), its bytes at full efficiency, and its links'
+    delay (known, not fitted)."""
+    s = replace(base, compute_s=0.0, latency_us=0.0, link_delay_s=0.0)
+    msgs = iteration_s(replace(s, latency_us=1e6, bandwidth_gbps=1e12))[scheme]
+    delay = iteration_s(replace(s, link_delay_s=base.link_delay_s, bandwidth_gbps=1e12))[scheme]
+    return msgs, iteration_s(s)[scheme], delay
 
 
 BMV2_THC_OF_L2 = 0.048
@@ -283,6 +321,24 @@ def bmv2_pps(report: dict) -> float | None:
     return BMV2_THC_OF_L2 * float(l2)
 
 
+def mode_setup(base: Setup, mode: str, report: dict) -> Setup:
+    """``base`` (a main job's setup: :func:`report_setup`, shards on the worker hosts) as
+    ``mode`` ran: through BMv2 at its lanes, at the packet rate of the report's probe and one
+    link a way; through one central software aggregator whose link is a worker's."""
+    if mode.endswith("bmv2"):
+        return replace(base, lanes=P.LANES, agg_pps=bmv2_pps(report) or float("inf"),
+                       agg_bw_factor=float("inf"), colocated=False, agg_links=1)
+    if mode in CENTRAL_MODES:
+        return replace(base, agg_bw_factor=1.0, colocated=False)
+    return base
+
+
+def modelled(mode: str, report: dict) -> bool:
+    """Whether the model knows the aggregator ``mode`` ran through: BMv2's rate only from a
+    report's probe (:func:`bmv2_pps`)."""
+    return not mode.endswith("bmv2") or bmv2_pps(report) is not None
+
+
 FIT_MODES = ("fp32", "marsit")
 """The runs alpha and the link efficiency are fitted to: one bandwidth-bound, one
 latency-bound."""
@@ -298,13 +354,10 @@ def fit(report: dict, agg_pps: float = 86e3) -> tuple[float, float]:
         raise ValueError(f"cannot fit alpha and efficiency without the {missing} run(s) "
                          f"(a main job run with --modes including fp32,marsit): give "
                          f"--alpha-ms and --efficiency, or such a report")
-    one = replace(base, latency_us=1e6)         # alpha = 1 s: the message term alone
     rows = []
     for mode in FIT_MODES:
-        scheme = MODE_SCHEME[mode]
-        wire = iteration_s(replace(base, compute_s=0.0))[scheme]
-        msgs = iteration_s(replace(one, compute_s=0.0, bandwidth_gbps=1e12))[scheme]
-        rows.append((msgs, wire, step_seconds(runs[mode])))
+        msgs, wire, delay = fit_terms(base, MODE_SCHEME[mode])
+        rows.append((msgs, wire, step_seconds(runs[mode]) - delay))
     (a1, b1, t1), (a2, b2, t2) = rows
     det = a1 * b2 - a2 * b1
     if det == 0:
@@ -338,13 +391,8 @@ def calibrate(report: dict, alpha_s: float | None = None, efficiency: float | No
             continue
         last = r["history"][-1]
         codec_s = (last.get("codec_seconds") or 0.0) / last["steps"]
-        bmv2 = r["mode"].endswith("bmv2")
-        s = replace(base, lanes=P.LANES if bmv2 else base.lanes,
-                    codec_mbps=(4 * base.params / codec_s / 1e6) if codec_s else 1e12,
-                    agg_pps=(bmv2_pps(report) or float("inf")) if bmv2 else base.agg_pps,
-                    agg_bw_factor=(float("inf") if bmv2 else 1.0 if r["mode"] in CENTRAL_MODES
-                                   else base.agg_bw_factor),
-                    colocated=base.colocated and not bmv2 and r["mode"] not in CENTRAL_MODES)
+        s = replace(mode_setup(base, r["mode"], report),
+                    codec_mbps=(4 * base.params / codec_s / 1e6) if codec_s else 1e12)
         measured, predicted = step_seconds(r), iteration_s(s)[scheme]
         rows.append({"mode": r["mode"], "scheme": scheme, "measured_s": measured,
                      "predicted_s": predicted, "error": predicted / measured - 1,
@@ -352,7 +400,7 @@ def calibrate(report: dict, alpha_s: float | None = None, efficiency: float | No
                      "efficiency": efficiency, "bw_mbit": float(report["args"]["bw"]),
                      "steps": last["steps"], "testbed": r.get("testbed"),
                      "fitted": fitted and r["mode"] in FIT_MODES,
-                     "modelled": not bmv2 or bmv2_pps(report) is not None})
+                     "modelled": modelled(r["mode"], report)})
     return rows
 
 
