@@ -710,19 +710,25 @@ def test_a_worker_that_quit_early_without_an_error_is_named(tmp_path):
     def launch(argv, stdout, stderr):
         return subprocess.Popen(argv, stdout=stdout, stderr=stderr, stdin=subprocess.DEVNULL,
                                 start_new_session=True)
-    quit_ = Proc.start("w0", [sys.executable, "-c", "pass"], tmp_path, launch)
+    # each peer waits for the other's mark, so the order holds however loaded the machine
+    mark = tmp_path / "w0.done"
+    wait_mark = (f"import pathlib, sys, time\nwhile not pathlib.Path({str(mark)!r}).exists():\n"
+                 "    time.sleep(0.01)\n")
+    quit_ = Proc.start("w0", [sys.executable, "-c", f"open({str(mark)!r}, 'w')"], tmp_path,
+                       launch)
     failed = Proc.start("w1", [sys.executable, "-c",
-                               "import sys, time\ntime.sleep(3)\nsys.exit('peer gone')"],
+                               wait_mark + "time.sleep(2.5)\nsys.exit('peer gone')"],
                         tmp_path, launch)
     with pytest.raises(mainjob.WorkerError) as e:
         wait_all([quit_, failed], timeout=30)
     said = str(e.value)
     assert "1 of 2 workers failed" in said and "worker 0 (w0) exited 0 after" in said, said
     # one that ended with the run, as a peer failed on its way out, is not named
-    done = Proc.start("w0", [sys.executable, "-c", "import time\ntime.sleep(1)"], tmp_path,
+    mark.unlink()
+    done = Proc.start("w0", [sys.executable, "-c", f"open({str(mark)!r}, 'w')"], tmp_path,
                       launch)
-    late = Proc.start("w1", [sys.executable, "-c", "import sys, time\ntime.sleep(1.2)\n"
-                             "sys.exit('failed in teardown')"], tmp_path, launch)
+    late = Proc.start("w1", [sys.executable, "-c", wait_mark + "sys.exit('failed in teardown')"],
+                      tmp_path, launch)
     with pytest.raises(mainjob.WorkerError) as e:
         wait_all([done, late], timeout=30)
     assert "exited 0" not in str(e.value), str(e.value)
