@@ -63,13 +63,17 @@ def test_bad_flags_end_in_a_message_before_any_kernel(argv, message, monkeypatch
     assert f"thc bench kernels: {message}" in capsys.readouterr().out
 
 
-def test_quick_keeps_an_error_size_given(tmp_path):
+def test_quick_keeps_an_error_size_given(monkeypatch, capsys):
     """``--quick`` set the error check's 2^12 over the ``--error-size`` given, silently."""
     pytest.importorskip("triton")
-    out = tmp_path / "k.json"
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    r = subprocess.run([sys.executable, "-m", "thc.cli", "bench", "kernels", "--device", "cpu",
-                        "--quick", "--precisions", "ieee", "--error-size", "11", "--json",
-                        str(out)], capture_output=True, text=True, env=env, timeout=300)
-    assert r.returncode == 0, r.stderr[-2000:]
-    assert "(2^11 elements)" in r.stdout
+    from thc.bench import kernels
+    from thc.cli import main
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    checked = []
+    monkeypatch.setattr(kernels, "_kernel_rows", lambda tk, n, *a: [
+        {"name": "copy", "elements": n, "median_s": 1e-6, "gb_per_s": 1.0, "of_copy": 1.0}])
+    monkeypatch.setattr(kernels, "_errors", lambda n, *a: checked.append(n) or {
+        "decode_rel_error": 0.0, "indices_differing": 0.0})
+    assert main(["bench", "kernels", "--device", "cpu", "--quick", "--precisions", "ieee",
+                 "--error-size", "11"]) == 0
+    assert checked == [1 << 11] and "(2^11 elements)" in capsys.readouterr().out
