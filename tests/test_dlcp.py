@@ -16,6 +16,7 @@ from thc.codec.params import THCParams
 from thc.collective.allreduce import THCAllReduce
 from thc.net.aggregator import Aggregator
 from thc.net.client import AggregationClient, AggregationTimeout
+from thc.net.fastclient import CLIENT_UNAVAILABLE
 from thc.net.impair import Impairment
 from thc.net.outcomes import LossBoundExceeded
 from thc.net.priority import FLUSH_CLASS, N_CLASSES, magnitude_rank, priority_class, tos_of
@@ -345,10 +346,15 @@ def test_short_chunks_beyond_n_times_the_bound_end_the_round():
                 c.aggregate(data)
 
 
-def test_a_short_result_without_this_worker_above_its_count_is_ignored():
+@pytest.mark.parametrize("loss_bound,window", [(0.5, "python"), (0.0, "python"),
+                                                (0.0, "compiled")])
+def test_a_short_result_without_this_worker_above_its_count_is_ignored(loss_bound, window):
     """A chunk may end short without this worker (its FLUSH came first): a RESULT counting
     worker 1 alone sums one worker's table values, so a lane above g is impossible (though
-    below n x g), ignored and counted; the complete RESULT after it is taken."""
+    below n x g), ignored and counted; the complete RESULT after it is taken. Without a loss
+    bound too (where a possible short RESULT ends the round), on both windows."""
+    if window == "compiled" and CLIENT_UNAVAILABLE:
+        pytest.skip(f"compiled client: {CLIENT_UNAVAILABLE}")
     job = local_job(4, 2, free_port_block(2), pool_size=8, lanes=16)
     dtype = P.sum_dtype(job.sum_bits)
     bogus = np.full(job.lanes, job.granularity + 1, dtype).tobytes()
@@ -363,9 +369,9 @@ def test_a_short_result_without_this_worker_above_its_count_is_ignored():
 
     with answering(answer) as addr:
         with AggregationClient(job, 0, addr, run=9, timeout=2.0, max_timeout=2.0,
-                               loss_bound=0.5) as c:
+                               loss_bound=loss_bound, datapath=window) as c:
             r = c.reduce(np.zeros(4 * job.lanes // 2, np.uint8))
-    assert r.datapath == "python"
+    assert r.datapath == window
     assert r.counts.tolist() == [2, 2, 2, 2] and c.stats.short == 0
     assert c.stats.rejected == 4 and not r.sums.any()
 
