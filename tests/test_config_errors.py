@@ -64,7 +64,16 @@ def test_granularity_is_checked_before_the_table_is_computed(g, why, monkeypatch
                                                         "224.0.0.1")),
     (one_job(p=2), "job 7: p must lie between 0 and 1"),
     ({"jobs": [{"job_id": 7, "workers": WORKERS}]}, "job 7: 'granularity' is missing"),
-    ({**one_job(), "agg_mcac": "02:00:00:00:00:01"}, r"unknown keys \['agg_mcac'\]")])
+    ({**one_job(), "agg_mcac": "02:00:00:00:00:01"}, r"unknown keys \['agg_mcac'\]"),
+    (one_job(workers=[{**w, "id": w["id"] + 1} for w in WORKERS]),
+     r"job 7: worker ids must be 0..1, got \[1, 2\]"),
+    (one_job(workers=[WORKERS[0], {**WORKERS[0], "id": 1}]), "job 7: two workers share an "
+                                                            "address"),
+    *(({"jobs": [{**one_job()["jobs"][0], "job_id": i}], "agg_ip": "10.0.0.100"},
+       f"job_id {i} outside 1..65535") for i in (0, 1 << 16)),
+    ({"jobs": [one_job()["jobs"][0], {**one_job()["jobs"][0], "workers": [
+        {**w, "ip": f"10.0.1.{w['id'] + 1}"} for w in WORKERS]}], "agg_ip": "10.0.0.100"},
+     r"duplicate job ids in \[7, 7\]")])
 def test_badly_shaped_clusters_say_what_is_wrong(d, why):
     """These gave tracebacks (TypeError, AttributeError) or, for a typo, nothing at all."""
     with pytest.raises(ConfigError, match=why):

@@ -116,9 +116,12 @@ def test_one_mac_names_one_host_within_a_job_too(sw):
     jobs.install_job(sw, one_host)         # one host, two UDP ports: fine
 
 
-def test_a_remove_cut_short_is_finished_by_the_next(sw, monkeypatch, capsys):
-    """Its error was the bare write error, with no word of the job left half-removed."""
-    job = make_job(1)
+@pytest.mark.parametrize("group", [None, 7])
+def test_a_remove_cut_short_is_finished_by_the_next(sw, monkeypatch, capsys, group):
+    """Its error was the bare write error, with no word of the job left half-removed. The job
+    entry, which names the job's group, goes last: a job whose group is not its id is still
+    listed, and the next remove deletes that group."""
+    job = make_job(1) if group is None else make_job(1, mcast_grp=group)
     jobs.install_job(sw, job)
     groups = sw.device.groups.copy()
     real = sw.device.delete_group
@@ -354,3 +357,60 @@ def test_bmv2_refuses_a_job_whose_flush_would_grow_past_512_bytes():
         Bmv2().check_job(replace(job, lanes=lanes, sum_bits=bits))
     with pytest.raises(ConfigError, match="job 3: 264 lanes of 16-bit sums grow a FLUSH by 528"):
         Bmv2().check_job(replace(job, lanes=264, sum_bits=16))
+
+
+def test_jobs_of_one_cluster_that_clash_are_refused_before_any_write(sw):
+    """Each job of a cluster is checked against the others as against those on the switch:
+    two on one multicast group would take each other's results; one MAC on two ports would
+    route one host's frames to the other."""
+    one = make_job(1, mcast_grp=1)
+    for two, why in ((make_job(2, pool_base=8, mcast_grp=1), "multicast group 1"),
+                     (make_job(2, pool_base=8, mac=one.workers[1].mac), "02:00:00:01")):
+        before, mark = sw.device.state(), len(sw.device.log)
+        with pytest.raises(ConfigError, match=why):
+            jobs.install_cluster(sw, cluster(one, two))
+        assert sw.device.log[mark:] == [] and sw.device.state() == before
+
+
+def test_an_install_cut_short_before_its_workers_went_live_is_finished_by_the_next(
+        sw, monkeypatch):
+    """Its RESETs lost, a cluster install stops before the worker entries; the next one
+    finds the job's other entries in place and must not leave it as it is, without
+    workers (every round would wait to its deadline)."""
+    import functools
+    job = make_job(1)
+    deliver = sw.device.packet_out
+    monkeypatch.setattr(sw.device, "packet_out", lambda frame: None)
+    monkeypatch.setattr(jobs, "reset_pool", functools.partial(jobs.reset_pool, timeout=0.05))
+    with pytest.raises(jobs.SwitchError, match="slot resets"):
+        jobs.install_cluster(sw, cluster(job))
+    assert installed.entries_of(sw, program.WORKER_TABLE, 1) == []
+    monkeypatch.setattr(sw.device, "packet_out", deliver)
+    jobs.install_cluster(sw, cluster(job), live_window=IDLE)
+    assert len(installed.entries_of(sw, program.WORKER_TABLE, 1)) == job.n_workers
+
+
+@pytest.mark.parametrize("change", ["install", "remove"])
+def test_a_controller_displaced_during_a_changes_last_write_says_so(sw, monkeypatch, change):
+    """Another controller took the switch while the change's last batch was written (the
+    worker entries of an install, the job entry of a remove): that batch may have landed on
+    what the other one wrote, and the command must not end as if it were done."""
+    from thc.controller.switch import Displaced
+    job = make_job(1)
+    if change == "remove":
+        jobs.install_job(sw, job)
+    last = ("INSERT", program.WORKER_TABLE) if change == "install" else \
+        ("DELETE", program.JOB_TABLE)
+    real = sw.device.write
+
+    def write(op, entity):
+        real(op, entity)
+        event = sw.device.log[-1]
+        if (event.op, str(event.target).rsplit(".", 1)[-1]) == last:
+            sw._taken_by = (9, 0)
+    monkeypatch.setattr(sw.device, "write", write)
+    with pytest.raises(Displaced, match=r"another controller \(election id \(9, 0\)\)"):
+        if change == "install":
+            jobs.install_job(sw, job)
+        else:
+            jobs.remove_job(sw, 1, live_window=IDLE)

@@ -94,6 +94,28 @@ def test_batch_writer_reports_the_failed_updates_by_index(server_addr):
         writer.close()
 
 
+def test_a_switchs_write_raises_on_every_update_error_it_was_not_told_to_ignore(server_addr):
+    """Switch.write_entries itself, which the in-memory switch stands in for elsewhere, on a
+    server that rejects some updates of a batch: an entry refused (a lookup table full, a
+    key taken) fails the write, naming it, unless its error was one the caller ignores."""
+    from types import SimpleNamespace
+
+    from p4.config.v1 import p4info_pb2
+
+    from thc.controller.switch import Switch, SwitchError
+    sw = Switch(server_addr, require_primary=False)
+    sw.client, sw.p4info = SimpleNamespace(), p4info_pb2.P4Info()
+    sw._writer = p4rt.BatchWriter(server_addr, 0, (1, 0))
+    try:
+        with pytest.raises(SwitchError, match=r"INSERT failed for 2 of 4 entries; first: "
+                                              r"ALREADY_EXISTS 'entry exists' on table 1 "):
+            sw.write_entries("INSERT", _entries([1, 13, 2, 13]))
+        assert sw.write_entries("INSERT", _entries([1, 13, 2]),
+                                ignore=["ALREADY_EXISTS"]) == _entries([13])
+    finally:
+        sw._writer.close()
+
+
 def test_batch_writer_checks_before_every_write_request(server_addr):
     """A session that lost the switch part-way through a write sent the rest of it: the
     check runs before every WriteRequest, and one that raises sends no more."""
