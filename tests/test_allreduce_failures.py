@@ -417,3 +417,22 @@ def test_a_float64_input_beyond_float32s_range_is_not_called_nan():
         assert got.dtype == torch.float64 and torch.isfinite(got).all()
     finally:
         dist.destroy_process_group()
+
+
+def test_an_input_refused_is_refused_where_every_worker_stood_in_as_empty(alone):
+    """Workers that all stood in as empty (a worker alone here) agree on the empty round:
+    the refusal still reaches the caller, not an empty tensor as if summed; positions of
+    another count than the elements are refused, more as fewer; and rounds never go back."""
+    ar = THCAllReduce.through_torch_distributed(params=THCParams(slice_size=256))
+    for bad, kind in ((np.zeros(0, np.float32), "ndarray"), ([], "list")):
+        with pytest.raises(TypeError, match=f"takes a torch.Tensor, got {kind}"):
+            ar(bad)
+    for n in (255, 257):
+        with pytest.raises(ValueError, match=f"{n} layer positions for 256 elements"):
+            ar(torch.ones(256), torch.zeros(n))
+    assert ar(torch.ones(256)).shape == (256,)
+    rnd = ar.round
+    ar.skip_to(rnd - 1)
+    assert ar.round == rnd
+    ar.skip_to(rnd + 3)
+    assert ar.round == rnd + 3

@@ -122,6 +122,31 @@ def test_workers_out_of_step_refuse_the_round():
     assert torch.isfinite(ar(x)).all()         # both in round 1 now
 
 
+class _OverSums(_TwoWorkers):
+    """Its sums one above what two workers' table values make: a broken peer or aggregator."""
+
+    def sum(self, indices, count, params, classes=None):
+        sums, short = super().sum(indices, count, params, classes)
+        return torch.full_like(sums, 2 * params.granularity + 1), short
+
+
+@kernels
+@pytest.mark.parametrize("nonfinite", ["raise", "propagate"])
+def test_sums_refused_at_a_stream_ordered_rounds_end_are_no_overflow(nonfinite):
+    """The round's deferred checks find sums no two workers make: an error every worker
+    reaches, neither handed on as NaN (as an overflow of the input is, under "propagate")
+    nor told as this worker's input holding NaN or Inf."""
+    from thc.codec.common import NonFiniteInput
+    p = THCParams(slice_size=256)
+    x = torch.randn(1024, generator=torch.Generator().manual_seed(5)).to(DEV)
+    ar = THCAllReduce(_OverSums(_tagged(torch.zeros(4, device=DEV), 0, p)), p,
+                      backend="triton", nonfinite=nonfinite)
+    with pytest.raises(ValueError, match=r"sum 61") as err:
+        ar(x)
+    assert not isinstance(err.value, NonFiniteInput), err.value
+    assert ar.stats.overflows == 0
+
+
 def test_a_worker_that_stops_early_still_joins_a_stream_ordered_sum():
     """The reference codec raises in prepare. On a stream-ordered transport the worker still
     sends its MAX round (the bad slice marked) and a sum of zeros, so peers on the kernels
