@@ -79,6 +79,8 @@ def test_a_state_that_cannot_be_taken_is_refused(alone):
     ar = THCAllReduce.through_torch_distributed(params=P, generator=11)
     for bad, message in (({"round": -1, "residual": None}, "round must be an int"),
                          ({"round": 1 << 40, "residual": None}, "round must be an int"),
+                         ({"round": True, "residual": None}, "round must be an int"),
+                         ({"round": 2.0, "residual": None}, "round must be an int"),
                          ({"round": 2}, "not a reducer's state"),
                          ({"round": 2, "residual": torch.zeros(3, 3)}, "1-D floating-point"),
                          ({"round": 2, "residual": [0.0]}, "1-D floating-point"),
@@ -94,6 +96,15 @@ def test_a_state_that_cannot_be_taken_is_refused(alone):
     ar(_inputs(1)[0])
     with pytest.raises(ValueError, match="before the first round"):
         ar.load_state_dict(checkpoint.state(0, None))
+
+
+def test_a_buckets_residual_takes_zeros_for_a_parameter_of_another_length():
+    """A residual of another length (another model's parameter of that name) would shift
+    every later parameter's residual onto its neighbour's coordinates."""
+    joined = checkpoint.joined({"a": torch.ones(3), "b": torch.full((2,), 2.0)},
+                               [("a", 5), ("b", 2), ("c", 1)], "cpu")
+    assert torch.equal(joined, torch.tensor([0.0, 0, 0, 0, 0, 2, 2, 0]))
+    assert checkpoint.joined({"x": torch.ones(3)}, [("a", 5)], "cpu") is None
 
 
 @pytest.mark.parametrize("kind", ["thc", "marsit", pytest.param("graphed", marks=kernels)])

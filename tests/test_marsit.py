@@ -819,3 +819,51 @@ def test_only_a_compensated_reducer_refuses_magnitudes_past_half_of_float32():
             marsit.MarsitVoteAllReduce(_VoteClient())(big)
     finally:
         dist.destroy_process_group()
+
+
+def _nonfinite_rules_worker(rank, port, q):
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2)
+    ar = marsit.MarsitAllReduce(generator=torch.Generator().manual_seed(rank),
+                                nonfinite="raise" if rank == 0 else "propagate")
+    out = []
+    for grad in (torch.ones(64), torch.full((64,), float("nan"))):
+        try:
+            out.append(ar(grad).tolist())
+        except (ValueError, RuntimeError) as e:
+            out.append(str(e))
+    q.put((rank, out))
+    dist.destroy_process_group()
+
+
+def test_ranks_with_unlike_nonfinite_rules_refuse_every_round_together():
+    """One rank raising on a NaN round and the other returning NaN would part ways (the one
+    skips its step, the other's scaler skips it): built alike or refused from the first round."""
+    res = gloo_pair(_nonfinite_rules_worker)
+    for rank in (0, 1):
+        assert all(isinstance(r, str) and "differ in the scheme's settings" in r
+                   for r in res[rank]), res[rank]
+
+
+def test_a_refused_round_forgets_the_compensation(alone):
+    """The refusal's promise (``nonfinite="raise"``): the next round starts without the
+    residual, which a residual at the clamp would otherwise push past the limit in every
+    later round."""
+    xs = [torch.randn(256, generator=torch.Generator().manual_seed(s)) for s in (1, 2)]
+    ar = marsit.MarsitAllReduce(generator=torch.Generator().manual_seed(0))
+    ar(xs[0])
+    assert ar.kept_residual is not None
+    with pytest.raises(ValueError, match="holds NaN or Inf"):
+        ar(torch.full((256,), float("nan")))
+    assert ar.kept_residual is None
+    fresh = marsit.MarsitAllReduce(generator=torch.Generator().manual_seed(0))
+    assert torch.equal(ar(xs[1]), fresh(xs[1]))
+
+
+def test_negative_segments_are_refused_before_the_round(alone):
+    """[-1, 65] adds up to 64: let through, torch's split raised after the agreement, and the
+    group was abandoned for a caller's mistake."""
+    ar = marsit.MarsitAllReduce(generator=torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match=r"segments \[-1, 65\] do not split 64"):
+        ar(torch.ones(64), [-1, 65])
+    assert torch.isfinite(ar(torch.ones(64), [32, 32])).all()
