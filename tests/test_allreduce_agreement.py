@@ -292,9 +292,11 @@ def _skipping_worker(rank, port, q, kind):
     each of its calls meets the other reducer's on worker 0."""
     from thc.collective.marsit import MarsitAllReduce
     join_gloo(rank, port)
-    if kind == "thc":
-        a, b = (THCAllReduce.through_torch_distributed(params=THCParams(slice_size=256),
-                                                       generator=rank) for _ in "ab")
+    if kind.startswith("thc"):
+        # "thc-named": A named 0, B by its build order, the first on the group: 0 as well
+        a, b = (THCAllReduce.through_torch_distributed(
+            params=THCParams(slice_size=256), generator=rank,
+            **({"name": 0} if kind == "thc-named" and r == "a" else {})) for r in "ab")
     else:
         a, b = (MarsitAllReduce(None, compensation=False) for _ in "ab")
     calls = [(a, torch.full((256,), 1.0 + rank)), (b, torch.full((256,), -100.0 - rank))] * 3
@@ -310,11 +312,13 @@ def _skipping_worker(rank, port, q, kind):
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("kind", ["thc", "marsit"])
+@pytest.mark.parametrize("kind", ["thc", "marsit", "thc-named"])
 def test_a_round_of_one_reducer_never_pairs_with_anothers(kind):
     """Round numbers count per reducer: A's call k on one worker and B's call k on another
     carried the same tags, and every worker took the sum of the two (THC's means near -48
-    for true means 1.5 and -100.5). Each reducer's build order is now in its fingerprint."""
+    for true means 1.5 and -100.5). Each reducer's build order is now in its fingerprint,
+    and a name given is kept apart from the build orders (``name=0`` was the first unnamed
+    reducer's)."""
     res = gloo_pair(functools.partial(_skipping_worker, kind=kind))
     for rank in (0, 1):
         assert all(isinstance(r, str) and "which reducer it is" in r for r in res[rank]), res

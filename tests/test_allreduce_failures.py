@@ -16,6 +16,7 @@ from thc.testing.clusters import free_port_block, free_tcp_port, local_job
 from tests.allreduce_cases import PARAMS, _vectors, workers_through_aggregator
 from tests.oom import NoMemory
 from tests.procs import gloo_pair
+from tests.test_codec_kernels import DEV, kernels
 from tests.test_graphed import join_gloo
 
 
@@ -436,3 +437,68 @@ def test_an_input_refused_is_refused_where_every_worker_stood_in_as_empty(alone)
     assert ar.round == rnd
     ar.skip_to(rnd + 3)
     assert ar.round == rnd + 3
+
+
+def _empty_refusing_worker(rank, port, q):
+    """Empty inputs alike on every rank but for one refused on rank 1."""
+    join_gloo(rank, port)
+    ar = THCAllReduce.through_torch_distributed(params=THCParams(slice_size=256))
+    out = []
+    for bad in (torch.zeros(0, dtype=torch.int64), np.zeros(0, np.float32),
+                torch.zeros(0, 3, dtype=torch.complex64)):
+        try:
+            out.append(ar(bad if rank == 1 else torch.zeros(0)).shape)
+        except (ValueError, TypeError, RuntimeError) as e:
+            out.append(f"{type(e).__name__}: {e}")
+    out.append(tuple(ar(torch.zeros(0)).shape))
+    q.put((rank, out))
+    dist.destroy_process_group()
+
+
+def test_an_empty_input_refused_on_one_rank_is_refused_on_every_rank():
+    """An empty tensor skipped the input checks (an int64 or complex one was taken), and one
+    refused (a numpy array) raised on its rank alone: its peer returned an empty sum as if
+    the round had gone well. An empty round holds no slice to mark; its key carries the
+    refusal."""
+    res = gloo_pair(_empty_refusing_worker)
+    own, peer = res[1], res[0]
+    assert "floating-point tensors, got torch.int64" in own[0], own
+    assert "takes a torch.Tensor, got ndarray" in own[1], own
+    assert "got torch.complex64" in own[2], own
+    for told in peer[:3]:
+        assert told.startswith("RuntimeError") and "refused its input" in told, peer
+    assert own[3] == peer[3] == (0,)
+
+
+@pytest.mark.parametrize("kind", ["thc", pytest.param("graphed", marks=kernels)])
+def test_an_empty_input_is_checked_as_any_other(alone, kind):
+    from thc.collective.graphed import GraphedAllReduce
+    ar = THCAllReduce.through_torch_distributed(params=THCParams(slice_size=256)) \
+        if kind == "thc" else GraphedAllReduce.through_torch_distributed(
+            params=THCParams(slice_size=256), capture=False)
+    with pytest.raises(TypeError, match="floating-point tensors, got torch.int64"):
+        ar(torch.zeros(0, dtype=torch.int64, device=DEV if kind == "graphed" else "cpu"))
+    if kind == "graphed":
+        with pytest.raises(ValueError, match="a graphed round does not use"):
+            ar(torch.zeros(0, device=DEV), torch.zeros(0))
+        return
+    with pytest.raises(ValueError, match="5 layer positions for 0 elements"):
+        ar(torch.zeros(0), torch.zeros(5))
+    assert ar(torch.zeros(0), torch.zeros(0)).shape == (0,)
+
+
+@pytest.mark.parametrize("kind", ["thc", "marsit"])
+def test_a_skip_of_2_to_the_40_rounds_or_more_is_refused(alone, kind):
+    """The round lanes carry the round modulo 2^40: a rank that jumped that far alone paired
+    its rounds with its peers' unrefused, each drawing another rotation (sums apart in
+    sign on the two ranks)."""
+    from thc.collective.marsit import MarsitAllReduce
+    ar = THCAllReduce.through_torch_distributed(params=THCParams(slice_size=256)) \
+        if kind == "thc" else MarsitAllReduce(None, torch.Generator().manual_seed(0))
+    ar(torch.ones(256))
+    for bad in (1 + (1 << 40), True, 2.0):
+        with pytest.raises(ValueError, match="skip_to"):
+            ar.skip_to(bad)
+    assert ar.round == 1
+    ar.skip_to(1 << 40)
+    assert ar.round == 1 << 40

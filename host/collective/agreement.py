@@ -123,8 +123,24 @@ def identify(domain, name=None):
     of two like-sized reducers would pair one's rounds with the other's for good, each a
     valid-looking sum; named apart, they are refused. ``name`` alike on every worker, or by
     default the reducer's build order on ``domain``, which every worker then keeps alike (a
-    DDP hook names its reducers itself)."""
-    return ordinal(domain) if name is None else name
+    DDP hook names its reducers itself). A given name is kept apart from the build orders:
+    ``name=0`` is not the first unnamed reducer."""
+    return ordinal(domain) if name is None else ("named", name)
+
+
+def skipped_to(current: int, rnd) -> int:
+    """The round a reducer at round ``current`` takes next after ``skip_to(rnd)``: ``rnd``
+    where it is ahead (rounds never go back: each draws its own rotation and rounding).
+    Refused where it is no int, or ROUNDS or more ahead: the round lanes carry the round
+    modulo ROUNDS, so a worker that jumped that far alone would pair its rounds with its
+    peers' unrefused, each drawing another rotation (a DDP hook jumps by a ``no_sync``
+    stretch's rounds)."""
+    if isinstance(rnd, bool) or not isinstance(rnd, int):
+        raise ValueError(f"skip_to takes an int round, got {rnd!r}")
+    if rnd - current >= ROUNDS:
+        raise ValueError(f"skip_to({rnd}) from round {current}: a jump of 2^40 rounds or more "
+                         f"carries the round lanes of one that did not jump")
+    return max(current, rnd)
 
 
 def check_domain(built_on, now) -> None:
@@ -137,7 +153,7 @@ def check_domain(built_on, now) -> None:
 
 
 def fingerprint(params, *cut: int, backend: str = "", steps: str = "",
-                nonfinite: str = "raise", reducer=0, dtype=None) -> int:
+                nonfinite: str = "raise", reducer=0, dtype=None, refused: bool = False) -> int:
     """What the workers' rounds must share for their sums to mean one thing, as a 48-bit
     value (:func:`key_of`): the codec's parameters (rotation seed, slice size, table), ``cut``, the
     numbers that cut the tensor (its length, the pipeline's piece length), the codec
@@ -147,7 +163,8 @@ def fingerprint(params, *cut: int, backend: str = "", steps: str = "",
     worker of one kind never waits in a sum its peer of the other skips; and ``nonfinite``
     (:data:`NONFINITE`), so that none raises where a peer hands on NaN and goes on;
     ``reducer``: the reducer's name (:func:`identify`); ``dtype``: the input's, which the
-    estimate is cast to (:func:`half_type`)."""
+    estimate is cast to (:func:`half_type`); ``refused``: an empty round whose input this
+    worker refused (:func:`empty_round`)."""
     key = (params.bits, params.granularity, float(params.p), params.seed, params.slice_size,
            tuple(int(t) for t in params.table)) + tuple(int(c) for c in cut) + (backend, steps)
     if nonfinite != "raise":
@@ -157,6 +174,8 @@ def fingerprint(params, *cut: int, backend: str = "", steps: str = "",
     cast = half_type(dtype)
     if cast:
         key += ("dtype", cast)
+    if refused:
+        key += ("refused",)
     return key_of(*key)
 
 
@@ -283,7 +302,8 @@ THC_ALIKE = ("their THC parameters (bits, granularity, p, seed, slice size, tabl
              "mode, how a refused round ends (a graphed or stream-ordered round still sums, "
              "an eager one on Gloo stops; a graphed one with deferred checks raises its "
              "refusal a call later), or which reducer it is (the order the reducers were "
-             "built in)")
+             "built in, or its name), or, in an empty tensor's round, whether a worker "
+             "refused its input")
 """What a THC round's fingerprint covers, as :func:`check_rounds` names it."""
 
 
@@ -321,6 +341,20 @@ def agree(transport, rnd: int, key: int, device) -> None:
         owed(transport, rnd, "agreement", e)
         raise
     check_rounds(transport.max(vector))
+
+
+def empty_round(transport, rnd: int, key: int, device, refusal: Exception | None) -> None:
+    """The whole round of an empty tensor: the agreement alone. An empty round has no slice
+    to mark, so ``key`` holds the worker's refusal (``fingerprint(..., refused=True)``): where
+    one worker's input was refused, every worker raises, that one its own error."""
+    try:
+        agree(transport, rnd, key, device)
+    except Exception as e:
+        if refusal is not None:
+            raise refusal from e   # this worker's own error, as a marked round's
+        raise
+    if refusal is not None:
+        raise refusal
 
 
 def owed(transport, rnd: int, what: str, error: BaseException) -> None:

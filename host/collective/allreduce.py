@@ -85,11 +85,14 @@ class THCAllReduce:
     beyond :func:`norm_limit`) is refused on every worker ("raise"), or returns NaN in every
     element on every worker ("propagate"), the residual kept as it was: non-finite, as an
     all-reduce of the floats would be, which ``torch.amp.GradScaler`` needs to skip the step
-    on every rank.
+    on every rank. A float64 input's finite value beyond float32's range is no overflow of
+    the round: it is refused on every worker in either mode (the exchange computes in
+    float32).
     Every worker of a job sets it alike (its rounds' fingerprint holds it).
 
     ``name``: what tells this reducer's rounds from other reducers' on its process group
-    (or client), alike on every worker; by default its build order there.
+    (or client), alike on every worker and no other reducer's there; by default its build
+    order there (a name given is never taken for a build order).
     """
 
     def __init__(self, transport, params: THCParams | None = None, error_feedback: bool = True,
@@ -128,8 +131,9 @@ class THCAllReduce:
 
     def skip_to(self, rnd: int) -> None:
         """Take round ``rnd`` next where it is ahead (rounds never go back: each draws its
-        own rotation and rounding); a DDP hook's ``no_sync`` count (``BaseHook._count_round``)."""
-        self.round = max(self.round, int(rnd))
+        own rotation and rounding); a DDP hook's ``no_sync`` count (``BaseHook._count_round``).
+        Refused as :func:`agreement.skipped_to` says."""
+        self.round = agreement.skipped_to(self.round, rnd)
 
     @property
     def kept_residual(self) -> torch.Tensor | None:
@@ -231,17 +235,12 @@ class THCAllReduce:
         """:meth:`__call__` of a checked input (``refusal``: why it is refused)."""
         if tensor.numel() == 0:
             # a round of the agreement alone: a peer whose tensor is not empty refuses it
+            if refusal is None:   # checked as any input: an empty one is no exception
+                refusal = self._checked(tensor, position)[2]
             rnd, self.round = self.round, self.round + 1
-            try:
-                agreement.agree(self.transport, rnd,
-                                agreement.fingerprint(self.params, 0, 0, reducer=self.name),
-                                tensor.device)
-            except Exception as e:
-                if refusal is not None:
-                    raise refusal from e   # this worker's own error, as a marked round's
-                raise
-            if refusal is not None:
-                raise refusal
+            key = agreement.fingerprint(self.params, 0, 0, reducer=self.name,
+                                        refused=refusal is not None)
+            agreement.empty_round(self.transport, rnd, key, tensor.device, refusal)
             return tensor.clone()
         self._open = self._summed = self._taken = False
         try:

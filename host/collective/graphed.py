@@ -86,6 +86,14 @@ _DEFERRING: weakref.WeakSet = weakref.WeakSet()
 """The reducers with deferred checks: what they hold when the process ends is read then."""
 
 
+def _check_input(flat: torch.Tensor, position) -> None:
+    """Raise where a graphed round cannot take ``flat`` (of any length) with ``position``."""
+    if position is not None:
+        raise ValueError("DLCP priority classes travel through the aggregator's transport, "
+                         "which a graphed round does not use")
+    check_float(flat)
+
+
 def _tell_unread(ar: "GraphedAllReduce", when: str) -> None:
     """Warn of the refusal ``ar``'s deferred round still holds (a round after which nothing
     was called or checked), or that it had not finished, ``when`` nothing can read it any
@@ -327,9 +335,11 @@ class GraphedAllReduce:
 
     def skip_to(self, rnd: int) -> None:
         """Take round ``rnd`` next where it is ahead (rounds never go back: each draws its
-        own rotation and rounding); a DDP hook's ``no_sync`` count (``BaseHook._count_round``)."""
-        if rnd > self.round:
-            self.round = int(rnd)
+        own rotation and rounding); a DDP hook's ``no_sync`` count (``BaseHook._count_round``).
+        Refused as :func:`agreement.skipped_to` says."""
+        ahead = agreement.skipped_to(self.round, rnd)
+        if ahead > self.round:
+            self.round = ahead
             self._round_on_device()
 
     def _round_on_device(self) -> None:
@@ -547,32 +557,33 @@ class GraphedAllReduce:
         rnd = self.round
         self.round += 1
         empty = tensor.numel() == 0
+        if empty and refusal is None:   # checked as any input: an empty one is no exception
+            try:
+                _check_input(tensor, position)
+            except Exception as e:  # noqa: BLE001 - raised by its round, on every worker
+                refusal = e
         if empty or not self._agreed or getattr(self.transport, "agree_each_round", False):
             try:
                 if empty:   # a round of the agreement alone: a peer with a tensor refuses it
-                    agreement.agree(self.transport, rnd, agreement.fingerprint(
-                        self.params, 0, 0, reducer=self.name), tensor.device)
+                    agreement.empty_round(self.transport, rnd, agreement.fingerprint(
+                        self.params, 0, 0, reducer=self.name, refused=refusal is not None),
+                        tensor.device, refusal)
                 else:
                     self._agree_size(tensor, rnd)
             except BaseException as e:
                 self._round_on_device()
-                if refusal is not None and isinstance(e, Exception):
+                if not empty and refusal is not None and isinstance(e, Exception):
                     raise refusal from e   # this worker's own error, as a marked round's
                 raise
         if empty:
             self._round_on_device()
-            if refusal is not None:
-                raise refusal
             return tensor.clone()
         self._sent = 0
         try:
             if refusal is not None:
                 raise refusal
-            if position is not None:
-                raise ValueError("DLCP priority classes travel through the aggregator's "
-                                 "transport, which a graphed round does not use")
             flat = tensor.detach().reshape(-1)
-            check_float(flat)   # owed to the peers as a refused round, as bad values are
+            _check_input(flat, position)   # owed to the peers as a refused round
             if flat.dtype not in KERNEL_DTYPES:
                 flat = as_float32(flat)
             b = self._buffers(flat)

@@ -106,8 +106,9 @@ class _SignAllReduce:
 
     def skip_to(self, rnd: int) -> None:
         """Take round ``rnd`` next where it is ahead (rounds never go back: each draws its
-        own rotation and rounding); a DDP hook's ``no_sync`` count (``BaseHook._count_round``)."""
-        self.round = max(self.round, int(rnd))
+        own rotation and rounding); a DDP hook's ``no_sync`` count (``BaseHook._count_round``).
+        Refused as :func:`agreement.skipped_to` says."""
+        self.round = agreement.skipped_to(self.round, rnd)
 
     @property
     def kept_residual(self) -> torch.Tensor | None:
