@@ -573,3 +573,21 @@ def test_two_threads_reducers_on_one_process_group_never_take_each_others_sums(k
     one over an aggregator holds its client."""
     assert_each_round_its_own(gloo_pair(functools.partial(_threads_on_one_group_worker,
                                                           kind=kind)))
+
+
+@pytest.mark.parametrize("kind", ["thc", "marsit"])
+def test_a_name_a_live_reducer_holds_is_refused(alone, kind):
+    """Two reducers of one name on one group carried the same fingerprint: workers calling
+    them in unlike orders summed each one's tensor with the other's, unrefused. A name is a
+    live reducer's alone; dropped, it may be given again."""
+    from thc.collective.marsit import MarsitAllReduce
+    make = (lambda name: THCAllReduce.through_torch_distributed(
+        params=THCParams(slice_size=256), name=name)) if kind == "thc" else \
+        (lambda name: MarsitAllReduce(None, torch.Generator().manual_seed(0), name=name))
+    first = make("g")
+    with pytest.raises(ValueError, match="a reducer named 'g' is live"):
+        make("g")
+    other = make("h")
+    assert other.name != first.name
+    del first
+    assert make("g").name == ("named", "g")

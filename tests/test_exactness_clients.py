@@ -488,7 +488,7 @@ def test_a_second_thread_on_a_busy_client_is_refused_at_once():
             first.start()   # waits for worker 1, who never comes
             time.sleep(0.3)
             t0 = time.monotonic()
-            with pytest.raises(RuntimeError, match="another thread's round is running"):
+            with pytest.raises(RuntimeError, match="another thread's round"):
                 c.aggregate(chunk)
             assert time.monotonic() - t0 < 0.5
             # a new run then: the round's end wrote its seq over the new run's 0, and its
@@ -501,3 +501,59 @@ def test_a_second_thread_on_a_busy_client_is_refused_at_once():
             assert c.run == 5
             c.run = 6
             assert (c.run, c.next_seq) == (6, 0)
+
+
+def test_a_call_from_another_thread_between_a_reducers_exchanges_is_refused():
+    """A reducer's round is several exchanges (its MAX, its DATA); a direct call from another
+    thread between them took the sequence numbers its peers gave the reducer's DATA, and both
+    took sums of two tensors (THC's mean 0.51 for two workers' 1.0). The reducer holds the
+    client's round lock for its round: the call is refused, the round's sums are its own."""
+    import torch
+
+    from thc.codec.params import THCParams
+    from thc.collective.allreduce import THCAllReduce
+    params = THCParams(slice_size=256)
+    job = local_job(1, 1, free_port_block(1), granularity=params.granularity,
+                    table=params.table)
+    chunk = pack_bits(np.full(job.lanes, 3, np.uint8), P.INDEX_BITS)
+    with Aggregator([job]) as agg:
+        addr = agg.start()
+        with AggregationClient(job, 0, addr, run=1, deadline=2.0) as c:
+            ar = THCAllReduce.through_aggregator(c, params)
+            sum_round, between = ar.transport.sum, []
+
+            def call_between(*a, **kw):
+                def direct():
+                    try:
+                        between.append(c.aggregate(chunk))
+                    except RuntimeError as e:
+                        between.append(e)
+                t = threading.Thread(target=direct)
+                t.start()
+                t.join()
+                return sum_round(*a, **kw)
+            ar.transport.sum = call_between
+            out = ar(torch.ones(1024))
+            assert len(between) == 1 and isinstance(between[0], RuntimeError), between
+            assert "a reducer's exchanges" in str(between[0])
+            assert abs(float(out.mean()) - 1.0) < 0.1
+            assert c.aggregate(chunk).max() > 0   # the client goes on
+
+
+@pytest.mark.parametrize("attr, value", [("deadline", float("inf")),
+                                         ("deadline", float("nan")),
+                                         ("deadline", P.RUN_IDLE_S), ("timeout", 0.0)])
+def test_timers_set_after_the_client_was_made_are_checked_at_each_round(datapath, attr,
+                                                                          value):
+    """Checked only when the client was made, a deadline set later to inf or NaN let a round
+    whose peer never came wait for good."""
+    job = local_job(1, 2, free_port_block(2), table=TABLE)
+    chunk = pack_bits(np.full(job.lanes, 3, np.uint8), P.INDEX_BITS)
+    with Aggregator([job]) as agg:
+        addr = agg.start()
+        with AggregationClient(job, 0, addr, run=5, deadline=1.0, datapath=datapath) as c:
+            setattr(c, attr, value)
+            t0 = time.monotonic()
+            with pytest.raises(ValueError, match="timeouts must be finite|below the aggregat"):
+                c.aggregate(chunk)
+            assert time.monotonic() - t0 < 0.5 and c.stats.sent == 0

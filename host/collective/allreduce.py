@@ -126,7 +126,7 @@ class THCAllReduce:
         """Tensor sizes every worker's rounds have agreed on (:meth:`_agree_size`)."""
         self.stats = RoundStats()
         self._domain = agreement.domain_of(transport)
-        self.name = agreement.identify(self._domain, name)
+        self.name = agreement.identify(self._domain, name, self)
         """What tells this reducer's rounds from other reducers' (:func:`agreement.identify`)."""
 
     def skip_to(self, rnd: int) -> None:

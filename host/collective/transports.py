@@ -84,7 +84,11 @@ def round_lock(domain) -> threading.Lock:
     of two tensors that passed every check. Held, a round's exchanges stay together, and
     rounds of one scheme that two workers run in unlike orders meet at their tag lanes,
     refused (a THC round's agreement meeting a Marsit round's, one lane longer, is ended by
-    Gloo aborting a process)."""
+    Gloo aborting a process). An aggregator client holds its own (reentrant), which its
+    calls from another thread meet, refused."""
+    own = getattr(domain, "round_lock", None)
+    if own is not None:
+        return own
     with _ROUNDS_LOCK:
         return _ROUNDS.setdefault(domain, threading.Lock())
 
@@ -155,7 +159,7 @@ class AggregatorTransport:
         if why:
             raise ValueError(f"{why}: install the job with the same bits/granularity/p")
 
-    def one_round(self) -> threading.Lock:
+    def one_round(self):
         """The client's round lock (:func:`round_lock`): a client takes one exchange at a
         time, but a round is several (the size agreement, MAX, DATA per piece)."""
         return round_lock(self.client)

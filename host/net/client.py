@@ -167,8 +167,11 @@ class AggregationClient:
         its group where it is not."""
         self._failed: str | None = None
         """Why a round of this run failed (then the run takes no more rounds)."""
-        self._busy = threading.Lock()
-        """Held by the round in flight, and by a change of run."""
+        self.round_lock = threading.RLock()
+        """Held by the round in flight, by a change of run, and by a reducer from its round's
+        first exchange to its last (:func:`thc.collective.transports.round_lock`): another
+        thread's call meanwhile is refused, as it would take sequence numbers between them,
+        which its peers may give the reducer's sums."""
         self.rtt = RttEstimator(len(self.aggregators), timeout, max_timeout)
         """The round-trip estimate per shard, kept across rounds."""
         self._windows = [CompiledWindow(), PythonWindow()] if self.datapath == "compiled" \
@@ -205,7 +208,7 @@ class AggregationClient:
         if self._run is not None and not P.seq_newer(run, self._run):
             raise ValueError(f"run {run} is not newer than this client's run {self._run}: "
                              f"a new run needs a newer id (the same on every worker)")
-        if not self._busy.acquire(blocking=False):   # its end would write the old run's seq
+        if not self.round_lock.acquire(blocking=False):   # its end would write the old seq
             raise RuntimeError(f"job {self.job.job_id}, worker {self.worker_id}: a round is "
                                f"in flight on this client (another thread's); start run {run} "
                                f"after it ends")
@@ -216,7 +219,7 @@ class AggregationClient:
             self.epochs = [None] * len(self.aggregators)
             self._failed = None
         finally:
-            self._busy.release()
+            self.round_lock.release()
 
     @property
     def epoch(self) -> int | None:
@@ -311,16 +314,19 @@ class AggregationClient:
     def _stream(self, pkt_type: int, chunks: np.ndarray, out: np.ndarray, offset_base: int,
                 lanes: int, dtype: np.dtype, tos: list[int] | None = None) -> AggregationResult:
         """One round at a time: two threads' rounds would take the same sequence numbers,
-        and each could take the other's sums as its own."""
-        if not self._busy.acquire(blocking=False):
+        and each could take the other's sums as its own. The timers are checked here, as
+        they may be set after the client was made (a deadline of inf would wait for good)."""
+        _check_timeouts(self.timeout, self.max_timeout, self.deadline)
+        if not self.round_lock.acquire(blocking=False):
             raise RuntimeError(f"job {self.job.job_id}, worker {self.worker_id}: another "
-                               f"thread's round is running on this client; its rounds take "
-                               f"the sequence numbers one after another (one client per "
-                               f"thread, or one call at a time)")
+                               f"thread's round (a call's, or a reducer's exchanges) is "
+                               f"running on this client; its rounds take the sequence numbers "
+                               f"one after another (one client per thread, or one call at a "
+                               f"time)")
         try:
             return self._round(pkt_type, chunks, out, offset_base, lanes, dtype, tos)
         finally:
-            self._busy.release()
+            self.round_lock.release()
 
     def _round(self, pkt_type: int, chunks: np.ndarray, out: np.ndarray, offset_base: int,
                lanes: int, dtype: np.dtype, tos: list[int] | None) -> AggregationResult:
