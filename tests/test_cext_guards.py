@@ -459,3 +459,38 @@ def test_the_load_generator_counts_only_its_aggregators_results():
         for s in (w, sink, forger):
             s.close()
     assert (results, complete) == (0, False) and sent >= chunks
+
+
+def test_the_load_generator_counts_only_chunks_in_flight():
+    """RESULTs from the aggregator's address for chunks not yet sent (an earlier drive's late
+    replies, or forged) each counted as done: 200 of 200 with 8 sent, "complete"."""
+    w, sink = _udp(), _udp()
+    w.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 22)
+    job_id, run, chunks = 3, 9, 200
+    for s in range(chunks):
+        sink.sendto(P.Header(P.PktType.RESULT, 0, job_id, s % 8, (s // 8) & 1, 1, s, s * 256,
+                             1, run, 5).pack() + bytes(256), w.getsockname())
+    time.sleep(0.1)
+    try:
+        seconds, results, sent, _, complete = cext._fastagg.drive(
+            [(w.fileno(), 0)], LOOPBACK, sink.getsockname()[1], job_id, 8, 256, run, 0,
+            chunks, 8, [bytes(chunks * 128)], cext.TYPE_CODES, 0.05, 0.5)
+    finally:
+        for s in (w, sink):
+            s.close()
+    assert not complete and results < chunks, (results, sent)
+
+
+def test_a_lane_count_whose_4_byte_chunk_size_wraps_is_refused():
+    """4 * lanes in int: 2^30 + 1 lanes wrapped to a MAX chunk of 4 bytes, and passed."""
+    s = _udp()
+    lanes = (1 << 30) + 1
+    header = (2, 4, 5, 3, 0, 0, 1, 16, 1, 0, 0, lanes, 2, 8, 2139095039, 5, (0, 0, 0),
+              np.zeros(16, np.uint32).tobytes(), False)
+    try:
+        with pytest.raises(ValueError, match="bad arguments"):
+            cext._fastagg.stream(s.fileno(), header, np.zeros(4, np.uint8), 4,
+                                 [(LOOPBACK, 9)], [None], 1, (0.01, 0.02, 0.05, 3, 4, 3, 64),
+                                 [None], [0.0], np.zeros(2 * lanes, np.uint8), 2, lanes, False)
+    finally:
+        s.close()

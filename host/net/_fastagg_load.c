@@ -227,7 +227,8 @@ PyObject *fa_drive(PyObject *self, PyObject *args) {
                         from[k].sin_port != agg.sin_port)
                         continue;
                     uint32_t s = rd32(d + 8);
-                    if ((long)s >= chunks || l->done[s]) continue;
+                    if ((long)s < l->base || (long)s >= l->hi || l->done[s])
+                        continue;   /* a chunk not in flight: a stale or forged reply */
                     l->done[s] = 1;
                     results++;
                     l->last = now;

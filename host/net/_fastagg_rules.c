@@ -256,12 +256,20 @@ static int process(Datapath *dp, const uint8_t *d, size_t len, uint32_t sip, uin
 }
 
 /* The ceiling: answer every packet of an installed job at once with a result-sized RESULT of
- * zeros, under the job's epoch (what a client of index-0 chunks takes). */
+ * zeros, under the job's epoch (what a client of index-0 chunks takes). Only a worker's
+ * upstream packet from its own address: an echo of anything else would answer a RESULT
+ * (two echoes then answer each other for good) or a forged source. */
 static int process_echo(Datapath *dp, const uint8_t *d, size_t len, uint32_t sip,
                         uint16_t sport, Out *out) {
     if (len < HDR) return drop(dp, MALFORMED);
+    uint8_t type = d[0], wid = d[1];
+    if (type != dp->types[T_DATA] && type != dp->types[T_MAX] && type != dp->types[T_FLUSH])
+        return drop(dp, WRONG_DIRECTION);
     Job *j = dp->jobs[rd16(d + 2)];
     if (!j) return drop(dp, UNKNOWN_JOB);
+    if (wid >= j->n) return drop(dp, WORKER_OUTSIDE_JOB);
+    if (!j->addr_ok[wid] || j->ip[wid] != sip || j->port[wid] != sport)
+        return drop(dp, UNKNOWN_WORKER);
     dp->echoed++;
     Out *o = out_header(out, sip, sport);
     uint32_t full = j->n == 32 ? 0xFFFFFFFFu : (1u << j->n) - 1;

@@ -673,7 +673,8 @@ static int cl_configure(Client *c, PyObject *hdr, Py_ssize_t chunks_len, Py_ssiz
         n_workers < 1 || n_workers > MAX_WORKERS || worker < 0 || worker > 255 ||
         c->silent_after < 1 || c->silent_after > 64 || c->recv_batch < 1 ||
         lut_len != sizeof c->lut ||
-        (is_data ? chunk_bytes * (vote ? 8 : 2) != lanes : chunk_bytes != 4 * lanes) ||
+        (is_data ? (long long)chunk_bytes * (vote ? 8 : 2) != lanes
+                 : (long long)chunk_bytes != 4LL * lanes) ||
         out_len < (Py_ssize_t)c->total * lanes * out_itemsize) {
         PyErr_SetString(PyExc_ValueError, "stream: bad arguments");
         return -1;
