@@ -637,20 +637,27 @@ def test_compiled_echo_answers_every_packet_with_a_result():
     assert echo.echoed == 1
 
 
-def test_compiled_echo_answers_only_a_workers_upstream_packets():
-    """The echo answered any datagram of an installed job: a RESULT too (one forged packet
-    set two echoes answering each other for good), and from any source (a reflector)."""
+@pytest.mark.parametrize("kind", ["compiled", "python"])
+def test_an_echo_answers_only_a_workers_upstream_packets(kind):
+    """The benchmark's echoes answered any datagram of an installed job: a RESULT too (one
+    forged packet set two echoes answering each other for good), and from any source (a
+    reflector); the Python echo's thread died on an unknown job."""
+    from thc.bench.aggregator import PythonEcho
     job = make_job(7, 3, 4)
-    echo = fastagg.FastEcho([job], nonce=NONCE)
+    echo = fastagg.FastEcho([job], nonce=NONCE) if kind == "compiled" else PythonEcho([job])
     rng = np.random.default_rng(3)
     host, port = addr(job, 1)
     for d, src, reason in ((dgram(job, 1, 5, pkt_type=P.PktType.RESULT, rng=rng),
                             addr(job, 1), "wrong_direction"),
                            (dgram(job, 1, 5, rng=rng), (host, port + 1), "unknown_worker"),
-                           (dgram(job, 3, 5, rng=rng), addr(job, 1), "worker_outside_job")):
+                           (dgram(job, 3, 5, rng=rng), addr(job, 1), "worker_outside_job"),
+                           (dgram(make_job(8, 3, 4), 1, 5, rng=rng), addr(job, 1),
+                            "unknown_job"),
+                           (dgram(job, 1, 5, rng=rng)[:20], addr(job, 1), "malformed")):
         assert echo.handle(d, src) == []
         assert echo.counters()["drops"][reason] == 1
     assert echo.echoed == 0
+    assert len(echo.handle(dgram(job, 1, 5, rng=rng), addr(job, 1))) == 1
 
 
 def test_a_missing_extension_is_reported_not_fatal(monkeypatch):

@@ -88,7 +88,9 @@ class PythonEcho(Aggregator):
     epoch (what a client of index-0 chunks takes); adds nothing.
 
     As lean per packet as the aggregator's own fast path (struct header, payload built
-    once), so the ratio measures aggregation and not a slower ceiling."""
+    once), so the ratio measures aggregation and not a slower ceiling. Like the compiled
+    echo, it answers only a worker's upstream packet from its own address (anything else
+    is a counted drop): an echo of a RESULT would answer another echo for good."""
 
     def __init__(self, jobs):
         super().__init__(jobs)
@@ -98,13 +100,28 @@ class PythonEcho(Aggregator):
         self.full = {j.job_id: (j.n_workers, j.full_bitmap) for j in jobs}
 
     def handle(self, datagram, src):
-        (_, worker, job_id, slot, version, _, seq, offset,
+        if len(datagram) < P.HEADER_BYTES:
+            return self._dropped("malformed")
+        (pkt_type, worker, job_id, slot, version, _, seq, offset,
          _, run, _) = P.HEADER_STRUCT.unpack_from(datagram)
+        st = self.model.jobs.get(job_id)
+        if pkt_type not in (P.PktType.DATA, P.PktType.MAX, P.PktType.FLUSH):
+            return self._dropped("wrong_direction")
+        if st is None:
+            return self._dropped("unknown_job")
+        if worker >= st.n:
+            return self._dropped("worker_outside_job")
+        if st.addr[worker] != src:
+            return self._dropped("unknown_worker")
         n, bitmap = self.full[job_id]
         self.echoed += 1
         return [(P.HEADER_STRUCT.pack(P.PktType.RESULT, worker, job_id, slot, version, n,
                                       seq, offset, bitmap, run, self.model.jobs[job_id].epoch)
                  + self.payload[job_id], src)]
+
+    def _dropped(self, reason: str) -> list:
+        self.model.drops[reason] += 1
+        return []
 
 
 def _serve(kind: str, jobs, port_q, stop_ev, count_q, gso: bool):
