@@ -308,3 +308,17 @@ def test_an_estimate_past_its_narrow_types_range_comes_back_finite(dtype):
     assert (wide.abs() > top).any(), "no estimate past the type's range: nothing is tested"
     assert got.dtype == dtype and torch.isfinite(got.float()).all()
     assert torch.equal(got.float(), wide.clamp(-top, top).to(dtype).float())
+
+
+def test_each_piece_of_a_round_draws_its_own_rotation_and_rounding(alone):
+    """Each piece's slices restart at index 0: under one codec round, equal pieces came out
+    equal (every piece's slice k drew slice k's rotation and rounding, their errors
+    correlated). Piece k draws under round + k * 2^40; piece 0 as a whole tensor does."""
+    params = THCParams(slice_size=256)
+    half = torch.randn(256, generator=torch.Generator().manual_seed(5))
+    x = torch.cat([half, half])
+    make = lambda pieces: THCAllReduce.through_torch_distributed(  # noqa: E731
+        params=params, generator=3, error_feedback=False, pipeline_elements=pieces)
+    piecewise, whole = make(256)(x), make(512)(x)
+    assert not torch.equal(piecewise[:256], piecewise[256:])
+    assert torch.equal(piecewise[:256], whole[:256])

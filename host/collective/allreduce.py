@@ -210,10 +210,11 @@ class THCAllReduce:
         """Stream piece k while a helper thread encodes piece k+1 and decodes piece k-1.
 
         Pieces are ``pipeline_elements`` long (whole slices), so every worker cuts a tensor
-        the same way; each piece is encoded as a tensor of its own (its slices' rotations
-        restart at slice index 0 of the round). torch releases the GIL while it computes, so
-        the codec overlaps the transport. A tensor up to one piece long is a single piece, and
-        so is every tensor when the transport adds in the device's stream order (NCCL).
+        the same way; each piece is encoded as a tensor of its own, its slices from index 0,
+        under a codec round of its own (:meth:`_codec_round`). torch releases the GIL while
+        it computes, so the codec overlaps the transport. A tensor up to one piece long is a
+        single piece, and so is every tensor when the transport adds in the device's stream
+        order (NCCL).
 
         Bad input never becomes a sum a worker accepts, and no worker waits for one whose
         input was bad or that failed before its norms: see :meth:`_max_round`. One that fails
@@ -313,7 +314,7 @@ class THCAllReduce:
             if refusal is not None:
                 raise refusal
             y = self.feedback.compensate(flat) if self.feedback else flat
-            preps = [self.codec.prepare(y[a:b], rnd) for a, b in pieces]
+            preps = [self.codec.prepare(y[a:b], self._codec_round(rnd, a)) for a, b in pieces]
             norms = preps[0].norms if len(preps) == 1 else torch.cat([p.norms for p in preps])
             vector = agreement.tagged(norms, rnd, key)
         except Exception as e:
@@ -442,12 +443,22 @@ class THCAllReduce:
         self.stats.seconds["encode"] += time.perf_counter() - t
         return wire
 
+    def _codec_round(self, rnd: int, a: int) -> int:
+        """The codec round of round ``rnd``'s piece from element ``a``: piece k draws under
+        ``rnd + k * 2^40`` (mod 2^64), as each piece's slices restart at index 0: pieces of
+        one round under one round drew the same rotation and rounding (equal pieces came out
+        equal, errors a piece apart correlated). The agreement tells rounds apart below 2^40,
+        so every (round, piece) draws its own; piece 0, and a whole tensor, draw under
+        ``rnd``."""
+        return (rnd + a // self.pipeline_elements * agreement.ROUNDS) % (1 << 64)
+
     def _decode_piece(self, est, own, a: int, b: int, sums, wire, short, norms,
                       rnd: int) -> None:
         """Elements ``a:b`` of the estimate (and of this worker's own decode, for the
         residual) from one piece's sums; ``short``: the chunks a loss bound closed short."""
         secs = self.stats.seconds
         t = time.perf_counter()
+        rnd = self._codec_round(rnd, a)
         idx = wire
         if self.transport.packed and own is not None:
             idx = self.codec.unpack(wire, self.codec.layout(b - a).total_padded)
