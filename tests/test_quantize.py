@@ -159,3 +159,12 @@ def test_the_reference_codec_takes_a_large_uniform_table_as_the_compiled_one(g):
     m = ref.norms(x)
     a, b = ref.encode(x, m, round=3, generator=2), comp.encode(x, m, round=3, generator=2)
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_a_table_that_does_not_end_at_the_granularity_is_refused():
+    """The grid was scaled to the granularity and the rounding to the table's top: a table
+    ending at 30 under granularity 60 estimated 0.5 as 0."""
+    with pytest.raises(ValueError, match="granularity 60 ends at it, got one ending at 30"):
+        quantize(np.full(8, 0.5, np.float32), TABLE, 2.1539, 60, generator=5)
+    with pytest.raises(ValueError, match="ending at 30"):
+        dequantize(np.zeros(4, np.uint8), TABLE, 2.1539, 60)

@@ -66,13 +66,18 @@ def _hadamard_like(k: int, scale: float, x):
     scale changes with every slice, so scaled copies are made per call: 16x16, negligible)."""
     if not is_torch(x):
         h = hadamard_matrix(k)
-        return (h * np.float32(scale)).astype(x.dtype, copy=False) if scale != 1.0 else h
+        if scale == 1.0:
+            return h
+        if x.dtype == np.float64:   # the input's precision; else the codec's float32 scale
+            return h.astype(np.float64) * scale
+        return (h * np.float32(scale)).astype(x.dtype, copy=False)
     key = (k, x.device, x.dtype)
     h = _TORCH_H.get(key)
     if h is None:
         import torch
         h = _TORCH_H[key] = torch.tensor(hadamard_matrix(k), dtype=x.dtype, device=x.device)
-    return h * np.float32(scale) if scale != 1.0 else h
+    s = scale if str(x.dtype) == "torch.float64" else np.float32(scale)
+    return h * s if scale != 1.0 else h
 
 
 def _matmul(a, b, out):

@@ -56,6 +56,16 @@ def check_table(table) -> tuple[int, ...]:
     return t
 
 
+def _check_pair(table, granularity: int) -> tuple[int, ...]:
+    """A table and the granularity its grid is scaled to: the table ends at g (the grid's
+    top), else the rounding, scaled to the table's own top, is biased."""
+    t = check_table(table)
+    if t[-1] != granularity:
+        raise ValueError(f"a table for granularity {granularity!r} ends at it, got one "
+                         f"ending at {t[-1]}")
+    return t
+
+
 _TORCH_LUT: dict = {}
 
 
@@ -172,6 +182,7 @@ def _searched_round(u, t: tuple[int, ...], rand, out):
 
 def quantize(z, table, t_p: float, granularity: int, generator=None):
     """Truncate z at ±t_p and round it stochastically onto the table: uint8 indices."""
+    _check_pair(table, granularity)
     u = to_grid(z, t_p, granularity)
     rand = uniforms(u.shape, u, resolve_generator(generator, u))
     return stochastic_round(u, table, rand)
@@ -179,7 +190,7 @@ def quantize(z, table, t_p: float, granularity: int, generator=None):
 
 def dequantize(idx, table, t_p: float, granularity: int):
     """The z value an index stands for: (T[i] - g/2) 2 t_p / g (float32)."""
-    t = np.asarray(check_table(table), dtype=np.float32)
+    t = np.asarray(_check_pair(table, granularity), dtype=np.float32)
     zval = (t - np.float32(granularity / 2.0)) * np.float32(2.0 * t_p / granularity)
     if is_torch(idx):
         import torch
