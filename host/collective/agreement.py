@@ -22,7 +22,6 @@ a wait.
 """
 from __future__ import annotations
 
-import gc
 import hashlib
 import threading
 import weakref
@@ -118,42 +117,19 @@ def domain_of(transport):
     return getattr(transport, "domain", transport)
 
 
-def identify(domain, name=None, owner=None):
+def identify(domain, name=None):
     """A reducer's name: what tells its rounds from other reducers' on ``domain``, in every
     round's fingerprint. Round numbers count per reducer, so a worker that skipped one call
     of two like-sized reducers would pair one's rounds with the other's for good, each a
     valid-looking sum; named apart, they are refused. ``name`` alike on every worker, or by
     default the reducer's build order on ``domain``, which every worker then keeps alike (a
-    DDP hook names its reducers itself). A given name is kept apart from the build orders:
-    ``name=0`` is not the first unnamed reducer; and it is ``owner``'s alone on ``domain``
-    while ``owner`` lives (:func:`_claim`)."""
+    DDP hook names its reducers itself). A given name is kept apart from the build orders
+    (``name=0`` is not the first unnamed reducer), and counts its own builds on ``domain``:
+    two reducers given one name (one rebuilt, or given it twice) are told apart as the
+    name's first and second, alike on workers that build alike, whatever the first's life."""
     if name is None:
         return ordinal(domain)
-    key = ("named", name)
-    if owner is not None:
-        _claim(domain, key, owner)
-    return key
-
-
-_named: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-"""Per domain, its live reducers by the names they were given (as a fingerprint holds them)."""
-
-
-def _claim(domain, key, owner) -> None:
-    """Refuse a name a live reducer on ``domain`` holds: two reducers of one name pair their
-    rounds unrefused where workers call them in unlike orders."""
-    tag = repr(key)
-    for attempt in range(2):
-        with _built_lock:
-            live = _named.setdefault(domain, weakref.WeakValueDictionary())
-            if live.get(tag) is None:
-                live[tag] = owner
-                return
-        if attempt == 0:
-            gc.collect()   # one dropped, not yet collected (a cycle through an error's frames)
-    raise ValueError(f"a reducer named {key[1]!r} is live on this process group or client: "
-                     f"two reducers of one name would pair their rounds unrefused where "
-                     f"workers call them in unlike orders; give each a name of its own")
+    return ("named", name, ordinal(domain, f"named {name!r}"))
 
 
 def skipped_to(current: int, rnd) -> int:

@@ -91,8 +91,9 @@ class THCAllReduce:
     Every worker of a job sets it alike (its rounds' fingerprint holds it).
 
     ``name``: what tells this reducer's rounds from other reducers' on its process group
-    (or client), alike on every worker and no other reducer's there; by default its build
-    order there (a name given is never taken for a build order).
+    (or client), alike on every worker; by default its build order there (a name given is
+    never taken for a build order, and a name given again there is told apart as its
+    second use: :func:`agreement.identify`).
     """
 
     def __init__(self, transport, params: THCParams | None = None, error_feedback: bool = True,
@@ -126,7 +127,7 @@ class THCAllReduce:
         """Tensor sizes every worker's rounds have agreed on (:meth:`_agree_size`)."""
         self.stats = RoundStats()
         self._domain = agreement.domain_of(transport)
-        self.name = agreement.identify(self._domain, name, self)
+        self.name = agreement.identify(self._domain, name)
         """What tells this reducer's rounds from other reducers' (:func:`agreement.identify`)."""
 
     def skip_to(self, rnd: int) -> None:

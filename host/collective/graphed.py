@@ -212,7 +212,7 @@ class GraphedAllReduce:
         """How far this round got: 1 from when its MAX round may have left this worker, 2
         once its sum is done (left at 0 while capturing: a capture sends nothing)."""
         self._domain = agreement.domain_of(transport)
-        self.name = agreement.identify(self._domain, name, self)
+        self.name = agreement.identify(self._domain, name)
         """What tells this reducer's rounds from other reducers' (:func:`agreement.identify`)."""
 
     @classmethod

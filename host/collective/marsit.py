@@ -91,7 +91,7 @@ class _SignAllReduce:
         rank_in(group)
         self.world = dist.get_world_size(group)
         self._domain = self._group_now()
-        self.name = agreement.identify(self._domain, name, self)
+        self.name = agreement.identify(self._domain, name)
         self.compensation = compensation
         self._coin = torch.Generator().manual_seed(0x4D415253 + dist.get_rank(group))
         """Fair coins for exact zeros: private to the worker, not drawn alike on every rank."""
