@@ -230,6 +230,29 @@ def test_a_hooks_state_is_loaded_before_its_first_step_and_into_its_own_kind(alo
     assert overlapping.state_dict() == {"hook": "THCHook", "residuals": {}}
 
 
+@pytest.mark.parametrize("kind", sorted(HOOKS))
+def test_a_loaded_state_is_saved_again_and_follows_the_scale_before_a_step(alone, kind):
+    """Residuals loaded and not yet taken by a bucket's reducer (before the first step) are
+    the hook's too: its state named only those its buckets held (none: a checkpoint taken
+    before the first step lost them all), and a change of scale left them in the old one."""
+    model = _model()
+    hook = HOOKS[kind](model).register(DDP(model))
+    gen = torch.Generator().manual_seed(5)
+    state = {"hook": type(hook).__name__,
+             "residuals": {n: torch.randn(p.numel(), generator=gen) * 1e-3
+                           for n, p in model.named_parameters()}}
+    hook.load_state_dict(state)
+    saved = hook.state_dict()["residuals"]
+    assert set(saved) == set(state["residuals"])
+    for n, r in state["residuals"].items():
+        assert torch.equal(saved[n].reshape(-1), r), n
+    hook.rescale_residuals(0.5)
+    scaled = hook.state_dict()["residuals"]
+    assert set(scaled) == set(state["residuals"])
+    for n, r in state["residuals"].items():
+        assert torch.equal(scaled[n].reshape(-1), r * 0.5), n
+
+
 def test_a_parameter_whose_bucket_dropped_its_residual_has_none(alone):
     """A refused Marsit round drops its bucket's residual: the state named the residuals of
     DDP's first-iteration buckets instead, handed on a step before (a second time on

@@ -342,6 +342,11 @@ def _unused_worker(kind, overlap, schedule, view, rank, port, q):
     if kind == "thc":
         hook = THCHook(model, lambda group: THCAllReduce.through_torch_distributed(
             group, params=THCParams(slice_size=256), generator=gen), overlap=overlap)
+    elif kind == "graphed":   # its residual is a buffer its rounds update in place
+        from thc.collective.graphed import GraphedAllReduce
+        hook = THCHook(model, lambda group: GraphedAllReduce.through_torch_distributed(
+            group, params=THCParams(slice_size=256), generator=rank, capture=False),
+            overlap=overlap)
     else:
         hook = TopKHook(model, overlap=overlap) if kind == "topk" else \
             MarsitHook(model, overlap=overlap, generator=gen)
@@ -413,6 +418,54 @@ def test_a_parameter_no_rank_used_keeps_its_residual(kind, overlap, schedule, vi
         kept = applied + (res0 + res1) / 2
         want = (true0 + true1) / 2
         assert float((kept - want).norm() / want.norm()) < 1e-5, n
+
+
+def test_a_parameter_no_rank_used_keeps_its_residual_in_a_graphed_round(monkeypatch):
+    """A graphed reducer updates its residual in place: the residual of a parameter no rank
+    used, kept before its round without a copy, was the live one, and what it gave back was
+    the round's (its mass lost, as in the eager hooks before). On the CPU its rounds run under
+    Triton's interpreter."""
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    res = gloo_pair(functools.partial(_unused_worker, "graphed", False, "mixed", False))
+    for n in ("b.weight", "c.weight"):
+        (applied, true0, res0), (applied1, true1, res1) = (
+            [torch.from_numpy(t) for t in res[r][n]] for r in (0, 1))
+        torch.testing.assert_close(applied, applied1, rtol=0, atol=0)
+        kept = applied + (res0 + res1) / 2
+        want = (true0 + true1) / 2
+        assert float((kept - want).norm() / want.norm()) < 1e-5, n
+
+
+def _unused_first_worker(rank, port, q):
+    """One step of ``_Heads`` under THC's hook in which no rank uses head ``b``: the
+    residuals after it."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from thc.codec.params import THCParams
+    from thc.collective.allreduce import THCAllReduce
+    from thc.collective.ddp import THCHook
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2, timeout=timedelta(seconds=60))
+    model = _Heads()
+    ddp = DDP(model, find_unused_parameters=True)
+    gen = torch.Generator().manual_seed(rank)
+    hook = THCHook(model, lambda group: THCAllReduce.through_torch_distributed(
+        group, params=THCParams(slice_size=256), generator=gen), overlap=False).register(ddp)
+    ddp(torch.randn(32, 16, generator=gen), False).backward()
+    residuals = hook.state_dict()["residuals"]
+    q.put((rank, {n: residuals[n].numpy() for n in ("b.weight", "c.weight")}))
+    dist.destroy_process_group()
+
+
+def test_a_parameter_no_rank_used_in_the_first_round_keeps_no_residual():
+    """Before its first round a parameter has no residual to give back: one no rank used
+    kept what the round left in its part of the new residual (the error of its zeros'
+    estimate), mass no gradient had."""
+    res = gloo_pair(_unused_first_worker)
+    for rank in (0, 1):
+        assert np.count_nonzero(res[rank]["c.weight"]) > 0, rank   # the round kept some
+        assert np.count_nonzero(res[rank]["b.weight"]) == 0, (rank, res[rank]["b.weight"])
 
 
 def _half_worker(rank, port, q):
@@ -611,6 +664,96 @@ def test_a_probe_forward_under_no_sync_counts_no_stretch(kind):
     res = gloo_pair(functools.partial(_probe_worker, kind=kind, alone=True))
     for rank in (0, 1):
         assert all("no_sync alone" in text for text in res[rank]), (rank, res[rank])
+
+
+class _Out:
+    """A forward's output of a kind the stretch count cannot see into."""
+
+    def __init__(self, t):
+        self.t = t
+
+
+class _Shaped(torch.nn.Module):
+    """``_model()`` returning its logits as they are, inside an opaque object (``"opaque"``),
+    or beside an auxiliary output no backward runs through (``"aux"``)."""
+
+    def __init__(self, shape):
+        super().__init__()
+        self.net, self.shape = _model(), shape
+
+    def forward(self, x):
+        y = self.net(x)
+        if self.shape == "opaque":
+            return _Out(y)
+        if self.shape == "aux":
+            return y, self.net[0](x).sum()
+        return y
+
+
+def _logits(out):
+    return out.t if isinstance(out, _Out) else out[0] if isinstance(out, tuple) else out
+
+
+def _stretch_script_worker(rank, port, q, shape, script):
+    """Three synced steps of a ``_Shaped(shape)`` model under TopK's hook; before step 1 each
+    rank runs ``script[rank]``: "m" a micro-batch under ``no_sync`` (with its backward), "p"
+    a probe forward under ``no_sync`` (no backward), "e" an evaluation under ``no_grad``
+    outside ``no_sync``: each synced step's outcome on this rank."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from thc.collective.ddp import TopKHook
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2, timeout=timedelta(seconds=20))
+    model = _Shaped(shape)
+    ddp = DDP(model)
+    TopKHook(model, overlap=False).register(ddp)
+    loss_of = torch.nn.functional.cross_entropy
+    out = []
+    for step in range(3):
+        x, y = _data(rank * 10 + step)
+        try:
+            if step == 1:
+                for s in script[rank]:
+                    if s == "e":
+                        with torch.no_grad():
+                            ddp(x)
+                        continue
+                    with ddp.no_sync():
+                        o = ddp(x)
+                        if s == "m":
+                            loss_of(_logits(o), y).backward()
+            loss_of(_logits(ddp(x)), y).backward()
+            out.append("ok")
+        except (ValueError, RuntimeError) as e:
+            out.append(str(e))
+        model.zero_grad(set_to_none=True)
+    q.put((rank, out))
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("shape", ["opaque", "aux"])
+def test_a_step_accumulated_alone_is_refused_whatever_the_model_returns(shape):
+    """A forward returning an object the count cannot see into (counted at the next gradient)
+    or a tuple whose second output no backward runs through: without its stretch counted,
+    rank 0's micro-batch under no_sync alone summed with its next step beside rank 1's one,
+    silently."""
+    res = gloo_pair(functools.partial(_stretch_script_worker, shape=shape, script=("m", "")))
+    assert res[0][0] == res[1][0] == "ok", res
+    for rank in (0, 1):
+        assert all("no_sync alone" in text for text in res[rank][1:]), (rank, res[rank])
+
+
+@pytest.mark.parametrize("shape,script", [
+    ("plain", ("mm", "mmm")), ("opaque", ("mm", "mmm")), ("opaque", ("p", "")),
+    ("plain", ("mem", "mm")), ("opaque", ("mem", "mm"))])
+def test_stretches_alike_on_every_rank_are_reduced(shape, script):
+    """Ranks with unlike numbers of micro-batches in one stretch (DDP sums them), a probe
+    forward under no_sync with no backward on one rank (opaque outputs count at the next
+    gradient, which is the synced step's), or an evaluation under no_grad inside a stretch
+    on one rank: each was taken for a stretch more on one rank, and every synced step after
+    it refused."""
+    res = gloo_pair(functools.partial(_stretch_script_worker, shape=shape, script=script))
+    assert res[0] == res[1] == ["ok"] * 3, res
 
 
 def _unlike_forwards_worker(rank, port, q, kind):
