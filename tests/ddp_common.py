@@ -63,6 +63,12 @@ def _one_backward(hook_of, rank, port, q):
 
 def _hooked(rank, port, kind):
     """A two-rank Gloo group and a DDP model with ``kind``'s hook, not overlapped."""
+    model, ddp, _ = _hooked_with(rank, port, kind)
+    return model, ddp
+
+
+def _hooked_with(rank, port, kind):
+    """:func:`_hooked`'s model, DDP model and hook."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from thc.codec.params import THCParams
@@ -75,18 +81,21 @@ def _hooked(rank, port, kind):
     gen = torch.Generator().manual_seed(rank)
     if kind == "thc":
         # with an FP32 span, whose tag lanes hold the step: join()'s shadow steps count too
-        THCHook(model, lambda group: THCAllReduce.through_torch_distributed(
+        hook = THCHook(model, lambda group: THCAllReduce.through_torch_distributed(
             group, params=THCParams(seed=3), generator=gen),
-            HookOptions(uncompressed=("2.bias",)), overlap=False).register(ddp)
+            HookOptions(uncompressed=("2.bias",)), overlap=False)
+    elif kind == "compressed":   # no FP32 span: the THC rounds are the only check
+        hook = THCHook(model, lambda group: THCAllReduce.through_torch_distributed(
+            group, params=THCParams(seed=3), generator=gen), overlap=False)
     elif kind == "spans":   # FP32 spans alone: their tag lanes are the only check
-        THCHook(model, lambda group: THCAllReduce.through_torch_distributed(
+        hook = THCHook(model, lambda group: THCAllReduce.through_torch_distributed(
             group, params=THCParams(seed=3), generator=gen),
-            HookOptions(min_numel=1 << 30), overlap=False).register(ddp)
+            HookOptions(min_numel=1 << 30), overlap=False)
     elif kind == "topk":
-        TopKHook(model, overlap=False).register(ddp)
+        hook = TopKHook(model, overlap=False)
     else:
-        MarsitHook(model, overlap=False, generator=gen).register(ddp)
-    return model, ddp
+        hook = MarsitHook(model, overlap=False, generator=gen)
+    return model, ddp, hook.register(ddp)
 
 
 def _outcome(ddp, x, y, forwards=1) -> str:

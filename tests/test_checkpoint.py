@@ -253,6 +253,21 @@ def test_a_loaded_state_is_saved_again_and_follows_the_scale_before_a_step(alone
         assert torch.equal(scaled[n].reshape(-1), r * 0.5), n
 
 
+def test_a_hook_whose_first_step_was_refused_takes_no_state(alone):
+    """A TopK hook whose first step was refused (a NaN) kept no residual, so a state loaded
+    after that step was taken, though its bucket had already been laid out and had taken
+    its parameters' residuals (none): a state is loaded before the first step, refused or
+    not."""
+    model = _model()
+    ddp = DDP(model)
+    hook = HOOKS["topk"](model).register(ddp)
+    with pytest.raises(RuntimeError, match="NaN or Inf"):
+        _steps(ddp, model, [torch.full((2, 40), float("nan"))])
+    assert hook.state_dict()["residuals"] == {}
+    with pytest.raises(ValueError, match="before its first step"):
+        hook.load_state_dict({"hook": "TopKHook", "residuals": {"2.bias": torch.ones(10)}})
+
+
 def test_a_parameter_whose_bucket_dropped_its_residual_has_none(alone):
     """A refused Marsit round drops its bucket's residual: the state named the residuals of
     DDP's first-iteration buckets instead, handed on a step before (a second time on

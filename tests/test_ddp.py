@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 
 from thc.testing.clusters import free_port_block
-from tests.ddp_common import (KINDS, WORLD, _Crossed, _data, _hooked, _model, _out_of_step_worker,
-                              _outcome)
+from tests.ddp_common import (KINDS, WORLD, _Crossed, _data, _hooked, _hooked_with, _model,
+                              _out_of_step_worker, _outcome)
 from tests.procs import gloo_pair
 
 
@@ -321,6 +321,11 @@ SCHEDULES["frozen-module"] = [[("module", (True, True), True), (False, (False, F
 SCHEDULES["missed"] = SCHEDULES["mixed"]
 # b behind a stop-gradient: its gradient hooks fire, with no gradient (DDP: unused)
 SCHEDULES["cut"] = [[(False, u, True)] for u in ((True, True), ("cut", "cut"), ("cut", "cut"))]
+# under static_graph (not find_unused_parameters): b used by no rank, ever
+SCHEDULES["static"] = [[(False, (False, False), True)]] * 3
+# a.bias uncompressed: an FP32 span before compressed ones in the bucket (a.weight, a.bias,
+# b.weight, b.bias, c.weight, c.bias)
+SCHEDULES["fp32-bias"] = SCHEDULES["mixed"]
 """How head ``b`` is used, step by step; None: the rank has joined."""
 
 
@@ -332,24 +337,26 @@ def _unused_worker(kind, overlap, schedule, view, rank, port, q):
 
     from thc.codec.params import THCParams
     from thc.collective.allreduce import THCAllReduce
-    from thc.collective.ddp import MarsitHook, THCHook, TopKHook
+    from thc.collective.ddp import HookOptions, MarsitHook, THCHook, TopKHook
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=2, timeout=timedelta(seconds=60))
     model = _Heads()
     plain = copy.deepcopy(model)
-    ddp = DDP(model, find_unused_parameters=True, gradient_as_bucket_view=view)
+    unused = {"static_graph": True} if schedule == "static" else {"find_unused_parameters": True}
+    ddp = DDP(model, gradient_as_bucket_view=view, **unused)
     gen = torch.Generator().manual_seed(rank)
+    opts = HookOptions(uncompressed=("a.bias",) if schedule == "fp32-bias" else ())
     if kind == "thc":
         hook = THCHook(model, lambda group: THCAllReduce.through_torch_distributed(
-            group, params=THCParams(slice_size=256), generator=gen), overlap=overlap)
+            group, params=THCParams(slice_size=256), generator=gen), opts, overlap=overlap)
     elif kind == "graphed":   # its residual is a buffer its rounds update in place
         from thc.collective.graphed import GraphedAllReduce
         hook = THCHook(model, lambda group: GraphedAllReduce.through_torch_distributed(
             group, params=THCParams(slice_size=256), generator=rank, capture=False),
-            overlap=overlap)
+            opts, overlap=overlap)
     else:
-        hook = TopKHook(model, overlap=overlap) if kind == "topk" else \
-            MarsitHook(model, overlap=overlap, generator=gen)
+        hook = TopKHook(model, options=opts, overlap=overlap) if kind == "topk" else \
+            MarsitHook(model, opts, overlap=overlap, generator=gen)
     model.b.requires_grad_(not schedule.startswith("frozen"))
     if schedule == "missed":
         hook._uses._accumulated = _Forgetful()
@@ -394,7 +401,8 @@ def _unused_worker(kind, overlap, schedule, view, rank, port, q):
     ("thc", True, "probe", False), ("topk", False, "join", False),
     ("marsit", True, "missed", False), ("thc", False, "stale", True),
     ("topk", True, "frozen", False), ("thc", False, "frozen-module", False),
-    ("topk", False, "cut", False)])
+    ("topk", False, "cut", False), ("thc", False, "static", False),
+    ("thc", True, "fp32-bias", False), ("topk", False, "fp32-bias", False)])
 def test_a_parameter_no_rank_used_keeps_its_residual(kind, overlap, schedule, view):
     """Under find_unused_parameters DDP leaves a parameter that no rank used as it was, the
     hook's mean of its residuals unapplied; the hook counted that mean as applied, so the
@@ -408,7 +416,10 @@ def test_a_parameter_no_rank_used_keeps_its_residual(kind, overlap, schedule, vi
     where the hook's count of gradients misses one, the span's own test keeps the replicas
     alike (where it missed b's, each rank got its own gradient back). What error feedback
     keeps, in each: the mean applied plus the ranks' mean residual is the ranks' mean
-    gradient, summed over the steps (rank 0's applied where rank 1 joined early)."""
+    gradient, summed over the steps (rank 0's applied where rank 1 joined early). Under
+    static_graph DDP leaves such a parameter alone too (the hook counted only
+    find_unused_parameters); and where uncompressed parameters come first in a bucket, the
+    hook read each compressed parameter's use off another's (b's off a bias)."""
     res = gloo_pair(functools.partial(_unused_worker, kind, overlap, schedule, view))
     for n in ("b.weight", "c.weight"):
         (applied, true0, res0), (applied1, true1, res1) = (
@@ -417,7 +428,8 @@ def test_a_parameter_no_rank_used_keeps_its_residual(kind, overlap, schedule, vi
             torch.testing.assert_close(applied, applied1, rtol=0, atol=0)
         kept = applied + (res0 + res1) / 2
         want = (true0 + true1) / 2
-        assert float((kept - want).norm() / want.norm()) < 1e-5, n
+        scale = float(want.norm()) or 1.0   # b used by no rank: what is kept is nothing
+        assert float((kept - want).norm()) / scale < 1e-5, n
 
 
 def test_a_parameter_no_rank_used_keeps_its_residual_in_a_graphed_round(monkeypatch):
@@ -623,6 +635,35 @@ def test_gradient_accumulation_on_every_rank_stays_in_step(kind):
     """no_sync on every rank (the forwards jump alike): every synced step is reduced."""
     res = gloo_pair(functools.partial(_out_of_step_worker, kind=kind, alone=False))
     assert res[0] == res[1] == ["ok", "accumulated", "ok", "ok"], res
+
+
+def _accumulating_worker(rank, port, q, kind):
+    """Three DDP steps with ``kind``'s hook, each a micro-batch under ``no_sync`` and then a
+    synced one, on every rank: each bucket reducer's round number after them."""
+    model, ddp, hook = _hooked_with(rank, port, kind)
+    for step in range(3):
+        x, y = _data(rank * 10 + step)
+        with ddp.no_sync():
+            assert _outcome(ddp, x, y) == "ok"
+        assert _outcome(ddp, x, y) == "ok"
+        model.zero_grad(set_to_none=True)
+    q.put((rank, sorted(ar.round for ar in hook.reducers.values())))
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("kind", ("compressed", "marsit"))
+def test_each_accumulated_stretch_moves_a_buckets_rounds_ahead_once(kind):
+    """A bucket's reducer moved its rounds ahead by every stretch since the hook's start at
+    each one (or at each of its rounds), not by the stretches since its last round: the
+    ranks stayed alike, but the round numbers ran ahead quadratically, toward the end of
+    their range, and a checkpoint's round was not the one its step should have."""
+    from thc.collective.ddp_base import STRETCH_ROUNDS
+    res = gloo_pair(functools.partial(_accumulating_worker, kind=kind))
+    assert res[0] == res[1] and res[0], res
+    # a round number is its calls plus the stretches when it last ran, times STRETCH_ROUNDS:
+    # the first bucket's reducer ran step 0 (after one stretch); DDP rebuilt its bucket after
+    # it, and the rebuilt one's reducer ran steps 1 and 2 (after two and three)
+    assert res[0] == [1 + STRETCH_ROUNDS, 2 + 3 * STRETCH_ROUNDS], (res[0], STRETCH_ROUNDS)
 
 
 def _probe_worker(rank, port, q, kind, alone):

@@ -145,6 +145,62 @@ def test_topk_a_nan_on_one_worker_is_refused_by_both():
     assert res[0][1:] == res[1][1:] and all(isinstance(r, list) for r in res[0][1:]), res
 
 
+def _topk_bad_step_worker(rank, port, q, nonfinite):
+    """Two DDP steps of a Linear(8, 8) under a TopK hook that compresses every parameter;
+    rank 1's batch holds an Inf at the second. Puts its outcome, the gradients and the
+    hook's residuals after each step."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from thc.collective.ddp import TopKHook
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2, timeout=timedelta(seconds=20))
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 8)
+    ddp = DDP(model)
+    hook = TopKHook(model, ratio=0.25, overlap=False, nonfinite=nonfinite).register(ddp)
+    out = []
+    for step in range(2):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * rank + step))
+        if rank == 1 and step == 1:
+            x[0, 0] = float("inf")
+        model.zero_grad(set_to_none=True)
+        try:
+            ddp(x).pow(2).sum().backward()
+            done = "ok"
+        except (ValueError, RuntimeError) as e:
+            done = str(e)
+        grads = [p.grad.numpy().copy() for p in model.parameters() if p.grad is not None]
+        out.append((done, grads, {n: r.numpy().copy()
+                                  for n, r in hook.state_dict()["residuals"].items()}))
+    q.put((rank, out))
+    dist.destroy_process_group()
+
+
+def test_topk_an_inf_on_one_rank_comes_back_nan_on_every_rank_under_propagate():
+    """Under nonfinite="propagate" a refused bucket came back as zeros, a gradient like any
+    other: a GradScaler found nothing to skip where every parameter is compressed (no FP32
+    span carried the Inf), and stepped on a step no rank could reduce."""
+    res = gloo_pair(functools.partial(_topk_bad_step_worker, nonfinite="propagate"))
+    for rank in (0, 1):
+        done, grads, _ = res[rank][1]
+        assert done == "ok" and len(grads) == 2, (rank, done)
+        assert all(np.isnan(g).all() for g in grads), (rank, grads)
+
+
+def test_topk_a_refused_step_leaves_every_ranks_residual_as_it_was():
+    """Rank 0 compressed its finite gradient before the round was refused for rank 1's Inf:
+    its residual kept that step's left-overs (a step no rank applied), and the next steps
+    fed them back, the ranks' residuals no longer the mass their applied means missed."""
+    res = gloo_pair(functools.partial(_topk_bad_step_worker, nonfinite="raise"))
+    for rank in (0, 1):
+        (first, _, kept), (second, _, after) = res[rank]
+        assert first == "ok" and "NaN or Inf" in second, (rank, first, second)
+        assert kept.keys() == after.keys() == {"weight", "bias"}, kept.keys()
+        assert any(np.abs(r).sum() > 0 for r in kept.values()), kept
+        for n in kept:
+            np.testing.assert_array_equal(after[n], kept[n], err_msg=f"rank {rank} {n}")
+
+
 def _factory_hook(model, rank):
     from thc.codec.params import THCParams
     from thc.collective.ddp import THCHook

@@ -56,6 +56,20 @@ def test_hook_options_are_checked_when_made():
             HookOptions(min_numel=bad)
 
 
+def test_a_parameter_of_exactly_min_numel_elements_is_compressed(alone):
+    """min_numel keeps parameters of fewer elements than it uncompressed, as documented; one
+    of exactly that many was kept too (a bound of 32 left a 32-element weight in FP32)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from thc.collective.ddp import HookOptions, TopKHook
+    model = torch.nn.Linear(8, 4)   # weight: 32 elements, bias: 4
+    ddp = DDP(model)
+    hook = TopKHook(model, options=HookOptions(min_numel=32), overlap=False).register(ddp)
+    ddp(torch.ones(2, 8)).sum().backward()
+    assert hook.fp32_elements == 4, hook.fp32_elements
+    assert set(hook.state_dict()["residuals"]) == {"weight"}
+
+
 def test_a_comm_group_that_waits_longer_than_the_hooks_group_is_warned_of():
     """``dist.new_group(ranks)`` takes torch's default timeout (30 minutes), not the world's:
     a stalled rank then held the hook's collectives that long."""
@@ -74,10 +88,64 @@ def test_a_comm_group_that_waits_longer_than_the_hooks_group_is_warned_of():
         dist.destroy_process_group()
 
 
+def _comm_group_of_other_ranks_worker(rank, port, q):
+    from thc.collective.ddp import FP32Hook
+    timeout = timedelta(seconds=20)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2, timeout=timeout)
+    own = [dist.new_group([r], timeout=timeout) for r in (0, 1)][rank]
+    try:
+        FP32Hook(torch.nn.Linear(2, 2), group=own, comm_group=dist.group.WORLD)
+        out = "built"
+    except ValueError as e:
+        out = str(e)
+    q.put((rank, out))
+    dist.destroy_process_group()
+
+
+def test_a_comm_group_of_another_size_than_the_hooks_group_is_refused():
+    """A hook of one rank took the world's two as its collectives' group: its mean divided
+    by one, and its collectives waited for a peer that was never the hook's worker."""
+    res = gloo_pair(_comm_group_of_other_ranks_worker)
+    for rank in (0, 1):
+        assert "comm_group holds 2 ranks, the hook's group 1" in res[rank], res
+
+
 def _unlike_options_hook(model, rank):
     from thc.collective.ddp import FP32Hook, HookOptions
     opts = HookOptions(uncompressed=("bias",) if rank == 0 else ())
     return FP32Hook(model, options=opts, overlap=False)
+
+
+def _unlike_unused_worker(rank, port, q):
+    """One backward of a Linear(8, 4) under DDP with a TopK hook of its own group; rank 0's
+    DDP finds unused parameters, rank 1's does not: what it raised, or "returned"."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from thc.collective.ddp import TopKHook
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2, timeout=timedelta(seconds=20))
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4)
+    ddp = DDP(model, find_unused_parameters=rank == 0)
+    TopKHook(model, ratio=0.5).register(ddp)
+    try:
+        ddp(torch.ones(3, 8)).sum().backward()
+        out = "returned"
+    except Exception as e:  # noqa: BLE001 - the test reads what each rank raised
+        out = str(e)
+    q.put((rank, out))
+    time.sleep(1)
+    dist.destroy_process_group()
+
+
+def test_ranks_unlike_in_finding_unused_parameters_refuse_the_bucket():
+    """A rank whose DDP finds unused parameters sums a lane per compressed parameter after
+    its FP32 spans, its peer none: the spans' all-reduces were of unlike lengths (Gloo
+    aborts) unless the bucket's check counted the setting."""
+    res = gloo_pair(_unlike_unused_worker)
+    for rank in (0, 1):
+        assert "whether DDP finds unused parameters" in res[rank], res
 
 
 def test_ranks_that_split_a_bucket_unlike_refuse_it():
@@ -270,6 +338,34 @@ def test_a_factory_must_build_a_new_reducer_on_the_group_it_is_given():
         dist.destroy_process_group()
 
 
+class _NoSkip:
+    """A THC reducer behind a wrapper that forwards its rounds, not its ``skip_to``."""
+
+    def __init__(self, inner):
+        self.inner, self.transport = inner, inner.transport
+
+    def __call__(self, flat, position=None):
+        return self.inner(flat, position=position)
+
+
+def test_a_factory_whose_reducer_cannot_skip_rounds_is_refused_when_built(alone):
+    """A reducer without skip_to was taken: its first rounds went well, and the first
+    backward after a no_sync stretch failed inside the hook, mid-training (an
+    AttributeError), where it could have been refused before any round."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from thc.codec.params import THCParams
+    from thc.collective.allreduce import THCAllReduce
+    from thc.collective.ddp import THCHook
+    model = _model()
+    ddp = DDP(model)
+    THCHook(model, lambda group: _NoSkip(THCAllReduce.through_torch_distributed(
+        group, params=THCParams(slice_size=256))), overlap=False).register(ddp)
+    x, y = _data(0)
+    with pytest.raises(RuntimeError, match=r"has no skip_to\(round\)"):
+        torch.nn.functional.cross_entropy(ddp(x), y).backward()
+
+
 def _unlike_settings_worker(base, rank, port, q):
     """Ranks unlike in a hook's settings (overlap; comm_group on a smaller group; a mode one
     rank cannot take), then in their clients' run ids (rank 0's given, rank 1's to agree),
@@ -424,14 +520,16 @@ def test_a_hook_refuses_a_ddp_group_of_other_ranks_another_model_and_sparse_grad
         assert "sparse gradient" in sparse, sparse
 
 
-@pytest.mark.parametrize("kind", KINDS + ("spans",))
+@pytest.mark.parametrize("kind", KINDS + ("spans", "compressed"))
 def test_a_rank_a_whole_step_out_of_step_is_refused_by_every_rank(kind):
     """Each reducer counted its own rounds: rank 0 running step 1 under no_sync alone kept
     every reducer in step with its peer's while pairing rank 0's steps 1+2 with rank 1's
     step 1, and every later step with the step before, each taken as a sum. Rounds now also
     count the DDP model's no_sync stretches (``BaseHook._stretches.count``): every later step is
     refused on both ranks, naming the cause. So do the tag lanes of a hook's FP32 spans,
-    where every span is one (they held the step and bucket alone, and took those sums)."""
+    where every span is one (they held the step and bucket alone, and took those sums).
+    Where every parameter is compressed ("compressed") no span's tags stand in: THC's own
+    rounds must count the stretches (the hook did not move them ahead, and took the sums)."""
     res = gloo_pair(functools.partial(_out_of_step_worker, kind=kind, alone=True))
     assert res[0][:2] == ["ok", "accumulated"], res
     assert res[1][:1] == ["ok"], res

@@ -729,6 +729,37 @@ def test_ranks_with_unlike_vote_rules_refuse_the_round_together():
         assert isinstance(out[rank], str) and "differ in the scheme's settings" in out[rank]
 
 
+def _majority_hook_worker(rank, world, port, job_dict, agg, q):
+    from thc.collective.ddp import MarsitVoteHook
+    from thc.net.client import AggregationClient
+    from thc.wire.jobs import Job
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
+    with AggregationClient(Job.from_dict(job_dict), rank, agg, run=7, deadline=20.0) as c:
+        hook = MarsitVoteHook(torch.nn.Linear(4, 4), c, overlap=False, majority=True)
+        grad = torch.randn(1003, generator=torch.Generator().manual_seed(100 + rank)) + 0.2 * rank
+        est = hook.reduce("bucket", grad, [1000, 3])
+        q.put((rank, grad.numpy().copy(), est.numpy().copy()))
+    dist.destroy_process_group()
+
+
+def test_a_vote_hook_asked_for_the_majority_gives_the_majoritys_sign():
+    """MarsitVoteHook(majority=True) built its reducers with the mean sign: a coordinate two
+    of three ranks held positive came back as a third of the scale, not the scale."""
+    world = 3
+    results, _, exits = _through_a_vote_job(_majority_hook_worker, world)
+    assert exits == [0] * world
+    grads = [torch.from_numpy(results[r][0]) for r in range(world)]
+    ests = [torch.from_numpy(results[r][1]) for r in range(world)]
+    for e in ests[1:]:
+        assert torch.equal(e, ests[0])
+    majority = torch.sign(sum((g >= 0).float() * 2 - 1 for g in grads))
+    for seg in (slice(0, 1000), slice(1000, 1003)):
+        scale = sum(float(g[seg].abs().mean()) for g in grads) / world
+        assert torch.allclose(ests[0][seg], scale * majority[seg], rtol=1e-5, atol=1e-7)
+
+
 def test_a_refused_input_too_large_to_stand_in_for_takes_its_round(monkeypatch):
     """A refused input still sends its round, marked, from zeros of its size; where they could
     not be made (out of memory, as the input's own conversion was) the error escaped before
