@@ -98,10 +98,12 @@ def _hooked_with(rank, port, kind):
     return model, ddp, hook.register(ddp)
 
 
-def _outcome(ddp, x, y, forwards=1) -> str:
-    """One backward of the summed loss of ``forwards`` forwards: "ok", or what it raised."""
+def _outcome(ddp, x, y, forwards=1, logits=lambda out: out) -> str:
+    """One backward of the summed loss of ``forwards`` forwards (``logits``: of a forward's
+    output): "ok", or what it raised."""
     try:
-        sum(torch.nn.functional.cross_entropy(ddp(x), y) for _ in range(forwards)).backward()
+        sum(torch.nn.functional.cross_entropy(logits(ddp(x)), y)
+            for _ in range(forwards)).backward()
         return "ok"
     except (ValueError, RuntimeError) as e:
         return str(e)
