@@ -215,10 +215,11 @@ def test_workers_out_of_step_in_their_sizes_all_refuse():
     for rank in (0, 1):
         out = res[rank]
         assert isinstance(out[0], str) and "differ in their THC parameters" in out[0], out
-        # THC's estimates of constant tensors: within 0.2 (a mean of two calls is 0.5 off)
-        assert out[1] == pytest.approx(2.0, abs=0.2) and out[2] == pytest.approx(3.0, abs=0.2)
+        # THC's estimate of a constant tensor's mean is 3% low (the clipping at t_p, p = 1/32)
+        # with a standard deviation of 0.7%; a mean of two calls is at least 10% off
+        assert out[1] == pytest.approx(2.0, rel=0.06) and out[2] == pytest.approx(3.0, rel=0.06)
         assert "differ in their THC parameters" in out[3], out
-        assert out[4] == pytest.approx(5.0, abs=0.2), out
+        assert out[4] == pytest.approx(5.0, rel=0.06), out
 
 
 def test_a_size_new_to_every_worker_is_agreed_where_rounds_are_not():

@@ -74,8 +74,10 @@ def test_each_scheme_decodes_as_its_definition_says(name):
         assert err == pytest.approx(expected, rel=0.1), (err, expected)
         assert payload.nbytes == d + 4    # one int8 a coordinate and a float32 scale
     else:
+        # the reference is a mean over rotations; one rotation's NMSE at d = 2^14 is within
+        # 3% of it (one standard deviation)
         reference = {"thc": 0.0204, "uhc": 0.0206}[name]
-        assert err == pytest.approx(reference, rel=0.05), err
+        assert err == pytest.approx(reference, rel=0.1), err
         assert d // 2 <= payload.nbytes <= d // 2 + 64   # 4 bits a coordinate, a few scalars
 
 

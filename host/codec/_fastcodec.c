@@ -74,9 +74,11 @@ INLINE vu mix32v(vu x) {
     return x;
 }
 typedef struct { uint32_t k0, k1; } rkey_t;
-INLINE rkey_t slice_key(uint32_t prefix, uint32_t slice) {
-    uint32_t h = mix32((prefix ^ slice) + GOLDEN);
-    return (rkey_t){h, mix32(h ^ KEY2)};
+/* rng.absorb of the slice word into the 64-bit prefix (g << 32 | h): the slice's key. */
+INLINE rkey_t slice_key(uint64_t prefix, uint32_t slice) {
+    uint32_t h = mix32((((uint32_t)prefix) ^ slice) + GOLDEN);
+    uint32_t g = mix32((uint32_t)(prefix >> 32) ^ h);
+    return (rkey_t){mix32((h ^ g) + KEY2), g};
 }
 INLINE uint32_t block1(uint32_t j, rkey_t k) { return mix32(mix32(j ^ k.k0) ^ k.k1); }
 INLINE vu blockv(vu j, rkey_t k) { return mix32v(mix32v(j ^ k.k0) ^ k.k1); }
@@ -495,7 +497,7 @@ static layout_t layout_of(size_t numel, size_t ss) {
 }
 
 CLONES static void encode_all(const float *x, layout_t l, const float *coef,
-                              uint32_t sign_prefix, uint32_t uni_prefix, round_t *rt,
+                              uint64_t sign_prefix, uint64_t uni_prefix, round_t *rt,
                               uint8_t *out, int packed, float *first, float *scratch,
                               int check) {
     for (size_t s = 0; s < l.n_slices; s++) {
@@ -670,7 +672,7 @@ INLINE void decode_slice(sums_t *sm, size_t start, size_t len, size_t d, float a
 }
 
 CLONES static void decode_all(sums_t *sm, layout_t l, const float *alpha,
-                              uint32_t sign_prefix, float *out, float *scratch) {
+                              uint64_t sign_prefix, float *out, float *scratch) {
     for (size_t s = 0; s < l.n_slices; s++) {
         int full = s < l.full;
         size_t start = s * l.ss;
@@ -796,9 +798,9 @@ PyDoc_STRVAR(encode_doc,
 static PyObject *py_encode(PyObject *self, PyObject *args) {
     Py_buffer x, coef, table, out, first;
     Py_ssize_t numel, ss;
-    unsigned long sign_prefix, uni_prefix;
+    unsigned long long sign_prefix, uni_prefix;
     int packed, check;
-    if (!PyArg_ParseTuple(args, "y*nny*kky*w*pw*p", &x, &numel, &ss, &coef, &sign_prefix,
+    if (!PyArg_ParseTuple(args, "y*nny*KKy*w*pw*p", &x, &numel, &ss, &coef, &sign_prefix,
                           &uni_prefix, &table, &out, &packed, &first, &check))
         return NULL;
     PyObject *ret = NULL;
@@ -820,8 +822,8 @@ static PyObject *py_encode(PyObject *self, PyObject *args) {
         goto done;
     }
     Py_BEGIN_ALLOW_THREADS
-    encode_all((const float *)x.buf, l, (const float *)coef.buf, (uint32_t)sign_prefix,
-               (uint32_t)uni_prefix, &rt, (uint8_t *)out.buf, packed, (float *)first.buf,
+    encode_all((const float *)x.buf, l, (const float *)coef.buf, (uint64_t)sign_prefix,
+               (uint64_t)uni_prefix, &rt, (uint8_t *)out.buf, packed, (float *)first.buf,
                scratch, check);
     Py_END_ALLOW_THREADS
     ret = Py_NewRef(Py_None);
@@ -851,8 +853,8 @@ static PyObject *py_decode(PyObject *self, PyObject *args) {
     const char *kind_name;
     Py_ssize_t numel, ss;
     double centre;
-    unsigned long sign_prefix;
-    if (!PyArg_ParseTuple(args, "y*snny*dky*w*", &sums, &kind_name, &numel, &ss, &alpha,
+    unsigned long long sign_prefix;
+    if (!PyArg_ParseTuple(args, "y*snny*dKy*w*", &sums, &kind_name, &numel, &ss, &alpha,
                           &centre, &sign_prefix, &table, &out))
         return NULL;
     PyObject *ret = NULL;
@@ -887,7 +889,7 @@ static PyObject *py_decode(PyObject *self, PyObject *args) {
         }
     }
     Py_BEGIN_ALLOW_THREADS
-    decode_all(&sm, l, (const float *)alpha.buf, (uint32_t)sign_prefix, (float *)out.buf,
+    decode_all(&sm, l, (const float *)alpha.buf, (uint64_t)sign_prefix, (float *)out.buf,
                scratch);
     for (int k = 0; k < V; k++) {
         if (sm.vlo[k] <= sm.vhi[k]) {

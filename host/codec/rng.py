@@ -10,9 +10,14 @@ Definition (all arithmetic mod 2^32):
 
 - ``mix32(x)``: x ^= x >> 16; x *= 0x7FEB352D; x ^= x >> 15; x *= 0x846CA68B; x ^= x >> 16
   (a bijection with good avalanche).
-- ``slice_key(seed, round, slice, stream)`` = (k0, k1): h = mix32(stream ^ GOLDEN), then for
-  each word w of (seed low, seed high, round low, round high, slice):
-  h = mix32((h ^ w) + GOLDEN); k0 = h, k1 = mix32(h ^ 0x85EBCA6B).
+- ``absorb((h, g), w)``, a step on a 64-bit state of two words:
+  h = mix32((h ^ w) + GOLDEN); g = mix32(g ^ h); h = mix32((h ^ g) + KEY2).
+  For a given state it is one-to-one in w, and for a given w one-to-one in the state.
+- ``slice_key(seed, round, slice, stream)`` = (k0, k1): the state (0, 0) after absorbing
+  stream, seed low, seed high, round low, round high and slice, in that order. Two
+  (round, slice) pairs of one job share a key only where their states before the slice
+  word agree in g and differ in h by the slices' xor: for S slices a round, about S / 2^64
+  a pair of rounds.
 - ``block(j)`` = mix32(mix32(j ^ k0) ^ k1).
 - Rotation sign of coordinate i of a slice (stream 0): bit (i mod 32) of block(i div 32),
   least significant bit first; bit 1 means -1, bit 0 means +1.
@@ -50,16 +55,25 @@ def mix32_int(x: int) -> int:
     return x
 
 
+def absorb(state: int, word: int) -> int:
+    """One step of the key schedule on a state held as one int, g << 32 | h."""
+    h, g = (state & M32) ^ (int(word) & M32), state >> 32
+    h = mix32_int((h + GOLDEN) & M32)
+    g = mix32_int(g ^ h)
+    h = mix32_int(((h ^ g) + KEY2) & M32)
+    return g << 32 | h
+
+
 def seed_state(seed: int, stream: int) -> int:
     """The key schedule up to the round words: fixed for a job (and stream), so a kernel that
     reads the round from device memory finishes the prefix itself (:func:`finish_prefix`)."""
     seed = int(seed)
     if not 0 <= seed < (1 << 64):
         raise ValueError(f"seed must be an integer in [0, 2^64), got {seed}")
-    h = mix32_int(int(stream) ^ GOLDEN)
+    state = absorb(0, int(stream))
     for w in (seed & M32, seed >> 32):
-        h = mix32_int(((h ^ w) + GOLDEN) & M32)
-    return h
+        state = absorb(state, w)
+    return state
 
 
 def finish_prefix(state: int, round_: int) -> int:
@@ -68,15 +82,14 @@ def finish_prefix(state: int, round_: int) -> int:
             or not 0 <= round_ < (1 << 64):
         raise ValueError(f"round must be an integer in [0, 2^64), got {round_!r}")
     round_ = int(round_)
-    h = state
     for w in (round_ & M32, round_ >> 32):
-        h = mix32_int(((h ^ w) + GOLDEN) & M32)
-    return h
+        state = absorb(state, w)
+    return state
 
 
 def key_prefix(seed: int, round_: int, stream: int) -> int:
-    """The key schedule up to the slice word: shared by every slice of one (seed, round,
-    stream), so a kernel finishes each slice's key itself from this one scalar."""
+    """The key schedule up to the slice word (a 64-bit state): shared by every slice of one
+    (seed, round, stream), so a kernel finishes each slice's key itself from this one value."""
     return finish_prefix(seed_state(seed, stream), round_)
 
 
@@ -85,8 +98,8 @@ def key_from_prefix(prefix: int, slice_index: int) -> tuple[int, int]:
     slice_index = int(slice_index)
     if not 0 <= slice_index < (1 << 32):
         raise ValueError(f"slice must be an integer in [0, 2^32), got {slice_index}")
-    h = mix32_int(((prefix ^ slice_index) + GOLDEN) & M32)
-    return h, mix32_int(h ^ KEY2)
+    state = absorb(prefix, slice_index)
+    return state & M32, state >> 32
 
 
 def slice_key(seed: int, round_: int, slice_index: int, stream: int) -> tuple[int, int]:
@@ -97,8 +110,19 @@ def slice_key(seed: int, round_: int, slice_index: int, stream: int) -> tuple[in
 def slice_keys(seed: int, round_: int, slices, stream: int) -> np.ndarray:
     """Keys of several slices as a (count, 2) uint32 array."""
     prefix = key_prefix(seed, round_, stream)
-    keys = [key_from_prefix(prefix, s) for s in slices]
-    return np.asarray(keys, dtype=np.uint32).reshape(-1, 2)
+    idx = np.asarray(list(slices), dtype=np.int64).reshape(-1)
+    if idx.size and not (0 <= idx.min() and idx.max() < (1 << 32)):
+        raise ValueError(f"slices must be integers in [0, 2^32), got {idx.min()}..{idx.max()}")
+    h, g = absorb_np(np.uint32(prefix & M32) ^ idx.astype(np.uint32),
+                     np.full(idx.shape, prefix >> 32, np.uint32))
+    return np.stack([h, g], axis=1)
+
+
+def absorb_np(h: np.ndarray, g: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`absorb` on uint32 arrays whose word is already xored into ``h``."""
+    h = _mix32_np(h + np.uint32(GOLDEN))
+    g = _mix32_np(g ^ h)
+    return _mix32_np((h ^ g) + np.uint32(KEY2)), g
 
 
 def _mix32_np(x: np.ndarray) -> np.ndarray:

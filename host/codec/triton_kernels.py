@@ -104,9 +104,9 @@ def _split(log: int) -> tuple[int, int]:
 
 
 KEYED = {"_encode_rows": "prefix", "_encode_cols": "uprefix", "_decode_cols": "prefix"}
-"""Each kernel's key prefix, a 32-bit hash: a launch on a GPU makes an int argument equal to
+"""Each kernel's key prefix, a 64-bit hash: a launch on a GPU makes an int argument equal to
 1 a compile-time constant, which the key schedule cannot bitcast (a compile error once in
-2^32 keys), so these are never specialized."""
+2^64 keys), so these are never specialized."""
 
 
 @triton.jit(do_not_specialize=[KEYED["_encode_rows"]])
@@ -114,7 +114,8 @@ def _encode_rows(X, TMP, PART, STATUS, prefix, ROUND, first, length, d,
                  C: tl.constexpr, C1: tl.constexpr, BM: tl.constexpr, PREC: tl.constexpr,
                  FORM: tl.constexpr, DEV_ROUND: tl.constexpr, TILES: tl.constexpr):
     s = tl.program_id(0)
-    k0, k1 = program_key(round_prefix(prefix, ROUND, DEV_ROUND), first, s)
+    ph, pg = round_prefix(prefix, ROUND, DEV_ROUND)
+    k0, k1 = program_key(ph, pg, first, s)
     src, dst = X + s.to(tl.int64) * length, TMP + s.to(tl.int64) * d
     rows = tl.program_id(1) * (BM * TILES) + tl.arange(0, BM)
     i = rows[:, None] * C + tl.arange(0, C)[None, :]
@@ -187,7 +188,8 @@ def _encode_cols(TMP, OUT, MAXN, OWN, STATUS, uprefix, ROUND, first, count, LOWE
     u = tl.minimum(tl.maximum(z, 0.0), g)
     k = tl.maximum(tl.minimum(u.to(tl.int32), g - 1), 0)
     lower = tl.load(LOWER + k).to(tl.int32)
-    uk0, uk1 = program_key(round_prefix(uprefix, ROUND, DEV_ROUND), first, s)
+    ph, pg = round_prefix(uprefix, ROUND, DEV_ROUND)
+    uk0, uk1 = program_key(ph, pg, first, s)
     r = (block(i.to(tl.uint32), uk0, uk1) >> 8).to(tl.float32) * 5.9604644775390625e-08
     # r < (u - base) / width decided exactly (one rounding, no division; width > 0)
     idx = lower + (tl.fma(r, tl.load(WIDTH + k), tl.load(BASE + k) - u) < 0.0).to(tl.int32)
@@ -243,7 +245,8 @@ def _decode_cols(TMP, OUT, MAXN, STATUS, prefix, ROUND, first, count, length, d,
     i = rows[:, None] * C + (nb * BN + tl.arange(0, BN))[None, :]
     y = tl.load(TMP + s.to(tl.int64) * d + i)
     z = had_first(y, R, BN, R1, PREC, FORM) * tl.where(m >= floor, scale * m, 0.0)
-    k0, k1 = program_key(round_prefix(prefix, ROUND, DEV_ROUND), first, s)
+    ph, pg = round_prefix(prefix, ROUND, DEV_ROUND)
+    k0, k1 = program_key(ph, pg, first, s)
     z = signed(z, rows, nb * BN, k0, k1, R, C, BN)
     tl.store(OUT + s.to(tl.int64) * length + i, z, mask=i < length)
 
@@ -270,15 +273,15 @@ class _Shape:
 
 
 def _prefix(seed: int, round_, stream: int, st):
-    """(prefix, ROUND, DEV_ROUND) of the kernels' key schedule, the prefix as the int32 they
-    take (they finish each slice's key: no per-slice key table is computed on the host or
-    copied to the device). ``round_``: an int (the prefix is finished here; ``st`` fills the
-    unused pointer) or a device int64 tensor the kernels read it from."""
+    """(prefix, ROUND, DEV_ROUND) of the kernels' key schedule, the prefix's 64-bit state as
+    the int64 they take (they finish each slice's key: no per-slice key table is computed on
+    the host or copied to the device). ``round_``: an int (the prefix is finished here; ``st``
+    fills the unused pointer) or a device int64 tensor the kernels read it from."""
     if isinstance(round_, torch.Tensor):
         p, ptr = rng.seed_state(seed, stream), round_
     else:
         p, ptr = rng.key_prefix(seed, round_, stream), st
-    return (p - (1 << 32) if p >= 1 << 31 else p), ptr, ptr is round_
+    return (p - (1 << 64) if p >= 1 << 63 else p), ptr, ptr is round_
 
 
 _LUTS: dict = {}

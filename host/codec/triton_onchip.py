@@ -28,24 +28,32 @@ def block(j, k0, k1):
 
 
 @triton.jit
-def round_prefix(prefix, ROUND, DEV_ROUND: tl.constexpr):
-    """The key prefix of this call's round: as passed, or (``DEV_ROUND``) finished here from
-    rng.seed_state and the int64 round at ``ROUND``, so that a CUDA graph replays each round
-    with the round number the device holds then (rng.finish_prefix)."""
-    if DEV_ROUND:
-        r = tl.load(ROUND)
-        h = prefix.to(tl.uint32, bitcast=True)
-        h = mix32((h ^ (r & 0xFFFFFFFF).to(tl.uint32)) + 0x9E3779B9)
-        return mix32((h ^ (r >> 32).to(tl.uint32)) + 0x9E3779B9)
-    return prefix.to(tl.uint32, bitcast=True)
+def absorb(h, g, w):
+    """rng.absorb on the state's two uint32 words."""
+    h = mix32((h ^ w) + 0x9E3779B9)
+    g = mix32(g ^ h)
+    return mix32((h ^ g) + 0x85EBCA6B), g
 
 
 @triton.jit
-def program_key(prefix, first, s):
+def round_prefix(prefix, ROUND, DEV_ROUND: tl.constexpr):
+    """The key prefix of this call's round as its two words (h, g): as passed (an int64, g in
+    the high half), or (``DEV_ROUND``) finished here from rng.seed_state and the int64 round
+    at ``ROUND``, so that a CUDA graph replays each round with the round number the device
+    holds then (rng.finish_prefix)."""
+    p = prefix.to(tl.int64).to(tl.uint64, bitcast=True)
+    h, g = (p & 0xFFFFFFFF).to(tl.uint32), (p >> 32).to(tl.uint32)
+    if DEV_ROUND:
+        r = tl.load(ROUND).to(tl.uint64, bitcast=True)
+        h, g = absorb(h, g, (r & 0xFFFFFFFF).to(tl.uint32))
+        h, g = absorb(h, g, (r >> 32).to(tl.uint32))
+    return h, g
+
+
+@triton.jit
+def program_key(h, g, first, s):
     """rng.key_from_prefix of slice first + s: the key schedule's last step, per program."""
-    w = prefix.to(tl.uint32, bitcast=True) ^ (first + s).to(tl.uint32)
-    h = mix32(w + 0x9E3779B9)
-    return h, mix32(h ^ 0x85EBCA6B)
+    return absorb(h, g, (first + s).to(tl.uint32))
 
 
 @triton.jit
