@@ -149,6 +149,51 @@ def test_kernels_match_reference(slice_log, extra):
     assert torch.allclose(own.cpu(), db, atol=1e-5)
 
 
+def _unmix32(x):
+    """mix32's inverse (each step is one-to-one)."""
+    def unshift(y, k):
+        z = y
+        for _ in range(32 // k + 1):
+            z = y ^ (z >> k)
+        return z
+    x = unshift(x, 16) * pow(0x846CA68B, -1, 2 ** 32) % 2 ** 32
+    x = unshift(x, 15) * pow(0x7FEB352D, -1, 2 ** 32) % 2 ** 32
+    return unshift(x, 16)
+
+
+def _tail_to_a_32_bit_state(state):
+    """Two words, low | high << 32, whose absorbs into ``state`` leave g = 0 and h >= 2^31:
+    a state whose int fits 32 bits unsigned, not signed (absorb's g is mix32(g ^ h1), 0 where
+    h1 = g, and h1 = mix32((h ^ w) + GOLDEN) is solved for the word)."""
+    for low in range(64):
+        s = rng.absorb(state, low)
+        high = ((_unmix32(s >> 32) - 0x9E3779B9) % 2 ** 32) ^ (s % 2 ** 32)
+        if rng.absorb(s, high) >= 2 ** 31:
+            return high << 32 | low
+
+
+@kernels
+def test_kernels_take_a_prefix_that_fits_32_bits():
+    """A key prefix below 2^32 (a chance of 2^-32 a key, made here on purpose) reaches the
+    kernels as an int that fits 32 bits, as passed and, for a round read on the device, as
+    the seed's state: the same indices and decode as the reference."""
+    rnd = _tail_to_a_32_bit_state(rng.seed_state(5, rng.SIGN_STREAM))
+    seed = _tail_to_a_32_bit_state(rng.absorb(0, rng.SIGN_STREAM))
+    assert 2 ** 31 <= rng.key_prefix(5, rnd, rng.SIGN_STREAM) < 2 ** 32
+    assert 2 ** 31 <= rng.seed_state(seed, rng.SIGN_STREAM) < 2 ** 32
+    x = torch.randn(512, generator=torch.Generator().manual_seed(0))
+    for p, r, given in ((THCParams(slice_size=256, seed=5), rnd, rnd),
+                        (THCParams(slice_size=256, seed=seed), 3, torch.tensor([3]).to(DEV))):
+        m = thc.slice_norms(x, p)
+        want = thc.encode(x, m, p, r, 7, backend="reference")
+        assert torch.equal(thc.encode(x.to(DEV), m.to(DEV), p, given, 7, backend="triton").cpu(),
+                           want)
+        sums = thc.aggregate([want], p)
+        got = thc.decode(sums.to(DEV), 1, m.to(DEV), 512, p, given, backend="triton")
+        assert torch.allclose(got.cpu(), thc.decode(sums, 1, m, 512, p, r, backend="reference"),
+                              atol=1e-5)
+
+
 @kernels
 @pytest.mark.parametrize("kw", [dict(bits=2, granularity=3), dict(bits=4, granularity=31),
                                 dict(bits=6, granularity=200), dict(table_kind="uniform")])

@@ -64,6 +64,6 @@ def test_kernels_compile_for_sm90():
                                        "_encode_cols_checked", "_decode_rows'",
                                        "_decode_rows_sums", "_decode_cols"))
     assert all(f"round {k}" in lines for k in ("_tagged", "_settle", "_keep"))
-    # a key prefix of 1 made a constant by the launcher did not compile (once in 2^32 keys)
+    # a key prefix of 1 made a constant by the launcher did not compile (once in 2^64 keys)
     keyed = [li for li in lines if li.startswith("keyed ")]
     assert len(keyed) == 3 and all(li.endswith(" True") for li in keyed), keyed

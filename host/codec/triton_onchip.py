@@ -41,7 +41,7 @@ def round_prefix(prefix, ROUND, DEV_ROUND: tl.constexpr):
     the high half), or (``DEV_ROUND``) finished here from rng.seed_state and the int64 round
     at ``ROUND``, so that a CUDA graph replays each round with the round number the device
     holds then (rng.finish_prefix)."""
-    p = prefix.to(tl.int64).to(tl.uint64, bitcast=True)
+    p = prefix.to(tl.uint64)   # an int64, or an i32 where the value fits: sign-extended
     h, g = (p & 0xFFFFFFFF).to(tl.uint32), (p >> 32).to(tl.uint32)
     if DEV_ROUND:
         r = tl.load(ROUND).to(tl.uint64, bitcast=True)
