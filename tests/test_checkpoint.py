@@ -21,6 +21,11 @@ from thc.collective.marsit import MarsitAllReduce
 P = THCParams(slice_size=256)
 
 
+def _hook_state(kind: str, residuals: dict) -> dict:
+    """A hook's state as a rank alone in its group saves it."""
+    return {"hook": kind, "owner": checkpoint.owner(0, 1), "residuals": residuals}
+
+
 def _saved(state: dict) -> dict:
     """``state`` through torch.save and torch.load, as a checkpoint carries it."""
     buf = io.BytesIO()
@@ -70,7 +75,7 @@ def test_a_graphed_reducer_restored_goes_on_as_the_one_saved(alone):
         assert torch.equal(a, b)
     assert not all(torch.equal(a, c) for a, c in zip(went_on, fresh))
     short = GraphedAllReduce.through_torch_distributed(params=P, generator=11, capture=False)
-    short.load_state_dict(checkpoint.state(3, torch.zeros(5)))
+    short.load_state_dict(checkpoint.state(3, torch.zeros(5), short.state_owner))
     with pytest.raises(ValueError, match="loaded residual holds 5 elements, this tensor 968"):
         short(_inputs(1, device=DEV)[0])
 
@@ -89,13 +94,82 @@ def test_a_state_that_cannot_be_taken_is_refused(alone):
                          ({"round": 2, "residual": torch.tensor([float("nan")])},
                           "holds NaN or Inf")):
         with pytest.raises(ValueError, match=message):
-            ar.load_state_dict(bad)
+            ar.load_state_dict({**bad, "owner": ar.state_owner} if "round" in bad else bad)
     plain = THCAllReduce.through_torch_distributed(params=P, error_feedback=False)
     with pytest.raises(ValueError, match="keeps none"):
-        plain.load_state_dict(checkpoint.state(2, torch.zeros(4)))
+        plain.load_state_dict(checkpoint.state(2, torch.zeros(4), plain.state_owner))
     ar(_inputs(1)[0])
     with pytest.raises(ValueError, match="before the first round"):
-        ar.load_state_dict(checkpoint.state(0, None))
+        ar.load_state_dict(checkpoint.state(0, None, ar.state_owner))
+
+
+def _others_state_worker(rank, port, q):
+    """Each rank saves a reducer's and a hook's state, then every rank loads rank 0's (the
+    habit of saving on rank 0 alone)."""
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2)
+    ar = THCAllReduce.through_torch_distributed(params=P, generator=rank)
+    for x in _inputs(2):
+        ar(x * (rank + 1))
+    model = _model()
+    hook = HOOKS["thc"](model).register(DDP(model))
+    saved = [{"reducer": ar.state_dict(), "hook": hook.state_dict()}]
+    dist.broadcast_object_list(saved, src=0)
+    out = []
+    for kind, fresh in (("reducer", THCAllReduce.through_torch_distributed(params=P)),
+                        ("hook", HOOKS["thc"](_model()))):
+        try:
+            fresh.load_state_dict(saved[0][kind])
+            out.append("loaded")
+        except ValueError as e:
+            out.append(str(e))
+    q.put((rank, out))
+    dist.destroy_process_group()
+
+
+def test_a_state_is_loaded_only_by_the_rank_that_saved_it():
+    """Another rank's residual, loaded, is added to this rank's gradients from then on: every
+    rank sums the same wrong mean (rank 0's error counted twice, rank 1's lost), with no
+    error. Refused where it is loaded; rank 0's own state is taken."""
+    from tests.procs import gloo_pair
+    res = gloo_pair(_others_state_worker)
+    assert res[0] == ["loaded", "loaded"], res
+    for message in res[1]:
+        assert "saved by rank 0 of 2" in message and "this is rank 1 of 2" in message, res
+
+
+def test_a_named_reducers_state_is_refused_by_another(alone):
+    """Two reducers' states swapped (of like lengths): each residual would be added to the
+    other's tensor. Reducers named only by their build order are not told apart (their build
+    order is that of the process, not of the run)."""
+    a = THCAllReduce.through_torch_distributed(params=P, generator=11, name="encoder")
+    a(_inputs(1)[0])
+    b = THCAllReduce.through_torch_distributed(params=P, generator=11, name="decoder")
+    with pytest.raises(ValueError, match="saved by rank 0 of 1 \\(reducer 'encoder'\\), and "
+                                         "this is rank 0 of 1 \\(reducer 'decoder'\\)"):
+        b.load_state_dict(a.state_dict())
+    again = THCAllReduce.through_torch_distributed(params=P, generator=11, name="encoder")
+    again.load_state_dict(_saved(a.state_dict()))
+    with pytest.raises(ValueError, match="names no owner"):
+        THCAllReduce.through_torch_distributed(params=P).load_state_dict(
+            {"round": 1, "residual": None})
+
+
+def test_a_refused_marsit_state_leaves_the_reducer_as_it_was(alone):
+    """A state whose coins or merge coins are refused took its round and residual first: the
+    reducer, half loaded, then refused its own good state."""
+    first = MarsitAllReduce(None, None)
+    first(_inputs(1)[0])
+    good = first.state_dict()
+    for bad in ({**good, "merges": ("tpu", b"x")},
+                {**good, "coin": torch.zeros(3, dtype=torch.uint8)}):
+        ar = MarsitAllReduce(None, None)
+        with pytest.raises(ValueError):
+            ar.load_state_dict(bad)
+        assert ar.round == 0 and ar.residual is None
+        ar.load_state_dict(good)
+        assert ar.round == good["round"] and torch.equal(ar.residual, good["residual"])
 
 
 def test_a_buckets_residual_takes_zeros_for_a_parameter_of_another_length():
@@ -121,11 +195,13 @@ def test_a_residual_past_what_a_round_keeps_is_refused(alone, kind):
     top = norm_limit(P) / 16 if kind != "marsit" else RESIDUAL_LIMIT   # 16 = sqrt(256)
     inside = torch.zeros(1000)
     inside[:256] = top * 0.99
-    make().load_state_dict(checkpoint.state(0, inside))
+    took = make()
+    took.load_state_dict(checkpoint.state(0, inside, took.state_owner))
     past = torch.zeros(1000)
     past[256:512] = top * 1.01 if kind != "marsit" else top * 1.5
+    refuses = make()
     with pytest.raises(ValueError, match="past the"):
-        make().load_state_dict(checkpoint.state(0, past))
+        refuses.load_state_dict(checkpoint.state(0, past, refuses.state_owner))
 
 
 def _model():
@@ -202,32 +278,32 @@ def test_a_hooks_state_is_loaded_before_its_first_step_and_into_its_own_kind(alo
     with pytest.raises(ValueError, match="not a THCHook's state"):
         hook.load_state_dict(HOOKS["topk"](model).state_dict())
     with pytest.raises(ValueError, match="residual per parameter name"):
-        HOOKS["topk"](model).load_state_dict({"hook": "TopKHook", "residuals": {"0.weight": 1}})
+        HOOKS["topk"](model).load_state_dict(_hook_state("TopKHook", {"0.weight": 1}))
     with pytest.raises(ValueError, match="residual of 0.bias: the state's residual holds NaN"):
-        HOOKS["topk"](model).load_state_dict({"hook": "TopKHook", "residuals": {
-            "0.weight": torch.zeros(40 * 300), "0.bias": torch.full((300,), float("nan"))}})
+        HOOKS["topk"](model).load_state_dict(_hook_state("TopKHook", {
+            "0.weight": torch.zeros(40 * 300), "0.bias": torch.full((300,), float("nan"))}))
     # a residual no parameter of the model would take, or of another length, was kept
     # unapplied (and saved again), or replaced by zeros
-    wrapped = {"hook": "TopKHook", "residuals": {"module.0.bias": torch.zeros(300)}}
+    wrapped = _hook_state("TopKHook", {"module.0.bias": torch.zeros(300)})
     with pytest.raises(ValueError, match="residual of 'module.0.bias', but the hook "
                                          "compresses no parameter of that name"):
         HOOKS["topk"](model).load_state_dict(wrapped)
     in_fp32 = TopKHook(model, options=HookOptions(uncompressed=("bias",)), overlap=False)
     with pytest.raises(ValueError, match="compresses no parameter of that name"):
-        in_fp32.load_state_dict({"hook": "TopKHook", "residuals": {"0.bias": torch.zeros(300)}})
+        in_fp32.load_state_dict(_hook_state("TopKHook", {"0.bias": torch.zeros(300)}))
     with pytest.raises(ValueError, match="residual of '2.bias' holds 11 elements, the "
                                          "parameter 10"):
-        HOOKS["topk"](model).load_state_dict({"hook": "TopKHook",
-                                              "residuals": {"2.bias": torch.zeros(11)}})
+        HOOKS["topk"](model).load_state_dict(_hook_state("TopKHook",
+                                                         {"2.bias": torch.zeros(11)}))
     frozen = _model()
     frozen[0].weight.requires_grad_(False)   # unfrozen before DDP wraps it: compressed then
-    HOOKS["topk"](frozen).load_state_dict({"hook": "TopKHook",
-                                           "residuals": {"0.weight": torch.zeros(40 * 300)}})
+    HOOKS["topk"](frozen).load_state_dict(_hook_state("TopKHook",
+                                                      {"0.weight": torch.zeros(40 * 300)}))
     _steps(ddp, model, [torch.ones(2, 40)])
     with pytest.raises(ValueError, match="before its first step"):
         hook.load_state_dict(hook.state_dict())
     overlapping = THCHook(model, lambda group: None)   # read on its communication thread
-    assert overlapping.state_dict() == {"hook": "THCHook", "residuals": {}}
+    assert overlapping.state_dict() == _hook_state("THCHook", {})
 
 
 @pytest.mark.parametrize("kind", sorted(HOOKS))
@@ -238,9 +314,8 @@ def test_a_loaded_state_is_saved_again_and_follows_the_scale_before_a_step(alone
     model = _model()
     hook = HOOKS[kind](model).register(DDP(model))
     gen = torch.Generator().manual_seed(5)
-    state = {"hook": type(hook).__name__,
-             "residuals": {n: torch.randn(p.numel(), generator=gen) * 1e-3
-                           for n, p in model.named_parameters()}}
+    state = _hook_state(type(hook).__name__, {n: torch.randn(p.numel(), generator=gen) * 1e-3
+                                               for n, p in model.named_parameters()})
     hook.load_state_dict(state)
     saved = hook.state_dict()["residuals"]
     assert set(saved) == set(state["residuals"])
@@ -265,7 +340,7 @@ def test_a_hook_whose_first_step_was_refused_takes_no_state(alone):
         _steps(ddp, model, [torch.full((2, 40), float("nan"))])
     assert hook.state_dict()["residuals"] == {}
     with pytest.raises(ValueError, match="before its first step"):
-        hook.load_state_dict({"hook": "TopKHook", "residuals": {"2.bias": torch.ones(10)}})
+        hook.load_state_dict(_hook_state("TopKHook", {"2.bias": torch.ones(10)}))
 
 
 def test_a_parameter_whose_bucket_dropped_its_residual_has_none(alone):
@@ -293,8 +368,8 @@ def test_loaded_residuals_outlive_a_build_every_rank_refused(alone, monkeypatch)
     model = _model()
     ddp = DDP(model)
     hook = HOOKS["thc"](model).register(ddp)
-    state = {"hook": "THCHook", "residuals": {n: torch.full((p.numel(),), 0.5)
-                                              for n, p in model.named_parameters()}}
+    state = _hook_state("THCHook", {n: torch.full((p.numel(),), 0.5)
+                                    for n, p in model.named_parameters()})
     hook.load_state_dict(state)
     together = agreement.together
 
@@ -311,7 +386,7 @@ def test_loaded_residuals_outlive_a_build_every_rank_refused(alone, monkeypatch)
 @kernels
 def test_a_graphed_reducers_loaded_residual_follows_the_scale(alone):
     ar = GraphedAllReduce.through_torch_distributed(params=P, generator=11, capture=False)
-    ar.load_state_dict(checkpoint.state(0, torch.ones(968)))
+    ar.load_state_dict(checkpoint.state(0, torch.ones(968), ar.state_owner))
     ar.rescale_residual(0.5)
     assert torch.equal(ar.kept_residual, torch.full((968,), 0.5))
 

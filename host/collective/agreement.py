@@ -132,6 +132,12 @@ def identify(domain, name=None):
     return ("named", name, ordinal(domain, f"named {name!r}"))
 
 
+def given_name(identity):
+    """The name an :func:`identify` identity was given (None: a build order, which tells
+    reducers apart within one process, not across a restart)."""
+    return identity[1] if isinstance(identity, tuple) and identity[0] == "named" else None
+
+
 def skipped_to(current: int, rnd) -> int:
     """The round a reducer at round ``current`` takes next after ``skip_to(rnd)``: ``rnd``
     where it is ahead (rounds never go back: each draws its own rotation and rounding).

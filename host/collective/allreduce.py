@@ -141,15 +141,20 @@ class THCAllReduce:
         """The error-feedback residual the next round adds (None: none yet, or no feedback)."""
         return self.feedback.residual if self.feedback else None
 
+    @property
+    def state_owner(self) -> dict:
+        """Whose state this reducer keeps (:func:`thc.collective.checkpoint.owner`)."""
+        return checkpoint.owner(self.transport.rank, self.transport.n_workers, self.name)
+
     def state_dict(self) -> dict:
         """What a restarted worker needs to go on as this reducer would (:mod:`thc.collective.
-        checkpoint`): its next round and a copy of its error-feedback residual."""
-        return checkpoint.state(self.round, self.kept_residual)
+        checkpoint`): its next round, a copy of its error-feedback residual and its owner."""
+        return checkpoint.state(self.round, self.kept_residual, self.state_owner)
 
     def load_state_dict(self, state: dict) -> None:
-        """Take :meth:`state_dict`'s state before the first round."""
+        """Take :meth:`state_dict`'s state before the first round (this reducer's own)."""
         rnd, residual = checkpoint.loaded(state, self.round, self.feedback is not None,
-                                          type(self).__name__)
+                                          type(self).__name__, self.state_owner)
         checkpoint.within_codec(residual, self.params, type(self).__name__)
         self.round = rnd
         if self.feedback is not None:

@@ -4,9 +4,13 @@ loses what they held (the error of the last rounds; for TopK, the coordinates no
 
 A reducer's state is its round count and its residual (a Marsit reducer's, its coins' state
 too): a reducer restored from it goes on bit for bit as the one saved (given the same rounding
-key). Every worker saves and loads its own; the round count is part of each round's agreement,
-so workers that loaded unlike states (one restored, one not) refuse their first round instead
-of summing different rounds' rotations.
+key). Every worker saves and loads its own: a residual is the rounding error of one rank's
+rounds of one reducer, so a state names its owner (rank, world size and the reducer's given
+name) and is refused by another (another rank's residual, added to this rank's gradient,
+would sum to another mean on every rank alike). Reducers named only by their build order
+are not told apart: name them to have one's state refused by another. The round count is
+part of each round's agreement, so workers that loaded unlike states (one restored, one
+not) refuse their first round instead of summing different rounds' rotations.
 
 A DDP hook's state is a residual per parameter, by name: DDP buckets its first iteration
 apart from the later ones, and a hook built anew (another bucket size, other uncompressed
@@ -22,26 +26,59 @@ import torch
 from thc.codec.common import NonFiniteInput, norm_limit
 from thc.codec.params import THCParams
 from thc.codec.thc import slice_norms
+from thc.collective import agreement
 from thc.collective.agreement import ROUNDS
 
 
-def state(rnd: int, residual: torch.Tensor | None) -> dict:
-    """A reducer's state: its next round and a copy of its residual (None: none yet, or no
-    error feedback)."""
+def owner(rank: int, world: int, identity=None) -> dict:
+    """Whose state: a rank of a group of ``world``, and the name the reducer was given
+    (from its :func:`thc.collective.agreement.identify` identity; None for a DDP hook's
+    state or a reducer named by its build order)."""
+    return {"rank": int(rank), "world": int(world),
+            "reducer": agreement.given_name(identity)}
+
+
+def state(rnd: int, residual: torch.Tensor | None, own: dict) -> dict:
+    """A reducer's state: its next round, a copy of its residual (None: none yet, or no
+    error feedback) and its :func:`owner`."""
     return {"round": int(rnd),
-            "residual": None if residual is None else residual.detach().clone()}
+            "residual": None if residual is None else residual.detach().clone(),
+            "owner": None if own is None else dict(own)}
 
 
-def loaded(saved: dict, rnd: int, feedback: bool, what: str) -> tuple[int, torch.Tensor | None]:
+def check_owner(saved: dict, own: dict, what: str) -> None:
+    """Refuses a state that another rank, world size or reducer saved."""
+    theirs = saved.get("owner")
+    if theirs == own:
+        return
+    if not isinstance(theirs, dict):
+        raise ValueError(f"{what}: the state names no owner (the rank, world size and reducer "
+                         f"that saved it, as state_dict() gives): a residual is one rank's "
+                         f"own and is not loaded unchecked")
+    raise ValueError(f"{what}: the state was saved by {_who(theirs)}, and this is {_who(own)}: "
+                     f"a residual is the rounding error of the rank and reducer that kept "
+                     f"it, so each rank loads the state it saved (to start afresh, load none)")
+
+
+def _who(own: dict) -> str:
+    reducer = own.get("reducer")
+    return (f"rank {own.get('rank')!r} of {own.get('world')!r}"
+            + ("" if reducer is None else f" (reducer {reducer!r})"))
+
+
+def loaded(saved: dict, rnd: int, feedback: bool, what: str,
+           own: dict) -> tuple[int, torch.Tensor | None]:
     """The round and residual of ``saved`` (a :func:`state`), for a reducer ``what`` whose next
-    round is ``rnd`` and that keeps a residual where ``feedback``: refused unless the reducer
-    has taken no round, and unless the state is one it can take."""
+    round is ``rnd``, that keeps a residual where ``feedback`` and whose :func:`owner` is
+    ``own``: refused unless the reducer has taken no round, and unless the state is its own
+    and one it can take."""
     if rnd != 0:
         raise ValueError(f"{what}: a state is loaded before the first round (this reducer "
                          f"has taken {rnd})")
     if not isinstance(saved, dict) or not {"round", "residual"} <= set(saved):
         raise ValueError(f"{what}: not a reducer's state (a dict of round and residual, as "
                          f"state_dict() gives), got {type(saved).__name__}")
+    check_owner(saved, own, what)
     r, residual = saved["round"], saved["residual"]
     if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < ROUNDS:
         # rounds 2^40 apart carry the same tag lanes and draw different rotations

@@ -47,7 +47,7 @@ from thc.codec.common import scale_factor
 from thc.collective import agreement, checkpoint, unused
 from thc.collective.paramresiduals import ParamResiduals
 from thc.collective.stretches import StretchCount
-from thc.collective.transports import DistTransport, ring_bytes, run_agreement_deferred
+from thc.collective.transports import DistTransport, rank_in, ring_bytes, run_agreement_deferred
 from thc.collective.worker import device_of
 from thc.collective.torchgaps import group_timeout
 
@@ -306,7 +306,7 @@ class BaseHook:
         (``torch.save``) between steps, and give it to :meth:`load_state_dict` of the hook
         built anew. Read on the hook's communication thread, between two reductions."""
         def read() -> dict:
-            return {"hook": type(self).__name__, "residuals": {
+            return {"hook": type(self).__name__, "owner": self._state_owner(), "residuals": {
                 name: r.detach().clone() for name, r in self._per_param.named().items()}}
         on_pool = self._pool is not None and threading.get_ident() != self._comm_thread
         return self._pool.submit(read).result() if on_pool else read()
@@ -319,9 +319,14 @@ class BaseHook:
             raise ValueError(f"not a {type(self).__name__}'s state (its state_dict()), got "
                              f"{kind if kind is not None else type(state).__name__}")
         residuals = checkpoint.residuals_of(state, kind)
+        checkpoint.check_owner(state, self._state_owner(), kind)
         if self._residual_keys() or self._backwards:
             raise ValueError("a hook's state is loaded before its first step")
         self._per_param.load(residuals)
+
+    def _state_owner(self) -> dict:
+        """Whose residuals the hook keeps: this rank's, in a group of its world size."""
+        return checkpoint.owner(rank_in(self._parent), self.world)
 
     def _residual_keys(self) -> list:
         """The (bucket, length) keys of the residuals the hook keeps."""
@@ -498,7 +503,8 @@ class BaseHook:
             self._check_reducer(reducer)
             seed = None if bucket is None else self._per_param.seed(bucket, device)
             if seed is not None:
-                reducer.load_state_dict(checkpoint.state(0, seed))
+                reducer.load_state_dict(checkpoint.state(
+                    0, seed, getattr(reducer, "state_owner", None)))
         except Exception as e:  # noqa: BLE001 - raised on this rank by together
             failure = e
         rnd, self._built = self._built, self._built + 1

@@ -229,16 +229,21 @@ class GraphedAllReduce:
         b = self._bufs
         return b.residual if b is not None else self._loaded
 
+    @property
+    def state_owner(self) -> dict:
+        """As :attr:`THCAllReduce.state_owner`."""
+        return checkpoint.owner(self.transport.rank, self.transport.n_workers, self.name)
+
     def state_dict(self) -> dict:
         """As :meth:`THCAllReduce.state_dict`; the residual as the rounds keep it, padded
         (read once the rounds launched so far are done)."""
-        return checkpoint.state(self.round, self.kept_residual)
+        return checkpoint.state(self.round, self.kept_residual, self.state_owner)
 
     def load_state_dict(self, state: dict) -> None:
         """As :meth:`THCAllReduce.load_state_dict`: the residual is copied into the rounds'
         buffer when the first call makes it."""
         rnd, loaded = checkpoint.loaded(state, self.round, self.error_feedback,
-                                        type(self).__name__)
+                                        type(self).__name__, self.state_owner)
         checkpoint.within_codec(loaded, self.params, type(self).__name__)
         self.round, self._loaded = rnd, loaded
 

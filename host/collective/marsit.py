@@ -88,7 +88,7 @@ class _SignAllReduce:
         step). ``name``: as :class:`thc.collective.allreduce.THCAllReduce`'s."""
         self.nonfinite = agreement.nonfinite_mode(nonfinite)
         self.group = group
-        rank_in(group)
+        self.rank = rank_in(group)
         self.world = dist.get_world_size(group)
         self._domain = self._group_now()
         self.name = agreement.identify(self._domain, name)
@@ -115,20 +115,42 @@ class _SignAllReduce:
         """The compensation residual the next round adds (None: none yet, or none kept)."""
         return self.residual
 
+    @property
+    def state_owner(self) -> dict:
+        """As :attr:`thc.collective.allreduce.THCAllReduce.state_owner`."""
+        return checkpoint.owner(self.rank, self.world, self.name)
+
     def state_dict(self) -> dict:
         """What a restarted worker needs to go on as this reducer would (:mod:`thc.collective.
-        checkpoint`): its next round, a copy of its compensation residual and its coins'
-        state."""
-        return {**checkpoint.state(self.round, self.residual), "coin": self._coin.get_state()}
+        checkpoint`): its next round, a copy of its compensation residual, its coins' state
+        and its owner."""
+        return {**checkpoint.state(self.round, self.residual, self.state_owner),
+                "coin": self._coin.get_state()}
 
     def load_state_dict(self, state: dict) -> None:
-        """Take :meth:`state_dict`'s state before the first round."""
+        """Take :meth:`state_dict`'s state before the first round (this reducer's own):
+        checked whole before any of it is taken."""
         rnd, residual = checkpoint.loaded(state, self.round, self.compensation,
-                                          type(self).__name__)
+                                          type(self).__name__, self.state_owner)
         checkpoint.within(residual, RESIDUAL_LIMIT, type(self).__name__)
+        coin = state.get("coin")
+        if coin is not None:
+            try:
+                torch.Generator().set_state(coin)
+            except (TypeError, RuntimeError) as e:
+                raise ValueError(f"{type(self).__name__}: the state's 'coin' is not a CPU "
+                                 f"generator's state ({e})") from None
+        self._check_extra(state)
         self.round, self.residual = rnd, residual
-        if state.get("coin") is not None:
-            self._coin.set_state(state["coin"])
+        if coin is not None:
+            self._coin.set_state(coin)
+        self._take_extra(state)
+
+    def _check_extra(self, state: dict) -> None:
+        """A subclass's own part of the state, checked before anything is taken."""
+
+    def _take_extra(self, state: dict) -> None:
+        """A subclass's own part of the state, taken once all of it was checked."""
 
     def _group_now(self):
         return self.group if self.group is not None else dist.group.WORLD
@@ -271,7 +293,6 @@ class MarsitAllReduce(_SignAllReduce):
         which the training draws from on another thread (and which a checkpoint would then
         have to hold)."""
         super().__init__(group, compensation, nonfinite, name)
-        self.rank = dist.get_rank(group)
         self.generator = generator
         self._own_merges: torch.Generator | None = None
         self._merges_state: tuple[str, torch.Tensor] | None = None
@@ -304,16 +325,20 @@ class MarsitAllReduce(_SignAllReduce):
         merges = (own.device.type, own.get_state()) if own is not None else self._merges_state
         return {**super().state_dict(), "merges": merges}
 
-    def load_state_dict(self, state: dict) -> None:
-        super().load_state_dict(state)
+    def _check_extra(self, state: dict) -> None:
         merges = state.get("merges")
         if merges is not None and self.generator is None:
-            kind, coins = merges
+            kind, coins = merges if isinstance(merges, (tuple, list)) and len(merges) == 2 \
+                else (None, None)
             if kind not in ("cpu", "cuda") or not isinstance(coins, torch.Tensor) \
                     or coins.dtype != torch.uint8:
                 raise ValueError(f"{type(self).__name__}: 'merges' holds (device type, a "
                                  f"generator's uint8 state), not {merges!r:.80}")
-            self._merges_state, self._own_merges = (kind, coins.cpu()), None
+
+    def _take_extra(self, state: dict) -> None:
+        merges = state.get("merges")
+        if merges is not None and self.generator is None:
+            self._merges_state, self._own_merges = (merges[0], merges[1].cpu()), None
 
     def _peer(self, offset: int) -> int:
         r = (self.rank + offset) % self.world
