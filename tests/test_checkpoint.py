@@ -4,8 +4,10 @@ residual again, whatever buckets hold it. Without them the residuals' mass is lo
 from __future__ import annotations
 
 import copy
+import enum
 import io
 
+import numpy as np
 import pytest
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -23,7 +25,7 @@ P = THCParams(slice_size=256)
 
 def _hook_state(kind: str, residuals: dict) -> dict:
     """A hook's state as a rank alone in its group saves it."""
-    return {"hook": kind, "owner": checkpoint.owner(0, 1), "residuals": residuals}
+    return {"hook": kind, "owner": checkpoint.owner(0, 1, (0,)), "residuals": residuals}
 
 
 def _saved(state: dict) -> dict:
@@ -109,16 +111,20 @@ def _others_state_worker(rank, port, q):
     import torch.distributed as dist
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=2)
+    alone = [dist.new_group([0]), dist.new_group([1])][rank]   # groups of one, alike in size
     ar = THCAllReduce.through_torch_distributed(params=P, generator=rank)
+    own = THCAllReduce.through_torch_distributed(alone, params=P, generator=rank)
     for x in _inputs(2):
         ar(x * (rank + 1))
+        own(x * (rank + 1))
     model = _model()
     hook = HOOKS["thc"](model).register(DDP(model))
-    saved = [{"reducer": ar.state_dict(), "hook": hook.state_dict()}]
+    saved = [{"reducer": ar.state_dict(), "hook": hook.state_dict(), "own": own.state_dict()}]
     dist.broadcast_object_list(saved, src=0)
     out = []
     for kind, fresh in (("reducer", THCAllReduce.through_torch_distributed(params=P)),
-                        ("hook", HOOKS["thc"](_model()))):
+                        ("hook", HOOKS["thc"](_model())),
+                        ("own", THCAllReduce.through_torch_distributed(alone, params=P))):
         try:
             fresh.load_state_dict(saved[0][kind])
             out.append("loaded")
@@ -131,12 +137,16 @@ def _others_state_worker(rank, port, q):
 def test_a_state_is_loaded_only_by_the_rank_that_saved_it():
     """Another rank's residual, loaded, is added to this rank's gradients from then on: every
     rank sums the same wrong mean (rank 0's error counted twice, rank 1's lost), with no
-    error. Refused where it is loaded; rank 0's own state is taken."""
+    error. Refused where it is loaded, a group of one of another rank's too; rank 0's own
+    state is taken."""
     from tests.procs import gloo_pair
     res = gloo_pair(_others_state_worker)
-    assert res[0] == ["loaded", "loaded"], res
-    for message in res[1]:
-        assert "saved by rank 0 of 2" in message and "this is rank 1 of 2" in message, res
+    assert res[0] == ["loaded"] * 3, res
+    for message in res[1][:2]:
+        assert "saved by rank 0 of 2 in group (0, 1)" in message, res
+        assert "this is rank 1 of 2 in group (0, 1)" in message, res
+    assert "saved by rank 0 of 1 in group (0,), and this is rank 0 of 1 in group (1,)" \
+        in res[1][2], res
 
 
 def test_a_named_reducers_state_is_refused_by_another(alone):
@@ -146,8 +156,8 @@ def test_a_named_reducers_state_is_refused_by_another(alone):
     a = THCAllReduce.through_torch_distributed(params=P, generator=11, name="encoder")
     a(_inputs(1)[0])
     b = THCAllReduce.through_torch_distributed(params=P, generator=11, name="decoder")
-    with pytest.raises(ValueError, match="saved by rank 0 of 1 \\(reducer 'encoder'\\), and "
-                                         "this is rank 0 of 1 \\(reducer 'decoder'\\)"):
+    with pytest.raises(ValueError, match="group \\(0,\\) \\(reducer 'encoder'\\), and this is "
+                                         "rank 0 of 1 in group \\(0,\\) \\(reducer 'decoder'\\)"):
         b.load_state_dict(a.state_dict())
     again = THCAllReduce.through_torch_distributed(params=P, generator=11, name="encoder")
     again.load_state_dict(_saved(a.state_dict()))
@@ -156,13 +166,53 @@ def test_a_named_reducers_state_is_refused_by_another(alone):
             {"round": 1, "residual": None})
 
 
+class _Part(enum.Enum):
+    ENCODER = 1
+
+
+def test_an_owner_is_saved_as_torch_load_takes_it_and_checked_for_its_form(alone):
+    """A name that is no plain value (an enum member) made the state unloadable by torch.load's
+    defaults (weights only); an owner of another form raised a TypeError or an array's
+    truth-value error, not the refusal."""
+    ar = THCAllReduce.through_torch_distributed(params=P, generator=11, name=_Part.ENCODER)
+    ar(_inputs(1)[0])
+    again = THCAllReduce.through_torch_distributed(params=P, generator=11, name=_Part.ENCODER)
+    again.load_state_dict(_saved(ar.state_dict()))
+    good = ar.state_dict()
+    for owner in ("rank 0", {**good["owner"], "rank": torch.zeros(2)},
+                  {**good["owner"], "group": np.zeros(2)}, {**good["owner"], "extra": 1},
+                  {k: v for k, v in good["owner"].items() if k != "group"}):
+        fresh = THCAllReduce.through_torch_distributed(params=P, generator=11,
+                                                       name=_Part.ENCODER)
+        with pytest.raises(ValueError, match="names no owner"):
+            fresh.load_state_dict({**good, "owner": owner})
+
+
+def test_a_hooks_state_is_saved_after_its_group_is_gone():
+    """A checkpoint written after ``destroy_process_group`` (the end of a run)."""
+    import torch.distributed as dist
+
+    from thc.testing.clusters import free_tcp_port
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_tcp_port()}",
+                            rank=0, world_size=1)
+    model = _model()
+    ddp = DDP(model)
+    hook = HOOKS["thc"](model).register(ddp)
+    _steps(ddp, model, [torch.ones(2, 40)])
+    dist.destroy_process_group()
+    state = hook.state_dict()
+    assert state["owner"] == checkpoint.owner(0, 1, (0,)) and state["residuals"]
+
+
 def test_a_refused_marsit_state_leaves_the_reducer_as_it_was(alone):
-    """A state whose coins or merge coins are refused took its round and residual first: the
-    reducer, half loaded, then refused its own good state."""
+    """A state whose coins or merge coins are refused took its round and residual first (merge
+    coins of the wrong length, too, failing every round after): the reducer, half loaded,
+    then refused its own good state."""
     first = MarsitAllReduce(None, None)
     first(_inputs(1)[0])
     good = first.state_dict()
     for bad in ({**good, "merges": ("tpu", b"x")},
+                {**good, "merges": ("cpu", torch.zeros(3, dtype=torch.uint8))},
                 {**good, "coin": torch.zeros(3, dtype=torch.uint8)}):
         ar = MarsitAllReduce(None, None)
         with pytest.raises(ValueError):

@@ -144,7 +144,8 @@ class THCAllReduce:
     @property
     def state_owner(self) -> dict:
         """Whose state this reducer keeps (:func:`thc.collective.checkpoint.owner`)."""
-        return checkpoint.owner(self.transport.rank, self.transport.n_workers, self.name)
+        t = self.transport
+        return checkpoint.owner(t.rank, t.n_workers, t.members, self.name)
 
     def state_dict(self) -> dict:
         """What a restarted worker needs to go on as this reducer would (:mod:`thc.collective.

@@ -5,12 +5,13 @@ loses what they held (the error of the last rounds; for TopK, the coordinates no
 A reducer's state is its round count and its residual (a Marsit reducer's, its coins' state
 too): a reducer restored from it goes on bit for bit as the one saved (given the same rounding
 key). Every worker saves and loads its own: a residual is the rounding error of one rank's
-rounds of one reducer, so a state names its owner (rank, world size and the reducer's given
-name) and is refused by another (another rank's residual, added to this rank's gradient,
-would sum to another mean on every rank alike). Reducers named only by their build order
-are not told apart: name them to have one's state refused by another. The round count is
-part of each round's agreement, so workers that loaded unlike states (one restored, one
-not) refuse their first round instead of summing different rounds' rotations.
+rounds of one reducer, so a state names its owner (its rank in its group, the group's
+members and the reducer's given name) and is refused by another (another rank's residual,
+added to this rank's gradient, would sum to another mean on every rank alike). Reducers
+named only by their build order, or given one name twice, are not told apart: name them
+apart to have one's state refused by another. The round count is part of each round's
+agreement, so workers that loaded unlike states (one restored, one not) refuse their first
+round instead of summing different rounds' rotations.
 
 A DDP hook's state is a residual per parameter, by name: DDP buckets its first iteration
 apart from the later ones, and a hook built anew (another bucket size, other uncompressed
@@ -30,12 +31,14 @@ from thc.collective import agreement
 from thc.collective.agreement import ROUNDS
 
 
-def owner(rank: int, world: int, identity=None) -> dict:
-    """Whose state: a rank of a group of ``world``, and the name the reducer was given
-    (from its :func:`thc.collective.agreement.identify` identity; None for a DDP hook's
-    state or a reducer named by its build order)."""
-    return {"rank": int(rank), "world": int(world),
-            "reducer": agreement.given_name(identity)}
+def owner(rank: int, world: int, members, identity=None) -> dict:
+    """Whose state: rank ``rank`` of a group of ``world`` whose ``members`` are its global
+    ranks (or an aggregator job's id: :func:`thc.collective.transports.members`), and the
+    name the reducer was given, as its repr (from its :func:`thc.collective.agreement.
+    identify` identity; None for a DDP hook's state or a reducer named by its build order)."""
+    given = agreement.given_name(identity)
+    return {"rank": int(rank), "world": int(world), "group": tuple(members),
+            "reducer": None if given is None else repr(given)}
 
 
 def state(rnd: int, residual: torch.Tensor | None, own: dict) -> dict:
@@ -47,23 +50,36 @@ def state(rnd: int, residual: torch.Tensor | None, own: dict) -> dict:
 
 
 def check_owner(saved: dict, own: dict, what: str) -> None:
-    """Refuses a state that another rank, world size or reducer saved."""
-    theirs = saved.get("owner")
-    if theirs == own:
-        return
-    if not isinstance(theirs, dict):
-        raise ValueError(f"{what}: the state names no owner (the rank, world size and reducer "
-                         f"that saved it, as state_dict() gives): a residual is one rank's "
-                         f"own and is not loaded unchecked")
-    raise ValueError(f"{what}: the state was saved by {_who(theirs)}, and this is {_who(own)}: "
-                     f"a residual is the rounding error of the rank and reducer that kept "
-                     f"it, so each rank loads the state it saved (to start afresh, load none)")
+    """Refuses a state that another rank, group or reducer saved, or that names none."""
+    theirs = _as_owner(saved.get("owner"))
+    if theirs is None:
+        raise ValueError(f"{what}: the state names no owner (the rank, group and reducer that "
+                         f"saved it, as state_dict() gives), got {saved.get('owner')!r:.80}: "
+                         f"a residual is one rank's own and is not loaded unchecked")
+    if theirs != own:
+        raise ValueError(f"{what}: the state was saved by {_who(theirs)}, and this is "
+                         f"{_who(own)}: a residual is the rounding error of the rank and "
+                         f"reducer that kept it, so each rank loads the state it saved (to "
+                         f"start afresh, load none)")
+
+
+def _as_owner(o) -> dict | None:
+    """``o`` as an :func:`owner` (its group a tuple), or None where it is not one."""
+    if not isinstance(o, dict) or set(o) != {"rank", "world", "group", "reducer"}:
+        return None
+    group = o["group"]
+    if type(o["rank"]) is not int or type(o["world"]) is not int \
+            or not isinstance(group, (tuple, list)) \
+            or not all(type(m) in (int, str) for m in group) \
+            or not (o["reducer"] is None or isinstance(o["reducer"], str)):
+        return None
+    return {**o, "group": tuple(group)}
 
 
 def _who(own: dict) -> str:
-    reducer = own.get("reducer")
-    return (f"rank {own.get('rank')!r} of {own.get('world')!r}"
-            + ("" if reducer is None else f" (reducer {reducer!r})"))
+    reducer = own["reducer"]
+    return (f"rank {own['rank']} of {own['world']} in group {own['group']}"
+            + ("" if reducer is None else f" (reducer {reducer})"))
 
 
 def loaded(saved: dict, rnd: int, feedback: bool, what: str,

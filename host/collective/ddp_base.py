@@ -47,7 +47,8 @@ from thc.codec.common import scale_factor
 from thc.collective import agreement, checkpoint, unused
 from thc.collective.paramresiduals import ParamResiduals
 from thc.collective.stretches import StretchCount
-from thc.collective.transports import DistTransport, rank_in, ring_bytes, run_agreement_deferred
+from thc.collective.transports import (DistTransport, members, rank_in, ring_bytes,
+                                       run_agreement_deferred)
 from thc.collective.worker import device_of
 from thc.collective.torchgaps import group_timeout
 
@@ -221,6 +222,8 @@ class BaseHook:
         """The process group of the hook's collectives."""
         parent = dist.group.WORLD if group is None else group
         self._parent = parent
+        self._rank, self._members = rank_in(parent), members(parent)
+        """This rank in the hook's workers' group, and the group's global ranks."""
         self.index = (getattr(parent, "group_name", ""), agreement.ordinal(parent, "hook"))
         """This hook's workers' group (torch names groups in the order they are made, alike
         on every rank) and its place among the hooks built on it, in every name of its
@@ -326,7 +329,7 @@ class BaseHook:
 
     def _state_owner(self) -> dict:
         """Whose residuals the hook keeps: this rank's, in a group of its world size."""
-        return checkpoint.owner(rank_in(self._parent), self.world)
+        return checkpoint.owner(self._rank, self.world, self._members)
 
     def _residual_keys(self) -> list:
         """The (bucket, length) keys of the residuals the hook keeps."""

@@ -232,7 +232,8 @@ class GraphedAllReduce:
     @property
     def state_owner(self) -> dict:
         """As :attr:`THCAllReduce.state_owner`."""
-        return checkpoint.owner(self.transport.rank, self.transport.n_workers, self.name)
+        t = self.transport
+        return checkpoint.owner(t.rank, t.n_workers, t.members, self.name)
 
     def state_dict(self) -> dict:
         """As :meth:`THCAllReduce.state_dict`; the residual as the rounds keep it, padded

@@ -32,7 +32,7 @@ from thc.codec.common import (NonFiniteInput, as_float32, cast_estimate, check_f
                               scale_factor)
 from thc.codec.packing import pack_bits, unpack_bits
 from thc.collective import agreement, checkpoint
-from thc.collective.transports import DistTransport, rank_in, ring_bytes, round_lock
+from thc.collective.transports import DistTransport, members, rank_in, ring_bytes, round_lock
 from thc.collective.worker import device_of
 
 COMPENSATED_LIMIT = float(torch.finfo(torch.float32).max) / 2
@@ -90,6 +90,7 @@ class _SignAllReduce:
         self.group = group
         self.rank = rank_in(group)
         self.world = dist.get_world_size(group)
+        self._members = members(group)
         self._domain = self._group_now()
         self.name = agreement.identify(self._domain, name)
         self.compensation = compensation
@@ -118,7 +119,7 @@ class _SignAllReduce:
     @property
     def state_owner(self) -> dict:
         """As :attr:`thc.collective.allreduce.THCAllReduce.state_owner`."""
-        return checkpoint.owner(self.rank, self.world, self.name)
+        return checkpoint.owner(self.rank, self.world, self._members, self.name)
 
     def state_dict(self) -> dict:
         """What a restarted worker needs to go on as this reducer would (:mod:`thc.collective.
@@ -334,6 +335,12 @@ class MarsitAllReduce(_SignAllReduce):
                     or coins.dtype != torch.uint8:
                 raise ValueError(f"{type(self).__name__}: 'merges' holds (device type, a "
                                  f"generator's uint8 state), not {merges!r:.80}")
+            if kind == "cpu":   # a CUDA generator's is checked when the coins are made
+                try:
+                    torch.Generator().set_state(coins)
+                except (TypeError, RuntimeError) as e:
+                    raise ValueError(f"{type(self).__name__}: 'merges' is not a CPU "
+                                     f"generator's state ({e})") from None
 
     def _take_extra(self, state: dict) -> None:
         merges = state.get("merges")

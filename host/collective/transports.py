@@ -134,6 +134,8 @@ class AggregatorTransport:
         """What this transport's rounds pair on: the client's (agreement.identify)."""
         self.n_workers = client.job.n_workers
         self.rank = client.worker_id
+        self.members = ("job", client.job.job_id)
+        """Whose workers this transport's are: the aggregator job's."""
         self.bytes_sent = 0
         """UDP payload bytes this worker sent in the MAX and DATA rounds (the client's count)."""
         self.datapath: str | None = None
@@ -238,6 +240,14 @@ def rank_in(group) -> int:
     return rank
 
 
+def members(group) -> tuple[int, ...]:
+    """The global ranks of ``group`` (None: the default group), in its rank order: with the
+    rank in it, which process this is, whichever groups of its size there are."""
+    import torch.distributed as dist
+    return tuple(dist.get_process_group_ranks(group if group is not None
+                                              else dist.group.WORLD))
+
+
 class DistTransport:
     """Sums through ``torch.distributed.all_reduce`` of table values (narrowest exact dtype)."""
 
@@ -250,6 +260,8 @@ class DistTransport:
         self.group = group
         self.rank = rank_in(group)
         self.n_workers = dist.get_world_size(group)
+        self.members = members(group)
+        """The group's global ranks (:func:`members`)."""
         self.bytes_sent = 0
         """Bytes this worker sends in its all-reduces, counted as a ring all-reduce sends them
         (2 (p-1)/p of the tensor), as the FP32 and FP16 hooks count theirs."""
