@@ -11,7 +11,7 @@ import torch
 from tests.test_codec_kernels import DEV, SKIP, kernels
 from thc.codec import rng, thc
 from thc.codec.common import NORM_MARK, OVERFLOW_MARK, norm_floor, norm_limit
-from thc.codec.thc import THCCodec, THCParams
+from thc.codec.thc import THCCodec, THCParams, table_values
 from thc.collective import agreement
 from thc.collective.allreduce import THCAllReduce
 
@@ -574,3 +574,79 @@ def test_lax_arguments_are_refused_not_cast(backend):
     assert pack_bits(np.array([1, 2]), np.int64(4)).tolist() == [0x12]
     assert pack_bits([], 4).tolist() == []   # np.asarray([]) is float64, and holds nothing
     assert torch.equal(c.encode(x, np.array(m.tolist(), dtype=object), 0, 1), idx)
+
+
+@pytest.mark.parametrize("x", [np.ones(4, bool), torch.ones(4, dtype=torch.bool)],
+                         ids=["numpy", "torch"])
+def test_a_bool_input_is_refused_not_read_as_ones(x):
+    """THC averages real values: a bool array would be cast to 0.0/1.0, as a bool tensor is
+    refused for."""
+    with pytest.raises(TypeError, match="must be a real"):
+        thc.slice_norms(x, THCParams(slice_size=4))
+
+
+def test_an_int_rounding_key_of_2_64_is_refused():
+    """The key is 64 bits: 2^64 would run as key 0 (its low 64 bits) on the counter-based
+    backends, drawing as generator=0 does."""
+    p = THCParams(slice_size=4)
+    x = np.ones(4, np.float32)
+    m = thc.slice_norms(x, p)
+    with pytest.raises(ValueError, match="an int generator keys the rounding draws"):
+        thc.encode(x, m, p, 0, 2 ** 64)
+    assert thc.encode(x, m, p, 0, 2 ** 64 - 1).shape == (4,)
+
+
+@pytest.mark.parametrize("slice_size", [1, 4, 16, 1 << 20])
+def test_the_norm_limit_leaves_room_for_the_estimate_and_residual_on_any_slice_size(slice_size):
+    """Below norm_limit, t_p M (an estimate) plus M (the residual) and sqrt(d) M (the
+    unnormalized transform) stay below float32's largest value with a margin for float32
+    rounding; on short slices (sqrt(d) < 1 + t_p) the estimate is the larger bound."""
+    p = THCParams(slice_size=slice_size)
+    limit = norm_limit(p)
+    for grow in (1 + p.t_p, np.sqrt(slice_size)):
+        assert limit * grow * 1.005 < NORM_MARK
+
+
+def test_a_scale_factor_of_0_is_refused():
+    """A factor of 0 would zero every residual kept in the old scale's units: refused as a
+    negative one is."""
+    from thc.codec.common import scale_factor
+    for bad in (0, 0.0, -1.0, float("inf")):
+        with pytest.raises(ValueError, match="finite number > 0"):
+            scale_factor(bad)
+    assert scale_factor(torch.tensor(0.5)) == 0.5
+
+
+def test_an_index_less_device_is_the_same_place_as_any_of_its_kind():
+    """"cuda" is any CUDA device, on either side of the comparison."""
+    from thc.codec.common import same_place
+    cuda, cuda1 = torch.device("cuda"), torch.device("cuda:1")
+    assert same_place(cuda, cuda1) and same_place(cuda1, cuda)
+    assert not same_place(torch.device("cuda:0"), cuda1)
+    assert not same_place(torch.device("cpu"), cuda)
+
+
+def test_a_float64_nan_is_not_called_a_value_beyond_float32():
+    """Only finite float64 values that float32 makes Inf are refused here: NaN or Inf in
+    the input pass on to the finite checks, which raise NonFiniteInput (a reducer may hand
+    that on under nonfinite="propagate")."""
+    from thc.codec.common import as_float32
+    for x in (np.array([1.0, np.nan]), torch.tensor([1.0, float("inf")], dtype=torch.float64)):
+        out = as_float32(x)
+        assert out.dtype in (np.float32, torch.float32) and not np.isfinite(float(out[1]))
+    with pytest.raises(ValueError, match="beyond float32's range"):
+        as_float32(np.array([1e300]))
+
+
+def test_a_granularity_of_256_keeps_its_top_table_value_on_torch():
+    """Table values up to 255 fit uint8; g = 256's top value would wrap to 0 there."""
+    p = THCParams(bits=8, granularity=256, table_kind="uniform")
+    assert table_values(torch.tensor([0, 255]), p).tolist() == [0, 256]
+
+
+def test_a_float8_estimate_is_held_to_its_finite_range():
+    """The mean of finite values is finite: float8_e5m2 casts 1e6 to Inf, so the estimate
+    is held to its largest finite value (57344) first."""
+    from thc.codec.common import cast_estimate
+    got = cast_estimate(torch.tensor([1e6, -1e6, 3.0]), torch.float8_e5m2).float()
+    assert got.tolist() == [57344.0, -57344.0, 3.0]

@@ -754,3 +754,29 @@ def test_a_buckets_round_on_the_kernels_launches_the_kernels_alone(monkeypatch):
                      "decode": ["_decode_rows", "_decode_cols"]}
     codec.check()
     torch.testing.assert_close(prep.norms.cpu(), thc.slice_norms(x.cpu(), p), rtol=1e-6, atol=0)
+
+
+def test_slice_numbers_from_2_32_are_refused_for_many_slices_too():
+    """slice_keys casts the slices to uint32: slice 2^32 would wrap to slice 0 and reuse its
+    rotation and draws. One slice is refused by key_from_prefix; a list must be too."""
+    with pytest.raises(ValueError, match="slices"):
+        rng.slice_keys(0, 0, [2 ** 32], rng.SIGN_STREAM)
+    with pytest.raises(ValueError, match="slices"):
+        rng.signs(8, 0, 0, [0, 2 ** 32])
+    assert rng.slice_keys(0, 0, [2 ** 32 - 1], 0).tolist() == [
+        list(rng.slice_key(0, 0, 2 ** 32 - 1, 0))]
+
+
+def test_rounding_draws_are_keyed_by_stream_word_1():
+    """The documented stream words: 0 for the signs, 1 for the draws (a backend that derives
+    its keys from the definition, not from rng's constants, must meet the same draws; one
+    stream for both would make the draws a function of the signs' bits)."""
+    seed, rnd, sl = 7, 3, 2
+    h = g = 0
+    for w in (1, seed % 2 ** 32, seed >> 32, rnd % 2 ** 32, rnd >> 32, sl):
+        h = _mix32(((h ^ w) + 0x9E3779B9) % 2 ** 32)
+        g = _mix32(g ^ h)
+        h = _mix32(((h ^ g) + 0x85EBCA6B) % 2 ** 32)
+    assert rng.uniforms(4, seed, rnd, sl).tolist() == [
+        (_mix32(_mix32(i ^ h) ^ g) >> 8) * 2.0 ** -24 for i in range(4)]
+    assert rng.slice_key(seed, rnd, sl, 1) == (h, g) != rng.slice_key(seed, rnd, sl, 0)

@@ -168,3 +168,48 @@ def test_a_table_that_does_not_end_at_the_granularity_is_refused():
         quantize(np.full(8, 0.5, np.float32), TABLE, 2.1539, 60, generator=5)
     with pytest.raises(ValueError, match="ending at 30"):
         dequantize(np.zeros(4, np.uint8), TABLE, 2.1539, 60)
+
+
+def test_zero_bits_are_refused_as_a_width():
+    """A width of 0 passed the 1..8 check's lower end only by luck of the caller: it ran into
+    8 % 0 (a ZeroDivisionError) instead of the width's ValueError."""
+    with pytest.raises(ValueError, match="bits must be an integer in 1..8"):
+        pack_bits(np.zeros(2, np.uint8), 0)
+    with pytest.raises(ValueError, match="bits must be an integer in 1..8"):
+        unpack_bits(np.zeros(0, np.uint8), 0, 0)
+
+
+def test_a_packed_value_of_256_is_not_a_byte():
+    """256 is the first value a cast to uint8 wraps (to 0): the range check's top is 255."""
+    for packed in (np.array([256, 0], np.int16), torch.tensor([256, 0], dtype=torch.int16)):
+        with pytest.raises(ValueError, match="are not bytes"):
+            unpack_bits(packed, 4, 4)
+    assert unpack_bits(np.array([255, 0], np.int16), 4, 4).tolist() == [15, 15, 0, 0]
+
+
+def test_a_bool_tensor_is_not_packed_bytes():
+    """A bool tensor would be cast to bytes 0/1 and unpacked as such; numpy's bool is refused
+    by its kind, torch's by its dtype."""
+    for packed in (torch.ones(2, dtype=torch.bool), np.ones(2, bool)):
+        with pytest.raises(TypeError, match="packed indices are bytes"):
+            unpack_bits(packed, 4, 4)
+
+
+@pytest.mark.parametrize("table", [[0], [0, 15, 15, 30], [1, 15, 30], list(range(257))],
+                         ids=["one-entry", "repeated", "not-from-0", "257-entries"])
+def test_a_table_that_is_not_2_to_256_increasing_integers_from_0_is_refused(table):
+    """Each breaks the rounding: a repeated value is a zero-width segment (0/0), a table not
+    from 0 leaves u below T[0] without a lower neighbour, and a 257th entry's index 256 does
+    not fit the uint8 indices (it wraps to 0)."""
+    u = np.linspace(0, table[-1], 9).astype(np.float32)
+    with pytest.raises(ValueError, match="2..256 strictly increasing integers from 0"):
+        stochastic_round(u, table, np.zeros(u.shape, np.float32))
+
+
+def test_table_points_round_deterministically_in_torch():
+    """As in numpy: u on a table value gives its index even when the draw is 0 (the step is
+    taken when r < (u - T[j]) / width, strictly)."""
+    u = torch.from_numpy(TABLE.astype(np.float32))
+    for r in (0.0, 0.5, 0.999999):
+        rand = torch.full(u.shape, r, dtype=torch.float32)
+        assert stochastic_round(u.clone(), TABLE, rand).tolist() == list(range(16))

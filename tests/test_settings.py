@@ -54,3 +54,28 @@ def test_the_described_data_folder_says_when_it_is_absent(tmp_path):
     assert there.describe().endswith(f"Fashion-MNIST {tmp_path}")
     gone = settings.from_args(argparse.Namespace(), {"THC_FASHION_MNIST": str(tmp_path / "x")})
     assert gone.describe().endswith(f"Fashion-MNIST {tmp_path / 'x'} (absent)")
+
+
+def test_environment_values_take_any_case_and_gso_takes_auto_0_or_1():
+    """THC_CODEC_CPU=Reference is reference, as its flag is; THC_CLIENT_GSO=AUTO is unset;
+    anything but auto, 0 or 1 is refused rather than read as off."""
+    got = settings.Settings.from_env({"THC_CODEC_CPU": "Reference", "THC_CLIENT_GSO": "AUTO"})
+    assert got.codec_cpu == "reference" and got.client_gso is None
+    assert settings.Settings.from_env({"THC_CLIENT_GSO": "1"}).client_gso is True
+    assert settings.Settings.from_env({"THC_CLIENT_GSO": "0"}).client_gso is False
+    with pytest.raises(ValueError, match="THC_CLIENT_GSO"):
+        settings.Settings.from_env({"THC_CLIENT_GSO": "yes"})
+
+
+def test_with_flags_leaves_a_setting_whose_flag_is_not_given():
+    """None is "not given": it keeps the value rather than replacing it."""
+    base = settings.Settings(codec_cpu="reference")
+    assert base.with_flags(codec_cpu=None, client_datapath="python") == \
+        settings.Settings(codec_cpu="reference", client_datapath="python")
+
+
+def test_described_gso_says_on_off_or_auto():
+    """The run's settings line is how a log says which datapath a client took."""
+    assert "client GSO on," in settings.Settings(client_gso=True).describe()
+    assert "client GSO off," in settings.Settings(client_gso=False).describe()
+    assert "client GSO auto," in settings.Settings().describe()

@@ -131,3 +131,52 @@ def test_cli_prints_table(capsys):
     assert "t_p = 2.1539" in out and "uniform table" in out
     assert table_cmd.run(parser.parse_args(["--bits", "8", "--granularity", "30"])) == 2
     assert "granularity" in capsys.readouterr().err
+
+
+def test_uniform_table_rounds_halves_up_not_down():
+    """round(i g / (2^b - 1)): for b = 2, g = 11 the lower half is 0, round(3.67) = 4 (a floor
+    gave 3, not the evenly spaced table the docstring promises)."""
+    assert T.uniform_table(2, 11).tolist() == [0, 4, 7, 11]
+    assert T.uniform_table(3, 10).tolist() == [0, 1, 3, 4, 6, 7, 9, 10]
+
+
+def test_more_than_8_bits_are_refused_as_bits_whatever_the_granularity():
+    """bits=9 with the default g was refused by the granularity check (whose message names
+    2^bits); with a granularity that fits 2^9 values it must still be refused as bits."""
+    with pytest.raises(ValueError, match="bits must be an integer in 1..8"):
+        THCParams(bits=9, granularity=1000, table_kind="uniform")
+
+
+def test_largest_granularity_and_slice_size_are_taken():
+    """The limits are inclusive: an optimal table up to g = 4096, slices up to 2^32."""
+    assert THCParams(granularity=4096).granularity == 4096
+    assert THCParams(slice_size=1 << 32).slice_size == 1 << 32
+    with pytest.raises(ValueError, match="at most 4096"):
+        THCParams(granularity=4097)
+    with pytest.raises(ValueError, match="slice_size"):
+        THCParams(slice_size=1 << 33)
+
+
+def test_from_args_without_a_seed_flag_takes_seed_0():
+    """Commands that add the flags with seed=False share the default rotation seed 0."""
+    parser = argparse.ArgumentParser()
+    THCParams.add_arguments(parser, seed=False)
+    assert THCParams.from_args(parser.parse_args([])) == THCParams()
+
+
+def test_describe_writes_a_fraction_only_when_it_is_p():
+    """1/3 + 1e-7 is not 1/3: the text must not claim it is."""
+    assert "p=1/32 " in THCParams().describe()
+    text = THCParams(p=1 / 3 + 1e-7).describe()
+    assert "p=0.333333 " in text and "1/3" not in text
+
+
+def test_numpy_integer_fields_are_stored_as_python_ints():
+    """Parameters are compared, hashed and written out (JSON) across workers: a numpy int64
+    granularity kept as such cannot be written as JSON."""
+    import dataclasses
+    import json
+    p = THCParams(bits=np.int64(4), granularity=np.int64(30), seed=np.uint64(3),
+                  slice_size=np.int64(256))
+    assert all(type(getattr(p, f)) is int for f in ("bits", "granularity", "seed", "slice_size"))
+    assert json.loads(json.dumps(dataclasses.asdict(p)))["granularity"] == 30

@@ -57,7 +57,7 @@ class Settings:
             text = env.get(ENV[name])
             if text:
                 values[name] = text.lower()
-        gso = env.get(ENV["client_gso"])
+        gso = (env.get(ENV["client_gso"]) or "").lower()
         if gso and gso != "auto":   # auto: as unset, the value describe() prints for it
             if gso not in ("0", "1"):
                 raise ValueError(f"{ENV['client_gso']}={gso!r}: use auto, 0 or 1")
