@@ -328,7 +328,7 @@ class BaseHook:
         self._per_param.load(residuals)
 
     def _state_owner(self) -> dict:
-        """Whose residuals the hook keeps: this rank's, in a group of its world size."""
+        """Whose residuals the hook keeps: this rank's, in its workers' group."""
         return checkpoint.owner(self._rank, self.world, self._members)
 
     def _residual_keys(self) -> list:

@@ -66,6 +66,14 @@ def ring_merge(signs: list[torch.Tensor], generator: torch.Generator | None = No
     return acc
 
 
+def _check_cpu_coins(coins, what: str) -> None:
+    """Refuses what a CPU generator would not take as its state, before a load takes any."""
+    try:
+        torch.Generator().set_state(coins)
+    except (TypeError, RuntimeError) as e:
+        raise ValueError(f"{what} is not a CPU generator's state ({e})") from None
+
+
 class _SignAllReduce:
     """Compensation, scales and the estimate shared by the ring and the vote; subclasses say
     how the workers' sign bits become the mean-sign estimate.
@@ -136,11 +144,7 @@ class _SignAllReduce:
         checkpoint.within(residual, RESIDUAL_LIMIT, type(self).__name__)
         coin = state.get("coin")
         if coin is not None:
-            try:
-                torch.Generator().set_state(coin)
-            except (TypeError, RuntimeError) as e:
-                raise ValueError(f"{type(self).__name__}: the state's 'coin' is not a CPU "
-                                 f"generator's state ({e})") from None
+            _check_cpu_coins(coin, f"{type(self).__name__}: the state's 'coin'")
         self._check_extra(state)
         self.round, self.residual = rnd, residual
         if coin is not None:
@@ -336,11 +340,7 @@ class MarsitAllReduce(_SignAllReduce):
                 raise ValueError(f"{type(self).__name__}: 'merges' holds (device type, a "
                                  f"generator's uint8 state), not {merges!r:.80}")
             if kind == "cpu":   # a CUDA generator's is checked when the coins are made
-                try:
-                    torch.Generator().set_state(coins)
-                except (TypeError, RuntimeError) as e:
-                    raise ValueError(f"{type(self).__name__}: 'merges' is not a CPU "
-                                     f"generator's state ({e})") from None
+                _check_cpu_coins(coins, f"{type(self).__name__}: 'merges'")
 
     def _take_extra(self, state: dict) -> None:
         merges = state.get("merges")
