@@ -330,3 +330,73 @@ def test_every_mode_of_a_sweep_trains_its_steps_under_its_limit(modes):
     assert job.timeout == 100
     if "thc-bmv2" in modes:
         assert (job.bmv2_steps, job.bmv2_timeout) == (None, 100)   # None: every step
+
+
+def test_the_links_are_fitted_in_relative_error():
+    """Noisy FP32 steps (a few percent off the hand line of _sweep): the fit is the least
+    squares of the residuals relative to each step, 6 alpha + 9.6 F x / bw - t over t (x =
+    1/efficiency; 6 messages, 2 x 4 x 200k x 3/4 x 8 bits at full efficiency), solved here
+    as a linear system scaled by 1/t. Unweighted, the slowest link settles alpha (alpha 1.24
+    ms against 2.39 in docs/results.md's sweep)."""
+    import numpy as np
+    sweep = _sweep(0.085)
+    bws = [p["bw_mbit"] for p in sweep["points"]]
+    steps = [(0.030 + 12 * F / bw) * k for bw, k in zip(bws, (1.04, 0.97, 1.03, 0.96, 1.02))]
+    for p, t in zip(sweep["points"], steps):
+        p["runs"][0] = _run("fp32", t)
+    a = np.array([[6 / t, 9.6 * F / bw / t] for bw, t in zip(bws, steps)])
+    (alpha, x), *_ = np.linalg.lstsq(a, np.ones(len(steps)), rcond=None)
+    assert alpha > 0 and x > 1   # inside the bounds: the free fit is the answer
+    got = fit_links(sweep, 86e3)
+    assert got == (pytest.approx(alpha, rel=1e-9), pytest.approx(1 / x, rel=1e-9))
+    unweighted, *_ = np.linalg.lstsq(a * np.array(steps)[:, None], np.array(steps),
+                                     rcond=None)
+    assert abs(unweighted[0] / alpha - 1) > 0.01   # the data tell the two fits apart
+
+
+def test_compute_and_codec_are_averaged_over_the_points():
+    """Each point's hooked run measures its compute and codec seconds; the model takes their
+    mean over the sweep (10 and 20 ms here), not the first point's."""
+    sweep = _sweep(0.085)
+    for p, k in zip(sweep["points"], (0.5, 1.5, 1.0, 1.2, 0.8)):
+        p["runs"][1] = _run("thc", 0.085, 0.010 * k, 0.020 * k)
+    model = analyse(sweep, "thc", ("fp32",))["model"]
+    assert model["compute_s"] == pytest.approx(0.010)
+    assert model["codec_s"] == pytest.approx(0.020)
+
+
+def test_fp16_is_charged_its_cast_of_four_bytes_a_coordinate():
+    """The cast timed beside the sweep (4 ms for 200k float32s, down to half and back) is
+    added to FP16's ring of 2 bytes a coordinate: half FP32's bytes and the same 6 messages,
+    0.030 + 6 F / bw seconds, plus the 4 ms."""
+    sweep = _sweep(0.085)
+    sweep["fp16_cast_s"] = 0.004
+    for p in sweep["points"]:
+        p["runs"].append(_run("fp16", 0.030 + 6 * F / p["bw_mbit"] + 0.004))
+    sweep["modes"].append("fp16")
+    for row in analyse(sweep, "thc", ("fp32", "fp16"))["points"]:
+        assert row["predicted_s"]["fp16"] == pytest.approx(0.030 + 6 * F / row["bw_mbit"]
+                                                           + 0.004, rel=1e-9)
+
+
+def test_the_fit_on_the_efficiency_bound_and_the_swept_range():
+    """Step times that fall as the link slows put the free line above efficiency 1: on that
+    bound alpha is the least squares of what the messages leave, relative residuals,
+    6 alpha / t against 1 - 9.6 F / (bw t), solved here on its own. The analysis says which
+    bandwidths it swept, lowest first, and draws the model's curve across all of them, 41
+    points evenly spaced in log bandwidth."""
+    import numpy as np
+    falling = _sweep(0.085)
+    steps = (0.30, 0.29, 0.28, 0.27, 0.26)
+    for p, t in zip(falling["points"], steps):
+        p["runs"][0] = _run("fp32", t)
+    bws = [p["bw_mbit"] for p in falling["points"]]
+    a = np.array([[6 / t] for t in steps])
+    b = np.array([1 - 9.6 * F / (bw * t) for bw, t in zip(bws, steps)])
+    (alpha,), *_ = np.linalg.lstsq(a, b, rcond=None)
+    assert fit_links(falling, 86e3) == (pytest.approx(alpha, rel=1e-9), 1.0)
+    a = analyse(_sweep(0.085), "thc", ("fp32",))
+    assert a["break_even"]["fp32"]["swept"] == [50, 1000]
+    grid = a["curve"]["bw_mbit"]
+    assert len(grid) == 41 and grid[0] == pytest.approx(50) and grid[-1] == pytest.approx(1000)
+    assert np.diff(np.log(grid)) == pytest.approx(np.full(40, np.log(20) / 40))

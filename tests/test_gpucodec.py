@@ -86,3 +86,53 @@ def test_a_row_without_positive_numbers_is_refused_by_name(tmp_path, capsys, row
         {"name": "THC encode+decode (triton)", **row}]}))
     assert main(["model", "--gpu-codec", str(tmp_path / "codec.json")]) == 2
     assert "a row needs a name, elements > 0 and median_s > 0" in capsys.readouterr().err
+
+
+def test_the_fast_path_is_taken_even_where_only_the_reference_is_near_a_bucket():
+    """The row of the fast path wins over the reference's, even at a size farther from DDP's
+    bucket: the reference ran at 2^23 elements (near 6.6M), the fast path at 2^20 only."""
+    from thc.app.gpucodec import codec_speeds
+    rows = [{"name": "THC encode+decode (cuda, reference)", "elements": 1 << 23,
+             "median_s": 1.0},
+            {"name": "THC encode+decode (cuda, triton)", "elements": 1 << 20, "median_s": 0.5}]
+    speeds = codec_speeds({"device": "cuda", "results": rows})
+    assert speeds["row"] == "THC encode+decode (cuda, triton)"
+    assert speeds["codec_mbps"] == pytest.approx(4 * (1 << 20) / 0.5 / 1e6)
+
+
+def test_thc_over_nccl_agrees_once_and_the_overlap_is_read(tmp_path, capsys):
+    """Over NCCL THC agrees on a bucket's tags at its first size only: a step is two ring
+    all-reduces a bucket (norms, 8-bit sums at 4 workers), not three. Latency-bound, 4
+    workers, alpha 1 ms, no compute, 25M parameters in 5 buckets, codec 1 ms: THC over
+    all-reduce takes 2 x 2 x 3 alpha x 5 + 2 d F x 3/4 / B + codec, FP32 2 x 3 alpha x 5 +
+    2 x 4d F x 3/4 / B, equal at B = 4.5 d F / (30 alpha + codec). And --overlap stretches the
+    compute: with 100 ms of it at overlap 2 and no per-message cost, THC through a switch
+    beats FP32 below B = 6 d F / (0.2 s + codec)."""
+    from thc.app.gpucodec import break_evens
+    from thc.app.perfmodel import Setup
+    d, framing, codec = 25e6, 1514 / 1448, 1e-3
+    speeds = {"codec_mbps": 4 * d / codec / 1e6, "fp16_mbps": None}
+    row = break_evens(speeds, Setup(workers=4, latency_us=1000.0, compute_s=0.0))[0]
+    assert row["params"] == d and row["buckets"] == 5
+    assert row["thc_allreduce/fp32_ring"] == pytest.approx(
+        8 * 4.5 * d * framing / (30e-3 + codec) / 1e9, rel=1e-6)
+    _report(tmp_path / "codec.json")
+    assert main(["model", "--gpu-codec", str(tmp_path / "codec.json"), "--workers", "4",
+                 "--latency-us", "0", "--compute-ms", "100", "--overlap", "2"]) == 0
+    printed = _printed(capsys.readouterr().out)
+    assert printed[d][0] == pytest.approx(
+        8 * 6 * d * framing / (0.2 + 4 * d / 93e9) / 1e9, rel=1e-3)
+
+
+def test_a_scheme_that_pays_at_every_bandwidth_is_said_to_pay_always():
+    """No per-message cost, no compute and a codec of no cost: through a switch a worker's
+    link carries its RESULTs, about 1.3 bytes a coordinate with headers, against FP32's ring
+    of 2 x 4 x 3/4 x F, so THC pays at every bandwidth the search spans (to 10 Tbit/s):
+    inf, printed "always", not the top of the search taken for a break-even."""
+    import math
+
+    from thc.app.gpucodec import _gbps, break_evens
+    from thc.app.perfmodel import Setup
+    row = break_evens({"codec_mbps": 1e15, "fp16_mbps": None},
+                      Setup(workers=4, latency_us=0.0, compute_s=0.0))[0]
+    assert row["thc_switch/fp32_ring"] == math.inf and _gbps(math.inf) == "always"

@@ -180,3 +180,39 @@ def test_numpy_integer_fields_are_stored_as_python_ints():
                   slice_size=np.int64(256))
     assert all(type(getattr(p, f)) is int for f in ("bits", "granularity", "seed", "slice_size"))
     assert json.loads(json.dumps(dataclasses.asdict(p)))["granularity"] == 30
+
+
+def test_the_cli_reports_each_tables_own_figures(capsys):
+    """`thc table --json -`: the uniform table's figures are its own (they were the optimal
+    table's), and the one-worker NMSE is the rounding variance of the coordinates kept plus
+    the clamping's error, each integrated here over a standard normal: stochastic rounding
+    between table points a < b costs (x - a)(b - x) at x, in grid units of 2 t_p / g; a
+    clamped coordinate costs (|z| - t_p)^2. And P(|Z| > t_p) printed is p."""
+    import json
+    import math
+
+    parser = argparse.ArgumentParser()
+    table_cmd.add_arguments(parser)
+    assert table_cmd.run(parser.parse_args(["--bits", "4", "--granularity", "30",
+                                            "--p", "1/32"])) == 0
+    assert "(P(|Z| > t_p) = 0.03125)" in capsys.readouterr().out
+    assert table_cmd.run(parser.parse_args(["--bits", "4", "--granularity", "30", "--p", "1/32",
+                                            "--json", "-"])) == 0
+    result = json.loads(capsys.readouterr().out)
+    t, p, g = result["t_p"], 1 / 32, 30
+    assert math.erfc(t / math.sqrt(2)) == pytest.approx(p, rel=1e-4)
+    z = np.linspace(-t, t, 400_001)
+    pdf = np.exp(-z * z / 2) / math.sqrt(2 * math.pi)
+    x = (z + t) / (2 * t) * g
+    tail = np.linspace(t, t + 12, 400_001)
+    clamped = 2 * np.trapezoid((tail - t) ** 2 * np.exp(-tail * tail / 2), tail) \
+        / math.sqrt(2 * math.pi)
+    assert result["uniform"]["table"] == list(range(0, 31, 2))   # round(2i)
+    for name in ("uniform", "optimal"):
+        pts = np.array(result[name]["table"], dtype=float)
+        hi = np.clip(np.searchsorted(pts, x, side="right"), 1, len(pts) - 1)
+        cost = (x - pts[hi - 1]) * (pts[hi] - x) * (2 * t / g) ** 2
+        variance = np.trapezoid(cost * pdf, z) / (1 - p)
+        assert result[name]["expected_variance"] == pytest.approx(variance, rel=1e-3), name
+        assert result[name]["expected_nmse_one_worker"] == pytest.approx(
+            (1 - p) * variance + clamped, rel=1e-3), name
