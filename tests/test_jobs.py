@@ -142,3 +142,57 @@ def test_the_aggregator_address_is_an_ipv4_literal():
         Cluster.from_dict({"agg_ip": "localhost", "jobs": [job(2).to_dict()]})
     assert Cluster.from_dict({"agg_ip": "10.0.0.9", "jobs": [job(2).to_dict()]}).agg_ip \
         == "10.0.0.9"
+
+
+def test_sums_that_just_fit_16_bits_are_taken():
+    """n x granularity = 65535 is the largest sum 16 bits hold: such a job is valid, and
+    only one a unit above it overflows (the bound is inclusive, as the width's choice)."""
+    for n, g in [(1, 65535), (3, 21845), (5, 13107)]:
+        assert job(n, g).validate().sum_bits == 16 == P.sum_bits_for(n, g)
+        assert Job.from_dict(job(n, g).to_dict()).sum_bits == 16
+    with pytest.raises(ConfigError, match="overflows even 16-bit sums"):
+        job(1, 65536).validate()
+
+
+def test_a_negative_table_value_is_refused():
+    """Sums are unsigned: a table value below 0 has no place in them (the switch would add
+    its two's complement), so it is refused with the job's name, as one above the
+    granularity is."""
+    for bad in (-1, 31):
+        with pytest.raises(ConfigError, match=r"table values must lie in 0\.\.30"):
+            Job(job_id=1, workers=job(2).workers, table=(bad,) + TABLE[1:],
+                granularity=30).validate()
+
+
+def test_the_configuration_tag_covers_everything_the_sums_depend_on():
+    """A client refuses the replies of an aggregator whose install's tag is not its own: a
+    job that differs in any one thing its sums depend on (its lanes, pool, workers, table,
+    granularity, width or aggregation) must get another tag, or an aggregator installed
+    with it would answer with sums that look possible and are wrong."""
+    from dataclasses import replace
+    base = job(2).validate()
+    others = [replace(base, lanes=2 * base.lanes), replace(base, pool_size=2 * base.pool_size),
+              job(3), replace(base, table=(1,) + TABLE[1:]), job(2, granularity=31),
+              replace(base, sum_bits=16), Job.vote(1, base.workers)]
+    tags = {o.validate().config_tag for o in others}
+    assert base.config_tag not in tags and len(tags) == len(others)
+    assert replace(base, mcast_grp=7, loss_bound=0.5).config_tag == base.config_tag
+
+
+def test_slot_pools_on_a_switch_may_touch_but_not_share_a_slot():
+    """The controller installs a cluster only where no two jobs' pools share a slot (each
+    slot holds one job's partial sums) and every pool fits the switch's slots."""
+    from dataclasses import replace
+
+    from thc.wire.jobs import Cluster
+    first = replace(job(2), pool_base=0, pool_size=4)
+
+    def cluster(base, size=4, slots=16):
+        second = replace(job(2), job_id=2, pool_base=base, pool_size=size)
+        return Cluster(agg_ip="10.0.0.9", jobs=(first, second)).validate(total_slots=slots)
+    assert cluster(4).jobs[1].pool_base == 4
+    with pytest.raises(ConfigError, match="slot pools of jobs 1 and 2 overlap"):
+        cluster(3, size=1)
+    with pytest.raises(ConfigError, match="job 2's pool ends at slot 20, the switch has 16"):
+        cluster(16)
+    assert cluster(12).jobs[1].pool_base == 12

@@ -118,3 +118,47 @@ def test_thc_takes_its_port_from_the_protocol_scapy_binds_it_to(first):
     """Scapy binds UDP 48879 (THC's) and 4789 to VXLAN; with ``scapy.all`` imported first
     a capture read as VXLAN (``[THC]``: "Layer [THC] not found"), whatever port was named."""
     assert _dissects_after(first) == ["7", "8"]
+
+
+def test_a_short_or_unknown_datagram_is_a_protocol_error():
+    """The tests' own reader of replies (``P.decode``) must not take a datagram of a packet
+    type the protocol does not define as a header: a reply of an unknown type is wrong, not
+    a packet to compare field by field."""
+    hdr = P.Header(P.PktType.RESULT, 0, 1, 0, 0, 1, 0, 0, 1, 1, 1)
+    got, payload = P.decode(P.encode(hdr, b"\x07"))
+    assert got == hdr and bytes(payload) == b"\x07"
+    with pytest.raises(P.ProtocolError, match="shorter than"):
+        P.decode(hdr.pack()[:-1])
+    unknown = max(P.PKT_TYPE_CODES) + 1
+    with pytest.raises(P.ProtocolError, match=f"unknown packet type {unknown}"):
+        P.decode(P.Header(unknown, 0, 1, 0, 0, 0, 0, 0, 0, 1, 1).pack())
+
+
+def test_max_values_order_like_their_floats_negative_zero_as_zero():
+    """A switch takes the max of raw bits: -0.0's pattern (its sign bit) is above every
+    positive float's, so sent as it is it would beat every worker's norm (and read back as a
+    lane the client refuses); a negative value would too, and is refused."""
+    u = P.floats_to_ordered_u32(np.array([-0.0, 0.0, 1.0], np.float32))
+    assert u.tolist() == [0, 0, 0x3F800000]
+    with pytest.raises(ValueError, match="finite and non-negative"):
+        P.floats_to_ordered_u32(np.array([1.0, -2.0], np.float32))
+    with pytest.raises(ValueError, match="finite and non-negative"):
+        P.floats_to_ordered_u32(np.array([np.inf], np.float32))
+
+
+def test_a_max_lane_just_above_the_largest_float_is_refused():
+    """The largest finite float's bits are the top of what a worker sends; the pattern one
+    above it is +inf, no worker's norm, and must be refused like a negative one."""
+    lanes = np.zeros(P.MAX_LANES, ">u4")
+    lanes[0] = P.MAX_LANE_TOP
+    assert THCMax(data=lanes.tobytes()).values()[0] == np.finfo(np.float32).max
+    lanes[0] = P.MAX_LANE_TOP + 1
+    with pytest.raises(P.ProtocolError, match="MAX lane 0 holds 0x7f800000"):
+        THCMax(data=lanes.tobytes()).values()
+
+
+def test_port_zero_is_not_a_port_to_dissect():
+    """UDP port 0 names no sender's or receiver's port: binding it would dissect nothing."""
+    for bad in (0, -1, 65536):
+        with pytest.raises(ValueError, match="not a UDP port"):
+            dissect_port(bad)

@@ -401,3 +401,14 @@ def test_a_transport_whose_deferred_run_agreement_was_never_made_refuses_its_rou
                 call()
         t.agree_run()   # given, and no group: nothing to agree, the rounds may go
         assert c.run == 5 and c.run_settled
+
+
+def test_every_nonce_of_16_bits_but_zero_may_be_given():
+    """An install's nonce is the epoch's low 16 bits: 0xFFFF is one (the order
+    :func:`P.nonce_at` steps in reaches it), 0 and anything wider are not."""
+    job = local_job(1, 1, free_port_block(1))
+    assert job.new_epoch(nonce=P.NONCE_MASK) & P.NONCE_MASK == P.NONCE_MASK
+    assert P.NONCE_MASK in {P.nonce_at(k) for k in range(P.NONCE_MASK)}
+    for bad in (0, P.NONCE_MASK + 1, True):
+        with pytest.raises(ValueError, match="an install's nonce is 1..0xffff"):
+            job.new_epoch(nonce=bad)
