@@ -306,14 +306,15 @@ def test_replies_that_fail_to_send_are_counted_in_the_counters(engine):
     """Both engines counted failed sends in ``send_errors`` but left them out of
     ``counters()``, which is all `thc aggregator` prints: a worker at a subnet broadcast
     address (sendto: EACCES) lost every result unreported."""
-    d = make_job(1, 2, 8).to_dict()
+    base = free_port_block(1)   # worker 0's port, bound here: not one another test binds
+    d = make_job(1, 2, 8, base=base).to_dict()
     d["workers"][1]["ip"] = "127.255.255.255"
     d["loss_bound"] = 0.5
     job = Job.from_dict(d)
     agg = (Aggregator if engine == "python" else fastagg.FastAggregator)([job], nonce=NONCE)
     addr = agg.start("127.0.0.1", 0)
     s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    s.bind(("127.0.0.1", BASE_PORT))
+    s.bind(("127.0.0.1", base))
     s.settimeout(5)
     try:
         s.sendto(P.Header(P.PktType.FLUSH, 0, 1, 0, 0, 0, 0, 0, job.config_tag, 7, 1).pack(),
