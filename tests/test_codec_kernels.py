@@ -56,14 +56,19 @@ def _mix32(x):
     return x ^ (x >> 16)
 
 
-def test_generator_follows_the_documented_definition():
-    seed, rnd, sl = 2 ** 40 + 7, 2 ** 33 + 5, 9
+def _documented_key(stream, seed, rnd, sl):
+    """A slice's (k0, k1) from docs/protocol.md's text: the words absorbed into (h, g)."""
     h = g = 0
-    for w in (rng.SIGN_STREAM, seed % 2 ** 32, seed >> 32, rnd % 2 ** 32, rnd >> 32, sl):
+    for w in (stream, seed % 2 ** 32, seed >> 32, rnd % 2 ** 32, rnd >> 32, sl):
         h = _mix32(((h ^ w) + 0x9E3779B9) % 2 ** 32)
         g = _mix32(g ^ h)
         h = _mix32(((h ^ g) + 0x85EBCA6B) % 2 ** 32)
-    k0, k1 = h, g
+    return h, g
+
+
+def test_generator_follows_the_documented_definition():
+    seed, rnd, sl = 2 ** 40 + 7, 2 ** 33 + 5, 9
+    k0, k1 = _documented_key(rng.SIGN_STREAM, seed, rnd, sl)
     assert rng.slice_key(seed, rnd, sl, rng.SIGN_STREAM) == (k0, k1)
     want = []
     for i in range(100):
@@ -772,11 +777,7 @@ def test_rounding_draws_are_keyed_by_stream_word_1():
     its keys from the definition, not from rng's constants, must meet the same draws; one
     stream for both would make the draws a function of the signs' bits)."""
     seed, rnd, sl = 7, 3, 2
-    h = g = 0
-    for w in (1, seed % 2 ** 32, seed >> 32, rnd % 2 ** 32, rnd >> 32, sl):
-        h = _mix32(((h ^ w) + 0x9E3779B9) % 2 ** 32)
-        g = _mix32(g ^ h)
-        h = _mix32(((h ^ g) + 0x85EBCA6B) % 2 ** 32)
+    h, g = _documented_key(1, seed, rnd, sl)
     assert rng.uniforms(4, seed, rnd, sl).tolist() == [
         (_mix32(_mix32(i ^ h) ^ g) >> 8) * 2.0 ** -24 for i in range(4)]
     assert rng.slice_key(seed, rnd, sl, 1) == (h, g) != rng.slice_key(seed, rnd, sl, 0)
