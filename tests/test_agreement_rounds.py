@@ -245,3 +245,12 @@ def test_a_skip_never_takes_a_round_back():
     for bad in (10 + agreement.ROUNDS, True):
         with pytest.raises(ValueError, match="skip_to"):
             agreement.skipped_to(10, bad)
+
+
+def test_workers_drawing_by_unlike_key_schedules_are_told_apart(monkeypatch):
+    """A worker of an older release rotates by another generator: its indices summed with
+    its peers' would decode to a wrong mean with no error."""
+    from thc.codec import rng
+    now = agreement.fingerprint(P, 1024)
+    monkeypatch.setattr(rng, "SCHEDULE", rng.SCHEDULE - 1)
+    assert agreement.fingerprint(P, 1024) != now

@@ -37,6 +37,10 @@ KEY2 = 0x85EBCA6B
 SIGN_STREAM = 0
 UNIFORM_STREAM = 1
 UNIFORM_SCALE = 2.0 ** -24
+SCHEDULE = 2
+"""The key schedule's version (2: the 64-bit state), in every round's fingerprint: workers
+drawing by unlike schedules (one of them running an older release) would sum indices of
+unlike rotations, and refuse their rounds instead."""
 
 
 def _is_torch(x) -> bool:

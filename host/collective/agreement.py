@@ -30,6 +30,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from thc.codec import rng
 from thc.codec.common import (BAD_INPUT_TEXT, NORM_MARK, OVERFLOW_MARK, NonFiniteInput,
                               norm_limit)
 from thc.collective.transports import DistTransport, ring_bytes
@@ -172,11 +173,13 @@ def fingerprint(params, *cut: int, backend: str = "", steps: str = "",
     stream-ordered or graphed round) or stops after its MAX round ("check"), so that a
     worker of one kind never waits in a sum its peer of the other skips; and ``nonfinite``
     (:data:`NONFINITE`), so that none raises where a peer hands on NaN and goes on;
-    ``reducer``: the reducer's name (:func:`identify`); ``dtype``: the input's, which the
+    ``reducer``: the reducer's name (:func:`identify`); the codec generator's key schedule
+    (``rng.SCHEDULE``); ``dtype``: the input's, which the
     estimate is cast to (:func:`half_type`); ``refused``: an empty round whose input this
     worker refused (:func:`empty_round`)."""
     key = (params.bits, params.granularity, float(params.p), params.seed, params.slice_size,
            tuple(int(t) for t in params.table)) + tuple(int(c) for c in cut) + (backend, steps)
+    key += ("schedule", rng.SCHEDULE)
     if nonfinite != "raise":
         key += (nonfinite,)
     if reducer != 0:
