@@ -23,9 +23,10 @@ from thc.collective.marsit import MarsitAllReduce
 P = THCParams(slice_size=256)
 
 
-def _hook_state(kind: str, residuals: dict) -> dict:
+def _hook_state(kind: str, residuals: dict, steps: int = 0) -> dict:
     """A hook's state as a rank alone in its group saves it."""
-    return {"hook": kind, "owner": checkpoint.owner(0, 1, (0,)), "residuals": residuals}
+    return {"hook": kind, "owner": checkpoint.owner(0, 1, (0,)), "steps": steps,
+            "residuals": residuals}
 
 
 def _saved(state: dict) -> dict:
@@ -147,6 +148,72 @@ def test_a_state_is_loaded_only_by_the_rank_that_saved_it():
         assert "this is rank 1 of 2 in group (0, 1)" in message, res
     assert "saved by rank 0 of 1 in group (0,), and this is rank 0 of 1 in group (1,)" \
         in res[1][2], res
+
+
+def _resumed_worker(rank, port, q, kind, loads):
+    """Three steps and a save on each rank, then a model and hook built anew on each, rank
+    ``r`` loading its own state where ``loads[r]``, and a step."""
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2)
+    gen = torch.Generator().manual_seed(rank)
+    xs = [torch.randn(4, 40, generator=gen) for _ in range(4)]
+    model = _model()
+    ddp = DDP(model)
+    hook = HOOKS[kind](model).register(ddp)
+    _steps(ddp, model, xs[:3])
+    state = _saved(hook.state_dict())
+    again = _model()
+    ddp_again = DDP(again)
+    hook_again = HOOKS[kind](again)
+    if loads[rank]:
+        hook_again.load_state_dict(state)
+    hook_again.register(ddp_again)
+    try:
+        _steps(ddp_again, again, xs[3:])
+        out = ("stepped", state["steps"])
+    except Exception as e:  # noqa: BLE001 - the refusal is the result
+        out = ("refused", str(e))
+    q.put((rank, out))
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("kind", ["thc", "topk"])
+def test_a_hook_resumed_on_one_rank_alone_is_refused_on_every_rank(kind):
+    """Rank 0 loads its saved residuals and rank 1 starts afresh: rank 0 adds three steps'
+    rounding error that rank 1's sum lacks, with no error. The first step refuses it on both
+    ranks, naming the loaded state; both resumed (or neither) step on."""
+    import functools
+
+    from tests.procs import gloo_pair
+    for loads in ((True, False), (False, True)):
+        res = gloo_pair(functools.partial(_resumed_worker, kind=kind, loads=loads))
+        for rank in (0, 1):
+            assert res[rank][0] == "refused", (loads, res)
+            assert "the backward passes behind the state the hook was loaded from" \
+                in res[rank][1], (loads, res)
+    res = gloo_pair(functools.partial(_resumed_worker, kind=kind, loads=(True, True)))
+    assert res == {0: ("stepped", 3), 1: ("stepped", 3)}, res
+
+
+def test_a_hooks_state_names_the_steps_behind_it(alone):
+    """A state saved after steps counts them, a state resumed counts on from its own, and a
+    count of another form is refused."""
+    model = _model()
+    ddp = DDP(model)
+    hook = HOOKS["thc"](model).register(ddp)
+    _steps(ddp, model, [torch.ones(2, 40)] * 2)
+    assert hook.state_dict()["steps"] == 2
+    again = _model()
+    ddp_again = DDP(again)
+    resumed = HOOKS["thc"](again)
+    resumed.load_state_dict(_saved(hook.state_dict()))
+    resumed.register(ddp_again)
+    _steps(ddp_again, again, [torch.ones(2, 40)])
+    assert resumed.state_dict()["steps"] == 3
+    for steps in (-1, 1.0, True, "2", None):
+        with pytest.raises(ValueError, match="names the backward passes behind it"):
+            HOOKS["thc"](_model()).load_state_dict(_hook_state("THCHook", {}, steps))
 
 
 def test_a_named_reducers_state_is_refused_by_another(alone):
@@ -424,7 +491,7 @@ def test_loaded_residuals_outlive_a_build_every_rank_refused(alone, monkeypatch)
     together = agreement.together
 
     def peer_failed(group, rnd, key, *a, **kw):
-        if kw.get("alike") == "the hook or the bucket":   # a reducer's build
+        if kw.get("alike", "").startswith("the hook, the bucket"):   # a reducer's build
             raise RuntimeError("a peer's factory failed")
         return together(group, rnd, key, *a, **kw)
     monkeypatch.setattr(agreement, "together", peer_failed)

@@ -188,11 +188,12 @@ class TopKHook(BaseHook):
             # the gathers are as long as k: agree on it first
             self.bytes_sent += agreement.together(
                 self.group, rnd, agreement.key_of("topk", self.ratio, flat.numel(),
-                                                  self.nonfinite, self.index, stretches),
+                                                  self.nonfinite, self.index, stretches,
+                                                  self._resumed),
                 flat.device, failure, alike="the hook's ratio or nonfinite, the bucket's "
-                "length, which reducer it is (the hook), or the steps accumulated (a rank "
+                "length, which reducer it is (the hook), the steps accumulated (a rank "
                 "that ran one under no_sync alone, or split a stretch with a forward outside "
-                "it)")
+                "it), or the backward passes behind the state the hook was loaded from")
         except Exception as e:
             if failure is None:   # a refused round leaves the residual as it was
                 if before is None:

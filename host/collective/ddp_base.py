@@ -252,6 +252,10 @@ class BaseHook:
         """Per bucket, the reducer that keeps its residual (hooks that build one each)."""
         self._backwards = 0
         """Backward passes whose buckets were handed to the hook (DDP's last bucket ends one)."""
+        self._resumed = 0
+        """Backward passes behind the state the hook was loaded from (0: a fresh start). Every
+        reducer's build agrees on it, so a rank that resumed where a peer did not is refused:
+        its residuals would carry a history its peers' lack."""
         self._stretches = StretchCount()
         """The DDP model's ``no_sync`` stretches a backward ran through, since
         :meth:`register`, which a bucket's rounds count (:meth:`reduce`'s ``stretches``)."""
@@ -305,27 +309,36 @@ class BaseHook:
 
     def state_dict(self) -> dict:
         """The hook's error-feedback residuals, one per compressed parameter by its name
-        (:mod:`thc.collective.checkpoint`): save it beside the model's on every rank
-        (``torch.save``) between steps, and give it to :meth:`load_state_dict` of the hook
-        built anew. Read on the hook's communication thread, between two reductions."""
+        (:mod:`thc.collective.checkpoint`), and the backward passes behind them: save it
+        beside the model's on every rank (``torch.save``) between steps, and give it to
+        :meth:`load_state_dict` of the hook built anew. Read on the hook's communication
+        thread, between two reductions."""
         def read() -> dict:
-            return {"hook": type(self).__name__, "owner": self._state_owner(), "residuals": {
-                name: r.detach().clone() for name, r in self._per_param.named().items()}}
+            return {"hook": type(self).__name__, "owner": self._state_owner(),
+                    "steps": self._resumed + self._backwards, "residuals": {
+                        name: r.detach().clone() for name, r in self._per_param.named().items()}}
         on_pool = self._pool is not None and threading.get_ident() != self._comm_thread
         return self._pool.submit(read).result() if on_pool else read()
 
     def load_state_dict(self, state: dict) -> None:
         """Take :meth:`state_dict`'s residuals before the first step: each bucket's reducer
-        takes its parameters' when it is built (zeros for a parameter the state lacks)."""
+        takes its parameters' when it is built (zeros for a parameter the state lacks). Every
+        rank loads the state it saved at one step, or none does: the first step refuses a
+        mix on every rank."""
         kind = state.get("hook") if isinstance(state, dict) else None
         if kind != type(self).__name__:
             raise ValueError(f"not a {type(self).__name__}'s state (its state_dict()), got "
                              f"{kind if kind is not None else type(state).__name__}")
         residuals = checkpoint.residuals_of(state, kind)
         checkpoint.check_owner(state, self._state_owner(), kind)
+        steps = state.get("steps")
+        if type(steps) is not int or steps < 0:
+            raise ValueError(f"a {kind}'s state names the backward passes behind it, a count "
+                             f"(its state_dict()), got {steps!r:.80}")
         if self._residual_keys() or self._backwards:
             raise ValueError("a hook's state is loaded before its first step")
         self._per_param.load(residuals)
+        self._resumed = steps
 
     def _state_owner(self) -> dict:
         """Whose residuals the hook keeps: this rank's, in its workers' group."""
@@ -512,8 +525,11 @@ class BaseHook:
             failure = e
         rnd, self._built = self._built, self._built + 1
         self.bytes_sent += agreement.together(
-            self.group, rnd, agreement.key_of("reducer", type(self).__name__, numel), device,
-            failure, alike="the hook or the bucket")
+            self.group, rnd, agreement.key_of("reducer", type(self).__name__, numel,
+                                              self._resumed), device, failure,
+            alike="the hook, the bucket, or the backward passes behind the state the hook "
+                  "was loaded from (each rank loads the state it saved at the same step, or "
+                  "none does)")
         if bucket is not None:
             self._per_param.taken(bucket)
         transport = getattr(reducer, "transport", None)
