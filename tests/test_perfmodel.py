@@ -114,6 +114,36 @@ def test_calibration_fits_figures_computed_by_hand():
         fit({**report, "runs": report["runs"][:1] + report["runs"][2:]})
 
 
+def test_a_fit_that_would_exceed_the_links_rate_is_held_at_efficiency_one():
+    """The hand-made report's step times at half its nominal bandwidth: the two equations
+    solve to efficiency 1.6, faster than the links. The fit is held at efficiency 1 (as
+    ``--efficiency`` refuses more), with alpha the relative least-squares fit of that edge;
+    a step shorter than its links' delay is refused."""
+    from thc.app.perfmodel import FIT_MODES, MODE_SCHEME, fit, fit_terms
+
+    params, steps, compute = 200_000, 100, 0.01
+    hand = {"fp32": 0.030 + 0.120 * F, "marsit": 0.090 + 0.0037554 * F}
+
+    def run(mode):
+        return {"mode": mode, "params": params, "testbed": "mininet",
+                "train_seconds": hand[mode] * steps,
+                "history": [{"steps": steps, "codec_seconds": None,
+                             "exposed_comm_seconds": (hand[mode] - compute) * steps}]}
+    report = {"args": {"workers": 4, "bw": 50.0, "software_lanes": 1444},
+              "runs": [run("fp32"), run("marsit")]}
+    alpha, eff = fit(report)
+    assert eff == 1.0
+    base = report_setup(report, 86e3)
+    rows = [(*fit_terms(base, MODE_SCHEME[m])[:2], hand[m]) for m in FIT_MODES]
+    w = [1 / t ** 2 for _, _, t in rows]
+    edge = sum(wi * a * (t - b) for wi, (a, b, t) in zip(w, rows)) / sum(
+        wi * a * a for wi, (a, _, _) in zip(w, rows))
+    assert alpha == pytest.approx(edge, rel=1e-9) and 0 < alpha < 0.005
+    report["args"]["delay"] = 100.0   # ms a link: longer than the steps
+    with pytest.raises(ValueError, match="leaves nothing to fit"):
+        fit(report)
+
+
 RUNS = Path(__file__).resolve().parents[1] / "docs" / "runs"
 
 

@@ -27,6 +27,7 @@ from thc.app.perfmodel import (
     MODE_SCHEME,
     NO_HOOK,
     Setup,
+    bounded_fit,
     break_even_gbps,
     fit_terms,
     iteration_s,
@@ -95,14 +96,11 @@ def _point_report(point: dict, args: dict) -> dict:
 
 
 def fit_links(sweep: dict, agg_pps: float) -> tuple[float, float]:
-    """(alpha seconds, link efficiency) of the least-squares line through the FP32 points:
-    step = alpha x messages + wire bytes / (efficiency x BW), the two terms as the model
-    counts them at each point's bandwidth. Residuals are relative (weights 1/step^2): the
-    step times span an order of magnitude, and absolute ones would let the slowest link
-    settle alpha, which the fast links, where the break-even lies, depend on. The fit is
-    bounded, alpha >= 0 and efficiency <= 1 (a link delivers at most its nominal rate): a few
-    noisy steps a point can put the free line outside them, and the nearest fit within them
-    is then taken (the optimum lies on a bound's edge: each edge is a one-term fit)."""
+    """(alpha seconds, link efficiency) of the bounded least-squares line through the FP32
+    points (:func:`thc.app.perfmodel.bounded_fit`): step = alpha x messages + wire bytes /
+    (efficiency x BW), the two terms as the model counts them at each point's bandwidth.
+    Relative residuals keep the slowest link from settling alpha, which the fast links,
+    where the break-even lies, depend on."""
     rows = []
     for point in sweep["points"]:
         fp32 = next((r for r in point["runs"] if r["mode"] == "fp32"), None)
@@ -113,21 +111,7 @@ def fit_links(sweep: dict, agg_pps: float) -> tuple[float, float]:
         rows.append((msgs, wire, step_seconds(fp32) - delay))
     if len({round(w, 12) for _, w, _ in rows}) < 2:
         raise ValueError("the fit needs FP32 at two bandwidths or more")
-    w = [1.0 / (t * t) for _, _, t in rows]
-    saa = sum(wi * a * a for wi, (a, _, _) in zip(w, rows))
-    sab = sum(wi * a * b for wi, (a, b, _) in zip(w, rows))
-    sbb = sum(wi * b * b for wi, (_, b, _) in zip(w, rows))
-    sat = sum(wi * a * t for wi, (a, _, t) in zip(w, rows))
-    sbt = sum(wi * b * t for wi, (_, b, t) in zip(w, rows))
-    det = saa * sbb - sab * sab
-    free = ((sat * sbb - sbt * sab) / det, (saa * sbt - sab * sat) / det)
-    fits = [free] if free[0] >= 0 and free[1] >= 1 else []
-    fits += [(0.0, max(1.0, sbt / sbb)), (max(0.0, (sat - sab) / saa), 1.0)]
-
-    def cost(fit: tuple[float, float]) -> float:
-        return sum(wi * (fit[0] * a + fit[1] * b - t) ** 2 for wi, (a, b, t) in zip(w, rows))
-    alpha, inv_eff = min(fits, key=cost)
-    return alpha, 1.0 / inv_eff
+    return bounded_fit(rows)
 
 
 def codec_mbps(sweep: dict, mode: str, params: float) -> float | None:

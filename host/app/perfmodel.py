@@ -339,6 +339,35 @@ def modelled(mode: str, report: dict) -> bool:
     return not mode.endswith("bmv2") or bmv2_pps(report) is not None
 
 
+def bounded_fit(rows: list[tuple[float, float, float]]) -> tuple[float, float]:
+    """(alpha seconds, link efficiency) of the least-squares fit of ``rows`` (messages,
+    bytes at full efficiency, measured seconds: step = alpha x messages + bytes /
+    efficiency). Residuals are relative (weights 1/step^2): step times span an order of
+    magnitude, and absolute ones would let the slowest settle alpha. The fit is bounded,
+    alpha >= 0 and efficiency <= 1 (a link delivers at most its nominal rate): noisy steps
+    can put the free fit outside them, and the nearest fit within them is then taken (the
+    optimum lies on a bound's edge: each edge is a one-term fit)."""
+    if any(t <= 0 for _, _, t in rows):
+        raise ValueError("a step no longer than its links' delay leaves nothing to fit")
+    w = [1.0 / (t * t) for _, _, t in rows]
+    saa = sum(wi * a * a for wi, (a, _, _) in zip(w, rows))
+    sab = sum(wi * a * b for wi, (a, b, _) in zip(w, rows))
+    sbb = sum(wi * b * b for wi, (_, b, _) in zip(w, rows))
+    sat = sum(wi * a * t for wi, (a, _, t) in zip(w, rows))
+    sbt = sum(wi * b * t for wi, (_, b, t) in zip(w, rows))
+    det = saa * sbb - sab * sab
+    if det <= 0:
+        raise ValueError("the runs do not separate alpha from bandwidth")
+    free = ((sat * sbb - sbt * sab) / det, (saa * sbt - sab * sat) / det)
+    fits = [free] if free[0] >= 0 and free[1] >= 1 else []
+    fits += [(0.0, max(1.0, sbt / sbb)), (max(0.0, (sat - sab) / saa), 1.0)]
+
+    def cost(fit: tuple[float, float]) -> float:
+        return sum(wi * (fit[0] * a + fit[1] * b - t) ** 2 for wi, (a, b, t) in zip(w, rows))
+    alpha, inv_eff = min(fits, key=cost)
+    return alpha, 1.0 / inv_eff
+
+
 FIT_MODES = ("fp32", "marsit")
 """The runs alpha and the link efficiency are fitted to: one bandwidth-bound, one
 latency-bound."""
@@ -346,7 +375,8 @@ latency-bound."""
 
 def fit(report: dict, agg_pps: float = 86e3) -> tuple[float, float]:
     """(alpha seconds, link efficiency) that make the model meet the report's FP32 and
-    Marsit ring step times: two equations, alpha x messages + bytes / (efficiency x BW)."""
+    Marsit ring step times: two equations, alpha x messages + bytes / (efficiency x BW),
+    solved within the bounds of :func:`bounded_fit` (outside them, its nearest fit)."""
     base = report_setup(report, agg_pps)
     runs = {r["mode"]: r for r in report["runs"]}
     missing = [m for m in FIT_MODES if m not in runs]
@@ -358,15 +388,7 @@ def fit(report: dict, agg_pps: float = 86e3) -> tuple[float, float]:
     for mode in FIT_MODES:
         msgs, wire, delay = fit_terms(base, MODE_SCHEME[mode])
         rows.append((msgs, wire, step_seconds(runs[mode]) - delay))
-    (a1, b1, t1), (a2, b2, t2) = rows
-    det = a1 * b2 - a2 * b1
-    if det == 0:
-        raise ValueError("the FP32 and Marsit runs do not separate alpha from bandwidth")
-    alpha = (t1 * b2 - t2 * b1) / det
-    inv_eff = (a1 * t2 - a2 * t1) / det
-    if alpha < 0 or inv_eff <= 0:
-        raise ValueError(f"fit out of range (alpha {alpha:.4g} s, 1/efficiency {inv_eff:.4g})")
-    return alpha, 1.0 / inv_eff
+    return bounded_fit(rows)
 
 
 def calibrate(report: dict, alpha_s: float | None = None, efficiency: float | None = None,
@@ -464,7 +486,9 @@ def run(args: argparse.Namespace) -> int:
                 alpha, eff = fit(reports[0], args.agg_pps)
                 fitted_on = args.calibrate[0]
                 print(f"fitted to the fp32 and marsit runs of {fitted_on}: alpha "
-                      f"{1e3 * alpha:.2f} ms, link efficiency {eff:.3f}")
+                      f"{1e3 * alpha:.2f} ms, link efficiency {eff:.3f}"
+                      + (" (at its bound: a link delivers at most its nominal rate)"
+                         if eff == 1.0 else ""))
             rows = [row for path, rep in zip(args.calibrate, reports)
                     for row in calibrate(rep, alpha, eff, args.agg_pps,
                                          fitted=path == fitted_on)]
