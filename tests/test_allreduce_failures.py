@@ -254,6 +254,47 @@ def test_a_failure_right_after_the_max_round_abandons_and_keeps_the_first_reason
         DistTransport.check_group(None)
 
 
+def test_a_pipelined_round_that_fails_leaves_no_codec_work_running(alone):
+    """A round of three pieces whose second sum fails: the first piece's decode and the third
+    piece's encode were queued on the codec thread. They end (or are cancelled) before the
+    round raises, so none of them runs beside the next round (flagging its checks, or
+    drawing from the generator beside its encodes)."""
+    import threading
+    import time
+
+    params = THCParams(slice_size=1 << 10)
+    ar = THCAllReduce.through_torch_distributed(params=params, generator=1,
+                                                pipeline_elements=4 << 10)
+    x = torch.randn(12 << 10, generator=torch.Generator().manual_seed(1))
+    ended, sums = [], []
+    codec_thread = threading.Event()
+
+    def slow(fn):
+        def run(*a, **k):
+            codec_thread.set()
+            time.sleep(0.3)
+            out = fn(*a, **k)
+            ended.append(time.monotonic())
+            return out
+        return run
+
+    def sum_(wire, count, p, classes=None):
+        sums.append(count)
+        if len(sums) == 2:
+            raise MemoryError("oom")
+        return real(wire, count, p, classes)
+    real = ar.transport.sum
+    ar.transport.sum = sum_
+    ar.codec.decode = slow(ar.codec.decode)
+    ar.codec.encode_prepared = slow(ar.codec.encode_prepared)
+    with pytest.raises(MemoryError):
+        ar(x)
+    raised = time.monotonic()
+    assert len(sums) == 2 and codec_thread.is_set()
+    time.sleep(0.5)
+    assert ended and max(ended) <= raised, (ended, raised)
+
+
 @pytest.mark.parametrize("where", ["agreement", "together"])
 def test_a_failure_before_a_rounds_first_collective_abandons(monkeypatch, where, alone):
     """This worker's own failure once its round number was taken and before the round's first

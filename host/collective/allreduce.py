@@ -11,6 +11,7 @@ from __future__ import annotations
 import numbers
 import secrets
 import time
+from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -491,7 +492,6 @@ class THCAllReduce:
         norms_of = lambda a, b: max_norms[a // slice_size: -(-b // slice_size)]  # noqa: E731
         est = torch.empty_like(flat, dtype=torch.float32)
         own = torch.empty_like(flat, dtype=torch.float32) if self.feedback else None
-        lanes = self.transport.lanes
         if self._pool is None and len(pieces) > 1:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="thc-codec")
         submit = self._pool.submit if len(pieces) > 1 else _inline
@@ -502,8 +502,24 @@ class THCAllReduce:
             preps[k] = None
             return wire
 
-        next_wire = submit(encode, 0)
-        decodes = []
+        queued = [submit(encode, 0)]
+        try:
+            return self._pieces(flat, pieces, max_norms, tags, rnd, whole, slice_cls, est,
+                                own, submit, encode, queued)
+        except BaseException:
+            # nothing of a failed round may run on after it: its flags would be blamed on
+            # the next round, and its encodes would draw from the generator beside that one's
+            futures.wait([f for f in queued if not f.cancel()])
+            raise
+
+    def _pieces(self, flat, pieces, max_norms, tags, rnd, whole, slice_cls, est, own, submit,
+                encode, queued: list[Future]):
+        """:meth:`_exchange`'s loop: each piece's sum while the next piece's encode and the
+        last one's decode run, every future put in ``queued``."""
+        slice_size = self.params.slice_size
+        norms_of = lambda a, b: max_norms[a // slice_size: -(-b // slice_size)]  # noqa: E731
+        lanes = self.transport.lanes
+        next_wire, decodes = queued[0], []
         for k, (a, b) in enumerate(pieces):
             try:
                 wire = next_wire.result()
@@ -517,6 +533,7 @@ class THCAllReduce:
                 raise
             if k + 1 < len(pieces):
                 next_wire = submit(encode, k + 1)
+                queued.append(next_wire)
             count = self.codec.layout(b - a).total_padded
             classes = None
             if slice_cls is not None and lanes is not None:
@@ -528,6 +545,7 @@ class THCAllReduce:
             self.stats.seconds["sum"] += time.perf_counter() - t
             decodes.append(submit(self._decode_piece, est, own, a, b, sums, wire, short,
                                   norms_of(a, b), rnd))
+            queued.append(decodes[-1])
         self._summed = True   # every sum of this worker's went out and came back
         try:
             for f in decodes:
