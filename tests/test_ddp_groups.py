@@ -492,6 +492,18 @@ def _misfit_worker(rank, port, q):
         out.append("registered")
     except ValueError as e:
         out.append(str(e))
+    for rewrapped in (False, True):
+        hand = _model()
+        hook = FP32Hook(hand, overlap=False)
+        if rewrapped:   # registered on one DDP model, then installed on another
+            hook.register(DDP(hand))
+        by_hand = DDP(hand, process_group=alone[rank])
+        by_hand.register_comm_hook(None, hook.hook)
+        try:
+            by_hand(_data(rank)[0]).sum().backward()
+            out.append(f"reduced {hand[0].bias.grad[:2].tolist()}")
+        except (ValueError, RuntimeError) as e:
+            out.append(str(e))
     torch.manual_seed(0)
     emb = torch.nn.Embedding(50, 8, sparse=True)
     ddp = DDP(emb)
@@ -509,14 +521,19 @@ def test_a_hook_refuses_a_ddp_group_of_other_ranks_another_model_and_sparse_grad
     """A DDP model on a group of its own rank only, under a hook of the whole world: the
     hook averaged the replicas DDP keeps apart. An overlapping hook's group that DDP uses
     too paired DDP's collectives with the hook's. A hook built for another model compressed
-    what its options keep FP32 (they name that model's parameters). A sparse gradient
-    failed deep in torch (as_strided on SparseCPU); every rank now names it."""
+    what its options keep FP32 (they name that model's parameters). The same replicas with
+    the hook installed by hand (``register_comm_hook(None, hook.hook)``), or by hand on
+    another DDP model after its registration, were averaged too: a hand install is refused
+    at its first bucket. A sparse gradient failed deep in torch (as_strided on SparseCPU);
+    every rank now names it."""
     res = gloo_pair(_misfit_worker)
     for rank in range(WORLD):
-        group, shared, model, sparse = res[rank]
+        group, shared, model, hand, rewrapped, sparse = res[rank]
         assert f"process group holds ranks [{rank}], the hook's workers [0, 1]" in group, group
         assert "process group is the hook's own" in shared, shared
         assert "built for another model" in model, model
+        for text in (hand, rewrapped):
+            assert "installed by hand" in text, text
         assert "sparse gradient" in sparse, sparse
 
 
@@ -538,15 +555,13 @@ def test_a_rank_a_whole_step_out_of_step_is_refused_by_every_rank(kind):
             assert "no_sync alone" in text, (rank, text)
 
 
-@pytest.mark.parametrize("overlaps,by_hand", [((True, True), False), ((False, True), False),
-                                              ((True, False), False), ((False, False), False),
-                                              ((True, True), True)])
-def test_hooks_sharing_an_aggregator_client_may_not_overlap(overlaps, by_hand):
+@pytest.mark.parametrize("overlaps", [(True, True), (False, True), (True, False),
+                                      (False, False)])
+def test_hooks_sharing_an_aggregator_client_may_not_overlap(overlaps):
     """Two hooks whose reducers share a client, one of them on a thread of its own: their
     rounds met in unlike orders on each rank, refused (each reducer now holds the client for
     its whole round) or, before that, summed with each other. The second hook's build is
-    refused on every rank, naming the way out; two hooks that do not overlap share it. So
-    are hooks installed by hand (``register_comm_hook(None, hook.hook)``)."""
+    refused on every rank, naming the way out; two hooks that do not overlap share it."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from thc.codec.params import THCParams
@@ -565,10 +580,7 @@ def test_hooks_sharing_an_aggregator_client_may_not_overlap(overlaps, by_hand):
             for m, ddp, overlap in zip(models, ddps, overlaps):
                 hook = THCHook(m, lambda group: THCAllReduce.through_aggregator(
                     client, THCParams(seed=3, slice_size=256), group), overlap=overlap)
-                if by_hand:
-                    ddp.register_comm_hook(None, hook.hook)
-                else:
-                    hook.register(ddp)
+                hook.register(ddp)
             x = torch.randn(4, 64)
             ddps[0](x).sum().backward()
             if any(overlaps):

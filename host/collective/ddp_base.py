@@ -265,8 +265,8 @@ class BaseHook:
         """The backward pass of the last bucket that failed (:meth:`_reduce_in_step`)."""
         self._stats_lock = threading.Lock()
         self._ddp: weakref.ref | None = None
-        """The DDP model :meth:`register` installed the hook on (a hook installed by hand
-        has none, and counts as live)."""
+        """The DDP model :meth:`register` installed the hook on, and the state DDP hands the
+        hook (a hook installed by hand is refused at its first bucket)."""
         self._comm = 0.0
         self._last_call = self._last_done = 0.0
         self._unused_seen = False
@@ -392,8 +392,9 @@ class BaseHook:
             raise ValueError("the hook was registered on a DDP model before: build one hook "
                              "per DDP model (a hook built anew takes the old one's residuals "
                              "through state_dict and load_state_dict)")
-        ddp_model.register_comm_hook(None, self.hook)
-        self._ddp = weakref.ref(ddp_model)
+        token = weakref.ref(ddp_model)   # DDP's state for the hook: tells a hand install
+        ddp_model.register_comm_hook(token, self.hook)
+        self._ddp = token
         handles = self._uses.handles
         handles += [ddp_model.register_forward_pre_hook(self._see_forward),
                     ddp_model.register_forward_hook(self._see_output)]
@@ -416,6 +417,14 @@ class BaseHook:
         self._stretches.gradient()
 
     def hook(self, state, bucket):  # unannotated: DDP rejects string annotations
+        if state is None or state is not self._ddp:
+            refused: torch.futures.Future = torch.futures.Future()
+            refused.set_exception(ValueError(
+                "the hook runs where hook.register(ddp_model) installed it: installed by hand "
+                "(ddp_model.register_comm_hook), it would not see the DDP model's process "
+                "group, unused parameters or its own wrapping, and would average replicas "
+                "DDP keeps apart or spend residuals DDP never applies"))
+            return _raising(refused)
         buf = bucket.buffer()
         spans, offset = [], 0
         params = bucket.parameters()
