@@ -318,6 +318,9 @@ SCHEDULES["frozen"] = SCHEDULES["mixed"]   # b frozen while the hook is register
 # b's first gradient from a backward outside DDP's forward (frozen at register, then not)
 SCHEDULES["frozen-module"] = [[("module", (True, True), True), (False, (False, False), True)],
                               [(False, (True, True), True)]]
+# b frozen while the hook is registered and takes a saved state, and for two steps after
+SCHEDULES["frozen-loaded"] = [[(False, (False, False), True)]] * 2 + \
+    [[(False, (True, True), True)]] * 2
 # the hook's count of gradients misses every one: the spans alone keep the replicas alike
 SCHEDULES["missed"] = SCHEDULES["mixed"]
 # b behind a stop-gradient: its gradient hooks fire, with no gradient (DDP: unused)
@@ -362,14 +365,20 @@ def _unused_worker(kind, overlap, schedule, view, rank, port, q):
     if schedule == "missed":
         hook._uses._accumulated = _Forgetful()
     hook.register(ddp)
-    model.b.requires_grad_(True)
     names = ("b.weight", "c.weight")
+    loaded = {n: torch.randn(model.get_parameter(n).numel(), generator=gen) * 1e-2
+              for n in names} if schedule == "frozen-loaded" else {}
+    if loaded:
+        hook.load_state_dict({**hook.state_dict(), "residuals": loaded})
+    model.b.requires_grad_(not loaded)
     applied = {n: torch.zeros_like(model.get_parameter(n)) for n in names}
     true = {n: torch.zeros_like(model.get_parameter(n)) for n in names}
     with ddp.join() if schedule == "join" else contextlib.nullcontext():
-        for step in SCHEDULES[schedule]:
+        for i, step in enumerate(SCHEDULES[schedule]):
             if step[0][1][rank] is None:
                 break
+            if loaded and i == 2:
+                model.b.requires_grad_(True)
             if schedule != "stale":
                 model.zero_grad(set_to_none=not view)   # a gradient that is the bucket's view
                 plain.zero_grad()
@@ -391,6 +400,8 @@ def _unused_worker(kind, overlap, schedule, view, rank, port, q):
         true = {n: plain.get_parameter(n).grad for n in names}
     residuals = hook.state_dict()["residuals"]
     # arrays, not tensors: a tensor travels by shared memory, which goes with the worker
+    for n, r in loaded.items():   # what the saved residual adds to the sum
+        true[n] += r.reshape(true[n].shape)
     q.put((rank, {n: (applied[n].numpy(), true[n].numpy(),
                       residuals[n].reshape(applied[n].shape).numpy()) for n in names}))
     dist.destroy_process_group()
@@ -402,6 +413,7 @@ def _unused_worker(kind, overlap, schedule, view, rank, port, q):
     ("thc", True, "probe", False), ("topk", False, "join", False),
     ("marsit", True, "missed", False), ("thc", False, "stale", True),
     ("topk", True, "frozen", False), ("thc", False, "frozen-module", False),
+    ("thc", False, "frozen-loaded", False), ("topk", True, "frozen-loaded", False),
     ("topk", False, "cut", False), ("thc", False, "static", False),
     ("thc", True, "fp32-bias", False), ("topk", False, "fp32-bias", False)])
 def test_a_parameter_no_rank_used_keeps_its_residual(kind, overlap, schedule, view):
@@ -412,7 +424,9 @@ def test_a_parameter_no_rank_used_keeps_its_residual(kind, overlap, schedule, vi
     holds; a gradient of a no_sync micro-batch is in it too, and one left from an earlier
     step (no zero_grad) where it is the bucket's view. A parameter frozen while the hook was
     registered, unfrozen after, was never seen used: each rank got its own gradient back
-    (also where its first gradient came from a backward outside DDP's forward); behind a
+    (also where its first gradient came from a backward outside DDP's forward); one frozen
+    for steps after the hook took a saved residual counted as used, and the residual went
+    into rounds whose estimate DDP never applied; behind a
     stop-gradient, its hooks fire with no gradient, which DDP does not count as a use. And
     where the hook's count of gradients misses one, the span's own test keeps the replicas
     alike (where it missed b's, each rank got its own gradient back). What error feedback

@@ -19,8 +19,8 @@ import torch
 
 class UseCount:
     """The parameters a gradient accumulated into since their bucket's last reduction, of
-    those it watches. One it does not watch (frozen when the hook was registered, not yet
-    seen needing a gradient) always counts as used."""
+    those it watches. One frozen since the hook was registered is not watched yet (autograd
+    takes no hook on it) and counts as unused: a frozen parameter takes no gradient."""
 
     def __init__(self, on_gradient: Callable):
         self._on_gradient = on_gradient
@@ -28,6 +28,7 @@ class UseCount:
         self._accumulated: set[int] = set()
         self._watched: set[int] = set()
         self._frozen: list = []
+        self._frozen_ids: set[int] = set()
 
     def watch_all(self, params) -> None:
         """Watch every parameter that needs a gradient now; the others from the first
@@ -37,6 +38,7 @@ class UseCount:
                 self._watch(p)
             else:
                 self._frozen.append(weakref.ref(p))
+                self._frozen_ids.add(id(p))
 
     def watch_unfrozen(self) -> None:
         """Called before each forward: start watching a frozen parameter that needs a
@@ -46,6 +48,7 @@ class UseCount:
                 self._frozen.remove(ref)
                 if p is not None:
                     self._watch(p)
+        self._frozen_ids = {id(p) for ref in self._frozen if (p := ref()) is not None}
 
     def _watch(self, p: torch.Tensor) -> None:
         """A gradient ``p`` holds already (a backward outside DDP's forward, which DDP
@@ -64,7 +67,8 @@ class UseCount:
     def take(self, ids: tuple[int, ...], counting: bool) -> tuple[bool, ...] | None:
         """Per parameter of a bucket (by id), whether it is idle here (None: not
         ``counting``); its count starts again."""
-        idle = tuple(i in self._watched and i not in self._accumulated for i in ids) \
+        idle = tuple(i in self._frozen_ids or (i in self._watched and i not in
+                                               self._accumulated) for i in ids) \
             if counting else None
         self._accumulated.difference_update(ids)
         return idle
