@@ -79,8 +79,39 @@ def test_a_graphed_reducer_restored_goes_on_as_the_one_saved(alone):
     assert not all(torch.equal(a, c) for a, c in zip(went_on, fresh))
     short = GraphedAllReduce.through_torch_distributed(params=P, generator=11, capture=False)
     short.load_state_dict(checkpoint.state(3, torch.zeros(5), short.state_owner))
-    with pytest.raises(ValueError, match="loaded residual holds 5 elements, this tensor 968"):
+    with pytest.raises(ValueError, match=r"loaded residual is of a tensor of 5 elements \(5 "
+                                         r"kept\), this tensor 968"):
         short(_inputs(1, device=DEV)[0])
+
+
+@kernels
+def test_a_graphed_state_is_taken_for_a_tensor_of_its_own_length_alone(alone):
+    """A graphed reducer keeps its residual padded (1124 elements in slices of 1024: 1280).
+    Its state, loaded for a tensor of 1280 elements or of 1100, was taken: the other tensor's
+    residual (and its padding's) added to this one's coordinates. The state names its
+    tensor's length, and only that length takes it."""
+    params = THCParams(slice_size=1024)
+
+    def make():
+        return GraphedAllReduce.through_torch_distributed(params=params, generator=3,
+                                                          capture=False, name="g")
+    first = make()
+    first(torch.randn(1124, generator=torch.Generator().manual_seed(1), device=DEV))
+    state = _saved(first.state_dict())
+    assert state["elements"] == 1124 and state["residual"].numel() == 1280
+    for m in (1100, 1280):
+        other = make()
+        other.load_state_dict(state)
+        with pytest.raises(ValueError, match=f"of a tensor of 1124 elements \\(1280 kept\\), "
+                                             f"this tensor {m}"):
+            other(torch.zeros(m, device=DEV))
+    again = make()
+    again.load_state_dict(state)
+    assert again.state_dict()["elements"] == 1124
+    assert torch.isfinite(again(torch.zeros(1124, device=DEV))).all()
+    for bad in (1281, -1, 3.0, None):
+        with pytest.raises(ValueError, match="the state's elements"):
+            make().load_state_dict({**state, "elements": bad})
 
 
 def test_a_state_that_cannot_be_taken_is_refused(alone):

@@ -204,6 +204,8 @@ class GraphedAllReduce:
         self._bufs: _Buffers | None = None
         self._loaded: torch.Tensor | None = None
         """A residual loaded before the buffers were made (:meth:`load_state_dict`)."""
+        self._loaded_elements: int | None = None
+        """The length of the tensor whose residual ``_loaded`` is (it may hold padding)."""
         self._agreed = False
         """Whether the workers agreed on this reducer's size (:meth:`_agree_size`)."""
         self._round_bytes = 0
@@ -237,16 +239,27 @@ class GraphedAllReduce:
 
     def state_dict(self) -> dict:
         """As :meth:`THCAllReduce.state_dict`; the residual as the rounds keep it, padded
-        (read once the rounds launched so far are done)."""
-        return checkpoint.state(self.round, self.kept_residual, self.state_owner)
+        (read once the rounds launched so far are done), and the length of its tensor."""
+        b = self._bufs
+        return {**checkpoint.state(self.round, self.kept_residual, self.state_owner),
+                "elements": b.numel if b is not None else self._loaded_elements}
 
     def load_state_dict(self, state: dict) -> None:
         """As :meth:`THCAllReduce.load_state_dict`: the residual is copied into the rounds'
-        buffer when the first call makes it."""
-        rnd, loaded = checkpoint.loaded(state, self.round, self.error_feedback,
-                                        type(self).__name__, self.state_owner)
-        checkpoint.within_codec(loaded, self.params, type(self).__name__)
-        self.round, self._loaded = rnd, loaded
+        buffer when the first call makes it, for a tensor of the saved one's length (a state
+        without ``elements``, as a THCAllReduce's, is of its residual's)."""
+        what = type(self).__name__
+        rnd, loaded = checkpoint.loaded(state, self.round, self.error_feedback, what,
+                                        self.state_owner)
+        checkpoint.within_codec(loaded, self.params, what)
+        elements = state.get("elements") if loaded is not None else None
+        if loaded is not None and "elements" not in state:
+            elements = loaded.numel()
+        if loaded is not None and (type(elements) is not int or
+                                   not 0 <= elements <= loaded.numel()):
+            raise ValueError(f"{what}: the state's elements (its tensor's length) must be an "
+                             f"int up to its residual's {loaded.numel()}, got {elements!r:.80}")
+        self.round, self._loaded, self._loaded_elements = rnd, loaded, elements
 
     def rescale_residual(self, factor: float) -> None:
         """As :meth:`THCAllReduce.rescale_residual`: in place (the graph reads the buffer at
@@ -280,9 +293,11 @@ class GraphedAllReduce:
             n, dev = self._padded(flat.numel(), flat), flat.device
             ef = self.error_feedback
             loaded = self._loaded
-            if loaded is not None and loaded.numel() not in (flat.numel(), n):
-                raise ValueError(f"the loaded residual holds {loaded.numel()} elements, this "
-                                 f"tensor {flat.numel()} ({n} padded)")
+            if loaded is not None and (self._loaded_elements != flat.numel() or
+                                       loaded.numel() not in (flat.numel(), n)):
+                raise ValueError(f"the loaded residual is of a tensor of "
+                                 f"{self._loaded_elements} elements ({loaded.numel()} kept), "
+                                 f"this tensor {flat.numel()} ({n} padded)")
             residual = torch.zeros(n, device=dev) if ef else None
             if loaded is not None:
                 residual[:loaded.numel()] = loaded.to(dev, torch.float32)
