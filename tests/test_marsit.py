@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 import math
 import re
 import time
@@ -544,6 +545,15 @@ def test_a_round_that_fails_after_its_agreement_abandons_the_group(monkeypatch):
         dist.destroy_process_group()
 
 
+def test_a_value_error_of_its_own_after_the_scales_abandons_the_group(monkeypatch, alone):
+    """A ValueError once the scales are summed was taken for a refusal every worker reaches:
+    raised by this worker alone (in its signs), its peers waited in the ring while its next
+    round's agreement paired with their exchange, and both hung until Gloo's timeout. Only
+    the scales' NaN is such a refusal."""
+    ar = marsit.MarsitAllReduce(generator=torch.Generator().manual_seed(0))
+    _fails_then_refuses(monkeypatch, ar, "_signs", ValueError("a bad sign"), 0)
+
+
 class _VoteClient:
     """A vote job's client of one worker whose aggregator returns ``sums`` for each lane,
     or raises ``failure``."""
@@ -589,9 +599,10 @@ def test_a_vote_refused_alike_or_its_aggregator_failing_abandons_nothing():
         dist.destroy_process_group()
 
 
-def _leaves_a_vote_worker(rank, world, port, job_dict, agg, q):
-    """Round 0: rank 0 votes +1 and fails before its signs leave, rank 1 votes -1. Round 1:
-    both vote +1."""
+def _leaves_a_vote_worker(rank, world, port, job_dict, agg, q,
+                          error=MemoryError("out of memory")):
+    """Round 0: rank 0 votes +1 and fails before its signs leave (``error``), rank 1 votes
+    -1. Round 1: both vote +1."""
     from thc.net.client import AggregationClient
     from thc.wire.jobs import Job
     torch.set_num_threads(1)
@@ -603,7 +614,7 @@ def _leaves_a_vote_worker(rank, world, port, job_dict, agg, q):
         if rank == 0:
             def fail_once(flat):
                 del ar._signs   # the next round's are the class's
-                raise MemoryError("out of memory")
+                raise error
             ar._signs = fail_once
         for vote in (1.0 if rank == 0 else -1.0, 1.0):
             try:
@@ -614,14 +625,17 @@ def _leaves_a_vote_worker(rank, world, port, job_dict, agg, q):
     dist.destroy_process_group()
 
 
-def test_a_vote_worker_that_failed_after_its_scales_takes_no_later_round():
+@pytest.mark.parametrize("error", [MemoryError("out of memory"), ValueError("a bad sign")])
+def test_a_vote_worker_that_failed_after_its_scales_takes_no_later_round(error):
     """Its peer's signs of the round it left stay in the aggregator's slots, and its next
     round takes their sequence numbers, with the same offsets: its +1 votes were added to
-    the peer's -1 and it returned 0.0 for a mean sign of +1, without an error. Its client's
-    run is now failed: no later round of it is sent, and both workers raise."""
-    results, counters, exits = _through_a_vote_job(_leaves_a_vote_worker, 2)
+    the peer's -1 and it returned 0.0 for a mean sign of +1, without an error (still so for
+    a ValueError of its own, taken for a refusal every worker reaches). Its client's run is
+    now failed: no later round of it is sent, and both workers raise."""
+    results, counters, exits = _through_a_vote_job(
+        functools.partial(_leaves_a_vote_worker, error=error), 2)
     assert exits == [0, 0]
-    assert results[0][0] == "MemoryError: out of memory"
+    assert results[0][0] == f"{type(error).__name__}: {error}"
     assert results[0][1].startswith("RunFailed") and "Marsit round 0 failed" in results[0][1]
     assert results[1][0].startswith("AggregationTimeout") and "missing worker(s) [0]" in \
         results[1][0]

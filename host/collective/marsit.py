@@ -217,13 +217,14 @@ class _SignAllReduce:
                 return self._round(grad, flat, sizes)
             except BaseException as e:
                 # this worker's own failure: its peers wait in a collective or go on to their
-                # next, which would pair with its next. Once the scales are summed, not so for a
-                # ValueError (a NaN, counts out of range: every worker refuses the round alike);
-                # a vote's peers send their signs to the aggregator instead (:meth:`_left`)
+                # next, which would pair with its next. Once the scales are summed, not so for
+                # their NaN's refusal, which every worker reaches alike (and a vote's counts
+                # out of range, once its signs came back); a vote's peers send their signs to
+                # the aggregator instead (:meth:`_left`)
                 why = f"Marsit round {rnd} failed after its agreement ({type(e).__name__}: {e})"
                 if not self._scaled:
                     DistTransport.abandon_group(self.group, why)
-                elif not isinstance(e, ValueError):
+                elif not isinstance(e, NonFiniteInput):
                     self._left(why)
                 raise
 
