@@ -41,8 +41,16 @@ def test_main_job_runs_and_reports(tmp_path):
     # THC moves far fewer bytes than FP32 for the same steps (Marsit's modes: test_marsit).
     assert runs["fp32"]["wire_bytes"] > 4 * runs["thc"]["wire_bytes"]
     # the aggregator client's counters ride along (DDP's ring has none)
-    transport = runs["thc"]["history"][-1]["transport"]
+    last = runs["thc"]["history"][-1]
+    transport = last["transport"]
     assert transport["sent"] > 0 and runs["fp32"]["history"][-1]["transport"] is None
+    # the loopback counts rank 0's bytes both ways: THC's sums come back wider than its
+    # indices went out, a ring's are as many
+    assert last["bytes_received"] - last["bytes_sent"] == \
+        transport["bytes_received"] - transport["bytes_sent"] > 0
+    assert runs["thc"]["wire_bytes"] == last["bytes_sent"] + last["bytes_received"]
+    fp32_last = runs["fp32"]["history"][-1]
+    assert fp32_last["bytes_received"] == fp32_last["bytes_sent"] > 0
     # unimpaired, unbounded and unmarked, every round runs on the compiled window where it
     # is built and asked for (test_extensions_built: built wherever a compiler is)
     from thc.net.fastclient import CLIENT_UNAVAILABLE
@@ -113,6 +121,12 @@ def test_time_to_accuracy_summary_names_the_winner():
     s = summarize([_run_of("fp32", [(10, 0.1056)]), _run_of("thc", [(7, 0.1056)])], 0.8)
     assert s["verdict"].startswith("FP32 ended at 0.1056, below twice chance (0.2): it did "
                                    "not learn in 1 steps"), s["verdict"]
+    assert s["target_fp32_minus_1pt"] is None
+    assert all(r["speedup"] is None for r in s["rows"])
+    # FP32's own replicas differed: a mode twice as slow was named the winner, "0.50x sooner"
+    s = summarize([{**fp32, "replicas_diverged_at": 2}, slow], 0.8)
+    assert s["verdict"] == ("FP32's workers' replicas differed after step 2: it trained no "
+                            "one model, so no speedup against it is claimed"), s["verdict"]
     assert s["target_fp32_minus_1pt"] is None
     assert all(r["speedup"] is None for r in s["rows"])
 
@@ -368,6 +382,13 @@ def test_main_job_through_bmv2_has_the_software_losses_step_by_step(tmp_path):
     assert "identical losses" in out.stdout
 
 
+def _rows_text(epoch: float) -> str:
+    """A worker's output: its data set's line and one evaluation row."""
+    row = {"epoch": epoch, "accuracy": 0.5, "seconds": 1.0, "steps": 3, "bytes_sent": 10,
+           "bytes_received": 25}
+    return '{"dataset": "digits", "params": 1000}\n' + json.dumps(row) + "\n"
+
+
 def _canned_run(name, losses, diverged_at=None):
     """What ``mainjob._run_mode`` returns for a mode that trained three steps."""
     acc, secs = (0.79, 2.0) if name == "fp32" else (0.8, 1.0)
@@ -408,8 +429,8 @@ def test_a_failed_check_fails_the_main_job(monkeypatch, capsys, tmp_path, case):
         assert "CHECK FAILED: thc: the workers' parameters differed after step 3" in out
     else:
         assert "CHECK FAILED" not in out and "identical losses" in out
-    # the loopback has no links: its bytes are what rank 0 sent, and the table says so
-    assert " MB sent " in out and "MB links" not in out
+    # the loopback has no links: its bytes are what rank 0 sent and received, as it says
+    assert " MB rank 0 " in out and "MB links" not in out
 
 
 @pytest.mark.parametrize("argv, mininet_why", [
@@ -454,8 +475,7 @@ def test_a_mode_hung_at_its_limit_failed_and_says_so(monkeypatch, tmp_path, stat
     def hung(self, argv_for, env=None, timeout=None, on_line=None):
         raise WorkerError(f"workers timed out after 60 s\n--- worker 1 (worker1-0) still "
                           f"{states[1]} at the timeout, killed", [WorkerResult(
-                              r, -9, '{"dataset": "digits", "params": 1000}\n{"epoch": 0.1, '
-                              '"accuracy": 0.5, "seconds": 1.0, "steps": 3, "bytes_sent": 10}\n'
+                              r, -9, _rows_text(0.1)
                               + ('{"final_evaluation": 4}\n' if evaluating else ""),
                               "", 60.0) for r in (0, 1)], timed_out=True, states=states)
     monkeypatch.setattr(LoopbackTestbed, "run_workers", hung)
@@ -479,8 +499,7 @@ def test_a_worker_that_failed_just_before_the_limit_fails_the_mode(monkeypatch, 
     evaluation: the mode was "stopped at the limit", its rows kept, the crash unreported."""
     from thc.emu.procs import WorkerError, WorkerResult
     from thc.emu.testbed import LoopbackTestbed
-    rows = ('{"dataset": "digits", "params": 1000}\n{"epoch": 0.1, "accuracy": 0.5, '
-            '"seconds": 1.0, "steps": 3, "bytes_sent": 10}\n{"final_evaluation": 4}\n')
+    rows = _rows_text(0.1) + '{"final_evaluation": 4}\n'
 
     def crashed(self, argv_for, env=None, timeout=None, on_line=None):
         raise WorkerError("workers timed out after 60 s\n--- worker 1 exit code 1",
@@ -581,9 +600,8 @@ def test_a_report_the_out_dir_cannot_take_is_kept_elsewhere(monkeypatch, capsys,
     from thc.emu.testbed import LoopbackTestbed
 
     def ran(self, argv_for, env=None, timeout=None, on_line=None):
-        return [WorkerResult(r, 0, '{"dataset": "digits", "params": 1000}\n{"epoch": 1.0, '
-                             '"accuracy": 0.5, "seconds": 1.0, "steps": 3, "bytes_sent": 10}\n'
-                             '{"final_evaluation": 4}\n', "", 1.0) for r in (0, 1)]
+        return [WorkerResult(r, 0, _rows_text(1.0) + '{"final_evaluation": 4}\n', "", 1.0)
+                for r in (0, 1)]
 
     write = mainreport._write_whole
     full = {tmp_path}
@@ -599,7 +617,10 @@ def test_a_report_the_out_dir_cannot_take_is_kept_elsewhere(monkeypatch, capsys,
     err = capsys.readouterr().err
     assert f"cannot write to --out {tmp_path} (No space left on device)" in err
     kept = Path(err.split("is kept in ")[1].split()[0])
-    assert json.loads(kept.read_text())["runs"][0]["mode"] == "fp32"
+    run = json.loads(kept.read_text())["runs"][0]
+    assert run["mode"] == "fp32"
+    # the loopback counts what the workers sent and received (10 and 25 in each's last row)
+    assert run["wire_bytes"] == 2 * 35 and "sent and received" in run["wire_source"]
     shutil.rmtree(kept.parent)
     assert not (tmp_path / "mainjob.json").exists()
     full.add(Path(tempfile.gettempdir()))   # one disk: the temporary directory is full too

@@ -360,15 +360,19 @@ def _wrap(args, model):
 def _row(args, epoch: float, acc: float, alike: bool, tally: _Tally, hook, client,
          n_params: int, steps: int) -> dict:
     """One evaluation row; ``bytes_sent`` from the hook, or DDP's ring all-reduce's (4
-    bytes a coordinate, 2 in fp16)."""
+    bytes a coordinate, 2 in fp16); ``bytes_received``: a ring's as many, an aggregator
+    client's as its counters say."""
     n = len(tally.step_losses)
     if hook is None:
         width = 2 if args.mode == "fp16" else 4
         sent = 2 * (args.world - 1) * n_params * width * n // args.world
     else:
         sent = hook.bytes_sent
+    received = sent if client is None else \
+        sent - client.stats.bytes_sent + client.stats.bytes_received
     row = {"mode": args.mode, "rank": args.rank, "epoch": epoch, "accuracy": acc,
            "loss": tally.step_losses[-1], "seconds": tally.trained, "bytes_sent": int(sent),
+           "bytes_received": int(received),
            "params": n_params, "steps_per_epoch": steps, "steps": n, "replicas_agree": alike,
            "comm_seconds": tally.comm, "exposed_comm_seconds": tally.exposed,
            "codec_seconds": getattr(hook, "codec_seconds", None),

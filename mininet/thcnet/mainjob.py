@@ -340,8 +340,9 @@ def _wire(tb, before, after, results, congestion) -> tuple[float, str]:
         return wire, f"worker links, transmit + receive ({counters})" + (
             ", the competing flow included" if congestion else "")
     last_rows = (_rows(r.stdout)[1] for r in results)
-    return (sum(rows[-1]["bytes_sent"] for rows in last_rows if rows),
-            "bytes rank 0 sent, not received (its transport's counters; FP32 and FP16: the "
+    return (sum(rows[-1]["bytes_sent"] + rows[-1]["bytes_received"]
+                for rows in last_rows if rows),
+            "bytes rank 0 sent and received (its transport's counters; FP32 and FP16: the "
             "ring's formula): the loopback has no links to count")
 
 

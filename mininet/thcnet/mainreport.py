@@ -48,10 +48,15 @@ def summarize(runs: list[dict], fixed: float, chance: float = 0.1) -> dict:
         rows.append(row)
     verdict = "no FP32 run: no comparison"
     unlearnt = base is not None and base["final_accuracy"] < 2 * chance
-    if base and (base["stopped"] or unlearnt):
-        # its final accuracy is where it stopped, or near chance: no target, no speedup
+    diverged = base is not None and base.get("replicas_diverged_at") is not None
+    if base and (base["stopped"] or unlearnt or diverged):
+        # its final accuracy is where it stopped, near chance, or no one model's: no target,
+        # no speedup
         verdict = (f"FP32 stopped at the time limit (epoch {base['epochs_done']}): no "
                    f"speedup against it is claimed" if base["stopped"] else
+                   f"FP32's workers' replicas differed after step "
+                   f"{base['replicas_diverged_at']}: it trained no one model, so no speedup "
+                   f"against it is claimed" if diverged else
                    f"FP32 ended at {base['final_accuracy']:.4f}, below twice chance "
                    f"({2 * chance:g}): it did not learn in {base['history'][-1]['steps']} "
                    f"steps, so no speedup against it is claimed (train longer, or on "
@@ -125,9 +130,9 @@ def dlcp_ratios(runs: list[dict]) -> list[dict]:
 def print_table(runs: list[dict], summary: dict) -> None:
     """The modes' table (final accuracy, training time, bytes, time to the targets and the
     speedup over FP32), the DLCP modes' step times against their baseline, and the verdict."""
-    # links counted on Mininet; on the loopback, what rank 0 sent (see wire_source)
+    # links counted on Mininet; on the loopback, what rank 0 sent and received (wire_source)
     volume = "MB links" if all(r["wire_source"].startswith("worker links") for r in runs) \
-        else "MB sent"
+        else "MB rank 0"
     print(f"\n{'mode':<16} {'testbed':<9} {'final acc':>9} {'train s':>8} {volume:>9} "
           f"{'t->fp32-1pt':>11} {'speedup':>8} {'t->' + format(summary['target_fixed'], 'g'):>8}")
     for r, row in zip(runs, summary["rows"]):
@@ -205,7 +210,7 @@ def plot(runs: list[dict], path: Path, title: str, recorded: dict | None = None)
         ax_t.set_xscale("log")  # BMv2's modes take tens of times longer than the others
     ax_b.set_xlabel("MB on worker links, both directions" if not runs or
                     runs[0]["wire_source"].startswith("worker links") else
-                    "MB rank 0 sent (the loopback has no links)")
+                    "MB rank 0 sent and received (the loopback has no links)")
     ax_b.set_xscale("log")
     for ax in (ax_t, ax_b):
         ax.set_ylabel("test accuracy")
