@@ -216,8 +216,8 @@ def scale_factor(factor) -> float:
 def cast_estimate(est, dtype, copy: bool = False):
     """An estimate of a mean of ``dtype`` values (a float32 torch tensor) as ``dtype``; as
     float16 or a float8 type, held to its finite range: the mean of finite values lies in
-    that range, so this only moves a coordinate towards it (Marsit's and TopK's estimates
-    carry their compensation past it: their residuals take back what the hold cuts off).
+    that range, so this only moves a coordinate towards it (an estimate may carry its
+    compensation past it: the reducers' residuals take back what the hold cuts off).
     The cast alone made an estimate past 65504 (THC's reaches t_p times its slice's max
     norm) an Inf from finite inputs. An
     estimate is never Inf otherwise (non-finite input is refused, or NaN under

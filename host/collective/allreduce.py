@@ -573,9 +573,13 @@ class THCAllReduce:
                 return self._overflow(tensor)
             raise NonFiniteInput(f"{e}{agreement.PROPAGATE_HINT}") from e
         self._open = True   # a failure from here on is this worker's alone
+        out = cast_estimate(est.reshape(tensor.shape), tensor.dtype)
         if self.feedback:
             self.feedback.keep(y, own)
-        out = cast_estimate(est.reshape(tensor.shape), tensor.dtype)
+            if out.dtype not in (torch.float32, torch.float64):
+                # what the cast moved (float16's hold at +-65504, a half type's rounding) was
+                # not applied: the residual keeps it, alike on every worker
+                self.feedback.residual += est - out.reshape(-1).float()
         self._open = False
         self.stats.calls += 1
         self.stats.elements += flat.numel()

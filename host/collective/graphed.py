@@ -547,6 +547,16 @@ class GraphedAllReduce:
             self.transport.abandon(f"round {self.round - 1} failed {where} "
                                    f"({type(error).__name__}: {error})")
 
+    @staticmethod
+    def _keep_moved(b: "_Buffers", out: torch.Tensor, clean=None) -> torch.Tensor:
+        """``out``, after the residual took what its cast moved (float16's hold at +-65504,
+        a half type's rounding), which is not applied, as THCAllReduce's does; where the
+        round was ``clean`` (a device flag) alone. On the rounds' stream, no wait."""
+        if b.residual is not None and out.dtype not in (torch.float32, torch.float64):
+            moved = b.out[:b.numel] - out.reshape(-1).float()
+            b.residual[:b.numel] += moved if clean is None else torch.where(clean, moved, 0.0)
+        return out
+
     def _after_sum(self, step):
         """``step()``, a step of this worker's own after its sum: where it fails, the group
         is abandoned, as :meth:`_settle` says why."""
@@ -628,6 +638,7 @@ class GraphedAllReduce:
                     if self.nonfinite == "propagate" else 0.0
                 out = cast_estimate(torch.where(b.clean, b.out[:b.numel], refused),
                                     tensor.dtype)
+                self._keep_moved(b, out, b.clean)
                 # after the reads of the buffers: its event covers them
                 self._pending = replay.defer(b.report, b.host, self.round - 1, self.timeout)
             except BaseException as e:
@@ -642,8 +653,8 @@ class GraphedAllReduce:
                 out = torch.full_like(tensor, float("nan"))
             else:
                 # a copy: the next round overwrites the buffer
-                out = self._after_sum(lambda: cast_estimate(b.out[:b.numel], tensor.dtype,
-                                                            copy=True))
+                out = self._after_sum(lambda: self._keep_moved(b, cast_estimate(
+                    b.out[:b.numel], tensor.dtype, copy=True)))
         self.stats.calls += 1
         self.stats.elements += b.numel
         self.stats.seconds["graph"] += time.perf_counter() - t0
