@@ -6,7 +6,6 @@ mid-stream makes every worker fail in bounded time with a clear cause, never wit
 """
 from __future__ import annotations
 
-import multiprocessing as mp
 import time
 
 import numpy as np
@@ -16,6 +15,7 @@ from thc.codec.packing import pack_bits
 from thc.net.client import AggregationClient, AggregationTimeout, AggregatorRestarted
 from thc.testing.clusters import free_port_block, local_job
 from thc.wire import protocol as P
+from tests import procs as procs_
 from tests.test_transport import AggregatorProcess, _reference, _run_workers
 from tests.test_transport import datapath  # noqa: F401 (a fixture)
 
@@ -76,13 +76,11 @@ def test_aggregator_restarted_mid_stream_fails_clearly_then_recovers(tmp_path, j
                                                                       datapath):
     numel = job.lanes * 40_000
     agg = AggregatorProcess(tmp_path, [job])
-    ctx = mp.get_context("fork")
-    q = ctx.Queue()
-    procs = [ctx.Process(target=_stream, args=(job, w, agg.addr, numel, 200, q))
-             for w in range(job.n_workers)]
+    q = procs_.queue()
+    procs = []
     try:
-        for p in procs:
-            p.start()
+        procs += [procs_.start(_stream, job, w, agg.addr, numel, 200, q)
+                  for w in range(job.n_workers)]
         # Wait until chunks complete (every worker has learnt the first epoch), then kill.
         end = time.monotonic() + 60
         while (done := agg.stats()["jobs"]["1"]["completions"]) < 200:

@@ -26,6 +26,7 @@ from thc.testing.clusters import free_port_block, local_job
 from thc.testing.stats import fresh_stats
 from thc.wire import protocol as P
 from thc.wire.jobs import Cluster, Shard
+from tests import procs as procs_
 
 N_ELEMENTS = 1 << 20
 
@@ -90,13 +91,11 @@ def _worker(job, w, addr, impair, q, deadline=20.0, run=1, n=N_ELEMENTS):
 
 
 def _run_workers(job, addr, impair=None, workers=None, deadline=20.0, run=1, n=N_ELEMENTS):
-    ctx = mp.get_context("fork")
-    q = ctx.Queue()
+    """Each worker's (status, payload, extra), the workers forked from the tests' fork
+    server: forked from this process, one inherited a lock another thread held and hung."""
+    q = procs_.queue()
     workers = range(job.n_workers) if workers is None else workers
-    procs = [ctx.Process(target=_worker, args=(job, w, addr, impair, q, deadline, run, n))
-             for w in workers]
-    for p in procs:
-        p.start()
+    procs = [procs_.start(_worker, job, w, addr, impair, q, deadline, run, n) for w in workers]
     results = {}
     for _ in procs:
         w, status, payload, extra = q.get(timeout=120)
