@@ -217,6 +217,39 @@ def test_sum_types_and_output_buffers():
                                             backend="compiled"))
 
 
+def test_an_output_over_the_sums_or_under_autograd_is_written_as_the_references():
+    """The compiled decode writes its output slice by slice, straight into ``out``: an
+    ``out`` over the sums' bytes overwrote the sums of later slices before it read them (a
+    wrong decode, or a refusal of sums no worker sent), and a tensor's values changed behind
+    torch's back (a tensor autograd had saved gave a wrong gradient; a leaf that requires
+    grad and an inference tensor were written). Both paths now end alike."""
+    params = THCParams(slice_size=64)
+    numel, m = 256, np.ones(4, np.float32)
+    sums = np.random.default_rng(0).integers(0, 256, numel).astype(np.uint8)
+    for backend in ("reference", "compiled"):
+        want = codec.decode(sums.copy(), 9, m, numel, params, backend=backend)
+        buf = np.zeros(4 * numel, np.uint8)
+        buf[:numel] = sums
+        got = codec.decode(buf[:numel], 9, m, numel, params, 0, out=buf.view(np.float32),
+                           backend=backend)
+        assert np.array_equal(got, want), backend
+    t_sums = torch.from_numpy(sums.astype(np.int32))
+    for backend in ("reference", "compiled"):
+        w = torch.ones(numel, requires_grad=True)
+        saved = torch.zeros(numel)
+        loss = (w * saved).sum()
+        codec.decode(t_sums, 9, m, numel, params, 0, out=saved, backend=backend)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            loss.backward()
+        with pytest.raises(RuntimeError, match="requires grad"):
+            codec.decode(t_sums, 9, m, numel, params, 0,
+                         out=torch.zeros(numel, requires_grad=True), backend=backend)
+        with torch.inference_mode():
+            inference = torch.zeros(numel)
+        with pytest.raises(RuntimeError, match="inference tensor"):
+            codec.decode(t_sums, 9, m, numel, params, 0, out=inference, backend=backend)
+
+
 def test_generators():
     """An int keys the draws as on the reference path; a generator gives one key: the same
     draws as that key as an int."""

@@ -75,8 +75,15 @@ def decode(sums, n: int, max_norms, lay, params: THCParams, round: int, out,
     else:
         s, kind = fastcodec.sums_kind(s)
     dst = fastcodec.as_numpy(out) if is_torch(out) else out
+    # written slice by slice: an ``out`` over the sums would overwrite those still unread
     direct = dst.flags.c_contiguous and dst.flags.writeable and dst.flags.aligned and \
-        (not is_torch(out) or dst.ctypes.data == out.data_ptr())
+        (not is_torch(out) or dst.ctypes.data == out.data_ptr()) and \
+        not np.may_share_memory(dst, s)
+    if direct and is_torch(out):
+        # the C code writes behind torch's back: an in-place op on none of it refuses what
+        # torch refuses (a leaf that requires grad, an inference tensor) and counts the write
+        # for autograd, which then refuses a backward through the values it overwrites
+        out.view(-1)[:0].zero_()
     if not direct:
         dst = np.empty(lay.numel, np.float32)
     seen = fastcodec.decode(s, kind, lay.numel, params.slice_size, alpha, n * g / 2.0,
