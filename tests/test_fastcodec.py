@@ -250,6 +250,31 @@ def test_an_output_over_the_sums_or_under_autograd_is_written_as_the_references(
             codec.decode(t_sums, 9, m, numel, params, 0, out=inference, backend=backend)
 
 
+def test_a_table_past_float32s_integers_encodes_as_the_reference():
+    """g = 2^31 - 1: a table value that float32 rounds down (T[m] > float32(T[m])). A rotated
+    value landing on float32(T[m]) lies below T[m]: the reference rounds it in [T[m-1],
+    T[m]), the C code compared it with float32(T[m]) and took [T[m], T[m+1]), and the
+    indices differed wherever the draw passed the reference's q. A one-hot slice rotates to
+    that value exactly on both paths."""
+    p = THCParams(bits=8, granularity=2 ** 31 - 1, table_kind="uniform", slice_size=2 ** 12)
+    t, f32 = p.table.astype(np.int64), np.float32
+    ghalf = f32(p.granularity / 2.0)
+    m = next(k for k in range(1, len(t)) if int(f32(t[k])) < t[k]
+             and 0 < f32(t[k]) - ghalf < 0.2 * p.granularity)
+    y = f32(t[m]) - ghalf
+    c = f32(p.granularity / (2.0 * p.t_p))   # the encode's scale at max norm 1
+    a = f32(np.float64(y) / np.float64(c))
+    while f32(a * c) < y:
+        a = np.nextafter(a, f32(np.inf))
+    while f32(a * c) > y:
+        a = np.nextafter(a, f32(0))
+    x = np.zeros(p.slice_size, np.float32)
+    x[0] = a
+    for key in range(8):
+        assert np.array_equal(codec.encode(x, [1.0], p, 0, key, "compiled"),
+                              codec.encode(x, [1.0], p, 0, key, "reference")), key
+
+
 def test_generators():
     """An int keys the draws as on the reference path; a generator gives one key: the same
     draws as that key as an int."""

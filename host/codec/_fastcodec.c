@@ -227,8 +227,9 @@ typedef struct {
 } round_t;
 
 /* j with T[j] <= u < T[j + 1] (the last interval closed): the count of T[1..levels-2] <= u.
- * The reference looks j up by floor(u) (quantize.segments); for integer tables and u in
- * [0, g] that is the same j. */
+ * The reference looks j up by floor(u) (quantize.segments); for integer tables of g <= 2^24
+ * (float32 holds their values exactly; compiled.py encodes larger ones on the reference)
+ * and u in [0, g] that is the same j. */
 INLINE uint8_t round1(const round_t *rt, float y, uint32_t i) {
     float u = y + rt->ghalf;
     u = u >= 0.0f ? u : 0.0f; /* NaN -> 0: the caller refuses the slice anyway */

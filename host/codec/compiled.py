@@ -30,8 +30,17 @@ def prepare(flat, params: THCParams, lay, round: int, backend: str,
     return Prepared(flat, round, norms(flat, params, lay), {}, backend, params)
 
 
+EXACT_TABLE = 1 << 24
+"""The largest g whose table values float32 holds exactly, as the C code compares them with
+the rotated values: past it, a value float32 rounds down takes another interval than the
+reference's exact one, so such a table encodes on the reference."""
+
+
 def encode(flat, lay, max_norms, params: THCParams, round: int, generator, pack: bool,
            scratch=None, status=None, norms=None):
+    if params.granularity > EXACT_TABLE:
+        return reference.encode(flat, lay, max_norms, params, round, generator, pack,
+                                scratch, status, norms)
     m = norm_array(max_norms, lay.n_slices, params)
     coef = encode_coef(m, params).astype(np.float32)
     # max norms of at least half the slices' own norms keep every scaled value within g / t_p,
