@@ -66,6 +66,29 @@ def _worker(rank, port, q):
     dist.destroy_process_group()
 
 
+def test_a_hook_that_does_not_overlap_backward_reports_all_its_communication_exposed(alone):
+    """Without overlap every bucket is reduced inside backward, all of it waited for; the
+    breakdown counted only the last bucket's (0.2 of 0.8 s in four buckets "exposed", the
+    rest "hidden")."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from thc.collective.ddp import FP32Hook
+    model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(4)])
+    ddp = DDP(model, bucket_cap_mb=64 * 65 * 4 / 2 ** 20)   # a bucket a layer
+    hook = FP32Hook(model, overlap=False).register(ddp)
+    reduce = hook.reduce
+
+    def slow(*a, **k):
+        time.sleep(0.05)
+        return reduce(*a, **k)
+    hook.reduce = slow
+    for _ in range(2):   # the first step's buckets are DDP's guess, rebuilt after it
+        ddp(torch.randn(8, 64)).sum().backward()
+        br = hook.step_breakdown()
+    assert br.comm >= 4 * 0.05
+    assert br.exposed == br.comm and br.hidden == 0.0, br
+
+
 SHARED = pytest.mark.xdist_group("ddp_all_kinds")
 """The tests that read :func:`_run_all`'s one pair of spawned processes: one pytest-xdist
 process runs them, so the pair is spawned once."""

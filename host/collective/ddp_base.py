@@ -138,7 +138,8 @@ class StepBreakdown:
     comm: float
     """Time the communication thread spent reducing buckets."""
     exposed: float
-    """Communication backward waited for: from the last bucket handed over to the last done."""
+    """Communication backward waited for: from the last bucket handed over to the last done
+    (all of it where the hook does not overlap backward: each bucket is reduced in it)."""
 
     @property
     def hidden(self) -> float:
@@ -355,7 +356,8 @@ class BaseHook:
     def step_breakdown(self) -> StepBreakdown:
         """The communication of the buckets reduced since the last call (call once a step)."""
         with self._stats_lock:
-            out = StepBreakdown(self._comm, max(0.0, self._last_done - self._last_call))
+            out = StepBreakdown(self._comm, self._comm if self._pool is None else
+                                max(0.0, self._last_done - self._last_call))
             self._comm = 0.0
             self._last_call = self._last_done = 0.0   # a step that reduces nothing waits none
         return out
