@@ -107,6 +107,19 @@ def test_workers_get_the_venv_python_one_thread_and_the_repo_on_the_path():
         assert str(ROOT) in path.split(":")
 
 
+def test_workers_read_a_relative_fashion_mnist_folder_from_the_callers_folder(
+        monkeypatch, tmp_path):
+    """``THC_FASHION_MNIST=fm``, checked from the caller's folder: the workers start in the
+    repository's root, read ``fm`` from there, and every mode failed (or trained from another
+    folder of that name)."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("THC_FASHION_MNIST", "fm")
+    code = "import os; print(os.environ['THC_FASHION_MNIST'])"
+    with LoopbackTestbed(1, aggregator="none") as tb:
+        res = tb.run_workers(lambda r: ["python", "-c", code], timeout=30)
+    assert res[0].stdout.strip() == str(tmp_path / "fm")
+
+
 def test_a_ctrl_c_during_loopback_teardown_lets_it_finish(monkeypatch):
     """A second Ctrl-C while the loopback testbed tore down cut it short and left its folder
     of cluster file and logs: held, it is raised once the teardown is done."""

@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from thc.codec.settings import ENV
 from thc.emu.cleanup import kill_process, start_time
 
 TAIL_LINES = 15
@@ -265,8 +266,13 @@ def pythonize(argv: list[str], python: str) -> list[str]:
 
 
 def merged_env(base: dict | None, extra: dict) -> dict:
+    """This process's environment, then ``extra``, then ``base``; a relative Fashion-MNIST
+    folder made absolute here, as the workers start in the repository's root and the
+    command checked it from the caller's folder."""
     env = dict(os.environ)
     env.update(extra)
     if base:
         env.update({k: str(v) for k, v in base.items()})
+    if env.get(ENV["fashion_mnist"]):
+        env[ENV["fashion_mnist"]] = os.path.abspath(env[ENV["fashion_mnist"]])
     return env
