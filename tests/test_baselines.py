@@ -220,6 +220,15 @@ def test_make_scheme_errors_and_options():
         make_scheme("qsgd:levels=3")
     with pytest.raises(ValueError, match="granularity"):
         make_scheme("thc:bits=5")
+    # a misspelt boolean was true, a fraction of levels cut to a whole number
+    for spec in ("topk:error_feedback=flase", "thc:error_feedback=treu", "sign:error_feedback=1"):
+        with pytest.raises(ValueError, match="error_feedback is true or false"):
+            make_scheme(spec)
+    with pytest.raises(ValueError, match="whole number"):
+        make_scheme("qsgd:s=7.9")
+    # defaults give way to the spec's options, with spaces around them or not
+    for spec in ("thc:p=1/64", "thc: p = 1/64", " thc :p=1/64"):
+        assert make_scheme(spec, {"p": 1 / 32, "bits": 4}).params.p == 1 / 64, spec
 
 
 @pytest.mark.parametrize("name", ["qsgd", "topk", "sign", "fp16", "thc"])

@@ -102,6 +102,16 @@ def test_every_scheme_is_checked_before_the_first_is_measured(monkeypatch, capsy
     assert "--schemes ',' names no scheme" in capsys.readouterr().err
 
 
+def test_a_schemes_own_option_wins_over_the_flags_default_with_spaces_too(monkeypatch):
+    """``--schemes "thc: p=1/64"`` ran p=1/32: the flag's default won where a space stood
+    before the option's name."""
+    seen = []
+    monkeypatch.setattr(bench, "measure", lambda scheme, workers, *a: seen.append(scheme)
+                        or {n: {"nmse": 0.0, "stderr": None} for n in workers})
+    bench.run(parse(["--quick", "--schemes", "thc: p=1/64,thc:p=1/16", "--workers", "1"]))
+    assert [s.params.p for s in seen] == [1 / 64, 1 / 16]
+
+
 def test_a_size_given_wins_over_quick(tmp_path):
     """``--quick --dim 2^16`` measured 2^14 coordinates and ``--trials 3`` two, silently."""
     out = tmp_path / "nmse.json"

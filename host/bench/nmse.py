@@ -148,9 +148,8 @@ def _run(args: argparse.Namespace) -> int:
             raise ValueError(f"--schemes {args.schemes!r} names no scheme")
         thc_kw = {"bits": params.bits, "granularity": params.granularity, "p": params.p,
                   "seed": params.seed}
-        schemes = [make_scheme(spec, **({k: v for k, v in thc_kw.items()
-                                         if f":{k}=" not in spec}
-                                        if spec.split(":")[0] in ("thc", "uhc") else {}))
+        schemes = [make_scheme(spec, thc_kw if spec.split(":")[0].strip() in ("thc", "uhc")
+                               else None)
                    for spec in specs]     # every spec checked before the first is measured
     except ValueError as e:
         print(f"{prog}: {e}", file=sys.stderr)

@@ -21,6 +21,7 @@ stacks into the dense mean (scatter-add / W), and ``TopK.decompress`` does it fo
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any, Callable, Sequence
@@ -116,7 +117,9 @@ class Scheme:
     unbiased = False
 
     def __init__(self, error_feedback: bool = False):
-        self.error_feedback = bool(error_feedback)
+        if not isinstance(error_feedback, bool):
+            raise ValueError(f"error_feedback is true or false, got {error_feedback!r}")
+        self.error_feedback = error_feedback
         self.residuals: dict = {}
 
     def bits_per_coord(self, numel: int = 2 ** 18) -> float:
@@ -251,8 +254,8 @@ class QSGD(Scheme):
 
     def __init__(self, s: int = 7, error_feedback: bool = False):
         super().__init__(error_feedback)
-        if not 1 <= int(s) < 2 ** 31:
-            raise ValueError(f"QSGD needs 1 <= s < 2^31 levels, got {s}")
+        if isinstance(s, bool) or not isinstance(s, numbers.Integral) or not 1 <= s < 2 ** 31:
+            raise ValueError(f"QSGD needs a whole number 1 <= s < 2^31 of levels, got {s!r}")
         self.s = int(s)
 
     def describe(self) -> str:
@@ -425,12 +428,14 @@ def _parse_value(text: str):
         return text
 
 
-def make_scheme(spec: str, **overrides) -> Scheme:
-    """Build a scheme from ``name[:key=value...]``, e.g. ``topk:ratio=0.01``, ``thc:p=1/64``."""
-    name, *opts = spec.strip().split(":")
+def make_scheme(spec: str, defaults: dict | None = None, **overrides) -> Scheme:
+    """Build a scheme from ``name[:key=value...]``, e.g. ``topk:ratio=0.01``, ``thc:p=1/64``;
+    ``defaults``: options where the spec gives none, ``overrides``: options whatever it
+    gives."""
+    name, *opts = [part.strip() for part in spec.strip().split(":")]
     if name not in SCHEMES:
         raise ValueError(f"unknown scheme {name!r}; known: {', '.join(SCHEMES)}")
-    kw: dict = {}
+    kw: dict = dict(defaults or {})
     for opt in opts:
         if "=" not in opt:
             raise ValueError(f"scheme option {opt!r} in {spec!r} is not key=value")
