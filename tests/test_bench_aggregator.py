@@ -96,6 +96,14 @@ def test_counts_that_make_no_bench_are_usage_errors(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
+def test_lanes_of_0_are_refused_not_taken_for_the_default(capsys):
+    """--lanes 0 ran 256 lanes a packet (``or``), where other commands read 0 as the most
+    that fit one MTU."""
+    from thc import cli
+    assert cli.main(["bench", "aggregator", "--quick", "--lanes", "0"]) == 2
+    assert "lanes must be a positive even number, got 0" in capsys.readouterr().err
+
+
 def test_load_procs_is_refused_where_it_would_be_ignored(capsys):
     """--load python runs one client process a worker: --load-procs was silently dropped."""
     from thc import cli

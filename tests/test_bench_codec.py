@@ -47,6 +47,15 @@ def test_a_repeat_given_wins_over_quicks(tmp_path):
     assert json.loads(out.read_text())["repeat"] == 3
 
 
+def test_a_size_that_is_no_power_of_two_is_printed_as_measured(capsys):
+    """--size 1000 was printed as 2^9: 512 elements, where 1000 were timed."""
+    args = _parser().parse_args(["--size", "1000", "--repeat", "1", "--ranks", "",
+                                 "--no-reference"])
+    assert bench.run(args) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if "copy (x.clone())" in line]
+    assert rows and rows[0].split()[2] == "1000", rows
+
+
 def test_a_backend_that_cannot_run_on_the_device_is_a_clear_error(monkeypatch, capsys):
     """--backend triton on the CPU without Triton's interpreter raised its RuntimeError from
     the first measurement, outside run()'s checks: a traceback."""

@@ -67,7 +67,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="comma-separated worker counts")
     parser.add_argument("--chunks", type=positive_int, default=None,
                         help="chunks per worker and run (default 32768; 2048 with --quick)")
-    parser.add_argument("--lanes", type=int, default=None, help="lanes per packet")
+    parser.add_argument("--lanes", type=int, default=None,
+                        help=f"lanes per packet (default {P.LANES})")
     parser.add_argument("--window", type=window_size, default=64,
                         help="chunks in flight per worker")
     parser.add_argument("--repeat", type=odd_count, default=None,
@@ -297,7 +298,7 @@ def run_point(kind: str, n: int, chunks: int, lanes: int, window: int, load: str
 
 
 def run(args: argparse.Namespace) -> int:
-    lanes = args.lanes or P.LANES
+    lanes = P.LANES if args.lanes is None else args.lanes
     try:
         P.check_lanes(lanes)
         settings = Settings.from_env()      # ValueError: a bad THC_* variable

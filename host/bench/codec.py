@@ -129,6 +129,11 @@ def _stats(times: dict) -> dict:
     return {"median_s": times["median_s"], "best_s": times["best_s"]}
 
 
+def _size(n: int) -> str:
+    """``n`` elements as the table prints them: a power of two as 2^k, else the number."""
+    return f"2^{n.bit_length() - 1}" if n > 0 and n & (n - 1) == 0 else str(n)
+
+
 def _matrix_shape(n: int) -> tuple[int, int]:
     rows = 1 << ((n.bit_length() - 1) // 2)
     while n % rows:
@@ -306,7 +311,7 @@ def run(args: argparse.Namespace) -> int:
     print(head, file=out)
     print("-" * len(head), file=out)
     for r in rows:
-        print(f"{r['name']:<{width}} 2^{r['elements'].bit_length() - 1:<7} "
+        print(f"{r['name']:<{width}} {_size(r['elements']):>9} "
               f"{r['median_s'] * 1e3:>9.3f} {r['gb_per_s']:>8.2f} {r['speed_vs_copy']:>8.3f}",
               file=out)
     if args.plot:
