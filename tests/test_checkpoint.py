@@ -79,8 +79,7 @@ def test_a_graphed_reducer_restored_goes_on_as_the_one_saved(alone):
     assert not all(torch.equal(a, c) for a, c in zip(went_on, fresh))
     short = GraphedAllReduce.through_torch_distributed(params=P, generator=11, capture=False)
     short.load_state_dict(checkpoint.state(3, torch.zeros(5), short.state_owner))
-    with pytest.raises(ValueError, match=r"loaded residual is of a tensor of 5 elements \(5 "
-                                         r"kept\), this tensor 968"):
+    with pytest.raises(ValueError, match="loaded residual holds 5 elements, this tensor 968"):
         short(_inputs(1, device=DEV)[0])
 
 
@@ -109,9 +108,20 @@ def test_a_graphed_state_is_taken_for_a_tensor_of_its_own_length_alone(alone):
     again.load_state_dict(state)
     assert again.state_dict()["elements"] == 1124
     assert torch.isfinite(again(torch.zeros(1124, device=DEV))).all()
-    for bad in (1281, -1, 3.0, None):
+    for bad in (1281, -1, 3.0, True):
         with pytest.raises(ValueError, match="the state's elements"):
             make().load_state_dict({**state, "elements": bad})
+    # a state that does not name its tensor's length (saved before states named it) is
+    # taken by its own tensor, whose residual it holds padded
+    unnamed = make()
+    unnamed.load_state_dict({k: v for k, v in state.items() if k != "elements"})
+    assert torch.isfinite(unnamed(torch.zeros(1124, device=DEV))).all()
+    # an eager reducer takes it without the padding, for the tensor of its length alone
+    eager = THCAllReduce.through_torch_distributed(params=params, name="g")
+    eager.load_state_dict(state)
+    assert eager.kept_residual.numel() == 1124
+    with pytest.raises(ValueError, match="error feedback holds 1124 elements"):
+        eager(torch.zeros(1280))
 
 
 def test_a_state_that_cannot_be_taken_is_refused(alone):
@@ -181,9 +191,10 @@ def test_a_state_is_loaded_only_by_the_rank_that_saved_it():
         in res[1][2], res
 
 
-def _resumed_worker(rank, port, q, kind, loads):
+def _resumed_worker(rank, port, q, kind, loads, counted=True):
     """Three steps and a save on each rank, then a model and hook built anew on each, rank
-    ``r`` loading its own state where ``loads[r]``, and a step."""
+    ``r`` loading its own state where ``loads[r]`` (without its count of steps where not
+    ``counted``), and a step."""
     import torch.distributed as dist
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=2)
@@ -194,6 +205,8 @@ def _resumed_worker(rank, port, q, kind, loads):
     hook = HOOKS[kind](model).register(ddp)
     _steps(ddp, model, xs[:3])
     state = _saved(hook.state_dict())
+    if not counted:
+        del state["steps"]
     again = _model()
     ddp_again = DDP(again)
     hook_again = HOOKS[kind](again)
@@ -202,7 +215,7 @@ def _resumed_worker(rank, port, q, kind, loads):
     hook_again.register(ddp_again)
     try:
         _steps(ddp_again, again, xs[3:])
-        out = ("stepped", state["steps"])
+        out = ("stepped", state.get("steps"))
     except Exception as e:  # noqa: BLE001 - the refusal is the result
         out = ("refused", str(e))
     q.put((rank, out))
@@ -225,6 +238,10 @@ def test_a_hook_resumed_on_one_rank_alone_is_refused_on_every_rank(kind):
                 in res[rank][1], (loads, res)
     res = gloo_pair(functools.partial(_resumed_worker, kind=kind, loads=(True, True)))
     assert res == {0: ("stepped", 3), 1: ("stepped", 3)}, res
+    # a state that counts no steps loads, and is still told apart from a fresh start
+    res = gloo_pair(functools.partial(_resumed_worker, kind=kind, loads=(True, False),
+                                      counted=False))
+    assert res[0][0] == res[1][0] == "refused", res
 
 
 def test_a_hooks_state_names_the_steps_behind_it(alone):
@@ -242,9 +259,17 @@ def test_a_hooks_state_names_the_steps_behind_it(alone):
     resumed.register(ddp_again)
     _steps(ddp_again, again, [torch.ones(2, 40)])
     assert resumed.state_dict()["steps"] == 3
-    for steps in (-1, 1.0, True, "2", None):
+    for steps in (-1, 1.0, True, "2"):
         with pytest.raises(ValueError, match="names the backward passes behind it"):
             HOOKS["thc"](_model()).load_state_dict(_hook_state("THCHook", {}, steps))
+    # a state that counts none (saved before states counted them) loads, and its count stays
+    # unknown: a rank that took it still differs from one that started afresh
+    counted_none = _hook_state("THCHook", {})
+    del counted_none["steps"]
+    for state in (counted_none, _hook_state("THCHook", {}, None)):
+        unknown = HOOKS["thc"](_model())
+        unknown.load_state_dict(state)
+        assert unknown.state_dict()["steps"] is None
 
 
 def test_a_named_reducers_state_is_refused_by_another(alone):

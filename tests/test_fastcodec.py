@@ -244,6 +244,16 @@ def test_an_output_over_the_sums_or_under_autograd_is_written_as_the_references(
         with pytest.raises(RuntimeError, match="requires grad"):
             codec.decode(t_sums, 9, m, numel, params, 0,
                          out=torch.zeros(numel, requires_grad=True), backend=backend)
+        # a tensor autograd tracks: its values are the decode's, and no gradient passes
+        # back through the values it overwrote (not 512 of them to w)
+        w = torch.ones(numel, requires_grad=True)
+        tracked = w * 2.0
+        if backend == "compiled":   # the reference's out= refuses a tensor that needs grad
+            codec.decode(t_sums, 9, m, numel, params, 0, out=tracked, backend=backend)
+            assert torch.equal(tracked.detach(), torch.from_numpy(
+                codec.decode(sums.copy(), 9, m, numel, params, backend=backend)))
+            tracked.sum().backward()
+            assert torch.equal(w.grad, torch.zeros(numel))
         with torch.inference_mode():
             inference = torch.zeros(numel)
         with pytest.raises(RuntimeError, match="inference tensor"):

@@ -154,10 +154,15 @@ class THCAllReduce:
         return checkpoint.state(self.round, self.kept_residual, self.state_owner)
 
     def load_state_dict(self, state: dict) -> None:
-        """Take :meth:`state_dict`'s state before the first round (this reducer's own)."""
-        rnd, residual = checkpoint.loaded(state, self.round, self.feedback is not None,
-                                          type(self).__name__, self.state_owner)
-        checkpoint.within_codec(residual, self.params, type(self).__name__)
+        """Take :meth:`state_dict`'s state before the first round (this reducer's own); a
+        graphed reducer's residual without the padding past its tensor's ``elements``."""
+        what = type(self).__name__
+        rnd, residual = checkpoint.loaded(state, self.round, self.feedback is not None, what,
+                                          self.state_owner)
+        checkpoint.within_codec(residual, self.params, what)
+        n = checkpoint.elements(state, residual, what)
+        if n is not None:
+            residual = residual[:n].clone()
         self.round = rnd
         if self.feedback is not None:
             self.feedback.residual = residual

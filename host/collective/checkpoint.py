@@ -113,6 +113,16 @@ def loaded(saved: dict, rnd: int, feedback: bool, what: str,
     return r, residual
 
 
+def elements(saved: dict, residual: torch.Tensor | None, what: str) -> int | None:
+    """The length of the tensor whose residual ``saved`` holds (a graphed reducer's is padded
+    past it), checked; None where the state does not say."""
+    n = saved.get("elements") if residual is not None else None
+    if n is not None and (type(n) is not int or not 0 <= n <= residual.numel()):
+        raise ValueError(f"{what}: the state's elements (its tensor's length) must be an int "
+                         f"up to its residual's {residual.numel()}, got {n!r:.80}")
+    return n
+
+
 def joined(residuals: dict, layout: list[tuple[str, int]], device) -> torch.Tensor | None:
     """A bucket's residual from its parameters' (zeros for one that has none, or one of
     another length); None where none of them has one."""

@@ -253,10 +253,11 @@ class BaseHook:
         """Per bucket, the reducer that keeps its residual (hooks that build one each)."""
         self._backwards = 0
         """Backward passes whose buckets were handed to the hook (DDP's last bucket ends one)."""
-        self._resumed = 0
-        """Backward passes behind the state the hook was loaded from (0: a fresh start). Every
-        reducer's build agrees on it, so a rank that resumed where a peer did not is refused:
-        its residuals would carry a history its peers' lack."""
+        self._resumed: int | None = 0
+        """Backward passes behind the state the hook was loaded from (0: a fresh start; None:
+        a state that does not count them). Every reducer's build agrees on it, so a rank that
+        resumed where a peer did not is refused: its residuals would carry a history its
+        peers' lack."""
         self._stretches = StretchCount()
         """The DDP model's ``no_sync`` stretches a backward ran through, since
         :meth:`register`, which a bucket's rounds count (:meth:`reduce`'s ``stretches``)."""
@@ -316,7 +317,8 @@ class BaseHook:
         thread, between two reductions."""
         def read() -> dict:
             return {"hook": type(self).__name__, "owner": self._state_owner(),
-                    "steps": self._resumed + self._backwards, "residuals": {
+                    "steps": None if self._resumed is None else
+                    self._resumed + self._backwards, "residuals": {
                         name: r.detach().clone() for name, r in self._per_param.named().items()}}
         on_pool = self._pool is not None and threading.get_ident() != self._comm_thread
         return self._pool.submit(read).result() if on_pool else read()
@@ -332,8 +334,8 @@ class BaseHook:
                              f"{kind if kind is not None else type(state).__name__}")
         residuals = checkpoint.residuals_of(state, kind)
         checkpoint.check_owner(state, self._state_owner(), kind)
-        steps = state.get("steps")
-        if type(steps) is not int or steps < 0:
+        steps = state.get("steps")   # None or absent: a state that does not count them
+        if steps is not None and (type(steps) is not int or steps < 0):
             raise ValueError(f"a {kind}'s state names the backward passes behind it, a count "
                              f"(its state_dict()), got {steps!r:.80}")
         if self._residual_keys() or self._backwards:

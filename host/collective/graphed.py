@@ -247,18 +247,12 @@ class GraphedAllReduce:
     def load_state_dict(self, state: dict) -> None:
         """As :meth:`THCAllReduce.load_state_dict`: the residual is copied into the rounds'
         buffer when the first call makes it, for a tensor of the saved one's length (a state
-        without ``elements``, as a THCAllReduce's, is of its residual's)."""
+        without ``elements``, as a THCAllReduce's: of its residual's, padded or not)."""
         what = type(self).__name__
         rnd, loaded = checkpoint.loaded(state, self.round, self.error_feedback, what,
                                         self.state_owner)
         checkpoint.within_codec(loaded, self.params, what)
-        elements = state.get("elements") if loaded is not None else None
-        if loaded is not None and "elements" not in state:
-            elements = loaded.numel()
-        if loaded is not None and (type(elements) is not int or
-                                   not 0 <= elements <= loaded.numel()):
-            raise ValueError(f"{what}: the state's elements (its tensor's length) must be an "
-                             f"int up to its residual's {loaded.numel()}, got {elements!r:.80}")
+        elements = checkpoint.elements(state, loaded, what)
         self.round, self._loaded, self._loaded_elements = rnd, loaded, elements
 
     def rescale_residual(self, factor: float) -> None:
@@ -293,11 +287,13 @@ class GraphedAllReduce:
             n, dev = self._padded(flat.numel(), flat), flat.device
             ef = self.error_feedback
             loaded = self._loaded
-            if loaded is not None and (self._loaded_elements != flat.numel() or
+            if loaded is not None and (self._loaded_elements not in (None, flat.numel()) or
                                        loaded.numel() not in (flat.numel(), n)):
-                raise ValueError(f"the loaded residual is of a tensor of "
-                                 f"{self._loaded_elements} elements ({loaded.numel()} kept), "
-                                 f"this tensor {flat.numel()} ({n} padded)")
+                held = (f"holds {loaded.numel()} elements" if self._loaded_elements is None
+                        else f"is of a tensor of {self._loaded_elements} elements "
+                             f"({loaded.numel()} kept)")
+                raise ValueError(f"the loaded residual {held}, this tensor {flat.numel()} "
+                                 f"({n} padded)")
             residual = torch.zeros(n, device=dev) if ef else None
             if loaded is not None:
                 residual[:loaded.numel()] = loaded.to(dev, torch.float32)
