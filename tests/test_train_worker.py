@@ -48,6 +48,26 @@ def test_no_ddp_wrapper_outlives_the_training_loop(mode, monkeypatch):
 
 
 
+def test_what_the_training_set_could_not_give_is_noted(capsys):
+    """--train-subset past the digits' training set, or --evals past an epoch's steps, were
+    cut without a word (a sweep of 200 steps a run trained 117)."""
+    import json
+
+    from thc.app import train
+    from thc.testing.clusters import free_tcp_port
+    assert train.main(["--mode", "fp32", "--rank", "0", "--world", "1",
+                       "--rendezvous", f"127.0.0.1:{free_tcp_port()}", "--data", "digits",
+                       "--train-subset", "100000", "--batch", "512", "--epochs", "1",
+                       "--evals", "5"]) == 0
+    info = next(json.loads(line) for line in capsys.readouterr().out.splitlines()
+                if line.startswith('{"dataset"'))
+    images = info["train_images"]
+    assert f"{images} training images, the whole set: fewer than the 100000 asked" \
+        in info["note"]
+    assert f"2 evaluations an epoch of {images // 512} steps, fewer than the --evals 5 " \
+           f"asked" in info["note"]
+
+
 def test_the_ranks_train_on_disjoint_shares_that_cover_the_epoch():
     """A rank's share computed without its rank trained every rank on rank 0's images: the
     compressed modes still learned, and replicas agreed (identical data hid the

@@ -180,6 +180,19 @@ def _tensors(ds: datasets.Dataset, subset: int | None):
             torch.from_numpy(ds.x_test), torch.from_numpy(ds.y_test))
 
 
+def _note(note: str, args, images: int, steps: int, evals: int) -> str:
+    """The data set's note, and what of the asked the training set could not give: fewer
+    images than ``--train-subset``, fewer evaluations an epoch than ``--evals``."""
+    parts = [note] if note else []
+    if args.train_subset is not None and images < args.train_subset:
+        parts.append(f"{images} training images, the whole set: fewer than the "
+                     f"{args.train_subset} asked")
+    if evals < args.evals:
+        parts.append(f"{evals} evaluations an epoch of {steps} steps, fewer than the "
+                     f"--evals {args.evals} asked")
+    return "; ".join(parts)
+
+
 def _accuracy(model, x, y, batch: int = 4096) -> float:
     import torch
     with torch.no_grad():
@@ -403,18 +416,19 @@ def _train_model(args) -> list[dict]:
     ddp, hook, client = _wrap(args, model)
     say = print if args.rank == 0 else (lambda *a, **k: None)
     lr, momentum = optimizer_settings(args)
-    say(json.dumps({"dataset": ds.name, "note": ds.note, "train_images": len(ytr),
-                    "test_images": len(yte), "params": n_params, "mode": args.mode,
-                    "lr": lr, "momentum": momentum}),
-        flush=True)
-    opt = torch.optim.SGD(ddp.parameters(), lr=lr, momentum=momentum)
-    loss_fn = torch.nn.CrossEntropyLoss()
     global_batch = args.batch * args.world
     steps = len(ytr) // global_batch
     if steps < 1:
         raise SystemExit(f"{len(ytr)} training images cannot fill one global batch of "
                          f"{global_batch}")
     eval_at = {round(steps * (k + 1) / args.evals) for k in range(args.evals)}
+    say(json.dumps({"dataset": ds.name, "note": _note(ds.note, args, len(ytr), steps,
+                                                       len(eval_at - {0})),
+                    "train_images": len(ytr), "test_images": len(yte), "params": n_params,
+                    "mode": args.mode, "lr": lr, "momentum": momentum}),
+        flush=True)
+    opt = torch.optim.SGD(ddp.parameters(), lr=lr, momentum=momentum)
+    loss_fn = torch.nn.CrossEntropyLoss()
     progress_every = max(1, steps // 50)
     history = []
     tally = _Tally()
