@@ -226,6 +226,13 @@ def test_make_scheme_errors_and_options():
             make_scheme(spec)
     with pytest.raises(ValueError, match="whole number"):
         make_scheme("qsgd:s=7.9")
+    # float32 counts the levels: past 2^24 the clamp rounded s up, and the largest
+    # coordinate's level wrapped to -2^31 (its sign flipped)
+    assert make_scheme(f"qsgd:s={2 ** 24}").decompress(make_scheme(f"qsgd:s={2 ** 24}").compress(
+        torch.tensor([1.0, -0.5, 0.25]), generator=1)).tolist() == [1.0, -0.5, 0.25]
+    for big in (2 ** 24 + 1, 2 ** 31 - 1):
+        with pytest.raises(ValueError, match="1 <= s <= 2\\^24"):
+            make_scheme(f"qsgd:s={big}")
     # defaults give way to the spec's options, with spaces around them or not
     for spec in ("thc:p=1/64", "thc: p = 1/64", " thc :p=1/64"):
         assert make_scheme(spec, {"p": 1 / 32, "bits": 4}).params.p == 1 / 64, spec
@@ -279,3 +286,23 @@ def test_means_of_large_values_do_not_overflow():
     assert math.isfinite(float(FP16().aggregate_mean([torch.full((2,), 6e4)] * 2)[0]))
     est = TopK(ratio=1.0, error_feedback=False).aggregate_mean([torch.tensor([3e38])] * 2)
     assert est.tolist() == [pytest.approx(3e38, rel=1e-6)]
+
+
+def test_inputs_a_scheme_would_misread_are_refused_or_held():
+    """A complex input lost its imaginary part, vectors of unlike lengths were broadcast into
+    a mean, and FP16 turned a finite 1e5 into Inf, whose residual (-Inf) then refused every
+    later step of its key."""
+    z = torch.tensor([1 + 2j, 3 - 4j])
+    for name in ("fp32", "topk", "qsgd", "fp16"):
+        with pytest.raises(TypeError, match="floating-point"):
+            make_scheme(name).aggregate_mean([z, z])
+    with pytest.raises(TypeError, match="floating-point"):
+        make_scheme("fp32").aggregate_mean([np.array([1, 2]), np.array([3, 4])])
+    with pytest.raises(ValueError, match="one length, got \\[1, 4\\]"):
+        make_scheme("fp32").aggregate_mean([torch.ones(4), torch.tensor([3.0])])
+    x = torch.tensor([1e5, 1.0])
+    assert make_scheme("fp16").aggregate_mean([x, x]).tolist() == [65504.0, 1.0]
+    ef = make_scheme("fp16:error_feedback=true")
+    first = ef.decompress(ef.compress(x, key="k"))
+    assert first.tolist() == [65504.0, 1.0] and ef.residuals["k"].tolist() == [1e5 - 65504, 0]
+    assert torch.isfinite(ef.decompress(ef.compress(torch.ones(2), key="k"))).all()

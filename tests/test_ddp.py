@@ -599,6 +599,24 @@ def test_a_compensated_half_mean_past_65504_is_held_to_float16s_range():
         assert sum(first + second + third) + kept == 3 * 4 * 60000.0, res[rank]
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_what_a_half_buckets_rounding_moves_stays_in_topks_residual(alone, dtype):
+    """A bfloat16 bucket took TopK's float32 mean rounded, and the rounding went nowhere:
+    applied and kept fell short of the gradients (8.8e-3 in the review's five steps). Both
+    half types now keep it, as float16's hold was kept."""
+    from thc.collective.ddp import HookOptions, TopKHook
+    hook = TopKHook(torch.nn.Linear(2, 2), ratio=0.5, options=HookOptions(min_numel=1),
+                    overlap=False)
+    gen = torch.Generator().manual_seed(3)
+    total = applied = torch.zeros(64, dtype=torch.float64)
+    for _ in range(5):
+        x = torch.randn(64, generator=gen).to(dtype)
+        total = total + x.double()
+        applied = applied + hook._reduce_bucket("k", x.clone(), [(0, 64, False, 0.0)]).double()
+    kept = hook.scheme.residuals[("k", 64)].double()
+    assert float((applied + kept - total).abs().max()) < 1e-6
+
+
 class _Phase(torch.nn.Module):
     """A complex parameter (DDP's bucket holds its real view, twice its numel) and a real one."""
 

@@ -28,7 +28,8 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from thc.codec.common import NonFiniteInput, as_float32, scale_factor
+from thc.codec.common import (NonFiniteInput, as_float32, cast_estimate, check_float,
+                              scale_factor)
 from thc.codec.hadamard import is_torch
 from thc.codec.packing import pack_bits, unpack_bits
 from thc.codec.params import THCParams
@@ -48,9 +49,13 @@ def _as_torch(x):
     torch = _torch()
     if is_torch(x):
         shape = tuple(x.shape)
-        flat = as_float32(x.detach().reshape(-1))
-        return flat, lambda t: t.reshape(shape)
-    a = as_float32(np.asarray(x))
+        flat = x.detach().reshape(-1)
+        check_float(flat)   # a complex input's imaginary part would be dropped
+        return as_float32(flat), lambda t: t.reshape(shape)
+    a = np.asarray(x)
+    if not np.issubdtype(a.dtype, np.floating):
+        raise TypeError(f"the schemes average floating-point arrays, got {a.dtype}")
+    a = as_float32(a)
     shape = a.shape
     return torch.from_numpy(np.ascontiguousarray(a).reshape(-1)), \
         lambda t: t.reshape(shape).cpu().numpy()
@@ -157,6 +162,10 @@ class Scheme:
         if not xs:
             raise ValueError("aggregate_mean needs at least one vector")
         flats = [_as_torch(x) for x in xs]
+        sizes = {flat.numel() for flat, _ in flats}
+        if len(sizes) > 1:
+            raise ValueError(f"aggregate_mean takes vectors of one length, got "
+                             f"{sorted(sizes)}")
         gen = _torch_generator(rng, flats[0][0].device)
         total = None
         for flat, _ in flats:
@@ -254,8 +263,9 @@ class QSGD(Scheme):
 
     def __init__(self, s: int = 7, error_feedback: bool = False):
         super().__init__(error_feedback)
-        if isinstance(s, bool) or not isinstance(s, numbers.Integral) or not 1 <= s < 2 ** 31:
-            raise ValueError(f"QSGD needs a whole number 1 <= s < 2^31 of levels, got {s!r}")
+        # levels are counted in float32, whose integers are exact up to 2^24
+        if isinstance(s, bool) or not isinstance(s, numbers.Integral) or not 1 <= s <= 2 ** 24:
+            raise ValueError(f"QSGD needs a whole number 1 <= s <= 2^24 of levels, got {s!r}")
         self.s = int(s)
 
     def describe(self) -> str:
@@ -380,7 +390,8 @@ class FP16(Scheme):
         return 16.0
 
     def _compress(self, flat, gen) -> Payload:
-        return Payload({"half": flat.half()}, flat.numel(), ())
+        # held to float16's range, not Inf: error feedback keeps what the hold cuts off
+        return Payload({"half": cast_estimate(flat, _torch().float16)}, flat.numel(), ())
 
     def _decompress(self, payload: Payload):
         return payload.data["half"].float()

@@ -226,10 +226,11 @@ class TopKHook(BaseHook):
             raise
 
     def _held(self, key: tuple, mean: torch.Tensor, dtype) -> torch.Tensor:
-        """``mean`` held to a half type's range (the residuals carry it past 65504); what the
-        hold cuts off joins every worker's residual, so that their next mean applies it."""
-        if dtype in (torch.float32, torch.float64, torch.bfloat16):
-            return mean   # float32's range: nothing to hold
+        """``mean`` as a half type holds it: held to float16's range (the residuals carry it
+        past 65504), rounded; what the hold and the rounding move joins every worker's
+        residual, so that their next mean applies it."""
+        if dtype in (torch.float32, torch.float64):
+            return mean   # the bucket holds the float32 mean as it is
         out = cast_estimate(mean, dtype).float()
         cut = mean - out
         if key in self.scheme.residuals and bool(cut.any()):
