@@ -283,9 +283,15 @@ def _check_stats_file(path: str | None) -> None:
 
 def _stop_on_signals() -> None:
     """Ctrl-C and SIGTERM end the serving loop, which prints the final counters: also where
-    the aggregator starts with SIGINT ignored (a background job of a shell, nohup)."""
+    the aggregator starts with SIGINT ignored (a background job of a shell, nohup). The
+    first signal stops it; a later one (Ctrl-C and a supervisor's SIGTERM together) does
+    not cut the stop short."""
+    stopping = []
+
     def stop(signum, frame):
-        raise KeyboardInterrupt
+        if not stopping:
+            stopping.append(signum)
+            raise KeyboardInterrupt
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, stop)
 
@@ -316,6 +322,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"thc aggregator: {e}", file=sys.stderr)
         return 2
+    _stop_on_signals()   # before the datapath serves: from then on a signal prints its counters
     try:
         addr = agg.start(host, port)
     except OSError as e:
@@ -329,25 +336,11 @@ def run(args: argparse.Namespace) -> int:
 
 def _serve(args, agg, addr, datapath: str, chosen, cluster, host: str, port: int) -> int:
     """Serve until the duration ends or a signal comes, then print the final counters."""
-    role = "" if args.shard is None else f" as shard {args.shard}"
-    print(f"thc aggregator listening on {addr[0]}:{addr[1]}{role} with jobs "
-          f"{[j.job_id for j in cluster.jobs]}, epochs "
-          f"{' '.join(f'{jid}:{e:#010x}' for jid, e in agg.counters()['epochs'].items())}, "
-          f"datapath {datapath}",
-          flush=True)
-    print(f"thc aggregator: {chosen.describe()}", file=sys.stderr, flush=True)
-    if note := central_address_note(cluster, host, port):
-        print(f"thc aggregator: {note}", file=sys.stderr, flush=True)
-    if agg.receive_buffer < RECEIVE_BUFFER:
-        print(f"thc aggregator: the kernel granted {agg.receive_buffer >> 10} KiB of receive "
-              f"queue of the {RECEIVE_BUFFER >> 10} KiB asked (sysctl net.core.rmem_max): "
-              f"bursts beyond it are dropped, counted as queue_overflow", file=sys.stderr,
-              flush=True)
-    end = None if args.duration is None else time.monotonic() + args.duration
-    last_print = time.monotonic()
     report = _Report(args.stats_file)
-    _stop_on_signals()
     try:
+        _announce(agg, addr, datapath, chosen, cluster, host, port, args.shard)
+        end = None if args.duration is None else time.monotonic() + args.duration
+        last_print = time.monotonic()
         while end is None or time.monotonic() < end:
             time.sleep(0.5)
             if agg.error is not None:
@@ -362,13 +355,30 @@ def _serve(args, agg, addr, datapath: str, chosen, cluster, host: str, port: int
     except KeyboardInterrupt:
         pass
     finally:
-        for sig in (signal.SIGINT, signal.SIGTERM):   # a second signal: not mid-stop
-            signal.signal(sig, signal.SIG_IGN)
         agg.stop()
     final = agg.counters()
     report.file(final)   # the file agrees with the last line
     report.line(final)
     return 0
+
+
+def _announce(agg, addr, datapath: str, chosen, cluster, host: str, port: int,
+              shard: int | None) -> None:
+    """The startup lines: where it listens, for which jobs and epochs, its settings."""
+    role = "" if shard is None else f" as shard {shard}"
+    print(f"thc aggregator listening on {addr[0]}:{addr[1]}{role} with jobs "
+          f"{[j.job_id for j in cluster.jobs]}, epochs "
+          f"{' '.join(f'{jid}:{e:#010x}' for jid, e in agg.counters()['epochs'].items())}, "
+          f"datapath {datapath}",
+          flush=True)
+    print(f"thc aggregator: {chosen.describe()}", file=sys.stderr, flush=True)
+    if note := central_address_note(cluster, host, port):
+        print(f"thc aggregator: {note}", file=sys.stderr, flush=True)
+    if agg.receive_buffer < RECEIVE_BUFFER:
+        print(f"thc aggregator: the kernel granted {agg.receive_buffer >> 10} KiB of receive "
+              f"queue of the {RECEIVE_BUFFER >> 10} KiB asked (sysctl net.core.rmem_max): "
+              f"bursts beyond it are dropped, counted as queue_overflow", file=sys.stderr,
+              flush=True)
 
 
 class _Report:
