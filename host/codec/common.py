@@ -233,6 +233,16 @@ def cast_estimate(est, dtype, copy: bool = False):
     return est.to(dtype, copy=copy).nan_to_num_(nan=float("nan"), posinf=top, neginf=-top)
 
 
+def cast_moved(est, out):
+    """What :func:`cast_estimate` moved ``est`` by to give ``out`` (float16's hold, a half
+    type's rounding), flat in float32, for an error-feedback residual to keep: it is not
+    applied. None where the cast is exact (float32, float64)."""
+    import torch
+    if out.dtype in (torch.float32, torch.float64):
+        return None
+    return est.reshape(-1) - out.reshape(-1).float()
+
+
 class NonFiniteInput(ValueError):
     """The input holds NaN or Inf, or a slice norm beyond :func:`norm_limit`: an overflow,
     which a reducer may hand on (``nonfinite="propagate"``), where any other error is a

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from thc.codec.common import (NonFiniteInput, as_float32, cast_estimate, check_float,
+from thc.codec.common import (NonFiniteInput, as_float32, cast_estimate, cast_moved, check_float,
                               check_generator, check_key, norm_limit)
 from thc.codec.params import THCParams
 from thc.codec.thc import ErrorFeedback, THCCodec, table_values
@@ -510,7 +510,7 @@ class THCAllReduce:
         queued = [submit(encode, 0)]
         try:
             return self._pieces(flat, pieces, max_norms, tags, rnd, whole, slice_cls, est,
-                                own, submit, encode, queued)
+                                own, submit, encode, queued, norms_of)
         except BaseException:
             # nothing of a failed round may run on after it: its flags would be blamed on
             # the next round, and its encodes would draw from the generator beside that one's
@@ -518,11 +518,10 @@ class THCAllReduce:
             raise
 
     def _pieces(self, flat, pieces, max_norms, tags, rnd, whole, slice_cls, est, own, submit,
-                encode, queued: list[Future]):
+                encode, queued: list[Future], norms_of):
         """:meth:`_exchange`'s loop: each piece's sum while the next piece's encode and the
         last one's decode run, every future put in ``queued``."""
         slice_size = self.params.slice_size
-        norms_of = lambda a, b: max_norms[a // slice_size: -(-b // slice_size)]  # noqa: E731
         lanes = self.transport.lanes
         next_wire, decodes = queued[0], []
         for k, (a, b) in enumerate(pieces):
@@ -581,10 +580,9 @@ class THCAllReduce:
         out = cast_estimate(est.reshape(tensor.shape), tensor.dtype)
         if self.feedback:
             self.feedback.keep(y, own)
-            if out.dtype not in (torch.float32, torch.float64):
-                # what the cast moved (float16's hold at +-65504, a half type's rounding) was
-                # not applied: the residual keeps it, alike on every worker
-                self.feedback.residual += est - out.reshape(-1).float()
+            moved = cast_moved(est, out)   # not applied: kept, alike on every worker
+            if moved is not None:
+                self.feedback.residual += moved
         self._open = False
         self.stats.calls += 1
         self.stats.elements += flat.numel()

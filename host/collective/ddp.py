@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from thc.codec.baselines import TopK
-from thc.codec.common import NonFiniteInput, cast_estimate, scale_factor
+from thc.codec.common import NonFiniteInput, cast_estimate, cast_moved, scale_factor
 from thc.collective import agreement
 from thc.collective.allreduce import THCAllReduce
 from thc.collective.ddp_base import BaseHook, HookOptions, layer_positions
@@ -229,13 +229,13 @@ class TopKHook(BaseHook):
         """``mean`` as a half type holds it: held to float16's range (the residuals carry it
         past 65504), rounded; what the hold and the rounding move joins every worker's
         residual, so that their next mean applies it."""
-        if dtype in (torch.float32, torch.float64):
+        held = cast_estimate(mean, dtype)
+        cut = cast_moved(mean, held)
+        if cut is None:
             return mean   # the bucket holds the float32 mean as it is
-        out = cast_estimate(mean, dtype).float()
-        cut = mean - out
         if key in self.scheme.residuals and bool(cut.any()):
             self.scheme.residuals[key] += cut
-        return out
+        return held.float()
 
 
 class MarsitHook(BaseHook):

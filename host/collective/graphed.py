@@ -67,8 +67,8 @@ import torch
 from thc.codec import kernels
 from thc.codec.backends import kernels_for
 from thc.codec.common import (NORM_MARK, STATUS_WORDS, WHOLE, NonFiniteInput, as_float32,
-                              cast_estimate, check_float, check_key, norm_limit, raise_status,
-                              scale_factor)
+                              cast_estimate, cast_moved, check_float, check_key, norm_limit,
+                              raise_status, scale_factor)
 from thc.codec.params import THCParams
 from thc.codec.thc import THCCodec, check_feedback
 from thc.collective import agreement, checkpoint, replay
@@ -548,8 +548,8 @@ class GraphedAllReduce:
         """``out``, after the residual took what its cast moved (float16's hold at +-65504,
         a half type's rounding), which is not applied, as THCAllReduce's does; where the
         round was ``clean`` (a device flag) alone. On the rounds' stream, no wait."""
-        if b.residual is not None and out.dtype not in (torch.float32, torch.float64):
-            moved = b.out[:b.numel] - out.reshape(-1).float()
+        moved = cast_moved(b.out[:b.numel], out)
+        if b.residual is not None and moved is not None:
             b.residual[:b.numel] += moved if clean is None else torch.where(clean, moved, 0.0)
         return out
 

@@ -28,7 +28,6 @@ class UseCount:
         self._accumulated: set[int] = set()
         self._watched: set[int] = set()
         self._frozen: list = []
-        self._frozen_ids: set[int] = set()
 
     def watch_all(self, params) -> None:
         """Watch every parameter that needs a gradient now; the others from the first
@@ -38,7 +37,6 @@ class UseCount:
                 self._watch(p)
             else:
                 self._frozen.append(weakref.ref(p))
-                self._frozen_ids.add(id(p))
 
     def watch_unfrozen(self) -> None:
         """Called before each forward: start watching a frozen parameter that needs a
@@ -48,7 +46,6 @@ class UseCount:
                 self._frozen.remove(ref)
                 if p is not None:
                     self._watch(p)
-        self._frozen_ids = {id(p) for ref in self._frozen if (p := ref()) is not None}
 
     def _watch(self, p: torch.Tensor) -> None:
         """A gradient ``p`` holds already (a backward outside DDP's forward, which DDP
@@ -67,9 +64,9 @@ class UseCount:
     def take(self, ids: tuple[int, ...], counting: bool) -> tuple[bool, ...] | None:
         """Per parameter of a bucket (by id), whether it is idle here (None: not
         ``counting``); its count starts again."""
-        idle = tuple(i in self._frozen_ids or (i in self._watched and i not in
-                                               self._accumulated) for i in ids) \
-            if counting else None
+        frozen = {id(p) for ref in self._frozen if (p := ref()) is not None} if counting else ()
+        idle = tuple(i in frozen or (i in self._watched and i not in self._accumulated)
+                     for i in ids) if counting else None
         self._accumulated.difference_update(ids)
         return idle
 
