@@ -489,3 +489,41 @@ def test_a_foreground_serve_hears_its_threads_signals(datapath):
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, old)
+
+
+def test_a_standard_output_nobody_reads_holds_up_neither_the_serving_nor_the_stop(tmp_path):
+    """A supervisor's pipe read only at the end: once it filled, the counters line blocked
+    the serving loop (the stats file froze) and, after a signal, the final line blocked the
+    exit for good. Lines now wait in a thread of their own; the exit waits for the last one
+    a few seconds, says so and ends."""
+    import fcntl
+    cfg = tmp_path / "cluster.json"
+    Cluster(jobs=(local_job(1, 2, free_port_block(2)),)).save(cfg)
+    stats = tmp_path / "stats.json"
+    read_end, write_end = os.pipe()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "thc.cli", "aggregator", "--config", str(cfg), "--listen",
+         "127.0.0.1:0", "--stats-interval", "0.5", "--stats-file", str(stats)],
+        stdout=write_end, stderr=subprocess.PIPE, text=True)
+    os.close(write_end)
+    reader = os.fdopen(read_end, "rb")
+    try:
+        assert b"listening" in reader.readline()
+        # fill the pipe through a description of its own, non-blocking: the aggregator's
+        # stays blocking, as a supervisor's pipe is
+        with open(f"/proc/{proc.pid}/fd/1", "wb", buffering=0) as filler:
+            fcntl.fcntl(filler, fcntl.F_SETFL, fcntl.fcntl(filler, fcntl.F_GETFL) | os.O_NONBLOCK)
+            for size in (4096, 1):
+                while filler.write(b"x" * size):   # None once full (EAGAIN)
+                    pass
+        for _ in range(3):   # the file goes on being rewritten past several lines' time
+            fresh_stats([stats], timeout=10, alive=lambda: proc.poll() is None)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+        err = proc.stderr.read()
+    finally:
+        proc.kill()
+        reader.close()
+    assert "standard output is not being read" in err, err
+    assert "exiting without the final counters line" in err and "Traceback" not in err, err
+    assert json.loads(stats.read_text())["jobs"]

@@ -10,9 +10,7 @@ when it is built, saying which datapath runs in its first line.
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import os
 import select
 import signal
 import socket
@@ -27,6 +25,7 @@ from thc.codec import settings
 from thc.net.addresses import (PKTINFO_SPACE, answer_from_destination, destination,
                                 parse_hostport, send_from)
 from thc.net.impair import Impairment
+from thc.net.report import Report
 from thc.net.server import RECEIVE_BUFFER, UDPServer
 from thc.wire import protocol as P
 from thc.wire.jobs import Cluster, ConfigError, Job
@@ -336,7 +335,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _serve(args, agg, addr, datapath: str, chosen, cluster, host: str, port: int) -> int:
     """Serve until the duration ends or a signal comes, then print the final counters."""
-    report = _Report(args.stats_file)
+    report = Report(args.stats_file)
     try:
         _announce(agg, addr, datapath, chosen, cluster, host, port, args.shard)
         end = None if args.duration is None else time.monotonic() + args.duration
@@ -356,9 +355,7 @@ def _serve(args, agg, addr, datapath: str, chosen, cluster, host: str, port: int
         pass
     finally:
         agg.stop()
-    final = agg.counters()
-    report.file(final)   # the file agrees with the last line
-    report.line(final)
+    report.final(agg.counters())
     return 0
 
 
@@ -379,40 +376,3 @@ def _announce(agg, addr, datapath: str, chosen, cluster, host: str, port: int,
               f"queue of the {RECEIVE_BUFFER >> 10} KiB asked (sysctl net.core.rmem_max): "
               f"bursts beyond it are dropped, counted as queue_overflow", file=sys.stderr,
               flush=True)
-
-
-class _Report:
-    """Where the counters go while serving: the stats file and standard output. Neither may
-    end the serving: a file that cannot be written (its folder removed, a full disk) or a
-    reader of the lines gone is said once on standard error, and serving goes on."""
-
-    def __init__(self, stats_file: str | None):
-        # written through a link, to the file it names: a link stays a link
-        self.path = None if not stats_file else Path(stats_file).resolve()
-        self.failed: str | None = None
-        self.closed = False
-
-    def file(self, stats: dict) -> None:
-        if self.path is None:
-            return
-        try:   # whole files only: readers poll it while it is rewritten
-            tmp = self.path.with_name(self.path.name + ".tmp")
-            tmp.write_text(json.dumps(stats, indent=2) + "\n")
-            os.replace(tmp, self.path)
-            self.failed = None
-        except OSError as e:
-            if self.failed != str(e):
-                self.failed = str(e)
-                print(f"thc aggregator: --stats-file: cannot write it ({e}); serving goes on",
-                      file=sys.stderr, flush=True)
-
-    def line(self, stats: dict) -> None:
-        if self.closed:
-            return
-        try:
-            print(json.dumps(stats), flush=True)
-        except (BrokenPipeError, ValueError):   # the reader went away, or closed the stream
-            self.closed = True
-            sys.stdout = open(os.devnull, "w")   # noqa: SIM115 - for the rest of the process
-            print("thc aggregator: standard output closed: counters lines stop; serving goes "
-                  "on", file=sys.stderr, flush=True)
