@@ -38,7 +38,7 @@ from thc.collective.transports import DistTransport, ring_bytes
 ROUND_SPAN = 1 << 20
 """A round number travels as two parts below this (each exact in float32): 40 bits."""
 ROUNDS = ROUND_SPAN * ROUND_SPAN
-"""Round numbers the agreement tells apart; a loaded state's round is below it."""
+"""Round numbers the agreement tells apart: the round lanes carry a round modulo it."""
 KEY_SPAN = 1 << 24
 """A fingerprint travels as two parts below this (float32 holds every integer up to it)."""
 SPANS = (ROUND_SPAN, ROUND_SPAN, KEY_SPAN, KEY_SPAN)
@@ -139,13 +139,21 @@ def given_name(identity):
     return identity[1] if isinstance(identity, tuple) and identity[0] == "named" else None
 
 
+def round_draw(rnd: int) -> int:
+    """What round ``rnd`` draws its rotation and rounding under: its number modulo ROUNDS,
+    as its round lanes carry it. Rounds whose lanes pair then draw alike, however far apart
+    their numbers (a worker that skipped 2^40 rounds alone, in one jump or several): their
+    sums add values of one rotation."""
+    return rnd % ROUNDS
+
+
 def skipped_to(current: int, rnd) -> int:
     """The round a reducer at round ``current`` takes next after ``skip_to(rnd)``: ``rnd``
     where it is ahead (rounds never go back: each draws its own rotation and rounding).
-    Refused where it is no int, or ROUNDS or more ahead: the round lanes carry the round
-    modulo ROUNDS, so a worker that jumped that far alone would pair its rounds with its
-    peers' unrefused, each drawing another rotation (a DDP hook jumps by a ``no_sync``
-    stretch's rounds)."""
+    Refused where it is no int, or ROUNDS or more ahead: no count of rounds jumps so far (a
+    DDP hook jumps by a ``no_sync`` stretch's rounds), and the round lanes, which carry the
+    round modulo ROUNDS, could not tell its peers of it (its draws pair with theirs as the
+    lanes do: :func:`round_draw`)."""
     if isinstance(rnd, bool) or not isinstance(rnd, int):
         raise ValueError(f"skip_to takes an int round, got {rnd!r}")
     if rnd - current >= ROUNDS:

@@ -458,12 +458,13 @@ class THCAllReduce:
 
     def _codec_round(self, rnd: int, a: int) -> int:
         """The codec round of round ``rnd``'s piece from element ``a``: piece k draws under
-        ``rnd + k * 2^40`` (mod 2^64), as each piece's slices restart at index 0: pieces of
-        one round under one round drew the same rotation and rounding (equal pieces came out
-        equal, errors a piece apart correlated). The agreement tells rounds apart below 2^40,
-        so every (round, piece) draws its own; piece 0, and a whole tensor, draw under
-        ``rnd``."""
-        return (rnd + a // self.pipeline_elements * agreement.ROUNDS) % (1 << 64)
+        ``rnd mod 2^40 + k * 2^40`` (mod 2^64), as each piece's slices restart at index 0:
+        pieces of one round under one round drew the same rotation and rounding (equal pieces
+        came out equal, errors a piece apart correlated). A round draws under its number
+        modulo 2^40, what its round lanes carry (:func:`agreement.round_draw`); piece 0, and
+        a whole tensor, under that alone."""
+        return (agreement.round_draw(rnd) + a // self.pipeline_elements * agreement.ROUNDS) \
+            % (1 << 64)
 
     def _decode_piece(self, est, own, a: int, b: int, sums, wire, short, norms,
                       rnd: int) -> None:

@@ -28,7 +28,12 @@ from thc.codec.common import NonFiniteInput, norm_limit
 from thc.codec.params import THCParams
 from thc.codec.thc import slice_norms
 from thc.collective import agreement
-from thc.collective.agreement import ROUNDS
+
+
+ROUNDS_KEPT = 1 << 63
+"""A state's round is below it: a device keeps a round as an int64. Past 2^40 (a DDP hook
+jumps 2^20 a ``no_sync`` stretch) a round draws as its number modulo 2^40 does
+(:func:`thc.collective.agreement.round_draw`), so its state resumes as any other."""
 
 
 def owner(rank: int, world: int, members, identity=None) -> dict:
@@ -96,9 +101,8 @@ def loaded(saved: dict, rnd: int, feedback: bool, what: str,
                          f"state_dict() gives), got {type(saved).__name__}")
     check_owner(saved, own, what)
     r, residual = saved["round"], saved["residual"]
-    if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < ROUNDS:
-        # rounds 2^40 apart carry the same tag lanes and draw different rotations
-        raise ValueError(f"{what}: the state's round must be an int from 0 to 2^40 - 1, "
+    if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < ROUNDS_KEPT:
+        raise ValueError(f"{what}: the state's round must be an int from 0 to 2^63 - 1, "
                          f"got {r!r}")
     if residual is not None:
         if not feedback:

@@ -302,7 +302,8 @@ class GraphedAllReduce:
                 torch.zeros(n, dtype=torch.float32 if ef else flat.dtype, device=dev),
                 residual,
                 torch.empty(n, device=dev),
-                torch.full((1,), self.round - 1, dtype=torch.int64, device=dev),
+                torch.full((1,), agreement.round_draw(self.round - 1), dtype=torch.int64,
+                           device=dev),
                 torch.zeros(REPORT_LANES, dtype=torch.float64, device=dev),
                 torch.zeros((), dtype=torch.bool, device=dev),
                 torch.zeros((), dtype=torch.bool, device=dev),
@@ -362,7 +363,7 @@ class GraphedAllReduce:
     def _round_on_device(self) -> None:
         """A round that ended without its step: the device's number stays the host's."""
         if self._bufs is not None:
-            self._bufs.round.fill_(self.round)
+            self._bufs.round.fill_(agreement.round_draw(self.round))
 
     def _fingerprint(self, numel: int, like: torch.Tensor, dtype) -> int:
         """A round's fingerprint, as an eager reducer's of the same tensor (one piece on a

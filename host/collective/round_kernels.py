@@ -14,10 +14,11 @@ import triton
 import triton.language as tl
 
 from thc.codec.common import NORM_MARK, OVERFLOW_MARK, STATUS_WORDS
-from thc.collective.agreement import KEY_SPAN, ROUND_SPAN, TAG_LANES
+from thc.collective.agreement import KEY_SPAN, ROUND_SPAN, ROUNDS, TAG_LANES
 
 BLOCK = 1024
 _RSPAN, _KSPAN = tl.constexpr(ROUND_SPAN), tl.constexpr(KEY_SPAN)
+_ROUNDS = tl.constexpr(ROUNDS)
 _LANES, _WORDS = tl.constexpr(TAG_LANES), tl.constexpr(STATUS_WORDS)
 _OVERFLOW, _MARK = tl.constexpr(OVERFLOW_MARK), tl.constexpr(NORM_MARK)
 
@@ -71,7 +72,7 @@ def _settle(WORD, MAXIMA, n, CLEAN, OVERFLOW, REPORT, ROUND, limit, BLOCK: tl.co
     j = tl.arange(0, _LANES)
     tl.store(REPORT + _WORDS + j, tl.load(MAXIMA + j).to(tl.float64))
     tl.store(REPORT + _WORDS + _LANES, over.to(tl.float64))
-    tl.store(ROUND, tl.load(ROUND) + 1)
+    tl.store(ROUND, (tl.load(ROUND) + 1) % _ROUNDS)   # agreement.round_draw
 
 
 @triton.jit
@@ -97,7 +98,8 @@ def settle(word, maxima, clean, overflow, report, rnd, limit: float) -> None:
     """The round's verdict from its status ``word`` and the MAX round's ``maxima`` (tag lanes,
     then max norms): ``clean`` (no flag, workers in step: agreement.in_step), ``overflow``
     (agreement.overflowed_on_device), the ``report`` the host reads (status words, tag
-    lanes, overflow), and the round ``rnd`` moved on by one. ``clean`` and ``overflow``:
+    lanes, overflow), and the round ``rnd`` moved on by one (modulo 2^40, as
+    agreement.round_draw draws). ``clean`` and ``overflow``:
     bool tensors of one element."""
     _settle[(1,)](word, maxima, maxima.numel() - TAG_LANES, clean.view(torch.uint8),
                   overflow.view(torch.uint8), report, rnd, limit, BLOCK=BLOCK)
