@@ -44,12 +44,13 @@ class LineWriter:
                 return
             if self._waiting is not None:
                 self.replaced += 1
-                if self.replaced == 1:
-                    print("thc aggregator: standard output is not being read: each counters "
-                          "line waits for it, a newer one replacing it; serving goes on",
-                          file=sys.stderr, flush=True)
+            first = self.replaced == 1 and self._waiting is not None
             self._waiting = (line + "\n").encode()
             self._cond.notify_all()
+        if first:
+            print("thc aggregator: standard output is not being read: each counters line "
+                  "waits for it, a newer one replacing it; serving goes on", file=sys.stderr,
+                  flush=True)
 
     def drain(self, timeout: float) -> bool:
         """Wait up to ``timeout`` seconds for the lines put to be written (or the reader to
