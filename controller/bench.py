@@ -15,7 +15,8 @@ no packet was lost on the way into the switch), the RESULT bytes per packet of t
 width, and the ratio of the THC rate to the L2 rate, for each sum width of ``--sum-bits``
 (8: four lanes a 32-bit register word, 16: two). The kind of BMv2 build: whether its
 libraries still carry the per-packet log messages (a build without --disable-logging-macros
-formats them for every table, about 5x slower on thc.p4), beside the measured l2.p4 rate.
+formats them for every table, about 3x slower on the per-lane program: docs/switch.md),
+beside the measured l2.p4 rate.
 
 With ``--lanes-sweep 16,64`` (needs p4c), variants of the program with fewer lanes are
 generated and compiled into a temporary directory and measured too: the slope gives the cost
@@ -269,6 +270,11 @@ def _us(v) -> str:
     return "n/a" if v is None else f"{v:.0f} us"
 
 
+def _free_core_rate(us) -> str:
+    """The rate a free core would allow the busiest thread: an estimate, labelled so."""
+    return "" if not us else f", about {1e6 / us:.0f} packets/s on a free core (an estimate)"
+
+
 def _ratio(v) -> str:
     return "n/a" if v is None else f"{v:.3f}"
 
@@ -302,9 +308,11 @@ def _show(runs: list[dict], l2: dict, bmv2_build: str) -> None:
               f"coordinates/s (offered {r['offered_pps']:.0f}/s), RESULT payload "
               f"{r['result_payload_bytes']} bytes; / l2.p4: {r['ratio_to_l2']:.3f}")
         print(f"  switch CPU {_us(r['cpu_us_per_packet'])} per packet; l2.p4's / thc.p4's "
-              f"(the rate ratio on an idle core): {_ratio(r['cpu_ratio_to_l2'])}")
+              f"(an estimate of their rate ratio on an idle core, from CPU time per packet): "
+              f"{_ratio(r['cpu_ratio_to_l2'])}")
         print(f"  busiest switch thread (BMv2 runs ingress on one): "
-              f"{_us(r['busiest_thread_us_per_packet'])} per packet")
+              f"{_us(r['busiest_thread_us_per_packet'])} per packet"
+              f"{_free_core_rate(r['busiest_thread_us_per_packet'])}")
     print(f"l2.p4, same {l2['frame_bytes']}-byte frames: {l2['pps']:.0f} packets/s "
           f"(offered {l2['offered_pps']:.0f}/s), switch CPU "
           f"{_us(l2['cpu_us_per_packet'])} per packet, busiest thread "

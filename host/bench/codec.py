@@ -143,7 +143,9 @@ def _matrix_shape(n: int) -> tuple[int, int]:
 
 def powersgd_steps(x, rank: int, seed: int = 0):
     """(compress, decompress) closures doing one PowerSGD step on x viewed as a matrix,
-    with warm-started Q and error feedback, as the DDP hook does per bucket."""
+    with warm-started Q and error feedback, as torch's DDP hook does per bucket: the error
+    added into the bucket in place, the estimate written over the bucket, the new error a
+    new tensor (the bucket then holds x again at every compress)."""
     import torch
     try:   # torch's own step, private: what its hook runs
         from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import _orthogonalize
@@ -152,26 +154,23 @@ def powersgd_steps(x, rank: int, seed: int = 0):
             m.copy_(torch.linalg.qr(m).Q)
     n, m = _matrix_shape(x.numel())
     r = min(rank, n, m)
-    grad = x.reshape(1, n, m)
-    error = torch.zeros_like(grad)
+    bucket = x.reshape(1, n, m).clone()
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn(1, m, r, generator=gen).to(x.device)
     p = torch.empty(1, n, r, device=x.device)
-    state: dict = {}
+    state: dict = {"error": torch.zeros_like(bucket)}
 
     def compress():
-        tensor = grad + error
-        state["copy"] = tensor.detach().clone()
+        bucket.add_(state["error"])
+        state["copy"] = bucket.detach().clone()
         _orthogonalize(q)
-        torch.bmm(tensor, q, out=p)
+        torch.bmm(bucket, q, out=p)
         _orthogonalize(p)
-        torch.bmm(tensor.transpose(1, 2), p, out=q)
-        state["tensor"] = tensor
+        torch.bmm(bucket.transpose(1, 2), p, out=q)
 
     def decompress():
-        tensor = state["tensor"]
-        torch.bmm(p, q.transpose(1, 2), out=tensor)
-        error.copy_(state["copy"] - tensor)
+        torch.bmm(p, q.transpose(1, 2), out=bucket)
+        state["error"] = state["copy"] - bucket
 
     return compress, decompress, (n, m, r)
 

@@ -36,11 +36,10 @@ from thc.wire import protocol as P
 from thc.net.client import DATAPATH_ENV
 from thc.wire.jobs import loss_bound_arg
 from thc.emu.base import worker_ip
-from thc.emu import testbed
+from thc.emu import links, testbed
 from thc.emu.cleanup import Terminated, stopped_by
 from thc.emu.testbed import TestbedError, WorkerError, mininet_unavailable_reason, open_testbed
 
-IPERF_PORT = 5201
 MODES = {"retransmit": (0.0, False), "bound": (None, False), "bound+prio": (None, True)}
 """mode -> (loss bound (None: --loss-bound), DSCP marks)."""
 
@@ -96,9 +95,7 @@ def _run_mode(tb, name: str, loss_bound: float, marks: bool, args, rounds: int) 
     master = f"{tb.master_addr[0]}:{tb.master_addr[1]}"
     agg = f"{tb.agg_addr[0]}:{tb.agg_addr[1]}"
     rate = args.competing * args.bw
-    flows = [tb.popen(r, ["iperf", "-u", "-c", tb.agg_addr[0], "-p", str(IPERF_PORT),
-                          "-b", f"{rate * 1e6:.0f}", "-l", "1400", "-t", "3600"],
-                         name=f"iperf{r}")   # bits/s: iperf 2's "M" is 2^20
+    flows = [tb.popen(r, links.competing_flow(tb.agg_addr[0], rate), name=f"iperf{r}")
              for r in range(tb.n_workers)] if rate > 0 else []
 
     def argv(r):
@@ -156,7 +153,7 @@ def run(args: argparse.Namespace) -> int:
                   f"{args.bw * tb.agg_bw_factor:g}) queued by DLCP class; competing UDP flow "
                   f"{args.competing * args.bw:g} Mbit/s per worker; {args.datapath} client "
                   f"window", flush=True)
-            tb.popen("agg", ["iperf", "-s", "-u", "-p", str(IPERF_PORT)], name="iperf-server")
+            tb.popen("agg", links.competing_sink(), name="iperf-server")
             # The flow's sink answers nothing: without traffic from it the bridge forgets its
             # MAC and floods the flow onto every worker link. A slow ping keeps it learnt.
             tb.popen("agg", ["ping", "-q", "-i", "0.5", worker_ip(0)], name="agg-ping")

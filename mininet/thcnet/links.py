@@ -47,6 +47,27 @@ class WideTCIntf(TCIntf):
         return cmds, " parent 5:1 "
 
 
+IPERF_PORT = 5201
+FLOW_PAYLOAD = 1400
+"""A competing flow's UDP payload (iperf -l)."""
+FLOW_FRAME = FLOW_PAYLOAD + 8 + 20 + 14
+"""What a shaper counts of one of its datagrams: with its UDP, IPv4 and Ethernet headers."""
+
+
+def competing_sink() -> list[str]:
+    """The iperf 2 server that takes a competing flow (and answers nothing)."""
+    return ["iperf", "-s", "-u", "-p", str(IPERF_PORT)]
+
+
+def competing_flow(dest: str, wire_mbit: float) -> list[str]:
+    """iperf 2 sending UDP to ``dest`` at ``wire_mbit`` Mbit/s as the links' shapers count
+    it: iperf paces its payload (-b in bits/s; its "M" is 2^20), so it is asked for the
+    payload's share of that rate (at the payload's rate the wire carried 3 % more)."""
+    payload_bps = wire_mbit * 1e6 * FLOW_PAYLOAD / FLOW_FRAME
+    return ["iperf", "-u", "-c", dest, "-p", str(IPERF_PORT), "-b", f"{payload_bps:.0f}",
+            "-l", str(FLOW_PAYLOAD), "-t", "3600"]
+
+
 BAND_FIFO_BYTES = 100 * 1514
 """Queue of each class band of a :class:`PriorityTCIntf` (tail drop beyond it), 100 full
 frames: short enough that a congested link drops instead of queueing for seconds. In bytes,

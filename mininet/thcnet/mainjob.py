@@ -31,6 +31,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from thc.app.modes import AGGREGATED
+from thc.emu import links
 from thc.emu.base import worker_ip
 from thc.emu.cleanup import Terminated, signals_raise, stopped_by
 from thc.emu.mainargs import (MODES, STOP_MARGIN, Mode, add_arguments, epochs_of, out_refusal,
@@ -41,7 +42,6 @@ from thc.emu.testbed import bmv2_unavailable_reason, mininet_unavailable_reason,
 
 __all__ = ["add_arguments", "run"]   # the command thc.cli dispatches to
 
-IPERF_PORT = 5201
 
 
 def run(args: argparse.Namespace) -> int:
@@ -226,11 +226,9 @@ def _congest(tb, fraction: float, bw: float) -> tuple[list, dict]:
         sinks = {r: worker_ip(r) for r in range(tb.n_workers)}
         dest = [(r + 1) % tb.n_workers for r in range(tb.n_workers)]
         procs = []
-    procs += [tb.popen(node, ["iperf", "-s", "-u", "-p", str(IPERF_PORT)],
-                       name=f"iperf-server-{node}") for node in sinks]
-    procs += [tb.popen(r, ["iperf", "-u", "-c", sinks[dest[r]], "-p", str(IPERF_PORT),
-                           "-b", f"{rate * 1e6:.0f}", "-l", "1400", "-t", "3600"],
-                          name=f"iperf{r}")   # bits/s: iperf 2's "M" is 2^20
+    procs += [tb.popen(node, links.competing_sink(), name=f"iperf-server-{node}")
+              for node in sinks]
+    procs += [tb.popen(r, links.competing_flow(sinks[dest[r]], rate), name=f"iperf{r}")
               for r in range(tb.n_workers)]
     return procs, {"fraction": fraction, "mbit_per_worker": rate,
                    "sink": "aggregator host" if "agg" in sinks else "next worker"}
