@@ -1,6 +1,7 @@
 """The lookup table: shape constraints, DP optimality against exhaustive search, parameters."""
 import argparse
 import itertools
+import math
 
 import numpy as np
 import pytest
@@ -222,3 +223,11 @@ def test_the_cli_reports_each_tables_own_figures(capsys):
         assert result[name]["expected_variance"] == pytest.approx(variance, rel=1e-3), name
         assert result[name]["expected_nmse_one_worker"] == pytest.approx(
             (1 - p) * variance + clamped, rel=1e-3), name
+
+
+def test_the_threshold_keeps_a_tiny_ps_tail():
+    """t_p was Phi^-1(1 - p/2), which loses p's digits: at p = 3e-16 the tail beyond it held
+    0.74 p, at 1e-15 1.11 p. P(|Z| > t) is erfc(t / sqrt 2), exact there."""
+    for p in (1e-6, 1e-13, 1e-15, 3e-16, 1e-16):
+        t = truncation_threshold(p)
+        assert math.erfc(t / math.sqrt(2)) / p == pytest.approx(1, abs=1e-9), p

@@ -23,9 +23,14 @@ MAX_SLICE_SIZE = 1 << 32
 """The compiled codec numbers a coordinate within its slice in 32 bits."""
 
 
+P_RANGE = (1e-16, 1.0 - 2e-16)
+"""The p a codec takes: t_p from 8.3 down to 2.8e-16."""
+
+
 def _threshold_of(p: float) -> float | None:
-    """t_p, or None where float64 makes it infinite or zero (p below about 1e-16, where
-    1 - p/2 rounds to 1, or within about 1e-16 of 1)."""
+    """t_p, or None outside P_RANGE or where float64 makes it infinite or zero."""
+    if not P_RANGE[0] <= p <= P_RANGE[1]:
+        return None
     try:
         t = truncation_threshold(p)
     except ValueError:     # statistics.StatisticsError
@@ -75,8 +80,8 @@ class THCParams:
         if not (isinstance(self.p, (int, float, np.floating)) and not isinstance(self.p, bool)
                 and 0.0 < float(self.p) < 1.0 and _threshold_of(float(self.p)) is not None):
             raise ValueError(f"p must lie between 0 and 1 and give a finite, positive "
-                             f"truncation threshold t_p = Phi^-1(1 - p/2) in float64 (p from "
-                             f"about 1e-16 to 1 - 1e-16), got {self.p!r}")
+                             f"truncation threshold t_p = -Phi^-1(p/2) in float64 (p from "
+                             f"1e-16 to 1 - 2e-16), got {self.p!r}")
         if self.granularity > MAX_GRANULARITY:
             raise ValueError(f"granularity must be at most 2^31 - 1 (table values are int32), "
                              f"got {self.granularity!r}")
