@@ -491,11 +491,14 @@ def test_a_foreground_serve_hears_its_threads_signals(datapath):
         signal.signal(signal.SIGALRM, old)
 
 
-def test_a_standard_output_nobody_reads_holds_up_neither_the_serving_nor_the_stop(tmp_path):
+@pytest.mark.parametrize("stderr", ["apart", "same pipe"])
+def test_a_standard_output_nobody_reads_holds_up_neither_the_serving_nor_the_stop(tmp_path,
+                                                                                   stderr):
     """A supervisor's pipe read only at the end: once it filled, the counters line blocked
     the serving loop (the stats file froze) and, after a signal, the final line blocked the
-    exit for good. Lines now wait in a thread of their own; the exit waits for the last one
-    a few seconds, says so and ends."""
+    exit for good; with standard error in the same pipe (2>&1), so did the note saying so.
+    Lines and notes now wait in threads of their own; the exit waits for the last line a few
+    seconds, says so and ends."""
     import fcntl
     cfg = tmp_path / "cluster.json"
     Cluster(jobs=(local_job(1, 2, free_port_block(2)),)).save(cfg)
@@ -504,11 +507,13 @@ def test_a_standard_output_nobody_reads_holds_up_neither_the_serving_nor_the_sto
     proc = subprocess.Popen(
         [sys.executable, "-m", "thc.cli", "aggregator", "--config", str(cfg), "--listen",
          "127.0.0.1:0", "--stats-interval", "0.5", "--stats-file", str(stats)],
-        stdout=write_end, stderr=subprocess.PIPE, text=True)
+        stdout=write_end, stderr=subprocess.PIPE if stderr == "apart" else write_end,
+        text=True)
     os.close(write_end)
     reader = os.fdopen(read_end, "rb")
     try:
-        assert b"listening" in reader.readline()
+        while b"listening" not in reader.readline():
+            pass
         # fill the pipe through a description of its own, non-blocking: the aggregator's
         # stays blocking, as a supervisor's pipe is
         with open(f"/proc/{proc.pid}/fd/1", "wb", buffering=0) as filler:
@@ -520,10 +525,44 @@ def test_a_standard_output_nobody_reads_holds_up_neither_the_serving_nor_the_sto
             fresh_stats([stats], timeout=10, alive=lambda: proc.poll() is None)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0
-        err = proc.stderr.read()
+        err = proc.stderr.read() if stderr == "apart" else None
     finally:
         proc.kill()
         reader.close()
-    assert "standard output is not being read" in err, err
-    assert "exiting without the final counters line" in err and "Traceback" not in err, err
     assert json.loads(stats.read_text())["jobs"]
+    if err is not None:
+        assert "standard output is not being read" in err, err
+        assert "exiting without the final counters line" in err and "Traceback" not in err, err
+
+
+def test_a_closed_or_non_blocking_standard_output_loses_no_line_and_no_time(tmp_path):
+    """Started with standard output closed (``>&-``), the lines' thread died with a traceback
+    and the exit waited 5 s for it; a non-blocking pipe (a parent's O_NONBLOCK) was taken
+    for a reader gone at its first full moment, and every later line was lost."""
+    import fcntl
+    cfg = tmp_path / "cluster.json"
+    Cluster(jobs=(local_job(1, 2, free_port_block(2)),)).save(cfg)
+    base = [sys.executable, "-m", "thc.cli", "aggregator", "--config", str(cfg), "--listen",
+            "127.0.0.1:0", "--stats-interval", "0.5"]
+    t0 = time.monotonic()
+    r = subprocess.run(base + ["--duration", "1"], stdout=subprocess.DEVNULL,
+                       stderr=subprocess.PIPE, text=True, timeout=60,
+                       preexec_fn=lambda: os.close(1))
+    assert r.returncode == 0 and time.monotonic() - t0 < 4.5, r.stderr
+    assert "Traceback" not in r.stderr and "exiting without" not in r.stderr, r.stderr
+    read_end, write_end = os.pipe()
+    fcntl.fcntl(write_end, fcntl.F_SETPIPE_SZ, 4096)
+    fcntl.fcntl(write_end, fcntl.F_SETFL, fcntl.fcntl(write_end, fcntl.F_GETFL) | os.O_NONBLOCK)
+    proc = subprocess.Popen(base + ["--duration", "5"], stdout=write_end,
+                            stderr=subprocess.PIPE, text=True)
+    os.close(write_end)
+    try:
+        time.sleep(3.5)   # a few lines' time: the 4 KiB pipe fills
+        with os.fdopen(read_end, "rb") as reader:
+            out = reader.read().decode()
+        assert proc.wait(timeout=30) == 0
+        err = proc.stderr.read()
+    finally:
+        proc.kill()
+    lines = [json.loads(line) for line in out.splitlines()[1:]]
+    assert len(lines) >= 8 and lines[-1]["jobs"] and "closed" not in err, (len(lines), err)

@@ -337,14 +337,14 @@ def _serve(args, agg, addr, datapath: str, chosen, cluster, host: str, port: int
     """Serve until the duration ends or a signal comes, then print the final counters."""
     report = Report(args.stats_file)
     try:
-        _announce(agg, addr, datapath, chosen, cluster, host, port, args.shard)
+        _announce(report, agg, addr, datapath, chosen, cluster, host, port, args.shard)
         end = None if args.duration is None else time.monotonic() + args.duration
         last_print = time.monotonic()
         while end is None or time.monotonic() < end:
             time.sleep(0.5)
             if agg.error is not None:
-                print(f"thc aggregator: the datapath stopped: {type(agg.error).__name__}: "
-                      f"{agg.error}", file=sys.stderr)
+                report.note(f"the datapath stopped: {type(agg.error).__name__}: {agg.error}")
+                report.end()
                 return 1
             stats = agg.counters()
             report.file(stats)
@@ -359,20 +359,20 @@ def _serve(args, agg, addr, datapath: str, chosen, cluster, host: str, port: int
     return 0
 
 
-def _announce(agg, addr, datapath: str, chosen, cluster, host: str, port: int,
+def _announce(report: Report, agg, addr, datapath: str, chosen, cluster, host: str, port: int,
               shard: int | None) -> None:
-    """The startup lines: where it listens, for which jobs and epochs, its settings."""
+    """The startup lines: where it listens, for which jobs and epochs (the first line, on
+    standard output), its settings and notes (standard error, as the report's notes)."""
     role = "" if shard is None else f" as shard {shard}"
     print(f"thc aggregator listening on {addr[0]}:{addr[1]}{role} with jobs "
           f"{[j.job_id for j in cluster.jobs]}, epochs "
           f"{' '.join(f'{jid}:{e:#010x}' for jid, e in agg.counters()['epochs'].items())}, "
           f"datapath {datapath}",
           flush=True)
-    print(f"thc aggregator: {chosen.describe()}", file=sys.stderr, flush=True)
+    report.note(chosen.describe())
     if note := central_address_note(cluster, host, port):
-        print(f"thc aggregator: {note}", file=sys.stderr, flush=True)
+        report.note(note)
     if agg.receive_buffer < RECEIVE_BUFFER:
-        print(f"thc aggregator: the kernel granted {agg.receive_buffer >> 10} KiB of receive "
-              f"queue of the {RECEIVE_BUFFER >> 10} KiB asked (sysctl net.core.rmem_max): "
-              f"bursts beyond it are dropped, counted as queue_overflow", file=sys.stderr,
-              flush=True)
+        report.note(f"the kernel granted {agg.receive_buffer >> 10} KiB of receive queue of "
+                    f"the {RECEIVE_BUFFER >> 10} KiB asked (sysctl net.core.rmem_max): bursts "
+                    f"beyond it are dropped, counted as queue_overflow")

@@ -2,81 +2,101 @@
 
 Neither may hold up the serving or the stop. A file that cannot be written (its folder
 removed, a full disk), a reader of the lines gone, or a reader that does not read (a
-supervisor's pipe read only at the end) is said once on standard error, and serving goes on.
+supervisor's pipe read only at the end, standard error in it too) is said once on standard
+error, itself written apart from the serving, and serving goes on.
 """
 from __future__ import annotations
 
+import collections
 import json
 import os
+import select
 import sys
 import threading
 from pathlib import Path
 
+NOTES_KEPT = 64
+"""Notes on standard error that may wait for a reader; later ones are dropped."""
+
 
 class LineWriter:
-    """Lines to a file descriptor, written by a thread of their own: a full pipe blocks that
-    thread, never the caller. Counters lines are snapshots, so a line still waiting when the
-    next comes is replaced by it. A stream with a file descriptor is written with os.write,
-    not through its buffer, whose lock a thread blocked in a write would hold at the
-    interpreter's exit; one without (a test's capture) through its own write."""
+    """Lines to a stream, written by a thread of their own: a full pipe blocks that thread,
+    never the caller. ``snapshots``: each line replaces one still waiting (counters lines);
+    else lines queue, up to :data:`NOTES_KEPT`. A stream with a file descriptor is written
+    with os.write, not through its buffer, whose lock a thread blocked in a write would hold
+    at the interpreter's exit; one without (a test's capture) through its own write; none
+    (a closed standard stream is None) takes nothing."""
 
-    def __init__(self, stream):
+    def __init__(self, stream, snapshots: bool):
         try:
             fd = stream.fileno()
         except (AttributeError, OSError, ValueError):
             fd = None
-        self._write = (lambda data: os.write(fd, data)) if fd is not None \
+        self._write = (lambda data: _write_fd(fd, data)) if fd is not None \
             else (lambda data: _write_stream(stream, data))
+        self._snapshots = snapshots
         self._cond = threading.Condition()
-        self._waiting: bytes | None = None
+        self._waiting: collections.deque[bytes] = collections.deque()
         self._writing = False
-        self.gone = False
-        """The reader closed its end (EPIPE): lines stop."""
+        self.gone: str | None = None if stream is not None else "not open"
+        """Why lines stop (the reader closed its end: EPIPE), None while they go."""
         self.replaced = 0
-        """Lines replaced by a newer one before they could be written."""
-        self._thread = threading.Thread(target=self._run, name="thc-counters-lines",
-                                        daemon=True)
-        self._thread.start()
+        """Lines replaced or dropped before they could be written."""
+        if self.gone is None:
+            threading.Thread(target=self._run, name="thc-report-lines", daemon=True).start()
 
-    def put(self, line: str) -> None:
+    def put(self, line: str) -> bool:
+        """Queue ``line``; True where it is the first to replace or drop a waiting one."""
         with self._cond:
-            if self.gone:
-                return
-            if self._waiting is not None:
+            if self.gone is not None:
+                return False
+            dropped = bool(self._waiting) and (self._snapshots
+                                               or len(self._waiting) >= NOTES_KEPT)
+            if dropped:
+                self._waiting.pop()
                 self.replaced += 1
-            first = self.replaced == 1 and self._waiting is not None
-            self._waiting = (line + "\n").encode()
+            self._waiting.append((line + "\n").encode())
             self._cond.notify_all()
-        if first:
-            print("thc aggregator: standard output is not being read: each counters line "
-                  "waits for it, a newer one replacing it; serving goes on", file=sys.stderr,
-                  flush=True)
+            return dropped and self.replaced == 1
 
     def drain(self, timeout: float) -> bool:
         """Wait up to ``timeout`` seconds for the lines put to be written (or the reader to
         be gone); False where a line still waits."""
         with self._cond:
             return self._cond.wait_for(
-                lambda: self.gone or (self._waiting is None and not self._writing), timeout)
+                lambda: self.gone is not None or not (self._waiting or self._writing), timeout)
 
     def _run(self) -> None:
         while True:
             with self._cond:
-                self._cond.wait_for(lambda: self._waiting is not None)
-                data, self._waiting, self._writing = self._waiting, None, True
+                self._cond.wait_for(lambda: bool(self._waiting))
+                data = self._waiting.popleft()
+                self._writing = True
             try:
                 while data:
                     data = data[self._write(data):]
-            except OSError as e:   # EPIPE: the reader went away; EBADF: the stream closed
+            except Exception as e:  # noqa: BLE001 - EPIPE, EBADF, a stream that fails: lines stop
                 with self._cond:
-                    self.gone, self._writing = True, False
+                    self.gone = getattr(e, "strerror", None) or type(e).__name__
+                    self._writing = False
+                    self._waiting.clear()
                     self._cond.notify_all()
-                print(f"thc aggregator: standard output closed ({e.strerror}): counters lines "
-                      "stop; serving goes on", file=sys.stderr, flush=True)
                 return
             with self._cond:
                 self._writing = False
                 self._cond.notify_all()
+
+
+def _write_fd(fd: int, data: bytes) -> int:
+    """os.write, waiting where the descriptor is non-blocking and full (a parent may have set
+    O_NONBLOCK on a pipe it shares) instead of taking EAGAIN for a reader gone."""
+    while True:
+        try:
+            return os.write(fd, data)
+        except BlockingIOError:
+            select.select([], [fd], [])
+        except InterruptedError:
+            continue
 
 
 def _write_stream(stream, data: bytes) -> int:
@@ -86,7 +106,9 @@ def _write_stream(stream, data: bytes) -> int:
 
 
 class Report:
-    """The counters as a file rewritten whole and as JSON lines on standard output."""
+    """The counters as a file rewritten whole and as JSON lines on standard output; notes
+    about either on standard error. Nothing here waits for a reader but :meth:`final`, for
+    at most :attr:`FINAL_WAIT` seconds."""
 
     FINAL_WAIT = 5.0
     """Seconds the final line may wait for a reader before the aggregator exits without it."""
@@ -95,7 +117,13 @@ class Report:
         # written through a link, to the file it names: a link stays a link
         self.path = None if not stats_file else Path(stats_file).resolve()
         self.failed: str | None = None
-        self._lines = LineWriter(sys.stdout)
+        self._lines = LineWriter(sys.stdout, snapshots=True)
+        self._notes = LineWriter(sys.stderr, snapshots=False)
+        self._said_gone = False
+
+    def note(self, text: str) -> None:
+        """``text`` on standard error, prefixed with the command's name."""
+        self._notes.put(f"thc aggregator: {text}")
 
     def file(self, stats: dict) -> None:
         if self.path is None:
@@ -108,20 +136,33 @@ class Report:
         except OSError as e:
             if self.failed != str(e):
                 self.failed = str(e)
-                print(f"thc aggregator: --stats-file: cannot write it ({e}); serving goes on",
-                      file=sys.stderr, flush=True)
+                self.note(f"--stats-file: cannot write it ({e}); serving goes on")
 
     def line(self, stats: dict) -> None:
-        self._lines.put(json.dumps(stats))
+        if self._lines.put(json.dumps(stats)):
+            self.note("standard output is not being read: each counters line waits for it, "
+                      "a newer one replacing it; serving goes on")
+        self._say_gone()
+
+    def _say_gone(self) -> None:
+        if self._lines.gone is not None and not self._said_gone:
+            self._said_gone = True
+            self.note(f"standard output closed ({self._lines.gone}): counters lines stop; "
+                      "serving goes on")
 
     def final(self, stats: dict) -> None:
         """The last counters, to the file and as the last line, which waits for a reader at
-        most :attr:`FINAL_WAIT` seconds."""
+        most :attr:`FINAL_WAIT` seconds; the notes have a second more."""
         self.file(stats)   # the file agrees with the last line
         self.line(stats)
         if not self._lines.drain(self.FINAL_WAIT):
             kept = f" ({self.path} has them)" if self.path is not None and not self.failed \
                 else ""
-            print(f"thc aggregator: standard output was not read for {self.FINAL_WAIT:.0f} s: "
-                  f"exiting without the final counters line{kept}", file=sys.stderr,
-                  flush=True)
+            self.note(f"standard output was not read for {self.FINAL_WAIT:.0f} s: exiting "
+                      f"without the final counters line{kept}")
+        self._say_gone()
+        self.end()
+
+    def end(self) -> None:
+        """Before the exit: the notes waiting get a second to be read."""
+        self._notes.drain(1.0)
