@@ -538,7 +538,7 @@ def _far_ahead_worker(rank, port, q, how):
         ar.skip_to(1 << 39)
         ar.skip_to(1 << 40)
     elif how == "loaded":
-        ar.load_state_dict({**ar.state_dict(), "round": 3 + (1 << 40) * (1 - rank)})
+        ar.load_state_dict({**ar.state_dict(), "round": 3 + (1 << 64) * (1 - rank)})
     q.put((rank, ar(x)))
     dist.destroy_process_group()
 

@@ -30,12 +30,6 @@ from thc.codec.thc import slice_norms
 from thc.collective import agreement
 
 
-ROUNDS_KEPT = 1 << 63
-"""A state's round is below it: a device keeps a round as an int64. Past 2^40 (a DDP hook
-jumps 2^20 a ``no_sync`` stretch) a round draws as its number modulo 2^40 does
-(:func:`thc.collective.agreement.round_draw`), so its state resumes as any other."""
-
-
 def owner(rank: int, world: int, members, identity=None) -> dict:
     """Whose state: rank ``rank`` of a group of ``world`` whose ``members`` are its global
     ranks (or an aggregator job's id: :func:`thc.collective.transports.members`), and the
@@ -101,9 +95,10 @@ def loaded(saved: dict, rnd: int, feedback: bool, what: str,
                          f"state_dict() gives), got {type(saved).__name__}")
     check_owner(saved, own, what)
     r, residual = saved["round"], saved["residual"]
-    if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < ROUNDS_KEPT:
-        raise ValueError(f"{what}: the state's round must be an int from 0 to 2^63 - 1, "
-                         f"got {r!r}")
+    # any count: past 2^40 (a DDP hook jumps 2^20 a no_sync stretch) a round draws as its
+    # number modulo 2^40 does (agreement.round_draw), which is all a device keeps of it
+    if isinstance(r, bool) or not isinstance(r, int) or r < 0:
+        raise ValueError(f"{what}: the state's round must be a non-negative int, got {r!r}")
     if residual is not None:
         if not feedback:
             raise ValueError(f"{what}: the state holds an error-feedback residual, and this "
