@@ -48,7 +48,7 @@ from thc.emu.base import (
 )
 from thc.emu.errors import TestbedError
 from thc.emu.nodeshell import node_run
-from thc.emu.procs import Proc, state
+from thc.emu.procs import Proc, state, with_parent
 from thc.emu.cleanup import Registry, signals_deferred, switch_name, undo
 
 STOP_S = 60.0
@@ -228,8 +228,9 @@ class MininetTestbed(Testbed):
             host = self.net.get(node)
         except KeyError:
             raise TestbedError(f"no host {node!r} in this testbed") from None
+        # killed (SIGKILL), the testbed leaves nothing serving: with_parent
         return host.popen(argv, env=env, cwd=str(REPO_ROOT), stdout=stdout, stderr=stderr,
-                          stdin=subprocess.DEVNULL)
+                          stdin=subprocess.DEVNULL, preexec_fn=with_parent())
 
     def _registered(self, proc) -> None:
         self.registry.add_pid(proc.pid, group=True)
