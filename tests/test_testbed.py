@@ -592,6 +592,35 @@ def test_a_host_whose_shell_died_is_named_instead_of_holding_the_run():
 
 
 @needs_mininet
+@pytest.mark.parametrize("trouble", [signal.SIGSTOP, signal.SIGKILL])
+def test_a_shell_stopped_or_killed_while_the_testbed_is_built_fails_the_build(monkeypatch,
+                                                                             trouble):
+    """Mininet's build reads every node's shell with no deadline: a shell killed under it
+    (`mn -c` run by another user) or stopped left `thc run` printing nothing, for good. The
+    build is watched: the shell is named, and nothing is left behind."""
+    from mininet.net import Mininet
+    add_link = Mininet.addLink
+    hit = []
+
+    def add_link_troubled(net, node1, node2, **kw):
+        if not hit:
+            hit.append(node1.shell.pid)
+            os.kill(node1.shell.pid, trouble)
+        return add_link(net, node1, node2, **kw)
+    monkeypatch.setattr(Mininet, "addLink", add_link_troubled)
+    before = set(cleanup.root_interfaces())
+    t0 = time.monotonic()
+    with pytest.raises(TestbedError, match=r"building the Mininet testbed: the shell of "
+                                           r"Mininet node h1 (is stopped|exited)"):
+        open_testbed(2, bw_mbit=100, aggregator="none")
+    assert hit and time.monotonic() - t0 < 30
+    deadline = time.monotonic() + 10
+    while set(cleanup.root_interfaces()) - before and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not set(cleanup.root_interfaces()) - before
+
+
+@needs_mininet
 @pytest.mark.parametrize("continued", [True, False])
 def test_a_stopped_shell_does_not_hold_the_teardown(monkeypatch, continued):
     """Mininet's stop reads every node's shell with no deadline, and the teardown holds

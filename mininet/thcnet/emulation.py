@@ -25,7 +25,6 @@ import json
 import os
 import signal
 import subprocess
-import threading
 from pathlib import Path
 
 from thc.codec.params import THCParams
@@ -49,8 +48,12 @@ from thc.emu.base import (
 from thc.emu.errors import TestbedError
 from thc.emu.nodeshell import node_run
 from thc.emu.procs import Proc, state, with_parent
+from thc.emu.shellwatch import watched
 from thc.emu.cleanup import Registry, signals_deferred, switch_name, undo
 
+BUILD_S = 180.0
+"""How long building the testbed may take (seconds on a 2-core VM, a BMv2 switch's start
+included) before its nodes' shells are killed and the build fails."""
 STOP_S = 60.0
 """How long Mininet's stop may take (a few seconds on a 2-core VM) before its nodes' shells
 are killed: the teardown holds Ctrl-C, so a wait there could not be ended."""
@@ -124,7 +127,8 @@ class MininetTestbed(Testbed):
             self.registry = Registry.allocate()
             self.registry.add_path(self.logdir)
             self.switch_name = switch_name(self.registry.tag)
-            self._build(quiet)
+            with watched(self._nodes, "building the Mininet testbed", BUILD_S):
+                self._build(quiet)
         except BaseException:
             self.close()
             raise
@@ -368,34 +372,11 @@ class MininetTestbed(Testbed):
                          f"continued for the teardown")
                 with contextlib.suppress(OSError):
                     os.kill(shell.pid, signal.SIGCONT)
-        if threading.current_thread() is not threading.main_thread():
+        with watched(self._nodes, "Mininet's stop", STOP_S, shells_matter=False):
             self.net.stop()
-            return
 
-        def stuck(_signum, _frame):
-            raise TestbedError(f"Mininet's stop took over {STOP_S:g} s (a node's shell does "
-                               f"not answer): its shells killed")
-        done = threading.Event()
-        main = threading.main_thread().ident
-
-        def wake() -> None:
-            if done.is_set():
-                return
-            for n in list(self.net.values()):
-                with contextlib.suppress(OSError, AttributeError):
-                    n.shell.kill()
-            signal.pthread_kill(main, signal.SIGUSR2)
-        old = signal.signal(signal.SIGUSR2, stuck)
-        timer = threading.Timer(STOP_S, wake)
-        timer.daemon = True
-        timer.start()
-        try:
-            self.net.stop()
-        finally:
-            done.set()
-            timer.cancel()
-            timer.join()   # a signal it sent is delivered before the handler goes
-            signal.signal(signal.SIGUSR2, old)
+    def _nodes(self) -> list:
+        return [] if self.net is None else list(self.net.values())
 
     def _lost_shells(self) -> list[str]:
         """The Mininet nodes whose shell has exited."""

@@ -1,0 +1,81 @@
+"""A deadline for Mininet's own calls, which run commands through the nodes' shells and read
+their output with no deadline: a shell killed (`mn -c` on this machine) or stopped (SIGSTOP)
+under them, or one that does not answer, would leave the caller waiting for good.
+
+The watch kills every shell and interrupts the main thread's read: SIGUSR2, whose handler
+raises :class:`~thc.emu.errors.TestbedError` naming the cause. Off the main thread no handler
+can be set, and the call runs unwatched."""
+from __future__ import annotations
+
+import contextlib
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+from thc.emu.errors import TestbedError
+from thc.emu.procs import state
+
+POLL_S = 0.5
+
+
+def shell_trouble(nodes) -> list[str]:
+    """What is wrong with the shells of ``nodes``: exited or stopped, by node."""
+    out = []
+    for n in nodes:
+        shell = getattr(n, "shell", None)
+        if shell is None or shell.poll() is not None:
+            out.append(f"the shell of Mininet node {n.name} exited (killed, or `mn -c` run "
+                       f"on this machine)")
+        elif (st := state(shell.pid)).startswith("stopped"):
+            out.append(f"the shell of Mininet node {n.name} is {st}")
+    return out
+
+
+@contextlib.contextmanager
+def watched(nodes: Callable[[], list], what: str, seconds: float,
+            shells_matter: bool = True) -> Iterator[None]:
+    """Run the body with a deadline of ``seconds``; where ``shells_matter``, a shell of
+    ``nodes()`` that exits or stops ends it at once (within :data:`POLL_S`)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    why: list[str] = []
+    done = threading.Event()
+    main = threading.main_thread().ident
+
+    def stuck(_signum, _frame):
+        raise TestbedError(f"{what}: {why[0] if why else 'interrupted'}: its shells killed")
+
+    def watch() -> None:
+        end = time.monotonic() + seconds
+        while not done.wait(POLL_S):
+            try:
+                now = list(nodes())
+            except Exception:  # noqa: BLE001 - the node table changing under the read
+                continue
+            trouble = shell_trouble(now) if shells_matter else []
+            if not trouble and time.monotonic() < end:
+                continue
+            why.append(trouble[0] if trouble else
+                       f"took over {seconds:g} s (a node's shell does not answer)")
+            for n in now:
+                with contextlib.suppress(OSError, AttributeError):
+                    n.shell.kill()
+            for n in now:   # gone before the caller's teardown asks which shells are lost
+                with contextlib.suppress(OSError, AttributeError, subprocess.TimeoutExpired):
+                    n.shell.wait(timeout=5)
+            signal.pthread_kill(main, signal.SIGUSR2)
+            return
+    old = signal.signal(signal.SIGUSR2, stuck)
+    watcher = threading.Thread(target=watch, name="thc-shell-watch", daemon=True)
+    watcher.start()
+    try:
+        yield
+    finally:
+        done.set()
+        try:
+            watcher.join()   # a signal it sent is delivered before the handler goes
+        finally:
+            signal.signal(signal.SIGUSR2, old)
