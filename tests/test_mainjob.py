@@ -111,6 +111,9 @@ def test_time_to_accuracy_summary_names_the_winner():
     assert s["verdict"] == ("no mode beat FP32: it reached 0.8400 (its final accuracy minus 1 "
                             "point) in 30.0 s of training; the soonest other, thc, in 40.0 s "
                             "(0.75x)"), s["verdict"]
+    # FP32 alone ran to a report (the others failed or were stopped): it beat no one
+    s = summarize([fp32], 0.8)
+    assert s["verdict"] == "no mode but FP32 ran to a report: nothing to compare it with"
     # FP32 stopped at the limit: its last accuracy is no target, and no speedup is claimed
     s = summarize([_run_of("fp32", [(10, 0.55)], stopped="stopped at the 10 s limit"), thc],
                   0.8)
@@ -624,7 +627,9 @@ def test_a_report_the_out_dir_cannot_take_is_kept_elsewhere(monkeypatch, capsys,
     shutil.rmtree(kept.parent)
     assert not (tmp_path / "mainjob.json").exists()
     full.add(Path(tempfile.gettempdir()))   # one disk: the temporary directory is full too
+    before = set(Path(tempfile.gettempdir()).glob("thc-run-*"))
     assert mainjob.run(_main_args(*args)) == 2
+    assert set(Path(tempfile.gettempdir()).glob("thc-run-*")) == before   # no empty folder
     out, err = capsys.readouterr()
     assert "the report of the runs is on standard output" in err
     assert json.loads(out[out.index("{\n"):])["runs"][0]["mode"] == "fp32"

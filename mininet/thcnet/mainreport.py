@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -78,7 +79,9 @@ def summarize(runs: list[dict], fixed: float, chance: float = 0.1) -> dict:
                 and row["final_accuracy"] >= target - EPS and not row["stopped"]
                 and row["diverged_at"] is None]
         win = min(fair, key=lambda row: row["tta_fp32_minus_1pt"], default=None)
-        if win is not None and win["mode"] == "fp32":
+        if all(row["mode"] == "fp32" for row in rows):   # the others failed or never ran
+            verdict = "no mode but FP32 ran to a report: nothing to compare it with"
+        elif win is not None and win["mode"] == "fp32":
             rest = [row for row in fair if row["mode"] != "fp32"]
             best = min(rest, key=lambda row: row["tta_fp32_minus_1pt"], default=None)
             verdict = (f"no mode beat FP32: it reached {target:.4f} (its final accuracy minus "
@@ -308,11 +311,14 @@ def _write_report(out: Path, report: dict, dataset: str) -> int | None:
 def _keep_elsewhere(text: str) -> str:
     """Where the report went instead: a temporary directory, or, where that cannot take it
     either (one full disk), standard output."""
+    kept = None
     try:
         kept = Path(tempfile.mkdtemp(prefix="thc-run-")) / "mainjob.json"
         _write_whole(kept, text)
         return f"the report of the runs is kept in {kept}"
     except OSError as e:
+        if kept is not None:   # an empty folder is no report
+            shutil.rmtree(kept.parent, ignore_errors=True)
         print(text)
         return (f"nor in a temporary directory ({e.strerror or e}): the report of the runs "
                 f"is on standard output")
