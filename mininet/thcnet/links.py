@@ -32,6 +32,8 @@ class LinkError(RuntimeError):
 
 class WideTCIntf(TCIntf):
     bwParamMax = 100_000
+    """Mbit/s: the most a link is shaped to (:func:`plan` refuses more: tc refused an HTB
+    burst far beyond it, and the links ran unshaped under a shaped label)."""
 
     def bwCmds(self, bw=None, speedup=0, use_hfsc=False, use_tbf=False, latency_ms=None,
                enable_ecn=False, enable_red=False):
@@ -171,8 +173,9 @@ def plan(bw_mbit: float | None, delay_ms: float, loss_pct: float) -> dict:
     Returns {"link": kwargs for TCLink, "iptables_loss": per-host drop probability or 0,
     "notes": [str]}; raises LinkError if something asked for cannot be emulated.
     """
-    if bw_mbit is not None and bw_mbit <= 0:
-        raise LinkError(f"bandwidth must be positive, got {bw_mbit} Mbit/s")
+    if bw_mbit is not None and not 0 < bw_mbit <= WideTCIntf.bwParamMax:
+        raise LinkError(f"bandwidth must be positive and at most {WideTCIntf.bwParamMax} "
+                        f"Mbit/s (100 Gbit/s), got {bw_mbit:g} Mbit/s")
     if delay_ms < 0:
         raise LinkError(f"delay must be >= 0, got {delay_ms} ms")
     if not 0 <= loss_pct < 100:
