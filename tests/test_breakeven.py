@@ -400,3 +400,24 @@ def test_the_fit_on_the_efficiency_bound_and_the_swept_range():
     grid = a["curve"]["bw_mbit"]
     assert len(grid) == 41 and grid[0] == pytest.approx(50) and grid[-1] == pytest.approx(1000)
     assert np.diff(np.log(grid)) == pytest.approx(np.full(40, np.log(20) / 40))
+
+
+def test_a_sigterm_ends_the_sweep_with_a_line(tmp_path, capsys, monkeypatch):
+    """SIGTERM mid-sweep exited 143 with no line at all."""
+    import os
+    import signal
+    import time
+
+    from thc.emu import sweep
+    from thc.emu.testbed import mininet_unavailable_reason
+    if why := mininet_unavailable_reason("sharded"):
+        pytest.skip(f"the sweep needs the Mininet testbed: {why}")
+
+    def terminated(*args):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)
+        raise AssertionError("SIGTERM did not end the sweep")
+    monkeypatch.setattr(sweep, "sweep", terminated)
+    assert _sweep_here("--bw", "100,1000", "--modes", "fp32,thc", "--data", "digits",
+                       "--out", str(tmp_path)) == 143
+    assert "thc sweep: terminated (SIGTERM); no bandwidth was done" in capsys.readouterr().err

@@ -315,3 +315,18 @@ def test_the_bmv2_controller_rows_change_the_switch_while_the_workers_stream():
     rows = bmv2_rows(1 << 15, prefer_mininet=True)
     assert [(r.unfired, r.exact) for r in rows] == [("", True), ("", True)], rows
     assert all(int(r.rounds.split()[0]) >= 2 for r in rows), rows
+
+
+def test_a_sigterm_ends_the_matrix_with_a_line(monkeypatch, capsys):
+    """SIGTERM mid-matrix exited 143 with no line at all (Ctrl-C said it)."""
+    import os
+    import signal
+
+    def terminated(pct, numel, mininet):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)
+        raise AssertionError("SIGTERM did not end the row")
+    monkeypatch.setattr(faults, "row_loss", terminated)
+    args = argparse.Namespace(quick=True, out="-", json=None, loopback=True, only="loss-1")
+    assert faults.run(args) == 143
+    assert "thc faults: terminated (SIGTERM); 0 row(s) done" in capsys.readouterr().err

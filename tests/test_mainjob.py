@@ -635,6 +635,30 @@ def test_a_report_the_out_dir_cannot_take_is_kept_elsewhere(monkeypatch, capsys,
     assert json.loads(out[out.index("{\n"):])["runs"][0]["mode"] == "fp32"
 
 
+def test_a_sigterm_while_the_report_is_written_waits_for_it_and_says_so(monkeypatch, capsys,
+                                                                        tmp_path):
+    """SIGTERM as the results table printed killed the run with no line and no report (or
+    its JSON without its plot): the report is written whole, then the run ends saying so."""
+    import signal
+    from thc.emu.procs import WorkerResult
+    from thc.emu.testbed import LoopbackTestbed
+
+    def ran(self, argv_for, env=None, timeout=None, on_line=None):
+        return [WorkerResult(r, 0, _rows_text(1.0) + '{"final_evaluation": 4}\n', "", 1.0)
+                for r in (0, 1)]
+    conclude = mainjob.conclude
+
+    def signalled(*a, **kw):
+        os.kill(os.getpid(), signal.SIGTERM)
+        return conclude(*a, **kw)
+    monkeypatch.setattr(LoopbackTestbed, "run_workers", ran)
+    monkeypatch.setattr(mainjob, "conclude", signalled)
+    assert mainjob.run(_main_args("--loopback", "--workers", "2", "--out", str(tmp_path))) == 143
+    assert ("terminated (SIGTERM) while its report was written, the report of the modes done "
+            "written") in capsys.readouterr().err
+    assert (tmp_path / "mainjob.json").exists() and (tmp_path / "mainjob.png").exists()
+
+
 def test_ctrl_c_ends_the_main_job_with_a_line_not_a_traceback(monkeypatch, capsys, tmp_path):
     def interrupted(name, args, progress):
         raise KeyboardInterrupt

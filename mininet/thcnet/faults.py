@@ -24,6 +24,7 @@ from pathlib import Path
 from thc.argtypes import writable_path
 from thc.codec.settings import Settings
 from thc.emu.bmv2rows import BMV2_MATRIX_KEYS, BMV2_WINDOW, bmv2_matrix, bmv2_rows
+from thc.emu.cleanup import Terminated, signals_raise, stopped_by
 from thc.emu.faultrows import (row_aggregator_restarted, row_impair, row_jitter, row_long_stream,
                               row_loss, row_worker_killed)
 from thc.emu.matrix import N_WORKERS, Row
@@ -174,6 +175,29 @@ def run(args: argparse.Namespace) -> int:
         print(f"{row.name}: {row.sums}; rounds {row.rounds}; retx {row.retransmissions}; "
               f"drops {row.drops}; {row.note}", flush=True)
 
+    try:
+        with signals_raise():   # SIGTERM, as Ctrl-C, ends the matrix with a line
+            _matrix(want, add, numel, stream_s, mininet)
+    except (KeyboardInterrupt, Terminated) as e:
+        how, code = stopped_by(e)
+        print(f"\nthc faults: {how}; {len(rows)} row(s) done, printed above; no report "
+              f"written", file=sys.stderr)
+        return code
+    text = render(rows, args.quick, time.perf_counter() - t0, ",".join(only))
+    if not only:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(text)
+        print(f"wrote {args.out}")
+    else:
+        print(text)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps([r.__dict__ for r in rows], indent=2))
+    return 1 if any(r.exact is False for r in rows) else 0
+
+
+def _matrix(want, add, numel: int, stream_s: float, mininet: bool) -> None:
+    """The rows ``want`` takes, each handed to ``add`` as it is done."""
     for pct in (1, 5, 20):
         if want(f"loss-{pct}"):
             add(row_loss(pct, numel, mininet))
@@ -210,14 +234,3 @@ def run(args: argparse.Namespace) -> int:
     if want("bmv2-stream"):
         add(row_long_stream(8, stream_s, mininet, aggregator="bmv2", numel_chunks=128,
                             window=BMV2_WINDOW // 2))
-    text = render(rows, args.quick, time.perf_counter() - t0, ",".join(only))
-    if not only:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(text)
-        print(f"wrote {args.out}")
-    else:
-        print(text)
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps([r.__dict__ for r in rows], indent=2))
-    return 1 if any(r.exact is False for r in rows) else 0

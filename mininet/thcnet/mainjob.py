@@ -33,7 +33,7 @@ from pathlib import Path
 from thc.app.modes import AGGREGATED
 from thc.emu import links
 from thc.emu.base import worker_ip
-from thc.emu.cleanup import Terminated, signals_raise, stopped_by
+from thc.emu.cleanup import Terminated, signals_deferred, signals_raise, stopped_by
 from thc.emu.mainargs import (MODES, STOP_MARGIN, Mode, add_arguments, epochs_of, out_refusal,
                               refusal)
 from thc.emu.mainreport import conclude, print_mode
@@ -79,25 +79,42 @@ def run(args: argparse.Namespace) -> int:
         except Exception as e:  # the probe is advisory
             print(f"BMv2: could not measure its forwarding rate ({e})", flush=True)
     runs, failed = [], []
-    for name in modes:
-        print(f"\n== {name}: {MODES[name].description}", flush=True)
-        try:
-            with tqdm(total=None, desc=name, unit="step", file=sys.stdout) as bar:
-                run_ = _run_mode(name, args, bar)
-        except (KeyboardInterrupt, Terminated) as e:
-            when = f"during {name}; its testbed torn down"
-            if not runs:
-                return _stopped(e, when)
-            # the modes that finished are kept: a stop late in a long run would lose them all
-            written = conclude(args, runs, failed, probe, out, stopped=when) != 2
-            return _stopped(e, when, written)
-        except Exception as e:  # one failed mode must not cost the others
-            print(f"{name} FAILED: {e}", flush=True)
-            failed.append({"mode": name, "error": str(e)})
-            continue
-        runs.append(run_)
-        print_mode(run_, args.epochs)
-    return conclude(args, runs, failed, probe, out)
+    with signals_raise():   # SIGTERM between modes too ends with a line and the report
+        for name in modes:
+            print(f"\n== {name}: {MODES[name].description}", flush=True)
+            try:
+                with tqdm(total=None, desc=name, unit="step", file=sys.stdout) as bar:
+                    run_ = _run_mode(name, args, bar)
+            except (KeyboardInterrupt, Terminated) as e:
+                when = f"during {name}; its testbed torn down"
+                if not runs:
+                    return _stopped(e, when)
+                # the modes that finished are kept: a stop late in a long run would lose them
+                written = _report(args, runs, failed, probe, out, stopped=when)[0] != 2
+                return _stopped(e, when, written)
+            except Exception as e:  # one failed mode must not cost the others
+                print(f"{name} FAILED: {e}", flush=True)
+                failed.append({"mode": name, "error": str(e)})
+                continue
+            runs.append(run_)
+            print_mode(run_, args.epochs)
+    code, signalled = _report(args, runs, failed, probe, out)
+    if signalled is not None:
+        return _stopped(signalled, "while its report was written", code != 2)
+    return code
+
+
+def _report(args, runs, failed, probe, out,
+            stopped=None) -> tuple[int | None, BaseException | None]:
+    """:func:`conclude` with Ctrl-C and SIGTERM held (a report half written is none), and the
+    signal that came meanwhile, if one did."""
+    code = None
+    try:
+        with signals_deferred():
+            code = conclude(args, runs, failed, probe, out, stopped=stopped)
+    except (KeyboardInterrupt, Terminated) as e:
+        return code, e
+    return code, None
 
 
 def _skip_unavailable(modes: list[str], mininet_why: str | None) -> None:

@@ -40,6 +40,7 @@ from thc.bench import cpu_model, provenance
 from thc.emu import mainargs, mainjob
 from thc.emu.mainreport import summarize, time_to
 from thc.emu.sweepreport import markdown, plot
+from thc.emu.cleanup import Terminated, signals_raise, stopped_by
 from thc.emu.testbed import mininet_unavailable_reason
 
 DEFAULT_BW = "50,100,200,500,1000"
@@ -273,7 +274,17 @@ def run(args: argparse.Namespace) -> int:
         print(f"thc sweep: {args.data}, {args.workers} workers, {args.steps} steps a run, "
               f"modes {', '.join(modes)} at {', '.join(f'{b:g}' for b in bws)} Mbit/s "
               f"({len(bws) * len(modes)} runs)", flush=True)
-        data = sweep(args, bws, modes, json_path)
+        started = time.time()
+        try:
+            with signals_raise():
+                data = sweep(args, bws, modes, json_path)
+        except (KeyboardInterrupt, Terminated) as e:
+            how, code = stopped_by(e)
+            done = json_path.exists() and json_path.stat().st_mtime >= started
+            kept = (f"the bandwidths done are in {json_path} (`thc sweep --report` reads it)"
+                    if done else "no bandwidth was done")
+            print(f"\nthc sweep: {how}; {kept}", file=sys.stderr)
+            return code
     thc = _thc_mode(data["modes"])
     if thc is None:
         print("thc sweep: no THC mode swept: no break-even to compute")
