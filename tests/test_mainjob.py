@@ -808,6 +808,30 @@ def test_a_failed_workers_reason_on_stdout_is_shown_and_killed_ones_are_counted_
     assert 'last stdout line: {"error": "3 sums differ"}' in said, said
 
 
+def test_the_failure_names_the_worker_that_failed_first_and_its_signal(tmp_path):
+    """A worker killed (SIGKILL) made its peers fail on their closed connections: the
+    message led with "3 of 3 workers failed", each peer's error naming another, and the
+    cause was an "exit code -9" among them."""
+    import subprocess
+
+    from thc.emu.procs import Proc, wait_all
+
+    def launch(argv, stdout, stderr):
+        return subprocess.Popen(argv, stdout=stdout, stderr=stderr, stdin=subprocess.DEVNULL,
+                                start_new_session=True)
+    peer = "import sys, time\ntime.sleep(1.0)\nsys.exit('Connection closed by peer')"
+    procs = [Proc.start(f"w{r}", [sys.executable, "-c", peer], tmp_path, launch)
+             for r in range(2)]
+    procs.append(Proc.start("w2", [sys.executable, "-c", "import os\nos.kill(os.getpid(), 9)"],
+                            tmp_path, launch))
+    with pytest.raises(mainjob.WorkerError) as e:
+        wait_all(procs, timeout=30)
+    said = str(e.value)
+    assert said.startswith("3 of 3 workers failed; the first, worker 2, killed by SIGKILL "
+                           "after"), said
+    assert "worker 2 (w2) killed by SIGKILL after" in said, said
+
+
 def test_a_timeout_reads_every_state_before_it_kills_any(tmp_path):
     """A worker waiting on a peer exits on its own once that peer is being killed (Gloo:
     connection closed): read and killed one by one, the later ones read as workers that

@@ -227,12 +227,16 @@ def wait_all(procs: list[Proc], timeout: float | None, what: str = "worker",
         own = [r for r in bad if r.rank not in states]   # the rest were killed here
         killed = (f", {len(bad) - len(own)} more killed {FAIL_GRACE:g} s later, not failing"
                   if len(own) < len(bad) else "")
+        ends = {r.rank: p.t0 + r.seconds for r, p in zip(results, procs)}
+        # a peer's failure fails the others (a connection closed): the first is the cause
+        first = min(own, key=lambda r: ends[r.rank], default=None)
+        cause = (f"; the first, {what} {first.rank}, {exit_said(first.returncode)} after "
+                 f"{first.seconds:.1f} s" if len(own) > 1 else "")
         head = (f"{what}s timed out after {timeout:.0f} s" if timed_out
-                else f"{len(own)} of {len(results)} {what}s failed{killed}" if own
+                else f"{len(own)} of {len(results)} {what}s failed{killed}{cause}" if own
                 else f"a process the {what}s need exited" if gone
                 else f"{len(bad)} of {len(results)} {what}s killed")
         parts = [head] + gone
-        ends = {r.rank: p.t0 + r.seconds for r, p in zip(results, procs)}
         first_bad = min((ends[r.rank] for r in bad), default=None)
         for r, p in zip(results, procs):
             if r.returncode == 0 and not timed_out and first_bad is not None \
@@ -243,11 +247,21 @@ def wait_all(procs: list[Proc], timeout: float | None, what: str = "worker",
                 when = ("at the timeout" if timed_out else
                         f"{FAIL_GRACE:g} s after a failure, not failing on its own")
                 how = (f"still {states[r.rank]} {when}, killed" if r.rank in states
-                       else f"exit code {r.returncode}")
+                       else exit_said(r.returncode))
                 parts.append(f"--- {what} {r.rank} ({p.name}) {how} after {r.seconds:.1f} s; "
                              f"stderr tail:\n{tail(r.stderr)}{_last_line(r.stdout)}")
         raise WorkerError("\n".join(parts), results, timed_out, states)
     return results
+
+
+def exit_said(code: int) -> str:
+    """A process's exit status in words: a negative one is the signal that killed it."""
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            pass
+    return f"exit code {code}"
 
 
 def _last_line(stdout: str) -> str:
