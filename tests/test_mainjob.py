@@ -659,6 +659,31 @@ def test_a_sigterm_while_the_report_is_written_waits_for_it_and_says_so(monkeypa
     assert (tmp_path / "mainjob.json").exists() and (tmp_path / "mainjob.png").exists()
 
 
+def test_a_sigterm_between_modes_keeps_the_modes_done(monkeypatch, capsys, tmp_path):
+    """SIGTERM as a finished mode's line printed escaped the run: exit 143, no line and no
+    report of the mode done."""
+    import signal
+    from thc.emu.procs import WorkerResult
+    from thc.emu.testbed import LoopbackTestbed
+
+    def ran(self, argv_for, env=None, timeout=None, on_line=None):
+        return [WorkerResult(r, 0, _rows_text(1.0) + '{"final_evaluation": 4}\n', "", 1.0)
+                for r in (0, 1)]
+    print_mode = mainjob.print_mode
+
+    def signalled(*a, **kw):
+        print_mode(*a, **kw)
+        os.kill(os.getpid(), signal.SIGTERM)
+    monkeypatch.setattr(LoopbackTestbed, "run_workers", ran)
+    monkeypatch.setattr(mainjob, "print_mode", signalled)
+    argv = ("--loopback", "--workers", "2", "--modes", "fp32,thc", "--out", str(tmp_path))
+    assert mainjob.run(_main_args(*argv)) == 143
+    assert ("terminated (SIGTERM) between modes, the report of the modes done written"
+            in capsys.readouterr().err)
+    assert [r["mode"] for r in json.loads((tmp_path / "mainjob.json").read_text())["runs"]] \
+        == ["fp32"]
+
+
 def test_ctrl_c_ends_the_main_job_with_a_line_not_a_traceback(monkeypatch, capsys, tmp_path):
     def interrupted(name, args, progress):
         raise KeyboardInterrupt
@@ -819,11 +844,15 @@ def test_the_failure_names_the_worker_that_failed_first_and_its_signal(tmp_path)
     def launch(argv, stdout, stderr):
         return subprocess.Popen(argv, stdout=stdout, stderr=stderr, stdin=subprocess.DEVNULL,
                                 start_new_session=True)
-    peer = "import sys, time\ntime.sleep(1.0)\nsys.exit('Connection closed by peer')"
+    # its peers fail as it dies, within a poll of it, read in rank order: it is named
+    mark = tmp_path / "killed"
+    peer = (f"import os, sys, time\nwhile not os.path.exists({str(mark)!r}): time.sleep(0.001)"
+            f"\nsys.exit('Connection closed by peer')")
     procs = [Proc.start(f"w{r}", [sys.executable, "-c", peer], tmp_path, launch)
              for r in range(2)]
-    procs.append(Proc.start("w2", [sys.executable, "-c", "import os\nos.kill(os.getpid(), 9)"],
-                            tmp_path, launch))
+    procs.append(Proc.start("w2", [sys.executable, "-c", f"import os, time\ntime.sleep(0.5)\n"
+                                   f"open({str(mark)!r}, 'w').close()\n"
+                                   f"os.kill(os.getpid(), 9)"], tmp_path, launch))
     with pytest.raises(mainjob.WorkerError) as e:
         wait_all(procs, timeout=30)
     said = str(e.value)

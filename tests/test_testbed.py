@@ -695,3 +695,38 @@ def test_thcnet_keep_logs_0_removes_them(monkeypatch, tmp_path, value, kept):
     monkeypatch.setenv("THCNET_KEEP_LOGS", value)
     tb._remove_logdir()
     assert logdir.exists() == kept
+
+
+def test_a_ctrl_c_while_the_build_watch_reaps_stays_a_ctrl_c():
+    """A Ctrl-C landing while the watch reaped the shells it killed was turned into its
+    TestbedError (the run went on to its next mode), or, once it had unwound the body, the
+    watch's late SIGUSR2 met the default handler and killed the process before any
+    cleanup."""
+    import threading
+
+    from thc.emu import shellwatch
+
+    class Shell:   # exited, slow to reap
+        pid = os.getpid()
+
+        def poll(self):
+            return 0
+
+        def kill(self):
+            pass
+
+        def wait(self, timeout=None):
+            time.sleep(1.5)
+
+    class Node:
+        name, shell = "h1", Shell()
+    for at, body in ((0.7, 5.0), (0.9, 0.8)):
+        timer = threading.Timer(at, os.kill, (os.getpid(), signal.SIGINT))
+        timer.start()
+        with pytest.raises(KeyboardInterrupt):
+            try:
+                with shellwatch.watched(lambda: [Node()], "building", 180):
+                    time.sleep(body)
+            finally:
+                time.sleep(2)   # the watch's reap ends in here: no SIGUSR2 may kill us
+        timer.join()

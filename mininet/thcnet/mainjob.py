@@ -78,26 +78,30 @@ def run(args: argparse.Namespace) -> int:
             return _stopped(e, "while measuring BMv2's forwarding rate; its switch stopped")
         except Exception as e:  # the probe is advisory
             print(f"BMv2: could not measure its forwarding rate ({e})", flush=True)
-    runs, failed = [], []
-    with signals_raise():   # SIGTERM between modes too ends with a line and the report
-        for name in modes:
-            print(f"\n== {name}: {MODES[name].description}", flush=True)
-            try:
-                with tqdm(total=None, desc=name, unit="step", file=sys.stdout) as bar:
-                    run_ = _run_mode(name, args, bar)
-            except (KeyboardInterrupt, Terminated) as e:
-                when = f"during {name}; its testbed torn down"
-                if not runs:
-                    return _stopped(e, when)
-                # the modes that finished are kept: a stop late in a long run would lose them
-                written = _report(args, runs, failed, probe, out, stopped=when)[0] != 2
-                return _stopped(e, when, written)
-            except Exception as e:  # one failed mode must not cost the others
-                print(f"{name} FAILED: {e}", flush=True)
-                failed.append({"mode": name, "error": str(e)})
-                continue
-            runs.append(run_)
-            print_mode(run_, args.epochs)
+    runs, failed, current = [], [], None
+    try:
+        with signals_raise():   # SIGTERM between modes too ends with a line and the report
+            for name in modes:
+                print(f"\n== {name}: {MODES[name].description}", flush=True)
+                current = name
+                try:
+                    with tqdm(total=None, desc=name, unit="step", file=sys.stdout) as bar:
+                        run_ = _run_mode(name, args, bar)
+                except Exception as e:  # one failed mode must not cost the others
+                    current = None
+                    print(f"{name} FAILED: {e}", flush=True)
+                    failed.append({"mode": name, "error": str(e)})
+                    continue
+                current = None
+                runs.append(run_)
+                print_mode(run_, args.epochs)
+    except (KeyboardInterrupt, Terminated) as e:
+        when = f"during {current}; its testbed torn down" if current else "between modes"
+        if not runs:
+            return _stopped(e, when)
+        # the modes that finished are kept: a stop late in a long run would lose them all
+        written = _report(args, runs, failed, probe, out, stopped=when)[0] != 2
+        return _stopped(e, when, written)
     code, signalled = _report(args, runs, failed, probe, out)
     if signalled is not None:
         return _stopped(signalled, "while its report was written", code != 2)

@@ -20,6 +20,8 @@ from thc.emu.cleanup import kill_process, start_time
 
 TAIL_LINES = 15
 FAIL_GRACE = 3.0
+POLL_S = 0.02
+"""How often the workers' exits are read."""
 """Seconds the others get to fail on their own once one worker failed."""
 
 
@@ -210,7 +212,7 @@ def wait_all(procs: list[Proc], timeout: float | None, what: str = "worker",
         if end is not None and now > end:
             timed_out = True
             break
-        time.sleep(0.02)
+        time.sleep(POLL_S)
     # every state first, then the kills: a worker waiting on one just killed exits on its
     # own within a second, and would read as one that failed before the end
     states = {i: state(p.pid) for i, p in enumerate(procs) if p.poll() is None}
@@ -228,8 +230,13 @@ def wait_all(procs: list[Proc], timeout: float | None, what: str = "worker",
         killed = (f", {len(bad) - len(own)} more killed {FAIL_GRACE:g} s later, not failing"
                   if len(own) < len(bad) else "")
         ends = {r.rank: p.t0 + r.seconds for r, p in zip(results, procs)}
-        # a peer's failure fails the others (a connection closed): the first is the cause
-        first = min(own, key=lambda r: ends[r.rank], default=None)
+        # a peer's failure fails the others (a connection closed): the first is the cause.
+        # Exits are seen a poll apart at best: among those a few polls from the first, one
+        # killed by a signal is taken (its peers fail on its closed connections)
+        earliest = min((ends[r.rank] for r in own), default=0.0)
+        near = sorted((r for r in own if ends[r.rank] - earliest <= 3 * POLL_S),
+                      key=lambda r: (r.returncode >= 0, ends[r.rank]))
+        first = near[0] if near else None
         cause = (f"; the first, {what} {first.rank}, {exit_said(first.returncode)} after "
                  f"{first.seconds:.1f} s" if len(own) > 1 else "")
         head = (f"{what}s timed out after {timeout:.0f} s" if timed_out

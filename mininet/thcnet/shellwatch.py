@@ -43,6 +43,8 @@ def watched(nodes: Callable[[], list], what: str, seconds: float,
         return
     why: list[str] = []
     done = threading.Event()
+    lock = threading.Lock()
+    closed, fired = [False], [False]
     main = threading.main_thread().ident
 
     def stuck(_signum, _frame):
@@ -66,16 +68,20 @@ def watched(nodes: Callable[[], list], what: str, seconds: float,
             for n in now:   # gone before the caller's teardown asks which shells are lost
                 with contextlib.suppress(OSError, AttributeError, subprocess.TimeoutExpired):
                     n.shell.wait(timeout=5)
-            signal.pthread_kill(main, signal.SIGUSR2)
+            with lock:   # never once the body is over: its caller may be unwinding already
+                if not closed[0]:
+                    fired[0] = True
+                    signal.pthread_kill(main, signal.SIGUSR2)
             return
     old = signal.signal(signal.SIGUSR2, stuck)
     watcher = threading.Thread(target=watch, name="thc-shell-watch", daemon=True)
-    watcher.start()
     try:
+        watcher.start()
         yield
     finally:
+        with lock:
+            closed[0] = True
         done.set()
-        try:
-            watcher.join()   # a signal it sent is delivered before the handler goes
-        finally:
-            signal.signal(signal.SIGUSR2, old)
+        # a signal sent may still be pending here (a Ctrl-C unwinding the body, or the body
+        # ended as it came): ignoring SIGUSR2 discards it, where the default would kill
+        signal.signal(signal.SIGUSR2, signal.SIG_IGN if fired[0] else old)
