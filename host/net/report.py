@@ -16,7 +16,8 @@ import threading
 from pathlib import Path
 
 NOTES_KEPT = 64
-"""Notes on standard error that may wait for a reader; later ones are dropped."""
+"""Notes on standard error that may wait for a reader; beyond them a new note takes the
+place of the last one waiting."""
 
 
 class LineWriter:
