@@ -720,13 +720,18 @@ def test_a_ctrl_c_while_the_build_watch_reaps_stays_a_ctrl_c():
 
     class Node:
         name, shell = "h1", Shell()
-    for at, body in ((0.7, 5.0), (0.9, 0.8)):
-        timer = threading.Timer(at, os.kill, (os.getpid(), signal.SIGINT))
-        timer.start()
-        with pytest.raises(KeyboardInterrupt):
-            try:
-                with shellwatch.watched(lambda: [Node()], "building", 180):
-                    time.sleep(body)
-            finally:
-                time.sleep(2)   # the watch's reap ends in here: no SIGUSR2 may kill us
-        timer.join()
+    # Ctrl-C's own handler: a pytest-xdist worker ignores SIGINT
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        for at, body in ((0.7, 5.0), (0.9, 0.8)):
+            timer = threading.Timer(at, os.kill, (os.getpid(), signal.SIGINT))
+            timer.start()
+            with pytest.raises(KeyboardInterrupt):
+                try:
+                    with shellwatch.watched(lambda: [Node()], "building", 180):
+                        time.sleep(body)
+                finally:
+                    time.sleep(2)   # the watch's reap ends in here: no SIGUSR2 may kill us
+            timer.join()
+    finally:
+        signal.signal(signal.SIGINT, old)
