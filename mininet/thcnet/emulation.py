@@ -328,7 +328,8 @@ class MininetTestbed(Testbed):
                     try:
                         self._stop_net()
                     except Exception as e:  # noqa: BLE001 - the registry undo still runs
-                        say_once(f"Mininet stop failed ({e}); removing leftovers by hand")
+                        say_once(f"Mininet stop failed ({type(e).__name__}: {e}); removing "
+                                 f"leftovers by hand")
                 if self.registry is not None:
                     state = self.registry.to_dict()
                     state["paths"] = []  # the log directory is _remove_logdir's call
