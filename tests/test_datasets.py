@@ -98,6 +98,16 @@ def test_a_folder_without_the_files_is_no_fashion_mnist(tmp_path, monkeypatch):
         monkeypatch.undo()
         settings.reset()
     assert said and "lacks Fashion-MNIST's t10k-labels-idx1-ubyte.gz" in said
+    # auto falls back to digits, and says so in the arguments a report keeps
+    monkeypatch.setenv("THC_FASHION_MNIST", str(tmp_path))
+    settings.reset()
+    try:
+        args = argparse.Namespace(data="auto")
+        assert data_unavailable(args, "thc run") is None
+    finally:
+        monkeypatch.undo()
+        settings.reset()
+    assert args.data == "digits" and "using scikit-learn's digits instead" in args.data_note
 
 
 @pytest.mark.skipif(not D.fashion_dir().is_dir(), reason=f"{D.fashion_dir()} not installed")

@@ -129,7 +129,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def data_unavailable(args: argparse.Namespace, prog: str) -> str | None:
     """Why ``--data`` cannot be trained on (Fashion-MNIST named and not installed), else
-    None with ``args.data`` resolved (:data:`AUTO`'s fallback to digits printed)."""
+    None with ``args.data`` resolved (:data:`AUTO`'s fallback to digits printed, and kept as
+    ``args.data_note``: the report's arguments say it, where ``data`` alone reads as asked)."""
     name, note = resolve(args.data)
     if name == "fashion-mnist" and (why := fashion_missing()):
         return (f"{prog}: --data fashion-mnist: {why} (Debian package dataset-fashion-mnist, "
@@ -137,7 +138,7 @@ def data_unavailable(args: argparse.Namespace, prog: str) -> str | None:
                 f"--data digits")
     if note:
         print(f"{prog}: {note}", flush=True)
-    args.data = name
+    args.data, args.data_note = name, note or None
     return None
 
 
