@@ -684,6 +684,26 @@ def test_a_sigterm_between_modes_keeps_the_modes_done(monkeypatch, capsys, tmp_p
         == ["fp32"]
 
 
+def test_each_mode_says_which_datapath_its_aggregators_served_on(monkeypatch, capsys,
+                                                                   tmp_path):
+    """The aggregators fall back to the Python datapath (several times slower a packet, in
+    train s) where the compiled one is not built or cannot serve the job: neither the table
+    nor mainjob.json said so."""
+    from thc.emu.procs import WorkerResult
+    from thc.emu.testbed import LoopbackTestbed
+
+    def ran(self, argv_for, env=None, timeout=None, on_line=None):
+        return [WorkerResult(r, 0, _rows_text(1.0) + '{"final_evaluation": 4}\n', "", 1.0)
+                for r in (0, 1)]
+    monkeypatch.setattr(LoopbackTestbed, "run_workers", ran)
+    monkeypatch.setenv("THC_AGGREGATOR_DATAPATH", "python")
+    argv = ("--loopback", "--workers", "2", "--modes", "fp32,thc", "--out", str(tmp_path))
+    mainjob.run(_main_args(*argv))
+    assert "software aggregators' datapath: thc python (as asked)" in capsys.readouterr().out
+    runs = json.loads((tmp_path / "mainjob.json").read_text())["runs"]
+    assert [r["aggregator_datapath"] for r in runs] == [None, "python (as asked)"]
+
+
 def test_ctrl_c_ends_the_main_job_with_a_line_not_a_traceback(monkeypatch, capsys, tmp_path):
     def interrupted(name, args, progress):
         raise KeyboardInterrupt

@@ -21,6 +21,16 @@ class AggregatorProcesses:
             procs.append(("the aggregator", self._agg_proc))
         return procs
 
+    def aggregator_datapath(self) -> str | None:
+        """Which datapath the software aggregators serve on, as their listening lines say
+        ("compiled (...)", or "python (why)": it falls back where the compiled one cannot
+        serve the job); None without one."""
+        said = []
+        for _, proc in self._aggregator_procs():
+            line = next((ln for ln in proc.stdout().splitlines() if "listening" in ln), "")
+            said.append(line.partition(", datapath ")[2] or "unknown")
+        return "; ".join(sorted(set(said))) or None
+
     def aggregator_cpu_seconds(self) -> float | None:
         """CPU seconds (user + system) the running software aggregator or its shards have used
         so far, from /proc (None without one)."""

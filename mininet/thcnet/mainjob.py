@@ -181,6 +181,7 @@ def _run_mode(name: str, args, progress) -> dict:
                 f.kill()
         wall = time.perf_counter() - t0
         after, agg_after = tb.wire_bytes(), _agg_bytes(tb)
+        agg_datapath = tb.aggregator_datapath()
         kind = tb.kind
     info, history = _rows(results[0].stdout)
     if stopped is None and history and history[-1]["epoch"] < args.epochs - 1e-9:
@@ -203,6 +204,7 @@ def _run_mode(name: str, args, progress) -> dict:
             "epochs_done": last["epoch"], "epochs_asked": args.epochs, "stopped": stopped,
             "step_bound": bound,
             "wire_bytes": int(wire), "wire_source": wire_source, "agg_link_bytes": agg,
+            "aggregator_datapath": agg_datapath,
             "comm_seconds": last.get("comm_seconds"),
             "exposed_comm_seconds": last.get("exposed_comm_seconds"),
             "loss_bound": args.loss_bound if mode.loss_bound else 0.0,

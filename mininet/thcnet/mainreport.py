@@ -153,6 +153,10 @@ def print_table(runs: list[dict], summary: dict) -> None:
     if windows:   # impairment, a loss bound and DSCP marks run on Python's
         print(f"rounds on the compiled client window, the rest on Python's (rank 0): "
               f"{', '.join(windows)}")
+    served = [f"{r['mode']} {r['aggregator_datapath']}" for r in runs
+              if r.get("aggregator_datapath")]
+    if served:   # the Python one is several times slower a packet: its time is in train s
+        print(f"software aggregators' datapath: {'; '.join(served)}")
     for r in runs:
         if r["stopped"]:
             print(f"{r['mode']}: {r['stopped']} after {r['history'][-1]['steps']} steps, not "
