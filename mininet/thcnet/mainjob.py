@@ -43,7 +43,6 @@ from thc.emu.testbed import bmv2_unavailable_reason, mininet_unavailable_reason,
 __all__ = ["add_arguments", "run"]   # the command thc.cli dispatches to
 
 
-
 def run(args: argparse.Namespace) -> int:
     """The main job: every mode trained in turn, then the table, the checks and the report
     (out/mainjob.json and its plot). 0 when every mode trained and every check held, 1 when
