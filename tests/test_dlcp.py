@@ -238,13 +238,16 @@ def test_round_closes_short_within_the_bound_and_feedback_keeps_what_was_lost():
     # lost), over n; each worker's residual is exactly the rest of its input
     own = [xs[w] - ars[w].feedback.residual for w in range(n)]
     torch.testing.assert_close(out[0], sum(own) / n, atol=2e-5, rtol=1e-4)
-    # The lost chunks' share of the (rotated, so evenly spread) input went to worker n-1's
-    # feedback: its residual's energy beyond a lossless worker's is about that share.
+    # The lost chunks' share of the (rotated, so evenly spread) input went to each worker's
+    # feedback: worker n-1's residual's energy beyond worker 0's is about the difference of
+    # their shares (worker 0 loses nothing on the wire, but a chunk may close short before
+    # its DATA, slow under a loaded machine, came in).
     res, base = ars[-1].feedback.residual, ars[0].feedback.residual
-    share = float(lost.mean())
+    share, share0 = float(lost.mean()), float((clients[-1].last.bitmaps & 1 == 0).mean())
     excess = float((res.norm() ** 2 - base.norm() ** 2) / xs[-1].norm() ** 2)
-    assert 0.5 * share < excess < 1.5 * share, f"the lost part went to feedback: {excess} " \
-                                                f"of the input's energy for {share} of chunks"
+    assert abs(excess - (share - share0)) < 0.5 * share, \
+        f"the lost part went to feedback: {excess} of the input's energy for {share} of " \
+        f"chunks ({share0} of worker 0's)"
 
 
 def _after_a_full_round(job, answer, chunks: int):
