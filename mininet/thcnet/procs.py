@@ -20,9 +20,9 @@ from thc.emu.cleanup import kill_process, start_time
 
 TAIL_LINES = 15
 FAIL_GRACE = 3.0
+"""Seconds the others get to fail on their own once one worker failed."""
 POLL_S = 0.02
 """How often the workers' exits are read."""
-"""Seconds the others get to fail on their own once one worker failed."""
 
 
 @dataclass
