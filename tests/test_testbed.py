@@ -626,10 +626,10 @@ def test_a_stopped_shell_does_not_hold_the_teardown(monkeypatch, continued):
     """Mininet's stop reads every node's shell with no deadline, and the teardown holds
     Ctrl-C: a SIGSTOPped shell held it for good. Stopped shells are continued; a shell that
     does not answer all the same is killed after STOP_S."""
-    from thc.emu import emulation, procs
+    from thc.emu import emulation, procs, shellwatch
     if not continued:
         monkeypatch.setattr(emulation, "STOP_S", 2.0)
-        monkeypatch.setattr(emulation, "state", lambda pid: "sleeping")
+        monkeypatch.setattr(shellwatch, "state", lambda pid: "sleeping")
     with open_testbed(2, bw_mbit=100, aggregator="none") as tb:
         name, pids = tb.switch_name, [p for p, _, _ in tb.registry.pids]
         os.kill(tb.host(1).shell.pid, signal.SIGSTOP)

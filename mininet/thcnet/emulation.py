@@ -47,8 +47,8 @@ from thc.emu.base import (
 )
 from thc.emu.errors import TestbedError
 from thc.emu.nodeshell import node_run
-from thc.emu.procs import Proc, state, with_parent
-from thc.emu.shellwatch import watched
+from thc.emu.procs import Proc, with_parent
+from thc.emu.shellwatch import shell_exited, shell_stopped, watched
 from thc.emu.cleanup import Registry, signals_deferred, switch_name, undo
 
 BUILD_S = 180.0
@@ -367,12 +367,11 @@ class MininetTestbed(Testbed):
         (SIGUSR2 to the main thread, whose handler raises), so that the registry's undo
         removes the rest. Off the main thread no handler can be set: no deadline."""
         for n in self.net.values():
-            shell = getattr(n, "shell", None)
-            if shell is not None and state(shell.pid).startswith("stopped"):
-                say_once(f"the shell of Mininet node {n.name} was {state(shell.pid)}: "
-                         f"continued for the teardown")
+            if st := shell_stopped(n):
+                say_once(f"the shell of Mininet node {n.name} was {st}: continued for the "
+                         f"teardown")
                 with contextlib.suppress(OSError):
-                    os.kill(shell.pid, signal.SIGCONT)
+                    os.kill(n.shell.pid, signal.SIGCONT)
         with watched(self._nodes, "Mininet's stop", STOP_S, shells_matter=False):
             self.net.stop()
 
@@ -381,10 +380,7 @@ class MininetTestbed(Testbed):
 
     def _lost_shells(self) -> list[str]:
         """The Mininet nodes whose shell has exited."""
-        if self.net is None:
-            return []
-        return [n.name for n in self.net.values()
-                if getattr(n, "shell", None) is None or n.shell.poll() is not None]
+        return [n.name for n in self._nodes() if shell_exited(n)]
 
 
 def _write(path: str, text: str) -> None:

@@ -20,15 +20,27 @@ from thc.emu.procs import state
 POLL_S = 0.5
 
 
+def shell_exited(node) -> bool:
+    """Whether a Mininet node's shell has exited (or never started)."""
+    shell = getattr(node, "shell", None)
+    return shell is None or shell.poll() is not None
+
+
+def shell_stopped(node) -> str | None:
+    """How a node's running shell is stopped ("stopped (SIGSTOP?)"), None where it is not."""
+    shell = getattr(node, "shell", None)
+    st = state(shell.pid) if shell is not None else ""
+    return st if st.startswith("stopped") else None
+
+
 def shell_trouble(nodes) -> list[str]:
     """What is wrong with the shells of ``nodes``: exited or stopped, by node."""
     out = []
     for n in nodes:
-        shell = getattr(n, "shell", None)
-        if shell is None or shell.poll() is not None:
+        if shell_exited(n):
             out.append(f"the shell of Mininet node {n.name} exited (killed, or `mn -c` run "
                        f"on this machine)")
-        elif (st := state(shell.pid)).startswith("stopped"):
+        elif st := shell_stopped(n):
             out.append(f"the shell of Mininet node {n.name} is {st}")
     return out
 
