@@ -181,6 +181,8 @@ def _files(tmp: Path) -> None:
      "thc run: --congest needs the Mininet testbed: not with --loopback"),
     (["run", "--loopback", "--loss", "2"],
      "thc run: --loss 2 need emulated links (Mininet): not with --loopback"),
+    (["run", "--loopback", "--bw", "500"],
+     "thc run: --bw 500 need emulated links (Mininet): not with --loopback"),
     (["run", "--loss", "100"], "argument --loss: a loss lies in [0, 100) percent, not 100"),
     (["run", "--software-lanes", "-4"], "argument --software-lanes: must be at least 0"),
     (["run", "--loopback", "--modes", "fp32,marsit-vote", "--software-lanes", "4"],

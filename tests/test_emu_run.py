@@ -25,11 +25,12 @@ def test_a_retransmission_timeout_that_is_no_time_is_a_usage_error(value, capsys
     (["--bw", "1e12"], "at most 100000 Mbit/s"),
     (["--aggregator", "central", "--agg-bw-factor", "4"], "give --bw, without --loopback"),
     (["--aggregator", "central", "--bw", "100", "--loopback", "--agg-bw-factor", "4"],
-     "give --bw, without --loopback")])
+     "--bw 100 need emulated links (Mininet): not with --loopback"),
+    (["--loopback", "--bw", "50"], "--bw 50 need emulated links (Mininet): not with --loopback")])
 def test_links_and_shapes_no_testbed_can_give_are_refused(argv, said, capsys):
-    """--loopback --delay 5 ran unshaped, saying only that links were not emulated; a loss
-    of 100% was taken and the round ended at its deadline; --numel 0 reached the workers;
-    --bw 1e12 printed tc's refusals and ran unshaped under its label."""
+    """--loopback --delay 5 (or --bw 50) ran unshaped, saying only that links were not
+    emulated; a loss of 100% was taken and the round ended at its deadline; --numel 0 reached
+    the workers; --bw 1e12 printed tc's refusals and ran unshaped under its label."""
     from thc.emu import run
     try:
         code = run.main(argv)        # refused by run(), before its testbed

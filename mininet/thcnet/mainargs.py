@@ -68,6 +68,9 @@ BMV2_TIMEOUT = 3600.0
 LOSS_BOUND = 0.05
 """``--bmv2-timeout``'s and ``--loss-bound``'s defaults: a flag given with no mode that reads
 it is refused."""
+BW = 100.0
+"""``--bw``'s default, Mbit/s: with the loopback (where no link is shaped), a ``--bw`` other
+than it is refused."""
 STOP_MARGIN = 25.0
 """Seconds before a mode's limit by which its workers stop training and evaluate: the last
 evaluation fits in it (each worker stops after the last step it foresees, from its longest
@@ -84,7 +87,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                           timeout_help="per-mode limit, seconds: the workers stop training "
                                        f"{STOP_MARGIN:g} s before it and report how far they "
                                        "got; a mode still running at it failed")
-    testbed.add_link_arguments(parser, bw=100.0)
+    testbed.add_link_arguments(parser, bw=BW)
     parser.add_argument("--modes", default=DEFAULT_MODES,
                         help=f"comma-separated, from {','.join(MODES)} (default: all but "
                              f"{', '.join(OPT_IN)})")
@@ -206,7 +209,7 @@ def refusal(args: argparse.Namespace, modes: list[str],
         return f"thc run: {why}"
     if why := data_unavailable(args, "thc run"):
         return why
-    if why := testbed.loopback_conflict(args, mininet_why):
+    if why := testbed.loopback_conflict(args, mininet_why, bw_default=BW):
         return f"thc run: {why}"
     if not mininet_why:
         try:

@@ -175,12 +175,16 @@ def add_link_arguments(parser: argparse.ArgumentParser, *, bw: float | None) -> 
                        help="per-link loss, percent")
 
 
-def loopback_conflict(args: argparse.Namespace, unavailable: str | None = None) -> str | None:
+def loopback_conflict(args: argparse.Namespace, unavailable: str | None = None, *,
+                      bw_default: float | None = None) -> str | None:
     """Why the loopback cannot run with the links asked for (None: it can): it emulates no
-    delay or loss, and a run that asked for them would measure neither. The run goes to the
-    loopback with ``--loopback``, or where Mininet cannot run it (``unavailable``: why)."""
-    asked = [f"--{name} {getattr(args, name):g}" for name in ("delay", "loss")
-             if getattr(args, name, 0)]
+    bandwidth, delay or loss, and a run that asked for them would measure none. The run goes
+    to the loopback with ``--loopback``, or where Mininet cannot run it (``unavailable``:
+    why). A ``--bw`` other than the command's default (``bw_default``) counts as asked."""
+    bw = getattr(args, "bw", None)
+    asked = ([f"--bw {bw:g}"] if bw is not None and bw != bw_default else []) + [
+        f"--{name} {getattr(args, name):g}" for name in ("delay", "loss")
+        if getattr(args, name, 0)]
     if not asked:
         return None
     need = f"{' and '.join(asked)} need emulated links (Mininet)"
