@@ -89,6 +89,10 @@ class MininetTestbed(Testbed):
         """``priorities``: every shaped link queues by DLCP class (links.PriorityTCIntf)."""
         try:
             plan = links.plan(bw_mbit, delay_ms, loss_pct)
+            factor = float(agg_bw_factor or 1.0)
+            if aggregator == "software" and bw_mbit is not None:
+                links.check_bw(bw_mbit * factor,
+                               f"the aggregator's link ({bw_mbit:g} Mbit/s x {factor:g})")
         except links.LinkError as e:
             raise TestbedError(str(e)) from None
         if aggregator == "bmv2" and plan["iptables_loss"]:
@@ -113,7 +117,7 @@ class MininetTestbed(Testbed):
         self.bw_mbit = bw_mbit
         self.delay_ms = delay_ms
         self.loss_pct = loss_pct
-        self.agg_bw_factor = float(agg_bw_factor or 1.0)
+        self.agg_bw_factor = factor
         self.link_plan = plan
         self.priorities = priorities
         self.notes = list(plan["notes"])

@@ -167,15 +167,20 @@ def path_loss(loss_pct: float) -> float:
     return 1.0 - (1.0 - p) ** 2
 
 
+def check_bw(bw_mbit: float | None, link: str = "bandwidth") -> None:
+    """Raise LinkError for a rate tc cannot shape (None: unshaped, fine)."""
+    if bw_mbit is not None and not 0 < bw_mbit <= WideTCIntf.bwParamMax:
+        raise LinkError(f"{link} must be positive and at most {WideTCIntf.bwParamMax} "
+                        f"Mbit/s (100 Gbit/s), got {bw_mbit:g} Mbit/s")
+
+
 def plan(bw_mbit: float | None, delay_ms: float, loss_pct: float) -> dict:
     """Decide how to emulate the requested link: TCLink parameters plus the loss fallback.
 
     Returns {"link": kwargs for TCLink, "iptables_loss": per-host drop probability or 0,
     "notes": [str]}; raises LinkError if something asked for cannot be emulated.
     """
-    if bw_mbit is not None and not 0 < bw_mbit <= WideTCIntf.bwParamMax:
-        raise LinkError(f"bandwidth must be positive and at most {WideTCIntf.bwParamMax} "
-                        f"Mbit/s (100 Gbit/s), got {bw_mbit:g} Mbit/s")
+    check_bw(bw_mbit)
     if delay_ms < 0:
         raise LinkError(f"delay must be >= 0, got {delay_ms} ms")
     if not 0 <= loss_pct < 100:
