@@ -379,3 +379,24 @@ def test_the_resend_timer_never_exceeds_its_cap():
     for _ in range(40):
         est.sample(0, 0.01)
     assert 0.05 < est.rto(0) < 1.0
+
+
+def test_timers_set_after_the_client_was_made_time_its_resends(job, datapath):
+    """The Python window timed resends by the timers the client was made with (a first
+    resend after 1 s where 0.05 s had been set since, 10 times the new cap), as did
+    ``rto()``; the compiled window took the new ones."""
+    sent = []
+
+    def silent(data):
+        sent.append(time.monotonic())
+        return []
+
+    with answering(silent) as addr:
+        with AggregationClient(job, 0, addr, run=3, timeout=1.0, max_timeout=2.0,
+                               deadline=0.6, datapath=datapath) as c:
+            c.timeout, c.max_timeout = 0.05, 0.1
+            assert c.rto(0) == 0.05
+            with pytest.raises(AggregationTimeout):
+                c.aggregate(_packed(job, 1)[: job.lanes // 2])
+    gaps = np.diff(sent)
+    assert len(sent) >= 4 and gaps.max() < 0.3, gaps

@@ -144,8 +144,8 @@ class AggregationClient:
         self.epochs: list[int | None] = [None] * len(self.aggregators)
         self.window = self.DEFAULT_WINDOW if window is None else window
         _check_timeouts(timeout, max_timeout, deadline)
-        self.timeout = timeout
-        self.max_timeout = max_timeout
+        self.rtt = RttEstimator(len(self.aggregators), timeout, max_timeout)
+        """The round-trip estimate per shard, kept across rounds; it holds the timers."""
         self.deadline = deadline
         self.loss_bound = check_loss_bound(job.loss_bound if loss_bound is None else loss_bound,
                                            f"job {job.job_id}: ")
@@ -172,8 +172,6 @@ class AggregationClient:
         first exchange to its last (:func:`thc.collective.transports.round_lock`): another
         thread's call meanwhile is refused, as it would take sequence numbers between them,
         which its peers may give the reducer's sums."""
-        self.rtt = RttEstimator(len(self.aggregators), timeout, max_timeout)
-        """The round-trip estimate per shard, kept across rounds."""
         self._windows = [CompiledWindow(), PythonWindow()] if self.datapath == "compiled" \
             else [PythonWindow()]
         try:
@@ -182,6 +180,26 @@ class AggregationClient:
             raise ValueError(f"job {job.job_id} has no worker {worker_id!r} (its workers: "
                              f"{sorted(w.id for w in job.workers)})") from None
         self.sock = _socket(job, worker_id, me, sock)
+
+    @property
+    def timeout(self) -> float:
+        """The least retransmission timeout, and the least margin over a round trip; it may
+        be set after the client was made (checked when a round starts), and both windows
+        and :meth:`rto` take it from there."""
+        return self.rtt.timeout
+
+    @timeout.setter
+    def timeout(self, timeout: float) -> None:
+        self.rtt.timeout = timeout
+
+    @property
+    def max_timeout(self) -> float:
+        """The longest retransmission timeout (set as :attr:`timeout` is)."""
+        return self.rtt.max_timeout
+
+    @max_timeout.setter
+    def max_timeout(self, max_timeout: float) -> None:
+        self.rtt.max_timeout = max_timeout
 
     @property
     def window(self) -> int:
