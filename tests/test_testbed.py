@@ -264,8 +264,7 @@ def test_a_mininet_testbed_refused_for_its_links_leaves_no_log_directory(tmp_pat
         MininetTestbed(2, bw_mbit=None, priorities=True)
     # the aggregator's link is held to --bw's limit too: 1000 x 2880 Mbit/s reached tc
     with pytest.raises(TestbedError, match=re.escape(
-            "the aggregator's link (1000 Mbit/s x 2880) must be positive and at most "
-            "100000 Mbit/s")):
+            "the aggregator's link (1000 Mbit/s x 2880) must lie in [0.1, 100000] Mbit/s")):
         MininetTestbed(4, bw_mbit=1000, agg_bw_factor=2880.0)
     assert list(tmp_path.iterdir()) == []
 

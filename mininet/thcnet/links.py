@@ -34,6 +34,9 @@ class WideTCIntf(TCIntf):
     bwParamMax = 100_000
     """Mbit/s: the most a link is shaped to (:func:`plan` refuses more: tc refused an HTB
     burst far beyond it, and the links ran unshaped under a shaped label)."""
+    bwParamMin = 0.1
+    """Mbit/s: the least (a rate is written with six decimals, and tc refused 1e-6 Mbit/s
+    as no rate: the links ran unshaped under a shaped label)."""
 
     def bwCmds(self, bw=None, speedup=0, use_hfsc=False, use_tbf=False, latency_ms=None,
                enable_ecn=False, enable_red=False):
@@ -169,9 +172,10 @@ def path_loss(loss_pct: float) -> float:
 
 def check_bw(bw_mbit: float | None, link: str = "bandwidth") -> None:
     """Raise LinkError for a rate tc cannot shape (None: unshaped, fine)."""
-    if bw_mbit is not None and not 0 < bw_mbit <= WideTCIntf.bwParamMax:
-        raise LinkError(f"{link} must be positive and at most {WideTCIntf.bwParamMax} "
-                        f"Mbit/s (100 Gbit/s), got {bw_mbit:g} Mbit/s")
+    if bw_mbit is not None and not WideTCIntf.bwParamMin <= bw_mbit <= WideTCIntf.bwParamMax:
+        raise LinkError(f"{link} must lie in [{WideTCIntf.bwParamMin:g}, "
+                        f"{WideTCIntf.bwParamMax}] Mbit/s (100 Gbit/s at most), got "
+                        f"{bw_mbit:g} Mbit/s")
 
 
 def plan(bw_mbit: float | None, delay_ms: float, loss_pct: float) -> dict:
