@@ -96,6 +96,11 @@ def check_job(sw: Switch, job: Job, job_index: int, others: dict[int, dict],
         if not 0 <= w.switch_port < 511 or w.switch_port == target_of(sw).cpu_port:
             raise ConfigError(f"job {job.job_id} worker {w.id}: switch_port {w.switch_port} "
                               f"is not a front-panel port")
+        if ipaddress.IPv4Address(w.ip).is_loopback:
+            raise ConfigError(f"job {job.job_id} worker {w.id}: ip {w.ip} is a loopback "
+                              f"address, which no host sends from or takes results at over a "
+                              f"switch port (a cluster written for the loopback testbed); give "
+                              f"the worker its host's address")
         if w.mac.lower() in forwarding.UNROUTABLE:
             raise ConfigError(f"job {job.job_id} worker {w.id}: mac {w.mac} (the default when "
                               f"a worker gives none) cannot be answered: the switch sends "

@@ -301,6 +301,9 @@ def bad_inputs(job: Job, other: Job) -> dict:
                              install(worker0(switch_port=511))),
         "switch_port_text": (ConfigError, "switch_port '3' is not an integer",
                              install(worker0(switch_port="3"))),
+        # a loopback testbed's cluster: no round of the job could complete
+        "worker_ip_loopback": (ConfigError, "ip 127.0.0.2 is a loopback address",
+                               install(worker0(ip="127.0.0.2"))),
         # the switch refuses no chunk as another shard's (the model's wrong_shard)
         "shard_map": (ConfigError, "spread over 2 software aggregator shards",
                       install(replace(other, shards=(Shard("10.9.0.1", 48879),
