@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
+import select
+import signal
 import sys
 
 from thc.argtypes import ShowDefaults
@@ -83,12 +86,32 @@ def dispatch(prog: str, table: dict, argv: list[str],
 
 def main(argv: list[str] | None = None) -> int:
     """Ctrl-C ends any command with status 130 and one line, not a traceback (each command's
-    own cleanup has run on the way out)."""
+    own cleanup has run on the way out). A reader of the standard output gone (``thc table |
+    head -1``) ends it with status 141, as SIGPIPE ends other commands, and no traceback."""
     try:
         return dispatch("thc", COMMANDS, list(sys.argv[1:] if argv is None else argv))
     except KeyboardInterrupt:
         print("thc: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        if not _stdout_reader_gone():
+            raise                    # another pipe or socket's: the command's own error
+        return 128 + signal.SIGPIPE
+
+
+def _stdout_reader_gone() -> bool:
+    """Whether the standard output's reader is gone; if so it now goes to /dev/null, so that
+    the interpreter's last flush at exit raises nothing more."""
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):
+        return False
+    poll = select.poll()
+    poll.register(fd, select.POLLOUT)
+    if not any(ev & select.POLLERR for _, ev in poll.poll(0)):
+        return False
+    os.dup2(os.open(os.devnull, os.O_WRONLY), fd)
+    return True
 
 
 if __name__ == "__main__":

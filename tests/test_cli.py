@@ -5,6 +5,8 @@ from __future__ import annotations
 import ast
 import importlib.util
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -330,3 +332,25 @@ def test_ctrl_c_ends_a_command_in_one_line_and_status_130(monkeypatch, capsys):
     monkeypatch.setattr(cli.importlib, "import_module", interrupted)
     assert cli.main(["aggregator", "--help"]) == 130
     assert capsys.readouterr().err == "thc: interrupted\n"
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["table"], ["model"]])
+def test_a_reader_gone_ends_a_command_with_status_141_and_no_traceback(argv):
+    """``thc table | head -1`` printed a BrokenPipeError's traceback and exited 1."""
+    read, write = os.pipe()
+    os.close(read)                           # the reader is gone before the first line
+    try:
+        proc = subprocess.run([sys.executable, "-m", "thc.cli", *argv], stdout=write,
+                              stderr=subprocess.PIPE, text=True, timeout=120)
+    finally:
+        os.close(write)
+    assert (proc.returncode, proc.stderr) == (141, "")
+
+
+def test_a_broken_pipe_not_the_standard_outputs_is_the_commands_error(monkeypatch):
+    """Only the standard output's reader gone is quiet: a socket's broken pipe is raised."""
+    def broken(*_args):
+        raise BrokenPipeError(32, "Broken pipe")
+    monkeypatch.setattr(cli.importlib, "import_module", broken)
+    with pytest.raises(BrokenPipeError):
+        cli.main(["aggregator", "--help"])
