@@ -21,6 +21,7 @@ def test_a_retransmission_timeout_that_is_no_time_is_a_usage_error(value, capsys
     (["--loss", "100"], "a loss lies in [0, 100) percent"),
     (["--numel", "0"], "must be at least 1"), (["--window", "0"], "must be at least 1"),
     (["--timeout", "nan"], "not a finite number"), (["--lanes", "-1"], "must be at least 0"),
+    (["--seed", "-1"], "argument --seed: must be at least 0, not -1"),
     (["--bw", "100", "--agg-bw-factor", "4"], "shapes the central aggregator's link, and none"),
     (["--bw", "1e12"], "must lie in [0.1, 100000] Mbit/s"),
     (["--bw", "1e-6"], "must lie in [0.1, 100000] Mbit/s (100 Gbit/s at most), got 1e-06"),
@@ -31,8 +32,8 @@ def test_a_retransmission_timeout_that_is_no_time_is_a_usage_error(value, capsys
 def test_links_and_shapes_no_testbed_can_give_are_refused(argv, said, capsys):
     """--loopback --delay 5 (or --bw 50) ran unshaped, saying only that links were not
     emulated; a loss of 100% was taken and the round ended at its deadline; --numel 0 reached
-    the workers; --bw 1e12 (or 1e-6) printed tc's refusals and ran unshaped under its
-    label."""
+    the workers (as did --seed -1, and each failed); --bw 1e12 (or 1e-6) printed tc's
+    refusals and ran unshaped under its label."""
     from thc.emu import run
     try:
         code = run.main(argv)        # refused by run(), before its testbed

@@ -254,6 +254,10 @@ def run(args: argparse.Namespace) -> int:
     repeat = args.repeat if args.repeat is not None else 1 if args.quick else 3
     bws = args.bw
     p = args.workers
+    if p < 2:
+        print(f"thc bench allreduce: --workers {p}: an all-reduce of one worker exchanges "
+              f"nothing (give 2 or more)", file=sys.stderr)
+        return 2
     sum_bits = P.sum_bits_for(p, THCParams().granularity)
     if args.lanes == 0:
         args.lanes = P.max_software_lanes(sum_bits)

@@ -35,6 +35,7 @@ from thc.testing.clusters import free_port_block
 from thc.wire.jobs import Cluster, Shard, Worker
 from thc.emu.base import (
     AGGREGATORS,
+    MAX_TESTBED_WORKERS,
     REPO_ROOT,
     Testbed,
     bmv2_unavailable_reason,
@@ -149,12 +150,22 @@ def open_testbed(n_workers: int, bw_mbit: float | None = None, delay_ms: float =
 
 # -- flags ----------------------------------------------------------------------------------
 
+def workers_arg(text: str) -> int:
+    """A testbed's worker count, refused as the flag's (a count beyond the testbed's reached
+    it only after the command's checks, as a traceback)."""
+    n = positive_int(text)
+    if n > MAX_TESTBED_WORKERS:
+        raise argparse.ArgumentTypeError(f"a testbed hosts at most {MAX_TESTBED_WORKERS} "
+                                         f"workers, not {n}")
+    return n
+
+
 def add_arguments(parser: argparse.ArgumentParser, *, timeout: float, loopback: bool = True,
                   timeout_help: str = "limit per mode, seconds") -> None:
     """The flags of a command that runs on a testbed: its workers, the limit per mode, and
     (``loopback``, where the command can run without Mininet) the loopback testbed's."""
     group = parser.add_argument_group("testbed")
-    group.add_argument("--workers", type=positive_int, default=4, help="worker hosts")
+    group.add_argument("--workers", type=workers_arg, default=4, help="worker hosts")
     group.add_argument("--timeout", type=positive_float, default=timeout, help=timeout_help)
     if loopback:
         group.add_argument("--loopback", action="store_true",
