@@ -56,7 +56,7 @@ def test_duplication_and_jitter_rows_on_loopback(tmp_path, capsys):
 def test_bmv2_rows_say_why_they_did_not_run_on_loopback(tmp_path, capsys):
     args = argparse.Namespace(quick=True, out=str(tmp_path / "f.md"), json=None, loopback=True,
                               only="bmv2-matrix,bmv2-stream")
-    assert faults.run(args) == 0
+    assert faults.run(args) == 2     # no row ran
     lines = [ln for ln in capsys.readouterr().out.splitlines() if "(BMv2)" in ln
              and ln.startswith("|")]
     names = [ln.split("|")[1].strip() for ln in lines]
@@ -330,3 +330,19 @@ def test_a_sigterm_ends_the_matrix_with_a_line(monkeypatch, capsys):
     args = argparse.Namespace(quick=True, out="-", json=None, loopback=True, only="loss-1")
     assert faults.run(args) == 143
     assert "thc faults: terminated (SIGTERM); 0 row(s) done" in capsys.readouterr().err
+
+
+def test_a_matrix_whose_rows_did_not_run_says_so_and_fails(monkeypatch, capsys):
+    """``thc faults --only bmv2`` without BMv2: every row "not run", yet "Wrong sums: none
+    in any row." and status 0."""
+    ok = faults.Row("1% loss", "loopback", "exact (4/4 workers)", 8, 0, 1.0, {}, "", True)
+    skipped = faults.Row("5% loss", note="not run: simple_switch_grpc is not on PATH")
+    assert "Wrong sums: none in the 1 row(s) that ran, of 2." in faults.render(
+        [ok, skipped], quick=True, elapsed=1.0)
+    args = argparse.Namespace(quick=True, out="-", json=None, loopback=True, only="loss-")
+    monkeypatch.setattr(faults, "row_loss", lambda pct, numel, mininet: faults.Row(
+        f"{pct}% loss", note="not run: simple_switch_grpc is not on PATH"))
+    assert faults.run(args) == 2
+    out, err = capsys.readouterr()
+    assert "Wrong sums: no row ran, so none was checked." in out
+    assert "thc faults: no row ran" in err

@@ -133,12 +133,21 @@ def render(rows: list[Row], quick: bool, elapsed: float, only: str = "") -> str:
                      f"{r.retransmissions} | {secs} | {drops} | {r.note} |")
     wrong = [r.name for r in rows if r.exact is False]
     unfired = [f"{r.name} ({r.unfired})" for r in rows if r.unfired]
-    lines += ["", "Wrong sums: " + (", ".join(wrong) if wrong else "none in any row") + "."]
+    ran = sum(not not_run(r) for r in rows)
+    lines += ["", "Wrong sums: " + (", ".join(wrong) if wrong else
+                                    "none in any row" if ran == len(rows) else
+                                    f"none in the {ran} row(s) that ran, of {len(rows)}" if ran
+                                    else "no row ran, so none was checked") + "."]
     if unfired:
         lines += ["", "Faults that did not happen (their rows show nothing about them): "
                   + ", ".join(unfired) + "."]
     lines += ["", EXACTNESS_CASES]
     return "\n".join(lines)
+
+
+def not_run(row: Row) -> bool:
+    """Whether the row was not run (its testbed or tool unavailable): it checked nothing."""
+    return row.note.startswith("not run")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -193,7 +202,12 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps([r.__dict__ for r in rows], indent=2))
-    return 1 if any(r.exact is False for r in rows) else 0
+    if any(r.exact is False for r in rows):
+        return 1
+    if rows and all(not_run(r) for r in rows):
+        print("thc faults: no row ran (each row's note says why)", file=sys.stderr)
+        return 2
+    return 0
 
 
 def _matrix(want, add, numel: int, stream_s: float, mininet: bool) -> None:
