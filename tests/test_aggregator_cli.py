@@ -566,3 +566,16 @@ def test_a_closed_or_non_blocking_standard_output_loses_no_line_and_no_time(tmp_
         proc.kill()
     lines = [json.loads(line) for line in out.splitlines()[1:]]
     assert len(lines) >= 8 and lines[-1]["jobs"] and "closed" not in err, (len(lines), err)
+
+
+@pytest.mark.parametrize("text", ["{}", '{"jobs": []}'])
+def test_a_cluster_with_no_job_is_refused(tmp_path, text):
+    """It served with jobs [] for its --duration, dropping every packet, and exited 0."""
+    cfg = tmp_path / "cluster.json"
+    cfg.write_text(text)
+    r = subprocess.run([sys.executable, "-m", "thc.cli", "aggregator", "--config", str(cfg),
+                        "--listen", "127.0.0.1:0", "--duration", "5"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and f"thc aggregator: {cfg} holds no job to aggregate" in \
+        r.stderr, r.stderr
+    assert "listening" not in r.stdout

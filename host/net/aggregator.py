@@ -298,6 +298,9 @@ def _stop_on_signals() -> None:
 def run(args: argparse.Namespace) -> int:
     try:
         cluster = Cluster.load(args.config)
+        if not cluster.jobs:     # it would serve, dropping every packet as an unknown job's
+            raise ConfigError(f"{args.config} holds no job to aggregate (its \"jobs\" list "
+                              f"is empty or missing)")
         listen = args.listen or default_listen(cluster, args.shard)
         host, port = parse_hostport(listen)
     except (ConfigError, ValueError, OSError) as e:
