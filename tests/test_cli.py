@@ -186,6 +186,11 @@ def _files(tmp: Path) -> None:
     (["run", "--loopback", "--bw", "500"],
      "thc run: --bw 500 need emulated links (Mininet): not with --loopback"),
     (["run", "--loss", "100"], "argument --loss: a loss lies in [0, 100) percent, not 100"),
+    (["run", "--loopback", "--modes", "fp32", "--data", "digits", "--train-subset", "1"],
+     "thc run: 1 training images (digits, --train-subset 1) cannot fill one global batch of 4 "
+     "workers x --batch 128"),
+    (["run", "--loopback", "--quick", "--data", "digits", "--batch", "512"],
+     "thc run: 1437 training images (digits, --quick's 8192) cannot fill one global batch"),
     (["run", "--software-lanes", "-4"], "argument --software-lanes: must be at least 0"),
     (["run", "--loopback", "--modes", "fp32,marsit-vote", "--software-lanes", "4"],
      "--software-lanes 4 (marsit-vote's job): 4 lanes of vote do not fill whole bytes"),

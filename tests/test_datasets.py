@@ -132,3 +132,12 @@ def test_digits_are_scikit_learns_whether_read_from_its_file_or_through_it(monke
     np.testing.assert_array_equal(images, ref.images)
     np.testing.assert_array_equal(labels, ref.target)
     assert images.dtype == ref.images.dtype and labels.dtype == np.int64
+
+
+@pytest.mark.parametrize("name", D.DATASETS)
+def test_the_training_images_checked_before_a_run_are_the_data_sets(name):
+    """`thc run` refuses a batch the training images cannot fill by these counts, before it
+    loads them."""
+    if name == "fashion-mnist" and (why := D.fashion_missing()):
+        pytest.skip(f"Fashion-MNIST is not installed: {why}")
+    assert len(D.load(name).y_train) == D.TRAIN_IMAGES[name]

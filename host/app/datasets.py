@@ -152,6 +152,9 @@ def load_digits(seed: int = 0) -> Dataset:
 
 
 DATASETS = ("fashion-mnist", "digits")
+TRAIN_IMAGES = {"fashion-mnist": 60_000, "digits": 1_437}
+"""Each data set's training images (digits: 80% of 1,797), for checks made before a run
+loads them."""
 AUTO = "auto"
 """The commands' default data set: Fashion-MNIST where its files are installed, else digits,
 saying why. Named explicitly, Fashion-MNIST must be there."""

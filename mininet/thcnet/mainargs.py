@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from thc.argtypes import non_negative_float, non_negative_int, positive_float, positive_int
-from thc.app.datasets import AUTO, DATASETS, fashion_missing, resolve
+from thc.app.datasets import AUTO, DATASETS, TRAIN_IMAGES, fashion_missing, resolve
 from thc.codec import settings
 from thc.codec.params import THCParams
 from thc.wire import protocol as P
@@ -68,6 +68,8 @@ BMV2_TIMEOUT = 3600.0
 LOSS_BOUND = 0.05
 """``--bmv2-timeout``'s and ``--loss-bound``'s defaults: a flag given with no mode that reads
 it is refused."""
+QUICK_IMAGES = 8192
+"""Training images of ``--quick`` (``--train-subset`` given wins)."""
 BW = 100.0
 """``--bw``'s default, Mbit/s: with the loopback (where no link is shaped), a ``--bw`` other
 than it is refused."""
@@ -102,8 +104,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "1.2M parameters)")
     parser.add_argument("--evals", type=positive_int, default=6, help="evaluations per epoch")
     parser.add_argument("--quick", action="store_true",
-                        help="about two minutes: 8192 training images (--train-subset given "
-                             "wins), one epoch (--epochs given wins)")
+                        help=f"about two minutes: {QUICK_IMAGES} training images "
+                             "(--train-subset given wins), one epoch (--epochs given wins)")
     parser.add_argument("--train-subset", type=positive_int, default=None, metavar="N",
                         help="train on the first N images (step-time measurements: more "
                              "steps than --quick, less than an epoch)")
@@ -209,6 +211,8 @@ def refusal(args: argparse.Namespace, modes: list[str],
         return f"thc run: {why}"
     if why := data_unavailable(args, "thc run"):
         return why
+    if why := batch_unfilled(args):
+        return f"thc run: {why}"
     if why := testbed.loopback_conflict(args, mininet_why, bw_default=BW):
         return f"thc run: {why}"
     if not mininet_why:
@@ -225,6 +229,19 @@ def refusal(args: argparse.Namespace, modes: list[str],
         return ("thc run: --congest, thc-lossy and thc-dlcp queue links by DLCP class, which "
                 "needs links without --delay/--loss (no netem)")
     return None
+
+
+def batch_unfilled(args: argparse.Namespace) -> str | None:
+    """Why the training images (the data set's, at most ``--train-subset``'s) cannot fill one
+    global batch (each mode's workers found it, one mode after another), or None."""
+    subset = args.train_subset or (QUICK_IMAGES if args.quick else None)
+    images = min(TRAIN_IMAGES[args.data], subset or TRAIN_IMAGES[args.data])
+    if images >= args.batch * args.workers:
+        return None
+    cap = (f", --train-subset {subset}" if args.train_subset else
+           f", --quick's {subset}" if subset else "")
+    return (f"{images} training images ({args.data}{cap}) cannot fill one global batch of "
+            f"{args.workers} workers x --batch {args.batch}")
 
 
 def out_refusal(out: Path) -> str | None:

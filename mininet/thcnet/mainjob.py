@@ -34,8 +34,8 @@ from thc.app.modes import AGGREGATED
 from thc.emu import links
 from thc.emu.base import worker_ip
 from thc.emu.cleanup import Terminated, signals_deferred, signals_raise, stopped_by
-from thc.emu.mainargs import (MODES, STOP_MARGIN, Mode, add_arguments, epochs_of, out_refusal,
-                              refusal)
+from thc.emu.mainargs import (MODES, QUICK_IMAGES, STOP_MARGIN, Mode, add_arguments,
+                              epochs_of, out_refusal, refusal)
 from thc.emu.mainreport import conclude, print_mode
 from thc.emu.procs import WorkerError, with_parent
 from thc.emu.testbed import bmv2_unavailable_reason, mininet_unavailable_reason, open_testbed
@@ -228,7 +228,7 @@ def _argv(args, mode: Mode, tb, cfg, bound, stop_at: float, rank: int) -> list[s
     if args.width:
         a += ["--width", str(args.width)]
     if args.train_subset or args.quick:
-        a += ["--train-subset", str(args.train_subset or 8192)]
+        a += ["--train-subset", str(args.train_subset or QUICK_IMAGES)]
     if mode.priorities:
         a.append("--priorities")
     if bound:
