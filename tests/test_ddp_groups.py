@@ -693,3 +693,21 @@ def test_a_hook_is_freed_with_its_ddp_model_when_the_model_is_wrapped_anew():
         model(x).sum().backward()      # no hook left on the parameters runs
     finally:
         dist.destroy_process_group()
+
+
+def test_an_uncompressed_name_in_no_parameters_name_is_refused():
+    """A typo ("bais") left every gradient compressed, unsaid (``--uncompressed nosuch``
+    trained and exited 0)."""
+    from thc.collective.ddp import FP32Hook, HookOptions
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    HookOptions(uncompressed=("bias", "0.")).check_names(model)
+    with pytest.raises(ValueError, match=r"uncompressed \['bais'\] is in no parameter's name "
+                                         r"\(the model's: 0.weight, 0.bias\)"):
+        HookOptions(uncompressed=("bias", "bais")).check_names(model)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port_block(1)}",
+                            rank=0, world_size=1)
+    try:
+        with pytest.raises(ValueError, match="'bais'"):
+            FP32Hook(model, HookOptions(uncompressed=("bais",)), overlap=False)
+    finally:
+        dist.destroy_process_group()

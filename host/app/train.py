@@ -135,6 +135,10 @@ def make_model(image_side: int, width: int | None = None, classes: int = 10):
 def _hook(args, model, ddp):
     """The mode's communication hook, and its aggregator client (None for collectives)."""
     opts = HookOptions(uncompressed=tuple(s for s in args.uncompressed.split(",") if s))
+    try:
+        opts.check_names(model)
+    except ValueError as e:
+        raise SystemExit(f"--uncompressed: {e}") from None
     if args.mode == "topk":
         return TopKHook(model, ratio=args.topk_ratio, options=opts), None
     import torch

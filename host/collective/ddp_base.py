@@ -60,6 +60,16 @@ class HookOptions:
     min_numel: int = 0
     """Parameters with fewer elements than this stay uncompressed."""
 
+    def check_names(self, model: torch.nn.Module) -> None:
+        """ValueError for an ``uncompressed`` part in no parameter's name of ``model``: a
+        typo ("bais") left every gradient compressed, unsaid."""
+        names = [n for n, _ in model.named_parameters()]
+        unmatched = [s for s in self.uncompressed if not any(s in n for n in names)]
+        if unmatched:
+            raise ValueError(f"uncompressed {unmatched} is in no parameter's name (the "
+                             f"model's: {', '.join(names[:6])}"
+                             f"{', ...' if len(names) > 6 else ''})")
+
     def __post_init__(self):
         """Checked here, not at the first backward: a bare string would be read as its
         characters ("bias": every name holding an "i" or an "s" left uncompressed)."""
@@ -208,6 +218,7 @@ class BaseHook:
         failure = None
         try:
             self._check_settings(overlap, comm_group, group, nonfinite)
+            options.check_names(model)
         except (ValueError, TypeError) as e:   # raised here by together, refused elsewhere
             failure = e
         # ranks unlike here would make the hook's group on some ranks only: a wait in
