@@ -209,6 +209,8 @@ def _files(tmp: Path) -> None:
      "argument --workers: a testbed hosts at most 32 workers, not 64"),
     (["bench", "dlcp", "--loss-bound", "2"], "argument --loss-bound: "),
     (["bench", "dlcp", "--layers", "0"], "argument --layers: must be at least 1, not 0"),
+    (["bench", "dlcp", "--modes", "retransmit", "--loss-bound", "0.1"],
+     "thc bench dlcp: --loss-bound applies to bound, bound+prio, which --modes does not name"),
     (["bench", "hook", "--device", "bogus"], "argument --device: cpu, cuda or cuda:N, not"),
     (["bench", "hook", "--device", "cpu", "--buckets", ""],
      "argument --buckets: no integer in ''"),

@@ -42,6 +42,8 @@ from thc.emu.testbed import TestbedError, WorkerError, mininet_unavailable_reaso
 
 MODES = {"retransmit": (0.0, False), "bound": (None, False), "bound+prio": (None, True)}
 """mode -> (loss bound (None: --loss-bound), DSCP marks)."""
+LOSS_BOUND = 0.05
+"""``--loss-bound``'s default: given with no mode that reads it, it is refused."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -56,7 +58,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="equal layers of the gradient, each with its own scale; with "
                              "priorities, its DLCP class follows its position")
     parser.add_argument("--rounds", type=positive_int, default=None, help="default 40; --quick: 10")
-    parser.add_argument("--loss-bound", type=loss_bound_arg, default=0.05,
+    parser.add_argument("--loss-bound", type=loss_bound_arg, default=LOSS_BOUND,
                         help="the job's loss_bound: the share of a round's chunks that may "
                              "close short (docs/protocol.md, \"Bounded loss\")")
     parser.add_argument("--agg-bw-factor", type=positive_float, default=None,
@@ -128,6 +130,11 @@ def _run_mode(tb, name: str, loss_bound: float, marks: bool, args, rounds: int) 
 
 def run(args: argparse.Namespace) -> int:
     rounds = args.rounds or (10 if args.quick else 40)
+    if args.loss_bound != LOSS_BOUND and all(MODES[m][0] is not None for m in args.modes):
+        print(f"thc bench dlcp: --loss-bound applies to "
+              f"{', '.join(m for m in MODES if MODES[m][0] is None)}, which --modes does not "
+              f"name", file=sys.stderr)
+        return 2
     try:
         settings.current()                  # a bad THC_* variable, before a testbed starts
     except ValueError as e:
