@@ -209,6 +209,9 @@ def _files(tmp: Path) -> None:
      "argument --workers: a testbed hosts at most 32 workers, not 64"),
     (["bench", "dlcp", "--loss-bound", "2"], "argument --loss-bound: "),
     (["bench", "dlcp", "--layers", "0"], "argument --layers: must be at least 1, not 0"),
+    (["bench", "aggregator", "--load-procs", "1000"],
+     "thc bench aggregator: --load-procs 1000: the load generator runs at most a process a "
+     "worker, and --workers 4 has fewer"),
     (["bench", "dlcp", "--modes", "retransmit", "--loss-bound", "0.1"],
      "thc bench dlcp: --loss-bound applies to bound, bound+prio, which --modes does not name"),
     (["bench", "hook", "--device", "bogus"], "argument --device: cpu, cuda or cuda:N, not"),

@@ -305,6 +305,10 @@ def run(args: argparse.Namespace) -> int:
         if args.load == "python" and args.load_procs is not None:
             raise ValueError("--load-procs applies to --load compiled; --load python runs one "
                              "client process a worker")
+        if (args.load_procs or 1) > min(args.workers):
+            raise ValueError(f"--load-procs {args.load_procs}: the load generator runs at most "
+                             f"a process a worker, and --workers {min(args.workers)} has "
+                             f"fewer")
     except ValueError as e:
         print(f"thc bench aggregator: {e}", file=sys.stderr)
         return 2
