@@ -17,6 +17,7 @@ import signal
 import sys
 
 from thc.argtypes import ShowDefaults
+from thc.bench import lines_aside
 
 BENCHES: dict[str, tuple[str, str]] = {
     "codec": ("thc.bench.codec", "THC encode/decode throughput vs FP16 cast and PowerSGD"),
@@ -81,7 +82,9 @@ def dispatch(prog: str, table: dict, argv: list[str],
                                      formatter_class=ShowDefaults)
     module.add_arguments(parser)
     parser.set_defaults(command=parser.prog)   # one module may serve two commands
-    return int(module.run(parser.parse_args(argv[1:])) or 0)
+    args = parser.parse_args(argv[1:])
+    with lines_aside(args):
+        return int(module.run(args) or 0)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -368,3 +368,15 @@ def test_a_broken_pipe_not_the_standard_outputs_is_the_commands_error(monkeypatc
     monkeypatch.setattr(cli.importlib, "import_module", broken)
     with pytest.raises(BrokenPipeError):
         cli.main(["aggregator", "--help"])
+
+
+@pytest.mark.parametrize("argv,lines", [
+    (["table", "--json"], ""),
+    (["bench", "aggregator", "--quick", "--chunks", "64", "--json"], "aggregators vs UDP")])
+def test_json_to_the_standard_output_comes_alone(argv, lines, capsys):
+    """``--json`` with no FILE: the aggregator bench (as the all-reduce and DLCP benches)
+    printed its table above the JSON on the standard output, which no JSON reader took."""
+    assert cli.main(argv) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["recorded"]["command"]
+    assert lines in err                     # the lines went to the standard error

@@ -7,6 +7,7 @@ commands that write JSON or a plot take the same output flags from here.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -67,6 +68,25 @@ def provenance() -> dict:
     return out
 
 
+_JSON_OUT: list = []
+"""The standard output a ``--json`` with no FILE writes to, while :func:`lines_aside` holds."""
+
+
+@contextlib.contextmanager
+def lines_aside(args: argparse.Namespace):
+    """With ``--json`` and no FILE, the command's printed lines go to standard error, so
+    that the standard output holds the JSON alone (a table above it broke its readers)."""
+    if getattr(args, "json", None) != "-":
+        yield
+        return
+    _JSON_OUT.append(sys.stdout)
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+    finally:
+        _JSON_OUT.pop()
+
+
 def emit_json(args: argparse.Namespace, result: dict) -> None:
     """Write ``result`` where ``--json`` asked for it, with its :func:`provenance` (a report
     read back and written again keeps the one it had)."""
@@ -75,7 +95,9 @@ def emit_json(args: argparse.Namespace, result: dict) -> None:
     result = {**result, "recorded": result.get("recorded") or provenance()}
     text = json.dumps(result, indent=2, sort_keys=True)
     if args.json == "-":
-        sys.stdout.write(text + "\n")
+        out = _JSON_OUT[-1] if _JSON_OUT else sys.stdout
+        out.write(text + "\n")
+        out.flush()
     else:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(text + "\n")

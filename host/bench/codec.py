@@ -286,7 +286,7 @@ def run(args: argparse.Namespace) -> int:
     repeat = args.repeat if args.repeat is not None else 2 if args.quick else 5
     cuda = device.type == "cuda"
     reference = args.reference
-    out = sys.stderr if args.json == "-" else sys.stdout
+    out = sys.stdout   # the standard error under --json with no FILE (lines_aside)
     sync = (lambda: torch.cuda.synchronize(device)) if cuda else (lambda: None)
     threads = torch.get_num_threads()
     if not cuda:

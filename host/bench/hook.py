@@ -228,7 +228,7 @@ def run(args: argparse.Namespace) -> int:
             torch.cuda.empty_cache()
     results = costs(rows, n_params)
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
-    out = sys.stderr if args.json == "-" else sys.stdout
+    out = sys.stdout   # the standard error under --json with no FILE (lines_aside)
     print(f"DDP hooks on {where}: ResNet-50 ({n_params / 1e6:.1f}M parameters), batch "
           f"{args.batch} of {args.image}x{args.image}, a process group of one (local sums); "
           f"median of {args.steps} steps", file=out)

@@ -210,7 +210,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     timer = _timer(device)
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "interpreter"
-    out = sys.stderr if args.json == "-" else sys.stdout
+    out = sys.stdout   # the standard error under --json with no FILE (lines_aside)
     report = {"device": str(device), "device_name": where, "slice_size": params.slice_size,
               "precisions": {}}
     for prec in precisions:

@@ -179,7 +179,7 @@ def _run(args: argparse.Namespace) -> int:
                          "p": params.p, "t_p": params.t_p, "seed": params.seed},
               "results": rows}
 
-    out = sys.stderr if args.json == "-" else sys.stdout
+    out = sys.stdout   # the standard error under --json with no FILE (lines_aside)
     width = max([34] + [len(row["scheme"]) for row in rows])
     head = f"{'scheme':<{width}} {'bits up':>7}" + "".join(f" {'n=' + str(n):>10}"
                                                          for n in workers)
