@@ -34,9 +34,12 @@ def test_costs_are_differences_against_the_same_machinery():
 
 
 def test_a_short_run_on_the_cpu_feeds_the_model(tmp_path):
+    """At --image 16 (batch norms of two values at the last stage) the model went to NaN
+    within a step, and the THC hook refused its gradients."""
     out = tmp_path / "hook.json"
     r = subprocess.run([sys.executable, "-m", "thc.cli", "bench", "hook", "--device", "cpu",
-                        "--quick", "--buckets", "25", "--json", str(out), "--plot",
+                        "--quick", "--image", "16", "--buckets", "25", "--json", str(out),
+                        "--plot",
                         str(tmp_path / "hook.png")],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]

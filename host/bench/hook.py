@@ -124,7 +124,9 @@ def _measure(bucket_mb: int, args, params: THCParams, device) -> list[dict]:
         model.load_state_dict(base.state_dict())
         calls: list = []
         ddp, hook = _ddp(mode, model, bucket_mb, params, calls)
-        opt = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
+        # lr 0: a step does the optimizer's work and leaves the model as it was; a step of
+        # 0.01 took a small --image (batch norms of two values) to NaN within a step
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.0, momentum=0.9)
         runs[mode] = {"ddp": ddp, "hook": hook, "opt": opt, "calls": calls, "times": []}
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     for step in range(args.warmup + args.steps):
