@@ -149,12 +149,16 @@ def test_bad_settings_and_flags_are_usage_errors_before_any_work(argv, env, mess
 
 def _files(tmp: Path) -> None:
     """The files the mistakes below name: a JSON of something else, a main job's report
-    without Marsit (what the README's tour runs), a CPU codec's report."""
+    without Marsit (what the README's tour runs), one whose runs lack their parameter
+    counts (refused as `'params'` alone), a CPU codec's report."""
     (tmp / "other.json").write_text('{"x": 1}')
     (tmp / "list.json").write_text('[1]')
     report = json.loads((ROOT / "docs/runs/mainjob-makerun-bmv2-bounded-quiet.json").read_text())
     report["runs"] = [r for r in report["runs"] if not r["mode"].startswith("marsit")]
     (tmp / "nomarsit.json").write_text(json.dumps(report))
+    for run in report["runs"]:
+        run.pop("params", None)
+    (tmp / "noparams.json").write_text(json.dumps(report))
     (tmp / "cpu.json").write_text(json.dumps({"device": "cpu", "results": [
         {"name": "THC encode+decode (compiled)", "elements": 1 << 22, "median_s": 0.05}]}))
 
@@ -168,6 +172,9 @@ def _files(tmp: Path) -> None:
     (["model", "--calibrate", "{tmp}/nomarsit.json"],
      "thc model --calibrate: cannot fit alpha and efficiency without the ['marsit'] run(s)"),
     (["model", "--gpu-codec", "{tmp}/cpu.json"], "was measured on the CPU: give a GPU's report"),
+    (["model", "--calibrate", "{tmp}/noparams.json"],
+     "thc model --calibrate: {tmp}/noparams.json: not a main job's report it can read (a run "
+     "lacks 'params')"),
     (["model", "--gpu-codec", "{tmp}/list.json"], "{tmp}/list.json: no 'results' list"),
     (["model", "--calibrate", "{tmp}/list.json"], "it holds a JSON list, not an object"),
     (["sweep", "--report", "{tmp}/missing.json"], "thc sweep: cannot read a sweep's report"),

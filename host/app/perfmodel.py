@@ -495,8 +495,13 @@ def run(args: argparse.Namespace) -> int:
             rows = [row for path, rep in zip(args.calibrate, reports)
                     for row in calibrate(rep, alpha, eff, args.agg_pps,
                                          fitted=path == fitted_on)]
-        except (KeyError, TypeError, ValueError, ZeroDivisionError) as e:
+        except ValueError as e:        # the fit's own refusals
             raise refusal(f"thc model --calibrate: {e}") from None
+        except (KeyError, TypeError, ZeroDivisionError) as e:    # a damaged report
+            what = f"a run lacks {e}" if isinstance(e, KeyError) else \
+                f"{type(e).__name__}: {e}"
+            raise refusal(f"thc model --calibrate: {', '.join(args.calibrate)}: not a main "
+                          f"job's report it can read ({what})") from None
         print(f"{'Mbit/s':>6} {'mode':<12} {'testbed':<8} {'scheme':<15} {'steps':>5} "
               f"{'measured ms':>11} {'predicted ms':>12} {'error':>6}  {'compute ms':>10} "
               f"{'codec ms':>8}")
