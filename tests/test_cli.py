@@ -243,6 +243,9 @@ def _files(tmp: Path) -> None:
     (["nmse", "--schemes", ","], "thc nmse: --schemes ',' names no scheme"),
     (["table", "--bits", "9"], "thc table: bits must be"),
     (["nmse", "--workers", "1,a"], "argument --workers: not an integer: 'a'"),
+    (["nmse", "--workers", "10,100000", "--dim", "1048576"],
+     "thc nmse: --workers 100000 of --dim 1048576 takes about 2516.6 GB (an estimate), more "
+     "than the"),
     (["table", "--json", "/proc/thc/table.json"],
      "argument --json: cannot write /proc/thc/table.json"),
     (["faults", "--only", ","], "thc faults: --only ',' names no row"),

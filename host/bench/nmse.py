@@ -136,6 +136,26 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(threads)
 
 
+BYTES_PER_ELEMENT = 24
+"""Memory a point takes per worker and element, an estimate (20 measured at 100 to 400
+workers of 2^16: the vectors, their float64 stack, a scheme's work)."""
+
+
+def _check_memory(workers: int, dim: int) -> None:
+    """ValueError where the largest point would not fit the memory available (--workers
+    100000 ran the machine out of memory, and the kernel killed whatever it chose)."""
+    need = BYTES_PER_ELEMENT * workers * dim
+    try:
+        with open("/proc/meminfo") as f:
+            free = next(int(line.split()[1]) * 1024 for line in f
+                        if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return
+    if need > free:
+        raise ValueError(f"--workers {workers} of --dim {dim} takes about {need / 1e9:.1f} GB "
+                         f"(an estimate), more than the {free / 1e9:.1f} GB available")
+
+
 def _run(args: argparse.Namespace) -> int:
     prog = getattr(args, "command", "thc nmse")
     workers = args.workers
@@ -151,6 +171,7 @@ def _run(args: argparse.Namespace) -> int:
         schemes = [make_scheme(spec, thc_kw if spec.split(":")[0].strip() in ("thc", "uhc")
                                else None)
                    for spec in specs]     # every spec checked before the first is measured
+        _check_memory(max(workers), dim)
     except ValueError as e:
         print(f"{prog}: {e}", file=sys.stderr)
         return 2
