@@ -224,7 +224,7 @@ def test_a_sweep_the_links_cannot_be_fitted_to_is_refused_before_it_runs(tmp_pat
 @pytest.mark.parametrize("argv, said", [
     (["--modes", "fp32,fp16"], "names no THC mode"),
     (["--evals", "1"], "--evals must be at least 2"),
-    (["--workers", "40"], "--workers 40: the modes compare gradient exchanges"),
+    (["--workers", "1"], "--workers 1: the modes compare gradient exchanges"),
     (["--plot", "sweep.txt"], "a figure's file name ends in"),
     (["--json", "."], "cannot write .: it is a folder")])
 def test_a_sweep_that_could_not_end_well_is_refused_before_it_runs(tmp_path, capsys,

@@ -203,6 +203,7 @@ def _files(tmp: Path) -> None:
      "--software-lanes 4 (marsit-vote's job): 4 lanes of vote do not fill whole bytes"),
     (["run", "--loopback", "--workers", "1"], "--workers 1: the modes compare gradient"),
     (["sweep", "--bw", "50,x"], "argument --bw: not a number: 'x'"),
+    (["sweep", "--workers", "40"], "argument --workers: a testbed hosts at most 32 workers"),
     (["sweep", "--target", "73"], "argument --target: a fraction lies in (0, 1], not 73"),
     (["model", "--efficiency", "0"], "argument --efficiency: a fraction lies in (0, 1], not 0"),
     (["bench", "allreduce", "--bw", "100,nan"], "argument --bw: not a finite number: 'nan'"),

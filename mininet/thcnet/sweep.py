@@ -41,7 +41,7 @@ from thc.emu import mainargs, mainjob
 from thc.emu.mainreport import summarize, time_to
 from thc.emu.sweepreport import markdown, plot
 from thc.emu.cleanup import Terminated, signals_raise, stopped_by
-from thc.emu.testbed import mininet_unavailable_reason
+from thc.emu.testbed import mininet_unavailable_reason, workers_arg
 
 DEFAULT_BW = "50,100,200,500,1000"
 DEFAULT_MODES = "fp32,fp16,thc"
@@ -53,7 +53,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--modes", default=DEFAULT_MODES,
                         help=f"main-job modes (default {DEFAULT_MODES}); the first THC mode "
                              f"is the one whose break-even is computed against fp32 and fp16")
-    parser.add_argument("--workers", type=positive_int, default=4)
+    parser.add_argument("--workers", type=workers_arg, default=4)
     parser.add_argument("--steps", type=positive_int, default=40,
                         help="training steps a run (default 40; bounds the sweep's time: 15 "
                              "runs of 40 steps took 9.4 minutes on 2 cores)")
