@@ -91,6 +91,15 @@ def test_a_float64_input_beyond_float32s_range_is_refused_as_such():
         np.array([1.0, 3.0]))), [0.0, 3.0])
 
 
+def test_topk_sends_the_ratio_as_written():
+    """0.07 of 100 is 7.000000000000001 in floating point, and TopK sent 8 values, where the
+    window's loss budget takes such a product as its integer; a ratio off an integer by more
+    than its rounding error still rounds up."""
+    assert [TopK(0.07).k(n) for n in (100, 200, 300)] == [7, 14, 21]
+    assert TopK(0.29).k(100) == 29 and TopK(0.1).k(101) == 11 and TopK(0.5).k(0) == 0
+    assert TopK(1.0).k(7) == 7 and TopK(1e-9).k(10) == 1
+
+
 def test_bits_per_coord():
     d = 2 ** 18
     assert THC().bits_per_coord(d) == pytest.approx(4.0, abs=0.01)

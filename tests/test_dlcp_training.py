@@ -28,6 +28,16 @@ def test_layer_positions_follow_the_forward_order():
     assert [pos[id(p)] for p in nested.parameters()] == [0.0, 0.0, 1.0, 1.0]
 
 
+def test_a_tied_weight_takes_its_first_layers_place():
+    """An embedding tied to the output head took the head's place (1.0), the lowest DLCP
+    class, where the next forward needs it first."""
+    tied = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 4),
+                               torch.nn.Linear(4, 10, bias=False))
+    tied[2].weight = tied[0].weight
+    pos = layer_positions(tied)
+    assert pos[id(tied[0].weight)] == 0.0 and pos[id(tied[1].weight)] == 0.5
+
+
 def _runs(position: torch.Tensor) -> list[tuple[float, int]]:
     return [(float(v), len(list(g))) for v, g in itertools.groupby(position.tolist())]
 

@@ -29,7 +29,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from thc.codec.common import (NonFiniteInput, as_float32, cast_estimate, check_float,
-                              scale_factor)
+                              near_int, scale_factor)
 from thc.codec.hadamard import is_torch
 from thc.codec.packing import pack_bits, unpack_bits
 from thc.codec.params import THCParams
@@ -328,7 +328,11 @@ class TopK(Scheme):
         return f"topk({self.ratio:g})"
 
     def k(self, numel: int) -> int:
-        return min(int(numel), math.ceil(self.ratio * int(numel)))
+        """ceil(ratio x numel), a product within floating point's error of an integer taken
+        as that integer (0.07 of 100 is 7, not 8)."""
+        product = self.ratio * int(numel)
+        near = near_int(product)
+        return min(int(numel), math.ceil(product) if near is None else near)
 
     def bits_per_coord(self, numel: int = 2 ** 18) -> float:
         return self.k(numel) * 64.0 / max(1, numel)

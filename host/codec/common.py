@@ -22,6 +22,14 @@ WHOLE = 1 << 62
 """A batch size no input reaches: one group per run of equal slices (the kernels' batching)."""
 
 
+def near_int(product: float) -> int | None:
+    """The integer a product of a fraction and a count is within floating point's own error
+    of (a few units in its last place), else None: 0.29 x 100 is 28.999999999999996 and
+    0.07 x 100 is 7.000000000000001, where the fraction as written gives 29 and 7."""
+    near = round(product)
+    return int(near) if abs(product - near) <= 4 * math.ulp(max(near, 1)) else None
+
+
 def layout(numel: int, params: THCParams) -> SliceLayout:
     """The slices of ``numel`` elements; a count that is no integer is refused (a decode of
     1000.9 elements was cut to 1000)."""

@@ -102,10 +102,15 @@ def layer_positions(model: torch.nn.Module) -> dict[int, float]:
     """``id(parameter)`` -> its layer's place in the forward order, 0 (first) .. 1 (last).
 
     The order is the modules' registration order (a ``Sequential``'s is its forward order);
-    a layer's parameters (weight, bias) share its place."""
+    a layer's parameters (weight, bias) share its place, and a parameter two layers share (an
+    embedding tied to the output head) takes the first's: the next forward needs it there."""
     layers = [m for m in model.modules() if any(True for _ in m.parameters(recurse=False))]
     last = max(1, len(layers) - 1)
-    return {id(p): i / last for i, m in enumerate(layers) for p in m.parameters(recurse=False)}
+    places: dict[int, float] = {}
+    for i, m in enumerate(layers):
+        for p in m.parameters(recurse=False):
+            places.setdefault(id(p), i / last)
+    return places
 
 
 def _raising(fut: torch.futures.Future) -> torch.futures.Future:

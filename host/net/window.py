@@ -11,6 +11,7 @@ from typing import Protocol
 
 import numpy as np
 
+from thc.codec.common import near_int
 from thc.net.impair import Impairment
 from thc.net.outcomes import (AggregationRefused, AggregationTimeout, AggregatorMisconfigured,
                               LossBoundExceeded, TransportStats, host_port)
@@ -108,10 +109,8 @@ def flush_budget(loss_bound: float, chunks: int) -> int:
     counts as that integer: 0.29 x 100 is 28.999999999999996, and the round closed one chunk
     fewer than the bound says. A bound just below, such as 0.9999999999, is not rounded up."""
     product = loss_bound * chunks
-    near = round(product)
-    if abs(product - near) <= 4 * math.ulp(max(near, 1)):
-        return int(near)
-    return math.floor(product)
+    near = near_int(product)
+    return math.floor(product) if near is None else near
 
 
 @dataclass
