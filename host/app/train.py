@@ -1,7 +1,8 @@
 """One data-parallel training worker: Fashion-MNIST (or digits) with DDP over Gloo.
 
 The gradient exchange is chosen by ``--mode``: ``fp32`` (DDP's own all-reduce), ``fp16``
-(the same all-reduce of gradients cast to half precision: torch's ``fp16_compress_hook``), ``thc``
+(the same all-reduce of gradients cast to half precision: torch's ``fp16_compress_hook``, as
+torch has it: a gradient beyond float16's 65504 becomes inf on every rank, unsaid), ``thc``
 (THC through the aggregator at ``--agg``: switch or software), ``thc-dist`` (THC integer
 sums over the Gloo all-reduce), ``topk`` (10% TopK with error feedback), ``marsit`` (sign
 bits merged along a ring) or ``marsit-vote`` (sign bits counted by a vote job at ``--agg``:
