@@ -75,7 +75,7 @@ def test_help_shows_defaults_its_text_does_not_already_say(capsys):
         cli.main(["aggregator", "--help"])
     out = " ".join(capsys.readouterr().out.split())
     assert "(default: True)" not in out   # --no-gso's dest is on: the flag is not
-    assert "on sent results (default: 0.0)" in out   # --loss: a default of 0 is one
+    assert "on sent results (not a percent) (default: 0.0)" in out   # --loss: a default of 0 is one
     with pytest.raises(SystemExit):
         cli.main(["bench", "switch", "--help"])
     out = " ".join(capsys.readouterr().out.split())

@@ -51,8 +51,9 @@ class Impairment:
         """The flags of an impairment of the ``sent`` packets (testing)."""
         group = parser.add_argument_group("impairments (testing)")
         for name in ("loss", "dup", "reorder"):
-            group.add_argument(f"--{name}", type=float, default=0.0,
-                               help=f"inject {name} with this probability on sent {sent}")
+            group.add_argument(f"--{name}", type=float, default=0.0, metavar="PROB",
+                               help=f"inject {name} with this probability, in [0, 1), on "
+                                    f"sent {sent} (not a percent)")
         group.add_argument("--jitter", type=float, default=0.0, metavar="SECONDS",
                            help=f"delay each of the sent {sent} by a random 0..SECONDS")
 
