@@ -111,6 +111,17 @@ def test_load_procs_is_refused_where_it_would_be_ignored(capsys):
     assert "--load-procs applies to --load compiled" in capsys.readouterr().err
 
 
+@pytest.mark.skipif(not fastagg.available(), reason=f"{fastagg.UNAVAILABLE}")
+def test_load_procs_beyond_a_points_workers_run_one_a_worker(tmp_path):
+    """--workers 1,2 --load-procs 2: the 1-worker point runs one process, and says so (a
+    count above every point's workers is refused: test_cli)."""
+    from thc import cli
+    out = tmp_path / "agg.json"
+    assert cli.main(["bench", "aggregator", "--quick", "--chunks", "64", "--workers", "1,2",
+                     "--load-procs", "2", "--json", str(out)]) == 0
+    assert [r["load_procs"] for r in json.loads(out.read_text())["rows"]] == [1, 2]
+
+
 @pytest.mark.parametrize("load", ["python", pytest.param("compiled", marks=pytest.mark.skipif(
     not fastagg.available(), reason=f"{fastagg.UNAVAILABLE}"))])
 def test_a_load_process_that_fails_ends_the_run_at_once_with_its_error(load):

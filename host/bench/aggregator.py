@@ -305,10 +305,10 @@ def run(args: argparse.Namespace) -> int:
         if args.load == "python" and args.load_procs is not None:
             raise ValueError("--load-procs applies to --load compiled; --load python runs one "
                              "client process a worker")
-        if (args.load_procs or 1) > min(args.workers):
+        if (args.load_procs or 1) > max(args.workers):
             raise ValueError(f"--load-procs {args.load_procs}: the load generator runs at most "
-                             f"a process a worker, and --workers {min(args.workers)} has "
-                             f"fewer")
+                             f"a process a worker, and --workers {max(args.workers)} (the "
+                             f"most) has fewer")
     except ValueError as e:
         print(f"thc bench aggregator: {e}", file=sys.stderr)
         return 2
@@ -322,7 +322,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"aggregators vs UDP echoes, {lanes} lanes/packet, {chunks} chunks per worker, "
           f"window {args.window}, compiled servers {'with' if args.gso else 'without'} UDP GSO, "
           f"load: "
-          + (f"compiled load generator in {procs} process(es)"
+          + (f"compiled load generator in {procs} process(es) (at most one a worker)"
              if args.load == "compiled" else f"AggregationClient processes, one a worker, "
                                              f"client datapath {resolve_datapath(None, settings)} "
                                              f"(THC_CLIENT_DATAPATH)"))
@@ -361,7 +361,8 @@ def run(args: argparse.Namespace) -> int:
               f"compiled echo/python echo {ratios['compiled_echo_vs_python_echo']:.2f}x",
               flush=True)
         rows.append({"workers": n, **{k.replace(" ", "_"): v for k, v in median.items()},
-                     "ratios": ratios})
+                     "ratios": ratios,
+                     "load_procs": None if procs is None else min(procs, n)})
     emit_json(args, {"benchmark": "aggregator", "lanes": lanes, "load": args.load,
                      "client_datapath": resolve_datapath(None, settings) if args.load == "python"
                      else None,
