@@ -92,7 +92,9 @@ def main(argv: list[str] | None = None) -> int:
     own cleanup has run on the way out). A reader of the standard output gone (``thc table |
     head -1``) ends it with status 141, as SIGPIPE ends other commands, and no traceback."""
     try:
-        return dispatch("thc", COMMANDS, list(sys.argv[1:] if argv is None else argv))
+        code = dispatch("thc", COMMANDS, list(sys.argv[1:] if argv is None else argv))
+        sys.stdout.flush()      # here, not at exit: a reader gone is then seen below
+        return code
     except KeyboardInterrupt:
         print("thc: interrupted", file=sys.stderr)
         return 130

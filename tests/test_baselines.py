@@ -98,6 +98,7 @@ def test_topk_sends_the_ratio_as_written():
     assert [TopK(0.07).k(n) for n in (100, 200, 300)] == [7, 14, 21]
     assert TopK(0.29).k(100) == 29 and TopK(0.1).k(101) == 11 and TopK(0.5).k(0) == 0
     assert TopK(1.0).k(7) == 7 and TopK(1e-9).k(10) == 1
+    assert [TopK(r).k(n) for r, n in ((1e-16, 1), (1e-17, 10), (5e-17, 4))] == [1, 1, 1]
 
 
 def test_bits_per_coord():

@@ -217,9 +217,9 @@ def _files(tmp: Path) -> None:
      "argument --workers: a testbed hosts at most 32 workers, not 64"),
     (["bench", "dlcp", "--loss-bound", "2"], "argument --loss-bound: "),
     (["bench", "dlcp", "--layers", "0"], "argument --layers: must be at least 1, not 0"),
-    (["bench", "aggregator", "--load-procs", "1000"],
-     "thc bench aggregator: --load-procs 1000: the load generator runs at most a process a "
-     "worker, and --workers 4 has fewer"),
+    (["bench", "aggregator", "--workers", "2,8", "--load-procs", "9"],
+     "thc bench aggregator: --load-procs 9: the load generator runs at most a process a "
+     "worker, and --workers 8 (the most) has fewer"),
     (["bench", "dlcp", "--modes", "retransmit", "--loss-bound", "0.1"],
      "thc bench dlcp: --loss-bound applies to bound, bound+prio, which --modes does not name"),
     (["bench", "hook", "--device", "bogus"], "argument --device: cpu, cuda or cuda:N, not"),
@@ -359,14 +359,19 @@ def test_ctrl_c_ends_a_command_in_one_line_and_status_130(monkeypatch, capsys):
     assert capsys.readouterr().err == "thc: interrupted\n"
 
 
+@pytest.mark.parametrize("unbuffered", ["1", None])
 @pytest.mark.parametrize("argv", [["--help"], ["table"], ["model"]])
-def test_a_reader_gone_ends_a_command_with_status_141_and_no_traceback(argv):
-    """``thc table | head -1`` printed a BrokenPipeError's traceback and exited 1."""
+def test_a_reader_gone_ends_a_command_with_status_141_and_no_traceback(argv, unbuffered):
+    """``thc table | head -1`` printed a BrokenPipeError's traceback and exited 1 (with its
+    standard output buffered, as it is by default, at the interpreter's exit: status 120)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    if unbuffered:
+        env["PYTHONUNBUFFERED"] = unbuffered
     read, write = os.pipe()
     os.close(read)                           # the reader is gone before the first line
     try:
         proc = subprocess.run([sys.executable, "-m", "thc.cli", *argv], stdout=write,
-                              stderr=subprocess.PIPE, text=True, timeout=120)
+                              stderr=subprocess.PIPE, text=True, timeout=120, env=env)
     finally:
         os.close(write)
     assert (proc.returncode, proc.stderr) == (141, "")
@@ -383,7 +388,8 @@ def test_a_broken_pipe_not_the_standard_outputs_is_the_commands_error(monkeypatc
 
 @pytest.mark.parametrize("argv,lines", [
     (["table", "--json"], ""),
-    (["bench", "aggregator", "--quick", "--chunks", "64", "--json"], "aggregators vs UDP")])
+    (["bench", "aggregator", "--quick", "--chunks", "64", "--json"], "aggregators vs UDP"),
+    (["bench", "aggregator", "--quick", "--chunks", "64", "--json", "-"], "aggregators vs")])
 def test_json_to_the_standard_output_comes_alone(argv, lines, capsys):
     """``--json`` with no FILE: the aggregator bench (as the all-reduce and DLCP benches)
     printed its table above the JSON on the standard output, which no JSON reader took."""
@@ -391,3 +397,14 @@ def test_json_to_the_standard_output_comes_alone(argv, lines, capsys):
     out, err = capsys.readouterr()
     assert json.loads(out)["recorded"]["command"]
     assert lines in err                     # the lines went to the standard error
+
+
+def test_a_commands_own_json_file_named_dash_keeps_its_lines_on_the_standard_output(
+        tmp_path, monkeypatch, capsys):
+    """``thc sweep --json -`` writes a file named "-": its lines went to the standard error
+    as if the JSON were on the standard output."""
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["sweep", "--report", str(ROOT / "docs/runs/sweep-bandwidth.json"),
+                     "--out", str(tmp_path), "--json", "-"]) == 0
+    assert "break-even" in capsys.readouterr().out
+    assert json.loads((tmp_path / "-").read_text())["points"]

@@ -27,6 +27,7 @@ def add_common(parser: argparse.ArgumentParser, *, quick: bool = True,
     group.add_argument("--json", nargs="?", const="-", default=None, metavar="FILE",
                        type=writable_path,
                        help="write results as JSON to FILE (stdout when no FILE is given)")
+    parser.set_defaults(json_stdout=True)   # "-" is the standard output (emit_json)
     if quick:
         group.add_argument("--quick", action="store_true", help="small sizes, for smoke tests")
     if plot:
@@ -76,8 +77,8 @@ _JSON_OUT: list = []
 def lines_aside(args: argparse.Namespace):
     """With ``--json`` and no FILE, the command's printed lines go to standard error, so
     that the standard output holds the JSON alone (a table above it broke its readers)."""
-    if getattr(args, "json", None) != "-":
-        yield
+    if not (getattr(args, "json_stdout", False) and args.json == "-"):
+        yield          # (a command's own --json may take "-" as a file's name)
         return
     _JSON_OUT.append(sys.stdout)
     try:

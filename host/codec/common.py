@@ -25,9 +25,10 @@ WHOLE = 1 << 62
 def near_int(product: float) -> int | None:
     """The integer a product of a fraction and a count is within floating point's own error
     of (a few units in its last place), else None: 0.29 x 100 is 28.999999999999996 and
-    0.07 x 100 is 7.000000000000001, where the fraction as written gives 29 and 7."""
+    0.07 x 100 is 7.000000000000001, where the fraction as written gives 29 and 7. The error
+    is the product's own: 1e-16 x 1 is no 0."""
     near = round(product)
-    return int(near) if abs(product - near) <= 4 * math.ulp(max(near, 1)) else None
+    return int(near) if abs(product - near) <= 4 * math.ulp(product) else None
 
 
 def layout(numel: int, params: THCParams) -> SliceLayout:
