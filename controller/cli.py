@@ -225,6 +225,8 @@ def _jobs_of_mac(sw: Switch, mac: str) -> list[int]:
 def run(args: argparse.Namespace) -> int:
     try:
         return _run(args)
+    except BrokenPipeError:
+        raise          # a reader of the output gone: thc's dispatch says which and ends it
     except (SwitchError, ConfigError, ValueError, OSError) as e:
         print(f"thc controller: {e}", file=sys.stderr)
         return 1

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
+import subprocess
+import sys
 from collections import Counter
 
 import pytest
@@ -114,3 +117,20 @@ def test_values_print_as_their_fields_are_written():
     assert dryrun.show("src_ip", 32, bytes([10, 0, 0, 1])) == "10.0.0.1"
     assert dryrun.show("value", 16, b"\x1e\x02") == "0x1e02"
     assert dryrun.show("pool_size", 16, b"\x10") == "16"
+
+
+def test_a_reader_gone_ends_a_dry_run_as_any_command(tmp_path):
+    """``thc controller --dry-run install ... | head -1`` said "thc controller: [Errno 32]
+    Broken pipe" and exited 1: its own error handling took the pipe's for the switch's."""
+    full = sample_cluster()
+    config = _config(tmp_path, Cluster(jobs=(full.job(5),), agg_ip=full.agg_ip,
+                                       agg_mac=full.agg_mac))
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        proc = subprocess.run([sys.executable, "-m", "thc.cli", "controller", "--target", "bmv2",
+                               "--dry-run", "install", "--config", config], stdout=write,
+                              stderr=subprocess.PIPE, text=True, timeout=120)
+    finally:
+        os.close(write)
+    assert (proc.returncode, proc.stderr) == (141, "")
