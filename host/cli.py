@@ -93,7 +93,8 @@ def main(argv: list[str] | None = None) -> int:
     head -1``) ends it with status 141, as SIGPIPE ends other commands, and no traceback."""
     try:
         code = dispatch("thc", COMMANDS, list(sys.argv[1:] if argv is None else argv))
-        sys.stdout.flush()      # here, not at exit: a reader gone is then seen below
+        if sys.stdout is not None:   # None: started with it closed (>&-)
+            sys.stdout.flush()       # here, not at exit: a reader gone is then seen below
         return code
     except KeyboardInterrupt:
         print("thc: interrupted", file=sys.stderr)

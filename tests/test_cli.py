@@ -6,6 +6,7 @@ import ast
 import importlib.util
 import json
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -408,3 +409,10 @@ def test_a_commands_own_json_file_named_dash_keeps_its_lines_on_the_standard_out
                      "--out", str(tmp_path), "--json", "-"]) == 0
     assert "break-even" in capsys.readouterr().out
     assert json.loads((tmp_path / "-").read_text())["points"]
+
+
+def test_a_command_started_with_its_output_closed_runs_as_before():
+    """``thc table >&-``: the dispatch's flush of the standard output met None there."""
+    proc = subprocess.run(["bash", "-c", f"{shlex.quote(sys.executable)} -m thc.cli table >&-"],
+                          stderr=subprocess.PIPE, text=True, timeout=120)
+    assert (proc.returncode, proc.stderr) == (0, "")
