@@ -780,6 +780,7 @@ class _Shaped(torch.nn.Module):
 
     def forward(self, x):
         y = self.net(x)
+        self.kept = self.net[0].weight.square().sum()   # a loss kept aside (a load balance)
         if self.shape == "opaque":
             return _Out(y)
         if self.shape == "aux":
@@ -795,7 +796,9 @@ def _stretch_script_worker(rank, port, q, shape, script):
     """Three synced steps of a ``_Shaped(shape)`` model under TopK's hook; before step 1 each
     rank runs ``script[rank]``: "m" a micro-batch under ``no_sync`` (with its backward), "p"
     a probe forward under ``no_sync`` (no backward), "e" an evaluation under ``no_grad``
-    outside ``no_sync``: each synced step's outcome on this rank."""
+    outside ``no_sync``, "k" a forward under ``no_sync`` and the backward of the loss it kept
+    aside (through no output), "u" a micro-batch of ``ddp.module`` under ``no_sync`` (no
+    forward of the DDP model): each synced step's outcome on this rank."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from thc.collective.ddp import TopKHook
@@ -813,22 +816,26 @@ def _stretch_script_worker(rank, port, q, shape, script):
                     ddp(x)
                 continue
             with ddp.no_sync():
-                o = ddp(x)
-                if s == "m":
+                o = (ddp.module if s == "u" else ddp)(x)
+                if s in "mu":
                     torch.nn.functional.cross_entropy(_logits(o), y).backward()
+                if s == "k":
+                    model.kept.backward()
         out.append(_outcome(ddp, x, y, logits=_logits))
         model.zero_grad(set_to_none=True)
     q.put((rank, out))
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("shape", ["opaque", "aux"])
-def test_a_step_accumulated_alone_is_refused_whatever_the_model_returns(shape):
+@pytest.mark.parametrize("shape,step", [("opaque", "m"), ("aux", "m"), ("plain", "k"),
+                                        ("plain", "u")])
+def test_a_step_accumulated_alone_is_refused_whatever_the_model_returns(shape, step):
     """A forward returning an object the count cannot see into (counted at the next gradient)
-    or a tuple whose second output no backward runs through: without its stretch counted,
-    rank 0's micro-batch under no_sync alone summed with its next step beside rank 1's one,
-    silently."""
-    res = gloo_pair(functools.partial(_stretch_script_worker, shape=shape, script=("m", "")))
+    or a tuple whose second output no backward runs through, a loss the forward kept aside,
+    or a micro-batch of ``ddp.module`` (no DDP forward): without its stretch counted, rank
+    0's micro-batch under no_sync alone summed with its next step beside rank 1's one,
+    silently (85 times the mean's norm off, for a kept loss)."""
+    res = gloo_pair(functools.partial(_stretch_script_worker, shape=shape, script=(step, "")))
     assert res[0][0] == res[1][0] == "ok", res
     for rank in (0, 1):
         assert all("no_sync alone" in text for text in res[rank][1:]), (rank, res[rank])
@@ -836,7 +843,8 @@ def test_a_step_accumulated_alone_is_refused_whatever_the_model_returns(shape):
 
 @pytest.mark.parametrize("shape,script", [
     ("plain", ("mm", "mmm")), ("opaque", ("mm", "mmm")), ("opaque", ("p", "")),
-    ("plain", ("mem", "mm")), ("opaque", ("mem", "mm"))])
+    ("plain", ("mem", "mm")), ("opaque", ("mem", "mm")), ("plain", ("k", "m")),
+    ("plain", ("uu", "mk")), ("plain", ("mu", "u"))])
 def test_stretches_alike_on_every_rank_are_reduced(shape, script):
     """Ranks with unlike numbers of micro-batches in one stretch (DDP sums them), a probe
     forward under no_sync with no backward on one rank (opaque outputs count at the next

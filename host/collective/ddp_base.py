@@ -10,10 +10,11 @@ same bucket first; tag lanes after the spans make sure of it again where that ro
 collective of the group (through an aggregator). A complex parameter is reduced as its real
 view, as DDP holds it (``HookOptions.min_numel`` counts its complex elements); sparse
 gradients are refused. A bucket's rounds also count the DDP model's stretches of forwards
-under ``no_sync`` that a backward ran through, so a rank that accumulated a step alone
-(``no_sync`` on it only) is refused on every rank while the counts differ, while gradient
-accumulation (``no_sync`` on every rank) is not. Not told apart: a rank whose loop skipped a
-batch (it contributes its next gradient as its peers do theirs), unlike numbers of
+under ``no_sync`` that a backward ran through (or that a gradient accumulated in, inside
+``no_sync``: a loss kept aside, ``ddp.module``'s micro-batch), so a rank that accumulated a
+step alone (``no_sync`` on it only) is refused on every rank while the counts differ, while
+gradient accumulation (``no_sync`` on every rank) is not. Not told apart: a rank whose loop
+skipped a batch (it contributes its next gradient as its peers do theirs), unlike numbers of
 accumulated micro-batches where each rank has some (DDP sums those too); refused though
 legitimate: accumulation under ``join()`` once a rank has joined (its shadow steps see no
 stretch), and a backward under ``no_sync`` on some ranks only whose gradient is zeroed before
@@ -434,7 +435,8 @@ class BaseHook:
     def _see_gradient(self, param) -> None:
         """A gradient accumulated (autograd's threads)."""
         self._uses.saw(param)
-        self._stretches.gradient()
+        ddp = self._ddp() if self._ddp is not None else None
+        self._stretches.gradient(getattr(ddp, "require_backward_grad_sync", True))
 
     def hook(self, state, bucket):  # unannotated: DDP rejects string annotations
         if state is None or state is not self._ddp:

@@ -1,5 +1,6 @@
-"""The DDP model's stretches of forwards under ``no_sync`` that a backward ran through: what a
-bucket's rounds count (:meth:`thc.collective.ddp_base.BaseHook.reduce`'s ``stretches``).
+"""The DDP model's stretches of forwards under ``no_sync`` that a backward ran through, or
+that a gradient accumulated in while the model was in ``no_sync``: what a bucket's rounds
+count (:meth:`thc.collective.ddp_base.BaseHook.reduce`'s ``stretches``).
 
 Why: a rank that accumulated a step under ``no_sync`` alone keeps every reducer's own round
 count in step with its peers' while its sums hold two steps' gradients and theirs one; its
@@ -88,14 +89,24 @@ class StretchCount:
             register_multi_grad_hook(needs, lambda _grad: self._ran_through(stretch),
                                      mode="any")
 
-    def gradient(self) -> None:
-        """A gradient accumulated (autograd's threads): a stretch whose outputs could not be
-        seen counts, once."""
-        if self._open:
-            with self._lock:
-                if self._open and not self._synced:
+    def gradient(self, synced: bool = True) -> None:
+        """A gradient accumulated (autograd's threads). ``synced`` false: the DDP model was in
+        ``no_sync`` as it did, and the stretch counts, once; begun here where no forward of
+        the model began one (a backward of ``ddp.module``'s output, or of a loss a forward
+        kept aside, which runs through no output the model returned). Else a stretch whose
+        outputs could not be seen counts, once."""
+        if synced and not self._open:
+            return
+        with self._lock:
+            if not synced:
+                if self._synced:
+                    self._stretch += 1
+                    self._synced = False
                     self._open = False
-                    self._count(self._stretch)
+                self._count(self._stretch)
+            elif self._open and not self._synced:
+                self._open = False
+                self._count(self._stretch)
 
     def _ran_through(self, stretch: int) -> None:
         with self._lock:
