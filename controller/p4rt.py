@@ -349,6 +349,47 @@ def primary_taken(client) -> tuple[int, int] | None:
             return other
 
 
+ARBITRATION_WAIT = 2.0
+"""Seconds :func:`primary_taken_by_now` waits for the switch's answer (the shell's own
+handshake waits as long)."""
+
+
+def primary_taken_by_now(client, timeout: float = ARBITRATION_WAIT) -> tuple[int, int] | None:
+    """:func:`primary_taken` after a round trip: the session sends its arbitration again and
+    reads the stream's arbitration messages up to one naming it. An update the switch sent
+    before that answer (one stream, in order), such as a primary that came and went during
+    the change's last write, is then seen, where :func:`primary_taken` alone reads only what
+    has arrived. None where none named another, the stream ended (the session's other check
+    names that), or no answer came within ``timeout``."""
+    import queue
+
+    from p4.v1 import p4runtime_pb2
+    taken = primary_taken(client)
+    if not hasattr(client, "stream_out_q"):
+        return taken
+    own = tuple(client.election_id)
+    req = p4runtime_pb2.StreamMessageRequest()
+    req.arbitration.device_id = client.device_id
+    req.arbitration.election_id.high, req.arbitration.election_id.low = own
+    if getattr(client, "role_name", None) is not None:
+        req.arbitration.role.name = client.role_name
+    client.stream_out_q.put(req)
+    updates = client.stream_in_q["arbitration"]
+    deadline = time.monotonic() + timeout
+    while (left := deadline - time.monotonic()) > 0:
+        try:
+            msg = updates.get(timeout=left)
+        except queue.Empty:
+            break
+        if msg is None:
+            break
+        other = (msg.arbitration.election_id.high, msg.arbitration.election_id.low)
+        if other == own:
+            break
+        taken = taken or other
+    return taken
+
+
 def close_session(client) -> None:
     """``shell.teardown`` for the session :func:`open_session` opened, bounded: teardown
     waits for the switch to end the session's stream, which a switch that stopped answering

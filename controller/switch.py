@@ -243,8 +243,13 @@ class Switch:
 
     def confirm_held(self) -> None:
         """Raise :class:`Displaced` where another controller took the switch since the
-        session opened: run after a change's last write, which no later check would see."""
-        self._require()
+        session opened: run after a change's last write, which no later check would see. It
+        asks the switch (an arbitration round trip), as an update the switch sent during
+        that write may still be on its way."""
+        client = self._require()
+        if self.require_primary and self.is_primary and p4rt.can_see_arbitration(client):
+            self._taken_by = p4rt.primary_taken_by_now(client)
+            self._require()
 
     # -- P4Info -------------------------------------------------------------------------
     def has_table(self, name: str) -> bool:
