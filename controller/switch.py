@@ -64,6 +64,19 @@ def program_files(program: str = "thc", build_dir: Path | str = BUILD_DIR) -> tu
     return p4info, bmv2
 
 
+def _differences(got, pushed) -> str:
+    """How the P4Info a switch reports differs from the one pushed to it, by its tables',
+    actions' and counters' ids and names ("" where alike)."""
+    out = []
+    for kind in ("tables", "actions", "counters"):
+        have, want = ({(o.preamble.id, o.preamble.name) for o in getattr(info, kind)}
+                      for info in (got, pushed))
+        if have != want:
+            out.append(f"{kind}: {len(want - have)} pushed not reported, {len(have - want)} "
+                       f"reported not pushed")
+    return "; ".join(out)
+
+
 def load_p4info(path: Path | str):
     """A P4Info text file as a ``p4.config.v1.P4Info`` message."""
     from google.protobuf import text_format
@@ -182,6 +195,11 @@ class Switch:
         if not p4info.tables and files is None:
             raise NoProgram(f"the switch at {self.grpc_addr} has no P4 program: push one "
                             f"(`thc controller push`)")
+        if files is not None and (differ := _differences(p4info, load_p4info(files[0]))):
+            raise SwitchError(
+                f"the switch at {self.grpc_addr} took the push of {files[0]} but reports "
+                f"another program ({differ}): it did not load the one pushed; nothing was "
+                f"written")
         self._load_p4info(p4info)
         self._writer = p4rt.BatchWriter(self.grpc_addr, self.device_id, self.election_id)
 

@@ -396,3 +396,29 @@ def test_a_primary_that_came_and_went_during_the_last_write_is_seen_by_asking():
     sw.client, sw.is_primary = stand_in(), True
     with pytest.raises(SwitchError, match=r"another controller \(election id \(9, 0\)"):
         sw.confirm_held()
+
+
+@pytest.mark.parametrize("reported", ["l2", "thc without thc_worker"])
+def test_a_push_the_switch_did_not_load_is_an_error(reported, monkeypatch):
+    """``thc controller push`` printed "pushed thc" where the switch then reported another
+    program (the P4Info it read back was loaded, never compared with the one pushed)."""
+    from types import SimpleNamespace
+
+    from thc.controller import switch as S
+    other = S.load_p4info(S.BUILD_DIR / ("l2.p4info.txt" if reported == "l2" else
+                                         "thc.p4info.txt"))
+    if reported != "l2":
+        keep = [t for t in other.tables if not t.preamble.name.endswith("thc_worker")]
+        del other.tables[:]
+        other.tables.extend(keep)
+    client = SimpleNamespace(election_id=(0, 7))
+    monkeypatch.setattr(p4rt, "open_session", lambda *a: (client, other, True))
+    with pytest.raises(S.SwitchError, match=r"took the push of .*thc\.p4info\.txt but reports "
+                                            r"another program \(tables: "):
+        S.Switch("127.0.0.1:1").connect("thc")
+    same = S.load_p4info(S.BUILD_DIR / "thc.p4info.txt")
+    monkeypatch.setattr(p4rt, "open_session", lambda *a: (client, same, True))
+    monkeypatch.setattr(p4rt, "BatchWriter", lambda *a: SimpleNamespace(close=lambda: None))
+    sw = S.Switch("127.0.0.1:1").connect("thc")
+    assert sw.has_table("thc_worker")
+    sw.close()
