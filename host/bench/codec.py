@@ -286,7 +286,6 @@ def run(args: argparse.Namespace) -> int:
     repeat = args.repeat if args.repeat is not None else 2 if args.quick else 5
     cuda = device.type == "cuda"
     reference = args.reference
-    out = sys.stdout   # the standard error under --json with no FILE (lines_aside)
     sync = (lambda: torch.cuda.synchronize(device)) if cuda else (lambda: None)
     threads = torch.get_num_threads()
     if not cuda:
@@ -304,18 +303,17 @@ def run(args: argparse.Namespace) -> int:
 
     where = torch.cuda.get_device_name(device) if cuda else "one core"
     print(f"codec throughput on {device.type} ({where}), median of {repeat}; "
-          f"THC {params.describe()}; GB/s of float32 input, speed relative to a copy", file=out)
+          f"THC {params.describe()}; GB/s of float32 input, speed relative to a copy")
     width = max([48] + [len(r["name"]) for r in rows])
     head = f"{'operation':<{width}} {'elements':>9} {'ms':>9} {'GB/s':>8} {'of copy':>8}"
-    print(head, file=out)
-    print("-" * len(head), file=out)
+    print(head)
+    print("-" * len(head))
     for r in rows:
         print(f"{r['name']:<{width}} {_size(r['elements']):>9} "
-              f"{r['median_s'] * 1e3:>9.3f} {r['gb_per_s']:>8.2f} {r['speed_vs_copy']:>8.3f}",
-              file=out)
+              f"{r['median_s'] * 1e3:>9.3f} {r['gb_per_s']:>8.2f} {r['speed_vs_copy']:>8.3f}")
     if args.plot:
         plot(rows, args.plot, f"{device.type} ({where}), {params.describe()}")
-        print(f"wrote {args.plot}", file=out)
+        print(f"wrote {args.plot}")
     emit_json(args, {"device": str(device), "device_name": where, "backend": args.backend,
                      "reference": reference,
                      "sizes": sizes, "repeat": repeat,

@@ -230,23 +230,22 @@ def run(args: argparse.Namespace) -> int:
             torch.cuda.empty_cache()
     results = costs(rows, n_params)
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
-    out = sys.stdout   # the standard error under --json with no FILE (lines_aside)
     print(f"DDP hooks on {where}: ResNet-50 ({n_params / 1e6:.1f}M parameters), batch "
           f"{args.batch} of {args.image}x{args.image}, a process group of one (local sums); "
-          f"median of {args.steps} steps", file=out)
+          f"median of {args.steps} steps")
     if GRAPHED[0] not in modes(device):
-        print(f"{' and '.join(GRAPHED)} left out: CUDA graphs need a CUDA device", file=out)
-    print(f"{'buckets':>8} {'mode':<12} {'step ms':>9} {'buckets':>8}", file=out)
+        print(f"{' and '.join(GRAPHED)} left out: CUDA graphs need a CUDA device")
+    print(f"{'buckets':>8} {'mode':<12} {'step ms':>9} {'buckets':>8}")
     for r in rows:
         print(f"{r['bucket_mb']:>6}MB {r['mode']:<12} {r['median_s'] * 1e3:>9.2f} "
-              f"{r['buckets'] or '-':>8}", file=out)
+              f"{r['buckets'] or '-':>8}")
     for r in results:
         print(f"{r['bucket_mb']:>6}MB {r['mode']} costs {r['step_cost_s'] * 1e3:.2f} ms a step"
               + (f", {r['mb_per_s']:.0f} MB/s of float32 gradient" if "mb_per_s" in r else
-                 " (not above the noise)"), file=out)
+                 " (not above the noise)"))
     if args.plot:
         plot(rows, args.plot, f"ResNet-50, batch {args.batch}, {where}: DDP hooks")
-        print(f"wrote {args.plot}", file=out)
+        print(f"wrote {args.plot}")
     emit_json(args, {"device": str(device), "device_name": where, "model": "resnet50",
                      "params": n_params, "batch": args.batch, "image": args.image,
                      "steps": args.steps, "torch": torch.__version__, "rows": rows,

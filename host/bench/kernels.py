@@ -210,7 +210,6 @@ def run(args: argparse.Namespace) -> int:
         return 2
     timer = _timer(device)
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "interpreter"
-    out = sys.stdout   # the standard error under --json with no FILE (lines_aside)
     report = {"device": str(device), "device_name": where, "slice_size": params.slice_size,
               "precisions": {}}
     for prec in precisions:
@@ -226,7 +225,7 @@ def run(args: argparse.Namespace) -> int:
                               file=sys.stderr, flush=True)
             report["precisions"][prec] = {"rows": rows, **_errors(err_n, params, device)}
     print(f"codec kernels on {where}, slices of {params.slice_size}; GB/s of bytes read plus "
-          f"written; 'of copy': that rate over the copy's", file=out)
+          f"written; 'of copy': that rate over the copy's")
     width = max(len(r["name"]) for rep in report["precisions"].values() for r in rep["rows"])
     head = (f"{'precision':<9} {'kernel':<{width}} {'elements':>8} {'us':>9} "
             f"{'GB/s':>8} {'of copy':>8}")
@@ -235,12 +234,11 @@ def run(args: argparse.Namespace) -> int:
         for r in rep["rows"]:
             if r["config"] != config:
                 config = r["config"]
-                print(f"tiles: {config}\n{head}", file=out)
+                print(f"tiles: {config}\n{head}")
             print(f"{prec:<9} {r['name']:<{width}} 2^{r['elements'].bit_length() - 1:<6} "
-                  f"{r['median_s'] * 1e6:>9.1f} {r['gb_per_s']:>8.0f} {r['of_copy']:>8.2f}",
-                  file=out)
+                  f"{r['median_s'] * 1e6:>9.1f} {r['gb_per_s']:>8.0f} {r['of_copy']:>8.2f}")
         print(f"{prec:<9} decode error vs float64 {rep['decode_rel_error']:.2e}, indices "
               f"differing from the reference {rep['indices_differing']:.2e} (2^"
-              f"{err_n.bit_length() - 1} elements)", file=out)
+              f"{err_n.bit_length() - 1} elements)")
     emit_json(args, report)
     return 0

@@ -200,23 +200,22 @@ def _run(args: argparse.Namespace) -> int:
                          "p": params.p, "t_p": params.t_p, "seed": params.seed},
               "results": rows}
 
-    out = sys.stdout   # the standard error under --json with no FILE (lines_aside)
     width = max([34] + [len(row["scheme"]) for row in rows])
     head = f"{'scheme':<{width}} {'bits up':>7}" + "".join(f" {'n=' + str(n):>10}"
                                                          for n in workers)
     print(f"NMSE, {args.dist} vectors, d = {dim}, {trials} trial(s); "
-          f"THC {params.describe()}; bits up: a coordinate's uplink, norms included", file=out)
-    print(head, file=out)
-    print("-" * len(head), file=out)
+          f"THC {params.describe()}; bits up: a coordinate's uplink, norms included")
+    print(head)
+    print("-" * len(head))
     for row in rows:
         line = f"{row['scheme']:<{width}} {row['bits_per_coord']:>7.2f}"
         line += "".join(f" {row['nmse'][str(n)]:>10.4g}" for n in workers)
-        print(line, file=out)
+        print(line)
         for label, shown in (("model", "model"), ("reference", "reference, d = 2^18")):
             if label in row:
                 vals = "".join(f" {row[label].get(str(n), float('nan')):>10.4g}"
                                for n in workers)
-                print(f"{'  ' + shown:<{width}} {'':>6}{vals}", file=out)
+                print(f"{'  ' + shown:<{width}} {'':>6}{vals}")
 
     if args.plot:
         sweep = []
@@ -228,7 +227,7 @@ def _run(args: argparse.Namespace) -> int:
                           "nmse": {str(n): r["nmse"] for n, r in res.items()}})
         plot(sweep, workers, args.plot, f"{args.dist}, d = {dim}")
         result["sweep"] = sweep
-        print(f"wrote {args.plot}", file=out)
+        print(f"wrote {args.plot}")
     result["seconds"] = time.perf_counter() - t0
     emit_json(args, result)
     return 0
