@@ -558,10 +558,11 @@ class LossyRelay:
             s.close()
 
 
-def _relayed_worker(job, w, sock, relay_addr, q, deadline, n):
+def _relayed_worker(job, w, sock, relay_addr, q, deadline, n, datapath):
     idx = np.random.default_rng(1000 + w).integers(0, 16, n).astype(np.uint8)
     try:
-        with AggregationClient(job, w, relay_addr, deadline=deadline, run=1, sock=sock) as c:
+        with AggregationClient(job, w, relay_addr, deadline=deadline, run=1, sock=sock,
+                               datapath=datapath) as c:
             r = c.reduce(pack_bits(idx, P.INDEX_BITS))
             q.put((w, "ok", r.sums, (c.stats.retransmitted, r.datapath)))
     except AggregationTimeout as e:
@@ -583,10 +584,12 @@ def test_heavy_loss_on_every_link_recovers_lost_results_in_time(tmp_path, job, d
         socks[-1].setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
         socks[-1].bind(("127.0.0.1", 0))
     relay = LossyRelay(job, agg.addr, [s.getsockname() for s in socks], loss=0.36, seed=7)
-    ctx = mp.get_context("fork")
+    # spawned, not forked: a fork of a test process that loaded grpc (the controller's
+    # tests) could crash in its first garbage collection
+    ctx = mp.get_context("spawn")
     q = ctx.Queue()
     procs = [ctx.Process(target=_relayed_worker,
-                         args=(job, w, socks[w], relay.address(w), q, 10.0, n))
+                         args=(job, w, socks[w], relay.address(w), q, 10.0, n, datapath))
              for w in range(job.n_workers)]
     try:
         for p in procs:
