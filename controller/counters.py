@@ -52,7 +52,8 @@ def all_job_counters(sw: Switch, installed: dict[int, dict]) -> dict[int, dict[s
 
 
 def clear_job_counters(sw: Switch, job_index: int) -> bool:
-    """Zero one job index's counters; False if the switch cannot write counters."""
+    """Zero one job index's counters; False if the switch cannot write counters (a refused
+    write raises SwitchError)."""
     return sw.reset_counter(JOB_COUNTERS, [job_counter_index(job_index, n)
                                            for n in P.JOB_COUNTERS])
 

@@ -110,6 +110,22 @@ def test_counters_a_target_cannot_zero_are_named(sw):
     assert installed.installed_jobs(sw)[job.job_id]["job_index"] == 0
 
 
+def test_a_refused_counter_write_stops_the_install_before_its_workers(sw, monkeypatch):
+    """A counter write the switch refused (not one it cannot do): the install fails, naming
+    it, and the job's workers are not installed (no chunk can complete)."""
+    job = make_job(1)
+    jobs.install_job(sw, job)
+    sw.device.deliver(job, 0, n=3)
+
+    def refused(name, indices):
+        raise SwitchError("MODIFY failed for 1 of 8 entries; first: RESOURCE_EXHAUSTED")
+    monkeypatch.setattr(sw.device, "reset_counter", refused)
+    with pytest.raises(SwitchError, match=r"job 1: the install stopped part-way \(MODIFY "
+                                          r"failed for 1 of 8 entries; first: RESOURCE_EX"):
+        jobs.install_job(sw, job, live_window=IDLE)
+    assert not installed.entries_of(sw, program.WORKER_TABLE, job.job_id)
+
+
 def test_workers_never_go_live_when_the_resets_are_lost(sw, monkeypatch):
     sw.device.cpu_port = False             # simple_switch_grpc without --cpu-port
     monkeypatch.setattr(jobs, "reset_pool", functools.partial(jobs.reset_pool, timeout=0.05))

@@ -28,9 +28,19 @@ SERVER = textwrap.dedent('''
 
     STUCK = threading.Event()
 
+    REFUSED = {13: (code_pb2.ALREADY_EXISTS, "entry exists"),
+               14: (code_pb2.UNIMPLEMENTED, "counter writes"),
+               15: (code_pb2.RESOURCE_EXHAUSTED, "no room")}
+
+    def refusal(u):
+        key = (u.entity.counter_entry.index.index if u.entity.HasField("counter_entry")
+               else u.entity.table_entry.priority)
+        return REFUSED.get(key, (code_pb2.OK, ""))
+
     class Server(p4runtime_pb2_grpc.P4RuntimeServicer):
-        """Rejects every update whose table entry has priority 13 with ALREADY_EXISTS; a
-        write of priority 99, and every read, get no answer (until STUCK is set)."""
+        """Refuses every update whose table entry has priority (counter entry: index) 13,
+        14 or 15 as REFUSED says; a write of priority 99, and every read, get no answer
+        (until STUCK is set)."""
         def Read(self, request, context):
             STUCK.wait(60)
             return iter(())
@@ -40,14 +50,12 @@ SERVER = textwrap.dedent('''
                 STUCK.wait(60)
             errors = []
             for u in request.updates:
-                bad = u.entity.table_entry.priority == 13
-                err = p4runtime_pb2.Error(
-                    canonical_code=code_pb2.ALREADY_EXISTS if bad else code_pb2.OK,
-                    message="entry exists" if bad else "")
+                code, message = refusal(u)
+                err = p4runtime_pb2.Error(canonical_code=code, message=message)
                 packed = any_pb2.Any()
                 packed.Pack(err)
                 errors.append(packed)
-            if any(u.entity.table_entry.priority == 13 for u in request.updates):
+            if any(refusal(u)[0] != code_pb2.OK for u in request.updates):
                 status = status_pb2.Status(code=code_pb2.UNKNOWN, message="batch failed",
                                            details=errors)
                 context.set_trailing_metadata(
@@ -112,6 +120,30 @@ def test_a_switchs_write_raises_on_every_update_error_it_was_not_told_to_ignore(
             sw.write_entries("INSERT", _entries([1, 13, 2, 13]))
         assert sw.write_entries("INSERT", _entries([1, 13, 2]),
                                 ignore=["ALREADY_EXISTS"]) == _entries([13])
+    finally:
+        sw._writer.close()
+
+
+def test_only_a_switch_that_does_not_write_counters_leaves_them_unzeroed(server_addr):
+    """Switch.reset_counter: UNIMPLEMENTED is a target without counter writes (False, the
+    install warns); any other refusal fails the write, naming it."""
+    from types import SimpleNamespace
+
+    from p4.config.v1 import p4info_pb2
+
+    from thc.controller.switch import Switch, SwitchError
+    sw = Switch(server_addr, require_primary=False)
+    sw.client, sw.p4info = SimpleNamespace(), p4info_pb2.P4Info()
+    sw._writer = p4rt.BatchWriter(server_addr, 0, (1, 0))
+    sw.counter_zeros = lambda name, indices: [p4runtime_pb2.Entity(
+        counter_entry=p4runtime_pb2.CounterEntry(counter_id=7, index=p4runtime_pb2.Index(
+            index=i))) for i in indices]
+    try:
+        assert sw.reset_counter("thc_job_counters", [1, 2]) is True
+        assert sw.reset_counter("thc_job_counters", [1, 14]) is False
+        with pytest.raises(SwitchError, match=r"MODIFY failed for 1 of 3 entries; first: "
+                                              r"RESOURCE_EXHAUSTED 'no room' on counter_entry"):
+            sw.reset_counter("thc_job_counters", [14, 15, 2])
     finally:
         sw._writer.close()
 

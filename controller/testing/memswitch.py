@@ -64,7 +64,7 @@ class MemoryDevice:
         self.cpu_port = True
         """False: a switch started without ``--cpu-port``; packet-outs are lost."""
         self.counter_writes = True
-        """False: a target that refuses counter writes (zeroing cells)."""
+        """False: a target that does not write counters (answers UNIMPLEMENTED)."""
         self._senders: list[tuple] = []
         """Workers that keep sending (:meth:`sending`), through pushes: they are hosts."""
         if program:
@@ -152,15 +152,17 @@ class MemoryDevice:
         cells = self.cells[name]
         return {i: cells.get(i, 0) for i in range(self.counter_sizes[name])}
 
-    def reset_counter(self, name: str, indices: Iterable[int]) -> None:
+    def reset_counter(self, name: str, indices: Iterable[int]) -> bool:
+        """False where ``counter_writes`` is off, as a target answers UNIMPLEMENTED."""
         if not self.counter_writes:
-            raise SwitchError(f"counter {name}: this target does not write counters")
+            return False
         indices = list(indices)
         if any(not 0 <= i < self.counter_sizes[name] for i in indices):
             raise SwitchError(f"counter {name}: index outside 0..{self.counter_sizes[name] - 1}")
         for i in indices:
             self.cells[name].pop(i, None)
         self.log.append(Event("COUNTER_RESET", name, tuple(indices)))
+        return True
 
     # -- data plane -----------------------------------------------------------------------
     def _count(self, counter: str, index: int, n: int = 1) -> None:
@@ -312,11 +314,7 @@ class MemorySwitch(Switch):
         return self.device.read_counter(self._counter(name))
 
     def reset_counter(self, name: str, indices: Iterable[int]) -> bool:
-        try:
-            self.device.reset_counter(self._counter(name), indices)
-        except SwitchError:   # as Switch.reset_counter answers a refused write
-            return False
-        return True
+        return self.device.reset_counter(self._counter(name), indices)
 
     def multicast_groups(self) -> dict[int, set[tuple[int, int]]]:
         self._require()
