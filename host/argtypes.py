@@ -88,6 +88,23 @@ def positive_float(text: str) -> float:
     return value
 
 
+def slowdown(text: str) -> float:
+    """A factor that stretches a time, 1 or more (a compute overlap of 0.01 would make it
+    100 times faster than measured)."""
+    value = _number(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be 1 or more (a slowdown), not {text}")
+    return value
+
+
+def whole_count(text: str) -> float:
+    """A count that may be written as a float (25e6) but must be whole and above 0."""
+    value = positive_float(text)
+    if value != int(value):
+        raise argparse.ArgumentTypeError(f"must be a whole number, not {text}")
+    return value
+
+
 def non_negative_float(text: str) -> float:
     """A delay or length that may be 0 and not below."""
     value = _number(text)

@@ -181,6 +181,9 @@ def _files(tmp: Path) -> None:
     (["sweep", "--report", "{tmp}/missing.json"], "thc sweep: cannot read a sweep's report"),
     (["model", "--workers", "0"], "argument --workers: must be at least 1, not 0"),
     (["model", "--bw", "1,-1"], "argument --bw: must be above 0, not -1"),
+    (["model", "--overlap", "0.01"], "argument --overlap: must be 1 or more (a slowdown), not "
+                                     "0.01"),
+    (["model", "--params", "0.5"], "argument --params: must be a whole number, not 0.5"),
     (["sweep", "--report", "{tmp}/other.json"],
      "thc sweep: {tmp}/other.json is not a sweep's report"),
     (["faults", "--only", "loss,bogus"], "thc faults: --only bogus names no row; the rows: "),

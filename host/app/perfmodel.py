@@ -59,7 +59,7 @@ import math
 from dataclasses import dataclass, replace
 
 from thc.argtypes import (fraction, non_negative_float, positive_float, positive_floats,
-                          positive_int, read_json, refusal)
+                          positive_int, read_json, refusal, slowdown, whole_count)
 from thc.collective.agreement import TAG_LANES
 from thc.wire import protocol as P
 
@@ -448,14 +448,16 @@ def break_even_gbps(s: Setup, scheme: str = "thc_switch", lo: float = 1e-3,
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--params", type=positive_float, default=25e6, help="gradient elements")
+    parser.add_argument("--params", type=whole_count, default=25e6, help="gradient elements")
     parser.add_argument("--workers", type=positive_int, default=8)
     parser.add_argument("--bw", type=positive_floats, default="1,10,25,100",
                         help="link bandwidths, Gbit/s")
     parser.add_argument("--latency-us", type=non_negative_float, default=10.0)
     parser.add_argument("--compute-ms", type=non_negative_float, default=100.0,
                         help="compute per iteration")
-    parser.add_argument("--overlap", type=positive_float, default=1.05, help="lambda (1.04-1.1)")
+    parser.add_argument("--overlap", type=slowdown, default=1.05,
+                        help="lambda, compute's slowdown while communication overlaps it "
+                             "(1.04-1.1; 1 or more)")
     parser.add_argument("--codec-mbps", type=positive_float, default=Setup.codec_mbps,
                         help="THC encode+decode MB/s per worker (default: the compiled CPU "
                              "codec on one core; `thc bench codec` measures this machine's)")
