@@ -135,7 +135,10 @@ def test_a_state_that_cannot_be_taken_is_refused(alone):
                          ({"round": 2, "residual": torch.tensor([0.0, float("inf")])},
                           "holds NaN or Inf"),
                          ({"round": 2, "residual": torch.tensor([float("nan")])},
-                          "holds NaN or Inf")):
+                          "holds NaN or Inf"),
+                         ({"round": 2, "residual": torch.tensor([1.0, 1e300],
+                                                                dtype=torch.float64)},
+                          "holds NaN or Inf, as float32")):
         with pytest.raises(ValueError, match=message):
             ar.load_state_dict({**bad, "owner": ar.state_owner} if "round" in bad else bad)
     plain = THCAllReduce.through_torch_distributed(params=P, error_feedback=False)
@@ -454,6 +457,10 @@ def test_a_hooks_state_is_loaded_before_its_first_step_and_into_its_own_kind(alo
     with pytest.raises(ValueError, match="residual of 0.bias: the state's residual holds NaN"):
         HOOKS["topk"](model).load_state_dict(_hook_state("TopKHook", {
             "0.weight": torch.zeros(40 * 300), "0.bias": torch.full((300,), float("nan"))}))
+    # finite as float64, Inf as the float32 it is taken in
+    with pytest.raises(ValueError, match="residual of 2.bias: the state's residual holds NaN"):
+        HOOKS["topk"](model).load_state_dict(_hook_state("TopKHook", {
+            "2.bias": torch.full((10,), 1e300, dtype=torch.float64)}))
     # a residual no parameter of the model would take, or of another length, was kept
     # unapplied (and saved again), or replaced by zeros
     wrapped = _hook_state("TopKHook", {"module.0.bias": torch.zeros(300)})

@@ -148,10 +148,11 @@ def residuals_of(state: dict, what: str) -> dict:
 
 def _finite(residual: torch.Tensor, what: str) -> None:
     """A residual with NaN or Inf would make every later round of its reducer refused, or NaN
-    under ``nonfinite="propagate"`` (a scaler then skips every step), blamed on the input."""
-    if not bool(torch.isfinite(residual).all()):
-        raise ValueError(f"{what}: the state's residual holds NaN or Inf (a saved run's "
-                         f"overflow, or a damaged checkpoint): it is not loaded")
+    under ``nonfinite="propagate"`` (a scaler then skips every step), blamed on the input.
+    Checked as float32, the dtype it is taken in: a float64 1e300 is Inf there."""
+    if not bool(torch.isfinite(residual.to(torch.float32)).all()):
+        raise ValueError(f"{what}: the state's residual holds NaN or Inf, as float32 (a saved "
+                         f"run's overflow, or a damaged checkpoint): it is not loaded")
 
 
 def within_codec(residual: torch.Tensor | None, params: THCParams, what: str) -> None:
