@@ -16,12 +16,14 @@ import time
 
 import numpy as np
 import pytest
+import torch
 
 from thc.codec import settings
 from thc.codec.packing import pack_bits
 from thc.net.client import (DATAPATH_ENV, AggregationClient, AggregationTimeout,
                              AggregatorRestarted, resolve_datapath)
 from thc.net.aggregator import Aggregator
+from thc.net.outcomes import ClientClosed
 from thc.net.impair import Impairment
 from thc.testing.clusters import free_port_block, local_job
 from thc.wire import protocol as P
@@ -384,6 +386,9 @@ def test_a_negative_zero_max_is_a_zero_and_a_socket_with_a_timeout_is_refused(da
         with AggregationClient(job, 0, addr, run=1) as c:
             got = c.max(np.array([-0.0, 1.0], dtype=np.float32))
     assert got.tolist() == [0.0, 1.0] and not np.signbit(got[0])
+    with AggregationClient(job, 0, addr, run=2) as c:
+        with pytest.raises(ValueError, match="finite values beyond float32's range"):
+            c.max(np.array([1e39, 1.0]))
     sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     sock.settimeout(1.5)
     with pytest.raises(ValueError, match=r"socket has a timeout .*settimeout\(None\)"):
@@ -701,6 +706,24 @@ def test_a_max_round_under_a_loss_bound_resends_rather_than_flushes(job, datapat
         assert c.stats.compiled_rounds == (datapath == "compiled")
     assert P.PktType.FLUSH not in seen and c.stats.flushed == 0 and c.stats.retransmitted >= 1
     np.testing.assert_array_equal(r.sums, values)
+
+
+def test_a_closed_client_says_so_before_and_after_a_reducer_fails_on_it(job, datapath):
+    """A round on a client after close() was a socket error, then "run failed after its MAX
+    round" with advice (a new run) that cannot help: the socket is gone."""
+    from thc.codec.params import THCParams
+    from thc.collective.allreduce import THCAllReduce
+    with Aggregator([job]) as agg:
+        c = AggregationClient(job, 0, agg.start(), run=1)
+        c.close()
+        with pytest.raises(ClientClosed, match="worker 0: this client was closed"):
+            c.max(np.ones(3, np.float32))
+        ar = THCAllReduce.through_aggregator(c, THCParams())
+        for _ in range(2):
+            with pytest.raises(ClientClosed, match="this client was closed"):
+                ar(torch.randn(100))
+        with pytest.raises(ClientClosed, match="this client was closed"):
+            c.reduce(np.zeros(128, np.uint8))
 
 
 def test_an_empty_round_sends_nothing_and_returns_empty_sums(job, datapath):

@@ -346,6 +346,9 @@ def test_codec_object_simulate_and_wire():
     m = codec.agree_max([c.norms(x) for x in xs])
     manual = c.decode(c.aggregate([c.encode(x, m, 2, gen) for x in xs]), 3, m, 4000, 2)
     assert np.array_equal(est, manual)
+    # 100 and 101 elements pad alike: the shorter one was read as zeros past its end
+    with pytest.raises(ValueError, match=r"vectors differ in length: \[100, 101\]"):
+        c.simulate([xs[0][:101], xs[1][:100]], generator=1)
     idx = c.encode(xs[0], m, 0, 1)
     packed = c.pack(idx)
     assert packed.size == idx.size // 2

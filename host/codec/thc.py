@@ -505,7 +505,10 @@ class THCCodec:
         xs = list(xs)
         if not xs:
             raise ValueError("simulate needs at least one vector")
-        numel = int(np.prod(tuple(xs[0].shape)))
+        sizes = {int(np.prod(tuple(x.shape))) for x in xs}
+        if len(sizes) > 1:   # their padded lengths may agree: 100 and 101 pad alike
+            raise ValueError(f"simulate's vectors differ in length: {sorted(sizes)}")
+        numel = sizes.pop()
         gen = resolve_generator(generator, xs[0])
         m = agree_max([self.norms(x) for x in xs])
         idx = [self.encode(x, m, round, gen) for x in xs]

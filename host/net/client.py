@@ -48,13 +48,14 @@ import time
 
 import numpy as np
 
+from thc.codec.common import as_float32
 from thc.codec.settings import DATAPATHS, ENV, Settings, current
 from thc.net import fastclient
 from thc.net.addresses import peer_address
 from thc.net.fastclient import CompiledWindow
 from thc.net.impair import Impairment
 from thc.net.outcomes import (AggregationRefused, AggregationResult, AggregationTimeout,
-                               AggregatorRestarted, RunFailed, TransportStats)
+                               AggregatorRestarted, ClientClosed, RunFailed, TransportStats)
 from thc.net.priority import N_CLASSES, tos_of
 from thc.net.pywindow import PythonWindow
 from thc.net.window import DEFAULT_MAX_TIMEOUT, RttEstimator, Round
@@ -313,7 +314,7 @@ class AggregationClient:
 
     def reduce_max(self, values: np.ndarray) -> AggregationResult:
         """Element-wise max over all workers of non-negative floats (the preliminary round)."""
-        values = np.asarray(values, dtype=np.float32).reshape(-1)
+        values = np.asarray(as_float32(np.asarray(values)), dtype=np.float32).reshape(-1)
         u = P.floats_to_ordered_u32(values)
         n_chunks = -(-u.size // P.MAX_LANES)
         padded = np.zeros(n_chunks * P.MAX_LANES, dtype=">u4")
@@ -334,6 +335,9 @@ class AggregationClient:
         """One round at a time: two threads' rounds would take the same sequence numbers,
         and each could take the other's sums as its own. The timers are checked here, as
         they may be set after the client was made (a deadline of inf would wait for good)."""
+        if self.sock.fileno() < 0:
+            raise ClientClosed(f"job {self.job.job_id}, worker {self.worker_id}: this client "
+                               f"was closed (close()); its socket is gone: make a new one")
         _check_timeouts(self.timeout, self.max_timeout, self.deadline)
         if not self.round_lock.acquire(blocking=False):
             raise RuntimeError(f"job {self.job.job_id}, worker {self.worker_id}: another "

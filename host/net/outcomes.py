@@ -159,6 +159,10 @@ class LossBoundExceeded(RuntimeError):
         self.count, self.missing, self.cap = count, missing, cap
 
 
+class ClientClosed(RuntimeError):
+    """A round called on a client after its ``close()``: its socket is gone."""
+
+
 class RunFailed(RuntimeError):
     """An earlier round of this run failed, so its sequence numbers are spoilt: the slots may
     hold that round's sums or this worker's old contribution, and a retry would be answered
