@@ -153,3 +153,63 @@ def test_a_load_process_that_dies_without_a_word_is_named_with_its_exit_code(mon
     with pytest.raises(RuntimeError, match=r"the client of worker \d died with exit code 3"):
         bench.run_point("python", 2, 64, P.LANES, 8, "python", {})
     assert time.monotonic() - t0 < 10
+
+
+def test_an_aggregator_that_dies_mid_run_is_named_at_once(monkeypatch):
+    """The bench went on waiting for its load, then hung for good setting the stop Event its
+    dead server had been waiting on (Event.set waits for every waiter to wake)."""
+    import os
+    import threading
+    import time
+
+    from thc.bench import aggregator as bench
+    from thc.wire import protocol as P
+    serve = bench._serve
+
+    def dies(*args):
+        threading.Timer(0.5, os._exit, (9,)).start()
+        serve(*args)
+    monkeypatch.setattr(bench, "_serve", dies)    # the forked server runs it
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"the aggregator under test ended mid-run \(exit "
+                                           r"code 9\)"):
+        bench.run_point("python", 2, 1 << 20, P.LANES, 8, "python", {})
+    assert time.monotonic() - t0 < 10
+
+
+def test_a_killed_bench_leaves_no_aggregator_serving(tmp_path):
+    """Killed (SIGKILL), the bench left its server waiting for a stop that could not come."""
+    import os
+    import signal
+    import time
+    pidfile = tmp_path / "server.pid"
+    script = (f"import os\nfrom thc.bench import aggregator as bench\n"
+              f"from thc.wire import protocol as P\nserve = bench._serve\n"
+              f"def mark(*args):\n    open({str(pidfile)!r}, 'w').write(str(os.getpid()))\n"
+              f"    serve(*args)\nbench._serve = mark\n"
+              f"bench.run_point('python', 2, 1 << 20, P.LANES, 8, 'python', {{}})\n")
+    bench = subprocess.Popen([sys.executable, "-c", script], start_new_session=True)
+    try:
+        end = time.monotonic() + 60
+        while not pidfile.exists() or not pidfile.read_text():
+            assert bench.poll() is None and time.monotonic() < end, "no server started"
+            time.sleep(0.05)
+        time.sleep(1.0)
+        server = int(pidfile.read_text())
+        bench.kill()
+        bench.wait()
+
+        def serving() -> bool:
+            try:
+                return open(f"/proc/{server}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
+            except FileNotFoundError:
+                return False
+        end = time.monotonic() + 10
+        while serving() and time.monotonic() < end:
+            time.sleep(0.1)
+        assert not serving(), "the server outlived its bench by 10 s"
+    finally:
+        try:
+            os.killpg(bench.pid, signal.SIGKILL)   # its load processes, within their deadline
+        except ProcessLookupError:
+            pass

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
+import os
 import queue
 import sys
 import time
@@ -125,13 +126,30 @@ class PythonEcho(Aggregator):
         return []
 
 
-def _serve(kind: str, jobs, port_q, stop_ev, count_q, gso: bool):
+def _flag(ctx):
+    """A shared byte the parent raises: an Event's set() waits for every waiter to wake, for
+    good where one was killed while it waited."""
+    return ctx.RawValue("b", 0)
+
+
+def _await(flag, parent: int | None = None, poll: float = 0.0005) -> None:
+    """Until ``flag`` is raised, or (given ``parent``) that process is gone."""
+    while not flag.value:
+        if parent is not None and os.getppid() != parent:
+            return
+        time.sleep(poll)
+
+
+def _serve(kind: str, jobs, port_q, stop, count_q, gso: bool):
+    """Serves until ``stop``, or until the bench is gone (killed: nothing else would end
+    it)."""
+    parent = os.getppid()
     if kind.startswith("compiled"):
         agg = (fastagg.FastEcho if kind.endswith("echo") else fastagg.FastAggregator)(jobs, gso=gso)
     else:
         agg = (PythonEcho if kind.endswith("echo") else Aggregator)(jobs)
     port_q.put(agg.start("127.0.0.1", 0)[1])
-    stop_ev.wait()
+    _await(stop, parent, poll=0.05)
     counters = agg.counters()
     agg.stop()
     count_q.put(agg.echoed if kind.endswith("echo")
@@ -157,16 +175,21 @@ def _child(label: str, target, args, done_q) -> None:
         raise
 
 
-def _gather(done_q, procs: dict[str, mp.process.BaseProcess], timeout: float = 300.0) -> list:
+def _gather(done_q, procs: dict[str, mp.process.BaseProcess], server, timeout: float = 300.0
+            ) -> list:
     """One result from each process of ``procs`` (label -> process). A process that fails
-    or dies ends the wait at once with a RuntimeError naming it and its exception or exit
-    code, the others stopped, instead of waiting out ``timeout`` for a result that cannot come."""
+    or dies, or the ``server`` ending, ends the wait at once with a RuntimeError naming it
+    and its exception or exit code, the others stopped, instead of waiting out ``timeout``
+    for a result that cannot come."""
     results, end = [], time.monotonic() + timeout
     try:
         while len(results) < len(procs):
             try:
                 item = done_q.get(timeout=0.1)
             except queue.Empty:
+                if server.exitcode is not None:
+                    raise RuntimeError(f"the aggregator under test ended mid-run (exit code "
+                                       f"{server.exitcode})") from None
                 dead = {k: p.exitcode for k, p in procs.items() if p.exitcode not in (None, 0)}
                 if dead:
                     try:    # its exception, sent just before it ended, says more than the code
@@ -193,35 +216,35 @@ def _gather(done_q, procs: dict[str, mp.process.BaseProcess], timeout: float = 3
     return results
 
 
-def _client(job, w, addr, chunks, window, start_ev, done_q):
+def _client(job, w, addr, chunks, window, start, done_q):
     import numpy as np
 
     # index 0 (table value 0): sums every server answers alike, the echoes' zeros included
     packed = np.zeros(chunks * job.lanes // 2, dtype=np.uint8)
     with AggregationClient(job, w, addr, window=window, deadline=50, run=RUN) as c:
-        start_ev.wait()
+        _await(start)
         t0 = time.perf_counter()
         c.aggregate(packed)
         done_q.put(("done", (t0, time.perf_counter(), c.stats.retransmitted)))
 
 
-def _python_load(ctx, job, addr, chunks, window) -> tuple[float, int]:
-    done_q, start_ev = ctx.Queue(), ctx.Event()
+def _python_load(ctx, job, addr, chunks, window, server) -> tuple[float, int]:
+    done_q, start = ctx.Queue(), _flag(ctx)
     clients = {}
     for w in range(job.n_workers):
         label = f"the client of worker {w}"
         clients[label] = ctx.Process(name=label, target=_child, args=(label, _client, (
-            job, w, addr, chunks, window, start_ev, done_q), done_q))
+            job, w, addr, chunks, window, start, done_q), done_q))
     for c in clients.values():
         c.start()
     time.sleep(0.3)
-    start_ev.set()
-    spans = _gather(done_q, clients)
+    start.value = 1
+    spans = _gather(done_q, clients, server)
     return (max(e for _, e, _ in spans) - min(s for s, _, _ in spans),
             sum(r for _, _, r in spans))
 
 
-def _drive_group(job, workers, addr, chunks, window, payloads, start_ev, done_q):
+def _drive_group(job, workers, addr, chunks, window, payloads, start, done_q):
     import socket
 
     socks = {}
@@ -233,7 +256,7 @@ def _drive_group(job, workers, addr, chunks, window, payloads, start_ev, done_q)
             wk = job.worker(w)
             s.bind((wk.ip, wk.port))
             socks[w] = s
-        start_ev.wait()
+        _await(start)
         t0 = time.perf_counter()
         out = fastload.drive(socks, addr, job, RUN, chunks, window, payloads)
         done_q.put(("done", (t0, time.perf_counter(), out)))
@@ -242,20 +265,21 @@ def _drive_group(job, workers, addr, chunks, window, payloads, start_ev, done_q)
             s.close()
 
 
-def _compiled_load(ctx, job, addr, chunks, window, payloads, procs) -> tuple[float, int]:
+def _compiled_load(ctx, job, addr, chunks, window, payloads, procs, server
+                   ) -> tuple[float, int]:
     """The workers split over ``procs`` load-generator processes, started together."""
-    done_q, start_ev = ctx.Queue(), ctx.Event()
+    done_q, start = ctx.Queue(), _flag(ctx)
     groups = [list(range(job.n_workers))[i::procs] for i in range(procs)]
     gens = {}
     for i, g in enumerate(x for x in groups if x):
         label = f"load generator {i} (workers {','.join(map(str, g))})"
         gens[label] = ctx.Process(name=label, target=_child, args=(label, _drive_group, (
-            job, g, addr, chunks, window, payloads, start_ev, done_q), done_q))
+            job, g, addr, chunks, window, payloads, start, done_q), done_q))
     for g in gens.values():
         g.start()
     time.sleep(0.3)
-    start_ev.set()
-    spans = _gather(done_q, gens)
+    start.value = 1
+    spans = _gather(done_q, gens, server)
     for _, _, out in spans:
         if not out["complete"]:
             raise RuntimeError(f"the load generator did not finish: {out}")
@@ -269,24 +293,24 @@ def run_point(kind: str, n: int, chunks: int, lanes: int, window: int, load: str
     pool = 1 << (max(window, 64) - 1).bit_length()   # a power of two, as a job's pool is
     job = local_job(1, n, free_port_block(n), pool_size=pool, lanes=lanes,
                     granularity=255 // n)
-    port_q, count_q, stop_ev = ctx.Queue(), ctx.Queue(), ctx.Event()
-    server = ctx.Process(target=_serve, args=(kind, [job], port_q, stop_ev, count_q, gso))
+    port_q, count_q, stop = ctx.Queue(), ctx.Queue(), _flag(ctx)
+    server = ctx.Process(target=_serve, args=(kind, [job], port_q, stop, count_q, gso))
     server.start()
     try:
         addr = ("127.0.0.1", port_q.get(timeout=30))
         if load == "python":
-            elapsed, retransmitted = _python_load(ctx, job, addr, chunks, window)
+            elapsed, retransmitted = _python_load(ctx, job, addr, chunks, window, server)
         else:
             elapsed, retransmitted = _compiled_load(ctx, job, addr, chunks, window, payloads,
-                                                    procs)
+                                                    procs, server)
+        stop.value = 1
+        handled = count_q.get(timeout=30)
     except BaseException:
-        stop_ev.set()
+        stop.value = 1
         server.join(5)
         if server.is_alive():
             server.terminate()
         raise
-    stop_ev.set()
-    handled = count_q.get(timeout=30)
     server.join()
     return {"server": kind, "workers": n, "lanes": lanes, "chunks": chunks, "load": load,
             "seconds": elapsed, "packets_in": handled, "packets_in_per_s": handled / elapsed,
