@@ -223,7 +223,8 @@ def replicas_agree(model, group=None) -> bool:
 
 
 GROUP_TIMEOUT_S = 600.0
-"""Seconds a collective (the group's rendezvous included) may wait without ``--stop-at``:
+"""Seconds a collective (the group's rendezvous included, within
+:data:`thc.collective.worker.RENDEZVOUS_GRACE`) may wait without ``--stop-at``:
 no step or evaluation of this trainer keeps a peer waiting that long, so a peer gone (or a
 restart's rendezvous that never completes) ends in Gloo's error instead of torch's 30
 minutes of silence."""
