@@ -304,7 +304,11 @@ def run_point(kind: str, n: int, chunks: int, lanes: int, window: int, load: str
             elapsed, retransmitted = _compiled_load(ctx, job, addr, chunks, window, payloads,
                                                     procs, server)
         stop.value = 1
-        handled = count_q.get(timeout=30)
+        try:
+            handled = count_q.get(timeout=30)
+        except queue.Empty:
+            raise RuntimeError(f"the aggregator under test sent no count within 30 s of its "
+                               f"stop (exit code {server.exitcode})") from None
     except BaseException:
         stop.value = 1
         server.join(5)
