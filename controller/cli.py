@@ -240,8 +240,12 @@ def _push(sw: Switch, args: argparse.Namespace) -> None:
 def _install(sw: Switch, args: argparse.Namespace, cluster: Cluster) -> None:
     agg = job_entries.AggAddress.of(cluster)
     same = {j.job_id for j in cluster.jobs if installed.unchanged(sw, j, agg)}
+    pruned = sorted((set(installed.installed_jobs(sw)) | set(installed.leftovers(sw)))
+                    - {j.job_id for j in cluster.jobs}) if args.prune else []
     placed = jobs.install_cluster(sw, cluster, prune=args.prune, force=args.force)
     _placed(cluster, placed, same)
+    for jid in pruned:
+        print(f"job {jid}: removed (not in the config; --prune)")
 
 
 def _remove(sw: Switch, args: argparse.Namespace) -> None:

@@ -55,6 +55,8 @@ import time
 from functools import lru_cache
 from typing import Callable, Iterable, NamedTuple
 
+log = logging.getLogger(__name__)
+
 GRPC_OPTIONS = [("grpc.max_metadata_size", 64 << 20),
                 ("grpc.absolute_max_metadata_size", 64 << 20),
                 ("grpc.max_receive_message_length", 64 << 20)]
@@ -163,12 +165,17 @@ def open_session(grpc_addr: str, device_id: int, election_id: tuple[int, int] | 
                            f"process, on p4runtime-shell's one client: wait for it to end, or "
                            f"open the session from another process")
     if not _server_ready(grpc_addr, timeout):
-        raise SessionError(f"no P4Runtime server at {grpc_addr} (is simple_switch_grpc "
-                           f"running with --grpc-server-addr {grpc_addr}?)")
+        raise SessionError(f"no P4Runtime server at {grpc_addr} answered within {timeout:g} s "
+                           f"(is simple_switch_grpc running with --grpc-server-addr "
+                           f"{grpc_addr}, and not stopped or overloaded?)")
     election_id = election_id or writer_election_id()
     config = sh.FwdPipeConfig(*pipeline) if pipeline else None
     said = _Said()
-    logging.getLogger().addHandler(said)
+    with _on_root(said):
+        return _setup(sh, grpc_addr, device_id, election_id, config, timeout, pipeline, said)
+
+
+def _setup(sh, grpc_addr, device_id, election_id, config, timeout, pipeline, said):
     try:
         # setup prints "You are not the primary client" on stdout, which belongs to the
         # caller (``thc controller counters --json``)
@@ -189,7 +196,7 @@ def open_session(grpc_addr: str, device_id: int, election_id: tuple[int, int] | 
             try:
                 sh.client.tear_down()
             except Exception:  # noqa: BLE001 - the session is already broken
-                logging.debug("tear_down after a failed setup", exc_info=True)
+                log.debug("tear_down after a failed setup", exc_info=True)
             sh.client = None
         reason = "; ".join(said.messages) or ("" if isinstance(e, SystemExit) else str(e))
         if "no forwarding pipeline config" in reason.lower():
@@ -219,8 +226,6 @@ def open_session(grpc_addr: str, device_id: int, election_id: tuple[int, int] | 
             f"P4Runtime session with device {device_id} at {grpc_addr} failed (arbitration "
             f"or {what}" + (f": {reason}" if reason else "") + f"; does the switch run with "
             f"--device-id {device_id}, and is the program valid?)") from None
-    finally:
-        logging.getLogger().removeHandler(said)
     import grpc
     from p4.v1 import p4runtime_pb2_grpc
     sh.client.stub = p4runtime_pb2_grpc.P4RuntimeStub(
@@ -284,7 +289,20 @@ def _cut(sh) -> None:
         try:
             client.channel.close()
         except Exception:  # noqa: BLE001 - the setup is abandoned either way
-            logging.debug("closing an abandoned setup's channel", exc_info=True)
+            log.debug("closing an abandoned setup's channel", exc_info=True)
+
+
+@contextlib.contextmanager
+def _on_root(handler: logging.Handler):
+    """``handler`` on the root logger while p4runtime-shell runs: the shell logs through
+    logging's module functions, which give a root logger that has no handler a stderr one
+    for good (``logging.basicConfig``), and every later record of the shell's is printed."""
+    root = logging.getLogger()
+    root.addHandler(handler)
+    try:
+        yield handler
+    finally:
+        root.removeHandler(handler)
 
 
 class _Said(logging.Handler):
@@ -407,7 +425,8 @@ def close_session(client) -> None:
             client.stream_recv_thread.join(CLOSE_WAIT)
         finally:
             logging.disable(logging.NOTSET)
-    sh.teardown()
+    with _on_root(logging.NullHandler()):
+        sh.teardown()
 
 
 def _varint(n: int) -> bytes:

@@ -193,8 +193,10 @@ class Switch:
                 f"one given a higher --election-id, holds the switch); this client cannot "
                 f"write: wait for it to finish")
         if not p4info.tables and files is None:
-            raise NoProgram(f"the switch at {self.grpc_addr} has no P4 program: push one "
-                            f"(`thc controller push`)")
+            raise NoProgram(f"the switch at {self.grpc_addr} has no P4 program for device "
+                            f"{self.device_id}: push one (`thc controller push`), or give the "
+                            f"device id the switch runs (--device-id; a push to another id "
+                            f"leaves that device empty)")
         if files is not None and (differ := _differences(p4info, load_p4info(files[0]))):
             raise SwitchError(
                 f"the switch at {self.grpc_addr} took the push of {files[0]} but reports "

@@ -131,6 +131,24 @@ def test_a_push_is_refused_while_a_job_is_live(recorded, tmp_path, capsys, monke
     assert cli.run(_parse("install", "--config", str(config), "--push")) == 0   # nothing live
 
 
+def test_an_install_that_prunes_says_which_jobs_it_removed(recorded, tmp_path, capsys):
+    """`install --prune` deleted a job not in the config and printed only the kept ones."""
+    both, kept = tmp_path / "both.json", tmp_path / "kept.json"
+    one, two = make_job(1), make_job(2, pool_base=8)
+    Cluster(jobs=(one, two), agg_ip=SWITCH_AGG_IP, agg_mac=SWITCH_AGG_MAC).save(both)
+    Cluster(jobs=(two,), agg_ip=SWITCH_AGG_IP, agg_mac=SWITCH_AGG_MAC).save(kept)
+    assert cli.run(_parse("install", "--config", str(both))) == 0
+    capsys.readouterr()
+    assert cli.run(_parse("install", "--config", str(kept))) == 0   # without --prune: kept
+    assert "removed" not in capsys.readouterr().out
+    assert cli.run(_parse("install", "--config", str(kept), "--prune")) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("job 2: index ") and out[0].endswith("(unchanged, left alone)")
+    assert out[1:] == ["job 1: removed (not in the config; --prune)"]
+    sw = MemorySwitch(device=recorded.device_).connect(program=None)
+    assert sorted(jobs.installed_jobs(sw)) == [2]
+
+
 def test_a_cluster_file_nested_too_deeply_is_a_config_error(tmp_path, capsys):
     deep = tmp_path / "deep.json"
     deep.write_text("[" * 100000 + "]" * 100000)

@@ -253,11 +253,23 @@ def test_a_failed_p4runtime_setup_is_an_error_not_an_exit(bmv2):
     """p4runtime-shell's setup calls sys.exit when the arbitration fails (here: a device id
     the switch does not have, which BMv2 answers as a device without a program); the
     controller reports it, naming the device id, and exits cleanly."""
-    r = subprocess.run([sys.executable, "-m", "thc.cli", "controller", "--grpc-addr",
-                        bmv2.switch.grpc_addr, "--device-id", "5", "jobs"],
-                       capture_output=True, text=True, timeout=60)
+    def command(*argv):
+        return subprocess.run([sys.executable, "-m", "thc.cli", "controller", "--grpc-addr",
+                               bmv2.switch.grpc_addr, "--device-id", "5", *argv],
+                              capture_output=True, text=True, timeout=60)
+    r = command("jobs")
     assert r.returncode == 1
     assert "device 5" in r.stderr and "--device-id" in r.stderr, r.stderr
+    # a push there (refused) leaves BMv2 a device 5 without a program: later commands still
+    # name the device id, and no p4runtime-shell log line leaks (its teardown's
+    # logging.debug gave the root logger a stderr handler, and a second push printed
+    # "CRITICAL:root:...")
+    for argv in (["push"], ["push"], ["jobs"]):
+        r = command(*argv)
+        assert r.returncode == 1, (argv, r.stderr)
+        assert r.stderr.startswith("thc controller: ") and r.stderr.count("\n") == 1, \
+            (argv, r.stderr)
+        assert "device 5" in r.stderr and "--device-id" in r.stderr, (argv, r.stderr)
 
 
 _STOPPED_SWITCH = """
