@@ -305,6 +305,12 @@ def _on_root(handler: logging.Handler):
         root.removeHandler(handler)
 
 
+def quiet_shell():
+    """Around a p4runtime-shell call: its log records go nowhere, and leave the root logger
+    as it was (:func:`_on_root`); the controller reports the shell's errors itself."""
+    return _on_root(logging.NullHandler())
+
+
 class _Said(logging.Handler):
     """The errors p4runtime-shell logged during setup: it logs the server's reason for a
     failed arbitration or push, then exits without it."""
@@ -425,7 +431,7 @@ def close_session(client) -> None:
             client.stream_recv_thread.join(CLOSE_WAIT)
         finally:
             logging.disable(logging.NOTSET)
-    with _on_root(logging.NullHandler()):
+    with quiet_shell():
         sh.teardown()
 
 

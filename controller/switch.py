@@ -451,7 +451,9 @@ class Switch:
         self._require()
         self.counters.get(name, "counter")
         try:
-            return {c.index: c.packet_count for c in sh.CounterEntry(short_name(name)).read()}
+            with p4rt.quiet_shell():
+                return {c.index: c.packet_count
+                        for c in sh.CounterEntry(short_name(name)).read()}
         except Exception as e:  # noqa: BLE001 - P4RuntimeException while iterating
             raise SwitchError(f"reading counter {name} from {self.grpc_addr} failed: {e}") from None
 
@@ -482,8 +484,9 @@ class Switch:
         from p4runtime_sh import shell as sh
         self._require()
         try:
-            return {g.group_id: {(r.egress_port, r.instance) for r in g.replicas}
-                    for g in sh.MulticastGroupEntry().read()}
+            with p4rt.quiet_shell():
+                return {g.group_id: {(r.egress_port, r.instance) for r in g.replicas}
+                        for g in sh.MulticastGroupEntry().read()}
         except Exception as e:  # noqa: BLE001 - P4RuntimeException while iterating
             raise SwitchError(f"reading multicast groups from {self.grpc_addr} failed: "
                               f"{e}") from None
@@ -504,25 +507,28 @@ class Switch:
         self._require()
         clear = self.target is not None and self.target.keeps_groups_across_push
         try:
-            entry = sh.MulticastGroupEntry(group)
-            for port, instance in replicas:
-                entry.add(port, instance)
-            held = self.multicast_groups()
-            if held.get(group) or (group in held and not clear):
-                self._require()
-                entry.modify()
-                return
-            steps = [sh.MulticastGroupEntry(group).delete] if clear and group in held else []
-            if clear:
-                steps += [sh.MulticastGroupEntry(group).insert,
-                          sh.MulticastGroupEntry(group).delete]
-            for step in steps + [entry.insert]:
-                self._require()   # as before each WriteRequest of write_entries
-                step()
+            with p4rt.quiet_shell():
+                self._set_group(sh, group, replicas, clear)
         except (P4RuntimeWriteException, grpc.RpcError) as e:   # the latter: the deadline
             raise SwitchError(f"multicast group {group}: {_why(e)}") from None
         except (UserError, ValueError) as e:   # the shell's own refusals (group 0, -1)
             raise SwitchError(f"multicast group {group}: {e}") from None
+
+    def _set_group(self, sh, group: int, replicas, clear: bool) -> None:
+        entry = sh.MulticastGroupEntry(group)
+        for port, instance in replicas:
+            entry.add(port, instance)
+        held = self.multicast_groups()
+        if held.get(group) or (group in held and not clear):
+            self._require()
+            entry.modify()
+            return
+        steps = [sh.MulticastGroupEntry(group).delete] if clear and group in held else []
+        if clear:
+            steps += [sh.MulticastGroupEntry(group).insert, sh.MulticastGroupEntry(group).delete]
+        for step in steps + [entry.insert]:
+            self._require()   # as before each WriteRequest of write_entries
+            step()
 
     def delete_multicast_group(self, group: int) -> bool:
         """Delete a multicast group; False when it did not exist."""
@@ -532,7 +538,8 @@ class Switch:
         if group not in self.multicast_groups():
             return False
         try:
-            sh.MulticastGroupEntry(group).delete()
+            with p4rt.quiet_shell():
+                sh.MulticastGroupEntry(group).delete()
         except (P4RuntimeWriteException, grpc.RpcError) as e:
             raise SwitchError(f"deleting multicast group {group}: {_why(e)}") from None
         return True

@@ -272,6 +272,45 @@ def test_a_failed_p4runtime_setup_is_an_error_not_an_exit(bmv2):
         assert "device 5" in r.stderr and "--device-id" in r.stderr, (argv, r.stderr)
 
 
+_LOGGING_LEFT_ALONE = """
+import logging, sys
+from thc.controller import jobs
+from thc.controller.switch import Switch, SwitchError
+from thc.controller.testing.bmv2 import LocalBMv2
+from thc.wire.jobs import SWITCH_AGG_IP, SWITCH_AGG_MAC, Cluster, Job, Worker
+
+ws = tuple(Worker(i, f"10.0.1.{i + 1}", 20000 + i, f"02:00:00:00:01:{i + 1:02x}", i)
+           for i in range(2))
+job = Job(job_id=3, workers=ws, table=tuple(range(0, 31, 2)), granularity=30, pool_size=4,
+          lanes=256).validate()
+with LocalBMv2(2, tag="tlg") as lb:
+    jobs.install_cluster(lb.sw, Cluster(jobs=(job,), agg_ip=SWITCH_AGG_IP,
+                                        agg_mac=SWITCH_AGG_MAC))
+    jobs.remove_job(lb.sw, 3, force=True)
+    lb.sw.read_counter("thc_drops")
+    print("handlers", logging.getLogger().handlers, file=sys.stderr)
+    addr = lb.grpc_addr
+    lb.sw.close()
+    lb.sw = None
+    try:
+        Switch(addr, device_id=5).connect()   # a push the switch refuses
+    except SwitchError as e:
+        print("refused", file=sys.stderr)
+"""
+
+
+@pytest.mark.skipif(toolchain.bmv2_missing() is not None, reason=f"{toolchain.bmv2_missing()}")
+def test_a_library_user_s_logging_is_left_as_it_was():
+    """p4runtime-shell logs through logging's module functions, which give a root logger
+    without a handler a stderr one for good: after an install (a multicast group's insert),
+    a failed push printed the shell's CRITICAL:root lines. Its own process: pytest puts
+    handlers on the root logger."""
+    r = subprocess.run([sys.executable, "-c", _LOGGING_LEFT_ALONE], capture_output=True,
+                       text=True, timeout=180)
+    assert r.returncode == 0, r.stderr
+    assert r.stderr.splitlines() == ["handlers []", "refused"], r.stderr
+
+
 _STOPPED_SWITCH = """
 import json, os, signal, time
 from thc.controller import p4rt
