@@ -213,3 +213,49 @@ def test_a_killed_bench_leaves_no_aggregator_serving(tmp_path):
             os.killpg(bench.pid, signal.SIGKILL)   # its load processes, within their deadline
         except ProcessLookupError:
             pass
+
+
+def _session_alive(sid: int) -> list[int]:
+    """The live (not zombie) processes of session ``sid``."""
+    import os
+    alive = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        if int(fields[3]) == sid and fields[0] != "Z":
+            alive.append(int(pid))
+    return alive
+
+
+@pytest.mark.parametrize("load", ["python", pytest.param("compiled", marks=pytest.mark.skipif(
+    not fastagg.available(), reason=f"{fastagg.UNAVAILABLE}"))])
+def test_a_bench_killed_before_its_start_leaves_no_load_process(load):
+    """Killed before it raised its start flag, the bench left its load processes waiting
+    for it for good (busy, once the Event became a polled flag)."""
+    import os
+    import signal
+    import time
+    script = ("import os, signal, time, types\nfrom thc.bench import aggregator as bench\n"
+              "from thc.wire import protocol as P\nme, real = os.getpid(), time\n"
+              "def sleep(s):\n"
+              "    if os.getpid() == me and s == 0.3:   # just before the start flag\n"
+              "        os.kill(me, signal.SIGKILL)\n"
+              "    real.sleep(s)\n"
+              "bench.time = types.SimpleNamespace(sleep=sleep, perf_counter=real.perf_counter,"
+              " monotonic=real.monotonic)\n"
+              f"bench.run_point('python', 2, 1 << 10, P.LANES, 8, {load!r},"
+              " {w: bench._payload(P.LANES, w, 1 << 10) for w in range(2)})\n")
+    bench = subprocess.Popen([sys.executable, "-c", script], start_new_session=True)
+    try:
+        assert bench.wait(timeout=60) == -signal.SIGKILL
+        end = time.monotonic() + 10
+        while _session_alive(bench.pid) and time.monotonic() < end:
+            time.sleep(0.1)
+        assert not _session_alive(bench.pid), "processes outlived their bench by 10 s"
+    finally:
+        try:
+            os.killpg(bench.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass

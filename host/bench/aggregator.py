@@ -126,30 +126,36 @@ class PythonEcho(Aggregator):
         return []
 
 
-def _flag(ctx):
-    """A shared byte the parent raises: an Event's set() waits for every waiter to wake, for
-    good where one was killed while it waited."""
-    return ctx.RawValue("b", 0)
+class _Flag:
+    """A shared byte its maker raises: an Event's set() waits for every waiter to wake, for
+    good where one was killed while it waited. A waiter (a child of the maker) stops waiting
+    once the maker is gone: a bench killed before it raised the flag."""
 
+    def __init__(self, ctx):
+        self._byte = ctx.RawValue("b", 0)
+        self.maker = os.getpid()
 
-def _await(flag, parent: int | None = None, poll: float = 0.0005) -> None:
-    """Until ``flag`` is raised, or (given ``parent``) that process is gone."""
-    while not flag.value:
-        if parent is not None and os.getppid() != parent:
-            return
-        time.sleep(poll)
+    def set(self) -> None:
+        self._byte.value = 1
+
+    def wait(self, poll: float = 0.0005) -> bool:
+        """True once raised; False once the maker is gone."""
+        while not self._byte.value:
+            if os.getppid() != self.maker:
+                return False
+            time.sleep(poll)
+        return True
 
 
 def _serve(kind: str, jobs, port_q, stop, count_q, gso: bool):
     """Serves until ``stop``, or until the bench is gone (killed: nothing else would end
     it)."""
-    parent = os.getppid()
     if kind.startswith("compiled"):
         agg = (fastagg.FastEcho if kind.endswith("echo") else fastagg.FastAggregator)(jobs, gso=gso)
     else:
         agg = (PythonEcho if kind.endswith("echo") else Aggregator)(jobs)
     port_q.put(agg.start("127.0.0.1", 0)[1])
-    _await(stop, parent, poll=0.05)
+    stop.wait(poll=0.05)
     counters = agg.counters()
     agg.stop()
     count_q.put(agg.echoed if kind.endswith("echo")
@@ -222,14 +228,15 @@ def _client(job, w, addr, chunks, window, start, done_q):
     # index 0 (table value 0): sums every server answers alike, the echoes' zeros included
     packed = np.zeros(chunks * job.lanes // 2, dtype=np.uint8)
     with AggregationClient(job, w, addr, window=window, deadline=50, run=RUN) as c:
-        _await(start)
+        if not start.wait():
+            return
         t0 = time.perf_counter()
         c.aggregate(packed)
         done_q.put(("done", (t0, time.perf_counter(), c.stats.retransmitted)))
 
 
 def _python_load(ctx, job, addr, chunks, window, server) -> tuple[float, int]:
-    done_q, start = ctx.Queue(), _flag(ctx)
+    done_q, start = ctx.Queue(), _Flag(ctx)
     clients = {}
     for w in range(job.n_workers):
         label = f"the client of worker {w}"
@@ -238,7 +245,7 @@ def _python_load(ctx, job, addr, chunks, window, server) -> tuple[float, int]:
     for c in clients.values():
         c.start()
     time.sleep(0.3)
-    start.value = 1
+    start.set()
     spans = _gather(done_q, clients, server)
     return (max(e for _, e, _ in spans) - min(s for s, _, _ in spans),
             sum(r for _, _, r in spans))
@@ -256,7 +263,8 @@ def _drive_group(job, workers, addr, chunks, window, payloads, start, done_q):
             wk = job.worker(w)
             s.bind((wk.ip, wk.port))
             socks[w] = s
-        _await(start)
+        if not start.wait():
+            return
         t0 = time.perf_counter()
         out = fastload.drive(socks, addr, job, RUN, chunks, window, payloads)
         done_q.put(("done", (t0, time.perf_counter(), out)))
@@ -268,7 +276,7 @@ def _drive_group(job, workers, addr, chunks, window, payloads, start, done_q):
 def _compiled_load(ctx, job, addr, chunks, window, payloads, procs, server
                    ) -> tuple[float, int]:
     """The workers split over ``procs`` load-generator processes, started together."""
-    done_q, start = ctx.Queue(), _flag(ctx)
+    done_q, start = ctx.Queue(), _Flag(ctx)
     groups = [list(range(job.n_workers))[i::procs] for i in range(procs)]
     gens = {}
     for i, g in enumerate(x for x in groups if x):
@@ -278,7 +286,7 @@ def _compiled_load(ctx, job, addr, chunks, window, payloads, procs, server
     for g in gens.values():
         g.start()
     time.sleep(0.3)
-    start.value = 1
+    start.set()
     spans = _gather(done_q, gens, server)
     for _, _, out in spans:
         if not out["complete"]:
@@ -293,7 +301,7 @@ def run_point(kind: str, n: int, chunks: int, lanes: int, window: int, load: str
     pool = 1 << (max(window, 64) - 1).bit_length()   # a power of two, as a job's pool is
     job = local_job(1, n, free_port_block(n), pool_size=pool, lanes=lanes,
                     granularity=255 // n)
-    port_q, count_q, stop = ctx.Queue(), ctx.Queue(), _flag(ctx)
+    port_q, count_q, stop = ctx.Queue(), ctx.Queue(), _Flag(ctx)
     server = ctx.Process(target=_serve, args=(kind, [job], port_q, stop, count_q, gso))
     server.start()
     try:
@@ -303,14 +311,14 @@ def run_point(kind: str, n: int, chunks: int, lanes: int, window: int, load: str
         else:
             elapsed, retransmitted = _compiled_load(ctx, job, addr, chunks, window, payloads,
                                                     procs, server)
-        stop.value = 1
+        stop.set()
         try:
             handled = count_q.get(timeout=30)
         except queue.Empty:
             raise RuntimeError(f"the aggregator under test sent no count within 30 s of its "
                                f"stop (exit code {server.exitcode})") from None
     except BaseException:
-        stop.value = 1
+        stop.set()
         server.join(5)
         if server.is_alive():
             server.terminate()
