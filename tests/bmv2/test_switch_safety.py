@@ -272,20 +272,25 @@ def test_a_failed_p4runtime_setup_is_an_error_not_an_exit(bmv2):
         assert "device 5" in r.stderr and "--device-id" in r.stderr, (argv, r.stderr)
 
 
-_LOGGING_LEFT_ALONE = """
-import logging, sys
-from thc.controller import jobs
-from thc.controller.switch import Switch, SwitchError
-from thc.controller.testing.bmv2 import LocalBMv2
+_A_JOB = """
+from thc.controller import installed, jobs
 from thc.wire.jobs import SWITCH_AGG_IP, SWITCH_AGG_MAC, Cluster, Job, Worker
 
 ws = tuple(Worker(i, f"10.0.1.{i + 1}", 20000 + i, f"02:00:00:00:01:{i + 1:02x}", i)
            for i in range(2))
 job = Job(job_id=3, workers=ws, table=tuple(range(0, 31, 2)), granularity=30, pool_size=4,
           lanes=256).validate()
+cluster = Cluster(jobs=(job,), agg_ip=SWITCH_AGG_IP, agg_mac=SWITCH_AGG_MAC)
+"""
+"""Job 3 of two workers on ports 0 and 1, for a test's own switch."""
+
+_LOGGING_LEFT_ALONE = _A_JOB + """
+import logging, sys
+from thc.controller.switch import Switch, SwitchError
+from thc.controller.testing.bmv2 import LocalBMv2
+
 with LocalBMv2(2, tag="tlg") as lb:
-    jobs.install_cluster(lb.sw, Cluster(jobs=(job,), agg_ip=SWITCH_AGG_IP,
-                                        agg_mac=SWITCH_AGG_MAC))
+    jobs.install_cluster(lb.sw, cluster)
     jobs.remove_job(lb.sw, 3, force=True)
     lb.sw.read_counter("thc_drops")
     print("handlers", logging.getLogger().handlers, file=sys.stderr)
@@ -523,19 +528,12 @@ def test_counters_read_the_l2_program():
     assert json.loads(out) == {"l2_misses": 0}
 
 
-_PUSH_UNDER_A_WRITER = """
+_PUSH_UNDER_A_WRITER = _A_JOB + """
 import json, subprocess, sys
-from thc.controller import installed, jobs
 from thc.controller.testing.bmv2 import LocalBMv2
-from thc.wire.jobs import SWITCH_AGG_IP, SWITCH_AGG_MAC, Cluster, Job, Worker
 
-ws = tuple(Worker(i, f"10.0.1.{i + 1}", 20000 + i, f"02:00:00:00:01:{i + 1:02x}", i)
-           for i in range(2))
-job = Job(job_id=3, workers=ws, table=tuple(range(0, 31, 2)), granularity=30, pool_size=4,
-          lanes=256).validate()
 with LocalBMv2(2, tag="tpw") as lb:
-    jobs.install_cluster(lb.sw, Cluster(jobs=(job,), agg_ip=SWITCH_AGG_IP,
-                                        agg_mac=SWITCH_AGG_MAC))
+    jobs.install_cluster(lb.sw, cluster)
     before = installed.installed_jobs(lb.sw)
     r = subprocess.run([sys.executable, "-m", "thc.cli", "controller", "--grpc-addr",
                         lb.grpc_addr, "push", "--force"], capture_output=True, text=True,
