@@ -314,7 +314,7 @@ class AggregationClient:
 
     def reduce_max(self, values: np.ndarray) -> AggregationResult:
         """Element-wise max over all workers of non-negative floats (the preliminary round)."""
-        values = np.asarray(as_float32(np.asarray(values)), dtype=np.float32).reshape(-1)
+        values = as_float32(np.asarray(values)).reshape(-1)
         u = P.floats_to_ordered_u32(values)
         n_chunks = -(-u.size // P.MAX_LANES)
         padded = np.zeros(n_chunks * P.MAX_LANES, dtype=">u4")
