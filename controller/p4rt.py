@@ -373,20 +373,24 @@ def primary_taken(client) -> tuple[int, int] | None:
             return other
 
 
-ARBITRATION_WAIT = 2.0
-"""Seconds :func:`primary_taken_by_now` waits for the switch's answer (the shell's own
-handshake waits as long)."""
+ARBITRATION_WAIT = 0.25
+"""Seconds :func:`primary_taken_by_now` waits for the switch's answer once its round trip
+came back. PI's server (BMv2's) answers no arbitration that repeats a session's election
+id, so there the wait is a settle: the updates sent before the round trip's answer have
+reached the client by then, and wait only for the stream's thread to queue them."""
 
 
 def primary_taken_by_now(client, timeout: float = ARBITRATION_WAIT) -> tuple[int, int] | None:
-    """:func:`primary_taken` after a round trip: the session sends its arbitration again and
-    reads the stream's arbitration messages up to one naming it. An update the switch sent
-    before that answer (one stream, in order), such as a primary that came and went during
-    the change's last write, is then seen, where :func:`primary_taken` alone reads only what
-    has arrived. None where none named another, the stream ended (the session's other check
-    names that), or no answer came within ``timeout``."""
+    """:func:`primary_taken` after a round trip: the session sends its arbitration again,
+    then a Capabilities request on the same channel, and reads the stream's arbitration
+    messages up to one naming it or for ``timeout``. An update the switch sent before that
+    request's answer (one HTTP/2 connection, in order), such as a primary that came and went
+    during the change's last write, is then seen, where :func:`primary_taken` alone reads
+    only what has arrived. None where none named another, or the stream ended (the
+    session's other check names that)."""
     import queue
 
+    import grpc
     from p4.v1 import p4runtime_pb2
     taken = primary_taken(client)
     if not hasattr(client, "stream_out_q"):
@@ -398,6 +402,9 @@ def primary_taken_by_now(client, timeout: float = ARBITRATION_WAIT) -> tuple[int
     if getattr(client, "role_name", None) is not None:
         req.arbitration.role.name = client.role_name
     client.stream_out_q.put(req)
+    if hasattr(client, "stub"):
+        with contextlib.suppress(grpc.RpcError):   # a switch gone: the session's check says
+            client.stub.Capabilities(p4runtime_pb2.CapabilitiesRequest(), timeout=timeout)
     updates = client.stream_in_q["arbitration"]
     deadline = time.monotonic() + timeout
     while (left := deadline - time.monotonic()) > 0:

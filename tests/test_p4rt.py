@@ -431,6 +431,34 @@ def test_a_primary_that_came_and_went_during_the_last_write_is_seen_by_asking():
         sw.confirm_held()
 
 
+def test_a_switch_that_answers_no_repeated_arbitration_costs_a_settle_not_a_timeout():
+    """PI's server (BMv2's) answers no arbitration that repeats a session's election id, so
+    the check waited its whole 2 s after every install and removal. A round trip on the
+    same channel (Capabilities) orders it instead: an update the switch sent before that
+    answer is seen, and the wait is :data:`p4rt.ARBITRATION_WAIT`."""
+    import queue
+    import threading
+    from types import SimpleNamespace
+
+    updates = queue.Queue()
+
+    def capabilities(request, timeout):
+        def deliver():   # sent before the answer, queued by the stream's thread a bit later
+            time.sleep(0.05)
+            msg = p4runtime_pb2.StreamMessageResponse()
+            msg.arbitration.election_id.high = 9
+            updates.put(msg)
+        threading.Thread(target=deliver, daemon=True).start()
+        return p4runtime_pb2.CapabilitiesResponse()
+
+    client = SimpleNamespace(stream_in_q={"arbitration": updates},
+                             stream_out_q=queue.Queue(), election_id=(0, 5), device_id=1,
+                             role_name=None, stub=SimpleNamespace(Capabilities=capabilities))
+    t0 = time.monotonic()
+    assert p4rt.primary_taken_by_now(client) == (9, 0)
+    assert time.monotonic() - t0 < p4rt.ARBITRATION_WAIT + 0.5
+
+
 @pytest.mark.parametrize("reported", ["l2", "thc without thc_worker"])
 def test_a_push_the_switch_did_not_load_is_an_error(reported, monkeypatch):
     """``thc controller push`` printed "pushed thc" where the switch then reported another
