@@ -80,8 +80,9 @@ points of FP32, and passed the checks above)."""
 FOLLOW = ["fp16", "thc", "thc-central", "thc-dist"]
 """The modes whose step is FP32's but for a small unbiased error, whose first steps follow
 FP32's (TopK's and Marsit's do not)."""
-FP32_LATE = 0.9
-"""FP32's late accuracy must reach this (measured 0.967), or the reference itself is broken."""
+FP32_LATE = 0.94
+"""FP32's late accuracy must reach this (measured 0.967), or the reference itself is broken:
+every worker trained on the same images reached 0.908."""
 
 
 # -- the broken gradient paths (applied in the worker processes only) -------------------------

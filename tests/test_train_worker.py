@@ -84,3 +84,50 @@ def test_the_ranks_train_on_disjoint_shares_that_cover_the_epoch():
     taken = np.concatenate(shares)
     assert len(set(taken.tolist())) == len(taken) == steps * world * batch
     assert set(taken.tolist()) == set(perm[:steps * world * batch].tolist())
+
+
+def _disjoint_worker(rank, port, q):
+    import numpy as np
+    import torch.distributed as dist
+
+    from thc.app.train import shards_disjoint
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2)
+    seen = np.zeros(10, np.uint8)
+    seen[[rank, 2 + rank]] = 1
+    apart = shards_disjoint(seen)
+    seen[4] = 1   # both ranks
+    shared = shards_disjoint(seen)
+    seen[4] = 0
+    seen[6 + rank] = 2   # one rank twice
+    twice = shards_disjoint(seen)
+    dist.destroy_process_group()
+    q.put((rank, (apart, shared, twice)))
+
+
+def test_an_image_two_ranks_or_one_rank_twice_took_is_seen_by_every_rank():
+    from tests.procs import gloo_pair
+    assert gloo_pair(_disjoint_worker) == {0: (True, False, False), 1: (True, False, False)}
+
+
+def _rank0_shares_worker(rank, port, q):
+    from thc.app import train
+    real = train.rank_batch
+    train.rank_batch = lambda perm, step, _rank, batch, world: real(perm, step, 0, batch, world)
+    try:
+        train.main(["--mode", "fp32", "--rank", str(rank), "--world", "2",
+                    "--rendezvous", f"127.0.0.1:{port}", "--data", "digits",
+                    "--train-subset", "256", "--batch", "16", "--epochs", "1", "--evals", "1"])
+    except RuntimeError as e:
+        q.put((rank, str(e)))
+        return
+    q.put((rank, None))
+
+
+def test_ranks_given_the_same_images_stop_at_the_first_evaluation():
+    """Every rank trained on rank 0's share: replicas agreed, and the learning tests passed
+    (FP32 reached 0.91 where it reaches 0.97, and every mode was compared with it)."""
+    from tests.procs import gloo_pair
+    got = gloo_pair(_rank0_shares_worker)
+    for rank in (0, 1):
+        assert got[rank] is not None and "an image went to two ranks" in got[rank], got

@@ -17,7 +17,8 @@ epochs). Accuracy after one epoch of Fashion-MNIST, 4 workers on loopback: (0.05
 (0.05, 0) 0.75, (0.1, 0) 0.80. Data comes from local files (thc.app.datasets): nothing is
 downloaded. Rank 0 prints JSON lines: ``{"dataset": ...}`` first, ``{"progress": ...}``
 every few steps, and one evaluation row ``{"epoch": ...}`` ``--evals`` times per epoch (with
-``replicas_agree``: whether every rank held the same parameters then).
+``replicas_agree``: whether every rank held the same parameters then). At each evaluation the
+ranks also check that no image of the epoch went to two of them (:func:`shards_disjoint`).
 
 Run by ``thc run`` (the main job) inside emulated hosts, or by hand, e.g. under torchrun:
 ``torchrun --nproc-per-node 4 -m thc.app.train --mode thc-dist``.
@@ -220,6 +221,18 @@ def replicas_agree(model, group=None) -> bool:
     every = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(every, mine, group=group)
     return len({int(d) for d in every}) == 1
+
+
+def shards_disjoint(seen, group=None) -> bool:
+    """Whether no image was trained on twice so far this epoch, by one rank or by two:
+    ``seen`` counts the times this rank took each training image. Ranks that share images
+    still agree on every update and learn (each takes the same mean), so neither
+    :func:`replicas_agree` nor the accuracy shows it. One all-reduce of a count an image."""
+    import torch
+    import torch.distributed as dist
+    total = torch.from_numpy(seen).to(torch.int32)
+    dist.all_reduce(total, group=group)
+    return int(total.max()) <= 1
 
 
 GROUP_TIMEOUT_S = 600.0
@@ -441,6 +454,7 @@ def _train_model(args) -> list[dict]:
     losses = tally.step_losses
     for epoch in range(1, args.epochs + 1):
         perm = torch.from_numpy(np.random.default_rng([args.seed, epoch]).permutation(len(ytr)))
+        seen = np.zeros(len(ytr), np.uint8)
         for s in range(1, steps + 1):
             if args.max_steps is not None and len(losses) >= args.max_steps:
                 return history
@@ -457,6 +471,7 @@ def _train_model(args) -> list[dict]:
             last = ((args.max_steps is not None and len(losses) >= args.max_steps)
                     or _out_of_time(args.stop_at, max(tally.longest, time.perf_counter() - t0)))
             took = time.perf_counter() - t0
+            seen[idx.numpy()] += 1
             tally.trained += took
             tally.longest = max(tally.longest, took)
             if hook is not None:
@@ -470,6 +485,10 @@ def _train_model(args) -> list[dict]:
             if last:   # thc run takes a limit reached after this for a slow evaluation
                 say(json.dumps({"final_evaluation": len(losses)}), flush=True)
             ddp.eval()
+            if not shards_disjoint(seen):
+                raise RuntimeError(f"epoch {epoch}: an image went to two ranks, or twice to one, "
+                                   f"by step {s}: the ranks' batches are not the disjoint "
+                                   f"shares of rank_batch")
             row = _row(args, epoch - 1 + s / steps, _accuracy(model, xte, yte),
                        replicas_agree(model), tally, hook, client, n_params, steps)
             history.append(row)
