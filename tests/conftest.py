@@ -1,6 +1,6 @@
 """Each test starts from the environment's settings: a test that sets THC_* variables sees
 them, whatever an earlier test in the process installed. Under pytest-xdist (``make test``)
-the tests that start switches, testbeds or namespaces run in two processes (SYSTEM)."""
+the tests that start switches, testbeds or namespaces run in groups of their own (SYSTEM)."""
 import pytest
 
 from thc.codec import settings
@@ -30,25 +30,32 @@ SYSTEM = ("tests/bmv2/", "tests/bmv2_idle/", "test_testbed.py", "test_faults.py"
           "test_namespace.py", "test_xdist_groups.py")
 """Files whose tests start Mininet, BMv2 or network namespaces: with every test marked
 ``bmv2`` or ``mininet`` and the conformance tests run against BMv2, they run one after
-another in two pytest-xdist processes (``make test``): the BMv2 switches of tests/bmv2,
-tests/bmv2_idle and the conformance suite in one (a P4Runtime session a process, and the
-switches' timing), the Mininet testbeds and namespaces in the other. Each names what it
-creates after a tag of its own (thc.emu.cleanup, controller.testing.bmv2), so the two never
-touch each other's. A new test that starts one is marked so, or its file is listed here."""
+another in pytest-xdist groups (``make test``): the Mininet testbeds and namespaces in one
+(``system``), the BMv2 switches in the groups of :data:`SWITCH_GROUPS`, each group a process
+of its own with a switch of its own (p4runtime-shell holds one P4Runtime session a process).
+Each names what it creates after a tag of its own (thc.emu.cleanup,
+controller.testing.bmv2), so they never touch each other's. A new test that starts one is
+marked so, or its file is listed here."""
 
-SWITCH_ALONE = ("tests/bmv2/", "tests/bmv2_idle/", "tests/conformance/")
-"""Where a system test runs in the BMv2 switches' process rather than the testbeds'."""
+SWITCH_GROUPS = (("tests/bmv2/test_switch_model_fuzz.py", "bmv2-frames"),
+                 ("tests/bmv2/test_switch_checksums.py", "bmv2-frames"),
+                 ("tests/bmv2/test_switch_dscp.py", "bmv2-frames"),
+                 ("tests/bmv2/", "bmv2"), ("tests/bmv2_idle/", "bmv2"))
+"""The BMv2 tests' groups, by the first prefix of their node id that matches (the
+conformance suite's BMv2 runs are a group of their own): three switch processes, so that
+no one of them holds up the suite."""
 
 
 def _system_group(item) -> str | None:
     if "tests/conformance/" in item.nodeid:
         callspec = getattr(item, "callspec", None)
-        return "bmv2" if callspec is not None and callspec.params.get("harness") == "bmv2" \
-            else None
+        return "bmv2-conformance" if callspec is not None \
+            and callspec.params.get("harness") == "bmv2" else None
     if not (item.get_closest_marker("bmv2") or item.get_closest_marker("mininet")
             or any(s in item.nodeid for s in SYSTEM)):
         return None
-    return "bmv2" if item.nodeid.startswith(SWITCH_ALONE) else "system"
+    return next((group for prefix, group in SWITCH_GROUPS if item.nodeid.startswith(prefix)),
+                "system")
 
 
 @pytest.hookimpl(tryfirst=True)
