@@ -39,8 +39,8 @@ system-deps:
 	@if [ -d $(DEBIAN_MININET) ] && [ -x $(PY) ]; then ln -sfn $(DEBIAN_MININET) "$(SITE)/mininet"; fi
 
 # Four pytest processes (on two cores: many tests wait on sockets, timers and child
-# processes); the tests that start BMv2 switches run one after another in one of them, those
-# that start Mininet testbeds or namespaces in another (tests/conftest.py).
+# processes); the tests that start Mininet testbeds or namespaces run one after another in
+# one of them, those that start BMv2 switches in three groups of their own (tests/conftest.py).
 TEST_PROCESSES ?= 4
 test: system-deps setup
 	$(PY) -m pytest -q -n $(TEST_PROCESSES) --dist loadgroup

@@ -379,15 +379,20 @@ came back. PI's server (BMv2's) answers no arbitration that repeats a session's 
 id, so there the wait is a settle: the updates sent before the round trip's answer have
 reached the client by then, and wait only for the stream's thread to queue them."""
 
+ROUND_TRIP_WAIT = 2.0
+"""Seconds the round trip may take; one that did not come back (a slow or stopped switch)
+orders nothing, and the answer or updates are then waited for as long."""
+
 
 def primary_taken_by_now(client, timeout: float = ARBITRATION_WAIT) -> tuple[int, int] | None:
     """:func:`primary_taken` after a round trip: the session sends its arbitration again,
     then a Capabilities request on the same channel, and reads the stream's arbitration
-    messages up to one naming it or for ``timeout``. An update the switch sent before that
-    request's answer (one HTTP/2 connection, in order), such as a primary that came and went
-    during the change's last write, is then seen, where :func:`primary_taken` alone reads
-    only what has arrived. None where none named another, or the stream ended (the
-    session's other check names that)."""
+    messages up to one naming it or for ``timeout`` (:data:`ROUND_TRIP_WAIT` where the
+    request failed or took longer: at most twice that in all). An update the switch sent
+    before that request's answer (one HTTP/2 connection, in order), such as a primary that
+    came and went during the change's last write, is then seen, where :func:`primary_taken`
+    alone reads only what has arrived. None where none named another, or the stream ended
+    (the session's other check names that)."""
     import queue
 
     import grpc
@@ -403,8 +408,11 @@ def primary_taken_by_now(client, timeout: float = ARBITRATION_WAIT) -> tuple[int
         req.arbitration.role.name = client.role_name
     client.stream_out_q.put(req)
     if hasattr(client, "stub"):
-        with contextlib.suppress(grpc.RpcError):   # a switch gone: the session's check says
-            client.stub.Capabilities(p4runtime_pb2.CapabilitiesRequest(), timeout=timeout)
+        try:
+            client.stub.Capabilities(p4runtime_pb2.CapabilitiesRequest(),
+                                     timeout=ROUND_TRIP_WAIT)
+        except grpc.RpcError:
+            timeout = ROUND_TRIP_WAIT
     updates = client.stream_in_q["arbitration"]
     deadline = time.monotonic() + timeout
     while (left := deadline - time.monotonic()) > 0:

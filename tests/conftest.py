@@ -31,8 +31,9 @@ SYSTEM = ("tests/bmv2/", "tests/bmv2_idle/", "test_testbed.py", "test_faults.py"
 """Files whose tests start Mininet, BMv2 or network namespaces: with every test marked
 ``bmv2`` or ``mininet`` and the conformance tests run against BMv2, they run one after
 another in pytest-xdist groups (``make test``): the Mininet testbeds and namespaces in one
-(``system``), the BMv2 switches in the groups of :data:`SWITCH_GROUPS`, each group a process
-of its own with a switch of its own (p4runtime-shell holds one P4Runtime session a process).
+(``system``), the BMv2 switches in the groups of :data:`SWITCH_GROUPS`, each group's tests
+in one process with a switch of its own (p4runtime-shell holds one P4Runtime session a
+process).
 Each names what it creates after a tag of its own (thc.emu.cleanup,
 controller.testing.bmv2), so they never touch each other's. A new test that starts one is
 marked so, or its file is listed here."""

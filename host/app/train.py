@@ -225,12 +225,12 @@ def replicas_agree(model, group=None) -> bool:
 
 def shards_disjoint(seen, group=None) -> bool:
     """Whether no image was trained on twice so far this epoch, by one rank or by two:
-    ``seen`` counts the times this rank took each training image. Ranks that share images
+    ``seen`` (int32) counts the times this rank took each training image. Ranks that share images
     still agree on every update and learn (each takes the same mean), so neither
     :func:`replicas_agree` nor the accuracy shows it. One all-reduce of a count an image."""
     import torch
     import torch.distributed as dist
-    total = torch.from_numpy(seen).to(torch.int32)
+    total = torch.from_numpy(seen)
     dist.all_reduce(total, group=group)
     return int(total.max()) <= 1
 
@@ -454,7 +454,7 @@ def _train_model(args) -> list[dict]:
     losses = tally.step_losses
     for epoch in range(1, args.epochs + 1):
         perm = torch.from_numpy(np.random.default_rng([args.seed, epoch]).permutation(len(ytr)))
-        seen = np.zeros(len(ytr), np.uint8)
+        seen = np.zeros(len(ytr), np.int32)
         for s in range(1, steps + 1):
             if args.max_steps is not None and len(losses) >= args.max_steps:
                 return history
@@ -471,7 +471,7 @@ def _train_model(args) -> list[dict]:
             last = ((args.max_steps is not None and len(losses) >= args.max_steps)
                     or _out_of_time(args.stop_at, max(tally.longest, time.perf_counter() - t0)))
             took = time.perf_counter() - t0
-            seen[idx.numpy()] += 1
+            np.add.at(seen, idx.numpy(), 1)
             tally.trained += took
             tally.longest = max(tally.longest, took)
             if hook is not None:
