@@ -40,6 +40,16 @@ def _with_env(env: dict, target, *args) -> None:
     target(*args)
 
 
+def _until_read(env: dict, read, target, *args) -> None:
+    """``target`` run as :func:`_with_env` runs it; then the process waits until ``read`` is
+    set: a torch tensor put on a queue travels as a file descriptor its sender serves, and a
+    sender gone before the read fails it (FileNotFoundError in the reader)."""
+    try:
+        _with_env(env, target, *args)
+    finally:
+        read.wait(60)
+
+
 def start(target, *args, daemon: bool = True):
     """A started process running ``target(*args)`` in this process's current environment."""
     p = context().Process(target=_with_env, args=(dict(os.environ), target, *args),
@@ -57,9 +67,21 @@ def gloo_pair(target, world: int = 2, port: int | None = None) -> dict:
     ``q``. Returns {rank: result}; a worker that exits without one (it raised) fails the test
     at once, naming it, rather than leave the others waiting."""
     from thc.testing.clusters import free_tcp_port
-    q = queue()
+    q, read = queue(), context().Event()
     port = free_tcp_port() if port is None else port
-    ps = [start(target, r, port, q) for r in range(world)]
+    ps = [context().Process(target=_until_read, args=(dict(os.environ), read, target, r, port,
+                                                       q), daemon=True) for r in range(world)]
+    for p in ps:
+        p.start()
+    try:
+        res = _results(ps, q, world)
+    finally:
+        read.set()
+    [p.join(30) for p in ps]
+    return res
+
+
+def _results(ps, q, world: int) -> dict:
     res, end = {}, time.monotonic() + 240
     while len(res) < len(ps):
         try:
@@ -75,5 +97,4 @@ def gloo_pair(target, world: int = 2, port: int | None = None) -> dict:
         if time.monotonic() > end:
             raise AssertionError(f"no result from workers {sorted(set(range(world)) - set(res))}"
                                  f" in 240 s")
-    [p.join(30) for p in ps]
     return res

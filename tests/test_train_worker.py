@@ -95,7 +95,7 @@ def _disjoint_worker(rank, port, q):
                             world_size=2)
     seen = np.zeros(10, np.int32)
     seen[[rank, 2 + rank]] = 1
-    apart = shards_disjoint(seen)
+    apart = shards_disjoint(seen) and shards_disjoint(seen)   # seen is left as it was
     seen[4] = 1   # both ranks
     shared = shards_disjoint(seen)
     seen[4] = 0

@@ -230,7 +230,7 @@ def shards_disjoint(seen, group=None) -> bool:
     :func:`replicas_agree` nor the accuracy shows it. One all-reduce of a count an image."""
     import torch
     import torch.distributed as dist
-    total = torch.from_numpy(seen)
+    total = torch.tensor(seen)   # a copy: the all-reduce sums in place
     dist.all_reduce(total, group=group)
     return int(total.max()) <= 1
 
