@@ -38,10 +38,10 @@ system-deps:
 	fi
 	@if [ -d $(DEBIAN_MININET) ] && [ -x $(PY) ]; then ln -sfn $(DEBIAN_MININET) "$(SITE)/mininet"; fi
 
-# Four pytest processes (on two cores: many tests wait on sockets, timers and child
+# Six pytest processes (on two cores: many tests wait on sockets, timers, switches and child
 # processes); the tests that start Mininet testbeds or namespaces run one after another in
 # one of them, those that start BMv2 switches in three groups of their own (tests/conftest.py).
-TEST_PROCESSES ?= 4
+TEST_PROCESSES ?= 6
 test: system-deps setup
 	$(PY) -m pytest -q -n $(TEST_PROCESSES) --dist loadgroup
 
