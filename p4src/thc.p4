@@ -629,6 +629,11 @@ control ThcIngress(inout headers_t hdr, inout metadata_t meta, inout standard_me
             } else if (!hdr.thc.isValid() || sm.parser_error != error.NoError
                     || hdr.udp.length < THC_UDP_LEN_HDR) {
                 meta.drop_reason = THC_DROP_MALFORMED;
+            } else if (hdr.ipv4.version != 4 || hdr.ipv4.flags[0:0] == 1
+                    || hdr.ipv4.totalLen != hdr.udp.length + 20) {
+                // no host delivers it as one UDP datagram: another IP version, a first
+                // fragment (more fragments), an IPv4 length other than the datagram's
+                meta.drop_reason = THC_DROP_MALFORMED;
             } else if (!(THC_KNOWN_TYPE(hdr.thc.pkt_type)) || hdr.thc.version > 1) {
                 meta.drop_reason = THC_DROP_MALFORMED;
             } else if (THC_REPLY_TYPE(hdr.thc.pkt_type)) {

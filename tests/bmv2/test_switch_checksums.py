@@ -1,7 +1,8 @@
 """A frame damaged on its way is dropped by the switch as a host's network stack drops it
-(``bad_checksum``), before it touches a slot: its worker's resend then sums exactly. A
-software aggregator never sees such a frame (the kernel drops it), so the reference model
-has no rule for it. An intact frame is taken whichever form of a computed 0 its checksums
+(``bad_checksum``), before it touches a slot: its worker's resend then sums exactly. So is
+an intact one that no host delivers as one whole UDP datagram (``malformed``). A software
+aggregator never sees such a frame (the kernel drops it), so the reference model has no rule
+for it. An intact frame is taken whichever form of a computed 0 its checksums
 carry (0x0000 or 0xFFFF), and a UDP checksum of 0 means none."""
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import numpy as np
 import pytest
 
 from thc.codec.packing import unpack_bits
-from thc.controller.frames import ETH, IPV4, UDP, frame_faults, udp_frame
+from thc.controller.frames import ETH, IPV4, UDP, frame_faults, ipv4_checksum, udp_frame
 from thc.wire import protocol as P
 from tests.bmv2.packets import check_result, data, datagram, random_indices
 
@@ -56,6 +57,53 @@ def _zero_sums(ep, job, worker: int, which: str) -> bytes:
     frame = _kernel_frame(ep, job, worker, zeros, ident=word)
     assert _field(frame, IP_CHECKSUM_AT) == 0   # Linux writes a computed 0 so
     return _set(frame, IP_CHECKSUM_AT, 0xFFFF)
+
+
+def _ip_set(frame: bytes, byte: int, value: int, extra: bytes = b"") -> bytes:
+    """``frame`` with IPv4 header byte ``byte`` set to ``value`` (a 16-bit field where the
+    value needs two bytes), the header's checksum computed again, ``extra`` appended."""
+    ip = bytearray(frame[ETH.size:ETH.size + IPV4.size])
+    if value > 0xFF:
+        struct.pack_into("!H", ip, byte, value)
+    else:
+        ip[byte] = value
+    struct.pack_into("!H", ip, 10, 0)
+    struct.pack_into("!H", ip, 10, ipv4_checksum(bytes(ip)))
+    return frame[:ETH.size] + bytes(ip) + frame[ETH.size + IPV4.size:] + extra
+
+
+def unwhole(frame: bytes, how: str) -> bytes:
+    """``frame`` as no host's kernel delivers it as one UDP datagram, its checksums right."""
+    total = struct.unpack_from("!H", frame, ETH.size + 2)[0]
+    return {"version 6": lambda: _ip_set(frame, 0, 0x65),
+            "more fragments": lambda: _ip_set(frame, 6, 0x20),
+            "ipv4 length short": lambda: _ip_set(frame, 2, total - 2),
+            "ipv4 length long": lambda: _ip_set(frame, 2, total + 2, b"\0\0")}[how]()
+
+
+@pytest.mark.parametrize("how", ["version 6", "more fragments", "ipv4 length short",
+                                 "ipv4 length long"])
+def test_a_frame_no_host_takes_as_one_datagram_is_malformed_and_its_resend_sums(bmv2, sw,
+                                                                                how):
+    """Another IP version, a first fragment, or an IPv4 length unlike the UDP datagram's
+    was summed, and the multicast result kept the version or flag, so every worker's kernel
+    dropped it."""
+    job = bmv2.make_job(next(_ids), 2, pool_size=4)
+    bmv2.install(job)
+    eps = {w: bmv2.endpoint(job, w) for w in range(2)}
+    idxs = [random_indices(np.random.default_rng(10 + w), job) for w in range(2)]
+    frame = eps[1].frame(data(job, 1, 0, idxs[1]))
+    before = bmv2.drops()
+    eps[0].send(data(job, 0, 0, idxs[0]))
+    eps[1].switch.send(eps[1].port, unwhole(frame, how))
+    assert bmv2.recv_each(eps) == {0: [], 1: []}, "such a frame completed the round"
+    after = bmv2.drops()
+    assert {k: after[k] - before.get(k, 0) for k in after
+            if after[k] != before.get(k, 0)} == {"malformed": 1}
+    eps[1].switch.send(eps[1].port, frame)
+    got = bmv2.recv_each(eps)
+    for w in range(2):
+        check_result(got[w], job, 0, idxs, w)
 
 
 def damaged(frame: bytes, where: str) -> bytes:
