@@ -59,14 +59,11 @@ def _zero_sums(ep, job, worker: int, which: str) -> bytes:
     return _set(frame, IP_CHECKSUM_AT, 0xFFFF)
 
 
-def _ip_set(frame: bytes, byte: int, value: int, extra: bytes = b"") -> bytes:
-    """``frame`` with IPv4 header byte ``byte`` set to ``value`` (a 16-bit field where the
-    value needs two bytes), the header's checksum computed again, ``extra`` appended."""
+def _ip_set(frame: bytes, byte: int, value: int, extra: bytes = b"", wide: bool = False) -> bytes:
+    """``frame`` with IPv4 header byte ``byte`` (``wide``: the 16-bit field there) set to
+    ``value``, the header's checksum computed again, ``extra`` appended."""
     ip = bytearray(frame[ETH.size:ETH.size + IPV4.size])
-    if value > 0xFF:
-        struct.pack_into("!H", ip, byte, value)
-    else:
-        ip[byte] = value
+    struct.pack_into("!H" if wide else "!B", ip, byte, value)
     struct.pack_into("!H", ip, 10, 0)
     struct.pack_into("!H", ip, 10, ipv4_checksum(bytes(ip)))
     return frame[:ETH.size] + bytes(ip) + frame[ETH.size + IPV4.size:] + extra
@@ -75,10 +72,12 @@ def _ip_set(frame: bytes, byte: int, value: int, extra: bytes = b"") -> bytes:
 def unwhole(frame: bytes, how: str) -> bytes:
     """``frame`` as no host's kernel delivers it as one UDP datagram, its checksums right."""
     total = struct.unpack_from("!H", frame, ETH.size + 2)[0]
-    return {"version 6": lambda: _ip_set(frame, 0, 0x65),
-            "more fragments": lambda: _ip_set(frame, 6, 0x20),
-            "ipv4 length short": lambda: _ip_set(frame, 2, total - 2),
-            "ipv4 length long": lambda: _ip_set(frame, 2, total + 2, b"\0\0")}[how]()
+    out = {"version 6": lambda: _ip_set(frame, 0, 0x65),
+           "more fragments": lambda: _ip_set(frame, 6, 0x20),
+           "ipv4 length short": lambda: _ip_set(frame, 2, total - 2, wide=True),
+           "ipv4 length long": lambda: _ip_set(frame, 2, total + 2, b"\0\0", wide=True)}[how]()
+    assert (struct.unpack_from("!H", out, ETH.size + 2)[0] - total) in (-2, 0, 2)
+    return out
 
 
 @pytest.mark.parametrize("how", ["version 6", "more fragments", "ipv4 length short",
