@@ -13,6 +13,7 @@ is measured;
 from __future__ import annotations
 
 import argparse
+import gc
 import multiprocessing as mp
 import os
 import queue
@@ -297,6 +298,21 @@ def _compiled_load(ctx, job, addr, chunks, window, payloads, procs, server
 
 def run_point(kind: str, n: int, chunks: int, lanes: int, window: int, load: str,
               payloads: dict[int, bytes], procs: int = 1, gso: bool = True) -> dict:
+    """One point, its server and load forked from this process. What they inherit includes
+    other libraries' objects (gRPC's, in a test process that used it) whose finalizers are
+    unsafe after a fork (a forked server died collecting garbage, exit code -11): this
+    process collects its garbage first and freezes the rest, so that no forked process's
+    collection visits them."""
+    gc.collect()
+    gc.freeze()
+    try:
+        return _run_point(kind, n, chunks, lanes, window, load, payloads, procs, gso)
+    finally:
+        gc.unfreeze()
+
+
+def _run_point(kind: str, n: int, chunks: int, lanes: int, window: int, load: str,
+               payloads: dict[int, bytes], procs: int, gso: bool) -> dict:
     ctx = mp.get_context("fork")
     pool = 1 << (max(window, 64) - 1).bit_length()   # a power of two, as a job's pool is
     job = local_job(1, n, free_port_block(n), pool_size=pool, lanes=lanes,
