@@ -33,8 +33,7 @@ SYSTEM = ("tests/bmv2/", "tests/bmv2_idle/", "test_testbed.py", "test_faults.py"
 another in pytest-xdist groups (``make test``): the Mininet testbeds and namespaces in one
 (``system``), the BMv2 switches in the groups of :data:`SWITCH_GROUPS`, each group's tests
 in one process with a switch of its own (p4runtime-shell holds one P4Runtime session a
-process).
-Each names what it creates after a tag of its own (thc.emu.cleanup,
+process). Each names what it creates after a tag of its own (thc.emu.cleanup,
 controller.testing.bmv2), so they never touch each other's. A new test that starts one is
 marked so, or its file is listed here."""
 

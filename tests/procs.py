@@ -41,13 +41,12 @@ def _with_env(env: dict, target, *args) -> None:
 
 
 def _until_read(env: dict, read, target, *args) -> None:
-    """``target`` run as :func:`_with_env` runs it; then the process waits until ``read`` is
-    set: a torch tensor put on a queue travels as a file descriptor its sender serves, and a
-    sender gone before the read fails it (FileNotFoundError in the reader)."""
-    try:
-        _with_env(env, target, *args)
-    finally:
-        read.wait(60)
+    """``target`` run as :func:`_with_env` runs it; then, where it returned, the process
+    waits until ``read`` is set: a torch tensor put on a queue travels as a file descriptor
+    its sender serves, and a sender gone before the read fails it (FileNotFoundError in the
+    reader). One that raised exits at once, for :func:`gloo_pair` to name."""
+    _with_env(env, target, *args)
+    read.wait(60)
 
 
 def start(target, *args, daemon: bool = True):

@@ -225,8 +225,8 @@ def replicas_agree(model, group=None) -> bool:
 
 def shards_disjoint(seen, group=None) -> bool:
     """Whether no image was trained on twice so far this epoch, by one rank or by two:
-    ``seen`` (int32) counts the times this rank took each training image. Ranks that share images
-    still agree on every update and learn (each takes the same mean), so neither
+    ``seen`` (int32) counts the times this rank took each training image. Ranks that share
+    images still agree on every update and learn (each takes the same mean), so neither
     :func:`replicas_agree` nor the accuracy shows it. One all-reduce of a count an image."""
     import torch
     import torch.distributed as dist

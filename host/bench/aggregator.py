@@ -300,9 +300,8 @@ def run_point(kind: str, n: int, chunks: int, lanes: int, window: int, load: str
               payloads: dict[int, bytes], procs: int = 1, gso: bool = True) -> dict:
     """One point, its server and load forked from this process. What they inherit includes
     other libraries' objects (gRPC's, in a test process that used it) whose finalizers are
-    unsafe after a fork (a forked server died collecting garbage, exit code -11): this
-    process collects its garbage first and freezes the rest, so that no forked process's
-    collection visits them."""
+    unsafe after a fork: this process collects its garbage first and freezes the rest, so
+    that no forked process's collection visits them."""
     gc.collect()
     gc.freeze()
     try:
