@@ -40,12 +40,12 @@ def _with_env(env: dict, target, *args) -> None:
     target(*args)
 
 
-def _until_read(env: dict, read, target, *args) -> None:
-    """``target`` run as :func:`_with_env` runs it; then, where it returned, the process
-    waits until ``read`` is set: a torch tensor put on a queue travels as a file descriptor
-    its sender serves, and a sender gone before the read fails it (FileNotFoundError in the
-    reader). One that raised exits at once, for :func:`gloo_pair` to name."""
-    _with_env(env, target, *args)
+def _until_read(read, target, *args) -> None:
+    """``target(*args)``; then, where it returned, the process waits until ``read`` is set:
+    a torch tensor put on a queue travels as a file descriptor its sender serves, and a
+    sender gone before the read fails it (FileNotFoundError in the reader). One that raised
+    exits at once, for :func:`gloo_pair` to name."""
+    target(*args)
     read.wait(60)
 
 
@@ -68,10 +68,7 @@ def gloo_pair(target, world: int = 2, port: int | None = None) -> dict:
     from thc.testing.clusters import free_tcp_port
     q, read = queue(), context().Event()
     port = free_tcp_port() if port is None else port
-    ps = [context().Process(target=_until_read, args=(dict(os.environ), read, target, r, port,
-                                                       q), daemon=True) for r in range(world)]
-    for p in ps:
-        p.start()
+    ps = [start(_until_read, read, target, r, port, q) for r in range(world)]
     try:
         res = _results(ps, q, world)
     finally:
