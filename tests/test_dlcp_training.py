@@ -174,4 +174,21 @@ def test_dlcp_ratios_compare_with_the_retransmit_baseline_of_the_run():
     assert rows[0]["speedup"] == 10.0 and rows[0]["baseline"] == "thc-central"
     assert (rows[0]["at_step"], rows[0]["accuracy"], rows[0]["baseline_accuracy"]) == (
         8, 0.41, 0.40)
-    assert dlcp_ratios([dlcp]) == []          # no baseline in the run: no ratio
+    # no baseline in the run: its short chunks and step time still, no ratio
+    assert dlcp_ratios([dlcp]) == [{"mode": "thc-dlcp", "baseline": None, "step_seconds": 1.0,
+                                    "short_chunks": 3}]
+
+
+def test_the_table_says_a_dlcp_modes_short_chunks_without_a_baseline(capsys):
+    """Without thc or thc-central in the run, the chunks a DLCP mode closed short were in
+    its report alone: the table printed nothing of them."""
+    from thc.emu.mainreport import dlcp_ratios, print_table, summarize
+    run = {"mode": "thc-dlcp", "testbed": "mininet", "final_accuracy": 0.5,
+           "train_seconds": 8.0, "wire_bytes": 1e6, "wire_source": "worker links",
+           "epochs_done": 1.0, "stopped": None, "loss_bound": 0.05, "short_chunks": 15,
+           "history": [{"steps": 8, "seconds": 8.0, "accuracy": 0.5}]}
+    summary = summarize([run], 0.8)
+    summary["dlcp"] = dlcp_ratios([run])
+    print_table([run], summary)
+    assert ("thc-dlcp: loss bound 0.05, 15 chunks closed short (rank 0); 1.00 s a step, no "
+            "thc or thc-central run to compare it with") in capsys.readouterr().out

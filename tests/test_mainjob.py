@@ -379,9 +379,9 @@ def test_main_job_through_bmv2_has_the_software_losses_step_by_step(tmp_path):
     assert hw["stopped"] == f"bounded to {bound} steps (--bmv2-steps)"
     assert hw["step_bound"] == bound and 1.0 < hw["epochs_done"] < 2.0
     assert f"thc-bmv2 (bounded to {bound} steps) vs thc" in out.stdout
-    assert report["summary"]["bmv2_vs_thc"] == {
-        "steps_compared": bound, "identical_losses": True, "first_difference": None,
-        "bmv2_step_bound": bound}
+    assert report["summary"]["bmv2_vs_software"] == [{
+        "bmv2": "thc-bmv2", "software": "thc", "steps_compared": bound,
+        "identical_losses": True, "first_difference": None, "bmv2_step_bound": bound}]
     assert "identical losses" in out.stdout
 
 
@@ -397,7 +397,7 @@ def _canned_run(name, losses, diverged_at=None):
     acc, secs = (0.79, 2.0) if name == "fp32" else (0.8, 1.0)
     hist = [{"epoch": 1.0, "accuracy": acc, "seconds": secs, "steps": 3, "bytes_sent": 100,
              "step_losses": losses, "replicas_agree": diverged_at is None}]
-    bound = 3 if name == "thc-bmv2" else None
+    bound = 3 if name.endswith("-bmv2") else None
     return {"mode": name, "description": "", "testbed": "loopback", "dataset": "digits",
             "dataset_note": "", "params": 1000, "history": hist, "wall_seconds": 1,
             "train_seconds": secs, "final_accuracy": acc, "epochs_done": 1.0,
@@ -409,25 +409,32 @@ def _canned_run(name, losses, diverged_at=None):
             "replicas_diverged_at": diverged_at}
 
 
-@pytest.mark.parametrize("case", ["agree", "losses", "diverged"])
+@pytest.mark.parametrize("case", ["agree", "losses", "vote losses", "diverged"])
 def test_a_failed_check_fails_the_main_job(monkeypatch, capsys, tmp_path, case):
-    """BMv2's losses unlike THC's through the software aggregators, or a mode whose workers'
-    parameters differed, were printed and the run exited 0 (``make run`` passed); the
-    difference was named by its 0-based index as a step."""
+    """A BMv2 mode's losses unlike its twin's through the software aggregators (THC's, and
+    Marsit's vote, which no check compared), or a mode whose workers' parameters differed,
+    were printed and the run exited 0 (``make run`` passed); the difference was named by
+    its 0-based index as a step."""
     monkeypatch.setattr(mainjob, "bmv2_unavailable_reason", lambda: None)
     monkeypatch.setattr(mainjob, "mininet_unavailable_reason", lambda *a: None)
     monkeypatch.setattr(mainjob, "probe_bmv2", lambda: {"build": "canned"})
-    bmv2 = [2.3, 2.1, 1.9] if case == "losses" else [2.3, 2.0, 1.7]
+    broken = {"losses": "thc-bmv2", "vote losses": "marsit-vote-bmv2"}.get(case)
     monkeypatch.setattr(mainjob, "_run_mode", lambda name, args, bar: _canned_run(
-        name, bmv2 if name == "thc-bmv2" else [2.3, 2.0, 1.7],
+        name, [2.3, 2.1, 1.9] if name == broken else [2.3, 2.0, 1.7],
         3 if case == "diverged" and name == "thc" else None))
-    args = _main_args("--workers", "2", "--modes", "fp32,thc,thc-bmv2", "--out", str(tmp_path))
+    modes = "fp32,thc,thc-bmv2,marsit-vote,marsit-vote-bmv2"
+    args = _main_args("--workers", "2", "--modes", modes, "--out", str(tmp_path))
     assert mainjob.run(args) == (0 if case == "agree" else 1)
     out = capsys.readouterr().out
     report = json.loads((tmp_path / "mainjob.json").read_text())
-    if case == "losses":
-        assert report["summary"]["bmv2_vs_thc"]["first_difference"] == 2
-        assert "CHECK FAILED: thc-bmv2's losses differ from thc's from step 2 of 3" in out
+    compared = {v["bmv2"]: v for v in report["summary"]["bmv2_vs_software"]}
+    assert {m: v["software"] for m, v in compared.items()} == {
+        "thc-bmv2": "thc", "marsit-vote-bmv2": "marsit-vote"}
+    if broken:
+        assert [m for m, v in compared.items() if not v["identical_losses"]] == [broken]
+        assert compared[broken]["first_difference"] == 2
+        twin = broken.removesuffix("-bmv2")
+        assert f"CHECK FAILED: {broken}'s losses differ from {twin}'s from step 2 of 3" in out
     elif case == "diverged":
         assert "CHECK FAILED: thc: the workers' parameters differed after step 3" in out
     else:
@@ -916,3 +923,23 @@ def test_a_worker_without_stop_at_waits_minutes_for_a_peer_not_half_an_hour():
     from thc.app import train
     assert train._group_timeout(None) == train.GROUP_TIMEOUT_S <= 600
     assert 30 <= train._group_timeout(time.time() + 100) <= 116
+
+
+@pytest.mark.parametrize("netem, modes, refused", [
+    (False, "fp32,marsit-vote-bmv2", "thc run: marsit-vote-bmv2 with --bw/--delay/--loss: "
+                                     "loss through BMv2 needs netem"),
+    (False, "fp32,thc-dlcp,thc-lossy", None),
+    (True, "fp32,thc-dlcp", "thc run: thc-dlcp with --bw/--delay/--loss: priority queueing "
+                            "needs a bandwidth limit and no netem delay/loss"),
+    (True, "fp32,marsit-vote-bmv2", None)])
+def test_links_a_mode_cannot_take_are_refused_before_any_mode_trains(monkeypatch, netem, modes,
+                                                                     refused):
+    """Loss through BMv2 on a kernel without netem was refused by that mode's testbed,
+    after the modes before it had trained; the DLCP modes were refused any --loss, though
+    the fallback's drops at the hosts' ingress leave their class queues alone."""
+    from thc.emu import links, mainargs
+    monkeypatch.setattr(links, "netem_available", lambda: (netem, "no sch_netem"))
+    monkeypatch.setattr(links, "iptables_statistic_available", lambda: (True, "canned"))
+    args = _main_args("--loss", "2", "--modes", modes)
+    why = mainargs.refusal(args, modes.split(","), None)
+    assert why is None if refused is None else why.startswith(refused), why

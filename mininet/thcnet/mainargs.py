@@ -124,8 +124,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"modes through BMv2 train N steps, then evaluate (default "
                              f"{BMV2_STEPS}: a step of the 1.2M-parameter model takes 9-36 s "
                              f"through BMv2 on 2 cores); their losses are compared step by step "
-                             f"with thc's. 'all' trains them for every epoch like the other "
-                             f"modes (234 steps: 36 minutes or more; make run-bmv2)")
+                             f"with their twins' in software (thc, marsit-vote). 'all' trains "
+                             f"them for every epoch like the other modes (234 steps: 36 "
+                             f"minutes or more; make run-bmv2)")
     parser.add_argument("--bmv2-timeout", type=positive_float, default=BMV2_TIMEOUT,
                         help="the limit for modes through BMv2 (default 3600 s; a lower limit "
                              "stops the mode where it got and still compares its losses with "
@@ -215,19 +216,20 @@ def refusal(args: argparse.Namespace, modes: list[str],
         return f"thc run: {why}"
     if why := testbed.loopback_conflict(args, mininet_why, bw_default=BW):
         return f"thc run: {why}"
-    if not mininet_why:
-        try:
-            links.plan(args.bw, args.delay, args.loss)
-        except links.LinkError as e:
-            return f"thc run: --bw/--delay/--loss: {e}"
     if args.congest and mininet_why:
         return ("thc run: --congest needs the Mininet testbed: not with --loopback"
                 if args.loopback else
                 f"thc run: --congest needs the Mininet testbed ({mininet_why})")
-    if (not mininet_why and (args.delay or args.loss)
-            and (args.congest or any(MODES[m].loss_bound for m in modes))):
-        return ("thc run: --congest, thc-lossy and thc-dlcp queue links by DLCP class, which "
-                "needs links without --delay/--loss (no netem)")
+    if not mininet_why:
+        try:
+            link_plan = links.plan(args.bw, args.delay, args.loss)
+        except links.LinkError as e:
+            return f"thc run: --bw/--delay/--loss: {e}"
+        for m in modes:   # each mode's testbed refuses these links: say it before any trains
+            queued = MODES[m].loss_bound or bool(args.congest)
+            if why := links.refusal(link_plan, args.bw, MODES[m].aggregator, queued):
+                flag = "--congest" if args.congest and not MODES[m].loss_bound else m
+                return f"thc run: {flag} with --bw/--delay/--loss: {why}"
     return None
 
 

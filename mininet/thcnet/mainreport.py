@@ -1,6 +1,6 @@
 """What the main job's runs show: the time to a target accuracy against FP32 and the verdict,
-DLCP's step time against its baseline, every step's loss, THC through BMv2 against THC in
-software, the table printed, the plot of accuracy against training time and bytes, and the
+DLCP's step time against its baseline, every step's loss, each mode through BMv2 against its
+twin in software, the table printed, the plot of accuracy against training time and bytes, and the
 report (``out/mainjob.json``) written whole or kept elsewhere."""
 from __future__ import annotations
 
@@ -102,12 +102,11 @@ def summarize(runs: list[dict], fixed: float, chance: float = 0.1) -> dict:
 
 
 def dlcp_ratios(runs: list[dict]) -> list[dict]:
-    """Each DLCP mode's seconds per step (a step: the rounds of every bucket) against the
-    retransmit-everything baseline of the same run (``thc-central``, else ``thc``), and its
-    accuracy at the last evaluation both reached (same step count)."""
+    """Each DLCP mode's chunks closed short and seconds per step (a step: the rounds of every
+    bucket), against the retransmit-everything baseline of the same run (``thc-central``,
+    else ``thc``) where one ran, and its accuracy at the last evaluation both reached (same
+    step count)."""
     base = next((r for m in ("thc-central", "thc") for r in runs if r["mode"] == m), None)
-    if base is None:
-        return []
 
     def per_step(r):
         return r["history"][-1]["seconds"] / max(1, r["history"][-1]["steps"])
@@ -116,16 +115,17 @@ def dlcp_ratios(runs: list[dict]) -> list[dict]:
     for r in runs:
         if not r.get("loss_bound"):
             continue
-        steps = {h["steps"]: h for h in base["history"]}
-        common = [h for h in r["history"] if h["steps"] in steps]
-        row = {"mode": r["mode"], "baseline": base["mode"], "step_seconds": per_step(r),
-               "baseline_step_seconds": per_step(base),
-               "speedup": per_step(base) / per_step(r) if per_step(r) else None,
-               "short_chunks": r.get("short_chunks")}
-        if common:
-            h = common[-1]
-            row.update(at_step=h["steps"], accuracy=h["accuracy"],
-                       baseline_accuracy=steps[h["steps"]]["accuracy"])
+        row = {"mode": r["mode"], "baseline": base and base["mode"],
+               "step_seconds": per_step(r), "short_chunks": r.get("short_chunks")}
+        if base:
+            steps = {h["steps"]: h for h in base["history"]}
+            common = [h for h in r["history"] if h["steps"] in steps]
+            row.update(baseline_step_seconds=per_step(base),
+                       speedup=per_step(base) / per_step(r) if per_step(r) else None)
+            if common:
+                h = common[-1]
+                row.update(at_step=h["steps"], accuracy=h["accuracy"],
+                           baseline_accuracy=steps[h["steps"]]["accuracy"])
         out.append(row)
     return out
 
@@ -164,35 +164,46 @@ def print_table(runs: list[dict], summary: dict) -> None:
     for row, r in zip(summary["dlcp"], [r for r in runs if r["loss_bound"]]):
         at = (f"; at step {row['at_step']} accuracy {row['accuracy']:.4f} against "
               f"{row['baseline_accuracy']:.4f}" if "at_step" in row else "")
+        versus = (f"{row['speedup']:.2f}x {row['baseline']}'s "
+                  f"{row['baseline_step_seconds']:.2f} s (same run){at}" if row["baseline"]
+                  else "no thc or thc-central run to compare it with")
         print(f"{r['mode']}: loss bound {r['loss_bound']:g}, {row['short_chunks'] or 0} chunks "
-              f"closed short (rank 0); {row['step_seconds']:.2f} s a step, "
-              f"{row['speedup']:.2f}x {row['baseline']}'s {row['baseline_step_seconds']:.2f} s "
-              f"(same run){at}")
+              f"closed short (rank 0); {row['step_seconds']:.2f} s a step, {versus}")
     print(summary["verdict"])
 
 
-def compare_bmv2(runs: list[dict]) -> dict | None:
-    """THC through BMv2 against THC through the software aggregators, step by step (their
-    losses are equal where the switch's sums are the software's), printed; None without
-    both modes."""
-    sw = next((r for r in runs if r["mode"] == "thc"), None)
-    hw = next((r for r in runs if r["mode"] == "thc-bmv2"), None)
-    if not (sw and hw):
-        return None
-    a, b = step_losses(sw), step_losses(hw)
-    k = min(len(a), len(b))
-    same = k > 0 and a[:k] == b[:k]
-    compared = {"steps_compared": k, "identical_losses": same,
-                "first_difference": None if same else next(
-                    (i + 1 for i in range(k) if a[i] != b[i]), None),
-                "bmv2_step_bound": hw["step_bound"]}
-    bounded = f" (bounded to {hw['step_bound']} steps)" if hw["step_bound"] else ""
-    print(f"thc-bmv2{bounded} vs thc, first {k} training steps: "
-          + ("identical losses (the switch's sums are bit-identical to the software "
-             "aggregator's)" if same else
-             f"DIFFERENT losses from step {compared['first_difference']}"
-             if k else "no step to compare"))
-    return compared
+BMV2_TWINS = {"thc-bmv2": "thc", "marsit-vote-bmv2": "marsit-vote"}
+"""Each mode through BMv2 and its mode through the software aggregators: the switch's sums
+are the software's, so their losses are equal step by step."""
+
+
+def compare_bmv2(runs: list[dict]) -> list[dict]:
+    """Each mode through BMv2 against its twin through the software aggregators, step by
+    step, printed; one comparison for each pair that ran."""
+    by_mode = {r["mode"]: r for r in runs}
+    out = []
+    for hw_mode, sw_mode in BMV2_TWINS.items():
+        hw, sw = by_mode.get(hw_mode), by_mode.get(sw_mode)
+        if hw and not sw:
+            print(f"{hw_mode}: no {sw_mode} run to compare its losses with")
+        if not (sw and hw):
+            continue
+        a, b = step_losses(sw), step_losses(hw)
+        k = min(len(a), len(b))
+        same = k > 0 and a[:k] == b[:k]
+        compared = {"bmv2": hw_mode, "software": sw_mode, "steps_compared": k,
+                    "identical_losses": same,
+                    "first_difference": None if same else next(
+                        (i + 1 for i in range(k) if a[i] != b[i]), None),
+                    "bmv2_step_bound": hw["step_bound"]}
+        bounded = f" (bounded to {hw['step_bound']} steps)" if hw["step_bound"] else ""
+        print(f"{hw_mode}{bounded} vs {sw_mode}, first {k} training steps: "
+              + ("identical losses (the switch's sums are bit-identical to the software "
+                 "aggregator's)" if same else
+                 f"DIFFERENT losses from step {compared['first_difference']}"
+                 if k else "no step to compare"))
+        out.append(compared)
+    return out
 
 
 def plot(runs: list[dict], path: Path, title: str, recorded: dict | None = None) -> None:
@@ -242,8 +253,7 @@ def conclude(args: argparse.Namespace, runs: list[dict], failed: list[dict], pro
     summary = summarize(runs, FIXED_TARGET.get(dataset, 0.9))
     summary["dlcp"] = dlcp_ratios(runs)
     print_table(runs, summary)
-    if compared := compare_bmv2(runs):
-        summary["bmv2_vs_thc"] = compared
+    summary["bmv2_vs_software"] = compare_bmv2(runs)
     for f in failed:
         print(f"{f['mode']} FAILED (not in the table): {f['error']}")
     unchecked = failed_checks(runs, summary)
@@ -258,16 +268,17 @@ def conclude(args: argparse.Namespace, runs: list[dict], failed: list[dict], pro
 
 
 def failed_checks(runs: list[dict], summary: dict) -> list[str]:
-    """The main job's checks that failed: a mode whose workers' parameters differed, the
-    BMv2 mode's losses unlike THC's through the software aggregators. A run that failed one
+    """The main job's checks that failed: a mode whose workers' parameters differed, a BMv2
+    mode's losses unlike its twin's through the software aggregators. A run that failed one
     exits nonzero, as a mode that failed does, though every mode is in the table."""
     out = [f"{r['mode']}: the workers' parameters differed after step "
            f"{r['replicas_diverged_at']}" for r in runs if r["replicas_diverged_at"] is not None]
-    versus = summary.get("bmv2_vs_thc")
-    if versus and not versus["identical_losses"]:
-        out.append(f"thc-bmv2's losses differ from thc's from step "
-                   f"{versus['first_difference']} of {versus['steps_compared']} compared"
-                   if versus["steps_compared"] else "thc-bmv2 took no step to compare with thc")
+    for v in summary.get("bmv2_vs_software", []):
+        if not v["identical_losses"]:
+            out.append(f"{v['bmv2']}'s losses differ from {v['software']}'s from step "
+                       f"{v['first_difference']} of {v['steps_compared']} compared"
+                       if v["steps_compared"] else
+                       f"{v['bmv2']} took no step to compare with {v['software']}")
     return out
 
 
