@@ -95,11 +95,8 @@ class MininetTestbed(Testbed):
                                f"the aggregator's link ({bw_mbit:g} Mbit/s x {factor:g})")
         except links.LinkError as e:
             raise TestbedError(str(e)) from None
-        if aggregator == "bmv2" and plan["iptables_loss"]:
-            raise TestbedError("loss through BMv2 needs netem, which this kernel lacks: its "
-                               "fallback drops at the hosts' ingress for two links a path, "
-                               "but a worker's path to the switch crosses one (no loss up, "
-                               "twice the loss down)")
+        if why := links.refusal(plan, bw_mbit, aggregator, priorities):
+            raise TestbedError(why)
         if aggregator == "bmv2":
             why = bmv2_unavailable_reason()
             if why:
@@ -110,9 +107,6 @@ class MininetTestbed(Testbed):
             if pool_size and pool_size > P.SWITCH_SLOTS:
                 raise TestbedError(f"pool_size {pool_size} exceeds the switch's "
                                    f"{P.SWITCH_SLOTS} slots")
-        if priorities and (bw_mbit is None or "delay" in plan["link"] or "loss" in plan["link"]):
-            raise TestbedError("priority queueing needs a bandwidth limit and no netem "
-                               "delay/loss on the links")
         super().__init__(n_workers, aggregator, params, lanes, pool_size, loss_bound)
         self.bw_mbit = bw_mbit
         self.delay_ms = delay_ms

@@ -211,6 +211,22 @@ def plan(bw_mbit: float | None, delay_ms: float, loss_pct: float) -> dict:
     return {"link": link, "iptables_loss": 0.0, "notes": notes}
 
 
+def refusal(link_plan: dict, bw_mbit: float | None, aggregator: str,
+            class_queues: bool) -> str | None:
+    """Why links of ``link_plan`` cannot carry a testbed of ``aggregator`` (with links that
+    queue by DLCP class: ``class_queues``), or None: said by the testbed, and for every mode
+    before a main job trains its first."""
+    if aggregator == "bmv2" and link_plan["iptables_loss"]:
+        return ("loss through BMv2 needs netem, which this kernel lacks: its fallback drops "
+                "at the hosts' ingress for two links a path, but a worker's path to the "
+                "switch crosses one (no loss up, twice the loss down)")
+    if class_queues and (bw_mbit is None or "delay" in link_plan["link"]
+                         or "loss" in link_plan["link"]):
+        return ("priority queueing needs a bandwidth limit and no netem delay/loss on the "
+                "links (it takes the links' queue)")
+    return None
+
+
 def add_ingress_loss(host, intf: str, probability: float) -> None:
     """Drop IPv4 packets arriving on ``intf`` at random, inside ``host``'s namespace."""
     if probability <= 0:
