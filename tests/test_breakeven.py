@@ -223,15 +223,19 @@ def test_a_sweep_the_links_cannot_be_fitted_to_is_refused_before_it_runs(tmp_pat
 
 @pytest.mark.parametrize("argv, said", [
     (["--modes", "fp32,fp16"], "names no THC mode"),
-    (["--evals", "1"], "--evals must be at least 2"),
+    (["--evals", "1"], "--evals and --steps must be at least 2"),
+    (["--steps", "1"], "--evals and --steps must be at least 2"),
+    (["--bw", "100,200000"], "--bw 200000: bandwidth must lie in"),
     (["--workers", "1"], "--workers 1: the modes compare gradient exchanges"),
     (["--plot", "sweep.txt"], "a figure's file name ends in"),
     (["--json", "."], "cannot write .: it is a folder")])
 def test_a_sweep_that_could_not_end_well_is_refused_before_it_runs(tmp_path, capsys,
                                                                    argv, said):
     """Each ran every run first: a sweep without a THC mode then found no break-even, a
-    --json naming a folder or a --plot matplotlib cannot draw failed with a traceback, and
-    --workers past a job's limit failed in every run."""
+    --json naming a folder or a --plot matplotlib cannot draw failed with a traceback,
+    --workers past a job's limit and a bandwidth past the links' failed in every run (of
+    that bandwidth), and one step a run gave one evaluation, whose step time counted the
+    first step's set-up."""
     assert _sweep_here("--bw", "100,1000", "--modes", "fp32,thc", *argv,
                        "--out", str(tmp_path)) == 2
     assert said in capsys.readouterr().err
@@ -266,8 +270,8 @@ def test_run_flags_beside_a_report_are_refused(tmp_path, capsys):
 def test_a_malformed_sweep_report_is_a_line_not_a_traceback(tmp_path, capsys):
     path = tmp_path / "sweep.json"
     path.write_text(json.dumps({"modes": ["fp32", "thc"], "points": [{"bw_mbit": 100}]}))
-    assert _sweep_here("--report", str(path), "--out", str(tmp_path)) == 1
-    assert "thc sweep: no analysis of the runs" in capsys.readouterr().err
+    assert _sweep_here("--report", str(path), "--out", str(tmp_path / "out")) == 1
+    assert f"thc sweep: no analysis of the runs in {path}:" in capsys.readouterr().err
 
 
 def test_a_sweep_that_cannot_be_analysed_keeps_its_runs_and_says_why(tmp_path, capsys):
@@ -421,3 +425,19 @@ def test_a_sigterm_ends_the_sweep_with_a_line(tmp_path, capsys, monkeypatch):
     assert _sweep_here("--bw", "100,1000", "--modes", "fp32,thc", "--data", "digits",
                        "--out", str(tmp_path)) == 143
     assert "thc sweep: terminated (SIGTERM); no bandwidth was done" in capsys.readouterr().err
+
+
+def test_the_plotted_lines_cross_where_the_measured_break_even_lies():
+    """The plot joined the measured points straight on log axes, so two modes' lines crossed
+    away from the break-even, which interpolates linearly in 1/bandwidth (764 against 798
+    Mbit/s in one sweep)."""
+    from thc.emu.sweepreport import between
+    bws = [50.0, 100.0, 200.0, 500.0, 1000.0]
+    thc = [0.30, 0.28, 0.27, 0.265, 0.262]
+    fp32 = [1.20, 0.65, 0.40, 0.28, 0.24]
+    at = crossing(list(zip(bws, thc, fp32)))["at"]
+    xs, a = between(list(zip(bws, thc)))
+    _, b = between(list(zip(bws, fp32)))
+    k = next(i for i in range(1, len(xs)) if (b[i - 1] > a[i - 1]) != (b[i] > a[i]))
+    assert xs[k - 1] <= at <= xs[k] and xs[k] / xs[k - 1] < 1.05, (at, xs[k - 1], xs[k])
+    assert (xs[0], xs[-1]) == (50.0, 1000.0) and all(x in xs for x in bws)

@@ -37,7 +37,7 @@ from thc.argtypes import (figure_path, fraction, positive_float, positive_floats
 from thc.app.breakeven import analyse
 from thc.app.datasets import AUTO, DATASETS
 from thc.bench import cpu_model, provenance
-from thc.emu import mainargs, mainjob
+from thc.emu import links, mainargs, mainjob
 from thc.emu.mainreport import summarize, time_to
 from thc.emu.sweepreport import markdown, plot
 from thc.emu.cleanup import Terminated, signals_raise, stopped_by
@@ -168,6 +168,12 @@ def sweep(args: argparse.Namespace, bws: list[float], modes: list[str], path: Pa
                 raise RuntimeError(f"the run used the {run['testbed']} testbed: its links "
                                    f"were not shaped")
             h = run["history"]
+            if len({row["steps"] for row in h}) < 2:
+                why = (f"{len(h)} evaluation(s), at step(s) {[row['steps'] for row in h]}: no "
+                       f"steady-state step time (first evaluation to last)")
+                print(f"{name} at {bw:g} Mbit/s FAILED: {why}", flush=True)
+                data["failed"].append({"bw_mbit": bw, "mode": name, "error": why})
+                continue
             print(f"{name} at {bw:g} Mbit/s: {h[-1]['steps']} steps, "
                   f"{run['train_seconds'] / h[-1]['steps']:.3f} s a step, accuracy "
                   f"{run['final_accuracy']:.4f}", flush=True)
@@ -198,6 +204,21 @@ def _drop_diverged(data: dict) -> None:
         data["failed"] += [{"bw_mbit": point["bw_mbit"], "mode": r["mode"],
                             "error": f"the workers' parameters differed after step "
                                      f"{r['replicas_diverged_at']}", "run": r} for r in bad]
+
+
+def _links_refusal(args: argparse.Namespace, bws: list[float], modes: list[str]) -> str | None:
+    """Why the links of some bandwidth cannot carry some mode (checked before any run, as
+    each run's testbed would, after the runs before it)."""
+    for bw in bws:
+        try:
+            link_plan = links.plan(bw, 0.0, 0.0)
+        except links.LinkError as e:
+            return f"--bw {bw:g}: {e}"
+        for m in modes:
+            if why := links.refusal(link_plan, bw, mainargs.MODES[m].aggregator,
+                                    mainargs.MODES[m].loss_bound):
+                return f"{m} at {bw:g} Mbit/s: {why}"
+    return None
 
 
 def _paths_refusal(json_path: Path, plot_path: Path) -> str | None:
@@ -246,9 +267,12 @@ def run(args: argparse.Namespace) -> int:
         if why := mainargs.check_args(_job_args(args, bws[0], modes), modes):
             print(f"thc sweep: {why}", file=sys.stderr)
             return 2
-        if args.evals < 2:
-            print("thc sweep: --evals must be at least 2: a run's step time is read from its "
-                  "first evaluation to its last", file=sys.stderr)
+        if args.evals < 2 or args.steps < 2:
+            print("thc sweep: --evals and --steps must be at least 2: a run's step time is "
+                  "read from its first evaluation to its last", file=sys.stderr)
+            return 2
+        if why := _links_refusal(args, bws, modes):
+            print(f"thc sweep: {why}", file=sys.stderr)
             return 2
         if not _thc_mode(modes):
             print("thc sweep: --modes names no THC mode: there is no break-even to find",
@@ -298,7 +322,8 @@ def run(args: argparse.Namespace) -> int:
             p["tta_s"] = _tta(p["runs"], args.target)
         data["analysis"] = analyse(data, thc, baselines, args.agg_pps)
     except (KeyError, TypeError, ValueError) as e:
-        print(f"thc sweep: no analysis of the runs in {json_path}: {e}", file=sys.stderr)
+        print(f"thc sweep: no analysis of the runs in {args.report or json_path}: {e}",
+              file=sys.stderr)
         return 1
     print()
     print(markdown(data))

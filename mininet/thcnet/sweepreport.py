@@ -95,9 +95,24 @@ def _split(data: dict, mode: str) -> list[str]:
     return lines
 
 
+def between(pts: list[tuple[float, float]], k: int = 32) -> tuple[list[float], list[float]]:
+    """The measured points joined as the break-even interpolates them, linearly in
+    1/bandwidth (host/app/breakeven.py), ``k`` steps a segment: two modes' lines then cross
+    where the measured break-even lies, not where straight segments would on log axes."""
+    bws, ts = [pts[0][0]], [pts[0][1]]
+    for (b0, t0), (b1, t1) in zip(pts, pts[1:]):
+        for i in range(1, k):
+            bws.append(1 / (1 / b0 + (1 / b1 - 1 / b0) * i / k))
+            ts.append(t0 + (t1 - t0) * i / k)
+        bws.append(b1)
+        ts.append(t1)
+    return bws, ts
+
+
 def plot(data: dict, path: Path) -> None:
-    """Step time against bandwidth: a solid line per mode (measured), its model dashed in the
-    same colour, the measured break-evens as dotted verticals."""
+    """Step time against bandwidth: a solid line per mode (measured points, joined linearly
+    in 1/bandwidth as the break-even interpolates them), its model dashed in the same
+    colour, the measured break-evens as dotted verticals."""
     from matplotlib.ticker import NullFormatter, ScalarFormatter
 
     a = data["analysis"]
@@ -109,9 +124,10 @@ def plot(data: dict, path: Path) -> None:
                if mode in row["measured_s"]]
         if not pts:
             continue
-        line, = ax.plot([b for b, _ in pts], [1e3 * t for _, t in pts], marker="o",
-                        label=f"{_label(mode)} measured")
+        bws, ts = between(pts)
+        line, = ax.plot(bws, [1e3 * t for t in ts], label=f"{_label(mode)} measured")
         colours[mode] = line.get_color()
+        ax.plot([b for b, _ in pts], [1e3 * t for _, t in pts], "o", color=colours[mode])
         if mode in a["curve"]:
             ax.plot(a["curve"]["bw_mbit"], [1e3 * t for t in a["curve"][mode]], "--",
                     color=colours[mode], alpha=0.8, label=f"{_label(mode)} model")
