@@ -309,7 +309,8 @@ def fit_terms(base: Setup, scheme: str) -> tuple[float, float, float]:
 
 BMV2_THC_OF_L2 = 0.048
 """BMv2's rate of THC packets (256 lanes, 8-bit sums) as a share of its own L2 forwarding,
-the two measured in one run (`thc bench switch`, README "Measured"). A main job's report
+the two measured in one run (`thc bench switch`, docs/results.md "The switch", 2026-11-23;
+the ratio follows the L2 rate a run's sender offers, 0.06-0.14 in later runs). A main job's report
 carries the L2 rate of its BMv2 (``bmv2_probe``), which differs by build and machine."""
 
 
