@@ -925,21 +925,23 @@ def test_a_worker_without_stop_at_waits_minutes_for_a_peer_not_half_an_hour():
     assert 30 <= train._group_timeout(time.time() + 100) <= 116
 
 
-@pytest.mark.parametrize("netem, modes, refused", [
-    (False, "fp32,marsit-vote-bmv2", "thc run: marsit-vote-bmv2 with --bw/--delay/--loss: "
-                                     "loss through BMv2 needs netem"),
-    (False, "fp32,thc-dlcp,thc-lossy", None),
-    (True, "fp32,thc-dlcp", "thc run: thc-dlcp with --bw/--delay/--loss: priority queueing "
-                            "needs a bandwidth limit and no netem delay/loss"),
-    (True, "fp32,marsit-vote-bmv2", None)])
-def test_links_a_mode_cannot_take_are_refused_before_any_mode_trains(monkeypatch, netem, modes,
-                                                                     refused):
+@pytest.mark.parametrize("netem, nft, modes, refused", [
+    (False, False, "fp32,marsit-vote-bmv2", "thc run: marsit-vote-bmv2 with --bw/--delay/--loss: "
+                                            "loss through BMv2 without netem needs nftables"),
+    (False, True, "fp32,marsit-vote-bmv2", None),
+    (False, True, "fp32,thc-dlcp,thc-lossy", None),
+    (True, True, "fp32,thc-dlcp", "thc run: thc-dlcp with --bw/--delay/--loss: priority "
+                                  "queueing needs a bandwidth limit and no netem delay/loss"),
+    (True, False, "fp32,marsit-vote-bmv2", None)])
+def test_links_a_mode_cannot_take_are_refused_before_any_mode_trains(monkeypatch, netem, nft,
+                                                                     modes, refused):
     """Loss through BMv2 on a kernel without netem was refused by that mode's testbed,
     after the modes before it had trained; the DLCP modes were refused any --loss, though
     the fallback's drops at the hosts' ingress leave their class queues alone."""
     from thc.emu import links, mainargs
     monkeypatch.setattr(links, "netem_available", lambda: (netem, "no sch_netem"))
     monkeypatch.setattr(links, "iptables_statistic_available", lambda: (True, "canned"))
+    monkeypatch.setattr(links.shutil, "which", lambda name: name if nft or name != "nft" else None)
     args = _main_args("--loss", "2", "--modes", modes)
     why = mainargs.refusal(args, modes.split(","), None)
     assert why is None if refused is None else why.startswith(refused), why

@@ -32,13 +32,16 @@ needs_mininet = pytest.mark.skipif(MININET_REASON is not None,
                                    reason=f"Mininet testbed unavailable: {MININET_REASON}")
 
 
-def test_loss_through_bmv2_without_netem_is_refused(monkeypatch):
+def test_loss_through_bmv2_without_netem_or_nftables_is_refused(monkeypatch):
     """The fallback for a kernel without netem drops at every host's ingress as two links
-    in series; through BMv2 a worker's packets up met no loss and its results twice it."""
+    in series; through BMv2 a worker's packets up would meet no loss and its results twice
+    it, so each worker link loses at its egress too, by an nftables rule, which needs
+    ``nft``."""
     from thc.emu import emulation, links
     monkeypatch.setattr(links, "plan", lambda bw, delay, loss: {
         "link": {}, "iptables_loss": links.path_loss(loss), "notes": []})
-    with pytest.raises(TestbedError, match="loss through BMv2 needs netem"):
+    monkeypatch.setattr(links.shutil, "which", lambda name: None if name == "nft" else name)
+    with pytest.raises(TestbedError, match="loss through BMv2 without netem needs nftables"):
         emulation.MininetTestbed(2, loss_pct=1.0, aggregator="bmv2")
 
 
@@ -574,6 +577,22 @@ def test_smoke_allreduce_through_bmv2_is_bit_exact():
     with open_testbed(3, bw_mbit=100, aggregator="bmv2") as tb:
         rows, ref = smoke(tb, numel=1 << 14)
     assert [r["sha256"] for r in rows] == [ref] * 3
+
+
+@needs_mininet
+@pytest.mark.slow
+@pytest.mark.bmv2
+def test_a_lossy_testbed_through_bmv2_loses_on_the_worker_links_and_sums_exactly():
+    """Loss through BMv2 was refused on a kernel without netem; each worker link now loses
+    it each way (or netem does), and the workers' retransmissions still sum exactly."""
+    from thc.emu.links import netem_available
+    if why := bmv2_unavailable_reason():
+        pytest.skip(f"BMv2 not available: {why}")
+    with open_testbed(2, bw_mbit=100, loss_pct=10, aggregator="bmv2") as tb:
+        rows, ref = smoke(tb, numel=1 << 14)
+        dropped = None if netem_available()[0] else tb.worker_link_drops()
+    assert [r["sha256"] for r in rows] == [ref] * 2
+    assert dropped is None or dropped > 0, "no packet was lost on the worker links"
 
 
 @needs_mininet

@@ -192,7 +192,11 @@ class MininetTestbed(Testbed):
             for h in hosts:
                 h.setARP(SWITCH_AGG_IP, SWITCH_AGG_MAC)
         q = self.link_plan["iptables_loss"]
-        if q:
+        if q and self.aggregator == "bmv2":
+            # a worker's path to the switch crosses its own link alone: that link loses
+            # loss_pct each way, as netem on it would
+            self.set_worker_loss(self.loss_pct)
+        elif q:
             for node in hosts + ([agg] if agg else []):
                 links.add_ingress_loss(node, node.defaultIntf().name, q)
 

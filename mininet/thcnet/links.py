@@ -216,10 +216,10 @@ def refusal(link_plan: dict, bw_mbit: float | None, aggregator: str,
     """Why links of ``link_plan`` cannot carry a testbed of ``aggregator`` (with links that
     queue by DLCP class: ``class_queues``), or None: said by the testbed, and for every mode
     before a main job trains its first."""
-    if aggregator == "bmv2" and link_plan["iptables_loss"]:
-        return ("loss through BMv2 needs netem, which this kernel lacks: its fallback drops "
-                "at the hosts' ingress for two links a path, but a worker's path to the "
-                "switch crosses one (no loss up, twice the loss down)")
+    if aggregator == "bmv2" and link_plan["iptables_loss"] and shutil.which("nft") is None:
+        return ("loss through BMv2 without netem needs nftables (`nft`, Debian: nftables): a "
+                "worker's path to the switch crosses one link, whose loss each way is set at "
+                "the worker's end, its egress by an nftables rule (set_link_loss)")
     if class_queues and (bw_mbit is None or "delay" in link_plan["link"]
                          or "loss" in link_plan["link"]):
         return ("priority queueing needs a bandwidth limit and no netem delay/loss on the "
