@@ -221,8 +221,7 @@ def bench_thc(args, build_dir, label: str, sum_bits: int = 8) -> dict:
     import numpy as np
 
     agg = job_entries.AggAddress()
-    with LocalBMv2(args.workers, program="thc", build_dir=build_dir, receive=False,
-                   tag="tb") as bm:
+    with LocalBMv2(args.workers, program="thc", build_dir=build_dir, receive=False) as bm:
         sw = bm.sw
         lanes = sw.lanes
         job = bench_job(args.workers, args.pool, lanes, sum_bits)
@@ -254,7 +253,7 @@ def bench_thc(args, build_dir, label: str, sum_bits: int = 8) -> dict:
 def bench_l2(args, frame_bytes: int) -> dict:
     import itertools
 
-    with LocalBMv2(2, program="l2", receive=False, tag="tb") as bm:
+    with LocalBMv2(2, program="l2", receive=False) as bm:
         dst = "02:00:00:00:02:02"
         forwarding.install(bm.sw, {dst: 1})
         pad = frame_bytes - 42

@@ -61,7 +61,7 @@ def _timed(fn) -> float:
 def bench(args) -> dict:
     runs: dict[str, list[float]] = {k: [] for k in (
         "install", "reinstall", "remove", "lut_serialized", "lut_messages")}
-    with LocalBMv2(args.workers, receive=False, tag="bi") as bm:
+    with LocalBMv2(args.workers, receive=False) as bm:
         sw = bm.sw
         job = bench_job(args.workers, args.pool, sw.lanes)
         specs = _as_messages(sw, job_entries.lut_entries(sw, job, 0))
