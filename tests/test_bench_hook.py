@@ -10,9 +10,9 @@ from thc.app.gpucodec import codec_speeds
 from thc.bench.hook import GRAPHED, MODES, costs
 
 
-def _rows(mb, times, buckets=4):
-    return [{"bucket_mb": mb, "mode": m, "median_s": t, "buckets": None if m == "ddp" else buckets}
-            for m, t in zip(MODES, times)]
+def _rows(mb, times, buckets=4, spread=0.0):
+    return [{"bucket_mb": mb, "mode": m, "median_s": t, "min_s": t - spread,
+             "buckets": None if m == "ddp" else buckets} for m, t in zip(MODES, times)]
 
 
 def test_costs_are_differences_against_ddps_own_all_reduce():
@@ -36,6 +36,16 @@ def test_costs_are_differences_against_ddps_own_all_reduce():
     assert fp16[0]["bucket_mb"] == 5 and "median_s" not in fp16[0]   # below DDP's own: noise
     assert "vs_fp32_hook_s" not in fp16[0]
     assert fp16[1]["median_s"] == pytest.approx(0.001)               # (0.104 - 0.100) / 4
+
+
+def test_a_cost_within_the_step_times_spread_is_no_figure():
+    """A difference of medians of a few steps below their own spread became a throughput
+    (0.65 ms against a 20 ms spread: 157 500 MB/s)."""
+    rows = _rows(25, [0.100, 0.104, 0.110, 0.150, 0.120, 0.112], spread=0.020)
+    got = {r["mode"]: r for r in costs(rows, 26_000_000)}
+    assert got["fp16"]["step_cost_s"] == pytest.approx(0.004) and "mb_per_s" not in got["fp16"]
+    assert got["fp16"]["noise_s"] == pytest.approx(0.020)
+    assert got["thc hook"]["mb_per_s"] == pytest.approx(4 * 26e6 / 0.050 / 1e6)
 
 
 def test_a_short_run_on_the_cpu_feeds_the_model(tmp_path):
