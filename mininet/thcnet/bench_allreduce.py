@@ -206,7 +206,8 @@ def _software_modes(args, bw: float, layout: str | None, point: dict, result: di
     with open_testbed(p, bw_mbit=bw, aggregator=LAYOUTS[layout] if layout else "none",
                       prefer_mininet=not args.loopback, agg_bw_factor=agg_bw_factor,
                       lanes=args.lanes, pool_size=args.pool_size) as tb:
-        print(f"\n[{bw:g} Mbit/s] {tb.describe()}", flush=True)
+        shaped = f"{bw:g} Mbit/s" if tb.kind != "loopback" else "unshaped"
+        print(f"\n[{shaped}] {tb.describe()}", flush=True)
         if "fp32" not in point["modes"]:
             point["testbed"] = tb.kind
             if tb.kind == "loopback":

@@ -70,8 +70,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout", type=positive_float, default=600.0,
                         help="limit a run, seconds")
     parser.add_argument("--agg-pps", type=positive_float, default=86e3,
-                        help="software aggregator packets/s for the model (thc bench "
-                             "aggregator, 4 workers)")
+                        help="software aggregator packets/s for the model (default: an "
+                             "assumed rate, `thc model --calibrate`'s; `thc bench "
+                             "aggregator` measures one alone)")
     parser.add_argument("--out", default="out", help="directory of sweep.json and sweep.png")
     parser.add_argument("--json", default=None, help="the JSON's path (default OUT/sweep.json)")
     parser.add_argument("--plot", default=None, help="the plot's path (default OUT/sweep.png)")
