@@ -10,13 +10,14 @@ count of the egress veth (L2).
 
 Reported: ``pps`` (DATA packets the switch aggregated per second), ``coords_per_s`` (pps x
 lanes / workers: coordinates of the job's vector summed a second, as ``thc bench
-aggregator`` counts them), ``completion_ratio`` (completions x workers / packets: 1.0 when
-no packet was lost on the way into the switch), the RESULT bytes per packet of the job's sum
-width, and the ratio of the THC rate to the L2 rate, for each sum width of ``--sum-bits``
-(8: four lanes a 32-bit register word, 16: two). The kind of BMv2 build: whether its
-libraries still carry the per-packet log messages (a build without --disable-logging-macros
-formats them for every table, about 3x slower on the per-lane program: docs/switch.md),
-beside the measured l2.p4 rate.
+aggregator`` counts them), ``completion_ratio`` (completions x workers / packets over the
+whole measurement of a sum width, the probe at an offered rate far above the switch's and the
+search included: 1.0 when no packet was lost on the way into the switch), the RESULT bytes
+per packet of the job's sum width, and the ratio of the THC rate to the L2 rate, for each
+sum width of ``--sum-bits`` (8: four lanes a 32-bit register word, 16: two). The kind of
+BMv2 build: whether its libraries still carry the per-packet log messages (a build without
+--disable-logging-macros formats them for every table, about 3x slower on the per-lane
+program: docs/switch.md), beside the measured l2.p4 rate.
 
 With ``--lanes-sweep 16,64`` (needs p4c), variants of the program with fewer lanes are
 generated and compiled into a temporary directory and measured too: the slope gives the cost

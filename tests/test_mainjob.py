@@ -943,5 +943,25 @@ def test_links_a_mode_cannot_take_are_refused_before_any_mode_trains(monkeypatch
     monkeypatch.setattr(links, "iptables_statistic_available", lambda: (True, "canned"))
     monkeypatch.setattr(links.shutil, "which", lambda name: name if nft or name != "nft" else None)
     args = _main_args("--loss", "2", "--modes", modes)
-    why = mainargs.refusal(args, modes.split(","), None)
+    assert mainargs.refusal(args, modes.split(","), None) is None
+    why = mainargs.links_refusal(args, modes.split(","), None)
     assert why is None if refused is None else why.startswith(refused), why
+
+
+def test_a_bmv2_mode_skipped_for_want_of_bmv2_refuses_no_links(monkeypatch, capsys, tmp_path):
+    """The links' refusal came before the modes without BMv2 were skipped: thc-bmv2, a
+    default mode, refused a whole run whose other modes could train."""
+    from thc.emu import links
+    monkeypatch.setattr(links, "netem_available", lambda: (False, "no sch_netem"))
+    monkeypatch.setattr(links, "iptables_statistic_available", lambda: (True, "canned"))
+    monkeypatch.setattr(links.shutil, "which", lambda name: None if name == "nft" else name)
+    monkeypatch.setattr(mainjob, "bmv2_unavailable_reason", lambda: "BMv2 not built (canned)")
+    monkeypatch.setattr(mainjob, "mininet_unavailable_reason", lambda *a: None)
+    ran = []
+    monkeypatch.setattr(mainjob, "_run_mode", lambda name, args, bar: ran.append(name) or
+                        _canned_run(name, [2.3, 2.0, 1.7]))
+    args = _main_args("--workers", "2", "--loss", "1", "--modes", "fp32,thc,thc-bmv2",
+                      "--out", str(tmp_path))
+    assert mainjob.run(args) == 0
+    assert ran == ["fp32", "thc"]
+    assert "skipping thc-bmv2: BMv2 not built (canned)" in capsys.readouterr().out

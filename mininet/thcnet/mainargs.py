@@ -222,14 +222,24 @@ def refusal(args: argparse.Namespace, modes: list[str],
                 f"thc run: --congest needs the Mininet testbed ({mininet_why})")
     if not mininet_why:
         try:
-            link_plan = links.plan(args.bw, args.delay, args.loss)
+            links.plan(args.bw, args.delay, args.loss)
         except links.LinkError as e:
             return f"thc run: --bw/--delay/--loss: {e}"
-        for m in modes:   # each mode's testbed refuses these links: say it before any trains
-            queued = MODES[m].loss_bound or bool(args.congest)
-            if why := links.refusal(link_plan, args.bw, MODES[m].aggregator, queued):
-                flag = "--congest" if args.congest and not MODES[m].loss_bound else m
-                return f"thc run: {flag} with --bw/--delay/--loss: {why}"
+    return None
+
+
+def links_refusal(args: argparse.Namespace, modes: list[str],
+                  mininet_why: str | None) -> str | None:
+    """Why the testbed of one of ``modes`` (those left to run) would refuse the links, or
+    None: said before the first mode trains, not after the modes before it."""
+    if mininet_why:
+        return None
+    link_plan = links.plan(args.bw, args.delay, args.loss)
+    flags = "--bw/--delay/--loss" + (" under --congest" if args.congest else "")
+    for m in modes:
+        queued = MODES[m].loss_bound or bool(args.congest)
+        if why := links.refusal(link_plan, args.bw, MODES[m].aggregator, queued):
+            return f"thc run: {m} with {flags}: {why}"
     return None
 
 

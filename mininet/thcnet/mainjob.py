@@ -35,7 +35,7 @@ from thc.emu import links
 from thc.emu.base import worker_ip
 from thc.emu.cleanup import Terminated, signals_deferred, signals_raise, stopped_by
 from thc.emu.mainargs import (MODES, QUICK_IMAGES, STOP_MARGIN, Mode, add_arguments,
-                              epochs_of, out_refusal, refusal)
+                              epochs_of, links_refusal, out_refusal, refusal)
 from thc.emu.mainreport import conclude, print_mode
 from thc.emu.procs import WorkerError, with_parent
 from thc.emu.testbed import bmv2_unavailable_reason, mininet_unavailable_reason, open_testbed
@@ -55,7 +55,8 @@ def run(args: argparse.Namespace) -> int:
     why = refusal(args, modes, mininet_why)
     if why is None:
         _skip_unavailable(modes, mininet_why)
-        why = None if modes else "thc run: every mode asked for was skipped: nothing to run"
+        why = (links_refusal(args, modes, mininet_why) if modes else
+               "thc run: every mode asked for was skipped: nothing to run")
     if why is None:
         out = Path(args.out)
         why = out_refusal(out)
