@@ -758,3 +758,16 @@ def test_a_ctrl_c_while_the_build_watch_reaps_stays_a_ctrl_c():
             timer.join()
     finally:
         signal.signal(signal.SIGINT, old)
+
+
+def test_link_loss_is_set_in_millionths_both_ways(monkeypatch):
+    """The egress rule counted in thousandths: --loss 0.05 lost nothing from worker to
+    switch while the ingress rule lost 0.05%."""
+    from thc.emu import links
+    sent = []
+    monkeypatch.setattr(links, "node_run", lambda host, cmd: sent.append(cmd) or "")
+    links.set_link_loss(object(), "h1-eth0", 0.05)
+    ingress = next(c for c in sent if "statistic" in c)
+    egress = next(c for c in sent if "numgen" in c)
+    assert "--probability 0.000500 " in ingress
+    assert "mod 1000000 '<' 500 " in egress

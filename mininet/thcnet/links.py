@@ -244,8 +244,9 @@ def set_link_loss(host, intf: str, loss_pct: float) -> None:
     """``loss_pct`` loss in each direction of ``host``'s link, set on a running testbed.
 
     For a switch with no host at the far end (BMv2): packets leaving ``intf`` are dropped by
-    an nftables netdev egress rule (a drop there is silent, as on a wire: the UDP sender sees
-    no error), packets arriving on it by the iptables ingress rule. Both live in the host's
+    an nftables netdev egress rule (silent to a UDP sender, as on a wire; a ping or TCP
+    sender is told of a local drop and sends again at once), packets arriving on it by the
+    iptables ingress rule, both with the probability in millionths. Both live in the host's
     namespace, which goes away with the testbed. 0 removes both.
     """
     node_run(host, f"iptables -t raw -F PREROUTING; nft delete table netdev {EGRESS_TABLE} "
@@ -255,12 +256,12 @@ def set_link_loss(host, intf: str, loss_pct: float) -> None:
     if not 0 < loss_pct < 100:
         raise LinkError(f"loss must lie in [0, 100) percent, got {loss_pct}")
     add_ingress_loss(host, intf, loss_pct / 100)
-    per_mille = round(loss_pct * 10)
+    per_million = round(loss_pct * 10_000)
     out = node_run(
         host,
         f"nft add table netdev {EGRESS_TABLE} && nft add chain netdev {EGRESS_TABLE} eg "
         f"'{{ type filter hook egress device {intf} priority 0; }}' && nft add rule netdev "
-        f"{EGRESS_TABLE} eg meta protocol ip numgen random mod 1000 '<' {per_mille} "
+        f"{EGRESS_TABLE} eg meta protocol ip numgen random mod 1000000 '<' {per_million} "
         f"counter drop 2>&1")
     if out.strip():
         raise LinkError(f"{host.name}: nft egress loss failed: {out.strip()}")
