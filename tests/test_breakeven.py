@@ -441,3 +441,15 @@ def test_the_plotted_lines_cross_where_the_measured_break_even_lies():
     k = next(i for i in range(1, len(xs)) if (b[i - 1] > a[i - 1]) != (b[i] > a[i]))
     assert xs[k - 1] <= at <= xs[k] and xs[k] / xs[k - 1] < 1.05, (at, xs[k - 1], xs[k])
     assert (xs[0], xs[-1]) == (50.0, 1000.0) and all(x in xs for x in bws)
+
+
+def test_a_report_whose_lowest_bandwidth_has_no_run_is_analysed(tmp_path, capsys):
+    """Its table and plot read the sweep's dataset off the lowest bandwidth's first run: an
+    IndexError where every run there had failed."""
+    data = json.loads((ROOT / "docs" / "runs" / "sweep-bandwidth.json").read_text())
+    data["points"][0]["runs"] = []
+    path = tmp_path / "sweep.json"
+    path.write_text(json.dumps(data))
+    assert _sweep_here("--report", str(path), "--out", str(tmp_path)) == 0
+    assert "fashion-mnist, 1.20M parameters" in capsys.readouterr().out
+    assert (tmp_path / "sweep.png").stat().st_size > 0

@@ -192,3 +192,20 @@ def test_the_table_says_a_dlcp_modes_short_chunks_without_a_baseline(capsys):
     print_table([run], summary)
     assert ("thc-dlcp: loss bound 0.05, 15 chunks closed short (rank 0); 1.00 s a step, no "
             "thc or thc-central run to compare it with") in capsys.readouterr().out
+
+
+def test_a_dlcp_step_time_of_zero_prints_no_ratio(capsys):
+    """A DLCP mode whose evaluations took no measured time has no speedup: the table's
+    format of it raised a TypeError."""
+    from thc.emu.mainreport import dlcp_ratios, print_table, summarize
+
+    def run(mode, seconds, bound):
+        return {"mode": mode, "testbed": "mininet", "final_accuracy": 0.5,
+                "train_seconds": seconds, "wire_bytes": 1e6, "wire_source": "worker links",
+                "epochs_done": 1.0, "stopped": None, "loss_bound": bound, "short_chunks": 2,
+                "history": [{"steps": 8, "seconds": seconds, "accuracy": 0.5}]}
+    runs = [run("thc-central", 8.0, 0.0), run("thc-dlcp", 0.0, 0.05)]
+    summary = summarize(runs, 0.8)
+    summary["dlcp"] = dlcp_ratios(runs)
+    print_table(runs, summary)
+    assert "0.00 s a step, thc-central's 1.00 s (same run)" in capsys.readouterr().out

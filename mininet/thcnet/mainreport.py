@@ -164,9 +164,11 @@ def print_table(runs: list[dict], summary: dict) -> None:
     for row, r in zip(summary["dlcp"], [r for r in runs if r["loss_bound"]]):
         at = (f"; at step {row['at_step']} accuracy {row['accuracy']:.4f} against "
               f"{row['baseline_accuracy']:.4f}" if "at_step" in row else "")
-        versus = (f"{row['speedup']:.2f}x {row['baseline']}'s "
-                  f"{row['baseline_step_seconds']:.2f} s (same run){at}" if row["baseline"]
-                  else "no thc or thc-central run to compare it with")
+        versus = ("no thc or thc-central run to compare it with" if not row["baseline"] else
+                  f"{row['baseline']}'s {row['baseline_step_seconds']:.2f} s (same run){at}"
+                  if row["speedup"] is None else
+                  f"{row['speedup']:.2f}x {row['baseline']}'s "
+                  f"{row['baseline_step_seconds']:.2f} s (same run){at}")
         print(f"{r['mode']}: loss bound {r['loss_bound']:g}, {row['short_chunks'] or 0} chunks "
               f"closed short (rank 0); {row['step_seconds']:.2f} s a step, {versus}")
     print(summary["verdict"])

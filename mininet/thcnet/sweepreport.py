@@ -11,6 +11,11 @@ LABEL = {"fp32": "FP32", "fp16": "FP16", "thc": "THC", "thc-dist": "THC (Gloo)",
          "thc-central": "THC (central)"}
 
 
+def first_run(data: dict) -> dict:
+    """The sweep's first run (the lowest bandwidth's runs may all have failed)."""
+    return next(r for p in data["points"] for r in p["runs"])
+
+
 def _label(mode: str) -> str:
     return LABEL.get(mode, mode)
 
@@ -26,7 +31,7 @@ def markdown(data: dict) -> str:
     mode, m = a["mode"], a["model"]
     others = [x for x in data["modes"] if x != mode]
     mach = data["machine"]
-    first = data["points"][0]["runs"][0]
+    first = first_run(data)
     lines = [f"Measured {data['date']} on a {mach['cpus']}-core VM ({mach['cpu']}, "
              f"{mach['memory_gib']} GiB, Linux {mach['kernel']}): `{data['command']}`. "
              f"{first['dataset']}, {first['params'] / 1e6:.2f}M parameters, "
@@ -145,7 +150,7 @@ def plot(data: dict, path: Path) -> None:
     ax.set_ylabel("time a training step (ms)")
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=8)
-    first = data["points"][0]["runs"][0]
+    first = first_run(data)
     ax.set_title(f"{first['dataset']}, {first['params'] / 1e6:.1f}M parameters, "
                  f"{data['args']['workers']} workers (Mininet, {data['machine']['cpus']} cores)",
                  fontsize=10)
