@@ -38,6 +38,16 @@ def test_quick_run_json_and_table(tmp_path, capsys):
     assert rows["fp16"]["nmse"]["1"] < 1e-6
     # QSGD's reference holds at d = 2^18 only (0.079 beside a measured 0.056 read as a gap)
     assert "reference" in thc and "reference" not in rows["qsgd"]
+    # both ways: THC's sums come down 8 bits a coordinate to 8 workers at g = 30
+    assert res["thc_bits_down"] == {"1": 8, "4": 8}
+    assert "bits down: THC's, the sums a coordinate (n=1: 8, n=4: 8)" in text
+
+
+def test_thc_sums_come_down_wider_past_the_8_bit_limit(tmp_path, capsys):
+    out = tmp_path / "nmse.json"
+    assert bench.run(parse(["--quick", "--workers", "8,9", "--schemes", "fp16",
+                            "--json", str(out)])) == 0
+    assert json.loads(out.read_text())["thc_bits_down"] == {"8": 8, "9": 16}
 
 
 DESIGN_REFERENCE = {"thc": {"1": 0.0204, "10": 0.0020}, "uhc": {"1": 0.0206, "10": 0.0021},

@@ -21,6 +21,7 @@ from thc.bench import add_common, emit_json, figure, save_figure
 from thc.codec.baselines import make_scheme
 from thc.codec.params import THCParams
 from thc.codec.table import expected_nmse, optimal_table, uniform_table
+from thc.wire import protocol as P
 
 DEFAULT_SCHEMES = "thc,uhc,qsgd,terngrad,topk,sign,fp16"
 REFERENCE = {"thc": {1: 0.0204, 10: 0.0020}, "uhc": {1: 0.0206, 10: 0.0021},
@@ -216,6 +217,18 @@ def _run(args: argparse.Namespace) -> int:
                 vals = "".join(f" {row[label].get(str(n), float('nan')):>10.4g}"
                                for n in workers)
                 print(f"{'  ' + shown:<{width}} {'':>6}{vals}")
+
+    down = {}
+    for n in workers:
+        try:
+            down[str(n)] = P.sum_bits_for(n, params.granularity)
+        except ValueError:
+            down[str(n)] = None
+    result["thc_bits_down"] = down
+    print("bits down: THC's, the sums a coordinate ("
+          + ", ".join(f"n={n}: {b if b else 'over 16-bit sums'}" for n, b in down.items())
+          + "); the others' depend on the exchange (a parameter server's FP32 mean, an "
+            "all-gather of every worker's payload)")
 
     if args.plot:
         sweep = []
