@@ -334,6 +334,9 @@ def test_every_mode_of_a_sweep_trains_its_steps_under_its_limit(modes):
     assert job.timeout == 100
     if "thc-bmv2" in modes:
         assert (job.bmv2_steps, job.bmv2_timeout) == (None, 100)   # None: every step
+    # the bandwidth refused or taken is the one the runs get (printed to 6 digits, 100000.4
+    # was refused and would have run at 100000)
+    assert sweep._job_args(args, 1234.5678, modes).bw == 1234.5678
 
 
 def test_the_links_are_fitted_in_relative_error():

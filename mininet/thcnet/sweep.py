@@ -119,7 +119,7 @@ def _job_args(args: argparse.Namespace, bw: float, modes: list[str]) -> argparse
     parser = argparse.ArgumentParser()
     mainargs.add_arguments(parser)
     argv = ["--workers", str(args.workers), "--epochs", "1", "--batch", str(args.batch),
-            "--evals", str(args.evals), "--data", args.data, "--bw", f"{bw:g}",
+            "--evals", str(args.evals), "--data", args.data, "--bw", repr(bw),
             "--train-subset", str(args.steps * args.workers * args.batch),
             "--timeout", f"{args.timeout:g}", "--out", args.out]
     if args.width:
