@@ -926,12 +926,12 @@ def test_a_worker_without_stop_at_waits_minutes_for_a_peer_not_half_an_hour():
 
 
 @pytest.mark.parametrize("netem, nft, modes, refused", [
-    (False, False, "fp32,marsit-vote-bmv2", "thc run: marsit-vote-bmv2 with --bw/--delay/--loss: "
-                                            "loss through BMv2 without netem needs nftables"),
+    (False, False, "fp32,marsit-vote-bmv2", "marsit-vote-bmv2 with --bw/--delay/--loss: loss "
+                                            "through BMv2 without netem needs nftables"),
     (False, True, "fp32,marsit-vote-bmv2", None),
     (False, True, "fp32,thc-dlcp,thc-lossy", None),
-    (True, True, "fp32,thc-dlcp", "thc run: thc-dlcp with --bw/--delay/--loss: priority "
-                                  "queueing needs a bandwidth limit and no netem delay/loss"),
+    (True, True, "fp32,thc-dlcp", "thc-dlcp with --bw/--delay/--loss: priority queueing "
+                                  "needs a bandwidth limit and no netem delay/loss"),
     (True, False, "fp32,marsit-vote-bmv2", None)])
 def test_links_a_mode_cannot_take_are_refused_before_any_mode_trains(monkeypatch, netem, nft,
                                                                      modes, refused):
@@ -965,3 +965,10 @@ def test_a_bmv2_mode_skipped_for_want_of_bmv2_refuses_no_links(monkeypatch, caps
     assert mainjob.run(args) == 0
     assert ran == ["fp32", "thc"]
     assert "skipping thc-bmv2: BMv2 not built (canned)" in capsys.readouterr().out
+    # with BMv2 there, the mode stays and its links are refused before any mode trains
+    monkeypatch.setattr(mainjob, "bmv2_unavailable_reason", lambda: None)
+    ran.clear()
+    assert mainjob.run(args) == 2 and ran == []
+    assert capsys.readouterr().err.startswith(
+        "thc run: thc-bmv2 with --bw/--delay/--loss: loss through BMv2 without netem needs "
+        "nftables")

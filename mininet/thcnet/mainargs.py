@@ -231,7 +231,8 @@ def refusal(args: argparse.Namespace, modes: list[str],
 def links_refusal(args: argparse.Namespace, modes: list[str],
                   mininet_why: str | None) -> str | None:
     """Why the testbed of one of ``modes`` (those left to run) would refuse the links, or
-    None: said before the first mode trains, not after the modes before it."""
+    None: said before the first mode trains, not after the modes before it (by ``thc run``
+    and, at each bandwidth, ``thc sweep``)."""
     if mininet_why:
         return None
     link_plan = links.plan(args.bw, args.delay, args.loss)
@@ -239,7 +240,7 @@ def links_refusal(args: argparse.Namespace, modes: list[str],
     for m in modes:
         queued = MODES[m].loss_bound or bool(args.congest)
         if why := links.refusal(link_plan, args.bw, MODES[m].aggregator, queued):
-            return f"thc run: {m} with {flags}: {why}"
+            return f"{m} with {flags}: {why}"
     return None
 
 

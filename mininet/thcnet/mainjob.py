@@ -55,8 +55,10 @@ def run(args: argparse.Namespace) -> int:
     why = refusal(args, modes, mininet_why)
     if why is None:
         _skip_unavailable(modes, mininet_why)
-        why = (links_refusal(args, modes, mininet_why) if modes else
-               "thc run: every mode asked for was skipped: nothing to run")
+        if not modes:
+            why = "thc run: every mode asked for was skipped: nothing to run"
+        elif why := links_refusal(args, modes, mininet_why):
+            why = f"thc run: {why}"
     if why is None:
         out = Path(args.out)
         why = out_refusal(out)

@@ -212,13 +212,11 @@ def _links_refusal(args: argparse.Namespace, bws: list[float], modes: list[str])
     each run's testbed would, after the runs before it)."""
     for bw in bws:
         try:
-            link_plan = links.plan(bw, 0.0, 0.0)
+            links.plan(bw, 0.0, 0.0)
         except links.LinkError as e:
             return f"--bw {bw:g}: {e}"
-        for m in modes:
-            if why := links.refusal(link_plan, bw, mainargs.MODES[m].aggregator,
-                                    mainargs.MODES[m].loss_bound):
-                return f"{m} at {bw:g} Mbit/s: {why}"
+        if why := mainargs.links_refusal(_job_args(args, bw, modes), modes, None):
+            return f"at {bw:g} Mbit/s, {why}"
     return None
 
 
