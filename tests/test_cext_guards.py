@@ -30,6 +30,9 @@ from thc.wire.jobs import ConfigError
 pytestmark = pytest.mark.skipif(cext.UNAVAILABLE is not None, reason=f"{cext.UNAVAILABLE}")
 LOOPBACK = 0x7F000001
 TABLE = np.arange(16, dtype=np.uint32).tobytes()
+REACH = bytes([1]) * 3 * 61
+"""Job.reachable_sums's shape for DATA rounds of 2 workers at granularity 30, every sum
+possible: these tests are of the arguments, not the sums."""
 TIMING = (0.02, 0.05, 0.3, 3, 4, 3, 256)
 
 
@@ -85,14 +88,16 @@ def test_an_installed_address_or_epoch_beyond_its_field_is_refused_not_cut():
     dp.install(*args, [(LOOPBACK, 40000)], False, 1, 0, 1 << 16)
 
 
-def _stream(pool: int, is_data: bool, chunk: bytes, lanes: int, agg=None, out=None):
+def _stream(pool: int, is_data: bool, chunk: bytes, lanes: int, agg=None, out=None,
+            reach=REACH):
     cl, ag = _udp(), _udp()
     try:
         kind = (P.PktType.DATA, P.PktType.RESULT) if is_data else (P.PktType.MAX,
                                                                     P.PktType.MAX_RESULT)
         header = (int(kind[0]), int(kind[1]), int(P.PktType.PENDING), 0, int(is_data), 0, 9,
-                  pool, 77, 0, 0, lanes, 2, int(P.PktType.REFUSED), P.MAX_LANE_TOP, 0x1234,
-                  (0, 0xFFFF0000, 0), TABLE, False)
+                  pool, 77, 0, 0, lanes, 2, int(P.PktType.REFUSED),
+                  30 if is_data else P.MAX_LANE_TOP, 0x1234, (0, 0xFFFF0000, 0), TABLE, False,
+                  reach if is_data else b"")
         out = np.zeros((1, lanes), np.uint32) if out is None else out
         return cext._fastagg.stream(cl.fileno(), header, np.frombuffer(chunk, np.uint8),
                                     len(chunk), [agg or (LOOPBACK, ag.getsockname()[1])], [None], 1,
@@ -122,6 +127,14 @@ def test_a_max_round_whose_lanes_overrun_its_chunks_is_refused():
     """A 4-byte MAX chunk said to hold 64 lanes: its own values were read past the chunk."""
     with pytest.raises(ValueError, match="stream: bad arguments"):
         _stream(4, False, bytes(4), 64)
+
+
+@pytest.mark.parametrize("reach", [REACH[1:], REACH + bytes(1), b""])
+def test_reachable_sums_unlike_the_jobs_shape_are_refused(reach):
+    """A result's lanes index the rows of n_workers x granularity + 1 sums: a shorter table
+    would be read past its end."""
+    with pytest.raises(ValueError, match="stream: bad arguments"):
+        _stream(4, True, bytes(8), 16, reach=reach)
 
 
 def test_sums_written_at_an_address_unlike_their_size_are_refused():
@@ -209,7 +222,7 @@ def test_a_signal_pending_as_a_loop_starts_is_raised(loop):
         call = functools.partial(_datapath().serve, w.fileno(), 0.0)
     else:
         header = (1, 3, 5, 4, 1, 0, 9, 4, 77, 0, 0, 16, 2, 8, 30, 1, (0, 0xFFFF0000, 0),
-                  TABLE, False)
+                  TABLE, False, REACH)
         call = functools.partial(cext._fastagg.stream, w.fileno(), header,
                                  np.zeros(0, np.uint8), 8, [(LOOPBACK, sink.getsockname()[1])],
                                  [None], 1, TIMING, [None], [0.0], np.zeros(0, np.uint16), 2,
@@ -385,7 +398,8 @@ try:
         lists = {"aggs": [(LOOP, 9), (LOOP, 10)], "epochs": [None, None],
                  "srtt": [None, None], "rttvar": [0.0, 0.0]}
         header = (1, 3, 5, 4, 1, Cuts(lists[case[7:]], 0), 9, 4, 77, 0, 0, 16, 2, 8, 30, 1,
-                  (0, 0xFFFF0000, 0), np.arange(16, dtype=np.uint32).tobytes(), False)
+                  (0, 0xFFFF0000, 0), np.arange(16, dtype=np.uint32).tobytes(), False,
+                  bytes([1]) * 183)
         print(cext._fastagg.stream(s.fileno(), header, np.zeros(16, np.uint8), 8,
                                    lists["aggs"], lists["epochs"], 2,
                                    (0.02, 0.05, 0.1, 3, 4, 3, 256), lists["srtt"],
@@ -397,7 +411,7 @@ try:
         s.bind(("127.0.0.1", 0))
         epochs = [None]
         header = (1, 3, 5, 4, 1, 0, 9, 4, 77, 0, 0, 16, 2, 8, 30, 1, (0, 0xFFFF0000, 0),
-                  np.arange(16, dtype=np.uint32).tobytes(), False)
+                  np.arange(16, dtype=np.uint32).tobytes(), False, bytes([1]) * 183)
         cext._fastagg.stream(s.fileno(), header, np.zeros(8, np.uint8), 8,
                              [(LOOP, Clears(epochs, 9))], epochs, 1,
                              (0.02, 0.05, 0.1, 3, 4, 3, 256), [None], [0.0],
@@ -486,7 +500,7 @@ def test_a_lane_count_whose_4_byte_chunk_size_wraps_is_refused():
     s = _udp()
     lanes = (1 << 30) + 1
     header = (2, 4, 5, 3, 0, 0, 1, 16, 1, 0, 0, lanes, 2, 8, 2139095039, 5, (0, 0, 0),
-              np.zeros(16, np.uint32).tobytes(), False)
+              np.zeros(16, np.uint32).tobytes(), False, b"")
     try:
         with pytest.raises(ValueError, match="bad arguments"):
             cext._fastagg.stream(s.fileno(), header, np.zeros(4, np.uint8), 4,

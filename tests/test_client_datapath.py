@@ -4,6 +4,7 @@ short within a loss bound, an epoch change, a missing worker named, and the case
 back to Python. Their timers: tests/test_client_timers.py."""
 from __future__ import annotations
 
+import dataclasses
 import errno
 import os
 import select
@@ -421,25 +422,23 @@ def test_impossible_results_after_a_pending_name_the_aggregator_not_a_worker(job
 
 def test_a_shard_forging_another_shards_results_is_ignored(datapath):
     """Each of two shards, on every DATA it gets, at once sends a RESULT for the other
-    shard's neighbouring chunks with every field right (epoch included) but sums one too
-    high; the owning shard answers the truth 0.3 s later. Only the chunk's own shard answers
-    for it: the sums are exact and every forged reply is counted as ignored."""
+    shard's neighbouring chunks with every field right (epoch included) but another of
+    worker 1's table values in every lane, a plausible sum; the owning shard answers the
+    truth 0.3 s later. Only the chunk's own shard answers for it: the sums are exact and
+    every forged reply is counted as ignored."""
     base, n = free_port_block(2), 6
-
-    def others(seq, lanes):   # at most 29: one more is still a plausible sum
-        return (np.arange(lanes) + seq) % 30
 
     def shard(data):
         (_t, w, j, _s, _v, _c, seq, _o, _b, run, _e) = P.HEADER_STRUCT.unpack_from(data)
 
-        def result(x, extra):
+        def result(x, peer):
             slot, version = P.slot_of(x, job.pool_size)
-            truth = job.lane_values(packed[x * chunk:(x + 1) * chunk]) + others(x, job.lanes)
+            sums = job.lane_values(packed[x * chunk:(x + 1) * chunk]) + _others(peer, job.lanes)
             return P.HEADER_STRUCT.pack(P.PktType.RESULT, w, j, slot, version, 2, x,
                                         x * job.lanes, 0b11, run, epoch(job)) + \
-                (truth + extra).astype(P.sum_dtype(job.sum_bits)).tobytes()
-        forged = [(result(x, 1), 0) for x in (seq - 1, seq + 1) if 0 <= x < n]
-        return forged + [(result(seq, 0), 0.3)]
+                sums.astype(P.sum_dtype(job.sum_bits)).tobytes()
+        forged = [(result(x, x + 1), 0) for x in (seq - 1, seq + 1) if 0 <= x < n]
+        return forged + [(result(seq, seq), 0.3)]
 
     with answering(shard) as a0, answering(shard) as a1:
         job = Job.from_dict({"job_id": 1, "pool_size": 16, "lanes": P.LANES, "granularity": 30,
@@ -452,7 +451,7 @@ def test_a_shard_forging_another_shards_results_is_ignored(datapath):
             r = c.reduce(packed)
             assert r.datapath == datapath and c.stats.retransmitted == 0
             want = job.lane_values(packed).reshape(n, job.lanes) + \
-                np.stack([others(x, job.lanes) for x in range(n)])
+                np.stack([_others(x, job.lanes) for x in range(n)])
             np.testing.assert_array_equal(r.sums, want.reshape(-1))
             assert c.stats.ignored == 2 * (n - 1) and c.stats.rejected == 0
 
@@ -486,6 +485,39 @@ def test_a_sum_without_the_workers_own_values_is_ignored(job, datapath, aggregat
             assert c.stats.rejected == 8 and c.stats.retransmitted == 0
     own = job.lane_values(packed).reshape(8, lanes).astype(np.int64)
     np.testing.assert_array_equal(r.sums, np.concatenate([own[k] + peers[k] for k in range(8)]))
+
+
+@pytest.mark.parametrize("table, sum_bits", [("even", 8), ("even", 16), ("default", 16)])
+def test_a_sum_no_table_values_make_is_ignored(datapath, table, sum_bits):
+    """A RESULT whose lane holds the worker's own value and, beside it, a rest no other
+    worker's table value makes (an odd one where every value is even; 1 in the default
+    table) is within count x granularity, and no aggregator's sum: an impossible reply,
+    in 8- and 16-bit sums. The honest one after it is taken."""
+    job = local_job(1, 2, free_port_block(2), pool_size=16,
+                    table=range(0, 31, 2) if table == "even" else None)
+    job = dataclasses.replace(job, sum_bits=sum_bits).validate()
+    rest = 1
+    assert rest not in job.table
+    dtype = P.sum_dtype(job.sum_bits)
+
+    def answer(data):
+        own = job.lane_values(data[P.HEADER_BYTES:]).astype(np.int64)
+        seq = P.HEADER_STRUCT.unpack_from(data)[6]
+        peer = np.asarray(job.table)[(np.arange(job.lanes) + seq) % 16]
+        bad = own + peer
+        bad[seq % job.lanes] = own[seq % job.lanes] + rest
+        head = _complete(data, P.PktType.RESULT, job)
+        return [head + bad.astype(dtype).tobytes(), head + (own + peer).astype(dtype).tobytes()]
+
+    packed = np.random.default_rng(5).integers(0, 256, 8 * job.lanes // 2).astype(np.uint8)
+    with answering(answer) as addr:
+        with AggregationClient(job, 0, addr, run=2, timeout=2.0, max_timeout=2.0) as c:
+            r = c.reduce(packed)
+            assert c.stats.compiled_rounds == (datapath == "compiled")
+            assert c.stats.rejected == 8 and c.stats.retransmitted == 0
+    want = job.lane_values(packed).reshape(8, job.lanes).astype(np.int64) + np.stack(
+        [np.asarray(job.table)[(np.arange(job.lanes) + k) % 16] for k in range(8)])
+    np.testing.assert_array_equal(r.sums, want.reshape(-1))
 
 
 def test_impossible_pendings_are_rejected_and_name_the_aggregator(job, datapath):

@@ -24,9 +24,9 @@ from thc.wire import protocol as P
 from thc.wire.model import Model
 
 CHUNKS, LANES, RUN = 12, 16, 77
-HOSTILE = ("length", "extra_worker", "count", "too_big", "below_own", "max_type", "other_run",
-           "other_job", "other_worker", "pending_full", "pending_not_ours", "duplicate",
-           "refused", "epoch")
+HOSTILE = ("length", "extra_worker", "count", "too_big", "below_own", "unreachable",
+           "max_type", "other_run", "other_job", "other_worker", "pending_full",
+           "pending_not_ours", "duplicate", "refused", "epoch")
 """What may come before a chunk's true replies. The last two may end the round (an error),
 as may one of the others sent with another epoch of the job's configuration (a stray: an
 impossible one teaches no epoch, any one after the epoch was learnt is a restart)."""
@@ -85,6 +85,11 @@ class FuzzAggregator:
             payload = np.maximum(own.astype(np.int64) - 1, 0).astype(dtype).tobytes()
             if not own.any():
                 payload = payload[:-2]
+        elif kind == "unreachable":
+            # within the range, and not the peer's table value: one lane's rest no single
+            # table value makes
+            rest = min(set(range(job.granularity + 1)) - set(job.table))
+            payload = np.concatenate([own[:1] + rest, true[1:]]).astype(dtype).tobytes()
         elif kind == "max_type":
             fields.update(pkt_type=P.PktType.MAX_RESULT)
         elif kind == "other_run":
@@ -195,15 +200,17 @@ def test_both_windows_end_alike_and_only_with_the_exact_sums(seed):
 
 @needs_compiled
 def test_the_oracle_sees_a_plausible_wrong_sum(monkeypatch):
-    """A forged RESULT one above the true sums in every lane is possible (no client can tell
-    it from the aggregator's, which is why workers take replies from its address alone):
-    both windows take it, and the oracle, not the comparison, must fail."""
+    """A forged RESULT that adds another table value than the peer's in every lane is
+    possible (no client can tell it from the aggregator's, which is why workers take replies
+    from its address alone): both windows take it, and the oracle, not the comparison, must
+    fail."""
     real = FuzzAggregator._hostile
 
     def forged(self, kind, hdr, own, stray=False):
         datagram = real(self, "duplicate", hdr, own)
-        sums = np.frombuffer(datagram[P.HEADER_BYTES:], P.sum_dtype(self.job.sum_bits))
-        return datagram[:P.HEADER_BYTES] + (sums + 1).astype(sums.dtype).tobytes()
+        other = (_peer_indices(self.seed, hdr.seq) + 1) % 16
+        sums = own + self.job.lane_values(pack_bits(other, P.INDEX_BITS))
+        return datagram[:P.HEADER_BYTES] + sums.astype(P.sum_dtype(self.job.sum_bits)).tobytes()
     monkeypatch.setattr(FuzzAggregator, "_hostile", forged)
     with pytest.raises(AssertionError, match="assert \\["):
         test_both_windows_end_alike_and_only_with_the_exact_sums(0)

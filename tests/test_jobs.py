@@ -196,3 +196,21 @@ def test_slot_pools_on_a_switch_may_touch_but_not_share_a_slot():
     with pytest.raises(ConfigError, match="job 2's pool ends at slot 20, the switch has 16"):
         cluster(16)
     assert cluster(12).jobs[1].pool_base == 12
+
+
+@pytest.mark.parametrize("table, n", [(TABLE, 3), (VOTE_TABLE, 4),
+                                      ((0, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 30),
+                                       3),
+                                      ((1, 4, 4, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 30), 2)])
+def test_reachable_sums_are_the_sums_of_k_table_values(table, n):
+    """Each row k holds exactly the sums of k of the table's values, repeats allowed,
+    counted here by brute force."""
+    from itertools import combinations_with_replacement
+    g = max(table)
+    j = Job(job_id=1, workers=tuple(Worker(i, "127.0.0.1", 9000 + i) for i in range(n)),
+            table=table, granularity=g)
+    reach = j.reachable_sums
+    assert reach.shape == (n + 1, n * g + 1) and not reach.flags.writeable
+    for k in range(n + 1):
+        sums = {sum(c) for c in combinations_with_replacement(set(table), k)}
+        assert set(map(int, reach[k].nonzero()[0])) == sums, k

@@ -63,6 +63,8 @@ typedef struct {
     uint32_t top, full;          /* the largest table value (MAX: float bits); every worker */
     int vote, wire_bytes, out_itemsize, expect_payload;
     uint32_t lut[16];            /* the job's table, for the check of our own value */
+    const uint8_t *reach;        /* Job.reachable_sums, rows of reach_stride (the call's) */
+    uint32_t reach_stride;
     uint8_t *out;                /* total * lanes results of out_itemsize bytes */
     /* window.py's timing rules */
     double deadline;
@@ -274,30 +276,20 @@ static void cl_impossible(Client *c, int shard, long r) {
     c->pend[r] = -1;
 }
 
-/* A RESULT of DATA that counts this worker: each lane (host order, `itemsize` bytes) holds
- * the worker's own table value (a vote job's sign bit) and at most `span` more. One unsigned
- * difference tests both: below its own value it wraps past any span. */
-static int cl_own_bad(const uint8_t *o, int itemsize, const uint8_t *own, int lanes,
-                      const uint32_t *lut, int vote, uint32_t span) {
+/* A RESULT of DATA: each lane (host order, `itemsize` bytes), less the worker's own table
+ * value (a vote job's sign bit) where `own` is given (the result counts this worker), is a
+ * sum the other contributors' table values can make: set in `row` (a row of
+ * Job.reachable_sums, `stride` long). One unsigned difference also tests a lane below its
+ * own value: it wraps past the row. */
+static int cl_sums_bad(const uint8_t *o, int itemsize, const uint8_t *own, int lanes,
+                       const uint32_t *lut, int vote, const uint8_t *row, uint32_t stride) {
     uint32_t bad = 0;
-    if (vote) {
-        for (int l = 0; l < lanes; l++) {
-            uint32_t v = itemsize == 2 ? ((const uint16_t *)o)[l] : ((const uint32_t *)o)[l];
-            bad |= v - ((uint32_t)(own[l >> 3] >> (7 - (l & 7))) & 1u) > span;
-        }
-    } else if (itemsize == 2) {
-        const uint16_t *o16 = (const uint16_t *)o; /* numpy aligns its elements */
-        for (int k = 0; k < lanes / 2; k++) {
-            uint8_t b = own[k];
-            bad |= ((uint32_t)o16[2 * k] - lut[b >> 4] > span) |
-                   ((uint32_t)o16[2 * k + 1] - lut[b & 15] > span);
-        }
-    } else {
-        const uint32_t *o32 = (const uint32_t *)o;
-        for (int k = 0; k < lanes / 2; k++) {
-            uint8_t b = own[k];
-            bad |= (o32[2 * k] - lut[b >> 4] > span) | (o32[2 * k + 1] - lut[b & 15] > span);
-        }
+    for (int l = 0; l < lanes; l++) {
+        uint32_t v = itemsize == 2 ? ((const uint16_t *)o)[l] : ((const uint32_t *)o)[l];
+        if (own)
+            v -= vote ? (uint32_t)(own[l >> 3] >> (7 - (l & 7))) & 1u
+                      : lut[(own[l >> 1] >> (l & 1 ? 0 : 4)) & 15];
+        bad |= v >= stride || !row[v < stride ? v : 0];
     }
     return bad != 0;
 }
@@ -332,10 +324,10 @@ static double cl_next_due(Client *c, double now) {
 }
 
 /* Copy a RESULT's lanes to chunk i's row of out while checking them (the row is rewritten by
- * the result that is taken): no sum above what the contributors can make, no max below ours,
- * and a sum that counts us holds our own value (a wrong sum where the aggregator lost or
- * overwrote it). No early exit: the common loop vectorizes. Whether one fails; *above: a
- * MAX lane no float has. */
+ * the result that is taken): no sum above what the contributors can make, no max below ours;
+ * then (cl_sums_bad) a sum that counts us holds our own value (a wrong sum where the
+ * aggregator lost or overwrote it) and every sum is one the table's values make. No early
+ * exit: the copy loop vectorizes. Whether one fails; *above: a MAX lane no float has. */
 static int cl_lanes_bad(Client *c, const uint8_t *d, long i, int *above_out) {
     uint8_t r_count = d[7];
     uint32_t r_bitmap = rd32(d + 16);
@@ -368,9 +360,12 @@ static int cl_lanes_bad(Client *c, const uint8_t *d, long i, int *above_out) {
             }
         }
     }
-    if (is_data && !bad && c->worker < 32 && (r_bitmap >> c->worker & 1))
-        bad = cl_own_bad(o, out_itemsize, own, lanes, c->lut, c->vote,
-                         (uint32_t)(r_count - 1) * c->top);
+    if (is_data && !bad) {
+        int ours = c->worker < 32 && (r_bitmap >> c->worker & 1);
+        bad = cl_sums_bad(o, out_itemsize, ours ? own : NULL, lanes, c->lut, c->vote,
+                          c->reach + (size_t)(r_count - ours) * c->reach_stride,
+                          c->reach_stride);
+    }
     *above_out = above;
     return bad;
 }
@@ -651,13 +646,13 @@ static int cl_configure(Client *c, PyObject *hdr, Py_ssize_t chunks_len, Py_ssiz
         n_workers, refused_type, top, vote;
     unsigned long incarnation, tag, tag_mask, up_tag, pool, run;
     unsigned long long base, offset_base;
-    const char *lut_bytes;
-    Py_ssize_t lut_len;
-    if (!PyArg_ParseTuple(hdr, "iiiiiiiO&kKKiiiik(kkk)y#p", &pkt_type, &result_type,
+    const char *lut_bytes, *reach;
+    Py_ssize_t lut_len, reach_len;
+    if (!PyArg_ParseTuple(hdr, "iiiiiiiO&kKKiiiik(kkk)y#py#", &pkt_type, &result_type,
                           &pending_type, &other_result, &is_data, &worker, &job_id, as_ulong,
                           &pool, &run, &base, &offset_base, &lanes, &n_workers, &refused_type,
                           &top, &incarnation, &tag, &tag_mask, &up_tag, &lut_bytes, &lut_len,
-                          &vote))
+                          &vote, &reach, &reach_len))
         return -1;
     if (lut_len == sizeof c->lut) memcpy(c->lut, lut_bytes, sizeof c->lut);
     int chunk_bytes = c->chunk_bytes, window = c->window, out_itemsize = c->out_itemsize;
@@ -672,7 +667,10 @@ static int cl_configure(Client *c, PyObject *hdr, Py_ssize_t chunks_len, Py_ssiz
         (uintptr_t)c->out % (uintptr_t)out_itemsize || /* written through typed pointers */
         n_workers < 1 || n_workers > MAX_WORKERS || worker < 0 || worker > 255 ||
         c->silent_after < 1 || c->silent_after > 64 || c->recv_batch < 1 ||
-        lut_len != sizeof c->lut ||
+        lut_len != sizeof c->lut || top < 0 ||
+        /* DATA: n_workers + 1 rows of n_workers x top + 1 sums */
+        (is_data &&
+         reach_len != (Py_ssize_t)(n_workers + 1) * ((Py_ssize_t)n_workers * top + 1)) ||
         (is_data ? (long long)chunk_bytes * (vote ? 8 : 2) != lanes
                  : (long long)chunk_bytes != 4LL * lanes) ||
         out_len < (Py_ssize_t)c->total * lanes * out_itemsize) {
@@ -695,6 +693,8 @@ static int cl_configure(Client *c, PyObject *hdr, Py_ssize_t chunks_len, Py_ssiz
     c->n_workers = n_workers;
     c->full = n_workers == 32 ? 0xffffffffu : ((1u << n_workers) - 1);
     c->top = (uint32_t)top;
+    c->reach = (const uint8_t *)reach;
+    c->reach_stride = (uint32_t)n_workers * (uint32_t)top + 1;
     c->incarnation = (uint32_t)incarnation;
     c->tag = tag;
     c->tag_mask = tag_mask;
@@ -826,9 +826,10 @@ static void cl_free(Client *c) {
  *        out_itemsize, expect_payload, gso)
  *   header: (pkt_type, result_type, pending_type, other_result_type, is_data, worker, job_id,
  *            pool, run, base, offset_base, lanes, n_workers, refused_type, top,
- *            incarnation, (tag, tag_mask, up_tag), own_lut, vote): own_lut, 16 host-order
- *            uint32, the job's table; vote: DATA lanes are sign bits. Replies of the three
- *            types are this job's, a result of the other type is counted as ignored; an epoch
+ *            incarnation, (tag, tag_mask, up_tag), own_lut, vote, reach): own_lut, 16
+ *            host-order uint32, the job's table; vote: DATA lanes are sign bits; reach:
+ *            Job.reachable_sums's bytes for DATA (top: the granularity), else empty.
+ *            Replies of the three types are this job's, a result of the other type is counted as ignored; an epoch
  *            learnt must hold the job's configuration tag: epoch & tag_mask == tag
  *            (protocol.py's EPOCH_TAG_SHIFT); up_tag: that tag as every packet sent carries it
  *            in its bitmap field (protocol.py's upstream_tag)

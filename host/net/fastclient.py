@@ -69,7 +69,8 @@ def stream(end: Endpoint, rnd: Round, chunks: np.ndarray) -> Streamed:
               job.granularity if rnd.is_data else P.MAX_LANE_TOP, end.incarnation,
               (job.config_tag << P.EPOCH_TAG_SHIFT, P.SEQ_MOD - 1 - P.NONCE_MASK,
                job.config_tag),
-              np.asarray(job.table, dtype=np.uint32).tobytes(), job.aggregation == "vote")
+              np.asarray(job.table, dtype=np.uint32).tobytes(), job.aggregation == "vote",
+              job.reachable_sums if rnd.is_data else b"")
     aggs = [(ipv4_int(ip), port) for ip, port in end.aggregators]
     timing = (end.timeout, end.max_timeout, end.deadline, FAST_RETRANSMIT_AFTER,
               FAST_BACKOFF_CAP, SILENT_AFTER, RECV_BATCH)

@@ -135,7 +135,7 @@ class _Stream:
         self.asked: list[list[float]] = [[] for _ in range(n_shards)]
         self.full, self.incarnation, self.tag = job.full_bitmap, end.incarnation, job.config_tag
         self.is_data = self.pkt_type == P.PktType.DATA
-        self.top = job.granularity if self.is_data else P.MAX_LANE_TOP
+        self.reach = job.reachable_sums if self.is_data else None
         # this worker's table values in every lane, in the sums' width: a sum below its own
         # value wraps past any bound on the rest (n x g fits the width)
         self.own = (job.lane_values(self.chunks).astype(self.dtype).reshape(total, self.lanes)
@@ -292,15 +292,17 @@ class _Stream:
 
     def lanes_bad(self, i: int, shard: int, sums: np.ndarray, r_count: int,
                   r_bitmap: int) -> bool:
-        """Whether a RESULT's lanes are impossible: no sum above what the contributors can
-        make, no max below ours, and a sum that counts us holds our own value."""
+        """Whether a RESULT's lanes are impossible: no max below ours or above a float's; a
+        sum that counts us holds our own value, and every sum (less ours) is one the other
+        contributors' table values can make (Job.reachable_sums)."""
         if not self.is_data:
-            above = sums.max() > self.top
+            above = sums.max() > P.MAX_LANE_TOP
             self.not_float[shard] += int(above)
             return bool(above or (sums < self.chunks[i].view(">u4")).any())
-        if r_bitmap >> self.me & 1:
-            return bool((sums - self.own[i]).max() > (r_count - 1) * self.top)
-        return bool(sums.max() > r_count * self.top)
+        ours = r_bitmap >> self.me & 1
+        # unsigned: a sum below our own value wraps past every row
+        rest, row = (sums - self.own[i] if ours else sums), self.reach[r_count - ours]
+        return bool(rest.max() >= row.size or not row[rest].all())
 
     def ended(self, i: int, shard: int, sums: np.ndarray, r_count: int,
               r_bitmap: int) -> None:

@@ -227,6 +227,24 @@ class Job:
         every = np.arange(256)
         return np.stack([lut[every >> 4], lut[every & 0x0F]], axis=1)
 
+    @functools.cached_property
+    def reachable_sums(self) -> np.ndarray:
+        """``reachable_sums[k, s]``: 1 where s is a sum of k of the table's values (repeats
+        allowed), k in 0..n_workers, s in 0..n_workers x granularity; read-only uint8. A
+        RESULT lane outside its row is no aggregator's sum: a range check alone passes a
+        value no table sums to (1 with THC's default table, any odd one where every table
+        value is even)."""
+        n, values = self.n_workers, sorted({int(v) for v in self.table})
+        top = n * int(self.granularity)
+        reach = np.zeros((n + 1, top + 1), dtype=np.uint8)
+        reach[0, 0] = 1
+        for k in range(n):
+            for v in values:
+                if 0 <= v <= top:
+                    reach[k + 1, v:] |= reach[k, :top + 1 - v]
+        reach.flags.writeable = False
+        return reach
+
     def lane_values(self, payload) -> np.ndarray:
         """What an aggregator adds for a DATA payload (bytes, or a uint8 array of payloads one
         after another): each 4-bit index's table value (high nibble first), or each sign bit
