@@ -25,7 +25,7 @@ from thc.net.outcomes import AggregatorMisconfigured
 from thc.testing.clusters import free_port_block, local_job
 from thc.testing.stats import fresh_stats
 from thc.wire import protocol as P
-from thc.wire.jobs import Cluster, Shard
+from thc.wire.jobs import Cluster, Job, Shard
 from tests import procs as procs_
 
 N_ELEMENTS = 1 << 20
@@ -359,6 +359,50 @@ def test_a_stray_datagram_sent_elsewhere_does_not_move_where_results_leave_from(
         for s in socks:
             s.close()
     assert got == [(P.PktType.RESULT, "127.0.0.1")] * 2
+
+
+@pytest.mark.parametrize("engine", ["python", "compiled"])
+def test_a_worker_of_two_jobs_hears_each_from_where_it_sent_that_jobs_chunks(engine):
+    """One worker address in two jobs, sending job 1's chunks to 127.0.0.2 and job 2's to
+    127.0.0.1 of a wildcard aggregator: the Python aggregator remembered one address a
+    worker, the last datagram's, and job 1's RESULT left from 127.0.0.1, where the worker
+    ignores it. Each job's results leave from the address its chunks went to."""
+    from thc.net.aggregator import Aggregator
+    from thc.net.fastagg import FastAggregator, available
+    if engine == "compiled" and not available():
+        pytest.skip("the compiled aggregator is not built")
+    base = free_port_block(3)
+    jobs = [Job.from_dict({"job_id": j, "pool_size": 4, "lanes": 16, "granularity": 30,
+                           "p": 1 / 32, "workers": [{"id": 0, "ip": "127.0.0.1", "port": base},
+                                                    {"id": 1, "ip": "127.0.0.1",
+                                                     "port": base + j}]})
+            for j in (1, 2)]
+    agg = Aggregator(jobs) if engine == "python" else FastAggregator(jobs, gso=False)
+    _, port = agg.start("0.0.0.0", 0)
+    socks = []
+    for p in range(base, base + 3):
+        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        s.bind(("127.0.0.1", p))
+        s.settimeout(2.0)
+        socks.append(s)
+
+    def data(job, w: int) -> bytes:
+        return P.HEADER_STRUCT.pack(P.PktType.DATA, w, job.job_id, 0, 0, 0, 0, 0,
+                                    job.config_tag, 7, 100 + w) + bytes(8)
+
+    try:
+        socks[0].sendto(data(jobs[0], 0), ("127.0.0.2", port))
+        time.sleep(0.1)
+        socks[0].sendto(data(jobs[1], 0), ("127.0.0.1", port))
+        time.sleep(0.1)
+        socks[1].sendto(data(jobs[0], 1), ("127.0.0.1", port))
+        reply, src = socks[0].recvfrom(2048)
+    finally:
+        agg.stop()
+        for s in socks:
+            s.close()
+    assert (P.PktType(reply[0]), P.Header.unpack(reply).job_id, src[0]) == \
+        (P.PktType.RESULT, 1, "127.0.0.2")
 
 
 @pytest.mark.parametrize("host", ["0.0.0.0", "0"])

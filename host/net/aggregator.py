@@ -35,6 +35,7 @@ from thc.wire.model import Model, Reply
 MAX_PEERS = 1 << 16
 """Peers whose local address a wildcard socket remembers (see ``Aggregator.serve``)."""
 DRAIN = 1024
+_JOB_ID = P.header_span("job_id")
 """Datagrams read between looks at the stop flag: a flood never empties the socket."""
 
 
@@ -107,11 +108,12 @@ class Aggregator(UDPServer):
         impair = self.impair
 
         wildcard = answer_from_destination(sock)
-        local: dict[tuple[str, int], bytes] = {}
-        """On a wildcard socket: the address of ours each worker last sent a datagram that
-        was taken to (not a drop or refusal: a stray or an older run's replay sent elsewhere
-        would move it), which the RESULTs to it leave from, whichever worker's datagram
-        completed the chunk. A reply to a datagram's sender leaves from where it was sent."""
+        local: dict[tuple[bytes, tuple[str, int]], bytes] = {}
+        """On a wildcard socket, per job id and worker address: the address of ours the
+        worker last sent a datagram of the job that was taken to (not a drop or refusal: a
+        stray or an older run's replay sent elsewhere would move it), which the job's
+        RESULTs to it leave from, whichever worker's datagram completed the chunk. A reply
+        to a datagram's sender leaves from where it was sent."""
 
         def sendto(data, dst, source=None) -> None:
             try:
@@ -145,9 +147,10 @@ class Aggregator(UDPServer):
                 if to is not None and self._last_drop is None:
                     if len(local) >= MAX_PEERS:
                         local.clear()
-                    local[src] = to
+                    local[bytes(view[_JOB_ID]), src] = to
                 for data, dst in replies:
-                    source = (to if dst == src else local.get(dst, to)) if wildcard else None
+                    source = ((to if dst == src else local.get((data[_JOB_ID], dst), to))
+                              if wildcard else None)
                     if impair.active:
                         impair.send(sendto, data, dst, source)
                     else:

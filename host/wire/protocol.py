@@ -65,6 +65,18 @@ LANE_BITS: dict[str, int] = {name: a["lane_bits"] for name, a in SPEC["aggregati
 _FMT_CODES = {8: "B", 16: "H", 32: "I"}
 HEADER_STRUCT = struct.Struct("!" + "".join(_FMT_CODES[w] for _, w in HEADER_FIELDS))
 HEADER_BYTES = HEADER_STRUCT.size
+
+
+def header_span(name: str) -> slice:
+    """The bytes of header field ``name`` in a datagram."""
+    at = 0
+    for field, width in HEADER_FIELDS:
+        if field == name:
+            return slice(at, at + width // 8)
+        at += width // 8
+    raise KeyError(name)
+
+
 ETH_IP_UDP_BYTES = 14 + 20 + 8
 TCP_MSS, TCP_FRAME = 1448, 1514
 """Linux TCP payload per full segment with timestamps at a 1500-byte MTU, and its Ethernet
