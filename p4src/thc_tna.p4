@@ -843,6 +843,11 @@ control ThcIngress(inout tna_headers_t hdr, inout metadata_t meta,
     // worker is one of the job's: the controller's thc_worker entries; a slot within the
     // pool has no bit of the pool's mask clear; the configuration tag is the install's), so
     // that only a packet that thc_check leaves to the run check reads (and takes) an idle job.
+    // A RESET clears it only where thc_check clears the job's run: header only, of this
+    // install, its slot within the pool (a RESET thc_check drops changes nothing).
+#define THC_SEEN_RESET(P) \
+            (0, 1, THC_RESET, _, THC_IN_HDR, _, P, _, _, _, _, 0 &&& (0xffff - (P - 1)), _, 1, \
+             _): thc_job_seen_clear();
 #define THC_SEEN_POOL(P) \
             (0, 1, _, _, _, _, P, 0 &&& (P - 1), 0 &&& P, 0, 1, 0 &&& (0xffff - (P - 1)), 0, \
              _, 0): thc_job_seen_check(); \
@@ -869,8 +874,11 @@ control ThcIngress(inout tna_headers_t hdr, inout metadata_t meta,
         }
         actions = { thc_job_seen_check; thc_job_seen_clear; NoAction; }
         const entries = {
-            (0, 1, THC_RESET, _, _, _, _, _, _, _, _, _, _, 1, _): thc_job_seen_clear();
             (0, 1, _, 1, _, 1, _, _, _, _, _, _, _, _, _): NoAction();
+            THC_SEEN_RESET(1) THC_SEEN_RESET(2) THC_SEEN_RESET(4) THC_SEEN_RESET(8)
+            THC_SEEN_RESET(16) THC_SEEN_RESET(32) THC_SEEN_RESET(64) THC_SEEN_RESET(128)
+            THC_SEEN_RESET(256) THC_SEEN_RESET(512)
+            (0, 1, THC_RESET, _, _, _, _, _, _, _, _, _, _, _, _): NoAction();
             (0, 1, THC_DATA, 0, THC_IN_NONE, _, _, _, _, _, _, _, _, _, _): NoAction();
             (0, 1, THC_DATA, 0, THC_IN_SIGNS, _, _, _, _, _, _, _, _, _, _): NoAction();
             (0, 1, THC_DATA, 1, THC_IN_NONE, _, _, _, _, _, _, _, _, _, _): NoAction();
@@ -882,8 +890,9 @@ control ThcIngress(inout tna_headers_t hdr, inout metadata_t meta,
             THC_SEEN_POOL(256) THC_SEEN_POOL(512)
         }
         const default_action = NoAction;
-        size = 32;
+        size = 48;
     }
+#undef THC_SEEN_RESET
 #undef THC_SEEN_POOL
     action thc_job_run_clear() {
         thc_job_run_reset.execute((bit<32>)meta.job_index);

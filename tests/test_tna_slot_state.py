@@ -357,39 +357,51 @@ def test_an_unknown_construct_is_named():
         Program(preprocess(text))
 
 
-def test_a_reset_of_an_earlier_install_clears_nothing(program):
-    """A RESET still queued from an earlier install (its epoch) reaches pass 0 while worker
-    0's contribution waits in slot 0 and the job's run is live: it is dropped as
-    stale_reset, uncounted in thc_resets; the job keeps its run (another run is still
-    refused) and the round completes. A copy whose stage 1 clears the job's clock for any
-    RESET lets the other run take the live job."""
+@pytest.mark.parametrize("how,reason", [("earlier install", "stale_reset"),
+                                        ("slot outside the pool", "slot_outside_pool"),
+                                        ("more than a header", "bad_lanes")])
+def test_a_reset_the_switch_drops_clears_nothing(program, how, reason):
+    """A RESET thc_check drops (one still queued from an earlier install, its epoch; one
+    of a slot past the pool; one with bytes after its header) reaches pass 0 while worker
+    0's contribution waits in slot 0 and the job's run is live: it is dropped with its
+    reason, uncounted in thc_resets; the job keeps its run (another run is still refused)
+    and the round completes. A copy whose stage 1 clears the job's clock for any RESET lets
+    the other run take the live job."""
     from tests.tna.interleave import FIRST_RUN, JOB_ID, T, addr, make_job, nonce_of
     from tests.tna.pass0 import AGG_IP, AGG_MAC
     from thc.controller import program as names
-    from thc.controller.frames import reset_frame
+    from thc.controller.frames import reset_frame, udp_frame
     from thc.wire import protocol as P
 
     def run(engine):
         job = make_job(2, 4)
         earlier = job.new_epoch(nonce=5)
         engine.install(job, earlier, now=1000.0)
-        engine.install(job, job.new_epoch(nonce=6), now=1000.0)
+        now = job.new_epoch(nonce=6)
+        engine.install(job, now, now=1000.0)
         resets = engine.counters[names.RESETS, 0]
 
         def data(w, run_id=FIRST_RUN):
             return P.Header(T["DATA"], w, JOB_ID, 0, 0, 0, 0, 0, job.config_tag, run_id,
                             nonce_of(w, run_id)).pack() + bytes(P.payload_bytes(T["DATA"]))
         assert engine.handle(data(0), addr(0), 1000.0) == ([], None)
-        stale = engine._frame(reset_frame(JOB_ID, 0, AGG_MAC, AGG_IP, 0, earlier),
-                              engine.p.consts["THC_TNA_CPU_PORT"][0], 1000.0)
+        frame = {"earlier install": lambda: reset_frame(JOB_ID, 0, AGG_MAC, AGG_IP, 0, earlier),
+                 "slot outside the pool": lambda: reset_frame(JOB_ID, job.pool_size, AGG_MAC,
+                                                              AGG_IP, 0, now),
+                 "more than a header": lambda: udp_frame(
+                     AGG_MAC, AGG_MAC, AGG_IP, AGG_IP, P.UDP_PORT, P.UDP_PORT,
+                     P.Header(T["RESET"], 0, JOB_ID, 0, 0, 0, 0, 0, 0, 0, now).pack()
+                     + bytes(4))}[how]()
+        dropped = engine._frame(frame, engine.p.consts["THC_TNA_CPU_PORT"][0], 1000.0)
         other = engine.handle(data(1, FIRST_RUN - 1), addr(1), 1000.0)[1]
         replies, reason = engine.handle(data(1), addr(1), 1000.0)
         done = [P.Header.unpack(r).count for r, _ in replies
                 if P.Header.unpack(r).pkt_type == T["RESULT"]]
-        return stale, engine.counters[names.RESETS, 0] - resets, other, reason, done
+        return dropped, engine.counters[names.RESETS, 0] - resets, other, reason, done
 
-    assert run(TnaEngine(program)) == (([], "stale_reset"), 0, "stale_run", None, [2, 2])
-    text, k = re.subn(r"(\(0, 1, THC_RESET(, _){10}), 1(, _\): thc_job_seen_clear)", r"\1, _\3",
+    assert run(TnaEngine(program)) == (([], reason), 0, "stale_run", None, [2, 2])
+    text, k = re.subn(r"(#define THC_SEEN_RESET\(P\) \\\n\s*)\(0, 1, THC_RESET, [^:]*\):",
+                      r"\1(0, 1, THC_RESET, _, _, _, _, _, _, _, _, _, _, _, _):",
                       (P4SRC / "thc_tna.p4").read_text())
     assert k == 1, "the pattern no longer matches the program"
     assert run(TnaEngine(Program(preprocess(text))))[2] is None
