@@ -60,6 +60,35 @@ def test_an_offset_of_2_to_the_31_is_refused_as_malformed(program):
     assert engine.drops() == {"malformed": 2}
 
 
+@pytest.mark.parametrize("how", ["version 6", "more fragments"])
+def test_a_frame_no_host_takes_as_one_datagram_is_not_summed_and_its_resend_sums(program,
+                                                                                 how):
+    """Another IP version, or a first fragment, from a worker's address: the parser leaves
+    it to L2 forwarding, where a frame to the aggregator's MAC is dropped and counted in
+    l2_misses; it touches no slot and is not answered, and its resend then completes the
+    round as in the model. (thc.p4 drops it as ``malformed``: tests/bmv2.)"""
+    from tests.tna.interleave import FIRST_RUN, JOB_ID, T, addr, lanes_of, make_job, nonce_of
+    from tests.tna.interleave import normalize
+    from tests.unwhole import unwhole
+    from thc.controller import program as names
+    from thc.wire import protocol as P
+    from thc.wire.model import Model
+    engine, model, job = TnaEngine(program), Model(), make_job(2, 4)
+    engine.install(job, job.new_epoch(nonce=5), now=1000.0)
+    model.install(job, job.new_epoch(nonce=5))
+    sent = [P.Header(T["DATA"], w, JOB_ID, 0, 0, 0, 0, 0, job.config_tag, FIRST_RUN,
+                     nonce_of(w, FIRST_RUN)).pack() + lanes_of("DATA", w, FIRST_RUN, 0)
+            for w in range(2)]
+    assert normalize(engine.handle(sent[0], addr(0), 1000.0)) == normalize(
+        model.handle(sent[0], addr(0), 1000.0))
+    bad = unwhole(engine.frame_of(sent[1], addr(1)), how)
+    assert engine.handle_frame(bad, addr(1), 1000.0) == ([], None)
+    assert engine.counters[names.L2_MISSES, 0] == 1 and engine.drops() == {}
+    got = normalize(engine.handle(sent[1], addr(1), 1000.0))
+    assert got == normalize(model.handle(sent[1], addr(1), 1000.0))
+    assert [fields[0] for fields, _, _ in got[1]] == ["RESULT", "RESULT"], got
+
+
 @pytest.fixture(scope="module")
 def outcomes(program):
     print(f"THC_TNA_SEED={SEED}")

@@ -13,9 +13,10 @@ import numpy as np
 import pytest
 
 from thc.codec.packing import unpack_bits
-from thc.controller.frames import ETH, IPV4, UDP, frame_faults, ipv4_checksum, udp_frame
+from thc.controller.frames import ETH, IPV4, UDP, frame_faults, udp_frame
 from thc.wire import protocol as P
 from tests.bmv2.packets import check_result, data, datagram, random_indices
+from tests.unwhole import HOW, unwhole
 
 pytestmark = pytest.mark.bmv2
 _ids = itertools.count(950)
@@ -59,29 +60,7 @@ def _zero_sums(ep, job, worker: int, which: str) -> bytes:
     return _set(frame, IP_CHECKSUM_AT, 0xFFFF)
 
 
-def _ip_set(frame: bytes, byte: int, value: int, extra: bytes = b"", wide: bool = False) -> bytes:
-    """``frame`` with IPv4 header byte ``byte`` (``wide``: the 16-bit field there) set to
-    ``value``, the header's checksum computed again, ``extra`` appended."""
-    ip = bytearray(frame[ETH.size:ETH.size + IPV4.size])
-    struct.pack_into("!H" if wide else "!B", ip, byte, value)
-    struct.pack_into("!H", ip, 10, 0)
-    struct.pack_into("!H", ip, 10, ipv4_checksum(bytes(ip)))
-    return frame[:ETH.size] + bytes(ip) + frame[ETH.size + IPV4.size:] + extra
-
-
-def unwhole(frame: bytes, how: str) -> bytes:
-    """``frame`` as no host's kernel delivers it as one UDP datagram, its checksums right."""
-    total = struct.unpack_from("!H", frame, ETH.size + 2)[0]
-    out = {"version 6": lambda: _ip_set(frame, 0, 0x65),
-           "more fragments": lambda: _ip_set(frame, 6, 0x20),
-           "ipv4 length short": lambda: _ip_set(frame, 2, total - 2, wide=True),
-           "ipv4 length long": lambda: _ip_set(frame, 2, total + 2, b"\0\0", wide=True)}[how]()
-    assert (struct.unpack_from("!H", out, ETH.size + 2)[0] - total) in (-2, 0, 2)
-    return out
-
-
-@pytest.mark.parametrize("how", ["version 6", "more fragments", "ipv4 length short",
-                                 "ipv4 length long"])
+@pytest.mark.parametrize("how", HOW)
 def test_a_frame_no_host_takes_as_one_datagram_is_malformed_and_its_resend_sums(bmv2, sw,
                                                                                 how):
     """Another IP version, a first fragment, or an IPv4 length unlike the UDP datagram's

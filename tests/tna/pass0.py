@@ -134,8 +134,16 @@ class TnaEngine:
         self.installed[table] = rows + [(cells, action, args)]
 
     def handle(self, datagram: bytes, src: tuple[str, int], now: float):
-        frame = udp_frame("02:00:00:00:00:01", AGG_MAC, src[0], AGG_IP, src[1], P.UDP_PORT,
-                          datagram)
+        return self.handle_frame(self.frame_of(datagram, src), src, now)
+
+    @staticmethod
+    def frame_of(datagram: bytes, src: tuple[str, int]) -> bytes:
+        """The frame a worker at ``src`` sends the switch ``datagram`` in."""
+        return udp_frame("02:00:00:00:00:01", AGG_MAC, src[0], AGG_IP, src[1], P.UDP_PORT,
+                         datagram)
+
+    def handle_frame(self, frame: bytes, src: tuple[str, int], now: float):
+        """As :meth:`handle`, for a whole frame on the port of ``src``."""
         port = self.ports.get(tuple(src), self.STRANGER_PORT)
         if not self.delay:
             return self._frame(frame, port, now)
