@@ -829,10 +829,10 @@ static void cl_free(Client *c) {
  *            incarnation, (tag, tag_mask, up_tag), own_lut, vote, reach): own_lut, 16
  *            host-order uint32, the job's table; vote: DATA lanes are sign bits; reach:
  *            Job.reachable_sums's bytes for DATA (top: the granularity), else empty.
- *            Replies of the three types are this job's, a result of the other type is counted as ignored; an epoch
- *            learnt must hold the job's configuration tag: epoch & tag_mask == tag
- *            (protocol.py's EPOCH_TAG_SHIFT); up_tag: that tag as every packet sent carries it
- *            in its bitmap field (protocol.py's upstream_tag)
+ *            Replies of the three types are this job's, a result of the other type is
+ *            counted as ignored; an epoch learnt must hold the job's configuration tag:
+ *            epoch & tag_mask == tag (protocol.py's EPOCH_TAG_SHIFT); up_tag: that tag as
+ *            every packet sent carries it in its bitmap field (protocol.py's upstream_tag)
  *   aggs: [(ipv4 as int, port)] per shard; epochs: [int or None] per shard (updated in place)
  *   timing: (timeout, max_timeout, deadline, fast_retransmit_after, fast_backoff_cap,
  *           silent_after, recv_batch), the last four host/net/window.py's rules (results of

@@ -35,8 +35,8 @@ from thc.wire.model import Model, Reply
 MAX_PEERS = 1 << 16
 """Peers whose local address a wildcard socket remembers (see ``Aggregator.serve``)."""
 DRAIN = 1024
-_JOB_ID = P.header_span("job_id")
 """Datagrams read between looks at the stop flag: a flood never empties the socket."""
+_JOB_ID = P.header_span("job_id")
 
 
 class Aggregator(UDPServer):
