@@ -247,10 +247,11 @@ parser ThcIngressParser(packet_in pkt, out tna_headers_t hdr, out metadata_t met
             default: accept;
         }
     }
-    // What a host's kernel takes as one UDP datagram: IPv4 (version 4) without options, not
-    // a fragment (no offset, no more-fragments flag). Anything else goes to L2 forwarding,
-    // where one to the aggregator's MAC is a counted drop (l2_misses): never summed. The
-    // select reads no byte more than IHL's, the offset's and the protocol's.
+    // THC only in IPv4 version 4 without options (no worker sends any) that is no fragment
+    // (no offset, no more-fragments flag: a host delivers no fragment as a datagram). Anything
+    // else goes to L2 forwarding, where one to the aggregator's MAC is a counted drop
+    // (l2_misses): never summed. The select reads no byte more than IHL's, the offset's and
+    // the protocol's.
     state parse_ipv4 {
         pkt.extract(hdr.ipv4);
         transition select(hdr.ipv4.version, hdr.ipv4.ihl, hdr.ipv4.flags[0:0],

@@ -140,7 +140,8 @@ LOST_BROKEN = {
         r"if (value.n == value.n) {\n\1"),
 }
 """A broken copy that only lost and late passes tell from the program: the fuzz above, passes
-two packets late, finds a wrong sum."""
+two packets late, finds a wrong sum. It runs up to 40 cases and stops at the first
+difference: 10 missed it for some seeds (``THC_TNA_SEED``), 40 caught it for each of 12."""
 
 
 @pytest.mark.parametrize("name", sorted(LOST_BROKEN))
@@ -148,7 +149,7 @@ def test_the_lost_pass_fuzz_catches_a_broken_program(name):
     pattern, repl = LOST_BROKEN[name]
     text, k = re.subn(pattern, repl, (P4SRC / "thc_tna.p4").read_text(), flags=re.M)
     assert k == 1, f"{name}: the pattern no longer matches the program"
-    _, difference = fuzz(Program(preprocess(text), raw=text), SEED, cases=10, delay=2, lose=0.2)
+    _, difference = fuzz(Program(preprocess(text), raw=text), SEED, cases=40, delay=2, lose=0.2)
     assert difference is not None and "holds other sums" in difference, f"{name}: not caught"
 
 
