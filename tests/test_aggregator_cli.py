@@ -18,6 +18,7 @@ import time
 import pytest
 
 from thc.net import fastagg
+from thc.net.report import Report
 from thc.testing.clusters import free_port_block, local_job
 from thc.testing.stats import fresh_stats
 from thc.wire.jobs import Cluster
@@ -566,6 +567,52 @@ def test_a_closed_or_non_blocking_standard_output_loses_no_line_and_no_time(tmp_
         proc.kill()
     lines = [json.loads(line) for line in out.splitlines()[1:]]
     assert len(lines) >= 8 and lines[-1]["jobs"] and "closed" not in err, (len(lines), err)
+
+
+@pytest.mark.parametrize("stdout", ["full", "gone"])
+def test_a_standard_output_full_or_gone_before_the_first_line_holds_up_nothing(tmp_path,
+                                                                               stdout):
+    """The first line (where it listens) was printed on the main thread: an output full from
+    the start held up the stop, and the stats file was never written; one whose reader was
+    gone ended the aggregator at once with status 141, serving nothing."""
+    import fcntl
+    cfg = tmp_path / "cluster.json"
+    Cluster(jobs=(local_job(1, 2, free_port_block(2)),)).save(cfg)
+    stats = tmp_path / "stats.json"
+    read_end, write_end = os.pipe()
+    fcntl.fcntl(write_end, fcntl.F_SETPIPE_SZ, 4096)
+    if stdout == "full":
+        fcntl.fcntl(write_end, fcntl.F_SETFL,
+                    fcntl.fcntl(write_end, fcntl.F_GETFL) | os.O_NONBLOCK)
+        for size in (4096, 1):
+            try:
+                while os.write(write_end, b"x" * size):
+                    pass
+            except BlockingIOError:
+                pass
+        fcntl.fcntl(write_end, fcntl.F_SETFL,
+                    fcntl.fcntl(write_end, fcntl.F_GETFL) & ~os.O_NONBLOCK)
+    else:
+        os.close(read_end)
+    t0 = time.monotonic()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "thc.cli", "aggregator", "--config", str(cfg), "--listen",
+         "127.0.0.1:0", "--duration", "2", "--stats-file", str(stats)],
+        stdout=write_end, stderr=subprocess.PIPE, text=True)
+    os.close(write_end)
+    try:
+        err = proc.communicate(timeout=30)[1]
+    finally:
+        proc.kill()
+        if stdout == "full":
+            os.close(read_end)
+    took = time.monotonic() - t0
+    assert proc.returncode == 0 and "Traceback" not in err, (proc.returncode, err)
+    assert 1.5 < took < 2 + Report.FINAL_WAIT + 4, (took, err)
+    assert json.loads(stats.read_text())["jobs"], err
+    said = "exiting without the final counters line" if stdout == "full" \
+        else "standard output closed"
+    assert said in err, err
 
 
 @pytest.mark.parametrize("text", ["{}", '{"jobs": []}'])

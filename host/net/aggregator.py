@@ -370,11 +370,10 @@ def _announce(report: Report, agg, addr, datapath: str, chosen, cluster, host: s
     """The startup lines: where it listens, for which jobs and epochs (the first line, on
     standard output), its settings and notes (standard error, as the report's notes)."""
     role = "" if shard is None else f" as shard {shard}"
-    print(f"thc aggregator listening on {addr[0]}:{addr[1]}{role} with jobs "
-          f"{[j.job_id for j in cluster.jobs]}, epochs "
-          f"{' '.join(f'{jid}:{e:#010x}' for jid, e in agg.counters()['epochs'].items())}, "
-          f"datapath {datapath}",
-          flush=True)
+    report.announce(f"thc aggregator listening on {addr[0]}:{addr[1]}{role} with jobs "
+                    f"{[j.job_id for j in cluster.jobs]}, epochs "
+                    f"{' '.join(f'{jid}:{e:#010x}' for jid, e in agg.counters()['epochs'].items())}"
+                    f", datapath {datapath}")
     report.note(chosen.describe())
     if note := central_address_note(cluster, host, port):
         report.note(note)

@@ -22,11 +22,11 @@ place of the last one waiting."""
 
 class LineWriter:
     """Lines to a stream, written by a thread of their own: a full pipe blocks that thread,
-    never the caller. ``snapshots``: each line replaces one still waiting (counters lines);
-    else lines queue, up to :data:`NOTES_KEPT`. A stream with a file descriptor is written
-    with os.write, not through its buffer, whose lock a thread blocked in a write would hold
-    at the interpreter's exit; one without (a test's capture) through its own write; none
-    (a closed standard stream is None) takes nothing."""
+    never the caller. ``snapshots``: each line replaces one still waiting (counters lines)
+    but a kept one; else lines queue, up to :data:`NOTES_KEPT`. A stream with a file
+    descriptor is written with os.write, not through its buffer, whose lock a thread blocked
+    in a write would hold at the interpreter's exit; one without (a test's capture) through
+    its own write; none (a closed standard stream is None) takes nothing."""
 
     def __init__(self, stream, snapshots: bool):
         try:
@@ -37,7 +37,7 @@ class LineWriter:
             else (lambda data: _write_stream(stream, data))
         self._snapshots = snapshots
         self._cond = threading.Condition()
-        self._waiting: collections.deque[bytes] = collections.deque()
+        self._waiting: collections.deque[tuple[bytes, bool]] = collections.deque()
         self._writing = False
         self.gone: str | None = None if stream is not None else "not open"
         """Why lines stop (the reader closed its end: EPIPE), None while they go."""
@@ -46,17 +46,18 @@ class LineWriter:
         if self.gone is None:
             threading.Thread(target=self._run, name="thc-report-lines", daemon=True).start()
 
-    def put(self, line: str) -> bool:
-        """Queue ``line``; True where it is the first to replace or drop a waiting one."""
+    def put(self, line: str, keep: bool = False) -> bool:
+        """Queue ``line``, which no later line replaces where ``keep``; True where it is the
+        first to replace or drop a waiting one."""
         with self._cond:
             if self.gone is not None:
                 return False
-            dropped = bool(self._waiting) and (self._snapshots
-                                               or len(self._waiting) >= NOTES_KEPT)
+            dropped = bool(self._waiting) and not self._waiting[-1][1] and (
+                self._snapshots or len(self._waiting) >= NOTES_KEPT)
             if dropped:
                 self._waiting.pop()
                 self.replaced += 1
-            self._waiting.append((line + "\n").encode())
+            self._waiting.append(((line + "\n").encode(), keep))
             self._cond.notify_all()
             return dropped and self.replaced == 1
 
@@ -71,7 +72,7 @@ class LineWriter:
         while True:
             with self._cond:
                 self._cond.wait_for(lambda: bool(self._waiting))
-                data = self._waiting.popleft()
+                data = self._waiting.popleft()[0]
                 self._writing = True
             try:
                 while data:
@@ -121,6 +122,12 @@ class Report:
         self._lines = LineWriter(sys.stdout, snapshots=True)
         self._notes = LineWriter(sys.stderr, snapshots=False)
         self._said_gone = False
+
+    def announce(self, text: str) -> None:
+        """The first line on standard output (where it listens): written before any counters
+        line, and never replaced by one."""
+        self._lines.put(text, keep=True)
+        self._say_gone()
 
     def note(self, text: str) -> None:
         """``text`` on standard error, prefixed with the command's name."""
