@@ -569,6 +569,21 @@ def test_a_closed_or_non_blocking_standard_output_loses_no_line_and_no_time(tmp_
     assert len(lines) >= 8 and lines[-1]["jobs"] and "closed" not in err, (len(lines), err)
 
 
+def test_the_first_line_comes_before_every_note_on_one_pipe(tmp_path):
+    """A supervisor that reads standard error in the same pipe takes the first line for where
+    it listens: written by a thread of its own, it came after the notes."""
+    cfg = tmp_path / "cluster.json"
+    Cluster(jobs=(local_job(1, 2, free_port_block(2)),)).save(cfg)
+    for _ in range(3):
+        r = subprocess.run([sys.executable, "-m", "thc.cli", "aggregator", "--config", str(cfg),
+                            "--listen", "127.0.0.1:0", "--duration", "0.2"],
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                           timeout=60)
+        lines = r.stdout.splitlines()
+        assert r.returncode == 0 and len(lines) > 1, r.stdout
+        assert lines[0].startswith("thc aggregator listening on 127.0.0.1:"), r.stdout
+
+
 @pytest.mark.parametrize("stdout", ["full", "gone"])
 def test_a_standard_output_full_or_gone_before_the_first_line_holds_up_nothing(tmp_path,
                                                                                stdout):

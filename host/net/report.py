@@ -115,6 +115,9 @@ class Report:
     FINAL_WAIT = 5.0
     """Seconds the final line may wait for a reader before the aggregator exits without it."""
 
+    ANNOUNCE_WAIT = 1.0
+    """Seconds the first line may wait for a reader before the notes follow it."""
+
     def __init__(self, stats_file: str | None):
         # written through a link, to the file it names: a link stays a link
         self.path = None if not stats_file else Path(stats_file).resolve()
@@ -124,9 +127,11 @@ class Report:
         self._said_gone = False
 
     def announce(self, text: str) -> None:
-        """The first line on standard output (where it listens): written before any counters
-        line, and never replaced by one."""
+        """The first line on standard output (where it listens): never replaced by a counters
+        line, and written before any note where standard error shares its pipe, unless no
+        one reads it for :attr:`ANNOUNCE_WAIT` seconds."""
         self._lines.put(text, keep=True)
+        self._lines.drain(self.ANNOUNCE_WAIT)
         self._say_gone()
 
     def note(self, text: str) -> None:
