@@ -109,8 +109,8 @@ def _write_stream(stream, data: bytes) -> int:
 
 class Report:
     """The counters as a file rewritten whole and as JSON lines on standard output; notes
-    about either on standard error. Nothing here waits for a reader but :meth:`final`, for
-    at most :attr:`FINAL_WAIT` seconds."""
+    about either on standard error. Nothing here waits for a reader but :meth:`announce`
+    and :meth:`final`, for at most :attr:`ANNOUNCE_WAIT` and :attr:`FINAL_WAIT` seconds."""
 
     FINAL_WAIT = 5.0
     """Seconds the final line may wait for a reader before the aggregator exits without it."""
