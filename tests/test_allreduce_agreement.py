@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from thc.codec.params import THCParams
 from thc.codec.thc import table_values
+from thc.collective import agreement
 from thc.collective.allreduce import THCAllReduce
 from thc.net.aggregator import Aggregator
 from thc.net.client import AggregationClient, AggregationTimeout
@@ -451,7 +452,7 @@ class _Recorder:
 def test_workers_without_a_generator_draw_unlike_roundings_though_seeded_alike():
     """Training scripts seed torch alike on every rank: with no generator, every worker drew
     its rounding key from torch's global generator, the same on all, so their rounding errors
-    were one error n times and the mean's did not shrink. The default key is the rank."""
+    were one error n times and the mean's did not shrink. The default key holds the rank."""
     x = torch.randn(4096, generator=torch.Generator().manual_seed(3))
     reducers = [THCAllReduce(_Recorder(rank), PARAMS, error_feedback=False) for rank in (0, 1)]
     for ar in reducers:
@@ -459,7 +460,24 @@ def test_workers_without_a_generator_draw_unlike_roundings_though_seeded_alike()
         ar(x)
     wires = [ar.transport.summed[0] for ar in reducers]
     assert (wires[0] != wires[1]).float().mean() > 0.05
-    assert [ar.generator for ar in reducers] == [0, 1]
+    assert [ar.generator for ar in reducers] == [agreement.rounding_key(rank, ar.name)
+                                                 for rank, ar in enumerate(reducers)]
+
+
+def test_reducers_of_one_worker_draw_unlike_roundings():
+    """Keyed by the rank alone, every reducer of a worker drew alike in a round: a DDP hook's
+    buckets took one set of rounding uniforms, equal inputs came out equal and the errors of
+    unlike ones correlated. The default key holds the reducer's name too."""
+    x = torch.randn(4096, generator=torch.Generator().manual_seed(3))
+    worker = _Recorder(0)
+    a, b = (THCAllReduce(worker, PARAMS, error_feedback=False) for _ in range(2))
+    a(x)
+    b(x)
+    assert (worker.summed[0] != worker.summed[1]).float().mean() > 0.05
+    assert a.generator != b.generator
+    same = THCAllReduce(_Recorder(0), PARAMS, error_feedback=False, generator=a.generator)
+    same(x)
+    assert torch.equal(same.transport.summed[0], worker.summed[0])
 
 
 def test_two_threads_reducers_on_one_client_never_take_each_others_sums():

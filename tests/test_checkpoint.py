@@ -193,6 +193,38 @@ def test_a_state_is_loaded_only_by_the_rank_that_saved_it():
         in res[1][2], res
 
 
+def _unlike_rounds_worker(rank, port, q):
+    """Both ranks save a named reducer's state after rounds 2 and 3; rank 0 loads the later,
+    rank 1 the earlier, into a reducer built anew, and calls it."""
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2)
+    ar = THCAllReduce.through_torch_distributed(params=P, name="enc")
+    states = []
+    for x in _inputs(3):
+        ar(x)
+        states.append(ar.state_dict())
+    again = THCAllReduce.through_torch_distributed(params=P, name="enc")
+    again.load_state_dict(states[2 - rank])
+    try:
+        again(_inputs(1)[0])
+        out = "summed"
+    except RuntimeError as e:
+        out = str(e)
+    q.put((rank, out))
+    dist.destroy_process_group()
+
+
+def test_states_of_unlike_rounds_are_refused_naming_the_load():
+    """Ranks that load states saved at different rounds are in different rounds: every rank
+    refuses, and the refusal named a missed round alone."""
+    from tests.procs import gloo_pair
+    res = gloo_pair(_unlike_rounds_worker)
+    for rank in (0, 1):
+        assert "different rounds" in res[rank], res
+        assert "loaded a state saved at another round" in res[rank], res
+
+
 def _resumed_worker(rank, port, q, kind, loads, counted=True):
     """Three steps and a save on each rank, then a model and hook built anew on each, rank
     ``r`` loading its own state where ``loads[r]`` (without its count of steps where not

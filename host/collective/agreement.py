@@ -139,6 +139,13 @@ def given_name(identity):
     return identity[1] if isinstance(identity, tuple) and identity[0] == "named" else None
 
 
+def rounding_key(rank: int, identity) -> int:
+    """A reducer's default key of its rounding draws: its worker's ``rank`` and its
+    :func:`identify` identity, hashed. Keyed by the rank alone, every reducer of a worker drew
+    alike in a round (a DDP hook's buckets: one set of uniforms), their errors correlated."""
+    return key_of("rounding", int(rank), identity)
+
+
 def round_draw(rnd: int) -> int:
     """What round ``rnd`` draws its rotation and rounding under: its number modulo ROUNDS,
     as its round lanes carry it. Rounds whose lanes pair then draw alike, however far apart
@@ -340,7 +347,8 @@ def check_rounds(tags, alike: str = THC_ALIKE) -> None:
                            f"to {lo[1]:.0f}, high {hi[0]:.0f} to {hi[1]:.0f}): a worker missed "
                            f"a round (under a DDP hook, whose rounds also count the model's "
                            f"stretches under no_sync: a rank accumulated a step under no_sync "
-                           f"alone, or split a stretch with a forward outside it), so their "
+                           f"alone, or split a stretch with a forward outside it), or loaded "
+                           f"a state saved at another round than its peers', so their "
                            f"rotations differ and no sum of this round is used")
     if klo[0] != klo[1] or khi[0] != khi[1]:
         raise RuntimeError(f"the workers' rounds differ in {alike} (fingerprints "

@@ -78,9 +78,10 @@ class THCAllReduce:
     after step): its residual, the last call's rounding error, joins the next call's input,
     so two tensors through one reducer would each take the other's (make one reducer per
     tensor). ``generator``: this worker's rounding draws (see :func:`thc.codec.thc.encode`);
-    by default keyed by its rank, as a graphed reducer's, not by torch's global generator:
-    training scripts seed that alike on every rank, and workers drawing alike would leave
-    the mean's rounding error as large as one worker's.
+    by default keyed by its rank and the reducer's ``name`` (:func:`agreement.rounding_key`),
+    as a graphed reducer's, not by torch's global generator: training scripts seed that alike
+    on every rank, and workers drawing alike would leave the mean's rounding error as large
+    as one worker's; reducers of one worker drawing alike would correlate their errors.
 
     ``nonfinite``: a round in which some worker's input holds NaN or Inf (or a slice norm
     beyond :func:`norm_limit`) is refused on every worker ("raise"), or returns NaN in every
@@ -102,11 +103,8 @@ class THCAllReduce:
                  nonfinite: str = "raise", name=None):
         self.nonfinite = agreement.nonfinite_mode(nonfinite)
         self.params = params or THCParams()
-        if generator is None:
-            rank = getattr(transport, "rank", None)
-            generator = rank if isinstance(rank, int) else secrets.randbits(62)
-        check_key(generator)   # here, not in a round's encode, where peers would wait
-        self.generator = generator
+        if generator is not None:
+            check_key(generator)   # here, not in a round's encode, where peers would wait
         if not isinstance(pipeline_elements, numbers.Integral) \
                 or isinstance(pipeline_elements, bool) or pipeline_elements < 1 \
                 or pipeline_elements % self.params.slice_size:
@@ -130,6 +128,11 @@ class THCAllReduce:
         self._domain = agreement.domain_of(transport)
         self.name = agreement.identify(self._domain, name)
         """What tells this reducer's rounds from other reducers' (:func:`agreement.identify`)."""
+        if generator is None:
+            rank = getattr(transport, "rank", None)
+            generator = agreement.rounding_key(rank, self.name) if isinstance(rank, int) \
+                else secrets.randbits(62)
+        self.generator = generator
 
     def skip_to(self, rnd: int) -> None:
         """Take round ``rnd`` next where it is ahead (rounds never go back: each draws its

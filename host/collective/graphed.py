@@ -153,25 +153,24 @@ class GraphedAllReduce:
     """Callable like :class:`THCAllReduce` (one tensor size a reducer), its rounds replayed
     from a CUDA graph where one can be captured (``capture``: None decides, and runs eagerly
     after a failed capture; True insists, and tries again each round; False never).
-    ``generator``: this worker's key of the rounding draws (default: its rank in the group);
-    give each worker its own (``base + rank``, as for :class:`THCAllReduce`): workers that
-    share one round alike, and the mean gets noisier. ``deferred_checks``: return without
-    waiting for the round, raise its refusal later (module docstring); every worker of a job
-    sets it alike (its rounds' fingerprint holds it). ``nonfinite``: as :class:`THCAllReduce`'s;
-    a round handed on gives NaN, deferred or not, and raises nothing later. ``name``: as
-    :class:`THCAllReduce`'s."""
+    ``generator``: this worker's key of the rounding draws (default: its rank in the group
+    and the reducer's name hashed, as :class:`THCAllReduce`'s); give each worker its own
+    (``base + rank``): workers that share one round alike, and the mean gets noisier.
+    ``deferred_checks``: return without waiting for the round, raise its refusal later
+    (module docstring); every worker of a job sets it alike (its rounds' fingerprint holds
+    it). ``nonfinite``: as :class:`THCAllReduce`'s; a round handed on gives NaN, deferred or
+    not, and raises nothing later. ``name``: as :class:`THCAllReduce`'s."""
 
     def __init__(self, transport, params: THCParams | None = None, error_feedback: bool = True,
                  generator: int | None = None, capture: bool | None = None,
                  timeout: float = 600.0,
                  deferred_checks: bool = False, nonfinite: str = "raise", name=None):
         self.nonfinite = agreement.nonfinite_mode(nonfinite)
-        if generator is None:
-            generator = transport.rank
-        if isinstance(generator, bool) or not isinstance(generator, int):
-            raise TypeError(f"a graphed round keys its rounding draws by a fixed int and the "
-                            f"round; got generator={generator!r}")
-        check_key(generator)
+        if generator is not None:
+            if isinstance(generator, bool) or not isinstance(generator, int):
+                raise TypeError(f"a graphed round keys its rounding draws by a fixed int and "
+                                f"the round; got generator={generator!r}")
+            check_key(generator)
         if transport.packed:
             raise ValueError("a graphed round sums through torch.distributed: the "
                              "aggregator's client runs on the host")
@@ -180,7 +179,6 @@ class GraphedAllReduce:
         self.transport = transport
         transport.check(self.params)
         agreement.fingerprint(self.params)   # its table made here, as THCAllReduce's
-        self.key = generator
         if error_feedback:
             check_feedback(self.params)
         self.error_feedback = error_feedback
@@ -216,6 +214,8 @@ class GraphedAllReduce:
         self._domain = agreement.domain_of(transport)
         self.name = agreement.identify(self._domain, name)
         """What tells this reducer's rounds from other reducers' (:func:`agreement.identify`)."""
+        self.key = generator if generator is not None \
+            else agreement.rounding_key(transport.rank, self.name)
 
     @classmethod
     def through_torch_distributed(cls, group=None, params: THCParams | None = None, **kw):
