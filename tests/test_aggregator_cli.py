@@ -584,6 +584,30 @@ def test_the_first_line_comes_before_every_note_on_one_pipe(tmp_path):
         assert lines[0].startswith("thc aggregator listening on 127.0.0.1:"), r.stdout
 
 
+def test_an_interrupt_while_the_first_line_waits_still_sends_the_notes():
+    """The notes (settings, addresses, receive queue) came after the first line's wait for a
+    reader: a SIGTERM or Ctrl-C in that wait lost them."""
+    from types import SimpleNamespace
+
+    from thc.net import aggregator as agg_cli
+    notes = []
+
+    class Waiting:
+        def announce(self, text):
+            raise KeyboardInterrupt
+
+        def note(self, text):
+            notes.append(text)
+    agg = SimpleNamespace(counters=lambda: {"epochs": {1: 5}},
+                          receive_buffer=agg_cli.RECEIVE_BUFFER)
+    chosen = SimpleNamespace(describe=lambda: "settings: the chosen ones")
+    cluster = Cluster(jobs=(local_job(1, 2, free_port_block(2)),))
+    with pytest.raises(KeyboardInterrupt):
+        agg_cli._announce(Waiting(), agg, ("127.0.0.1", 1), "python", chosen, cluster,
+                          "127.0.0.1", 1, None)
+    assert notes and notes[0] == "settings: the chosen ones", notes
+
+
 @pytest.mark.parametrize("stdout", ["full", "gone"])
 def test_a_standard_output_full_or_gone_before_the_first_line_holds_up_nothing(tmp_path,
                                                                                stdout):

@@ -460,8 +460,8 @@ def test_workers_without_a_generator_draw_unlike_roundings_though_seeded_alike()
         ar(x)
     wires = [ar.transport.summed[0] for ar in reducers]
     assert (wires[0] != wires[1]).float().mean() > 0.05
-    assert [ar.generator for ar in reducers] == [agreement.rounding_key(rank, ar.name)
-                                                 for rank, ar in enumerate(reducers)]
+    assert [ar.generator for ar in reducers] == [agreement.rounding_key(ar.transport, ar.name)
+                                                 for ar in reducers]
 
 
 def test_reducers_of_one_worker_draw_unlike_roundings():
@@ -478,6 +478,41 @@ def test_reducers_of_one_worker_draw_unlike_roundings():
     same = THCAllReduce(_Recorder(0), PARAMS, error_feedback=False, generator=a.generator)
     same(x)
     assert torch.equal(same.transport.summed[0], worker.summed[0])
+
+
+def _two_groups_and_two_hooks_worker(rank, port, q):
+    """The first reducers of two groups, and two hooks on two copies of one model, each pair
+    given the same input: whether each pair's results are equal."""
+    import copy
+
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from thc.collective.ddp import THCHook
+    join_gloo(rank, port)
+    x = torch.randn(4096, generator=torch.Generator().manual_seed(3 + rank))
+    a, b = (THCAllReduce.through_torch_distributed(dist.new_group([0, 1]), PARAMS,
+                                                   error_feedback=False) for _ in range(2))
+    groups = torch.equal(a(x), b(x))
+    torch.manual_seed(0)
+    base = torch.nn.Linear(256, 256)
+    grads = []
+    for _ in range(2):
+        model = copy.deepcopy(base)
+        ddp = DDP(model)
+        THCHook(model, lambda group: THCAllReduce.through_torch_distributed(
+            group, PARAMS, error_feedback=False)).register(ddp)
+        ddp(x[:1024].view(4, 256)).square().sum().backward()
+        grads.append(model.weight.grad.clone())
+    q.put((rank, (groups, torch.equal(*grads))))
+    dist.destroy_process_group()
+
+
+def test_reducers_of_two_groups_and_two_hooks_draw_unlike_roundings():
+    """A reducer's name is its build order on its group, and a hook renames its buckets'
+    reducers once built: keyed by rank and build order, the first reducers of two groups drew
+    alike, and so did two hooks' buckets."""
+    res = gloo_pair(_two_groups_and_two_hooks_worker)
+    assert res == {0: (False, False), 1: (False, False)}, res
 
 
 def test_two_threads_reducers_on_one_client_never_take_each_others_sums():

@@ -96,10 +96,10 @@ def _ddp(mode: str, model, bucket_mb: int, params: THCParams, calls: list):
         hook = FP32Hook(model)
     elif mode in GRAPHED:
         hook = THCHook(model, lambda group: GraphedAllReduce.through_torch_distributed(
-            group, params=params, generator=1000, deferred_checks=mode == "thc deferred"))
+            group, params=params, deferred_checks=mode == "thc deferred"))
     else:
         hook = THCHook(model, lambda group: THCAllReduce.through_torch_distributed(
-            group, params=params, generator=1000))
+            group, params=params))
     inner = hook.hook
 
     def counted(state, bucket):

@@ -139,11 +139,15 @@ def given_name(identity):
     return identity[1] if isinstance(identity, tuple) and identity[0] == "named" else None
 
 
-def rounding_key(rank: int, identity) -> int:
-    """A reducer's default key of its rounding draws: its worker's ``rank`` and its
-    :func:`identify` identity, hashed. Keyed by the rank alone, every reducer of a worker drew
-    alike in a round (a DDP hook's buckets: one set of uniforms), their errors correlated."""
-    return key_of("rounding", int(rank), identity)
+def rounding_key(transport, identity) -> int:
+    """A reducer's default key of its rounding draws: its worker's rank, what its rounds pair
+    on (a process group's name, an aggregator job) and its :func:`identify` identity, hashed.
+    Keyed by the rank alone, every reducer of a worker drew alike in a round (a DDP hook's
+    buckets, reducers on two groups: one set of uniforms), their errors correlated."""
+    domain = domain_of(transport)
+    group = getattr(domain, "group_name", None)
+    where = group if isinstance(group, str) else getattr(transport, "members", None)
+    return key_of("rounding", int(transport.rank), where, identity)
 
 
 def round_draw(rnd: int) -> int:

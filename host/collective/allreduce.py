@@ -78,10 +78,10 @@ class THCAllReduce:
     after step): its residual, the last call's rounding error, joins the next call's input,
     so two tensors through one reducer would each take the other's (make one reducer per
     tensor). ``generator``: this worker's rounding draws (see :func:`thc.codec.thc.encode`);
-    by default keyed by its rank and the reducer's ``name`` (:func:`agreement.rounding_key`),
-    as a graphed reducer's, not by torch's global generator: training scripts seed that alike
-    on every rank, and workers drawing alike would leave the mean's rounding error as large
-    as one worker's; reducers of one worker drawing alike would correlate their errors.
+    by default keyed by its rank, group and name (:func:`agreement.rounding_key`), as a
+    graphed reducer's, not by torch's global generator: training scripts seed that alike on
+    every rank, and workers drawing alike would leave the mean's rounding error as large as
+    one worker's; reducers of one worker drawing alike would correlate their errors.
 
     ``nonfinite``: a round in which some worker's input holds NaN or Inf (or a slice norm
     beyond :func:`norm_limit`) is refused on every worker ("raise"), or returns NaN in every
@@ -128,11 +128,18 @@ class THCAllReduce:
         self._domain = agreement.domain_of(transport)
         self.name = agreement.identify(self._domain, name)
         """What tells this reducer's rounds from other reducers' (:func:`agreement.identify`)."""
-        if generator is None:
-            rank = getattr(transport, "rank", None)
-            generator = agreement.rounding_key(rank, self.name) if isinstance(rank, int) \
-                else secrets.randbits(62)
-        self.generator = generator
+        if generator is None and not isinstance(getattr(transport, "rank", None), int):
+            generator = secrets.randbits(62)
+        self._generator = generator
+
+    @property
+    def generator(self):
+        """The key of this worker's rounding draws: the one given, else
+        :func:`agreement.rounding_key` of its transport and its name as it is now (a DDP hook
+        names its reducers once built)."""
+        if self._generator is not None:
+            return self._generator
+        return agreement.rounding_key(self.transport, self.name)
 
     def skip_to(self, rnd: int) -> None:
         """Take round ``rnd`` next where it is ahead (rounds never go back: each draws its

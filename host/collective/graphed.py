@@ -153,8 +153,8 @@ class GraphedAllReduce:
     """Callable like :class:`THCAllReduce` (one tensor size a reducer), its rounds replayed
     from a CUDA graph where one can be captured (``capture``: None decides, and runs eagerly
     after a failed capture; True insists, and tries again each round; False never).
-    ``generator``: this worker's key of the rounding draws (default: its rank in the group
-    and the reducer's name hashed, as :class:`THCAllReduce`'s); give each worker its own
+    ``generator``: this worker's key of the rounding draws (default: its rank, group and
+    name hashed, as :class:`THCAllReduce`'s); give each worker its own
     (``base + rank``): workers that share one round alike, and the mean gets noisier.
     ``deferred_checks``: return without waiting for the round, raise its refusal later
     (module docstring); every worker of a job sets it alike (its rounds' fingerprint holds
@@ -214,8 +214,16 @@ class GraphedAllReduce:
         self._domain = agreement.domain_of(transport)
         self.name = agreement.identify(self._domain, name)
         """What tells this reducer's rounds from other reducers' (:func:`agreement.identify`)."""
-        self.key = generator if generator is not None \
-            else agreement.rounding_key(transport.rank, self.name)
+        self._key = generator
+
+    @property
+    def key(self) -> int:
+        """The key of this worker's rounding draws: the one given, else
+        :func:`agreement.rounding_key` of its transport and its name as it is now (a DDP hook
+        names its reducers once built)."""
+        if self._key is not None:
+            return self._key
+        return agreement.rounding_key(self.transport, self.name)
 
     @classmethod
     def through_torch_distributed(cls, group=None, params: THCParams | None = None, **kw):

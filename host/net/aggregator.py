@@ -342,9 +342,9 @@ def run(args: argparse.Namespace) -> int:
 def _serve(args, agg, addr, datapath: str, chosen, cluster, host: str, port: int) -> int:
     """Serve until the duration ends or a signal comes, then print the final counters."""
     report = Report(args.stats_file)
+    end = None if args.duration is None else time.monotonic() + args.duration
     try:
         _announce(report, agg, addr, datapath, chosen, cluster, host, port, args.shard)
-        end = None if args.duration is None else time.monotonic() + args.duration
         last_print = time.monotonic()
         while end is None or time.monotonic() < end:
             time.sleep(0.5)
@@ -370,10 +370,16 @@ def _announce(report: Report, agg, addr, datapath: str, chosen, cluster, host: s
     """The startup lines: where it listens, for which jobs and epochs (the first line, on
     standard output), its settings and notes (standard error, as the report's notes)."""
     role = "" if shard is None else f" as shard {shard}"
-    report.announce(f"thc aggregator listening on {addr[0]}:{addr[1]}{role} with jobs "
-                    f"{[j.job_id for j in cluster.jobs]}, epochs "
-                    f"{' '.join(f'{jid}:{e:#010x}' for jid, e in agg.counters()['epochs'].items())}"
-                    f", datapath {datapath}")
+    epochs = " ".join(f"{jid}:{e:#010x}" for jid, e in agg.counters()["epochs"].items())
+    try:
+        report.announce(f"thc aggregator listening on {addr[0]}:{addr[1]}{role} with jobs "
+                        f"{[j.job_id for j in cluster.jobs]}, epochs {epochs}, datapath "
+                        f"{datapath}")
+    finally:   # an interrupt while the first line waits for its reader: the notes still go
+        _notes(report, agg, chosen, cluster, host, port)
+
+
+def _notes(report: Report, agg, chosen, cluster, host: str, port: int) -> None:
     report.note(chosen.describe())
     if note := central_address_note(cluster, host, port):
         report.note(note)
