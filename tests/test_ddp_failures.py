@@ -340,8 +340,9 @@ def _steps_after_a_refusal(rank, port, q):
         model = _model()
         # several buckets: with unused parameters DDP keeps its buckets of bucket_cap_mb
         ddp = DDP(model, bucket_cap_mb=0.01, find_unused_parameters=True)
+        # one key in both runs: by default each hook's reducers draw their own
         Late(model, lambda group: THCAllReduce.through_torch_distributed(
-            group, params=THCParams(seed=3)), overlap=overlap).register(ddp)
+            group, params=THCParams(seed=3), generator=rank), overlap=overlap).register(ddp)
         log = []
         for step in range(4):
             x, y = _data(rank * 10 + step)
