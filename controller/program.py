@@ -5,7 +5,8 @@ Names are short (the part after the last dot): the programs may place them under
 controls, and controller/switch.py resolves a short name that is unique in the P4Info. Only
 the lookup tables differ between the programs; their names are in controller/targets/.
 tests/test_p4info_shared.py checks that both committed P4Infos agree on everything listed
-here: key names and widths, action parameter names and widths, counter sizes.
+here: key names and widths, action parameter names and widths, counter sizes, but for
+:data:`WORKER_PORT_KEY`.
 """
 from __future__ import annotations
 
@@ -15,6 +16,11 @@ INSTALL_TABLE = "thc_install"
 ADDR_TABLE = "thc_worker_addr"
 L2_TABLE = "l2_forward"
 DSCP_TABLE = "thc_dscp"
+
+WORKER_PORT_KEY = "ingress_port"
+"""The worker table's key on the switch port a worker's packets come in at, where the program
+has one (thc.p4; thc_tna.p4 knows a worker by its addresses alone): the controller writes each
+worker's ``switch_port`` there."""
 
 SET_JOB = "set_job"
 SET_WORKER = "set_worker"

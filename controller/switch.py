@@ -275,6 +275,10 @@ class Switch:
     def has_table(self, name: str) -> bool:
         return name in self.tables
 
+    def key_names(self, table: str) -> list[str]:
+        """The names of a table's match fields, in the P4Info's order."""
+        return [f.name for f in self.tables.get(table, "table").match_fields]
+
     def program_digest(self) -> bytes:
         """A digest of the loaded P4Info: what serialized entries depend on besides their
         values (ids, widths, lanes), so that entries built for one switch serve another."""

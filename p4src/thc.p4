@@ -425,12 +425,15 @@ control ThcIngress(inout headers_t hdr, inout metadata_t meta, inout standard_me
         meta.worker_bit = worker_bit;
         meta.ack_bit = worker_bit;
     }
+    // A worker is known by its switch port as well as its addresses: a host on another
+    // port that sends with them is no worker (unknown_worker), and gets no reply.
     table thc_worker {
         key = {
             hdr.thc.job_id: exact @name("job_id");
             hdr.thc.worker_id: exact @name("worker_id");
             hdr.ipv4.srcAddr: exact @name("src_ip");
             hdr.udp.srcPort: exact @name("src_port");
+            sm.ingress_port: exact @name("ingress_port");
         }
         actions = { set_worker; @defaultonly NoAction; }
         default_action = NoAction();

@@ -165,8 +165,8 @@ def test_p4info_has_the_shared_names():
     for name in ("thc_job", "thc_worker", "thc_worker_addr", "l2_forward"):
         assert name in tables, name
     assert [f.name for f in tables["thc_job"].match_fields] == ["job_id"]
-    assert [f.name for f in tables["thc_worker"].match_fields] == ["job_id", "worker_id",
-                                                                    "src_ip", "src_port"]
+    assert [f.name for f in tables["thc_worker"].match_fields] == [
+        "job_id", "worker_id", "src_ip", "src_port", "ingress_port"]
     assert [f.name for f in tables["thc_worker_addr"].match_fields] == ["job_id", "worker_id"]
     luts = sorted(t.preamble.name for t in info.tables if ".thc_lut_" in t.preamble.name)
     assert luts == sorted(f"ThcIngress.thc_g{g}.thc_lut_{b}"

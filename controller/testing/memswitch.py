@@ -33,6 +33,7 @@ from typing import NamedTuple
 from google.rpc import code_pb2
 
 from thc.controller import counters, p4rt, targets
+from thc.controller.program import WORKER_PORT_KEY
 from thc.controller.frames import parse_udp_frame
 from thc.controller.switch import BUILD_DIR, NoProgram, Switch, SwitchError, short_name
 from thc.controller.testing.entry_checks import EntryChecker, Refused
@@ -171,6 +172,14 @@ class MemoryDevice:
     def _drop(self, reason: str) -> None:
         self._count(counters.DROPS, P.DropReason[reason])
 
+    def _worker_key(self, job, w, ip: int) -> dict[str, int]:
+        """The thc_worker key of a packet from worker ``w``, on its own switch port."""
+        key = {"job_id": job.job_id, "worker_id": w.id, "src_ip": ip, "src_port": w.port}
+        fields = self.tables[self.table_ids["thc_worker"]].match_fields
+        if any(f.name == WORKER_PORT_KEY for f in fields):
+            key[WORKER_PORT_KEY] = w.switch_port
+        return key
+
     def _params(self, table: str, match: dict[str, int]) -> dict[str, int] | None:
         """{param: value} of the entry of ``table`` (short name) that ``match`` hits."""
         tid = self.table_ids[table]
@@ -223,8 +232,7 @@ class MemoryDevice:
             self._drop("unknown_job")
         elif worker_id >= cfg["n_workers"]:
             self._drop("worker_outside_job")
-        elif self._params("thc_worker", {"job_id": job.job_id, "worker_id": worker_id,
-                                         "src_ip": ip, "src_port": w.port}) is None:
+        elif self._params("thc_worker", self._worker_key(job, w, ip)) is None:
             self._drop("unknown_worker")
         else:
             self._count(counters.JOB_COUNTERS,

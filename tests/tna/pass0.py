@@ -42,7 +42,14 @@ AGG_MAC, AGG_IP = "02:00:00:00:00:fe", "10.0.0.254"
 
 
 class _Recorder:
-    """Stands in for controller/switch.py: returns the entries controller/jobs.py builds."""
+    """Stands in for controller/switch.py: returns the entries controller/jobs.py builds, and
+    the program's key names where it asks for them."""
+
+    def __init__(self, program: Program):
+        self.p = program
+
+    def key_names(self, table: str) -> list[str]:
+        return (self.p if table in self.p.tables else self.p.egress).tables[table]["key_names"]
 
     @staticmethod
     def table_entry(table, match, action, params):
@@ -97,7 +104,7 @@ class TnaEngine:
         thc_job entry and thc_install entry (the install's ``epoch``) in, a RESET packet-out
         of that install per slot version from the CPU port (each counted in thc_resets, which
         reset_pool waits for), its counters cleared, then the worker entries."""
-        rec, cpu_port = _Recorder(), self.p.consts["THC_TNA_CPU_PORT"][0]
+        rec, cpu_port = _Recorder(self.p), self.p.consts["THC_TNA_CPU_PORT"][0]
         self.pending += self.settle()   # milliseconds of writes: every pass is back
         self._delete_job_entries(names.WORKER_TABLE, job.job_id)
         self.mcast[job.mcast_grp] = [w.id + 1 for w in job.workers]
