@@ -31,7 +31,7 @@ import sys
 import time
 from pathlib import Path
 
-from thc.argtypes import non_negative_float, positive_float, positive_int, positive_ints
+from thc.argtypes import non_negative_float, positive_int, positive_ints, seconds
 from thc.controller import counters, forwarding, job_entries, jobs, toolchain
 from thc.controller.frames import udp_frame
 from thc.controller.switch import BUILD_DIR, SwitchError
@@ -47,7 +47,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_common(parser)
     parser.add_argument("--workers", type=positive_int, default=4,
                         help="workers (= switch ports)")
-    parser.add_argument("--duration", type=positive_float, default=None,
+    parser.add_argument("--duration", type=seconds, default=None,
                         help="seconds measured per program (default 5; 1 with --quick)")
     parser.add_argument("--pool", type=positive_int, default=256,
                         help="slots of the benchmark job")

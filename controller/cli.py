@@ -23,7 +23,7 @@ import json
 import os
 import sys
 
-from thc.argtypes import non_negative_int, positive_float, positive_int
+from thc.argtypes import non_negative_int, positive_int, seconds
 from thc.controller import (counters, dryrun, forwarding, installed, job_entries, jobs, program,
                             targets)
 from thc.controller.switch import DEFAULT_DEVICE_ID, DEFAULT_GRPC, NoProgram, Switch, SwitchError
@@ -48,7 +48,7 @@ def _switch_options(parser: argparse.ArgumentParser, defaults: bool = True,
              "that write, one of the session's own, lower than any earlier "
              "writer's; 0,PID for jobs, counters and l2 list, so that a "
              "reader never takes a writer's place)")
-    opt("--timeout", type=positive_float, default=5.0,
+    opt("--timeout", type=seconds, default=5.0,
         help="seconds to wait for the P4Runtime server (default 5)")
     opt("--target", default=targets.DEFAULT, choices=sorted(targets.TARGETS),
         help=f"the switch's program: bmv2 (p4src/thc.p4) or tofino "

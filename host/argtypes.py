@@ -8,6 +8,7 @@ import json
 import os
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 
@@ -85,6 +86,17 @@ def positive_float(text: str) -> float:
     value = _number(text)
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be above 0, not {text}")
+    return value
+
+
+def seconds(text: str) -> float:
+    """A timeout, deadline or duration: above 0 and at most ``threading.TIMEOUT_MAX`` (about
+    292 years), the longest wait Python and gRPC can make; a longer one overflows the clock
+    where it is waited on, far from its flag."""
+    value = positive_float(text)
+    if value > threading.TIMEOUT_MAX:
+        raise argparse.ArgumentTypeError(f"must be at most {threading.TIMEOUT_MAX:.0f} s (the "
+                                         f"longest wait a process can make), not {text}")
     return value
 
 

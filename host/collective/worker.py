@@ -13,7 +13,7 @@ import sys
 import threading
 from datetime import timedelta
 
-from thc.argtypes import defaulted_from, non_negative_int, positive_float, positive_int
+from thc.argtypes import defaulted_from, non_negative_int, positive_int, seconds
 from thc.codec import settings
 from thc.collective import watchdog
 from thc.net.addresses import parse_hostport
@@ -55,12 +55,12 @@ def add_arguments(parser: argparse.ArgumentParser, *, process_group: bool = True
                         help="run id, the same on every worker, torchrun's restart count "
                              "added as to THC_RUN (default: THC_RUN, else rank 0's clock "
                              "broadcast over the process group)")
-    client.add_argument("--deadline", type=positive_float, default=deadline,
+    client.add_argument("--deadline", type=seconds, default=deadline,
                         help=f"seconds a chunk may take before the round fails "
                              f"(default {deadline:g})")
     client.add_argument("--window", type=positive_int, default=None,
                         help="chunks in flight (default: the client's, at most the job's pool)")
-    client.add_argument("--rto", type=positive_float, default=0.02,
+    client.add_argument("--rto", type=seconds, default=0.02,
                         help="initial retransmission timeout, and the least margin over the "
                              "smoothed round trip, seconds")
     client.add_argument("--loss-bound", type=loss_bound_arg, default=None, metavar="F",

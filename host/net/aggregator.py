@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from time import monotonic
 
-from thc.argtypes import non_negative_float, positive_float
+from thc.argtypes import non_negative_float, seconds
 from thc.codec import settings
 from thc.net.addresses import (PKTINFO_SPACE, answer_from_destination, destination,
                                 parse_hostport, send_from)
@@ -178,7 +178,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "0.5 s, and once at the end (0: at the end only; default: "
                              "%(default)s)")
     parser.add_argument("--stats-file", help="rewrite counters as JSON to this file while running")
-    parser.add_argument("--duration", type=positive_float,
+    parser.add_argument("--duration", type=seconds,
                         help="exit after N seconds (default: serve until interrupted)")
     settings.add_arguments(parser, "aggregator_datapath")
     parser.add_argument("--no-gso", dest="gso", action="store_false",

@@ -8,7 +8,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from thc.argtypes import non_negative_float, non_negative_int, positive_float, positive_int
+from thc.argtypes import non_negative_float, non_negative_int, positive_int, seconds
 from thc.app.datasets import AUTO, DATASETS, TRAIN_IMAGES, fashion_missing, resolve
 from thc.codec import settings
 from thc.codec.params import THCParams
@@ -127,7 +127,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"with their twins' in software (thc, marsit-vote). 'all' trains "
                              f"them for every epoch like the other modes (234 steps: 36 "
                              f"minutes or more; make run-bmv2)")
-    parser.add_argument("--bmv2-timeout", type=positive_float, default=BMV2_TIMEOUT,
+    parser.add_argument("--bmv2-timeout", type=seconds, default=BMV2_TIMEOUT,
                         help="the limit for modes through BMv2 (default 3600 s; a lower limit "
                              "stops the mode where it got and still compares its losses with "
                              "THC's)")

@@ -13,7 +13,7 @@ import json
 import sys
 import time
 
-from thc.argtypes import non_negative_int, positive_float, positive_int
+from thc.argtypes import non_negative_int, positive_int, seconds
 from thc.emu.smoke_worker import digest, reference_sums
 from thc.emu import testbed
 from thc.emu.cleanup import Terminated, stopped_by
@@ -34,7 +34,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                          "bmv2: the switch")
     ap.add_argument("--numel", type=positive_int, default=1 << 20, help="elements per worker")
     ap.add_argument("--seed", type=non_negative_int, default=1234)
-    ap.add_argument("--rto", type=positive_float, default=0.02,
+    ap.add_argument("--rto", type=seconds, default=0.02,
                     help="minimum retransmission timeout (s)")
     ap.add_argument("--verbose", action="store_true", help="show Mininet's own log")
 

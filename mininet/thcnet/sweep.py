@@ -33,7 +33,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from thc.argtypes import (figure_path, fraction, positive_float, positive_floats, positive_int,
-                          read_json, writable_path)
+                        read_json, seconds, writable_path)
 from thc.app.breakeven import analyse
 from thc.app.datasets import AUTO, DATASETS
 from thc.bench import cpu_model, provenance
@@ -67,7 +67,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", type=fraction, default=None,
                         help="accuracy of the time-to-accuracy figures (default: FP32's final "
                              "accuracy minus one point at each bandwidth, the main job's)")
-    parser.add_argument("--timeout", type=positive_float, default=600.0,
+    parser.add_argument("--timeout", type=seconds, default=600.0,
                         help="limit a run, seconds")
     parser.add_argument("--agg-pps", type=positive_float, default=86e3,
                         help="software aggregator packets/s for the model (default: an "

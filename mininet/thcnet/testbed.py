@@ -29,7 +29,7 @@ import argparse
 import shutil
 
 from thc.argtypes import (loss_percent, non_negative_float, non_negative_int, positive_float,
-                          positive_int)
+                        positive_int, seconds)
 from thc.codec.params import THCParams
 from thc.testing.clusters import free_port_block
 from thc.wire.jobs import Cluster, Shard, Worker
@@ -166,7 +166,7 @@ def add_arguments(parser: argparse.ArgumentParser, *, timeout: float, loopback: 
     (``loopback``, where the command can run without Mininet) the loopback testbed's."""
     group = parser.add_argument_group("testbed")
     group.add_argument("--workers", type=workers_arg, default=4, help="worker hosts")
-    group.add_argument("--timeout", type=positive_float, default=timeout, help=timeout_help)
+    group.add_argument("--timeout", type=seconds, default=timeout, help=timeout_help)
     if loopback:
         group.add_argument("--loopback", action="store_true",
                            help="do not use Mininet even where it is available: processes on "
