@@ -107,3 +107,11 @@ def test_too_many_jobs_are_refused_before_any_table_is_made(monkeypatch):
     with pytest.raises(ConfigError, match=f"{P.MAX_JOBS + 1} jobs; at most {P.MAX_JOBS}"):
         Cluster.from_dict(many)
     assert made == []
+
+
+@pytest.mark.parametrize("aggregation", [["thc"], {"thc": 1}, 0])
+def test_an_aggregation_that_is_no_name_is_named(aggregation):
+    """A list or object was refused as "bad job description: unhashable type"."""
+    with pytest.raises(ConfigError, match=f"job 7: aggregation {re.escape(repr(aggregation))} "
+                                          f"unknown \\(one of"):
+        Cluster.from_dict(one_job(aggregation=aggregation))

@@ -318,7 +318,7 @@ class Job:
                               f"{(1 << self.sum_bits) - 1}); leave sum_bits out to choose "
                               f"{P.sum_bits_for(n, self.granularity)}")
         check_loss_bound(self.loss_bound, f"job {self.job_id}: ")
-        if self.aggregation not in P.AGGREGATIONS:
+        if not isinstance(self.aggregation, str) or self.aggregation not in P.AGGREGATIONS:
             raise ConfigError(f"job {self.job_id}: aggregation {self.aggregation!r} unknown "
                               f"(one of {sorted(P.AGGREGATIONS)})")
         if self.aggregation == "vote" and (self.table != VOTE_TABLE or self.granularity != 1):
