@@ -33,8 +33,8 @@ from typing import NamedTuple
 from google.rpc import code_pb2
 
 from thc.controller import counters, p4rt, targets
-from thc.controller.program import WORKER_PORT_KEY
 from thc.controller.frames import parse_udp_frame
+from thc.controller.program import WORKER_PORT_KEY
 from thc.controller.switch import BUILD_DIR, NoProgram, Switch, SwitchError, short_name
 from thc.controller.testing.entry_checks import EntryChecker, Refused
 from thc.wire import protocol as P

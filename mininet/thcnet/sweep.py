@@ -33,7 +33,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from thc.argtypes import (figure_path, fraction, positive_float, positive_floats, positive_int,
-                        read_json, seconds, writable_path)
+                          read_json, seconds, writable_path)
 from thc.app.breakeven import analyse
 from thc.app.datasets import AUTO, DATASETS
 from thc.bench import cpu_model, provenance

@@ -29,7 +29,7 @@ import argparse
 import shutil
 
 from thc.argtypes import (loss_percent, non_negative_float, non_negative_int, positive_float,
-                        positive_int, seconds)
+                          positive_int, seconds)
 from thc.codec.params import THCParams
 from thc.testing.clusters import free_port_block
 from thc.wire.jobs import Cluster, Shard, Worker
