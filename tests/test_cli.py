@@ -423,3 +423,15 @@ def test_a_command_started_with_its_output_closed_runs_as_before():
     proc = subprocess.run(["bash", "-c", f"{shlex.quote(sys.executable)} -m thc.cli table >&-"],
                           stderr=subprocess.PIPE, text=True, timeout=120)
     assert (proc.returncode, proc.stderr) == (0, "")
+
+
+@pytest.mark.parametrize("command", [["run"], ["faults"], ["sweep"], ["bench", "allreduce"],
+                                     ["bench", "dlcp"]])
+def test_the_testbed_commands_start_without_mininet(command):
+    """Their loopback testbed needs no Mininet, yet without its Python module every one of
+    them, --help included, ended in ModuleNotFoundError: thc.emu.links imported it."""
+    code = ("import sys; sys.modules['mininet'] = None\n"
+            "from thc.cli import main\n"
+            f"main({command + ['--help']!r})")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "usage: thc" in r.stdout, r.stderr[-1500:]

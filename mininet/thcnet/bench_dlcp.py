@@ -1,7 +1,7 @@
 """``thc bench dlcp``: DLCP's bounded loss and priorities on a congested Mininet link.
 
 One Mininet testbed (N workers, the software aggregator, every link queueing by DLCP class:
-``links.PriorityTCIntf``) and a competing UDP flow (iperf, best effort) from every worker to
+``tclinks.PriorityTCIntf``) and a competing UDP flow (iperf, best effort) from every worker to
 the aggregator's host at ``--competing`` x the link rate. The aggregator's link is N times a
 worker's (``--agg-bw-factor``), so it carries the workers' flows at the same share of its
 rate as each worker's link (at 1x, four workers' flows alone would offer it 3.2 times its

@@ -31,7 +31,7 @@ from thc.codec.params import THCParams
 from thc.net.client import GSO_ENV
 from thc.wire import protocol as P
 from thc.wire.jobs import SWITCH_AGG_IP, SWITCH_AGG_MAC, Cluster, Shard, Worker
-from thc.emu import links
+from thc.emu import links, tclinks
 from thc.emu.base import (
     AGG_IP,
     AGG_MAC,
@@ -86,7 +86,7 @@ class MininetTestbed(Testbed):
                  agg_bw_factor: float | None = None, params: THCParams | None = None,
                  lanes: int | None = None, pool_size: int | None = None, quiet: bool = True,
                  priorities: bool = False, loss_bound: float = 0.0):
-        """``priorities``: every shaped link queues by DLCP class (links.PriorityTCIntf)."""
+        """``priorities``: every shaped link queues by DLCP class (tclinks.PriorityTCIntf)."""
         try:
             plan = links.plan(bw_mbit, delay_ms, loss_pct)
             factor = float(agg_bw_factor or 1.0)
@@ -146,7 +146,7 @@ class MininetTestbed(Testbed):
         else:
             from mininet.nodelib import LinuxBridge
             switch_cls = LinuxBridge
-        net = Mininet(controller=None, switch=switch_cls, link=links.ThcLink, host=Host,
+        net = Mininet(controller=None, switch=switch_cls, link=tclinks.ThcLink, host=Host,
                       build=False, autoSetMacs=False, autoStaticArp=False,
                       waitConnected=False)
         self.net = net
@@ -164,7 +164,7 @@ class MininetTestbed(Testbed):
         self.switch = sw
         link_kw = dict(self.link_plan["link"])
         if self.priorities:
-            link_kw.update(cls1=links.PriorityTCIntf, cls2=links.PriorityTCIntf)
+            link_kw.update(cls1=tclinks.PriorityTCIntf, cls2=tclinks.PriorityTCIntf)
         if self.aggregator == "bmv2":
             # A software switch reading raw frames needs real checksums (Mininet's TCULink).
             link_kw.update(txo=False, rxo=False)

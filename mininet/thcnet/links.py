@@ -10,17 +10,14 @@ Some kernels (e.g. small VM kernels) are built without ``sch_netem``. Then:
 - **delay** cannot be emulated, and asking for it raises :class:`LinkError` rather than
   silently running without it.
 
-Mininet's TCIntf refuses rates above 1000 Mbit/s; the aggregator's link carries
-``n_workers x bw``, so :class:`WideTCIntf` lifts that cap and sizes the HTB burst and quantum
-for the rate (which also silences HTB's "quantum is big" warnings).
+Mininet's link classes are in thc.emu.tclinks: this module imports without Mininet (the
+loopback testbed's commands read their flags through it).
 """
 from __future__ import annotations
 
 import functools
 import shutil
 import subprocess
-
-from mininet.link import TCIntf, TCLink
 
 from thc.wire import protocol as P
 from thc.emu.nodeshell import node_run
@@ -30,26 +27,12 @@ class LinkError(RuntimeError):
     """A link parameter that this machine cannot emulate."""
 
 
-class WideTCIntf(TCIntf):
-    bwParamMax = 100_000
-    """Mbit/s: the most a link is shaped to (:func:`plan` refuses more: tc refused an HTB
-    burst far beyond it, and the links ran unshaped under a shaped label)."""
-    bwParamMin = 0.1
-    """Mbit/s: the least (a rate is written with six decimals, and tc refused 1e-6 Mbit/s
-    as no rate: the links ran unshaped under a shaped label)."""
-
-    def bwCmds(self, bw=None, speedup=0, use_hfsc=False, use_tbf=False, latency_ms=None,
-               enable_ecn=False, enable_red=False):
-        if bw is None or use_hfsc or use_tbf or enable_ecn or enable_red:
-            return super().bwCmds(bw=bw, speedup=speedup, use_hfsc=use_hfsc, use_tbf=use_tbf,
-                                  latency_ms=latency_ms, enable_ecn=enable_ecn,
-                                  enable_red=enable_red)
-        # ~1 ms of traffic per burst (at least 15 kB), MTU-sized quantum.
-        burst = max(15_000, int(bw * 1e6 / 8 / 1000))
-        cmds = ["%s qdisc add dev %s root handle 5:0 htb default 1",
-                "%s class add dev %s parent 5:0 classid 5:1 htb "
-                + f"rate {bw:f}Mbit burst {burst} cburst {burst} quantum 1514"]
-        return cmds, " parent 5:1 "
+BW_MAX_MBIT = 100_000
+"""Mbit/s: the most a link is shaped to (:func:`plan` refuses more: tc refused an HTB burst far
+beyond it, and the links ran unshaped under a shaped label)."""
+BW_MIN_MBIT = 0.1
+"""Mbit/s: the least (a rate is written with six decimals, and tc refused 1e-6 Mbit/s as no
+rate: the links ran unshaped under a shaped label)."""
 
 
 IPERF_PORT = 5201
@@ -74,10 +57,10 @@ def competing_flow(dest: str, wire_mbit: float) -> list[str]:
 
 
 BAND_FIFO_BYTES = 100 * 1514
-"""Queue of each class band of a :class:`PriorityTCIntf` (tail drop beyond it), 100 full
-frames: short enough that a congested link drops instead of queueing for seconds. In bytes,
-as a switch's buffer counts: a UDP GSO burst (the compiled client's DATA) is one packet to a
-qdisc, and a queue of packets would hold up to 64 of its datagrams a place."""
+"""Queue of each class band of a priority link (tclinks.PriorityTCIntf; tail drop beyond it),
+100 full frames: short enough that a congested link drops instead of queueing for seconds.
+In bytes, as a switch's buffer counts: a UDP GSO burst (the compiled client's DATA) is one
+packet to a qdisc, and a queue of packets would hold up to 64 of its datagrams a place."""
 
 
 def band_of_dscp() -> dict[int, int]:
@@ -86,48 +69,6 @@ def band_of_dscp() -> dict[int, int]:
     unknown DSCPs) the last band, best effort, as the switch's queue priority 0."""
     n = len(P.PRIORITY_DSCP)
     return {d: n - 1 - k for k, d in enumerate(P.PRIORITY_DSCP)}
-
-
-class PriorityTCIntf(WideTCIntf):
-    """The link's HTB rate shared by one HTB class per DLCP class plus best effort.
-
-    This kernel has no ``prio`` qdisc (nor netem); HTB's ``prio`` does the same job: each
-    band is guaranteed 1% of the rate and may borrow up to all of it, and spare bandwidth goes
-    to the lowest ``prio`` first, so a band is served only while every higher one is empty.
-    ``u32`` filters on the IPv4 DSCP pick the band; each band queues at most
-    ``BAND_FIFO_BYTES`` (bfifo), so under congestion the lowest bands drop first."""
-
-    def bwCmds(self, bw=None, speedup=0, use_hfsc=False, use_tbf=False, latency_ms=None,
-               enable_ecn=False, enable_red=False):
-        if bw is None or use_hfsc or use_tbf or enable_ecn or enable_red:
-            return super().bwCmds(bw=bw, speedup=speedup, use_hfsc=use_hfsc, use_tbf=use_tbf,
-                                  latency_ms=latency_ms, enable_ecn=enable_ecn,
-                                  enable_red=enable_red)
-        burst = max(15_000, int(bw * 1e6 / 8 / 1000))
-        bands = len(P.PRIORITY_DSCP) + 1
-        floor = max(bw / 100, 0.01)
-        cmds = [f"%s qdisc add dev %s root handle 5:0 htb default {0x10 + bands - 1:x}",
-                "%s class add dev %s parent 5:0 classid 5:1 htb "
-                + f"rate {bw:f}Mbit burst {burst} cburst {burst} quantum 1514"]
-        for b in range(bands):
-            cmds += [f"%s class add dev %s parent 5:1 classid 5:{0x10 + b:x} htb "
-                     f"rate {floor:f}Mbit ceil {bw:f}Mbit prio {b} burst {burst} "
-                     f"cburst {burst} quantum 1514",
-                     f"%s qdisc add dev %s parent 5:{0x10 + b:x} handle {0x20 + b:x}: "
-                     f"bfifo limit {BAND_FIFO_BYTES}"]
-        for dscp, b in band_of_dscp().items():
-            cmds.append(f"%s filter add dev %s parent 5:0 protocol ip prio 1 u32 match ip "
-                        f"dsfield {dscp << 2:#04x} 0xfc flowid 5:{0x10 + b:x}")
-        return cmds, None
-
-
-class ThcLink(TCLink):
-    """TCLink with :class:`WideTCIntf` on both ends."""
-
-    def __init__(self, *args, **kwargs):
-        kwargs.setdefault("cls1", WideTCIntf)
-        kwargs.setdefault("cls2", WideTCIntf)
-        super().__init__(*args, **kwargs)
 
 
 @functools.lru_cache(maxsize=None)
@@ -172,10 +113,9 @@ def path_loss(loss_pct: float) -> float:
 
 def check_bw(bw_mbit: float | None, link: str = "bandwidth") -> None:
     """Raise LinkError for a rate tc cannot shape (None: unshaped, fine)."""
-    if bw_mbit is not None and not WideTCIntf.bwParamMin <= bw_mbit <= WideTCIntf.bwParamMax:
-        raise LinkError(f"{link} must lie in [{WideTCIntf.bwParamMin:g}, "
-                        f"{WideTCIntf.bwParamMax}] Mbit/s (100 Gbit/s at most), got "
-                        f"{bw_mbit:g} Mbit/s")
+    if bw_mbit is not None and not BW_MIN_MBIT <= bw_mbit <= BW_MAX_MBIT:
+        raise LinkError(f"{link} must lie in [{BW_MIN_MBIT:g}, {BW_MAX_MBIT}] Mbit/s "
+                        f"(100 Gbit/s at most), got {bw_mbit:g} Mbit/s")
 
 
 def plan(bw_mbit: float | None, delay_ms: float, loss_pct: float) -> dict:
