@@ -400,15 +400,20 @@ def _all_end(pids: list[int]) -> None:
     assert not alive()
 
 
-def test_a_loopback_testbed_killed_takes_its_aggregators_with_it():
+@pytest.mark.parametrize("stopped", [False, True])
+def test_a_loopback_testbed_killed_takes_its_aggregators_with_it(stopped):
     """Killed with SIGKILL (no handler runs), a loopback testbed left its aggregator
-    shards serving for good: they are started to end with it."""
-    code = textwrap.dedent("""
+    shards serving for good: they are started to end with it, stopped ones (SIGSTOP, which
+    a SIGTERM does not end) included."""
+    code = textwrap.dedent(f"""
         import os, signal
         from thc.emu.testbed import LoopbackTestbed
         tb = LoopbackTestbed(2, aggregator="sharded")
         tb.start_aggregator()
-        print(tb.logdir, *[p.pid for _, p in tb._aggregator_procs()], flush=True)
+        pids = [p.pid for _, p in tb._aggregator_procs()]
+        print(tb.logdir, *pids, flush=True)
+        for pid in pids if {stopped} else []:
+            os.kill(pid, signal.SIGSTOP)
         os.kill(os.getpid(), signal.SIGKILL)
     """)
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
