@@ -38,7 +38,7 @@ def _through_the_link(tc: str, py: str, show: str) -> str:
 
 
 def test_each_dscp_class_is_queued_in_its_band_and_others_go_best_effort():
-    cmds, _ = tclinks.PriorityTCIntf.bwCmds(None, bw=10.0)
+    cmds, _ = tclinks.PriorityTCIntf.htb_cmds(10.0)
     tc = "\n".join(c % ("tc", "va") for c in cmds)
     sends = {dscp: 3 + k for k, dscp in enumerate(P.PRIORITY_DSCP)}
     sends.update({0: 2, 5: 1})                          # best effort and an unknown DSCP
@@ -68,7 +68,7 @@ def test_a_band_holds_bytes_not_packets():
     them where a switch's buffer of the same bytes holds them all, and a UDP GSO burst of up
     to 64 datagrams took one place. 1000 datagrams of 142 bytes on the wire, sent at once
     into a 0.1 Mbit/s link, fit its 100 full frames' bytes."""
-    cmds, _ = tclinks.PriorityTCIntf.bwCmds(None, bw=0.1)
+    cmds, _ = tclinks.PriorityTCIntf.htb_cmds(0.1)
     tc = "\n".join(c % ("tc", "va") for c in cmds)
     py = ("import socket; s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); "
           "[s.sendto(b\"x\" * 100, (\"10.9.0.2\", 9)) for _ in range(1000)]")

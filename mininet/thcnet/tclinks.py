@@ -22,7 +22,12 @@ class WideTCIntf(TCIntf):
             return super().bwCmds(bw=bw, speedup=speedup, use_hfsc=use_hfsc, use_tbf=use_tbf,
                                   latency_ms=latency_ms, enable_ecn=enable_ecn,
                                   enable_red=enable_red)
-        # ~1 ms of traffic per burst (at least 15 kB), MTU-sized quantum.
+        return self.htb_cmds(bw)
+
+    @classmethod
+    def htb_cmds(cls, bw: float) -> tuple[list[str], str | None]:
+        """bwCmds' (tc commands, parent of the qdisc after them) for a rate of ``bw`` Mbit/s:
+        one HTB class, ~1 ms of traffic a burst (at least 15 kB), an MTU-sized quantum."""
         burst = max(15_000, int(bw * 1e6 / 8 / 1000))
         cmds = ["%s qdisc add dev %s root handle 5:0 htb default 1",
                 "%s class add dev %s parent 5:0 classid 5:1 htb "
@@ -39,12 +44,8 @@ class PriorityTCIntf(WideTCIntf):
     ``u32`` filters on the IPv4 DSCP pick the band; each band queues at most
     ``links.BAND_FIFO_BYTES`` (bfifo), so under congestion the lowest bands drop first."""
 
-    def bwCmds(self, bw=None, speedup=0, use_hfsc=False, use_tbf=False, latency_ms=None,
-               enable_ecn=False, enable_red=False):
-        if bw is None or use_hfsc or use_tbf or enable_ecn or enable_red:
-            return super().bwCmds(bw=bw, speedup=speedup, use_hfsc=use_hfsc, use_tbf=use_tbf,
-                                  latency_ms=latency_ms, enable_ecn=enable_ecn,
-                                  enable_red=enable_red)
+    @classmethod
+    def htb_cmds(cls, bw: float) -> tuple[list[str], str | None]:
         burst = max(15_000, int(bw * 1e6 / 8 / 1000))
         bands = len(P.PRIORITY_DSCP) + 1
         floor = max(bw / 100, 0.01)
