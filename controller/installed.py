@@ -39,8 +39,7 @@ def entries_of(sw: Switch, table: str, job_id: int, field: str = "job_id") -> li
 
 def lut_entries_of(sw: Switch, table: str, job_id: int, job_index: int) -> list:
     """A lookup table's entries of one job: keyed on its id (BMv2) or its index (Tofino)."""
-    keys = {f.name for f in sw.tables.get(table, "table").match_fields}
-    if "job_id" in keys:
+    if "job_id" in sw.key_names(table):
         return entries_of(sw, table, job_id)
     return entries_of(sw, table, job_index, "job_index")
 
