@@ -47,11 +47,14 @@ def test_restarted_runs_against_a_running_aggregator_sum_exactly(tmp_path, job, 
     assert stats["drops"]["stale"] == 0
 
 
-def _stream(job, w, addr, numel, run, q, rounds=25):
+def _stream(job, w, addr, numel, run, q, ready, rounds=25):
     """Aggregate the same vector ``rounds`` times: a fast datapath must still be mid-stream
-    when the test kills the aggregator."""
+    when the test kills the aggregator. The workers start together (``ready``, a barrier):
+    on a loaded machine one still computing its reference would leave its peers' first
+    chunks unanswered past their deadline."""
     idx = np.random.default_rng(7000 + w).integers(0, 16, numel).astype(np.uint8)
     want = _stream_reference(job, numel)
+    ready.wait(60)
     try:
         with AggregationClient(job, w, addr, deadline=DEADLINE, run=run) as c:
             for r in range(rounds):
@@ -66,6 +69,13 @@ def _stream(job, w, addr, numel, run, q, rounds=25):
         q.put((w, "timeout", str(e)))
 
 
+def _drain(q) -> list:
+    out = []
+    while not q.empty():
+        out.append(q.get())
+    return out
+
+
 def _stream_reference(job, numel):
     table = np.asarray(job.table)
     return sum(table[np.random.default_rng(7000 + w).integers(0, 16, numel)]
@@ -77,14 +87,16 @@ def test_aggregator_restarted_mid_stream_fails_clearly_then_recovers(tmp_path, j
     numel = job.lanes * 40_000
     agg = AggregatorProcess(tmp_path, [job])
     q = procs_.queue()
+    ready = procs_.context().Barrier(job.n_workers)
     procs = []
     try:
-        procs += [procs_.start(_stream, job, w, agg.addr, numel, 200, q)
+        procs += [procs_.start(_stream, job, w, agg.addr, numel, 200, q, ready)
                   for w in range(job.n_workers)]
         # Wait until chunks complete (every worker has learnt the first epoch), then kill.
         end = time.monotonic() + 60
         while (done := agg.stats()["jobs"]["1"]["completions"]) < 200:
-            assert time.monotonic() < end, f"only {done} chunks completed before the kill"
+            assert time.monotonic() < end and q.empty(), \
+                f"only {done} chunks completed before the kill; the workers: {_drain(q)}"
         agg.proc.kill()
         agg.proc.wait(timeout=10)
         agg = AggregatorProcess(tmp_path, [job], port=agg.port)
