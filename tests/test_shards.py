@@ -253,6 +253,7 @@ def test_a_worker_given_another_shard_map_is_named_as_a_possible_cause(datapath)
     assert isinstance(errors[1], AggregationRefused) and "wrong_shard" in str(errors[1])
     assert isinstance(errors[0], AggregationTimeout) and errors[0].missing == [1], errors[0]
     assert "given another shard map than this worker's" in str(errors[0]), errors[0]
+    assert "switch_port" not in str(errors[0])   # shards are software aggregators
 
 
 def test_thc_aggregator_refuses_a_shard_index_where_no_job_is_sharded(tmp_path, capsys):

@@ -510,6 +510,7 @@ def test_replies_from_another_port_leave_the_timeout_as_it_was(datapath):
         stop.set()
         t.join()
     assert "another IP" not in str(e.value)
+    assert "a switch expecting this worker on another switch_port" in str(e.value)
 
 
 def test_a_worker_id_outside_the_job_is_refused_by_name(job):

@@ -294,6 +294,8 @@ def _unanswered(end: Endpoint, rnd: Round, at: str, shard: int,
         causes.append(f"not serving job {job.job_id} with this worker's address{lanes} "
                       f"and pool {job.pool_size}")
     if not job.shards:      # shards are software aggregators
+        if end.epochs[shard] is None:   # BMv2 keys a worker on its port too
+            causes.append("a switch expecting this worker on another switch_port")
         causes.append(WITHHELD)
     hint = (f" ({', '.join(causes[:-1])}, or {causes[-1]})" if len(causes) > 2 else
             f" ({' or '.join(causes)})")
