@@ -199,8 +199,6 @@ class Testbed(AggregatorProcesses):
         own_ifname = env and "GLOO_SOCKET_IFNAME" in env
         if node.startswith("h") and node[1:].isdigit() and not own_ifname:
             full["GLOO_SOCKET_IFNAME"] = self.worker_intf(int(node[1:]) - 1)
-        full["THCNET_NODE"] = node
-        full["THCNET_KIND"] = self.kind
         return full
 
     def popen(self, node, argv: list[str], env: dict | None = None,

@@ -66,11 +66,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--modes", type=_modes, default=",".join(MODES),
                         help=f"comma-separated, of {','.join(MODES)} (ratios against "
                              f"retransmit where it runs)")
-    parser.add_argument("--datapath", choices=("python", "auto"), default="python",
+    parser.add_argument("--client-datapath", choices=("python", "auto"), default="python",
                         help="the workers' client window: python for every mode, or auto "
                              "(the compiled window where a round lets it run: retransmit's "
                              "rounds and the others' MAX rounds, so the modes then differ in "
-                             "their window too)")
+                             "their window too); THC_CLIENT_DATAPATH is not read: the modes "
+                             "are compared on the window this names")
     parser.add_argument("--pool-size", type=positive_int, default=64,
                         help="the job's slots: chunks a worker keeps in flight")
 
@@ -108,7 +109,7 @@ def _run_mode(tb, name: str, loss_bound: float, marks: bool, args, rounds: int) 
         return a + (["--priorities"] if marks else [])
 
     try:
-        results = tb.run_workers(argv, env={DATAPATH_ENV: args.datapath},
+        results = tb.run_workers(argv, env={DATAPATH_ENV: args.client_datapath},
                                  timeout=args.timeout, on_line=_progress(name, rounds))
     finally:
         for f in flows:
@@ -148,8 +149,8 @@ def run(args: argparse.Namespace) -> int:
     result = {"workers": args.workers, "bw_mbit": args.bw, "competing_mbit": args.competing
               * args.bw, "numel": args.numel, "layers": args.layers, "rounds": rounds,
               "loss_bound": args.loss_bound, "lanes": P.LANES,
-              "agg_bw_factor": args.agg_bw_factor or args.workers, "datapath": args.datapath,
-              "modes": {}}
+              "agg_bw_factor": args.agg_bw_factor or args.workers,
+              "datapath": args.client_datapath, "modes": {}}
     params = THCParams()
     running = "before the first mode"
     try:
@@ -158,8 +159,8 @@ def run(args: argparse.Namespace) -> int:
                           agg_bw_factor=result["agg_bw_factor"]) as tb:
             print(f"{tb.describe()}; links {args.bw:g} Mbit/s (the aggregator's "
                   f"{args.bw * tb.agg_bw_factor:g}) queued by DLCP class; competing UDP flow "
-                  f"{args.competing * args.bw:g} Mbit/s per worker; {args.datapath} client "
-                  f"window", flush=True)
+                  f"{args.competing * args.bw:g} Mbit/s per worker; "
+                  f"{args.client_datapath} client window", flush=True)
             tb.popen("agg", links.competing_sink(), name="iperf-server")
             # The flow's sink answers nothing: without traffic from it the bridge forgets its
             # MAC and floods the flow onto every worker link. A slow ping keeps it learnt.
