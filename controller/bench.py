@@ -257,7 +257,7 @@ def bench_l2(args, frame_bytes: int) -> dict:
     with LocalBMv2(2, program="l2", receive=False) as bm:
         dst = "02:00:00:00:02:02"
         forwarding.install(bm.sw, {dst: 1})
-        pad = frame_bytes - 42
+        pad = frame_bytes - P.ETH_IP_UDP_BYTES
         frame = udp_frame("02:00:00:00:02:01", dst, "10.0.2.1", "10.0.2.2", 1000, 2000,
                           bytes(pad))
         frames = itertools.repeat((0, frame))

@@ -77,7 +77,9 @@ def header_span(name: str) -> slice:
     raise KeyError(name)
 
 
-ETH_IP_UDP_BYTES = 14 + 20 + 8
+MTU, ETH_BYTES, IP_UDP_BYTES = 1500, 14, 20 + 8
+"""The IP packet a link carries whole, and the headers around a UDP payload."""
+ETH_IP_UDP_BYTES = ETH_BYTES + IP_UDP_BYTES
 TCP_MSS, TCP_FRAME = 1448, 1514
 """Linux TCP payload per full segment with timestamps at a 1500-byte MTU, and its Ethernet
 frame: what the baselines' Gloo rings put on a link."""
@@ -109,7 +111,7 @@ def sum_dtype(sum_bits: int) -> np.dtype:
 def max_software_lanes(sum_bits: int = SUM_WIDTHS[0]) -> int:
     """Most lanes whose RESULT of this width fits a 1500-byte MTU (the software aggregator's
     limit), an even number."""
-    return (1500 - 28 - HEADER_BYTES) * 8 // sum_bits // 2 * 2
+    return (MTU - IP_UDP_BYTES - HEADER_BYTES) * 8 // sum_bits // 2 * 2
 
 
 MAX_SOFTWARE_LANES = max_software_lanes(SUM_WIDTHS[0])
@@ -176,13 +178,13 @@ def check_lanes(lanes: int, switch: bool = False, sum_bits: int = SUM_WIDTHS[0],
     if lanes * LANE_BITS[check_aggregation(aggregation)] % 8:
         raise ValueError(f"{lanes} lanes of {aggregation} do not fill whole bytes (sign "
                          f"bits: a multiple of 8 lanes)")
-    if switch and lanes % 8:
-        raise ValueError(f"{lanes} lanes: the switch takes lanes in groups of 8")
+    if switch and lanes % GROUP_LANES:
+        raise ValueError(f"{lanes} lanes: the switch takes lanes in groups of {GROUP_LANES}")
     growth = payload_bytes(PktType.RESULT, lanes, sum_bits)   # a header-only FLUSH's
     if switch and growth > 512:
         raise ValueError(f"{lanes} lanes of {sum_bits}-bit sums grow a FLUSH by {growth} "
                          f"bytes into its RESULT (> 512, BMv2's limit)")
-    if ETH_IP_UDP_BYTES + HEADER_BYTES + payload_bytes(PktType.RESULT, lanes, sum_bits) > 1514:
+    if IP_UDP_BYTES + HEADER_BYTES + payload_bytes(PktType.RESULT, lanes, sum_bits) > MTU:
         raise ValueError(f"{lanes} lanes of {sum_bits}-bit sums do not fit a 1500-byte MTU "
                          f"(at most {max_software_lanes(sum_bits)})")
     return lanes

@@ -271,12 +271,12 @@ def probe_bmv2(seconds: float = 1.0) -> dict:
     from thc.controller.frames import udp_frame
     from thc.controller.testing.bmv2 import LocalBMv2
     from thc.wire import protocol as P
-    size = 42 + P.HEADER_BYTES + P.payload_bytes(P.PktType.DATA)
+    size = P.ETH_IP_UDP_BYTES + P.HEADER_BYTES + P.payload_bytes(P.PktType.DATA)
     with LocalBMv2(2, program="l2", receive=False, preexec_fn=with_parent()) as bm:
         dst = "02:00:00:00:02:02"
         forwarding.install(bm.sw, {dst: 1})
         frame = udp_frame("02:00:00:00:02:01", dst, "10.0.2.1", "10.0.2.2", 1000, 2000,
-                          bytes(size - 42))
+                          bytes(size - P.ETH_IP_UDP_BYTES))
         pps, _, cpu, _ = measure(lambda: bm.rx_packets(1), bm.send,
                                   itertools.repeat((0, frame)), 60_000, seconds,
                                   pid=bm.proc.pid)
