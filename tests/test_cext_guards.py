@@ -335,6 +335,24 @@ def test_an_extension_built_for_another_worker_limit_is_not_used(monkeypatch):
     assert cext.UNAVAILABLE is None
 
 
+@pytest.mark.parametrize("module, name", [("thc.net.server", "DATAGRAM_BYTES"),
+                                          ("thc.net.window", "RECV_BYTES")])
+def test_an_extension_that_reads_datagrams_to_another_length_is_not_used(monkeypatch, module,
+                                                                         name):
+    """The Python and compiled datapaths each cut a long datagram at their own buffer's
+    length, written twice with nothing comparing them."""
+    import importlib
+    monkeypatch.setattr(importlib.import_module(module), name, 1024)
+    try:
+        importlib.reload(cext)
+        assert cext.UNAVAILABLE.startswith("the compiled datapath reads 2048 bytes of a "
+                                           "datagram at an aggregator and 4096 at a client")
+    finally:
+        monkeypatch.undo()
+        importlib.reload(cext)
+    assert cext.UNAVAILABLE is None
+
+
 _MUTATING = """
 import sys
 import numpy as np

@@ -25,7 +25,7 @@
 #define HDR 28
 #define MAX_WORKERS 32 /* the bitmap field is 32 bits */
 #define BATCH 64
-#define RECV_BYTES 2048 /* as the Python loop's receive buffer: longer datagrams truncate */
+#define RECV_BYTES 2048 /* server.DATAGRAM_BYTES (cext.py checks): longer datagrams truncate */
 #define OUT_BYTES 1536
 
 /* The packet types, in the order Python passes their codes (cext.TYPE_CODES). */

@@ -5,7 +5,7 @@
  * exceptions: stream() returns an event (done, an epoch change, a deadline) for it to raise. */
 #include "_fastagg.h"
 
-#define CL_RECV_BYTES 4096 /* the Python loop's receive buffer */
+#define CL_RECV_BYTES 4096 /* window.RECV_BYTES (cext.py checks) */
 /* stream()'s arguments and timeout report: host/net/fastclient.py refuses another version */
 #define CL_WINDOW_VERSION 11
 #define CL_OUT_BYTES 2048
@@ -911,6 +911,7 @@ cleanup:
 
 int fa_add_stream(PyObject *m) {
     if (PyModule_AddIntConstant(m, "CLIENT_MAX_DATAGRAM", CL_OUT_BYTES) < 0 ||
+        PyModule_AddIntConstant(m, "CLIENT_RECV_BYTES", CL_RECV_BYTES) < 0 ||
         PyModule_AddIntConstant(m, "CLIENT_WINDOW", CL_WINDOW_VERSION) < 0)
         return -1;
     return 0;

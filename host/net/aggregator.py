@@ -26,7 +26,7 @@ from thc.net.addresses import (PKTINFO_SPACE, answer_from_destination, destinati
                                 parse_hostport, send_from)
 from thc.net.impair import Impairment
 from thc.net.report import Report
-from thc.net.server import RECEIVE_BUFFER, UDPServer
+from thc.net.server import DATAGRAM_BYTES, RECEIVE_BUFFER, UDPServer
 from thc.wire import protocol as P
 from thc.wire.jobs import Cluster, ConfigError, Job
 from thc.wire.model import Model, Reply
@@ -100,7 +100,7 @@ class Aggregator(UDPServer):
     # -- UDP server ------------------------------------------------------------------
     def _serve(self, duration: float | None) -> None:
         sock = self._sock
-        buf = bytearray(2048)
+        buf = bytearray(DATAGRAM_BYTES)
         poller = select.poll()
         poller.register(sock, select.POLLIN)
         view = memoryview(buf)
@@ -139,7 +139,8 @@ class Aggregator(UDPServer):
                                                                 socket.MSG_DONTWAIT)
                         to = destination(anc)
                     else:
-                        nbytes, src = sock.recvfrom_into(buf, 2048, socket.MSG_DONTWAIT)
+                        nbytes, src = sock.recvfrom_into(buf, DATAGRAM_BYTES,
+                                                              socket.MSG_DONTWAIT)
                         to = None
                 except BlockingIOError:
                     break

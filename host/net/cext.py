@@ -5,6 +5,8 @@ wrap it."""
 from __future__ import annotations
 
 from thc.built import stale
+from thc.net.server import DATAGRAM_BYTES
+from thc.net.window import RECV_BYTES
 from thc.wire import protocol as P
 
 try:
@@ -26,6 +28,12 @@ else:
         UNAVAILABLE = (f"the compiled datapath takes {_fastagg.MAX_WORKERS} workers a job, "
                        f"protocol.json {P.MAX_WORKERS}: rebuild it, after setting MAX_WORKERS "
                        f"in _fastagg.h where protocol.json changed")
+    elif (_fastagg.RECV_BYTES, _fastagg.CLIENT_RECV_BYTES) != (DATAGRAM_BYTES, RECV_BYTES):
+        UNAVAILABLE = (f"the compiled datapath reads {_fastagg.RECV_BYTES} bytes of a "
+                       f"datagram at an aggregator and {_fastagg.CLIENT_RECV_BYTES} at a "
+                       f"client, the Python one {DATAGRAM_BYTES} and {RECV_BYTES}: they would "
+                       f"cut long datagrams apart; make _fastagg.h and _fastagg_stream.c agree "
+                       f"and rebuild it")
     else:
         UNAVAILABLE = None
 

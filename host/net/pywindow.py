@@ -14,9 +14,9 @@ import numpy as np
 
 from thc.net.outcomes import AggregatorRestarted
 from thc.net.priority import FLUSH_CLASS, tos_of
-from thc.net.window import (FAST_BACKOFF_CAP, FAST_RETRANSMIT_AFTER, RECV_BATCH, SILENT_AFTER,
-                             Endpoint, Round, check_epoch, flush_budget, raise_refused,
-                             raise_short, raise_timeout)
+from thc.net.window import (FAST_BACKOFF_CAP, FAST_RETRANSMIT_AFTER, RECV_BATCH, RECV_BYTES,
+                             SILENT_AFTER, Endpoint, Round, check_epoch, flush_budget,
+                             raise_refused, raise_short, raise_timeout)
 from thc.wire import protocol as P
 
 QUEUE_FULL = frozenset({errno.EAGAIN, errno.EWOULDBLOCK, errno.ENOBUFS, errno.ENOMEM})
@@ -122,7 +122,7 @@ class _Stream:
         self.ended_short, self.short_cap = 0, rnd.short_cap(end)
         self.flush_tos = tos_of(FLUSH_CLASS) if self.tos else 0
         self.lo = self.hi = 0
-        self.buf = bytearray(4096)
+        self.buf = bytearray(RECV_BYTES)
         self.poller = select.poll()
         self.poller.register(end.sock, select.POLLIN)
         now = time.monotonic()

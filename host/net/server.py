@@ -12,6 +12,10 @@ from thc.wire import protocol as P
 
 RECEIVE_BUFFER = 8 << 20
 """Bytes of receive queue asked for; the kernel grants at most net.core.rmem_max."""
+DATAGRAM_BYTES = 2048
+"""What an aggregator reads of one datagram, on either datapath (the compiled one's
+RECV_BYTES, checked by thc.net.cext): a longer one is cut there, and refused as its
+cut length reads."""
 
 
 def queue_overflow(sock: socket.socket) -> int | None:

@@ -35,6 +35,9 @@ SILENT_AFTER = 3
 deadline of silence) a timeout names the shard silent rather than a missing worker: a live
 one answers each (a PENDING), so one lost reply or two is no such evidence."""
 
+RECV_BYTES = 4096
+"""What a client window reads of one reply, on either datapath (the compiled one's
+CLIENT_RECV_BYTES, checked by thc.net.cext)."""
 RECV_BATCH = 256
 """Datagrams a window takes in before it looks at its timers again: a flood of them to the
 worker's port must not hold its deadlines off."""
