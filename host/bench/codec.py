@@ -44,7 +44,7 @@ import time
 from thc.argtypes import positive_int, torch_device
 from thc.bench import add_common, emit_json, figure, save_figure
 from thc.bench.tiles import applied, parse_configs
-from thc.codec import settings
+from thc.codec import backends, settings
 from thc.codec.common import wire_sum_dtype
 from thc.codec.params import THCParams
 from thc.codec.thc import THCCodec
@@ -59,7 +59,7 @@ def ranks(text: str) -> list[int]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", type=torch_device, default="cpu",
                         help="cpu (default, one core) or cuda (or cuda:N)")
-    parser.add_argument("--backend", choices=("auto", "reference", "compiled", "triton"),
+    parser.add_argument("--backend", choices=backends.BACKENDS,
                         default="auto", help="THC path: auto (compiled on the CPU, kernels on "
                         "CUDA), reference, compiled, triton")
     parser.add_argument("--reference", action=argparse.BooleanOptionalAction, default=True,
@@ -177,10 +177,7 @@ def powersgd_steps(x, rank: int, seed: int = 0):
 
 def resolved(backend: str, x) -> str:
     """The path ``backend`` runs for x: compiled, triton or reference."""
-    from thc.codec import thc
-    if thc.compiled_for(x, backend):
-        return "compiled"
-    return "reference" if thc.kernels_for(x, backend) is None else "triton"
+    return backends.pick(x, backend, settings.current().codec_cpu).name
 
 
 def _thc_ops(params, label: str, x, n: int, backend: str) -> tuple[list, tuple]:
