@@ -131,7 +131,7 @@ def test_bad_settings_and_flags_are_usage_errors_before_any_work(argv, env, mess
 
     def started(*a, **k):
         raise AssertionError("a mode or testbed started")
-    monkeypatch.setattr(mainjob, "_run_mode", started)
+    monkeypatch.setattr(mainjob, "run_mode", started)
     monkeypatch.setattr(bench_allreduce, "open_testbed", started)
     monkeypatch.setattr(bench_dlcp, "open_testbed", started)
     for name, value in env.items():
@@ -269,7 +269,7 @@ def test_user_mistakes_end_in_a_message_not_a_traceback(argv, message, tmp_path,
 
     def started(*a, **k):
         raise AssertionError("a mode started")
-    monkeypatch.setattr(mainjob, "_run_mode", started)
+    monkeypatch.setattr(mainjob, "run_mode", started)
     _files(tmp_path)
     argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
     try:
@@ -316,7 +316,7 @@ def test_a_run_that_can_run_no_mode_asked_for_fails(monkeypatch, capsys, tmp_pat
     from thc.emu import mainjob
 
     monkeypatch.setattr(mainjob, "bmv2_unavailable_reason", lambda: "no BMv2 here")
-    monkeypatch.setattr(mainjob, "_run_mode", lambda *a: pytest.fail("a mode started"))
+    monkeypatch.setattr(mainjob, "run_mode", lambda *a: pytest.fail("a mode started"))
     assert cli.main(["run", "--loopback", "--modes", "thc-bmv2", "--out", str(tmp_path)]) == 2
     assert "every mode asked for was skipped" in capsys.readouterr().err
     monkeypatch.setenv("THC_FASHION_MNIST", str(tmp_path / "absent"))

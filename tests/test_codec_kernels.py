@@ -615,7 +615,7 @@ def test_programs_of_several_row_tiles_give_what_one_tile_gives(monkeypatch, til
     got = []
     for t in (1, tiles):
         monkeypatch.setattr(tk, "ROW_TILES", t)
-        assert tk._Shape(1 << 12).tiles(3) == 1 << (t.bit_length() - 1)
+        assert tk.Shape(1 << 12).tiles(3) == 1 << (t.bit_length() - 1)
         prep = thc.prepare(x, p, 5, backend="triton")
         m = thc.slice_norms(x, p)
         idx = thc.encode_prepared(prep, m, p, 77, pack=False)

@@ -55,7 +55,7 @@ def test_delay_or_loss_where_mininet_cannot_run_is_refused_naming_why(entry, mon
 
     def started(*a, **k):
         raise AssertionError("a run started")
-    monkeypatch.setattr(mainjob, "_run_mode", started)
+    monkeypatch.setattr(mainjob, "run_mode", started)
     monkeypatch.setattr(run, "open_testbed", started)
     if entry == "thc run":
         code = cli.main(["run", "--delay", "10", "--loss", "1", "--modes", "fp32,thc"])

@@ -3,7 +3,7 @@
 Every mode of ``thc run`` but the BMv2 ones (:data:`thc.emu.mainargs.MODES`: FP32, THC through
 sharded or central software aggregators, with DLCP's loss bound and classes, over Gloo, TopK,
 Marsit along a ring and by vote) trains the main job's digits model for 176 steps on a fixed
-seed, through the main job's own per-mode runner (``thc.emu.mainjob._run_mode``, as
+seed, through the main job's own per-mode runner (``thc.emu.mainjob.run_mode``, as
 ``thc run --loopback`` runs it): its loopback testbed, its `thc aggregator` processes, its
 argv for ``python -m thc.app.train``. One thing differs: each worker process is forked from
 a server that imported torch once instead of exec'd, which saves the interpreter start-up of
@@ -208,7 +208,7 @@ def train_mode():
     def run(name: str, brk: str | None = None) -> dict:
         if (name, brk) not in cache:
             state["brk"] = brk
-            cache[name, brk] = mainjob._run_mode(name, args, progress)
+            cache[name, brk] = mainjob.run_mode(name, args, progress)
         return cache[name, brk]
 
     with pytest.MonkeyPatch.context() as mp:

@@ -393,7 +393,7 @@ def _rows_text(epoch: float) -> str:
 
 
 def _canned_run(name, losses, diverged_at=None):
-    """What ``mainjob._run_mode`` returns for a mode that trained three steps."""
+    """What ``mainjob.run_mode`` returns for a mode that trained three steps."""
     acc, secs = (0.79, 2.0) if name == "fp32" else (0.8, 1.0)
     hist = [{"epoch": 1.0, "accuracy": acc, "seconds": secs, "steps": 3, "bytes_sent": 100,
              "step_losses": losses, "replicas_agree": diverged_at is None}]
@@ -419,7 +419,7 @@ def test_a_failed_check_fails_the_main_job(monkeypatch, capsys, tmp_path, case):
     monkeypatch.setattr(mainjob, "mininet_unavailable_reason", lambda *a: None)
     monkeypatch.setattr(mainjob, "probe_bmv2", lambda: {"build": "canned"})
     broken = {"losses": "thc-bmv2", "vote losses": "marsit-vote-bmv2"}.get(case)
-    monkeypatch.setattr(mainjob, "_run_mode", lambda name, args, bar: _canned_run(
+    monkeypatch.setattr(mainjob, "run_mode", lambda name, args, bar: _canned_run(
         name, [2.3, 2.1, 1.9] if name == broken else [2.3, 2.0, 1.7],
         3 if case == "diverged" and name == "thc" else None))
     modes = "fp32,thc,thc-bmv2,marsit-vote,marsit-vote-bmv2"
@@ -453,7 +453,7 @@ def test_bmv2_modes_are_skipped_where_the_workers_run_on_the_loopback(
     monkeypatch.setattr(mainjob, "mininet_unavailable_reason", lambda *a: mininet_why)
     monkeypatch.setattr(mainjob, "probe_bmv2", lambda: pytest.fail("BMv2 probed"))
     ran = []
-    monkeypatch.setattr(mainjob, "_run_mode", lambda name, args, bar: ran.append(name) or
+    monkeypatch.setattr(mainjob, "run_mode", lambda name, args, bar: ran.append(name) or
                         _canned_run(name, [2.3, 2.0, 1.7], None))
     args = _main_args(*argv, "--workers", "2", "--modes", "fp32,thc,thc-bmv2",
                       "--out", str(tmp_path))
@@ -580,7 +580,7 @@ def test_a_line_of_rank_0_that_only_looks_like_json_is_not_a_row():
 def test_thc_run_refuses_flags_no_mode_reads_and_a_mode_twice(monkeypatch, capsys, tmp_path,
                                                               argv, said):
     """Each ran without a word: the bound or the BMv2 limits ignored, a mode trained twice."""
-    monkeypatch.setattr(mainjob, "_run_mode", lambda *a: pytest.fail("a mode ran"))
+    monkeypatch.setattr(mainjob, "run_mode", lambda *a: pytest.fail("a mode ran"))
     assert mainjob.run(_main_args("--loopback", "--out", str(tmp_path), *argv)) == 2
     assert said in capsys.readouterr().err
 
@@ -595,7 +595,7 @@ def test_an_out_dir_that_takes_no_file_is_refused_before_any_mode(monkeypatch, c
         self.touch()   # made, then not filled
         raise OSError(errno.ENOSPC, "No space left on device")
     monkeypatch.setattr(Path, "write_bytes", full)
-    monkeypatch.setattr(mainjob, "_run_mode", lambda *a: pytest.fail("a mode ran"))
+    monkeypatch.setattr(mainjob, "run_mode", lambda *a: pytest.fail("a mode ran"))
     assert mainjob.run(_main_args("--loopback", "--out", str(tmp_path))) == 2
     assert f"cannot write to --out {tmp_path}: No space left on device" in \
         capsys.readouterr().err
@@ -714,7 +714,7 @@ def test_each_mode_says_which_datapath_its_aggregators_served_on(monkeypatch, ca
 def test_ctrl_c_ends_the_main_job_with_a_line_not_a_traceback(monkeypatch, capsys, tmp_path):
     def interrupted(name, args, progress):
         raise KeyboardInterrupt
-    monkeypatch.setattr(mainjob, "_run_mode", interrupted)
+    monkeypatch.setattr(mainjob, "run_mode", interrupted)
     assert mainjob.run(_main_args("--loopback", "--out", str(tmp_path))) == 130
     assert "interrupted during fp32" in capsys.readouterr().err
 
@@ -724,7 +724,7 @@ def test_sigterm_ends_the_main_job_with_a_line(monkeypatch, capsys, tmp_path):
 
     def terminated(name, args, progress):
         raise Terminated(143)
-    monkeypatch.setattr(mainjob, "_run_mode", terminated)
+    monkeypatch.setattr(mainjob, "run_mode", terminated)
     assert mainjob.run(_main_args("--loopback", "--out", str(tmp_path))) == 143
     assert "terminated (SIGTERM) during fp32" in capsys.readouterr().err
 
@@ -738,7 +738,7 @@ def test_a_stopped_main_job_reports_the_modes_it_finished(monkeypatch, capsys, t
         if name == "topk":
             raise Terminated(143)
         return _canned_run(name, [2.3, 2.0, 1.7])
-    monkeypatch.setattr(mainjob, "_run_mode", second_stops)
+    monkeypatch.setattr(mainjob, "run_mode", second_stops)
     args = _main_args("--loopback", "--modes", "fp32,thc,topk", "--out", str(tmp_path))
     assert mainjob.run(args) == 143
     assert "terminated (SIGTERM) during topk; its testbed torn down, the report of the modes " \
@@ -769,7 +769,7 @@ def test_a_signal_while_bmv2_is_measured_ends_the_run_with_a_line(monkeypatch, c
     monkeypatch.setattr(mainjob, "bmv2_unavailable_reason", lambda: None)
     monkeypatch.setattr(mainjob, "mininet_unavailable_reason", lambda *a: None)
     monkeypatch.setattr(mainjob, "probe_bmv2", probe)
-    monkeypatch.setattr(mainjob, "_run_mode", lambda *a: pytest.fail("a mode ran"))
+    monkeypatch.setattr(mainjob, "run_mode", lambda *a: pytest.fail("a mode ran"))
     before = signal.signal(signal.SIGTERM, lambda *a: None)   # not this test process's end
     try:
         got = mainjob.run(_main_args("--modes", "fp32,thc-bmv2", "--out", str(tmp_path)))
@@ -958,7 +958,7 @@ def test_a_bmv2_mode_skipped_for_want_of_bmv2_refuses_no_links(monkeypatch, caps
     monkeypatch.setattr(mainjob, "bmv2_unavailable_reason", lambda: "BMv2 not built (canned)")
     monkeypatch.setattr(mainjob, "mininet_unavailable_reason", lambda *a: None)
     ran = []
-    monkeypatch.setattr(mainjob, "_run_mode", lambda name, args, bar: ran.append(name) or
+    monkeypatch.setattr(mainjob, "run_mode", lambda name, args, bar: ran.append(name) or
                         _canned_run(name, [2.3, 2.0, 1.7]))
     args = _main_args("--workers", "2", "--loss", "1", "--modes", "fp32,thc,thc-bmv2",
                       "--out", str(tmp_path))

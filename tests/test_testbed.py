@@ -198,7 +198,7 @@ def test_an_aggregator_that_exits_ends_the_workers_wait_naming_it():
     and the aggregator's exit was read only after that, if at all."""
     with LoopbackTestbed(2, aggregator="software") as tb:
         tb.start_aggregator()
-        tb._agg_proc.kill(grace=0)
+        tb.agg_proc.kill(grace=0)
         t0 = time.monotonic()
         with pytest.raises(WorkerError, match="the aggregator exited with code -9") as e:
             tb.run_workers(lambda r: ["python", "-c", "import time; time.sleep(60)"],
@@ -228,7 +228,7 @@ def test_sigterm_tears_the_loopback_testbed_down_too():
         with LoopbackTestbed(2, aggregator="software") as tb:
             tb.start_aggregator()
             procs = tb.start_workers(lambda r: ["python", "-c", "import time; time.sleep(60)"])
-            print(tb.logdir, *[p.pid for p in procs], tb._agg_proc.pid, flush=True)
+            print(tb.logdir, *[p.pid for p in procs], tb.agg_proc.pid, flush=True)
             import time
             time.sleep(60)
     """)

@@ -124,7 +124,7 @@ def _kernel_rows(tk, n: int, params: THCParams, device, timer) -> list[dict]:
 def column_copy(tk, src, dst, grp):
     """``src`` into ``dst`` through pass 2's tiles, grid and warps with no arithmetic: what
     its memory access alone costs."""
-    sh = tk._Shape(grp.padded)
+    sh = tk.Shape(grp.padded)
     _column_copy()[(grp.count * (sh.C // sh.BN),)](src, dst, grp.count, grp.padded, R=sh.R,
                                                    C=sh.C, BN=sh.BN, FIRST=tk.COLS_FIRST,
                                                    num_warps=tk.NUM_WARPS_COLS)

@@ -24,7 +24,7 @@ def compile_for(padded: int, arch: int = 90, device_round: bool = False,
     (``device_round``: the variant that reads the round from device memory; ``form``: one of
     tk.FORMS, default tk.FORM; ``tiles``: row tiles a program). Returns kernel name
     (``_decode_rows_sums``: the pass on sums) -> shared memory bytes."""
-    sh = tk._Shape(padded)
+    sh = tk.Shape(padded)
     rows = dict(C=sh.C, C1=sh.C1, BM=sh.BM, PREC=tk.PRECISION, FORM=form or tk.FORM,
                 TILES=tiles)
     cols = dict(R=sh.R, C=sh.C, R1=sh.R1, BN=sh.BN, PREC=tk.PRECISION, FORM=form or tk.FORM,

@@ -251,7 +251,7 @@ def _decode_cols(TMP, OUT, MAXN, STATUS, prefix, ROUND, first, count, length, d,
     tl.store(OUT + s.to(tl.int64) * length + i, z, mask=i < length)
 
 
-class _Shape:
+class Shape:
     """Tile sizes of one slice length (all compile-time constants of the kernels)."""
 
     def __init__(self, padded: int):
@@ -303,7 +303,7 @@ def encode_rows(flat, grp, seed: int, round_: int, st):
     or bfloat16): the signed, row-transformed scratch and each program's part of its slice's
     sum of squares (float64, from the same read of x; see :func:`finish_norms`); a NaN or
     Inf is flagged in ``st``."""
-    sh, dev, d = _Shape(grp.padded), flat.device, grp.padded
+    sh, dev, d = Shape(grp.padded), flat.device, grp.padded
     x = flat[grp.start: grp.start + grp.count * grp.length]
     tmp = torch.empty(grp.count * d, dtype=torch.float32, device=dev)
     rt = sh.tiles(grp.count)
@@ -339,7 +339,7 @@ def encode_cols(tmp, grp, max_norms, params, round_: int, uniform_seed: int, out
     so is a coordinate the scale made infinite. ``own``: the slices' own norms (all slices',
     as :func:`finish_norms` made them from the scratch ``tmp``), which spare that check its
     reduction over every tile where the scale cannot overflow."""
-    sh, dev, d = _Shape(grp.padded), tmp.device, grp.padded
+    sh, dev, d = Shape(grp.padded), tmp.device, grp.padded
     table = tuple(int(v) for v in params.table)
     upfx, rnd, on_dev = _prefix(uniform_seed, round_, rng.UNIFORM_STREAM, st)
     lower, base, width = _luts(table, dev)
@@ -356,7 +356,7 @@ def decode_rows(values, grp, n: int, params, st, table=None):
     """Decode pass 1 of one group: ``values`` are the group's sums of ``n`` workers (any
     integer dtype), flagged in ``st`` beyond 0..n g, or, with ``table`` (on the device), one
     worker's indices, flagged where outside it. Returns the float32 scratch."""
-    sh, d = _Shape(grp.padded), grp.padded
+    sh, d = Shape(grp.padded), grp.padded
     tmp = torch.empty(grp.count * d, dtype=torch.float32, device=values.device)
     lookup, rt = table is not None, sh.tiles(grp.count)
     _decode_rows[(grp.count, sh.R // sh.BM // rt)](
@@ -369,7 +369,7 @@ def decode_rows(values, grp, n: int, params, st, table=None):
 def decode_cols(tmp, grp, max_norms, n: int, params, round_: int, out, st):
     """Decode pass 2 of one group into ``out`` (its unpadded float32 coordinates), scaled by
     2 t_p M / (g d n) from the device tensor ``max_norms``, flagged in ``st`` if bad."""
-    sh, d = _Shape(grp.padded), grp.padded
+    sh, d = Shape(grp.padded), grp.padded
     pfx, rnd, on_dev = _prefix(params.seed, round_, rng.SIGN_STREAM, st)
     _decode_cols[(grp.count * (sh.C // sh.BN),)](
         tmp, out, max_norms, st, pfx, rnd, grp.first, grp.count, grp.length, d,

@@ -17,8 +17,8 @@ AGG_START_TIMEOUT = 30.0
 class AggregatorProcesses:
     def _aggregator_procs(self) -> list[tuple[str, Proc]]:
         procs = [(f"aggregator shard {i}", p) for i, p in enumerate(self._shard_procs)]
-        if self._agg_proc is not None:
-            procs.append(("the aggregator", self._agg_proc))
+        if self.agg_proc is not None:
+            procs.append(("the aggregator", self.agg_proc))
         return procs
 
     def aggregator_datapath(self) -> str | None:
@@ -76,7 +76,7 @@ class AggregatorProcesses:
         self._agg_final = None
         proc = self._spawn_aggregator(node, listen, "aggregator")
         self._await_listening([proc])
-        self._agg_proc = proc
+        self.agg_proc = proc
 
     def _start_shards(self) -> None:
         """One shard on every worker host, listening at its shard map address."""
@@ -94,7 +94,7 @@ class AggregatorProcesses:
         if self.aggregator == "sharded":
             self._start_shards()
         elif self.aggregator == "software":
-            if self._agg_proc is None:
+            if self.agg_proc is None:
                 self._start_software_aggregator("agg", self.agg_addr)
         else:
             self._start_other_aggregator()
@@ -169,7 +169,7 @@ class AggregatorProcesses:
                 except ValueError:
                     continue
         sharded = bool(self._shard_procs)
-        self._agg_proc, self._shard_procs = None, []
+        self.agg_proc, self._shard_procs = None, []
         if finals and len(finals) == len(procs):
             self._agg_final = sum_shard_counters(finals) if sharded else finals[0]
         return self.aggregator_counters()

@@ -129,7 +129,8 @@ class Testbed(AggregatorProcesses):
         self.cluster: Cluster | None = None
         self.notes: list[str] = []
         self._procs: list[Proc] = []
-        self._agg_proc: Proc | None = None
+        self.agg_proc: Proc | None = None
+        """The software aggregator's process, where the testbed runs one (a fault row kills it)."""
         self._agg_final: dict | None = None
         self._shard_procs: list[Proc] = []
         self._last_run = 0

@@ -103,9 +103,9 @@ def row_aggregator_restarted(tb, numel: int) -> Row:
     t0 = time.perf_counter()
     procs = tb.start_workers(worker_argv(tb, numel, MID_STREAM_ROUNDS, deadline=deadline))
     seen = progress(tb, before, 50)
-    agg = tb._agg_proc
+    agg = tb.agg_proc
     agg.kill(grace=0)
-    tb._agg_proc = None
+    tb.agg_proc = None
     tb.start_aggregator()
     restarted_at = time.perf_counter()
     failed = wait_workers(procs, 60)

@@ -88,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
                 current = name
                 try:
                     with tqdm(total=None, desc=name, unit="step", file=sys.stdout) as bar:
-                        run_ = _run_mode(name, args, bar)
+                        run_ = run_mode(name, args, bar)
                 except Exception as e:  # one failed mode must not cost the others
                     current = None
                     print(f"{name} FAILED: {e}", flush=True)
@@ -142,7 +142,7 @@ def _stopped(e: KeyboardInterrupt | Terminated, when: str, written: bool = False
     return code
 
 
-def _run_mode(name: str, args, progress) -> dict:
+def run_mode(name: str, args, progress) -> dict:
     mode = MODES[name]
     lanes = args.software_lanes if mode.aggregator in ("software", "sharded") else None
     # Under --congest every mode gets the same class-queued links.

@@ -160,7 +160,7 @@ def sweep(args: argparse.Namespace, bws: list[float], modes: list[str], path: Pa
             try:
                 with tqdm(total=args.steps, desc=f"{name}@{bw:g}", unit="step",
                           file=sys.stdout) as bar:
-                    run = mainjob._run_mode(name, job, bar)
+                    run = mainjob.run_mode(name, job, bar)
             except Exception as e:  # one failed run must not cost the others
                 print(f"{name} at {bw:g} Mbit/s FAILED: {e}", flush=True)
                 data["failed"].append({"bw_mbit": bw, "mode": name, "error": str(e)})
