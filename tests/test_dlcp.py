@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import socket
 import threading
@@ -60,11 +61,14 @@ def test_the_flush_budget_is_the_bounds_floor_in_real_arithmetic():
              (0.9999999999, 1): 0, (0.2999999999, 10): 2, (0.4999999995, 2): 0}
     assert {k: flush_budget(*k) for k in cases} == cases
     # every bound of two decimals over up to 1999 chunks, against exact decimal arithmetic
-    import math
     from fractions import Fraction
     wrong = [(b, n) for b in range(1, 100) for n in range(1, 2000)
              if flush_budget(b / 100, n) != math.floor(Fraction(b * n, 100))]
     assert not wrong, wrong[:5]
+    # the largest bound below 1: its product rounds to the count itself in floating point
+    below_one = math.nextafter(1.0, 0.0)
+    assert [flush_budget(below_one, n) for n in (1, 2, 4, 1000, 12345)] == \
+        [0, 1, 3, 999, 12344]
 
 
 class TosRecordingAggregator:
@@ -428,6 +432,28 @@ def test_a_worker_flushes_no_more_chunks_than_its_loss_bound(bound):
             with pytest.raises(AggregationTimeout, match=r"missing worker\(s\) \[1\]"):
                 c.reduce(np.zeros(8 * job.lanes // 2, np.uint8))
     assert c.stats.short == 2
+
+
+def test_a_bound_just_below_one_leaves_a_chunk_to_wait_for():
+    """Loss bound 0.9999999999999999, whose product with 8 chunks is 8.0 in floating point:
+    with worker 1 gone for a whole round, this worker closed all 8 chunks short and returned
+    zeros for the round. It closes 7, and the last one's deadline names worker 1."""
+    job = local_job(4, 2, free_port_block(2), pool_size=16, lanes=16)
+    zeros = np.zeros(job.lanes, P.sum_dtype(job.sum_bits)).tobytes()
+
+    def answer(t, seq):
+        if t == P.PktType.FLUSH:
+            return P.PktType.RESULT, 1, 0b01, zeros
+        return P.PktType.PENDING, 1, 0b01, b""
+
+    with scripted_aggregator(job, _after_a_full_round(job, answer, 8)) as addr:
+        with AggregationClient(job, 0, addr, run=9, timeout=0.02, max_timeout=0.1,
+                               deadline=1.0, loss_bound=math.nextafter(1.0, 0.0),
+                               datapath="python") as c:
+            c.reduce(np.zeros(8 * job.lanes // 2, np.uint8))
+            with pytest.raises(AggregationTimeout, match=r"missing worker\(s\) \[1\]"):
+                c.reduce(np.zeros(8 * job.lanes // 2, np.uint8))
+    assert c.stats.short == 7
 
 
 def test_the_dlcp_bench_worker_times_its_rounds_after_an_untimed_one(tmp_path):

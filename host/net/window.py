@@ -110,10 +110,13 @@ def flush_budget(loss_bound: float, chunks: int) -> int:
     """floor(loss_bound x chunks), the chunks one worker may close short in a round. A
     product within floating point's own error of an integer (a few units in its last place)
     counts as that integer: 0.29 x 100 is 28.999999999999996, and the round closed one chunk
-    fewer than the bound says. A bound just below, such as 0.9999999999, is not rounded up."""
+    fewer than the bound says. A bound just below, such as 0.9999999999, is not rounded up,
+    and none below 1 reaches every chunk of the round: 0.9999999999999999 x 4 is 4.0 in
+    floating point, which let one worker close the whole round short."""
     product = loss_bound * chunks
     near = near_int(product)
-    return math.floor(product) if near is None else near
+    budget = math.floor(product) if near is None else near
+    return min(budget, chunks - 1) if 0 < chunks and loss_bound < 1 else budget
 
 
 @dataclass
