@@ -335,6 +335,23 @@ def test_an_extension_built_for_another_worker_limit_is_not_used(monkeypatch):
     assert cext.UNAVAILABLE is None
 
 
+@pytest.mark.parametrize("name", ["EPOCH_TAG_SHIFT", "SHARD_DETAIL_SHIFT"])
+def test_an_extension_that_splits_epochs_or_shard_details_elsewhere_is_not_used(monkeypatch,
+                                                                                name):
+    """The configuration tag's bits in an epoch and a wrong_shard detail's shard count were
+    written as 16 in C, beside protocol.py's constants, with nothing comparing them."""
+    import importlib
+    monkeypatch.setattr(P, name, 12)
+    try:
+        importlib.reload(cext)
+        assert cext.UNAVAILABLE.startswith("the compiled datapath splits an epoch at bit 16 "
+                                           "and a wrong_shard detail at bit 16")
+    finally:
+        monkeypatch.undo()
+        importlib.reload(cext)
+    assert cext.UNAVAILABLE is None
+
+
 @pytest.mark.parametrize("module, name", [("thc.net.server", "DATAGRAM_BYTES"),
                                           ("thc.net.window", "RECV_BYTES")])
 def test_an_extension_that_reads_datagrams_to_another_length_is_not_used(monkeypatch, module,

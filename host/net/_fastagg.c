@@ -99,6 +99,8 @@ PyMODINIT_FUNC PyInit__fastagg(void) {
         PyModule_AddIntConstant(m, "MAX_WORKERS", MAX_WORKERS) < 0 ||
         PyModule_AddIntConstant(m, "BATCH", BATCH) < 0 ||
         PyModule_AddIntConstant(m, "RECV_BYTES", RECV_BYTES) < 0 ||
+        PyModule_AddIntConstant(m, "TAG_SHIFT", TAG_SHIFT) < 0 ||
+        PyModule_AddIntConstant(m, "SHARD_SHIFT", SHARD_SHIFT) < 0 ||
         PyModule_AddStringConstant(m, "SOURCE_SHA256", SOURCE_SHA256) < 0 ||
         PyModule_AddStringConstant(m, "SOURCE_FILES", SOURCE_FILES) < 0) {
         Py_DECREF(m);

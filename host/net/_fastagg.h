@@ -25,6 +25,10 @@
 #define HDR 28
 #define MAX_WORKERS 32 /* the bitmap field is 32 bits */
 #define BATCH 64
+/* protocol.py's EPOCH_TAG_SHIFT and SHARD_DETAIL_SHIFT (cext.py checks): the bits of an
+ * epoch above its nonce (the configuration tag), of a wrong_shard detail above its shard */
+#define TAG_SHIFT 16
+#define SHARD_SHIFT 16
 #define RECV_BYTES 2048 /* server.DATAGRAM_BYTES (cext.py checks): longer datagrams truncate */
 #define OUT_BYTES 1536
 

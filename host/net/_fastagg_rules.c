@@ -156,13 +156,13 @@ static int process(Datapath *dp, const uint8_t *d, size_t len, uint32_t sip, uin
     if (!j->addr_ok[wid] || j->ip[wid] != sip || j->port[wid] != sport)
         return drop(dp, UNKNOWN_WORKER);
     /* the sender's configuration tag (protocol.py's upstream_tag) against the install's */
-    if ((rd32(d + 16) & 0xFFFF) != j->epoch >> 16)
+    if ((rd32(d + 16) & ((1u << TAG_SHIFT) - 1)) != j->epoch >> TAG_SHIFT)
         return refuse(dp, j, WRONG_CONFIG, d, 0, sip, sport, out);
     if (slot >= pool) return drop(dp, SLOT_OUTSIDE_POOL);
     if (slot != seq % pool || version != ((seq / pool) & 1))
         return refuse(dp, j, WRONG_SLOT, d, 0, sip, sport, out);
     if (j->n_shards > 1 && seq % j->n_shards != j->shard)
-        return refuse(dp, j, WRONG_SHARD, d, j->n_shards << 16 | j->shard, sip, sport, out);
+        return refuse(dp, j, WRONG_SHARD, d, j->n_shards << SHARD_SHIFT | j->shard, sip, sport, out);
     if (run != j->job_run) {
         if (j->job_run && !((newer(run, j->job_run) && run - j->job_run <= dp->run_jump) ||
                             now - j->run_seen >= dp->run_idle))

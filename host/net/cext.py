@@ -28,6 +28,12 @@ else:
         UNAVAILABLE = (f"the compiled datapath takes {_fastagg.MAX_WORKERS} workers a job, "
                        f"protocol.json {P.MAX_WORKERS}: rebuild it, after setting MAX_WORKERS "
                        f"in _fastagg.h where protocol.json changed")
+    elif (_fastagg.TAG_SHIFT, _fastagg.SHARD_SHIFT) != (P.EPOCH_TAG_SHIFT,
+                                                        P.SHARD_DETAIL_SHIFT):
+        UNAVAILABLE = (f"the compiled datapath splits an epoch at bit {_fastagg.TAG_SHIFT} and "
+                       f"a wrong_shard detail at bit {_fastagg.SHARD_SHIFT}, protocol.py at "
+                       f"{P.EPOCH_TAG_SHIFT} and {P.SHARD_DETAIL_SHIFT}: rebuild it, after "
+                       f"setting TAG_SHIFT and SHARD_SHIFT in _fastagg.h")
     elif (_fastagg.RECV_BYTES, _fastagg.CLIENT_RECV_BYTES) != (DATAGRAM_BYTES, RECV_BYTES):
         UNAVAILABLE = (f"the compiled datapath reads {_fastagg.RECV_BYTES} bytes of a "
                        f"datagram at an aggregator and {_fastagg.CLIENT_RECV_BYTES} at a "

@@ -195,17 +195,19 @@ def slot_of(seq: int, pool_size: int) -> tuple[int, int]:
     return seq % pool_size, (seq // pool_size) % 2
 
 
-MAX_SHARDS = 0xFFFF  # a wrong_shard REFUSED names the shard count in 16 bits
+SHARD_DETAIL_SHIFT = 16
+"""A ``wrong_shard`` REFUSED's detail: the shard count above these bits, the shard below."""
+MAX_SHARDS = (1 << SHARD_DETAIL_SHIFT) - 1
 
 
 def shard_detail(shard: int, n_shards: int) -> int:
     """A ``wrong_shard`` REFUSED's detail: which shard of how many refused (never 0)."""
-    return n_shards << 16 | shard
+    return n_shards << SHARD_DETAIL_SHIFT | shard
 
 
 def shard_in_detail(detail: int) -> tuple[int, int]:
     """(shard, n_shards) of a ``wrong_shard`` REFUSED's detail."""
-    return detail & 0xFFFF, detail >> 16
+    return detail & MAX_SHARDS, detail >> SHARD_DETAIL_SHIFT
 
 
 def seq_newer(a: int, b: int) -> bool:
