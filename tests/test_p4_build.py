@@ -115,6 +115,16 @@ def test_generated_constants_follow_protocol_json():
         assert int(consts[f"THC_AGG_{name.upper()}"]) == code
 
 
+@pytest.mark.parametrize("program", ["thc.p4", "thc_tna.p4"])
+def test_programs_take_the_configuration_tag_from_the_epochs_high_bits(program):
+    """The upstream tag (the bitmap's low bits) is compared with the install's epoch above
+    protocol.py's EPOCH_TAG_SHIFT, written as slices in each program (no generated constant)."""
+    s = P.EPOCH_TAG_SHIFT
+    text = (P4SRC / program).read_text()
+    assert re.search(rf"hdr\.thc\.bitmap\[{s - 1}:0\] *(!=|\^) *(meta\.)?epoch\[31:{s}\]",
+                     text), f"{program} compares no bitmap[{s - 1}:0] with epoch[31:{s}]"
+
+
 def test_generator_only_instantiates_the_lane_group():
     files = gen.generate(gen.load_spec(), lanes=16)
     assert files["thc_groups.p4"].count("ThcLaneGroup() thc_g") == 2
