@@ -319,20 +319,28 @@ def test_a_build_of_several_sources_is_stale_when_any_of_them_changed(tmp_path):
     assert "another version of _ext.c" in stale(module, "thing")
 
 
-def test_an_extension_built_for_another_worker_limit_is_not_used(monkeypatch):
-    """The header layout, drop reasons and counters were compared with protocol.json, the
-    workers a job takes (the C code's bitmaps and arrays) were not."""
+def _refusal_with(monkeypatch, module, name: str, value) -> str:
+    """cext's UNAVAILABLE, loaded again with ``module.name`` set to ``value``; then loaded
+    as it was, which must leave the extension usable."""
     import importlib
-    monkeypatch.setattr(P, "MAX_WORKERS", cext._fastagg.MAX_WORKERS // 2)
+    monkeypatch.setattr(importlib.import_module(module), name, value)
     try:
         importlib.reload(cext)
-        assert cext.UNAVAILABLE.startswith(
-            f"the compiled datapath takes {cext._fastagg.MAX_WORKERS} workers a job, "
-            f"protocol.json {P.MAX_WORKERS}: rebuild it")
+        refusal = cext.UNAVAILABLE
     finally:
         monkeypatch.undo()
         importlib.reload(cext)
     assert cext.UNAVAILABLE is None
+    return refusal
+
+
+def test_an_extension_built_for_another_worker_limit_is_not_used(monkeypatch):
+    """The header layout, drop reasons and counters were compared with protocol.json, the
+    workers a job takes (the C code's bitmaps and arrays) were not."""
+    limit = cext._fastagg.MAX_WORKERS
+    assert _refusal_with(monkeypatch, "thc.wire.protocol", "MAX_WORKERS", limit // 2).startswith(
+        f"the compiled datapath takes {limit} workers a job, protocol.json {limit // 2}: "
+        f"rebuild it")
 
 
 @pytest.mark.parametrize("name", ["EPOCH_TAG_SHIFT", "SHARD_DETAIL_SHIFT"])
@@ -340,16 +348,8 @@ def test_an_extension_that_splits_epochs_or_shard_details_elsewhere_is_not_used(
                                                                                 name):
     """The configuration tag's bits in an epoch and a wrong_shard detail's shard count were
     written as 16 in C, beside protocol.py's constants, with nothing comparing them."""
-    import importlib
-    monkeypatch.setattr(P, name, 12)
-    try:
-        importlib.reload(cext)
-        assert cext.UNAVAILABLE.startswith("the compiled datapath splits an epoch at bit 16 "
-                                           "and a wrong_shard detail at bit 16")
-    finally:
-        monkeypatch.undo()
-        importlib.reload(cext)
-    assert cext.UNAVAILABLE is None
+    assert _refusal_with(monkeypatch, "thc.wire.protocol", name, 12).startswith(
+        "the compiled datapath splits an epoch at bit 16 and a wrong_shard detail at bit 16")
 
 
 @pytest.mark.parametrize("module, name", [("thc.net.server", "DATAGRAM_BYTES"),
@@ -358,16 +358,9 @@ def test_an_extension_that_reads_datagrams_to_another_length_is_not_used(monkeyp
                                                                          name):
     """The Python and compiled datapaths each cut a long datagram at their own buffer's
     length, written twice with nothing comparing them."""
-    import importlib
-    monkeypatch.setattr(importlib.import_module(module), name, 1024)
-    try:
-        importlib.reload(cext)
-        assert cext.UNAVAILABLE.startswith("the compiled datapath reads 2048 bytes of a "
-                                           "datagram at an aggregator and 4096 at a client")
-    finally:
-        monkeypatch.undo()
-        importlib.reload(cext)
-    assert cext.UNAVAILABLE is None
+    assert _refusal_with(monkeypatch, module, name, 1024).startswith(
+        "the compiled datapath reads 2048 bytes of a datagram at an aggregator and 4096 at a "
+        "client")
 
 
 _MUTATING = """
