@@ -64,6 +64,8 @@ def bench_job(workers: int, pool: int, lanes: int, sum_bits: int = 0) -> Job:
     """The benchmark's job (``sum_bits`` 0: the narrowest that holds its sums): ConfigError
     where ``--workers``, ``--pool`` or ``--sum-bits`` cannot make one (checked before the
     switch starts, and again with its lanes)."""
+    if not 1 <= workers <= P.MAX_WORKERS:   # before a Worker is built for each
+        raise ConfigError(f"job 1: {workers} workers; 1..{P.MAX_WORKERS} supported")
     job = Job(job_id=1, workers=tuple(
                   Worker(i, f"10.0.1.{i + 1}", 30000 + i, f"02:00:00:00:01:{i + 1:02x}", i)
                   for i in range(workers)),

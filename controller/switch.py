@@ -86,7 +86,10 @@ def load_p4info(path: Path | str):
         raise SwitchError(f"{path} not found: compile the P4 program (`make p4`; for Tofino "
                           f"p4c's Tofino back end with --p4runtime-files)")
     info = p4info_pb2.P4Info()
-    text_format.Merge(path.read_text(), info)
+    try:
+        text_format.Merge(path.read_text(), info)
+    except text_format.ParseError as e:
+        raise SwitchError(f"{path} is no P4Info ({e}): compile the P4 program again") from None
     return info
 
 

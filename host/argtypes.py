@@ -182,11 +182,17 @@ def writable_path(text: str) -> str:
     the nearest one that exists (a run refused later leaves no empty folders behind)."""
     if text == "-":
         return text
-    if Path(text).is_dir():
-        raise argparse.ArgumentTypeError(f"cannot write {text}: it is a folder")
-    folder = Path(text).parent
-    existing = next(p for p in (folder, *folder.parents) if p.exists())
     try:
+        target = Path(text).resolve()   # through links: where the write lands
+    except RuntimeError:   # a loop of links
+        raise argparse.ArgumentTypeError(f"cannot write {text}: a loop of links") from None
+    try:
+        if target.is_dir():
+            raise argparse.ArgumentTypeError(f"cannot write {text}: it is a folder")
+        folder = target.parent
+        if Path(text).is_symlink() and not folder.is_dir():   # writers make the link's folder
+            raise FileNotFoundError(f"its link leads into {folder}, which is no folder")
+        existing = next(p for p in (folder, *folder.parents) if p.exists())
         if not existing.is_dir():
             raise NotADirectoryError(f"{existing} is not a folder")
         if existing == folder:
@@ -229,6 +235,8 @@ def read_json(path, what: str, keys: tuple[str, ...] = (), prog: str = "thc") ->
         raise refuse(f"cannot read {what} {path}: {e.strerror or e}") from None
     except ValueError as e:
         raise refuse(f"{path} is not JSON ({e}): give {what}") from None
+    except RecursionError:
+        raise refuse(f"{path} is nested too deeply to be {what}") from None
     if not isinstance(data, dict):
         raise refuse(f"{path} is not {what}: it holds a JSON {type(data).__name__}, not an "
                      f"object")

@@ -62,7 +62,10 @@ def usage(prog: str, table: dict, about: str = "THC in-network aggregation.") ->
 def dispatch(prog: str, table: dict, argv: list[str],
              about: str = "THC in-network aggregation.") -> int:
     """Run the subcommand ``argv[0]`` of ``table`` with the rest of ``argv``."""
-    if not argv or argv[0] in ("-h", "--help"):
+    if not argv:   # no command: a usage error, as argparse makes a missing argument
+        print(usage(prog, table, about), file=sys.stderr)
+        return 2
+    if argv[0] in ("-h", "--help"):
         print(usage(prog, table, about))
         return 0
     if argv[0] == "--version" and table is COMMANDS:

@@ -9,6 +9,7 @@ import os
 import shlex
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -249,6 +250,8 @@ def _files(tmp: Path) -> None:
     (["bench", "install", "--repeat", "0"], "argument --repeat: must be at least 1, not 0"),
     (["bench", "switch", "--duration", "nan"], "argument --duration: not a finite number"),
     (["bench", "switch", "--lanes-sweep", "16,x"], "argument --lanes-sweep: not an integer"),
+    (["bench", "install", "--workers", str(10 ** 30)], f"{10 ** 30} workers; 1..32 supported"),
+    (["bench", "switch", "--workers", "10000000"], "10000000 workers; 1..32 supported"),
     (["nmse", "--schemes", ","], "thc nmse: --schemes ',' names no scheme"),
     (["table", "--bits", "9"], "thc table: bits must be"),
     (["nmse", "--workers", "1,a"], "argument --workers: not an integer: 'a'"),
@@ -348,6 +351,43 @@ def test_an_output_path_is_checked_without_making_its_folders(tmp_path):
     assert json.loads(target.read_text())["x"] == 1
 
 
+def test_an_output_path_no_write_can_take_is_refused_before_the_work(tmp_path, monkeypatch):
+    """A name too long for the file system, a loop of links and a link into a missing folder
+    ended in OSError, FileExistsError or FileNotFoundError tracebacks (the last one after the
+    work); a write that fails after the work anyway leaves the report on standard output."""
+    import argparse
+    import errno
+
+    from thc.argtypes import writable_path
+    from thc.bench import emit_json
+    (tmp_path / "loop1").symlink_to(tmp_path / "loop2")
+    (tmp_path / "loop2").symlink_to(tmp_path / "loop1")
+    (tmp_path / "dangling.json").symlink_to(tmp_path / "gone" / "x.json")
+    for name, why in (("a" * 300 + ".json", "File name too long"),
+                      ("loop1/x.json", "a loop of links"), ("loop1", "a loop of links"),
+                      ("dangling.json", "its link leads into")):
+        with pytest.raises(argparse.ArgumentTypeError, match=f"cannot write .*{why}"):
+            writable_path(str(tmp_path / name))
+
+    def full(*_a, **_k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(Path, "write_text", full)
+    with pytest.raises(SystemExit, match=r"\(No space left on device\): the report is above"):
+        emit_json(argparse.Namespace(json=str(tmp_path / "r.json")), {"x": 1})
+
+
+def test_a_report_nested_too_deeply_is_refused_by_name(tmp_path, capsys):
+    """read_json caught OSError and ValueError, not RecursionError."""
+    from thc.argtypes import read_json
+    deep = tmp_path / "deep.json"
+    deep.write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(SystemExit) as e:
+        read_json(deep, "a sweep report", prog="thc sweep")
+    assert e.value.code == 2
+    assert f"thc sweep: {deep} is nested too deeply to be a sweep report" in \
+        capsys.readouterr().err
+
+
 def test_the_version_and_the_bench_tables_help_say_what_they_are(capsys):
     """`thc --version` was an unknown command, and `thc bench --help` said only "THC
     in-network aggregation."."""
@@ -356,6 +396,27 @@ def test_the_version_and_the_bench_tables_help_say_what_they_are(capsys):
     assert capsys.readouterr().out == f"thc {version('thc-ina')}\n"
     assert cli.main(["bench", "--help"]) == 0
     assert "\nBenchmarks: codec, kernels, hook" in capsys.readouterr().out
+
+
+def test_no_command_is_a_usage_error(capsys):
+    """`thc` and `thc bench` alone printed their help and exited 0, as if they had run."""
+    for argv, table in (([], "usage: thc <command>"), (["bench"], "usage: thc bench <command>")):
+        assert cli.main(argv) == 2
+        out = capsys.readouterr()
+        assert out.out == "" and out.err.startswith(table)
+
+
+@pytest.mark.parametrize("argv", [
+    ["table", "--p", "1e400"], ["table", "--p", "1e1000000000"], ["table", "--p", "1/0"],
+    ["nmse", "--quick", "--p", "2e308"]])
+def test_a_probability_no_float_holds_is_refused_at_once(argv, capsys):
+    """1e400 ended in an OverflowError traceback; 1e1000000000 held the command for minutes
+    while Fraction built 10**1000000000."""
+    t0 = time.monotonic()
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv)
+    assert e.value.code == 2 and time.monotonic() - t0 < 5
+    assert "argument --p: not a number or fraction" in capsys.readouterr().err
 
 
 def test_ctrl_c_ends_a_command_in_one_line_and_status_130(monkeypatch, capsys):

@@ -459,6 +459,15 @@ def test_a_switch_that_answers_no_repeated_arbitration_costs_a_settle_not_a_time
     assert time.monotonic() - t0 < p4rt.ARBITRATION_WAIT + 0.5
 
 
+def test_a_p4info_file_that_does_not_parse_is_named(tmp_path):
+    """A damaged P4Info file ended a dry run in protobuf's ParseError traceback."""
+    from thc.controller import switch as S
+    (tmp_path / "thc.p4info.txt").write_text("garbage {{{\n")
+    with pytest.raises(S.SwitchError, match=r"thc\.p4info\.txt is no P4Info \(1:1 : .*\): "
+                                            r"compile the P4 program again"):
+        S.load_p4info(tmp_path / "thc.p4info.txt")
+
+
 @pytest.mark.parametrize("reported", ["l2", "thc without thc_worker"])
 def test_a_push_the_switch_did_not_load_is_an_error(reported, monkeypatch):
     """``thc controller push`` printed "pushed thc" where the switch then reported another

@@ -100,8 +100,13 @@ def emit_json(args: argparse.Namespace, result: dict) -> None:
         out.write(text + "\n")
         out.flush()
     else:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(text + "\n")
+        try:
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.json).write_text(text + "\n")
+        except OSError as e:   # checked writable before the work; a full disk comes later
+            print(text, flush=True)
+            raise SystemExit(f"cannot write {args.json} ({e.strerror or e}): the report is "
+                             f"above, on standard output") from None
         print(f"wrote {args.json}")
 
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 import math
 import numbers
 from dataclasses import dataclass
-from fractions import Fraction
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -32,7 +31,7 @@ from thc.codec.common import (NonFiniteInput, as_float32, cast_estimate, check_f
                               near_int, scale_factor)
 from thc.codec.hadamard import is_torch
 from thc.codec.packing import pack_bits, unpack_bits
-from thc.codec.params import THCParams
+from thc.codec.params import THCParams, fraction_value
 from thc.codec.thc import THCCodec, check_feedback
 
 __all__ = ["Scheme", "THC", "UHC", "QSGD", "TernGrad", "TopK", "SignSGD", "FP16", "FP32",
@@ -438,8 +437,8 @@ def _parse_value(text: str):
     except ValueError:
         pass
     try:
-        return float(Fraction(text))
-    except (ValueError, ZeroDivisionError):
+        return fraction_value(text)
+    except ValueError:
         return text
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 from dataclasses import dataclass, replace
 from fractions import Fraction
 
@@ -38,14 +39,28 @@ def _threshold_of(p: float) -> float | None:
     return t if math.isfinite(t) and t > 0 else None
 
 
+def fraction_value(text: str) -> float:
+    """``1/32``, ``0.03125`` or ``3.125e-2`` as a float; ValueError for anything else, a
+    value no float holds included. Its length and exponent are bounded first: Fraction
+    builds 10**exponent, which for 1e1000000000 takes minutes."""
+    text = text.strip()
+    if len(text) > 64 or re.search(r"[eE][+-]?0*\d{4}", text):
+        raise ValueError(f"{text[:40]!r} is too long or too large a number")
+    try:
+        value = float(Fraction(text))
+    except (ZeroDivisionError, OverflowError):
+        raise ValueError(f"{text!r} is no finite number") from None
+    return value
+
+
 def parse_fraction(text: str | float) -> float:
     """Accept ``1/32``, ``0.03125`` or ``3.125e-2`` (argparse ``type=`` helper)."""
     if isinstance(text, (int, float)):
         return float(text)
     try:
-        return float(Fraction(text.strip()))
-    except (ValueError, ZeroDivisionError):
-        raise argparse.ArgumentTypeError(f"not a number or fraction: {text!r}") from None
+        return fraction_value(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number or fraction: {text[:40]!r}") from None
 
 
 @dataclass(frozen=True)
