@@ -223,6 +223,13 @@ def refusal(message: str) -> SystemExit:
     return SystemExit(2)
 
 
+DAMAGED = (KeyError, TypeError, ValueError, AttributeError, IndexError, ZeroDivisionError,
+           OverflowError)
+"""What a report :func:`read_json` took raises where a command takes it apart and finds it
+damaged (a field missing, of another type, a zero or infinity where a rate goes): the
+command refuses the report by name instead of a traceback."""
+
+
 def read_json(path, what: str, keys: tuple[str, ...] = (), prog: str = "thc") -> dict:
     """The JSON object in ``path`` (a report a command reads back), or a line naming the
     file and what it lacks and SystemExit(2), as for any refused argument: a missing file or

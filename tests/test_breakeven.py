@@ -456,3 +456,52 @@ def test_a_report_whose_lowest_bandwidth_has_no_run_is_analysed(tmp_path, capsys
     assert _sweep_here("--report", str(path), "--out", str(tmp_path)) == 0
     assert "fashion-mnist, 1.20M parameters" in capsys.readouterr().out
     assert (tmp_path / "sweep.png").stat().st_size > 0
+
+
+def _mutations(report: dict):
+    """The report with one field at a time replaced by a hostile value, two levels down
+    (into the first element of a list)."""
+    hostile = (None, 0, 1e400, "x", {}, [1])
+
+    def walk(node, path):
+        items = node.items() if isinstance(node, dict) else \
+            enumerate(node[:1]) if isinstance(node, list) else ()
+        for key, child in items:
+            for value in hostile:
+                yield path + (key,), value
+            if len(path) < 2:
+                yield from walk(child, path + (key,))
+    for path, value in walk(report, ()):
+        copy = json.loads(json.dumps(report))
+        node = copy
+        for key in path[:-1]:
+            node = node[key]
+        node[path[-1]] = value
+        yield path, copy
+
+
+def test_a_damaged_sweep_report_is_refused_by_name_never_a_traceback(tmp_path, capsys,
+                                                                     monkeypatch):
+    """`thc sweep --report` of the committed report with one field damaged at a time: a
+    TypeError, KeyError, AttributeError or ZeroDivisionError traceback for 32 of 161 such
+    changes (modes null, machine {}, bw_mbit 0, failed [1], date [1]). The plot is laid out
+    from the report, its footer signed, and not rendered (a second each)."""
+    import matplotlib.pyplot as plt
+
+    from thc.bench import footer
+    from thc.emu import sweepreport
+    from thc.emu.testbed import REPO_ROOT
+    monkeypatch.setattr(sweepreport, "save_figure",
+                        lambda fig, path, recorded: (footer(recorded), plt.close(fig)))
+    report = json.loads((REPO_ROOT / "docs" / "runs" / "sweep-bandwidth.json").read_text())
+    path, tried = tmp_path / "sweep.json", 0
+    for where, damaged in _mutations(report):
+        path.write_text(json.dumps(damaged, allow_nan=True))
+        try:
+            code = _sweep_here("--report", str(path), "--out", str(tmp_path / "out"))
+        except Exception as e:   # noqa: BLE001 (the failure this test looks for)
+            pytest.fail(f"{'/'.join(map(str, where))}: {type(e).__name__}: {e}")
+        assert code in (0, 1, 2), where
+        tried += 1
+    capsys.readouterr()
+    assert tried > 100

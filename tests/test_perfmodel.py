@@ -512,3 +512,26 @@ def test_the_calibration_counts_the_predictions_within_25_percent(tmp_path, caps
     out = capsys.readouterr().out
     assert " -22%" in out
     assert "1 of 1 predicted configurations (bandwidth x mode) within 25%" in out
+
+
+@pytest.mark.parametrize("damage", [
+    ("runs", 0, "history", []), ("runs", 0, "history", [1]), ("runs", 0, "params", 1e400),
+    ("args", "workers", 1e400), ("args", "software_lanes", 1e400), ("runs", 0, "mode", None)])
+def test_a_damaged_main_job_report_is_refused_by_name(damage, tmp_path, capsys):
+    """IndexError, AttributeError and OverflowError tracebacks from `thc model --calibrate`
+    of the committed report with one field damaged."""
+    from thc import cli
+    report = json.loads((Path(__file__).resolve().parent.parent / "docs" / "runs" /
+                         "mainjob-mininet-100mbit-40steps.json").read_text())
+    *where, value = damage
+    node = report
+    for key in where[:-1]:
+        node = node[key]
+    node[where[-1]] = value
+    path = tmp_path / "mainjob.json"
+    path.write_text(json.dumps(report))
+    with pytest.raises(SystemExit) as e:
+        cli.main(["model", "--calibrate", str(path)])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("thc model --calibrate: ") and err.count("\n") == 1, err

@@ -58,7 +58,7 @@ import argparse
 import math
 from dataclasses import dataclass, replace
 
-from thc.argtypes import (fraction, non_negative_float, positive_float, positive_floats,
+from thc.argtypes import (DAMAGED, fraction, non_negative_float, positive_float, positive_floats,
                           positive_int, read_json, refusal, slowdown, whole_count)
 from thc.collective.agreement import TAG_LANES
 from thc.wire import protocol as P
@@ -498,9 +498,9 @@ def run(args: argparse.Namespace) -> int:
             rows = [row for path, rep in zip(args.calibrate, reports)
                     for row in calibrate(rep, alpha, eff, args.agg_pps,
                                          fitted=path == fitted_on)]
-        except ValueError as e:        # the fit's own refusals
-            raise refusal(f"thc model --calibrate: {e}") from None
-        except (KeyError, TypeError, ZeroDivisionError) as e:    # a damaged report
+        except DAMAGED as e:    # a damaged report, or (ValueError) the fit's own refusals
+            if type(e) is ValueError:
+                raise refusal(f"thc model --calibrate: {e}") from None
             what = f"a run lacks {e}" if isinstance(e, KeyError) else \
                 f"{type(e).__name__}: {e}"
             raise refusal(f"thc model --calibrate: {', '.join(args.calibrate)}: not a main "

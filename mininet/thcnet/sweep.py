@@ -32,8 +32,8 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from thc.argtypes import (figure_path, fraction, positive_float, positive_floats, positive_int,
-                          read_json, seconds, writable_path)
+from thc.argtypes import (DAMAGED, figure_path, fraction, positive_float, positive_floats,
+                          positive_int, read_json, seconds, writable_path)
 from thc.app.breakeven import analyse
 from thc.app.datasets import AUTO, DATASETS
 from thc.bench import cpu_model, provenance
@@ -308,29 +308,34 @@ def run(args: argparse.Namespace) -> int:
                     if done else "no bandwidth was done")
             print(f"\nthc sweep: {how}; {kept}", file=sys.stderr)
             return code
-    thc = _thc_mode(data["modes"])
-    if thc is None:
-        print("thc sweep: no THC mode swept: no break-even to compute")
-        return 1 if data["failed"] else 0
-    data["tta_target"] = ("FP32's final accuracy minus one point" if args.target is None
-                          else f"accuracy {args.target:g}")
-    baselines = tuple(m for m in ("fp32", "fp16") if m in data["modes"])
     try:
+        thc = _thc_mode(data["modes"])
+        if thc is None:
+            print("thc sweep: no THC mode swept: no break-even to compute")
+            return 1 if data["failed"] else 0
+        data["tta_target"] = ("FP32's final accuracy minus one point" if args.target is None
+                              else f"accuracy {args.target:g}")
+        baselines = tuple(m for m in ("fp32", "fp16") if m in data["modes"])
         _drop_diverged(data)
         for p in data["points"]:
             p["tta_s"] = _tta(p["runs"], args.target)
         data["analysis"] = analyse(data, thc, baselines, args.agg_pps)
-    except (KeyError, TypeError, ValueError) as e:
-        print(f"thc sweep: no analysis of the runs in {args.report or json_path}: {e}",
+        table = markdown(data)
+        failed = [f"{f['mode']} at {f['bw_mbit']:g} Mbit/s FAILED (not in the table): "
+                  f"{f['error']}" for f in data["failed"]]
+        print()
+        print(table)
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps(data, indent=1))
+        plot_path.parent.mkdir(parents=True, exist_ok=True)
+        plot(data, plot_path)
+    except DAMAGED as e:   # runs no break-even can be read from, or a damaged report
+        what = f"lacks {e}" if isinstance(e, KeyError) else \
+            f"{e}" if type(e) is ValueError else f"{type(e).__name__}: {e}"
+        print(f"thc sweep: no analysis of the runs in {args.report or json_path}: {what}",
               file=sys.stderr)
         return 1
-    print()
-    print(markdown(data))
-    json_path.parent.mkdir(parents=True, exist_ok=True)
-    json_path.write_text(json.dumps(data, indent=1))
-    plot_path.parent.mkdir(parents=True, exist_ok=True)
-    plot(data, plot_path)
     print(f"\nwrote {json_path} and {plot_path}")
-    for f in data["failed"]:
-        print(f"{f['mode']} at {f['bw_mbit']:g} Mbit/s FAILED (not in the table): {f['error']}")
-    return 1 if data["failed"] else 0
+    for f in failed:
+        print(f)
+    return 1 if failed else 0
