@@ -39,7 +39,7 @@ def _switch_options(parser: argparse.ArgumentParser, defaults: bool = True,
         parser.add_argument(*names, **kw,
                             default=default if defaults else argparse.SUPPRESS)
 
-    opt("--grpc-addr", default=DEFAULT_GRPC, metavar="HOST:PORT",
+    opt("--grpc-addr", type=_grpc_address, default=DEFAULT_GRPC, metavar="HOST:PORT",
         help=f"P4Runtime server (default {DEFAULT_GRPC})")
     opt("--device-id", type=_uint64, default=DEFAULT_DEVICE_ID,
         help="P4Runtime device id (simple_switch_grpc --device-id; default 0)")
@@ -107,6 +107,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("mac", nargs="?", help="add, del: the destination MAC")
     p.add_argument("port", nargs="?", type=non_negative_int,
                    help="add: the switch port to forward to")
+
+
+def _grpc_address(text: str) -> str:
+    """gRPC's ``HOST:PORT`` (``[IPv6]:PORT``), or ``unix:PATH``: a port that no server can
+    have (65536, abc) or no host waited out --timeout, then named no server."""
+    if text.startswith("unix:") and len(text) > 5:
+        return text
+    host, colon, port = text.rpartition(":")
+    if not colon or not host.strip("[]") or not port.isdigit() or not 0 < int(port) < 65536:
+        raise argparse.ArgumentTypeError(f"HOST:PORT (a port 1..65535) or unix:PATH, not "
+                                         f"{text!r}")
+    return text
 
 
 def _uint64(text: str) -> int:

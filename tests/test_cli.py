@@ -44,7 +44,7 @@ def test_usage_lists_the_commands_and_the_benchmarks(capsys):
     assert cli.main(["--help"]) == 0
     out = capsys.readouterr().out
     assert all(f"  {name} " in out for name in cli.COMMANDS)
-    assert cli.main(["bench"]) == 0
+    assert cli.main(["bench", "--help"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("usage: thc bench <command>")
     assert all(f"  {name} " in out for name in cli.BENCHES)
@@ -210,6 +210,9 @@ def _files(tmp: Path) -> None:
     (["sweep", "--bw", "50,x"], "argument --bw: not a number: 'x'"),
     (["sweep", "--workers", "40"], "argument --workers: a testbed hosts at most 32 workers"),
     (["sweep", "--target", "73"], "argument --target: a fraction lies in (0, 1], not 73"),
+    (["controller", "--grpc-addr", "127.0.0.1:65536", "jobs"],
+     "argument --grpc-addr: HOST:PORT (a port 1..65535) or unix:PATH, not '127.0.0.1:65536'"),
+    (["controller", "--grpc-addr", "", "jobs"], "argument --grpc-addr: HOST:PORT"),
     (["controller", "--grpc-addr", "127.0.0.1:1", "--timeout", "1e10", "jobs"],
      "argument --timeout: must be at most 9223372036 s (the longest wait a process can make)"),
     (["aggregator", "--duration", "1e300"], "argument --duration: must be at most"),

@@ -142,3 +142,11 @@ def test_ranks_given_the_same_images_stop_at_the_first_evaluation(how):
     got = gloo_pair(partial(_bad_shares_worker, how=how))
     for rank in (0, 1):
         assert got[rank] is not None and "an image went to two ranks" in got[rank], got
+
+
+def test_evaluations_are_spread_over_the_epoch_one_a_step_at_most():
+    """--evals 1000000000 held the run while a set of a billion steps was built."""
+    from thc.app.train import evaluation_steps
+    assert evaluation_steps(44, 4) == {11, 22, 33, 44}
+    assert evaluation_steps(44, 10 ** 9) == evaluation_steps(44, 44) == set(range(1, 45))
+    assert evaluation_steps(1, 6) == {1}

@@ -186,6 +186,13 @@ def _tensors(ds: datasets.Dataset, subset: int | None):
             torch.from_numpy(ds.x_test), torch.from_numpy(ds.y_test))
 
 
+def evaluation_steps(steps: int, evals: int) -> set[int]:
+    """The steps of an epoch after which it evaluates: ``evals`` spread evenly, at most one a
+    step (--evals 1000000000 built a set of a billion first)."""
+    evals = min(evals, steps)
+    return {round(steps * (k + 1) / evals) for k in range(evals)}
+
+
 def _note(note: str, args, images: int, steps: int, evals: int) -> str:
     """The data set's note, and what of the asked the training set could not give: fewer
     images than ``--train-subset``, fewer evaluations an epoch than ``--evals``."""
@@ -440,7 +447,7 @@ def _train_model(args) -> list[dict]:
     if steps < 1:
         raise SystemExit(f"{len(ytr)} training images cannot fill one global batch of "
                          f"{global_batch}")
-    eval_at = {round(steps * (k + 1) / args.evals) for k in range(args.evals)}
+    eval_at = evaluation_steps(steps, args.evals)
     say(json.dumps({"dataset": ds.name, "note": _note(ds.note, args, len(ytr), steps,
                                                        len(eval_at - {0})),
                     "train_images": len(ytr), "test_images": len(yte), "params": n_params,
