@@ -27,7 +27,7 @@ from thc.argtypes import non_negative_int, positive_int, seconds
 from thc.controller import (counters, dryrun, forwarding, installed, job_entries, jobs, program,
                             targets)
 from thc.controller.switch import DEFAULT_DEVICE_ID, DEFAULT_GRPC, NoProgram, Switch, SwitchError
-from thc.wire.jobs import Cluster, ConfigError
+from thc.wire.jobs import MAX_JOB_ID, Cluster, ConfigError
 
 
 def _switch_options(parser: argparse.ArgumentParser, defaults: bool = True,
@@ -90,7 +90,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="change or remove jobs even while their workers are sending")
 
     p = action("remove", help="remove one job")
-    p.add_argument("--job", type=positive_int, required=True, metavar="JOB_ID",
+    p.add_argument("--job", type=_job_id, required=True, metavar="JOB_ID",
                    help="the job's id in its cluster config (`jobs` lists them)")
     p.add_argument("--force", action="store_true",
                    help="remove the job even while its workers are sending")
@@ -119,6 +119,13 @@ def _grpc_address(text: str) -> str:
         raise argparse.ArgumentTypeError(f"HOST:PORT (a port 1..65535) or unix:PATH, not "
                                          f"{text!r}")
     return text
+
+
+def _job_id(text: str) -> int:
+    value = positive_int(text)
+    if value > MAX_JOB_ID:
+        raise argparse.ArgumentTypeError(f"a job id is 1..{MAX_JOB_ID}, not {value}")
+    return value
 
 
 def _uint64(text: str) -> int:
@@ -150,9 +157,13 @@ def _placed(cluster: Cluster, placed: dict[int, int], same: set[int], note: str 
               + (" (unchanged, left alone)" if jid in same else "") + note)
 
 
+class UsageError(ValueError):
+    """Arguments that no switch would take: exit status 2, as argparse's own refusals."""
+
+
 def _dry_run(args: argparse.Namespace, target: targets.Target, cluster: Cluster) -> int:
     if args.action != "install" or args.push:
-        raise ValueError("--dry-run shows what `install` (without --push) writes to a switch "
+        raise UsageError("--dry-run shows what `install` (without --push) writes to a switch "
                          "holding no jobs; other actions depend on what the switch holds")
     sw = dryrun.DryRunSwitch(target, args.build_dir)
     placed = jobs.install_cluster(sw, cluster, prune=args.prune, force=args.force)
@@ -195,7 +206,7 @@ def _run(args: argparse.Namespace) -> int:
     if push and not args.force:   # it only reads
         _refuse_live_before_push(args, args.election_id or (0, os.getpid()))
     if args.action == "l2":
-        _check_l2(args)
+        _check_l2(args, target)
     with Switch(args.grpc_addr, args.device_id, election, timeout=args.timeout,
                 require_primary=not read_only) as sw:
         sw.connect(program=push, build_dir=build_dir)
@@ -209,21 +220,27 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _check_l2(args: argparse.Namespace) -> None:
+def _check_l2(args: argparse.Namespace, target: targets.Target) -> None:
     """``l2 OP`` given what it takes, before any session (a missing MAC was found only once
     connected, and a MAC given to ``list`` or a PORT to ``del`` was ignored), its MAC in
-    canonical form and routable."""
+    canonical form and routable, its port one a host can sit at."""
     takes = {"add": ("MAC", "PORT"), "del": ("MAC",), "list": ()}[args.op]
     given = tuple(name for name, value in (("MAC", args.mac), ("PORT", args.port))
                   if value is not None)
     if given != takes:
-        raise ValueError(f"l2 {args.op} takes {' and '.join(takes) or 'no MAC or PORT'}, "
+        raise UsageError(f"l2 {args.op} takes {' and '.join(takes) or 'no MAC or PORT'}, "
                          f"given {' and '.join(given) or 'none'}")
     if args.mac is not None:
-        args.mac = forwarding.check_mac(args.mac, f"l2 {args.op}")
+        try:
+            args.mac = forwarding.check_mac(args.mac, f"l2 {args.op}")
+        except ValueError as e:
+            raise UsageError(str(e)) from None
     if args.op == "add" and args.mac in forwarding.UNROUTABLE:
-        raise ValueError(f"l2 add: {args.mac} is the all-zero or broadcast MAC, which the "
+        raise UsageError(f"l2 add: {args.mac} is the all-zero or broadcast MAC, which the "
                          f"controller keeps out of l2_forward; name one host's MAC")
+    if args.port is not None and not target.front_panel(args.port):
+        raise UsageError(f"l2 add: port {args.port} is not a front-panel port of a "
+                         f"{target.name} switch (0..510, not the CPU port {target.cpu_port})")
 
 
 def _jobs_of_mac(sw: Switch, mac: str) -> list[int]:
@@ -239,6 +256,9 @@ def run(args: argparse.Namespace) -> int:
         return _run(args)
     except BrokenPipeError:
         raise          # a reader of the output gone: thc's dispatch says which and ends it
+    except UsageError as e:
+        print(f"thc controller: {e}", file=sys.stderr)
+        return 2
     except (SwitchError, ConfigError, ValueError, OSError) as e:
         print(f"thc controller: {e}", file=sys.stderr)
         return 1

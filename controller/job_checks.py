@@ -93,7 +93,7 @@ def check_job(sw: Switch, job: Job, job_index: int, others: dict[int, dict],
         raise ConfigError(f"job {job.job_id}: pool {job.pool_base}..{last}"
                           f" does not fit the switch's {P.SWITCH_SLOTS} slots")
     for w in job.workers:
-        if not 0 <= w.switch_port < 511 or w.switch_port == target_of(sw).cpu_port:
+        if not target_of(sw).front_panel(w.switch_port):
             raise ConfigError(f"job {job.job_id} worker {w.id}: switch_port {w.switch_port} "
                               f"is not a front-panel port")
         if ipaddress.IPv4Address(w.ip).is_loopback:

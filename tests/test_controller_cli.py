@@ -27,6 +27,7 @@ def _parse(*argv: str) -> argparse.Namespace:
     (["--device-id=-1", "jobs"], "--device-id: an integer in 0..2^64-1"),
     (["--timeout=-1", "jobs"], "--timeout: must be above 0"),
     (["remove", "--job", "0"], "--job: must be at least 1, not 0"),
+    (["remove", "--job", str(10 ** 30)], "--job: a job id is 1..65535, not 1" + "0" * 30),
     (["l2", "add", "02:00:00:00:00:05", "-5"], "argument port: must be at least 0, not -5")])
 def test_bad_session_flags_are_refused_before_any_session(argv, message, capsys):
     """An election id protobuf cannot hold failed inside p4runtime-shell's setup, whose
@@ -42,14 +43,25 @@ def test_bad_session_flags_are_refused_before_any_session(argv, message, capsys)
     (["l2", "add", "02:00:00:00:00:05"], "l2 add takes MAC and PORT, given MAC"),
     (["l2", "del"], "l2 del takes MAC, given none"),
     (["l2", "del", "02:00:00:00:00:05", "7"], "l2 del takes MAC, given MAC and PORT"),
-    (["l2", "list", "02:00:00:00:00:05"], "l2 list takes no MAC or PORT, given MAC")])
+    (["l2", "list", "02:00:00:00:00:05"], "l2 list takes no MAC or PORT, given MAC"),
+    (["l2", "add", "02:00:00:00:00:05", str(10 ** 30)],
+     f"l2 add: port {10 ** 30} is not a front-panel port of a bmv2 switch"),
+    (["l2", "add", "02:00:00:00:00:05", "511"], "l2 add: port 511 is not a front-panel port"),
+    (["l2", "add", "02:00:00:00:00:05", "255"], "l2 add: port 255 is not a front-panel port "
+                                                "of a bmv2 switch (0..510, not the CPU port 255)"),
+    (["--target", "tofino", "l2", "add", "02:00:00:00:00:05", "320"],
+     "l2 add: port 320 is not a front-panel port of a tofino switch (0..510, not the CPU "
+     "port 320)"),
+    (["l2", "add", "zz", "3"], "l2 add: MAC 'zz' is not six hex bytes")])
 def test_l2_takes_what_its_op_reads_before_any_session(argv, message, monkeypatch, capsys):
     """A missing MAC or PORT was found only once connected (without a switch: "no P4Runtime
-    server"), and a MAC given to ``list`` or a PORT to ``del`` was ignored."""
+    server"), and a MAC given to ``list`` or a PORT to ``del`` was ignored. A port no host
+    sits at failed at the switch, or was written. These are usage errors: status 2, as
+    argparse's."""
     def connected(*a, **k):
         raise AssertionError("a session started")
     monkeypatch.setattr(cli, "Switch", connected)
-    assert cli.run(_parse(*argv)) == 1
+    assert cli.run(_parse(*argv)) == 2
     assert f"thc controller: {message}" in capsys.readouterr().err
 
 

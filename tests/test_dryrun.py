@@ -96,7 +96,7 @@ def test_dry_run_refuses_what_the_target_cannot_run(monkeypatch, capsys, tmp_pat
 
 
 def test_dry_run_is_for_install_only(monkeypatch, capsys):
-    assert thc_controller(monkeypatch, "--dry-run", "remove", "--job", "5") == 1
+    assert thc_controller(monkeypatch, "--dry-run", "remove", "--job", "5") == 2
     assert "--dry-run" in capsys.readouterr().err
 
 

@@ -218,7 +218,7 @@ def test_prune_removes_leftovers_the_cluster_lacks(sw):
 @pytest.mark.parametrize("mac", ["ff:ff:ff:ff:ff:ff", "00:00:00:00:00:00"])
 def test_l2_add_of_broadcast_is_refused(sw, monkeypatch, capsys, mac):
     """It printed success and wrote nothing."""
-    assert thc_controller(sw.device, monkeypatch, "l2", "add", mac, "3") == 1
+    assert thc_controller(sw.device, monkeypatch, "l2", "add", mac, "3") == 2
     assert f"thc controller: l2 add: {mac} is the all-zero or broadcast MAC" \
         in capsys.readouterr().err
     assert sw.device.log == []
@@ -229,7 +229,7 @@ def test_l2_takes_a_mac_in_one_spelling_only(sw, monkeypatch, capsys, mac):
     """The switch API also reads integers and bare hex, in which the broadcast and all-zero
     MACs went into l2_forward; a malformed MAC failed as "invalid literal for int()"."""
     for op in (("add", mac, "3"), ("del", mac)):
-        assert thc_controller(sw.device, monkeypatch, "l2", *op) == 1
+        assert thc_controller(sw.device, monkeypatch, "l2", *op) == 2
         assert f"thc controller: l2 {op[0]}: MAC '{mac}' is not six hex bytes" \
             in capsys.readouterr().err
     assert sw.device.log == []

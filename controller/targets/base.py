@@ -33,6 +33,11 @@ class Target(ABC):
     """Whether the replication engine keeps a multicast group's replicas across a pipeline
     push, where P4Runtime forgets the group (controller/switch.py ``set_multicast_group``)."""
 
+    def front_panel(self, port: int) -> bool:
+        """Whether a host can sit at ``port``: a 9-bit port, neither the CPU's nor 511
+        (BMv2's drop port)."""
+        return 0 <= port < 511 and port != self.cpu_port
+
     @property
     def p4info_file(self) -> Path:
         return self.build_dir / f"{self.program}.p4info.txt"

@@ -29,6 +29,9 @@ SWITCH_AGG_MAC = "02:00:00:00:00:fe"
 static ARP entry): the default of ``Cluster.agg_mac``, the controller and the testbeds."""
 
 
+MAX_JOB_ID = (1 << 16) - 1
+"""Job ids are 1..MAX_JOB_ID: the header's 16-bit ``job_id``, 0 meaning no job."""
+
 VOTE_TABLE = (0, 1) + (0,) * ((1 << P.INDEX_BITS) - 2)
 """The table of a vote job: a sign bit b counts b. The switch widens each bit to an index
 into it, so a vote job runs on the same lane groups as THC."""
@@ -284,8 +287,8 @@ class Job:
             if not _is_int(value):
                 # packed into header fields and C integers: 3.0 would fail there, not here
                 raise ConfigError(f"job {self.job_id!r}: {name} {value!r} is not an integer")
-        if not 1 <= self.job_id < 1 << 16:
-            raise ConfigError(f"job_id {self.job_id} outside 1..65535")
+        if not 1 <= self.job_id <= MAX_JOB_ID:
+            raise ConfigError(f"job_id {self.job_id} outside 1..{MAX_JOB_ID}")
         n = self.n_workers
         if not 1 <= n <= P.MAX_WORKERS:
             raise ConfigError(f"job {self.job_id}: {n} workers; 1..{P.MAX_WORKERS} supported")
