@@ -20,7 +20,7 @@ import queue
 import sys
 import time
 
-from thc.argtypes import positive_int
+from thc.argtypes import held_in_memory, positive_int
 from thc.bench import add_common, emit_json
 from thc.codec.packing import pack_bits
 from thc.codec.settings import Settings
@@ -67,7 +67,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_common(parser)
     parser.add_argument("--workers", type=worker_counts, default="4",
                         help="comma-separated worker counts")
-    parser.add_argument("--chunks", type=positive_int, default=None,
+    parser.add_argument("--chunks", type=held_in_memory(8 * P.LANES, "chunks a worker"),
+                        default=None,
                         help="chunks per worker and run (default 32768; 2048 with --quick)")
     parser.add_argument("--lanes", type=int, default=None,
                         help=f"lanes per packet (default {P.LANES})")

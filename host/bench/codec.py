@@ -41,7 +41,7 @@ import statistics
 import sys
 import time
 
-from thc.argtypes import positive_int, torch_device
+from thc.argtypes import elements, positive_int, torch_device
 from thc.bench import add_common, emit_json, figure, save_figure
 from thc.bench.tiles import applied, parse_configs
 from thc.codec import backends, settings
@@ -66,7 +66,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also time the reference path (default: yes)")
     parser.add_argument("--sizes", default=None,
                         help="log2 sizes, e.g. 20-26 or 20,24 (default 20-26; 16 with --quick)")
-    parser.add_argument("--size", type=positive_int, default=None, help="one size in elements")
+    parser.add_argument("--size", type=elements, default=None, help="one size in elements")
     parser.add_argument("--repeat", type=positive_int, default=None,
                         help="runs per figure, the median kept (default 5; 2 with --quick)")
     THCParams.add_arguments(parser, seed=False)

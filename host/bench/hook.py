@@ -31,7 +31,8 @@ import statistics
 import sys
 import time
 
-from thc.argtypes import non_negative_int, positive_int, positive_ints, torch_device
+from thc.argtypes import (held_in_memory, non_negative_int, positive_int, positive_ints,
+                          torch_device)
 from thc.bench import add_common, emit_json, figure, save_figure
 from thc.codec.params import THCParams
 
@@ -39,6 +40,8 @@ MODES = ("ddp", "fp16", "fp32 hook", "thc hook", "thc graphed", "thc deferred")
 GRAPHED = ("thc graphed", "thc deferred")
 """The modes that need CUDA (the kernels, NCCL, graphs)."""
 SIZES = {"batch": (64, 2), "image": (224, 32), "steps": (20, 2), "warmup": (5, 1)}
+IMAGE_BYTES = 3 * 224 * 224 * 4
+"""One float32 input image of the default side: the least a step holds per image."""
 """Each size flag's default, and its default with ``--quick`` (a size given wins)."""
 THC_ROWS = (("thc hook", "THC encode+decode (DDP hook, {} MB buckets)"),
             ("thc graphed", "THC encode+decode (DDP hook, CUDA graphs, {} MB buckets)"),
@@ -55,7 +58,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="cuda (default, or cuda:N) or cpu")
     parser.add_argument("--buckets", type=positive_ints, default="5,25,100",
                         help="DDP bucket sizes, MB")
-    parser.add_argument("--batch", type=positive_int, default=None,
+    parser.add_argument("--batch", type=held_in_memory(IMAGE_BYTES, "images"), default=None,
                         help="images a step (default 64; 2 with --quick)")
     parser.add_argument("--image", type=positive_int, default=None,
                         help="image side (default 224; 32 with --quick)")

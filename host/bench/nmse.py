@@ -16,7 +16,7 @@ import time
 
 import numpy as np
 
-from thc.argtypes import positive_int, positive_ints
+from thc.argtypes import memory_refusal, positive_int, positive_ints
 from thc.bench import add_common, emit_json, figure, save_figure
 from thc.codec.baselines import make_scheme
 from thc.codec.params import THCParams
@@ -143,18 +143,10 @@ workers of 2^16: the vectors, their float64 stack, a scheme's work)."""
 
 
 def _check_memory(workers: int, dim: int) -> None:
-    """ValueError where the largest point would not fit the memory available (--workers
-    100000 ran the machine out of memory, and the kernel killed whatever it chose)."""
-    need = BYTES_PER_ELEMENT * workers * dim
-    try:
-        with open("/proc/meminfo") as f:
-            free = next(int(line.split()[1]) * 1024 for line in f
-                        if line.startswith("MemAvailable:"))
-    except (OSError, StopIteration, ValueError):
-        return
-    if need > free:
-        raise ValueError(f"--workers {workers} of --dim {dim} takes about {need / 1e9:.1f} GB "
-                         f"(an estimate), more than the {free / 1e9:.1f} GB available")
+    """ValueError where the largest point would not fit the memory available."""
+    if why := memory_refusal(BYTES_PER_ELEMENT * workers * dim,
+                             f"--workers {workers} of --dim {dim}"):
+        raise ValueError(why)
 
 
 def _run(args: argparse.Namespace) -> int:
