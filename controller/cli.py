@@ -240,7 +240,7 @@ def _check_l2(args: argparse.Namespace, target: targets.Target) -> None:
                          f"controller keeps out of l2_forward; name one host's MAC")
     if args.port is not None and not target.front_panel(args.port):
         raise UsageError(f"l2 add: port {args.port} is not a front-panel port of a "
-                         f"{target.name} switch (0..510, not the CPU port {target.cpu_port})")
+                         f"{target.name} switch ({target.front_panel_ports})")
 
 
 def _jobs_of_mac(sw: Switch, mac: str) -> list[int]:

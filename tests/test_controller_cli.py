@@ -50,8 +50,12 @@ def test_bad_session_flags_are_refused_before_any_session(argv, message, capsys)
     (["l2", "add", "02:00:00:00:00:05", "255"], "l2 add: port 255 is not a front-panel port "
                                                 "of a bmv2 switch (0..510, not the CPU port 255)"),
     (["--target", "tofino", "l2", "add", "02:00:00:00:00:05", "320"],
-     "l2 add: port 320 is not a front-panel port of a tofino switch (0..510, not the CPU "
-     "port 320)"),
+     "l2 add: port 320 is not a front-panel port of a tofino switch (ports 0..63 of a pipe: "
+     "0..63, 128..191, 256..319, 384..447)"),
+    (["--target", "tofino", "l2", "add", "02:00:00:00:00:05", "68"],
+     "l2 add: port 68 is not a front-panel port of a tofino switch"),
+    (["--target", "tofino", "l2", "add", "02:00:00:00:00:05", "512"],
+     "l2 add: port 512 is not a front-panel port of a tofino switch"),
     (["l2", "add", "zz", "3"], "l2 add: MAC 'zz' is not six hex bytes")])
 def test_l2_takes_what_its_op_reads_before_any_session(argv, message, monkeypatch, capsys):
     """A missing MAC or PORT was found only once connected (without a switch: "no P4Runtime

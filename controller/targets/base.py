@@ -39,6 +39,11 @@ class Target(ABC):
         return 0 <= port < 511 and port != self.cpu_port
 
     @property
+    def front_panel_ports(self) -> str:
+        """The ports :meth:`front_panel` takes, in words."""
+        return f"0..510, not the CPU port {self.cpu_port}"
+
+    @property
     def p4info_file(self) -> Path:
         return self.build_dir / f"{self.program}.p4info.txt"
 

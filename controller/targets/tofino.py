@@ -84,6 +84,14 @@ class Tofino(Target):
     def lanes(self, p4info) -> int:
         return P.LANES if self.groups(p4info) else 0
 
+    def front_panel(self, port: int) -> bool:
+        return 0 <= port < 4 << PIPE_SHIFT and port & ((1 << PIPE_SHIFT) - 1) < FRONT_PANEL
+
+    @property
+    def front_panel_ports(self) -> str:
+        pipes = (f"{p << PIPE_SHIFT}..{(p << PIPE_SHIFT) + FRONT_PANEL - 1}" for p in range(4))
+        return f"ports 0..{FRONT_PANEL - 1} of a pipe: {', '.join(pipes)}"
+
     def check_job(self, job) -> None:
         if job.aggregation == "vote" and job.sum_bits != 8:
             raise ConfigError(
@@ -102,7 +110,7 @@ class Tofino(Target):
                 f"one pipe, and the RESET packet-outs that clear them enter at the CPU port "
                 f"{CPU_PORT} (pipe {pipe}): put the job's workers on its front-panel ports "
                 f"{ports}")
-        inside = [w for w in job.workers if w.switch_port & ((1 << PIPE_SHIFT) - 1) >= FRONT_PANEL]
+        inside = [w for w in job.workers if not self.front_panel(w.switch_port)]
         if inside:
             raise ConfigError(
                 f"job {job.job_id} worker {inside[0].id}: switch_port {inside[0].switch_port} "
