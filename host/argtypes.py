@@ -65,31 +65,17 @@ def available_memory() -> int | None:
         return None
 
 
-def memory_refusal(need: int, what: str) -> str | None:
-    """Why ``need`` bytes (an estimate) for ``what`` do not fit: a command that asked for more
-    ran the machine out of memory, and the kernel killed whatever it chose, or failed deep
-    inside numpy or torch with a traceback. None where they fit, or memory is unknown."""
-    free = available_memory()
+def memory_refusal(need: int, what: str, free: int | None = None) -> str | None:
+    """Why ``need`` bytes (an estimate) for ``what`` do not fit ``free`` bytes (by default the
+    memory available): a command that asked for more ran the machine out of memory, and the
+    kernel killed whatever it chose, or failed deep inside numpy or torch with a traceback.
+    None where they fit, or memory is unknown."""
+    free = available_memory() if free is None else free
     if free is None or need <= free:
         return None
-    return f"{what}: about {need / 1e9:.3g} GB (an estimate), more than the " \
-           f"{free / 1e9:.1f} GB available"
-
-
-def held_in_memory(bytes_each: int, unit: str):
-    """A positive count of ``unit`` that a command holds about ``bytes_each`` bytes apiece of,
-    refused when parsed where they do not fit (``memory_refusal``)."""
-    def parse(text: str) -> int:
-        n = positive_int(text)
-        if why := memory_refusal(n * bytes_each, f"{n} {unit}"):
-            raise argparse.ArgumentTypeError(why)
-        return n
-    return parse
-
-
-elements = held_in_memory(16, "elements")
-"""The elements of a float32 vector that a command holds with about three more copies (its
-encoding, its sum, its decoding) beside it."""
+    gb = need / 1e9
+    return f"{what} takes about {f'{gb:.1f}' if gb < 1e6 else f'{gb:.2g}'} GB (an estimate), " \
+           f"more than the {free / 1e9:.1f} GB available"
 
 
 def non_negative_int(text: str) -> int:

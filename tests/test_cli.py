@@ -256,18 +256,29 @@ def _files(tmp: Path) -> None:
     (["bench", "install", "--workers", str(10 ** 30)], f"{10 ** 30} workers; 1..32 supported"),
     (["bench", "switch", "--workers", "10000000"], "10000000 workers; 1..32 supported"),
     (["bench", "codec", "--size", str(10 ** 30)],
-     f"argument --size: {10 ** 30} elements: about 1.6e+22 GB (an estimate), more than"),
-    (["bench", "hook", "--batch", str(10 ** 30)], f"argument --batch: {10 ** 30} images"),
+     f"thc bench codec: a size of {10 ** 30} elements takes about 1.6e+22 GB (an "
+     f"estimate), more than the 8.0 GB available"),
+    (["bench", "codec", "--sizes", "20,30"],
+     f"thc bench codec: a size of {1 << 30} elements takes about 17.2 GB (an estimate)"),
+    (["bench", "hook", "--device", "cpu", "--batch", str(10 ** 30)],
+     f"thc bench hook: --batch {10 ** 30} of --image 224 (the input alone) takes about"),
+    (["bench", "hook", "--device", "cpu", "--batch", "100000", "--image", "1024"],
+     "thc bench hook: --batch 100000 of --image 1024 (the input alone) takes about 1258.3 GB"),
     (["bench", "aggregator", "--chunks", str(10 ** 30)],
-     f"argument --chunks: {10 ** 30} chunks a worker: about"),
-    (["bench", "allreduce", "--numel", str(10 ** 13)], f"argument --numel: {10 ** 13} elements"),
-    (["bench", "allreduce", "--bmv2-numel", str(10 ** 13)], "argument --bmv2-numel: 1000"),
-    (["bench", "dlcp", "--numel", str(10 ** 13)], f"argument --numel: {10 ** 13} elements"),
+     f"thc bench aggregator: --chunks {10 ** 30} of 256 lanes for 4 workers takes about"),
+    (["bench", "aggregator", "--chunks", str(10 ** 8), "--workers", "2,32"],
+     f"thc bench aggregator: --chunks {10 ** 8} of 256 lanes for 32 workers takes about "
+     f"614.4 GB"),
+    (["bench", "allreduce", "--loopback", "--aggregator", "sharded", "--numel", str(10 ** 9)],
+     f"thc bench allreduce: --workers 4 of --numel {10 ** 9} takes about 64.0 GB "
+     f"(an estimate), more than the 8.0 GB available"),
+    (["bench", "dlcp", "--numel", str(10 ** 13)],
+     f"thc bench dlcp: --workers 4 of --numel {10 ** 13} takes about"),
     (["nmse", "--schemes", ","], "thc nmse: --schemes ',' names no scheme"),
     (["table", "--bits", "9"], "thc table: bits must be"),
     (["nmse", "--workers", "1,a"], "argument --workers: not an integer: 'a'"),
     (["nmse", "--workers", "10,100000", "--dim", "1048576"],
-     "thc nmse: --workers 100000 of --dim 1048576: about 2.52e+03 GB (an estimate), more "
+     "thc nmse: --workers 100000 of --dim 1048576 takes about 2516.6 GB (an estimate), more "
      "than the"),
     (["table", "--json", "/proc/thc/table.json"],
      "argument --json: cannot write /proc/thc/table.json"),
@@ -278,12 +289,15 @@ def test_user_mistakes_end_in_a_message_not_a_traceback(argv, message, tmp_path,
                                                        monkeypatch):
     """Each of these ended in a Python traceback (a missing or foreign JSON, a report the
     fit cannot use, a zero count, an --out that cannot be made), ran nothing and said it had
-    succeeded (an --only key of no row), or read badly."""
+    succeeded (an --only key of no row), or read badly. The sizes past memory are held to
+    8 GB available, the same on every machine."""
+    from thc import argtypes
     from thc.emu import mainjob
 
     def started(*a, **k):
         raise AssertionError("a mode started")
     monkeypatch.setattr(mainjob, "run_mode", started)
+    monkeypatch.setattr(argtypes, "available_memory", lambda: 8 * 10 ** 9)
     _files(tmp_path)
     argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
     try:

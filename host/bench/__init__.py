@@ -36,6 +36,15 @@ def add_common(parser: argparse.ArgumentParser, *, quick: bool = True,
                            help=f"draw the plot into FILE (default {plot})")
 
 
+def device_memory(device) -> int | None:
+    """Bytes free on a CUDA ``device`` (a torch.device); None on the CPU, where
+    ``argtypes.memory_refusal`` reads the host's."""
+    if device.type != "cuda":
+        return None
+    import torch
+    return torch.cuda.mem_get_info(device)[0]
+
+
 def cpu_model() -> str:
     """The CPU's model name (/proc/cpuinfo), "" where it does not say."""
     try:

@@ -20,7 +20,7 @@ import queue
 import sys
 import time
 
-from thc.argtypes import held_in_memory, positive_int
+from thc.argtypes import memory_refusal, positive_int
 from thc.bench import add_common, emit_json
 from thc.codec.packing import pack_bits
 from thc.codec.settings import Settings
@@ -67,8 +67,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_common(parser)
     parser.add_argument("--workers", type=worker_counts, default="4",
                         help="comma-separated worker counts")
-    parser.add_argument("--chunks", type=held_in_memory(8 * P.LANES, "chunks a worker"),
-                        default=None,
+    parser.add_argument("--chunks", type=positive_int, default=None,
                         help="chunks per worker and run (default 32768; 2048 with --quick)")
     parser.add_argument("--lanes", type=int, default=None,
                         help=f"lanes per packet (default {P.LANES})")
@@ -368,6 +367,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"thc bench aggregator: {fastagg.UNAVAILABLE}")
         return 2
     chunks = args.chunks if args.chunks is not None else 2048 if args.quick else 32768
+    payload = chunks * lanes * P.INDEX_BITS // 8
+    if why := memory_refusal(max(args.workers) * payload + chunks * lanes * 8,
+                             f"--chunks {chunks} of {lanes} lanes for {max(args.workers)} "
+                             f"workers"):
+        print(f"thc bench aggregator: {why}", file=sys.stderr)
+        return 2
     repeat = args.repeat if args.repeat is not None else 1 if args.quick else 5
     procs = None if args.load == "python" else args.load_procs or 1
     rows = []

@@ -41,8 +41,8 @@ import statistics
 import sys
 import time
 
-from thc.argtypes import elements, positive_int, torch_device
-from thc.bench import add_common, emit_json, figure, save_figure
+from thc.argtypes import memory_refusal, positive_int, torch_device
+from thc.bench import add_common, device_memory, emit_json, figure, save_figure
 from thc.bench.tiles import applied, parse_configs
 from thc.codec import backends, settings
 from thc.codec.common import wire_sum_dtype
@@ -56,6 +56,11 @@ def ranks(text: str) -> list[int]:
     return [positive_int(r.strip()) for r in text.split(",") if r.strip()]
 
 
+BYTES_PER_ELEMENT = 16
+"""Memory a size takes per element, an estimate: the float32 input, its encoding, decoding
+and a baseline's copy."""
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", type=torch_device, default="cpu",
                         help="cpu (default, one core) or cuda (or cuda:N)")
@@ -66,7 +71,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also time the reference path (default: yes)")
     parser.add_argument("--sizes", default=None,
                         help="log2 sizes, e.g. 20-26 or 20,24 (default 20-26; 16 with --quick)")
-    parser.add_argument("--size", type=elements, default=None, help="one size in elements")
+    parser.add_argument("--size", type=positive_int, default=None, help="one size in elements")
     parser.add_argument("--repeat", type=positive_int, default=None,
                         help="runs per figure, the median kept (default 5; 2 with --quick)")
     THCParams.add_arguments(parser, seed=False)
@@ -273,6 +278,9 @@ def run(args: argparse.Namespace) -> int:
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("--device cuda but torch sees no CUDA device (--device cpu runs "
                              "the codec on this machine)")
+        if why := memory_refusal(BYTES_PER_ELEMENT * max(sizes), f"a size of {max(sizes)} elements",
+                                 device_memory(device)):
+            raise ValueError(why)
         configs = _configs(args.configs, device)
         chosen = settings.current()         # ValueError: a bad THC_* variable
         resolved(args.backend, torch.zeros(1, device=device))   # RuntimeError: cannot run here

@@ -31,17 +31,14 @@ import statistics
 import sys
 import time
 
-from thc.argtypes import (held_in_memory, non_negative_int, positive_int, positive_ints,
-                          torch_device)
-from thc.bench import add_common, emit_json, figure, save_figure
+from thc.argtypes import memory_refusal, non_negative_int, positive_int, positive_ints, torch_device
+from thc.bench import add_common, device_memory, emit_json, figure, save_figure
 from thc.codec.params import THCParams
 
 MODES = ("ddp", "fp16", "fp32 hook", "thc hook", "thc graphed", "thc deferred")
 GRAPHED = ("thc graphed", "thc deferred")
 """The modes that need CUDA (the kernels, NCCL, graphs)."""
 SIZES = {"batch": (64, 2), "image": (224, 32), "steps": (20, 2), "warmup": (5, 1)}
-IMAGE_BYTES = 3 * 224 * 224 * 4
-"""One float32 input image of the default side: the least a step holds per image."""
 """Each size flag's default, and its default with ``--quick`` (a size given wins)."""
 THC_ROWS = (("thc hook", "THC encode+decode (DDP hook, {} MB buckets)"),
             ("thc graphed", "THC encode+decode (DDP hook, CUDA graphs, {} MB buckets)"),
@@ -58,7 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="cuda (default, or cuda:N) or cpu")
     parser.add_argument("--buckets", type=positive_ints, default="5,25,100",
                         help="DDP bucket sizes, MB")
-    parser.add_argument("--batch", type=held_in_memory(IMAGE_BYTES, "images"), default=None,
+    parser.add_argument("--batch", type=positive_int, default=None,
                         help="images a step (default 64; 2 with --quick)")
     parser.add_argument("--image", type=positive_int, default=None,
                         help="image side (default 224; 32 with --quick)")
@@ -226,6 +223,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"thc bench hook: ResNet-50's last batch norm needs 2 values a channel or more: "
               f"--batch {args.batch} of --image {args.image} leaves it {side}x{side} a "
               f"channel and image (take --batch 2, or --image 33 or more)", file=sys.stderr)
+        return 2
+    image_bytes = 3 * args.image * args.image * 4
+    if why := memory_refusal(args.batch * image_bytes, f"--batch {args.batch} of --image "
+                             f"{args.image} (the input alone)", device_memory(device)):
+        print(f"thc bench hook: {why}", file=sys.stderr)
         return 2
     buckets = args.buckets
     _group(device)

@@ -37,7 +37,7 @@ import statistics
 import sys
 import time
 
-from thc.argtypes import elements, positive_floats, positive_int
+from thc.argtypes import positive_floats, positive_int
 from thc.bench import add_common, emit_json, figure, save_figure
 from thc.codec import settings
 from thc.codec.params import THCParams
@@ -59,7 +59,7 @@ queue in the switch and, with a short timeout, turn into spurious retransmission
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_common(parser, plot="out/allreduce.png")
-    parser.add_argument("--numel", type=elements, default=None,
+    parser.add_argument("--numel", type=positive_int, default=None,
                         help="gradient elements (default 25,000,000; --quick: 2,000,000)")
     testbed.add_arguments(parser, timeout=1800.0)
     parser.add_argument("--bw", type=positive_floats, default="100,1000",
@@ -76,7 +76,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ring", default="fp16,thc-dist", type=_rings,
                         help="all-reduces through the Gloo ring beside FP32, comma-separated "
                              f"from {','.join(RINGS)} (default both; '' for none)")
-    parser.add_argument("--bmv2-numel", type=elements, default=1 << 18,
+    parser.add_argument("--bmv2-numel", type=positive_int, default=1 << 18,
                         help="elements timed through BMv2 and, for its baseline, FP32 in the "
                              "same testbed (BMv2 adds a few thousand packets a second)")
 
@@ -273,7 +273,8 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"thc bench allreduce: {e}", file=sys.stderr)
         return 2
-    if why := testbed.agg_bw_conflict(args, central="central" in args.aggregator):
+    if why := testbed.agg_bw_conflict(args, central="central" in args.aggregator) or \
+            testbed.memory_conflict(p, numel):
         print(f"thc bench allreduce: {why}", file=sys.stderr)
         return 2
     want_bmv2 = "bmv2" in args.aggregator

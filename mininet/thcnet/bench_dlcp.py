@@ -28,7 +28,7 @@ import sys
 
 import numpy as np
 
-from thc.argtypes import elements, non_negative_float, positive_float, positive_int
+from thc.argtypes import non_negative_float, positive_float, positive_int
 from thc.bench import add_common, emit_json
 from thc.codec import settings
 from thc.codec.params import THCParams
@@ -52,7 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bw", type=positive_float, default=20.0, help="worker link Mbit/s")
     parser.add_argument("--competing", type=non_negative_float, default=0.8,
                         help="competing UDP flow per worker, as a fraction of --bw")
-    parser.add_argument("--numel", type=elements, default=1 << 18,
+    parser.add_argument("--numel", type=positive_int, default=1 << 18,
                         help="gradient elements per round, split over --layers")
     parser.add_argument("--layers", type=positive_int, default=8,
                         help="equal layers of the gradient, each with its own scale; with "
@@ -140,6 +140,9 @@ def run(args: argparse.Namespace) -> int:
         settings.current()                  # a bad THC_* variable, before a testbed starts
     except ValueError as e:
         print(f"thc bench dlcp: {e}", file=sys.stderr)
+        return 2
+    if why := testbed.memory_conflict(args.workers, args.numel):
+        print(f"thc bench dlcp: {why}", file=sys.stderr)
         return 2
     why = mininet_unavailable_reason("software")
     if why:

@@ -13,7 +13,7 @@ import json
 import sys
 import time
 
-from thc.argtypes import elements, non_negative_int, seconds
+from thc.argtypes import non_negative_int, positive_int, seconds
 from thc.emu.smoke_worker import digest, reference_sums
 from thc.emu import testbed
 from thc.emu.cleanup import Terminated, stopped_by
@@ -32,7 +32,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="sharded: one shard per worker host; central: one central software "
                          "aggregator on its own host (as `thc bench allreduce` names them); "
                          "bmv2: the switch")
-    ap.add_argument("--numel", type=elements, default=1 << 20, help="elements per worker")
+    ap.add_argument("--numel", type=positive_int, default=1 << 20, help="elements per worker")
     ap.add_argument("--seed", type=non_negative_int, default=1234)
     ap.add_argument("--rto", type=seconds, default=0.02,
                     help="minimum retransmission timeout (s)")
@@ -43,7 +43,8 @@ def run(args: argparse.Namespace) -> int:
     unavailable = None if args.loopback else \
         testbed.mininet_unavailable_reason(CHOICES[args.aggregator])
     why = testbed.loopback_conflict(args, unavailable) or \
-        testbed.agg_bw_conflict(args, central=args.aggregator == "central")
+        testbed.agg_bw_conflict(args, central=args.aggregator == "central") or \
+        testbed.memory_conflict(args.workers, args.numel)
     if why:
         print(f"thc.emu.run: {why}", file=sys.stderr)
         return 2

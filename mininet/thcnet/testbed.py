@@ -28,8 +28,8 @@ from __future__ import annotations
 import argparse
 import shutil
 
-from thc.argtypes import (loss_percent, non_negative_float, non_negative_int, positive_float,
-                          positive_int, seconds)
+from thc.argtypes import (loss_percent, memory_refusal, non_negative_float, non_negative_int,
+                          positive_float, positive_int, seconds)
 from thc.codec.params import THCParams
 from thc.testing.clusters import free_port_block
 from thc.wire.jobs import Cluster, Shard, Worker
@@ -216,6 +216,18 @@ def agg_bw_conflict(args: argparse.Namespace, central: bool) -> str | None:
     if getattr(args, "loopback", False) or not getattr(args, "bw", None):
         return "--agg-bw-factor scales --bw on emulated links: give --bw, without --loopback"
     return None
+
+
+WORKER_BYTES_PER_ELEMENT = 16
+"""Memory a worker takes per gradient element, an estimate: its float32 vector, encoding,
+sum and decoding."""
+
+
+def memory_conflict(workers: int, numel: int, flag: str = "--numel") -> str | None:
+    """Why ``workers`` workers of ``numel`` elements each would not fit this machine, where
+    every worker runs (None: they fit)."""
+    return memory_refusal(workers * numel * WORKER_BYTES_PER_ELEMENT,
+                          f"--workers {workers} of {flag} {numel}")
 
 
 def add_job_arguments(parser: argparse.ArgumentParser, *, lanes: int | None,
