@@ -20,7 +20,6 @@ Needs CUDA; ``--quick`` on the CPU runs it under Triton's interpreter as a check
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
@@ -29,7 +28,7 @@ from thc.argtypes import non_negative_int, torch_device
 from thc.bench import add_common, emit_json
 from thc.bench.codec import parse_sizes
 from thc.bench.tiles import applied, parse_configs
-from thc.codec import settings
+from thc.codec import backends, settings
 from thc.codec.params import THCParams
 
 
@@ -176,7 +175,7 @@ def run(args: argparse.Namespace) -> int:
     if device.type == "cuda" and not torch.cuda.is_available():
         print(f"thc bench kernels: --device cuda but torch sees no CUDA device; {ON_CPU}")
         return 2
-    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+    if device.type == "cpu" and not backends.triton_interpreted():
         print(f"thc bench kernels: on the CPU the kernels run only under Triton's interpreter: "
               f"{ON_CPU}")
         return 2

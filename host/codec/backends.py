@@ -103,10 +103,16 @@ def kernels_for(x, backend: str = "auto"):
             warnings.warn(f"THC on {x.device} without triton ({e}): reference path, slower",
                           RuntimeWarning, stacklevel=3)
         return None
-    if x.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+    if x.device.type == "cpu" and not triton_interpreted():
         raise RuntimeError("the triton backend runs CPU tensors only under Triton's "
                            "interpreter: set TRITON_INTERPRET=1 before importing it")
     return triton_kernels
+
+
+def triton_interpreted() -> bool:
+    """Whether Triton runs its kernels in its interpreter, on CPU tensors: its own variable,
+    TRITON_INTERPRET=1, which it reads when imported."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def pick(x, backend: str = "auto", cpu: str = "compiled") -> Backend:
