@@ -9,8 +9,8 @@ A job (host/wire/jobs.py ``Job``) becomes
                    returned in every reply (host/wire/protocol.py EPOCH_TAG_SHIFT)
   thc_install      (job_id, epoch) -> set_install(): the install the job's slot RESETs
                    carry, so that RESETs queued from an earlier install clear nothing
-  thc_worker       (job_id, worker_id, src_ip, src_port[, ingress_port]) -> set_worker(worker_bit)
-                   ingress_port: the worker's switch_port, where the program keys on it
+  thc_worker       (job_id, worker_id, src_ip, src_port, ingress_port) -> set_worker(worker_bit)
+                   ingress_port: the worker's switch_port
   thc_worker_addr  (job_id, worker_id) -> set_worker_addr(worker_mac, worker_ip,
                                                           worker_port, agg_mac, agg_ip)  [egress]
   lookup tables    (job_id, byte) -> two lanes' table values: the target's own tables
@@ -57,17 +57,14 @@ def install_entry(sw: Switch, job_id: int, epoch: int):
     return sw.table_entry(INSTALL_TABLE, {"job_id": job_id, "epoch": epoch}, SET_INSTALL, {})
 
 
-def worker_match(sw: Switch, job: Job, w) -> dict:
-    """The worker table's key of worker ``w``: its addresses, and its switch port where the
-    program keys on it (program.WORKER_PORT_KEY)."""
-    match = {"job_id": job.job_id, "worker_id": w.id, "src_ip": w.ip, "src_port": w.port}
-    if WORKER_PORT_KEY in sw.key_names(WORKER_TABLE):
-        match[WORKER_PORT_KEY] = w.switch_port
-    return match
+def worker_match(job: Job, w) -> dict:
+    """The worker table's key of worker ``w``: its addresses and its switch port."""
+    return {"job_id": job.job_id, "worker_id": w.id, "src_ip": w.ip, "src_port": w.port,
+            WORKER_PORT_KEY: w.switch_port}
 
 
 def worker_entries(sw: Switch, job: Job) -> list:
-    return [sw.table_entry(WORKER_TABLE, worker_match(sw, job, w), SET_WORKER,
+    return [sw.table_entry(WORKER_TABLE, worker_match(job, w), SET_WORKER,
                            {"worker_bit": 1 << w.id})
             for w in job.workers]
 

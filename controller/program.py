@@ -5,8 +5,7 @@ Names are short (the part after the last dot): the programs may place them under
 controls, and controller/switch.py resolves a short name that is unique in the P4Info. Only
 the lookup tables differ between the programs; their names are in controller/targets/.
 tests/test_p4info_shared.py checks that both committed P4Infos agree on everything listed
-here: key names and widths, action parameter names and widths, counter sizes, but for
-:data:`WORKER_PORT_KEY`.
+here: key names and widths, action parameter names and widths, counter sizes.
 """
 from __future__ import annotations
 
@@ -18,9 +17,8 @@ L2_TABLE = "l2_forward"
 DSCP_TABLE = "thc_dscp"
 
 WORKER_PORT_KEY = "ingress_port"
-"""The worker table's key on the switch port a worker's packets come in at, where the program
-has one (thc.p4; thc_tna.p4 knows a worker by its addresses alone): the controller writes each
-worker's ``switch_port`` there."""
+"""The worker table's key on the switch port a worker's packets come in at: the controller
+writes each worker's ``switch_port`` there, so a host on another port is no worker."""
 
 SET_JOB = "set_job"
 SET_WORKER = "set_worker"

@@ -697,12 +697,14 @@ control ThcIngress(inout tna_headers_t hdr, inout metadata_t meta,
         meta.worker_hit = 1;
     }
     @stage(0)
+    // A worker is known by its switch port as well as its addresses (thc.p4's rule).
     table thc_worker {
         key = {
             hdr.thc.job_id: exact @name("job_id");
             hdr.thc.worker_id: exact @name("worker_id");
             hdr.ipv4.srcAddr: exact @name("src_ip");
             hdr.udp.srcPort: exact @name("src_port");
+            ig_intr_md.ingress_port: exact @name("ingress_port");
         }
         actions = { set_worker; @defaultonly NoAction; }
         default_action = NoAction();

@@ -43,9 +43,9 @@ def test_install_is_idempotent(sw):
 
 
 @pytest.mark.parametrize("target", ["bmv2", "tofino"])
-def test_worker_entries_key_on_the_switch_port_where_the_program_does(target):
-    """thc.p4 knows a worker by its ingress port too (a host on another port sending with its
-    addresses is no worker); thc_tna.p4 by its addresses alone."""
+def test_worker_entries_key_on_the_switch_port(target):
+    """Both programs know a worker by its ingress port too: a host on another port sending
+    with its addresses is no worker."""
     from thc.controller.switch import BUILD_DIR
     build = BUILD_DIR if target == "bmv2" else BUILD_DIR / "tofino"
     device = MemoryDevice(program="thc" if target == "bmv2" else "thc_tna", build_dir=build)
@@ -55,18 +55,15 @@ def test_worker_entries_key_on_the_switch_port_where_the_program_does(target):
     job = replace(job, workers=tuple(replace(w, switch_port=first + 3 + 2 * w.id)
                                      for w in job.workers))
     jobs.install_job(sw, job)
-    keyed = program.WORKER_PORT_KEY in sw.key_names(program.WORKER_TABLE)
-    assert keyed == (target == "bmv2")
     entries = installed.entries_of(sw, program.WORKER_TABLE, 1)
     assert len(entries) == 2
-    if keyed:
-        fid = sw.field_id(program.WORKER_TABLE, program.WORKER_PORT_KEY)
-        assert sorted(sw.match_values(e)[fid] for e in entries) == [3, 5]
+    fid = sw.field_id(program.WORKER_TABLE, program.WORKER_PORT_KEY)
+    assert sorted(sw.match_values(e)[fid] for e in entries) == [first + 3, first + 5]
     device.deliver(job, 1)
     assert counters.drops(sw).get("unknown_worker", 0) == 0
     moved = replace(job.workers[1], switch_port=first + 4)
     device.deliver(replace(job, workers=(job.workers[0], moved)), 1)
-    assert counters.drops(sw).get("unknown_worker", 0) == (1 if keyed else 0)
+    assert counters.drops(sw).get("unknown_worker", 0) == 1
 
 
 def test_reinstall_with_fewer_workers_drops_their_entries(sw):

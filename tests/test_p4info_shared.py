@@ -1,9 +1,7 @@
 """The TNA and v1model programs agree on every table, action, parameter and counter that the
 controller uses by shared name (controller/program.py), as their committed P4Infos say: key
 names, widths and match kinds, the tables' actions, parameter names and widths, counter sizes.
-The worker table's key on the ingress port (program.WORKER_PORT_KEY) is the one a program may
-have or not; where it has one, the controller writes it. Runs everywhere; the comparison needs
-the committed Tofino P4Info."""
+Runs everywhere; the comparison needs the committed Tofino P4Info."""
 from __future__ import annotations
 
 import pytest
@@ -43,7 +41,7 @@ def interface(p4info: p4info_pb2.P4Info) -> dict[str, object]:
                 for r in t.action_refs}
         out[f"table {name} keys"] = [
             (f.name, f.bitwidth, p4info_pb2.MatchField.MatchType.Name(f.match_type))
-            for f in t.match_fields if f.name != program.WORKER_PORT_KEY]
+            for f in t.match_fields]
         for a in wanted:
             out[f"table {name} action {a}"] = refs.get(a, "missing")
             act = _one(actions, a)

@@ -174,11 +174,8 @@ class MemoryDevice:
 
     def _worker_key(self, job, w, ip: int) -> dict[str, int]:
         """The thc_worker key of a packet from worker ``w``, on its own switch port."""
-        key = {"job_id": job.job_id, "worker_id": w.id, "src_ip": ip, "src_port": w.port}
-        fields = self.tables[self.table_ids["thc_worker"]].match_fields
-        if any(f.name == WORKER_PORT_KEY for f in fields):
-            key[WORKER_PORT_KEY] = w.switch_port
-        return key
+        return {"job_id": job.job_id, "worker_id": w.id, "src_ip": ip, "src_port": w.port,
+                WORKER_PORT_KEY: w.switch_port}
 
     def _params(self, table: str, match: dict[str, int]) -> dict[str, int] | None:
         """{param: value} of the entry of ``table`` (short name) that ``match`` hits."""

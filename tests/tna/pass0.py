@@ -149,9 +149,10 @@ class TnaEngine:
         return udp_frame("02:00:00:00:00:01", AGG_MAC, src[0], AGG_IP, src[1], P.UDP_PORT,
                          datagram)
 
-    def handle_frame(self, frame: bytes, src: tuple[str, int], now: float):
-        """As :meth:`handle`, for a whole frame on the port of ``src``."""
-        port = self.ports.get(tuple(src), self.STRANGER_PORT)
+    def handle_frame(self, frame: bytes, src: tuple[str, int], now: float,
+                     port: int | None = None):
+        """As :meth:`handle`, for a whole frame on the port of ``src`` (or ``port``)."""
+        port = self.ports.get(tuple(src), self.STRANGER_PORT) if port is None else port
         if not self.delay:
             return self._frame(frame, port, now)
         # a pass takes microseconds: when time moves on, every pass going round is back
