@@ -513,6 +513,26 @@ def test_torch_norms_reach_as_far_as_numpy_norms(scale):
     np.testing.assert_allclose(got.numpy(), want, rtol=1e-6)
 
 
+@pytest.mark.parametrize("cpu", ["compiled", "reference"])
+def test_slice_norms_are_the_chosen_backends(cpu, monkeypatch):
+    """The norms come from the backend the codec's choice picks, as its encode does: the
+    compiled norms were chosen beside the Backend interface, not through it."""
+    from dataclasses import replace
+
+    from thc.codec import backends
+    picked = []
+    real = backends.pick
+
+    def pick(x, backend="auto", cpu="compiled"):
+        b = real(x, backend, cpu)
+        picked.append(b.name)
+        return replace(b, norms=lambda flat, params, lay: ("norms of", b.name))
+    monkeypatch.setattr(backends, "pick", pick)
+    x = np.ones(64, np.float32)
+    got = codec.slice_norms(x, THCParams(), backends.Choice("auto", cpu))
+    assert got == ("norms of", picked[0]) and picked == [cpu]
+
+
 def test_the_max_round_takes_each_slices_largest_norm():
     """``agree_max`` is the MAX round of ``simulate`` and the baselines: a slice's norm from
     the worker whose slice is largest, whichever worker that is."""

@@ -25,18 +25,20 @@ _COMPILED_MISSING: list = []
 class Backend:
     """One backend's operations on flat float32 input (see host/codec/reference.py for the
     signatures); ``own_table(params, device)``: the table decode_indices maps indices through
-    inside the backend, None where the indices go through table_values first."""
+    inside the backend, None where the indices go through table_values first. ``norms``: the
+    slice norms of the preliminary MAX round (the kernels' are torch's, the reference's)."""
 
     name: str
     prepare: Callable
     encode: Callable
     decode: Callable
     own_table: Callable | None
+    norms: Callable = reference.norms
 
 
 REFERENCE = Backend("reference", reference.prepare, reference.encode, reference.decode, None)
 COMPILED = Backend("compiled", compiled.prepare, compiled.encode, compiled.decode,
-                   lambda params, device: params.table)
+                   lambda params, device: params.table, compiled.norms)
 _TRITON: dict = {}
 
 

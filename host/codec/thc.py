@@ -82,13 +82,9 @@ def slice_norms(x, params: THCParams, backend="auto"):
     """Per-slice L2 norms of x (float32; numpy for numpy input, a tensor on x's device for
     torch): the input of the preliminary MAX round. Raises ValueError on NaN/Inf. numpy
     arrays on the compiled path sum the squares in C (in float64, as the reference does);
-    tensors keep torch's norm."""
-    choice = _choice(backend)
+    tensors keep torch's norm (the backend's ``norms``)."""
     flat = _flat(x)
-    lay = layout(flat.shape[0], params)
-    if not is_torch(flat) and backends.compiled_for(flat, choice.backend, choice.cpu):
-        return backends.compiled.norms(flat, params, lay)
-    return backends.reference.norms(flat, params, lay)
+    return _choice(backend)(flat).norms(flat, params, layout(flat.shape[0], params))
 
 
 def agree_max(norm_vectors: Sequence):
