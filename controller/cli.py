@@ -24,8 +24,8 @@ import os
 import sys
 
 from thc.argtypes import non_negative_int, positive_int, seconds
-from thc.controller import (counters, dryrun, forwarding, installed, job_entries, jobs, program,
-                            targets)
+from thc.controller import (counters, dryrun, forwarding, installed, job_checks, job_entries,
+                            jobs, program, targets)
 from thc.controller.switch import DEFAULT_DEVICE_ID, DEFAULT_GRPC, NoProgram, Switch, SwitchError
 from thc.wire.jobs import MAX_JOB_ID, Cluster, ConfigError
 
@@ -270,6 +270,7 @@ def _push(sw: Switch, args: argparse.Namespace) -> None:
 
 
 def _install(sw: Switch, args: argparse.Namespace, cluster: Cluster) -> None:
+    job_checks.check_program(sw)     # before reading entries in the program's shape
     agg = job_entries.AggAddress.of(cluster)
     same = {j.job_id for j in cluster.jobs if installed.unchanged(sw, j, agg)}
     pruned = sorted((set(installed.installed_jobs(sw)) | set(installed.leftovers(sw)))

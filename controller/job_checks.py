@@ -6,7 +6,7 @@ import ipaddress
 import numbers
 
 from thc.controller import forwarding, targets
-from thc.controller.program import L2_TABLE
+from thc.controller.program import L2_TABLE, WORKER_PORT_KEY, WORKER_TABLE
 from thc.controller.switch import Switch
 from thc.wire import protocol as P
 from thc.wire.jobs import ConfigError, Job, check_address, check_mac
@@ -35,7 +35,14 @@ def pools_overlap(base: int, size: int, other_base: int, other_size: int) -> boo
 def check_program(sw: Switch) -> None:
     """ConfigError when the switch's program was compiled for other slots, jobs or workers
     than protocol.json gives: it would take jobs whose slots it does not have, and leave
-    their workers unanswered (registers a P4Info does not list are not checked)."""
+    their workers unanswered (registers a P4Info does not list are not checked); or when
+    its worker table has no port key (a build from before it), which the install would find
+    only at its worker entries, after every other write."""
+    if WORKER_PORT_KEY not in sw.key_names(WORKER_TABLE):
+        raise ConfigError(f"the switch's P4 program keys {WORKER_TABLE} on "
+                          f"{', '.join(sw.key_names(WORKER_TABLE))} but not on the switch port "
+                          f"({WORKER_PORT_KEY}): it is a build from before the port key; load "
+                          f"the current one (`make p4`, or p4src/build/tofino on a Tofino)")
     for reg in sw.p4info.registers:
         short = reg.preamble.name.rsplit(".", 1)[-1]
         want = REGISTER_SIZES.get(short)

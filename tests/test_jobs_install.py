@@ -66,6 +66,48 @@ def test_worker_entries_key_on_the_switch_port(target):
     assert counters.drops(sw).get("unknown_worker", 0) == 1
 
 
+@pytest.mark.parametrize("target", ["bmv2", "tofino"])
+def test_a_program_from_before_the_port_key_is_refused_before_any_write(target, tmp_path,
+                                                                          monkeypatch, capsys):
+    """A switch still running a build whose worker table has no port key took the job, the
+    install entry and every lookup entry, then failed at the worker entries; ``install``
+    from the command line failed reading the installed jobs in the new shape."""
+    from google.protobuf import text_format
+    from p4.config.v1 import p4info_pb2
+
+    from thc.controller.switch import BUILD_DIR
+    build = BUILD_DIR if target == "bmv2" else BUILD_DIR / "tofino"
+    name = "thc" if target == "bmv2" else "thc_tna"
+    info = text_format.Parse((build / f"{name}.p4info.txt").read_text(), p4info_pb2.P4Info())
+    table = next(t for t in info.tables if t.preamble.name.endswith(program.WORKER_TABLE))
+    keep = [f for f in table.match_fields if f.name != program.WORKER_PORT_KEY]
+    del table.match_fields[:]
+    table.match_fields.extend(keep)
+    old = tmp_path / "old"
+    old.mkdir()
+    for f in build.iterdir():
+        if f.is_file():
+            (old / f.name).write_bytes(f.read_bytes())
+    (old / f"{name}.p4info.txt").write_text(text_format.MessageToString(info))
+    device = MemoryDevice(program=name, build_dir=old)
+    sw = MemorySwitch(device=device).connect(program=None)
+    job = make_job(1, 2)
+    if target == "tofino":
+        job = replace(job, workers=tuple(replace(w, switch_port=256 + 3 + w.id)
+                                         for w in job.workers))
+    with pytest.raises(ConfigError, match="from before the port key"):
+        jobs.install_job(sw, job)
+    assert device.log == []
+    cfg = tmp_path / "cluster.json"
+    cluster(job).save(cfg)
+    monkeypatch.setattr(cli, "Switch", lambda *a, **k: MemorySwitch(device=device))
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    assert cli.run(parser.parse_args(["--target", target, "install", "--config", str(cfg)])) == 1
+    assert "from before the port key" in capsys.readouterr().err
+    assert device.log == []
+
+
 def test_reinstall_with_fewer_workers_drops_their_entries(sw):
     job = make_job(1, 3)
     jobs.install_job(sw, job)
