@@ -129,9 +129,9 @@ def sizes_of(spec: dict, lanes: int, slots: int, max_lanes: int) -> Sizes:
     if aggs["vote"]["lane_bits"] != 1 or aggs["thc"]["lane_bits"] != index_bits:
         raise SystemExit("gen_p4: vote lanes are one bit, thc lanes one index")
     result_bytes = {w: lanes * w // 8 for w in widths}
-    if result_bytes[16] > 512:   # a header-only FLUSH comes back as a whole RESULT
+    if result_bytes[16] > spec["bmv2_max_growth"]:   # a FLUSH comes back as a whole RESULT
         raise SystemExit(f"gen_p4: {lanes} lanes grow a FLUSH into a 16-bit result by "
-                         f"{result_bytes[16]} bytes; BMv2 allows 512")
+                         f"{result_bytes[16]} bytes; BMv2 allows {spec['bmv2_max_growth']}")
     return Sizes(lanes=lanes, slots=slots, max_lanes=max_lanes, groups=lanes // GROUP_LANES,
                  hdr_fields=hdr_fields, hdr_bytes=hdr_bits // 8,
                  data_bytes=lanes * index_bits // 8, vote_bytes=lanes // 8,
@@ -155,7 +155,7 @@ def constants(spec: dict, z: Sizes) -> str:
                         ("THC_MAX_JOBS", spec["max_jobs"]),
                         ("THC_SWITCH_SLOTS", z.slots),
                         ("THC_REG_SIZE", 2 * z.slots),
-                        ("THC_LUT_SIZE", 256 * spec["max_jobs"]),
+                        ("THC_LUT_SIZE", (1 << 2 * spec["index_bits"]) * spec["max_jobs"]),
                         ("THC_N_JOB_COUNTERS", len(jc)),
                         ("THC_N_DROP_REASONS", max(reasons.values()) + 1)]:
         c.append(f"#define {name} {value}\n")

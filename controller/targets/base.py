@@ -65,10 +65,11 @@ class Target(ABC):
         """Lanes of a packet that the program aggregates."""
 
     def max_jobs(self, p4info) -> int:
-        """Jobs the program holds at once: its lookup tables' entries, 256 a job."""
+        """Jobs the program holds at once: its lookup tables' entries, P.KEY_BYTE_ENTRIES a
+        job."""
         size = next(t.size for t in p4info.tables
                     if t.preamble.name == self.lut_table.format(0, 0))
-        return min(P.MAX_JOBS, size // 256)
+        return min(P.MAX_JOBS, size // P.KEY_BYTE_ENTRIES)
 
     def check_job(self, job) -> None:
         """ConfigError when the program cannot run ``job`` (host/wire/jobs.py Job); by

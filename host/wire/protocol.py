@@ -27,6 +27,11 @@ SUM_WIDTHS: tuple[int, ...] = tuple(sorted(SPEC["sum_bits"]))
 """Allowed widths of a job's sums (bits); a job takes the narrowest its sums fit."""
 MAX_LANES: int = SPEC["max_lanes"]
 GROUP_LANES: int = SPEC["group_lanes"]
+KEY_BYTE_ENTRIES: int = 1 << 2 * INDEX_BITS
+"""A job's entries in a lookup table: its key byte holds two lanes' indices, and every value
+has its entry."""
+BMV2_MAX_GROWTH: int = SPEC["bmv2_max_growth"]
+"""Bytes BMv2 lets a packet grow by (a header-only FLUSH answered with a whole RESULT)."""
 """Lanes of one switch lane group (its own lookup tables and sum registers)."""
 MAX_WORKERS: int = SPEC["max_workers"]
 MAX_JOBS: int = SPEC["max_jobs"]
@@ -171,8 +176,8 @@ def payload_bytes(pkt_type: int, lanes: int = LANES, sum_bits: int = SUM_WIDTHS[
 def check_lanes(lanes: int, switch: bool = False, sum_bits: int = SUM_WIDTHS[0],
                 aggregation: str = "thc") -> int:
     """Lane counts must fill whole bytes and a RESULT of ``sum_bits`` sums must fit one MTU;
-    on BMv2 (``switch``) lanes come in groups of 8 and a packet may also grow by at most 512
-    bytes. The software aggregator has no growth limit."""
+    on BMv2 (``switch``) lanes come in groups of 8 and a packet may also grow by at most
+    BMV2_MAX_GROWTH bytes. The software aggregator has no growth limit."""
     if lanes < 2 or lanes % 2:
         raise ValueError(f"lanes must be a positive even number, got {lanes}")
     if lanes * LANE_BITS[check_aggregation(aggregation)] % 8:
@@ -181,9 +186,9 @@ def check_lanes(lanes: int, switch: bool = False, sum_bits: int = SUM_WIDTHS[0],
     if switch and lanes % GROUP_LANES:
         raise ValueError(f"{lanes} lanes: the switch takes lanes in groups of {GROUP_LANES}")
     growth = payload_bytes(PktType.RESULT, lanes, sum_bits)   # a header-only FLUSH's
-    if switch and growth > 512:
+    if switch and growth > BMV2_MAX_GROWTH:
         raise ValueError(f"{lanes} lanes of {sum_bits}-bit sums grow a FLUSH by {growth} "
-                         f"bytes into its RESULT (> 512, BMv2's limit)")
+                         f"bytes into its RESULT (> {BMV2_MAX_GROWTH}, BMv2's limit)")
     if IP_UDP_BYTES + HEADER_BYTES + payload_bytes(PktType.RESULT, lanes, sum_bits) > MTU:
         raise ValueError(f"{lanes} lanes of {sum_bits}-bit sums do not fit a 1500-byte MTU "
                          f"(at most {max_software_lanes(sum_bits)})")
