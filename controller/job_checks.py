@@ -41,8 +41,9 @@ def check_program(sw: Switch) -> None:
     if WORKER_PORT_KEY not in sw.key_names(WORKER_TABLE):
         raise ConfigError(f"the switch's P4 program keys {WORKER_TABLE} on "
                           f"{', '.join(sw.key_names(WORKER_TABLE))} but not on the switch port "
-                          f"({WORKER_PORT_KEY}): it is a build from before the port key; load "
-                          f"the current one (`make p4`, or p4src/build/tofino on a Tofino)")
+                          f"({WORKER_PORT_KEY}): it is a build from before the port key; push "
+                          f"the current one (`thc controller push`), or on a Tofino start "
+                          f"bf_switchd with p4src/thc_tna.p4 compiled anew")
     for reg in sw.p4info.registers:
         short = reg.preamble.name.rsplit(".", 1)[-1]
         want = REGISTER_SIZES.get(short)
@@ -102,7 +103,7 @@ def check_job(sw: Switch, job: Job, job_index: int, others: dict[int, dict],
     for w in job.workers:
         if not target_of(sw).front_panel(w.switch_port):
             raise ConfigError(f"job {job.job_id} worker {w.id}: switch_port {w.switch_port} "
-                              f"is not a front-panel port")
+                              f"is not a front-panel port ({target_of(sw).front_panel_ports})")
         if ipaddress.IPv4Address(w.ip).is_loopback:
             raise ConfigError(f"job {job.job_id} worker {w.id}: ip {w.ip} is a loopback "
                               f"address, which no host sends from or takes results at over a "
