@@ -60,11 +60,9 @@ def test_an_offset_of_2_to_the_31_is_refused_as_malformed(program):
     assert engine.drops() == {"malformed": 2}
 
 
-def test_a_worker_forged_from_another_port_is_no_worker(program):
-    """thc_worker keys on the ingress port too: a frame with worker 0's addresses from another
-    port is ``unknown_worker``, unanswered, and the round then sums the workers' own lanes."""
-    from tests.tna.interleave import FIRST_RUN, JOB_ID, T, addr, lanes_of, make_job, nonce_of
-    from tests.tna.interleave import normalize
+def _round_of_two(program):
+    """The engine and the model with one 2-worker job installed, and each worker's first DATA."""
+    from tests.tna.interleave import FIRST_RUN, JOB_ID, T, lanes_of, make_job, nonce_of
     from thc.wire import protocol as P
     from thc.wire.model import Model
     engine, model, job = TnaEngine(program), Model(), make_job(2, 4)
@@ -73,6 +71,16 @@ def test_a_worker_forged_from_another_port_is_no_worker(program):
     sent = [P.Header(T["DATA"], w, JOB_ID, 0, 0, 0, 0, 0, job.config_tag, FIRST_RUN,
                      nonce_of(w, FIRST_RUN)).pack() + lanes_of("DATA", w, FIRST_RUN, 0)
             for w in range(2)]
+    return engine, model, job, sent
+
+
+def test_a_worker_forged_from_another_port_is_no_worker(program):
+    """thc_worker keys on the ingress port too: a frame with worker 0's addresses from another
+    port is ``unknown_worker``, unanswered, and the round then sums the workers' own lanes."""
+    from tests.tna.interleave import FIRST_RUN, addr, lanes_of
+    from tests.tna.interleave import normalize
+    from thc.wire import protocol as P
+    engine, model, job, sent = _round_of_two(program)
     forged = sent[0][:P.HEADER_BYTES] + lanes_of("DATA", 1, FIRST_RUN, 0)
     frame = TnaEngine.frame_of(forged, addr(0))
     assert engine.handle_frame(frame, addr(0), 1000.0, port=job.workers[1].switch_port) == \
@@ -91,18 +99,11 @@ def test_a_frame_no_host_takes_as_one_datagram_is_not_summed_and_its_resend_sums
     it to L2 forwarding, where a frame to the aggregator's MAC is dropped and counted in
     l2_misses; it touches no slot and is not answered, and its resend then completes the
     round as in the model. (thc.p4 drops it as ``malformed``: tests/bmv2.)"""
-    from tests.tna.interleave import FIRST_RUN, JOB_ID, T, addr, lanes_of, make_job, nonce_of
+    from tests.tna.interleave import addr
     from tests.tna.interleave import normalize
     from tests.unwhole import unwhole
     from thc.controller import program as names
-    from thc.wire import protocol as P
-    from thc.wire.model import Model
-    engine, model, job = TnaEngine(program), Model(), make_job(2, 4)
-    engine.install(job, job.new_epoch(nonce=5), now=1000.0)
-    model.install(job, job.new_epoch(nonce=5))
-    sent = [P.Header(T["DATA"], w, JOB_ID, 0, 0, 0, 0, 0, job.config_tag, FIRST_RUN,
-                     nonce_of(w, FIRST_RUN)).pack() + lanes_of("DATA", w, FIRST_RUN, 0)
-            for w in range(2)]
+    engine, model, job, sent = _round_of_two(program)
     assert normalize(engine.handle(sent[0], addr(0), 1000.0)) == normalize(
         model.handle(sent[0], addr(0), 1000.0))
     bad = unwhole(engine.frame_of(sent[1], addr(1)), how)
