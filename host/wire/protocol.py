@@ -27,12 +27,12 @@ SUM_WIDTHS: tuple[int, ...] = tuple(sorted(SPEC["sum_bits"]))
 """Allowed widths of a job's sums (bits); a job takes the narrowest its sums fit."""
 MAX_LANES: int = SPEC["max_lanes"]
 GROUP_LANES: int = SPEC["group_lanes"]
+"""Lanes of one switch lane group (its own lookup tables and sum registers)."""
 KEY_BYTE_ENTRIES: int = 1 << 2 * INDEX_BITS
 """A job's entries in a lookup table: its key byte holds two lanes' indices, and every value
 has its entry."""
 BMV2_MAX_GROWTH: int = SPEC["bmv2_max_growth"]
 """Bytes BMv2 lets a packet grow by (a header-only FLUSH answered with a whole RESULT)."""
-"""Lanes of one switch lane group (its own lookup tables and sum registers)."""
 MAX_WORKERS: int = SPEC["max_workers"]
 MAX_JOBS: int = SPEC["max_jobs"]
 SWITCH_SLOTS: int = SPEC["switch_slots"]

@@ -223,11 +223,11 @@ WORKER_BYTES_PER_ELEMENT = 16
 sum and decoding."""
 
 
-def memory_conflict(workers: int, numel: int, flag: str = "--numel") -> str | None:
+def memory_conflict(workers: int, numel: int) -> str | None:
     """Why ``workers`` workers of ``numel`` elements each would not fit this machine, where
     every worker runs (None: they fit)."""
     return memory_refusal(workers * numel * WORKER_BYTES_PER_ELEMENT,
-                          f"--workers {workers} of {flag} {numel}")
+                          f"--workers {workers} of --numel {numel}")
 
 
 def add_job_arguments(parser: argparse.ArgumentParser, *, lanes: int | None,
