@@ -142,6 +142,20 @@ def _aggregations(spec: dict) -> dict[str, dict]:
     return {n: a for n, a in spec["aggregations"].items() if n != "comment"}
 
 
+UDP_LENGTHS = {"HDR": "header-only (PENDING, REFUSED, RESET)", "DATA": "DATA",
+               "VOTE": "DATA of a vote job", "RESULT8": "RESULT of an 8-bit job",
+               "RESULT16": "RESULT of a 16-bit job", "MAX": "MAX / MAX_RESULT"}
+"""THC_UDP_LEN_ labels: what packet has that UDP length."""
+
+
+def udp_lengths(z: Sizes) -> dict[str, int]:
+    """THC_UDP_LEN_ label -> UDP length."""
+    payload = {"HDR": 0, "DATA": z.data_bytes, "VOTE": z.vote_bytes,
+               "RESULT8": z.result_bytes[8], "RESULT16": z.result_bytes[16],
+               "MAX": z.max_bytes}
+    return {label: UDP_HDR + z.hdr_bytes + payload[label] for label in UDP_LENGTHS}
+
+
 def constants(spec: dict, z: Sizes) -> str:
     """thc_constants.p4: sizes, wire constants, packet types, DLCP classes, aggregation
     types, drop reasons and the per-job counters' layout."""
@@ -168,14 +182,9 @@ def constants(spec: dict, z: Sizes) -> str:
     c.append(f"const bit<48> THC_RUN_IDLE_US = {int(spec['run_idle_s'] * 1_000_000)};  // any "
              f"run takes a job idle this long\n")
     c.append(f"const bit<16> THC_HDR_BYTES = {z.hdr_bytes};\n")
-    for label, nbytes, what in [("HDR", 0, "header-only (PENDING, REFUSED, RESET)"),
-                                ("DATA", z.data_bytes, "DATA"),
-                                ("VOTE", z.vote_bytes, "DATA of a vote job"),
-                                ("RESULT8", z.result_bytes[8], "RESULT of an 8-bit job"),
-                                ("RESULT16", z.result_bytes[16], "RESULT of a 16-bit job"),
-                                ("MAX", z.max_bytes, "MAX / MAX_RESULT")]:
-        c.append(f"const bit<16> THC_UDP_LEN_{label} = {UDP_HDR + z.hdr_bytes + nbytes};"
-                 f"  // UDP length of a {what} packet\n")
+    for label, length in udp_lengths(z).items():
+        c.append(f"const bit<16> THC_UDP_LEN_{label} = {length};"
+                 f"  // UDP length of a {UDP_LENGTHS[label]} packet\n")
     c.append("\n// lane word operations (meta.lane_op)\n")
     for name, code in OPS.items():
         c.append(f"const bit<2> THC_OP_{name} = {code};\n")
@@ -273,7 +282,7 @@ def generate(spec: dict, lanes: int | None = None, slots: int | None = None,
         "thc_constants.p4": constants(spec, z),
         "thc_headers.p4": headers(z),
         **instances(z),
-        **(gen_tna.files(spec, HEADER, TO_AGGREGATOR, UDP_HDR + z.hdr_bytes) if tna else {}),
+        **(gen_tna.files(spec, HEADER, TO_AGGREGATOR, udp_lengths(z)) if tna else {}),
     }
 
 

@@ -311,6 +311,62 @@ def parse_lanes() -> str:
             "        }\n    }\n")
 
 
+UP_PAYLOADS = (("THC_DATA", "DATA", "parse_idx"), ("THC_DATA", "VOTE", "parse_signs"),
+               ("THC_MAX", "MAX", "parse_max"), ("THC_FLUSH", "HDR", "parse_hdr_only"),
+               ("THC_RESET", "HDR", "parse_hdr_only"))
+"""(packet type, THC_UDP_LEN_ label, state): the packets to the aggregator whose lanes pass 0
+parses. Any other type and UDP length is left without lanes (thc_wellformed and thc_check
+drop it)."""
+
+IPV4_SELECT = ("        transition select(hdr.ipv4.version, hdr.ipv4.ihl, hdr.ipv4.flags[0:0],\n"
+               "                          hdr.ipv4.fragOffset, hdr.ipv4.protocol) {{\n"
+               "            (4, 5, 0, 0, IPPROTO_UDP): {udp};\n"
+               "            default: accept;\n        }}\n")
+
+
+def _select_state(name: str, extract: str, keys: str, rows: list[str], default: str) -> str:
+    return (f"    state {name} {{\n        pkt.extract({extract});\n"
+            f"        transition select({keys}) {{\n"
+            + "".join(f"            {r};\n" for r in rows)
+            + f"            default: {default};\n        }}\n    }}\n")
+
+
+def parse_ipv4(udp_lengths: dict[str, int]) -> str:
+    """The parser from Ethernet to the THC header. A host delivers a UDP datagram only whole:
+    its IPv4 total length is its UDP length + 20. The Tofino parser cannot add, and matches a
+    field only in the state that reads it, so the Ethernet state looks ahead at the total
+    length and picks one chain of states per UDP length a THC packet to the aggregator has
+    (``_u<L>``); that chain's UDP state takes the THC port only at that length. A UDP length
+    of a THC packet under another total length is left without its THC header, which
+    thc_wellformed drops as malformed (thc.p4's check). The selects read no byte more than
+    the total length, IHL's, the offset's, the protocol's and the UDP port and length."""
+    chains: dict[int, list[str]] = {}
+    for ptype, label, state in UP_PAYLOADS:
+        rows = chains.setdefault(udp_lengths[label], [])
+        if not any(r.startswith(f"{ptype}:") for r in rows):
+            rows.append(f"{ptype}: {state}")
+    out = ["    state parse_ethernet {\n        pkt.extract(hdr.ethernet);\n"
+           "        transition select(hdr.ethernet.etherType, pkt.lookahead<bit<32>>()[15:0]) {\n"]
+    out += [f"            (ETHERTYPE_IPV4, {n + 20}): parse_ipv4_u{n};\n" for n in chains]
+    out.append("            (ETHERTYPE_IPV4, _): parse_ipv4;\n            default: accept;\n"
+               "        }\n    }\n")
+    for n, rows in chains.items():
+        out.append(f"    state parse_ipv4_u{n} {{\n        pkt.extract(hdr.ipv4);\n"
+                   + IPV4_SELECT.format(udp=f"parse_udp_u{n}") + "    }\n")
+        out.append(_select_state(f"parse_udp_u{n}", "hdr.udp", "hdr.udp.dstPort, hdr.udp.length",
+                                 [f"(THC_UDP_PORT, {n}): parse_thc_u{n}"], "accept"))
+        out.append(_select_state(f"parse_thc_u{n}", "hdr.thc", "hdr.thc.pkt_type", rows,
+                                 "accept"))
+    out.append("    state parse_ipv4 {\n        pkt.extract(hdr.ipv4);\n"
+               + IPV4_SELECT.format(udp="parse_udp") + "    }\n")
+    out.append(_select_state("parse_udp", "hdr.udp", "hdr.udp.dstPort, hdr.udp.length",
+                             [f"(THC_UDP_PORT, {n}): accept" for n in chains]
+                             + ["(THC_UDP_PORT, _): parse_thc"], "accept"))
+    out.append("    state parse_thc {\n        pkt.extract(hdr.thc);\n"
+               "        transition accept;\n    }\n")
+    return "".join(out)
+
+
 def dup() -> tuple[str, str]:
     """The egress parser state and the three actions (one a stage) that double each index
     byte of the block the next 16-bit pass adds: header m (bytes a b c d) becomes dd[2m] =
@@ -333,9 +389,10 @@ def dup() -> tuple[str, str]:
     return state, actions
 
 
-def files(spec: dict, header: str, to_aggregator: tuple[str, ...], udp_len_hdr: int
-          ) -> dict[str, str]:
-    """File name -> text of the Tofino program's generated files."""
+def files(spec: dict, header: str, to_aggregator: tuple[str, ...],
+          udp_lengths: dict[str, int]) -> dict[str, str]:
+    """File name -> text of the Tofino program's generated files (``udp_lengths``: by
+    THC_UDP_LEN_ label)."""
     check(spec)
     parse = "".join([
         _state("parse_idx", "        meta.lanes_in = THC_IN_IDX;\n"
@@ -358,6 +415,8 @@ def files(spec: dict, header: str, to_aggregator: tuple[str, ...], udp_len_hdr: 
                                  + luts_apply,
         "thc_tna_parse.p4": header + "// Parser states of thc_tna.p4: each pass's lanes.\n"
                             + parse,
+        "thc_tna_parse_ipv4.p4": header + "// Parser states of thc_tna.p4: Ethernet to the "
+                                 "THC header (gen_tna.parse_ipv4).\n" + parse_ipv4(udp_lengths),
         "thc_tna_words.p4": header + "// The word instances of thc_tna.p4.\n"
                             + _each(WORD_DECL.replace("{j:02d}", "{0:02d}"), WORDS),
         "thc_tna_word_controls.p4": header + "// The words of thc_tna.p4, each pinned to "
@@ -372,7 +431,7 @@ def files(spec: dict, header: str, to_aggregator: tuple[str, ...], udp_len_hdr: 
                               "headers (pass 0; gen_tna.spread).\n" + spread(),
         "thc_tna_wellformed.p4": header + "// thc_wellformed's entries, thc.p4's first checks "
                                  "in order (gen_tna.wellformed).\n"
-                                 + wellformed(spec, to_aggregator, udp_len_hdr),
+                                 + wellformed(spec, to_aggregator, udp_lengths["HDR"]),
         "thc_tna_pragmas.p4": header + "// Each half of the first result words in a container "
                               "of its own: the word's two lookups write them in one stage.\n"
                               + _each('@pa_container_size("ingress", "hdr.res[{0}].w", 16, 16)\n',

@@ -240,47 +240,17 @@ parser ThcIngressParser(packet_in pkt, out tna_headers_t hdr, out metadata_t met
         pkt.extract(hdr.thc);
         transition parse_lanes;
     }
-    state parse_ethernet {
-        pkt.extract(hdr.ethernet);
-        transition select(hdr.ethernet.etherType) {
-            ETHERTYPE_IPV4: parse_ipv4;
-            default: accept;
-        }
-    }
-    // THC only in IPv4 version 4 without options (no worker sends any) that is no fragment
-    // (no offset, no more-fragments flag: a host delivers no fragment as a datagram). Anything
-    // else goes to L2 forwarding, where one to the aggregator's MAC is a counted drop
-    // (l2_misses): never summed. The select reads no byte more than IHL's, the offset's and
-    // the protocol's.
-    state parse_ipv4 {
-        pkt.extract(hdr.ipv4);
-        transition select(hdr.ipv4.version, hdr.ipv4.ihl, hdr.ipv4.flags[0:0],
-                          hdr.ipv4.fragOffset, hdr.ipv4.protocol) {
-            (4, 5, 0, 0, IPPROTO_UDP): parse_udp;
-            default: accept;
-        }
-    }
-    state parse_udp {
-        pkt.extract(hdr.udp);
-        transition select(hdr.udp.dstPort) {
-            THC_UDP_PORT: parse_thc;
-            default: accept;
-        }
-    }
+    // Ethernet to the THC header (gen_tna.parse_ipv4): THC only in IPv4 version 4 without
+    // options (no worker sends any) that is no fragment (no offset, no more-fragments flag:
+    // a host delivers no fragment as a datagram); anything else goes to L2 forwarding, where
+    // one to the aggregator's MAC is a counted drop (l2_misses): never summed. The Ethernet
+    // state looks ahead at the IPv4 total length, and the THC port is taken only at the UDP
+    // length it makes (a host delivers a datagram only whole); a THC length under another
+    // total length reaches thc_wellformed without its THC header: malformed.
+#include "generated/thc_tna_parse_ipv4.p4"
     state parse_hdr_only {
         meta.lanes_in = THC_IN_HDR;
         transition accept;
-    }
-    state parse_thc {
-        pkt.extract(hdr.thc);
-        transition select(hdr.thc.pkt_type, hdr.udp.length) {
-            (THC_DATA, THC_UDP_LEN_DATA): parse_idx;
-            (THC_DATA, THC_UDP_LEN_VOTE): parse_signs;
-            (THC_MAX, THC_UDP_LEN_MAX): parse_max;
-            (THC_FLUSH, THC_UDP_LEN_HDR): parse_hdr_only;
-            (THC_RESET, THC_UDP_LEN_HDR): parse_hdr_only;
-            default: accept;
-        }
     }
 #include "generated/thc_tna_parse.p4"
 }

@@ -114,6 +114,29 @@ def test_a_frame_no_host_takes_as_one_datagram_is_not_summed_and_its_resend_sums
     assert [fields[0] for fields, _, _ in got[1]] == ["RESULT", "RESULT"], got
 
 
+@pytest.mark.parametrize("how", ["ipv4 length short", "ipv4 length long",
+                                 "ipv4 length of a header-only packet"])
+def test_an_ipv4_length_unlike_the_datagrams_is_malformed_and_its_resend_sums(program, how):
+    """An IPv4 total length other than the UDP length + 20, from a worker's address: the
+    parser takes the THC port only at the UDP length the total length makes (it looks ahead
+    at it), so the frame reaches thc_wellformed without its THC header and is dropped as
+    ``malformed``, unanswered, as thc.p4 drops it; its resend then completes the round as in
+    the model."""
+    from tests.tna.interleave import addr
+    from tests.tna.interleave import normalize
+    from tests.unwhole import unwhole
+    from thc.controller import program as names
+    engine, model, job, sent = _round_of_two(program)
+    assert normalize(engine.handle(sent[0], addr(0), 1000.0)) == normalize(
+        model.handle(sent[0], addr(0), 1000.0))
+    bad = unwhole(engine.frame_of(sent[1], addr(1)), how)
+    assert engine.handle_frame(bad, addr(1), 1000.0) == ([], "malformed")
+    assert engine.drops() == {"malformed": 1} and engine.counters[names.L2_MISSES, 0] == 0
+    got = normalize(engine.handle(sent[1], addr(1), 1000.0))
+    assert got == normalize(model.handle(sent[1], addr(1), 1000.0))
+    assert [fields[0] for fields, _, _ in got[1]] == ["RESULT", "RESULT"], got
+
+
 @pytest.fixture(scope="module")
 def outcomes(program):
     print(f"THC_TNA_SEED={SEED}")

@@ -1,15 +1,20 @@
 """IPv4 frames that no host's kernel delivers as one UDP datagram, their checksums right:
-another IP version, a first fragment, an IPv4 length unlike the datagram's. The BMv2
-program drops them as ``malformed`` (tests/bmv2/test_switch_checksums.py); the Tofino
-program leaves the first two to L2 forwarding (tests/test_tna_slot_state.py); a software
+another IP version, a first fragment, an IPv4 length unlike the datagram's (short, long, or
+that of a header-only THC packet). The BMv2 program drops them as ``malformed``
+(tests/bmv2/test_switch_checksums.py); the Tofino program leaves the first two to L2
+forwarding and drops the others as ``malformed`` (tests/test_tna_slot_state.py); a software
 aggregator never sees one."""
 from __future__ import annotations
 
 import struct
 
-from thc.controller.frames import ETH, IPV4, ipv4_checksum
+from thc.controller.frames import ETH, IPV4, UDP, ipv4_checksum
+from thc.wire.protocol import HEADER_BYTES
 
-HOW = ("version 6", "more fragments", "ipv4 length short", "ipv4 length long")
+HOW = ("version 6", "more fragments", "ipv4 length short", "ipv4 length long",
+       "ipv4 length of a header-only packet")
+HEADER_ONLY_TOTAL = IPV4.size + UDP.size + HEADER_BYTES
+"""The IPv4 total length of a THC packet without lanes."""
 
 
 def _ip_set(frame: bytes, byte: int, value: int, extra: bytes = b"", wide: bool = False) -> bytes:
@@ -28,6 +33,9 @@ def unwhole(frame: bytes, how: str) -> bytes:
     out = {"version 6": lambda: _ip_set(frame, 0, 0x65),
            "more fragments": lambda: _ip_set(frame, 6, 0x20),
            "ipv4 length short": lambda: _ip_set(frame, 2, total - 2, wide=True),
-           "ipv4 length long": lambda: _ip_set(frame, 2, total + 2, b"\0\0", wide=True)}[how]()
-    assert (struct.unpack_from("!H", out, ETH.size + 2)[0] - total) in (-2, 0, 2)
+           "ipv4 length long": lambda: _ip_set(frame, 2, total + 2, b"\0\0", wide=True),
+           "ipv4 length of a header-only packet":
+               lambda: _ip_set(frame, 2, HEADER_ONLY_TOTAL, wide=True)}[how]()
+    assert struct.unpack_from("!H", out, ETH.size + 2)[0] in (
+        total - 2, total, total + 2, HEADER_ONLY_TOTAL) and total != HEADER_ONLY_TOTAL
     return out

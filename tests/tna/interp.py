@@ -266,6 +266,11 @@ class Machine:
             return self.binary(e[1], e[2], e[3])
         if kind == "call":
             return self.call(e)
+        if kind == "lookahead":
+            typ = self.p.resolve(e[1])
+            if not isinstance(typ, tuple):
+                raise Unsupported(f"pkt.lookahead<{typ}>")
+            return self.ahead(*typ)
         value, width = 0, 0
         for item in map(self.eval, e[1]):   # a list: concatenation (a hash's input)
             value, width = value << item[1] | item[0], width + item[1]
@@ -456,6 +461,17 @@ class Machine:
             self.assign(s[1], self.eval(s[2]))
         else:
             self.call(s[1])
+
+    def ahead(self, width: int, sign: bool) -> tuple:
+        """``pkt.lookahead``: the next ``width`` bits of :attr:`packet`, not extracted."""
+        if self.packet is None or not self.skipped:
+            raise Unsupported("pkt.lookahead before the packet's headers")
+        end = self.at + width
+        if end > 8 * len(self.packet):
+            raise AssertionError(f"the parser looks ahead past the packet's "
+                                 f"{len(self.packet)} bytes")
+        value = int.from_bytes(self.packet, "big") >> (8 * len(self.packet) - end)
+        return (value & mask(width), width, sign)
 
     def take(self, path: str) -> None:
         """Extract the header at ``path`` from :attr:`packet`: its fields from the next bits.

@@ -173,6 +173,10 @@ class Parser:
                 hi = int(g.next(), 0)
                 g.expect(":")
                 e = ("slice", e, hi, int(g.next(), 0))
+            elif self.peek() == "<" and e == ("path", "pkt.lookahead"):
+                typ = self.group().type_()
+                self.group()
+                e = ("lookahead", typ)
             elif self.peek() == "(" and e[0] == "path":
                 target, _, method = e[1].rpartition(".")
                 g = self.group()
