@@ -641,3 +641,33 @@ def test_a_reducer_rebuilt_under_its_name_is_its_names_next_use(alone):
     again = make()
     assert (first.name, again.name) == (("named", "w", 0), ("named", "w", 1))
     assert again(torch.ones(256)).shape == (256,)
+
+
+def _shaped_worker(rank, port, q, kind):
+    """One tensor of 256 elements, (2, 128) on rank 0 and (128, 2) on rank 1, then alike."""
+    from thc.collective.marsit import MarsitAllReduce
+    join_gloo(rank, port)
+    ar = (THCAllReduce.through_torch_distributed(params=THCParams(slice_size=256),
+                                                 generator=rank, error_feedback=False)
+          if kind == "thc" else MarsitAllReduce(None, compensation=False))
+    x = torch.arange(256.0).reshape(2, 128)
+    out = []
+    for t in (x if rank == 0 else x.t().contiguous(), x):
+        try:
+            out.append(tuple(ar(t).shape))
+        except RuntimeError as e:
+            out.append(str(e))
+    q.put((rank, out))
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("kind", ["thc", "marsit"])
+def test_tensors_of_one_length_in_unlike_shapes_are_refused(kind):
+    """(2, 128) on one rank and (128, 2) on the other summed one's rows with the other's
+    columns, and each rank read the mean back in its own shape: the same parameter left
+    different on each, without an error. The shape is in the round's fingerprint."""
+    res = gloo_pair(functools.partial(_shaped_worker, kind=kind))
+    for rank in (0, 1):
+        refused, alike = res[rank]
+        assert isinstance(refused, str) and "shape" in refused, refused
+        assert alike == (2, 128), res

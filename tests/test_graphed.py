@@ -225,7 +225,7 @@ def test_a_bad_gradient_is_refused_by_both_workers_and_the_residual_kept():
     assert torch.equal(peer(x), eager(x))
     kept = peer._bufs.residual.clone()
     worker = _graphed(tagged(torch.zeros(4, device=DEV), 1), 5)
-    worker._buffers(x).round.fill_(1)
+    worker._buffers(x, x.shape).round.fill_(1)
     worker.round = 1
     with pytest.raises(ValueError, match="NaN or Inf .* in slice 1"):
         worker(bad)

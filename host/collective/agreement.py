@@ -183,7 +183,8 @@ def check_domain(built_on, now) -> None:
 
 
 def fingerprint(params, *cut: int, backend: str = "", steps: str = "",
-                nonfinite: str = "raise", reducer=0, dtype=None, refused: bool = False) -> int:
+                nonfinite: str = "raise", reducer=0, dtype=None, shape=(),
+                refused: bool = False) -> int:
     """What the workers' rounds must share for their sums to mean one thing, as a 48-bit
     value (:func:`key_of`): the codec's parameters (rotation seed, slice size, table), ``cut``, the
     numbers that cut the tensor (its length, the pipeline's piece length), the codec
@@ -194,8 +195,8 @@ def fingerprint(params, *cut: int, backend: str = "", steps: str = "",
     (:data:`NONFINITE`), so that none raises where a peer hands on NaN and goes on;
     ``reducer``: the reducer's name (:func:`identify`); the codec generator's key schedule
     (``rng.SCHEDULE``); ``dtype``: the input's, which the
-    estimate is cast to (:func:`half_type`); ``refused``: an empty round whose input this
-    worker refused (:func:`empty_round`)."""
+    estimate is cast to (:func:`half_type`); ``shape``: the input's (:func:`shape_of`);
+    ``refused``: an empty round whose input this worker refused (:func:`empty_round`)."""
     key = (params.bits, params.granularity, float(params.p), params.seed, params.slice_size,
            tuple(int(t) for t in params.table)) + tuple(int(c) for c in cut) + (backend, steps)
     key += ("schedule", rng.SCHEDULE)
@@ -206,9 +207,20 @@ def fingerprint(params, *cut: int, backend: str = "", steps: str = "",
     cast = half_type(dtype)
     if cast:
         key += ("dtype", cast)
+    if shape_of(shape):
+        key += ("shape", shape_of(shape))
     if refused:
         key += ("refused",)
     return key_of(*key)
+
+
+def shape_of(shape) -> tuple:
+    """What a round's key holds of its input's shape: the shape where it has other than one
+    dimension (a one-dimensional input's is its length, in the key already), else (). Inputs
+    of one length in unlike shapes, (2, 3) and (3, 2), would sum one's rows with the other's
+    columns, and each worker would read the mean back in its own shape."""
+    shape = tuple(int(d) for d in shape)
+    return shape if len(shape) != 1 else ()
 
 
 def half_type(dtype) -> str:
@@ -330,7 +342,7 @@ def refused(max_norms: torch.Tensor, tags: torch.Tensor) -> bool:
 
 
 THC_ALIKE = ("their THC parameters (bits, granularity, p, seed, slice size, table), the "
-             "tensor's length, dtype or piece length, their codec backend, their nonfinite "
+             "tensor's length, shape, dtype or piece length, their codec backend, their nonfinite "
              "mode, how a refused round ends (a graphed or stream-ordered round still sums, "
              "an eager one on Gloo stops; a graphed one with deferred checks raises its "
              "refusal a call later), or which reducer it is (the order the reducers were "
@@ -402,7 +414,7 @@ def owed(transport, rnd: int, what: str, error: BaseException) -> None:
 
 
 def together(group, rnd: int, key: int, device, failure: Exception | None = None,
-             alike: str = "the scheme's settings, the tensor's length or segments, or "
+             alike: str = "the scheme's settings, the tensor's length, shape or segments, or "
                           "which reducer it is") -> int:
     """For schemes whose collectives carry no tag lanes (TopK's all-gathers, Marsit's scales
     and ring): the tag lanes and a mark lane in one fixed-length MAX all-reduce before

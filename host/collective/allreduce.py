@@ -263,7 +263,7 @@ class THCAllReduce:
                 refusal = self._checked(tensor, position)[2]
             rnd, self.round = self.round, self.round + 1
             key = agreement.fingerprint(self.params, 0, 0, reducer=self.name,
-                                        refused=refusal is not None)
+                                        shape=tensor.shape, refused=refusal is not None)
             agreement.empty_round(self.transport, rnd, key, tensor.device, refusal)
             return tensor.clone()
         self._open = self._summed = self._taken = False
@@ -282,7 +282,8 @@ class THCAllReduce:
                 agreement.owed(self.transport, self.round - 1, "MAX round", e)
             raise
 
-    def _key(self, flat, pieces, dtype) -> int:
+    def _key(self, flat, pieces, like: torch.Tensor) -> int:
+        """The round's fingerprint; ``like``: the caller's tensor (its dtype and shape)."""
         # one piece of the whole tensor, as a graphed round's: on a stream-ordered
         # transport (NCCL) the two may be peers (a graphed one that defers its checks not)
         try:
@@ -292,9 +293,9 @@ class THCAllReduce:
         steps = "sum" if getattr(self.transport, "stream_ordered", False) else "check"
         return agreement.fingerprint(self.params, flat.numel(), pieces[0][1] - pieces[0][0],
                                      backend=backend, steps=steps, nonfinite=self.nonfinite,
-                                     reducer=self.name, dtype=dtype)
+                                     reducer=self.name, dtype=like.dtype, shape=like.shape)
 
-    def _agree_size(self, flat, pieces, rnd: int, dtype) -> None:
+    def _agree_size(self, flat, pieces, rnd: int, like: torch.Tensor) -> None:
         """:func:`agreement.agree` before the first round of a tensor size, and before every
         round on a transport that asks for it (Gloo: a size new to one worker but known to
         another would pair unlike lengths). Sizes are added only once agreed, so every worker
@@ -305,7 +306,7 @@ class THCAllReduce:
         checks no lengths). It is part of round ``rnd``, which
         every worker counts however it ends."""
         try:
-            agreement.agree(self.transport, rnd, self._key(flat, pieces, dtype), flat.device)
+            agreement.agree(self.transport, rnd, self._key(flat, pieces, like), flat.device)
         except RuntimeError:
             self.codec.choice(flat)   # a backend this worker lacks: its own error, not "unlike"
             raise
@@ -321,7 +322,7 @@ class THCAllReduce:
         return agreement.PROPAGATE_HINT if self.nonfinite == "raise" and agreement.overflowed(
             max_norms, tags, norm_limit(self.params)) else ""
 
-    def _max_round(self, flat, pieces, rnd: int, whole: bool, dtype, refusal=None):
+    def _max_round(self, flat, pieces, rnd: int, whole: bool, like, refusal=None):
         """Each piece's prepare, and the MAX round of their slice norms with the round number
         (:mod:`thc.collective.agreement`). A worker whose prepare fails still sends its MAX
         round, its bad slices marked (and on a stream-ordered transport joins the sum), then
@@ -331,7 +332,7 @@ class THCAllReduce:
         ``refusal``: this worker's input was refused; its round goes out, every slice marked.
         A round handed on as NaN (:meth:`_overflowed`) returns None for its preps."""
         layout_of = self.codec.layout
-        key = self._key(flat, pieces, dtype)
+        key = self._key(flat, pieces, like)
         y = flat
         try:
             if refusal is not None:
@@ -438,14 +439,13 @@ class THCAllReduce:
         if getattr(self.transport, "agree_each_round", False) or \
                 flat.numel() not in self._sizes:
             try:
-                self._agree_size(flat, pieces, rnd, tensor.dtype)
+                self._agree_size(flat, pieces, rnd, tensor)
             except RuntimeError as e:
                 if refusal is not None:
                     raise refusal from e   # this worker's own error, as a marked round's
                 raise
         # the fused encode: each piece's norms now, its wire form from them after the MAX round
-        y, preps, max_norms, tags = self._max_round(flat, pieces, rnd, whole, tensor.dtype,
-                                                    refusal)
+        y, preps, max_norms, tags = self._max_round(flat, pieces, rnd, whole, tensor, refusal)
         if preps is None:
             return self._overflow(tensor)
         self._open = True   # until the round's end, or a refusal every worker reaches

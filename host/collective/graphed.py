@@ -132,6 +132,8 @@ class _Buffers:
     numel: int
     dtype: torch.dtype
     """The tensor's type, which the reducer serves."""
+    shape: tuple
+    """The tensor's shape, which its rounds' fingerprint names (agreement.shape_of)."""
     x: torch.Tensor
     """The round's input, padded: the tensor or, with error feedback, the tensor plus the
     residual (float32), both written by the call before the replay."""
@@ -289,7 +291,7 @@ class GraphedAllReduce:
         low = next(1 << k for k in range(size.bit_length()) if kern.supports(1 << k))
         return numel - numel % size + low
 
-    def _buffers(self, flat: torch.Tensor) -> _Buffers:
+    def _buffers(self, flat: torch.Tensor, shape) -> _Buffers:
         b = self._bufs
         if b is None:
             n, dev = self._padded(flat.numel(), flat), flat.device
@@ -306,7 +308,7 @@ class GraphedAllReduce:
             if loaded is not None:
                 residual[:loaded.numel()] = loaded.to(dev, torch.float32)
             b = self._bufs = _Buffers(
-                flat.numel(), flat.dtype,
+                flat.numel(), flat.dtype, tuple(shape),
                 torch.zeros(n, dtype=torch.float32 if ef else flat.dtype, device=dev),
                 residual,
                 torch.empty(n, device=dev),
@@ -317,9 +319,10 @@ class GraphedAllReduce:
                 torch.zeros((), dtype=torch.bool, device=dev),
                 torch.zeros(REPORT_LANES, dtype=torch.float64, pin_memory=dev.type == "cuda"))
             self._loaded = None
-        elif (b.numel, b.dtype, b.x.device) != (flat.numel(), flat.dtype, flat.device):
-            raise ValueError(f"a graphed all-reduce serves one tensor: {b.numel} {b.dtype} "
-                             f"on {b.x.device}, got {flat.numel()} {flat.dtype} on "
+        elif (b.numel, b.dtype, b.x.device, b.shape) != (flat.numel(), flat.dtype, flat.device,
+                                                         tuple(shape)):
+            raise ValueError(f"a graphed all-reduce serves one tensor: {list(b.shape)} "
+                             f"{b.dtype} on {b.x.device}, got {list(shape)} {flat.dtype} on "
                              f"{flat.device}")
         return b
 
@@ -343,7 +346,7 @@ class GraphedAllReduce:
         word.zero_()   # each round's flags are its own, cleared in its stream order
         prep = c.prepare(y, b.round)
         vector = round_kernels.tagged(prep.norms, b.round,
-                                      self._fingerprint(b.numel, b.x, b.dtype))
+                                      self._fingerprint(b.numel, b.x, b.dtype, b.shape))
         self._check_usable()
         self._sent = 0 if self._capturing else 1   # from here the MAX round may have left
         maxima = self.transport.max(vector).contiguous()
@@ -373,7 +376,7 @@ class GraphedAllReduce:
         if self._bufs is not None:
             self._bufs.round.fill_(agreement.round_draw(self.round))
 
-    def _fingerprint(self, numel: int, like: torch.Tensor, dtype) -> int:
+    def _fingerprint(self, numel: int, like: torch.Tensor, dtype, shape) -> int:
         """A round's fingerprint, as an eager reducer's of the same tensor (one piece on a
         stream-ordered transport): the two may be peers, unless this one pads a short tail
         slice (its sums are longer: the padded length stands for the piece's) or defers its
@@ -386,7 +389,8 @@ class GraphedAllReduce:
         # a deferred round's refusal is raised a call later: its peers must defer alike
         steps = "sum, raised later" if self.deferred_checks else "sum"
         return agreement.fingerprint(self.params, numel, summed, backend=backend, steps=steps,
-                                     nonfinite=self.nonfinite, reducer=self.name, dtype=dtype)
+                                     nonfinite=self.nonfinite, reducer=self.name, dtype=dtype,
+                                     shape=shape)
 
     def _agree_size(self, tensor: torch.Tensor, rnd: int) -> None:
         """:func:`agreement.agree` in round ``rnd`` before the first round, and before every
@@ -394,7 +398,8 @@ class GraphedAllReduce:
         still went out (owed). Every worker counts the round however the agreement ends."""
         n = tensor.numel()
         try:
-            agreement.agree(self.transport, rnd, self._fingerprint(n, tensor, tensor.dtype),
+            agreement.agree(self.transport, rnd,
+                            self._fingerprint(n, tensor, tensor.dtype, tensor.shape),
                             tensor.device)
         except RuntimeError:
             self.codec.choice(tensor)   # a backend this worker lacks: its own error
@@ -514,7 +519,8 @@ class GraphedAllReduce:
             lay, dev = self.codec.layout(n), (b.x.device if b is not None else tensor.device)
             marks = torch.full((lay.n_slices,), NORM_MARK, device=dev)
             zeros = torch.zeros(lay.total_padded, dtype=torch.uint8, device=dev)
-            key = self._fingerprint(numel, marks, b.dtype if b is not None else tensor.dtype)
+            key = self._fingerprint(numel, marks, *((b.dtype, b.shape) if b is not None
+                                                    else (tensor.dtype, tensor.shape)))
             vector = agreement.tagged(marks, self.round - 1, key)
             sent = True
             self.transport.max(vector)
@@ -602,8 +608,8 @@ class GraphedAllReduce:
             try:
                 if empty:   # a round of the agreement alone: a peer with a tensor refuses it
                     agreement.empty_round(self.transport, rnd, agreement.fingerprint(
-                        self.params, 0, 0, reducer=self.name, refused=refusal is not None),
-                        tensor.device, refusal)
+                        self.params, 0, 0, reducer=self.name, shape=tensor.shape,
+                        refused=refusal is not None), tensor.device, refusal)
                 else:
                     self._agree_size(tensor, rnd)
             except BaseException as e:
@@ -622,7 +628,7 @@ class GraphedAllReduce:
             _check_input(flat, position)   # owed to the peers as a refused round
             if flat.dtype not in KERNEL_DTYPES:
                 flat = as_float32(flat)
-            b = self._buffers(flat)
+            b = self._buffers(flat, tensor.shape)
             with torch.cuda.device(b.x.device) if b.x.is_cuda else _nothing():
                 self._take(b, flat)
                 self._run(b, flat)

@@ -208,7 +208,8 @@ class _SignAllReduce:
             # the scales' all-reduce is as long as the segments: agree on them first
             rnd, self.round = self.round, self.round + 1
             key = agreement.key_of("marsit", *self.kind, flat.numel(), tuple(sizes),
-                                   self.nonfinite, self.name, agreement.half_type(grad.dtype))
+                                   self.nonfinite, self.name, agreement.half_type(grad.dtype),
+                                   agreement.shape_of(grad.shape))
             self.bytes_sent += agreement.together(self.group, rnd, key, flat.device, failure)
             if flat.numel() == 0:      # every rank agreed on it: nothing to send
                 return grad.clone()
