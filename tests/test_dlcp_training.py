@@ -209,3 +209,33 @@ def test_a_dlcp_step_time_of_zero_prints_no_ratio(capsys):
     summary["dlcp"] = dlcp_ratios(runs)
     print_table(runs, summary)
     assert "0.00 s a step, thc-central's 1.00 s (same run)" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+@pytest.mark.mininet
+def test_thc_central_trains_under_congestion_on_the_compiled_window(tmp_path):
+    """``thc run --congest``'s baseline mode: competing flows fill the aggregator link's
+    class queues, whose tail drop refused every UDP GSO burst whole (a veth carries one as
+    one packet), retransmissions included, until the round timed out. The testbed sends
+    datagram by datagram on class-queued links, and the compiled window trains through."""
+    import json
+    import subprocess
+    import sys
+
+    from thc.emu.testbed import mininet_unavailable_reason
+    if why := mininet_unavailable_reason("software"):
+        pytest.skip(f"--congest needs Mininet: {why}")
+    out = subprocess.run(
+        [sys.executable, "-m", "thc.cli", "run", "--workers", "2", "--bw", "20", "--congest",
+         "0.8", "--width", "32", "--data", "digits", "--train-subset", "512", "--batch", "32",
+         "--epochs", "1", "--evals", "1", "--timeout", "120", "--modes", "thc-central",
+         "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    run, = json.loads((tmp_path / "mainjob.json").read_text())["runs"]
+    assert run["congestion"]["fraction"] == 0.8 and run["class_queued_links"], run
+    assert run["stopped"] is None and run["epochs_done"] == 1.0, run
+    transport = run["history"][-1]["transport"]
+    from thc.net.fastclient import CLIENT_UNAVAILABLE
+    if CLIENT_UNAVAILABLE is None:
+        assert transport["compiled_rounds"] == transport["rounds"] > 0, transport
+    assert "no GSO" in run["aggregator_datapath"], run["aggregator_datapath"]

@@ -65,11 +65,13 @@ class MininetTestbed(Testbed):
     def gso(self) -> bool:
         """Whether hosts batch datagrams by UDP GSO/GRO, as TCP batches its segments (the FP32
         baselines' Gloo rings): only towards the software aggregator, and only on links
-        without loss (a veth and its qdisc carry a burst as one skb, so a loss rule would
-        drop the whole burst, where a network loses packets one by one), and shaped (the
-        shaper's counters count a burst's packets and headers; a veth's count one header)."""
+        without loss or class queues (a veth and its qdisc carry a burst as one skb, so a
+        loss rule, or a band's tail drop under congestion, would drop the whole burst, where
+        a network loses packets one by one: a full band would then refuse every burst,
+        retransmissions included), and shaped (the shaper's counters count a burst's packets
+        and headers; a veth's count one header)."""
         return (self.aggregator in ("software", "sharded") and not self.loss_pct
-                and self.bw_mbit is not None)
+                and not self.priorities and self.bw_mbit is not None)
 
     @property
     def agg_link_args(self) -> tuple[str, ...]:
