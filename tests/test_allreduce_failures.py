@@ -103,7 +103,9 @@ def _refusing_worker(rank, port, q):
              (torch.empty(1024, device="meta") if rank else x, None),
              (x.half().numpy() if rank else x.half(), None),
              (torch.empty(1024, device="meta", dtype=torch.bfloat16) if rank else
-              x.bfloat16(), None), (x, None)]
+              x.bfloat16(), None),
+             (torch.nested.nested_tensor([x[:512], x[512:]]) if rank else x, None),
+             (x.reshape(2, 512).numpy() if rank else x.reshape(2, 512), None), (x, None)]
     out = []
     for tensor, position in calls:
         try:
@@ -120,7 +122,7 @@ def test_a_worker_refusing_its_input_ends_its_peers_round_too():
     goes out marked, every worker refuses it, and the next round is good on both."""
     res = gloo_pair(_refusing_worker)
     (bad_pos, bad_dtype, unreadable, sparse, array, ragged, huge, meta, half_array, half_meta,
-     good), rounds = res[1]
+     nested, shaped, good), rounds = res[1]
     assert "layer positions must lie in [0, 1]" in bad_pos
     assert "floating-point tensors, got torch.bool" in bad_dtype
     assert "Could not infer dtype" in unreadable
@@ -143,8 +145,14 @@ def test_a_worker_refusing_its_input_ends_its_peers_round_too():
     # were told the workers' settings differ instead of the refusal
     assert "got ndarray" in half_array and "on the meta device" in half_meta
     assert all("mark of a worker" in r for r in peer[8:10]), peer
-    assert good == pytest.approx(1.0, abs=0.1) and peer[10] == pytest.approx(1.0, abs=0.1)
-    assert rounds == rounds0 == 11
+    # a nested tensor: reading its shape for the round's key raised before the round went
+    # out, and the peer waited until the group's timeout
+    assert "got a nested one" in nested and "mark of a worker" in peer[10], (nested, peer)
+    # a (2, 512) array stood in as 1024 zeros in one dimension: the peer's (2, 512) key was
+    # unlike, and it was told so instead of the refusal
+    assert "got ndarray" in shaped and "mark of a worker" in peer[11], (shaped, peer)
+    assert good == pytest.approx(1.0, abs=0.1) and peer[12] == pytest.approx(1.0, abs=0.1)
+    assert rounds == rounds0 == 13
 
 
 def _a_round_then_one_failing_in_encode(ar) -> torch.Tensor:

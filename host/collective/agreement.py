@@ -66,10 +66,13 @@ def input_of(obj, device="cpu") -> tuple[torch.Tensor, Exception | None]:
     but its round still goes out: zeros on ``device`` (where the reducer's collectives take
     their tensors: NCCL moves device tensors only) stand in for it (:func:`stand_in`). A
     meta tensor, which has a size but no values (and which Gloo "sums" without sending), is
-    refused and stood in for alike."""
-    if isinstance(obj, torch.Tensor) and not obj.is_meta:
+    refused and stood in for alike, and so is a nested tensor, which has no one shape. The
+    stand-in takes the input's shape where it can be read (:func:`shape_of`)."""
+    if isinstance(obj, torch.Tensor) and not obj.is_meta and not obj.is_nested:
         return obj, None
     error = (ValueError("a reducer takes a tensor with values, got one on the meta device")
+             if isinstance(obj, torch.Tensor) and obj.is_meta else
+             ValueError("a reducer takes a dense tensor, got a nested one")
              if isinstance(obj, torch.Tensor) else
              TypeError(f"a reducer takes a torch.Tensor, got {type(obj).__name__}"))
     try:
@@ -82,7 +85,12 @@ def input_of(obj, device="cpu") -> tuple[torch.Tensor, Exception | None]:
     except Exception:  # noqa: BLE001 - a dtype that cannot be read or compared: float32
         dtype = torch.float32
     size = obj.numel if isinstance(obj, torch.Tensor) else lambda: int(np.size(obj))
-    return stand_in(size, device, dtype), error
+    zeros = stand_in(size, device, dtype)
+    try:   # its peers' keys hold the shape too
+        shape = obj.shape if isinstance(obj, torch.Tensor) else np.shape(obj)
+        return zeros.reshape(shape_of(shape) or zeros.shape), error
+    except Exception:  # noqa: BLE001 - a shape that cannot be read or held: as it stands
+        return zeros, error
 
 
 def stand_in(size, device="cpu", dtype=torch.float32) -> torch.Tensor:
@@ -218,8 +226,13 @@ def shape_of(shape) -> tuple:
     """What a round's key holds of its input's shape: the shape where it has other than one
     dimension (a one-dimensional input's is its length, in the key already), else (). Inputs
     of one length in unlike shapes, (2, 3) and (3, 2), would sum one's rows with the other's
-    columns, and each worker would read the mean back in its own shape."""
-    shape = tuple(int(d) for d in shape)
+    columns, and each worker would read the mean back in its own shape. Never raises: a key
+    made before the round goes out must not fail (its peers would wait in the round); a
+    shape that cannot be read is ()."""
+    try:
+        shape = tuple(int(d) for d in shape)
+    except Exception:  # noqa: BLE001 - see above
+        return ()
     return shape if len(shape) != 1 else ()
 
 
