@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import struct
 
-from thc.controller.frames import ETH, IPV4, UDP, ipv4_checksum
-from thc.wire.protocol import HEADER_BYTES
+from thc.controller.frames import ETH, IPV4, ipv4_checksum
+from thc.wire.protocol import HEADER_BYTES, IP_UDP_BYTES
 
 HOW = ("version 6", "more fragments", "ipv4 length short", "ipv4 length long",
        "ipv4 length of a header-only packet")
-HEADER_ONLY_TOTAL = IPV4.size + UDP.size + HEADER_BYTES
+HEADER_ONLY_TOTAL = IP_UDP_BYTES + HEADER_BYTES
 """The IPv4 total length of a THC packet without lanes."""
 
 
