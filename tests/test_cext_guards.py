@@ -36,6 +36,13 @@ possible: these tests are of the arguments, not the sums."""
 TIMING = (0.02, 0.05, 0.3, 3, 4, 3, 256)
 
 
+def _no_dlcp(total: int, shards: int = 1) -> tuple:
+    """stream()'s last arguments for a round without classes or a loss bound: the DLCP
+    tuple, the counts and bitmaps."""
+    return ((b"", 0, int(P.PktType.FLUSH), 0, 0, bytes(shards)), np.full(total, 2, np.uint8),
+            np.zeros(total, np.uint32))
+
+
 def _datapath(max_lanes: int = P.MAX_LANES):
     return cext._fastagg.Datapath(cext.TYPE_CODES,
                                   [int(P.DropReason[r]) for r in cext._fastagg.REASONS],
@@ -101,7 +108,8 @@ def _stream(pool: int, is_data: bool, chunk: bytes, lanes: int, agg=None, out=No
         out = np.zeros((1, lanes), np.uint32) if out is None else out
         return cext._fastagg.stream(cl.fileno(), header, np.frombuffer(chunk, np.uint8),
                                     len(chunk), [agg or (LOOPBACK, ag.getsockname()[1])], [None], 1,
-                                    TIMING, [None], [0.0], out, 4, 4 * lanes, False)
+                                    TIMING, [None], [0.0], out, 4, 4 * lanes, False,
+                                    *_no_dlcp(1))
     finally:
         cl.close()
         ag.close()
@@ -226,7 +234,7 @@ def test_a_signal_pending_as_a_loop_starts_is_raised(loop):
         call = functools.partial(cext._fastagg.stream, w.fileno(), header,
                                  np.zeros(0, np.uint8), 8, [(LOOPBACK, sink.getsockname()[1])],
                                  [None], 1, TIMING, [None], [0.0], np.zeros(0, np.uint16), 2,
-                                 16, False)
+                                 16, False, *_no_dlcp(0))
     old = signal.signal(signal.SIGINT, signal.default_int_handler)   # xdist's ignores it
     t0 = time.monotonic()
     try:
@@ -432,7 +440,8 @@ try:
                                    lists["aggs"], lists["epochs"], 2,
                                    (0.02, 0.05, 0.1, 3, 4, 3, 256), lists["srtt"],
                                    lists["rttvar"], np.zeros((2, 16), np.uint16), 2, 16,
-                                   False)[0])
+                                   False, (b"", 0, 7, 0, 0, bytes(2)), np.full(2, 2, np.uint8),
+                                   np.zeros(2, np.uint32))[0])
     else:
         import socket
         s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
@@ -443,7 +452,9 @@ try:
         cext._fastagg.stream(s.fileno(), header, np.zeros(8, np.uint8), 8,
                              [(LOOP, Clears(epochs, 9))], epochs, 1,
                              (0.02, 0.05, 0.1, 3, 4, 3, 256), [None], [0.0],
-                             np.zeros((1, 16), np.uint16), 2, 16, False)
+                             np.zeros((1, 16), np.uint16), 2, 16, False,
+                             (b"", 0, 7, 0, 0, bytes(1)), np.full(1, 2, np.uint8),
+                             np.zeros(1, np.uint32))
 except Exception as e:   # an error is an answer; a crash is not
     print(type(e).__name__, e)
 """
@@ -533,6 +544,7 @@ def test_a_lane_count_whose_4_byte_chunk_size_wraps_is_refused():
         with pytest.raises(ValueError, match="bad arguments"):
             cext._fastagg.stream(s.fileno(), header, np.zeros(4, np.uint8), 4,
                                  [(LOOPBACK, 9)], [None], 1, (0.01, 0.02, 0.05, 3, 4, 3, 64),
-                                 [None], [0.0], np.zeros(2 * lanes, np.uint8), 2, lanes, False)
+                                 [None], [0.0], np.zeros(2 * lanes, np.uint8), 2, lanes, False,
+                                 *_no_dlcp(1))
     finally:
         s.close()

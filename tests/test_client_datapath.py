@@ -112,9 +112,10 @@ def test_missing_worker_named_by_the_last_pending(job, datapath):
         agg.close()
 
 
-def test_impairment_priorities_and_loss_bound_run_in_python(job):
-    """What only the Python window does (impairments, a loss bound, DSCP marks) makes a
-    compiled client run the round there, with the same sums; duplicated DATA is sent."""
+def test_only_an_impairment_runs_in_python(job):
+    """An impairment (it wraps Python's sends) makes a compiled client run the round in the
+    Python window, with the same sums, and duplicated DATA is sent; a loss bound and DSCP
+    classes run compiled, a chunk closed short within the bound with its count."""
     agg = ScriptedAggregator(job)
     try:
         packed = _packed(job, 1)
@@ -126,14 +127,16 @@ def test_impairment_priorities_and_loss_bound_run_in_python(job):
                 np.testing.assert_array_equal(
                     result.sums, _want(job, packed, short=SHORT_SEQ) if agg.short else want)
                 assert (result.counts[SHORT_SEQ] == 1) == agg.short
-                assert result.datapath == "python", kw
+                assert (result.bitmaps[SHORT_SEQ] == 0b01) == agg.short
+                assert result.datapath == ("compiled" if agg.short else "python"), kw
+                assert c.stats.short == agg.short
                 if "impair" in kw:
                     assert c.impair.stats["duplicated"] > 0
         agg.short = False
         with AggregationClient(job, 0, agg.addr, run=9, datapath="compiled") as c:
             result = c.reduce(packed, classes=np.zeros(N_CHUNKS, np.uint8))
             np.testing.assert_array_equal(result.sums, want)
-            assert result.datapath == "python"
+            assert result.datapath == "compiled"
     finally:
         agg.close()
 

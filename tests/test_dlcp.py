@@ -102,7 +102,7 @@ class TosRecordingAggregator:
         self.sock.close()
 
 
-def test_each_data_packet_carries_its_chunks_class_in_dscp():
+def test_each_data_packet_carries_its_chunks_class_in_dscp(datapath):
     job = local_job(7, 1, free_port_block(1))
     agg = TosRecordingAggregator(job)
     try:
@@ -111,6 +111,7 @@ def test_each_data_packet_carries_its_chunks_class_in_dscp():
             packed = np.zeros(len(classes) * job.lanes // 2, np.uint8)
             c.aggregate(packed, classes=classes)
             c.aggregate(packed[: job.lanes // 2])          # no classes: best effort
+            assert c.stats.compiled_rounds == 2 * (datapath == "compiled")
     finally:
         agg.close()
     # each seq's class, in every send of it (a late retransmission comes after the next round)
@@ -163,7 +164,7 @@ def test_an_ipv6_socket_marks_its_classes_and_names_a_silent_aggregator(dest):
         (i, tos_of(k)) for i, k in enumerate(classes)}, seen
 
 
-def test_a_flush_goes_in_the_top_class_of_a_round_with_classes():
+def test_a_flush_goes_in_the_top_class_of_a_round_with_classes(datapath):
     """A bounded round with classes: the chunk worker 0 closes short (worker 1 is gone after
     a full round) goes out as a FLUSH marked with the top class, whatever its DATA's."""
     job = local_job(7, 2, free_port_block(2), pool_size=16)
@@ -186,6 +187,10 @@ def test_a_flush_goes_in_the_top_class_of_a_round_with_classes():
         agg.close()
     flushes = {tos for t, _seq, tos in agg.tos if t == P.PktType.FLUSH}
     assert flushes == {tos_of(N_CLASSES - 1)}, flushes
+    data = {(seq, tos) for t, seq, tos in agg.tos if t == P.PktType.DATA}
+    assert data == {(i, tos_of(k)) for i, k in enumerate(classes)} | {
+        (len(classes) + i, tos_of(k)) for i, k in enumerate(classes)}, data
+    assert clients[0].stats.compiled_rounds == 2 * (datapath == "compiled")
 
 
 class Recording(AggregationClient):
@@ -268,7 +273,7 @@ def _after_a_full_round(job, answer, chunks: int):
     return shifted
 
 
-def test_a_flushed_chunk_that_ends_full_gives_its_share_of_the_bound_back():
+def test_a_flushed_chunk_that_ends_full_gives_its_share_of_the_bound_back(datapath):
     """A scripted aggregator, loss bound 0.25 of 4 chunks (one may end short): chunk 0's
     FLUSH is answered with the full result (the straggler's DATA came first), chunk 1's
     straggler is gone. Chunk 1 must be closed short; it was retransmitted to the deadline,
@@ -288,9 +293,10 @@ def test_a_flushed_chunk_that_ends_full_gives_its_share_of_the_bound_back():
 
     with scripted_aggregator(job, _after_a_full_round(job, answer, 4)) as addr:
         with AggregationClient(job, 0, addr, run=9, timeout=0.02, max_timeout=0.1,
-                               deadline=3.0, loss_bound=0.25, datapath="python") as c:
+                               deadline=3.0, loss_bound=0.25) as c:
             c.reduce(np.zeros(4 * job.lanes // 2, np.uint8))
             r = c.reduce(np.zeros(4 * job.lanes // 2, np.uint8))
+    assert r.datapath == datapath
     assert r.counts.tolist() == [2, 1, 2, 2]
     assert c.stats.short == 1 and c.stats.flushed >= 2
 
@@ -335,7 +341,7 @@ def test_a_short_result_without_a_loss_bound_ends_the_round_with_the_cause(datap
     assert "no loss bound" not in str(err.value)   # it was said of a bound that lets none
 
 
-def test_short_chunks_beyond_n_times_the_bound_end_the_round():
+def test_short_chunks_beyond_n_times_the_bound_end_the_round(datapath):
     """Loss bound 0.25 of 8 chunks: each of 2 workers may close 2, so 4 may end short and a
     fifth is refused; the aggregate() of a round with short chunks refuses to drop counts."""
     job = local_job(4, 2, free_port_block(2), pool_size=16, lanes=16)
@@ -344,6 +350,7 @@ def test_short_chunks_beyond_n_times_the_bound_end_the_round():
         with AggregationClient(job, 0, addr, run=9, deadline=2.0, loss_bound=0.25) as c:
             r = c.reduce(data)
     assert r.counts.tolist() == [2, 0, 2, 0, 0, 2, 0, 2] and c.stats.short == 4
+    assert r.bitmaps.tolist() == [3, 0, 3, 0, 0, 3, 0, 3] and r.datapath == datapath
     with scripted_aggregator(job, _short_answers({1, 3, 4, 6, 7})) as addr:
         with AggregationClient(job, 0, addr, run=9, deadline=2.0, loss_bound=0.25) as c:
             with pytest.raises(LossBoundExceeded, match=r"seq 7 .*lets 4 of the round's 8"):
@@ -354,7 +361,7 @@ def test_short_chunks_beyond_n_times_the_bound_end_the_round():
 
 
 @pytest.mark.parametrize("loss_bound,window", [(0.5, "python"), (0.0, "python"),
-                                                (0.0, "compiled")])
+                                                (0.0, "compiled"), (0.5, "compiled")])
 def test_a_short_result_without_this_worker_above_its_count_is_ignored(loss_bound, window):
     """A chunk may end short without this worker (its FLUSH came first): a RESULT counting
     worker 1 alone sums one worker's table values, so a lane above g is impossible (though
@@ -383,7 +390,7 @@ def test_a_short_result_without_this_worker_above_its_count_is_ignored(loss_boun
     assert c.stats.rejected == 4 and not r.sums.any()
 
 
-def test_a_chunk_found_lost_by_later_results_is_resent_not_flushed():
+def test_a_chunk_found_lost_by_later_results_is_resent_not_flushed(datapath):
     """Under a loss bound, chunk 0's first DATA goes unanswered and later chunks' results
     come back: the fast retransmit resends its DATA (it may merely wait in a lower class's
     queue); only its timer, far off here, may close it short."""
@@ -402,15 +409,16 @@ def test_a_chunk_found_lost_by_later_results_is_resent_not_flushed():
 
     with scripted_aggregator(job, _after_a_full_round(job, answer, 8)) as addr:
         with AggregationClient(job, 0, addr, run=9, timeout=2.0, max_timeout=4.0,
-                               deadline=10.0, loss_bound=0.25, datapath="python") as c:
+                               deadline=10.0, loss_bound=0.25) as c:
             c.reduce(np.zeros(8 * job.lanes // 2, np.uint8))
             r = c.reduce(np.zeros(8 * job.lanes // 2, np.uint8))
+    assert r.datapath == datapath
     assert sends == [P.PktType.DATA, P.PktType.DATA], sends
     assert c.stats.flushed == 0 and r.counts.min() == 2
 
 
 @pytest.mark.parametrize("bound", [0.25, 0.3])
-def test_a_worker_flushes_no_more_chunks_than_its_loss_bound(bound):
+def test_a_worker_flushes_no_more_chunks_than_its_loss_bound(bound, datapath):
     """Loss bound 0.25 (or 0.3: 2.4 chunks, rounded down) of 8 chunks: this worker may close
     2 chunks short itself. Worker 1 is gone for 3 chunks: two are FLUSHed and end short, the
     third is retransmitted to the deadline, which names worker 1. A third FLUSH returned a
@@ -427,14 +435,14 @@ def test_a_worker_flushes_no_more_chunks_than_its_loss_bound(bound):
 
     with scripted_aggregator(job, _after_a_full_round(job, answer, 8)) as addr:
         with AggregationClient(job, 0, addr, run=9, timeout=0.02, max_timeout=0.1,
-                               deadline=1.0, loss_bound=bound, datapath="python") as c:
+                               deadline=1.0, loss_bound=bound) as c:
             c.reduce(np.zeros(8 * job.lanes // 2, np.uint8))
             with pytest.raises(AggregationTimeout, match=r"missing worker\(s\) \[1\]"):
                 c.reduce(np.zeros(8 * job.lanes // 2, np.uint8))
-    assert c.stats.short == 2
+    assert c.stats.short == 2 and c.stats.compiled_rounds == 2 * (datapath == "compiled")
 
 
-def test_a_bound_just_below_one_leaves_a_chunk_to_wait_for():
+def test_a_bound_just_below_one_leaves_a_chunk_to_wait_for(datapath):
     """Loss bound 0.9999999999999999, whose product with 8 chunks is 8.0 in floating point:
     with worker 1 gone for a whole round, this worker closed all 8 chunks short and returned
     zeros for the round. It closes 7, and the last one's deadline names worker 1."""
@@ -448,12 +456,11 @@ def test_a_bound_just_below_one_leaves_a_chunk_to_wait_for():
 
     with scripted_aggregator(job, _after_a_full_round(job, answer, 8)) as addr:
         with AggregationClient(job, 0, addr, run=9, timeout=0.02, max_timeout=0.1,
-                               deadline=1.0, loss_bound=math.nextafter(1.0, 0.0),
-                               datapath="python") as c:
+                               deadline=1.0, loss_bound=math.nextafter(1.0, 0.0)) as c:
             c.reduce(np.zeros(8 * job.lanes // 2, np.uint8))
             with pytest.raises(AggregationTimeout, match=r"missing worker\(s\) \[1\]"):
                 c.reduce(np.zeros(8 * job.lanes // 2, np.uint8))
-    assert c.stats.short == 7
+    assert c.stats.short == 7 and c.stats.compiled_rounds == 2 * (datapath == "compiled")
 
 
 def test_the_dlcp_bench_worker_times_its_rounds_after_an_untimed_one(tmp_path):

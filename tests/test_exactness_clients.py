@@ -246,7 +246,7 @@ def test_a_restarted_worker_under_the_same_run_id_fails_at_once(aggregator_kind,
                 out[w]
 
 
-def test_a_chunk_held_for_a_gone_worker_times_out_naming_it():
+def test_a_chunk_held_for_a_gone_worker_times_out_naming_it(datapath):
     """Worker 1 of 2 contributes to the first round, then is gone. Worker 0 closes the next
     chunks short (loss bound) and reaches chunks that reuse the first round's slot versions:
     they are held for worker 1, which may still need those results. Worker 0 does not close
@@ -257,8 +257,7 @@ def test_a_chunk_held_for_a_gone_worker_times_out_naming_it():
     with Aggregator([job]) as agg:
         addr = agg.start()
         w1 = AggregationClient(job, 1, addr, run=70, deadline=1.0)
-        w0 = AggregationClient(job, 0, addr, run=70, deadline=1.5, loss_bound=0.9,
-                               datapath="python")
+        w0 = AggregationClient(job, 0, addr, run=70, deadline=1.5, loss_bound=0.9)
         try:
             first = pack_bits(np.zeros(pool * job.lanes, np.uint8), P.INDEX_BITS)
             t = threading.Thread(target=w1.aggregate, args=(first,))
@@ -271,6 +270,7 @@ def test_a_chunk_held_for_a_gone_worker_times_out_naming_it():
             assert e.value.missing == [1]
             assert w0.stats.short == pool, "the chunks before the held ones closed short"
             assert w0.stats.flushed == pool, "no FLUSH for a held chunk"
+            assert w0.stats.compiled_rounds == 2 * (datapath == "compiled")
         finally:
             w0.close()
             w1.close()
@@ -334,7 +334,7 @@ def test_a_missing_worker_in_the_first_round_a_worker_hears_may_be_a_restart(
     assert err.value.missing == [1]
 
 
-def test_a_shard_first_heard_in_the_round_closes_no_chunk_short():
+def test_a_shard_first_heard_in_the_round_closes_no_chunk_short(datapath):
     """Two shards, a loss bound of one chunk in two. Shard 1's replies to worker 1 are lost
     until shard 1 restarts, after worker 0 took both chunks full. Worker 1's FLUSH opened a
     closed, empty use at the restarted shard, and it took count 0 where worker 0 took count
@@ -358,7 +358,7 @@ def test_a_shard_first_heard_in_the_round_closes_no_chunk_short():
     got = {}
 
     def worker(w: int, deadline: float) -> None:
-        with AggregationClient(job, w, run=7, deadline=deadline, datapath="python") as c:
+        with AggregationClient(job, w, run=7, deadline=deadline) as c:
             try:
                 got[w] = c.reduce(chunks).counts.tolist()
             except AggregationTimeout as e:

@@ -1,13 +1,14 @@
-/* The client's sliding window (host/net/pywindow.py's PythonWindow, common case):
+/* The client's sliding window (host/net/pywindow.py's PythonWindow, but for impairments):
  * one worker's chunks out with sendmmsg, replies in with recvmmsg, each reply validated as the
  * Python loop validates it, retransmission on timeout with exponential backoff and the same
- * fast-retransmit rule, RFC 6298's estimator per shard, without the GIL. Python keeps the
- * exceptions: stream() returns an event (done, an epoch change, a deadline) for it to raise. */
+ * fast-retransmit rule, RFC 6298's estimator per shard, DLCP's bounded loss (FLUSH) and DSCP
+ * marks (an IP_TOS control message), without the GIL. Python keeps the exceptions: stream()
+ * returns an event (done, an epoch change, a deadline) for it to raise. */
 #include "_fastagg.h"
 
 #define CL_RECV_BYTES 4096 /* window.RECV_BYTES (cext.py checks) */
 /* stream()'s arguments and timeout report: host/net/fastclient.py refuses another version */
-#define CL_WINDOW_VERSION 11
+#define CL_WINDOW_VERSION 12
 #define CL_OUT_BYTES 2048
 /* per chunk in the window: retransmitted (no RTT sample: Karn), overtaken by a later
  * chunk of its shard (a lost packet, not a missing worker: its timer does not back off),
@@ -19,7 +20,13 @@ enum { M_RESENT = 1, M_OVERTAKEN = 2, M_LONE = 4, M_UNPAIRED = 8 };
 enum { EV_DONE, EV_RESTARTED, EV_TIMEOUT, EV_OSERROR, EV_REFUSED, EV_SHORT, EV_MISCONFIGURED };
 enum { S_SENT, S_RETRANSMITTED, S_RECEIVED, S_IGNORED, S_OTHER_RUN, S_PENDING, S_BYTES_SENT,
        S_BYTES_RECEIVED, S_REJECTED, S_SPURIOUS, S_ELSEWHERE, S_GSO_SENDS, S_GRO_BURSTS,
-       S_STRAYS, S_QUEUE_FULL, N_CSTATS };
+       S_STRAYS, S_QUEUE_FULL, S_FLUSHED, S_SHORT, N_CSTATS };
+
+/* Control data room for a UDP_SEGMENT size and an IP_TOS byte, aligned for cmsghdr. */
+typedef union {
+    char buf[CMSG_SPACE(sizeof(uint16_t)) + CMSG_SPACE(sizeof(int))];
+    struct cmsghdr align;
+} Ctl;
 
 /* What ended the round, for Python to raise (stream()'s info). */
 typedef struct {
@@ -46,6 +53,8 @@ typedef struct {
     uint8_t *sbuf;
     struct mmsghdr msgs[BATCH];
     struct iovec iov[BATCH];
+    uint8_t qtos[BATCH]; /* each queued datagram's TOS byte (0: unmarked) */
+    Ctl qctl[BATCH];
     int nq;
     int gso; /* DATA to one shard leaves as one UDP GSO send; replies come in by GRO */
     unsigned long long st[N_CSTATS];
@@ -66,6 +75,17 @@ typedef struct {
     const uint8_t *reach;        /* Job.reachable_sums, rows of reach_stride (the call's) */
     uint32_t reach_stride;
     uint8_t *out;                /* total * lanes results of out_itemsize bytes */
+    uint8_t *counts;             /* per chunk: workers its result counts (filled with all) */
+    uint32_t *bitmaps;           /* per chunk: which (filled with all) */
+    /* DLCP: per chunk its DATA's TOS byte (NULL: none, and the head's backoff capped), the
+     * FLUSH's; the chunks this worker may close short (0: no loss bound) and that may end
+     * short in all (window.py's flush_budget and Round.short_cap); per shard, whether its
+     * epoch was known before the round (only such a shard is asked to close a chunk) */
+    const uint8_t *tos, *heard;
+    uint8_t flush_tos, flush_type;
+    long budget, short_cap;
+    long n_short, ended_short; /* chunks marked short; chunks ended short */
+    uint8_t *is_short; /* per chunk: flushed by us (until it ends full) or ended short */
     /* window.py's timing rules */
     double deadline;
     int fast_after, backoff_cap, recv_batch;
@@ -123,41 +143,63 @@ static void cl_refused(Client *c, int e, size_t n) {
     else if (!c->err) c->err = e;
 }
 
-/* The queue as one GSO send per shard (order kept per shard); 0 where GSO is off or was
- * refused, and the caller sends the queue datagram by datagram. */
+/* h's control data: a UDP_SEGMENT of seg bytes where seg > 0, an IP_TOS where tos > 0. */
+static void cl_control(struct msghdr *h, Ctl *ctl, uint16_t seg, uint8_t tos) {
+    h->msg_control = NULL;
+    h->msg_controllen = 0;
+    if (!seg && !tos) return;
+    memset(ctl, 0, sizeof *ctl);
+    h->msg_control = ctl->buf;
+    h->msg_controllen = sizeof ctl->buf;
+    struct cmsghdr *cm = CMSG_FIRSTHDR(h);
+    size_t used = 0;
+    if (seg) {
+        cm->cmsg_level = SOL_UDP;
+        cm->cmsg_type = UDP_SEGMENT;
+        cm->cmsg_len = CMSG_LEN(sizeof seg);
+        memcpy(CMSG_DATA(cm), &seg, sizeof seg);
+        used += CMSG_SPACE(sizeof seg);
+        cm = CMSG_NXTHDR(h, cm);
+    }
+    if (tos) {
+        int t = tos;
+        cm->cmsg_level = IPPROTO_IP;
+        cm->cmsg_type = IP_TOS;
+        cm->cmsg_len = CMSG_LEN(sizeof t);
+        memcpy(CMSG_DATA(cm), &t, sizeof t);
+        used += CMSG_SPACE(sizeof t);
+    }
+    h->msg_controllen = used;
+}
+
+/* The queue as one GSO send per shard, length and TOS byte (order kept within each); 0
+ * where GSO is off or was refused, and the caller sends the queue datagram by datagram. */
 static int cl_flush_gso(Client *c) {
     if (!c->gso || c->nq < 2 || !__atomic_load_n(&gso_ok, __ATOMIC_RELAXED)) return 0;
     struct mmsghdr g[BATCH];
     struct iovec iov[BATCH];
-    char ctl[BATCH][CMSG_SPACE(sizeof(uint16_t))];
-    uint8_t taken[BATCH] = {0};
-    size_t len = c->iov[0].iov_len;
-    int max_segs = (int)(GSO_BYTES / len);
-    if (max_segs > GSO_SEGS) max_segs = GSO_SEGS;
+    Ctl ctl[BATCH];
+    uint8_t taken[BATCH] = {0}, gtos[BATCH];
     int ng = 0, niov = 0;
     for (int k = 0; k < c->nq; k++) {
         if (taken[k]) continue;
+        size_t len = c->iov[k].iov_len;
+        int max_segs = (int)(GSO_BYTES / len);
+        if (max_segs > GSO_SEGS) max_segs = GSO_SEGS;
         struct msghdr *h = &g[ng].msg_hdr;
         memset(h, 0, sizeof *h);
         h->msg_name = c->msgs[k].msg_hdr.msg_name;
         h->msg_namelen = sizeof(struct sockaddr_in);
         h->msg_iov = &iov[niov];
+        gtos[ng] = c->qtos[k];
         for (int j = k; j < c->nq && (int)h->msg_iovlen < max_segs; j++)
-            if (!taken[j] && c->msgs[j].msg_hdr.msg_name == h->msg_name) {
+            if (!taken[j] && c->msgs[j].msg_hdr.msg_name == h->msg_name &&
+                c->iov[j].iov_len == len && c->qtos[j] == gtos[ng]) {
                 taken[j] = 1;
                 iov[niov++] = c->iov[j];
                 h->msg_iovlen++;
             }
-        if (h->msg_iovlen > 1) {
-            h->msg_control = ctl[ng];
-            h->msg_controllen = sizeof ctl[ng];
-            struct cmsghdr *cm = CMSG_FIRSTHDR(h);
-            cm->cmsg_level = SOL_UDP;
-            cm->cmsg_type = UDP_SEGMENT;
-            cm->cmsg_len = CMSG_LEN(sizeof(uint16_t));
-            uint16_t size = (uint16_t)len;
-            memcpy(CMSG_DATA(cm), &size, sizeof size);
-        }
+        cl_control(h, &ctl[ng], h->msg_iovlen > 1 ? (uint16_t)len : 0, gtos[ng]);
         ng++;
     }
     int done = 0;
@@ -171,7 +213,7 @@ static int cl_flush_gso(Client *c) {
         }
         int e = errno;
         if (e == EINTR) continue;
-        if (g[done].msg_hdr.msg_controllen && gso_refused(e)) {
+        if (g[done].msg_hdr.msg_iovlen > 1 && gso_refused(e)) {
             __atomic_store_n(&gso_ok, 0, __ATOMIC_RELAXED);
             if (done == 0) return 0;
             /* the groups not sent, datagram by datagram */
@@ -179,12 +221,14 @@ static int cl_flush_gso(Client *c) {
             for (int m = done; m < ng; m++)
                 for (size_t v = 0; v < g[m].msg_hdr.msg_iovlen; v++) {
                     c->iov[nq] = g[m].msg_hdr.msg_iov[v];
+                    c->qtos[nq] = gtos[m];
                     struct msghdr *h = &c->msgs[nq].msg_hdr;
                     memset(h, 0, sizeof *h);
                     h->msg_name = g[m].msg_hdr.msg_name;
                     h->msg_namelen = sizeof(struct sockaddr_in);
                     h->msg_iov = &c->iov[nq];
                     h->msg_iovlen = 1;
+                    cl_control(h, &c->qctl[nq], 0, gtos[m]);
                     nq++;
                 }
             c->nq = nq;
@@ -214,35 +258,57 @@ static void cl_flush(Client *c) {
     c->nq = 0;
 }
 
-/* Queue chunk i's DATA/MAX datagram (a first send or a retransmission). */
-static void cl_send(Client *c, long i) {
+/* Queue chunk i's DATA/MAX datagram (a first send or a retransmission) in its class, or
+ * its FLUSH (the header alone) in the FLUSH's. */
+static void cl_send(Client *c, long i, int flush) {
     if (c->nq == BATCH) cl_flush(c);
     uint64_t s = c->base + (uint64_t)i;
     uint8_t *p = c->sbuf + (size_t)c->nq * CL_OUT_BYTES;
-    write_header(p, c->pkt_type, c->worker, c->job_id, (uint16_t)(s % c->pool),
-                 (uint8_t)((s / c->pool) % 2), 0, (uint32_t)s,
+    write_header(p, flush ? c->flush_type : c->pkt_type, c->worker, c->job_id,
+                 (uint16_t)(s % c->pool), (uint8_t)((s / c->pool) % 2), 0, (uint32_t)s,
                  (uint32_t)(c->offset_base + (uint64_t)i * (uint64_t)c->lanes), c->up_tag,
                  c->run, c->incarnation);
-    memcpy(p + HDR, c->chunks + (size_t)i * c->chunk_bytes, (size_t)c->chunk_bytes);
+    size_t len = HDR;
+    if (!flush) {
+        memcpy(p + HDR, c->chunks + (size_t)i * c->chunk_bytes, (size_t)c->chunk_bytes);
+        len += (size_t)c->chunk_bytes;
+    }
     c->iov[c->nq].iov_base = p;
-    c->iov[c->nq].iov_len = HDR + (size_t)c->chunk_bytes;
+    c->iov[c->nq].iov_len = len;
     struct msghdr *h = &c->msgs[c->nq].msg_hdr;
     memset(h, 0, sizeof *h);
     h->msg_name = &c->aggs[cl_shard(c, i)];
     h->msg_namelen = sizeof(struct sockaddr_in);
     h->msg_iov = &c->iov[c->nq];
     h->msg_iovlen = 1;
+    c->qtos[c->nq] = flush ? c->flush_tos : c->tos ? c->tos[i] : 0;
+    cl_control(h, &c->qctl[c->nq], 0, c->qtos[c->nq]);
     c->nq++;
     c->st[S_SENT]++;
-    c->st[S_BYTES_SENT] += HDR + (unsigned long long)c->chunk_bytes;
+    c->st[S_BYTES_SENT] += len;
 }
 
-/* Queue a retransmission of chunk i; the first silent_after since its shard last answered
- * are remembered: a live shard answers each. */
-static void cl_resend(Client *c, long i, double now) {
+/* Queue a retransmission of chunk i, or its FLUSH while the loss bound allows: a chunk
+ * flushed before, or (may_flush: a timer's resend, not a fast retransmit, whose chunk may
+ * merely wait in a lower class's queue) one more within the budget, at a shard heard before
+ * the round. A held chunk resends its DATA: a FLUSH could only close the use empty. The first
+ * silent_after since its shard last answered are remembered: a live shard answers each. */
+static void cl_resend(Client *c, long i, double now, int may_flush) {
     int s = cl_shard(c, i);
-    c->st[S_RETRANSMITTED]++;
-    cl_send(c, i);
+    long long pend = c->pend[i % c->window];
+    int held = pend >= 0 && ((pend >> 32) & 1);
+    if (!held && c->budget > 0 &&
+        (c->is_short[i] || (may_flush && c->n_short < c->budget && c->heard[s]))) {
+        if (!c->is_short[i]) {
+            c->is_short[i] = 1;
+            c->n_short++;
+        }
+        c->st[S_FLUSHED]++;
+        cl_send(c, i, 1);
+    } else {
+        c->st[S_RETRANSMITTED]++;
+        cl_send(c, i, 0);
+    }
     if (c->nasked[s] < c->silent_after) c->asked[s * c->silent_after + c->nasked[s]++] = now;
 }
 
@@ -299,7 +365,7 @@ static int cl_sums_bad(const uint8_t *o, int itemsize, const uint8_t *own, int l
 static void cl_open(Client *c, double now) {
     while (c->hi < c->total && c->hi < c->lo + c->window) {
         long r = c->hi % c->window;
-        cl_send(c, c->hi);
+        cl_send(c, c->hi, 0);
         c->due[r] = now + cl_rto(c, cl_shard(c, c->hi));
         if (c->due[r] > now + c->deadline) c->due[r] = now + c->deadline;
         c->backoff[r] = c->timeout;
@@ -373,15 +439,17 @@ static int cl_lanes_bad(Client *c, const uint8_t *d, long i, int *above_out) {
 /* Later chunks of shard overtook those before chunk i: every worker's chunks get through,
  * so these or their results were lost. Fast retransmit, and from now on resend every RTO:
  * the backoff a chunk built up while it waited for the others must not delay recovering
- * its lost result. */
+ * its lost result. Only a chunk of i's class is such evidence: a lower class may merely
+ * wait in its queue. */
 static void cl_overtaken(Client *c, long i, int shard, double now) {
     double rto = cl_rto(c, shard);
     for (long j = c->lo; j < i; j++) {
-        if (c->done[j] || cl_shard(c, j) != shard) continue;
+        if (c->done[j] || cl_shard(c, j) != shard || (c->tos && c->tos[j] != c->tos[i]))
+            continue;
         long rj = j % c->window;
         if (++c->later[rj] == c->fast_after) {
             /* overtaken this often: lost, not merely reordered */
-            cl_resend(c, j, now);
+            cl_resend(c, j, now, 0);
             if (c->mark[rj] & M_RESENT) c->mark[rj] |= M_UNPAIRED;
             else c->resent_at[rj] = now;
             c->mark[rj] = (uint8_t)((c->mark[rj] & ~M_LONE) | M_RESENT | M_OVERTAKEN);
@@ -394,9 +462,31 @@ static void cl_overtaken(Client *c, long i, int shard, double now) {
     }
 }
 
-/* Chunk i of shard ended by a RESULT of every worker. */
-static void cl_ended(Client *c, long i, int shard, double now) {
+/* Chunk i of shard ended by a RESULT of r_count workers: every one, or closed short (a
+ * FLUSH's) within the round's cap, and its count and bitmap say who it holds. */
+static void cl_ended(Client *c, long i, int shard, double now, uint8_t r_count,
+                     uint32_t r_bitmap) {
     long r = i % c->window;
+    if (r_count != c->n_workers) {
+        if (c->ended_short >= c->short_cap) {
+            c->ev.event = EV_SHORT;
+            c->ev.chunk = i;
+            c->ev.code = r_count;
+            c->ev.bitmap = r_bitmap;
+            return;
+        }
+        c->ended_short++;
+        c->st[S_SHORT]++;
+        if (!c->is_short[i]) {
+            c->is_short[i] = 1;
+            c->n_short++;
+        }
+        c->counts[i] = r_count;
+        c->bitmaps[i] = r_bitmap;
+    } else if (c->is_short[i]) { /* flushed, but every worker's DATA came first */
+        c->is_short[i] = 0;
+        c->n_short--;
+    }
     c->done[i] = 1;
     c->taken[shard]++;
     if (!(c->mark[r] & M_RESENT)) cl_sample_rtt(c, shard, now - c->started[r]);
@@ -406,7 +496,7 @@ static void cl_ended(Client *c, long i, int shard, double now) {
     }
     if (i == c->lo) {
         while (c->lo < c->total && c->done[c->lo]) c->lo++;
-        if (c->lo < c->hi) { /* the new head: the whole window waits for it */
+        if (c->lo < c->hi && !c->tos) { /* the new head: the whole window waits for it */
             long rh = c->lo % c->window;
             double rto = cl_rto(c, cl_shard(c, c->lo));
             if (c->backoff[rh] > rto) c->backoff[rh] = rto;
@@ -526,15 +616,7 @@ static void cl_take(Client *c, const uint8_t *d, size_t n, const struct sockaddr
         return;
     }
     if (learn) c->epoch[shard] = r_epoch;
-    if (r_count != c->n_workers) {
-        /* closed short (a peer's FLUSH): no chunk of this round may be */
-        c->ev.event = EV_SHORT;
-        c->ev.chunk = i;
-        c->ev.code = r_count;
-        c->ev.bitmap = r_bitmap;
-        return;
-    }
-    cl_ended(c, i, shard, now);
+    cl_ended(c, i, shard, now, r_count, r_bitmap);
 }
 
 /* Take up to recv_batch waiting datagrams (then the timers, even under a flood). */
@@ -581,18 +663,22 @@ static void cl_timers(Client *c, double now) {
             return;
         }
         int lone = !(c->mark[r] & M_RESENT) && c->pend[r] < 0;
-        cl_resend(c, i, now);
+        cl_resend(c, i, now, 1);
+        lone &= !c->is_short[i]; /* a DATA, not a FLUSH */
         if (c->mark[r] & M_RESENT) c->mark[r] |= M_UNPAIRED;
         else c->resent_at[r] = now;
         c->mark[r] = (uint8_t)((c->mark[r] & ~M_LONE) | M_RESENT | (lone ? M_LONE : 0));
         /* exponential backoff, capped at backoff_cap RTOs for the window's head (every chunk
-         * behind it waits for it) and for a chunk that later ones overtook fast_after times
-         * (a lost packet, not a missing worker); a cap, not none: a head that waits for a
-         * straggler, or a chunk that is only reordered, would otherwise resend every RTO */
+         * behind it waits for it; with classes it may merely wait in a lower class's queue,
+         * and keeps the full backoff), for a chunk that later ones overtook fast_after times
+         * (a lost packet, not a missing worker) and for a held chunk; a cap, not none: a head
+         * that waits for a straggler, or a chunk that is only reordered, would otherwise
+         * resend every RTO */
         double b = cl_rto(c, cl_shard(c, i));
         int held = c->pend[r] >= 0 && ((c->pend[r] >> 32) & 1);
-        double cap = (i == c->lo || (c->mark[r] & M_OVERTAKEN) || held) ? c->backoff_cap * b
-                                                                        : c->max_timeout;
+        double cap = ((i == c->lo && !c->tos) || (c->mark[r] & M_OVERTAKEN) || held)
+                         ? c->backoff_cap * b
+                         : c->max_timeout;
         if (c->backoff[r] > b) b = c->backoff[r];
         b *= 2;
         if (b > cap) b = cap;
@@ -719,6 +805,7 @@ static int cl_alloc(Client *c) {
     c->sbuf = malloc((size_t)BATCH * CL_OUT_BYTES);
     c->done = calloc(chunks, 1);
     c->answered = malloc(chunks * sizeof(double));
+    c->is_short = calloc(chunks, 1);
     c->earliest = calloc(chunks, sizeof(double));
     c->resent_at = calloc(w, sizeof(double));
     c->mark = calloc(w, 1);
@@ -738,7 +825,7 @@ static int cl_alloc(Client *c) {
         !c->nasked || !c->rejected || !c->not_float || !c->taken || !c->epoch || !c->sbuf ||
         !c->done || !c->mark || !c->due || !c->backoff || !c->started || !c->later ||
         !c->pend || !c->rbuf || !c->rmsgs || !c->riov || !c->rctl || !c->answered ||
-        !c->earliest || !c->resent_at) {
+        !c->earliest || !c->resent_at || !c->is_short) {
         PyErr_NoMemory();
         return -1;
     }
@@ -817,7 +904,7 @@ static void cl_free(Client *c) {
     free(c->aggs); free(c->srtt); free(c->rttvar); free(c->sbuf);
     free(c->last_reply); free(c->asked); free(c->nasked); free(c->rejected);
     free(c->not_float); free(c->taken); free(c->epoch); free(c->done); free(c->answered);
-    free(c->earliest); free(c->resent_at); free(c->mark); free(c->due); free(c->backoff);
+    free(c->earliest); free(c->resent_at); free(c->is_short); free(c->mark); free(c->due); free(c->backoff);
     free(c->started); free(c->later); free(c->pend); free(c->rbuf); free(c->rmsgs);
     free(c->riov); free(c->rctl); free(c->rsrc); free(c);
 }
@@ -840,8 +927,12 @@ static void cl_free(Client *c) {
  *           of lost chunks; unanswered resends that make a shard silent; datagrams taken in
  *           before the timers are looked at); srtt/rttvar: [float or None] / [float] per
  *           shard
- *   out: total * lanes elements of out_itemsize bytes (host order). Its rounds have no
- *   loss bound (the Python window's): a chunk closed short ends the round
+ *   out: total * lanes elements of out_itemsize bytes (host order)
+ *   dlcp: (tos, flush_tos, flush_type, budget, short_cap, heard): tos, a TOS byte per chunk
+ *         (b"" for none); the FLUSH's TOS and packet type; the chunks this worker may close
+ *         short (0: no loss bound) and that may end short in all; heard, a byte per shard
+ *   counts, bitmaps: per chunk (uint8, uint32), filled with every worker by the caller; a
+ *   chunk that ends short gets its result's
  * -> (event, info, stats, srtt, rttvar) with event 0 done, 1 restarted (shard, old, new),
  *    2 timeout (chunk, PENDING bitmap or None, seconds since its shard's last reply, the
  *    shard's unanswered resends, its impossible replies, the chunks it ended this round),
@@ -849,16 +940,20 @@ static void cl_free(Client *c) {
  *    (chunk, count, bitmap), 6 an epoch of another configuration (shard, epoch) */
 PyObject *fa_stream(PyObject *self, PyObject *args) {
     PyObject *hdr, *aggs_o, *epochs, *srtt_o, *rttvar_o;
-    Py_buffer chunks = {0}, out = {0};
+    Py_buffer chunks = {0}, out = {0}, counts = {0}, bitmaps = {0};
     int fd, chunk_bytes, window, out_itemsize, expect_payload, gso;
     double timeout, max_timeout, deadline;
-    int fast_after, backoff_cap, silent_after, recv_batch;
-    if (!PyArg_ParseTuple(args, "iOy*iO!O!i(dddiiii)O!O!w*iip", &fd, &hdr, &chunks,
-                          &chunk_bytes, &PyList_Type, &aggs_o, &PyList_Type, &epochs, &window,
-                          &timeout, &max_timeout, &deadline, &fast_after,
+    int fast_after, backoff_cap, silent_after, recv_batch, flush_tos, flush_type;
+    const char *tos, *heard;
+    Py_ssize_t tos_len, heard_len;
+    long budget, short_cap;
+    if (!PyArg_ParseTuple(args, "iOy*iO!O!i(dddiiii)O!O!w*iip(y#iilly#)w*w*", &fd, &hdr,
+                          &chunks, &chunk_bytes, &PyList_Type, &aggs_o, &PyList_Type, &epochs,
+                          &window, &timeout, &max_timeout, &deadline, &fast_after,
                           &backoff_cap, &silent_after, &recv_batch, &PyList_Type, &srtt_o,
                           &PyList_Type, &rttvar_o, &out, &out_itemsize, &expect_payload,
-                          &gso))
+                          &gso, &tos, &tos_len, &flush_tos, &flush_type, &budget, &short_cap,
+                          &heard, &heard_len, &counts, &bitmaps))
         return NULL;
     PyObject *res = NULL;
     /* copies, taken before any of the caller's code runs (converting the header's items or a
@@ -889,8 +984,24 @@ PyObject *fa_stream(PyObject *self, PyObject *args) {
     c->recv_batch = recv_batch;
     c->ev.bitmap = -1;
     if (cl_configure(c, hdr, chunks.len, out.len, PyTuple_GET_SIZE(epochs_t),
-                     PyTuple_GET_SIZE(srtt_t), PyTuple_GET_SIZE(rttvar_t)) < 0 ||
-        cl_alloc(c) < 0 || cl_shards(c, aggs_t, epochs_t, srtt_t, rttvar_t) < 0)
+                     PyTuple_GET_SIZE(srtt_t), PyTuple_GET_SIZE(rttvar_t)) < 0)
+        goto cleanup;
+    if ((tos_len != 0 && tos_len != c->total) || heard_len != c->n_shards ||
+        flush_tos < 0 || flush_tos > 255 || flush_type < 0 || flush_type > 255 || budget < 0 ||
+        short_cap < 0 || counts.len < c->total || bitmaps.len < 4 * (Py_ssize_t)c->total ||
+        (uintptr_t)bitmaps.buf % 4) {
+        PyErr_SetString(PyExc_ValueError, "stream: bad arguments");
+        goto cleanup;
+    }
+    c->tos = tos_len ? (const uint8_t *)tos : NULL;
+    c->heard = (const uint8_t *)heard;
+    c->flush_tos = (uint8_t)flush_tos;
+    c->flush_type = (uint8_t)flush_type;
+    c->budget = budget;
+    c->short_cap = short_cap;
+    c->counts = counts.buf;
+    c->bitmaps = bitmaps.buf;
+    if (cl_alloc(c) < 0 || cl_shards(c, aggs_t, epochs_t, srtt_t, rttvar_t) < 0)
         goto cleanup;
     if (gso) gro_set(fd, 1);
     int main = on_main_thread();
@@ -906,6 +1017,8 @@ cleanup:
     if (gso) gro_set(fd, 0);
     PyBuffer_Release(&chunks);
     if (out.obj) PyBuffer_Release(&out);
+    if (counts.obj) PyBuffer_Release(&counts);
+    if (bitmaps.obj) PyBuffer_Release(&bitmaps);
     return res;
 }
 

@@ -30,11 +30,12 @@ with an ``IP_TOS`` (``IPV6_TCLASS``) control message (as cheap as a plain ``send
 
 This module holds the run and its failure policy; two windows run a round's chunks, both
 behind host/net/window.py's interface: the Python loop of host/net/pywindow.py (the
-readable reference, and the only one for impairments, bounded loss and DSCP marks) and the
-compiled one of host/net/fastclient.py (recvmmsg/sendmmsg batches without the GIL, the same
-validation, retransmission and estimator) for the common case. ``THC_CLIENT_DATAPATH`` (or
-the ``datapath`` argument) picks ``python``, ``compiled`` or ``auto`` (compiled where built);
-each round's :class:`AggregationResult` says which one ran it.
+readable reference, and the only one for impairments) and the compiled one of
+host/net/fastclient.py (recvmmsg/sendmmsg batches without the GIL, the same validation,
+retransmission, estimator, bounded loss and DSCP marks) for every other round.
+``THC_CLIENT_DATAPATH`` (or the ``datapath`` argument) picks ``python``, ``compiled`` or
+``auto`` (compiled where built); each round's :class:`AggregationResult` says which one ran
+it.
 """
 from __future__ import annotations
 

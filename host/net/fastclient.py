@@ -1,7 +1,8 @@
 """The client's sliding window in C (``_fastagg.stream``): recvmmsg/sendmmsg batches without
-the GIL, the same validation, retransmission rules (passed from host/net/window.py) and
-estimator as the Python window, for the common case (no impairment, bounded loss or DSCP
-marks). Where the extension is missing or older, :data:`CLIENT_UNAVAILABLE` says why."""
+the GIL, the same validation, retransmission rules (passed from host/net/window.py),
+estimator, DLCP's bounded loss and DSCP marks as the Python window, for every round but an
+impaired one (host/net/impair.py wraps Python's sends). Where the extension is missing or
+older, :data:`CLIENT_UNAVAILABLE` says why."""
 from __future__ import annotations
 
 import os
@@ -13,12 +14,13 @@ import numpy as np
 from thc.net.addresses import ipv4_int
 from thc.net.cext import UNAVAILABLE, _fastagg
 from thc.net.outcomes import AggregatorRestarted
+from thc.net.priority import FLUSH_CLASS, tos_of
 from thc.net.window import (FAST_BACKOFF_CAP, FAST_RETRANSMIT_AFTER, RECV_BATCH, SILENT_AFTER,
-                             Endpoint, Round, raise_misconfigured, raise_refused,
-                             raise_short, raise_timeout)
+                             Endpoint, Round, flush_budget, raise_misconfigured,
+                             raise_refused, raise_short, raise_timeout)
 from thc.wire import protocol as P
 
-CLIENT_WINDOW = 11
+CLIENT_WINDOW = 12
 """The version of ``_fastagg.stream``'s arguments and timeout report this module speaks."""
 
 CLIENT_UNAVAILABLE: str | None = UNAVAILABLE or (
@@ -55,6 +57,8 @@ class Streamed:
     gro_bursts: int
     strays: int
     queue_full: int
+    flushed: int
+    short: int
     srtt: list
     rttvar: list
 
@@ -72,12 +76,16 @@ def stream(end: Endpoint, rnd: Round, chunks: np.ndarray) -> Streamed:
               np.asarray(job.table, dtype=np.uint32).tobytes(), job.aggregation == "vote",
               job.reachable_sums if rnd.is_data else b"")
     aggs = [(ipv4_int(ip), port) for ip, port in end.aggregators]
+    bounded = rnd.is_data and end.loss_bound > 0
+    dlcp = (bytes(rnd.tos) if rnd.tos else b"", tos_of(FLUSH_CLASS) if rnd.tos else 0,
+            int(P.PktType.FLUSH), flush_budget(end.loss_bound, len(chunks)) if bounded else 0,
+            rnd.short_cap(end), bytes(rnd.heard))
     timing = (end.timeout, end.max_timeout, end.deadline, FAST_RETRANSMIT_AFTER,
               FAST_BACKOFF_CAP, SILENT_AFTER, RECV_BATCH)
     event, info, st, srtt, rttvar = _fastagg.stream(
         end.sock.fileno(), header, chunks, chunks.shape[1], aggs, end.epochs, end.window,
         timing, list(end.rtt.srtt), list(end.rtt.rttvar), rnd.out, rnd.out.itemsize,
-        rnd.expect_payload(job), end.gso)
+        rnd.expect_payload(job), end.gso, dlcp, rnd.counts, rnd.bitmaps)
     return Streamed(event, info, *st, srtt, rttvar)
 
 
@@ -85,10 +93,9 @@ class CompiledWindow:
     name = "compiled"
 
     def fits(self, end: Endpoint, rnd: Round) -> bool:
-        """No impairment, bounded loss or DSCP marks; IPv4 literal addresses, a datagram it
-        has room for, an IPv4 socket."""
-        return (CLIENT_UNAVAILABLE is None and rnd.tos is None and not end.impair.active
-                and not (rnd.is_data and end.loss_bound > 0)
+        """No impairment; IPv4 literal addresses, a datagram it has room for, an IPv4
+        socket."""
+        return (CLIENT_UNAVAILABLE is None and not end.impair.active
                 and end.sock.family == socket.AF_INET
                 and all(ipv4_int(ip) is not None for ip, _ in end.aggregators)
                 and P.HEADER_BYTES + rnd.chunks.shape[1] <= CLIENT_MAX_DATAGRAM)
@@ -101,7 +108,7 @@ class CompiledWindow:
         r = stream(end, rnd, np.ascontiguousarray(rnd.chunks, dtype=np.uint8))
         for name in ("sent", "retransmitted", "received", "ignored", "other_run", "pending",
                      "bytes_sent", "bytes_received", "rejected", "spurious", "elsewhere",
-                     "gso_sends", "gro_bursts", "strays", "queue_full"):
+                     "gso_sends", "gro_bursts", "strays", "queue_full", "flushed", "short"):
             setattr(s, name, getattr(s, name) + getattr(r, name))
         end.rtt.srtt, end.rtt.rttvar = r.srtt, r.rttvar
         if r.event == STREAM_RESTARTED:

@@ -1,6 +1,5 @@
 """The sliding window in Python: the readable reference of the client's datapath, and the
-only one for impairments, DLCP's bounded loss and DSCP marks (see host/net/client.py for
-the rules it follows)."""
+only one for impairments (see host/net/client.py for the rules it follows)."""
 from __future__ import annotations
 
 import errno

@@ -6,8 +6,8 @@ the aggregator's host at ``--competing`` x the link rate. The aggregator's link 
 worker's (``--agg-bw-factor``), so it carries the workers' flows at the same share of its
 rate as each worker's link (at 1x, four workers' flows alone would offer it 3.2 times its
 rate). In the same testbed and under the same flow, the modes run the same rounds
-(``thc.bench.dlcp_worker``), all on the same client window (``--datapath``: the compiled
-one cannot close chunks short or mark them, so by default every mode runs Python's):
+(``thc.bench.dlcp_worker``), all on the same client window (``--client-datapath``: the
+compiled one where it is built, or Python's):
 
 - ``retransmit``: loss bound 0, no DSCP marks: every lost chunk is retransmitted;
 - ``bound``: ``--loss-bound``, no marks: a chunk that would be retransmitted closes short;
@@ -66,12 +66,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--modes", type=_modes, default=",".join(MODES),
                         help=f"comma-separated, of {','.join(MODES)} (ratios against "
                              f"retransmit where it runs)")
-    parser.add_argument("--client-datapath", choices=("python", "auto"), default="python",
-                        help="the workers' client window: python for every mode, or auto "
-                             "(the compiled window where a round lets it run: retransmit's "
-                             "rounds and the others' MAX rounds, so the modes then differ in "
-                             "their window too); THC_CLIENT_DATAPATH is not read: the modes "
-                             "are compared on the window this names")
+    parser.add_argument("--client-datapath", choices=("python", "auto"), default="auto",
+                        help="the workers' client window for every mode: python, or auto "
+                             "(the compiled window where it is built); THC_CLIENT_DATAPATH is "
+                             "not read: the modes are compared on the window this names")
     parser.add_argument("--pool-size", type=positive_int, default=64,
                         help="the job's slots: chunks a worker keeps in flight")
 

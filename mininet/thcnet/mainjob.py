@@ -12,8 +12,8 @@ that aggregator: ``thc-lossy`` (rounds may close short at the job's ``--loss-bou
 ``thc-dlcp`` (the same, every chunk marked with its DLCP class by layer position), both on links
 queued by DLCP class; ``thc``/``thc-central`` retransmit everything. ``--congest F`` adds a
 competing UDP flow (iperf) from every worker at F x the link rate, as ``thc bench dlcp`` does,
-and queues every mode's links by class (the links are alike; ``thc-central`` may run the
-compiled client window, the bound and the marks Python's). Workers run in Mininet hosts
+and queues every mode's links by class (the links are alike, and so is the client window).
+Workers run in Mininet hosts
 behind emulated links when possible, else as loopback processes (said so).
 
 For each mode it reports the time to reach a target accuracy (FP32's final accuracy minus

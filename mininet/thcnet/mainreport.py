@@ -150,7 +150,7 @@ def print_table(runs: list[dict], summary: dict) -> None:
     print(f"bytes: {runs[0]['wire_source'] if runs else '-'}")
     windows = [f"{r['mode']} {t['compiled_rounds']} of {t['rounds']}" for r in runs
                if (t := r["history"][-1].get("transport")) and "rounds" in t]
-    if windows:   # impairment, a loss bound and DSCP marks run on Python's
+    if windows:   # an impaired round runs on Python's
         print(f"rounds on the compiled client window, the rest on Python's (rank 0): "
               f"{', '.join(windows)}")
     served = [f"{r['mode']} {r['aggregator_datapath']}" for r in runs
