@@ -19,6 +19,7 @@ Tofino's bf_switchd (``--target tofino``; it loads its program itself, so no pus
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -275,17 +276,35 @@ def _install(sw: Switch, args: argparse.Namespace, cluster: Cluster) -> None:
     same = {j.job_id for j in cluster.jobs if installed.unchanged(sw, j, agg)}
     pruned = sorted((set(installed.installed_jobs(sw)) | set(installed.leftovers(sw)))
                     - {j.job_id for j in cluster.jobs}) if args.prune else []
-    placed = jobs.install_cluster(sw, cluster, prune=args.prune, force=args.force)
+    touched = sorted({j.job_id for j in cluster.jobs} - same | set(pruned))
+    with _interrupted(f"installing: job(s) {', '.join(map(str, touched))} may be half-written "
+                      f"(`thc controller jobs` names a job NOT serving and leftover entries); "
+                      f"run the same install again"):
+        placed = jobs.install_cluster(sw, cluster, prune=args.prune, force=args.force)
     _placed(cluster, placed, same)
     for jid in pruned:
         print(f"job {jid}: removed (not in the config; --prune)")
 
 
 def _remove(sw: Switch, args: argparse.Namespace) -> None:
-    if jobs.remove_job(sw, args.job, force=args.force):
+    with _interrupted(f"removing job {args.job}: entries of it may remain (`thc controller "
+                      f"jobs` lists them); run the same remove again"):
+        removed = jobs.remove_job(sw, args.job, force=args.force)
+    if removed:
         print(f"removed job {args.job}")
     else:
         print(f"removed the leftover entries of job {args.job} (it had no thc_job entry)")
+
+
+@contextlib.contextmanager
+def _interrupted(what: str):
+    """Ctrl-C in the middle of writes says what it left part-way, then ends the command as
+    any Ctrl-C does (thc's dispatch: one line, status 130)."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        print(f"thc controller: interrupted while {what}", file=sys.stderr)
+        raise
 
 
 def _listing(sw: Switch) -> tuple[dict, dict, dict, dict, list]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 
 import pytest
 
@@ -163,6 +164,43 @@ def test_an_install_that_prunes_says_which_jobs_it_removed(recorded, tmp_path, c
     assert out[1:] == ["job 1: removed (not in the config; --prune)"]
     sw = MemorySwitch(device=recorded.device_).connect(program=None)
     assert sorted(jobs.installed_jobs(sw)) == [2]
+
+
+@pytest.mark.parametrize("action", ["install", "remove"])
+def test_ctrl_c_mid_writes_names_the_job_it_left_part_way(recorded, tmp_path, capsys,
+                                                          monkeypatch, action):
+    """Ctrl-C between an install's (a remove's) writes ended in ``thc: interrupted`` alone,
+    with job 5 half-written: it names the job, and `jobs` shows what remains."""
+    config = tmp_path / "cluster.json"
+    Cluster(jobs=(make_job(5), make_job(6, pool_base=8)), agg_ip=SWITCH_AGG_IP,
+            agg_mac=SWITCH_AGG_MAC).save(config)
+    if action == "remove":
+        assert cli.run(_parse("install", "--config", str(config))) == 0
+        Cluster(jobs=(make_job(6, pool_base=8),), agg_ip=SWITCH_AGG_IP,
+                agg_mac=SWITCH_AGG_MAC).save(config)   # job 6 unchanged: left alone
+    capsys.readouterr()
+    writes = []
+    real = MemorySwitch.write_entries
+
+    def cut(self, op, entities, ignore=()):
+        if len(writes) == 3:
+            raise KeyboardInterrupt
+        writes.append(op)
+        return real(self, op, entities, ignore)
+    monkeypatch.setattr(MemorySwitch, "write_entries", cut)
+    argv = ("install", "--config", str(config)) if action == "install" else ("remove",
+                                                                              "--job", "5")
+    with pytest.raises(KeyboardInterrupt):
+        cli.run(_parse(*argv))
+    err = capsys.readouterr().err
+    assert err.startswith("thc controller: interrupted while "
+                          + {"install": "installing", "remove": "removing"}[action])
+    assert err.count("\n") == 1
+    assert ("job(s) 5, 6 may be half-written" if action == "install" else "removing job 5: "
+            "entries of it may remain") in err, err
+    monkeypatch.setattr(MemorySwitch, "write_entries", real)
+    assert cli.run(_parse("jobs")) == 0
+    assert re.search(r"^job 5: .*NOT (installed|serving)", capsys.readouterr().out, re.M), writes
 
 
 def test_a_cluster_file_nested_too_deeply_is_a_config_error(tmp_path, capsys):
