@@ -904,13 +904,14 @@ static void cl_free(Client *c) {
     free(c->aggs); free(c->srtt); free(c->rttvar); free(c->sbuf);
     free(c->last_reply); free(c->asked); free(c->nasked); free(c->rejected);
     free(c->not_float); free(c->taken); free(c->epoch); free(c->done); free(c->answered);
-    free(c->earliest); free(c->resent_at); free(c->is_short); free(c->mark); free(c->due); free(c->backoff);
+    free(c->earliest); free(c->resent_at); free(c->is_short); free(c->mark); free(c->due);
+    free(c->backoff);
     free(c->started); free(c->later); free(c->pend); free(c->rbuf); free(c->rmsgs);
     free(c->riov); free(c->rctl); free(c->rsrc); free(c);
 }
 
 /* stream(fd, header, chunks, chunk_bytes, aggs, epochs, window, timing, srtt, rttvar, out,
- *        out_itemsize, expect_payload, gso)
+ *        out_itemsize, expect_payload, gso, dlcp, counts, bitmaps)
  *   header: (pkt_type, result_type, pending_type, other_result_type, is_data, worker, job_id,
  *            pool, run, base, offset_base, lanes, n_workers, refused_type, top,
  *            incarnation, (tag, tag_mask, up_tag), own_lut, vote, reach): own_lut, 16
