@@ -213,11 +213,12 @@ def test_a_dlcp_step_time_of_zero_prints_no_ratio(capsys):
 
 @pytest.mark.slow
 @pytest.mark.mininet
-def test_thc_central_trains_under_congestion_on_the_compiled_window(tmp_path):
+def test_thc_central_and_dlcp_train_under_congestion_on_the_compiled_window(tmp_path):
     """``thc run --congest``'s baseline mode: competing flows fill the aggregator link's
     class queues, whose tail drop refused every UDP GSO burst whole (a veth carries one as
     one packet), retransmissions included, until the round timed out. The testbed sends
-    datagram by datagram on class-queued links, and the compiled window trains through."""
+    datagram by datagram on class-queued links, and the compiled window trains through;
+    DLCP's mode too, its loss bound and marks on the same window."""
     import json
     import subprocess
     import sys
@@ -228,14 +229,17 @@ def test_thc_central_trains_under_congestion_on_the_compiled_window(tmp_path):
     out = subprocess.run(
         [sys.executable, "-m", "thc.cli", "run", "--workers", "2", "--bw", "20", "--congest",
          "0.8", "--width", "32", "--data", "digits", "--train-subset", "512", "--batch", "32",
-         "--epochs", "1", "--evals", "1", "--timeout", "120", "--modes", "thc-central",
+         "--epochs", "1", "--evals", "1", "--timeout", "120", "--modes", "thc-central,thc-dlcp",
          "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
-    run, = json.loads((tmp_path / "mainjob.json").read_text())["runs"]
-    assert run["congestion"]["fraction"] == 0.8 and run["class_queued_links"], run
-    assert run["stopped"] is None and run["epochs_done"] == 1.0, run
-    transport = run["history"][-1]["transport"]
     from thc.net.fastclient import CLIENT_UNAVAILABLE
-    if CLIENT_UNAVAILABLE is None:
-        assert transport["compiled_rounds"] == transport["rounds"] > 0, transport
-    assert "no GSO" in run["aggregator_datapath"], run["aggregator_datapath"]
+    central, dlcp = json.loads((tmp_path / "mainjob.json").read_text())["runs"]
+    assert (central["mode"], central["loss_bound"], dlcp["mode"]) == (
+        "thc-central", 0.0, "thc-dlcp") and dlcp["loss_bound"] > 0 and dlcp["priorities"]
+    for run in (central, dlcp):
+        assert run["congestion"]["fraction"] == 0.8 and run["class_queued_links"], run
+        assert run["stopped"] is None and run["epochs_done"] == 1.0, run
+        transport = run["history"][-1]["transport"]
+        if CLIENT_UNAVAILABLE is None:
+            assert transport["compiled_rounds"] == transport["rounds"] > 0, transport
+        assert "no GSO" in run["aggregator_datapath"], run["aggregator_datapath"]
