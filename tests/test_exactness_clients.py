@@ -72,7 +72,7 @@ def run_workers(job, addr, payloads, delays=None, first_round=False, **client_kw
     return out
 
 
-def test_bounded_loss_with_a_straggler_finishes_exact(aggregator_kind):
+def test_bounded_loss_with_a_straggler_finishes_exact(aggregator_kind, datapath):
     """Case 5: 3 workers, pool 4, 16 chunks, loss bound 0.75, one worker 0.5 s late to the
     run's second round. All three raised AggregationTimeout: chunks closed short let the
     others run more than two pools ahead and reuse slot versions whose results the straggler

@@ -66,9 +66,8 @@ install, one incarnation per run, the job's configuration tag upstream, the clie
 acceptance checks). Each is a test that runs
 on every aggregator (Python, compiled, both sharded, BMv2 where present) and, where a client
 is involved, both client windows, and fails without its rule, except where the case needs
-one: bounded loss (cases 5, 10 and 12) runs on the Python client window alone, and case 12's
-lossy, restarted shard is the Python aggregator; the matrix rows above run four of them with
-real processes.
+one: case 12's lossy, restarted shard is the Python aggregator; the matrix rows above run
+four of them with real processes.
 
 | case | without the rule | the rule | tests, rows |
 |---|---|---|---|
