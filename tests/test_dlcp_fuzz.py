@@ -18,14 +18,13 @@ import numpy as np
 import pytest
 
 from thc.codec.packing import pack_bits
-from thc.net.client import AggregationClient
+from thc.net.client import DATAPATH_ENV, AggregationClient
+from thc.net.fastclient import CLIENT_UNAVAILABLE
 from thc.net.priority import FLUSH_CLASS, N_CLASSES, tos_of
 from thc.net.window import flush_budget
 from thc.testing.clusters import free_port_block, local_job
 from thc.wire import protocol as P
 from thc.wire.model import Model
-from tests.test_client_fuzz import needs_compiled
-from tests.test_transport import datapath  # noqa: F401 (a fixture)
 
 CHUNKS, LANES, RUN, BOUND = 16, 16, 31, 0.25
 BUDGET = flush_budget(BOUND, CHUNKS)
@@ -123,14 +122,15 @@ def _round(seed: int, gso: bool = False):
         peer.close()
 
 
-@needs_compiled
-@pytest.mark.parametrize("gso", [False, True])
+@pytest.mark.parametrize("datapath,gso", [("python", False), ("compiled", False),
+                                         ("compiled", True)])
 @pytest.mark.parametrize("seed", range(10))
-def test_a_bounded_round_holds_exactly_whom_it_names(seed, gso, datapath):
-    """``gso``: the compiled window sends a batch's datagrams of one shard, length (DATA or
-    FLUSH) and class as one UDP GSO send (the Python window has no GSO)."""
-    if gso and datapath == "python":
-        pytest.skip("the Python window sends datagram by datagram")
+def test_a_bounded_round_holds_exactly_whom_it_names(seed, datapath, gso, monkeypatch):
+    """Each window; ``gso``: the compiled one sends a batch's datagrams of one shard, length
+    (DATA or FLUSH) and class as one UDP GSO send (the Python window has none)."""
+    if datapath == "compiled" and CLIENT_UNAVAILABLE:
+        pytest.skip(f"compiled client: {CLIENT_UNAVAILABLE}")
+    monkeypatch.setenv(DATAPATH_ENV, datapath)
     job, out, stats, peer, own, classes = _round(seed, gso)
     assert stats.compiled_rounds == 2 * (datapath == "compiled")
     assert (stats.gso_sends > 0) == gso, stats.gso_sends
