@@ -276,10 +276,10 @@ def _install(sw: Switch, args: argparse.Namespace, cluster: Cluster) -> None:
     same = {j.job_id for j in cluster.jobs if installed.unchanged(sw, j, agg)}
     pruned = sorted((set(installed.installed_jobs(sw)) | set(installed.leftovers(sw)))
                     - {j.job_id for j in cluster.jobs}) if args.prune else []
-    touched = sorted({j.job_id for j in cluster.jobs} - same | set(pruned))
-    with _interrupted(f"installing: job(s) {', '.join(map(str, touched))} may be half-written "
-                      f"(`thc controller jobs` names a job NOT serving and leftover entries); "
-                      f"run the same install again"):
+    touched = ", ".join(map(str, sorted({j.job_id for j in cluster.jobs} - same | set(pruned))))
+    with _interrupted(f"installing: job(s) {touched} may be half-written (`thc controller "
+                      f"jobs` names a job NOT serving and leftover entries); run the same "
+                      f"install again" if touched else "installing: no job was being changed"):
         placed = jobs.install_cluster(sw, cluster, prune=args.prune, force=args.force)
     _placed(cluster, placed, same)
     for jid in pruned:

@@ -13,8 +13,8 @@ that aggregator: ``thc-lossy`` (rounds may close short at the job's ``--loss-bou
 queued by DLCP class; ``thc``/``thc-central`` retransmit everything. ``--congest F`` adds a
 competing UDP flow (iperf) from every worker at F x the link rate, as ``thc bench dlcp`` does,
 and queues every mode's links by class (the links are alike, and so is the client window).
-Workers run in Mininet hosts
-behind emulated links when possible, else as loopback processes (said so).
+Workers run in Mininet hosts behind emulated links when possible, else as loopback processes
+(said so).
 
 For each mode it reports the time to reach a target accuracy (FP32's final accuracy minus
 one point, and a fixed one), the speedup over FP32, the final accuracy, and the bytes on the
