@@ -215,8 +215,8 @@ def fingerprint(params, *cut: int, backend: str = "", steps: str = "",
     cast = half_type(dtype)
     if cast:
         key += ("dtype", cast)
-    if shape_of(shape):
-        key += ("shape", shape_of(shape))
+    if shape := shape_of(shape):
+        key += ("shape", shape)
     if refused:
         key += ("refused",)
     return key_of(*key)

@@ -14,10 +14,9 @@ import numpy as np
 from thc.net.addresses import ipv4_int
 from thc.net.cext import UNAVAILABLE, _fastagg
 from thc.net.outcomes import AggregatorRestarted
-from thc.net.priority import FLUSH_CLASS, tos_of
 from thc.net.window import (FAST_BACKOFF_CAP, FAST_RETRANSMIT_AFTER, RECV_BATCH, SILENT_AFTER,
-                             Endpoint, Round, flush_budget, raise_misconfigured,
-                             raise_refused, raise_short, raise_timeout)
+                             Endpoint, Round, raise_misconfigured, raise_refused,
+                             raise_short, raise_timeout)
 from thc.wire import protocol as P
 
 CLIENT_WINDOW = 12
@@ -76,10 +75,8 @@ def stream(end: Endpoint, rnd: Round, chunks: np.ndarray) -> Streamed:
               np.asarray(job.table, dtype=np.uint32).tobytes(), job.aggregation == "vote",
               job.reachable_sums if rnd.is_data else b"")
     aggs = [(ipv4_int(ip), port) for ip, port in end.aggregators]
-    bounded = rnd.is_data and end.loss_bound > 0
-    dlcp = (bytes(rnd.tos) if rnd.tos else b"", tos_of(FLUSH_CLASS) if rnd.tos else 0,
-            int(P.PktType.FLUSH), flush_budget(end.loss_bound, len(chunks)) if bounded else 0,
-            rnd.short_cap(end), bytes(rnd.heard))
+    dlcp = (bytes(rnd.tos) if rnd.tos else b"", rnd.flush_tos, int(P.PktType.FLUSH),
+            rnd.budget(end), rnd.short_cap(end), bytes(rnd.heard))
     timing = (end.timeout, end.max_timeout, end.deadline, FAST_RETRANSMIT_AFTER,
               FAST_BACKOFF_CAP, SILENT_AFTER, RECV_BATCH)
     event, info, st, srtt, rttvar = _fastagg.stream(

@@ -12,10 +12,9 @@ import time
 import numpy as np
 
 from thc.net.outcomes import AggregatorRestarted
-from thc.net.priority import FLUSH_CLASS, tos_of
 from thc.net.window import (FAST_BACKOFF_CAP, FAST_RETRANSMIT_AFTER, RECV_BATCH, RECV_BYTES,
-                             SILENT_AFTER, Endpoint, Round, check_epoch, flush_budget,
-                             raise_refused, raise_short, raise_timeout)
+                             SILENT_AFTER, Endpoint, Round, check_epoch, raise_refused,
+                             raise_short, raise_timeout)
 from thc.wire import protocol as P
 
 QUEUE_FULL = frozenset({errno.EAGAIN, errno.EWOULDBLOCK, errno.ENOBUFS, errno.ENOMEM})
@@ -113,13 +112,12 @@ class _Stream:
         self.pending_bitmap: dict[int, int] = {}
         self.later: dict[int, int] = {}
         self.done = np.zeros(total, dtype=bool)
-        self.bounded = rnd.is_data and end.loss_bound > 0
-        self.budget = flush_budget(end.loss_bound, total) if self.bounded else 0
+        self.budget = rnd.budget(end)
         # chunks flushed by this worker (until they end full) or ended short: the loss
         # bound's count
         self.short: set[int] = set()
         self.ended_short, self.short_cap = 0, rnd.short_cap(end)
-        self.flush_tos = tos_of(FLUSH_CLASS) if self.tos else 0
+        self.flush_tos = rnd.flush_tos
         self.lo = self.hi = 0
         self.buf = bytearray(RECV_BYTES)
         self.poller = select.poll()
@@ -430,7 +428,7 @@ class _Stream:
             # same place and counts once the previous use is acknowledged
             end.stats.retransmitted += 1
             self.send(self.packet(i), self.dst(i), tos[i] if tos else 0)
-        elif self.bounded and (i in self.short or (may_flush and len(self.short) < self.budget
+        elif self.budget and (i in self.short or (may_flush and len(self.short) < self.budget
                                                    and self.rnd.heard[shard])):
             if i not in self.short:
                 self.short.add(i)

@@ -15,6 +15,7 @@ from thc.codec.common import near_int
 from thc.net.impair import Impairment
 from thc.net.outcomes import (AggregationRefused, AggregationTimeout, AggregatorMisconfigured,
                               LossBoundExceeded, TransportStats, host_port)
+from thc.net.priority import FLUSH_CLASS, tos_of
 from thc.wire import protocol as P
 from thc.wire.jobs import Job
 
@@ -158,13 +159,25 @@ class Round:
     def expect_payload(self, job: Job) -> int:
         return P.payload_bytes(self.result_type, self.lanes, job.sum_bits)
 
-    def short_cap(self, end: Endpoint) -> int:
-        """The most chunks of this round that may end short: each worker may close
-        floor(loss_bound x chunks) (docs/protocol.md), so n times that; none in a MAX round
-        or without a loss bound. A short RESULT beyond it raises (:func:`raise_short`)."""
+    def budget(self, end: Endpoint) -> int:
+        """The chunks of this round this worker may close short itself (FLUSH):
+        floor(loss_bound x chunks) (docs/protocol.md); none in a MAX round or without a loss
+        bound."""
         if not self.is_data or end.loss_bound <= 0:
             return 0
-        return end.job.n_workers * flush_budget(end.loss_bound, len(self.chunks))
+        return flush_budget(end.loss_bound, len(self.chunks))
+
+    def short_cap(self, end: Endpoint) -> int:
+        """The most chunks of this round that may end short: each worker may close its
+        :meth:`budget`, so n times that. A short RESULT beyond it raises
+        (:func:`raise_short`)."""
+        return end.job.n_workers * self.budget(end)
+
+    @property
+    def flush_tos(self) -> int:
+        """The TOS byte of this round's FLUSHes: the top class where its chunks are marked
+        (a FLUSH ends a wait), else none."""
+        return tos_of(FLUSH_CLASS) if self.tos else 0
 
 
 class Window(Protocol):
