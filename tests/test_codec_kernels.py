@@ -781,3 +781,23 @@ def test_rounding_draws_are_keyed_by_stream_word_1():
     assert rng.uniforms(4, seed, rnd, sl).tolist() == [
         (_mix32(_mix32(i ^ h) ^ g) >> 8) * 2.0 ** -24 for i in range(4)]
     assert rng.slice_key(seed, rnd, sl, 1) == (h, g) != rng.slice_key(seed, rnd, sl, 0)
+
+
+@pytest.mark.parametrize("kind,backend", [
+    ("numpy", "reference"), ("numpy", "compiled"), ("torch", "reference"),
+    ("torch", "compiled"), pytest.param("torch", "triton", marks=kernels)])
+def test_an_out_over_the_sums_decodes_as_a_fresh_one(kind, backend):
+    """An ``out`` over the sums' bytes, the layout with a tail slice (a group of its own):
+    the reference and the kernels wrote a group's floats over the tail's sums before they
+    read them, a wrong decode (by 1.3 for unit norms) with no error."""
+    params = THCParams(slice_size=16)
+    numel, m = 40, np.ones(3, np.float32)
+    sums = np.random.default_rng(0).integers(0, 256, numel).astype(np.uint8)
+    want = thc.decode(sums.copy(), 9, m, numel, params, backend="reference")
+    buf = np.zeros(4 * numel, np.uint8)
+    buf[:numel] = sums
+    if kind == "torch":
+        buf = torch.from_numpy(buf)
+    got = thc.decode(buf[:numel], 9, m, numel, params, 0, out=buf.view(np.float32 if kind ==
+                     "numpy" else torch.float32), backend=backend)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=0, atol=1e-6)

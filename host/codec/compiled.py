@@ -84,11 +84,10 @@ def decode(sums, n: int, max_norms, lay, params: THCParams, round: int, out,
     else:
         s, kind = fastcodec.sums_kind(s)
     dst = fastcodec.as_numpy(out) if is_torch(out) else out
-    # written slice by slice: an ``out`` over the sums would overwrite those still unread
     # a tensor autograd tracks takes the decode through torch's own copy, which it records
+    # (an ``out`` over the sums: thc.decode gives a copy of them)
     direct = dst.flags.c_contiguous and dst.flags.writeable and dst.flags.aligned and \
-        (not is_torch(out) or (dst.ctypes.data == out.data_ptr() and not out.requires_grad)) \
-        and not np.may_share_memory(dst, s)
+        (not is_torch(out) or (dst.ctypes.data == out.data_ptr() and not out.requires_grad))
     if direct and is_torch(out):
         # the C code writes behind torch's back: an in-place op on none of it refuses what
         # torch refuses (an inference tensor) and counts the write for autograd, which then

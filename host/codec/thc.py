@@ -293,10 +293,30 @@ def _decode(sums, n_workers, max_norms, numel, params, round, out, backend, own:
             or str(out.dtype) not in ("float32", "torch.float32"):
         raise ValueError(f"out must be a flat float32 buffer of {lay.numel} elements like the "
                          f"sums, got {type(out).__name__} {tuple(out.shape)} {out.dtype}")
+    if _overlap(out, sums):
+        # every backend writes ``out`` a group (or a slice) at a time: one over the sums
+        # overwrote later groups' sums before it read them, a wrong decode
+        sums = sums.clone() if torch_in else sums.copy()
     _round(round, impl, sums)
     table = impl.own_table(params, sums.device if torch_in else None) if own else None
     return impl.decode(sums, int(n_workers), max_norms, lay, params, round, out, table,
                        status=status)
+
+
+def _overlap(a, b) -> bool:
+    """Whether two arrays, or two tensors, may share bytes (a strided tensor: its storage's)."""
+    if not is_torch(a):
+        return bool(np.may_share_memory(a, b))
+    if a.device != b.device:
+        return False
+
+    def span(t):
+        if t.is_contiguous():
+            return t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
+        store = t.untyped_storage()
+        return store.data_ptr(), store.data_ptr() + store.nbytes()
+    (a0, a1), (b0, b1) = span(a), span(b)
+    return a0 < b1 and b0 < a1
 
 
 def decode_indices(indices, max_norms, numel: int, params: THCParams, round: int = 0,

@@ -127,7 +127,7 @@ class AggregationClient:
         ``loss_bound``: overrides the job's (a fraction of each round's chunks in [0, 1)).
 
         ``datapath``: "python", "compiled" or "auto" (default: ``THC_CLIENT_DATAPATH``, else
-        auto); the compiled one runs rounds without impairment, loss bound or DSCP marks.
+        auto); the compiled one runs every round but an impaired one (host/net/impair.py).
 
         ``gso``: the compiled datapath sends a batch's DATA to one aggregator as one UDP GSO
         send and takes replies in by UDP GRO, as TCP does with its segments (default:
