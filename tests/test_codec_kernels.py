@@ -5,6 +5,8 @@ the kernel module is imported); only where triton is missing or the interpreter 
 for are the kernel tests skipped, with the reason.
 """
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -801,3 +803,21 @@ def test_an_out_over_the_sums_decodes_as_a_fresh_one(kind, backend):
     got = thc.decode(buf[:numel], 9, m, numel, params, 0, out=buf.view(np.float32 if kind ==
                      "numpy" else torch.float32), backend=backend)
     np.testing.assert_allclose(np.asarray(got), want, rtol=0, atol=1e-6)
+
+
+def test_the_interpreter_asked_for_after_triton_was_imported_is_refused_by_name():
+    """TRITON_INTERPRET=1 set after ``import triton``: the codec read the variable, took the
+    kernels for interpreted, and Triton raised from inside itself ("Cannot call @triton.jit'd
+    outside of the scope of a kernel")."""
+    pytest.importorskip("triton")
+    code = ("import os, triton\nos.environ['TRITON_INTERPRET'] = '1'\nimport torch\n"
+            "from thc.codec import thc\np = thc.THCParams(slice_size=256)\n"
+            "x = torch.randn(512)\n"
+            "thc.encode(x, thc.slice_norms(x, p), p, 0, 1, backend='triton')\n")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=env, timeout=120)
+    assert done.returncode != 0
+    assert ("RuntimeError: the triton backend runs CPU tensors only under Triton's "
+            "interpreter: set TRITON_INTERPRET=1 before importing it") in done.stderr, \
+        done.stderr[-2000:]

@@ -6,6 +6,7 @@ why. :class:`Choice` makes the choice once per kind of input for a codec."""
 from __future__ import annotations
 
 import os
+import sys
 import warnings
 from dataclasses import dataclass
 from functools import partial
@@ -113,8 +114,13 @@ def kernels_for(x, backend: str = "auto"):
 
 def triton_interpreted() -> bool:
     """Whether Triton runs its kernels in its interpreter, on CPU tensors: its own variable,
-    TRITON_INTERPRET=1, which it reads when imported."""
-    return os.environ.get("TRITON_INTERPRET") == "1"
+    TRITON_INTERPRET=1, which it reads when imported, making its own jit functions then.
+    Once it is imported one of those says (no public API does): the variable set after the
+    import ran the kernels into a traceback from inside Triton."""
+    standard = sys.modules.get("triton.language.standard")
+    if standard is None:
+        return os.environ.get("TRITON_INTERPRET") == "1"
+    return type(standard.cdiv).__name__ == "InterpretedFunction"
 
 
 def pick(x, backend: str = "auto", cpu: str = "compiled") -> Backend:
