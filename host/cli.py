@@ -91,17 +91,22 @@ def dispatch(prog: str, table: dict, argv: list[str],
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Ctrl-C ends any command with status 130 and one line, not a traceback (each command's
-    own cleanup has run on the way out). A reader of the standard output gone (``thc table |
-    head -1``) ends it with status 141, as SIGPIPE ends other commands, and no traceback."""
+    """Ctrl-C, SIGTERM and SIGHUP end any command with one line, not a traceback, and the
+    status that names the signal (130 for Ctrl-C, 128 + its number else), each command's own
+    cleanup run on the way out: SIGTERM's default action left a benchmark's switch serving.
+    A reader of the standard output gone (``thc table | head -1``) ends it with status 141,
+    as SIGPIPE ends other commands, and no traceback."""
+    from thc.emu.cleanup import Terminated, signals_raise, stopped_by
     try:
-        code = dispatch("thc", COMMANDS, list(sys.argv[1:] if argv is None else argv))
-        if sys.stdout is not None:   # None: started with it closed (>&-)
-            sys.stdout.flush()       # here, not at exit: a reader gone is then seen below
+        with signals_raise():
+            code = dispatch("thc", COMMANDS, list(sys.argv[1:] if argv is None else argv))
+            if sys.stdout is not None:   # None: started with it closed (>&-)
+                sys.stdout.flush()       # here, not at exit: a reader gone is seen below
         return code
-    except KeyboardInterrupt:
-        print("thc: interrupted", file=sys.stderr)
-        return 130
+    except (KeyboardInterrupt, Terminated) as e:
+        words, code = stopped_by(e)
+        print(f"thc: {words}", file=sys.stderr)
+        return code
     except BrokenPipeError:
         if not _stdout_reader_gone():
             raise                    # another pipe or socket's: the command's own error

@@ -219,6 +219,30 @@ def test_an_aggregator_started_with_sigint_ignored_stops_on_a_signal(tmp_path, s
     assert json.loads((tmp_path / "stats.json").read_text()) == final
 
 
+def test_an_aggregator_under_nohup_serves_on_through_a_hangup(tmp_path):
+    """Started with SIGHUP ignored (``nohup``), the hangup leaves it serving; SIGTERM then
+    stops it with its final counters."""
+    port = free_port_block(1)
+    cfg = tmp_path / "cluster.json"
+    Cluster(jobs=(local_job(3, 2, free_port_block(2)),), agg_port=port).save(cfg)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "thc.cli", "aggregator", "--listen", f"127.0.0.1:{port}",
+         "--config", str(cfg), "--stats-interval", "0"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))
+    try:
+        assert "listening" in proc.stdout.readline()
+        proc.send_signal(signal.SIGHUP)
+        time.sleep(0.5)
+        assert proc.poll() is None
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=20)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err
+    assert "drops" in json.loads(out.strip().splitlines()[-1])
+
+
 @pytest.mark.parametrize("when", ["together", "at_its_first_line"])
 def test_signals_together_or_at_once_still_end_with_the_final_counters(tmp_path, when):
     """Ctrl-C and a supervisor's SIGTERM together: the second signal's KeyboardInterrupt left

@@ -14,7 +14,7 @@ PACKAGES = {"thc": ROOT / "host", "thc.controller": ROOT / "controller",
             "thc.emu": ROOT / "mininet" / "thcnet"}
 
 LAYERS = [
-    ("thc.codec", "thc.namespace", "thc.built", "thc.argtypes"),
+    ("thc.codec", "thc.namespace", "thc.built", "thc.argtypes", "thc.lifetime"),
     ("thc.wire",),
     ("thc.net",),
     ("thc.collective",),

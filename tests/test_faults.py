@@ -166,7 +166,8 @@ def test_a_worker_that_fails_after_a_clean_result_line_counts_as_crashed(tmp_pat
     import subprocess
     import sys
 
-    from thc.emu.procs import Proc, with_parent
+    from thc.emu.procs import Proc
+    from thc.lifetime import with_parent
 
     def launch(argv, stdout, stderr):
         return subprocess.Popen(argv, stdout=stdout, stderr=stderr, stdin=subprocess.DEVNULL,

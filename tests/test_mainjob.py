@@ -895,7 +895,8 @@ def test_a_timeout_reads_every_state_before_it_kills_any(tmp_path):
     SIGTERM it is sent, and worker 1 exits with an error when it sees the mark."""
     import subprocess
 
-    from thc.emu.procs import Proc, wait_all, with_parent
+    from thc.emu.procs import Proc, wait_all
+    from thc.lifetime import with_parent
 
     def launch(argv, stdout, stderr):
         return subprocess.Popen(argv, stdout=stdout, stderr=stderr, stdin=subprocess.DEVNULL,

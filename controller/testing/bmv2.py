@@ -25,6 +25,7 @@ from pathlib import Path
 
 from thc.controller.frames import frame_faults, parse_udp_frame
 from thc.controller.switch import BUILD_DIR, Switch
+from thc.lifetime import with_parent
 from thc.testing.clusters import free_tcp_port
 from thc.wire import protocol as P
 
@@ -50,11 +51,8 @@ class LocalBMv2:
     def __init__(self, n_ports: int, program: str | None = "thc",
                  build_dir: Path | str = BUILD_DIR, receive: bool = True,
                  log_dir: Path | None = None, tag: str | None = None,
-                 connect: bool = True, preexec_fn=None):
+                 connect: bool = True):
         self.n_ports = n_ports
-        self._preexec_fn = preexec_fn
-        """Run in the switch's process before it starts (an emulation's parent-death
-        signal: a switch serves for good once its starter is gone)."""
         self.tag = tag or f"t{os.getpid() % 100000}"
         self.host_ifs = [f"{self.tag}h{i}" for i in range(n_ports)]
         self.sw_ifs = [f"{self.tag}s{i}" for i in range(n_ports)]
@@ -109,7 +107,7 @@ class LocalBMv2:
         self.log_path = self.workdir / "simple_switch_grpc.out"
         with open(self.log_path, "wb") as out:
             self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
-                                         start_new_session=True, preexec_fn=self._preexec_fn)
+                                         start_new_session=True, preexec_fn=with_parent())
         import grpc
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:

@@ -272,7 +272,8 @@ def stopped_by(e: KeyboardInterrupt | Terminated) -> tuple[str, int]:
 def signals_raise():
     """Turn SIGTERM and SIGHUP into an exception so ``with`` blocks unwind and clean up.
 
-    SIGINT already raises KeyboardInterrupt. Only the main thread can install handlers;
+    SIGINT already raises KeyboardInterrupt. A signal ignored stays ignored (``nohup``: the
+    terminal's hangup must not end the command). Only the main thread can install handlers;
     elsewhere this does nothing.
     """
     if threading.current_thread() is not threading.main_thread():
@@ -284,6 +285,8 @@ def signals_raise():
 
     old = {}
     for sig in (signal.SIGTERM, signal.SIGHUP):
+        if signal.getsignal(sig) is signal.SIG_IGN:
+            continue
         with contextlib.suppress(ValueError, OSError):
             old[sig] = signal.signal(sig, handler)
     try:

@@ -47,7 +47,8 @@ from thc.emu.base import (
 )
 from thc.emu.errors import TestbedError
 from thc.emu.nodeshell import node_run
-from thc.emu.procs import Proc, with_parent
+from thc.emu.procs import Proc
+from thc.lifetime import with_parent
 from thc.emu.shellwatch import shell_exited, shell_stopped, watched
 from thc.emu.cleanup import Registry, signals_deferred, switch_name, undo
 

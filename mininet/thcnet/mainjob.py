@@ -37,7 +37,7 @@ from thc.emu.cleanup import Terminated, signals_deferred, signals_raise, stopped
 from thc.emu.mainargs import (MODES, QUICK_IMAGES, STOP_MARGIN, Mode, add_arguments,
                               epochs_of, links_refusal, out_refusal, refusal)
 from thc.emu.mainreport import conclude, print_mode
-from thc.emu.procs import WorkerError, with_parent
+from thc.emu.procs import WorkerError
 from thc.emu.testbed import bmv2_unavailable_reason, mininet_unavailable_reason, open_testbed
 
 __all__ = ["add_arguments", "run"]   # the command thc.cli dispatches to
@@ -272,7 +272,7 @@ def probe_bmv2(seconds: float = 1.0) -> dict:
     from thc.controller.testing.bmv2 import LocalBMv2
     from thc.wire import protocol as P
     size = P.ETH_IP_UDP_BYTES + P.HEADER_BYTES + P.payload_bytes(P.PktType.DATA)
-    with LocalBMv2(2, program="l2", receive=False, preexec_fn=with_parent()) as bm:
+    with LocalBMv2(2, program="l2", receive=False) as bm:
         dst = "02:00:00:00:02:02"
         forwarding.install(bm.sw, {dst: 1})
         frame = udp_frame("02:00:00:00:02:01", dst, "10.0.2.1", "10.0.2.2", 1000, 2000,

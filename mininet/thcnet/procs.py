@@ -5,12 +5,10 @@ full pipe while the testbed waits for another one.
 """
 from __future__ import annotations
 
-import ctypes
 import os
 import re
 import signal
 import subprocess
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -76,28 +74,6 @@ def state(pid: int) -> str:
         return "gone"
     return {"T": "stopped (SIGSTOP?)", "t": "stopped by a debugger", "R": "running",
             "D": "in uninterruptible sleep", "Z": "a zombie"}.get(code, "sleeping")
-
-
-PR_SET_PDEATHSIG = 1
-
-
-def with_parent():
-    """A ``preexec_fn`` that has the child sent SIGKILL when this process ends, SIGKILL
-    included (Linux's parent-death signal), which no handler here can pass on: a testbed
-    killed so would leave its aggregators serving for good. SIGKILL, not SIGTERM: a stopped
-    child (SIGSTOP) acts on no other signal and would stay for good. None off the main
-    thread: the signal follows the thread that started the child, and another thread may
-    end first."""
-    if threading.current_thread() is not threading.main_thread():
-        return None
-    parent = os.getpid()
-    prctl = ctypes.CDLL(None, use_errno=True).prctl   # looked up here: no dlopen in the child
-
-    def arm() -> None:
-        prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-        if os.getppid() != parent:   # ended before the signal was armed
-            os.kill(os.getpid(), signal.SIGKILL)
-    return arm
 
 
 class Proc:

@@ -45,7 +45,8 @@ from thc.emu.base import (
 )
 from thc.emu.cleanup import signals_deferred
 from thc.emu.errors import TestbedError, Unavailable
-from thc.emu.procs import WorkerError, WorkerResult, with_parent
+from thc.emu.procs import WorkerError, WorkerResult
+from thc.lifetime import with_parent
 
 __all__ = ["open_testbed", "add_arguments", "add_link_arguments", "add_job_arguments",
            "loopback_conflict",

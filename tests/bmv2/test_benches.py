@@ -3,8 +3,11 @@ must agree with their own counts (the README's switch rates come from them)."""
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -46,3 +49,38 @@ def test_bench_install_figures_are_consistent(tmp_path):
         assert runs[k] == [med[k]] and med[k] > 0
     assert res["messages_over_serialized"] == pytest.approx(
         med["lut_messages"] / med["lut_serialized"])
+
+
+def _children(pid: int, name: str) -> list[int]:
+    """Processes whose parent is ``pid`` and whose command name starts with ``name``."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            comm, rest = stat.read_text().rsplit(")", 1)
+        except OSError:
+            continue
+        if int(rest.split()[1]) == pid and comm.split("(", 1)[1].startswith(name):
+            found.append(int(stat.parent.name))
+    return found
+
+
+def test_sigterm_ends_a_bench_with_a_line_and_takes_its_switch_down():
+    """SIGTERM's default action ended ``thc bench install`` at once, its switch left serving
+    (its parent now init, its ports held), its veths up and its folder on disk."""
+    proc = subprocess.Popen([sys.executable, "-m", "thc.cli", "bench", "install", "--workers",
+                             "2", "--pool", "16", "--repeat", "50"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        end, switch = time.monotonic() + 120, []
+        while not switch and proc.poll() is None and time.monotonic() < end:
+            time.sleep(0.1)
+            switch = _children(proc.pid, "simple_switch")
+        assert switch, proc.poll()
+        time.sleep(1.0)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM and "thc: terminated (SIGTERM)" in err, err
+    assert not Path(f"/proc/{switch[0]}").exists()
+    assert not Path(f"/sys/class/net/t{proc.pid % 100000}h0").exists()
