@@ -150,3 +150,32 @@ def test_evaluations_are_spread_over_the_epoch_one_a_step_at_most():
     assert evaluation_steps(44, 4) == {11, 22, 33, 44}
     assert evaluation_steps(44, 10 ** 9) == evaluation_steps(44, 44) == set(range(1, 45))
     assert evaluation_steps(1, 6) == {1}
+
+
+def test_an_aggregator_that_never_answers_ends_the_worker_with_one_line(tmp_path):
+    """A worker run by hand (or by torchrun), its aggregator down: DDP re-raised the hook's
+    AggregationTimeout as a RuntimeError, printed with 44 lines of frames; now one line
+    names it and the worker exits 1."""
+    import subprocess
+    import sys
+
+    from thc.testing.clusters import free_port_block, local_job
+    from thc.wire.jobs import Cluster
+    port = free_port_block(1)
+    cfg = tmp_path / "cluster.json"
+    Cluster(jobs=(local_job(1, 1, free_port_block(1)),), agg_port=port).save(cfg)
+    done = subprocess.run([sys.executable, "-m", "thc.app.train", "--data", "digits",
+                           "--epochs", "1", "--max-steps", "2", "--mode", "thc", "--config",
+                           str(cfg), "--agg", f"127.0.0.1:{port}", "--deadline", "1",
+                           "--run-id", "1"], capture_output=True, text=True, timeout=120)
+    lines = done.stderr.splitlines()
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert lines[-1].startswith("[rank0]: AggregationTimeout: job 1, worker 0: ") and \
+        f"no answer from the aggregator at 127.0.0.1:{port}" in lines[-1], lines
+
+
+def test_only_a_hooks_error_is_cut_to_its_line():
+    from thc.app.train import HOOK_ERROR, hook_failure
+    wrapped = RuntimeError(f"{HOOK_ERROR}LossBoundExceeded: 3 chunks\nof 8\n\nAt:\n  a.py(1): f")
+    assert hook_failure(wrapped) == "LossBoundExceeded: 3 chunks of 8"
+    assert hook_failure(RuntimeError("CUDA out of memory")) is None

@@ -537,7 +537,27 @@ def main(argv=None) -> int:
     except DatasetError as e:
         print(f"train: {e}", file=sys.stderr)
         return 2
+    except RuntimeError as e:
+        why = hook_failure(e)
+        if why is None:
+            raise
+        print(f"[rank{args.rank}]: {why}", file=sys.stderr)   # as torch prefixes a rank's
+        return 1
     return 0
+
+
+HOOK_ERROR = "Got the following error when running the callback: "
+"""How DDP re-raises what a communication hook's future raised: a RuntimeError with that
+exception's name and message in its text, then the hook's frames ("At:")."""
+
+
+def hook_failure(e: RuntimeError) -> str | None:
+    """The exception a communication hook raised, as one line (``AggregationTimeout: ...``),
+    from DDP's RuntimeError; None for any other error: its traceback stays."""
+    text = str(e)
+    if HOOK_ERROR not in text:
+        return None
+    return " ".join(text.split(HOOK_ERROR, 1)[1].split("\nAt:", 1)[0].split())
 
 
 def _exit_done(code: int) -> None:
