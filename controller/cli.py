@@ -28,6 +28,7 @@ from thc.argtypes import non_negative_int, positive_int, seconds
 from thc.controller import (counters, dryrun, forwarding, installed, job_checks, job_entries,
                             jobs, program, targets)
 from thc.controller.switch import DEFAULT_DEVICE_ID, DEFAULT_GRPC, NoProgram, Switch, SwitchError
+from thc.lifetime import Terminated, stopped_by
 from thc.wire.jobs import MAX_JOB_ID, Cluster, ConfigError
 
 
@@ -298,12 +299,12 @@ def _remove(sw: Switch, args: argparse.Namespace) -> None:
 
 @contextlib.contextmanager
 def _interrupted(what: str):
-    """Ctrl-C in the middle of writes says what it left part-way, then ends the command as
-    any Ctrl-C does (thc's dispatch: one line, status 130)."""
+    """Ctrl-C (or SIGTERM, SIGHUP) in the middle of writes says what it left part-way, then
+    ends the command as any such signal does (thc's dispatch: one line, its status)."""
     try:
         yield
-    except KeyboardInterrupt:
-        print(f"thc controller: interrupted while {what}", file=sys.stderr)
+    except (KeyboardInterrupt, Terminated) as e:
+        print(f"thc controller: {stopped_by(e)[0]} while {what}", file=sys.stderr)
         raise
 
 

@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     cleanup run on the way out: SIGTERM's default action left a benchmark's switch serving.
     A reader of the standard output gone (``thc table | head -1``) ends it with status 141,
     as SIGPIPE ends other commands, and no traceback."""
-    from thc.emu.cleanup import Terminated, signals_raise, stopped_by
+    from thc.lifetime import Terminated, signals_raise, stopped_by
     try:
         with signals_raise():
             code = dispatch("thc", COMMANDS, list(sys.argv[1:] if argv is None else argv))

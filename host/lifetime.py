@@ -1,7 +1,9 @@
-"""A child process's lifetime tied to its starter's: the aggregators, workers and switches a
-command starts must not outlive it, SIGKILL included."""
+"""How a command and its children end: the signals that end a command unwound as Ctrl-C is
+(its cleanup run, one line, the signal's status), and the aggregators, workers and switches
+it starts tied to its life, SIGKILL included."""
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import signal
@@ -27,3 +29,73 @@ def with_parent():
         if os.getppid() != parent:   # ended before the signal was armed
             os.kill(os.getpid(), signal.SIGKILL)
     return arm
+
+
+class Terminated(SystemExit):
+    """Raised in the main thread when SIGTERM/SIGHUP arrives under :func:`signals_raise`."""
+
+
+def stopped_by(e: KeyboardInterrupt | Terminated) -> tuple[str, int]:
+    """How a run was stopped, in words ("interrupted", "terminated (SIGTERM)"), and the exit
+    status that says so (130 for Ctrl-C, else 128 + the signal's number)."""
+    if isinstance(e, KeyboardInterrupt):
+        return "interrupted", 130
+    try:
+        name = signal.Signals(e.code - 128).name
+    except ValueError:
+        name = f"status {e.code}"
+    return f"terminated ({name})", e.code
+
+
+@contextlib.contextmanager
+def signals_raise():
+    """Turn SIGTERM and SIGHUP into an exception so ``with`` blocks unwind and clean up.
+
+    SIGINT already raises KeyboardInterrupt. A signal ignored stays ignored (``nohup``: the
+    terminal's hangup must not end the command). Only the main thread can install handlers;
+    elsewhere this does nothing.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, _frame):
+        raise Terminated(128 + signum)
+
+    old = {}
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        if signal.getsignal(sig) is signal.SIG_IGN:
+            continue
+        with contextlib.suppress(ValueError, OSError):
+            old[sig] = signal.signal(sig, handler)
+    try:
+        yield
+    finally:
+        for sig, h in old.items():
+            with contextlib.suppress(ValueError, OSError):
+                signal.signal(sig, h)
+
+
+@contextlib.contextmanager
+def signals_deferred():
+    """Hold SIGINT/SIGTERM/SIGHUP during teardown so a second Ctrl-C cannot interrupt it."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    got: list[int] = []
+    old = {}
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        if signal.getsignal(sig) is signal.SIG_IGN:
+            continue
+        with contextlib.suppress(ValueError, OSError):
+            old[sig] = signal.signal(sig, lambda s, f: got.append(s))
+    try:
+        yield
+    finally:
+        for sig, h in old.items():
+            with contextlib.suppress(ValueError, OSError):
+                signal.signal(sig, h)
+        if got:
+            if got[0] == signal.SIGINT:
+                raise KeyboardInterrupt
+            raise Terminated(128 + got[0])

@@ -11,6 +11,7 @@ import pytest
 
 from thc.controller import cli, jobs
 from thc.controller.testing.memswitch import MemoryDevice, MemorySwitch
+from thc.lifetime import Terminated
 from thc.wire.jobs import SWITCH_AGG_IP, SWITCH_AGG_MAC, Cluster
 from tests.test_jobs_safety import make_job
 
@@ -167,10 +168,14 @@ def test_an_install_that_prunes_says_which_jobs_it_removed(recorded, tmp_path, c
 
 
 @pytest.mark.parametrize("action", ["install", "remove"])
+@pytest.mark.parametrize("stop", [(KeyboardInterrupt, (), "interrupted"),
+                                  (Terminated, (143,), "terminated (SIGTERM)")])
 def test_ctrl_c_mid_writes_names_the_job_it_left_part_way(recorded, tmp_path, capsys,
-                                                          monkeypatch, action):
-    """Ctrl-C between an install's (a remove's) writes ended in ``thc: interrupted`` alone,
-    with job 5 half-written: it names the job, and `jobs` shows what remains."""
+                                                          monkeypatch, action, stop):
+    """Ctrl-C (or SIGTERM) between an install's (a remove's) writes ended in ``thc:
+    interrupted`` alone, with job 5 half-written: it names the job, and `jobs` shows what
+    remains."""
+    kind, args, words = stop
     config = tmp_path / "cluster.json"
     Cluster(jobs=(make_job(5), make_job(6, pool_base=8)), agg_ip=SWITCH_AGG_IP,
             agg_mac=SWITCH_AGG_MAC).save(config)
@@ -184,16 +189,16 @@ def test_ctrl_c_mid_writes_names_the_job_it_left_part_way(recorded, tmp_path, ca
 
     def cut(self, op, entities, ignore=()):
         if len(writes) == 3:
-            raise KeyboardInterrupt
+            raise kind(*args)
         writes.append(op)
         return real(self, op, entities, ignore)
     monkeypatch.setattr(MemorySwitch, "write_entries", cut)
     argv = ("install", "--config", str(config)) if action == "install" else ("remove",
                                                                               "--job", "5")
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(kind):
         cli.run(_parse(*argv))
     err = capsys.readouterr().err
-    assert err.startswith("thc controller: interrupted while "
+    assert err.startswith(f"thc controller: {words} while "
                           + {"install": "installing", "remove": "removing"}[action])
     assert err.count("\n") == 1
     assert ("job(s) 5, 6 may be half-written" if action == "install" else "removing job 5: "

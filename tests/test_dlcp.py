@@ -560,7 +560,7 @@ def test_a_stopped_dlcp_bench_names_where_and_keeps_the_modes_done(monkeypatch, 
     import types
 
     from thc.emu import bench_dlcp
-    from thc.emu.cleanup import Terminated
+    from thc.lifetime import Terminated
     bed = types.SimpleNamespace(describe=lambda: "testbed", popen=lambda *a, **k: None,
                                 start_aggregator=lambda: None, agg_bw_factor=4.0)
     monkeypatch.setattr(bench_dlcp, "mininet_unavailable_reason", lambda kind: None)

@@ -720,7 +720,7 @@ def test_ctrl_c_ends_the_main_job_with_a_line_not_a_traceback(monkeypatch, capsy
 
 
 def test_sigterm_ends_the_main_job_with_a_line(monkeypatch, capsys, tmp_path):
-    from thc.emu.cleanup import Terminated
+    from thc.lifetime import Terminated
 
     def terminated(name, args, progress):
         raise Terminated(143)
@@ -732,7 +732,7 @@ def test_sigterm_ends_the_main_job_with_a_line(monkeypatch, capsys, tmp_path):
 def test_a_stopped_main_job_reports_the_modes_it_finished(monkeypatch, capsys, tmp_path):
     """A SIGTERM during the third mode of a long run wrote no report: the first two modes'
     training was lost."""
-    from thc.emu.cleanup import Terminated
+    from thc.lifetime import Terminated
 
     def second_stops(name, args, bar):
         if name == "topk":

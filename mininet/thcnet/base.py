@@ -17,7 +17,7 @@ from thc.codec.params import THCParams
 from thc.wire import protocol as P
 from thc.wire.jobs import Cluster, ConfigError, Job, Shard, Worker
 from thc.emu.aggprocs import AggregatorProcesses
-from thc.emu.cleanup import signals_raise
+from thc.lifetime import signals_raise
 from thc.emu.errors import TestbedError
 from thc.emu.procs import Proc, WorkerError, WorkerResult, merged_env, pythonize, wait_all
 

@@ -37,7 +37,7 @@ from thc.net.client import DATAPATH_ENV
 from thc.wire.jobs import loss_bound_arg
 from thc.emu.base import worker_ip
 from thc.emu import links, testbed
-from thc.emu.cleanup import Terminated, stopped_by
+from thc.lifetime import Terminated, stopped_by
 from thc.emu.testbed import TestbedError, WorkerError, mininet_unavailable_reason, open_testbed
 
 MODES = {"retransmit": (0.0, False), "bound": (None, False), "bound+prio": (None, True)}

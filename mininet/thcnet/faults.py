@@ -24,7 +24,7 @@ from pathlib import Path
 from thc.argtypes import writable_path
 from thc.codec.settings import Settings
 from thc.emu.bmv2rows import BMV2_MATRIX_KEYS, BMV2_WINDOW, bmv2_matrix, bmv2_rows
-from thc.emu.cleanup import Terminated, signals_raise, stopped_by
+from thc.lifetime import Terminated, signals_raise, stopped_by
 from thc.emu.faultrows import (row_aggregator_restarted, row_impair, row_jitter, row_long_stream,
                               row_loss, row_worker_killed)
 from thc.emu.matrix import N_WORKERS, Row

@@ -33,7 +33,7 @@ from pathlib import Path
 from thc.app.modes import AGGREGATED
 from thc.emu import links
 from thc.emu.base import worker_ip
-from thc.emu.cleanup import Terminated, signals_deferred, signals_raise, stopped_by
+from thc.lifetime import Terminated, signals_deferred, signals_raise, stopped_by
 from thc.emu.mainargs import (MODES, QUICK_IMAGES, STOP_MARGIN, Mode, add_arguments,
                               epochs_of, links_refusal, out_refusal, refusal)
 from thc.emu.mainreport import conclude, print_mode

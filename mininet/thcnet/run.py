@@ -16,7 +16,7 @@ import time
 from thc.argtypes import non_negative_int, positive_int, seconds
 from thc.emu.smoke_worker import digest, reference_sums
 from thc.emu import testbed
-from thc.emu.cleanup import Terminated, stopped_by
+from thc.lifetime import Terminated, stopped_by
 from thc.emu.testbed import TestbedError, WorkerError, open_testbed
 
 

@@ -40,7 +40,7 @@ from thc.bench import cpu_model, provenance
 from thc.emu import links, mainargs, mainjob
 from thc.emu.mainreport import summarize, time_to
 from thc.emu.sweepreport import markdown, plot
-from thc.emu.cleanup import Terminated, signals_raise, stopped_by
+from thc.lifetime import Terminated, signals_raise, stopped_by
 from thc.emu.testbed import mininet_unavailable_reason, workers_arg
 
 DEFAULT_BW = "50,100,200,500,1000"

@@ -43,7 +43,7 @@ from thc.emu.base import (
     mininet_unavailable_reason,
     say_once,
 )
-from thc.emu.cleanup import signals_deferred
+from thc.lifetime import signals_deferred
 from thc.emu.errors import TestbedError, Unavailable
 from thc.emu.procs import WorkerError, WorkerResult
 from thc.lifetime import with_parent
