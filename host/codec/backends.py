@@ -114,13 +114,13 @@ def kernels_for(x, backend: str = "auto"):
 
 def triton_interpreted() -> bool:
     """Whether Triton runs its kernels in its interpreter, on CPU tensors: its own variable,
-    TRITON_INTERPRET=1, which it reads when imported, making its own jit functions then.
-    Once it is imported one of those says (no public API does): the variable set after the
-    import ran the kernels into a traceback from inside Triton."""
+    TRITON_INTERPRET=1, which it reads when a kernel runs and when imported, making its own
+    jit functions then. Once it is imported one of those says how (no public API does): the
+    variable set after the import ran the kernels into a traceback from inside Triton."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return False
     standard = sys.modules.get("triton.language.standard")
-    if standard is None:
-        return os.environ.get("TRITON_INTERPRET") == "1"
-    return type(standard.cdiv).__name__ == "InterpretedFunction"
+    return standard is None or type(standard.cdiv).__name__ == "InterpretedFunction"
 
 
 def pick(x, backend: str = "auto", cpu: str = "compiled") -> Backend:
