@@ -55,6 +55,8 @@ import time
 from functools import lru_cache
 from typing import Callable, Iterable, NamedTuple
 
+from thc.lifetime import Terminated
+
 log = logging.getLogger(__name__)
 
 GRPC_OPTIONS = [("grpc.max_metadata_size", 64 << 20),
@@ -198,6 +200,8 @@ def _setup(sh, grpc_addr, device_id, election_id, config, timeout, pipeline, sai
             except Exception:  # noqa: BLE001 - the session is already broken
                 log.debug("tear_down after a failed setup", exc_info=True)
             sh.client = None
+        if isinstance(e, Terminated):   # SIGTERM while waiting: the command ends, as asked
+            raise
         reason = "; ".join(said.messages) or ("" if isinstance(e, SystemExit) else str(e))
         if "no forwarding pipeline config" in reason.lower():
             raise NoPipeline(f"the switch at {grpc_addr} has no P4 program for device "
@@ -251,7 +255,8 @@ def _bounded(call, seconds: float, grpc_addr: str, undo, cut) -> None:
     """``call()`` in a daemon thread, waited for at most ``seconds`` (_SetupOverran, after
     ``cut()``, which ends the call's wait on the switch); what it raised, SystemExit
     included, is raised here. A call that succeeds after that is undone (``undo()``) in its
-    thread."""
+    thread. A signal that ends the wait (Ctrl-C, SIGTERM) cuts the call as an overrun does:
+    its channel left open held the process at exit, in grpc's channel finalizer."""
     global _late_setup
     outcome: list[BaseException] = []
     lock = threading.Lock()
@@ -269,12 +274,15 @@ def _bounded(call, seconds: float, grpc_addr: str, undo, cut) -> None:
             undo()
     thread = threading.Thread(target=run, name=f"p4runtime-setup {grpc_addr}", daemon=True)
     thread.start()
-    thread.join(seconds)
-    with lock:
-        state["gave_up"] = not state["done"]
+    try:
+        thread.join(seconds)
+    finally:
+        with lock:
+            state["gave_up"] = not state["done"]
+        if state["gave_up"]:
+            _late_setup = thread
+            cut()
     if state["gave_up"]:
-        _late_setup = thread
-        cut()
         raise _SetupOverran()
     thread.join()
     if outcome:

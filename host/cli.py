@@ -10,6 +10,7 @@ the command that needs it. Each module provides ``add_arguments(parser)`` and
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import os
 import select
@@ -106,11 +107,24 @@ def main(argv: list[str] | None = None) -> int:
     except (KeyboardInterrupt, Terminated) as e:
         words, code = stopped_by(e)
         print(f"thc: {words}", file=sys.stderr)
+        if argv is None:   # the process is the command: it ends here, its cleanup done
+            _exit_now(code)
         return code
     except BrokenPipeError:
         if not _stdout_reader_gone():
             raise                    # another pipe or socket's: the command's own error
         return 128 + signal.SIGPIPE
+
+
+def _exit_now(code: int) -> None:
+    """Exit without the interpreter's teardown. The frames a signal cut short hold objects
+    whose finalizers may wait for work it cut: a grpc channel whose pipeline push SIGTERM cut
+    waited in its finalizer for good, after the command had said it was terminated."""
+    for stream in (sys.stdout, sys.stderr):
+        if stream is not None:
+            with contextlib.suppress(OSError, ValueError):
+                stream.flush()
+    os._exit(code)
 
 
 def _stdout_reader_gone() -> bool:

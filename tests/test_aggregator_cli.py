@@ -188,10 +188,10 @@ def test_refused_sends_are_counted_and_a_refused_gso_send_goes_out_one_by_one():
         assert out["compiled, GSO refused"] == {"results": [40, 40], "send_errors": 0}
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
 def test_an_aggregator_started_with_sigint_ignored_stops_on_a_signal(tmp_path, sig):
     """A shell's background job starts with SIGINT ignored: the aggregator still stops on
-    Ctrl-C (and on SIGTERM), printing its final counters."""
+    Ctrl-C (and on SIGTERM, and on a hangup), printing its final counters."""
     port = free_port_block(1)
     cfg = tmp_path / "cluster.json"
     Cluster(jobs=(local_job(3, 2, free_port_block(2)),), agg_port=port).save(cfg)

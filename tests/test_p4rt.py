@@ -492,3 +492,32 @@ def test_a_push_the_switch_did_not_load_is_an_error(reported, monkeypatch):
     sw = S.Switch("127.0.0.1:1").connect("thc")
     assert sw.has_table("thc_worker")
     sw.close()
+
+
+def test_sigterm_while_the_session_is_set_up_ends_the_command_as_asked():
+    """SIGTERM while the setup waited on a silent switch's arbitration was caught with the
+    setup's own SystemExit and told as the session failing (`thc controller`: status 1,
+    asking about the device id); it raises on, and the process ends (the setup's stream
+    threads torn down)."""
+    scope: dict = {}
+    exec(WEDGED, scope)
+    server, addr = scope["start"]("silent")
+    code = textwrap.dedent('''
+        import os, signal, sys, threading
+        from thc.controller import p4rt
+        from thc.lifetime import Terminated, signals_raise
+        with signals_raise():
+            threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGTERM)).start()
+            try:
+                p4rt.open_session(sys.argv[1], 0, (1, 0), None, timeout=20.0)
+            except Terminated as e:
+                print("terminated", e.code)
+            except p4rt.SessionError as e:
+                print("session error:", e)
+    ''')
+    try:
+        r = subprocess.run([sys.executable, "-c", code, addr], capture_output=True, text=True,
+                           timeout=60)
+    finally:
+        server.stop(None)
+    assert r.stdout.strip() == "terminated 143", r.stdout + r.stderr

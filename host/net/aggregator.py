@@ -285,17 +285,19 @@ def _check_stats_file(path: str | None) -> None:
 
 
 def _stop_on_signals() -> None:
-    """Ctrl-C and SIGTERM end the serving loop, which prints the final counters: also where
-    the aggregator starts with SIGINT ignored (a background job of a shell, nohup). The
-    first signal stops it; a later one (Ctrl-C and a supervisor's SIGTERM together) does
-    not cut the stop short."""
+    """Ctrl-C, SIGTERM and SIGHUP end the serving loop, which prints the final counters:
+    Ctrl-C also where the aggregator starts with SIGINT ignored (a background job of a
+    shell), SIGHUP only where it is not ignored (nohup: it serves on). The first signal
+    stops it; a later one (Ctrl-C and a supervisor's SIGTERM together) does not cut the
+    stop short."""
     stopping = []
 
     def stop(signum, frame):
         if not stopping:
             stopping.append(signum)
             raise KeyboardInterrupt
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    hangup = [] if signal.getsignal(signal.SIGHUP) is signal.SIG_IGN else [signal.SIGHUP]
+    for sig in (signal.SIGINT, signal.SIGTERM, *hangup):
         signal.signal(sig, stop)
 
 
