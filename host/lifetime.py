@@ -48,6 +48,24 @@ def stopped_by(e: KeyboardInterrupt | Terminated) -> tuple[str, int]:
 
 
 @contextlib.contextmanager
+def _handling(signals, handler):
+    """``handler`` for each of ``signals`` not ignored (a signal the process was started to
+    ignore stays ignored), the old handlers back after."""
+    old = {}
+    for sig in signals:
+        if signal.getsignal(sig) is signal.SIG_IGN:
+            continue
+        with contextlib.suppress(ValueError, OSError):
+            old[sig] = signal.signal(sig, handler)
+    try:
+        yield
+    finally:
+        for sig, h in old.items():
+            with contextlib.suppress(ValueError, OSError):
+                signal.signal(sig, h)
+
+
+@contextlib.contextmanager
 def signals_raise():
     """Turn SIGTERM and SIGHUP into an exception so ``with`` blocks unwind and clean up.
 
@@ -62,18 +80,8 @@ def signals_raise():
     def handler(signum, _frame):
         raise Terminated(128 + signum)
 
-    old = {}
-    for sig in (signal.SIGTERM, signal.SIGHUP):
-        if signal.getsignal(sig) is signal.SIG_IGN:
-            continue
-        with contextlib.suppress(ValueError, OSError):
-            old[sig] = signal.signal(sig, handler)
-    try:
+    with _handling((signal.SIGTERM, signal.SIGHUP), handler):
         yield
-    finally:
-        for sig, h in old.items():
-            with contextlib.suppress(ValueError, OSError):
-                signal.signal(sig, h)
 
 
 @contextlib.contextmanager
@@ -83,18 +91,11 @@ def signals_deferred():
         yield
         return
     got: list[int] = []
-    old = {}
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        if signal.getsignal(sig) is signal.SIG_IGN:
-            continue
-        with contextlib.suppress(ValueError, OSError):
-            old[sig] = signal.signal(sig, lambda s, f: got.append(s))
     try:
-        yield
+        with _handling((signal.SIGINT, signal.SIGTERM, signal.SIGHUP),
+                       lambda s, f: got.append(s)):
+            yield
     finally:
-        for sig, h in old.items():
-            with contextlib.suppress(ValueError, OSError):
-                signal.signal(sig, h)
         if got:
             if got[0] == signal.SIGINT:
                 raise KeyboardInterrupt

@@ -188,19 +188,29 @@ def test_refused_sends_are_counted_and_a_refused_gso_send_goes_out_one_by_one():
         assert out["compiled, GSO refused"] == {"results": [40, 40], "send_errors": 0}
 
 
+def _serving(tmp_path, *extra: str, **popen) -> subprocess.Popen:
+    """`thc aggregator` started on a free port for a job of two workers, its counters
+    printed on every stop (--stats-interval 0); its output piped, as text."""
+    port = free_port_block(1)
+    cfg = tmp_path / "cluster.json"
+    Cluster(jobs=(local_job(3, 2, free_port_block(2)),), agg_port=port).save(cfg)
+    popen.setdefault("stderr", subprocess.PIPE)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "thc.cli", "aggregator", "--listen", f"127.0.0.1:{port}",
+         "--config", str(cfg), "--stats-interval", "0", *extra],
+        stdout=subprocess.PIPE, text=True, **popen)
+    proc.port = port
+    return proc
+
+
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
 def test_an_aggregator_started_with_sigint_ignored_stops_on_a_signal(tmp_path, sig):
     """A shell's background job starts with SIGINT ignored: the aggregator still stops on
     Ctrl-C (and on SIGTERM, and on a hangup), printing its final counters."""
-    port = free_port_block(1)
-    cfg = tmp_path / "cluster.json"
-    Cluster(jobs=(local_job(3, 2, free_port_block(2)),), agg_port=port).save(cfg)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "thc.cli", "aggregator", "--listen", f"127.0.0.1:{port}",
-         "--config", str(cfg), "--stats-interval", "0", "--stats-file",
-         str(tmp_path / "stats.json")],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    proc = _serving(tmp_path, "--stats-file", str(tmp_path / "stats.json"),
+                    stderr=subprocess.DEVNULL,
+                    preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    port = proc.port
     try:
         assert "listening" in proc.stdout.readline()
         fresh_stats([tmp_path / "stats.json"], alive=lambda: proc.poll() is None)
@@ -222,25 +232,27 @@ def test_an_aggregator_started_with_sigint_ignored_stops_on_a_signal(tmp_path, s
 def test_an_aggregator_under_nohup_serves_on_through_a_hangup(tmp_path):
     """Started with SIGHUP ignored (``nohup``), the hangup leaves it serving; SIGTERM then
     stops it with its final counters."""
-    port = free_port_block(1)
-    cfg = tmp_path / "cluster.json"
-    Cluster(jobs=(local_job(3, 2, free_port_block(2)),), agg_port=port).save(cfg)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "thc.cli", "aggregator", "--listen", f"127.0.0.1:{port}",
-         "--config", str(cfg), "--stats-interval", "0"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))
+    proc = _serving(tmp_path, preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))
     try:
         assert "listening" in proc.stdout.readline()
         proc.send_signal(signal.SIGHUP)
         time.sleep(0.5)
         assert proc.poll() is None
+    except BaseException:
+        proc.kill()
+        raise
+    assert "drops" in _final_counters(proc)
+
+
+def _final_counters(proc: subprocess.Popen) -> dict:
+    """SIGTERM to a serving aggregator: the final counters it prints as it exits 0."""
+    try:
         proc.send_signal(signal.SIGTERM)
         out, err = proc.communicate(timeout=20)
     finally:
         proc.kill()
     assert proc.returncode == 0, err
-    assert "drops" in json.loads(out.strip().splitlines()[-1])
+    return json.loads(out.strip().splitlines()[-1])
 
 
 @pytest.mark.parametrize("when", ["together", "at_its_first_line"])
@@ -263,12 +275,10 @@ def test_signals_together_or_at_once_still_end_with_the_final_counters(tmp_path,
             if when == "together":
                 fresh_stats([tmp_path / "stats.json"], alive=lambda: proc.poll() is None)
                 proc.send_signal(signal.SIGINT)
-            proc.send_signal(signal.SIGTERM)
-            out, err = proc.communicate(timeout=20)
-        finally:
+        except BaseException:
             proc.kill()
-        assert proc.returncode == 0, err
-        assert "drops" in json.loads(out.strip().splitlines()[-1])
+            raise
+        assert "drops" in _final_counters(proc)
 
 
 def test_a_bug_in_the_serving_thread_is_kept_as_its_error():
