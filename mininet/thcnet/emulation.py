@@ -48,10 +48,9 @@ from thc.emu.base import (
 from thc.emu.errors import TestbedError
 from thc.emu.nodeshell import node_run
 from thc.emu.procs import Proc
-from thc.lifetime import with_parent
 from thc.emu.shellwatch import shell_exited, shell_stopped, watched
 from thc.emu.cleanup import Registry, switch_name, undo
-from thc.lifetime import signals_deferred
+from thc.lifetime import signals_deferred, with_parent
 
 BUILD_S = 180.0
 """How long building the testbed may take (seconds on a 2-core VM, a BMv2 switch's start

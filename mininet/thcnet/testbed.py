@@ -43,10 +43,9 @@ from thc.emu.base import (
     mininet_unavailable_reason,
     say_once,
 )
-from thc.lifetime import signals_deferred
 from thc.emu.errors import TestbedError, Unavailable
 from thc.emu.procs import WorkerError, WorkerResult
-from thc.lifetime import with_parent
+from thc.lifetime import signals_deferred, with_parent
 
 __all__ = ["open_testbed", "add_arguments", "add_link_arguments", "add_job_arguments",
            "loopback_conflict",
