@@ -2,8 +2,8 @@
 thread, stop. The datapath supplies ``serve`` and how to ask it to stop."""
 from __future__ import annotations
 
-import os
 import socket
+import struct
 import threading
 
 from thc.net.addresses import IP_PKTINFO
@@ -18,20 +18,24 @@ RECV_BYTES, checked by thc.net.cext): a longer one is cut there, and refused as 
 cut length reads."""
 
 
+SO_MEMINFO = 55
+"""Linux's socket option for a socket's memory counters (sock_diag's SK_MEMINFO_* order,
+``u32`` each; Python's socket module does not name it)."""
+SK_MEMINFO_DROPS = 8
+
+
 def queue_overflow(sock: socket.socket) -> int | None:
-    """Datagrams the kernel dropped at ``sock``, its receive queue full: the drops column of
-    /proc/self/net/udp (this network namespace's sockets) at the socket's inode. Neither
-    datapath sees them; workers retransmit them as any lost packet. None off Linux."""
+    """Datagrams the kernel dropped at ``sock``, its receive queue full: the socket's own
+    drop count (SO_MEMINFO, the count /proc/net/udp lists; that table, handed out a page a
+    read and resumed by position, skipped sockets while others closed). Neither datapath
+    sees them; workers retransmit them as any lost packet. None off Linux."""
+    size = 4 * (SK_MEMINFO_DROPS + 1)
     try:
-        inode = str(os.fstat(sock.fileno()).st_ino)   # EBADF: closed by a stop meanwhile
-        with open("/proc/self/net/udp") as f:
-            for line in f:
-                cols = line.split()
-                if len(cols) > 12 and cols[9] == inode:
-                    return int(cols[-1])
+        info = sock.getsockopt(socket.SOL_SOCKET, SO_MEMINFO, size)   # EBADF: closed
     except OSError:
-        pass
-    return None
+        return None
+    return struct.unpack_from("=I", info, 4 * SK_MEMINFO_DROPS)[0] if len(info) >= size \
+        else None
 
 
 class UDPServer:
