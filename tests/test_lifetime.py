@@ -34,8 +34,8 @@ def test_sigterm_in_teardown_is_raised_after_it():
 
 @pytest.mark.usefixtures("hangup_ignored")
 def test_an_ignored_hangup_stays_ignored():
-    """Under ``nohup`` a terminal's hangup ended `thc aggregator` and `thc run` (status
-    129): both handlers took SIGHUP over from its ignored disposition."""
+    """Under ``nohup`` a terminal's hangup ended `thc run` (status 129): its handler took
+    SIGHUP over from the ignored disposition, as every command's would now."""
     for block in (signals_raise, signals_deferred):
         with block():
             assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
