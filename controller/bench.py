@@ -282,12 +282,8 @@ def _ratio(v) -> str:
 
 
 def _refusal(args: argparse.Namespace) -> str | None:
-    """Why these arguments cannot run here (a missing tool or a job they cannot make)."""
-    for program in ("thc", "l2"):
-        if reason := toolchain.bmv2_missing(program):
-            return reason
-    if args.lanes_sweep and (reason := toolchain.p4c_missing()):
-        return f"--lanes-sweep needs p4c: {reason}"
+    """Why these arguments cannot run here: a job they cannot make (a mistake, told on any
+    machine), then a missing tool."""
     if any(w not in P.SUM_WIDTHS for w in args.sum_bits):
         return f"--sum-bits takes widths from {list(P.SUM_WIDTHS)}"
     for bits in args.sum_bits:
@@ -300,6 +296,11 @@ def _refusal(args: argparse.Namespace) -> str | None:
             P.check_lanes(lanes, switch=True)
         except ValueError as e:
             return f"--lanes-sweep {lanes}: {e}"
+    for program in ("thc", "l2"):
+        if reason := toolchain.bmv2_missing(program):
+            return reason
+    if args.lanes_sweep and (reason := toolchain.p4c_missing()):
+        return f"--lanes-sweep needs p4c: {reason}"
     return None
 
 

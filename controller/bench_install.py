@@ -83,15 +83,15 @@ def bench(args) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    reason = toolchain.bmv2_missing("thc")
-    if reason:
-        print(f"thc bench install: {reason}", file=sys.stderr)
-        return 2
-    try:
+    try:   # a mistake in the flags is told on any machine, before a missing tool
         bench_job(args.workers, args.pool, P.LANES)
     except ConfigError as e:
         print(f"thc bench install: --workers {args.workers} --pool {args.pool}: {e}",
               file=sys.stderr)
+        return 2
+    reason = toolchain.bmv2_missing("thc")
+    if reason:
+        print(f"thc bench install: {reason}", file=sys.stderr)
         return 2
     try:
         res = bench(args)
