@@ -585,6 +585,34 @@ def test_a_bool_input_is_refused_not_read_as_ones(x):
         thc.slice_norms(x, THCParams(slice_size=4))
 
 
+@pytest.mark.parametrize("backend", ["reference", "compiled", "triton"])
+def test_a_meta_tensor_anywhere_is_refused_in_the_codecs_words(backend):
+    """A meta tensor has a size and no values: the CPU paths raised torch's own error from
+    deep inside ("Tensor.item() cannot be called on meta tensors", "Cannot copy out of meta
+    tensor"), the kernels' path Triton's ("0 active drivers")."""
+    if backend == "triton" and SKIP:
+        pytest.skip(SKIP)
+    dev = DEV if backend == "triton" else "cpu"
+    p = THCParams(slice_size=256)
+    x = torch.randn(512, generator=torch.Generator().manual_seed(3)).to(dev)
+    m = thc.slice_norms(x, p)
+    idx = thc.encode(x, m, p, 0, 1, backend=backend)
+    sums = thc.aggregate([idx], p)
+
+    def meta(t):
+        return torch.empty(t.shape, dtype=t.dtype, device="meta")
+    for what, call in [("x", lambda: thc.slice_norms(meta(x), p, backend=backend)),
+                       ("x", lambda: thc.encode(meta(x), m, p, 0, 1, backend=backend)),
+                       ("x", lambda: thc.prepare(meta(x), p, backend=backend)),
+                       ("max_norms", lambda: thc.encode(x, meta(m), p, 0, 1, backend=backend)),
+                       ("an index vector", lambda: thc.aggregate([meta(idx)], p)),
+                       ("sums", lambda: thc.decode(meta(sums), 1, m, 512, p, backend=backend)),
+                       ("max_norms", lambda: thc.decode(sums, 1, meta(m), 512, p,
+                                                        backend=backend))]:
+        with pytest.raises(ValueError, match=f"^{what} is a meta tensor"):
+            call()
+
+
 def test_an_int_rounding_key_of_2_64_is_refused():
     """The key is 64 bits: 2^64 would run as key 0 (its low 64 bits) on the counter-based
     backends, drawing as generator=0 does."""

@@ -51,6 +51,7 @@ def flat(x, what: str = "x", keep_half: bool = False):
         if not (x.is_floating_point() or x.dtype in (torch.int8, torch.int16, torch.int32,
                                                       torch.int64, torch.uint8)):
             raise TypeError(f"{what} must be a real tensor, got {x.dtype}")
+        with_values(what, x)
         f = x.detach().resolve_neg().reshape(-1)   # a lazily negated view has no numpy()
         keep = (torch.float32, torch.float16, torch.bfloat16) if keep_half else (torch.float32,)
         return f if f.dtype in keep else f.float()
@@ -58,6 +59,13 @@ def flat(x, what: str = "x", keep_half: bool = False):
     if a.dtype.kind not in "fiu":
         raise TypeError(f"{what} must be a real array, got dtype {a.dtype}")
     return a.reshape(-1).astype(np.float32, copy=False)
+
+
+def with_values(what: str, *tensors) -> None:
+    """Refuse a meta tensor (a size, no values), which torch lets through to the first read
+    of a value, with its own words."""
+    if any(is_torch(t) and t.is_meta for t in tensors):
+        raise ValueError(f"{what} is a meta tensor (a size, no values): THC needs values")
 
 
 def same_place(a, b) -> bool:

@@ -47,7 +47,7 @@ from thc.codec import backends, settings
 from thc.codec.backends import BACKENDS, Choice, kernels_for
 from thc.codec.common import (Prepared, accumulator_dtype, check_indices, check_key,
                                flat as _flat, layout, raise_status, same_device, scale_factor,
-                               status_word, torch_table)
+                               status_word, torch_table, with_values)
 from thc.codec.hadamard import SliceLayout, is_torch
 from thc.codec.packing import pack_bits, unpack_bits
 from thc.codec.params import THCParams
@@ -184,6 +184,7 @@ def _round(round, impl, like):
 def _encode(x, max_norms, params, round, generator, backend, pack, scratch=None, status=None,
             norms=None):
     check_key(generator)
+    with_values("max_norms", max_norms)
     flat, impl = _input(x, _choice(backend))
     _round(round, impl, flat)
     return impl.encode(flat, layout(flat.shape[0], params), max_norms, params, round,
@@ -196,6 +197,7 @@ def table_values(indices, params: THCParams, checked: bool = True):
     for indices this codec's encode wrote itself."""
     if is_torch(indices):
         import torch
+        with_values("an index vector", indices)
         i = indices.reshape(-1)
         if checked:
             check_indices(i, params)
@@ -270,6 +272,8 @@ def _decode(sums, n_workers, max_norms, numel, params, round, out, backend, own:
                          f"elements in slices of {params.slice_size}), got shape "
                          f"{tuple(sums.shape)}")
     torch_in = is_torch(sums)
+    with_values("sums", sums)
+    with_values("max_norms", max_norms)
     if torch_in:
         import torch
         if sums.is_floating_point() or sums.is_complex() or sums.dtype == torch.bool:
