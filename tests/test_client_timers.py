@@ -11,6 +11,7 @@ import pytest
 
 from thc.codec.packing import unpack_bits
 from thc.net.client import AggregationClient, AggregationTimeout
+from thc.net.window import timeout_for
 from thc.testing.clusters import free_port_block
 from thc.wire import protocol as P
 from thc.wire.jobs import Job
@@ -192,7 +193,7 @@ def test_a_steady_round_trip_keeps_the_timeout_as_margin(job, datapath):
     n, path = 64, {"delay": 0.05}
     with scripted_aggregator(job, lambda t, seq: (P.PktType.RESULT, 2, 0b11, zeros),
                              delay=lambda: path["delay"]) as addr, \
-            AggregationClient(job, 0, addr, run=4, window=16, timeout=0.02) as c:
+            AggregationClient(job, 0, addr, run=4, window=16, timeout=timeout_for(0.1)) as c:
         data = _index_zero(job, n)
         for _ in range(3):
             c.aggregate(data)
@@ -405,3 +406,23 @@ def test_timers_set_after_the_client_was_made_time_its_resends(job, datapath):
                 c.aggregate(_packed(job, 1)[: job.lanes // 2])
     gaps = np.diff(sent)
     assert len(sent) >= 4 and gaps.max() < 0.3, gaps
+
+
+def test_a_timeout_of_half_a_long_round_trip_learns_it_in_the_first_round(job, datapath):
+    """Every result comes 100 ms after its DATA. At the 20 ms default a chunk goes three
+    times (0, 20 and 60 ms) before its first RESULT, which gives no sample: every chunk of
+    every round went three times (384 datagrams a round of 128 chunks). At half the round
+    trip (what a testbed with link delay gives its workers, thc.emu.links.client_timeout)
+    the first two windows go twice (the second leaves before the first's spurious timeouts
+    are told), those give the round trip, and later chunks go once."""
+    zeros = np.zeros(job.lanes, P.sum_dtype(job.sum_bits)).tobytes()
+    n, window = 64, 16
+    with scripted_aggregator(job, lambda t, seq: (P.PktType.RESULT, 2, 0b11, zeros),
+                             delay=0.1) as addr, \
+            AggregationClient(job, 0, addr, run=4, window=window,
+                              timeout=timeout_for(0.1)) as c:
+        c.aggregate(_index_zero(job, n))
+        first = c.stats.retransmitted
+        c.aggregate(_index_zero(job, n))
+    later = c.stats.retransmitted - first   # a few where a loaded host answers late
+    assert first <= 2 * window and later <= window // 4, (first, later)

@@ -18,6 +18,7 @@ from thc.codec import settings
 from thc.collective import watchdog
 from thc.net.addresses import parse_hostport
 from thc.net.client import AggregationClient
+from thc.net.window import DEFAULT_TIMEOUT
 from thc.wire import protocol as P
 from thc.wire.jobs import Cluster, loss_bound_arg
 
@@ -60,7 +61,7 @@ def add_arguments(parser: argparse.ArgumentParser, *, process_group: bool = True
                              f"(default {deadline:g})")
     client.add_argument("--window", type=positive_int, default=None,
                         help="chunks in flight (default: the client's, at most the job's pool)")
-    client.add_argument("--rto", type=seconds, default=0.02,
+    client.add_argument("--rto", type=seconds, default=DEFAULT_TIMEOUT,
                         help="initial retransmission timeout, and the least margin over the "
                              "smoothed round trip, seconds")
     client.add_argument("--loss-bound", type=loss_bound_arg, default=None, metavar="F",

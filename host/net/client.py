@@ -59,7 +59,7 @@ from thc.net.outcomes import (AggregationRefused, AggregationResult, Aggregation
                                AggregatorRestarted, ClientClosed, RunFailed, TransportStats)
 from thc.net.priority import N_CLASSES, tos_of
 from thc.net.pywindow import PythonWindow
-from thc.net.window import DEFAULT_MAX_TIMEOUT, RttEstimator, Round
+from thc.net.window import DEFAULT_MAX_TIMEOUT, DEFAULT_TIMEOUT, RttEstimator, Round
 from thc.wire import protocol as P
 from thc.wire.jobs import Job, check_loss_bound
 
@@ -111,7 +111,7 @@ class AggregationClient:
     window's checks)."""
 
     def __init__(self, job: Job, worker_id: int, aggregator: tuple[str, int] | None = None,
-                 window: int | None = None, timeout: float = 0.02,
+                 window: int | None = None, timeout: float = DEFAULT_TIMEOUT,
                  max_timeout: float = DEFAULT_MAX_TIMEOUT,
                  deadline: float = 10.0, impair: Impairment | None = None,
                  sock: socket.socket | None = None, run: int | None = None,

@@ -22,6 +22,12 @@ from thc.wire.jobs import Job
 FAST_RETRANSMIT_AFTER = 3
 """Results of this many later chunks mean an earlier chunk (or its result) was lost."""
 
+DEFAULT_TIMEOUT = 0.02
+"""Seconds: a client's default least retransmission timeout, its first RTO and its least
+margin over the smoothed round trip. Short, so that losses behind a full queue are resent
+early: a first RTO of 0.2 s took four to five times as long to train under congestion
+(docs/results.md)."""
+
 DEFAULT_MAX_TIMEOUT = 0.5
 """Seconds: a client's default cap on a chunk's backoff, the longest a waiting worker goes
 between retransmissions. The controller's live check watches a job for two of these and a
@@ -42,6 +48,16 @@ CLIENT_RECV_BYTES, checked by thc.net.cext)."""
 RECV_BATCH = 256
 """Datagrams a window takes in before it looks at its timers again: a flood of them to the
 worker's port must not hold its deadlines off."""
+
+
+def timeout_for(round_trip: float) -> float:
+    """The least timeout for a path whose unloaded round trip (seconds) is known, such as an
+    emulated link's delay: half of it, within [DEFAULT_TIMEOUT, DEFAULT_MAX_TIMEOUT]. A
+    first RTO under a third of the round trip sends a chunk three times before its first
+    RESULT, and a chunk sent three times gives :class:`RttEstimator` no sample: every
+    chunk of every round went three times. At half, the first window's chunks go twice,
+    their spurious timeouts give the round trip, and later chunks go once."""
+    return min(DEFAULT_MAX_TIMEOUT, max(DEFAULT_TIMEOUT, round_trip / 2))
 
 
 class RttEstimator:

@@ -19,6 +19,7 @@ import functools
 import shutil
 import subprocess
 
+from thc.net.window import timeout_for
 from thc.wire import protocol as P
 from thc.emu.nodeshell import node_run
 
@@ -219,3 +220,10 @@ def link_drops(host) -> int:
     nft = node_run(host, f"nft list table netdev {EGRESS_TABLE} 2>/dev/null")
     total += sum(int(n) for n in re.findall(r"counter packets (\d+)", nft))
     return total
+
+
+def client_timeout(delay_ms: float) -> float:
+    """A THC client's least retransmission timeout (seconds, its ``--rto``) over worker links
+    of ``delay_ms`` each: a round trip crosses two links each way (worker, switch, the
+    aggregator's host or the switch itself answering), four delays unloaded."""
+    return timeout_for(4 * delay_ms / 1000)

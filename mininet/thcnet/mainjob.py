@@ -228,6 +228,8 @@ def _argv(args, mode: Mode, tb, cfg, bound, stop_at: float, rank: int) -> list[s
         a += ["--config", str(cfg)]
         if tb.agg_addr is not None:
             a += ["--agg", f"{tb.agg_addr[0]}:{tb.agg_addr[1]}"]
+        if args.delay:
+            a += ["--rto", f"{links.client_timeout(args.delay):g}"]
     if args.width:
         a += ["--width", str(args.width)]
     if args.train_subset or args.quick:

@@ -15,7 +15,7 @@ import time
 
 from thc.argtypes import non_negative_int, positive_int, seconds
 from thc.emu.smoke_worker import digest, reference_sums
-from thc.emu import testbed
+from thc.emu import links, testbed
 from thc.lifetime import Terminated, stopped_by
 from thc.emu.testbed import TestbedError, WorkerError, open_testbed
 
@@ -34,8 +34,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                          "bmv2: the switch")
     ap.add_argument("--numel", type=positive_int, default=1 << 20, help="elements per worker")
     ap.add_argument("--seed", type=non_negative_int, default=1234)
-    ap.add_argument("--rto", type=seconds, default=0.02,
-                    help="minimum retransmission timeout (s)")
+    ap.add_argument("--rto", type=seconds, default=None,
+                    help="least retransmission timeout, seconds (default: half the links' "
+                         "round trip, at least 0.02)")
     ap.add_argument("--verbose", action="store_true", help="show Mininet's own log")
 
 
@@ -69,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
                 lambda r: ["python", "-m", "thc.emu.smoke_worker", "--rank", str(r),
                            "--config", str(tb.cluster_path)] + agg + [
                            "--numel", str(args.numel), "--seed", str(args.seed),
-                           "--rto", str(args.rto)]
+                           "--rto", str(args.rto or links.client_timeout(args.delay))]
                 + (["--window", str(args.window)] if args.window else []),
                 timeout=args.timeout)
             after = tb.wire_bytes()
