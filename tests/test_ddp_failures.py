@@ -774,3 +774,63 @@ def test_an_fp32_hook_issues_nothing_on_a_group_a_failed_bucket_left(monkeypatch
             torch.nn.functional.cross_entropy(ddp(x), y).backward()
     finally:
         dist.destroy_process_group()
+
+
+def _run_refused_worker(job, addr, rank, port, q):
+    """A hook loaded with residuals whose first build is refused at its run agreement (rank 1's
+    client has no run id), then rank 1 given the run: each step's outcome, and the hook's
+    residuals after the refusal."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from thc.codec.params import THCParams
+    from thc.collective import checkpoint
+    from thc.collective.allreduce import THCAllReduce
+    from thc.collective.ddp import THCHook
+    from thc.net.client import AggregationClient
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2, timeout=timedelta(seconds=20))
+    params = THCParams(slice_size=256)
+    client = AggregationClient(job, rank, addr, run=7 if rank == 0 else None, deadline=3.0)
+    model = torch.nn.Linear(32, 32)
+    ddp = DDP(model)
+    hook = THCHook(model, lambda group: THCAllReduce.through_aggregator(client, params, group),
+                   overlap=False)
+    hook.load_state_dict({"hook": "THCHook", "owner": checkpoint.owner(rank, 2, (0, 1)),
+                          "steps": 0, "residuals": {"weight": torch.full((1024,), 0.5),
+                                                    "bias": torch.full((32,), 0.5)}})
+    hook.register(ddp)
+    out = []
+    for step in range(2):
+        try:
+            ddp(torch.randn(4, 32)).sum().backward()
+            out.append("ok")
+        except RuntimeError as e:
+            out.append(str(e))
+        if step == 0:
+            try:
+                kept = hook.state_dict()["residuals"]
+                out.append({name: float(r.sum()) for name, r in kept.items()})
+            except Exception as e:  # noqa: BLE001 - what the test reports
+                out.append(f"{type(e).__name__}: {e}")
+            if rank == 1:
+                client.run = 7
+    q.put((rank, out))
+    dist.destroy_process_group()
+
+
+def test_a_build_refused_at_its_run_agreement_keeps_the_loaded_residuals_and_builds_anew():
+    """The bucket's reducer took the loaded residuals before its run agreement: refused there
+    (unlike run ids), the residuals were gone and the hook named the unbuilt reducer as their
+    owner, so state_dict() and every later step's build raised a KeyError on every rank, the
+    run ids mended or not."""
+    from thc.codec.params import THCParams
+    from thc.net.aggregator import Aggregator
+    from thc.testing.clusters import local_job
+    job = local_job(1, 2, free_port_block(2), table=THCParams().table)
+    with Aggregator([job]) as agg:
+        addr = agg.start()
+        res = gloo_pair(functools.partial(_run_refused_worker, job, addr))
+    for rank in (0, 1):
+        refused, kept, then = res[rank]
+        assert "run" in refused and kept == {"weight": 512.0, "bias": 16.0}, res
+        assert then == "ok", res

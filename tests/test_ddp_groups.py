@@ -287,6 +287,45 @@ def test_two_hooks_on_one_group_never_pair_each_others_rounds(kind, unlike):
         assert "which reducer it is" in out[2], res
 
 
+def _crossed_hooks_worker(rank, port, q):
+    """Two models of one architecture, initialized apart (twin critics), each wrapped by DDP
+    in one order everywhere; their overlapping hooks built in the other order on rank 1 (as
+    iterating a set of modules may): what one backward through both raises."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from thc.codec.params import THCParams
+    from thc.collective.allreduce import THCAllReduce
+    from thc.collective.ddp import THCHook
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2, timeout=timedelta(seconds=20))
+    torch.manual_seed(0)
+    models = [torch.nn.Linear(64, 64), torch.nn.Linear(64, 64)]
+    ddps = [DDP(m) for m in models]
+    pairs = list(zip(models, ddps))
+    for m, d in (pairs[::-1] if rank == 1 else pairs):
+        THCHook(m, lambda group: THCAllReduce.through_torch_distributed(
+            group, params=THCParams(slice_size=256), generator=rank)).register(d)
+    x, _ = _data(rank)
+    try:
+        (ddps[0](x).pow(2).sum() + 100 * ddps[1](x).pow(2).sum()).backward()
+        out = "returned"
+    except RuntimeError as e:
+        out = str(e)
+    q.put((rank, out))
+    dist.destroy_process_group()
+
+
+def test_twin_models_hooks_built_in_another_order_on_a_rank_are_refused():
+    """Each overlapping hook makes its own group and takes its index in the order hooks are
+    built. Built in another order on rank 1, the twins' hooks took each other's groups and
+    places, and every check compared alike: rank 0's first model's gradients were averaged
+    with rank 1's second's (relative error 0.65), with no error. Each bucket's check now
+    names the model the hook serves, values included."""
+    res = gloo_pair(_crossed_hooks_worker)
+    for rank in (0, 1):
+        assert "the model it serves" in res[rank], res
+
+
 def test_two_fp32_hooks_on_one_group_never_pair_each_others_first_buckets():
     """A bucket's check named the hook's kind and spans, not which hook: two models of one
     layout whose backwards ran in another order on rank 1 paired A's gradient with B's, a

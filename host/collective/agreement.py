@@ -246,6 +246,24 @@ def half_type(dtype) -> str:
     return str(dtype) if narrow else ""
 
 
+FIRST_VALUES = 8
+"""Values of each parameter :func:`model_key` reads: enough to tell two initializations of
+one architecture apart."""
+
+
+def model_key(module: torch.nn.Module, ignore=()) -> int:
+    """Which model a hook serves, alike on every rank: the names, shapes, dtypes and first
+    values of the parameters DDP makes alike when it wraps the model (all but ``ignore``,
+    its ``parameters_to_ignore``). Two models of one architecture (twin critics) differ in
+    their values alone, and hooks built in another order on each rank took each other's
+    places: one model's gradients summed with the other's, on every rank, with no error."""
+    parts = [(name, tuple(p.shape), str(p.dtype),
+              p.detach().reshape(-1)[:FIRST_VALUES].contiguous().view(torch.uint8)
+              .cpu().numpy().tobytes())
+             for name, p in module.named_parameters() if name not in ignore]
+    return key_of(*parts)
+
+
 def key_of(*parts) -> int:
     """A 48-bit fingerprint (below KEY_SPAN^2) of ``parts``: numbers, strings, tuples."""
     return int.from_bytes(hashlib.blake2b(repr(parts).encode(), digest_size=6).digest(), "big")

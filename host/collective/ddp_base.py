@@ -265,6 +265,9 @@ class BaseHook:
         self.fp32_elements = 0
         self._agreed: set = set()
         """Buckets whose split every rank checked (:meth:`_agree_bucket`)."""
+        self._model = 0
+        """The model the hook serves (:func:`agreement.model_key`, read by :meth:`register`),
+        in every bucket's check."""
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="ddp-comm") if overlap else None
         self.reducers: dict = {}
         """Per bucket, the reducer that keeps its residual (hooks that build one each)."""
@@ -413,6 +416,8 @@ class BaseHook:
             raise ValueError("the hook was registered on a DDP model before: build one hook "
                              "per DDP model (a hook built anew takes the old one's residuals "
                              "through state_dict and load_state_dict)")
+        self._model = agreement.model_key(module, getattr(ddp_model, "parameters_to_ignore",
+                                                          ())) if module is not None else 0
         token = weakref.ref(ddp_model)   # DDP's state for the hook: tells a hand install
         ddp_model.register_comm_hook(token, self.hook)
         self._ddp = token
@@ -529,11 +534,12 @@ class BaseHook:
         exception where this rank cannot split the bucket: every rank raises."""
         failure = spans if isinstance(spans, Exception) else None
         layout = () if failure else tuple((b - a, fp32) for a, b, fp32, _ in spans)
-        key = agreement.key_of(type(self).__name__, self.index, str(buf_dtype), layout,
-                               self._unused_seen)
+        key = agreement.key_of(type(self).__name__, self.index, self._model, str(buf_dtype),
+                               layout, self._unused_seen)
         self.bytes_sent += agreement.together(
             self.group, len(self._agreed), key, device, failure,
             alike="the hook (its kind, which of the hooks built on the group it is, the "
+                  "model it serves (its parameters' names, shapes and first values), the "
                   "bucket's dtype, FP32 and compressed spans, or whether DDP finds unused "
                   "parameters)")
         self._agreed.add(bucket)
@@ -561,11 +567,11 @@ class BaseHook:
             alike="the hook, the bucket, or the backward passes behind the state the hook "
                   "was loaded from (each rank loads the state it saved at the same step, or "
                   "none does)")
-        if bucket is not None:
-            self._per_param.taken(bucket)
         transport = getattr(reducer, "transport", None)
         if callable(getattr(transport, "agree_run", None)):
-            transport.agree_run()
+            transport.agree_run()   # refused on every rank: the next step builds anew
+        if bucket is not None:
+            self._per_param.taken(bucket)
         if hasattr(reducer, "name"):
             # named by the agreed build count: a build that failed on some rank took a place
             # in the group's build order on the others
