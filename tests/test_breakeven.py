@@ -185,16 +185,22 @@ def test_each_mode_takes_its_own_hooks_codec_seconds():
     assert analyse(sweep, "thc", ("fp32",))["model"]["codec_s"] == pytest.approx(0.020)
 
 
-@pytest.mark.parametrize("gbps,relation", [(None, "never pays"), (1e4, "pays everywhere"),
-                                           (0.24, "between")])
-def test_the_predicted_relation_follows_the_models_break_even(monkeypatch, gbps, relation):
-    """break_even_gbps gives the top of its range where THC pays everywhere in it: that is
-    no break-even at 10 Tbit/s."""
+@pytest.mark.parametrize("model,relation", [("below", "never pays"),
+                                            ("above", "pays everywhere"),
+                                            ("between", "between"), ("from", "from")])
+def test_the_predicted_relation_follows_the_models_break_even(monkeypatch, model, relation):
+    """The model's break-even in the report's words. A model that loses on slow links and
+    pays from 240 Mbit/s up was told "never pays"; its bandwidth is no ratio to a measured
+    break-even of another kind."""
     from thc.app import breakeven
-    monkeypatch.setattr(breakeven, "break_even_gbps", lambda *a, **k: gbps)
+    at = None if model in ("below", "above") else 0.24
+    monkeypatch.setattr(breakeven, "break_even",
+                        lambda *a, **k: {"relation": model, "at": at, "crossings": [],
+                                         "rises": []})
     be = analyse(_sweep(0.085), "thc", ("fp32",))["break_even"]["fp32"]
     assert be["predicted_relation"] == relation
-    assert be["predicted_mbit"] == (None if relation != "between" else pytest.approx(240.0))
+    assert be["predicted_mbit"] == (None if at is None else pytest.approx(240.0))
+    assert ("predicted_over_measured" in be) == (relation == be["measured"]["relation"]), be
 
 
 def _sweep_cli(*argv: str) -> subprocess.CompletedProcess:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from thc.app.perfmodel import (Setup, break_even_gbps, iteration_s, report_setup,
+from thc.app.perfmodel import (Setup, break_even, says, iteration_s, report_setup,
                                ring_allreduce_s)
 
 
@@ -36,7 +36,7 @@ def test_compression_pays_on_slow_links():
 
 def test_break_even_separates_the_two_regimes():
     s = Setup(params=25e6, compute_s=0.05)
-    be = break_even_gbps(s)
+    be = break_even(s)["at"]
     assert be is not None and 0.001 < be < 1e4
     below = iteration_s(Setup(**{**s.__dict__, "bandwidth_gbps": be / 2}))
     above = iteration_s(Setup(**{**s.__dict__, "bandwidth_gbps": be * 2}))
@@ -75,7 +75,7 @@ def test_fp16_moves_two_bytes_a_coordinate_and_pays_its_cast():
     assert t["fp16_ring"] == pytest.approx(0.003 * F + 0.004)
     assert t["fp32_ring"] == pytest.approx(0.006 * F)
     # at a low enough bandwidth FP16 beats FP32, above it the cast costs more than it saves
-    assert break_even_gbps(s, "fp16_ring") == pytest.approx(8 * 3e6 * F / 4e-3 / 1e9, rel=1e-6)
+    assert break_even(s, "fp16_ring")["at"] == pytest.approx(8 * 3e6 * F / 4e-3 / 1e9, rel=1e-6)
 
 
 def test_calibration_fits_figures_computed_by_hand():
@@ -467,7 +467,7 @@ def test_a_tie_at_the_top_of_the_range_is_not_paying_there():
     takes the 1.05 x 100 ms of compute, not "at every bandwidth"."""
     s = Setup(params=25e6, workers=8, latency_us=0.0, compute_s=0.1)
     ring = 2 * 4 * 25e6 * F * 7 / 8   # bytes a worker sends and receives
-    assert break_even_gbps(s, "fp16_ring") == pytest.approx(8 * ring / 0.105 / 1e9, rel=1e-6)
+    assert break_even(s, "fp16_ring")["at"] == pytest.approx(8 * ring / 0.105 / 1e9, rel=1e-6)
 
 
 def test_the_plain_model_counts_ddps_buckets_and_the_overlap_given(capsys):
@@ -535,3 +535,55 @@ def test_a_damaged_main_job_report_is_refused_by_name(damage, tmp_path, capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("thc model --calibrate: ") and err.count("\n") == 1, err
+
+
+def _beats(s, scheme, baseline, bw) -> bool:
+    t = iteration_s(replace(s, bandwidth_gbps=bw))
+    return t[scheme] < t[baseline]
+
+
+def test_a_scheme_that_pays_only_on_fast_links_is_said_to_pay_from_there():
+    """THC through a central aggregator, its codec free, against FP16, whose cast costs: FP16
+    is faster on slow links, THC from between 1 and 10 Gbit/s up. The solver looked at the
+    lowest bandwidth alone and said "never pays"."""
+    s = Setup(params=25e6, workers=4, latency_us=10, compute_s=0.1, overlap=1.0,
+              codec_mbps=1e12, fp16_mbps=2000, agg_bw_factor=1.0, buckets=5)
+    be = break_even(s, "thc_switch", baseline="fp16_ring")
+    assert be["relation"] == "from" and be["crossings"] == [] and 1 < be["at"] < 10, be
+    assert not _beats(s, "thc_switch", "fp16_ring", be["at"] * 0.999)
+    assert _beats(s, "thc_switch", "fp16_ring", be["at"] * 1.001)
+    assert says(be) == f"pays from {be['at']:.3g} Gbit/s up (slower below)"
+
+
+def test_every_crossing_of_a_gain_that_changes_sign_twice_is_found(monkeypatch):
+    """A scheme faster below 50 Mbit/s, slower up to 500, faster again above: the solver
+    bisected between the ends of the range, saw a gain at both and said "pays everywhere"."""
+    from thc.app import perfmodel
+
+    def shaped(setup):
+        bw = setup.bandwidth_gbps
+        return {"fp32_ring": 1.0, "thc_switch": 0.5 if bw < 0.05 or bw >= 0.5 else 1.5}
+    monkeypatch.setattr(perfmodel, "iteration_s", shaped)
+    be = break_even(Setup())
+    assert be["relation"] == "between" and be["at"] == pytest.approx(0.05, rel=1e-6), be
+    assert be["crossings"] == [be["at"]] and be["rises"] == [pytest.approx(0.5, rel=1e-6)]
+    assert says(be) == "pays below 0.05 Gbit/s (then again from 0.5)"
+
+
+def test_thc_over_all_reduce_is_charged_the_width_the_all_reduce_carries():
+    """A switch's sums are unsigned (16 bits hold 2184 workers at granularity 30), the
+    all-reduce's int16 lanes signed (1092): from 1093 workers THC over all-reduce sends int32
+    sums, and the model charged it 16 bits, half its bytes."""
+    import torch
+
+    from thc.codec.common import wire_sum_bits, wire_sum_dtype
+    from thc.codec.params import THCParams
+    for workers in (8, 1092, 1093, 2184):
+        bits = wire_sum_bits(workers, 30)
+        assert torch.tensor([], dtype=wire_sum_dtype(workers, THCParams())).element_size() \
+            * 8 == bits
+        s = Setup(params=1e6, workers=workers, latency_us=0.0, compute_s=0.0,
+                  codec_mbps=1e12, bandwidth_gbps=1.0, agree_each_round=False, buckets=1)
+        ring = 2 * (1e6 * bits / 8) * (1514 / 1448) * (workers - 1) / (workers * s.bw)
+        assert iteration_s(s)["thc_allreduce"] == pytest.approx(ring, rel=1e-3), workers
+    assert [wire_sum_bits(w, 30) for w in (8, 1092, 1093)] == [8, 16, 32]

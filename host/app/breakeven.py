@@ -9,7 +9,7 @@ Measured: between the two swept bandwidths that bracket the change of sign of
 higher bandwidth. Where another term binds in the bracket (THC's window, a step's compute:
 the model's THC is flat from 200 Mbit/s in docs/results.md's sweep) the step is piecewise
 in 1/BW and the interpolation an approximation. The predicted break-even is the model's own
-crossing, found on the model (``break_even_gbps``), not interpolated.
+crossing, found on the model (``perfmodel.break_even``), not interpolated.
 
 Predicted: the performance model fed the sweep's own figures (its calibrated inputs):
 compute a step as the hooked runs measured it, each mode's codec seconds a step as its own
@@ -28,7 +28,7 @@ from thc.app.perfmodel import (
     NO_HOOK,
     Setup,
     bounded_fit,
-    break_even_gbps,
+    break_even,
     fit_terms,
     iteration_s,
     mode_setup,
@@ -150,6 +150,10 @@ def mode_setups(sweep: dict, setup: Setup, modes) -> dict[str, Setup]:
 
 MODEL_RANGE_GBPS = (1e-3, 1e4)
 """Where the model's break-even is sought (1 Mbit/s to 10 Tbit/s)."""
+PREDICTED = {"between": "between", "from": "from", "above": "pays everywhere",
+             "below": "never pays"}
+"""The model's relation (``perfmodel.break_even``) as a sweep's report names it; "between"
+and "from" as the measured side's (:func:`crossing`), which they are compared with."""
 CURVE_POINTS = 41
 """Bandwidths of the model's curve across the swept range (evenly spaced in log)."""
 
@@ -204,14 +208,14 @@ def analyse(sweep: dict, mode: str = "thc", baselines: tuple[str, ...] = ("fp32"
                  "predicted_relation": "not modelled (BMv2's rate is known from a main "
                                        "job's probe only)"}
         if mode in setups:
-            gbps = break_even_gbps(setups[mode], MODE_SCHEME[mode], lo=MODEL_RANGE_GBPS[0],
+            predicted = break_even(setups[mode], MODE_SCHEME[mode], lo=MODEL_RANGE_GBPS[0],
                                    hi=MODEL_RANGE_GBPS[1], baseline=MODE_SCHEME[base])
-            model = None if gbps is None or gbps >= MODEL_RANGE_GBPS[1] else 1e3 * gbps
-            entry.update(predicted_mbit=model, predicted_relation=(
-                "never pays" if gbps is None else "pays everywhere" if model is None
-                else "between"))
+            at = predicted["at"]
+            entry.update(predicted_mbit=None if at is None else 1e3 * at,
+                         predicted_relation=PREDICTED[predicted["relation"]])
         model = entry["predicted_mbit"]
-        if measured["at"] is not None and model is not None:
+        if measured["at"] is not None and model is not None \
+                and measured["relation"] == entry["predicted_relation"]:
             entry["predicted_over_measured"] = model / measured["at"]
         tta = [(row["bw_mbit"], row["tta_s"].get(mode), row["tta_s"].get(base))
                for row in have]

@@ -24,7 +24,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from thc.app.perfmodel import BUCKET_BYTES, Setup, break_even_gbps, ddp_buckets
+from thc.app.perfmodel import BUCKET_BYTES, Setup, break_even, ddp_buckets
 
 SIZES = (25e6, 100e6, 350e6)
 """Model sizes (parameters) of the table."""
@@ -71,10 +71,10 @@ def codec_speeds(report: dict) -> dict:
 
 
 def break_evens(speeds: dict, base: Setup) -> list[dict]:
-    """For each size of :data:`SIZES`: the bandwidth (Gbit/s) below which each THC scheme
-    beats each baseline, in ``base``'s setting at the measured speeds (None: never; inf:
-    at every bandwidth up to 10 Tbit/s). GPUs all-reduce over NCCL, where THC agrees on a
-    bucket's tags at its first size only."""
+    """For each size of :data:`SIZES`: where each THC scheme beats each baseline (Gbit/s, a
+    :func:`thc.app.perfmodel.break_even` result), in ``base``'s setting at the measured
+    speeds. GPUs all-reduce over NCCL, where THC agrees on a bucket's tags at its first size
+    only."""
     out = []
     for params in SIZES:
         s = replace(base, params=params, buckets=ddp_buckets(params), agree_each_round=False,
@@ -82,16 +82,18 @@ def break_evens(speeds: dict, base: Setup) -> list[dict]:
                     fp16_mbps=speeds["fp16_mbps"] or float("inf"))
         row = {"params": params, "buckets": s.buckets}
         for scheme, baseline in COLUMNS:
-            be = break_even_gbps(s, scheme, baseline=baseline)
-            row[f"{scheme}/{baseline}"] = math.inf if be == 1e4 else be
+            row[f"{scheme}/{baseline}"] = break_even(s, scheme, baseline=baseline)
         out.append(row)
     return out
 
 
-def _gbps(x: float | None) -> str:
-    if x is None:
-        return "never"
-    return "always" if math.isinf(x) else f"{x:.4g}"
+def _gbps(result: dict) -> str:
+    """A :func:`thc.app.perfmodel.break_even` result in a cell: the bandwidth below which THC
+    pays, "from" one (slower below it), or "always" or "never"."""
+    relation, at = result["relation"], result["at"]
+    if relation in ("above", "below"):
+        return "always" if relation == "above" else "never"
+    return f"from {at:.4g}" if relation == "from" else f"{at:.4g}"
 
 
 def run(path: str, base: Setup) -> int:
@@ -121,7 +123,7 @@ def run(path: str, base: Setup) -> int:
           f"{base.latency_us:g} us, compute {1e3 * base.compute_s:g} ms a step for every "
           f"size, overlap {base.overlap}, DDP buckets of {BUCKET_BYTES >> 20} MB; THC through "
           f"a switch at line rate or over all-reduce")
-    print("bandwidth (Gbit/s) below which THC beats the baseline:")
+    print("bandwidth (Gbit/s) below which THC beats the baseline (\"from x\": above x only):")
     head = f"{'params':>7} {'buckets':>7}" + "".join(
         f" {a.split('_')[1] + ' vs ' + b.split('_')[0].upper():>18}" for a, b in COLUMNS)
     print(head)

@@ -8,8 +8,10 @@ bucket (``buckets``: DDP's 1 MB first bucket, then 25 MB ones). Schemes:
 
 - FP32: one ring all-reduce of 4 bytes a coordinate.
 - FP16: the same of 2 bytes a coordinate, plus the cast to half and back (``fp16_mbps``).
-- THC over all-reduce: a MAX all-reduce of the norms and one of the sums (sum_bits/8 bytes),
-  after the round's agreement (a small MAX all-reduce of its tags) on Gloo.
+- THC over all-reduce: a MAX all-reduce of the norms and one of the sums (the narrowest of
+  8, 16, 32 bits that holds them, as the all-reduce carries them: 16 bits up to 1092 workers
+  at granularity 30, where a switch's unsigned sums hold 2184), after the round's agreement
+  (a small MAX all-reduce of its tags) on Gloo.
 - THC through a switch or the software aggregator: each worker streams its chunks once and
   receives the sums once, full duplex; the round takes the slowest of the worker's link, the
   aggregator's link (p x the bytes, ``agg_bw_factor`` x BW), its packet rate (``agg_pps``)
@@ -60,6 +62,7 @@ from dataclasses import dataclass, replace
 
 from thc.argtypes import (DAMAGED, fraction, non_negative_float, positive_float, positive_floats,
                           positive_int, read_json, refusal, slowdown, whole_count)
+from thc.codec.common import wire_sum_bits
 from thc.collective.agreement import TAG_LANES
 from thc.wire import protocol as P
 
@@ -238,7 +241,8 @@ def iteration_s(s: Setup) -> dict[str, float]:
         + 4 * s.params / (s.fp16_mbps * 1e6),
         "thc_switch": max(compute, max_round + lossy_s(thc_agg, packets, s)) + codec,
         "thc_allreduce": max(compute, ring_allreduce_s(
-            s.params * s.sum_bits / 8 + thc_agree, s, 3 if thc_agree else 2)) + codec,
+            s.params * wire_sum_bits(p, s.granularity) / 8 + thc_agree, s,
+            3 if thc_agree else 2)) + codec,
         "marsit_ring": max(compute, ring_allreduce_s(s.params / 8 + agree, s, 3)),
         "marsit_vote": max(compute, ring_allreduce_s(agree, s, 2) + vote),
         "topk_allgather": max(compute, ring_allreduce_s(agree, s) + 2 * s.hop_s * (p - 1)
@@ -430,22 +434,57 @@ def calibrate(report: dict, alpha_s: float | None = None, efficiency: float | No
     return rows
 
 
-def break_even_gbps(s: Setup, scheme: str = "thc_switch", lo: float = 1e-3,
-                    hi: float = 1e4, baseline: str = "fp32_ring") -> float | None:
-    """Bandwidth below which ``scheme`` beats ``baseline`` (None if it never does in
-    [lo, hi]; ``hi`` if it does everywhere there)."""
+GRID_POINTS = 241
+"""Bandwidths :func:`break_even` samples the gain at, evenly on a log scale (30 a decade over
+[1 Mbit/s, 10 Tbit/s]) before it bisects each change of sign."""
+
+
+def break_even(s: Setup, scheme: str = "thc_switch", lo: float = 1e-3, hi: float = 1e4,
+               baseline: str = "fp32_ring") -> dict:
+    """Where ``scheme`` beats ``baseline`` in [lo, hi] Gbit/s, in the words of the measured
+    side (thc.app.breakeven.crossing): ``relation`` "between" (it beats the baseline below
+    ``at``, the first crossing from beating to not beating going up; ``crossings``: each
+    such one), "from" (it loses on slow links and beats the baseline from ``at`` up),
+    "above" (it beats it at every bandwidth there, ``at`` None) or "below" (at none).
+    ``rises``: the crossings from not beating to beating. The gain need not fall as the
+    bandwidth rises: a codec cheaper than FP16's cast loses to FP16 on slow links and beats
+    it on fast ones, so the gain is sampled over the range and each change of sign bisected."""
     def gain(bw: float) -> float:
         t = iteration_s(Setup(**{**s.__dict__, "bandwidth_gbps": bw}))
         return t[baseline] - t[scheme]
 
-    if gain(lo) <= 0:
-        return None
-    if gain(hi) > 0:
-        return hi
-    for _ in range(100):
-        mid = (lo * hi) ** 0.5
-        lo, hi = (mid, hi) if gain(mid) > 0 else (lo, mid)
-    return lo
+    grid = [lo * (hi / lo) ** (i / (GRID_POINTS - 1)) for i in range(GRID_POINTS)]
+    gains = [gain(bw) for bw in grid]
+    down, up = [], []
+    for b0, b1, g0, g1 in zip(grid, grid[1:], gains, gains[1:]):
+        if (g0 > 0) == (g1 > 0):
+            continue
+        a, b = b0, b1   # a: on b0's side of the crossing, b: on b1's
+        for _ in range(60):
+            mid = (a * b) ** 0.5
+            a, b = (mid, b) if (gain(mid) > 0) == (g0 > 0) else (a, mid)
+        (down if g0 > 0 else up).append(a if g0 > 0 else b)
+    result = {"crossings": down, "rises": up}
+    if down:
+        return {"relation": "between", "at": down[0], **result}
+    if up:
+        return {"relation": "from", "at": up[-1], **result}
+    return {"relation": "above" if gains[0] > 0 else "below", "at": None, **result}
+
+
+def says(result: dict, hi: float = 1e4) -> str:
+    """One phrase for a :func:`break_even` result, in Gbit/s."""
+    at, more = result["at"], ""
+    if result["relation"] == "between":
+        later = [f"again from {r:.3g}" for r in result["rises"] if r > at]
+        if len(result["crossings"]) > 1 or later:
+            more = " (then " + ", ".join(later or [f"{len(result['crossings'])} crossings"]) + ")"
+        return f"pays below {at:.3g} Gbit/s{more}"
+    if result["relation"] == "from":
+        return f"pays from {at:.3g} Gbit/s up (slower below)"
+    if result["relation"] == "above":
+        return f"pays at every bandwidth up to {hi:g} Gbit/s"
+    return "never pays here"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -543,10 +582,7 @@ def run(args: argparse.Namespace) -> int:
                   f"{1e3 * t['thc_allreduce']:>14.1f} "
                   f"{t['fp32_ring'] / t['thc_switch']:>14.2f}x")
         for scheme in ("thc_switch", "thc_allreduce"):
-            be, top = break_even_gbps(base, scheme), 1e4
-            print(f"{scheme} never pays here" if be is None else
-                  f"{scheme} pays at every bandwidth up to {top:g} Gbit/s" if be >= top else
-                  f"{scheme} pays below {be:.3g} Gbit/s")
+            print(f"{scheme} {says(break_even(base, scheme))}")
     except ValueError as e:
         raise refusal(f"thc model: {e}") from None
     return 0

@@ -432,14 +432,20 @@ def torch_table(params: THCParams, device):
     return t
 
 
+def wire_sum_bits(n_workers: int, granularity: int) -> int:
+    """The width of :func:`wire_sum_dtype` (what the performance model charges THC over
+    all-reduce), without torch."""
+    top = int(n_workers) * granularity
+    return 8 if top <= 255 else 16 if top < 1 << 15 else 32 if top < 1 << 31 else 64
+
+
 def wire_sum_dtype(n_workers: int, params: THCParams):
     """The narrowest torch integer type that holds the sum of ``n_workers``' table values:
     what a torch.distributed all-reduce of them carries (int16 as two lanes an int32 word,
     thc.collective.transports.paired)."""
     import torch
-    top = int(n_workers) * params.granularity
-    return (torch.uint8 if top <= 255 else torch.int16 if top < 1 << 15 else
-            torch.int32 if top < 1 << 31 else torch.int64)
+    return {8: torch.uint8, 16: torch.int16, 32: torch.int32,
+            64: torch.int64}[wire_sum_bits(n_workers, params.granularity)]
 
 
 def accumulator_dtype(n_workers: int, params: THCParams, torch_backend: bool = False):

@@ -71,12 +71,22 @@ def markdown(data: dict) -> str:
         ratio = be.get("predicted_over_measured")
         tta = be["tta_measured"]
         lines.append(f"| {_label(base)} | {describe(be['measured'])} | "
-                     f"{be['predicted_relation'] if pred is None else f'{pred:.0f} Mbit/s'} | "
+                     f"{_predicted(be)} | "
                      f"{'-' if ratio is None else f'{ratio:.2f}'} | "
                      f"{'-' if tta is None else describe(tta)} "
                      f"(from the {be['tta_points']} of {len(a['points'])} bandwidths at "
                      f"which both reached {data.get('tta_target', 'the target')}) |")
     return "\n".join(lines)
+
+
+def _predicted(be: dict) -> str:
+    """The model's break-even as the table gives it: a bandwidth, "from" one (THC slower
+    below it), or the relation where the model has none."""
+    pred = be["predicted_mbit"]
+    if pred is None:
+        return be["predicted_relation"]
+    return f"from {pred:.0f} Mbit/s up" if be["predicted_relation"] == "from" else \
+        f"{pred:.0f} Mbit/s"
 
 
 def _split(data: dict, mode: str) -> list[str]:
