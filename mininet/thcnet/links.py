@@ -222,8 +222,9 @@ def link_drops(host) -> int:
     return total
 
 
-def client_timeout(delay_ms: float) -> float:
-    """A THC client's least retransmission timeout (seconds, its ``--rto``) over worker links
-    of ``delay_ms`` each: a round trip crosses two links each way (worker, switch, the
-    aggregator's host or the switch itself answering), four delays unloaded."""
-    return timeout_for(4 * delay_ms / 1000)
+def client_timeout(delay_ms: float, switch: bool = False) -> float:
+    """A THC client's least retransmission timeout (seconds, its ``--rto``) over links of
+    ``delay_ms`` each: half the unloaded round trip, which crosses two links each way to an
+    aggregator on a host (worker, switch, the aggregator's host), one where the ``switch``
+    itself answers."""
+    return timeout_for((2 if switch else 4) * delay_ms / 1000)

@@ -229,7 +229,7 @@ def _argv(args, mode: Mode, tb, cfg, bound, stop_at: float, rank: int) -> list[s
         if tb.agg_addr is not None:
             a += ["--agg", f"{tb.agg_addr[0]}:{tb.agg_addr[1]}"]
         if args.delay:
-            a += ["--rto", f"{links.client_timeout(args.delay):g}"]
+            a += ["--rto", f"{links.client_timeout(args.delay, mode.aggregator == 'bmv2'):g}"]
     if args.width:
         a += ["--width", str(args.width)]
     if args.train_subset or args.quick:

@@ -70,7 +70,8 @@ def run(args: argparse.Namespace) -> int:
                 lambda r: ["python", "-m", "thc.emu.smoke_worker", "--rank", str(r),
                            "--config", str(tb.cluster_path)] + agg + [
                            "--numel", str(args.numel), "--seed", str(args.seed),
-                           "--rto", str(args.rto or links.client_timeout(args.delay))]
+                           "--rto", str(args.rto or links.client_timeout(
+                               args.delay, args.aggregator == "bmv2"))]
                 + (["--window", str(args.window)] if args.window else []),
                 timeout=args.timeout)
             after = tb.wire_bytes()
