@@ -326,6 +326,82 @@ def test_twin_models_hooks_built_in_another_order_on_a_rank_are_refused():
         assert "the model it serves" in res[rank], res
 
 
+def _late_sync_worker(rank, port, q):
+    """A model wrapped with ``init_sync=False``, each rank's own initial values, made alike
+    after the hook is registered (rank 0's broadcast): what one backward raises."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from thc.codec.params import THCParams
+    from thc.collective.allreduce import THCAllReduce
+    from thc.collective.ddp import THCHook
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2, timeout=timedelta(seconds=20))
+    torch.manual_seed(rank)
+    model = torch.nn.Linear(64, 64)
+    ddp = DDP(model, init_sync=False)
+    THCHook(model, lambda group: THCAllReduce.through_torch_distributed(
+        group, params=THCParams(slice_size=256), generator=rank)).register(ddp)
+    with torch.no_grad():
+        for p in model.parameters():
+            dist.broadcast(p, 0)
+    x, _ = _data(rank)
+    try:
+        ddp(x).pow(2).sum().backward()
+        out = "returned"
+    except RuntimeError as e:
+        out = str(e)
+    q.put((rank, out))
+    dist.destroy_process_group()
+
+
+def test_a_model_made_alike_after_its_hook_is_registered_trains():
+    """DDP's init_sync=False leaves the replicas to their user: read at register(), the
+    model's values differed from rank to rank and its first bucket was refused."""
+    res = gloo_pair(_late_sync_worker)
+    assert res == {0: "returned", 1: "returned"}, res
+
+
+def test_hooks_of_a_model_and_its_copy_are_warned_of(alone):
+    """A copy of a model (a target network) has its names, shapes and values: nothing tells
+    the two hooks apart if some rank builds them in another order, so a second hook serving
+    a model alike is warned of; a model initialized apart is not."""
+    import copy
+
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from thc.codec.params import THCParams
+    from thc.collective.allreduce import THCAllReduce
+    from thc.collective.ddp import THCHook
+    torch.manual_seed(0)
+    first = torch.nn.Linear(64, 64)
+    for other, warned in ((torch.nn.Linear(64, 64), False), (copy.deepcopy(first), True)):
+        pair = [(m, DDP(m)) for m in (first, other)]
+        hooks = [THCHook(m, lambda group: THCAllReduce.through_torch_distributed(
+            group, params=THCParams(slice_size=256))).register(d) for m, d in pair]
+        x, _ = _data(0)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _, d in pair:
+                d(x).pow(2).sum().backward()
+        said = [w for w in caught if "nothing tells their hooks apart" in str(w.message)]
+        assert len(said) == warned, [str(w.message) for w in caught]
+        del hooks, pair
+
+
+def test_a_conjugate_or_negated_view_parameter_has_a_model_key():
+    """A model's key read its parameters' bytes through a view that torch refuses for a
+    lazily conjugated or negated tensor, which DDP takes as a parameter."""
+    from thc.collective.agreement import model_key
+    torch.manual_seed(0)
+    values = torch.randn(64, dtype=torch.complex64)
+    lazy, plain = torch.nn.Module(), torch.nn.Module()
+    lazy.c, plain.c = torch.nn.Parameter(values.conj()), torch.nn.Parameter(values.conj_physical())
+    lazy.n = torch.nn.Parameter(torch.ones(8)._neg_view())
+    plain.n = torch.nn.Parameter(-torch.ones(8))
+    assert lazy.c.is_conj() and lazy.n.is_neg()
+    assert model_key(lazy) == model_key(plain)
+
+
 def test_two_fp32_hooks_on_one_group_never_pair_each_others_first_buckets():
     """A bucket's check named the hook's kind and spans, not which hook: two models of one
     layout whose backwards ran in another order on rank 1 paired A's gradient with B's, a

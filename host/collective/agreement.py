@@ -248,7 +248,7 @@ def half_type(dtype) -> str:
 
 FIRST_VALUES = 8
 """Values of each parameter :func:`model_key` reads: enough to tell two initializations of
-one architecture apart."""
+one architecture apart (a copy of a model is alike: thc.collective.ddp_base warns of it)."""
 
 
 def model_key(module: torch.nn.Module, ignore=()) -> int:
@@ -258,8 +258,8 @@ def model_key(module: torch.nn.Module, ignore=()) -> int:
     their values alone, and hooks built in another order on each rank took each other's
     places: one model's gradients summed with the other's, on every rank, with no error."""
     parts = [(name, tuple(p.shape), str(p.dtype),
-              p.detach().reshape(-1)[:FIRST_VALUES].contiguous().view(torch.uint8)
-              .cpu().numpy().tobytes())
+              p.detach().resolve_conj().resolve_neg().reshape(-1)[:FIRST_VALUES]
+              .contiguous().view(torch.uint8).cpu().numpy().tobytes())
              for name, p in module.named_parameters() if name not in ignore]
     return key_of(*parts)
 

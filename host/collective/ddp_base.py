@@ -187,6 +187,10 @@ def _clashes(group, overlap: bool) -> bool:
     return clash()
 
 
+_SERVED: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+"""Model key (:func:`agreement.model_key`) -> the hook that serves a model of it on this
+rank: a second hook serving a model of the same key (a copy of the first) is warned of."""
+
 _CLIENTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 """Aggregator client -> the hook whose reducers' rounds go through it (:meth:`BaseHook.
 _check_client`)."""
@@ -265,9 +269,10 @@ class BaseHook:
         self.fp32_elements = 0
         self._agreed: set = set()
         """Buckets whose split every rank checked (:meth:`_agree_bucket`)."""
-        self._model = 0
-        """The model the hook serves (:func:`agreement.model_key`, read by :meth:`register`),
-        in every bucket's check."""
+        self._model: int | None = None
+        """The model the hook serves (:func:`agreement.model_key`), in every bucket's check:
+        read at the first, when DDP's replicas are alike (a model wrapped with
+        ``init_sync=False`` is made alike by its user after :meth:`register`)."""
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="ddp-comm") if overlap else None
         self.reducers: dict = {}
         """Per bucket, the reducer that keeps its residual (hooks that build one each)."""
@@ -416,8 +421,6 @@ class BaseHook:
             raise ValueError("the hook was registered on a DDP model before: build one hook "
                              "per DDP model (a hook built anew takes the old one's residuals "
                              "through state_dict and load_state_dict)")
-        self._model = agreement.model_key(module, getattr(ddp_model, "parameters_to_ignore",
-                                                          ())) if module is not None else 0
         token = weakref.ref(ddp_model)   # DDP's state for the hook: tells a hand install
         ddp_model.register_comm_hook(token, self.hook)
         self._ddp = token
@@ -534,8 +537,8 @@ class BaseHook:
         exception where this rank cannot split the bucket: every rank raises."""
         failure = spans if isinstance(spans, Exception) else None
         layout = () if failure else tuple((b - a, fp32) for a, b, fp32, _ in spans)
-        key = agreement.key_of(type(self).__name__, self.index, self._model, str(buf_dtype),
-                               layout, self._unused_seen)
+        key = agreement.key_of(type(self).__name__, self.index, self._model_key(),
+                               str(buf_dtype), layout, self._unused_seen)
         self.bytes_sent += agreement.together(
             self.group, len(self._agreed), key, device, failure,
             alike="the hook (its kind, which of the hooks built on the group it is, the "
@@ -543,6 +546,26 @@ class BaseHook:
                   "bucket's dtype, FP32 and compressed spans, or whether DDP finds unused "
                   "parameters)")
         self._agreed.add(bucket)
+
+    def _model_key(self) -> int:
+        """:attr:`_model`, read once. Two hooks on this rank serving models of one key (one a
+        copy of the other) are warned of: built in another order on some rank, each would
+        average its model's gradients with the other's there, and no check can tell."""
+        if self._model is None:
+            ddp = self._ddp() if self._ddp is not None else None
+            module = getattr(ddp, "module", None)
+            self._model = 0 if module is None else agreement.model_key(
+                module, getattr(ddp, "parameters_to_ignore", ()))
+            other = _SERVED.get(self._model) if module is not None else None
+            other_ddp = other._ddp() if other is not None and other._ddp is not None else None
+            if getattr(other_ddp, "module", module) is not module:   # not the same model anew
+                warnings.warn("two DDP models with hooks are alike in their parameters' names, "
+                              "shapes and first values (one a copy of the other): nothing "
+                              "tells their hooks apart, so build them in the same order on "
+                              "every rank", RuntimeWarning, stacklevel=2)
+            if module is not None:
+                _SERVED[self._model] = self
+        return self._model
 
     def _build(self, make: Callable, numel: int, device, bucket=None):
         """A bucket's reducer from ``make(self.group)``, then one agreement: a rank whose
