@@ -187,16 +187,19 @@ def test_each_mode_takes_its_own_hooks_codec_seconds():
 
 @pytest.mark.parametrize("model,relation", [("below", "never pays"),
                                             ("above", "pays everywhere"),
-                                            ("between", "between"), ("from", "from")])
+                                            ("between", "between"), ("from", "from"),
+                                            ("band", "pays between 200 and 240 Mbit/s")])
 def test_the_predicted_relation_follows_the_models_break_even(monkeypatch, model, relation):
     """The model's break-even in the report's words. A model that loses on slow links and
     pays from 240 Mbit/s up was told "never pays"; its bandwidth is no ratio to a measured
     break-even of another kind."""
     from thc.app import breakeven
-    at = None if model in ("below", "above") else 0.24
+    at = None if model in ("below", "above", "band") else 0.24
+    pays = {"below": [], "above": [[1e-3, 1e4]], "between": [[1e-3, 0.24]],
+            "from": [[0.24, 1e4]], "band": [[0.2, 0.24]]}[model]
     monkeypatch.setattr(breakeven, "break_even",
-                        lambda *a, **k: {"relation": model, "at": at, "crossings": [],
-                                         "rises": []})
+                        lambda *a, **k: {"relation": model, "at": at, "pays": pays,
+                                         "range": [1e-3, 1e4]})
     be = analyse(_sweep(0.085), "thc", ("fp32",))["break_even"]["fp32"]
     assert be["predicted_relation"] == relation
     assert be["predicted_mbit"] == (None if at is None else pytest.approx(240.0))

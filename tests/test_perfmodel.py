@@ -549,7 +549,7 @@ def test_a_scheme_that_pays_only_on_fast_links_is_said_to_pay_from_there():
     s = Setup(params=25e6, workers=4, latency_us=10, compute_s=0.1, overlap=1.0,
               codec_mbps=1e12, fp16_mbps=2000, agg_bw_factor=1.0, buckets=5)
     be = break_even(s, "thc_switch", baseline="fp16_ring")
-    assert be["relation"] == "from" and be["crossings"] == [] and 1 < be["at"] < 10, be
+    assert be["relation"] == "from" and be["pays"] == [[be["at"], 1e4]] and 1 < be["at"] < 10, be
     assert not _beats(s, "thc_switch", "fp16_ring", be["at"] * 0.999)
     assert _beats(s, "thc_switch", "fp16_ring", be["at"] * 1.001)
     assert says(be) == f"pays from {be['at']:.3g} Gbit/s up (slower below)"
@@ -566,8 +566,24 @@ def test_every_crossing_of_a_gain_that_changes_sign_twice_is_found(monkeypatch):
     monkeypatch.setattr(perfmodel, "iteration_s", shaped)
     be = break_even(Setup())
     assert be["relation"] == "between" and be["at"] == pytest.approx(0.05, rel=1e-6), be
-    assert be["crossings"] == [be["at"]] and be["rises"] == [pytest.approx(0.5, rel=1e-6)]
-    assert says(be) == "pays below 0.05 Gbit/s (then again from 0.5)"
+    assert be["pays"] == [[1e-3, be["at"]], [pytest.approx(0.5, rel=1e-6), 1e4]]
+    assert says(be) == "pays below 0.05 Gbit/s, from 0.5 Gbit/s up"
+
+
+def test_a_band_where_a_scheme_pays_between_slower_ends_is_said_as_a_band(monkeypatch):
+    """Slower below 20 Mbit/s, faster up to 60, slower above: the solver took the fall at 60
+    Mbit/s for a break-even, "pays below 0.06 Gbit/s", where THC is slower below 20. (A
+    band narrower than a step of the solver's grid, x1.26, is passed over.)"""
+    from thc.app import perfmodel
+
+    def shaped(setup):
+        bw = setup.bandwidth_gbps
+        return {"fp32_ring": 1.0, "thc_switch": 0.5 if 0.02 <= bw < 0.06 else 1.5}
+    monkeypatch.setattr(perfmodel, "iteration_s", shaped)
+    be = break_even(Setup())
+    assert be["relation"] == "band" and be["at"] is None, be
+    assert be["pays"] == [[pytest.approx(0.02, rel=1e-6), pytest.approx(0.06, rel=1e-6)]]
+    assert says(be, "Mbit/s", 1e3) == "pays between 20 and 60 Mbit/s"
 
 
 def test_thc_over_all_reduce_is_charged_the_width_the_all_reduce_carries():

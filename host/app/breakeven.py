@@ -34,6 +34,7 @@ from thc.app.perfmodel import (
     mode_setup,
     modelled,
     report_setup,
+    says,
     step_seconds,
 )
 
@@ -153,7 +154,8 @@ MODEL_RANGE_GBPS = (1e-3, 1e4)
 PREDICTED = {"between": "between", "from": "from", "above": "pays everywhere",
              "below": "never pays"}
 """The model's relation (``perfmodel.break_even``) as a sweep's report names it; "between"
-and "from" as the measured side's (:func:`crossing`), which they are compared with."""
+and "from" as the measured side's (:func:`crossing`), which they are compared with; a band
+(slower at both ends of the range) in the model's own words."""
 CURVE_POINTS = 41
 """Bandwidths of the model's curve across the swept range (evenly spaced in log)."""
 
@@ -212,7 +214,8 @@ def analyse(sweep: dict, mode: str = "thc", baselines: tuple[str, ...] = ("fp32"
                                    hi=MODEL_RANGE_GBPS[1], baseline=MODE_SCHEME[base])
             at = predicted["at"]
             entry.update(predicted_mbit=None if at is None else 1e3 * at,
-                         predicted_relation=PREDICTED[predicted["relation"]])
+                         predicted_relation=PREDICTED.get(predicted["relation"])
+                         or says(predicted, "Mbit/s", 1e3))
         model = entry["predicted_mbit"]
         if measured["at"] is not None and model is not None \
                 and measured["relation"] == entry["predicted_relation"]:

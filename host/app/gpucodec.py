@@ -93,6 +93,8 @@ def _gbps(result: dict) -> str:
     relation, at = result["relation"], result["at"]
     if relation in ("above", "below"):
         return "always" if relation == "above" else "never"
+    if relation == "band":
+        return ",".join(f"{a:.3g}-{b:.3g}" for a, b in result["pays"])
     return f"from {at:.4g}" if relation == "from" else f"{at:.4g}"
 
 
@@ -123,7 +125,8 @@ def run(path: str, base: Setup) -> int:
           f"{base.latency_us:g} us, compute {1e3 * base.compute_s:g} ms a step for every "
           f"size, overlap {base.overlap}, DDP buckets of {BUCKET_BYTES >> 20} MB; THC through "
           f"a switch at line rate or over all-reduce")
-    print("bandwidth (Gbit/s) below which THC beats the baseline (\"from x\": above x only):")
+    print("bandwidth (Gbit/s) below which THC beats the baseline (\"from x\": above x only; "
+          "\"x-y\": between x and y only):")
     head = f"{'params':>7} {'buckets':>7}" + "".join(
         f" {a.split('_')[1] + ' vs ' + b.split('_')[0].upper():>18}" for a, b in COLUMNS)
     print(head)

@@ -443,12 +443,12 @@ the sign changes twice is passed over."""
 
 def break_even(s: Setup, scheme: str = "thc_switch", lo: float = 1e-3, hi: float = 1e4,
                baseline: str = "fp32_ring") -> dict:
-    """Where ``scheme`` beats ``baseline`` in [lo, hi] Gbit/s, in the words of the measured
-    side (thc.app.breakeven.crossing): ``relation`` "between" (it beats the baseline below
-    ``at``, the first crossing from beating to not beating going up; ``crossings``: each
-    such one), "from" (it loses on slow links and beats the baseline from ``at`` up),
-    "above" (it beats it at every bandwidth there, ``at`` None) or "below" (at none).
-    ``rises``: the crossings from not beating to beating. The gain need not fall as the
+    """Where ``scheme`` beats ``baseline`` in [lo, hi] Gbit/s. ``pays``: the bands where it
+    does, ``[start, end]`` each. ``relation``, in the words of the measured side
+    (thc.app.breakeven.crossing): "between" (it beats the baseline from ``lo`` up to ``at``,
+    the first crossing from beating to not beating; bands further up may follow), "from"
+    (slower below ``at``, faster from there to ``hi``), "band" (slower at both ends, ``at``
+    None), "above" (faster everywhere) or "below" (nowhere). The gain need not fall as the
     bandwidth rises: a codec cheaper than FP16's cast loses to FP16 on slow links and beats
     it on fast ones, so the gain is sampled over the range and each change of sign bisected."""
     def gain(bw: float) -> float:
@@ -457,7 +457,7 @@ def break_even(s: Setup, scheme: str = "thc_switch", lo: float = 1e-3, hi: float
 
     grid = [lo * (hi / lo) ** (i / (GRID_POINTS - 1)) for i in range(GRID_POINTS)]
     gains = [gain(bw) for bw in grid]
-    down, up = [], []
+    pays, start = [], lo if gains[0] > 0 else None
     for b0, b1, g0, g1 in zip(grid, grid[1:], gains, gains[1:]):
         if (g0 > 0) == (g1 > 0):
             continue
@@ -465,28 +465,35 @@ def break_even(s: Setup, scheme: str = "thc_switch", lo: float = 1e-3, hi: float
         for _ in range(50):
             mid = (a * b) ** 0.5
             a, b = (mid, b) if (gain(mid) > 0) == (g0 > 0) else (a, mid)
-        (down if g0 > 0 else up).append(a if g0 > 0 else b)
-    result = {"crossings": down, "rises": up}
-    if down:
-        return {"relation": "between", "at": down[0], **result}
-    if up:
-        return {"relation": "from", "at": up[-1], **result}
-    return {"relation": "above" if gains[0] > 0 else "below", "at": None, **result}
+        if g0 > 0:
+            pays.append([start, a])
+        else:
+            start = b
+    if gains[-1] > 0:
+        pays.append([start, hi])
+    first = pays[0] if pays else None
+    if first is None or first == [lo, hi]:
+        relation, at = ("below", None) if first is None else ("above", None)
+    elif first[0] == lo:
+        relation, at = "between", first[1]
+    elif len(pays) == 1 and first[1] == hi:
+        relation, at = "from", first[0]
+    else:
+        relation, at = "band", None
+    return {"relation": relation, "at": at, "pays": pays, "range": [lo, hi]}
 
 
-def says(result: dict, hi: float = 1e4) -> str:
-    """One phrase for a :func:`break_even` result, in Gbit/s."""
-    at, more = result["at"], ""
-    if result["relation"] == "between":
-        later = [f"again from {r:.3g}" for r in result["rises"] if r > at]
-        if len(result["crossings"]) > 1 or later:
-            more = " (then " + ", ".join(later or [f"{len(result['crossings'])} crossings"]) + ")"
-        return f"pays below {at:.3g} Gbit/s{more}"
-    if result["relation"] == "from":
-        return f"pays from {at:.3g} Gbit/s up (slower below)"
-    if result["relation"] == "above":
-        return f"pays at every bandwidth up to {hi:g} Gbit/s"
-    return "never pays here"
+def says(result: dict, unit: str = "Gbit/s", scale: float = 1.0) -> str:
+    """One phrase for a :func:`break_even` result (bandwidths in Gbit/s x ``scale``)."""
+    lo, hi = result["range"]
+    if result["relation"] in ("above", "below"):
+        return "never pays here" if result["relation"] == "below" else \
+            f"pays at every bandwidth up to {hi * scale:g} {unit}"
+    bands = [f"below {b * scale:.3g} {unit}" if a == lo else
+             f"from {a * scale:.3g} {unit} up" if b == hi else
+             f"between {a * scale:.3g} and {b * scale:.3g} {unit}" for a, b in result["pays"]]
+    return f"pays {', '.join(bands)}" + (" (slower below)" if result["relation"] == "from"
+                                         else "")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
