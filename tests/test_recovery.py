@@ -19,7 +19,10 @@ from tests import procs as procs_
 from tests.test_transport import AggregatorProcess, _reference, _run_workers
 from tests.test_transport import datapath  # noqa: F401 (a fixture)
 
-DEADLINE = 2.0
+DEADLINE = 5.0
+"""A streaming worker's deadline: the aggregator started anew must answer within it for the
+workers to name the restart (a start took over 2 s on a loaded 2-core VM, and every worker
+timed out instead)."""
 
 
 @pytest.fixture
